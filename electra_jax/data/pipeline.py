@@ -1,0 +1,322 @@
+"""From a data config to pre-training batches: build or load the cached examples, then batch them.
+
+Owns the on-disk cache layout (tokenizer + packed .npy arrays, all written atomically), the
+train/eval document split, and the step-indexed, process-sharded batch order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import io
+import json
+import os
+import time
+
+import numpy as np
+from absl import logging
+
+from electra_jax.data import corpus
+from electra_jax.data.packing import pack_documents
+from electra_jax.data.tokenizer import SentencePieceTokenizer, atomic_write_bytes, train_sentencepiece
+from electra_jax.config_lib import ConfigError
+
+SUPPORTED_SOURCES = ("builtin",)
+SPLITS = ("train", "eval")
+
+# Bump when packing or the cache layout changes, so old caches are not reused.
+_CACHE_FORMAT_VERSION = 1
+
+# Fixed packing seeds: the packed data must be a function of the config alone.
+_PACKING_SEEDS = {"train": 0, "eval": 1}
+
+_CACHE_ENV_VAR = "ELECTRA_JAX_CACHE"
+
+
+@dataclasses.dataclass
+class PretrainingData:
+  """Packed examples of one split, with the tokenizer that produced them."""
+
+  tokenizer: SentencePieceTokenizer
+  input_ids: np.ndarray  # int32 [num_examples, max_seq_len]
+  token_type_ids: np.ndarray  # int32 [num_examples, max_seq_len]
+  # Identifies tokenizer, max_seq_len and the split's documents; a checkpoint can store
+  # it and refuse to resume on different data.
+  fingerprint: str
+
+  @property
+  def num_examples(self) -> int:
+    return int(self.input_ids.shape[0])
+
+  @property
+  def max_seq_len(self) -> int:
+    return int(self.input_ids.shape[1])
+
+  @property
+  def num_tokens(self) -> int:
+    """Number of non-padding tokens over all examples."""
+    return int(np.count_nonzero(self.input_ids != self.tokenizer.pad_id))
+
+
+def _resolve_cache_dir(cache_dir: str) -> str:
+  if cache_dir:
+    return os.path.expanduser(cache_dir)
+  return os.environ.get(_CACHE_ENV_VAR) or os.path.join(os.path.expanduser("~"), ".cache", "electra_jax")
+
+
+def _is_eval_document(index: int, eval_fraction: float) -> bool:
+  # Document i is held out when floor((i + 1) * f) steps past floor(i * f): this spreads
+  # exactly floor(n * f) held-out documents evenly over the corpus, for any fraction.
+  return int((index + 1) * eval_fraction) > int(index * eval_fraction)
+
+
+def _split_documents(documents, eval_fraction):
+  splits = {"train": [], "eval": []}
+  for index, document in enumerate(documents):
+    splits["eval" if _is_eval_document(index, eval_fraction) else "train"].append(document)
+  return splits
+
+
+def _save_npy_atomic(path: str, array: np.ndarray) -> None:
+  buffer = io.BytesIO()
+  np.save(buffer, array, allow_pickle=False)
+  atomic_write_bytes(path, buffer.getvalue())
+
+
+def _read_config(data_config):
+  """Validated plain values from the data ConfigDict."""
+  source = data_config.source
+  if source not in SUPPORTED_SOURCES:
+    raise ConfigError(
+        f"Unknown data source {source!r}; supported sources are {list(SUPPORTED_SOURCES)}. "
+        f"Other sources come with the data-at-scale work."
+    )
+  max_seq_len = int(data_config.max_seq_len)
+  vocab_size = int(data_config.get("spm_vocab_size", 8192))
+  model_type = str(data_config.get("spm_model_type", "unigram"))
+  max_documents = int(data_config.get("max_documents", 0))
+  eval_fraction = float(data_config.get("eval_fraction", 0.02))
+  if max_documents < 0:
+    raise ConfigError(f"data.max_documents must be >= 0 (0 means all), got {max_documents}.")
+  if not 0.0 <= eval_fraction < 1.0:
+    raise ConfigError(
+        f"data.eval_fraction must be in [0, 1) (e.g. 0.02 holds out 2% of documents), "
+        f"got {eval_fraction}."
+    )
+  return {
+      "source": source,
+      "max_seq_len": max_seq_len,
+      "cache_dir": _resolve_cache_dir(str(data_config.get("cache_dir", ""))),
+      "spm_vocab_size": vocab_size,
+      "spm_model_type": model_type,
+      "max_documents": max_documents,
+      "eval_fraction": eval_fraction,
+  }
+
+
+def _corpus_cache_dir(config) -> str:
+  """Directory for everything derived from one corpus + tokenizer configuration."""
+  key_fields = {
+      "format": _CACHE_FORMAT_VERSION,
+      # The source-bytes hash is cheap to recompute, unlike the document-text hash, so a
+      # warm cache is found without parsing the stdlib.
+      "sources": corpus.builtin_sources_fingerprint(),
+      "spm_vocab_size": config["spm_vocab_size"],
+      "spm_model_type": config["spm_model_type"],
+      "max_documents": config["max_documents"],
+      "eval_fraction": config["eval_fraction"],
+  }
+  key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
+  return os.path.join(config["cache_dir"], config["source"], key)
+
+
+def _array_paths(directory: str, split: str, max_seq_len: int, tokenizer_fingerprint: str):
+  # The tokenizer fingerprint in the name ties the arrays to the exact model that made
+  # them, even if two concurrent builds each wrote a model.
+  stem = os.path.join(directory, f"{split}.len{max_seq_len}.spm{tokenizer_fingerprint}")
+  return {
+      "input_ids": stem + ".input_ids.npy",
+      "token_type_ids": stem + ".token_type_ids.npy",
+  }
+
+
+def _build(config, directory: str) -> None:
+  """Write the corpus metadata and both splits' packed arrays; train the tokenizer if absent."""
+  start = time.time()
+  documents = corpus.builtin_documents(config["max_documents"] or None)
+  splits = _split_documents(documents, config["eval_fraction"])
+  num_bytes = sum(len(sentence.encode("utf-8")) for document in documents for sentence in document)
+  logging.info(
+      "building built-in corpus: %d documents (%d train, %d eval), %.1f MB, in %.1f s",
+      len(documents), len(splits["train"]), len(splits["eval"]), num_bytes / 1e6, time.time() - start,
+  )
+  metadata = {
+      "num_documents": len(documents),
+      "num_bytes": num_bytes,
+      "documents_fingerprint": {split: corpus.documents_fingerprint(splits[split]) for split in SPLITS},
+  }
+  atomic_write_bytes(os.path.join(directory, "corpus.json"), json.dumps(metadata, indent=1).encode())
+
+  model_path = os.path.join(directory, "spm.model")
+  if not os.path.exists(model_path):
+    start = time.time()
+    logging.info(
+        "training sentencepiece %s vocab %d on %d train documents ...",
+        config["spm_model_type"], config["spm_vocab_size"], len(splits["train"]),
+    )
+    train_sentencepiece(
+        (sentence for document in splits["train"] for sentence in document),
+        model_path,
+        vocab_size=config["spm_vocab_size"],
+        model_type=config["spm_model_type"],
+    )
+    logging.info("trained sentencepiece in %.1f s", time.time() - start)
+  tokenizer = SentencePieceTokenizer(model_path)
+
+  # Both splits are packed together: the eval split is small, and building it later
+  # would mean parsing the corpus again.
+  for split in SPLITS:
+    start = time.time()
+    sentences = [sentence for document in splits[split] for sentence in document]
+    token_ids = iter(tokenizer.encode_batch(sentences))
+    tokenized_documents = [[next(token_ids) for _ in document] for document in splits[split]]
+    packed = pack_documents(
+        tokenized_documents,
+        config["max_seq_len"],
+        cls_id=tokenizer.cls_id,
+        sep_id=tokenizer.sep_id,
+        pad_id=tokenizer.pad_id,
+        seed=_PACKING_SEEDS[split],
+    )
+    paths = _array_paths(directory, split, config["max_seq_len"], tokenizer.fingerprint)
+    for name, path in paths.items():
+      _save_npy_atomic(path, packed[name])
+    logging.info(
+        "packed %s split: %d examples of length %d, %d tokens, in %.1f s",
+        split, packed["input_ids"].shape[0], config["max_seq_len"],
+        int(np.count_nonzero(packed["input_ids"] != tokenizer.pad_id)), time.time() - start,
+    )
+
+
+def _try_load(config, directory: str, split: str) -> PretrainingData | None:
+  """The cached split, or None if any part of it is missing."""
+  metadata_path = os.path.join(directory, "corpus.json")
+  model_path = os.path.join(directory, "spm.model")
+  if not (os.path.exists(metadata_path) and os.path.exists(model_path)):
+    return None
+  tokenizer = SentencePieceTokenizer(model_path)
+  paths = _array_paths(directory, split, config["max_seq_len"], tokenizer.fingerprint)
+  if not all(os.path.exists(path) for path in paths.values()):
+    return None
+  with open(metadata_path, "rb") as f:
+    metadata = json.loads(f.read())
+  arrays = {name: np.load(path, allow_pickle=False) for name, path in paths.items()}
+  expected_shape = (arrays["input_ids"].shape[0], config["max_seq_len"])
+  for name, array in arrays.items():
+    if array.dtype != np.int32 or array.shape != expected_shape:
+      raise ConfigError(
+          f"Cached array {paths[name]} has dtype {array.dtype} and shape {array.shape}, "
+          f"expected int32 {expected_shape}. The cache is damaged; delete {directory} "
+          f"and it will be rebuilt."
+      )
+  fingerprint = (
+      f"spm:{tokenizer.fingerprint}|max_seq_len:{config['max_seq_len']}|"
+      f"{split}_documents:{metadata['documents_fingerprint'][split]}"
+  )
+  return PretrainingData(tokenizer, arrays["input_ids"], arrays["token_type_ids"], fingerprint)
+
+
+def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
+  """Packed pre-training examples of `split` ("train" or "eval") for `data_config`.
+
+  The first call builds the corpus, trains the tokenizer on the train documents and packs
+  both splits, caching everything under <cache_dir>/<source>/<key>/; later calls load the
+  cache in well under a second.
+  """
+  if split not in SPLITS:
+    raise ConfigError(f"Unknown split {split!r}; use one of {list(SPLITS)}.")
+  config = _read_config(data_config)
+  if split == "eval" and config["eval_fraction"] == 0:
+    raise ConfigError(
+        "The eval split is empty because data.eval_fraction is 0; set it above 0 "
+        "(e.g. 0.02) to hold out documents for evaluation."
+    )
+  directory = _corpus_cache_dir(config)
+  data = _try_load(config, directory, split)
+  if data is None:
+    logging.info("no cached data in %s; building it", directory)
+    _build(config, directory)
+    data = _try_load(config, directory, split)
+  if data is None:
+    raise RuntimeError(
+        f"Built the {split} data in {directory} but could not load it back; check that "
+        f"the directory is writable and not being deleted concurrently."
+    )
+  if data.num_examples == 0:
+    raise ConfigError(
+        f"The {split} split has no examples (max_documents={config['max_documents']}, "
+        f"eval_fraction={config['eval_fraction']}); use more documents or a larger "
+        f"eval_fraction."
+    )
+  logging.info(
+      "loaded %s data: %d examples of length %d, %d tokens, from %s",
+      split, data.num_examples, data.max_seq_len, data.num_tokens, directory,
+  )
+  return data
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
+  # Reducing the seed modulo 2**64 lets negative seeds work (numpy only takes
+  # non-negative ones) without changing any non-negative seed.
+  permutation = np.random.default_rng([seed % 2**64, epoch]).permutation(num_examples)
+  # The array is shared by every caller through the cache, so nobody may modify it.
+  permutation.flags.writeable = False
+  return permutation
+
+
+def get_batch(
+    data: PretrainingData,
+    step: int,
+    global_batch_size: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> dict[str, np.ndarray]:
+  """This process's rows of global batch `step`; a pure function of its arguments.
+
+  The example stream is epoch 0, epoch 1, ... each a seeded permutation of all examples;
+  global batch `step` is stream positions [step * B, (step + 1) * B), and process p takes
+  the p-th contiguous slice of it. Resuming at a step therefore needs no loader state.
+  """
+  if data.num_examples == 0:
+    raise ConfigError("get_batch: the dataset has no examples; check the data config.")
+  if global_batch_size <= 0:
+    raise ConfigError(f"global_batch_size must be positive, got {global_batch_size}.")
+  if process_count <= 0 or not 0 <= process_index < process_count:
+    raise ConfigError(
+        f"process_index must be in [0, process_count), got process_index={process_index}, "
+        f"process_count={process_count}."
+    )
+  if global_batch_size % process_count:
+    raise ConfigError(
+        f"global_batch_size {global_batch_size} is not divisible by process_count "
+        f"{process_count}; choose a batch size that is a multiple of the process count."
+    )
+  if step < 0:
+    raise ConfigError(f"step must be >= 0, got {step}.")
+  per_process = global_batch_size // process_count
+  start = step * global_batch_size + process_index * per_process
+  positions = np.arange(start, start + per_process, dtype=np.int64)
+  epochs, offsets = np.divmod(positions, data.num_examples)
+  rows = np.empty(per_process, dtype=np.int64)
+  for epoch in np.unique(epochs):
+    in_epoch = epochs == epoch
+    rows[in_epoch] = _epoch_permutation(seed, int(epoch), data.num_examples)[offsets[in_epoch]]
+  input_ids = data.input_ids[rows]
+  return {
+      "input_ids": input_ids,
+      "token_type_ids": data.token_type_ids[rows],
+      "attention_mask": (input_ids != data.tokenizer.pad_id).astype(np.int32),
+  }

@@ -1,0 +1,205 @@
+"""SentencePiece tokenizers for ELECTRA: training one with our special tokens, and loading it.
+
+Owns the special-token layout ([PAD] [UNK] [CLS] [SEP] [MASK] at ids 0..4), which every
+other part of the framework relies on, and refuses model files that do not follow it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+
+import sentencepiece as spm
+from electra_jax.config_lib import ConfigError
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(len(SPECIAL_TOKENS))
+
+SUPPORTED_MODEL_TYPES = ("unigram", "bpe")
+
+# Sentencepiece samples at most this many sentences for training; the built-in corpus has
+# ~16k, so it is used whole, while a large corpus cannot make training unboundedly slow.
+_MAX_TRAINING_SENTENCES = 1_000_000
+
+# Paragraphs longer than this (in bytes) would be silently skipped by sentencepiece's
+# default limit of 4192; a few stdlib docstring paragraphs are longer.
+_MAX_SENTENCE_BYTES = 16384
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+  """Write `data` to `path` so readers see either the old file or the whole new one.
+
+  The bytes go to a temporary file in the same directory (so the rename cannot cross
+  filesystems) and replace `path` in one `os.replace`.
+  """
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(path))
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    # mkstemp creates owner-only files; a shared cache should be readable by others.
+    os.chmod(tmp_path, 0o644)
+    os.replace(tmp_path, path)
+  except BaseException:
+    if os.path.exists(tmp_path):
+      os.remove(tmp_path)
+    raise
+
+
+def train_sentencepiece(
+    sentences: Iterable[str],
+    out_path: str,
+    vocab_size: int,
+    model_type: str = "unigram",
+    num_threads: int = 2,
+) -> str:
+  """Train a sentencepiece model on `sentences` and write it atomically to `out_path`.
+
+  The model reserves ids 0..4 for SPECIAL_TOKENS and has no BOS/EOS pieces (ELECTRA
+  inputs use [CLS]/[SEP] instead). Returns `out_path`.
+  """
+  if model_type not in SUPPORTED_MODEL_TYPES:
+    raise ConfigError(
+        f"Unsupported sentencepiece model_type {model_type!r}; "
+        f"use one of {SUPPORTED_MODEL_TYPES}."
+    )
+  if vocab_size <= len(SPECIAL_TOKENS):
+    raise ConfigError(
+        f"vocab_size must be larger than the {len(SPECIAL_TOKENS)} special tokens "
+        f"{SPECIAL_TOKENS}, got {vocab_size}."
+    )
+  model_bytes = io.BytesIO()
+  num_sentences = 0
+
+  def counted_sentences():
+    nonlocal num_sentences
+    for sentence in sentences:
+      num_sentences += 1
+      yield sentence
+
+  try:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=counted_sentences(),
+        model_writer=model_bytes,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        pad_id=PAD_ID,
+        pad_piece="[PAD]",
+        unk_id=UNK_ID,
+        unk_piece="[UNK]",
+        bos_id=-1,
+        eos_id=-1,
+        user_defined_symbols=list(SPECIAL_TOKENS[CLS_ID:]),
+        num_threads=num_threads,
+        input_sentence_size=_MAX_TRAINING_SENTENCES,
+        shuffle_input_sentence=True,
+        max_sentence_length=_MAX_SENTENCE_BYTES,
+        # Sentencepiece's trainer logs every EM step to stderr; only keep errors.
+        minloglevel=2,
+    )
+  except RuntimeError as e:
+    if num_sentences == 0:
+      raise ConfigError(
+          "train_sentencepiece got no sentences to train on; pass a non-empty "
+          "iterable of strings."
+      ) from e
+    if "Vocabulary size too high" in str(e) or "Vocabulary size is smaller" in str(e):
+      raise ConfigError(
+          f"The training text is too small for a sentencepiece vocabulary of "
+          f"{vocab_size} pieces ({e}). Lower the vocab size (spm_vocab_size) or "
+          f"train on more text."
+      ) from e
+    raise
+  atomic_write_bytes(out_path, model_bytes.getvalue())
+  return out_path
+
+
+class SentencePieceTokenizer:
+  """A trained sentencepiece model whose ids 0..4 are SPECIAL_TOKENS."""
+
+  def __init__(self, model_path: str):
+    self.model_path = model_path
+    with open(model_path, "rb") as f:
+      model_bytes = f.read()
+    # Hashing the same bytes we load means the fingerprint always matches the model
+    # in use, even if the file is replaced concurrently.
+    self.fingerprint = hashlib.sha256(model_bytes).hexdigest()[:16]
+    self._processor = spm.SentencePieceProcessor()
+    try:
+      self._processor.LoadFromSerializedProto(model_bytes)
+    except RuntimeError as e:
+      raise ConfigError(
+          f"{model_path} is not a valid sentencepiece model ({e}). Delete it and "
+          f"train a new one with train_sentencepiece."
+      ) from e
+    self._check_special_tokens()
+
+  def _check_special_tokens(self) -> None:
+    size = self._processor.get_piece_size()
+    for expected_id, token in enumerate(SPECIAL_TOKENS):
+      piece_at_id = self._processor.id_to_piece(expected_id) if expected_id < size else None
+      if piece_at_id == token:
+        continue
+      # piece_to_id answers the unknown id for pieces the model lacks, so an id is
+      # only real if mapping it back gives the token.
+      found_id = self._processor.piece_to_id(token)
+      if self._processor.id_to_piece(found_id) != token:
+        problem = "is missing"
+      else:
+        problem = f"has id {found_id}"
+      raise ConfigError(
+          f"Sentencepiece model {self.model_path}: special token {token} {problem}, "
+          f"but ELECTRA needs {list(SPECIAL_TOKENS)} at ids 0..{len(SPECIAL_TOKENS) - 1} "
+          f"(id {expected_id} is {piece_at_id!r}). Train the model with "
+          f"electra_jax.data.train_sentencepiece."
+      )
+
+  @property
+  def vocab_size(self) -> int:
+    return self._processor.get_piece_size()
+
+  @property
+  def pad_id(self) -> int:
+    return PAD_ID
+
+  @property
+  def unk_id(self) -> int:
+    return UNK_ID
+
+  @property
+  def cls_id(self) -> int:
+    return CLS_ID
+
+  @property
+  def sep_id(self) -> int:
+    return SEP_ID
+
+  @property
+  def mask_id(self) -> int:
+    return MASK_ID
+
+  def encode(self, text: str) -> list[int]:
+    return self._processor.encode(text, out_type=int)
+
+  def encode_batch(self, texts: Sequence[str], num_threads: int = -1) -> list[list[int]]:
+    """Encode many texts at once; sentencepiece spreads them over `num_threads`."""
+    return self._processor.encode(list(texts), out_type=int, num_threads=num_threads)
+
+  def decode(self, ids: Iterable[int]) -> str:
+    # Sentencepiece rejects numpy integers, which is what array rows contain.
+    return self._processor.decode([int(i) for i in ids])
+
+  def id_to_piece(self, i: int) -> str:
+    return self._processor.id_to_piece(int(i))
+
+  def __repr__(self) -> str:
+    return (
+        f"SentencePieceTokenizer({self.model_path!r}, vocab_size={self.vocab_size}, "
+        f"fingerprint={self.fingerprint!r})"
+    )
