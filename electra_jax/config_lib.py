@@ -1,0 +1,80 @@
+"""Loading recipe files from configs/ and checking a config before anything is compiled:
+every error names the offending value and what to do about it."""
+
+import importlib.util
+import json
+import os
+
+import ml_collections
+
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+  """A problem with the user's config, data or workdir; the CLI prints it without a traceback."""
+
+
+def sibling(config_file: str, name: str):
+  """Imports configs/<name>.py next to `config_file`, wherever the command runs from.
+
+  config_flags loads a recipe by path, so `from configs import base` would only work when the
+  repository root happens to be on sys.path.
+  """
+  path = os.path.join(os.path.dirname(os.path.abspath(config_file)), f"{name}.py")
+  spec = importlib.util.spec_from_file_location(f"electra_jax_configs_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def to_json(config: ml_collections.ConfigDict) -> str:
+  return json.dumps(config.to_dict(), indent=2, sort_keys=True)
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Checks that need no devices and no data; raises ValueError naming the key and the fix."""
+  m, t = config.model, config.train
+  if m.hidden_size % m.num_heads:
+    raise ConfigError(
+        f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}. "
+        f"Pick num_heads dividing hidden_size (ELECTRA uses hidden_size / 64 heads)."
+    )
+  if not 0.0 < m.generator_fraction <= 1.0:
+    raise ConfigError(
+        f"model.generator_fraction={m.generator_fraction} is outside (0, 1]: the generator is "
+        f"that fraction of the discriminator's width (the paper uses 1/4 to 1/2)."
+    )
+  if config.data.max_seq_len > m.max_position_embeddings:
+    raise ConfigError(
+        f"data.max_seq_len={config.data.max_seq_len} exceeds model.max_position_embeddings="
+        f"{m.max_position_embeddings}. Lower data.max_seq_len or raise max_position_embeddings."
+    )
+  if t.dtype not in DTYPES:
+    raise ConfigError(f"train.dtype={t.dtype!r} is not one of {DTYPES}.")
+  if t.grad_accum_steps < 1 or t.batch_size % t.grad_accum_steps:
+    raise ConfigError(
+        f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps="
+        f"{t.grad_accum_steps} (>= 1): each micro-batch must have the same size."
+    )
+  if t.steps < 1 or t.log_every < 1 or config.checkpoint.every_steps < 1:
+    raise ConfigError(
+        f"train.steps={t.steps}, train.log_every={t.log_every} and checkpoint.every_steps="
+        f"{config.checkpoint.every_steps} must all be >= 1."
+    )
+  if not 0.0 < config.objective.mask_prob < 1.0:
+    raise ConfigError(f"objective.mask_prob={config.objective.mask_prob} must be in (0, 1).")
+  if config.objective.temperature <= 0:
+    raise ConfigError(f"objective.temperature={config.objective.temperature} must be > 0.")
+
+
+def validate_for_mesh(config: ml_collections.ConfigDict, batch_shards: int) -> None:
+  """The global batch (and each micro-batch) must split evenly over the data axes."""
+  t = config.train
+  micro_batch = t.batch_size // t.grad_accum_steps
+  if micro_batch % batch_shards:
+    raise ConfigError(
+        f"train.batch_size={t.batch_size} (micro-batch {micro_batch} with train.grad_accum_steps="
+        f"{t.grad_accum_steps}) is not divisible by the {batch_shards} batch shards "
+        f"(mesh.data * mesh.fsdp). Use a batch size that is a multiple of "
+        f"{batch_shards * t.grad_accum_steps}, or change the mesh."
+    )

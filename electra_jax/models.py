@@ -1,0 +1,351 @@
+"""ELECTRA's networks as Flax Linen modules: shared embeddings, a BERT post-LN encoder,
+the generator and discriminator towers, and `ElectraPretrainer`, which owns one embeddings
+module used by both towers. Parameters carry logical axis names (see partitioning.py)."""
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from electra_jax.config_lib import ConfigError
+
+Dtype = Any
+
+ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
+
+
+def bert_init(stddev: float = 0.02):
+  """TF's truncated_normal_initializer: N(0, stddev) cut at two standard deviations.
+
+  jax.nn.initializers.truncated_normal rescales so the *truncated* distribution has the
+  given stddev; BERT and ELECTRA do not, so we draw the cut normal and scale it ourselves.
+  """
+
+  def init(key, shape, dtype=jnp.float32):
+    return stddev * jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype)
+
+  return init
+
+
+def _param(init, axes):
+  return nn.with_logical_partitioning(init, axes)
+
+
+def _dense(features, in_axis: str, out_axis: str, dtype: Dtype, name: str, use_bias=True):
+  return nn.Dense(
+      features,
+      use_bias=use_bias,
+      dtype=dtype,
+      param_dtype=jnp.float32,
+      kernel_init=_param(bert_init(), (in_axis, out_axis)),
+      bias_init=_param(nn.initializers.zeros_init(), (out_axis,)),
+      name=name,
+  )
+
+
+def _layer_norm(eps: float, name: str):
+  # Statistics in float32 whatever the compute dtype: flax promotes them for us.
+  return nn.LayerNorm(
+      epsilon=eps,
+      dtype=jnp.float32,
+      param_dtype=jnp.float32,
+      scale_init=_param(nn.initializers.ones_init(), ("embed",)),
+      bias_init=_param(nn.initializers.zeros_init(), ("embed",)),
+      name=name,
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderConfig:
+  """Sizes of one transformer tower."""
+
+  hidden_size: int
+  num_layers: int
+  num_heads: int
+  intermediate_size: int
+  dropout_rate: float = 0.1
+  attention_dropout_rate: float = 0.1
+  layer_norm_eps: float = 1e-12
+
+  @property
+  def head_dim(self) -> int:
+    return self.hidden_size // self.num_heads
+
+
+class Embeddings(nn.Module):
+  """Word + position + token-type embeddings, LayerNorm and dropout: [batch, seq] -> [batch, seq, E]."""
+
+  vocab_size: int
+  embedding_size: int
+  max_position_embeddings: int
+  type_vocab_size: int
+  dropout_rate: float
+  layer_norm_eps: float
+  dtype: Dtype = jnp.float32
+
+  def setup(self):
+    def embed(num, axis, name):
+      return nn.Embed(
+          num,
+          self.embedding_size,
+          dtype=self.dtype,
+          param_dtype=jnp.float32,
+          embedding_init=_param(bert_init(), (axis, "embed")),
+          name=name,
+      )
+
+    self.word_embeddings = embed(self.vocab_size, "vocab", "word_embeddings")
+    self.position_embeddings = embed(self.max_position_embeddings, "position", "position_embeddings")
+    self.token_type_embeddings = embed(self.type_vocab_size, "token_type", "token_type_embeddings")
+    self.layer_norm = _layer_norm(self.layer_norm_eps, "layer_norm")
+    self.dropout = nn.Dropout(self.dropout_rate)
+
+  def __call__(self, input_ids, token_type_ids, deterministic: bool):
+    seq_len = input_ids.shape[-1]
+    position_ids = jnp.arange(seq_len)[None, :]
+    embedded = (
+        self.word_embeddings(input_ids)
+        + self.position_embeddings(position_ids)
+        + self.token_type_embeddings(token_type_ids)
+    )
+    embedded = self.layer_norm(embedded).astype(self.dtype)
+    embedded = self.dropout(embedded, deterministic=deterministic)
+    return nn.with_logical_constraint(embedded, ("act_batch", "act_len", "act_embed"))
+
+  def word_table(self):
+    """The [vocab, E] table; the generator's output layer is its transpose."""
+    return self.word_embeddings.embedding
+
+
+class SelfAttention(nn.Module):
+  """Multi-head self-attention through jax.nn.dot_product_attention."""
+
+  config: EncoderConfig
+  dtype: Dtype
+  attention_impl: str = "xla"
+
+  @nn.compact
+  def __call__(self, hidden, attention_mask, deterministic: bool):
+    cfg = self.config
+
+    def project(name):
+      # One [H, H] matrix per projection (heads side by side), as BERT stores it.
+      projected = _dense(cfg.hidden_size, "embed", "heads", self.dtype, name)(hidden)
+      return projected.reshape(*hidden.shape[:-1], cfg.num_heads, cfg.head_dim)
+
+    query, key, value = project("query"), project("key"), project("value")
+    key_is_real = attention_mask.astype(bool)[:, None, None, :]  # [batch, 1, 1, seq]
+    use_dropout = not deterministic and cfg.attention_dropout_rate > 0.0
+    if use_dropout:
+      # dot_product_attention has no dropout on the probabilities, which BERT and the
+      # official ELECTRA apply during training; this explicit path computes the same thing.
+      scores = jnp.einsum("bqhd,bkhd->bhqk", query, key) / math.sqrt(cfg.head_dim)
+      scores = jnp.where(key_is_real, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+      probs = jax.nn.softmax(scores, axis=-1)
+      probs = nn.Dropout(cfg.attention_dropout_rate)(probs, deterministic=False)
+      context = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(self.dtype), value)
+    else:
+      context = jax.nn.dot_product_attention(
+          query, key, value, mask=key_is_real, implementation=self.attention_impl
+      )
+    context = context.reshape(*hidden.shape[:-1], cfg.hidden_size)
+    return _dense(cfg.hidden_size, "heads", "embed", self.dtype, "output")(context)
+
+
+class EncoderLayer(nn.Module):
+  """BERT's post-LayerNorm block: LN(x + attn(x)), then LN(x + FFN(x)) with exact GELU."""
+
+  config: EncoderConfig
+  dtype: Dtype
+  attention_impl: str = "xla"
+
+  @nn.compact
+  def __call__(self, hidden, attention_mask, deterministic: bool):
+    cfg = self.config
+    attended = SelfAttention(cfg, self.dtype, self.attention_impl, name="attention")(
+        hidden, attention_mask, deterministic
+    )
+    attended = nn.Dropout(cfg.dropout_rate)(attended, deterministic=deterministic)
+    hidden = _layer_norm(cfg.layer_norm_eps, "attention_layer_norm")(hidden + attended)
+    hidden = hidden.astype(self.dtype)
+    ffn = _dense(cfg.intermediate_size, "embed", "mlp", self.dtype, "intermediate")(hidden)
+    ffn = nn.gelu(ffn, approximate=False)
+    ffn = _dense(cfg.hidden_size, "mlp", "embed", self.dtype, "output")(ffn)
+    ffn = nn.Dropout(cfg.dropout_rate)(ffn, deterministic=deterministic)
+    hidden = _layer_norm(cfg.layer_norm_eps, "output_layer_norm")(hidden + ffn)
+    hidden = hidden.astype(self.dtype)
+    return nn.with_logical_constraint(hidden, ("act_batch", "act_len", "act_embed"))
+
+
+class Encoder(nn.Module):
+  """The E->H projection (only when sizes differ) and a stack of encoder layers."""
+
+  config: EncoderConfig
+  embedding_size: int
+  dtype: Dtype
+  attention_impl: str = "xla"
+
+  @nn.compact
+  def __call__(self, embedded, attention_mask, deterministic: bool):
+    hidden = embedded
+    if self.embedding_size != self.config.hidden_size:
+      hidden = _dense(self.config.hidden_size, "embed", "mlp", self.dtype, "embeddings_project")(
+          hidden
+      )
+    for i in range(self.config.num_layers):
+      hidden = EncoderLayer(self.config, self.dtype, self.attention_impl, name=f"layer_{i}")(
+          hidden, attention_mask, deterministic
+      )
+    return hidden  # [batch, seq, hidden]
+
+
+class Generator(nn.Module):
+  """Masked LM tower: encoder, then at the masked positions dense(H_g->E) + GELU + LayerNorm
+  and the decoder tied to the shared word table, plus its own output bias."""
+
+  config: EncoderConfig
+  embedding_size: int
+  vocab_size: int
+  dtype: Dtype
+  attention_impl: str = "xla"
+
+  @nn.compact
+  def __call__(self, embedded, attention_mask, masked_positions, word_table, deterministic: bool):
+    hidden = Encoder(self.config, self.embedding_size, self.dtype, self.attention_impl, name="encoder")(
+        embedded, attention_mask, deterministic
+    )
+    # Only the masked positions reach the head: the vocabulary projection is the costliest
+    # matmul of a small generator, and the loss needs nothing else.
+    hidden = jnp.take_along_axis(hidden, masked_positions[..., None], axis=1)  # [batch, n_pred, H_g]
+    hidden = _dense(self.embedding_size, "embed", "mlp", self.dtype, "head_dense")(hidden)
+    hidden = nn.gelu(hidden, approximate=False)
+    hidden = _layer_norm(self.config.layer_norm_eps, "head_layer_norm")(hidden)
+    output_bias = self.param(
+        "output_bias", _param(nn.initializers.zeros_init(), ("vocab",)), (self.vocab_size,)
+    )
+    logits = jnp.einsum(
+        "bne,ve->bnv", hidden.astype(self.dtype), word_table.astype(self.dtype)
+    )
+    return logits.astype(jnp.float32) + output_bias  # [batch, n_pred, vocab]
+
+
+class Discriminator(nn.Module):
+  """Replaced-token detector: encoder, then dense(H->H) + GELU + dense(H->1) per token."""
+
+  config: EncoderConfig
+  embedding_size: int
+  dtype: Dtype
+  attention_impl: str = "xla"
+
+  @nn.compact
+  def __call__(self, embedded, attention_mask, deterministic: bool):
+    hidden = Encoder(self.config, self.embedding_size, self.dtype, self.attention_impl, name="encoder")(
+        embedded, attention_mask, deterministic
+    )
+    hidden = _dense(self.config.hidden_size, "embed", "mlp", self.dtype, "head_dense")(hidden)
+    hidden = nn.gelu(hidden, approximate=False)
+    logits = _dense(1, "mlp", "unmodeled", self.dtype, "head_out")(hidden)
+    return logits[..., 0].astype(jnp.float32)  # [batch, seq]
+
+
+class ElectraPretrainer(nn.Module):
+  """Generator and discriminator over ONE embeddings module.
+
+  The parameter tree's top level is exactly {embeddings, generator, discriminator}: the word,
+  position and token-type tables and the embedding LayerNorm exist once and both towers (and
+  the generator's tied output layer) read them.
+  """
+
+  vocab_size: int
+  embedding_size: int
+  max_position_embeddings: int
+  type_vocab_size: int
+  generator_config: EncoderConfig
+  discriminator_config: EncoderConfig
+  dtype: Dtype = jnp.float32
+  attention_impl: str = "xla"
+
+  def setup(self):
+    disc = self.discriminator_config
+    self.embeddings = Embeddings(
+        vocab_size=self.vocab_size,
+        embedding_size=self.embedding_size,
+        max_position_embeddings=self.max_position_embeddings,
+        type_vocab_size=self.type_vocab_size,
+        dropout_rate=disc.dropout_rate,
+        layer_norm_eps=disc.layer_norm_eps,
+        dtype=self.dtype,
+    )
+    self.generator = Generator(
+        self.generator_config, self.embedding_size, self.vocab_size, self.dtype, self.attention_impl
+    )
+    self.discriminator = Discriminator(disc, self.embedding_size, self.dtype, self.attention_impl)
+
+  def generator_logits(
+      self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic: bool = True
+  ):
+    """Vocabulary logits at `masked_positions` [batch, n_pred] -> [batch, n_pred, vocab], float32."""
+    embedded = self.embeddings(input_ids, token_type_ids, deterministic)
+    return self.generator(
+        embedded, attention_mask, masked_positions, self.embeddings.word_table(), deterministic
+    )
+
+  def discriminator_logits(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
+    """One "replaced" logit per token: [batch, seq] -> [batch, seq], float32."""
+    embedded = self.embeddings(input_ids, token_type_ids, deterministic)
+    return self.discriminator(embedded, attention_mask, deterministic)
+
+  def __call__(
+      self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic: bool = True
+  ):
+    """Both towers on the same input; used to create every parameter at init."""
+    return (
+        self.generator_logits(
+            input_ids, token_type_ids, attention_mask, masked_positions, deterministic
+        ),
+        self.discriminator_logits(input_ids, token_type_ids, attention_mask, deterministic),
+    )
+
+
+def generator_encoder_config(discriminator: EncoderConfig, fraction: float) -> EncoderConfig:
+  """The generator is `fraction` as wide as the discriminator (same depth, same head size,
+  FFN scaled alike), as the official code sizes it; it always has at least one head."""
+  hidden = int(round(discriminator.hidden_size * fraction))
+  num_heads = max(1, hidden // discriminator.head_dim)
+  if hidden < 1 or hidden % num_heads:
+    raise ConfigError(
+        f"model.generator_fraction={fraction} gives a generator hidden size of {hidden}, which "
+        f"does not split into {num_heads} heads of the discriminator's head size "
+        f"{discriminator.head_dim}; choose a fraction so hidden_size * fraction is a multiple "
+        f"of {discriminator.head_dim} (or smaller than it)."
+    )
+  intermediate = int(round(discriminator.intermediate_size * fraction))
+  return dataclasses.replace(
+      discriminator, hidden_size=hidden, num_heads=num_heads, intermediate_size=intermediate
+  )
+
+
+def build_model(config) -> ElectraPretrainer:
+  """The pre-training model described by a full electra-jax config (see configs/base.py)."""
+  m = config.model
+  discriminator = EncoderConfig(
+      hidden_size=m.hidden_size,
+      num_layers=m.num_layers,
+      num_heads=m.num_heads,
+      intermediate_size=m.intermediate_size,
+      dropout_rate=m.dropout_rate,
+      attention_dropout_rate=m.attention_dropout_rate,
+      layer_norm_eps=m.layer_norm_eps,
+  )
+  return ElectraPretrainer(
+      vocab_size=m.vocab_size,
+      embedding_size=m.embedding_size,
+      max_position_embeddings=m.max_position_embeddings,
+      type_vocab_size=m.type_vocab_size,
+      generator_config=generator_encoder_config(discriminator, m.generator_fraction),
+      discriminator_config=discriminator,
+      dtype=jnp.dtype(config.train.dtype),
+      attention_impl=m.attention_impl,
+  )

@@ -1,0 +1,242 @@
+"""ELECTRA's replaced-token-detection objective as pure functions: masking, Gumbel sampling,
+corruption, the two losses and the official pre-training metrics. No Flax state lives here;
+the model enters only through `ElectraPretrainer.apply`."""
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class ElectraObjective:
+  """Hyperparameters of the objective plus the token ids it needs."""
+
+  mask_prob: float
+  max_predictions: int  # N: masked-position slots per example
+  gen_weight: float
+  disc_weight: float
+  temperature: float
+  keep_original_prob: float  # share of chosen positions left unmasked (official: 0.15)
+  mask_id: int
+  pad_id: int
+  cls_id: int
+  sep_id: int
+
+  @property
+  def never_masked_ids(self) -> tuple[int, ...]:
+    return (self.pad_id, self.cls_id, self.sep_id, self.mask_id)
+
+
+def official_max_predictions(mask_prob: float, max_seq_len: int) -> int:
+  """The official slot count: int((mask_prob + 0.005) * max_seq_len), 19 for 0.15 and 128."""
+  return int((mask_prob + 0.005) * max_seq_len)
+
+
+class MaskedInputs(NamedTuple):
+  input_ids: jax.Array  # [batch, seq] with [MASK] put in
+  positions: jax.Array  # [batch, n_pred] int32, distinct within a row
+  weights: jax.Array  # [batch, n_pred] float32, 1 for a real prediction, 0 for an unused slot
+  target_ids: jax.Array  # [batch, n_pred] the original tokens at `positions`
+
+
+def _rows(batch_size: int) -> jax.Array:
+  return jnp.arange(batch_size)[:, None]
+
+
+def mask_tokens(rng, input_ids, attention_mask, objective: ElectraObjective) -> MaskedInputs:
+  """Chooses clip(round(n * mask_prob), 1, N) distinct positions per example (n = non-padding
+  tokens) among tokens that are not [CLS], [SEP], [MASK] or padding; replaces each with
+  [MASK] with probability 1 - keep_original_prob and leaves the rest as they are."""
+  batch_size, seq_len = input_ids.shape
+  num_slots = objective.max_predictions
+  choose_rng, replace_rng = jax.random.split(rng)
+  is_candidate = attention_mask.astype(bool) & ~jnp.isin(
+      input_ids, jnp.asarray(objective.never_masked_ids)
+  )
+  num_tokens = attention_mask.astype(jnp.float32).sum(-1)
+  # jnp.round rounds half to even, as TF's round in the official code does.
+  num_to_predict = jnp.clip(jnp.round(num_tokens * objective.mask_prob), 1, num_slots)
+  num_to_predict = jnp.minimum(num_to_predict, is_candidate.sum(-1)).astype(jnp.int32)
+
+  # A uniform score per candidate and top-k gives a uniform draw without replacement.
+  scores = jnp.where(is_candidate, jax.random.uniform(choose_rng, (batch_size, seq_len)), -1.0)
+  _, positions = jax.lax.top_k(scores, num_slots)
+  positions = positions.astype(jnp.int32)
+  is_used = jnp.arange(num_slots)[None, :] < num_to_predict[:, None]  # [batch, n_pred]
+
+  target_ids = jnp.take_along_axis(input_ids, positions, axis=1)
+  put_mask = is_used & (
+      jax.random.uniform(replace_rng, (batch_size, num_slots)) >= objective.keep_original_prob
+  )
+  masked_ids = input_ids.at[_rows(batch_size), positions].set(
+      jnp.where(put_mask, objective.mask_id, target_ids)
+  )
+  return MaskedInputs(masked_ids, positions, is_used.astype(jnp.float32), target_ids)
+
+
+def sample_tokens(keys, logits, temperature: float):
+  """Gumbel-max sampling from softmax(logits / temperature), in float32, one PRNG key per
+  example (`keys` [batch]) so a row's draw does not depend on how the batch is split into
+  micro-batches or devices. The draw is discrete and wrapped in stop_gradient: no gradient
+  can flow back to the generator through it."""
+  logits = jax.lax.stop_gradient(logits.astype(jnp.float32))
+  gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[1:], jnp.float32))(keys)
+  return jax.lax.stop_gradient(jnp.argmax(logits / temperature + gumbel, axis=-1).astype(jnp.int32))
+
+
+def corrupt(input_ids, masked: MaskedInputs, sampled_ids):
+  """x_corrupt: the ORIGINAL input with the samples put at the used masked positions.
+
+  Returns (corrupted_ids [batch, seq], is_replaced [batch, seq] bool). A sample equal to the
+  original token leaves it unchanged and so is labelled original.
+  """
+  batch_size = input_ids.shape[0]
+  current = masked.target_ids
+  new_tokens = jnp.where(masked.weights > 0, sampled_ids, current)
+  corrupted_ids = input_ids.at[_rows(batch_size), masked.positions].set(new_tokens)
+  return corrupted_ids, corrupted_ids != input_ids
+
+
+class Normalizers(NamedTuple):
+  """Denominators of the two losses over the WHOLE batch, so that gradient accumulation over
+  micro-batches adds up to exactly the full-batch loss."""
+
+  num_predictions: jax.Array  # sum of MaskedInputs.weights
+  num_tokens: jax.Array  # sum of attention_mask
+
+  @classmethod
+  def of(cls, masked: MaskedInputs, attention_mask):
+    return cls(
+        jnp.maximum(masked.weights.sum(), 1.0),
+        jnp.maximum(attention_mask.astype(jnp.float32).sum(), 1.0),
+    )
+
+
+def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dropout_rng,
+                    objective: ElectraObjective, normalizers: Normalizers, deterministic: bool = False):
+  """Generator -> sample -> discriminator on one (micro-)batch whose masking is already drawn.
+
+  `sample_keys` [batch] are the per-example sampling keys (see sample_tokens). Returns (loss, stats): loss = gen_weight * L_MLM + disc_weight * L_Disc with the sums divided
+  by `normalizers`; stats holds additive counts and per-token arrays for `summarize`.
+  """
+  gen_dropout_rng, disc_dropout_rng = jax.random.split(dropout_rng)
+  token_type_ids, attention_mask = batch["token_type_ids"], batch["attention_mask"]
+  gen_logits = model.apply(
+      {"params": params},
+      masked.input_ids,
+      token_type_ids,
+      attention_mask,
+      masked.positions,
+      deterministic,
+      method=model.generator_logits,
+      rngs={"dropout": gen_dropout_rng},
+  )  # [batch, n_pred, vocab] float32
+  log_probs = jax.nn.log_softmax(gen_logits, axis=-1)
+  target_log_probs = jnp.take_along_axis(log_probs, masked.target_ids[..., None], axis=-1)[..., 0]
+  mlm_loss_sum = -(target_log_probs * masked.weights).sum()
+
+  sampled_ids = sample_tokens(sample_keys, gen_logits, objective.temperature)
+  corrupted_ids, is_replaced = corrupt(batch["input_ids"], masked, sampled_ids)
+  disc_logits = model.apply(
+      {"params": params},
+      corrupted_ids,
+      token_type_ids,
+      attention_mask,
+      deterministic,
+      method=model.discriminator_logits,
+      rngs={"dropout": disc_dropout_rng},
+  )  # [batch, seq] float32
+  labels = is_replaced.astype(jnp.float32)
+  token_weights = attention_mask.astype(jnp.float32)
+  # Sigmoid cross-entropy in its overflow-free form: max(z, 0) - z * y + log(1 + exp(-|z|)).
+  per_token = (
+      jnp.maximum(disc_logits, 0.0) - disc_logits * labels + jnp.log1p(jnp.exp(-jnp.abs(disc_logits)))
+  )
+  disc_loss_sum = (per_token * token_weights).sum()
+
+  loss = (
+      objective.gen_weight * mlm_loss_sum / normalizers.num_predictions
+      + objective.disc_weight * disc_loss_sum / normalizers.num_tokens
+  )
+  predicted = disc_logits > 0
+  stats = {
+      "mlm_loss_sum": mlm_loss_sum,
+      "mlm_correct": ((jnp.argmax(gen_logits, -1) == masked.target_ids) * masked.weights).sum(),
+      "sampled_correct": ((sampled_ids == masked.target_ids) * masked.weights).sum(),
+      "num_predictions": masked.weights.sum(),
+      "disc_loss_sum": disc_loss_sum,
+      "disc_true_pos": ((predicted & is_replaced) * token_weights).sum(),
+      "disc_false_pos": ((predicted & ~is_replaced) * token_weights).sum(),
+      "disc_false_neg": ((~predicted & is_replaced) * token_weights).sum(),
+      "disc_true_neg": ((~predicted & ~is_replaced) * token_weights).sum(),
+      "num_tokens": token_weights.sum(),
+  }
+  per_token_arrays = {
+      "disc_logits": disc_logits,
+      "is_replaced": is_replaced,
+      "token_weights": token_weights,
+  }
+  return loss, (stats, per_token_arrays)
+
+
+def binary_auc(scores, labels, weights):
+  """Exact ROC AUC (Mann-Whitney U with ties counted half) over entries with weight > 0.
+
+  NaN when the entries hold no positive or no negative.
+  """
+  scores, labels = scores.reshape(-1), labels.reshape(-1).astype(bool)
+  valid = weights.reshape(-1) > 0
+  is_pos, is_neg = valid & labels, valid & ~labels
+  negatives_sorted = jnp.sort(jnp.where(is_neg, scores, jnp.inf))
+  below = jnp.searchsorted(negatives_sorted, scores, side="left")
+  up_to = jnp.searchsorted(negatives_sorted, scores, side="right")
+  credit = below + 0.5 * (up_to - below)
+  num_pos, num_neg = is_pos.sum(), is_neg.sum()
+  return jnp.where(is_pos, credit, 0.0).sum() / (num_pos * num_neg)
+
+
+def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str, jax.Array]:
+  """The official metric set from summed stats: masked_lm_accuracy, masked_lm_loss,
+  sampled_masked_lm_accuracy, disc_loss, disc_auc, disc_accuracy, disc_precision, disc_recall
+  (disc metrics weighted by the non-padding mask), plus the total loss."""
+  num_predictions = jnp.maximum(stats["num_predictions"], 1.0)
+  num_tokens = jnp.maximum(stats["num_tokens"], 1.0)
+  masked_lm_loss = stats["mlm_loss_sum"] / num_predictions
+  disc_loss = stats["disc_loss_sum"] / num_tokens
+  true_pos = stats["disc_true_pos"]
+  return {
+      "loss": objective.gen_weight * masked_lm_loss + objective.disc_weight * disc_loss,
+      "masked_lm_loss": masked_lm_loss,
+      "masked_lm_accuracy": stats["mlm_correct"] / num_predictions,
+      "sampled_masked_lm_accuracy": stats["sampled_correct"] / num_predictions,
+      "disc_loss": disc_loss,
+      "disc_auc": binary_auc(
+          per_token_arrays["disc_logits"],
+          per_token_arrays["is_replaced"],
+          per_token_arrays["token_weights"],
+      ),
+      "disc_accuracy": (true_pos + stats["disc_true_neg"]) / num_tokens,
+      "disc_precision": true_pos / jnp.maximum(true_pos + stats["disc_false_pos"], 1.0),
+      "disc_recall": true_pos / jnp.maximum(true_pos + stats["disc_false_neg"], 1.0),
+      "replaced_fraction": (true_pos + stats["disc_false_neg"]) / num_tokens,
+  }
+
+
+def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjective:
+  """`special_ids` maps pad/cls/sep/mask to the tokenizer's ids."""
+  o = config.objective
+  return ElectraObjective(
+      mask_prob=o.mask_prob,
+      max_predictions=official_max_predictions(o.mask_prob, config.data.max_seq_len),
+      gen_weight=o.gen_weight,
+      disc_weight=o.disc_weight,
+      temperature=o.temperature,
+      keep_original_prob=o.keep_original_prob,
+      mask_id=special_ids["mask"],
+      pad_id=special_ids["pad"],
+      cls_id=special_ids["cls"],
+      sep_id=special_ids["sep"],
+  )
+

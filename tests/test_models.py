@@ -1,0 +1,132 @@
+"""The networks: one shared embedding tree, tied generator decoder, BERT encoder details."""
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from electra_jax import models
+
+
+def _init(config, batch=2, seq=12, n_pred=3):
+  model = models.build_model(config)
+  ids = jnp.zeros((batch, seq), jnp.int32)
+  positions = jnp.zeros((batch, n_pred), jnp.int32)
+  params = nn.meta.unbox(model.init(jax.random.key(0), ids, ids, jnp.ones_like(ids), positions)["params"])
+  return model, params
+
+
+def _inputs(seed=0, batch=2, seq=12, vocab=512):
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(5, vocab, size=(batch, seq)).astype(np.int32)
+  ids[:, 0], ids[:, -1] = 2, 3
+  mask = np.ones_like(ids)
+  ids[1, 8:], mask[1, 8:] = 0, 0  # the second row is padded
+  types = np.zeros_like(ids)
+  types[:, 6:] = 1
+  return jnp.asarray(ids), jnp.asarray(types), jnp.asarray(mask)
+
+
+def test_param_tree_has_three_parts_and_one_word_table():
+  config = tiny_config()
+  _, params = _init(config)
+  assert set(params) == {"embeddings", "generator", "discriminator"}
+  flat = flax.traverse_util.flatten_dict(params, sep="/")
+  vocab, emb = config.model.vocab_size, config.model.embedding_size
+  tables = [name for name, leaf in flat.items() if leaf.shape == (vocab, emb)]
+  assert tables == ["embeddings/word_embeddings/embedding"]
+  assert not any("embed" in name for name in flat if not name.startswith("embeddings/")
+                 and "embeddings_project" not in name)
+
+
+def test_generator_decoder_is_tied_to_the_shared_table():
+  config = tiny_config()
+  model, params = _init(config)
+  ids, types, mask = _inputs()
+  positions = jnp.array([[1, 2, 3], [1, 2, 3]])
+
+  def gen_out(table):
+    p = jax.tree.map(lambda x: x, params)
+    p["embeddings"]["word_embeddings"]["embedding"] = table
+    return model.apply({"params": p}, ids, types, mask, positions, method=model.generator_logits)
+
+  table = params["embeddings"]["word_embeddings"]["embedding"]
+  # Changing only the rows of tokens absent from the input moves only their output logits:
+  # the table enters the generator's decoder, not just its input lookup.
+  unused = np.setdiff1d(np.arange(config.model.vocab_size), np.asarray(ids))[:5]
+  bumped = table.at[unused].add(jax.random.normal(jax.random.key(5), (5, table.shape[1])))
+  before, after = gen_out(table), gen_out(bumped)
+  changed = np.abs(np.asarray(after - before)).max(axis=(0, 1)) > 1e-6
+  assert changed[unused].all()
+  assert not np.delete(changed, unused).any()
+
+
+def test_padding_does_not_change_real_token_outputs():
+  config = tiny_config()
+  model, params = _init(config)
+  ids, types, mask = _inputs()
+  other_pad = ids.at[1, 8:].set(77)  # different content under the padding mask
+  a = model.apply({"params": params}, ids, types, mask, method=model.discriminator_logits)
+  b = model.apply({"params": params}, other_pad, types, mask, method=model.discriminator_logits)
+  np.testing.assert_allclose(a[1, :8], b[1, :8], atol=1e-6)
+  np.testing.assert_allclose(a[0], b[0], atol=0)
+
+
+def test_attention_dropout_path_equals_fused_path_at_rate_zero():
+  """With attention dropout 0 in training mode both code paths must agree; the explicit one
+  (used when attention dropout is on) is a plain softmax(QK^T / sqrt(d)) V with the mask."""
+  config = tiny_config()
+  cfg = models.EncoderConfig(32, 1, 2, 64, dropout_rate=0.0, attention_dropout_rate=0.0)
+  attn = models.SelfAttention(cfg, jnp.float32)
+  hidden = jax.random.normal(jax.random.key(1), (2, 12, 32))
+  _, _, mask = _inputs()
+  params = attn.init(jax.random.key(0), hidden, mask, True)
+  fused = attn.apply(params, hidden, mask, False)
+  # Reference computed by hand from the same parameters.
+  p = nn.meta.unbox(params)["params"]
+  q, k, v = (hidden @ p[n]["kernel"] + p[n]["bias"] for n in ("query", "key", "value"))
+  q, k, v = (x.reshape(2, 12, 2, 16) for x in (q, k, v))
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0
+  scores = jnp.where(mask[:, None, None, :] > 0, scores, -1e30)
+  context = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), v).reshape(2, 12, 32)
+  expected = context @ p["output"]["kernel"] + p["output"]["bias"]
+  np.testing.assert_allclose(fused, expected, atol=1e-5)
+  with_dropout = models.SelfAttention(
+      models.EncoderConfig(32, 1, 2, 64, dropout_rate=0.0, attention_dropout_rate=0.5), jnp.float32
+  )
+  dropped = with_dropout.apply(params, hidden, mask, False, rngs={"dropout": jax.random.key(3)})
+  assert not np.allclose(dropped, expected, atol=1e-3)
+
+
+def test_bert_truncated_normal_init():
+  values = models.bert_init(0.02)(jax.random.key(0), (400, 400))
+  assert float(jnp.abs(values).max()) <= 0.04 + 1e-7
+  # TF's truncated normal keeps the N(0, 0.02) scale before cutting: std = 0.02 * 0.8796.
+  assert abs(float(values.std()) - 0.02 * 0.87962566) < 2e-4
+
+
+@pytest.mark.parametrize(
+    "hidden, heads, fraction, want_hidden, want_heads",
+    [(256, 4, 0.25, 64, 1), (768, 12, 1 / 3, 256, 4), (1024, 16, 0.25, 256, 4), (32, 2, 0.5, 16, 1)],
+)
+def test_generator_sizes_follow_the_official_rule(hidden, heads, fraction, want_hidden, want_heads):
+  disc = models.EncoderConfig(hidden, 12, heads, 4 * hidden)
+  gen = models.generator_encoder_config(disc, fraction)
+  assert (gen.hidden_size, gen.num_heads, gen.intermediate_size, gen.num_layers) == (
+      want_hidden, want_heads, 4 * want_hidden, 12)
+
+
+def test_bfloat16_compute_keeps_float32_params():
+  config = tiny_config(**{"train.dtype": "bfloat16"})
+  model, params = _init(config)
+  assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype("float32")}
+  ids, types, mask = _inputs()
+  logits = model.apply({"params": params}, ids, types, mask, method=model.discriminator_logits)
+  f32_model = models.build_model(tiny_config())
+  reference = f32_model.apply({"params": params}, ids, types, mask, method=f32_model.discriminator_logits)
+  assert logits.dtype == jnp.float32
+  np.testing.assert_allclose(logits, reference, atol=0.1)
+  assert not np.array_equal(np.asarray(logits), np.asarray(reference))

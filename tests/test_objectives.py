@@ -1,0 +1,203 @@
+"""The RTD objective: masking rule, sampling, labels, the loss by hand, gradient flow, metrics."""
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from electra_jax import models, objectives
+
+PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
+
+
+def _objective(**changes):
+  base = objectives.ElectraObjective(
+      mask_prob=0.15, max_predictions=19, gen_weight=1.0, disc_weight=50.0, temperature=1.0,
+      keep_original_prob=0.15, mask_id=MASK, pad_id=PAD, cls_id=CLS, sep_id=SEP,
+  )
+  return dataclasses.replace(base, **changes)
+
+
+def _random_batch(seed, batch=64, seq=128, vocab=300):
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(5, vocab, size=(batch, seq)).astype(np.int32)
+  lengths = rng.integers(3, seq + 1, size=batch)
+  lengths[:4] = [3, 10, min(30, seq), seq]  # 10 * 0.15 = 1.5 and 30 * 0.15 ~ 4.5: rounding
+  mask = (np.arange(seq)[None] < lengths[:, None]).astype(np.int32)
+  ids[:, 0] = CLS
+  ids[np.arange(batch), lengths - 1] = SEP
+  middle = seq // 3
+  ids[:, middle] = np.where(lengths > middle + 1, SEP, ids[:, middle])  # a second [SEP] in long rows
+  ids = np.where(mask > 0, ids, PAD)
+  return ids, mask
+
+
+def test_official_slot_count():
+  assert objectives.official_max_predictions(0.15, 128) == 19
+  assert objectives.official_max_predictions(0.15, 512) == 79
+  assert objectives.official_max_predictions(0.25, 512) == 130
+
+
+def test_mask_count_rule_and_candidates():
+  ids, mask = _random_batch(0)
+  objective = _objective()
+  masked = objectives.mask_tokens(jax.random.key(1), jnp.asarray(ids), jnp.asarray(mask), objective)
+  positions, weights = np.asarray(masked.positions), np.asarray(masked.weights)
+  for row in range(ids.shape[0]):
+    n = mask[row].sum()
+    candidates = {t for t in range(ids.shape[1]) if mask[row, t] and ids[row, t] not in (CLS, SEP, PAD, MASK)}
+    # float32 arithmetic and round-half-to-even, as the official TF code computes it
+    want = int(np.clip(np.round(np.float32(n) * np.float32(0.15)), 1, 19))
+    want = min(want, len(candidates))
+    used = positions[row][weights[row] > 0]
+    assert len(used) == want, (row, n)
+    assert len(set(used)) == len(used)
+    assert set(used) <= candidates
+    # Outside the chosen positions nothing changes; at them: [MASK] or the original token.
+    changed = np.flatnonzero(np.asarray(masked.input_ids[row]) != ids[row])
+    assert set(changed) <= set(used)
+    assert all(masked.input_ids[row, t] == MASK for t in changed)
+  assert weights[1].sum() == 2  # length 10: round(1.5) = 2
+  assert weights[0].sum() == 1  # length 3: [CLS] x [SEP], at least one and only one candidate
+
+
+def test_eighty_five_percent_become_mask():
+  ids, mask = _random_batch(1, batch=1024)
+  masked = objectives.mask_tokens(jax.random.key(2), jnp.asarray(ids), jnp.asarray(mask), _objective())
+  weights = np.asarray(masked.weights) > 0
+  at_positions = np.take_along_axis(np.asarray(masked.input_ids), np.asarray(masked.positions), 1)
+  share = (at_positions[weights] == MASK).mean()
+  assert weights.sum() > 10_000
+  assert abs(share - 0.85) < 0.015
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_gumbel_sampling_matches_softmax(temperature):
+  logits = jnp.array([2.0, 0.5, -1.0, 1.0, 0.0])
+  keys = jax.random.split(jax.random.key(0), 40_000)
+  draws = objectives.sample_tokens(keys, jnp.broadcast_to(logits, (40_000, 5)), temperature)
+  freq = np.bincount(np.asarray(draws), minlength=5) / 40_000
+  np.testing.assert_allclose(freq, jax.nn.softmax(logits / temperature), atol=0.01)
+
+
+def test_sample_equal_to_original_is_labelled_original():
+  ids = jnp.array([[CLS, 10, 11, 12, SEP]])
+  masked = objectives.MaskedInputs(
+      input_ids=jnp.array([[CLS, MASK, 11, MASK, SEP]]),
+      positions=jnp.array([[1, 3, 2]]),
+      weights=jnp.array([[1.0, 1.0, 0.0]]),
+      target_ids=jnp.array([[10, 12, 11]]),
+  )
+  corrupted, is_replaced = objectives.corrupt(ids, masked, jnp.array([[10, 99, 55]]))
+  np.testing.assert_array_equal(corrupted, [[CLS, 10, 11, 99, SEP]])  # unused slot ignored
+  np.testing.assert_array_equal(is_replaced, [[False, False, False, True, False]])
+
+
+class _FixedLogits:
+  """Stands in for ElectraPretrainer with known outputs, so the loss can be worked by hand."""
+
+  def __init__(self, gen_logits, disc_logits):
+    self.gen_logits, self.disc_logits = gen_logits, disc_logits
+
+  def generator_logits(self):
+    raise NotImplementedError
+
+  def discriminator_logits(self):
+    raise NotImplementedError
+
+  def apply(self, variables, *args, method, rngs):
+    return self.gen_logits if method == self.generator_logits else self.disc_logits
+
+
+def test_hand_computed_loss_and_metrics():
+  vocab = 8
+  ids = jnp.array([[CLS, 5, 6, 7, SEP, PAD]])
+  attention_mask = jnp.array([[1, 1, 1, 1, 1, 0]])
+  masked = objectives.MaskedInputs(
+      input_ids=jnp.array([[CLS, MASK, 6, 7, SEP, PAD]]),
+      positions=jnp.array([[1, 3, 2]]),
+      weights=jnp.array([[1.0, 1.0, 0.0]]),
+      target_ids=jnp.array([[5, 7, 6]]),
+  )
+  # Slot 0: the original token 5 dominates (sampled back: "original"). Slot 1: token 6
+  # dominates over the original 7 (sampled: "replaced"). A margin of 40 beats any Gumbel draw.
+  gen_logits = np.zeros((1, 3, vocab), np.float32)
+  gen_logits[0, 0, 5] = 40.0
+  gen_logits[0, 1, 6], gen_logits[0, 1, 7] = 40.0, 1.5
+  disc_logits = np.array([[0.5, -1.0, 2.0, 0.3, -0.2, 9.0]], np.float32)
+  model = _FixedLogits(jnp.asarray(gen_logits), jnp.asarray(disc_logits))
+  batch = {"input_ids": ids, "token_type_ids": jnp.zeros_like(ids), "attention_mask": attention_mask}
+  objective = _objective(max_predictions=3)
+  normalizers = objectives.Normalizers.of(masked, attention_mask)
+  loss, (stats, per_token) = objectives.electra_forward(
+      model, None, batch, masked, jax.random.split(jax.random.key(0), 1), jax.random.key(1),
+      objective, normalizers,
+  )
+
+  def nll(row, target):
+    return math.log(sum(math.exp(v) for v in row)) - row[target]
+
+  mlm = (nll(gen_logits[0, 0], 5) + nll(gen_logits[0, 1], 7)) / 2
+  labels = [0, 0, 0, 1, 0]  # only position 3 was replaced; padding (position 5) is ignored
+  disc = sum(math.log(1 + math.exp(z)) - z * y for z, y in zip(disc_logits[0, :5], labels)) / 5
+  assert float(loss) == pytest.approx(mlm + 50.0 * disc, rel=1e-6)
+
+  metrics = objectives.summarize(stats, per_token, objective)
+  assert float(metrics["masked_lm_loss"]) == pytest.approx(mlm, rel=1e-6)
+  assert float(metrics["disc_loss"]) == pytest.approx(disc, rel=1e-6)
+  assert float(metrics["masked_lm_accuracy"]) == 0.5  # argmax right at slot 0 only
+  assert float(metrics["sampled_masked_lm_accuracy"]) == 0.5
+  # predictions z > 0 at positions 0, 2, 3: TP = 1 (pos 3), FP = 2, TN = 2, FN = 0
+  assert float(metrics["disc_accuracy"]) == pytest.approx(3 / 5)
+  assert float(metrics["disc_precision"]) == pytest.approx(1 / 3)
+  assert float(metrics["disc_recall"]) == 1.0
+  # the positive (0.3) outranks 2 of the 4 negatives (-1.0, -0.2)
+  assert float(metrics["disc_auc"]) == pytest.approx(0.5)
+
+
+def test_binary_auc_matches_pairwise_count_with_ties():
+  rng = np.random.default_rng(0)
+  scores = np.round(rng.normal(size=300), 1).astype(np.float32)  # rounding makes ties
+  labels = rng.random(300) < 0.3
+  weights = (rng.random(300) < 0.9).astype(np.float32)
+  pos, neg = scores[labels & (weights > 0)], scores[~labels & (weights > 0)]
+  pairwise = ((pos[:, None] > neg[None]) + 0.5 * (pos[:, None] == neg[None])).mean()
+  got = objectives.binary_auc(jnp.asarray(scores), jnp.asarray(labels), jnp.asarray(weights))
+  assert float(got) == pytest.approx(pairwise, abs=1e-6)
+
+
+def _grads(objective):
+  config = tiny_config()
+  model = models.build_model(config)
+  ids, mask = _random_batch(3, batch=4, seq=32, vocab=config.model.vocab_size)
+  ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+  objective = dataclasses.replace(objective, max_predictions=4)
+  positions = jnp.zeros((1, 4), jnp.int32)
+  params = nn.meta.unbox(model.init(jax.random.key(0), ids[:1], ids[:1], mask[:1], positions)["params"])
+  masked = objectives.mask_tokens(jax.random.key(1), ids, mask, objective)
+  batch = {"input_ids": ids, "token_type_ids": jnp.zeros_like(ids), "attention_mask": mask}
+  normalizers = objectives.Normalizers.of(masked, mask)
+  sample_keys = jax.random.split(jax.random.key(2), 4)
+  loss_fn = lambda p: objectives.electra_forward(
+      model, p, batch, masked, sample_keys, jax.random.key(3), objective, normalizers
+  )[0]
+  return jax.grad(loss_fn)(params)
+
+
+def test_disc_loss_gives_generator_exactly_zero_gradient_and_both_losses_reach_embeddings():
+  disc_only = _grads(_objective(gen_weight=0.0))
+  mlm_only = _grads(_objective(disc_weight=0.0))
+  both = _grads(_objective())
+  for leaf in jax.tree.leaves(disc_only["generator"]):
+    assert not np.any(np.asarray(leaf))  # exactly zero: sampling is discrete
+  for leaf in jax.tree.leaves(mlm_only["discriminator"]):
+    assert not np.any(np.asarray(leaf))
+  table = lambda g: np.asarray(g["embeddings"]["word_embeddings"]["embedding"])
+  assert np.abs(table(disc_only)).sum() > 0 and np.abs(table(mlm_only)).sum() > 0
+  # The shared table's gradient is the sum of what each loss sends it.
+  np.testing.assert_allclose(table(both), table(disc_only) + table(mlm_only), atol=1e-6)
