@@ -1,0 +1,81 @@
+"""Every config group and key electra-jax reads, with ELECTRA-Small's official values.
+
+Recipes (electra_small.py, demo.py, ...) start from this and change what they need. Run any
+recipe with overrides, e.g.:
+
+  python -m electra_jax.main --config=configs/demo.py --workdir=/tmp/demo \
+      --config.train.steps=100 --config.model.generator_fraction=0.5
+"""
+
+import ml_collections
+
+
+def get_config():
+  config = ml_collections.ConfigDict()
+
+  # The discriminator's sizes; the generator is generator_fraction as wide (same depth and
+  # head size). Word, position and token-type embeddings are shared by both towers.
+  config.model = model = ml_collections.ConfigDict()
+  model.hidden_size = 256
+  model.num_layers = 12
+  model.num_heads = 4
+  model.intermediate_size = 1024
+  model.embedding_size = 128
+  model.vocab_size = 30522  # must be >= the tokenizer's vocabulary; extra rows stay unused
+  model.max_position_embeddings = 512
+  model.type_vocab_size = 2
+  model.dropout_rate = 0.1
+  model.attention_dropout_rate = 0.1
+  model.layer_norm_eps = 1e-12
+  model.generator_fraction = 0.25
+  model.attention_impl = "xla"  # "xla" anywhere, "cudnn" (flash attention) on NVIDIA GPUs
+
+  # Replaced-token detection: loss = gen_weight * L_MLM + disc_weight * L_Disc.
+  config.objective = objective = ml_collections.ConfigDict()
+  objective.mask_prob = 0.15
+  objective.keep_original_prob = 0.15  # chosen positions left as they are instead of [MASK]
+  objective.gen_weight = 1.0
+  objective.disc_weight = 50.0
+  objective.temperature = 1.0  # of the generator's softmax when sampling replacements
+
+  config.data = data = ml_collections.ConfigDict()
+  data.source = "builtin"  # English text from the Python standard library; no download
+  data.max_seq_len = 128
+  data.cache_dir = ""  # "" = $ELECTRA_JAX_CACHE or ~/.cache/electra_jax
+  data.spm_vocab_size = 8192  # sentencepiece vocabulary trained on the built-in corpus
+  data.spm_model_type = "unigram"  # or "bpe"
+  data.max_documents = 0  # 0 = all; a small number makes tests fast
+  data.eval_fraction = 0.02  # share of documents held out from training
+
+  config.train = train = ml_collections.ConfigDict()
+  train.steps = 1_000_000
+  train.batch_size = 128  # global, over all devices and hosts
+  train.grad_accum_steps = 1  # micro-batches per step; the loss equals the full batch's
+  train.seed = 0
+  train.log_every = 100
+  train.dtype = "float32"  # compute dtype: "float32" or "bfloat16" (parameters stay float32)
+
+  # AdamW with linear warmup then linear decay to 0, as the official code schedules it:
+  # lr(step) = learning_rate * min(1, step / warmup_steps) * (1 - step / train.steps).
+  config.optimizer = optimizer = ml_collections.ConfigDict()
+  optimizer.learning_rate = 5e-4
+  optimizer.warmup_steps = 10_000
+  optimizer.weight_decay = 0.01  # not applied to LayerNorm parameters and biases
+  optimizer.b1 = 0.9
+  optimizer.b2 = 0.999
+  optimizer.eps = 1e-6
+  optimizer.clip_norm = 1.0  # global gradient norm
+  optimizer.bias_correction = True  # False = the official ELECTRA/BERT Adam
+
+  # Device mesh; sizes multiply to the device count and one -1 takes the rest. Batches split
+  # over data x fsdp; parameters shard their embed axis over fsdp and heads/mlp/vocab over tensor.
+  config.mesh = mesh = ml_collections.ConfigDict()
+  mesh.data = -1
+  mesh.fsdp = 1
+  mesh.tensor = 1
+
+  config.checkpoint = checkpoint = ml_collections.ConfigDict()
+  checkpoint.every_steps = 5000
+  checkpoint.keep = 3
+
+  return config

@@ -1,0 +1,22 @@
+"""A tiny ELECTRA on the built-in corpus that trains in a few minutes on two CPU cores and
+visibly learns (disc_auc well above 0.5, masked_lm_accuracy rising). The quick start's run:
+
+  python -m electra_jax.main --config=configs/demo.py --workdir=workdirs/demo
+"""
+
+from electra_jax import config_lib
+
+base = config_lib.sibling(__file__, "base")
+
+
+def get_config():
+  config = base.get_config()
+  config.model.update(
+      hidden_size=128, num_layers=2, num_heads=2, intermediate_size=512, embedding_size=128,
+      vocab_size=8192, generator_fraction=0.25, max_position_embeddings=128,
+  )
+  config.data.update(max_seq_len=128, spm_vocab_size=8192)
+  config.train.update(steps=600, batch_size=32, log_every=50)
+  config.optimizer.update(learning_rate=1e-3, warmup_steps=60)
+  config.checkpoint.update(every_steps=200, keep=2)
+  return config

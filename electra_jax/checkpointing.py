@@ -1,0 +1,44 @@
+"""The one thin wrapper around orbax: train state plus a JSON side-car (step, parameter
+shapes, data fingerprint) under <workdir>/checkpoints/<step>/."""
+
+import os
+from typing import Any, Optional
+
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+
+  def __init__(self, workdir: str, keep: int):
+    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    self._manager = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+    )
+
+  def latest_step(self) -> Optional[int]:
+    return self._manager.latest_step()
+
+  def save(self, step: int, state: Any, meta: dict) -> None:
+    """Asynchronous: device arrays are copied before this returns, files written after."""
+    self._manager.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+        force=True,
+    )
+
+  def read_meta(self, step: int) -> dict:
+    return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+  def restore(self, step: int, abstract_state: Any) -> Any:
+    """`abstract_state` leaves are ShapeDtypeStructs carrying the target NamedShardings."""
+    restored = self._manager.restore(
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+    )
+    return restored["state"]
+
+  def wait(self) -> None:
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.close()

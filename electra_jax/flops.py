@@ -1,0 +1,57 @@
+"""Model FLOPs per token (6N plus attention for each tower) and the accelerator peaks that
+turn throughput into MFU. See PERFORMANCE.md's counting rules in the README."""
+
+from typing import Optional
+
+import jax
+
+from electra_jax.models import ElectraPretrainer, EncoderConfig
+
+# bfloat16 dense peak FLOP/s per chip, matched against jax.Device.device_kind.
+PEAK_FLOPS = (
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("A100", 312e12),
+    ("TPU v4", 275e12),
+    ("TPU v5 lite", 197e12),
+    ("TPU v5e", 197e12),
+    ("TPU v5p", 459e12),
+    ("TPU v5", 459e12),
+    ("TPU v6 lite", 918e12),
+    ("TPU v6e", 918e12),
+)
+
+
+def _encoder_matmul_params(cfg: EncoderConfig, embedding_size: int) -> int:
+  per_layer = 4 * cfg.hidden_size**2 + 2 * cfg.hidden_size * cfg.intermediate_size
+  projection = embedding_size * cfg.hidden_size if embedding_size != cfg.hidden_size else 0
+  return cfg.num_layers * per_layer + projection
+
+
+def _attention_flops(cfg: EncoderConfig, seq_len: int) -> int:
+  # QK^T and AV: 2 matmuls of 2*s*H each per token and layer, times 3 for forward + backward.
+  return 12 * cfg.num_layers * seq_len * cfg.hidden_size
+
+
+def train_flops_per_token(model: ElectraPretrainer, seq_len: int, max_predictions: int) -> float:
+  """Training FLOPs per input token, both towers. The generator's head (dense H_g->E and the
+  E x V vocabulary projection) runs only on the max_predictions gathered slots."""
+  gen, disc, emb = model.generator_config, model.discriminator_config, model.embedding_size
+  gen_head = (gen.hidden_size * emb + emb * model.vocab_size) * max_predictions / seq_len
+  gen_params = _encoder_matmul_params(gen, emb) + gen_head
+  disc_params = _encoder_matmul_params(disc, emb) + disc.hidden_size**2 + disc.hidden_size
+  return (
+      6 * gen_params
+      + _attention_flops(gen, seq_len)
+      + 6 * disc_params
+      + _attention_flops(disc, seq_len)
+  )
+
+
+def peak_flops(device: jax.Device) -> Optional[float]:
+  """Peak bf16 FLOP/s of one device, or None when unknown (CPUs, unlisted chips)."""
+  kind = getattr(device, "device_kind", "")
+  for name, peak in PEAK_FLOPS:
+    if name.lower() in kind.lower():
+      return peak
+  return None

@@ -1,0 +1,130 @@
+"""The device mesh (axes data, fsdp, tensor), the one table that maps logical axis names to
+mesh axes, and the NamedShardings built from it for parameters, train state and batches."""
+
+import contextlib
+import math
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from electra_jax.config_lib import ConfigError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# Logical name -> mesh axis, in priority order. Parameters: vocab, embed, mlp, heads, kv, ...;
+# activations: act_*. A mesh axis is used at most once per array; a later logical axis that
+# wants an already used mesh axis stays replicated.
+LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
+    ("act_batch", BATCH_AXES),
+    ("act_len", None),
+    ("act_embed", None),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("embed", "fsdp"),
+    ("kv", None),
+    ("position", None),
+    ("token_type", None),
+    ("unmodeled", None),
+)
+
+
+def resolve_mesh_shape(mesh_config, device_count: int) -> tuple[int, int, int]:
+  """Sizes for (data, fsdp, tensor); one -1 takes whatever the others leave."""
+  sizes = [int(mesh_config[name]) for name in MESH_AXES]
+  shown = ", ".join(f"mesh.{n}={s}" for n, s in zip(MESH_AXES, sizes))
+  fill = [i for i, s in enumerate(sizes) if s == -1]
+  if len(fill) > 1 or any(s == 0 or s < -1 for s in sizes):
+    raise ConfigError(
+        f"Mesh sizes {shown} are invalid: each must be a positive integer, and at most one may "
+        "be -1 (meaning: all remaining devices)."
+    )
+  known = math.prod(s for s in sizes if s != -1)
+  if fill:
+    if device_count % known:
+      raise ConfigError(
+          f"Mesh sizes {shown} cannot fill {device_count} devices: {device_count} is not "
+          f"divisible by {known}. Choose sizes whose product divides the device count."
+      )
+    sizes[fill[0]] = device_count // known
+  if math.prod(sizes) != device_count:
+    raise ConfigError(
+        f"Mesh sizes {shown} multiply to {math.prod(sizes)}, but there are {device_count} "
+        f"devices. Make their product {device_count}, or set one of them to -1."
+    )
+  return tuple(sizes)
+
+
+def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  devices = list(devices if devices is not None else jax.devices())
+  shape = resolve_mesh_shape(mesh_config, len(devices))
+  # Auto axis types: Linen's logical constraints are sharding hints for the compiler, which
+  # explicit-axis meshes (jax.make_mesh's default) reject.
+  return jax.make_mesh(
+      shape, MESH_AXES, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * len(shape)
+  )
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh):
+  """The context in which model code is traced, so logical constraints reach the compiler."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
+    yield
+
+
+def _fit_to_shape(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
+  """Drops a mesh axis from a dimension it does not divide (e.g. one generator head over
+  tensor=2): that dimension is replicated instead of failing to shard."""
+  fitted = []
+  for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    size = math.prod(mesh.shape[n] for n in names)
+    fitted.append(axes if names and dim % size == 0 else None)
+  return PartitionSpec(*fitted)
+
+
+def partition_specs(boxed_tree, mesh):
+  """Mesh PartitionSpecs for a tree from `jax.eval_shape(init)`: leaves annotated with logical
+  names follow the rules table, everything else (step counters, scalars) is replicated."""
+  logical_specs = nn.get_partition_spec(boxed_tree)
+  mesh_specs = nn.logical_to_mesh(logical_specs, LOGICAL_AXIS_RULES)
+  shapes = jax.tree.map(lambda x: x.shape, nn.meta.unbox(boxed_tree))
+  return jax.tree.map(
+      lambda spec, shape: _fit_to_shape(spec, shape, mesh),
+      mesh_specs,
+      shapes,
+      is_leaf=lambda x: isinstance(x, PartitionSpec),
+  )
+
+
+def shardings_for(boxed_tree, mesh: Mesh):
+  return jax.tree.map(
+      lambda spec: NamedSharding(mesh, spec),
+      partition_specs(boxed_tree, mesh),
+      is_leaf=lambda x: isinstance(x, PartitionSpec),
+  )
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Batches are split along their first dimension over the data and fsdp axes."""
+  return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_shards(mesh: Mesh) -> int:
+  return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def global_batch_from_local(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+  """Global arrays from this process's rows (the whole batch when there is one process)."""
+  sharding = batch_sharding(mesh)
+  return {
+      name: jax.make_array_from_process_local_data(sharding, rows)
+      for name, rows in local_batch.items()
+  }

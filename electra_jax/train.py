@@ -1,0 +1,407 @@
+"""Pre-training: the optimizer, the module-level `train_step(state, batch, rng)`, and
+`train_and_evaluate`, which reads top to bottom: config, mesh, input, model, shardings,
+checkpoint, compile, loop (with preemption and NaN handling)."""
+
+import json
+import math
+import os
+import signal
+import time
+from typing import Any, Callable, NamedTuple
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+
+from electra_jax import checkpointing, config_lib, data, flops, objectives, partitioning
+from electra_jax.models import ElectraPretrainer, build_model
+from electra_jax.config_lib import ConfigError
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a step changes (step, params, opt_state) plus, as static fields, what it uses."""
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  model: ElectraPretrainer = flax.struct.field(pytree_node=False)
+  tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+  learning_rate_fn: Callable[[jax.Array], jax.Array] = flax.struct.field(pytree_node=False)
+  objective: objectives.ElectraObjective = flax.struct.field(pytree_node=False)
+  grad_accum_steps: int = flax.struct.field(pytree_node=False, default=1)
+
+
+# ---------------------------------------------------------------------------------------
+# Optimizer
+# ---------------------------------------------------------------------------------------
+class OfficialAdamState(NamedTuple):
+  mu: Any
+  nu: Any
+
+
+def scale_by_adam_without_bias_correction(b1: float, b2: float, eps: float):
+  """Adam's direction m / (sqrt(v) + eps) with no bias correction, as in BERT's and ELECTRA's
+  AdamWeightDecayOptimizer (its early updates are smaller than optax's adam)."""
+
+  def init(params):
+    return OfficialAdamState(jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, params))
+
+  def update(updates, state, params=None):
+    del params
+    mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, updates)
+    nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * jnp.square(g), state.nu, updates)
+    direction = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
+    return direction, OfficialAdamState(mu, nu)
+
+  return optax.GradientTransformation(init, update)
+
+
+def learning_rate_schedule(base_lr: float, warmup_steps: int, total_steps: int):
+  """lr * min(1, step / warmup) * max(0, 1 - step / total): the official ELECTRA schedule."""
+
+  def schedule(step):
+    step = jnp.asarray(step, jnp.float32)
+    warmup = jnp.minimum(1.0, step / max(warmup_steps, 1))
+    decay = jnp.maximum(0.0, 1.0 - step / total_steps)
+    return base_lr * warmup * decay
+
+  return schedule
+
+
+def _decays(path, _) -> bool:
+  # Weight decay on matrices and embedding tables only, never on LayerNorm or any bias.
+  return getattr(path[-1], "key", None) in ("kernel", "embedding")
+
+
+def make_optimizer(config: ml_collections.ConfigDict):
+  """Global-norm clipping, then AdamW (optax's, or the official one without bias correction)."""
+  o = config.optimizer
+  schedule = learning_rate_schedule(o.learning_rate, o.warmup_steps, config.train.steps)
+  if o.bias_correction:
+    adam = optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)
+  else:
+    adam = scale_by_adam_without_bias_correction(o.b1, o.b2, o.eps)
+  decay_mask = lambda params: jax.tree_util.tree_map_with_path(
+      _decays, params, is_leaf=lambda x: isinstance(x, nn.Partitioned)
+  )
+  tx = optax.chain(
+      optax.clip_by_global_norm(o.clip_norm),
+      adam,
+      optax.add_decayed_weights(o.weight_decay, mask=decay_mask),
+      optax.scale_by_learning_rate(schedule),
+  )
+  return tx, schedule
+
+
+# ---------------------------------------------------------------------------------------
+# Update step
+# ---------------------------------------------------------------------------------------
+def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
+  """One optimizer update on `batch` (input_ids, token_type_ids, attention_mask [batch, seq]).
+
+  Masks are drawn for the whole batch first, so with grad_accum_steps > 1 the micro-batch
+  losses are normalized by whole-batch counts and their gradients sum to the full-batch one.
+  """
+  objective = state.objective
+  mask_rng, sample_rng, dropout_rng = jax.random.split(rng, 3)
+  masked = objectives.mask_tokens(mask_rng, batch["input_ids"], batch["attention_mask"], objective)
+  sample_keys = jax.random.split(sample_rng, batch["input_ids"].shape[0])
+  normalizers = objectives.Normalizers.of(masked, batch["attention_mask"])
+
+  def loss_fn(params, micro_batch, micro_masked, micro_sample_keys, micro_dropout_rng):
+    return objectives.electra_forward(
+        state.model, params, micro_batch, micro_masked, micro_sample_keys, micro_dropout_rng,
+        objective, normalizers,
+    )
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  num_micro = state.grad_accum_steps
+  if num_micro == 1:
+    (_, (stats, per_token)), grads = grad_fn(state.params, batch, masked, sample_keys, dropout_rng)
+  else:
+    # Micro-batch i takes rows i, i + k, i + 2k, ...: each stays spread over every data shard.
+    def split(x):
+      return x.reshape(x.shape[0] // num_micro, num_micro, *x.shape[1:]).swapaxes(0, 1)
+
+    micro_inputs = jax.tree.map(split, (batch, masked, sample_keys))
+    micro_dropout_rngs = jax.random.split(dropout_rng, num_micro)
+
+    def accumulate(carry, inputs):
+      (micro_batch, micro_masked, micro_keys), micro_dropout_rng = inputs
+      (_, (stats, per_token)), grads = grad_fn(
+          state.params, micro_batch, micro_masked, micro_keys, micro_dropout_rng
+      )
+      return jax.tree.map(jnp.add, carry, (grads, stats)), per_token
+
+    first = jax.tree.map(lambda x: x[0], micro_inputs)
+    (_, (stats_shape, _)), grads_shape = jax.eval_shape(
+        grad_fn, state.params, *first, micro_dropout_rngs[0]
+    )
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grads_shape, stats_shape))
+    (grads, stats), per_token = jax.lax.scan(accumulate, zeros, (micro_inputs, micro_dropout_rngs))
+
+  updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = objectives.summarize(stats, per_token, objective)
+  metrics["grad_norm"] = jnp.sqrt(sum(jnp.vdot(g, g) for g in jax.tree.leaves(grads)))
+  metrics["learning_rate"] = state.learning_rate_fn(state.step)
+  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+  return new_state, metrics
+
+
+def step_rng(seed: int, step: int) -> jax.Array:
+  """The step's randomness depends only on (seed, step), so a resumed run draws the same."""
+  return jax.random.fold_in(jax.random.key(seed), step)
+
+
+# ---------------------------------------------------------------------------------------
+# Building the state
+# ---------------------------------------------------------------------------------------
+def make_init_fn(config, model: ElectraPretrainer, objective) -> Callable[[jax.Array], TrainState]:
+  """rng -> a fresh state whose parameters still carry their logical-axis boxes
+  (nn.Partitioned): jax.eval_shape of it gives the shardings, nn.meta.unbox of it the real
+  state. The optimizer is built once here, so every state shares the same static fields."""
+  tx, schedule = make_optimizer(config)
+  ids = jnp.zeros((1, config.data.max_seq_len), jnp.int32)
+  positions = jnp.zeros((1, objective.max_predictions), jnp.int32)
+
+  def init_fn(rng):
+    params = model.init(rng, ids, ids, jnp.ones_like(ids), positions)["params"]
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=tx.init(params),
+        model=model,
+        tx=tx,
+        learning_rate_fn=schedule,
+        objective=objective,
+        grad_accum_steps=config.train.grad_accum_steps,
+    )
+
+  return init_fn
+
+
+def param_shapes(params) -> dict[str, list[int]]:
+  """{'generator/encoder/layer_0/...': shape}; stored with each checkpoint to refuse a
+  workdir whose model differs from the config."""
+  flat = flax.traverse_util.flatten_dict(nn.meta.unbox(params), sep="/")
+  return {name: list(leaf.shape) for name, leaf in flat.items()}
+
+
+def check_same_model(saved: dict, current: dict, workdir: str) -> None:
+  for name in sorted(set(saved) | set(current)):
+    if saved.get(name) != current.get(name):
+      raise ConfigError(
+          f"The workdir {workdir} holds a checkpoint of a different model: parameter {name!r} "
+          f"is {saved.get(name, 'absent')} there but {current.get(name, 'absent')} in this "
+          f"config. Use a new --workdir, or the config that made this checkpoint "
+          f"({os.path.join(workdir, 'config.json')}). Nothing was overwritten."
+      )
+
+
+# ---------------------------------------------------------------------------------------
+# Host-side helpers of the loop
+# ---------------------------------------------------------------------------------------
+class _Preemption:
+  """SIGTERM (how TPU VMs and schedulers preempt) only sets a flag; the loop saves a
+  checkpoint after the current step and returns normally."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous = None
+
+  def __enter__(self):
+    try:
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    except ValueError:  # not the main thread (some notebook runners): no handler then
+      self._previous = None
+    return self
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.requested = True
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+
+def _format_duration(seconds: float) -> str:
+  seconds = int(seconds)
+  hours, rest = divmod(seconds, 3600)
+  minutes, secs = divmod(rest, 60)
+  return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def _truncate_metrics(path: str, last_step: int) -> None:
+  """On resume, drop logged steps the restored checkpoint does not contain (they will be
+  logged again), writing atomically so a crash cannot lose the file."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    kept = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.writelines(kept)
+  os.replace(tmp, path)
+
+
+def _mean_metrics(window: list[dict]) -> dict[str, float]:
+  host = jax.device_get(window)
+  return {name: float(np.nanmean([m[name] for m in host])) for name in host[0]}
+
+
+# ---------------------------------------------------------------------------------------
+# The whole run
+# ---------------------------------------------------------------------------------------
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+  """Pre-trains per `config`, resuming from `workdir` if it holds a checkpoint. Returns the
+  last logged metrics."""
+  # --- Config: everything checkable without devices or data fails here, before any work.
+  config_lib.validate(config)
+  is_chief = jax.process_index() == 0
+
+  # --- Mesh
+  mesh = partitioning.make_mesh(config.mesh)
+  config_lib.validate_for_mesh(config, partitioning.batch_shards(mesh))
+  logging.info("Mesh %s over %d %s devices.", dict(mesh.shape), mesh.size, jax.devices()[0].platform)
+
+  # --- Input
+  corpus = data.load_pretraining_data(config.data, split="train")
+  tokenizer = corpus.tokenizer
+  if config.model.vocab_size < tokenizer.vocab_size:
+    raise ConfigError(
+        f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's vocabulary "
+        f"({tokenizer.vocab_size}). Set model.vocab_size >= {tokenizer.vocab_size}."
+    )
+  special_ids = dict(pad=tokenizer.pad_id, cls=tokenizer.cls_id, sep=tokenizer.sep_id, mask=tokenizer.mask_id)
+
+  # --- Model
+  model = build_model(config)
+  objective = objectives.objective_from_config(config, special_ids)
+  init_rng = jax.random.key(config.train.seed)
+
+  # --- Shard
+  init_fn = make_init_fn(config, model, objective)
+  boxed_shapes = jax.eval_shape(init_fn, init_rng)
+  state_shardings = partitioning.shardings_for(boxed_shapes, mesh)
+  abstract_state = jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+      nn.meta.unbox(boxed_shapes),
+      state_shardings,
+  )
+  shapes_now = param_shapes(boxed_shapes.params)
+
+  # --- Checkpoint: restore or initialize. Refusals happen before anything is written.
+  checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
+  start_step = checkpointer.latest_step()
+  if start_step is not None:
+    meta = checkpointer.read_meta(start_step)
+    check_same_model(meta["param_shapes"], shapes_now, workdir)
+    if meta["data_fingerprint"] != corpus.fingerprint:
+      raise ConfigError(
+          f"The checkpoint in {workdir} was trained on data {meta['data_fingerprint']} but this "
+          f"config gives {corpus.fingerprint} (a different tokenizer, corpus or max_seq_len). "
+          "Use a new --workdir, or the data settings of its config.json."
+      )
+  if is_chief:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config_lib.to_json(config))
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+
+  with partitioning.activate(mesh):
+    if start_step is None:
+      init = jax.jit(lambda r: nn.meta.unbox(init_fn(r)), out_shardings=state_shardings)
+      state = init(init_rng)
+      start_step = 0
+    else:
+      logging.info("Resuming from the checkpoint at step %d in %s.", start_step, checkpointer.directory)
+      state = checkpointer.restore(start_step, abstract_state)
+      if is_chief:
+        _truncate_metrics(metrics_path, start_step)
+
+    # --- Compile (ahead of time, so compile time stays out of the throughput figures)
+    batch_sharding = partitioning.batch_sharding(mesh)
+    seq_len = config.data.max_seq_len
+    global_batch = config.train.batch_size
+    abstract_batch = {
+        name: jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=batch_sharding)
+        for name in ("input_ids", "token_type_ids", "attention_mask")
+    }
+    abstract_rng = jax.ShapeDtypeStruct(init_rng.shape, init_rng.dtype, sharding=partitioning.replicated(mesh))
+    compiled_step = (
+        jax.jit(
+            train_step,
+            in_shardings=(state_shardings, batch_sharding, partitioning.replicated(mesh)),
+            out_shardings=(state_shardings, partitioning.replicated(mesh)),
+            donate_argnums=(0,),
+        )
+        .lower(abstract_state, abstract_batch, abstract_rng)
+        .compile()
+    )
+
+  # --- Loop
+  total_steps = config.train.steps
+  flops_per_token = flops.train_flops_per_token(model, seq_len, objective.max_predictions)
+  peak = flops.peak_flops(jax.devices()[0])
+  tokens_per_step = global_batch * seq_len
+  meta = {"param_shapes": shapes_now, "data_fingerprint": corpus.fingerprint}
+  window, last_logged, step = [], {}, start_step
+  window_start = time.perf_counter()
+  if start_step >= total_steps:
+    logging.info("Nothing to do: the checkpoint at step %d reached train.steps=%d.", start_step, total_steps)
+
+  with _Preemption() as preemption:
+    while step < total_steps:
+      local_batch = data.get_batch(
+          corpus, step, global_batch, config.train.seed, jax.process_index(), jax.process_count()
+      )
+      batch = partitioning.global_batch_from_local(local_batch, mesh)
+      state, metrics = compiled_step(state, batch, step_rng(config.train.seed, step))
+      window.append(metrics)
+      step += 1
+
+      if step % config.train.log_every == 0 or step == total_steps or preemption.requested:
+        logged = _mean_metrics(window)
+        elapsed = time.perf_counter() - window_start
+        steps_per_sec = len(window) / elapsed
+        logged.update(step=step, steps_per_sec=steps_per_sec, tokens_per_sec=steps_per_sec * tokens_per_step)
+        if peak is not None:
+          logged["mfu"] = logged["tokens_per_sec"] * flops_per_token / (peak * jax.device_count())
+        if not math.isfinite(logged["loss"]):
+          raise FloatingPointError(
+              f"The loss became {logged['loss']} by step {step}; stopping without saving. The "
+              f"last checkpoint is step {checkpointer.latest_step()}. Lower "
+              "optimizer.learning_rate, raise optimizer.warmup_steps, or use train.dtype=float32."
+          )
+        if is_chief:
+          with open(metrics_path, "a") as f:
+            f.write(json.dumps(logged, sort_keys=True) + "\n")
+          eta = (total_steps - step) / steps_per_sec
+          logging.info(
+              "step %d/%d | loss %.4f | mlm_acc %.3f | disc_auc %.3f | %s tokens/s | ETA %s",
+              step, total_steps, logged["loss"], logged["masked_lm_accuracy"],
+              logged["disc_auc"], f"{logged['tokens_per_sec']:,.0f}", _format_duration(eta),
+          )
+        last_logged, window, window_start = logged, [], time.perf_counter()
+
+      if step % config.checkpoint.every_steps == 0 or step == total_steps or preemption.requested:
+        checkpointer.save(step, state, meta)
+      if preemption.requested:
+        logging.warning(
+            "SIGTERM received: saved a checkpoint at step %d; run the same command to resume.", step
+        )
+        break
+
+  checkpointer.wait()
+  checkpointer.close()
+  if step >= total_steps and is_chief:
+    logging.info("Done: step %d, checkpoints in %s.", step, checkpointer.directory)
+  return last_logged

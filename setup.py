@@ -1,0 +1,25 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="electra-jax",
+    version="0.1.0",
+    description="ELECTRA pre-training (replaced-token detection) in JAX/Flax for TPUs, GPUs and CPUs.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["electra_jax", "electra_jax.*"]),
+    install_requires=[
+        "jax>=0.7",
+        "flax>=0.11",
+        "optax>=0.2.4",
+        "orbax-checkpoint>=0.11",
+        "tensorflow-datasets>=4.9",
+        "sentencepiece>=0.2",
+        "ml_collections>=1.0",
+        "absl-py>=2.0",
+        "numpy>=1.26",
+    ],
+    extras_require={"test": ["pytest>=8"]},
+    entry_points={"console_scripts": ["electra-jax=electra_jax.main:run"]},
+)

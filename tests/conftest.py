@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny configs over a small slice of the built-in corpus, whose tokenizer and
+packed arrays are built once per test session in a temporary cache."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from electra_jax import config_lib  # noqa: E402
+
+base = config_lib.sibling(os.path.join(REPO, "configs", "base.py"), "base")
+
+# Small enough for a CPU test, big enough that the slice of corpus fills a few batches.
+TINY_OVERRIDES = {
+    "model.hidden_size": 32,
+    "model.num_layers": 2,
+    "model.num_heads": 2,
+    "model.intermediate_size": 64,
+    "model.embedding_size": 16,
+    "model.vocab_size": 512,
+    "model.max_position_embeddings": 64,
+    "model.generator_fraction": 0.5,
+    "data.max_seq_len": 32,
+    "data.spm_vocab_size": 500,
+    "data.max_documents": 120,
+    "train.steps": 6,
+    "train.batch_size": 8,
+    "train.log_every": 1,
+    "optimizer.warmup_steps": 2,
+    "optimizer.learning_rate": 1e-3,
+    "checkpoint.every_steps": 3,
+}
+
+
+def tiny_config(**overrides):
+  config = base.get_config()
+  for key, value in {**TINY_OVERRIDES, **overrides}.items():
+    group, name = key.split(".")
+    config[group][name] = value
+  return config
+
+
+def cli_args(workdir, **overrides):
+  """Arguments of `python -m electra_jax.main` for the tiny config."""
+  args = [sys.executable, "-m", "electra_jax.main", f"--config={REPO}/configs/base.py", f"--workdir={workdir}"]
+  args += [f"--config.{k}={v}" for k, v in {**TINY_OVERRIDES, **overrides}.items()]
+  return args
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_cache(tmp_path_factory):
+  """One cache for the whole session, shared with subprocesses through the environment."""
+  cache = str(tmp_path_factory.mktemp("electra_jax_cache"))
+  os.environ["ELECTRA_JAX_CACHE"] = cache
+  return cache
+
+
+def run_cli(args, env_extra=None, timeout=600, **kwargs):
+  env = dict(os.environ, **(env_extra or {}))
+  return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **kwargs)

@@ -1,0 +1,77 @@
+"""The mesh and shardings: size resolution, the rules table on real parameters, and the same
+losses on one device and on eight simulated devices (data=2, fsdp=2, tensor=2)."""
+
+import json
+import os
+
+import jax
+import ml_collections
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from conftest import cli_args, run_cli, tiny_config
+from electra_jax import models, objectives, partitioning, train
+
+
+def _mesh(data, fsdp, tensor):
+  return ml_collections.ConfigDict({"data": data, "fsdp": fsdp, "tensor": tensor})
+
+
+def test_mesh_sizes_fill_and_validate():
+  assert partitioning.resolve_mesh_shape(_mesh(-1, 1, 1), 8) == (8, 1, 1)
+  assert partitioning.resolve_mesh_shape(_mesh(2, -1, 2), 8) == (2, 2, 2)
+  with pytest.raises(ValueError, match="multiply to 4, but there are 8 devices"):
+    partitioning.resolve_mesh_shape(_mesh(2, 2, 1), 8)
+  with pytest.raises(ValueError, match="not divisible by 3"):
+    partitioning.resolve_mesh_shape(_mesh(3, -1, 1), 8)
+  with pytest.raises(ValueError, match="at most one may be -1"):
+    partitioning.resolve_mesh_shape(_mesh(-1, -1, 1), 8)
+
+
+def test_rules_shard_parameters_and_replicate_what_does_not_divide():
+  config = tiny_config()
+  model = models.build_model(config)
+  objective = objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4))
+  boxed = jax.eval_shape(train.make_init_fn(config, model, objective), jax.random.key(0))
+  mesh = jax.sharding.AbstractMesh((2, 2, 2), partitioning.MESH_AXES)
+  fitted = partitioning.partition_specs(boxed.params, mesh)
+  assert fitted["embeddings"]["word_embeddings"]["embedding"] == P("tensor", "fsdp")
+  layer = fitted["discriminator"]["encoder"]["layer_0"]
+  assert layer["intermediate"]["kernel"] == P("fsdp", "tensor")
+  assert layer["output"]["kernel"] == P("tensor", "fsdp")
+  assert layer["attention"]["query"]["kernel"] == P("fsdp", "tensor")
+  # The discriminator's scalar head output (size 1) cannot split over tensor=2: replicated.
+  assert fitted["discriminator"]["head_out"]["bias"] == P(None)
+
+
+def test_eight_devices_give_the_same_losses_as_one(tmp_path):
+  # Sharded reductions sum in another order (float32 noise ~1e-7). Adam's first updates are
+  # about lr * sign(g), which turns that noise into lr-sized steps for gradients that are
+  # exactly zero in exact arithmetic (attention key biases, for one); a small learning rate
+  # keeps five steps of that drift below the tolerance.
+  steps = {"train.steps": 5, "checkpoint.every_steps": 5, "optimizer.learning_rate": 1e-4}
+  one = run_cli(cli_args(tmp_path / "one", **steps))
+  assert one.returncode == 0, one.stderr[-3000:]
+  eight = run_cli(
+      cli_args(tmp_path / "eight", **steps, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}),
+      env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+  )
+  assert eight.returncode == 0, eight.stderr[-3000:]
+  assert "over 8 cpu devices" in eight.stderr
+
+  def losses(name):
+    with open(tmp_path / name / "metrics.jsonl") as f:
+      return [json.loads(line) for line in f]
+
+  for a, b in zip(losses("one"), losses("eight"), strict=True):
+    for metric in ("loss", "masked_lm_loss", "disc_loss"):
+      assert abs(a[metric] - b[metric]) < 1e-4, (a["step"], metric, a[metric], b[metric])
+
+
+def test_batch_not_divisible_by_data_axes_is_refused(tmp_path):
+  result = run_cli(
+      cli_args(tmp_path / "run", **{"train.batch_size": 6, "mesh.data": 4, "mesh.fsdp": 2}),
+      env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+  )
+  assert result.returncode != 0
+  assert "train.batch_size=6" in result.stderr and "8 batch shards" in result.stderr

@@ -1,0 +1,179 @@
+"""Training: errors before compiling, the optimizer and schedule, gradient accumulation, and
+the CLI end to end (outputs, bit-exact resume after SIGTERM, refusing another model's workdir)."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import REPO, cli_args, run_cli, tiny_config
+from electra_jax import data, models, objectives, train
+
+REQUIRED_METRICS = {
+    "step", "loss", "masked_lm_accuracy", "masked_lm_loss", "sampled_masked_lm_accuracy",
+    "disc_loss", "disc_auc", "disc_accuracy", "disc_precision", "disc_recall",
+    "learning_rate", "tokens_per_sec", "steps_per_sec",
+}
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        ({"model.hidden_size": 33}, "model.hidden_size=33"),
+        ({"data.max_seq_len": 128}, "data.max_seq_len=128"),
+        ({"model.generator_fraction": 0.0}, "model.generator_fraction=0.0"),
+        ({"model.generator_fraction": 1.5}, "model.generator_fraction=1.5"),
+        ({"mesh.data": 2}, "mesh.data=2"),
+        ({"train.grad_accum_steps": 3}, "train.grad_accum_steps=3"),
+        ({"model.vocab_size": 100}, "model.vocab_size=100"),
+    ],
+)
+def test_bad_config_is_refused_before_any_work(tmp_path, overrides, named):
+  workdir = tmp_path / "run"
+  with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+    train.train_and_evaluate(tiny_config(**overrides), str(workdir))
+  assert not (workdir / "checkpoints").exists() or not any((workdir / "checkpoints").iterdir())
+
+
+def test_learning_rate_schedule_is_the_official_one():
+  schedule = train.learning_rate_schedule(1e-3, warmup_steps=10, total_steps=100)
+  for step, want in [(0, 0.0), (5, 1e-3 * 0.5 * 0.95), (10, 1e-3 * 0.9), (60, 1e-3 * 0.4), (100, 0.0)]:
+    assert float(schedule(step)) == pytest.approx(want, rel=1e-6, abs=1e-12)  # float32
+
+
+def test_official_adam_step_by_hand():
+  """BERT's AdamWeightDecayOptimizer: no bias correction, decay added to the direction."""
+  config = tiny_config(**{"optimizer.bias_correction": False, "optimizer.clip_norm": 1e9})
+  tx, schedule = train.make_optimizer(config)
+  params = {"dense": {"kernel": jnp.array([[1.0, -2.0]]), "bias": jnp.array([0.5])}}
+  grads = {"dense": {"kernel": jnp.array([[0.3, -0.1]]), "bias": jnp.array([0.2])}}
+  state = tx.init(params)
+  _, state = tx.update(grads, state, params)  # step 0 has learning rate 0
+  updates, _ = tx.update(grads, state, params)
+  lr, wd, eps = float(schedule(1)), 0.01, 1e-6
+
+  def by_hand(g, p, decay):
+    m = 0.9 * (0.1 * g) + 0.1 * g
+    v = 0.999 * (0.001 * g * g) + 0.001 * g * g
+    return -lr * (m / (np.sqrt(v) + eps) + (wd * p if decay else 0.0))
+
+  np.testing.assert_allclose(updates["dense"]["kernel"], by_hand(np.array([[0.3, -0.1]]), np.array([[1.0, -2.0]]), True), rtol=1e-5)
+  np.testing.assert_allclose(updates["dense"]["bias"], by_hand(np.array([0.2]), np.array([0.5]), False), rtol=1e-5)
+
+
+def test_weight_decay_skips_layer_norm_and_biases():
+  config = tiny_config()
+  model = models.build_model(config)
+  ids = jnp.zeros((1, 8), jnp.int32)
+  params = nn.meta.unbox(model.init(jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32))["params"])
+  mask = flax.traverse_util.flatten_dict(jax.tree_util.tree_map_with_path(train._decays, params), sep="/")
+  decayed = {name for name, on in mask.items() if on}
+  assert decayed == {name for name in mask if name.endswith(("/kernel", "/embedding"))}
+  assert not any("layer_norm" in name or "bias" in name for name in decayed)
+  assert "embeddings/word_embeddings/embedding" in decayed
+
+
+def _state_and_batch(config):
+  corpus = data.load_pretraining_data(config.data)
+  tok = corpus.tokenizer
+  model = models.build_model(config)
+  objective = objectives.objective_from_config(config, dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id))
+  state = nn.meta.unbox(train.make_init_fn(config, model, objective)(jax.random.key(0)))
+  batch = {k: jnp.asarray(v) for k, v in data.get_batch(corpus, 0, config.train.batch_size, 0).items()}
+  return state, batch
+
+
+def test_gradient_accumulation_equals_the_full_batch():
+  no_dropout = {"model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0, "optimizer.warmup_steps": 1}
+  full_state, batch = _state_and_batch(tiny_config(**no_dropout))
+  accum_state = full_state.replace(grad_accum_steps=4)
+  rng = train.step_rng(0, 3)
+  full_state, full_metrics = jax.jit(train.train_step)(full_state, batch, rng)
+  accum_state, accum_metrics = jax.jit(train.train_step)(accum_state, batch, rng)
+  for name in ("loss", "masked_lm_loss", "disc_loss", "disc_auc", "grad_norm"):
+    assert float(accum_metrics[name]) == pytest.approx(float(full_metrics[name]), rel=1e-5), name
+  for a, b in zip(jax.tree.leaves(full_state.params), jax.tree.leaves(accum_state.params)):
+    np.testing.assert_allclose(a, b, atol=2e-6)
+
+
+def _metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_cli_writes_config_metrics_and_checkpoints(tmp_path):
+  workdir = tmp_path / "run"
+  result = run_cli(cli_args(workdir))
+  assert result.returncode == 0, result.stderr[-3000:]
+  config = json.loads((workdir / "config.json").read_text())
+  assert config["model"]["hidden_size"] == 32 and config["train"]["steps"] == 6
+  lines = _metrics(workdir)
+  assert [m["step"] for m in lines] == [1, 2, 3, 4, 5, 6]
+  for m in lines:
+    assert REQUIRED_METRICS <= set(m), REQUIRED_METRICS - set(m)
+    assert np.isfinite(m["loss"]) and 0 <= m["disc_auc"] <= 1
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["3", "6"]
+  assert "step 6/6" in result.stderr and "ETA" in result.stderr and "tokens/s" in result.stderr
+  # Running again finds the run complete and trains nothing more.
+  again = run_cli(cli_args(workdir))
+  assert again.returncode == 0 and len(_metrics(workdir)) == 6
+
+
+def test_sigterm_saves_and_resume_is_bit_exact(tmp_path):
+  steps = 150
+  overrides = {"train.steps": steps, "checkpoint.every_steps": 1000}
+  reference = tmp_path / "reference"
+  assert run_cli(cli_args(reference, **overrides)).returncode == 0
+
+  interrupted = tmp_path / "interrupted"
+  proc = subprocess.Popen(
+      cli_args(interrupted, **overrides), cwd=REPO, env=dict(os.environ),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+  )
+  metrics_file = interrupted / "metrics.jsonl"
+  deadline = time.time() + 300
+  while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 5):
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGTERM)
+  _, stderr = proc.communicate(timeout=300)
+  assert proc.returncode == 0, stderr[-3000:]
+  saved = [int(d) for d in os.listdir(interrupted / "checkpoints")]
+  assert len(saved) == 1 and 5 <= saved[0] < steps, saved  # stopped early, saved where it stopped
+  assert "SIGTERM" in stderr
+
+  resumed = run_cli(cli_args(interrupted, **overrides))
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "Resuming from the checkpoint at step" in resumed.stderr
+  want, got = _metrics(reference), _metrics(interrupted)
+  assert [m["step"] for m in got] == list(range(1, steps + 1))
+  for a, b in zip(want, got):
+    for name in REQUIRED_METRICS - {"tokens_per_sec", "steps_per_sec"}:
+      assert a[name] == b[name], (a["step"], name, a[name], b[name])  # to the last bit
+
+
+def test_workdir_of_another_model_is_refused_and_left_intact(tmp_path):
+  workdir = tmp_path / "run"
+  assert run_cli(cli_args(workdir, **{"train.steps": 3})).returncode == 0
+  before = {p: p.stat().st_mtime_ns for p in workdir.rglob("*") if p.is_file()}
+  config_before = (workdir / "config.json").read_text()
+  result = run_cli(cli_args(workdir, **{"train.steps": 3, "model.intermediate_size": 96}))
+  assert result.returncode != 0
+  assert "different model" in result.stderr and "intermediate/bias" in result.stderr and "Traceback" not in result.stderr
+  assert (workdir / "config.json").read_text() == config_before
+  assert {p: p.stat().st_mtime_ns for p in workdir.rglob("*") if p.is_file()} == before
+
+
+def test_mistyped_override_names_the_close_match(tmp_path):
+  result = run_cli(cli_args(tmp_path / "run") + ["--config.train.stpes=5"])
+  assert result.returncode != 0
+  assert 'Did you mean "steps"' in result.stderr
