@@ -2,6 +2,7 @@
 `train_and_evaluate`, which reads top to bottom: config, mesh, input, model, shardings,
 checkpoint, compile, loop (with preemption and NaN handling)."""
 
+import dataclasses
 import json
 import math
 import os
@@ -205,6 +206,59 @@ def check_same_model(saved: dict, current: dict, workdir: str) -> None:
       )
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainingSetup:
+  """What the loop, the benchmarks and the tests need to build and step a sharded state."""
+
+  model: ElectraPretrainer
+  objective: objectives.ElectraObjective
+  init_fn: Callable[[jax.Array], TrainState]  # boxed; see make_init_fn
+  state_shardings: TrainState  # NamedSharding leaves
+  abstract_state: TrainState  # ShapeDtypeStruct leaves carrying those shardings
+  param_shapes: dict[str, list[int]]
+
+
+def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
+  model = build_model(config)
+  objective = objectives.objective_from_config(config, special_ids)
+  init_fn = make_init_fn(config, model, objective)
+  boxed_shapes = jax.eval_shape(init_fn, jax.random.key(0))
+  state_shardings = partitioning.shardings_for(boxed_shapes, mesh)
+  abstract_state = jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+      nn.meta.unbox(boxed_shapes),
+      state_shardings,
+  )
+  return TrainingSetup(
+      model, objective, init_fn, state_shardings, abstract_state, param_shapes(boxed_shapes.params)
+  )
+
+
+def compile_train_step(setup: TrainingSetup, config, mesh):
+  """train_step compiled for this config's global batch, with the state donated. Call it
+  inside `partitioning.activate(mesh)`."""
+  batch_sharding = partitioning.batch_sharding(mesh)
+  replicated = partitioning.replicated(mesh)
+  abstract_batch = {
+      name: jax.ShapeDtypeStruct(
+          (config.train.batch_size, config.data.max_seq_len), jnp.int32, sharding=batch_sharding
+      )
+      for name in ("input_ids", "token_type_ids", "attention_mask")
+  }
+  rng = jax.random.key(0)
+  abstract_rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=replicated)
+  return (
+      jax.jit(
+          train_step,
+          in_shardings=(setup.state_shardings, batch_sharding, replicated),
+          out_shardings=(setup.state_shardings, replicated),
+          donate_argnums=(0,),
+      )
+      .lower(setup.abstract_state, abstract_batch, abstract_rng)
+      .compile()
+  )
+
+
 # ---------------------------------------------------------------------------------------
 # Host-side helpers of the loop
 # ---------------------------------------------------------------------------------------
@@ -282,28 +336,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     )
   special_ids = dict(pad=tokenizer.pad_id, cls=tokenizer.cls_id, sep=tokenizer.sep_id, mask=tokenizer.mask_id)
 
-  # --- Model
-  model = build_model(config)
-  objective = objectives.objective_from_config(config, special_ids)
+  # --- Model and shardings
+  setup = build_setup(config, mesh, special_ids)
   init_rng = jax.random.key(config.train.seed)
-
-  # --- Shard
-  init_fn = make_init_fn(config, model, objective)
-  boxed_shapes = jax.eval_shape(init_fn, init_rng)
-  state_shardings = partitioning.shardings_for(boxed_shapes, mesh)
-  abstract_state = jax.tree.map(
-      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-      nn.meta.unbox(boxed_shapes),
-      state_shardings,
-  )
-  shapes_now = param_shapes(boxed_shapes.params)
 
   # --- Checkpoint: restore or initialize. Refusals happen before anything is written.
   checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
   start_step = checkpointer.latest_step()
   if start_step is not None:
     meta = checkpointer.read_meta(start_step)
-    check_same_model(meta["param_shapes"], shapes_now, workdir)
+    check_same_model(meta["param_shapes"], setup.param_shapes, workdir)
     if meta["data_fingerprint"] != corpus.fingerprint:
       raise ConfigError(
           f"The checkpoint in {workdir} was trained on data {meta['data_fingerprint']} but this "
@@ -318,41 +360,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   with partitioning.activate(mesh):
     if start_step is None:
-      init = jax.jit(lambda r: nn.meta.unbox(init_fn(r)), out_shardings=state_shardings)
-      state = init(init_rng)
+      state = jax.jit(lambda r: nn.meta.unbox(setup.init_fn(r)), out_shardings=setup.state_shardings)(init_rng)
       start_step = 0
     else:
       logging.info("Resuming from the checkpoint at step %d in %s.", start_step, checkpointer.directory)
-      state = checkpointer.restore(start_step, abstract_state)
+      state = checkpointer.restore(start_step, setup.abstract_state)
       if is_chief:
         _truncate_metrics(metrics_path, start_step)
-
-    # --- Compile (ahead of time, so compile time stays out of the throughput figures)
-    batch_sharding = partitioning.batch_sharding(mesh)
-    seq_len = config.data.max_seq_len
-    global_batch = config.train.batch_size
-    abstract_batch = {
-        name: jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=batch_sharding)
-        for name in ("input_ids", "token_type_ids", "attention_mask")
-    }
-    abstract_rng = jax.ShapeDtypeStruct(init_rng.shape, init_rng.dtype, sharding=partitioning.replicated(mesh))
-    compiled_step = (
-        jax.jit(
-            train_step,
-            in_shardings=(state_shardings, batch_sharding, partitioning.replicated(mesh)),
-            out_shardings=(state_shardings, partitioning.replicated(mesh)),
-            donate_argnums=(0,),
-        )
-        .lower(abstract_state, abstract_batch, abstract_rng)
-        .compile()
-    )
+    # Ahead of time, so compile time stays out of the throughput figures.
+    compiled_step = compile_train_step(setup, config, mesh)
 
   # --- Loop
   total_steps = config.train.steps
-  flops_per_token = flops.train_flops_per_token(model, seq_len, objective.max_predictions)
+  seq_len, global_batch = config.data.max_seq_len, config.train.batch_size
+  flops_per_token = flops.train_flops_per_token(setup.model, seq_len, setup.objective.max_predictions)
   peak = flops.peak_flops(jax.devices()[0])
   tokens_per_step = global_batch * seq_len
-  meta = {"param_shapes": shapes_now, "data_fingerprint": corpus.fingerprint}
+  meta = {"param_shapes": setup.param_shapes, "data_fingerprint": corpus.fingerprint}
   window, last_logged, step = [], {}, start_step
   window_start = time.perf_counter()
   if start_step >= total_steps:
