@@ -306,6 +306,16 @@ def _truncate_metrics(path: str, last_step: int) -> None:
   os.replace(tmp, path)
 
 
+def _stop_if_not_finite(loss: float, step: int, checkpointer) -> None:
+  if not math.isfinite(loss):
+    checkpointer.wait()  # the last good checkpoint may still be being written
+    raise FloatingPointError(
+        f"The loss became {loss} by step {step}; stopping without saving. The last checkpoint is "
+        f"step {checkpointer.latest_step()}. Lower optimizer.learning_rate, raise "
+        "optimizer.warmup_steps, or use train.dtype=float32."
+    )
+
+
 def _mean_metrics(window: list[dict]) -> dict[str, float]:
   host = jax.device_get(window)
   return {name: float(np.nanmean([m[name] for m in host])) for name in host[0]}
@@ -382,50 +392,48 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if start_step >= total_steps:
     logging.info("Nothing to do: the checkpoint at step %d reached train.steps=%d.", start_step, total_steps)
 
-  with _Preemption() as preemption:
-    while step < total_steps:
-      local_batch = data.get_batch(
-          corpus, step, global_batch, config.train.seed, jax.process_index(), jax.process_count()
-      )
-      batch = partitioning.global_batch_from_local(local_batch, mesh)
-      state, metrics = compiled_step(state, batch, step_rng(config.train.seed, step))
-      window.append(metrics)
-      step += 1
-
-      if step % config.train.log_every == 0 or step == total_steps or preemption.requested:
-        logged = _mean_metrics(window)
-        elapsed = time.perf_counter() - window_start
-        steps_per_sec = len(window) / elapsed
-        logged.update(step=step, steps_per_sec=steps_per_sec, tokens_per_sec=steps_per_sec * tokens_per_step)
-        if peak is not None:
-          logged["mfu"] = logged["tokens_per_sec"] * flops_per_token / (peak * jax.device_count())
-        if not math.isfinite(logged["loss"]):
-          raise FloatingPointError(
-              f"The loss became {logged['loss']} by step {step}; stopping without saving. The "
-              f"last checkpoint is step {checkpointer.latest_step()}. Lower "
-              "optimizer.learning_rate, raise optimizer.warmup_steps, or use train.dtype=float32."
-          )
-        if is_chief:
-          with open(metrics_path, "a") as f:
-            f.write(json.dumps(logged, sort_keys=True) + "\n")
-          eta = (total_steps - step) / steps_per_sec
-          logging.info(
-              "step %d/%d | loss %.4f | mlm_acc %.3f | disc_auc %.3f | %s tokens/s | ETA %s",
-              step, total_steps, logged["loss"], logged["masked_lm_accuracy"],
-              logged["disc_auc"], f"{logged['tokens_per_sec']:,.0f}", _format_duration(eta),
-          )
-        last_logged, window, window_start = logged, [], time.perf_counter()
-
-      if step % config.checkpoint.every_steps == 0 or step == total_steps or preemption.requested:
-        checkpointer.save(step, state, meta)
-      if preemption.requested:
-        logging.warning(
-            "SIGTERM received: saved a checkpoint at step %d; run the same command to resume.", step
+  # Whatever ends the loop (done, SIGTERM, NaN, an error), saves in flight are completed.
+  try:
+    with _Preemption() as preemption:
+      while step < total_steps:
+        local_batch = data.get_batch(
+            corpus, step, global_batch, config.train.seed, jax.process_index(), jax.process_count()
         )
-        break
+        batch = partitioning.global_batch_from_local(local_batch, mesh)
+        state, metrics = compiled_step(state, batch, step_rng(config.train.seed, step))
+        window.append(metrics)
+        step += 1
 
-  checkpointer.wait()
-  checkpointer.close()
+        if step % config.train.log_every == 0 or step == total_steps or preemption.requested:
+          logged = _mean_metrics(window)
+          elapsed = time.perf_counter() - window_start
+          steps_per_sec = len(window) / elapsed
+          logged.update(step=step, steps_per_sec=steps_per_sec, tokens_per_sec=steps_per_sec * tokens_per_step)
+          if peak is not None:
+            logged["mfu"] = logged["tokens_per_sec"] * flops_per_token / (peak * jax.device_count())
+          _stop_if_not_finite(logged["loss"], step, checkpointer)
+          if is_chief:
+            with open(metrics_path, "a") as f:
+              f.write(json.dumps(logged, sort_keys=True) + "\n")
+            eta = (total_steps - step) / steps_per_sec
+            logging.info(
+                "step %d/%d | loss %.4f | mlm_acc %.3f | disc_auc %.3f | %s tokens/s | ETA %s",
+                step, total_steps, logged["loss"], logged["masked_lm_accuracy"],
+                logged["disc_auc"], f"{logged['tokens_per_sec']:,.0f}", _format_duration(eta),
+            )
+          last_logged, window, window_start = logged, [], time.perf_counter()
+
+        if step % config.checkpoint.every_steps == 0 or step == total_steps or preemption.requested:
+          _stop_if_not_finite(float(metrics["loss"]), step, checkpointer)  # never save a NaN state
+          checkpointer.save(step, state, meta)
+        if preemption.requested:
+          logging.warning(
+              "SIGTERM received: saved a checkpoint at step %d; run the same command to resume.", step
+          )
+          break
+  finally:
+    checkpointer.wait()
+    checkpointer.close()
   if step >= total_steps and is_chief:
     logging.info("Done: step %d, checkpoints in %s.", step, checkpointer.directory)
   return last_logged

@@ -177,3 +177,14 @@ def test_mistyped_override_names_the_close_match(tmp_path):
   result = run_cli(cli_args(tmp_path / "run") + ["--config.train.stpes=5"])
   assert result.returncode != 0
   assert 'Did you mean "steps"' in result.stderr
+
+
+def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+  # An absurd learning rate drives the parameters to inf within a few steps.
+  config = tiny_config(**{"optimizer.learning_rate": 1e30, "checkpoint.every_steps": 2, "train.log_every": 3})
+  with pytest.raises(FloatingPointError, match="The last checkpoint is step 2"):
+    train.train_and_evaluate(config, str(tmp_path))
+  # Step 2's save was still in flight when the NaN appeared: it must have been completed.
+  assert os.listdir(tmp_path / "checkpoints") == ["2"]
+  meta = train.checkpointing.Checkpointer(str(tmp_path), keep=3).read_meta(2)
+  assert "param_shapes" in meta
