@@ -9,6 +9,7 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
 from electra_jax.config_lib import ConfigError
 
 Dtype = Any

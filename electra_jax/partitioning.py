@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
 from electra_jax.config_lib import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")

@@ -20,8 +20,8 @@ import optax
 from absl import logging
 
 from electra_jax import checkpointing, config_lib, data, flops, objectives, partitioning
-from electra_jax.models import ElectraPretrainer, build_model
 from electra_jax.config_lib import ConfigError
+from electra_jax.models import ElectraPretrainer, build_model
 
 
 @flax.struct.dataclass

@@ -12,6 +12,7 @@ import hashlib
 import os
 import sysconfig
 from collections.abc import Iterator
+
 from electra_jax.config_lib import ConfigError
 
 # Directories whose docstrings are not representative prose (test suites, vendored code,

@@ -10,6 +10,7 @@ import random
 from collections.abc import Sequence
 
 import numpy as np
+
 from electra_jax.config_lib import ConfigError
 
 # Smallest max_seq_len that leaves room for [CLS], [SEP], [SEP] and some text; it is also

@@ -19,8 +19,8 @@ from absl import logging
 
 from electra_jax.data import corpus
 from electra_jax.data.packing import pack_documents
-from electra_jax.data.tokenizer import SentencePieceTokenizer, atomic_write_bytes, train_sentencepiece
 from electra_jax.config_lib import ConfigError
+from electra_jax.data.tokenizer import SentencePieceTokenizer, atomic_write_bytes, train_sentencepiece
 
 SUPPORTED_SOURCES = ("builtin",)
 SPLITS = ("train", "eval")

@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Iterable, Sequence
 
 import sentencepiece as spm
+
 from electra_jax.config_lib import ConfigError
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
