@@ -18,7 +18,7 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from electra_jax import config_lib, data, flops, partitioning, train
+from electra_jax import data, flops, partitioning, train
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py", "Recipe to measure.", lock_config=True)
 _STEPS = flags.DEFINE_integer("steps", 20, "Train steps per timed window.")
@@ -29,13 +29,7 @@ _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps after compiling.")
 def main(argv):
   del argv
   config = _CONFIG.value
-  config_lib.validate(config)
-  mesh = partitioning.make_mesh(config.mesh)
-  config_lib.validate_for_mesh(config, partitioning.batch_shards(mesh))
-  corpus = data.load_pretraining_data(config.data)
-  tok = corpus.tokenizer
-  special_ids = dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id)
-  setup = train.build_setup(config, mesh, special_ids)
+  mesh, corpus, setup = train.prepare(config)
   batch_size, seq_len = config.train.batch_size, config.data.max_seq_len
 
   with partitioning.activate(mesh):

@@ -74,6 +74,15 @@ def get_config():
   mesh.fsdp = 1
   mesh.tensor = 1
 
+  # Held-out evaluation during training (and at the last step) on data.eval_fraction of the
+  # documents, with fixed masks and samples so figures compare across checkpoints; written to
+  # <workdir>/eval_metrics.jsonl. every_steps=0 turns it off.
+  config.eval = evaluation = ml_collections.ConfigDict()
+  evaluation.every_steps = 10_000
+  evaluation.num_batches = 20  # at most; fewer if the held-out split is smaller
+  evaluation.batch_size = 0  # 0 = the training micro-batch (train.batch_size / grad_accum_steps)
+  evaluation.seed = 0
+
   config.checkpoint = checkpoint = ml_collections.ConfigDict()
   checkpoint.every_steps = 5000
   checkpoint.keep = 3

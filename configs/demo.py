@@ -27,4 +27,5 @@ def get_config():
   config.train.update(steps=600, batch_size=32, log_every=50)
   config.optimizer.update(learning_rate=1e-3, warmup_steps=60)
   config.checkpoint.update(every_steps=200, keep=2)
+  config.eval.every_steps = 200
   return config

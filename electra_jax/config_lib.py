@@ -61,6 +61,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"train.steps={t.steps}, train.log_every={t.log_every} and checkpoint.every_steps="
         f"{config.checkpoint.every_steps} must all be >= 1."
     )
+  if config.eval.every_steps < 0 or config.eval.num_batches < 1 or config.eval.batch_size < 0:
+    raise ConfigError(
+        f"eval.every_steps={config.eval.every_steps} must be >= 0 (0 = off), eval.num_batches="
+        f"{config.eval.num_batches} >= 1 and eval.batch_size={config.eval.batch_size} >= 0."
+    )
   if not 0.0 < config.objective.mask_prob < 1.0:
     raise ConfigError(f"objective.mask_prob={config.objective.mask_prob} must be in (0, 1).")
   if config.objective.temperature <= 0:

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from absl import logging
 
-from electra_jax import checkpointing, config_lib, data, flops, objectives, partitioning
+from electra_jax import checkpointing, config_lib, data, evaluation, flops, objectives, partitioning
 from electra_jax.config_lib import ConfigError
 from electra_jax.models import ElectraPretrainer, build_model
 
@@ -195,6 +195,17 @@ def param_shapes(params) -> dict[str, list[int]]:
   return {name: list(leaf.shape) for name, leaf in flat.items()}
 
 
+def _check_checkpoint_matches(checkpointer, step: int, setup, corpus, workdir: str) -> None:
+  meta = checkpointer.read_meta(step)
+  check_same_model(meta["param_shapes"], setup.param_shapes, workdir)
+  if meta["data_fingerprint"] != corpus.fingerprint:
+    raise ConfigError(
+        f"The checkpoint in {workdir} was trained on data {meta['data_fingerprint']} but this "
+        f"config gives {corpus.fingerprint} (a different tokenizer, corpus or max_seq_len). "
+        "Use a new --workdir, or the data settings of its config.json."
+    )
+
+
 def check_same_model(saved: dict, current: dict, workdir: str) -> None:
   for name in sorted(set(saved) | set(current)):
     if saved.get(name) != current.get(name):
@@ -257,6 +268,28 @@ def compile_train_step(setup: TrainingSetup, config, mesh):
       .lower(setup.abstract_state, abstract_batch, abstract_rng)
       .compile()
   )
+
+
+def prepare(config):
+  """Config checks, mesh, training data and the sharded setup, in that order, so that every
+  mistake a user can make is reported before anything is compiled or written."""
+  # --- Config: everything checkable without devices or data.
+  config_lib.validate(config)
+  # --- Mesh
+  mesh = partitioning.make_mesh(config.mesh)
+  config_lib.validate_for_mesh(config, partitioning.batch_shards(mesh))
+  logging.info("Mesh %s over %d %s devices.", dict(mesh.shape), mesh.size, jax.devices()[0].platform)
+  # --- Input
+  corpus = data.load_pretraining_data(config.data, split="train")
+  tokenizer = corpus.tokenizer
+  if config.model.vocab_size < tokenizer.vocab_size:
+    raise ConfigError(
+        f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's vocabulary "
+        f"({tokenizer.vocab_size}). Set model.vocab_size >= {tokenizer.vocab_size}."
+    )
+  special_ids = dict(pad=tokenizer.pad_id, cls=tokenizer.cls_id, sep=tokenizer.sep_id, mask=tokenizer.mask_id)
+  # --- Model and shardings
+  return mesh, corpus, build_setup(config, mesh, special_ids)
 
 
 # ---------------------------------------------------------------------------------------
@@ -327,46 +360,22 @@ def _mean_metrics(window: list[dict]) -> dict[str, float]:
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Pre-trains per `config`, resuming from `workdir` if it holds a checkpoint. Returns the
   last logged metrics."""
-  # --- Config: everything checkable without devices or data fails here, before any work.
-  config_lib.validate(config)
+  mesh, corpus, setup = prepare(config)
   is_chief = jax.process_index() == 0
-
-  # --- Mesh
-  mesh = partitioning.make_mesh(config.mesh)
-  config_lib.validate_for_mesh(config, partitioning.batch_shards(mesh))
-  logging.info("Mesh %s over %d %s devices.", dict(mesh.shape), mesh.size, jax.devices()[0].platform)
-
-  # --- Input
-  corpus = data.load_pretraining_data(config.data, split="train")
-  tokenizer = corpus.tokenizer
-  if config.model.vocab_size < tokenizer.vocab_size:
-    raise ConfigError(
-        f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's vocabulary "
-        f"({tokenizer.vocab_size}). Set model.vocab_size >= {tokenizer.vocab_size}."
-    )
-  special_ids = dict(pad=tokenizer.pad_id, cls=tokenizer.cls_id, sep=tokenizer.sep_id, mask=tokenizer.mask_id)
-
-  # --- Model and shardings
-  setup = build_setup(config, mesh, special_ids)
   init_rng = jax.random.key(config.train.seed)
+  evaluator = evaluation.HeldOutEvaluator(config, setup, mesh) if config.eval.every_steps else None
 
   # --- Checkpoint: restore or initialize. Refusals happen before anything is written.
   checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
   start_step = checkpointer.latest_step()
   if start_step is not None:
-    meta = checkpointer.read_meta(start_step)
-    check_same_model(meta["param_shapes"], setup.param_shapes, workdir)
-    if meta["data_fingerprint"] != corpus.fingerprint:
-      raise ConfigError(
-          f"The checkpoint in {workdir} was trained on data {meta['data_fingerprint']} but this "
-          f"config gives {corpus.fingerprint} (a different tokenizer, corpus or max_seq_len). "
-          "Use a new --workdir, or the data settings of its config.json."
-      )
+    _check_checkpoint_matches(checkpointer, start_step, setup, corpus, workdir)
   if is_chief:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config_lib.to_json(config))
   metrics_path = os.path.join(workdir, "metrics.jsonl")
+  eval_metrics_path = os.path.join(workdir, "eval_metrics.jsonl")
 
   with partitioning.activate(mesh):
     if start_step is None:
@@ -377,6 +386,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       state = checkpointer.restore(start_step, setup.abstract_state)
       if is_chief:
         _truncate_metrics(metrics_path, start_step)
+        _truncate_metrics(eval_metrics_path, start_step)
     # Ahead of time, so compile time stays out of the throughput figures.
     compiled_step = compile_train_step(setup, config, mesh)
 
@@ -423,6 +433,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             )
           last_logged, window, window_start = logged, [], time.perf_counter()
 
+        if evaluator and (step % config.eval.every_steps == 0 or step == total_steps):
+          eval_start = time.perf_counter()
+          held_out = evaluator(state)
+          window_start += time.perf_counter() - eval_start  # keep eval out of tokens/s
+          if is_chief:
+            with open(eval_metrics_path, "a") as f:
+              f.write(json.dumps(dict(held_out, step=step), sort_keys=True) + "\n")
+            logging.info(
+                "eval step %d (%d held-out examples) | loss %.4f | mlm_acc %.3f | disc_auc %.3f",
+                step, evaluator.num_examples, held_out["loss"], held_out["masked_lm_accuracy"],
+                held_out["disc_auc"],
+            )
+
         if step % config.checkpoint.every_steps == 0 or step == total_steps or preemption.requested:
           _stop_if_not_finite(float(metrics["loss"]), step, checkpointer)  # never save a NaN state
           checkpointer.save(step, state, meta)
@@ -437,3 +460,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if step >= total_steps and is_chief:
     logging.info("Done: step %d, checkpoints in %s.", step, checkpointer.directory)
   return last_logged
+
+
+def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, step: int | None = None) -> dict:
+  """Held-out metrics of a saved checkpoint (the latest unless `step` is given), with the same
+  fixed masks as the evaluations during training; also written to <workdir>/eval_step_<N>.json."""
+  mesh, corpus, setup = prepare(config)
+  checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
+  step = checkpointer.latest_step() if step is None else step
+  if step is None:
+    raise ConfigError(f"{workdir} holds no checkpoint to evaluate; train first or fix --workdir.")
+  _check_checkpoint_matches(checkpointer, step, setup, corpus, workdir)
+  with partitioning.activate(mesh):
+    state = checkpointer.restore(step, setup.abstract_state)
+  checkpointer.close()
+  held_out = evaluation.HeldOutEvaluator(config, setup, mesh)(state)
+  held_out["step"] = step
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, f"eval_step_{step}.json"), "w") as f:
+      json.dump(held_out, f, indent=2, sort_keys=True)
+  return held_out

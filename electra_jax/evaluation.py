@@ -1,0 +1,96 @@
+"""Held-out pre-training evaluation: the official metric set over a fixed set of held-out
+examples with fixed masks and fixed samples, so numbers compare across checkpoints and runs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from electra_jax import data, objectives, partitioning
+from electra_jax.config_lib import ConfigError
+
+
+def eval_step(state, batch, seed_key):
+  """Forward pass without dropout; returns the additive stats and per-token arrays.
+
+  Masks and samples come from a key per held-out example (fold_in of `batch["example_index"]`),
+  so the figures do not depend on the eval batch size or the number of devices.
+  """
+  objective = state.objective
+  example_keys = jax.vmap(lambda i: jax.random.fold_in(seed_key, i))(batch["example_index"])
+  mask_keys, sample_keys = jnp.moveaxis(jax.vmap(jax.random.split)(example_keys), 1, 0)
+  masked = jax.vmap(
+      lambda key, ids, mask: objectives.mask_tokens(key, ids[None], mask[None], objective)
+  )(mask_keys, batch["input_ids"], batch["attention_mask"])
+  masked = jax.tree.map(lambda x: x[:, 0], masked)  # [batch, 1, ...] -> [batch, ...]
+  normalizers = objectives.Normalizers.of(masked, batch["attention_mask"])
+  _, (stats, per_token) = objectives.electra_forward(
+      state.model, state.params, batch, masked, sample_keys, seed_key, objective, normalizers,
+      deterministic=True,
+  )
+  return stats, per_token
+
+
+class HeldOutEvaluator:
+  """Evaluates a train state on the first `eval.num_batches` batches of the held-out split, in
+  order (no shuffle). A short last batch is filled with all-padding rows, which carry no
+  weight, so every held-out example counts exactly once."""
+
+  def __init__(self, config, setup, mesh):
+    held_out = data.load_pretraining_data(config.data, split="eval")
+    batch_size = config.eval.batch_size or config.train.batch_size // config.train.grad_accum_steps
+    shards = partitioning.batch_shards(mesh)
+    if batch_size % shards or batch_size % jax.process_count():
+      raise ConfigError(
+          f"eval.batch_size={batch_size} is not divisible by the {shards} batch shards "
+          f"(mesh.data * mesh.fsdp) and {jax.process_count()} processes; choose a multiple."
+      )
+    num_rows = min(held_out.num_examples, config.eval.num_batches * batch_size)
+    if num_rows == 0:
+      raise ConfigError(
+          f"The held-out split is empty (data.eval_fraction={config.data.eval_fraction}); raise "
+          "data.eval_fraction or set eval.every_steps=0."
+      )
+    num_batches = -(-num_rows // batch_size)
+    pad_id = held_out.tokenizer.pad_id
+
+    def rows(array, fill):
+      padded = np.full((num_batches * batch_size, array.shape[1]), fill, np.int32)
+      padded[:num_rows] = array[:num_rows]
+      return padded.reshape(num_batches, batch_size, -1)
+
+    input_ids = rows(held_out.input_ids, pad_id)
+    token_type_ids = rows(held_out.token_type_ids, 0)
+    local = slice(
+        jax.process_index() * batch_size // jax.process_count(),
+        (jax.process_index() + 1) * batch_size // jax.process_count(),
+    )
+    self._batches = [
+        {
+            "input_ids": input_ids[i, local],
+            "token_type_ids": token_type_ids[i, local],
+            "attention_mask": (input_ids[i, local] != pad_id).astype(np.int32),
+            "example_index": np.arange(i * batch_size, (i + 1) * batch_size, dtype=np.int32)[local],
+        }
+        for i in range(num_batches)
+    ]
+    self.num_examples = num_rows
+    self._seed = config.eval.seed
+    self._mesh = mesh
+    replicated = partitioning.replicated(mesh)
+    self._step = jax.jit(
+        eval_step,
+        in_shardings=(setup.state_shardings, partitioning.batch_sharding(mesh), replicated),
+        out_shardings=replicated,
+    )
+
+  def __call__(self, state) -> dict[str, float]:
+    totals, per_token = None, []
+    with partitioning.activate(self._mesh):
+      for local_batch in self._batches:
+        batch = partitioning.global_batch_from_local(local_batch, self._mesh)
+        stats, arrays = self._step(state, batch, jax.random.key(self._seed))
+        totals = stats if totals is None else jax.tree.map(jnp.add, totals, stats)
+        per_token.append(arrays)
+    per_token = jax.tree.map(lambda *xs: jnp.concatenate(xs), *per_token)
+    metrics = objectives.summarize(totals, per_token, state.objective)
+    return {name: float(value) for name, value in jax.device_get(metrics).items()}

@@ -1,0 +1,68 @@
+"""Held-out evaluation: fixed masks per example (figures independent of batching and repeat
+calls), padding rows without weight, and eval_metrics.jsonl written during training."""
+
+import json
+
+import flax.linen as nn
+import jax
+import pytest
+
+from conftest import cli_args, run_cli, tiny_config
+from electra_jax import data, evaluation, partitioning, train
+
+
+def _setup_and_state():
+  config = tiny_config()
+  mesh = partitioning.make_mesh(config.mesh)
+  tok = data.load_pretraining_data(config.data).tokenizer
+  setup = train.build_setup(config, mesh, dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id))
+  state = jax.jit(lambda r: nn.meta.unbox(setup.init_fn(r)))(jax.random.key(0))
+  return setup, mesh, state
+
+
+def _evaluator(setup, mesh, batch_size, num_batches=10_000):
+  config = tiny_config(**{"eval.batch_size": batch_size, "eval.num_batches": num_batches})
+  return evaluation.HeldOutEvaluator(config, setup, mesh)
+
+
+def test_held_out_figures_are_fixed_and_independent_of_eval_batch_size():
+  setup, mesh, state = _setup_and_state()
+  by_4 = _evaluator(setup, mesh, 4)  # num_batches large enough to cover the held-out split
+  odd_size = next(b for b in (5, 6, 7, 9, 11) if by_4.num_examples % b)  # leaves padding rows
+  by_odd = _evaluator(setup, mesh, odd_size)
+  assert by_4.num_examples == by_odd.num_examples > odd_size
+  first, again, other = by_4(state), by_4(state), by_odd(state)
+  assert first == again
+  for name, value in first.items():
+    assert other[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+
+
+def test_eval_num_batches_limits_the_examples():
+  setup, mesh, _ = _setup_and_state()
+  assert _evaluator(setup, mesh, 4, num_batches=2).num_examples == 8
+
+
+def test_training_writes_held_out_metrics(tmp_path):
+  workdir = tmp_path / "run"
+  result = run_cli(cli_args(workdir, **{"eval.every_steps": 2, "data.eval_fraction": 0.1}))
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = [json.loads(line) for line in (workdir / "eval_metrics.jsonl").read_text().splitlines()]
+  assert [m["step"] for m in lines] == [2, 4, 6]
+  official = {"masked_lm_accuracy", "masked_lm_loss", "sampled_masked_lm_accuracy", "disc_loss",
+              "disc_auc", "disc_accuracy", "disc_precision", "disc_recall"}
+  assert all(official <= set(m) for m in lines)
+  assert "eval step 6" in result.stderr
+
+  # Evaluating the saved checkpoint later reproduces the figures logged during training.
+  from_checkpoint = train.evaluate_checkpoint(
+      tiny_config(**{"eval.every_steps": 2, "data.eval_fraction": 0.1}), str(workdir)
+  )
+  assert from_checkpoint["step"] == 6
+  for name in official:
+    assert from_checkpoint[name] == pytest.approx(lines[-1][name], rel=1e-6), name
+  assert json.loads((workdir / "eval_step_6.json").read_text())["disc_auc"] == from_checkpoint["disc_auc"]
+
+
+def test_evaluating_an_empty_workdir_is_a_clear_error(tmp_path):
+  with pytest.raises(ValueError, match="holds no checkpoint"):
+    train.evaluate_checkpoint(tiny_config(), str(tmp_path))
