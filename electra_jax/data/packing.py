@@ -52,13 +52,14 @@ class _ExampleBuilder:
     segment_a: list[int] = []
     segment_b: list[int] = []
     for sentence in self.sentences:
-      # Once B has started, everything after goes to B, so A and B are two
-      # consecutive spans of the document text.
-      goes_to_a = not segment_b and (
+      # The official builder's rule, checked anew for every sentence: a short sentence can
+      # still join A after a longer one went to B; a sentence that would overfill A joins it
+      # on a coin flip only while B is empty and A is below its target.
+      goes_to_a = (
           a_target is None
           or not segment_a
           or len(segment_a) + len(sentence) < a_target
-          or (len(segment_a) < a_target and self.rng.random() < 0.5)
+          or (not segment_b and len(segment_a) < a_target and self.rng.random() < 0.5)
       )
       (segment_a if goes_to_a else segment_b).extend(sentence)
     segment_a = segment_a[: self.max_seq_len - 2]
