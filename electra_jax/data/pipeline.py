@@ -26,7 +26,10 @@ SUPPORTED_SOURCES = ("builtin",)
 SPLITS = ("train", "eval")
 
 # Bump when packing or the cache layout changes, so old caches are not reused.
-_CACHE_FORMAT_VERSION = 1
+# Bump whenever extraction or packing would produce different arrays: it keys the cache and
+# enters the data fingerprint, so stale arrays are rebuilt and checkpoints are not resumed
+# on data that changed under them.
+_CACHE_FORMAT_VERSION = 2
 
 # Fixed packing seeds: the packed data must be a function of the config alone.
 _PACKING_SEEDS = {"train": 0, "eval": 1}
@@ -221,7 +224,7 @@ def _try_load(config, directory: str, split: str) -> PretrainingData | None:
           f"and it will be rebuilt."
       )
   fingerprint = (
-      f"spm:{tokenizer.fingerprint}|max_seq_len:{config['max_seq_len']}|"
+      f"format:{_CACHE_FORMAT_VERSION}|spm:{tokenizer.fingerprint}|max_seq_len:{config['max_seq_len']}|"
       f"{split}_documents:{metadata['documents_fingerprint'][split]}"
   )
   return PretrainingData(tokenizer, arrays["input_ids"], arrays["token_type_ids"], fingerprint)
