@@ -25,7 +25,6 @@ from electra_jax.data.tokenizer import SentencePieceTokenizer, atomic_write_byte
 SUPPORTED_SOURCES = ("builtin",)
 SPLITS = ("train", "eval")
 
-# Bump when packing or the cache layout changes, so old caches are not reused.
 # Bump whenever extraction or packing would produce different arrays: it keys the cache and
 # enters the data fingerprint, so stale arrays are rebuilt and checkpoints are not resumed
 # on data that changed under them.
