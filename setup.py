@@ -19,7 +19,12 @@ setup(
         "ml_collections>=1.0",
         "absl-py>=2.0",
         "numpy>=1.26",
+        "safetensors>=0.4",
     ],
-    extras_require={"test": ["pytest>=8"]},
+    extras_require={
+        # The PyTorch peer for parity tests. The <2.14 bound keeps pip on torch 2.13's CPU
+        # wheel where one is at hand instead of fetching a multi-GB CUDA build.
+        "test": ["pytest>=8", "torch>=2.1,<2.14", "transformers>=5.0"],
+    },
     entry_points={"console_scripts": ["electra-jax=electra_jax.main:run"]},
 )

@@ -350,3 +350,112 @@ def build_model(config) -> ElectraPretrainer:
       dtype=jnp.dtype(config.train.dtype),
       attention_impl=m.attention_impl,
   )
+
+
+# ---------------------------------------------------------------------------------------
+# Standalone towers: one tower over its own embeddings, for inference, fine-tuning and
+# Hugging Face interop. Their parameter trees are the pre-trainer's subtrees, name for name.
+# ---------------------------------------------------------------------------------------
+class _TowerOverEmbeddings(nn.Module):
+  """Fields and embeddings shared by the standalone models below. `config` is the tower's
+  own EncoderConfig (the generator's may be narrower than the discriminator's)."""
+
+  vocab_size: int
+  embedding_size: int
+  max_position_embeddings: int
+  type_vocab_size: int
+  config: EncoderConfig
+  dtype: Dtype = jnp.float32
+  attention_impl: str = "xla"
+
+  def setup(self):
+    self.embeddings = Embeddings(
+        vocab_size=self.vocab_size,
+        embedding_size=self.embedding_size,
+        max_position_embeddings=self.max_position_embeddings,
+        type_vocab_size=self.type_vocab_size,
+        dropout_rate=self.config.dropout_rate,
+        layer_norm_eps=self.config.layer_norm_eps,
+        dtype=self.dtype,
+    )
+
+  def _embed(self, input_ids, attention_mask, token_type_ids, deterministic: bool):
+    """Embedded tokens [batch, seq, E] and the attention mask, with the defaults filled in:
+    every token real, every token of type 0."""
+    if attention_mask is None:
+      attention_mask = jnp.ones_like(input_ids)
+    if token_type_ids is None:
+      token_type_ids = jnp.zeros_like(input_ids)
+    return self.embeddings(input_ids, token_type_ids, deterministic), attention_mask
+
+
+class ElectraDiscriminatorModel(_TowerOverEmbeddings):
+  """The discriminator alone, parameters {embeddings, discriminator}: one "replaced" logit
+  per token, [batch, seq] -> [batch, seq] float32."""
+
+  def setup(self):
+    super().setup()
+    self.discriminator = Discriminator(self.config, self.embedding_size, self.dtype, self.attention_impl)
+
+  def __call__(self, input_ids, attention_mask=None, token_type_ids=None, deterministic: bool = True):
+    embedded, attention_mask = self._embed(input_ids, attention_mask, token_type_ids, deterministic)
+    return self.discriminator(embedded, attention_mask, deterministic)
+
+
+class ElectraGeneratorModel(_TowerOverEmbeddings):
+  """The generator alone, parameters {embeddings, generator}: vocabulary logits at every
+  position, [batch, seq] -> [batch, seq, vocab] float32."""
+
+  def setup(self):
+    super().setup()
+    self.generator = Generator(
+        self.config, self.embedding_size, self.vocab_size, self.dtype, self.attention_impl
+    )
+
+  def __call__(self, input_ids, attention_mask=None, token_type_ids=None, deterministic: bool = True):
+    embedded, attention_mask = self._embed(input_ids, attention_mask, token_type_ids, deterministic)
+    every_position = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]), input_ids.shape)
+    return self.generator(
+        embedded, attention_mask, every_position, self.embeddings.word_table(), deterministic
+    )
+
+
+class ElectraEncoderModel(_TowerOverEmbeddings):
+  """An encoder without a head, parameters {embeddings, encoder} (the `encoder` subtree of
+  either tower): last hidden states, [batch, seq] -> [batch, seq, hidden]."""
+
+  def setup(self):
+    super().setup()
+    self.encoder = Encoder(self.config, self.embedding_size, self.dtype, self.attention_impl)
+
+  def __call__(self, input_ids, attention_mask=None, token_type_ids=None, deterministic: bool = True):
+    embedded, attention_mask = self._embed(input_ids, attention_mask, token_type_ids, deterministic)
+    return self.encoder(embedded, attention_mask, deterministic)
+
+
+TOWER_MODELS = {"discriminator": ElectraDiscriminatorModel, "generator": ElectraGeneratorModel}
+
+
+def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
+  """(model, params) of one tower of a pre-trainer: `params` is an ElectraPretrainer tree
+  {embeddings, generator, discriminator}; the result's tree is {embeddings, <tower>}, the
+  same arrays (not copies)."""
+  if tower not in TOWER_MODELS:
+    raise ConfigError(f"tower={tower!r} is not one of {sorted(TOWER_MODELS)}.")
+  if not {"embeddings", tower} <= set(params):
+    raise ConfigError(
+        f"The parameter tree's top level is {sorted(params)}, not an ElectraPretrainer's "
+        "{embeddings, generator, discriminator}. Pass the `params` of a pre-training state "
+        "(e.g. state.params, not {'params': ...})."
+    )
+  tower_config = pretrainer.discriminator_config if tower == "discriminator" else pretrainer.generator_config
+  model = TOWER_MODELS[tower](
+      vocab_size=pretrainer.vocab_size,
+      embedding_size=pretrainer.embedding_size,
+      max_position_embeddings=pretrainer.max_position_embeddings,
+      type_vocab_size=pretrainer.type_vocab_size,
+      config=tower_config,
+      dtype=pretrainer.dtype,
+      attention_impl=pretrainer.attention_impl,
+  )
+  return model, {"embeddings": params["embeddings"], tower: params[tower]}

@@ -1,0 +1,359 @@
+"""Hugging Face interop: logits equal transformers' in float32 both ways, files round-trip bit
+for bit and load without missing or unexpected weights, and unsafe or unrepresentable
+checkpoints are refused by name."""
+
+import contextlib
+import json
+import logging
+import os
+import re
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+import transformers
+
+from conftest import cli_args, run_cli, tiny_config
+from electra_jax import checkpointing, interop, models, partitioning, train
+from electra_jax.config_lib import ConfigError
+from electra_jax.interop import hf
+
+transformers.utils.logging.disable_progress_bar()
+
+HF_CLASSES = {
+    "discriminator": transformers.ElectraForPreTraining,
+    "generator": transformers.ElectraForMaskedLM,
+    "encoder": transformers.ElectraModel,
+}
+
+# Embedding size equal to, smaller than and larger than the hidden size (ELECTRA-Small's
+# generator has H=64 < E=128), an odd vocabulary, one to three layers.
+def _sizes(embedding, hidden, layers, heads, ffn, **extra):
+  return dict(
+      embedding_size=embedding, hidden_size=hidden, num_hidden_layers=layers,
+      num_attention_heads=heads, intermediate_size=ffn, **extra,
+  )
+
+
+SHAPES = {
+    "E=H,1layer": _sizes(32, 32, layers=1, heads=2, ffn=64),
+    "E<H,3layers": _sizes(16, 48, layers=3, heads=4, ffn=96, layer_norm_eps=1e-6),
+    "E>H,2layers": _sizes(32, 16, layers=2, heads=1, ffn=32),
+}
+VOCAB = 1001
+
+
+def _hf_config(**sizes):
+  return transformers.ElectraConfig(vocab_size=VOCAB, max_position_embeddings=24, **sizes)
+
+
+def _random_hf_model(kind, seed=0, **sizes):
+  """A transformers model whose every tensor (LayerNorms and biases included) is random."""
+  torch.manual_seed(seed)
+  model = HF_CLASSES[kind](_hf_config(**sizes)).eval()
+  with torch.no_grad():
+    for parameter in model.parameters():
+      parameter.add_(0.1 * torch.randn_like(parameter))
+  return model
+
+
+def _inputs(seed=0, batch=3, seq=10):
+  """Ids with [CLS]/[SEP], two segments, and padding at the end of rows 1 and 2."""
+  rng = np.random.default_rng(seed)
+  input_ids = rng.integers(5, VOCAB, size=(batch, seq))
+  input_ids[:, 0] = 2
+  attention_mask = np.ones_like(input_ids)
+  token_type_ids = np.zeros_like(input_ids)
+  for row, length in enumerate([seq, 6, 8][:batch]):
+    input_ids[row, length - 1] = 3
+    input_ids[row, length:], attention_mask[row, length:] = 0, 0
+    token_type_ids[row, length // 2 : length] = 1
+  return input_ids, attention_mask, token_type_ids
+
+
+def _hf_outputs(hf_model, input_ids, attention_mask, token_type_ids):
+  with torch.no_grad():
+    out = hf_model(
+        input_ids=torch.tensor(input_ids),
+        attention_mask=torch.tensor(attention_mask),
+        token_type_ids=torch.tensor(token_type_ids),
+    )
+  return (out.last_hidden_state if hasattr(out, "last_hidden_state") else out.logits).numpy()
+
+
+def _random_params(init, *init_args, seed=1):
+  """Random everywhere, LayerNorms and biases too, so a swapped scale/bias or a dropped bias
+  shows (and no slow eager init)."""
+  shapes = jax.eval_shape(init, jax.random.key(0), *init_args)["params"]
+  rng = np.random.default_rng(seed)
+  def draw(path, leaf):
+    centre = 1.0 if path[-1].key == "scale" else 0.0
+    return centre + 0.1 * rng.standard_normal(leaf.shape, np.float32)
+
+  return jax.tree_util.tree_map_with_path(draw, flax.linen.meta.unbox(shapes))
+
+
+def _our_outputs(model, params, inputs):
+  input_ids, attention_mask, token_type_ids = inputs
+  return jax.jit(model.apply)({"params": params}, input_ids, attention_mask, token_type_ids)
+
+
+def _assert_close_where_real(ours, theirs, attention_mask, atol=1e-4):
+  real = attention_mask.astype(bool)  # [batch, seq]; logits at padding are meaningless
+  assert ours.shape == theirs.shape
+  np.testing.assert_allclose(np.asarray(ours)[real], theirs[real], atol=atol, rtol=0)
+
+
+def _assert_same_outputs(model, params, hf_model, seed=0):
+  inputs = _inputs(seed)
+  ours = _our_outputs(model, params, inputs)
+  _assert_close_where_real(ours, _hf_outputs(hf_model, *inputs), inputs[1])
+  return ours
+
+
+class _CapturedWarnings(logging.Handler):
+
+  def __init__(self):
+    super().__init__(logging.WARNING)
+    self.messages = []
+
+  def emit(self, record):
+    self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _transformers_warnings():
+  """Every warning transformers logs (missing/unexpected weights among them) in the block."""
+  handler = _CapturedWarnings()
+  library_logger = logging.getLogger("transformers")
+  library_logger.addHandler(handler)
+  try:
+    yield handler.messages
+  finally:
+    library_logger.removeHandler(handler)
+
+
+def _from_pretrained_cleanly(kind, directory):
+  with _transformers_warnings() as warnings:
+    hf_model, info = HF_CLASSES[kind].from_pretrained(directory, output_loading_info=True)
+  assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+  assert warnings == [], warnings
+  return hf_model.eval()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind", ["discriminator", "generator", "encoder"])
+def test_load_hf_matches_transformers(tmp_path, kind, shape):
+  hf_model = _random_hf_model(kind, **SHAPES[shape])
+  hf_model.save_pretrained(tmp_path)
+  model, params = interop.load_hf(str(tmp_path))
+  assert isinstance(model, hf.MODEL_CLASSES[kind])
+
+  ours = _assert_same_outputs(model, params, hf_model)
+  last_dim = {"discriminator": (), "generator": (VOCAB,), "encoder": (hf_model.config.hidden_size,)}
+  assert ours.shape == (3, 10, *last_dim[kind])
+
+
+@pytest.mark.parametrize(
+    "kind, shape",
+    [("discriminator", "E<H,3layers"), ("generator", "E>H,2layers"), ("encoder", "E=H,1layer")],
+)
+def test_save_hf_loads_cleanly_and_matches(tmp_path, kind, shape):
+  sizes = SHAPES[shape]
+  tower = models.EncoderConfig(
+      hidden_size=sizes["hidden_size"],
+      num_layers=sizes["num_hidden_layers"],
+      num_heads=sizes["num_attention_heads"],
+      intermediate_size=sizes["intermediate_size"],
+      layer_norm_eps=sizes.get("layer_norm_eps", 1e-12),
+  )
+  model = hf.MODEL_CLASSES[kind](
+      vocab_size=VOCAB, embedding_size=sizes["embedding_size"], max_position_embeddings=24,
+      type_vocab_size=2, config=tower,
+  )
+  params = _random_params(model.init, jnp.zeros((1, 4), jnp.int32))
+
+  interop.save_hf(model, params, str(tmp_path))
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert config["architectures"] == [hf.ARCHITECTURE_OF_KIND[kind]]
+  assert config["model_type"] == "electra"
+  hf_model = _from_pretrained_cleanly(kind, str(tmp_path))
+
+  _assert_same_outputs(model, params, hf_model, seed=3)
+
+
+@pytest.mark.parametrize("kind", ["discriminator", "generator", "encoder"])
+def test_round_trip_through_ours_is_bit_identical(tmp_path, kind):
+  hf_model = _random_hf_model(kind, seed=4, **SHAPES["E<H,3layers"])
+  hf_model.save_pretrained(tmp_path / "original")
+  model, params = interop.load_hf(str(tmp_path / "original"))
+  interop.save_hf(model, params, str(tmp_path / "again"))
+
+  # The same file contents as transformers' own save (the tied decoder left out alike) ...
+  original = safetensors.numpy.load_file(str(tmp_path / "original" / "model.safetensors"))
+  again = safetensors.numpy.load_file(str(tmp_path / "again" / "model.safetensors"))
+  assert sorted(again) == sorted(original)
+  for name, tensor in original.items():
+    assert again[name].dtype == tensor.dtype and np.array_equal(again[name], tensor), name
+  # ... and the same model once transformers has loaded it.
+  reloaded = _from_pretrained_cleanly(kind, str(tmp_path / "again")).state_dict()
+  for name, tensor in hf_model.state_dict().items():
+    assert torch.equal(reloaded[name], tensor), name
+
+
+def test_pretrainer_towers_export_to_transformers(tmp_path):
+  config = tiny_config(**{"model.vocab_size": VOCAB, "model.embedding_size": 24})
+  pretrainer = models.build_model(config)
+  ids = jnp.zeros((1, 8), jnp.int32)
+  params = _random_params(pretrainer.init, ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32))
+  input_ids, attention_mask, token_type_ids = _inputs(seed=5)
+  every_position = np.broadcast_to(np.arange(input_ids.shape[1]), input_ids.shape)
+  # Both towers' logits from the pre-trainer itself, at every position.
+  generator_logits, disc_logits = jax.jit(pretrainer.apply)(
+      {"params": params}, input_ids, token_type_ids, attention_mask, every_position
+  )
+  expected = {"discriminator": disc_logits, "generator": generator_logits}
+  for kind in ("discriminator", "generator"):
+    interop.save_hf(pretrainer, params, str(tmp_path / kind), kind=kind)
+    hf_model = _from_pretrained_cleanly(kind, str(tmp_path / kind))
+    theirs = _hf_outputs(hf_model, input_ids, attention_mask, token_type_ids)
+    _assert_close_where_real(expected[kind], theirs, attention_mask)
+  generator_config = transformers.ElectraConfig.from_pretrained(tmp_path / "generator")
+  assert generator_config.hidden_size == 16 and generator_config.embedding_size == 24  # E > H_g
+
+  with pytest.raises(ConfigError, match="kind="):
+    interop.save_hf(pretrainer, params, str(tmp_path / "neither"))
+
+
+class Payload:
+  """Any object that is not a tensor: torch.load(weights_only=True) refuses to unpickle it."""
+
+
+def _save_hf_discriminator(directory):
+  hf_model = _random_hf_model("discriminator", **SHAPES["E=H,1layer"])
+  hf_model.save_pretrained(directory)
+  return hf_model
+
+
+def test_pytorch_bin_state_dict_loads_and_torch_load_is_weights_only(tmp_path, monkeypatch):
+  hf_model = _save_hf_discriminator(tmp_path)
+  os.remove(tmp_path / "model.safetensors")
+  # As older transformers versions saved it: with the position_ids buffer.
+  old_style = {**hf_model.state_dict(), "electra.embeddings.position_ids": torch.arange(24)[None]}
+  torch.save(old_style, tmp_path / "pytorch_model.bin")
+  calls = []
+  real_load = torch.load
+
+  def recording_load(*args, **kwargs):
+    calls.append(kwargs.get("weights_only"))
+    return real_load(*args, **kwargs)
+
+  monkeypatch.setattr(torch, "load", recording_load)
+  model, params = interop.load_hf(str(tmp_path))
+  _assert_same_outputs(model, params, hf_model)
+
+  state_dict = hf_model.state_dict()
+  refusals = [
+      # torch.load reads it, but "step" is not a tensor
+      ({**state_dict, "step": 3}, r"entry 'step' is not a torch.Tensor \(its type is int\)"),
+      # torch.load(weights_only=True) refuses to unpickle it
+      ({**state_dict, "extra": Payload()}, "weights_only=True"),
+      (list(state_dict.values()), "holds a 'list' object"),
+  ]
+  names_the_file = re.escape(f"Refusing {tmp_path}/pytorch_model.bin")
+  for bad_content, reason in refusals:
+    torch.save(bad_content, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ConfigError, match=f"{names_the_file}.*{reason}"):
+      interop.load_hf(str(tmp_path))
+  assert calls and all(weights_only is True for weights_only in calls), calls
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("hidden_act", "relu"), ("hidden_act", "gelu_new"), ("position_embedding_type", "relative_key"),
+     ("architectures", ["ElectraForSequenceClassification"]), ("model_type", "bert")],
+)
+def test_unsupported_config_is_refused_by_name(tmp_path, key, value):
+  _save_hf_discriminator(tmp_path)
+  config = json.loads((tmp_path / "config.json").read_text())
+  config[key] = value
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ConfigError, match=key):
+    interop.load_hf(str(tmp_path))
+
+
+def test_sharded_safetensors_load(tmp_path):
+  hf_model = _random_hf_model("generator", **SHAPES["E<H,3layers"])
+  hf_model.save_pretrained(tmp_path, max_shard_size="40KB")
+  assert (tmp_path / "model.safetensors.index.json").exists()
+  model, params = interop.load_hf(str(tmp_path))
+  _assert_same_outputs(model, params, hf_model)
+
+
+def test_weights_that_disagree_with_the_config_are_refused(tmp_path):
+  _save_hf_discriminator(tmp_path)
+  config = json.loads((tmp_path / "config.json").read_text())
+  (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+  with pytest.raises(ConfigError, match=r"missing: \['encoder.layer.1"):
+    interop.load_hf(str(tmp_path))
+  (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 32}))
+  with pytest.raises(ConfigError, match="intermediate.dense.weight has shape"):
+    interop.load_hf(str(tmp_path))
+
+
+def test_stored_decoder_must_equal_the_word_table(tmp_path):
+  hf_model = _random_hf_model("generator", **SHAPES["E=H,1layer"])
+  hf_model.save_pretrained(tmp_path)
+  # Older checkpoints store the tied decoder explicitly: accepted when it is the word table.
+  state_dict = {name: tensor.numpy() for name, tensor in hf_model.state_dict().items()}
+  assert "generator_lm_head.weight" in state_dict
+  safetensors.numpy.save_file(state_dict, str(tmp_path / "model.safetensors"))
+  model, params = interop.load_hf(str(tmp_path))
+  _assert_same_outputs(model, params, hf_model)
+
+  state_dict["generator_lm_head.weight"] = state_dict["generator_lm_head.weight"] + 1.0
+  safetensors.numpy.save_file(state_dict, str(tmp_path / "model.safetensors"))
+  with pytest.raises(ConfigError, match="generator_lm_head.weight differs"):
+    interop.load_hf(str(tmp_path))
+
+
+def test_cli_exports_a_pretraining_workdir(tmp_path):
+  workdir, out = tmp_path / "run", tmp_path / "hf"
+  overrides = {"train.steps": 2, "checkpoint.every_steps": 2}
+  assert run_cli(cli_args(workdir, **overrides)).returncode == 0
+  python_m_main = cli_args(workdir)[:3]
+  result = run_cli(
+      [*python_m_main, "--mode=export_hf", f"--workdir={workdir}", f"--out={out}", "--export_generator"]
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+
+  # Each exported tower holds exactly the arrays of the checkpoint's tower, under the same sizes.
+  config = tiny_config()
+  mesh = partitioning.make_mesh(config.mesh)
+  setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4))
+  checkpointer = checkpointing.Checkpointer(str(workdir), keep=1)
+  with partitioning.activate(mesh):
+    state = checkpointer.restore(checkpointer.latest_step(), setup.abstract_state)
+  checkpointer.close()
+  for kind in ("discriminator", "generator"):
+    model, params = interop.load_hf(str(out / kind))
+    reference_model, reference_params = models.tower_from_pretrainer(setup.model, state.params, kind)
+    flat = flax.traverse_util.flatten_dict(params)
+    reference = flax.traverse_util.flatten_dict(jax.device_get(reference_params))
+    assert sorted(flat) == sorted(reference)
+    assert all(np.array_equal(flat[path], reference[path]) for path in flat)
+    assert model.config == reference_model.config
+
+
+def test_cli_asks_for_what_each_mode_needs(tmp_path):
+  python_m_main = cli_args(tmp_path)[:3]
+  no_out = run_cli([*python_m_main, "--mode=export_hf", f"--workdir={tmp_path}"])
+  assert no_out.returncode != 0 and "--mode=export_hf needs --out" in no_out.stderr
+  no_config = run_cli([*python_m_main, f"--workdir={tmp_path}"])
+  assert no_config.returncode != 0 and "--mode=train needs --config" in no_config.stderr
+  not_a_workdir = run_cli([*python_m_main, "--mode=export_hf", f"--workdir={tmp_path}", f"--out={tmp_path}/hf"])
+  assert not_a_workdir.returncode != 0 and "has no config.json" in not_a_workdir.stderr
