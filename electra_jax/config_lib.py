@@ -27,6 +27,18 @@ def sibling(config_file: str, name: str):
   return module
 
 
+def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
+  """The resolved config a training run saved as <workdir>/config.json."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise ConfigError(
+        f"{workdir} has no config.json, so it is not a pre-training workdir; pass the --workdir "
+        "a training run wrote (or give --config)."
+    )
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
 def to_json(config: ml_collections.ConfigDict) -> str:
   return json.dumps(config.to_dict(), indent=2, sort_keys=True)
 

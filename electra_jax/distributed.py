@@ -1,0 +1,58 @@
+"""Joining a multi-process JAX job before anything touches the devices: explicit coordinator
+settings (flags or ELECTRA_JAX_* environment variables), or JAX's own detection on SLURM
+allocations and multi-host TPU VM slices. A single process needs nothing."""
+
+import os
+from typing import Optional
+
+import jax
+from absl import logging
+
+from electra_jax.config_lib import ConfigError
+
+
+def _multi_host_environment() -> Optional[str]:
+  """The scheduler JAX can read its coordinator from, when this is one of several processes."""
+  if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+    return "SLURM"
+  if "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
+    return "a multi-host TPU VM slice"
+  return None
+
+
+def initialize(
+    coordinator_address: Optional[str] = None,
+    num_processes: Optional[int] = None,
+    process_id: Optional[int] = None,
+) -> None:
+  """Call once, first. Explicit arguments win; then ELECTRA_JAX_COORDINATOR_ADDRESS,
+  ELECTRA_JAX_NUM_PROCESSES and ELECTRA_JAX_PROCESS_ID; then SLURM or TPU detection."""
+  env = os.environ
+  coordinator_address = coordinator_address or env.get("ELECTRA_JAX_COORDINATOR_ADDRESS") or None
+  if num_processes is None and env.get("ELECTRA_JAX_NUM_PROCESSES"):
+    num_processes = int(env["ELECTRA_JAX_NUM_PROCESSES"])
+  if process_id is None and env.get("ELECTRA_JAX_PROCESS_ID"):
+    process_id = int(env["ELECTRA_JAX_PROCESS_ID"])
+
+  explicit = (coordinator_address, num_processes, process_id)
+  if any(value is not None for value in explicit):
+    if any(value is None for value in explicit):
+      raise ConfigError(
+          f"A multi-process run needs all of coordinator_address={coordinator_address!r}, "
+          f"num_processes={num_processes!r} and process_id={process_id!r} (flags "
+          "--coordinator_address/--num_processes/--process_id or ELECTRA_JAX_* variables)."
+      )
+    if not 0 <= process_id < num_processes:
+      raise ConfigError(f"process_id={process_id} must be in [0, num_processes={num_processes}).")
+    # Cross-process collectives of the CPU backend (local multi-process runs and tests) go
+    # through gloo; the setting touches nothing on GPU or TPU backends.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+  elif (scheduler := _multi_host_environment()) is not None:
+    logging.info("Joining the multi-process job described by %s.", scheduler)
+    jax.distributed.initialize()
+  else:
+    return
+  logging.info("Process %d of %d, %d local and %d global devices.", jax.process_index(),
+               jax.process_count(), jax.local_device_count(), jax.device_count())
+

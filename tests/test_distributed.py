@@ -1,0 +1,60 @@
+"""Multi-process runs: two local CPU processes of four devices each (jax.distributed with gloo)
+train like one process of eight devices, and only process 0 writes metrics."""
+
+import json
+import socket
+import subprocess
+
+import pytest
+
+from conftest import REPO, cli_args, run_cli
+from electra_jax import distributed
+
+
+def _free_port() -> int:
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]
+
+
+def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path):
+  # The small learning rate keeps Adam's amplification of reduction-order noise below the
+  # tolerance (see test_partitioning.test_eight_devices_give_the_same_losses_as_one).
+  overrides = {"train.steps": 5, "checkpoint.every_steps": 5, "optimizer.learning_rate": 1e-4,
+               "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
+  one = run_cli(cli_args(tmp_path / "one", **overrides),
+                env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+  assert one.returncode == 0, one.stderr[-3000:]
+
+  port = _free_port()
+  env = dict(__import__("os").environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             ELECTRA_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", ELECTRA_JAX_NUM_PROCESSES="2")
+  procs = [
+      subprocess.Popen(cli_args(tmp_path / "two", **overrides), cwd=REPO,
+                       env=dict(env, ELECTRA_JAX_PROCESS_ID=str(i)),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for i in range(2)
+  ]
+  outputs = [proc.communicate(timeout=600) for proc in procs]
+  for proc, (_, stderr) in zip(procs, outputs):
+    assert proc.returncode == 0, stderr[-3000:]
+  assert "Process 1 of 2, 4 local and 8 global devices" in outputs[1][1]
+  assert "step 5/5" in outputs[0][1] and "step 5/5" not in outputs[1][1]  # only process 0 logs
+
+  def metrics(name):
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+  single, multi = metrics("one"), metrics("two")
+  assert [m["step"] for m in multi] == [1, 2, 3, 4, 5]  # written once, by process 0
+  for a, b in zip(single, multi, strict=True):
+    for name in ("loss", "masked_lm_loss", "disc_loss"):
+      assert abs(a[name] - b[name]) < 1e-4, (a["step"], name, a[name], b[name])
+  assert (tmp_path / "two" / "checkpoints" / "5").is_dir()
+
+
+def test_incomplete_coordinator_settings_are_refused(monkeypatch):
+  monkeypatch.delenv("ELECTRA_JAX_PROCESS_ID", raising=False)
+  with pytest.raises(ValueError, match="process_id=None"):
+    distributed.initialize(coordinator_address="127.0.0.1:1", num_processes=2)
+  with pytest.raises(ValueError, match=r"process_id=2 must be in \[0, num_processes=2\)"):
+    distributed.initialize(coordinator_address="127.0.0.1:1", num_processes=2, process_id=2)
