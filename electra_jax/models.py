@@ -4,7 +4,7 @@ module used by both towers. Parameters carry logical axis names (see partitionin
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any
 
 import flax.linen as nn
 import jax

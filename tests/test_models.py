@@ -78,7 +78,6 @@ def test_padding_does_not_change_real_token_outputs():
 def test_attention_dropout_path_equals_fused_path_at_rate_zero():
   """With attention dropout 0 in training mode both code paths must agree; the explicit one
   (used when attention dropout is on) is a plain softmax(QK^T / sqrt(d)) V with the mask."""
-  config = tiny_config()
   cfg = models.EncoderConfig(32, 1, 2, 64, dropout_rate=0.0, attention_dropout_rate=0.0)
   attn = models.SelfAttention(cfg, jnp.float32)
   hidden = jax.random.normal(jax.random.key(1), (2, 12, 32))

@@ -2,7 +2,6 @@
 losses on one device and on eight simulated devices (data=2, fsdp=2, tensor=2)."""
 
 import json
-import os
 
 import jax
 import ml_collections

@@ -1,12 +1,10 @@
 """Training: errors before compiling, the optimizer and schedule, gradient accumulation, and
 the CLI end to end (outputs, bit-exact resume after SIGTERM, refusing another model's workdir)."""
 
-import dataclasses
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import flax
