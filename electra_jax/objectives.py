@@ -118,8 +118,10 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
                     objective: ElectraObjective, normalizers: Normalizers, deterministic: bool = False):
   """Generator -> sample -> discriminator on one (micro-)batch whose masking is already drawn.
 
-  `sample_keys` [batch] are the per-example sampling keys (see sample_tokens). Returns (loss, stats): loss = gen_weight * L_MLM + disc_weight * L_Disc with the sums divided
-  by `normalizers`; stats holds additive counts and per-token arrays for `summarize`.
+  `sample_keys` [batch] are the per-example sampling keys (see sample_tokens). Returns
+  (loss, (stats, per_token)): loss = gen_weight * L_MLM + disc_weight * L_Disc with the sums
+  divided by `normalizers`; stats holds additive counts and per_token the arrays `summarize`
+  needs for the AUC.
   """
   gen_dropout_rng, disc_dropout_rng = jax.random.split(dropout_rng)
   token_type_ids, attention_mask = batch["token_type_ids"], batch["attention_mask"]
