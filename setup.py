@@ -20,6 +20,7 @@ setup(
         "absl-py>=2.0",
         "numpy>=1.26",
         "safetensors>=0.4",
+        "tokenizers>=0.20",
     ],
     extras_require={
         # The PyTorch peer for parity tests. The <2.14 bound keeps pip on torch 2.13's CPU

@@ -39,11 +39,25 @@ def get_config():
   objective.temperature = 1.0  # of the generator's softmax when sampling replacements
 
   config.data = data = ml_collections.ConfigDict()
-  data.source = "builtin"  # English text from the Python standard library; no download
+  # "builtin": English text from the Python standard library; no download. "text": the files
+  # in data.files, one sentence or paragraph per line, blank lines between documents. "jsonl":
+  # the files in data.files, one JSON object per line whose data.text_field string is a
+  # document (split into sentences on its newlines).
+  data.source = "builtin"
+  data.files = ""  # text/jsonl: comma-separated paths or globs, e.g. "corpus/*.txt,extra.txt"
+  data.text_field = "text"  # jsonl: the field holding each document's text
   data.max_seq_len = 128
   data.cache_dir = ""  # "" = $ELECTRA_JAX_CACHE or ~/.cache/electra_jax
-  data.spm_vocab_size = 8192  # sentencepiece vocabulary trained on the built-in corpus
+  # "sentencepiece": trained on the source's train documents (spm_* keys). "wordpiece": a BERT
+  # vocab.txt (data.vocab_file) with BERT's normalization (lowercase, strip_accents).
+  data.tokenizer = "sentencepiece"
+  data.spm_vocab_size = 8192  # sentencepiece vocabulary trained on the source's train documents
   data.spm_model_type = "unigram"  # or "bpe"
+  data.vocab_file = ""  # wordpiece: path of a BERT vocab.txt holding [PAD] [UNK] [CLS] [SEP] [MASK]
+  data.lowercase = True  # wordpiece: lowercase the text (False for cased vocabularies)
+  # wordpiece: None = follow lowercase (as BERT does), or True/False. A bool-typed None, so
+  # --config.data.strip_accents=False works on the command line.
+  data.strip_accents = ml_collections.FieldReference(None, field_type=bool)
   data.max_documents = 0  # 0 = all; a small number makes tests fast
   data.eval_fraction = 0.02  # share of documents held out from training
 

@@ -1,7 +1,8 @@
 """From a data config to pre-training batches: build or load the cached examples, then batch them.
 
-Owns the on-disk cache layout (tokenizer + packed .npy arrays, all written atomically), the
-train/eval document split, and the step-indexed, process-sharded batch order.
+Owns choosing the source and tokenizer, the on-disk cache layout (tokenizer + packed .npy
+arrays, all written atomically), the train/eval document split, and the step-indexed,
+process-sharded batch order.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import time
 import numpy as np
 from absl import logging
 
-from electra_jax.data import corpus
+from electra_jax.data import corpus, sources
 from electra_jax.data.packing import pack_documents
 from electra_jax.config_lib import ConfigError
 from electra_jax.data.tokenizer import SentencePieceTokenizer, atomic_write_bytes, train_sentencepiece
+from electra_jax.data.wordpiece import WordPieceTokenizer
 
-SUPPORTED_SOURCES = ("builtin",)
+SUPPORTED_SOURCES = ("builtin",) + sources.FILE_SOURCES
+SUPPORTED_TOKENIZERS = ("sentencepiece", "wordpiece")
 SPLITS = ("train", "eval")
 
 # Bump whenever extraction or packing would produce different arrays: it keys the cache and
@@ -40,7 +43,7 @@ _CACHE_ENV_VAR = "ELECTRA_JAX_CACHE"
 class PretrainingData:
   """Packed examples of one split, with the tokenizer that produced them."""
 
-  tokenizer: SentencePieceTokenizer
+  tokenizer: SentencePieceTokenizer | WordPieceTokenizer
   input_ids: np.ndarray  # int32 [num_examples, max_seq_len]
   token_type_ids: np.ndarray  # int32 [num_examples, max_seq_len]
   # Identifies tokenizer, max_seq_len and the split's documents; a checkpoint can store
@@ -91,9 +94,34 @@ def _read_config(data_config):
   source = data_config.source
   if source not in SUPPORTED_SOURCES:
     raise ConfigError(
-        f"Unknown data source {source!r}; supported sources are {list(SUPPORTED_SOURCES)}. "
-        f"Other sources come with the data-at-scale work."
+        f"Unknown data.source {source!r}; supported sources are {list(SUPPORTED_SOURCES)} "
+        f"(text and jsonl read the files named by data.files)."
     )
+  tokenizer = str(data_config.get("tokenizer", "sentencepiece"))
+  if tokenizer not in SUPPORTED_TOKENIZERS:
+    raise ConfigError(
+        f"Unknown data.tokenizer {tokenizer!r}; use one of {list(SUPPORTED_TOKENIZERS)} "
+        f"(wordpiece reads a BERT vocab.txt given by data.vocab_file)."
+    )
+  vocab_file = str(data_config.get("vocab_file", "") or "")
+  if tokenizer == "wordpiece":
+    if not vocab_file:
+      raise ConfigError(
+          "data.tokenizer='wordpiece' needs data.vocab_file, the path of a BERT vocab.txt "
+          "(one token per line), e.g. --config.data.vocab_file=uncased_L-12_H-768_A-12/vocab.txt."
+      )
+    vocab_file = os.path.abspath(os.path.expanduser(vocab_file))
+    if not os.path.isfile(vocab_file):
+      raise ConfigError(f"data.vocab_file={vocab_file!r} is not a file; give the path of a BERT vocab.txt.")
+  strip_accents = data_config.get("strip_accents", None)
+  if strip_accents is not None and not isinstance(strip_accents, bool):
+    raise ConfigError(
+        f"data.strip_accents must be None (follow data.lowercase, as BERT does), True or False, "
+        f"got {strip_accents!r}."
+    )
+  text_field = str(data_config.get("text_field", "text"))
+  if source == "jsonl" and not text_field:
+    raise ConfigError("data.text_field is empty; name the JSON field holding each document's text.")
   max_seq_len = int(data_config.max_seq_len)
   vocab_size = int(data_config.get("spm_vocab_size", 8192))
   model_type = str(data_config.get("spm_model_type", "unigram"))
@@ -108,6 +136,13 @@ def _read_config(data_config):
     )
   return {
       "source": source,
+      # Resolving the globs here reports a pattern matching nothing before anything is built.
+      "files": sources.resolve_files(data_config.get("files", "")) if source != "builtin" else [],
+      "text_field": text_field,
+      "tokenizer": tokenizer,
+      "vocab_file": vocab_file,
+      "lowercase": bool(data_config.get("lowercase", True)),
+      "strip_accents": strip_accents,
       "max_seq_len": max_seq_len,
       "cache_dir": _resolve_cache_dir(str(data_config.get("cache_dir", ""))),
       "spm_vocab_size": vocab_size,
@@ -121,22 +156,52 @@ def _corpus_cache_dir(config) -> str:
   """Directory for everything derived from one corpus + tokenizer configuration."""
   key_fields = {
       "format": _CACHE_FORMAT_VERSION,
-      # The source-bytes hash is cheap to recompute, unlike the document-text hash, so a
-      # warm cache is found without parsing the stdlib.
-      "sources": corpus.builtin_sources_fingerprint(),
-      "spm_vocab_size": config["spm_vocab_size"],
-      "spm_model_type": config["spm_model_type"],
       "max_documents": config["max_documents"],
       "eval_fraction": config["eval_fraction"],
   }
+  if config["source"] == "builtin":
+    # The source-bytes hash is cheap to recompute, unlike the document-text hash, so a
+    # warm cache is found without parsing the stdlib.
+    key_fields["sources"] = corpus.builtin_sources_fingerprint()
+  else:
+    # Paths, sizes and mtimes (and small files' bytes): an edited corpus gets a new key.
+    key_fields["files"] = sources.files_fingerprint(config["files"])
+    if config["source"] == "jsonl":
+      key_fields["text_field"] = config["text_field"]
+  # Only keys that change the tokenizer enter the key: builtin + sentencepiece caches keep
+  # the key they had before other tokenizers existed.
+  if config["tokenizer"] == "sentencepiece":
+    key_fields["spm_vocab_size"] = config["spm_vocab_size"]
+    key_fields["spm_model_type"] = config["spm_model_type"]
+  else:
+    key_fields["tokenizer"] = config["tokenizer"]
+    key_fields["wordpiece"] = _wordpiece_tokenizer(config).fingerprint
   key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
   return os.path.join(config["cache_dir"], config["source"], key)
 
 
-def _array_paths(directory: str, split: str, max_seq_len: int, tokenizer_fingerprint: str):
+def _wordpiece_tokenizer(config) -> WordPieceTokenizer:
+  return WordPieceTokenizer(config["vocab_file"], config["lowercase"], config["strip_accents"])
+
+
+def _tokenizer_tag(config) -> str:
+  return "spm" if config["tokenizer"] == "sentencepiece" else "wp"
+
+
+def _load_tokenizer(config, directory: str):
+  """The cache's tokenizer, or None if it is not there yet."""
+  if config["tokenizer"] == "sentencepiece":
+    model_path = os.path.join(directory, "spm.model")
+    return SentencePieceTokenizer(model_path) if os.path.exists(model_path) else None
+  # The vocab file is read where the user keeps it; its bytes and settings are in the
+  # cache key and the tokenizer fingerprint, so the arrays always match it.
+  return _wordpiece_tokenizer(config)
+
+
+def _array_paths(directory: str, split: str, max_seq_len: int, tokenizer_fingerprint: str, tag: str = "spm"):
   # The tokenizer fingerprint in the name ties the arrays to the exact model that made
   # them, even if two concurrent builds each wrote a model.
-  stem = os.path.join(directory, f"{split}.len{max_seq_len}.spm{tokenizer_fingerprint}")
+  stem = os.path.join(directory, f"{split}.len{max_seq_len}.{tag}{tokenizer_fingerprint}")
   return {
       "input_ids": stem + ".input_ids.npy",
       "token_type_ids": stem + ".token_type_ids.npy",
@@ -146,12 +211,18 @@ def _array_paths(directory: str, split: str, max_seq_len: int, tokenizer_fingerp
 def _build(config, directory: str) -> None:
   """Write the corpus metadata and both splits' packed arrays; train the tokenizer if absent."""
   start = time.time()
-  documents = corpus.builtin_documents(config["max_documents"] or None)
+  if config["source"] == "builtin":
+    documents = corpus.builtin_documents(config["max_documents"] or None)
+  else:
+    documents, _ = sources.read_documents(
+        config["source"], config["files"], config["text_field"], config["max_documents"] or None
+    )
   splits = _split_documents(documents, config["eval_fraction"])
   num_bytes = sum(len(sentence.encode("utf-8")) for document in documents for sentence in document)
   logging.info(
-      "building built-in corpus: %d documents (%d train, %d eval), %.1f MB, in %.1f s",
-      len(documents), len(splits["train"]), len(splits["eval"]), num_bytes / 1e6, time.time() - start,
+      "building %s corpus: %d documents (%d train, %d eval), %.1f MB, in %.1f s",
+      config["source"], len(documents), len(splits["train"]), len(splits["eval"]), num_bytes / 1e6,
+      time.time() - start,
   )
   metadata = {
       "num_documents": len(documents),
@@ -161,7 +232,7 @@ def _build(config, directory: str) -> None:
   atomic_write_bytes(os.path.join(directory, "corpus.json"), json.dumps(metadata, indent=1).encode())
 
   model_path = os.path.join(directory, "spm.model")
-  if not os.path.exists(model_path):
+  if config["tokenizer"] == "sentencepiece" and not os.path.exists(model_path):
     start = time.time()
     logging.info(
         "training sentencepiece %s vocab %d on %d train documents ...",
@@ -174,7 +245,7 @@ def _build(config, directory: str) -> None:
         model_type=config["spm_model_type"],
     )
     logging.info("trained sentencepiece in %.1f s", time.time() - start)
-  tokenizer = SentencePieceTokenizer(model_path)
+  tokenizer = _load_tokenizer(config, directory)
 
   # Both splits are packed together: the eval split is small, and building it later
   # would mean parsing the corpus again.
@@ -191,7 +262,9 @@ def _build(config, directory: str) -> None:
         pad_id=tokenizer.pad_id,
         seed=_PACKING_SEEDS[split],
     )
-    paths = _array_paths(directory, split, config["max_seq_len"], tokenizer.fingerprint)
+    paths = _array_paths(
+        directory, split, config["max_seq_len"], tokenizer.fingerprint, _tokenizer_tag(config)
+    )
     for name, path in paths.items():
       _save_npy_atomic(path, packed[name])
     logging.info(
@@ -204,11 +277,12 @@ def _build(config, directory: str) -> None:
 def _try_load(config, directory: str, split: str) -> PretrainingData | None:
   """The cached split, or None if any part of it is missing."""
   metadata_path = os.path.join(directory, "corpus.json")
-  model_path = os.path.join(directory, "spm.model")
-  if not (os.path.exists(metadata_path) and os.path.exists(model_path)):
+  if not os.path.exists(metadata_path):
     return None
-  tokenizer = SentencePieceTokenizer(model_path)
-  paths = _array_paths(directory, split, config["max_seq_len"], tokenizer.fingerprint)
+  tokenizer = _load_tokenizer(config, directory)
+  if tokenizer is None:
+    return None
+  paths = _array_paths(directory, split, config["max_seq_len"], tokenizer.fingerprint, _tokenizer_tag(config))
   if not all(os.path.exists(path) for path in paths.values()):
     return None
   with open(metadata_path, "rb") as f:
@@ -223,7 +297,8 @@ def _try_load(config, directory: str, split: str) -> PretrainingData | None:
           f"and it will be rebuilt."
       )
   fingerprint = (
-      f"format:{_CACHE_FORMAT_VERSION}|spm:{tokenizer.fingerprint}|max_seq_len:{config['max_seq_len']}|"
+      f"format:{_CACHE_FORMAT_VERSION}|{_tokenizer_tag(config)}:{tokenizer.fingerprint}|"
+      f"max_seq_len:{config['max_seq_len']}|"
       f"{split}_documents:{metadata['documents_fingerprint'][split]}"
   )
   return PretrainingData(tokenizer, arrays["input_ids"], arrays["token_type_ids"], fingerprint)
@@ -232,9 +307,10 @@ def _try_load(config, directory: str, split: str) -> PretrainingData | None:
 def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
   """Packed pre-training examples of `split` ("train" or "eval") for `data_config`.
 
-  The first call builds the corpus, trains the tokenizer on the train documents and packs
-  both splits, caching everything under <cache_dir>/<source>/<key>/; later calls load the
-  cache in well under a second.
+  The first call builds the corpus (data.source), trains the sentencepiece tokenizer on the
+  train documents (or reads the WordPiece vocab.txt, data.tokenizer) and packs both splits,
+  caching everything under <cache_dir>/<source>/<key>/; later calls load the cache in well
+  under a second. The key includes a fingerprint of data.files, so an edited corpus is rebuilt.
   """
   if split not in SPLITS:
     raise ConfigError(f"Unknown split {split!r}; use one of {list(SPLITS)}.")
@@ -266,6 +342,19 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
       split, data.num_examples, data.max_seq_len, data.num_tokens, directory,
   )
   return data
+
+
+def load_tokenizer(data_config) -> SentencePieceTokenizer | WordPieceTokenizer:
+  """The tokenizer `load_pretraining_data(data_config)` uses, for tools that need only its ids.
+
+  WordPiece reads data.vocab_file; sentencepiece takes the cached model, building the data
+  first (as load_pretraining_data would) if the cache does not hold it yet.
+  """
+  config = _read_config(data_config)
+  tokenizer = _load_tokenizer(config, _corpus_cache_dir(config))
+  if tokenizer is None:
+    tokenizer = load_pretraining_data(data_config, "train").tokenizer
+  return tokenizer
 
 
 @functools.lru_cache(maxsize=4)

@@ -110,11 +110,16 @@ def train_sentencepiece(
           "train_sentencepiece got no sentences to train on; pass a non-empty "
           "iterable of strings."
       ) from e
-    if "Vocabulary size too high" in str(e) or "Vocabulary size is smaller" in str(e):
+    if "Vocabulary size too high" in str(e):
       raise ConfigError(
           f"The training text is too small for a sentencepiece vocabulary of "
           f"{vocab_size} pieces ({e}). Lower the vocab size (spm_vocab_size) or "
           f"train on more text."
+      ) from e
+    if "Vocabulary size is smaller" in str(e):
+      raise ConfigError(
+          f"A sentencepiece vocabulary of {vocab_size} pieces cannot hold every character the "
+          f"training text needs ({e}). Raise the vocab size (spm_vocab_size)."
       ) from e
     raise
   atomic_write_bytes(out_path, model_bytes.getvalue())

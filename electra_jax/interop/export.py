@@ -6,9 +6,8 @@ import os
 import jax
 import ml_collections
 
-from electra_jax import checkpointing, config_lib, partitioning, train
+from electra_jax import checkpointing, config_lib, data, partitioning, train
 from electra_jax.config_lib import ConfigError
-from electra_jax.data import tokenizer
 from electra_jax.interop.hf import save_hf
 
 
@@ -24,9 +23,8 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
   single_device = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
   mesh = partitioning.make_mesh(single_device, devices=jax.devices()[:1])
   # The objective (built alongside the state) needs the special ids, fixed by the tokenizer.
-  special_ids = dict(
-      pad=tokenizer.PAD_ID, cls=tokenizer.CLS_ID, sep=tokenizer.SEP_ID, mask=tokenizer.MASK_ID
-  )
+  tok = data.load_tokenizer(config.data)
+  special_ids = dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id)
   setup = train.build_setup(config, mesh, special_ids)
 
   checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)

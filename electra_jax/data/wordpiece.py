@@ -1,0 +1,128 @@
+"""BERT WordPiece tokenization from a `vocab.txt`, built on the Hugging Face `tokenizers` library.
+
+Owns reading the vocabulary, finding the special tokens' ids in it (BERT's own vocab has
+[PAD]=0, [UNK]=100, [CLS]=101, [SEP]=102, [MASK]=103) and BERT's normalization options.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from electra_jax.config_lib import ConfigError
+from electra_jax.data.tokenizer import SPECIAL_TOKENS
+
+# As BERT's: longer "words" (usually junk such as URLs or base64) become one [UNK].
+_MAX_INPUT_CHARS_PER_WORD = 100
+
+
+class WordPieceTokenizer:
+  """A BERT vocabulary with BERT's basic tokenization; the same interface as SentencePieceTokenizer.
+
+  `lowercase` lowercases the text; `strip_accents` removes accents (None: when lowercasing, as
+  BERT does). Chinese, Japanese and Korean ideographs become single-character words.
+  """
+
+  kind = "wordpiece"
+
+  def __init__(self, vocab_file: str, lowercase: bool = True, strip_accents: bool | None = None):
+    self.vocab_file = vocab_file
+    self.lowercase = bool(lowercase)
+    self.strip_accents = None if strip_accents is None else bool(strip_accents)
+    try:
+      with open(vocab_file, "rb") as f:
+        vocab_bytes = f.read()
+    except OSError as e:
+      raise ConfigError(
+          f"Cannot read the WordPiece vocabulary data.vocab_file={vocab_file!r} ({e}); give the "
+          f"path of a BERT vocab.txt (one token per line)."
+      ) from e
+    try:
+      tokens = vocab_bytes.decode("utf-8").split("\n")
+    except UnicodeDecodeError as e:
+      raise ConfigError(
+          f"data.vocab_file={vocab_file!r} is not UTF-8 text ({e}); give a BERT vocab.txt."
+      ) from e
+    if tokens and tokens[-1] == "":
+      tokens.pop()  # the final newline ends the last line; it does not start an empty token
+    tokens = [token.rstrip("\r") for token in tokens]
+    # As BERT reads it: the token on line i has id i (a repeated token keeps its last line).
+    self._vocab = {token: index for index, token in enumerate(tokens)}
+    self._size = len(tokens)
+    for token in SPECIAL_TOKENS:
+      if token not in self._vocab:
+        raise ConfigError(
+            f"WordPiece vocabulary {vocab_file} lacks the special token {token}; ELECTRA needs all "
+            f"of {list(SPECIAL_TOKENS)}. Add the missing line(s) to the vocab (BERT's vocab.txt "
+            f"has them)."
+        )
+    settings = f"lowercase={self.lowercase}|strip_accents={self.strip_accents}\n".encode()
+    self.fingerprint = hashlib.sha256(settings + vocab_bytes).hexdigest()[:16]
+
+    tokenizer = Tokenizer(
+        models.WordPiece(
+            self._vocab, unk_token="[UNK]", max_input_chars_per_word=_MAX_INPUT_CHARS_PER_WORD
+        )
+    )
+    tokenizer.normalizer = normalizers.BertNormalizer(
+        clean_text=True,
+        handle_chinese_chars=True,
+        strip_accents=self.strip_accents,
+        lowercase=self.lowercase,
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")
+    # "[MASK]" etc. written in the text stay one token, as in BERT (and our sentencepiece models).
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    self._tokenizer = tokenizer
+    self._id_to_token = {index: token for token, index in self._vocab.items()}
+
+  @property
+  def vocab_size(self) -> int:
+    return self._size
+
+  @property
+  def pad_id(self) -> int:
+    return self._vocab["[PAD]"]
+
+  @property
+  def unk_id(self) -> int:
+    return self._vocab["[UNK]"]
+
+  @property
+  def cls_id(self) -> int:
+    return self._vocab["[CLS]"]
+
+  @property
+  def sep_id(self) -> int:
+    return self._vocab["[SEP]"]
+
+  @property
+  def mask_id(self) -> int:
+    return self._vocab["[MASK]"]
+
+  def encode(self, text: str) -> list[int]:
+    return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+  def encode_batch(self, texts: Sequence[str], num_threads: int = -1) -> list[list[int]]:
+    """Encode many texts at once; `tokenizers` spreads them over its own thread pool."""
+    del num_threads  # set RAYON_NUM_THREADS to bound the pool
+    encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+    return [encoding.ids for encoding in encodings]
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """The text of `ids` with "##" pieces joined; [PAD] is dropped, other special tokens kept."""
+    pad_id = self.pad_id
+    return self._tokenizer.decode([int(i) for i in ids if int(i) != pad_id], skip_special_tokens=False)
+
+  def id_to_piece(self, i: int) -> str:
+    return self._id_to_token.get(int(i), "[UNK]")
+
+  def __repr__(self) -> str:
+    return (
+        f"WordPieceTokenizer({self.vocab_file!r}, lowercase={self.lowercase}, "
+        f"strip_accents={self.strip_accents}, vocab_size={self.vocab_size}, "
+        f"fingerprint={self.fingerprint!r})"
+    )

@@ -1,0 +1,415 @@
+"""Tests for a user's own corpus (data.source "text" and "jsonl") and the WordPiece tokenizer.
+
+Every fixture file is tiny and written into tmp_path; the WordPiece tokenizer is checked
+against transformers' pure-Python BertTokenizerLegacy as an oracle.
+"""
+
+import json
+import os
+import re
+import time
+
+import ml_collections
+import numpy as np
+import pytest
+
+from electra_jax.config_lib import ConfigError
+from electra_jax.data import (
+    WordPieceTokenizer,
+    load_pretraining_data,
+    load_tokenizer,
+    pipeline,
+    read_documents,
+    resolve_files,
+)
+
+# ---------------------------------------------------------------- fixtures
+
+
+def _write(path, text, mode="w"):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  if mode == "wb":
+    with open(path, "wb") as f:
+      f.write(text)
+  else:
+    with open(path, "w", encoding="utf-8") as f:
+      f.write(text)
+  return str(path)
+
+
+# Words of the oracle vocab: English, accented and stripped forms, cased forms, CJK
+# characters, punctuation and a few continuation pieces.
+_ORACLE_WORDS = [
+    "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world", "run",
+    "The", "Hello", "World", "Café", "café", "cafe", "déjà", "deja", "vu", "naïve", "naive",
+    "Über", "über", "uber", "résumé", "resume", "我", "爱", "北", "京", "中", "文",
+    ",", ".", "!", "?", "'", "-", "##s", "##ning", "##ing", "##n", "jump", "##é",
+]
+
+
+def _bert_like_vocab(path, words, drop=()):
+  """A vocab.txt laid out like BERT's: [PAD] 0, [unusedK], [UNK] 100 .. [MASK] 103, then words."""
+  lines = ["[PAD]"] + [f"[unused{k}]" for k in range(99)] + ["[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+  lines += list(words)
+  lines = [line for line in lines if line not in drop]
+  return _write(path, "\n".join(lines) + "\n")
+
+
+def _config(tmp_path, **overrides):
+  values = dict(
+      source="text",
+      files="",
+      text_field="text",
+      max_seq_len=32,
+      cache_dir=str(tmp_path / "cache"),
+      tokenizer="sentencepiece",
+      spm_vocab_size=60,
+      spm_model_type="unigram",
+      vocab_file="",
+      lowercase=True,
+      strip_accents=None,
+      max_documents=0,
+      eval_fraction=0.0,
+  )
+  values.update(overrides)
+  return ml_collections.ConfigDict(values)
+
+
+# ---------------------------------------------------------------- text source
+
+
+def test_text_source_globs_and_blank_line_documents(tmp_path):
+  _write(tmp_path / "corpus" / "b.txt", "Second file, first line.\nStill the same document.\n")
+  _write(tmp_path / "corpus" / "a.txt", "  One sentence.  \nTwo sentence.\n\n\n\nA new document.\r\n")
+  _write(tmp_path / "extra" / "c.txt", "Third file.")
+  _write(tmp_path / "corpus" / "skip.md", "not matched")
+  files = f"{tmp_path}/corpus/*.txt, {tmp_path}/extra/c.txt,{tmp_path}/corpus/a.txt"
+  paths = resolve_files(files)
+  # Each glob's matches sorted, patterns in order, a file named twice read once.
+  assert [os.path.relpath(p, tmp_path) for p in paths] == ["corpus/a.txt", "corpus/b.txt", "extra/c.txt"]
+  documents, stats = read_documents("text", paths)
+  assert documents == [
+      ["One sentence.", "Two sentence."],
+      ["A new document."],
+      ["Second file, first line.", "Still the same document."],
+      ["Third file."],
+  ]
+  assert stats.num_documents == 4 and stats.empty_files == [] and stats.replaced_lines == 0
+  assert read_documents("text", paths, max_documents=2)[0] == documents[:2]
+
+
+def test_text_source_recursive_glob(tmp_path):
+  _write(tmp_path / "deep" / "x" / "y" / "doc.txt", "Deep down.")
+  assert read_documents("text", resolve_files(f"{tmp_path}/**/*.txt"))[0] == [["Deep down."]]
+
+
+# ---------------------------------------------------------------- jsonl source
+
+
+def test_jsonl_source_documents_and_text_field(tmp_path):
+  rows = [
+      {"body": "First paragraph.\nSecond paragraph.\n\n  Third.  ", "id": 1},
+      {"body": "Another document."},
+      {"body": ""},  # no text: no document, not an error
+  ]
+  path = _write(tmp_path / "d.jsonl", "\n".join(json.dumps(r) for r in rows) + "\n\n")
+  documents, stats = read_documents("jsonl", [path], text_field="body")
+  assert documents == [["First paragraph.", "Second paragraph.", "Third."], ["Another document."]]
+  assert stats.skipped_lines == 0
+
+
+def test_jsonl_bad_lines_are_skipped_counted_and_located(tmp_path, caplog):
+  lines = [
+      json.dumps({"text": "Good one."}),
+      "{not json",
+      json.dumps({"other": "no text field"}),
+      json.dumps(["a list"]),
+      json.dumps({"text": 5}),
+      json.dumps({"text": "Good two."}),
+  ]
+  path = _write(tmp_path / "bad.jsonl", "\n".join(lines))
+  with caplog.at_level("WARNING"):
+    documents, stats = read_documents("jsonl", [path])
+  assert documents == [["Good one."], ["Good two."]]
+  assert stats.skipped_lines == 4
+  assert stats.first_skipped_line == f"{path}:2: not valid JSON"
+  assert "skipped 4 JSONL lines" in caplog.text and f"{path}:2" in caplog.text
+
+
+def test_jsonl_without_usable_lines_is_refused(tmp_path):
+  path = _write(tmp_path / "none.jsonl", '{"title": "x"}\n{"title": "y"}\n')
+  with pytest.raises(ConfigError, match=r"no usable text.*none\.jsonl.*2 JSONL lines skipped.*'text'"):
+    read_documents("jsonl", [path])
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_non_utf8_bytes_are_replaced_and_counted(tmp_path, caplog):
+  latin1 = "Good line.\nCaf\xe9 au lait.\n\nna\xefve \xff.\n".encode("latin-1")
+  path = _write(tmp_path / "latin1.txt", latin1, "wb")
+  with caplog.at_level("WARNING"):
+    documents, stats = read_documents("text", [path])
+  assert documents == [["Good line.", "Caf\ufffd au lait."], ["na\ufffdve \ufffd."]]
+  assert stats.replaced_lines == 2 and stats.first_replaced_line == f"{path}:2"
+  assert "2 lines held bytes that are not UTF-8" in caplog.text
+
+
+def test_empty_files_are_skipped_and_reported(tmp_path, caplog):
+  empty = _write(tmp_path / "a_empty.txt", "")
+  blank = _write(tmp_path / "b_blank.txt", "\n  \n\t\n")
+  full = _write(tmp_path / "c_full.txt", "Some text.\n")
+  with caplog.at_level("WARNING"):
+    documents, stats = read_documents("text", [empty, blank, full])
+  assert documents == [["Some text."]]
+  assert stats.empty_files == [empty, blank]
+  assert "skipped 2 empty files" in caplog.text and empty in caplog.text
+
+
+def test_no_usable_text_names_the_files(tmp_path):
+  empty = _write(tmp_path / "empty.txt", "")
+  blank = _write(tmp_path / "blank.txt", "\n\n")
+  with pytest.raises(ConfigError, match=r"no usable text.*empty\.txt.*blank\.txt"):
+    read_documents("text", [empty, blank])
+  with pytest.raises(ConfigError, match=r"no usable text.*empty\.txt"):
+    load_pretraining_data(_config(tmp_path, files=empty))
+
+
+def test_glob_matching_nothing_names_the_pattern(tmp_path):
+  _write(tmp_path / "real.txt", "Text.")
+  pattern = f"{tmp_path}/missing/*.txt"
+  with pytest.raises(ConfigError, match=f"pattern {re.escape(repr(pattern))} matches no file"):
+    resolve_files(f"{tmp_path}/real.txt,{pattern}")
+  # The pipeline checks it before building anything.
+  with pytest.raises(ConfigError, match="matches no file"):
+    load_pretraining_data(_config(tmp_path, files=pattern))
+  assert not os.path.exists(tmp_path / "cache")
+
+
+def test_missing_or_bad_files_setting_is_refused(tmp_path):
+  with pytest.raises(ConfigError, match="data.files is empty"):
+    load_pretraining_data(_config(tmp_path, files=" , "))
+  with pytest.raises(ConfigError, match="matches the directory"):
+    resolve_files(str(tmp_path))
+
+
+# ---------------------------------------------------------------- wordpiece
+
+
+ORACLE_TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello, World! The dogs' running?",
+    "Café déjà vu naïve",
+    "CAFÉ Über résumé über-uber",
+    "我爱北京 hello",
+    "中文,world!北京。",
+    "unknownword café's jumping foxes",
+    "tab\tand\u00a0nbsp  spaces\nnewline \x00control",
+    "",
+]
+
+
+@pytest.fixture
+def oracle_vocab(tmp_path):
+  return _bert_like_vocab(tmp_path / "vocab.txt", _ORACLE_WORDS)
+
+
+@pytest.mark.parametrize("lowercase", [True, False])
+@pytest.mark.parametrize("strip_accents", [None, True, False])
+def test_wordpiece_equals_bert_reference(oracle_vocab, lowercase, strip_accents):
+  legacy = pytest.importorskip("transformers.models.bert.tokenization_bert_legacy")
+  reference = legacy.BertTokenizerLegacy(oracle_vocab, do_lower_case=lowercase, strip_accents=strip_accents)
+  tokenizer = WordPieceTokenizer(oracle_vocab, lowercase=lowercase, strip_accents=strip_accents)
+  expected = [reference.encode(text, add_special_tokens=False) for text in ORACLE_TEXTS]
+  assert [tokenizer.encode(text) for text in ORACLE_TEXTS] == expected
+  assert tokenizer.encode_batch(ORACLE_TEXTS) == expected
+  # Not vacuous: known words map to real pieces, unknown ones to [UNK].
+  assert tokenizer.unk_id not in expected[0] and tokenizer.unk_id in expected[6]
+
+
+def test_wordpiece_normalization_options(oracle_vocab):
+  def pieces(tokenizer, text):
+    return [tokenizer.id_to_piece(i) for i in tokenizer.encode(text)]
+
+  uncased = WordPieceTokenizer(oracle_vocab)
+  assert pieces(uncased, "Café déjà vu naïve") == ["cafe", "deja", "vu", "naive"]
+  assert pieces(uncased, "我爱北京 hello") == ["我", "爱", "北", "京", "hello"]
+  keep_accents = WordPieceTokenizer(oracle_vocab, lowercase=True, strip_accents=False)
+  assert pieces(keep_accents, "Café déjà vu naïve") == ["café", "déjà", "vu", "naïve"]
+  cased = WordPieceTokenizer(oracle_vocab, lowercase=False)
+  assert pieces(cased, "Café Hello hello") == ["Café", "Hello", "hello"]
+  assert pieces(uncased, "the jumping dogs") == ["the", "jump", "##ing", "dog", "##s"]
+  assert uncased.decode(uncased.encode("the jumping dogs")) == "the jumping dogs"
+  assert len({uncased.fingerprint, keep_accents.fingerprint, cased.fingerprint}) == 3
+
+
+def test_wordpiece_special_ids_come_from_the_vocab(oracle_vocab):
+  tokenizer = WordPieceTokenizer(oracle_vocab)
+  assert (tokenizer.pad_id, tokenizer.unk_id, tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id) == (
+      0, 100, 101, 102, 103,
+  )
+  assert tokenizer.vocab_size == 104 + len(_ORACLE_WORDS)
+  assert tokenizer.encode("the [MASK] dog") == [tokenizer.encode("the")[0], 103, tokenizer.encode("dog")[0]]
+  assert tokenizer.decode([101, *tokenizer.encode("hello world"), 102, 0, 0]) == "[CLS] hello world [SEP]"
+  assert len(tokenizer.fingerprint) == 16
+
+
+def test_wordpiece_vocab_missing_mask_is_refused(tmp_path):
+  path = _bert_like_vocab(tmp_path / "no_mask_vocab.txt", ["the"], drop=("[MASK]",))
+  with pytest.raises(ConfigError, match=r"no_mask_vocab\.txt lacks the special token \[MASK\]"):
+    WordPieceTokenizer(path)
+
+
+def test_wordpiece_config_errors(tmp_path):
+  corpus = _write(tmp_path / "c.txt", "the dog")
+  with pytest.raises(ConfigError, match="needs data.vocab_file"):
+    load_pretraining_data(_config(tmp_path, files=corpus, tokenizer="wordpiece"))
+  with pytest.raises(ConfigError, match="is not a file"):
+    missing = str(tmp_path / "nope")
+    load_pretraining_data(_config(tmp_path, files=corpus, tokenizer="wordpiece", vocab_file=missing))
+  with pytest.raises(ConfigError, match=r"Unknown data.tokenizer 'bpe'"):
+    load_pretraining_data(_config(tmp_path, files=corpus, tokenizer="bpe"))
+
+
+# ---------------------------------------------------------------- pipeline
+
+
+def _cache_key_directory(config):
+  return pipeline._corpus_cache_dir(pipeline._read_config(config))
+
+
+def test_changed_input_file_changes_the_cache_key(tmp_path, oracle_vocab):
+  path = _write(tmp_path / "corpus.txt", "the lazy dog\n")
+  for tokenizer in ("sentencepiece", "wordpiece"):
+    config = _config(tmp_path, files=str(path), tokenizer=tokenizer, vocab_file=oracle_vocab)
+    before = _cache_key_directory(config)
+    assert _cache_key_directory(config) == before
+    stat = os.stat(path)
+    _write(path, "the quick fox\n")  # same size
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the same mtime
+    assert _cache_key_directory(config) != before
+    _write(path, "the lazy dog\n")
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert _cache_key_directory(config) == before
+  spm_config = _config(tmp_path, files=str(path))
+  jsonl_config = _config(tmp_path, files=str(path), source="jsonl")
+  assert _cache_key_directory(jsonl_config) != _cache_key_directory(spm_config)
+  wp = dict(files=str(path), tokenizer="wordpiece", vocab_file=oracle_vocab)
+  assert _cache_key_directory(_config(tmp_path, **wp)) != _cache_key_directory(
+      _config(tmp_path, **wp, lowercase=False)
+  )
+
+
+# Documents of distinct words: word "d<i>w<k>" belongs to document i.
+_DOCUMENT_WORDS = [[f"d{d}w{k}" for k in range(3 + 2 * d)] for d in range(8)]
+
+
+def _packing_corpus(tmp_path):
+  text = ""
+  for words in _DOCUMENT_WORDS:
+    sentences = [" ".join(words[i : i + 2]) for i in range(0, len(words), 2)]
+    text += "\n".join(sentences) + "\n\n"
+  half = text.index("d4w0")
+  _write(tmp_path / "docs" / "part1.txt", text[:half])
+  _write(tmp_path / "docs" / "part2.txt", text[half:])
+  vocab = _bert_like_vocab(tmp_path / "docs_vocab.txt", [w for words in _DOCUMENT_WORDS for w in words])
+  return f"{tmp_path}/docs/*.txt", vocab
+
+
+def test_packed_text_examples_never_mix_documents(tmp_path):
+  files, vocab = _packing_corpus(tmp_path)
+  config = _config(tmp_path, files=files, tokenizer="wordpiece", vocab_file=vocab, max_seq_len=12)
+  data = load_pretraining_data(config)
+  tokenizer = data.tokenizer
+  specials = {tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id}
+  seen = []
+  for row in data.input_ids:
+    assert row[0] == tokenizer.cls_id
+    words = [tokenizer.id_to_piece(t) for t in row if int(t) not in specials]
+    assert words and tokenizer.unk_id not in row
+    assert len({w.split("w")[0] for w in words}) == 1, f"an example mixes documents: {words}"
+    seen += words
+  # Documents longer than max_seq_len may be truncated; all short ones are kept whole.
+  assert set(seen) >= {w for words in _DOCUMENT_WORDS[:3] for w in words}
+
+
+def test_wordpiece_text_pipeline_decodes_back_to_the_text(tmp_path):
+  text = (
+      "Hello World the quick brown fox\n"
+      "jumps over the lazy dog\n"
+      "\n"
+      "Café déjà vu\n"
+      "naïve résumé\n"
+      "\n"
+      "我爱北京 hello\n"
+  )
+  for copy in range(4):
+    _write(tmp_path / "tiny" / f"{copy}.txt", text)
+  vocab = _bert_like_vocab(tmp_path / "vocab.txt", _ORACLE_WORDS)
+  config = _config(
+      tmp_path, files=f"{tmp_path}/tiny/*.txt", tokenizer="wordpiece", vocab_file=vocab, eval_fraction=0.25
+  )
+  train = load_pretraining_data(config, "train")
+  held_out = load_pretraining_data(config, "eval")
+  tokenizer = train.tokenizer
+  assert isinstance(tokenizer, WordPieceTokenizer) and tokenizer.pad_id == 0 and tokenizer.cls_id == 101
+  assert train.input_ids.dtype == np.int32 and train.input_ids.shape[1] == 32
+  assert held_out.num_examples > 0 and "|wp:" in train.fingerprint
+  # Every document fits in one example, so the rows hold exactly the corpus' words (A and B
+  # may swap sentences), lowercased and without accents.
+  words = []
+  for row in np.concatenate([train.input_ids, held_out.input_ids]):
+    assert row[0] == 101 and np.all(row[np.count_nonzero(row):] == 0)
+    decoded = tokenizer.decode(row)
+    assert decoded.startswith("[CLS] ") and decoded.endswith(" [SEP]")
+    words += [w for w in decoded.split() if w not in ("[CLS]", "[SEP]")]
+  expected = (
+      "hello world the quick brown fox jumps over the lazy dog cafe deja vu naive resume "
+      "我 爱 北 京 hello"
+  )
+  assert sorted(words) == sorted(expected.split() * 4)
+  # A second load is served from the cache.
+  start = time.perf_counter()
+  again = load_pretraining_data(config, "train")
+  assert time.perf_counter() - start < 1.0
+  np.testing.assert_array_equal(again.input_ids, train.input_ids)
+  assert again.fingerprint == train.fingerprint
+
+
+def test_jsonl_source_with_sentencepiece_builds(tmp_path):
+  rows = [{"text": f"Document number {i}.\nIt has two lines about the lazy dog."} for i in range(30)]
+  _write(tmp_path / "c.jsonl", "\n".join(json.dumps(r) for r in rows))
+  config = _config(
+      tmp_path, source="jsonl", files=str(tmp_path / "c.jsonl"), spm_vocab_size=40, max_documents=20,
+      max_seq_len=128,
+  )
+  data = load_pretraining_data(config)
+  assert data.tokenizer.vocab_size == 40 and "|spm:" in data.fingerprint
+  decoded = [data.tokenizer.decode(row) for row in data.input_ids]
+  assert any("Document number 3." in text for text in decoded)
+  assert not any("Document number 25." in text for text in decoded), "max_documents keeps the first 20"
+
+
+def test_load_tokenizer_matches_the_data(tmp_path, oracle_vocab):
+  path = _write(tmp_path / "c.txt", "the lazy dog\njumps over the fox\n\nhello world\n")
+  wordpiece = _config(tmp_path, files=path, tokenizer="wordpiece", vocab_file=oracle_vocab)
+  assert load_tokenizer(wordpiece).fingerprint == WordPieceTokenizer(oracle_vocab).fingerprint
+  assert not os.path.exists(tmp_path / "cache"), "a WordPiece tokenizer needs no build"
+  spm_config = _config(tmp_path, files=path, spm_vocab_size=27)
+  tokenizer = load_tokenizer(spm_config)  # builds the cache first
+  assert tokenizer.fingerprint == load_pretraining_data(spm_config).tokenizer.fingerprint
+  assert (tokenizer.pad_id, tokenizer.mask_id) == (0, 4)
+
+
+def test_large_corpus_cache_key_uses_sizes_and_mtimes(tmp_path, monkeypatch):
+  from electra_jax.data import sources
+
+  monkeypatch.setattr(sources, "_HASHED_CORPUS_BYTES", 0)  # every corpus counts as large
+  path = _write(tmp_path / "big.txt", "the lazy dog\n")
+  config = _config(tmp_path, files=path)
+  before = _cache_key_directory(config)
+  stat = os.stat(path)
+  os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+  assert _cache_key_directory(config) != before
+  _write(path, "the lazy dogs\n")
+  assert _cache_key_directory(config) != before
