@@ -5,6 +5,13 @@ corpus. Compile time is excluded; each figure is the median of several timed win
   python benchmarks/pretrain_throughput.py --config=configs/electra_small.py \
       --config.train.batch_size=32 --steps=20 --windows=3
 
+With --vs-huggingface the same run also times the Hugging Face transformers PyTorch ELECTRA
+pre-training step (benchmarks/hf_peer.py) on the same batches, interleaving the timed windows
+(ours, theirs, ours, theirs, ...) so both see the same machine load, and reports the ratio:
+
+  python benchmarks/pretrain_throughput.py --config=configs/electra_small.py \
+      --config.train.batch_size=32 --vs-huggingface
+
 Figures and the commands that produced them are kept in benchmarks/RESULTS.md.
 """
 
@@ -24,6 +31,14 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py", "Recipe t
 _STEPS = flags.DEFINE_integer("steps", 20, "Train steps per timed window.")
 _WINDOWS = flags.DEFINE_integer("windows", 3, "Timed windows; the median is reported.")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps after compiling.")
+_VS_HF = flags.DEFINE_boolean(
+    "vs-huggingface", False, "Also time Hugging Face's PyTorch ELECTRA step on the same batches."
+)
+_HF_GATHERED = flags.DEFINE_boolean(
+    "hf-gathered", False,
+    "With --vs-huggingface, also time a PyTorch variant whose MLM head runs only at the masked "
+    "positions (the default peer computes vocabulary logits at every position).",
+)
 
 
 def main(argv):
@@ -45,19 +60,51 @@ def main(argv):
       for i in range(_STEPS.value)
   ]
 
+  first_loss = None
+
   def run(num_steps, offset):
-    nonlocal state
+    nonlocal state, first_loss
     for i in range(num_steps):
       state, metrics = step_fn(state, batches[i % len(batches)], train.step_rng(0, offset + i))
+      if first_loss is None:  # the freshly initialized model on batch 0
+        first_loss = float(metrics["loss"])
     jax.block_until_ready(metrics)
 
-  run(_WARMUP.value, 0)
-  seconds = []
-  for window in range(_WINDOWS.value):
+  def time_ours(window):
     start = time.perf_counter()
     run(_STEPS.value, 1000 * (window + 1))
-    seconds.append((time.perf_counter() - start) / _STEPS.value)
-  step_seconds = statistics.median(seconds)
+    return (time.perf_counter() - start) / _STEPS.value
+
+  # Peers: name -> (object with .step(numpy batch), the loss of its first step on batch 0).
+  peers = {}
+  if _VS_HF.value:
+    import hf_peer  # torch and transformers are needed only here
+
+    host_batches = [data.get_batch(corpus, i, batch_size, 0) for i in range(_STEPS.value)]
+    variants = {"huggingface": False}
+    if _HF_GATHERED.value:
+      variants["huggingface_gathered"] = True
+    for name, gather in variants.items():
+      peer = hf_peer.HfElectraPretraining(config, setup.objective, gather_masked=gather)
+      assert peer.shares_embeddings()
+      peers[name] = [peer, peer.step(host_batches[0])]
+      for i in range(1, _WARMUP.value):
+        peer.step(host_batches[i % len(host_batches)])
+
+    def time_peer(peer):
+      start = time.perf_counter()
+      for i in range(_STEPS.value):
+        peer.step(host_batches[i % len(host_batches)])
+      return (time.perf_counter() - start) / _STEPS.value
+
+  run(_WARMUP.value, 0)
+  seconds = {"electra_jax": []}
+  seconds.update({name: [] for name in peers})
+  for window in range(_WINDOWS.value):  # interleaved: ours, theirs, ours, theirs, ...
+    seconds["electra_jax"].append(time_ours(window))
+    for name, (peer, _) in peers.items():
+      seconds[name].append(time_peer(peer))
+  step_seconds = statistics.median(seconds["electra_jax"])
   tokens_per_sec = batch_size * seq_len / step_seconds
   flops_per_token = flops.train_flops_per_token(setup.model, seq_len, setup.objective.max_predictions)
   peak = flops.peak_flops(jax.devices()[0])
@@ -75,6 +122,30 @@ def main(argv):
       "mfu": None if peak is None else round(tokens_per_sec * flops_per_token / (peak * jax.device_count()), 4),
       "jax": jax.__version__,
   }
+  if peers:
+    import torch
+    import transformers
+
+    result["step0_loss"] = round(first_loss, 4)
+    result["window_step_ms"] = {
+        name: [round(1000 * s, 1) for s in values] for name, values in seconds.items()
+    }
+    result["windows_interleaved"] = _WINDOWS.value
+    result["steps_per_window"] = _STEPS.value
+    for name, (peer, peer_first_loss) in peers.items():
+      peer_seconds = statistics.median(seconds[name])
+      peer_tokens_per_sec = batch_size * seq_len / peer_seconds
+      result[name] = {
+          "mlm_head": "masked positions only" if peer.gather_masked else "every position (labels=-100)",
+          "step_ms": round(1000 * peer_seconds, 2),
+          "tokens_per_sec": round(peer_tokens_per_sec, 1),
+          "step0_loss": round(peer_first_loss, 4),
+          "parameters": peer.num_parameters(),
+          "ratio_ours_over_theirs": round(tokens_per_sec / peer_tokens_per_sec, 3),
+      }
+    result["torch"] = torch.__version__
+    result["torch_threads"] = torch.get_num_threads()
+    result["transformers"] = transformers.__version__
   print(json.dumps(result, indent=2))
 
 
