@@ -195,15 +195,31 @@ def param_shapes(params) -> dict[str, list[int]]:
   return {name: list(leaf.shape) for name, leaf in flat.items()}
 
 
-def _check_checkpoint_matches(checkpointer, step: int, setup, corpus, workdir: str) -> None:
-  meta = checkpointer.read_meta(step)
+def _check_checkpoint_matches(meta: dict, setup, corpus, workdir: str) -> None:
+  """Refuses a checkpoint of another model, or (given `corpus`) trained on other data."""
   check_same_model(meta["param_shapes"], setup.param_shapes, workdir)
-  if meta["data_fingerprint"] != corpus.fingerprint:
+  if corpus is not None and meta["data_fingerprint"] != corpus.fingerprint:
     raise ConfigError(
         f"The checkpoint in {workdir} was trained on data {meta['data_fingerprint']} but this "
         f"config gives {corpus.fingerprint} (a different tokenizer, corpus or max_seq_len). "
         "Use a new --workdir, or the data settings of its config.json."
     )
+
+
+def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpus=None):
+  """(step, state): the train state saved at `step` (default: the latest) in `workdir`,
+  sharded for `mesh` whatever mesh saved it, once the checkpoint is known to hold this
+  setup's model (and, given `corpus`, to come from its data)."""
+  checkpointer = checkpointing.Checkpointer(workdir, keep=1)  # reading only: keep acts on saves
+  try:
+    step = checkpointer.latest_step() if step is None else step
+    if step is None:
+      raise ConfigError(f"{workdir} holds no checkpoint yet; train first or fix --workdir.")
+    _check_checkpoint_matches(checkpointer.read_meta(step), setup, corpus, workdir)
+    with partitioning.activate(mesh):
+      return step, checkpointer.restore(step, setup.abstract_state)
+  finally:
+    checkpointer.close()
 
 
 def check_same_model(saved: dict, current: dict, workdir: str) -> None:
@@ -369,7 +385,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
   start_step = checkpointer.latest_step()
   if start_step is not None:
-    _check_checkpoint_matches(checkpointer, start_step, setup, corpus, workdir)
+    _check_checkpoint_matches(checkpointer.read_meta(start_step), setup, corpus, workdir)
   if is_chief:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -466,14 +482,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, step: i
   """Held-out metrics of a saved checkpoint (the latest unless `step` is given), with the same
   fixed masks as the evaluations during training; also written to <workdir>/eval_step_<N>.json."""
   mesh, corpus, setup = prepare(config)
-  checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
-  step = checkpointer.latest_step() if step is None else step
-  if step is None:
-    raise ConfigError(f"{workdir} holds no checkpoint to evaluate; train first or fix --workdir.")
-  _check_checkpoint_matches(checkpointer, step, setup, corpus, workdir)
-  with partitioning.activate(mesh):
-    state = checkpointer.restore(step, setup.abstract_state)
-  checkpointer.close()
+  step, state = restore_checkpoint(workdir, setup, mesh, step, corpus)
   held_out = evaluation.HeldOutEvaluator(config, setup, mesh)(state)
   held_out["step"] = step
   if jax.process_index() == 0:

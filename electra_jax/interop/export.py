@@ -6,7 +6,7 @@ import os
 import jax
 import ml_collections
 
-from electra_jax import checkpointing, config_lib, data, partitioning, train
+from electra_jax import config_lib, data, partitioning, train
 from electra_jax.config_lib import ConfigError
 from electra_jax.interop.hf import save_hf
 
@@ -27,16 +27,7 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
   special_ids = dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id)
   setup = train.build_setup(config, mesh, special_ids)
 
-  checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
-  try:
-    step = checkpointer.latest_step()
-    if step is None:
-      raise ConfigError(f"{checkpoints_dir} holds no checkpoint: nothing to export yet.")
-    train.check_same_model(checkpointer.read_meta(step)["param_shapes"], setup.param_shapes, workdir)
-    with partitioning.activate(mesh):
-      state = checkpointer.restore(step, setup.abstract_state)
-  finally:
-    checkpointer.close()
+  _, state = train.restore_checkpoint(workdir, setup, mesh)
 
   towers = ("discriminator", "generator") if export_generator else ("discriminator",)
   return {
