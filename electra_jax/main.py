@@ -13,9 +13,20 @@ latest checkpoint of a workdir as Hugging Face directories (<out>/discriminator,
 <out>/generator with --export_generator):
 
   python -m electra_jax.main --mode=export_hf --workdir=/tmp/electra_demo --out=/tmp/electra_hf
+
+To continue pre-training released weights, import them as a workdir's first checkpoint (the
+recipe gives training, data and mesh settings; the model sizes and vocabulary come from the
+weights), then train in that workdir (without --config, its config.json is used):
+
+  python -m electra_jax.main --mode=import_hf --hf_discriminator=D --hf_generator=G \
+      --config=configs/electra_small.py --workdir=/tmp/continued
+  python -m electra_jax.main --mode=import_tf --tf_checkpoint=electra_small/ \
+      --config=configs/electra_small.py --workdir=/tmp/continued
+  python -m electra_jax.main --workdir=/tmp/continued
 """
 
 import logging as std_logging
+import os
 import sys
 
 from absl import app, flags, logging
@@ -28,9 +39,10 @@ _CONFIG = config_flags.DEFINE_config_file(
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, metrics.jsonl and checkpoints.")
 _MODE = flags.DEFINE_enum(
-    "mode", "train", ["train", "eval", "export_hf"],
+    "mode", "train", ["train", "eval", "export_hf", "import_hf", "import_tf"],
     "train: pre-train (or resume) in --workdir; eval: held-out metrics of its latest checkpoint "
-    "(or --step); export_hf: write its latest checkpoint to --out.",
+    "(or --step); export_hf: write its latest checkpoint to --out; import_hf / import_tf: make "
+    "--workdir start from released weights (Hugging Face pair / official TF1 checkpoint).",
 )
 _STEP = flags.DEFINE_integer("step", None, "eval: the checkpoint step (default: the latest).")
 _COORDINATOR = flags.DEFINE_string(
@@ -41,6 +53,20 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process runs: this
 _OUT = flags.DEFINE_string("out", None, "export_hf: directory for the Hugging Face model directories.")
 _EXPORT_GENERATOR = flags.DEFINE_bool(
     "export_generator", False, "export_hf: write the generator too (<out>/generator)."
+)
+_HF_DISCRIMINATOR = flags.DEFINE_string("hf_discriminator", None, "import_hf: an ElectraForPreTraining directory.")
+_HF_GENERATOR = flags.DEFINE_string("hf_generator", None, "import_hf: an ElectraForMaskedLM directory.")
+_HF_EMBEDDINGS_FROM = flags.DEFINE_enum(
+    "hf_embeddings_from", None, ["discriminator", "generator"],
+    "import_hf: whose embeddings both towers keep when the two directories' embeddings differ "
+    "(by default that is refused).",
+)
+_TF_CHECKPOINT = flags.DEFINE_string(
+    "tf_checkpoint", None, "import_tf: an official checkpoint (model.ckpt-N prefix, or its directory)."
+)
+_VOCAB_FILE = flags.DEFINE_string("vocab_file", None, "import_tf: the vocab.txt (default: the one beside the checkpoint).")
+_TF_NUM_HEADS = flags.DEFINE_integer(
+    "tf_num_heads", None, "import_tf: the discriminator's attention heads (default: hidden // 64, as officially)."
 )
 flags.mark_flags_as_required(["workdir"])
 
@@ -59,9 +85,15 @@ def main(argv):
     # First, before anything touches the devices. TPU VM slices and SLURM need no flags.
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     if _MODE.value == "train":
-      if _CONFIG.value is None:
-        raise app.UsageError("--mode=train needs --config (a recipe, e.g. configs/demo.py).")
-      metrics = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+      config = _CONFIG.value
+      if config is None:
+        if not os.path.isfile(os.path.join(_WORKDIR.value, "config.json")):
+          raise app.UsageError(
+              "--mode=train needs --config (a recipe, e.g. configs/demo.py), unless --workdir "
+              "already holds a config.json to continue with."
+          )
+        config = config_lib.load_workdir_config(_WORKDIR.value)
+      metrics = train.train_and_evaluate(config, _WORKDIR.value)
       if metrics:
         summary = ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
         print(f"Final metrics (step {int(metrics['step'])}): {summary}")
@@ -78,8 +110,32 @@ def main(argv):
       written = interop.export_workdir(_WORKDIR.value, _OUT.value, _EXPORT_GENERATOR.value)
       for tower, directory in written.items():
         print(f"Wrote the {tower} (Hugging Face format) to {directory}")
+    elif _MODE.value in ("import_hf", "import_tf"):
+      _import(_MODE.value)
   except config_lib.ConfigError as error:
     sys.exit(f"electra-jax: error: {error}")
+
+
+def _import(mode: str) -> None:
+  if _CONFIG.value is None:
+    raise app.UsageError(
+        f"--mode={mode} needs --config: the recipe whose training, data and mesh settings the "
+        "workdir will use (its model sizes and vocabulary come from the weights)."
+    )
+  if mode == "import_hf":
+    if not (_HF_DISCRIMINATOR.value and _HF_GENERATOR.value):
+      raise app.UsageError("--mode=import_hf needs --hf_discriminator=DIR and --hf_generator=DIR.")
+    pair = interop.pair_from_hf(_HF_DISCRIMINATOR.value, _HF_GENERATOR.value)
+  else:
+    if not _TF_CHECKPOINT.value:
+      raise app.UsageError("--mode=import_tf needs --tf_checkpoint=PATH (model.ckpt-N or its directory).")
+    pair = interop.pair_from_tf(_TF_CHECKPOINT.value, _VOCAB_FILE.value, _TF_NUM_HEADS.value)
+  summary = interop.write_pretraining_workdir(pair, _CONFIG.value, _WORKDIR.value, _HF_EMBEDDINGS_FROM.value)
+  print(
+      f"Imported {pair.source} ({summary['num_params']:,} parameters, generator_fraction="
+      f"{summary['generator_fraction']:.4g}) as step 0 of {summary['workdir']}; vocabulary "
+      f"{summary['vocab_file']}.\nContinue pre-training with: electra-jax --workdir={summary['workdir']}"
+  )
 
 
 def run():

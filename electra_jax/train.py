@@ -198,7 +198,19 @@ def param_shapes(params) -> dict[str, list[int]]:
 def _check_checkpoint_matches(meta: dict, setup, corpus, workdir: str) -> None:
   """Refuses a checkpoint of another model, or (given `corpus`) trained on other data."""
   check_same_model(meta["param_shapes"], setup.param_shapes, workdir)
-  if corpus is not None and meta["data_fingerprint"] != corpus.fingerprint:
+  if corpus is None:
+    return
+  if meta["data_fingerprint"] is None:
+    # Imported weights (interop/pretraining.py): bound to their vocabulary, not yet to a corpus.
+    if meta["tokenizer_fingerprint"] != corpus.tokenizer.fingerprint:
+      raise ConfigError(
+          f"The checkpoint in {workdir} holds weights imported from {meta.get('imported_from')} with "
+          f"their own vocabulary (tokenizer {meta['tokenizer_fingerprint']}), but this config "
+          f"tokenizes with {corpus.tokenizer.fingerprint}. Train with the workdir's config.json "
+          "(which names that vocabulary), e.g. leave out --config."
+      )
+    return
+  if meta["data_fingerprint"] != corpus.fingerprint:
     raise ConfigError(
         f"The checkpoint in {workdir} was trained on data {meta['data_fingerprint']} but this "
         f"config gives {corpus.fingerprint} (a different tokenizer, corpus or max_seq_len). "

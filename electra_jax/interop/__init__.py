@@ -1,7 +1,9 @@
-"""Checkpoint interop: Hugging Face `transformers` ELECTRA directories in and out, and the
-export of a pre-training workdir's latest checkpoint to them."""
+"""Checkpoint interop: Hugging Face `transformers` ELECTRA directories in and out, official
+TF1 checkpoints in, the export of a pre-training workdir's latest checkpoint, and the import of
+a released discriminator + generator pair as the first checkpoint of a pre-training workdir."""
 
 from electra_jax.interop.export import export_workdir
 from electra_jax.interop.hf import load_hf, save_hf
+from electra_jax.interop.pretraining import pair_from_hf, pair_from_tf, write_pretraining_workdir
 
-__all__ = ["export_workdir", "load_hf", "save_hf"]
+__all__ = ["export_workdir", "load_hf", "pair_from_hf", "pair_from_tf", "save_hf", "write_pretraining_workdir"]

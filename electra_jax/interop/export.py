@@ -1,13 +1,16 @@
 """Exporting a pre-training workdir: restores its latest checkpoint on one device and writes
 the discriminator (and, if asked, the generator) as Hugging Face directories."""
 
+import json
 import os
+import shutil
 
 import jax
 import ml_collections
 
 from electra_jax import config_lib, data, partitioning, train
 from electra_jax.config_lib import ConfigError
+from electra_jax.data.wordpiece import WordPieceTokenizer
 from electra_jax.interop.hf import save_hf
 
 
@@ -30,7 +33,36 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
   _, state = train.restore_checkpoint(workdir, setup, mesh)
 
   towers = ("discriminator", "generator") if export_generator else ("discriminator",)
-  return {
-      tower: save_hf(setup.model, state.params, os.path.join(out_dir, tower), kind=tower)
-      for tower in towers
-  }
+  written = {}
+  for tower in towers:
+    directory = os.path.join(out_dir, tower)
+    save_hf(setup.model, state.params, directory, kind=tower, pad_token_id=tok.pad_id)
+    write_tokenizer_files(tok, directory, config.model.max_position_embeddings)
+    written[tower] = directory
+  return written
+
+
+def write_tokenizer_files(tok, directory: str, max_length: int) -> None:
+  """The vocabulary beside the weights, so the exported model tokenizes as it was trained.
+
+  WordPiece: vocab.txt plus a tokenizer_config.json with the normalization settings, which
+  transformers' AutoTokenizer.from_pretrained(directory) reads as an ElectraTokenizer.
+  sentencepiece: the model file as spm.model (transformers has no ELECTRA tokenizer for it;
+  load it with sentencepiece, or electra_jax.data.SentencePieceTokenizer)."""
+  if isinstance(tok, WordPieceTokenizer):
+    shutil.copyfile(tok.vocab_file, os.path.join(directory, "vocab.txt"))
+    settings = {
+        "tokenizer_class": "ElectraTokenizer",
+        "do_lower_case": tok.lowercase,
+        # None: follow do_lower_case, as BERT's tokenizer (and ours) does.
+        "strip_accents": tok.strip_accents,
+        "tokenize_chinese_chars": True,
+        "model_max_length": max_length,
+        "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]",
+        "cls_token": "[CLS]", "mask_token": "[MASK]",
+    }
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+      json.dump(settings, f, indent=2, sort_keys=True)
+      f.write("\n")
+  else:
+    shutil.copyfile(tok.model_path, os.path.join(directory, "spm.model"))

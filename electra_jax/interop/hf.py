@@ -189,7 +189,7 @@ def model_from_hf_config(hf_config: dict[str, Any], source: str = "config.json")
   return kind, model
 
 
-def hf_config_of(model, kind: str) -> dict[str, Any]:
+def hf_config_of(model, kind: str, pad_token_id: int = _PAD_ID) -> dict[str, Any]:
   """The config.json of a standalone model, as transformers.ElectraConfig reads it."""
   tower = model.config
   return {
@@ -208,7 +208,7 @@ def hf_config_of(model, kind: str) -> dict[str, Any]:
       "type_vocab_size": model.type_vocab_size,
       "layer_norm_eps": tower.layer_norm_eps,
       "initializer_range": 0.02,
-      "pad_token_id": _PAD_ID,
+      "pad_token_id": pad_token_id,
       "tie_word_embeddings": True,
       "dtype": "float32",
   }
@@ -323,13 +323,17 @@ def load_hf(path: str):
   return model, params_from_hf_weights(model, kind, read_hf_weights(path), path, decoder_tied)
 
 
-def save_hf(model, params, out_dir: str, kind: str | None = None, vocab_file: str | None = None) -> str:
+def save_hf(
+    model, params, out_dir: str, kind: str | None = None, vocab_file: str | None = None,
+    pad_token_id: int = _PAD_ID,
+) -> str:
   """Writes config.json and model.safetensors to `out_dir` so that transformers'
   ElectraForPreTraining / ElectraForMaskedLM / ElectraModel.from_pretrained(out_dir) loads
   every weight. `model` is a standalone model (`kind` then defaults to its own and must agree)
   or an ElectraPretrainer with `params` its {embeddings, generator, discriminator} tree (then
   `kind` picks the tower). `vocab_file`, if given, is copied into `out_dir` unchanged (no
-  tokenizer config is written). Returns `out_dir`."""
+  tokenizer config is written). `pad_token_id` goes into config.json (the [PAD] id of the
+  vocabulary; 0 in every electra-jax tokenizer and in BERT's vocab.txt). Returns `out_dir`."""
   if isinstance(model, models.ElectraPretrainer):
     if kind not in models.TOWER_MODELS:
       raise ConfigError(
@@ -348,7 +352,7 @@ def save_hf(model, params, out_dir: str, kind: str | None = None, vocab_file: st
     raise ConfigError(f"vocab_file={vocab_file!r} does not exist; pass the vocabulary's path or None.")
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(hf_config_of(model, model_kind), f, indent=2, sort_keys=True)
+    json.dump(hf_config_of(model, model_kind, pad_token_id), f, indent=2, sort_keys=True)
     f.write("\n")
   # The metadata save_pretrained writes; transformers 4.x checks it when loading.
   safetensors.numpy.save_file(

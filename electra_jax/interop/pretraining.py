@@ -1,0 +1,293 @@
+"""Released weights as step 0 of a pre-training workdir, so that the usual training command
+continues pre-training from them.
+
+Two sources give a (discriminator, generator) pair: two Hugging Face directories
+(`ElectraForPreTraining` + `ElectraForMaskedLM`, see hf.py) or one official TF1 checkpoint
+(`model.ckpt-N` from google-research/electra, see tf_checkpoint.py). Both towers must read the
+same embeddings, since electra-jax keeps ONE embedding tree; this module checks that they do,
+checks that the generator has the shape electra-jax derives from `model.generator_fraction`,
+brings the vocabulary into the workdir, and writes config.json plus the first checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import shutil
+
+import flax
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+
+from electra_jax import checkpointing, config_lib, data, models, partitioning, train
+from electra_jax.config_lib import ConfigError
+from electra_jax.interop import hf, tf_checkpoint
+
+EMBEDDINGS_CHOICES = ("discriminator", "generator")
+
+
+@dataclasses.dataclass
+class ImportedPair:
+  """Both towers as standalone models; each `*_params` is {"embeddings", <tower>}."""
+
+  discriminator: models.ElectraDiscriminatorModel
+  discriminator_params: dict
+  generator: models.ElectraGeneratorModel
+  generator_params: dict
+  vocab_file: str | None  # a BERT vocab.txt that gives the ids their meaning
+  lowercase: bool | None  # from the tokenizer's settings, where the source records them
+  strip_accents: bool | None
+  source: str  # for messages and the checkpoint's side-car
+
+
+def _read_tokenizer_settings(directory: str) -> tuple[bool | None, bool | None]:
+  """(do_lower_case, strip_accents) from a Hugging Face tokenizer_config.json, if any."""
+  path = os.path.join(directory, "tokenizer_config.json")
+  if not os.path.isfile(path):
+    return None, None
+  with open(path) as f:
+    settings = json.load(f)
+  return settings.get("do_lower_case"), settings.get("strip_accents")
+
+
+def pair_from_hf(discriminator_dir: str, generator_dir: str) -> ImportedPair:
+  """Reads an ElectraForPreTraining and an ElectraForMaskedLM directory (see hf.load_hf)."""
+  towers = {}
+  for expected, directory in (("discriminator", discriminator_dir), ("generator", generator_dir)):
+    model, params = hf.load_hf(directory)
+    kind = hf.kind_of(model)
+    if kind != expected:
+      raise ConfigError(
+          f"{directory} holds an {hf.ARCHITECTURE_OF_KIND[kind]}, but --hf_{expected} needs an "
+          f"{hf.ARCHITECTURE_OF_KIND[expected]} (its config.json \"architectures\")."
+      )
+    towers[expected] = (model, params)
+  vocab_files = {
+      name: os.path.join(directory, "vocab.txt")
+      for name, directory in (("discriminator", discriminator_dir), ("generator", generator_dir))
+      if os.path.isfile(os.path.join(directory, "vocab.txt"))
+  }
+  if len(vocab_files) == 2 and _file_bytes(vocab_files["discriminator"]) != _file_bytes(vocab_files["generator"]):
+    raise ConfigError(
+        f"{vocab_files['discriminator']} and {vocab_files['generator']} differ: the two towers were "
+        "trained with different vocabularies and cannot share one embedding table."
+    )
+  vocab_file = vocab_files.get("discriminator") or vocab_files.get("generator")
+  lowercase, strip_accents = _read_tokenizer_settings(discriminator_dir)
+  return ImportedPair(
+      *towers["discriminator"], *towers["generator"],
+      vocab_file=vocab_file, lowercase=lowercase, strip_accents=strip_accents,
+      source=f"Hugging Face: discriminator {discriminator_dir}, generator {generator_dir}",
+  )
+
+
+def pair_from_tf(path: str, vocab_file: str | None = None, num_heads: int | None = None) -> ImportedPair:
+  """Reads an official TF1 pre-training checkpoint (see tf_checkpoint.py); `vocab_file`
+  defaults to the vocab.txt beside it, as the released archives ship it."""
+  prefix = tf_checkpoint.resolve_prefix(path)
+  towers = tf_checkpoint.read_towers(prefix, num_heads)
+  if vocab_file is None:
+    beside = os.path.join(os.path.dirname(prefix), "vocab.txt")
+    vocab_file = beside if os.path.isfile(beside) else None
+  elif not os.path.isfile(vocab_file):
+    raise ConfigError(f"--vocab_file={vocab_file} does not exist; give the checkpoint's vocab.txt.")
+  return ImportedPair(
+      *towers["discriminator"], *towers["generator"],
+      vocab_file=vocab_file, lowercase=None, strip_accents=None,
+      source=f"TensorFlow checkpoint {prefix}",
+  )
+
+
+def _file_bytes(path: str) -> bytes:
+  with open(path, "rb") as f:
+    return f.read()
+
+
+def _shared_embeddings(pair: ImportedPair, embeddings_from: str | None) -> dict:
+  """The one embedding tree both towers will read: the towers' own when they are equal,
+  else the one `embeddings_from` names (refused without it, saying what differs)."""
+  disc = flax.traverse_util.flatten_dict(pair.discriminator_params["embeddings"], sep="/")
+  gen = flax.traverse_util.flatten_dict(pair.generator_params["embeddings"], sep="/")
+  differences = []
+  for name in sorted(disc):
+    if disc[name].shape != gen[name].shape:
+      differences.append(f"{name}: shape {disc[name].shape} vs {gen[name].shape}")
+    elif not np.array_equal(disc[name], gen[name]):
+      diff = float(np.max(np.abs(disc[name] - gen[name])))
+      differences.append(f"{name}: max |difference| {diff:.3g}")
+  if not differences:
+    logging.info("The discriminator's and generator's embeddings are equal: one shared table.")
+    return pair.discriminator_params["embeddings"]
+  if embeddings_from is None:
+    raise ConfigError(
+        f"The discriminator's and generator's embeddings differ ({'; '.join(differences)}), but "
+        "electra-jax shares ONE embedding tree between the towers. Pass "
+        "--hf_embeddings_from=discriminator (or generator) to keep that tower's embeddings for both."
+    )
+  if embeddings_from not in EMBEDDINGS_CHOICES:
+    raise ConfigError(f"embeddings_from={embeddings_from!r} is not one of {list(EMBEDDINGS_CHOICES)}.")
+  if any("shape" in d for d in differences):
+    raise ConfigError(
+        f"The towers' embeddings have different shapes ({'; '.join(differences)}); one table "
+        "cannot serve both."
+    )
+  logging.warning(
+      "The towers' embeddings differ (%s); both will use the %s's, as --hf_embeddings_from asks.",
+      "; ".join(differences), embeddings_from,
+  )
+  return getattr(pair, f"{embeddings_from}_params")["embeddings"]
+
+
+def _model_config(pair: ImportedPair) -> dict:
+  """config.model values that build exactly these two towers, or a ConfigError naming the
+  generator size electra-jax cannot derive from one `generator_fraction`."""
+  disc, gen = pair.discriminator, pair.generator
+  for field in ("vocab_size", "embedding_size", "max_position_embeddings", "type_vocab_size"):
+    if getattr(disc, field) != getattr(gen, field):
+      raise ConfigError(
+          f"The discriminator has {field}={getattr(disc, field)} but the generator "
+          f"{getattr(gen, field)}; towers sharing one embedding table must agree on it."
+      )
+  fraction = gen.config.hidden_size / disc.config.hidden_size
+  try:
+    derived = models.generator_encoder_config(disc.config, fraction) if fraction <= 1 else None
+  except ConfigError:  # no whole number of discriminator-sized heads
+    derived = None
+  if derived != gen.config:
+    mismatched = (
+        f"hidden_size={gen.config.hidden_size}, num_heads={gen.config.num_heads}" if derived is None else ", ".join(
+            f"{f.name}={getattr(gen.config, f.name)} (derived: {getattr(derived, f.name)})"
+            for f in dataclasses.fields(models.EncoderConfig)
+            if getattr(gen.config, f.name) != getattr(derived, f.name)
+        )
+    )
+    raise ConfigError(
+        f"The generator's sizes are not what electra-jax derives from the discriminator and "
+        f"generator_fraction={fraction:.6g} (same depth and head size, FFN and dropout scaled "
+        f"alike, as the official code builds it): {mismatched}. This pair cannot be represented."
+    )
+  return dict(
+      vocab_size=disc.vocab_size,
+      embedding_size=disc.embedding_size,
+      max_position_embeddings=disc.max_position_embeddings,
+      type_vocab_size=disc.type_vocab_size,
+      hidden_size=disc.config.hidden_size,
+      num_layers=disc.config.num_layers,
+      num_heads=disc.config.num_heads,
+      intermediate_size=disc.config.intermediate_size,
+      dropout_rate=disc.config.dropout_rate,
+      attention_dropout_rate=disc.config.attention_dropout_rate,
+      layer_norm_eps=disc.config.layer_norm_eps,
+      generator_fraction=fraction,
+  )
+
+
+def _data_config(pair: ImportedPair, config, workdir: str) -> dict:
+  """data.* values that tokenize as the released model did: its vocab.txt, copied into the
+  workdir so the workdir is complete on its own (the source may be a temporary download)."""
+  if pair.vocab_file is None:
+    if config.data.tokenizer == "wordpiece" and config.data.vocab_file:
+      logging.warning(
+          "%s has no vocab.txt; using data.vocab_file=%s. The ids must mean what they meant in "
+          "pre-training.", pair.source, config.data.vocab_file,
+      )
+      return {}
+    raise ConfigError(
+        f"{pair.source}: no vocab.txt beside the weights, so the token ids would mean nothing. "
+        "Put the model's vocab.txt there, or pass --config.data.tokenizer=wordpiece "
+        "--config.data.vocab_file=PATH."
+    )
+  target = os.path.join(os.path.abspath(workdir), "vocab.txt")
+  shutil.copyfile(pair.vocab_file, target + ".tmp")
+  os.replace(target + ".tmp", target)
+  values = {"tokenizer": "wordpiece", "vocab_file": target}
+  if pair.lowercase is not None:
+    values["lowercase"] = bool(pair.lowercase)
+  if pair.strip_accents is not None:
+    values["strip_accents"] = bool(pair.strip_accents)
+  return values
+
+
+def write_pretraining_workdir(
+    pair: ImportedPair,
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    embeddings_from: str | None = None,
+) -> dict:
+  """Writes <workdir>/config.json (`config` with the model group of the pair, and the pair's
+  vocabulary) and a step-0 checkpoint holding both towers over one embedding tree, with a
+  fresh optimizer state. Refuses a workdir that already has checkpoints. Returns a summary."""
+  checkpoints_dir = os.path.join(workdir, "checkpoints")
+  if os.path.isdir(checkpoints_dir) and os.listdir(checkpoints_dir):
+    raise ConfigError(
+        f"{workdir} already holds checkpoints; import into a new --workdir (nothing was changed)."
+    )
+  model_values = _model_config(pair)
+  embeddings = _shared_embeddings(pair, embeddings_from)
+  config = copy.deepcopy(config)  # the caller's config stays as it was
+  changed = {k: (config.model[k], v) for k, v in model_values.items() if config.model[k] != v}
+  for key, value in model_values.items():
+    config.model[key] = value
+  if changed:
+    logging.info(
+        "Model sizes taken from the imported weights: %s",
+        ", ".join(f"model.{k}={new} (recipe: {old})" for k, (old, new) in sorted(changed.items())),
+    )
+  config_lib.validate(config)
+  os.makedirs(workdir, exist_ok=True)
+  for key, value in _data_config(pair, config, workdir).items():
+    config.data[key] = value
+  tokenizer = data.load_tokenizer(config.data)
+  if tokenizer.vocab_size > config.model.vocab_size:
+    raise ConfigError(
+        f"The vocabulary has {tokenizer.vocab_size} tokens but the imported model only "
+        f"{config.model.vocab_size} rows of embeddings; this is not the model's vocabulary."
+    )
+
+  # One device: the checkpoint is re-sharded onto whatever mesh training uses.
+  single_device = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
+  mesh = partitioning.make_mesh(single_device, devices=jax.devices()[:1])
+  special_ids = dict(pad=tokenizer.pad_id, cls=tokenizer.cls_id, sep=tokenizer.sep_id, mask=tokenizer.mask_id)
+  setup = train.build_setup(config, mesh, special_ids)
+  params = {
+      "embeddings": embeddings,
+      "generator": pair.generator_params["generator"],
+      "discriminator": pair.discriminator_params["discriminator"],
+  }
+  imported_shapes = train.param_shapes(params)
+  train.check_same_model(imported_shapes, setup.param_shapes, workdir)
+  with partitioning.activate(mesh):
+    fresh = jax.jit(
+        lambda r: flax.linen.meta.unbox(setup.init_fn(r)), out_shardings=setup.state_shardings
+    )(jax.random.key(config.train.seed))
+    params = jax.device_put(params, setup.state_shardings.params)
+    state = fresh.replace(params=params, opt_state=fresh.tx.init(params))
+
+  checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
+  try:
+    # No data fingerprint yet: the first training save binds the checkpoints to their data.
+    meta = {
+        "param_shapes": setup.param_shapes,
+        "data_fingerprint": None,
+        "tokenizer_fingerprint": tokenizer.fingerprint,
+        "imported_from": pair.source,
+    }
+    checkpointer.save(0, state, meta)
+    checkpointer.wait()
+  finally:
+    checkpointer.close()
+  config_path = os.path.join(workdir, "config.json")
+  with open(config_path + ".tmp", "w") as f:
+    f.write(config_lib.to_json(config))
+  os.replace(config_path + ".tmp", config_path)
+  return {
+      "workdir": workdir,
+      "config": config_path,
+      "vocab_file": config.data.vocab_file,
+      "num_params": int(sum(np.prod(s) for s in setup.param_shapes.values())),
+      "generator_fraction": config.model.generator_fraction,
+  }

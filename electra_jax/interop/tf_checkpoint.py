@@ -1,0 +1,344 @@
+"""Official ELECTRA checkpoints (`model.ckpt-N`, TensorFlow 1 as google-research/electra saves
+them, discriminator and generator in one) read without TensorFlow.
+
+A TF checkpoint (the "V2" tensor bundle) is two files: `<prefix>.index`, a LevelDB-format
+sorted table from each variable's name to a small protobuf (dtype, shape, shard, offset, size),
+and `<prefix>.data-SSSSS-of-NNNNN`, the tensors' raw little-endian bytes back to back. Both
+formats are stable and simple, so reading them here spares users a 1.6 GB TensorFlow install
+that would sit beside JAX only to open a file. The reader is checked against checkpoints that
+TensorFlow itself wrote (tests/fixtures/tf1_electra, made by tests/fixtures/make_tf1_checkpoint.py).
+
+The variable names are the official code's (model/modeling.py, run_pretraining.py):
+`electra/embeddings/*` is the one embedding table both towers read, `electra/...` the
+discriminator's encoder, `generator/...` the generator's, `discriminator_predictions/*` and
+`generator_predictions/*` the heads; Adam slots (`*/adam_m`, `*/adam_v`) and `global_step` are
+skipped: continued pre-training starts a fresh optimizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import struct
+
+import flax
+import jax.numpy as jnp
+import numpy as np
+
+from electra_jax import models
+from electra_jax.config_lib import ConfigError
+from electra_jax.interop import hf
+
+_TABLE_MAGIC = 0xDB4775248B80FB57
+_FOOTER_SIZE = 48
+_BLOCK_TRAILER_SIZE = 5  # compression type byte + masked crc32c
+# tensorflow/core/framework/types.proto values of the dtypes a checkpoint of weights holds.
+_DTYPES = {
+    1: np.float32, 2: np.float64, 3: np.int32, 4: np.uint8, 5: np.int16, 6: np.int8,
+    9: np.int64, 10: np.bool_, 17: np.uint16, 19: np.float16, 22: np.uint32, 23: np.uint64,
+}
+_DT_BFLOAT16 = 14
+_OPTIMIZER_SLOT = re.compile(r"(/adam_[mv]|/Adam(_1)?|/Momentum|^global_step)$")
+# Variables of the official code's other objectives, which electra-jax's pre-trainer lacks.
+_UNSUPPORTED_SCOPES = {
+    "generator_ltr": "Electric's two-tower generator (electric_objective)",
+    "generator_rtl": "Electric's two-tower generator (electric_objective)",
+    "cloze_predictions": "Electric's cloze head (electric_objective)",
+    "generator/embeddings": "a generator with its own embeddings (untied_generator_embeddings)",
+}
+
+
+# ---------------------------------------------------------------------------------------
+# Protocol buffers and LevelDB tables: just what a tensor bundle index uses
+# ---------------------------------------------------------------------------------------
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+  result, shift = 0, 0
+  while True:
+    if pos >= len(buf):
+      raise ValueError("truncated varint")
+    byte = buf[pos]
+    pos += 1
+    result |= (byte & 0x7F) << shift
+    if not byte & 0x80:
+      return result, pos
+    shift += 7
+
+
+def _proto_fields(buf: bytes):
+  """(field number, value) pairs of a serialized protobuf message: ints for varint and
+  fixed fields, bytes for length-delimited ones."""
+  pos = 0
+  while pos < len(buf):
+    key, pos = _varint(buf, pos)
+    field, wire_type = key >> 3, key & 7
+    if wire_type == 0:
+      value, pos = _varint(buf, pos)
+    elif wire_type == 1:
+      value, pos = struct.unpack_from("<Q", buf, pos)[0], pos + 8
+    elif wire_type == 2:
+      length, pos = _varint(buf, pos)
+      value, pos = buf[pos : pos + length], pos + length
+    elif wire_type == 5:
+      value, pos = struct.unpack_from("<I", buf, pos)[0], pos + 4
+    else:
+      raise ValueError(f"unsupported protobuf wire type {wire_type}")
+    yield field, value
+
+
+def _block_entries(block: bytes):
+  """(key, value) pairs of one table block (prefix-compressed keys, restart array at the end)."""
+  num_restarts = struct.unpack_from("<I", block, len(block) - 4)[0]
+  end = len(block) - 4 - 4 * num_restarts
+  pos, key = 0, b""
+  while pos < end:
+    shared, pos = _varint(block, pos)
+    non_shared, pos = _varint(block, pos)
+    value_length, pos = _varint(block, pos)
+    key = key[:shared] + block[pos : pos + non_shared]
+    pos += non_shared
+    yield key, block[pos : pos + value_length]
+    pos += value_length
+
+
+def _read_block(data: bytes, handle: bytes, source: str) -> bytes:
+  offset, pos = _varint(handle, 0)
+  size, _ = _varint(handle, pos)
+  if data[offset + size] != 0:
+    raise ConfigError(
+        f"{source}: a compressed index block (type {data[offset + size]}); TensorFlow writes "
+        "checkpoint indexes uncompressed, so this file is not a TF checkpoint index."
+    )
+  return data[offset : offset + size]
+
+
+def _table_items(data: bytes, source: str):
+  if len(data) < _FOOTER_SIZE or struct.unpack_from("<Q", data, len(data) - 8)[0] != _TABLE_MAGIC:
+    raise ConfigError(f"{source} is not a TensorFlow checkpoint index (no table footer).")
+  footer = data[-_FOOTER_SIZE:]
+  _, pos = _varint(footer, 0)  # metaindex handle: offset ...
+  _, pos = _varint(footer, pos)  # ... and size; nothing in it for bundles
+  index = _read_block(data, footer[pos:], source)
+  for _, handle in _block_entries(index):
+    yield from _block_entries(_read_block(data, handle, source))
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+  dtype: int
+  shape: tuple[int, ...]
+  shard: int
+  offset: int
+  size: int
+
+
+def _tensor_entry(value: bytes) -> TensorEntry:
+  dtype, shape, shard, offset, size, sliced = 0, (), 0, 0, 0, False
+  for field, v in _proto_fields(value):
+    if field == 1:
+      dtype = v
+    elif field == 2:  # TensorShapeProto: repeated Dim (field 2) of {size: 1}
+      shape = tuple(
+          next((size for f, size in _proto_fields(dim) if f == 1), 0)
+          for f, dim in _proto_fields(v) if f == 2
+      )
+    elif field == 3:
+      shard = v
+    elif field == 4:
+      offset = v
+    elif field == 5:
+      size = v
+    elif field == 7:
+      sliced = True
+  if sliced:
+    raise ConfigError("The checkpoint stores a partitioned (sliced) variable, which this reader does not read.")
+  return TensorEntry(dtype, shape, shard, offset, size)
+
+
+class TFCheckpoint:
+  """The tensors of a TF V2 checkpoint, read lazily: `.entries` maps names to dtype and shape,
+  `.read(name)` returns one tensor as a numpy array."""
+
+  def __init__(self, prefix: str):
+    self.prefix = prefix
+    index_path = prefix + ".index"
+    try:
+      with open(index_path, "rb") as f:
+        index = f.read()
+    except OSError as e:
+      raise ConfigError(f"Cannot read the checkpoint index {index_path} ({e}).") from e
+    self.num_shards = 1
+    self.entries: dict[str, TensorEntry] = {}
+    for key, value in _table_items(index, index_path):
+      if key == b"":  # BundleHeaderProto
+        for field, v in _proto_fields(value):
+          if field == 1:
+            self.num_shards = v
+          elif field == 2 and v != 0:
+            raise ConfigError(f"{index_path}: a big-endian checkpoint; only little-endian is read.")
+      else:
+        self.entries[key.decode("utf-8")] = _tensor_entry(value)
+
+  def read(self, name: str) -> np.ndarray:
+    entry = self.entries[name]
+    if entry.dtype == _DT_BFLOAT16:
+      dtype = np.dtype(jnp.bfloat16)
+    elif entry.dtype in _DTYPES:
+      dtype = np.dtype(_DTYPES[entry.dtype])
+    else:
+      raise ConfigError(f"{self.prefix}: {name} has TensorFlow dtype {entry.dtype}, which is not a numeric tensor.")
+    count = int(np.prod(entry.shape, dtype=np.int64))
+    if count * dtype.itemsize != entry.size:
+      raise ConfigError(
+          f"{self.prefix}: {name} claims shape {entry.shape} of {dtype} but {entry.size} bytes."
+      )
+    path = f"{self.prefix}.data-{entry.shard:05d}-of-{self.num_shards:05d}"
+    try:
+      with open(path, "rb") as f:
+        f.seek(entry.offset)
+        raw = f.read(entry.size)
+    except OSError as e:
+      raise ConfigError(f"Cannot read the checkpoint data file {path} ({e}).") from e
+    if len(raw) != entry.size:
+      raise ConfigError(f"{path} is truncated: {name} needs bytes {entry.offset}..{entry.offset + entry.size}.")
+    return np.frombuffer(raw, dtype=dtype).reshape(entry.shape).copy()
+
+
+def resolve_prefix(path: str) -> str:
+  """`model.ckpt-N` from a prefix, its .index file, or a directory (its `checkpoint` file's
+  latest entry, else the highest-numbered model.ckpt-N there)."""
+  if path.endswith(".index"):
+    path = path[: -len(".index")]
+  if os.path.isfile(path + ".index"):
+    return path
+  if os.path.isdir(path):
+    state = os.path.join(path, "checkpoint")
+    if os.path.isfile(state):
+      with open(state) as f:
+        match = re.search(r'^model_checkpoint_path:\s*"([^"]+)"', f.read(), re.MULTILINE)
+      if match:
+        candidate = match.group(1)
+        candidate = candidate if os.path.isabs(candidate) else os.path.join(path, candidate)
+        if os.path.isfile(candidate + ".index"):
+          return candidate
+    steps = [
+        (int(m.group(1)), name[: -len(".index")])
+        for name in os.listdir(path)
+        if (m := re.fullmatch(r"model\.ckpt-(\d+)\.index", name))
+    ]
+    if steps:
+      return os.path.join(path, max(steps)[1])
+  raise ConfigError(
+      f"{path} is not a TensorFlow checkpoint: give the prefix (e.g. electra_small/model.ckpt-1000000), "
+      "its .index file, or the directory holding it."
+  )
+
+
+# ---------------------------------------------------------------------------------------
+# Official names <-> our parameter paths
+# ---------------------------------------------------------------------------------------
+_HEAD_RENAMES = {
+    "generator_lm_head.bias": "generator_predictions/output_bias",
+    "discriminator_predictions.dense_prediction.weight": "discriminator_predictions/dense_1/kernel",
+    "discriminator_predictions.dense_prediction.bias": "discriminator_predictions/dense_1/bias",
+}
+
+
+def official_name(hf_name: str, tower: str) -> str:
+  """The official TF variable of a transformers weight name (without the "electra." prefix)
+  of `tower`: backbone variables live under "electra" (discriminator) or "generator", except
+  the embeddings, which both towers read from "electra/embeddings"."""
+  if hf_name in _HEAD_RENAMES:
+    return _HEAD_RENAMES[hf_name]
+  parts = re.sub(r"encoder\.layer\.(\d+)", r"encoder.layer_\1", hf_name).split(".")
+  leaf, owner = parts[-1], parts[-2]
+  if owner == "LayerNorm":
+    parts[-1] = {"weight": "gamma", "bias": "beta"}[leaf]
+  elif owner.endswith("_embeddings"):
+    parts.pop()  # a table is a bare variable: electra/embeddings/word_embeddings
+  elif leaf == "weight":
+    parts[-1] = "kernel"
+  name = "/".join(parts)
+  if parts[0].endswith("_predictions"):
+    return name
+  if parts[0] == "embeddings":
+    return f"electra/{name}"
+  return f"{'electra' if tower == 'discriminator' else 'generator'}/{name}"
+
+
+def _layer_count(names, scope: str) -> int:
+  layers = {int(m.group(1)) for n in names if (m := re.match(rf"{scope}/encoder/layer_(\d+)/", n))}
+  if not layers:
+    raise ConfigError(f"The checkpoint has no {scope}/encoder/layer_* variables; it is not an ELECTRA pre-training checkpoint.")
+  if layers != set(range(len(layers))):
+    raise ConfigError(f"The checkpoint's {scope} layers are {sorted(layers)}, not 0..{max(layers)}.")
+  return len(layers)
+
+
+def _tower_model(ckpt: TFCheckpoint, scope: str, kind: str, num_heads: int | None):
+  """A standalone tower sized from the checkpoint's shapes. Heads are not in the shapes: the
+  official code uses max(1, hidden // 64) (or `num_heads`, for a checkpoint trained with
+  other model_hparam_overrides)."""
+  shape = lambda name: ckpt.entries[name].shape
+  vocab, embedding = shape("electra/embeddings/word_embeddings")
+  hidden = shape(f"{scope}/encoder/layer_0/attention/self/query/kernel")[1]
+  heads = num_heads or max(1, hidden // 64)
+  if hidden % heads:
+    raise ConfigError(f"The {kind}'s hidden size {hidden} does not split into {heads} heads; pass the right head count.")
+  config = models.EncoderConfig(
+      hidden_size=hidden,
+      num_layers=_layer_count(ckpt.entries, scope),
+      num_heads=heads,
+      intermediate_size=shape(f"{scope}/encoder/layer_0/intermediate/dense/kernel")[1],
+      dropout_rate=0.1,  # the official defaults (BertConfig)
+      attention_dropout_rate=0.1,
+      layer_norm_eps=1e-12,  # tf.contrib.layers.layer_norm's epsilon
+  )
+  return hf.MODEL_CLASSES[kind](
+      vocab_size=vocab,
+      embedding_size=embedding,
+      max_position_embeddings=shape("electra/embeddings/position_embeddings")[0],
+      type_vocab_size=shape("electra/embeddings/token_type_embeddings")[0],
+      config=config,
+  )
+
+
+def read_towers(prefix: str, num_heads: int | None = None):
+  """{tower: (model, params)} for the discriminator and generator of an official checkpoint;
+  each params tree is {"embeddings", <tower>} (the embeddings are the same arrays)."""
+  ckpt = TFCheckpoint(prefix)
+  for scope, what in _UNSUPPORTED_SCOPES.items():
+    if any(name.startswith(scope + "/") for name in ckpt.entries):
+      raise ConfigError(f"{prefix} holds {what}; electra-jax cannot represent it.")
+  if "electra/embeddings/word_embeddings" not in ckpt.entries:
+    raise ConfigError(f"{prefix} has no electra/embeddings/word_embeddings: not an ELECTRA checkpoint.")
+  if not any(name.startswith("generator/") for name in ckpt.entries):
+    raise ConfigError(
+        f"{prefix} has no generator/ variables. Official pre-training checkpoints hold both towers; "
+        "a fine-tuned or discriminator-only checkpoint cannot continue pre-training."
+    )
+  used, towers = set(), {}
+  for kind, scope in (("discriminator", "electra"), ("generator", "generator")):
+    if kind == "generator":  # the discriminator's head size, as the official code sizes it
+      hidden = ckpt.entries["generator/encoder/layer_0/attention/self/query/kernel"].shape[1]
+      num_heads = max(1, hidden // towers["discriminator"][0].config.head_dim)
+    model = _tower_model(ckpt, scope, kind, num_heads)
+    shapes = hf._param_shapes(model)
+    flat = {}
+    for w in hf.weight_names(kind, model.config.num_layers, model.embedding_size != model.config.hidden_size):
+      name = official_name(w.hf_name, kind)
+      if name not in ckpt.entries:
+        raise ConfigError(f"{prefix} lacks {name}, which an official {kind} of these sizes has.")
+      array = ckpt.read(name).astype(np.float32)
+      if array.shape != shapes[w.path]:
+        raise ConfigError(f"{prefix}: {name} has shape {array.shape}, expected {shapes[w.path]}.")
+      flat[w.path] = array
+      used.add(name)
+    towers[kind] = (model, flax.traverse_util.unflatten_dict(flat))
+  leftover = sorted(n for n in ckpt.entries if n not in used and not _OPTIMIZER_SLOT.search(n))
+  if leftover:
+    raise ConfigError(
+        f"{prefix} holds variables electra-jax has no place for: {leftover[:8]}"
+        f"{' ...' if len(leftover) > 8 else ''}. It may come from another objective or model."
+    )
+  return towers

@@ -1,0 +1,301 @@
+"""Continuing pre-training from released weights: official TF1 checkpoints read without
+TensorFlow (checked against files TensorFlow wrote), a Hugging Face discriminator + generator
+pair imported as step 0 of a workdir over ONE embedding tree, training continued from it, and
+the vocabulary carried through import and export.
+
+The fixture tests/fixtures/tf1_electra was written by tests/fixtures/make_tf1_checkpoint.py with
+TensorFlow's own Saver; its hf_* directories hold the same weights saved by transformers, and
+transformers' models loaded from them are the oracle for the logits."""
+
+import json
+import os
+import shutil
+
+import flax
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+import transformers
+
+from conftest import REPO, run_cli, tiny_config
+from electra_jax import checkpointing, interop, models, partitioning, train
+from electra_jax.config_lib import ConfigError
+from electra_jax.interop import tf_checkpoint
+
+FIXTURE = os.path.join(REPO, "tests", "fixtures", "tf1_electra")
+VOCAB = 61  # the fixture's vocabulary: [PAD] [UNK] [CLS] [SEP] [MASK] w0 .. w55
+PYTHON_M_MAIN = ["python", "-m", "electra_jax.main"]
+# Sizes a run over the fixture's model can use (20 positions, 61 ids).
+RUN_OVERRIDES = {
+    "data.max_seq_len": 16, "data.max_documents": 60, "train.batch_size": 4, "train.steps": 2,
+    "train.log_every": 1, "checkpoint.every_steps": 2, "optimizer.warmup_steps": 1,
+    "eval.every_steps": 0,
+}
+
+
+def _inputs(seed=0, batch=3, seq=12):
+  """Ids with [CLS]/[SEP], two segments, and padding at the end of rows 1 and 2."""
+  rng = np.random.default_rng(seed)
+  input_ids = rng.integers(5, VOCAB, size=(batch, seq))
+  input_ids[:, 0] = 2
+  attention_mask, token_type_ids = np.ones_like(input_ids), np.zeros_like(input_ids)
+  for row, length in enumerate([seq, 7, 9][:batch]):
+    input_ids[row, length - 1] = 3
+    input_ids[row, length:], attention_mask[row, length:] = 0, 0
+    token_type_ids[row, length // 2 : length] = 1
+  return input_ids, attention_mask, token_type_ids
+
+
+def _hf_logits(hf_class, directory, inputs):
+  model = hf_class.from_pretrained(directory).eval()
+  with torch.no_grad():
+    return model(*(torch.tensor(x) for x in inputs[:1]), attention_mask=torch.tensor(inputs[1]),
+                 token_type_ids=torch.tensor(inputs[2])).logits.numpy()
+
+
+def _assert_logits_match(model, params, hf_class, hf_dir, seed=0):
+  inputs = _inputs(seed)
+  ours = np.asarray(jax.jit(model.apply)({"params": params}, *inputs))
+  theirs = _hf_logits(hf_class, hf_dir, inputs)
+  real = inputs[1].astype(bool)
+  assert ours.shape == theirs.shape
+  np.testing.assert_allclose(ours[real], theirs[real], atol=1e-4, rtol=0)
+
+
+def _cli(*args, **overrides):
+  return PYTHON_M_MAIN + list(args) + [f"--config.{k}={v}" for k, v in {**RUN_OVERRIDES, **overrides}.items()]
+
+
+# ---------------------------------------------------------------------------------------
+# The TF checkpoint reader
+# ---------------------------------------------------------------------------------------
+def test_reader_reads_what_tensorflow_wrote():
+  ckpt = tf_checkpoint.TFCheckpoint(tf_checkpoint.resolve_prefix(FIXTURE))
+  # Names as the official code's scopes make them (model/modeling.py, run_pretraining.py).
+  for name in (
+      "electra/embeddings/word_embeddings",
+      "electra/embeddings/LayerNorm/gamma",
+      "electra/embeddings_project/kernel",  # E=16 < discriminator hidden 32
+      "electra/encoder/layer_1/attention/output/LayerNorm/beta",
+      "generator/encoder/layer_0/intermediate/dense/kernel",
+      "discriminator_predictions/dense_1/kernel",
+      "generator_predictions/output_bias",
+      "electra/embeddings/word_embeddings/adam_m",
+      "global_step",
+  ):
+    assert name in ckpt.entries, name
+  assert "generator/embeddings_project/kernel" not in ckpt.entries  # generator hidden 16 == E
+  # The variable was never incremented (the 7 is only the file name's, from Saver.save).
+  assert ckpt.read("global_step").dtype == np.int64 and ckpt.read("global_step").shape == ()
+  # Values: the same tensors transformers saved from the same torch model.
+  disc = safetensors.numpy.load_file(os.path.join(FIXTURE, "hf_discriminator", "model.safetensors"))
+  np.testing.assert_array_equal(
+      ckpt.read("electra/embeddings/word_embeddings"), disc["electra.embeddings.word_embeddings.weight"]
+  )
+  np.testing.assert_array_equal(  # a dense kernel: [in, out] in TF, [out, in] in torch
+      ckpt.read("electra/encoder/layer_1/intermediate/dense/kernel"),
+      disc["electra.encoder.layer.1.intermediate.dense.weight"].T,
+  )
+  assert ckpt.entries["electra/encoder/layer_0/attention/self/query/kernel"].shape == (32, 32)
+
+
+def test_prefix_resolution_and_bad_paths(tmp_path):
+  prefix = os.path.join(FIXTURE, "model.ckpt-7")
+  assert tf_checkpoint.resolve_prefix(FIXTURE) == prefix
+  assert tf_checkpoint.resolve_prefix(prefix + ".index") == prefix
+  # Without a `checkpoint` state file: the highest-numbered model.ckpt-N in the directory.
+  for name in os.listdir(FIXTURE):
+    if name.startswith("model.ckpt-7"):
+      shutil.copy(os.path.join(FIXTURE, name), tmp_path / name.replace("ckpt-7", "ckpt-12"))
+      shutil.copy(os.path.join(FIXTURE, name), tmp_path / name.replace("ckpt-7", "ckpt-3"))
+  assert tf_checkpoint.resolve_prefix(str(tmp_path)) == str(tmp_path / "model.ckpt-12")
+  with pytest.raises(ConfigError, match="is not a TensorFlow checkpoint"):
+    tf_checkpoint.resolve_prefix(str(tmp_path / "nothing_here"))
+  (tmp_path / "junk.index").write_bytes(b"not a table" * 10)
+  with pytest.raises(ConfigError, match="not a TensorFlow checkpoint index"):
+    tf_checkpoint.TFCheckpoint(str(tmp_path / "junk"))
+  # A truncated data file is named, not read as garbage.
+  data = tmp_path / "model.ckpt-12.data-00000-of-00001"
+  data.write_bytes(data.read_bytes()[:1000])
+  with pytest.raises(ConfigError, match="truncated"):
+    tf_checkpoint.TFCheckpoint(str(tmp_path / "model.ckpt-12")).read("generator_predictions/output_bias")
+
+
+def test_official_names_of_every_weight():
+  assert tf_checkpoint.official_name("encoder.layer.11.attention.self.query.weight", "generator") == (
+      "generator/encoder/layer_11/attention/self/query/kernel"
+  )
+  assert tf_checkpoint.official_name("embeddings.position_embeddings.weight", "generator") == (
+      "electra/embeddings/position_embeddings"  # both towers read the discriminator's scope
+  )
+  assert tf_checkpoint.official_name("encoder.layer.0.output.LayerNorm.bias", "discriminator") == (
+      "electra/encoder/layer_0/output/LayerNorm/beta"
+  )
+  assert tf_checkpoint.official_name("generator_predictions.LayerNorm.weight", "generator") == (
+      "generator_predictions/LayerNorm/gamma"
+  )
+
+
+def test_tf_towers_compute_what_transformers_computes():
+  pair = interop.pair_from_tf(FIXTURE)
+  assert pair.vocab_file == os.path.join(FIXTURE, "vocab.txt")  # found beside the checkpoint
+  assert pair.discriminator.config.num_heads == 1  # official: max(1, 32 // 64)
+  _assert_logits_match(pair.discriminator, pair.discriminator_params, transformers.ElectraForPreTraining,
+                       os.path.join(FIXTURE, "hf_discriminator"))
+  _assert_logits_match(pair.generator, pair.generator_params, transformers.ElectraForMaskedLM,
+                       os.path.join(FIXTURE, "hf_generator"), seed=1)
+
+
+# ---------------------------------------------------------------------------------------
+# A workdir from a pair; continued pre-training; export with the vocabulary
+# ---------------------------------------------------------------------------------------
+def _hf_pair_with_vocab(tmp_path, lowercase=False):
+  """The fixture's Hugging Face pair, with the vocab and tokenizer settings a hub download has."""
+  dirs = {}
+  for tower in ("discriminator", "generator"):
+    target = tmp_path / f"hf_{tower}"
+    shutil.copytree(os.path.join(FIXTURE, f"hf_{tower}"), target)
+    shutil.copy(os.path.join(FIXTURE, "vocab.txt"), target / "vocab.txt")
+    (target / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": lowercase}))
+    dirs[tower] = str(target)
+  return dirs
+
+
+def _restore_params(workdir, step):
+  config = train.config_lib.load_workdir_config(str(workdir))
+  mesh = partitioning.make_mesh(tiny_config().mesh)
+  setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4))
+  checkpointer = checkpointing.Checkpointer(str(workdir), keep=1)
+  try:
+    with partitioning.activate(mesh):
+      return setup.model, jax.device_get(checkpointer.restore(step, setup.abstract_state).params)
+  finally:
+    checkpointer.close()
+
+
+def test_import_hf_pair_continue_pretraining_and_export(tmp_path):
+  dirs = _hf_pair_with_vocab(tmp_path, lowercase=False)
+  workdir, out = tmp_path / "run", tmp_path / "exported"
+  imported = run_cli(_cli(
+      "--mode=import_hf", f"--hf_discriminator={dirs['discriminator']}",
+      f"--hf_generator={dirs['generator']}", f"--config={REPO}/configs/base.py", f"--workdir={workdir}",
+  ))
+  assert imported.returncode == 0, imported.stderr[-3000:]
+  config = json.loads((workdir / "config.json").read_text())
+  # Sizes and vocabulary come from the weights, whatever the recipe said.
+  assert config["model"]["hidden_size"] == 32 and config["model"]["generator_fraction"] == 0.5
+  assert config["model"]["vocab_size"] == VOCAB and config["model"]["num_heads"] == 1
+  assert config["data"]["tokenizer"] == "wordpiece" and config["data"]["lowercase"] is False
+  assert config["data"]["vocab_file"] == str(workdir / "vocab.txt")
+
+  # Step 0 holds exactly the Hugging Face weights, both towers over one embedding tree.
+  pretrainer, params = _restore_params(workdir, 0)
+  assert sorted(params) == ["discriminator", "embeddings", "generator"]
+  for tower, hf_class in (("discriminator", transformers.ElectraForPreTraining),
+                          ("generator", transformers.ElectraForMaskedLM)):
+    model, tower_params = models.tower_from_pretrainer(pretrainer, params, tower)
+    _assert_logits_match(model, tower_params, hf_class, dirs[tower])
+
+  # The usual command, without --config, continues from it.
+  trained = run_cli(PYTHON_M_MAIN + [f"--workdir={workdir}"])
+  assert trained.returncode == 0, trained.stderr[-3000:]
+  logged = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert [m["step"] for m in logged] == [1, 2]
+  assert all(np.isfinite(m["loss"]) and m["loss"] > 0 for m in logged)
+  _, after = _restore_params(workdir, 2)
+  changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), params, after)
+  # One shared table, trained by both losses: it moved, and no tower grew a table of its own.
+  assert changed["embeddings"]["word_embeddings"]["embedding"]
+  assert sorted(after) == ["discriminator", "embeddings", "generator"]
+  for tower in ("discriminator", "generator"):
+    assert not any(k.endswith("/embedding") for k in flax.traverse_util.flatten_dict(after[tower], sep="/"))
+
+  # Export: the vocabulary and its settings travel, and tokenize as the original did.
+  exported = run_cli(PYTHON_M_MAIN + ["--mode=export_hf", f"--workdir={workdir}", f"--out={out}"])
+  assert exported.returncode == 0, exported.stderr[-3000:]
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(out / "discriminator"))
+  original = transformers.BertTokenizer(os.path.join(dirs["discriminator"], "vocab.txt"), do_lower_case=False)
+  text = "w1 w22 W3 unknown w55w4 [MASK] w0"
+  assert tokenizer(text)["input_ids"] == original(text)["input_ids"]
+  assert original.convert_ids_to_tokens(original(text)["input_ids"])[3] == "[UNK]"  # cased: W3 unknown
+
+
+def test_import_tf_via_the_cli(tmp_path):
+  workdir = tmp_path / "run"
+  result = run_cli(_cli("--mode=import_tf", f"--tf_checkpoint={FIXTURE}", f"--config={REPO}/configs/base.py",
+                        f"--workdir={workdir}"))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "Continue pre-training with: electra-jax --workdir=" in result.stdout
+  pretrainer, params = _restore_params(workdir, 0)
+  model, tower_params = models.tower_from_pretrainer(pretrainer, params, "discriminator")
+  _assert_logits_match(model, tower_params, transformers.ElectraForPreTraining,
+                       os.path.join(FIXTURE, "hf_discriminator"), seed=2)
+  # Importing again into the same workdir changes nothing and says why.
+  again = run_cli(_cli("--mode=import_tf", f"--tf_checkpoint={FIXTURE}", f"--config={REPO}/configs/base.py",
+                       f"--workdir={workdir}"))
+  assert again.returncode != 0 and "already holds checkpoints" in again.stderr
+
+
+def _import(pair, workdir, **kwargs):
+  return interop.write_pretraining_workdir(pair, tiny_config(**RUN_OVERRIDES), str(workdir), **kwargs)
+
+
+def test_unequal_embeddings_are_refused_unless_one_side_is_chosen(tmp_path):
+  dirs = _hf_pair_with_vocab(tmp_path)
+  weights_path = os.path.join(dirs["generator"], "model.safetensors")
+  weights = safetensors.numpy.load_file(weights_path)
+  weights["electra.embeddings.position_embeddings.weight"][3, 1] += 0.5
+  safetensors.numpy.save_file(weights, weights_path, metadata={"format": "pt"})
+  pair = interop.pair_from_hf(dirs["discriminator"], dirs["generator"])
+  with pytest.raises(ConfigError, match=r"embeddings differ \(position_embeddings/embedding: max \|difference\| 0.5"):
+    _import(pair, tmp_path / "refused")
+  assert not os.path.exists(tmp_path / "refused" / "checkpoints")
+
+  _import(pair, tmp_path / "chosen", embeddings_from="generator")
+  _, params = _restore_params(tmp_path / "chosen", 0)
+  np.testing.assert_array_equal(
+      params["embeddings"]["position_embeddings"]["embedding"],
+      weights["electra.embeddings.position_embeddings.weight"],
+  )
+
+
+def test_pairs_electra_jax_cannot_represent_are_refused(tmp_path):
+  dirs = _hf_pair_with_vocab(tmp_path)
+  config = json.loads(open(os.path.join(dirs["generator"], "config.json")).read())
+  config["intermediate_size"] = 48  # the official generator's FFN is 4 x hidden = 64
+  torch.manual_seed(0)
+  transformers.ElectraForMaskedLM(transformers.ElectraConfig(**config)).save_pretrained(tmp_path / "odd_generator")
+  shutil.copy(os.path.join(FIXTURE, "vocab.txt"), tmp_path / "odd_generator" / "vocab.txt")
+  pair = interop.pair_from_hf(dirs["discriminator"], str(tmp_path / "odd_generator"))
+  with pytest.raises(ConfigError, match=r"intermediate_size=48 \(derived: 64\)"):
+    _import(pair, tmp_path / "w1")
+
+  with pytest.raises(ConfigError, match="--hf_generator needs an ElectraForMaskedLM"):
+    interop.pair_from_hf(dirs["discriminator"], dirs["discriminator"])
+
+  os.remove(os.path.join(dirs["generator"], "vocab.txt"))
+  (tmp_path / "other_vocab.txt").write_text(open(os.path.join(FIXTURE, "vocab.txt")).read() + "extra\n")
+  shutil.copy(tmp_path / "other_vocab.txt", os.path.join(dirs["generator"], "vocab.txt"))
+  with pytest.raises(ConfigError, match="trained with different vocabularies"):
+    interop.pair_from_hf(dirs["discriminator"], dirs["generator"])
+
+
+def test_a_pair_without_vocabulary_is_refused(tmp_path):
+  pair = interop.pair_from_hf(os.path.join(FIXTURE, "hf_discriminator"), os.path.join(FIXTURE, "hf_generator"))
+  assert pair.vocab_file is None
+  with pytest.raises(ConfigError, match="no vocab.txt beside the weights"):
+    _import(pair, tmp_path / "w")
+
+
+def test_training_refuses_another_tokenizer_on_imported_weights(tmp_path):
+  workdir = tmp_path / "run"
+  _import(interop.pair_from_tf(FIXTURE), workdir)
+  # The imported model's sizes, but another vocabulary of the same size (words reordered).
+  lines = open(os.path.join(FIXTURE, "vocab.txt")).read().splitlines()
+  (tmp_path / "reordered.txt").write_text("\n".join(lines[:5] + lines[5:][::-1]) + "\n")
+  config = train.config_lib.load_workdir_config(str(workdir))
+  config.data.vocab_file = str(tmp_path / "reordered.txt")
+  with pytest.raises(ConfigError, match="imported from TensorFlow checkpoint .* with their own vocabulary"):
+    train.train_and_evaluate(config, str(workdir))
