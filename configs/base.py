@@ -28,6 +28,10 @@ def get_config():
   model.attention_dropout_rate = 0.1
   model.layer_norm_eps = 1e-12
   model.generator_fraction = 0.25
+  # Weight sharing: "embeddings" (one embedding tree, ELECTRA's default), "none" (the generator
+  # gets its own embeddings of its hidden size), "gdes" (DeBERTa-v3: the discriminator reads
+  # stop_gradient(shared word table) + a zero-initialised delta).
+  model.tie = "embeddings"
   model.attention_impl = "xla"  # "xla" anywhere, "cudnn" (flash attention) on NVIDIA GPUs
 
   # Replaced-token detection: loss = gen_weight * L_MLM + disc_weight * L_Disc.
@@ -37,15 +41,28 @@ def get_config():
   objective.gen_weight = 1.0
   objective.disc_weight = 50.0
   objective.temperature = 1.0  # of the generator's softmax when sampling replacements
+  # "electra" (RTD on every token), "electra_15" (L_Disc only on the masked positions),
+  # "uniform" (uniform random replacements, no generator). See objectives.py.
+  objective.name = "electra"
+  objective.disallow_correct = False  # the generator may not sample the original token
 
   config.data = data = ml_collections.ConfigDict()
   # "builtin": English text from the Python standard library; no download. "text": the files
   # in data.files, one sentence or paragraph per line, blank lines between documents. "jsonl":
   # the files in data.files, one JSON object per line whose data.text_field string is a
-  # document (split into sentences on its newlines).
+  # document (split into sentences on its newlines). "tfds": a prepared TFDS dataset (tfds_*
+  # keys). "prepared": the shards --mode=prepare_data wrote into data.prepared_dir from one of
+  # the other sources (memory-mapped; nothing is tokenized at training time).
   data.source = "builtin"
   data.files = ""  # text/jsonl: comma-separated paths or globs, e.g. "corpus/*.txt,extra.txt"
   data.text_field = "text"  # jsonl: the field holding each document's text
+  data.tfds_name = ""  # tfds: e.g. "wikipedia/20230601.en", stored as array_record (no TensorFlow)
+  data.tfds_split = "train"  # tfds: the split read; eval_fraction of its records are held out
+  data.tfds_text_field = "text"  # tfds: the feature holding each document's text
+  data.tfds_data_dir = ""  # tfds: "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
+  # --mode=prepare_data writes shards here; data.source="prepared" trains on them.
+  data.prepared_dir = ""
+  data.shard_documents = 10_000  # prepare_data: documents per shard (one task of one worker)
   data.max_seq_len = 128
   data.cache_dir = ""  # "" = $ELECTRA_JAX_CACHE or ~/.cache/electra_jax
   # "sentencepiece": trained on the source's train documents (spm_* keys). "wordpiece": a BERT
@@ -53,6 +70,8 @@ def get_config():
   data.tokenizer = "sentencepiece"
   data.spm_vocab_size = 8192  # sentencepiece vocabulary trained on the source's train documents
   data.spm_model_type = "unigram"  # or "bpe"
+  # sentencepiece: a model from --mode=train_tokenizer, used instead of training one in the cache
+  data.spm_model_file = ""
   data.vocab_file = ""  # wordpiece: path of a BERT vocab.txt holding [PAD] [UNK] [CLS] [SEP] [MASK]
   data.lowercase = True  # wordpiece: lowercase the text (False for cased vocabularies)
   # wordpiece: None = follow lowercase (as BERT does), or True/False. A bool-typed None, so

@@ -82,6 +82,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"objective.mask_prob={config.objective.mask_prob} must be in (0, 1).")
   if config.objective.temperature <= 0:
     raise ConfigError(f"objective.temperature={config.objective.temperature} must be > 0.")
+  from electra_jax import models, objectives  # noqa: PLC0415 (they import this module)
+
+  if m.get("tie", "embeddings") not in models.TIE_MODES:
+    raise ConfigError(f"model.tie={m.tie!r} is not one of {list(models.TIE_MODES)}.")
+  name = config.objective.get("name", "electra")
+  if name not in objectives.OBJECTIVES:
+    planned = " It is planned (issue 7) but not built yet." if name in objectives.PLANNED_OBJECTIVES else ""
+    raise ConfigError(f"objective.name={name!r} is not one of {list(objectives.OBJECTIVES)}.{planned}")
 
 
 def validate_for_mesh(config: ml_collections.ConfigDict, batch_shards: int) -> None:

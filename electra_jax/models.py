@@ -103,11 +103,16 @@ class Embeddings(nn.Module):
     self.layer_norm = _layer_norm(self.layer_norm_eps, "layer_norm")
     self.dropout = nn.Dropout(self.dropout_rate)
 
-  def __call__(self, input_ids, token_type_ids, deterministic: bool):
+  def __call__(self, input_ids, token_type_ids, deterministic: bool, word_table=None):
+    """`word_table` [vocab, E], if given, replaces the word embeddings' own table (GDES)."""
     seq_len = input_ids.shape[-1]
     position_ids = jnp.arange(seq_len)[None, :]
+    if word_table is None:
+      words = self.word_embeddings(input_ids)
+    else:
+      words = jnp.take(word_table, input_ids, axis=0).astype(self.dtype)
     embedded = (
-        self.word_embeddings(input_ids)
+        words
         + self.position_embeddings(position_ids)
         + self.token_type_embeddings(token_type_ids)
     )
@@ -251,12 +256,20 @@ class Discriminator(nn.Module):
     return logits[..., 0].astype(jnp.float32)  # [batch, seq]
 
 
+# How the towers share weights (model.tie): "embeddings" (ELECTRA's default: one embedding
+# tree), "none" (the generator has its own embeddings of its hidden size, as the official
+# untied_generator_embeddings), "gdes" (DeBERTa-v3's gradient-disentangled sharing: the
+# discriminator reads stop_gradient(shared word table) + its own zero-initialised delta).
+TIE_MODES = ("embeddings", "none", "gdes")
+
+
 class ElectraPretrainer(nn.Module):
   """Generator and discriminator over ONE embeddings module.
 
-  The parameter tree's top level is exactly {embeddings, generator, discriminator}: the word,
-  position and token-type tables and the embedding LayerNorm exist once and both towers (and
-  the generator's tied output layer) read them.
+  With the default tie="embeddings" the parameter tree's top level is exactly {embeddings,
+  generator, discriminator}: the word, position and token-type tables and the embedding
+  LayerNorm exist once and both towers (and the generator's tied output layer) read them.
+  tie="none" adds `generator_embeddings`; tie="gdes" adds `discriminator_word_delta`.
   """
 
   vocab_size: int
@@ -267,35 +280,65 @@ class ElectraPretrainer(nn.Module):
   discriminator_config: EncoderConfig
   dtype: Dtype = jnp.float32
   attention_impl: str = "xla"
+  tie: str = "embeddings"
 
-  def setup(self):
+  def _embeddings(self, embedding_size: int) -> Embeddings:
     disc = self.discriminator_config
-    self.embeddings = Embeddings(
+    return Embeddings(
         vocab_size=self.vocab_size,
-        embedding_size=self.embedding_size,
+        embedding_size=embedding_size,
         max_position_embeddings=self.max_position_embeddings,
         type_vocab_size=self.type_vocab_size,
         dropout_rate=disc.dropout_rate,
         layer_norm_eps=disc.layer_norm_eps,
         dtype=self.dtype,
     )
+
+  @property
+  def generator_embedding_size(self) -> int:
+    return self.generator_config.hidden_size if self.tie == "none" else self.embedding_size
+
+  def setup(self):
+    if self.tie not in TIE_MODES:
+      raise ConfigError(f"model.tie={self.tie!r} is not one of {list(TIE_MODES)}.")
+    self.embeddings = self._embeddings(self.embedding_size)
+    if self.tie == "none":
+      self.generator_embeddings = self._embeddings(self.generator_embedding_size)
+    if self.tie == "gdes":
+      self.discriminator_word_delta = self.param(
+          "discriminator_word_delta",
+          _param(nn.initializers.zeros_init(), ("vocab", "embed")),
+          (self.vocab_size, self.embedding_size),
+      )
     self.generator = Generator(
-        self.generator_config, self.embedding_size, self.vocab_size, self.dtype, self.attention_impl
+        self.generator_config, self.generator_embedding_size, self.vocab_size, self.dtype,
+        self.attention_impl,
     )
-    self.discriminator = Discriminator(disc, self.embedding_size, self.dtype, self.attention_impl)
+    self.discriminator = Discriminator(
+        self.discriminator_config, self.embedding_size, self.dtype, self.attention_impl
+    )
 
   def generator_logits(
       self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic: bool = True
   ):
     """Vocabulary logits at `masked_positions` [batch, n_pred] -> [batch, n_pred, vocab], float32."""
-    embedded = self.embeddings(input_ids, token_type_ids, deterministic)
+    embeddings = self.generator_embeddings if self.tie == "none" else self.embeddings
+    embedded = embeddings(input_ids, token_type_ids, deterministic)
     return self.generator(
-        embedded, attention_mask, masked_positions, self.embeddings.word_table(), deterministic
+        embedded, attention_mask, masked_positions, embeddings.word_table(), deterministic
     )
+
+  def discriminator_word_table(self):
+    """The word table the discriminator reads: the shared one, or for GDES
+    stop_gradient(shared) + delta, so L_Disc moves only the delta."""
+    if self.tie != "gdes":
+      return self.embeddings.word_table()
+    return jax.lax.stop_gradient(self.embeddings.word_table()) + self.discriminator_word_delta
 
   def discriminator_logits(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
     """One "replaced" logit per token: [batch, seq] -> [batch, seq], float32."""
-    embedded = self.embeddings(input_ids, token_type_ids, deterministic)
+    word_table = self.discriminator_word_table() if self.tie == "gdes" else None
+    embedded = self.embeddings(input_ids, token_type_ids, deterministic, word_table=word_table)
     return self.discriminator(embedded, attention_mask, deterministic)
 
   def __call__(
@@ -349,6 +392,7 @@ def build_model(config) -> ElectraPretrainer:
       discriminator_config=discriminator,
       dtype=jnp.dtype(config.train.dtype),
       attention_impl=m.attention_impl,
+      tie=m.get("tie", "embeddings"),  # absent from workdirs written before it existed
   )
 
 
@@ -439,7 +483,9 @@ TOWER_MODELS = {"discriminator": ElectraDiscriminatorModel, "generator": Electra
 def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
   """(model, params) of one tower of a pre-trainer: `params` is an ElectraPretrainer tree
   {embeddings, generator, discriminator}; the result's tree is {embeddings, <tower>}, the
-  same arrays (not copies)."""
+  same arrays (not copies), except with tie="gdes", where the discriminator's word table is
+  the sum it reads (shared + delta), and tie="none", where the generator's embeddings are its
+  own."""
   if tower not in TOWER_MODELS:
     raise ConfigError(f"tower={tower!r} is not one of {sorted(TOWER_MODELS)}.")
   if not {"embeddings", tower} <= set(params):
@@ -449,13 +495,21 @@ def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
         "(e.g. state.params, not {'params': ...})."
     )
   tower_config = pretrainer.discriminator_config if tower == "discriminator" else pretrainer.generator_config
+  embeddings = params["embeddings"]
+  embedding_size = pretrainer.embedding_size
+  if tower == "generator" and pretrainer.tie == "none":
+    embeddings, embedding_size = params["generator_embeddings"], pretrainer.generator_embedding_size
+  if tower == "discriminator" and pretrainer.tie == "gdes":
+    # The table the discriminator was trained to read: shared + its delta (a new array).
+    word_table = embeddings["word_embeddings"]["embedding"] + params["discriminator_word_delta"]
+    embeddings = {**embeddings, "word_embeddings": {"embedding": word_table}}
   model = TOWER_MODELS[tower](
       vocab_size=pretrainer.vocab_size,
-      embedding_size=pretrainer.embedding_size,
+      embedding_size=embedding_size,
       max_position_embeddings=pretrainer.max_position_embeddings,
       type_vocab_size=pretrainer.type_vocab_size,
       config=tower_config,
       dtype=pretrainer.dtype,
       attention_impl=pretrainer.attention_impl,
   )
-  return model, {"embeddings": params["embeddings"], tower: params[tower]}
+  return model, {"embeddings": embeddings, tower: params[tower]}

@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import time
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import flax
@@ -378,8 +379,12 @@ def _stop_if_not_finite(loss: float, step: int, checkpointer) -> None:
 
 
 def _mean_metrics(window: list[dict]) -> dict[str, float]:
+  """Means over the window, ignoring NaN steps (disc_auc is NaN on a step whose tokens are all
+  one class); NaN, without a warning, when every step was."""
   host = jax.device_get(window)
-  return {name: float(np.nanmean([m[name] for m in host])) for name in host[0]}
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "Mean of empty slice", RuntimeWarning)
+    return {name: float(np.nanmean([m[name] for m in host])) for name in host[0]}
 
 
 # ---------------------------------------------------------------------------------------
@@ -421,7 +426,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # --- Loop
   total_steps = config.train.steps
   seq_len, global_batch = config.data.max_seq_len, config.train.batch_size
-  flops_per_token = flops.train_flops_per_token(setup.model, seq_len, setup.objective.max_predictions)
+  flops_per_token = flops.train_flops_per_token(
+      setup.model, seq_len, setup.objective.max_predictions, setup.objective.uses_generator
+  )
   peak = flops.peak_flops(jax.devices()[0])
   tokens_per_step = global_batch * seq_len
   meta = {"param_shapes": setup.param_shapes, "data_fingerprint": corpus.fingerprint}

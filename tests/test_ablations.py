@@ -1,0 +1,218 @@
+"""The paper's ablation variants built so far: ELECTRA 15% (L_Disc only on masked positions),
+uniform replacements (no generator), the official disallow_correct, and weight sharing
+tie=none / tie=gdes (DeBERTa-v3's gradient-disentangled embedding sharing). Each test checks
+where the loss goes and where gradients flow, on small hand-made batches."""
+
+import dataclasses
+import math
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from electra_jax import checkpointing, config_lib, models, objectives, partitioning, train
+from electra_jax.config_lib import ConfigError
+
+PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
+VOCAB = 97
+
+
+def _objective(**changes):
+  base = objectives.ElectraObjective(
+      mask_prob=0.15, max_predictions=6, gen_weight=1.0, disc_weight=50.0, temperature=1.0,
+      keep_original_prob=0.15, mask_id=MASK, pad_id=PAD, cls_id=CLS, sep_id=SEP,
+  )
+  return dataclasses.replace(base, **changes)
+
+
+def _batch(seed=0, batch=4, seq=24):
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(5, VOCAB, size=(batch, seq)).astype(np.int32)
+  lengths = np.array([seq, 20, 13, 9][:batch])
+  mask = (np.arange(seq)[None] < lengths[:, None]).astype(np.int32)
+  ids[:, 0] = CLS
+  ids[np.arange(batch), lengths - 1] = SEP
+  ids = np.where(mask > 0, ids, PAD)
+  return {"input_ids": jnp.asarray(ids), "token_type_ids": jnp.zeros_like(ids), "attention_mask": jnp.asarray(mask)}
+
+
+def _model_and_params(tie="embeddings"):
+  config = tiny_config(**{"model.vocab_size": VOCAB, "model.tie": tie, "model.dropout_rate": 0.0,
+                          "model.attention_dropout_rate": 0.0})
+  model = models.build_model(config)
+  ids = jnp.zeros((1, 8), jnp.int32)
+  params = nn.meta.unbox(model.init(jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32))["params"])
+  return model, params
+
+
+def _forward(model, params, objective, batch, seed=1):
+  masked = objectives.mask_tokens(jax.random.key(seed), batch["input_ids"], batch["attention_mask"], objective)
+  keys = jax.random.split(jax.random.key(seed + 1), batch["input_ids"].shape[0])
+  normalizers = objectives.Normalizers.of(masked, batch["attention_mask"])
+  loss, (stats, per_token) = objectives.electra_forward(
+      model, params, batch, masked, keys, jax.random.key(3), objective, normalizers, deterministic=True
+  )
+  return masked, loss, stats, per_token
+
+
+def _grads(model, params, objective, batch):
+  masked = objectives.mask_tokens(jax.random.key(1), batch["input_ids"], batch["attention_mask"], objective)
+  keys = jax.random.split(jax.random.key(2), batch["input_ids"].shape[0])
+  normalizers = objectives.Normalizers.of(masked, batch["attention_mask"])
+
+  def loss_fn(p):
+    return objectives.electra_forward(model, p, batch, masked, keys, jax.random.key(3), objective,
+                                      normalizers, deterministic=True)[0]
+
+  return jax.grad(loss_fn)(params)
+
+
+def _norm(tree):
+  return float(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
+
+
+def _bce(logits, labels):
+  return np.maximum(logits, 0) - logits * labels + np.log1p(np.exp(-np.abs(logits)))
+
+
+# ---------------------------------------------------------------------------------------
+# Objectives
+# ---------------------------------------------------------------------------------------
+def test_electra_15_puts_the_discriminator_loss_only_on_masked_positions():
+  model, params = _model_and_params()
+  batch = _batch()
+  objective = _objective(name="electra_15")
+  masked, loss, stats, per_token = _forward(model, params, objective, batch)
+  weights = np.asarray(per_token["token_weights"])
+  # Exactly the used masked positions carry weight.
+  expected = np.zeros_like(weights)
+  for row, (positions, used) in enumerate(zip(np.asarray(masked.positions), np.asarray(masked.weights))):
+    expected[row, positions[used > 0]] = 1.0
+  np.testing.assert_array_equal(weights, expected)
+  assert float(stats["num_tokens"]) == float(masked.weights.sum())
+  # The loss by hand: mean BCE over those positions, times 50, plus L_MLM.
+  logits, labels = np.asarray(per_token["disc_logits"]), np.asarray(per_token["is_replaced"], np.float32)
+  disc = (_bce(logits, labels) * expected).sum() / expected.sum()
+  mlm = float(stats["mlm_loss_sum"]) / float(masked.weights.sum())
+  assert math.isclose(float(loss), mlm + 50.0 * disc, rel_tol=1e-5)
+  # And the plain objective on the same draw weights every real token instead.
+  _, _, _, all_tokens = _forward(model, params, _objective(), batch)
+  np.testing.assert_array_equal(np.asarray(all_tokens["token_weights"]), np.asarray(batch["attention_mask"], np.float32))
+
+
+def test_uniform_replacements_run_no_generator_and_cover_the_vocabulary():
+  model, params = _model_and_params()
+  batch = _batch(batch=4, seq=24)
+  objective = _objective(name="uniform")
+  grads = _grads(model, params, objective, batch)
+  assert _norm(grads["generator"]) == 0.0  # the generator is not in the computation
+  assert _norm(grads["discriminator"]) > 0.0
+  masked, _, stats, _ = _forward(model, params, objective, batch)
+  # All-zero logits: L_MLM is log(V) at every prediction.
+  assert math.isclose(float(stats["mlm_loss_sum"]) / float(masked.weights.sum()), math.log(VOCAB), rel_tol=1e-6)
+  # Samples are uniform over the vocabulary: 4000 draws hit nearly all 97 ids, evenly.
+  logits = jnp.zeros((4000, 1, VOCAB))
+  samples = np.asarray(objectives.sample_tokens(jax.random.split(jax.random.key(0), 4000), logits, 1.0))
+  counts = np.bincount(samples.ravel(), minlength=VOCAB)
+  expected = 4000 / VOCAB
+  chi_square = ((counts - expected) ** 2 / expected).sum()
+  assert chi_square < 150, chi_square  # 96 degrees of freedom: p(chi2 > 150) < 0.001
+
+
+def test_disallow_correct_never_samples_the_original():
+  targets = jnp.asarray([[7, 9, 11]] * 200)
+  # A generator certain of the original token ...
+  logits = jax.nn.one_hot(targets, VOCAB) * 30.0
+  keys = jax.random.split(jax.random.key(0), 200)
+  assert bool(jnp.all(objectives.sample_tokens(keys, logits, 1.0) == targets))
+  # ... still never samples it when disallow_correct lowers its logit by 1000.
+  disallowed = objectives.sample_tokens(keys, logits, 1.0, disallowed_ids=targets)
+  assert not bool(jnp.any(disallowed == targets))
+  # Through the objective: every used masked position ends up replaced.
+  model, params = _model_and_params()
+  batch = _batch()
+  masked, _, stats, per_token = _forward(model, params, _objective(disallow_correct=True), batch)
+  replaced = np.asarray(per_token["is_replaced"])
+  for row, (positions, used) in enumerate(zip(np.asarray(masked.positions), np.asarray(masked.weights))):
+    assert replaced[row, positions[used > 0]].all()
+  assert float(stats["disc_true_pos"] + stats["disc_false_neg"]) == float(masked.weights.sum())
+
+
+def test_unbuilt_objectives_and_tie_modes_are_refused_by_name():
+  with pytest.raises(ConfigError, match="objective.name='mlm' .* planned \\(issue 7\\) but not built yet"):
+    config_lib.validate(tiny_config(**{"objective.name": "mlm"}))
+  with pytest.raises(ConfigError, match="objective.name='bert'"):
+    config_lib.validate(tiny_config(**{"objective.name": "bert"}))
+  with pytest.raises(ConfigError, match="model.tie='all' is not one of"):
+    config_lib.validate(tiny_config(**{"model.tie": "all"}))
+
+
+# ---------------------------------------------------------------------------------------
+# Weight sharing
+# ---------------------------------------------------------------------------------------
+def test_tie_none_gives_the_generator_its_own_embeddings():
+  model, params = _model_and_params(tie="none")
+  gen_hidden = model.generator_config.hidden_size
+  assert params["generator_embeddings"]["word_embeddings"]["embedding"].shape == (VOCAB, gen_hidden)
+  assert "embeddings_project" not in params["generator"]["encoder"]  # E_g = H_g, as officially
+  batch = _batch()
+  only_mlm = _grads(model, params, _objective(disc_weight=0.0), batch)
+  only_disc = _grads(model, params, _objective(gen_weight=0.0), batch)
+  assert _norm(only_mlm["embeddings"]) == 0.0 and _norm(only_mlm["generator_embeddings"]) > 0.0
+  assert _norm(only_disc["generator_embeddings"]) == 0.0 and _norm(only_disc["embeddings"]) > 0.0
+  # Each tower exports with its own table.
+  gen_model, gen_params = models.tower_from_pretrainer(model, params, "generator")
+  assert gen_model.embedding_size == gen_hidden
+  assert gen_params["embeddings"] is params["generator_embeddings"]
+
+
+def test_gdes_keeps_the_discriminator_loss_off_the_shared_table():
+  model, params = _model_and_params(tie="gdes")
+  delta = params["discriminator_word_delta"]
+  assert delta.shape == params["embeddings"]["word_embeddings"]["embedding"].shape
+  assert not np.any(np.asarray(delta))  # zero-initialised: D starts from the shared table
+  batch = _batch()
+  only_disc = _grads(model, params, _objective(gen_weight=0.0), batch)
+  only_mlm = _grads(model, params, _objective(disc_weight=0.0), batch)
+  shared_table = lambda g: g["embeddings"]["word_embeddings"]["embedding"]  # noqa: E731
+  assert _norm(shared_table(only_disc)) == 0.0  # stop_gradient: L_Disc does not pull on it
+  assert _norm(only_disc["discriminator_word_delta"]) > 0.0  # ... it moves the delta instead
+  assert _norm(shared_table(only_mlm)) > 0.0 and _norm(only_mlm["discriminator_word_delta"]) == 0.0
+  # With the delta at 0 the discriminator computes exactly what tie=embeddings computes.
+  plain = model.clone(tie="embeddings")
+  plain_params = {k: v for k, v in params.items() if k != "discriminator_word_delta"}
+  args = (batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+  np.testing.assert_array_equal(
+      model.apply({"params": params}, *args, method=model.discriminator_logits),
+      plain.apply({"params": plain_params}, *args, method=plain.discriminator_logits),
+  )
+  # The exported discriminator holds the table it reads: shared + delta.
+  params = {**params, "discriminator_word_delta": jnp.full_like(delta, 0.25)}
+  _, disc_params = models.tower_from_pretrainer(model, params, "discriminator")
+  np.testing.assert_allclose(
+      disc_params["embeddings"]["word_embeddings"]["embedding"], shared_table(params) + 0.25
+  )
+
+
+def test_variants_train_through_the_usual_loop(tmp_path):
+  config = tiny_config(**{
+      "objective.name": "electra_15", "model.tie": "gdes", "objective.disallow_correct": True,
+      "train.steps": 3, "checkpoint.every_steps": 3, "eval.every_steps": 0,
+  })
+  metrics = train.train_and_evaluate(config, str(tmp_path))
+  assert np.isfinite(metrics["loss"]) and metrics["step"] == 3
+  # disallow_correct: every prediction slot is a replacement, so recall's denominator is them all.
+  assert metrics["replaced_fraction"] == pytest.approx(1.0)  # electra_15: only masked positions count
+  mesh = partitioning.make_mesh(config.mesh)
+  setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4))
+  checkpointer = checkpointing.Checkpointer(str(tmp_path), keep=1)
+  with partitioning.activate(mesh):
+    state = checkpointer.restore(3, setup.abstract_state)
+  checkpointer.close()
+  assert np.any(np.asarray(state.params["discriminator_word_delta"]))  # the delta trained
+  flat = flax.traverse_util.flatten_dict(state.params, sep="/")
+  assert sorted(k.split("/")[0] for k in flat if k.endswith("/embedding")) == ["embeddings"] * 3
