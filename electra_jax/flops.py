@@ -34,16 +34,21 @@ def _attention_flops(cfg: EncoderConfig, seq_len: int) -> int:
 
 
 def train_flops_per_token(
-    model: ElectraPretrainer, seq_len: int, max_predictions: int, with_generator: bool = True
+    model: ElectraPretrainer, seq_len: int, max_predictions: int, with_generator: bool = True,
+    all_positions_mlm: bool = False,
 ) -> float:
   """Training FLOPs per input token, both towers (only the discriminator when the objective
-  runs no generator, e.g. uniform replacements). The generator's head (dense H_g->E and the
-  E x V vocabulary projection) runs only on the max_predictions gathered slots."""
+  runs no generator, e.g. uniform replacements), plus the discriminator tower's MLM head for
+  the MLM-family ablations (at every position with `all_positions_mlm`). The generator's head
+  (dense H_g->E and the E x V vocabulary projection) runs only on the max_predictions slots."""
   gen, disc = model.generator_config, model.discriminator_config
   gen_emb, emb = model.generator_embedding_size, model.embedding_size
   gen_head = (gen.hidden_size * gen_emb + gen_emb * model.vocab_size) * max_predictions / seq_len
   gen_params = _encoder_matmul_params(gen, gen_emb) + gen_head
   disc_params = _encoder_matmul_params(disc, emb) + disc.hidden_size**2 + disc.hidden_size
+  if model.discriminator_mlm_head:  # MLM-family ablations: the tower's own vocabulary head
+    positions = seq_len if all_positions_mlm else max_predictions
+    disc_params += (disc.hidden_size * emb + emb * model.vocab_size) * positions / seq_len
   generator = 6 * gen_params + _attention_flops(gen, seq_len) if with_generator else 0
   return generator + 6 * disc_params + _attention_flops(disc, seq_len)
 

@@ -238,22 +238,44 @@ class Generator(nn.Module):
 
 
 class Discriminator(nn.Module):
-  """Replaced-token detector: encoder, then dense(H->H) + GELU + dense(H->1) per token."""
+  """Replaced-token detector: encoder, then dense(H->H) + GELU + dense(H->1) per token.
+
+  With `mlm_head` (the MLM-family ablations) it also has a masked-LM head of its own
+  (mlm_head_dense, mlm_head_layer_norm, mlm_output_bias, decoder tied to the word table it
+  reads), and `with_mlm=True` returns (per-token logits, vocabulary logits at `mlm_positions`,
+  or at every position when those are None)."""
 
   config: EncoderConfig
   embedding_size: int
   dtype: Dtype
   attention_impl: str = "xla"
+  mlm_head: bool = False
+  vocab_size: int = 0
 
   @nn.compact
-  def __call__(self, embedded, attention_mask, deterministic: bool):
-    hidden = Encoder(self.config, self.embedding_size, self.dtype, self.attention_impl, name="encoder")(
+  def __call__(self, embedded, attention_mask, deterministic: bool, with_mlm: bool = False,
+               mlm_positions=None, word_table=None):
+    encoded = Encoder(self.config, self.embedding_size, self.dtype, self.attention_impl, name="encoder")(
         embedded, attention_mask, deterministic
     )
-    hidden = _dense(self.config.hidden_size, "embed", "mlp", self.dtype, "head_dense")(hidden)
+    hidden = _dense(self.config.hidden_size, "embed", "mlp", self.dtype, "head_dense")(encoded)
     hidden = nn.gelu(hidden, approximate=False)
     logits = _dense(1, "mlp", "unmodeled", self.dtype, "head_out")(hidden)
-    return logits[..., 0].astype(jnp.float32)  # [batch, seq]
+    logits = logits[..., 0].astype(jnp.float32)  # [batch, seq]
+    if not with_mlm:
+      return logits
+    if not self.mlm_head:
+      raise ValueError("with_mlm=True needs a Discriminator built with mlm_head=True.")
+    if mlm_positions is not None:
+      encoded = jnp.take_along_axis(encoded, mlm_positions[..., None], axis=1)
+    hidden = _dense(self.embedding_size, "embed", "mlp", self.dtype, "mlm_head_dense")(encoded)
+    hidden = nn.gelu(hidden, approximate=False)
+    hidden = _layer_norm(self.config.layer_norm_eps, "mlm_head_layer_norm")(hidden)
+    output_bias = self.param(
+        "mlm_output_bias", _param(nn.initializers.zeros_init(), ("vocab",)), (self.vocab_size,)
+    )
+    mlm_logits = jnp.einsum("b...e,ve->b...v", hidden.astype(self.dtype), word_table.astype(self.dtype))
+    return logits, mlm_logits.astype(jnp.float32) + output_bias
 
 
 # How the towers share weights (model.tie): "embeddings" (ELECTRA's default: one embedding
@@ -281,6 +303,10 @@ class ElectraPretrainer(nn.Module):
   dtype: Dtype = jnp.float32
   attention_impl: str = "xla"
   tie: str = "embeddings"
+  # False for objectives without a generator (mlm, uniform): no generator parameters at all.
+  has_generator: bool = True
+  # True for the MLM-family objectives: the discriminator tower gets a masked-LM head.
+  discriminator_mlm_head: bool = False
 
   def _embeddings(self, embedding_size: int) -> Embeddings:
     disc = self.discriminator_config
@@ -302,7 +328,7 @@ class ElectraPretrainer(nn.Module):
     if self.tie not in TIE_MODES:
       raise ConfigError(f"model.tie={self.tie!r} is not one of {list(TIE_MODES)}.")
     self.embeddings = self._embeddings(self.embedding_size)
-    if self.tie == "none":
+    if self.tie == "none" and self.has_generator:
       self.generator_embeddings = self._embeddings(self.generator_embedding_size)
     if self.tie == "gdes":
       self.discriminator_word_delta = self.param(
@@ -310,12 +336,14 @@ class ElectraPretrainer(nn.Module):
           _param(nn.initializers.zeros_init(), ("vocab", "embed")),
           (self.vocab_size, self.embedding_size),
       )
-    self.generator = Generator(
-        self.generator_config, self.generator_embedding_size, self.vocab_size, self.dtype,
-        self.attention_impl,
-    )
+    if self.has_generator:
+      self.generator = Generator(
+          self.generator_config, self.generator_embedding_size, self.vocab_size, self.dtype,
+          self.attention_impl,
+      )
     self.discriminator = Discriminator(
-        self.discriminator_config, self.embedding_size, self.dtype, self.attention_impl
+        self.discriminator_config, self.embedding_size, self.dtype, self.attention_impl,
+        mlm_head=self.discriminator_mlm_head, vocab_size=self.vocab_size,
     )
 
   def generator_logits(
@@ -341,16 +369,35 @@ class ElectraPretrainer(nn.Module):
     embedded = self.embeddings(input_ids, token_type_ids, deterministic, word_table=word_table)
     return self.discriminator(embedded, attention_mask, deterministic)
 
+  def discriminator_mlm_logits(
+      self, input_ids, token_type_ids, attention_mask, mlm_positions=None, deterministic: bool = True
+  ):
+    """(per-token logits [batch, seq], the discriminator tower's MLM logits [batch, n, vocab] at
+    `mlm_positions`, or [batch, seq, vocab] when None); needs discriminator_mlm_head."""
+    word_table = self.discriminator_word_table()
+    embedded = self.embeddings(
+        input_ids, token_type_ids, deterministic, word_table=word_table if self.tie == "gdes" else None
+    )
+    return self.discriminator(
+        embedded, attention_mask, deterministic, with_mlm=True, mlm_positions=mlm_positions,
+        word_table=word_table,
+    )
+
   def __call__(
       self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic: bool = True
   ):
-    """Both towers on the same input; used to create every parameter at init."""
-    return (
-        self.generator_logits(
-            input_ids, token_type_ids, attention_mask, masked_positions, deterministic
-        ),
-        self.discriminator_logits(input_ids, token_type_ids, attention_mask, deterministic),
-    )
+    """Both towers on the same input; used to create every parameter at init. The generator's
+    output is None without a generator; the discriminator's is a pair with an MLM head."""
+    generator = None
+    if self.has_generator:
+      generator = self.generator_logits(
+          input_ids, token_type_ids, attention_mask, masked_positions, deterministic
+      )
+    if self.discriminator_mlm_head:
+      return generator, self.discriminator_mlm_logits(
+          input_ids, token_type_ids, attention_mask, masked_positions, deterministic
+      )
+    return generator, self.discriminator_logits(input_ids, token_type_ids, attention_mask, deterministic)
 
 
 def generator_encoder_config(discriminator: EncoderConfig, fraction: float) -> EncoderConfig:
@@ -373,7 +420,10 @@ def generator_encoder_config(discriminator: EncoderConfig, fraction: float) -> E
 
 def build_model(config) -> ElectraPretrainer:
   """The pre-training model described by a full electra-jax config (see configs/base.py)."""
+  from electra_jax import objectives  # noqa: PLC0415 (objectives does not import models)
+
   m = config.model
+  objective = config.objective.get("name", "electra")
   discriminator = EncoderConfig(
       hidden_size=m.hidden_size,
       num_layers=m.num_layers,
@@ -393,6 +443,8 @@ def build_model(config) -> ElectraPretrainer:
       dtype=jnp.dtype(config.train.dtype),
       attention_impl=m.attention_impl,
       tie=m.get("tie", "embeddings"),  # absent from workdirs written before it existed
+      has_generator=objective not in objectives.WITHOUT_GENERATOR,
+      discriminator_mlm_head=objective in objectives.MLM_FAMILY,
   )
 
 
@@ -494,8 +546,14 @@ def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
         "{embeddings, generator, discriminator}. Pass the `params` of a pre-training state "
         "(e.g. state.params, not {'params': ...})."
     )
+  if tower == "generator" and not pretrainer.has_generator:
+    raise ConfigError("This pre-trainer has no generator (its objective runs none); export the discriminator.")
   tower_config = pretrainer.discriminator_config if tower == "discriminator" else pretrainer.generator_config
   embeddings = params["embeddings"]
+  tower_params = params[tower]
+  if tower == "discriminator" and pretrainer.discriminator_mlm_head:
+    # The standalone discriminator (and transformers' ElectraForPreTraining) has no MLM head.
+    tower_params = {k: v for k, v in tower_params.items() if not k.startswith("mlm_")}
   embedding_size = pretrainer.embedding_size
   if tower == "generator" and pretrainer.tie == "none":
     embeddings, embedding_size = params["generator_embeddings"], pretrainer.generator_embedding_size
@@ -512,4 +570,4 @@ def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
       dtype=pretrainer.dtype,
       attention_impl=pretrainer.attention_impl,
   )
-  return model, {"embeddings": embeddings, tower: params[tower]}
+  return model, {"embeddings": embeddings, tower: tower_params}

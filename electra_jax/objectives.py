@@ -3,6 +3,7 @@ corruption, the two losses and the official pre-training metrics. No Flax state 
 the model enters only through `ElectraPretrainer.apply`."""
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -15,9 +16,25 @@ from electra_jax.config_lib import ConfigError
 #   electra     replaced-token detection with a generator, L_Disc on every token (the default)
 #   electra_15  the same, but L_Disc only on the masked positions (the paper's "ELECTRA 15%")
 #   uniform     replacements drawn uniformly from the vocabulary; no generator runs
-OBJECTIVES = ("electra", "electra_15", "uniform")
+#   mlm             BERT: the discriminator-sized tower with an MLM head, 80/10/10 masking, no
+#                   generator (the loss is its L_MLM)
+#   replace_mlm     the generator's samples replace the masked tokens (no [MASK]); the tower
+#                   predicts the originals there (loss gen_weight * L_MLM(gen) + L_MLM(tower))
+#   all_tokens_mlm  as replace_mlm but the tower predicts every token, with the paper's copy
+#                   mechanism (loss gen_weight * L_MLM(gen) + L_AllTokens(tower))
+OBJECTIVES = ("electra", "electra_15", "uniform", "mlm", "replace_mlm", "all_tokens_mlm")
+MLM_FAMILY = ("mlm", "replace_mlm", "all_tokens_mlm")  # the discriminator tower has an MLM head
+WITHOUT_GENERATOR = ("mlm", "uniform")
 # In the paper's ablations but not built yet; refused by name rather than silently replaced.
-PLANNED_OBJECTIVES = ("mlm", "replace_mlm", "all_tokens_mlm", "electric", "adversarial", "two_stage")
+PLANNED_OBJECTIVES = ("electric", "adversarial", "two_stage")
+# BERT's masking for objective "mlm": of the chosen positions 80% [MASK], 10% a random token,
+# 10% kept.
+_BERT_KEEP_PROB, _BERT_RANDOM_PROB = 0.1, 0.1
+_STAT_KEYS = (
+    "mlm_loss_sum", "mlm_correct", "sampled_correct", "num_predictions", "disc_loss_sum",
+    "disc_true_pos", "disc_false_pos", "disc_false_neg", "disc_true_neg", "num_tokens",
+    "main_loss_sum", "main_correct", "main_count",
+)
 # What the official code subtracts from the original token's logit when disallow_correct is on.
 _DISALLOW_PENALTY = 1000.0
 
@@ -37,6 +54,10 @@ class ElectraObjective:
   cls_id: int
   sep_id: int
   name: str = "electra"
+  # Of the chosen positions, the share replaced by a uniformly random token (BERT's 10%);
+  # `vocab_size` bounds those tokens.
+  random_token_prob: float = 0.0
+  vocab_size: int = 0
   # As the official option: the generator may not sample the original token, so every masked
   # position is replaced (the original's logit is lowered by 1000 before sampling).
   disallow_correct: bool = False
@@ -47,7 +68,7 @@ class ElectraObjective:
 
   @property
   def uses_generator(self) -> bool:
-    return self.name != "uniform"
+    return self.name not in WITHOUT_GENERATOR
 
 
 def official_max_predictions(mask_prob: float, max_seq_len: int) -> int:
@@ -88,12 +109,15 @@ def mask_tokens(rng, input_ids, attention_mask, objective: ElectraObjective) -> 
   is_used = jnp.arange(num_slots)[None, :] < num_to_predict[:, None]  # [batch, n_pred]
 
   target_ids = jnp.take_along_axis(input_ids, positions, axis=1)
-  put_mask = is_used & (
-      jax.random.uniform(replace_rng, (batch_size, num_slots)) >= objective.keep_original_prob
-  )
-  masked_ids = input_ids.at[_rows(batch_size), positions].set(
-      jnp.where(put_mask, objective.mask_id, target_ids)
-  )
+  draw = jax.random.uniform(replace_rng, (batch_size, num_slots))
+  put_mask = is_used & (draw >= objective.keep_original_prob + objective.random_token_prob)
+  new_ids = jnp.where(put_mask, objective.mask_id, target_ids)
+  if objective.random_token_prob > 0:
+    put_random = is_used & (draw >= objective.keep_original_prob) & ~put_mask
+    random_rng = jax.random.fold_in(replace_rng, 1)  # leaves the default draws as they were
+    random_ids = jax.random.randint(random_rng, (batch_size, num_slots), 0, objective.vocab_size)
+    new_ids = jnp.where(put_random, random_ids, new_ids)
+  masked_ids = input_ids.at[_rows(batch_size), positions].set(new_ids)
   return MaskedInputs(masked_ids, positions, is_used.astype(jnp.float32), target_ids)
 
 
@@ -143,85 +167,132 @@ class Normalizers(NamedTuple):
     )
 
 
+def _mlm_sums(logits, target_ids, weights):
+  """(summed cross-entropy, summed correct argmax) of vocabulary logits against targets."""
+  log_probs = jax.nn.log_softmax(logits, axis=-1)
+  target_log_probs = jnp.take_along_axis(log_probs, target_ids[..., None], axis=-1)[..., 0]
+  correct = (jnp.argmax(logits, -1) == target_ids) * weights
+  return -(target_log_probs * weights).sum(), correct.sum()
+
+
+def _bce(logits, labels):
+  # Sigmoid cross-entropy in its overflow-free form: max(z, 0) - z * y + log(1 + exp(-|z|)).
+  return jnp.maximum(logits, 0.0) - logits * labels + jnp.log1p(jnp.exp(-jnp.abs(logits)))
+
+
 def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dropout_rng,
                     objective: ElectraObjective, normalizers: Normalizers, deterministic: bool = False):
   """Generator -> sample -> discriminator on one (micro-)batch whose masking is already drawn.
 
   `sample_keys` [batch] are the per-example sampling keys (see sample_tokens). Returns
-  (loss, (stats, per_token)): loss = gen_weight * L_MLM + disc_weight * L_Disc with the sums
-  divided by `normalizers`; stats holds additive counts and per_token the arrays `summarize`
-  needs for the AUC.
+  (loss, (stats, per_token)): for the RTD objectives loss = gen_weight * L_MLM + disc_weight *
+  L_Disc with the sums divided by `normalizers`; for the MLM family see OBJECTIVES. stats holds
+  additive counts and per_token the arrays `summarize` needs for the AUC.
   """
   gen_dropout_rng, disc_dropout_rng = jax.random.split(dropout_rng)
-  token_type_ids, attention_mask = batch["token_type_ids"], batch["attention_mask"]
+  input_ids, token_type_ids, attention_mask = batch["input_ids"], batch["token_type_ids"], batch["attention_mask"]
+  token_weights = attention_mask.astype(jnp.float32)
+  apply = functools.partial(model.apply, {"params": params})
+  zero = jnp.zeros((), jnp.float32)
+  stats = dict.fromkeys(_STAT_KEYS, zero)
+  stats.update(num_predictions=masked.weights.sum(), num_tokens=token_weights.sum())
+  main_loss = zero
+
+  if objective.name == "mlm":
+    # BERT: the discriminator-sized tower predicts the originals of its [MASK]ed input.
+    _, mlm_logits = apply(
+        masked.input_ids, token_type_ids, attention_mask, masked.positions, deterministic,
+        method=model.discriminator_mlm_logits, rngs={"dropout": disc_dropout_rng},
+    )
+    mlm_loss_sum, mlm_correct = _mlm_sums(mlm_logits, masked.target_ids, masked.weights)
+    stats.update(mlm_loss_sum=mlm_loss_sum, mlm_correct=mlm_correct)
+    loss = mlm_loss_sum / normalizers.num_predictions
+    per_token = {"disc_logits": jnp.zeros_like(token_weights), "is_replaced": jnp.zeros_like(attention_mask, bool),
+                 "token_weights": token_weights}
+    return loss, (stats, per_token)
+
   if objective.uses_generator:
-    gen_logits = model.apply(
-        {"params": params},
-        masked.input_ids,
-        token_type_ids,
-        attention_mask,
-        masked.positions,
-        deterministic,
-        method=model.generator_logits,
-        rngs={"dropout": gen_dropout_rng},
+    gen_logits = apply(
+        masked.input_ids, token_type_ids, attention_mask, masked.positions, deterministic,
+        method=model.generator_logits, rngs={"dropout": gen_dropout_rng},
     )  # [batch, n_pred, vocab] float32
   else:
     # As the official uniform_generator: all-zero logits, so samples are uniform over the
     # vocabulary and L_MLM is the constant log(vocab), which trains nothing.
     gen_logits = jnp.zeros((*masked.positions.shape, model.vocab_size), jnp.float32)
-  log_probs = jax.nn.log_softmax(gen_logits, axis=-1)
-  target_log_probs = jnp.take_along_axis(log_probs, masked.target_ids[..., None], axis=-1)[..., 0]
-  mlm_loss_sum = -(target_log_probs * masked.weights).sum()
-
+  mlm_loss_sum, mlm_correct = _mlm_sums(gen_logits, masked.target_ids, masked.weights)
   disallowed = masked.target_ids if objective.disallow_correct else None
   sampled_ids = sample_tokens(sample_keys, gen_logits, objective.temperature, disallowed)
-  corrupted_ids, is_replaced = corrupt(batch["input_ids"], masked, sampled_ids)
-  disc_logits = model.apply(
-      {"params": params},
-      corrupted_ids,
-      token_type_ids,
-      attention_mask,
-      deterministic,
-      method=model.discriminator_logits,
-      rngs={"dropout": disc_dropout_rng},
+  corrupted_ids, is_replaced = corrupt(input_ids, masked, sampled_ids)
+  stats.update(
+      mlm_loss_sum=mlm_loss_sum,
+      mlm_correct=mlm_correct,
+      sampled_correct=((sampled_ids == masked.target_ids) * masked.weights).sum(),
+  )
+  gen_loss = objective.gen_weight * mlm_loss_sum / normalizers.num_predictions
+
+  if objective.name == "replace_mlm":
+    # MLM on the generator-corrupted input (no [MASK]): predict the originals at the masked slots.
+    _, main_logits = apply(
+        corrupted_ids, token_type_ids, attention_mask, masked.positions, deterministic,
+        method=model.discriminator_mlm_logits, rngs={"dropout": disc_dropout_rng},
+    )
+    main_loss_sum, main_correct = _mlm_sums(main_logits, masked.target_ids, masked.weights)
+    stats.update(main_loss_sum=main_loss_sum, main_correct=main_correct, main_count=masked.weights.sum())
+    main_loss = main_loss_sum / normalizers.num_predictions
+  elif objective.name == "all_tokens_mlm":
+    # Predict every token of the corrupted input, with the paper's copy mechanism:
+    # p(x_t) = D_t [x_t = input_t] + (1 - D_t) softmax(MLM)_t(x_t), D_t = sigmoid(copy logit).
+    copy_logits, main_logits = apply(
+        corrupted_ids, token_type_ids, attention_mask, None, deterministic,
+        method=model.discriminator_mlm_logits, rngs={"dropout": disc_dropout_rng},
+    )  # [batch, seq], [batch, seq, vocab]
+    log_softmax = jax.nn.log_softmax(main_logits, axis=-1)
+    log_mlm = jnp.take_along_axis(log_softmax, input_ids[..., None], axis=-1)[..., 0]
+    log_copy, log_no_copy = jax.nn.log_sigmoid(copy_logits), jax.nn.log_sigmoid(-copy_logits)
+    copied = ~is_replaced  # the input token is the original one
+    log_p = jnp.where(copied, jnp.logaddexp(log_copy, log_no_copy + log_mlm), log_no_copy + log_mlm)
+    main_loss_sum = -(log_p * token_weights).sum()
+    p_original = jnp.where(copied, jnp.exp(log_copy), 0.0) + jnp.exp(log_no_copy + log_mlm)
+    # The most probable other token: the best MLM alternative, or the (replaced) input token,
+    # which also gets the copy probability.
+    is_original = jnp.arange(main_logits.shape[-1]) == input_ids[..., None]
+    best_other = jnp.exp(log_no_copy + jnp.max(jnp.where(is_original, -jnp.inf, log_softmax), axis=-1))
+    log_mlm_input = jnp.take_along_axis(log_softmax, corrupted_ids[..., None], axis=-1)[..., 0]
+    p_input = jnp.exp(log_copy) + jnp.exp(log_no_copy + log_mlm_input)
+    best_other = jnp.maximum(best_other, jnp.where(copied, 0.0, p_input))
+    main_correct = ((p_original > best_other) * token_weights).sum()
+    stats.update(main_loss_sum=main_loss_sum, main_correct=main_correct, main_count=token_weights.sum())
+    main_loss = main_loss_sum / normalizers.num_tokens
+
+  if objective.name in MLM_FAMILY:
+    per_token = {"disc_logits": jnp.zeros_like(token_weights), "is_replaced": is_replaced,
+                 "token_weights": token_weights}
+    return gen_loss + main_loss, (stats, per_token)
+
+  disc_logits = apply(
+      corrupted_ids, token_type_ids, attention_mask, deterministic,
+      method=model.discriminator_logits, rngs={"dropout": disc_dropout_rng},
   )  # [batch, seq] float32
-  labels = is_replaced.astype(jnp.float32)
   if objective.name == "electra_15":
     # L_Disc (and the disc metrics) only where the generator could have replaced a token.
     token_weights = masked_position_weights(masked, attention_mask.shape)
     disc_normalizer = normalizers.num_predictions
   else:
-    token_weights = attention_mask.astype(jnp.float32)
     disc_normalizer = normalizers.num_tokens
-  # Sigmoid cross-entropy in its overflow-free form: max(z, 0) - z * y + log(1 + exp(-|z|)).
-  per_token = (
-      jnp.maximum(disc_logits, 0.0) - disc_logits * labels + jnp.log1p(jnp.exp(-jnp.abs(disc_logits)))
-  )
-  disc_loss_sum = (per_token * token_weights).sum()
-
-  loss = (
-      objective.gen_weight * mlm_loss_sum / normalizers.num_predictions
-      + objective.disc_weight * disc_loss_sum / disc_normalizer
-  )
+  disc_loss_sum = (_bce(disc_logits, is_replaced.astype(jnp.float32)) * token_weights).sum()
+  loss = gen_loss + objective.disc_weight * disc_loss_sum / disc_normalizer
   predicted = disc_logits > 0
-  stats = {
-      "mlm_loss_sum": mlm_loss_sum,
-      "mlm_correct": ((jnp.argmax(gen_logits, -1) == masked.target_ids) * masked.weights).sum(),
-      "sampled_correct": ((sampled_ids == masked.target_ids) * masked.weights).sum(),
-      "num_predictions": masked.weights.sum(),
-      "disc_loss_sum": disc_loss_sum,
-      "disc_true_pos": ((predicted & is_replaced) * token_weights).sum(),
-      "disc_false_pos": ((predicted & ~is_replaced) * token_weights).sum(),
-      "disc_false_neg": ((~predicted & is_replaced) * token_weights).sum(),
-      "disc_true_neg": ((~predicted & ~is_replaced) * token_weights).sum(),
-      "num_tokens": token_weights.sum(),
-  }
-  per_token_arrays = {
-      "disc_logits": disc_logits,
-      "is_replaced": is_replaced,
-      "token_weights": token_weights,
-  }
-  return loss, (stats, per_token_arrays)
+  stats.update(
+      disc_loss_sum=disc_loss_sum,
+      disc_true_pos=((predicted & is_replaced) * token_weights).sum(),
+      disc_false_pos=((predicted & ~is_replaced) * token_weights).sum(),
+      disc_false_neg=((~predicted & is_replaced) * token_weights).sum(),
+      disc_true_neg=((~predicted & ~is_replaced) * token_weights).sum(),
+      num_tokens=token_weights.sum(),
+  )
+  per_token = {"disc_logits": disc_logits, "is_replaced": is_replaced, "token_weights": token_weights}
+  return loss, (stats, per_token)
 
 
 def binary_auc(scores, labels, weights):
@@ -243,14 +314,16 @@ def binary_auc(scores, labels, weights):
 def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str, jax.Array]:
   """The official metric set from summed stats: masked_lm_accuracy, masked_lm_loss,
   sampled_masked_lm_accuracy, disc_loss, disc_auc, disc_accuracy, disc_precision, disc_recall
-  (disc metrics weighted by the non-padding mask), plus the total loss."""
+  (disc metrics weighted by the tokens L_Disc covers), plus the total loss. Objectives
+  without replaced-token detection report NaN disc metrics (there is no discriminator loss),
+  and the Replace / All-Tokens MLM ones add main_mlm_loss and main_mlm_accuracy (the
+  discriminator-sized model's own MLM); for `mlm` the masked_lm metrics are that model's."""
   num_predictions = jnp.maximum(stats["num_predictions"], 1.0)
   num_tokens = jnp.maximum(stats["num_tokens"], 1.0)
   masked_lm_loss = stats["mlm_loss_sum"] / num_predictions
   disc_loss = stats["disc_loss_sum"] / num_tokens
   true_pos = stats["disc_true_pos"]
-  return {
-      "loss": objective.gen_weight * masked_lm_loss + objective.disc_weight * disc_loss,
+  metrics = {
       "masked_lm_loss": masked_lm_loss,
       "masked_lm_accuracy": stats["mlm_correct"] / num_predictions,
       "sampled_masked_lm_accuracy": stats["sampled_correct"] / num_predictions,
@@ -265,6 +338,24 @@ def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str,
       "disc_recall": true_pos / jnp.maximum(true_pos + stats["disc_false_neg"], 1.0),
       "replaced_fraction": (true_pos + stats["disc_false_neg"]) / num_tokens,
   }
+  if objective.name == "mlm":
+    nan = jnp.full((), jnp.nan, jnp.float32)
+    metrics.update(dict.fromkeys(
+        ["sampled_masked_lm_accuracy", "disc_loss", "disc_auc", "disc_accuracy", "disc_precision",
+         "disc_recall", "replaced_fraction"], nan))
+    metrics["loss"] = masked_lm_loss
+  elif objective.name in MLM_FAMILY:
+    nan = jnp.full((), jnp.nan, jnp.float32)
+    replaced = per_token_arrays["is_replaced"].astype(jnp.float32) * per_token_arrays["token_weights"]
+    metrics.update(dict.fromkeys(["disc_loss", "disc_auc", "disc_accuracy", "disc_precision", "disc_recall"], nan))
+    metrics["replaced_fraction"] = replaced.sum() / num_tokens
+    main_count = jnp.maximum(stats["main_count"], 1.0)
+    metrics["main_mlm_loss"] = stats["main_loss_sum"] / main_count
+    metrics["main_mlm_accuracy"] = stats["main_correct"] / main_count
+    metrics["loss"] = objective.gen_weight * masked_lm_loss + metrics["main_mlm_loss"]
+  else:
+    metrics["loss"] = objective.gen_weight * masked_lm_loss + objective.disc_weight * disc_loss
+  return metrics
 
 
 def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjective:
@@ -275,15 +366,18 @@ def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjecti
   if name not in OBJECTIVES:
     planned = " It is planned (issue 7) but not built yet." if name in PLANNED_OBJECTIVES else ""
     raise ConfigError(f"objective.name={name!r} is not one of {list(OBJECTIVES)}.{planned}")
+  bert_masking = name == "mlm"
   return ElectraObjective(
       name=name,
       disallow_correct=o.get("disallow_correct", False),
+      random_token_prob=_BERT_RANDOM_PROB if bert_masking else 0.0,
+      vocab_size=special_ids.get("vocab_size", config.model.vocab_size),
       mask_prob=o.mask_prob,
       max_predictions=official_max_predictions(o.mask_prob, config.data.max_seq_len),
       gen_weight=o.gen_weight,
       disc_weight=o.disc_weight,
       temperature=o.temperature,
-      keep_original_prob=o.keep_original_prob,
+      keep_original_prob=_BERT_KEEP_PROB if bert_masking else o.keep_original_prob,
       mask_id=special_ids["mask"],
       pad_id=special_ids["pad"],
       cls_id=special_ids["cls"],

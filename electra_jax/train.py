@@ -316,7 +316,10 @@ def prepare(config):
         f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's vocabulary "
         f"({tokenizer.vocab_size}). Set model.vocab_size >= {tokenizer.vocab_size}."
     )
-  special_ids = dict(pad=tokenizer.pad_id, cls=tokenizer.cls_id, sep=tokenizer.sep_id, mask=tokenizer.mask_id)
+  special_ids = dict(
+      pad=tokenizer.pad_id, cls=tokenizer.cls_id, sep=tokenizer.sep_id, mask=tokenizer.mask_id,
+      vocab_size=tokenizer.vocab_size,  # bounds BERT-style random replacements
+  )
   # --- Model and shardings
   return mesh, corpus, build_setup(config, mesh, special_ids)
 
@@ -427,7 +430,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   total_steps = config.train.steps
   seq_len, global_batch = config.data.max_seq_len, config.train.batch_size
   flops_per_token = flops.train_flops_per_token(
-      setup.model, seq_len, setup.objective.max_predictions, setup.objective.uses_generator
+      setup.model, seq_len, setup.objective.max_predictions, setup.objective.uses_generator,
+      all_positions_mlm=setup.objective.name == "all_tokens_mlm",
   )
   peak = flops.peak_flops(jax.devices()[0])
   tokens_per_step = global_batch * seq_len

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from electra_jax import checkpointing, config_lib, models, objectives, partitioning, train
+from electra_jax import checkpointing, config_lib, interop, models, objectives, partitioning, train
 from electra_jax.config_lib import ConfigError
 
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
@@ -40,9 +40,9 @@ def _batch(seed=0, batch=4, seq=24):
   return {"input_ids": jnp.asarray(ids), "token_type_ids": jnp.zeros_like(ids), "attention_mask": jnp.asarray(mask)}
 
 
-def _model_and_params(tie="embeddings"):
+def _model_and_params(tie="embeddings", objective="electra"):
   config = tiny_config(**{"model.vocab_size": VOCAB, "model.tie": tie, "model.dropout_rate": 0.0,
-                          "model.attention_dropout_rate": 0.0})
+                          "model.attention_dropout_rate": 0.0, "objective.name": objective})
   model = models.build_model(config)
   ids = jnp.zeros((1, 8), jnp.int32)
   params = nn.meta.unbox(model.init(jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32))["params"])
@@ -143,12 +143,107 @@ def test_disallow_correct_never_samples_the_original():
 
 
 def test_unbuilt_objectives_and_tie_modes_are_refused_by_name():
-  with pytest.raises(ConfigError, match="objective.name='mlm' .* planned \\(issue 7\\) but not built yet"):
-    config_lib.validate(tiny_config(**{"objective.name": "mlm"}))
+  with pytest.raises(ConfigError, match="objective.name='electric' .* planned \\(issue 7\\) but not built yet"):
+    config_lib.validate(tiny_config(**{"objective.name": "electric"}))
   with pytest.raises(ConfigError, match="objective.name='bert'"):
     config_lib.validate(tiny_config(**{"objective.name": "bert"}))
   with pytest.raises(ConfigError, match="model.tie='all' is not one of"):
     config_lib.validate(tiny_config(**{"model.tie": "all"}))
+
+
+def _mlm_objective(name):
+  config = tiny_config(**{"model.vocab_size": VOCAB, "objective.name": name, "data.max_seq_len": 24})
+  special = dict(pad=PAD, cls=CLS, sep=SEP, mask=MASK, vocab_size=VOCAB)
+  return dataclasses.replace(objectives.objective_from_config(config, special), max_predictions=6)
+
+
+def _log_softmax(x):
+  x = np.asarray(x, np.float64)
+  return x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+
+
+def test_mlm_is_bert_80_10_10_on_the_discriminator_tower_alone():
+  objective = _mlm_objective("mlm")
+  assert (objective.keep_original_prob, objective.random_token_prob) == (0.1, 0.1)
+  # Masking statistics over many rows: 80% [MASK], 10% random tokens, 10% kept.
+  big = _batch(seed=5, batch=4, seq=24)
+  big = jax.tree.map(lambda x: jnp.tile(x, (500, 1)), big)
+  masked = objectives.mask_tokens(jax.random.key(0), big["input_ids"], big["attention_mask"],
+                                  dataclasses.replace(objective, max_predictions=6))
+  used = np.asarray(masked.weights) > 0
+  put = np.take_along_axis(np.asarray(masked.input_ids), np.asarray(masked.positions), axis=1)[used]
+  original = np.asarray(masked.target_ids)[used]
+  as_mask, kept = np.mean(put == MASK), np.mean(put == original)
+  assert abs(as_mask - 0.8) < 0.02 and abs(kept - (0.1 + 0.1 / VOCAB)) < 0.02, (as_mask, kept)
+  assert len(np.unique(put[(put != MASK) & (put != original)])) > 0.9 * VOCAB  # random over the vocab
+
+  model, params = _model_and_params(objective="mlm")
+  assert "generator" not in params and "mlm_output_bias" in params["discriminator"]
+  batch = _batch()
+  masked, loss, stats, _ = _forward(model, params, objective, batch)
+  _, logits = model.apply({"params": params}, masked.input_ids, batch["token_type_ids"], batch["attention_mask"],
+                          masked.positions, method=model.discriminator_mlm_logits)
+  log_p = np.take_along_axis(_log_softmax(logits), np.asarray(masked.target_ids)[..., None], -1)[..., 0]
+  weights = np.asarray(masked.weights)
+  assert math.isclose(float(loss), -(log_p * weights).sum() / weights.sum(), rel_tol=1e-5)
+  metrics = objectives.summarize(stats, _forward(model, params, objective, batch)[3], objective)
+  assert np.isnan(float(metrics["disc_auc"])) and float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-6)
+  grads = _grads(model, params, objective, batch)
+  assert _norm(grads["discriminator"]["head_out"]) == 0.0  # the RTD head is not trained
+  assert _norm(grads["discriminator"]["mlm_head_dense"]) > 0.0
+
+
+def _generator_corruption(model, params, objective, batch, masked, keys):
+  gen_logits = model.apply({"params": params}, masked.input_ids, batch["token_type_ids"], batch["attention_mask"],
+                           masked.positions, method=model.generator_logits)
+  sampled = objectives.sample_tokens(keys, gen_logits, objective.temperature)
+  corrupted, replaced = objectives.corrupt(batch["input_ids"], masked, sampled)
+  log_p = np.take_along_axis(_log_softmax(gen_logits), np.asarray(masked.target_ids)[..., None], -1)[..., 0]
+  weights = np.asarray(masked.weights)
+  return corrupted, np.asarray(replaced), -(log_p * weights).sum() / weights.sum()
+
+
+def test_replace_mlm_predicts_originals_from_the_generator_corrupted_input():
+  objective = _mlm_objective("replace_mlm")
+  model, params = _model_and_params(objective="replace_mlm")
+  batch = _batch()
+  masked, loss, stats, _ = _forward(model, params, objective, batch)
+  keys = jax.random.split(jax.random.key(2), batch["input_ids"].shape[0])
+  corrupted, _, gen_loss = _generator_corruption(model, params, objective, batch, masked, keys)
+  assert not np.any(np.asarray(corrupted) == MASK)  # the tower never sees [MASK]
+  _, logits = model.apply({"params": params}, corrupted, batch["token_type_ids"], batch["attention_mask"],
+                          masked.positions, method=model.discriminator_mlm_logits)
+  log_p = np.take_along_axis(_log_softmax(logits), np.asarray(masked.target_ids)[..., None], -1)[..., 0]
+  weights = np.asarray(masked.weights)
+  assert math.isclose(float(loss), gen_loss + -(log_p * weights).sum() / weights.sum(), rel_tol=1e-5)
+  assert float(stats["main_count"]) == weights.sum()
+
+
+def test_all_tokens_mlm_uses_the_copy_mechanism_at_every_token():
+  objective = _mlm_objective("all_tokens_mlm")
+  model, params = _model_and_params(objective="all_tokens_mlm")
+  # A non-zero copy head, so both terms of the mixture matter.
+  params = jax.tree.map(lambda x: x, params)
+  params["discriminator"]["head_out"]["bias"] = jnp.full_like(params["discriminator"]["head_out"]["bias"], 0.7)
+  batch = _batch()
+  masked, loss, stats, per_token = _forward(model, params, objective, batch)
+  keys = jax.random.split(jax.random.key(2), batch["input_ids"].shape[0])
+  corrupted, replaced, gen_loss = _generator_corruption(model, params, objective, batch, masked, keys)
+  copy_logits, logits = model.apply({"params": params}, corrupted, batch["token_type_ids"], batch["attention_mask"],
+                                    None, method=model.discriminator_mlm_logits)
+  d = 1 / (1 + np.exp(-np.asarray(copy_logits, np.float64)))
+  softmax = np.exp(_log_softmax(logits))
+  original = np.asarray(batch["input_ids"])
+  p_original = np.take_along_axis(softmax, original[..., None], -1)[..., 0] * (1 - d) + d * ~replaced
+  real = np.asarray(batch["attention_mask"], bool)
+  assert replaced.any() and (~replaced & real).any()
+  want = gen_loss + -np.log(p_original[real]).mean()
+  assert math.isclose(float(loss), want, rel_tol=1e-5)
+  # Accuracy: the original is the argmax of the mixture.
+  mixture = softmax * (1 - d)[..., None]
+  np.put_along_axis(mixture, np.asarray(corrupted)[..., None], np.take_along_axis(mixture, np.asarray(corrupted)[..., None], -1) + d[..., None], -1)
+  correct = (mixture.argmax(-1) == original)[real].sum()
+  assert float(stats["main_correct"]) == correct and float(stats["main_count"]) == real.sum()
 
 
 # ---------------------------------------------------------------------------------------
@@ -196,6 +291,19 @@ def test_gdes_keeps_the_discriminator_loss_off_the_shared_table():
   np.testing.assert_allclose(
       disc_params["embeddings"]["word_embeddings"]["embedding"], shared_table(params) + 0.25
   )
+
+
+@pytest.mark.parametrize("name", ["mlm", "replace_mlm", "all_tokens_mlm"])
+def test_mlm_family_trains_and_exports_the_discriminator(tmp_path, name):
+  config = tiny_config(**{"objective.name": name, "train.steps": 2, "checkpoint.every_steps": 2,
+                          "eval.every_steps": 2, "eval.num_batches": 1})
+  metrics = train.train_and_evaluate(config, str(tmp_path))
+  assert np.isfinite(metrics["loss"]) and np.isnan(metrics["disc_auc"])
+  if name != "mlm":
+    assert 0 <= metrics["main_mlm_accuracy"] <= 1 and np.isfinite(metrics["main_mlm_loss"])
+  exported = interop.export_workdir(str(tmp_path), str(tmp_path / "hf"))
+  model, params = interop.load_hf(exported["discriminator"])  # no MLM head in the export
+  assert "mlm_head_dense" not in params["discriminator"]
 
 
 def test_variants_train_through_the_usual_loop(tmp_path):
