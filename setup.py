@@ -26,6 +26,8 @@ setup(
         # The PyTorch peer for parity tests. The <2.14 bound keeps pip on torch 2.13's CPU
         # wheel where one is at hand instead of fetching a multi-GB CUDA build.
         "test": ["pytest>=8", "torch>=2.1,<2.14", "transformers>=5.0"],
+        # gs:// workdirs: etils.epath reaches buckets through gcsfs, orbax also needs the client.
+        "gcs": ["gcsfs", "google-cloud-storage"],
     },
     entry_points={"console_scripts": ["electra-jax=electra_jax.main:run"]},
 )

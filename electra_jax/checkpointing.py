@@ -6,11 +6,20 @@ from typing import Any, Optional
 
 import orbax.checkpoint as ocp
 
+from electra_jax import workdir_files
+
+
+def checkpoints_directory(workdir: str) -> str:
+  """<workdir>/checkpoints; a bucket path (gs://...) stays as it is (os.path.abspath would
+  make it a local one). Orbax writes to buckets through gcsfs and google-cloud-storage: the
+  `gcs` extra."""
+  return os.fspath(workdir_files.path(workdir, "checkpoints"))
+
 
 class Checkpointer:
 
   def __init__(self, workdir: str, keep: int):
-    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    self.directory = checkpoints_directory(workdir)
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),

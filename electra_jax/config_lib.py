@@ -29,14 +29,15 @@ def sibling(config_file: str, name: str):
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
   """The resolved config a training run saved as <workdir>/config.json."""
-  path = os.path.join(workdir, "config.json")
-  if not os.path.isfile(path):
+  from electra_jax import workdir_files  # noqa: PLC0415 (keeps recipes' imports light)
+
+  path = workdir_files.path(workdir, "config.json")
+  if not workdir_files.exists(path):
     raise ConfigError(
         f"{workdir} has no config.json, so it is not a pre-training workdir; pass the --workdir "
         "a training run wrote (or give --config)."
     )
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+  return ml_collections.ConfigDict(json.loads(workdir_files.read_text(path)))
 
 
 def to_json(config: ml_collections.ConfigDict) -> str:

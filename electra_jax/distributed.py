@@ -12,11 +12,17 @@ from electra_jax.config_lib import ConfigError
 
 
 def _multi_host_environment() -> Optional[str]:
-  """The scheduler JAX can read its coordinator from, when this is one of several processes."""
+  """The scheduler JAX can read its coordinator from, when this is one of several processes.
+
+  TPU VMs made with `gcloud compute tpus tpu-vm create` describe the slice only in their
+  metadata server (no environment variable says "several hosts"), so launch/tpu_vm.py sets
+  ELECTRA_JAX_DISTRIBUTED=auto there; GKE sets TPU_WORKER_HOSTNAMES."""
+  if os.environ.get("ELECTRA_JAX_DISTRIBUTED", "").lower() == "auto":
+    return "ELECTRA_JAX_DISTRIBUTED=auto (JAX's own cluster detection)"
   if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
     return "SLURM"
   if "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
-    return "a multi-host TPU VM slice"
+    return "a multi-host TPU slice on GKE"
   return None
 
 
@@ -26,7 +32,8 @@ def initialize(
     process_id: Optional[int] = None,
 ) -> None:
   """Call once, first. Explicit arguments win; then ELECTRA_JAX_COORDINATOR_ADDRESS,
-  ELECTRA_JAX_NUM_PROCESSES and ELECTRA_JAX_PROCESS_ID; then SLURM or TPU detection."""
+  ELECTRA_JAX_NUM_PROCESSES and ELECTRA_JAX_PROCESS_ID; then ELECTRA_JAX_DISTRIBUTED=auto,
+  SLURM or GKE TPU detection."""
   env = os.environ
   coordinator_address = coordinator_address or env.get("ELECTRA_JAX_COORDINATOR_ADDRESS") or None
   if num_processes is None and env.get("ELECTRA_JAX_NUM_PROCESSES"):

@@ -26,13 +26,12 @@ weights), then train in that workdir (without --config, its config.json is used)
 """
 
 import logging as std_logging
-import os
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from electra_jax import config_lib, distributed, interop, train
+from electra_jax import config_lib, distributed, interop, train, workdir_files
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a recipe in configs/ (e.g. configs/demo.py).", lock_config=True
@@ -87,7 +86,7 @@ def main(argv):
     if _MODE.value == "train":
       config = _CONFIG.value
       if config is None:
-        if not os.path.isfile(os.path.join(_WORKDIR.value, "config.json")):
+        if not workdir_files.exists(workdir_files.path(_WORKDIR.value, "config.json")):
           raise app.UsageError(
               "--mode=train needs --config (a recipe, e.g. configs/demo.py), unless --workdir "
               "already holds a config.json to continue with."

@@ -20,7 +20,9 @@ import numpy as np
 import optax
 from absl import logging
 
-from electra_jax import checkpointing, config_lib, data, evaluation, flops, objectives, partitioning
+from electra_jax import (
+    checkpointing, config_lib, data, evaluation, flops, objectives, partitioning, workdir_files,
+)
 from electra_jax.config_lib import ConfigError
 from electra_jax.models import ElectraPretrainer, build_model
 
@@ -358,19 +360,6 @@ def _format_duration(seconds: float) -> str:
   return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
-def _truncate_metrics(path: str, last_step: int) -> None:
-  """On resume, drop logged steps the restored checkpoint does not contain (they will be
-  logged again), writing atomically so a crash cannot lose the file."""
-  if not os.path.exists(path):
-    return
-  with open(path) as f:
-    kept = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    f.writelines(kept)
-  os.replace(tmp, path)
-
-
 def _stop_if_not_finite(loss: float, step: int, checkpointer) -> None:
   if not math.isfinite(loss):
     checkpointer.wait()  # the last good checkpoint may still be being written
@@ -406,12 +395,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   start_step = checkpointer.latest_step()
   if start_step is not None:
     _check_checkpoint_matches(checkpointer.read_meta(start_step), setup, corpus, workdir)
+  # Local or in a bucket (gs://...): see workdir_files.py. Only process 0 writes them.
+  metrics_log = eval_log = None
   if is_chief:
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config_lib.to_json(config))
-  metrics_path = os.path.join(workdir, "metrics.jsonl")
-  eval_metrics_path = os.path.join(workdir, "eval_metrics.jsonl")
+    workdir_files.makedirs(workdir_files.path(workdir))
+    workdir_files.write_text(workdir_files.path(workdir, "config.json"), config_lib.to_json(config))
+    metrics_log = workdir_files.JsonlLog(workdir_files.path(workdir, "metrics.jsonl"))
+    eval_log = workdir_files.JsonlLog(workdir_files.path(workdir, "eval_metrics.jsonl"))
 
   with partitioning.activate(mesh):
     if start_step is None:
@@ -421,8 +411,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       logging.info("Resuming from the checkpoint at step %d in %s.", start_step, checkpointer.directory)
       state = checkpointer.restore(start_step, setup.abstract_state)
       if is_chief:
-        _truncate_metrics(metrics_path, start_step)
-        _truncate_metrics(eval_metrics_path, start_step)
+        metrics_log.truncate_after(start_step)
+        eval_log.truncate_after(start_step)
     # Ahead of time, so compile time stays out of the throughput figures.
     compiled_step = compile_train_step(setup, config, mesh)
 
@@ -462,8 +452,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             logged["mfu"] = logged["tokens_per_sec"] * flops_per_token / (peak * jax.device_count())
           _stop_if_not_finite(logged["loss"], step, checkpointer)
           if is_chief:
-            with open(metrics_path, "a") as f:
-              f.write(json.dumps(logged, sort_keys=True) + "\n")
+            metrics_log.append(logged)
             eta = (total_steps - step) / steps_per_sec
             logging.info(
                 "step %d/%d | loss %.4f | mlm_acc %.3f | disc_auc %.3f | %s tokens/s | ETA %s",
@@ -477,8 +466,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           held_out = evaluator(state)
           window_start += time.perf_counter() - eval_start  # keep eval out of tokens/s
           if is_chief:
-            with open(eval_metrics_path, "a") as f:
-              f.write(json.dumps(dict(held_out, step=step), sort_keys=True) + "\n")
+            eval_log.append(dict(held_out, step=step))
             logging.info(
                 "eval step %d (%d held-out examples) | loss %.4f | mlm_acc %.3f | disc_auc %.3f",
                 step, evaluator.num_examples, held_out["loss"], held_out["masked_lm_accuracy"],
@@ -488,6 +476,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         if step % config.checkpoint.every_steps == 0 or step == total_steps or preemption.requested:
           _stop_if_not_finite(float(metrics["loss"]), step, checkpointer)  # never save a NaN state
           checkpointer.save(step, state, meta)
+          if is_chief:  # a bucket's logs are rewritten now and then, and at least here
+            metrics_log.flush()
+            eval_log.flush()
         if preemption.requested:
           logging.warning(
               "SIGTERM received: saved a checkpoint at step %d; run the same command to resume.", step
@@ -496,6 +487,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   finally:
     checkpointer.wait()
     checkpointer.close()
+    if is_chief:
+      metrics_log.flush()
+      eval_log.flush()
   if step >= total_steps and is_chief:
     logging.info("Done: step %d, checkpoints in %s.", step, checkpointer.directory)
   return last_logged
@@ -509,6 +503,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, step: i
   held_out = evaluation.HeldOutEvaluator(config, setup, mesh)(state)
   held_out["step"] = step
   if jax.process_index() == 0:
-    with open(os.path.join(workdir, f"eval_step_{step}.json"), "w") as f:
-      json.dump(held_out, f, indent=2, sort_keys=True)
+    workdir_files.write_text(
+        workdir_files.path(workdir, f"eval_step_{step}.json"), json.dumps(held_out, indent=2, sort_keys=True)
+    )
   return held_out

@@ -58,3 +58,22 @@ def test_incomplete_coordinator_settings_are_refused(monkeypatch):
     distributed.initialize(coordinator_address="127.0.0.1:1", num_processes=2)
   with pytest.raises(ValueError, match=r"process_id=2 must be in \[0, num_processes=2\)"):
     distributed.initialize(coordinator_address="127.0.0.1:1", num_processes=2, process_id=2)
+
+
+@pytest.mark.parametrize("env, joins", [
+    ({"ELECTRA_JAX_DISTRIBUTED": "auto"}, True),  # what launch/tpu_vm.py sets on every worker
+    ({"SLURM_NTASKS": "4"}, True),
+    ({"TPU_WORKER_HOSTNAMES": "w0,w1"}, True),  # GKE
+    ({"SLURM_NTASKS": "1"}, False),
+    ({}, False),
+])
+def test_schedulers_are_joined_through_jax_detection(monkeypatch, env, joins):
+  for name in ("ELECTRA_JAX_DISTRIBUTED", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES",
+               "ELECTRA_JAX_COORDINATOR_ADDRESS", "ELECTRA_JAX_NUM_PROCESSES", "ELECTRA_JAX_PROCESS_ID"):
+    monkeypatch.delenv(name, raising=False)
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  calls = []
+  monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda *args: calls.append(args))
+  distributed.initialize()
+  assert calls == ([()] if joins else [])  # no arguments: JAX reads the cluster itself

@@ -8,7 +8,7 @@ import shutil
 import jax
 import ml_collections
 
-from electra_jax import config_lib, data, partitioning, train
+from electra_jax import config_lib, data, partitioning, train, workdir_files
 from electra_jax.config_lib import ConfigError
 from electra_jax.data.wordpiece import WordPieceTokenizer
 from electra_jax.interop.hf import save_hf
@@ -18,8 +18,7 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
   """Writes <out_dir>/discriminator (and <out_dir>/generator) from the latest checkpoint in
   `workdir`, using the model described by <workdir>/config.json. Returns {tower: directory}."""
   config = config_lib.load_workdir_config(workdir)
-  checkpoints_dir = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(checkpoints_dir):
+  if not workdir_files.exists(workdir_files.path(workdir, "checkpoints")):
     raise ConfigError(f"{workdir} has no checkpoints/ directory: nothing to export yet.")
 
   # One device whatever mesh trained it: orbax re-shards the arrays onto it on restore.

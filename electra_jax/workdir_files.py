@@ -1,0 +1,105 @@
+"""The workdir's small files (config.json, metrics.jsonl, eval results) on local disk or in a
+bucket (`gs://...`, through etils.epath, as orbax writes the checkpoints beside them).
+
+Local writes are atomic (a temporary name, then os.replace). Objects in a bucket are replaced
+whole, which is atomic too, but cannot be appended to: `JsonlLog` keeps a bucket's log in
+memory and rewrites the object at most every `remote_flush_seconds` (and on `flush()`, which
+the training loop calls at each checkpoint and at the end), so a long run does not rewrite a
+growing file at every log step. What a preempted run had not flushed is re-run and re-logged
+after it resumes from its last checkpoint anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from etils import epath
+
+
+def is_remote(path) -> bool:
+  return "://" in os.fspath(path)
+
+
+def path(workdir, *parts) -> epath.Path:
+  """`workdir`/parts as an epath.Path; a local workdir is made absolute."""
+  root = os.fspath(workdir)
+  return epath.Path(root if is_remote(root) else os.path.abspath(root)).joinpath(*parts)
+
+
+def makedirs(directory) -> None:
+  epath.Path(directory).mkdir(parents=True, exist_ok=True)
+
+
+def exists(file) -> bool:
+  return epath.Path(file).exists()
+
+
+def read_text(file) -> str:
+  return epath.Path(file).read_text()
+
+
+def write_text(file, text: str) -> None:
+  """Replaces `file` with `text` in one step: readers see the old or the new content."""
+  file = epath.Path(file)
+  if is_remote(file):
+    file.write_text(text)
+    return
+  tmp = file.with_name(file.name + ".tmp")
+  tmp.write_text(text)
+  os.replace(tmp, file)
+
+
+def _step_of(line: str) -> int | None:
+  try:
+    return int(json.loads(line)["step"])
+  except (ValueError, KeyError, TypeError):
+    return None
+
+
+class JsonlLog:
+  """One JSON object per line; appended as the run goes, cut back on resume."""
+
+  def __init__(self, file, remote_flush_seconds: float = 60.0):
+    self.file = epath.Path(file)
+    self._remote = is_remote(self.file)
+    self._flush_every = remote_flush_seconds
+    self._lines: list[str] | None = None  # a bucket object's content, once read
+    self._pending: list[str] = []
+    self._last_flush = time.monotonic()
+
+  def _content(self) -> list[str]:
+    if self._lines is None:
+      self._lines = self.file.read_text().splitlines() if self.file.exists() else []
+    return self._lines
+
+  def truncate_after(self, last_step: int) -> None:
+    """Drops lines past `last_step` (left by a run that got further than its last
+    checkpoint), so a resumed run logs each step once."""
+    if not self._remote and not self.file.exists():
+      return
+    lines = self._content() if self._remote else self.file.read_text().splitlines()
+    # A line cut short by a crash has no step and goes too.
+    kept = [line for line in lines if (step := _step_of(line)) is not None and step <= last_step]
+    if len(kept) != len(lines):
+      write_text(self.file, "".join(line + "\n" for line in kept))
+    if self._remote:
+      self._lines = kept
+
+  def append(self, record: dict) -> None:
+    self._pending.append(json.dumps(record, sort_keys=True))
+    if not self._remote or time.monotonic() - self._last_flush >= self._flush_every:
+      self.flush()
+
+  def flush(self) -> None:
+    if not self._pending:
+      return
+    if self._remote:
+      self._content().extend(self._pending)
+      write_text(self.file, "".join(line + "\n" for line in self._lines))
+    else:
+      with open(self.file, "a") as f:
+        f.write("".join(line + "\n" for line in self._pending))
+    self._pending = []
+    self._last_flush = time.monotonic()
