@@ -1,0 +1,174 @@
+"""Shell snippets that start, inspect and stop one detached electra-jax run on a host (a TPU VM
+worker, a GPU machine), shared by tpu_vm.py and gpu.py, plus the command-line pieces both need.
+A run leaves three files in the directory the snippets run in (the login directory over ssh):
+its log, the pid of its process group and, once it ends by itself, its exit status."""
+
+import dataclasses
+import re
+import shlex
+import subprocess
+import sys
+from typing import Callable, Optional, Sequence
+
+# Printed by status_script, one line per host; parse_status reads them back out of whatever
+# else ssh prints around them (banners, gcloud's worker prefixes).
+STATUS_MARK = "ELECTRA_JAX_STATUS"
+_STATUS_LINE = re.compile(
+    STATUS_MARK + r" host=(?P<host>\S+) run=(?P<run>\S+) done=(?P<done>[01]) installed=(?P<installed>[01])"
+)
+# What train.py logs on process 0 when train.steps is reached (now, or by an earlier run).
+_DONE_PATTERNS = ("Done: step", "Nothing to do: the checkpoint")
+# Exits non-zero unless the electra-jax distribution is installed (much faster than pip show).
+_INSTALLED_CHECK = "import importlib.metadata as m; m.version('electra-jax')"
+
+
+@dataclasses.dataclass(frozen=True)
+class JobFiles:
+  log: str = "electra-jax.log"
+  pid: str = "electra-jax.pid"
+  exit: str = "electra-jax.exit"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerStatus:
+  host: str
+  run: str  # running | exited:<code> | died (killed, rebooted) | none (never started here)
+  done: bool  # the log says train.steps was reached
+  installed: bool
+
+  @property
+  def running(self) -> bool:
+    return self.run == "running"
+
+
+def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+  """(launcher arguments, config overrides): the overrides are everything after a `--`."""
+  argv = list(argv)
+  if "--" not in argv:
+    return argv, []
+  cut = argv.index("--")
+  return argv[:cut], argv[cut + 1:]
+
+
+def check_overrides(overrides: Sequence[str]) -> Optional[str]:
+  """An error message for anything after `--` that is not a --config.KEY=VALUE override."""
+  for override in overrides:
+    if not re.fullmatch(r"--config\.[A-Za-z_][\w.]*=.*", override, flags=re.DOTALL):
+      return (f"{override!r} is not a config override; after `--` give only --config.GROUP.KEY=VALUE "
+              "arguments (e.g. --config.train.batch_size=256).")
+  return None
+
+
+def parse_env(pairs: Sequence[str]) -> dict[str, str]:
+  env = {}
+  for pair in pairs:
+    key, sep, value = pair.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+      raise ValueError(f"--env {pair!r} is not NAME=VALUE (e.g. --env XLA_FLAGS=--xla_dump_to=/tmp/dump).")
+    env[key] = value
+  return env
+
+
+def train_argv(python: str, config: str, workdir: str, overrides: Sequence[str]) -> list[str]:
+  """The training command every process runs; it resumes from `workdir` by itself."""
+  return [python, "-m", "electra_jax.main", f"--config={config}", f"--workdir={workdir}", *overrides]
+
+
+def start_script(argv: Sequence[str], env: dict[str, str], files: JobFiles = JobFiles()) -> str:
+  """Starts `argv` detached (setsid + nohup, stdin from /dev/null), so that ssh can hang up,
+  unless a run started here is still alive. The previous log is kept with a time suffix.
+
+  The job is `bash -c` around the command: bash records its pid (its process group, which
+  stop_script signals) and the command's exit status. Its SIGTERM trap is a no-op so that it
+  outlives the Python process (which saves a checkpoint on SIGTERM) to write that status; a
+  trapped signal, unlike an ignored one, is back to its default in the child.
+  """
+  log, pid, exit_file = (shlex.quote(name) for name in (files.log, files.pid, files.exit))
+  command = shlex.join(["env", *(f"{k}={v}" for k, v in env.items()), *argv] if env else list(argv))
+  job = f'trap : TERM; echo $$ > {pid}; {command}; echo $? > {exit_file}'
+  return (
+      f'if kill -0 "$(cat {pid} 2>/dev/null)" 2>/dev/null; then '
+      f'echo "$(hostname): a run started here is still going (pid $(cat {pid})); not starting another."; '
+      f"else rm -f {exit_file} {pid}; "
+      f'if [ -f {log} ]; then mv {log} {log}."$(date +%Y%m%d-%H%M%S)"; fi; '
+      f"setsid nohup bash -c {shlex.quote(job)} > {log} 2>&1 < /dev/null & "
+      f'echo "$(hostname): started, log in $PWD/"{log}; fi'
+  )
+
+
+def status_script(python: str, files: JobFiles = JobFiles()) -> str:
+  """Prints one STATUS_MARK line: is the run alive, how did it end, did it reach
+  train.steps, is electra-jax installed for `python`."""
+  log, pid, exit_file = (shlex.quote(name) for name in (files.log, files.pid, files.exit))
+  done_test = " ".join(f"-e {shlex.quote(p)}" for p in _DONE_PATTERNS)
+  return (
+      # The exit file is the job's last act (start_script removes an old one), so it wins.
+      f'if [ -f {exit_file} ]; then run="exited:$(cat {exit_file})"; '
+      f'elif kill -0 "$(cat {pid} 2>/dev/null)" 2>/dev/null; then run=running; '
+      f"elif [ -f {pid} ]; then run=died; else run=none; fi; "
+      f"if grep -q {done_test} {log} 2>/dev/null; then done=1; else done=0; fi; "
+      f"if {shlex.quote(python)} -c {shlex.quote(_INSTALLED_CHECK)} > /dev/null 2>&1; then installed=1; else installed=0; fi; "
+      f'echo "{STATUS_MARK} host=$(hostname) run=$run done=$done installed=$installed"'
+  )
+
+
+def stop_script(grace_seconds: int = 120, files: JobFiles = JobFiles()) -> str:
+  """SIGTERM to the run's process group (the run saves a checkpoint and exits), then SIGKILL
+  whatever is left after `grace_seconds` (a process stuck in a collective with a dead peer)."""
+  pid = shlex.quote(files.pid)
+  return (
+      f'p="$(cat {pid} 2>/dev/null)"; '
+      f'if [ -n "$p" ] && kill -0 -- "-$p" 2>/dev/null; then '
+      f'kill -TERM -- "-$p"; '
+      f'for i in $(seq {int(grace_seconds)}); do kill -0 -- "-$p" 2>/dev/null || break; sleep 1; done; '
+      f'kill -KILL -- "-$p" 2>/dev/null; echo "$(hostname): stopped"; '
+      f'else echo "$(hostname): nothing running"; fi'
+  )
+
+
+def follow_script(lines: int = 200, files: JobFiles = JobFiles()) -> str:
+  return f"tail -n {int(lines)} -F {shlex.quote(files.log)}"
+
+
+def parse_status(output: str) -> list[WorkerStatus]:
+  return [
+      WorkerStatus(m["host"], m["run"], m["done"] == "1", m["installed"] == "1")
+      for m in _STATUS_LINE.finditer(output)
+  ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  returncode: int
+  output: str  # stdout and stderr together, when captured
+
+
+Execute = Callable[..., Result]
+
+
+def make_executor(dry_run: bool, out=None) -> Execute:
+  """execute(argv, capture=False) -> Result. A dry run prints each command, shell-quoted, one
+  per line, and runs nothing; a real run echoes it to stderr with a `+ ` prefix, then runs it."""
+
+  def execute(argv: Sequence[str], capture: bool = False) -> Result:
+    line = shlex.join(argv)
+    if dry_run:
+      print(line, file=out or sys.stdout)
+      return Result(0, "")
+    print(f"+ {line}", file=sys.stderr, flush=True)
+    if capture:
+      done = subprocess.run(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      return Result(done.returncode, done.stdout)
+    return Result(subprocess.run(list(argv)).returncode, "")
+
+  return execute
+
+
+def run_all(execute: Execute, commands: Sequence[Sequence[str]]) -> int:
+  """Runs the commands in order, stopping at the first failure; returns its exit status."""
+  for argv in commands:
+    result = execute(argv)
+    if result.returncode:
+      print(f"Command failed with exit status {result.returncode}: {shlex.join(argv)}", file=sys.stderr)
+      return result.returncode
+  return 0
