@@ -31,17 +31,23 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from electra_jax import config_lib, distributed, interop, train, workdir_files
+from electra_jax import config_lib, data, distributed, interop, train, workdir_files
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a recipe in configs/ (e.g. configs/demo.py).", lock_config=True
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, metrics.jsonl and checkpoints.")
 _MODE = flags.DEFINE_enum(
-    "mode", "train", ["train", "eval", "export_hf", "import_hf", "import_tf"],
+    "mode", "train",
+    ["train", "eval", "export_hf", "import_hf", "import_tf", "prepare_data", "train_tokenizer"],
     "train: pre-train (or resume) in --workdir; eval: held-out metrics of its latest checkpoint "
     "(or --step); export_hf: write its latest checkpoint to --out; import_hf / import_tf: make "
-    "--workdir start from released weights (Hugging Face pair / official TF1 checkpoint).",
+    "--workdir start from released weights (Hugging Face pair / official TF1 checkpoint); "
+    "prepare_data: tokenize and pack the config's corpus into shards in data.prepared_dir; "
+    "train_tokenizer: train a sentencepiece model on the config's corpus into --out.",
+)
+_WORKERS = flags.DEFINE_integer(
+    "workers", None, "prepare_data: worker processes (default: every core; 0 = in this process)."
 )
 _STEP = flags.DEFINE_integer("step", None, "eval: the checkpoint step (default: the latest).")
 _COORDINATOR = flags.DEFINE_string(
@@ -49,7 +55,11 @@ _COORDINATOR = flags.DEFINE_string(
 )
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process runs: how many (or ELECTRA_JAX_NUM_PROCESSES).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process runs: this one's id (or ELECTRA_JAX_PROCESS_ID).")
-_OUT = flags.DEFINE_string("out", None, "export_hf: directory for the Hugging Face model directories.")
+_OUT = flags.DEFINE_string(
+    "out", None,
+    "export_hf: directory for the Hugging Face model directories; train_tokenizer: the "
+    "sentencepiece model file to write.",
+)
 _EXPORT_GENERATOR = flags.DEFINE_bool(
     "export_generator", False, "export_hf: write the generator too (<out>/generator)."
 )
@@ -67,7 +77,8 @@ _VOCAB_FILE = flags.DEFINE_string("vocab_file", None, "import_tf: the vocab.txt 
 _TF_NUM_HEADS = flags.DEFINE_integer(
     "tf_num_heads", None, "import_tf: the discriminator's attention heads (default: hidden // 64, as officially)."
 )
-flags.mark_flags_as_required(["workdir"])
+# Every mode but prepare_data and train_tokenizer works in a workdir.
+_NO_WORKDIR_MODES = ("prepare_data", "train_tokenizer")
 
 
 def _quiet_libraries(record) -> bool:
@@ -83,6 +94,11 @@ def main(argv):
   try:
     # First, before anything touches the devices. TPU VM slices and SLURM need no flags.
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    if _MODE.value in _NO_WORKDIR_MODES:
+      _data_mode(_MODE.value)
+      return
+    if _WORKDIR.value is None:
+      raise app.UsageError(f"--mode={_MODE.value} needs --workdir.")
     if _MODE.value == "train":
       config = _CONFIG.value
       if config is None:
@@ -113,6 +129,27 @@ def main(argv):
       _import(_MODE.value)
   except config_lib.ConfigError as error:
     sys.exit(f"electra-jax: error: {error}")
+
+
+def _data_mode(mode: str) -> None:
+  if _CONFIG.value is None:
+    raise app.UsageError(f"--mode={mode} needs --config (a recipe with the data.* settings of the corpus).")
+  if mode == "prepare_data":
+    manifest = data.prepare_data(_CONFIG.value.data, num_workers=_WORKERS.value)
+    totals = manifest["totals"]
+    print(
+        f"Prepared {len(manifest['shards'])} shards in {_CONFIG.value.data.prepared_dir}: "
+        f"{totals['train_examples']} train / {totals['eval_examples']} eval examples, "
+        f"{totals['train_tokens']} train tokens. Train with --config.data.source=prepared."
+    )
+  else:
+    if _OUT.value is None:
+      raise app.UsageError("--mode=train_tokenizer needs --out=PATH (the model file to write).")
+    info = data.train_tokenizer(_CONFIG.value.data, _OUT.value)
+    print(
+        f"Wrote {info['path']} ({info['vocab_size']} pieces, fingerprint {info['fingerprint']}); "
+        f"use it with --config.data.spm_model_file={info['path']}"
+    )
 
 
 def _import(mode: str) -> None:

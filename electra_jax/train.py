@@ -432,12 +432,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     logging.info("Nothing to do: the checkpoint at step %d reached train.steps=%d.", start_step, total_steps)
 
   # Whatever ends the loop (done, SIGTERM, NaN, an error), saves in flight are completed.
+  def fetch(step_index):
+    return data.get_batch(
+        corpus, step_index, global_batch, config.train.seed, jax.process_index(), jax.process_count()
+    )
+
   try:
-    with _Preemption() as preemption:
+    # Batches are read and gathered on a background thread, a step or two ahead.
+    with _Preemption() as preemption, data.Prefetcher(fetch, start_step, stop_step=total_steps) as batches:
       while step < total_steps:
-        local_batch = data.get_batch(
-            corpus, step, global_batch, config.train.seed, jax.process_index(), jax.process_count()
-        )
+        local_batch = next(batches)
         batch = partitioning.global_batch_from_local(local_batch, mesh)
         state, metrics = compiled_step(state, batch, step_rng(config.train.seed, step))
         window.append(metrics)

@@ -1,18 +1,26 @@
 """Pre-training data for electra-jax: corpora, tokenizers, example packing and batching.
 
-The training code should only need `load_pretraining_data` and `get_batch`; the other names
-are exported for tools and tests.
+The training code should only need `load_pretraining_data`, `get_batch` and `Prefetcher`;
+`prepare_data` and `train_tokenizer` back the CLI's offline modes; the other names are
+exported for tools and tests.
+
+Sources (data.source): builtin, text, jsonl, tfds (sources.py, tfds_source.py) are read,
+tokenized and packed in memory on first use and cached (pipeline.py), or offline into shards
+by prepare_data (prepare.py); "prepared" trains on those shards, memory-mapped (prepared.py).
 """
 
 from electra_jax.data.corpus import builtin_corpus_fingerprint, builtin_documents
 from electra_jax.data.packing import pack_documents
 from electra_jax.data.pipeline import PretrainingData, get_batch, load_pretraining_data, load_tokenizer
+from electra_jax.data.prefetch import Prefetcher
+from electra_jax.data.prepare import prepare_data, train_tokenizer
 from electra_jax.data.sources import SourceStats, read_documents, resolve_files
 from electra_jax.data.tokenizer import SPECIAL_TOKENS, SentencePieceTokenizer, train_sentencepiece
 from electra_jax.data.wordpiece import WordPieceTokenizer
 
 __all__ = [
     "SPECIAL_TOKENS",
+    "Prefetcher",
     "PretrainingData",
     "SentencePieceTokenizer",
     "SourceStats",
@@ -23,7 +31,9 @@ __all__ = [
     "load_pretraining_data",
     "load_tokenizer",
     "pack_documents",
+    "prepare_data",
     "read_documents",
     "resolve_files",
     "train_sentencepiece",
+    "train_tokenizer",
 ]

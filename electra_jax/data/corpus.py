@@ -197,16 +197,27 @@ def builtin_documents(max_documents: int | None = None) -> list[list[str]]:
   return documents
 
 
+class DocumentsHasher:
+  """Incremental `documents_fingerprint`, for corpora streamed one document at a time."""
+
+  def __init__(self):
+    self._digest = hashlib.sha256()
+
+  def update(self, document) -> None:
+    # Each sentence followed by a newline, then an extra separator that marks the document
+    # boundary (packing depends on it); hashed as one string for speed.
+    self._digest.update(("".join(sentence + "\n" for sentence in document) + "\x00\n").encode("utf-8"))
+
+  def hexdigest(self) -> str:
+    return self._digest.hexdigest()[:16]
+
+
 def documents_fingerprint(documents: list[list[str]]) -> str:
   """Short sha256 hex of the text of `documents` (order and boundaries included)."""
-  digest = hashlib.sha256()
+  hasher = DocumentsHasher()
   for document in documents:
-    for sentence in document:
-      digest.update(sentence.encode("utf-8"))
-      digest.update(b"\n")
-    # An extra separator marks document boundaries, which packing depends on.
-    digest.update(b"\x00\n")
-  return digest.hexdigest()[:16]
+    hasher.update(document)
+  return hasher.hexdigest()
 
 
 def builtin_corpus_fingerprint() -> str:

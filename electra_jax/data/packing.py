@@ -18,20 +18,40 @@ from electra_jax.config_lib import ConfigError
 MIN_SEQ_LEN = 5
 
 
+def document_rng(seed: int, document_index: int) -> random.Random:
+  """The generator of one document's packing choices."""
+  # A string seed goes through SHA-512, so nearby (seed, index) pairs give unrelated
+  # streams and the result does not depend on Python's hash randomization.
+  return random.Random(f"electra-pack:{int(seed)}:{int(document_index)}")
+
+
 class _ExampleBuilder:
   """Accumulates the sentences of one document and turns them into examples."""
 
-  def __init__(self, max_seq_len, cls_id, sep_id, rng, single_segment_prob, short_seq_prob):
+  def __init__(self, max_seq_len, cls_id, sep_id, single_segment_prob, short_seq_prob):
     self.max_seq_len = max_seq_len
     self.cls_id = cls_id
     self.sep_id = sep_id
-    self.rng = rng
+    self.rng = random.Random(0)
     self.single_segment_prob = single_segment_prob
     self.short_seq_prob = short_seq_prob
     self.examples: list[tuple[list[int], int]] = []
     self.target_length = max_seq_len
     self.sentences: list[Sequence[int]] = []
     self.num_buffered_tokens = 0
+
+  def start_document(self, rng: random.Random) -> None:
+    """Begin a document whose random choices all come from its own `rng`."""
+    self.rng = rng
+    self._draw_target_length()
+
+  def _draw_target_length(self) -> None:
+    # Occasional short examples teach the model the short inputs it meets later in
+    # fine-tuning, which full-length packing alone would never show it.
+    if self.rng.random() < self.short_seq_prob:
+      self.target_length = self.rng.randint(MIN_SEQ_LEN, self.max_seq_len)
+    else:
+      self.target_length = self.max_seq_len
 
   def add_sentence(self, sentence: Sequence[int]) -> None:
     if len(sentence) == 0:
@@ -73,12 +93,7 @@ class _ExampleBuilder:
 
     self.sentences = []
     self.num_buffered_tokens = 0
-    # Occasional short examples teach the model the short inputs it meets later in
-    # fine-tuning, which full-length packing alone would never show it.
-    if self.rng.random() < self.short_seq_prob:
-      self.target_length = self.rng.randint(MIN_SEQ_LEN, self.max_seq_len)
-    else:
-      self.target_length = self.max_seq_len
+    self._draw_target_length()
 
 
 def pack_documents(
@@ -91,6 +106,7 @@ def pack_documents(
     seed: int,
     single_segment_prob: float = 0.1,
     short_seq_prob: float = 0.05,
+    document_indices: Sequence[int] | None = None,
 ) -> dict[str, np.ndarray]:
   """Pack tokenized documents (lists of token-id sentences) into padded examples.
 
@@ -99,6 +115,14 @@ def pack_documents(
   documents. Returns int32 arrays `input_ids` and `token_type_ids` of shape
   [num_examples, max_seq_len]; token types are 0 on [CLS] A [SEP] and padding, 1 on
   B [SEP]. The output is a deterministic function of the inputs and `seed`.
+
+  Every document draws its random choices (target lengths, single segments, coin flips) from
+  its own generator, seeded by `seed` and its index in the corpus (`document_indices`, default
+  0, 1, ...). A document's examples therefore do not depend on the documents before it, so
+  any slice of a corpus packs, in any process, into exactly the rows the whole corpus gives
+  for that slice: this is what lets `prepare_data` pack shards in parallel and still equal
+  the in-memory path. (The official builder threads one generator through the corpus; the
+  distribution of examples is the same.)
   """
   if max_seq_len < MIN_SEQ_LEN:
     raise ConfigError(
@@ -109,10 +133,15 @@ def pack_documents(
     if not 0.0 <= prob <= 1.0:
       raise ConfigError(f"{name} must be a probability in [0, 1], got {prob}.")
 
-  builder = _ExampleBuilder(
-      max_seq_len, cls_id, sep_id, random.Random(seed), single_segment_prob, short_seq_prob
-  )
-  for document in documents:
+  if document_indices is None:
+    document_indices = range(len(documents))
+  elif len(document_indices) != len(documents):
+    raise ValueError(
+        f"pack_documents: {len(document_indices)} document_indices for {len(documents)} documents."
+    )
+  builder = _ExampleBuilder(max_seq_len, cls_id, sep_id, single_segment_prob, short_seq_prob)
+  for index, document in zip(document_indices, documents):
+    builder.start_document(document_rng(seed, index))
     for sentence in document:
       builder.add_sentence(sentence)
     builder.flush()

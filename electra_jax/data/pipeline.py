@@ -2,7 +2,8 @@
 
 Owns choosing the source and tokenizer, the on-disk cache layout (tokenizer + packed .npy
 arrays, all written atomically), the train/eval document split, and the step-indexed,
-process-sharded batch order.
+process-sharded batch order. Large corpora go through prepare.py instead (the same split and
+packing, in parallel, into shards); data.source="prepared" hands over to prepared.py.
 """
 
 from __future__ import annotations
@@ -24,19 +25,26 @@ from electra_jax.config_lib import ConfigError
 from electra_jax.data.tokenizer import SentencePieceTokenizer, atomic_write_bytes, train_sentencepiece
 from electra_jax.data.wordpiece import WordPieceTokenizer
 
-SUPPORTED_SOURCES = ("builtin",) + sources.FILE_SOURCES
+# Sources of documents; "prepared" instead reads the shards `prepare_data` wrote.
+DOCUMENT_SOURCES = ("builtin",) + sources.FILE_SOURCES + ("tfds",)
+SUPPORTED_SOURCES = DOCUMENT_SOURCES + ("prepared",)
 SUPPORTED_TOKENIZERS = ("sentencepiece", "wordpiece")
 SPLITS = ("train", "eval")
 
 # Bump whenever extraction or packing would produce different arrays: it keys the cache and
 # enters the data fingerprint, so stale arrays are rebuilt and checkpoints are not resumed
 # on data that changed under them.
-_CACHE_FORMAT_VERSION = 2
+# 3: every document packs with its own generator (see pack_documents); binary files and
+# over-long lines are skipped.
+_CACHE_FORMAT_VERSION = 3
 
 # Fixed packing seeds: the packed data must be a function of the config alone.
-_PACKING_SEEDS = {"train": 0, "eval": 1}
+PACKING_SEEDS = {"train": 0, "eval": 1}
 
 _CACHE_ENV_VAR = "ELECTRA_JAX_CACHE"
+
+# Above this much text, building the cache in memory warns and points to prepare_data.
+_LARGE_IN_MEMORY_BYTES = 1 << 30
 
 
 @dataclasses.dataclass
@@ -70,7 +78,7 @@ def _resolve_cache_dir(cache_dir: str) -> str:
   return os.environ.get(_CACHE_ENV_VAR) or os.path.join(os.path.expanduser("~"), ".cache", "electra_jax")
 
 
-def _is_eval_document(index: int, eval_fraction: float) -> bool:
+def is_eval_document(index: int, eval_fraction: float) -> bool:
   # Document i is held out when floor((i + 1) * f) steps past floor(i * f): this spreads
   # exactly floor(n * f) held-out documents evenly over the corpus, for any fraction.
   return int((index + 1) * eval_fraction) > int(index * eval_fraction)
@@ -79,7 +87,15 @@ def _is_eval_document(index: int, eval_fraction: float) -> bool:
 def _split_documents(documents, eval_fraction):
   splits = {"train": [], "eval": []}
   for index, document in enumerate(documents):
-    splits["eval" if _is_eval_document(index, eval_fraction) else "train"].append(document)
+    splits["eval" if is_eval_document(index, eval_fraction) else "train"].append(document)
+  return splits
+
+
+def _split_indices(num_documents: int, eval_fraction: float) -> dict[str, list[int]]:
+  """The corpus indices of each split's documents (they seed each document's packing)."""
+  splits = {"train": [], "eval": []}
+  for index in range(num_documents):
+    splits["eval" if is_eval_document(index, eval_fraction) else "train"].append(index)
   return splits
 
 
@@ -95,7 +111,8 @@ def _read_config(data_config):
   if source not in SUPPORTED_SOURCES:
     raise ConfigError(
         f"Unknown data.source {source!r}; supported sources are {list(SUPPORTED_SOURCES)} "
-        f"(text and jsonl read the files named by data.files)."
+        f"(text and jsonl read the files named by data.files, tfds the dataset data.tfds_name, "
+        f"prepared the shards in data.prepared_dir)."
     )
   tokenizer = str(data_config.get("tokenizer", "sentencepiece"))
   if tokenizer not in SUPPORTED_TOKENIZERS:
@@ -119,6 +136,28 @@ def _read_config(data_config):
         f"data.strip_accents must be None (follow data.lowercase, as BERT does), True or False, "
         f"got {strip_accents!r}."
     )
+  spm_model_file = str(data_config.get("spm_model_file", "") or "")
+  if spm_model_file:
+    spm_model_file = os.path.abspath(os.path.expanduser(spm_model_file))
+    if tokenizer != "sentencepiece":
+      raise ConfigError(
+          f"data.spm_model_file={spm_model_file!r} is set but data.tokenizer={tokenizer!r}; set "
+          f"data.tokenizer='sentencepiece' to use that model, or clear data.spm_model_file."
+      )
+    if not os.path.isfile(spm_model_file):
+      raise ConfigError(
+          f"data.spm_model_file={spm_model_file!r} is not a file; give a model written by "
+          f"--mode=train_tokenizer (or clear it to train one in the cache)."
+      )
+  prepared_dir = str(data_config.get("prepared_dir", "") or "")
+  prepared_dir = os.path.abspath(os.path.expanduser(prepared_dir)) if prepared_dir else ""
+  if source == "prepared" and not prepared_dir:
+    raise ConfigError(
+        "data.source='prepared' needs data.prepared_dir, the directory --mode=prepare_data wrote."
+    )
+  shard_documents = int(data_config.get("shard_documents", 10_000))
+  if shard_documents < 1:
+    raise ConfigError(f"data.shard_documents must be >= 1, got {shard_documents}.")
   text_field = str(data_config.get("text_field", "text"))
   if source == "jsonl" and not text_field:
     raise ConfigError("data.text_field is empty; name the JSON field holding each document's text.")
@@ -137,7 +176,7 @@ def _read_config(data_config):
   return {
       "source": source,
       # Resolving the globs here reports a pattern matching nothing before anything is built.
-      "files": sources.resolve_files(data_config.get("files", "")) if source != "builtin" else [],
+      "files": sources.resolve_files(data_config.get("files", "")) if source in sources.FILE_SOURCES else [],
       "text_field": text_field,
       "tokenizer": tokenizer,
       "vocab_file": vocab_file,
@@ -149,7 +188,87 @@ def _read_config(data_config):
       "spm_model_type": model_type,
       "max_documents": max_documents,
       "eval_fraction": eval_fraction,
+      "spm_model_file": spm_model_file,
+      "prepared_dir": prepared_dir,
+      "shard_documents": shard_documents,
+      "tfds_name": str(data_config.get("tfds_name", "") or ""),
+      "tfds_split": str(data_config.get("tfds_split", "train") or "train"),
+      "tfds_text_field": str(data_config.get("tfds_text_field", "text") or "text"),
+      "tfds_data_dir": str(data_config.get("tfds_data_dir", "") or ""),
   }
+
+
+def _tfds_corpus(config):
+  from electra_jax.data.tfds_source import TfdsCorpus  # noqa: PLC0415  (imports tfds, ~1 s)
+
+  return TfdsCorpus(config["tfds_name"], config["tfds_split"], config["tfds_text_field"], config["tfds_data_dir"])
+
+
+def source_fingerprint(config) -> dict:
+  """What identifies the source's documents, for cache keys and prepared manifests."""
+  if config["source"] == "builtin":
+    # The source-bytes hash is cheap to recompute, unlike the document-text hash, so a
+    # warm cache is found without parsing the stdlib.
+    return {"sources": corpus.builtin_sources_fingerprint()}
+  if config["source"] == "tfds":
+    return {"tfds": _tfds_corpus(config).fingerprint}
+  # Paths, sizes and mtimes (and small files' bytes): an edited corpus gets a new key.
+  key_fields = {"files": sources.files_fingerprint(config["files"])}
+  if config["source"] == "jsonl":
+    key_fields["text_field"] = config["text_field"]
+  return key_fields
+
+
+def source_description(config) -> dict:
+  """A human-readable account of the source, for manifests."""
+  if config["source"] == "builtin":
+    return {"source": "builtin", "stdlib": corpus.stdlib_root()}
+  if config["source"] == "tfds":
+    return _tfds_corpus(config).description
+  description = {"source": config["source"], "files": config["files"][:100], "num_files": len(config["files"])}
+  if config["source"] == "jsonl":
+    description["text_field"] = config["text_field"]
+  return description
+
+
+def iter_source_documents(config, stats: sources.SourceStats):
+  """The source's documents in corpus order (max_documents of them), streamed.
+
+  `stats` is updated as they are read: skips, and progress as stats.bytes_read of
+  stats.total_bytes (bytes for files, records for TFDS, documents for the built-in corpus).
+  """
+  limit = config["max_documents"] or None
+  if config["source"] == "builtin":
+    documents = corpus.builtin_documents(limit)
+    stats.total_bytes = len(documents)
+
+    def counted():
+      for document in documents:
+        stats.bytes_read += 1
+        stats.num_documents += 1
+        yield document
+
+    iterator = counted()
+  elif config["source"] == "tfds":
+    iterator = _tfds_corpus(config).iter_documents(stats)
+  else:
+    iterator = sources.iter_documents(config["source"], config["files"], config["text_field"], stats)
+  for count, document in enumerate(iterator):
+    if limit is not None and count >= limit:
+      break
+    yield document
+
+
+def no_documents_error(config, stats: sources.SourceStats) -> ConfigError:
+  """The error for a source that gave no usable document."""
+  if config["source"] in sources.FILE_SOURCES:
+    return sources.no_usable_text_error(config["source"], config["files"], config["text_field"], stats)
+  if config["source"] == "tfds":
+    return ConfigError(
+        f"TFDS dataset {config['tfds_name']!r} split {config['tfds_split']!r} gave no usable text in "
+        f"field {config['tfds_text_field']!r} ({stats.counts()}); check data.tfds_text_field."
+    )
+  return ConfigError(f"The built-in corpus gave no documents (max_documents={config['max_documents']}).")
 
 
 def _corpus_cache_dir(config) -> str:
@@ -158,19 +277,12 @@ def _corpus_cache_dir(config) -> str:
       "format": _CACHE_FORMAT_VERSION,
       "max_documents": config["max_documents"],
       "eval_fraction": config["eval_fraction"],
+      **source_fingerprint(config),
   }
-  if config["source"] == "builtin":
-    # The source-bytes hash is cheap to recompute, unlike the document-text hash, so a
-    # warm cache is found without parsing the stdlib.
-    key_fields["sources"] = corpus.builtin_sources_fingerprint()
-  else:
-    # Paths, sizes and mtimes (and small files' bytes): an edited corpus gets a new key.
-    key_fields["files"] = sources.files_fingerprint(config["files"])
-    if config["source"] == "jsonl":
-      key_fields["text_field"] = config["text_field"]
-  # Only keys that change the tokenizer enter the key: builtin + sentencepiece caches keep
-  # the key they had before other tokenizers existed.
-  if config["tokenizer"] == "sentencepiece":
+  # Only keys that change the tokenizer enter the key.
+  if config["spm_model_file"]:
+    key_fields["spm_model"] = SentencePieceTokenizer(config["spm_model_file"]).fingerprint
+  elif config["tokenizer"] == "sentencepiece":
     key_fields["spm_vocab_size"] = config["spm_vocab_size"]
     key_fields["spm_model_type"] = config["spm_model_type"]
   else:
@@ -188,8 +300,22 @@ def _tokenizer_tag(config) -> str:
   return "spm" if config["tokenizer"] == "sentencepiece" else "wp"
 
 
+def data_fingerprint(config, tokenizer, split: str, documents_fingerprint: str) -> str:
+  """Identifies a split's examples: packing format, tokenizer, max_seq_len and documents.
+
+  The in-memory cache and prepared shards of the same config give the same string (and the
+  same examples), so a checkpoint resumes on either.
+  """
+  return (
+      f"format:{_CACHE_FORMAT_VERSION}|{_tokenizer_tag(config)}:{tokenizer.fingerprint}|"
+      f"max_seq_len:{config['max_seq_len']}|{split}_documents:{documents_fingerprint}"
+  )
+
+
 def _load_tokenizer(config, directory: str):
   """The cache's tokenizer, or None if it is not there yet."""
+  if config["spm_model_file"]:
+    return SentencePieceTokenizer(config["spm_model_file"])
   if config["tokenizer"] == "sentencepiece":
     model_path = os.path.join(directory, "spm.model")
     return SentencePieceTokenizer(model_path) if os.path.exists(model_path) else None
@@ -211,19 +337,27 @@ def _array_paths(directory: str, split: str, max_seq_len: int, tokenizer_fingerp
 def _build(config, directory: str) -> None:
   """Write the corpus metadata and both splits' packed arrays; train the tokenizer if absent."""
   start = time.time()
-  if config["source"] == "builtin":
-    documents = corpus.builtin_documents(config["max_documents"] or None)
-  else:
-    documents, _ = sources.read_documents(
-        config["source"], config["files"], config["text_field"], config["max_documents"] or None
-    )
+  stats = sources.SourceStats()
+  documents = list(iter_source_documents(config, stats))
+  stats.num_documents = len(documents)
+  if config["source"] != "builtin":
+    sources.log_stats(config["source"], stats)
+  if not documents:
+    raise no_documents_error(config, stats)
   splits = _split_documents(documents, config["eval_fraction"])
+  indices = _split_indices(len(documents), config["eval_fraction"])
   num_bytes = sum(len(sentence.encode("utf-8")) for document in documents for sentence in document)
   logging.info(
       "building %s corpus: %d documents (%d train, %d eval), %.1f MB, in %.1f s",
       config["source"], len(documents), len(splits["train"]), len(splits["eval"]), num_bytes / 1e6,
       time.time() - start,
   )
+  if num_bytes > _LARGE_IN_MEMORY_BYTES:
+    logging.warning(
+        "the %s corpus holds %.1f GB of text, all of it held in memory while it is packed; for "
+        "corpora this size, --mode=prepare_data (all cores, resumable) and data.source='prepared' "
+        "are faster and use little memory.", config["source"], num_bytes / 1e9,
+    )
   metadata = {
       "num_documents": len(documents),
       "num_bytes": num_bytes,
@@ -232,7 +366,7 @@ def _build(config, directory: str) -> None:
   atomic_write_bytes(os.path.join(directory, "corpus.json"), json.dumps(metadata, indent=1).encode())
 
   model_path = os.path.join(directory, "spm.model")
-  if config["tokenizer"] == "sentencepiece" and not os.path.exists(model_path):
+  if config["tokenizer"] == "sentencepiece" and not config["spm_model_file"] and not os.path.exists(model_path):
     start = time.time()
     logging.info(
         "training sentencepiece %s vocab %d on %d train documents ...",
@@ -260,7 +394,8 @@ def _build(config, directory: str) -> None:
         cls_id=tokenizer.cls_id,
         sep_id=tokenizer.sep_id,
         pad_id=tokenizer.pad_id,
-        seed=_PACKING_SEEDS[split],
+        seed=PACKING_SEEDS[split],
+        document_indices=indices[split],
     )
     paths = _array_paths(
         directory, split, config["max_seq_len"], tokenizer.fingerprint, _tokenizer_tag(config)
@@ -296,11 +431,7 @@ def _try_load(config, directory: str, split: str) -> PretrainingData | None:
           f"expected int32 {expected_shape}. The cache is damaged; delete {directory} "
           f"and it will be rebuilt."
       )
-  fingerprint = (
-      f"format:{_CACHE_FORMAT_VERSION}|{_tokenizer_tag(config)}:{tokenizer.fingerprint}|"
-      f"max_seq_len:{config['max_seq_len']}|"
-      f"{split}_documents:{metadata['documents_fingerprint'][split]}"
-  )
+  fingerprint = data_fingerprint(config, tokenizer, split, metadata["documents_fingerprint"][split])
   return PretrainingData(tokenizer, arrays["input_ids"], arrays["token_type_ids"], fingerprint)
 
 
@@ -315,6 +446,10 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
   if split not in SPLITS:
     raise ConfigError(f"Unknown split {split!r}; use one of {list(SPLITS)}.")
   config = _read_config(data_config)
+  if config["source"] == "prepared":
+    from electra_jax.data import prepared  # noqa: PLC0415  (prepared imports this module)
+
+    return prepared.load_prepared(config, split)
   if split == "eval" and config["eval_fraction"] == 0:
     raise ConfigError(
         "The eval split is empty because data.eval_fraction is 0; set it above 0 "
@@ -351,6 +486,10 @@ def load_tokenizer(data_config) -> SentencePieceTokenizer | WordPieceTokenizer:
   first (as load_pretraining_data would) if the cache does not hold it yet.
   """
   config = _read_config(data_config)
+  if config["source"] == "prepared":
+    from electra_jax.data import prepared  # noqa: PLC0415
+
+    return prepared.prepared_tokenizer(config, prepared.open_manifest(config["prepared_dir"]))
   tokenizer = _load_tokenizer(config, _corpus_cache_dir(config))
   if tokenizer is None:
     tokenizer = load_pretraining_data(data_config, "train").tokenizer

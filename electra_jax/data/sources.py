@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import hashlib
+import io
 import json
 import os
 
@@ -30,13 +31,56 @@ class SourceStats:
 
   files: list[str] = dataclasses.field(default_factory=list)
   empty_files: list[str] = dataclasses.field(default_factory=list)
+  # Files holding NUL bytes in their first block (images, archives, compiled files): skipped.
+  binary_files: list[str] = dataclasses.field(default_factory=list)
   # Lines holding bytes that are not UTF-8: kept, with U+FFFD in place of the bad bytes.
   replaced_lines: int = 0
   first_replaced_line: str = ""  # "path:line" of the first such line
   # JSONL lines skipped: not JSON, not an object, or without a string under text_field.
   skipped_lines: int = 0
   first_skipped_line: str = ""  # "path:line: why" of the first skipped line
+  # Sentences (lines, or paragraphs of a JSONL/TFDS text) over MAX_SENTENCE_CHARS: skipped.
+  long_sentences: int = 0
+  first_long_sentence: str = ""  # "where: N characters" of the first one
   num_documents: int = 0
+  # Progress of a streaming read: bytes of the files consumed so far, of total_bytes.
+  bytes_read: int = 0
+  total_bytes: int = 0
+
+  def counts(self) -> dict:
+    """The counts (not the file lists) as a JSON-able dict, for manifests and logs."""
+    return {
+        "files": len(self.files),
+        "empty_files": len(self.empty_files),
+        "binary_files": len(self.binary_files),
+        "replaced_lines": self.replaced_lines,
+        "skipped_lines": self.skipped_lines,
+        "long_sentences": self.long_sentences,
+        "documents": self.num_documents,
+    }
+
+
+# A "sentence" longer than this (a line of a text file, a line of a JSONL/TFDS document) is
+# almost always junk (minified code, base64, a table dumped on one line); packing would keep at
+# most max_seq_len of its tokens anyway. It is skipped and counted, so it can neither stall a
+# tokenizer worker nor hide in a shard.
+MAX_SENTENCE_CHARS = 1 << 16
+
+# Text files never contain NUL; one in the first block marks a binary file.
+_SNIFF_BYTES = 8192
+
+# Files are decoded this many bytes (rounded to whole lines) at a time.
+_BLOCK_BYTES = 8 << 20
+
+
+def keep_sentence(sentence: str, where, stats: SourceStats) -> bool:
+  """False (and counted) for a sentence too long to be text; `where` is called for the first."""
+  if len(sentence) <= MAX_SENTENCE_CHARS:
+    return True
+  stats.long_sentences += 1
+  if not stats.first_long_sentence:
+    stats.first_long_sentence = f"{where()}: {len(sentence)} characters"
+  return False
 
 
 def resolve_files(files: str) -> list[str]:
@@ -87,46 +131,79 @@ def files_fingerprint(paths: list[str]) -> str:
   return digest.hexdigest()[:16]
 
 
-def _decoded_lines(path: str, stats: SourceStats) -> list[str]:
-  """The lines of `path` as text; lines with non-UTF-8 bytes are decoded with replacement."""
+def _blocks(f):
+  """The file's bytes in blocks of whole lines (each ends with b"\n", except maybe the last)."""
+  remainder = b""
+  while True:
+    block = f.read(_BLOCK_BYTES)
+    if not block:
+      if remainder:
+        yield remainder
+      return
+    data = remainder + block
+    cut = data.rfind(b"\n") + 1
+    # Splitting the bytes on b"\n" is safe: in UTF-8 that byte only ever means a newline.
+    data, remainder = data[:cut], data[cut:]
+    if data:
+      yield data
+
+
+def _iter_lines(path: str, stats: SourceStats):
+  """(line number, text) of `path`, streamed; lines with non-UTF-8 bytes are decoded with
+  replacement and counted. Yields nothing for a binary file (recorded in stats).
+
+  Lines end where str.splitlines ends them (\n, \r, form feeds, the Unicode separators), as
+  if the whole file were decoded and split at once; an empty line is one blank line.
+  """
   with open(path, "rb") as f:
-    data = f.read()
-  try:
-    return data.decode("utf-8").splitlines()
-  except UnicodeDecodeError:
-    pass
-  lines = []
-  # Splitting the bytes on b"\n" is safe: in UTF-8 that byte only ever means a newline.
-  for number, raw in enumerate(data.split(b"\n"), start=1):
-    try:
-      line = raw.decode("utf-8")
-    except UnicodeDecodeError:
-      line = raw.decode("utf-8", errors="replace")
-      stats.replaced_lines += 1
-      if not stats.first_replaced_line:
-        stats.first_replaced_line = f"{path}:{number}"
-    lines.append(line.rstrip("\r"))
-  return lines
+    if b"\0" in f.read(_SNIFF_BYTES):
+      stats.binary_files.append(path)
+      stats.bytes_read += os.fstat(f.fileno()).st_size
+      return
+    f.seek(0)
+    number = 0
+    for data in _blocks(f):
+      stats.bytes_read += len(data)
+      try:
+        lines = data.decode("utf-8").splitlines()
+      except UnicodeDecodeError:
+        lines = None
+      if lines is not None:  # the common case: the whole block at C speed
+        for line in lines:
+          number += 1
+          yield number, line
+        continue
+      for raw in io.BytesIO(data):  # only this block, line by line, to find the bad lines
+        try:
+          text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+          text = raw.decode("utf-8", errors="replace")
+          stats.replaced_lines += 1
+          if not stats.first_replaced_line:
+            stats.first_replaced_line = f"{path}:{number + 1}"
+        for line in text.splitlines() or [""]:
+          number += 1
+          yield number, line
 
 
-def _text_file_documents(lines: list[str]) -> list[list[str]]:
+def _text_file_documents(path: str, stats: SourceStats):
   """One document per run of non-blank lines; each stripped line is one sentence."""
-  documents, document = [], []
-  for line in lines:
+  document = []
+  for number, line in _iter_lines(path, stats):
     line = line.strip()
     if line:
-      document.append(line)
+      # The length test inline: this loop runs once per line of the corpus.
+      if len(line) <= MAX_SENTENCE_CHARS or keep_sentence(line, lambda: f"{path}:{number}", stats):
+        document.append(line)
     elif document:
-      documents.append(document)
+      yield document
       document = []
   if document:
-    documents.append(document)
-  return documents
+    yield document
 
 
-def _jsonl_file_documents(path: str, lines: list[str], text_field: str, stats: SourceStats):
-  documents = []
-  for number, line in enumerate(lines, start=1):
+def _jsonl_file_documents(path: str, text_field: str, stats: SourceStats):
+  for number, line in _iter_lines(path, stats):
     if not line.strip():
       continue
     why = None
@@ -146,10 +223,42 @@ def _jsonl_file_documents(path: str, lines: list[str], text_field: str, stats: S
       if not stats.first_skipped_line:
         stats.first_skipped_line = f"{path}:{number}: {why}"
       continue
-    document = [sentence.strip() for sentence in record[text_field].splitlines() if sentence.strip()]
+    document = split_text(record[text_field], lambda: f"{path}:{number}", stats)
     if document:
-      documents.append(document)
-  return documents
+      yield document
+
+
+def split_text(text: str, where, stats: SourceStats) -> list[str]:
+  """A document's text as sentences: its stripped non-blank lines, too-long ones skipped."""
+  return [
+      sentence
+      for sentence in (line.strip() for line in text.splitlines())
+      if sentence and (len(sentence) <= MAX_SENTENCE_CHARS or keep_sentence(sentence, where, stats))
+  ]
+
+
+def iter_documents(source: str, paths: list[str], text_field: str = "text", stats: SourceStats | None = None):
+  """The documents of `paths` read as `source`, streamed one at a time (see read_documents).
+
+  `stats` (updated as the files are read) counts what was skipped and how many bytes were read.
+  """
+  if source not in FILE_SOURCES:
+    raise ConfigError(f"read_documents: source must be one of {FILE_SOURCES}, got {source!r}.")
+  stats = stats if stats is not None else SourceStats()
+  stats.files = list(paths)
+  stats.total_bytes = sum(os.path.getsize(path) for path in paths)
+  for path in paths:
+    before = (stats.num_documents, len(stats.binary_files), stats.skipped_lines, stats.long_sentences)
+    if source == "text":
+      documents = _text_file_documents(path, stats)
+    else:
+      documents = _jsonl_file_documents(path, text_field, stats)
+    for document in documents:
+      stats.num_documents += 1
+      yield document
+    # Empty: nothing came out of the file and nothing in it was skipped for a reason.
+    if (stats.num_documents, len(stats.binary_files), stats.skipped_lines, stats.long_sentences) == before:
+      stats.empty_files.append(path)
 
 
 def read_documents(
@@ -161,40 +270,44 @@ def read_documents(
   "jsonl": one document per line, the string under `text_field`, split on its newlines; lines
   that are not a JSON object with that string are skipped and counted. Non-UTF-8 bytes are
   replaced with U+FFFD and the lines holding them counted; empty files are skipped and named.
+  Files with NUL bytes (binary) and sentences over MAX_SENTENCE_CHARS are skipped and counted.
   Raises ConfigError if no file holds any text. `max_documents` keeps only the first ones.
   """
-  if source not in FILE_SOURCES:
-    raise ConfigError(f"read_documents: source must be one of {FILE_SOURCES}, got {source!r}.")
-  stats = SourceStats(files=list(paths))
+  stats = SourceStats()
   documents: list[list[str]] = []
-  for path in paths:
+  for document in iter_documents(source, paths, text_field, stats):
     if max_documents is not None and len(documents) >= max_documents:
       break
-    lines = _decoded_lines(path, stats)
-    if not any(line.strip() for line in lines):
-      stats.empty_files.append(path)
-      continue
-    if source == "text":
-      documents.extend(_text_file_documents(lines))
-    else:
-      documents.extend(_jsonl_file_documents(path, lines, text_field, stats))
-  if max_documents is not None:
-    documents = documents[:max_documents]
+    documents.append(document)
   stats.num_documents = len(documents)
-  _log_stats(source, stats)
+  log_stats(source, stats)
   if not documents:
-    why = f" ({stats.skipped_lines} JSONL lines skipped, first at {stats.first_skipped_line})" if (
-        stats.skipped_lines) else ""
-    raise ConfigError(
+    raise no_usable_text_error(source, paths, text_field, stats)
+  return documents, stats
+
+
+def no_usable_text_error(source: str, paths: list[str], text_field: str, stats: SourceStats) -> ConfigError:
+  """The error for a corpus that yielded no document, naming why its lines were dropped."""
+  reasons = []
+  if stats.skipped_lines:
+    reasons.append(f"{stats.skipped_lines} JSONL lines skipped, first at {stats.first_skipped_line}")
+  if stats.binary_files:
+    reasons.append(f"{len(stats.binary_files)} binary files skipped: {stats.binary_files[:3]}")
+  if stats.long_sentences:
+    reasons.append(
+        f"{stats.long_sentences} lines over {MAX_SENTENCE_CHARS} characters skipped, first at "
+        f"{stats.first_long_sentence}"
+    )
+  why = f" ({'; '.join(reasons)})" if reasons else ""
+  return ConfigError(
         f"data.source={source!r}: no usable text in data.files {paths}{why}. Point data.files "
         f"at non-empty UTF-8 files"
         + (f" whose JSON lines hold a string field {text_field!r} (data.text_field)." if source == "jsonl"
            else " with one sentence or paragraph per line.")
-    )
-  return documents, stats
+  )
 
 
-def _log_stats(source: str, stats: SourceStats) -> None:
+def log_stats(source: str, stats: SourceStats) -> None:
   logging.info(
       "read %d documents from %d %s files (%d empty)",
       stats.num_documents, len(stats.files), source, len(stats.empty_files),
@@ -205,6 +318,16 @@ def _log_stats(source: str, stats: SourceStats) -> None:
     logging.warning(
         "%d lines held bytes that are not UTF-8 and were kept with U+FFFD in their place; "
         "the first is %s", stats.replaced_lines, stats.first_replaced_line,
+    )
+  if stats.binary_files:
+    logging.warning(
+        "skipped %d binary files (NUL bytes; not text): %s", len(stats.binary_files),
+        ", ".join(stats.binary_files[:10]),
+    )
+  if stats.long_sentences:
+    logging.warning(
+        "skipped %d lines longer than %d characters (not prose); the first is %s",
+        stats.long_sentences, MAX_SENTENCE_CHARS, stats.first_long_sentence,
     )
   if stats.skipped_lines:
     logging.warning(

@@ -1,0 +1,569 @@
+"""Offline data preparation (--mode=prepare_data): a corpus, tokenized and packed into shards.
+
+Owns the prepared-directory layout, the parallel tokenize-and-pack workers, resuming a killed
+run, and the manifest that training checks. Layout of `data.prepared_dir`:
+
+  manifest.json        counts, per-shard rows/bytes/sha256, tokenizer fingerprint, max_seq_len,
+                       format version, source description; "complete": true once all shards exist
+  spm.model            the sentencepiece model, when prepare_data trained it
+  train-00000.npy ...  shard k of a split: the examples of documents [k*S, (k+1)*S) of the corpus
+  eval-00000.npy ...   (S = data.shard_documents), uint16 (int32 for vocabularies over 65536) of
+                       shape [rows, 2, max_seq_len]: [:, 0] input ids, [:, 1] token type ids
+
+Why this equals the in-memory path: documents are split into train/eval by their corpus index
+and every document packs with its own seeded generator (pack_documents), so the shards of a
+split, concatenated in index order, hold exactly the rows `load_pretraining_data` builds for the
+same config, in the same order (tests/test_prepare.py checks it).
+
+Why a kill loses nothing: each shard file is written to a temporary name and renamed; a shard
+counts as done only once the manifest lists it with its sha256, and a re-run verifies those
+checksums and only packs what is missing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+import time
+
+import numpy as np
+from absl import logging
+
+from electra_jax.config_lib import ConfigError
+from electra_jax.data import corpus, pipeline, sources
+from electra_jax.data.packing import pack_documents
+from electra_jax.data.tokenizer import SentencePieceTokenizer, atomic_write_bytes, train_sentencepiece
+from electra_jax.data.wordpiece import WordPieceTokenizer
+
+# Bump when the shard layout or the manifest's meaning changes.
+PREPARED_FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SPM_MODEL = "spm.model"
+SPLITS = pipeline.SPLITS
+
+_LOG_EVERY_S = 10.0
+_MANIFEST_EVERY_S = 2.0
+
+
+def shard_file(split: str, index: int) -> str:
+  return f"{split}-{index:05d}.npy"
+
+
+def _default_workers() -> int:
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # not on Linux
+    return os.cpu_count() or 1
+
+
+def _format_duration(seconds: float) -> str:
+  seconds = int(max(0, seconds))
+  return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def _tokenizer_spec(config, tokenizer) -> dict:
+  """What a worker process needs to load `tokenizer`, and what the manifest records of it."""
+  if isinstance(tokenizer, WordPieceTokenizer):
+    return {
+        "kind": "wordpiece",
+        "vocab_file": tokenizer.vocab_file,
+        "lowercase": tokenizer.lowercase,
+        "strip_accents": tokenizer.strip_accents,
+        "fingerprint": tokenizer.fingerprint,
+        "vocab_size": tokenizer.vocab_size,
+    }
+  return {
+      "kind": "sentencepiece",
+      "model_file": tokenizer.model_path,
+      "fingerprint": tokenizer.fingerprint,
+      "vocab_size": tokenizer.vocab_size,
+  }
+
+
+def _load_spec(spec: dict):
+  if spec["kind"] == "wordpiece":
+    tokenizer = WordPieceTokenizer(spec["vocab_file"], spec["lowercase"], spec["strip_accents"])
+  else:
+    tokenizer = SentencePieceTokenizer(spec["model_file"])
+  if tokenizer.fingerprint != spec["fingerprint"]:
+    raise ConfigError(
+        f"The tokenizer file changed during preparation (fingerprint {tokenizer.fingerprint}, "
+        f"expected {spec['fingerprint']}); leave it alone and run prepare_data again."
+    )
+  return tokenizer
+
+
+def _iter_train_sentences(config, stats):
+  for index, document in enumerate(pipeline.iter_source_documents(config, stats)):
+    if not pipeline.is_eval_document(index, config["eval_fraction"]):
+      yield from document
+
+
+def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) -> dict:
+  """Train a sentencepiece model on the train documents of data.source; write it to `out_path`.
+
+  data.spm_model_type ("unigram" or "bpe") and data.spm_vocab_size choose the model; ids 0..4
+  are [PAD] [UNK] [CLS] [SEP] [MASK]. The eval documents (data.eval_fraction) are left out, as
+  training will hold them out. Sentencepiece samples at most a million sentences, so memory
+  stays bounded on big corpora. Use the model with data.tokenizer="sentencepiece" and
+  data.spm_model_file=out_path. Returns what was trained (path, fingerprint, sizes).
+  """
+  config = pipeline._read_config(data_config)
+  if config["source"] not in pipeline.DOCUMENT_SOURCES:
+    raise ConfigError(
+        f"train_tokenizer reads documents; data.source={config['source']!r} has none. Use one of "
+        f"{list(pipeline.DOCUMENT_SOURCES)}."
+    )
+  if not out_path:
+    raise ConfigError("train_tokenizer needs an output path (--out=PATH/spm.model).")
+  out_path = os.path.abspath(os.path.expanduser(out_path))
+  if os.path.isdir(out_path):
+    raise ConfigError(f"--out={out_path!r} is a directory; give a file name such as {out_path}/spm.model.")
+  start = time.time()
+  stats = sources.SourceStats()
+  logging.info(
+      "training a sentencepiece %s model of %d pieces on the train documents of %s ...",
+      config["spm_model_type"], config["spm_vocab_size"], config["source"],
+  )
+  sentences = _iter_train_sentences(config, stats)
+  try:
+    train_sentencepiece(
+        sentences, out_path, vocab_size=config["spm_vocab_size"], model_type=config["spm_model_type"],
+        num_threads=num_threads or _default_workers(),
+    )
+  except ConfigError as e:
+    if stats.num_documents == 0:
+      raise pipeline.no_documents_error(config, stats) from e
+    raise
+  if config["source"] != "builtin":
+    sources.log_stats(config["source"], stats)
+  tokenizer = SentencePieceTokenizer(out_path)
+  info = {
+      "path": out_path,
+      "fingerprint": tokenizer.fingerprint,
+      "vocab_size": tokenizer.vocab_size,
+      "model_type": config["spm_model_type"],
+      "documents_read": stats.num_documents,
+      "seconds": round(time.time() - start, 1),
+  }
+  logging.info("wrote %s: %s", out_path, info)
+  return info
+
+
+def _prepare_tokenizer(config, out_dir: str):
+  """The tokenizer the shards are made with: the configured one, or a model trained into out_dir."""
+  if config["tokenizer"] == "wordpiece":
+    return WordPieceTokenizer(config["vocab_file"], config["lowercase"], config["strip_accents"])
+  if config["spm_model_file"]:
+    return SentencePieceTokenizer(config["spm_model_file"])
+  model_path = os.path.join(out_dir, SPM_MODEL)
+  if not os.path.exists(model_path):
+    stats = sources.SourceStats()
+    logging.info(
+        "no data.spm_model_file: training a %s sentencepiece model of %d pieces into %s",
+        config["spm_model_type"], config["spm_vocab_size"], model_path,
+    )
+    try:
+      train_sentencepiece(
+          _iter_train_sentences(config, stats), model_path, vocab_size=config["spm_vocab_size"],
+          model_type=config["spm_model_type"], num_threads=_default_workers(),
+      )
+    except ConfigError as e:
+      if stats.num_documents == 0:
+        raise pipeline.no_documents_error(config, stats) from e
+      raise
+  tokenizer = SentencePieceTokenizer(model_path)
+  if tokenizer.vocab_size != config["spm_vocab_size"]:
+    raise ConfigError(
+        f"{model_path} (trained by an earlier prepare_data) has {tokenizer.vocab_size} pieces, but "
+        f"data.spm_vocab_size={config['spm_vocab_size']}. Nothing was changed; choose another "
+        f"data.prepared_dir, or delete that directory to prepare it again."
+    )
+  return tokenizer
+
+
+# ---------------------------------------------------------------- workers
+
+_WORKER_TOKENIZER = None
+
+
+def _init_worker(spec: dict) -> None:
+  global _WORKER_TOKENIZER
+  # One process per core: each tokenizes on one thread (Hugging Face tokenizers would
+  # otherwise start a thread pool per process).
+  os.environ["RAYON_NUM_THREADS"] = "1"
+  _WORKER_TOKENIZER = _load_spec(spec)
+
+
+def _tokenize_documents(tokenizer, documents, skipped: dict):
+  """Token ids of every sentence of `documents`; a document the tokenizer fails on is
+  replaced by an empty one and counted in `skipped` (its packing draws nothing)."""
+  sentences = [sentence for document in documents for sentence in document]
+  try:
+    token_ids = iter(tokenizer.encode_batch(sentences, num_threads=1))
+    return [[next(token_ids) for _ in document] for document in documents]
+  except Exception:  # noqa: BLE001 -- find the culprits one document at a time
+    pass
+  tokenized = []
+  for document in documents:
+    try:
+      tokenized.append([tokenizer.encode(sentence) for sentence in document])
+    except Exception as e:  # noqa: BLE001 -- a bad document is a counted skip, not a dead worker
+      skipped["documents"] += 1
+      skipped.setdefault("first", f"{type(e).__name__}: {e}"[:300])
+      tokenized.append([])
+  return tokenized
+
+
+def _encode_npy(array: np.ndarray) -> bytes:
+  buffer = io.BytesIO()
+  np.save(buffer, array, allow_pickle=False)
+  return buffer.getvalue()
+
+
+def pack_shard(task: dict, tokenizer=None) -> dict:
+  """Tokenize and pack one shard's documents; write one file per split. Never raises:
+  failures come back as {"error": ...} so the main process can report the shard by name."""
+  index = task["index"]
+  try:
+    tokenizer = tokenizer or _WORKER_TOKENIZER
+    skipped = {"documents": 0}
+    result = {"index": index, "first_document": task["first_document"],
+              "num_documents": len(task["documents"]), "splits": {}}
+    by_split = {split: ([], []) for split in SPLITS}
+    for offset, document in enumerate(task["documents"]):
+      document_index = task["first_document"] + offset
+      split = "eval" if pipeline.is_eval_document(document_index, task["eval_fraction"]) else "train"
+      by_split[split][0].append(document)
+      by_split[split][1].append(document_index)
+    for split, (documents, indices) in by_split.items():
+      packed = pack_documents(
+          _tokenize_documents(tokenizer, documents, skipped),
+          task["max_seq_len"],
+          cls_id=tokenizer.cls_id,
+          sep_id=tokenizer.sep_id,
+          pad_id=tokenizer.pad_id,
+          seed=pipeline.PACKING_SEEDS[split],
+          document_indices=indices,
+      )
+      rows = packed["input_ids"].shape[0]
+      entry = {
+          "documents": len(documents),
+          "rows": rows,
+          "tokens": int(np.count_nonzero(packed["input_ids"] != tokenizer.pad_id)),
+      }
+      if rows:
+        array = np.stack([packed["input_ids"], packed["token_type_ids"]], axis=1).astype(task["dtype"])
+        data = _encode_npy(array)
+        name = shard_file(split, index)
+        atomic_write_bytes(os.path.join(task["out_dir"], name), data)
+        entry.update(file=name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+      result["splits"][split] = entry
+    result["skipped_documents"] = skipped["documents"]
+    if "first" in skipped:
+      result["first_skip"] = f"document {task['first_document']}+: {skipped['first']}"
+    return result
+  except BaseException as e:  # noqa: BLE001 -- reported by the main process, naming the shard
+    return {"index": index, "error": f"{type(e).__name__}: {e}"}
+
+
+# ---------------------------------------------------------------- manifest
+
+
+def read_manifest(out_dir: str) -> dict | None:
+  path = os.path.join(out_dir, MANIFEST)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path, "rb") as f:
+      return json.loads(f.read())
+  except ValueError as e:
+    raise ConfigError(
+        f"{path} is not valid JSON ({e}); it was not written by prepare_data. Delete "
+        f"{out_dir} (or choose another data.prepared_dir) and prepare again."
+    ) from e
+
+
+def _write_manifest(out_dir: str, manifest: dict) -> None:
+  atomic_write_bytes(os.path.join(out_dir, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True).encode())
+
+
+def _sha256_file(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 22), b""):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+def _shard_is_intact(out_dir: str, entry: dict) -> bool:
+  for split_entry in entry["splits"].values():
+    if not split_entry["rows"]:
+      continue
+    path = os.path.join(out_dir, split_entry["file"])
+    if not os.path.exists(path) or os.path.getsize(path) != split_entry["bytes"]:
+      return False
+    if _sha256_file(path) != split_entry["sha256"]:
+      return False
+  return True
+
+
+def _chunks(config, stats, shard_documents: int):
+  """(index, first document, documents) of each shard, in corpus order."""
+  documents, first = [], 0
+  for document in pipeline.iter_source_documents(config, stats):
+    documents.append(document)
+    if len(documents) == shard_documents:
+      yield first // shard_documents, first, documents
+      first += len(documents)
+      documents = []
+  if documents:
+    yield first // shard_documents, first, documents
+
+
+# ---------------------------------------------------------------- driver
+
+
+def prepare_data(data_config, num_workers: int | None = None) -> dict:
+  """Tokenize and pack the corpus of `data_config` into shards in data.prepared_dir.
+
+  Uses `num_workers` processes (default: every core; 0 runs in this process); they are
+  spawned, so a script calling this needs the usual `if __name__ == "__main__":`. Re-running
+  resumes: shards the manifest lists with a matching sha256 are kept, the rest are packed.
+  A prepared_dir holding shards of another config is refused, never overwritten. Train on
+  the result with data.source="prepared". Returns the manifest.
+  """
+  config = pipeline._read_config(data_config)
+  if config["source"] not in pipeline.DOCUMENT_SOURCES:
+    raise ConfigError(
+        f"prepare_data reads documents from data.source, one of {list(pipeline.DOCUMENT_SOURCES)}, "
+        f"got {config['source']!r}; set data.source to the corpus the shards are made from."
+    )
+  out_dir = config["prepared_dir"]
+  if not out_dir:
+    raise ConfigError(
+        "prepare_data needs data.prepared_dir, the directory the shards go to, e.g. "
+        "--config.data.prepared_dir=/data/electra_prepared."
+    )
+  if num_workers is None:
+    num_workers = _default_workers()
+  if num_workers < 0:
+    raise ConfigError(f"num_workers must be >= 0 (0 = in this process), got {num_workers}.")
+  if config["max_seq_len"] < 5:
+    raise ConfigError(f"data.max_seq_len must be at least 5, got {config['max_seq_len']}.")
+  os.makedirs(out_dir, exist_ok=True)
+  existing = read_manifest(out_dir)
+  # A killed run leaves its half-written file under a temporary name, never a shard's name;
+  # clear them (one prepare_data per directory at a time).
+  for name in os.listdir(out_dir):
+    if name.startswith(".tmp-"):
+      os.remove(os.path.join(out_dir, name))
+
+  tokenizer = _prepare_tokenizer(config, out_dir)
+  spec = _tokenizer_spec(config, tokenizer)
+  dtype = "uint16" if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else "int32"
+  source_key = pipeline.source_fingerprint(config)
+  settings = {
+      "prepared_format": PREPARED_FORMAT_VERSION,
+      "packing_format": pipeline._CACHE_FORMAT_VERSION,
+      "source": config["source"],
+      "source_key": source_key,
+      "tokenizer": spec["kind"],
+      "tokenizer_fingerprint": spec["fingerprint"],
+      "max_seq_len": config["max_seq_len"],
+      "eval_fraction": config["eval_fraction"],
+      "max_documents": config["max_documents"],
+      "shard_documents": config["shard_documents"],
+      "dtype": dtype,
+  }
+  if spec["kind"] == "sentencepiece" and not config["spm_model_file"]:
+    settings["spm_trained_here"] = {"vocab_size": config["spm_vocab_size"], "model_type": config["spm_model_type"]}
+  config_key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+  done: dict[int, dict] = {}
+  if existing is not None:
+    if existing.get("config_key") != config_key:
+      old = existing.get("settings", {})
+      differences = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+      raise ConfigError(
+          f"data.prepared_dir={out_dir!r} holds shards of another config (was -> now: "
+          f"{differences}). Nothing was changed; choose another data.prepared_dir, or delete "
+          f"that directory to prepare it again."
+      )
+    for entry in existing.get("shards", []):
+      if _shard_is_intact(out_dir, entry):
+        done[entry["index"]] = entry
+      else:
+        logging.warning("shard %d in %s is missing or damaged; packing it again", entry["index"], out_dir)
+    if existing.get("complete") and len(done) == len(existing["shards"]):
+      logging.info("%s is already prepared (%d shards verified); nothing to do", out_dir, len(done))
+      return existing
+
+  manifest = {
+      "format_version": PREPARED_FORMAT_VERSION,
+      "config_key": config_key,
+      "settings": settings,
+      "source": pipeline.source_description(config),
+      "tokenizer": {k: v for k, v in spec.items()},
+      "max_seq_len": config["max_seq_len"],
+      "dtype": dtype,
+      "complete": False,
+      "shards": sorted(done.values(), key=lambda e: e["index"]),
+  }
+  if spec["kind"] == "sentencepiece" and os.path.dirname(spec["model_file"]) == out_dir:
+    manifest["tokenizer"]["model_file"] = SPM_MODEL  # relative: the directory can move
+  _write_manifest(out_dir, manifest)
+
+  stats = sources.SourceStats()
+  hashers = {split: corpus.DocumentsHasher() for split in SPLITS}
+  task_base = {
+      "out_dir": out_dir, "max_seq_len": config["max_seq_len"],
+      "eval_fraction": config["eval_fraction"], "dtype": dtype,
+  }
+  progress = _Progress(stats, len(done))
+  if num_workers == 0:
+    executor = None
+  else:
+    executor = concurrent.futures.ProcessPoolExecutor(
+        num_workers, mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker, initargs=(spec,),
+    )
+  pending: dict[concurrent.futures.Future, int] = {}
+  max_pending = 2 * max(1, num_workers)
+  last_manifest_write = time.time()
+
+  def finish(result: dict, position: int) -> None:
+    nonlocal last_manifest_write
+    if "error" in result:
+      raise RuntimeError(
+          f"prepare_data: shard {result['index']} failed ({result['error']}). The {len(done)} "
+          f"finished shards are kept in {out_dir}; fix the cause and run prepare_data again to resume."
+      )
+    done[result["index"]] = result
+    progress.shard_done(result, position)
+    if time.time() - last_manifest_write > _MANIFEST_EVERY_S:
+      manifest["shards"] = sorted(done.values(), key=lambda e: e["index"])
+      _write_manifest(out_dir, manifest)
+      last_manifest_write = time.time()
+
+  def drain(return_when) -> None:
+    finished, _ = concurrent.futures.wait(list(pending), return_when=return_when)
+    for future in finished:
+      position = pending.pop(future)
+      try:
+        result = future.result()
+      except concurrent.futures.process.BrokenProcessPool as e:
+        raise RuntimeError(
+            f"prepare_data: a worker process died (killed, or out of memory) ({e}). The finished "
+            f"shards are kept in {out_dir}; run prepare_data again to resume (fewer workers use "
+            f"less memory)."
+        ) from e
+      finish(result, position)
+
+  try:
+    for index, first, documents in _chunks(config, stats, config["shard_documents"]):
+      for offset, document in enumerate(documents):
+        split = "eval" if pipeline.is_eval_document(first + offset, config["eval_fraction"]) else "train"
+        hashers[split].update(document)
+      position = stats.bytes_read
+      if index in done:
+        progress.skip(position)
+        continue
+      task = dict(task_base, index=index, first_document=first, documents=documents)
+      if executor is None:
+        finish(pack_shard(task, tokenizer), position)
+      else:
+        pending[executor.submit(pack_shard, task)] = position
+        if len(pending) >= max_pending:
+          drain(concurrent.futures.FIRST_COMPLETED)
+      progress.maybe_log()
+    while pending:
+      drain(concurrent.futures.FIRST_COMPLETED)
+      progress.maybe_log()
+  finally:
+    for future in pending:
+      future.cancel()
+    if executor is not None:
+      executor.shutdown(wait=True, cancel_futures=True)
+    # Whatever happened, the manifest lists every shard finished so far.
+    manifest["shards"] = sorted(done.values(), key=lambda e: e["index"])
+    _write_manifest(out_dir, manifest)
+
+  stats.num_documents = sum(entry["num_documents"] for entry in done.values())
+  if config["source"] != "builtin":
+    sources.log_stats(config["source"], stats)
+  if not done:
+    raise pipeline.no_documents_error(config, stats)
+  expected = list(range(len(done)))
+  if sorted(done) != expected:
+    raise RuntimeError(f"prepare_data: shards {sorted(set(expected) - set(done))} are missing; run it again.")
+  shards = manifest["shards"]
+  totals = {"documents": sum(e["num_documents"] for e in shards),
+            "skipped_documents": sum(e.get("skipped_documents", 0) for e in shards)}
+  for split in SPLITS:
+    totals[f"{split}_documents"] = sum(e["splits"][split]["documents"] for e in shards)
+    totals[f"{split}_examples"] = sum(e["splits"][split]["rows"] for e in shards)
+    totals[f"{split}_tokens"] = sum(e["splits"][split]["tokens"] for e in shards)
+  first_skips = [e["first_skip"] for e in shards if e.get("first_skip")]
+  if totals["skipped_documents"]:
+    logging.warning(
+        "skipped %d documents the tokenizer failed on; the first: %s", totals["skipped_documents"], first_skips[0]
+    )
+  manifest.update(
+      complete=True,
+      totals=totals,
+      source_stats=stats.counts(),
+      documents_fingerprint={split: hashers[split].hexdigest() for split in SPLITS},
+  )
+  _write_manifest(out_dir, manifest)
+  logging.info(
+      "prepared %s: %d shards, %d train / %d eval examples, %d train tokens, in %s",
+      out_dir, len(shards), totals["train_examples"], totals["eval_examples"], totals["train_tokens"],
+      _format_duration(time.time() - progress.start),
+  )
+  return manifest
+
+
+class _Progress:
+  """Progress lines: documents, tokens, tokens/s and an ETA from the share of input consumed."""
+
+  def __init__(self, stats: sources.SourceStats, already_done: int):
+    self.stats = stats
+    self.start = time.time()
+    self.last_log = self.start
+    self.documents = 0
+    self.tokens = 0
+    self.shards = already_done
+    self.skipped_position = 0  # input consumed by shards that were already done
+    self.done_position = 0  # input consumed by shards finished in this run (max over them)
+
+  def skip(self, position: int) -> None:
+    self.skipped_position = position
+
+  def shard_done(self, result: dict, position: int) -> None:
+    self.shards += 1
+    self.documents += result["num_documents"]
+    self.tokens += sum(entry["tokens"] for entry in result["splits"].values())
+    self.done_position = max(self.done_position, position)
+
+  def maybe_log(self) -> None:
+    now = time.time()
+    if now - self.last_log < _LOG_EVERY_S:
+      return
+    self.last_log = now
+    elapsed = now - self.start
+    total = self.stats.total_bytes
+    worked = self.done_position - self.skipped_position
+    remaining = total - self.done_position if total else 0
+    eta = _format_duration(elapsed * remaining / worked) if worked > 0 and total else "?"
+    percent = f"{100 * self.done_position / total:.1f}%" if total else "?"
+    logging.info(
+        "prepare_data: %d shards, %d documents, %d tokens, %.0f tokens/s, %s of the input, ETA %s",
+        self.shards, self.documents, self.tokens, self.tokens / max(elapsed, 1e-9), percent, eta,
+    )

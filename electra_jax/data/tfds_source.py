@@ -1,0 +1,133 @@
+"""TFDS corpora (data.source = "tfds"): Wikipedia, C4, BookCorpus, ... read without TensorFlow.
+
+Owns opening a prepared TFDS dataset through its random-access data source (array_record or
+parquet files, read by `tfds.data_source`; only `tfds.load`/`as_dataset` need TensorFlow),
+turning its records into documents, and the errors for a dataset that is not there.
+"""
+
+from __future__ import annotations
+
+import os
+
+from electra_jax.config_lib import ConfigError
+from electra_jax.data.sources import SourceStats, split_text
+
+# Records are fetched in blocks: one `__getitems__` call reads many records at a time.
+_READ_BLOCK = 256
+
+_RANDOM_ACCESS_FORMATS = ("array_record", "parquet")
+
+
+def _prepare_hint(name: str, data_dir: str) -> str:
+  where = f", data_dir={data_dir!r}" if data_dir else ""
+  cli_dir = f" --data_dir={data_dir}" if data_dir else ""
+  return (
+      f"Prepare it once, where the internet is reachable (it downloads the source data), with: "
+      f"python -c \"import tensorflow_datasets as tfds; tfds.builder({name!r}{where}, "
+      f"file_format='array_record').download_and_prepare()\" (or: tfds build {name} "
+      f"--file_format=array_record{cli_dir}), then set data.tfds_data_dir to that directory "
+      f"(default: $TFDS_DATA_DIR or ~/tensorflow_datasets). Datasets built with Apache Beam "
+      f"(wikipedia, c4) also need `pip install apache-beam` where they are prepared."
+  )
+
+
+class TfdsCorpus:
+  """One split of a prepared TFDS dataset, as documents of sentences."""
+
+  def __init__(self, name: str, split: str, text_field: str, data_dir: str = ""):
+    if not name:
+      raise ConfigError(
+          "data.source='tfds' needs data.tfds_name, e.g. --config.data.tfds_name=wikipedia/20230601.en."
+      )
+    try:
+      import tensorflow_datasets as tfds  # noqa: PLC0415  (heavy; only this source needs it)
+    except ImportError as e:
+      raise ConfigError(
+          f"data.source='tfds' needs tensorflow-datasets ({e}); `pip install tensorflow-datasets` "
+          f"(TensorFlow itself is not needed)."
+      ) from e
+    self.name, self.split, self.text_field = name, split, text_field
+    data_dir = os.path.expanduser(data_dir) if data_dir else None
+    try:
+      builder = tfds.builder(name, data_dir=data_dir)
+    except tfds.core.registered.DatasetNotFoundError as e:
+      raise ConfigError(
+          f"data.tfds_name={name!r} is not a TFDS dataset ({str(e).splitlines()[0]}); see "
+          f"https://www.tensorflow.org/datasets/catalog for names such as 'wikipedia/20230601.en'."
+      ) from e
+    if not builder.is_prepared():
+      raise ConfigError(
+          f"TFDS dataset {name!r} is not prepared in {builder.data_dir} (data.tfds_data_dir="
+          f"{data_dir or ''!r}); nothing is downloaded during training. " + _prepare_hint(name, data_dir or "")
+      )
+    file_format = str(getattr(builder.info.file_format, "value", builder.info.file_format))
+    if file_format not in _RANDOM_ACCESS_FORMATS:
+      raise ConfigError(
+          f"TFDS dataset {name!r} in {builder.data_dir} is stored as {file_format}, which only "
+          f"TensorFlow can read; electra-jax reads {list(_RANDOM_ACCESS_FORMATS)}. Prepare it again "
+          f"into another data_dir with file_format='array_record'. " + _prepare_hint(name, "")
+      )
+    splits = list(builder.info.splits.keys())
+    if split not in builder.info.splits:
+      raise ConfigError(
+          f"data.tfds_split={split!r} is not a split of {name!r}; it has {splits}."
+      )
+    features = list(builder.info.features.keys()) if hasattr(builder.info.features, "keys") else []
+    if text_field not in features:
+      raise ConfigError(
+          f"data.tfds_text_field={text_field!r} is not a feature of {name!r}; its features are "
+          f"{features}. Name the one holding the document text."
+      )
+    self.data_dir = builder.data_dir
+    self._builder = builder
+    self._source = None
+    split_info = builder.info.splits[split]
+    self.num_records = int(split_info.num_examples)
+    self.description = {
+        "source": "tfds",
+        "tfds_name": builder.info.full_name,
+        "tfds_split": split,
+        "tfds_text_field": text_field,
+        "tfds_data_dir": str(builder.data_dir),
+        "num_records": self.num_records,
+        "num_bytes": int(split_info.num_bytes),
+    }
+
+  @property
+  def fingerprint(self) -> str:
+    d = self.description
+    return f"{d['tfds_name']}|{d['tfds_split']}|{d['tfds_text_field']}|{d['num_records']}|{d['num_bytes']}"
+
+  def _data_source(self):
+    if self._source is None:
+      self._source = self._builder.as_data_source(split=self.split)
+    return self._source
+
+  def iter_documents(self, stats: SourceStats, start: int = 0, stop: int | None = None):
+    """Documents of records [start, stop): the text field split into stripped lines."""
+    source = self._data_source()
+    stop = len(source) if stop is None else min(stop, len(source))
+    stats.total_bytes = stats.total_bytes or self.num_records
+    for block_start in range(start, stop, _READ_BLOCK):
+      keys = list(range(block_start, min(block_start + _READ_BLOCK, stop)))
+      records = source.__getitems__(keys) if hasattr(source, "__getitems__") else [source[k] for k in keys]
+      for key, record in zip(keys, records):
+        stats.bytes_read += 1  # progress is counted in records for TFDS
+        text = record[self.text_field]
+        if isinstance(text, bytes):
+          try:
+            text = text.decode("utf-8")
+          except UnicodeDecodeError:
+            text = text.decode("utf-8", errors="replace")
+            stats.replaced_lines += 1
+            if not stats.first_replaced_line:
+              stats.first_replaced_line = f"{self.name}[{self.split}][{key}]"
+        elif not isinstance(text, str):
+          stats.skipped_lines += 1
+          if not stats.first_skipped_line:
+            stats.first_skipped_line = f"{self.name}[{self.split}][{key}]: {self.text_field!r} is not text"
+          continue
+        document = split_text(text, lambda key=key: f"{self.name}[{self.split}][{key}]", stats)
+        if document:
+          stats.num_documents += 1
+          yield document

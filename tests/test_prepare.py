@@ -1,0 +1,581 @@
+"""Tests for offline preparation (prepare_data), prepared shards as training data, the
+sentencepiece-training backend and the batch prefetcher.
+
+The corpus is a few dozen synthetic documents written into tmp_path; the tokenizer is a tiny
+sentencepiece model trained once per module by train_tokenizer.
+"""
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import ml_collections
+import numpy as np
+import pytest
+
+from electra_jax.config_lib import ConfigError
+from electra_jax.data import (
+    Prefetcher,
+    SentencePieceTokenizer,
+    get_batch,
+    load_pretraining_data,
+    load_tokenizer,
+    prepare,
+    prepare_data,
+    train_tokenizer,
+)
+from electra_jax.data.prepared import PreparedData, ShardedRows
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_WORDS = (
+    "the a of river mountain city old new green quiet people walked over bridge under light "
+    "house small large north south winter summer music played stories books read carefully "
+    "café naïve résumé über 東京 北京"
+).split()
+
+
+def _sentence(rng):
+  words = [rng.choice(_WORDS) for _ in range(rng.randint(2, 14))]
+  return " ".join(words).capitalize() + "."
+
+
+def _write_corpus(directory, num_files=3, docs_per_file=12, seed=0):
+  """Text files of documents (1-8 sentences) separated by blank lines; returns the glob."""
+  rng = random.Random(seed)
+  os.makedirs(directory, exist_ok=True)
+  for f in range(num_files):
+    documents = ["\n".join(_sentence(rng) for _ in range(rng.randint(1, 8))) for _ in range(docs_per_file)]
+    with open(os.path.join(directory, f"part{f}.txt"), "w", encoding="utf-8") as out:
+      out.write("\n\n".join(documents) + "\n")
+  return os.path.join(str(directory), "*.txt")
+
+
+def _config(tmp_path, files, **overrides):
+  values = dict(
+      source="text",
+      files=files,
+      text_field="text",
+      max_seq_len=32,
+      cache_dir=str(tmp_path / "cache"),
+      tokenizer="sentencepiece",
+      spm_vocab_size=120,
+      spm_model_type="unigram",
+      spm_model_file="",
+      vocab_file="",
+      lowercase=True,
+      strip_accents=None,
+      max_documents=0,
+      eval_fraction=0.1,
+      prepared_dir=str(tmp_path / "prepared"),
+      shard_documents=7,
+  )
+  values.update(overrides)
+  return ml_collections.ConfigDict(values)
+
+
+@pytest.fixture(scope="module")
+def corpus_files(tmp_path_factory):
+  return _write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory, corpus_files):
+  directory = tmp_path_factory.mktemp("spm")
+  out = str(directory / "spm.model")
+  info = train_tokenizer(_config(directory, corpus_files), out, num_threads=1)
+  assert info["path"] == out
+  return out
+
+
+def _all_rows(data):
+  return np.asarray(data.input_ids), np.asarray(data.token_type_ids)
+
+
+# ---------------------------------------------------------------- train_tokenizer
+
+
+@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
+def test_train_tokenizer_model_has_special_tokens_and_serves_the_pipeline(tmp_path, corpus_files, model_type):
+  out = str(tmp_path / "tok" / "spm.model")
+  info = train_tokenizer(
+      _config(tmp_path, corpus_files, spm_model_type=model_type, spm_vocab_size=100), out, num_threads=1
+  )
+  tokenizer = SentencePieceTokenizer(out)
+  assert info["vocab_size"] == tokenizer.vocab_size == 100
+  assert info["fingerprint"] == tokenizer.fingerprint
+  assert [tokenizer.id_to_piece(i) for i in range(5)] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+  assert tokenizer.decode(tokenizer.encode("the old bridge")) == "the old bridge"
+  # data.spm_model_file makes the in-memory pipeline use exactly this model.
+  config = _config(tmp_path, corpus_files, spm_model_file=out)
+  assert load_pretraining_data(config).tokenizer.fingerprint == tokenizer.fingerprint
+  assert load_tokenizer(config).fingerprint == tokenizer.fingerprint
+  assert not any(name.endswith(".model") for _, _, names in os.walk(tmp_path / "cache") for name in names)
+
+
+def test_train_tokenizer_errors(tmp_path, corpus_files):
+  with pytest.raises(ConfigError, match="is a directory"):
+    train_tokenizer(_config(tmp_path, corpus_files), str(tmp_path))
+  empty = tmp_path / "empty.txt"
+  empty.write_text("\n\n")
+  with pytest.raises(ConfigError, match="no usable text"):
+    train_tokenizer(_config(tmp_path, str(empty)), str(tmp_path / "x.model"))
+  with pytest.raises(ConfigError, match=r"spm_model_file=.*is not a file"):
+    load_pretraining_data(_config(tmp_path, corpus_files, spm_model_file=str(tmp_path / "none.model")))
+  with pytest.raises(ConfigError, match="has none"):
+    train_tokenizer(_config(tmp_path, corpus_files, source="prepared"), str(tmp_path / "x.model"))
+
+
+# ---------------------------------------------------------------- prepare_data
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_prepared_shards_hold_the_in_memory_examples_in_order(tmp_path, corpus_files, spm_model, num_workers):
+  config = _config(tmp_path, corpus_files, spm_model_file=spm_model)
+  manifest = prepare_data(config, num_workers=num_workers)
+  assert manifest["complete"] and len(manifest["shards"]) == 6  # 36 documents, 7 per shard
+  prepared_config = _config(tmp_path, corpus_files, spm_model_file=spm_model, source="prepared")
+  for split in ("train", "eval"):
+    in_memory = load_pretraining_data(config, split)
+    prepared = load_pretraining_data(prepared_config, split)
+    assert isinstance(prepared, PreparedData)
+    input_ids, token_type_ids = _all_rows(prepared)
+    np.testing.assert_array_equal(input_ids, in_memory.input_ids)
+    np.testing.assert_array_equal(token_type_ids, in_memory.token_type_ids)
+    assert prepared.fingerprint == in_memory.fingerprint, "a checkpoint must resume on either"
+    assert prepared.num_tokens == in_memory.num_tokens
+    for step in (0, 3):
+      ours, theirs = get_batch(prepared, step, 8, seed=1), get_batch(in_memory, step, 8, seed=1)
+      for key in theirs:
+        np.testing.assert_array_equal(ours[key], theirs[key])
+        assert ours[key].dtype == np.int32
+
+
+def test_manifest_records_counts_checksums_and_tokenizer(tmp_path, corpus_files, spm_model):
+  config = _config(tmp_path, corpus_files, spm_model_file=spm_model, max_seq_len=24)
+  manifest = prepare_data(config, num_workers=0)
+  on_disk = json.loads((tmp_path / "prepared" / "manifest.json").read_text())
+  assert on_disk == json.loads(json.dumps(manifest))
+  assert manifest["max_seq_len"] == 24 and manifest["format_version"] == prepare.PREPARED_FORMAT_VERSION
+  assert manifest["tokenizer"]["kind"] == "sentencepiece"
+  assert manifest["tokenizer"]["fingerprint"] == SentencePieceTokenizer(spm_model).fingerprint
+  assert manifest["source"]["source"] == "text" and manifest["source"]["num_files"] == 3
+  totals = manifest["totals"]
+  assert totals["documents"] == 36 and totals["train_documents"] + totals["eval_documents"] == 36
+  assert totals["eval_documents"] == 3  # floor(36 * 0.1)
+  for split in ("train", "eval"):
+    rows = 0
+    for entry in manifest["shards"]:
+      split_entry = entry["splits"][split]
+      rows += split_entry["rows"]
+      if split_entry["rows"]:
+        path = tmp_path / "prepared" / split_entry["file"]
+        data = path.read_bytes()
+        assert len(data) == split_entry["bytes"]
+        assert hashlib.sha256(data).hexdigest() == split_entry["sha256"]
+        array = np.load(path)
+        assert array.shape == (split_entry["rows"], 2, 24) and array.dtype == np.uint16
+        assert split_entry["tokens"] == int(np.count_nonzero(array[:, 0]))
+    assert rows == totals[f"{split}_examples"]
+  assert [entry["first_document"] for entry in manifest["shards"]] == [0, 7, 14, 21, 28, 35]
+
+
+def test_prepare_logs_progress_with_eta(tmp_path, corpus_files, spm_model, monkeypatch, caplog):
+  monkeypatch.setattr(prepare, "_LOG_EVERY_S", 0.0)
+  with caplog.at_level("INFO"):
+    prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model), num_workers=0)
+  progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prepare_data:")]
+  assert progress, caplog.text
+  assert all("documents" in line and "tokens/s" in line and "ETA" in line for line in progress)
+  assert "100.0% of the input" in progress[-1]
+
+
+def test_rerun_skips_finished_shards_and_rebuilds_damaged_ones(tmp_path, corpus_files, spm_model, monkeypatch):
+  config = _config(tmp_path, corpus_files, spm_model_file=spm_model)
+  first = prepare_data(config, num_workers=0)
+  directory = tmp_path / "prepared"
+  stamps = {name: os.stat(directory / name).st_mtime_ns for name in os.listdir(directory)}
+  packed = []
+  original_pack_shard = prepare.pack_shard
+  monkeypatch.setattr(prepare, "pack_shard", lambda task, tok=None: packed.append(task["index"]) or original_pack_shard(task, tok))
+  again = prepare_data(config, num_workers=0)
+  assert packed == [] and again == first
+  assert {name: os.stat(directory / name).st_mtime_ns for name in os.listdir(directory)} == stamps
+
+  # Same size, different bytes: only the checksum can tell.
+  damaged = directory / first["shards"][2]["splits"]["train"]["file"]
+  original = damaged.read_bytes()
+  damaged.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+  os.remove(directory / first["shards"][4]["splits"]["train"]["file"])
+  repaired = prepare_data(config, num_workers=0)
+  assert sorted(packed) == [2, 4]
+  assert damaged.read_bytes() == original
+  assert repaired["shards"] == first["shards"]
+
+
+def test_a_failed_shard_is_named_and_the_finished_ones_are_kept(tmp_path, corpus_files, spm_model, monkeypatch):
+  config = _config(tmp_path, corpus_files, spm_model_file=spm_model)
+  original_pack_shard = prepare.pack_shard
+
+  def failing(task, tokenizer=None):
+    if task["index"] == 2:
+      return {"index": 2, "error": "OSError: [Errno 28] No space left on device"}
+    return original_pack_shard(task, tokenizer)
+
+  monkeypatch.setattr(prepare, "pack_shard", failing)
+  with pytest.raises(RuntimeError, match="shard 2 failed .OSError: .Errno 28. No space left.*run prepare_data again"):
+    prepare_data(config, num_workers=0)
+  manifest = json.loads((tmp_path / "prepared" / "manifest.json").read_text())
+  assert [entry["index"] for entry in manifest["shards"]] == [0, 1] and not manifest["complete"]
+  monkeypatch.setattr(prepare, "pack_shard", original_pack_shard)
+  assert prepare_data(config, num_workers=0)["complete"]
+
+
+_KILLED_RUN = """
+import os, sys, time
+sys.path.insert(0, {repo!r})
+import ml_collections
+from electra_jax.data import prepare_data
+real_fsync, calls = os.fsync, [0]
+def slow_fsync(fd):
+  calls[0] += 1
+  if calls[0] == {kill_at}:  # inside the atomic write of a shard: data written, not yet renamed
+    print("WRITING", flush=True)
+    time.sleep(600)
+  real_fsync(fd)
+os.fsync = slow_fsync
+prepare_data(ml_collections.ConfigDict({config}), num_workers=0)
+"""
+
+
+def test_kill_mid_way_leaves_no_half_shard_and_resume_equals_uninterrupted(tmp_path, corpus_files, spm_model):
+  reference = prepare_data(_config(tmp_path / "ref", corpus_files, spm_model_file=spm_model), num_workers=0)
+  reference_dir = tmp_path / "ref" / "prepared"
+  config = _config(tmp_path, corpus_files, spm_model_file=spm_model)
+  directory = tmp_path / "prepared"
+  # fsync calls: 1 for the first manifest, then one per shard file (train, eval if any).
+  script = _KILLED_RUN.format(repo=REPO, kill_at=6, config=repr(config.to_dict()))
+  process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+  try:
+    assert process.stdout.readline().strip() == "WRITING"
+  finally:
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+  names = os.listdir(directory)
+  assert any(name.startswith(".tmp-") for name in names), "the kill should interrupt a shard write"
+  shard_names = [name for name in names if name.endswith(".npy") and not name.startswith(".tmp-")]
+  assert shard_names, names
+  for name in shard_names:  # every visible shard is whole and equals the uninterrupted run's
+    assert (directory / name).read_bytes() == (reference_dir / name).read_bytes()
+  assert len(shard_names) < len(os.listdir(reference_dir)) - 1
+  manifest = json.loads((directory / "manifest.json").read_text())
+  assert not manifest["complete"]
+  with pytest.raises(ConfigError, match="did not finish.*resumes"):
+    load_pretraining_data(_config(tmp_path, corpus_files, spm_model_file=spm_model, source="prepared"))
+
+  resumed = prepare_data(config, num_workers=0)
+  assert resumed["shards"] == reference["shards"] and resumed["totals"] == reference["totals"]
+  assert sorted(os.listdir(directory)) == sorted(os.listdir(reference_dir))
+  for name in os.listdir(reference_dir):
+    if name.endswith(".npy"):
+      assert (directory / name).read_bytes() == (reference_dir / name).read_bytes()
+
+
+def test_prepared_dir_of_another_config_is_refused_untouched(tmp_path, corpus_files, spm_model):
+  prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model), num_workers=0)
+  before = {p: p.read_bytes() for p in (tmp_path / "prepared").iterdir()}
+  with pytest.raises(ConfigError, match=r"another config.*'max_seq_len': \(32, 48\)"):
+    prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model, max_seq_len=48), num_workers=0)
+  assert {p: p.read_bytes() for p in (tmp_path / "prepared").iterdir()} == before
+  with pytest.raises(ConfigError, match="prepare_data reads documents"):
+    prepare_data(_config(tmp_path, corpus_files, source="prepared"), num_workers=0)
+  with pytest.raises(ConfigError, match="needs data.prepared_dir"):
+    prepare_data(_config(tmp_path, corpus_files, prepared_dir=""), num_workers=0)
+
+
+def test_training_refuses_shards_of_another_tokenizer_or_length(tmp_path, corpus_files, spm_model):
+  prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model), num_workers=0)
+  with pytest.raises(ConfigError, match=r"max_seq_len=32, but data.max_seq_len=64"):
+    load_pretraining_data(_config(tmp_path, corpus_files, source="prepared", spm_model_file=spm_model, max_seq_len=64))
+  other = str(tmp_path / "other.model")
+  train_tokenizer(_config(tmp_path, corpus_files, spm_vocab_size=90), other, num_threads=1)
+  expected = SentencePieceTokenizer(spm_model).fingerprint
+  got = SentencePieceTokenizer(other).fingerprint
+  with pytest.raises(ConfigError, match=f"fingerprint {expected}.*this config gives sentencepiece .*other.model .fingerprint {got}"):
+    load_pretraining_data(_config(tmp_path, corpus_files, source="prepared", spm_model_file=other))
+  with pytest.raises(ConfigError, match="has no manifest.json.*--mode=prepare_data"):
+    load_pretraining_data(_config(tmp_path, corpus_files, source="prepared", prepared_dir=str(tmp_path / "none")))
+
+
+def test_sentencepiece_trained_by_prepare_serves_training(tmp_path, corpus_files):
+  config = _config(tmp_path, corpus_files, spm_vocab_size=100)
+  manifest = prepare_data(config, num_workers=0)
+  assert manifest["tokenizer"]["model_file"] == "spm.model"
+  data = load_pretraining_data(_config(tmp_path, corpus_files, spm_vocab_size=100, source="prepared"))
+  assert data.tokenizer.fingerprint == manifest["tokenizer"]["fingerprint"]
+  assert data.tokenizer.vocab_size == 100
+  assert np.asarray(data.input_ids).max() < 100
+  assert load_tokenizer(_config(tmp_path, corpus_files, source="prepared")).fingerprint == data.tokenizer.fingerprint
+  with pytest.raises(ConfigError, match=r"has 100 pieces, but data.spm_vocab_size=80"):
+    prepare_data(_config(tmp_path, corpus_files, spm_vocab_size=80), num_workers=0)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_files_are_counted_skips_and_the_rest_is_prepared(tmp_path, spm_model):
+  corpus = tmp_path / "messy"
+  corpus.mkdir()
+  (corpus / "a_good.txt").write_text("The old bridge.\nA quiet city.\n\nMusic played.\n", encoding="utf-8")
+  (corpus / "b_latin1.txt").write_bytes("Caf\xe9 au lait.\n".encode("latin-1"))
+  (corpus / "c_binary.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)) * 4)
+  (corpus / "d_empty.txt").write_bytes(b"")
+  (corpus / "e_long.txt").write_text("x" * (3 << 20) + "\nShort line after it.\n", encoding="utf-8")
+  config = _config(tmp_path, str(corpus / "*.txt"), spm_model_file=spm_model, eval_fraction=0.0)
+  manifest = prepare_data(config, num_workers=0)
+  assert manifest["source_stats"] == {
+      "files": 5, "empty_files": 1, "binary_files": 1, "replaced_lines": 1, "skipped_lines": 0,
+      "long_sentences": 1, "documents": 4,
+  }
+  tokenizer = SentencePieceTokenizer(spm_model)
+  data = load_pretraining_data(_config(tmp_path, "", spm_model_file=spm_model, source="prepared"))
+  texts = [tokenizer.decode(row) for row in np.asarray(data.input_ids)]
+  assert any("bridge" in text for text in texts) and any("Short line after it." in text for text in texts)
+  assert not any("xxxx" in text for text in texts), "the megabyte line must be skipped, not packed"
+  assert any("\ufffd" in text or "⁇" in text for text in texts)  # the latin-1 byte, replaced
+
+
+@pytest.mark.parametrize("block_bytes", [1, 3, 7, 64, 1 << 20])
+def test_block_reader_splits_lines_like_decoding_the_whole_file(tmp_path, monkeypatch, block_bytes):
+  from electra_jax.data import sources
+
+  raw = (
+      "First line.\r\nSecond\rthird\x0cfourth\u2028fifth\n\n\n  Doc two café.\n".encode("utf-8")
+      + b"bad \xff\xfe bytes\r\n\r\nDoc three \xe9\n\xe4\xbd\xa0\xe5\xa5\xbd no newline at end"
+  )
+  path = tmp_path / "mixed.txt"
+  path.write_bytes(raw)
+  # The oracle: the whole file decoded at once, split into lines, grouped on blank lines.
+  expected, document = [], []
+  for line in raw.decode("utf-8", errors="replace").splitlines():
+    if line.strip():
+      document.append(line.strip())
+    elif document:
+      expected.append(document)
+      document = []
+  expected.append(document)
+  monkeypatch.setattr(sources, "_BLOCK_BYTES", block_bytes)
+  stats = sources.SourceStats()
+  assert list(sources.iter_documents("text", [str(path)], stats=stats)) == expected
+  assert stats.replaced_lines == 2 and stats.first_replaced_line == f"{path}:9"
+  assert stats.bytes_read == len(raw)
+
+
+def test_no_usable_text_is_refused_before_any_shard(tmp_path, spm_model):
+  corpus = tmp_path / "useless"
+  corpus.mkdir()
+  (corpus / "empty.txt").write_bytes(b"")
+  (corpus / "blob.bin").write_bytes(b"\x00\x01\x02" * 1000)
+  (corpus / "long.txt").write_text("y" * (1 << 20))
+  config = _config(tmp_path, f"{corpus}/*", spm_model_file=spm_model)
+  with pytest.raises(ConfigError, match=r"no usable text.*1 binary files skipped.*1 lines over 65536 characters"):
+    prepare_data(config, num_workers=0)
+  assert not any(name.endswith(".npy") for name in os.listdir(tmp_path / "prepared"))
+
+
+def test_vocab_without_special_tokens_is_refused(tmp_path, corpus_files):
+  vocab = tmp_path / "vocab.txt"
+  vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "the", "old"]) + "\n")
+  config = _config(tmp_path, corpus_files, tokenizer="wordpiece", vocab_file=str(vocab))
+  with pytest.raises(ConfigError, match=r"lacks the special token \[MASK\]"):
+    prepare_data(config, num_workers=0)
+  assert not (tmp_path / "prepared" / "manifest.json").exists()
+
+
+class _FailingTokenizer:
+  """Wraps a tokenizer; raises on any text containing BAD, as a tokenizer bug would."""
+
+  def __init__(self, tokenizer):
+    self._tokenizer = tokenizer
+    self.cls_id, self.sep_id, self.pad_id = tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id
+
+  def encode(self, text):
+    if "BAD" in text:
+      raise RuntimeError("cannot tokenize this")
+    return self._tokenizer.encode(text)
+
+  def encode_batch(self, texts, num_threads=-1):
+    return [self.encode(text) for text in texts]
+
+
+def test_worker_counts_a_document_it_cannot_tokenize_and_packs_the_rest(tmp_path, spm_model):
+  tokenizer = SentencePieceTokenizer(spm_model)
+  rng = random.Random(3)
+  documents = [[_sentence(rng) for _ in range(4)] for _ in range(6)]
+  task = dict(index=0, first_document=0, eval_fraction=0.0, max_seq_len=32, dtype="uint16")
+  bad = [list(d) for d in documents]
+  bad[2][1] = "A BAD sentence."
+  result = prepare.pack_shard(dict(task, documents=bad, out_dir=str(tmp_path / "bad")), _FailingTokenizer(tokenizer))
+  assert "error" not in result, result
+  assert result["skipped_documents"] == 1 and "cannot tokenize this" in result["first_skip"]
+  without = [list(d) for d in documents]
+  without[2] = []
+  expected = prepare.pack_shard(dict(task, documents=without, out_dir=str(tmp_path / "good")), tokenizer)
+  assert result["splits"]["train"]["sha256"] == expected["splits"]["train"]["sha256"]
+  # A failure outside any document (here: an unwritable directory) names the shard, not a traceback.
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  failed = prepare.pack_shard(dict(task, documents=documents, out_dir=str(blocker / "sub")), tokenizer)
+  assert failed["index"] == 0 and "Error" in failed["error"]
+
+
+# ---------------------------------------------------------------- loading prepared shards
+
+
+def _indexed_shards(sizes, max_seq_len=4):
+  """Shards whose row r (counted over all shards) holds r + 10 at position 1 and type 1 at 2."""
+  shards, start = [], 0
+  for size in sizes:
+    array = np.zeros((size, 2, max_seq_len), np.uint16)
+    array[:, 0, 1] = np.arange(start, start + size) + 10
+    array[:, 1, 2] = 1
+    shards.append(array)
+    start += size
+  return shards
+
+
+def test_sharded_rows_index_like_the_concatenated_array():
+  shards = _indexed_shards([3, 1, 5, 2])
+  rows = ShardedRows(shards, 0, 4)
+  reference = np.concatenate([shard[:, 0] for shard in shards]).astype(np.int32)
+  assert rows.shape == (11, 4) and len(rows) == 11
+  for index in ([10, 0, 3, 3, 9, 4], np.array([[1, 2], [8, 5]]), slice(2, 9, 3), slice(None), 7, -1, -11):
+    np.testing.assert_array_equal(rows[index], reference[index])
+  np.testing.assert_array_equal(rows[[4, 1], 1:3], reference[[4, 1], 1:3])
+  np.testing.assert_array_equal(np.asarray(ShardedRows(shards, 1, 4)), np.concatenate([s[:, 1] for s in shards]))
+  assert rows[[0]].dtype == np.int32
+  with pytest.raises(IndexError):
+    rows[np.array([11])]
+
+
+def test_two_hosts_read_disjoint_rows_that_cover_each_epoch(spm_model):
+  tokenizer = SentencePieceTokenizer(spm_model)
+  shards = _indexed_shards([7, 13, 4, 9])
+  data = PreparedData(tokenizer, ShardedRows(shards, 0, 4), ShardedRows(shards, 1, 4), "test", token_count=0)
+  num_examples, batch = 33, 6
+  epoch_rows = {0: [], 1: []}
+  for step in range(11):  # 66 positions: exactly two epochs
+    whole = get_batch(data, step, batch, seed=4)
+    parts = [get_batch(data, step, batch, seed=4, process_index=p, process_count=2) for p in range(2)]
+    host_rows = [(part["input_ids"][:, 1] - 10).tolist() for part in parts]
+    assert not set(host_rows[0]) & set(host_rows[1]), "hosts must read disjoint rows"
+    for key in whole:
+      np.testing.assert_array_equal(np.concatenate([part[key] for part in parts]), whole[key])
+    for p in range(2):
+      epoch_rows[p] += host_rows[p]
+  both = epoch_rows[0] + epoch_rows[1]
+  assert sorted(both) == sorted(list(range(num_examples)) * 2), "two epochs cover every row twice"
+
+
+def test_resume_mid_epoch_gives_the_uninterrupted_batches(tmp_path, corpus_files, spm_model):
+  prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model), num_workers=0)
+  config = _config(tmp_path, corpus_files, spm_model_file=spm_model, source="prepared")
+  data = load_pretraining_data(config)
+  steps_per_epoch = data.num_examples / 8
+  assert steps_per_epoch > 4
+  uninterrupted = [get_batch(data, step, 8, seed=3) for step in range(int(steps_per_epoch * 2) + 2)]
+  resumed_at = int(steps_per_epoch) - 2  # the resumed run crosses an epoch boundary
+  reloaded = load_pretraining_data(config)
+  for step in range(resumed_at, len(uninterrupted)):
+    batch = get_batch(reloaded, step, 8, seed=3)
+    for key in batch:
+      np.testing.assert_array_equal(batch[key], uninterrupted[step][key])
+
+
+# ---------------------------------------------------------------- prefetcher
+
+
+def test_prefetcher_yields_consecutive_steps_and_runs_at_most_depth_ahead():
+  calls = []
+  lock = threading.Lock()
+
+  def fetch(step):
+    with lock:
+      calls.append(step)
+    return {"step": step, "data": np.full(3, step)}
+
+  with Prefetcher(fetch, start_step=5, depth=2) as batches:
+    first = next(batches)
+    assert first["step"] == 5
+    time.sleep(0.3)
+    # Consumed 1; the queue holds at most 2; a third fetch may be waiting to be queued.
+    assert calls == [5, 6, 7, 8][: len(calls)] and len(calls) <= 4
+    rest = [next(batches)["step"] for _ in range(10)]
+    assert rest == list(range(6, 16)) and batches.next_step == 16
+  assert calls == list(range(5, len(calls) + 5))
+
+
+def test_prefetcher_raises_the_fetch_error_at_its_step_and_stops():
+  def fetch(step):
+    if step == 3:
+      raise ConfigError("bad step 3")
+    return step
+
+  prefetcher = Prefetcher(fetch, start_step=0, depth=2)
+  assert [next(prefetcher) for _ in range(3)] == [0, 1, 2]
+  with pytest.raises(ConfigError, match="bad step 3"):
+    next(prefetcher)
+  with pytest.raises(StopIteration):
+    next(prefetcher)
+  assert not prefetcher._thread.is_alive()
+
+
+def test_prefetcher_stop_step_and_close():
+  assert list(Prefetcher(lambda step: step * 2, start_step=2, stop_step=6)) == [4, 6, 8, 10]
+  prefetcher = Prefetcher(lambda step: step, start_step=0, depth=1)
+  next(prefetcher)
+  prefetcher.close()
+  assert not prefetcher._thread.is_alive()
+  with pytest.raises(ValueError, match="depth"):
+    Prefetcher(lambda step: step, 0, depth=0)
+
+
+# ---------------------------------------------------------------- the README's CLI flow
+
+
+def test_bring_your_corpus_from_the_command_line(tmp_path, corpus_files):
+  """train_tokenizer -> prepare_data -> train on the shards, as the README's section runs it."""
+  sys.path.insert(0, os.path.join(REPO, "tests"))
+  from conftest import cli_args, run_cli  # noqa: PLC0415
+
+  data_flags = [
+      "--config.data.source=text", f"--config.data.files={corpus_files}", "--config.data.spm_vocab_size=120",
+      "--config.data.eval_fraction=0.1", f"--config.data.prepared_dir={tmp_path / 'prepared'}",
+  ]
+  python_m_main = [sys.executable, "-m", "electra_jax.main", f"--config={REPO}/configs/base.py",
+                   "--config.data.max_seq_len=32"]
+  model = str(tmp_path / "spm.model")
+  trained = run_cli(python_m_main + ["--mode=train_tokenizer", f"--out={model}", *data_flags])
+  assert trained.returncode == 0, trained.stderr[-2000:]
+  assert SentencePieceTokenizer(model).vocab_size == 120 and "spm_model_file=" in trained.stdout
+  prepared = run_cli(python_m_main + ["--mode=prepare_data", "--workers=2", f"--config.data.spm_model_file={model}",
+                                      *data_flags])
+  assert prepared.returncode == 0, prepared.stderr[-2000:]
+  manifest = json.loads((tmp_path / "prepared" / "manifest.json").read_text())
+  assert manifest["totals"]["train_examples"] > 0 and "Train with --config.data.source=prepared" in prepared.stdout
+
+  workdir = tmp_path / "run"
+  args = cli_args(workdir, **{"data.source": "prepared", "data.prepared_dir": tmp_path / "prepared",
+                              "data.spm_model_file": model, "data.spm_vocab_size": 120, "train.steps": 2,
+                              "checkpoint.every_steps": 2, "eval.every_steps": 2})
+  run = run_cli(args)
+  assert run.returncode == 0, run.stderr[-2000:]
+  logged = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert [m["step"] for m in logged] == [1, 2] and all(np.isfinite(m["loss"]) for m in logged)
+  assert (workdir / "eval_metrics.jsonl").exists()  # the held-out split of the shards

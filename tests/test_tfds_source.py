@@ -1,0 +1,126 @@
+"""Tests for data.source = "tfds": a tiny array_record dataset is built in the test (no network)
+and read back through tfds' random-access data source, without TensorFlow."""
+
+import os
+import random
+
+import ml_collections
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from electra_jax.config_lib import ConfigError
+from electra_jax.data import load_pretraining_data, prepare_data, train_tokenizer
+from electra_jax.data.sources import SourceStats
+from electra_jax.data.tfds_source import TfdsCorpus
+
+_WORDS = "river stone bridge lantern orchard harbor meadow violin ember cedar quiet bright".split()
+
+
+def _article(i):
+  rng = random.Random(i)
+  paragraphs = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12))) for _ in range(rng.randint(1, 5))]
+  # Blank lines and surrounding spaces, as real articles have; one record has no text at all.
+  return "" if i == 7 else f"Article {i}.\n\n" + "\n  ".join(paragraphs) + "\n"
+
+
+class TinyElectraCorpus(tfds.core.GeneratorBasedBuilder):
+  """40 articles with a "text" and a "title" feature, in one "train" split."""
+
+  VERSION = tfds.core.Version("1.0.0")
+
+  def _info(self):
+    return tfds.core.DatasetInfo(
+        builder=self,
+        features=tfds.features.FeaturesDict({"text": tfds.features.Text(), "title": tfds.features.Text()}),
+    )
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    return {"train": self._generate_examples()}
+
+  def _generate_examples(self):
+    for i in range(40):
+      yield i, {"text": _article(i), "title": f"Title {i}"}
+
+
+@pytest.fixture(scope="module")
+def tfds_dir(tmp_path_factory):
+  data_dir = str(tmp_path_factory.mktemp("tfds"))
+  TinyElectraCorpus(data_dir=data_dir, file_format="array_record").download_and_prepare()
+  return data_dir
+
+
+def _config(tmp_path, tfds_dir, **overrides):
+  values = dict(
+      source="tfds",
+      tfds_name="tiny_electra_corpus",
+      tfds_split="train",
+      tfds_text_field="text",
+      tfds_data_dir=tfds_dir,
+      max_seq_len=32,
+      cache_dir=str(tmp_path / "cache"),
+      tokenizer="sentencepiece",
+      spm_vocab_size=45,
+      spm_model_type="unigram",
+      spm_model_file="",
+      max_documents=0,
+      eval_fraction=0.1,
+      prepared_dir=str(tmp_path / "prepared"),
+      shard_documents=8,
+  )
+  values.update(overrides)
+  return ml_collections.ConfigDict(values)
+
+
+def test_tfds_records_become_documents_of_lines(tfds_dir):
+  corpus = TfdsCorpus("tiny_electra_corpus", "train", "text", tfds_dir)
+  stats = SourceStats()
+  documents = list(corpus.iter_documents(stats))
+  # The reference: the same records read straight from the data source, split by hand.
+  source = tfds.data_source("tiny_electra_corpus", split="train", data_dir=tfds_dir, download=False)
+  expected = []
+  for i in range(len(source)):
+    lines = [line.strip() for line in source[i]["text"].decode("utf-8").split("\n")]
+    if any(lines):
+      expected.append([line for line in lines if line])
+  assert documents == expected
+  assert len(documents) == 39 and stats.num_documents == 39  # the empty article is no document
+  assert sorted(int(d[0].split()[1].rstrip(".")) for d in documents) == [i for i in range(40) if i != 7]
+  assert corpus.description["num_records"] == 40
+
+
+def test_tfds_source_trains_packs_and_prepares_identically(tmp_path, tfds_dir):
+  model = str(tmp_path / "spm.model")
+  train_tokenizer(_config(tmp_path, tfds_dir), model, num_threads=1)
+  config = _config(tmp_path, tfds_dir, spm_model_file=model)
+  in_memory = load_pretraining_data(config, "train")
+  text = " ".join(in_memory.tokenizer.decode(row) for row in in_memory.input_ids[:20])
+  assert "Article" in text and any(word in text for word in _WORDS)
+  manifest = prepare_data(config, num_workers=0)
+  assert manifest["source"]["tfds_name"] == "tiny_electra_corpus/1.0.0"
+  assert manifest["totals"]["documents"] == 39 and len(manifest["shards"]) == 5
+  prepared = load_pretraining_data(_config(tmp_path, tfds_dir, spm_model_file=model, source="prepared"), "train")
+  np.testing.assert_array_equal(np.asarray(prepared.input_ids), in_memory.input_ids)
+  np.testing.assert_array_equal(np.asarray(prepared.token_type_ids), in_memory.token_type_ids)
+  assert prepared.fingerprint == in_memory.fingerprint
+
+
+def test_tfds_dataset_not_prepared_says_how_to_prepare_it(tmp_path):
+  empty_dir = str(tmp_path / "nothing_here")
+  with pytest.raises(ConfigError, match=r"'tiny_electra_corpus' is not prepared in .*download_and_prepare.*array_record"):
+    load_pretraining_data(_config(tmp_path, empty_dir))
+  with pytest.raises(ConfigError, match=r"'wikipedia/20230601.en' is not prepared.*tfds build wikipedia/20230601.en"):
+    load_pretraining_data(_config(tmp_path, empty_dir, tfds_name="wikipedia/20230601.en"))
+  with pytest.raises(ConfigError, match="'no_such_corpus_xyz' is not a TFDS dataset"):
+    load_pretraining_data(_config(tmp_path, empty_dir, tfds_name="no_such_corpus_xyz"))
+  with pytest.raises(ConfigError, match="needs data.tfds_name"):
+    load_pretraining_data(_config(tmp_path, empty_dir, tfds_name=""))
+  assert not os.path.exists(tmp_path / "cache" / "tfds")
+
+
+def test_tfds_wrong_split_or_field_names_the_choices(tmp_path, tfds_dir):
+  with pytest.raises(ConfigError, match=r"tfds_split='test' is not a split.*\['train'\]"):
+    load_pretraining_data(_config(tmp_path, tfds_dir, tfds_split="test"))
+  with pytest.raises(ConfigError, match=r"tfds_text_field='body' is not a feature.*\['text', 'title'\]"):
+    load_pretraining_data(_config(tmp_path, tfds_dir, tfds_text_field="body"))
