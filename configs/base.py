@@ -30,7 +30,8 @@ def get_config():
   model.generator_fraction = 0.25
   # Weight sharing: "embeddings" (one embedding tree, ELECTRA's default), "none" (the generator
   # gets its own embeddings of its hidden size), "gdes" (DeBERTa-v3: the discriminator reads
-  # stop_gradient(shared word table) + a zero-initialised delta).
+  # stop_gradient(shared word table) + a zero-initialised delta), "all" (one encoder for both
+  # towers; needs generator_fraction 1.0).
   model.tie = "embeddings"
   model.attention_impl = "xla"  # "xla" anywhere, "cudnn" (flash attention) on NVIDIA GPUs
 
@@ -42,9 +43,11 @@ def get_config():
   objective.disc_weight = 50.0
   objective.temperature = 1.0  # of the generator's softmax when sampling replacements
   # "electra" (RTD on every token), "electra_15" (L_Disc only on the masked positions),
-  # "uniform" (uniform random replacements, no generator). See objectives.py.
+  # "uniform" (uniform random replacements, no generator), "mlm" (BERT), "replace_mlm",
+  # "all_tokens_mlm", "two_stage". See objectives.py and the README's "Ablations".
   objective.name = "electra"
   objective.disallow_correct = False  # the generator may not sample the original token
+  objective.two_stage_switch = 0  # two_stage: the discriminator's first step (0 = train.steps // 2)
 
   config.data = data = ml_collections.ConfigDict()
   # "builtin": English text from the Python standard library; no download. "text": the files

@@ -85,12 +85,23 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"objective.temperature={config.objective.temperature} must be > 0.")
   from electra_jax import models, objectives  # noqa: PLC0415 (they import this module)
 
-  if m.get("tie", "embeddings") not in models.TIE_MODES:
-    raise ConfigError(f"model.tie={m.tie!r} is not one of {list(models.TIE_MODES)}.")
   name = config.objective.get("name", "electra")
   if name not in objectives.OBJECTIVES:
     planned = " It is planned (issue 7) but not built yet." if name in objectives.PLANNED_OBJECTIVES else ""
     raise ConfigError(f"objective.name={name!r} is not one of {list(objectives.OBJECTIVES)}.{planned}")
+  if m.get("tie", "embeddings") not in models.TIE_MODES:
+    raise ConfigError(f"model.tie={m.tie!r} is not one of {list(models.TIE_MODES)}.")
+  if name == "two_stage" and (m.generator_fraction != 1.0 or m.get("tie") == "all"):
+    raise ConfigError(
+        "objective.name='two_stage' starts the discriminator from the generator's weights, so the "
+        f"towers must be the same size and separate: model.generator_fraction=1.0 (is "
+        f"{m.generator_fraction}) and model.tie other than 'all' (is {m.get('tie')!r})."
+    )
+  if m.get("tie") == "all" and m.generator_fraction != 1.0:
+    raise ConfigError(
+        f"model.tie='all' runs one encoder for both towers, so they must be the same size, but "
+        f"model.generator_fraction={m.generator_fraction}: set it to 1.0."
+    )
 
 
 def validate_for_mesh(config: ml_collections.ConfigDict, batch_shards: int) -> None:

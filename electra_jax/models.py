@@ -216,12 +216,14 @@ class Generator(nn.Module):
   vocab_size: int
   dtype: Dtype
   attention_impl: str = "xla"
+  shared_encoder: nn.Module | None = None  # tie="all": the one encoder both towers run
 
   @nn.compact
   def __call__(self, embedded, attention_mask, masked_positions, word_table, deterministic: bool):
-    hidden = Encoder(self.config, self.embedding_size, self.dtype, self.attention_impl, name="encoder")(
-        embedded, attention_mask, deterministic
+    encoder = self.shared_encoder or Encoder(
+        self.config, self.embedding_size, self.dtype, self.attention_impl, name="encoder"
     )
+    hidden = encoder(embedded, attention_mask, deterministic)
     # Only the masked positions reach the head: the vocabulary projection is the costliest
     # matmul of a small generator, and the loss needs nothing else.
     hidden = jnp.take_along_axis(hidden, masked_positions[..., None], axis=1)  # [batch, n_pred, H_g]
@@ -251,13 +253,15 @@ class Discriminator(nn.Module):
   attention_impl: str = "xla"
   mlm_head: bool = False
   vocab_size: int = 0
+  shared_encoder: nn.Module | None = None  # tie="all": the one encoder both towers run
 
   @nn.compact
   def __call__(self, embedded, attention_mask, deterministic: bool, with_mlm: bool = False,
                mlm_positions=None, word_table=None):
-    encoded = Encoder(self.config, self.embedding_size, self.dtype, self.attention_impl, name="encoder")(
-        embedded, attention_mask, deterministic
+    encoder = self.shared_encoder or Encoder(
+        self.config, self.embedding_size, self.dtype, self.attention_impl, name="encoder"
     )
+    encoded = encoder(embedded, attention_mask, deterministic)
     hidden = _dense(self.config.hidden_size, "embed", "mlp", self.dtype, "head_dense")(encoded)
     hidden = nn.gelu(hidden, approximate=False)
     logits = _dense(1, "mlp", "unmodeled", self.dtype, "head_out")(hidden)
@@ -281,8 +285,9 @@ class Discriminator(nn.Module):
 # How the towers share weights (model.tie): "embeddings" (ELECTRA's default: one embedding
 # tree), "none" (the generator has its own embeddings of its hidden size, as the official
 # untied_generator_embeddings), "gdes" (DeBERTa-v3's gradient-disentangled sharing: the
-# discriminator reads stop_gradient(shared word table) + its own zero-initialised delta).
-TIE_MODES = ("embeddings", "none", "gdes")
+# discriminator reads stop_gradient(shared word table) + its own zero-initialised delta),
+# "all" (one encoder for both towers, which keep only their heads; generator_fraction 1).
+TIE_MODES = ("embeddings", "none", "gdes", "all")
 
 
 class ElectraPretrainer(nn.Module):
@@ -291,7 +296,8 @@ class ElectraPretrainer(nn.Module):
   With the default tie="embeddings" the parameter tree's top level is exactly {embeddings,
   generator, discriminator}: the word, position and token-type tables and the embedding
   LayerNorm exist once and both towers (and the generator's tied output layer) read them.
-  tie="none" adds `generator_embeddings`; tie="gdes" adds `discriminator_word_delta`.
+  tie="none" adds `generator_embeddings`; tie="gdes" adds `discriminator_word_delta`;
+  tie="all" moves both towers' encoders into one `shared_encoder`.
   """
 
   vocab_size: int
@@ -336,14 +342,24 @@ class ElectraPretrainer(nn.Module):
           _param(nn.initializers.zeros_init(), ("vocab", "embed")),
           (self.vocab_size, self.embedding_size),
       )
+    shared = None
+    if self.tie == "all":
+      if self.generator_config != self.discriminator_config:
+        raise ConfigError(
+            "model.tie='all' runs one encoder for both towers, so they must be the same size: "
+            "set model.generator_fraction=1.0."
+        )
+      shared = self.shared_encoder = Encoder(
+          self.discriminator_config, self.embedding_size, self.dtype, self.attention_impl
+      )
     if self.has_generator:
       self.generator = Generator(
           self.generator_config, self.generator_embedding_size, self.vocab_size, self.dtype,
-          self.attention_impl,
+          self.attention_impl, shared_encoder=shared,
       )
     self.discriminator = Discriminator(
         self.discriminator_config, self.embedding_size, self.dtype, self.attention_impl,
-        mlm_head=self.discriminator_mlm_head, vocab_size=self.vocab_size,
+        mlm_head=self.discriminator_mlm_head, vocab_size=self.vocab_size, shared_encoder=shared,
     )
 
   def generator_logits(
@@ -551,6 +567,8 @@ def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
   tower_config = pretrainer.discriminator_config if tower == "discriminator" else pretrainer.generator_config
   embeddings = params["embeddings"]
   tower_params = params[tower]
+  if pretrainer.tie == "all":
+    tower_params = {**tower_params, "encoder": params["shared_encoder"]}
   if tower == "discriminator" and pretrainer.discriminator_mlm_head:
     # The standalone discriminator (and transformers' ElectraForPreTraining) has no MLM head.
     tower_params = {k: v for k, v in tower_params.items() if not k.startswith("mlm_")}

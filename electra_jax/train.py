@@ -113,6 +113,10 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
   losses are normalized by whole-batch counts and their gradients sum to the full-batch one.
   """
   objective = state.objective
+  params, second_stage = state.params, None
+  if objective.name == "two_stage":
+    second_stage = state.step >= objective.switch_step
+    params = _start_second_stage(params, state.step == objective.switch_step)
   mask_rng, sample_rng, dropout_rng = jax.random.split(rng, 3)
   masked = objectives.mask_tokens(mask_rng, batch["input_ids"], batch["attention_mask"], objective)
   sample_keys = jax.random.split(sample_rng, batch["input_ids"].shape[0])
@@ -121,13 +125,13 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
   def loss_fn(params, micro_batch, micro_masked, micro_sample_keys, micro_dropout_rng):
     return objectives.electra_forward(
         state.model, params, micro_batch, micro_masked, micro_sample_keys, micro_dropout_rng,
-        objective, normalizers,
+        objective, normalizers, second_stage=second_stage,
     )
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   num_micro = state.grad_accum_steps
   if num_micro == 1:
-    (_, (stats, per_token)), grads = grad_fn(state.params, batch, masked, sample_keys, dropout_rng)
+    (_, (stats, per_token)), grads = grad_fn(params, batch, masked, sample_keys, dropout_rng)
   else:
     # Micro-batch i takes rows i, i + k, i + 2k, ...: each stays spread over every data shard.
     def split(x):
@@ -139,24 +143,39 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
     def accumulate(carry, inputs):
       (micro_batch, micro_masked, micro_keys), micro_dropout_rng = inputs
       (_, (stats, per_token)), grads = grad_fn(
-          state.params, micro_batch, micro_masked, micro_keys, micro_dropout_rng
+          params, micro_batch, micro_masked, micro_keys, micro_dropout_rng
       )
       return jax.tree.map(jnp.add, carry, (grads, stats)), per_token
 
     first = jax.tree.map(lambda x: x[0], micro_inputs)
     (_, (stats_shape, _)), grads_shape = jax.eval_shape(
-        grad_fn, state.params, *first, micro_dropout_rngs[0]
+        grad_fn, params, *first, micro_dropout_rngs[0]
     )
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grads_shape, stats_shape))
     (grads, stats), per_token = jax.lax.scan(accumulate, zeros, (micro_inputs, micro_dropout_rngs))
 
-  updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
+  updates, opt_state = state.tx.update(grads, state.opt_state, params)
+  if objective.name == "two_stage":
+    # Only the tower of the current stage moves (weight decay included): the generator is
+    # frozen from the switch on, the discriminator waits for it.
+    hold = lambda tree, keep: jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), tree)  # noqa: E731
+    updates = {**updates, "generator": hold(updates["generator"], ~second_stage),
+               "discriminator": hold(updates["discriminator"], second_stage)}
+  params = optax.apply_updates(params, updates)
   metrics = objectives.summarize(stats, per_token, objective)
   metrics["grad_norm"] = jnp.sqrt(sum(jnp.vdot(g, g) for g in jax.tree.leaves(grads)))
   metrics["learning_rate"] = state.learning_rate_fn(state.step)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
   return new_state, metrics
+
+
+def _start_second_stage(params, now):
+  """two_stage: at the switch step the discriminator's encoder becomes a copy of the
+  generator's (same sizes; its head stays as initialized)."""
+  encoder = jax.tree.map(
+      lambda g, d: jnp.where(now, g, d), params["generator"]["encoder"], params["discriminator"]["encoder"]
+  )
+  return {**params, "discriminator": {**params["discriminator"], "encoder": encoder}}
 
 
 def step_rng(seed: int, step: int) -> jax.Array:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from electra_jax import checkpointing, config_lib, interop, models, objectives, partitioning, train
+from electra_jax import checkpointing, config_lib, data, interop, models, objectives, partitioning, train
 from electra_jax.config_lib import ConfigError
 
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
@@ -147,7 +147,9 @@ def test_unbuilt_objectives_and_tie_modes_are_refused_by_name():
     config_lib.validate(tiny_config(**{"objective.name": "electric"}))
   with pytest.raises(ConfigError, match="objective.name='bert'"):
     config_lib.validate(tiny_config(**{"objective.name": "bert"}))
-  with pytest.raises(ConfigError, match="model.tie='all' is not one of"):
+  with pytest.raises(ConfigError, match="model.tie='decoder' is not one of"):
+    config_lib.validate(tiny_config(**{"model.tie": "decoder"}))
+  with pytest.raises(ConfigError, match="model.tie='all' .* model.generator_fraction=0.5: set it to 1.0"):
     config_lib.validate(tiny_config(**{"model.tie": "all"}))
 
 
@@ -265,6 +267,31 @@ def test_tie_none_gives_the_generator_its_own_embeddings():
   assert gen_params["embeddings"] is params["generator_embeddings"]
 
 
+def test_tie_all_runs_one_encoder_for_both_towers():
+  config = tiny_config(**{"model.vocab_size": VOCAB, "model.tie": "all", "model.generator_fraction": 1.0,
+                          "model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0})
+  model = models.build_model(config)
+  ids = jnp.zeros((1, 8), jnp.int32)
+  params = nn.meta.unbox(model.init(jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32))["params"])
+  assert sorted(params) == ["discriminator", "embeddings", "generator", "shared_encoder"]
+  assert "encoder" not in params["generator"] and "encoder" not in params["discriminator"]
+  batch = _batch()
+  only_mlm = _grads(model, params, _objective(disc_weight=0.0), batch)
+  only_disc = _grads(model, params, _objective(gen_weight=0.0), batch)
+  assert _norm(only_mlm["shared_encoder"]) > 0 and _norm(only_disc["shared_encoder"]) > 0  # both train it
+  # Each exported tower carries the one encoder.
+  gen_model, gen_params = models.tower_from_pretrainer(model, params, "generator")
+  _, disc_params = models.tower_from_pretrainer(model, params, "discriminator")
+  assert gen_params["generator"]["encoder"] is disc_params["discriminator"]["encoder"] is params["shared_encoder"]
+  args = (batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+  positions = jnp.tile(jnp.arange(4)[None], (4, 1))
+  np.testing.assert_allclose(  # the standalone generator computes what the pre-trainer's does
+      gen_model.apply({"params": gen_params}, batch["input_ids"], attention_mask=batch["attention_mask"],
+                      token_type_ids=batch["token_type_ids"])[np.arange(4)[:, None], positions],
+      model.apply({"params": params}, *args, positions, method=model.generator_logits), atol=1e-5,
+  )
+
+
 def test_gdes_keeps_the_discriminator_loss_off_the_shared_table():
   model, params = _model_and_params(tie="gdes")
   delta = params["discriminator_word_delta"]
@@ -324,3 +351,35 @@ def test_variants_train_through_the_usual_loop(tmp_path):
   assert np.any(np.asarray(state.params["discriminator_word_delta"]))  # the delta trained
   flat = flax.traverse_util.flatten_dict(state.params, sep="/")
   assert sorted(k.split("/")[0] for k in flat if k.endswith("/embedding")) == ["embeddings"] * 3
+
+
+def test_two_stage_trains_the_generator_then_a_discriminator_started_from_it():
+  config = tiny_config(**{"objective.name": "two_stage", "objective.two_stage_switch": 2,
+                          "model.generator_fraction": 1.0, "train.steps": 4})
+  mesh, corpus, setup = train.prepare(config)
+  with partitioning.activate(mesh):
+    state = jax.jit(lambda r: nn.meta.unbox(setup.init_fn(r)), out_shardings=setup.state_shardings)(jax.random.key(0))
+    step_fn = train.compile_train_step(setup, config, mesh)
+    history = [jax.device_get(state.params)]
+    for step in range(4):
+      batch = partitioning.global_batch_from_local(data.get_batch(corpus, step, 8, 0), mesh)
+      state, _ = step_fn(state, batch, train.step_rng(0, step))
+      history.append(jax.device_get(state.params))
+  changed = lambda a, b: any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))  # noqa: E731
+  # Stage one (steps 0, 1): only the generator (and the shared embeddings) move.
+  assert changed(history[0]["generator"], history[2]["generator"])
+  assert not changed(history[0]["discriminator"], history[2]["discriminator"])
+  # Stage two (from step 2): the generator is frozen ...
+  assert not changed(history[2]["generator"], history[4]["generator"])
+  # ... and the discriminator started from its encoder: one Adam step away from it, where it
+  # was a random initialization away before.
+  gen_encoder = history[2]["generator"]["encoder"]
+  distance = lambda a, b: max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))  # noqa: E731
+  assert distance(history[2]["discriminator"]["encoder"], gen_encoder) > 1e-2
+  assert distance(history[3]["discriminator"]["encoder"], gen_encoder) < 1.5e-3
+  assert changed(history[3]["discriminator"], history[4]["discriminator"])
+
+
+def test_two_stage_needs_towers_of_one_size():
+  with pytest.raises(ConfigError, match="two_stage' .* model.generator_fraction=1.0 \\(is 0.5\\)"):
+    config_lib.validate(tiny_config(**{"objective.name": "two_stage"}))
