@@ -383,3 +383,32 @@ def test_two_stage_trains_the_generator_then_a_discriminator_started_from_it():
 def test_two_stage_needs_towers_of_one_size():
   with pytest.raises(ConfigError, match="two_stage' .* model.generator_fraction=1.0 \\(is 0.5\\)"):
     config_lib.validate(tiny_config(**{"objective.name": "two_stage"}))
+
+
+def test_adversarial_generator_learns_from_the_discriminators_reward():
+  model, params = _model_and_params()
+  batch = _batch()
+  objective = _objective(name="adversarial", disc_weight=0.0)  # only the REINFORCE term
+  grads = _grads(model, params, objective, batch)
+  assert _norm(grads["generator"]) > 0.0  # the reward reaches the generator ...
+  assert _norm(grads["discriminator"]) == 0.0  # ... which does not train the discriminator
+  # A discriminator that says the same about every token gives every sample the same reward:
+  # nothing to learn from once the baseline is subtracted.
+  flat = jax.tree.map(jnp.zeros_like, params["discriminator"]["head_out"])
+  constant = {**params, "discriminator": {**params["discriminator"], "head_out": flat}}
+  assert _norm(_grads(model, constant, objective, batch)["generator"]) < 1e-12
+  # The REINFORCE loss by hand.
+  masked, loss, stats, per_token = _forward(model, params, objective, batch)
+  keys = jax.random.split(jax.random.key(2), batch["input_ids"].shape[0])
+  gen_logits = model.apply({"params": params}, masked.input_ids, batch["token_type_ids"], batch["attention_mask"],
+                           masked.positions, method=model.generator_logits)
+  sampled = np.asarray(objectives.sample_tokens(keys, gen_logits, 1.0))
+  logits, replaced = np.asarray(per_token["disc_logits"], np.float64), np.asarray(per_token["is_replaced"], np.float64)
+  positions, weights = np.asarray(masked.positions), np.asarray(masked.weights)
+  reward = np.take_along_axis(_bce(logits, replaced), positions, 1)
+  baseline = (reward * weights).sum(1, keepdims=True) / np.maximum(weights.sum(1, keepdims=True), 1)
+  log_p = np.take_along_axis(_log_softmax(gen_logits), sampled[..., None], -1)[..., 0]
+  want = -((reward - baseline) * log_p * weights).sum() / weights.sum()
+  assert math.isclose(float(loss), want, rel_tol=1e-4, abs_tol=1e-6)
+  metrics = objectives.summarize(stats, per_token, objective)
+  assert float(metrics["generator_reward"]) == pytest.approx((reward * weights).sum() / weights.sum(), rel=1e-5)
