@@ -97,6 +97,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"towers must be the same size and separate: model.generator_fraction=1.0 (is "
         f"{m.generator_fraction}) and model.tie other than 'all' (is {m.get('tie')!r})."
     )
+  if name in ("electric", "mlm", "uniform") and m.get("tie") == "all":
+    raise ConfigError(
+        f"objective.name={name!r} has no generator tower to share an encoder with; use "
+        "model.tie='embeddings' (or 'none', 'gdes')."
+    )
   if m.get("tie") == "all" and m.generator_fraction != 1.0:
     raise ConfigError(
         f"model.tie='all' runs one encoder for both towers, so they must be the same size, but "

@@ -22,7 +22,10 @@ def eval_step(state, batch, seed_key):
       lambda key, ids, mask: objectives.mask_tokens(key, ids[None], mask[None], objective)
   )(mask_keys, batch["input_ids"], batch["attention_mask"])
   masked = jax.tree.map(lambda x: x[:, 0], masked)  # [batch, 1, ...] -> [batch, ...]
-  normalizers = objectives.Normalizers.of(masked, batch["attention_mask"])
+  normalizers = objectives.Normalizers.of(
+      masked, batch["attention_mask"],
+      objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective),
+  )
   _, (stats, per_token) = objectives.electra_forward(
       state.model, state.params, batch, masked, sample_keys, seed_key, objective, normalizers,
       deterministic=True,

@@ -45,11 +45,14 @@ def train_flops_per_token(
   gen_emb, emb = model.generator_embedding_size, model.embedding_size
   gen_head = (gen.hidden_size * gen_emb + gen_emb * model.vocab_size) * max_predictions / seq_len
   gen_params = _encoder_matmul_params(gen, gen_emb) + gen_head
+  if model.cloze_generator:  # Electric: two towers, the head (from 2 H_g) at every position
+    gen_params = 2 * _encoder_matmul_params(gen, gen_emb) + 2 * gen.hidden_size * gen_emb + gen_emb * model.vocab_size
   disc_params = _encoder_matmul_params(disc, emb) + disc.hidden_size**2 + disc.hidden_size
   if model.discriminator_mlm_head:  # MLM-family ablations: the tower's own vocabulary head
     positions = seq_len if all_positions_mlm else max_predictions
     disc_params += (disc.hidden_size * emb + emb * model.vocab_size) * positions / seq_len
-  generator = 6 * gen_params + _attention_flops(gen, seq_len) if with_generator else 0
+  towers = 2 if model.cloze_generator else 1
+  generator = 6 * gen_params + towers * _attention_flops(gen, seq_len) if with_generator else 0
   return generator + 6 * disc_params + _attention_flops(disc, seq_len)
 
 

@@ -142,7 +142,10 @@ class SelfAttention(nn.Module):
       return projected.reshape(*hidden.shape[:-1], cfg.num_heads, cfg.head_dim)
 
     query, key, value = project("query"), project("key"), project("value")
-    key_is_real = attention_mask.astype(bool)[:, None, None, :]  # [batch, 1, 1, seq]
+    # [batch, seq] marks the real keys; [batch, seq, seq] is a full query x key mask (causal
+    # towers). Either way -> [batch, 1, q or 1, seq] for every head.
+    mask = attention_mask.astype(bool)
+    key_is_real = mask[:, None, None, :] if mask.ndim == 2 else mask[:, None, :, :]
     use_dropout = not deterministic and cfg.attention_dropout_rate > 0.0
     if use_dropout:
       # dot_product_attention has no dropout on the probabilities, which BERT and the
@@ -239,6 +242,40 @@ class Generator(nn.Module):
     return logits.astype(jnp.float32) + output_bias  # [batch, n_pred, vocab]
 
 
+class ClozeGenerator(nn.Module):
+  """Electric's generator (the official two-tower cloze model): a left-to-right and a
+  right-to-left encoder over the UNMASKED input; position t reads the left tower at t - 1 and
+  the right tower at t + 1, so it sees every token but its own, and predicts it through
+  dense(2 H_g -> E) + GELU + LayerNorm and the decoder tied to the word table."""
+
+  config: EncoderConfig
+  embedding_size: int
+  vocab_size: int
+  dtype: Dtype
+  attention_impl: str = "xla"
+
+  @nn.compact
+  def __call__(self, embedded, attention_mask, word_table, deterministic: bool):
+    seq_len = attention_mask.shape[-1]
+    keys = attention_mask.astype(bool)[:, None, :]  # [batch, 1, seq]
+    left_to_right = jnp.tril(jnp.ones((seq_len, seq_len), bool))[None]
+    towers = []
+    for name, causal in (("encoder_ltr", left_to_right), ("encoder_rtl", jnp.swapaxes(left_to_right, 1, 2))):
+      encoder = Encoder(self.config, self.embedding_size, self.dtype, self.attention_impl, name=name)
+      towers.append(encoder(embedded, keys & causal, deterministic))
+    ltr, rtl = towers
+    # Shift: t takes ltr[t - 1] and rtl[t + 1] (wrapping at the ends, as the official roll).
+    hidden = jnp.concatenate([jnp.roll(ltr, 1, axis=1), jnp.roll(rtl, -1, axis=1)], axis=-1)
+    hidden = _dense(self.embedding_size, "embed", "mlp", self.dtype, "head_dense")(hidden)
+    hidden = nn.gelu(hidden, approximate=False)
+    hidden = _layer_norm(self.config.layer_norm_eps, "head_layer_norm")(hidden)
+    output_bias = self.param(
+        "output_bias", _param(nn.initializers.zeros_init(), ("vocab",)), (self.vocab_size,)
+    )
+    logits = jnp.einsum("bse,ve->bsv", hidden.astype(self.dtype), word_table.astype(self.dtype))
+    return logits.astype(jnp.float32) + output_bias  # [batch, seq, vocab]
+
+
 class Discriminator(nn.Module):
   """Replaced-token detector: encoder, then dense(H->H) + GELU + dense(H->1) per token.
 
@@ -313,6 +350,8 @@ class ElectraPretrainer(nn.Module):
   has_generator: bool = True
   # True for the MLM-family objectives: the discriminator tower gets a masked-LM head.
   discriminator_mlm_head: bool = False
+  # True for Electric: the generator is the two-tower cloze model (ClozeGenerator).
+  cloze_generator: bool = False
 
   def _embeddings(self, embedding_size: int) -> Embeddings:
     disc = self.discriminator_config
@@ -352,7 +391,12 @@ class ElectraPretrainer(nn.Module):
       shared = self.shared_encoder = Encoder(
           self.discriminator_config, self.embedding_size, self.dtype, self.attention_impl
       )
-    if self.has_generator:
+    if self.cloze_generator:
+      self.generator = ClozeGenerator(
+          self.generator_config, self.generator_embedding_size, self.vocab_size, self.dtype,
+          self.attention_impl,
+      )
+    elif self.has_generator:
       self.generator = Generator(
           self.generator_config, self.generator_embedding_size, self.vocab_size, self.dtype,
           self.attention_impl, shared_encoder=shared,
@@ -371,6 +415,12 @@ class ElectraPretrainer(nn.Module):
     return self.generator(
         embedded, attention_mask, masked_positions, embeddings.word_table(), deterministic
     )
+
+  def cloze_logits(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
+    """Electric's generator: [batch, seq] -> vocabulary logits at every position, float32."""
+    embeddings = self.generator_embeddings if self.tie == "none" else self.embeddings
+    embedded = embeddings(input_ids, token_type_ids, deterministic)
+    return self.generator(embedded, attention_mask, embeddings.word_table(), deterministic)
 
   def discriminator_word_table(self):
     """The word table the discriminator reads: the shared one, or for GDES
@@ -405,7 +455,9 @@ class ElectraPretrainer(nn.Module):
     """Both towers on the same input; used to create every parameter at init. The generator's
     output is None without a generator; the discriminator's is a pair with an MLM head."""
     generator = None
-    if self.has_generator:
+    if self.cloze_generator:
+      generator = self.cloze_logits(input_ids, token_type_ids, attention_mask, deterministic)
+    elif self.has_generator:
       generator = self.generator_logits(
           input_ids, token_type_ids, attention_mask, masked_positions, deterministic
       )
@@ -461,6 +513,7 @@ def build_model(config) -> ElectraPretrainer:
       tie=m.get("tie", "embeddings"),  # absent from workdirs written before it existed
       has_generator=objective not in objectives.WITHOUT_GENERATOR,
       discriminator_mlm_head=objective in objectives.MLM_FAMILY,
+      cloze_generator=objective == "electric",
   )
 
 
@@ -564,6 +617,8 @@ def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
     )
   if tower == "generator" and not pretrainer.has_generator:
     raise ConfigError("This pre-trainer has no generator (its objective runs none); export the discriminator.")
+  if tower == "generator" and pretrainer.cloze_generator:
+    raise ConfigError("Electric's two-tower cloze generator has no standalone (or Hugging Face) form; export the discriminator.")
   tower_config = pretrainer.discriminator_config if tower == "discriminator" else pretrainer.generator_config
   embeddings = params["embeddings"]
   tower_params = params[tower]

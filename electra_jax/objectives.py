@@ -28,13 +28,18 @@ from electra_jax.config_lib import ConfigError
 #   adversarial     the paper's adversarial generator: trained with REINFORCE to maximize the
 #                   discriminator's loss at the masked positions (reward = that per-token loss,
 #                   baseline = the example's mean reward), plus adversarial_mlm_weight * L_MLM
+#   electric        the official electric_objective: a two-tower cloze generator over the
+#                   unmasked input (loss: its cloze CE at every maskable token) whose samples
+#                   replace the masked tokens; every masked slot is labelled replaced, and the
+#                   discriminator's logit gets + log q(token) + log(mask_prob / (1 - mask_prob))
 OBJECTIVES = (
     "electra", "electra_15", "uniform", "mlm", "replace_mlm", "all_tokens_mlm", "two_stage", "adversarial",
+    "electric",
 )
 MLM_FAMILY = ("mlm", "replace_mlm", "all_tokens_mlm")  # the discriminator tower has an MLM head
 WITHOUT_GENERATOR = ("mlm", "uniform")
 # In the paper's ablations but not built yet; refused by name rather than silently replaced.
-PLANNED_OBJECTIVES = ("electric",)
+PLANNED_OBJECTIVES = ()
 # BERT's masking for objective "mlm": of the chosen positions 80% [MASK], 10% a random token,
 # 10% kept.
 _BERT_KEEP_PROB, _BERT_RANDOM_PROB = 0.1, 0.1
@@ -97,6 +102,11 @@ def _rows(batch_size: int) -> jax.Array:
   return jnp.arange(batch_size)[:, None]
 
 
+def candidate_mask(input_ids, attention_mask, objective: ElectraObjective):
+  """[batch, seq] bool: the tokens masking may choose (not [CLS], [SEP], [MASK] or padding)."""
+  return attention_mask.astype(bool) & ~jnp.isin(input_ids, jnp.asarray(objective.never_masked_ids))
+
+
 def mask_tokens(rng, input_ids, attention_mask, objective: ElectraObjective) -> MaskedInputs:
   """Chooses clip(round(n * mask_prob), 1, N) distinct positions per example (n = non-padding
   tokens) among tokens that are not [CLS], [SEP], [MASK] or padding; replaces each with
@@ -104,9 +114,7 @@ def mask_tokens(rng, input_ids, attention_mask, objective: ElectraObjective) -> 
   batch_size, seq_len = input_ids.shape
   num_slots = objective.max_predictions
   choose_rng, replace_rng = jax.random.split(rng)
-  is_candidate = attention_mask.astype(bool) & ~jnp.isin(
-      input_ids, jnp.asarray(objective.never_masked_ids)
-  )
+  is_candidate = candidate_mask(input_ids, attention_mask, objective)
   num_tokens = attention_mask.astype(jnp.float32).sum(-1)
   # jnp.round rounds half to even, as TF's round in the official code does.
   num_to_predict = jnp.clip(jnp.round(num_tokens * objective.mask_prob), 1, num_slots)
@@ -168,12 +176,15 @@ class Normalizers(NamedTuple):
 
   num_predictions: jax.Array  # sum of MaskedInputs.weights
   num_tokens: jax.Array  # sum of attention_mask
+  num_candidates: jax.Array  # maskable tokens (Electric's cloze loss covers them all)
 
   @classmethod
-  def of(cls, masked: MaskedInputs, attention_mask):
+  def of(cls, masked: MaskedInputs, attention_mask, candidates=None):
+    num_tokens = jnp.maximum(attention_mask.astype(jnp.float32).sum(), 1.0)
     return cls(
         jnp.maximum(masked.weights.sum(), 1.0),
-        jnp.maximum(attention_mask.astype(jnp.float32).sum(), 1.0),
+        num_tokens,
+        num_tokens if candidates is None else jnp.maximum(candidates.astype(jnp.float32).sum(), 1.0),
     )
 
 
@@ -224,7 +235,18 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
                  "token_weights": token_weights}
     return loss, (stats, per_token)
 
-  if objective.uses_generator:
+  cloze_logits = None
+  if objective.name == "electric":
+    # The cloze model reads the unmasked input and predicts every token from both sides.
+    cloze_logits = apply(
+        input_ids, token_type_ids, attention_mask, deterministic,
+        method=model.cloze_logits, rngs={"dropout": gen_dropout_rng},
+    )  # [batch, seq, vocab]
+    candidates = candidate_mask(input_ids, attention_mask, objective).astype(jnp.float32)
+    cloze_loss_sum, _ = _mlm_sums(cloze_logits, input_ids, candidates)
+    stats.update(main_loss_sum=cloze_loss_sum, main_count=candidates.sum())
+    gen_logits = jnp.take_along_axis(cloze_logits, masked.positions[..., None], axis=1)
+  elif objective.uses_generator:
     gen_logits = apply(
         masked.input_ids, token_type_ids, attention_mask, masked.positions, deterministic,
         method=model.generator_logits, rngs={"dropout": gen_dropout_rng},
@@ -243,6 +265,10 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
       sampled_correct=((sampled_ids == masked.target_ids) * masked.weights).sum(),
   )
   gen_loss = objective.gen_weight * mlm_loss_sum / normalizers.num_predictions
+  if objective.name == "electric":
+    gen_loss = objective.gen_weight * stats["main_loss_sum"] / normalizers.num_candidates
+    # Every masked slot counts as replaced, even where the sample equals the original.
+    is_replaced = masked_position_weights(masked, attention_mask.shape) > 0
 
   if objective.name == "replace_mlm":
     # MLM on the generator-corrupted input (no [MASK]): predict the originals at the masked slots.
@@ -287,6 +313,14 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
       corrupted_ids, token_type_ids, attention_mask, deterministic,
       method=model.discriminator_logits, rngs={"dropout": disc_dropout_rng},
   )  # [batch, seq] float32
+  if objective.name == "electric":
+    # The energy-based form: the cloze model's log-probability of the token it sees (no
+    # gradient) plus the log prior odds of a position being masked.
+    log_q = jnp.take_along_axis(jax.nn.log_softmax(cloze_logits, axis=-1), corrupted_ids[..., None], axis=-1)[..., 0]
+    disc_logits = (
+        disc_logits + jax.lax.stop_gradient(log_q)
+        + jnp.log(objective.mask_prob / (1.0 - objective.mask_prob))
+    )
   if objective.name == "electra_15":
     # L_Disc (and the disc metrics) only where the generator could have replaced a token.
     token_weights = masked_position_weights(masked, attention_mask.shape)
@@ -384,6 +418,9 @@ def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str,
     metrics["main_mlm_loss"] = stats["main_loss_sum"] / main_count
     metrics["main_mlm_accuracy"] = stats["main_correct"] / main_count
     metrics["loss"] = objective.gen_weight * masked_lm_loss + metrics["main_mlm_loss"]
+  elif objective.name == "electric":
+    metrics["cloze_loss"] = stats["main_loss_sum"] / jnp.maximum(stats["main_count"], 1.0)
+    metrics["loss"] = objective.gen_weight * metrics["cloze_loss"] + objective.disc_weight * disc_loss
   elif objective.name == "adversarial":
     # The REINFORCE surrogate is no quantity to watch; the generator's mean reward is.
     metrics["generator_reward"] = stats["main_loss_sum"] / jnp.maximum(stats["main_count"], 1.0)

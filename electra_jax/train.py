@@ -120,7 +120,10 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
   mask_rng, sample_rng, dropout_rng = jax.random.split(rng, 3)
   masked = objectives.mask_tokens(mask_rng, batch["input_ids"], batch["attention_mask"], objective)
   sample_keys = jax.random.split(sample_rng, batch["input_ids"].shape[0])
-  normalizers = objectives.Normalizers.of(masked, batch["attention_mask"])
+  normalizers = objectives.Normalizers.of(
+      masked, batch["attention_mask"],
+      objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective),
+  )
 
   def loss_fn(params, micro_batch, micro_masked, micro_sample_keys, micro_dropout_rng):
     return objectives.electra_forward(

@@ -52,7 +52,9 @@ def _model_and_params(tie="embeddings", objective="electra"):
 def _forward(model, params, objective, batch, seed=1):
   masked = objectives.mask_tokens(jax.random.key(seed), batch["input_ids"], batch["attention_mask"], objective)
   keys = jax.random.split(jax.random.key(seed + 1), batch["input_ids"].shape[0])
-  normalizers = objectives.Normalizers.of(masked, batch["attention_mask"])
+  normalizers = objectives.Normalizers.of(
+      masked, batch["attention_mask"], objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective)
+  )
   loss, (stats, per_token) = objectives.electra_forward(
       model, params, batch, masked, keys, jax.random.key(3), objective, normalizers, deterministic=True
   )
@@ -62,7 +64,9 @@ def _forward(model, params, objective, batch, seed=1):
 def _grads(model, params, objective, batch):
   masked = objectives.mask_tokens(jax.random.key(1), batch["input_ids"], batch["attention_mask"], objective)
   keys = jax.random.split(jax.random.key(2), batch["input_ids"].shape[0])
-  normalizers = objectives.Normalizers.of(masked, batch["attention_mask"])
+  normalizers = objectives.Normalizers.of(
+      masked, batch["attention_mask"], objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective)
+  )
 
   def loss_fn(p):
     return objectives.electra_forward(model, p, batch, masked, keys, jax.random.key(3), objective,
@@ -142,9 +146,9 @@ def test_disallow_correct_never_samples_the_original():
   assert float(stats["disc_true_pos"] + stats["disc_false_neg"]) == float(masked.weights.sum())
 
 
-def test_unbuilt_objectives_and_tie_modes_are_refused_by_name():
-  with pytest.raises(ConfigError, match="objective.name='electric' .* planned \\(issue 7\\) but not built yet"):
-    config_lib.validate(tiny_config(**{"objective.name": "electric"}))
+def test_unknown_objectives_and_tie_modes_are_refused_by_name():
+  with pytest.raises(ConfigError, match="objective.name='electric_two' is not one of"):
+    config_lib.validate(tiny_config(**{"objective.name": "electric_two"}))
   with pytest.raises(ConfigError, match="objective.name='bert'"):
     config_lib.validate(tiny_config(**{"objective.name": "bert"}))
   with pytest.raises(ConfigError, match="model.tie='decoder' is not one of"):
@@ -412,3 +416,42 @@ def test_adversarial_generator_learns_from_the_discriminators_reward():
   assert math.isclose(float(loss), want, rel_tol=1e-4, abs_tol=1e-6)
   metrics = objectives.summarize(stats, per_token, objective)
   assert float(metrics["generator_reward"]) == pytest.approx((reward * weights).sum() / weights.sum(), rel=1e-5)
+
+
+def test_electric_cloze_generator_and_energy_based_discriminator():
+  model, params = _model_and_params(objective="electric")
+  assert sorted(params["generator"]) == ["encoder_ltr", "encoder_rtl", "head_dense", "head_layer_norm", "output_bias"]
+  batch = _batch()
+  ids, types, mask = batch["input_ids"], batch["token_type_ids"], batch["attention_mask"]
+  cloze = model.apply({"params": params}, ids, types, mask, method=model.cloze_logits)
+  # Position t's prediction never depends on token t itself (nor on padding).
+  changed = ids.at[0, 5].set(7 if int(ids[0, 5]) != 7 else 8)
+  cloze_changed = model.apply({"params": params}, changed, types, mask, method=model.cloze_logits)
+  np.testing.assert_allclose(cloze_changed[0, 5], cloze[0, 5], atol=1e-5)
+  assert not np.allclose(cloze_changed[0, 6], cloze[0, 6], atol=1e-5)  # its neighbours see it
+
+  objective = _mlm_objective("electric")
+  masked, loss, stats, per_token = _forward(model, params, objective, batch)
+  keys = jax.random.split(jax.random.key(2), ids.shape[0])
+  gen_logits = np.take_along_axis(np.asarray(cloze), np.asarray(masked.positions)[..., None], 1)
+  sampled = objectives.sample_tokens(keys, jnp.asarray(gen_logits), 1.0)
+  corrupted, _ = objectives.corrupt(ids, masked, sampled)
+  # Labels: every used masked slot is "replaced".
+  np.testing.assert_array_equal(
+      np.asarray(per_token["is_replaced"]), np.asarray(objectives.masked_position_weights(masked, mask.shape)) > 0
+  )
+  # The loss by hand: cloze CE over the maskable tokens + 50 x BCE of (D + log q + log prior odds).
+  log_softmax = _log_softmax(cloze)
+  candidates = np.asarray(objectives.candidate_mask(ids, mask, objective), np.float64)
+  cloze_ce = -(np.take_along_axis(log_softmax, np.asarray(ids)[..., None], -1)[..., 0] * candidates).sum() / candidates.sum()
+  raw = np.asarray(model.apply({"params": params}, corrupted, types, mask, method=model.discriminator_logits), np.float64)
+  log_q = np.take_along_axis(log_softmax, np.asarray(corrupted)[..., None], -1)[..., 0]
+  logits = raw + log_q + np.log(0.15 / 0.85)
+  np.testing.assert_allclose(np.asarray(per_token["disc_logits"]), logits, atol=1e-4)
+  labels = np.asarray(per_token["is_replaced"], np.float64)
+  real = np.asarray(mask, np.float64)
+  want = cloze_ce + 50.0 * (_bce(logits, labels) * real).sum() / real.sum()
+  assert math.isclose(float(loss), want, rel_tol=1e-4)
+  # L_Disc does not reach the cloze model through log q.
+  grads = _grads(model, params, dataclasses.replace(objective, gen_weight=0.0), batch)
+  assert _norm(grads["generator"]) == 0.0 and _norm(grads["discriminator"]) > 0.0
