@@ -25,7 +25,12 @@ setup(
     extras_require={
         # The PyTorch peer for parity tests. The <2.14 bound keeps pip on torch 2.13's CPU
         # wheel where one is at hand instead of fetching a multi-GB CUDA build.
-        "test": ["pytest>=8", "torch>=2.1,<2.14", "transformers>=5.0"],
+        # scipy and scikit-learn are oracles for the fine-tuning metrics; importlib_resources
+        # lets tfds prepare its own GLUE builders from the tests' fixture files.
+        "test": [
+            "pytest>=8", "torch>=2.1,<2.14", "transformers>=5.0", "scipy", "scikit-learn",
+            "importlib_resources",
+        ],
         # gs:// workdirs: etils.epath reaches buckets through gcsfs, orbax also needs the client.
         "gcs": ["gcsfs", "google-cloud-storage"],
     },

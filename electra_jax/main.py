@@ -23,6 +23,12 @@ weights), then train in that workdir (without --config, its config.json is used)
   python -m electra_jax.main --mode=import_tf --tf_checkpoint=electra_small/ \
       --config=configs/electra_small.py --workdir=/tmp/continued
   python -m electra_jax.main --workdir=/tmp/continued
+
+Fine-tuning the pre-trained discriminator on GLUE, SQuAD or your own labelled data:
+
+  python -m electra_jax.main --mode=finetune --config=configs/finetune/glue.py \
+      --config.task=rte --config.data_dir=/data/glue --config.init_from=/tmp/electra_demo \
+      --workdir=/tmp/electra_demo_rte
 """
 
 import logging as std_logging
@@ -39,12 +45,13 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, metrics.jsonl and checkpoints.")
 _MODE = flags.DEFINE_enum(
     "mode", "train",
-    ["train", "eval", "export_hf", "import_hf", "import_tf", "prepare_data", "train_tokenizer"],
+    ["train", "eval", "export_hf", "import_hf", "import_tf", "prepare_data", "train_tokenizer", "finetune"],
     "train: pre-train (or resume) in --workdir; eval: held-out metrics of its latest checkpoint "
     "(or --step); export_hf: write its latest checkpoint to --out; import_hf / import_tf: make "
     "--workdir start from released weights (Hugging Face pair / official TF1 checkpoint); "
     "prepare_data: tokenize and pack the config's corpus into shards in data.prepared_dir; "
-    "train_tokenizer: train a sentencepiece model on the config's corpus into --out.",
+    "train_tokenizer: train a sentencepiece model on the config's corpus into --out; finetune: "
+    "a task head on a pre-trained discriminator (configs/finetune/*.py), results in --workdir.",
 )
 _WORKERS = flags.DEFINE_integer(
     "workers", None, "prepare_data: worker processes (default: every core; 0 = in this process)."
@@ -127,6 +134,15 @@ def main(argv):
         print(f"Wrote the {tower} (Hugging Face format) to {directory}")
     elif _MODE.value in ("import_hf", "import_tf"):
       _import(_MODE.value)
+    elif _MODE.value == "finetune":
+      if _CONFIG.value is None:
+        raise app.UsageError(
+            "--mode=finetune needs --config (configs/finetune/glue.py, squad.py, custom.py or tiny.py)."
+        )
+      from electra_jax.finetune import trainer as finetune  # noqa: PLC0415 (tfds/squad stay out of other modes)
+
+      results = finetune.run_finetune(_CONFIG.value, _WORKDIR.value)  # prints its table itself
+      print(f"Results: {_WORKDIR.value}/{results['task']}/results.json")
   except config_lib.ConfigError as error:
     sys.exit(f"electra-jax: error: {error}")
 

@@ -1,0 +1,87 @@
+"""Every key fine-tuning reads (electra_jax/finetune/trainer.py), with ELECTRA's official
+fine-tuning values: batch 32, lr 1e-4 (the official code's value for Small and Base), 10%
+warmup then linear decay, weight decay 0.01, layer-wise lr decay 0.8, max_seq_len 128,
+3 epochs (10 for RTE and STS-B). Recipes (glue.py, custom.py, tiny.py) start from this."""
+
+import ml_collections
+
+
+def get_config():
+  config = ml_collections.ConfigDict()
+
+  # --- Task. A GLUE task (cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli) or "custom".
+  config.task = "cola"
+  config.source = "dir"  # GLUE from "dir" (its TSV layout, under data_dir) or "tfds" (glue/<task>)
+  config.data_dir = ""  # GLUE's root (holding CoLA/, SST-2/, ...) or one task's folder
+  config.tfds_data_dir = ""  # "" = TFDS's default; the data must be prepared as array_record
+  config.double_unordered = True  # MRPC/STS-B: train on both sentence orders, as the official code
+
+  # Custom tasks (task="custom"): TSV/CSV with a header row, or JSONL objects.
+  config.custom = custom = ml_collections.ConfigDict()
+  custom.train_file = ""
+  custom.dev_file = ""
+  custom.test_file = ""  # optional, unlabelled: predictions are written for it
+  custom.format = ""  # "" = from the extension: .tsv, .csv, .jsonl
+  custom.text_a_column = "sentence"
+  custom.text_b_column = ""  # "" = single-sentence task
+  custom.label_column = "label"
+  custom.kind = "classification"  # or "regression" (one output, MSE loss)
+  custom.labels = ""  # label order, comma-separated; "" = the sorted labels seen in train
+  custom.metrics = ""  # comma-separated from accuracy,f1,mcc,pearson,spearman; "" = accuracy
+                       # (classification) or pearson,spearman (regression)
+
+  # --- Initialization. init_from: a pre-training workdir (its latest checkpoint: the
+  # discriminator and the shared embeddings) or a Hugging Face ELECTRA directory.
+  config.init_from = ""
+  config.random_init = False  # same sizes and tokenizer as init_from, fresh weights (a baseline)
+  config.tokenizer = ""  # "" = the pre-training one; else a sentencepiece .model or vocab.txt
+  config.lowercase = True  # for a vocab.txt tokenizer
+  # Sizes for init_from="" (training from scratch with config.tokenizer).
+  config.model = model = ml_collections.ConfigDict()
+  model.hidden_size = 256
+  model.num_layers = 12
+  model.num_heads = 4
+  model.intermediate_size = 1024
+  model.embedding_size = 128
+  model.vocab_size = 0  # 0 = the tokenizer's
+  model.max_position_embeddings = 512
+
+  # --- Training
+  config.max_seq_len = 128
+  config.batch_size = 32
+  config.eval_batch_size = 0  # 0 = batch_size
+  config.epochs = 0  # 0 = the official number: 3, or 10 for RTE and STS-B
+  config.num_seeds = 1  # seeds seed .. seed + num_seeds - 1; results give mean, median, best
+  config.seed = 0
+  config.dropout_rate = 0.1  # encoder hidden dropout while fine-tuning
+  config.attention_dropout_rate = 0.1
+  config.head_dropout_rate = 0.1  # on [CLS] before the dense layer
+  config.dtype = "float32"  # or "bfloat16" (parameters stay float32)
+  config.log_every = 100
+
+  config.optimizer = optimizer = ml_collections.ConfigDict()
+  optimizer.learning_rate = 1e-4
+  optimizer.warmup_fraction = 0.1
+  optimizer.weight_decay = 0.01  # not on LayerNorm parameters or biases
+  # lr of layer l = learning_rate * decay^(num_layers + 1 - l): embeddings l=0, the head
+  # full lr. "official" reproduces the official code, which gives every layer one more factor
+  # of decay (the top layer decay^2). 1.0 turns it off.
+  optimizer.layerwise_lr_decay = 0.8
+  optimizer.layerwise_lr_decay_rule = "correct"
+  optimizer.b1 = 0.9
+  optimizer.b2 = 0.999
+  optimizer.eps = 1e-6
+  optimizer.clip_norm = 1.0
+  optimizer.bias_correction = True  # False = the official Adam without bias correction
+
+  # --- SQuAD (task="squad1.1" | "squad2.0"; source "dir": data_dir holds the official
+  # train-v<version>.json and dev-v<version>.json; "tfds": squad/v<version> as array_record).
+  config.squad = squad = ml_collections.ConfigDict()
+  squad.doc_stride = 128
+  squad.max_query_len = 64
+  squad.n_best = 20
+  squad.max_answer_len = 30
+  squad.null_threshold = 0.0  # predict "" when the null odds exceed it (official test runs: -2.75)
+  squad.answerable_classifier = True  # 2.0: ELECTRA's answerability head
+  squad.answerable_weight = 0.5
+  return config

@@ -1,0 +1,249 @@
+"""The fine-tuning model, ELECTRA's discriminator encoder with a task head ([CLS] -> dropout
+-> dense, no pooler), and where its starting weights and tokenizer come from: a pre-training
+workdir's latest checkpoint, a Hugging Face directory, or random initialization."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from electra_jax import checkpointing, config_lib, data, partitioning, train
+from electra_jax.config_lib import ConfigError
+from electra_jax.models import Embeddings, Encoder, EncoderConfig, bert_init, build_model, tower_from_pretrainer
+
+
+class ElectraClassifier(nn.Module):
+  """Parameters {embeddings, encoder, classifier}; the first two are the discriminator's
+  (the `encoder` subtree of its tower). [batch, seq] -> [batch, num_outputs] float32: class
+  logits, or one score for regression."""
+
+  vocab_size: int
+  embedding_size: int
+  max_position_embeddings: int
+  type_vocab_size: int
+  config: EncoderConfig
+  num_outputs: int
+  head_dropout_rate: float = 0.1
+  dtype: Any = jnp.float32
+  attention_impl: str = "xla"
+
+  def setup(self):
+    self.embeddings = Embeddings(
+        vocab_size=self.vocab_size,
+        embedding_size=self.embedding_size,
+        max_position_embeddings=self.max_position_embeddings,
+        type_vocab_size=self.type_vocab_size,
+        dropout_rate=self.config.dropout_rate,
+        layer_norm_eps=self.config.layer_norm_eps,
+        dtype=self.dtype,
+    )
+    self.encoder = Encoder(self.config, self.embedding_size, self.dtype, self.attention_impl)
+    self.head_dropout = nn.Dropout(self.head_dropout_rate)
+    self.classifier = nn.Dense(
+        self.num_outputs,
+        dtype=self.dtype,
+        param_dtype=jnp.float32,
+        kernel_init=nn.with_logical_partitioning(bert_init(), ("embed", "unmodeled")),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("unmodeled",)),
+    )
+
+  def __call__(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
+    embedded = self.embeddings(input_ids, token_type_ids, deterministic)
+    hidden = self.encoder(embedded, attention_mask, deterministic)  # [batch, seq, hidden]
+    cls = self.head_dropout(hidden[:, 0], deterministic=deterministic)
+    return self.classifier(cls).astype(jnp.float32)  # [batch, num_outputs]
+
+
+@dataclasses.dataclass
+class Backbone:
+  """The encoder a task head goes on: its sizes, its weights (None = random init) and the
+  tokenizer its vocabulary belongs to."""
+
+  vocab_size: int
+  embedding_size: int
+  max_position_embeddings: int
+  type_vocab_size: int
+  encoder_config: EncoderConfig
+  params: dict | None  # {embeddings, encoder}
+  tokenizer: Any
+  source: str  # for the logs and results: where the weights came from
+
+  def classifier(self, num_outputs: int, config) -> ElectraClassifier:
+    encoder_config = dataclasses.replace(
+        self.encoder_config,
+        dropout_rate=config.dropout_rate,
+        attention_dropout_rate=config.attention_dropout_rate,
+    )
+    return ElectraClassifier(
+        vocab_size=self.vocab_size,
+        embedding_size=self.embedding_size,
+        max_position_embeddings=self.max_position_embeddings,
+        type_vocab_size=self.type_vocab_size,
+        config=encoder_config,
+        num_outputs=num_outputs,
+        head_dropout_rate=config.head_dropout_rate,
+        dtype=jnp.dtype(config.dtype),
+    )
+
+
+def _tokenizer_from_file(path: str, lowercase: bool):
+  if not os.path.isfile(path):
+    raise ConfigError(f"config.tokenizer={path!r} is not a file; give a sentencepiece .model or a BERT vocab.txt.")
+  if path.endswith(".model"):
+    return data.SentencePieceTokenizer(path)
+  return data.WordPieceTokenizer(path, lowercase)
+
+
+def _recorded_tokenizer_fingerprint(data_fingerprint: str) -> str | None:
+  """The tokenizer part ('spm:<hash>' or 'wp:<hash>') of a checkpoint's data fingerprint."""
+  for part in data_fingerprint.split("|"):
+    kind, _, value = part.partition(":")
+    if kind in ("spm", "wp"):
+      return value
+  return None
+
+
+def _from_workdir(config, workdir: str) -> Backbone:
+  pretrain_config = config_lib.load_workdir_config(workdir)
+  checkpointer = checkpointing.Checkpointer(workdir, keep=1)
+  try:
+    step = checkpointer.latest_step()
+    if step is None:
+      raise ConfigError(f"config.init_from={workdir!r} holds no checkpoint yet; pre-train first.")
+    meta = checkpointer.read_meta(step)
+  finally:
+    checkpointer.close()
+  if config.tokenizer:
+    tokenizer = _tokenizer_from_file(config.tokenizer, config.lowercase)
+  else:
+    tokenizer = data.load_tokenizer(pretrain_config.data)
+  recorded = _recorded_tokenizer_fingerprint(meta.get("data_fingerprint", ""))
+  if recorded is not None and recorded != tokenizer.fingerprint:
+    raise ConfigError(
+        f"The tokenizer {tokenizer!r} differs from the one the checkpoint in {workdir} was "
+        f"pre-trained with (fingerprint {recorded}); its token ids would mean other words to the "
+        "model. Leave config.tokenizer empty to use the pre-training tokenizer (if its cache was "
+        "rebuilt differently, restore the cache or pre-train again)."
+    )
+
+  pretrainer = build_model(pretrain_config)
+  source = f"random init (sizes of {workdir})" if config.random_init else f"{workdir} step {step}"
+  params = None
+  if not config.random_init:
+    # One device whatever mesh pre-trained it: orbax re-shards the arrays on restore.
+    mesh = partitioning.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)), devices=jax.devices()[:1])
+    special_ids = dict(pad=tokenizer.pad_id, cls=tokenizer.cls_id, sep=tokenizer.sep_id, mask=tokenizer.mask_id)
+    setup = train.build_setup(pretrain_config, mesh, special_ids)
+    _, state = train.restore_checkpoint(workdir, setup, mesh, step)
+    # The standalone discriminator's view (every model.tie mode resolved: a shared encoder,
+    # GDES's shared + delta word table); its RTD head and the generator stay behind.
+    _, tower_params = tower_from_pretrainer(setup.model, state.params, "discriminator")
+    params = {"embeddings": tower_params["embeddings"], "encoder": tower_params["discriminator"]["encoder"]}
+  # The discriminator reads the shared embeddings (embedding_size) in every model.tie mode.
+  return Backbone(
+      vocab_size=pretrainer.vocab_size,
+      embedding_size=pretrainer.embedding_size,
+      max_position_embeddings=pretrainer.max_position_embeddings,
+      type_vocab_size=pretrainer.type_vocab_size,
+      encoder_config=pretrainer.discriminator_config,
+      params=params,
+      tokenizer=tokenizer,
+      source=source,
+  )
+
+
+def _from_hf(config, path: str) -> Backbone:
+  from electra_jax import interop  # torch-free, but only needed here
+
+  hf_model, hf_params = interop.load_hf(path)
+  tower = next((name for name in ("discriminator", "generator") if name in hf_params), None)
+  encoder_params = hf_params[tower]["encoder"] if tower else hf_params["encoder"]
+  vocab_path = config.tokenizer or os.path.join(path, "vocab.txt")
+  if not os.path.isfile(vocab_path):
+    raise ConfigError(
+        f"{path} has no vocab.txt; set config.tokenizer to the vocabulary the model was trained with."
+    )
+  return Backbone(
+      vocab_size=hf_model.vocab_size,
+      embedding_size=hf_model.embedding_size,
+      max_position_embeddings=hf_model.max_position_embeddings,
+      type_vocab_size=hf_model.type_vocab_size,
+      encoder_config=hf_model.config,
+      params=None if config.random_init else {"embeddings": hf_params["embeddings"], "encoder": encoder_params},
+      tokenizer=_tokenizer_from_file(vocab_path, config.lowercase),
+      source=f"random init (sizes of {path})" if config.random_init else f"Hugging Face {path}",
+  )
+
+
+def _from_config(config) -> Backbone:
+  """Random init with the sizes in config.model and the tokenizer in config.tokenizer."""
+  if not config.tokenizer:
+    raise ConfigError(
+        "config.init_from is empty, so the model starts from scratch and needs config.tokenizer "
+        "(a sentencepiece .model or a BERT vocab.txt). To fine-tune a pre-trained model, set "
+        "config.init_from to its pre-training workdir or Hugging Face directory."
+    )
+  tokenizer = _tokenizer_from_file(config.tokenizer, config.lowercase)
+  m = config.model
+  return Backbone(
+      vocab_size=m.vocab_size or tokenizer.vocab_size,
+      embedding_size=m.embedding_size,
+      max_position_embeddings=m.max_position_embeddings,
+      type_vocab_size=2,
+      encoder_config=EncoderConfig(m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size),
+      params=None,
+      tokenizer=tokenizer,
+      source="random init (config.model)",
+  )
+
+
+def load_backbone(config) -> Backbone:
+  """Where the encoder starts, from config.init_from: a pre-training workdir (it has
+  checkpoints/), a Hugging Face directory (config.json + weights), or "" for config.model's
+  sizes. config.random_init keeps the sizes and tokenizer but not the weights (a baseline)."""
+  init_from = config.init_from
+  if not init_from:
+    backbone = _from_config(config)
+  elif os.path.isdir(os.path.join(init_from, "checkpoints")):
+    backbone = _from_workdir(config, init_from)
+  elif os.path.isfile(os.path.join(init_from, "config.json")):
+    backbone = _from_hf(config, init_from)
+  else:
+    raise ConfigError(
+        f"config.init_from={init_from!r} is neither a pre-training workdir (with checkpoints/) nor "
+        "a Hugging Face model directory (with config.json)."
+    )
+  if backbone.tokenizer.vocab_size > backbone.vocab_size:
+    raise ConfigError(
+        f"The tokenizer has {backbone.tokenizer.vocab_size} tokens but the model's vocabulary only "
+        f"{backbone.vocab_size}; use the tokenizer the model was trained with."
+    )
+  if config.max_seq_len > backbone.max_position_embeddings:
+    raise ConfigError(
+        f"config.max_seq_len={config.max_seq_len} exceeds the model's max_position_embeddings="
+        f"{backbone.max_position_embeddings}; lower max_seq_len."
+    )
+  return backbone
+
+
+def init_params(backbone: Backbone, model: ElectraClassifier, rng: jax.Array, seq_len: int):
+  """Fresh parameters for `model`, with the backbone's weights (if any) in place of the
+  random embeddings and encoder; the head is always new."""
+  ids = jnp.zeros((1, seq_len), jnp.int32)
+  params = nn.meta.unbox(jax.jit(model.init)(rng, ids, ids, jnp.ones_like(ids))["params"])
+  if backbone.params is not None:
+    # Copies: the training step donates its parameters, and the next seed starts from these.
+    pretrained = jax.tree.map(lambda x: jnp.array(x, copy=True), nn.meta.unbox(backbone.params))
+    for name in ("embeddings", "encoder"):
+      expected = jax.tree.map(jnp.shape, params[name])
+      got = jax.tree.map(jnp.shape, pretrained[name])
+      if expected != got:
+        raise ConfigError(f"The pre-trained {name} do not fit the classifier: {got} vs {expected}.")
+    params = {**params, "embeddings": pretrained["embeddings"], "encoder": pretrained["encoder"]}
+  return params

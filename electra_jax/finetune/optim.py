@@ -1,0 +1,108 @@
+"""The fine-tuning optimizer: gradient clipping, AdamW (no decay on LayerNorm or biases),
+linear warmup then linear decay, and layer-wise learning-rate decay, which gives layers nearer
+the input smaller steps. Parameter trees are the classifier's {embeddings, encoder, <head>}."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from electra_jax.config_lib import ConfigError
+from electra_jax.train import scale_by_adam_without_bias_correction
+
+LAYERWISE_RULES = ("correct", "official")
+_LAYER = re.compile(r"layer_(\d+)$")
+
+
+def layer_depth(path: tuple[str, ...], num_layers: int) -> int:
+  """0 for the embeddings (and the E->H projection), l+1 for encoder layer_l, num_layers+1
+  for anything else: the task head."""
+  if path[0] == "embeddings":
+    return 0
+  if path[0] == "encoder":
+    if path[1] == "embeddings_project":
+      return 0
+    match = _LAYER.match(path[1])
+    if match:
+      return int(match.group(1)) + 1
+  return num_layers + 1
+
+
+def layerwise_lr_scales(params, num_layers: int, decay: float, rule: str = "correct"):
+  """A tree like `params` holding each parameter's learning-rate multiplier.
+
+  correct:  decay ** (num_layers + 1 - depth): the head 1, the top layer decay, ... the
+            embeddings decay ** (num_layers + 1); "lr * decay^(depth - l)" of the paper.
+  official: the official code's `_get_layer_lrs`, which puts the head at depth num_layers + 2
+            and the layers at l + 1, so the top layer gets decay ** 2 and everything below the
+            head one factor of decay less than the correct rule; the head still gets 1.
+  decay=1 turns layer-wise decay off.
+  """
+  if rule not in LAYERWISE_RULES:
+    raise ConfigError(f"layerwise_lr_decay_rule={rule!r}: use one of {list(LAYERWISE_RULES)}.")
+  if not 0.0 < decay <= 1.0:
+    raise ConfigError(f"layerwise_lr_decay={decay} must be in (0, 1] (1 = no layer-wise decay).")
+  head_depth = num_layers + 1
+
+  def scale(path, _):
+    names = tuple(getattr(key, "key", str(key)) for key in path)
+    depth = layer_depth(names, num_layers)
+    if depth == head_depth:
+      return 1.0
+    top = head_depth + (1 if rule == "official" else 0)
+    return float(decay ** (top - depth))
+
+  return jax.tree_util.tree_map_with_path(scale, params)
+
+
+def _decays(path, _) -> bool:
+  # As the official AdamWeightDecayOptimizer: no weight decay on LayerNorm or any bias.
+  return getattr(path[-1], "key", None) in ("kernel", "embedding")
+
+
+def scale_by_tree(scales) -> optax.GradientTransformation:
+  """Multiplies each update by its fixed entry of `scales` (a tree like the parameters)."""
+
+  def init(params):
+    del params
+    return optax.EmptyState()
+
+  def update(updates, state, params=None):
+    del params
+    return jax.tree.map(lambda u, s: u * jnp.asarray(s, u.dtype), updates, scales), state
+
+  return optax.GradientTransformation(init, update)
+
+
+def linear_warmup_decay(base_lr: float, warmup_steps: int, total_steps: int):
+  """base_lr * min(1, step / warmup) * max(0, 1 - step / total); no warmup when warmup_steps=0."""
+
+  def schedule(step):
+    step = jnp.asarray(step, jnp.float32)
+    warmup = jnp.minimum(1.0, step / warmup_steps) if warmup_steps > 0 else 1.0
+    return base_lr * warmup * jnp.maximum(0.0, 1.0 - step / max(total_steps, 1))
+
+  return schedule
+
+
+def make_optimizer(config, params, num_layers: int, total_steps: int):
+  """(tx, schedule) from the fine-tuning config's optimizer keys (see configs/finetune/glue.py):
+  clip, Adam, decoupled weight decay, the layer-wise multipliers, then the scheduled lr."""
+  o = config.optimizer
+  if not 0.0 <= o.warmup_fraction < 1.0:
+    raise ConfigError(f"optimizer.warmup_fraction={o.warmup_fraction} must be in [0, 1).")
+  schedule = linear_warmup_decay(o.learning_rate, int(round(o.warmup_fraction * total_steps)), total_steps)
+  if o.bias_correction:
+    adam = optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)
+  else:
+    adam = scale_by_adam_without_bias_correction(o.b1, o.b2, o.eps)
+  scales = layerwise_lr_scales(params, num_layers, o.layerwise_lr_decay, o.layerwise_lr_decay_rule)
+  tx = optax.chain(
+      optax.clip_by_global_norm(o.clip_norm),
+      adam,
+      optax.add_decayed_weights(o.weight_decay, mask=lambda p: jax.tree_util.tree_map_with_path(_decays, p)),
+      scale_by_tree(scales),
+      optax.scale_by_learning_rate(schedule),
+  )
+  return tx, schedule

@@ -1,0 +1,507 @@
+"""Sentence(-pair) classification and regression tasks: the nine GLUE tasks, read from a
+directory in GLUE's own distribution layout or from TFDS (`glue/<config>`, array_record, no
+TensorFlow), and custom tasks from TSV/CSV/JSONL files; their checks, BERT-style features and
+GLUE test-set submission files. SQuAD lives in squad.py."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+from absl import logging
+
+from electra_jax.config_lib import ConfigError
+from electra_jax.data.tokenizer import atomic_write_bytes
+from electra_jax.finetune import metrics as metrics_lib
+
+# GLUE sentences hold quotes and apostrophes that are text, not CSV quoting; QQP's longest
+# fields pass csv's default limit.
+csv.field_size_limit(sys.maxsize)
+
+KINDS = ("classification", "regression", "span")
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  text_a: str
+  text_b: str | None
+  label: str | float | None  # None in unlabelled (test) splits
+  index: int  # the row's id: GLUE submissions list predictions by it
+
+
+@dataclasses.dataclass
+class TaskData:
+  """Everything the trainer needs from a task, checked (see `check_task_data`)."""
+
+  name: str
+  kind: str  # "classification" or "regression" ("span" tasks come from squad.py)
+  label_list: tuple[str, ...] | None  # classification: label id i is label_list[i]
+  metric_names: tuple[str, ...]
+  train: list[Example]
+  dev: dict[str, list[Example]]  # evaluation name (e.g. "mnli-m") -> examples
+  test: dict[str, list[Example]]  # submission name (e.g. "MNLI-m") -> unlabelled examples
+  is_glue: bool = False
+
+
+# ---------------------------------------------------------------------------------------
+# GLUE
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GlueTask:
+  """Where one GLUE task's data lives, in GLUE's TSVs and in TFDS."""
+
+  directory: str  # GLUE's folder, e.g. "CoLA"
+  label_list: tuple[str, ...] | None  # label strings as GLUE's TSVs and submissions write them
+  text_columns: tuple[str, str | None]  # header names of text_a, text_b
+  label_column: str
+  dev_files: dict[str, str]  # evaluation name -> file stem
+  test_files: dict[str, str]  # submission name -> file stem
+  tfds_text: tuple[str, str | None]
+  tfds_dev_splits: dict[str, str]  # evaluation name -> TFDS split
+  tfds_test_splits: dict[str, str]  # submission name -> TFDS split
+  # TFDS's class index -> GLUE's label string (TFDS orders some tasks' classes differently).
+  tfds_labels: tuple[str, ...] | None = None
+  test_index_column: str = "index"
+  # Sentence order carries no meaning: the official code trains on both orders.
+  symmetric: bool = False
+  # CoLA's train and dev files have no header: (text column, label column) by position.
+  headerless_columns: tuple[int, int] | None = None
+
+
+def _single(dev_name, test_name):
+  return {dev_name: "dev"}, {test_name: "test"}
+
+
+def _glue(directory, labels, text, label_column, tfds_text, tfds_labels, dev_test, **kwargs):
+  dev_files, test_files = dev_test
+  tfds_dev = {name: "validation" for name in dev_files}
+  tfds_test = {name: "test" for name in test_files}
+  if directory == "MNLI":
+    tfds_dev = {"mnli-m": "validation_matched", "mnli-mm": "validation_mismatched"}
+    tfds_test = {"MNLI-m": "test_matched", "MNLI-mm": "test_mismatched"}
+  return GlueTask(
+      directory, labels, text, label_column, dev_files, test_files, tfds_text, tfds_dev, tfds_test,
+      tfds_labels, **kwargs,
+  )
+
+
+_BINARY = ("0", "1")
+_ENTAILMENT = ("entailment", "not_entailment")
+GLUE_TASKS = {
+    "cola": _glue(
+        "CoLA", _BINARY, ("sentence", None), "label", ("sentence", None), _BINARY,
+        _single("cola", "CoLA"), headerless_columns=(3, 1),
+    ),
+    "sst2": _glue(
+        "SST-2", _BINARY, ("sentence", None), "label", ("sentence", None), _BINARY,
+        _single("sst2", "SST-2"),
+    ),
+    "mrpc": _glue(
+        "MRPC", _BINARY, ("#1 String", "#2 String"), "Quality", ("sentence1", "sentence2"), _BINARY,
+        _single("mrpc", "MRPC"), symmetric=True,
+    ),
+    "stsb": _glue(
+        "STS-B", None, ("sentence1", "sentence2"), "score", ("sentence1", "sentence2"), None,
+        _single("stsb", "STS-B"), symmetric=True,
+    ),
+    "qqp": _glue(
+        "QQP", _BINARY, ("question1", "question2"), "is_duplicate", ("question1", "question2"),
+        _BINARY, _single("qqp", "QQP"), test_index_column="id",
+    ),
+    "mnli": _glue(
+        "MNLI", ("contradiction", "entailment", "neutral"), ("sentence1", "sentence2"), "gold_label",
+        ("premise", "hypothesis"), ("entailment", "neutral", "contradiction"),
+        ({"mnli-m": "dev_matched", "mnli-mm": "dev_mismatched"},
+         {"MNLI-m": "test_matched", "MNLI-mm": "test_mismatched"}),
+    ),
+    "qnli": _glue(
+        "QNLI", _ENTAILMENT, ("question", "sentence"), "label", ("question", "sentence"), _ENTAILMENT,
+        _single("qnli", "QNLI"),
+    ),
+    "rte": _glue(
+        "RTE", _ENTAILMENT, ("sentence1", "sentence2"), "label", ("sentence1", "sentence2"), _ENTAILMENT,
+        _single("rte", "RTE"),
+    ),
+    # GLUE writes WNLI's labels as 0/1 (1 = entailment), as TFDS's class order has it.
+    "wnli": _glue(
+        "WNLI", _BINARY, ("sentence1", "sentence2"), "label", ("sentence1", "sentence2"), _BINARY,
+        _single("wnli", "WNLI"),
+    ),
+}
+TASK_NAMES = tuple(GLUE_TASKS) + ("custom",)
+# Official names for fine-tuning's default number of epochs (ELECTRA trains RTE and STS-B 10).
+TEN_EPOCH_TASKS = ("rte", "stsb")
+
+
+def canonical_task_name(name: str) -> str:
+  """'SST-2', 'sst_2', 'STS-B' ... -> the registry's key; ConfigError for an unknown task."""
+  key = str(name).lower().replace("-", "").replace("_", "")
+  if key not in TASK_NAMES:
+    raise ConfigError(
+        f"Unknown task {name!r}. Use one of {list(TASK_NAMES)} (custom reads the files named by "
+        "config.custom.*; SQuAD has its own reader)."
+    )
+  return key
+
+
+def _read_tsv(path: str) -> list[list[str]]:
+  with open(path, encoding="utf-8-sig", newline="") as f:
+    return list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+
+
+def _require_file(path: str, what: str) -> None:
+  if not os.path.isfile(path):
+    raise ConfigError(f"{what}: {path} does not exist. Check config.data_dir and the task name.")
+
+
+def _glue_rows(path: str, columns: Sequence[str | None], label_column: str | None):
+  """(text_a, text_b, label, index) per row of a GLUE TSV with a header line."""
+  rows = _read_tsv(path)
+  if not rows:
+    raise ConfigError(f"{path} is empty; GLUE files start with a header line.")
+  header = rows[0]
+  wanted = [c for c in (*columns, label_column) if c is not None]
+  missing = [c for c in wanted if c not in header]
+  if missing:
+    raise ConfigError(f"{path} has no column {missing[0]!r} (its header: {header}); is it the right GLUE file?")
+  where = {name: header.index(name) for name in wanted}
+  index_position = header.index("index") if "index" in header else header.index("id") if "id" in header else None
+  skipped = 0
+  for row_number, row in enumerate(rows[1:]):
+    if len(row) < len(header):
+      skipped += 1  # QQP's train.tsv has a few broken lines; TFDS and the official code skip them
+      continue
+    text_a = row[where[columns[0]]]
+    text_b = row[where[columns[1]]] if columns[1] else None
+    label = row[where[label_column]] if label_column else None
+    index = int(row[index_position]) if index_position is not None and row[index_position].isdigit() else row_number
+    yield text_a, text_b, label, index
+  if skipped:
+    logging.warning("Skipped %d malformed line(s) of %s.", skipped, path)
+
+
+def _glue_labelled(task: GlueTask, path: str) -> list[Example]:
+  if task.headerless_columns is not None:
+    text_at, label_at = task.headerless_columns
+    return [
+        Example(row[text_at], None, row[label_at], i)
+        for i, row in enumerate(_read_tsv(path)) if len(row) > max(text_at, label_at)
+    ]
+  return [
+      Example(a, b, _parse_label(task.label_list, label, path), index)
+      for a, b, label, index in _glue_rows(path, task.text_columns, task.label_column)
+  ]
+
+
+def _parse_label(label_list, raw: str, path: str):
+  if label_list is not None:
+    return raw
+  try:
+    return float(raw)
+  except ValueError:
+    raise ConfigError(f"{path}: regression label {raw!r} is not a number.") from None
+
+
+def _glue_task_dir(data_dir: str, task: GlueTask) -> str:
+  if not data_dir:
+    raise ConfigError(
+        "config.data_dir is empty: give the GLUE directory (the one holding CoLA/, SST-2/, ...), "
+        "or read the task from TFDS with --config.source=tfds."
+    )
+  nested = os.path.join(data_dir, task.directory)
+  if os.path.isdir(nested):
+    return nested
+  if os.path.isfile(os.path.join(data_dir, "train.tsv")):
+    return data_dir  # the task's own folder works as well as GLUE's root
+  raise ConfigError(
+      f"config.data_dir={data_dir!r} has neither a {task.directory}/ folder nor a train.tsv; give "
+      f"GLUE's root directory (with {task.directory}/train.tsv) or the task's own folder."
+  )
+
+
+def load_glue_from_dir(name: str, data_dir: str) -> TaskData:
+  """GLUE as its download script lays it out: <data_dir>/<Task>/{train,dev,test}.tsv, MNLI
+  with dev_matched/dev_mismatched/test_matched/test_mismatched. Test files are optional."""
+  task = GLUE_TASKS[name]
+  task_dir = _glue_task_dir(data_dir, task)
+  train_path = os.path.join(task_dir, "train.tsv")
+  _require_file(train_path, f"GLUE {name} train split")
+  dev = {}
+  for dev_name, stem in task.dev_files.items():
+    path = os.path.join(task_dir, stem + ".tsv")
+    _require_file(path, f"GLUE {name} dev split {dev_name}")
+    dev[dev_name] = _glue_labelled(task, path)
+  test = {}
+  for submission, stem in task.test_files.items():
+    path = os.path.join(task_dir, stem + ".tsv")
+    if os.path.isfile(path):
+      test[submission] = [
+          Example(a, b, None, index) for a, b, _, index in _glue_rows(path, task.text_columns, None)
+      ]
+  return TaskData(
+      name, "regression" if task.label_list is None else "classification", task.label_list,
+      metrics_lib.GLUE_METRICS[name], _glue_labelled(task, train_path), dev, test, is_glue=True,
+  )
+
+
+def _tfds_examples(task: GlueTask, source, is_test: bool) -> list[Example]:
+  def text(value):
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+  examples = []
+  for i in range(len(source)):
+    record = source[i]
+    label = None
+    if not is_test:
+      raw = record["label"]
+      label = float(raw) if task.tfds_labels is None else task.tfds_labels[int(raw)]
+    text_b = text(record[task.tfds_text[1]]) if task.tfds_text[1] else None
+    examples.append(Example(text(record[task.tfds_text[0]]), text_b, label, int(record["idx"])))
+  # TFDS shuffles records on preparation; idx is the row of GLUE's file.
+  return sorted(examples, key=lambda example: example.index)
+
+
+def load_glue_from_tfds(name: str, tfds_data_dir: str = "") -> TaskData:
+  """GLUE from a prepared TFDS `glue/<name>` (array_record file format), through
+  tfds.data_source: random access, no TensorFlow. Labels become GLUE's label strings."""
+  import tensorflow_datasets as tfds  # a heavy import, only when this source is used
+
+  task = GLUE_TASKS[name]
+  dataset = f"glue/{name}"  # TFDS's config names are the registry's
+
+  def split(tfds_split: str, is_test: bool):
+    try:
+      source = tfds.data_source(dataset, split=tfds_split, data_dir=tfds_data_dir or None, download=False)
+    except Exception as error:  # tfds raises several types for "not prepared here"
+      raise ConfigError(
+          f"Could not open TFDS {dataset} split {tfds_split} in {tfds_data_dir or 'the default data dir'} "
+          f"({type(error).__name__}: {error}). Prepare it with file_format='array_record' "
+          "(tfds build --file_format=array_record glue/...), set config.tfds_data_dir, or use "
+          "--config.source=dir with GLUE's TSV files."
+      ) from error
+    return _tfds_examples(task, source, is_test)
+
+  return TaskData(
+      name, "regression" if task.label_list is None else "classification", task.label_list,
+      metrics_lib.GLUE_METRICS[name], split("train", False),
+      {dev_name: split(s, False) for dev_name, s in task.tfds_dev_splits.items()},
+      {submission: split(s, True) for submission, s in task.tfds_test_splits.items()},
+      is_glue=True,
+  )
+
+
+# ---------------------------------------------------------------------------------------
+# Custom tasks
+# ---------------------------------------------------------------------------------------
+CUSTOM_FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
+
+
+def _custom_records(path: str, file_format: str) -> list[dict]:
+  if file_format == "jsonl":
+    records = []
+    with open(path, encoding="utf-8") as f:
+      for line_number, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        try:
+          record = json.loads(line)
+        except json.JSONDecodeError as error:
+          raise ConfigError(f"{path}:{line_number} is not JSON ({error}).") from None
+        if not isinstance(record, dict):
+          raise ConfigError(f"{path}:{line_number} is not a JSON object.")
+        records.append(record)
+    return records
+  with open(path, encoding="utf-8-sig", newline="") as f:
+    reader = csv.DictReader(f, delimiter="\t" if file_format == "tsv" else ",")
+    records = list(reader)
+    if reader.fieldnames is None:
+      return []
+    return records
+
+
+def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example]:
+  file_format = custom.format or CUSTOM_FORMATS.get(os.path.splitext(path)[1].lower())
+  if file_format not in CUSTOM_FORMATS.values():
+    raise ConfigError(
+        f"Cannot tell the format of {path}: set config.custom.format to one of "
+        f"{sorted(set(CUSTOM_FORMATS.values()))} (or name the file .tsv, .csv or .jsonl)."
+    )
+  _require_file(path, f"custom task {split} split")
+  records = _custom_records(path, file_format)
+  columns = [custom.text_a_column] + ([custom.text_b_column] if custom.text_b_column else [])
+  if labelled:
+    columns.append(custom.label_column)
+  examples = []
+  for row_number, record in enumerate(records):
+    for column in columns:
+      if record.get(column) is None:
+        raise ConfigError(
+            f"{path}: row {row_number + 1} has no column {column!r} (it has {sorted(record)}). "
+            "Set config.custom.text_a_column / text_b_column / label_column to the file's column names."
+        )
+    label = None
+    if labelled:
+      raw = record[custom.label_column]
+      if custom.kind == "regression":
+        try:
+          label = float(raw)
+        except (TypeError, ValueError):
+          raise ConfigError(f"{path}: row {row_number + 1}: regression label {raw!r} is not a number.") from None
+      else:
+        label = str(raw).lower() if isinstance(raw, bool) else str(raw)
+    text_b = str(record[custom.text_b_column]) if custom.text_b_column else None
+    examples.append(Example(str(record[custom.text_a_column]), text_b, label, row_number))
+  return examples
+
+
+def load_custom(custom) -> TaskData:
+  """A task from config.custom: train_file, dev_file (and optional test_file), the column
+  names, kind ("classification" or "regression"), the metrics and optionally the label order."""
+  if custom.kind not in ("classification", "regression"):
+    raise ConfigError(f"config.custom.kind={custom.kind!r}: use 'classification' or 'regression'.")
+  for key in ("train_file", "dev_file"):
+    if not custom[key]:
+      raise ConfigError(f"config.custom.{key} is empty: custom tasks need a train and a dev file.")
+  train = _custom_split(custom, custom.train_file, "train", True)
+  dev = {"custom": _custom_split(custom, custom.dev_file, "dev", True)}
+  test = {"custom_test": _custom_split(custom, custom.test_file, "test", False)} if custom.test_file else {}
+  label_list = None
+  if custom.kind == "classification":
+    if custom.labels:
+      label_list = tuple(label.strip() for label in custom.labels.split(","))
+    else:
+      label_list = tuple(sorted({example.label for example in train}))
+  default_metrics = "accuracy" if custom.kind == "classification" else "pearson,spearman"
+  metric_names = tuple(m.strip() for m in (custom.metrics or default_metrics).split(","))
+  unknown = [m for m in metric_names if m not in metrics_lib.METRIC_FNS]
+  if unknown:
+    raise ConfigError(f"config.custom.metrics has unknown {unknown}; use {sorted(metrics_lib.METRIC_FNS)}.")
+  if "f1" in metric_names and (label_list is None or len(label_list) != 2):
+    raise ConfigError("config.custom.metrics has f1, which needs a classification task with two labels.")
+  return TaskData("custom", custom.kind, label_list, metric_names, train, dev, test)
+
+
+# ---------------------------------------------------------------------------------------
+# Loading and checking
+# ---------------------------------------------------------------------------------------
+def check_task_data(data: TaskData) -> None:
+  """Refuses what would otherwise fail late or silently: an empty split, a label outside
+  the task's labels or never seen in training."""
+  splits = {"train": data.train, **{f"dev ({k})": v for k, v in data.dev.items()},
+            **{f"test ({k})": v for k, v in data.test.items()}}
+  for split_name, examples in splits.items():
+    if not examples:
+      raise ConfigError(f"Task {data.name}: the {split_name} split has no examples; check its file.")
+  if data.kind != "classification":
+    return
+  train_labels = {example.label for example in data.train}
+  outside = sorted(train_labels - set(data.label_list))
+  if outside:
+    raise ConfigError(
+        f"Task {data.name}: training label(s) {outside} are not among the task's labels "
+        f"{list(data.label_list)}; fix the data (or config.custom.labels)."
+    )
+  for dev_name, examples in data.dev.items():
+    unseen = sorted({example.label for example in examples} - train_labels)
+    if unseen:
+      raise ConfigError(
+          f"Task {data.name}: dev split {dev_name} has label(s) {unseen} that never occur in the "
+          f"train split (train labels: {sorted(train_labels)}); the classifier could never predict "
+          "them. Fix the label column or the split."
+      )
+
+
+def load_task(config) -> TaskData:
+  """The fine-tuning config's task, read from its source and checked."""
+  name = canonical_task_name(config.task)
+  if name == "custom":
+    data = load_custom(config.custom)
+  elif config.source == "tfds":
+    data = load_glue_from_tfds(name, config.tfds_data_dir)
+  elif config.source == "dir":
+    data = load_glue_from_dir(name, config.data_dir)
+  else:
+    raise ConfigError(f"config.source={config.source!r}: use 'dir' (GLUE's TSV files) or 'tfds'.")
+  check_task_data(data)
+  if config.get("double_unordered", False) and name in GLUE_TASKS and GLUE_TASKS[name].symmetric:
+    # Both sentence orders, as the official code trains MRPC and STS-B.
+    data.train = data.train + [dataclasses.replace(e, text_a=e.text_b, text_b=e.text_a) for e in data.train]
+  return data
+
+
+# ---------------------------------------------------------------------------------------
+# Features
+# ---------------------------------------------------------------------------------------
+def truncate_pair(tokens_a: list[int], tokens_b: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
+  """Drops tokens from the end of the longer segment (b on ties) until both fit, as BERT does:
+  a short segment keeps its few, informative tokens."""
+  len_a, len_b = len(tokens_a), len(tokens_b)
+  while len_a + len_b > max_tokens:
+    if len_a > len_b:
+      len_a -= 1
+    else:
+      len_b -= 1
+  return tokens_a[:len_a], tokens_b[:len_b]
+
+
+def encode_examples(examples: Sequence[Example], tokenizer, max_seq_len: int, data: TaskData) -> dict[str, np.ndarray]:
+  """[CLS] A [SEP] (B [SEP]) padded to max_seq_len, token types 0 for A and 1 for B.
+  Returns int32 input_ids / token_type_ids / attention_mask [n, max_seq_len], labels [n]
+  (int32 ids, or float32 for regression; 0 where unlabelled) and the examples' index [n]."""
+  if max_seq_len < 3:
+    raise ConfigError(f"config.max_seq_len={max_seq_len} leaves no room for text; use at least 3.")
+  n = len(examples)
+  ids_a = tokenizer.encode_batch([e.text_a for e in examples])
+  has_b = [e.text_b is not None for e in examples]
+  ids_b_list = tokenizer.encode_batch([e.text_b for e in examples if e.text_b is not None]) if any(has_b) else []
+  ids_b_iter = iter(ids_b_list)
+  input_ids = np.full((n, max_seq_len), tokenizer.pad_id, np.int32)
+  token_type_ids = np.zeros((n, max_seq_len), np.int32)
+  attention_mask = np.zeros((n, max_seq_len), np.int32)
+  for row, (tokens_a, pair) in enumerate(zip(ids_a, has_b)):
+    if pair:
+      tokens_a, tokens_b = truncate_pair(tokens_a, next(ids_b_iter), max_seq_len - 3)
+      segment_b = tokens_b + [tokenizer.sep_id]
+    else:
+      tokens_a, segment_b = tokens_a[: max_seq_len - 2], []
+    segment_a = [tokenizer.cls_id] + tokens_a + [tokenizer.sep_id]
+    length = len(segment_a) + len(segment_b)
+    input_ids[row, :length] = segment_a + segment_b
+    token_type_ids[row, len(segment_a):length] = 1
+    attention_mask[row, :length] = 1
+  if data.kind == "classification":
+    label_to_id = {label: i for i, label in enumerate(data.label_list)}
+    labels = np.array([label_to_id[e.label] if e.label is not None else 0 for e in examples], np.int32)
+  else:
+    labels = np.array([e.label if e.label is not None else 0.0 for e in examples], np.float32)
+  return {
+      "input_ids": input_ids,
+      "token_type_ids": token_type_ids,
+      "attention_mask": attention_mask,
+      "labels": labels,
+      "index": np.array([e.index for e in examples], np.int64),
+  }
+
+
+# ---------------------------------------------------------------------------------------
+# Predictions
+# ---------------------------------------------------------------------------------------
+def prediction_strings(data: TaskData, predictions: np.ndarray) -> list[str]:
+  """Class ids -> label strings; regression scores -> '%.3f'."""
+  if data.kind == "classification":
+    return [data.label_list[int(p)] for p in predictions]
+  return [f"{float(p):.3f}" for p in predictions]
+
+
+def write_predictions(path: str, indices: Sequence[int], predictions: Sequence[str]) -> str:
+  """A GLUE submission file (`index<TAB>prediction` after a header), written atomically.
+  GLUE's server wants <Task>.tsv (CoLA.tsv, MNLI-m.tsv, ...) zipped together."""
+  lines = ["index\tprediction"] + [f"{int(i)}\t{p}" for i, p in zip(indices, predictions)]
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  atomic_write_bytes(path, ("\n".join(lines) + "\n").encode("utf-8"))
+  return path

@@ -1,0 +1,345 @@
+"""`run_finetune(config, workdir)`: for each seed, start from the backbone, train the task for
+its epochs, evaluate on dev after each epoch and keep the best checkpoint, then write the
+metrics, test-set predictions and a results table (mean, median and best over seeds).
+
+The loop is task-agnostic: a `TaskAdapter` supplies the model, the features, the loss and the
+evaluation. Classification and regression adapters are built here; span tasks (SQuAD) build
+theirs in squad.py as `make_adapter(config, backbone) -> TaskAdapter`."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+
+from electra_jax import checkpointing, config_lib
+from electra_jax.config_lib import ConfigError
+from electra_jax.data.tokenizer import atomic_write_bytes
+from electra_jax.finetune import metrics as metrics_lib
+from electra_jax.finetune import model as model_lib
+from electra_jax.finetune import optim, tasks
+
+MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
+# Official defaults for epochs by task when config.epochs = 0.
+DEFAULT_EPOCHS, LONG_TASK_EPOCHS, SQUAD_EPOCHS = 3, 10, 2
+
+
+@dataclasses.dataclass
+class TaskAdapter:
+  """What the loop needs from a task. Features are numpy arrays with a leading example axis,
+  holding at least MODEL_INPUTS; `model.apply` takes MODEL_INPUTS in that order."""
+
+  name: str
+  model: nn.Module
+  train_features: dict[str, np.ndarray]
+  # (model outputs, batch) -> per-example losses [batch]; the loop averages over real rows.
+  loss_fn: Callable[[jax.Array, dict], jax.Array]
+  # predict(features) -> model outputs as numpy [n, ...] -> {eval name: {metric: value}},
+  # each with a "score" (the best checkpoint maximizes the mean score over eval sets).
+  evaluate: Callable[[Callable[[dict], np.ndarray]], dict[str, dict[str, float]]]
+  # (predict, directory) -> paths of the test-set prediction files written there.
+  write_test: Callable[[Callable[[dict], np.ndarray], str], list[str]]
+
+
+# ---------------------------------------------------------------------------------------
+# Classification and regression
+# ---------------------------------------------------------------------------------------
+def classification_adapter(config, data: tasks.TaskData, backbone: model_lib.Backbone) -> TaskAdapter:
+  tokenizer, seq_len = backbone.tokenizer, config.max_seq_len
+  encode = lambda examples: tasks.encode_examples(examples, tokenizer, seq_len, data)
+  start = time.time()
+  train_features = encode(data.train)
+  dev_features = {name: encode(examples) for name, examples in data.dev.items()}
+  test_features = {name: encode(examples) for name, examples in data.test.items()}
+  logging.info(
+      "Tokenized %s: %d train, %s dev, %s test examples in %.1f s.", data.name, len(data.train),
+      {k: len(v) for k, v in data.dev.items()}, {k: len(v) for k, v in data.test.items()}, time.time() - start,
+  )
+  is_regression = data.kind == "regression"
+  model = backbone.classifier(1 if is_regression else len(data.label_list), config)
+
+  def loss_fn(outputs, batch):
+    if is_regression:
+      return jnp.square(outputs[:, 0] - batch["labels"])
+    return optax.softmax_cross_entropy_with_integer_labels(outputs, batch["labels"])
+
+  def to_predictions(outputs):
+    return outputs[:, 0] if is_regression else outputs.argmax(-1)
+
+  def evaluate(predict):
+    return {
+        name: metrics_lib.compute_metrics(data.metric_names, features["labels"], to_predictions(predict(features)))
+        for name, features in dev_features.items()
+    }
+
+  def write_test(predict, directory):
+    paths = []
+    for name, features in test_features.items():
+      strings = tasks.prediction_strings(data, to_predictions(predict(features)))
+      paths.append(tasks.write_predictions(os.path.join(directory, f"{name}.tsv"), features["index"], strings))
+    return paths
+
+  return TaskAdapter(data.name, model, train_features, loss_fn, evaluate, write_test)
+
+
+def make_adapter(config, backbone: model_lib.Backbone) -> TaskAdapter:
+  if str(config.task).lower().startswith("squad"):
+    try:
+      squad = importlib.import_module("electra_jax.finetune.squad")
+    except ImportError as error:
+      raise ConfigError(f"config.task={config.task!r} needs electra_jax.finetune.squad ({error}).") from error
+    return squad.make_adapter(config, backbone)
+  return classification_adapter(config, tasks.load_task(config), backbone)
+
+
+# ---------------------------------------------------------------------------------------
+# Batching, steps
+# ---------------------------------------------------------------------------------------
+def _num_examples(features) -> int:
+  return len(features["input_ids"])
+
+
+def batches(features: dict[str, np.ndarray], batch_size: int, order: np.ndarray | None = None):
+  """Fixed-size batches (one compiled shape): the last one is padded by repeating row 0, with
+  weight 0 so padding neither trains nor counts."""
+  n = _num_examples(features)
+  order = np.arange(n) if order is None else order
+  for start in range(0, n, batch_size):
+    rows = order[start:start + batch_size]
+    real = len(rows)
+    if real < batch_size:
+      rows = np.concatenate([rows, np.full(batch_size - real, rows[0])])
+    batch = {name: array[rows] for name, array in features.items() if name != "index"}
+    batch["weights"] = (np.arange(batch_size) < real).astype(np.float32)
+    yield batch, real
+
+
+def _make_steps(adapter: TaskAdapter, tx):
+  model = adapter.model
+
+  def apply(params, batch, deterministic, rng=None):
+    rngs = None if deterministic else {"dropout": rng}
+    return model.apply({"params": params}, *(batch[k] for k in MODEL_INPUTS), deterministic=deterministic, rngs=rngs)
+
+  def train_step(params, opt_state, batch, rng):
+    def loss(p):
+      per_example = adapter.loss_fn(apply(p, batch, False, rng), batch)
+      return jnp.sum(per_example * batch["weights"]) / jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  predict_step = jax.jit(lambda params, batch: apply(params, batch, True))
+  return jax.jit(train_step, donate_argnums=(0, 1)), predict_step
+
+
+def _predictor(predict_step, params, batch_size: int):
+  def predict(features):
+    outputs = [np.asarray(predict_step(params, batch))[:real] for batch, real in batches(features, batch_size)]
+    return np.concatenate(outputs)
+
+  return predict
+
+
+# ---------------------------------------------------------------------------------------
+# Config, files, summaries
+# ---------------------------------------------------------------------------------------
+def validate(config) -> None:
+  for key in ("batch_size", "num_seeds", "log_every"):
+    if config[key] < 1:
+      raise ConfigError(f"config.{key}={config[key]} must be >= 1.")
+  if config.epochs < 0 or config.eval_batch_size < 0:
+    raise ConfigError(f"config.epochs={config.epochs} and eval_batch_size={config.eval_batch_size} must be >= 0 (0 = default).")
+  if config.dtype not in config_lib.DTYPES:
+    raise ConfigError(f"config.dtype={config.dtype!r} is not one of {config_lib.DTYPES}.")
+  for key in ("dropout_rate", "attention_dropout_rate", "head_dropout_rate"):
+    if not 0.0 <= config[key] < 1.0:
+      raise ConfigError(f"config.{key}={config[key]} must be in [0, 1).")
+  if config.optimizer.layerwise_lr_decay_rule not in optim.LAYERWISE_RULES:
+    raise ConfigError(
+        f"config.optimizer.layerwise_lr_decay_rule={config.optimizer.layerwise_lr_decay_rule!r}: use one of "
+        f"{list(optim.LAYERWISE_RULES)}."
+    )
+
+
+def epochs_for(config) -> int:
+  if config.epochs:
+    return config.epochs
+  task = str(config.task).lower().replace("-", "").replace("_", "")
+  if task.startswith("squad"):
+    return SQUAD_EPOCHS
+  return LONG_TASK_EPOCHS if task in tasks.TEN_EPOCH_TASKS else DEFAULT_EPOCHS
+
+
+def _write_json(path: str, value) -> None:
+  atomic_write_bytes(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
+
+
+def _format_duration(seconds: float) -> str:
+  minutes, secs = divmod(int(seconds), 60)
+  hours, minutes = divmod(minutes, 60)
+  return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def summarize(per_seed: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
+  """{eval name: {metric: {mean, median, best, n}}} over the seeds' best-epoch dev metrics."""
+  summary = {}
+  for eval_name, first in per_seed[0]["dev"].items():
+    summary[eval_name] = {}
+    for metric in first:
+      values = np.array([run["dev"][eval_name][metric] for run in per_seed])
+      summary[eval_name][metric] = dict(
+          mean=float(values.mean()), median=float(np.median(values)), best=float(values.max()), n=len(values)
+      )
+  return summary
+
+
+def format_table(summary) -> str:
+  lines = [f"{'task':<10} {'metric':<10} {'mean':>8} {'median':>8} {'best':>8} {'seeds':>5}"]
+  for eval_name, by_metric in summary.items():
+    for metric, s in by_metric.items():
+      if metric == "score" and len(by_metric) == 2:
+        continue  # the score of a one-metric task is that metric
+      lines.append(f"{eval_name:<10} {metric:<10} {100 * s['mean']:8.2f} {100 * s['median']:8.2f} {100 * s['best']:8.2f} {s['n']:5d}")
+  return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------
+def _run_seed(config, adapter, backbone, seed: int, seed_dir: str, epochs: int, steps, progress) -> dict:
+  tx, schedule, train_step, predict_step = steps
+  batch_size = config.batch_size
+  eval_batch_size = config.eval_batch_size or batch_size
+  num_train = _num_examples(adapter.train_features)
+  total_steps = math.ceil(num_train / batch_size) * epochs
+
+  params = model_lib.init_params(backbone, adapter.model, jax.random.key(seed), config.max_seq_len)
+  opt_state = tx.init(params)
+
+  # A seed whose earlier run was cut short (no metrics.json: run_finetune refuses finished
+  # ones) starts over; its checkpoints may be from later steps.
+  shutil.rmtree(os.path.join(seed_dir, "checkpoints"), ignore_errors=True)
+  checkpointer = checkpointing.Checkpointer(seed_dir, keep=1)
+  best, history, step = None, [], 0
+  try:
+    for epoch in range(epochs):
+      order = np.random.default_rng([seed, epoch]).permutation(num_train)
+      losses = []
+      for batch, _ in batches(adapter.train_features, batch_size, order):
+        rng = jax.random.fold_in(jax.random.key(seed), step)
+        params, opt_state, loss = train_step(params, opt_state, batch, rng)
+        losses.append(loss)
+        step += 1
+        progress(seed, epoch, step, total_steps, losses, schedule(step))
+      train_loss = float(np.mean(jax.device_get(losses)))
+      if not math.isfinite(train_loss):
+        raise FloatingPointError(
+            f"Seed {seed}: the training loss became {train_loss} in epoch {epoch + 1}; lower "
+            "optimizer.learning_rate or use dtype=float32."
+        )
+      dev = adapter.evaluate(_predictor(predict_step, params, eval_batch_size))
+      score = float(np.mean([m["score"] for m in dev.values()]))
+      history.append(dict(epoch=epoch + 1, step=step, train_loss=train_loss, dev=dev, score=score))
+      logging.info(
+          "seed %d epoch %d/%d | train loss %.4f | dev %s", seed, epoch + 1, epochs, train_loss,
+          " ".join(f"{name}: " + ", ".join(f"{k}={v:.4f}" for k, v in m.items()) for name, m in dev.items()),
+      )
+      if best is None or score > best["score"]:
+        best = dict(history[-1], params=jax.device_get(params))
+        checkpointer.save(step, {"params": params}, {"epoch": epoch + 1, "dev": dev, "seed": seed})
+  finally:
+    checkpointer.wait()
+    checkpointer.close()
+
+  prediction_files = adapter.write_test(_predictor(predict_step, best["params"], eval_batch_size),
+                                        os.path.join(seed_dir, "predictions"))
+  result = dict(
+      seed=seed, best_epoch=best["epoch"], best_step=best["step"], dev=best["dev"], history=history,
+      checkpoint=os.path.join(checkpointer.directory, str(best["step"])), test_predictions=prediction_files,
+  )
+  _write_json(os.path.join(seed_dir, "metrics.json"), result)
+  return result
+
+
+def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Fine-tunes config.task for config.num_seeds seeds under <workdir>/<task>/; returns (and
+  writes to <workdir>/<task>/results.json) the config, each seed's best dev metrics and their
+  summary, and prints the table. Every input check happens before the first step."""
+  validate(config)
+  backbone = model_lib.load_backbone(config)
+  adapter = make_adapter(config, backbone)
+  epochs = epochs_for(config)
+  task_dir = os.path.join(workdir, adapter.name)
+  seeds = [config.seed + i for i in range(config.num_seeds)]
+  for seed in seeds:
+    finished = os.path.join(task_dir, f"seed_{seed}", "metrics.json")
+    if os.path.exists(finished):
+      raise ConfigError(
+          f"{finished} exists: this workdir already holds a finished {adapter.name} run for seed "
+          f"{seed}. Use a new --workdir (or other seeds, config.seed) so it is not overwritten."
+      )
+  os.makedirs(task_dir, exist_ok=True)
+  steps_per_seed = math.ceil(_num_examples(adapter.train_features) / config.batch_size) * epochs
+  logging.info(
+      "Fine-tuning %s from %s: %d train examples, %d epochs, %d steps per seed, seeds %s.",
+      adapter.name, backbone.source, _num_examples(adapter.train_features), epochs, steps_per_seed, seeds,
+  )
+
+  clock = dict(start=None, done=0)
+
+  def progress(seed, epoch, step, total, losses, lr):
+    if clock["start"] is None:
+      clock["start"] = time.perf_counter()  # after the first step: compile time is not speed
+      clock["done"] = 0
+      return
+    clock["done"] += 1
+    if step % config.log_every and step != total:
+      return
+    rate = clock["done"] / (time.perf_counter() - clock["start"])
+    remaining = (total - step) + total * (len(seeds) - 1 - seeds.index(seed))
+    logging.info(
+        "seed %d | epoch %d/%d | step %d/%d | loss %.4f | lr %.3g | %.1f steps/s | ETA %s",
+        seed, epoch + 1, epochs, step, total, float(np.mean(jax.device_get(losses[-config.log_every:]))),
+        float(lr), rate, _format_duration(remaining / max(rate, 1e-9)),
+    )
+
+  # One optimizer and one compiled step for every seed: only the parameters' structure matters.
+  ids = jnp.zeros((1, config.max_seq_len), jnp.int32)
+  abstract_params = nn.meta.unbox(
+      jax.eval_shape(lambda rng: adapter.model.init(rng, ids, ids, jnp.ones_like(ids))["params"], jax.random.key(0))
+  )
+  tx, schedule = optim.make_optimizer(config, abstract_params, backbone.encoder_config.num_layers, steps_per_seed)
+  steps = (tx, schedule, *_make_steps(adapter, tx))
+  per_seed = []
+  for seed in seeds:
+    seed_dir = os.path.join(task_dir, f"seed_{seed}")
+    per_seed.append(_run_seed(config, adapter, backbone, seed, seed_dir, epochs, steps, progress))
+  summary = summarize(per_seed)
+  config_json = config_lib.to_json(config)
+  results = dict(
+      task=adapter.name, init=backbone.source, epochs=epochs, config=json.loads(config_json),
+      config_fingerprint=hashlib.sha256(config_json.encode()).hexdigest()[:16],
+      seeds={str(run["seed"]): {k: run[k] for k in ("best_epoch", "dev", "test_predictions")} for run in per_seed},
+      summary=summary,
+  )
+  _write_json(os.path.join(task_dir, "results.json"), results)
+  table = format_table(summary)
+  logging.info("Results over %d seed(s):\n%s", len(seeds), table)
+  print(table)
+  return results

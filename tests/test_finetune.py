@@ -1,0 +1,254 @@
+"""Fine-tuning: layer-wise learning rates under both rules (hand-computed), the optimizer's
+actual update, a tiny model that must learn a synthetic task, and initialization from a
+pre-training workdir (weights carried over, tokenizer checked, several seeds summarized)."""
+
+import json
+import os
+import sys
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from conftest import REPO, tiny_config
+from electra_jax import config_lib, models, partitioning, train
+from electra_jax.config_lib import ConfigError
+from electra_jax.finetune import model as model_lib
+from electra_jax.finetune import optim, trainer
+
+finetune_tiny = config_lib.sibling(os.path.join(REPO, "configs", "finetune", "tiny.py"), "tiny")
+WORDS = [f"w{i}" for i in range(40)]
+
+
+def three_layer_params():
+  """A classifier tree with 3 layers and the E->H projection, leaves = zeros."""
+  model = models.EncoderConfig(hidden_size=8, num_layers=3, num_heads=2, intermediate_size=16)
+  classifier = model_lib.ElectraClassifier(
+      vocab_size=20, embedding_size=4, max_position_embeddings=8, type_vocab_size=2, config=model, num_outputs=3
+  )
+  ids = jnp.zeros((1, 8), jnp.int32)
+  shapes = jax.eval_shape(lambda: classifier.init(jax.random.key(0), ids, ids, jnp.ones_like(ids))["params"])
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), flax.linen.meta.unbox(shapes))
+
+
+def test_layerwise_learning_rates_both_rules():
+  params = three_layer_params()
+  expected = {
+      # depth:            embeddings(0) layer_0(1) layer_1(2) layer_2(3) head(4)
+      "correct": dict(emb=0.5**4, l0=0.5**3, l1=0.5**2, l2=0.5**1, head=1.0),
+      # official _get_layer_lrs: lr * decay^(n + 2 - depth), head at n + 2, layers at l + 1.
+      "official": dict(emb=0.5**5, l0=0.5**4, l1=0.5**3, l2=0.5**2, head=1.0),
+  }
+  for rule, want in expected.items():
+    scales = flax.traverse_util.flatten_dict(optim.layerwise_lr_scales(params, 3, 0.5, rule), sep="/")
+    assert scales["embeddings/word_embeddings/embedding"] == want["emb"]
+    assert scales["embeddings/layer_norm/scale"] == want["emb"]
+    assert scales["encoder/embeddings_project/kernel"] == want["emb"]
+    assert scales["encoder/layer_0/attention/query/kernel"] == want["l0"]
+    assert scales["encoder/layer_1/output_layer_norm/bias"] == want["l1"]
+    assert scales["encoder/layer_2/intermediate/kernel"] == want["l2"]
+    assert scales["classifier/kernel"] == scales["classifier/bias"] == want["head"]
+    values = {name: value for name, value in scales.items()}
+    assert set(values.values()) == set(want.values())  # every parameter got one of the five
+  with pytest.raises(ConfigError, match="layerwise_lr_decay_rule"):
+    optim.layerwise_lr_scales(params, 3, 0.5, "bert")
+
+
+def optimizer_config(**overrides):
+  fields = dict(learning_rate=0.1, warmup_fraction=0.0, weight_decay=0.1, layerwise_lr_decay=0.5,
+                layerwise_lr_decay_rule="correct", b1=0.9, b2=0.999, eps=1e-6, clip_norm=1e9, bias_correction=True)
+  return ml_collections.ConfigDict(dict(optimizer={**fields, **overrides}))
+
+
+@pytest.mark.parametrize("rule, top_layer_scale", [("correct", 0.5), ("official", 0.25)])
+def test_optimizer_update_uses_layer_rates_and_decay_mask(rule, top_layer_scale):
+  params = jax.tree.map(jnp.ones_like, three_layer_params())
+  grads = jax.tree.map(jnp.ones_like, params)
+  tx, schedule = optim.make_optimizer(optimizer_config(layerwise_lr_decay_rule=rule), params, 3, total_steps=10)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  updates = flax.traverse_util.flatten_dict(updates, sep="/")
+  lr = 0.1 * (1 - 0 / 10)  # step 0, no warmup
+  adam = 1 / (1 + 1e-6)  # first bias-corrected Adam step: g / (|g| + eps)
+  np.testing.assert_allclose(updates["classifier/kernel"], -lr * (adam + 0.1), rtol=2e-5)
+  np.testing.assert_allclose(updates["classifier/bias"], -lr * adam, rtol=2e-5)  # no decay on biases
+  np.testing.assert_allclose(updates["encoder/layer_2/output/kernel"], -lr * top_layer_scale * (adam + 0.1), rtol=2e-5)
+  np.testing.assert_allclose(updates["encoder/layer_2/output_layer_norm/scale"], -lr * top_layer_scale * adam, rtol=2e-5)
+  emb_scale = top_layer_scale * 0.5**3
+  np.testing.assert_allclose(updates["embeddings/word_embeddings/embedding"], -lr * emb_scale * (adam + 0.1), rtol=2e-5)
+
+
+def test_schedule_warmup_then_linear_decay():
+  schedule = optim.linear_warmup_decay(1e-3, warmup_steps=10, total_steps=100)
+  np.testing.assert_allclose([schedule(s) for s in (0, 5, 10, 55, 100, 120)],
+                             [0.0, 0.5e-3 * 0.95, 1e-3 * 0.9, 1e-3 * 0.45, 0.0, 0.0], rtol=1e-6, atol=1e-12)
+
+
+def write_synthetic(directory, n_train, n_dev, n_test, seed=0):
+  """label = whether the word 'magic' occurs in a sentence of random words."""
+  rng = np.random.default_rng(seed)
+
+  def make(n, labelled):
+    rows = []
+    for _ in range(n):
+      tokens = list(rng.choice(WORDS, rng.integers(6, 12)))
+      label = int(rng.random() < 0.5)
+      if label:
+        tokens.insert(int(rng.integers(0, len(tokens) + 1)), "magic")
+      rows.append({"sentence": " ".join(tokens), **({"label": label} if labelled else {}), "truth": label})
+    return rows
+
+  paths = {}
+  for split, n, labelled in (("train", n_train, True), ("dev", n_dev, True), ("test", n_test, False)):
+    paths[split] = os.path.join(directory, f"{split}.jsonl")
+    with open(paths[split], "w") as f:
+      f.writelines(json.dumps(row) + "\n" for row in make(n, labelled))
+  return paths
+
+
+def synthetic_config(tmp_path, n_train=400, n_dev=200, **overrides):
+  paths = write_synthetic(tmp_path, n_train, n_dev, 50)
+  vocab = tmp_path / "vocab.txt"
+  vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "magic", *WORDS]) + "\n")
+  config = finetune_tiny.get_config()
+  config.custom.update(train_file=paths["train"], dev_file=paths["dev"], test_file=paths["test"])
+  config.tokenizer = str(vocab)
+  for key, value in overrides.items():
+    config[key] = value
+  return config
+
+
+def test_random_init_model_learns_synthetic_task(tmp_path):
+  config = synthetic_config(tmp_path)
+  workdir = tmp_path / "work"
+  results = trainer.run_finetune(config, str(workdir))
+  accuracy = results["summary"]["custom"]["accuracy"]["best"]
+  assert accuracy >= 0.9, results  # chance is ~0.5
+  seed_dir = workdir / "custom" / "seed_0"
+  metrics = json.loads((seed_dir / "metrics.json").read_text())
+  assert len(metrics["history"]) == config.epochs
+  assert metrics["dev"]["custom"]["accuracy"] == max(h["dev"]["custom"]["accuracy"] for h in metrics["history"])
+  assert os.listdir(seed_dir / "checkpoints") == [str(metrics["best_step"])]  # only the best kept
+  # Test predictions follow the rule on unseen sentences, in the submission format.
+  lines = (seed_dir / "predictions" / "custom_test.tsv").read_text().splitlines()
+  truth = [json.loads(line)["truth"] for line in open(config.custom.test_file)]
+  assert lines[0] == "index\tprediction" and len(lines) == len(truth) + 1
+  predicted = [int(line.split("\t")[1]) for line in lines[1:]]
+  assert np.mean(np.array(predicted) == np.array(truth)) >= 0.9
+  saved = json.loads((workdir / "custom" / "results.json").read_text())
+  assert saved["config"]["custom"]["train_file"] == config.custom.train_file
+  # Running again into the same workdir is refused before the finished seed is touched.
+  with pytest.raises(ConfigError, match="already holds a finished custom run for seed 0"):
+    trainer.run_finetune(config, str(workdir))
+  assert os.listdir(seed_dir / "checkpoints") == [str(metrics["best_step"])]
+
+
+def test_bad_config_fails_before_training(tmp_path):
+  config = synthetic_config(tmp_path)
+  config.tokenizer = ""
+  with pytest.raises(ConfigError, match="needs config.tokenizer"):
+    trainer.run_finetune(config, str(tmp_path / "w"))
+  config = synthetic_config(tmp_path, task="colaa")
+  with pytest.raises(ConfigError, match="Unknown task 'colaa'"):
+    trainer.run_finetune(config, str(tmp_path / "w"))
+  config = synthetic_config(tmp_path)
+  config.custom.label_column = "stars"
+  with pytest.raises(ConfigError, match="no column 'stars'"):
+    trainer.run_finetune(config, str(tmp_path / "w"))
+  assert not (tmp_path / "w" / "custom").exists()
+
+
+@pytest.fixture(scope="module")
+def pretrained_workdir(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("pretrain"))
+  config = tiny_config(**{"train.steps": 2, "checkpoint.every_steps": 2, "eval.every_steps": 0})
+  train.train_and_evaluate(config, workdir)
+  return workdir, config
+
+
+def test_init_from_pretraining_workdir(tmp_path, pretrained_workdir):
+  workdir, pretrain_config = pretrained_workdir
+  config = synthetic_config(tmp_path, n_train=64, n_dev=32, init_from=workdir, tokenizer="", num_seeds=2, epochs=1)
+  backbone = model_lib.load_backbone(config)
+  classifier = backbone.classifier(2, config)
+  params = model_lib.init_params(backbone, classifier, jax.random.key(0), config.max_seq_len)
+
+  # What the checkpoint holds, read independently of the fine-tuning code.
+  mesh = partitioning.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)), devices=jax.devices()[:1])
+  tok = backbone.tokenizer
+  setup = train.build_setup(pretrain_config, mesh, dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id))
+  _, state = train.restore_checkpoint(workdir, setup, mesh)
+  jax.tree.map(np.testing.assert_array_equal, params["embeddings"], state.params["embeddings"])
+  jax.tree.map(np.testing.assert_array_equal, params["encoder"], state.params["discriminator"]["encoder"])
+  assert backbone.encoder_config.hidden_size == pretrain_config.model.hidden_size
+
+  config.random_init = True
+  fresh = model_lib.init_params(model_lib.load_backbone(config), classifier, jax.random.key(0), config.max_seq_len)
+  assert not np.allclose(fresh["encoder"]["layer_0"]["attention"]["query"]["kernel"],
+                         params["encoder"]["layer_0"]["attention"]["query"]["kernel"])
+  config.random_init = False
+
+  results = trainer.run_finetune(config, str(tmp_path / "ft"))
+  per_seed = [results["seeds"][s]["dev"]["custom"]["accuracy"] for s in ("0", "1")]
+  summary = results["summary"]["custom"]["accuracy"]
+  assert summary["n"] == 2
+  assert summary["mean"] == pytest.approx(np.mean(per_seed)) and summary["best"] == max(per_seed)
+  assert summary["median"] == pytest.approx(np.median(per_seed))
+
+  # A tokenizer other than the pre-training one is refused before anything is trained.
+  config.tokenizer = str(tmp_path / "vocab.txt")
+  with pytest.raises(ConfigError, match="differs from the one the checkpoint"):
+    model_lib.load_backbone(config)  # run_finetune's first step after validating the config
+
+
+def test_glue_run_writes_submission_files(tmp_path):
+  """MNLI from GLUE's layout end to end: both dev sets evaluated, both test files written
+  under GLUE's submission names with label strings."""
+  from test_finetune_tasks import write_glue
+
+  write_glue(tmp_path / "glue")
+  mnli = tmp_path / "glue" / "MNLI"
+  (mnli / "test_mismatched.tsv").write_text((mnli / "test_matched.tsv").read_text())
+  vocab = tmp_path / "vocab.txt"
+  vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a", "dog", "cat", "sat"]) + "\n")
+  config = finetune_tiny.get_config()
+  config.update(task="mnli", data_dir=str(tmp_path / "glue"), tokenizer=str(vocab), epochs=1)
+  results = trainer.run_finetune(config, str(tmp_path / "work"))
+  assert set(results["summary"]) == {"mnli-m", "mnli-mm"}
+  predictions = tmp_path / "work" / "mnli" / "seed_0" / "predictions"
+  assert sorted(os.listdir(predictions)) == ["MNLI-m.tsv", "MNLI-mm.tsv"]
+  lines = (predictions / "MNLI-m.tsv").read_text().splitlines()
+  assert lines[0] == "index\tprediction" and lines[1].split("\t")[0] == "0"
+  assert lines[1].split("\t")[1] in ("contradiction", "entailment", "neutral")
+
+
+def test_official_epoch_defaults():
+  config = finetune_tiny.get_config()
+  config.epochs = 0
+  for task, epochs in (("rte", 10), ("STS-B", 10), ("cola", 3), ("mnli", 3), ("squad2.0", 2)):
+    config.task = task
+    assert trainer.epochs_for(config) == epochs
+  config.epochs = 7
+  assert trainer.epochs_for(config) == 7
+
+
+def test_finetune_from_the_command_line(tmp_path, pretrained_workdir):
+  """--mode=finetune from a pre-training workdir, as the README runs it."""
+  from conftest import run_cli  # noqa: PLC0415
+
+  workdir, _ = pretrained_workdir
+  paths = write_synthetic(tmp_path, 64, 32, 8)
+  out = tmp_path / "ft"
+  result = run_cli([
+      sys.executable, "-m", "electra_jax.main", "--mode=finetune", f"--config={REPO}/configs/finetune/tiny.py",
+      f"--config.custom.train_file={paths['train']}", f"--config.custom.dev_file={paths['dev']}",
+      f"--config.init_from={workdir}", "--config.epochs=1", f"--workdir={out}",
+  ])
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f"Results: {out}/custom/results.json" in result.stdout
+  saved = json.loads((out / "custom" / "results.json").read_text())
+  assert 0.0 <= saved["summary"]["custom"]["accuracy"]["mean"] <= 1.0
+  bad = run_cli([sys.executable, "-m", "electra_jax.main", "--mode=finetune", f"--workdir={out}"])
+  assert bad.returncode != 0 and "--mode=finetune needs --config" in bad.stderr
