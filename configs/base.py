@@ -87,7 +87,8 @@ def get_config():
 
   config.train = train = ml_collections.ConfigDict()
   train.steps = 1_000_000
-  train.batch_size = 128  # global, over all devices and hosts
+  train.batch_size = 128  # global, over all devices and hosts; -1 = the largest that fits
+  train.memory_fraction = 0.9  # batch_size=-1: the share of a device's memory the step may use
   train.grad_accum_steps = 1  # micro-batches per step; the loss equals the full batch's
   train.seed = 0
   train.log_every = 100

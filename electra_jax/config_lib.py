@@ -64,7 +64,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
     )
   if t.dtype not in DTYPES:
     raise ConfigError(f"train.dtype={t.dtype!r} is not one of {DTYPES}.")
-  if t.grad_accum_steps < 1 or t.batch_size % t.grad_accum_steps:
+  if t.batch_size == -1:
+    pass  # resolved by train.prepare to the largest batch that fits (see memory.py)
+  elif t.batch_size < 1:
+    raise ConfigError(
+        f"train.batch_size={t.batch_size}: give a positive global batch size, or -1 for the "
+        "largest that fits in train.memory_fraction of a device's memory."
+    )
+  elif t.grad_accum_steps < 1 or t.batch_size % t.grad_accum_steps:
     raise ConfigError(
         f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps="
         f"{t.grad_accum_steps} (>= 1): each micro-batch must have the same size."

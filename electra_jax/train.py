@@ -21,7 +21,7 @@ import optax
 from absl import logging
 
 from electra_jax import (
-    checkpointing, config_lib, data, evaluation, flops, objectives, partitioning, workdir_files,
+    checkpointing, config_lib, data, evaluation, flops, memory, objectives, partitioning, workdir_files,
 )
 from electra_jax.config_lib import ConfigError
 from electra_jax.models import ElectraPretrainer, build_model
@@ -323,6 +323,9 @@ def compile_train_step(setup: TrainingSetup, config, mesh):
   )
 
 
+AUTO_BATCH_SIZE = -1  # train.batch_size=-1: the largest batch that fits in device memory
+
+
 def prepare(config):
   """Config checks, mesh, training data and the sharded setup, in that order, so that every
   mistake a user can make is reported before anything is compiled or written."""
@@ -330,7 +333,9 @@ def prepare(config):
   config_lib.validate(config)
   # --- Mesh
   mesh = partitioning.make_mesh(config.mesh)
-  config_lib.validate_for_mesh(config, partitioning.batch_shards(mesh))
+  auto_batch = config.train.batch_size == AUTO_BATCH_SIZE
+  if not auto_batch:
+    config_lib.validate_for_mesh(config, partitioning.batch_shards(mesh))
   logging.info("Mesh %s over %d %s devices.", dict(mesh.shape), mesh.size, jax.devices()[0].platform)
   # --- Input
   corpus = data.load_pretraining_data(config.data, split="train")
@@ -345,7 +350,15 @@ def prepare(config):
       vocab_size=tokenizer.vocab_size,  # bounds BERT-style random replacements
   )
   # --- Model and shardings
-  return mesh, corpus, build_setup(config, mesh, special_ids)
+  setup = build_setup(config, mesh, special_ids)
+  if auto_batch:
+    # The largest batch that fits (the setup does not depend on it); written to config.json.
+    limit = int(config.train.get("memory_fraction", 0.9) * memory.device_memory_bytes())
+    quantum = partitioning.batch_shards(mesh) * config.train.grad_accum_steps
+    config.train.batch_size, _ = memory.largest_batch(config, setup, mesh, limit, quantum)
+    logging.info("train.batch_size=-1: using %d, the largest batch that fits.", config.train.batch_size)
+    config_lib.validate_for_mesh(config, partitioning.batch_shards(mesh))
+  return mesh, corpus, setup
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,61 @@
+"""The largest training batch that fits on this machine's device, per recipe and sequence length.
+
+  python benchmarks/max_batch.py --configs=electra_small,electra_base,electra_large --seq_lens=128,512
+
+For each (recipe, max_seq_len) it compiles the train step at two batch sizes, fits bytes =
+fixed + per_example * batch from XLA's memory analysis, and checks the predicted largest batch
+with a third compile (electra_jax/memory.py). Prints a markdown table: fixed and per-example
+memory, the largest batch within --memory_fraction of one device's memory, and the check.
+Nothing runs a step, so it is quick on any device; `train.batch_size=-1` does the same at start.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+
+from electra_jax import config_lib, memory, partitioning, train  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--configs", default="electra_small,electra_base,electra_large")
+  parser.add_argument("--seq_lens", default="128,512")
+  parser.add_argument("--memory_fraction", type=float, default=0.9)
+  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  args = parser.parse_args()
+
+  device = jax.devices()[0]
+  limit = int(args.memory_fraction * memory.device_memory_bytes(device))
+  print(f"device: {device.device_kind} x {jax.device_count()}, {limit / 2**30:.1f} GiB allowed per device "
+        f"({args.memory_fraction:.0%}), dtype {args.dtype}\n")
+  print("| recipe | max_seq_len | fixed (GiB) | per example (MiB) | largest batch | its bytes (GiB) | compiles | time |")
+  print("|---|---|---|---|---|---|---|---|")
+  for name in args.configs.split(","):
+    for seq_len in (int(s) for s in args.seq_lens.split(",")):
+      config = config_lib.sibling(os.path.join(REPO, "configs", f"{name}.py"), name).get_config()
+      config.data.max_seq_len = seq_len
+      config.model.max_position_embeddings = max(config.model.max_position_embeddings, seq_len)
+      config.train.dtype = args.dtype
+      mesh = partitioning.make_mesh(config.mesh)
+      # Special ids only shape the masking, not the memory; the vocabulary size is the recipe's.
+      setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4))
+      quantum = partitioning.batch_shards(mesh) * config.train.grad_accum_steps
+      start = time.perf_counter()
+      batch, measured = memory.largest_batch(config, setup, mesh, limit, quantum)
+      small, large = measured[0], measured[1]
+      per_example = (large.bytes_per_device - small.bytes_per_device) / (large.batch_size - small.batch_size)
+      fixed = small.bytes_per_device - per_example * small.batch_size
+      print(f"| `{name}` | {seq_len} | {fixed / 2**30:.2f} | {per_example / 2**20:.1f} | {batch} | "
+            f"{measured[-1].bytes_per_device / 2**30:.2f} | {len(measured)} | {time.perf_counter() - start:.0f} s |",
+            flush=True)
+
+
+if __name__ == "__main__":
+  main()
