@@ -60,35 +60,46 @@ def step_memory(config, setup, mesh, batch_size: int) -> StepMemory:
 
 def largest_batch(config, setup, mesh, limit_bytes: int, quantum: int) -> tuple[int, list[StepMemory]]:
   """The largest multiple of `quantum` whose step fits in `limit_bytes` per device, with the
-  measurements taken on the way. Raises ConfigError when not even `quantum` fits."""
-  small, large = step_memory(config, setup, mesh, quantum), step_memory(config, setup, mesh, 4 * quantum)
-  measured = [small, large]
-  if small.bytes_per_device > limit_bytes:
+  measurements taken on the way. Raises ConfigError when not even `quantum` fits.
+
+  Two compiles give a linear fit, whose prediction is the first guess; XLA's buffer layout is
+  not quite linear, so the answer is then bracketed (galloping up while guesses fit) and
+  bisected down to one quantum: a handful of compiles."""
+  measured: list[StepMemory] = []
+
+  def fits(batch: int) -> bool:
+    measured.append(step_memory(config, setup, mesh, batch))
+    return measured[-1].bytes_per_device <= limit_bytes
+
+  if not fits(quantum):
     raise ConfigError(
-        f"Even a batch of {quantum} needs {small.bytes_per_device / 2**30:.2f} GiB per device, more than "
-        f"the {limit_bytes / 2**30:.2f} GiB allowed: use a smaller model or max_seq_len, bfloat16, "
-        "or more devices."
+        f"Even a batch of {quantum} needs {measured[0].bytes_per_device / 2**30:.2f} GiB per device, "
+        f"more than the {limit_bytes / 2**30:.2f} GiB allowed: use a smaller model or max_seq_len, "
+        "bfloat16, or more devices."
     )
+  low, high = quantum, None  # the largest known to fit, the smallest known not to
+  if fits(4 * quantum):
+    low = 4 * quantum
+  else:
+    high = 4 * quantum
+  small, large = measured[0], measured[1]
   per_example = max(1.0, (large.bytes_per_device - small.bytes_per_device) / (3 * quantum))
   fixed = small.bytes_per_device - per_example * quantum
-  candidate = max(quantum, int((limit_bytes - fixed) / per_example) // quantum * quantum)
-  # The fit is linear, XLA's buffer layout not quite: walk from the prediction to the last
-  # multiple of `quantum` that fits (usually one or two more compiles).
-  check = step_memory(config, setup, mesh, candidate)
-  measured.append(check)
-  while check.bytes_per_device > limit_bytes and candidate > quantum:
-    candidate = max(quantum, int(candidate * 0.95) // quantum * quantum if candidate > 20 * quantum
-                    else candidate - quantum)
-    check = step_memory(config, setup, mesh, candidate)
-    measured.append(check)
-  for _ in range(8):  # then upwards while the next one still fits
-    above = step_memory(config, setup, mesh, candidate + quantum)
-    measured.append(above)
-    if above.bytes_per_device > limit_bytes:
-      break
-    candidate, check = candidate + quantum, above
+  guess = int((limit_bytes - fixed) / per_example) // quantum * quantum
+  step = max(quantum, guess // 20 // quantum * quantum)
+  while high is None or high - low > quantum:
+    if high is None:
+      candidate = max(guess, low + quantum)
+    else:
+      candidate = max(low + quantum, (low + high) // 2 // quantum * quantum)
+      candidate = min(candidate, high - quantum)
+    if fits(candidate):
+      low = candidate
+      guess, step = candidate + step, 2 * step  # gallop up until a guess does not fit
+    else:
+      high = candidate
   logging.info(
-      "Memory per device: %.1f MiB fixed + %.3f MiB per example; largest batch %d (%.2f of %.2f GiB).",
-      fixed / 2**20, per_example / 2**20, candidate, check.bytes_per_device / 2**30, limit_bytes / 2**30,
+      "Memory per device: %.1f MiB fixed + %.3f MiB per example; largest batch %d (limit %.2f GiB, "
+      "%d compiles).", fixed / 2**20, per_example / 2**20, low, limit_bytes / 2**30, len(measured),
   )
-  return candidate, measured
+  return low, measured

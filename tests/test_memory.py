@@ -28,27 +28,42 @@ def test_step_memory_grows_linearly_with_the_batch(tiny_setup):
   assert b8 - (b16 - b8) > 3 * 4 * params
 
 
-def test_largest_batch_is_the_last_that_fits(tiny_setup):
-  config, mesh, setup = tiny_setup
-  limit = memory.step_memory(config, setup, mesh, 44).bytes_per_device  # between 40 and 48
-  batch, measured = memory.largest_batch(config, setup, mesh, limit, quantum=8)
-  assert batch == 40
-  fits = {m.batch_size: m.bytes_per_device <= limit for m in measured}
-  assert fits[40] and not fits[48]  # both were compiled on the way: 40 is the last that fits
-  with pytest.raises(ConfigError, match="Even a batch of 8 needs"):
-    memory.largest_batch(config, setup, mesh, limit_bytes=1000, quantum=8)
+def _fake_step_memory(bytes_of):
+  """Stands in for compiling: `bytes_of(batch)` per device; records the batches asked for."""
+  asked = []
+
+  def step_memory(config, setup, mesh, batch_size):
+    asked.append(batch_size)
+    return memory.StepMemory(batch_size, int(bytes_of(batch_size)))
+
+  return step_memory, asked
 
 
-def test_batch_size_minus_one_resolves_before_training(tiny_setup, monkeypatch):
-  config, mesh, setup = tiny_setup
-  allowed = memory.step_memory(config, setup, mesh, 28).bytes_per_device
-  monkeypatch.setattr(memory, "device_memory_bytes", lambda device=None: allowed)
+@pytest.mark.parametrize("quantum", [1, 8])
+def test_largest_batch_is_the_last_that_fits(monkeypatch, quantum):
+  # Not quite linear, as XLA's buffer layout is not: the linear fit overshoots.
+  bytes_of = lambda b: 50_000 + 1_000 * b + 3 * b * b  # noqa: E731
+  fake, asked = _fake_step_memory(bytes_of)
+  monkeypatch.setattr(memory, "step_memory", fake)
+  limit = bytes_of(300) + 1
+  batch, measured = memory.largest_batch(None, None, None, limit, quantum)
+  assert batch == 300 // quantum * quantum  # the largest multiple of quantum that fits
+  assert all(b % quantum == 0 for b in asked) and len(asked) <= 16  # a handful of compiles
+  assert bytes_of(batch + quantum) > limit
+  with pytest.raises(ConfigError, match=f"Even a batch of {quantum} needs"):
+    memory.largest_batch(None, None, None, limit_bytes=1000, quantum=quantum)
+
+
+def test_batch_size_minus_one_resolves_before_training(monkeypatch):
+  fake, asked = _fake_step_memory(lambda b: 1_000_000 + 10_000 * b)
+  monkeypatch.setattr(memory, "step_memory", fake)
+  monkeypatch.setattr(memory, "device_memory_bytes", lambda device=None: 1_000_000 + 10_000 * 37)
   auto = tiny_config(**{"train.batch_size": -1, "train.memory_fraction": 1.0})
   train.prepare(auto)
-  batch = auto.train.batch_size  # resolved in place, so config.json records the number
-  assert 24 <= batch < 40
-  assert memory.step_memory(config, setup, mesh, batch).bytes_per_device <= allowed
-  assert memory.step_memory(config, setup, mesh, batch + 1).bytes_per_device > allowed
+  assert auto.train.batch_size == 37  # resolved in place, so config.json records the number
+  # Half of that memory does not hold even the fixed part: refused before anything runs.
+  with pytest.raises(ConfigError, match="Even a batch of 1 needs"):
+    train.prepare(tiny_config(**{"train.batch_size": -1, "train.memory_fraction": 0.5}))
 
 
 def test_non_positive_batch_sizes_are_refused():
