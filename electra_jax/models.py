@@ -125,6 +125,22 @@ class Embeddings(nn.Module):
     return self.word_embeddings.embedding
 
 
+def embeddings_for(owner, embedding_size: int, config: EncoderConfig, **kwargs) -> "Embeddings":
+  """The Embeddings module of a model with vocab_size / max_position_embeddings /
+  type_vocab_size / dtype fields, with `config`'s dropout and LayerNorm epsilon (`kwargs`,
+  e.g. name=, go to the module)."""
+  return Embeddings(
+      vocab_size=owner.vocab_size,
+      embedding_size=embedding_size,
+      max_position_embeddings=owner.max_position_embeddings,
+      type_vocab_size=owner.type_vocab_size,
+      dropout_rate=config.dropout_rate,
+      layer_norm_eps=config.layer_norm_eps,
+      dtype=owner.dtype,
+      **kwargs,
+  )
+
+
 class SelfAttention(nn.Module):
   """Multi-head self-attention through jax.nn.dot_product_attention."""
 
@@ -354,16 +370,7 @@ class ElectraPretrainer(nn.Module):
   cloze_generator: bool = False
 
   def _embeddings(self, embedding_size: int) -> Embeddings:
-    disc = self.discriminator_config
-    return Embeddings(
-        vocab_size=self.vocab_size,
-        embedding_size=embedding_size,
-        max_position_embeddings=self.max_position_embeddings,
-        type_vocab_size=self.type_vocab_size,
-        dropout_rate=disc.dropout_rate,
-        layer_norm_eps=disc.layer_norm_eps,
-        dtype=self.dtype,
-    )
+    return embeddings_for(self, embedding_size, self.discriminator_config)
 
   @property
   def generator_embedding_size(self) -> int:
@@ -534,15 +541,7 @@ class _TowerOverEmbeddings(nn.Module):
   attention_impl: str = "xla"
 
   def setup(self):
-    self.embeddings = Embeddings(
-        vocab_size=self.vocab_size,
-        embedding_size=self.embedding_size,
-        max_position_embeddings=self.max_position_embeddings,
-        type_vocab_size=self.type_vocab_size,
-        dropout_rate=self.config.dropout_rate,
-        layer_norm_eps=self.config.layer_norm_eps,
-        dtype=self.dtype,
-    )
+    self.embeddings = embeddings_for(self, self.embedding_size, self.config)
 
   def _embed(self, input_ids, attention_mask, token_type_ids, deterministic: bool):
     """Embedded tokens [batch, seq, E] and the attention mask, with the defaults filled in:

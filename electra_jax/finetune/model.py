@@ -15,7 +15,7 @@ import ml_collections
 
 from electra_jax import checkpointing, config_lib, data, partitioning, train
 from electra_jax.config_lib import ConfigError
-from electra_jax.models import Embeddings, Encoder, EncoderConfig, bert_init, build_model, tower_from_pretrainer
+from electra_jax.models import Encoder, EncoderConfig, bert_init, build_model, embeddings_for, tower_from_pretrainer
 
 
 class ElectraClassifier(nn.Module):
@@ -34,15 +34,7 @@ class ElectraClassifier(nn.Module):
   attention_impl: str = "xla"
 
   def setup(self):
-    self.embeddings = Embeddings(
-        vocab_size=self.vocab_size,
-        embedding_size=self.embedding_size,
-        max_position_embeddings=self.max_position_embeddings,
-        type_vocab_size=self.type_vocab_size,
-        dropout_rate=self.config.dropout_rate,
-        layer_norm_eps=self.config.layer_norm_eps,
-        dtype=self.dtype,
-    )
+    self.embeddings = embeddings_for(self, self.embedding_size, self.config)
     self.encoder = Encoder(self.config, self.embedding_size, self.dtype, self.attention_impl)
     self.head_dropout = nn.Dropout(self.head_dropout_rate)
     self.classifier = nn.Dense(

@@ -34,7 +34,7 @@ from absl import logging
 
 from electra_jax.config_lib import ConfigError
 from electra_jax.data.tokenizer import atomic_write_bytes
-from electra_jax.models import Embeddings, Encoder, EncoderConfig, bert_init
+from electra_jax.models import Encoder, EncoderConfig, bert_init, embeddings_for
 
 VERSIONS = ("1.1", "2.0")
 FEATURE_KEYS = (
@@ -757,12 +757,9 @@ class SquadModel(nn.Module):
 
   @nn.compact
   def __call__(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
-    embedded = Embeddings(
-        vocab_size=self.vocab_size, embedding_size=self.embedding_size,
-        max_position_embeddings=self.max_position_embeddings, type_vocab_size=self.type_vocab_size,
-        dropout_rate=self.config.dropout_rate, layer_norm_eps=self.config.layer_norm_eps,
-        dtype=self.dtype, name="embeddings",
-    )(input_ids, token_type_ids, deterministic)
+    embedded = embeddings_for(self, self.embedding_size, self.config, name="embeddings")(
+        input_ids, token_type_ids, deterministic
+    )
     hidden = Encoder(self.config, self.embedding_size, self.dtype, name="encoder")(
         embedded, attention_mask, deterministic
     )
