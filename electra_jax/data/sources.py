@@ -73,6 +73,18 @@ _SNIFF_BYTES = 8192
 _BLOCK_BYTES = 8 << 20
 
 
+def decode_utf8(raw: bytes, where, stats: SourceStats) -> str:
+  """UTF-8 text of `raw`; bytes that are not UTF-8 become U+FFFD, counted in `stats` with
+  the first place (`where`, called only then) it happened."""
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError:
+    stats.replaced_lines += 1
+    if not stats.first_replaced_line:
+      stats.first_replaced_line = where()
+    return raw.decode("utf-8", errors="replace")
+
+
 def keep_sentence(sentence: str, where, stats: SourceStats) -> bool:
   """False (and counted) for a sentence too long to be text; `where` is called for the first."""
   if len(sentence) <= MAX_SENTENCE_CHARS:
@@ -174,13 +186,7 @@ def _iter_lines(path: str, stats: SourceStats):
           yield number, line
         continue
       for raw in io.BytesIO(data):  # only this block, line by line, to find the bad lines
-        try:
-          text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-          text = raw.decode("utf-8", errors="replace")
-          stats.replaced_lines += 1
-          if not stats.first_replaced_line:
-            stats.first_replaced_line = f"{path}:{number + 1}"
+        text = decode_utf8(raw, lambda: f"{path}:{number + 1}", stats)
         for line in text.splitlines() or [""]:
           number += 1
           yield number, line

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from electra_jax.config_lib import ConfigError
-from electra_jax.data.sources import SourceStats, split_text
+from electra_jax.data.sources import SourceStats, decode_utf8, split_text
 
 # Records are fetched in blocks: one `__getitems__` call reads many records at a time.
 _READ_BLOCK = 256
@@ -115,13 +115,7 @@ class TfdsCorpus:
         stats.bytes_read += 1  # progress is counted in records for TFDS
         text = record[self.text_field]
         if isinstance(text, bytes):
-          try:
-            text = text.decode("utf-8")
-          except UnicodeDecodeError:
-            text = text.decode("utf-8", errors="replace")
-            stats.replaced_lines += 1
-            if not stats.first_replaced_line:
-              stats.first_replaced_line = f"{self.name}[{self.split}][{key}]"
+          text = decode_utf8(text, lambda: f"{self.name}[{self.split}][{key}]", stats)
         elif not isinstance(text, str):
           stats.skipped_lines += 1
           if not stats.first_skipped_line:
