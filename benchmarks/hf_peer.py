@@ -10,6 +10,7 @@ Gumbel-max sampling under no_grad, the discriminator's sigmoid loss over non-pad
 `gen_weight * L_MLM + disc_weight * L_Disc`, grad-norm clip 1.0 and torch.optim.AdamW.
 """
 
+import contextlib
 import os
 
 import torch
@@ -42,9 +43,14 @@ class HfElectraPretraining:
   the MLM head only there, as electra-jax does.
   """
 
-  def __init__(self, config, objective, gather_masked: bool = False, seed: int = 0):
+  def __init__(self, config, objective, gather_masked: bool = False, seed: int = 0,
+               device: str = "cpu", autocast_dtype=None):
+    """`device` "cuda" runs on the GPU; `autocast_dtype` (e.g. torch.bfloat16) runs the forward
+    passes under torch.autocast with float32 master weights, as mixed-precision users do."""
     torch.set_num_threads(os.cpu_count())
     torch.manual_seed(seed)
+    self.device = torch.device(device)
+    self.autocast_dtype = autocast_dtype
     m = config.model
     frac = m.generator_fraction
     disc_config = _electra_config(m, m.hidden_size, m.num_heads, m.intermediate_size)
@@ -57,12 +63,12 @@ class HfElectraPretraining:
     shared = self.discriminator.electra.embeddings
     self.generator.electra.embeddings = shared
     self.generator.generator_lm_head.weight = shared.word_embeddings.weight
-    self.generator.train()
-    self.discriminator.train()
+    self.generator.to(self.device).train()
+    self.discriminator.to(self.device).train()
 
     self.objective = objective
     self.gather_masked = gather_masked
-    self.never_masked = torch.tensor(objective.never_masked_ids, dtype=torch.long)
+    self.never_masked = torch.tensor(objective.never_masked_ids, dtype=torch.long, device=self.device)
     self.params = self._unique_parameters()
     decay = [p for n, p in self.params if p.ndim > 1]
     no_decay = [p for n, p in self.params if p.ndim <= 1]  # LayerNorm parameters and biases
@@ -71,6 +77,7 @@ class HfElectraPretraining:
          {"params": no_decay, "weight_decay": 0.0}],
         lr=config.optimizer.learning_rate, betas=(config.optimizer.b1, config.optimizer.b2),
         eps=config.optimizer.eps,
+        fused=self.device.type == "cuda",  # PyTorch's fastest AdamW on GPUs
     )
 
   def _unique_parameters(self):
@@ -101,11 +108,13 @@ class HfElectraPretraining:
     num_tokens = attention_mask.float().sum(-1)
     num_to_predict = torch.round(num_tokens * obj.mask_prob).clamp(1, obj.max_predictions)  # half to even
     num_to_predict = torch.minimum(num_to_predict, is_candidate.sum(-1).float()).long()
-    scores = torch.where(is_candidate, torch.rand(batch_size, seq_len), torch.full((), -1.0))
+    scores = torch.where(
+        is_candidate, torch.rand(batch_size, seq_len, device=self.device), torch.full((), -1.0, device=self.device)
+    )
     positions = scores.topk(obj.max_predictions, dim=1).indices  # [batch, N]
-    is_used = torch.arange(obj.max_predictions)[None, :] < num_to_predict[:, None]
+    is_used = torch.arange(obj.max_predictions, device=self.device)[None, :] < num_to_predict[:, None]
     target_ids = input_ids.gather(1, positions)
-    put_mask = is_used & (torch.rand(batch_size, obj.max_predictions) >= obj.keep_original_prob)
+    put_mask = is_used & (torch.rand(batch_size, obj.max_predictions, device=self.device) >= obj.keep_original_prob)
     masked_ids = input_ids.scatter(1, positions, torch.where(put_mask, obj.mask_id, target_ids))
     return masked_ids, positions, is_used, target_ids
 
@@ -129,30 +138,43 @@ class HfElectraPretraining:
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
     return loss, logits
 
-  def step(self, batch) -> float:
-    """One optimizer update on `batch` (numpy int arrays [batch, seq]); returns the loss."""
+  def _autocast(self):
+    if self.autocast_dtype is None:
+      return contextlib.nullcontext()
+    return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+  def synchronize(self) -> None:
+    if self.device.type == "cuda":
+      torch.cuda.synchronize()
+
+  def step(self, batch, sync: bool = True):
+    """One optimizer update on `batch` (numpy int arrays [batch, seq]); returns the loss, a
+    float when `sync` (waits for the device), else the loss tensor (timing loops)."""
     obj = self.objective
-    input_ids = torch.as_tensor(batch["input_ids"], dtype=torch.long)
-    token_type_ids = torch.as_tensor(batch["token_type_ids"], dtype=torch.long)
-    attention_mask = torch.as_tensor(batch["attention_mask"], dtype=torch.long)
+    to_device = lambda a: torch.as_tensor(a, dtype=torch.long).to(self.device, non_blocking=True)  # noqa: E731
+    input_ids = to_device(batch["input_ids"])
+    token_type_ids = to_device(batch["token_type_ids"])
+    attention_mask = to_device(batch["attention_mask"])
 
     masked_ids, positions, is_used, target_ids = self._mask(input_ids, attention_mask)
-    mlm_loss, picked_logits = self._generator_loss_and_logits(
-        masked_ids, token_type_ids, attention_mask, positions, is_used, target_ids
-    )
+    with self._autocast():
+      mlm_loss, picked_logits = self._generator_loss_and_logits(
+          masked_ids, token_type_ids, attention_mask, positions, is_used, target_ids
+      )
     with torch.no_grad():  # Gumbel-max sample of softmax(logits / T), float32
-      uniform = torch.rand_like(picked_logits).clamp_(1e-20, 1.0)
+      uniform = torch.rand(picked_logits.shape, device=self.device).clamp_(1e-20, 1.0)
       gumbel = -torch.log(-torch.log(uniform))
       sampled = (picked_logits.float() / obj.temperature + gumbel).argmax(-1)
       corrupted = input_ids.scatter(1, positions, torch.where(is_used, sampled, target_ids))
       is_replaced = (corrupted != input_ids).float()  # a sample equal to the original is original
-    disc_loss = self.discriminator(
-        input_ids=corrupted, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=is_replaced
-    ).loss  # sigmoid BCE averaged over attention_mask == 1
+    with self._autocast():
+      disc_loss = self.discriminator(
+          input_ids=corrupted, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=is_replaced
+      ).loss  # sigmoid BCE averaged over attention_mask == 1
     loss = obj.gen_weight * mlm_loss + obj.disc_weight * disc_loss
 
     self.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_([p for _, p in self.params], 1.0)
     self.optimizer.step()
-    return loss.item()
+    return loss.item() if sync else loss

@@ -84,8 +84,18 @@ def main(argv):
     variants = {"huggingface": False}
     if _HF_GATHERED.value:
       variants["huggingface_gathered"] = True
+    import torch
+
+    on_gpu = jax.devices()[0].platform == "gpu"
+    if on_gpu and not torch.cuda.is_available():
+      raise SystemExit("JAX runs on a GPU but PyTorch sees none: the peer would not be like for like.")
+    # Like for like: the peer runs where we run, in bfloat16 autocast when we compute in bf16.
+    peer_device = "cuda" if on_gpu else "cpu"
+    autocast = torch.bfloat16 if config.train.dtype == "bfloat16" else None
     for name, gather in variants.items():
-      peer = hf_peer.HfElectraPretraining(config, setup.objective, gather_masked=gather)
+      peer = hf_peer.HfElectraPretraining(
+          config, setup.objective, gather_masked=gather, device=peer_device, autocast_dtype=autocast
+      )
       assert peer.shares_embeddings()
       peers[name] = [peer, peer.step(host_batches[0])]
       for i in range(1, _WARMUP.value):
@@ -94,7 +104,8 @@ def main(argv):
     def time_peer(peer):
       start = time.perf_counter()
       for i in range(_STEPS.value):
-        peer.step(host_batches[i % len(host_batches)])
+        peer.step(host_batches[i % len(host_batches)], sync=False)
+      peer.synchronize()
       return (time.perf_counter() - start) / _STEPS.value
 
   run(_WARMUP.value, 0)
@@ -144,6 +155,9 @@ def main(argv):
           "ratio_ours_over_theirs": round(tokens_per_sec / peer_tokens_per_sec, 3),
       }
     result["torch"] = torch.__version__
+    result["torch_device"] = peer_device
+    result["torch_autocast"] = str(autocast)
+    result["torch_attention"] = peer.discriminator.config._attn_implementation
     result["torch_threads"] = torch.get_num_threads()
     result["transformers"] = transformers.__version__
   print(json.dumps(result, indent=2))
