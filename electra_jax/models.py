@@ -16,6 +16,30 @@ Dtype = Any
 
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 
+# model.remat: what each encoder layer keeps for the backward pass. "none" keeps everything
+# (fastest; right for the official sizes on any modern accelerator), "dots" keeps only the
+# matmul outputs and recomputes the elementwise work (LayerNorm, GELU, dropout, softmax),
+# "full" keeps only the layer's input and recomputes the whole layer.
+REMAT_POLICIES = ("none", "dots", "full")
+
+
+def segment_positions(segment_ids):
+  """Per-segment positions of a packed batch: [batch, seq] segment ids (1, 2, ... for the
+  examples of a row, 0 on padding) -> positions that restart at 0 where each segment begins,
+  so a packed example is embedded exactly as it would be alone in its row."""
+  seq_len = segment_ids.shape[-1]
+  index = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), segment_ids.shape)
+  previous = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+  starts = jnp.where(segment_ids != previous, index, 0)
+  return index - jax.lax.cummax(starts, axis=1)
+
+
+def segment_attention_mask(segment_ids):
+  """[batch, seq] segment ids -> [batch, seq, seq]: a query attends to the real keys of its own
+  segment only, so packed examples do not see each other."""
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]
+  return same & (segment_ids[:, None, :] > 0)
+
 
 def bert_init(stddev: float = 0.02):
   """TF's truncated_normal_initializer: N(0, stddev) cut at two standard deviations.
@@ -69,6 +93,7 @@ class EncoderConfig:
   dropout_rate: float = 0.1
   attention_dropout_rate: float = 0.1
   layer_norm_eps: float = 1e-12
+  remat: str = "none"  # see REMAT_POLICIES
 
   @property
   def head_dim(self) -> int:
@@ -88,10 +113,11 @@ class Embeddings(nn.Module):
 
   def setup(self):
     def embed(num, axis, name):
+      # Looked up in float32 whatever the compute dtype (see __call__).
       return nn.Embed(
           num,
           self.embedding_size,
-          dtype=self.dtype,
+          dtype=jnp.float32,
           param_dtype=jnp.float32,
           embedding_init=_param(bert_init(), (axis, "embed")),
           name=name,
@@ -103,19 +129,28 @@ class Embeddings(nn.Module):
     self.layer_norm = _layer_norm(self.layer_norm_eps, "layer_norm")
     self.dropout = nn.Dropout(self.dropout_rate)
 
-  def __call__(self, input_ids, token_type_ids, deterministic: bool, word_table=None):
-    """`word_table` [vocab, E], if given, replaces the word embeddings' own table (GDES)."""
-    seq_len = input_ids.shape[-1]
-    position_ids = jnp.arange(seq_len)[None, :]
+  def __call__(self, input_ids, token_type_ids, deterministic: bool, word_table=None, position_ids=None):
+    """`word_table` [vocab, E], if given, replaces the word embeddings' own table (GDES);
+    `position_ids` [batch, seq] (packed rows) replaces 0, 1, 2, ..."""
+    # The lookups read the float32 tables and the sum is taken in float32. This matters for
+    # speed as much as for precision: the gradient of a lookup is a scatter-add into the
+    # table, and on GPUs a bfloat16 scatter-add whose indices repeat (padding, [MASK], the
+    # two token types) serializes on compare-and-swap loops: 90% of an electra_small step on
+    # an H100 went there. Positions and token types need no scatter at all (see below).
     if word_table is None:
-      words = self.word_embeddings(input_ids)
-    else:
-      words = jnp.take(word_table, input_ids, axis=0).astype(self.dtype)
-    embedded = (
-        words
-        + self.position_embeddings(position_ids)
-        + self.token_type_embeddings(token_type_ids)
-    )
+      word_table = self.word_embeddings.embedding
+    words = jnp.take(word_table.astype(jnp.float32), input_ids, axis=0)
+    position_table = self.position_embeddings.embedding
+    if position_ids is None:  # 0, 1, 2, ...: a slice, whose gradient is a pad
+      positions = position_table[None, : input_ids.shape[-1]]
+    else:  # packed rows
+      positions = jnp.take(position_table, position_ids, axis=0)
+    # A handful of token types: a select per type, whose gradient is a masked sum.
+    type_table = self.token_type_embeddings.embedding
+    types = jnp.zeros((), jnp.float32)
+    for type_id in range(self.type_vocab_size):
+      types = types + jnp.where((token_type_ids == type_id)[..., None], type_table[type_id], 0.0)
+    embedded = words + positions + types
     embedded = self.layer_norm(embedded).astype(self.dtype)
     embedded = self.dropout(embedded, deterministic=deterministic)
     return nn.with_logical_constraint(embedded, ("act_batch", "act_len", "act_embed"))
@@ -171,6 +206,14 @@ class SelfAttention(nn.Module):
       probs = jax.nn.softmax(scores, axis=-1)
       probs = nn.Dropout(cfg.attention_dropout_rate)(probs, deterministic=False)
       context = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(self.dtype), value)
+    elif self.attention_impl == "cudnn" and mask.ndim == 2:
+      # cuDNN's fused kernel takes the padding as lengths rather than a mask (electra-jax's
+      # rows are right-padded: real tokens first).
+      lengths = mask.sum(-1, dtype=jnp.int32)
+      context = jax.nn.dot_product_attention(
+          query, key, value, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+          implementation="cudnn",
+      )
     else:
       context = jax.nn.dot_product_attention(
           query, key, value, mask=key_is_real, implementation=self.attention_impl
@@ -219,11 +262,27 @@ class Encoder(nn.Module):
       hidden = _dense(self.config.hidden_size, "embed", "mlp", self.dtype, "embeddings_project")(
           hidden
       )
+    layer_class = _remat_layer(self.config.remat)
     for i in range(self.config.num_layers):
-      hidden = EncoderLayer(self.config, self.dtype, self.attention_impl, name=f"layer_{i}")(
+      hidden = layer_class(self.config, self.dtype, self.attention_impl, name=f"layer_{i}")(
           hidden, attention_mask, deterministic
       )
     return hidden  # [batch, seq, hidden]
+
+
+def _remat_layer(policy: str):
+  """EncoderLayer, or EncoderLayer under jax.checkpoint with `policy` (REMAT_POLICIES). The
+  parameter tree is the same either way (layer_0, layer_1, ...)."""
+  if policy not in REMAT_POLICIES:
+    raise ConfigError(f"model.remat={policy!r} is not one of {list(REMAT_POLICIES)}.")
+  if policy == "none":
+    return EncoderLayer
+  saveable = {
+      "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+      "full": jax.checkpoint_policies.nothing_saveable,
+  }[policy]
+  # Argument 3 of __call__ (self, hidden, attention_mask, deterministic) is a Python bool.
+  return nn.remat(EncoderLayer, policy=saveable, static_argnums=(3,))
 
 
 class Generator(nn.Module):
@@ -368,6 +427,11 @@ class ElectraPretrainer(nn.Module):
   discriminator_mlm_head: bool = False
   # True for Electric: the generator is the two-tower cloze model (ClozeGenerator).
   cloze_generator: bool = False
+  # True for packed rows (data.pack_rows): the `attention_mask` argument of every method is
+  # then the batch's segment ids (1, 2, ... per example, 0 on padding); attention stays
+  # within a segment and positions restart at each. A plain 0/1 mask is one segment per row,
+  # so unpacked batches give the same results either way.
+  packed: bool = False
 
   def _embeddings(self, embedding_size: int) -> Embeddings:
     return embeddings_for(self, embedding_size, self.discriminator_config)
@@ -376,7 +440,18 @@ class ElectraPretrainer(nn.Module):
   def generator_embedding_size(self) -> int:
     return self.generator_config.hidden_size if self.tie == "none" else self.embedding_size
 
+  def _mask_and_positions(self, attention_mask):
+    """(the mask the towers read, position ids or None) for this batch."""
+    if not self.packed:
+      return attention_mask, None
+    return segment_attention_mask(attention_mask), segment_positions(attention_mask)
+
   def setup(self):
+    if self.packed and self.cloze_generator:
+      raise ConfigError(
+          "Electric's cloze generator reads across the row's ends, so it cannot train on packed "
+          "rows: set data.pack_rows=False for objective.name='electric'."
+      )
     if self.tie not in TIE_MODES:
       raise ConfigError(f"model.tie={self.tie!r} is not one of {list(TIE_MODES)}.")
     self.embeddings = self._embeddings(self.embedding_size)
@@ -418,10 +493,9 @@ class ElectraPretrainer(nn.Module):
   ):
     """Vocabulary logits at `masked_positions` [batch, n_pred] -> [batch, n_pred, vocab], float32."""
     embeddings = self.generator_embeddings if self.tie == "none" else self.embeddings
-    embedded = embeddings(input_ids, token_type_ids, deterministic)
-    return self.generator(
-        embedded, attention_mask, masked_positions, embeddings.word_table(), deterministic
-    )
+    mask, positions = self._mask_and_positions(attention_mask)
+    embedded = embeddings(input_ids, token_type_ids, deterministic, position_ids=positions)
+    return self.generator(embedded, mask, masked_positions, embeddings.word_table(), deterministic)
 
   def cloze_logits(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
     """Electric's generator: [batch, seq] -> vocabulary logits at every position, float32."""
@@ -439,8 +513,11 @@ class ElectraPretrainer(nn.Module):
   def discriminator_logits(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
     """One "replaced" logit per token: [batch, seq] -> [batch, seq], float32."""
     word_table = self.discriminator_word_table() if self.tie == "gdes" else None
-    embedded = self.embeddings(input_ids, token_type_ids, deterministic, word_table=word_table)
-    return self.discriminator(embedded, attention_mask, deterministic)
+    mask, positions = self._mask_and_positions(attention_mask)
+    embedded = self.embeddings(
+        input_ids, token_type_ids, deterministic, word_table=word_table, position_ids=positions
+    )
+    return self.discriminator(embedded, mask, deterministic)
 
   def discriminator_mlm_logits(
       self, input_ids, token_type_ids, attention_mask, mlm_positions=None, deterministic: bool = True
@@ -448,11 +525,13 @@ class ElectraPretrainer(nn.Module):
     """(per-token logits [batch, seq], the discriminator tower's MLM logits [batch, n, vocab] at
     `mlm_positions`, or [batch, seq, vocab] when None); needs discriminator_mlm_head."""
     word_table = self.discriminator_word_table()
+    mask, positions = self._mask_and_positions(attention_mask)
     embedded = self.embeddings(
-        input_ids, token_type_ids, deterministic, word_table=word_table if self.tie == "gdes" else None
+        input_ids, token_type_ids, deterministic,
+        word_table=word_table if self.tie == "gdes" else None, position_ids=positions,
     )
     return self.discriminator(
-        embedded, attention_mask, deterministic, with_mlm=True, mlm_positions=mlm_positions,
+        embedded, mask, deterministic, with_mlm=True, mlm_positions=mlm_positions,
         word_table=word_table,
     )
 
@@ -507,7 +586,19 @@ def build_model(config) -> ElectraPretrainer:
       dropout_rate=m.dropout_rate,
       attention_dropout_rate=m.attention_dropout_rate,
       layer_norm_eps=m.layer_norm_eps,
+      remat=m.get("remat", "none"),
   )
+  if m.attention_impl not in ATTENTION_IMPLEMENTATIONS:
+    raise ConfigError(
+        f"model.attention_impl={m.attention_impl!r} is not one of {list(ATTENTION_IMPLEMENTATIONS)}."
+    )
+  if m.attention_impl == "cudnn" and config.train.dtype != "bfloat16":
+    raise ConfigError(
+        f"model.attention_impl='cudnn' runs cuDNN's fused attention, which takes bfloat16 "
+        f"inputs only, but train.dtype={config.train.dtype!r}: set --config.train.dtype=bfloat16 "
+        "or model.attention_impl='xla'."
+    )
+  _remat_layer(discriminator.remat)  # refuses an unknown policy before anything is traced
   return ElectraPretrainer(
       vocab_size=m.vocab_size,
       embedding_size=m.embedding_size,
@@ -521,6 +612,7 @@ def build_model(config) -> ElectraPretrainer:
       has_generator=objective not in objectives.WITHOUT_GENERATOR,
       discriminator_mlm_head=objective in objectives.MLM_FAMILY,
       cloze_generator=objective == "electric",
+      packed=bool(config.data.get("pack_rows", False)),
   )
 
 
