@@ -34,6 +34,9 @@ def get_config():
   # towers; needs generator_fraction 1.0).
   model.tie = "embeddings"
   model.attention_impl = "xla"  # "xla" anywhere, "cudnn" (flash attention) on NVIDIA GPUs
+  # What each encoder layer keeps for the backward pass: "none" (everything: fastest),
+  # "dots" (matmul outputs only) or "full" (the layer input only). Same parameters either way.
+  model.remat = "none"
 
   # Replaced-token detection: loss = gen_weight * L_MLM + disc_weight * L_Disc.
   config.objective = objective = ml_collections.ConfigDict()
@@ -69,6 +72,9 @@ def get_config():
   data.prepared_dir = ""
   data.shard_documents = 10_000  # prepare_data: documents per shard (one task of one worker)
   data.max_seq_len = 128
+  # True: several whole examples side by side in each row of max_seq_len (segment-aware
+  # attention, positions restarting per example), so little compute goes to padding.
+  data.pack_rows = False
   data.cache_dir = ""  # "" = $ELECTRA_JAX_CACHE or ~/.cache/electra_jax
   # "sentencepiece": trained on the source's train documents (spm_* keys). "wordpiece": a BERT
   # vocab.txt (data.vocab_file) with BERT's normalization (lowercase, strip_accents).

@@ -47,7 +47,7 @@ class HeldOutEvaluator:
           f"eval.batch_size={batch_size} is not divisible by the {shards} batch shards "
           f"(mesh.data * mesh.fsdp) and {jax.process_count()} processes; choose a multiple."
       )
-    num_rows = min(held_out.num_examples, config.eval.num_batches * batch_size)
+    num_rows = min(held_out.num_rows, config.eval.num_batches * batch_size)
     if num_rows == 0:
       raise ConfigError(
           f"The held-out split is empty (data.eval_fraction={config.data.eval_fraction}); raise "
@@ -55,23 +55,22 @@ class HeldOutEvaluator:
       )
     num_batches = -(-num_rows // batch_size)
     pad_id = held_out.tokenizer.pad_id
+    # The first rows in storage order (packed rows with data.pack_rows): the same every time.
+    held = data.get_rows(held_out, np.arange(num_rows))
 
     def rows(array, fill):
       padded = np.full((num_batches * batch_size, array.shape[1]), fill, np.int32)
-      padded[:num_rows] = array[:num_rows]
+      padded[:num_rows] = array
       return padded.reshape(num_batches, batch_size, -1)
 
-    input_ids = rows(held_out.input_ids, pad_id)
-    token_type_ids = rows(held_out.token_type_ids, 0)
+    stacked = {name: rows(array, pad_id if name == "input_ids" else 0) for name, array in held.items()}
     local = slice(
         jax.process_index() * batch_size // jax.process_count(),
         (jax.process_index() + 1) * batch_size // jax.process_count(),
     )
     self._batches = [
         {
-            "input_ids": input_ids[i, local],
-            "token_type_ids": token_type_ids[i, local],
-            "attention_mask": (input_ids[i, local] != pad_id).astype(np.int32),
+            **{name: array[i, local] for name, array in stacked.items()},
             "example_index": np.arange(i * batch_size, (i + 1) * batch_size, dtype=np.int32)[local],
         }
         for i in range(num_batches)

@@ -216,6 +216,9 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
   gen_dropout_rng, disc_dropout_rng = jax.random.split(dropout_rng)
   input_ids, token_type_ids, attention_mask = batch["input_ids"], batch["token_type_ids"], batch["attention_mask"]
   token_weights = attention_mask.astype(jnp.float32)
+  # Packed rows (data.pack_rows) carry segment ids, which the model (built with packed=True)
+  # reads in place of the padding mask; losses and masking still weigh real tokens only.
+  model_mask = batch.get("segment_ids", attention_mask)
   apply = functools.partial(model.apply, {"params": params})
   zero = jnp.zeros((), jnp.float32)
   stats = dict.fromkeys(_STAT_KEYS, zero)
@@ -225,7 +228,7 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
   if objective.name == "mlm":
     # BERT: the discriminator-sized tower predicts the originals of its [MASK]ed input.
     _, mlm_logits = apply(
-        masked.input_ids, token_type_ids, attention_mask, masked.positions, deterministic,
+        masked.input_ids, token_type_ids, model_mask, masked.positions, deterministic,
         method=model.discriminator_mlm_logits, rngs={"dropout": disc_dropout_rng},
     )
     mlm_loss_sum, mlm_correct = _mlm_sums(mlm_logits, masked.target_ids, masked.weights)
@@ -239,7 +242,7 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
   if objective.name == "electric":
     # The cloze model reads the unmasked input and predicts every token from both sides.
     cloze_logits = apply(
-        input_ids, token_type_ids, attention_mask, deterministic,
+        input_ids, token_type_ids, model_mask, deterministic,
         method=model.cloze_logits, rngs={"dropout": gen_dropout_rng},
     )  # [batch, seq, vocab]
     candidates = candidate_mask(input_ids, attention_mask, objective).astype(jnp.float32)
@@ -248,7 +251,7 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
     gen_logits = jnp.take_along_axis(cloze_logits, masked.positions[..., None], axis=1)
   elif objective.uses_generator:
     gen_logits = apply(
-        masked.input_ids, token_type_ids, attention_mask, masked.positions, deterministic,
+        masked.input_ids, token_type_ids, model_mask, masked.positions, deterministic,
         method=model.generator_logits, rngs={"dropout": gen_dropout_rng},
     )  # [batch, n_pred, vocab] float32
   else:
@@ -273,7 +276,7 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
   if objective.name == "replace_mlm":
     # MLM on the generator-corrupted input (no [MASK]): predict the originals at the masked slots.
     _, main_logits = apply(
-        corrupted_ids, token_type_ids, attention_mask, masked.positions, deterministic,
+        corrupted_ids, token_type_ids, model_mask, masked.positions, deterministic,
         method=model.discriminator_mlm_logits, rngs={"dropout": disc_dropout_rng},
     )
     main_loss_sum, main_correct = _mlm_sums(main_logits, masked.target_ids, masked.weights)
@@ -283,7 +286,7 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
     # Predict every token of the corrupted input, with the paper's copy mechanism:
     # p(x_t) = D_t [x_t = input_t] + (1 - D_t) softmax(MLM)_t(x_t), D_t = sigmoid(copy logit).
     copy_logits, main_logits = apply(
-        corrupted_ids, token_type_ids, attention_mask, None, deterministic,
+        corrupted_ids, token_type_ids, model_mask, None, deterministic,
         method=model.discriminator_mlm_logits, rngs={"dropout": disc_dropout_rng},
     )  # [batch, seq], [batch, seq, vocab]
     log_softmax = jax.nn.log_softmax(main_logits, axis=-1)
@@ -310,7 +313,7 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
     return gen_loss + main_loss, (stats, per_token)
 
   disc_logits = apply(
-      corrupted_ids, token_type_ids, attention_mask, deterministic,
+      corrupted_ids, token_type_ids, model_mask, deterministic,
       method=model.discriminator_logits, rngs={"dropout": disc_dropout_rng},
   )  # [batch, seq] float32
   if objective.name == "electric":

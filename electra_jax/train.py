@@ -21,7 +21,8 @@ import optax
 from absl import logging
 
 from electra_jax import (
-    checkpointing, config_lib, data, evaluation, flops, memory, objectives, partitioning, workdir_files,
+    checkpointing, config_lib, data, evaluation, flops, memory, objectives, partitioning, tensorboard_log,
+    workdir_files,
 )
 from electra_jax.config_lib import ConfigError
 from electra_jax.models import ElectraPretrainer, build_model
@@ -238,7 +239,7 @@ def _check_checkpoint_matches(meta: dict, setup, corpus, workdir: str) -> None:
   if meta["data_fingerprint"] != corpus.fingerprint:
     raise ConfigError(
         f"The checkpoint in {workdir} was trained on data {meta['data_fingerprint']} but this "
-        f"config gives {corpus.fingerprint} (a different tokenizer, corpus or max_seq_len). "
+        f"config gives {corpus.fingerprint} (a different tokenizer, corpus, max_seq_len or data.pack_rows). "
         "Use a new --workdir, or the data settings of its config.json."
     )
 
@@ -298,6 +299,15 @@ def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
   )
 
 
+def batch_keys(config) -> tuple[str, ...]:
+  """The arrays of a training batch (data.get_batch's keys): packed rows add segment ids and
+  per-segment positions."""
+  keys = ("input_ids", "token_type_ids", "attention_mask")
+  if config.data.get("pack_rows", False):
+    keys += ("segment_ids", "position_ids")
+  return keys
+
+
 def compile_train_step(setup: TrainingSetup, config, mesh):
   """train_step compiled for this config's global batch, with the state donated. Call it
   inside `partitioning.activate(mesh)`."""
@@ -307,7 +317,7 @@ def compile_train_step(setup: TrainingSetup, config, mesh):
       name: jax.ShapeDtypeStruct(
           (config.train.batch_size, config.data.max_seq_len), jnp.int32, sharding=batch_sharding
       )
-      for name in ("input_ids", "token_type_ids", "attention_mask")
+      for name in batch_keys(config)
   }
   rng = jax.random.key(0)
   abstract_rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=replicated)
@@ -435,8 +445,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if is_chief:
     workdir_files.makedirs(workdir_files.path(workdir))
     workdir_files.write_text(workdir_files.path(workdir, "config.json"), config_lib.to_json(config))
-    metrics_log = workdir_files.JsonlLog(workdir_files.path(workdir, "metrics.jsonl"))
-    eval_log = workdir_files.JsonlLog(workdir_files.path(workdir, "eval_metrics.jsonl"))
+    # metrics.jsonl and eval_metrics.jsonl, plus TensorBoard events under <workdir>/tensorboard.
+    metrics_log, eval_log = tensorboard_log.open_logs(workdir)
 
   with partitioning.activate(mesh):
     if start_step is None:
@@ -527,8 +537,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     checkpointer.wait()
     checkpointer.close()
     if is_chief:
-      metrics_log.flush()
-      eval_log.flush()
+      metrics_log.close()
+      eval_log.close()
   if step >= total_steps and is_chief:
     logging.info("Done: step %d, checkpoints in %s.", step, checkpointer.directory)
   return last_logged

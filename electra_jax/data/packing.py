@@ -1,11 +1,16 @@
-"""Packing tokenized documents into fixed-length ELECTRA pre-training examples.
+"""Packing tokenized documents into fixed-length ELECTRA pre-training examples, and examples
+into rows.
 
-Owns the example layout ([CLS] A [SEP] or [CLS] A [SEP] B [SEP], right-padded) and the
-rules for how sentences of one document are grouped into the A and B segments.
+Owns the example layout ([CLS] A [SEP] or [CLS] A [SEP] B [SEP], right-padded), the rules for
+how sentences of one document are grouped into the A and B segments, and (data.pack_rows) the
+plan that lays several whole examples side by side in one row with segment ids and
+per-example positions.
 """
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import random
 from collections.abc import Sequence
 
@@ -153,3 +158,159 @@ def pack_documents(
     input_ids[row, : len(tokens)] = tokens
     token_type_ids[row, num_segment_a_tokens : len(tokens)] = 1
   return {"input_ids": input_ids, "token_type_ids": token_type_ids}
+
+
+# ---------------------------------------------------------------- packing examples into rows
+#
+# data.pack_rows: the examples above (each one [CLS] A [SEP] B [SEP], right-padded) are laid
+# side by side into rows of max_seq_len, so the compute that padding would take goes to text.
+# The plan is made at load time from the examples' lengths alone, so the cache and the prepared
+# shards serve packed and unpacked training alike, and both give the same plan.
+
+# Bump when the plan for the same lengths would change: it enters the data fingerprint.
+ROW_PACKING_VERSION = 1
+# Examples are packed within windows of this many consecutive examples (storage order), which
+# keeps each best-fit search short. Measured on 200,000 synthetic lengths (README), it leaves
+# within 0.04% of the padding that packing all examples at once leaves, at 0.1-0.3 s in all.
+ROW_PACKING_WINDOW = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPacking:
+  """Which examples each packed row holds, in compressed-sparse-row form.
+
+  Row r holds the examples `examples[row_splits[r]:row_splits[r + 1]]` (increasing example
+  indices), laid out in that order from column 0; `lengths[e]` is example e's token count.
+  """
+
+  row_splits: np.ndarray  # int64 [num_rows + 1]
+  examples: np.ndarray  # int64 [num_examples], row by row
+  lengths: np.ndarray  # int32 [num_examples], indexed by example
+  max_seq_len: int
+
+  @property
+  def num_rows(self) -> int:
+    return int(self.row_splits.shape[0] - 1)
+
+  def real_token_fraction(self) -> float:
+    """Share of the packed rows' positions that hold tokens (1 - the padding share)."""
+    return float(self.lengths.sum(dtype=np.int64)) / max(1, self.num_rows * self.max_seq_len)
+
+
+def example_lengths(input_ids, pad_id: int, block_rows: int = 1 << 16) -> np.ndarray:
+  """int32 [num_examples]: each right-padded example's length (its last non-pad token + 1).
+
+  Reads `input_ids` (an array, or prepared.ShardedRows) in blocks of rows, so a memory-mapped
+  corpus is scanned without being loaded whole.
+  """
+  num_examples, max_seq_len = int(input_ids.shape[0]), int(input_ids.shape[1])
+  lengths = np.empty(num_examples, np.int32)
+  for start in range(0, num_examples, block_rows):
+    block = np.asarray(input_ids[start : start + block_rows])
+    real = block != pad_id
+    # argmax over the reversed row finds the last real token; an all-padding row has length 0.
+    last = max_seq_len - np.argmax(real[:, ::-1], axis=1)
+    lengths[start : start + block.shape[0]] = np.where(real.any(axis=1), last, 0)
+  return lengths
+
+
+def _best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+  """Bins (lists of positions into `lengths`) from best-fit decreasing: longest example first,
+  each into the open bin it fills most tightly, else a new bin. Ties go to the earlier
+  example and the earlier bin, so the result is a pure function of `lengths`."""
+  order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+  shortest = min(lengths)
+  bins: list[list[int]] = []
+  room: list[tuple[int, int]] = []  # (free columns, bin), sorted: the best fit is a bisection
+  for i in order:
+    length = lengths[i]
+    k = bisect.bisect_left(room, (length, -1))
+    if k < len(room):
+      free, b = room.pop(k)
+    else:
+      free, b = capacity, len(bins)
+      bins.append([])
+    bins[b].append(i)
+    free -= length
+    if free >= shortest:  # a bin no remaining example fits into is closed
+      bisect.insort(room, (free, b))
+  return bins
+
+
+def plan_rows(lengths: np.ndarray, max_seq_len: int, window: int = ROW_PACKING_WINDOW) -> RowPacking:
+  """Pack examples of the given lengths into rows of `max_seq_len`, never splitting one.
+
+  Every example lands in exactly one row. Within each window of `window` consecutive examples,
+  those too long to share a row with the window's shortest example get a row of their own
+  (most full-length examples, without a Python loop); the rest are packed by best-fit
+  decreasing. Rows come window by window: the single rows first, then the packed ones.
+  Deterministic: a pure function of (lengths, max_seq_len, window).
+  """
+  lengths = np.asarray(lengths, dtype=np.int32)
+  if lengths.ndim != 1:
+    raise ValueError(f"plan_rows: lengths must be 1-D, got shape {lengths.shape}.")
+  if lengths.size and (lengths.min() < 1 or lengths.max() > max_seq_len):
+    raise ValueError(
+        f"plan_rows: example lengths must be in [1, {max_seq_len}], got [{lengths.min()}, {lengths.max()}]."
+    )
+  if window < 1:
+    raise ValueError(f"plan_rows: window must be >= 1, got {window}.")
+  row_sizes: list[np.ndarray] = []
+  examples: list[np.ndarray] = []
+  for start in range(0, lengths.size, window):
+    chunk = lengths[start : start + window]
+    alone = chunk + chunk.min() > max_seq_len
+    singles = np.flatnonzero(alone)
+    row_sizes.append(np.ones(singles.size, np.int64))
+    examples.append(singles + start)
+    shared = np.flatnonzero(~alone)
+    if shared.size:
+      bins = _best_fit_decreasing(chunk[shared].tolist(), max_seq_len)
+      row_sizes.append(np.array([len(b) for b in bins], np.int64))
+      examples.append(np.concatenate([np.sort(shared[b]) for b in bins]) + start)
+  sizes = np.concatenate(row_sizes) if row_sizes else np.zeros(0, np.int64)
+  return RowPacking(
+      row_splits=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+      examples=np.concatenate(examples).astype(np.int64) if examples else np.zeros(0, np.int64),
+      lengths=lengths,
+      max_seq_len=int(max_seq_len),
+  )
+
+
+def assemble_rows(
+    packing: RowPacking, rows: np.ndarray, input_ids, token_type_ids, pad_id: int
+) -> dict[str, np.ndarray]:
+  """The packed rows `rows` as a batch: int32 [len(rows), max_seq_len] arrays.
+
+  input_ids / token_type_ids: the examples' own tokens and types side by side, pad_id / 0 after;
+  attention_mask: 1 on tokens; segment_ids: 1, 2, ... for the row's 1st, 2nd, ... example, 0 on
+  padding; position_ids: 0 .. length - 1 within each example (restarting at its [CLS]), 0 on
+  padding. Gathers only the examples these rows hold from `input_ids` / `token_type_ids`.
+  """
+  rows = np.asarray(rows, dtype=np.int64)
+  batch, seq = rows.shape[0], packing.max_seq_len
+  first = packing.row_splits[rows]
+  counts = packing.row_splits[rows + 1] - first
+  # Example k of the batch: its index and its 1-based segment number within its row.
+  row_start = np.cumsum(counts) - counts
+  segment = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(row_start, counts)
+  examples = packing.examples[np.repeat(first, counts) + segment]
+  lengths = packing.lengths[examples]
+  # The batch's tokens in order (example by example, each from its position 0) are the
+  # row-major order both of the examples' real tokens and of the rows' first columns, which
+  # they fill without gaps: two boolean masks place them with no per-token index arithmetic.
+  source = np.arange(input_ids.shape[1]) < lengths[:, None]
+  row_tokens = np.add.reduceat(lengths, row_start) if batch else np.zeros(0, np.int32)
+  target = np.arange(seq) < row_tokens[:, None]
+  out = {
+      "input_ids": np.full((batch, seq), pad_id, np.int32),
+      "token_type_ids": np.zeros((batch, seq), np.int32),
+      "attention_mask": target.astype(np.int32),
+      "segment_ids": np.zeros((batch, seq), np.int32),
+      "position_ids": np.zeros((batch, seq), np.int32),
+  }
+  out["input_ids"][target] = np.asarray(input_ids[examples])[source]
+  out["token_type_ids"][target] = np.asarray(token_type_ids[examples])[source]
+  out["segment_ids"][target] = np.repeat(segment + 1, lengths)
+  out["position_ids"][target] = np.nonzero(source)[1]
+  return out

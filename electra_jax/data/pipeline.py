@@ -20,7 +20,14 @@ import numpy as np
 from absl import logging
 
 from electra_jax.data import corpus, sources
-from electra_jax.data.packing import pack_documents
+from electra_jax.data.packing import (
+    ROW_PACKING_VERSION,
+    RowPacking,
+    assemble_rows,
+    example_lengths,
+    pack_documents,
+    plan_rows,
+)
 from electra_jax.config_lib import ConfigError
 from electra_jax.data.tokenizer import SentencePieceTokenizer, atomic_write_bytes, train_sentencepiece
 from electra_jax.data.wordpiece import WordPieceTokenizer
@@ -57,10 +64,17 @@ class PretrainingData:
   # Identifies tokenizer, max_seq_len and the split's documents; a checkpoint can store
   # it and refuse to resume on different data.
   fingerprint: str
+  # data.pack_rows: which examples each row of a batch holds (None: one example per row).
+  packing: RowPacking | None = None
 
   @property
   def num_examples(self) -> int:
     return int(self.input_ids.shape[0])
+
+  @property
+  def num_rows(self) -> int:
+    """Rows get_batch draws from: packed rows under data.pack_rows, else the examples."""
+    return self.packing.num_rows if self.packing is not None else self.num_examples
 
   @property
   def max_seq_len(self) -> int:
@@ -173,6 +187,12 @@ def _read_config(data_config):
         f"data.eval_fraction must be in [0, 1) (e.g. 0.02 holds out 2% of documents), "
         f"got {eval_fraction}."
     )
+  pack_rows = data_config.get("pack_rows", False)
+  if not isinstance(pack_rows, (bool, np.bool_)):
+    raise ConfigError(
+        f"data.pack_rows must be True (several whole examples per row) or False (one per row), "
+        f"got {pack_rows!r}."
+    )
   return {
       "source": source,
       # Resolving the globs here reports a pattern matching nothing before anything is built.
@@ -195,6 +215,7 @@ def _read_config(data_config):
       "tfds_split": str(data_config.get("tfds_split", "train") or "train"),
       "tfds_text_field": str(data_config.get("tfds_text_field", "text") or "text"),
       "tfds_data_dir": str(data_config.get("tfds_data_dir", "") or ""),
+      "pack_rows": bool(pack_rows),
   }
 
 
@@ -301,15 +322,20 @@ def _tokenizer_tag(config) -> str:
 
 
 def data_fingerprint(config, tokenizer, split: str, documents_fingerprint: str) -> str:
-  """Identifies a split's examples: packing format, tokenizer, max_seq_len and documents.
+  """Identifies a split's examples: packing format, tokenizer, max_seq_len and documents,
+  and under data.pack_rows the row packing (a checkpoint trained on unpacked rows is refused
+  on packed ones, and the other way round).
 
   The in-memory cache and prepared shards of the same config give the same string (and the
   same examples), so a checkpoint resumes on either.
   """
-  return (
+  fingerprint = (
       f"format:{_CACHE_FORMAT_VERSION}|{_tokenizer_tag(config)}:{tokenizer.fingerprint}|"
       f"max_seq_len:{config['max_seq_len']}|{split}_documents:{documents_fingerprint}"
   )
+  if config.get("pack_rows"):
+    fingerprint += f"|pack_rows:{ROW_PACKING_VERSION}"
+  return fingerprint
 
 
 def _load_tokenizer(config, directory: str):
@@ -442,6 +468,8 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
   train documents (or reads the WordPiece vocab.txt, data.tokenizer) and packs both splits,
   caching everything under <cache_dir>/<source>/<key>/; later calls load the cache in well
   under a second. The key includes a fingerprint of data.files, so an edited corpus is rebuilt.
+  With data.pack_rows the result also carries the plan that packs several examples per row
+  (made at load time from the examples' lengths), which get_batch then serves.
   """
   if split not in SPLITS:
     raise ConfigError(f"Unknown split {split!r}; use one of {list(SPLITS)}.")
@@ -449,7 +477,7 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
   if config["source"] == "prepared":
     from electra_jax.data import prepared  # noqa: PLC0415  (prepared imports this module)
 
-    return prepared.load_prepared(config, split)
+    return _with_row_packing(prepared.load_prepared(config, split), config, split)
   if split == "eval" and config["eval_fraction"] == 0:
     raise ConfigError(
         "The eval split is empty because data.eval_fraction is 0; set it above 0 "
@@ -476,7 +504,31 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
       "loaded %s data: %d examples of length %d, %d tokens, from %s",
       split, data.num_examples, data.max_seq_len, data.num_tokens, directory,
   )
-  return data
+  return _with_row_packing(data, config, split)
+
+
+def _with_row_packing(data: PretrainingData, config, split: str) -> PretrainingData:
+  """`data` with its row packing plan under data.pack_rows (the fingerprint already says so).
+
+  The plan is made here from the examples' lengths rather than stored: about a second per
+  million examples, and the same cache or prepared directory then serves packed and unpacked
+  training. Prepared data brings the lengths prepare_data stored (PreparedData.lengths); the
+  in-memory examples are scanned.
+  """
+  if not config["pack_rows"]:
+    return data
+  start = time.time()
+  lengths = getattr(data, "lengths", None)
+  if lengths is None:
+    lengths = example_lengths(data.input_ids, data.tokenizer.pad_id)
+  packing = plan_rows(lengths, data.max_seq_len)
+  unpacked = packing.lengths.sum(dtype=np.int64) / max(1, data.num_examples * data.max_seq_len)
+  logging.info(
+      "packed %s rows: %d examples into %d rows of %d; real tokens %.1f%% -> %.1f%% of positions, "
+      "in %.1f s", split, data.num_examples, packing.num_rows, data.max_seq_len, 100 * unpacked,
+      100 * packing.real_token_fraction(), time.time() - start,
+  )
+  return dataclasses.replace(data, packing=packing)
 
 
 def load_tokenizer(data_config) -> SentencePieceTokenizer | WordPieceTokenizer:
@@ -516,11 +568,15 @@ def get_batch(
 ) -> dict[str, np.ndarray]:
   """This process's rows of global batch `step`; a pure function of its arguments.
 
-  The example stream is epoch 0, epoch 1, ... each a seeded permutation of all examples;
-  global batch `step` is stream positions [step * B, (step + 1) * B), and process p takes
-  the p-th contiguous slice of it. Resuming at a step therefore needs no loader state.
+  The row stream is epoch 0, epoch 1, ... each a seeded permutation of all rows (examples, or
+  packed rows under data.pack_rows); global batch `step` is stream positions
+  [step * B, (step + 1) * B), and process p takes the p-th contiguous slice of it. Resuming at
+  a step therefore needs no loader state.
+
+  Returns int32 [B / process_count, max_seq_len] input_ids, token_type_ids and attention_mask;
+  packed rows add segment_ids and position_ids (see `get_rows`).
   """
-  if data.num_examples == 0:
+  if data.num_rows == 0:
     raise ConfigError("get_batch: the dataset has no examples; check the data config.")
   if global_batch_size <= 0:
     raise ConfigError(f"global_batch_size must be positive, got {global_batch_size}.")
@@ -539,11 +595,26 @@ def get_batch(
   per_process = global_batch_size // process_count
   start = step * global_batch_size + process_index * per_process
   positions = np.arange(start, start + per_process, dtype=np.int64)
-  epochs, offsets = np.divmod(positions, data.num_examples)
+  epochs, offsets = np.divmod(positions, data.num_rows)
   rows = np.empty(per_process, dtype=np.int64)
   for epoch in np.unique(epochs):
     in_epoch = epochs == epoch
-    rows[in_epoch] = _epoch_permutation(seed, int(epoch), data.num_examples)[offsets[in_epoch]]
+    rows[in_epoch] = _epoch_permutation(seed, int(epoch), data.num_rows)[offsets[in_epoch]]
+  return get_rows(data, rows)
+
+
+def get_rows(data: PretrainingData, rows: np.ndarray) -> dict[str, np.ndarray]:
+  """Rows `rows` (indices in [0, data.num_rows)) as a batch, in that order.
+
+  Unpacked: the examples themselves, with attention_mask 1 on non-padding tokens. Packed
+  (data.pack_rows): each row holds several whole examples, and the batch adds segment_ids
+  (1, 2, ... for the row's 1st, 2nd, ... example, 0 on padding) and position_ids (0 .. n - 1
+  within each example, 0 on padding); token types stay per example. The held-out evaluator
+  reads its fixed rows through this too.
+  """
+  rows = np.asarray(rows, dtype=np.int64)
+  if data.packing is not None:
+    return assemble_rows(data.packing, rows, data.input_ids, data.token_type_ids, data.tokenizer.pad_id)
   input_ids = data.input_ids[rows]
   return {
       "input_ids": input_ids,

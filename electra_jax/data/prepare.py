@@ -9,6 +9,8 @@ run, and the manifest that training checks. Layout of `data.prepared_dir`:
   train-00000.npy ...  shard k of a split: the examples of documents [k*S, (k+1)*S) of the corpus
   eval-00000.npy ...   (S = data.shard_documents), uint16 (int32 for vocabularies over 65536) of
                        shape [rows, 2, max_seq_len]: [:, 0] input ids, [:, 1] token type ids
+  train-00000.lengths.npy ...  each example's token count, uint16 [rows] (int32 beyond 65535),
+                       so data.pack_rows plans its rows without reading every shard whole
 
 Why this equals the in-memory path: documents are split into train/eval by their corpus index
 and every document packs with its own seeded generator (pack_documents), so the shards of a
@@ -35,7 +37,7 @@ from absl import logging
 
 from electra_jax.config_lib import ConfigError
 from electra_jax.data import corpus, pipeline, sources
-from electra_jax.data.packing import pack_documents
+from electra_jax.data.packing import example_lengths, pack_documents
 from electra_jax.data.tokenizer import SentencePieceTokenizer, atomic_write_bytes, train_sentencepiece
 from electra_jax.data.wordpiece import WordPieceTokenizer
 
@@ -51,6 +53,10 @@ _MANIFEST_EVERY_S = 2.0
 
 def shard_file(split: str, index: int) -> str:
   return f"{split}-{index:05d}.npy"
+
+
+def lengths_file(split: str, index: int) -> str:
+  return f"{split}-{index:05d}.lengths.npy"
 
 
 def _default_workers() -> int:
@@ -265,6 +271,13 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
         name = shard_file(split, index)
         atomic_write_bytes(os.path.join(task["out_dir"], name), data)
         entry.update(file=name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        lengths_dtype = np.uint16 if task["max_seq_len"] <= np.iinfo(np.uint16).max else np.int32
+        lengths = _encode_npy(example_lengths(packed["input_ids"], tokenizer.pad_id).astype(lengths_dtype))
+        name = lengths_file(split, index)
+        atomic_write_bytes(os.path.join(task["out_dir"], name), lengths)
+        entry.update(
+            lengths_file=name, lengths_bytes=len(lengths), lengths_sha256=hashlib.sha256(lengths).hexdigest()
+        )
       result["splits"][split] = entry
     result["skipped_documents"] = skipped["documents"]
     if "first" in skipped:
@@ -307,11 +320,15 @@ def _shard_is_intact(out_dir: str, entry: dict) -> bool:
   for split_entry in entry["splits"].values():
     if not split_entry["rows"]:
       continue
-    path = os.path.join(out_dir, split_entry["file"])
-    if not os.path.exists(path) or os.path.getsize(path) != split_entry["bytes"]:
-      return False
-    if _sha256_file(path) != split_entry["sha256"]:
-      return False
+    files = [(split_entry["file"], split_entry["bytes"], split_entry["sha256"])]
+    if "lengths_file" in split_entry:  # shards prepared before data.pack_rows have none
+      files.append((split_entry["lengths_file"], split_entry["lengths_bytes"], split_entry["lengths_sha256"]))
+    for name, size, sha256 in files:
+      path = os.path.join(out_dir, name)
+      if not os.path.exists(path) or os.path.getsize(path) != size:
+        return False
+      if _sha256_file(path) != sha256:
+        return False
   return True
 
 

@@ -23,6 +23,7 @@ from absl import logging
 
 from electra_jax.config_lib import ConfigError
 from electra_jax.data import pipeline
+from electra_jax.data.packing import example_lengths
 from electra_jax.data.prepare import MANIFEST, PREPARED_FORMAT_VERSION, SPM_MODEL, read_manifest
 from electra_jax.data.tokenizer import SentencePieceTokenizer
 from electra_jax.data.wordpiece import WordPieceTokenizer
@@ -90,6 +91,9 @@ class PreparedData(pipeline.PretrainingData):
 
   directory: str = ""
   token_count: int = 0
+  # data.pack_rows: each example's token count, from the shards' lengths files (None without
+  # pack_rows).
+  lengths: np.ndarray | None = None
 
   @property
   def num_tokens(self) -> int:
@@ -147,6 +151,30 @@ def prepared_tokenizer(config, manifest: dict):
   return tokenizer
 
 
+def _shard_lengths(directory: str, split_entry: dict, shard: np.ndarray, pad_id: int) -> np.ndarray:
+  """A shard's example lengths (int32 [rows]): its lengths file, or a scan of its rows where it
+  has none (shards prepared before data.pack_rows existed)."""
+  max_seq_len = shard.shape[2]
+  if "lengths_file" not in split_entry:
+    return example_lengths(shard[:, 0], pad_id)
+  path = os.path.join(directory, split_entry["lengths_file"])
+  try:
+    lengths = np.load(path, allow_pickle=False)
+  except (OSError, ValueError) as e:
+    raise ConfigError(
+        f"Cannot read {path} ({e}); run --mode=prepare_data again with the same config to "
+        f"re-create missing or damaged files."
+    ) from e
+  if lengths.shape != (split_entry["rows"],) or lengths.dtype.kind not in "iu" or (
+      lengths.size and not 1 <= lengths.min() <= lengths.max() <= max_seq_len
+  ):
+    raise ConfigError(
+        f"{path} does not hold {split_entry['rows']} example lengths in [1, {max_seq_len}]; run "
+        f"--mode=prepare_data again with the same config to re-create it."
+    )
+  return lengths.astype(np.int32)
+
+
 def load_prepared(config, split: str) -> PreparedData:
   """`split` of the prepared directory config["prepared_dir"], memory-mapped, after checks."""
   directory = config["prepared_dir"]
@@ -160,7 +188,7 @@ def load_prepared(config, split: str) -> PreparedData:
     )
   tokenizer = prepared_tokenizer(config, manifest)
   max_seq_len = manifest["max_seq_len"]
-  shards = []
+  shards, lengths = [], []
   for entry in manifest["shards"]:
     split_entry = entry["splits"][split]
     if not split_entry["rows"]:
@@ -180,6 +208,8 @@ def load_prepared(config, split: str) -> PreparedData:
           f"again to re-create it."
       )
     shards.append(array)
+    if config["pack_rows"]:
+      lengths.append(_shard_lengths(directory, split_entry, array, tokenizer.pad_id))
   num_rows = sum(shard.shape[0] for shard in shards)
   if num_rows == 0:
     raise ConfigError(
@@ -195,6 +225,7 @@ def load_prepared(config, split: str) -> PreparedData:
       fingerprint=fingerprint,
       directory=directory,
       token_count=int(manifest["totals"][f"{split}_tokens"]),
+      lengths=np.concatenate(lengths) if config["pack_rows"] else None,
   )
   logging.info(
       "loaded prepared %s data: %d examples of length %d in %d shards, %d tokens, from %s",
