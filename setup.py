@@ -21,6 +21,8 @@ setup(
         "numpy>=1.26",
         "safetensors>=0.4",
         "tokenizers>=0.20",
+        # TensorBoard event files without TensorFlow (pure Python + protobuf).
+        "tensorboardX>=2.6",
     ],
     extras_require={
         # The PyTorch peer for parity tests. The <2.14 bound keeps pip on torch 2.13's CPU
@@ -29,8 +31,10 @@ setup(
         # lets tfds prepare its own GLUE builders from the tests' fixture files.
         "test": [
             "pytest>=8", "torch>=2.1,<2.14", "transformers>=5.0", "scipy", "scikit-learn",
-            "importlib_resources",
+            "importlib_resources", "matplotlib>=3.7",
         ],
+        # --mode=plot and a sweep's curves.png.
+        "plots": ["matplotlib>=3.7"],
         # gs:// workdirs: etils.epath reaches buckets through gcsfs, orbax also needs the client.
         "gcs": ["gcsfs", "google-cloud-storage"],
     },

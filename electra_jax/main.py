@@ -29,6 +29,15 @@ Fine-tuning the pre-trained discriminator on GLUE, SQuAD or your own labelled da
   python -m electra_jax.main --mode=finetune --config=configs/finetune/glue.py \
       --config.task=rte --config.data_dir=/data/glue --config.init_from=/tmp/electra_demo \
       --workdir=/tmp/electra_demo_rte
+
+Sweeps (each run in its own sub-workdir, resumable; results.csv/results.md and curves.png in
+the sweep folder), the table alone, and curves of any workdirs:
+
+  python -m electra_jax.main --mode=sweep --config=configs/demo.py --workdir=sweeps/objectives \
+      --sweep=objective.name=electra,mlm [--sweep_file=runs.txt] \
+      [--sweep_finetune=configs/finetune/custom.py --sweep_finetune_override=custom.train_file=...]
+  python -m electra_jax.main --mode=sweep_report --workdir=sweeps/objectives
+  python -m electra_jax.main --mode=plot --workdir=workdirs/demo,sweeps/objectives --out=curves.png
 """
 
 import logging as std_logging
@@ -45,13 +54,36 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, metrics.jsonl and checkpoints.")
 _MODE = flags.DEFINE_enum(
     "mode", "train",
-    ["train", "eval", "export_hf", "import_hf", "import_tf", "prepare_data", "train_tokenizer", "finetune"],
+    ["train", "eval", "export_hf", "import_hf", "import_tf", "prepare_data", "train_tokenizer", "finetune",
+     "sweep", "sweep_report", "plot"],
     "train: pre-train (or resume) in --workdir; eval: held-out metrics of its latest checkpoint "
     "(or --step); export_hf: write its latest checkpoint to --out; import_hf / import_tf: make "
     "--workdir start from released weights (Hugging Face pair / official TF1 checkpoint); "
     "prepare_data: tokenize and pack the config's corpus into shards in data.prepared_dir; "
     "train_tokenizer: train a sentencepiece model on the config's corpus into --out; finetune: "
-    "a task head on a pre-trained discriminator (configs/finetune/*.py), results in --workdir.",
+    "a task head on a pre-trained discriminator (configs/finetune/*.py), results in --workdir; "
+    "sweep: train the --sweep/--sweep_file runs of --config in sub-workdirs of --workdir and "
+    "tabulate them; sweep_report: rewrite a sweep folder's results.csv/results.md; plot: curves "
+    "of --workdir=W1,W2,... (sweep folders expand to their runs) to --out (PNG).",
+)
+_SWEEP = flags.DEFINE_multi_string(
+    "sweep", [], "sweep: KEY=V1,V2,... (repeatable; the runs are the product of all), e.g. "
+    "--sweep=objective.name=electra,mlm.",
+)
+_SWEEP_FILE = flags.DEFINE_string(
+    "sweep_file", None, "sweep: a file with one run per line (space-separated key=value "
+    "overrides, # comments); crossed with --sweep when both are given.",
+)
+_SWEEP_FINETUNE = flags.DEFINE_string(
+    "sweep_finetune", None, "sweep: a fine-tuning recipe (e.g. configs/finetune/custom.py) run on "
+    "each finished run into <run>/finetune; its dev score goes in the table.",
+)
+_SWEEP_FINETUNE_OVERRIDE = flags.DEFINE_multi_string(
+    "sweep_finetune_override", [], "sweep: key=value for the --sweep_finetune recipe (repeatable)."
+)
+_PLOT_METRICS = flags.DEFINE_list(
+    "plot_metrics", None, "plot: the metrics to draw, one panel each (default: loss, "
+    "masked_lm_accuracy, disc_auc).",
 )
 _WORKERS = flags.DEFINE_integer(
     "workers", None, "prepare_data: worker processes (default: every core; 0 = in this process)."
@@ -65,7 +97,7 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process runs: this
 _OUT = flags.DEFINE_string(
     "out", None,
     "export_hf: directory for the Hugging Face model directories; train_tokenizer: the "
-    "sentencepiece model file to write.",
+    "sentencepiece model file to write; plot: the PNG to write.",
 )
 _EXPORT_GENERATOR = flags.DEFINE_bool(
     "export_generator", False, "export_hf: write the generator too (<out>/generator)."
@@ -132,6 +164,8 @@ def main(argv):
       written = interop.export_workdir(_WORKDIR.value, _OUT.value, _EXPORT_GENERATOR.value)
       for tower, directory in written.items():
         print(f"Wrote the {tower} (Hugging Face format) to {directory}")
+    elif _MODE.value in ("sweep", "sweep_report", "plot"):
+      _sweep_mode(_MODE.value)
     elif _MODE.value in ("import_hf", "import_tf"):
       _import(_MODE.value)
     elif _MODE.value == "finetune":
@@ -166,6 +200,36 @@ def _data_mode(mode: str) -> None:
         f"Wrote {info['path']} ({info['vocab_size']} pieces, fingerprint {info['fingerprint']}); "
         f"use it with --config.data.spm_model_file={info['path']}"
     )
+
+
+def _sweep_mode(mode: str) -> None:
+  from electra_jax import sweep  # noqa: PLC0415
+
+  if mode == "plot":
+    if _OUT.value is None:
+      raise app.UsageError("--mode=plot needs --out=FILE.png.")
+    from electra_jax import plots  # noqa: PLC0415 (matplotlib: the `plots` extra)
+
+    plots.plot_curves(_WORKDIR.value.split(","), _OUT.value, _PLOT_METRICS.value)
+    print(f"Wrote {_OUT.value}")
+    return
+  if mode == "sweep_report":
+    sweep.write_report(_WORKDIR.value)
+    print(f"Wrote {_WORKDIR.value}/results.md and {_WORKDIR.value}/results.csv")
+    return
+  if _CONFIG.value is None:
+    raise app.UsageError("--mode=sweep needs --config (the recipe every run starts from).")
+  if not (_SWEEP.value or _SWEEP_FILE.value):
+    raise app.UsageError("--mode=sweep needs --sweep=KEY=V1,V2 (repeatable) and/or --sweep_file=FILE.")
+  finetune_config = None
+  if _SWEEP_FINETUNE.value:
+    finetune_config = sweep.load_finetune_config(_SWEEP_FINETUNE.value, _SWEEP_FINETUNE_OVERRIDE.value)
+  result = sweep.run_sweep(_CONFIG.value, _WORKDIR.value, _SWEEP.value, _SWEEP_FILE.value, finetune_config)
+  print(workdir_files.read_text(workdir_files.path(_WORKDIR.value, "results.md")))
+  print(f"Tables: {_WORKDIR.value}/results.md, {_WORKDIR.value}/results.csv  Curves: {_WORKDIR.value}/curves.png")
+  if result["failed"]:
+    sys.exit(f"electra-jax: {len(result['failed'])} sweep run(s) failed: {', '.join(result['failed'])} "
+             "(see the log; re-run the same command to retry them).")
 
 
 def _import(mode: str) -> None:

@@ -1,0 +1,110 @@
+"""Loss and metric curves of one or many workdirs as one PNG: a panel per metric, a line per
+workdir (training metrics.jsonl solid, held-out eval_metrics.jsonl dashed, same colour), x =
+step. A sweep folder stands for its runs. From Python or a notebook:
+
+  from electra_jax import plots
+  fig = plots.plot_curves(["workdirs/demo", "sweeps/objectives"], "curves.png", ["loss", "disc_auc"])
+
+It draws on a matplotlib Figure with the Agg canvas, never pyplot, so it neither needs a
+display nor changes a notebook's backend. matplotlib is the `plots` extra.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Sequence
+
+from electra_jax import sweep
+from electra_jax.config_lib import ConfigError
+
+DEFAULT_METRICS = ("loss", "masked_lm_accuracy", "disc_auc")
+PANEL_SIZE = (5.0, 3.5)  # inches; at DPI, one panel is 500 x 350 pixels
+DPI = 100
+MAX_COLUMNS = 3
+
+
+def read_jsonl(file: str) -> list[dict]:
+  if not os.path.exists(file):
+    return []
+  records = []
+  for line in open(file):
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError:
+      continue  # a line cut short by a crash
+  return records
+
+
+def expand_workdirs(workdirs: Sequence[str]) -> list[tuple[str, str]]:
+  """[(label, workdir)]: a sweep folder (with sweep.json) becomes its runs."""
+  expanded = []
+  for workdir in workdirs:
+    runs = sweep.sweep_workdirs(workdir)
+    if runs:
+      expanded += [(f"{os.path.basename(os.path.normpath(workdir))}/{name}", path) for name, path in runs]
+    else:
+      expanded.append((os.path.basename(os.path.normpath(workdir)) or workdir, workdir))
+  return expanded
+
+
+def _series(records: list[dict], metric: str) -> tuple[list[int], list[float]]:
+  points = [(int(r["step"]), float(r[metric])) for r in records if metric in r and "step" in r]
+  return [s for s, _ in points], [v for _, v in points]  # NaN values leave gaps in the line
+
+
+def plot_curves(workdirs: Sequence[str], out: str | None = None, metrics: Sequence[str] | None = None):
+  """Renders the curves of `workdirs` (sweep folders expand to their runs) and writes them to
+  `out` (PNG) when given; returns the matplotlib Figure. `metrics` defaults to those of
+  DEFAULT_METRICS that any workdir logged."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 (optional extra)
+  from matplotlib.figure import Figure  # noqa: PLC0415
+
+  runs = expand_workdirs(workdirs)
+  logs = []
+  for label, workdir in runs:
+    train_log = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    eval_log = read_jsonl(os.path.join(workdir, "eval_metrics.jsonl"))
+    if train_log or eval_log:
+      logs.append((label, train_log, eval_log))
+  if not logs:
+    raise ConfigError(
+        f"No metrics.jsonl or eval_metrics.jsonl in {', '.join(w for _, w in runs)}: pass training "
+        "workdirs (or sweep folders) whose runs have logged."
+    )
+  logged = {k for _, t, e in logs for r in t + e for k in r if k != "step"}
+  if metrics:
+    unknown = [m for m in metrics if m not in logged]
+    if unknown:
+      raise ConfigError(f"--plot_metrics {', '.join(unknown)}: not logged by these runs; they logged {sorted(logged)}.")
+  else:
+    metrics = [m for m in DEFAULT_METRICS if m in logged] or sorted(logged)
+
+  columns = min(MAX_COLUMNS, len(metrics))
+  rows = math.ceil(len(metrics) / columns)
+  figure = Figure(figsize=(PANEL_SIZE[0] * columns, PANEL_SIZE[1] * rows), dpi=DPI, layout="constrained")
+  FigureCanvasAgg(figure)
+  axes = figure.subplots(rows, columns, squeeze=False).ravel()
+  colors = [f"C{i % 10}" for i in range(len(logs))]
+  for ax, metric in zip(axes, metrics):
+    for color, (label, train_log, eval_log) in zip(colors, logs):
+      steps, values = _series(train_log, metric)
+      if steps:
+        ax.plot(steps, values, color=color, linestyle="-", label=f"{label} (train)")
+      steps, values = _series(eval_log, metric)
+      if steps:
+        ax.plot(steps, values, color=color, linestyle="--", marker=".", label=f"{label} (eval)")
+    ax.set_title(metric)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+  for ax in axes[len(metrics):]:
+    ax.set_visible(False)
+  axes[0].legend(fontsize="small")
+  if out:
+    directory = os.path.dirname(os.path.abspath(out))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(out)}.tmp.png")
+    figure.savefig(tmp, format="png")
+    os.replace(tmp, out)
+  return figure

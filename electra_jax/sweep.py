@@ -1,0 +1,530 @@
+"""Sweeps: one command trains a grid or a list of config overrides, each run in its own
+sub-workdir, then writes a results table (results.csv and results.md) and the runs' curves.
+
+  python -m electra_jax.main --mode=sweep --config=configs/demo.py --workdir=sweeps/objectives \
+      --sweep=objective.name=electra,mlm --sweep=model.generator_fraction=0.25,0.5
+
+Runs are sequential and in this process (train.train_and_evaluate), each resumable like any
+run: a re-run of the same command skips finished runs and resumes interrupted ones from their
+checkpoints. A failing run is logged and the sweep goes on; the command then exits non-zero.
+
+SWEEP_DIR/sweep.json records the base config's fingerprint and the runs (name -> overrides). A
+re-run with other --sweep values on the same folder ADDS its new runs (the table then covers
+every recorded run); a different base config (recipe or --config.* flags) is refused, so that
+one table never mixes runs of two recipes.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import csv
+import dataclasses
+import glob
+import hashlib
+import importlib.util
+import io
+import itertools
+import json
+import math
+import os
+import re
+import shlex
+import time
+from typing import Any, Sequence
+
+import ml_collections
+from absl import flags as absl_flags
+from absl import logging
+from ml_collections.config_flags import config_path
+
+from electra_jax import config_lib, workdir_files
+from electra_jax.config_lib import ConfigError
+
+SWEEP_FILE = "sweep.json"
+ERROR_FILE = "sweep_error.txt"
+FINETUNE_SUBDIR = "finetune"
+Override = tuple[str, str]  # (config key, the value as the user wrote it)
+
+# Table columns, in this order. Metric columns appear for the metrics any run logged: these
+# first, in this order, then any others alphabetically; throughput figures are left out.
+FIXED_COLUMNS = ("run", "overrides", "status", "steps", "train_tokens", "train_flops")
+METRIC_ORDER = (
+    "loss", "masked_lm_loss", "masked_lm_accuracy", "sampled_masked_lm_accuracy", "disc_loss",
+    "disc_auc", "disc_accuracy", "disc_precision", "disc_recall", "replaced_fraction",
+    "main_mlm_loss", "main_mlm_accuracy", "cloze_loss",
+)
+NOT_IN_TABLE = ("step", "steps_per_sec", "tokens_per_sec", "mfu", "learning_rate")
+# results.md keeps the headline metrics (results.csv has every column).
+MARKDOWN_METRICS = ("loss", "masked_lm_accuracy", "disc_auc", "disc_accuracy", "main_mlm_accuracy", "cloze_loss")
+DOWNSTREAM_COLUMNS = ("downstream_task", "downstream_score", "downstream_seeds")
+
+
+@dataclasses.dataclass
+class Run:
+  name: str
+  overrides: list[Override]
+
+  @property
+  def label(self) -> str:
+    return " ".join(f"{k}={v}" for k, v in self.overrides) or "(recipe)"
+
+
+# ---------------------------------------------------------------------------------------
+# Parsing the grid and applying overrides
+# ---------------------------------------------------------------------------------------
+def _split_override(text: str, where: str) -> Override:
+  key, sep, value = text.partition("=")
+  key = key.strip().removeprefix("--").removeprefix("config.")
+  if not sep or not key:
+    raise ConfigError(f"{where}: {text!r} is not key=value (e.g. objective.name=mlm).")
+  return key, value.strip()
+
+
+def parse_grid(specs: Sequence[str]) -> list[list[Override]]:
+  """--sweep=KEY=V1,V2 flags -> the product of all, one override list per run."""
+  axes = []
+  for spec in specs:
+    key, values = _split_override(spec, f"--sweep={spec}")
+    choices = [v.strip() for v in values.split(",")]
+    if not all(choices):
+      raise ConfigError(f"--sweep={spec}: empty value; give KEY=V1,V2,... (a value with commas goes in --sweep_file).")
+    axes.append([(key, v) for v in choices])
+  return [list(combo) for combo in itertools.product(*axes)]
+
+
+def read_sweep_file(path: str) -> list[list[Override]]:
+  """One run per line: space-separated key=value overrides (shell quoting), # comments."""
+  if not os.path.exists(path):
+    raise ConfigError(f"--sweep_file={path} does not exist.")
+  runs = []
+  with open(path) as f:
+    for number, line in enumerate(f, 1):
+      try:
+        words = shlex.split(line, comments=True)
+      except ValueError as error:
+        raise ConfigError(f"{path}:{number}: {error}") from None
+      if words:
+        runs.append([_split_override(word, f"{path}:{number}") for word in words])
+  if not runs:
+    raise ConfigError(f"--sweep_file={path} lists no runs (one line of key=value overrides per run).")
+  return runs
+
+
+def expand(grid: Sequence[str] = (), sweep_file: str | None = None) -> list[list[Override]]:
+  """Each sweep-file line crossed with the grid (either alone works too)."""
+  lines = read_sweep_file(sweep_file) if sweep_file else [[]]
+  combos = parse_grid(grid) if grid else [[]]
+  runs = [line + combo for line in lines for combo in combos]
+  for overrides in runs:
+    keys = [k for k, _ in overrides]
+    if len(set(keys)) != len(keys):
+      duplicate = next(k for k in keys if keys.count(k) > 1)
+      raise ConfigError(f"A run sets {duplicate} twice ({' '.join(f'{k}={v}' for k, v in overrides)}).")
+  return runs
+
+
+def _parse_value(key: str, raw: str, field_type) -> Any:
+  """As ml_collections' config flags parse --config.KEY=raw: by the field's type."""
+  try:
+    if field_type is bool:
+      return absl_flags.BooleanParser().parse(raw)
+    if field_type is int:
+      return absl_flags.IntegerParser().parse(raw)
+    if field_type is float:
+      return absl_flags.FloatParser().parse(raw)
+    if field_type is str:
+      return raw
+  except ValueError as error:
+    raise ConfigError(f"{key}={raw!r}: not a valid {field_type.__name__} ({error}).") from None
+  try:  # tuples, None-typed fields, ...: a Python literal, else the string itself
+    return ast.literal_eval({"true": "True", "false": "False"}.get(raw, raw))
+  except (SyntaxError, ValueError):
+    return raw
+
+
+def apply_overrides(base: ml_collections.ConfigDict, overrides: Sequence[Override]) -> ml_collections.ConfigDict:
+  """A copy of `base` with `overrides` applied; ConfigError naming a bad key or value."""
+  config = copy.deepcopy(base)
+  for key, raw in overrides:
+    try:
+      field_type = config_path.get_type(key, config)
+    except (KeyError, AttributeError) as error:
+      hint = str(error).strip("'\"").replace("\\n", " ").replace("\n", " ")
+      raise ConfigError(f"Sweep key {key!r} is not a config key ({hint}); see configs/base.py.") from None
+    value = _parse_value(key, raw, field_type)
+    try:
+      config_path.set_value(key, config, value)
+    except (TypeError, ValueError, KeyError, AttributeError) as error:
+      raise ConfigError(f"Sweep value {key}={raw!r} does not fit the config: {error}") from None
+  return config
+
+
+# ---------------------------------------------------------------------------------------
+# Run names and the sweep record
+# ---------------------------------------------------------------------------------------
+def _sanitize(text: str) -> str:
+  return re.sub(r"[^A-Za-z0-9._=,+-]+", "-", text).strip("-.") or "run"
+
+
+def _readable_name(overrides: Sequence[Override]) -> str:
+  if not overrides:
+    return "recipe"
+  leaves = [k.rsplit(".", 1)[-1] for k, _ in overrides]
+  # The key's last part reads well; the full key where two of them would collide.
+  parts = [(leaf if leaves.count(leaf) == 1 else key) + "=" + value
+           for leaf, (key, value) in zip(leaves, overrides)]
+  name = _sanitize(",".join(parts))
+  if len(name) > 100:
+    digest = hashlib.sha1(json.dumps(overrides).encode()).hexdigest()[:8]
+    name = name[:90].rstrip("-.,=") + "-" + digest
+  return name
+
+
+def name_runs(override_lists: Sequence[Sequence[Override]], existing: Sequence[Run] = ()) -> list[Run]:
+  """Runs for `override_lists`, reusing a recorded run's name when the overrides match and
+  otherwise a readable, unique name."""
+  by_overrides = {json.dumps(r.overrides): r for r in existing}
+  taken = {r.name for r in existing}
+  runs = []
+  for overrides in override_lists:
+    overrides = [tuple(o) for o in overrides]
+    known = by_overrides.get(json.dumps(overrides))
+    if known is not None:
+      runs.append(known)
+      continue
+    name = stem = _readable_name(overrides)
+    for i in itertools.count(2):
+      if name not in taken:
+        break
+      name = f"{stem}-{i}"
+    taken.add(name)
+    run = Run(name, list(overrides))
+    by_overrides[json.dumps(overrides)] = run
+    runs.append(run)
+  return runs
+
+
+def _fingerprint(config: ml_collections.ConfigDict) -> str:
+  return hashlib.sha256(config_lib.to_json(config).encode()).hexdigest()[:16]
+
+
+def read_record(sweep_dir: str) -> dict | None:
+  file = workdir_files.path(sweep_dir, SWEEP_FILE)
+  if not workdir_files.exists(file):
+    return None
+  record = json.loads(workdir_files.read_text(file))
+  record["runs"] = [Run(r["name"], [tuple(o) for o in r["overrides"]]) for r in record["runs"]]
+  return record
+
+
+def _write_record(sweep_dir: str, base_config, runs: Sequence[Run]) -> None:
+  record = dict(
+      base_config_fingerprint=_fingerprint(base_config),
+      base_config=json.loads(config_lib.to_json(base_config)),
+      runs=[dict(name=r.name, overrides=[list(o) for o in r.overrides]) for r in runs],
+  )
+  workdir_files.makedirs(workdir_files.path(sweep_dir))
+  workdir_files.write_text(workdir_files.path(sweep_dir, SWEEP_FILE), json.dumps(record, indent=2) + "\n")
+
+
+def run_dir(sweep_dir: str, run: Run) -> str:
+  return os.fspath(workdir_files.path(sweep_dir, run.name))
+
+
+# ---------------------------------------------------------------------------------------
+# The sweep
+# ---------------------------------------------------------------------------------------
+def load_finetune_config(recipe: str, overrides: Sequence[str]) -> ml_collections.ConfigDict:
+  """A configs/finetune/*.py recipe (get_config()) with key=value overrides."""
+  if not os.path.exists(recipe):
+    raise ConfigError(f"--sweep_finetune={recipe} does not exist (e.g. configs/finetune/custom.py).")
+  spec = importlib.util.spec_from_file_location("electra_jax_sweep_finetune_recipe", recipe)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  pairs = [_split_override(o, f"--sweep_finetune_override={o}") for o in overrides]
+  return apply_overrides(config, pairs)
+
+
+def _latest_checkpoint(workdir: str) -> int | None:
+  from electra_jax import checkpointing  # noqa: PLC0415 (orbax stays out of sweep_report's import)
+
+  directory = checkpointing.checkpoints_directory(workdir)
+  if not workdir_files.exists(directory):
+    return None
+  checkpointer = checkpointing.Checkpointer(workdir, keep=1)
+  try:
+    return checkpointer.latest_step()
+  finally:
+    checkpointer.close()
+
+
+def _format_duration(seconds: float) -> str:
+  minutes, secs = divmod(int(seconds), 60)
+  hours, minutes = divmod(minutes, 60)
+  return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def _finetune_results(workdir: str) -> dict | None:
+  found = sorted(glob.glob(os.path.join(workdir, FINETUNE_SUBDIR, "*", "results.json")))
+  return json.loads(open(found[0]).read()) if found else None
+
+
+def run_sweep(
+    base_config: ml_collections.ConfigDict, sweep_dir: str, grid: Sequence[str] = (),
+    sweep_file: str | None = None, finetune_config: ml_collections.ConfigDict | None = None,
+    plot: bool = True,
+) -> dict:
+  """Trains every run of the grid (skipping finished ones), fine-tunes each if asked, writes
+  the tables and curves. Returns {"runs": [...], "failed": [names], "rows": table rows}.
+  Every override of every run is checked before anything is trained or written."""
+  override_lists = expand(grid, sweep_file)
+  configs = []
+  for overrides in override_lists:
+    config = apply_overrides(base_config, overrides)
+    try:
+      config_lib.validate(config)
+    except ConfigError as error:
+      raise ConfigError(f"Sweep run {' '.join(f'{k}={v}' for k, v in overrides)}: {error}") from None
+    configs.append(config)
+  if finetune_config is not None:
+    from electra_jax.finetune import trainer as finetune  # noqa: PLC0415
+
+    finetune.validate(finetune_config)
+
+  record = read_record(sweep_dir)
+  existing = record["runs"] if record else []
+  if record and record["base_config_fingerprint"] != _fingerprint(base_config):
+    raise ConfigError(
+        f"{sweep_dir}/{SWEEP_FILE} was written for another base config (recipe or --config.* "
+        "flags): one table must not mix recipes. Use the same --config and flags as before, or a "
+        "new --workdir for this sweep."
+    )
+  runs = name_runs(override_lists, existing)
+  all_runs = list(existing) + [r for r in runs if r not in existing]
+  _write_record(sweep_dir, base_config, all_runs)
+  logging.info("Sweep of %d runs in %s (%d recorded in all).", len(runs), sweep_dir, len(all_runs))
+
+  failed, durations = [], []
+  latest_steps = [_latest_checkpoint(run_dir(sweep_dir, r)) for r in runs]
+  unfinished = [(latest or 0) < c.train.steps for latest, c in zip(latest_steps, configs)]
+  for index, (run, config, latest) in enumerate(zip(runs, configs, latest_steps), 1):
+    workdir = run_dir(sweep_dir, run)
+    # ETA: the mean time of the runs trained so far times the runs left to train.
+    remaining = sum(unfinished[index - 1:])
+    eta = (f"ETA {_format_duration(remaining * sum(durations) / len(durations))}" if durations
+           else "ETA after the first trained run")
+    logging.info("Sweep run %d/%d %s (%s) | %s", index, len(runs), run.name, run.label, eta)
+    error_file = workdir_files.path(workdir, ERROR_FILE)
+    if not unfinished[index - 1]:
+      logging.info("Run %s is finished (checkpoint %d): skipped.", run.name, latest)
+    else:
+      if latest is not None:
+        logging.info("Run %s resumes from its checkpoint at step %d.", run.name, latest)
+      started = time.perf_counter()
+      try:
+        from electra_jax import train  # noqa: PLC0415 (jax stays out of sweep_report)
+
+        train.train_and_evaluate(config, workdir)
+      except Exception as error:  # noqa: BLE001 (the sweep goes on; the error is kept and reported)
+        if isinstance(error, ConfigError):  # the user's input: the message says it all
+          logging.error("Sweep run %s failed: %s Going on with the next one.", run.name, error)
+        else:
+          logging.exception("Sweep run %s failed; going on with the next one.", run.name)
+        failed.append(run.name)
+        workdir_files.makedirs(workdir)
+        workdir_files.write_text(error_file, f"{type(error).__name__}: {error}\n")
+        continue
+      reached = _latest_checkpoint(workdir) or 0
+      if reached < config.train.steps:  # SIGTERM: train saved a checkpoint and returned early
+        logging.warning(
+            "Sweep run %s stopped at step %d of %d (preempted); the sweep stops here. Run the same "
+            "command to resume it.", run.name, reached, config.train.steps,
+        )
+        failed.append(run.name)
+        break
+    if workdir_files.exists(error_file):
+      error_file.unlink()
+    if finetune_config is not None and not _finetune_ok(run, workdir, finetune_config):
+      failed.append(run.name)
+    if unfinished[index - 1]:  # training (and fine-tuning) time of the runs trained here
+      durations.append(time.perf_counter() - started)
+
+  rows = write_report(sweep_dir)
+  if plot:
+    _plot_sweep(sweep_dir)
+  if failed:
+    logging.error("Sweep finished with %d failed run(s): %s", len(failed), ", ".join(failed))
+  return dict(runs=[r.name for r in runs], failed=failed, rows=rows)
+
+
+def _finetune_ok(run: Run, workdir: str, finetune_config) -> bool:
+  if _finetune_results(workdir) is not None:
+    logging.info("Run %s is already fine-tuned: skipped.", run.name)
+    return True
+  from electra_jax.finetune import trainer as finetune  # noqa: PLC0415
+
+  config = copy.deepcopy(finetune_config)
+  config.init_from = workdir
+  try:
+    finetune.run_finetune(config, os.path.join(workdir, FINETUNE_SUBDIR))
+  except Exception:  # noqa: BLE001
+    logging.exception("Fine-tuning run %s failed; going on with the next one.", run.name)
+    return False
+  return True
+
+
+def _plot_sweep(sweep_dir: str) -> None:
+  try:
+    from electra_jax import plots  # noqa: PLC0415 (matplotlib is the optional `plots` extra)
+
+    plots.plot_curves([sweep_dir], os.path.join(sweep_dir, "curves.png"))
+  except ImportError:
+    logging.warning("matplotlib is not installed: no %s/curves.png (pip install matplotlib).", sweep_dir)
+  except ConfigError as error:  # e.g. no run logged anything yet
+    logging.warning("No curves.png: %s", error)
+
+
+# ---------------------------------------------------------------------------------------
+# The results table
+# ---------------------------------------------------------------------------------------
+def _last_jsonl(file: str) -> dict:
+  if not workdir_files.exists(file):
+    return {}
+  last = {}
+  for line in workdir_files.read_text(file).splitlines():
+    try:
+      last = json.loads(line)
+    except json.JSONDecodeError:
+      continue  # a line cut short by a crash
+  return last
+
+
+def _ordered_metrics(names) -> list[str]:
+  names = [n for n in names if n not in NOT_IN_TABLE]
+  return [n for n in METRIC_ORDER if n in names] + sorted(n for n in names if n not in METRIC_ORDER)
+
+
+def train_flops_per_token(config: ml_collections.ConfigDict) -> float:
+  """The figure train.py uses for MFU, from a run's config alone (no data, no devices)."""
+  from electra_jax import flops, models, objectives  # noqa: PLC0415
+
+  model = models.build_model(config)
+  vocab = config.model.vocab_size
+  objective = objectives.objective_from_config(config, dict(pad=0, cls=1, sep=2, mask=3, vocab_size=vocab))
+  return flops.train_flops_per_token(
+      model, config.data.max_seq_len, objective.max_predictions, objective.uses_generator,
+      all_positions_mlm=objective.name == "all_tokens_mlm",
+  )
+
+
+def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
+  """(columns, rows): one row per recorded run, from its own workdir's files."""
+  record = read_record(sweep_dir)
+  if record is None:
+    raise ConfigError(f"{sweep_dir} has no {SWEEP_FILE}: it is not a sweep folder (run --mode=sweep first).")
+  override_keys = list(dict.fromkeys(k for r in record["runs"] for k, _ in r.overrides))
+  rows, train_names, eval_names, downstream = [], set(), set(), False
+  for run in record["runs"]:
+    workdir = run_dir(sweep_dir, run)
+    overrides = dict(run.overrides)
+    row = {"run": run.name, "overrides": run.label, **{k: overrides.get(k, "") for k in override_keys}}
+    last_train = _last_jsonl(workdir_files.path(workdir, "metrics.jsonl"))
+    last_eval = _last_jsonl(workdir_files.path(workdir, "eval_metrics.jsonl"))
+    config_file = workdir_files.path(workdir, "config.json")
+    steps = int(last_train.get("step", 0))
+    if workdir_files.exists(workdir_files.path(workdir, ERROR_FILE)):
+      row["status"] = "failed"
+    elif not workdir_files.exists(config_file):
+      row["status"] = "not started"
+    else:
+      config = ml_collections.ConfigDict(json.loads(workdir_files.read_text(config_file)))
+      row["status"] = "done" if steps >= config.train.steps else "incomplete"
+      tokens = steps * config.train.batch_size * config.data.max_seq_len
+      row.update(steps=steps, train_tokens=tokens, train_flops=train_flops_per_token(config) * tokens)
+    for name, value in last_train.items():
+      if name not in NOT_IN_TABLE:
+        row[f"train_{name}"] = value
+        train_names.add(name)
+    for name, value in last_eval.items():
+      if name not in NOT_IN_TABLE:
+        row[f"eval_{name}"] = value
+        eval_names.add(name)
+    results = _finetune_results(workdir)
+    if results is not None:
+      summary = results["summary"]
+      task_summary = summary.get(results["task"]) or next(iter(summary.values()))
+      score = task_summary["score"]
+      row.update(downstream_task=results["task"], downstream_score=100 * score["mean"], downstream_seeds=score["n"])
+      downstream = True
+    rows.append(row)
+  columns = [*FIXED_COLUMNS[:2], *override_keys, *FIXED_COLUMNS[2:]]
+  columns += [f"train_{n}" for n in _ordered_metrics(train_names)]
+  columns += [f"eval_{n}" for n in _ordered_metrics(eval_names)]
+  if downstream:
+    columns += list(DOWNSTREAM_COLUMNS)
+  return columns, rows
+
+
+def _is_nan(value) -> bool:
+  return isinstance(value, float) and math.isnan(value)
+
+
+def _markdown_cell(column: str, value) -> str:
+  if value is None or value == "" or _is_nan(value):
+    return "–"
+  if column == "train_flops":
+    return f"{value:.3g}"
+  if isinstance(value, float):
+    return f"{value:.2f}" if column == "downstream_score" else f"{value:.4g}"
+  if isinstance(value, int) and column == "train_tokens":
+    return f"{value:,}"
+  return str(value).replace("|", "\\|")
+
+
+def format_markdown(columns: Sequence[str], rows: Sequence[dict]) -> str:
+  lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+  for row in rows:
+    lines.append("| " + " | ".join(_markdown_cell(c, row.get(c)) for c in columns) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def format_csv(columns: Sequence[str], rows: Sequence[dict]) -> str:
+  out = io.StringIO()
+  writer = csv.DictWriter(out, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
+  writer.writeheader()
+  for row in rows:
+    writer.writerow({c: ("nan" if _is_nan(row.get(c)) else repr(row[c]) if isinstance(row.get(c), float)
+                         else row.get(c, "")) for c in columns})
+  return out.getvalue()
+
+
+def markdown_columns(columns: Sequence[str]) -> list[str]:
+  """results.md's columns: all but `overrides` (each swept key has its own column) and the
+  non-headline metrics."""
+  def keep(column: str) -> bool:
+    if column in FIXED_COLUMNS or column in DOWNSTREAM_COLUMNS:
+      return column != "overrides"
+    for prefix in ("train_", "eval_"):
+      if column.startswith(prefix):
+        return column[len(prefix):] in MARKDOWN_METRICS
+    return column != "overrides"
+  return [c for c in columns if keep(c)]
+
+
+def write_report(sweep_dir: str) -> list[dict]:
+  """Rewrites SWEEP_DIR/results.csv and results.md from the runs' files; returns the rows."""
+  columns, rows = collect_rows(sweep_dir)
+  workdir_files.write_text(workdir_files.path(sweep_dir, "results.csv"), format_csv(columns, rows))
+  workdir_files.write_text(
+      workdir_files.path(sweep_dir, "results.md"), format_markdown(markdown_columns(columns), rows)
+  )
+  logging.info("Wrote %s/results.md and results.csv (%d runs).", sweep_dir, len(rows))
+  return rows
+
+
+def sweep_workdirs(sweep_dir: str) -> list[tuple[str, str]]:
+  """[(label, workdir)] of a sweep folder's runs, in the recorded order."""
+  record = read_record(sweep_dir)
+  return [(r.name, run_dir(sweep_dir, r)) for r in record["runs"]] if record else []

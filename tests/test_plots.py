@@ -1,0 +1,184 @@
+"""Curves and TensorBoard events: plots of hand-written logs (panels, sizes, the plotted
+values, sweep folders expanding to their runs, bad metric names) and event files read back
+with our own TFRecord parser, equal to the JSONL records, including NaN and the purge of a
+resumed run."""
+
+import glob
+import json
+import math
+import os
+import struct
+import sys
+
+import numpy as np
+import pytest
+
+from electra_jax import plots, tensorboard_log, workdir_files
+from electra_jax.config_lib import ConfigError
+
+
+def write_log(workdir, name, records):
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, name), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def png_size(path):
+  with open(path, "rb") as f:
+    header = f.read(24)
+  assert header[:8] == b"\x89PNG\r\n\x1a\n" and header[12:16] == b"IHDR"
+  return struct.unpack(">II", header[16:24])
+
+
+# ---------------------------------------------------------------------------------------
+# TensorBoard events, read back without TensorFlow or tensorboard
+# ---------------------------------------------------------------------------------------
+def read_records(path):
+  """TFRecord framing: uint64 length, uint32 masked CRC of it, data, uint32 masked CRC."""
+  with open(path, "rb") as f:
+    data = f.read()
+  offset, records = 0, []
+  while offset < len(data):
+    (length,) = struct.unpack("<Q", data[offset:offset + 8])
+    records.append(data[offset + 12:offset + 12 + length])
+    offset += 12 + length + 4
+  assert offset == len(data)
+  return records
+
+
+def read_scalars(logdir):
+  """{tag: {step: value}} as TensorBoard shows it: files in order, a SessionLog START at step
+  N dropping what earlier files logged at steps >= N."""
+  from tensorboardX.proto import event_pb2
+
+  scalars = {}
+  for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+    for record in read_records(path):
+      event = event_pb2.Event.FromString(record)
+      if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
+        for by_step in scalars.values():
+          for step in [s for s in by_step if s >= event.step]:
+            del by_step[step]
+      for value in event.summary.value:
+        scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+  return scalars
+
+
+def assert_events_match_jsonl(logdir, jsonl_file):
+  records = [json.loads(line) for line in open(jsonl_file)]
+  scalars = read_scalars(logdir)
+  expected_tags = {k for r in records for k in r if k != "step"}
+  assert set(scalars) == expected_tags
+  for record in records:
+    for name, value in record.items():
+      if name == "step":
+        continue
+      got = scalars[name][record["step"]]
+      if math.isnan(value):
+        assert math.isnan(got), (name, record["step"])
+      else:
+        assert got == np.float32(value), (name, record["step"], got, value)
+  for tag, by_step in scalars.items():
+    assert sorted(by_step) == [r["step"] for r in records if tag in r]  # nothing extra, no stale points
+
+
+def test_tensorboard_events_equal_jsonl_with_nan_and_resume(tmp_path):
+  workdir = str(tmp_path / "w")
+  os.makedirs(workdir)
+  train_log, eval_log = tensorboard_log.open_logs(workdir)
+  for step in (1, 2, 3, 4):
+    train_log.append({"step": step, "loss": 10.0 / step, "disc_auc": float("nan") if step == 2 else 0.5 + step / 100})
+  eval_log.append({"step": 2, "loss": 4.5, "masked_lm_accuracy": 0.25})
+  # Flushed at each record: readable before close.
+  assert read_scalars(os.path.join(workdir, "tensorboard", "train"))["loss"][4] == np.float32(2.5)
+  train_log.close()
+  eval_log.close()
+  assert_events_match_jsonl(os.path.join(workdir, "tensorboard", "train"), os.path.join(workdir, "metrics.jsonl"))
+  assert_events_match_jsonl(os.path.join(workdir, "tensorboard", "eval"), os.path.join(workdir, "eval_metrics.jsonl"))
+
+  # Resumed from a checkpoint at step 2: step 3 is re-run with other values, and this time
+  # the run stops there, so the first file's step 4 must go.
+  import time
+  time.sleep(1.1)  # event file names carry the second they were opened
+  train_log, eval_log = tensorboard_log.open_logs(workdir)
+  train_log.truncate_after(2)
+  eval_log.truncate_after(2)
+  train_log.append({"step": 3, "loss": 103.0, "disc_auc": 0.75})
+  train_log.close()
+  eval_log.close()
+  assert len(glob.glob(os.path.join(workdir, "tensorboard", "train", "events.*"))) == 2
+  assert [json.loads(line)["step"] for line in open(os.path.join(workdir, "metrics.jsonl"))] == [1, 2, 3]
+  assert_events_match_jsonl(os.path.join(workdir, "tensorboard", "train"), os.path.join(workdir, "metrics.jsonl"))
+  assert read_scalars(os.path.join(workdir, "tensorboard", "train"))["loss"] == {1: 10.0, 2: 5.0, 3: 103.0}
+
+
+def test_without_tensorboardx_training_logs_go_on(tmp_path, monkeypatch):
+  monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import tensorboardX -> ImportError
+  workdir = str(tmp_path / "w")
+  os.makedirs(workdir)
+  train_log, _ = tensorboard_log.open_logs(workdir)
+  train_log.append({"step": 1, "loss": 3.0})
+  train_log.close()
+  assert [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))] == [{"loss": 3.0, "step": 1}]
+  assert not os.path.exists(os.path.join(workdir, "tensorboard"))
+
+
+def test_bucket_workdir_writes_no_events(monkeypatch):
+  # No bucket is touched: only the decision is checked.
+  opened = []
+  monkeypatch.setattr(tensorboard_log, "ScalarWriter", lambda logdir: opened.append(logdir))
+  train_log, eval_log = tensorboard_log.open_logs("gs://some-bucket/run")
+  assert train_log.writer is None and eval_log.writer is None and not opened
+  assert str(train_log.file) == "gs://some-bucket/run/metrics.jsonl"
+
+
+# ---------------------------------------------------------------------------------------
+# Plots
+# ---------------------------------------------------------------------------------------
+def make_runs(root):
+  a, b = str(root / "a"), str(root / "b")
+  write_log(a, "metrics.jsonl", [{"step": s, "loss": 5.0 - s, "disc_auc": 0.5 + 0.1 * s, "masked_lm_accuracy": 0.1 * s,
+                                  "tokens_per_sec": 100.0} for s in (1, 2, 3)])
+  write_log(a, "eval_metrics.jsonl", [{"step": 2, "loss": 4.2, "disc_auc": 0.66, "masked_lm_accuracy": 0.15}])
+  write_log(b, "metrics.jsonl", [{"step": s, "loss": 7.0 - 2 * s, "masked_lm_accuracy": 0.05 * s} for s in (2, 4)])
+  return a, b
+
+
+def test_plot_panels_lines_and_png_size(tmp_path):
+  a, b = make_runs(tmp_path)
+  out = str(tmp_path / "out" / "curves.png")
+  figure = plots.plot_curves([a, b], out, ["loss", "disc_auc", "masked_lm_accuracy", "tokens_per_sec"])
+  # 4 panels -> a 2 x 3 grid of 500 x 350 pixels, the last two hidden.
+  assert png_size(out) == (3 * 500, 2 * 350)
+  visible = [ax for ax in figure.axes if ax.get_visible()]
+  assert [ax.get_title() for ax in visible] == ["loss", "disc_auc", "masked_lm_accuracy", "tokens_per_sec"]
+  lines = {(ax.get_title(), line.get_label()): line for ax in visible for line in ax.get_lines()}
+  loss_a = lines[("loss", "a (train)")]
+  assert list(loss_a.get_xdata()) == [1, 2, 3] and list(loss_a.get_ydata()) == [4.0, 3.0, 2.0]
+  assert loss_a.get_linestyle() == "-"
+  eval_a = lines[("loss", "a (eval)")]
+  assert list(eval_a.get_xdata()) == [2] and list(eval_a.get_ydata()) == [4.2] and eval_a.get_linestyle() == "--"
+  assert eval_a.get_color() == loss_a.get_color() != lines[("loss", "b (train)")].get_color()
+  assert list(lines[("loss", "b (train)")].get_ydata()) == [3.0, -1.0]  # 7 - 2 * step
+  assert ("disc_auc", "b (train)") not in lines  # b never logged it
+  # Defaults: the headline metrics that were logged, one panel each.
+  figure = plots.plot_curves([a], None)
+  assert [ax.get_title() for ax in figure.axes if ax.get_visible()] == ["loss", "masked_lm_accuracy", "disc_auc"]
+
+
+def test_plot_sweep_folder_expands_and_bad_input_is_refused(tmp_path):
+  sweep_dir = tmp_path / "sweep"
+  make_runs(sweep_dir)
+  (sweep_dir / "sweep.json").write_text(json.dumps(
+      {"base_config_fingerprint": "x", "runs": [{"name": "a", "overrides": [["k", "1"]]},
+                                                {"name": "b", "overrides": [["k", "2"]]}]}))
+  assert plots.expand_workdirs([str(sweep_dir)]) == [("sweep/a", str(sweep_dir / "a")), ("sweep/b", str(sweep_dir / "b"))]
+  out = str(tmp_path / "one.png")
+  figure = plots.plot_curves([str(sweep_dir)], out, ["loss"])
+  assert png_size(out) == (500, 350)
+  assert sorted(line.get_label() for line in figure.axes[0].get_lines()) == ["sweep/a (eval)", "sweep/a (train)", "sweep/b (train)"]
+  with pytest.raises(ConfigError, match="--plot_metrics disc_aucc: not logged"):
+    plots.plot_curves([str(sweep_dir)], out, ["loss", "disc_aucc"])
+  with pytest.raises(ConfigError, match="No metrics.jsonl"):
+    plots.plot_curves([str(tmp_path / "empty")], out)
+  assert workdir_files.exists(out)  # the earlier PNG is left as it was

@@ -1,0 +1,243 @@
+"""Sweeps: a three-run sweep (ELECTRA, MLM, and one that fails at run time) with a tiny
+downstream task, whose tables are checked against each run's own logs and FLOPs computed
+independently; a re-run that leaves the finished run untouched and resumes an interrupted
+one; TensorBoard events of real runs; bad keys and values refused before anything is
+written; run naming and grid expansion; the sweep_report and plot CLI modes."""
+
+import csv
+import json
+import math
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, run_cli, tiny_config
+from electra_jax import flops, sweep, train
+from electra_jax.config_lib import ConfigError
+from test_plots import assert_events_match_jsonl, png_size
+
+WORDS = [f"w{i}" for i in range(30)]
+STEPS = 3
+
+
+def base_config():
+  return tiny_config(**{"train.steps": STEPS, "checkpoint.every_steps": 2, "eval.every_steps": 2, "eval.num_batches": 1})
+
+
+def write_task(directory, seed=0):
+  """label = whether 'magic' occurs; 32 train and 16 dev sentences."""
+  rng = np.random.default_rng(seed)
+  paths = {}
+  for split, n in (("train", 32), ("dev", 16)):
+    paths[split] = os.path.join(directory, f"{split}.jsonl")
+    with open(paths[split], "w") as f:
+      for _ in range(n):
+        words, label = list(rng.choice(WORDS, 6)), int(rng.random() < 0.5)
+        if label:
+          words.insert(2, "magic")
+        f.write(json.dumps({"sentence": " ".join(words), "label": label}) + "\n")
+  return paths
+
+
+def tree_snapshot(directory):
+  """{relative path: (size, mtime_ns)} of every file under `directory`."""
+  snapshot = {}
+  for root, _, files in os.walk(directory):
+    for name in files:
+      path = os.path.join(root, name)
+      stat = os.stat(path)
+      snapshot[os.path.relpath(path, directory)] = (stat.st_size, stat.st_mtime_ns)
+  return snapshot
+
+
+def read_jsonl(path):
+  return [json.loads(line) for line in open(path)]
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+  root = tmp_path_factory.mktemp("sweep")
+  sweep_dir = str(root / "objectives")
+  runs_file = root / "runs.txt"
+  runs_file.write_text(
+      "# two objectives, and a vocabulary smaller than the tokenizer's (fails when the run starts)\n"
+      "objective.name=electra\n"
+      "objective.name=mlm   # the BERT baseline\n"
+      "objective.name=electra model.vocab_size=100\n"
+  )
+  task = write_task(str(root))
+  finetune_config = sweep.load_finetune_config(
+      os.path.join(REPO, "configs", "finetune", "tiny.py"),
+      [f"custom.train_file={task['train']}", f"custom.dev_file={task['dev']}", "epochs=1", "num_seeds=2"],
+  )
+  first = sweep.run_sweep(base_config(), sweep_dir, sweep_file=str(runs_file), finetune_config=finetune_config)
+  names = first["runs"]
+  dirs = {name: os.path.join(sweep_dir, name) for name in names}
+  before = {name: tree_snapshot(d) for name, d in dirs.items()}
+  mlm_lines = open(os.path.join(dirs[names[1]], "metrics.jsonl")).read().splitlines()
+  # Interrupt the MLM run after its step-2 checkpoint: its step-3 checkpoint is gone.
+  shutil.rmtree(os.path.join(dirs[names[1]], "checkpoints", "3"))
+  second = sweep.run_sweep(base_config(), sweep_dir, sweep_file=str(runs_file), finetune_config=finetune_config)
+  return dict(sweep_dir=sweep_dir, names=names, dirs=dirs, first=first, second=second, before=before,
+              mlm_lines=mlm_lines, runs_file=str(runs_file))
+
+
+def test_sweep_table_matches_each_runs_logs(swept):
+  electra, mlm, failing = swept["names"]
+  assert (electra, mlm) == ("name=electra", "name=mlm")
+  assert failing == "name=electra,vocab_size=100"
+  assert swept["first"]["failed"] == [failing] and swept["second"]["failed"] == [failing]
+  record = json.load(open(os.path.join(swept["sweep_dir"], "sweep.json")))
+  assert [(r["name"], r["overrides"]) for r in record["runs"]] == [
+      (electra, [["objective.name", "electra"]]), (mlm, [["objective.name", "mlm"]]),
+      (failing, [["objective.name", "electra"], ["model.vocab_size", "100"]]),
+  ]
+
+  rows = list(csv.DictReader(open(os.path.join(swept["sweep_dir"], "results.csv"))))
+  assert [r["run"] for r in rows] == [electra, mlm, failing]
+  assert [r["status"] for r in rows] == ["done", "done", "failed"]
+  assert [r["objective.name"] for r in rows] == ["electra", "mlm", "electra"]
+  assert [r["model.vocab_size"] for r in rows] == ["", "", "100"]
+  tokens = STEPS * 8 * 32
+  for row in rows[:2]:
+    workdir = swept["dirs"][row["run"]]
+    last_train = read_jsonl(os.path.join(workdir, "metrics.jsonl"))[-1]
+    last_eval = read_jsonl(os.path.join(workdir, "eval_metrics.jsonl"))[-1]
+    assert last_train["step"] == last_eval["step"] == STEPS
+    assert int(row["steps"]) == STEPS and int(row["train_tokens"]) == tokens
+    for prefix, last in (("train_", last_train), ("eval_", last_eval)):
+      for name in ("loss", "masked_lm_accuracy", "disc_auc"):
+        value = float(row[prefix + name])
+        assert (math.isnan(value) and math.isnan(last[name])) or value == last[name], (row["run"], prefix, name)
+    assert "train_tokens_per_sec" not in row and "eval_step" not in row
+
+    # FLOPs as train.py computes them, from the real training setup of the run's config.
+    config = base_config()
+    config.objective.name = row["objective.name"]
+    _, _, setup = train.prepare(config)
+    per_token = flops.train_flops_per_token(
+        setup.model, 32, setup.objective.max_predictions, setup.objective.uses_generator
+    )
+    assert float(row["train_flops"]) == pytest.approx(per_token * tokens, rel=1e-12)
+  # By hand for MLM (one tower, PERFORMANCE.md's rules): 6 x (2 layers of 4H^2 + 2HI, the E->H
+  # projection, the H^2 + H head, the vocabulary head on 4 of 32 positions) + 12 L s H.
+  h, i, e, v = 32, 64, 16, 512
+  params = 2 * (4 * h * h + 2 * h * i) + e * h + h * h + h + (h * e + e * v) * 4 / 32
+  assert float(rows[1]["train_flops"]) == 6 * params * tokens + 12 * 2 * 32 * h * tokens
+  assert float(rows[0]["train_flops"]) > float(rows[1]["train_flops"])  # plus the generator
+
+  # Downstream: the mean over the two seeds of each seed's own dev score.
+  for row in rows[:2]:
+    seeds = [json.load(open(os.path.join(swept["dirs"][row["run"]], "finetune", "custom", f"seed_{s}", "metrics.json")))
+             for s in (0, 1)]
+    expected = 100 * np.mean([s["dev"]["custom"]["accuracy"] for s in seeds])
+    assert row["downstream_task"] == "custom" and int(row["downstream_seeds"]) == 2
+    assert float(row["downstream_score"]) == pytest.approx(expected)
+  assert rows[2]["downstream_score"] == ""
+
+  # The markdown table: the same rows, headline columns, NaN and missing shown as "–".
+  lines = open(os.path.join(swept["sweep_dir"], "results.md")).read().splitlines()
+  header = [c.strip() for c in lines[0].strip("|").split("|")]
+  cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+  assert len(lines) == 2 + 3 and set(lines[1].strip("|").split("|")) == {"---"}
+  assert header[:6] == ["run", "objective.name", "model.vocab_size", "status", "steps", "train_tokens"]
+  mlm_cells = dict(zip(header, cells[1]))
+  assert mlm_cells["train_disc_auc"] == "–" and mlm_cells["model.vocab_size"] == "–"
+  assert float(mlm_cells["train_loss"]) == pytest.approx(float(rows[1]["train_loss"]), rel=1e-3)
+  assert float(mlm_cells["downstream_score"]) == pytest.approx(float(rows[1]["downstream_score"]), abs=0.005)
+  assert dict(zip(header, cells[2]))["status"] == "failed"
+  assert png_size(os.path.join(swept["sweep_dir"], "curves.png")) == (3 * 500, 350)
+
+
+def test_rerun_skips_finished_and_resumes_interrupted(swept):
+  electra, mlm, _ = swept["names"]
+  # The finished run (and its fine-tuning) was not touched at all.
+  assert tree_snapshot(swept["dirs"][electra]) == swept["before"][electra]
+  # The interrupted one resumed from step 2: that checkpoint untouched, step 3 trained again
+  # and logged once, fine-tuning skipped (it was done).
+  after = tree_snapshot(swept["dirs"][mlm])
+  for path, stat in swept["before"][mlm].items():
+    if path.startswith(os.path.join("checkpoints", "2")) or path.startswith("finetune"):
+      assert after[path] == stat, path
+  assert os.path.isdir(os.path.join(swept["dirs"][mlm], "checkpoints", "3"))
+  lines = open(os.path.join(swept["dirs"][mlm], "metrics.jsonl")).read().splitlines()
+  assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+  assert lines[:2] == swept["mlm_lines"][:2]
+  assert [r["step"] for r in read_jsonl(os.path.join(swept["dirs"][mlm], "eval_metrics.jsonl"))] == [2, 3]
+
+
+def test_tensorboard_events_of_real_runs(swept):
+  for name in swept["names"][:2]:  # the MLM run's second event file purges its first's step 3
+    workdir = swept["dirs"][name]
+    assert_events_match_jsonl(os.path.join(workdir, "tensorboard", "train"), os.path.join(workdir, "metrics.jsonl"))
+    assert_events_match_jsonl(os.path.join(workdir, "tensorboard", "eval"), os.path.join(workdir, "eval_metrics.jsonl"))
+
+
+def test_bad_sweeps_are_refused_before_anything_is_written(tmp_path, swept):
+  sweep_dir = str(tmp_path / "s")
+  cases = [
+      (["objective.nam=electra,mlm"], "Sweep key 'objective.nam' is not a config key"),
+      (["train.steps=3,3.5"], r"train.steps='3.5': not a valid int"),
+      (["train.use_remat=yes"], "Sweep key 'train.use_remat'"),
+      (["objective.name=electra,bogus"], "objective.name=bogus: objective.name='bogus' is not one of"),
+      (["model.tie=all"], "Sweep run model.tie=all: model.tie=.all. runs one encoder"),
+      (["objective.name"], "is not key=value"),
+      (["objective.name=electra,"], "empty value"),
+  ]
+  for grid, message in cases:
+    with pytest.raises(ConfigError, match=message):
+      sweep.run_sweep(base_config(), sweep_dir, grid)
+  bad_file = tmp_path / "runs.txt"
+  bad_file.write_text("objective.name=mlm\n\nmodel.tie\n")
+  with pytest.raises(ConfigError, match=f"{bad_file}:3: 'model.tie' is not key=value"):
+    sweep.run_sweep(base_config(), sweep_dir, sweep_file=str(bad_file))
+  assert not os.path.exists(sweep_dir)
+  # A sweep folder belongs to one base config.
+  other = base_config()
+  other.train.steps = 5
+  with pytest.raises(ConfigError, match="another base config"):
+    sweep.run_sweep(other, swept["sweep_dir"], ["objective.name=electra"])
+
+
+def test_grid_expansion_and_run_names(tmp_path):
+  runs_file = tmp_path / "runs.txt"
+  runs_file.write_text("# comment\nmodel.tie=none 'data.text_dir=/a b'\n\nobjective.temperature=2\n")
+  runs = sweep.expand(["objective.name=electra,mlm", "model.generator_fraction=0.25,0.5"], str(runs_file))
+  assert len(runs) == 2 * 2 * 2
+  assert runs[0] == [("model.tie", "none"), ("data.text_dir", "/a b"), ("objective.name", "electra"),
+                     ("model.generator_fraction", "0.25")]
+  assert runs[-1] == [("objective.temperature", "2"), ("objective.name", "mlm"), ("model.generator_fraction", "0.5")]
+  named = sweep.name_runs([[("a.name", "x/y z")], [("a.size", "1"), ("b.size", "2")], [("a.name", "x y/z")]])
+  assert [r.name for r in named] == ["name=x-y-z", "a.size=1,b.size=2", "name=x-y-z-2"]
+  # A recorded run keeps its name; a new one avoids the recorded names.
+  again = sweep.name_runs([[("a.name", "x y/z")], [("a.name", "x?y?z")]], named)
+  assert [r.name for r in again] == ["name=x-y-z-2", "name=x-y-z-3"]
+  config = sweep.apply_overrides(base_config(), [("optimizer.learning_rate", "1"), ("data.lowercase", "false"),
+                                                 ("objective.name", "mlm")])
+  assert config.optimizer.learning_rate == 1.0 and isinstance(config.optimizer.learning_rate, float)
+  assert config.data.lowercase is False and config.objective.name == "mlm"
+
+
+def test_cli_sweep_report_and_plot(swept, tmp_path):
+  sweep_dir = swept["sweep_dir"]
+  table = open(os.path.join(sweep_dir, "results.md")).read()
+  os.remove(os.path.join(sweep_dir, "results.md"))
+  result = run_cli([sys.executable, "-m", "electra_jax.main", "--mode=sweep_report", f"--workdir={sweep_dir}"])
+  assert result.returncode == 0, result.stderr
+  assert open(os.path.join(sweep_dir, "results.md")).read() == table
+  out = str(tmp_path / "curves.png")
+  result = run_cli([sys.executable, "-m", "electra_jax.main", "--mode=plot", f"--workdir={sweep_dir}", f"--out={out}",
+                    "--plot_metrics=loss,disc_auc,masked_lm_accuracy,disc_accuracy"])
+  assert result.returncode == 0, result.stderr
+  assert png_size(out) == (3 * 500, 2 * 350)
+  # A bad sweep key is one line on stderr, before any training.
+  bad_dir = str(tmp_path / "bad")
+  result = run_cli([sys.executable, "-m", "electra_jax.main", "--mode=sweep", f"--config={REPO}/configs/demo.py",
+                    f"--workdir={bad_dir}", "--sweep=objective.name=electra,mlm", "--sweep=model.generator_frac=0.5"])
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1].startswith(
+      "electra-jax: error: Sweep key 'model.generator_frac' is not a config key")
+  assert not os.path.exists(bad_dir)
