@@ -76,6 +76,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps="
         f"{t.grad_accum_steps} (>= 1): each micro-batch must have the same size."
     )
+  if t.get("steps_per_call", 1) < 1:
+    raise ConfigError(
+        f"train.steps_per_call={t.steps_per_call} must be >= 1 (optimizer steps per compiled call)."
+    )
   if t.steps < 1 or t.log_every < 1 or config.checkpoint.every_steps < 1:
     raise ConfigError(
         f"train.steps={t.steps}, train.log_every={t.log_every} and checkpoint.every_steps="

@@ -122,9 +122,17 @@ def batch_shards(mesh: Mesh) -> int:
   return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def global_batch_from_local(local_batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-  """Global arrays from this process's rows (the whole batch when there is one process)."""
-  sharding = batch_sharding(mesh)
+def stacked_batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Several batches stacked on a leading (step) axis: each split like one batch."""
+  return NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))
+
+
+def global_batch_from_local(
+    local_batch: dict[str, np.ndarray], mesh: Mesh, stacked: bool = False
+) -> dict[str, jax.Array]:
+  """Global arrays from this process's rows (the whole batch when there is one process);
+  `stacked`: arrays [steps, rows, ...] of several batches."""
+  sharding = stacked_batch_sharding(mesh) if stacked else batch_sharding(mesh)
   return {
       name: jax.make_array_from_process_local_data(sharding, rows)
       for name, rows in local_batch.items()

@@ -173,6 +173,18 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
   return new_state, metrics
 
 
+def train_steps(state: TrainState, batches: dict[str, jax.Array], rngs: jax.Array):
+  """len(rngs) optimizer updates in one call: train_step over batches stacked on a leading
+  axis, with rngs[i] the key of the i-th. Returns the state and each step's metrics stacked."""
+  return jax.lax.scan(lambda s, inputs: train_step(s, *inputs), state, (batches, rngs))
+
+
+def step_rngs(seed: int, first_step: int, num_steps: int) -> jax.Array:
+  """step_rng(seed, s) for s in first_step .. first_step + num_steps - 1, stacked."""
+  steps = jnp.arange(first_step, first_step + num_steps)
+  return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(seed), s))(steps)
+
+
 def _start_second_stage(params, now):
   """two_stage: at the switch step the discriminator's encoder becomes a copy of the
   generator's (same sizes; its head stays as initialized)."""
@@ -333,6 +345,39 @@ def compile_train_step(setup: TrainingSetup, config, mesh):
   )
 
 
+def compile_train_steps(setup: TrainingSetup, config, mesh, num_steps: int):
+  """train_steps compiled for `num_steps` stacked global batches (train.steps_per_call)."""
+  stacked = partitioning.stacked_batch_sharding(mesh)
+  replicated = partitioning.replicated(mesh)
+  abstract_batches = {
+      name: jax.ShapeDtypeStruct(
+          (num_steps, config.train.batch_size, config.data.max_seq_len), jnp.int32, sharding=stacked
+      )
+      for name in batch_keys(config)
+  }
+  rngs = step_rngs(0, 0, num_steps)
+  abstract_rngs = jax.ShapeDtypeStruct(rngs.shape, rngs.dtype, sharding=replicated)
+  return (
+      jax.jit(
+          train_steps,
+          in_shardings=(setup.state_shardings, stacked, replicated),
+          out_shardings=(setup.state_shardings, replicated),
+          donate_argnums=(0,),
+      )
+      .lower(setup.abstract_state, abstract_batches, abstract_rngs)
+      .compile()
+  )
+
+
+def _steps_to_boundary(step: int, config) -> int:
+  """Steps from `step` to the next one that logs, evaluates, checkpoints or ends the run."""
+  periods = [config.train.log_every, config.checkpoint.every_steps]
+  if config.eval.every_steps:
+    periods.append(config.eval.every_steps)
+  to_next = [period - step % period for period in periods]
+  return min([*to_next, config.train.steps - step])
+
+
 AUTO_BATCH_SIZE = -1  # train.batch_size=-1: the largest batch that fits in device memory
 
 
@@ -418,10 +463,10 @@ def _stop_if_not_finite(loss: float, step: int, checkpointer) -> None:
 def _mean_metrics(window: list[dict]) -> dict[str, float]:
   """Means over the window, ignoring NaN steps (disc_auc is NaN on a step whose tokens are all
   one class); NaN, without a warning, when every step was."""
-  host = jax.device_get(window)
+  host = jax.device_get(window)  # one entry per call: scalars, or [k] for k steps per call
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "Mean of empty slice", RuntimeWarning)
-    return {name: float(np.nanmean([m[name] for m in host])) for name in host[0]}
+    return {name: float(np.nanmean(np.concatenate([np.ravel(m[name]) for m in host]))) for name in host[0]}
 
 
 # ---------------------------------------------------------------------------------------
@@ -460,6 +505,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         eval_log.truncate_after(start_step)
     # Ahead of time, so compile time stays out of the throughput figures.
     compiled_step = compile_train_step(setup, config, mesh)
+    steps_per_call = config.train.get("steps_per_call", 1)
+    compiled_steps = compile_train_steps(setup, config, mesh, steps_per_call) if steps_per_call > 1 else None
 
   # --- Loop
   total_steps = config.train.steps
@@ -471,7 +518,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   peak = flops.peak_flops(jax.devices()[0])
   tokens_per_step = global_batch * seq_len
   meta = {"param_shapes": setup.param_shapes, "data_fingerprint": corpus.fingerprint}
-  window, last_logged, step = [], {}, start_step
+  window, window_steps, last_logged, step = [], 0, {}, start_step
   window_start = time.perf_counter()
   if start_step >= total_steps:
     logging.info("Nothing to do: the checkpoint at step %d reached train.steps=%d.", start_step, total_steps)
@@ -486,16 +533,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     # Batches are read and gathered on a background thread, a step or two ahead.
     with _Preemption() as preemption, data.Prefetcher(fetch, start_step, stop_step=total_steps) as batches:
       while step < total_steps:
-        local_batch = next(batches)
-        batch = partitioning.global_batch_from_local(local_batch, mesh)
-        state, metrics = compiled_step(state, batch, step_rng(config.train.seed, step))
+        if compiled_steps is not None and _steps_to_boundary(step, config) >= steps_per_call:
+          # Several steps in one call; a call never crosses a log, eval or checkpoint step.
+          local = [next(batches) for _ in range(steps_per_call)]
+          stacked = {name: np.stack([b[name] for b in local]) for name in local[0]}
+          batch = partitioning.global_batch_from_local(stacked, mesh, stacked=True)
+          state, metrics = compiled_steps(state, batch, step_rngs(config.train.seed, step, steps_per_call))
+          step += steps_per_call
+          window_steps += steps_per_call
+        else:
+          batch = partitioning.global_batch_from_local(next(batches), mesh)
+          state, metrics = compiled_step(state, batch, step_rng(config.train.seed, step))
+          step += 1
+          window_steps += 1
         window.append(metrics)
-        step += 1
 
         if step % config.train.log_every == 0 or step == total_steps or preemption.requested:
           logged = _mean_metrics(window)
           elapsed = time.perf_counter() - window_start
-          steps_per_sec = len(window) / elapsed
+          steps_per_sec = window_steps / elapsed
           logged.update(step=step, steps_per_sec=steps_per_sec, tokens_per_sec=steps_per_sec * tokens_per_step)
           if peak is not None:
             logged["mfu"] = logged["tokens_per_sec"] * flops_per_token / (peak * jax.device_count())
@@ -508,7 +564,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 step, total_steps, logged["loss"], logged["masked_lm_accuracy"],
                 logged["disc_auc"], f"{logged['tokens_per_sec']:,.0f}", _format_duration(eta),
             )
-          last_logged, window, window_start = logged, [], time.perf_counter()
+          last_logged, window, window_steps, window_start = logged, [], 0, time.perf_counter()
 
         if evaluator and (step % config.eval.every_steps == 0 or step == total_steps):
           eval_start = time.perf_counter()
@@ -523,7 +579,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             )
 
         if step % config.checkpoint.every_steps == 0 or step == total_steps or preemption.requested:
-          _stop_if_not_finite(float(metrics["loss"]), step, checkpointer)  # never save a NaN state
+          last_loss = float(np.ravel(jax.device_get(metrics["loss"]))[-1])
+          _stop_if_not_finite(last_loss, step, checkpointer)  # never save a NaN state
           checkpointer.save(step, state, meta)
           if is_chief:  # a bucket's logs are rewritten now and then, and at least here
             metrics_log.flush()

@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from electra_jax.config_lib import ConfigError
 import pytest
 
 from conftest import REPO, cli_args, run_cli, tiny_config
@@ -199,3 +200,27 @@ def test_bfloat16_step_keeps_float32_master_weights_and_learns():
   assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype("float32")}
   assert {leaf.dtype for leaf in jax.tree.leaves(state.opt_state) if hasattr(leaf, "dtype") and leaf.ndim} == {jnp.dtype("float32")}
   assert all(np.isfinite(losses)) and losses[-1] < losses[0]  # same batch: the loss must drop
+
+
+def test_steps_per_call_trains_exactly_like_single_steps(tmp_path):
+  # 7 steps, logging every 3 and checkpointing every 5, 2 steps per call: calls never cross a
+  # boundary, so some steps run alone; the metrics and the final parameters must equal a run
+  # of single steps (dropout on: the per-step keys must match too).
+  overrides = {"train.steps": 7, "train.log_every": 3, "checkpoint.every_steps": 5, "eval.every_steps": 0}
+  single = train.train_and_evaluate(tiny_config(**overrides), str(tmp_path / "single"))
+  multi = train.train_and_evaluate(tiny_config(**overrides, **{"train.steps_per_call": 2}), str(tmp_path / "multi"))
+  logged = [(m["step"], m["loss"], m["disc_auc"]) for m in _metrics(tmp_path / "single")]
+  assert [m["step"] for m in _metrics(tmp_path / "multi")] == [3, 6, 7]
+  for (step, loss, auc), m in zip(logged, _metrics(tmp_path / "multi")):
+    assert m["loss"] == pytest.approx(loss, rel=1e-5) and m["disc_auc"] == pytest.approx(auc, rel=1e-5), step
+  assert multi["loss"] == pytest.approx(single["loss"], rel=1e-5)
+  mesh, corpus, setup = train.prepare(tiny_config(**overrides))
+  _, single_state = train.restore_checkpoint(str(tmp_path / "single"), setup, mesh, None, corpus)
+  _, multi_state = train.restore_checkpoint(str(tmp_path / "multi"), setup, mesh, None, corpus)
+  for a, b in zip(jax.tree.leaves(single_state.params), jax.tree.leaves(multi_state.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_steps_per_call_below_one_is_refused(tmp_path):
+  with pytest.raises(ConfigError, match="steps_per_call=0"):
+    train.train_and_evaluate(tiny_config(**{"train.steps_per_call": 0}), str(tmp_path))
