@@ -37,6 +37,9 @@ def get_config():
   # What each encoder layer keeps for the backward pass: "none" (everything: fastest),
   # "dots" (matmul outputs only) or "full" (the layer input only). Same parameters either way.
   model.remat = "none"
+  # One scanned layer instead of num_layers unrolled ones: compile time independent of depth.
+  # Checkpoints keep the scanned layout; export and fine-tuning see the usual one.
+  model.scan_layers = False
 
   # Replaced-token detection: loss = gen_weight * L_MLM + disc_weight * L_Disc.
   config.objective = objective = ml_collections.ConfigDict()

@@ -94,6 +94,10 @@ class EncoderConfig:
   attention_dropout_rate: float = 0.1
   layer_norm_eps: float = 1e-12
   remat: str = "none"  # see REMAT_POLICIES
+  # One scanned layer (params stacked on a leading "layers" axis, under encoder/layers/layer)
+  # instead of layer_0 .. layer_{L-1}: compile time stops growing with depth. Checkpoints keep
+  # that layout; standalone towers, export and fine-tuning see the unscanned one (unscan_layers).
+  scan_layers: bool = False
 
   @property
   def head_dim(self) -> int:
@@ -262,12 +266,68 @@ class Encoder(nn.Module):
       hidden = _dense(self.config.hidden_size, "embed", "mlp", self.dtype, "embeddings_project")(
           hidden
       )
+    if self.config.scan_layers:
+      scanned = nn.scan(
+          _ScanBody,
+          variable_axes={"params": 0},
+          split_rngs={"params": True, "dropout": True},
+          in_axes=(nn.broadcast,),
+          length=self.config.num_layers,
+          metadata_params={nn.PARTITION_NAME: "layers"},
+      )
+      hidden, _ = scanned(self.config, self.dtype, self.attention_impl, deterministic, name="layers")(
+          hidden, attention_mask
+      )
+      return hidden
     layer_class = _remat_layer(self.config.remat)
     for i in range(self.config.num_layers):
       hidden = layer_class(self.config, self.dtype, self.attention_impl, name=f"layer_{i}")(
           hidden, attention_mask, deterministic
       )
     return hidden  # [batch, seq, hidden]
+
+
+class _ScanBody(nn.Module):
+  """One encoder layer as the body of nn.scan: (hidden, mask) -> (hidden, None)."""
+
+  config: EncoderConfig
+  dtype: Dtype
+  attention_impl: str
+  deterministic: bool  # a field, not an argument: scan would trace a Python bool
+
+  @nn.compact
+  def __call__(self, hidden, attention_mask):
+    layer = _remat_layer(self.config.remat)(self.config, self.dtype, self.attention_impl, name="layer")
+    return layer(hidden, attention_mask, self.deterministic), None
+
+
+def unscan_layers(tree):
+  """A parameter (or gradient, optimizer-moment) tree with every scanned encoder
+  ({"layers": {"layer": stacked}}) rewritten as layer_0 .. layer_{L-1}; other trees as they are."""
+  if not isinstance(tree, dict):
+    return tree
+  out = {}
+  for key, value in tree.items():
+    if key == "layers" and isinstance(value, dict) and set(value) == {"layer"}:
+      stacked = value["layer"]
+      num_layers = jax.tree.leaves(stacked)[0].shape[0]
+      for i in range(num_layers):
+        out[f"layer_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    else:
+      out[key] = unscan_layers(value)
+  return out
+
+
+def scan_layers(tree):
+  """The inverse of unscan_layers: layer_0 .. layer_{L-1} of every encoder stacked into
+  {"layers": {"layer": ...}} (for trees imported from unscanned models)."""
+  if not isinstance(tree, dict):
+    return tree
+  layer_keys = sorted((k for k in tree if k.startswith("layer_") and k[6:].isdigit()), key=lambda k: int(k[6:]))
+  out = {k: scan_layers(v) for k, v in tree.items() if k not in layer_keys}
+  if layer_keys:
+    out["layers"] = {"layer": jax.tree.map(lambda *xs: jnp.stack(xs), *(tree[k] for k in layer_keys))}
+  return out
 
 
 def _remat_layer(policy: str):
@@ -587,6 +647,7 @@ def build_model(config) -> ElectraPretrainer:
       attention_dropout_rate=m.attention_dropout_rate,
       layer_norm_eps=m.layer_norm_eps,
       remat=m.get("remat", "none"),
+      scan_layers=bool(m.get("scan_layers", False)),
   )
   if m.attention_impl not in ATTENTION_IMPLEMENTATIONS:
     raise ConfigError(
@@ -711,6 +772,9 @@ def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
   if tower == "generator" and pretrainer.cloze_generator:
     raise ConfigError("Electric's two-tower cloze generator has no standalone (or Hugging Face) form; export the discriminator.")
   tower_config = pretrainer.discriminator_config if tower == "discriminator" else pretrainer.generator_config
+  # Standalone towers (export, fine-tuning, inference) use the unscanned layout.
+  tower_config = dataclasses.replace(tower_config, scan_layers=False)
+  params = unscan_layers(params)
   embeddings = params["embeddings"]
   tower_params = params[tower]
   if pretrainer.tie == "all":

@@ -30,6 +30,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("position", None),
     ("token_type", None),
     ("unmodeled", None),
+    ("layers", None),  # the stacked axis of scanned layers (model.scan_layers)
 )
 
 

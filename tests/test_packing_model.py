@@ -172,3 +172,66 @@ def test_packed_training_runs_evaluates_and_refuses_an_unpacked_resume(tmp_path)
   unpacked = tiny_config(**{**overrides, "train.steps": 4})
   with pytest.raises(ConfigError, match="pack_rows"):
     train.train_and_evaluate(unpacked, str(tmp_path))
+
+
+def _init(config, ids, positions):
+  model = models.build_model(config)
+  boxed = model.init(jax.random.key(0), ids, ids * 0, jnp.ones_like(ids), positions)["params"]
+  return model, boxed
+
+
+def _unbox(tree):
+  import flax.linen as nn  # noqa: PLC0415
+
+  return nn.meta.unbox(tree)
+
+
+def test_scanned_layers_compute_the_same_function_in_the_stacked_layout():
+  no_dropout = {"model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0}
+  rng = np.random.default_rng(3)
+  ids = jnp.asarray(rng.integers(5, 500, size=(2, 32)), jnp.int32)
+  positions = jnp.array([[1, 5, 9], [2, 3, 30]])
+  plain, plain_params = _init(tiny_config(**no_dropout), ids, positions)
+  plain_params = _unbox(plain_params)
+  scanned, boxed = _init(tiny_config(**no_dropout, **{"model.scan_layers": True}), ids, positions)
+  # The stacked axis is named "layers" for the sharding rules (replicated).
+  assert boxed["discriminator"]["encoder"]["layers"]["layer"]["attention"]["query"]["kernel"].names == (
+      "layers", "embed", "heads")
+  scanned_params = _unbox(boxed)
+  # encoder/layers/layer holds each layer's parameters stacked on a leading axis of length L.
+  stacked = scanned_params["discriminator"]["encoder"]["layers"]["layer"]
+  assert "layer_0" not in scanned_params["discriminator"]["encoder"]
+  assert stacked["attention"]["query"]["kernel"].shape == (2, 32, 32)
+  converted = models.scan_layers(plain_params)
+  assert jax.tree.structure(converted) == jax.tree.structure(scanned_params)
+  assert jax.tree.map(jnp.shape, converted) == jax.tree.map(jnp.shape, scanned_params)
+  back = models.unscan_layers(converted)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(plain_params)):
+    np.testing.assert_array_equal(a, b)
+  mask = jnp.ones_like(ids)
+  want = plain.apply({"params": plain_params}, ids, ids * 0, mask, positions)
+  got = scanned.apply({"params": converted}, ids, ids * 0, mask, positions)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # The standalone discriminator of a scanned pre-trainer is the usual one, same outputs.
+  tower, tower_params = models.tower_from_pretrainer(scanned, converted, "discriminator")
+  assert "layer_1" in tower_params["discriminator"]["encoder"]
+  np.testing.assert_allclose(tower.apply({"params": tower_params}, ids, mask), want[1], rtol=1e-5, atol=1e-6)
+
+
+def test_scanned_training_exports_to_hugging_face(tmp_path):
+  from electra_jax import train  # noqa: PLC0415
+  from electra_jax.interop import hf  # noqa: PLC0415
+
+  config = tiny_config(**{"model.scan_layers": True, "model.remat": "dots", "train.steps": 2, "eval.every_steps": 0})
+  metrics = train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert np.isfinite(metrics["loss"])
+  mesh, corpus, setup = train.prepare(config)
+  _, state = train.restore_checkpoint(str(tmp_path / "run"), setup, mesh, None, corpus)
+  hf.save_hf(setup.model, state.params, str(tmp_path / "hf"), kind="discriminator")
+  model, params = hf.load_hf(str(tmp_path / "hf"))
+  unscanned = models.unscan_layers(state.params)
+  np.testing.assert_array_equal(
+      params["discriminator"]["encoder"]["layer_1"]["attention"]["query"]["kernel"],
+      unscanned["discriminator"]["encoder"]["layer_1"]["attention"]["query"]["kernel"],
+  )

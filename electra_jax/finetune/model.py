@@ -143,7 +143,7 @@ def _from_workdir(config, workdir: str) -> Backbone:
       embedding_size=pretrainer.embedding_size,
       max_position_embeddings=pretrainer.max_position_embeddings,
       type_vocab_size=pretrainer.type_vocab_size,
-      encoder_config=pretrainer.discriminator_config,
+      encoder_config=dataclasses.replace(pretrainer.discriminator_config, scan_layers=False),
       params=params,
       tokenizer=tokenizer,
       source=source,

@@ -258,6 +258,8 @@ def write_pretraining_workdir(
       "generator": pair.generator_params["generator"],
       "discriminator": pair.discriminator_params["discriminator"],
   }
+  if config.model.get("scan_layers", False):  # the recipe trains scanned layers
+    params = models.scan_layers(params)
   imported_shapes = train.param_shapes(params)
   train.check_same_model(imported_shapes, setup.param_shapes, workdir)
   with partitioning.activate(mesh):
