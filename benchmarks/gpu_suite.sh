@@ -6,7 +6,8 @@
 #   python -m electra_jax.main --mode=prepare_data --config=configs/electra_small.py \
 #       --config.data.max_seq_len=L --config.data.prepared_dir=.bench_data/sL --config.data.max_documents=6000
 # for L in 128 and 512, and writes JSON results into $OUT (or ./gpu_results).
-# Usage: bash benchmarks/gpu_suite.sh [check|small|base|all]
+# Usage: bash benchmarks/gpu_suite.sh [check|small|base|all]. Compiles take about a minute each
+# on an H100 (70 s for electra_base): "small" or "base" alone fits one 10-minute device call.
 set -u
 OUT=${OUT:-gpu_results}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false  # torch shares the GPU
@@ -14,7 +15,7 @@ what=${1:-all}
 tp() {  # name, then pretrain_throughput flags
   local name=$1; shift
   echo "=== $name"
-  timeout 300 python3 benchmarks/pretrain_throughput.py --steps=20 --windows=3 --warmup=3 "$@" \
+  timeout 420 python3 benchmarks/pretrain_throughput.py --steps=20 --windows=3 --warmup=3 "$@" \
       > "$OUT/$name.json" 2> "$OUT/$name.err" || { echo "FAILED $name"; tail -5 "$OUT/$name.err"; }
   python3 - "$OUT/$name.json" <<'PY'
 import json, sys
@@ -44,6 +45,7 @@ fi
 if [[ $what == small || $what == all ]]; then
   tp small_b128_xla_attndrop $small --config.train.batch_size=128 --vs-huggingface --hf-gathered
   tp small_b128_cudnn $small --config.train.batch_size=128 --config.model.attention_impl=cudnn --config.model.attention_dropout_rate=0.0 --vs-huggingface --hf-gathered
+  tp small_b512_cudnn_k10 $small --config.train.batch_size=512 --config.model.attention_impl=cudnn --config.model.attention_dropout_rate=0.0 --config.train.steps_per_call=10 --config.data.pack_rows=True
 fi
 if [[ $what == base || $what == all ]]; then
   tp base_b32_cudnn $base --config.train.batch_size=32 --config.model.attention_impl=cudnn --config.model.attention_dropout_rate=0.0 --vs-huggingface --hf-gathered

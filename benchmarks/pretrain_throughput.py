@@ -22,6 +22,7 @@ import time
 
 import flax.linen as nn
 import jax
+import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -53,6 +54,9 @@ def main(argv):
     )
     compile_start = time.perf_counter()
     step_fn = train.compile_train_step(setup, config, mesh)
+    per_call = config.train.get("steps_per_call", 1)
+    if per_call > 1:  # train.steps_per_call: k steps per compiled call (lax.scan)
+      steps_fn = train.compile_train_steps(setup, config, mesh, per_call)
     compile_seconds = time.perf_counter() - compile_start
 
   batches = [
@@ -62,10 +66,22 @@ def main(argv):
 
   first_loss = None
 
+  stacked = []
+  if per_call > 1:
+    host = [data.get_batch(corpus, i, batch_size, 0) for i in range(per_call)]
+    stacked = [partitioning.global_batch_from_local(
+        {name: np.stack([b[name] for b in host]) for name in host[0]}, mesh, stacked=True)]
+
   def run(num_steps, offset):
     nonlocal state, first_loss
-    for i in range(num_steps):
-      state, metrics = step_fn(state, batches[i % len(batches)], train.step_rng(0, offset + i))
+    i = 0
+    while i < num_steps:
+      if first_loss is None or per_call == 1 or num_steps - i < per_call:
+        state, metrics = step_fn(state, batches[i % len(batches)], train.step_rng(0, offset + i))
+        i += 1
+      else:
+        state, metrics = steps_fn(state, stacked[0], train.step_rngs(0, offset + i, per_call))
+        i += per_call
       if first_loss is None:  # the freshly initialized model on batch 0
         first_loss = float(metrics["loss"])
     jax.block_until_ready(metrics)
@@ -125,6 +141,7 @@ def main(argv):
       "batch_size": batch_size,
       "seq_len": seq_len,
       "dtype": config.train.dtype,
+      "steps_per_call": per_call,
       "compile_seconds": round(compile_seconds, 1),
       "step_ms": round(1000 * step_seconds, 2),
       "tokens_per_sec": round(tokens_per_sec, 1),
