@@ -773,8 +773,9 @@ def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
     raise ConfigError("Electric's two-tower cloze generator has no standalone (or Hugging Face) form; export the discriminator.")
   tower_config = pretrainer.discriminator_config if tower == "discriminator" else pretrainer.generator_config
   # Standalone towers (export, fine-tuning, inference) use the unscanned layout.
-  tower_config = dataclasses.replace(tower_config, scan_layers=False)
-  params = unscan_layers(params)
+  if tower_config.scan_layers:
+    tower_config = dataclasses.replace(tower_config, scan_layers=False)
+    params = unscan_layers(params)
   embeddings = params["embeddings"]
   tower_params = params[tower]
   if pretrainer.tie == "all":
