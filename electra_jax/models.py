@@ -54,6 +54,12 @@ def bert_init(stddev: float = 0.02):
   return init
 
 
+def gelu_exact(x):
+  """The exact (erf) GELU. jax.nn.gelu(approximate=False) goes through erfc, which XLA:CPU
+  lowers to exp and selects at about 2.5x the cost of erf; values agree to ~5e-7."""
+  return 0.5 * x * (1.0 + jax.lax.erf(x * jnp.asarray(math.sqrt(0.5), x.dtype)))
+
+
 def _param(init, axes):
   return nn.with_logical_partitioning(init, axes)
 
@@ -243,7 +249,7 @@ class EncoderLayer(nn.Module):
     hidden = _layer_norm(cfg.layer_norm_eps, "attention_layer_norm")(hidden + attended)
     hidden = hidden.astype(self.dtype)
     ffn = _dense(cfg.intermediate_size, "embed", "mlp", self.dtype, "intermediate")(hidden)
-    ffn = nn.gelu(ffn, approximate=False)
+    ffn = gelu_exact(ffn)
     ffn = _dense(cfg.hidden_size, "mlp", "embed", self.dtype, "output")(ffn)
     ffn = nn.Dropout(cfg.dropout_rate)(ffn, deterministic=deterministic)
     hidden = _layer_norm(cfg.layer_norm_eps, "output_layer_norm")(hidden + ffn)
@@ -366,7 +372,7 @@ class Generator(nn.Module):
     # matmul of a small generator, and the loss needs nothing else.
     hidden = jnp.take_along_axis(hidden, masked_positions[..., None], axis=1)  # [batch, n_pred, H_g]
     hidden = _dense(self.embedding_size, "embed", "mlp", self.dtype, "head_dense")(hidden)
-    hidden = nn.gelu(hidden, approximate=False)
+    hidden = gelu_exact(hidden)
     hidden = _layer_norm(self.config.layer_norm_eps, "head_layer_norm")(hidden)
     output_bias = self.param(
         "output_bias", _param(nn.initializers.zeros_init(), ("vocab",)), (self.vocab_size,)
@@ -402,7 +408,7 @@ class ClozeGenerator(nn.Module):
     # Shift: t takes ltr[t - 1] and rtl[t + 1] (wrapping at the ends, as the official roll).
     hidden = jnp.concatenate([jnp.roll(ltr, 1, axis=1), jnp.roll(rtl, -1, axis=1)], axis=-1)
     hidden = _dense(self.embedding_size, "embed", "mlp", self.dtype, "head_dense")(hidden)
-    hidden = nn.gelu(hidden, approximate=False)
+    hidden = gelu_exact(hidden)
     hidden = _layer_norm(self.config.layer_norm_eps, "head_layer_norm")(hidden)
     output_bias = self.param(
         "output_bias", _param(nn.initializers.zeros_init(), ("vocab",)), (self.vocab_size,)
@@ -435,7 +441,7 @@ class Discriminator(nn.Module):
     )
     encoded = encoder(embedded, attention_mask, deterministic)
     hidden = _dense(self.config.hidden_size, "embed", "mlp", self.dtype, "head_dense")(encoded)
-    hidden = nn.gelu(hidden, approximate=False)
+    hidden = gelu_exact(hidden)
     logits = _dense(1, "mlp", "unmodeled", self.dtype, "head_out")(hidden)
     logits = logits[..., 0].astype(jnp.float32)  # [batch, seq]
     if not with_mlm:
@@ -445,7 +451,7 @@ class Discriminator(nn.Module):
     if mlm_positions is not None:
       encoded = jnp.take_along_axis(encoded, mlm_positions[..., None], axis=1)
     hidden = _dense(self.embedding_size, "embed", "mlp", self.dtype, "mlm_head_dense")(encoded)
-    hidden = nn.gelu(hidden, approximate=False)
+    hidden = gelu_exact(hidden)
     hidden = _layer_norm(self.config.layer_norm_eps, "mlm_head_layer_norm")(hidden)
     output_bias = self.param(
         "mlm_output_bias", _param(nn.initializers.zeros_init(), ("vocab",)), (self.vocab_size,)
