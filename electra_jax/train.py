@@ -323,48 +323,36 @@ def batch_keys(config) -> tuple[str, ...]:
 def compile_train_step(setup: TrainingSetup, config, mesh):
   """train_step compiled for this config's global batch, with the state donated. Call it
   inside `partitioning.activate(mesh)`."""
-  batch_sharding = partitioning.batch_sharding(mesh)
+  return _compile_update(train_step, setup, config, mesh, num_steps=None)
+
+
+def compile_train_steps(setup: TrainingSetup, config, mesh, num_steps: int):
+  """train_steps compiled for `num_steps` stacked global batches (train.steps_per_call)."""
+  return _compile_update(train_steps, setup, config, mesh, num_steps)
+
+
+def _compile_update(fn, setup: TrainingSetup, config, mesh, num_steps: int | None):
+  """`fn(state, batch, rng)` compiled with the state donated: one global batch and key
+  (num_steps None), or num_steps of each stacked on a leading axis."""
+  if num_steps is None:
+    batch_sharding, leading, rng = partitioning.batch_sharding(mesh), (), jax.random.key(0)
+  else:
+    batch_sharding, leading = partitioning.stacked_batch_sharding(mesh), (num_steps,)
+    rng = step_rngs(0, 0, num_steps)
   replicated = partitioning.replicated(mesh)
+  shape = (*leading, config.train.batch_size, config.data.max_seq_len)
   abstract_batch = {
-      name: jax.ShapeDtypeStruct(
-          (config.train.batch_size, config.data.max_seq_len), jnp.int32, sharding=batch_sharding
-      )
-      for name in batch_keys(config)
+      name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding) for name in batch_keys(config)
   }
-  rng = jax.random.key(0)
   abstract_rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=replicated)
   return (
       jax.jit(
-          train_step,
+          fn,
           in_shardings=(setup.state_shardings, batch_sharding, replicated),
           out_shardings=(setup.state_shardings, replicated),
           donate_argnums=(0,),
       )
       .lower(setup.abstract_state, abstract_batch, abstract_rng)
-      .compile()
-  )
-
-
-def compile_train_steps(setup: TrainingSetup, config, mesh, num_steps: int):
-  """train_steps compiled for `num_steps` stacked global batches (train.steps_per_call)."""
-  stacked = partitioning.stacked_batch_sharding(mesh)
-  replicated = partitioning.replicated(mesh)
-  abstract_batches = {
-      name: jax.ShapeDtypeStruct(
-          (num_steps, config.train.batch_size, config.data.max_seq_len), jnp.int32, sharding=stacked
-      )
-      for name in batch_keys(config)
-  }
-  rngs = step_rngs(0, 0, num_steps)
-  abstract_rngs = jax.ShapeDtypeStruct(rngs.shape, rngs.dtype, sharding=replicated)
-  return (
-      jax.jit(
-          train_steps,
-          in_shardings=(setup.state_shardings, stacked, replicated),
-          out_shardings=(setup.state_shardings, replicated),
-          donate_argnums=(0,),
-      )
-      .lower(setup.abstract_state, abstract_batches, abstract_rngs)
       .compile()
   )
 
