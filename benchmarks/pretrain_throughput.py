@@ -59,8 +59,9 @@ def main(argv):
       steps_fn = train.compile_train_steps(setup, config, mesh, per_call)
     compile_seconds = time.perf_counter() - compile_start
 
+  keys = train.batch_keys(config)
   batches = [
-      partitioning.global_batch_from_local(data.get_batch(corpus, i, batch_size, 0), mesh)
+      partitioning.global_batch_from_local(data.get_batch(corpus, i, batch_size, 0), mesh, keys=keys)
       for i in range(_STEPS.value)
   ]
 
@@ -70,7 +71,7 @@ def main(argv):
   if per_call > 1:
     host = [data.get_batch(corpus, i, batch_size, 0) for i in range(per_call)]
     stacked = [partitioning.global_batch_from_local(
-        {name: np.stack([b[name] for b in host]) for name in host[0]}, mesh, stacked=True)]
+        {name: np.stack([b[name] for b in host]) for name in keys}, mesh, stacked=True)]
 
   def run(num_steps, offset):
     nonlocal state, first_loss

@@ -47,7 +47,8 @@ def main(argv):
     state = jax.jit(lambda r: nn.meta.unbox(setup.init_fn(r)), out_shardings=setup.state_shardings)(
         jax.random.key(0)
     )
-    batch = partitioning.global_batch_from_local(data.get_batch(corpus, 0, config.train.batch_size, 0), mesh)
+    batch = partitioning.global_batch_from_local(data.get_batch(corpus, 0, config.train.batch_size, 0), mesh,
+                                                   keys=train.batch_keys(config))
     step_fn = train.compile_train_step(setup, config, mesh)
     rng = jax.random.key(1)
     masked = objectives.mask_tokens(rng, batch["input_ids"], batch["attention_mask"], objective)

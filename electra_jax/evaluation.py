@@ -77,6 +77,7 @@ class HeldOutEvaluator:
     ]
     self.num_examples = num_rows
     self._seed = config.eval.seed
+    self._keys = data.batch_keys(bool(config.data.get("pack_rows", False))) + ("example_index",)
     self._mesh = mesh
     replicated = partitioning.replicated(mesh)
     self._step = jax.jit(
@@ -89,7 +90,7 @@ class HeldOutEvaluator:
     totals, per_token = None, []
     with partitioning.activate(self._mesh):
       for local_batch in self._batches:
-        batch = partitioning.global_batch_from_local(local_batch, self._mesh)
+        batch = partitioning.global_batch_from_local(local_batch, self._mesh, keys=self._keys)
         stats, arrays = self._step(state, batch, jax.random.key(self._seed))
         totals = stats if totals is None else jax.tree.map(jnp.add, totals, stats)
         per_token.append(arrays)

@@ -129,12 +129,12 @@ def stacked_batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def global_batch_from_local(
-    local_batch: dict[str, np.ndarray], mesh: Mesh, stacked: bool = False
+    local_batch: dict[str, np.ndarray], mesh: Mesh, stacked: bool = False,
+    keys: Sequence[str] | None = None,
 ) -> dict[str, jax.Array]:
   """Global arrays from this process's rows (the whole batch when there is one process);
-  `stacked`: arrays [steps, rows, ...] of several batches."""
+  `stacked`: arrays [steps, rows, ...] of several batches. `keys`: only these arrays go to the
+  devices (all of them when None)."""
   sharding = stacked_batch_sharding(mesh) if stacked else batch_sharding(mesh)
-  return {
-      name: jax.make_array_from_process_local_data(sharding, rows)
-      for name, rows in local_batch.items()
-  }
+  names = local_batch if keys is None else keys
+  return {name: jax.make_array_from_process_local_data(sharding, local_batch[name]) for name in names}

@@ -312,12 +312,8 @@ def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
 
 
 def batch_keys(config) -> tuple[str, ...]:
-  """The arrays of a training batch (data.get_batch's keys): packed rows add segment ids and
-  per-segment positions."""
-  keys = ("input_ids", "token_type_ids", "attention_mask")
-  if config.data.get("pack_rows", False):
-    keys += ("segment_ids", "position_ids")
-  return keys
+  """The arrays of a training batch that go to the devices (`data.batch_keys`)."""
+  return data.batch_keys(bool(config.data.get("pack_rows", False)))
 
 
 def compile_train_step(setup: TrainingSetup, config, mesh):
@@ -507,6 +503,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   tokens_per_step = global_batch * seq_len
   meta = {"param_shapes": setup.param_shapes, "data_fingerprint": corpus.fingerprint}
   window, window_steps, last_logged, step = [], 0, {}, start_step
+  keys = batch_keys(config)
   window_start = time.perf_counter()
   if start_step >= total_steps:
     logging.info("Nothing to do: the checkpoint at step %d reached train.steps=%d.", start_step, total_steps)
@@ -524,13 +521,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         if compiled_steps is not None and _steps_to_boundary(step, config) >= steps_per_call:
           # Several steps in one call; a call never crosses a log, eval or checkpoint step.
           local = [next(batches) for _ in range(steps_per_call)]
-          stacked = {name: np.stack([b[name] for b in local]) for name in local[0]}
+          stacked = {name: np.stack([b[name] for b in local]) for name in keys}
           batch = partitioning.global_batch_from_local(stacked, mesh, stacked=True)
           state, metrics = compiled_steps(state, batch, step_rngs(config.train.seed, step, steps_per_call))
           step += steps_per_call
           window_steps += steps_per_call
         else:
-          batch = partitioning.global_batch_from_local(next(batches), mesh)
+          batch = partitioning.global_batch_from_local(next(batches), mesh, keys=keys)
           state, metrics = compiled_step(state, batch, step_rng(config.train.seed, step))
           step += 1
           window_steps += 1

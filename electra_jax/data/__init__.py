@@ -11,7 +11,7 @@ by prepare_data (prepare.py); "prepared" trains on those shards, memory-mapped (
 
 from electra_jax.data.corpus import builtin_corpus_fingerprint, builtin_documents
 from electra_jax.data.packing import pack_documents
-from electra_jax.data.pipeline import PretrainingData, get_batch, get_rows, load_pretraining_data, load_tokenizer
+from electra_jax.data.pipeline import PretrainingData, batch_keys, get_batch, get_rows, load_pretraining_data, load_tokenizer
 from electra_jax.data.prefetch import Prefetcher
 from electra_jax.data.prepare import prepare_data, train_tokenizer
 from electra_jax.data.sources import SourceStats, read_documents, resolve_files
@@ -27,6 +27,7 @@ __all__ = [
     "WordPieceTokenizer",
     "builtin_corpus_fingerprint",
     "builtin_documents",
+    "batch_keys",
     "get_batch",
     "get_rows",
     "load_pretraining_data",

@@ -603,6 +603,14 @@ def get_batch(
   return get_rows(data, rows)
 
 
+def batch_keys(pack_rows: bool) -> tuple[str, ...]:
+  """The arrays of a batch the model reads, so the ones to send to the devices: packed rows
+  add their segment ids. (Packed batches also carry position_ids, for inspection; the model
+  derives the same positions from the segment ids, so they need not travel.)"""
+  keys = ("input_ids", "token_type_ids", "attention_mask")
+  return keys + ("segment_ids",) if pack_rows else keys
+
+
 def get_rows(data: PretrainingData, rows: np.ndarray) -> dict[str, np.ndarray]:
   """Rows `rows` (indices in [0, data.num_rows)) as a batch, in that order.
 
