@@ -1,7 +1,7 @@
 """Does each attention implementation compute the reference function on this device?
 
 Runs the pre-trainer's discriminator and generator with model.attention_impl=xla (the
-reference) and every other implementation that runs here (cudnn needs an NVIDIA GPU), in
+reference) and every other implementation that runs here (cudnn needs an NVIDIA GPU, splash a TPU), in
 float32 and bfloat16, on right-padded random rows and on packed rows (segment ids), and prints
 the relative error ||out - ref|| / ||ref|| of the logits and of the parameter gradients.
 
@@ -76,7 +76,9 @@ def main():
   parser.add_argument("--hidden", type=int, default=256)
   parser.add_argument("--heads", type=int, default=4)
   args = parser.parse_args()
-  impls = ["xla"] + (["cudnn"] if jax.devices()[0].platform == "gpu" else [])
+  platform = jax.devices()[0].platform
+  # splash off TPU would run in Pallas's interpret mode (tests/test_splash_attention.py does).
+  impls = ["xla"] + {"gpu": ["cudnn"], "tpu": ["splash"]}.get(platform, [])
   rows = []
   for packed in (False, True):
     for dtype in ("float32", "bfloat16"):

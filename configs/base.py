@@ -33,7 +33,9 @@ def get_config():
   # stop_gradient(shared word table) + a zero-initialised delta), "all" (one encoder for both
   # towers; needs generator_fraction 1.0).
   model.tie = "embeddings"
-  model.attention_impl = "xla"  # "xla" anywhere, "cudnn" (flash attention) on NVIDIA GPUs
+  # "xla" anywhere; fused kernels, which need attention_dropout_rate = 0: "cudnn" (NVIDIA GPUs,
+  # bfloat16) or "splash" (Pallas, TPUs; seq a multiple of 128).
+  model.attention_impl = "xla"
   # What each encoder layer keeps for the backward pass: "none" (everything: fastest),
   # "dots" (matmul outputs only) or "full" (the layer input only). Same parameters either way.
   model.remat = "none"

@@ -10,11 +10,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from electra_jax import splash_attention
 from electra_jax.config_lib import ConfigError
 
 Dtype = Any
 
-ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
+ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", "splash")
 
 # model.remat: what each encoder layer keeps for the backward pass. "none" keeps everything
 # (fastest; right for the official sizes on any modern accelerator), "dots" keeps only the
@@ -216,6 +217,10 @@ class SelfAttention(nn.Module):
       probs = jax.nn.softmax(scores, axis=-1)
       probs = nn.Dropout(cfg.attention_dropout_rate)(probs, deterministic=False)
       context = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(self.dtype), value)
+    elif self.attention_impl == "splash" and mask.ndim == 2:
+      # The Pallas TPU kernel takes segment ids: 0/1 masks, or packed rows' ids as they are
+      # (ElectraPretrainer passes those through for this implementation).
+      context = splash_attention.splash_attention(query, key, value, attention_mask)
     elif self.attention_impl == "cudnn" and mask.ndim == 2:
       # cuDNN's fused kernel takes the padding as lengths rather than a mask (electra-jax's
       # rows are right-padded: real tokens first).
@@ -510,6 +515,8 @@ class ElectraPretrainer(nn.Module):
     """(the mask the towers read, position ids or None) for this batch."""
     if not self.packed:
       return attention_mask, None
+    if self.attention_impl == "splash":  # the kernel reads segment ids itself
+      return attention_mask, segment_positions(attention_mask)
     return segment_attention_mask(attention_mask), segment_positions(attention_mask)
 
   def setup(self):
@@ -665,6 +672,15 @@ def build_model(config) -> ElectraPretrainer:
         f"inputs only, but train.dtype={config.train.dtype!r}: set --config.train.dtype=bfloat16 "
         "or model.attention_impl='xla'."
     )
+  if m.attention_impl in ("cudnn", "splash") and m.attention_dropout_rate > 0:
+    raise ConfigError(
+        f"model.attention_impl={m.attention_impl!r} runs a fused attention kernel, which has no "
+        f"dropout on the attention probabilities, but model.attention_dropout_rate="
+        f"{m.attention_dropout_rate}: set --config.model.attention_dropout_rate=0.0 (the fused "
+        "kernels' usual setting) or model.attention_impl='xla' to keep it."
+    )
+  if m.attention_impl == "splash":
+    splash_attention.check_seq_len(config.data.max_seq_len)
   _remat_layer(discriminator.remat)  # refuses an unknown policy before anything is traced
   return ElectraPretrainer(
       vocab_size=m.vocab_size,

@@ -1,0 +1,114 @@
+"""Splash attention: the Pallas flash-attention kernel for TPUs, for `model.attention_impl='splash'`.
+
+The kernel (jax.experimental.pallas.ops.tpu.splash_attention) computes softmax(q k^T / sqrt(d)) v
+block by block without ever holding the [seq, seq] scores, and keeps a query from a key of
+another segment through per-token segment ids. electra-jax's rows give it those directly:
+0/1 attention masks (one example per row, padding is segment 0) or the segment ids of packed
+rows (1, 2, ... per example). A padding query then attends to padding keys only, whose
+outputs nothing reads; every real token's output equals the masked softmax reference.
+
+The kernel works on one device's block of the batch and heads, so under a mesh (jax.set_mesh,
+as `partitioning.activate` does) it runs inside `jax.shard_map`: batch split over the data and
+fsdp axes, heads over the tensor axis when they divide it. On other backends than TPU it runs
+in Pallas's interpret mode, which is exact but slow: use it to test, not to train.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+from jax.sharding import PartitionSpec
+
+from electra_jax import partitioning
+from electra_jax.config_lib import ConfigError
+
+# Rows are tiled into blocks of this many tokens (or the whole row when shorter).
+MAX_BLOCK = 512
+# TPU tiles are 128 lanes wide: the sequence length must be a multiple of this.
+SEQ_MULTIPLE = 128
+
+
+def check_seq_len(seq_len: int) -> None:
+  """Refuses, before any tracing, a sequence length the kernel cannot tile."""
+  if seq_len % SEQ_MULTIPLE:
+    raise ConfigError(
+        f"model.attention_impl='splash' tiles rows into blocks of {SEQ_MULTIPLE} tokens, but "
+        f"data.max_seq_len={seq_len} is not a multiple of {SEQ_MULTIPLE}: choose e.g. "
+        f"{max(SEQ_MULTIPLE, seq_len // SEQ_MULTIPLE * SEQ_MULTIPLE)} or "
+        f"{-(-seq_len // SEQ_MULTIPLE) * SEQ_MULTIPLE}, or model.attention_impl='xla'."
+    )
+
+
+def _kernel(num_heads: int, seq_len: int, interpret: bool):
+  # Deferred import: Pallas's TPU modules are only needed when this implementation is chosen.
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415
+      splash_attention_kernel as kernel_lib,
+      splash_attention_mask as mask_lib,
+  )
+
+  block = min(MAX_BLOCK, seq_len)
+  blocks = kernel_lib.BlockSizes(
+      block_q=block, block_kv=block, block_kv_compute=block,
+      block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+      use_fused_bwd_kernel=True,
+  )
+  # No mask beyond the segment ids: every query may see every key of its own segment.
+  mask = mask_lib.MultiHeadMask([mask_lib.FullMask((seq_len, seq_len)) for _ in range(num_heads)])
+  kernel = kernel_lib.make_splash_mha(
+      mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret
+  )
+  # Built afresh per trace: the kernel holds arrays made while tracing, which must not
+  # outlive it (a cache across traces leaks tracers).
+  return kernel, kernel_lib.SegmentIds
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_interpret(platform: str) -> None:
+  logging.warning(
+      "model.attention_impl='splash' is a TPU kernel; on %s it runs in Pallas interpret mode, "
+      "exact but slow (for tests). Use 'xla' (or 'cudnn' on NVIDIA GPUs) to train here.", platform
+  )
+
+
+def _local_attention(query, key, value, segment_ids, *, interpret: bool):
+  """One device's block: query/key/value [b, s, h, d], segment_ids [b, s] -> [b, s, h, d]."""
+  _, seq_len, num_heads, head_dim = query.shape
+  kernel, segment_type = _kernel(num_heads, seq_len, interpret)
+  # The kernel applies no 1/sqrt(d) of its own; it takes [heads, seq, head_dim] per example.
+  to_heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+  q = to_heads_first(query * jnp.asarray(1.0 / math.sqrt(head_dim), query.dtype))
+  k, v = to_heads_first(key), to_heads_first(value)
+  per_example = lambda a, b, c, ids: kernel(a, b, c, segment_ids=segment_type(q=ids, kv=ids))  # noqa: E731
+  return to_heads_first(jax.vmap(per_example)(q, k, v, segment_ids.astype(jnp.int32)))
+
+
+def splash_attention(query, key, value, segment_ids):
+  """query/key/value [batch, seq, heads, head_dim]; segment_ids [batch, seq] (0 = padding, and
+  a query sees only keys of its own segment) -> [batch, seq, heads, head_dim]."""
+  platform = jax.devices()[0].platform
+  interpret = platform != "tpu"
+  if interpret:
+    _warn_interpret(platform)
+  check_seq_len(query.shape[1])
+  attend = functools.partial(_local_attention, interpret=interpret)
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return attend(query, key, value, segment_ids)
+  batch_axes = tuple(a for a in partitioning.BATCH_AXES if a in mesh.axis_names)
+  batch_shards = math.prod(mesh.shape[a] for a in batch_axes)
+  if query.shape[0] % batch_shards:
+    # Only shape-only traces (parameter init on one dummy row) get here: training batches are
+    # checked to divide over the batch shards before anything compiles.
+    return attend(query, key, value, segment_ids)
+  tensor = mesh.shape.get("tensor", 1)
+  heads_axis = "tensor" if tensor > 1 and query.shape[2] % tensor == 0 else None
+  qkv_spec = PartitionSpec(batch_axes, None, heads_axis, None)
+  return jax.shard_map(
+      attend, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, PartitionSpec(batch_axes, None)),
+      out_specs=qkv_spec, check_vma=False,
+  )(query, key, value, segment_ids)
