@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from electra_jax import splash_attention
+from electra_jax import random_ops, splash_attention
 from electra_jax.config_lib import ConfigError
 
 Dtype = Any
@@ -138,7 +138,7 @@ class Embeddings(nn.Module):
     self.position_embeddings = embed(self.max_position_embeddings, "position", "position_embeddings")
     self.token_type_embeddings = embed(self.type_vocab_size, "token_type", "token_type_embeddings")
     self.layer_norm = _layer_norm(self.layer_norm_eps, "layer_norm")
-    self.dropout = nn.Dropout(self.dropout_rate)
+    self.dropout = random_ops.Dropout(self.dropout_rate)
 
   def __call__(self, input_ids, token_type_ids, deterministic: bool, word_table=None, position_ids=None):
     """`word_table` [vocab, E], if given, replaces the word embeddings' own table (GDES);
@@ -215,7 +215,7 @@ class SelfAttention(nn.Module):
       scores = jnp.einsum("bqhd,bkhd->bhqk", query, key) / math.sqrt(cfg.head_dim)
       scores = jnp.where(key_is_real, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
       probs = jax.nn.softmax(scores, axis=-1)
-      probs = nn.Dropout(cfg.attention_dropout_rate)(probs, deterministic=False)
+      probs = random_ops.Dropout(cfg.attention_dropout_rate)(probs, deterministic=False)
       context = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(self.dtype), value)
     elif self.attention_impl == "splash" and mask.ndim == 2:
       # The Pallas TPU kernel takes segment ids: 0/1 masks, or packed rows' ids as they are
@@ -250,13 +250,13 @@ class EncoderLayer(nn.Module):
     attended = SelfAttention(cfg, self.dtype, self.attention_impl, name="attention")(
         hidden, attention_mask, deterministic
     )
-    attended = nn.Dropout(cfg.dropout_rate)(attended, deterministic=deterministic)
+    attended = random_ops.Dropout(cfg.dropout_rate)(attended, deterministic=deterministic)
     hidden = _layer_norm(cfg.layer_norm_eps, "attention_layer_norm")(hidden + attended)
     hidden = hidden.astype(self.dtype)
     ffn = _dense(cfg.intermediate_size, "embed", "mlp", self.dtype, "intermediate")(hidden)
     ffn = gelu_exact(ffn)
     ffn = _dense(cfg.hidden_size, "mlp", "embed", self.dtype, "output")(ffn)
-    ffn = nn.Dropout(cfg.dropout_rate)(ffn, deterministic=deterministic)
+    ffn = random_ops.Dropout(cfg.dropout_rate)(ffn, deterministic=deterministic)
     hidden = _layer_norm(cfg.layer_norm_eps, "output_layer_norm")(hidden + ffn)
     hidden = hidden.astype(self.dtype)
     return nn.with_logical_constraint(hidden, ("act_batch", "act_len", "act_embed"))
