@@ -12,13 +12,19 @@ pre-training step (benchmarks/hf_peer.py) on the same batches, interleaving the 
   python benchmarks/pretrain_throughput.py --config=configs/electra_small.py \
       --config.train.batch_size=32 --vs-huggingface
 
-Figures and the commands that produced them are kept in benchmarks/RESULTS.md.
+Like the CLI, it applies electra_jax.xla_flags' CPU defaults (ELECTRA_JAX_XLA_DEFAULTS=0 to
+measure without them). Figures and the commands that produced them are kept in benchmarks/RESULTS.md.
 """
 
 import json
+import os
 import platform
 import statistics
 import time
+
+from electra_jax import xla_flags
+
+xla_flags.apply_cpu_defaults()  # the CLI's CPU defaults, set before JAX starts
 
 import flax.linen as nn
 import jax
@@ -150,6 +156,7 @@ def main(argv):
       "achieved_tflops": round(tokens_per_sec * flops_per_token / 1e12, 4),
       "mfu": None if peak is None else round(tokens_per_sec * flops_per_token / (peak * jax.device_count()), 4),
       "jax": jax.__version__,
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
   }
   if peers:
     import torch

@@ -13,6 +13,10 @@ import gzip
 import json
 import time
 
+from electra_jax import xla_flags
+
+xla_flags.apply_cpu_defaults()  # the CLI's CPU defaults, set before JAX starts
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

@@ -43,10 +43,14 @@ the sweep folder), the table alone, and curves of any workdirs:
 import logging as std_logging
 import sys
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from electra_jax import xla_flags
 
-from electra_jax import config_lib, data, distributed, interop, train, workdir_files
+xla_flags.apply_cpu_defaults()  # before anything starts JAX's backends
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from electra_jax import config_lib, data, distributed, interop, train, workdir_files  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a recipe in configs/ (e.g. configs/demo.py).", lock_config=True
