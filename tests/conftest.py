@@ -62,3 +62,22 @@ def data_cache(tmp_path_factory):
 def run_cli(args, env_extra=None, timeout=600, **kwargs):
   env = dict(os.environ, **(env_extra or {}))
   return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+# The tiny config on a data x fsdp x tensor = 2 x 2 x 2 mesh. Adam's first updates are about
+# lr * sign(g), which turns reduction-order noise (~1e-7) into lr-sized steps for gradients
+# that are exactly zero in exact arithmetic; a small learning rate keeps five steps of that
+# drift below the tests' tolerance.
+EIGHT_DEVICE_OVERRIDES = {"train.steps": 5, "checkpoint.every_steps": 5, "optimizer.learning_rate": 1e-4,
+                          "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
+
+
+@pytest.fixture(scope="session")
+def eight_device_run(tmp_path_factory):
+  """(workdir, CompletedProcess) of one CLI run of EIGHT_DEVICE_OVERRIDES in a process of 8 CPU
+  devices, shared by the tests that compare other layouts against it."""
+  workdir = tmp_path_factory.mktemp("eight_devices") / "run"
+  result = run_cli(cli_args(workdir, **EIGHT_DEVICE_OVERRIDES),
+                   env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+  assert result.returncode == 0, result.stderr[-3000:]
+  return workdir, result

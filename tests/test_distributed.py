@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO, cli_args, run_cli
+from conftest import EIGHT_DEVICE_OVERRIDES, REPO, cli_args
 from electra_jax import distributed
 
 
@@ -17,14 +17,11 @@ def _free_port() -> int:
     return sock.getsockname()[1]
 
 
-def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path):
-  # The small learning rate keeps Adam's amplification of reduction-order noise below the
-  # tolerance (see test_partitioning.test_eight_devices_give_the_same_losses_as_one).
-  overrides = {"train.steps": 5, "checkpoint.every_steps": 5, "optimizer.learning_rate": 1e-4,
-               "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
-  one = run_cli(cli_args(tmp_path / "one", **overrides),
-                env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
-  assert one.returncode == 0, one.stderr[-3000:]
+def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path, eight_device_run):
+  # The same run as conftest's eight-device one (small learning rate: see
+  # EIGHT_DEVICE_OVERRIDES), split over two processes of four devices each.
+  overrides = EIGHT_DEVICE_OVERRIDES
+  one_dir, _ = eight_device_run
 
   port = _free_port()
   env = dict(__import__("os").environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
@@ -42,9 +39,9 @@ def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path):
   assert "step 5/5" in outputs[0][1] and "step 5/5" not in outputs[1][1]  # only process 0 logs
 
   def metrics(name):
-    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (name / "metrics.jsonl").read_text().splitlines()]
 
-  single, multi = metrics("one"), metrics("two")
+  single, multi = metrics(one_dir), metrics(tmp_path / "two")
   assert [m["step"] for m in multi] == [1, 2, 3, 4, 5]  # written once, by process 0
   for a, b in zip(single, multi, strict=True):
     for name in ("loss", "masked_lm_loss", "disc_loss"):

@@ -8,7 +8,7 @@ import ml_collections
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import cli_args, run_cli, tiny_config
+from conftest import EIGHT_DEVICE_OVERRIDES, cli_args, run_cli, tiny_config
 from electra_jax import models, objectives, partitioning, train
 
 
@@ -43,26 +43,19 @@ def test_rules_shard_parameters_and_replicate_what_does_not_divide():
   assert fitted["discriminator"]["head_out"]["bias"] == P(None)
 
 
-def test_eight_devices_give_the_same_losses_as_one(tmp_path):
-  # Sharded reductions sum in another order (float32 noise ~1e-7). Adam's first updates are
-  # about lr * sign(g), which turns that noise into lr-sized steps for gradients that are
-  # exactly zero in exact arithmetic (attention key biases, for one); a small learning rate
-  # keeps five steps of that drift below the tolerance.
-  steps = {"train.steps": 5, "checkpoint.every_steps": 5, "optimizer.learning_rate": 1e-4}
-  one = run_cli(cli_args(tmp_path / "one", **steps))
+def test_eight_devices_give_the_same_losses_as_one(tmp_path, eight_device_run):
+  # Sharded reductions sum in another order: see conftest.EIGHT_DEVICE_OVERRIDES.
+  one_device = {k: v for k, v in EIGHT_DEVICE_OVERRIDES.items() if not k.startswith("mesh.")}
+  one = run_cli(cli_args(tmp_path / "one", **one_device))
   assert one.returncode == 0, one.stderr[-3000:]
-  eight = run_cli(
-      cli_args(tmp_path / "eight", **steps, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}),
-      env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
-  )
-  assert eight.returncode == 0, eight.stderr[-3000:]
+  eight_dir, eight = eight_device_run
   assert "over 8 cpu devices" in eight.stderr
 
-  def losses(name):
-    with open(tmp_path / name / "metrics.jsonl") as f:
+  def losses(workdir):
+    with open(workdir / "metrics.jsonl") as f:
       return [json.loads(line) for line in f]
 
-  for a, b in zip(losses("one"), losses("eight"), strict=True):
+  for a, b in zip(losses(tmp_path / "one"), losses(eight_dir), strict=True):
     for metric in ("loss", "masked_lm_loss", "disc_loss"):
       assert abs(a[metric] - b[metric]) < 1e-4, (a["step"], metric, a[metric], b[metric])
 

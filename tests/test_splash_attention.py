@@ -105,7 +105,7 @@ def test_pretrainer_loss_and_gradients_equal_xla(packed):
 
 def test_sharded_training_matches_xla_on_one_device(tmp_path):
   # The kernel runs inside shard_map over data x fsdp x tensor = 2 x 2 x 2 CPU devices.
-  common = {"train.steps": 3, "checkpoint.every_steps": 3, "optimizer.learning_rate": 1e-4,
+  common = {"train.steps": 2, "checkpoint.every_steps": 2, "optimizer.learning_rate": 1e-4, "eval.every_steps": 0,
             "model.attention_dropout_rate": 0.0, "model.dropout_rate": 0.0,
             "data.max_seq_len": SEQ, "model.max_position_embeddings": SEQ}
   one = run_cli(cli_args(tmp_path / "xla", **common))
