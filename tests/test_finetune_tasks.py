@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from electra_jax.config_lib import ConfigError
-from electra_jax.data import WordPieceTokenizer
+from electra_jax.data import WordPieceTokenizer, tfds_source
 from electra_jax.finetune import tasks
 
 WORDS = "the a dog cat sat barked ran on mat big small red blue is not and".split()
@@ -91,7 +91,7 @@ def test_glue_tfds_reader_matches_dir_reader(tmp_path):
   """TFDS's own glue builder prepares array_record files from the fixture TSVs (its download
   replaced by the fixture directory); our tfds.data_source reader must see the dir reader's
   examples, labels mapped from TFDS's class order back to GLUE's strings."""
-  import tensorflow_datasets as tfds
+  tfds = tfds_source.import_tfds()  # with its glue and squad builders registered
 
   write_glue(tmp_path / "glue")
   tfds_dir = tmp_path / "tfds"

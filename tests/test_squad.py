@@ -13,6 +13,7 @@ import optax
 import pytest
 
 from electra_jax.config_lib import ConfigError
+from electra_jax.data import tfds_source
 from electra_jax.data.tokenizer import SPECIAL_TOKENS, SentencePieceTokenizer, train_sentencepiece
 from electra_jax.data.wordpiece import WordPieceTokenizer
 from electra_jax.finetune import squad
@@ -217,7 +218,7 @@ def test_read_squad_tfds_from_array_record(tmp_path, monkeypatch):
   """Prepares the real TFDS squad builders from tiny local JSON files (the download is
   replaced by those files), then reads them back through read_squad_tfds."""
   import ml_collections
-  import tensorflow_datasets as tfds
+  tfds = tfds_source.import_tfds()  # with its glue and squad builders registered
   v1_qas = [{k: v for k, v in qa.items() if k != "is_impossible"} for qa in V2_QAS[:2]]
   files = {}
   for name, qas in (("v1", v1_qas), ("v2", V2_QAS)):

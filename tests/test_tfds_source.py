@@ -7,12 +7,13 @@ import random
 import ml_collections
 import numpy as np
 import pytest
-import tensorflow_datasets as tfds
 
 from electra_jax.config_lib import ConfigError
 from electra_jax.data import load_pretraining_data, prepare_data, train_tokenizer
 from electra_jax.data.sources import SourceStats
-from electra_jax.data.tfds_source import TfdsCorpus
+from electra_jax.data.tfds_source import TfdsCorpus, import_tfds
+
+tfds = import_tfds()
 
 _WORDS = "river stone bridge lantern orchard harbor meadow violin ember cedar quiet bright".split()
 

@@ -7,6 +7,8 @@ turning its records into documents, and the errors for a dataset that is not the
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 
 from electra_jax.config_lib import ConfigError
@@ -18,12 +20,39 @@ _READ_BLOCK = 256
 _RANDOM_ACCESS_FORMATS = ("array_record", "parquet")
 
 
+# TFDS's own builder groups. TFDS registers them in one loop that stops at the first group whose
+# optional dependency is missing (nearest_neighbors and d4rl need h5py), which leaves every later
+# group, `text` (glue, wikipedia, c4) and `question_answering` (squad) among them, unregistered:
+# "Dataset glue not found". import_tfds imports each group on its own instead.
+_BUILDER_GROUPS = (
+    "audio", "graphs", "image", "image_classification", "object_detection", "nearest_neighbors",
+    "question_answering", "d4rl", "ranking", "recommendation", "rl_unplugged", "rlds.datasets",
+    "robotics", "robomimic", "structured", "summarization", "text", "text_simplification",
+    "time_series", "translate", "video", "vision_language",
+)
+
+
+@functools.cache
+def import_tfds():
+  """The tensorflow_datasets module with every builder group that imports here registered
+  (a group missing an optional dependency is skipped alone; TFDS's own loop would skip the rest)."""
+  import tensorflow_datasets as tfds  # noqa: PLC0415  (heavy; only TFDS sources need it)
+
+  for group in _BUILDER_GROUPS:
+    try:
+      importlib.import_module(f"tensorflow_datasets.{group}")
+    except ImportError:
+      pass
+  return tfds
+
+
 def _prepare_hint(name: str, data_dir: str) -> str:
   where = f", data_dir={data_dir!r}" if data_dir else ""
   cli_dir = f" --data_dir={data_dir}" if data_dir else ""
   return (
       f"Prepare it once, where the internet is reachable (it downloads the source data), with: "
-      f"python -c \"import tensorflow_datasets as tfds; tfds.builder({name!r}{where}, "
+      f"python -c \"from electra_jax.data.tfds_source import import_tfds; "
+      f"import_tfds().builder({name!r}{where}, "
       f"file_format='array_record').download_and_prepare()\" (or: tfds build {name} "
       f"--file_format=array_record{cli_dir}), then set data.tfds_data_dir to that directory "
       f"(default: $TFDS_DATA_DIR or ~/tensorflow_datasets). Datasets built with Apache Beam "
@@ -40,7 +69,7 @@ class TfdsCorpus:
           "data.source='tfds' needs data.tfds_name, e.g. --config.data.tfds_name=wikipedia/20230601.en."
       )
     try:
-      import tensorflow_datasets as tfds  # noqa: PLC0415  (heavy; only this source needs it)
+      tfds = import_tfds()
     except ImportError as e:
       raise ConfigError(
           f"data.source='tfds' needs tensorflow-datasets ({e}); `pip install tensorflow-datasets` "

@@ -33,6 +33,7 @@ import optax
 from absl import logging
 
 from electra_jax.config_lib import ConfigError
+from electra_jax.data import tfds_source
 from electra_jax.data.tokenizer import atomic_write_bytes
 from electra_jax.models import Encoder, EncoderConfig, bert_init, embeddings_for
 
@@ -182,7 +183,7 @@ def read_squad_tfds(name: str, split: str, data_dir: str | None = None, download
   With download=False (the default) the dataset must already be prepared under `data_dir`,
   e.g. by `tfds.builder(name, data_dir=..., file_format="array_record").download_and_prepare()`.
   """
-  import tensorflow_datasets as tfds  # slow to import; only this reader needs it
+  tfds = tfds_source.import_tfds()  # slow to import; only this reader needs it
 
   match = re.search(r"v(1\.1|2\.0)$", name)
   if not match:

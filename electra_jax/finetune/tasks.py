@@ -16,6 +16,7 @@ import numpy as np
 from absl import logging
 
 from electra_jax.config_lib import ConfigError
+from electra_jax.data import tfds_source
 from electra_jax.data.tokenizer import atomic_write_bytes
 from electra_jax.finetune import metrics as metrics_lib
 
@@ -269,8 +270,7 @@ def _tfds_examples(task: GlueTask, source, is_test: bool) -> list[Example]:
 def load_glue_from_tfds(name: str, tfds_data_dir: str = "") -> TaskData:
   """GLUE from a prepared TFDS `glue/<name>` (array_record file format), through
   tfds.data_source: random access, no TensorFlow. Labels become GLUE's label strings."""
-  import tensorflow_datasets as tfds  # a heavy import, only when this source is used
-
+  tfds = tfds_source.import_tfds()  # a heavy import, only when this source is used
   task = GLUE_TASKS[name]
   dataset = f"glue/{name}"  # TFDS's config names are the registry's
 
