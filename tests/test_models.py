@@ -129,3 +129,22 @@ def test_bfloat16_compute_keeps_float32_params():
   assert logits.dtype == jnp.float32
   np.testing.assert_allclose(logits, reference, atol=0.1)
   assert not np.array_equal(np.asarray(logits), np.asarray(reference))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tied_vocab_logits_gradients_are_autodiffs(dtype):
+  """tied_vocab_logits has a hand-written backward pass: it must give autodiff's gradients of
+  einsum(hidden, table^T) (in the compute dtype) + bias for all three inputs."""
+  rng = np.random.default_rng(0)
+  hidden, table = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in [(3, 5, 16), (40, 16)])
+  bias, grad = jnp.asarray(rng.normal(size=(40,)), jnp.float32), jnp.asarray(rng.normal(size=(3, 5, 40)), jnp.float32)
+
+  def reference(h, t, b):
+    return jnp.einsum("bne,ve->bnv", h.astype(dtype), t.astype(dtype)).astype(jnp.float32) + b
+
+  want_out, want_vjp = jax.vjp(reference, hidden, table, bias)
+  got_out, got_vjp = jax.vjp(lambda h, t, b: models.tied_vocab_logits(h, t, b, dtype), hidden, table, bias)
+  np.testing.assert_array_equal(got_out, want_out)
+  for got, want in zip(got_vjp(grad), want_vjp(grad)):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -201,3 +201,13 @@ def test_disc_loss_gives_generator_exactly_zero_gradient_and_both_losses_reach_e
   assert np.abs(table(disc_only)).sum() > 0 and np.abs(table(mlm_only)).sum() > 0
   # The shared table's gradient is the sum of what each loss sends it.
   np.testing.assert_allclose(table(both), table(disc_only) + table(mlm_only), atol=1e-6)
+
+
+def test_argmax_first_is_jnp_argmax_ties_included():
+  """The CPU-friendly argmax must return jnp.argmax's answer, the FIRST maximal index, also
+  when many entries tie (integer-valued logits) and over a full vocabulary."""
+  rng = np.random.default_rng(3)
+  for shape in [(5, 7), (3, 4, 30522)]:
+    for z in (rng.integers(-2, 3, size=shape), rng.normal(size=shape)):
+      z = jnp.asarray(z, jnp.float32)
+      np.testing.assert_array_equal(objectives._argmax_first(z), jnp.argmax(z, axis=-1))
