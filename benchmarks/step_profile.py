@@ -88,7 +88,8 @@ def main(argv):
         s, metrics = step_fn(s, batch, train.step_rng(0, i))
       return s, metrics
 
-    state, _ = whole(state)  # warm (the step donates its input state)
+    state, metrics = whole(state)  # warm (the step donates its input state)
+    jax.block_until_ready(metrics)  # or the timed calls below would also wait for these
     start = time.perf_counter()
     state, metrics = whole(state)
     jax.block_until_ready(metrics)
