@@ -8,6 +8,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 sys.path.insert(0, REPO)
 
 from electra_jax import config_lib  # noqa: E402
@@ -56,6 +57,15 @@ def data_cache(tmp_path_factory):
   """One cache for the whole session, shared with subprocesses through the environment."""
   cache = str(tmp_path_factory.mktemp("electra_jax_cache"))
   os.environ["ELECTRA_JAX_CACHE"] = cache
+  # One persistent XLA compilation cache too, for this process and the CLI subprocesses alike
+  # (they inherit the environment): many tests compile the same tiny train and eval steps, and
+  # compiling is most of a tiny run's time on a 2-core machine.
+  import jax  # noqa: PLC0415
+
+  xla_cache = str(tmp_path_factory.mktemp("xla_cache"))
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=xla_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  jax.config.update("jax_compilation_cache_dir", xla_cache)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   return cache
 
 

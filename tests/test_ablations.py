@@ -72,7 +72,7 @@ def _grads(model, params, objective, batch):
     return objectives.electra_forward(model, p, batch, masked, keys, jax.random.key(3), objective,
                                       normalizers, deterministic=True)[0]
 
-  return jax.grad(loss_fn)(params)
+  return jax.jit(jax.grad(loss_fn))(params)
 
 
 def _norm(tree):

@@ -186,7 +186,7 @@ def _grads(objective):
   loss_fn = lambda p: objectives.electra_forward(
       model, p, batch, masked, sample_keys, jax.random.key(3), objective, normalizers
   )[0]
-  return jax.grad(loss_fn)(params)
+  return jax.jit(jax.grad(loss_fn))(params)
 
 
 def test_disc_loss_gives_generator_exactly_zero_gradient_and_both_losses_reach_embeddings():

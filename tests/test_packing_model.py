@@ -138,7 +138,7 @@ def _loss_and_grads(remat):
     )
     return (gen ** 2).mean() + (disc ** 2).mean()
 
-  return jax.value_and_grad(loss)(params)
+  return jax.jit(jax.value_and_grad(loss))(params)
 
 
 def test_remat_policies_change_nothing_but_memory():

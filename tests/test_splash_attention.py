@@ -95,7 +95,7 @@ def test_pretrainer_loss_and_gradients_equal_xla(packed):
       return objectives.electra_forward(model, p, batch, masked, jax.random.split(jax.random.key(2), 2), jax.random.key(3),
                                         objective, normalizers, deterministic=False)[0]
 
-    results[impl] = jax.value_and_grad(loss)(params)
+    results[impl] = jax.jit(jax.value_and_grad(loss))(params)
   (xla_loss, xla_grads), (splash_loss, splash_grads) = results["xla"], results["splash"]
   np.testing.assert_allclose(splash_loss, xla_loss, rtol=1e-5)
   for path, got in jax.tree_util.tree_leaves_with_path(splash_grads):
