@@ -2,11 +2,12 @@
 
   python benchmarks/max_batch.py --configs=electra_small,electra_base,electra_large --seq_lens=128,512
 
-For each (recipe, max_seq_len) it compiles the train step at two batch sizes, fits bytes =
-fixed + per_example * batch from XLA's memory analysis, and checks the predicted largest batch
-with a third compile (electra_jax/memory.py). Prints a markdown table: fixed and per-example
-memory, the largest batch within --memory_fraction of one device's memory, and the check.
-Nothing runs a step, so it is quick on any device; `train.batch_size=-1` does the same at start.
+For each (recipe, max_seq_len) it searches the largest batch whose compiled train step fits in
+--memory_fraction of one device's memory, as `train.batch_size=-1` does at start
+(electra_jax/memory.py): two compiles give bytes = fixed + per_example * batch from XLA's memory
+analysis, then the answer is bracketed and bisected down to --step examples. Prints a markdown
+table: fixed and per-example memory, the largest batch, its bytes and the compiles it took.
+Nothing runs a step; on a CPU, whose compiles are slow, a coarser --step saves compiles.
 """
 
 import argparse
@@ -29,6 +30,8 @@ def main():
   parser.add_argument("--seq_lens", default="128,512")
   parser.add_argument("--memory_fraction", type=float, default=0.9)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  parser.add_argument("--step", type=int, default=0,
+                      help="Resolution of the search in examples (default: the batch shards, as at start).")
   args = parser.parse_args()
 
   device = jax.devices()[0]
@@ -47,13 +50,17 @@ def main():
       # Special ids only shape the masking, not the memory; the vocabulary size is the recipe's.
       setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4))
       quantum = partitioning.batch_shards(mesh) * config.train.grad_accum_steps
+      if args.step % quantum:
+        sys.exit(f"--step={args.step} is not a multiple of {quantum} (batch shards x grad_accum_steps).")
+      quantum = args.step or quantum
       start = time.perf_counter()
       batch, measured = memory.largest_batch(config, setup, mesh, limit, quantum)
       small, large = measured[0], measured[1]
       per_example = (large.bytes_per_device - small.bytes_per_device) / (large.batch_size - small.batch_size)
       fixed = small.bytes_per_device - per_example * small.batch_size
+      chosen = next(m for m in measured if m.batch_size == batch)
       print(f"| `{name}` | {seq_len} | {fixed / 2**30:.2f} | {per_example / 2**20:.1f} | {batch} | "
-            f"{measured[-1].bytes_per_device / 2**30:.2f} | {len(measured)} | {time.perf_counter() - start:.0f} s |",
+            f"{chosen.bytes_per_device / 2**30:.2f} | {len(measured)} | {time.perf_counter() - start:.0f} s |",
             flush=True)
 
 

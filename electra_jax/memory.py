@@ -2,9 +2,10 @@
 
 XLA reports, for a compiled step, the bytes of its arguments, outputs (the donated state aliases
 its input) and temporaries, per device. The temporaries grow linearly with the batch (the
-activations), so two compiles give bytes(batch) = fixed + per_example * batch, and a third
-checks the prediction. `train.batch_size = -1` asks `train.prepare` for the largest multiple of
-the batch shards that fits in `train.memory_fraction` of a device's memory.
+activations), so two compiles give bytes(batch) = fixed + per_example * batch, whose prediction
+`largest_batch` then checks by bracketing and bisection. `train.batch_size = -1` asks
+`train.prepare` for the largest multiple of the batch shards that fits in
+`train.memory_fraction` of a device's memory.
 """
 
 from __future__ import annotations
