@@ -20,9 +20,12 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
-from electra_jax import xla_flags
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a clone
+
+from electra_jax import xla_flags  # noqa: E402
 
 xla_flags.apply_cpu_defaults()  # the CLI's CPU defaults, set before JAX starts
 
