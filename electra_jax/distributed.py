@@ -19,7 +19,10 @@ def _multi_host_environment() -> Optional[str]:
   ELECTRA_JAX_DISTRIBUTED=auto there; GKE sets TPU_WORKER_HOSTNAMES."""
   if os.environ.get("ELECTRA_JAX_DISTRIBUTED", "").lower() == "auto":
     return "ELECTRA_JAX_DISTRIBUTED=auto (JAX's own cluster detection)"
-  if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+  # A task of an srun step: the variables JAX's SLURM detection reads. SLURM_NTASKS alone is
+  # also set in an salloc shell or the batch script, where no peers will join.
+  slurm_step = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
+  if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and all(name in os.environ for name in slurm_step):
     return "SLURM"
   if "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
     return "a multi-host TPU slice on GKE"

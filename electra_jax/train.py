@@ -19,6 +19,7 @@ import ml_collections
 import numpy as np
 import optax
 from absl import logging
+from jax.experimental import multihost_utils
 
 from electra_jax import (
     checkpointing, config_lib, data, evaluation, flops, memory, objectives, partitioning, tensorboard_log,
@@ -404,14 +405,23 @@ def prepare(config):
 # Host-side helpers of the loop
 # ---------------------------------------------------------------------------------------
 class _Preemption:
-  """SIGTERM (how TPU VMs and schedulers preempt) only sets a flag; the loop saves a
-  checkpoint after the current step and returns normally."""
+  """SIGTERM (how TPU VMs and schedulers preempt) ends the run after a step, with a checkpoint.
+
+  One process: a Python handler sets a flag. Several processes: the signal reaches them at
+  different times, yet all must save at the same step (orbax's save is collective) and none
+  may stop while the others wait in a collective. There JAX's preemption service, which
+  `jax.distributed.initialize` starts and which catches SIGTERM itself, picks a call every
+  process reaches (`multihost_utils.reached_preemption_sync_point`), so no Python handler is
+  installed. `stop_after(call)` is asked once per loop call, with the same count everywhere."""
 
   def __init__(self):
     self.requested = False
     self._previous = None
+    self._collective = jax.process_count() > 1
 
   def __enter__(self):
+    if self._collective:
+      return self
     try:
       self._previous = signal.signal(signal.SIGTERM, self._handle)
     except ValueError:  # not the main thread (some notebook runners): no handler then
@@ -421,6 +431,18 @@ class _Preemption:
   def _handle(self, signum, frame):
     del signum, frame
     self.requested = True
+
+  def stop_after(self, call: int) -> bool:
+    if self._collective and not self.requested:
+      try:
+        self.requested = multihost_utils.reached_preemption_sync_point(call)
+      except RuntimeError as error:  # jax_enable_preemption_service=False
+        logging.warning(
+            "No preemption handling (%s): a SIGTERM stops this run without a checkpoint; it "
+            "resumes from the last periodic one.", error,
+        )
+        self._collective = False
+    return self.requested
 
   def __exit__(self, *exc):
     if self._previous is not None:
@@ -517,6 +539,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   try:
     # Batches are read and gathered on a background thread, a step or two ahead.
     with _Preemption() as preemption, data.Prefetcher(fetch, start_step, stop_step=total_steps) as batches:
+      call = 0
       while step < total_steps:
         if compiled_steps is not None and _steps_to_boundary(step, config) >= steps_per_call:
           # Several steps in one call; a call never crosses a log, eval or checkpoint step.
@@ -532,8 +555,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           step += 1
           window_steps += 1
         window.append(metrics)
+        stopping = preemption.stop_after(call)
+        call += 1
 
-        if step % config.train.log_every == 0 or step == total_steps or preemption.requested:
+        if step % config.train.log_every == 0 or step == total_steps or stopping:
           logged = _mean_metrics(window)
           elapsed = time.perf_counter() - window_start
           steps_per_sec = window_steps / elapsed
@@ -563,14 +588,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 held_out["disc_auc"],
             )
 
-        if step % config.checkpoint.every_steps == 0 or step == total_steps or preemption.requested:
+        if step % config.checkpoint.every_steps == 0 or step == total_steps or stopping:
           last_loss = float(np.ravel(jax.device_get(metrics["loss"]))[-1])
           _stop_if_not_finite(last_loss, step, checkpointer)  # never save a NaN state
           checkpointer.save(step, state, meta)
           if is_chief:  # a bucket's logs are rewritten now and then, and at least here
             metrics_log.flush()
             eval_log.flush()
-        if preemption.requested:
+        if stopping:
           logging.warning(
               "SIGTERM received: saved a checkpoint at step %d; run the same command to resume.", step
           )

@@ -1,9 +1,13 @@
 """Multi-process runs: two local CPU processes of four devices each (jax.distributed with gloo)
-train like one process of eight devices, and only process 0 writes metrics."""
+train like one process of eight devices, only process 0 writes metrics, and a SIGTERM that
+reaches one process stops both at the same step with one checkpoint."""
 
 import json
+import os
+import signal
 import socket
 import subprocess
+import time
 
 import pytest
 
@@ -49,6 +53,54 @@ def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path, eigh
   assert (tmp_path / "two" / "checkpoints" / "5").is_dir()
 
 
+def _two_processes(workdir, **overrides):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             ELECTRA_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", ELECTRA_JAX_NUM_PROCESSES="2")
+  return [
+      subprocess.Popen(cli_args(workdir, **overrides), cwd=REPO, env=dict(env, ELECTRA_JAX_PROCESS_ID=str(i)),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for i in range(2)
+  ]
+
+
+def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes(tmp_path):
+  # Preemption notices reach a slice's hosts at different times. Each process stopping on its
+  # own would leave the other waiting in a collective (or in orbax's save) until killed; the
+  # run must instead agree on a step, save there once, and resume like any checkpoint.
+  steps = 400
+  overrides = dict(EIGHT_DEVICE_OVERRIDES, **{"train.steps": steps, "checkpoint.every_steps": 1000})
+  workdir = tmp_path / "run"
+  procs = _two_processes(workdir, **overrides)
+  metrics_file = workdir / "metrics.jsonl"
+  try:
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 5):
+      assert all(p.poll() is None for p in procs), [p.communicate()[1][-3000:] for p in procs]
+      time.sleep(0.02)
+    procs[1].send_signal(signal.SIGTERM)  # the non-chief only
+    outputs = [p.communicate(timeout=300) for p in procs]  # a deadlock times out here
+  finally:
+    for proc in procs:  # a hung process (a failed check) must not outlive the test
+      if proc.poll() is None:
+        proc.kill()
+  for proc, (_, stderr) in zip(procs, outputs):
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "SIGTERM received: saved a checkpoint at step" in stderr
+  saved = [int(d) for d in os.listdir(workdir / "checkpoints")]
+  assert len(saved) == 1 and 5 <= saved[0] < steps, saved
+  assert f"saved a checkpoint at step {saved[0]};" in outputs[0][1] + outputs[1][1]
+  logged = [json.loads(line)["step"] for line in metrics_file.read_text().splitlines()]
+  assert logged == list(range(1, saved[0] + 1))  # the stop step is logged, nothing after it
+
+  resumed = _two_processes(workdir, **dict(overrides, **{"train.steps": saved[0] + 2}))
+  outputs = [p.communicate(timeout=600) for p in resumed]
+  for proc, (_, stderr) in zip(resumed, outputs):
+    assert proc.returncode == 0, stderr[-3000:]
+  assert f"Resuming from the checkpoint at step {saved[0]}" in outputs[0][1]
+  logged = [json.loads(line)["step"] for line in metrics_file.read_text().splitlines()]
+  assert logged == list(range(1, saved[0] + 3))
+
+
 def test_incomplete_coordinator_settings_are_refused(monkeypatch):
   monkeypatch.delenv("ELECTRA_JAX_PROCESS_ID", raising=False)
   with pytest.raises(ValueError, match="process_id=None"):
@@ -59,13 +111,16 @@ def test_incomplete_coordinator_settings_are_refused(monkeypatch):
 
 @pytest.mark.parametrize("env, joins", [
     ({"ELECTRA_JAX_DISTRIBUTED": "auto"}, True),  # what launch/tpu_vm.py sets on every worker
-    ({"SLURM_NTASKS": "4"}, True),
+    ({"SLURM_NTASKS": "4", "SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "1",
+      "SLURM_LOCALID": "1"}, True),  # a task of `srun`
+    ({"SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}, False),  # an salloc shell: no peers will join
     ({"TPU_WORKER_HOSTNAMES": "w0,w1"}, True),  # GKE
     ({"SLURM_NTASKS": "1"}, False),
     ({}, False),
 ])
 def test_schedulers_are_joined_through_jax_detection(monkeypatch, env, joins):
-  for name in ("ELECTRA_JAX_DISTRIBUTED", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES",
+  for name in ("ELECTRA_JAX_DISTRIBUTED", "SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID",
+               "SLURM_LOCALID", "TPU_WORKER_HOSTNAMES",
                "ELECTRA_JAX_COORDINATOR_ADDRESS", "ELECTRA_JAX_NUM_PROCESSES", "ELECTRA_JAX_PROCESS_ID"):
     monkeypatch.delenv(name, raising=False)
   for name, value in env.items():
