@@ -115,11 +115,16 @@ def show(rows, new_rows):
   print(describe(rows[-1]), flush=True)
 
 
-thread = threading.Thread(target=pretrain, daemon=True)
-thread.start()
+if "pretrain_thread" in globals() and pretrain_thread.is_alive():
+  # Interrupting this cell stops the reading below, not the training thread: a second run
+  # would write the same workdir.
+  raise RuntimeError("The previous run is still training in the background: wait for it (run this "
+                     "cell again when it is done) or restart the runtime.")
+pretrain_thread = threading.Thread(target=pretrain, daemon=True)
+pretrain_thread.start()
 last_shown = 0
 while True:
-  finished = not thread.is_alive()
+  finished = not pretrain_thread.is_alive()
   rows = read_metrics()
   new_rows = [row for row in rows if row["step"] > last_shown]
   if new_rows:
@@ -127,7 +132,7 @@ while True:
     last_shown = new_rows[-1]["step"]
   if finished:
     break
-  thread.join(timeout=2.0)
+  pretrain_thread.join(timeout=2.0)
 if "error" in outcome:
   raise outcome["error"]
 print(f"Done: checkpoints in {WORKDIR}/checkpoints, metrics in {metrics_path}")"""),
@@ -172,7 +177,17 @@ def render() -> str:
 
 
 if __name__ == "__main__":
+  import argparse
+
+  parser = argparse.ArgumentParser(description="Writes launch/colab_tpu.ipynb from this file's cells.")
+  parser.add_argument("--check", action="store_true", help="only say whether the notebook is current (exit 1 if not)")
+  args = parser.parse_args()
   path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "colab_tpu.ipynb")
+  if args.check:
+    with open(path, encoding="utf-8") as f:
+      current = f.read() == render()
+    print(f"{path} is {'current' if current else 'out of date: run python launch/make_colab.py'}")
+    raise SystemExit(0 if current else 1)
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     f.write(render())

@@ -140,7 +140,8 @@ def parse_status(output: str) -> list[WorkerStatus]:
 @dataclasses.dataclass(frozen=True)
 class Result:
   returncode: int
-  output: str  # stdout and stderr together, when captured
+  output: str  # stdout, when captured
+  error: str = ""  # stderr, when captured (gcloud's notices go there, never into `output`)
 
 
 Execute = Callable[..., Result]
@@ -157,8 +158,8 @@ def make_executor(dry_run: bool, out=None) -> Execute:
       return Result(0, "")
     print(f"+ {line}", file=sys.stderr, flush=True)
     if capture:
-      done = subprocess.run(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      return Result(done.returncode, done.stdout)
+      done = subprocess.run(list(argv), capture_output=True, text=True)
+      return Result(done.returncode, done.stdout, done.stderr)
     return Result(subprocess.run(list(argv)).returncode, "")
 
   return execute

@@ -53,8 +53,9 @@ def sbatch_script(args, overrides: Sequence[str]) -> str:
   lines += [
       'echo "job $SLURM_JOB_ID: $SLURM_NNODES nodes x $SLURM_NTASKS_PER_NODE tasks on $SLURM_JOB_NODELIST"',
       # --kill-on-bad-exit: one failed task ends the step rather than leaving the others
-      # waiting in a collective until the time limit.
-      "srun --kill-on-bad-exit=1 " + shlex.join(train),
+      # waiting in a collective until the time limit. --cpus-per-task again: Slurm 22.05-23.02's
+      # srun does not take it from the allocation, and the data loader would get one core.
+      f"srun --kill-on-bad-exit=1 --cpus-per-task={args.cpus_per_task} " + shlex.join(train),
   ]
   return "\n".join(lines) + "\n"
 

@@ -34,7 +34,8 @@ _DEFAULT_RUNTIME = "tpu-ubuntu2204-base"  # v4 and older
 # Node states (`gcloud compute tpus tpu-vm describe`) and queued-resource states.
 NODE_GONE = {"PREEMPTED", "TERMINATED", "MISSING"}
 NODE_STOPPED = {"STOPPED", "STOPPING"}
-QUEUED_GONE = {"SUSPENDING", "SUSPENDED", "FAILED", "MISSING"}
+QUEUED_GONE = {"SUSPENDING", "SUSPENDED", "MISSING"}
+QUEUED_FAILED = "FAILED"  # refused, or --valid-until-duration ran out: not retried
 
 
 def default_runtime_version(accelerator_type: str) -> str:
@@ -168,8 +169,9 @@ def slice_state(tpu: Slice, execute: remote_job.Execute) -> str:
   def ask(argv):
     result = execute(argv, capture=True)
     if result.returncode:
-      text = result.output.lower()
+      text = (result.output + result.error).lower()
       return "MISSING" if ("not_found" in text or "not found" in text) else "UNKNOWN"
+    # The state is gcloud's stdout; its notices ("Updates are available ...") are on stderr.
     return result.output.strip().splitlines()[-1].strip() if result.output.strip() else "UNKNOWN"
 
   if tpu.queued:
@@ -181,7 +183,9 @@ def slice_state(tpu: Slice, execute: remote_job.Execute) -> str:
 
 def decide(state: str, workers: Optional[list[remote_job.WorkerStatus]], queued: bool) -> str:
   """What the supervisor does next, from the slice's state and each worker's run:
-  recreate | wait | stopped | install_and_run | run | stop_and_run | finished."""
+  recreate | wait | stopped | failed | install_and_run | run | stop_and_run | finished."""
+  if queued and state == QUEUED_FAILED:
+    return "failed"
   if state in (QUEUED_GONE if queued else set()) | NODE_GONE:
     return "recreate"
   if state in NODE_STOPPED:
@@ -212,8 +216,10 @@ def supervise(
   preemption, installs, starts the same command (which resumes from the workdir), and
   restarts the run when a worker died. Returns 0 when done, 1 when it gives up: after
   `max_restarts` restarts of runs that ended on a live slice (a crash at startup, a bad
-  override) or failed installs. Preemptions do not count: a spot run may see many."""
-  failures = 0
+  override) or failed installs, after `max_restarts` failed creates in a row (a wrong zone or
+  type, no quota; a stockout that lasts), or when a queued resource FAILED. Preemptions do not
+  count: a spot run may see many."""
+  failures = failed_creates = 0
   while True:
     state = slice_state(tpu, execute)
     workers = None
@@ -226,6 +232,11 @@ def supervise(
     if action == "finished":
       log("The run reached train.steps.")
       return 0
+    if action == "failed":
+      log(f"The queued resource {tpu.name} FAILED (refused, or --valid-until-duration ran out): "
+          f"`gcloud compute tpus queued-resources describe {tpu.name} --zone={tpu.zone}` says why. "
+          "Delete it, then create it or run restart again.")
+      return 1
     if action == "stopped":
       log(f"{tpu.name} is {state}: someone stopped it. Start it (gcloud compute tpus tpu-vm start) or "
           "delete it, then run restart again.")
@@ -233,14 +244,22 @@ def supervise(
     if action == "recreate":
       if state != "MISSING":
         remote_job.run_all(execute, tpu.delete())
-      remote_job.run_all(execute, tpu.create())  # capacity may be short: retried at the next poll
+      if remote_job.run_all(execute, tpu.create()) == 0:
+        failed_creates = 0
+      else:  # capacity may be short: retried at the next poll, a bounded number of times
+        failed_creates += 1
+        if failed_creates > max_restarts:
+          log(f"Gave up after {failed_creates} failed creates in a row; the gcloud errors above say why.")
+          return 1
     elif action in ("install_and_run", "run", "stop_and_run"):
       if action != "install_and_run" and any(w.run != "none" for w in workers):
         failures += 1  # a run ended on a slice that is still there
         if failures > max_restarts:
           log(f"Gave up after {max_restarts} restarts; read the worker logs (follow) for the cause.")
           return 1
-      if action == "stop_and_run":
+      if action == "stop_and_run" or any(w.running for w in workers):
+        # A reimaged worker lost electra-jax while the others still run: they would wait on
+        # it forever, and the install replaces the checkout under them. Stop them first.
         execute(tpu.ssh(remote_job.stop_script()))
       if action != "install_and_run" or remote_job.run_all(execute, install.commands(tpu)) == 0:
         remote_job.run_all(execute, run.start(tpu))

@@ -192,9 +192,9 @@ class FakeGcloud:
   """Answers describe and status calls from a script of (slice state, worker states) polls and
   records every command; worker states are run[:done] per worker, e.g. "exited:0:done"."""
 
-  def __init__(self, polls, queued_states=None):
+  def __init__(self, polls, queued_states=None, create_fails=False):
     self.polls, self.queued_states = list(polls), list(queued_states or [])
-    self.commands, self.current = [], None
+    self.commands, self.current, self.create_fails = [], None, create_fails
 
   def __call__(self, argv, capture=False):
     argv = list(argv)
@@ -216,6 +216,8 @@ class FakeGcloud:
         lines.append(f"Using ssh batch size of 2. Attempting to SSH into 1 nodes with a total of 2 workers.\n"
                      f"{remote_job.STATUS_MARK} host=t1w-{host} run={run} done={int(bool(done))} installed={installed}")
       return remote_job.Result(0, "\n".join(lines))
+    if self.create_fails and argv[4] == "create":
+      return remote_job.Result(1, "", "ERROR: (gcloud.compute.tpus.tpu-vm.create) INVALID_ARGUMENT")
     return remote_job.Result(0, "")
 
   def kinds(self):
@@ -289,6 +291,34 @@ def test_restart_gives_up_on_a_run_that_keeps_failing_but_not_on_preemptions():
   assert preempted_twice.kinds() == ["tpu-vm delete", "tpu-vm create", "install", "start"] * 2
 
 
+def test_restart_stops_on_a_failed_queued_resource_and_on_creates_that_keep_failing():
+  # FAILED: the request was refused or its --valid-until-duration ran out; queuing it again
+  # would wait forever. A create that keeps failing (wrong zone or type, no quota) is retried
+  # a bounded number of times, not every poll until someone notices.
+  failed = FakeGcloud([], queued_states=["FAILED"])
+  assert _supervise(failed, queued=True)[0] == 1 and failed.kinds() == []
+  refused = FakeGcloud([("MISSING", [])] * 10, create_fails=True)
+  code, sleeps = _supervise(refused, max_restarts=2)
+  assert code == 1 and refused.kinds() == ["tpu-vm create"] * 3 and len(sleeps) == 2
+
+
+def test_slice_state_ignores_gcloud_notices_on_stderr(tmp_path):
+  # gcloud prints "Updates are available ..." to stderr; it must not be read as the state.
+  gcloud = tmp_path / "gcloud"
+  gcloud.write_text("#!/bin/sh\necho READY\necho 'To update: $ gcloud components update' >&2\n")
+  gcloud.chmod(0o755)
+  execute = remote_job.make_executor(dry_run=False)
+  tpu = tpu_vm.Slice("pod", "us-central2-b", accelerator_type="v4-16")
+  real = lambda argv, capture=False: execute([str(gcloud)] + list(argv[1:]), capture)  # noqa: E731
+  assert tpu_vm.slice_state(tpu, real) == "READY"
+
+
+def test_restart_stops_live_workers_before_reinstalling_a_reimaged_one():
+  fake = FakeGcloud([("READY", ["running", "uninstalled"]), ("READY", ["exited:0:done", "exited:0"])])
+  assert _supervise(fake)[0] == 0
+  assert fake.kinds() == ["stop", "install", "start"]
+
+
 def test_restart_respects_a_stopped_slice():
   stopped = FakeGcloud([("STOPPED", [])])
   assert _supervise(stopped)[0] == 1 and stopped.kinds() == []
@@ -303,7 +333,8 @@ def test_decide_on_worker_states():
   assert tpu_vm.decide("READY", workers("exited:143", "running"), queued=False) == "stop_and_run"
   assert tpu_vm.decide("READY", None, queued=False) == "wait"  # ssh not answering yet
   assert tpu_vm.decide("REPAIRING", None, queued=False) == "wait"
-  assert tpu_vm.decide("FAILED", None, queued=True) == "recreate"
+  assert tpu_vm.decide("SUSPENDED", None, queued=True) == "recreate"  # spot capacity taken back
+  assert tpu_vm.decide("FAILED", None, queued=True) == "failed"  # not queued again forever
 
 
 def test_restart_dry_run_prints_the_recovery_commands():
@@ -353,6 +384,7 @@ def test_slurm_script_runs_one_task_per_gpu(tmp_path):
   assert any(d.startswith("--signal=TERM@") for d in directives)
   assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
   srun = shlex.split(next(line for line in script.splitlines() if line.startswith("srun ")))
+  assert "--cpus-per-task=8" in srun[:srun.index("-m")]  # srun of Slurm 22.05-23.02 would give 1 core
   assert srun[srun.index("-m") - 1:] == [
       "python3", "-m", "electra_jax.main", f"--config={REPO}/configs/electra_small.py",
       "--workdir=/shared/run", *TRICKY_OVERRIDES]
@@ -368,7 +400,10 @@ def test_slurm_script_runs_one_task_per_gpu(tmp_path):
 
 def test_electra_jax_joins_the_job_slurm_py_describes(monkeypatch):
   from electra_jax import distributed
-  monkeypatch.setenv("SLURM_NTASKS", "32")  # --nodes=4 x --ntasks-per-node=8
+  # What srun sets in each task of the script's step (--nodes=4 x --ntasks-per-node=8).
+  for name, value in {"SLURM_NTASKS": "32", "SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "gpu[01-04]",
+                      "SLURM_PROCID": "9", "SLURM_LOCALID": "1"}.items():
+    monkeypatch.setenv(name, value)
   assert distributed._multi_host_environment() == "SLURM"
 
 
