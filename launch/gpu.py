@@ -35,8 +35,13 @@ def install_commands(args) -> list[list[str]]:
     checkout = os.path.abspath(args.local) if args.local else os.path.abspath(args.remote_dir)
     if args.local:
       return [pip + [checkout]]
-    clone = ["git", "clone", "--depth=1", f"--branch={args.branch}", args.repo_url, checkout]
-    return [clone, pip + [checkout]]
+    # Cloned beside the old checkout, which is replaced only once the clone succeeded (so a
+    # second install updates it rather than failing on an existing directory).
+    staging = checkout + ".new"
+    clone = shlex.join(["git", "clone", "--depth=1", f"--branch={args.branch}", args.repo_url, staging])
+    replace = (f"set -e; rm -rf {shlex.quote(staging)}; {clone}; rm -rf {shlex.quote(checkout)}; "
+               f"mv {shlex.quote(staging)} {shlex.quote(checkout)}")
+    return [["bash", "-c", replace], pip + [checkout]]
   remote_dir = shlex.quote(args.remote_dir)
   package_dir = args.remote_dir if os.path.isabs(args.remote_dir) else f"./{args.remote_dir}"
   remote_pip = shlex.join(pip + [package_dir])
@@ -55,7 +60,11 @@ def run_command(args, overrides: Sequence[str]) -> list[str]:
     config = args.config if os.path.isabs(args.config) else f"{args.remote_dir}/{args.config}"
     workdir = args.workdir
   else:  # the job directory may differ from the current one: make local paths absolute
-    config = os.path.abspath(args.config)
+    config = args.config
+    in_checkout = os.path.join(args.remote_dir, config)
+    if not os.path.isabs(config) and not os.path.exists(config) and os.path.exists(in_checkout):
+      config = in_checkout  # a recipe of the checkout `install --repo-url` made here
+    config = os.path.abspath(config)
     workdir = args.workdir if "://" in args.workdir else os.path.abspath(args.workdir)
   env = remote_job.parse_env(args.env)
   if args.gpus:

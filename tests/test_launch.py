@@ -369,6 +369,30 @@ def test_gpu_host_run_over_ssh_and_here(tmp_path):
                   f"--workdir={os.path.join(os.getcwd(), 'relative/wd')}", *TRICKY_OVERRIDES]
 
 
+def test_gpu_local_install_from_git_twice_then_run_its_recipe(tmp_path):
+  # Without --host, `install --repo-url` clones into --remote-dir here; a second install
+  # replaces that checkout, and `run` finds a relative --config in it.
+  origin = tmp_path / "origin"
+  (origin / "configs").mkdir(parents=True)
+  (origin / "configs" / "demo.py").write_text("# recipe\n")
+  git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(origin)]
+  for command in (["init", "-q", "-b", "main"], ["add", "."], ["commit", "-q", "-m", "first"]):
+    subprocess.run(git + command, check=True, capture_output=True)
+  fake = _fake_python(str(tmp_path))
+  work = tmp_path / "work"
+  work.mkdir()
+  install = [sys.executable, os.path.join(LAUNCH, "gpu.py"), "install", f"--repo-url=file://{origin}",
+             "--branch=main", f"--python={fake}"]
+  for _ in range(2):
+    done = subprocess.run(install, cwd=work, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+  assert (work / "electra-jax" / "configs" / "demo.py").exists() and not (work / "electra-jax.new").exists()
+  assert json.loads((work / "argv.json").read_text())[-1] == str(work / "electra-jax")  # pip's target
+  run = subprocess.run([sys.executable, os.path.join(LAUNCH, "gpu.py"), "run", "--workdir=wd", "--config=configs/demo.py",
+                        "--dry-run"], cwd=work, capture_output=True, text=True, timeout=60)
+  assert f"--config={work}/electra-jax/configs/demo.py" in run.stdout, run.stdout
+
+
 def test_slurm_script_runs_one_task_per_gpu(tmp_path):
   out = subprocess.run(
       [sys.executable, os.path.join(LAUNCH, "slurm.py"), "--nodes=4", "--gpus-per-node=8", "--partition=gpu",
