@@ -10,10 +10,14 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["electra_jax", "electra_jax.*"]),
     install_requires=[
-        "jax>=0.7",
-        "flax>=0.11",
+        # Python 3.10's newest jax is 0.6.2 and its newest flax 0.10.7 (both tested, with
+        # orbax-checkpoint 0.11.28: later orbax enters jax.sharding.set_mesh as a context,
+        # which jax 0.6 cannot); Python 3.11+ gets the current releases.
+        "jax>=0.6.2",
+        "flax>=0.10.7",
         "optax>=0.2.4",
-        "orbax-checkpoint>=0.11",
+        "orbax-checkpoint>=0.11,<0.11.30; python_version<'3.11'",
+        "orbax-checkpoint>=0.11; python_version>='3.11'",
         "tensorflow-datasets>=4.9",
         "sentencepiece>=0.2",
         "ml_collections>=1.0",

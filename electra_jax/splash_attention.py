@@ -82,8 +82,19 @@ def _local_attention(query, key, value, segment_ids, *, interpret: bool):
   to_heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
   q = to_heads_first(query * jnp.asarray(1.0 / math.sqrt(head_dim), query.dtype))
   k, v = to_heads_first(key), to_heads_first(value)
+  ids = segment_ids.astype(jnp.int32)
   per_example = lambda a, b, c, ids: kernel(a, b, c, segment_ids=segment_type(q=ids, kv=ids))  # noqa: E731
-  return to_heads_first(jax.vmap(per_example)(q, k, v, segment_ids.astype(jnp.int32)))
+  try:
+    out = jax.vmap(per_example)(q, k, v, ids)
+  except NotImplementedError as error:
+    if "multiple of 128" not in str(error):
+      raise
+    # The kernel of jax < 0.7 (Python 3.10's newest is 0.6) takes head_dim only in whole
+    # 128-lane tiles. Zero columns change no score q.k, and the outputs' extra columns are
+    # dropped: the same values and gradients.
+    widths = [(0, 0)] * 3 + [(0, -head_dim % 128)]
+    out = jax.vmap(per_example)(*(jnp.pad(x, widths) for x in (q, k, v)), ids)[..., :head_dim]
+  return to_heads_first(out)
 
 
 def splash_attention(query, key, value, segment_ids):
