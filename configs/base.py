@@ -1,4 +1,5 @@
-"""Every config group and key electra-jax reads, with ELECTRA-Small's official values.
+"""Every config group and key electra-jax reads, with ELECTRA-Small's official values (except
+optimizer.bias_correction: True here, False in the paper recipes as in the official Adam).
 
 Recipes (electra_small.py, demo.py, ...) start from this and change what they need. Run any
 recipe with overrides, e.g.:
