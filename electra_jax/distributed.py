@@ -3,6 +3,7 @@ settings (flags or ELECTRA_JAX_* environment variables), or JAX's own detection 
 allocations and multi-host TPU VM slices. A single process needs nothing."""
 
 import os
+import urllib.request
 from typing import Optional
 
 import jax
@@ -11,11 +12,38 @@ from absl import logging
 from electra_jax.config_lib import ConfigError
 
 
+def _tpu_chips_present() -> bool:
+  """Whether TPU chips sit on this machine's PCI bus (a Cloud TPU VM), read from /sys without
+  starting any JAX backend; JAX's own check, so new TPU generations come with JAX updates."""
+  try:
+    from jax._src import hardware_utils  # noqa: PLC0415
+
+    return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+  except Exception:  # noqa: BLE001 (a private helper: its absence means "cannot tell")
+    return False
+
+
+def _tpu_vm_worker_count() -> int:
+  """Hosts in this TPU VM slice, from the metadata server's worker-network-endpoints (what
+  jax.distributed.initialize reads there too); 0 when it does not answer."""
+  host = os.environ.get("GCE_METADATA_IP", "metadata.google.internal")
+  request = urllib.request.Request(
+      f"http://{host}/computeMetadata/v1/instance/attributes/worker-network-endpoints",
+      headers={"Metadata-Flavor": "Google"},
+  )
+  try:
+    with urllib.request.urlopen(request, timeout=10) as response:
+      return len([worker for worker in response.read().decode().split(",") if worker.strip()])
+  except (OSError, ValueError):
+    return 0
+
+
 def _multi_host_environment() -> Optional[str]:
   """The scheduler JAX can read its coordinator from, when this is one of several processes.
 
   TPU VMs made with `gcloud compute tpus tpu-vm create` describe the slice only in their
-  metadata server (no environment variable says "several hosts"), so launch/tpu_vm.py sets
+  metadata server (no environment variable says "several hosts"): where TPU chips are present
+  it is asked how many workers the slice has, and launch/tpu_vm.py also sets
   ELECTRA_JAX_DISTRIBUTED=auto there; GKE sets TPU_WORKER_HOSTNAMES."""
   if os.environ.get("ELECTRA_JAX_DISTRIBUTED", "").lower() == "auto":
     return "ELECTRA_JAX_DISTRIBUTED=auto (JAX's own cluster detection)"
@@ -26,6 +54,10 @@ def _multi_host_environment() -> Optional[str]:
     return "SLURM"
   if "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
     return "a multi-host TPU slice on GKE"
+  # The same command started on every worker of a TPU VM slice (gcloud ... ssh --worker=all):
+  # no variable says "several hosts", the metadata server does. Asked only where TPU chips are.
+  if _tpu_chips_present() and _tpu_vm_worker_count() > 1:
+    return "a multi-host Cloud TPU VM slice (its metadata server)"
   return None
 
 

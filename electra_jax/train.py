@@ -421,6 +421,13 @@ class _Preemption:
 
   def __enter__(self):
     if self._collective:
+      if not jax.distributed.is_initialized():  # several processes joined by the runtime alone
+        logging.warning(
+            "%d processes without jax.distributed: a SIGTERM stops this run without a checkpoint "
+            "(it resumes from the last periodic one). Start it through electra_jax.main, which "
+            "joins the job.", jax.process_count(),
+        )
+        self._collective = False
       return self
     try:
       self._previous = signal.signal(signal.SIGTERM, self._handle)

@@ -129,3 +129,46 @@ def test_schedulers_are_joined_through_jax_detection(monkeypatch, env, joins):
   monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda *args: calls.append(args))
   distributed.initialize()
   assert calls == ([()] if joins else [])  # no arguments: JAX reads the cluster itself
+
+
+@pytest.mark.parametrize("chips, endpoints, joins", [
+    (True, "t1v-w-0,t1v-w-1,t1v-w-2,t1v-w-3", True),  # a v4-32 slice: four workers
+    (True, "t1v-w-0", False),  # one host (v4-8): nothing to join
+    (False, "t1v-w-0,t1v-w-1", False),  # no TPU chips here: the metadata server is not asked
+])
+def test_tpu_vm_slices_are_detected_from_the_metadata_server(monkeypatch, chips, endpoints, joins):
+  # The same command started on every worker of a gcloud-made slice, without launch/tpu_vm.py's
+  # ELECTRA_JAX_DISTRIBUTED=auto: the workers must still join one job.
+  import http.server
+  import threading
+
+  asked = []
+
+  class Metadata(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802
+      asked.append((self.path, self.headers.get("Metadata-Flavor")))
+      body = endpoints.encode()
+      self.send_response(200)
+      self.send_header("Content-Length", str(len(body)))
+      self.end_headers()
+      self.wfile.write(body)
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.HTTPServer(("127.0.0.1", 0), Metadata)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  try:
+    for name in ("ELECTRA_JAX_DISTRIBUTED", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES"):
+      monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GCE_METADATA_IP", f"127.0.0.1:{server.server_port}")
+    monkeypatch.setattr(distributed, "_tpu_chips_present", lambda: chips)
+    found = distributed._multi_host_environment()
+  finally:
+    server.shutdown()
+    server.server_close()
+  assert (found is not None) == joins, found
+  if chips:
+    assert asked == [("/computeMetadata/v1/instance/attributes/worker-network-endpoints", "Google")]
+  else:
+    assert asked == []
