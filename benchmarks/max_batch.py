@@ -55,9 +55,7 @@ def main():
       quantum = args.step or quantum
       start = time.perf_counter()
       batch, measured = memory.largest_batch(config, setup, mesh, limit, quantum)
-      small, large = measured[0], measured[1]
-      per_example = (large.bytes_per_device - small.bytes_per_device) / (large.batch_size - small.batch_size)
-      fixed = small.bytes_per_device - per_example * small.batch_size
+      fixed, per_example = memory.linear_fit(measured[0], measured[1])
       chosen = next(m for m in measured if m.batch_size == batch)
       print(f"| `{name}` | {seq_len} | {fixed / 2**30:.2f} | {per_example / 2**20:.1f} | {batch} | "
             f"{chosen.bytes_per_device / 2**30:.2f} | {len(measured)} | {time.perf_counter() - start:.0f} s |",

@@ -59,6 +59,13 @@ def step_memory(config, setup, mesh, batch_size: int) -> StepMemory:
   return StepMemory(batch_size, compiled_bytes(compiled))
 
 
+def linear_fit(small: StepMemory, large: StepMemory) -> tuple[float, float]:
+  """(fixed, per_example) bytes of bytes(batch) = fixed + per_example * batch through two
+  measurements; per_example at least one byte (a step's memory never shrinks with the batch)."""
+  per_example = max(1.0, (large.bytes_per_device - small.bytes_per_device) / (large.batch_size - small.batch_size))
+  return small.bytes_per_device - per_example * small.batch_size, per_example
+
+
 def largest_batch(config, setup, mesh, limit_bytes: int, quantum: int) -> tuple[int, list[StepMemory]]:
   """The largest multiple of `quantum` whose step fits in `limit_bytes` per device, with the
   measurements taken on the way. Raises ConfigError when not even `quantum` fits.
@@ -83,9 +90,7 @@ def largest_batch(config, setup, mesh, limit_bytes: int, quantum: int) -> tuple[
     low = 4 * quantum
   else:
     high = 4 * quantum
-  small, large = measured[0], measured[1]
-  per_example = max(1.0, (large.bytes_per_device - small.bytes_per_device) / (3 * quantum))
-  fixed = small.bytes_per_device - per_example * quantum
+  fixed, per_example = linear_fit(measured[0], measured[1])
   guess = int((limit_bytes - fixed) / per_example) // quantum * quantum
   step = max(quantum, guess // 20 // quantum * quantum)
   while high is None or high - low > quantum:

@@ -257,9 +257,10 @@ def supervise(
         if failures > max_restarts:
           log(f"Gave up after {max_restarts} restarts; read the worker logs (follow) for the cause.")
           return 1
-      if action == "stop_and_run" or any(w.running for w in workers):
-        # A reimaged worker lost electra-jax while the others still run: they would wait on
-        # it forever, and the install replaces the checkout under them. Stop them first.
+      if any(w.running for w in workers):
+        # A dead peer (stop_and_run), or a reimaged worker that lost electra-jax while the
+        # others still run (the install would replace the checkout under them): the live ones
+        # would wait on it forever. Stop them first.
         execute(tpu.ssh(remote_job.stop_script()))
       if action != "install_and_run" or remote_job.run_all(execute, install.commands(tpu)) == 0:
         remote_job.run_all(execute, run.start(tpu))

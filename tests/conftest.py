@@ -8,7 +8,6 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 sys.path.insert(0, REPO)
 
 from electra_jax import config_lib  # noqa: E402

@@ -2,11 +2,13 @@
 train like one process of eight devices, only process 0 writes metrics, and a SIGTERM that
 reaches one process stops both at the same step with one checkpoint."""
 
+import http.server
 import json
 import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -21,21 +23,24 @@ def _free_port() -> int:
     return sock.getsockname()[1]
 
 
+def _two_processes(workdir, **overrides):
+  """Two CLI processes of four CPU devices each, joined through a fresh local coordinator."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             ELECTRA_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", ELECTRA_JAX_NUM_PROCESSES="2")
+  return [
+      subprocess.Popen(cli_args(workdir, **overrides), cwd=REPO, env=dict(env, ELECTRA_JAX_PROCESS_ID=str(i)),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for i in range(2)
+  ]
+
+
 def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path, eight_device_run):
   # The same run as conftest's eight-device one (small learning rate: see
   # EIGHT_DEVICE_OVERRIDES), split over two processes of four devices each.
   overrides = EIGHT_DEVICE_OVERRIDES
   one_dir, _ = eight_device_run
 
-  port = _free_port()
-  env = dict(__import__("os").environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             ELECTRA_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", ELECTRA_JAX_NUM_PROCESSES="2")
-  procs = [
-      subprocess.Popen(cli_args(tmp_path / "two", **overrides), cwd=REPO,
-                       env=dict(env, ELECTRA_JAX_PROCESS_ID=str(i)),
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-      for i in range(2)
-  ]
+  procs = _two_processes(tmp_path / "two", **overrides)
   outputs = [proc.communicate(timeout=600) for proc in procs]
   for proc, (_, stderr) in zip(procs, outputs):
     assert proc.returncode == 0, stderr[-3000:]
@@ -51,16 +56,6 @@ def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path, eigh
     for name in ("loss", "masked_lm_loss", "disc_loss"):
       assert abs(a[name] - b[name]) < 1e-4, (a["step"], name, a[name], b[name])
   assert (tmp_path / "two" / "checkpoints" / "5").is_dir()
-
-
-def _two_processes(workdir, **overrides):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             ELECTRA_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", ELECTRA_JAX_NUM_PROCESSES="2")
-  return [
-      subprocess.Popen(cli_args(workdir, **overrides), cwd=REPO, env=dict(env, ELECTRA_JAX_PROCESS_ID=str(i)),
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-      for i in range(2)
-  ]
 
 
 def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes(tmp_path):
@@ -139,9 +134,6 @@ def test_schedulers_are_joined_through_jax_detection(monkeypatch, env, joins):
 def test_tpu_vm_slices_are_detected_from_the_metadata_server(monkeypatch, chips, endpoints, joins):
   # The same command started on every worker of a gcloud-made slice, without launch/tpu_vm.py's
   # ELECTRA_JAX_DISTRIBUTED=auto: the workers must still join one job.
-  import http.server
-  import threading
-
   asked = []
 
   class Metadata(http.server.BaseHTTPRequestHandler):
