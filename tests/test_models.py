@@ -148,3 +148,21 @@ def test_tied_vocab_logits_gradients_are_autodiffs(dtype):
   for got, want in zip(got_vjp(grad), want_vjp(grad)):
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_dot_general_is_nn_dense_with_its_gradients():
+  """The encoder's dense layers take their product as one 2-D matmul over all rows: same
+  outputs and gradients (inputs, kernel, bias) as flax's own N-D dot_general."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(3, 5, 16)), jnp.float32)
+  plain, rows = nn.Dense(8), nn.Dense(8, dot_general=models.rows_dot_general)
+  params = plain.init(jax.random.key(0), x)
+  grad = jnp.asarray(rng.normal(size=(3, 5, 8)), jnp.float32)
+  want, want_vjp = jax.vjp(lambda p, x: plain.apply(p, x), params, x)
+  got, got_vjp = jax.vjp(lambda p, x: rows.apply(p, x), params, x)
+  assert got.shape == (3, 5, 8)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  for g, w in zip(jax.tree.leaves(got_vjp(grad)), jax.tree.leaves(want_vjp(grad))):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="rows_dot_general"):
+    models.rows_dot_general(x, jnp.ones((5, 8)), (((1,), (0,)), ((), ())))
