@@ -41,11 +41,14 @@ the sweep folder), the table alone, and curves of any workdirs:
 """
 
 import logging as std_logging
+import os
 import sys
 
 from electra_jax import xla_flags
 
-xla_flags.apply_cpu_defaults()  # before anything starts JAX's backends
+# Before anything starts JAX's backends; run as the program (not imported), it may restart the
+# process once with glibc settings for CPU training (xla_flags.malloc_tunables).
+xla_flags.apply_cpu_defaults(restart=__name__ == "__main__" or os.path.basename(sys.argv[0]) == "electra-jax")
 
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
@@ -134,6 +137,9 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.INFO)
   logging.get_absl_handler().addFilter(_quiet_libraries)
+  if os.environ.get("GLIBC_TUNABLES") == xla_flags.HUGE_PAGES:
+    logging.info("CPU: glibc allocates large buffers on huge pages (GLIBC_TUNABLES=%s; "
+                 "ELECTRA_JAX_XLA_DEFAULTS=0 turns it off).", xla_flags.HUGE_PAGES)
   try:
     # First, before anything touches the devices. TPU VM slices and SLURM need no flags.
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
