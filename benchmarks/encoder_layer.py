@@ -32,11 +32,13 @@ _SEQ = flags.DEFINE_integer("seq", 128, "Sequence length (the last quarter of ev
 _RUNS = flags.DEFINE_integer("runs", 40, "Timed runs per variant.")
 _FLAX_DENSE = flags.DEFINE_boolean("flax_dense", False, "Also time the layer with nn.Dense's own N-D product.")
 _TORCH = flags.DEFINE_boolean("torch", False, "Also time transformers' PyTorch ElectraLayer.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                           "Compute dtype (float32 parameters either way; PyTorch under autocast).")
 
 
 def _jax_layer(x, mask):
   config = models.EncoderConfig(_HIDDEN.value, 1, _HEADS.value, _FFN.value)
-  layer = models.EncoderLayer(config, jnp.float32)
+  layer = models.EncoderLayer(config, jnp.dtype(_DTYPE.value))
   params = nn.meta.unbox(layer.init({"params": jax.random.key(1), "dropout": jax.random.key(2)}, x, mask, False))
 
   def loss(p, x, key):
@@ -56,21 +58,27 @@ def _torch_layer():
   from transformers.models.electra.modeling_electra import ElectraLayer  # noqa: PLC0415
 
   torch.set_num_threads(os.cpu_count())
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=_DTYPE.value == "bfloat16")
   config = ElectraConfig(hidden_size=_HIDDEN.value, num_attention_heads=_HEADS.value,
                          intermediate_size=_FFN.value, hidden_act="gelu")
   config._attn_implementation = "sdpa"  # noqa: SLF001
-  layer = ElectraLayer(config).train()
-  x = torch.randn(_BATCH.value, _SEQ.value, _HIDDEN.value, requires_grad=True)
-  real = torch.ones(_BATCH.value, _SEQ.value)
+  layer = ElectraLayer(config).train().to(device)
+  x = torch.randn(_BATCH.value, _SEQ.value, _HIDDEN.value, device=device, requires_grad=True)
+  real = torch.ones(_BATCH.value, _SEQ.value, device=device)
   real[:, _SEQ.value * 3 // 4:] = 0
   additive = (1.0 - real[:, None, None, :]) * torch.finfo(torch.float32).min
 
   def step():
     layer.zero_grad()
     x.grad = None
-    out = layer(x, attention_mask=additive)
-    out = out[0] if isinstance(out, tuple) else out
-    (out * out).sum().backward()
+    with autocast:
+      out = layer(x, attention_mask=additive)
+      out = out[0] if isinstance(out, tuple) else out
+      loss = (out.float() * out.float()).sum()
+    loss.backward()
+    if device == "cuda":
+      torch.cuda.synchronize()
 
   return step
 
@@ -96,7 +104,7 @@ def main(argv):
       step()
       times[name].append(1000 * (time.perf_counter() - start))
   print(f"one layer fwd+bwd, H {_HIDDEN.value}, {_HEADS.value} heads, FFN {_FFN.value}, batch {_BATCH.value}, "
-        f"seq {_SEQ.value}, dropout 0.1, {_RUNS.value} runs each, interleaved ({jax.devices()[0].platform})")
+        f"seq {_SEQ.value}, dropout 0.1, {_DTYPE.value}, {_RUNS.value} runs each, interleaved ({jax.devices()[0].platform})")
   for name, values in times.items():
     print(f"  {name:32s} min {min(values):7.1f} ms   median {statistics.median(values):7.1f} ms")
 

@@ -16,6 +16,8 @@
 #   base     electra_base at seq 512, batch 32, against the PyTorch peer
 #   base_packed  the same with packed rows
 #   memory   the largest batch that fits, per official size and sequence length
+#   layer    one encoder layer (small and base sizes, bf16): rows_dot_general against flax's
+#            N-D dense, and PyTorch's ElectraLayer under autocast
 # Compiles take about a minute each on an H100/H200; the persistent compilation cache
 # (/tmp/jax_cache) lets a later run of the same step skip it.
 set -u
@@ -106,6 +108,14 @@ for f in sys.argv[1:]:
       timeout 560 python3 benchmarks/max_batch.py --dtype=bfloat16 --step=8 > "$OUT/max_batch.md" 2> "$OUT/max_batch.err" \
         || tail -5 "$OUT/max_batch.err"
       cat "$OUT/max_batch.md"
+      ;;
+    layer)
+      for sizes in "--hidden=256 --heads=4 --ffn=1024 --batch=128 --seq=128" \
+                   "--hidden=768 --heads=12 --ffn=3072 --batch=32 --seq=512"; do
+        # shellcheck disable=SC2086
+        timeout 300 python3 benchmarks/encoder_layer.py $sizes --dtype=bfloat16 --flax_dense --torch --runs=50 \
+          2> "$OUT/layer.err" | tee -a "$OUT/layer.txt" || tail -5 "$OUT/layer.err"
+      done
       ;;
     *) echo "unknown mode $what"; exit 2 ;;
   esac
