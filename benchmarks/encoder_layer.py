@@ -6,6 +6,7 @@ electra-jax's `models.EncoderLayer`, the same layer with flax's N-D dense produc
   python benchmarks/encoder_layer.py --flax_dense --torch     # electra_small's discriminator layer
 """
 
+import itertools
 import os
 import statistics
 import sys
@@ -46,7 +47,7 @@ def _jax_layer(x, mask):
     return (y * y).sum()
 
   grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
-  counter = iter(range(10**9))
+  counter = itertools.count()
   step = lambda: jax.block_until_ready(grad(params, x, jax.random.key(next(counter))))  # noqa: E731
   step()  # traces and compiles now, under the dense product chosen at this point
   return step

@@ -114,7 +114,7 @@ for f in sys.argv[1:]:
                    "--hidden=768 --heads=12 --ffn=3072 --batch=32 --seq=512"; do
         # shellcheck disable=SC2086
         timeout 300 python3 benchmarks/encoder_layer.py $sizes --dtype=bfloat16 --flax_dense --torch --runs=50 \
-          2> "$OUT/layer.err" | tee -a "$OUT/layer.txt" || tail -5 "$OUT/layer.err"
+          2>> "$OUT/layer.err" | tee -a "$OUT/layer.txt" || tail -5 "$OUT/layer.err"
       done
       ;;
     *) echo "unknown mode $what"; exit 2 ;;

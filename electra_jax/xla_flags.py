@@ -44,11 +44,12 @@ def malloc_tunables(environ=os.environ) -> str | None:
   unmaps it on free, so each step faults its pages in again, 4 KiB at a time: 388,000 page
   faults a step on two cores (with none, the step ran 13% faster). glibc.malloc.hugetlb=1
   (glibc 2.35+) asks the kernel for transparent huge pages on such mappings: 2 MiB a fault,
-  1,300 faults a step, 6% faster. Memory is still returned to the system as before. None when an accelerator computes,
-  when the user has set malloc's own variables, off glibc, on glibc < 2.35, or where the
-  kernel's transparent huge pages are off.
+  1,300 faults a step, 6% faster. Memory is still returned to the system as before. None when
+  the user has set malloc's own variables, off glibc, on glibc < 2.35, where the kernel's
+  transparent huge pages are off, or when an accelerator computes (checked last: it may
+  import jax).
   """
-  if any(name in environ for name in _MALLOC_ENV) or accelerator_visible(environ):
+  if any(name in environ for name in _MALLOC_ENV):
     return None
   libc, version = platform.libc_ver()
   if platform.system() != "Linux" or libc != "glibc" or tuple(map(int, version.split(".")[:2])) < (2, 35):
@@ -58,6 +59,8 @@ def malloc_tunables(environ=os.environ) -> str | None:
       if "[never]" in f.read():
         return None
   except OSError:
+    return None
+  if accelerator_visible(environ):
     return None
   return HUGE_PAGES
 
