@@ -64,11 +64,13 @@ def gelu_exact(x):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def tied_vocab_logits(hidden, word_table, output_bias, dtype):
-  """float32 vocabulary logits [..., vocab] = hidden [..., E] @ word_table [vocab, E]^T (in the
-  compute dtype) + output_bias: the tied decoder of the MLM heads.
+  """float32 vocabulary logits [..., vocab] = hidden [..., E] @ word_table [vocab, E]^T (inputs
+  in the compute dtype, products accumulated and returned in float32) + output_bias: the tied
+  decoder of the MLM heads.
 
-  Its gradient is autodiff's, computed in the forms that cost least on a CPU (and no more
-  elsewhere): the table's as [E, vocab] (the logits' gradient read in its own layout, not
+  Its gradient is autodiff's for the product taken in the compute dtype (the float32
+  cotangent cast to it, so the backward matmuls run in bfloat16 where that is the compute
+  dtype), computed in the forms that cost least on a CPU (and no more elsewhere): the table's as [E, vocab] (the logits' gradient read in its own layout, not
   transposed into a copy as large as the logits) and the bias's as a product with a ones
   vector (a matrix-vector product, where XLA:CPU's column reduction over the vocabulary took
   ten times longer). Together about 70 ms of a 3.2 s electra_small step on two CPU cores.
@@ -77,8 +79,12 @@ def tied_vocab_logits(hidden, word_table, output_bias, dtype):
 
 
 def _tied_vocab_logits_fwd(hidden, word_table, output_bias, dtype):
-  logits = jnp.einsum("...e,ve->...v", hidden.astype(dtype), word_table.astype(dtype))
-  return logits.astype(jnp.float32) + output_bias, (hidden, word_table)
+  # Accumulated and returned in float32: rounding bfloat16 logits (a step of 0.06 at 10)
+  # would coarsen the softmax, the sampling and the loss that all read them in float32.
+  logits = jnp.einsum(
+      "...e,ve->...v", hidden.astype(dtype), word_table.astype(dtype), preferred_element_type=jnp.float32
+  )
+  return logits + output_bias, (hidden, word_table)
 
 
 def _tied_vocab_logits_bwd(dtype, residuals, grad):
@@ -116,13 +122,19 @@ def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_elem
   return rows.reshape(*lhs.shape[:-1], rhs.shape[-1])
 
 
-def _dense(features, in_axis: str, out_axis: str, dtype: Dtype, name: str, use_bias=True):
+def _dense(features, in_axis: str, out_axis: str, dtype: Dtype, name: str, use_bias=True,
+           float32_out=False):
+  """nn.Dense with float32 parameters and `dtype` compute; `float32_out`: the product is
+  returned in float32 rather than rounded to `dtype` (for logits)."""
+  dot_general = rows_dot_general
+  if float32_out:
+    dot_general = functools.partial(rows_dot_general, preferred_element_type=jnp.float32)
   return nn.Dense(
       features,
       use_bias=use_bias,
       dtype=dtype,
       param_dtype=jnp.float32,
-      dot_general=rows_dot_general,
+      dot_general=dot_general,
       kernel_init=_param(bert_init(), (in_axis, out_axis)),
       bias_init=_param(nn.initializers.zeros_init(), (out_axis,)),
       name=name,
@@ -278,15 +290,20 @@ class SelfAttention(nn.Module):
       context = splash_attention.splash_attention(query, key, value, attention_mask)
     elif self.attention_impl == "cudnn" and mask.ndim == 2:
       # cuDNN's fused kernel takes the padding as lengths rather than a mask (electra-jax's
-      # rows are right-padded: real tokens first).
-      lengths = mask.sum(-1, dtype=jnp.int32)
+      # rows are right-padded: real tokens first). A row with no real token (the padding rows
+      # that fill evaluation's last batch) gets length 1: cuDNN before 9.25 returns NaN for
+      # a length of 0, and one NaN, even at weight 0, would make every summed metric NaN.
+      lengths = jnp.maximum(mask.sum(-1, dtype=jnp.int32), 1)
       context = jax.nn.dot_product_attention(
           query, key, value, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
           implementation="cudnn",
       )
     else:
+      # A [batch, q, k] mask here is packed rows' segment mask or the cloze towers' causal
+      # ones. The splash kernel takes segment ids, not such masks: with it these go to XLA.
+      implementation = "xla" if self.attention_impl == "splash" else self.attention_impl
       context = jax.nn.dot_product_attention(
-          query, key, value, mask=key_is_real, implementation=self.attention_impl
+          query, key, value, mask=key_is_real, implementation=implementation
       )
     context = context.reshape(*hidden.shape[:-1], cfg.hidden_size)
     return _dense(cfg.hidden_size, "heads", "embed", self.dtype, "output")(context)
@@ -363,7 +380,8 @@ class _ScanBody(nn.Module):
 
   @nn.compact
   def __call__(self, hidden, attention_mask):
-    layer = _remat_layer(self.config.remat)(self.config, self.dtype, self.attention_impl, name="layer")
+    layer_class = _remat_layer(self.config.remat, in_scan=True)
+    layer = layer_class(self.config, self.dtype, self.attention_impl, name="layer")
     return layer(hidden, attention_mask, self.deterministic), None
 
 
@@ -396,9 +414,12 @@ def scan_layers(tree):
   return out
 
 
-def _remat_layer(policy: str):
+def _remat_layer(policy: str, in_scan: bool = False):
   """EncoderLayer, or EncoderLayer under jax.checkpoint with `policy` (REMAT_POLICIES). The
-  parameter tree is the same either way (layer_0, layer_1, ...)."""
+  parameter tree is the same either way (layer_0, layer_1, ...). `in_scan`: the body of a
+  scan, where jax.checkpoint needs no barriers against common-subexpression elimination (the
+  loop already keeps the recomputation in the backward pass), and barriers would only stop
+  XLA from fusing across them."""
   if policy not in REMAT_POLICIES:
     raise ConfigError(f"model.remat={policy!r} is not one of {list(REMAT_POLICIES)}.")
   if policy == "none":
@@ -408,7 +429,7 @@ def _remat_layer(policy: str):
       "full": jax.checkpoint_policies.nothing_saveable,
   }[policy]
   # Argument 3 of __call__ (self, hidden, attention_mask, deterministic) is a Python bool.
-  return nn.remat(EncoderLayer, policy=saveable, static_argnums=(3,))
+  return nn.remat(EncoderLayer, policy=saveable, static_argnums=(3,), prevent_cse=not in_scan)
 
 
 class Generator(nn.Module):
@@ -498,7 +519,7 @@ class Discriminator(nn.Module):
     encoded = encoder(embedded, attention_mask, deterministic)
     hidden = _dense(self.config.hidden_size, "embed", "mlp", self.dtype, "head_dense")(encoded)
     hidden = gelu_exact(hidden)
-    logits = _dense(1, "mlp", "unmodeled", self.dtype, "head_out")(hidden)
+    logits = _dense(1, "mlp", "unmodeled", self.dtype, "head_out", float32_out=True)(hidden)
     logits = logits[..., 0].astype(jnp.float32)  # [batch, seq]
     if not with_mlm:
       return logits
@@ -695,6 +716,27 @@ def generator_encoder_config(discriminator: EncoderConfig, fraction: float) -> E
   )
 
 
+def _check_cudnn_shapes(discriminator: EncoderConfig, generator: EncoderConfig, config) -> None:
+  """cuDNN's fused attention takes head sizes that are multiples of 8 up to 256 (128 before
+  Hopper), and, where it reads a mask (packed rows, Electric's cloze towers), an even
+  sequence length. Refused here rather than by cuDNN at compile time."""
+  for tower, cfg in (("discriminator", discriminator), ("generator", generator)):
+    if cfg.head_dim % 8 or cfg.head_dim > 256:
+      raise ConfigError(
+          f"model.attention_impl='cudnn' needs a head size that is a multiple of 8 and at most "
+          f"256 (128 before Hopper GPUs), but the {tower}'s is {cfg.head_dim} (hidden "
+          f"{cfg.hidden_size} over {cfg.num_heads} heads): change model.hidden_size, "
+          "model.num_heads or model.generator_fraction, or use model.attention_impl='xla'."
+      )
+  uses_mask = config.data.get("pack_rows", False) or config.objective.get("name") == "electric"
+  if uses_mask and config.data.max_seq_len % 2:
+    raise ConfigError(
+        f"model.attention_impl='cudnn' with packed rows or Electric trains through cuDNN's "
+        f"masked kernel, which needs an even sequence length, but data.max_seq_len="
+        f"{config.data.max_seq_len}: make it even, or use model.attention_impl='xla'."
+    )
+
+
 def build_model(config) -> ElectraPretrainer:
   """The pre-training model described by a full electra-jax config (see configs/base.py)."""
   from electra_jax import objectives  # noqa: PLC0415 (objectives does not import models)
@@ -731,13 +773,16 @@ def build_model(config) -> ElectraPretrainer:
     )
   if m.attention_impl == "splash":
     splash_attention.check_seq_len(config.data.max_seq_len)
+  generator = generator_encoder_config(discriminator, m.generator_fraction)
+  if m.attention_impl == "cudnn":
+    _check_cudnn_shapes(discriminator, generator, config)
   _remat_layer(discriminator.remat)  # refuses an unknown policy before anything is traced
   return ElectraPretrainer(
       vocab_size=m.vocab_size,
       embedding_size=m.embedding_size,
       max_position_embeddings=m.max_position_embeddings,
       type_vocab_size=m.type_vocab_size,
-      generator_config=generator_encoder_config(discriminator, m.generator_fraction),
+      generator_config=generator,
       discriminator_config=discriminator,
       dtype=jnp.dtype(config.train.dtype),
       attention_impl=m.attention_impl,

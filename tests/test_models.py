@@ -9,6 +9,7 @@ import pytest
 
 from conftest import tiny_config
 from electra_jax import models
+from electra_jax.config_lib import ConfigError
 
 
 def _init(config, batch=2, seq=12, n_pred=3):
@@ -127,24 +128,40 @@ def test_bfloat16_compute_keeps_float32_params():
   f32_model = models.build_model(tiny_config())
   reference = f32_model.apply({"params": params}, ids, types, mask, method=f32_model.discriminator_logits)
   assert logits.dtype == jnp.float32
+  # The scalar head's product (rows x hidden @ hidden x 1) is returned in float32, not rounded.
+  program = jax.jit(
+      lambda p: model.apply({"params": p}, ids, types, mask, method=model.discriminator_logits)
+  ).lower(params).as_text()
+  assert "tensor<32x1xbf16>) -> tensor<24x1xf32>" in program
   np.testing.assert_allclose(logits, reference, atol=0.1)
   assert not np.array_equal(np.asarray(logits), np.asarray(reference))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_tied_vocab_logits_gradients_are_autodiffs(dtype):
-  """tied_vocab_logits has a hand-written backward pass: it must give autodiff's gradients of
-  einsum(hidden, table^T) (in the compute dtype) + bias for all three inputs."""
+  """tied_vocab_logits has a hand-written backward pass. Its output is einsum(hidden,
+  table^T) of compute-dtype operands with a float32 result, + bias; its gradients must be
+  autodiff's for the product taken in the compute dtype (the float32 cotangent cast to that
+  dtype, so the backward matmuls run in it) for all three inputs."""
   rng = np.random.default_rng(0)
   hidden, table = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in [(3, 5, 16), (40, 16)])
   bias, grad = jnp.asarray(rng.normal(size=(40,)), jnp.float32), jnp.asarray(rng.normal(size=(3, 5, 40)), jnp.float32)
 
-  def reference(h, t, b):
+  def forward(h, t, b):
+    return jnp.einsum("bne,ve->bnv", h.astype(dtype), t.astype(dtype), preferred_element_type=jnp.float32) + b
+
+  def in_compute_dtype(h, t, b):
     return jnp.einsum("bne,ve->bnv", h.astype(dtype), t.astype(dtype)).astype(jnp.float32) + b
 
-  want_out, want_vjp = jax.vjp(reference, hidden, table, bias)
   got_out, got_vjp = jax.vjp(lambda h, t, b: models.tied_vocab_logits(h, t, b, dtype), hidden, table, bias)
-  np.testing.assert_array_equal(got_out, want_out)
+  np.testing.assert_array_equal(got_out, forward(hidden, table, bias))
+  # The product is asked for in float32 (compute-dtype operands, float32 result), not
+  # rounded to the compute dtype first. (XLA:CPU rounds bfloat16 products anyway; GPUs and
+  # TPUs accumulate and return float32, so the check is on the program.)
+  program = jax.jit(lambda h, t, b: models.tied_vocab_logits(h, t, b, dtype)).lower(hidden, table, bias).as_text()
+  name = jnp.dtype(dtype).name.replace("float", "f")
+  assert f"tensor<40x16x{name}>) -> tensor<3x5x40xf32>" in program, program
+  _, want_vjp = jax.vjp(in_compute_dtype, hidden, table, bias)
   for got, want in zip(got_vjp(grad), want_vjp(grad)):
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -166,3 +183,42 @@ def test_rows_dot_general_is_nn_dense_with_its_gradients():
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="rows_dot_general"):
     models.rows_dot_general(x, jnp.ones((5, 8)), (((1,), (0,)), ((), ())))
+
+
+def test_cudnn_path_gets_lengths_of_at_least_one(monkeypatch):
+  """attention_impl='cudnn' passes the padding as sequence lengths. cuDNN before 9.25 returns
+  NaN for a length of 0, so an all-padding row (evaluation fills its last batch with them)
+  must be sent as length 1; real rows keep their token counts. cuDNN needs a GPU, so the
+  call is recorded and answered by the masked XLA attention."""
+  seen, xla_attention = [], jax.nn.dot_product_attention
+
+  def fake_attention(query, key, value, *, query_seq_lengths, key_value_seq_lengths, implementation):
+    assert implementation == "cudnn"
+    seen.append(np.asarray(query_seq_lengths))
+    real = jnp.arange(key.shape[1])[None, :] < key_value_seq_lengths[:, None]
+    return xla_attention(query, key, value, mask=real[:, None, None, :], implementation="xla")
+
+  config = tiny_config(**{"model.attention_impl": "cudnn", "train.dtype": "bfloat16",
+                          "model.attention_dropout_rate": 0.0})
+  monkeypatch.setattr(jax.nn, "dot_product_attention", fake_attention)
+  model, params = _init(config)
+  seen.clear()
+  ids, types, mask = _inputs()
+  ids, types, mask = (jnp.concatenate([x, jnp.zeros_like(x[:1])]) for x in (ids, types, mask))  # + a padding row
+  logits = model.apply({"params": params}, ids, types, mask, method=model.discriminator_logits)
+  assert len(seen) == config.model.num_layers
+  np.testing.assert_array_equal(seen[0], [12, 8, 1])
+  assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_cudnn_shapes_are_refused_before_compiling():
+  with pytest.raises(ConfigError, match=r"head size that is a multiple of 8.*discriminator's is 12"):
+    models.build_model(tiny_config(**{"model.attention_impl": "cudnn", "train.dtype": "bfloat16",
+                                      "model.attention_dropout_rate": 0.0, "model.hidden_size": 36,
+                                      "model.num_heads": 3}))
+  config = tiny_config(**{"model.attention_impl": "cudnn", "train.dtype": "bfloat16",
+                          "model.attention_dropout_rate": 0.0, "data.max_seq_len": 31})
+  models.build_model(config)  # padded rows: cuDNN reads lengths, any length goes
+  config.data.pack_rows = True
+  with pytest.raises(ConfigError, match="data.max_seq_len=31: make it even"):
+    models.build_model(config)
