@@ -14,7 +14,7 @@
 #   small_big  electra_small at a batch of 1024 packed rows, 10 steps per call
 #   small_dropout  electra_small with the paper's attention dropout, against the peer
 #   base     electra_base at seq 512, batch 32, against the PyTorch peer
-#   base_packed  the same with packed rows
+#   base_packed  the same with packed rows, cudnn and xla attention
 #   memory   the largest batch that fits, per official size and sequence length
 #   layer    one encoder layer (small and base sizes, bf16): rows_dot_general against flax's
 #            N-D dense, and PyTorch's ElectraLayer under autocast
@@ -100,8 +100,9 @@ for f in sys.argv[1:]:
     base)
       tp base_b32_cudnn 300 $base --config.train.batch_size=32 $fast --vs-huggingface --hf-gathered
       ;;
-    base_packed)
+    base_packed)  # cuDNN reads packed rows' segment mask as a bias (a slower kernel): against xla
       tp base_b32_packed 240 $base --config.train.batch_size=32 $fast --config.data.pack_rows=True
+      tp base_b32_packed_xla 240 $base --config.train.batch_size=32 --config.model.attention_dropout_rate=0.0 --config.data.pack_rows=True
       ;;
     memory)
       # bfloat16, as the GPU recipes train; the table is markdown for RESULTS.md

@@ -7,8 +7,13 @@ import jax
 
 from electra_jax.models import ElectraPretrainer, EncoderConfig
 
-# bfloat16 dense peak FLOP/s per chip, matched against jax.Device.device_kind.
+# bfloat16 dense peak FLOP/s per chip (vendors' datasheets, half the sparse figure), matched
+# in order against jax.Device.device_kind: the PCIe and NVL parts before the SXM ones, whose
+# names ("NVIDIA H100 80GB HBM3", "NVIDIA H200") carry no form factor.
 PEAK_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H200 NVL", 835e12),
     ("H100", 989e12),
     ("H200", 989e12),
     ("A100", 312e12),

@@ -108,6 +108,31 @@ def partition_specs(boxed_tree, mesh):
   )
 
 
+def unsharded_dimensions(boxed_tree, mesh, min_elements: int = 2**20) -> list[str]:
+  """One line per array of at least `min_elements` whose rules asked for a mesh axis that a
+  dimension's size does not divide, so that dimension is replicated (e.g. a 30522-word table
+  over tensor=4: every device then holds the whole table and its optimizer moments)."""
+  mesh_specs = nn.logical_to_mesh(nn.get_partition_spec(boxed_tree), LOGICAL_AXIS_RULES)
+  shapes = nn.meta.unbox(boxed_tree)
+  found = []
+  for (path, spec), leaf in zip(
+      jax.tree_util.tree_leaves_with_path(mesh_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)),
+      jax.tree.leaves(shapes),
+  ):
+    if math.prod(leaf.shape) < min_elements:
+      continue
+    fitted = _fit_to_shape(spec, leaf.shape, mesh)
+    for dim, (wanted, got) in enumerate(zip(tuple(spec) + (None,) * len(leaf.shape), fitted)):
+      if wanted and not got:
+        names = (wanted,) if isinstance(wanted, str) else tuple(wanted)
+        size = math.prod(mesh.shape[n] for n in names)
+        found.append(
+            f"{jax.tree_util.keystr(path, simple=True, separator='/')} {list(leaf.shape)}: dimension "
+            f"{dim} ({leaf.shape[dim]}) is not divisible by {'*'.join(names)}={size}"
+        )
+  return found
+
+
 def shardings_for(boxed_tree, mesh: Mesh):
   return jax.tree.map(
       lambda spec: NamedSharding(mesh, spec),
@@ -127,6 +152,20 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def batch_shards(mesh: Mesh) -> int:
   return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def check_process_shards(mesh: Mesh, process_count: int) -> None:
+  """Each process feeds its own rows (train.py reads a distinct slice per process), so each
+  must own whole batch shards: data * fsdp a multiple of the process count. A tensor axis
+  that spans processes breaks that."""
+  shards = batch_shards(mesh)
+  if shards % process_count:
+    raise ConfigError(
+        f"The mesh splits each batch into {shards} shards (mesh.data * mesh.fsdp = "
+        f"{mesh.shape['data']} * {mesh.shape['fsdp']}) over {process_count} processes, and every "
+        f"process reads its own rows: make mesh.data * mesh.fsdp a multiple of {process_count} "
+        f"(mesh.tensor={mesh.shape['tensor']} at most the devices of one host)."
+    )
 
 
 def stacked_batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -302,6 +302,13 @@ def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
   init_fn = make_init_fn(config, model, objective)
   boxed_shapes = jax.eval_shape(init_fn, jax.random.key(0))
   state_shardings = partitioning.shardings_for(boxed_shapes, mesh)
+  unsharded = partitioning.unsharded_dimensions(boxed_shapes.params, mesh)
+  if unsharded:
+    logging.warning(
+        "Replicated on every device because a mesh axis does not divide them (each one's "
+        "optimizer moments too): %s. Make those sizes multiples of the mesh axes (e.g. "
+        "model.vocab_size), or use smaller mesh axes.", "; ".join(unsharded),
+    )
   abstract_state = jax.tree.map(
       lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
       nn.meta.unbox(boxed_shapes),
@@ -363,6 +370,22 @@ def _steps_to_boundary(step: int, config) -> int:
   return min([*to_next, config.train.steps - step])
 
 
+def _warn_single_steps(config, steps_per_call: int) -> None:
+  """Says so when train.steps_per_call leaves steps to run one call each: the steps before a
+  log, evaluation or checkpoint step that do not fill a whole call."""
+  periods = {"train.log_every": config.train.log_every, "checkpoint.every_steps": config.checkpoint.every_steps}
+  if config.eval.every_steps:
+    periods["eval.every_steps"] = config.eval.every_steps
+  uneven = {name: p for name, p in periods.items() if p % steps_per_call}
+  if steps_per_call > 1 and uneven:
+    shown = ", ".join(f"{name}={p}" for name, p in uneven.items())
+    logging.warning(
+        "train.steps_per_call=%d does not divide %s: the steps before each such boundary that "
+        "do not fill a call run one call each (slower). Make them multiples of %d.",
+        steps_per_call, shown, steps_per_call,
+    )
+
+
 AUTO_BATCH_SIZE = -1  # train.batch_size=-1: the largest batch that fits in device memory
 
 
@@ -373,6 +396,7 @@ def prepare(config):
   config_lib.validate(config)
   # --- Mesh
   mesh = partitioning.make_mesh(config.mesh)
+  partitioning.check_process_shards(mesh, jax.process_count())
   auto_batch = config.train.batch_size == AUTO_BATCH_SIZE
   if not auto_batch:
     config_lib.validate_for_mesh(config, partitioning.batch_shards(mesh))
@@ -395,7 +419,12 @@ def prepare(config):
     # The largest batch that fits (the setup does not depend on it); written to config.json.
     limit = int(config.train.get("memory_fraction", 0.9) * memory.device_memory_bytes())
     quantum = partitioning.batch_shards(mesh) * config.train.grad_accum_steps
-    config.train.batch_size, _ = memory.largest_batch(config, setup, mesh, limit, quantum)
+    batch_size, _ = memory.largest_batch(config, setup, mesh, limit, quantum)
+    if jax.process_count() > 1:
+      # Hosts may see different free memory (CPU hosts do): all take the smallest answer,
+      # a multiple of the quantum that fits everywhere.
+      batch_size = int(multihost_utils.process_allgather(np.int64(batch_size)).min())
+    config.train.batch_size = batch_size
     logging.info("train.batch_size=-1: using %d, the largest batch that fits.", config.train.batch_size)
     config_lib.validate_for_mesh(config, partitioning.batch_shards(mesh))
   return mesh, corpus, setup
@@ -520,6 +549,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     compiled_step = compile_train_step(setup, config, mesh)
     steps_per_call = config.train.get("steps_per_call", 1)
     compiled_steps = compile_train_steps(setup, config, mesh, steps_per_call) if steps_per_call > 1 else None
+    _warn_single_steps(config, steps_per_call)
 
   # --- Loop
   total_steps = config.train.steps

@@ -24,6 +24,8 @@ class _Device:
 
 def test_peaks_by_device_kind():
   assert flops.peak_flops(_Device("NVIDIA H100 80GB HBM3")) == 989e12
+  assert flops.peak_flops(_Device("NVIDIA H100 PCIe")) == 756e12  # not the SXM part's peak
+  assert flops.peak_flops(_Device("NVIDIA H200 NVL")) == 835e12
   assert flops.peak_flops(_Device("TPU v5 lite")) == 197e12
   assert flops.peak_flops(_Device("TPU v5p")) == 459e12
   assert flops.peak_flops(_Device("cpu")) is None

@@ -221,6 +221,15 @@ def test_steps_per_call_trains_exactly_like_single_steps(tmp_path):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_steps_per_call_that_leaves_single_steps_is_named(caplog):
+  config = tiny_config(**{"train.log_every": 100, "checkpoint.every_steps": 1000, "eval.every_steps": 0})
+  with caplog.at_level("WARNING"):
+    train._warn_single_steps(config, 50)  # divides both: no warning
+    assert not caplog.records
+    train._warn_single_steps(config, 64)
+  assert "train.steps_per_call=64 does not divide train.log_every=100, checkpoint.every_steps=1000" in caplog.text
+
+
 def test_steps_per_call_below_one_is_refused(tmp_path):
   with pytest.raises(ConfigError, match="steps_per_call=0"):
     train.train_and_evaluate(tiny_config(**{"train.steps_per_call": 0}), str(tmp_path))
