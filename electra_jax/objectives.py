@@ -382,7 +382,7 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
 def binary_auc(scores, labels, weights):
   """Exact ROC AUC (Mann-Whitney U with ties counted half) over entries with weight > 0.
 
-  NaN when the entries hold no positive or no negative.
+  NaN when the entries hold no positive or no negative, or a NaN score.
   """
   scores, labels = scores.reshape(-1), labels.reshape(-1).astype(bool)
   valid = weights.reshape(-1) > 0
@@ -391,8 +391,11 @@ def binary_auc(scores, labels, weights):
   below = jnp.searchsorted(negatives_sorted, scores, side="left")
   up_to = jnp.searchsorted(negatives_sorted, scores, side="right")
   credit = below + 0.5 * (up_to - below)
-  num_pos, num_neg = is_pos.sum(), is_neg.sum()
-  return jnp.where(is_pos, credit, 0.0).sum() / (num_pos * num_neg)
+  # The pair count in float32: as int32 it wraps past 2**31 pairs, about 130k tokens per
+  # batch (ELECTRA-Base's 256 x 512 has 131k).
+  num_pairs = is_pos.sum().astype(jnp.float32) * is_neg.sum().astype(jnp.float32)
+  auc = jnp.where(is_pos, credit, 0.0).sum() / num_pairs
+  return jnp.where(jnp.isnan(scores).any(where=valid), jnp.nan, auc)
 
 
 def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str, jax.Array]:

@@ -171,6 +171,25 @@ def test_binary_auc_matches_pairwise_count_with_ties():
   assert float(got) == pytest.approx(pairwise, abs=1e-6)
 
 
+def test_binary_auc_of_a_large_batch_and_of_nan_scores():
+  # 150k tokens: positives x negatives is past 2**31 pairs, where an int32 count wrapped
+  # around (ELECTRA-Base's 256 x 512 batch is 131k tokens).
+  rng = np.random.default_rng(0)
+  labels = rng.random(150_000) < 0.15
+  scores = (rng.normal(size=labels.size) + labels).astype(np.float32)
+  weights = np.ones(labels.size, np.float32)
+  neg = np.sort(scores[~labels].astype(np.float64))
+  pos = scores[labels].astype(np.float64)
+  below, up_to = np.searchsorted(neg, pos, "left"), np.searchsorted(neg, pos, "right")
+  want = (below + 0.5 * (up_to - below)).sum() / (float(pos.size) * float(neg.size))
+  got = objectives.binary_auc(jnp.asarray(scores), jnp.asarray(labels), jnp.asarray(weights))
+  assert float(got) == pytest.approx(want, abs=1e-4) and 0.7 < want < 0.8
+  scores[7] = np.nan  # a diverged model: no AUC rather than a number
+  assert np.isnan(objectives.binary_auc(jnp.asarray(scores), jnp.asarray(labels), jnp.asarray(weights)))
+  weights[7] = 0.0  # unless the NaN is at a position the metric does not count
+  assert float(objectives.binary_auc(jnp.asarray(scores), jnp.asarray(labels), jnp.asarray(weights))) == pytest.approx(want, abs=1e-4)
+
+
 def _grads(objective):
   config = tiny_config()
   model = models.build_model(config)
