@@ -28,6 +28,9 @@ class Checkpointer:
   def latest_step(self) -> Optional[int]:
     return self._manager.latest_step()
 
+  def all_steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
   def save(self, step: int, state: Any, meta: dict) -> None:
     """Asynchronous: device arrays are copied before this returns, files written after."""
     self._manager.save(

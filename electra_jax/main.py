@@ -50,6 +50,7 @@ from electra_jax import xla_flags
 # process once with glibc settings for CPU training (xla_flags.malloc_tunables).
 xla_flags.apply_cpu_defaults(restart=__name__ == "__main__" or os.path.basename(sys.argv[0]) == "electra-jax")
 
+import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
@@ -158,7 +159,7 @@ def main(argv):
           )
         config = config_lib.load_workdir_config(_WORKDIR.value)
       metrics = train.train_and_evaluate(config, _WORKDIR.value)
-      if metrics:
+      if metrics and jax.process_index() == 0:  # one summary per job, not per host
         summary = ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
         print(f"Final metrics (step {int(metrics['step'])}): {summary}")
         print(f"Checkpoints: {_WORKDIR.value}/checkpoints  Metrics: {_WORKDIR.value}/metrics.jsonl")
@@ -187,7 +188,7 @@ def main(argv):
 
       results = finetune.run_finetune(_CONFIG.value, _WORKDIR.value)  # prints its table itself
       print(f"Results: {_WORKDIR.value}/{results['task']}/results.json")
-  except config_lib.ConfigError as error:
+  except (config_lib.ConfigError, FloatingPointError) as error:  # a mistake, or a diverged run
     sys.exit(f"electra-jax: error: {error}")
 
 
@@ -264,8 +265,31 @@ def _import(mode: str) -> None:
   )
 
 
+def _parse_flags(argv):
+  """absl's flag parsing, with one change: a --config.* override of a key the config does not
+  have (ml_collections raises AttributeError or KeyError, often with a close match) ends with
+  one line naming the flag instead of a traceback."""
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError) as error:
+    message = error
+    while isinstance(message, BaseException) and message.args:  # AttributeError(KeyError(text))
+      message = message.args[0]
+    message = str(message)
+    key, _, hint = message.partition("\n")
+    key = key.strip("'\"")
+    overrides = [arg.split("=")[0] for arg in argv[1:] if arg.startswith("--config.")]
+    named = [flag for flag in overrides if key in flag.split(".")[1:]]
+    if not named:
+      raise
+    sys.exit(
+        f"electra-jax: error: {named[0]}: the config has no key {key!r}. {hint + ' ' if hint else ''}"
+        "configs/base.py lists every key with its default."
+    )
+
+
 def run():
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

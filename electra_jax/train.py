@@ -266,6 +266,11 @@ def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpu
     step = checkpointer.latest_step() if step is None else step
     if step is None:
       raise ConfigError(f"{workdir} holds no checkpoint yet; train first or fix --workdir.")
+    if step not in checkpointer.all_steps():
+      raise ConfigError(
+          f"{workdir} holds no checkpoint of step {step}; its checkpoints are of steps "
+          f"{checkpointer.all_steps()}. Pick one of those, or leave --step out for the latest."
+      )
     _check_checkpoint_matches(checkpointer.read_meta(step), setup, corpus, workdir)
     with partitioning.activate(mesh):
       return step, checkpointer.restore(step, setup.abstract_state)
@@ -397,6 +402,12 @@ def prepare(config):
   # --- Mesh
   mesh = partitioning.make_mesh(config.mesh)
   partitioning.check_process_shards(mesh, jax.process_count())
+  platform = jax.devices()[0].platform
+  if config.model.attention_impl == "cudnn" and platform != "gpu":
+    raise ConfigError(
+        f"model.attention_impl='cudnn' is NVIDIA's fused attention, but the devices here are "
+        f"{platform}: use model.attention_impl='xla' (or 'splash' on TPU)."
+    )
   auto_batch = config.train.batch_size == AUTO_BATCH_SIZE
   if not auto_batch:
     config_lib.validate_for_mesh(config, partitioning.batch_shards(mesh))
@@ -492,23 +503,57 @@ def _format_duration(seconds: float) -> str:
   return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
-def _stop_if_not_finite(loss: float, step: int, checkpointer) -> None:
-  if not math.isfinite(loss):
+def _stop_if_not_finite(what: str, value: float, step: int, checkpointer, config, first_bad_step=None) -> None:
+  """Stops the run when `value` is not finite. `first_bad_step`: the first step whose loss was
+  not finite, when known; a checkpoint just before it holds the parameters that produced it."""
+  if not math.isfinite(value):
     checkpointer.wait()  # the last good checkpoint may still be being written
+    latest = checkpointer.latest_step()
+    dtype_hint = ", or use train.dtype=float32" if config.train.dtype != "float32" else ""
+    diverged = ""
+    if latest is not None and first_bad_step is not None and latest >= first_bad_step - 1:
+      diverged = (
+          f" Its parameters are finite but already gave step {latest + 1} a non-finite loss: "
+          "resume from an earlier checkpoint (checkpoint.keep keeps more) or start over."
+      )
     raise FloatingPointError(
-        f"The loss became {loss} by step {step}; stopping without saving. The last checkpoint is "
-        f"step {checkpointer.latest_step()}. Lower optimizer.learning_rate, raise "
-        "optimizer.warmup_steps, or use train.dtype=float32."
+        f"The {what} became {value} by step {step}; stopping without saving. The last checkpoint "
+        f"is step {latest}.{diverged} Lower optimizer.learning_rate or raise "
+        f"optimizer.warmup_steps{dtype_hint}."
     )
 
 
+def _first_non_finite_step(window: list, last_step: int) -> int | None:
+  """The first step of a log window (ending at `last_step`) whose loss was not finite."""
+  losses = np.concatenate([np.ravel(m["loss"]) for m in jax.device_get(window)])
+  bad = np.flatnonzero(~np.isfinite(losses))
+  return int(last_step - len(losses) + 1 + bad[0]) if bad.size else None
+
+
+@jax.jit
+def _params_finite(params) -> jax.Array:
+  """Whether every parameter is finite: checked before a save, since a step's loss is taken
+  before its update, which can be the one that overflows."""
+  return jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(params)]))
+
+
+# Metrics that are NaN on some healthy steps (disc_auc when a step's tokens are all one class;
+# disc metrics of objectives without a discriminator): their window mean skips NaN steps. Any
+# other NaN (loss, grad_norm, ...) is a diverged step and must show in the mean.
+_NAN_WHEN_HEALTHY = frozenset({"disc_auc"})
+
+
 def _mean_metrics(window: list[dict]) -> dict[str, float]:
-  """Means over the window, ignoring NaN steps (disc_auc is NaN on a step whose tokens are all
-  one class); NaN, without a warning, when every step was."""
+  """Means over the window. Those in _NAN_WHEN_HEALTHY ignore NaN steps (NaN, without a
+  warning, when every step was); every other metric is NaN if any step's was."""
   host = jax.device_get(window)  # one entry per call: scalars, or [k] for k steps per call
+  means = {}
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "Mean of empty slice", RuntimeWarning)
-    return {name: float(np.nanmean(np.concatenate([np.ravel(m[name]) for m in host]))) for name in host[0]}
+    for name in host[0]:
+      values = np.concatenate([np.ravel(m[name]) for m in host])
+      means[name] = float(np.nanmean(values) if name in _NAN_WHEN_HEALTHY else np.mean(values))
+  return means
 
 
 # ---------------------------------------------------------------------------------------
@@ -602,7 +647,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           logged.update(step=step, steps_per_sec=steps_per_sec, tokens_per_sec=steps_per_sec * tokens_per_step)
           if peak is not None:
             logged["mfu"] = logged["tokens_per_sec"] * flops_per_token / (peak * jax.device_count())
-          _stop_if_not_finite(logged["loss"], step, checkpointer)
+          if not math.isfinite(logged["loss"]):
+            first_bad = _first_non_finite_step(window, step)
+            _stop_if_not_finite("loss", logged["loss"], step, checkpointer, config, first_bad)
           if is_chief:
             metrics_log.append(logged)
             eta = (total_steps - step) / steps_per_sec
@@ -627,7 +674,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
         if step % config.checkpoint.every_steps == 0 or step == total_steps or stopping:
           last_loss = float(np.ravel(jax.device_get(metrics["loss"]))[-1])
-          _stop_if_not_finite(last_loss, step, checkpointer)  # never save a NaN state
+          _stop_if_not_finite("loss", last_loss, step, checkpointer, config, step)
+          # Never save a state that is not finite: the loss above predates the last update.
+          if not bool(_params_finite(state.params)):
+            _stop_if_not_finite("parameters' largest value", float("nan"), step, checkpointer, config)
           checkpointer.save(step, state, meta)
           if is_chief:  # a bucket's logs are rewritten now and then, and at least here
             metrics_log.flush()

@@ -61,6 +61,9 @@ def test_training_writes_held_out_metrics(tmp_path):
   for name in official:
     assert from_checkpoint[name] == pytest.approx(lines[-1][name], rel=1e-6), name
   assert json.loads((workdir / "eval_step_6.json").read_text())["disc_auc"] == from_checkpoint["disc_auc"]
+  # A step with no checkpoint is named with the ones there are (checkpoint.every_steps=3).
+  with pytest.raises(ValueError, match=r"no checkpoint of step 5; its checkpoints are of steps \[3, 6\]"):
+    train.evaluate_checkpoint(tiny_config(**{"eval.every_steps": 2, "data.eval_fraction": 0.1}), str(workdir), step=5)
 
 
 def test_evaluating_an_empty_workdir_is_a_clear_error(tmp_path):

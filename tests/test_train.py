@@ -175,18 +175,48 @@ def test_workdir_of_another_model_is_refused_and_left_intact(tmp_path):
 def test_mistyped_override_names_the_close_match(tmp_path):
   result = run_cli(cli_args(tmp_path / "run") + ["--config.train.stpes=5"])
   assert result.returncode != 0
-  assert 'Did you mean "steps"' in result.stderr
+  assert result.stderr.strip().splitlines()[-1] == (
+      "electra-jax: error: --config.train.stpes: the config has no key 'stpes'. Did you mean \"steps\" "
+      "instead of \"stpes\"? configs/base.py lists every key with its default."
+  )
+  assert "Traceback" not in result.stderr
+  result = run_cli(cli_args(tmp_path / "run") + ["--config.train.num_steps=5"])  # no close match
+  assert "error: --config.train.num_steps: the config has no key 'num_steps'." in result.stderr
+  assert not (tmp_path / "run").exists()
+
+
+def test_cudnn_attention_off_a_gpu_is_refused_before_any_data(tmp_path, monkeypatch):
+  config = tiny_config(**{"model.attention_impl": "cudnn", "train.dtype": "bfloat16", "model.attention_dropout_rate": 0.0})
+  monkeypatch.setattr(train.data, "load_pretraining_data", lambda *a, **k: pytest.fail("data was built"))
+  with pytest.raises(ConfigError, match="attention_impl='cudnn' is NVIDIA's fused attention, but the devices here are cpu"):
+    train.prepare(config)
 
 
 def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
   # An absurd learning rate drives the parameters to inf within a few steps.
   config = tiny_config(**{"optimizer.learning_rate": 1e30, "checkpoint.every_steps": 2, "train.log_every": 3})
-  with pytest.raises(FloatingPointError, match="The last checkpoint is step 2"):
+  # Step 3's loss, computed from step 2's parameters, is NaN: the error says that checkpoint
+  # is already diverged (and, as the run is float32, does not suggest float32).
+  with pytest.raises(FloatingPointError, match=r"The last checkpoint is step 2\. Its parameters are finite but "
+                     r"already gave step 3 a non-finite loss.*warmup_steps\.$"):
     train.train_and_evaluate(config, str(tmp_path))
   # Step 2's save was still in flight when the NaN appeared: it must have been completed.
   assert os.listdir(tmp_path / "checkpoints") == ["2"]
   meta = train.checkpointing.Checkpointer(str(tmp_path), keep=3).read_meta(2)
   assert "param_shapes" in meta
+  # The check before every save: parameters that overflowed are never written.
+  assert bool(train._params_finite({"a": jnp.ones(3), "b": {"c": jnp.zeros((2, 2))}}))
+  assert not bool(train._params_finite({"a": jnp.ones(3), "b": {"c": jnp.array([[0.0, jnp.inf]])}}))
+
+
+def test_a_nan_step_shows_in_the_logged_window_mean():
+  # disc_auc skips NaN steps (a step whose tokens are all one class has none); the loss and
+  # everything else must not, or a window holding a diverged step would log a finite loss.
+  window = [{"loss": np.float32(2.0), "disc_auc": np.float32(np.nan)},
+            {"loss": np.array([np.nan, 4.0], np.float32), "disc_auc": np.array([0.5, 0.7], np.float32)}]
+  means = train._mean_metrics(window)
+  assert np.isnan(means["loss"]) and means["disc_auc"] == pytest.approx(0.6)
+  assert train._first_non_finite_step(window, last_step=12) == 11
 
 
 def test_bfloat16_step_keeps_float32_master_weights_and_learns():
