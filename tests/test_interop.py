@@ -349,6 +349,54 @@ def test_cli_exports_a_pretraining_workdir(tmp_path):
     assert model.config == reference_model.config
 
 
+def _listing(directory):
+  """Every file under `directory` with its bytes: what "untouched" compares."""
+  return {
+      os.path.relpath(os.path.join(root, name), directory): open(os.path.join(root, name), "rb").read()
+      for root, _, names in os.walk(directory) for name in names
+  }
+
+
+def test_export_refuses_an_out_holding_another_export_and_leaves_it_untouched(tmp_path, monkeypatch):
+  workdir, out = tmp_path / "run", tmp_path / "hf"
+  config = tiny_config(**{"train.steps": 2, "checkpoint.every_steps": 2, "eval.every_steps": 0})
+  train.train_and_evaluate(config, str(workdir))
+  first = interop.export_workdir(str(workdir), str(out), export_generator=True)
+  assert sorted(first) == ["discriminator", "generator"]
+  before = _listing(out)
+
+  # The refusal comes before the checkpoint is even restored: it costs nothing, writes nothing.
+  def no_restore(*args, **kwargs):
+    raise AssertionError("restored a checkpoint for an export that is refused")
+
+  monkeypatch.setattr(train, "restore_checkpoint", no_restore)
+  # Written over, discriminator/ would mix two exports' files (another tokenizer's vocab, say).
+  with pytest.raises(ConfigError, match=r"hf/discriminator is not an empty directory.*pick a new --out, or remove"):
+    interop.export_workdir(str(workdir), str(out))
+  assert _listing(out) == before
+  # With discriminator/ gone, the old generator/ would still pose as the new model's generator.
+  os.rename(out / "discriminator", tmp_path / "old_discriminator")
+  before = _listing(out)
+  with pytest.raises(ConfigError, match=r"hf/generator holds an earlier export's generator.*without --export_gen"):
+    interop.export_workdir(str(workdir), str(out))
+  assert _listing(out) == before and not (out / "discriminator").exists()
+  (tmp_path / "a_file").write_text("")
+  with pytest.raises(ConfigError, match="is a file"):
+    interop.export_workdir(str(workdir), str(tmp_path / "a_file"))
+  # The command line reports it as an error, before loading anything.
+  python_m_main = cli_args(workdir)[:3]
+  refused = run_cli([*python_m_main, "--mode=export_hf", f"--workdir={workdir}", f"--out={out}"])
+  assert refused.returncode != 0 and "holds an earlier export's generator" in refused.stderr
+  assert _listing(out) == before
+
+  # Empty tower directories hold nothing to mix up: an export into them goes ahead.
+  monkeypatch.undo()
+  fresh = tmp_path / "fresh"
+  os.makedirs(fresh / "discriminator")
+  written = interop.export_workdir(str(workdir), str(fresh))
+  assert sorted(os.listdir(written["discriminator"])) == sorted(os.listdir(tmp_path / "old_discriminator"))
+
+
 def test_cli_asks_for_what_each_mode_needs(tmp_path):
   python_m_main = cli_args(tmp_path)[:3]
   no_out = run_cli([*python_m_main, "--mode=export_hf", f"--workdir={tmp_path}"])

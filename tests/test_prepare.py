@@ -299,6 +299,53 @@ def test_prepared_dir_of_another_config_is_refused_untouched(tmp_path, corpus_fi
     prepare_data(_config(tmp_path, corpus_files, prepared_dir=""), num_workers=0)
 
 
+def _listing(directory):
+  """Every file under `directory` (hidden ones too) with its bytes: what "untouched" compares."""
+  return {
+      os.path.relpath(os.path.join(root, name), directory): open(os.path.join(root, name), "rb").read()
+      for root, _, names in os.walk(directory) for name in names
+  }
+
+
+def test_another_config_is_refused_before_training_a_tokenizer(tmp_path, corpus_files, spm_model, monkeypatch):
+  # Prepared with a given model; re-run without data.spm_model_file, which would train one.
+  prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model), num_workers=0)
+  directory = tmp_path / "prepared"
+  before = _listing(directory)
+  trained = []
+  original_train = prepare.train_sentencepiece
+  monkeypatch.setattr(prepare, "train_sentencepiece", lambda *a, **k: trained.append(a) or original_train(*a, **k))
+  with pytest.raises(ConfigError, match=r"another config.*'spm_trained_here': \(None, .*Nothing was changed"):
+    prepare_data(_config(tmp_path, corpus_files), num_workers=0)
+  assert trained == [], "the settings alone decide the refusal: no tokenizer training before it"
+  assert _listing(directory) == before, "a refused run must leave no spm.model (nor anything else)"
+  # The directory still serves training exactly as before.
+  data = load_pretraining_data(_config(tmp_path, corpus_files, spm_model_file=spm_model, source="prepared"))
+  assert data.tokenizer.fingerprint == SentencePieceTokenizer(spm_model).fingerprint
+
+
+def test_a_retrained_tokenizer_of_another_fingerprint_is_refused_and_not_kept(tmp_path, corpus_files, monkeypatch):
+  config = _config(tmp_path, corpus_files, spm_vocab_size=100)
+  prepare_data(config, num_workers=0)
+  directory = tmp_path / "prepared"
+  os.remove(directory / "spm.model")  # lost: the next run trains a model again
+  before = _listing(directory)
+  original_train = prepare.train_sentencepiece
+  out_paths = []
+
+  def another_model(sentences, out_path, **kwargs):
+    # Training happens outside the directory, so a kill here would leave nothing in it.
+    out_paths.append(out_path)
+    assert not os.path.abspath(out_path).startswith(str(directory)) and _listing(directory) == before
+    return original_train(sentences, out_path, **dict(kwargs, model_type="bpe"))  # same size, other pieces
+
+  monkeypatch.setattr(prepare, "train_sentencepiece", another_model)
+  with pytest.raises(ConfigError, match=r"another config.*'tokenizer_fingerprint'.*spm.model.*is missing.*put that"):
+    prepare_data(config, num_workers=0)
+  assert len(out_paths) == 1 and not os.path.exists(out_paths[0]), "the scratch model is removed"
+  assert _listing(directory) == before
+
+
 def test_training_refuses_shards_of_another_tokenizer_or_length(tmp_path, corpus_files, spm_model):
   prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model), num_workers=0)
   with pytest.raises(ConfigError, match=r"max_seq_len=32, but data.max_seq_len=64"):

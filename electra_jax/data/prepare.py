@@ -5,7 +5,8 @@ run, and the manifest that training checks. Layout of `data.prepared_dir`:
 
   manifest.json        counts, per-shard rows/bytes/sha256, tokenizer fingerprint, max_seq_len,
                        format version, source description; "complete": true once all shards exist
-  spm.model            the sentencepiece model, when prepare_data trained it
+  spm.model            the sentencepiece model, when prepare_data trained it (trained outside the
+                       directory and moved in only once the directory is accepted)
   train-00000.npy ...  shard k of a split: the examples of documents [k*S, (k+1)*S) of the corpus
   eval-00000.npy ...   (S = data.shard_documents), uint16 (int32 for vocabularies over 65536) of
                        shape [rows, 2, max_seq_len]: [:, 0] input ids, [:, 1] token type ids
@@ -30,6 +31,7 @@ import io
 import json
 import multiprocessing
 import os
+import tempfile
 import time
 
 import numpy as np
@@ -163,28 +165,17 @@ def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) 
   return info
 
 
-def _prepare_tokenizer(config, out_dir: str):
-  """The tokenizer the shards are made with: the configured one, or a model trained into out_dir."""
+def _ready_tokenizer(config, out_dir: str):
+  """The tokenizer the shards are made with, when it needs no training: the configured one, or
+  the model an earlier prepare_data trained into out_dir. None when a sentencepiece model still
+  has to be trained (_train_prepare_tokenizer). Only loads files: cheap, and writes nothing."""
   if config["tokenizer"] == "wordpiece":
     return WordPieceTokenizer(config["vocab_file"], config["lowercase"], config["strip_accents"])
   if config["spm_model_file"]:
     return SentencePieceTokenizer(config["spm_model_file"])
   model_path = os.path.join(out_dir, SPM_MODEL)
   if not os.path.exists(model_path):
-    stats = sources.SourceStats()
-    logging.info(
-        "no data.spm_model_file: training a %s sentencepiece model of %d pieces into %s",
-        config["spm_model_type"], config["spm_vocab_size"], model_path,
-    )
-    try:
-      train_sentencepiece(
-          _iter_train_sentences(config, stats), model_path, vocab_size=config["spm_vocab_size"],
-          model_type=config["spm_model_type"], num_threads=_default_workers(),
-      )
-    except ConfigError as e:
-      if stats.num_documents == 0:
-        raise pipeline.no_documents_error(config, stats) from e
-      raise
+    return None
   tokenizer = SentencePieceTokenizer(model_path)
   if tokenizer.vocab_size != config["spm_vocab_size"]:
     raise ConfigError(
@@ -193,6 +184,27 @@ def _prepare_tokenizer(config, out_dir: str):
         f"data.prepared_dir, or delete that directory to prepare it again."
     )
   return tokenizer
+
+
+def _train_prepare_tokenizer(config, scratch_path: str, final_path: str):
+  """A sentencepiece model trained on the train documents into `scratch_path`, outside the
+  prepared directory: it is moved to `final_path` only once the directory is accepted, so a
+  refused or killed run leaves no model there that training would later pick up."""
+  stats = sources.SourceStats()
+  logging.info(
+      "no data.spm_model_file: training a %s sentencepiece model of %d pieces (for %s)",
+      config["spm_model_type"], config["spm_vocab_size"], final_path,
+  )
+  try:
+    train_sentencepiece(
+        _iter_train_sentences(config, stats), scratch_path, vocab_size=config["spm_vocab_size"],
+        model_type=config["spm_model_type"], num_threads=_default_workers(),
+    )
+  except ConfigError as e:
+    if stats.num_documents == 0:
+      raise pipeline.no_documents_error(config, stats) from e
+    raise
+  return SentencePieceTokenizer(scratch_path)
 
 
 # ---------------------------------------------------------------- workers
@@ -308,6 +320,56 @@ def _write_manifest(out_dir: str, manifest: dict) -> None:
   atomic_write_bytes(os.path.join(out_dir, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True).encode())
 
 
+# The settings that only the tokenizer's file gives; before a sentencepiece model is trained,
+# a directory is checked on all the others.
+_TOKENIZER_FILE_SETTINGS = ("tokenizer_fingerprint", "dtype")
+
+
+def _settings(config, source_key: dict, tokenizer) -> dict:
+  """What the shards depend on; a directory is only resumed by a run with equal settings.
+  `tokenizer` None (not trained yet) leaves out _TOKENIZER_FILE_SETTINGS."""
+  settings = {
+      "prepared_format": PREPARED_FORMAT_VERSION,
+      "packing_format": pipeline._CACHE_FORMAT_VERSION,
+      "source": config["source"],
+      "source_key": source_key,
+      "tokenizer": "wordpiece" if config["tokenizer"] == "wordpiece" else "sentencepiece",
+      "max_seq_len": config["max_seq_len"],
+      "eval_fraction": config["eval_fraction"],
+      "max_documents": config["max_documents"],
+      "shard_documents": config["shard_documents"],
+  }
+  if tokenizer is not None:
+    settings["tokenizer_fingerprint"] = tokenizer.fingerprint
+    settings["dtype"] = "uint16" if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else "int32"
+  if settings["tokenizer"] == "sentencepiece" and not config["spm_model_file"]:
+    settings["spm_trained_here"] = {"vocab_size": config["spm_vocab_size"], "model_type": config["spm_model_type"]}
+  return settings
+
+
+def _config_key(settings: dict) -> str:
+  return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _refuse_another_config(out_dir: str, existing: dict, settings: dict, hint: str = "") -> None:
+  """Raises unless the manifest `existing` of out_dir was written with `settings`; without the
+  tokenizer's settings (not trained yet), compares all the others. `hint` ends the message."""
+  old = existing.get("settings", {})
+  keys = list(settings) + [k for k in old if k not in settings]
+  if "tokenizer_fingerprint" not in settings:
+    keys = [k for k in keys if k not in _TOKENIZER_FILE_SETTINGS]
+  differences = {k: (old.get(k), settings.get(k)) for k in keys if old.get(k) != settings.get(k)}
+  if "tokenizer_fingerprint" in settings and existing.get("config_key") != _config_key(settings):
+    differences = differences or {"config_key": (existing.get("config_key"), _config_key(settings))}
+  if not differences:
+    return
+  raise ConfigError(
+      f"data.prepared_dir={out_dir!r} holds shards of another config (was -> now: "
+      f"{differences}){hint}. Nothing was changed; choose another data.prepared_dir, or delete "
+      f"that directory to prepare it again."
+  )
+
+
 def _sha256_file(path: str) -> str:
   digest = hashlib.sha256()
   with open(path, "rb") as f:
@@ -354,8 +416,9 @@ def prepare_data(data_config, num_workers: int | None = None) -> dict:
   Uses `num_workers` processes (default: every core; 0 runs in this process); they are
   spawned, so a script calling this needs the usual `if __name__ == "__main__":`. Re-running
   resumes: shards the manifest lists with a matching sha256 are kept, the rest are packed.
-  A prepared_dir holding shards of another config is refused, never overwritten. Train on
-  the result with data.source="prepared". Returns the manifest.
+  A prepared_dir holding shards of another config is refused, never overwritten: before any
+  tokenizer is trained, and with the directory left exactly as it was. Train on the result
+  with data.source="prepared". Returns the manifest.
   """
   config = pipeline._read_config(data_config)
   if config["source"] not in pipeline.DOCUMENT_SOURCES:
@@ -375,44 +438,44 @@ def prepare_data(data_config, num_workers: int | None = None) -> dict:
     raise ConfigError(f"num_workers must be >= 0 (0 = in this process), got {num_workers}.")
   if config["max_seq_len"] < 5:
     raise ConfigError(f"data.max_seq_len must be at least 5, got {config['max_seq_len']}.")
-  os.makedirs(out_dir, exist_ok=True)
   existing = read_manifest(out_dir)
+  source_key = pipeline.source_fingerprint(config)
+  tokenizer = _ready_tokenizer(config, out_dir)
+  settings = _settings(config, source_key, tokenizer)
+  if existing is not None:
+    # Before training a tokenizer (hours, on a big corpus) and before writing anything: a
+    # directory of another config is refused as it is. Only the fingerprint of a tokenizer
+    # still to be trained waits for the check below.
+    _refuse_another_config(out_dir, existing, settings)
+  model_path, model_bytes = os.path.join(out_dir, SPM_MODEL), None
+  if tokenizer is None:
+    with tempfile.TemporaryDirectory(prefix="electra_jax_spm-") as scratch:
+      trained = _train_prepare_tokenizer(config, os.path.join(scratch, SPM_MODEL), model_path)
+      settings = _settings(config, source_key, trained)
+      if existing is not None:
+        _refuse_another_config(
+            out_dir, existing, settings,
+            hint=f" ({model_path}, which the shards were made with, is missing, and training it again gave "
+            f"another model; put that file back to resume)",
+        )
+      with open(trained.model_path, "rb") as f:
+        model_bytes = f.read()
+
+  # Accepted: from here on the directory is ours to write.
+  os.makedirs(out_dir, exist_ok=True)
   # A killed run leaves its half-written file under a temporary name, never a shard's name;
   # clear them (one prepare_data per directory at a time).
   for name in os.listdir(out_dir):
     if name.startswith(".tmp-"):
       os.remove(os.path.join(out_dir, name))
-
-  tokenizer = _prepare_tokenizer(config, out_dir)
+  if model_bytes is not None:
+    atomic_write_bytes(model_path, model_bytes)
+    tokenizer = SentencePieceTokenizer(model_path)  # where the workers and training load it
   spec = _tokenizer_spec(config, tokenizer)
-  dtype = "uint16" if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else "int32"
-  source_key = pipeline.source_fingerprint(config)
-  settings = {
-      "prepared_format": PREPARED_FORMAT_VERSION,
-      "packing_format": pipeline._CACHE_FORMAT_VERSION,
-      "source": config["source"],
-      "source_key": source_key,
-      "tokenizer": spec["kind"],
-      "tokenizer_fingerprint": spec["fingerprint"],
-      "max_seq_len": config["max_seq_len"],
-      "eval_fraction": config["eval_fraction"],
-      "max_documents": config["max_documents"],
-      "shard_documents": config["shard_documents"],
-      "dtype": dtype,
-  }
-  if spec["kind"] == "sentencepiece" and not config["spm_model_file"]:
-    settings["spm_trained_here"] = {"vocab_size": config["spm_vocab_size"], "model_type": config["spm_model_type"]}
-  config_key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+  dtype = settings["dtype"]
+  config_key = _config_key(settings)
   done: dict[int, dict] = {}
   if existing is not None:
-    if existing.get("config_key") != config_key:
-      old = existing.get("settings", {})
-      differences = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
-      raise ConfigError(
-          f"data.prepared_dir={out_dir!r} holds shards of another config (was -> now: "
-          f"{differences}). Nothing was changed; choose another data.prepared_dir, or delete "
-          f"that directory to prepare it again."
-      )
     for entry in existing.get("shards", []):
       if _shard_is_intact(out_dir, entry):
         done[entry["index"]] = entry

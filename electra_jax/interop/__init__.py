@@ -2,8 +2,11 @@
 TF1 checkpoints in, the export of a pre-training workdir's latest checkpoint, and the import of
 a released discriminator + generator pair as the first checkpoint of a pre-training workdir."""
 
-from electra_jax.interop.export import export_workdir
+from electra_jax.interop.export import check_export_out, export_workdir
 from electra_jax.interop.hf import load_hf, save_hf
 from electra_jax.interop.pretraining import pair_from_hf, pair_from_tf, write_pretraining_workdir
 
-__all__ = ["export_workdir", "load_hf", "pair_from_hf", "pair_from_tf", "save_hf", "write_pretraining_workdir"]
+__all__ = [
+    "check_export_out", "export_workdir", "load_hf", "pair_from_hf", "pair_from_tf", "save_hf",
+    "write_pretraining_workdir",
+]

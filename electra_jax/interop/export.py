@@ -16,10 +16,14 @@ from electra_jax.interop.hf import save_hf
 
 def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -> dict[str, str]:
   """Writes <out_dir>/discriminator (and <out_dir>/generator) from the latest checkpoint in
-  `workdir`, using the model described by <workdir>/config.json. Returns {tower: directory}."""
+  `workdir`, using the model described by <workdir>/config.json. Returns {tower: directory}.
+  An `out_dir` that already holds another export is refused before anything is written
+  (check_export_out): it is never overwritten or mixed with this one."""
   config = config_lib.load_workdir_config(workdir)
   if not workdir_files.exists(workdir_files.path(workdir, "checkpoints")):
     raise ConfigError(f"{workdir} has no checkpoints/ directory: nothing to export yet.")
+  # Before the (slow) restore, so a refused export costs nothing and writes nothing.
+  check_export_out(out_dir, export_generator)
 
   # One device whatever mesh trained it: orbax re-shards the arrays onto it on restore.
   single_device = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
@@ -39,6 +43,35 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
     write_tokenizer_files(tok, directory, config.model.max_position_embeddings)
     written[tower] = directory
   return written
+
+
+def check_export_out(out_dir: str, export_generator: bool = False) -> None:
+  """Refuses an `out_dir` whose contents an export would mix with another model's.
+
+  save_hf and write_tokenizer_files write their files into a tower directory without clearing
+  it, so an earlier export's leftovers would survive next to the new model (a stale spm.model
+  beside a new vocab.txt, say), and an old generator/ the new export does not write would read
+  as this model's generator. Nothing under `out_dir` is ever deleted or modified here: the
+  user decides what the old files were.
+  """
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise ConfigError(f"--out={out_dir!r} is a file; pick a directory for the exported model directories.")
+  towers = ("discriminator", "generator") if export_generator else ("discriminator",)
+  for tower in ("discriminator", "generator"):
+    directory = os.path.join(out_dir, tower)
+    if not os.path.lexists(directory) or (os.path.isdir(directory) and not os.listdir(directory)):
+      continue  # nothing there to mix up
+    if tower in towers:
+      why = "is not an empty directory, and an export writes into it without clearing it"
+    else:
+      why = (
+          "holds an earlier export's generator, which this export (without --export_generator) "
+          "would leave beside a discriminator it does not belong to"
+      )
+    raise ConfigError(
+        f"--out={out_dir!r}: {directory} {why}. Nothing was written; pick a new --out, or remove "
+        f"{directory} first."
+    )
 
 
 def write_tokenizer_files(tok, directory: str, max_length: int) -> None:
