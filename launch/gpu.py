@@ -30,6 +30,9 @@ def on_host(host: Optional[str], script: str, job_dir: str) -> list[str]:
 def install_commands(args) -> list[list[str]]:
   if bool(args.repo_url) == bool(args.local):
     raise ValueError("install needs exactly one of --repo-url=URL (with --branch) or --local=CHECKOUT.")
+  if args.local and not os.path.isdir(args.local):
+    raise ValueError(f"--local={args.local} is not a directory here; give the electra-jax checkout to install "
+                     "(e.g. --local=.).")
   pip = [args.python, "-m", "pip", "install", "--upgrade", args.jax_package]
   if not args.host:  # this machine: install the checkout where it is
     checkout = os.path.abspath(args.local) if args.local else os.path.abspath(args.remote_dir)
@@ -45,11 +48,14 @@ def install_commands(args) -> list[list[str]]:
   remote_dir = shlex.quote(args.remote_dir)
   package_dir = args.remote_dir if os.path.isabs(args.remote_dir) else f"./{args.remote_dir}"
   remote_pip = shlex.join(pip + [package_dir])
-  if args.local:
-    copy = ["rsync", "-a", "--delete", "--exclude=.git", "--exclude=workdirs", "--exclude=__pycache__",
-            "--exclude=*.egg-info", os.path.abspath(args.local) + "/", f"{args.host}:{args.remote_dir}/"]
-    return [copy, ["ssh", args.host, remote_pip]]
   staging = shlex.quote(args.remote_dir + ".new")
+  if args.local:
+    # A tarball streamed over ssh into a fresh directory, as a clone would be: exactly the files
+    # pack_local picks (of a git checkout, those git lists), nothing left from an older copy.
+    unpack = (f"set -e; rm -rf {staging}; mkdir -p {staging}; tar -xzf - -C {staging}; "
+              f"rm -rf {remote_dir}; mv {staging} {remote_dir}")
+    copy = f"set -o pipefail; {remote_job.pack_local(args.local, '-')} | {shlex.join(['ssh', args.host, unpack])}"
+    return [["bash", "-c", copy], ["ssh", args.host, remote_pip]]
   clone = shlex.join(["git", "clone", "--depth=1", f"--branch={args.branch}", args.repo_url, args.remote_dir + ".new"])
   return [["ssh", args.host,
            f"set -e; rm -rf {staging}; {clone}; rm -rf {remote_dir}; mv {staging} {remote_dir}; {remote_pip}"]]
@@ -64,7 +70,11 @@ def run_command(args, overrides: Sequence[str]) -> list[str]:
     in_checkout = os.path.join(args.remote_dir, config)
     if not os.path.isabs(config) and not os.path.exists(config) and os.path.exists(in_checkout):
       config = in_checkout  # a recipe of the checkout `install --repo-url` made here
-    config = os.path.abspath(config)
+    # Refused here: the detached job would only say so in its log.
+    where = f"looked for in the current directory, then in --remote-dir={args.remote_dir}"
+    if (problem := remote_job.missing_config(config, ".", where)) is not None:
+      raise ValueError(problem)
+    config = config if "://" in config else os.path.abspath(config)
     workdir = args.workdir if "://" in args.workdir else os.path.abspath(args.workdir)
   env = remote_job.parse_env(args.env)
   if args.gpus:
@@ -87,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
   install = sub.add_parser("install", parents=[common], help="install electra-jax with CUDA JAX")
   install.add_argument("--repo-url")
   install.add_argument("--branch", default="main")
-  install.add_argument("--local", help="a local checkout (copied to --host with rsync)")
+  install.add_argument("--local", help="a local checkout (copied to --host: of a git checkout, the files git lists)")
   install.add_argument("--jax-package", default="jax[cuda12]")
   run = sub.add_parser("run", parents=[common], help="start the run, detached")
   run.add_argument("--workdir", required=True)
@@ -114,6 +124,8 @@ def main(argv: Optional[Sequence[str]] = None, execute: Optional[remote_job.Exec
   try:
     if args.command == "install":
       commands = install_commands(args)
+      if args.local and args.host:
+        remote_job.note(remote_job.local_contents(args.local), args.dry_run)
     elif args.command == "run":
       commands = [run_command(args, overrides)]
     elif args.command == "follow":

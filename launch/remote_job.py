@@ -1,9 +1,11 @@
 """Shell snippets that start, inspect and stop one detached electra-jax run on a host (a TPU VM
-worker, a GPU machine), shared by tpu_vm.py and gpu.py, plus the command-line pieces both need.
+worker, a GPU machine), shared by tpu_vm.py and gpu.py, plus the command-line pieces the
+launchers need (overrides, --env, --config checks, packing a local checkout).
 A run leaves three files in the directory the snippets run in (the login directory over ssh):
 its log, the pid of its process group and, once it ends by itself, its exit status."""
 
 import dataclasses
+import os
 import re
 import shlex
 import subprocess
@@ -59,6 +61,21 @@ def check_overrides(overrides: Sequence[str]) -> Optional[str]:
   return None
 
 
+def missing_config(config: str, root: str, where: str) -> Optional[str]:
+  """An error message when `config`, a recipe on this machine, names no file; None when it
+  does, or when it is remote (gs://...). A relative path is taken from the directory `root`,
+  which `where` describes for the message."""
+  if "://" in config:
+    return None
+  # ml_collections passes anything after the first ":" to the recipe's get_config.
+  path = os.path.join(root, config.split(":", 1)[0])
+  if os.path.isfile(path):
+    return None
+  return (f"--config={config}: there is no file {os.path.abspath(path)}"
+          f"{'' if os.path.isabs(config) else f' ({where})'}. Check the recipe's name (they are in configs/), "
+          "or give its full path.")
+
+
 def parse_env(pairs: Sequence[str]) -> dict[str, str]:
   env = {}
   for pair in pairs:
@@ -72,6 +89,52 @@ def parse_env(pairs: Sequence[str]) -> dict[str, str]:
 def train_argv(python: str, config: str, workdir: str, overrides: Sequence[str]) -> list[str]:
   """The training command every process runs; it resumes from `workdir` by itself."""
   return [python, "-m", "electra_jax.main", f"--config={config}", f"--workdir={workdir}", *overrides]
+
+
+# What install --local leaves out of a directory that is not a git checkout. A git checkout
+# ships exactly the files git sees instead (pack_local).
+FALLBACK_EXCLUDES = (".git", "workdirs", "__pycache__", "*.egg-info")
+
+
+def is_git_checkout(directory: str) -> bool:
+  """Whether `directory` is the top of a git work tree. Somewhere inside a bigger repository
+  (a home directory kept in git) that repository's ignore rules would pick what is shipped."""
+  try:
+    done = subprocess.run(["git", "-C", directory, "rev-parse", "--show-toplevel"],
+                          capture_output=True, text=True)
+  except OSError:  # no git on this machine
+    return False
+  top = done.stdout.strip()
+  return done.returncode == 0 and bool(top) and os.path.realpath(top) == os.path.realpath(directory)
+
+
+def pack_local(directory: str, tarball: str) -> str:
+  """A shell pipeline writing a gzipped tarball of the local checkout `directory` to `tarball`
+  ("-": stdout); run it under `set -o pipefail`. local_contents says what it holds."""
+  directory = os.path.abspath(directory)
+  if is_git_checkout(directory):
+    # Tracked files plus untracked ones git does not ignore: uncommitted work travels, while a
+    # virtualenv, sweeps, prepared data or anything else .gitignore names stays here.
+    # --no-recursion: a listed directory (a submodule) does not bring all of its contents.
+    listing = ["git", "-C", directory, "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    tar = ["tar", "-czf", tarball, "-C", directory, "--null", "--no-recursion", "-T", "-"]
+    return f"{shlex.join(listing)} | {shlex.join(tar)}"
+  return shlex.join(["tar", "-czf", tarball, *(f"--exclude={pattern}" for pattern in FALLBACK_EXCLUDES),
+                     "-C", directory, "."])
+
+
+def local_contents(directory: str) -> str:
+  """What pack_local ships from `directory`, in a line for the user."""
+  directory = os.path.abspath(directory)
+  if is_git_checkout(directory):
+    return f"{directory} is a git checkout: shipping the files git lists (tracked, and untracked but not ignored)."
+  return (f"{directory} is not a git checkout: shipping all of it but {', '.join(FALLBACK_EXCLUDES)} "
+          "(a virtualenv or data inside it goes too).")
+
+
+def note(line: str, dry_run: bool) -> None:
+  """A remark beside the commands: a comment line among a dry run's, on stderr otherwise."""
+  print(f"# {line}", file=sys.stdout if dry_run else sys.stderr, flush=True)
 
 
 def start_script(argv: Sequence[str], env: dict[str, str], files: JobFiles = JobFiles()) -> str:

@@ -22,6 +22,9 @@ from typing import Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import remote_job  # noqa: E402
 
+# The checkout this script belongs to (launch/..).
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def sbatch_script(args, overrides: Sequence[str]) -> str:
   directives = [
@@ -41,7 +44,7 @@ def sbatch_script(args, overrides: Sequence[str]) -> str:
   directives += [f"--account={args.account}"] * bool(args.account)
   directives += list(args.sbatch_arg)
   workdir = args.workdir if "://" in args.workdir else os.path.abspath(args.workdir)
-  config = os.path.abspath(args.config)
+  config = args.config if "://" in args.config else os.path.abspath(args.config)
   train = remote_job.train_argv(args.python, config, workdir, overrides)
   env = remote_job.parse_env(args.env)
   lines = ["#!/bin/bash"] + [f"#SBATCH {d}" for d in directives] + [
@@ -101,6 +104,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if args.nodes < 1 or args.gpus_per_node < 1 or args.chain < 0:
     parser.error(f"--nodes={args.nodes} and --gpus-per-node={args.gpus_per_node} must be >= 1, "
                  f"--chain={args.chain} >= 0.")
+  # The script names the recipe by its absolute path from here; refuse one that is not there
+  # now rather than let every task of a queued job fail on it later.
+  where = f"taken from the current directory, {os.getcwd()}"
+  if (problem := remote_job.missing_config(args.config, ".", where)) is not None:
+    own = os.path.join(_CHECKOUT, args.config)
+    if not os.path.isabs(args.config) and os.path.isfile(own):  # run from outside the checkout
+      problem += f" slurm.py's checkout has {own}: run slurm.py from {_CHECKOUT}, or pass --config={own}."
+    parser.error(problem)
   try:
     script = sbatch_script(args, overrides)
   except ValueError as error:

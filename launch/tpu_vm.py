@@ -106,7 +106,8 @@ class Slice:
 @dataclasses.dataclass(frozen=True)
 class Install:
   """electra-jax from a git URL (cloned on each worker) or a local checkout (copied as a
-  tarball). The checkout stays on the worker: the recipes in configs/ are read from it."""
+  tarball: of a git checkout, the files git lists). The checkout stays on the worker: the
+  recipes in configs/ are read from it."""
 
   repo_url: Optional[str] = None
   branch: str = "main"
@@ -118,6 +119,9 @@ class Install:
   def commands(self, tpu: Slice) -> list[list[str]]:
     if bool(self.repo_url) == bool(self.local):
       raise ValueError("install needs exactly one of --repo-url=URL (with --branch) or --local=CHECKOUT.")
+    if self.local and not os.path.isdir(self.local):
+      raise ValueError(f"--local={self.local} is not a directory here; give the electra-jax checkout to copy "
+                       "(e.g. --local=.).")
     remote_dir, staging = shlex.quote(self.remote_dir), shlex.quote(self.remote_dir + ".new")
     # pip needs a path, not a bare name, to install a directory.
     package_dir = self.remote_dir if os.path.isabs(self.remote_dir) else f"./{self.remote_dir}"
@@ -129,8 +133,7 @@ class Install:
       return [tpu.ssh(script)]
     tarball = f"electra-jax-src-{tpu.name}.tar.gz"
     local_tarball = os.path.join("/tmp", tarball)
-    pack = ["tar", "-czf", local_tarball, "--exclude=.git", "--exclude=workdirs", "--exclude=__pycache__",
-            "--exclude=*.egg-info", "-C", os.path.abspath(self.local), "."]
+    pack = ["bash", "-c", "set -o pipefail; " + remote_job.pack_local(self.local, local_tarball)]
     unpack = (f"set -e; rm -rf {staging}; mkdir -p {staging}; tar -xzf {shlex.quote(tarball)} -C {staging}; "
               f"rm -rf {remote_dir}; mv {staging} {remote_dir}; {pip}")
     return [pack, tpu.scp(local_tarball, tarball), tpu.ssh(unpack)]
@@ -370,7 +373,10 @@ def main(argv: Optional[Sequence[str]] = None, execute: Optional[remote_job.Exec
     if args.command == "create":
       return remote_job.run_all(execute, tpu.create())
     if args.command == "install":
-      return remote_job.run_all(execute, install.commands(tpu))
+      commands = install.commands(tpu)
+      if install.local:
+        remote_job.note(remote_job.local_contents(install.local), args.dry_run)
+      return remote_job.run_all(execute, commands)
     if args.command == "run":
       return remote_job.run_all(execute, run.start(tpu))
     if args.command == "follow":
@@ -386,6 +392,15 @@ def main(argv: Optional[Sequence[str]] = None, execute: Optional[remote_job.Exec
       # Refuse flags that would only fail after a preemption, before anything runs.
       install.commands(tpu)
       tpu.create()
+      # The workers read a relative recipe from their copy of --local, so a typo can be caught
+      # here rather than by a crash on every worker. (The checkout that `run` or --repo-url
+      # uses is not on this machine: those are not checked.)
+      if install.local and not os.path.isabs(run.config):
+        where = f"relative to --local={install.local}, the checkout the workers get"
+        if (problem := remote_job.missing_config(run.config, install.local, where)) is not None:
+          parser.error(problem)
+      if install.local:
+        remote_job.note(remote_job.local_contents(install.local), args.dry_run)
       if args.dry_run:
         supervise_dry_run(tpu, install, run, execute)
         return 0

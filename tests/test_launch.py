@@ -35,11 +35,57 @@ TRICKY_OVERRIDES = [
 ]
 
 
-def _dry_run(script, *args):
+def _dry_run(script, *args, notes=None):
+  """The commands a dry run prints, each split into its argv; its `# ...` notes go to `notes`."""
+  # From the checkout, as the README runs them: a relative --config is looked for here.
   done = subprocess.run([sys.executable, os.path.join(LAUNCH, script), *args],
-                        capture_output=True, text=True, timeout=60)
+                        capture_output=True, text=True, timeout=60, cwd=REPO)
   assert done.returncode == 0, done.stderr
+  if notes is not None:
+    notes.extend(line for line in done.stdout.splitlines() if line.startswith("#"))
   return [shlex.split(line) for line in done.stdout.splitlines() if line and not line.startswith("#")]
+
+
+def _refused(script, *args, cwd=REPO):
+  """stderr of a launcher that refused its arguments before printing or running anything."""
+  done = subprocess.run([sys.executable, os.path.join(LAUNCH, script), *args],
+                        capture_output=True, text=True, timeout=60, cwd=cwd)
+  assert done.returncode == 2 and not done.stdout, done
+  return done.stderr
+
+
+def _checkout(directory, git=True):
+  """A small electra-jax-like checkout with the local junk install --local must leave behind:
+  a virtualenv, sweeps, prepared data (all ignored), a workdir, bytecode. In git: one file
+  committed to the index, one untracked but not ignored (uncommitted work, which must travel)."""
+  files = {
+      ".gitignore": "__pycache__/\n.venv/\n/sweeps/\n/.bench_data/\n/workdirs/\n",
+      "setup.py": "# setup\n", "configs/demo.py": "# recipe\n", "electra_jax/new_module.py": "# new\n",
+      ".venv/bin/python": "", "sweeps/objectives/0/checkpoint": "", ".bench_data/s128/shard": "",
+      "workdirs/demo/metrics.jsonl": "", "electra_jax/__pycache__/x.pyc": "",
+  }
+  for name, text in files.items():
+    os.makedirs(os.path.join(directory, os.path.dirname(name)), exist_ok=True)
+    with open(os.path.join(directory, name), "w") as f:
+      f.write(text)
+  if git:
+    for command in (["init", "-q"], ["add", ".gitignore", "setup.py", "configs/demo.py"]):
+      subprocess.run(["git", "-C", str(directory), *command], check=True, capture_output=True)
+  return directory
+
+
+def _fake_ssh(directory, remote_home):
+  """A stand-in `ssh HOST COMMAND` that runs COMMAND with bash in `remote_home`."""
+  path = os.path.join(directory, "ssh")
+  with open(path, "w") as f:
+    f.write(f'#!/usr/bin/env bash\ncd {shlex.quote(str(remote_home))} && exec bash -c "$2"\n')
+  os.chmod(path, 0o755)
+  return dict(os.environ, PATH=f"{directory}{os.pathsep}{os.environ['PATH']}")
+
+
+def _tree(directory):
+  return sorted(os.path.relpath(os.path.join(root, name), directory)
+                for root, _, names in os.walk(directory) for name in names)
 
 
 def _option(argv, name):
@@ -113,19 +159,62 @@ def test_install_from_git_and_from_a_local_checkout(tmp_path):
   assert "git clone --depth=1 --branch=dev https://github.com/someone/electra-jax" in remote
   assert "pip install --upgrade 'jax[tpu]' './electra-jax[gcs]'" in remote
 
-  pack, scp, unpack = _dry_run("tpu_vm.py", "install", "--name=pod", "--zone=z", "--dry-run", f"--local={REPO}")
-  assert pack[:2] == ["tar", "-czf"] and pack[-3:] == ["-C", REPO, "."] and "--exclude=.git" in pack
-  assert scp[3:5] == ["tpu-vm", "scp"] and scp[5] == pack[2] and _option(scp, "worker") == "all"
-  assert scp[6] == f"pod:{os.path.basename(pack[2])}"
-  assert f"tar -xzf {os.path.basename(pack[2])}" in _option(unpack, "command")
+  # A git checkout ships what git lists: the tracked and the untracked-not-ignored files.
+  checkout = _checkout(tmp_path / "checkout")
+  name = f"pod-{os.getpid()}"  # the tarball goes to /tmp/electra-jax-src-NAME.tar.gz
+  notes = []
+  pack, scp, unpack = _dry_run("tpu_vm.py", "install", f"--name={name}", "--zone=z", "--dry-run",
+                               f"--local={checkout}", notes=notes)
+  assert notes == [f"# {checkout} is a git checkout: shipping the files git lists (tracked, and untracked but "
+                   "not ignored)."]
+  assert pack[:2] == ["bash", "-c"]
+  assert f"git -C {checkout} ls-files -z --cached --others --exclude-standard | tar" in pack[2]
+  tarball = f"/tmp/electra-jax-src-{name}.tar.gz"
+  assert scp[3:5] == ["tpu-vm", "scp"] and scp[5] == tarball and _option(scp, "worker") == "all"
+  assert scp[6] == f"{name}:{os.path.basename(tarball)}"
+  assert f"tar -xzf {os.path.basename(tarball)}" in _option(unpack, "command")
+  # What the pack command puts in the tarball, run for real: none of the ignored junk.
+  try:
+    subprocess.run(pack, check=True, capture_output=True, timeout=60)
+    members = subprocess.run(["tar", "-tzf", tarball], check=True, capture_output=True, text=True).stdout.split()
+  finally:
+    if os.path.exists(tarball):
+      os.remove(tarball)
+  assert sorted(members) == [".gitignore", "configs/demo.py", "electra_jax/new_module.py", "setup.py"]
+
+  # Not a git checkout: everything but the old exclude list, and the dry run says so.
+  plain = _checkout(tmp_path / "plain", git=False)
+  notes = []
+  pack, _, _ = _dry_run("tpu_vm.py", "install", "--name=pod", "--zone=z", "--dry-run", f"--local={plain}",
+                        notes=notes)
+  assert len(notes) == 1 and f"{plain} is not a git checkout" in notes[0]
+  assert shlex.split(pack[2].split("; ", 1)[1]) == [
+      "tar", "-czf", "/tmp/electra-jax-src-pod.tar.gz", "--exclude=.git", "--exclude=workdirs",
+      "--exclude=__pycache__", "--exclude=*.egg-info", "-C", str(plain), "."]
+  assert "is not a directory" in _refused("tpu_vm.py", "install", "--name=pod", "--zone=z", "--dry-run",
+                                          f"--local={tmp_path / 'nowhere'}")
+
+
+def test_gpu_install_copies_the_git_files_of_a_local_checkout_to_a_host(tmp_path):
+  checkout = _checkout(tmp_path / "checkout")
+  remote_home = tmp_path / "home"
+  (remote_home / "electra-jax").mkdir(parents=True)
+  (remote_home / "electra-jax" / "stale.py").write_text("# from an older copy\n")
+  notes = []
+  copy, pip = _dry_run("gpu.py", "install", "--host=me@gpu-box", f"--local={checkout}", "--dry-run", notes=notes)
+  assert len(notes) == 1 and "is a git checkout" in notes[0]
+  assert copy[:2] == ["bash", "-c"] and "ssh me@gpu-box" in copy[2]
+  assert pip == ["ssh", "me@gpu-box", "python3 -m pip install --upgrade 'jax[cuda12]' ./electra-jax"]
+  # The copy, run for real through an ssh that lands in remote_home: the host gets exactly the
+  # files git lists, and nothing of the copy it had before.
+  subprocess.run(copy, check=True, capture_output=True, timeout=60, env=_fake_ssh(tmp_path, remote_home))
+  assert _tree(remote_home) == ["electra-jax/.gitignore", "electra-jax/configs/demo.py",
+                                "electra-jax/electra_jax/new_module.py", "electra-jax/setup.py"]
 
 
 def test_bad_flags_are_refused_before_anything_runs():
   def refused(*args):
-    done = subprocess.run([sys.executable, os.path.join(LAUNCH, "tpu_vm.py"), *args],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and not done.stdout, done
-    return done.stderr
+    return _refused("tpu_vm.py", *args)
 
   assert "--config.GROUP.KEY=VALUE" in refused("run", "--name=p", "--zone=z", "--workdir=gs://b/r",
                                                 "--dry-run", "--", "--train.steps=5")
@@ -224,7 +313,7 @@ class FakeGcloud:
     """Each command but the polls, by what it does."""
     kinds = []
     for argv in self.commands:
-      if argv[0] == "tar" or argv[3:5] in (["tpu-vm", "describe"], ["queued-resources", "describe"]):
+      if argv[0] == "bash" or argv[3:5] in (["tpu-vm", "describe"], ["queued-resources", "describe"]):
         continue
       command = _option(argv, "command") if argv[4] == "ssh" else ""
       if remote_job.STATUS_MARK in command:
@@ -366,7 +455,7 @@ def test_gpu_host_run_over_ssh_and_here(tmp_path):
   argv = json.loads((tmp_path / "argv.json").read_text())
   # Paths made absolute: the job runs in --job-dir, not where the command was typed.
   assert argv == ["-m", "electra_jax.main", f"--config={REPO}/configs/demo.py",
-                  f"--workdir={os.path.join(os.getcwd(), 'relative/wd')}", *TRICKY_OVERRIDES]
+                  f"--workdir={os.path.join(REPO, 'relative/wd')}", *TRICKY_OVERRIDES]
 
 
 def test_gpu_local_install_from_git_twice_then_run_its_recipe(tmp_path):
@@ -398,7 +487,7 @@ def test_slurm_script_runs_one_task_per_gpu(tmp_path):
       [sys.executable, os.path.join(LAUNCH, "slurm.py"), "--nodes=4", "--gpus-per-node=8", "--partition=gpu",
        "--workdir=/shared/run", "--chain=2", f"--script={tmp_path}/job.sbatch", "--dry-run",
        "--", *TRICKY_OVERRIDES],
-      capture_output=True, text=True, timeout=60, check=True,
+      capture_output=True, text=True, timeout=60, check=True, cwd=REPO,
   ).stdout
   script, submit = out.split("# submit with:\n")
   script = script.split("\n", 1)[1]  # after the "# <path>" header
@@ -417,9 +506,33 @@ def test_slurm_script_runs_one_task_per_gpu(tmp_path):
 
   written = subprocess.run([sys.executable, os.path.join(LAUNCH, "slurm.py"), "--workdir=/shared/run",
                             f"--script={tmp_path}/job.sbatch", f"--log-dir={tmp_path}/logs"],
-                           capture_output=True, text=True, timeout=60, check=True)
+                           capture_output=True, text=True, timeout=60, check=True, cwd=REPO)
   assert (tmp_path / "job.sbatch").read_text().startswith("#!/bin/bash\n#SBATCH")
   assert "sbatch --parsable" in written.stdout
+
+
+def test_a_recipe_that_is_not_there_is_refused_before_anything_is_written(tmp_path):
+  # A typo: slurm.py would write a script whose every task fails once the job leaves the queue.
+  script, logs = tmp_path / "job.sbatch", tmp_path / "logs"
+  typo = _refused("slurm.py", "--workdir=/shared/run", "--config=configs/electra_smal.py",
+                  f"--script={script}", f"--log-dir={logs}")
+  assert f"--config=configs/electra_smal.py: there is no file {REPO}/configs/electra_smal.py" in typo
+  assert not script.exists() and not logs.exists()
+  # From outside the checkout the default recipe is not under the current directory: the
+  # error points at slurm.py's own checkout. A full path works from anywhere.
+  outside = _refused("slurm.py", "--workdir=/shared/run", f"--script={script}", "--dry-run", cwd=tmp_path)
+  assert f"there is no file {tmp_path}/configs/electra_small.py" in outside
+  assert f"--config={REPO}/configs/electra_small.py" in outside
+  done = subprocess.run([sys.executable, os.path.join(LAUNCH, "slurm.py"), "--workdir=/shared/run",
+                         f"--config={REPO}/configs/electra_small.py", "--dry-run"],
+                        capture_output=True, text=True, timeout=60, cwd=tmp_path, check=True)
+  assert f"--config={REPO}/configs/electra_small.py" in done.stdout
+  # gpu.py on this machine, and tpu_vm.py restart, which installs --local on the workers.
+  assert "there is no file" in _refused("gpu.py", "run", "--workdir=wd", "--config=configs/electra_smal.py",
+                                        "--dry-run")
+  assert "relative to --local" in _refused("tpu_vm.py", "restart", "--name=p", "--zone=z", "--accelerator-type=v4-8",
+                                           f"--local={REPO}", "--workdir=gs://b/r",
+                                           "--config=configs/electra_smal.py", "--dry-run")
 
 
 def test_electra_jax_joins_the_job_slurm_py_describes(monkeypatch):
