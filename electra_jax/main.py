@@ -269,6 +269,13 @@ def _parse_flags(argv):
   """absl's flag parsing, with one change: a --config.* override of a key the config does not
   have (ml_collections raises AttributeError or KeyError, often with a close match) ends with
   one line naming the flag instead of a traceback."""
+  overrides = [arg.split("=")[0] for arg in argv[1:] if arg.startswith("--config.")]
+  if overrides and not any(arg == "--config" or arg.startswith("--config=") for arg in argv[1:]):
+    sys.exit(
+        f"electra-jax: error: {overrides[0]} changes a recipe, but no --config was given. To change "
+        "the config.json of an existing workdir, pass --config=configs/workdir.py:DIR (DIR = the "
+        "workdir) with the overrides."
+    )
   try:
     return app.parse_flags_with_usage(argv)
   except (AttributeError, KeyError) as error:
@@ -278,7 +285,6 @@ def _parse_flags(argv):
     message = str(message)
     key, _, hint = message.partition("\n")
     key = key.strip("'\"")
-    overrides = [arg.split("=")[0] for arg in argv[1:] if arg.startswith("--config.")]
     named = [flag for flag in overrides if key in flag.split(".")[1:]]
     if not named:
       raise

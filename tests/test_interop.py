@@ -348,6 +348,15 @@ def test_cli_exports_a_pretraining_workdir(tmp_path):
     assert all(np.array_equal(flat[path], reference[path]) for path in flat)
     assert model.config == reference_model.config
 
+  # The export of a sentencepiece run carries spm.model; importing it back gives a workdir that
+  # tokenizes with that very model and starts from the exported weights.
+  pair = interop.pair_from_hf(str(out / "discriminator"), str(out / "generator"))
+  imported = tmp_path / "imported"
+  interop.write_pretraining_workdir(pair, tiny_config(), str(imported))
+  data_config = train.config_lib.load_workdir_config(str(imported)).data
+  assert data_config.tokenizer == "sentencepiece" and data_config.spm_model_file == str(imported / "spm.model")
+  assert (imported / "spm.model").read_bytes() == (out / "discriminator" / "spm.model").read_bytes()
+
 
 def _listing(directory):
   """Every file under `directory` with its bytes: what "untouched" compares."""

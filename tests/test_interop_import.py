@@ -285,7 +285,7 @@ def test_pairs_electra_jax_cannot_represent_are_refused(tmp_path):
 def test_a_pair_without_vocabulary_is_refused(tmp_path):
   pair = interop.pair_from_hf(os.path.join(FIXTURE, "hf_discriminator"), os.path.join(FIXTURE, "hf_generator"))
   assert pair.vocab_file is None
-  with pytest.raises(ConfigError, match="no vocab.txt beside the weights"):
+  with pytest.raises(ConfigError, match=r"no vocab.txt \(or spm.model\) beside the weights"):
     _import(pair, tmp_path / "w")
 
 

@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import flax
@@ -263,3 +264,22 @@ def test_steps_per_call_that_leaves_single_steps_is_named(caplog):
 def test_steps_per_call_below_one_is_refused(tmp_path):
   with pytest.raises(ConfigError, match="steps_per_call=0"):
     train.train_and_evaluate(tiny_config(**{"train.steps_per_call": 0}), str(tmp_path))
+
+
+def test_overrides_apply_to_a_workdirs_own_config(tmp_path):
+  # configs/workdir.py:DIR reads DIR/config.json, so a run can go on with overrides.
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "config.json").write_text(train.config_lib.to_json(tiny_config(**{"train.steps": 4})))
+  recipe = os.path.join(REPO, "configs", "workdir.py")
+  result = run_cli([sys.executable, "-c", (
+      "import sys; from absl import flags; from ml_collections import config_flags;"
+      "c = config_flags.DEFINE_config_file('config'); flags.FLAGS(sys.argv);"
+      "print(c.value.train.steps, c.value.model.hidden_size)"),
+      f"--config={recipe}:{workdir}", "--config.train.steps=9"])
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.split() == ["9", str(tiny_config().model.hidden_size)]
+  # Overrides without any --config are answered with that recipe.
+  result = run_cli(cli_args(workdir)[:3] + [f"--workdir={workdir}", "--config.train.steps=9"])
+  assert "error: --config.train.steps changes a recipe, but no --config was given" in result.stderr
+  assert "--config=configs/workdir.py:DIR" in result.stderr

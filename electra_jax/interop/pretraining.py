@@ -42,6 +42,7 @@ class ImportedPair:
   lowercase: bool | None  # from the tokenizer's settings, where the source records them
   strip_accents: bool | None
   source: str  # for messages and the checkpoint's side-car
+  spm_model_file: str | None = None  # a sentencepiece model, when there is no vocab.txt (our exports)
 
 
 def _read_tokenizer_settings(directory: str) -> tuple[bool | None, bool | None]:
@@ -77,11 +78,21 @@ def pair_from_hf(discriminator_dir: str, generator_dir: str) -> ImportedPair:
         "trained with different vocabularies and cannot share one embedding table."
     )
   vocab_file = vocab_files.get("discriminator") or vocab_files.get("generator")
+  # electra-jax's exports of a sentencepiece run carry spm.model instead (transformers has no
+  # ELECTRA tokenizer for it); the same model must be beside both towers, if beside both.
+  spm_files = [os.path.join(d, "spm.model") for d in (discriminator_dir, generator_dir)
+               if os.path.isfile(os.path.join(d, "spm.model"))]
+  if len(spm_files) == 2 and _file_bytes(spm_files[0]) != _file_bytes(spm_files[1]):
+    raise ConfigError(
+        f"{spm_files[0]} and {spm_files[1]} differ: the two towers were trained with different "
+        "vocabularies and cannot share one embedding table."
+    )
   lowercase, strip_accents = _read_tokenizer_settings(discriminator_dir)
   return ImportedPair(
       *towers["discriminator"], *towers["generator"],
       vocab_file=vocab_file, lowercase=lowercase, strip_accents=strip_accents,
       source=f"Hugging Face: discriminator {discriminator_dir}, generator {generator_dir}",
+      spm_model_file=None if vocab_file else (spm_files[0] if spm_files else None),
   )
 
 
@@ -187,8 +198,14 @@ def _model_config(pair: ImportedPair) -> dict:
 
 
 def _data_config(pair: ImportedPair, config, workdir: str) -> dict:
-  """data.* values that tokenize as the released model did: its vocab.txt, copied into the
-  workdir so the workdir is complete on its own (the source may be a temporary download)."""
+  """data.* values that tokenize as the released model did: its vocab.txt (or, for an
+  electra-jax export of a sentencepiece run, its spm.model), copied into the workdir so the
+  workdir is complete on its own (the source may be a temporary download)."""
+  if pair.vocab_file is None and pair.spm_model_file is not None:
+    target = os.path.join(os.path.abspath(workdir), "spm.model")
+    shutil.copyfile(pair.spm_model_file, target + ".tmp")
+    os.replace(target + ".tmp", target)
+    return {"tokenizer": "sentencepiece", "spm_model_file": target}
   if pair.vocab_file is None:
     if config.data.tokenizer == "wordpiece" and config.data.vocab_file:
       logging.warning(
@@ -197,7 +214,7 @@ def _data_config(pair: ImportedPair, config, workdir: str) -> dict:
       )
       return {}
     raise ConfigError(
-        f"{pair.source}: no vocab.txt beside the weights, so the token ids would mean nothing. "
+        f"{pair.source}: no vocab.txt (or spm.model) beside the weights, so the token ids would mean nothing. "
         "Put the model's vocab.txt there, or pass --config.data.tokenizer=wordpiece "
         "--config.data.vocab_file=PATH."
     )
@@ -289,7 +306,7 @@ def write_pretraining_workdir(
   return {
       "workdir": workdir,
       "config": config_path,
-      "vocab_file": config.data.vocab_file,
+      "vocab_file": config.data.vocab_file or config.data.spm_model_file,
       "num_params": int(sum(np.prod(s) for s in setup.param_shapes.values())),
       "generator_fraction": config.model.generator_fraction,
   }
