@@ -273,7 +273,11 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
   else:
     # As the official uniform_generator: all-zero logits, so samples are uniform over the
     # vocabulary and L_MLM is the constant log(vocab), which trains nothing.
-    gen_logits = jnp.zeros((*masked.positions.shape, model.vocab_size), jnp.float32)
+    # Zeros made from the batch (weights * 0 is not folded, as 0 * NaN would not be 0): a
+    # constant [batch, n_pred, vocab] array would make XLA fold the losses and sampling over
+    # it at compile time, for seconds to minutes.
+    zeros = (masked.weights * 0.0)[..., None]
+    gen_logits = jnp.broadcast_to(zeros, (*masked.positions.shape, model.vocab_size))
   mlm_loss_sum, mlm_correct = _mlm_sums(gen_logits, masked.target_ids, masked.weights)
   disallowed = masked.target_ids if objective.disallow_correct else None
   sampled_ids = sample_tokens(sample_keys, gen_logits, objective.temperature, disallowed)
