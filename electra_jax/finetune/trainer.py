@@ -340,6 +340,6 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   )
   _write_json(os.path.join(task_dir, "results.json"), results)
   table = format_table(summary)
-  logging.info("Results over %d seed(s):\n%s", len(seeds), table)
-  print(table)
+  logging.info("Results over %d seed(s) in %s; the table:", len(seeds), os.path.join(task_dir, "results.json"))
+  print(table)  # once, on stdout (it used to be logged as well, so it showed twice)
   return results
