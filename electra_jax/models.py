@@ -70,10 +70,10 @@ def tied_vocab_logits(hidden, word_table, output_bias, dtype):
 
   Its gradient is autodiff's for the product taken in the compute dtype (the float32
   cotangent cast to it, so the backward matmuls run in bfloat16 where that is the compute
-  dtype), computed in the forms that cost least on a CPU (and no more elsewhere): the table's as [E, vocab] (the logits' gradient read in its own layout, not
-  transposed into a copy as large as the logits) and the bias's as a product with a ones
-  vector (a matrix-vector product, where XLA:CPU's column reduction over the vocabulary took
-  ten times longer). Together about 70 ms of a 3.2 s electra_small step on two CPU cores.
+  dtype), computed in the forms that cost least on a CPU (and no more elsewhere): the table's
+  as [E, vocab] (the logits' gradient read in its own layout, not transposed into a copy as
+  large as the logits) and the bias's as a product with a ones vector (a matrix-vector
+  product, where XLA:CPU's column reduction over the vocabulary took ten times longer). Together about 70 ms of a 3.2 s electra_small step on two CPU cores.
   """
   return _tied_vocab_logits_fwd(hidden, word_table, output_bias, dtype)[0]
 

@@ -537,9 +537,10 @@ def _params_finite(params) -> jax.Array:
   return jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(params)]))
 
 
-# Metrics that are NaN on some healthy steps (disc_auc when a step's tokens are all one class;
-# disc metrics of objectives without a discriminator): their window mean skips NaN steps. Any
-# other NaN (loss, grad_norm, ...) is a diverged step and must show in the mean.
+# Metrics that are NaN on some healthy steps (disc_auc when a step's tokens are all one class):
+# their window mean skips NaN steps. Any other NaN (loss, grad_norm, ...) is a diverged step and
+# must show in the mean. (Objectives without a discriminator report NaN disc metrics on every
+# step: NaN either way.)
 _NAN_WHEN_HEALTHY = frozenset({"disc_auc"})
 
 
@@ -677,7 +678,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           _stop_if_not_finite("loss", last_loss, step, checkpointer, config, step)
           # Never save a state that is not finite: the loss above predates the last update.
           if not bool(_params_finite(state.params)):
-            _stop_if_not_finite("parameters' largest value", float("nan"), step, checkpointer, config)
+            _stop_if_not_finite("parameters", float("nan"), step, checkpointer, config)
           checkpointer.save(step, state, meta)
           if is_chief:  # a bucket's logs are rewritten now and then, and at least here
             metrics_log.flush()
