@@ -28,11 +28,7 @@ def on_host(host: Optional[str], script: str, job_dir: str) -> list[str]:
 
 
 def install_commands(args) -> list[list[str]]:
-  if bool(args.repo_url) == bool(args.local):
-    raise ValueError("install needs exactly one of --repo-url=URL (with --branch) or --local=CHECKOUT.")
-  if args.local and not os.path.isdir(args.local):
-    raise ValueError(f"--local={args.local} is not a directory here; give the electra-jax checkout to install "
-                     "(e.g. --local=.).")
+  remote_job.check_install_source(args.repo_url, args.local)
   pip = [args.python, "-m", "pip", "install", "--upgrade", args.jax_package]
   if not args.host:  # this machine: install the checkout where it is
     checkout = os.path.abspath(args.local) if args.local else os.path.abspath(args.remote_dir)

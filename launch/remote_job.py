@@ -96,6 +96,15 @@ def train_argv(python: str, config: str, workdir: str, overrides: Sequence[str])
 FALLBACK_EXCLUDES = (".git", "workdirs", "__pycache__", "*.egg-info")
 
 
+def check_install_source(repo_url: Optional[str], local: Optional[str]) -> None:
+  """install takes exactly one of --repo-url and --local, and --local must be a directory."""
+  if bool(repo_url) == bool(local):
+    raise ValueError("install needs exactly one of --repo-url=URL (with --branch) or --local=CHECKOUT.")
+  if local and not os.path.isdir(local):
+    raise ValueError(f"--local={local} is not a directory here; give the electra-jax checkout to install "
+                     "(e.g. --local=.).")
+
+
 def is_git_checkout(directory: str) -> bool:
   """Whether `directory` is the top of a git work tree. Somewhere inside a bigger repository
   (a home directory kept in git) that repository's ignore rules would pick what is shipped."""

@@ -117,11 +117,7 @@ class Install:
   jax_package: str = "jax[tpu]"
 
   def commands(self, tpu: Slice) -> list[list[str]]:
-    if bool(self.repo_url) == bool(self.local):
-      raise ValueError("install needs exactly one of --repo-url=URL (with --branch) or --local=CHECKOUT.")
-    if self.local and not os.path.isdir(self.local):
-      raise ValueError(f"--local={self.local} is not a directory here; give the electra-jax checkout to copy "
-                       "(e.g. --local=.).")
+    remote_job.check_install_source(self.repo_url, self.local)
     remote_dir, staging = shlex.quote(self.remote_dir), shlex.quote(self.remote_dir + ".new")
     # pip needs a path, not a bare name, to install a directory.
     package_dir = self.remote_dir if os.path.isabs(self.remote_dir) else f"./{self.remote_dir}"
