@@ -229,4 +229,14 @@ def test_argmax_first_is_jnp_argmax_ties_included():
   for shape in [(5, 7), (3, 4, 30522)]:
     for z in (rng.integers(-2, 3, size=shape), rng.normal(size=shape)):
       z = jnp.asarray(z, jnp.float32)
+      np.testing.assert_array_equal(objectives._argmax_two_reductions(z), jnp.argmax(z, axis=-1))
       np.testing.assert_array_equal(objectives._argmax_first(z), jnp.argmax(z, axis=-1))
+
+
+@pytest.mark.parametrize("platform, reductions", [("cpu", 2), ("cuda", 1), ("tpu", 1)])
+def test_argmax_takes_one_reduction_off_the_cpu(platform, reductions):
+  """On GPUs and TPUs the argmax is one (value, index) reduction, which XLA fuses with the
+  Gumbel noise it reads; the CPU keeps its two faster plain ones."""
+  z = jax.ShapeDtypeStruct((4, 19, 30522), jnp.float32)
+  module = jax.export.export(jax.jit(objectives._argmax_first), platforms=[platform])(z).mlir_module()
+  assert module.count("stablehlo.reduce") == reductions, module
