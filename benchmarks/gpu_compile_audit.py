@@ -26,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from electra_jax import flops, partitioning, train  # noqa: E402
+from electra_jax import config_lib, flops, partitioning, train  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hlo_audit import Audit  # noqa: E402
@@ -58,6 +58,10 @@ device_description_str: "{name}"
 def main(argv):
   del argv
   config, device = _CONFIG.value, DEVICES[_DEVICE.value]
+  try:
+    config_lib.validate(config)  # a bad override is named here, not by the compiler
+  except config_lib.ConfigError as e:
+    sys.exit(str(e))
   from jax.experimental import topologies
   try:
     topology = topologies.get_topology_desc("audit", "cuda", target_config=_TARGET.format(**device),
@@ -96,7 +100,7 @@ def main(argv):
   print(f"bytes read and written by kernels: {t['bytes'] / 1e9:.2f} GB")
   print(f"roofline bound: {t['bound_s'] * 1e3:.2f} ms (no launch or latency cost), so MFU at most "
         f"{model_flops / t['bound_s'] / device['peak']:.0%}")
-  print(f"\n| bound (ms) | kernels | GFLOP | MB | source | operation |\n|---|---|---|---|---|---|")
+  print("\n| bound (ms) | kernels | GFLOP | MB | source | operation |\n|---|---|---|---|---|---|")
   for (where, operation), (bound, launches, dot, moved) in sorted(
       audit.by_source.items(), key=lambda kv: -kv[1][0])[:_TOP.value]:
     print(f"| {bound * 1e3:.3f} | {launches} | {dot / 1e9:.1f} | {moved / 1e6:.1f} | {where} | {operation} |")
