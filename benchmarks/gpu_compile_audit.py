@@ -22,7 +22,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host runs the compiler; no GPU is looked for
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
@@ -72,18 +71,9 @@ def main(argv):
   mesh = partitioning.make_mesh(config.mesh, devices=topology.devices)
   # Special ids shape the masking, not the program; the vocabulary is the recipe's.
   setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4, vocab_size=config.model.vocab_size))
-  batch_sharding, replicated = partitioning.batch_sharding(mesh), partitioning.replicated(mesh)
   shape = (config.train.batch_size, config.data.max_seq_len)
-  batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding) for k in train.batch_keys(config)}
-  key = jax.eval_shape(lambda: jax.random.key(0))  # abstract: nothing may run on these devices
-  key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
   with partitioning.activate(mesh):
-    compiled = jax.jit(
-        train.train_step,
-        in_shardings=(setup.state_shardings, batch_sharding, replicated),
-        out_shardings=(setup.state_shardings, replicated),
-        donate_argnums=(0,),
-    ).lower(setup.abstract_state, batch, key).compile()
+    compiled = train.compile_train_step(setup, config, mesh)
   hlo = compiled.as_text()
   if _HLO.value:
     with open(_HLO.value, "w") as f:

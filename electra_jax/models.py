@@ -73,7 +73,8 @@ def tied_vocab_logits(hidden, word_table, output_bias, dtype):
   dtype), computed in the forms that cost least on a CPU (and no more elsewhere): the table's
   as [E, vocab] (the logits' gradient read in its own layout, not transposed into a copy as
   large as the logits) and the bias's as a product with a ones vector (a matrix-vector
-  product, where XLA:CPU's column reduction over the vocabulary took ten times longer). Together about 70 ms of a 3.2 s electra_small step on two CPU cores.
+  product, where XLA:CPU's column reduction over the vocabulary took ten times longer).
+  Together about 70 ms of a 3.2 s electra_small step on two CPU cores.
   """
   return _tied_vocab_logits_fwd(hidden, word_table, output_bias, dtype)[0]
 

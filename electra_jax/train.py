@@ -343,11 +343,14 @@ def compile_train_steps(setup: TrainingSetup, config, mesh, num_steps: int):
 def _compile_update(fn, setup: TrainingSetup, config, mesh, num_steps: int | None):
   """`fn(state, batch, rng)` compiled with the state donated: one global batch and key
   (num_steps None), or num_steps of each stacked on a leading axis."""
+  # The keys' shape and dtype only, so nothing runs on the devices (compile-only ones, as
+  # benchmarks/gpu_compile_audit.py uses, cannot run anything).
   if num_steps is None:
-    batch_sharding, leading, rng = partitioning.batch_sharding(mesh), (), jax.random.key(0)
+    batch_sharding, leading = partitioning.batch_sharding(mesh), ()
+    rng = jax.eval_shape(lambda: jax.random.key(0))
   else:
     batch_sharding, leading = partitioning.stacked_batch_sharding(mesh), (num_steps,)
-    rng = step_rngs(0, 0, num_steps)
+    rng = jax.eval_shape(lambda: step_rngs(0, 0, num_steps))
   replicated = partitioning.replicated(mesh)
   shape = (*leading, config.train.batch_size, config.data.max_seq_len)
   abstract_batch = {
