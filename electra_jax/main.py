@@ -3,7 +3,9 @@
   python -m electra_jax.main --config=configs/demo.py --workdir=/tmp/electra_demo \
       [--config.train.steps=200 ...]
 
-Re-running the same command resumes from the workdir's latest checkpoint. Held-out metrics
+Re-running the same command resumes from the workdir's latest checkpoint; while one run
+holds a workdir, another refuses it (workdir_lease.py; --take_over_workdir if that run is
+known dead). Held-out metrics
 of its latest checkpoint (the config defaults to the workdir's config.json):
 
   python -m electra_jax.main --mode=eval --workdir=/tmp/electra_demo
@@ -97,6 +99,11 @@ _WORKERS = flags.DEFINE_integer(
     "workers", None, "prepare_data: worker processes (default: every core; 0 = in this process)."
 )
 _STEP = flags.DEFINE_integer("step", None, "eval: the checkpoint step (default: the latest).")
+_TAKE_OVER = flags.DEFINE_bool(
+    "take_over_workdir", False,
+    "train: start even though another run holds --workdir (its lease.json names it), because "
+    "you know that run is dead. Without it a run refuses a workdir a live run holds.",
+)
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "Multi-process runs: host:port of process 0 (or ELECTRA_JAX_COORDINATOR_ADDRESS)."
 )
@@ -158,7 +165,7 @@ def main(argv):
               "already holds a config.json to continue with."
           )
         config = config_lib.load_workdir_config(_WORKDIR.value)
-      metrics = train.train_and_evaluate(config, _WORKDIR.value)
+      metrics = train.train_and_evaluate(config, _WORKDIR.value, take_over_workdir=_TAKE_OVER.value)
       if metrics and jax.process_index() == 0:  # one summary per job, not per host
         summary = ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
         print(f"Final metrics (step {int(metrics['step'])}): {summary}")

@@ -23,7 +23,7 @@ from jax.experimental import multihost_utils
 
 from electra_jax import (
     checkpointing, config_lib, data, evaluation, flops, memory, objectives, partitioning, tensorboard_log,
-    workdir_files,
+    workdir_files, workdir_lease,
 )
 from electra_jax.config_lib import ConfigError
 from electra_jax.models import ElectraPretrainer, build_model
@@ -563,19 +563,65 @@ def _mean_metrics(window: list[dict]) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------
 # The whole run
 # ---------------------------------------------------------------------------------------
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-  """Pre-trains per `config`, resuming from `workdir` if it holds a checkpoint. Returns the
-  last logged metrics."""
-  mesh, corpus, setup = prepare(config)
-  is_chief = jax.process_index() == 0
-  init_rng = jax.random.key(config.train.seed)
-  evaluator = evaluation.HeldOutEvaluator(config, setup, mesh) if config.eval.every_steps else None
+def _agreed(problem: str | None) -> str | None:
+  """Process 0's verdict on every process: its message, None when it found nothing wrong."""
+  if jax.process_count() == 1:
+    return problem
+  if not int(multihost_utils.broadcast_one_to_all(np.int32(problem is not None))):
+    return None
+  return problem or "Process 0 stopped the run; its log says why."
 
+
+def _hold_workdir(lease: workdir_lease.WorkdirLease | None, reread: bool) -> None:
+  """Raises WorkdirInUse on every process once another run has taken the workdir over:
+  `reread` reads the lease file now (before a checkpoint), else the heartbeat's last finding."""
+  problem = None
+  if lease is not None:
+    if reread:
+      try:
+        lease.check()
+      except workdir_lease.WorkdirInUse as error:
+        problem = str(error)
+    elif lease.taken_by is not None:
+      problem = lease.lost_message()
+  problem = _agreed(problem)
+  if problem:
+    raise workdir_lease.WorkdirInUse(problem)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       take_over_workdir: bool = False) -> dict[str, float]:
+  """Pre-trains per `config`, resuming from `workdir` if it holds a checkpoint. Returns the
+  last logged metrics. One run per workdir (workdir_lease.py): a run refuses a workdir that
+  another live run holds, unless `take_over_workdir`."""
+  mesh, corpus, setup = prepare(config)
   # --- Checkpoint: restore or initialize. Refusals happen before anything is written.
   checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
   start_step = checkpointer.latest_step()
   if start_step is not None:
     _check_checkpoint_matches(checkpointer.read_meta(start_step), setup, corpus, workdir)
+  lease, problem = None, None
+  if jax.process_index() == 0:
+    lease = workdir_lease.WorkdirLease(workdir)
+    try:
+      lease.acquire(take_over=take_over_workdir)
+    except workdir_lease.WorkdirInUse as error:
+      lease, problem = None, str(error)
+  problem = _agreed(problem)
+  if problem:
+    checkpointer.close()
+    raise workdir_lease.WorkdirInUse(problem)
+  try:
+    return _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease)
+  finally:
+    if lease is not None:
+      lease.release()
+
+
+def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease) -> dict[str, float]:
+  is_chief = jax.process_index() == 0
+  init_rng = jax.random.key(config.train.seed)
+  evaluator = evaluation.HeldOutEvaluator(config, setup, mesh) if config.eval.every_steps else None
   # Local or in a bucket (gs://...): see workdir_files.py. Only process 0 writes them.
   metrics_log = eval_log = None
   if is_chief:
@@ -645,6 +691,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         call += 1
 
         if step % config.train.log_every == 0 or step == total_steps or stopping:
+          _hold_workdir(lease, reread=False)
           logged = _mean_metrics(window)
           elapsed = time.perf_counter() - window_start
           steps_per_sec = window_steps / elapsed
@@ -682,6 +729,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           # Never save a state that is not finite: the loss above predates the last update.
           if not bool(_params_finite(state.params)):
             _stop_if_not_finite("parameters", float("nan"), step, checkpointer, config)
+          _hold_workdir(lease, reread=True)  # never save over the checkpoints of a run that took over
           checkpointer.save(step, state, meta)
           if is_chief:  # a bucket's logs are rewritten now and then, and at least here
             metrics_log.flush()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 
 from etils import epath
@@ -46,7 +47,8 @@ def write_text(file, text: str) -> None:
   if is_remote(file):
     file.write_text(text)
     return
-  tmp = file.with_name(file.name + ".tmp")
+  # A name of this writer's own, so two processes or threads replacing one file never share it.
+  tmp = file.with_name(f"{file.name}.{os.getpid()}.{threading.get_ident()}.tmp")
   tmp.write_text(text)
   os.replace(tmp, file)
 

@@ -1,0 +1,170 @@
+"""One training run writes to a workdir at a time.
+
+<workdir>/lease.json names the run that holds the workdir: a random run id, the host, the pid,
+when it started, and a heartbeat that a thread of process 0 rewrites every `beat_seconds`.
+A run starting on a workdir takes the lease when there is none, when its holder released it
+(the holder ended: done, SIGTERM, an error), or when the holder is gone: on the same host its
+pid no longer runs (kill -9, a crash), on any host its heartbeat is older than
+`stale_seconds` (a preempted VM, a lost machine). Otherwise the run refuses before it writes
+anything, naming the holder; `take_over=True` (the CLI's --take_over_workdir) takes the lease
+from a holder the user knows to be dead.
+
+A bucket has no atomic create-if-absent that every filesystem layer offers, and two runs can
+start within one heartbeat of each other on different hosts. So the lease is also a fence: the
+holder reads it again before every checkpoint (and its heartbeat thread on every beat), and a
+run that finds another run's id there stops before it saves. The newest run keeps the workdir;
+the older one never overwrites its checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Callable, Optional
+
+from absl import logging
+
+from electra_jax import workdir_files
+from electra_jax.config_lib import ConfigError
+
+LEASE_FILE = "lease.json"
+
+
+class WorkdirInUse(ConfigError):
+  """Another run holds the workdir, or took it over from this one."""
+
+
+def _pid_running(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except (PermissionError, OverflowError, ValueError):
+    return True  # someone else's process, or a pid this system cannot have: assume alive
+  return True
+
+
+def describe(holder: dict, now: float) -> str:
+  age = now - float(holder.get("heartbeat", 0.0))
+  return (f"run {holder.get('run_id', '?')} on host {holder.get('host', '?')} (pid {holder.get('pid', '?')}, "
+          f"started {holder.get('started', '?')}, last heartbeat {age:.0f} s ago)")
+
+
+class WorkdirLease:
+  """Process 0's claim on a workdir. `acquire()` once before writing anything, `check()`
+  before each checkpoint, `release()` at the end (also after an error)."""
+
+  def __init__(self, workdir, beat_seconds: float = 30.0, stale_seconds: float = 120.0,
+               clock: Callable[[], float] = time.time):
+    if stale_seconds <= beat_seconds:
+      raise ValueError(f"stale_seconds={stale_seconds} must exceed beat_seconds={beat_seconds}.")
+    self.workdir = workdir
+    self.file = workdir_files.path(workdir, LEASE_FILE)
+    self.beat_seconds, self.stale_seconds, self._clock = beat_seconds, stale_seconds, clock
+    self.record = {
+        "run_id": uuid.uuid4().hex[:12],
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "released": False,
+    }
+    self._stop = threading.Event()
+    self._thread: Optional[threading.Thread] = None
+    self._lock = threading.Lock()  # the main thread's check/release against the heartbeat's write
+    self.taken_by: Optional[dict] = None  # set once another run's id is found in the file
+
+  @property
+  def run_id(self) -> str:
+    return self.record["run_id"]
+
+  def read(self) -> Optional[dict]:
+    """The lease file's content; None when there is none, or when it cannot be parsed (local
+    writes are atomic, so only a hand edit leaves it so; it is treated as absent)."""
+    if not workdir_files.exists(self.file):
+      return None
+    try:
+      holder = json.loads(workdir_files.read_text(self.file))
+    except (ValueError, OSError):
+      logging.warning("Ignoring %s: it is not a lease this version wrote.", self.file)
+      return None
+    return holder if isinstance(holder, dict) and "run_id" in holder else None
+
+  def holder_alive(self, holder: Optional[dict]) -> bool:
+    """Whether `holder` (another run's lease) still counts as running."""
+    if holder is None or holder.get("released"):
+      return False
+    if self._clock() - float(holder.get("heartbeat", 0.0)) > self.stale_seconds:
+      return False
+    if holder.get("host") == self.record["host"]:
+      return _pid_running(int(holder.get("pid", -1)))
+    return True
+
+  def _write(self) -> None:
+    workdir_files.write_text(self.file, json.dumps(dict(self.record, heartbeat=self._clock()), sort_keys=True))
+
+  def acquire(self, take_over: bool = False) -> None:
+    """Takes the workdir, or raises WorkdirInUse naming the run that holds it."""
+    holder = self.read()
+    if self.holder_alive(holder):
+      if not take_over:
+        this_process = ""
+        if holder.get("host") == self.record["host"] and holder.get("pid") == self.record["pid"]:
+          this_process = (" That is this very process: a run still going in another thread (a "
+                          "notebook whose cell was interrupted keeps training in the background).")
+        raise WorkdirInUse(
+            f"The workdir {self.workdir} is in use by {describe(holder, self._clock())}.{this_process} "
+            "Wait for that run to end, or use another --workdir. If it is dead (its machine was "
+            f"lost; a run on another host also counts as dead {self.stale_seconds:.0f} s after its "
+            "last heartbeat), pass --take_over_workdir. Nothing was written."
+        )
+      logging.warning("--take_over_workdir: taking %s from %s.", self.workdir, describe(holder, self._clock()))
+    elif holder is not None and not holder.get("released"):
+      logging.warning("The last run on %s ended without releasing it (%s); taking it over.",
+                      self.workdir, describe(holder, self._clock()))
+    workdir_files.makedirs(workdir_files.path(self.workdir))
+    self._write()
+    self.check()  # another run that wrote in the same moment: the last writer keeps it
+    self._thread = threading.Thread(target=self._beat, name="workdir-lease", daemon=True)
+    self._thread.start()
+
+  def _beat(self) -> None:
+    while not self._stop.wait(self.beat_seconds):
+      try:
+        with self._lock:
+          if self._stop.is_set() or not self._still_held():
+            return
+          self._write()
+      except OSError as error:  # a bucket that did not answer: the next beat tries again
+        logging.warning("Could not renew the lease on %s: %s", self.workdir, error)
+
+  def _still_held(self) -> bool:
+    if self.taken_by is None:
+      holder = self.read()
+      if holder is not None and holder.get("run_id") != self.run_id:
+        self.taken_by = holder
+    return self.taken_by is None
+
+  def check(self) -> None:
+    """Raises WorkdirInUse if another run's lease replaced this one's."""
+    with self._lock:
+      if not self._still_held():
+        raise WorkdirInUse(self.lost_message())
+
+  def lost_message(self) -> str:
+    return (f"Another run took over the workdir {self.workdir}: {describe(self.taken_by, self._clock())}. "
+            f"This run ({self.run_id}) stopped without saving, so as not to overwrite that run's "
+            "checkpoints. Run one job per workdir.")
+
+  def release(self) -> None:
+    """Marks the lease released, unless another run holds it by now. Stops the heartbeat."""
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+    with self._lock:
+      if self._thread is not None and self._still_held():
+        self.record["released"] = True
+        self._write()

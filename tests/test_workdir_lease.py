@@ -1,0 +1,167 @@
+"""One run per workdir: a live holder is refused, a dead one is taken over, and a run whose
+workdir was taken over stops before it saves over the new holder's checkpoints."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import cli_args, run_cli, tiny_config
+
+from electra_jax import checkpointing, train, workdir_lease
+from electra_jax.workdir_lease import WorkdirInUse, WorkdirLease
+
+
+class Clock:
+  def __init__(self):
+    self.now = 1_000_000.0
+
+  def __call__(self):
+    return self.now
+
+
+def _lease_file(workdir):
+  return json.loads((workdir / workdir_lease.LEASE_FILE).read_text())
+
+
+def _write_holder(workdir, clock_now, **fields):
+  """A lease as another run would have written it."""
+  holder = dict(run_id="othersrun123", host="elsewhere", pid=12345, started="earlier",
+                heartbeat=clock_now, released=False)
+  holder.update(fields)
+  workdir.mkdir(parents=True, exist_ok=True)
+  (workdir / workdir_lease.LEASE_FILE).write_text(json.dumps(holder))
+  return holder
+
+
+def _dead_pid():
+  proc = subprocess.Popen([sys.executable, "-c", "pass"])
+  proc.wait()
+  return proc.pid
+
+
+def test_a_released_lease_is_taken_and_released_again(tmp_path):
+  clock = Clock()
+  first = WorkdirLease(tmp_path, beat_seconds=60, clock=clock)
+  first.acquire()
+  held = _lease_file(tmp_path)
+  assert held["run_id"] == first.run_id and held["pid"] == os.getpid() and not held["released"]
+  assert held["heartbeat"] == clock.now
+  first.release()
+  assert _lease_file(tmp_path)["released"]
+  second = WorkdirLease(tmp_path, beat_seconds=60, clock=clock)
+  second.acquire()  # no live holder: taken at once
+  assert _lease_file(tmp_path)["run_id"] == second.run_id != first.run_id
+  second.release()
+
+
+def test_a_live_holder_on_another_host_is_refused_until_its_heartbeat_is_stale(tmp_path):
+  clock = Clock()
+  _write_holder(tmp_path, clock.now - 30)
+  before = (tmp_path / workdir_lease.LEASE_FILE).read_text()
+  lease = WorkdirLease(tmp_path, beat_seconds=30, stale_seconds=120, clock=clock)
+  with pytest.raises(WorkdirInUse) as refused:
+    lease.acquire()
+  message = str(refused.value)
+  for named in ("othersrun123", "host elsewhere", "pid 12345", "30 s ago", "--take_over_workdir", "Nothing was written"):
+    assert named in message, (named, message)
+  assert (tmp_path / workdir_lease.LEASE_FILE).read_text() == before
+  clock.now += 91  # the last heartbeat is now 121 s old: the holder counts as dead
+  lease.acquire()
+  assert _lease_file(tmp_path)["run_id"] == lease.run_id
+  lease.release()
+
+
+def test_same_host_holder_counts_as_dead_when_its_pid_is_gone(tmp_path):
+  clock = Clock()
+  lease = WorkdirLease(tmp_path, beat_seconds=60, clock=clock)
+  _write_holder(tmp_path, clock.now, host=lease.record["host"], pid=os.getpid())  # alive: this process
+  with pytest.raises(WorkdirInUse, match="is in use by run othersrun123.*this very process"):
+    lease.acquire()
+  _write_holder(tmp_path, clock.now, host=lease.record["host"], pid=_dead_pid())  # kill -9, fresh heartbeat
+  lease.acquire()
+  assert _lease_file(tmp_path)["run_id"] == lease.run_id
+  lease.release()
+
+
+def test_take_over_takes_a_live_lease_and_the_old_holder_is_fenced_off(tmp_path):
+  clock = Clock()
+  old = WorkdirLease(tmp_path, beat_seconds=60, clock=clock)
+  old.acquire()
+  old.check()  # still its own
+  new = WorkdirLease(tmp_path, beat_seconds=60, clock=clock)
+  with pytest.raises(WorkdirInUse):
+    new.acquire()
+  new.acquire(take_over=True)
+  with pytest.raises(WorkdirInUse, match=f"Another run took over .*run {new.run_id}.*stopped without saving"):
+    old.check()
+  old.release()  # must not mark the new holder's lease released
+  held = _lease_file(tmp_path)
+  assert held["run_id"] == new.run_id and not held["released"]
+  new.release()
+
+
+def test_the_heartbeat_renews_the_lease_and_stops_once_taken_over(tmp_path):
+  lease = WorkdirLease(tmp_path, beat_seconds=0.05, stale_seconds=1.0)
+  lease.acquire()
+  first = _lease_file(tmp_path)["heartbeat"]
+  deadline = time.time() + 30
+  while _lease_file(tmp_path)["heartbeat"] == first and time.time() < deadline:
+    time.sleep(0.02)
+  assert _lease_file(tmp_path)["heartbeat"] > first
+  foreign = _write_holder(tmp_path, time.time(), host="elsewhere")
+  while lease.taken_by is None and time.time() < deadline:
+    time.sleep(0.02)
+  assert lease.taken_by["run_id"] == "othersrun123"  # found by the heartbeat, not by check()
+  time.sleep(0.2)  # several beats: none of them may write over the new holder
+  assert _lease_file(tmp_path) == foreign
+  lease.release()
+  assert _lease_file(tmp_path) == foreign
+
+
+def test_training_refuses_a_held_workdir_before_writing_anything(tmp_path):
+  workdir = tmp_path / "run"
+  _write_holder(workdir, time.time(), host=socket.gethostname(), pid=os.getpid())
+  config = tiny_config()
+  with pytest.raises(WorkdirInUse, match="is in use by run othersrun123"):
+    train.train_and_evaluate(config, str(workdir))
+  assert sorted(p.name for p in workdir.iterdir()) == sorted([workdir_lease.LEASE_FILE, "checkpoints"])
+  assert not os.listdir(workdir / "checkpoints")
+  metrics = train.train_and_evaluate(config, str(workdir), take_over_workdir=True)
+  assert metrics["step"] == 6 and sorted(os.listdir(workdir / "checkpoints")) == ["3", "6"]
+  assert _lease_file(workdir)["released"]
+
+
+def test_a_run_taken_over_mid_way_stops_before_its_next_checkpoint(tmp_path, monkeypatch):
+  workdir = tmp_path / "run"
+  config = tiny_config(**{"train.steps": 9, "checkpoint.every_steps": 3})
+  real_save = checkpointing.Checkpointer.save
+
+  def save_then_lose_the_workdir(self, step, state, meta):
+    real_save(self, step, state, meta)
+    if step == 3:  # another run takes the workdir right after this save
+      _write_holder(workdir, time.time(), run_id="newerrun4567", host="elsewhere")
+
+  monkeypatch.setattr(checkpointing.Checkpointer, "save", save_then_lose_the_workdir)
+  with pytest.raises(WorkdirInUse, match="Another run took over .*newerrun4567"):
+    train.train_and_evaluate(config, str(workdir))
+  assert os.listdir(workdir / "checkpoints") == ["3"]  # steps 6 and 9 were not saved
+  held = _lease_file(workdir)
+  assert held["run_id"] == "newerrun4567" and not held["released"]
+
+
+def test_cli_names_the_holder_and_exits_without_a_traceback(tmp_path):
+  workdir = tmp_path / "run"
+  # A run on this machine that is still alive: this test process.
+  _write_holder(workdir, time.time(), host=socket.gethostname(), pid=os.getpid())
+  result = run_cli(cli_args(workdir))
+  assert result.returncode != 0 and "Traceback" not in result.stderr
+  assert "electra-jax: error: The workdir" in result.stderr and "in use by run othersrun123" in result.stderr
+  assert not (workdir / "config.json").exists()
+  result = run_cli(cli_args(workdir) + ["--take_over_workdir"])
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "--take_over_workdir: taking" in result.stderr
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["3", "6"]
