@@ -82,3 +82,16 @@ def test_bad_inputs_raise():
     metrics.accuracy([], [])
   with pytest.raises(ValueError, match="Unknown metrics"):
     metrics.compute_metrics(("auc",), [1], [1])
+
+
+def test_results_table_columns_line_up_for_long_metric_names():
+  from electra_jax.finetune.trainer import format_table  # noqa: PLC0415
+
+  stats = dict(mean=0.5, median=0.5, best=0.625, n=3)
+  table = format_table({"squad2.0": {"exact_match": stats, "HasAns_exact_match": stats, "score": stats},
+                        "rte": {"accuracy": dict(stats, mean=0.7), "score": dict(stats, mean=0.7)}})
+  lines = table.splitlines()
+  assert len({len(line) for line in lines}) == 1, table  # every row as wide as the header
+  assert [line.split()[:2] for line in lines[1:]] == [
+      ["squad2.0", "exact_match"], ["squad2.0", "HasAns_exact_match"], ["squad2.0", "score"], ["rte", "accuracy"]]
+  assert lines[4].split()[2:] == ["70.00", "50.00", "62.50", "3"]

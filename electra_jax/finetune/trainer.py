@@ -210,12 +210,15 @@ def summarize(per_seed: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
 
 
 def format_table(summary) -> str:
-  lines = [f"{'task':<10} {'metric':<10} {'mean':>8} {'median':>8} {'best':>8} {'seeds':>5}"]
-  for eval_name, by_metric in summary.items():
-    for metric, s in by_metric.items():
-      if metric == "score" and len(by_metric) == 2:
-        continue  # the score of a one-metric task is that metric
-      lines.append(f"{eval_name:<10} {metric:<10} {100 * s['mean']:8.2f} {100 * s['median']:8.2f} {100 * s['best']:8.2f} {s['n']:5d}")
+  rows = [(eval_name, metric, s) for eval_name, by_metric in summary.items() for metric, s in by_metric.items()
+          # the score of a one-metric task is that metric
+          if not (metric == "score" and len(by_metric) == 2)]
+  task_w = max([len("task")] + [len(r[0]) for r in rows])
+  metric_w = max([len("metric")] + [len(r[1]) for r in rows])
+  lines = [f"{'task':<{task_w}} {'metric':<{metric_w}} {'mean':>8} {'median':>8} {'best':>8} {'seeds':>5}"]
+  for eval_name, metric, s in rows:
+    lines.append(f"{eval_name:<{task_w}} {metric:<{metric_w}} {100 * s['mean']:8.2f} {100 * s['median']:8.2f} "
+                 f"{100 * s['best']:8.2f} {s['n']:5d}")
   return "\n".join(lines)
 
 
