@@ -27,6 +27,16 @@ def sibling(config_file: str, name: str):
   return module
 
 
+def missing_key(error: BaseException) -> tuple[str, str]:
+  """(key, hint) from the error ml_collections raises for an absent key, which nests the text
+  (an AttributeError around a KeyError around "'key'\nDid you mean ...")."""
+  message = error
+  while isinstance(message, BaseException) and message.args:
+    message = message.args[0]
+  key, _, hint = str(message).partition("\n")
+  return key.strip("'\""), hint.strip()
+
+
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
   """The resolved config a training run saved as <workdir>/config.json."""
   from electra_jax import workdir_files  # noqa: PLC0415 (keeps recipes' imports light)
@@ -85,6 +95,21 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"train.steps={t.steps}, train.log_every={t.log_every} and checkpoint.every_steps="
         f"{config.checkpoint.every_steps} must all be >= 1."
     )
+  if config.checkpoint.keep < 1:
+    raise ConfigError(
+        f"checkpoint.keep={config.checkpoint.keep} must be >= 1: it is how many of the latest "
+        "checkpoints stay in the workdir, and a run that keeps none could never resume."
+    )
+  if not config.optimizer.learning_rate > 0:
+    raise ConfigError(
+        f"optimizer.learning_rate={config.optimizer.learning_rate} must be > 0 (the peak of the "
+        "warmup-then-linear-decay schedule; ELECTRA-Small uses 5e-4, Base 2e-4)."
+    )
+  _check_data_source(config.data)
+  if m.get("attention_impl") == "splash":
+    from electra_jax import splash_attention  # noqa: PLC0415 (it imports this module)
+
+    splash_attention.check_seq_len(config.data.max_seq_len)
   if config.eval.every_steps < 0 or config.eval.num_batches < 1 or config.eval.batch_size < 0:
     raise ConfigError(
         f"eval.every_steps={config.eval.every_steps} must be >= 0 (0 = off), eval.num_batches="
@@ -118,6 +143,23 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"model.tie='all' runs one encoder for both towers, so they must be the same size, but "
         f"model.generator_fraction={m.generator_fraction}: set it to 1.0."
     )
+
+
+# A data key that only another source reads, and the source that reads it.
+_SOURCE_KEYS = (("files", "text' (or 'jsonl"), ("prepared_dir", "prepared"), ("tfds_name", "tfds"))
+
+
+def _check_data_source(d: ml_collections.ConfigDict) -> None:
+  """The built-in corpus with another source's location set is a forgotten data.source: the
+  run would train on the standard library's text instead of the corpus named."""
+  if d.get("source", "builtin") != "builtin":
+    return
+  for key, source in _SOURCE_KEYS:
+    if d.get(key):
+      raise ConfigError(
+          f"data.{key}={d[key]!r} is set, but data.source='builtin' (the standard library's text) "
+          f"does not read it. Add --config.data.source='{source}' to train on it, or drop data.{key}."
+      )
 
 
 def validate_for_mesh(config: ml_collections.ConfigDict, batch_shards: int) -> None:

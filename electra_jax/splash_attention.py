@@ -38,8 +38,8 @@ def check_seq_len(seq_len: int) -> None:
     raise ConfigError(
         f"model.attention_impl='splash' tiles rows into blocks of {SEQ_MULTIPLE} tokens, but "
         f"data.max_seq_len={seq_len} is not a multiple of {SEQ_MULTIPLE}: choose e.g. "
-        f"{max(SEQ_MULTIPLE, seq_len // SEQ_MULTIPLE * SEQ_MULTIPLE)} or "
-        f"{-(-seq_len // SEQ_MULTIPLE) * SEQ_MULTIPLE}, or model.attention_impl='xla'."
+        f"{' or '.join(map(str, sorted({max(SEQ_MULTIPLE, seq_len // SEQ_MULTIPLE * SEQ_MULTIPLE), -(-seq_len // SEQ_MULTIPLE) * SEQ_MULTIPLE})))}, "
+        "or model.attention_impl='xla'."
     )
 
 

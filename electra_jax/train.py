@@ -594,6 +594,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   """Pre-trains per `config`, resuming from `workdir` if it holds a checkpoint. Returns the
   last logged metrics. One run per workdir (workdir_lease.py): a run refuses a workdir that
   another live run holds, unless `take_over_workdir`."""
+  workdir_files.check_usable(workdir)
   mesh, corpus, setup = prepare(config)
   # --- Checkpoint: restore or initialize. Refusals happen before anything is written.
   checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)

@@ -29,6 +29,23 @@ def path(workdir, *parts) -> epath.Path:
   return epath.Path(root if is_remote(root) else os.path.abspath(root)).joinpath(*parts)
 
 
+def check_usable(workdir) -> None:
+  """Refuses, before any data or compile, a local workdir that cannot be made: a file in
+  its place or on its path, or a parent this user may not write to. (A bucket is not checked.)"""
+  from electra_jax.config_lib import ConfigError  # noqa: PLC0415 (recipes import config_lib)
+
+  if is_remote(workdir):
+    return
+  target = os.path.abspath(os.fspath(workdir))
+  existing = target
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise ConfigError(f"--workdir={workdir} cannot be a directory: {existing} is a file. Pick another --workdir.")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ConfigError(f"--workdir={workdir}: {existing} is not writable by this user. Pick another --workdir.")
+
+
 def makedirs(directory) -> None:
   epath.Path(directory).mkdir(parents=True, exist_ok=True)
 
