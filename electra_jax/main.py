@@ -44,6 +44,7 @@ the sweep folder), the table alone, and curves of any workdirs:
 
 import logging as std_logging
 import os
+import re
 import sys
 
 from electra_jax import xla_flags
@@ -151,16 +152,17 @@ def main(argv):
   try:
     # First, before anything touches the devices. TPU VM slices and SLURM need no flags.
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    _check_recipe_kind(_CONFIG.value, _MODE.value)
     if _MODE.value in _NO_WORKDIR_MODES:
       _data_mode(_MODE.value)
       return
     if _WORKDIR.value is None:
-      raise app.UsageError(f"--mode={_MODE.value} needs --workdir.")
+      raise config_lib.ConfigError(f"--mode={_MODE.value} needs --workdir.")
     if _MODE.value == "train":
       config = _CONFIG.value
       if config is None:
         if not workdir_files.exists(workdir_files.path(_WORKDIR.value, "config.json")):
-          raise app.UsageError(
+          raise config_lib.ConfigError(
               "--mode=train needs --config (a recipe, e.g. configs/demo.py), unless --workdir "
               "already holds a config.json to continue with."
           )
@@ -178,7 +180,7 @@ def main(argv):
       print(f"Written to {_WORKDIR.value}/eval_step_{held_out['step']}.json")
     elif _MODE.value == "export_hf":
       if _OUT.value is None:
-        raise app.UsageError("--mode=export_hf needs --out=DIR (where the model directories go).")
+        raise config_lib.ConfigError("--mode=export_hf needs --out=DIR (where the model directories go).")
       written = interop.export_workdir(_WORKDIR.value, _OUT.value, _EXPORT_GENERATOR.value)
       for tower, directory in written.items():
         print(f"Wrote the {tower} (Hugging Face format) to {directory}")
@@ -188,7 +190,7 @@ def main(argv):
       _import(_MODE.value)
     elif _MODE.value == "finetune":
       if _CONFIG.value is None:
-        raise app.UsageError(
+        raise config_lib.ConfigError(
             "--mode=finetune needs --config (configs/finetune/glue.py, squad.py, custom.py or tiny.py)."
         )
       from electra_jax.finetune import trainer as finetune  # noqa: PLC0415 (tfds/squad stay out of other modes)
@@ -199,9 +201,45 @@ def main(argv):
     sys.exit(f"electra-jax: error: {error}")
 
 
+def _check_recipe_kind(config, mode: str) -> None:
+  """A fine-tuning recipe (it has init_from) given to a pre-training mode, or the reverse."""
+  if config is None or mode in ("plot", "sweep_report"):
+    return
+  finetuning = "init_from" in config
+  if finetuning and mode != "finetune":
+    raise config_lib.ConfigError(
+        f"--config is a fine-tuning recipe (configs/finetune/), but --mode={mode} takes a "
+        "pre-training one (configs/demo.py, configs/electra_small.py, ...). To fine-tune, add "
+        "--mode=finetune."
+    )
+  if mode == "finetune" and not finetuning:
+    raise config_lib.ConfigError(
+        "--mode=finetune takes a fine-tuning recipe (configs/finetune/glue.py, squad.py, "
+        "custom.py or tiny.py; the pre-training workdir goes in --config.init_from), but --config "
+        "is a pre-training recipe."
+    )
+
+
+def _check_recipe_path(path: str) -> None:
+  """Exits with one line when --config names no recipe file, before absl imports it."""
+  recipe = path.split(":", 1)[0]
+  if recipe.endswith(".json"):
+    sys.exit(
+        f"electra-jax: error: --config={path} is a JSON file; --config takes a recipe (a .py file "
+        "with get_config()). To continue a workdir with its config.json, pass --workdir=DIR alone, "
+        "or --config=configs/workdir.py:DIR with overrides."
+    )
+  if not os.path.isfile(recipe):
+    what = "a directory" if os.path.isdir(recipe) else "not a file"
+    sys.exit(
+        f"electra-jax: error: --config={path}: {recipe} is {what}. Give a recipe file, e.g. "
+        "configs/demo.py (configs/ lists them; configs/finetune/ has the fine-tuning ones)."
+    )
+
+
 def _data_mode(mode: str) -> None:
   if _CONFIG.value is None:
-    raise app.UsageError(f"--mode={mode} needs --config (a recipe with the data.* settings of the corpus).")
+    raise config_lib.ConfigError(f"--mode={mode} needs --config (a recipe with the data.* settings of the corpus).")
   if mode == "prepare_data":
     manifest = data.prepare_data(_CONFIG.value.data, num_workers=_WORKERS.value)
     totals = manifest["totals"]
@@ -212,7 +250,7 @@ def _data_mode(mode: str) -> None:
     )
   else:
     if _OUT.value is None:
-      raise app.UsageError("--mode=train_tokenizer needs --out=PATH (the model file to write).")
+      raise config_lib.ConfigError("--mode=train_tokenizer needs --out=PATH (the model file to write).")
     info = data.train_tokenizer(_CONFIG.value.data, _OUT.value)
     print(
         f"Wrote {info['path']} ({info['vocab_size']} pieces, fingerprint {info['fingerprint']}); "
@@ -225,7 +263,7 @@ def _sweep_mode(mode: str) -> None:
 
   if mode == "plot":
     if _OUT.value is None:
-      raise app.UsageError("--mode=plot needs --out=FILE.png.")
+      raise config_lib.ConfigError("--mode=plot needs --out=FILE.png.")
     from electra_jax import plots  # noqa: PLC0415 (matplotlib: the `plots` extra)
 
     plots.plot_curves(_WORKDIR.value.split(","), _OUT.value, _PLOT_METRICS.value)
@@ -236,9 +274,9 @@ def _sweep_mode(mode: str) -> None:
     print(f"Wrote {_WORKDIR.value}/results.md and {_WORKDIR.value}/results.csv")
     return
   if _CONFIG.value is None:
-    raise app.UsageError("--mode=sweep needs --config (the recipe every run starts from).")
+    raise config_lib.ConfigError("--mode=sweep needs --config (the recipe every run starts from).")
   if not (_SWEEP.value or _SWEEP_FILE.value):
-    raise app.UsageError("--mode=sweep needs --sweep=KEY=V1,V2 (repeatable) and/or --sweep_file=FILE.")
+    raise config_lib.ConfigError("--mode=sweep needs --sweep=KEY=V1,V2 (repeatable) and/or --sweep_file=FILE.")
   finetune_config = None
   if _SWEEP_FINETUNE.value:
     finetune_config = sweep.load_finetune_config(_SWEEP_FINETUNE.value, _SWEEP_FINETUNE_OVERRIDE.value)
@@ -252,17 +290,17 @@ def _sweep_mode(mode: str) -> None:
 
 def _import(mode: str) -> None:
   if _CONFIG.value is None:
-    raise app.UsageError(
+    raise config_lib.ConfigError(
         f"--mode={mode} needs --config: the recipe whose training, data and mesh settings the "
         "workdir will use (its model sizes and vocabulary come from the weights)."
     )
   if mode == "import_hf":
     if not (_HF_DISCRIMINATOR.value and _HF_GENERATOR.value):
-      raise app.UsageError("--mode=import_hf needs --hf_discriminator=DIR and --hf_generator=DIR.")
+      raise config_lib.ConfigError("--mode=import_hf needs --hf_discriminator=DIR and --hf_generator=DIR.")
     pair = interop.pair_from_hf(_HF_DISCRIMINATOR.value, _HF_GENERATOR.value)
   else:
     if not _TF_CHECKPOINT.value:
-      raise app.UsageError("--mode=import_tf needs --tf_checkpoint=PATH (model.ckpt-N or its directory).")
+      raise config_lib.ConfigError("--mode=import_tf needs --tf_checkpoint=PATH (model.ckpt-N or its directory).")
     pair = interop.pair_from_tf(_TF_CHECKPOINT.value, _VOCAB_FILE.value, _TF_NUM_HEADS.value)
   summary = interop.write_pretraining_workdir(pair, _CONFIG.value, _WORKDIR.value, _HF_EMBEDDINGS_FROM.value)
   print(
@@ -283,15 +321,23 @@ def _parse_flags(argv):
         "the config.json of an existing workdir, pass --config=configs/workdir.py:DIR (DIR = the "
         "workdir) with the overrides."
     )
+  for i, arg in enumerate(argv[1:], start=1):
+    if arg.startswith("--config="):
+      _check_recipe_path(arg.split("=", 1)[1])
+    elif arg == "--config" and i + 1 < len(argv):
+      _check_recipe_path(argv[i + 1])
   try:
-    return app.parse_flags_with_usage(argv)
+    return flags.FLAGS(argv)
+  except flags.Error as error:
+    # A recipe's own ConfigError (configs/workdir.py without its DIR, say) reaches absl as the
+    # text of a traceback; its last line is the message.
+    refused = re.findall(r"ConfigError: (.+)", str(error))
+    if refused:
+      sys.exit(f"electra-jax: error: {refused[-1]}")
+    sys.stderr.write(f"FATAL Flags parsing error: {error}\nPass --helpshort or --helpfull to see help on flags.\n")
+    sys.exit(1)
   except (AttributeError, KeyError) as error:
-    message = error
-    while isinstance(message, BaseException) and message.args:  # AttributeError(KeyError(text))
-      message = message.args[0]
-    message = str(message)
-    key, _, hint = message.partition("\n")
-    key = key.strip("'\"")
+    key, hint = config_lib.missing_key(error)
     named = [flag for flag in overrides if key in flag.split(".")[1:]]
     if not named:
       raise

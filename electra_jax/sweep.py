@@ -150,8 +150,11 @@ def apply_overrides(base: ml_collections.ConfigDict, overrides: Sequence[Overrid
     try:
       field_type = config_path.get_type(key, config)
     except (KeyError, AttributeError) as error:
-      hint = str(error).strip("'\"").replace("\\n", " ").replace("\n", " ")
-      raise ConfigError(f"Sweep key {key!r} is not a config key ({hint}); see configs/base.py.") from None
+      missing, hint = config_lib.missing_key(error)
+      raise ConfigError(
+          f"Sweep key {key!r} is not a config key: the config has no {missing!r}. {hint + ' ' if hint else ''}"
+          "configs/base.py lists every key."
+      ) from None
     value = _parse_value(key, raw, field_type)
     try:
       config_path.set_value(key, config, value)

@@ -45,6 +45,32 @@ def test_bad_config_is_refused_before_any_work(tmp_path, overrides, named):
   assert not (workdir / "checkpoints").exists() or not any((workdir / "checkpoints").iterdir())
 
 
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        ({"checkpoint.keep": 0}, "checkpoint.keep=0 must be >= 1"),
+        ({"optimizer.learning_rate": -1.0}, "optimizer.learning_rate=-1.0 must be > 0"),
+        ({"data.files": "corpus.txt"}, "data.files='corpus.txt' is set, but data.source='builtin'.*source='text'"),
+        ({"data.prepared_dir": "/data/p"}, "data.prepared_dir='/data/p' is set.*data.source='prepared'"),
+        ({"data.tfds_name": "wikipedia"}, "data.tfds_name='wikipedia' is set.*data.source='tfds'"),
+        ({"model.attention_impl": "splash", "data.max_seq_len": 100, "model.max_position_embeddings": 128},
+         "data.max_seq_len=100 is not a multiple of 128: choose e.g. 128, or"),
+    ],
+)
+def test_mistakes_are_refused_before_the_data_is_built(tmp_path, monkeypatch, overrides, named):
+  monkeypatch.setattr(train.data, "load_pretraining_data", lambda *a, **k: pytest.fail("data was built"))
+  with pytest.raises(ConfigError, match=named):
+    train.train_and_evaluate(tiny_config(**overrides), str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_workdir_that_cannot_be_made_is_refused_before_the_data_is_built(tmp_path, monkeypatch):
+  monkeypatch.setattr(train.data, "load_pretraining_data", lambda *a, **k: pytest.fail("data was built"))
+  (tmp_path / "a_file").write_text("not a directory")
+  with pytest.raises(ConfigError, match=f"{tmp_path / 'a_file'} is a file"):
+    train.train_and_evaluate(tiny_config(), str(tmp_path / "a_file" / "run"))
+
+
 def test_learning_rate_schedule_is_the_official_one():
   schedule = train.learning_rate_schedule(1e-3, warmup_steps=10, total_steps=100)
   for step, want in [(0, 0.0), (5, 1e-3 * 0.5 * 0.95), (10, 1e-3 * 0.9), (60, 1e-3 * 0.4), (100, 0.0)]:
@@ -283,3 +309,23 @@ def test_overrides_apply_to_a_workdirs_own_config(tmp_path):
   result = run_cli(cli_args(workdir)[:3] + [f"--workdir={workdir}", "--config.train.steps=9"])
   assert "error: --config.train.steps changes a recipe, but no --config was given" in result.stderr
   assert "--config=configs/workdir.py:DIR" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--config=configs/dem.py", "--workdir=W"], "--config=configs/dem.py: configs/dem.py is not a file. Give a recipe file"),
+        (["--config=W/config.json", "--workdir=W"], "is a JSON file; --config takes a recipe"),
+        (["--config=configs/workdir.py", "--workdir=W"], "configs/workdir.py needs the workdir to read, after a colon"),
+        (["--config=configs/finetune/tiny.py", "--workdir=W"], "--config is a fine-tuning recipe (configs/finetune/), but --mode=train"),
+        (["--mode=finetune", "--config=configs/demo.py", "--workdir=W"], "--mode=finetune takes a fine-tuning recipe"),
+        (["--config=configs/demo.py"], "--mode=train needs --workdir."),
+    ],
+)
+def test_cli_mistakes_end_in_one_line(tmp_path, args, message):
+  args = [a.replace("=W", f"={tmp_path}") for a in args]
+  result = run_cli([sys.executable, "-m", "electra_jax.main", *args])
+  assert result.returncode != 0 and "Traceback" not in result.stderr
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("electra-jax: error: ") and message in last, result.stderr[-2000:]
+  assert "FATAL" not in result.stderr and "--helpfull" not in result.stderr  # no flag listing
