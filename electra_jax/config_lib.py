@@ -37,6 +37,18 @@ def missing_key(error: BaseException) -> tuple[str, str]:
   return key.strip("'\""), hint.strip()
 
 
+def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+  """'group.key: old -> new' for every leaf that differs between two config dicts."""
+  changes = []
+  for key in sorted(set(old) | set(new)):
+    a, b = old.get(key, "absent"), new.get(key, "absent")
+    if isinstance(a, dict) and isinstance(b, dict):
+      changes += changed_keys(a, b, f"{prefix}{key}.")
+    elif a != b:
+      changes.append(f"{prefix}{key}: {a!r} -> {b!r}")
+  return changes
+
+
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
   """The resolved config a training run saved as <workdir>/config.json."""
   from electra_jax import workdir_files  # noqa: PLC0415 (keeps recipes' imports light)

@@ -234,9 +234,9 @@ def param_shapes(params) -> dict[str, list[int]]:
   return {name: list(leaf.shape) for name, leaf in flat.items()}
 
 
-def _check_checkpoint_matches(meta: dict, setup, corpus, workdir: str) -> None:
+def _check_checkpoint_matches(meta: dict, setup, corpus, workdir: str, config=None) -> None:
   """Refuses a checkpoint of another model, or (given `corpus`) trained on other data."""
-  check_same_model(meta["param_shapes"], setup.param_shapes, workdir)
+  check_same_model(meta["param_shapes"], setup.param_shapes, workdir, config)
   if corpus is None:
     return
   if meta["data_fingerprint"] is None:
@@ -278,13 +278,25 @@ def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpu
     checkpointer.close()
 
 
-def check_same_model(saved: dict, current: dict, workdir: str) -> None:
+def _saved_config(workdir: str) -> dict | None:
+  file = workdir_files.path(workdir, "config.json")
+  return json.loads(workdir_files.read_text(file)) if workdir_files.exists(file) else None
+
+
+def check_same_model(saved: dict, current: dict, workdir: str, config=None) -> None:
   for name in sorted(set(saved) | set(current)):
     if saved.get(name) != current.get(name):
+      settings = ""
+      before = _saved_config(workdir) if config is not None else None
+      if before is not None:
+        changes = config_lib.changed_keys(
+            {"model": before.get("model", {})}, {"model": json.loads(config_lib.to_json(config))["model"]})
+        if changes:
+          settings = f" The model settings that differ from its config.json: {'; '.join(changes)}."
       raise ConfigError(
           f"The workdir {workdir} holds a checkpoint of a different model: parameter {name!r} "
           f"is {saved.get(name, 'absent')} there but {current.get(name, 'absent')} in this "
-          f"config. Use a new --workdir, or the config that made this checkpoint "
+          f"config.{settings} Use a new --workdir, or the config that made this checkpoint "
           f"({os.path.join(workdir, 'config.json')}). Nothing was overwritten."
       )
 
@@ -600,7 +612,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
   start_step = checkpointer.latest_step()
   if start_step is not None:
-    _check_checkpoint_matches(checkpointer.read_meta(start_step), setup, corpus, workdir)
+    _check_checkpoint_matches(checkpointer.read_meta(start_step), setup, corpus, workdir, config)
   lease, problem = None, None
   if jax.process_index() == 0:
     lease = workdir_lease.WorkdirLease(workdir)
@@ -619,6 +631,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       lease.release()
 
 
+def _keep_changed_config(config, workdir: str, start_step: int | None) -> None:
+  """Resuming with other settings (a new batch size, learning rate, ...): says which, and
+  keeps the config the checkpoint was trained with as config.step<N>.json before config.json
+  takes the new one, so the run's history stays on record."""
+  before = _saved_config(workdir) if start_step is not None else None
+  if before is None:
+    return
+  changes = config_lib.changed_keys(before, json.loads(config_lib.to_json(config)))
+  if not changes:
+    return
+  kept = f"config.step{start_step}.json"
+  workdir_files.write_text(workdir_files.path(workdir, kept), json.dumps(before, indent=2, sort_keys=True))
+  logging.warning("Resuming at step %d with settings that differ from the workdir's config.json (kept as %s): %s",
+                  start_step, kept, "; ".join(changes))
+
+
 def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease) -> dict[str, float]:
   is_chief = jax.process_index() == 0
   init_rng = jax.random.key(config.train.seed)
@@ -627,6 +655,7 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease
   metrics_log = eval_log = None
   if is_chief:
     workdir_files.makedirs(workdir_files.path(workdir))
+    _keep_changed_config(config, workdir, start_step)
     workdir_files.write_text(workdir_files.path(workdir, "config.json"), config_lib.to_json(config))
     # metrics.jsonl and eval_metrics.jsonl, plus TensorBoard events under <workdir>/tensorboard.
     metrics_log, eval_log = tensorboard_log.open_logs(workdir)

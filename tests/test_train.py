@@ -195,6 +195,7 @@ def test_workdir_of_another_model_is_refused_and_left_intact(tmp_path):
   result = run_cli(cli_args(workdir, **{"train.steps": 3, "model.intermediate_size": 96}))
   assert result.returncode != 0
   assert "different model" in result.stderr and "intermediate/bias" in result.stderr and "Traceback" not in result.stderr
+  assert "differ from its config.json: model.intermediate_size: 64 -> 96." in result.stderr
   assert (workdir / "config.json").read_text() == config_before
   assert {p: p.stat().st_mtime_ns for p in workdir.rglob("*") if p.is_file()} == before
 
@@ -329,3 +330,18 @@ def test_cli_mistakes_end_in_one_line(tmp_path, args, message):
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith("electra-jax: error: ") and message in last, result.stderr[-2000:]
   assert "FATAL" not in result.stderr and "--helpfull" not in result.stderr  # no flag listing
+
+
+def test_resuming_with_other_settings_names_them_and_keeps_the_old_config(tmp_path, caplog):
+  workdir = tmp_path / "run"
+  train.train_and_evaluate(tiny_config(**{"train.steps": 3}), str(workdir))
+  first = json.loads((workdir / "config.json").read_text())
+  train.train_and_evaluate(tiny_config(**{"train.steps": 3}), str(workdir))  # the same: nothing kept
+  assert sorted(p.name for p in workdir.glob("config*.json")) == ["config.json"]
+  caplog.set_level("WARNING")
+  train.train_and_evaluate(tiny_config(**{"train.steps": 6, "optimizer.learning_rate": 5e-4}), str(workdir))
+  assert json.loads((workdir / "config.step3.json").read_text()) == first
+  now = json.loads((workdir / "config.json").read_text())
+  assert now["train"]["steps"] == 6 and now["optimizer"]["learning_rate"] == 5e-4
+  warning = [r.getMessage() for r in caplog.records if "differ from the workdir's config.json" in r.getMessage()]
+  assert warning and "optimizer.learning_rate: 0.001 -> 0.0005; train.steps: 3 -> 6" in warning[0], warning
