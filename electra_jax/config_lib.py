@@ -118,6 +118,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
         "warmup-then-linear-decay schedule; ELECTRA-Small uses 5e-4, Base 2e-4)."
     )
   _check_data_source(config.data)
+  if config.data.eval_fraction == 0 and config.eval.every_steps > 0 and config.data.source != "prepared":
+    raise ConfigError(
+        f"data.eval_fraction=0 holds out no documents, but eval.every_steps={config.eval.every_steps} "
+        "evaluates on them. Set --config.eval.every_steps=0 to train without held-out evaluation, "
+        "or data.eval_fraction > 0 (e.g. 0.02)."
+    )
   if m.get("attention_impl") == "splash":
     from electra_jax import splash_attention  # noqa: PLC0415 (it imports this module)
 

@@ -49,6 +49,7 @@ def test_bad_config_is_refused_before_any_work(tmp_path, overrides, named):
     "overrides, named",
     [
         ({"checkpoint.keep": 0}, "checkpoint.keep=0 must be >= 1"),
+        ({"data.eval_fraction": 0.0, "eval.every_steps": 3}, "data.eval_fraction=0 holds out no documents.*eval.every_steps=0"),
         ({"optimizer.learning_rate": -1.0}, "optimizer.learning_rate=-1.0 must be > 0"),
         ({"data.files": "corpus.txt"}, "data.files='corpus.txt' is set, but data.source='builtin'.*source='text'"),
         ({"data.prepared_dir": "/data/p"}, "data.prepared_dir='/data/p' is set.*data.source='prepared'"),

@@ -481,7 +481,8 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
   if split == "eval" and config["eval_fraction"] == 0:
     raise ConfigError(
         "The eval split is empty because data.eval_fraction is 0; set it above 0 "
-        "(e.g. 0.02) to hold out documents for evaluation."
+        "(e.g. 0.02) to hold out documents for evaluation, or set eval.every_steps=0 to train "
+        "without held-out evaluation."
     )
   directory = _corpus_cache_dir(config)
   data = _try_load(config, directory, split)
@@ -498,7 +499,7 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
     raise ConfigError(
         f"The {split} split has no examples (max_documents={config['max_documents']}, "
         f"eval_fraction={config['eval_fraction']}); use more documents or a larger "
-        f"eval_fraction."
+        f"eval_fraction" + (", or eval.every_steps=0 to train without held-out evaluation." if split == "eval" else ".")
     )
   logging.info(
       "loaded %s data: %d examples of length %d, %d tokens, from %s",

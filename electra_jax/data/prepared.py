@@ -215,7 +215,8 @@ def load_prepared(config, split: str) -> PreparedData:
     raise ConfigError(
         f"The {split} split of {directory} has no examples (eval_fraction="
         f"{manifest['settings']['eval_fraction']} when it was prepared); "
-        + ("prepare it with data.eval_fraction > 0." if split == "eval" else "prepare more documents.")
+        + ("prepare it with data.eval_fraction > 0, or set eval.every_steps=0 to train without held-out "
+           "evaluation." if split == "eval" else "prepare more documents.")
     )
   fingerprint = pipeline.data_fingerprint(config, tokenizer, split, manifest["documents_fingerprint"][split])
   data = PreparedData(
