@@ -4,7 +4,9 @@ launchers need (overrides, --env, --config checks, packing a local checkout).
 A run leaves three files in the directory the snippets run in (the login directory over ssh):
 its log, the pid of its process group and, once it ends by itself, its exit status."""
 
+import ast
 import dataclasses
+import difflib
 import os
 import re
 import shlex
@@ -52,12 +54,51 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
   return argv[:cut], argv[cut + 1:]
 
 
-def check_overrides(overrides: Sequence[str]) -> Optional[str]:
-  """An error message for anything after `--` that is not a --config.KEY=VALUE override."""
+BASE_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.py")
+
+
+def recipe_keys(base_file: str = BASE_RECIPE) -> set[str]:
+  """Every GROUP.KEY that configs/base.py assigns, read from its source (the launchers need no
+  ml_collections): `config.model = model = ConfigDict()` makes `model` stand for "model"."""
+  with open(base_file) as f:
+    tree = ast.parse(f.read())
+  aliases, keys = {"config": ""}, set()
+
+  def dotted(node) -> Optional[str]:
+    if isinstance(node, ast.Name):
+      return aliases.get(node.id)
+    if isinstance(node, ast.Attribute):
+      parent = dotted(node.value)
+      return None if parent is None else (f"{parent}.{node.attr}" if parent else node.attr)
+    return None
+
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Assign):
+      paths = [dotted(target) for target in node.targets]
+      path = next((p for p in paths if p), None)
+      if path is None:
+        continue
+      keys.add(path)
+      for target in node.targets:
+        if isinstance(target, ast.Name):
+          aliases[target.id] = path
+  return keys
+
+
+def check_overrides(overrides: Sequence[str], base_file: str = BASE_RECIPE) -> Optional[str]:
+  """An error message for anything after `--` that is not a --config.KEY=VALUE override of a
+  key configs/base.py has (a misspelling would otherwise fail only on the workers, after the
+  slice is made and installed)."""
+  keys = recipe_keys(base_file) if os.path.isfile(base_file) else None
   for override in overrides:
     if not re.fullmatch(r"--config\.[A-Za-z_][\w.]*=.*", override, flags=re.DOTALL):
       return (f"{override!r} is not a config override; after `--` give only --config.GROUP.KEY=VALUE "
               "arguments (e.g. --config.train.batch_size=256).")
+    key = override[len("--config."):].split("=", 1)[0]
+    if keys is not None and key not in keys:
+      close = difflib.get_close_matches(key, sorted(k for k in keys if "." in k), n=1)
+      return (f"--config.{key}: the config has no key {key!r}.{f' Did you mean {close[0]!r}?' if close else ''} "
+              f"{os.path.relpath(base_file)} lists every key.")
   return None
 
 

@@ -219,6 +219,11 @@ def test_bad_flags_are_refused_before_anything_runs():
   assert "--config.GROUP.KEY=VALUE" in refused("run", "--name=p", "--zone=z", "--workdir=gs://b/r",
                                                 "--dry-run", "--", "--train.steps=5")
   assert "needs --workdir" in refused("run", "--name=p", "--zone=z", "--dry-run")
+  # A misspelled key is caught here, not on the workers after the slice is made.
+  assert "the config has no key 'train.batch_sze'. Did you mean 'train.batch_size'?" in refused(
+      "run", "--name=p", "--zone=z", "--workdir=gs://b/r", "--dry-run", "--", "--config.train.batch_sze=1024")
+  for launcher, args in (("gpu.py", ["run", "--workdir=/tmp/r"]), ("slurm.py", ["--workdir=/tmp/r"])):
+    assert "no key 'model.hiden_size'" in _refused(launcher, *args, "--dry-run", "--", "--config.model.hiden_size=64")
   assert "only applies to --queued" in refused("create", "--name=p", "--zone=z", "--accelerator-type=v4-8",
                                                "--valid-until-duration=1h", "--dry-run")
   assert "exactly one of" in refused("install", "--name=p", "--zone=z", "--dry-run")
