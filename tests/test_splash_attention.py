@@ -130,8 +130,10 @@ def test_sharded_training_matches_xla_on_one_device(tmp_path):
 
 
 def test_refusals_name_the_setting_and_the_fix():
-  with pytest.raises(ConfigError, match=r"data.max_seq_len=100 is not a multiple of 128.*128 or 128"):
+  with pytest.raises(ConfigError, match=r"data.max_seq_len=100 is not a multiple of 128: choose e.g. 128, or"):
     models.build_model(_splash_config("splash", **{"data.max_seq_len": 100}))
+  with pytest.raises(ConfigError, match=r"data.max_seq_len=300 is not a multiple of 128: choose e.g. 256 or 384, or"):
+    models.build_model(_splash_config("splash", **{"data.max_seq_len": 300, "model.max_position_embeddings": 512}))
   for impl in ("splash", "cudnn"):
     config = _splash_config(impl, **{"model.attention_dropout_rate": 0.1, "train.dtype": "bfloat16"})
     with pytest.raises(ConfigError, match="attention_dropout_rate=0.1: set --config.model.attention_dropout_rate=0.0"):
