@@ -66,6 +66,11 @@ def to_json(config: ml_collections.ConfigDict) -> str:
   return json.dumps(config.to_dict(), indent=2, sort_keys=True)
 
 
+def as_saved(config: ml_collections.ConfigDict) -> dict:
+  """The config as its config.json reads back (tuples become lists), to compare with one."""
+  return json.loads(to_json(config))
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
   """Checks that need no devices and no data; raises ValueError naming the key and the fix."""
   m, t = config.model, config.train

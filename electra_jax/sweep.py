@@ -224,7 +224,7 @@ def read_record(sweep_dir: str) -> dict | None:
 def _write_record(sweep_dir: str, base_config, runs: Sequence[Run]) -> None:
   record = dict(
       base_config_fingerprint=_fingerprint(base_config),
-      base_config=json.loads(config_lib.to_json(base_config)),
+      base_config=config_lib.as_saved(base_config),
       runs=[dict(name=r.name, overrides=[list(o) for o in r.overrides]) for r in runs],
   )
   workdir_files.makedirs(workdir_files.path(sweep_dir))

@@ -290,7 +290,7 @@ def check_same_model(saved: dict, current: dict, workdir: str, config=None) -> N
       before = _saved_config(workdir) if config is not None else None
       if before is not None:
         changes = config_lib.changed_keys(
-            {"model": before.get("model", {})}, {"model": json.loads(config_lib.to_json(config))["model"]})
+            {"model": before.get("model", {})}, {"model": config_lib.as_saved(config)["model"]})
         if changes:
           settings = f" The model settings that differ from its config.json: {'; '.join(changes)}."
       raise ConfigError(
@@ -638,7 +638,7 @@ def _keep_changed_config(config, workdir: str, start_step: int | None) -> None:
   before = _saved_config(workdir) if start_step is not None else None
   if before is None:
     return
-  changes = config_lib.changed_keys(before, json.loads(config_lib.to_json(config)))
+  changes = config_lib.changed_keys(before, config_lib.as_saved(config))
   if not changes:
     return
   kept = f"config.step{start_step}.json"

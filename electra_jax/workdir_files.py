@@ -18,6 +18,8 @@ import time
 
 from etils import epath
 
+from electra_jax.config_lib import ConfigError
+
 
 def is_remote(path) -> bool:
   return "://" in os.fspath(path)
@@ -32,12 +34,9 @@ def path(workdir, *parts) -> epath.Path:
 def check_usable(workdir) -> None:
   """Refuses, before any data or compile, a local workdir that cannot be made: a file in
   its place or on its path, or a parent this user may not write to. (A bucket is not checked.)"""
-  from electra_jax.config_lib import ConfigError  # noqa: PLC0415 (recipes import config_lib)
-
   if is_remote(workdir):
     return
-  target = os.path.abspath(os.fspath(workdir))
-  existing = target
+  existing = os.path.abspath(os.fspath(workdir))
   while not os.path.exists(existing):
     existing = os.path.dirname(existing)
   if not os.path.isdir(existing):
