@@ -85,8 +85,8 @@ def main(argv):
   print(f"{device['name']} (compiled, not run): batch {shape[0]} x seq {shape[1]}, {config.train.dtype}, "
         f"attention {config.model.attention_impl}")
   print(f"kernel launches per step: {t['launches']}")
-  print(f"matmul FLOPs: {t['dot_flops'] / 1e12:.3f} T (electra_jax/flops.py: {model_flops / 1e12:.3f} T; "
-        "cuDNN attention is not in the first)")
+  print(f"matmul FLOPs: {t['dot_flops'] / 1e9:,.1f} G (electra_jax/flops.py: {model_flops / 1e9:,.1f} G; "
+        "the first adds what the backward of cuDNN's attention computes again)")
   print(f"bytes read and written by kernels: {t['bytes'] / 1e9:.2f} GB")
   print(f"roofline bound: {t['bound_s'] * 1e3:.2f} ms (no launch or latency cost), so MFU at most "
         f"{model_flops / t['bound_s'] / device['peak']:.0%}")

@@ -2,6 +2,12 @@
 the kernels it launches, counting while loops by their trip counts, the matmul FLOPs in them,
 the bytes each kernel reads and writes (its operands and results), and a roofline bound
 max(bytes / bandwidth, FLOPs / peak) per source operation. Used by gpu_compile_audit.py.
+
+Matmuls are counted wherever XLA put them: `dot`s (inside Triton gemm fusions or alone), cuBLAS
+calls (`__cublas$gemm`, `__cublas$lt$matmul`, read from their dot dimension numbers) and cuDNN's
+fused attention (`__cudnn$fmha*`: 4 B N Tq Tk D forward, 2.5 times that backward, which
+recomputes the scores). Bytes leave out a cuBLAS call's scratch workspace, and a fusion operand
+that the fusion only slices or gathers from counts as the elements it takes.
 """
 
 import collections
@@ -17,10 +23,29 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, 
           "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 _ARRAY = re.compile(r"\b(%s)\[([\d,]*)\]" % "|".join(_BYTES))
 _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z\-]+)\((.*?)\)(?:, |$)")
+_CUBLAS = ("__cublas$gemm", "__cublas$lt$matmul")
+# Backward passes of flash attention take 2.5 times the forward's matmul FLOPs: the gradients
+# of its two products (four matmuls) and the scores computed again (one more).
+_FMHA_BACKWARD_FACTOR = 2.5
 
 
 def _elements(dims: str) -> int:
   return math.prod(int(d) for d in dims.split(",") if d)
+
+
+def _dims(shape_text: str) -> list[int]:
+  """The dimensions of the first array in an HLO shape."""
+  return [int(d) for d in _ARRAY.search(shape_text).group(2).split(",") if d]
+
+
+def _contracted(line: str, lhs_dims: list[int], json_form: bool) -> int:
+  """The product of the lhs contracting dimensions named in a dot's (or a cuBLAS call's) text."""
+  if json_form:
+    found = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', line).group(1)
+    indices = re.findall(r"\d+", found)
+  else:
+    indices = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line).group(1).split(",")
+  return math.prod(lhs_dims[int(i)] for i in indices if i)
 
 
 def array_bytes(shape_text: str) -> int:
@@ -84,15 +109,71 @@ class Audit:
     return {m.group(1): m.group(2) for m in map(_INSTRUCTION.match, self.comps.get(comp, [])) if m}
 
   def _dot(self, line, shapes) -> int:
-    """FLOPs of one `dot` instruction: 2 x result elements x contracted elements."""
+    """Matmul FLOPs of one instruction: a `dot` (2 x result elements x contracted elements),
+    a cuBLAS call (the same, from its backend config) or cuDNN's fused attention; else 0."""
     m = _INSTRUCTION.match(line)
-    if not m or m.group(3) != "dot":
+    if not m:
       return 0
-    lhs = re.findall(r"%([\w.\-]+)", m.group(4))[0]
-    lhs_dims = [int(d) for d in _ARRAY.search(shapes[lhs]).group(2).split(",") if d]
-    contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line).group(1)
-    depth = math.prod(lhs_dims[int(i)] for i in contracted.split(",") if i)
-    return 2 * _elements(_ARRAY.search(m.group(2)).group(2)) * depth
+    operands = re.findall(r"%([\w.\-]+)", m.group(4))
+    if m.group(3) == "dot":
+      return 2 * _elements(_ARRAY.search(m.group(2)).group(2)) * _contracted(line, _dims(shapes[operands[0]]), False)
+    if m.group(3) != "custom-call":
+      return 0
+    target = re.search(r'custom_call_target="([^"]*)"', line)
+    target = target.group(1) if target else ""
+    if target in _CUBLAS:  # result: (product, workspace)
+      return 2 * _elements(_ARRAY.search(m.group(2)).group(2)) * _contracted(line, _dims(shapes[operands[0]]), True)
+    if target.startswith("__cudnn$fmha"):
+      # Query and key come first, each [batch, seq, heads, head_dim].
+      batch, q_len, heads, head_dim = _dims(shapes[operands[0]])
+      forward = 4 * batch * heads * q_len * _dims(shapes[operands[1]])[1] * head_dim
+      return int(forward * (_FMHA_BACKWARD_FACTOR if "Backward" in target else 1))
+    return 0
+
+  def _moved(self, m, line, shapes) -> int:
+    """Bytes a kernel reads and writes: its results (less a custom call's scratch workspace,
+    the u8/s8 array that ends its result tuple) and its operands, an operand that a fusion only
+    slices or gathers from counted by what it takes."""
+    results = _ARRAY.findall(m.group(2))
+    if m.group(3) == "custom-call" and len(results) > 1 and results[-1][0] in ("u8", "s8"):
+      results = results[:-1]
+    moved = sum(_elements(dims) * _BYTES[dtype] for dtype, dims in results)
+    fused = re.search(r"calls=%([\w.\-]+)", line) if m.group(3) == "fusion" else None
+    sliced = self._sliced_parameters(fused.group(1)) if fused else {}
+    for index, name in enumerate(re.findall(r"%([\w.\-]+)", m.group(4))):
+      moved += sliced.get(index, array_bytes(shapes.get(name, "")))
+    return moved
+
+  def _sliced_parameters(self, comp) -> dict[int, int]:
+    """{parameter number: bytes read} for the parameters of fused computation `comp` that it
+    reads only in part: through `slice`, `dynamic-slice` or `gather` (as the array they take
+    from, perhaps after bitcasts), whose results are then what is read."""
+    params, uses = {}, collections.defaultdict(list)
+    for line in self.comps.get(comp, []):
+      m = _INSTRUCTION.match(line)
+      if not m:
+        continue
+      if m.group(3) == "parameter":
+        params[m.group(1)] = int(m.group(4))
+      for position, name in enumerate(re.findall(r"%([\w.\-]+)", m.group(4))):
+        uses[name].append((m.group(3), position, m.group(1), array_bytes(m.group(2))))
+
+    def partial_read(name, depth=0):  # bytes read, or None if some use reads it all
+      total = 0
+      for op, position, user, size in uses[name]:
+        if op == "bitcast" and depth < 8:
+          read = partial_read(user, depth + 1)
+          if read is None:
+            return None
+          total += read
+        elif op in ("slice", "dynamic-slice", "gather") and position == 0:
+          total += size
+        else:
+          return None
+      return total
+
+    found = {index: partial_read(name) for name, index in params.items() if uses[name]}
+    return {index: read for index, read in found.items() if read is not None}
 
   def dot_flops(self, comp) -> int:
     """Matmul FLOPs inside computation `comp` and everything it calls."""
@@ -127,8 +208,7 @@ class Audit:
         continue
       if op not in KERNELS:
         continue
-      moved = array_bytes(m.group(2)) + sum(
-          array_bytes(shapes.get(name, "")) for name in re.findall(r"%([\w.\-]+)", m.group(4)))
+      moved = self._moved(m, line, shapes)
       dot = self._dot(line, shapes) + sum(self.dot_flops(c) for c in re.findall(r"calls=%([\w.\-]+)", line))
       frame = re.search(r"stack_frame_id=(\d+)", line)
       name = re.search(r'op_name="([^"]*)"', line)
