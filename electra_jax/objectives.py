@@ -207,21 +207,79 @@ def _argmax_two_reductions(z):
   2**24). Over a vocabulary, XLA:CPU takes about twice as long for jnp.argmax (its variadic
   (value, index) reduce runs unvectorised) and for an int32 index search. Both reductions are
   ones the SPMD partitioner knows, so the vocabulary axis may be sharded."""
+  return _index_of(z, z.max(-1))
+
+
+def _max_and_argmax(z):
+  """(maximum, first maximal index as int32) over the last axis, in the fewest passes over z
+  on each platform: off the CPU one (value, index) reduction and a gather of the value; on
+  the CPU the maximum and then the index search of _argmax_two_reductions."""
+
+  def one_reduction(z):
+    index = _argmax_one_reduction(z)
+    return jnp.take_along_axis(z, index[..., None], axis=-1)[..., 0], index
+
+  def two_reductions(z):
+    top = z.max(-1)
+    return top, _index_of(z, top)
+
+  return jax.lax.platform_dependent(z, cpu=two_reductions, default=one_reduction)
+
+
+def _index_of(z, top):
+  """The first index along the last axis where z equals `top`, searched in float32."""
   assert z.shape[-1] < 2**24, z.shape
-  top = z.max(-1, keepdims=True)
   index = jax.lax.broadcasted_iota(jnp.float32, z.shape, z.ndim - 1)
-  return jnp.min(jnp.where(z == top, index, float(z.shape[-1])), -1).astype(jnp.int32)
+  return jnp.min(jnp.where(z == top[..., None], index, float(z.shape[-1])), -1).astype(jnp.int32)
+
+
+@jax.custom_vjp
+def _weighted_nll_sum(logits, top, target_ids, weights):
+  """sum(weights * (logsumexp(logits) - logits[target_ids])) over the last axis of float32
+  logits; `top` [...] is each row's maximum logit, the logsumexp's shift (no gradient).
+
+  Written out with its gradient, weights * (softmax - one_hot(target)), as one elementwise
+  pass: autodiff took a second full-size pass to add the two terms' gradients (and, on GPUs,
+  wrote the sum out in float32 besides the bfloat16 copy the matmuls read), and the target
+  logit is a gather, not a pass over the vocabulary."""
+  return _weighted_nll_sum_fwd(logits, top, target_ids, weights)[0]
+
+
+def _weighted_nll_sum_fwd(logits, top, target_ids, weights):
+  # logsumexp as jax.nn.logsumexp computes it (shift by the maximum), so the loss is the same number.
+  shifted_exp = jnp.exp(logits - top[..., None])
+  total = shifted_exp.sum(-1)
+  lse = jnp.log(total) + top
+  target = jnp.take_along_axis(logits, target_ids[..., None], axis=-1)[..., 0]
+  return ((lse - target) * weights).sum(), (logits, shifted_exp, total, lse, target_ids, weights)
+
+
+def _weighted_nll_sum_bwd(residuals, grad):
+  logits, shifted_exp, total, lse, target_ids, weights = residuals
+  # The CPU reads the forward's exponentials back (an exp costs more there than the memory);
+  # elsewhere they are computed again, so they are never written out (nothing reads them then).
+  softmax = jax.lax.platform_dependent(
+      logits, shifted_exp, total, lse,
+      cpu=lambda _, shifted_exp, total, __: shifted_exp / total[..., None],
+      default=lambda logits, _, __, lse: jnp.exp(logits - lse[..., None]),
+  )
+  is_target = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == target_ids[..., None]
+  d_logits = (grad * weights)[..., None] * (softmax - is_target.astype(jnp.float32))
+  return d_logits, None, None, None
+
+
+_weighted_nll_sum.defvjp(_weighted_nll_sum_fwd, _weighted_nll_sum_bwd)
 
 
 def _mlm_sums(logits, target_ids, weights):
   """(summed cross-entropy, summed correct argmax) of vocabulary logits against targets. The
-  target logit is picked by a mask rather than a gather, so the backward pass is elementwise
-  (no scatter into a [batch, n, vocab] buffer)."""
-  is_target = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == target_ids[..., None]
-  target_logits = jnp.where(is_target, logits, 0.0).sum(-1)
-  nll = jax.nn.logsumexp(logits, axis=-1) - target_logits
-  correct = (_argmax_first(jax.lax.stop_gradient(logits)) == target_ids) * weights
-  return (nll * weights).sum(), correct.sum()
+  maximum that shifts the logsumexp is the one the accuracy's argmax finds, so the forward
+  pass reads the logits twice off the CPU (the argmax, the exponentials) and three times on
+  it, where it took five."""
+  top, predicted = _max_and_argmax(jax.lax.stop_gradient(logits))
+  nll_sum = _weighted_nll_sum(logits, top, target_ids, weights)
+  correct = (predicted == target_ids) * weights
+  return nll_sum, correct.sum()
 
 
 def _bce(logits, labels):

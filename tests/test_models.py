@@ -167,6 +167,24 @@ def test_tied_vocab_logits_gradients_are_autodiffs(dtype):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("platform, matmuls", [("cpu", 3), ("cuda", 2), ("tpu", 2)])
+def test_tied_vocab_bias_gradient_is_a_product_on_cpu_only(platform, matmuls):
+  """The output bias's gradient sums the logits' gradient over the rows: on the CPU as a
+  product with a ones vector (its column reduction is slow there), elsewhere as a plain sum,
+  which a GPU fuses with the pass that makes the logits' gradient (a product made it write
+  that gradient out once more). The backward pass has two matmuls besides, table and hidden."""
+  hidden, table, bias = (jax.ShapeDtypeStruct(s, jnp.float32) for s in [(4, 19, 16), (30522, 16), (30522,)])
+
+  def backward(h, t, b):
+    _, vjp = jax.vjp(lambda h, t, b: models.tied_vocab_logits(h, t, b, jnp.bfloat16), h, t, b)
+    return vjp(jnp.ones((4, 19, 30522), jnp.float32))
+
+  module = jax.export.export(jax.jit(backward), platforms=[platform])(hidden, table, bias).mlir_module()
+  assert module.count("stablehlo.dot_general") == matmuls, module  # (the forward's is not needed)
+  sums_over_rows = [l for l in module.split("\n") if "stablehlo.reduce" in l and "x30522xf32>" in l]
+  assert len(sums_over_rows) == (0 if platform == "cpu" else 1), sums_over_rows
+
+
 def test_rows_dot_general_is_nn_dense_with_its_gradients():
   """The encoder's dense layers take their product as one 2-D matmul over all rows: same
   outputs and gradients (inputs, kernel, bias) as flax's own N-D dot_general."""

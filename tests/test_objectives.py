@@ -240,3 +240,43 @@ def test_argmax_takes_one_reduction_off_the_cpu(platform, reductions):
   z = jax.ShapeDtypeStruct((4, 19, 30522), jnp.float32)
   module = jax.export.export(jax.jit(objectives._argmax_first), platforms=[platform])(z).mlir_module()
   assert module.count("stablehlo.reduce") == reductions, module
+
+
+def test_mlm_sums_equal_autodiffs_loss_gradient_and_accuracy():
+  """_mlm_sums has a hand-written backward pass (weights * (softmax - one_hot)) and finds the
+  logsumexp's shift with the accuracy's argmax: the loss must be the very number of
+  jax.nn.logsumexp minus the target logit, its gradient autodiff's, and the count of correct
+  argmaxes jnp.argmax's, also with zero weights and tied maxima."""
+  rng = np.random.default_rng(5)
+  logits = rng.normal(scale=3.0, size=(3, 7, 301)).astype(np.float32)
+  logits[0, 0, [4, 9]] = 20.0  # a tie for the maximum: the first index counts
+  targets = rng.integers(0, 301, size=(3, 7)).astype(np.int32)
+  targets[0, 0], targets[0, 1] = 9, int(np.argmax(logits[0, 1]))
+  weights = (rng.random((3, 7)) < 0.7).astype(np.float32)
+  weights[0, :2] = 1.0
+  logits, targets, weights = jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights)
+
+  def reference(z):
+    target = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
+    return ((jax.nn.logsumexp(z, axis=-1) - target) * weights).sum()
+
+  loss, correct = objectives._mlm_sums(logits, targets, weights)
+  grad = jax.grad(lambda z: objectives._mlm_sums(z, targets, weights)[0])(logits)
+  assert float(loss) == float(reference(logits))
+  np.testing.assert_allclose(grad, jax.grad(reference)(logits), rtol=1e-5, atol=1e-7)
+  assert not np.any(np.asarray(grad)[np.asarray(weights) == 0])  # unweighted rows send nothing
+  want_correct = ((jnp.argmax(logits, -1) == targets) * weights).sum()
+  assert float(correct) == float(want_correct) and float(correct) >= 1.0  # row (0, 1) is right, (0, 0) is not
+
+
+@pytest.mark.parametrize("platform, passes", [("cpu", 3), ("cuda", 2), ("tpu", 2)])
+def test_mlm_sums_read_the_vocabulary_logits_in_few_passes(platform, passes):
+  """The forward pass reduces over the [..., vocab] logits only where it must: off the CPU one
+  (value, index) reduction serves the accuracy and the logsumexp's shift, then the
+  exponentials; on the CPU the maximum, the index search and the exponentials. The target
+  logit is gathered, not found by a pass over the vocabulary."""
+  z, ids, w = (jax.ShapeDtypeStruct(s, d) for s, d in [((4, 19, 30522), jnp.float32), ((4, 19), jnp.int32),
+                                                      ((4, 19), jnp.float32)])
+  module = jax.export.export(jax.jit(objectives._mlm_sums), platforms=[platform])(z, ids, w).mlir_module()
+  over_vocab = [line for line in module.split("\n") if "stablehlo.reduce" in line and "4x19x30522x" in line]
+  assert len(over_vocab) == passes, "\n".join(over_vocab)
