@@ -275,7 +275,7 @@ def _mlm_sums(logits, target_ids, weights):
   """(summed cross-entropy, summed correct argmax) of vocabulary logits against targets. The
   maximum that shifts the logsumexp is the one the accuracy's argmax finds, so the forward
   pass reads the logits twice off the CPU (the argmax, the exponentials) and three times on
-  it, where it took five."""
+  it (the maximum, the index search, the exponentials), where it took four and five."""
   top, predicted = _max_and_argmax(jax.lax.stop_gradient(logits))
   nll_sum = _weighted_nll_sum(logits, top, target_ids, weights)
   correct = (predicted == target_ids) * weights
