@@ -9,8 +9,10 @@ outputs nothing reads; every real token's output equals the masked softmax refer
 
 The kernel works on one device's block of the batch and heads, so under a mesh (jax.set_mesh,
 as `partitioning.activate` does) it runs inside `jax.shard_map`: batch split over the data and
-fsdp axes, heads over the tensor axis when they divide it. On other backends than TPU it runs
-in Pallas's interpret mode, which is exact but slow: use it to test, not to train.
+fsdp axes, heads over the tensor axis when they divide it. A program compiled for another
+platform than TPU runs it in Pallas's interpret mode, which is exact but slow: use it to test,
+not to train. The choice follows the platform compiled for (lax.platform_dependent), so a TPU
+program compiled ahead of time on a CPU host holds the real kernel.
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ def _kernel(num_heads: int, seq_len: int, interpret: bool):
   return kernel, kernel_lib.SegmentIds
 
 
+def _target_platform() -> str:
+  """The platform of the devices of the mesh in use (jax.set_mesh), else this process's."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)  # jax >= 0.7
+  return getattr(device, "platform", None) or jax.devices()[0].platform
+
+
 @functools.lru_cache(maxsize=None)
 def _warn_interpret(platform: str) -> None:
   logging.warning(
@@ -100,12 +108,18 @@ def _local_attention(query, key, value, segment_ids, *, interpret: bool):
 def splash_attention(query, key, value, segment_ids):
   """query/key/value [batch, seq, heads, head_dim]; segment_ids [batch, seq] (0 = padding, and
   a query sees only keys of its own segment) -> [batch, seq, heads, head_dim]."""
-  platform = jax.devices()[0].platform
-  interpret = platform != "tpu"
-  if interpret:
+  platform = _target_platform()
+  if platform != "tpu":
     _warn_interpret(platform)
   check_seq_len(query.shape[1])
-  attend = functools.partial(_local_attention, interpret=interpret)
+
+  def attend(*args):
+    # The kernel for the platform the program is compiled for, which need not be this
+    # process's default one (a TPU program compiled ahead of time on a CPU host).
+    return jax.lax.platform_dependent(
+        *args, tpu=functools.partial(_local_attention, interpret=False),
+        default=functools.partial(_local_attention, interpret=True),
+    )
 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:

@@ -129,6 +129,23 @@ def test_sharded_training_matches_xla_on_one_device(tmp_path):
       assert abs(a[metric] - b[metric]) < 1e-4, (a["step"], metric, a[metric], b[metric])
 
 
+def test_a_program_for_tpu_carries_the_kernel_whatever_the_host():
+  """Which kernel runs is decided by the platform a program is compiled for, not by this
+  process's devices: a TPU program built on this CPU (ahead-of-time compiles, and
+  benchmarks/compile_audit.py) holds the Mosaic kernel, forward and fused backward, while a
+  CPU program runs Pallas's interpreter (no TPU call in it)."""
+  q = jax.ShapeDtypeStruct((2, SEQ, 2, 64), jnp.bfloat16)
+  ids = jax.ShapeDtypeStruct((2, SEQ), jnp.int32)
+
+  def loss(q, k, v, ids):
+    return splash_attention.splash_attention(q, k, v, ids).astype(jnp.float32).sum()
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  for platform, kernels in [("tpu", 2), ("cpu", 0)]:
+    module = jax.export.export(step, platforms=[platform])(q, q, q, ids).mlir_module()
+    assert module.count("tpu_custom_call") == kernels, platform
+
+
 def test_refusals_name_the_setting_and_the_fix():
   with pytest.raises(ConfigError, match=r"data.max_seq_len=100 is not a multiple of 128: choose e.g. 128, or"):
     models.build_model(_splash_config("splash", **{"data.max_seq_len": 100}))
