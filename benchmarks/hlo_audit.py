@@ -1,7 +1,7 @@
 """Reading an optimized HLO module (the text of `jax.jit(f).lower(...).compile().as_text()`):
 the kernels it launches, counting while loops by their trip counts, the matmul FLOPs in them,
 the bytes each kernel reads and writes (its operands and results), and a roofline bound
-max(bytes / bandwidth, FLOPs / peak) per source operation. Used by gpu_compile_audit.py.
+max(bytes / bandwidth, FLOPs / peak) per source operation. Used by compile_audit.py.
 
 Matmuls are counted wherever XLA put them: `dot`s (inside Triton gemm fusions or alone), cuBLAS
 calls (`__cublas$gemm`, `__cublas$lt$matmul`, read from their dot dimension numbers) and cuDNN's

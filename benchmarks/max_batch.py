@@ -8,6 +8,10 @@ For each (recipe, max_seq_len) it searches the largest batch whose compiled trai
 analysis, then the answer is bracketed and bisected down to --step examples. Prints a markdown
 table: fixed and per-example memory, the largest batch, its bytes and the compiles it took.
 Nothing runs a step; on a CPU, whose compiles are slow, a coarser --step saves compiles.
+
+--device=tpu_v5e (tpu_v5p, tpu_v6e, h100, h200) answers for one chip of that kind without one:
+the step is compiled for it ahead of time (benchmarks/targets.py, which needs jax's TPU or CUDA
+plugin installed) and held against its HBM. A data-parallel slice needs the same per chip.
 """
 
 import argparse
@@ -15,11 +19,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a clone
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import jax  # noqa: E402
-
-from electra_jax import config_lib, memory, partitioning, train  # noqa: E402
+import targets  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,12 +35,29 @@ def main():
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--step", type=int, default=0,
                       help="Resolution of the search in examples (default: the batch shards, as at start).")
+  parser.add_argument("--device", default="", choices=["", *targets.TARGETS],
+                      help="Compile for one device of this kind instead of this machine's (no device needed).")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="A config override for every recipe, e.g. model.attention_impl=splash (repeatable).")
   args = parser.parse_args()
+  for spec in args.set:
+    if "=" not in spec:
+      sys.exit(f"--set {spec}: give KEY=VALUE, e.g. --set model.attention_impl=splash")
+  if args.device:
+    targets.compile_on_this_host()  # before JAX starts
+  import jax  # noqa: PLC0415
 
-  device = jax.devices()[0]
-  limit = int(args.memory_fraction * memory.device_memory_bytes(device))
-  print(f"device: {device.device_kind} x {jax.device_count()}, {limit / 2**30:.1f} GiB allowed per device "
-        f"({args.memory_fraction:.0%}), dtype {args.dtype}\n")
+  from electra_jax import config_lib, memory, partitioning, sweep, train  # noqa: PLC0415
+
+  if args.device:
+    target = targets.TARGETS[args.device]
+    devices = targets.devices(target)
+    kind, limit = target.name, int(args.memory_fraction * target.memory)
+  else:
+    devices = jax.devices()
+    kind, limit = devices[0].device_kind, int(args.memory_fraction * memory.device_memory_bytes(devices[0]))
+  print(f"device: {kind} x {len(devices)}{' (compiled for, not present)' if args.device else ''}, "
+        f"{limit / 2**30:.1f} GiB allowed per device ({args.memory_fraction:.0%}), dtype {args.dtype}\n")
   print("| recipe | max_seq_len | fixed (GiB) | per example (MiB) | largest batch | its bytes (GiB) | compiles | time |")
   print("|---|---|---|---|---|---|---|---|")
   for name in args.configs.split(","):
@@ -46,7 +66,12 @@ def main():
       config.data.max_seq_len = seq_len
       config.model.max_position_embeddings = max(config.model.max_position_embeddings, seq_len)
       config.train.dtype = args.dtype
-      mesh = partitioning.make_mesh(config.mesh)
+      try:
+        config = sweep.apply_overrides(config, [tuple(spec.split("=", 1)) for spec in args.set])
+        config_lib.validate(config)
+      except config_lib.ConfigError as e:
+        sys.exit(f"--set {' '.join(args.set)}: {e}")
+      mesh = partitioning.make_mesh(config.mesh, devices=devices)
       # Special ids only shape the masking, not the memory; the vocabulary size is the recipe's.
       setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4))
       quantum = partitioning.batch_shards(mesh) * config.train.grad_accum_steps

@@ -198,7 +198,7 @@ def _argmax_first(z):
 def _argmax_one_reduction(z):
   # One (value, index) reduction: on a GPU it fuses with what computes z, so the Gumbel-noised
   # logits are never written out; two reductions made XLA store them (about 600 MB of memory
-  # traffic per electra_small step at batch 128, benchmarks/gpu_compile_audit.py).
+  # traffic per electra_small step at batch 128, benchmarks/compile_audit.py).
   return jnp.argmax(z, axis=-1).astype(jnp.int32)
 
 

@@ -356,7 +356,7 @@ def _compile_update(fn, setup: TrainingSetup, config, mesh, num_steps: int | Non
   """`fn(state, batch, rng)` compiled with the state donated: one global batch and key
   (num_steps None), or num_steps of each stacked on a leading axis."""
   # The keys' shape and dtype only, so nothing runs on the devices (compile-only ones, as
-  # benchmarks/gpu_compile_audit.py uses, cannot run anything).
+  # benchmarks/compile_audit.py uses, cannot run anything).
   if num_steps is None:
     batch_sharding, leading = partitioning.batch_sharding(mesh), ()
     rng = jax.eval_shape(lambda: jax.random.key(0))

@@ -1,0 +1,119 @@
+"""The train step as XLA compiles it for a GPU or a TPU slice, on a machine without either.
+
+  pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"   # GPU targets
+  pip install "jax[tpu]==$(python -c 'import jax; print(jax.__version__)')"      # TPU targets
+  python benchmarks/compile_audit.py --device=h100 --config=configs/electra_small.py \
+      --config.train.dtype=bfloat16 --config.train.batch_size=128
+  python benchmarks/compile_audit.py --device=tpu_v5e --topology=4x4 --config=configs/electra_base.py \
+      --config.train.dtype=bfloat16 --config.train.batch_size=256 --config.data.max_seq_len=512 \
+      --config.model.attention_impl=splash --config.model.attention_dropout_rate=0 --config.mesh.fsdp=4
+
+XLA's compiler runs here against a description of the device (jax's deviceless ahead-of-time
+compilation, benchmarks/targets.py), and nothing runs: these are facts about the compiled
+program, not timings.
+
+For a GPU it reads the optimized program: how many kernels one step launches (while loops
+counted by their trip counts), the matmul FLOPs in them (a check on electra_jax/flops.py), the
+bytes each kernel reads and writes, and per source operation a roofline bound
+max(bytes / bandwidth, FLOPs / peak) (benchmarks/hlo_audit.py). Without a GPU, XLA cannot
+autotune, so matmul tilings differ from a real device's; fusion decisions, kernel counts and
+bytes do not depend on that. Use it to find launch- or memory-bound parts of a step before
+spending GPU time.
+
+For a TPU slice (every chip of it, over as many hosts as the topology has) it shows that the
+step compiles with the mesh asked for, Pallas kernels included (model.attention_impl=splash
+compiles the real Mosaic kernel, not the interpreter), and reports per chip: the memory XLA
+assigns (against the chip's HBM), the FLOPs of XLA's cost analysis against flops.py's share,
+and the Mosaic kernel calls. It gives no roofline: a TPU program's traffic goes through
+on-chip memory the compiler manages (its own "bytes accessed" counts that too), so a bound
+from it would mislead.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a clone
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import targets  # noqa: E402
+
+targets.compile_on_this_host()
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from electra_jax import config_lib, flops, partitioning, train  # noqa: E402
+from hlo_audit import Audit  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/electra_small.py", "Recipe.", lock_config=False)
+_DEVICE = flags.DEFINE_enum("device", "h100", list(targets.TARGETS), "What to compile for (GPUs: SXM parts).")
+_TOPOLOGY = flags.DEFINE_string(
+    "topology", "", "TPU slice shape, e.g. 2x2 or 4x4 (v5e, v6e), 2x2x2 (v5p); default one chip.")
+_TOP = flags.DEFINE_integer("top", 25, "GPU: source operations listed, by roofline bound.")
+_HLO = flags.DEFINE_string("hlo_out", "", "Also write the optimized HLO text here.")
+
+def main(argv):
+  del argv
+  config, target = _CONFIG.value, targets.TARGETS[_DEVICE.value]
+  try:
+    config_lib.validate(config)  # a bad override is named here, not by the compiler
+  except config_lib.ConfigError as e:
+    sys.exit(str(e))
+  devices = targets.devices(target, _TOPOLOGY.value)
+  try:
+    mesh = partitioning.make_mesh(config.mesh, devices=devices)
+  except config_lib.ConfigError as e:
+    sys.exit(f"{e} ({len(devices)} devices in {target.name} {_TOPOLOGY.value or 'one chip'})")
+  # Special ids shape the masking, not the program; the vocabulary is the recipe's.
+  setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4, vocab_size=config.model.vocab_size))
+  with partitioning.activate(mesh):
+    compiled = train.compile_train_step(setup, config, mesh)
+  hlo = compiled.as_text()
+  if _HLO.value:
+    with open(_HLO.value, "w") as f:
+      f.write(hlo)
+  batch, seq = config.train.batch_size, config.data.max_seq_len
+  model_flops = flops.train_flops_per_token(setup.model, seq, setup.objective.max_predictions) * batch * seq
+  print(f"{target.name} x {len(devices)} (compiled, not run): batch {batch} x seq {seq}, {config.train.dtype}, "
+        f"attention {config.model.attention_impl}, mesh {dict(mesh.shape)}")
+  if target.platform == "cuda":
+    _report_gpu(hlo, target, model_flops)
+  else:
+    _report_tpu(compiled, hlo, target, model_flops / len(devices), len({d.process_index for d in devices}),
+                config.model.scan_layers)
+
+
+def _report_gpu(hlo, target, model_flops):
+  audit = Audit(hlo, target.peak, target.bandwidth)
+  t = audit.totals()
+  print(f"kernel launches per step: {t['launches']}")
+  print(f"matmul FLOPs: {t['dot_flops'] / 1e9:,.1f} G (electra_jax/flops.py: {model_flops / 1e9:,.1f} G; "
+        "the first adds what the backward of cuDNN's attention computes again)")
+  print(f"bytes read and written by kernels: {t['bytes'] / 1e9:.2f} GB")
+  print(f"roofline bound: {t['bound_s'] * 1e3:.2f} ms (no launch or latency cost), so MFU at most "
+        f"{model_flops / t['bound_s'] / target.peak:.0%}")
+  if _TOP.value:
+    print("\n| bound (ms) | kernels | GFLOP | MB | source | operation |\n|---|---|---|---|---|---|")
+  for (where, operation), (bound, launches, dot, moved) in sorted(
+      audit.by_source.items(), key=lambda kv: -kv[1][0])[:_TOP.value]:
+    print(f"| {bound * 1e3:.3f} | {launches} | {dot / 1e9:.1f} | {moved / 1e6:.1f} | {where} | {operation} |")
+
+
+def _report_tpu(compiled, hlo, target, model_flops_per_chip, hosts, scanned):
+  m = compiled.memory_analysis()
+  held = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+  print(f"hosts: {hosts}")
+  print(f"memory per chip: {held / 2**30:.2f} GiB of {target.memory / 2**30:.0f} GiB HBM "
+        f"({held / target.memory:.0%}): state and batch {m.argument_size_in_bytes / 2**30:.2f} GiB, "
+        f"temporaries {m.temp_size_in_bytes / 2**30:.2f} GiB")
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  # XLA's cost analysis and a count of the program's text both see a loop's body once.
+  looped = " (the scanned layers' loop body counted once)" if scanned else ""
+  print(f"FLOPs per chip (XLA's cost analysis, Mosaic kernels not included): {cost.get('flops', 0) / 1e9:,.1f} G "
+        f"(electra_jax/flops.py's share: {model_flops_per_chip / 1e9:,.1f} G){looped}")
+  mosaic = hlo.count('custom_call_target="tpu_custom_call"')
+  print(f"Mosaic (Pallas) kernel calls in the program: {mosaic}{looped}")
+
+
+if __name__ == "__main__":
+  app.run(main)
