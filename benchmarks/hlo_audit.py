@@ -141,7 +141,8 @@ class Audit:
     fused = re.search(r"calls=%([\w.\-]+)", line) if m.group(3) == "fusion" else None
     sliced = self._sliced_parameters(fused.group(1)) if fused else {}
     for index, name in enumerate(re.findall(r"%([\w.\-]+)", m.group(4))):
-      moved += sliced.get(index, array_bytes(shapes.get(name, "")))
+      whole = array_bytes(shapes.get(name, ""))
+      moved += min(sliced.get(index, whole), whole)  # overlapping gathers read no more than all of it
     return moved
 
   def _sliced_parameters(self, comp) -> dict[int, int]:

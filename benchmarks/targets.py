@@ -80,6 +80,10 @@ def devices(target: Target, topology: str = "") -> list:
   except SystemExit:
     raise
   except Exception as e:  # no plugin, one too old for deviceless compiles, or a bad topology
+    if "lockfile" in str(e):  # libtpu admits one process per host
+      raise SystemExit(
+          f"libtpu is in use by another process on this host (its lock: /tmp/libtpu_lockfile), and it "
+          f"serves one at a time: wait for that one to end, then compile for {target.name}.") from None
     extra = "cuda12" if target.platform == "cuda" else "tpu"
     raise SystemExit(
         f"Could not set up a deviceless compile for {target.name}{' ' + topology if topology else ''} "

@@ -65,6 +65,12 @@ _GPU_MODULE = """HloModule jit_step, entry_computation_layout={()->f32[]}
   ROOT %bitcast.3 = f32[8]{0} bitcast(%gather.2)
 }
 
+%fused_rows (param_0.3: f32[10,8], param_1.3: s32[64,1]) -> f32[64,8] {
+  %param_0.3 = f32[10,8]{1,0} parameter(0)
+  %param_1.3 = s32[64,1]{1,0} parameter(1)
+  ROOT %gather.3 = f32[64,8]{1,0} gather(%param_0.3, %param_1.3), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,8}
+}
+
 ENTRY %main.1 () -> f32[] {
   %x = bf16[64,48]{1,0} parameter(0)
   %w = bf16[48,96]{1,0} parameter(1)
@@ -82,6 +88,9 @@ ENTRY %main.1 () -> f32[] {
   %out.1 = bf16[2,4,128,16]{3,1,2,0} get-tuple-element(%fwd.1), index=0
   %bwd.1 = (bf16[2,128,4,16]{3,2,1,0}, bf16[2,64,4,16]{3,2,1,0}, bf16[2,64,4,16]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k, %v, %out.1, %lengths, %lengths), custom_call_target="__cudnn$fmhaSoftmaxBackward"
   %input_gather_fusion.1 = f32[8]{0} fusion(%logits, %ids), kind=kInput, calls=%fused_gather
+  %table = f32[10,8]{1,0} parameter(9)
+  %rows = s32[64,1]{1,0} parameter(10)
+  %loop_gather_fusion.1 = f32[64,8]{1,0} fusion(%table, %rows), kind=kLoop, calls=%fused_rows
   ROOT %r = f32[] constant(0)
 }
 """
@@ -91,21 +100,22 @@ def test_gpu_kernels_by_hand():
   """Counts for what only a GPU compile contains, against hand counts: a cuBLAS call's FLOPs
   from its dot dimensions and its bytes without the scratch workspace; cuDNN's attention as 4
   B N Tq Tk D FLOPs forward and 2.5 times that backward; a fusion that slices or gathers an
-  operand charged for what it takes, not for the whole operand."""
+  operand charged for what it takes, never more than the whole operand."""
   audit = hlo_audit.Audit(_GPU_MODULE, peak=1e12, bandwidth=1e11)
   by_name = {operation: value for (_, operation), value in audit.by_source.items()}
   assert set(by_name) == {"?"}  # no op_name metadata here: everything lands on one row
   totals = audit.totals()
   attention = 4 * 2 * 4 * 128 * 64 * 16
   assert totals["dot_flops"] == 2 * 64 * 96 * 48 + attention + int(2.5 * attention)
-  assert totals["launches"] == 5
+  assert totals["launches"] == 6
   matmul = 2 * (64 * 48 + 48 * 96 + 64 * 96)  # no s8 workspace
   sliced_add = 2 * (64 * 32 + 32 + 64 * 32)  # the [64, 32] slice of the [64, 96] operand
   q, kv, out = 2 * 2 * 128 * 4 * 16, 2 * 2 * 64 * 4 * 16, 2 * 2 * 4 * 128 * 16
   forward = q + 2 * kv + 2 * 4 * 2 + out + 4 * 2 * 4 * 128
   backward = q + 2 * kv + out + 2 * 4 * 2 + q + 2 * kv
   gather = 4 * 8 + 4 * 8 * 2 + 4 * 8  # 8 logits taken, the ids, the result
-  assert totals["bytes"] == matmul + sliced_add + forward + backward + gather
+  rows = 4 * 10 * 8 + 4 * 64 + 4 * 64 * 8  # 64 rows taken from 10: the table read once at most
+  assert totals["bytes"] == matmul + sliced_add + forward + backward + gather + rows
 
 
 def test_compile_targets_give_devices_or_say_what_to_install(monkeypatch):

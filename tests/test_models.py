@@ -3,6 +3,7 @@
 import flax
 import flax.linen as nn
 import jax
+import jax.export  # jax 0.6 (Python 3.10) loads it only when asked
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -5,6 +5,7 @@ gradients (padded rows and packed rows), inside the model, and sharded over a me
 import json
 
 import jax
+import jax.export  # jax 0.6 (Python 3.10) loads it only when asked
 import jax.numpy as jnp
 import numpy as np
 import pytest
