@@ -26,9 +26,10 @@ def test_loops_count_by_trip_count_and_matmuls_by_hand():
   seven, fourteen = _looped_matmul(7), _looped_matmul(14)
   assert seven.totals()["dot_flops"] == 7 * 2 * 64 * 32 * 32
   assert fourteen.totals()["dot_flops"] == 14 * 2 * 64 * 32 * 32
-  # Seven more trips launch seven more of the loop's kernels (its body and its condition).
+  # Seven more trips launch seven more rounds of the loop's kernels (how many a round has, its
+  # body's and its condition's, is up to XLA: jaxlib 0.6 fuses more of them than 0.10).
   per_trip = fourteen.totals()["launches"] - seven.totals()["launches"]
-  assert per_trip % 7 == 0 and per_trip >= 7 * 2
+  assert per_trip % 7 == 0 and per_trip >= 7
   # The matmul reads x [64, 32] and w [32, 32] and writes [64, 32], all float32, each trip;
   # its bound is those bytes at the bandwidth (its FLOPs take 30x less at the peak).
   matmul = [v for (where, op), v in seven.by_source.items() if op.endswith("dot_general")]
