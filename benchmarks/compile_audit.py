@@ -63,10 +63,9 @@ def main(argv):
     mesh = partitioning.make_mesh(config.mesh, devices=devices)
   except config_lib.ConfigError as e:
     sys.exit(f"{e} ({len(devices)} devices in {target.name} {_TOPOLOGY.value or 'one chip'})")
-  # Under the target's mesh from the start, so what is traced knows its platform. Special ids
-  # shape the masking, not the program; the vocabulary is the recipe's.
+  # Special ids shape the masking, not the program; the vocabulary is the recipe's.
+  setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4, vocab_size=config.model.vocab_size))
   with partitioning.activate(mesh):
-    setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4, vocab_size=config.model.vocab_size))
     compiled = train.compile_train_step(setup, config, mesh)
   hlo = compiled.as_text()
   if _HLO.value:

@@ -73,9 +73,7 @@ def main():
         sys.exit(f"--set {' '.join(args.set)}: {e}")
       mesh = partitioning.make_mesh(config.mesh, devices=devices)
       # Special ids only shape the masking, not the memory; the vocabulary size is the recipe's.
-      # Under the mesh, so what is traced knows the platform compiled for.
-      with partitioning.activate(mesh):
-        setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4))
+      setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4))
       quantum = partitioning.batch_shards(mesh) * config.train.grad_accum_steps
       if args.step % quantum:
         sys.exit(f"--step={args.step} is not a multiple of {quantum} (batch shards x grad_accum_steps).")

@@ -68,9 +68,13 @@ def _kernel(num_heads: int, seq_len: int, interpret: bool):
   return kernel, kernel_lib.SegmentIds
 
 
-def _target_platform() -> str:
-  """The platform of the devices of the mesh in use (jax.set_mesh), else this process's."""
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)  # jax >= 0.7
+def _mesh_platform() -> str | None:
+  """The platform of the mesh in use (jax.set_mesh, as training and evaluation trace their
+  steps), None outside one (shape-only traces such as parameter init)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return None
+  device = getattr(mesh, "abstract_device", None)  # jax >= 0.7
   return getattr(device, "platform", None) or jax.devices()[0].platform
 
 
@@ -108,8 +112,8 @@ def _local_attention(query, key, value, segment_ids, *, interpret: bool):
 def splash_attention(query, key, value, segment_ids):
   """query/key/value [batch, seq, heads, head_dim]; segment_ids [batch, seq] (0 = padding, and
   a query sees only keys of its own segment) -> [batch, seq, heads, head_dim]."""
-  platform = _target_platform()
-  if platform != "tpu":
+  platform = _mesh_platform()
+  if platform not in (None, "tpu"):  # a step traced for a mesh of another platform
     _warn_interpret(platform)
   check_seq_len(query.shape[1])
 
