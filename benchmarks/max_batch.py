@@ -46,7 +46,9 @@ def main():
   if args.device:
     targets.compile_on_this_host()  # before JAX starts
   import jax  # noqa: PLC0415
+  from absl import logging  # noqa: PLC0415
 
+  logging.set_verbosity(logging.INFO)  # a line per compile: on a CPU host each takes minutes
   from electra_jax import config_lib, memory, partitioning, sweep, train  # noqa: PLC0415
 
   if args.device:
@@ -79,10 +81,15 @@ def main():
         sys.exit(f"--step={args.step} is not a multiple of {quantum} (batch shards x grad_accum_steps).")
       quantum = args.step or quantum
       start = time.perf_counter()
-      batch, measured = memory.largest_batch(config, setup, mesh, limit, quantum)
-      fixed, per_example = memory.linear_fit(measured[0], measured[1])
+      try:
+        batch, measured = memory.largest_batch(config, setup, mesh, limit, quantum)
+      except config_lib.ConfigError as e:  # not even one quantum fits: say so, go on to the next
+        print(f"| `{name}` | {seq_len} | - | - | none | - | - | {e} |", flush=True)
+        continue
+      fit = memory.fit_of(measured)
+      fixed, per_example = ("-", "-") if fit is None else (f"{fit[0] / 2**30:.2f}", f"{fit[1] / 2**20:.1f}")
       chosen = next(m for m in measured if m.batch_size == batch)
-      print(f"| `{name}` | {seq_len} | {fixed / 2**30:.2f} | {per_example / 2**20:.1f} | {batch} | "
+      print(f"| `{name}` | {seq_len} | {fixed} | {per_example} | {batch} | "
             f"{chosen.bytes_per_device / 2**30:.2f} | {len(measured)} | {time.perf_counter() - start:.0f} s |",
             flush=True)
 

@@ -3,15 +3,17 @@
 XLA reports, for a compiled step, the bytes of its arguments, outputs (the donated state aliases
 its input) and temporaries, per device. The temporaries grow linearly with the batch (the
 activations), so two compiles give bytes(batch) = fixed + per_example * batch, whose prediction
-`largest_batch` then checks by bracketing and bisection. `train.batch_size = -1` asks
-`train.prepare` for the largest multiple of the batch shards that fits in
-`train.memory_fraction` of a device's memory.
+`largest_batch` then checks by bracketing and bisection; a batch the compiler refuses outright
+(XLA's TPU compiler does when a program exceeds the chip's HBM) counts as one that does not fit.
+`train.batch_size = -1` asks `train.prepare` for the largest multiple of the batch shards that
+fits in `train.memory_fraction` of a device's memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import jax
 from absl import logging
@@ -22,7 +24,14 @@ from electra_jax.config_lib import ConfigError
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
   batch_size: int
-  bytes_per_device: int  # arguments + outputs - donated (aliased) + temporaries
+  # arguments + outputs - donated (aliased) + temporaries; None where the compiler refused the
+  # step as more than the device's memory (XLA's TPU compiler does, GPU and CPU do not).
+  bytes_per_device: int | None
+
+
+def _out_of_memory(error: Exception) -> bool:
+  """Whether a compile failed because the program needs more memory than the device has."""
+  return "RESOURCE_EXHAUSTED" in str(error) or "Ran out of memory" in str(error)
 
 
 def compiled_bytes(compiled) -> int:
@@ -54,9 +63,20 @@ def step_memory(config, setup, mesh, batch_size: int) -> StepMemory:
 
   sized = config.copy_and_resolve_references()
   sized.train.batch_size = batch_size
-  with partitioning.activate(mesh):
-    compiled = train.compile_train_step(setup, sized, mesh)
-  return StepMemory(batch_size, compiled_bytes(compiled))
+  start = time.perf_counter()
+  try:
+    with partitioning.activate(mesh):
+      compiled = train.compile_train_step(setup, sized, mesh)
+  except Exception as e:  # noqa: BLE001 (the compiler's error types differ between jax versions)
+    if not _out_of_memory(e):
+      raise
+    logging.info("Batch %d: the compiler refused the step as more than a device's memory "
+                 "(%.0f s: %s).", batch_size, time.perf_counter() - start, str(e).splitlines()[0][:200])
+    return StepMemory(batch_size, None)
+  size = compiled_bytes(compiled)
+  logging.info("Batch %d: %.2f GiB per device (compiled in %.0f s).",
+               batch_size, size / 2**30, time.perf_counter() - start)
+  return StepMemory(batch_size, size)
 
 
 def linear_fit(small: StepMemory, large: StepMemory) -> tuple[float, float]:
@@ -66,46 +86,61 @@ def linear_fit(small: StepMemory, large: StepMemory) -> tuple[float, float]:
   return small.bytes_per_device - per_example * small.batch_size, per_example
 
 
+def fit_of(measured: list[StepMemory]) -> tuple[float, float] | None:
+  """The linear fit through the two smallest measured batches with a size, or None when fewer
+  than two compiled."""
+  sized = sorted((m for m in measured if m.bytes_per_device is not None), key=lambda m: m.batch_size)
+  return linear_fit(sized[0], sized[1]) if len(sized) >= 2 else None
+
+
 def largest_batch(config, setup, mesh, limit_bytes: int, quantum: int) -> tuple[int, list[StepMemory]]:
   """The largest multiple of `quantum` whose step fits in `limit_bytes` per device, with the
   measurements taken on the way. Raises ConfigError when not even `quantum` fits.
 
   Two compiles give a linear fit, whose prediction is the first guess; XLA's buffer layout is
-  not quite linear, so the answer is then bracketed (galloping up while guesses fit) and
-  bisected down to one quantum: a handful of compiles."""
+  not quite linear, so each guess that fits is followed by the line through the two largest
+  batches that fit, until one does not, and the bracket is then bisected down to one quantum:
+  a handful of compiles."""
   measured: list[StepMemory] = []
 
   def fits(batch: int) -> bool:
     measured.append(step_memory(config, setup, mesh, batch))
-    return measured[-1].bytes_per_device <= limit_bytes
+    return measured[-1].bytes_per_device is not None and measured[-1].bytes_per_device <= limit_bytes
 
   if not fits(quantum):
+    needs = measured[0].bytes_per_device
+    needs = "more than a device's memory" if needs is None else f"{needs / 2**30:.2f} GiB per device"
     raise ConfigError(
-        f"Even a batch of {quantum} needs {measured[0].bytes_per_device / 2**30:.2f} GiB per device, "
-        f"more than the {limit_bytes / 2**30:.2f} GiB allowed: use a smaller model or max_seq_len, "
-        "bfloat16, or more devices."
+        f"Even a batch of {quantum} needs {needs}, more than the {limit_bytes / 2**30:.2f} GiB "
+        "allowed: use a smaller model or max_seq_len, bfloat16, or more devices."
     )
   low, high = quantum, None  # the largest known to fit, the smallest known not to
   if fits(4 * quantum):
     low = 4 * quantum
   else:
     high = 4 * quantum
-  fixed, per_example = linear_fit(measured[0], measured[1])
-  guess = int((limit_bytes - fixed) / per_example) // quantum * quantum
-  step = max(quantum, guess // 20 // quantum * quantum)
+  fit = fit_of(measured)
   while high is None or high - low > quantum:
     if high is None:
-      candidate = max(guess, low + quantum)
+      # Extrapolate the line through the two largest batches that fit. XLA's layout grows less
+      # than linearly past the first compiles, so this lands short and is re-aimed from the new
+      # point; a guess that overshoots brackets the answer for bisection. Never past 16 x low,
+      # so a flat pair of measurements cannot send a compile to an absurd batch.
+      below = sorted((m for m in measured if m.bytes_per_device is not None
+                      and m.bytes_per_device <= limit_bytes), key=lambda m: m.batch_size)[-2:]
+      fixed, per_example = linear_fit(*below)
+      guess = int((limit_bytes - fixed) / per_example) // quantum * quantum
+      candidate = max(low + quantum, min(guess, 16 * low))
     else:
       candidate = max(low + quantum, (low + high) // 2 // quantum * quantum)
       candidate = min(candidate, high - quantum)
     if fits(candidate):
       low = candidate
-      guess, step = candidate + step, 2 * step  # gallop up until a guess does not fit
     else:
       high = candidate
   logging.info(
-      "Memory per device: %.1f MiB fixed + %.3f MiB per example; largest batch %d (limit %.2f GiB, "
-      "%d compiles).", fixed / 2**20, per_example / 2**20, low, limit_bytes / 2**30, len(measured),
+      "Memory per device: %s; largest batch %d (limit %.2f GiB, %d compiles).",
+      "no linear fit" if fit is None else f"{fit[0] / 2**20:.1f} MiB fixed + {fit[1] / 2**20:.3f} MiB per example",
+      low, limit_bytes / 2**30, len(measured),
   )
   return low, measured
