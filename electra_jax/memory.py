@@ -124,13 +124,17 @@ def largest_batch(config, setup, mesh, limit_bytes: int, quantum: int) -> tuple[
     if high is None:
       # Extrapolate the line through the two largest batches that fit. XLA's layout grows less
       # than linearly past the first compiles, so this lands short and is re-aimed from the new
-      # point; a guess that overshoots brackets the answer for bisection. Never past 16 x low,
-      # so a flat pair of measurements cannot send a compile to an absurd batch.
+      # point; a guess that overshoots brackets the answer for bisection. The layout is not even
+      # monotonic (electra_base s512 on a v5e: batch 96 took less than 88), so the slope is at
+      # least a quarter of the chord's from the smallest batch, and the guess at most 8 x low:
+      # a flat pair cannot send a compile to an absurd batch.
       below = sorted((m for m in measured if m.bytes_per_device is not None
-                      and m.bytes_per_device <= limit_bytes), key=lambda m: m.batch_size)[-2:]
-      fixed, per_example = linear_fit(*below)
-      guess = int((limit_bytes - fixed) / per_example) // quantum * quantum
-      candidate = max(low + quantum, min(guess, 16 * low))
+                      and m.bytes_per_device <= limit_bytes), key=lambda m: m.batch_size)
+      _, chord = linear_fit(below[0], below[-1])
+      fixed, per_example = linear_fit(below[-2], below[-1])
+      per_example = max(per_example, chord / 4)
+      guess = int((limit_bytes - below[-1].bytes_per_device) / per_example + below[-1].batch_size)
+      candidate = max(low + quantum, min(guess // quantum * quantum, 8 * low))
     else:
       candidate = max(low + quantum, (low + high) // 2 // quantum * quantum)
       candidate = min(candidate, high - quantum)
