@@ -27,6 +27,9 @@ class StepMemory:
   # arguments + outputs - donated (aliased) + temporaries; None where the compiler refused the
   # step as more than the device's memory (XLA's TPU compiler does, GPU and CPU do not).
   bytes_per_device: int | None
+  # XLA's cost analysis of the compiled step, per device: it counts what the compiler
+  # recomputes, so it shows XLA's TPU compiler rematerializing a step to fit it in HBM.
+  flops: float | None = None
 
 
 def _out_of_memory(error: Exception) -> bool:
@@ -40,6 +43,17 @@ def compiled_bytes(compiled) -> int:
   if m is None:
     raise ConfigError("This backend reports no memory analysis for compiled steps; set train.batch_size.")
   return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes)
+
+
+def compiled_flops(compiled) -> float | None:
+  """FLOPs of a compiled computation per device from XLA's cost analysis, None if not reported."""
+  try:
+    cost = compiled.cost_analysis()
+  except Exception:  # noqa: BLE001 (not every backend has one)
+    return None
+  cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+  flops = cost.get("flops") if isinstance(cost, dict) else None
+  return float(flops) if flops else None
 
 
 def device_memory_bytes(device: jax.Device | None = None) -> int:
@@ -73,10 +87,11 @@ def step_memory(config, setup, mesh, batch_size: int) -> StepMemory:
     logging.info("Batch %d: the compiler refused the step as more than a device's memory "
                  "(%.0f s: %s).", batch_size, time.perf_counter() - start, str(e).splitlines()[0][:200])
     return StepMemory(batch_size, None)
-  size = compiled_bytes(compiled)
-  logging.info("Batch %d: %.2f GiB per device (compiled in %.0f s).",
-               batch_size, size / 2**30, time.perf_counter() - start)
-  return StepMemory(batch_size, size)
+  size, flops = compiled_bytes(compiled), compiled_flops(compiled)
+  logging.info("Batch %d: %.2f GiB per device, %s (compiled in %.0f s).", batch_size, size / 2**30,
+               "no cost analysis" if flops is None else f"{flops / 1e9:,.1f} GFLOPs",
+               time.perf_counter() - start)
+  return StepMemory(batch_size, size, flops)
 
 
 def linear_fit(small: StepMemory, large: StepMemory) -> tuple[float, float]:
@@ -93,6 +108,22 @@ def fit_of(measured: list[StepMemory]) -> tuple[float, float] | None:
   return linear_fit(sized[0], sized[1]) if len(sized) >= 2 else None
 
 
+# A batch fits only if the compiled step does no more work per example than the small batches
+# measured first: XLA's TPU compiler rematerializes activations to squeeze a step into HBM,
+# which fits a larger batch at the cost of recomputing part of the forward pass.
+RECOMPUTE_TOLERANCE = 0.02
+
+
+def _recomputed_share(first: StepMemory, second: StepMemory, m: StepMemory) -> float:
+  """How much more than the line through `first` and `second`'s FLOPs `m`'s step does, as a
+  fraction of that line (0 where a cost analysis is missing)."""
+  if None in (first.flops, second.flops, m.flops) or first.bytes_per_device is None or second.bytes_per_device is None:
+    return 0.0
+  per_example = (second.flops - first.flops) / (second.batch_size - first.batch_size)
+  predicted = first.flops + per_example * (m.batch_size - first.batch_size)
+  return m.flops / predicted - 1 if predicted > 0 else 0.0
+
+
 def largest_batch(config, setup, mesh, limit_bytes: int, quantum: int) -> tuple[int, list[StepMemory]]:
   """The largest multiple of `quantum` whose step fits in `limit_bytes` per device, with the
   measurements taken on the way. Raises ConfigError when not even `quantum` fits.
@@ -100,12 +131,23 @@ def largest_batch(config, setup, mesh, limit_bytes: int, quantum: int) -> tuple[
   Two compiles give a linear fit, whose prediction is the first guess; XLA's buffer layout is
   not quite linear, so each guess that fits is followed by the line through the two largest
   batches that fit, until one does not, and the bracket is then bisected down to one quantum:
-  a handful of compiles."""
+  a handful of compiles. A step XLA could only fit by recomputing part of it (more FLOPs per
+  example than the first two compiles) does not fit: its batch would be slower per token."""
   measured: list[StepMemory] = []
+  fitting: list[StepMemory] = []
 
   def fits(batch: int) -> bool:
-    measured.append(step_memory(config, setup, mesh, batch))
-    return measured[-1].bytes_per_device is not None and measured[-1].bytes_per_device <= limit_bytes
+    m = step_memory(config, setup, mesh, batch)
+    measured.append(m)
+    if m.bytes_per_device is None or m.bytes_per_device > limit_bytes:
+      return False
+    extra = _recomputed_share(measured[0], measured[1], m) if len(measured) > 2 else 0.0
+    if extra > RECOMPUTE_TOLERANCE:
+      logging.info("Batch %d: XLA recomputes %.0f%% more of the step than the first two compiles' "
+                   "line predicts, to fit it in memory: taken as not fitting.", batch, 100 * extra)
+      return False
+    fitting.append(m)
+    return True
 
   if not fits(quantum):
     needs = measured[0].bytes_per_device
@@ -128,8 +170,7 @@ def largest_batch(config, setup, mesh, limit_bytes: int, quantum: int) -> tuple[
       # monotonic (electra_base s512 on a v5e: batch 96 took less than 88), so the slope is at
       # least a quarter of the chord's from the smallest batch, and the guess at most 8 x low:
       # a flat pair cannot send a compile to an absurd batch.
-      below = sorted((m for m in measured if m.bytes_per_device is not None
-                      and m.bytes_per_device <= limit_bytes), key=lambda m: m.batch_size)
+      below = sorted(fitting, key=lambda m: m.batch_size)
       _, chord = linear_fit(below[0], below[-1])
       fixed, per_example = linear_fit(below[-2], below[-1])
       per_example = max(per_example, chord / 4)

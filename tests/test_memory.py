@@ -72,10 +72,11 @@ def test_largest_batch_is_the_last_that_fits(monkeypatch, quantum, curve):
     memory.largest_batch(None, None, None, limit_bytes=1000, quantum=quantum)
 
 
-def _compiler_with_memory(monkeypatch, bytes_of, device_bytes):
+def _compiler_with_memory(monkeypatch, bytes_of, device_bytes, flops_of=None):
   """Stands in for compiling as XLA's TPU compiler does: a step needing more than
   `device_bytes` is refused with RESOURCE_EXHAUSTED instead of compiled; the rest report
-  `bytes_of(batch)` in their memory analysis. Records the batches asked for."""
+  `bytes_of(batch)` in their memory analysis (and `flops_of(batch)` in their cost analysis).
+  Records the batches asked for."""
   asked = []
 
   def compile_train_step(setup, config, mesh):
@@ -87,7 +88,8 @@ def _compiler_with_memory(monkeypatch, bytes_of, device_bytes):
           f"temporaries ({bytes_of(batch)}) exceeds available HBM ({device_bytes}).")
     analysis = types.SimpleNamespace(argument_size_in_bytes=bytes_of(batch), output_size_in_bytes=0,
                                      alias_size_in_bytes=0, temp_size_in_bytes=0)
-    return types.SimpleNamespace(memory_analysis=lambda: analysis)
+    cost = {} if flops_of is None else {"flops": float(flops_of(batch))}
+    return types.SimpleNamespace(memory_analysis=lambda: analysis, cost_analysis=lambda: cost)
 
   monkeypatch.setattr(train, "compile_train_step", compile_train_step)
   return asked
@@ -114,6 +116,23 @@ def test_a_batch_the_compiler_refuses_does_not_fit(monkeypatch, tiny_setup, quan
   _compiler_with_memory(monkeypatch, small, device_bytes=small(quantum) - 1)
   with pytest.raises(ConfigError, match=f"Even a batch of {quantum} needs more than a device's memory"):
     memory.largest_batch(config, setup, mesh, small(quantum), quantum)
+
+
+@pytest.mark.parametrize("quantum", [1, 8])
+def test_a_batch_fitted_by_recomputing_does_not_fit(monkeypatch, tiny_setup, quantum):
+  config, mesh, setup = tiny_setup
+  # Past 200 XLA's TPU compiler holds memory nearly flat by rematerializing activations: the
+  # step then does a fifth more work, which its cost analysis counts. Memory alone would let the
+  # search go to ~2,000.
+  bytes_of = lambda b: 50_000 + 1_000 * min(b, 200) + 10 * max(0, b - 200)  # noqa: E731
+  flops_of = lambda b: (1e6 + 1e4 * b) * (1.2 if b > 200 else 1.0)  # noqa: E731
+  asked = _compiler_with_memory(monkeypatch, bytes_of, device_bytes=bytes_of(5000), flops_of=flops_of)
+  batch, measured = memory.largest_batch(config, setup, mesh, bytes_of(2000), quantum)
+  assert batch == 200
+  assert len(asked) <= 14 and all(b % quantum == 0 for b in asked)
+  # The same step without recomputation (flops linear in the batch) goes on to 2,000.
+  _compiler_with_memory(monkeypatch, bytes_of, device_bytes=bytes_of(5000), flops_of=lambda b: 1e6 + 1e4 * b)
+  assert memory.largest_batch(config, setup, mesh, bytes_of(2000), quantum)[0] == 2000
 
 
 def test_other_compile_errors_are_not_taken_for_memory(monkeypatch, tiny_setup):
