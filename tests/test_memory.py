@@ -48,9 +48,9 @@ _V5E_BASE = {0: 1900, 8: 2800, 32: 6420, 80: 13610, 88: 14180, 96: 14130, 1000: 
 CURVES = {  # bytes per device of a batch, the answer the search must find, the most compiles
     # Super-linear: the first linear fit overshoots, and the answer is bisected.
     "convex": (lambda b: 50_000 + 1_000 * b + 3 * b * b, 300, 16),  # noqa: E731
-    # Sub-linear, as XLA's TPU buffer assignment is past the first compiles (1,592 electra_small
-    # examples took 14.37 GiB where the first two compiles' line said 22.7): each fit lands
-    # short, and is re-aimed from the two largest batches that fit.
+    # Sub-linear, as XLA's TPU memory is where the compiler starts rematerializing (1,592
+    # electra_small examples took 14.37 GiB where the first two compiles' line said 22.7): each
+    # fit lands short, and is re-aimed from the two largest batches that fit.
     "concave": (lambda b: 50_000 + 60_000 * b ** 0.5, 300, 10),  # noqa: E731
     # A flat pair (88, 96) must not send the next guess to 16 x 96 and bisect back from there.
     "uneven": (lambda b: int(np.interp(b, list(_V5E_BASE), list(_V5E_BASE.values())) * 2**20), 122, 9),
