@@ -41,7 +41,7 @@ targets.compile_on_this_host()
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from electra_jax import config_lib, flops, partitioning, train  # noqa: E402
+from electra_jax import config_lib, flops, memory, partitioning, train  # noqa: E402
 from hlo_audit import Audit  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/electra_small.py", "Recipe.", lock_config=False)
@@ -99,17 +99,15 @@ def _report_gpu(hlo, target, model_flops):
 
 
 def _report_tpu(compiled, hlo, target, model_flops_per_chip, hosts, scanned):
-  m = compiled.memory_analysis()
-  held = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+  m, held = compiled.memory_analysis(), memory.compiled_bytes(compiled)
   print(f"hosts: {hosts}")
   print(f"memory per chip: {held / 2**30:.2f} GiB of {target.memory / 2**30:.0f} GiB HBM "
         f"({held / target.memory:.0%}): state and batch {m.argument_size_in_bytes / 2**30:.2f} GiB, "
         f"temporaries {m.temp_size_in_bytes / 2**30:.2f} GiB")
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   # XLA's cost analysis and a count of the program's text both see a loop's body once.
   looped = " (the scanned layers' loop body counted once)" if scanned else ""
-  print(f"FLOPs per chip (XLA's cost analysis, Mosaic kernels not included): {cost.get('flops', 0) / 1e9:,.1f} G "
+  xla_flops = memory.compiled_flops(compiled) or 0
+  print(f"FLOPs per chip (XLA's cost analysis, Mosaic kernels not included): {xla_flops / 1e9:,.1f} G "
         f"(electra_jax/flops.py's share: {model_flops_per_chip / 1e9:,.1f} G){looped}")
   mosaic = hlo.count('custom_call_target="tpu_custom_call"')
   print(f"Mosaic (Pallas) kernel calls in the program: {mosaic}{looped}")

@@ -117,7 +117,7 @@ RECOMPUTE_TOLERANCE = 0.02
 def _recomputed_share(first: StepMemory, second: StepMemory, m: StepMemory) -> float:
   """How much more than the line through `first` and `second`'s FLOPs `m`'s step does, as a
   fraction of that line (0 where a cost analysis is missing)."""
-  if None in (first.flops, second.flops, m.flops, first.bytes_per_device, second.bytes_per_device):
+  if None in (first.flops, second.flops, m.flops):  # a refused compile has no FLOPs either
     return 0.0
   per_example = (second.flops - first.flops) / (second.batch_size - first.batch_size)
   predicted = first.flops + per_example * (m.batch_size - first.batch_size)
@@ -170,11 +170,11 @@ def largest_batch(config, setup, mesh, limit_bytes: int, quantum: int) -> tuple[
       # monotonic (electra_base s512 on a v5e: batch 96 took less than 88), so the slope is at
       # least a quarter of the chord's from the smallest batch, and the guess at most 8 x low:
       # a flat pair cannot send a compile to an absurd batch.
-      below = sorted(fitting, key=lambda m: m.batch_size)
-      _, chord = linear_fit(below[0], below[-1])
-      _, per_example = linear_fit(below[-2], below[-1])
+      # (`fitting` is in ascending order: every candidate is above the largest that fit.)
+      _, chord = linear_fit(fitting[0], fitting[-1])
+      _, per_example = linear_fit(fitting[-2], fitting[-1])
       per_example = max(per_example, chord / 4)
-      guess = int((limit_bytes - below[-1].bytes_per_device) / per_example + below[-1].batch_size)
+      guess = int((limit_bytes - fitting[-1].bytes_per_device) / per_example + fitting[-1].batch_size)
       candidate = max(low + quantum, min(guess // quantum * quantum, 8 * low))
     else:
       candidate = max(low + quantum, (low + high) // 2 // quantum * quantum)
