@@ -1,0 +1,368 @@
+"""The GPU measurements of benchmarks/RESULTS.md, planned to fit a lent GPU's budget.
+
+A session that is lent a GPU gets about 30 minutes of device time, at most 10 minutes a call,
+a minute or more of each fresh machine's start counted in, and at most 8 files back from $OUT.
+The one H100 session this project had lost its measurements to first compiles that outran
+too-short timeouts. So each mode here is one device call. Its runs go in order of importance
+under one deadline (--budget). A run's timeout is what is left of the budget, up to the run's
+own cap. A run that cannot start with the time it needs is reported as skipped, so the call
+still returns what it measured. Everything lands in three files: summary.txt, results.jsonl
+(each run's JSON) and log.txt (each run's stderr).
+
+Here, without a GPU, once (makes .bench_data/s128, .bench_data/s512 and the ml_collections
+wheel the device image lacks, in .whl, and checks what travels against the 64 MiB limit):
+
+  python benchmarks/gpu_suite.py prepare
+  python benchmarks/gpu_suite.py goals --dry-run    # the commands, caps and the deadline
+
+On the device machine, one `run` call per mode, carrying .bench_data/s128, .bench_data/s512
+and .whl (the script installs the wheel into /tmp/site itself):
+
+  python3 benchmarks/gpu_suite.py goals     # issue 6's figures: small s128 and base s512, bf16,
+                                            # MFU and tokens/s against the PyTorch step
+  python3 benchmarks/gpu_suite.py profile   # device traces: top kernels of both steps
+  python3 benchmarks/gpu_suite.py check packed   # attention against xla; packed rows; the
+                                                 # paper's attention dropout
+  python3 benchmarks/gpu_suite.py memory    # largest batch per size and sequence length
+  python3 benchmarks/gpu_suite.py layer     # one encoder layer against PyTorch's
+
+Several modes in one call share its deadline, in the order given.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = {128: ".bench_data/s128", 512: ".bench_data/s512"}
+WHEELS = ".whl"
+SITE = "/tmp/site"  # where the carried wheels are installed on the device machine
+CARRY_LIMIT = 64 * 2**20  # what travels to the device machine, working tree included
+# What the benchmarks import beyond the standard library; the device image holds all but
+# ml_collections (device/KINDS.md), which travels as a wheel.
+NEEDED = ("jax", "flax", "optax", "orbax.checkpoint", "ml_collections", "absl", "sentencepiece",
+          "tokenizers", "etils", "numpy", "torch", "transformers")
+# issue 6's goals on an H100: MFU per recipe, and tokens/s over the PyTorch step's.
+GOALS = {"electra_small": 0.25, "electra_base": 0.45}
+GOAL_RATIO = 2.0
+# Seconds of runs in one device call, which may take 600: the wheel install and the version
+# probe (importing jax and torch) come first.
+DEFAULT_BUDGET = 540
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  name: str
+  kind: str  # "throughput", "profile" or "text": how its stdout is summarized
+  argv: tuple  # after the interpreter: a script under benchmarks/ and its flags
+  cap: int  # its own timeout, seconds
+  need: int  # it is not started with fewer seconds left (a first compile is about a minute)
+  recipe: str = ""  # configs/<recipe>.py, for the throughput and profile scripts
+  overrides: tuple = ()  # (key, value) pairs given as --config.key=value
+
+  @property
+  def data_dir(self):
+    return dict(self.overrides).get("data.prepared_dir")
+
+  def command(self, python="python3"):
+    flags = [f"--config=configs/{self.recipe}.py"] if self.recipe else []
+    flags += [f"--config.{k}={v}" for k, v in self.overrides]
+    return [python, *self.argv[:1], *flags, *self.argv[1:]]
+
+
+def _recipe_overrides(seq_len, batch, *extra):
+  data = (("data.source", "prepared"), ("data.prepared_dir", DATA[seq_len]))
+  if seq_len != 128:
+    data += (("data.max_seq_len", seq_len),)
+  return data + (("train.dtype", "bfloat16"), ("train.batch_size", batch)) + extra
+
+
+FAST = (("model.attention_impl", "cudnn"), ("model.attention_dropout_rate", 0.0))
+PEER = ("--vs-huggingface", "--hf-gathered")
+TIMING = ("--steps=20", "--windows=3", "--warmup=3")
+
+
+def _throughput(name, recipe, seq_len, batch, extra=(), flags=(), cap=240, need=100):
+  return Run(name, "throughput", ("benchmarks/pretrain_throughput.py", *TIMING, *flags), cap, need,
+             recipe, _recipe_overrides(seq_len, batch, *extra))
+
+
+def _profile(name, recipe, seq_len, batch, cap=240, need=100):
+  return Run(name, "profile", ("benchmarks/step_profile.py", "--parts=false", "--steps=10", "--top=30",
+                               f"--trace=/tmp/trace_{name}"), cap, need,
+             recipe, _recipe_overrides(seq_len, batch, *FAST))
+
+
+MODES = {
+    # The figures issue 6 asks for first: MFU and the ratio to PyTorch (bf16 autocast, SDPA) for
+    # electra_small at seq 128 and electra_base at seq 512, then small at a batch that fills the GPU.
+    "goals": (
+        _throughput("small_b128_cudnn", "electra_small", 128, 128, FAST, PEER, cap=240, need=100),
+        _throughput("base_b32_cudnn", "electra_base", 512, 32, FAST, PEER, cap=280, need=130),
+        _throughput("small_b1024_packed_k10", "electra_small", 128, 1024,
+                    FAST + (("data.pack_rows", True), ("train.steps_per_call", 10)), cap=200, need=90),
+    ),
+    "profile": (
+        _profile("prof_small_b128", "electra_small", 128, 128),
+        _profile("prof_base_b32", "electra_base", 512, 32),
+    ),
+    "check": (
+        Run("attention_small", "text", ("benchmarks/attention_check.py", "--batch=8", "--seq=128"), 150, 40),
+        Run("attention_base", "text", ("benchmarks/attention_check.py", "--batch=4", "--seq=512",
+                                       "--hidden=768", "--heads=12"), 150, 40),
+    ),
+    "packed": (  # cuDNN reads packed rows' segment mask as a bias (a slower kernel): against xla
+        _throughput("base_b32_packed_cudnn", "electra_base", 512, 32, FAST + (("data.pack_rows", True),)),
+        _throughput("base_b32_packed_xla", "electra_base", 512, 32,
+                    (("model.attention_dropout_rate", 0.0), ("data.pack_rows", True))),
+        _throughput("small_b128_xla_attndrop", "electra_small", 128, 128, (), PEER),
+    ),
+    "memory": (
+        Run("max_batch", "text", ("benchmarks/max_batch.py", "--dtype=bfloat16", "--step=8"), 540, 120),
+    ),
+    "layer": tuple(
+        Run(f"layer_{size}", "text", ("benchmarks/encoder_layer.py", *dims.split(), "--dtype=bfloat16",
+                                      "--flax_dense", "--torch", "--runs=50"), 240, 60)
+        for size, dims in (("small", "--hidden=256 --heads=4 --ffn=1024 --batch=128 --seq=128"),
+                           ("base", "--hidden=768 --heads=12 --ffn=3072 --batch=32 --seq=512"))
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------
+# Running a plan under one deadline
+# ---------------------------------------------------------------------------------------
+def execute(runs, budget, launch, clock=time.monotonic):
+  """Runs `runs` in order within `budget` seconds. `launch(run, timeout)` returns (returncode,
+  stdout, stderr); a run is given min(its cap, what is left) and is skipped when less than its
+  `need` is left. Returns one record per run."""
+  deadline, records = clock() + budget, []
+  for run in runs:
+    left = int(deadline - clock())
+    if left < run.need:
+      records.append(dict(name=run.name, status="skipped", reason=f"{left} s left, it needs {run.need} s"))
+      continue
+    timeout, start = min(run.cap, left), clock()
+    code, out, err = launch(run, timeout)
+    record = dict(name=run.name, kind=run.kind, recipe=run.recipe, seconds=round(clock() - start, 1),
+                  timeout=timeout, command=shlex.join(run.command()), stderr_tail=err[-3000:])
+    if code is None:
+      record.update(status="timed out", stdout=out[-3000:])
+    elif code != 0:
+      record.update(status=f"failed (exit {code})", stdout=out[-3000:])
+    elif run.kind == "text":
+      record.update(status="ok", stdout=out)
+    else:
+      try:
+        record.update(status="ok", result=json.loads(out))
+      except json.JSONDecodeError:
+        record.update(status="unreadable output", stdout=out[-3000:])
+    records.append(record)
+  return records
+
+
+def _text(output):
+  return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
+
+
+def _launch(env):
+  def launch(run, timeout):
+    try:
+      done = subprocess.run(run.command(sys.executable), cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=timeout)
+      return done.returncode, done.stdout, done.stderr
+    except subprocess.TimeoutExpired as e:  # what it printed before, for the summary
+      return None, _text(e.stdout), _text(e.stderr)
+  return launch
+
+
+def summarize(record):
+  """A few lines per run for summary.txt (the device call's reply carries its end)."""
+  head = f"{record['name']}: {record['status']}"
+  if record["status"] == "skipped":
+    return f"{head} ({record['reason']})"
+  if record["status"] != "ok":  # the error is at the end; log.txt has the rest
+    last = [line for line in record["stderr_tail"].splitlines() if line.strip()][-4:]
+    return "\n   ".join([f"{head} after {record['seconds']} s", *last])
+  if record["kind"] == "text":
+    return f"{head} ({record['seconds']} s)\n" + record["stdout"].rstrip()
+  r = record["result"]
+  if record["kind"] == "profile":
+    lines = [f"{head}: whole step {r['ms_per_call']['whole train step']} ms"]
+    lines += [f"   {ms:9.3f} ms  x{calls:<6g} {name[:90]}"
+              for name, ms, calls in r["top_kernels_ms_per_step"][:16]]
+    return "\n".join(lines)
+  mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
+  line = (f"{head}: {r['device']}, batch {r['batch_size']} x {r['seq_len']}: {r['step_ms']} ms, "
+          f"{r['tokens_per_sec']:,.0f} tokens/s, MFU {mfu}, compile {r['compile_seconds']} s")
+  for peer in ("huggingface", "huggingface_gathered"):
+    if peer in r:
+      line += f" | {peer} {r[peer]['step_ms']} ms: ours x{r[peer]['ratio_ours_over_theirs']}"
+  return line
+
+
+def verdict(records):
+  """Issue 6's GPU goals against what was measured (MFU per recipe, tokens/s over PyTorch's)."""
+  lines = []
+  for record in records:
+    if record.get("status") != "ok" or record.get("kind") != "throughput":
+      continue
+    r, goal = record["result"], GOALS.get(record["recipe"])
+    if r["mfu"] is not None and goal is not None:
+      lines.append(f"{record['name']}: MFU {r['mfu']:.1%} against the goal {goal:.0%}: "
+                   f"{'met' if r['mfu'] >= goal else 'NOT met'}")
+    if "huggingface" in r:
+      ratio = r["huggingface"]["ratio_ours_over_theirs"]
+      lines.append(f"{record['name']}: x{ratio} the PyTorch step's tokens/s against the goal x{GOAL_RATIO}: "
+                   f"{'met' if ratio >= GOAL_RATIO else 'NOT met'}")
+  return lines
+
+
+# ---------------------------------------------------------------------------------------
+# On the device machine: the carried wheels, then the plan
+# ---------------------------------------------------------------------------------------
+def _environment():
+  """The environment for the runs, with the carried wheels installed if the image lacks one."""
+  env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")  # torch shares the GPU
+  env.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/jax_cache")
+  wheels = os.path.join(REPO, WHEELS)
+  if os.path.isdir(wheels) and os.listdir(wheels):
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--no-cache-dir", "--upgrade", "--target", SITE,
+                    *sorted(os.path.join(wheels, w) for w in os.listdir(wheels))], check=True)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [SITE, env.get("PYTHONPATH")]))
+  probe = ("import importlib, sys\nmissing = []\nfor m in sys.argv[1:]:\n  try: importlib.import_module(m)\n"
+           "  except ImportError: missing.append(m)\nprint(' '.join(missing))")
+  missing = subprocess.run([sys.executable, "-c", probe, *NEEDED], env=env, capture_output=True,
+                           text=True).stdout.split()
+  if missing:
+    sys.exit(f"gpu_suite: {sys.executable} lacks {', '.join(missing)}. Carry wheels for them in {WHEELS}/ "
+             "(python benchmarks/gpu_suite.py prepare --wheel=NAME==VERSION on the machine with PyPI).")
+  return env
+
+
+def _versions(env):
+  script = ("import jax, flax, optax, torch, transformers; print('jax', jax.__version__, 'flax', flax.__version__, "
+            "'optax', optax.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, "
+            "jax.devices())")
+  lines = []
+  if shutil.which("nvidia-smi"):
+    lines.append(subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,clocks.sm,clocks.max.sm",
+                                 "--format=csv,noheader"], capture_output=True, text=True).stdout.strip())
+  lines.append(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                              cwd=REPO).stdout.strip())
+  return lines
+
+
+def measure(modes, budget, out_dir):
+  runs = [run for mode in modes for run in MODES[mode]]
+  missing = sorted({run.data_dir for run in runs if run.data_dir
+                    and not os.path.isdir(os.path.join(REPO, run.data_dir))})
+  if missing:
+    sys.exit(f"gpu_suite: {', '.join(missing)} missing: carry it "
+             "(made by `python benchmarks/gpu_suite.py prepare`).")
+  env = _environment()
+  os.makedirs(out_dir, exist_ok=True)
+  header = [f"gpu_suite {' '.join(modes)}, {time.strftime('%Y-%m-%d %H:%M:%S')}, budget {budget} s",
+            *_versions(env)]
+  print("\n".join(header), flush=True)
+  launch = _launch(env)
+
+  def logged(run, timeout):
+    print(f"=== {run.name} (timeout {timeout} s, {time.strftime('%H:%M:%S')})", flush=True)
+    return launch(run, timeout)
+
+  records = execute(runs, budget, logged)
+  with open(os.path.join(out_dir, "results.jsonl"), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in records)
+  with open(os.path.join(out_dir, "log.txt"), "w") as f:
+    for r in records:
+      f.write(f"===== {r['name']}: {r['status']}\n{r.get('command', '')}\n{r.get('stderr_tail', '')}\n")
+  summary = "\n".join(header + [summarize(r) for r in records] + ["", *verdict(records)])
+  with open(os.path.join(out_dir, "summary.txt"), "w") as f:
+    f.write(summary + "\n")
+  print("\n===== summary\n" + summary)
+  return records
+
+
+def dry_run(modes, budget):
+  runs = [run for mode in modes for run in MODES[mode]]
+  print(f"# {len(runs)} runs under one deadline of {budget} s (caps add up to {sum(r.cap for r in runs)} s)")
+  for run in runs:
+    print(f"# {run.name}: cap {run.cap} s, started only with {run.need} s left")
+    print(shlex.join(run.command()))
+
+
+# ---------------------------------------------------------------------------------------
+# Here, before a device session: what the calls carry
+# ---------------------------------------------------------------------------------------
+def _tree_bytes():
+  """Bytes of what travels besides carried paths: tracked and untracked, not ignored, files."""
+  names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout.split("\0")
+  return sum(os.path.getsize(os.path.join(REPO, n)) for n in names if n and os.path.isfile(os.path.join(REPO, n)))
+
+
+def _dir_bytes(path):
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def prepare(wheels):
+  for seq_len, path in DATA.items():
+    if os.path.isdir(os.path.join(REPO, path)):
+      print(f"{path}: there already")
+      continue
+    subprocess.run([sys.executable, "-m", "electra_jax.main", "--mode=prepare_data",
+                    "--config=configs/electra_small.py", f"--config.data.max_seq_len={seq_len}",
+                    f"--config.data.prepared_dir={path}", "--config.data.max_documents=6000"], cwd=REPO, check=True)
+  if not wheels:
+    import ml_collections  # the version this machine runs, which the device image lacks
+
+    wheels = [f"ml_collections=={ml_collections.__version__}"]
+  # The device's python3 is CPython 3.12 on manylinux x86_64 (device/KINDS.md).
+  platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (28, 27, 17)] + ["--platform=manylinux2014_x86_64"]
+  subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                  "--python-version=3.12", "--implementation=cp", *platforms,
+                  "-d", os.path.join(REPO, WHEELS), *wheels], check=True)
+  tracked = [p for p in [*DATA.values(), WHEELS]
+             if subprocess.run(["git", "check-ignore", "-q", p], cwd=REPO).returncode != 0]
+  if tracked:
+    sys.exit(f"gpu_suite: {', '.join(tracked)} must be git-ignored (carried paths; else they travel twice).")
+  carried = {p: _dir_bytes(os.path.join(REPO, p)) for p in [*DATA.values(), WHEELS]}
+  total = _tree_bytes() + sum(carried.values())
+  for path, size in carried.items():
+    print(f"{path}: {size / 2**20:.1f} MiB")
+  print(f"travels in all (working tree + carried): {total / 2**20:.1f} MiB of {CARRY_LIMIT // 2**20} MiB")
+  if total > CARRY_LIMIT:
+    sys.exit("gpu_suite: over the device's limit; prepare less data (--config.data.max_documents) or fewer wheels.")
+  print(f"device call: run(command='python3 benchmarks/gpu_suite.py goals', carry={list(carried)}, "
+        "timeout_s=600)")
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("modes", nargs="+", choices=["prepare", *MODES])
+  parser.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
+                      help="Seconds for all runs of the call (a device call may run 600 s).")
+  parser.add_argument("--dry-run", action="store_true", help="Print the plan and its commands; run nothing.")
+  parser.add_argument("--wheel", action="append", default=[], metavar="NAME==VERSION",
+                      help="prepare: the wheels to carry (default: ml_collections at this machine's version).")
+  parser.add_argument("--out", default=os.environ.get("OUT", "gpu_results"), help="Where the three files go.")
+  args = parser.parse_args(argv)
+  if "prepare" in args.modes:
+    if len(args.modes) > 1:
+      parser.error("prepare runs here, without a GPU; the other modes run on the device machine")
+    return prepare(args.wheel)
+  if args.dry_run:
+    return dry_run(args.modes, args.budget)
+  measure(args.modes, args.budget, args.out)
+
+
+if __name__ == "__main__":
+  main()
