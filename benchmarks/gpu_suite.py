@@ -138,15 +138,16 @@ MODES = {
 # ---------------------------------------------------------------------------------------
 # Running a plan under one deadline
 # ---------------------------------------------------------------------------------------
-def execute(runs, budget, launch, clock=time.monotonic):
+def execute(runs, budget, launch, clock=time.monotonic, on_record=lambda records: None):
   """Runs `runs` in order within `budget` seconds. `launch(run, timeout)` returns (returncode,
   stdout, stderr); a run is given min(its cap, what is left) and is skipped when less than its
-  `need` is left. Returns one record per run."""
+  `need` is left. `on_record(records so far)` follows each run. Returns one record per run."""
   deadline, records = clock() + budget, []
   for run in runs:
     left = int(deadline - clock())
     if left < run.need:
       records.append(dict(name=run.name, status="skipped", reason=f"{left} s left, it needs {run.need} s"))
+      on_record(records)
       continue
     timeout, start = min(run.cap, left), clock()
     code, out, err = launch(run, timeout)
@@ -164,6 +165,7 @@ def execute(runs, budget, launch, clock=time.monotonic):
       except json.JSONDecodeError:
         record.update(status="unreadable output", stdout=out[-3000:])
     records.append(record)
+    on_record(records)
   return records
 
 
@@ -261,6 +263,8 @@ def _versions(env):
 
 
 def measure(modes, budget, out_dir):
+  """Runs the modes' steps; `budget` counts from here, the wheel install and probe included."""
+  started = time.monotonic()
   runs = [run for mode in modes for run in MODES[mode]]
   missing = sorted({run.data_dir for run in runs if run.data_dir
                     and not os.path.isdir(os.path.join(REPO, run.data_dir))})
@@ -278,16 +282,18 @@ def measure(modes, budget, out_dir):
     print(f"=== {run.name} (timeout {timeout} s, {time.strftime('%H:%M:%S')})", flush=True)
     return launch(run, timeout)
 
-  records = execute(runs, budget, logged)
-  with open(os.path.join(out_dir, "results.jsonl"), "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in records)
-  with open(os.path.join(out_dir, "log.txt"), "w") as f:
-    for r in records:
-      f.write(f"===== {r['name']}: {r['status']}\n{r.get('command', '')}\n{r.get('stderr_tail', '')}\n")
-  summary = "\n".join(header + [summarize(r) for r in records] + ["", *verdict(records)])
-  with open(os.path.join(out_dir, "summary.txt"), "w") as f:
-    f.write(summary + "\n")
-  print("\n===== summary\n" + summary)
+  def write(records):  # after every run: a call cut short still brings back what was measured
+    with open(os.path.join(out_dir, "results.jsonl"), "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in records)
+    with open(os.path.join(out_dir, "log.txt"), "w") as f:
+      for r in records:
+        f.write(f"===== {r['name']}: {r['status']}\n{r.get('command', '')}\n{r.get('stderr_tail', '')}\n")
+    with open(os.path.join(out_dir, "summary.txt"), "w") as f:
+      f.write("\n".join(header + [summarize(r) for r in records] + ["", *verdict(records)]) + "\n")
+
+  records = execute(runs, budget - (time.monotonic() - started), logged, on_record=write)
+  with open(os.path.join(out_dir, "summary.txt")) as f:
+    print("\n===== summary\n" + f.read(), end="")
   return records
 
 

@@ -94,8 +94,10 @@ def test_a_failed_run_does_not_stop_the_next_and_bad_output_is_reported():
     return next(outcomes)
 
   runs = gpu_suite.MODES["goals"]
-  records = gpu_suite.execute(runs, 560, launch, clock)
+  seen = []
+  records = gpu_suite.execute(runs, 560, launch, clock, on_record=lambda rs: seen.append([r["status"] for r in rs]))
   assert [r["status"] for r in records] == ["failed (exit 1)", "unreadable output", "ok"]
+  assert seen == [["failed (exit 1)"], ["failed (exit 1)", "unreadable output"], [r["status"] for r in records]]
   assert "cuDNN refused" in gpu_suite.summarize(records[0])
 
 
