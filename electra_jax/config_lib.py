@@ -156,6 +156,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"towers must be the same size and separate: model.generator_fraction=1.0 (is "
         f"{m.generator_fraction}) and model.tie other than 'all' (is {m.get('tie')!r})."
     )
+  if name == "two_stage" and m.get("tie") == "none":
+    raise ConfigError(
+        "objective.name='two_stage' starts the discriminator from the generator's weights, but with "
+        "model.tie='none' the generator's embeddings are its own, so the discriminator would enter "
+        "its stage with embeddings nothing trained (and an input projection the generator lacks "
+        "when model.embedding_size differs from hidden_size): use model.tie='embeddings' (the "
+        "paper's) or 'gdes'."
+    )
   if name in ("electric", "mlm", "uniform") and m.get("tie") == "all":
     raise ConfigError(
         f"objective.name={name!r} has no generator tower to share an encoder with; use "

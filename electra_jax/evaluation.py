@@ -26,9 +26,11 @@ def eval_step(state, batch, seed_key):
       masked, batch["attention_mask"],
       objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective),
   )
+  # The parameters as they are (a two_stage discriminator is copied from the generator by the
+  # next train step, not here); the loss it returns is not reported, only the stats.
   _, (stats, per_token) = objectives.electra_forward(
       state.model, state.params, batch, masked, sample_keys, seed_key, objective, normalizers,
-      deterministic=True,
+      deterministic=True, second_stage=objectives.in_second_stage(objective, state.step),
   )
   return stats, per_token
 

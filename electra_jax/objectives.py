@@ -287,6 +287,12 @@ def _bce(logits, labels):
   return jnp.maximum(logits, 0.0) - logits * labels + jnp.log1p(jnp.exp(-jnp.abs(logits)))
 
 
+def in_second_stage(objective: ElectraObjective, step):
+  """two_stage: whether `step` (a step count, traced or not) is in the discriminator's stage;
+  None for every other objective. Training and evaluation both ask here, so they agree."""
+  return step >= objective.switch_step if objective.name == "two_stage" else None
+
+
 def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dropout_rng,
                     objective: ElectraObjective, normalizers: Normalizers, deterministic: bool = False,
                     second_stage=None):

@@ -115,9 +115,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
   losses are normalized by whole-batch counts and their gradients sum to the full-batch one.
   """
   objective = state.objective
-  params, second_stage = state.params, None
+  params, second_stage = state.params, objectives.in_second_stage(objective, state.step)
   if objective.name == "two_stage":
-    second_stage = state.step >= objective.switch_step
     params = _start_second_stage(params, state.step == objective.switch_step)
   mask_rng, sample_rng, dropout_rng = jax.random.split(rng, 3)
   masked = objectives.mask_tokens(mask_rng, batch["input_ids"], batch["attention_mask"], objective)

@@ -4,6 +4,7 @@ tie=none / tie=gdes (DeBERTa-v3's gradient-disentangled embedding sharing). Each
 where the loss goes and where gradients flow, on small hand-made batches."""
 
 import dataclasses
+import json
 import math
 
 import flax
@@ -387,6 +388,29 @@ def test_two_stage_trains_the_generator_then_a_discriminator_started_from_it():
 def test_two_stage_needs_towers_of_one_size():
   with pytest.raises(ConfigError, match="two_stage' .* model.generator_fraction=1.0 \\(is 0.5\\)"):
     config_lib.validate(tiny_config(**{"objective.name": "two_stage"}))
+
+
+def test_two_stage_refuses_untied_embeddings_it_could_not_start_the_discriminator_from():
+  # The generator's own embeddings (tie=none) are not the discriminator's; with an embedding
+  # size below the hidden size the copy at the switch failed on the tree's structure.
+  with pytest.raises(ConfigError, match="two_stage' .* model.tie='none' .* use model.tie='embeddings'"):
+    config_lib.validate(tiny_config(**{"objective.name": "two_stage", "model.generator_fraction": 1.0,
+                                       "model.tie": "none"}))
+
+
+def test_two_stage_evaluates_held_out_data_on_both_sides_of_the_switch(tmp_path):
+  # Evaluation used to hand electra_forward no stage, which two_stage's loss cannot do without.
+  config = tiny_config(**{"objective.name": "two_stage", "objective.two_stage_switch": 2,
+                          "model.generator_fraction": 1.0, "train.steps": 4, "checkpoint.every_steps": 4,
+                          "eval.every_steps": 2, "eval.num_batches": 1})
+  train.train_and_evaluate(config, str(tmp_path))
+  lines = [json.loads(line) for line in (tmp_path / "eval_metrics.jsonl").read_text().splitlines()]
+  assert [m["step"] for m in lines] == [2, 4]
+  for m in lines:
+    assert all(np.isfinite(m[k]) for k in ("masked_lm_loss", "disc_loss", "disc_auc")), m
+  # At step 2 the discriminator is still its initialization; by step 4 it has been copied from
+  # the generator and trained twice.
+  assert lines[0]["disc_loss"] != lines[1]["disc_loss"]
 
 
 def test_adversarial_generator_learns_from_the_discriminators_reward():
