@@ -39,6 +39,25 @@ OBJECTIVES = (
 )
 MLM_FAMILY = ("mlm", "replace_mlm", "all_tokens_mlm")  # the discriminator tower has an MLM head
 WITHOUT_GENERATOR = ("mlm", "uniform")
+
+
+def ignored_keys(name: str) -> tuple[str, ...]:
+  """Config keys objective `name` never reads: changing one leaves the trained program and
+  the parameters as they are (tests/test_objectives.py traces each), so a sweep trains runs
+  that differ only there once."""
+  keys = []
+  if name in WITHOUT_GENERATOR:  # no generator tower, so no width (model.tie=gdes still adds a delta)
+    keys.append("model.generator_fraction")
+  if name == "mlm":  # BERT's fixed 80/10/10 masking and one loss, nothing sampled
+    keys += ["objective.temperature", "objective.disallow_correct", "objective.gen_weight",
+             "objective.disc_weight", "objective.keep_original_prob"]
+  if name != "two_stage":
+    keys.append("objective.two_stage_switch")
+  if name != "adversarial":
+    keys.append("objective.adversarial_mlm_weight")
+  return tuple(keys)
+
+
 # In the paper's ablations but not built yet; refused by name rather than silently replaced.
 PLANNED_OBJECTIVES = ()
 # BERT's masking for objective "mlm": of the chosen positions 80% [MASK], 10% a random token,

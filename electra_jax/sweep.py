@@ -4,6 +4,9 @@ sub-workdir, then writes a results table (results.csv and results.md) and the ru
   python -m electra_jax.main --mode=sweep --config=configs/demo.py --workdir=sweeps/objectives \
       --sweep=objective.name=electra,mlm --sweep=model.generator_fraction=0.25,0.5
 
+That is three runs, not four: objective.name=mlm has no generator, so a run's override of a key
+its objective never reads is left out and runs that become alike train once (merge_unread).
+
 Runs are sequential and in this process (train.train_and_evaluate), each resumable like any
 run: a re-run of the same command skips finished runs and resumes interrupted ones from their
 checkpoints. A failing run is logged and the sweep goes on; the command then exits non-zero.
@@ -163,6 +166,39 @@ def apply_overrides(base: ml_collections.ConfigDict, overrides: Sequence[Overrid
   return config
 
 
+def merge_unread(base: ml_collections.ConfigDict, override_lists: Sequence[Sequence[Override]],
+                 existing: Sequence[Run] = ()) -> list[list[Override]]:
+  """The runs to train: each run's overrides less the keys its objective never reads
+  (objectives.ignored_keys: objective.name=mlm has no generator, so model.generator_fraction
+  changes nothing it trains), and runs left alike trained once, in first-come order. A
+  recorded run (`existing`) that comes down to the same overrides stands for them, so an
+  earlier sweep's runs are kept. Logs what was left out."""
+  from electra_jax import objectives  # noqa: PLC0415 (jax stays out of sweep_report's import)
+
+  def reduced(overrides):
+    name = apply_overrides(base, overrides).objective.get("name", "electra")
+    unread = set(objectives.ignored_keys(name))
+    return [tuple(o) for o in overrides if o[0] not in unread], sorted({k for k, _ in overrides if k in unread})
+
+  recorded = {}
+  for run in existing:
+    recorded.setdefault(json.dumps(reduced(run.overrides)[0]), [tuple(o) for o in run.overrides])
+  runs, by_key, merged = [], {}, {}
+  for overrides in override_lists:
+    short, unread = reduced(overrides)
+    key = json.dumps(short)
+    if unread:
+      merged.setdefault(key, (short, unread, []))[2].append(overrides)
+    if key not in by_key:
+      by_key[key] = recorded.get(key, short)
+      runs.append(by_key[key])
+  for short, unread, originals in merged.values():
+    label = " ".join(f"{k}={v}" for k, v in short) or "(recipe)"
+    logging.info("Sweep: %s does not read %s; %d grid run(s) train as the one run %s.",
+                 label, ", ".join(unread), len(originals), label)
+  return runs
+
+
 # ---------------------------------------------------------------------------------------
 # Run names and the sweep record
 # ---------------------------------------------------------------------------------------
@@ -283,6 +319,15 @@ def run_sweep(
   the tables and curves. Returns {"runs": [...], "failed": [names], "rows": table rows}.
   Every override of every run is checked before anything is trained or written."""
   override_lists = expand(grid, sweep_file)
+  record = read_record(sweep_dir)
+  existing = record["runs"] if record else []
+  if record and record["base_config_fingerprint"] != _fingerprint(base_config):
+    raise ConfigError(
+        f"{sweep_dir}/{SWEEP_FILE} was written for another base config (recipe or --config.* "
+        "flags): one table must not mix recipes. Use the same --config and flags as before, or a "
+        "new --workdir for this sweep."
+    )
+  override_lists = merge_unread(base_config, override_lists, existing)
   configs = []
   for overrides in override_lists:
     config = apply_overrides(base_config, overrides)
@@ -296,14 +341,6 @@ def run_sweep(
 
     finetune.validate(finetune_config)
 
-  record = read_record(sweep_dir)
-  existing = record["runs"] if record else []
-  if record and record["base_config_fingerprint"] != _fingerprint(base_config):
-    raise ConfigError(
-        f"{sweep_dir}/{SWEEP_FILE} was written for another base config (recipe or --config.* "
-        "flags): one table must not mix recipes. Use the same --config and flags as before, or a "
-        "new --workdir for this sweep."
-    )
   runs = name_runs(override_lists, existing)
   all_runs = list(existing) + [r for r in runs if r not in existing]
   _write_record(sweep_dir, base_config, all_runs)

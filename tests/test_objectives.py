@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from electra_jax import models, objectives
+from electra_jax import config_lib, models, objectives, partitioning, train
 
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
 
@@ -281,3 +281,46 @@ def test_mlm_sums_read_the_vocabulary_logits_in_few_passes(platform, passes):
   module = jax.export.export(jax.jit(objectives._mlm_sums), platforms=[platform])(z, ids, w).mlir_module()
   over_vocab = [line for line in module.split("\n") if "stablehlo.reduce" in line and "4x19x30522x" in line]
   assert len(over_vocab) == passes, "\n".join(over_vocab)
+
+
+# Values each key is changed to when checking that an objective ignores it (all valid).
+_OTHER_VALUES = {
+    "model.generator_fraction": [1.0], "model.tie": ["none", "gdes"], "objective.temperature": [0.5],
+    "objective.disallow_correct": [True], "objective.gen_weight": [2.0], "objective.disc_weight": [7.0],
+    "objective.keep_original_prob": [0.3], "objective.two_stage_switch": [1],
+    "objective.adversarial_mlm_weight": [0.5],
+}
+
+
+def _traced_step(**overrides):
+  """The train step's jaxpr and the parameter shapes for a tiny config: what a run trains."""
+  config = tiny_config(**overrides)
+  config_lib.validate(config)
+  mesh = partitioning.make_mesh(config.mesh, devices=jax.devices()[:1])
+  setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4, vocab_size=config.model.vocab_size))
+  state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), setup.abstract_state)
+  shape = (config.train.batch_size, config.data.max_seq_len)
+  batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in train.batch_keys(config)}
+  with partitioning.activate(mesh):
+    jaxpr = jax.make_jaxpr(train.train_step)(state, batch, jax.eval_shape(lambda: jax.random.key(0)))
+  return str(jaxpr), setup.param_shapes
+
+
+@pytest.mark.parametrize("name", objectives.OBJECTIVES)
+def test_the_keys_an_objective_ignores_change_nothing_it_trains(name):
+  """What sweeps rely on to train runs that differ only in such keys once."""
+  fixed = {"objective.name": name, "objective.two_stage_switch": 3}
+  if name in ("two_stage", "electric"):
+    fixed["model.generator_fraction"] = 1.0
+  reference = _traced_step(**fixed)
+  for key in objectives.ignored_keys(name):
+    for value in _OTHER_VALUES[key]:
+      assert _traced_step(**{**fixed, key: value}) == reference, f"{name} reads {key}={value}"
+
+
+def test_the_check_of_ignored_keys_sees_a_key_that_is_read():
+  # The same comparison tells apart what ELECTRA does read: its generator's width and sampling.
+  reference = _traced_step(**{"objective.name": "electra"})
+  assert _traced_step(**{"objective.name": "electra", "model.generator_fraction": 1.0})[1] != reference[1]
+  assert _traced_step(**{"objective.name": "electra", "objective.temperature": 0.5})[0] != reference[0]
+  assert "objective.temperature" not in objectives.ignored_keys("electra")

@@ -221,6 +221,30 @@ def test_grid_expansion_and_run_names(tmp_path):
   assert config.data.lowercase is False and config.objective.name == "mlm"
 
 
+def test_runs_that_differ_only_in_keys_their_objective_never_reads_train_once(caplog):
+  electra = [("objective.name", "electra")]
+  grid = sweep.expand(["objective.name=electra,mlm", "model.generator_fraction=0.25,0.5"])
+  with caplog.at_level("INFO"):
+    runs = sweep.merge_unread(base_config(), grid)
+  # MLM has no generator: its two grid runs would train the same program from the same start.
+  assert runs == [electra + [("model.generator_fraction", "0.25")], electra + [("model.generator_fraction", "0.5")],
+                  [("objective.name", "mlm")]]
+  assert ("objective.name=mlm does not read model.generator_fraction; 2 grid run(s) train as the one run "
+          "objective.name=mlm") in caplog.text
+  # A run an earlier sweep recorded with the unread key stands for the merged ones (no retraining).
+  recorded = sweep.Run("name=mlm,generator_fraction=0.5",
+                       [("objective.name", "mlm"), ("model.generator_fraction", "0.5")])
+  runs = sweep.merge_unread(base_config(), grid, [recorded])
+  assert runs[2] == recorded.overrides and sweep.name_runs(runs, [recorded])[2] is recorded
+  # The objective may come from the recipe rather than the grid.
+  mlm_recipe = base_config()
+  mlm_recipe.objective.name = "mlm"
+  assert sweep.merge_unread(mlm_recipe, sweep.expand(["model.generator_fraction=0.25,0.5"])) == [[]]
+  assert sweep.merge_unread(mlm_recipe, sweep.expand(["objective.temperature=1,2", "objective.name=mlm,electra"])) == [
+      [("objective.name", "mlm")], [("objective.temperature", "1"), ("objective.name", "electra")],
+      [("objective.temperature", "2"), ("objective.name", "electra")]]
+
+
 def test_cli_sweep_report_and_plot(swept, tmp_path):
   sweep_dir = swept["sweep_dir"]
   table = open(os.path.join(sweep_dir, "results.md")).read()
