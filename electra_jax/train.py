@@ -606,12 +606,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   last logged metrics. One run per workdir (workdir_lease.py): a run refuses a workdir that
   another live run holds, unless `take_over_workdir`."""
   workdir_files.check_usable(workdir)
+  recorded_switch = _fix_two_stage_switch(config, workdir)
   mesh, corpus, setup = prepare(config)
   # --- Checkpoint: restore or initialize. Refusals happen before anything is written.
   checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
   start_step = checkpointer.latest_step()
   if start_step is not None:
     _check_checkpoint_matches(checkpointer.read_meta(start_step), setup, corpus, workdir, config)
+    _check_two_stage_resume(config, recorded_switch, start_step, checkpointer)
   lease, problem = None, None
   if jax.process_index() == 0:
     lease = workdir_lease.WorkdirLease(workdir)
@@ -628,6 +630,41 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   finally:
     if lease is not None:
       lease.release()
+
+
+def _fix_two_stage_switch(config, workdir: str) -> int | None:
+  """two_stage: the step the discriminator's stage starts is fixed once per run, at its first
+  start, and written to config.json. Left at 0 it defaults to half of train.steps, so without
+  this a resume with more train.steps would move it and copy the generator's encoder over the
+  trained discriminator again. Returns the switch the workdir recorded (None: none yet)."""
+  if config.objective.get("name") != "two_stage":
+    return None
+  before = _saved_config(workdir) or {}
+  recorded = None
+  if before.get("objective", {}).get("name") == "two_stage":
+    # config.json before this fix kept 0: the default then was its own train.steps // 2.
+    recorded = before["objective"].get("two_stage_switch") or before["train"]["steps"] // 2
+  if not config.objective.two_stage_switch:
+    config.objective.two_stage_switch = recorded or config.train.steps // 2
+    logging.info("objective.two_stage_switch: the discriminator's stage starts at step %d%s.",
+                 config.objective.two_stage_switch, " (as this workdir recorded)" if recorded else "")
+  return recorded
+
+
+def _check_two_stage_resume(config, recorded_switch: int | None, start_step: int, checkpointer) -> None:
+  """A two_stage switch moved past the checkpoint would copy the generator over the trained
+  discriminator again, or leave the discriminator's stage without its copy."""
+  switch = config.objective.get("two_stage_switch")
+  if recorded_switch is None or switch == recorded_switch or start_step <= min(switch, recorded_switch):
+    return
+  checkpointer.close()
+  harm = ("copy the generator's encoder over the trained discriminator again" if switch > recorded_switch
+          else "start the discriminator's stage without the generator's encoder")
+  raise ConfigError(
+      f"objective.two_stage_switch={switch}, but this workdir's run switches at step {recorded_switch} "
+      f"and its checkpoint is at step {start_step}: moving the switch now would {harm}. Leave it at "
+      f"{recorded_switch} (or 0), or use a new --workdir."
+  )
 
 
 def _keep_changed_config(config, workdir: str, start_step: int | None) -> None:

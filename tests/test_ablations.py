@@ -398,6 +398,38 @@ def test_two_stage_refuses_untied_embeddings_it_could_not_start_the_discriminato
                                        "model.tie": "none"}))
 
 
+def test_two_stage_resumed_with_more_steps_keeps_its_switch(tmp_path):
+  # The default switch is half of train.steps: a resume with more steps used to move it and
+  # copy the generator's encoder over the discriminator its stage had trained.
+  first = {"objective.name": "two_stage", "model.generator_fraction": 1.0, "train.steps": 4,
+           "checkpoint.every_steps": 1, "checkpoint.keep": 10, "eval.every_steps": 0}
+  train.train_and_evaluate(tiny_config(**first), str(tmp_path))
+  assert json.loads((tmp_path / "config.json").read_text())["objective"]["two_stage_switch"] == 2
+  # Resumed to 8 steps at a learning rate too small to move anything visibly.
+  train.train_and_evaluate(tiny_config(**{**first, "train.steps": 8, "optimizer.learning_rate": 1e-9}),
+                           str(tmp_path))
+  assert json.loads((tmp_path / "config.json").read_text())["objective"]["two_stage_switch"] == 2
+  config = tiny_config(**{**first, "train.steps": 8, "objective.two_stage_switch": 2})
+  mesh = partitioning.make_mesh(config.mesh)
+  setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4))
+
+  def encoders_apart(step):
+    _, state = train.restore_checkpoint(str(tmp_path), setup, mesh, step=step)
+    params = jax.device_get(state.params)
+    return max(float(np.max(np.abs(g - d))) for g, d in zip(
+        jax.tree.leaves(params["generator"]["encoder"]), jax.tree.leaves(params["discriminator"]["encoder"])))
+
+  # Two stage-two steps at 1e-3 set the discriminator apart from the generator; a second copy
+  # at step 4 would have brought them back to a 1e-9 step apart.
+  assert encoders_apart(4) > 1e-4
+  assert encoders_apart(5) == pytest.approx(encoders_apart(4), rel=1e-3)
+  # Moving the switch explicitly once the checkpoint is past it is refused.
+  with pytest.raises(ConfigError, match="two_stage_switch=6, but this workdir's run switches at step 2 and its "
+                                        "checkpoint is at step 8: .* over the trained discriminator again"):
+    train.train_and_evaluate(tiny_config(**{**first, "train.steps": 10, "objective.two_stage_switch": 6}),
+                             str(tmp_path))
+
+
 def test_two_stage_evaluates_held_out_data_on_both_sides_of_the_switch(tmp_path):
   # Evaluation used to hand electra_forward no stage, which two_stage's loss cannot do without.
   config = tiny_config(**{"objective.name": "two_stage", "objective.two_stage_switch": 2,
