@@ -299,3 +299,23 @@ def test_training_refuses_another_tokenizer_on_imported_weights(tmp_path):
   config.data.vocab_file = str(tmp_path / "reordered.txt")
   with pytest.raises(ConfigError, match="imported from TensorFlow checkpoint .* with their own vocabulary"):
     train.train_and_evaluate(config, str(workdir))
+
+
+def test_fine_tuning_starts_from_imported_weights_and_checks_their_vocabulary(tmp_path):
+  # An imported workdir's step 0 has no data fingerprint yet (nothing trained on a corpus).
+  from electra_jax.finetune import model as model_lib  # noqa: PLC0415
+
+  workdir = tmp_path / "run"
+  _import(interop.pair_from_tf(FIXTURE), workdir)
+  config = train.config_lib.sibling(os.path.join(REPO, "configs", "finetune", "tiny.py"), "tiny").get_config()
+  config.init_from, config.max_seq_len = str(workdir), 16  # the fixture's 20 positions
+  backbone = model_lib.load_backbone(config)
+  params = model_lib.init_params(backbone, backbone.classifier(2, config), jax.random.key(0), config.max_seq_len)
+  _, imported = _restore_params(workdir, 0)
+  jax.tree.map(np.testing.assert_array_equal, params["encoder"], imported["discriminator"]["encoder"])
+  # Another vocabulary of the same size is still refused, by the imported one's fingerprint.
+  lines = open(os.path.join(FIXTURE, "vocab.txt")).read().splitlines()
+  (tmp_path / "reordered.txt").write_text("\n".join(lines[:5] + lines[5:][::-1]) + "\n")
+  config.tokenizer = str(tmp_path / "reordered.txt")
+  with pytest.raises(ConfigError, match="differs from the one the checkpoint"):
+    model_lib.load_backbone(config)

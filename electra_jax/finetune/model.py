@@ -115,7 +115,10 @@ def _from_workdir(config, workdir: str) -> Backbone:
     tokenizer = _tokenizer_from_file(config.tokenizer, config.lowercase)
   else:
     tokenizer = data.load_tokenizer(pretrain_config.data)
-  recorded = _recorded_tokenizer_fingerprint(meta.get("data_fingerprint", ""))
+  # A checkpoint imported (interop/pretraining.py) and not yet trained has no data fingerprint,
+  # only its vocabulary's.
+  recorded = (_recorded_tokenizer_fingerprint(meta["data_fingerprint"]) if meta.get("data_fingerprint")
+              else meta.get("tokenizer_fingerprint"))
   if recorded is not None and recorded != tokenizer.fingerprint:
     raise ConfigError(
         f"The tokenizer {tokenizer!r} differs from the one the checkpoint in {workdir} was "
