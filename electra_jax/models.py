@@ -879,6 +879,15 @@ class ElectraEncoderModel(_TowerOverEmbeddings):
 TOWER_MODELS = {"discriminator": ElectraDiscriminatorModel, "generator": ElectraGeneratorModel}
 
 
+def no_standalone_generator(pretrainer: ElectraPretrainer) -> str | None:
+  """Why this pre-trainer's generator has no standalone (Hugging Face) form; None if it has."""
+  if not pretrainer.has_generator:
+    return "This pre-trainer has no generator (its objective runs none)"
+  if pretrainer.cloze_generator:
+    return "Electric's two-tower cloze generator has no standalone (or Hugging Face) form"
+  return None
+
+
 def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
   """(model, params) of one tower of a pre-trainer: `params` is an ElectraPretrainer tree
   {embeddings, generator, discriminator}; the result's tree is {embeddings, <tower>}, the
@@ -887,16 +896,14 @@ def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
   own."""
   if tower not in TOWER_MODELS:
     raise ConfigError(f"tower={tower!r} is not one of {sorted(TOWER_MODELS)}.")
+  if tower == "generator" and no_standalone_generator(pretrainer):
+    raise ConfigError(f"{no_standalone_generator(pretrainer)}; export the discriminator.")
   if not {"embeddings", tower} <= set(params):
     raise ConfigError(
         f"The parameter tree's top level is {sorted(params)}, not an ElectraPretrainer's "
         "{embeddings, generator, discriminator}. Pass the `params` of a pre-training state "
         "(e.g. state.params, not {'params': ...})."
     )
-  if tower == "generator" and not pretrainer.has_generator:
-    raise ConfigError("This pre-trainer has no generator (its objective runs none); export the discriminator.")
-  if tower == "generator" and pretrainer.cloze_generator:
-    raise ConfigError("Electric's two-tower cloze generator has no standalone (or Hugging Face) form; export the discriminator.")
   tower_config = pretrainer.discriminator_config if tower == "discriminator" else pretrainer.generator_config
   # Standalone towers (export, fine-tuning, inference) use the unscanned layout.
   if tower_config.scan_layers:

@@ -333,9 +333,23 @@ def test_mlm_family_trains_and_exports_the_discriminator(tmp_path, name):
   assert np.isfinite(metrics["loss"]) and np.isnan(metrics["disc_auc"])
   if name != "mlm":
     assert 0 <= metrics["main_mlm_accuracy"] <= 1 and np.isfinite(metrics["main_mlm_loss"])
+  else:  # no generator to export: refused before anything is written, so the export below can go on
+    with pytest.raises(ConfigError, match="--export_generator: This pre-trainer has no generator .* Nothing was"):
+      interop.export_workdir(str(tmp_path), str(tmp_path / "hf"), export_generator=True)
+    assert not (tmp_path / "hf").exists()
   exported = interop.export_workdir(str(tmp_path), str(tmp_path / "hf"))
   model, params = interop.load_hf(exported["discriminator"])  # no MLM head in the export
   assert "mlm_head_dense" not in params["discriminator"]
+
+
+@pytest.mark.parametrize("name, why", [("uniform", "has no generator"), ("electric", "cloze generator has no standalone")])
+def test_a_generator_without_a_standalone_form_is_refused_before_the_restore(tmp_path, name, why):
+  config = tiny_config(**{"objective.name": name, "model.generator_fraction": 1.0})
+  (tmp_path / "checkpoints").mkdir()  # no checkpoint in it: the refusal must come first
+  (tmp_path / "config.json").write_text(config_lib.to_json(config))
+  with pytest.raises(ConfigError, match=f"--export_generator: .*{why}.*objective.name='{name}'"):
+    interop.export_workdir(str(tmp_path), str(tmp_path / "hf"), export_generator=True)
+  assert not (tmp_path / "hf").exists()
 
 
 def test_variants_train_through_the_usual_loop(tmp_path):

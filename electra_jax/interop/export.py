@@ -8,7 +8,7 @@ import shutil
 import jax
 import ml_collections
 
-from electra_jax import config_lib, data, partitioning, train, workdir_files
+from electra_jax import config_lib, data, models, partitioning, train, workdir_files
 from electra_jax.config_lib import ConfigError
 from electra_jax.data.wordpiece import WordPieceTokenizer
 from electra_jax.interop.hf import save_hf
@@ -23,6 +23,10 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
   if not workdir_files.exists(workdir_files.path(workdir, "checkpoints")):
     raise ConfigError(f"{workdir} has no checkpoints/ directory: nothing to export yet.")
   # Before the (slow) restore, so a refused export costs nothing and writes nothing.
+  why_not = models.no_standalone_generator(models.build_model(config)) if export_generator else None
+  if why_not:
+    raise ConfigError(f"--export_generator: {why_not} (objective.name={config.objective.get('name', 'electra')!r}). "
+                      "Nothing was written; export without --export_generator.")
   check_export_out(out_dir, export_generator)
 
   # One device whatever mesh trained it: orbax re-shards the arrays onto it on restore.
