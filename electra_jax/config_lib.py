@@ -91,17 +91,18 @@ def validate(config: ml_collections.ConfigDict) -> None:
     )
   if t.dtype not in DTYPES:
     raise ConfigError(f"train.dtype={t.dtype!r} is not one of {DTYPES}.")
-  if t.batch_size == -1:
-    pass  # resolved by train.prepare to the largest batch that fits (see memory.py)
-  elif t.batch_size < 1:
+  # train.batch_size=-1 is resolved by train.prepare to the largest batch that fits (memory.py).
+  if t.batch_size < 1 and t.batch_size != -1:
     raise ConfigError(
         f"train.batch_size={t.batch_size}: give a positive global batch size, or -1 for the "
         "largest that fits in train.memory_fraction of a device's memory."
     )
-  elif t.grad_accum_steps < 1 or t.batch_size % t.grad_accum_steps:
+  if t.grad_accum_steps < 1:
+    raise ConfigError(f"train.grad_accum_steps={t.grad_accum_steps} must be >= 1 (micro-batches per step).")
+  if t.batch_size != -1 and t.batch_size % t.grad_accum_steps:
     raise ConfigError(
         f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps="
-        f"{t.grad_accum_steps} (>= 1): each micro-batch must have the same size."
+        f"{t.grad_accum_steps}: each micro-batch must have the same size."
     )
   if t.get("steps_per_call", 1) < 1:
     raise ConfigError(
@@ -174,6 +175,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"model.tie='all' runs one encoder for both towers, so they must be the same size, but "
         f"model.generator_fraction={m.generator_fraction}: set it to 1.0."
     )
+  if name == "electric" and config.data.get("pack_rows", False):
+    raise ConfigError(models.ELECTRIC_UNPACKED)
+  # The model's own refusals (attention implementation, remat policy, cuDNN's shapes): it is
+  # only described here, nothing is initialized.
+  models.build_model(config)
 
 
 # A data key that only another source reads, and the source that reads it.

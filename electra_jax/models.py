@@ -24,6 +24,12 @@ ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", "splash")
 # "full" keeps only the layer's input and recomputes the whole layer.
 REMAT_POLICIES = ("none", "dots", "full")
 
+# Said by config_lib.validate (before any data) and by the model itself.
+ELECTRIC_UNPACKED = (
+    "Electric's cloze generator reads across the row's ends, so it cannot train on packed rows: "
+    "set data.pack_rows=False for objective.name='electric'."
+)
+
 
 def segment_positions(segment_ids):
   """Per-segment positions of a packed batch: [batch, seq] segment ids (1, 2, ... for the
@@ -601,10 +607,7 @@ class ElectraPretrainer(nn.Module):
 
   def setup(self):
     if self.packed and self.cloze_generator:
-      raise ConfigError(
-          "Electric's cloze generator reads across the row's ends, so it cannot train on packed "
-          "rows: set data.pack_rows=False for objective.name='electric'."
-      )
+      raise ConfigError(ELECTRIC_UNPACKED)
     if self.tie not in TIE_MODES:
       raise ConfigError(f"model.tie={self.tie!r} is not one of {list(TIE_MODES)}.")
     self.embeddings = self._embeddings(self.embedding_size)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from electra_jax import models
+from electra_jax import config_lib, models
 from electra_jax.config_lib import ConfigError
 
 
@@ -121,6 +121,10 @@ def test_electric_refuses_packed_rows():
   ids = jnp.zeros((1, 32), jnp.int32)
   with pytest.raises(ConfigError, match="pack_rows"):
     model.init(jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 4), jnp.int32))
+  # And before any data: config_lib.validate is what train.prepare and sweeps check first.
+  with pytest.raises(ConfigError, match="set data.pack_rows=False for objective.name='electric'"):
+    config_lib.validate(tiny_config(**{"objective.name": "electric", "model.generator_fraction": 1.0,
+                                       "data.pack_rows": True}))
 
 
 def _loss_and_grads(remat):
@@ -176,6 +180,8 @@ def test_remat_inside_scanned_layers_leaves_xla_free_to_fuse():
 def test_unknown_remat_and_attention_are_refused_by_name():
   with pytest.raises(ConfigError, match="model.remat='some'"):
     models.build_model(tiny_config(**{"model.remat": "some"}))
+  with pytest.raises(ConfigError, match="model.remat='fulll'"):  # before any data, so a sweep refuses it up front
+    config_lib.validate(tiny_config(**{"model.remat": "fulll"}))
   with pytest.raises(ConfigError, match="model.attention_impl='flash'"):
     models.build_model(tiny_config(**{"model.attention_impl": "flash"}))
   with pytest.raises(ConfigError, match="train.dtype=bfloat16"):

@@ -56,6 +56,10 @@ def test_bad_config_is_refused_before_any_work(tmp_path, overrides, named):
         ({"data.tfds_name": "wikipedia"}, "data.tfds_name='wikipedia' is set.*data.source='tfds'"),
         ({"model.attention_impl": "splash", "data.max_seq_len": 100, "model.max_position_embeddings": 128},
          "data.max_seq_len=100 is not a multiple of 128: choose e.g. 128, or"),
+        ({"train.batch_size": -1, "train.grad_accum_steps": 0}, "train.grad_accum_steps=0 must be >= 1"),
+        ({"objective.name": "electric", "model.generator_fraction": 1.0, "data.pack_rows": True},
+         "cannot train on packed rows: set data.pack_rows=False"),
+        ({"model.remat": "fulll"}, "model.remat='fulll' is not one of"),
     ],
 )
 def test_mistakes_are_refused_before_the_data_is_built(tmp_path, monkeypatch, overrides, named):
