@@ -282,6 +282,18 @@ def test_pairs_electra_jax_cannot_represent_are_refused(tmp_path):
     interop.pair_from_hf(dirs["discriminator"], dirs["generator"])
 
 
+@pytest.mark.parametrize("overrides, named", [
+    ({"model.tie": "gdes"}, "fills: parameter 'discriminator_word_delta' is .* but absent in the pair .*tie='gdes'"),
+    ({"objective.name": "mlm"}, "fills: .*objective.name='mlm'"),
+])
+def test_a_recipe_the_pair_cannot_fill_is_refused_before_anything_is_written(tmp_path, overrides, named):
+  workdir = tmp_path / "w"
+  with pytest.raises(ConfigError, match=f"not the one an imported pair {named}.* Nothing was written"):
+    interop.write_pretraining_workdir(interop.pair_from_tf(FIXTURE), tiny_config(**RUN_OVERRIDES, **overrides),
+                                      str(workdir))
+  assert not workdir.exists()
+
+
 def test_a_pair_without_vocabulary_is_refused(tmp_path):
   pair = interop.pair_from_hf(os.path.join(FIXTURE, "hf_discriminator"), os.path.join(FIXTURE, "hf_generator"))
   assert pair.vocab_file is None

@@ -229,6 +229,26 @@ def _data_config(pair: ImportedPair, config, workdir: str) -> dict:
   return values
 
 
+_SHAPE_ONLY_IDS = dict(pad=0, cls=2, sep=3, mask=4)
+
+
+def _check_pair_fills(imported: dict, wanted: dict, config) -> None:
+  """Refuses a recipe whose model has parameters other than the pair's (a tower's own
+  embeddings, a discriminator MLM head, GDES's delta, a shared encoder...)."""
+  if imported == wanted:
+    return
+  name = next(n for n in sorted(set(imported) | set(wanted)) if imported.get(n) != wanted.get(n))
+  raise ConfigError(
+      f"The recipe's model is not the one an imported pair fills: parameter {name!r} is "
+      f"{wanted.get(name, 'absent')} in it but {imported.get(name, 'absent')} in the pair "
+      f"(objective.name={config.objective.get('name', 'electra')!r}, "
+      f"model.tie={config.model.get('tie', 'embeddings')!r}). "
+      "A generator and discriminator over one embedding tree are what objective.name electra, "
+      "electra_15, two_stage or adversarial train with model.tie='embeddings' (the defaults): import "
+      "with those. Nothing was written."
+  )
+
+
 def write_pretraining_workdir(
     pair: ImportedPair,
     config: ml_collections.ConfigDict,
@@ -255,6 +275,20 @@ def write_pretraining_workdir(
         ", ".join(f"model.{k}={new} (recipe: {old})" for k, (old, new) in sorted(changed.items())),
     )
   config_lib.validate(config)
+  # One device: the checkpoint is re-sharded onto whatever mesh training uses.
+  single_device = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
+  mesh = partitioning.make_mesh(single_device, devices=jax.devices()[:1])
+  params = {
+      "embeddings": embeddings,
+      "generator": pair.generator_params["generator"],
+      "discriminator": pair.discriminator_params["discriminator"],
+  }
+  if config.model.get("scan_layers", False):  # the recipe trains scanned layers
+    params = models.scan_layers(params)
+  # The recipe's model must be the one the pair fills, before anything is written (the
+  # parameters' shapes do not depend on the vocabulary's special ids).
+  _check_pair_fills(train.param_shapes(params), train.build_setup(config, mesh, _SHAPE_ONLY_IDS).param_shapes,
+                    config)
   os.makedirs(workdir, exist_ok=True)
   for key, value in _data_config(pair, config, workdir).items():
     config.data[key] = value
@@ -265,20 +299,8 @@ def write_pretraining_workdir(
         f"{config.model.vocab_size} rows of embeddings; this is not the model's vocabulary."
     )
 
-  # One device: the checkpoint is re-sharded onto whatever mesh training uses.
-  single_device = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
-  mesh = partitioning.make_mesh(single_device, devices=jax.devices()[:1])
   special_ids = dict(pad=tokenizer.pad_id, cls=tokenizer.cls_id, sep=tokenizer.sep_id, mask=tokenizer.mask_id)
   setup = train.build_setup(config, mesh, special_ids)
-  params = {
-      "embeddings": embeddings,
-      "generator": pair.generator_params["generator"],
-      "discriminator": pair.discriminator_params["discriminator"],
-  }
-  if config.model.get("scan_layers", False):  # the recipe trains scanned layers
-    params = models.scan_layers(params)
-  imported_shapes = train.param_shapes(params)
-  train.check_same_model(imported_shapes, setup.param_shapes, workdir)
   with partitioning.activate(mesh):
     fresh = jax.jit(
         lambda r: flax.linen.meta.unbox(setup.init_fn(r)), out_shardings=setup.state_shardings
