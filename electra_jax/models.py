@@ -899,8 +899,9 @@ def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
   own."""
   if tower not in TOWER_MODELS:
     raise ConfigError(f"tower={tower!r} is not one of {sorted(TOWER_MODELS)}.")
-  if tower == "generator" and no_standalone_generator(pretrainer):
-    raise ConfigError(f"{no_standalone_generator(pretrainer)}; export the discriminator.")
+  why_not = no_standalone_generator(pretrainer) if tower == "generator" else None
+  if why_not:
+    raise ConfigError(f"{why_not}; export the discriminator.")
   if not {"embeddings", tower} <= set(params):
     raise ConfigError(
         f"The parameter tree's top level is {sorted(params)}, not an ElectraPretrainer's "
