@@ -229,8 +229,26 @@ def verdict(records):
 # ---------------------------------------------------------------------------------------
 # On the device machine: the carried wheels, then the plan
 # ---------------------------------------------------------------------------------------
+# One interpreter start (jax and torch take seconds to import): what is missing, else the versions.
+_PROBE = """
+import importlib, sys
+missing = []
+for name in sys.argv[1:]:
+  try:
+    importlib.import_module(name)
+  except ImportError:
+    missing.append(name)
+print(" ".join(missing))
+if not missing:
+  import flax, jax, optax, torch, transformers
+  print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__, "torch", torch.__version__,
+        "transformers", transformers.__version__, jax.devices())
+"""
+
+
 def _environment():
-  """The environment for the runs, with the carried wheels installed if the image lacks one."""
+  """(environment for the runs, lines naming the GPU and versions), with the carried wheels
+  installed if the image lacks one; exits naming what is still missing."""
   env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")  # torch shares the GPU
   env.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/jax_cache")
   wheels = os.path.join(REPO, WHEELS)
@@ -239,27 +257,17 @@ def _environment():
                     "--no-cache-dir", "--upgrade", "--target", SITE,
                     *sorted(os.path.join(wheels, w) for w in os.listdir(wheels))], check=True)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [SITE, env.get("PYTHONPATH")]))
-  probe = ("import importlib, sys\nmissing = []\nfor m in sys.argv[1:]:\n  try: importlib.import_module(m)\n"
-           "  except ImportError: missing.append(m)\nprint(' '.join(missing))")
-  missing = subprocess.run([sys.executable, "-c", probe, *NEEDED], env=env, capture_output=True,
-                           text=True).stdout.split()
+  probed = subprocess.run([sys.executable, "-c", _PROBE, *NEEDED], env=env, capture_output=True, text=True,
+                          cwd=REPO).stdout.split("\n")
+  missing = probed[0].split()
   if missing:
     sys.exit(f"gpu_suite: {sys.executable} lacks {', '.join(missing)}. Carry wheels for them in {WHEELS}/ "
              "(python benchmarks/gpu_suite.py prepare --wheel=NAME==VERSION on the machine with PyPI).")
-  return env
-
-
-def _versions(env):
-  script = ("import jax, flax, optax, torch, transformers; print('jax', jax.__version__, 'flax', flax.__version__, "
-            "'optax', optax.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, "
-            "jax.devices())")
-  lines = []
+  lines = [probed[1].strip()] if len(probed) > 1 else []
   if shutil.which("nvidia-smi"):
-    lines.append(subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,clocks.sm,clocks.max.sm",
-                                 "--format=csv,noheader"], capture_output=True, text=True).stdout.strip())
-  lines.append(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                              cwd=REPO).stdout.strip())
-  return lines
+    lines.insert(0, subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,clocks.sm,clocks.max.sm",
+                                    "--format=csv,noheader"], capture_output=True, text=True).stdout.strip())
+  return env, lines
 
 
 def measure(modes, budget, out_dir):
@@ -271,10 +279,9 @@ def measure(modes, budget, out_dir):
   if missing:
     sys.exit(f"gpu_suite: {', '.join(missing)} missing: carry it "
              "(made by `python benchmarks/gpu_suite.py prepare`).")
-  env = _environment()
+  env, versions = _environment()
   os.makedirs(out_dir, exist_ok=True)
-  header = [f"gpu_suite {' '.join(modes)}, {time.strftime('%Y-%m-%d %H:%M:%S')}, budget {budget} s",
-            *_versions(env)]
+  header = [f"gpu_suite {' '.join(modes)}, {time.strftime('%Y-%m-%d %H:%M:%S')}, budget {budget} s", *versions]
   print("\n".join(header), flush=True)
   launch = _launch(env)
 
