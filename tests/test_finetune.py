@@ -121,7 +121,7 @@ def synthetic_config(tmp_path, n_train=400, n_dev=200, **overrides):
 
 
 def test_random_init_model_learns_synthetic_task(tmp_path):
-  config = synthetic_config(tmp_path)
+  config = synthetic_config(tmp_path, keep_epoch="best")
   workdir = tmp_path / "work"
   results = trainer.run_finetune(config, str(workdir))
   accuracy = results["summary"]["custom"]["accuracy"]["best"]
@@ -130,7 +130,7 @@ def test_random_init_model_learns_synthetic_task(tmp_path):
   metrics = json.loads((seed_dir / "metrics.json").read_text())
   assert len(metrics["history"]) == config.epochs
   assert metrics["dev"]["custom"]["accuracy"] == max(h["dev"]["custom"]["accuracy"] for h in metrics["history"])
-  assert os.listdir(seed_dir / "checkpoints") == [str(metrics["best_step"])]  # only the best kept
+  assert os.listdir(seed_dir / "checkpoints") == [str(metrics["kept_step"])]  # only the best kept
   # Test predictions follow the rule on unseen sentences, in the submission format.
   lines = (seed_dir / "predictions" / "custom_test.tsv").read_text().splitlines()
   truth = [json.loads(line)["truth"] for line in open(config.custom.test_file)]
@@ -139,10 +139,42 @@ def test_random_init_model_learns_synthetic_task(tmp_path):
   assert np.mean(np.array(predicted) == np.array(truth)) >= 0.9
   saved = json.loads((workdir / "custom" / "results.json").read_text())
   assert saved["config"]["custom"]["train_file"] == config.custom.train_file
-  # Running again into the same workdir is refused before the finished seed is touched.
+  # Running again with another config into the same workdir is refused before the finished
+  # seed is touched.
+  config.optimizer.learning_rate *= 2
   with pytest.raises(ConfigError, match="already holds a finished custom run for seed 0"):
     trainer.run_finetune(config, str(workdir))
-  assert os.listdir(seed_dir / "checkpoints") == [str(metrics["best_step"])]
+  assert os.listdir(seed_dir / "checkpoints") == [str(metrics["kept_step"])]
+  assert json.loads((seed_dir / "metrics.json").read_text()) == metrics
+
+
+def test_interrupted_multi_seed_run_goes_on_with_the_missing_seeds(tmp_path):
+  """A 3-seed run stopped after its first seed (here: the same config with num_seeds=1) is
+  re-run: seed 0 is kept as it was, seeds 1 and 2 train, and the results equal an uninterrupted
+  3-seed run's. The default keep_epoch="last" keeps the last epoch (the official protocol)."""
+  config = synthetic_config(tmp_path, n_train=48, n_dev=24, epochs=2, num_seeds=3)
+  whole = trainer.run_finetune(config, str(tmp_path / "whole"))
+
+  first = config.copy_and_resolve_references()
+  first.num_seeds = 1
+  trainer.run_finetune(first, str(tmp_path / "cut"))
+  seed0 = tmp_path / "cut" / "custom" / "seed_0"
+  before = (seed0 / "metrics.json").read_text()
+  checkpoint_files = sorted(str(p) for p in seed0.rglob("*"))
+  # An interrupted seed leaves checkpoints but no metrics.json: it starts over.
+  (tmp_path / "cut" / "custom" / "seed_1" / "checkpoints" / "999").mkdir(parents=True)
+  resumed = trainer.run_finetune(config, str(tmp_path / "cut"))
+
+  assert (seed0 / "metrics.json").read_text() == before
+  assert sorted(str(p) for p in seed0.rglob("*")) == checkpoint_files
+  for run in (whole, resumed):
+    for seed in ("0", "1", "2"):
+      assert run["seeds"][seed]["kept_epoch"] == 2  # the last epoch, not the best one
+  assert {s: r["dev"] for s, r in resumed["seeds"].items()} == {s: r["dev"] for s, r in whole["seeds"].items()}
+  assert resumed["summary"] == whole["summary"] and resumed["summary"]["custom"]["accuracy"]["n"] == 3
+  seed1 = json.loads((tmp_path / "cut" / "custom" / "seed_1" / "metrics.json").read_text())
+  assert seed1["dev"] == seed1["history"][-1]["dev"]
+  assert os.listdir(tmp_path / "cut" / "custom" / "seed_1" / "checkpoints") == [str(seed1["history"][-1]["step"])]
 
 
 def test_bad_config_fails_before_training(tmp_path):
@@ -152,6 +184,18 @@ def test_bad_config_fails_before_training(tmp_path):
     trainer.run_finetune(config, str(tmp_path / "w"))
   config = synthetic_config(tmp_path, task="colaa")
   with pytest.raises(ConfigError, match="Unknown task 'colaa'"):
+    trainer.run_finetune(config, str(tmp_path / "w"))
+  for key, value, named in (("learning_rate", -1.0, "optimizer.learning_rate=-1.0 must be > 0"),
+                            ("weight_decay", -3.0, "optimizer.weight_decay=-3.0 must be >= 0")):
+    config = synthetic_config(tmp_path)
+    config.optimizer[key] = value
+    with pytest.raises(ConfigError, match=named):
+      trainer.run_finetune(config, str(tmp_path / "w"))
+  config = synthetic_config(tmp_path, keep_epoch="first")
+  with pytest.raises(ConfigError, match="config.keep_epoch='first'"):
+    trainer.run_finetune(config, str(tmp_path / "w"))
+  config = synthetic_config(tmp_path, dropout_rate=1.0)
+  with pytest.raises(ConfigError, match=r"config.dropout_rate=1.0 must be in \[0, 1\)"):
     trainer.run_finetune(config, str(tmp_path / "w"))
   config = synthetic_config(tmp_path)
   config.custom.label_column = "stars"

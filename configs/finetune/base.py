@@ -35,7 +35,9 @@ def get_config():
   config.init_from = ""
   config.random_init = False  # same sizes and tokenizer as init_from, fresh weights (a baseline)
   config.tokenizer = ""  # "" = the pre-training one; else a sentencepiece .model or vocab.txt
-  config.lowercase = True  # for a vocab.txt tokenizer
+  # vocab.txt tokenizers: lowercase the text? None = as a Hugging Face init_from's
+  # tokenizer_config.json records it (its strip_accents too), else True (BERT uncased).
+  config.lowercase = ml_collections.FieldReference(None, field_type=bool)
   # Sizes for init_from="" (training from scratch with config.tokenizer).
   config.model = model = ml_collections.ConfigDict()
   model.hidden_size = 256
@@ -53,6 +55,10 @@ def get_config():
   config.epochs = 0  # 0 = the official number: 3, or 10 for RTE and STS-B
   config.num_seeds = 1  # seeds seed .. seed + num_seeds - 1; results give mean, median, best
   config.seed = 0
+  # The epoch whose model a seed keeps (checkpoint, test predictions) and reports: "last", as
+  # the official code (train every epoch, then evaluate); "best" picks the epoch with the best
+  # dev score, which is chosen on dev itself and so reads higher than the paper's numbers.
+  config.keep_epoch = "last"
   config.dropout_rate = 0.1  # encoder hidden dropout while fine-tuning
   config.attention_dropout_rate = 0.1
   config.head_dropout_rate = 0.1  # on [CLS] before the dense layer
@@ -72,7 +78,7 @@ def get_config():
   optimizer.b2 = 0.999
   optimizer.eps = 1e-6
   optimizer.clip_norm = 1.0
-  optimizer.bias_correction = True  # False = the official Adam without bias correction
+  optimizer.bias_correction = False  # the official Adam has none; True = optax's scale_by_adam
 
   # --- SQuAD (task="squad1.1" | "squad2.0"; source "dir": data_dir holds the official
   # train-v<version>.json and dev-v<version>.json; "tfds": squad/v<version> as array_record).

@@ -1,6 +1,7 @@
 """`run_finetune(config, workdir)`: for each seed, start from the backbone, train the task for
-its epochs, evaluate on dev after each epoch and keep the best checkpoint, then write the
-metrics, test-set predictions and a results table (mean, median and best over seeds).
+its epochs, evaluate on dev after each epoch and keep the last epoch's checkpoint (or, with
+config.keep_epoch="best", the best one's), then write the metrics, test-set predictions and a
+results table (mean, median and best over seeds).
 
 The loop is task-agnostic: a `TaskAdapter` supplies the model, the features, the loss and the
 evaluation. Classification and regression adapters are built here; span tasks (SQuAD) build
@@ -36,6 +37,11 @@ from electra_jax.finetune import optim, tasks
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
 # Official defaults for epochs by task when config.epochs = 0.
 DEFAULT_EPOCHS, LONG_TASK_EPOCHS, SQUAD_EPOCHS = 3, 10, 2
+# Which epoch's model a seed keeps and reports: "last" (the official code: train all epochs,
+# then evaluate), or "best" (the best dev score over epochs: chosen on dev itself, so optimistic).
+KEEP_EPOCH = ("last", "best")
+# Keys a finished seed's results do not depend on: a re-run that differs only in them keeps it.
+_NOT_SEED_KEYS = ("seed", "num_seeds", "log_every")
 
 
 @dataclasses.dataclass
@@ -49,7 +55,7 @@ class TaskAdapter:
   # (model outputs, batch) -> per-example losses [batch]; the loop averages over real rows.
   loss_fn: Callable[[jax.Array, dict], jax.Array]
   # predict(features) -> model outputs as numpy [n, ...] -> {eval name: {metric: value}},
-  # each with a "score" (the best checkpoint maximizes the mean score over eval sets).
+  # each with a "score" (keep_epoch="best" keeps the epoch with the best mean score over eval sets).
   evaluate: Callable[[Callable[[dict], np.ndarray]], dict[str, dict[str, float]]]
   # (predict, directory) -> paths of the test-set prediction files written there.
   write_test: Callable[[Callable[[dict], np.ndarray], str], list[str]]
@@ -167,9 +173,10 @@ def validate(config) -> None:
     raise ConfigError(f"config.epochs={config.epochs} and eval_batch_size={config.eval_batch_size} must be >= 0 (0 = default).")
   if config.dtype not in config_lib.DTYPES:
     raise ConfigError(f"config.dtype={config.dtype!r} is not one of {config_lib.DTYPES}.")
-  for key in ("dropout_rate", "attention_dropout_rate", "head_dropout_rate"):
-    if not 0.0 <= config[key] < 1.0:
-      raise ConfigError(f"config.{key}={config[key]} must be in [0, 1).")
+  config_lib.check_rates(config, ("dropout_rate", "attention_dropout_rate", "head_dropout_rate"), "config")
+  config_lib.check_optimizer(config.optimizer, "the official 1e-4 for Small and Base, 5e-5 for Large")
+  if config.keep_epoch not in KEEP_EPOCH:
+    raise ConfigError(f"config.keep_epoch={config.keep_epoch!r}: use one of {list(KEEP_EPOCH)}.")
   if config.optimizer.layerwise_lr_decay_rule not in optim.LAYERWISE_RULES:
     raise ConfigError(
         f"config.optimizer.layerwise_lr_decay_rule={config.optimizer.layerwise_lr_decay_rule!r}: use one of "
@@ -196,8 +203,37 @@ def _format_duration(seconds: float) -> str:
   return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
+def seed_fingerprint(config) -> str:
+  """What one seed's results depend on: the config less the keys that only pick or log seeds."""
+  settings = json.loads(config_lib.to_json(config))
+  for key in _NOT_SEED_KEYS:
+    settings.pop(key, None)
+  return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _finished_seeds(config, task_dir: str, task: str, seeds: list[int]) -> dict[int, dict]:
+  """The seeds a run of this same config already finished here (each seed_<s>/metrics.json),
+  kept so an interrupted multi-seed run goes on where it stopped. A finished seed of another
+  config is refused: its results would be mixed with this config's in one table."""
+  finished, fingerprint = {}, seed_fingerprint(config)
+  for seed in seeds:
+    path = os.path.join(task_dir, f"seed_{seed}", "metrics.json")
+    if not os.path.exists(path):
+      continue
+    with open(path) as f:
+      result = json.load(f)
+    if result.get("config_fingerprint") != fingerprint:
+      raise ConfigError(
+          f"{path} exists: this workdir already holds a finished {task} run for seed {seed}, "
+          "fine-tuned with another config. Use a new --workdir (or other seeds, config.seed) so "
+          "it is not overwritten, or the same config to go on with the seeds it has not finished."
+      )
+    finished[seed] = result
+  return finished
+
+
 def summarize(per_seed: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
-  """{eval name: {metric: {mean, median, best, n}}} over the seeds' best-epoch dev metrics."""
+  """{eval name: {metric: {mean, median, best, n}}} over the seeds' kept-epoch dev metrics."""
   summary = {}
   for eval_name, first in per_seed[0]["dev"].items():
     summary[eval_name] = {}
@@ -211,8 +247,9 @@ def summarize(per_seed: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
 
 def format_table(summary) -> str:
   rows = [(eval_name, metric, s) for eval_name, by_metric in summary.items() for metric, s in by_metric.items()
-          # the score of a one-metric task is that metric
-          if not (metric == "score" and len(by_metric) == 2)]
+          # the score of a one-metric task is that metric; thresholds (SQuAD 2.0's null-odds
+          # cuts) are not fractions and stay in results.json
+          if not (metric == "score" and len(by_metric) == 2) and not metric.endswith("_thresh")]
   task_w = max([len("task")] + [len(r[0]) for r in rows])
   metric_w = max([len("metric")] + [len(r[1]) for r in rows])
   lines = [f"{'task':<{task_w}} {'metric':<{metric_w}} {'mean':>8} {'median':>8} {'best':>8} {'seeds':>5}"]
@@ -239,7 +276,7 @@ def _run_seed(config, adapter, backbone, seed: int, seed_dir: str, epochs: int, 
   # ones) starts over; its checkpoints may be from later steps.
   shutil.rmtree(os.path.join(seed_dir, "checkpoints"), ignore_errors=True)
   checkpointer = checkpointing.Checkpointer(seed_dir, keep=1)
-  best, history, step = None, [], 0
+  kept, history, step = None, [], 0
   try:
     for epoch in range(epochs):
       order = np.random.default_rng([seed, epoch]).permutation(num_train)
@@ -249,7 +286,7 @@ def _run_seed(config, adapter, backbone, seed: int, seed_dir: str, epochs: int, 
         params, opt_state, loss = train_step(params, opt_state, batch, rng)
         losses.append(loss)
         step += 1
-        progress(seed, epoch, step, total_steps, losses, schedule(step))
+        progress(seed, epoch, step, total_steps, losses, schedule(step - 1))  # the rate this step used
       train_loss = float(np.mean(jax.device_get(losses)))
       if not math.isfinite(train_loss):
         raise FloatingPointError(
@@ -263,18 +300,19 @@ def _run_seed(config, adapter, backbone, seed: int, seed_dir: str, epochs: int, 
           "seed %d epoch %d/%d | train loss %.4f | dev %s", seed, epoch + 1, epochs, train_loss,
           " ".join(f"{name}: " + ", ".join(f"{k}={v:.4f}" for k, v in m.items()) for name, m in dev.items()),
       )
-      if best is None or score > best["score"]:
-        best = dict(history[-1], params=jax.device_get(params))
+      if config.keep_epoch == "last" or kept is None or score > kept["score"]:
+        kept = dict(history[-1], params=jax.device_get(params))
         checkpointer.save(step, {"params": params}, {"epoch": epoch + 1, "dev": dev, "seed": seed})
   finally:
     checkpointer.wait()
     checkpointer.close()
 
-  prediction_files = adapter.write_test(_predictor(predict_step, best["params"], eval_batch_size),
+  prediction_files = adapter.write_test(_predictor(predict_step, kept["params"], eval_batch_size),
                                         os.path.join(seed_dir, "predictions"))
   result = dict(
-      seed=seed, best_epoch=best["epoch"], best_step=best["step"], dev=best["dev"], history=history,
-      checkpoint=os.path.join(checkpointer.directory, str(best["step"])), test_predictions=prediction_files,
+      seed=seed, keep_epoch=config.keep_epoch, kept_epoch=kept["epoch"], kept_step=kept["step"],
+      dev=kept["dev"], history=history, checkpoint=os.path.join(checkpointer.directory, str(kept["step"])),
+      test_predictions=prediction_files, config_fingerprint=seed_fingerprint(config),
   )
   _write_json(os.path.join(seed_dir, "metrics.json"), result)
   return result
@@ -282,7 +320,7 @@ def _run_seed(config, adapter, backbone, seed: int, seed_dir: str, epochs: int, 
 
 def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Fine-tunes config.task for config.num_seeds seeds under <workdir>/<task>/; returns (and
-  writes to <workdir>/<task>/results.json) the config, each seed's best dev metrics and their
+  writes to <workdir>/<task>/results.json) the config, each seed's kept-epoch dev metrics and their
   summary, and prints the table. Every input check happens before the first step."""
   validate(config)
   backbone = model_lib.load_backbone(config)
@@ -290,19 +328,16 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   epochs = epochs_for(config)
   task_dir = os.path.join(workdir, adapter.name)
   seeds = [config.seed + i for i in range(config.num_seeds)]
-  for seed in seeds:
-    finished = os.path.join(task_dir, f"seed_{seed}", "metrics.json")
-    if os.path.exists(finished):
-      raise ConfigError(
-          f"{finished} exists: this workdir already holds a finished {adapter.name} run for seed "
-          f"{seed}. Use a new --workdir (or other seeds, config.seed) so it is not overwritten."
-      )
+  finished = _finished_seeds(config, task_dir, adapter.name, seeds)
+  pending = [seed for seed in seeds if seed not in finished]
   os.makedirs(task_dir, exist_ok=True)
   steps_per_seed = math.ceil(_num_examples(adapter.train_features) / config.batch_size) * epochs
   logging.info(
       "Fine-tuning %s from %s: %d train examples, %d epochs, %d steps per seed, seeds %s.",
       adapter.name, backbone.source, _num_examples(adapter.train_features), epochs, steps_per_seed, seeds,
   )
+  if finished:
+    logging.info("Seeds %s finished in an earlier run with this config: their results are kept.", sorted(finished))
 
   clock = dict(start=None, done=0)
 
@@ -315,7 +350,7 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if step % config.log_every and step != total:
       return
     rate = clock["done"] / (time.perf_counter() - clock["start"])
-    remaining = (total - step) + total * (len(seeds) - 1 - seeds.index(seed))
+    remaining = (total - step) + total * (len(pending) - 1 - pending.index(seed))
     logging.info(
         "seed %d | epoch %d/%d | step %d/%d | loss %.4f | lr %.3g | %.1f steps/s | ETA %s",
         seed, epoch + 1, epochs, step, total, float(np.mean(jax.device_get(losses[-config.log_every:]))),
@@ -331,6 +366,9 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   steps = (tx, schedule, *_make_steps(adapter, tx))
   per_seed = []
   for seed in seeds:
+    if seed in finished:
+      per_seed.append(finished[seed])
+      continue
     seed_dir = os.path.join(task_dir, f"seed_{seed}")
     per_seed.append(_run_seed(config, adapter, backbone, seed, seed_dir, epochs, steps, progress))
   summary = summarize(per_seed)
@@ -338,7 +376,7 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   results = dict(
       task=adapter.name, init=backbone.source, epochs=epochs, config=json.loads(config_json),
       config_fingerprint=hashlib.sha256(config_json.encode()).hexdigest()[:16],
-      seeds={str(run["seed"]): {k: run[k] for k in ("best_epoch", "dev", "test_predictions")} for run in per_seed},
+      seeds={str(run["seed"]): {k: run[k] for k in ("kept_epoch", "dev", "test_predictions")} for run in per_seed},
       summary=summary,
   )
   _write_json(os.path.join(task_dir, "results.json"), results)
