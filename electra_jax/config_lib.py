@@ -118,11 +118,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"checkpoint.keep={config.checkpoint.keep} must be >= 1: it is how many of the latest "
         "checkpoints stay in the workdir, and a run that keeps none could never resume."
     )
-  if not config.optimizer.learning_rate > 0:
+  check_optimizer(config.optimizer, "ELECTRA-Small uses 5e-4, Base 2e-4")
+  if config.optimizer.warmup_steps < 0:
     raise ConfigError(
-        f"optimizer.learning_rate={config.optimizer.learning_rate} must be > 0 (the peak of the "
-        "warmup-then-linear-decay schedule; ELECTRA-Small uses 5e-4, Base 2e-4)."
+        f"optimizer.warmup_steps={config.optimizer.warmup_steps} must be >= 0 (0 = no warmup; "
+        "the paper uses 10000)."
     )
+  check_rates(config.model, ("dropout_rate", "attention_dropout_rate"), "model")
   _check_data_source(config.data)
   if config.data.eval_fraction == 0 and config.eval.every_steps > 0 and config.data.source != "prepared":
     raise ConfigError(
@@ -141,6 +143,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
     )
   if not 0.0 < config.objective.mask_prob < 1.0:
     raise ConfigError(f"objective.mask_prob={config.objective.mask_prob} must be in (0, 1).")
+  if not 0.0 <= config.objective.keep_original_prob <= 1.0:
+    raise ConfigError(
+        f"objective.keep_original_prob={config.objective.keep_original_prob} must be in [0, 1] (the "
+        "share of chosen positions left as they are instead of [MASK]; official 0.15)."
+    )
   if config.objective.temperature <= 0:
     raise ConfigError(f"objective.temperature={config.objective.temperature} must be > 0.")
   from electra_jax import models, objectives  # noqa: PLC0415 (they import this module)
@@ -184,6 +191,32 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 # A data key that only another source reads, and the source that reads it.
 _SOURCE_KEYS = (("files", "text' (or 'jsonl"), ("prepared_dir", "prepared"), ("tfds_name", "tfds"))
+
+
+def check_optimizer(o: ml_collections.ConfigDict, typical_lr: str) -> None:
+  """The AdamW keys pre-training and fine-tuning share; `typical_lr` goes into the message."""
+  if not o.learning_rate > 0:
+    raise ConfigError(
+        f"optimizer.learning_rate={o.learning_rate} must be > 0 (the peak of the warmup-then-"
+        f"linear-decay schedule; {typical_lr})."
+    )
+  if not o.weight_decay >= 0:
+    raise ConfigError(f"optimizer.weight_decay={o.weight_decay} must be >= 0 (0 = none; official 0.01).")
+  for key in ("b1", "b2"):
+    if not 0.0 <= o[key] < 1.0:
+      raise ConfigError(f"optimizer.{key}={o[key]} must be in [0, 1) (Adam's moment decay; official 0.9, 0.999).")
+  if not o.eps > 0 or not o.clip_norm > 0:
+    raise ConfigError(
+        f"optimizer.eps={o.eps} and optimizer.clip_norm={o.clip_norm} must be > 0 (official 1e-6 "
+        "and 1.0, the global gradient norm's cap)."
+    )
+
+
+def check_rates(group: ml_collections.ConfigDict, keys, prefix: str) -> None:
+  """Dropout rates: in [0, 1) (a rate of 1 would drop everything)."""
+  for key in keys:
+    if not 0.0 <= group[key] < 1.0:
+      raise ConfigError(f"{prefix}{'.' if prefix else ''}{key}={group[key]} must be in [0, 1) (the paper: 0.1).")
 
 
 def _check_data_source(d: ml_collections.ConfigDict) -> None:

@@ -341,9 +341,12 @@ def _parse_flags(argv):
     named = [flag for flag in overrides if key in flag.split(".")[1:]]
     if not named:
       raise
+    finetune = any(arg == "--mode=finetune" for arg in argv[1:]) or (
+        "--mode" in argv and argv.index("--mode") + 1 < len(argv) and argv[argv.index("--mode") + 1] == "finetune")
+    listing = "configs/finetune/base.py" if finetune else "configs/base.py"
     sys.exit(
         f"electra-jax: error: {named[0]}: the config has no key {key!r}. {hint + ' ' if hint else ''}"
-        "configs/base.py lists every key with its default."
+        f"{listing} lists every key with its default."
     )
 
 

@@ -60,6 +60,13 @@ def test_bad_config_is_refused_before_any_work(tmp_path, overrides, named):
         ({"objective.name": "electric", "model.generator_fraction": 1.0, "data.pack_rows": True},
          "cannot train on packed rows: set data.pack_rows=False"),
         ({"model.remat": "fulll"}, "model.remat='fulll' is not one of"),
+        ({"model.dropout_rate": 1.5}, r"model.dropout_rate=1.5 must be in \[0, 1\)"),
+        ({"model.attention_dropout_rate": -0.1}, r"model.attention_dropout_rate=-0.1 must be in \[0, 1\)"),
+        ({"objective.keep_original_prob": 2.0}, r"objective.keep_original_prob=2.0 must be in \[0, 1\]"),
+        ({"optimizer.warmup_steps": -10}, "optimizer.warmup_steps=-10 must be >= 0"),
+        ({"optimizer.weight_decay": -3.0}, "optimizer.weight_decay=-3.0 must be >= 0"),
+        ({"optimizer.b2": 1.0}, r"optimizer.b2=1.0 must be in \[0, 1\)"),
+        ({"optimizer.clip_norm": 0.0}, "optimizer.clip_norm=0.0 must be > 0"),
     ],
 )
 def test_mistakes_are_refused_before_the_data_is_built(tmp_path, monkeypatch, overrides, named):
@@ -216,6 +223,11 @@ def test_mistyped_override_names_the_close_match(tmp_path):
   result = run_cli(cli_args(tmp_path / "run") + ["--config.train.num_steps=5"])  # no close match
   assert "error: --config.train.num_steps: the config has no key 'num_steps'." in result.stderr
   assert not (tmp_path / "run").exists()
+  # A fine-tuning recipe's keys are listed in its own base.
+  result = run_cli(["python", "-m", "electra_jax.main", "--mode=finetune", "--config=configs/finetune/tiny.py",
+                    "--config.epochz=1", f"--workdir={tmp_path / 'ft'}"])
+  assert result.stderr.strip().splitlines()[-1].endswith(
+      "configs/finetune/base.py lists every key with its default.")
 
 
 def test_cudnn_attention_off_a_gpu_is_refused_before_any_data(tmp_path, monkeypatch):

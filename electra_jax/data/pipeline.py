@@ -497,8 +497,9 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
     )
   if data.num_examples == 0:
     raise ConfigError(
-        f"The {split} split has no examples (max_documents={config['max_documents']}, "
-        f"eval_fraction={config['eval_fraction']}); use more documents or a larger "
+        f"The {split} split has no examples (max_documents={config['max_documents']}"
+        f"{' (all)' if not config['max_documents'] else ''}, eval_fraction={config['eval_fraction']}); "
+        "use more documents or a larger "
         f"eval_fraction" + (", or eval.every_steps=0 to train without held-out evaluation." if split == "eval" else ".")
     )
   logging.info(
