@@ -331,3 +331,23 @@ def test_fine_tuning_starts_from_imported_weights_and_checks_their_vocabulary(tm
   config.tokenizer = str(tmp_path / "reordered.txt")
   with pytest.raises(ConfigError, match="differs from the one the checkpoint"):
     model_lib.load_backbone(config)
+
+
+def test_fine_tuning_from_a_hugging_face_directory_normalizes_as_it_records(tmp_path):
+  """A cased model's directory (tokenizer_config.json: do_lower_case false) is fine-tuned on
+  cased ids; an uncased one lowercases; config.lowercase overrides what is recorded."""
+  from electra_jax.finetune import model as model_lib  # noqa: PLC0415
+
+  config = train.config_lib.sibling(os.path.join(REPO, "configs", "finetune", "tiny.py"), "tiny").get_config()
+  config.max_seq_len = 16  # the fixture's 20 positions
+  for recorded, override, expected in ((False, None, False), (True, None, True), (False, True, True)):
+    directory = _hf_pair_with_vocab(tmp_path / f"{recorded}_{override}", lowercase=recorded)["discriminator"]
+    config.init_from, config.lowercase = directory, override
+    tokenizer = model_lib.load_backbone(config).tokenizer
+    assert tokenizer.lowercase is expected
+    first_word = open(os.path.join(FIXTURE, "vocab.txt")).read().splitlines()[5]  # w0
+    cased = tokenizer.encode(first_word.upper())
+    assert (cased == tokenizer.encode(first_word)) is expected, (recorded, override, cased)
+  os.remove(os.path.join(directory, "vocab.txt"))
+  with pytest.raises(ConfigError, match="has neither vocab.txt nor spm.model"):
+    model_lib.load_backbone(config)

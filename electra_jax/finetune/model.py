@@ -84,12 +84,14 @@ class Backbone:
     )
 
 
-def _tokenizer_from_file(path: str, lowercase: bool):
+def _tokenizer_from_file(path: str, lowercase: bool | None, strip_accents: bool | None = None):
+  """A sentencepiece .model, or a BERT vocab.txt normalized as `lowercase` says (None: True,
+  BERT's uncased default) and `strip_accents` (None: follow lowercase)."""
   if not os.path.isfile(path):
     raise ConfigError(f"config.tokenizer={path!r} is not a file; give a sentencepiece .model or a BERT vocab.txt.")
   if path.endswith(".model"):
     return data.SentencePieceTokenizer(path)
-  return data.WordPieceTokenizer(path, lowercase)
+  return data.WordPieceTokenizer(path, True if lowercase is None else lowercase, strip_accents)
 
 
 def _recorded_tokenizer_fingerprint(data_fingerprint: str) -> str | None:
@@ -155,15 +157,25 @@ def _from_workdir(config, workdir: str) -> Backbone:
 
 def _from_hf(config, path: str) -> Backbone:
   from electra_jax import interop  # torch-free, but only needed here
+  from electra_jax.interop import pretraining as pairing
 
   hf_model, hf_params = interop.load_hf(path)
   tower = next((name for name in ("discriminator", "generator") if name in hf_params), None)
   encoder_params = hf_params[tower]["encoder"] if tower else hf_params["encoder"]
-  vocab_path = config.tokenizer or os.path.join(path, "vocab.txt")
-  if not os.path.isfile(vocab_path):
-    raise ConfigError(
-        f"{path} has no vocab.txt; set config.tokenizer to the vocabulary the model was trained with."
-    )
+  tokenizer_path = config.tokenizer
+  if not tokenizer_path:
+    # A BERT vocab.txt, or the spm.model electra-jax's export of a sentencepiece run writes.
+    candidates = [os.path.join(path, name) for name in ("vocab.txt", "spm.model")]
+    tokenizer_path = next((c for c in candidates if os.path.isfile(c)), "")
+    if not tokenizer_path:
+      raise ConfigError(
+          f"{path} has neither vocab.txt nor spm.model; set config.tokenizer to the vocabulary the "
+          "model was trained with."
+      )
+  # The directory's tokenizer_config.json says how the text was normalized (a cased model must
+  # not be lowercased); config.lowercase, when set, overrides it.
+  recorded_lowercase, strip_accents = pairing.read_tokenizer_settings(path)
+  lowercase = config.lowercase if config.lowercase is not None else recorded_lowercase
   return Backbone(
       vocab_size=hf_model.vocab_size,
       embedding_size=hf_model.embedding_size,
@@ -171,7 +183,7 @@ def _from_hf(config, path: str) -> Backbone:
       type_vocab_size=hf_model.type_vocab_size,
       encoder_config=hf_model.config,
       params=None if config.random_init else {"embeddings": hf_params["embeddings"], "encoder": encoder_params},
-      tokenizer=_tokenizer_from_file(vocab_path, config.lowercase),
+      tokenizer=_tokenizer_from_file(tokenizer_path, lowercase, strip_accents),
       source=f"random init (sizes of {path})" if config.random_init else f"Hugging Face {path}",
   )
 

@@ -45,7 +45,7 @@ class ImportedPair:
   spm_model_file: str | None = None  # a sentencepiece model, when there is no vocab.txt (our exports)
 
 
-def _read_tokenizer_settings(directory: str) -> tuple[bool | None, bool | None]:
+def read_tokenizer_settings(directory: str) -> tuple[bool | None, bool | None]:
   """(do_lower_case, strip_accents) from a Hugging Face tokenizer_config.json, if any."""
   path = os.path.join(directory, "tokenizer_config.json")
   if not os.path.isfile(path):
@@ -87,7 +87,7 @@ def pair_from_hf(discriminator_dir: str, generator_dir: str) -> ImportedPair:
         f"{spm_files[0]} and {spm_files[1]} differ: the two towers were trained with different "
         "vocabularies and cannot share one embedding table."
     )
-  lowercase, strip_accents = _read_tokenizer_settings(discriminator_dir)
+  lowercase, strip_accents = read_tokenizer_settings(discriminator_dir)
   return ImportedPair(
       *towers["discriminator"], *towers["generator"],
       vocab_file=vocab_file, lowercase=lowercase, strip_accents=strip_accents,
