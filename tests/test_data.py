@@ -289,6 +289,25 @@ def test_train_sentencepiece_errors_are_actionable(tmp_path):
   assert os.listdir(tmp_path) == [], "a failed training run must leave no files behind"
 
 
+def test_lines_over_sentencepieces_limit_are_trained_on_in_pieces(tmp_path):
+  """Sentencepiece silently drops sentences over its byte limit (16 KiB as we call it); the
+  readers keep lines up to 64 Ki characters. A corpus of only such lines used to stop
+  training with sentencepiece's internal error; now every word of it is in the vocabulary."""
+  from electra_jax.data.tokenizer import _MAX_SENTENCE_BYTES, UNK_ID, _within_limit  # noqa: PLC0415
+
+  rng = np.random.default_rng(0)
+  words = ["naïve", "café", "über", "straße", "ж", "日本"] + [f"w{i}" for i in range(40)]
+  lines = [" ".join(rng.choice(words, 9000)) for _ in range(3)]  # ~50 k characters each
+  assert all(len(line.encode()) > _MAX_SENTENCE_BYTES for line in lines)
+  pieces = list(_within_limit(lines[0]))
+  assert len(pieces) > 1 and all(len(p.encode()) <= _MAX_SENTENCE_BYTES for p in pieces)
+  assert " ".join(pieces).split() == lines[0].split()  # cut only between words
+  assert list(_within_limit("".join(["é"] * 20000)))[0] == "é" * (_MAX_SENTENCE_BYTES // 4)  # no space: cut anyway
+  tokenizer = SentencePieceTokenizer(train_sentencepiece(lines, str(tmp_path / "long.model"), vocab_size=50))
+  ids = tokenizer.encode(" ".join(words))
+  assert UNK_ID not in ids and tokenizer.decode(ids) == " ".join(words)
+
+
 def test_train_sentencepiece_bpe_writes_only_the_model(tmp_path):
   sentences = [s for document in builtin_documents(20) for s in document]
   out = train_sentencepiece(sentences, str(tmp_path / "bpe.model"), vocab_size=300, model_type="bpe")

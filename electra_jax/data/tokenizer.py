@@ -10,7 +10,7 @@ import hashlib
 import io
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import sentencepiece as spm
 
@@ -25,9 +25,29 @@ SUPPORTED_MODEL_TYPES = ("unigram", "bpe")
 # ~16k, so it is used whole, while a large corpus cannot make training unboundedly slow.
 _MAX_TRAINING_SENTENCES = 1_000_000
 
-# Paragraphs longer than this (in bytes) would be silently skipped by sentencepiece's
-# default limit of 4192; a few stdlib docstring paragraphs are longer.
+# Sentencepiece skips, without a word, sentences over max_sentence_length bytes (its default is
+# 4192; a few stdlib docstring paragraphs are longer), so we raise it to this and cut longer
+# sentences (the readers keep lines of up to 65,536 characters) into pieces within it.
 _MAX_SENTENCE_BYTES = 16384
+
+
+def _within_limit(sentence: str, limit: int = _MAX_SENTENCE_BYTES) -> Iterator[str]:
+  """`sentence`, or pieces of it of at most `limit` UTF-8 bytes, cut at a space where one is
+  near (sentencepiece splits at whitespace anyway, so words stay whole)."""
+  if len(sentence) * 4 <= limit or len(sentence.encode("utf-8")) <= limit:
+    yield sentence
+    return
+  chars = limit // 4  # at most 4 bytes a character
+  start = 0
+  while start < len(sentence):
+    end = min(start + chars, len(sentence))
+    if end < len(sentence):
+      space = sentence.rfind(" ", start + chars // 2, end)
+      end = space + 1 if space >= 0 else end
+    piece = sentence[start:end].strip()
+    if piece:
+      yield piece
+    start = end
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
@@ -81,8 +101,9 @@ def train_sentencepiece(
   def counted_sentences():
     nonlocal num_sentences
     for sentence in sentences:
-      num_sentences += 1
-      yield sentence
+      for piece in _within_limit(sentence):
+        num_sentences += 1
+        yield piece
 
   try:
     spm.SentencePieceTrainer.train(
