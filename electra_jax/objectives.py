@@ -128,9 +128,11 @@ def candidate_mask(input_ids, attention_mask, objective: ElectraObjective):
 
 
 def mask_tokens(rng, input_ids, attention_mask, objective: ElectraObjective) -> MaskedInputs:
-  """Chooses clip(round(n * mask_prob), 1, N) distinct positions per example (n = non-padding
+  """Chooses clip(round(n * mask_prob), 1, N) distinct positions per row (n = non-padding
   tokens) among tokens that are not [CLS], [SEP], [MASK] or padding; replaces each with
-  [MASK] with probability 1 - keep_original_prob and leaves the rest as they are."""
+  [MASK] with probability 1 - keep_original_prob and leaves the rest as they are. A row is one
+  example (the official count), or with data.pack_rows several, which then share the row's
+  count (each gets mask_prob of its tokens on average)."""
   batch_size, seq_len = input_ids.shape
   num_slots = objective.max_predictions
   choose_rng, replace_rng = jax.random.split(rng)

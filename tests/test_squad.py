@@ -283,11 +283,11 @@ def test_features_slide_windows_and_mark_answers(tokenizer):
       assert ids[offset + length] == tokenizer.sep_id and mask.sum() == offset + length + 1
       assert list(types[:offset + length + 1]) == [0] * offset + [1] * (length + 1)
       s, e = int(features["start_positions"][row]), int(features["end_positions"][row])
+      assert features["is_impossible"][row] == 0  # the question's label, in every window
       if s == 0:
-        assert e == 0 and features["is_impossible"][row] == 1
+        assert e == 0
         continue
       found += 1
-      assert features["is_impossible"][row] == 0
       assert list(ids[s:e + 1]) == answer_ids  # "1887" inside "(1887-1889)." is exact
     assert found >= 1
 
@@ -302,7 +302,11 @@ def test_answer_positions_by_hand(tokenizer):
   assert list(metadata.window_start) == [0, 3, 6, 9] and list(metadata.window_length) == [7, 7, 7, 5]
   assert list(features["start_positions"]) == [0, 7, 4, 0]
   assert list(features["end_positions"]) == [0, 8, 5, 0]
-  assert list(features["is_impossible"]) == [1, 0, 0, 1]
+  assert list(features["is_impossible"]) == [0, 0, 0, 0]  # per question, as the official code
+  impossible = squad.SquadExample("y", "Who?", context, [], is_impossible=True)
+  features, _ = squad.make_features([example, impossible], tokenizer, 12, 3, 8, is_training=True)
+  assert list(features["is_impossible"]) == [0, 0, 0, 0, 1, 1, 1, 1]
+  assert list(features["start_positions"]) == [0, 7, 4, 0, 0, 0, 0, 0]
 
 
 def _oracle_logits(features):
@@ -522,8 +526,8 @@ def test_adapter_through_the_trainer_writes_predictions_that_score_as_reported(t
 
   dev = results["seeds"]["0"]["dev"]["squad2.0"]
   assert set(dev) == {"exact", "f1", "HasAns_exact", "HasAns_f1", "NoAns_exact", "NoAns_f1",
-                      "best_exact", "best_f1", "score"}
-  assert dev["score"] == dev["f1"] and all(0.0 <= v <= 1.0 for v in dev.values())
+                      "best_exact", "best_f1", "best_exact_thresh", "best_f1_thresh", "score"}
+  assert dev["score"] == dev["f1"] and all(0.0 <= v <= 1.0 for k, v in dev.items() if not k.endswith("_thresh"))
   predictions_path, null_odds_path = results["seeds"]["0"]["test_predictions"]
   with open(predictions_path) as f:
     predictions = json.load(f)
@@ -536,6 +540,10 @@ def test_adapter_through_the_trainer_writes_predictions_that_score_as_reported(t
   rescored = squad.squad_metrics(examples, predictions, version="2.0")
   assert rescored["exact"] / 100 == pytest.approx(dev["exact"])
   assert rescored["f1"] / 100 == pytest.approx(dev["f1"])
+  # The cuts reaching best_exact / best_f1 are null-odds values as they are, not fractions.
+  for key in ("best_exact_thresh", "best_f1_thresh"):
+    assert dev[key] in set(null_odds.values()) | {0.0}
+  assert "_thresh" not in trainer.format_table(results["summary"])
 
 
 def test_squad_settings_and_missing_files(tmp_path):

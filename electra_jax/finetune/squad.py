@@ -382,8 +382,9 @@ def make_features(
     input_ids, token_type_ids (0 question, 1 context and its [SEP]), attention_mask [F, T];
     start_positions, end_positions [F]: the answer's first and last token in the row, or 0
       ([CLS]) when the row's window does not contain the whole answer or the question is
-      impossible; is_impossible [F]: 1 exactly when the row's target is [CLS] (the target of
-      the 2.0 answerability classifier, so each window learns whether IT holds the answer).
+      impossible; is_impossible [F]: the question's label, on every one of its rows (the
+      target of the 2.0 answerability classifier, as in the official code: a window that
+      misses the answer of an answerable question still says "answerable").
   metadata: a SquadMetadata for postprocess.
   Targets use the first answer (the official choice). With is_training=True a question whose
   answer covers no token (it lies in characters the tokenizer drops) is left out, as the
@@ -435,7 +436,7 @@ def make_features(
       inside = answer is not None and start <= answer[0] and answer[1] < start + length
       columns["start_positions"].append(answer[0] - start + offset if inside else 0)
       columns["end_positions"].append(answer[1] - start + offset if inside else 0)
-      columns["is_impossible"].append(0 if inside else 1)
+      columns["is_impossible"].append(int(example.is_impossible or not example.answers))
       for key, value in zip(meta, (index, window_index, start, length, offset)):
         meta[key].append(value)
     _log_progress("SQuAD features", index + 1, len(examples), started)
@@ -882,6 +883,9 @@ def make_adapter(config, backbone):
     scores = squad_metrics(dev_examples, predictions, null_odds if version == "2.0" else None,
                            settings.null_threshold, version)
     result = {key: scores[key] / 100.0 for key in _REPORTED if key in scores}
+    # The null-odds cuts reaching best_exact / best_f1 (for --config.squad.null_threshold):
+    # thresholds, not scores, so kept as they are (and out of the printed table).
+    result.update({key: scores[key] for key in ("best_exact_thresh", "best_f1_thresh") if key in scores})
     return {f"squad{version}": dict(result, score=result["f1"])}
 
   def write_test(predict, directory):
