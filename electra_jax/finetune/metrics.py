@@ -104,7 +104,7 @@ GLUE_METRICS = {
 
 def compute_metrics(names: Sequence[str], labels, predictions) -> dict[str, float]:
   """{name: value} for each metric in `names`, plus "score", their mean (GLUE averages a
-  task's metrics into its one leaderboard number; the best checkpoint is chosen by it)."""
+  task's metrics into its one leaderboard number; keep_epoch="best" chooses the epoch by it)."""
   unknown = [name for name in names if name not in METRIC_FNS]
   if unknown or not names:
     raise ValueError(f"Unknown metrics {unknown} (known: {sorted(METRIC_FNS)}).")
