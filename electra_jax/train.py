@@ -700,6 +700,9 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease
     if start_step is None:
       state = jax.jit(lambda r: nn.meta.unbox(setup.init_fn(r)), out_shardings=setup.state_shardings)(init_rng)
       start_step = 0
+      if is_chief:  # a run killed before its first checkpoint logged steps this one will log again
+        metrics_log.truncate_after(0)
+        eval_log.truncate_after(0)
     else:
       logging.info("Resuming from the checkpoint at step %d in %s.", start_step, checkpointer.directory)
       state = checkpointer.restore(start_step, setup.abstract_state)

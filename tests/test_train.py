@@ -167,6 +167,19 @@ def test_cli_writes_config_metrics_and_checkpoints(tmp_path):
   assert again.returncode == 0 and len(_metrics(workdir)) == 6
 
 
+def test_a_run_killed_before_its_first_checkpoint_leaves_no_lines_behind(tmp_path):
+  """The steps a dead run logged past its last checkpoint are dropped on resume; with no
+  checkpoint at all that is every line, or the new run's steps would follow the old ones."""
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  dead = "".join(json.dumps({"step": step, "loss": 99.0}) + "\n" for step in (5, 10, 15, 20, 25))
+  (workdir / "metrics.jsonl").write_text(dead)
+  (workdir / "eval_metrics.jsonl").write_text(dead)
+  train.train_and_evaluate(tiny_config(**{"train.steps": 4, "train.log_every": 2, "eval.every_steps": 4}), str(workdir))
+  assert [m["step"] for m in _metrics(workdir)] == [2, 4]
+  assert [json.loads(line)["step"] for line in (workdir / "eval_metrics.jsonl").read_text().splitlines()] == [4]
+
+
 def test_sigterm_saves_and_resume_is_bit_exact(tmp_path):
   steps = 150
   overrides = {"train.steps": steps, "checkpoint.every_steps": 1000}
