@@ -72,7 +72,7 @@ def main(argv):
     with open(_HLO.value, "w") as f:
       f.write(hlo)
   batch, seq = config.train.batch_size, config.data.max_seq_len
-  model_flops = flops.train_flops_per_token(setup.model, seq, setup.objective.max_predictions) * batch * seq
+  model_flops = flops.objective_flops_per_token(setup.model, setup.objective, seq) * batch * seq
   print(f"{target.name} x {len(devices)} (compiled, not run): batch {batch} x seq {seq}, {config.train.dtype}, "
         f"attention {config.model.attention_impl}, mesh {dict(mesh.shape)}")
   if target.platform == "cuda":

@@ -53,6 +53,8 @@ _HF_GATHERED = flags.DEFINE_boolean(
 
 def main(argv):
   del argv
+  if _STEPS.value < 1 or _WINDOWS.value < 1 or _WARMUP.value < 0:
+    sys.exit(f"--steps={_STEPS.value} and --windows={_WINDOWS.value} must be >= 1, --warmup={_WARMUP.value} >= 0.")
   config = _CONFIG.value
   mesh, corpus, setup = train.prepare(config)
   batch_size, seq_len = config.train.batch_size, config.data.max_seq_len
@@ -84,6 +86,8 @@ def main(argv):
 
   def run(num_steps, offset):
     nonlocal state, first_loss
+    if num_steps == 0:
+      return
     i = 0
     while i < num_steps:
       if first_loss is None or per_call == 1 or num_steps - i < per_call:
@@ -143,7 +147,7 @@ def main(argv):
       seconds[name].append(time_peer(peer))
   step_seconds = statistics.median(seconds["electra_jax"])
   tokens_per_sec = batch_size * seq_len / step_seconds
-  flops_per_token = flops.train_flops_per_token(setup.model, seq_len, setup.objective.max_predictions)
+  flops_per_token = flops.objective_flops_per_token(setup.model, setup.objective, seq_len)
   peak = flops.peak_flops(jax.devices()[0])
   result = {
       "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",

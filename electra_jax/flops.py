@@ -61,6 +61,16 @@ def train_flops_per_token(
   return generator + 6 * disc_params + _attention_flops(disc, seq_len)
 
 
+def objective_flops_per_token(model: ElectraPretrainer, objective, seq_len: int) -> float:
+  """train_flops_per_token for a run's objective (objectives.ElectraObjective): whether a
+  generator runs and where the MLM heads predict. What train.py logs as MFU, the sweep
+  table's train_flops and the benchmarks all count with this."""
+  return train_flops_per_token(
+      model, seq_len, objective.max_predictions, objective.uses_generator,
+      all_positions_mlm=objective.name == "all_tokens_mlm",
+  )
+
+
 def peak_flops(device: jax.Device) -> Optional[float]:
   """Peak bf16 FLOP/s of one device, or None when unknown (CPUs, unlisted chips)."""
   kind = getattr(device, "device_kind", "")

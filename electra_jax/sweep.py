@@ -453,10 +453,7 @@ def train_flops_per_token(config: ml_collections.ConfigDict) -> float:
   model = models.build_model(config)
   vocab = config.model.vocab_size
   objective = objectives.objective_from_config(config, dict(pad=0, cls=1, sep=2, mask=3, vocab_size=vocab))
-  return flops.train_flops_per_token(
-      model, config.data.max_seq_len, objective.max_predictions, objective.uses_generator,
-      all_positions_mlm=objective.name == "all_tokens_mlm",
-  )
+  return flops.objective_flops_per_token(model, objective, config.data.max_seq_len)
 
 
 def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:

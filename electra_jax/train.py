@@ -718,10 +718,7 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease
   # --- Loop
   total_steps = config.train.steps
   seq_len, global_batch = config.data.max_seq_len, config.train.batch_size
-  flops_per_token = flops.train_flops_per_token(
-      setup.model, seq_len, setup.objective.max_predictions, setup.objective.uses_generator,
-      all_positions_mlm=setup.objective.name == "all_tokens_mlm",
-  )
+  flops_per_token = flops.objective_flops_per_token(setup.model, setup.objective, seq_len)
   peak = flops.peak_flops(jax.devices()[0])
   tokens_per_step = global_batch * seq_len
   meta = {"param_shapes": setup.param_shapes, "data_fingerprint": corpus.fingerprint}
