@@ -61,6 +61,26 @@ def _multi_host_environment() -> Optional[str]:
   return None
 
 
+def _int_from_env(name: str) -> int:
+  try:
+    return int(os.environ[name])
+  except ValueError:
+    raise ConfigError(f"{name}={os.environ[name]!r} is not a whole number.") from None
+
+
+def require_single_process(mode: str) -> None:
+  """Fine-tuning, export and import run in one process (one device, files written once); in a
+  multi-process job the processes other than 0 cannot even address the device they restore
+  to, so they are refused before anything is read."""
+  if jax.process_count() > 1:
+    raise ConfigError(
+        f"--mode={mode} runs in one process, but this is process {jax.process_index()} of "
+        f"{jax.process_count()}. Start it once, without the multi-process settings "
+        "(--coordinator_address/--num_processes/--process_id, ELECTRA_JAX_* variables, "
+        "ELECTRA_JAX_DISTRIBUTED, or srun), e.g. on one host of the slice."
+    )
+
+
 def initialize(
     coordinator_address: Optional[str] = None,
     num_processes: Optional[int] = None,
@@ -72,9 +92,9 @@ def initialize(
   env = os.environ
   coordinator_address = coordinator_address or env.get("ELECTRA_JAX_COORDINATOR_ADDRESS") or None
   if num_processes is None and env.get("ELECTRA_JAX_NUM_PROCESSES"):
-    num_processes = int(env["ELECTRA_JAX_NUM_PROCESSES"])
+    num_processes = _int_from_env("ELECTRA_JAX_NUM_PROCESSES")
   if process_id is None and env.get("ELECTRA_JAX_PROCESS_ID"):
-    process_id = int(env["ELECTRA_JAX_PROCESS_ID"])
+    process_id = _int_from_env("ELECTRA_JAX_PROCESS_ID")
 
   explicit = (coordinator_address, num_processes, process_id)
   if any(value is not None for value in explicit):
@@ -86,6 +106,12 @@ def initialize(
       )
     if not 0 <= process_id < num_processes:
       raise ConfigError(f"process_id={process_id} must be in [0, num_processes={num_processes}).")
+    host, _, port = coordinator_address.rpartition(":")
+    if not host or not port.isdigit():
+      raise ConfigError(
+          f"coordinator_address={coordinator_address!r} must be HOST:PORT, e.g. 10.0.0.2:1234 "
+          "(process 0's address and a free port every process can reach)."
+      )
     # Cross-process collectives of the CPU backend (local multi-process runs and tests) go
     # through gloo; the setting touches nothing on GPU or TPU backends.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

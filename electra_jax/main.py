@@ -153,6 +153,8 @@ def main(argv):
     # First, before anything touches the devices. TPU VM slices and SLURM need no flags.
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     _check_recipe_kind(_CONFIG.value, _MODE.value)
+    if _MODE.value in ("finetune", "export_hf", "import_hf", "import_tf"):
+      distributed.require_single_process(_MODE.value)
     if _MODE.value in _NO_WORKDIR_MODES:
       _data_mode(_MODE.value)
       return

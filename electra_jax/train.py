@@ -471,7 +471,10 @@ class _Preemption:
   def __init__(self):
     self.requested = False
     self._previous = None
-    self._collective = jax.process_count() > 1
+    # One process that joined jax.distributed (launch/tpu_vm.py sets ELECTRA_JAX_DISTRIBUTED=auto
+    # on single-host slices too) also goes through the service: its notifier has caught every
+    # SIGTERM since initialize, so one that came before the loop is only known there.
+    self._collective = jax.process_count() > 1 or jax.distributed.is_initialized()
 
   def __enter__(self):
     if self._collective:

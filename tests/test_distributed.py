@@ -102,6 +102,58 @@ def test_incomplete_coordinator_settings_are_refused(monkeypatch):
     distributed.initialize(coordinator_address="127.0.0.1:1", num_processes=2)
   with pytest.raises(ValueError, match=r"process_id=2 must be in \[0, num_processes=2\)"):
     distributed.initialize(coordinator_address="127.0.0.1:1", num_processes=2, process_id=2)
+  with pytest.raises(ValueError, match="coordinator_address='notaport' must be HOST:PORT"):
+    distributed.initialize(coordinator_address="notaport", num_processes=2, process_id=0)
+  monkeypatch.setenv("ELECTRA_JAX_NUM_PROCESSES", "two")
+  with pytest.raises(ValueError, match="ELECTRA_JAX_NUM_PROCESSES='two' is not a whole number"):
+    distributed.initialize(coordinator_address="127.0.0.1:1", process_id=0)
+
+
+def test_single_process_modes_are_refused_in_a_multi_process_job(tmp_path):
+  """Fine-tuning, export and import restore onto one device: process 1 cannot address process
+  0's, so it used to crash while process 0 hung in the restore for minutes."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+             ELECTRA_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", ELECTRA_JAX_NUM_PROCESSES="2")
+  command = ["python", "-m", "electra_jax.main", "--mode=export_hf", f"--workdir={tmp_path}/run", f"--out={tmp_path}/hf"]
+  procs = [subprocess.Popen(command, cwd=REPO, env=dict(env, ELECTRA_JAX_PROCESS_ID=str(i)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  try:
+    outputs = [p.communicate(timeout=300) for p in procs]
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+  for i, (proc, (_, stderr)) in enumerate(zip(procs, outputs)):
+    assert proc.returncode != 0
+    assert f"--mode=export_hf runs in one process, but this is process {i} of 2" in stderr, stderr[-2000:]
+  assert not (tmp_path / "hf").exists()
+
+
+def test_a_sigterm_before_the_loop_stops_a_single_process_distributed_run(tmp_path):
+  """launch/tpu_vm.py joins jax.distributed on single-host slices too; JAX's preemption notifier
+  then catches SIGTERM from initialize on. One that arrived while the data loaded or the step
+  compiled was swallowed and the run trained to the end (the VM would be gone by then)."""
+  workdir = tmp_path / "run"
+  env = dict(os.environ, ELECTRA_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}",
+             ELECTRA_JAX_NUM_PROCESSES="1", ELECTRA_JAX_PROCESS_ID="0")
+  proc = subprocess.Popen(cli_args(workdir, **{"train.steps": 300, "checkpoint.every_steps": 1000}), cwd=REPO,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  lines = []
+  try:
+    for line in proc.stderr:
+      lines.append(line)
+      if "Process 0 of 1" in line:
+        proc.send_signal(signal.SIGTERM)  # before any step: the data and the compile come next
+        break
+    lines.extend(proc.stderr)
+    proc.wait(timeout=300)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  stderr = "".join(lines)
+  assert proc.returncode == 0, stderr[-3000:]
+  saved = [int(d) for d in os.listdir(workdir / "checkpoints")]
+  assert len(saved) == 1 and saved[0] < 300 and "SIGTERM received" in stderr, (saved, stderr[-2000:])
 
 
 @pytest.mark.parametrize("env, joins", [
