@@ -586,18 +586,15 @@ def _agreed(problem: str | None) -> str | None:
   return problem or "Process 0 stopped the run; its log says why."
 
 
-def _hold_workdir(lease: workdir_lease.WorkdirLease | None, reread: bool) -> None:
-  """Raises WorkdirInUse on every process once another run has taken the workdir over:
-  `reread` reads the lease file now (before a checkpoint), else the heartbeat's last finding."""
+def _hold_workdir(lease: workdir_lease.WorkdirLease | None) -> None:
+  """Raises WorkdirInUse on every process once another run has taken the workdir over (the
+  lease file is read now: asked before each log step and each checkpoint)."""
   problem = None
   if lease is not None:
-    if reread:
-      try:
-        lease.check()
-      except workdir_lease.WorkdirInUse as error:
-        problem = str(error)
-    elif lease.taken_by is not None:
-      problem = lease.lost_message()
+    try:
+      lease.check()
+    except workdir_lease.WorkdirInUse as error:
+      problem = str(error)
   problem = _agreed(problem)
   if problem:
     raise workdir_lease.WorkdirInUse(problem)
@@ -760,7 +757,9 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease
         call += 1
 
         if step % config.train.log_every == 0 or step == total_steps or stopping:
-          _hold_workdir(lease, reread=False)
+          # Read the lease file now (one small read per log step): a run that took the
+          # workdir over owns its logs from its checkpoint on, and must not find ours there.
+          _hold_workdir(lease)
           logged = _mean_metrics(window)
           elapsed = time.perf_counter() - window_start
           steps_per_sec = window_steps / elapsed
@@ -798,7 +797,7 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease
           # Never save a state that is not finite: the loss above predates the last update.
           if not bool(_params_finite(state.params)):
             _stop_if_not_finite("parameters", float("nan"), step, checkpointer, config)
-          _hold_workdir(lease, reread=True)  # never save over the checkpoints of a run that took over
+          _hold_workdir(lease)  # never save over the checkpoints of a run that took over
           checkpointer.save(step, state, meta)
           if is_chief:  # a bucket's logs are rewritten now and then, and at least here
             metrics_log.flush()

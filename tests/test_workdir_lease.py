@@ -137,7 +137,7 @@ def test_training_refuses_a_held_workdir_before_writing_anything(tmp_path):
 
 def test_a_run_taken_over_mid_way_stops_before_its_next_checkpoint(tmp_path, monkeypatch):
   workdir = tmp_path / "run"
-  config = tiny_config(**{"train.steps": 9, "checkpoint.every_steps": 3})
+  config = tiny_config(**{"train.steps": 9, "checkpoint.every_steps": 3, "train.log_every": 1})
   real_save = checkpointing.Checkpointer.save
 
   def save_then_lose_the_workdir(self, step, state, meta):
@@ -149,6 +149,9 @@ def test_a_run_taken_over_mid_way_stops_before_its_next_checkpoint(tmp_path, mon
   with pytest.raises(WorkdirInUse, match="Another run took over .*newerrun4567"):
     train.train_and_evaluate(config, str(workdir))
   assert os.listdir(workdir / "checkpoints") == ["3"]  # steps 6 and 9 were not saved
+  # Nor logged: the new run writes the logs from step 3 on (it used to find steps 4-6 there).
+  logged = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert logged == [1, 2, 3]
   held = _lease_file(workdir)
   assert held["run_id"] == "newerrun4567" and not held["released"]
 
