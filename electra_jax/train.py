@@ -678,7 +678,10 @@ def _keep_changed_config(config, workdir: str, start_step: int | None) -> None:
   if not changes:
     return
   kept = f"config.step{start_step}.json"
-  workdir_files.write_text(workdir_files.path(workdir, kept), json.dumps(before, indent=2, sort_keys=True))
+  # A second resume from the same checkpoint finds the first one's settings in config.json,
+  # which never trained it: the file the first resume kept stays as it is.
+  if not workdir_files.exists(workdir_files.path(workdir, kept)):
+    workdir_files.write_text(workdir_files.path(workdir, kept), json.dumps(before, indent=2, sort_keys=True))
   logging.warning("Resuming at step %d with settings that differ from the workdir's config.json (kept as %s): %s",
                   start_step, kept, "; ".join(changes))
 

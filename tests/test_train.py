@@ -2,6 +2,7 @@
 the CLI end to end (outputs, bit-exact resume after SIGTERM, refusing another model's workdir)."""
 
 import json
+import shutil
 import os
 import signal
 import subprocess
@@ -375,3 +376,10 @@ def test_resuming_with_other_settings_names_them_and_keeps_the_old_config(tmp_pa
   assert now["train"]["steps"] == 6 and now["optimizer"]["learning_rate"] == 5e-4
   warning = [r.getMessage() for r in caplog.records if "differ from the workdir's config.json" in r.getMessage()]
   assert warning and "optimizer.learning_rate: 0.001 -> 0.0005; train.steps: 3 -> 6" in warning[0], warning
+  # That run dies before it saves (its checkpoints past 3 gone); a third start from step 3 with
+  # yet other settings keeps the record of what trained step 3, not the dead run's settings.
+  for step in os.listdir(workdir / "checkpoints"):
+    if step != "3":
+      shutil.rmtree(workdir / "checkpoints" / step)
+  train.train_and_evaluate(tiny_config(**{"train.steps": 4, "optimizer.learning_rate": 2e-4}), str(workdir))
+  assert json.loads((workdir / "config.step3.json").read_text()) == first
