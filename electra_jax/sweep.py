@@ -166,6 +166,19 @@ def apply_overrides(base: ml_collections.ConfigDict, overrides: Sequence[Overrid
   return config
 
 
+def identity(base: ml_collections.ConfigDict, overrides: Sequence[Override]) -> str:
+  """What makes runs the same: the overrides as parsed values, in key order, so
+  `b=.5 a=1e-3` is the run `a=0.001 b=0.5` (flag order and spelling do not matter)."""
+  parsed = []
+  for key, raw in overrides:
+    try:
+      value = _parse_value(key, raw, config_path.get_type(key, base))
+    except (KeyError, AttributeError):
+      value = raw  # a key apply_overrides names as unknown; here it is compared as written
+    parsed.append((key, repr(value)))
+  return json.dumps(sorted(parsed))
+
+
 def merge_unread(base: ml_collections.ConfigDict, override_lists: Sequence[Sequence[Override]],
                  existing: Sequence[Run] = ()) -> list[list[Override]]:
   """The runs to train: each run's overrides less the keys its objective never reads
@@ -182,11 +195,11 @@ def merge_unread(base: ml_collections.ConfigDict, override_lists: Sequence[Seque
 
   recorded = {}
   for run in existing:
-    recorded.setdefault(json.dumps(reduced(run.overrides)[0]), [tuple(o) for o in run.overrides])
+    recorded.setdefault(identity(base, reduced(run.overrides)[0]), [tuple(o) for o in run.overrides])
   runs, by_key, merged = [], {}, {}
   for overrides in override_lists:
     short, unread = reduced(overrides)
-    key = json.dumps(short)
+    key = identity(base, short)
     if unread:
       merged.setdefault(key, (short, unread, []))[2].append(overrides)
     if key not in by_key:
@@ -220,15 +233,18 @@ def _readable_name(overrides: Sequence[Override]) -> str:
   return name
 
 
-def name_runs(override_lists: Sequence[Sequence[Override]], existing: Sequence[Run] = ()) -> list[Run]:
-  """Runs for `override_lists`, reusing a recorded run's name when the overrides match and
-  otherwise a readable, unique name."""
-  by_overrides = {json.dumps(r.overrides): r for r in existing}
+def name_runs(override_lists: Sequence[Sequence[Override]], existing: Sequence[Run] = (),
+              base: ml_collections.ConfigDict | None = None) -> list[Run]:
+  """Runs for `override_lists`, reusing a recorded run's name when the overrides match (as
+  `identity` compares them, given the `base` config; else as written) and otherwise a
+  readable, unique name."""
+  same = (lambda overrides: identity(base, overrides)) if base is not None else json.dumps
+  by_overrides = {same([tuple(o) for o in r.overrides]): r for r in existing}
   taken = {r.name for r in existing}
   runs = []
   for overrides in override_lists:
     overrides = [tuple(o) for o in overrides]
-    known = by_overrides.get(json.dumps(overrides))
+    known = by_overrides.get(same(overrides))
     if known is not None:
       runs.append(known)
       continue
@@ -341,7 +357,7 @@ def run_sweep(
 
     finetune.validate(finetune_config)
 
-  runs = name_runs(override_lists, existing)
+  runs = name_runs(override_lists, existing, base_config)
   all_runs = list(existing) + [r for r in runs if r not in existing]
   _write_record(sweep_dir, base_config, all_runs)
   logging.info("Sweep of %d runs in %s (%d recorded in all).", len(runs), sweep_dir, len(all_runs))
@@ -477,7 +493,10 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
       row["status"] = "not started"
     else:
       config = ml_collections.ConfigDict(json.loads(workdir_files.read_text(config_file)))
-      row["status"] = "done" if steps >= config.train.steps else "incomplete"
+      # Done once the last step is saved: a run killed between logging its last step and
+      # saving it (during the final evaluation, say) resumes, so it is not done.
+      done = steps >= config.train.steps and (_latest_checkpoint(workdir) or 0) >= config.train.steps
+      row["status"] = "done" if done else "incomplete"
       tokens = steps * config.train.batch_size * config.data.max_seq_len
       row.update(steps=steps, train_tokens=tokens, train_flops=train_flops_per_token(config) * tokens)
     for name, value in last_train.items():

@@ -245,6 +245,30 @@ def test_runs_that_differ_only_in_keys_their_objective_never_reads_train_once(ca
       [("objective.temperature", "2"), ("objective.name", "electra")]]
 
 
+def test_a_run_whose_last_step_was_logged_but_not_saved_is_incomplete(swept, tmp_path):
+  """Killed between logging its last step and saving it (in the final evaluation, say): the
+  sweep resumes such a run, so its table must not call it done."""
+  copy = tmp_path / "sweep"
+  shutil.copytree(swept["sweep_dir"], copy)
+  electra = swept["names"][0]
+  shutil.rmtree(copy / electra / "checkpoints" / str(STEPS))
+  _, rows = sweep.collect_rows(str(copy))
+  assert [r["status"] for r in rows] == ["incomplete", "done", "failed"]
+
+
+def test_a_recorded_run_is_found_whatever_the_flag_order_or_spelling():
+  """The same sweep with its --sweep flags in another order, or 0.5 written .5, trained its
+  runs a second time under new names."""
+  first = sweep.name_runs(sweep.merge_unread(base_config(), sweep.expand(
+      ["model.generator_fraction=0.5", "optimizer.learning_rate=0.001"])), base=base_config())
+  again = sweep.expand(["optimizer.learning_rate=1e-3,2e-3", "model.generator_fraction=.5"])
+  runs = sweep.name_runs(sweep.merge_unread(base_config(), again, first), first, base_config())
+  assert runs[0] is first[0] and runs[1].name not in {r.name for r in first}
+  # Values that differ stay different runs.
+  assert sweep.identity(base_config(), [("optimizer.learning_rate", "1e-3")]) != sweep.identity(
+      base_config(), [("optimizer.learning_rate", "1e-4")])
+
+
 def test_cli_sweep_report_and_plot(swept, tmp_path):
   sweep_dir = swept["sweep_dir"]
   table = open(os.path.join(sweep_dir, "results.md")).read()
