@@ -285,6 +285,8 @@ def _sweep_mode(mode: str) -> None:
   result = sweep.run_sweep(_CONFIG.value, _WORKDIR.value, _SWEEP.value, _SWEEP_FILE.value, finetune_config)
   print(workdir_files.read_text(workdir_files.path(_WORKDIR.value, "results.md")))
   print(f"Tables: {_WORKDIR.value}/results.md, {_WORKDIR.value}/results.csv  Curves: {_WORKDIR.value}/curves.png")
+  if result.get("preempted"):
+    print("The sweep stopped at a SIGTERM; run the same command to go on where it stopped.")
   if result["failed"]:
     sys.exit(f"electra-jax: {len(result['failed'])} sweep run(s) failed: {', '.join(result['failed'])} "
              "(see the log; re-run the same command to retry them).")

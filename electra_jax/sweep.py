@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import signal
 import shlex
 import time
 from typing import Any, Sequence
@@ -362,10 +363,38 @@ def run_sweep(
   _write_record(sweep_dir, base_config, all_runs)
   logging.info("Sweep of %d runs in %s (%d recorded in all).", len(runs), sweep_dir, len(all_runs))
 
+  from electra_jax import train  # noqa: PLC0415 (jax stays out of sweep_report)
+
+  # A SIGTERM (preemption) stops the sweep after the run it reaches: the run saves and
+  # returns (train.py's handler), and one that comes between runs is recorded here.
+  try:
+    previous_handler = signal.signal(signal.SIGTERM, train.note_sigterm)
+  except ValueError:  # not the main thread: no handler
+    previous_handler = None
+  try:
+    failed, preempted = _train_runs(runs, configs, sweep_dir, finetune_config, train)
+  finally:
+    if previous_handler is not None:
+      signal.signal(signal.SIGTERM, previous_handler)
+
+  rows = write_report(sweep_dir)
+  if plot:
+    _plot_sweep(sweep_dir)
+  if failed:
+    logging.error("Sweep finished with %d failed run(s): %s", len(failed), ", ".join(failed))
+  return dict(runs=[r.name for r in runs], failed=failed, rows=rows, preempted=preempted)
+
+
+def _train_runs(runs, configs, sweep_dir, finetune_config, train) -> tuple[list[str], bool]:
+  """Trains (or resumes, or skips) each run in order; (failed run names, preempted)."""
   failed, durations = [], []
   latest_steps = [_latest_checkpoint(run_dir(sweep_dir, r)) for r in runs]
   unfinished = [(latest or 0) < c.train.steps for latest, c in zip(latest_steps, configs)]
   for index, (run, config, latest) in enumerate(zip(runs, configs, latest_steps), 1):
+    if train.sigterm_received():
+      logging.warning("SIGTERM received: the sweep stops before run %d/%d %s. Run the same command "
+                      "to go on.", index, len(runs), run.name)
+      return failed, True
     workdir = run_dir(sweep_dir, run)
     # ETA: the mean time of the runs trained so far times the runs left to train.
     remaining = sum(unfinished[index - 1:])
@@ -380,8 +409,6 @@ def run_sweep(
         logging.info("Run %s resumes from its checkpoint at step %d.", run.name, latest)
       started = time.perf_counter()
       try:
-        from electra_jax import train  # noqa: PLC0415 (jax stays out of sweep_report)
-
         train.train_and_evaluate(config, workdir)
       except Exception as error:  # noqa: BLE001 (the sweep goes on; the error is kept and reported)
         if isinstance(error, ConfigError):  # the user's input: the message says it all
@@ -393,26 +420,19 @@ def run_sweep(
         workdir_files.write_text(error_file, f"{type(error).__name__}: {error}\n")
         continue
       reached = _latest_checkpoint(workdir) or 0
-      if reached < config.train.steps:  # SIGTERM: train saved a checkpoint and returned early
+      if reached < config.train.steps or train.sigterm_received():  # SIGTERM: saved and returned
         logging.warning(
-            "Sweep run %s stopped at step %d of %d (preempted); the sweep stops here. Run the same "
-            "command to resume it.", run.name, reached, config.train.steps,
+            "Sweep run %s stopped at step %d of %d (SIGTERM, a preemption); the sweep stops here. "
+            "Run the same command to go on.", run.name, reached, config.train.steps,
         )
-        failed.append(run.name)
-        break
+        return failed, True
     if workdir_files.exists(error_file):
       error_file.unlink()
     if finetune_config is not None and not _finetune_ok(run, workdir, finetune_config):
       failed.append(run.name)
     if unfinished[index - 1]:  # training (and fine-tuning) time of the runs trained here
       durations.append(time.perf_counter() - started)
-
-  rows = write_report(sweep_dir)
-  if plot:
-    _plot_sweep(sweep_dir)
-  if failed:
-    logging.error("Sweep finished with %d failed run(s): %s", len(failed), ", ".join(failed))
-  return dict(runs=[r.name for r in runs], failed=failed, rows=rows)
+  return failed, False
 
 
 def _finetune_ok(run: Run, workdir: str, finetune_config) -> bool:

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import threading
 import time
 import warnings
 from typing import Any, Callable, NamedTuple
@@ -458,6 +459,21 @@ def prepare(config):
 # ---------------------------------------------------------------------------------------
 # Host-side helpers of the loop
 # ---------------------------------------------------------------------------------------
+# Set by any SIGTERM this process took, a run's handler or a sweep's (sweep.py asks after each
+# run, so one that came during a run's last step, or between runs, still stops the sweep).
+_SIGTERM = threading.Event()
+
+
+def sigterm_received() -> bool:
+  return _SIGTERM.is_set()
+
+
+def note_sigterm(signum=None, frame=None) -> None:
+  """A SIGTERM handler that only records the signal (for loops around several runs)."""
+  del signum, frame
+  _SIGTERM.set()
+
+
 class _Preemption:
   """SIGTERM (how TPU VMs and schedulers preempt) ends the run after a step, with a checkpoint.
 
@@ -495,11 +511,14 @@ class _Preemption:
   def _handle(self, signum, frame):
     del signum, frame
     self.requested = True
+    _SIGTERM.set()
 
   def stop_after(self, call: int) -> bool:
     if self._collective and not self.requested:
       try:
         self.requested = multihost_utils.reached_preemption_sync_point(call)
+        if self.requested:
+          _SIGTERM.set()
       except RuntimeError as error:  # jax_enable_preemption_service=False
         logging.warning(
             "No preemption handling (%s): a SIGTERM stops this run without a checkpoint; it "

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import shutil
+import threading
 import sys
 
 import numpy as np
@@ -254,6 +255,32 @@ def test_a_run_whose_last_step_was_logged_but_not_saved_is_incomplete(swept, tmp
   shutil.rmtree(copy / electra / "checkpoints" / str(STEPS))
   _, rows = sweep.collect_rows(str(copy))
   assert [r["status"] for r in rows] == ["incomplete", "done", "failed"]
+
+
+def test_a_sigterm_in_a_runs_last_step_stops_the_sweep_after_it(tmp_path, monkeypatch):
+  """A preemption notice that lands while a run finishes (its last evaluation or save) used to
+  be forgotten with the run's handler, and the sweep started the next run on a dying VM."""
+  from electra_jax import train  # noqa: PLC0415
+
+  real = train.train_and_evaluate
+
+  def finish_then_sigterm(config, workdir, **kwargs):
+    result = real(config, workdir, **kwargs)
+    train.note_sigterm()  # what the handler does when the signal comes now
+    return result
+
+  monkeypatch.setattr(train, "_SIGTERM", threading.Event())
+  monkeypatch.setattr(train, "train_and_evaluate", finish_then_sigterm)
+  sweep_dir = tmp_path / "sweep"
+  result = sweep.run_sweep(base_config(), str(sweep_dir), ["optimizer.learning_rate=1e-3,2e-3"])
+  first, second = result["runs"]
+  assert result["preempted"] and result["failed"] == []
+  assert (sweep_dir / first / "checkpoints" / str(STEPS)).exists()
+  assert not (sweep_dir / second / "config.json").exists()  # not started
+  monkeypatch.setattr(train, "_SIGTERM", threading.Event())
+  monkeypatch.setattr(train, "train_and_evaluate", real)
+  again = sweep.run_sweep(base_config(), str(sweep_dir), ["optimizer.learning_rate=1e-3,2e-3"])
+  assert not again["preempted"] and (sweep_dir / second / "checkpoints" / str(STEPS)).exists()
 
 
 def test_a_recorded_run_is_found_whatever_the_flag_order_or_spelling():
