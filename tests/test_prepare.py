@@ -287,6 +287,65 @@ def test_kill_mid_way_leaves_no_half_shard_and_resume_equals_uninterrupted(tmp_p
       assert (directory / name).read_bytes() == (reference_dir / name).read_bytes()
 
 
+_WORKER_RUN = """
+import sys
+sys.path.insert(0, {repo!r})
+import ml_collections
+from electra_jax.data import prepare_data
+if __name__ == "__main__":
+  prepare_data(ml_collections.ConfigDict({config}), num_workers=2)
+"""
+
+
+def _marked_processes(mark: str) -> list[int]:
+  """Live processes whose environment carries `mark` (the run's workers inherit it)."""
+  pids = []
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        with open(f"/proc/{entry}/environ", "rb") as f:
+          if mark.encode() in f.read():
+            pids.append(int(entry))
+      except OSError:
+        continue
+  return pids
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_a_killed_prepare_leaves_no_workers_and_a_sigterm_keeps_the_manifest(tmp_path, spm_model, signum):
+  """Its spawned workers used to wait on their task queue forever after the parent died (one
+  per core, each holding a tokenizer); on SIGTERM the manifest also missed the shards on disk."""
+  files = _write_corpus(tmp_path / "corpus", num_files=30, docs_per_file=150, seed=3)
+  config = _config(tmp_path, files, spm_model_file=spm_model, shard_documents=5)
+  script = tmp_path / "run.py"
+  script.write_text(_WORKER_RUN.format(repo=REPO, config=repr(config.to_dict())))
+  mark = f"ELECTRA_JAX_TEST_MARK_{os.getpid()}_{signum}"
+  process = subprocess.Popen([sys.executable, str(script)], env=dict(os.environ, **{mark: "1"}),
+                             stderr=subprocess.PIPE, text=True)
+  directory = tmp_path / "prepared"
+  try:
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(directory.glob("train-*.npy")):
+      assert process.poll() is None, process.stderr.read()[-2000:]
+      time.sleep(0.05)
+    assert len(_marked_processes(mark)) >= 3  # the parent and its two workers
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=120)
+  finally:
+    if process.poll() is None:
+      process.kill()
+  deadline = time.time() + 20
+  while time.time() < deadline and _marked_processes(mark):
+    time.sleep(0.2)
+  assert _marked_processes(mark) == []
+  if signum == signal.SIGTERM:
+    assert process.returncode != 0 and "prepare_data stopped by SIGTERM" in stderr, stderr[-2000:]
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert manifest["shards"] and not manifest["complete"]
+    listed = {entry["splits"]["train"]["file"] for entry in manifest["shards"] if entry["splits"]["train"]["rows"]}
+    assert listed == {p.name for p in directory.glob("train-?????.npy")}  # every finished shard, no more
+
+
 def test_prepared_dir_of_another_config_is_refused_untouched(tmp_path, corpus_files, spm_model):
   prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model), num_workers=0)
   before = {p: p.read_bytes() for p in (tmp_path / "prepared").iterdir()}

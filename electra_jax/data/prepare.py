@@ -31,7 +31,9 @@ import io
 import json
 import multiprocessing
 import os
+import signal
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -218,6 +220,25 @@ def _init_worker(spec: dict) -> None:
   # otherwise start a thread pool per process).
   os.environ["RAYON_NUM_THREADS"] = "1"
   _WORKER_TOKENIZER = _load_spec(spec)
+  # A worker waits on its task queue forever; if prepare_data's process is killed (SIGKILL,
+  # out of memory), nothing would end it. It ends itself once its parent is gone.
+  parent = os.getppid()
+
+  def exit_with_parent():
+    while os.getppid() == parent:
+      time.sleep(1.0)
+    os._exit(1)
+
+  threading.Thread(target=exit_with_parent, daemon=True, name="exit-with-parent").start()
+
+
+class _SigTerm(Exception):
+  """Raised in prepare_data's loop by SIGTERM, so its cleanup (the workers, the manifest) runs."""
+
+
+def _raise_sigterm(signum, frame):
+  del signum, frame
+  raise _SigTerm
 
 
 def _tokenize_documents(tokenizer, documents, skipped: dict):
@@ -547,6 +568,10 @@ def prepare_data(data_config, num_workers: int | None = None) -> dict:
       finish(result, position)
 
   try:
+    previous_handler = signal.signal(signal.SIGTERM, _raise_sigterm)
+  except ValueError:  # not the main thread: SIGTERM keeps its handler
+    previous_handler = None
+  try:
     for index, first, documents in _chunks(config, stats, config["shard_documents"]):
       for offset, document in enumerate(documents):
         split = "eval" if pipeline.is_eval_document(first + offset, config["eval_fraction"]) else "train"
@@ -566,11 +591,24 @@ def prepare_data(data_config, num_workers: int | None = None) -> dict:
     while pending:
       drain(concurrent.futures.FIRST_COMPLETED)
       progress.maybe_log()
+  except _SigTerm:
+    raise SystemExit(
+        f"prepare_data stopped by SIGTERM: the finished shards are kept and listed in "
+        f"{os.path.join(out_dir, 'manifest.json')}; run the same command to resume."
+    ) from None
   finally:
+    if previous_handler is not None:
+      signal.signal(signal.SIGTERM, previous_handler)
     for future in pending:
       future.cancel()
     if executor is not None:
       executor.shutdown(wait=True, cancel_futures=True)
+      # Shards the workers finished while this loop stopped are written: keep them too.
+      for future in pending:
+        if future.done() and not future.cancelled() and future.exception() is None:
+          result = future.result()
+          if "error" not in result:
+            done[result["index"]] = result
     # Whatever happened, the manifest lists every shard finished so far.
     manifest["shards"] = sorted(done.values(), key=lambda e: e["index"])
     _write_manifest(out_dir, manifest)
