@@ -630,6 +630,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   # --- Checkpoint: restore or initialize. Refusals happen before anything is written.
   checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
   start_step = checkpointer.latest_step()
+  if jax.process_count() > 1:  # one step for all, even if a save finalizes between the reads
+    agreed = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if start_step is None else start_step)))
+    start_step = None if agreed < 0 else agreed
   if start_step is not None:
     _check_checkpoint_matches(checkpointer.read_meta(start_step), setup, corpus, workdir, config)
     _check_two_stage_resume(config, recorded_switch, start_step, checkpointer)
@@ -645,10 +648,34 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     checkpointer.close()
     raise workdir_lease.WorkdirInUse(problem)
   try:
+    _check_shared_workdir(workdir, lease)
     return _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease)
   finally:
     if lease is not None:
       lease.release()
+
+
+def _check_shared_workdir(workdir: str, lease: workdir_lease.WorkdirLease | None) -> None:
+  """Several processes save each checkpoint together, into one directory: a workdir that is
+  a local path on each host of a slice would leave orbax waiting forever at the first save.
+  Every process must read the lease process 0 just wrote there."""
+  if jax.process_count() == 1:
+    return
+  run_id = lease.run_id if lease is not None else ""
+  ids = np.frombuffer(run_id.encode().ljust(32), np.uint8) if jax.process_index() == 0 else np.zeros(32, np.uint8)
+  expected = bytes(np.asarray(multihost_utils.broadcast_one_to_all(ids), np.uint8)).decode().strip()
+  try:
+    seen = json.loads(workdir_files.read_text(workdir_files.path(workdir, workdir_lease.LEASE_FILE))).get("run_id")
+  except (OSError, ValueError):
+    seen = None
+  sees = np.asarray(multihost_utils.process_allgather(np.int32(seen == expected))).reshape(-1)
+  blind = [int(i) for i in np.flatnonzero(sees == 0)]
+  if blind:
+    raise ConfigError(
+        f"--workdir={workdir} is not one directory every process sees: process(es) {blind} cannot "
+        f"read the {workdir_lease.LEASE_FILE} process 0 wrote there, and checkpoints are saved by "
+        "all processes together. On a multi-host slice use a bucket (gs://...) or a shared mount."
+    )
 
 
 def _fix_two_stage_switch(config, workdir: str) -> int | None:

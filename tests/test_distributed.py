@@ -96,6 +96,27 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes(tmp_path):
   assert logged == list(range(1, saved[0] + 3))
 
 
+def test_a_workdir_the_processes_do_not_share_is_refused_before_training(tmp_path):
+  """A local --workdir on each host of a slice (here: another path per process) used to train
+  and then hang at the first checkpoint, which orbax saves from every process together."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             ELECTRA_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", ELECTRA_JAX_NUM_PROCESSES="2")
+  overrides = dict(EIGHT_DEVICE_OVERRIDES, **{"train.steps": 4, "checkpoint.every_steps": 2})
+  procs = [subprocess.Popen(cli_args(tmp_path / f"host{i}", **overrides), cwd=REPO,
+                            env=dict(env, ELECTRA_JAX_PROCESS_ID=str(i)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  try:
+    outputs = [p.communicate(timeout=300) for p in procs]
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+  for proc, (_, stderr) in zip(procs, outputs):
+    assert proc.returncode != 0
+    assert "is not one directory every process sees: process(es) [1] cannot read" in stderr, stderr[-3000:]
+  assert not (tmp_path / "host0" / "metrics.jsonl").exists()
+
+
 def test_incomplete_coordinator_settings_are_refused(monkeypatch):
   monkeypatch.delenv("ELECTRA_JAX_PROCESS_ID", raising=False)
   with pytest.raises(ValueError, match="process_id=None"):
