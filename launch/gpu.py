@@ -12,6 +12,7 @@ start the same run on each host with --coordinator_address/--num_processes/--pro
 
 import argparse
 import os
+import re
 import shlex
 import sys
 from typing import Optional, Sequence
@@ -116,6 +117,10 @@ def main(argv: Optional[Sequence[str]] = None, execute: Optional[remote_job.Exec
     parser.error(f"config overrides after `--` only go with run, not {args.command}.")
   if (problem := remote_job.check_overrides(overrides)) is not None:
     parser.error(problem)
+  gpus = getattr(args, "gpus", None)
+  if gpus is not None and not re.fullmatch(r"[A-Za-z0-9-]+(,[A-Za-z0-9-]+)*", gpus):
+    parser.error(f"--gpus={gpus!r}: give GPU indices (or UUIDs) separated by commas and no spaces, "
+                 "e.g. --gpus=0,1,2,3; leave it out to use every GPU.")
   execute = execute or remote_job.make_executor(args.dry_run)
   try:
     if args.command == "install":

@@ -101,6 +101,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   args = parser.parse_args(own_args)
   if (problem := remote_job.check_overrides(overrides)) is not None:
     parser.error(problem)
+  for flag, value in (("--job-name", args.job_name), ("--log-dir", args.log_dir)):
+    if not value or any(c.isspace() for c in value):  # #SBATCH lines are split at whitespace
+      parser.error(f"{flag}={value!r} must be non-empty and have no spaces: sbatch reads #SBATCH "
+                   "lines word by word.")
+  # The job writes its log there from the directory it is submitted from: make it absolute now.
+  args.log_dir = os.path.abspath(args.log_dir)
   if args.nodes < 1 or args.gpus_per_node < 1 or args.chain < 0:
     parser.error(f"--nodes={args.nodes} and --gpus-per-node={args.gpus_per_node} must be >= 1, "
                  f"--chain={args.chain} >= 0.")

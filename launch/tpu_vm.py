@@ -251,8 +251,12 @@ def supervise(
           log(f"Gave up after {failed_creates} failed creates in a row; the gcloud errors above say why.")
           return 1
     elif action in ("install_and_run", "run", "stop_and_run"):
-      if action != "install_and_run" and any(w.run != "none" for w in workers):
-        failures += 1  # a run ended on a slice that is still there
+      # A run that crashed (non-zero exit) or was killed on a slice that is still there. One
+      # that exited 0 without reaching train.steps stopped at a SIGTERM (a maintenance event,
+      # a preemption notice) and saved: resuming it is not a failure.
+      if action != "install_and_run" and any(w.run == "died" or (w.run.startswith("exited:") and w.run != "exited:0")
+                                             for w in workers):
+        failures += 1
         if failures > max_restarts:
           log(f"Gave up after {max_restarts} restarts; read the worker logs (follow) for the cause.")
           return 1
@@ -349,6 +353,16 @@ def main(argv: Optional[Sequence[str]] = None, execute: Optional[remote_job.Exec
     parser.error(problem)
   if getattr(args, "valid_until_duration", None) and not args.queued:
     parser.error("--valid-until-duration only applies to --queued slices.")
+  if args.queued_id and not args.queued:
+    parser.error(f"--queued-id={args.queued_id} names a queued resource: add --queued (without it the "
+                 "commands act on a plain TPU VM node).")
+  if not args.zone.strip() or not args.name.strip():
+    parser.error(f"--zone={args.zone!r} and --name={args.name!r} must not be empty.")
+  for flag, value, least in (("--poll-seconds", getattr(args, "poll_seconds", 1), 1), ("--grace-seconds",
+                             getattr(args, "grace_seconds", 0), 0), ("--max-restarts", getattr(args, "max_restarts", 0), 0),
+                             ("--lines", getattr(args, "lines", 1), 1)):
+    if value < least:
+      parser.error(f"{flag}={value} must be >= {least}.")
   if args.command in ("run", "restart") and not args.workdir:
     parser.error(f"{args.command} needs --workdir (e.g. gs://BUCKET/electra-small-1).")
   try:

@@ -228,6 +228,12 @@ def test_bad_flags_are_refused_before_anything_runs():
                                                "--valid-until-duration=1h", "--dry-run")
   assert "exactly one of" in refused("install", "--name=p", "--zone=z", "--dry-run")
   assert "--accelerator-type" in refused("create", "--name=p", "--zone=z", "--dry-run")
+  assert "--queued-id=qr names a queued resource: add --queued" in refused(
+      "delete", "--name=p", "--zone=z", "--queued-id=qr", "--dry-run")
+  assert "must not be empty" in refused("delete", "--name=p", "--zone=", "--dry-run")
+  assert "--poll-seconds=-1.0 must be >= 1" in refused("restart", "--name=p", "--zone=z", "--workdir=gs://b/r",
+                                                       "--repo-url=u", "--poll-seconds=-1", "--dry-run")
+  assert "--grace-seconds=-5 must be >= 0" in refused("stop", "--name=p", "--zone=z", "--grace-seconds=-5", "--dry-run")
 
 
 # ---------------------------------------------------------------------------------------
@@ -380,6 +386,10 @@ def test_restart_gives_up_on_a_run_that_keeps_failing_but_not_on_preemptions():
   fake = FakeGcloud([("READY", ["exited:1", "exited:1"])] * 10)
   code, _ = _supervise(fake, max_restarts=2)
   assert code == 1 and fake.kinds() == ["start"] * 2
+  # A run that exits 0 short of train.steps stopped at a SIGTERM (maintenance, a preemption
+  # notice) and saved: it is resumed without counting as a failure.
+  sigtermed = FakeGcloud([("READY", ["exited:0", "exited:0"])] * 3 + [("READY", ["exited:0:done", "exited:0"])])
+  assert _supervise(sigtermed, max_restarts=0)[0] == 0 and sigtermed.kinds() == ["start"] * 3
   preempted_twice = FakeGcloud([("PREEMPTED", []), ("READY", ["uninstalled"])] * 2 + [("READY", ["exited:0:done"])])
   assert _supervise(preempted_twice, max_restarts=0)[0] == 0
   assert preempted_twice.kinds() == ["tpu-vm delete", "tpu-vm create", "install", "start"] * 2
@@ -508,6 +518,10 @@ def test_slurm_script_runs_one_task_per_gpu(tmp_path):
       "--workdir=/shared/run", *TRICKY_OVERRIDES]
   submits = submit.splitlines()
   assert len(submits) == 3 and all("--dependency=afterany:$jobid" in line for line in submits[1:])
+  assert f"--output={REPO}/slurm-logs/%x-%j.out" in directives  # not relative to where sbatch runs
+  assert "must be non-empty and have no spaces" in _refused("slurm.py", "--workdir=/r", "--job-name=my run", "--dry-run")
+  assert "--gpus='0, 1': give GPU indices" in _refused("gpu.py", "run", "--workdir=/r", "--gpus=0, 1", "--dry-run")
+  assert "--gpus=''" in _refused("gpu.py", "run", "--workdir=/r", "--gpus=", "--dry-run")
 
   written = subprocess.run([sys.executable, os.path.join(LAUNCH, "slurm.py"), "--workdir=/shared/run",
                             f"--script={tmp_path}/job.sbatch", f"--log-dir={tmp_path}/logs"],
