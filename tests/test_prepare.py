@@ -346,6 +346,19 @@ def test_a_killed_prepare_leaves_no_workers_and_a_sigterm_keeps_the_manifest(tmp
     assert listed == {p.name for p in directory.glob("train-?????.npy")}  # every finished shard, no more
 
 
+def test_a_prepared_dir_that_is_a_file_or_someone_elses_files_is_refused(tmp_path, corpus_files, spm_model):
+  (tmp_path / "afile").write_text("x")
+  with pytest.raises(ConfigError, match="is a file; give a directory"):
+    prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model, prepared_dir=str(tmp_path / "afile")), num_workers=0)
+  other = tmp_path / "photos"
+  other.mkdir()
+  (other / "cat.jpg").write_bytes(b"\xff\xd8")
+  (other / ".tmp-keep").write_bytes(b"someone's")
+  with pytest.raises(ConfigError, match="holds files but no manifest.json"):
+    prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model, prepared_dir=str(other)), num_workers=0)
+  assert sorted(p.name for p in other.iterdir()) == [".tmp-keep", "cat.jpg"]
+
+
 def test_prepared_dir_of_another_config_is_refused_untouched(tmp_path, corpus_files, spm_model):
   prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model), num_workers=0)
   before = {p: p.read_bytes() for p in (tmp_path / "prepared").iterdir()}

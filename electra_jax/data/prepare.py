@@ -453,6 +453,14 @@ def prepare_data(data_config, num_workers: int | None = None) -> dict:
         "prepare_data needs data.prepared_dir, the directory the shards go to, e.g. "
         "--config.data.prepared_dir=/data/electra_prepared."
     )
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise ConfigError(f"data.prepared_dir={out_dir!r} is a file; give a directory (new, or one "
+                      "prepare_data wrote) for the shards.")
+  # (A run killed before its first manifest leaves at most its tokenizer and temporary files.)
+  if os.path.isdir(out_dir) and read_manifest(out_dir) is None and any(
+      not name.startswith(".tmp-") and name != SPM_MODEL for name in os.listdir(out_dir)):
+    raise ConfigError(f"data.prepared_dir={out_dir!r} holds files but no manifest.json: it is not a "
+                      "directory prepare_data wrote. Give an empty or new directory.")
   if num_workers is None:
     num_workers = _default_workers()
   if num_workers < 0:
