@@ -835,8 +835,9 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease
           if is_chief:
             eval_log.append(dict(held_out, step=step))
             logging.info(
-                "eval step %d (%d held-out examples) | loss %.4f | mlm_acc %.3f | disc_auc %.3f",
-                step, evaluator.num_examples, held_out["loss"], held_out["masked_lm_accuracy"],
+                "eval step %d (%d held-out %s) | loss %.4f | mlm_acc %.3f | disc_auc %.3f",
+                step, evaluator.num_examples, "rows" if config.data.get("pack_rows") else "examples",
+                held_out["loss"], held_out["masked_lm_accuracy"],
                 held_out["disc_auc"],
             )
 
