@@ -359,6 +359,15 @@ def test_a_prepared_dir_that_is_a_file_or_someone_elses_files_is_refused(tmp_pat
   assert sorted(p.name for p in other.iterdir()) == [".tmp-keep", "cat.jpg"]
 
 
+def test_training_on_prepared_shards_names_the_settings_they_override(tmp_path, corpus_files, spm_model, caplog):
+  prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model), num_workers=0)
+  with caplog.at_level("WARNING"):
+    load_pretraining_data(_config(tmp_path, corpus_files, spm_model_file=spm_model, source="prepared",
+                                  eval_fraction=0.5))
+  assert "data.eval_fraction=0.5 (the shards' 0.1)" in caplog.text
+  assert "shard_documents" not in caplog.text  # the same value: nothing to say
+
+
 def test_prepared_dir_of_another_config_is_refused_untouched(tmp_path, corpus_files, spm_model):
   prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model), num_workers=0)
   before = {p: p.read_bytes() for p in (tmp_path / "prepared").iterdir()}

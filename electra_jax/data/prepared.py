@@ -186,6 +186,13 @@ def load_prepared(config, split: str) -> PreparedData:
         f"or prepare the corpus again with max_seq_len={config['max_seq_len']} into another "
         f"data.prepared_dir."
     )
+  if split == "train":  # once per run
+    ignored = [f"data.{key}={config[key]!r} (the shards' {manifest['settings'][key]!r})"
+               for key in ("eval_fraction", "max_documents", "shard_documents")
+               if key in config and key in manifest.get("settings", {}) and config[key] != manifest["settings"][key]]
+    if ignored:
+      logging.warning("data.source=prepared: the shards in %s decide these, so the config's values "
+                      "are not used: %s.", directory, "; ".join(ignored))
   tokenizer = prepared_tokenizer(config, manifest)
   max_seq_len = manifest["max_seq_len"]
   shards, lengths = [], []
