@@ -54,6 +54,11 @@ def describe(holder: dict, now: float) -> str:
           f"started {holder.get('started', '?')}, last heartbeat {age:.0f} s ago)")
 
 
+# The leases this process holds now (their run ids): what tells this process's own live runs
+# from a dead run that had the same pid (a restarted container).
+_LIVE_RUN_IDS: set[str] = set()
+
+
 class WorkdirLease:
   """Process 0's claim on a workdir. `acquire()` once before writing anything, `check()`
   before each checkpoint, `release()` at the end (also after an error)."""
@@ -100,6 +105,11 @@ class WorkdirLease:
     if self._clock() - float(holder.get("heartbeat", 0.0)) > self.stale_seconds:
       return False
     if holder.get("host") == self.record["host"]:
+      if int(holder.get("pid", -1)) == os.getpid():
+        # This process's own pid: alive only if this process holds that lease now (a notebook
+        # cell still training in a thread). A restarted container gets the same host name and
+        # pid (often 1) as the run it replaced, which is dead.
+        return holder.get("run_id") in _LIVE_RUN_IDS
       return _pid_running(int(holder.get("pid", -1)))
     return True
 
@@ -128,6 +138,7 @@ class WorkdirLease:
     workdir_files.makedirs(workdir_files.path(self.workdir))
     self._write()
     self.check()  # another run that wrote in the same moment: the last writer keeps it
+    _LIVE_RUN_IDS.add(self.run_id)
     self._thread = threading.Thread(target=self._beat, name="workdir-lease", daemon=True)
     self._thread.start()
 
@@ -164,6 +175,7 @@ class WorkdirLease:
     self._stop.set()
     if self._thread is not None:
       self._thread.join()
+    _LIVE_RUN_IDS.discard(self.run_id)
     with self._lock:
       if self._thread is not None and self._still_held():
         self.record["released"] = True

@@ -77,14 +77,23 @@ def test_a_live_holder_on_another_host_is_refused_until_its_heartbeat_is_stale(t
 
 def test_same_host_holder_counts_as_dead_when_its_pid_is_gone(tmp_path):
   clock = Clock()
+  first = WorkdirLease(tmp_path, beat_seconds=60, clock=clock)
+  first.acquire()  # a run of this very process, still going (a notebook cell's thread)
   lease = WorkdirLease(tmp_path, beat_seconds=60, clock=clock)
-  _write_holder(tmp_path, clock.now, host=lease.record["host"], pid=os.getpid())  # alive: this process
-  with pytest.raises(WorkdirInUse, match="is in use by run othersrun123.*this very process"):
+  with pytest.raises(WorkdirInUse, match=f"is in use by run {first.run_id}.*this very process"):
     lease.acquire()
+  first.release()
   _write_holder(tmp_path, clock.now, host=lease.record["host"], pid=_dead_pid())  # kill -9, fresh heartbeat
   lease.acquire()
   assert _lease_file(tmp_path)["run_id"] == lease.run_id
   lease.release()
+  # A restarted container: the same host name and pid as the dead run it replaces (often 1),
+  # which this process never held. It is taken at once, not after the heartbeat goes stale.
+  _write_holder(tmp_path, clock.now, host=lease.record["host"], pid=os.getpid())
+  restarted = WorkdirLease(tmp_path, beat_seconds=60, clock=clock)
+  restarted.acquire()
+  assert _lease_file(tmp_path)["run_id"] == restarted.run_id
+  restarted.release()
 
 
 def test_take_over_takes_a_live_lease_and_the_old_holder_is_fenced_off(tmp_path):
@@ -124,7 +133,7 @@ def test_the_heartbeat_renews_the_lease_and_stops_once_taken_over(tmp_path):
 
 def test_training_refuses_a_held_workdir_before_writing_anything(tmp_path):
   workdir = tmp_path / "run"
-  _write_holder(workdir, time.time(), host=socket.gethostname(), pid=os.getpid())
+  _write_holder(workdir, time.time())  # a live run on another host (its heartbeat is fresh)
   config = tiny_config()
   with pytest.raises(WorkdirInUse, match="is in use by run othersrun123"):
     train.train_and_evaluate(config, str(workdir))
