@@ -26,7 +26,8 @@ def get_config():
   custom.text_b_column = ""  # "" = single-sentence task
   custom.label_column = "label"
   custom.kind = "classification"  # or "regression" (one output, MSE loss)
-  custom.labels = ""  # label order, comma-separated; "" = the sorted labels seen in train
+  custom.labels = ""  # label order, comma-separated; "" = the sorted labels seen in train. F1's
+                      # positive class is the second label.
   custom.metrics = ""  # comma-separated from accuracy,f1,mcc,pearson,spearman; "" = accuracy
                        # (classification) or pearson,spearman (regression)
 

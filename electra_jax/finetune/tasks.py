@@ -383,6 +383,9 @@ def load_custom(custom) -> TaskData:
     raise ConfigError(f"config.custom.metrics has unknown {unknown}; use {sorted(metrics_lib.METRIC_FNS)}.")
   if "f1" in metric_names and (label_list is None or len(label_list) != 2):
     raise ConfigError("config.custom.metrics has f1, which needs a classification task with two labels.")
+  if "f1" in metric_names:
+    logging.info("F1 counts %r as the positive class (the second of config.custom.labels%s).", label_list[1],
+                 "" if custom.labels else ", here the sorted labels seen in train; set it to choose")
   return TaskData("custom", custom.kind, label_list, metric_names, train, dev, test)
 
 
