@@ -43,6 +43,15 @@ def main():
   for spec in args.set:
     if "=" not in spec:
       sys.exit(f"--set {spec}: give KEY=VALUE, e.g. --set model.attention_impl=splash")
+  # Refused here, before any compile, rather than by a traceback halfway through the table.
+  for name in args.configs.split(","):
+    if not os.path.isfile(os.path.join(REPO, "configs", f"{name}.py")):
+      sys.exit(f"--configs: no recipe configs/{name}.py (give names like electra_small,electra_base).")
+  if not all(s.strip().isdigit() and int(s) > 0 for s in args.seq_lens.split(",")):
+    sys.exit(f"--seq_lens={args.seq_lens!r}: give positive whole numbers separated by commas, e.g. 128,512.")
+  if args.step < 0 or not 0 < args.memory_fraction <= 1:
+    sys.exit(f"--step={args.step} must be >= 0 (0 = the batch shards) and --memory_fraction="
+             f"{args.memory_fraction} in (0, 1].")
   if args.device:
     targets.compile_on_this_host()  # before JAX starts
   import jax  # noqa: PLC0415

@@ -6,7 +6,7 @@ import types
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import REPO, tiny_config
 from electra_jax import config_lib, memory, partitioning, train
 from electra_jax.config_lib import ConfigError
 
@@ -161,3 +161,17 @@ def test_batch_size_minus_one_resolves_before_training(monkeypatch):
 def test_non_positive_batch_sizes_are_refused():
   with pytest.raises(ConfigError, match="train.batch_size=0: give a positive global batch size, or -1"):
     config_lib.validate(tiny_config(**{"train.batch_size": 0}))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--configs=nope"], "no recipe configs/nope.py"),
+    (["--seq_lens=abc"], "--seq_lens='abc': give positive whole numbers"),
+    (["--step=-8"], "--step=-8 must be >= 0"),
+])
+def test_max_batch_refuses_bad_flags_before_compiling(args, message):
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  result = subprocess.run([sys.executable, "benchmarks/max_batch.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr
