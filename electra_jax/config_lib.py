@@ -136,11 +136,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
     from electra_jax import splash_attention  # noqa: PLC0415 (it imports this module)
 
     splash_attention.check_seq_len(config.data.max_seq_len)
-  if config.eval.every_steps < 0 or config.eval.num_batches < 1 or config.eval.batch_size < 0:
-    raise ConfigError(
-        f"eval.every_steps={config.eval.every_steps} must be >= 0 (0 = off), eval.num_batches="
-        f"{config.eval.num_batches} >= 1 and eval.batch_size={config.eval.batch_size} >= 0."
-    )
+  for key, least, meaning in (("every_steps", 0, "0 = no held-out evaluation"),
+                              ("num_batches", 1, "batches of held-out data per evaluation"),
+                              ("batch_size", 0, "0 = the training micro-batch")):
+    if config.eval[key] < least:
+      raise ConfigError(f"eval.{key}={config.eval[key]} must be >= {least} ({meaning}).")
   if not 0.0 < config.objective.mask_prob < 1.0:
     raise ConfigError(f"objective.mask_prob={config.objective.mask_prob} must be in (0, 1).")
   if not 0.0 <= config.objective.keep_original_prob <= 1.0:

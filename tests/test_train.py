@@ -68,6 +68,7 @@ def test_bad_config_is_refused_before_any_work(tmp_path, overrides, named):
         ({"optimizer.weight_decay": -3.0}, "optimizer.weight_decay=-3.0 must be >= 0"),
         ({"optimizer.b2": 1.0}, r"optimizer.b2=1.0 must be in \[0, 1\)"),
         ({"optimizer.clip_norm": 0.0}, "optimizer.clip_norm=0.0 must be > 0"),
+        ({"eval.num_batches": 0}, r"eval.num_batches=0 must be >= 1 \(batches of held-out data"),
     ],
 )
 def test_mistakes_are_refused_before_the_data_is_built(tmp_path, monkeypatch, overrides, named):
