@@ -605,13 +605,14 @@ def _agreed(problem: str | None) -> str | None:
   return problem or "Process 0 stopped the run; its log says why."
 
 
-def _hold_workdir(lease: workdir_lease.WorkdirLease | None) -> None:
+def _hold_workdir(lease: workdir_lease.WorkdirLease | None, max_age_seconds: float = 0.0) -> None:
   """Raises WorkdirInUse on every process once another run has taken the workdir over (the
-  lease file is read now: asked before each log step and each checkpoint)."""
+  lease file is read now, or within `max_age_seconds`: asked at each log step and before
+  each checkpoint)."""
   problem = None
   if lease is not None:
     try:
-      lease.check()
+      lease.check(max_age_seconds)
     except workdir_lease.WorkdirInUse as error:
       problem = str(error)
   problem = _agreed(problem)
@@ -806,9 +807,9 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease
         call += 1
 
         if step % config.train.log_every == 0 or step == total_steps or stopping:
-          # Read the lease file now (one small read per log step): a run that took the
-          # workdir over owns its logs from its checkpoint on, and must not find ours there.
-          _hold_workdir(lease)
+          # Read the lease file (local: at each log step; a bucket: every 10 s at most): a run
+          # that took the workdir over owns its logs from its checkpoint on.
+          _hold_workdir(lease, 10.0 if workdir_files.is_remote(workdir) else 0.0)
           logged = _mean_metrics(window)
           elapsed = time.perf_counter() - window_start
           steps_per_sec = window_steps / elapsed

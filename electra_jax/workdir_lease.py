@@ -81,6 +81,7 @@ class WorkdirLease:
     self._thread: Optional[threading.Thread] = None
     self._lock = threading.Lock()  # the main thread's check/release against the heartbeat's write
     self.taken_by: Optional[dict] = None  # set once another run's id is found in the file
+    self._last_read = -float("inf")  # time.monotonic() of the last read of the file
 
   @property
   def run_id(self) -> str:
@@ -155,14 +156,17 @@ class WorkdirLease:
   def _still_held(self) -> bool:
     if self.taken_by is None:
       holder = self.read()
+      self._last_read = time.monotonic()
       if holder is not None and holder.get("run_id") != self.run_id:
         self.taken_by = holder
     return self.taken_by is None
 
-  def check(self) -> None:
-    """Raises WorkdirInUse if another run's lease replaced this one's."""
+  def check(self, max_age_seconds: float = 0.0) -> None:
+    """Raises WorkdirInUse if another run's lease replaced this one's. The file is read unless
+    it was read less than `max_age_seconds` ago (a bucket's read takes tens of ms)."""
     with self._lock:
-      if not self._still_held():
+      fresh = time.monotonic() - self._last_read < max_age_seconds
+      if not (self._still_held() if not fresh else self.taken_by is None):
         raise WorkdirInUse(self.lost_message())
 
   def lost_message(self) -> str:
