@@ -346,6 +346,18 @@ def test_a_killed_prepare_leaves_no_workers_and_a_sigterm_keeps_the_manifest(tmp
     assert listed == {p.name for p in directory.glob("train-?????.npy")}  # every finished shard, no more
 
 
+def test_a_worker_whose_parent_died_while_it_started_exits():
+  """A worker that read its parent's pid itself, after a SIGKILL had already orphaned it, saw
+  the reaper's pid and waited forever (found as a leftover process after a CI run)."""
+  script = ("import sys, time; sys.path.insert(0, %r)\n"
+            "from electra_jax.data import prepare\n"
+            "prepare._exit_with_parent(2 ** 22 + 7)  # not this process's parent: it is gone\n"
+            "time.sleep(30); print('still here')" % REPO)
+  started = time.time()
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+  assert result.returncode == 1 and "still here" not in result.stdout and time.time() - started < 20
+
+
 def test_a_prepared_dir_that_is_a_file_or_someone_elses_files_is_refused(tmp_path, corpus_files, spm_model):
   (tmp_path / "afile").write_text("x")
   with pytest.raises(ConfigError, match="is a file; give a directory"):

@@ -214,22 +214,27 @@ def _train_prepare_tokenizer(config, scratch_path: str, final_path: str):
 _WORKER_TOKENIZER = None
 
 
-def _init_worker(spec: dict) -> None:
+def _init_worker(spec: dict, parent: int) -> None:
   global _WORKER_TOKENIZER
   # One process per core: each tokenizes on one thread (Hugging Face tokenizers would
   # otherwise start a thread pool per process).
   os.environ["RAYON_NUM_THREADS"] = "1"
   _WORKER_TOKENIZER = _load_spec(spec)
-  # A worker waits on its task queue forever; if prepare_data's process is killed (SIGKILL,
-  # out of memory), nothing would end it. It ends itself once its parent is gone.
-  parent = os.getppid()
+  _exit_with_parent(parent)
 
-  def exit_with_parent():
+
+def _exit_with_parent(parent: int) -> None:
+  """A worker waits on its task queue forever; if prepare_data's process is killed (SIGKILL,
+  out of memory), nothing would end it. It ends itself once its parent is gone. (`parent`
+  comes from the parent: one that died while this worker started would already show here
+  as another process's pid.)"""
+
+  def watch():
     while os.getppid() == parent:
       time.sleep(1.0)
     os._exit(1)
 
-  threading.Thread(target=exit_with_parent, daemon=True, name="exit-with-parent").start()
+  threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
 
 
 class _SigTerm(Exception):
@@ -541,7 +546,7 @@ def prepare_data(data_config, num_workers: int | None = None) -> dict:
   else:
     executor = concurrent.futures.ProcessPoolExecutor(
         num_workers, mp_context=multiprocessing.get_context("spawn"),
-        initializer=_init_worker, initargs=(spec,),
+        initializer=_init_worker, initargs=(spec, os.getpid()),
     )
   pending: dict[concurrent.futures.Future, int] = {}
   max_pending = 2 * max(1, num_workers)
