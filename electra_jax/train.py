@@ -552,10 +552,11 @@ def _stop_if_not_finite(what: str, value: float, step: int, checkpointer, config
           f" Its parameters are finite but already gave step {latest + 1} a non-finite loss: "
           "resume from an earlier checkpoint (checkpoint.keep keeps more) or start over."
       )
+    saved = (f"The last checkpoint is step {latest}." if latest is not None else
+             "No checkpoint was saved yet: the next start begins from scratch.")
     raise FloatingPointError(
-        f"The {what} became {value} by step {step}; stopping without saving. The last checkpoint "
-        f"is step {latest}.{diverged} Lower optimizer.learning_rate or raise "
-        f"optimizer.warmup_steps{dtype_hint}."
+        f"The {what} became {value} by step {step}; stopping without saving. {saved}{diverged} "
+        f"Lower optimizer.learning_rate or raise optimizer.warmup_steps{dtype_hint}."
     )
 
 

@@ -118,6 +118,11 @@ def test_tfds_dataset_not_prepared_says_how_to_prepare_it(tmp_path):
   with pytest.raises(ConfigError, match="needs data.tfds_name"):
     load_pretraining_data(_config(tmp_path, empty_dir, tfds_name=""))
   assert not os.path.exists(tmp_path / "cache" / "tfds")
+  # --mode=train_tokenizer (the README's first TFDS command) says the same, not "no usable text".
+  from electra_jax.data import prepare  # noqa: PLC0415
+
+  with pytest.raises(ConfigError, match=r"'tiny_electra_corpus' is not prepared in .*download_and_prepare"):
+    prepare.train_tokenizer(_config(tmp_path, empty_dir), str(tmp_path / "spm.model"), num_threads=1)
 
 
 def test_tfds_wrong_split_or_field_names_the_choices(tmp_path, tfds_dir):

@@ -267,6 +267,10 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
   # The check before every save: parameters that overflowed are never written.
   assert bool(train._params_finite({"a": jnp.ones(3), "b": {"c": jnp.zeros((2, 2))}}))
   assert not bool(train._params_finite({"a": jnp.ones(3), "b": {"c": jnp.array([[0.0, jnp.inf]])}}))
+  # Diverged before any checkpoint: said so, not "step None".
+  config = tiny_config(**{"optimizer.learning_rate": 1e30, "checkpoint.every_steps": 100, "train.log_every": 3})
+  with pytest.raises(FloatingPointError, match="No checkpoint was saved yet: the next start begins from scratch"):
+    train.train_and_evaluate(config, str(tmp_path / "fresh"))
 
 
 def test_a_nan_step_shows_in_the_logged_window_mean():

@@ -42,7 +42,9 @@ from absl import logging
 from electra_jax.config_lib import ConfigError
 from electra_jax.data import corpus, pipeline, sources
 from electra_jax.data.packing import example_lengths, pack_documents
-from electra_jax.data.tokenizer import SentencePieceTokenizer, atomic_write_bytes, train_sentencepiece
+from electra_jax.data.tokenizer import (
+    NoSentencesError, SentencePieceTokenizer, atomic_write_bytes, train_sentencepiece,
+)
 from electra_jax.data.wordpiece import WordPieceTokenizer
 
 # Bump when the shard layout or the manifest's meaning changes.
@@ -148,10 +150,8 @@ def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) 
         sentences, out_path, vocab_size=config["spm_vocab_size"], model_type=config["spm_model_type"],
         num_threads=num_threads or _default_workers(),
     )
-  except ConfigError as e:
-    if stats.num_documents == 0:
-      raise pipeline.no_documents_error(config, stats) from e
-    raise
+  except NoSentencesError as e:  # the source's own errors (a TFDS dataset not prepared) pass as they are
+    raise pipeline.no_documents_error(config, stats) from e
   if config["source"] != "builtin":
     sources.log_stats(config["source"], stats)
   tokenizer = SentencePieceTokenizer(out_path)
@@ -202,10 +202,8 @@ def _train_prepare_tokenizer(config, scratch_path: str, final_path: str):
         _iter_train_sentences(config, stats), scratch_path, vocab_size=config["spm_vocab_size"],
         model_type=config["spm_model_type"], num_threads=_default_workers(),
     )
-  except ConfigError as e:
-    if stats.num_documents == 0:
-      raise pipeline.no_documents_error(config, stats) from e
-    raise
+  except NoSentencesError as e:  # the source's own errors (a TFDS dataset not prepared) pass as they are
+    raise pipeline.no_documents_error(config, stats) from e
   return SentencePieceTokenizer(scratch_path)
 
 

@@ -50,6 +50,10 @@ def _within_limit(sentence: str, limit: int = _MAX_SENTENCE_BYTES) -> Iterator[s
     start = end
 
 
+class NoSentencesError(ConfigError):
+  """train_sentencepiece was given no text (callers turn it into a message about their source)."""
+
+
 def atomic_write_bytes(path: str, data: bytes) -> None:
   """Write `data` to `path` so readers see either the old file or the whole new one.
 
@@ -127,7 +131,7 @@ def train_sentencepiece(
     )
   except RuntimeError as e:
     if num_sentences == 0:
-      raise ConfigError(
+      raise NoSentencesError(
           "train_sentencepiece got no sentences to train on; pass a non-empty "
           "iterable of strings."
       ) from e
