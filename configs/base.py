@@ -110,7 +110,7 @@ def get_config():
   train.steps_per_call = 1
 
   # AdamW with linear warmup then linear decay to 0, as the official code schedules it:
-  # lr(step) = learning_rate * min(1, step / warmup_steps) * (1 - step / train.steps).
+  # lr(step) = learning_rate * min(1, step / warmup_steps) * max(0, 1 - step / train.steps).
   config.optimizer = optimizer = ml_collections.ConfigDict()
   optimizer.learning_rate = 5e-4
   optimizer.warmup_steps = 10_000

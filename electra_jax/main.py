@@ -284,7 +284,9 @@ def _sweep_mode(mode: str) -> None:
     finetune_config = sweep.load_finetune_config(_SWEEP_FINETUNE.value, _SWEEP_FINETUNE_OVERRIDE.value)
   result = sweep.run_sweep(_CONFIG.value, _WORKDIR.value, _SWEEP.value, _SWEEP_FILE.value, finetune_config)
   print(workdir_files.read_text(workdir_files.path(_WORKDIR.value, "results.md")))
-  print(f"Tables: {_WORKDIR.value}/results.md, {_WORKDIR.value}/results.csv  Curves: {_WORKDIR.value}/curves.png")
+  curves = workdir_files.path(_WORKDIR.value, "curves.png")
+  print(f"Tables: {_WORKDIR.value}/results.md, {_WORKDIR.value}/results.csv"
+        + (f"  Curves: {_WORKDIR.value}/curves.png" if workdir_files.exists(curves) else ""))
   if result.get("preempted"):
     print("The sweep stopped at a SIGTERM; run the same command to go on where it stopped.")
   if result["failed"]:
