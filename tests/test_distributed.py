@@ -96,23 +96,27 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes(tmp_path):
   assert logged == list(range(1, saved[0] + 3))
 
 
-def test_a_workdir_the_processes_do_not_share_is_refused_before_training(tmp_path):
-  """A local --workdir on each host of a slice (here: another path per process) used to train
-  and then hang at the first checkpoint, which orbax saves from every process together."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+def _run_two(command_of, devices: int) -> list[tuple[int, str]]:
+  """(return code, stderr) of two processes, `command_of(i)` each, joined in one job."""
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
              ELECTRA_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", ELECTRA_JAX_NUM_PROCESSES="2")
-  overrides = dict(EIGHT_DEVICE_OVERRIDES, **{"train.steps": 4, "checkpoint.every_steps": 2})
-  procs = [subprocess.Popen(cli_args(tmp_path / f"host{i}", **overrides), cwd=REPO,
-                            env=dict(env, ELECTRA_JAX_PROCESS_ID=str(i)),
+  procs = [subprocess.Popen(command_of(i), cwd=REPO, env=dict(env, ELECTRA_JAX_PROCESS_ID=str(i)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
   try:
     outputs = [p.communicate(timeout=300) for p in procs]
   finally:
-    for proc in procs:
+    for proc in procs:  # a hung process (a failed check) must not outlive the test
       if proc.poll() is None:
         proc.kill()
-  for proc, (_, stderr) in zip(procs, outputs):
-    assert proc.returncode != 0
+  return [(proc.returncode, stderr) for proc, (_, stderr) in zip(procs, outputs)]
+
+
+def test_a_workdir_the_processes_do_not_share_is_refused_before_training(tmp_path):
+  """A local --workdir on each host of a slice (here: another path per process) used to train
+  and then hang at the first checkpoint, which orbax saves from every process together."""
+  overrides = dict(EIGHT_DEVICE_OVERRIDES, **{"train.steps": 4, "checkpoint.every_steps": 2})
+  for returncode, stderr in _run_two(lambda i: cli_args(tmp_path / f"host{i}", **overrides), devices=4):
+    assert returncode != 0
     assert "is not one directory every process sees: process(es) [1] cannot read" in stderr, stderr[-3000:]
   assert not (tmp_path / "host0" / "metrics.jsonl").exists()
 
@@ -133,19 +137,9 @@ def test_incomplete_coordinator_settings_are_refused(monkeypatch):
 def test_single_process_modes_are_refused_in_a_multi_process_job(tmp_path):
   """Fine-tuning, export and import restore onto one device: process 1 cannot address process
   0's, so it used to crash while process 0 hung in the restore for minutes."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
-             ELECTRA_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", ELECTRA_JAX_NUM_PROCESSES="2")
   command = ["python", "-m", "electra_jax.main", "--mode=export_hf", f"--workdir={tmp_path}/run", f"--out={tmp_path}/hf"]
-  procs = [subprocess.Popen(command, cwd=REPO, env=dict(env, ELECTRA_JAX_PROCESS_ID=str(i)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-  try:
-    outputs = [p.communicate(timeout=300) for p in procs]
-  finally:
-    for proc in procs:
-      if proc.poll() is None:
-        proc.kill()
-  for i, (proc, (_, stderr)) in enumerate(zip(procs, outputs)):
-    assert proc.returncode != 0
+  for i, (returncode, stderr) in enumerate(_run_two(lambda i: command, devices=1)):
+    assert returncode != 0
     assert f"--mode=export_hf runs in one process, but this is process {i} of 2" in stderr, stderr[-2000:]
   assert not (tmp_path / "hf").exists()
 
