@@ -367,6 +367,7 @@ def run_sweep(
 
   # A SIGTERM (preemption) stops the sweep after the run it reaches: the run saves and
   # returns (train.py's handler), and one that comes between runs is recorded here.
+  train.clear_sigterm()  # one an earlier run in this process (a notebook) took is not this sweep's
   try:
     previous_handler = signal.signal(signal.SIGTERM, train.note_sigterm)
   except ValueError:  # not the main thread: no handler

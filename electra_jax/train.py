@@ -468,6 +468,10 @@ def sigterm_received() -> bool:
   return _SIGTERM.is_set()
 
 
+def clear_sigterm() -> None:
+  _SIGTERM.clear()
+
+
 def note_sigterm(signum=None, frame=None) -> None:
   """A SIGTERM handler that only records the signal (for loops around several runs)."""
   del signum, frame
