@@ -31,12 +31,13 @@ class JobFiles:
   log: str = "electra-jax.log"
   pid: str = "electra-jax.pid"
   exit: str = "electra-jax.exit"
+  stopped: str = "electra-jax.stopped"  # written by `stop`: a supervisor leaves the run stopped
 
 
 @dataclasses.dataclass(frozen=True)
 class WorkerStatus:
   host: str
-  run: str  # running | exited:<code> | died (killed, rebooted) | none (never started here)
+  run: str  # running | exited:<code> | died (killed, rebooted) | stopped (by `stop`) | none (never started here)
   done: bool  # the log says train.steps was reached
   installed: bool
 
@@ -196,13 +197,13 @@ def start_script(argv: Sequence[str], env: dict[str, str], files: JobFiles = Job
   outlives the Python process (which saves a checkpoint on SIGTERM) to write that status; a
   trapped signal, unlike an ignored one, is back to its default in the child.
   """
-  log, pid, exit_file = (shlex.quote(name) for name in (files.log, files.pid, files.exit))
+  log, pid, exit_file, stopped = (shlex.quote(name) for name in (files.log, files.pid, files.exit, files.stopped))
   command = shlex.join(["env", *(f"{k}={v}" for k, v in env.items()), *argv] if env else list(argv))
   job = f'trap : TERM; echo $$ > {pid}; {command}; echo $? > {exit_file}'
   return (
       f'if kill -0 "$(cat {pid} 2>/dev/null)" 2>/dev/null; then '
       f'echo "$(hostname): a run started here is still going (pid $(cat {pid})); not starting another."; '
-      f"else rm -f {exit_file} {pid}; "
+      f"else rm -f {exit_file} {pid} {stopped}; "
       f'if [ -f {log} ]; then mv {log} {log}."$(date +%Y%m%d-%H%M%S)"; fi; '
       f"setsid nohup bash -c {shlex.quote(job)} > {log} 2>&1 < /dev/null & "
       f'echo "$(hostname): started, log in $PWD/"{log}; fi'
@@ -212,13 +213,15 @@ def start_script(argv: Sequence[str], env: dict[str, str], files: JobFiles = Job
 def status_script(python: str, files: JobFiles = JobFiles()) -> str:
   """Prints one STATUS_MARK line: is the run alive, how did it end, did it reach
   train.steps, is electra-jax installed for `python`."""
-  log, pid, exit_file = (shlex.quote(name) for name in (files.log, files.pid, files.exit))
+  log, pid, exit_file, stopped = (shlex.quote(name) for name in (files.log, files.pid, files.exit, files.stopped))
   done_test = " ".join(f"-e {shlex.quote(p)}" for p in _DONE_PATTERNS)
   return (
       # The exit file is the job's last act (start_script removes an old one), so it wins.
       f'if [ -f {exit_file} ]; then run="exited:$(cat {exit_file})"; '
       f'elif kill -0 "$(cat {pid} 2>/dev/null)" 2>/dev/null; then run=running; '
       f"elif [ -f {pid} ]; then run=died; else run=none; fi; "
+      # Ended by `stop` (its mark, until the next start): not a run to restart.
+      f'if [ -f {stopped} ] && [ "$run" != running ]; then run=stopped; fi; '
       f"if grep -q {done_test} {log} 2>/dev/null; then done=1; else done=0; fi; "
       f"if {shlex.quote(python)} -c {shlex.quote(_INSTALLED_CHECK)} > /dev/null 2>&1; then installed=1; else installed=0; fi; "
       f'echo "{STATUS_MARK} host=$(hostname) run=$run done=$done installed=$installed"'
@@ -228,8 +231,10 @@ def status_script(python: str, files: JobFiles = JobFiles()) -> str:
 def stop_script(grace_seconds: int = 120, files: JobFiles = JobFiles()) -> str:
   """SIGTERM to the run's process group (the run saves a checkpoint and exits), then SIGKILL
   whatever is left after `grace_seconds` (a process stuck in a collective with a dead peer)."""
-  pid = shlex.quote(files.pid)
+  pid, stopped = shlex.quote(files.pid), shlex.quote(files.stopped)
   return (
+      # The mark first: a `restart` supervising this run sees it and leaves the run stopped.
+      f'touch {stopped}; '
       f'p="$(cat {pid} 2>/dev/null)"; '
       f'if [ -n "$p" ] && kill -0 -- "-$p" 2>/dev/null; then '
       f'kill -TERM -- "-$p"; '

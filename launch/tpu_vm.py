@@ -182,7 +182,7 @@ def slice_state(tpu: Slice, execute: remote_job.Execute) -> str:
 
 def decide(state: str, workers: Optional[list[remote_job.WorkerStatus]], queued: bool) -> str:
   """What the supervisor does next, from the slice's state and each worker's run:
-  recreate | wait | stopped | failed | install_and_run | run | stop_and_run | finished."""
+  recreate | wait | stopped | stopped_run | failed | install_and_run | run | stop_and_run | finished."""
   if queued and state == QUEUED_FAILED:
     return "failed"
   if state in (QUEUED_GONE if queued else set()) | NODE_GONE:
@@ -191,6 +191,8 @@ def decide(state: str, workers: Optional[list[remote_job.WorkerStatus]], queued:
     return "stopped"  # someone stopped it on purpose; do not override that
   if state != "READY" or not workers:
     return "wait"  # creating, queued, repairing, or ssh not answering yet
+  if any(w.run == "stopped" for w in workers) and not any(w.running for w in workers):
+    return "stopped_run"  # someone ran `stop`: leave it so
   if not all(w.installed for w in workers):
     return "install_and_run"
   if all(w.running for w in workers):
@@ -219,12 +221,16 @@ def supervise(
   type, no quota; a stockout that lasts), or when a queued resource FAILED. Preemptions do not
   count: a spot run may see many."""
   failures = failed_creates = 0
+  watched = False  # a run this supervisor started or saw running
   while True:
     state = slice_state(tpu, execute)
     workers = None
     if state == "READY":
       workers = remote_job.parse_status(execute(tpu.ssh(remote_job.status_script(run.python)), capture=True).output)
     action = decide(state, workers, tpu.queued)
+    if action == "stopped_run" and not watched:
+      action = "run"  # stopped before this restart began: restarting it is what was asked
+    watched = watched or any(w.running for w in workers or [])
     summary = ", ".join(f"{w.host}={w.run}" for w in workers or [])
     log(f"[{time.strftime('%H:%M:%S')}] slice {tpu.name}: {state}{' | ' + summary if summary else ''} -> {action}")
 
@@ -236,6 +242,10 @@ def supervise(
           f"`gcloud compute tpus queued-resources describe {tpu.name} --zone={tpu.zone}` says why. "
           "Delete it, then create it or run restart again.")
       return 1
+    if action == "stopped_run":
+      log(f"The run on {tpu.name} was stopped with `stop` (it saved a checkpoint): leaving it stopped. "
+          "`run` or `restart` starts it again from its workdir.")
+      return 0
     if action == "stopped":
       log(f"{tpu.name} is {state}: someone stopped it. Start it (gcloud compute tpus tpu-vm start) or "
           "delete it, then run restart again.")
@@ -267,6 +277,7 @@ def supervise(
         execute(tpu.ssh(remote_job.stop_script()))
       if action != "install_and_run" or remote_job.run_all(execute, install.commands(tpu)) == 0:
         remote_job.run_all(execute, run.start(tpu))
+        watched = True
       else:
         failures += 1
     sleep(poll_seconds)

@@ -274,7 +274,7 @@ def test_start_status_stop_lifecycle(tmp_path):
   assert "still going" in _bash(start, tmp_path)  # never two runs on one worker
   assert "stopped" in _bash(remote_job.stop_script(grace_seconds=20), tmp_path)
   stopped = state()
-  assert stopped.run == "exited:0" and not stopped.done  # saved and left, not finished
+  assert stopped.run == "stopped" and not stopped.done  # saved and left by `stop`, not finished
   assert "saved" in (tmp_path / "electra-jax.log").read_text()
 
   finishing = _fake_python(str(tmp_path), "echo 'Done: step 6, checkpoints in x'")
@@ -439,6 +439,15 @@ def test_decide_on_worker_states():
   assert tpu_vm.decide("REPAIRING", None, queued=False) == "wait"
   assert tpu_vm.decide("SUSPENDED", None, queued=True) == "recreate"  # spot capacity taken back
   assert tpu_vm.decide("FAILED", None, queued=True) == "failed"  # not queued again forever
+  # `stop` marks the workers: a supervising `restart` leaves the run stopped.
+  assert tpu_vm.decide("READY", workers("stopped", "stopped"), queued=False) == "stopped_run"
+  stopped = FakeGcloud([("READY", ["running", "running"]), ("READY", ["stopped", "stopped"])] + [("READY", ["none"])] * 3)
+  code, _ = _supervise(stopped)
+  assert code == 0 and stopped.kinds() == []  # nothing started again
+  # A run stopped before `restart` began is what the user asks to restart: it starts.
+  earlier = FakeGcloud([("READY", ["stopped", "stopped"]), ("READY", ["running", "running"]),
+                        ("READY", ["exited:0:done", "exited:0"])])
+  assert _supervise(earlier)[0] == 0 and earlier.kinds() == ["start"]
 
 
 def test_restart_dry_run_prints_the_recovery_commands():
