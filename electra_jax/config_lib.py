@@ -216,7 +216,7 @@ def check_rates(group: ml_collections.ConfigDict, keys, prefix: str) -> None:
   """Dropout rates: in [0, 1) (a rate of 1 would drop everything)."""
   for key in keys:
     if not 0.0 <= group[key] < 1.0:
-      raise ConfigError(f"{prefix}{'.' if prefix else ''}{key}={group[key]} must be in [0, 1) (the paper: 0.1).")
+      raise ConfigError(f"{prefix}.{key}={group[key]} must be in [0, 1) (the paper: 0.1).")
 
 
 def _check_data_source(d: ml_collections.ConfigDict) -> None:

@@ -670,10 +670,7 @@ def _check_shared_workdir(workdir: str, lease: workdir_lease.WorkdirLease | None
   run_id = lease.run_id if lease is not None else ""
   ids = np.frombuffer(run_id.encode().ljust(32), np.uint8) if jax.process_index() == 0 else np.zeros(32, np.uint8)
   expected = bytes(np.asarray(multihost_utils.broadcast_one_to_all(ids), np.uint8)).decode().strip()
-  try:
-    seen = json.loads(workdir_files.read_text(workdir_files.path(workdir, workdir_lease.LEASE_FILE))).get("run_id")
-  except (OSError, ValueError):
-    seen = None
+  seen = (workdir_lease.read_lease(workdir) or {}).get("run_id")
   sees = np.asarray(multihost_utils.process_allgather(np.int32(seen == expected))).reshape(-1)
   blind = [int(i) for i in np.flatnonzero(sees == 0)]
   if blind:

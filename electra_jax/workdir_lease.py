@@ -59,6 +59,20 @@ def describe(holder: dict, now: float) -> str:
 _LIVE_RUN_IDS: set[str] = set()
 
 
+def read_lease(workdir) -> Optional[dict]:
+  """The lease file's content; None when there is none, or when it cannot be parsed (local
+  writes are atomic, so only a hand edit leaves it so; it is treated as absent)."""
+  file = workdir_files.path(workdir, LEASE_FILE)
+  if not workdir_files.exists(file):
+    return None
+  try:
+    holder = json.loads(workdir_files.read_text(file))
+  except (ValueError, OSError):
+    logging.warning("Ignoring %s: it is not a lease this version wrote.", file)
+    return None
+  return holder if isinstance(holder, dict) and "run_id" in holder else None
+
+
 class WorkdirLease:
   """Process 0's claim on a workdir. `acquire()` once before writing anything, `check()`
   before each checkpoint, `release()` at the end (also after an error)."""
@@ -88,16 +102,7 @@ class WorkdirLease:
     return self.record["run_id"]
 
   def read(self) -> Optional[dict]:
-    """The lease file's content; None when there is none, or when it cannot be parsed (local
-    writes are atomic, so only a hand edit leaves it so; it is treated as absent)."""
-    if not workdir_files.exists(self.file):
-      return None
-    try:
-      holder = json.loads(workdir_files.read_text(self.file))
-    except (ValueError, OSError):
-      logging.warning("Ignoring %s: it is not a lease this version wrote.", self.file)
-      return None
-    return holder if isinstance(holder, dict) and "run_id" in holder else None
+    return read_lease(self.workdir)
 
   def holder_alive(self, holder: Optional[dict]) -> bool:
     """Whether `holder` (another run's lease) still counts as running."""
@@ -166,7 +171,8 @@ class WorkdirLease:
     it was read less than `max_age_seconds` ago (a bucket's read takes tens of ms)."""
     with self._lock:
       fresh = time.monotonic() - self._last_read < max_age_seconds
-      if not (self._still_held() if not fresh else self.taken_by is None):
+      held = self.taken_by is None if fresh else self._still_held()
+      if not held:
         raise WorkdirInUse(self.lost_message())
 
   def lost_message(self) -> str:

@@ -45,6 +45,12 @@ class WorkerStatus:
   def running(self) -> bool:
     return self.run == "running"
 
+  @property
+  def crashed(self) -> bool:
+    """Killed, or exited non-zero. A run that exited 0 short of train.steps stopped at a
+    SIGTERM (a maintenance event, a preemption notice) and saved."""
+    return self.run == "died" or (self.run.startswith("exited:") and self.run != "exited:0")
+
 
 def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
   """(launcher arguments, config overrides): the overrides are everything after a `--`."""

@@ -261,11 +261,7 @@ def supervise(
           log(f"Gave up after {failed_creates} failed creates in a row; the gcloud errors above say why.")
           return 1
     elif action in ("install_and_run", "run", "stop_and_run"):
-      # A run that crashed (non-zero exit) or was killed on a slice that is still there. One
-      # that exited 0 without reaching train.steps stopped at a SIGTERM (a maintenance event,
-      # a preemption notice) and saved: resuming it is not a failure.
-      if action != "install_and_run" and any(w.run == "died" or (w.run.startswith("exited:") and w.run != "exited:0")
-                                             for w in workers):
+      if action != "install_and_run" and any(w.crashed for w in workers):  # on a slice still there
         failures += 1
         if failures > max_restarts:
           log(f"Gave up after {max_restarts} restarts; read the worker logs (follow) for the cause.")
