@@ -114,4 +114,4 @@ def _report_tpu(compiled, hlo, target, model_flops_per_chip, hosts, scanned):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=config_lib.flags_parser("compile_audit"))

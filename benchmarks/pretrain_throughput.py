@@ -35,7 +35,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from electra_jax import data, flops, partitioning, train
+from electra_jax import config_lib, data, flops, partitioning, train
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py", "Recipe to measure.", lock_config=True)
 _STEPS = flags.DEFINE_integer("steps", 20, "Train steps per timed window.")
@@ -196,4 +196,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=config_lib.flags_parser("pretrain_throughput"))

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from ml_collections import config_flags
 
-from electra_jax import data, objectives, partitioning, train
+from electra_jax import config_lib, data, objectives, partitioning, train
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py", "Recipe.", lock_config=False)
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed calls per part.")
@@ -138,4 +138,4 @@ def _top_kernels(directory, steps):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=config_lib.flags_parser("step_profile"))

@@ -4,6 +4,8 @@ every error names the offending value and what to do about it."""
 import importlib.util
 import json
 import os
+import re
+import sys
 
 import ml_collections
 
@@ -35,6 +37,40 @@ def missing_key(error: BaseException) -> tuple[str, str]:
     message = message.args[0]
   key, _, hint = str(message).partition("\n")
   return key.strip("'\""), hint.strip()
+
+
+def parse_flags(argv: list[str], program: str, listing: str = "configs/base.py") -> list[str]:
+  """absl's flag parsing for a program with a `--config` file flag, where a mistake in the
+  config flags ends with one line instead of a traceback: a --config.* override of a key the
+  config does not have (ml_collections raises AttributeError or KeyError, often with a close
+  match), or a recipe's own ConfigError. `listing` is the file named as listing every key."""
+  from absl import flags  # noqa: PLC0415 (recipes import this module and need no absl)
+
+  overrides = [arg.split("=")[0] for arg in argv[1:] if arg.startswith("--config.")]
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as error:
+    # A recipe's own ConfigError (configs/workdir.py without its DIR, say) reaches absl as the
+    # text of a traceback; its last line is the message.
+    refused = re.findall(r"ConfigError: (.+)", str(error))
+    if refused:
+      sys.exit(f"{program}: error: {refused[-1]}")
+    sys.stderr.write(f"FATAL Flags parsing error: {error}\nPass --helpshort or --helpfull to see help on flags.\n")
+    sys.exit(1)
+  except (AttributeError, KeyError) as error:
+    key, hint = missing_key(error)
+    named = [flag for flag in overrides if key in flag.split(".")[1:]]
+    if not named:
+      raise
+    sys.exit(
+        f"{program}: error: {named[0]}: the config has no key {key!r}. {hint + ' ' if hint else ''}"
+        f"{listing} lists every key with its default."
+    )
+
+
+def flags_parser(program: str):
+  """`app.run(main, flags_parser=config_lib.flags_parser("name"))` for scripts with --config."""
+  return lambda argv: parse_flags(argv, program)
 
 
 def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -44,7 +44,6 @@ the sweep folder), the table alone, and curves of any workdirs:
 
 import logging as std_logging
 import os
-import re
 import sys
 
 from electra_jax import xla_flags
@@ -317,9 +316,9 @@ def _import(mode: str) -> None:
 
 
 def _parse_flags(argv):
-  """absl's flag parsing, with one change: a --config.* override of a key the config does not
-  have (ml_collections raises AttributeError or KeyError, often with a close match) ends with
-  one line naming the flag instead of a traceback."""
+  """absl's flag parsing, where mistakes in the config flags end with one line naming them
+  instead of a traceback (`config_lib.parse_flags`), and a missing --config or recipe file is
+  named before any recipe is loaded."""
   overrides = [arg.split("=")[0] for arg in argv[1:] if arg.startswith("--config.")]
   if overrides and not any(arg == "--config" or arg.startswith("--config=") for arg in argv[1:]):
     sys.exit(
@@ -332,28 +331,10 @@ def _parse_flags(argv):
       _check_recipe_path(arg.split("=", 1)[1])
     elif arg == "--config" and i + 1 < len(argv):
       _check_recipe_path(argv[i + 1])
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as error:
-    # A recipe's own ConfigError (configs/workdir.py without its DIR, say) reaches absl as the
-    # text of a traceback; its last line is the message.
-    refused = re.findall(r"ConfigError: (.+)", str(error))
-    if refused:
-      sys.exit(f"electra-jax: error: {refused[-1]}")
-    sys.stderr.write(f"FATAL Flags parsing error: {error}\nPass --helpshort or --helpfull to see help on flags.\n")
-    sys.exit(1)
-  except (AttributeError, KeyError) as error:
-    key, hint = config_lib.missing_key(error)
-    named = [flag for flag in overrides if key in flag.split(".")[1:]]
-    if not named:
-      raise
-    finetune = any(arg == "--mode=finetune" for arg in argv[1:]) or (
-        "--mode" in argv and argv.index("--mode") + 1 < len(argv) and argv[argv.index("--mode") + 1] == "finetune")
-    listing = "configs/finetune/base.py" if finetune else "configs/base.py"
-    sys.exit(
-        f"electra-jax: error: {named[0]}: the config has no key {key!r}. {hint + ' ' if hint else ''}"
-        f"{listing} lists every key with its default."
-    )
+  finetune = any(arg == "--mode=finetune" for arg in argv[1:]) or (
+      "--mode" in argv and argv.index("--mode") + 1 < len(argv) and argv[argv.index("--mode") + 1] == "finetune")
+  return config_lib.parse_flags(
+      argv, "electra-jax", "configs/finetune/base.py" if finetune else "configs/base.py")
 
 
 def run():
