@@ -101,8 +101,8 @@ _WORKERS = flags.DEFINE_integer(
 _STEP = flags.DEFINE_integer("step", None, "eval: the checkpoint step (default: the latest).")
 _TAKE_OVER = flags.DEFINE_bool(
     "take_over_workdir", False,
-    "train: start even though another run holds --workdir (its lease.json names it), because "
-    "you know that run is dead. Without it a run refuses a workdir a live run holds.",
+    "train and sweep: start even though another run (or sweep) holds --workdir (its lease.json "
+    "names it), because you know it is dead. Without it a workdir a live run holds is refused.",
 )
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "Multi-process runs: host:port of process 0 (or ELECTRA_JAX_COORDINATOR_ADDRESS)."
@@ -281,7 +281,8 @@ def _sweep_mode(mode: str) -> None:
   finetune_config = None
   if _SWEEP_FINETUNE.value:
     finetune_config = sweep.load_finetune_config(_SWEEP_FINETUNE.value, _SWEEP_FINETUNE_OVERRIDE.value)
-  result = sweep.run_sweep(_CONFIG.value, _WORKDIR.value, _SWEEP.value, _SWEEP_FILE.value, finetune_config)
+  result = sweep.run_sweep(_CONFIG.value, _WORKDIR.value, _SWEEP.value, _SWEEP_FILE.value, finetune_config,
+                          take_over_workdir=_TAKE_OVER.value)
   print(workdir_files.read_text(workdir_files.path(_WORKDIR.value, "results.md")))
   curves = workdir_files.path(_WORKDIR.value, "curves.png")
   print(f"Tables: {_WORKDIR.value}/results.md, {_WORKDIR.value}/results.csv"

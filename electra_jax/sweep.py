@@ -330,11 +330,13 @@ def _finetune_results(workdir: str) -> dict | None:
 def run_sweep(
     base_config: ml_collections.ConfigDict, sweep_dir: str, grid: Sequence[str] = (),
     sweep_file: str | None = None, finetune_config: ml_collections.ConfigDict | None = None,
-    plot: bool = True,
+    plot: bool = True, take_over_workdir: bool = False,
 ) -> dict:
   """Trains every run of the grid (skipping finished ones), fine-tunes each if asked, writes
   the tables and curves. Returns {"runs": [...], "failed": [names], "rows": table rows}.
-  Every override of every run is checked before anything is trained or written."""
+  Every override of every run is checked before anything is trained or written. One sweep
+  at a time holds `sweep_dir` (its own lease.json, as a run holds its workdir); another is
+  refused before it writes anything, unless `take_over_workdir`."""
   override_lists = expand(grid, sweep_file)
   record = read_record(sweep_dir)
   existing = record["runs"] if record else []
@@ -358,12 +360,46 @@ def run_sweep(
 
     finetune.validate(finetune_config)
 
+  from electra_jax import train  # noqa: PLC0415 (jax stays out of sweep_report)
+
+  lease = _hold_sweep_dir(sweep_dir, take_over_workdir, train)
+  try:
+    return _sweep(base_config, sweep_dir, override_lists, existing, configs, finetune_config, plot, train,
+                  lease, take_over_workdir)
+  finally:
+    if lease is not None:
+      lease.release()
+
+
+def _hold_sweep_dir(sweep_dir: str, take_over: bool, train):
+  """Process 0's lease on the sweep folder (None on the other processes). Two sweeps on one
+  folder would each rewrite sweep.json, and each would count the runs the other was training
+  as failed (their workdirs are held) and leave error files in them."""
+  import jax  # noqa: PLC0415
+
+  from electra_jax import workdir_lease  # noqa: PLC0415
+
+  lease, problem = None, None
+  if jax.process_index() == 0:
+    lease = workdir_lease.WorkdirLease(sweep_dir)
+    try:
+      lease.acquire(take_over=take_over)
+    except workdir_lease.WorkdirInUse as error:
+      lease, problem = None, str(error).replace("The workdir", "The sweep folder", 1)
+  problem = train._agreed(problem)  # noqa: SLF001 (the same agreement as a run's lease)
+  if problem:
+    if lease is not None:
+      lease.release()
+    raise workdir_lease.WorkdirInUse(problem)
+  return lease
+
+
+def _sweep(base_config, sweep_dir, override_lists, existing, configs, finetune_config, plot, train,
+           lease, take_over) -> dict:
   runs = name_runs(override_lists, existing, base_config)
   all_runs = list(existing) + [r for r in runs if r not in existing]
   _write_record(sweep_dir, base_config, all_runs)
   logging.info("Sweep of %d runs in %s (%d recorded in all).", len(runs), sweep_dir, len(all_runs))
-
-  from electra_jax import train  # noqa: PLC0415 (jax stays out of sweep_report)
 
   # A SIGTERM (preemption) stops the sweep after the run it reaches: the run saves and
   # returns (train.py's handler), and one that comes between runs is recorded here.
@@ -373,7 +409,7 @@ def run_sweep(
   except ValueError:  # not the main thread: no handler
     previous_handler = None
   try:
-    failed, preempted = _train_runs(runs, configs, sweep_dir, finetune_config, train)
+    failed, preempted = _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_over)
   finally:
     if previous_handler is not None:
       signal.signal(signal.SIGTERM, previous_handler)
@@ -386,8 +422,10 @@ def run_sweep(
   return dict(runs=[r.name for r in runs], failed=failed, rows=rows, preempted=preempted)
 
 
-def _train_runs(runs, configs, sweep_dir, finetune_config, train) -> tuple[list[str], bool]:
-  """Trains (or resumes, or skips) each run in order; (failed run names, preempted)."""
+def _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_over) -> tuple[list[str], bool]:
+  """Trains (or resumes, or skips) each run in order; (failed run names, preempted). Stops
+  with WorkdirInUse once another sweep has taken the folder over (`lease`, None on processes
+  other than 0); with `take_over` each run takes its workdir from the dead sweep's run too."""
   failed, durations = [], []
   latest_steps = [_latest_checkpoint(run_dir(sweep_dir, r)) for r in runs]
   unfinished = [(latest or 0) < c.train.steps for latest, c in zip(latest_steps, configs)]
@@ -396,6 +434,7 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, train) -> tuple[list[
       logging.warning("SIGTERM received: the sweep stops before run %d/%d %s. Run the same command "
                       "to go on.", index, len(runs), run.name)
       return failed, True
+    train._hold_workdir(lease)  # noqa: SLF001 (every process stops if another sweep took the folder)
     workdir = run_dir(sweep_dir, run)
     # ETA: the mean time of the runs trained so far times the runs left to train.
     remaining = sum(unfinished[index - 1:])
@@ -410,7 +449,7 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, train) -> tuple[list[
         logging.info("Run %s resumes from its checkpoint at step %d.", run.name, latest)
       started = time.perf_counter()
       try:
-        train.train_and_evaluate(config, workdir)
+        train.train_and_evaluate(config, workdir, take_over_workdir=take_over)
       except Exception as error:  # noqa: BLE001 (the sweep goes on; the error is kept and reported)
         if isinstance(error, ConfigError):  # the user's input: the message says it all
           logging.error("Sweep run %s failed: %s Going on with the next one.", run.name, error)

@@ -316,3 +316,43 @@ def test_cli_sweep_report_and_plot(swept, tmp_path):
   assert result.stderr.strip().splitlines()[-1].startswith(
       "electra-jax: error: Sweep key 'model.generator_frac' is not a config key")
   assert not os.path.exists(bad_dir)
+
+
+def test_one_sweep_at_a_time_holds_a_sweep_folder(tmp_path, monkeypatch):
+  """Two sweeps on one folder each rewrote sweep.json, and each counted the run the other was
+  training as failed (its workdir held) and left an error file in it. A second sweep is now
+  refused before it writes anything, and a sweep whose folder was taken over stops before its
+  next run."""
+  from electra_jax import workdir_lease  # noqa: PLC0415
+
+  sweep_dir = tmp_path / "sweep"
+  grid = ["optimizer.learning_rate=1e-3,2e-3"]
+  other = workdir_lease.WorkdirLease(str(sweep_dir))
+  other.acquire()  # a live sweep (this process's own lease counts as live)
+  try:
+    with pytest.raises(workdir_lease.WorkdirInUse, match="The sweep folder .* is in use by run " + other.run_id):
+      sweep.run_sweep(base_config(), str(sweep_dir), grid)
+  finally:
+    other.release()
+  assert sorted(os.listdir(sweep_dir)) == ["lease.json"]  # no sweep.json, no run
+
+  real = train.train_and_evaluate
+  taker = {}
+
+  def train_then_taken_over(config, workdir, **kwargs):
+    result = real(config, workdir, **kwargs)
+    taker["lease"] = workdir_lease.WorkdirLease(str(sweep_dir))
+    taker["lease"].acquire(take_over=True)  # another sweep, started with --take_over_workdir
+    return result
+
+  monkeypatch.setattr(train, "train_and_evaluate", train_then_taken_over)
+  try:
+    with pytest.raises(workdir_lease.WorkdirInUse, match="Another run took over"):
+      sweep.run_sweep(base_config(), str(sweep_dir), grid)
+  finally:
+    taker["lease"].release()
+  runs = sweep.read_record(str(sweep_dir))["runs"]
+  assert (sweep_dir / runs[0].name / "checkpoints" / str(STEPS)).exists()
+  assert not (sweep_dir / runs[1].name).exists()  # the second run was left to the new holder
+  monkeypatch.setattr(train, "train_and_evaluate", real)
+  assert sweep.run_sweep(base_config(), str(sweep_dir), grid, plot=False)["failed"] == []
