@@ -87,9 +87,10 @@ class ElectraObjective:
   cls_id: int
   sep_id: int
   name: str = "electra"
-  # Of the chosen positions, the share replaced by a uniformly random token (BERT's 10%);
-  # `vocab_size` bounds those tokens.
+  # Of the chosen positions, the share replaced by a uniformly random token (BERT's 10%).
   random_token_prob: float = 0.0
+  # The tokenizer's vocabulary (0 = unknown: all of the model's rows). model.vocab_size may be
+  # larger; the generator's softmax, its samples and BERT's random tokens keep to this many ids.
   vocab_size: int = 0
   switch_step: int = 0  # two_stage: the first step of the discriminator's stage
   adversarial_mlm_weight: float = 0.0  # adversarial: weight of the generator's L_MLM beside REINFORCE
@@ -116,6 +117,17 @@ class MaskedInputs(NamedTuple):
   positions: jax.Array  # [batch, n_pred] int32, distinct within a row
   weights: jax.Array  # [batch, n_pred] float32, 1 for a real prediction, 0 for an unused slot
   target_ids: jax.Array  # [batch, n_pred] the original tokens at `positions`
+
+
+def _vocabulary_only(logits, vocab_size: int):
+  """Vocabulary logits [..., rows] with the rows past the tokenizer's `vocab_size` at -1e9:
+  model.vocab_size may exceed the vocabulary (rounded up for sharding, or a 30522-row recipe
+  over a smaller tokenizer), and those rows are no tokens, so they must get no probability
+  (a zero-initialised model would otherwise sample them most of the time)."""
+  if not 0 < vocab_size < logits.shape[-1]:
+    return logits
+  in_vocabulary = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) < vocab_size
+  return jnp.where(in_vocabulary, logits, jnp.float32(-1e9))
 
 
 def _rows(batch_size: int) -> jax.Array:
@@ -358,6 +370,7 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
         input_ids, token_type_ids, model_mask, deterministic,
         method=model.cloze_logits, rngs={"dropout": gen_dropout_rng},
     )  # [batch, seq, vocab]
+    cloze_logits = _vocabulary_only(cloze_logits, objective.vocab_size)
     candidates = candidate_mask(input_ids, attention_mask, objective).astype(jnp.float32)
     cloze_loss_sum, _ = _mlm_sums(cloze_logits, input_ids, candidates)
     stats.update(main_loss_sum=cloze_loss_sum, main_count=candidates.sum())
@@ -367,6 +380,7 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
         masked.input_ids, token_type_ids, model_mask, masked.positions, deterministic,
         method=model.generator_logits, rngs={"dropout": gen_dropout_rng},
     )  # [batch, n_pred, vocab] float32
+    gen_logits = _vocabulary_only(gen_logits, objective.vocab_size)
   else:
     # As the official uniform_generator: all-zero logits, so samples are uniform over the
     # vocabulary and L_MLM is the constant log(vocab), which trains nothing.
@@ -375,6 +389,7 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
     # it at compile time, for seconds to minutes.
     zeros = (masked.weights * 0.0)[..., None]
     gen_logits = jnp.broadcast_to(zeros, (*masked.positions.shape, model.vocab_size))
+    gen_logits = _vocabulary_only(gen_logits, objective.vocab_size)
   mlm_loss_sum, mlm_correct = _mlm_sums(gen_logits, masked.target_ids, masked.weights)
   disallowed = masked.target_ids if objective.disallow_correct else None
   sampled_ids = sample_tokens(sample_keys, gen_logits, objective.temperature, disallowed)

@@ -161,6 +161,51 @@ def test_hand_computed_loss_and_metrics():
   assert float(metrics["disc_auc"]) == pytest.approx(0.5)
 
 
+class _RecordingModel:
+  """Stands in for ElectraPretrainer: all-zero generator logits over `vocab_size` rows, and a
+  discriminator that records the (corrupted) ids it is given."""
+
+  def __init__(self, vocab_size):
+    self.vocab_size, self.discriminator_inputs = vocab_size, []
+
+  def generator_logits(self):
+    raise NotImplementedError
+
+  def discriminator_logits(self):
+    raise NotImplementedError
+
+  def apply(self, variables, input_ids, *args, method, rngs):
+    if method == self.generator_logits:
+      return jnp.zeros((*args[2].shape, self.vocab_size), jnp.float32)  # [batch, n_pred, rows]
+    self.discriminator_inputs.append(np.asarray(input_ids))
+    return jnp.zeros(input_ids.shape, jnp.float32)
+
+
+@pytest.mark.parametrize("name", ["electra", "uniform"])
+def test_replacements_and_mlm_softmax_cover_the_tokenizers_vocabulary_only(name):
+  """model.vocab_size may exceed the tokenizer's vocabulary (30522 rows for an 8192-piece
+  sentencepiece model in configs/electra_small.py); the rows past it are no tokens, so the
+  generator (or the uniform replacement) must never sample them and L_MLM's softmax must not
+  spread over them."""
+  tokenizer_vocab, model_rows = 12, 64
+  ids, mask = _random_batch(5, batch=64, seq=32, vocab=tokenizer_vocab)
+  ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+  objective = _objective(name=name, max_predictions=4, vocab_size=tokenizer_vocab)
+  masked = objectives.mask_tokens(jax.random.key(1), ids, mask, objective)
+  model = _RecordingModel(model_rows)
+  batch = {"input_ids": ids, "token_type_ids": jnp.zeros_like(ids), "attention_mask": mask}
+  _, (stats, _) = objectives.electra_forward(
+      model, None, batch, masked, jax.random.split(jax.random.key(2), 64), jax.random.key(3),
+      objective, objectives.Normalizers.of(masked, mask),
+  )
+  (corrupted,) = model.discriminator_inputs
+  assert int(corrupted.max()) < tokenizer_vocab  # every sample is a token of the vocabulary
+  assert (corrupted != np.asarray(ids)).sum() > 50  # and many positions were replaced
+  # All-zero logits over the vocabulary: L_MLM is log(vocabulary), not log(rows).
+  mlm_loss = float(stats["mlm_loss_sum"]) / float(masked.weights.sum())
+  assert mlm_loss == pytest.approx(math.log(tokenizer_vocab), rel=1e-6)
+
+
 def test_binary_auc_matches_pairwise_count_with_ties():
   rng = np.random.default_rng(0)
   scores = np.round(rng.normal(size=300), 1).astype(np.float32)  # rounding makes ties
