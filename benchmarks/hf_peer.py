@@ -40,7 +40,9 @@ class HfElectraPretraining:
   `gather_masked=False` (the default, what a typical HF user writes) calls ElectraForMaskedLM
   with labels=-100 at unmasked positions, so vocabulary logits are computed at every position.
   `gather_masked=True` runs the generator's encoder, gathers the masked positions and applies
-  the MLM head only there, as electra-jax does.
+  the MLM head only there, as electra-jax does. Both sample only the tokenizer's vocabulary
+  (`objective.vocab_size`), as electra-jax does; the default's loss is transformers' own, over
+  every row.
   """
 
   def __init__(self, config, objective, gather_masked: bool = False, seed: int = 0,
@@ -133,10 +135,18 @@ class HfElectraPretraining:
     ).last_hidden_state
     index = positions[..., None].expand(-1, -1, hidden.shape[-1])
     picked = hidden.gather(1, index)  # [batch, N, hidden]
-    logits = self.generator.generator_lm_head(self.generator.generator_predictions(picked))
+    logits = self._vocabulary_only(self.generator.generator_lm_head(self.generator.generator_predictions(picked)))
     labels = torch.where(is_used, target_ids, -100)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
     return loss, logits
+
+  def _vocabulary_only(self, logits):
+    """As electra-jax's objective: rows past the tokenizer's vocabulary (a recipe's 30522 rows
+    over a smaller tokenizer) get logit -1e9, so they are neither sampled nor in the softmax."""
+    vocab_size = self.objective.vocab_size
+    if not 0 < vocab_size < logits.shape[-1]:
+      return logits
+    return logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= vocab_size, -1e9)
 
   def _autocast(self):
     if self.autocast_dtype is None:
@@ -164,7 +174,7 @@ class HfElectraPretraining:
     with torch.no_grad():  # Gumbel-max sample of softmax(logits / T), float32
       uniform = torch.rand(picked_logits.shape, device=self.device).clamp_(1e-20, 1.0)
       gumbel = -torch.log(-torch.log(uniform))
-      sampled = (picked_logits.float() / obj.temperature + gumbel).argmax(-1)
+      sampled = (self._vocabulary_only(picked_logits.float()) / obj.temperature + gumbel).argmax(-1)
       corrupted = input_ids.scatter(1, positions, torch.where(is_used, sampled, target_ids))
       is_replaced = (corrupted != input_ids).float()  # a sample equal to the original is original
     with self._autocast():
