@@ -296,3 +296,27 @@ def test_finetune_from_the_command_line(tmp_path, pretrained_workdir):
   assert 0.0 <= saved["summary"]["custom"]["accuracy"]["mean"] <= 1.0
   bad = run_cli([sys.executable, "-m", "electra_jax.main", "--mode=finetune", f"--workdir={out}"])
   assert bad.returncode != 0 and "--mode=finetune needs --config" in bad.stderr
+
+
+def test_stsb_regression_trains_on_targets_scaled_as_the_official_code(tmp_path):
+  """The official RegressionTask trains STS-B on (score - 0) / 5, so the MSE is taken against
+  targets in [0, 1]; predictions are read back on GLUE's 0..5 scale for the submission file."""
+  from electra_jax.finetune import tasks
+  from test_finetune_tasks import write_glue
+
+  write_glue(tmp_path / "glue")
+  data = tasks.load_glue_from_dir("stsb", str(tmp_path / "glue"))
+  data.test = {"STS-B": data.dev["stsb"]}
+  vocab = tmp_path / "vocab.txt"
+  vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "dog", "ran"]) + "\n")
+  config = finetune_tiny.get_config()
+  config.update(task="stsb", tokenizer=str(vocab))
+  backbone = model_lib.load_backbone(config)
+  adapter = trainer.classification_adapter(config, data, backbone)
+  labels = jnp.array([4.5, 0.75, 2.0])
+  outputs = jnp.array([[0.9], [0.15], [0.0]])
+  np.testing.assert_allclose(adapter.loss_fn(outputs, {"labels": labels}), [0.0, 0.0, 0.16], atol=1e-6)
+  written = adapter.write_test(lambda features: np.full((len(features["input_ids"]), 1), 0.5, np.float32),
+                               str(tmp_path / "predictions"))
+  lines = open(written[0]).read().splitlines()
+  assert lines[1].split("\t")[1] == "2.500"  # 0.5 on the [0, 1] scale the model learned

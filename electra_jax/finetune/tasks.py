@@ -47,6 +47,9 @@ class TaskData:
   dev: dict[str, list[Example]]  # evaluation name (e.g. "mnli-m") -> examples
   test: dict[str, list[Example]]  # submission name (e.g. "MNLI-m") -> unlabelled examples
   is_glue: bool = False
+  # Regression with a known label range (lo, hi): the model learns (label - lo) / hi, as the
+  # official RegressionTask normalizes STS-B's 0..5 scores; None = raw labels (custom tasks).
+  target_range: tuple[float, float] | None = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -72,6 +75,8 @@ class GlueTask:
   symmetric: bool = False
   # CoLA's train and dev files have no header: (text column, label column) by position.
   headerless_columns: tuple[int, int] | None = None
+  # Regression: the label range the official code normalizes targets with (TaskData.target_range).
+  target_range: tuple[float, float] | None = None
 
 
 def _single(dev_name, test_name):
@@ -108,7 +113,7 @@ GLUE_TASKS = {
     ),
     "stsb": _glue(
         "STS-B", None, ("sentence1", "sentence2"), "score", ("sentence1", "sentence2"), None,
-        _single("stsb", "STS-B"), symmetric=True,
+        _single("stsb", "STS-B"), symmetric=True, target_range=(0.0, 5.0),
     ),
     "qqp": _glue(
         "QQP", _BINARY, ("question1", "question2"), "is_duplicate", ("question1", "question2"),
@@ -247,6 +252,7 @@ def load_glue_from_dir(name: str, data_dir: str) -> TaskData:
   return TaskData(
       name, "regression" if task.label_list is None else "classification", task.label_list,
       metrics_lib.GLUE_METRICS[name], _glue_labelled(task, train_path), dev, test, is_glue=True,
+      target_range=task.target_range,
   )
 
 
@@ -291,7 +297,7 @@ def load_glue_from_tfds(name: str, tfds_data_dir: str = "") -> TaskData:
       metrics_lib.GLUE_METRICS[name], split("train", False),
       {dev_name: split(s, False) for dev_name, s in task.tfds_dev_splits.items()},
       {submission: split(s, True) for submission, s in task.tfds_test_splits.items()},
-      is_glue=True,
+      is_glue=True, target_range=task.target_range,
   )
 
 

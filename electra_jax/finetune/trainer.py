@@ -78,13 +78,17 @@ def classification_adapter(config, data: tasks.TaskData, backbone: model_lib.Bac
   is_regression = data.kind == "regression"
   model = backbone.classifier(1 if is_regression else len(data.label_list), config)
 
+  # Regression on a known range (STS-B's 0..5) learns (label - lo) / hi, as the official
+  # RegressionTask; predictions are mapped back to the labels' scale for metrics and submissions.
+  lo, hi = data.target_range if data.target_range is not None else (0.0, 1.0)
+
   def loss_fn(outputs, batch):
     if is_regression:
-      return jnp.square(outputs[:, 0] - batch["labels"])
+      return jnp.square(outputs[:, 0] - (batch["labels"] - lo) / hi)
     return optax.softmax_cross_entropy_with_integer_labels(outputs, batch["labels"])
 
   def to_predictions(outputs):
-    return outputs[:, 0] if is_regression else outputs.argmax(-1)
+    return outputs[:, 0] * hi + lo if is_regression else outputs.argmax(-1)
 
   def evaluate(predict):
     return {
