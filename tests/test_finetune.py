@@ -320,3 +320,35 @@ def test_stsb_regression_trains_on_targets_scaled_as_the_official_code(tmp_path)
                                str(tmp_path / "predictions"))
   lines = open(written[0]).read().splitlines()
   assert lines[1].split("\t")[1] == "2.500"  # 0.5 on the [0, 1] scale the model learned
+
+
+def _assert_glorot_uniform(kernel, fan_in, fan_out):
+  """Glorot (Xavier) uniform: U(-limit, limit), limit = sqrt(6 / (fan_in + fan_out))."""
+  kernel = np.asarray(kernel)
+  limit = np.sqrt(6.0 / (fan_in + fan_out))
+  assert np.abs(kernel).max() <= limit
+  assert np.abs(kernel).max() > 0.8 * limit  # bert_init's N(0, 0.02) cut at 2 sigma stays below 0.04
+  np.testing.assert_allclose(kernel.std(), limit / np.sqrt(3.0), rtol=0.2)
+
+
+def test_task_heads_start_from_the_official_glorot_uniform_init():
+  """The official heads are tf.layers.dense with no initializer: TF1's default glorot_uniform
+  (the encoder's truncated normal 0.02 covers only the pre-trained weights)."""
+  from electra_jax.finetune import squad
+
+  hidden_size = 64
+  encoder = models.EncoderConfig(hidden_size=hidden_size, num_layers=1, num_heads=2, intermediate_size=32)
+  ids = jnp.zeros((1, 8), jnp.int32)
+  classifier = model_lib.ElectraClassifier(vocab_size=20, embedding_size=hidden_size, max_position_embeddings=8,
+                                           type_vocab_size=2, config=encoder, num_outputs=3)
+  params = flax.linen.meta.unbox(classifier.init(jax.random.key(0), ids, ids, jnp.ones_like(ids))["params"])
+  _assert_glorot_uniform(params["classifier"]["kernel"], hidden_size, 3)
+
+  head = squad.SpanHead(answerable=True)
+  hidden = jnp.zeros((1, 8, hidden_size))
+  head_params = flax.linen.meta.unbox(head.init(jax.random.key(1), hidden, ids, jnp.ones_like(ids))["params"])
+  # Official: separate dense(H -> 1) layers for the start and the end logits.
+  for column in range(2):
+    _assert_glorot_uniform(head_params["span_logits"]["kernel"][:, column], hidden_size, 1)
+  _assert_glorot_uniform(head_params["answerable_hidden"]["kernel"], 2 * hidden_size, 512)
+  _assert_glorot_uniform(head_params["answerable_logit"]["kernel"], 512, 1)

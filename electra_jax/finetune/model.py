@@ -15,7 +15,21 @@ import ml_collections
 
 from electra_jax import checkpointing, config_lib, data, partitioning, random_ops, train
 from electra_jax.config_lib import ConfigError
-from electra_jax.models import Encoder, EncoderConfig, bert_init, build_model, embeddings_for, tower_from_pretrainer
+from electra_jax.models import Encoder, EncoderConfig, build_model, embeddings_for, tower_from_pretrainer
+
+
+def head_kernel_init(fan_out: int | None = None):
+  """The task heads' kernel init: the official heads are tf.layers.dense without an
+  initializer, i.e. TF1's default glorot_uniform, U(-l, l) with l = sqrt(6 / (fan_in + fan_out)).
+  fan_out=None: the kernel's output width; an int treats each output column as its own dense
+  layer of that width (the official SQuAD head's separate start and end dense(H -> 1))."""
+
+  def init(key, shape, dtype=jnp.float32):
+    fan_in, width = shape[-2], shape[-1]
+    limit = (6.0 / (fan_in + (width if fan_out is None else fan_out))) ** 0.5
+    return jax.random.uniform(key, shape, dtype, -limit, limit)
+
+  return init
 
 
 class ElectraClassifier(nn.Module):
@@ -41,7 +55,7 @@ class ElectraClassifier(nn.Module):
         self.num_outputs,
         dtype=self.dtype,
         param_dtype=jnp.float32,
-        kernel_init=nn.with_logical_partitioning(bert_init(), ("embed", "unmodeled")),
+        kernel_init=nn.with_logical_partitioning(head_kernel_init(), ("embed", "unmodeled")),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("unmodeled",)),
     )
 

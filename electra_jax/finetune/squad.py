@@ -35,7 +35,8 @@ from absl import logging
 from electra_jax.config_lib import ConfigError
 from electra_jax.data import tfds_source
 from electra_jax.data.tokenizer import atomic_write_bytes
-from electra_jax.models import Encoder, EncoderConfig, bert_init, embeddings_for
+from electra_jax.finetune.model import head_kernel_init
+from electra_jax.models import Encoder, EncoderConfig, embeddings_for
 
 VERSIONS = ("1.1", "2.0")
 FEATURE_KEYS = (
@@ -478,17 +479,19 @@ class SpanHead(nn.Module):
   answerable_hidden_size: int = 512
   dtype: jnp.dtype = jnp.float32
 
-  def _dense(self, features: int, name: str):
+  def _dense(self, features: int, name: str, fan_out: int | None = None):
+    # The official head's tf.layers.dense default: glorot_uniform (see head_kernel_init).
     return nn.Dense(
         features, dtype=self.dtype, param_dtype=jnp.float32, name=name,
-        kernel_init=nn.with_logical_partitioning(bert_init(), ("embed", "unmodeled")),
+        kernel_init=nn.with_logical_partitioning(head_kernel_init(fan_out), ("embed", "unmodeled")),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("unmodeled",)),
     )
 
   @nn.compact
   def __call__(self, hidden, token_type_ids, attention_mask):
     mask = answer_mask(token_type_ids, attention_mask)
-    logits = self._dense(2, "span_logits")(hidden).astype(jnp.float32)  # [B, T, 2]
+    # One kernel for the official two dense(H -> 1) layers, each column initialized as one.
+    logits = self._dense(2, "span_logits", fan_out=1)(hidden).astype(jnp.float32)  # [B, T, 2]
     start_logits = jnp.where(mask, logits[..., 0], _MASKED_LOGIT)
     end_logits = jnp.where(mask, logits[..., 1], _MASKED_LOGIT)
     if not self.answerable:
