@@ -561,3 +561,14 @@ def test_squad_settings_and_missing_files(tmp_path):
     squad.squad_settings(config)
   with pytest.raises(ConfigError, match="train-v1.1.json does not exist"):
     squad.load_squad(config, "1.1")
+
+
+def test_squad2_dev_scores_use_the_official_null_threshold():
+  """The official run scores SQuAD 2.0 dev with the v2 script's --na-prob-thresh set to
+  config.qa_na_threshold = -2.75 (squad_official_eval.set_opts), the same cut it writes test
+  predictions with: a question whose null odds exceed -2.75 is answered ""."""
+  from electra_jax import config_lib
+
+  recipe = config_lib.sibling(os.path.join(os.path.dirname(__file__), "..", "configs", "finetune", "squad.py"), "squad")
+  assert squad.squad_settings(recipe.get_config()).null_threshold == -2.75
+  assert squad.SquadSettings("2.0").null_threshold == -2.75

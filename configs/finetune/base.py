@@ -88,7 +88,9 @@ def get_config():
   squad.max_query_len = 64
   squad.n_best = 20
   squad.max_answer_len = 30
-  squad.null_threshold = 0.0  # predict "" when the null odds exceed it (official test runs: -2.75)
+  # Predict "" when the null odds exceed it: the official qa_na_threshold, which scores dev (the
+  # v2 script's --na-prob-thresh) and writes test predictions alike.
+  squad.null_threshold = -2.75
   squad.answerable_classifier = True  # 2.0: ELECTRA's answerability head
   squad.answerable_weight = 0.5
   return config

@@ -791,7 +791,7 @@ class SquadSettings:
   max_query_len: int = 64
   n_best: int = 20
   max_answer_len: int = 30
-  null_threshold: float = 0.0  # ELECTRA wrote its 2.0 test predictions with -2.75
+  null_threshold: float = -2.75  # the official qa_na_threshold, for dev scores and test predictions
   answerable_classifier: bool = True  # 2.0 only
   answerable_weight: float = 0.5
 
