@@ -572,3 +572,26 @@ def test_squad2_dev_scores_use_the_official_null_threshold():
   recipe = config_lib.sibling(os.path.join(os.path.dirname(__file__), "..", "configs", "finetune", "squad.py"), "squad")
   assert squad.squad_settings(recipe.get_config()).null_threshold == -2.75
   assert squad.SquadSettings("2.0").null_threshold == -2.75
+
+
+def test_postprocess_takes_the_n_best_over_the_whole_row_before_filtering(tokenizer):
+  """The official decoding ranks a row's n_best start and end logits over every position and
+  only then drops the invalid ones ([CLS], outside the context, not max-context): an invalid
+  position that ranks high uses up one of the n_best slots."""
+  context = "It stands on the Champ de Mars in Paris"
+  example = squad.SquadExample("q", "Which city?", context, [("Paris", context.index("Paris"))])
+  features, metadata = squad.make_features([example], tokenizer, 40, 10, 8, is_training=False)
+  assert len(metadata) == 1
+  offset = int(metadata.context_offset[0])
+  p = lambda i: offset + i  # sequence position of context token i
+  mask = np.asarray(squad.answer_mask(features["token_type_ids"], features["attention_mask"]))[0]
+  start = np.where(mask, -5.0, -10000.0).astype(np.float32)[None]
+  end = start.copy()
+  start[0, 0], start[0, p(4)], start[0, p(0)] = 10.0, 5.0, 4.0  # [CLS] takes a start slot
+  end[0, p(1)], end[0, p(5)] = 8.0, 1.0
+  # n_best=2 -> starts {[CLS], "Champ"} and ends {"stands", "de"}: the only valid pair is
+  # "Champ de" (6.0); "It stands" (12.0) starts at the third-ranked start, outside the n-best.
+  predictions, _ = squad.postprocess([example], features, metadata, start, end, n_best=2, version="1.1")
+  assert predictions == {"q": "Champ de"}
+  predictions, _ = squad.postprocess([example], features, metadata, start, end, n_best=3, version="1.1")
+  assert predictions == {"q": "It stands"}

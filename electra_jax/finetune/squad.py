@@ -562,8 +562,9 @@ def postprocess(
   """Answer text per question from the logits of every row (window) of make_features.
 
   start_logits, end_logits: [F, T]; answerable_logits: [F] from SpanHead(answerable=True).
-  Per row, the n_best start and end positions in the context are paired (start <= end,
-  length <= max_answer_len, the start token's max-context window must be this row); over
+  Per row, the n_best start and end positions (ranked over the whole row, as the official
+  code) that lie in the context are paired (start <= end, length <= max_answer_len, the
+  start token's max-context window must be this row); over
   all rows of a question the pair with the highest start + end logit wins, and its text is
   the context's characters from the start token to the end token.
 
@@ -601,10 +602,17 @@ def postprocess(
         score_null = min(score_null, -float(answerable_logits[row]))
       else:
         score_null = min(score_null, float(row_start[0] + row_end[0]))
-      positions = np.arange(offset, offset + length)  # sequence positions of the window's context
-      starts = positions[owner[start:start + length] == window]
-      starts = starts[np.argsort(-row_start[starts], kind="stable")[:n_best]]
-      ends = positions[np.argsort(-row_end[positions], kind="stable")[:n_best]]
+      # As the official decoding: the n_best starts and ends over the whole row (ties to the
+      # lower position), and only then the invalid ones dropped: [CLS], the question, padding,
+      # the last [SEP], and starts whose max-context window is another row.
+      in_context = np.zeros(len(row_start), bool)
+      in_context[offset:offset + length] = True
+      owned = in_context.copy()
+      owned[offset:offset + length] = owner[start:start + length] == window
+      starts = np.argsort(-row_start, kind="stable")[:n_best]
+      starts = starts[owned[starts]]
+      ends = np.argsort(-row_end, kind="stable")[:n_best]
+      ends = ends[in_context[ends]]
       for s in starts:
         for e in ends[(ends >= s) & (ends - s < max_answer_len)]:
           candidates.append((float(row_start[s] + row_end[e]), start + s - offset, start + e - offset))
