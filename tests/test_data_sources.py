@@ -118,6 +118,21 @@ def test_jsonl_source_documents_and_text_field(tmp_path):
   assert stats.skipped_lines == 0
 
 
+def test_jsonl_records_holding_unicode_line_separators_are_kept(tmp_path):
+  # JSON strings may hold U+2028, U+2029 and U+0085 unescaped (json.dumps(ensure_ascii=False)
+  # writes them so); only "\n" ends a JSON Lines record. Inside the text they end sentences.
+  rows = [{"text": "One.\u2028Two."}, {"text": "Three\u2029four."}, {"text": "Five\x85six."}, {"text": "Seven."}]
+  lines = [json.dumps(r, ensure_ascii=False) for r in rows]
+  path = _write(tmp_path / "sep.jsonl", "\n".join(lines) + "\n")
+  # The same records after a line with a byte that is not UTF-8 (read line by line).
+  bad = _write(tmp_path / "sep_bad.jsonl", b'{"text": "Caf\xe9."}\n' + "\n".join(lines).encode() + b"\r\n", "wb")
+  expected = [["One.", "Two."], ["Three", "four."], ["Five", "six."], ["Seven."]]
+  documents, stats = read_documents("jsonl", [path])
+  assert documents == expected and stats.skipped_lines == 0
+  documents, stats = read_documents("jsonl", [bad])
+  assert documents == [["Caf\ufffd."]] + expected and stats.skipped_lines == 0
+
+
 def test_jsonl_bad_lines_are_skipped_counted_and_located(tmp_path, caplog):
   lines = [
       json.dumps({"text": "Good one."}),

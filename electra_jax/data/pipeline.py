@@ -237,6 +237,9 @@ def source_fingerprint(config) -> dict:
   key_fields = {"files": sources.files_fingerprint(config["files"])}
   if config["source"] == "jsonl":
     key_fields["text_field"] = config["text_field"]
+    # Records end at "\n" only (before, also at U+2028, U+2029, U+0085, dropping the record):
+    # caches of the earlier reading are rebuilt.
+    key_fields["jsonl_lines"] = "newline"
   return key_fields
 
 

@@ -160,12 +160,24 @@ def _blocks(f):
       yield data
 
 
-def _iter_lines(path: str, stats: SourceStats):
+def _split_lines(text: str, newline_only: bool) -> list[str]:
+  if not newline_only:
+    return text.splitlines()
+  lines = text.split("\n")
+  if lines[-1] == "":
+    lines.pop()  # the text's final "\n" ends its last line; it does not start another
+  return lines
+
+
+def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
   """(line number, text) of `path`, streamed; lines with non-UTF-8 bytes are decoded with
   replacement and counted. Yields nothing for a binary file (recorded in stats).
 
   Lines end where str.splitlines ends them (\n, \r, form feeds, the Unicode separators), as
   if the whole file were decoded and split at once; an empty line is one blank line.
+  `newline_only` (JSON Lines) ends them at "\n" only: JSON strings may hold U+2028, U+2029
+  and U+0085 unescaped (json.dumps(..., ensure_ascii=False) writes them so), and splitting a
+  record there would turn it into two invalid lines and drop the document.
   """
   with open(path, "rb") as f:
     if b"\0" in f.read(_SNIFF_BYTES):
@@ -177,7 +189,7 @@ def _iter_lines(path: str, stats: SourceStats):
     for data in _blocks(f):
       stats.bytes_read += len(data)
       try:
-        lines = data.decode("utf-8").splitlines()
+        lines = _split_lines(data.decode("utf-8"), newline_only)
       except UnicodeDecodeError:
         lines = None
       if lines is not None:  # the common case: the whole block at C speed
@@ -187,7 +199,7 @@ def _iter_lines(path: str, stats: SourceStats):
         continue
       for raw in io.BytesIO(data):  # only this block, line by line, to find the bad lines
         text = decode_utf8(raw, lambda: f"{path}:{number + 1}", stats)
-        for line in text.splitlines() or [""]:
+        for line in _split_lines(text, newline_only) or [""]:
           number += 1
           yield number, line
 
@@ -209,7 +221,7 @@ def _text_file_documents(path: str, stats: SourceStats):
 
 
 def _jsonl_file_documents(path: str, text_field: str, stats: SourceStats):
-  for number, line in _iter_lines(path, stats):
+  for number, line in _iter_lines(path, stats, newline_only=True):
     if not line.strip():
       continue
     why = None
