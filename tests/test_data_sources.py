@@ -16,6 +16,7 @@ import pytest
 from electra_jax.config_lib import ConfigError
 from electra_jax.data import (
     WordPieceTokenizer,
+    get_rows,
     load_pretraining_data,
     load_tokenizer,
     pipeline,
@@ -389,6 +390,24 @@ def test_wordpiece_text_pipeline_decodes_back_to_the_text(tmp_path):
   assert time.perf_counter() - start < 1.0
   np.testing.assert_array_equal(again.input_ids, train.input_ids)
   assert again.fingerprint == train.fingerprint
+
+
+def test_pad_written_in_the_text_never_becomes_padding_inside_an_example(tmp_path):
+  # A corpus about BERT may write "[PAD]"; its id inside an example would read as padding
+  # (attention mask 0 mid-example, no loss there). Only the tail of a row is padding.
+  vocab = _bert_like_vocab(tmp_path / "vocab.txt", _ORACLE_WORDS + ["[", "]", "pad"])
+  tokenizer = WordPieceTokenizer(vocab)
+  assert tokenizer.pad_id not in tokenizer.encode("the [PAD] dog")
+  assert tokenizer.encode("the [MASK] dog")[1] == tokenizer.mask_id  # kept whole, as tested above
+  text = "the quick [PAD] fox\njumps over the [PAD]\n\nhello [PAD] world\n"
+  for copy in range(3):
+    _write(tmp_path / "pads" / f"{copy}.txt", text)
+  config = _config(tmp_path, files=f"{tmp_path}/pads/*.txt", tokenizer="wordpiece", vocab_file=vocab)
+  data = load_pretraining_data(config)
+  for row, mask in zip(data.input_ids, get_rows(data, np.arange(data.num_examples))["attention_mask"]):
+    length = int(np.count_nonzero(row != tokenizer.pad_id))
+    assert np.all(row[length:] == tokenizer.pad_id), f"padding inside an example: {row.tolist()}"
+    assert mask.tolist() == [1] * length + [0] * (len(row) - length)
 
 
 def test_jsonl_source_with_sentencepiece_builds(tmp_path):

@@ -74,8 +74,12 @@ class WordPieceTokenizer:
     )
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tokenizer.decoder = decoders.WordPiece(prefix="##")
-    # "[MASK]" etc. written in the text stay one token, as in BERT (and our sentencepiece models).
-    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    # "[MASK]", "[CLS]", "[SEP]" and "[UNK]" written in the text stay one token, as in BERT's
+    # transformers tokenizer (and [CLS]/[SEP]/[MASK] in our sentencepiece models). "[PAD]" does
+    # not: its id inside an example would be read as padding (attention mask 0 mid-example, the
+    # token left out of the losses); it is tokenized as text ("[", "pad", "]"), as sentencepiece
+    # and BERT's original tokenizer do.
+    tokenizer.add_special_tokens([token for token in SPECIAL_TOKENS if token != "[PAD]"])
     self._tokenizer = tokenizer
     self._id_to_token = {index: token for token, index in self._vocab.items()}
 
