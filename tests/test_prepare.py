@@ -466,6 +466,22 @@ def test_sentencepiece_trained_by_prepare_serves_training(tmp_path, corpus_files
     prepare_data(_config(tmp_path, corpus_files, spm_vocab_size=80), num_workers=0)
 
 
+@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
+def test_a_tokenizer_trained_by_prepare_equals_the_in_memory_one_on_any_core_count(
+    tmp_path, corpus_files, monkeypatch, model_type
+):
+  # Without data.spm_model_file both paths train the model; the shards must still hold the
+  # in-memory examples (and fingerprint), whatever the machine's core count.
+  config = _config(tmp_path, corpus_files, spm_vocab_size=100, spm_model_type=model_type)
+  in_memory = load_pretraining_data(config)
+  monkeypatch.setattr(prepare, "_default_workers", lambda: 5)  # a machine of another size
+  prepare_data(config, num_workers=0)
+  prepared = load_pretraining_data(_config(tmp_path, corpus_files, spm_vocab_size=100, source="prepared"))
+  assert prepared.tokenizer.fingerprint == in_memory.tokenizer.fingerprint
+  assert prepared.fingerprint == in_memory.fingerprint
+  np.testing.assert_array_equal(np.asarray(prepared.input_ids), in_memory.input_ids)
+
+
 # ---------------------------------------------------------------- bad input
 
 

@@ -43,7 +43,7 @@ from electra_jax.config_lib import ConfigError
 from electra_jax.data import corpus, pipeline, sources
 from electra_jax.data.packing import example_lengths, pack_documents
 from electra_jax.data.tokenizer import (
-    NoSentencesError, SentencePieceTokenizer, atomic_write_bytes, train_sentencepiece,
+    TRAINING_THREADS, NoSentencesError, SentencePieceTokenizer, atomic_write_bytes, train_sentencepiece,
 )
 from electra_jax.data.wordpiece import WordPieceTokenizer
 
@@ -200,7 +200,9 @@ def _train_prepare_tokenizer(config, scratch_path: str, final_path: str):
   try:
     train_sentencepiece(
         _iter_train_sentences(config, stats), scratch_path, vocab_size=config["spm_vocab_size"],
-        model_type=config["spm_model_type"], num_threads=_default_workers(),
+        # The in-memory path's thread count: the model (and so the shards) must not depend on
+        # this machine's cores.
+        model_type=config["spm_model_type"], num_threads=TRAINING_THREADS,
     )
   except NoSentencesError as e:  # the source's own errors (a TFDS dataset not prepared) pass as they are
     raise pipeline.no_documents_error(config, stats) from e

@@ -25,6 +25,12 @@ SUPPORTED_MODEL_TYPES = ("unigram", "bpe")
 # ~16k, so it is used whole, while a large corpus cannot make training unboundedly slow.
 _MAX_TRAINING_SENTENCES = 1_000_000
 
+# Threads of the sentencepiece trainer wherever a model is trained as part of the data (the
+# in-memory cache, prepare_data): the model depends on them (unigram's pieces, and both types'
+# bytes, which record the count), so a fixed count makes it a function of the config alone, and
+# prepare_data's shards equal the in-memory examples on machines of any size.
+TRAINING_THREADS = 2
+
 # Sentencepiece skips, without a word, sentences over max_sentence_length bytes (its default is
 # 4192; a few stdlib docstring paragraphs are longer), so we raise it to this and cut longer
 # sentences (the readers keep lines of up to 65,536 characters) into pieces within it.
@@ -82,7 +88,7 @@ def train_sentencepiece(
     out_path: str,
     vocab_size: int,
     model_type: str = "unigram",
-    num_threads: int = 2,
+    num_threads: int = TRAINING_THREADS,
 ) -> str:
   """Train a sentencepiece model on `sentences` and write it atomically to `out_path`.
 
