@@ -6,6 +6,8 @@ Pipeline tests share one small cached build (120 documents, 400-piece vocab) per
 import io
 import os
 import random
+import subprocess
+import sys
 import time
 
 import ml_collections
@@ -306,6 +308,32 @@ def test_lines_over_sentencepieces_limit_are_trained_on_in_pieces(tmp_path):
   tokenizer = SentencePieceTokenizer(train_sentencepiece(lines, str(tmp_path / "long.model"), vocab_size=50))
   ids = tokenizer.encode(" ".join(words))
   assert UNK_ID not in ids and tokenizer.decode(ids) == " ".join(words)
+
+
+_TRAIN_CAPPED = """
+import hashlib, sys
+from electra_jax.data import builtin_documents, tokenizer
+tokenizer._MAX_TRAINING_SENTENCES = 300  # stands for the 1M cap of a big corpus
+sentences = [s for d in builtin_documents(60) for s in d]
+assert len(sentences) > 1000
+tokenizer.train_sentencepiece(sentences, sys.argv[1], vocab_size=300)
+print(hashlib.sha256(open(sys.argv[1], "rb").read()).hexdigest())
+"""
+
+
+def test_sentencepiece_on_a_corpus_over_the_sentence_cap_is_the_same_in_every_process(tmp_path):
+  # Each host of a job (and each rebuild of a cache) trains its own model when no
+  # spm_model_file is given: a corpus over the cap must still give one model, or hosts
+  # tokenize differently and their rows are not one global batch.
+  digests = set()
+  for run in range(2):
+    result = subprocess.run(
+        [sys.executable, "-c", _TRAIN_CAPPED, str(tmp_path / f"{run}.model")],
+        capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    digests.add(result.stdout.split()[-1])
+  assert len(digests) == 1, "two processes trained different models on the same sentences"
 
 
 def test_train_sentencepiece_bpe_writes_only_the_model(tmp_path):

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 import os
+import random
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -54,6 +56,34 @@ def _within_limit(sentence: str, limit: int = _MAX_SENTENCE_BYTES) -> Iterator[s
     if piece:
       yield piece
     start = end
+
+
+def _sample_sentences(sentences: Iterable[str], k: int) -> list[str]:
+  """All of `sentences` in order if there are at most `k`, else `k` of them drawn uniformly by a
+  reservoir sampler with a fixed seed (Li's algorithm L: O(k log(n / k)) draws).
+
+  Sentencepiece samples a corpus over its input_sentence_size itself, but seeds its sampler
+  from the process's random device, so every run (every host building its cache, every
+  rebuild) trained another model on a big corpus. Given at most that many, it keeps them all."""
+  reservoir: list[str] = []
+  iterator = iter(sentences)
+  for sentence in iterator:
+    reservoir.append(sentence)
+    if len(reservoir) == k:
+      break
+  else:
+    return reservoir
+  rng = random.Random(f"electra-spm-sample:{k}")
+  w = math.exp(math.log(1.0 - rng.random()) / k)
+  skip = int(math.log(1.0 - rng.random()) / math.log(1.0 - w)) if w < 1.0 else 0
+  for sentence in iterator:
+    if skip:
+      skip -= 1
+      continue
+    reservoir[rng.randrange(k)] = sentence
+    w *= math.exp(math.log(1.0 - rng.random()) / k)
+    skip = int(math.log(1.0 - rng.random()) / math.log(1.0 - w)) if w < 1.0 else 0
+  return reservoir
 
 
 class NoSentencesError(ConfigError):
@@ -117,7 +147,7 @@ def train_sentencepiece(
 
   try:
     spm.SentencePieceTrainer.train(
-        sentence_iterator=counted_sentences(),
+        sentence_iterator=iter(_sample_sentences(counted_sentences(), _MAX_TRAINING_SENTENCES)),
         model_writer=model_bytes,
         vocab_size=vocab_size,
         model_type=model_type,
