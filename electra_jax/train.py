@@ -257,6 +257,24 @@ def _check_checkpoint_matches(meta: dict, setup, corpus, workdir: str, config=No
     )
 
 
+def _stream_offset(checkpointer, start_step: int, global_batch: int) -> int:
+  """Where batch `step` starts in the row stream is stream_offset + step * global_batch. A
+  checkpoint records the stream position it reached, so a run resumed with another batch size
+  (train.batch_size=-1 resolves it again on each start) goes on from there: no example of the
+  epoch is skipped or seen twice. 0 on a fresh start, with the same batch size, and for
+  checkpoints that predate the record (which assumed the same batch size)."""
+  if not start_step:
+    return 0
+  position = checkpointer.read_meta(start_step).get("stream_position")
+  if position is None:
+    return 0
+  offset = int(position) - start_step * global_batch
+  if offset:
+    logging.info("train.batch_size=%d differs from the checkpoint's (it read %d rows in %d steps): the "
+                 "data stream goes on from row %d.", global_batch, position, start_step, position)
+  return offset
+
+
 def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpus=None):
   """(step, state): the train state saved at `step` (default: the latest) in `workdir`,
   sharded for `mesh` whatever mesh saved it, once the checkpoint is known to hold this
@@ -774,6 +792,7 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease
   peak = flops.peak_flops(jax.devices()[0])
   tokens_per_step = global_batch * seq_len
   meta = {"param_shapes": setup.param_shapes, "data_fingerprint": corpus.fingerprint}
+  stream_offset = _stream_offset(checkpointer, start_step, global_batch)
   window, window_steps, last_logged, step = [], 0, {}, start_step
   keys = batch_keys(config)
   window_start = time.perf_counter()
@@ -783,7 +802,8 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease
   # Whatever ends the loop (done, SIGTERM, NaN, an error), saves in flight are completed.
   def fetch(step_index):
     return data.get_batch(
-        corpus, step_index, global_batch, config.train.seed, jax.process_index(), jax.process_count()
+        corpus, step_index, global_batch, config.train.seed, jax.process_index(), jax.process_count(),
+        stream_offset,
     )
 
   try:
@@ -851,7 +871,7 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease
           if not bool(_params_finite(state.params)):
             _stop_if_not_finite("parameters", float("nan"), step, checkpointer, config)
           _hold_workdir(lease)  # never save over the checkpoints of a run that took over
-          checkpointer.save(step, state, meta)
+          checkpointer.save(step, state, dict(meta, stream_position=stream_offset + step * global_batch))
           if is_chief:  # a bucket's logs are rewritten now and then, and at least here
             metrics_log.flush()
             eval_log.flush()

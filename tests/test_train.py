@@ -388,3 +388,35 @@ def test_resuming_with_other_settings_names_them_and_keeps_the_old_config(tmp_pa
       shutil.rmtree(workdir / "checkpoints" / step)
   train.train_and_evaluate(tiny_config(**{"train.steps": 4, "optimizer.learning_rate": 2e-4}), str(workdir))
   assert json.loads((workdir / "config.step3.json").read_text()) == first
+
+
+def test_a_resume_with_another_batch_size_goes_on_where_the_data_stream_stopped(tmp_path, monkeypatch):
+  """Batch `step` read stream positions [step * B, (step + 1) * B), so a run resumed with
+  another batch size (train.batch_size=-1 resolves it again on every start) jumped in the
+  stream: from 3 steps of 8 to batches of 16 it read rows 48.. next, skipping 24..47. The
+  checkpoint now records its stream position and the resumed run goes on from there."""
+  from electra_jax import data  # noqa: PLC0415
+
+  read = []
+  real = data.get_batch
+
+  def recording(corpus, step, global_batch_size, seed, process_index=0, process_count=1, stream_offset=0):
+    start = stream_offset + step * global_batch_size
+    read.extend(range(start, start + global_batch_size))
+    return real(corpus, step, global_batch_size, seed, process_index, process_count, stream_offset)
+
+  monkeypatch.setattr(data, "get_batch", recording)
+  workdir = str(tmp_path / "run")
+  small = {"train.steps": 3, "train.batch_size": 8, "checkpoint.every_steps": 3, "eval.every_steps": 0}
+  train.train_and_evaluate(tiny_config(**small), workdir)
+  train.train_and_evaluate(tiny_config(**dict(small, **{"train.steps": 5, "train.batch_size": 16})), workdir)
+  assert read == list(range(3 * 8 + 2 * 16))  # every position once, in order
+  checkpointer = train.checkpointing.Checkpointer(workdir, keep=2)
+  try:
+    assert [checkpointer.read_meta(s)["stream_position"] for s in (3, 5)] == [24, 56]
+  finally:
+    checkpointer.close()
+  # The same batch size resumes as before: stream positions step * B.
+  read.clear()
+  train.train_and_evaluate(tiny_config(**dict(small, **{"train.steps": 6, "train.batch_size": 16})), workdir)
+  assert read == list(range(56, 72))

@@ -572,13 +572,15 @@ def get_batch(
     seed: int,
     process_index: int = 0,
     process_count: int = 1,
+    stream_offset: int = 0,
 ) -> dict[str, np.ndarray]:
   """This process's rows of global batch `step`; a pure function of its arguments.
 
   The row stream is epoch 0, epoch 1, ... each a seeded permutation of all rows (examples, or
   packed rows under data.pack_rows); global batch `step` is stream positions
-  [step * B, (step + 1) * B), and process p takes the p-th contiguous slice of it. Resuming at
-  a step therefore needs no loader state.
+  [stream_offset + step * B, stream_offset + (step + 1) * B), and process p takes the p-th
+  contiguous slice of it. Resuming at a step therefore needs no loader state, only the offset
+  when the batch size changed (a checkpoint records its stream position: see train.py).
 
   Returns int32 [B / process_count, max_seq_len] input_ids, token_type_ids and attention_mask;
   packed rows add segment_ids and position_ids (see `get_rows`).
@@ -597,10 +599,11 @@ def get_batch(
         f"global_batch_size {global_batch_size} is not divisible by process_count "
         f"{process_count}; choose a batch size that is a multiple of the process count."
     )
-  if step < 0:
-    raise ConfigError(f"step must be >= 0, got {step}.")
+  if step < 0 or stream_offset + step * global_batch_size < 0:
+    raise ConfigError(f"step must be >= 0 and start a batch at a stream position >= 0, got step {step} "
+                      f"with stream_offset {stream_offset}.")
   per_process = global_batch_size // process_count
-  start = step * global_batch_size + process_index * per_process
+  start = stream_offset + step * global_batch_size + process_index * per_process
   positions = np.arange(start, start + per_process, dtype=np.int64)
   epochs, offsets = np.divmod(positions, data.num_rows)
   rows = np.empty(per_process, dtype=np.int64)
