@@ -356,6 +356,7 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
         masked.input_ids, token_type_ids, model_mask, masked.positions, deterministic,
         method=model.discriminator_mlm_logits, rngs={"dropout": disc_dropout_rng},
     )
+    mlm_logits = _vocabulary_only(mlm_logits, objective.vocab_size)
     mlm_loss_sum, mlm_correct = _mlm_sums(mlm_logits, masked.target_ids, masked.weights)
     stats.update(mlm_loss_sum=mlm_loss_sum, mlm_correct=mlm_correct)
     loss = mlm_loss_sum / normalizers.num_predictions
@@ -411,6 +412,7 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
         corrupted_ids, token_type_ids, model_mask, masked.positions, deterministic,
         method=model.discriminator_mlm_logits, rngs={"dropout": disc_dropout_rng},
     )
+    main_logits = _vocabulary_only(main_logits, objective.vocab_size)
     main_loss_sum, main_correct = _mlm_sums(main_logits, masked.target_ids, masked.weights)
     stats.update(main_loss_sum=main_loss_sum, main_correct=main_correct, main_count=masked.weights.sum())
     main_loss = main_loss_sum / normalizers.num_predictions
@@ -421,6 +423,7 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
         corrupted_ids, token_type_ids, model_mask, None, deterministic,
         method=model.discriminator_mlm_logits, rngs={"dropout": disc_dropout_rng},
     )  # [batch, seq], [batch, seq, vocab]
+    main_logits = _vocabulary_only(main_logits, objective.vocab_size)
     log_softmax = jax.nn.log_softmax(main_logits, axis=-1)
     log_mlm = jnp.take_along_axis(log_softmax, input_ids[..., None], axis=-1)[..., 0]
     log_copy, log_no_copy = jax.nn.log_sigmoid(copy_logits), jax.nn.log_sigmoid(-copy_logits)

@@ -174,9 +174,15 @@ class _RecordingModel:
   def discriminator_logits(self):
     raise NotImplementedError
 
+  def discriminator_mlm_logits(self):
+    raise NotImplementedError
+
   def apply(self, variables, input_ids, *args, method, rngs):
     if method == self.generator_logits:
       return jnp.zeros((*args[2].shape, self.vocab_size), jnp.float32)  # [batch, n_pred, rows]
+    if method == self.discriminator_mlm_logits:  # (copy logits, MLM logits at positions or all)
+      rows = input_ids.shape if args[2] is None else args[2].shape
+      return jnp.zeros(input_ids.shape, jnp.float32), jnp.zeros((*rows, self.vocab_size), jnp.float32)
     self.discriminator_inputs.append(np.asarray(input_ids))
     return jnp.zeros(input_ids.shape, jnp.float32)
 
@@ -204,6 +210,33 @@ def test_replacements_and_mlm_softmax_cover_the_tokenizers_vocabulary_only(name)
   # All-zero logits over the vocabulary: L_MLM is log(vocabulary), not log(rows).
   mlm_loss = float(stats["mlm_loss_sum"]) / float(masked.weights.sum())
   assert mlm_loss == pytest.approx(math.log(tokenizer_vocab), rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["mlm", "replace_mlm", "all_tokens_mlm"])
+def test_the_discriminators_mlm_heads_score_the_tokenizers_vocabulary_only(name):
+  """The BERT-family ablations' heads over the same rows: their softmax leaves out the rows
+  past the tokenizer's vocabulary too, so their losses compare with ELECTRA's generator's."""
+  tokenizer_vocab, model_rows = 12, 64
+  ids, mask = _random_batch(5, batch=16, seq=32, vocab=tokenizer_vocab)
+  ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+  objective = _objective(name=name, max_predictions=4, vocab_size=tokenizer_vocab)
+  masked = objectives.mask_tokens(jax.random.key(1), ids, mask, objective)
+  batch = {"input_ids": ids, "token_type_ids": jnp.zeros_like(ids), "attention_mask": mask}
+  _, (stats, per_token) = objectives.electra_forward(
+      _RecordingModel(model_rows), None, batch, masked, jax.random.split(jax.random.key(2), 16),
+      jax.random.key(3), objective, objectives.Normalizers.of(masked, mask),
+  )
+  v = tokenizer_vocab
+  if name == "mlm":
+    assert float(stats["mlm_loss_sum"]) / float(masked.weights.sum()) == pytest.approx(math.log(v), rel=1e-6)
+  elif name == "replace_mlm":
+    assert float(stats["main_loss_sum"]) / float(stats["main_count"]) == pytest.approx(math.log(v), rel=1e-6)
+  else:  # zero logits: copy probability 1/2; -log(1/2 + 1/(2V)) for a kept token, -log(1/(2V)) for a replaced one
+    replaced = np.asarray(per_token["is_replaced"]) & (np.asarray(mask) > 0)
+    kept = (np.asarray(mask) > 0) & ~replaced
+    assert replaced.sum() > 20
+    want = kept.sum() * -math.log(0.5 + 0.5 / v) + replaced.sum() * math.log(2 * v)
+    assert float(stats["main_loss_sum"]) == pytest.approx(want, rel=1e-5)
 
 
 def test_binary_auc_matches_pairwise_count_with_ties():
