@@ -414,6 +414,7 @@ def _sweep(base_config, sweep_dir, override_lists, existing, configs, finetune_c
     if previous_handler is not None:
       signal.signal(signal.SIGTERM, previous_handler)
 
+  train._hold_workdir(lease)  # noqa: SLF001 (the tables and curves are the holder's to write)
   rows = write_report(sweep_dir)
   if plot:
     _plot_sweep(sweep_dir)
@@ -425,7 +426,8 @@ def _sweep(base_config, sweep_dir, override_lists, existing, configs, finetune_c
 def _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_over) -> tuple[list[str], bool]:
   """Trains (or resumes, or skips) each run in order; (failed run names, preempted). Stops
   with WorkdirInUse once another sweep has taken the folder over (`lease`, None on processes
-  other than 0); with `take_over` each run takes its workdir from the dead sweep's run too."""
+  other than 0); with `take_over` each run takes its workdir from a dead holder too (the dead
+  sweep's run)."""
   failed, durations = [], []
   latest_steps = [_latest_checkpoint(run_dir(sweep_dir, r)) for r in runs]
   unfinished = [(latest or 0) < c.train.steps for latest, c in zip(latest_steps, configs)]
@@ -451,6 +453,9 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_ov
       try:
         train.train_and_evaluate(config, workdir, take_over_workdir=take_over)
       except Exception as error:  # noqa: BLE001 (the sweep goes on; the error is kept and reported)
+        # A run taken over because another sweep took the folder: that sweep owns the run now,
+        # so nothing is written into it and this sweep stops here.
+        train._hold_workdir(lease)  # noqa: SLF001
         if isinstance(error, ConfigError):  # the user's input: the message says it all
           logging.error("Sweep run %s failed: %s Going on with the next one.", run.name, error)
         else:

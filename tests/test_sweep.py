@@ -356,3 +356,28 @@ def test_one_sweep_at_a_time_holds_a_sweep_folder(tmp_path, monkeypatch):
   assert not (sweep_dir / runs[1].name).exists()  # the second run was left to the new holder
   monkeypatch.setattr(train, "train_and_evaluate", real)
   assert sweep.run_sweep(base_config(), str(sweep_dir), grid, plot=False)["failed"] == []
+
+
+def test_a_sweep_taken_over_during_a_run_writes_nothing_more_into_the_folder(tmp_path, monkeypatch):
+  """The run of a sweep whose folder another sweep took over stops with WorkdirInUse (the new
+  sweep took its workdir too). The old sweep counted that as a failed run, wrote sweep_error.txt
+  into the run the new sweep now trains, and, being at its last run, rewrote the tables."""
+  from electra_jax import workdir_lease  # noqa: PLC0415
+
+  sweep_dir = tmp_path / "sweep"
+  taker = {}
+
+  def taken_over_while_training(config, workdir, **kwargs):
+    taker["lease"] = workdir_lease.WorkdirLease(str(sweep_dir))
+    taker["lease"].acquire(take_over=True)  # another sweep, started with --take_over_workdir
+    raise workdir_lease.WorkdirInUse(f"Another run took over the workdir {workdir}.")
+
+  monkeypatch.setattr(train, "train_and_evaluate", taken_over_while_training)
+  try:
+    with pytest.raises(workdir_lease.WorkdirInUse, match="Another run took over the workdir .*sweep:"):
+      sweep.run_sweep(base_config(), str(sweep_dir), ["optimizer.learning_rate=1e-3"])
+  finally:
+    taker["lease"].release()
+  (run,) = sweep.read_record(str(sweep_dir))["runs"]
+  assert not (sweep_dir / run.name / sweep.ERROR_FILE).exists()
+  assert not (sweep_dir / "results.md").exists() and not (sweep_dir / "results.csv").exists()
