@@ -312,8 +312,6 @@ def _corpus_cache_dir(config) -> str:
   else:
     key_fields["tokenizer"] = config["tokenizer"]
     key_fields["wordpiece"] = _wordpiece_tokenizer(config).fingerprint
-    # "[PAD]" in the text is no longer the padding id: caches made before are rebuilt.
-    key_fields["wordpiece_pad_text"] = True
   key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
   return os.path.join(config["cache_dir"], config["source"], key)
 

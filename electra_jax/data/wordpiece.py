@@ -58,7 +58,10 @@ class WordPieceTokenizer:
             f"of {list(SPECIAL_TOKENS)}. Add the missing line(s) to the vocab (BERT's vocab.txt "
             f"has them)."
         )
-    settings = f"lowercase={self.lowercase}|strip_accents={self.strip_accents}\n".encode()
+    # pad_text: "[PAD]" in the text is text (earlier versions made it the padding id), so the
+    # same vocabulary and text give other ids than before: their caches, shards and
+    # checkpoints are not this tokenizer's.
+    settings = f"lowercase={self.lowercase}|strip_accents={self.strip_accents}|pad_text=1\n".encode()
     self.fingerprint = hashlib.sha256(settings + vocab_bytes).hexdigest()[:16]
 
     tokenizer = Tokenizer(
