@@ -261,8 +261,8 @@ def _stream_offset(checkpointer, start_step: int, global_batch: int) -> int:
   """Where batch `step` starts in the row stream is stream_offset + step * global_batch. A
   checkpoint records the stream position it reached, so a run resumed with another batch size
   (train.batch_size=-1 resolves it again on each start) goes on from there: no example of the
-  epoch is skipped or seen twice. 0 on a fresh start, with the same batch size, and for
-  checkpoints that predate the record (which assumed the same batch size)."""
+  epoch is skipped or seen twice. 0 on a fresh start, for checkpoints that predate the record
+  (which assumed one batch size throughout), and for a run whose batch size never changed."""
   if not start_step:
     return 0
   position = checkpointer.read_meta(start_step).get("stream_position")
@@ -270,8 +270,8 @@ def _stream_offset(checkpointer, start_step: int, global_batch: int) -> int:
     return 0
   offset = int(position) - start_step * global_batch
   if offset:
-    logging.info("train.batch_size=%d differs from the checkpoint's (it read %d rows in %d steps): the "
-                 "data stream goes on from row %d.", global_batch, position, start_step, position)
+    logging.info("The checkpoint at step %d read %d rows of the data stream (the batch size changed "
+                 "along the way); batches of %d go on from there.", start_step, position, global_batch)
   return offset
 
 

@@ -123,8 +123,8 @@ def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) 
 
   data.spm_model_type ("unigram" or "bpe") and data.spm_vocab_size choose the model; ids 0..4
   are [PAD] [UNK] [CLS] [SEP] [MASK]. The eval documents (data.eval_fraction) are left out, as
-  training will hold them out. Sentencepiece samples at most a million sentences, so memory
-  stays bounded on big corpora. Use the model with data.tokenizer="sentencepiece" and
+  training will hold them out. At most a million sentences train it, drawn with a fixed seed
+  from a bigger corpus (the same model on every run and host), so memory stays bounded. Use the model with data.tokenizer="sentencepiece" and
   data.spm_model_file=out_path. Returns what was trained (path, fingerprint, sizes).
   """
   config = pipeline._read_config(data_config)

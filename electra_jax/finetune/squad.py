@@ -10,8 +10,8 @@ The pieces, for use outside the trainer (see each docstring):
   loss = span_loss(start, end, start_positions, end_positions, answerable, is_impossible)
   predictions, null_odds = postprocess(examples, features, metadata, start, end, answerable,
                                        null_threshold=None, version="2.0")
-  metrics = squad_metrics(examples, predictions, null_odds, null_threshold=0.0)
-  write_predictions(path, apply_null_threshold(predictions, null_odds, 0.0))"""
+  metrics = squad_metrics(examples, predictions, null_odds, null_threshold=-2.75)
+  write_predictions(path, apply_null_threshold(predictions, null_odds, -2.75))"""
 
 from __future__ import annotations
 
@@ -555,7 +555,7 @@ def postprocess(
     answerable_logits=None,
     n_best: int = 20,
     max_answer_len: int = 30,
-    null_threshold: float | None = 0.0,
+    null_threshold: float | None = -2.75,
     *,
     version,
 ) -> tuple[dict[str, str], dict[str, float]]:
@@ -683,7 +683,7 @@ def squad_metrics(
     examples: Sequence[SquadExample],
     predictions: dict[str, str],
     null_odds: dict[str, float] | None = None,
-    null_threshold: float = 0.0,
+    null_threshold: float = -2.75,
     version=None,
 ) -> dict[str, float]:
   """EM and F1 in percent ("exact", "f1", "total"), max over each question's gold answers.
