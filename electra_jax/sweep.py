@@ -362,36 +362,15 @@ def run_sweep(
 
   from electra_jax import train  # noqa: PLC0415 (jax stays out of sweep_report)
 
-  lease = _hold_sweep_dir(sweep_dir, take_over_workdir, train)
+  # One sweep per folder: two would each rewrite sweep.json, and each would count the runs the
+  # other was training as failed (their workdirs held) and leave error files in them.
+  lease = train.acquire_lease(sweep_dir, take_over_workdir, "The sweep folder")
   try:
     return _sweep(base_config, sweep_dir, override_lists, existing, configs, finetune_config, plot, train,
                   lease, take_over_workdir)
   finally:
     if lease is not None:
       lease.release()
-
-
-def _hold_sweep_dir(sweep_dir: str, take_over: bool, train):
-  """Process 0's lease on the sweep folder (None on the other processes). Two sweeps on one
-  folder would each rewrite sweep.json, and each would count the runs the other was training
-  as failed (their workdirs are held) and leave error files in them."""
-  import jax  # noqa: PLC0415
-
-  from electra_jax import workdir_lease  # noqa: PLC0415
-
-  lease, problem = None, None
-  if jax.process_index() == 0:
-    lease = workdir_lease.WorkdirLease(sweep_dir)
-    try:
-      lease.acquire(take_over=take_over)
-    except workdir_lease.WorkdirInUse as error:
-      lease, problem = None, str(error).replace("The workdir", "The sweep folder", 1)
-  problem = train._agreed(problem)  # noqa: SLF001 (the same agreement as a run's lease)
-  if problem:
-    if lease is not None:
-      lease.release()
-    raise workdir_lease.WorkdirInUse(problem)
-  return lease
 
 
 def _sweep(base_config, sweep_dir, override_lists, existing, configs, finetune_config, plot, train,

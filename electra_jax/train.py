@@ -643,6 +643,22 @@ def _hold_workdir(lease: workdir_lease.WorkdirLease | None, max_age_seconds: flo
     raise workdir_lease.WorkdirInUse(problem)
 
 
+def acquire_lease(directory: str, take_over: bool, name: str = "The workdir") -> workdir_lease.WorkdirLease | None:
+  """Process 0 takes `directory`'s lease (returned; None on the other processes), or every
+  process raises WorkdirInUse with process 0's message, `name` naming the directory."""
+  lease, problem = None, None
+  if jax.process_index() == 0:
+    lease = workdir_lease.WorkdirLease(directory)
+    try:
+      lease.acquire(take_over=take_over)
+    except workdir_lease.WorkdirInUse as error:
+      lease, problem = None, str(error).replace("The workdir", name, 1)
+  problem = _agreed(problem)
+  if problem:
+    raise workdir_lease.WorkdirInUse(problem)
+  return lease
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        take_over_workdir: bool = False) -> dict[str, float]:
   """Pre-trains per `config`, resuming from `workdir` if it holds a checkpoint. Returns the
@@ -660,17 +676,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if start_step is not None:
     _check_checkpoint_matches(checkpointer.read_meta(start_step), setup, corpus, workdir, config)
     _check_two_stage_resume(config, recorded_switch, start_step, checkpointer)
-  lease, problem = None, None
-  if jax.process_index() == 0:
-    lease = workdir_lease.WorkdirLease(workdir)
-    try:
-      lease.acquire(take_over=take_over_workdir)
-    except workdir_lease.WorkdirInUse as error:
-      lease, problem = None, str(error)
-  problem = _agreed(problem)
-  if problem:
+  try:
+    lease = acquire_lease(workdir, take_over_workdir)
+  except workdir_lease.WorkdirInUse:
     checkpointer.close()
-    raise workdir_lease.WorkdirInUse(problem)
+    raise
   try:
     _check_shared_workdir(workdir, lease)
     return _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease)
