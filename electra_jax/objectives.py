@@ -178,12 +178,14 @@ def sample_tokens(keys, logits, temperature: float, disallowed_ids=None):
   example (`keys` [batch]) so a row's draw does not depend on how the batch is split into
   micro-batches or devices. The draw is discrete and wrapped in stop_gradient: no gradient
   can flow back to the generator through it. `disallowed_ids` [batch, n_pred], if given,
-  get their logit lowered by 1000 first (the official disallow_correct)."""
-  logits = jax.lax.stop_gradient(logits.astype(jnp.float32))
+  get their logit lowered by 1000 after the division by the temperature, as the official
+  disallow_correct does (sample_from_softmax(logits / temperature, disallow)): lowered before
+  it, the penalty would shrink to 1000 / temperature and let a hot sampler draw the original."""
+  logits = jax.lax.stop_gradient(logits.astype(jnp.float32)) / temperature
   if disallowed_ids is not None:
     logits = logits - _DISALLOW_PENALTY * jax.nn.one_hot(disallowed_ids, logits.shape[-1], dtype=jnp.float32)
   gumbel = jax.vmap(lambda key: random_ops.gumbel(key, logits.shape[1:]))(keys)
-  return jax.lax.stop_gradient(_argmax_first(logits / temperature + gumbel).astype(jnp.int32))
+  return jax.lax.stop_gradient(_argmax_first(logits + gumbel).astype(jnp.int32))
 
 
 def corrupt(input_ids, masked: MaskedInputs, sampled_ids):

@@ -137,6 +137,11 @@ def test_disallow_correct_never_samples_the_original():
   # ... still never samples it when disallow_correct lowers its logit by 1000.
   disallowed = objectives.sample_tokens(keys, logits, 1.0, disallowed_ids=targets)
   assert not bool(jnp.any(disallowed == targets))
+  # The official code lowers the tempered logit (logits / T - 1000): a hot sampler still never
+  # draws the original. Lowered before the division, the penalty was only 1000 / T (1 here).
+  small = jnp.asarray([[0, 1, 2]] * 200)
+  hot = objectives.sample_tokens(keys, jnp.zeros((200, 3, 3)), 1000.0, disallowed_ids=small)
+  assert not bool(jnp.any(hot == small))
   # Through the objective: every used masked position ends up replaced.
   model, params = _model_and_params()
   batch = _batch()
