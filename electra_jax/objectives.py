@@ -473,12 +473,17 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
     loss = jnp.where(second_stage, disc_loss, gen_loss)
   elif objective.name == "adversarial":
     # REINFORCE: the generator's reward at a masked slot is the discriminator's loss on its
-    # sample there (high when the discriminator is fooled); the example's mean reward is the
-    # baseline, which keeps the estimate unbiased and independent of how the batch is split.
+    # sample there (high when the discriminator is fooled). A slot's baseline is the mean
+    # reward of its example's other slots (0 when it has none): it does not depend on the
+    # slot's own sample, so the estimate stays unbiased (a mean that includes the slot itself
+    # scales its gradient by (n - 1) / n, and gives a one-slot example none), and it does not
+    # depend on how the batch is split over devices or micro-batches.
     bce_at_slots = jnp.take_along_axis(_bce(disc_logits, is_replaced.astype(jnp.float32)), masked.positions, axis=1)
     reward = jax.lax.stop_gradient(bce_at_slots)
     weights = masked.weights
-    baseline = (reward * weights).sum(-1, keepdims=True) / jnp.maximum(weights.sum(-1, keepdims=True), 1.0)
+    slots = weights.sum(-1, keepdims=True)
+    others = (reward * weights).sum(-1, keepdims=True) - reward * weights
+    baseline = jnp.where(slots > 1, others / jnp.maximum(slots - 1, 1.0), 0.0)
     log_policy = jax.nn.log_softmax(gen_logits / objective.temperature, axis=-1)
     sample_log_prob = jnp.take_along_axis(log_policy, sampled_ids[..., None], axis=-1)[..., 0]
     reinforce = -((reward - baseline) * sample_log_prob * weights).sum() / normalizers.num_predictions

@@ -472,10 +472,14 @@ def test_adversarial_generator_learns_from_the_discriminators_reward():
   assert _norm(grads["generator"]) > 0.0  # the reward reaches the generator ...
   assert _norm(grads["discriminator"]) == 0.0  # ... which does not train the discriminator
   # A discriminator that says the same about every token gives every sample the same reward:
-  # nothing to learn from once the baseline is subtracted.
+  # nothing to learn from once the baseline (the other slots' mean) is subtracted, in examples
+  # of several slots. An example of one slot (the batch's 4th, 9 tokens) has no other slot:
+  # its baseline is 0 and it still learns (the example's own mean gave it nothing).
   flat = jax.tree.map(jnp.zeros_like, params["discriminator"]["head_out"])
   constant = {**params, "discriminator": {**params["discriminator"], "head_out": flat}}
-  assert _norm(_grads(model, constant, objective, batch)["generator"]) < 1e-12
+  assert _norm(_grads(model, constant, objective, _batch(batch=3))["generator"]) < 1e-12
+  assert _norm(_grads(model, constant, objective, batch)["generator"]) > 1e-4
+  batch = _batch(batch=3)  # the REINFORCE loss by hand, over examples of several slots
   # The REINFORCE loss by hand.
   masked, loss, stats, per_token = _forward(model, params, objective, batch)
   keys = jax.random.split(jax.random.key(2), batch["input_ids"].shape[0])
@@ -485,7 +489,9 @@ def test_adversarial_generator_learns_from_the_discriminators_reward():
   logits, replaced = np.asarray(per_token["disc_logits"], np.float64), np.asarray(per_token["is_replaced"], np.float64)
   positions, weights = np.asarray(masked.positions), np.asarray(masked.weights)
   reward = np.take_along_axis(_bce(logits, replaced), positions, 1)
-  baseline = (reward * weights).sum(1, keepdims=True) / np.maximum(weights.sum(1, keepdims=True), 1)
+  slots = weights.sum(1, keepdims=True)
+  assert slots.min() > 1
+  baseline = ((reward * weights).sum(1, keepdims=True) - reward * weights) / (slots - 1)  # the other slots' mean
   log_p = np.take_along_axis(_log_softmax(gen_logits), sampled[..., None], -1)[..., 0]
   want = -((reward - baseline) * log_p * weights).sum() / weights.sum()
   assert math.isclose(float(loss), want, rel_tol=1e-4, abs_tol=1e-6)
