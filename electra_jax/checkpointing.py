@@ -5,6 +5,7 @@ import os
 from typing import Any, Optional
 
 import orbax.checkpoint as ocp
+from etils import epath
 
 from electra_jax import workdir_files
 
@@ -41,6 +42,16 @@ class Checkpointer:
 
   def read_meta(self, step: int) -> dict:
     return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+  def state_difference(self, step: int, abstract_state: Any) -> tuple[list[str], list[str]]:
+    """(paths the checkpoint lacks, paths only it has) between the train state saved at `step`
+    and `abstract_state`, read from the checkpoint's tree metadata (no array is read). Both
+    empty when the structures match; orbax's restore fails with a traceback otherwise."""
+    saved = ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory) / str(step) / "state")
+    saved_paths = set(ocp.tree.to_flat_dict(dict(saved)))
+    wanted = set(ocp.tree.to_flat_dict(ocp.tree.serialize_tree(abstract_state, keep_empty_nodes=True)))
+    name = lambda path: "/".join(map(str, path))
+    return sorted(map(name, wanted - saved_paths)), sorted(map(name, saved_paths - wanted))
 
   def restore(self, step: int, abstract_state: Any) -> Any:
     """`abstract_state` leaves are ShapeDtypeStructs carrying the target NamedShardings."""

@@ -257,6 +257,23 @@ def _check_checkpoint_matches(meta: dict, setup, corpus, workdir: str, config=No
     )
 
 
+def _check_state_structure(checkpointer, step: int, setup, workdir: str) -> None:
+  """Refuses a checkpoint whose train state has another structure than this config's, which
+  the parameter shapes do not show: the optimizer's state (optimizer.bias_correction picks
+  optax's Adam, with a step count, or the official one, without)."""
+  missing, extra = checkpointer.state_difference(step, setup.abstract_state)
+  if not (missing or extra):
+    return
+  what = "optimizer state" if all(p.startswith("opt_state") for p in missing + extra) else "train state"
+  hint = (" optimizer.bias_correction decides whether Adam keeps a step count (True: optax's Adam; "
+          "False: the official one): resume with the value in its config.json." if what == "optimizer state" else "")
+  raise ConfigError(
+      f"The checkpoint at step {step} in {workdir} holds a {what} of another structure than this "
+      f"config's (missing from it: {missing[:3] or 'none'}; only in it: {extra[:3] or 'none'}).{hint} Or "
+      "use a new --workdir. Nothing was overwritten."
+  )
+
+
 def _stream_offset(checkpointer, start_step: int, global_batch: int) -> int:
   """Where batch `step` starts in the row stream is stream_offset + step * global_batch. A
   checkpoint records the stream position it reached, so a run resumed with another batch size
@@ -290,6 +307,7 @@ def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpu
           f"{checkpointer.all_steps()}. Pick one of those, or leave --step out for the latest."
       )
     _check_checkpoint_matches(checkpointer.read_meta(step), setup, corpus, workdir)
+    _check_state_structure(checkpointer, step, setup, workdir)
     with partitioning.activate(mesh):
       return step, checkpointer.restore(step, setup.abstract_state)
   finally:
@@ -675,6 +693,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     start_step = None if agreed < 0 else agreed
   if start_step is not None:
     _check_checkpoint_matches(checkpointer.read_meta(start_step), setup, corpus, workdir, config)
+    _check_state_structure(checkpointer, start_step, setup, workdir)
     _check_two_stage_resume(config, recorded_switch, start_step, checkpointer)
   try:
     lease = acquire_lease(workdir, take_over_workdir)

@@ -420,3 +420,16 @@ def test_a_resume_with_another_batch_size_goes_on_where_the_data_stream_stopped(
   read.clear()
   train.train_and_evaluate(tiny_config(**dict(small, **{"train.steps": 6, "train.batch_size": 16})), workdir)
   assert read == list(range(56, 72))
+
+
+def test_a_resume_whose_optimizer_state_differs_is_refused_before_anything_is_written(tmp_path):
+  """optimizer.bias_correction changes the optimizer state's structure (optax's Adam keeps a
+  count, the official one does not): orbax's restore fails on it. That was a traceback after
+  config.json had taken the refused settings; it is a ConfigError before anything is written."""
+  workdir = tmp_path / "run"
+  train.train_and_evaluate(tiny_config(**{"train.steps": 3}), str(workdir))
+  before = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file() and "lease" not in p.name}
+  with pytest.raises(ConfigError, match=r"optimizer state.*optimizer\.bias_correction"):
+    train.train_and_evaluate(tiny_config(**{"train.steps": 6, "optimizer.bias_correction": False}), str(workdir))
+  after = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file() and "lease" not in p.name}
+  assert after == before
