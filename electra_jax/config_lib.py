@@ -110,6 +110,10 @@ def as_saved(config: ml_collections.ConfigDict) -> dict:
 def validate(config: ml_collections.ConfigDict) -> None:
   """Checks that need no devices and no data; raises ValueError naming the key and the fix."""
   m, t = config.model, config.train
+  for key in ("hidden_size", "num_heads", "intermediate_size", "embedding_size", "vocab_size",
+              "max_position_embeddings"):
+    if m[key] < 1:
+      raise ConfigError(f"model.{key}={m[key]} must be >= 1 (configs/base.py gives {key}'s typical value).")
   if m.hidden_size % m.num_heads:
     raise ConfigError(
         f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}. "

@@ -69,6 +69,12 @@ def test_bad_config_is_refused_before_any_work(tmp_path, overrides, named):
         ({"optimizer.b2": 1.0}, r"optimizer.b2=1.0 must be in \[0, 1\)"),
         ({"optimizer.clip_norm": 0.0}, "optimizer.clip_norm=0.0 must be > 0"),
         ({"eval.num_batches": 0}, r"eval.num_batches=0 must be >= 1 \(batches of held-out data"),
+        # Sizes of zero or below were a ZeroDivisionError, or a traceback from inside the model's init.
+        ({"model.num_heads": 0}, "model.num_heads=0 must be >= 1"),
+        ({"model.hidden_size": 0}, "model.hidden_size=0 must be >= 1"),
+        ({"model.num_heads": -2}, "model.num_heads=-2 must be >= 1"),
+        ({"model.intermediate_size": 0}, "model.intermediate_size=0 must be >= 1"),
+        ({"model.embedding_size": 0}, "model.embedding_size=0 must be >= 1"),
     ],
 )
 def test_mistakes_are_refused_before_the_data_is_built(tmp_path, monkeypatch, overrides, named):
