@@ -352,3 +352,21 @@ def test_task_heads_start_from_the_official_glorot_uniform_init():
     _assert_glorot_uniform(head_params["span_logits"]["kernel"][:, column], hidden_size, 1)
   _assert_glorot_uniform(head_params["answerable_hidden"]["kernel"], 2 * hidden_size, 512)
   _assert_glorot_uniform(head_params["answerable_logit"]["kernel"], 512, 1)
+
+
+def test_another_config_does_not_replace_the_results_of_the_first(tmp_path):
+  """A second config fine-tuned into the same workdir with other seeds (so no finished seed
+  is in the way) used to replace <task>/results.json, the first config's table, with its own."""
+  config = synthetic_config(tmp_path, n_train=48, n_dev=24, epochs=1)
+  trainer.run_finetune(config, str(tmp_path / "work"))
+  results = tmp_path / "work" / "custom" / "results.json"
+  before = results.read_text()
+  other = synthetic_config(tmp_path, n_train=48, n_dev=24, epochs=1, seed=5)
+  other.optimizer.learning_rate *= 2
+  with pytest.raises(ConfigError, match="results.json holds the results of another config"):
+    trainer.run_finetune(other, str(tmp_path / "work"))
+  assert results.read_text() == before
+  assert not (tmp_path / "work" / "custom" / "seed_5").exists()
+  # The same config with more seeds still goes on in that workdir.
+  more = synthetic_config(tmp_path, n_train=48, n_dev=24, epochs=1, num_seeds=2)
+  assert trainer.run_finetune(more, str(tmp_path / "work"))["summary"]["custom"]["accuracy"]["n"] == 2

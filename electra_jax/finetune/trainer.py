@@ -209,10 +209,31 @@ def _format_duration(seconds: float) -> str:
 
 def seed_fingerprint(config) -> str:
   """What one seed's results depend on: the config less the keys that only pick or log seeds."""
-  settings = json.loads(config_lib.to_json(config))
-  for key in _NOT_SEED_KEYS:
-    settings.pop(key, None)
+  return _settings_fingerprint(json.loads(config_lib.to_json(config)))
+
+
+def _settings_fingerprint(settings: dict) -> str:
+  """seed_fingerprint of a config as saved in results.json."""
+  settings = {key: value for key, value in settings.items() if key not in _NOT_SEED_KEYS}
   return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _check_results_of_same_config(config, task_dir: str) -> None:
+  """<task>/results.json holds one config's table: another config (on seeds that are not in
+  the way) would replace it with its own."""
+  path = os.path.join(task_dir, "results.json")
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    saved = json.load(f).get("config") or {}
+  if _settings_fingerprint(saved) != seed_fingerprint(config):
+    changes = config_lib.changed_keys(
+        {k: v for k, v in saved.items() if k not in _NOT_SEED_KEYS},
+        {k: v for k, v in json.loads(config_lib.to_json(config)).items() if k not in _NOT_SEED_KEYS})
+    raise ConfigError(
+        f"{path} holds the results of another config ({'; '.join(changes[:5])}); this run would "
+        "replace them. Use a new --workdir, or that config to go on with more seeds. Nothing was written."
+    )
 
 
 def _finished_seeds(config, task_dir: str, task: str, seeds: list[int]) -> dict[int, dict]:
@@ -229,8 +250,8 @@ def _finished_seeds(config, task_dir: str, task: str, seeds: list[int]) -> dict[
     if result.get("config_fingerprint") != fingerprint:
       raise ConfigError(
           f"{path} exists: this workdir already holds a finished {task} run for seed {seed}, "
-          "fine-tuned with another config. Use a new --workdir (or other seeds, config.seed) so "
-          "it is not overwritten, or the same config to go on with the seeds it has not finished."
+          "fine-tuned with another config. Use a new --workdir so it is not overwritten, or the "
+          "same config to go on with the seeds it has not finished."
       )
     finished[seed] = result
   return finished
@@ -333,6 +354,7 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   task_dir = os.path.join(workdir, adapter.name)
   seeds = [config.seed + i for i in range(config.num_seeds)]
   finished = _finished_seeds(config, task_dir, adapter.name, seeds)
+  _check_results_of_same_config(config, task_dir)
   pending = [seed for seed in seeds if seed not in finished]
   os.makedirs(task_dir, exist_ok=True)
   steps_per_seed = math.ceil(_num_examples(adapter.train_features) / config.batch_size) * epochs
