@@ -351,3 +351,15 @@ def test_fine_tuning_from_a_hugging_face_directory_normalizes_as_it_records(tmp_
   os.remove(os.path.join(directory, "vocab.txt"))
   with pytest.raises(ConfigError, match="has neither vocab.txt nor spm.model"):
     model_lib.load_backbone(config)
+
+
+def test_an_import_killed_mid_save_does_not_block_the_next_one(tmp_path):
+  """orbax writes a step under <step>.orbax-checkpoint-tmp and renames it when complete; an
+  import killed before that left only the temporary directory, which the next import took for
+  checkpoints ("already holds checkpoints") although the workdir holds none."""
+  workdir = tmp_path / "w"
+  (workdir / "checkpoints" / "0.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
+  interop.write_pretraining_workdir(interop.pair_from_tf(FIXTURE), tiny_config(**RUN_OVERRIDES), str(workdir))
+  assert checkpointing.Checkpointer(str(workdir), keep=1).all_steps() == [0]
+  with pytest.raises(ConfigError, match="already holds checkpoints"):  # a complete one is still refused
+    interop.write_pretraining_workdir(interop.pair_from_tf(FIXTURE), tiny_config(**RUN_OVERRIDES), str(workdir))

@@ -259,7 +259,9 @@ def write_pretraining_workdir(
   vocabulary) and a step-0 checkpoint holding both towers over one embedding tree, with a
   fresh optimizer state. Refuses a workdir that already has checkpoints. Returns a summary."""
   checkpoints_dir = os.path.join(workdir, "checkpoints")
-  if os.path.isdir(checkpoints_dir) and os.listdir(checkpoints_dir):
+  # A step's directory is its number; "<step>.orbax-checkpoint-tmp" is a save that never
+  # finished (an import killed mid-way), which orbax removes: not a checkpoint.
+  if os.path.isdir(checkpoints_dir) and any(name.isdigit() for name in os.listdir(checkpoints_dir)):
     raise ConfigError(
         f"{workdir} already holds checkpoints; import into a new --workdir (nothing was changed)."
     )
