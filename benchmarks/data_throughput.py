@@ -127,6 +127,8 @@ def main(argv):
   spm_path = _SPM_MODEL.value or os.path.join(workdir, "spm.model")
   start = time.perf_counter()
   if not _SPM_MODEL.value:
+    if os.path.exists(spm_path):  # this benchmark's own model from an earlier run: train_tokenizer keeps existing files
+      os.remove(spm_path)
     data.train_tokenizer(data_config, spm_path)
   tokenizer_seconds = time.perf_counter() - start
   data_config.spm_model_file = spm_path

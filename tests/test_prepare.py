@@ -10,6 +10,7 @@ import json
 import os
 import random
 import signal
+import shutil
 import subprocess
 import sys
 import threading
@@ -130,6 +131,19 @@ def test_train_tokenizer_errors(tmp_path, corpus_files):
     load_pretraining_data(_config(tmp_path, corpus_files, spm_model_file=str(tmp_path / "none.model")))
   with pytest.raises(ConfigError, match="has none"):
     train_tokenizer(_config(tmp_path, corpus_files, source="prepared"), str(tmp_path / "x.model"))
+
+
+
+def test_train_tokenizer_does_not_replace_an_existing_model(tmp_path, corpus_files, spm_model):
+  """A model file may already serve prepared shards and workdirs, which record its
+  fingerprint: training another one over it (other settings, or another core count) used to
+  replace it silently, leaving them bound to a model that no longer exists."""
+  out = tmp_path / "spm.model"
+  shutil.copy(spm_model, out)
+  before = out.read_bytes()
+  with pytest.raises(ConfigError, match=r"already exists.*Nothing was written"):
+    train_tokenizer(_config(tmp_path, corpus_files, spm_vocab_size=90), str(out), num_threads=1)
+  assert out.read_bytes() == before
 
 
 # ---------------------------------------------------------------- prepare_data

@@ -138,6 +138,13 @@ def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) 
   out_path = os.path.abspath(os.path.expanduser(out_path))
   if os.path.isdir(out_path):
     raise ConfigError(f"--out={out_path!r} is a directory; give a file name such as {out_path}/spm.model.")
+  if os.path.exists(out_path):
+    # Prepared shards and workdirs record the fingerprint of the model they were made with; a
+    # new one in its place (other settings, or just another core count) would strand them.
+    raise ConfigError(
+        f"--out={out_path!r} already exists: prepared data or a workdir may use that model. "
+        "Nothing was written; give a new path, or delete the file first to replace it."
+    )
   start = time.time()
   stats = sources.SourceStats()
   logging.info(
