@@ -370,3 +370,16 @@ def test_another_config_does_not_replace_the_results_of_the_first(tmp_path):
   # The same config with more seeds still goes on in that workdir.
   more = synthetic_config(tmp_path, n_train=48, n_dev=24, epochs=1, num_seeds=2)
   assert trainer.run_finetune(more, str(tmp_path / "work"))["summary"]["custom"]["accuracy"]["n"] == 2
+
+
+@pytest.mark.parametrize("key, value, named", [
+    ("num_heads", 0, "config.model.num_heads=0 must be >= 1"),  # was a ZeroDivisionError
+    ("hidden_size", 33, "config.model.hidden_size=33 is not divisible by config.model.num_heads=2"),
+    ("intermediate_size", 0, "config.model.intermediate_size=0 must be >= 1"),
+])
+def test_random_init_sizes_are_refused_by_name_before_training(tmp_path, key, value, named):
+  config = synthetic_config(tmp_path, n_train=48, n_dev=24, epochs=1)
+  config.model[key] = value
+  with pytest.raises(ConfigError, match=named):
+    trainer.run_finetune(config, str(tmp_path / "w"))
+  assert not (tmp_path / "w").exists()
