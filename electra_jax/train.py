@@ -268,7 +268,7 @@ def _check_state_structure(checkpointer, step: int, setup, workdir: str) -> None
   hint = (" optimizer.bias_correction decides whether Adam keeps a step count (True: optax's Adam; "
           "False: the official one): resume with the value in its config.json." if what == "optimizer state" else "")
   raise ConfigError(
-      f"The checkpoint at step {step} in {workdir} holds a {what} of another structure than this "
+      f"The checkpoint at step {step} in {workdir} holds {'an' if what[0] == 'o' else 'a'} {what} of another structure than this "
       f"config's (missing from it: {missing[:3] or 'none'}; only in it: {extra[:3] or 'none'}).{hint} Or "
       "use a new --workdir. Nothing was overwritten."
   )
