@@ -31,18 +31,19 @@ def path(workdir, *parts) -> epath.Path:
   return epath.Path(root if is_remote(root) else os.path.abspath(root)).joinpath(*parts)
 
 
-def check_usable(workdir) -> None:
+def check_usable(workdir, flag: str = "--workdir") -> None:
   """Refuses, before any data or compile, a local workdir that cannot be made: a file in
-  its place or on its path, or a parent this user may not write to. (A bucket is not checked.)"""
+  its place or on its path, or a parent this user may not write to. (A bucket is not checked.)
+  `flag` names the option that gave the directory (--out for an export)."""
   if is_remote(workdir):
     return
   existing = os.path.abspath(os.fspath(workdir))
   while not os.path.exists(existing):
     existing = os.path.dirname(existing)
   if not os.path.isdir(existing):
-    raise ConfigError(f"--workdir={workdir} cannot be a directory: {existing} is a file. Pick another --workdir.")
+    raise ConfigError(f"{flag}={workdir} cannot be a directory: {existing} is a file. Pick another {flag}.")
   if not os.access(existing, os.W_OK | os.X_OK):
-    raise ConfigError(f"--workdir={workdir}: {existing} is not writable by this user. Pick another --workdir.")
+    raise ConfigError(f"{flag}={workdir}: {existing} is not writable by this user. Pick another {flag}.")
 
 
 def makedirs(directory) -> None:

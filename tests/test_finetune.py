@@ -383,3 +383,13 @@ def test_random_init_sizes_are_refused_by_name_before_training(tmp_path, key, va
   with pytest.raises(ConfigError, match=named):
     trainer.run_finetune(config, str(tmp_path / "w"))
   assert not (tmp_path / "w").exists()
+
+
+def test_a_workdir_that_cannot_be_made_is_refused_before_anything_loads(tmp_path, monkeypatch):
+  """A --workdir under a file (or an unwritable directory) was an OSError traceback from
+  os.makedirs, after the data and the backbone were loaded."""
+  config = synthetic_config(tmp_path, n_train=48, n_dev=24, epochs=1)
+  monkeypatch.setattr(trainer.model_lib, "load_backbone", lambda *a, **k: pytest.fail("backbone loaded"))
+  (tmp_path / "a_file").write_text("not a directory")
+  with pytest.raises(ConfigError, match=f"{tmp_path / 'a_file'} is a file"):
+    trainer.run_finetune(config, str(tmp_path / "a_file" / "work"))

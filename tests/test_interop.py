@@ -414,3 +414,18 @@ def test_cli_asks_for_what_each_mode_needs(tmp_path):
   assert no_config.returncode != 0 and "--mode=train needs --config" in no_config.stderr
   not_a_workdir = run_cli([*python_m_main, "--mode=export_hf", f"--workdir={tmp_path}", f"--out={tmp_path}/hf"])
   assert not_a_workdir.returncode != 0 and "has no config.json" in not_a_workdir.stderr
+
+
+def test_export_to_an_out_that_cannot_be_made_is_refused_before_the_restore(tmp_path, monkeypatch):
+  """An --out under a file (or an unwritable directory) was an OSError traceback from
+  os.makedirs, after the checkpoint was restored."""
+  from electra_jax import train  # noqa: PLC0415
+  from electra_jax.interop import export  # noqa: PLC0415
+
+  workdir = tmp_path / "run"
+  (workdir / "checkpoints").mkdir(parents=True)
+  (workdir / "config.json").write_text(json.dumps(tiny_config().to_dict()))
+  monkeypatch.setattr(train, "restore_checkpoint", lambda *a, **k: pytest.fail("restored"))
+  (tmp_path / "a_file").write_text("not a directory")
+  with pytest.raises(ConfigError, match=f"{tmp_path / 'a_file'} is a file"):
+    export.export_workdir(str(workdir), str(tmp_path / "a_file" / "hf"))

@@ -27,7 +27,7 @@ import numpy as np
 import optax
 from absl import logging
 
-from electra_jax import checkpointing, config_lib
+from electra_jax import checkpointing, config_lib, workdir_files
 from electra_jax.config_lib import ConfigError
 from electra_jax.data.tokenizer import atomic_write_bytes
 from electra_jax.finetune import metrics as metrics_lib
@@ -348,6 +348,7 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   writes to <workdir>/<task>/results.json) the config, each seed's kept-epoch dev metrics and their
   summary, and prints the table. Every input check happens before the first step."""
   validate(config)
+  workdir_files.check_usable(workdir)  # before the data and the backbone load
   backbone = model_lib.load_backbone(config)
   adapter = make_adapter(config, backbone)
   epochs = epochs_for(config)

@@ -60,6 +60,7 @@ def check_export_out(out_dir: str, export_generator: bool = False) -> None:
   """
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise ConfigError(f"--out={out_dir!r} is a file; pick a directory for the exported model directories.")
+  workdir_files.check_usable(out_dir, "--out")  # a file on its path, or an unwritable parent
   towers = ("discriminator", "generator") if export_generator else ("discriminator",)
   for tower in ("discriminator", "generator"):
     directory = os.path.join(out_dir, tower)
