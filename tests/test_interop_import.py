@@ -363,3 +363,11 @@ def test_an_import_killed_mid_save_does_not_block_the_next_one(tmp_path):
   assert checkpointing.Checkpointer(str(workdir), keep=1).all_steps() == [0]
   with pytest.raises(ConfigError, match="already holds checkpoints"):  # a complete one is still refused
     interop.write_pretraining_workdir(interop.pair_from_tf(FIXTURE), tiny_config(**RUN_OVERRIDES), str(workdir))
+
+
+def test_an_import_into_a_workdir_that_cannot_be_made_is_refused_by_name(tmp_path):
+  """Was a NotADirectoryError traceback from os.makedirs, after the pair was checked."""
+  (tmp_path / "a_file").write_text("not a directory")
+  with pytest.raises(ConfigError, match=f"{tmp_path / 'a_file'} is a file"):
+    interop.write_pretraining_workdir(interop.pair_from_tf(FIXTURE), tiny_config(**RUN_OVERRIDES),
+                                      str(tmp_path / "a_file" / "w"))

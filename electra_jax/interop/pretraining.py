@@ -23,7 +23,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from electra_jax import checkpointing, config_lib, data, models, partitioning, train
+from electra_jax import checkpointing, config_lib, data, models, partitioning, train, workdir_files
 from electra_jax.config_lib import ConfigError
 from electra_jax.interop import hf, tf_checkpoint
 
@@ -258,6 +258,7 @@ def write_pretraining_workdir(
   """Writes <workdir>/config.json (`config` with the model group of the pair, and the pair's
   vocabulary) and a step-0 checkpoint holding both towers over one embedding tree, with a
   fresh optimizer state. Refuses a workdir that already has checkpoints. Returns a summary."""
+  workdir_files.check_usable(workdir)  # a file on its path, or an unwritable parent
   checkpoints_dir = os.path.join(workdir, "checkpoints")
   # A step's directory is its number; "<step>.orbax-checkpoint-tmp" is a save that never
   # finished (an import killed mid-way), which orbax removes: not a checkpoint.
