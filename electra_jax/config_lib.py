@@ -107,18 +107,24 @@ def as_saved(config: ml_collections.ConfigDict) -> dict:
   return json.loads(to_json(config))
 
 
+def check_encoder_sizes(m, keys, prefix: str, why: str) -> None:
+  """Refuses, by name, a size in `keys` of model config `m` below 1, or heads that do not
+  divide the hidden size (`prefix` is how the user spells the group, `why` ends the line)."""
+  for key in keys:
+    if m[key] < 1:
+      raise ConfigError(f"{prefix}{key}={m[key]} must be >= 1{why}.")
+  if m.hidden_size % m.num_heads:
+    raise ConfigError(
+        f"{prefix}hidden_size={m.hidden_size} is not divisible by {prefix}num_heads={m.num_heads}. "
+        "Pick num_heads dividing hidden_size (ELECTRA uses hidden_size / 64 heads)."
+    )
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
   """Checks that need no devices and no data; raises ValueError naming the key and the fix."""
   m, t = config.model, config.train
-  for key in ("hidden_size", "num_heads", "intermediate_size", "embedding_size", "vocab_size",
-              "max_position_embeddings"):
-    if m[key] < 1:
-      raise ConfigError(f"model.{key}={m[key]} must be >= 1 (configs/base.py gives {key}'s typical value).")
-  if m.hidden_size % m.num_heads:
-    raise ConfigError(
-        f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}. "
-        f"Pick num_heads dividing hidden_size (ELECTRA uses hidden_size / 64 heads)."
-    )
+  check_encoder_sizes(m, ("hidden_size", "num_heads", "intermediate_size", "embedding_size", "vocab_size",
+                          "max_position_embeddings"), "model.", " (configs/base.py gives its typical value)")
   if not 0.0 < m.generator_fraction <= 1.0:
     raise ConfigError(
         f"model.generator_fraction={m.generator_fraction} is outside (0, 1]: the generator is "

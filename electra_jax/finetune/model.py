@@ -211,15 +211,8 @@ def _from_config(config) -> Backbone:
         "config.init_from to its pre-training workdir or Hugging Face directory."
     )
   m = config.model
-  for key in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "embedding_size",
-              "max_position_embeddings"):
-    if m[key] < 1:
-      raise ConfigError(f"config.model.{key}={m[key]} must be >= 1 (the random-init model's sizes).")
-  if m.hidden_size % m.num_heads:
-    raise ConfigError(
-        f"config.model.hidden_size={m.hidden_size} is not divisible by config.model.num_heads="
-        f"{m.num_heads}; pick num_heads dividing hidden_size."
-    )
+  config_lib.check_encoder_sizes(m, ("hidden_size", "num_layers", "num_heads", "intermediate_size", "embedding_size",
+                                     "max_position_embeddings"), "config.model.", " (the random-init model's sizes)")
   tokenizer = _tokenizer_from_file(config.tokenizer, config.lowercase)
   return Backbone(
       vocab_size=m.vocab_size or tokenizer.vocab_size,
