@@ -207,14 +207,15 @@ def _format_duration(seconds: float) -> str:
   return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
+def _seed_settings(settings: dict) -> dict:
+  """A config's saved dict (as config.json or results.json hold it) less the keys that only
+  pick or log seeds: what one seed's results depend on."""
+  return {key: value for key, value in settings.items() if key not in _NOT_SEED_KEYS}
+
+
 def seed_fingerprint(config) -> str:
-  """What one seed's results depend on: the config less the keys that only pick or log seeds."""
-  return _settings_fingerprint(json.loads(config_lib.to_json(config)))
-
-
-def _settings_fingerprint(settings: dict) -> str:
-  """seed_fingerprint of a config as saved in results.json."""
-  settings = {key: value for key, value in settings.items() if key not in _NOT_SEED_KEYS}
+  """What one seed's results depend on, as a short hash."""
+  settings = _seed_settings(config_lib.as_saved(config))
   return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -225,11 +226,9 @@ def _check_results_of_same_config(config, task_dir: str) -> None:
   if not os.path.exists(path):
     return
   with open(path) as f:
-    saved = json.load(f).get("config") or {}
-  if _settings_fingerprint(saved) != seed_fingerprint(config):
-    changes = config_lib.changed_keys(
-        {k: v for k, v in saved.items() if k not in _NOT_SEED_KEYS},
-        {k: v for k, v in json.loads(config_lib.to_json(config)).items() if k not in _NOT_SEED_KEYS})
+    saved = _seed_settings(json.load(f).get("config") or {})
+  changes = config_lib.changed_keys(saved, _seed_settings(config_lib.as_saved(config)))
+  if changes:
     raise ConfigError(
         f"{path} holds the results of another config ({'; '.join(changes[:5])}); this run would "
         "replace them. Use a new --workdir, or that config to go on with more seeds. Nothing was written."
