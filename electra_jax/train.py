@@ -274,16 +274,15 @@ def _check_state_structure(checkpointer, step: int, setup, workdir: str) -> None
   )
 
 
-def _stream_offset(checkpointer, start_step: int, global_batch: int) -> int:
+def _stream_offset(meta: dict | None, start_step: int | None, global_batch: int) -> int:
   """Where batch `step` starts in the row stream is stream_offset + step * global_batch. A
   checkpoint records the stream position it reached, so a run resumed with another batch size
   (train.batch_size=-1 resolves it again on each start) goes on from there: no example of the
   epoch is skipped or seen twice. 0 on a fresh start, for checkpoints that predate the record
-  (which assumed one batch size throughout), and for a run whose batch size never changed."""
-  if not start_step:
-    return 0
-  position = checkpointer.read_meta(start_step).get("stream_position")
-  if position is None:
+  (which assumed one batch size throughout), and for a run whose batch size never changed.
+  `meta`: the resumed checkpoint's (None on a fresh start)."""
+  position = (meta or {}).get("stream_position")
+  if not start_step or position is None:
     return 0
   offset = int(position) - start_step * global_batch
   if offset:
@@ -691,8 +690,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if jax.process_count() > 1:  # one step for all, even if a save finalizes between the reads
     agreed = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if start_step is None else start_step)))
     start_step = None if agreed < 0 else agreed
+  start_meta = checkpointer.read_meta(start_step) if start_step is not None else None
   if start_step is not None:
-    _check_checkpoint_matches(checkpointer.read_meta(start_step), setup, corpus, workdir, config)
+    _check_checkpoint_matches(start_meta, setup, corpus, workdir, config)
     _check_state_structure(checkpointer, start_step, setup, workdir)
     _check_two_stage_resume(config, recorded_switch, start_step, checkpointer)
   try:
@@ -702,7 +702,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     raise
   try:
     _check_shared_workdir(workdir, lease)
-    return _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease)
+    stream_offset = _stream_offset(start_meta, start_step, config.train.batch_size)
+    return _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease, stream_offset)
   finally:
     if lease is not None:
       lease.release()
@@ -782,7 +783,7 @@ def _keep_changed_config(config, workdir: str, start_step: int | None) -> None:
                   start_step, kept, "; ".join(changes))
 
 
-def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease) -> dict[str, float]:
+def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease, stream_offset) -> dict[str, float]:
   is_chief = jax.process_index() == 0
   init_rng = jax.random.key(config.train.seed)
   evaluator = evaluation.HeldOutEvaluator(config, setup, mesh) if config.eval.every_steps else None
@@ -821,7 +822,6 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease
   peak = flops.peak_flops(jax.devices()[0])
   tokens_per_step = global_batch * seq_len
   meta = {"param_shapes": setup.param_shapes, "data_fingerprint": corpus.fingerprint}
-  stream_offset = _stream_offset(checkpointer, start_step, global_batch)
   window, window_steps, last_logged, step = [], 0, {}, start_step
   keys = batch_keys(config)
   window_start = time.perf_counter()
