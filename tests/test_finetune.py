@@ -393,3 +393,59 @@ def test_a_workdir_that_cannot_be_made_is_refused_before_anything_loads(tmp_path
   (tmp_path / "a_file").write_text("not a directory")
   with pytest.raises(ConfigError, match=f"{tmp_path / 'a_file'} is a file"):
     trainer.run_finetune(config, str(tmp_path / "a_file" / "work"))
+
+
+def tiny_classifier(pooling):
+  encoder = models.EncoderConfig(hidden_size=8, num_layers=2, num_heads=2, intermediate_size=16)
+  return model_lib.ElectraClassifier(vocab_size=20, embedding_size=8, max_position_embeddings=8, type_vocab_size=2,
+                                     config=encoder, num_outputs=3, pooling=pooling)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_head_pooling_by_hand_and_blind_to_padding(pooling):
+  """head.pooling: "cls" is the first token's final state (the official head), "mean" the mean
+  over the real tokens; either way a padded position's id changes nothing."""
+  mask = jnp.array([[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0]], jnp.int32)
+  ids = jnp.array([[2, 5, 6, 7, 3, 0, 0, 0], [2, 9, 3, 0, 0, 0, 0, 0]], jnp.int32)
+  types = jnp.zeros_like(ids)
+  model = tiny_classifier(pooling)
+  params = flax.linen.meta.unbox(model.init(jax.random.key(0), ids, types, mask)["params"])
+  logits = model.apply({"params": params}, ids, types, mask)
+
+  hidden = np.asarray(model.apply({"params": params}, ids, types, mask,
+                                  method=lambda m, i, t, a: m.encoder(m.embeddings(i, t, True), a, True)))
+  m = np.asarray(mask, np.float32)[..., None]
+  pooled = (hidden * m).sum(1) / m.sum(1) if pooling == "mean" else hidden[:, 0]
+  expected = pooled @ np.asarray(params["classifier"]["kernel"]) + np.asarray(params["classifier"]["bias"])
+  np.testing.assert_allclose(logits, expected, atol=1e-5)
+
+  other_padding = jnp.where(mask == 1, ids, 11)
+  np.testing.assert_allclose(model.apply({"params": params}, other_padding, types, mask), logits, atol=1e-6)
+  if pooling == "mean":  # the same weights under the first-token head read something else
+    assert not np.allclose(tiny_classifier("cls").apply({"params": params}, ids, types, mask), logits, atol=1e-3)
+  assert model_lib.ElectraClassifier.pooling == "cls"  # the official head unless asked
+
+
+def test_head_pooling_refused_by_name():
+  for task, key, value, named in (
+      ("custom", "head.pooling", "max", r"config.head.pooling='max': use one of \['cls', 'mean'\]"),
+      ("squad2.0", "head.pooling", "mean", "config.head.pooling='mean' with task 'squad2.0'"),
+  ):
+    config = finetune_tiny.get_config()
+    config.task = task
+    group, _, name = key.rpartition(".")
+    (config[group] if group else config)[name] = value
+    with pytest.raises(ConfigError, match=named):
+      trainer.validate(config)
+  with pytest.raises(ConfigError, match="head.pooling='max'"):  # the model alone refuses it too
+    model_lib.pool(jnp.zeros((1, 2, 4)), jnp.ones((1, 2)), "max")
+
+
+def test_pooling_makes_another_config():
+  """A config saved before head existed reads as pooling "cls", so its seeds still match."""
+  config = finetune_tiny.get_config()
+  mean = config.copy_and_resolve_references()
+  mean.head.pooling = "mean"
+  old = config.copy_and_resolve_references()
+  del old["head"]
+  assert trainer.seed_fingerprint(old) == trainer.seed_fingerprint(config) != trainer.seed_fingerprint(mean)

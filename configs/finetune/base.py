@@ -62,9 +62,16 @@ def get_config():
   config.keep_epoch = "last"
   config.dropout_rate = 0.1  # encoder hidden dropout while fine-tuning
   config.attention_dropout_rate = 0.1
-  config.head_dropout_rate = 0.1  # on [CLS] before the dense layer
+  config.head_dropout_rate = 0.1  # on the pooled vector before the dense layer
   config.dtype = "float32"  # or "bfloat16" (parameters stay float32)
   config.log_every = 100
+
+  # The classification/regression head (SQuAD has its own span head and needs "cls").
+  config.head = head = ml_collections.ConfigDict()
+  # "cls": the first token's final hidden state, as the official code. "mean": the mean of the
+  # final hidden states over each example's real tokens ([CLS] and [SEP] included): replaced
+  # token detection never replaces [CLS], so its vector is the one pre-training trained least.
+  head.pooling = "cls"
 
   config.optimizer = optimizer = ml_collections.ConfigDict()
   optimizer.learning_rate = 1e-4

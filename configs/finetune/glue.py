@@ -16,4 +16,7 @@ base = config_lib.sibling(__file__, "base")
 
 
 def get_config():
-  return base.get_config()
+  config = base.get_config()
+  # The official recipe's [CLS] head, pinned here whatever base.py's default becomes.
+  config.head.pooling = "cls"
+  return config

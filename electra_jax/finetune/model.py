@@ -1,5 +1,5 @@
-"""The fine-tuning model, ELECTRA's discriminator encoder with a task head ([CLS] -> dropout
--> dense, no pooler), and where its starting weights and tokenizer come from: a pre-training
+"""The fine-tuning model, ELECTRA's discriminator encoder with a task head (pooled vector ->
+dropout -> dense, no pooler layer), and where its starting weights and tokenizer come from: a pre-training
 workdir's latest checkpoint, a Hugging Face directory, or random initialization."""
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ from electra_jax import checkpointing, config_lib, data, partitioning, random_op
 from electra_jax.config_lib import ConfigError
 from electra_jax.models import Encoder, EncoderConfig, build_model, embeddings_for, tower_from_pretrainer
 
+# How the classifier reduces the final hidden states to one vector per example (head.pooling).
+POOLINGS = ("cls", "mean")
+
 
 def head_kernel_init(fan_out: int | None = None):
   """The task heads' kernel init: the official heads are tf.layers.dense without an
@@ -32,10 +35,25 @@ def head_kernel_init(fan_out: int | None = None):
   return init
 
 
+def pool(hidden: jax.Array, attention_mask: jax.Array, pooling: str) -> jax.Array:
+  """[batch, seq, hidden] -> [batch, hidden]. "cls": the first token's state (the official
+  head). "mean": the mean over the positions where attention_mask is 1 ([CLS] and [SEP]
+  included), taken in float32; padding does not enter it."""
+  if pooling == "cls":
+    return hidden[:, 0]
+  if pooling == "mean":
+    mask = (attention_mask > 0).astype(jnp.float32)[..., None]
+    total = jnp.sum(hidden.astype(jnp.float32) * mask, axis=1)
+    # An all-padding row (the trainer never makes one) gives zeros rather than NaN.
+    return (total / jnp.maximum(jnp.sum(mask, axis=1), 1.0)).astype(hidden.dtype)
+  raise ConfigError(f"head.pooling={pooling!r}: use one of {list(POOLINGS)}.")
+
+
 class ElectraClassifier(nn.Module):
   """Parameters {embeddings, encoder, classifier}; the first two are the discriminator's
   (the `encoder` subtree of its tower). [batch, seq] -> [batch, num_outputs] float32: class
-  logits, or one score for regression."""
+  logits, or one score for regression, from the final hidden states pooled as `pooling` says
+  (see `pool`)."""
 
   vocab_size: int
   embedding_size: int
@@ -46,6 +64,7 @@ class ElectraClassifier(nn.Module):
   head_dropout_rate: float = 0.1
   dtype: Any = jnp.float32
   attention_impl: str = "xla"
+  pooling: str = "cls"
 
   def setup(self):
     self.embeddings = embeddings_for(self, self.embedding_size, self.config)
@@ -62,8 +81,8 @@ class ElectraClassifier(nn.Module):
   def __call__(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
     embedded = self.embeddings(input_ids, token_type_ids, deterministic)
     hidden = self.encoder(embedded, attention_mask, deterministic)  # [batch, seq, hidden]
-    cls = self.head_dropout(hidden[:, 0], deterministic=deterministic)
-    return self.classifier(cls).astype(jnp.float32)  # [batch, num_outputs]
+    pooled = self.head_dropout(pool(hidden, attention_mask, self.pooling), deterministic=deterministic)
+    return self.classifier(pooled).astype(jnp.float32)  # [batch, num_outputs]
 
 
 @dataclasses.dataclass
@@ -95,6 +114,7 @@ class Backbone:
         num_outputs=num_outputs,
         head_dropout_rate=config.head_dropout_rate,
         dtype=jnp.dtype(config.dtype),
+        pooling=config.head.pooling,
     )
 
 

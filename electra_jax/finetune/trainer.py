@@ -42,6 +42,9 @@ DEFAULT_EPOCHS, LONG_TASK_EPOCHS, SQUAD_EPOCHS = 3, 10, 2
 KEEP_EPOCH = ("last", "best")
 # Keys a finished seed's results do not depend on: a re-run that differs only in them keeps it.
 _NOT_SEED_KEYS = ("seed", "num_seeds", "log_every")
+# Keys added after runs had been finished, with the values that reproduce those runs: a saved
+# config without them reads as having these values, so its finished seeds still match.
+_ADDED_KEYS = {"head": {"pooling": "cls"}}
 
 
 @dataclasses.dataclass
@@ -186,6 +189,14 @@ def validate(config) -> None:
         f"config.optimizer.layerwise_lr_decay_rule={config.optimizer.layerwise_lr_decay_rule!r}: use one of "
         f"{list(optim.LAYERWISE_RULES)}."
     )
+  pooling = config.head.pooling
+  if pooling not in model_lib.POOLINGS:
+    raise ConfigError(f"config.head.pooling={pooling!r}: use one of {list(model_lib.POOLINGS)}.")
+  if pooling != "cls" and str(config.task).lower().startswith("squad"):
+    raise ConfigError(
+        f"config.head.pooling={pooling!r} with task {config.task!r}: SQuAD's span head pools "
+        "nothing; use head.pooling='cls'."
+    )
 
 
 def epochs_for(config) -> int:
@@ -209,13 +220,16 @@ def _format_duration(seconds: float) -> str:
 
 def _seed_settings(settings: dict) -> dict:
   """A config's saved dict (as config.json or results.json hold it) less the keys that only
-  pick or log seeds: what one seed's results depend on."""
-  return {key: value for key, value in settings.items() if key not in _NOT_SEED_KEYS}
+  pick or log seeds, with _ADDED_KEYS' values where it lacks them: what one seed's results
+  depend on."""
+  return {**_ADDED_KEYS, **{key: value for key, value in settings.items() if key not in _NOT_SEED_KEYS}}
 
 
 def seed_fingerprint(config) -> str:
-  """What one seed's results depend on, as a short hash."""
-  settings = _seed_settings(config_lib.as_saved(config))
+  """What one seed's results depend on, as a short hash. Added keys at their _ADDED_KEYS
+  values are left out, so the hash equals the one recorded before they existed."""
+  settings = {key: value for key, value in _seed_settings(config_lib.as_saved(config)).items()
+              if key not in _ADDED_KEYS or value != _ADDED_KEYS[key]}
   return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -334,9 +348,10 @@ def _run_seed(config, adapter, backbone, seed: int, seed_dir: str, epochs: int, 
   prediction_files = adapter.write_test(_predictor(predict_step, kept["params"], eval_batch_size),
                                         os.path.join(seed_dir, "predictions"))
   result = dict(
-      seed=seed, keep_epoch=config.keep_epoch, kept_epoch=kept["epoch"], kept_step=kept["step"],
-      dev=kept["dev"], history=history, checkpoint=os.path.join(checkpointer.directory, str(kept["step"])),
-      test_predictions=prediction_files, config_fingerprint=seed_fingerprint(config),
+      seed=seed, keep_epoch=config.keep_epoch, kept_epoch=kept["epoch"],
+      kept_step=kept["step"], dev=kept["dev"], history=history,
+      checkpoint=os.path.join(checkpointer.directory, str(kept["step"])), test_predictions=prediction_files,
+      config_fingerprint=seed_fingerprint(config),
   )
   _write_json(os.path.join(seed_dir, "metrics.json"), result)
   return result
@@ -400,7 +415,8 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   summary = summarize(per_seed)
   config_json = config_lib.to_json(config)
   results = dict(
-      task=adapter.name, init=backbone.source, epochs=epochs, config=json.loads(config_json),
+      task=adapter.name, init=backbone.source, epochs=epochs,
+      config=json.loads(config_json),
       config_fingerprint=hashlib.sha256(config_json.encode()).hexdigest()[:16],
       seeds={str(run["seed"]): {k: run[k] for k in ("kept_epoch", "dev", "test_predictions")} for run in per_seed},
       summary=summary,
