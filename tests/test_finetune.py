@@ -426,10 +426,42 @@ def test_head_pooling_by_hand_and_blind_to_padding(pooling):
   assert model_lib.ElectraClassifier.pooling == "cls"  # the official head unless asked
 
 
-def test_head_pooling_refused_by_name():
+def test_min_steps_raises_the_epochs_and_the_schedule_spans_them(tmp_path, monkeypatch):
+  """40 examples at batch 16 are ceil(40/16) = 3 steps an epoch: min_steps=7 turns 1 epoch
+  into ceil(7/3) = 3, and the warmup/decay schedule is built for those 9 steps."""
+  totals = []
+  make_optimizer = optim.make_optimizer
+
+  def recording(config, params, num_layers, total_steps):
+    totals.append(total_steps)
+    return make_optimizer(config, params, num_layers, total_steps)
+
+  monkeypatch.setattr(trainer.optim, "make_optimizer", recording)
+  config = synthetic_config(tmp_path, n_train=40, n_dev=16, epochs=1, min_steps=7)
+  results = trainer.run_finetune(config, str(tmp_path / "work"))
+  metrics = json.loads((tmp_path / "work" / "custom" / "seed_0" / "metrics.json").read_text())
+  assert (results["epochs"], results["steps_per_seed"], totals) == (3, 9, [9])
+  assert (metrics["epochs"], metrics["steps"]) == (3, 9)
+  assert [h["step"] for h in metrics["history"]] == [3, 6, 9]
+  assert results["config"]["epochs"] == 1 and results["config"]["min_steps"] == 7  # what was asked
+
+
+def test_resolve_epochs():
+  config = ml_collections.ConfigDict(dict(task="rte", epochs=0, batch_size=16, min_steps=0))
+  assert trainer.resolve_epochs(config, 100) == 10  # off: RTE's official 10 epochs of 7 steps
+  config.min_steps = 70
+  assert trainer.resolve_epochs(config, 100) == 10  # 70 steps already
+  config.min_steps = 71
+  assert trainer.resolve_epochs(config, 100) == 11  # ceil(71 / 7)
+  config.update(epochs=2, min_steps=1000)
+  assert trainer.resolve_epochs(config, 2000) == 8  # ceil(1000 / 125)
+
+
+def test_head_and_min_steps_refused_by_name():
   for task, key, value, named in (
       ("custom", "head.pooling", "max", r"config.head.pooling='max': use one of \['cls', 'mean'\]"),
       ("squad2.0", "head.pooling", "mean", "config.head.pooling='mean' with task 'squad2.0'"),
+      ("custom", "min_steps", -5, "config.min_steps=-5 must be an int >= 0"),
   ):
     config = finetune_tiny.get_config()
     config.task = task
@@ -441,11 +473,21 @@ def test_head_pooling_refused_by_name():
     model_lib.pool(jnp.zeros((1, 2, 4)), jnp.ones((1, 2)), "max")
 
 
-def test_pooling_makes_another_config():
-  """A config saved before head existed reads as pooling "cls", so its seeds still match."""
+def test_min_steps_and_pooling_make_another_config(tmp_path):
+  """results.json of min_steps=0 is another config's for min_steps=1000; a config saved before
+  min_steps and head existed reads as min_steps=0, pooling "cls", so its seeds still match."""
   config = finetune_tiny.get_config()
+  trainer._write_json(str(tmp_path / "results.json"), {"config": config_lib.as_saved(config)})
+  other = config.copy_and_resolve_references()
+  other.min_steps = 1000
+  with pytest.raises(ConfigError, match="another config .*min_steps: 0 -> 1000"):
+    trainer._check_results_of_same_config(other, str(tmp_path))
   mean = config.copy_and_resolve_references()
   mean.head.pooling = "mean"
+  assert len({trainer.seed_fingerprint(c) for c in (config, other, mean)}) == 3
+
   old = config.copy_and_resolve_references()
-  del old["head"]
-  assert trainer.seed_fingerprint(old) == trainer.seed_fingerprint(config) != trainer.seed_fingerprint(mean)
+  del old["min_steps"], old["head"]
+  trainer._write_json(str(tmp_path / "results.json"), {"config": config_lib.as_saved(old)})
+  trainer._check_results_of_same_config(config, str(tmp_path))
+  assert trainer.seed_fingerprint(old) == trainer.seed_fingerprint(config)

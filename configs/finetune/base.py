@@ -54,6 +54,10 @@ def get_config():
   config.batch_size = 32
   config.eval_batch_size = 0  # 0 = batch_size
   config.epochs = 0  # 0 = the official number: 3, or 10 for RTE and STS-B
+  # At least this many optimizer steps: when the epochs give fewer for the training set, more
+  # epochs are trained (ceil(min_steps / steps per epoch)); warmup and decay span the total.
+  # 0 = off, the official recipe.
+  config.min_steps = 0
   config.num_seeds = 1  # seeds seed .. seed + num_seeds - 1; results give mean, median, best
   config.seed = 0
   # The epoch whose model a seed keeps (checkpoint, test predictions) and reports: "last", as

@@ -17,6 +17,8 @@ base = config_lib.sibling(__file__, "base")
 
 def get_config():
   config = base.get_config()
-  # The official recipe's [CLS] head, pinned here whatever base.py's default becomes.
+  # The official recipe, pinned here whatever base.py's defaults become: its epochs alone, and
+  # the [CLS] head.
+  config.min_steps = 0
   config.head.pooling = "cls"
   return config

@@ -44,7 +44,7 @@ KEEP_EPOCH = ("last", "best")
 _NOT_SEED_KEYS = ("seed", "num_seeds", "log_every")
 # Keys added after runs had been finished, with the values that reproduce those runs: a saved
 # config without them reads as having these values, so its finished seeds still match.
-_ADDED_KEYS = {"head": {"pooling": "cls"}}
+_ADDED_KEYS = {"min_steps": 0, "head": {"pooling": "cls"}}
 
 
 @dataclasses.dataclass
@@ -189,6 +189,9 @@ def validate(config) -> None:
         f"config.optimizer.layerwise_lr_decay_rule={config.optimizer.layerwise_lr_decay_rule!r}: use one of "
         f"{list(optim.LAYERWISE_RULES)}."
     )
+  min_steps = config.min_steps
+  if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 0:
+    raise ConfigError(f"config.min_steps={min_steps!r} must be an int >= 0 (0 = train the epochs alone).")
   pooling = config.head.pooling
   if pooling not in model_lib.POOLINGS:
     raise ConfigError(f"config.head.pooling={pooling!r}: use one of {list(model_lib.POOLINGS)}.")
@@ -200,12 +203,30 @@ def validate(config) -> None:
 
 
 def epochs_for(config) -> int:
+  """config.epochs, or the task's official count when it is 0 (before min_steps)."""
   if config.epochs:
     return config.epochs
   task = str(config.task).lower().replace("-", "").replace("_", "")
   if task.startswith("squad"):
     return SQUAD_EPOCHS
   return LONG_TASK_EPOCHS if task in tasks.TEN_EPOCH_TASKS else DEFAULT_EPOCHS
+
+
+def resolve_epochs(config, num_train: int) -> int:
+  """The epochs a seed trains: epochs_for(config), raised to ceil(min_steps / steps per epoch)
+  when it gives fewer than config.min_steps optimizer steps (steps per epoch: ceil(num_train /
+  batch_size), the last batch padded)."""
+  epochs = epochs_for(config)
+  steps_per_epoch = math.ceil(num_train / config.batch_size)
+  if config.min_steps and steps_per_epoch and epochs * steps_per_epoch < config.min_steps:
+    raised = math.ceil(config.min_steps / steps_per_epoch)
+    logging.info(
+        "%d epochs give %d optimizer steps (%d train examples, batch %d), fewer than min_steps=%d: "
+        "training %d epochs (%d steps).", epochs, epochs * steps_per_epoch, num_train, config.batch_size,
+        config.min_steps, raised, raised * steps_per_epoch,
+    )
+    return raised
+  return epochs
 
 
 def _write_json(path: str, value) -> None:
@@ -348,7 +369,7 @@ def _run_seed(config, adapter, backbone, seed: int, seed_dir: str, epochs: int, 
   prediction_files = adapter.write_test(_predictor(predict_step, kept["params"], eval_batch_size),
                                         os.path.join(seed_dir, "predictions"))
   result = dict(
-      seed=seed, keep_epoch=config.keep_epoch, kept_epoch=kept["epoch"],
+      seed=seed, epochs=epochs, steps=step, keep_epoch=config.keep_epoch, kept_epoch=kept["epoch"],
       kept_step=kept["step"], dev=kept["dev"], history=history,
       checkpoint=os.path.join(checkpointer.directory, str(kept["step"])), test_predictions=prediction_files,
       config_fingerprint=seed_fingerprint(config),
@@ -365,7 +386,7 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   workdir_files.check_usable(workdir)  # before the data and the backbone load
   backbone = model_lib.load_backbone(config)
   adapter = make_adapter(config, backbone)
-  epochs = epochs_for(config)
+  epochs = resolve_epochs(config, _num_examples(adapter.train_features))
   task_dir = os.path.join(workdir, adapter.name)
   seeds = [config.seed + i for i in range(config.num_seeds)]
   finished = _finished_seeds(config, task_dir, adapter.name, seeds)
@@ -415,7 +436,8 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   summary = summarize(per_seed)
   config_json = config_lib.to_json(config)
   results = dict(
-      task=adapter.name, init=backbone.source, epochs=epochs,
+      # epochs: after min_steps, what each seed trained (config.epochs holds what was asked).
+      task=adapter.name, init=backbone.source, epochs=epochs, steps_per_seed=steps_per_seed,
       config=json.loads(config_json),
       config_fingerprint=hashlib.sha256(config_json.encode()).hexdigest()[:16],
       seeds={str(run["seed"]): {k: run[k] for k in ("kept_epoch", "dev", "test_predictions")} for run in per_seed},
