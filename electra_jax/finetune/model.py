@@ -1,6 +1,7 @@
-"""The fine-tuning model, ELECTRA's discriminator encoder with a task head (pooled vector ->
-dropout -> dense, no pooler layer), and where its starting weights and tokenizer come from: a pre-training
-workdir's latest checkpoint, a Hugging Face directory, or random initialization."""
+"""The fine-tuning model, ELECTRA's discriminator encoder with a task head ([CLS] or the mean
+over real tokens -> dropout -> dense, no pooler), and where its starting weights and tokenizer
+come from: a pre-training workdir's latest checkpoint, a Hugging Face directory, or random
+initialization."""
 
 from __future__ import annotations
 
