@@ -117,6 +117,10 @@ def main(argv):
     import torch
 
     on_gpu = jax.devices()[0].platform == "gpu"
+    for key, peer_value in (("norm", "post"), ("ffn", "gelu"), ("use_bias", True)):
+      if config.model[key] != peer_value:  # transformers' ELECTRA has only the default encoder
+        raise SystemExit(f"--vs-huggingface: model.{key}={config.model[key]!r} has no transformers "
+                         "ElectraModel form, so the peer would not be like for like.")
     if on_gpu and not torch.cuda.is_available():
       raise SystemExit("JAX runs on a GPU but PyTorch sees none: the peer would not be like for like.")
     # Like for like: the peer runs where we run, in bfloat16 autocast when we compute in bf16.

@@ -43,6 +43,11 @@ def get_config():
   # One scanned layer instead of num_layers unrolled ones: compile time independent of depth.
   # Checkpoints keep the scanned layout; export and fine-tuning see the usual one.
   model.scan_layers = False
+  # Encoder variants for small-budget pre-training (Cramming / ModernBERT style); any
+  # non-default one has no Hugging Face ElectraModel form, so --mode=export_hf refuses it.
+  model.norm = "post"  # "post": BERT's LN(x + f(x)); "pre": x + f(LN(x)) and a final LayerNorm
+  model.ffn = "gelu"  # "gelu": dense + GELU + dense; "geglu": gelu(gate) * value, gate/value from one dense(H->2I)
+  model.use_bias = True  # False: no bias in the encoder's dense layers (heads and LayerNorms keep theirs)
 
   # Replaced-token detection: loss = gen_weight * L_MLM + disc_weight * L_Disc.
   config.objective = objective = ml_collections.ConfigDict()

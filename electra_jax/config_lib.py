@@ -85,17 +85,35 @@ def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
   return changes
 
 
-def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
-  """The resolved config a training run saved as <workdir>/config.json."""
+# Model keys added after workdirs were first saved, with the value an older config.json (which
+# lacks them) meant: configs/base.py's defaults, which build the model exactly as it was then.
+# Filled in by saved_config, the one reader of a workdir's config.json.
+ADDED_MODEL_KEYS = {"norm": "post", "ffn": "gelu", "use_bias": True}
+
+
+def saved_config(workdir: str) -> dict | None:
+  """<workdir>/config.json as a dict (None if there is none), with the ADDED_MODEL_KEYS an older
+  one lacks filled in."""
   from electra_jax import workdir_files  # noqa: PLC0415 (keeps recipes' imports light)
 
   path = workdir_files.path(workdir, "config.json")
   if not workdir_files.exists(path):
+    return None
+  saved = json.loads(workdir_files.read_text(path))
+  if isinstance(saved.get("model"), dict):
+    saved["model"] = {**ADDED_MODEL_KEYS, **saved["model"]}
+  return saved
+
+
+def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
+  """The resolved config a training run saved as <workdir>/config.json (see saved_config)."""
+  saved = saved_config(workdir)
+  if saved is None:
     raise ConfigError(
         f"{workdir} has no config.json, so it is not a pre-training workdir; pass the --workdir "
         "a training run wrote (or give --config)."
     )
-  return ml_collections.ConfigDict(json.loads(workdir_files.read_text(path)))
+  return ml_collections.ConfigDict(saved)
 
 
 def to_json(config: ml_collections.ConfigDict) -> str:

@@ -28,7 +28,10 @@ PEAK_FLOPS = (
 
 
 def _encoder_matmul_params(cfg: EncoderConfig, embedding_size: int) -> int:
-  per_layer = 4 * cfg.hidden_size**2 + 2 * cfg.hidden_size * cfg.intermediate_size
+  # Q, K, V and the attention output (4 H x H), then the FFN: H x I in and I x H out, and for
+  # GEGLU one more H x I for the gate (its in-projection is H x 2I). Biases are not matmuls.
+  ffn_matrices = 3 if cfg.ffn == "geglu" else 2
+  per_layer = 4 * cfg.hidden_size**2 + ffn_matrices * cfg.hidden_size * cfg.intermediate_size
   projection = embedding_size * cfg.hidden_size if embedding_size != cfg.hidden_size else 0
   return cfg.num_layers * per_layer + projection
 

@@ -1,6 +1,8 @@
-"""ELECTRA's networks as Flax Linen modules: shared embeddings, a BERT post-LN encoder,
-the generator and discriminator towers, and `ElectraPretrainer`, which owns one embeddings
-module used by both towers. Parameters carry logical axis names (see partitioning.py)."""
+"""ELECTRA's networks as Flax Linen modules: shared embeddings, a BERT encoder (post-LN by
+default; pre-LN, a GEGLU feed-forward and bias-free dense layers as options, see
+EncoderConfig), the generator and discriminator towers, and `ElectraPretrainer`, which owns one
+embeddings module used by both towers. Parameters carry logical axis names (see
+partitioning.py)."""
 
 import dataclasses
 import functools
@@ -23,6 +25,13 @@ ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", "splash")
 # matmul outputs and recomputes the elementwise work (LayerNorm, GELU, dropout, softmax),
 # "full" keeps only the layer's input and recomputes the whole layer.
 REMAT_POLICIES = ("none", "dots", "full")
+
+# model.norm: where each encoder layer normalizes. "post" is BERT's LN(x + f(x)); "pre" is
+# x + f(LN(x)) with one more LayerNorm after the last layer (Encoder's final_layer_norm).
+NORMS = ("post", "pre")
+# model.ffn: "gelu" is BERT's dense(H->I) + GELU + dense(I->H); "geglu" gates it:
+# dense(H->2I) split into (gate, value), gelu(gate) * value, then dense(I->H).
+FFNS = ("gelu", "geglu")
 
 # Said by config_lib.validate (before any data) and by the model itself.
 ELECTRIC_UNPACKED = (
@@ -193,6 +202,11 @@ class EncoderConfig:
   # instead of layer_0 .. layer_{L-1}: compile time stops growing with depth. Checkpoints keep
   # that layout; standalone towers, export and fine-tuning see the unscanned one (unscan_layers).
   scan_layers: bool = False
+  norm: str = "post"  # see NORMS
+  ffn: str = "gelu"  # see FFNS
+  # False: no bias in any of the encoder's dense layers (query, key, value, attention output,
+  # both FFN projections, embeddings_project); heads and LayerNorms keep theirs.
+  use_bias: bool = True
 
   @property
   def head_dim(self) -> int:
@@ -288,7 +302,7 @@ class SelfAttention(nn.Module):
 
     def project(name):
       # One [H, H] matrix per projection (heads side by side), as BERT stores it.
-      projected = _dense(cfg.hidden_size, "embed", "heads", self.dtype, name)(hidden)
+      projected = _dense(cfg.hidden_size, "embed", "heads", self.dtype, name, cfg.use_bias)(hidden)
       return projected.reshape(*hidden.shape[:-1], cfg.num_heads, cfg.head_dim)
 
     query, key, value = project("query"), project("key"), project("value")
@@ -330,11 +344,13 @@ class SelfAttention(nn.Module):
           query, key, value, mask=key_is_real, implementation=implementation
       )
     context = context.reshape(*hidden.shape[:-1], cfg.hidden_size)
-    return _dense(cfg.hidden_size, "heads", "embed", self.dtype, "output")(context)
+    return _dense(cfg.hidden_size, "heads", "embed", self.dtype, "output", cfg.use_bias)(context)
 
 
 class EncoderLayer(nn.Module):
-  """BERT's post-LayerNorm block: LN(x + attn(x)), then LN(x + FFN(x)) with exact GELU."""
+  """One transformer block. norm="post" (BERT's): LN(x + attn(x)), then LN(x + FFN(x));
+  norm="pre": x + attn(LN(x)), then x + FFN(LN(x)). Either way the LayerNorms are
+  attention_layer_norm and output_layer_norm, and the FFN is `config.ffn`."""
 
   config: EncoderConfig
   dtype: Dtype
@@ -343,23 +359,49 @@ class EncoderLayer(nn.Module):
   @nn.compact
   def __call__(self, hidden, attention_mask, deterministic: bool):
     cfg = self.config
-    attended = SelfAttention(cfg, self.dtype, self.attention_impl, name="attention")(
-        hidden, attention_mask, deterministic
-    )
-    attended = random_ops.Dropout(cfg.dropout_rate)(attended, deterministic=deterministic)
-    hidden = _layer_norm(cfg.layer_norm_eps, "attention_layer_norm")(hidden + attended)
-    hidden = hidden.astype(self.dtype)
-    ffn = _dense(cfg.intermediate_size, "embed", "mlp", self.dtype, "intermediate")(hidden)
-    ffn = gelu_exact(ffn)
-    ffn = _dense(cfg.hidden_size, "mlp", "embed", self.dtype, "output")(ffn)
-    ffn = random_ops.Dropout(cfg.dropout_rate)(ffn, deterministic=deterministic)
-    hidden = _layer_norm(cfg.layer_norm_eps, "output_layer_norm")(hidden + ffn)
-    hidden = hidden.astype(self.dtype)
+    attention = SelfAttention(cfg, self.dtype, self.attention_impl, name="attention")
+    attention_norm = _layer_norm(cfg.layer_norm_eps, "attention_layer_norm")
+    output_norm = _layer_norm(cfg.layer_norm_eps, "output_layer_norm")
+
+    def sublayer(block, x):
+      return random_ops.Dropout(cfg.dropout_rate)(block(x), deterministic=deterministic)
+
+    def attend(x):
+      return attention(x, attention_mask, deterministic)
+
+    def feed_forward(x):
+      return _feed_forward(cfg, self.dtype, x)
+
+    if cfg.norm == "pre":
+      # The residual stream is never normalized; each block reads a normalized copy of it.
+      hidden = hidden + sublayer(attend, attention_norm(hidden).astype(self.dtype))
+      hidden = hidden + sublayer(feed_forward, output_norm(hidden).astype(self.dtype))
+    else:
+      hidden = attention_norm(hidden + sublayer(attend, hidden)).astype(self.dtype)
+      hidden = output_norm(hidden + sublayer(feed_forward, hidden)).astype(self.dtype)
     return nn.with_logical_constraint(hidden, ("act_batch", "act_len", "act_embed"))
 
 
+def _feed_forward(cfg: EncoderConfig, dtype: Dtype, hidden):
+  """The position-wise FFN, [..., H] -> [..., H], called inside EncoderLayer (its dense
+  layers are the layer's `intermediate` and `output`). GEGLU's `intermediate` kernel is
+  [H, 2I], gate columns first: a GELU tree's is [H, I], so the two never load into each
+  other. (Under mesh.tensor > 1 its mlp axis is split across devices, so pairing gate and
+  value halves moves data between them; intermediate_size stays the product's width.)"""
+  width = 2 * cfg.intermediate_size if cfg.ffn == "geglu" else cfg.intermediate_size
+  inner = _dense(width, "embed", "mlp", dtype, "intermediate", cfg.use_bias)(hidden)
+  if cfg.ffn == "geglu":
+    gate, value = jnp.split(inner, 2, axis=-1)
+    inner = gelu_exact(gate) * value
+  else:
+    inner = gelu_exact(inner)
+  return _dense(cfg.hidden_size, "mlp", "embed", dtype, "output", cfg.use_bias)(inner)
+
+
 class Encoder(nn.Module):
-  """The E->H projection (only when sizes differ) and a stack of encoder layers."""
+  """The E->H projection (only when sizes differ), a stack of encoder layers and, for
+  norm="pre", `final_layer_norm` over the last layer's output (pre-LN layers leave their
+  residual stream unnormalized)."""
 
   config: EncoderConfig
   embedding_size: int
@@ -368,29 +410,30 @@ class Encoder(nn.Module):
 
   @nn.compact
   def __call__(self, embedded, attention_mask, deterministic: bool):
+    cfg = self.config
     hidden = embedded
-    if self.embedding_size != self.config.hidden_size:
-      hidden = _dense(self.config.hidden_size, "embed", "mlp", self.dtype, "embeddings_project")(
-          hidden
-      )
-    if self.config.scan_layers:
+    if self.embedding_size != cfg.hidden_size:
+      hidden = _dense(cfg.hidden_size, "embed", "mlp", self.dtype, "embeddings_project", cfg.use_bias)(hidden)
+    if cfg.scan_layers:
       scanned = nn.scan(
           _ScanBody,
           variable_axes={"params": 0},
           split_rngs={"params": True, "dropout": True},
           in_axes=(nn.broadcast,),
-          length=self.config.num_layers,
+          length=cfg.num_layers,
           metadata_params={nn.PARTITION_NAME: "layers"},
       )
-      hidden, _ = scanned(self.config, self.dtype, self.attention_impl, deterministic, name="layers")(
+      hidden, _ = scanned(cfg, self.dtype, self.attention_impl, deterministic, name="layers")(
           hidden, attention_mask
       )
-      return hidden
-    layer_class = _remat_layer(self.config.remat)
-    for i in range(self.config.num_layers):
-      hidden = layer_class(self.config, self.dtype, self.attention_impl, name=f"layer_{i}")(
-          hidden, attention_mask, deterministic
-      )
+    else:
+      layer_class = _remat_layer(cfg.remat)
+      for i in range(cfg.num_layers):
+        hidden = layer_class(cfg, self.dtype, self.attention_impl, name=f"layer_{i}")(
+            hidden, attention_mask, deterministic
+        )
+    if cfg.norm == "pre":
+      hidden = _layer_norm(cfg.layer_norm_eps, "final_layer_norm")(hidden).astype(self.dtype)
     return hidden  # [batch, seq, hidden]
 
 
@@ -774,7 +817,14 @@ def build_model(config) -> ElectraPretrainer:
       layer_norm_eps=m.layer_norm_eps,
       remat=m.get("remat", "none"),
       scan_layers=bool(m.get("scan_layers", False)),
+      norm=m.norm,
+      ffn=m.ffn,
+      use_bias=m.use_bias,
   )
+  for key, allowed in (("norm", NORMS), ("ffn", FFNS), ("use_bias", (True, False))):
+    # `in` alone would take 1 and 0 for True and False.
+    if not any(m[key] == value and type(m[key]) is type(value) for value in allowed):
+      raise ConfigError(f"model.{key}={m[key]!r} is not one of {list(allowed)}.")
   if m.attention_impl not in ATTENTION_IMPLEMENTATIONS:
     raise ConfigError(
         f"model.attention_impl={m.attention_impl!r} is not one of {list(ATTENTION_IMPLEMENTATIONS)}."

@@ -536,7 +536,7 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
     elif not workdir_files.exists(config_file):
       row["status"] = "not started"
     else:
-      config = ml_collections.ConfigDict(json.loads(workdir_files.read_text(config_file)))
+      config = config_lib.load_workdir_config(workdir)
       # Done once the last step is saved: a run killed between logging its last step and
       # saving it (during the final evaluation, say) resumes, so it is not done.
       done = steps >= config.train.steps and (_latest_checkpoint(workdir) or 0) >= config.train.steps

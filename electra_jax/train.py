@@ -313,16 +313,11 @@ def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpu
     checkpointer.close()
 
 
-def _saved_config(workdir: str) -> dict | None:
-  file = workdir_files.path(workdir, "config.json")
-  return json.loads(workdir_files.read_text(file)) if workdir_files.exists(file) else None
-
-
 def check_same_model(saved: dict, current: dict, workdir: str, config=None) -> None:
   for name in sorted(set(saved) | set(current)):
     if saved.get(name) != current.get(name):
       settings = ""
-      before = _saved_config(workdir) if config is not None else None
+      before = config_lib.saved_config(workdir) if config is not None else None
       if before is not None:
         changes = config_lib.changed_keys(
             {"model": before.get("model", {})}, {"model": config_lib.as_saved(config)["model"]})
@@ -736,7 +731,7 @@ def _fix_two_stage_switch(config, workdir: str) -> int | None:
   trained discriminator again. Returns the switch the workdir recorded (None: none yet)."""
   if config.objective.get("name") != "two_stage":
     return None
-  before = _saved_config(workdir) or {}
+  before = config_lib.saved_config(workdir) or {}
   recorded = None
   if before.get("objective", {}).get("name") == "two_stage":
     # config.json before this fix kept 0: the default then was its own train.steps // 2.
@@ -768,7 +763,7 @@ def _keep_changed_config(config, workdir: str, start_step: int | None) -> None:
   """Resuming with other settings (a new batch size, learning rate, ...): says which, and
   keeps the config the checkpoint was trained with as config.step<N>.json before config.json
   takes the new one, so the run's history stays on record."""
-  before = _saved_config(workdir) if start_step is not None else None
+  before = config_lib.saved_config(workdir) if start_step is not None else None
   if before is None:
     return
   changes = config_lib.changed_keys(before, config_lib.as_saved(config))

@@ -23,9 +23,10 @@ finetune_tiny = config_lib.sibling(os.path.join(REPO, "configs", "finetune", "ti
 WORDS = [f"w{i}" for i in range(40)]
 
 
-def three_layer_params():
-  """A classifier tree with 3 layers and the E->H projection, leaves = zeros."""
-  model = models.EncoderConfig(hidden_size=8, num_layers=3, num_heads=2, intermediate_size=16)
+def three_layer_params(**options):
+  """A classifier tree with 3 layers and the E->H projection, leaves = zeros; `options` go to
+  the EncoderConfig (norm=, ffn=, use_bias=)."""
+  model = models.EncoderConfig(hidden_size=8, num_layers=3, num_heads=2, intermediate_size=16, **options)
   classifier = model_lib.ElectraClassifier(
       vocab_size=20, embedding_size=4, max_position_embeddings=8, type_vocab_size=2, config=model, num_outputs=3
   )
@@ -55,6 +56,13 @@ def test_layerwise_learning_rates_both_rules():
     assert set(values.values()) == set(want.values())  # every parameter got one of the five
   with pytest.raises(ConfigError, match="layerwise_lr_decay_rule"):
     optim.layerwise_lr_scales(params, 3, 0.5, "bert")
+
+
+def test_pre_layer_norm_final_layer_norm_learns_at_the_top_layers_rate():
+  # It normalizes the top layer's output: pre-trained encoder weights, not the new head.
+  scales = flax.traverse_util.flatten_dict(optim.layerwise_lr_scales(three_layer_params(norm="pre"), 3, 0.5), sep="/")
+  assert scales["encoder/final_layer_norm/scale"] == scales["encoder/final_layer_norm/bias"] == 0.5
+  assert scales["encoder/layer_2/output_layer_norm/scale"] == 0.5 and scales["classifier/kernel"] == 1.0
 
 
 def optimizer_config(**overrides):
@@ -245,6 +253,29 @@ def test_init_from_pretraining_workdir(tmp_path, pretrained_workdir):
   config.tokenizer = str(tmp_path / "vocab.txt")
   with pytest.raises(ConfigError, match="differs from the one the checkpoint"):
     model_lib.load_backbone(config)  # run_finetune's first step after validating the config
+
+
+def test_init_from_a_workdir_with_encoder_options_keeps_them(tmp_path):
+  """A pre-LN, GEGLU, bias-free pre-training run fine-tunes with that very encoder: its saved
+  config builds it and the checkpoint's encoder (final LayerNorm included) fills it."""
+  options = {"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False}
+  workdir = str(tmp_path / "pretrain")
+  pretrain_config = tiny_config(**options, **{"train.steps": 1, "checkpoint.every_steps": 1, "eval.every_steps": 0})
+  train.train_and_evaluate(pretrain_config, workdir)
+  config = synthetic_config(tmp_path, n_train=16, n_dev=8, init_from=workdir, tokenizer="")
+  backbone = model_lib.load_backbone(config)
+  classifier = backbone.classifier(2, config)
+  assert (classifier.config.norm, classifier.config.ffn, classifier.config.use_bias) == ("pre", "geglu", False)
+  params = model_lib.init_params(backbone, classifier, jax.random.key(0), config.max_seq_len)
+  mesh = partitioning.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)), devices=jax.devices()[:1])
+  tok = backbone.tokenizer
+  setup = train.build_setup(pretrain_config, mesh, dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id))
+  _, state = train.restore_checkpoint(workdir, setup, mesh)
+  jax.tree.map(np.testing.assert_array_equal, params["encoder"], state.params["discriminator"]["encoder"])
+  assert "final_layer_norm" in params["encoder"] and "bias" not in params["encoder"]["layer_0"]["intermediate"]
+  ids = jnp.full((2, config.max_seq_len), tok.cls_id, jnp.int32)
+  logits = classifier.apply({"params": params}, ids, jnp.zeros_like(ids), jnp.ones_like(ids))
+  assert logits.shape == (2, 2) and np.isfinite(np.asarray(logits)).all()
 
 
 def test_glue_run_writes_submission_files(tmp_path):

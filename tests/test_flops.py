@@ -70,3 +70,21 @@ def test_the_benchmarks_name_a_misspelt_config_key_in_one_line(script):
       f"{script}: error: --config.train.batchsize: the config has no key 'batchsize'. Did you mean "
       '"batch_size" instead of "batchsize"? configs/base.py lists every key with its default.')
   assert "Traceback" not in result.stderr
+
+
+def test_geglu_counts_its_gate_and_bias_free_layers_count_the_same():
+  """GEGLU's in-projection is H x 2I: one more H x I matrix per layer and tower, 6 FLOPs per
+  parameter per token. Biases are not counted, so model.use_bias and model.norm change nothing."""
+  config = config_lib.sibling(f"{REPO}/configs/base.py", "electra_small").get_config()
+  slots = objectives.official_max_predictions(config.objective.mask_prob, config.data.max_seq_len)
+
+  def count(**model_options):
+    config.model.update(model_options)
+    return flops.train_flops_per_token(models.build_model(config), config.data.max_seq_len, slots)
+
+  default = count(norm="post", ffn="gelu", use_bias=True)
+  disc = models.build_model(config).discriminator_config
+  gen = models.generator_encoder_config(disc, config.model.generator_fraction)
+  gates = 6 * sum(t.num_layers * t.hidden_size * t.intermediate_size for t in (disc, gen))
+  assert count(ffn="geglu") == pytest.approx(default + gates, rel=1e-12)
+  assert count(ffn="gelu", norm="pre", use_bias=False) == default

@@ -352,7 +352,11 @@ def test_cli_exports_a_pretraining_workdir(tmp_path):
   # tokenizes with that very model and starts from the exported weights.
   pair = interop.pair_from_hf(str(out / "discriminator"), str(out / "generator"))
   imported = tmp_path / "imported"
-  interop.write_pretraining_workdir(pair, tiny_config(), str(imported))
+  # A recipe asking for encoder options ELECTRA checkpoints lack gets the pair's (the defaults).
+  recipe = tiny_config(**{"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False})
+  interop.write_pretraining_workdir(pair, recipe, str(imported))
+  model_config = train.config_lib.load_workdir_config(str(imported)).model
+  assert (model_config.norm, model_config.ffn, model_config.use_bias) == ("post", "gelu", True)
   data_config = train.config_lib.load_workdir_config(str(imported)).data
   assert data_config.tokenizer == "sentencepiece" and data_config.spm_model_file == str(imported / "spm.model")
   assert (imported / "spm.model").read_bytes() == (out / "discriminator" / "spm.model").read_bytes()
@@ -429,3 +433,35 @@ def test_export_to_an_out_that_cannot_be_made_is_refused_before_the_restore(tmp_
   (tmp_path / "a_file").write_text("not a directory")
   with pytest.raises(ConfigError, match=f"{tmp_path / 'a_file'} is a file"):
     export.export_workdir(str(workdir), str(tmp_path / "a_file" / "hf"))
+
+
+@pytest.mark.parametrize("options, named", [
+    ({"model.norm": "pre"}, [r"model.norm='pre' has no Hugging Face ElectraModel form \(it is post-LayerNorm only\); "
+                             r"fine-tune or evaluate it in electra-jax instead."]),
+    ({"model.ffn": "geglu"}, [r"model.ffn='geglu' has no Hugging Face ElectraModel form"]),
+    ({"model.use_bias": False}, [r"model.use_bias=False has no Hugging Face ElectraModel form"]),
+    ({"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False},
+     [r"model.norm='pre'", r"model.ffn='geglu'", r"model.use_bias=False"]),
+])
+def test_export_refuses_encoder_options_hugging_face_cannot_hold(tmp_path, monkeypatch, options, named):
+  """Pre-LN, GEGLU and bias-free encoders have no ElectraModel form: the export says which
+  option, one line each, before restoring or writing anything."""
+  config = tiny_config(**options)
+  workdir, out = tmp_path / "run", tmp_path / "hf"
+  (workdir / "checkpoints").mkdir(parents=True)
+  (workdir / "config.json").write_text(json.dumps(config.to_dict()))
+  monkeypatch.setattr(train, "restore_checkpoint", lambda *a, **k: pytest.fail("restored"))
+  with pytest.raises(ConfigError) as refused:
+    interop.export_workdir(str(workdir), str(out), export_generator=True)
+  lines = str(refused.value).split("\n")
+  assert len(lines) == len(named) and all(re.fullmatch(f"{want}.*", line) for want, line in zip(named, lines))
+  assert not out.exists()
+  # save_hf itself refuses too (a pre-training state or a standalone tower alike).
+  pretrainer = models.build_model(config)
+  ids = jnp.zeros((1, 8), jnp.int32)
+  params = flax.linen.meta.unbox(
+      pretrainer.init(jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32))["params"])
+  for kind in ("discriminator", "generator"):
+    with pytest.raises(ConfigError, match=named[0]):
+      interop.save_hf(pretrainer, params, str(out / kind), kind=kind)
+  assert not out.exists()

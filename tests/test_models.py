@@ -1,15 +1,22 @@
-"""The networks: one shared embedding tree, tied generator decoder, BERT encoder details."""
+"""The networks: one shared embedding tree, tied generator decoder, BERT encoder details, and
+the encoder options (pre-LN, GEGLU, no biases) against computations by hand."""
+
+import functools
+import hashlib
+import json
+import math
 
 import flax
 import flax.linen as nn
 import jax
 import jax.export  # jax 0.6 (Python 3.10) loads it only when asked
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
-from conftest import tiny_config
-from electra_jax import models
+from conftest import REPO, base, tiny_config
+from electra_jax import config_lib, models, objectives, train
 from electra_jax.config_lib import ConfigError
 
 
@@ -241,3 +248,231 @@ def test_cudnn_shapes_are_refused_before_compiling():
   config.data.pack_rows = True
   with pytest.raises(ConfigError, match="data.max_seq_len=31: make it even"):
     models.build_model(config)
+
+
+# ---------------------------------------------------------------------------------------
+# Encoder options (model.norm, model.ffn, model.use_bias), each against a computation by hand.
+# ---------------------------------------------------------------------------------------
+def _random_params(params, seed=0):
+  """`params` with every leaf replaced by N(0, 0.5) noise: LayerNorm scales and biases away
+  from 1 and 0, so a swapped or skipped LayerNorm or bias changes the output."""
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(treedef, [0.5 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+
+
+def _ln_by_hand(x, p, eps=1e-12):
+  mean = x.mean(-1, keepdims=True)
+  var = ((x - mean) ** 2).mean(-1, keepdims=True)
+  return (x - mean) / np.sqrt(var + eps) * np.asarray(p["scale"], np.float64) + np.asarray(p["bias"], np.float64)
+
+
+def _dense_by_hand(x, p):
+  out = x @ np.asarray(p["kernel"], np.float64)
+  return out + np.asarray(p["bias"], np.float64) if "bias" in p else out
+
+
+def _gelu_by_hand(x):
+  return 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
+
+
+def _layer_by_hand(p, x, mask, cfg):
+  """One encoder layer in float64 numpy from its parameter tree: softmax attention over the
+  real keys, the residuals and LayerNorms where cfg.norm puts them, cfg.ffn's FFN."""
+  heads, head_dim = cfg.num_heads, cfg.hidden_size // cfg.num_heads
+
+  def attention(h):
+    a = p["attention"]
+    q, k, v = (_dense_by_hand(h, a[n]).reshape(*h.shape[:2], heads, head_dim) for n in ("query", "key", "value"))
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
+    scores = np.where(np.asarray(mask)[:, None, None, :] > 0, scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    context = np.einsum("bhqk,bkhd->bqhd", probs, v).reshape(h.shape)
+    return _dense_by_hand(context, a["output"])
+
+  def ffn(h):
+    inner = _dense_by_hand(h, p["intermediate"])
+    if cfg.ffn == "geglu":  # the first I columns gate, the last I are the value
+      inner = _gelu_by_hand(inner[..., :cfg.intermediate_size]) * inner[..., cfg.intermediate_size:]
+    else:
+      inner = _gelu_by_hand(inner)
+    return _dense_by_hand(inner, p["output"])
+
+  if cfg.norm == "pre":
+    x = x + attention(_ln_by_hand(x, p["attention_layer_norm"]))
+    return x + ffn(_ln_by_hand(x, p["output_layer_norm"]))
+  x = _ln_by_hand(x + attention(x), p["attention_layer_norm"])
+  return _ln_by_hand(x + ffn(x), p["output_layer_norm"])
+
+
+def _encoder_by_hand(p, x, mask, cfg):
+  x = np.asarray(x, np.float64)
+  if "embeddings_project" in p:
+    x = _dense_by_hand(x, p["embeddings_project"])
+  for i in range(cfg.num_layers):
+    x = _layer_by_hand(p[f"layer_{i}"], x, mask, cfg)
+  return _ln_by_hand(x, p["final_layer_norm"]) if cfg.norm == "pre" else x
+
+
+def _encoder_against_hand(cfg, embedding_size=32):
+  encoder = models.Encoder(cfg, embedding_size, jnp.float32)
+  x = jax.random.normal(jax.random.key(1), (2, 12, embedding_size))
+  _, _, mask = _inputs()
+  params = _random_params(nn.meta.unbox(encoder.init(jax.random.key(0), x, mask, True))["params"])
+  got = encoder.apply({"params": params}, x, mask, True)
+  want = _encoder_by_hand(params, x, mask, cfg)
+  # Padded query rows are computed too (they attend to the real keys): compare everything.
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  return params
+
+
+def test_pre_layer_norm_encoder_by_hand():
+  cfg = models.EncoderConfig(32, 1, 2, 64, dropout_rate=0.0, attention_dropout_rate=0.0, norm="pre")
+  params = _encoder_against_hand(cfg)
+  assert set(params) == {"layer_0", "final_layer_norm"}
+  # Post-LN (the default) has no final LayerNorm, and the hand formula for it differs.
+  post = models.Encoder(models.EncoderConfig(32, 1, 2, 64), 32, jnp.float32)
+  x = jnp.ones((1, 4, 32))
+  assert "final_layer_norm" not in post.init(jax.random.key(0), x, jnp.ones((1, 4)), True)["params"]
+
+
+def test_geglu_ffn_by_hand():
+  cfg = models.EncoderConfig(32, 1, 2, 48, dropout_rate=0.0, attention_dropout_rate=0.0, ffn="geglu")
+  params = _encoder_against_hand(cfg)
+  ffn = params["layer_0"]
+  assert ffn["intermediate"]["kernel"].shape == (32, 2 * 48) and ffn["output"]["kernel"].shape == (48, 32)
+
+
+def test_all_three_options_by_hand_with_a_projection():
+  cfg = models.EncoderConfig(32, 2, 2, 48, dropout_rate=0.0, attention_dropout_rate=0.0, norm="pre",
+                             ffn="geglu", use_bias=False)
+  params = _encoder_against_hand(cfg, embedding_size=16)
+  assert set(params["embeddings_project"]) == {"kernel"}
+
+
+def _flat(params):
+  return flax.traverse_util.flatten_dict(params, sep="/")
+
+
+def test_use_bias_false_drops_only_the_encoder_dense_biases():
+  config = tiny_config(**{"model.use_bias": False})
+  model, params = _init(config)
+  flat = _flat(params)
+  encoder_biases = [n for n in flat if "/encoder/" in n and n.endswith("/bias") and "layer_norm" not in n]
+  assert not encoder_biases
+  # Every Dense inside the encoders lost its bias, and only those: the biased tree differs by them.
+  _, biased = _init(tiny_config())
+  dropped = set(_flat(biased)) - set(flat)
+  assert dropped and all("/encoder/" in n and n.endswith("/bias") and "layer_norm" not in n for n in dropped)
+  assert {n.rsplit("/", 2)[-2] for n in dropped} == {
+      "query", "key", "value", "output", "intermediate", "embeddings_project"}
+  for head in ("generator/head_dense/bias", "generator/output_bias", "discriminator/head_dense/bias",
+               "discriminator/head_out/bias", "generator/head_layer_norm/bias",
+               "discriminator/encoder/layer_0/output_layer_norm/bias", "embeddings/layer_norm/bias"):
+    assert head in flat, head
+  # The same model as the biased one whose encoder dense biases are zero.
+  zeroed = flax.traverse_util.unflatten_dict(
+      {n: jnp.zeros_like(x) if n in dropped else x for n, x in _flat(biased).items()}, sep="/")
+  unbiased = flax.traverse_util.unflatten_dict({n: x for n, x in _flat(biased).items() if n not in dropped}, sep="/")
+  ids, types, mask = _inputs()
+  biased_model = models.build_model(tiny_config())
+  for method in ("discriminator_logits",):
+    want = biased_model.apply({"params": zeroed}, ids, types, mask, method=getattr(biased_model, method))
+    got = model.apply({"params": unbiased}, ids, types, mask, method=getattr(model, method))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  positions = jnp.array([[1, 2, 3], [1, 2, 3]])
+  np.testing.assert_allclose(
+      model.apply({"params": unbiased}, ids, types, mask, positions, method=model.generator_logits),
+      biased_model.apply({"params": zeroed}, ids, types, mask, positions, method=biased_model.generator_logits),
+      rtol=1e-6, atol=1e-6)
+
+
+# electra_small's pre-training tree before the encoder options existed: its leaf count,
+# parameter count and the sha256 of its sorted "path:shape" lines (from jax.eval_shape).
+ELECTRA_SMALL_TREE = (402, 14_196_219, "067aa7cee54b6cfd")
+
+
+def _tree_fingerprint(model, seq=128, n_pred=19):
+  ids = jnp.zeros((1, seq), jnp.int32)
+  shapes = jax.eval_shape(model.init, jax.random.key(0), ids, ids, ids, jnp.zeros((1, n_pred), jnp.int32))
+  flat = _flat(nn.meta.unbox(shapes["params"]))
+  listing = "\n".join(f"{name}:{tuple(leaf.shape)}" for name, leaf in sorted(flat.items()))
+  return len(flat), sum(leaf.size for leaf in flat.values()), hashlib.sha256(listing.encode()).hexdigest()[:16]
+
+
+def test_defaults_keep_the_electra_small_model(tmp_path):
+  recipe = config_lib.sibling(f"{REPO}/configs/base.py", "electra_small").get_config()
+  model = models.build_model(recipe)
+  assert _tree_fingerprint(model) == ELECTRA_SMALL_TREE
+  explicit = config_lib.sibling(f"{REPO}/configs/base.py", "electra_small").get_config()
+  explicit.model.update(norm="post", ffn="gelu", use_bias=True)
+  assert models.build_model(explicit) == model
+  # A workdir saved before these keys existed loads (one place fills them) into the same model.
+  saved = recipe.to_dict()
+  for key in config_lib.ADDED_MODEL_KEYS:
+    del saved["model"][key]
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  old = config_lib.load_workdir_config(str(tmp_path))
+  assert models.build_model(old) == model
+  assert config_lib.saved_config(str(tmp_path))["model"] == config_lib.as_saved(recipe)["model"]
+  # What it fills is what configs/base.py defaults to.
+  assert {k: base.get_config().model[k] for k in config_lib.ADDED_MODEL_KEYS} == config_lib.ADDED_MODEL_KEYS
+
+
+def test_options_agree_under_scan_layers_and_remat():
+  options = {"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False,
+             "model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0}
+  model, params = _init(tiny_config(**options))
+  ids, types, mask = _inputs()
+
+  def loss(model, params):
+    return model.apply({"params": params}, ids, types, mask, method=model.discriminator_logits).sum()
+
+  want, want_grads = jax.value_and_grad(functools.partial(loss, model))(params)
+  scanned = models.build_model(tiny_config(**options, **{"model.scan_layers": True}))
+  got, got_grads = jax.value_and_grad(functools.partial(loss, scanned))(models.scan_layers(params))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               models.unscan_layers(got_grads), want_grads)
+  for remat in ("full", "dots"):
+    for scan in (False, True):
+      rematted = models.build_model(tiny_config(**options, **{"model.remat": remat, "model.scan_layers": scan}))
+      p = models.scan_layers(params) if scan else params
+      np.testing.assert_allclose(loss(rematted, p), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("key, value, named", [
+    ("norm", "middle", r"model.norm='middle' is not one of \['post', 'pre'\]"),
+    ("ffn", "swiglu", r"model.ffn='swiglu' is not one of \['gelu', 'geglu'\]"),
+    ("use_bias", "False", r"model.use_bias='False' is not one of \[True, False\]"),
+    ("use_bias", 0, r"model.use_bias=0 is not one of \[True, False\]"),
+])
+def test_bad_encoder_options_are_refused_by_name(key, value, named):
+  # As a hand-edited config.json would give them (ml_collections' typed fields refuse some on
+  # assignment already).
+  saved = tiny_config().to_dict()
+  saved["model"][key] = value
+  with pytest.raises(ConfigError, match=named):
+    config_lib.validate(ml_collections.ConfigDict(saved))
+
+
+def test_a_pretraining_step_with_all_options_on():
+  """Pre-LN, GEGLU and no encoder biases together: one train_step gives a finite loss and
+  moves the parameters only these options have (both towers' final LayerNorms)."""
+  config = tiny_config(**{"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False,
+                          "data.max_seq_len": 16, "train.batch_size": 4})
+  model = models.build_model(config)
+  objective = objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4))
+  state = nn.meta.unbox(train.make_init_fn(config, model, objective)(jax.random.key(0)))
+  ids, types, mask = _inputs(batch=4, seq=16)
+  batch = dict(input_ids=ids, token_type_ids=types, attention_mask=mask)
+  step = jax.jit(train.train_step)
+  state_after, metrics = step(state, batch, train.step_rng(0, 0))
+  assert np.isfinite(float(metrics["loss"])) and float(metrics["loss"]) > 0
+  state_after, metrics = step(state_after, batch, train.step_rng(0, 1))  # step 0's learning rate is 0
+  assert np.isfinite(float(metrics["loss"]))
+  for tower in ("generator", "discriminator"):
+    before = state.params[tower]["encoder"]["final_layer_norm"]["scale"]
+    after = state_after.params[tower]["encoder"]["final_layer_norm"]["scale"]
+    assert not np.array_equal(before, after), tower

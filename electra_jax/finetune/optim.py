@@ -16,13 +16,16 @@ _LAYER = re.compile(r"layer_(\d+)$")
 
 
 def layer_depth(path: tuple[str, ...], num_layers: int) -> int:
-  """0 for the embeddings (and the E->H projection), l+1 for encoder layer_l, num_layers+1
-  for anything else: the task head."""
+  """0 for the embeddings (and the E->H projection), l+1 for encoder layer_l (and a pre-LN
+  encoder's final_layer_norm, which normalizes the top layer's output, with the top layer),
+  num_layers+1 for anything else: the task head."""
   if path[0] == "embeddings":
     return 0
   if path[0] == "encoder":
     if path[1] == "embeddings_project":
       return 0
+    if path[1] == "final_layer_norm":
+      return num_layers
     match = _LAYER.match(path[1])
     if match:
       return int(match.group(1)) + 1

@@ -11,19 +11,22 @@ import ml_collections
 from electra_jax import config_lib, data, models, partitioning, train, workdir_files
 from electra_jax.config_lib import ConfigError
 from electra_jax.data.wordpiece import WordPieceTokenizer
-from electra_jax.interop.hf import save_hf
+from electra_jax.interop.hf import check_hf_form, save_hf
 
 
 def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -> dict[str, str]:
   """Writes <out_dir>/discriminator (and <out_dir>/generator) from the latest checkpoint in
   `workdir`, using the model described by <workdir>/config.json. Returns {tower: directory}.
   An `out_dir` that already holds another export is refused before anything is written
-  (check_export_out): it is never overwritten or mixed with this one."""
+  (check_export_out): it is never overwritten or mixed with this one; so is a model with
+  encoder options no Hugging Face ElectraModel holds (hf.check_hf_form)."""
   config = config_lib.load_workdir_config(workdir)
   if not workdir_files.exists(workdir_files.path(workdir, "checkpoints")):
     raise ConfigError(f"{workdir} has no checkpoints/ directory: nothing to export yet.")
   # Before the (slow) restore, so a refused export costs nothing and writes nothing.
-  why_not = models.no_standalone_generator(models.build_model(config)) if export_generator else None
+  pretrainer = models.build_model(config)
+  check_hf_form(pretrainer.discriminator_config)  # the generator's derives from it, options alike
+  why_not = models.no_standalone_generator(pretrainer) if export_generator else None
   if why_not:
     raise ConfigError(f"--export_generator: {why_not} (objective.name={config.objective.get('name', 'electra')!r}). "
                       "Nothing was written; export without --export_generator.")

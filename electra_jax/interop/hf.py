@@ -60,6 +60,27 @@ SUPPORTED_CONFIG_VALUES = {
     "add_cross_attention": (False, "electra-jax's encoder has no cross-attention"),
 }
 
+# The encoder options transformers' ElectraModel cannot hold: (EncoderConfig field, its only
+# Hugging Face value, what ElectraModel is instead). Import always gives that value.
+_HF_ENCODER_FORM = (
+    ("norm", "post", "it is post-LayerNorm only"),
+    ("ffn", "gelu", "its feed-forward is dense + GELU + dense, without a gate"),
+    ("use_bias", True, "every dense layer of its encoder has a bias"),
+)
+
+
+def check_hf_form(tower: models.EncoderConfig) -> None:
+  """Refuses, one line per option, an encoder with a model.norm, model.ffn or model.use_bias
+  that no Hugging Face ElectraModel can hold (before anything is written)."""
+  lines = [
+      f"model.{field}={getattr(tower, field)!r} has no Hugging Face ElectraModel form ({why}); "
+      "fine-tune or evaluate it in electra-jax instead."
+      for field, value, why in _HF_ENCODER_FORM if getattr(tower, field) != value
+  ]
+  if lines:
+    raise ConfigError("\n".join(lines))
+
+
 # Non-trainable buffers that older transformers versions saved with the weights; positions and
 # default token types are always arange(seq) and zeros here, as there.
 _IGNORED_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
@@ -342,6 +363,7 @@ def save_hf(
       )
     model, params = models.tower_from_pretrainer(model, params, kind)
   model_kind = kind_of(model)
+  check_hf_form(model.config)
   if kind is not None and kind != model_kind:
     raise ConfigError(
         f"kind={kind!r} does not match the {type(model).__name__} (a {model_kind}); leave kind "

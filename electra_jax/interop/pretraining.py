@@ -193,6 +193,11 @@ def _model_config(pair: ImportedPair) -> dict:
       dropout_rate=disc.config.dropout_rate,
       attention_dropout_rate=disc.config.attention_dropout_rate,
       layer_norm_eps=disc.config.layer_norm_eps,
+      # Hugging Face and TF1 ELECTRA towers are always post-LN, GELU and biased (the
+      # defaults): a recipe asking for other encoder options gets these, logged as changed.
+      norm=disc.config.norm,
+      ffn=disc.config.ffn,
+      use_bias=disc.config.use_bias,
       generator_fraction=fraction,
   )
 
