@@ -85,8 +85,34 @@ def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
   return changes
 
 
+# configs/base.py of this checkout: the default of every pre-training key.
+_BASE_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.py")
+
+
+def merged_over(defaults: dict, saved: dict) -> dict:
+  """`saved` with every key it lacks (at any depth) taken from `defaults`."""
+  merged = dict(defaults)
+  for key, value in saved.items():
+    default = defaults.get(key)
+    merged[key] = merged_over(default, value) if isinstance(default, dict) and isinstance(value, dict) else value
+  return merged
+
+
+def with_defaults(saved: dict) -> ml_collections.ConfigDict:
+  """A saved config (a config.json's dict) completed with configs/base.py's defaults.
+
+  A workdir written before a key existed ran without it, which is what its default does, so
+  code reads every key directly. configs/base.py is found next to the package (a source or
+  editable install); without it the saved keys are all there is.
+  """
+  if os.path.exists(_BASE_RECIPE):
+    saved = merged_over(sibling(_BASE_RECIPE, "base").get_config().to_dict(), saved)
+  return ml_collections.ConfigDict(saved)
+
+
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
-  """The resolved config a training run saved as <workdir>/config.json."""
+  """The resolved config a training run saved as <workdir>/config.json, with the defaults of
+  the keys it predates (with_defaults)."""
   from electra_jax import workdir_files  # noqa: PLC0415 (keeps recipes' imports light)
 
   path = workdir_files.path(workdir, "config.json")
@@ -95,7 +121,7 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
         f"{workdir} has no config.json, so it is not a pre-training workdir; pass the --workdir "
         "a training run wrote (or give --config)."
     )
-  return ml_collections.ConfigDict(json.loads(workdir_files.read_text(path)))
+  return with_defaults(json.loads(workdir_files.read_text(path)))
 
 
 def to_json(config: ml_collections.ConfigDict) -> str:

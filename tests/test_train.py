@@ -97,6 +97,15 @@ def test_learning_rate_schedule_is_the_official_one():
     assert float(schedule(step)) == pytest.approx(want, rel=1e-6, abs=1e-12)  # float32
 
 
+def test_a_saved_config_gets_the_defaults_of_keys_it_predates(tmp_path):
+  saved = train.config_lib.as_saved(tiny_config(**{"objective.temperature": 2.0}))
+  del saved["model"]["scan_layers"], saved["train"]["steps_per_call"]
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  config = train.config_lib.load_workdir_config(str(tmp_path))
+  assert config.model.scan_layers is False and config.train.steps_per_call == 1
+  assert config.objective.temperature == 2.0 and config.model.hidden_size == 32  # saved values stay
+
+
 def test_official_adam_step_by_hand():
   """BERT's AdamWeightDecayOptimizer: no bias correction, decay added to the direction."""
   config = tiny_config(**{"optimizer.bias_correction": False, "optimizer.clip_norm": 1e9})
