@@ -51,6 +51,13 @@ def get_config():
   objective.gen_weight = 1.0
   objective.disc_weight = 50.0
   objective.temperature = 1.0  # of the generator's softmax when sampling replacements
+  # Fast-ELECTRA's temperature schedule: sampling starts at initial_temperature and falls (or
+  # rises) linearly to `temperature` at step round(temperature_decay_fraction * train.steps),
+  # then stays there; a hot start keeps replacements easy while the generator is still weak.
+  # temperature_decay_fraction = 0 (or initial_temperature = temperature) samples at
+  # `temperature` throughout. Held-out evaluation always samples at `temperature`.
+  objective.initial_temperature = 1.0
+  objective.temperature_decay_fraction = 0.0
   # "electra" (RTD on every token), "electra_15" (L_Disc only on the masked positions),
   # "uniform" (uniform random replacements, no generator), "mlm" (BERT), "replace_mlm",
   # "all_tokens_mlm", "two_stage", "adversarial", "electric". See objectives.py and the

@@ -3,6 +3,7 @@ every error names the offending value and what to do about it."""
 
 import importlib.util
 import json
+import math
 import os
 import re
 import sys
@@ -220,8 +221,18 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"objective.keep_original_prob={config.objective.keep_original_prob} must be in [0, 1] (the "
         "share of chosen positions left as they are instead of [MASK]; official 0.15)."
     )
-  if config.objective.temperature <= 0:
-    raise ConfigError(f"objective.temperature={config.objective.temperature} must be > 0.")
+  for key in ("temperature", "initial_temperature"):
+    if not (math.isfinite(config.objective[key]) and config.objective[key] > 0):
+      raise ConfigError(
+          f"objective.{key}={config.objective[key]} must be finite and > 0 (the generator's "
+          "sampling temperature; official 1.0)."
+      )
+  if not 0.0 <= config.objective.temperature_decay_fraction <= 1.0:
+    raise ConfigError(
+        f"objective.temperature_decay_fraction={config.objective.temperature_decay_fraction} must be "
+        "in [0, 1] (the share of train.steps over which the temperature falls from "
+        "objective.initial_temperature to objective.temperature; 0 = no schedule)."
+    )
   from electra_jax import models, objectives  # noqa: PLC0415 (they import this module)
 
   name = config.objective.get("name", "electra")

@@ -130,8 +130,9 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
   def loss_fn(params, micro_batch, micro_masked, micro_sample_keys, micro_dropout_rng):
     return objectives.electra_forward(
         state.model, params, micro_batch, micro_masked, micro_sample_keys, micro_dropout_rng,
-        objective, normalizers, second_stage=second_stage,
+        objective, normalizers, second_stage=second_stage, temperature=temperature,
     )
+  temperature = objectives.sampling_temperature(objective, state.step)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   num_micro = state.grad_accum_steps
@@ -176,6 +177,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
 
 def train_steps(state: TrainState, batches: dict[str, jax.Array], rngs: jax.Array):
   """len(rngs) optimizer updates in one call: train_step over batches stacked on a leading
+  metrics["sampling_temperature"] = jnp.asarray(temperature, jnp.float32)
   axis, with rngs[i] the key of the i-th. Returns the state and each step's metrics stacked."""
   return jax.lax.scan(lambda s, inputs: train_step(s, *inputs), state, (batches, rngs))
 
@@ -613,11 +615,11 @@ def _params_finite(params) -> jax.Array:
   return jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(params)]))
 
 
-# Metrics that are NaN on some healthy steps (disc_auc when a step's tokens are all one class):
-# their window mean skips NaN steps. Any other NaN (loss, grad_norm, ...) is a diverged step and
-# must show in the mean. (Objectives without a discriminator report NaN disc metrics on every
-# step: NaN either way.)
-_NAN_WHEN_HEALTHY = frozenset({"disc_auc"})
+# Metrics that are NaN on some healthy steps (disc_auc when a step's tokens are all one class,
+# the binned AUCs and shares when a bin or the replacements are empty): their window mean skips
+# NaN steps. Any other NaN (loss, grad_norm, ...) is a diverged step and must show in the mean.
+# (Objectives without a discriminator report NaN disc metrics on every step: NaN either way.)
+_NAN_WHEN_HEALTHY = frozenset({"disc_auc", *objectives.BINNED_METRICS})
 
 
 def _mean_metrics(window: list[dict]) -> dict[str, float]:

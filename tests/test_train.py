@@ -75,6 +75,11 @@ def test_bad_config_is_refused_before_any_work(tmp_path, overrides, named):
         ({"model.num_heads": -2}, "model.num_heads=-2 must be >= 1"),
         ({"model.intermediate_size": 0}, "model.intermediate_size=0 must be >= 1"),
         ({"model.embedding_size": 0}, "model.embedding_size=0 must be >= 1"),
+        # The temperature check let NaN through (nan <= 0 is False).
+        ({"objective.temperature": float("nan")}, "objective.temperature=nan must be finite and > 0"),
+        ({"objective.initial_temperature": float("inf")}, "objective.initial_temperature=inf must be finite and > 0"),
+        ({"objective.initial_temperature": 0.0}, "objective.initial_temperature=0.0 must be finite and > 0"),
+        ({"objective.temperature_decay_fraction": 1.5}, r"objective.temperature_decay_fraction=1.5 must be in \[0, 1\]"),
     ],
 )
 def test_mistakes_are_refused_before_the_data_is_built(tmp_path, monkeypatch, overrides, named):
@@ -99,10 +104,11 @@ def test_learning_rate_schedule_is_the_official_one():
 
 def test_a_saved_config_gets_the_defaults_of_keys_it_predates(tmp_path):
   saved = train.config_lib.as_saved(tiny_config(**{"objective.temperature": 2.0}))
-  del saved["model"]["scan_layers"], saved["train"]["steps_per_call"]
+  del saved["model"]["scan_layers"], saved["objective"]["initial_temperature"], saved["train"]["time_budget"]
   (tmp_path / "config.json").write_text(json.dumps(saved))
   config = train.config_lib.load_workdir_config(str(tmp_path))
-  assert config.model.scan_layers is False and config.train.steps_per_call == 1
+  assert config.objective.initial_temperature == 1.0 and config.train.time_budget == ""
+  assert config.model.scan_layers is False
   assert config.objective.temperature == 2.0 and config.model.hidden_size == 32  # saved values stay
 
 
