@@ -125,6 +125,25 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
   return with_defaults(json.loads(workdir_files.read_text(path)))
 
 
+_DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
+
+
+def parse_duration(text: str, key: str = "train.time_budget") -> float:
+  """Seconds in a duration such as "90s", "12m", "4h", "1h30m" or "1.5h" (hours, minutes and
+  seconds in that order, each at most once). Raises ConfigError naming `key` otherwise."""
+  match = _DURATION.fullmatch(text.strip().lower())
+  if not text.strip() or match is None:
+    raise ConfigError(
+        f"{key}={text!r} is not a duration: write hours, minutes and seconds in that order, "
+        'e.g. "90s", "12m", "4h" or "1h30m" ("" = no budget).'
+    )
+  hours, minutes, seconds = (float(part or 0) for part in match.groups())
+  total = 3600 * hours + 60 * minutes + seconds
+  if total <= 0:
+    raise ConfigError(f"{key}={text!r} is no time at all: give a positive duration, or \"\" for no budget.")
+  return total
+
+
 def to_json(config: ml_collections.ConfigDict) -> str:
   return json.dumps(config.to_dict(), indent=2, sort_keys=True)
 
@@ -197,6 +216,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"optimizer.warmup_steps={config.optimizer.warmup_steps} must be >= 0 (0 = no warmup; "
         "the paper uses 10000)."
     )
+  if not 0.0 <= config.optimizer.warmup_fraction < 1.0:
+    raise ConfigError(
+        f"optimizer.warmup_fraction={config.optimizer.warmup_fraction} must be in [0, 1) (the share "
+        "of train.steps spent warming up; 0 = use optimizer.warmup_steps)."
+    )
+  if t.time_budget:
+    parse_duration(t.time_budget)
   check_rates(config.model, ("dropout_rate", "attention_dropout_rate"), "model")
   _check_data_source(config.data)
   if config.data.eval_fraction == 0 and config.eval.every_steps > 0 and config.data.source != "prepared":
