@@ -120,7 +120,8 @@ def get_config():
   # learning rate reaches 0 as the budget ends. The budget counts from the start of the run
   # (data, compiling and the timing included), less a 3% margin and an estimate of held-out
   # evaluation. config.json records the resolved train.steps; a resume with the same budget
-  # reuses it (no new timing, so it trains exactly as an uninterrupted run would).
+  # reuses it (no new timing, so it trains exactly as an uninterrupted run would). Single steps
+  # are timed: with train.steps_per_call > 1 the run may end a little early.
   train.time_budget = ""
 
   # AdamW with linear warmup then linear decay to 0, as the official code schedules it:

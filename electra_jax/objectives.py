@@ -113,6 +113,11 @@ class ElectraObjective:
   def uses_generator(self) -> bool:
     return self.name not in WITHOUT_GENERATOR
 
+  @property
+  def samples(self) -> bool:
+    """Whether replacements are sampled at a temperature (all but BERT's mlm)."""
+    return self.name != "mlm"
+
 
 def sampling_temperature(objective: ElectraObjective, step):
   """The generator's sampling temperature at `step` (a step count, traced or not): a pure

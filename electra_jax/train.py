@@ -177,7 +177,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
   metrics = objectives.summarize(stats, per_token, objective)
   metrics["grad_norm"] = jnp.sqrt(sum(jnp.vdot(g, g) for g in jax.tree.leaves(grads)))
   metrics["learning_rate"] = state.learning_rate_fn(state.step)
-  metrics["sampling_temperature"] = jnp.asarray(temperature, jnp.float32)
+  # NaN where nothing is sampled: mlm's step then does not depend on the temperature keys.
+  metrics["sampling_temperature"] = jnp.asarray(temperature if objective.samples else jnp.nan, jnp.float32)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
   return new_state, metrics
 
