@@ -5,6 +5,7 @@ import json
 
 import flax.linen as nn
 import jax
+import numpy as np
 import pytest
 
 from conftest import cli_args, run_cli, tiny_config
@@ -32,9 +33,9 @@ def test_held_out_figures_are_fixed_and_independent_of_eval_batch_size():
   by_odd = _evaluator(setup, mesh, odd_size)
   assert by_4.num_examples == by_odd.num_examples > odd_size
   first, again, other = by_4(state), by_4(state), by_odd(state)
-  assert first == again
+  np.testing.assert_equal(first, again)  # NaN (an empty likelihood bin) equals NaN here
   for name, value in first.items():
-    assert other[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    assert other[name] == pytest.approx(value, rel=1e-5, abs=1e-6, nan_ok=True), name
 
 
 def test_held_out_figures_sample_at_the_final_temperature():
