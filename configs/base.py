@@ -56,6 +56,13 @@ def get_config():
   objective.gen_weight = 1.0
   objective.disc_weight = 50.0
   objective.temperature = 1.0  # of the generator's softmax when sampling replacements
+  # Fast-ELECTRA's temperature schedule: sampling starts at initial_temperature and falls (or
+  # rises) linearly to `temperature` at step round(temperature_decay_fraction * train.steps),
+  # then stays there; a hot start keeps replacements easy while the generator is still weak.
+  # temperature_decay_fraction = 0 (or initial_temperature = temperature) samples at
+  # `temperature` throughout. Held-out evaluation always samples at `temperature`.
+  objective.initial_temperature = 1.0
+  objective.temperature_decay_fraction = 0.0
   # "electra" (RTD on every token), "electra_15" (L_Disc only on the masked positions),
   # "uniform" (uniform random replacements, no generator), "mlm" (BERT), "replace_mlm",
   # "all_tokens_mlm", "two_stage", "adversarial", "electric". See objectives.py and the
@@ -113,12 +120,23 @@ def get_config():
   # Optimizer steps per compiled call (a lax.scan over that many batches): for small models
   # whose step takes milliseconds, so the host's dispatch does not dominate. Same results.
   train.steps_per_call = 1
+  # A wall-clock budget, e.g. "90s", "12m", "4h" or "1h30m" ("" = none). The run times a few
+  # steps on a throwaway state and replaces train.steps with as many steps as fit, so the
+  # learning rate reaches 0 as the budget ends. The budget counts from the start of the run
+  # (data, compiling and the timing included), less a 3% margin and an estimate of held-out
+  # evaluation. config.json records the resolved train.steps; a resume with the same budget
+  # reuses it (no new timing, so it trains exactly as an uninterrupted run would). Single steps
+  # are timed: with train.steps_per_call > 1 the run may end a little early.
+  train.time_budget = ""
 
   # AdamW with linear warmup then linear decay to 0, as the official code schedules it:
   # lr(step) = learning_rate * min(1, step / warmup_steps) * max(0, 1 - step / train.steps).
   config.optimizer = optimizer = ml_collections.ConfigDict()
   optimizer.learning_rate = 5e-4
   optimizer.warmup_steps = 10_000
+  # > 0: warmup_steps = round(warmup_fraction * train.steps) instead of the key above (after
+  # train.time_budget fixed train.steps); in [0, 1).
+  optimizer.warmup_fraction = 0.0
   optimizer.weight_decay = 0.01  # not applied to LayerNorm parameters and biases
   optimizer.b1 = 0.9
   optimizer.b2 = 0.999

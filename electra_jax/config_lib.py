@@ -3,6 +3,7 @@ every error names the offending value and what to do about it."""
 
 import importlib.util
 import json
+import math
 import os
 import re
 import sys
@@ -85,24 +86,40 @@ def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
   return changes
 
 
-# Model keys added after workdirs were first saved, with the value an older config.json (which
-# lacks them) meant: configs/base.py's defaults, which build the model exactly as it was then.
-# Filled in by saved_config, the one reader of a workdir's config.json.
-ADDED_MODEL_KEYS = {"norm": "post", "ffn": "gelu", "use_bias": True}
+# configs/base.py of this checkout: the default of every pre-training key.
+_BASE_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.py")
+
+
+def merged_over(defaults: dict, saved: dict) -> dict:
+  """`saved` with every key it lacks (at any depth) taken from `defaults`."""
+  merged = dict(defaults)
+  for key, value in saved.items():
+    default = defaults.get(key)
+    merged[key] = merged_over(default, value) if isinstance(default, dict) and isinstance(value, dict) else value
+  return merged
+
+
+def with_defaults(saved: dict) -> ml_collections.ConfigDict:
+  """A saved config (a config.json's dict) completed with configs/base.py's defaults.
+
+  A workdir written before a key existed ran without it, which is what its default does, so
+  code reads every key directly. configs/base.py is found next to the package (a source or
+  editable install); without it the saved keys are all there is.
+  """
+  if os.path.exists(_BASE_RECIPE):
+    saved = merged_over(sibling(_BASE_RECIPE, "base").get_config().to_dict(), saved)
+  return ml_collections.ConfigDict(saved)
 
 
 def saved_config(workdir: str) -> dict | None:
-  """<workdir>/config.json as a dict (None if there is none), with the ADDED_MODEL_KEYS an older
-  one lacks filled in."""
+  """<workdir>/config.json as a dict (None if there is none), completed with the defaults of
+  the keys it predates (with_defaults): the one reader of a workdir's config.json."""
   from electra_jax import workdir_files  # noqa: PLC0415 (keeps recipes' imports light)
 
   path = workdir_files.path(workdir, "config.json")
   if not workdir_files.exists(path):
     return None
-  saved = json.loads(workdir_files.read_text(path))
-  if isinstance(saved.get("model"), dict):
-    saved["model"] = {**ADDED_MODEL_KEYS, **saved["model"]}
-  return saved
+  return with_defaults(json.loads(workdir_files.read_text(path))).to_dict()
 
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
@@ -114,6 +131,25 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
         "a training run wrote (or give --config)."
     )
   return ml_collections.ConfigDict(saved)
+
+
+_DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
+
+
+def parse_duration(text: str, key: str = "train.time_budget") -> float:
+  """Seconds in a duration such as "90s", "12m", "4h", "1h30m" or "1.5h" (hours, minutes and
+  seconds in that order, each at most once). Raises ConfigError naming `key` otherwise."""
+  match = _DURATION.fullmatch(text.strip().lower())
+  if not text.strip() or match is None:
+    raise ConfigError(
+        f"{key}={text!r} is not a duration: write hours, minutes and seconds in that order, "
+        'e.g. "90s", "12m", "4h" or "1h30m" ("" = no budget).'
+    )
+  hours, minutes, seconds = (float(part or 0) for part in match.groups())
+  total = 3600 * hours + 60 * minutes + seconds
+  if total <= 0:
+    raise ConfigError(f"{key}={text!r} is no time at all: give a positive duration, or \"\" for no budget.")
+  return total
 
 
 def to_json(config: ml_collections.ConfigDict) -> str:
@@ -188,6 +224,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"optimizer.warmup_steps={config.optimizer.warmup_steps} must be >= 0 (0 = no warmup; "
         "the paper uses 10000)."
     )
+  if not 0.0 <= config.optimizer.warmup_fraction < 1.0:
+    raise ConfigError(
+        f"optimizer.warmup_fraction={config.optimizer.warmup_fraction} must be in [0, 1) (the share "
+        "of train.steps spent warming up; 0 = use optimizer.warmup_steps)."
+    )
+  if t.time_budget:
+    parse_duration(t.time_budget)
   check_rates(config.model, ("dropout_rate", "attention_dropout_rate"), "model")
   _check_data_source(config.data)
   if config.data.eval_fraction == 0 and config.eval.every_steps > 0 and config.data.source != "prepared":
@@ -212,8 +255,18 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"objective.keep_original_prob={config.objective.keep_original_prob} must be in [0, 1] (the "
         "share of chosen positions left as they are instead of [MASK]; official 0.15)."
     )
-  if config.objective.temperature <= 0:
-    raise ConfigError(f"objective.temperature={config.objective.temperature} must be > 0.")
+  for key in ("temperature", "initial_temperature"):
+    if not (math.isfinite(config.objective[key]) and config.objective[key] > 0):
+      raise ConfigError(
+          f"objective.{key}={config.objective[key]} must be finite and > 0 (the generator's "
+          "sampling temperature; official 1.0)."
+      )
+  if not 0.0 <= config.objective.temperature_decay_fraction <= 1.0:
+    raise ConfigError(
+        f"objective.temperature_decay_fraction={config.objective.temperature_decay_fraction} must be "
+        "in [0, 1] (the share of train.steps over which the temperature falls from "
+        "objective.initial_temperature to objective.temperature; 0 = no schedule)."
+    )
   from electra_jax import models, objectives  # noqa: PLC0415 (they import this module)
 
   name = config.objective.get("name", "electra")

@@ -13,7 +13,9 @@ def eval_step(state, batch, seed_key):
   """Forward pass without dropout; returns the additive stats and per-token arrays.
 
   Masks and samples come from a key per held-out example (fold_in of `batch["example_index"]`),
-  so the figures do not depend on the eval batch size or the number of devices.
+  so the figures do not depend on the eval batch size or the number of devices. Samples are
+  drawn at the final temperature (objective.temperature), whatever the step's temperature in
+  training (objective.initial_temperature's schedule), so figures compare across checkpoints.
   """
   objective = state.objective
   example_keys = jax.vmap(lambda i: jax.random.fold_in(seed_key, i))(batch["example_index"])

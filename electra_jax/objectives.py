@@ -4,6 +4,7 @@ the model enters only through `ElectraPretrainer.apply`."""
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -49,8 +50,9 @@ def ignored_keys(name: str) -> tuple[str, ...]:
   if name in WITHOUT_GENERATOR:  # no generator tower, so no width (model.tie=gdes still adds a delta)
     keys.append("model.generator_fraction")
   if name == "mlm":  # BERT's fixed 80/10/10 masking and one loss, nothing sampled
-    keys += ["objective.temperature", "objective.disallow_correct", "objective.gen_weight",
-             "objective.disc_weight", "objective.keep_original_prob"]
+    keys += ["objective.temperature", "objective.initial_temperature", "objective.temperature_decay_fraction",
+             "objective.disallow_correct", "objective.gen_weight", "objective.disc_weight",
+             "objective.keep_original_prob"]
   if name != "two_stage":
     keys.append("objective.two_stage_switch")
   if name != "adversarial":
@@ -80,7 +82,7 @@ class ElectraObjective:
   max_predictions: int  # N: masked-position slots per example
   gen_weight: float
   disc_weight: float
-  temperature: float
+  temperature: float  # the sampling temperature from temperature_decay_steps on, and in evaluation
   keep_original_prob: float  # share of chosen positions left unmasked (official: 0.15)
   mask_id: int
   pad_id: int
@@ -97,6 +99,11 @@ class ElectraObjective:
   # As the official option: the generator may not sample the original token, so every masked
   # position is replaced (the original's logit is lowered by 1000 before sampling).
   disallow_correct: bool = False
+  # The sampling temperature at step 0 (None: `temperature`), falling linearly to
+  # `temperature` at step temperature_decay_steps (0: `temperature` throughout). See
+  # sampling_temperature.
+  initial_temperature: float | None = None
+  temperature_decay_steps: int = 0
 
   @property
   def never_masked_ids(self) -> tuple[int, ...]:
@@ -105,6 +112,24 @@ class ElectraObjective:
   @property
   def uses_generator(self) -> bool:
     return self.name not in WITHOUT_GENERATOR
+
+  @property
+  def samples(self) -> bool:
+    """Whether replacements are sampled at a temperature (all but BERT's mlm)."""
+    return self.name != "mlm"
+
+
+def sampling_temperature(objective: ElectraObjective, step):
+  """The generator's sampling temperature at `step` (a step count, traced or not): a pure
+  function of the step, so a resumed run samples as an uninterrupted one. Without a schedule it
+  is the Python float objective.temperature, so the compiled step is the one a constant
+  temperature always gave; with one, initial + (final - initial) * min(1, step / decay_steps)
+  in float32."""
+  initial, final = objective.initial_temperature, objective.temperature
+  if initial is None or initial == final or objective.temperature_decay_steps <= 0:
+    return final
+  progress = jnp.minimum(jnp.asarray(step, jnp.float32) / objective.temperature_decay_steps, 1.0)
+  return initial + (final - initial) * progress
 
 
 def official_max_predictions(mask_prob: float, max_seq_len: int) -> int:
@@ -270,8 +295,10 @@ def _index_of(z, top):
 
 @jax.custom_vjp
 def _weighted_nll_sum(logits, top, target_ids, weights):
-  """sum(weights * (logsumexp(logits) - logits[target_ids])) over the last axis of float32
-  logits; `top` [...] is each row's maximum logit, the logsumexp's shift (no gradient).
+  """(sum(weights * (logsumexp(logits) - logits[target_ids])), logsumexp(logits) [...]) over
+  the last axis of float32 logits; `top` [...] is each row's maximum logit, the logsumexp's
+  shift (no gradient). The logsumexp is returned for metrics only: no gradient flows back
+  through it.
 
   Written out with its gradient, weights * (softmax - one_hot(target)), as one elementwise
   pass: autodiff took a second full-size pass to add the two terms' gradients (and, on GPUs,
@@ -286,11 +313,12 @@ def _weighted_nll_sum_fwd(logits, top, target_ids, weights):
   total = shifted_exp.sum(-1)
   lse = jnp.log(total) + top
   target = jnp.take_along_axis(logits, target_ids[..., None], axis=-1)[..., 0]
-  return ((lse - target) * weights).sum(), (logits, shifted_exp, total, lse, target_ids, weights)
+  return (((lse - target) * weights).sum(), lse), (logits, shifted_exp, total, lse, target_ids, weights)
 
 
-def _weighted_nll_sum_bwd(residuals, grad):
+def _weighted_nll_sum_bwd(residuals, grads):
   logits, shifted_exp, total, lse, target_ids, weights = residuals
+  grad = grads[0]  # the logsumexp output carries none (see _weighted_nll_sum)
   # The CPU reads the forward's exponentials back (an exp costs more there than the memory);
   # elsewhere they are computed again, so they are never written out (nothing reads them then).
   softmax = jax.lax.platform_dependent(
@@ -306,14 +334,18 @@ def _weighted_nll_sum_bwd(residuals, grad):
 _weighted_nll_sum.defvjp(_weighted_nll_sum_fwd, _weighted_nll_sum_bwd)
 
 
-def _mlm_sums(logits, target_ids, weights):
-  """(summed cross-entropy, summed correct argmax) of vocabulary logits against targets. The
-  maximum that shifts the logsumexp is the one the accuracy's argmax finds, so the forward
-  pass reads the logits twice off the CPU (the argmax, the exponentials) and three times on
-  it (the maximum, the index search, the exponentials), where it took four and five."""
+def _mlm_sums(logits, target_ids, weights, with_log_normalizer: bool = False):
+  """(summed cross-entropy, summed correct argmax) of vocabulary logits against targets, and
+  with `with_log_normalizer` also each row's logsumexp [...] (no gradient), which the loss
+  computes anyway. The maximum that shifts the logsumexp is the one the accuracy's argmax
+  finds, so the forward pass reads the logits twice off the CPU (the argmax, the
+  exponentials) and three times on it (the maximum, the index search, the exponentials),
+  where it took four and five."""
   top, predicted = _max_and_argmax(jax.lax.stop_gradient(logits))
-  nll_sum = _weighted_nll_sum(logits, top, target_ids, weights)
+  nll_sum, log_normalizer = _weighted_nll_sum(logits, top, target_ids, weights)
   correct = (predicted == target_ids) * weights
+  if with_log_normalizer:
+    return nll_sum, correct.sum(), jax.lax.stop_gradient(log_normalizer)
   return nll_sum, correct.sum()
 
 
@@ -330,13 +362,17 @@ def in_second_stage(objective: ElectraObjective, step):
 
 def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dropout_rng,
                     objective: ElectraObjective, normalizers: Normalizers, deterministic: bool = False,
-                    second_stage=None):
+                    second_stage=None, temperature=None):
   """Generator -> sample -> discriminator on one (micro-)batch whose masking is already drawn.
 
-  `sample_keys` [batch] are the per-example sampling keys (see sample_tokens). Returns
+  `sample_keys` [batch] are the per-example sampling keys (see sample_tokens), `temperature`
+  the sampling temperature (sampling_temperature of the step; None: objective.temperature,
+  the final one, which held-out evaluation uses). Returns
   (loss, (stats, per_token)): for the RTD objectives loss = gen_weight * L_MLM + disc_weight *
   L_Disc with the sums divided by `normalizers`; for the MLM family see OBJECTIVES. stats holds
-  additive counts and per_token the arrays `summarize` needs for the AUC. For two_stage,
+  additive counts and per_token the arrays `summarize` needs for the AUCs (replaced_prob: the
+  generator's probability at temperature 1 of its sample at each used masked position, 0
+  elsewhere). For two_stage,
   `second_stage` (a traced bool) picks the loss: gen_weight * L_MLM before, disc_weight *
   L_Disc from the switch on (both are always computed, for the metrics).
   """
@@ -363,7 +399,7 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
     stats.update(mlm_loss_sum=mlm_loss_sum, mlm_correct=mlm_correct)
     loss = mlm_loss_sum / normalizers.num_predictions
     per_token = {"disc_logits": jnp.zeros_like(token_weights), "is_replaced": jnp.zeros_like(attention_mask, bool),
-                 "token_weights": token_weights}
+                 "token_weights": token_weights, "replaced_prob": jnp.zeros_like(token_weights)}
     return loss, (stats, per_token)
 
   cloze_logits = None
@@ -393,10 +429,22 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
     zeros = (masked.weights * 0.0)[..., None]
     gen_logits = jnp.broadcast_to(zeros, (*masked.positions.shape, model.vocab_size))
     gen_logits = _vocabulary_only(gen_logits, objective.vocab_size)
-  mlm_loss_sum, mlm_correct = _mlm_sums(gen_logits, masked.target_ids, masked.weights)
+  mlm_loss_sum, mlm_correct, log_normalizer = _mlm_sums(
+      gen_logits, masked.target_ids, masked.weights, with_log_normalizer=True
+  )
   disallowed = masked.target_ids if objective.disallow_correct else None
-  sampled_ids = sample_tokens(sample_keys, gen_logits, objective.temperature, disallowed)
+  temperature = objective.temperature if temperature is None else temperature
+  sampled_ids = sample_tokens(sample_keys, gen_logits, temperature, disallowed)
   corrupted_ids, is_replaced = corrupt(input_ids, masked, sampled_ids)
+  # How likely the generator (at temperature 1) found each token it put in: the disc AUCs by
+  # difficulty in `summarize`. From the loss's own logsumexp, so no pass over the vocabulary.
+  sampled_logit = jnp.take_along_axis(
+      jax.lax.stop_gradient(gen_logits).astype(jnp.float32), sampled_ids[..., None], axis=-1
+  )[..., 0]
+  sampled_prob = jnp.where(masked.weights > 0, jnp.exp(sampled_logit - log_normalizer), 0.0)
+  replaced_prob = jnp.zeros(attention_mask.shape, jnp.float32).at[_rows(input_ids.shape[0]), masked.positions].set(
+      sampled_prob
+  )
   stats.update(
       mlm_loss_sum=mlm_loss_sum,
       mlm_correct=mlm_correct,
@@ -446,7 +494,7 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
 
   if objective.name in MLM_FAMILY:
     per_token = {"disc_logits": jnp.zeros_like(token_weights), "is_replaced": is_replaced,
-                 "token_weights": token_weights}
+                 "token_weights": token_weights, "replaced_prob": replaced_prob}
     return gen_loss + main_loss, (stats, per_token)
 
   disc_logits = apply(
@@ -484,7 +532,7 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
     slots = weights.sum(-1, keepdims=True)
     others = (reward * weights).sum(-1, keepdims=True) - reward * weights
     baseline = jnp.where(slots > 1, others / jnp.maximum(slots - 1, 1.0), 0.0)
-    log_policy = jax.nn.log_softmax(gen_logits / objective.temperature, axis=-1)
+    log_policy = jax.nn.log_softmax(gen_logits / temperature, axis=-1)  # the policy that sampled
     sample_log_prob = jnp.take_along_axis(log_policy, sampled_ids[..., None], axis=-1)[..., 0]
     reinforce = -((reward - baseline) * sample_log_prob * weights).sum() / normalizers.num_predictions
     mlm = objective.adversarial_mlm_weight * mlm_loss_sum / normalizers.num_predictions
@@ -501,7 +549,8 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
       disc_true_neg=((~predicted & ~is_replaced) * token_weights).sum(),
       num_tokens=token_weights.sum(),
   )
-  per_token = {"disc_logits": disc_logits, "is_replaced": is_replaced, "token_weights": token_weights}
+  per_token = {"disc_logits": disc_logits, "is_replaced": is_replaced, "token_weights": token_weights,
+               "replaced_prob": replaced_prob}
   return loss, (stats, per_token)
 
 
@@ -510,24 +559,59 @@ def binary_auc(scores, labels, weights):
 
   NaN when the entries hold no positive or no negative, or a NaN score.
   """
+  return binary_aucs(scores, labels, weights, [labels])[0]
+
+
+def binary_aucs(scores, labels, weights, positive_subsets) -> list:
+  """binary_auc of each subset of the positives against all the negatives: for each mask in
+  `positive_subsets` (shaped like `labels`), the AUC of the positives (labels true, weight > 0)
+  it marks against every negative. One sort of the negatives serves them all."""
   scores, labels = scores.reshape(-1), labels.reshape(-1).astype(bool)
   valid = weights.reshape(-1) > 0
-  is_pos, is_neg = valid & labels, valid & ~labels
+  is_neg = valid & ~labels
   negatives_sorted = jnp.sort(jnp.where(is_neg, scores, jnp.inf))
   below = jnp.searchsorted(negatives_sorted, scores, side="left")
   up_to = jnp.searchsorted(negatives_sorted, scores, side="right")
   credit = below + 0.5 * (up_to - below)
-  # The pair count in float32: as int32 it wraps past 2**31 pairs, about 130k tokens per
-  # batch (ELECTRA-Base's 256 x 512 has 131k).
-  num_pairs = is_pos.sum().astype(jnp.float32) * is_neg.sum().astype(jnp.float32)
-  auc = jnp.where(is_pos, credit, 0.0).sum() / num_pairs
-  return jnp.where(jnp.isnan(scores).any(where=valid), jnp.nan, auc)
+  has_nan = jnp.isnan(scores).any(where=valid)
+  aucs = []
+  for subset in positive_subsets:
+    is_pos = valid & labels & subset.reshape(-1).astype(bool)
+    # The pair count in float32: as int32 it wraps past 2**31 pairs, about 130k tokens per
+    # batch (ELECTRA-Base's 256 x 512 has 131k).
+    num_pairs = is_pos.sum().astype(jnp.float32) * is_neg.sum().astype(jnp.float32)
+    auc = jnp.where(is_pos, credit, 0.0).sum() / num_pairs
+    aucs.append(jnp.where(has_nan, jnp.nan, auc))
+  return aucs
+
+
+# The replaced tokens by the generator's probability (at temperature 1) of the token it put
+# in, [low, high): where the discriminator's detection of hard replacements shows.
+REPLACED_BINS = (("unlikely", 0.0, 0.01), ("plausible", 0.01, 0.1), ("likely", 0.1, math.inf))
+BINNED_METRICS = tuple(f"{prefix}_{name}" for prefix in ("disc_auc", "replaced_share") for name, _, _ in REPLACED_BINS)
+
+
+def _binned_metrics(per_token_arrays) -> dict[str, jax.Array]:
+  """disc_auc_<bin>: the AUC of the bin's replaced tokens against every original token (NaN
+  when the bin is empty); replaced_share_<bin>: the bin's share of the replaced tokens (NaN
+  when none was replaced). Over the tokens L_Disc covers (token_weights)."""
+  is_replaced = per_token_arrays["is_replaced"].astype(bool)
+  weights, prob = per_token_arrays["token_weights"], per_token_arrays["replaced_prob"]
+  in_bins = [(prob >= low) & (prob < high) for _, low, high in REPLACED_BINS]
+  aucs = binary_aucs(per_token_arrays["disc_logits"], is_replaced, weights, [is_replaced] + in_bins)
+  replaced = (is_replaced * weights).sum()
+  metrics = {"disc_auc": aucs[0]}
+  for (name, _, _), auc, in_bin in zip(REPLACED_BINS, aucs[1:], in_bins):
+    metrics[f"disc_auc_{name}"] = auc
+    metrics[f"replaced_share_{name}"] = ((is_replaced & in_bin) * weights).sum() / replaced
+  return metrics
 
 
 def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str, jax.Array]:
   """The official metric set from summed stats: masked_lm_accuracy, masked_lm_loss,
   sampled_masked_lm_accuracy, disc_loss, disc_auc, disc_accuracy, disc_precision, disc_recall
-  (disc metrics weighted by the tokens L_Disc covers), plus the total loss. Objectives
+  (disc metrics weighted by the tokens L_Disc covers), plus the total loss, and the disc AUC
+  by how likely the generator found the replacements (_binned_metrics). Objectives
   without replaced-token detection report NaN disc metrics (there is no discriminator loss),
   and the Replace / All-Tokens MLM ones add main_mlm_loss and main_mlm_accuracy (the
   discriminator-sized model's own MLM); for `mlm` the masked_lm metrics are that model's."""
@@ -541,11 +625,7 @@ def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str,
       "masked_lm_accuracy": stats["mlm_correct"] / num_predictions,
       "sampled_masked_lm_accuracy": stats["sampled_correct"] / num_predictions,
       "disc_loss": disc_loss,
-      "disc_auc": binary_auc(
-          per_token_arrays["disc_logits"],
-          per_token_arrays["is_replaced"],
-          per_token_arrays["token_weights"],
-      ),
+      **_binned_metrics(per_token_arrays),
       "disc_accuracy": (true_pos + stats["disc_true_neg"]) / num_tokens,
       "disc_precision": true_pos / jnp.maximum(true_pos + stats["disc_false_pos"], 1.0),
       "disc_recall": true_pos / jnp.maximum(true_pos + stats["disc_false_neg"], 1.0),
@@ -555,12 +635,14 @@ def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str,
     nan = jnp.full((), jnp.nan, jnp.float32)
     metrics.update(dict.fromkeys(
         ["sampled_masked_lm_accuracy", "disc_loss", "disc_auc", "disc_accuracy", "disc_precision",
-         "disc_recall", "replaced_fraction"], nan))
+         "disc_recall", "replaced_fraction", *BINNED_METRICS], nan))
     metrics["loss"] = masked_lm_loss
   elif objective.name in MLM_FAMILY:
     nan = jnp.full((), jnp.nan, jnp.float32)
     replaced = per_token_arrays["is_replaced"].astype(jnp.float32) * per_token_arrays["token_weights"]
-    metrics.update(dict.fromkeys(["disc_loss", "disc_auc", "disc_accuracy", "disc_precision", "disc_recall"], nan))
+    # No discriminator: no AUCs, but the replacements' shares by likelihood stand.
+    metrics.update(dict.fromkeys(["disc_loss", "disc_auc", "disc_accuracy", "disc_precision", "disc_recall",
+                                  *(f"disc_auc_{name}" for name, _, _ in REPLACED_BINS)], nan))
     metrics["replaced_fraction"] = replaced.sum() / num_tokens
     main_count = jnp.maximum(stats["main_count"], 1.0)
     metrics["main_mlm_loss"] = stats["main_loss_sum"] / main_count
@@ -587,6 +669,10 @@ def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjecti
     planned = " It is planned (issue 7) but not built yet." if name in PLANNED_OBJECTIVES else ""
     raise ConfigError(f"objective.name={name!r} is not one of {list(OBJECTIVES)}.{planned}")
   bert_masking = name == "mlm"
+  # No schedule (the same temperature at both ends, or no steps to fall over): None and 0, so
+  # the objective, and the step compiled from it, is the constant temperature's.
+  decay_steps = round(o.temperature_decay_fraction * config.train.steps)
+  scheduled = decay_steps > 0 and o.initial_temperature != o.temperature
   return ElectraObjective(
       name=name,
       disallow_correct=o.get("disallow_correct", False),
@@ -599,6 +685,8 @@ def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjecti
       gen_weight=o.gen_weight,
       disc_weight=o.disc_weight,
       temperature=o.temperature,
+      initial_temperature=o.initial_temperature if scheduled else None,
+      temperature_decay_steps=decay_steps if scheduled else 0,
       keep_original_prob=_BERT_KEEP_PROB if bert_masking else o.keep_original_prob,
       mask_id=special_ids["mask"],
       pad_id=special_ids["pad"],

@@ -86,10 +86,16 @@ def _decays(path, _) -> bool:
   return getattr(path[-1], "key", None) in ("kernel", "embedding")
 
 
+def warmup_steps(config: ml_collections.ConfigDict) -> int:
+  """optimizer.warmup_steps, or round(optimizer.warmup_fraction * train.steps) when that is > 0."""
+  o = config.optimizer
+  return round(o.warmup_fraction * config.train.steps) if o.warmup_fraction > 0 else o.warmup_steps
+
+
 def make_optimizer(config: ml_collections.ConfigDict):
   """Global-norm clipping, then AdamW (optax's, or the official one without bias correction)."""
   o = config.optimizer
-  schedule = learning_rate_schedule(o.learning_rate, o.warmup_steps, config.train.steps)
+  schedule = learning_rate_schedule(o.learning_rate, warmup_steps(config), config.train.steps)
   if o.bias_correction:
     adam = optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)
   else:
@@ -126,11 +132,12 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
       masked, batch["attention_mask"],
       objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective),
   )
+  temperature = objectives.sampling_temperature(objective, state.step)
 
   def loss_fn(params, micro_batch, micro_masked, micro_sample_keys, micro_dropout_rng):
     return objectives.electra_forward(
         state.model, params, micro_batch, micro_masked, micro_sample_keys, micro_dropout_rng,
-        objective, normalizers, second_stage=second_stage,
+        objective, normalizers, second_stage=second_stage, temperature=temperature,
     )
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -170,6 +177,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
   metrics = objectives.summarize(stats, per_token, objective)
   metrics["grad_norm"] = jnp.sqrt(sum(jnp.vdot(g, g) for g in jax.tree.leaves(grads)))
   metrics["learning_rate"] = state.learning_rate_fn(state.step)
+  # NaN where nothing is sampled: mlm's step then does not depend on the temperature keys.
+  metrics["sampling_temperature"] = jnp.asarray(temperature if objective.samples else jnp.nan, jnp.float32)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
   return new_state, metrics
 
@@ -439,6 +448,14 @@ def _warn_single_steps(config, steps_per_call: int) -> None:
 AUTO_BATCH_SIZE = -1  # train.batch_size=-1: the largest batch that fits in device memory
 
 
+def special_ids(tokenizer) -> dict[str, int]:
+  """The token ids build_setup needs from the corpus's tokenizer."""
+  return dict(
+      pad=tokenizer.pad_id, cls=tokenizer.cls_id, sep=tokenizer.sep_id, mask=tokenizer.mask_id,
+      vocab_size=tokenizer.vocab_size,  # bounds BERT-style random replacements
+  )
+
+
 def prepare(config):
   """Config checks, mesh, training data and the sharded setup, in that order, so that every
   mistake a user can make is reported before anything is compiled or written."""
@@ -465,12 +482,8 @@ def prepare(config):
         f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's vocabulary "
         f"({tokenizer.vocab_size}). Set model.vocab_size >= {tokenizer.vocab_size}."
     )
-  special_ids = dict(
-      pad=tokenizer.pad_id, cls=tokenizer.cls_id, sep=tokenizer.sep_id, mask=tokenizer.mask_id,
-      vocab_size=tokenizer.vocab_size,  # bounds BERT-style random replacements
-  )
   # --- Model and shardings
-  setup = build_setup(config, mesh, special_ids)
+  setup = build_setup(config, mesh, special_ids(tokenizer))
   if auto_batch:
     # The largest batch that fits (the setup does not depend on it); written to config.json.
     limit = int(config.train.get("memory_fraction", 0.9) * memory.device_memory_bytes())
@@ -608,11 +621,11 @@ def _params_finite(params) -> jax.Array:
   return jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(params)]))
 
 
-# Metrics that are NaN on some healthy steps (disc_auc when a step's tokens are all one class):
-# their window mean skips NaN steps. Any other NaN (loss, grad_norm, ...) is a diverged step and
-# must show in the mean. (Objectives without a discriminator report NaN disc metrics on every
-# step: NaN either way.)
-_NAN_WHEN_HEALTHY = frozenset({"disc_auc"})
+# Metrics that are NaN on some healthy steps (disc_auc when a step's tokens are all one class,
+# the binned AUCs and shares when a bin or the replacements are empty): their window mean skips
+# NaN steps. Any other NaN (loss, grad_norm, ...) is a diverged step and must show in the mean.
+# (Objectives without a discriminator report NaN disc metrics on every step: NaN either way.)
+_NAN_WHEN_HEALTHY = frozenset({"disc_auc", *objectives.BINNED_METRICS})
 
 
 def _mean_metrics(window: list[dict]) -> dict[str, float]:
@@ -675,9 +688,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        take_over_workdir: bool = False) -> dict[str, float]:
   """Pre-trains per `config`, resuming from `workdir` if it holds a checkpoint. Returns the
   last logged metrics. One run per workdir (workdir_lease.py): a run refuses a workdir that
-  another live run holds, unless `take_over_workdir`."""
+  another live run holds, unless `take_over_workdir`. With train.time_budget, train.steps is
+  fixed here (resolve_time_budget) and written to config.json."""
+  started = _budget_clock()
   workdir_files.check_usable(workdir)
-  recorded_switch = _fix_two_stage_switch(config, workdir)
+  budgeted = bool(config.train.time_budget)
+  # With a time budget train.steps, and with it the switch's default, is known further down.
+  recorded_switch = None if budgeted else _fix_two_stage_switch(config, workdir)
   mesh, corpus, setup = prepare(config)
   # --- Checkpoint: restore or initialize. Refusals happen before anything is written.
   checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
@@ -689,6 +706,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if start_step is not None:
     _check_checkpoint_matches(start_meta, setup, corpus, workdir, config)
     _check_state_structure(checkpointer, start_step, setup, workdir)
+  if budgeted:
+    try:
+      resolve_time_budget(config, workdir, start_step, mesh, corpus, setup, started)
+    except BaseException:
+      checkpointer.close()
+      raise
+    recorded_switch = _fix_two_stage_switch(config, workdir)
+    # The learning-rate schedule, the two_stage switch and the temperature's decay read train.steps.
+    setup = build_setup(config, mesh, special_ids(corpus.tokenizer))
+  if start_step is not None:
     _check_two_stage_resume(config, recorded_switch, start_step, checkpointer)
   try:
     lease = acquire_lease(workdir, take_over_workdir)
@@ -702,6 +729,95 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   finally:
     if lease is not None:
       lease.release()
+
+
+# train.time_budget: the share of the time left that steps may take; the rest is kept for
+# logging, checkpoints, loading the held-out data and the host's work between steps.
+_BUDGET_MARGIN = 0.03
+_TIMED_STEPS = 3  # after one warm-up step
+_budget_clock = time.monotonic  # when the budget's time started and how much is spent
+
+
+class StepTiming(NamedTuple):
+  """What measure_step_time found, in seconds."""
+
+  step: float  # one compiled training step
+  compile: float  # compiling the step and the evaluation, which the run does again
+  evaluation: float  # one held-out evaluation (0 without eval.every_steps)
+
+
+def measure_step_time(config, setup: TrainingSetup, mesh, corpus) -> StepTiming:
+  """Times the train step, compiled for `setup`, on a throwaway fresh state and batch 0 (one
+  warm-up step, then _TIMED_STEPS), and, with eval.every_steps > 0, one held-out evaluation
+  of that state (a first call compiles, a second is timed). Nothing of the run is advanced."""
+  with partitioning.activate(mesh):
+    clock = time.perf_counter()
+    step_fn = compile_train_step(setup, config, mesh)
+    compile_seconds = time.perf_counter() - clock
+    state = jax.jit(lambda r: nn.meta.unbox(setup.init_fn(r)), out_shardings=setup.state_shardings)(
+        jax.random.key(config.train.seed)
+    )
+    local = data.get_batch(
+        corpus, 0, config.train.batch_size, config.train.seed, jax.process_index(), jax.process_count()
+    )
+    batch = partitioning.global_batch_from_local(local, mesh, keys=batch_keys(config))
+    rng = step_rng(config.train.seed, 0)
+    state, metrics = step_fn(state, batch, rng)
+    jax.block_until_ready((state, metrics))
+    clock = time.perf_counter()
+    for _ in range(_TIMED_STEPS):
+      state, metrics = step_fn(state, batch, rng)
+    jax.block_until_ready((state, metrics))
+    step_seconds = (time.perf_counter() - clock) / _TIMED_STEPS
+  eval_seconds = 0.0
+  if config.eval.every_steps:
+    evaluator = evaluation.HeldOutEvaluator(config, setup, mesh)
+    clock = time.perf_counter()
+    evaluator(state)
+    first = time.perf_counter() - clock
+    clock = time.perf_counter()
+    evaluator(state)
+    eval_seconds = time.perf_counter() - clock
+    compile_seconds += max(first - eval_seconds, 0.0)
+  return StepTiming(step_seconds, compile_seconds, eval_seconds)
+
+
+def budget_steps(budget_seconds: float, elapsed_seconds: float, timing: StepTiming, eval_every: int,
+                 start_step: int) -> int:
+  """train.steps for a run at `start_step` with `budget_seconds` of which `elapsed_seconds` are
+  spent: the most steps n for which compiling again, n steps and their evaluations (every
+  `eval_every` steps and at the end) fit in (1 - _BUDGET_MARGIN) of the time left; at least one.
+  """
+  left = (budget_seconds - elapsed_seconds - timing.compile) * (1.0 - _BUDGET_MARGIN)
+  per_step = timing.step + (timing.evaluation / eval_every if eval_every else 0.0)
+  new_steps = math.floor((left - (timing.evaluation if eval_every else 0.0)) / per_step)
+  return start_step + max(new_steps, 1)
+
+
+def resolve_time_budget(config, workdir: str, start_step: int | None, mesh, corpus, setup: TrainingSetup,
+                        started: float) -> None:
+  """Sets train.steps for train.time_budget. A resume (a checkpoint, and a config.json of the
+  same budget) takes the train.steps that config.json records, so it trains on the schedule
+  the interrupted run had. Otherwise the step is timed (measure_step_time) and the steps that
+  fit in the budget left since `started` (_budget_clock) follow it (budget_steps): counted
+  from the checkpoint's step, if any, for a budget that changed. Every process takes process
+  0's count."""
+  t = config.train
+  saved = config_lib.saved_config(workdir) if start_step is not None else None
+  if saved is not None and saved.get("train", {}).get("time_budget") == t.time_budget:
+    steps = int(saved["train"]["steps"])
+    logging.info("train.time_budget=%s: train.steps=%d, as this workdir's config.json records.", t.time_budget, steps)
+  else:
+    timing = measure_step_time(config, setup, mesh, corpus)
+    budget = config_lib.parse_duration(t.time_budget)
+    steps = budget_steps(budget, _budget_clock() - started, timing, config.eval.every_steps, start_step or 0)
+    logging.info(
+        "train.time_budget=%s: measured %.4g s/step (compiling %.1f s, evaluation %.1f s), training %d steps.",
+        t.time_budget, timing.step, timing.compile, timing.evaluation, steps,
+    )
+  if jax.process_count() > 1:
+    steps = int(multihost_utils.broadcast_one_to_all(np.int32(steps)))
+  t.steps = steps
 
 
 def _check_shared_workdir(workdir: str, lease: workdir_lease.WorkdirLease | None) -> None:

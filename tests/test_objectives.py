@@ -159,6 +159,74 @@ def test_hand_computed_loss_and_metrics():
   assert float(metrics["disc_recall"]) == 1.0
   # the positive (0.3) outranks 2 of the 4 negatives (-1.0, -0.2)
   assert float(metrics["disc_auc"]) == pytest.approx(0.5)
+  # The one replacement (token 6 at logit 40) was near certain for the generator: "likely".
+  assert float(metrics["disc_auc_likely"]) == pytest.approx(0.5) and float(metrics["replaced_share_likely"]) == 1.0
+  assert np.isnan(metrics["disc_auc_unlikely"]) and float(metrics["replaced_share_unlikely"]) == 0.0
+  # At each used masked slot (an original sampled back too), 0 elsewhere.
+  np.testing.assert_allclose(per_token["replaced_prob"], [[0, 1, 0, 1, 0, 0]], atol=1e-6)
+
+
+def test_disc_auc_by_how_likely_the_generator_found_the_replacement():
+  # Six replaced tokens: probabilities 0.001, 0.005 (unlikely), 0.05 (plausible), 0.1, 0.5,
+  # 0.9 (likely: 0.1 opens the bin); four originals; the padding entry (weight 0) is ignored.
+  scores = np.array([[0.5, 3.0, 1.0, -1.0, 2.0, 0.0, 0.2, -0.5, 1.5, 0.8, 9.0]], np.float32)
+  replaced = np.array([[1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 1]], bool)
+  prob = np.array([[0.001, 0.005, 0.05, 0.1, 0.5, 0.9, 0.0, 0.0, 0.0, 0.0, 0.001]], np.float32)
+  weights = np.array([[1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0]], np.float32)
+  per_token = {"disc_logits": jnp.asarray(scores), "is_replaced": jnp.asarray(replaced),
+               "token_weights": jnp.asarray(weights), "replaced_prob": jnp.asarray(prob)}
+  stats = {key: jnp.float32(1.0) for key in objectives._STAT_KEYS}
+  metrics = objectives.summarize(stats, per_token, _objective())
+  # Negatives 0.2, -0.5, 1.5, 0.8. Unlikely: 0.5 beats 2 of them, 3.0 all 4: (2 + 4) / 8.
+  # Plausible: 1.0 beats 3: 3 / 4. Likely: -1.0 none, 2.0 all 4, 0.0 beats 1: 5 / 12.
+  assert float(metrics["disc_auc_unlikely"]) == pytest.approx(6 / 8)
+  assert float(metrics["disc_auc_plausible"]) == pytest.approx(3 / 4)
+  assert float(metrics["disc_auc_likely"]) == pytest.approx(5 / 12)
+  assert float(metrics["disc_auc"]) == pytest.approx((6 + 3 + 5) / 24)
+  for name, share in (("unlikely", 2 / 6), ("plausible", 1 / 6), ("likely", 3 / 6)):
+    assert float(metrics[f"replaced_share_{name}"]) == pytest.approx(share), name
+  # An empty bin has no AUC; the mlm objective has no discriminator and no replacements.
+  per_token["replaced_prob"] = jnp.asarray(np.where(prob < 0.01, 0.5, prob))
+  assert np.isnan(objectives.summarize(stats, per_token, _objective())["disc_auc_unlikely"])
+  mlm = objectives.summarize(stats, per_token, _objective(name="mlm"))
+  assert all(np.isnan(mlm[name]) for name in objectives.BINNED_METRICS)
+
+
+def test_sampling_temperature_falls_linearly_then_stays():
+  objective = _objective(temperature=1.0, initial_temperature=3.0, temperature_decay_steps=10)
+  for step, want in [(0, 3.0), (5, 2.0), (10, 1.0), (25, 1.0)]:
+    assert float(objectives.sampling_temperature(objective, jnp.int32(step))) == want, step
+  # No schedule: the constant itself, a Python float, so nothing is traced.
+  for constant in (_objective(temperature=2.0), _objective(initial_temperature=1.0, temperature_decay_steps=10),
+                   _objective(initial_temperature=3.0, temperature_decay_steps=0)):
+    assert objectives.sampling_temperature(constant, jnp.int32(3)) is constant.temperature
+  # From the config: the decay ends at round(fraction * train.steps).
+  config = tiny_config(**{"train.steps": 30, "objective.initial_temperature": 2.0,
+                          "objective.temperature_decay_fraction": 0.25})
+  objective = objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4))
+  assert (objective.initial_temperature, objective.temperature_decay_steps) == (2.0, 8)
+
+
+def test_the_default_temperature_compiles_the_constant_step():
+  """initial_temperature equal to temperature traces the very step a constant one does; a
+  schedule traces another, and the default step's loss is the explicitly constant one's."""
+  reference = _traced_step()
+  assert _traced_step(**{"objective.initial_temperature": 1.0, "objective.temperature_decay_fraction": 0.5}) == reference
+  assert _traced_step(**{"objective.initial_temperature": 2.0, "objective.temperature_decay_fraction": 0.5})[0] != reference[0]
+  losses = []
+  for overrides in ({}, {"objective.initial_temperature": 1.0, "objective.temperature_decay_fraction": 1.0}):
+    state, batch = _tiny_state_and_batch(**overrides)
+    losses.append(float(jax.jit(train.train_step)(state, batch, train.step_rng(0, 0))[1]["loss"]))
+  assert losses[0] == losses[1]
+
+
+def _tiny_state_and_batch(**overrides):
+  config = tiny_config(**overrides)
+  model = models.build_model(config)
+  objective = objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4, vocab_size=300))
+  state = nn.meta.unbox(train.make_init_fn(config, model, objective)(jax.random.key(0)))
+  ids, mask = _random_batch(0, batch=config.train.batch_size, seq=config.data.max_seq_len)
+  return state, {"input_ids": jnp.asarray(ids), "token_type_ids": jnp.zeros_like(ids), "attention_mask": jnp.asarray(mask)}
 
 
 class _RecordingModel:
@@ -366,7 +434,8 @@ _OTHER_VALUES = {
     "model.generator_fraction": [1.0], "model.tie": ["none", "gdes"], "objective.temperature": [0.5],
     "objective.disallow_correct": [True], "objective.gen_weight": [2.0], "objective.disc_weight": [7.0],
     "objective.keep_original_prob": [0.3], "objective.two_stage_switch": [1],
-    "objective.adversarial_mlm_weight": [0.5],
+    "objective.adversarial_mlm_weight": [0.5], "objective.initial_temperature": [2.0],
+    "objective.temperature_decay_fraction": [0.5],
 }
 
 

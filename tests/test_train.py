@@ -75,6 +75,15 @@ def test_bad_config_is_refused_before_any_work(tmp_path, overrides, named):
         ({"model.num_heads": -2}, "model.num_heads=-2 must be >= 1"),
         ({"model.intermediate_size": 0}, "model.intermediate_size=0 must be >= 1"),
         ({"model.embedding_size": 0}, "model.embedding_size=0 must be >= 1"),
+        # The temperature check let NaN through (nan <= 0 is False).
+        ({"objective.temperature": float("nan")}, "objective.temperature=nan must be finite and > 0"),
+        ({"objective.initial_temperature": float("inf")}, "objective.initial_temperature=inf must be finite and > 0"),
+        ({"objective.initial_temperature": 0.0}, "objective.initial_temperature=0.0 must be finite and > 0"),
+        ({"objective.temperature_decay_fraction": 1.5}, r"objective.temperature_decay_fraction=1.5 must be in \[0, 1\]"),
+        ({"optimizer.warmup_fraction": 1.0}, r"optimizer.warmup_fraction=1.0 must be in \[0, 1\)"),
+        ({"train.time_budget": "12"}, "train.time_budget='12' is not a duration: .*\"1h30m\""),
+        ({"train.time_budget": "30m2h"}, "train.time_budget='30m2h' is not a duration"),
+        ({"train.time_budget": "0m"}, "train.time_budget='0m' is no time at all"),
     ],
 )
 def test_mistakes_are_refused_before_the_data_is_built(tmp_path, monkeypatch, overrides, named):
@@ -95,6 +104,30 @@ def test_learning_rate_schedule_is_the_official_one():
   schedule = train.learning_rate_schedule(1e-3, warmup_steps=10, total_steps=100)
   for step, want in [(0, 0.0), (5, 1e-3 * 0.5 * 0.95), (10, 1e-3 * 0.9), (60, 1e-3 * 0.4), (100, 0.0)]:
     assert float(schedule(step)) == pytest.approx(want, rel=1e-6, abs=1e-12)  # float32
+
+
+def test_warmup_fraction_takes_its_share_of_the_steps():
+  config = tiny_config(**{"train.steps": 30, "optimizer.warmup_steps": 2, "optimizer.warmup_fraction": 0.25})
+  assert train.warmup_steps(config) == 8  # round(7.5) = 8 (half to even), over warmup_steps=2
+  _, schedule = train.make_optimizer(config)
+  assert float(schedule(4)) == pytest.approx(1e-3 * 0.5 * (1 - 4 / 30), rel=1e-6)
+  config.optimizer.warmup_fraction = 0.0
+  assert train.warmup_steps(config) == 2
+
+
+def test_duration_strings():
+  for text, seconds in [("90s", 90), ("12m", 720), ("4h", 14400), ("1h30m", 5400), ("1.5h", 5400), ("2m30s", 150)]:
+    assert train.config_lib.parse_duration(text) == seconds, text
+
+
+def test_a_saved_config_gets_the_defaults_of_keys_it_predates(tmp_path):
+  saved = train.config_lib.as_saved(tiny_config(**{"objective.temperature": 2.0}))
+  del saved["model"]["scan_layers"], saved["objective"]["initial_temperature"], saved["train"]["time_budget"]
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  config = train.config_lib.load_workdir_config(str(tmp_path))
+  assert config.objective.initial_temperature == 1.0 and config.train.time_budget == ""
+  assert config.model.scan_layers is False
+  assert config.objective.temperature == 2.0 and config.model.hidden_size == 32  # saved values stay
 
 
 def test_official_adam_step_by_hand():
@@ -439,3 +472,70 @@ def test_a_resume_whose_optimizer_state_differs_is_refused_before_anything_is_wr
     train.train_and_evaluate(tiny_config(**{"train.steps": 6, "optimizer.bias_correction": False}), str(workdir))
   after = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file() and "lease" not in p.name}
   assert after == before
+
+
+# ---------------------------------------------------------------------------------------
+# train.time_budget
+# ---------------------------------------------------------------------------------------
+_FAKE_TIMING = train.StepTiming(step=0.5, compile=0.0, evaluation=0.0)
+
+
+def _fake_budget_clock(monkeypatch, measured=None):
+  """A budget clock standing still and a step timing of 0.5 s, so the step count is known:
+  floor(budget * 0.97 / 0.5). `measured`, a list, records each timing the run asks for."""
+  real = train.measure_step_time
+
+  def measure(*args):
+    if measured is None:
+      pytest.fail("a resume with the same time budget timed the step again")
+    measured.append(real(*args))  # the real timing runs too; its figures are not used
+    return _FAKE_TIMING
+
+  monkeypatch.setattr(train, "_budget_clock", lambda: 0.0)
+  monkeypatch.setattr(train, "measure_step_time", measure)
+
+
+def test_the_time_budget_fixes_train_steps_so_the_schedule_ends_with_it(tmp_path, monkeypatch):
+  measured = []
+  _fake_budget_clock(monkeypatch, measured)
+  config = tiny_config(**{"train.time_budget": "10s", "train.steps": 1000, "checkpoint.every_steps": 100})
+  train.train_and_evaluate(config, str(tmp_path))
+  assert len(measured) == 1 and measured[0].step > 0 and measured[0].compile > 0 and measured[0].evaluation > 0
+  saved = json.loads((tmp_path / "config.json").read_text())
+  assert saved["train"]["steps"] == 19 and saved["train"]["time_budget"] == "10s"  # floor(10 * 0.97 / 0.5)
+  lines = _metrics(tmp_path)
+  assert lines[-1]["step"] == 19
+  # The last update (from step 18) takes lr / 19; the schedule reaches 0 at step 19.
+  assert lines[-1]["learning_rate"] == pytest.approx(1e-3 / 19, rel=1e-5)
+  assert float(train.learning_rate_schedule(1e-3, 2, saved["train"]["steps"])(19)) == 0.0
+  # The count: compiling again, the steps and their evaluations in 97% of what is left.
+  timing = train.StepTiming(step=1.0, compile=10.0, evaluation=4.0)
+  assert train.budget_steps(100.0, 20.0, timing, eval_every=10, start_step=0) == 45  # (67.9 - 4) / 1.4
+  assert train.budget_steps(100.0, 20.0, timing, eval_every=0, start_step=5) == 5 + 67
+  assert train.budget_steps(10.0, 20.0, timing, eval_every=0, start_step=5) == 6  # spent: one step
+
+
+def test_a_resume_with_the_same_time_budget_keeps_its_steps_and_is_bit_exact(tmp_path, monkeypatch):
+  overrides = {"train.time_budget": "5s", "checkpoint.every_steps": 100, "eval.every_steps": 0,
+               "objective.initial_temperature": 2.0, "objective.temperature_decay_fraction": 0.5,
+               "optimizer.warmup_fraction": 0.2}
+  _fake_budget_clock(monkeypatch, [])
+  train.train_and_evaluate(tiny_config(**overrides), str(tmp_path / "reference"))
+  # 9 steps (floor(4.85 / 0.5)); the temperature falls over round(4.5) = 4 of them.
+  want = _metrics(tmp_path / "reference")
+  assert [m["step"] for m in want] == list(range(1, 10))
+  assert [m["sampling_temperature"] for m in want] == [2.0, 1.75, 1.5, 1.25, 1.0, 1.0, 1.0, 1.0, 1.0]
+  assert want[1]["learning_rate"] == pytest.approx(1e-3 * 0.5 * (1 - 1 / 9), rel=1e-5)  # warmup round(1.8) = 2
+
+  # Preempted after its fifth step (a checkpoint there), then resumed without a new timing.
+  monkeypatch.setattr(train._Preemption, "stop_after", lambda self, call: call == 4)
+  train.train_and_evaluate(tiny_config(**overrides), str(tmp_path / "interrupted"))
+  assert os.listdir(tmp_path / "interrupted" / "checkpoints") == ["5"]
+  monkeypatch.undo()
+  _fake_budget_clock(monkeypatch, None)
+  train.train_and_evaluate(tiny_config(**overrides), str(tmp_path / "interrupted"))
+  got = _metrics(tmp_path / "interrupted")
+  assert [m["step"] for m in got] == list(range(1, 10))
+  for a, b in zip(want, got):
+    for name in REQUIRED_METRICS - {"tokens_per_sec", "steps_per_sec"} | {"sampling_temperature"}:
+      assert a[name] == b[name], (a["step"], name, a[name], b[name])  # to the last bit
