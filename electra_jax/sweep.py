@@ -58,7 +58,7 @@ METRIC_ORDER = (
     "disc_auc", "disc_accuracy", "disc_precision", "disc_recall", "replaced_fraction",
     "main_mlm_loss", "main_mlm_accuracy", "cloze_loss",
 )
-NOT_IN_TABLE = ("step", "steps_per_sec", "tokens_per_sec", "mfu", "learning_rate")
+NOT_IN_TABLE = ("step", "steps_per_sec", "tokens_per_sec", "mfu", "learning_rate", "sampling_temperature")
 # results.md keeps the headline metrics (results.csv has every column).
 MARKDOWN_METRICS = ("loss", "masked_lm_accuracy", "disc_auc", "disc_accuracy", "main_mlm_accuracy", "cloze_loss")
 DOWNSTREAM_COLUMNS = ("downstream_task", "downstream_score", "downstream_seeds")
