@@ -63,6 +63,10 @@ def get_config():
   # `temperature` throughout. Held-out evaluation always samples at `temperature`.
   objective.initial_temperature = 1.0
   objective.temperature_decay_fraction = 0.0
+  # electra / electra_15: > 0 also trains the discriminator to predict the original token at
+  # each masked position of its (corrupted) input, the paper's Replace-MLM as an auxiliary
+  # loss of this weight; the discriminator gets an MLM head for it (not exported). 0 = off.
+  objective.disc_mlm_weight = 0.0
   # "electra" (RTD on every token), "electra_15" (L_Disc only on the masked positions),
   # "uniform" (uniform random replacements, no generator), "mlm" (BERT), "replace_mlm",
   # "all_tokens_mlm", "two_stage", "adversarial", "electric". See objectives.py and the

@@ -270,6 +270,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
   from electra_jax import models, objectives  # noqa: PLC0415 (they import this module)
 
   name = config.objective.get("name", "electra")
+  disc_mlm_weight = config.objective.disc_mlm_weight
+  if not (math.isfinite(disc_mlm_weight) and disc_mlm_weight >= 0):
+    raise ConfigError(f"objective.disc_mlm_weight={disc_mlm_weight} must be finite and >= 0 (0 = off).")
+  if disc_mlm_weight > 0 and name not in ("electra", "electra_15"):
+    raise ConfigError(
+        f"objective.disc_mlm_weight={disc_mlm_weight} adds an MLM loss to the discriminator of "
+        f"objective.name 'electra' or 'electra_15', not {name!r}: set it to 0 or change the objective."
+    )
   if name not in objectives.OBJECTIVES:
     planned = " It is planned (issue 7) but not built yet." if name in objectives.PLANNED_OBJECTIVES else ""
     raise ConfigError(f"objective.name={name!r} is not one of {list(objectives.OBJECTIVES)}.{planned}")

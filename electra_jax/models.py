@@ -859,7 +859,7 @@ def build_model(config) -> ElectraPretrainer:
       attention_impl=m.attention_impl,
       tie=m.get("tie", "embeddings"),  # absent from workdirs written before it existed
       has_generator=objective not in objectives.WITHOUT_GENERATOR,
-      discriminator_mlm_head=objective in objectives.MLM_FAMILY,
+      discriminator_mlm_head=objective in objectives.MLM_FAMILY or config.objective.disc_mlm_weight > 0,
       cloze_generator=objective == "electric",
       packed=bool(config.data.get("pack_rows", False)),
   )

@@ -104,6 +104,9 @@ class ElectraObjective:
   # sampling_temperature.
   initial_temperature: float | None = None
   temperature_decay_steps: int = 0
+  # electra / electra_15: the weight of the discriminator's own MLM loss at the masked positions
+  # of the corrupted input (0: none, and the discriminator has no MLM head).
+  disc_mlm_weight: float = 0.0
 
   @property
   def never_masked_ids(self) -> tuple[int, ...]:
@@ -497,10 +500,22 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
                  "token_weights": token_weights, "replaced_prob": replaced_prob}
     return gen_loss + main_loss, (stats, per_token)
 
-  disc_logits = apply(
-      corrupted_ids, token_type_ids, model_mask, deterministic,
-      method=model.discriminator_logits, rngs={"dropout": disc_dropout_rng},
-  )  # [batch, seq] float32
+  if objective.disc_mlm_weight > 0:
+    # One pass of the discriminator gives both heads: the replaced-token logits and the
+    # vocabulary logits at the masked slots, where it predicts what was there.
+    disc_logits, main_logits = apply(
+        corrupted_ids, token_type_ids, model_mask, masked.positions, deterministic,
+        method=model.discriminator_mlm_logits, rngs={"dropout": disc_dropout_rng},
+    )
+    main_logits = _vocabulary_only(main_logits, objective.vocab_size)
+    main_loss_sum, main_correct = _mlm_sums(main_logits, masked.target_ids, masked.weights)
+    stats.update(main_loss_sum=main_loss_sum, main_correct=main_correct, main_count=masked.weights.sum())
+    main_loss = objective.disc_mlm_weight * main_loss_sum / normalizers.num_predictions
+  else:
+    disc_logits = apply(
+        corrupted_ids, token_type_ids, model_mask, deterministic,
+        method=model.discriminator_logits, rngs={"dropout": disc_dropout_rng},
+    )  # [batch, seq] float32
   if objective.name == "electric":
     # The energy-based form: the cloze model's log-probability of the token it sees (no
     # gradient) plus the log prior odds of a position being masked.
@@ -538,6 +553,8 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
     mlm = objective.adversarial_mlm_weight * mlm_loss_sum / normalizers.num_predictions
     stats.update(main_loss_sum=(reward * weights).sum(), main_count=weights.sum())
     loss = reinforce + mlm + disc_loss
+  elif objective.disc_mlm_weight > 0:
+    loss = gen_loss + disc_loss + main_loss
   else:
     loss = gen_loss + disc_loss
   predicted = disc_logits > 0
@@ -657,6 +674,11 @@ def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str,
     metrics["loss"] = objective.adversarial_mlm_weight * masked_lm_loss + objective.disc_weight * disc_loss
   else:
     metrics["loss"] = objective.gen_weight * masked_lm_loss + objective.disc_weight * disc_loss
+    if objective.disc_mlm_weight > 0:
+      main_count = jnp.maximum(stats["main_count"], 1.0)
+      metrics["main_mlm_loss"] = stats["main_loss_sum"] / main_count
+      metrics["main_mlm_accuracy"] = stats["main_correct"] / main_count
+      metrics["loss"] = metrics["loss"] + objective.disc_mlm_weight * metrics["main_mlm_loss"]
   return metrics
 
 
@@ -674,6 +696,7 @@ def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjecti
   decay_steps = round(o.temperature_decay_fraction * config.train.steps)
   scheduled = decay_steps > 0 and o.initial_temperature != o.temperature
   return ElectraObjective(
+      disc_mlm_weight=o.disc_mlm_weight,
       name=name,
       disallow_correct=o.get("disallow_correct", False),
       random_token_prob=_BERT_RANDOM_PROB if bert_masking else 0.0,

@@ -536,3 +536,49 @@ def test_electric_cloze_generator_and_energy_based_discriminator():
   # L_Disc does not reach the cloze model through log q.
   grads = _grads(model, params, dataclasses.replace(objective, gen_weight=0.0), batch)
   assert _norm(grads["generator"]) == 0.0 and _norm(grads["discriminator"]) > 0.0
+
+
+def test_disc_mlm_weight_adds_the_discriminators_own_mlm_at_the_masked_slots():
+  """objective.disc_mlm_weight: loss = L_MLM(generator) + 50 L_Disc + w * L_MLM(discriminator on
+  the corrupted input, at the masked slots), all from one pass of the discriminator; 0 builds
+  no MLM head at all."""
+  weight = 0.5
+  objective = _objective(disc_mlm_weight=weight)
+  config = tiny_config(**{"model.vocab_size": VOCAB, "model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0,
+                          "objective.disc_mlm_weight": weight})
+  model = models.build_model(config)
+  ids = jnp.zeros((1, 8), jnp.int32)
+  params = nn.meta.unbox(model.init(jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32))["params"])
+  assert "mlm_output_bias" in params["discriminator"] and "generator" in params
+  batch = _batch()
+  masked, loss, stats, per_token = _forward(model, params, objective, batch)
+  keys = jax.random.split(jax.random.key(2), batch["input_ids"].shape[0])
+  corrupted, replaced, gen_loss = _generator_corruption(model, params, objective, batch, masked, keys)
+  disc_logits, logits = model.apply({"params": params}, corrupted, batch["token_type_ids"], batch["attention_mask"],
+                                    masked.positions, method=model.discriminator_mlm_logits)
+  z, real = np.asarray(disc_logits, np.float64), np.asarray(batch["attention_mask"], bool)
+  bce = np.maximum(z, 0) - z * replaced + np.log1p(np.exp(-np.abs(z)))
+  log_p = np.take_along_axis(_log_softmax(logits), np.asarray(masked.target_ids)[..., None], -1)[..., 0]
+  weights = np.asarray(masked.weights)
+  disc_mlm = -(log_p * weights).sum() / weights.sum()
+  assert math.isclose(float(loss), gen_loss + 50.0 * bce[real].mean() + weight * disc_mlm, rel_tol=1e-5)
+  metrics = objectives.summarize(stats, per_token, objective)
+  assert float(metrics["main_mlm_loss"]) == pytest.approx(disc_mlm, rel=1e-5)
+  assert float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-5)
+  assert 0.0 <= float(metrics["disc_auc"]) <= 1.0
+  # Both heads of the discriminator learn.
+  grads = _grads(model, params, objective, batch)
+  assert _norm(grads["discriminator"]["head_out"]) > 0.0 and _norm(grads["discriminator"]["mlm_head_dense"]) > 0.0
+  # Off: no head, and the plain ELECTRA tree.
+  plain, _ = _model_and_params()
+  assert not plain.discriminator_mlm_head
+
+
+@pytest.mark.parametrize("overrides, named", [
+    ({"objective.disc_mlm_weight": -1.0}, "objective.disc_mlm_weight=-1.0"),
+    ({"objective.disc_mlm_weight": float("nan")}, "objective.disc_mlm_weight=nan"),
+    ({"objective.disc_mlm_weight": 1.0, "objective.name": "mlm"}, "not 'mlm'"),
+])
+def test_disc_mlm_weight_is_refused_by_name(overrides, named):
+  with pytest.raises(ConfigError, match=named):
+    config_lib.validate(tiny_config(**overrides))
