@@ -162,8 +162,8 @@ def report(args) -> None:
         points = [(b, r["accuracy"]) for b in budgets for r in task_rows if r["init"] == init and r["budget"] == b]
         if points:
           x = [_minutes(b) for b, _ in points]
-          axis.errorbar(x, [100 * np.mean(a) for _, a in points], yerr=[100 * np.std(a) for _, a in points],
-                        marker="o", capsize=3, label=init)
+          spread = [100 * np.std(a, ddof=1) if len(a) > 1 else 0.0 for _, a in points]  # as the table
+          axis.errorbar(x, [100 * np.mean(a) for _, a in points], yerr=spread, marker="o", capsize=3, label=init)
       for r in task_rows:
         if r["init"] == "tfidf":
           axis.axhline(100 * r["accuracy"][0], color="gray", linestyle="--", label="TF-IDF + LR")
