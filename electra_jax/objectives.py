@@ -459,16 +459,21 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
     # Every masked slot counts as replaced, even where the sample equals the original.
     is_replaced = masked_position_weights(masked, attention_mask.shape) > 0
 
-  if objective.name == "replace_mlm":
-    # MLM on the generator-corrupted input (no [MASK]): predict the originals at the masked slots.
-    _, main_logits = apply(
+  def replace_mlm():
+    """The discriminator tower on the generator-corrupted input (no [MASK]), predicting the
+    originals at the masked slots: (its replaced-token logits [batch, seq], its MLM loss),
+    the MLM sums added to `stats`. One pass gives both heads."""
+    disc_logits, main_logits = apply(
         corrupted_ids, token_type_ids, model_mask, masked.positions, deterministic,
         method=model.discriminator_mlm_logits, rngs={"dropout": disc_dropout_rng},
     )
     main_logits = _vocabulary_only(main_logits, objective.vocab_size)
     main_loss_sum, main_correct = _mlm_sums(main_logits, masked.target_ids, masked.weights)
     stats.update(main_loss_sum=main_loss_sum, main_correct=main_correct, main_count=masked.weights.sum())
-    main_loss = main_loss_sum / normalizers.num_predictions
+    return disc_logits, main_loss_sum / normalizers.num_predictions
+
+  if objective.name == "replace_mlm":
+    _, main_loss = replace_mlm()
   elif objective.name == "all_tokens_mlm":
     # Predict every token of the corrupted input, with the paper's copy mechanism:
     # p(x_t) = D_t [x_t = input_t] + (1 - D_t) softmax(MLM)_t(x_t), D_t = sigmoid(copy logit).
@@ -501,16 +506,8 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
     return gen_loss + main_loss, (stats, per_token)
 
   if objective.disc_mlm_weight > 0:
-    # One pass of the discriminator gives both heads: the replaced-token logits and the
-    # vocabulary logits at the masked slots, where it predicts what was there.
-    disc_logits, main_logits = apply(
-        corrupted_ids, token_type_ids, model_mask, masked.positions, deterministic,
-        method=model.discriminator_mlm_logits, rngs={"dropout": disc_dropout_rng},
-    )
-    main_logits = _vocabulary_only(main_logits, objective.vocab_size)
-    main_loss_sum, main_correct = _mlm_sums(main_logits, masked.target_ids, masked.weights)
-    stats.update(main_loss_sum=main_loss_sum, main_correct=main_correct, main_count=masked.weights.sum())
-    main_loss = objective.disc_mlm_weight * main_loss_sum / normalizers.num_predictions
+    disc_logits, disc_mlm_loss = replace_mlm()
+    main_loss = objective.disc_mlm_weight * disc_mlm_loss
   else:
     disc_logits = apply(
         corrupted_ids, token_type_ids, model_mask, deterministic,
