@@ -30,8 +30,10 @@ PEAK_FLOPS = (
 def _encoder_matmul_params(cfg: EncoderConfig, embedding_size: int) -> int:
   # Q, K, V and the attention output (4 H x H), then the FFN: H x I in and I x H out, and for
   # GEGLU one more H x I for the gate (its in-projection is H x 2I). Biases are not matmuls.
+  # The attention convolutions' taps (3 x width x H) are used once per token, as a matmul's are.
   ffn_matrices = 3 if cfg.ffn == "geglu" else 2
   per_layer = 4 * cfg.hidden_size**2 + ffn_matrices * cfg.hidden_size * cfg.intermediate_size
+  per_layer += 3 * cfg.attention_conv * cfg.hidden_size
   projection = embedding_size * cfg.hidden_size if embedding_size != cfg.hidden_size else 0
   return cfg.num_layers * per_layer + projection
 

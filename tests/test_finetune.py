@@ -258,14 +258,15 @@ def test_init_from_pretraining_workdir(tmp_path, pretrained_workdir):
 def test_init_from_a_workdir_with_encoder_options_keeps_them(tmp_path):
   """A pre-LN, GEGLU, bias-free pre-training run fine-tunes with that very encoder: its saved
   config builds it and the checkpoint's encoder (final LayerNorm included) fills it."""
-  options = {"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False}
+  options = {"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False, "model.attention_conv": 3}
   workdir = str(tmp_path / "pretrain")
   pretrain_config = tiny_config(**options, **{"train.steps": 1, "checkpoint.every_steps": 1, "eval.every_steps": 0})
   train.train_and_evaluate(pretrain_config, workdir)
   config = synthetic_config(tmp_path, n_train=16, n_dev=8, init_from=workdir, tokenizer="")
   backbone = model_lib.load_backbone(config)
   classifier = backbone.classifier(2, config)
-  assert (classifier.config.norm, classifier.config.ffn, classifier.config.use_bias) == ("pre", "geglu", False)
+  assert (classifier.config.norm, classifier.config.ffn, classifier.config.use_bias,
+          classifier.config.attention_conv) == ("pre", "geglu", False, 3)
   params = model_lib.init_params(backbone, classifier, jax.random.key(0), config.max_seq_len)
   mesh = partitioning.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)), devices=jax.devices()[:1])
   tok = backbone.tokenizer

@@ -88,3 +88,5 @@ def test_geglu_counts_its_gate_and_bias_free_layers_count_the_same():
   gates = 6 * sum(t.num_layers * t.hidden_size * t.intermediate_size for t in (disc, gen))
   assert count(ffn="geglu") == pytest.approx(default + gates, rel=1e-12)
   assert count(ffn="gelu", norm="pre", use_bias=False) == default
+  taps = 6 * sum(t.num_layers * 3 * 3 * t.hidden_size for t in (disc, gen))  # q, k, v x width 3
+  assert count(attention_conv=3) == pytest.approx(default + taps, rel=1e-12)

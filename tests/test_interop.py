@@ -353,10 +353,12 @@ def test_cli_exports_a_pretraining_workdir(tmp_path):
   pair = interop.pair_from_hf(str(out / "discriminator"), str(out / "generator"))
   imported = tmp_path / "imported"
   # A recipe asking for encoder options ELECTRA checkpoints lack gets the pair's (the defaults).
-  recipe = tiny_config(**{"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False})
+  recipe = tiny_config(**{"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False,
+                          "model.attention_conv": 3})
   interop.write_pretraining_workdir(pair, recipe, str(imported))
   model_config = train.config_lib.load_workdir_config(str(imported)).model
-  assert (model_config.norm, model_config.ffn, model_config.use_bias) == ("post", "gelu", True)
+  assert (model_config.norm, model_config.ffn, model_config.use_bias, model_config.attention_conv) == (
+      "post", "gelu", True, 0)
   data_config = train.config_lib.load_workdir_config(str(imported)).data
   assert data_config.tokenizer == "sentencepiece" and data_config.spm_model_file == str(imported / "spm.model")
   assert (imported / "spm.model").read_bytes() == (out / "discriminator" / "spm.model").read_bytes()
@@ -440,6 +442,7 @@ def test_export_to_an_out_that_cannot_be_made_is_refused_before_the_restore(tmp_
                              r"fine-tune or evaluate it in electra-jax instead."]),
     ({"model.ffn": "geglu"}, [r"model.ffn='geglu' has no Hugging Face ElectraModel form"]),
     ({"model.use_bias": False}, [r"model.use_bias=False has no Hugging Face ElectraModel form"]),
+    ({"model.attention_conv": 3}, [r"model.attention_conv=3 has no Hugging Face ElectraModel form \(its attention has no convolution\)"]),
     ({"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False},
      [r"model.norm='pre'", r"model.ffn='geglu'", r"model.use_bias=False"]),
 ])

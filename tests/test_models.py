@@ -1,6 +1,7 @@
 """The networks: one shared embedding tree, tied generator decoder, BERT encoder details, and
 the encoder options (pre-LN, GEGLU, no biases) against computations by hand."""
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -276,14 +277,34 @@ def _gelu_by_hand(x):
   return 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
 
 
+def _conv_by_hand(x, taps, readable):
+  """out[b, i] = sum over offsets o of taps[o + r] * x[b, i + o], where i may read i + o:
+  `readable` [batch, seq] (real keys) or [batch, seq, seq] (i reads j), inside the row."""
+  radius = taps.shape[0] // 2
+  out = np.zeros_like(x)
+  for b in range(x.shape[0]):
+    for i in range(x.shape[1]):
+      for o in range(-radius, radius + 1):
+        j = i + o
+        if 0 <= j < x.shape[1] and (readable[b, j] if readable.ndim == 2 else readable[b, i, j]):
+          out[b, i] += taps[o + radius] * x[b, j]
+  return out
+
+
 def _layer_by_hand(p, x, mask, cfg):
   """One encoder layer in float64 numpy from its parameter tree: softmax attention over the
   real keys, the residuals and LayerNorms where cfg.norm puts them, cfg.ffn's FFN."""
   heads, head_dim = cfg.num_heads, cfg.hidden_size // cfg.num_heads
 
+  def project(h, a, name):
+    out = _dense_by_hand(h, a[name])
+    if cfg.attention_conv:
+      out = _conv_by_hand(out, np.asarray(a[f"{name}_conv"], np.float64), np.asarray(mask) > 0)
+    return out.reshape(*h.shape[:2], heads, head_dim)
+
   def attention(h):
     a = p["attention"]
-    q, k, v = (_dense_by_hand(h, a[n]).reshape(*h.shape[:2], heads, head_dim) for n in ("query", "key", "value"))
+    q, k, v = (project(h, a, n) for n in ("query", "key", "value"))
     scores = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
     scores = np.where(np.asarray(mask)[:, None, None, :] > 0, scores, -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
@@ -351,6 +372,60 @@ def test_all_three_options_by_hand_with_a_projection():
   assert set(params["embeddings_project"]) == {"kernel"}
 
 
+def test_attention_conv_encoder_by_hand():
+  """Primer's depthwise convolution after q, k and v (model.attention_conv), over padded rows."""
+  for width in (3, 5):
+    cfg = models.EncoderConfig(32, 1, 2, 48, dropout_rate=0.0, attention_dropout_rate=0.0, attention_conv=width)
+    params = _encoder_against_hand(cfg)
+    assert {n: params["layer_0"]["attention"][f"{n}_conv"].shape for n in ("query", "key", "value")} == dict.fromkeys(
+        ("query", "key", "value"), (width, 32))
+
+
+@pytest.mark.parametrize("mask_kind", ["segments", "causal"])
+def test_attention_conv_reads_only_what_attention_may(mask_kind):
+  """Packed rows: no tap reaches into the neighbouring example or the padding; causal towers
+  (the cloze generator's): no tap reaches the right. Against the hand formula, and by moving
+  what must not be read."""
+  segments = jnp.array([[1, 1, 1, 2, 2, 3, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
+  if mask_kind == "segments":
+    mask = models.segment_attention_mask(segments)
+  else:
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((8, 8), bool)), (2, 8, 8))
+  x = jax.random.normal(jax.random.key(0), (2, 8, 6))
+  taps = jax.random.normal(jax.random.key(1), (3, 6))
+  got = models._sequence_conv(x, taps, models._readable_neighbours(mask, 1))
+  np.testing.assert_allclose(got, _conv_by_hand(np.asarray(x, np.float64), np.asarray(taps, np.float64), np.asarray(mask)),
+                             rtol=1e-5, atol=1e-6)
+  # Position 5 (the third example; for causal masks, 4's right neighbour) reaches no output
+  # before it, and its own output does move.
+  moved = models._sequence_conv(x.at[0, 5].add(10.0), taps, models._readable_neighbours(mask, 1))
+  np.testing.assert_array_equal(moved[0, :5], got[0, :5])
+  assert not np.allclose(moved[0, 5], got[0, 5])
+
+
+def test_attention_conv_with_identity_taps_is_the_plain_encoder():
+  """Taps [0, 1, 0] make the convolution the identity: the same outputs as attention_conv=0
+  with the rest of the parameters equal; the initial taps are the identity plus noise."""
+  plain_cfg = models.EncoderConfig(32, 2, 2, 48, dropout_rate=0.0, attention_dropout_rate=0.0)
+  conv_cfg = dataclasses.replace(plain_cfg, attention_conv=3)
+  x = jax.random.normal(jax.random.key(1), (2, 12, 32))
+  _, _, mask = _inputs()
+  conv = models.Encoder(conv_cfg, 32, jnp.float32)
+  params = nn.meta.unbox(conv.init(jax.random.key(0), x, mask, True))["params"]
+  taps = params["layer_0"]["attention"]["query_conv"]
+  assert abs(float(taps[1].mean()) - 1.0) < 0.2 and 0.3 < float(taps[0].std()) < 0.7
+  identity = jax.tree_util.tree_map_with_path(
+      lambda path, leaf: jnp.zeros_like(leaf).at[1].set(1.0) if str(path[-1].key).endswith("_conv") else leaf, params)
+  plain = jax.tree_util.tree_map_with_path(lambda path, leaf: leaf, {
+      layer: {**tree, "attention": {k: v for k, v in tree["attention"].items() if not k.endswith("_conv")}}
+      for layer, tree in params.items()})
+  real = np.asarray(mask) > 0  # padded positions read nothing, themselves included, under a convolution
+  np.testing.assert_allclose(
+      np.asarray(conv.apply({"params": identity}, x, mask, True))[real],
+      np.asarray(models.Encoder(plain_cfg, 32, jnp.float32).apply({"params": plain}, x, mask, True))[real],
+      rtol=1e-5, atol=1e-5)
+
+
 def _flat(params):
   return flax.traverse_util.flatten_dict(params, sep="/")
 
@@ -406,11 +481,11 @@ def test_defaults_keep_the_electra_small_model(tmp_path):
   model = models.build_model(recipe)
   assert _tree_fingerprint(model) == ELECTRA_SMALL_TREE
   explicit = config_lib.sibling(f"{REPO}/configs/base.py", "electra_small").get_config()
-  explicit.model.update(norm="post", ffn="gelu", use_bias=True)
+  explicit.model.update(norm="post", ffn="gelu", use_bias=True, attention_conv=0)
   assert models.build_model(explicit) == model
   # A workdir saved before these keys existed loads (one place fills them) into the same model.
   saved = recipe.to_dict()
-  for key in ("norm", "ffn", "use_bias"):
+  for key in ("norm", "ffn", "use_bias", "attention_conv"):
     del saved["model"][key]
   (tmp_path / "config.json").write_text(json.dumps(saved))
   old = config_lib.load_workdir_config(str(tmp_path))
@@ -419,7 +494,7 @@ def test_defaults_keep_the_electra_small_model(tmp_path):
 
 
 def test_options_agree_under_scan_layers_and_remat():
-  options = {"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False,
+  options = {"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False, "model.attention_conv": 3,
              "model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0}
   model, params = _init(tiny_config(**options))
   ids, types, mask = _inputs()
@@ -445,6 +520,9 @@ def test_options_agree_under_scan_layers_and_remat():
     ("ffn", "swiglu", r"model.ffn='swiglu' is not one of \['gelu', 'geglu'\]"),
     ("use_bias", "False", r"model.use_bias='False' is not one of \[True, False\]"),
     ("use_bias", 0, r"model.use_bias=0 is not one of \[True, False\]"),
+    ("attention_conv", 2, r"model.attention_conv=2 must be 0 \(no convolution\) or an odd kernel width"),
+    ("attention_conv", -3, r"model.attention_conv=-3 must be 0"),
+    ("attention_conv", "3", r"model.attention_conv='3' must be 0"),
 ])
 def test_bad_encoder_options_are_refused_by_name(key, value, named):
   # As a hand-edited config.json would give them (ml_collections' typed fields refuse some on
@@ -459,7 +537,7 @@ def test_a_pretraining_step_with_all_options_on():
   """Pre-LN, GEGLU and no encoder biases together: one train_step gives a finite loss and
   moves the parameters only these options have (both towers' final LayerNorms)."""
   config = tiny_config(**{"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False,
-                          "data.max_seq_len": 16, "train.batch_size": 4})
+                          "model.attention_conv": 3, "data.max_seq_len": 16, "train.batch_size": 4})
   model = models.build_model(config)
   objective = objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4))
   state = nn.meta.unbox(train.make_init_fn(config, model, objective)(jax.random.key(0)))
@@ -474,3 +552,5 @@ def test_a_pretraining_step_with_all_options_on():
     before = state.params[tower]["encoder"]["final_layer_norm"]["scale"]
     after = state_after.params[tower]["encoder"]["final_layer_norm"]["scale"]
     assert not np.array_equal(before, after), tower
+    taps = [s.params[tower]["encoder"]["layer_0"]["attention"]["key_conv"] for s in (state, state_after)]
+    assert not np.array_equal(*taps), tower

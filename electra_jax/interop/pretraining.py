@@ -198,6 +198,7 @@ def _model_config(pair: ImportedPair) -> dict:
       norm=disc.config.norm,
       ffn=disc.config.ffn,
       use_bias=disc.config.use_bias,
+      attention_conv=disc.config.attention_conv,
       generator_fraction=fraction,
   )
 
