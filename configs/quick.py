@@ -24,6 +24,9 @@ def get_config():
       # Pre-LayerNorm trains stably at a higher learning rate; gated FFN and no biases as in
       # Cramming and ModernBERT. Not exportable to Hugging Face's ElectraModel.
       norm="pre", ffn="geglu", use_bias=False,
+      # Each position sees its neighbours from the first step, before attention has learned to
+      # find them: without it neither tower gets past word frequencies in minutes (Primer).
+      attention_conv=3,
   )
   # Easy replacements first: the generator samples hot (rare, obviously wrong tokens) while the
   # discriminator is young, then cools to the paper's temperature 1.
