@@ -86,7 +86,7 @@ def finetune(task_dir: str, init: str, init_from: str, seeds: int, extra: list[s
       f"--config.init_from={init_from}", f"--config.num_seeds={seeds}",
       f"--config.max_seq_len={FINETUNE_SEQ_LEN[os.path.basename(task_dir)]}", *extra,
   ]
-  if init == "random":
+  if init.startswith("random"):  # "random_<budget>": the pre-training run gives only its tokenizer
     args.append("--config.random_init=True")
   _cli(args, os.path.join(task_dir, f"finetune_{init}.log"))
   results = json.load(open(os.path.join(workdir, "custom", "results.json")))
