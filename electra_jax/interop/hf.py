@@ -62,7 +62,7 @@ SUPPORTED_CONFIG_VALUES = {
 
 # The encoder options transformers' ElectraModel cannot hold: (EncoderConfig field, its only
 # Hugging Face value, what ElectraModel is instead). Import always gives that value.
-_HF_ENCODER_FORM = (
+HF_ENCODER_FORM = (
     ("norm", "post", "it is post-LayerNorm only"),
     ("ffn", "gelu", "its feed-forward is dense + GELU + dense, without a gate"),
     ("use_bias", True, "every dense layer of its encoder has a bias"),
@@ -76,7 +76,7 @@ def check_hf_form(tower: models.EncoderConfig) -> None:
   lines = [
       f"model.{field}={getattr(tower, field)!r} has no Hugging Face ElectraModel form ({why}); "
       "fine-tune or evaluate it in electra-jax instead."
-      for field, value, why in _HF_ENCODER_FORM if getattr(tower, field) != value
+      for field, value, why in HF_ENCODER_FORM if getattr(tower, field) != value
   ]
   if lines:
     raise ConfigError("\n".join(lines))

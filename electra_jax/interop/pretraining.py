@@ -193,12 +193,9 @@ def _model_config(pair: ImportedPair) -> dict:
       dropout_rate=disc.config.dropout_rate,
       attention_dropout_rate=disc.config.attention_dropout_rate,
       layer_norm_eps=disc.config.layer_norm_eps,
-      # Hugging Face and TF1 ELECTRA towers are always post-LN, GELU and biased (the
-      # defaults): a recipe asking for other encoder options gets these, logged as changed.
-      norm=disc.config.norm,
-      ffn=disc.config.ffn,
-      use_bias=disc.config.use_bias,
-      attention_conv=disc.config.attention_conv,
+      # Hugging Face and TF1 ELECTRA towers always have the encoder options' defaults (one
+      # list of them, hf.HF_ENCODER_FORM): a recipe asking for others gets these, logged as changed.
+      **{field: getattr(disc.config, field) for field, _, _ in hf.HF_ENCODER_FORM},
       generator_fraction=fraction,
   )
 
