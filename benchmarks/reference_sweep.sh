@@ -1,5 +1,5 @@
 #!/bin/bash
-# The README's reference table (issue 7): ELECTRA, BERT's MLM, ELECTRA 15%, Replace MLM and
+# The reference table of docs/objectives.md: ELECTRA, BERT's MLM, ELECTRA 15%, Replace MLM and
 # All-Tokens MLM pre-trained with configs/demo.py on the built-in corpus (same model sizes,
 # batch and steps), then each fine-tuned on the stdlib topic task (3 seeds, the official lr 1e-4,
 # max_seq_len 64), and the same fine-tuning from random weights (the table's last row). The

@@ -15,7 +15,7 @@ Train and dev come from DIFFERENT source files (file-level split), so dev measur
 generalization to unseen modules of a topic, not memorization of one file's vocabulary.
 All sentences were seen (unlabelled) by pre-training: only 11 of 583 corpus documents are held
 out (data.eval_fraction=0.02), far too few for a dev set.
-The downstream task of the README's reference sweep (issue 7): it needs no download, and at
+The downstream task of the reference sweep in docs/objectives.md: it needs no download, and at
 the official fine-tuning lr of 1e-4 a pre-trained demo model beats random init on it (37% vs
 25% dev accuracy, chance 25%; a TF-IDF logistic regression gets 60%).
 

@@ -74,7 +74,7 @@ def get_config():
   # "electra" (RTD on every token), "electra_15" (L_Disc only on the masked positions),
   # "uniform" (uniform random replacements, no generator), "mlm" (BERT), "replace_mlm",
   # "all_tokens_mlm", "two_stage", "adversarial", "electric". See objectives.py and the
-  # README's "Ablations".
+  # docs/objectives.md.
   objective.name = "electra"
   objective.disallow_correct = False  # the generator may not sample the original token
   objective.two_stage_switch = 0  # two_stage: the discriminator's first step (0 = train.steps // 2)

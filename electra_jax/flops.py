@@ -1,5 +1,5 @@
 """Model FLOPs per token (6N plus attention for each tower) and the accelerator peaks that
-turn throughput into MFU. See PERFORMANCE.md's counting rules in the README."""
+turn throughput into MFU. The counting rules: docs/training.md, "Metrics"."""
 
 from typing import Optional
 
