@@ -174,6 +174,17 @@ def check_encoder_sizes(m, keys, prefix: str, why: str) -> None:
     )
 
 
+def check_finite(config: ml_collections.ConfigDict, prefix: str = "") -> None:
+  """Every float in the config is a number: range checks written as `not 0 < x < 1` would let
+  NaN through, and `x > 0` lets inf through."""
+  for key, value in config.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, ml_collections.ConfigDict):
+      check_finite(value, name + ".")
+    elif isinstance(value, float) and not math.isfinite(value):
+      raise ConfigError(f"{name}={value} is not a finite number; give a finite value (configs/base.py has the default).")
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
   """Checks that need no devices and no data; raises ValueError naming the key and the fix."""
   m, t = config.model, config.train
@@ -309,6 +320,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     )
   if name == "electric" and config.data.get("pack_rows", False):
     raise ConfigError(models.ELECTRIC_UNPACKED)
+  check_finite(config)  # after the checks above, whose messages say more where they apply
   # The model's own refusals (attention implementation, remat policy, cuDNN's shapes): it is
   # only described here, nothing is initialized.
   models.build_model(config)

@@ -494,6 +494,8 @@ def test_head_and_min_steps_refused_by_name():
       ("custom", "head.pooling", "max", r"config.head.pooling='max': use one of \['cls', 'mean'\]"),
       ("squad2.0", "head.pooling", "mean", "config.head.pooling='mean' with task 'squad2.0'"),
       ("custom", "min_steps", -5, "config.min_steps=-5 must be an int >= 0"),
+      ("custom", "optimizer.learning_rate", float("inf"), "config.optimizer.learning_rate=inf is not a finite number"),
+      ("custom", "optimizer.layerwise_lr_decay", float("nan"), "config.optimizer.layerwise_lr_decay=nan is not a finite"),
   ):
     config = finetune_tiny.get_config()
     config.task = task

@@ -79,6 +79,9 @@ def test_bad_config_is_refused_before_any_work(tmp_path, overrides, named):
         ({"objective.temperature": float("nan")}, "objective.temperature=nan must be finite and > 0"),
         ({"objective.initial_temperature": float("inf")}, "objective.initial_temperature=inf must be finite and > 0"),
         ({"objective.initial_temperature": 0.0}, "objective.initial_temperature=0.0 must be finite and > 0"),
+        # Every other float too: inf passed "> 0" checks and NaN the keys with no range check.
+        ({"optimizer.learning_rate": float("inf")}, "optimizer.learning_rate=inf is not a finite number"),
+        ({"model.layer_norm_eps": float("nan")}, "model.layer_norm_eps=nan is not a finite number"),
         ({"objective.temperature_decay_fraction": 1.5}, r"objective.temperature_decay_fraction=1.5 must be in \[0, 1\]"),
         ({"optimizer.warmup_fraction": 1.0}, r"optimizer.warmup_fraction=1.0 must be in \[0, 1\)"),
         ({"train.time_budget": "12"}, "train.time_budget='12' is not a duration: .*\"1h30m\""),

@@ -200,6 +200,7 @@ def validate(config) -> None:
         f"config.head.pooling={pooling!r} with task {config.task!r}: SQuAD's span head pools "
         "nothing; use head.pooling='cls'."
     )
+  config_lib.check_finite(config, "config.")
 
 
 def epochs_for(config) -> int:
