@@ -43,6 +43,11 @@ def sbatch_script(args, overrides: Sequence[str]) -> str:
   directives += [f"--partition={args.partition}"] * bool(args.partition)
   directives += [f"--account={args.account}"] * bool(args.account)
   directives += list(args.sbatch_arg)
+  for directive in directives:  # sbatch splits #SBATCH lines at whitespace; a newline would end one
+    _, equals, value = directive.partition("=")
+    if (equals and not value) or any(c.isspace() or not c.isprintable() for c in directive):
+      raise ValueError(f"#SBATCH {directive!r}: each directive's value must be non-empty and have no spaces "
+                       "or control characters: sbatch reads #SBATCH lines word by word.")
   workdir = args.workdir if "://" in args.workdir else os.path.abspath(args.workdir)
   config = args.config if "://" in args.config else os.path.abspath(args.config)
   train = remote_job.train_argv(args.python, config, workdir, overrides)
@@ -101,10 +106,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   args = parser.parse_args(own_args)
   if (problem := remote_job.check_overrides(overrides)) is not None:
     parser.error(problem)
-  for flag, value in (("--job-name", args.job_name), ("--log-dir", args.log_dir)):
-    if not value or any(c.isspace() for c in value):  # #SBATCH lines are split at whitespace
-      parser.error(f"{flag}={value!r} must be non-empty and have no spaces: sbatch reads #SBATCH "
-                   "lines word by word.")
+  if not args.log_dir:
+    parser.error("--log-dir='' must name a directory for the jobs' logs.")
   # The job writes its log there from the directory it is submitted from: make it absolute now.
   args.log_dir = os.path.abspath(args.log_dir)
   if args.nodes < 1 or args.gpus_per_node < 1 or args.chain < 0:

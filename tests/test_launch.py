@@ -529,6 +529,11 @@ def test_slurm_script_runs_one_task_per_gpu(tmp_path):
   assert len(submits) == 3 and all("--dependency=afterany:$jobid" in line for line in submits[1:])
   assert f"--output={REPO}/slurm-logs/%x-%j.out" in directives  # not relative to where sbatch runs
   assert "must be non-empty and have no spaces" in _refused("slurm.py", "--workdir=/r", "--job-name=my run", "--dry-run")
+  # A newline in any directive would end the #SBATCH block and run the rest as shell lines.
+  for option in ("--time=1:00:00\nrm -rf ~", "--partition=gpu\ntouch /tmp/x", "--sbatch-arg=--qos=a\nid",
+                 "--job-name="):
+    refused = _refused("slurm.py", "--workdir=/r", option, "--dry-run")
+    assert "must be non-empty and have no spaces or control characters" in refused, (option, refused)
   assert "--gpus='0, 1': give GPU indices" in _refused("gpu.py", "run", "--workdir=/r", "--gpus=0, 1", "--dry-run")
   assert "--gpus=''" in _refused("gpu.py", "run", "--workdir=/r", "--gpus=", "--dry-run")
 
