@@ -92,6 +92,18 @@ def warmup_steps(config: ml_collections.ConfigDict) -> int:
   return round(o.warmup_fraction * config.train.steps) if o.warmup_fraction > 0 else o.warmup_steps
 
 
+def warmup_note(config: ml_collections.ConfigDict) -> str | None:
+  """A warning when the warmup does not end before the run: the schedule then never reaches
+  optimizer.learning_rate, at most steps / (4 * warmup) of it (at the middle of the run)."""
+  warmup, steps = warmup_steps(config), config.train.steps
+  if warmup < steps:
+    return None
+  return (f"optimizer.warmup_steps={warmup} is not shorter than train.steps={steps}: the learning rate "
+          f"reaches at most {100 * steps / (4 * warmup):.1f}% of optimizer.learning_rate="
+          f"{config.optimizer.learning_rate:g}. Lower optimizer.warmup_steps, or set "
+          "optimizer.warmup_fraction (e.g. 0.1) to tie it to the run's length.")
+
+
 def make_optimizer(config: ml_collections.ConfigDict):
   """Global-norm clipping, then AdamW (optax's, or the official one without bias correction)."""
   o = config.optimizer
@@ -717,6 +729,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     setup = build_setup(config, mesh, special_ids(corpus.tokenizer))
   if start_step is not None:
     _check_two_stage_resume(config, recorded_switch, start_step, checkpointer)
+  if (note := warmup_note(config)) is not None:  # train.steps is final here, budget or not
+    logging.warning("%s", note)
   try:
     lease = acquire_lease(workdir, take_over_workdir)
   except workdir_lease.WorkdirInUse:

@@ -543,3 +543,19 @@ def test_a_resume_with_the_same_time_budget_keeps_its_steps_and_is_bit_exact(tmp
     for name in REQUIRED_METRICS - {"tokens_per_sec", "steps_per_sec"} | {"sampling_temperature"}:
       assert a[name] == b[name], (a["step"], name, a[name], b[name])  # to the last bit
 
+
+
+def test_a_warmup_as_long_as_the_run_is_named_with_the_peak_it_leaves(tmp_path, monkeypatch, caplog):
+  config = tiny_config(**{"train.steps": 30, "optimizer.warmup_steps": 60, "optimizer.learning_rate": 1e-3})
+  note = train.warmup_note(config)
+  # The schedule's own highest value over the run, against the share the note states.
+  schedule = train.learning_rate_schedule(1.0, 60, 30)
+  assert f"at most {100 * max(float(schedule(s)) for s in range(31)):.1f}% of" in note
+  assert "optimizer.warmup_steps=60 is not shorter than train.steps=30" in note and "12.5%" in note
+  assert train.warmup_note(tiny_config(**{"train.steps": 30, "optimizer.warmup_steps": 29})) is None
+  assert train.warmup_note(tiny_config(**{"train.steps": 30, "optimizer.warmup_fraction": 0.1})) is None
+  # The run logs it before training (nothing is trained here).
+  monkeypatch.setattr(train, "_train", lambda config, *args: {})
+  with caplog.at_level("WARNING"):
+    train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert note in caplog.text
