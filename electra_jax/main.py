@@ -1,46 +1,5 @@
-"""Command-line entry point (also the `electra-jax` console script):
-
-  python -m electra_jax.main --config=configs/demo.py --workdir=/tmp/electra_demo \
-      [--config.train.steps=200 ...]
-
-Re-running the same command resumes from the workdir's latest checkpoint; while one run
-holds a workdir, another refuses it (workdir_lease.py; --take_over_workdir if that run is
-known dead). Held-out metrics
-of its latest checkpoint (the config defaults to the workdir's config.json):
-
-  python -m electra_jax.main --mode=eval --workdir=/tmp/electra_demo
-
-To write the
-latest checkpoint of a workdir as Hugging Face directories (<out>/discriminator, and
-<out>/generator with --export_generator):
-
-  python -m electra_jax.main --mode=export_hf --workdir=/tmp/electra_demo --out=/tmp/electra_hf
-
-To continue pre-training released weights, import them as a workdir's first checkpoint (the
-recipe gives training, data and mesh settings; the model sizes and vocabulary come from the
-weights), then train in that workdir (without --config, its config.json is used):
-
-  python -m electra_jax.main --mode=import_hf --hf_discriminator=D --hf_generator=G \
-      --config=configs/electra_small.py --workdir=/tmp/continued
-  python -m electra_jax.main --mode=import_tf --tf_checkpoint=electra_small/ \
-      --config=configs/electra_small.py --workdir=/tmp/continued
-  python -m electra_jax.main --workdir=/tmp/continued
-
-Fine-tuning the pre-trained discriminator on GLUE, SQuAD or your own labelled data:
-
-  python -m electra_jax.main --mode=finetune --config=configs/finetune/glue.py \
-      --config.task=rte --config.data_dir=/data/glue --config.init_from=/tmp/electra_demo \
-      --workdir=/tmp/electra_demo_rte
-
-Sweeps (each run in its own sub-workdir, resumable; results.csv/results.md and curves.png in
-the sweep folder), the table alone, and curves of any workdirs:
-
-  python -m electra_jax.main --mode=sweep --config=configs/demo.py --workdir=sweeps/objectives \
-      --sweep=objective.name=electra,mlm [--sweep_file=runs.txt] \
-      [--sweep_finetune=configs/finetune/custom.py --sweep_finetune_override=custom.train_file=...]
-  python -m electra_jax.main --mode=sweep_report --workdir=sweeps/objectives
-  python -m electra_jax.main --mode=plot --workdir=workdirs/demo,sweeps/objectives --out=curves.png
-"""
+"""The command line (the `electra-jax` console script, or `python -m electra_jax.main`): one absl
+program whose --mode picks the job. USAGE below is what `--help` prints; docs/ has the manual."""
 
 import logging as std_logging
 import os
@@ -52,30 +11,46 @@ from electra_jax import xla_flags
 # process once with glibc settings for CPU training (xla_flags.malloc_tunables).
 xla_flags.apply_cpu_defaults(restart=__name__ == "__main__" or os.path.basename(sys.argv[0]) == "electra-jax")
 
+import flax  # noqa: E402
 import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+import electra_jax  # noqa: E402
 from electra_jax import config_lib, data, distributed, interop, train, workdir_files  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a recipe in configs/ (e.g. configs/demo.py).", lock_config=True
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, metrics.jsonl and checkpoints.")
-_MODE = flags.DEFINE_enum(
-    "mode", "train",
-    ["train", "eval", "export_hf", "import_hf", "import_tf", "prepare_data", "train_tokenizer", "finetune",
-     "sweep", "sweep_report", "plot"],
-    "train: pre-train (or resume) in --workdir; eval: held-out metrics of its latest checkpoint "
-    "(or --step); export_hf: write its latest checkpoint to --out; import_hf / import_tf: make "
-    "--workdir start from released weights (Hugging Face pair / official TF1 checkpoint); "
-    "prepare_data: tokenize and pack the config's corpus into shards in data.prepared_dir; "
-    "train_tokenizer: train a sentencepiece model on the config's corpus into --out; finetune: "
-    "a task head on a pre-trained discriminator (configs/finetune/*.py), results in --workdir; "
-    "sweep: train the --sweep/--sweep_file runs of --config in sub-workdirs of --workdir and "
-    "tabulate them; sweep_report: rewrite a sweep folder's results.csv/results.md; plot: curves "
-    "of --workdir=W1,W2,... (sweep folders expand to their runs) to --out (PNG).",
-)
+# One line each: `electra-jax --help` lists them (USAGE below).
+_MODES = {
+    "train": "pre-train, or resume, in --workdir (the default mode)",
+    "eval": "held-out metrics of --workdir's latest checkpoint (or --step)",
+    "finetune": "a task head on a pre-trained discriminator (configs/finetune/*.py), results in --workdir",
+    "export_hf": "write --workdir's latest checkpoint as Hugging Face directories in --out",
+    "import_hf": "start --workdir from a released Hugging Face pair (--hf_discriminator, --hf_generator)",
+    "import_tf": "start --workdir from an official TF1 checkpoint (--tf_checkpoint)",
+    "train_tokenizer": "train a sentencepiece model on the config's corpus into --out",
+    "prepare_data": "tokenize and pack the config's corpus into shards in data.prepared_dir",
+    "sweep": "train the --sweep/--sweep_file runs of --config in sub-workdirs of --workdir and tabulate them",
+    "sweep_report": "rewrite a sweep folder's results.csv/results.md without training",
+    "plot": "curves of --workdir=W1,W2,... (sweep folders expand to their runs) into --out (PNG)",
+}
+USAGE = "\n".join([
+    "electra-jax: ELECTRA pre-training and fine-tuning in JAX.",
+    "",
+    "  electra-jax [--mode=MODE] --config=RECIPE --workdir=DIR [--config.group.key=value ...]",
+    "  electra-jax --config=configs/demo.py --workdir=workdirs/demo    # the demo, on a CPU",
+    "",
+    "Modes:",
+    *(f"  {mode:<16}{line}" for mode, line in _MODES.items()),
+    "",
+    "Recipes: configs/*.py (configs/base.py lists every key); docs/ has the manual.",
+    "--helpfull lists every flag, those of the libraries too.",
+])
+_MODE = flags.DEFINE_enum("mode", "train", list(_MODES), "What to do; one of the modes above.")
+_VERSION = flags.DEFINE_bool("version", False, "Print the version of electra-jax and of JAX, then exit.")
 _SWEEP = flags.DEFINE_multi_string(
     "sweep", [], "sweep: KEY=V1,V2,... (repeatable; the runs are the product of all), e.g. "
     "--sweep=objective.name=electra,mlm.",
@@ -143,6 +118,9 @@ def _quiet_libraries(record) -> bool:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+  if _VERSION.value:
+    print(f"electra-jax {electra_jax.__version__} (jax {jax.__version__}, flax {flax.__version__})")
+    return
   logging.set_verbosity(logging.INFO)
   logging.get_absl_handler().addFilter(_quiet_libraries)
   if os.environ.get("GLIBC_TUNABLES") == xla_flags.HUGE_PAGES:
@@ -338,7 +316,15 @@ def _parse_flags(argv):
       argv, "electra-jax", "configs/finetune/base.py" if finetune else "configs/base.py")
 
 
+# The flags `--help` shows (absl shows the key flags of the program's main module, which for the
+# console script is a stub of pip's).
+_KEY_FLAGS = ("mode", "config", "workdir", "out", "step", "take_over_workdir", "version")
+
+
 def run():
+  sys.modules["__main__"].__doc__ = USAGE  # what absl's --help prints first
+  for name in _KEY_FLAGS:
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
   app.run(main, flags_parser=_parse_flags)
 
 
