@@ -696,6 +696,21 @@ def acquire_lease(directory: str, take_over: bool, name: str = "The workdir") ->
   return lease
 
 
+def start_summary(config, param_shapes: dict[str, list[int]], flops_per_token: float, corpus) -> str:
+  """One line on what is about to train: parameters per part of the tree, model FLOPs per token,
+  tokens per step, the numerics and the data."""
+  parts: dict[str, int] = {}
+  for path, shape in param_shapes.items():
+    parts[path.split("/")[0]] = parts.get(path.split("/")[0], 0) + math.prod(shape)
+  counts = ", ".join(f"{name} {count / 1e6:.2f}M" for name, count in sorted(parts.items()))
+  t, d = config.train, config.data
+  return (f"Training {config.objective.name}: parameters {counts} ({sum(parts.values()) / 1e6:.2f}M in all); "
+          f"{flops_per_token / 1e6:.1f} model MFLOPs per token; {t.batch_size * d.max_seq_len:,} tokens per "
+          f"step (batch {t.batch_size} x {d.max_seq_len}) for {t.steps:,} steps; {t.dtype}, attention "
+          f"{config.model.attention_impl}; data {d.source}: {corpus.num_examples:,} train examples, vocabulary "
+          f"{corpus.tokenizer.vocab_size:,}.")
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        take_over_workdir: bool = False) -> dict[str, float]:
   """Pre-trains per `config`, resuming from `workdir` if it holds a checkpoint. Returns the
@@ -935,15 +950,18 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease
         metrics_log.truncate_after(start_step)
         eval_log.truncate_after(start_step)
     # Ahead of time, so compile time stays out of the throughput figures.
+    compile_start = time.perf_counter()
     compiled_step = compile_train_step(setup, config, mesh)
     steps_per_call = config.train.get("steps_per_call", 1)
     compiled_steps = compile_train_steps(setup, config, mesh, steps_per_call) if steps_per_call > 1 else None
+    logging.info("Compiled the train step in %.1f s.", time.perf_counter() - compile_start)
     _warn_single_steps(config, steps_per_call)
 
   # --- Loop
   total_steps = config.train.steps
   seq_len, global_batch = config.data.max_seq_len, config.train.batch_size
   flops_per_token = flops.objective_flops_per_token(setup.model, setup.objective, seq_len)
+  logging.info("%s", start_summary(config, setup.param_shapes, flops_per_token, corpus))
   peak = flops.peak_flops(jax.devices()[0])
   tokens_per_step = global_batch * seq_len
   meta = {"param_shapes": setup.param_shapes, "data_fingerprint": corpus.fingerprint}

@@ -18,7 +18,7 @@ from electra_jax.config_lib import ConfigError
 import pytest
 
 from conftest import REPO, cli_args, run_cli, tiny_config
-from electra_jax import data, models, objectives, train
+from electra_jax import checkpointing, data, flops, models, objectives, train
 
 REQUIRED_METRICS = {
     "step", "loss", "masked_lm_accuracy", "masked_lm_loss", "sampled_masked_lm_accuracy",
@@ -559,3 +559,24 @@ def test_a_warmup_as_long_as_the_run_is_named_with_the_peak_it_leaves(tmp_path, 
   with caplog.at_level("WARNING"):
     train.train_and_evaluate(config, str(tmp_path / "run"))
   assert note in caplog.text
+
+
+def test_a_run_starts_with_a_summary_of_what_it_trains(tmp_path, caplog):
+  config = tiny_config(**{"train.steps": 1, "checkpoint.every_steps": 1, "eval.every_steps": 0})
+  with caplog.at_level("INFO"):
+    train.train_and_evaluate(config, str(tmp_path / "run"))
+  assert "Compiled the train step in " in caplog.text
+  summary = next(line for line in caplog.text.splitlines() if "Training electra: parameters" in line)
+  # Against the saved state and the FLOP counter, not against the summary's own arithmetic.
+  checkpointer = checkpointing.Checkpointer(str(tmp_path / "run"), keep=1)
+  params = checkpointer.read_meta(1)["param_shapes"]
+  checkpointer.close()
+  total = sum(int(np.prod(shape)) for shape in params.values())
+  assert f"({total / 1e6:.2f}M in all)" in summary
+  for tower in ("discriminator", "generator", "embeddings"):
+    assert f"{tower} " in summary
+  model = models.build_model(config)
+  objective = objectives.objective_from_config(config, train.special_ids(data.load_tokenizer(config.data)))
+  per_token = flops.objective_flops_per_token(model, objective, config.data.max_seq_len)
+  assert f"{per_token / 1e6:.1f} model MFLOPs per token" in summary
+  assert f"{config.train.batch_size * config.data.max_seq_len:,} tokens per step" in summary
