@@ -1,9 +1,12 @@
 """The command line (the `electra-jax` console script, or `python -m electra_jax.main`): one absl
 program whose --mode picks the job. USAGE below is what `--help` prints; docs/ has the manual."""
 
+import json
 import logging as std_logging
+import math
 import os
 import sys
+import time
 
 from electra_jax import xla_flags
 
@@ -110,6 +113,36 @@ _TF_NUM_HEADS = flags.DEFINE_integer(
 _NO_WORKDIR_MODES = ("prepare_data", "train_tokenizer")
 
 
+# The columns of the end-of-run table (a metric an objective does not compute shows "-").
+_SUMMARY_METRICS = ("loss", "masked_lm_accuracy", "disc_auc", "disc_precision", "disc_recall")
+
+
+def end_summary(config, metrics: dict, workdir: str, seconds: float) -> str:
+  """The end of a training run: wall time, tokens, the last logged train metrics and the last
+  held-out evaluation side by side, and where the files are."""
+  step = int(metrics["step"])
+  rows = [("train (last log window)", metrics)]
+  eval_file = workdir_files.path(workdir, "eval_metrics.jsonl")
+  if workdir_files.exists(eval_file):
+    lines = [line for line in workdir_files.read_text(eval_file).splitlines() if line.strip()]
+    if lines:
+      held_out = json.loads(lines[-1])
+      rows.append((f"held-out (step {held_out['step']})", held_out))
+  cell = lambda row, key: f"{row[key]:.4f}" if isinstance(row.get(key), float) and math.isfinite(row[key]) else "-"
+  width = max(len(name) for name, _ in rows)
+  table = [" " * width + "".join(f"  {key}" for key in _SUMMARY_METRICS)]
+  table += [f"{name:<{width}}" + "".join(f"  {cell(row, key):>{len(key)}}" for key in _SUMMARY_METRICS)
+            for name, row in rows]
+  minutes, secs = divmod(round(seconds), 60)
+  tokens = step * config.train.batch_size * config.data.max_seq_len
+  return "\n".join([
+      f"Done: step {step} of {config.train.steps}, {tokens:,} tokens in all (padding included); "
+      f"this command ran {minutes}m{secs:02d}s.",
+      *table,
+      f"Files: {workdir}/checkpoints, {workdir}/metrics.jsonl, {workdir}/eval_metrics.jsonl, {workdir}/config.json",
+  ])
+
+
 def _quiet_libraries(record) -> bool:
   # orbax logs every save step at INFO through absl, burying our progress lines.
   return record.levelno >= std_logging.WARNING or "orbax" not in record.pathname
@@ -146,11 +179,10 @@ def main(argv):
               "already holds a config.json to continue with."
           )
         config = config_lib.load_workdir_config(_WORKDIR.value)
+      started = time.perf_counter()
       metrics = train.train_and_evaluate(config, _WORKDIR.value, take_over_workdir=_TAKE_OVER.value)
       if metrics and jax.process_index() == 0:  # one summary per job, not per host
-        summary = ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
-        print(f"Final metrics (step {int(metrics['step'])}): {summary}")
-        print(f"Checkpoints: {_WORKDIR.value}/checkpoints  Metrics: {_WORKDIR.value}/metrics.jsonl")
+        print(end_summary(config, metrics, _WORKDIR.value, time.perf_counter() - started))
     elif _MODE.value == "eval":
       config = _CONFIG.value or config_lib.load_workdir_config(_WORKDIR.value)
       held_out = train.evaluate_checkpoint(config, _WORKDIR.value, _STEP.value)

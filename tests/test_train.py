@@ -206,6 +206,15 @@ def test_cli_writes_config_metrics_and_checkpoints(tmp_path):
     assert np.isfinite(m["loss"]) and 0 <= m["disc_auc"] <= 1
   assert sorted(os.listdir(workdir / "checkpoints")) == ["3", "6"]
   assert "step 6/6" in result.stderr and "ETA" in result.stderr and "tokens/s" in result.stderr
+  # The end: steps, tokens, then the last train window and the last held-out evaluation, as logged.
+  done, header, train_row, held_out_row, files = result.stdout.splitlines()[-5:]
+  tokens = 6 * config["train"]["batch_size"] * config["data"]["max_seq_len"]
+  assert done.startswith(f"Done: step 6 of 6, {tokens:,} tokens") and files.startswith(f"Files: {workdir}/checkpoints")
+  assert header.split() == ["loss", "masked_lm_accuracy", "disc_auc", "disc_precision", "disc_recall"]
+  held_out = [json.loads(line) for line in (workdir / "eval_metrics.jsonl").read_text().splitlines()][-1]
+  assert train_row.startswith("train") and held_out_row.startswith(f"held-out (step {held_out['step']})")
+  assert train_row.split()[-5:] == [f"{lines[-1][key]:.4f}" for key in header.split()]
+  assert held_out_row.split()[-5:] == [f"{held_out[key]:.4f}" for key in header.split()]
   # Running again finds the run complete and trains nothing more.
   again = run_cli(cli_args(workdir))
   assert again.returncode == 0 and len(_metrics(workdir)) == 6
