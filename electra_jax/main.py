@@ -144,8 +144,11 @@ def end_summary(config, metrics: dict, workdir: str, seconds: float) -> str:
 
 
 def _quiet_libraries(record) -> bool:
-  # orbax logs every save step at INFO through absl, burying our progress lines.
-  return record.levelno >= std_logging.WARNING or "orbax" not in record.pathname
+  # orbax logs every save step at INFO through absl, burying our progress lines; JAX says at INFO
+  # that it looked for a TPU on every machine that has none.
+  if record.levelno >= std_logging.WARNING:
+    return True
+  return "orbax" not in record.pathname and "Unable to initialize backend" not in record.getMessage()
 
 
 def main(argv):
@@ -156,8 +159,8 @@ def main(argv):
     return
   logging.set_verbosity(logging.INFO)
   logging.get_absl_handler().addFilter(_quiet_libraries)
-  if os.environ.get("GLIBC_TUNABLES") == xla_flags.HUGE_PAGES:
-    logging.info("CPU: glibc allocates large buffers on huge pages (GLIBC_TUNABLES=%s; "
+  if os.environ.get("GLIBC_TUNABLES") == xla_flags.HUGE_PAGES:  # debug level: not news on every run
+    logging.vlog(1, "CPU: glibc allocates large buffers on huge pages (GLIBC_TUNABLES=%s; "
                  "ELECTRA_JAX_XLA_DEFAULTS=0 turns it off).", xla_flags.HUGE_PAGES)
   try:
     # First, before anything touches the devices. TPU VM slices and SLURM need no flags.
