@@ -58,8 +58,14 @@ def plot_curves(workdirs: Sequence[str], out: str | None = None, metrics: Sequen
   """Renders the curves of `workdirs` (sweep folders expand to their runs) and writes them to
   `out` (PNG) when given; returns the matplotlib Figure. `metrics` defaults to those of
   DEFAULT_METRICS that any workdir logged."""
-  from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 (optional extra)
-  from matplotlib.figure import Figure  # noqa: PLC0415
+  try:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 (optional extra)
+    from matplotlib.figure import Figure  # noqa: PLC0415
+  except ImportError as error:
+    raise ConfigError(
+        "Plots need matplotlib, which is not installed: pip install matplotlib (the package's `plots` "
+        "extra)."
+    ) from error
 
   runs = expand_workdirs(workdirs)
   logs = []

@@ -182,3 +182,13 @@ def test_plot_sweep_folder_expands_and_bad_input_is_refused(tmp_path):
   with pytest.raises(ConfigError, match="No metrics.jsonl"):
     plots.plot_curves([str(tmp_path / "empty")], out)
   assert workdir_files.exists(out)  # the earlier PNG is left as it was
+
+
+def test_plot_without_matplotlib_names_the_install(tmp_path, monkeypatch):
+  make_runs(tmp_path / "sweep")
+  for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+    monkeypatch.delitem(sys.modules, name)
+  monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib...` now raises ImportError
+  with pytest.raises(ConfigError, match="pip install matplotlib"):
+    plots.plot_curves([str(tmp_path / "sweep" / "a")], str(tmp_path / "c.png"))
+  assert not (tmp_path / "c.png").exists()
