@@ -86,8 +86,22 @@ def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
   return changes
 
 
-# configs/base.py of this checkout: the default of every pre-training key.
-_BASE_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.py")
+# The recipes of this checkout (a source or editable install); configs/base.py holds the default
+# of every pre-training key.
+RECIPES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+_BASE_RECIPE = os.path.join(RECIPES_DIR, "base.py")
+
+
+def resolve_recipe(value: str) -> str:
+  """--config's value with a recipe's name (`demo`, `finetune/glue`, `configs/demo.py` from
+  another directory) made the path of that recipe in RECIPES_DIR; anything after a ":" is kept
+  (it goes to the recipe's get_config). A path that exists, or names no recipe, is returned as is."""
+  recipe, colon, rest = value.partition(":")
+  if "://" in value or os.path.exists(recipe):
+    return value
+  name = recipe.removeprefix("configs/").removesuffix(".py")
+  candidate = os.path.join(RECIPES_DIR, *name.split("/")) + ".py"
+  return candidate + colon + rest if name and os.path.isfile(candidate) else value
 
 
 def merged_over(defaults: dict, saved: dict) -> dict:

@@ -246,8 +246,8 @@ def _check_recipe_path(path: str) -> None:
   if not os.path.isfile(recipe):
     what = "a directory" if os.path.isdir(recipe) else "not a file"
     sys.exit(
-        f"electra-jax: error: --config={path}: {recipe} is {what}. Give a recipe file, e.g. "
-        "configs/demo.py (configs/ lists them; configs/finetune/ has the fine-tuning ones)."
+        f"electra-jax: error: --config={path}: {recipe} is {what}, and no recipe has that name. Give "
+        f"a recipe file or a recipe's name, e.g. demo or finetune/glue ({config_lib.RECIPES_DIR} lists them)."
     )
 
 
@@ -340,10 +340,13 @@ def _parse_flags(argv):
         "the config.json of an existing workdir, pass --config=configs/workdir.py:DIR (DIR = the "
         "workdir) with the overrides."
     )
-  for i, arg in enumerate(argv[1:], start=1):
+  argv = list(argv)
+  for i, arg in enumerate(argv[1:], start=1):  # recipes by name (--config=demo) from anywhere
     if arg.startswith("--config="):
-      _check_recipe_path(arg.split("=", 1)[1])
+      argv[i] = "--config=" + config_lib.resolve_recipe(arg.split("=", 1)[1])
+      _check_recipe_path(argv[i].split("=", 1)[1])
     elif arg == "--config" and i + 1 < len(argv):
+      argv[i + 1] = config_lib.resolve_recipe(argv[i + 1])
       _check_recipe_path(argv[i + 1])
   finetune = any(arg == "--mode=finetune" for arg in argv[1:]) or (
       "--mode" in argv and argv.index("--mode") + 1 < len(argv) and argv[argv.index("--mode") + 1] == "finetune")

@@ -18,7 +18,7 @@ from electra_jax.config_lib import ConfigError
 import pytest
 
 from conftest import REPO, cli_args, run_cli, tiny_config
-from electra_jax import checkpointing, data, flops, models, objectives, train
+from electra_jax import checkpointing, config_lib, data, flops, models, objectives, train
 
 REQUIRED_METRICS = {
     "step", "loss", "masked_lm_accuracy", "masked_lm_loss", "sampled_masked_lm_accuracy",
@@ -404,7 +404,7 @@ def test_overrides_apply_to_a_workdirs_own_config(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--config=configs/dem.py", "--workdir=W"], "--config=configs/dem.py: configs/dem.py is not a file. Give a recipe file"),
+        (["--config=configs/dem.py", "--workdir=W"], "--config=configs/dem.py: configs/dem.py is not a file, and no recipe has that name. Give a recipe file or a recipe's name"),
         (["--config=W/config.json", "--workdir=W"], "is a JSON file; --config takes a recipe"),
         (["--config=configs/workdir.py", "--workdir=W"], "configs/workdir.py needs the workdir to read, after a colon"),
         (["--config=configs/finetune/tiny.py", "--workdir=W"], "--config is a fine-tuning recipe (configs/finetune/), but --mode=train"),
@@ -591,3 +591,23 @@ def test_a_run_starts_with_a_summary_of_what_it_trains(tmp_path, caplog):
   per_token = flops.objective_flops_per_token(model, objective, config.data.max_seq_len)
   assert f"{per_token / 1e6:.1f} model MFLOPs per token" in summary
   assert f"{config.train.batch_size * config.data.max_seq_len:,} tokens per step" in summary
+
+
+def test_recipes_by_name_from_any_directory(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # not the checkout: configs/ is not here
+  recipes = config_lib.RECIPES_DIR
+  assert config_lib.resolve_recipe("demo") == f"{recipes}/demo.py"
+  assert config_lib.resolve_recipe("finetune/glue.py") == f"{recipes}/finetune/glue.py"
+  assert config_lib.resolve_recipe("configs/workdir.py:/runs/a") == f"{recipes}/workdir.py:/runs/a"
+  assert config_lib.resolve_recipe("electra_smal") == "electra_smal"  # named by the error that follows
+  (tmp_path / "mine").mkdir()
+  (tmp_path / "mine" / "demo").write_text("")  # a file of that name is what the user meant
+  assert config_lib.resolve_recipe("mine/demo") == "mine/demo"
+  # From the CLI, outside the checkout: the recipe is loaded (its keys and its kind are known).
+  def cli(*args):
+    return subprocess.run([sys.executable, "-m", "electra_jax.main", *args, f"--workdir={tmp_path}/w"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+  typo = cli("--config=demo", "--config.train.stpes=1")
+  assert "--config.train.stpes: the config has no key 'stpes'" in typo.stderr, typo.stderr[-2000:]
+  kind = cli("--config=finetune/tiny")
+  assert "is a fine-tuning recipe (configs/finetune/), but --mode=train" in kind.stderr, kind.stderr[-2000:]
