@@ -153,6 +153,22 @@ def test_custom_regression(tmp_path):
   assert [e.label for e in data.train] == [1.5, 3.0]
 
 
+def test_custom_files_are_read_as_written_or_refused_by_row(tmp_path):
+  # A quote that opens a TSV field is text: CSV's rules would merge the rows up to the next quote.
+  train = [{"text": '"quoted" start', "label": "pos"}, {"text": "plain", "label": "neg"},
+           {"text": 'an "inner" one', "label": "pos"}]
+  data = tasks.load_task(custom_config(tmp_path, "tsv", train, train))
+  assert [(e.text_a, e.label) for e in data.train] == [(r["text"], r["label"]) for r in train]
+  with pytest.raises(ConfigError, match=r"row 2 has 3 fields, its header 2: a tab inside a text"):
+    tasks.load_task(custom_config(tmp_path, "tsv", [train[0], {"text": "a\tb", "label": "neg"}], train))
+  with pytest.raises(ConfigError, match=r"train.csv: row 2: the label \('label'\) is empty"):
+    tasks.load_task(custom_config(tmp_path, "csv", [train[0], {"text": "x", "label": " "}], train))
+  for bad in ("nan", "inf", "-Infinity"):
+    rows = [{"text": "a", "label": 1.0}, {"text": "b", "label": bad}]
+    with pytest.raises(ConfigError, match=f"row 2: regression label '{bad}' is not a finite number"):
+      tasks.load_task(custom_config(tmp_path, "tsv", rows, rows[:1], kind="regression"))
+
+
 def test_bad_input_errors(tmp_path):
   train = [{"text": "the dog", "label": "pos"}, {"text": "a cat", "label": "neg"}]
   with pytest.raises(ConfigError, match="never occur in the train split"):

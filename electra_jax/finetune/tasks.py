@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -323,10 +324,20 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
         records.append(record)
     return records
   with open(path, encoding="utf-8-sig", newline="") as f:
-    reader = csv.DictReader(f, delimiter="\t" if file_format == "tsv" else ",")
+    # TSV has no quoting: a '"' that opens a field is text (as in GLUE's files), where CSV's
+    # rules would read on, over tabs and line ends, to the next '"' and merge the rows between.
+    quoting = csv.QUOTE_NONE if file_format == "tsv" else csv.QUOTE_MINIMAL
+    reader = csv.DictReader(f, delimiter="\t" if file_format == "tsv" else ",", quoting=quoting)
     records = list(reader)
     if reader.fieldnames is None:
       return []
+    for row_number, record in enumerate(records, 1):
+      if None in record:  # DictReader's key for fields past the header's
+        raise ConfigError(
+            f"{path}: row {row_number} has {len(reader.fieldnames) + len(record[None])} fields, its header "
+            f"{len(reader.fieldnames)}: a {'tab' if file_format == 'tsv' else 'comma'} inside a text? "
+            f"{'Quote that field' if file_format == 'csv' else 'Remove it, or use CSV or JSONL'}."
+        )
     return records
 
 
@@ -358,8 +369,15 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
           label = float(raw)
         except (TypeError, ValueError):
           raise ConfigError(f"{path}: row {row_number + 1}: regression label {raw!r} is not a number.") from None
+        if not math.isfinite(label):
+          raise ConfigError(f"{path}: row {row_number + 1}: regression label {raw!r} is not a finite number.")
       else:
         label = str(raw).lower() if isinstance(raw, bool) else str(raw)
+        if not label.strip():
+          raise ConfigError(
+              f"{path}: row {row_number + 1}: the label ({custom.label_column!r}) is empty; give every "
+              "example its class, or leave the row out."
+          )
     text_b = str(record[custom.text_b_column]) if custom.text_b_column else None
     examples.append(Example(str(record[custom.text_a_column]), text_b, label, row_number))
   return examples
