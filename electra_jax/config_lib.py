@@ -133,7 +133,13 @@ def saved_config(workdir: str) -> dict | None:
   path = workdir_files.path(workdir, "config.json")
   if not workdir_files.exists(path):
     return None
-  return with_defaults(json.loads(workdir_files.read_text(path))).to_dict()
+  return with_defaults(workdir_files.read_json(path, _config_shape)).to_dict()
+
+
+def _config_shape(saved) -> None:
+  groups = ("model", "train", "data", "objective", "optimizer")
+  if not isinstance(saved, dict) or any(not isinstance(saved[g], dict) for g in groups if g in saved):
+    raise ValueError(f"a config is an object whose groups {', '.join(groups)} are objects")
 
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:

@@ -269,8 +269,11 @@ def read_record(sweep_dir: str) -> dict | None:
   file = workdir_files.path(sweep_dir, SWEEP_FILE)
   if not workdir_files.exists(file):
     return None
-  record = json.loads(workdir_files.read_text(file))
-  record["runs"] = [Run(r["name"], [tuple(o) for o in r["overrides"]]) for r in record["runs"]]
+  def runs(record):
+    return [Run(str(r["name"]), [tuple(o) for o in r["overrides"]]) for r in record["runs"]]
+
+  record = workdir_files.read_json(file, runs)
+  record["runs"] = runs(record)
   return record
 
 

@@ -58,6 +58,22 @@ def read_text(file) -> str:
   return epath.Path(file).read_text()
 
 
+def read_json(file, shape=None):
+  """A JSON file electra-jax wrote (config.json, sweep.json, ...), refused by name when it is
+  not JSON or, given `shape` (a function of the parsed value that raises on a wrong layout), not
+  laid out as this version writes it: such a file was edited or damaged since."""
+  try:
+    value = json.loads(read_text(file))
+    if shape is not None:
+      shape(value)
+    return value
+  except (ValueError, KeyError, TypeError, AttributeError) as error:
+    raise ConfigError(
+        f"{file} is not as electra-jax writes it ({type(error).__name__}: {error}); it was edited or "
+        "damaged. Put back a good copy, or move its folder aside and start again."
+    ) from None
+
+
 def write_text(file, text: str) -> None:
   """Replaces `file` with `text` in one step: readers see the old or the new content."""
   file = epath.Path(file)

@@ -70,7 +70,16 @@ def read_lease(workdir) -> Optional[dict]:
   except (ValueError, OSError):
     logging.warning("Ignoring %s: it is not a lease this version wrote.", file)
     return None
-  return holder if isinstance(holder, dict) and "run_id" in holder else None
+  if not isinstance(holder, dict) or not isinstance(holder.get("run_id"), str) or any(
+      key in holder and not isinstance(holder[key], types) for key, types in _FIELD_TYPES.items()):
+    logging.warning("Ignoring %s: its fields are not those of a lease this version wrote.", file)
+    return None
+  return holder
+
+
+# The fields a lease's reader uses, and their types: a hand-edited value of another type would
+# otherwise fail inside the check (float("abc")) and block --take_over_workdir too.
+_FIELD_TYPES = {"host": str, "pid": int, "heartbeat": (int, float), "released": bool, "started": str}
 
 
 class WorkdirLease:

@@ -95,3 +95,22 @@ def test_config_and_checkpoint_directory_in_a_bucket(bucket):
   # Orbax gets the bucket path itself, not /cwd/gs:/b/run/... (it needs google-cloud-storage
   # for buckets, which this machine lacks, so the manager itself is not built here).
   assert checkpointing.checkpoints_directory("gs://b/run") == "gs://b/run/checkpoints"
+
+
+def test_our_json_files_damaged_are_refused_naming_the_file(tmp_path):
+  from electra_jax import sweep  # noqa: PLC0415
+
+  config = tmp_path / "config.json"
+  for text in ('{"model": {"hidden_size": 32', "[1, 2]", '{"model": 3, "train": {}, "data": {}}'):
+    config.write_text(text)
+    with pytest.raises(config_lib.ConfigError, match=f"{config} is not as electra-jax writes it"):
+      config_lib.saved_config(str(tmp_path))
+  config.write_text(json.dumps({"model": {}, "train": {"steps": 7}, "data": {}}))
+  assert config_lib.saved_config(str(tmp_path))["train"]["steps"] == 7  # completed with the defaults
+  record = tmp_path / sweep.SWEEP_FILE
+  for text in ("{", '{"runs": [{"name": "a"}]}', '{"runs": 5}'):
+    record.write_text(text)
+    with pytest.raises(config_lib.ConfigError, match=f"{record} is not as electra-jax writes it"):
+      sweep.read_record(str(tmp_path))
+  record.write_text(json.dumps({"runs": [{"name": "a", "overrides": [["k", "1"]]}]}))
+  assert sweep.read_record(str(tmp_path))["runs"][0].overrides == [("k", "1")]

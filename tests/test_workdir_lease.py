@@ -177,3 +177,23 @@ def test_cli_names_the_holder_and_exits_without_a_traceback(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   assert "--take_over_workdir: taking" in result.stderr
   assert sorted(os.listdir(workdir / "checkpoints")) == ["3", "6"]
+
+
+@pytest.mark.parametrize("garbage", [dict(heartbeat="yesterday"), dict(pid="12345"), dict(run_id=7),
+                                     dict(released="no"), dict(host=["a"])])
+def test_a_lease_with_fields_of_other_types_is_ignored_with_a_warning(tmp_path, garbage, caplog):
+  """A hand-edited lease used to fail inside the check (float('yesterday')), which blocked
+  --take_over_workdir too; it now counts as no lease, as an unparseable file already did."""
+  clock = Clock()
+  _write_holder(tmp_path, clock.now, **garbage)
+  with caplog.at_level("WARNING"):
+    assert workdir_lease.read_lease(tmp_path) is None
+  assert "its fields are not those of a lease this version wrote" in caplog.text
+  lease = WorkdirLease(tmp_path, beat_seconds=60, clock=clock)
+  lease.acquire()
+  assert _lease_file(tmp_path)["run_id"] == lease.run_id
+  lease.release()
+  # The same lease with well-typed fields is a live holder and is refused.
+  _write_holder(tmp_path, clock.now)
+  with pytest.raises(WorkdirInUse):
+    WorkdirLease(tmp_path, beat_seconds=60, clock=clock).acquire()
