@@ -136,7 +136,8 @@ def end_summary(config, metrics: dict, workdir: str, seconds: float) -> str:
   minutes, secs = divmod(round(seconds), 60)
   tokens = step * config.train.batch_size * config.data.max_seq_len
   return "\n".join([
-      f"Done: step {step} of {config.train.steps}, {tokens:,} tokens in all (padding included); "
+      f"{'Done' if step >= config.train.steps else 'Stopped'}: step {step} of {config.train.steps}, "
+      f"{tokens:,} tokens in all (padding included); "
       f"this command ran {minutes}m{secs:02d}s.",
       *table,
       f"Files: {workdir}/checkpoints, {workdir}/metrics.jsonl, {workdir}/eval_metrics.jsonl, {workdir}/config.json",

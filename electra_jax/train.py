@@ -545,7 +545,9 @@ class _Preemption:
 
   def __init__(self):
     self.requested = False
+    self.signal_name = "SIGTERM"
     self._previous = None
+    self._previous_interrupt = None
     # One process that joined jax.distributed (launch/tpu_vm.py sets ELECTRA_JAX_DISTRIBUTED=auto
     # on single-host slices too) also goes through the service: its notifier has caught every
     # SIGTERM since initialize, so one that came before the loop is only known there.
@@ -563,13 +565,20 @@ class _Preemption:
       return self
     try:
       self._previous = signal.signal(signal.SIGTERM, self._handle)
+      # Ctrl-C (or a notebook's interrupt) too: the first saves at the end of the step, as
+      # SIGTERM does; the handler is then put back, so a second one stops at once.
+      self._previous_interrupt = signal.signal(signal.SIGINT, self._handle)
     except ValueError:  # not the main thread (some notebook runners): no handler then
       self._previous = None
     return self
 
   def _handle(self, signum, frame):
-    del signum, frame
+    del frame
     self.requested = True
+    if signum == signal.SIGINT:
+      self.signal_name = "Ctrl-C (SIGINT)"
+      signal.signal(signal.SIGINT, self._previous_interrupt)
+      self._previous_interrupt = None
     _SIGTERM.set()
 
   def stop_after(self, call: int) -> bool:
@@ -589,6 +598,8 @@ class _Preemption:
   def __exit__(self, *exc):
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)
+    if self._previous_interrupt is not None:
+      signal.signal(signal.SIGINT, self._previous_interrupt)
 
 
 def _format_duration(seconds: float) -> str:
@@ -1049,7 +1060,8 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease
             eval_log.flush()
         if stopping:
           logging.warning(
-              "SIGTERM received: saved a checkpoint at step %d; run the same command to resume.", step
+              "%s received: saved a checkpoint at step %d; run the same command to resume.",
+              preemption.signal_name, step
           )
           break
   finally:

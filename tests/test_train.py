@@ -611,3 +611,23 @@ def test_recipes_by_name_from_any_directory(tmp_path, monkeypatch):
   assert "--config.train.stpes: the config has no key 'stpes'" in typo.stderr, typo.stderr[-2000:]
   kind = cli("--config=finetune/tiny")
   assert "is a fine-tuning recipe (configs/finetune/), but --mode=train" in kind.stderr, kind.stderr[-2000:]
+
+
+def test_ctrl_c_saves_where_it_stops_like_sigterm(tmp_path):
+  """Ctrl-C lost every step since the last checkpoint, with a traceback; it now ends the run
+  after the step like SIGTERM, and the end summary says where it stopped."""
+  workdir = tmp_path / "run"
+  proc = subprocess.Popen(cli_args(workdir, **{"train.steps": 400, "checkpoint.every_steps": 1000}), cwd=REPO,
+                          env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  metrics_file = workdir / "metrics.jsonl"
+  deadline = time.time() + 300
+  while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3):
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGINT)
+  stdout, stderr = proc.communicate(timeout=300)
+  assert proc.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
+  saved = [int(d) for d in os.listdir(workdir / "checkpoints")]
+  assert len(saved) == 1 and 3 <= saved[0] < 400, saved
+  assert f"Ctrl-C (SIGINT) received: saved a checkpoint at step {saved[0]}; run the same command" in stderr
+  assert f"Stopped: step {saved[0]} of 400" in stdout
+  assert [m["step"] for m in _metrics(workdir)][-1] == saved[0]
