@@ -5,6 +5,7 @@ pre-training workdir (weights carried over, tokenizer checked, several seeds sum
 import json
 import os
 import sys
+import time
 
 import flax
 import jax
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, tiny_config
-from electra_jax import config_lib, models, partitioning, train
+from electra_jax import config_lib, models, partitioning, train, workdir_lease
 from electra_jax.config_lib import ConfigError
 from electra_jax.finetune import model as model_lib
 from electra_jax.finetune import optim, trainer
@@ -525,3 +526,20 @@ def test_min_steps_and_pooling_make_another_config(tmp_path):
   trainer._write_json(str(tmp_path / "results.json"), {"config": config_lib.as_saved(old)})
   trainer._check_results_of_same_config(config, str(tmp_path))
   assert trainer.seed_fingerprint(old) == trainer.seed_fingerprint(config)
+
+
+def test_a_second_run_on_the_same_task_folder_is_refused_before_it_deletes_anything(tmp_path):
+  """Each seed starts by deleting its checkpoints: two runs of one task in one workdir used to
+  pull them from under each other. The task folder now has one run at a time."""
+  config = synthetic_config(tmp_path, n_train=16, n_dev=8, epochs=1, num_seeds=1)
+  task_dir = tmp_path / "w" / "custom"
+  kept = task_dir / "seed_0" / "checkpoints" / "7"
+  kept.mkdir(parents=True)
+  holder = dict(run_id="otherrun1234", host="elsewhere", pid=1, started="now", heartbeat=time.time(), released=False)
+  (task_dir / workdir_lease.LEASE_FILE).write_text(json.dumps(holder))
+  with pytest.raises(workdir_lease.WorkdirInUse, match="in use by run otherrun1234 on host elsewhere"):
+    trainer.run_finetune(config, str(tmp_path / "w"))
+  assert kept.exists()
+  (task_dir / workdir_lease.LEASE_FILE).write_text(json.dumps(dict(holder, released=True)))
+  trainer.run_finetune(config, str(tmp_path / "w"))  # the other run has ended: this one goes
+  assert not kept.exists() and json.loads((task_dir / workdir_lease.LEASE_FILE).read_text())["released"]

@@ -27,7 +27,7 @@ import numpy as np
 import optax
 from absl import logging
 
-from electra_jax import checkpointing, config_lib, workdir_files
+from electra_jax import checkpointing, config_lib, workdir_files, workdir_lease
 from electra_jax.config_lib import ConfigError
 from electra_jax.data.tokenizer import atomic_write_bytes
 from electra_jax.finetune import metrics as metrics_lib
@@ -394,6 +394,17 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   _check_results_of_same_config(config, task_dir)
   pending = [seed for seed in seeds if seed not in finished]
   os.makedirs(task_dir, exist_ok=True)
+  # One run per task folder: each seed starts by deleting its checkpoints, which would pull
+  # them from under another run of the same task (a dead run's lease is detected and taken).
+  lease = workdir_lease.WorkdirLease(task_dir)
+  lease.acquire()
+  try:
+    return _run_seeds(config, adapter, backbone, task_dir, seeds, finished, pending, epochs)
+  finally:
+    lease.release()
+
+
+def _run_seeds(config, adapter, backbone, task_dir: str, seeds, finished: dict, pending, epochs: int) -> dict:
   steps_per_seed = math.ceil(_num_examples(adapter.train_features) / config.batch_size) * epochs
   logging.info(
       "Fine-tuning %s from %s: %d train examples, %d epochs, %d steps per seed, seeds %s.",
