@@ -22,15 +22,17 @@ steps out of the same wall-clock budget (train.steps in each workdir's config.js
 """
 
 import argparse
+import concurrent.futures
 import json
 import os
-import concurrent.futures
 import subprocess
 import sys
 import threading
 import time
 
 import numpy as np
+
+from electra_jax import workdir_files
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -91,11 +93,6 @@ def _finished(workdir: str) -> bool:
   return bool(steps) and steps[-1] >= config["train"]["steps"]
 
 
-def _last_eval(workdir: str) -> dict:
-  with open(os.path.join(workdir, "eval_metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()][-1]
-
-
 def finetune(task_dir: str, init: str, init_from: str, seeds: int, extra: list[str]) -> list[float]:
   """Dev accuracy of each seed, fine-tuned with configs/finetune/custom.py's defaults."""
   workdir = os.path.join(task_dir, f"finetune_{init}")
@@ -146,7 +143,7 @@ def run(args) -> None:
       row = dict(task=task, init=init, budget=budget, accuracy=accuracy, finetune_seconds=round(time.time() - start))
       if init != "random":
         config = json.load(open(os.path.join(workdir, "config.json")))
-        held_out = _last_eval(workdir)
+        held_out = workdir_files.last_record(os.path.join(workdir, "eval_metrics.jsonl"))
         row.update(pretrain_steps=config["train"]["steps"],
                    held_out={k: held_out.get(k) for k in ("disc_auc", "disc_recall", "masked_lm_accuracy")})
       _record(results_file, row)

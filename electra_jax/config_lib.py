@@ -136,10 +136,11 @@ def saved_config(workdir: str) -> dict | None:
   return with_defaults(workdir_files.read_json(path, _config_shape)).to_dict()
 
 
-def _config_shape(saved) -> None:
+def _config_shape(saved) -> dict:
   groups = ("model", "train", "data", "objective", "optimizer")
   if not isinstance(saved, dict) or any(not isinstance(saved[g], dict) for g in groups if g in saved):
     raise ValueError(f"a config is an object whose groups {', '.join(groups)} are objects")
+  return saved
 
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:

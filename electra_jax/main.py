@@ -1,7 +1,6 @@
 """The command line (the `electra-jax` console script, or `python -m electra_jax.main`): one absl
 program whose --mode picks the job. USAGE below is what `--help` prints; docs/ has the manual."""
 
-import json
 import logging as std_logging
 import math
 import os
@@ -122,12 +121,9 @@ def end_summary(config, metrics: dict, workdir: str, seconds: float) -> str:
   held-out evaluation side by side, and where the files are."""
   step = int(metrics["step"])
   rows = [("train (last log window)", metrics)]
-  eval_file = workdir_files.path(workdir, "eval_metrics.jsonl")
-  if workdir_files.exists(eval_file):
-    lines = [line for line in workdir_files.read_text(eval_file).splitlines() if line.strip()]
-    if lines:
-      held_out = json.loads(lines[-1])
-      rows.append((f"held-out (step {held_out['step']})", held_out))
+  held_out = workdir_files.last_record(workdir_files.path(workdir, "eval_metrics.jsonl"))
+  if held_out:
+    rows.append((f"held-out (step {held_out['step']})", held_out))
   cell = lambda row, key: f"{row[key]:.4f}" if isinstance(row.get(key), float) and math.isfinite(row[key]) else "-"
   width = max(len(name) for name, _ in rows)
   table = [" " * width + "".join(f"  {key}" for key in _SUMMARY_METRICS)]

@@ -269,12 +269,10 @@ def read_record(sweep_dir: str) -> dict | None:
   file = workdir_files.path(sweep_dir, SWEEP_FILE)
   if not workdir_files.exists(file):
     return None
-  def runs(record):
-    return [Run(str(r["name"]), [tuple(o) for o in r["overrides"]]) for r in record["runs"]]
+  def with_runs(record):
+    return dict(record, runs=[Run(str(r["name"]), [tuple(o) for o in r["overrides"]]) for r in record["runs"]])
 
-  record = workdir_files.read_json(file, runs)
-  record["runs"] = runs(record)
-  return record
+  return workdir_files.read_json(file, with_runs)
 
 
 def _write_record(sweep_dir: str, base_config, runs: Sequence[Run]) -> None:
@@ -492,18 +490,6 @@ def _plot_sweep(sweep_dir: str) -> None:
 # ---------------------------------------------------------------------------------------
 # The results table
 # ---------------------------------------------------------------------------------------
-def _last_jsonl(file: str) -> dict:
-  if not workdir_files.exists(file):
-    return {}
-  last = {}
-  for line in workdir_files.read_text(file).splitlines():
-    try:
-      last = json.loads(line)
-    except json.JSONDecodeError:
-      continue  # a line cut short by a crash
-  return last
-
-
 def _ordered_metrics(names) -> list[str]:
   names = [n for n in names if n not in NOT_IN_TABLE]
   return [n for n in METRIC_ORDER if n in names] + sorted(n for n in names if n not in METRIC_ORDER)
@@ -530,8 +516,8 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
     workdir = run_dir(sweep_dir, run)
     overrides = dict(run.overrides)
     row = {"run": run.name, "overrides": run.label, **{k: overrides.get(k, "") for k in override_keys}}
-    last_train = _last_jsonl(workdir_files.path(workdir, "metrics.jsonl"))
-    last_eval = _last_jsonl(workdir_files.path(workdir, "eval_metrics.jsonl"))
+    last_train = workdir_files.last_record(workdir_files.path(workdir, "metrics.jsonl"))
+    last_eval = workdir_files.last_record(workdir_files.path(workdir, "eval_metrics.jsonl"))
     config_file = workdir_files.path(workdir, "config.json")
     steps = int(last_train.get("step", 0))
     if workdir_files.exists(workdir_files.path(workdir, ERROR_FILE)):

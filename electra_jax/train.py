@@ -2,6 +2,7 @@
 `train_and_evaluate`, which reads top to bottom: config, mesh, input, model, shardings,
 checkpoint, compile, loop (with preemption and NaN handling)."""
 
+import collections
 import dataclasses
 import json
 import math
@@ -710,9 +711,9 @@ def acquire_lease(directory: str, take_over: bool, name: str = "The workdir") ->
 def start_summary(config, param_shapes: dict[str, list[int]], flops_per_token: float, corpus) -> str:
   """One line on what is about to train: parameters per part of the tree, model FLOPs per token,
   tokens per step, the numerics and the data."""
-  parts: dict[str, int] = {}
+  parts = collections.Counter()
   for path, shape in param_shapes.items():
-    parts[path.split("/")[0]] = parts.get(path.split("/")[0], 0) + math.prod(shape)
+    parts[path.split("/", 1)[0]] += math.prod(shape)
   counts = ", ".join(f"{name} {count / 1e6:.2f}M" for name, count in sorted(parts.items()))
   t, d = config.train, config.data
   return (f"Training {config.objective.name}: parameters {counts} ({sum(parts.values()) / 1e6:.2f}M in all); "

@@ -58,20 +58,30 @@ def read_text(file) -> str:
   return epath.Path(file).read_text()
 
 
-def read_json(file, shape=None):
-  """A JSON file electra-jax wrote (config.json, sweep.json, ...), refused by name when it is
-  not JSON or, given `shape` (a function of the parsed value that raises on a wrong layout), not
-  laid out as this version writes it: such a file was edited or damaged since."""
+def read_json(file, parse=lambda value: value):
+  """parse(the JSON of `file`), a file electra-jax wrote (config.json, sweep.json, ...), refused
+  by name when it is not JSON or when `parse` (which raises on a layout this version does not
+  write) fails: such a file was edited or damaged since."""
   try:
-    value = json.loads(read_text(file))
-    if shape is not None:
-      shape(value)
-    return value
+    return parse(json.loads(read_text(file)))
   except (ValueError, KeyError, TypeError, AttributeError) as error:
     raise ConfigError(
         f"{file} is not as electra-jax writes it ({type(error).__name__}: {error}); it was edited or "
         "damaged. Put back a good copy, or move its folder aside and start again."
     ) from None
+
+
+def last_record(file) -> dict:
+  """The last whole line of a JSONL log (metrics.jsonl, eval_metrics.jsonl); {} if none."""
+  if not exists(file):
+    return {}
+  last = {}
+  for line in read_text(file).splitlines():
+    try:
+      last = json.loads(line)
+    except json.JSONDecodeError:
+      continue  # a line cut short by a crash
+  return last
 
 
 def write_text(file, text: str) -> None:

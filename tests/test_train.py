@@ -235,6 +235,19 @@ def test_a_run_killed_before_its_first_checkpoint_leaves_no_lines_behind(tmp_pat
   assert [json.loads(line)["step"] for line in (workdir / "eval_metrics.jsonl").read_text().splitlines()] == [4]
 
 
+def _signal_after_logged(workdir, overrides: dict, lines: int, signum):
+  """(process, stdout, stderr) of a CLI run sent `signum` once metrics.jsonl has `lines` lines."""
+  proc = subprocess.Popen(cli_args(workdir, **overrides), cwd=REPO, env=dict(os.environ),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  metrics_file = workdir / "metrics.jsonl"
+  deadline = time.time() + 300
+  while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= lines):
+    time.sleep(0.02)
+  proc.send_signal(signum)
+  stdout, stderr = proc.communicate(timeout=300)
+  return proc, stdout, stderr
+
+
 def test_sigterm_saves_and_resume_is_bit_exact(tmp_path):
   steps = 150
   overrides = {"train.steps": steps, "checkpoint.every_steps": 1000}
@@ -242,16 +255,7 @@ def test_sigterm_saves_and_resume_is_bit_exact(tmp_path):
   assert run_cli(cli_args(reference, **overrides)).returncode == 0
 
   interrupted = tmp_path / "interrupted"
-  proc = subprocess.Popen(
-      cli_args(interrupted, **overrides), cwd=REPO, env=dict(os.environ),
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-  )
-  metrics_file = interrupted / "metrics.jsonl"
-  deadline = time.time() + 300
-  while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 5):
-    time.sleep(0.02)
-  proc.send_signal(signal.SIGTERM)
-  _, stderr = proc.communicate(timeout=300)
+  proc, _, stderr = _signal_after_logged(interrupted, overrides, 5, signal.SIGTERM)
   assert proc.returncode == 0, stderr[-3000:]
   saved = [int(d) for d in os.listdir(interrupted / "checkpoints")]
   assert len(saved) == 1 and 5 <= saved[0] < steps, saved  # stopped early, saved where it stopped
@@ -617,14 +621,8 @@ def test_ctrl_c_saves_where_it_stops_like_sigterm(tmp_path):
   """Ctrl-C lost every step since the last checkpoint, with a traceback; it now ends the run
   after the step like SIGTERM, and the end summary says where it stopped."""
   workdir = tmp_path / "run"
-  proc = subprocess.Popen(cli_args(workdir, **{"train.steps": 400, "checkpoint.every_steps": 1000}), cwd=REPO,
-                          env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  metrics_file = workdir / "metrics.jsonl"
-  deadline = time.time() + 300
-  while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3):
-    time.sleep(0.02)
-  proc.send_signal(signal.SIGINT)
-  stdout, stderr = proc.communicate(timeout=300)
+  proc, stdout, stderr = _signal_after_logged(workdir, {"train.steps": 400, "checkpoint.every_steps": 1000}, 3,
+                                              signal.SIGINT)
   assert proc.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
   saved = [int(d) for d in os.listdir(workdir / "checkpoints")]
   assert len(saved) == 1 and 3 <= saved[0] < 400, saved
