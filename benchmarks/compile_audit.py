@@ -42,6 +42,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from electra_jax import config_lib, flops, memory, partitioning, train  # noqa: E402
+from electra_jax.errors import ConfigError  # noqa: E402
 from hlo_audit import Audit  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/electra_small.py", "Recipe.", lock_config=False)
@@ -56,12 +57,12 @@ def main(argv):
   config, target = _CONFIG.value, targets.TARGETS[_DEVICE.value]
   try:
     config_lib.validate(config)  # a bad override is named here, not by the compiler
-  except config_lib.ConfigError as e:
+  except ConfigError as e:
     sys.exit(str(e))
   devices = targets.devices(target, _TOPOLOGY.value)
   try:
     mesh = partitioning.make_mesh(config.mesh, devices=devices)
-  except config_lib.ConfigError as e:
+  except ConfigError as e:
     sys.exit(f"{e} ({len(devices)} devices in {target.name} {_TOPOLOGY.value or 'one chip'})")
   # Special ids shape the masking, not the program; the vocabulary is the recipe's.
   setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4, vocab_size=config.model.vocab_size))

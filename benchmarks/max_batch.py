@@ -59,6 +59,7 @@ def main():
 
   logging.set_verbosity(logging.INFO)  # a line per compile: on a CPU host each takes minutes
   from electra_jax import config_lib, memory, partitioning, sweep, train  # noqa: PLC0415
+  from electra_jax.errors import ConfigError  # noqa: PLC0415
 
   if args.device:
     target = targets.TARGETS[args.device]
@@ -80,7 +81,7 @@ def main():
       try:
         config = sweep.apply_overrides(config, [tuple(spec.split("=", 1)) for spec in args.set])
         config_lib.validate(config)
-      except config_lib.ConfigError as e:
+      except ConfigError as e:
         sys.exit(f"--set {' '.join(args.set)}: {e}")
       mesh = partitioning.make_mesh(config.mesh, devices=devices)
       # Special ids only shape the masking, not the memory; the vocabulary size is the recipe's.
@@ -91,8 +92,8 @@ def main():
       quantum = args.step or quantum
       start = time.perf_counter()
       try:
-        batch, measured = memory.largest_batch(config, setup, mesh, limit, quantum)
-      except config_lib.ConfigError as e:  # not even one quantum fits: say so, go on to the next
+        batch, measured = memory.largest_batch(train.step_compiler(config, setup, mesh), limit, quantum)
+      except ConfigError as e:  # not even one quantum fits: say so, go on to the next
         print(f"| `{name}` | {seq_len} | - | - | none | - | - | {e} |", flush=True)
         continue
       fit = memory.fit_of(measured)

@@ -10,11 +10,9 @@ import sys
 
 import ml_collections
 
+from electra_jax.errors import ConfigError
+
 DTYPES = ("float32", "bfloat16")
-
-
-class ConfigError(ValueError):
-  """A problem with the user's config, data or workdir; the CLI prints it without a traceback."""
 
 
 def sibling(config_file: str, name: str):

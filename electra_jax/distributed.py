@@ -9,7 +9,7 @@ from typing import Optional
 import jax
 from absl import logging
 
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 
 
 def _tpu_chips_present() -> bool:

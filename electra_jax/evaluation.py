@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from electra_jax import data, objectives, partitioning
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 
 
 def eval_step(state, batch, seed_key):

@@ -20,6 +20,7 @@ from ml_collections import config_flags  # noqa: E402
 
 import electra_jax  # noqa: E402
 from electra_jax import config_lib, data, distributed, interop, train, workdir_files  # noqa: E402
+from electra_jax.errors import ConfigError  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a recipe in configs/ (e.g. configs/demo.py).", lock_config=True
@@ -169,12 +170,12 @@ def main(argv):
       _data_mode(_MODE.value)
       return
     if _WORKDIR.value is None:
-      raise config_lib.ConfigError(f"--mode={_MODE.value} needs --workdir.")
+      raise ConfigError(f"--mode={_MODE.value} needs --workdir.")
     if _MODE.value == "train":
       config = _CONFIG.value
       if config is None:
         if not workdir_files.exists(workdir_files.path(_WORKDIR.value, "config.json")):
-          raise config_lib.ConfigError(
+          raise ConfigError(
               "--mode=train needs --config (a recipe, e.g. configs/demo.py), unless --workdir "
               "already holds a config.json to continue with."
           )
@@ -191,7 +192,7 @@ def main(argv):
       print(f"Written to {_WORKDIR.value}/eval_step_{held_out['step']}.json")
     elif _MODE.value == "export_hf":
       if _OUT.value is None:
-        raise config_lib.ConfigError("--mode=export_hf needs --out=DIR (where the model directories go).")
+        raise ConfigError("--mode=export_hf needs --out=DIR (where the model directories go).")
       written = interop.export_workdir(_WORKDIR.value, _OUT.value, _EXPORT_GENERATOR.value)
       for tower, directory in written.items():
         print(f"Wrote the {tower} (Hugging Face format) to {directory}")
@@ -201,14 +202,14 @@ def main(argv):
       _import(_MODE.value)
     elif _MODE.value == "finetune":
       if _CONFIG.value is None:
-        raise config_lib.ConfigError(
+        raise ConfigError(
             "--mode=finetune needs --config (configs/finetune/glue.py, squad.py, custom.py or tiny.py)."
         )
       from electra_jax.finetune import trainer as finetune  # noqa: PLC0415 (tfds/squad stay out of other modes)
 
       results = finetune.run_finetune(_CONFIG.value, _WORKDIR.value)  # prints its table itself
       print(f"Results: {_WORKDIR.value}/{results['task']}/results.json")
-  except (config_lib.ConfigError, FloatingPointError) as error:  # a mistake, or a diverged run
+  except (ConfigError, FloatingPointError) as error:  # a mistake, or a diverged run
     sys.exit(f"electra-jax: error: {error}")
 
 
@@ -218,13 +219,13 @@ def _check_recipe_kind(config, mode: str) -> None:
     return
   finetuning = "init_from" in config
   if finetuning and mode != "finetune":
-    raise config_lib.ConfigError(
+    raise ConfigError(
         f"--config is a fine-tuning recipe (configs/finetune/), but --mode={mode} takes a "
         "pre-training one (configs/demo.py, configs/electra_small.py, ...). To fine-tune, add "
         "--mode=finetune."
     )
   if mode == "finetune" and not finetuning:
-    raise config_lib.ConfigError(
+    raise ConfigError(
         "--mode=finetune takes a fine-tuning recipe (configs/finetune/glue.py, squad.py, "
         "custom.py or tiny.py; the pre-training workdir goes in --config.init_from), but --config "
         "is a pre-training recipe."
@@ -250,7 +251,7 @@ def _check_recipe_path(path: str) -> None:
 
 def _data_mode(mode: str) -> None:
   if _CONFIG.value is None:
-    raise config_lib.ConfigError(f"--mode={mode} needs --config (a recipe with the data.* settings of the corpus).")
+    raise ConfigError(f"--mode={mode} needs --config (a recipe with the data.* settings of the corpus).")
   if mode == "prepare_data":
     manifest = data.prepare_data(_CONFIG.value.data, num_workers=_WORKERS.value)
     totals = manifest["totals"]
@@ -261,7 +262,7 @@ def _data_mode(mode: str) -> None:
     )
   else:
     if _OUT.value is None:
-      raise config_lib.ConfigError("--mode=train_tokenizer needs --out=PATH (the model file to write).")
+      raise ConfigError("--mode=train_tokenizer needs --out=PATH (the model file to write).")
     info = data.train_tokenizer(_CONFIG.value.data, _OUT.value)
     print(
         f"Wrote {info['path']} ({info['vocab_size']} pieces, fingerprint {info['fingerprint']}); "
@@ -274,7 +275,7 @@ def _sweep_mode(mode: str) -> None:
 
   if mode == "plot":
     if _OUT.value is None:
-      raise config_lib.ConfigError("--mode=plot needs --out=FILE.png.")
+      raise ConfigError("--mode=plot needs --out=FILE.png.")
     from electra_jax import plots  # noqa: PLC0415 (matplotlib: the `plots` extra)
 
     plots.plot_curves(_WORKDIR.value.split(","), _OUT.value, _PLOT_METRICS.value)
@@ -285,9 +286,9 @@ def _sweep_mode(mode: str) -> None:
     print(f"Wrote {_WORKDIR.value}/results.md and {_WORKDIR.value}/results.csv")
     return
   if _CONFIG.value is None:
-    raise config_lib.ConfigError("--mode=sweep needs --config (the recipe every run starts from).")
+    raise ConfigError("--mode=sweep needs --config (the recipe every run starts from).")
   if not (_SWEEP.value or _SWEEP_FILE.value):
-    raise config_lib.ConfigError("--mode=sweep needs --sweep=KEY=V1,V2 (repeatable) and/or --sweep_file=FILE.")
+    raise ConfigError("--mode=sweep needs --sweep=KEY=V1,V2 (repeatable) and/or --sweep_file=FILE.")
   finetune_config = None
   if _SWEEP_FINETUNE.value:
     finetune_config = sweep.load_finetune_config(_SWEEP_FINETUNE.value, _SWEEP_FINETUNE_OVERRIDE.value)
@@ -306,17 +307,17 @@ def _sweep_mode(mode: str) -> None:
 
 def _import(mode: str) -> None:
   if _CONFIG.value is None:
-    raise config_lib.ConfigError(
+    raise ConfigError(
         f"--mode={mode} needs --config: the recipe whose training, data and mesh settings the "
         "workdir will use (its model sizes and vocabulary come from the weights)."
     )
   if mode == "import_hf":
     if not (_HF_DISCRIMINATOR.value and _HF_GENERATOR.value):
-      raise config_lib.ConfigError("--mode=import_hf needs --hf_discriminator=DIR and --hf_generator=DIR.")
+      raise ConfigError("--mode=import_hf needs --hf_discriminator=DIR and --hf_generator=DIR.")
     pair = interop.pair_from_hf(_HF_DISCRIMINATOR.value, _HF_GENERATOR.value)
   else:
     if not _TF_CHECKPOINT.value:
-      raise config_lib.ConfigError("--mode=import_tf needs --tf_checkpoint=PATH (model.ckpt-N or its directory).")
+      raise ConfigError("--mode=import_tf needs --tf_checkpoint=PATH (model.ckpt-N or its directory).")
     pair = interop.pair_from_tf(_TF_CHECKPOINT.value, _VOCAB_FILE.value, _TF_NUM_HEADS.value)
   summary = interop.write_pretraining_workdir(pair, _CONFIG.value, _WORKDIR.value, _HF_EMBEDDINGS_FROM.value)
   print(

@@ -18,7 +18,7 @@ import time
 import jax
 from absl import logging
 
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,16 +71,12 @@ def device_memory_bytes(device: jax.Device | None = None) -> int:
   return available_kb * 1024 // max(1, jax.local_device_count())
 
 
-def step_memory(config, setup, mesh, batch_size: int) -> StepMemory:
-  """Compiles the train step for `batch_size` (global) and returns its per-device bytes."""
-  from electra_jax import partitioning, train  # noqa: PLC0415 (train imports this module)
-
-  sized = config.copy_and_resolve_references()
-  sized.train.batch_size = batch_size
+def step_memory(compile_step, batch_size: int) -> StepMemory:
+  """Compiles the train step for `batch_size` (global) with `compile_step(batch_size)` (e.g.
+  train.step_compiler) and returns its per-device bytes."""
   start = time.perf_counter()
   try:
-    with partitioning.activate(mesh):
-      compiled = train.compile_train_step(setup, sized, mesh)
+    compiled = compile_step(batch_size)
   except Exception as e:  # noqa: BLE001 (the compiler's error types differ between jax versions)
     if not _out_of_memory(e):
       raise
@@ -124,7 +120,7 @@ def _recomputed_share(first: StepMemory, second: StepMemory, m: StepMemory) -> f
   return m.flops / predicted - 1 if predicted > 0 else 0.0
 
 
-def largest_batch(config, setup, mesh, limit_bytes: int, quantum: int) -> tuple[int, list[StepMemory]]:
+def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, list[StepMemory]]:
   """The largest multiple of `quantum` whose step fits in `limit_bytes` per device, with the
   measurements taken on the way. Raises ConfigError when not even `quantum` fits.
 
@@ -137,7 +133,7 @@ def largest_batch(config, setup, mesh, limit_bytes: int, quantum: int) -> tuple[
   fitting: list[StepMemory] = []
 
   def fits(batch: int) -> bool:
-    m = step_memory(config, setup, mesh, batch)
+    m = step_memory(compile_step, batch)
     measured.append(m)
     if m.bytes_per_device is None or m.bytes_per_device > limit_bytes:
       return False

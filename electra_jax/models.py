@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from electra_jax import random_ops, splash_attention
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 
 Dtype = Any
 

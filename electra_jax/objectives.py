@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from electra_jax import random_ops
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 
 
 # objective.name: what the generator/replacements are and where the discriminator's loss goes.

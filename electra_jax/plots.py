@@ -16,8 +16,8 @@ import math
 import os
 from typing import Sequence
 
-from electra_jax import sweep
-from electra_jax.config_lib import ConfigError
+from electra_jax import workdir_files
+from electra_jax.errors import ConfigError
 
 DEFAULT_METRICS = ("loss", "masked_lm_accuracy", "disc_auc")
 PANEL_SIZE = (5.0, 3.5)  # inches; at DPI, one panel is 500 x 350 pixels
@@ -41,7 +41,7 @@ def expand_workdirs(workdirs: Sequence[str]) -> list[tuple[str, str]]:
   """[(label, workdir)]: a sweep folder (with sweep.json) becomes its runs."""
   expanded = []
   for workdir in workdirs:
-    runs = sweep.sweep_workdirs(workdir)
+    runs = workdir_files.sweep_runs(workdir)
     if runs:
       expanded += [(f"{os.path.basename(os.path.normpath(workdir))}/{name}", path) for name, path in runs]
     else:

@@ -26,7 +26,7 @@ from absl import logging
 from jax.sharding import PartitionSpec
 
 from electra_jax import partitioning
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 
 # Rows are tiled into blocks of this many tokens (or the whole row when shorter).
 MAX_BLOCK = 512

@@ -43,9 +43,9 @@ from absl import logging
 from ml_collections.config_flags import config_path
 
 from electra_jax import config_lib, workdir_files
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 
-SWEEP_FILE = "sweep.json"
+SWEEP_FILE = workdir_files.SWEEP_FILE
 ERROR_FILE = "sweep_error.txt"
 FINETUNE_SUBDIR = "finetune"
 Override = tuple[str, str]  # (config key, the value as the user wrote it)
@@ -611,9 +611,3 @@ def write_report(sweep_dir: str) -> list[dict]:
   )
   logging.info("Wrote %s/results.md and results.csv (%d runs).", sweep_dir, len(rows))
   return rows
-
-
-def sweep_workdirs(sweep_dir: str) -> list[tuple[str, str]]:
-  """[(label, workdir)] of a sweep folder's runs, in the recorded order."""
-  record = read_record(sweep_dir)
-  return [(r.name, run_dir(sweep_dir, r)) for r in record["runs"]] if record else []

@@ -27,7 +27,7 @@ from electra_jax import (
     checkpointing, config_lib, data, evaluation, flops, memory, objectives, partitioning, tensorboard_log,
     workdir_files, workdir_lease,
 )
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.models import ElectraPretrainer, build_model
 
 
@@ -399,6 +399,18 @@ def compile_train_step(setup: TrainingSetup, config, mesh):
   return _compile_update(train_step, setup, config, mesh, num_steps=None)
 
 
+def step_compiler(config, setup: TrainingSetup, mesh):
+  """batch_size -> compile_train_step for this config at that global batch (memory's probe)."""
+
+  def compile_step(batch_size: int):
+    sized = config.copy_and_resolve_references()
+    sized.train.batch_size = batch_size
+    with partitioning.activate(mesh):
+      return compile_train_step(setup, sized, mesh)
+
+  return compile_step
+
+
 def compile_train_steps(setup: TrainingSetup, config, mesh, num_steps: int):
   """train_steps compiled for `num_steps` stacked global batches (train.steps_per_call)."""
   return _compile_update(train_steps, setup, config, mesh, num_steps)
@@ -501,7 +513,7 @@ def prepare(config):
     # The largest batch that fits (the setup does not depend on it); written to config.json.
     limit = int(config.train.get("memory_fraction", 0.9) * memory.device_memory_bytes())
     quantum = partitioning.batch_shards(mesh) * config.train.grad_accum_steps
-    batch_size, _ = memory.largest_batch(config, setup, mesh, limit, quantum)
+    batch_size, _ = memory.largest_batch(step_compiler(config, setup, mesh), limit, quantum)
     if jax.process_count() > 1:
       # Hosts may see different free memory (CPU hosts do): all take the smallest answer,
       # a multiple of the quantum that fits everywhere.

@@ -29,7 +29,7 @@ from typing import Callable, Optional
 from absl import logging
 
 from electra_jax import workdir_files
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 
 LEASE_FILE = "lease.json"
 

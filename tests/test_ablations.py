@@ -16,7 +16,7 @@ import pytest
 
 from conftest import tiny_config
 from electra_jax import checkpointing, config_lib, data, interop, models, objectives, partitioning, train
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
 VOCAB = 97

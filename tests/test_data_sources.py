@@ -13,7 +13,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.data import (
     WordPieceTokenizer,
     get_rows,

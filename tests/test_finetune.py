@@ -16,7 +16,7 @@ import pytest
 
 from conftest import REPO, tiny_config
 from electra_jax import config_lib, models, partitioning, train, workdir_lease
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.finetune import model as model_lib
 from electra_jax.finetune import optim, trainer
 

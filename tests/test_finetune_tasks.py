@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.data import WordPieceTokenizer, tfds_source
 from electra_jax.finetune import tasks
 

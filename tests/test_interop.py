@@ -19,7 +19,7 @@ import transformers
 
 from conftest import cli_args, run_cli, tiny_config
 from electra_jax import checkpointing, interop, models, partitioning, train
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.interop import hf
 
 transformers.utils.logging.disable_progress_bar()

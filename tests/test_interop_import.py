@@ -21,7 +21,7 @@ import transformers
 
 from conftest import REPO, run_cli, tiny_config
 from electra_jax import checkpointing, interop, models, partitioning, train
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.interop import tf_checkpoint
 
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "tf1_electra")

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import REPO, tiny_config
 from electra_jax import config_lib, memory, partitioning, train
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 
 SPECIAL = dict(pad=0, cls=2, sep=3, mask=4)
 
@@ -22,7 +22,7 @@ def tiny_setup():
 
 def test_step_memory_grows_linearly_with_the_batch(tiny_setup):
   config, mesh, setup = tiny_setup
-  b8, b16, b32 = (memory.step_memory(config, setup, mesh, b).bytes_per_device for b in (8, 16, 32))
+  b8, b16, b32 = (memory.step_memory(train.step_compiler(config, setup, mesh), b).bytes_per_device for b in (8, 16, 32))
   assert b8 < b16 < b32
   assert (b32 - b16) == pytest.approx(2 * (b16 - b8), rel=0.1)  # activations, per example
   # The fixed part holds at least the train state (parameters and Adam's two moments, float32).
@@ -34,7 +34,7 @@ def _fake_step_memory(bytes_of):
   """Stands in for compiling: `bytes_of(batch)` per device; records the batches asked for."""
   asked = []
 
-  def step_memory(config, setup, mesh, batch_size):
+  def step_memory(compile_step, batch_size):
     asked.append(batch_size)
     return memory.StepMemory(batch_size, int(bytes_of(batch_size)))
 
@@ -64,12 +64,12 @@ def test_largest_batch_is_the_last_that_fits(monkeypatch, quantum, curve):
   fake, asked = _fake_step_memory(bytes_of)
   monkeypatch.setattr(memory, "step_memory", fake)
   limit = bytes_of(answer) + 1
-  batch, measured = memory.largest_batch(None, None, None, limit, quantum)
+  batch, measured = memory.largest_batch(None, limit, quantum)
   assert batch == answer // quantum * quantum  # the largest multiple of quantum that fits
   assert all(b % quantum == 0 for b in asked) and len(asked) <= most_compiles  # a handful of compiles
   assert bytes_of(batch + quantum) > limit
   with pytest.raises(ConfigError, match=f"Even a batch of {quantum} needs"):
-    memory.largest_batch(None, None, None, limit_bytes=1000, quantum=quantum)
+    memory.largest_batch(None, limit_bytes=1000, quantum=quantum)
 
 
 def _compiler_with_memory(monkeypatch, bytes_of, device_bytes, flops_of=None):
@@ -102,7 +102,7 @@ def test_a_batch_the_compiler_refuses_does_not_fit(monkeypatch, tiny_setup, quan
   limit = bytes_of(300) + 1  # memory_fraction's share of the chip
   hbm = bytes_of(310)
   asked = _compiler_with_memory(monkeypatch, bytes_of, hbm)
-  batch, measured = memory.largest_batch(config, setup, mesh, limit, quantum)
+  batch, measured = memory.largest_batch(train.step_compiler(config, setup, mesh), limit, quantum)
   assert batch == 300 // quantum * quantum
   assert any(m.bytes_per_device is None for m in measured)  # the search went past the chip
   assert len(asked) <= 16 and all(b % quantum == 0 for b in asked)
@@ -110,12 +110,12 @@ def test_a_batch_the_compiler_refuses_does_not_fit(monkeypatch, tiny_setup, quan
   # 4 x quantum refused outright: no line to extrapolate, the answer bisected below it.
   small = lambda b: 50_000 + 1_000 * b  # noqa: E731
   _compiler_with_memory(monkeypatch, small, device_bytes=small(4 * quantum) - 1)
-  batch, measured = memory.largest_batch(config, setup, mesh, small(3 * quantum) + 1, quantum)
+  batch, measured = memory.largest_batch(train.step_compiler(config, setup, mesh), small(3 * quantum) + 1, quantum)
   assert batch == 3 * quantum and measured[1].batch_size == 4 * quantum and measured[1].bytes_per_device is None
   # Not even one quantum compiles: the message says so instead of showing the compiler's error.
   _compiler_with_memory(monkeypatch, small, device_bytes=small(quantum) - 1)
   with pytest.raises(ConfigError, match=f"Even a batch of {quantum} needs more than a device's memory"):
-    memory.largest_batch(config, setup, mesh, small(quantum), quantum)
+    memory.largest_batch(train.step_compiler(config, setup, mesh), small(quantum), quantum)
 
 
 @pytest.mark.parametrize("quantum", [1, 8])
@@ -127,12 +127,12 @@ def test_a_batch_fitted_by_recomputing_does_not_fit(monkeypatch, tiny_setup, qua
   bytes_of = lambda b: 50_000 + 1_000 * min(b, 200) + 10 * max(0, b - 200)  # noqa: E731
   flops_of = lambda b: (1e6 + 1e4 * b) * (1.2 if b > 200 else 1.0)  # noqa: E731
   asked = _compiler_with_memory(monkeypatch, bytes_of, device_bytes=bytes_of(5000), flops_of=flops_of)
-  batch, measured = memory.largest_batch(config, setup, mesh, bytes_of(2000), quantum)
+  batch, measured = memory.largest_batch(train.step_compiler(config, setup, mesh), bytes_of(2000), quantum)
   assert batch == 200
   assert len(asked) <= 14 and all(b % quantum == 0 for b in asked)
   # The same step without recomputation (flops linear in the batch) goes on to 2,000.
   _compiler_with_memory(monkeypatch, bytes_of, device_bytes=bytes_of(5000), flops_of=lambda b: 1e6 + 1e4 * b)
-  assert memory.largest_batch(config, setup, mesh, bytes_of(2000), quantum)[0] == 2000
+  assert memory.largest_batch(train.step_compiler(config, setup, mesh), bytes_of(2000), quantum)[0] == 2000
 
 
 def test_other_compile_errors_are_not_taken_for_memory(monkeypatch, tiny_setup):
@@ -143,7 +143,7 @@ def test_other_compile_errors_are_not_taken_for_memory(monkeypatch, tiny_setup):
 
   monkeypatch.setattr(train, "compile_train_step", broken)
   with pytest.raises(RuntimeError, match="INVALID_ARGUMENT"):
-    memory.step_memory(config, setup, mesh, 8)
+    memory.step_memory(train.step_compiler(config, setup, mesh), 8)
 
 
 def test_batch_size_minus_one_resolves_before_training(monkeypatch):

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import REPO, tiny_config
 from electra_jax import config_lib, models, objectives, train
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 
 
 def _init(config, batch=2, seq=12, n_pred=3):

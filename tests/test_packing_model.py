@@ -11,7 +11,7 @@ import pytest
 
 from conftest import tiny_config
 from electra_jax import config_lib, models
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 
 
 def test_segment_positions_restart_at_each_example():

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.data import get_batch, load_pretraining_data, load_tokenizer, pipeline, prepare_data
 from electra_jax.data.packing import assemble_rows, example_lengths, plan_rows
-from electra_jax.data.prepared import PreparedData
+from electra_jax.data.pipeline import PreparedData
 
 PAD = 0
 PACKED_KEYS = {"input_ids", "token_type_ids", "attention_mask", "segment_ids", "position_ids"}

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from electra_jax import plots, tensorboard_log, workdir_files
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 
 
 def write_log(workdir, name, records):

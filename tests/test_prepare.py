@@ -20,7 +20,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.data import (
     Prefetcher,
     SentencePieceTokenizer,
@@ -31,7 +31,7 @@ from electra_jax.data import (
     prepare_data,
     train_tokenizer,
 )
-from electra_jax.data.prepared import PreparedData, ShardedRows
+from electra_jax.data.pipeline import PreparedData, ShardedRows
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

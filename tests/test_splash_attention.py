@@ -12,7 +12,7 @@ import pytest
 
 from conftest import cli_args, run_cli, tiny_config
 from electra_jax import models, objectives, splash_attention
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 
 SEQ = 128  # the kernel's tile: sequence lengths are multiples of 128
 

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.data import tfds_source
 from electra_jax.data.tokenizer import SPECIAL_TOKENS, SentencePieceTokenizer, train_sentencepiece
 from electra_jax.data.wordpiece import WordPieceTokenizer

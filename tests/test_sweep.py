@@ -17,7 +17,7 @@ import pytest
 
 from conftest import REPO, run_cli, tiny_config
 from electra_jax import flops, sweep, train
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from test_plots import assert_events_match_jsonl, png_size
 
 WORDS = [f"w{i}" for i in range(30)]

@@ -8,7 +8,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.data import load_pretraining_data, prepare_data, train_tokenizer
 from electra_jax.data.sources import SourceStats
 from electra_jax.data.tfds_source import TfdsCorpus, import_tfds

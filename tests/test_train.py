@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 import pytest
 
 from conftest import REPO, cli_args, run_cli, tiny_config

@@ -9,7 +9,7 @@ import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from electra_jax import checkpointing, config_lib, workdir_files
+from electra_jax import checkpointing, config_lib, errors, workdir_files
 
 
 class FakeBucket(MemoryFileSystem):
@@ -90,7 +90,7 @@ def test_config_and_checkpoint_directory_in_a_bucket(bucket):
   workdir_files.makedirs(workdir_files.path("gs://b/run"))
   workdir_files.write_text(workdir_files.path("gs://b/run", "config.json"), json.dumps({"train": {"steps": 7}}))
   assert config_lib.load_workdir_config("gs://b/run").train.steps == 7
-  with pytest.raises(config_lib.ConfigError, match="gs://b/other has no config.json"):
+  with pytest.raises(errors.ConfigError, match="gs://b/other has no config.json"):
     config_lib.load_workdir_config("gs://b/other")
   # Orbax gets the bucket path itself, not /cwd/gs:/b/run/... (it needs google-cloud-storage
   # for buckets, which this machine lacks, so the manager itself is not built here).
@@ -103,14 +103,14 @@ def test_our_json_files_damaged_are_refused_naming_the_file(tmp_path):
   config = tmp_path / "config.json"
   for text in ('{"model": {"hidden_size": 32', "[1, 2]", '{"model": 3, "train": {}, "data": {}}'):
     config.write_text(text)
-    with pytest.raises(config_lib.ConfigError, match=f"{config} is not as electra-jax writes it"):
+    with pytest.raises(errors.ConfigError, match=f"{config} is not as electra-jax writes it"):
       config_lib.saved_config(str(tmp_path))
   config.write_text(json.dumps({"model": {}, "train": {"steps": 7}, "data": {}}))
   assert config_lib.saved_config(str(tmp_path))["train"]["steps"] == 7  # completed with the defaults
   record = tmp_path / sweep.SWEEP_FILE
   for text in ("{", '{"runs": [{"name": "a"}]}', '{"runs": 5}'):
     record.write_text(text)
-    with pytest.raises(config_lib.ConfigError, match=f"{record} is not as electra-jax writes it"):
+    with pytest.raises(errors.ConfigError, match=f"{record} is not as electra-jax writes it"):
       sweep.read_record(str(tmp_path))
   record.write_text(json.dumps({"runs": [{"name": "a", "overrides": [["k", "1"]]}]}))
   assert sweep.read_record(str(tmp_path))["runs"][0].overrides == [("k", "1")]

@@ -6,7 +6,7 @@ exported for tools and tests.
 
 Sources (data.source): builtin, text, jsonl, tfds (sources.py, tfds_source.py) are read,
 tokenized and packed in memory on first use and cached (pipeline.py), or offline into shards
-by prepare_data (prepare.py); "prepared" trains on those shards, memory-mapped (prepared.py).
+by prepare_data (prepare.py); "prepared" trains on those shards, memory-mapped (pipeline.py).
 """
 
 from electra_jax.data.corpus import builtin_corpus_fingerprint, builtin_documents

@@ -13,7 +13,7 @@ import os
 import sysconfig
 from collections.abc import Iterator
 
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 
 # Directories whose docstrings are not representative prose (test suites, vendored code,
 # demos) or are not part of the stdlib proper.

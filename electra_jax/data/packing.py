@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 
 # Smallest max_seq_len that leaves room for [CLS], [SEP], [SEP] and some text; it is also
 # the lower end of the random short target lengths.

@@ -39,30 +39,26 @@ import time
 import numpy as np
 from absl import logging
 
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.data import corpus, pipeline, sources
 from electra_jax.data.packing import example_lengths, pack_documents
+from electra_jax.data.pipeline import (
+    MANIFEST,
+    PREPARED_FORMAT_VERSION,
+    SPM_MODEL,
+    lengths_file,
+    read_manifest,
+    shard_file,
+)
 from electra_jax.data.tokenizer import (
     TRAINING_THREADS, NoSentencesError, SentencePieceTokenizer, atomic_write_bytes, train_sentencepiece,
 )
 from electra_jax.data.wordpiece import WordPieceTokenizer
 
-# Bump when the shard layout or the manifest's meaning changes.
-PREPARED_FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-SPM_MODEL = "spm.model"
 SPLITS = pipeline.SPLITS
 
 _LOG_EVERY_S = 10.0
 _MANIFEST_EVERY_S = 2.0
-
-
-def shard_file(split: str, index: int) -> str:
-  return f"{split}-{index:05d}.npy"
-
-
-def lengths_file(split: str, index: int) -> str:
-  return f"{split}-{index:05d}.lengths.npy"
 
 
 def _default_workers() -> int:
@@ -333,20 +329,6 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
 
 
 # ---------------------------------------------------------------- manifest
-
-
-def read_manifest(out_dir: str) -> dict | None:
-  path = os.path.join(out_dir, MANIFEST)
-  if not os.path.exists(path):
-    return None
-  try:
-    with open(path, "rb") as f:
-      return json.loads(f.read())
-  except ValueError as e:
-    raise ConfigError(
-        f"{path} is not valid JSON ({e}); it was not written by prepare_data. Delete "
-        f"{out_dir} (or choose another data.prepared_dir) and prepare again."
-    ) from e
 
 
 def _write_manifest(out_dir: str, manifest: dict) -> None:

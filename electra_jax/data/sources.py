@@ -15,7 +15,7 @@ import os
 
 from absl import logging
 
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 
 FILE_SOURCES = ("text", "jsonl")
 

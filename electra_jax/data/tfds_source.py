@@ -11,7 +11,7 @@ import functools
 import importlib
 import os
 
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.data.sources import SourceStats, decode_utf8, split_text
 
 # Records are fetched in blocks: one `__getitems__` call reads many records at a time.

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import sentencepiece as spm
 
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(len(SPECIAL_TOKENS))

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.data.tokenizer import SPECIAL_TOKENS
 
 # As BERT's: longer "words" (usually junk such as URLs or base64) become one [UNK].

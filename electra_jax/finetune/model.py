@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from electra_jax import checkpointing, config_lib, data, partitioning, random_ops, train
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.models import Encoder, EncoderConfig, build_model, embeddings_for, tower_from_pretrainer
 
 # How the classifier reduces the final hidden states to one vector per example (head.pooling).

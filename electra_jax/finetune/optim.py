@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.train import scale_by_adam_without_bias_correction
 
 LAYERWISE_RULES = ("correct", "official")

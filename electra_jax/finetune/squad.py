@@ -32,9 +32,10 @@ import numpy as np
 import optax
 from absl import logging
 
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.data import tfds_source
 from electra_jax.data.tokenizer import atomic_write_bytes
+from electra_jax.finetune import tasks
 from electra_jax.finetune.model import head_kernel_init
 from electra_jax.models import Encoder, EncoderConfig, embeddings_for
 
@@ -851,8 +852,6 @@ def make_adapter(config, backbone):
   """The trainer's TaskAdapter for SQuAD (see electra_jax/finetune/trainer.py): features for
   train and dev, SquadModel, the per-row span loss, dev EM/F1 after each epoch ("score" =
   F1, all as fractions), and the dev predictions in the official JSON at the end."""
-  from electra_jax.finetune.trainer import TaskAdapter  # the trainer imports this module lazily
-
   settings = squad_settings(config)
   version, tokenizer = settings.version, backbone.tokenizer
   train_examples, dev_examples = load_squad(config, version)
@@ -910,4 +909,4 @@ def make_adapter(config, backbone):
       write_predictions(paths[0], predictions)
     return paths
 
-  return TaskAdapter(f"squad{version}", model, train_features, loss_fn, evaluate, write_test)
+  return tasks.TaskAdapter(f"squad{version}", model, train_features, loss_fn, evaluate, write_test)

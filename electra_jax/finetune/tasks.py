@@ -11,12 +11,13 @@ import json
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from absl import logging
 
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.data import tfds_source
 from electra_jax.data.tokenizer import atomic_write_bytes
 from electra_jax.finetune import metrics as metrics_lib
@@ -26,6 +27,23 @@ from electra_jax.finetune import metrics as metrics_lib
 csv.field_size_limit(sys.maxsize)
 
 KINDS = ("classification", "regression", "span")
+
+
+@dataclasses.dataclass
+class TaskAdapter:
+  """What the loop needs from a task. Features are numpy arrays with a leading example axis,
+  holding at least the trainer's MODEL_INPUTS; `model.apply` takes them in that order."""
+
+  name: str
+  model: Any  # a flax.linen.Module
+  train_features: dict[str, np.ndarray]
+  # (model outputs, batch) -> per-example losses [batch]; the loop averages over real rows.
+  loss_fn: Callable[[Any, dict], Any]
+  # predict(features) -> model outputs as numpy [n, ...] -> {eval name: {metric: value}},
+  # each with a "score" (keep_epoch="best" keeps the epoch with the best mean score over eval sets).
+  evaluate: Callable[[Callable[[dict], np.ndarray]], dict[str, dict[str, float]]]
+  # (predict, directory) -> paths of the test-set prediction files written there.
+  write_test: Callable[[Callable[[dict], np.ndarray], str], list[str]]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,21 +3,18 @@ its epochs, evaluate on dev after each epoch and keep the last epoch's checkpoin
 config.keep_epoch="best", the best one's), then write the metrics, test-set predictions and a
 results table (mean, median and best over seeds).
 
-The loop is task-agnostic: a `TaskAdapter` supplies the model, the features, the loss and the
+The loop is task-agnostic: a `tasks.TaskAdapter` supplies the model, the features, the loss and the
 evaluation. Classification and regression adapters are built here; span tasks (SQuAD) build
-theirs in squad.py as `make_adapter(config, backbone) -> TaskAdapter`."""
+theirs in squad.py as `make_adapter(config, backbone) -> tasks.TaskAdapter`."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import importlib
 import json
 import math
 import os
 import shutil
 import time
-from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -28,11 +25,11 @@ import optax
 from absl import logging
 
 from electra_jax import checkpointing, config_lib, workdir_files, workdir_lease
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.data.tokenizer import atomic_write_bytes
 from electra_jax.finetune import metrics as metrics_lib
 from electra_jax.finetune import model as model_lib
-from electra_jax.finetune import optim, tasks
+from electra_jax.finetune import optim, squad, tasks
 
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
 # Official defaults for epochs by task when config.epochs = 0.
@@ -47,27 +44,10 @@ _NOT_SEED_KEYS = ("seed", "num_seeds", "log_every")
 _ADDED_KEYS = {"min_steps": 0, "head": {"pooling": "cls"}}
 
 
-@dataclasses.dataclass
-class TaskAdapter:
-  """What the loop needs from a task. Features are numpy arrays with a leading example axis,
-  holding at least MODEL_INPUTS; `model.apply` takes MODEL_INPUTS in that order."""
-
-  name: str
-  model: nn.Module
-  train_features: dict[str, np.ndarray]
-  # (model outputs, batch) -> per-example losses [batch]; the loop averages over real rows.
-  loss_fn: Callable[[jax.Array, dict], jax.Array]
-  # predict(features) -> model outputs as numpy [n, ...] -> {eval name: {metric: value}},
-  # each with a "score" (keep_epoch="best" keeps the epoch with the best mean score over eval sets).
-  evaluate: Callable[[Callable[[dict], np.ndarray]], dict[str, dict[str, float]]]
-  # (predict, directory) -> paths of the test-set prediction files written there.
-  write_test: Callable[[Callable[[dict], np.ndarray], str], list[str]]
-
-
 # ---------------------------------------------------------------------------------------
 # Classification and regression
 # ---------------------------------------------------------------------------------------
-def classification_adapter(config, data: tasks.TaskData, backbone: model_lib.Backbone) -> TaskAdapter:
+def classification_adapter(config, data: tasks.TaskData, backbone: model_lib.Backbone) -> tasks.TaskAdapter:
   tokenizer, seq_len = backbone.tokenizer, config.max_seq_len
   encode = lambda examples: tasks.encode_examples(examples, tokenizer, seq_len, data)
   start = time.time()
@@ -106,15 +86,11 @@ def classification_adapter(config, data: tasks.TaskData, backbone: model_lib.Bac
       paths.append(tasks.write_predictions(os.path.join(directory, f"{name}.tsv"), features["index"], strings))
     return paths
 
-  return TaskAdapter(data.name, model, train_features, loss_fn, evaluate, write_test)
+  return tasks.TaskAdapter(data.name, model, train_features, loss_fn, evaluate, write_test)
 
 
-def make_adapter(config, backbone: model_lib.Backbone) -> TaskAdapter:
+def make_adapter(config, backbone: model_lib.Backbone) -> tasks.TaskAdapter:
   if str(config.task).lower().startswith("squad"):
-    try:
-      squad = importlib.import_module("electra_jax.finetune.squad")
-    except ImportError as error:
-      raise ConfigError(f"config.task={config.task!r} needs electra_jax.finetune.squad ({error}).") from error
     return squad.make_adapter(config, backbone)
   return classification_adapter(config, tasks.load_task(config), backbone)
 
@@ -141,7 +117,7 @@ def batches(features: dict[str, np.ndarray], batch_size: int, order: np.ndarray 
     yield batch, real
 
 
-def _make_steps(adapter: TaskAdapter, tx):
+def _make_steps(adapter: tasks.TaskAdapter, tx):
   model = adapter.model
 
   def apply(params, batch, deterministic, rng=None):

@@ -9,7 +9,7 @@ import jax
 import ml_collections
 
 from electra_jax import config_lib, data, models, partitioning, train, workdir_files
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.data.wordpiece import WordPieceTokenizer
 from electra_jax.interop.hf import check_hf_form, save_hf
 

@@ -15,7 +15,7 @@ import numpy as np
 import safetensors.numpy
 
 from electra_jax import models
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.interop.weight_files import read_hf_weights
 
 # The transformers classes we read and write, and what each is here.

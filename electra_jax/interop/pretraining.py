@@ -24,7 +24,7 @@ import numpy as np
 from absl import logging
 
 from electra_jax import checkpointing, config_lib, data, models, partitioning, train, workdir_files
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.interop import hf, tf_checkpoint
 
 EMBEDDINGS_CHOICES = ("discriminator", "generator")

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from electra_jax import models
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 from electra_jax.interop import hf
 
 _TABLE_MAGIC = 0xDB4775248B80FB57

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import safetensors
 
-from electra_jax.config_lib import ConfigError
+from electra_jax.errors import ConfigError
 
 
 def _read_safetensors(path: str) -> dict[str, np.ndarray]:
