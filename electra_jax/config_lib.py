@@ -297,48 +297,16 @@ def validate(config: ml_collections.ConfigDict) -> None:
         "in [0, 1] (the share of train.steps over which the temperature falls from "
         "objective.initial_temperature to objective.temperature; 0 = no schedule)."
     )
-  from electra_jax import models, objectives  # noqa: PLC0415 (they import this module)
+  from electra_jax import models, objectives  # noqa: PLC0415 (keeps recipes' imports light)
 
-  name = config.objective.get("name", "electra")
-  disc_mlm_weight = config.objective.disc_mlm_weight
-  if not (math.isfinite(disc_mlm_weight) and disc_mlm_weight >= 0):
-    raise ConfigError(f"objective.disc_mlm_weight={disc_mlm_weight} must be finite and >= 0 (0 = off).")
-  if disc_mlm_weight > 0 and name not in ("electra", "electra_15"):
-    raise ConfigError(
-        f"objective.disc_mlm_weight={disc_mlm_weight} adds an MLM loss to the discriminator of "
-        f"objective.name 'electra' or 'electra_15', not {name!r}: set it to 0 or change the objective."
-    )
-  if name not in objectives.OBJECTIVES:
-    planned = " It is planned (issue 7) but not built yet." if name in objectives.PLANNED_OBJECTIVES else ""
-    raise ConfigError(f"objective.name={name!r} is not one of {list(objectives.OBJECTIVES)}.{planned}")
   if m.get("tie", "embeddings") not in models.TIE_MODES:
     raise ConfigError(f"model.tie={m.tie!r} is not one of {list(models.TIE_MODES)}.")
-  if name == "two_stage" and (m.generator_fraction != 1.0 or m.get("tie") == "all"):
-    raise ConfigError(
-        "objective.name='two_stage' starts the discriminator from the generator's weights, so the "
-        f"towers must be the same size and separate: model.generator_fraction=1.0 (is "
-        f"{m.generator_fraction}) and model.tie other than 'all' (is {m.get('tie')!r})."
-    )
-  if name == "two_stage" and m.get("tie") == "none":
-    raise ConfigError(
-        "objective.name='two_stage' starts the discriminator from the generator's weights, but with "
-        "model.tie='none' the generator's embeddings are its own, so the discriminator would enter "
-        "its stage with embeddings nothing trained (and an input projection the generator lacks "
-        "when model.embedding_size differs from hidden_size): use model.tie='embeddings' (the "
-        "paper's) or 'gdes'."
-    )
-  if name in ("electric", "mlm", "uniform") and m.get("tie") == "all":
-    raise ConfigError(
-        f"objective.name={name!r} has no generator tower to share an encoder with; use "
-        "model.tie='embeddings' (or 'none', 'gdes')."
-    )
+  objectives.check_config(config)
   if m.get("tie") == "all" and m.generator_fraction != 1.0:
     raise ConfigError(
         f"model.tie='all' runs one encoder for both towers, so they must be the same size, but "
         f"model.generator_fraction={m.generator_fraction}: set it to 1.0."
     )
-  if name == "electric" and config.data.get("pack_rows", False):
-    raise ConfigError(models.ELECTRIC_UNPACKED)
   check_finite(config)  # after the checks above, whose messages say more where they apply
   # The model's own refusals (attention implementation, remat policy, cuDNN's shapes): it is
   # only described here, nothing is initialized.

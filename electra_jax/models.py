@@ -33,11 +33,6 @@ NORMS = ("post", "pre")
 # dense(H->2I) split into (gate, value), gelu(gate) * value, then dense(I->H).
 FFNS = ("gelu", "geglu")
 
-# Said by config_lib.validate (before any data) and by the model itself.
-ELECTRIC_UNPACKED = (
-    "Electric's cloze generator reads across the row's ends, so it cannot train on packed rows: "
-    "set data.pack_rows=False for objective.name='electric'."
-)
 
 
 def segment_positions(segment_ids):
@@ -709,8 +704,6 @@ class ElectraPretrainer(nn.Module):
     return segment_attention_mask(attention_mask), segment_positions(attention_mask)
 
   def setup(self):
-    if self.packed and self.cloze_generator:
-      raise ConfigError(ELECTRIC_UNPACKED)
     if self.tie not in TIE_MODES:
       raise ConfigError(f"model.tie={self.tie!r} is not one of {list(TIE_MODES)}.")
     self.embeddings = self._embeddings(self.embedding_size)
@@ -915,8 +908,8 @@ def build_model(config) -> ElectraPretrainer:
       dtype=jnp.dtype(config.train.dtype),
       attention_impl=m.attention_impl,
       tie=m.get("tie", "embeddings"),  # absent from workdirs written before it existed
-      has_generator=objective not in objectives.WITHOUT_GENERATOR,
-      discriminator_mlm_head=objective in objectives.MLM_FAMILY or config.objective.disc_mlm_weight > 0,
+      has_generator=objectives.REGISTRY[objective].has_generator,
+      discriminator_mlm_head=objectives.REGISTRY[objective].mlm_head or config.objective.disc_mlm_weight > 0,
       cloze_generator=objective == "electric",
       packed=bool(config.data.get("pack_rows", False)),
   )

@@ -5,6 +5,7 @@ the model enters only through `ElectraPretrainer.apply`."""
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -14,54 +15,10 @@ from electra_jax import random_ops
 from electra_jax.errors import ConfigError
 
 
-# objective.name: what the generator/replacements are and where the discriminator's loss goes.
-#   electra     replaced-token detection with a generator, L_Disc on every token (the default)
-#   electra_15  the same, but L_Disc only on the masked positions (the paper's "ELECTRA 15%")
-#   uniform     replacements drawn uniformly from the vocabulary; no generator runs
-#   mlm             BERT: the discriminator-sized tower with an MLM head, 80/10/10 masking, no
-#                   generator (the loss is its L_MLM)
-#   replace_mlm     the generator's samples replace the masked tokens (no [MASK]); the tower
-#                   predicts the originals there (loss gen_weight * L_MLM(gen) + L_MLM(tower))
-#   all_tokens_mlm  as replace_mlm but the tower predicts every token, with the paper's copy
-#                   mechanism (loss gen_weight * L_MLM(gen) + L_AllTokens(tower))
-#   two_stage       the paper's two-stage training: L_MLM alone until objective.two_stage_switch,
-#                   then the discriminator starts from a copy of the generator's encoder and
-#                   trains on L_Disc alone while the generator stays frozen (generator_fraction 1)
-#   adversarial     the paper's adversarial generator: trained with REINFORCE to maximize the
-#                   discriminator's loss at the masked positions (reward = that per-token loss,
-#                   baseline = the example's mean reward), plus adversarial_mlm_weight * L_MLM
-#   electric        the official electric_objective: a two-tower cloze generator over the
-#                   unmasked input (loss: its cloze CE at every maskable token) whose samples
-#                   replace the masked tokens; every masked slot is labelled replaced, and the
-#                   discriminator's logit gets + log q(token) + log(mask_prob / (1 - mask_prob))
-OBJECTIVES = (
-    "electra", "electra_15", "uniform", "mlm", "replace_mlm", "all_tokens_mlm", "two_stage", "adversarial",
-    "electric",
+ELECTRIC_UNPACKED = (
+    "Electric's cloze generator reads across the row's ends, so it cannot train on packed rows: "
+    "set data.pack_rows=False for objective.name='electric'."
 )
-MLM_FAMILY = ("mlm", "replace_mlm", "all_tokens_mlm")  # the discriminator tower has an MLM head
-WITHOUT_GENERATOR = ("mlm", "uniform")
-
-
-def ignored_keys(name: str) -> tuple[str, ...]:
-  """Config keys objective `name` never reads: changing one leaves the trained program and
-  the parameters as they are (tests/test_objectives.py traces each), so a sweep trains runs
-  that differ only there once."""
-  keys = []
-  if name in WITHOUT_GENERATOR:  # no generator tower, so no width (model.tie=gdes still adds a delta)
-    keys.append("model.generator_fraction")
-  if name == "mlm":  # BERT's fixed 80/10/10 masking and one loss, nothing sampled
-    keys += ["objective.temperature", "objective.initial_temperature", "objective.temperature_decay_fraction",
-             "objective.disallow_correct", "objective.gen_weight", "objective.disc_weight",
-             "objective.keep_original_prob"]
-  if name != "two_stage":
-    keys.append("objective.two_stage_switch")
-  if name != "adversarial":
-    keys.append("objective.adversarial_mlm_weight")
-  return tuple(keys)
-
-
-# In the paper's ablations but not built yet; refused by name rather than silently replaced.
-PLANNED_OBJECTIVES = ()
 # BERT's masking for objective "mlm": of the chosen positions 80% [MASK], 10% a random token,
 # 10% kept.
 _BERT_KEEP_PROB, _BERT_RANDOM_PROB = 0.1, 0.1
@@ -114,12 +71,12 @@ class ElectraObjective:
 
   @property
   def uses_generator(self) -> bool:
-    return self.name not in WITHOUT_GENERATOR
+    return REGISTRY[self.name].has_generator
 
   @property
   def samples(self) -> bool:
     """Whether replacements are sampled at a temperature (all but BERT's mlm)."""
-    return self.name != "mlm"
+    return REGISTRY[self.name].samples
 
 
 def sampling_temperature(objective: ElectraObjective, step):
@@ -363,81 +320,77 @@ def in_second_stage(objective: ElectraObjective, step):
   return step >= objective.switch_step if objective.name == "two_stage" else None
 
 
-def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dropout_rng,
-                    objective: ElectraObjective, normalizers: Normalizers, deterministic: bool = False,
-                    second_stage=None, temperature=None):
-  """Generator -> sample -> discriminator on one (micro-)batch whose masking is already drawn.
+# ---------------------------------------------------------------------------------------
+# The forward pass: shared pieces, then one function per objective (REGISTRY below)
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Pass:
+  """What every objective's forward reads: the model bound to its parameters, one
+  (micro-)batch with its drawn masking, and the `stats` it adds its counts to."""
 
-  `sample_keys` [batch] are the per-example sampling keys (see sample_tokens), `temperature`
-  the sampling temperature (sampling_temperature of the step; None: objective.temperature,
-  the final one, which held-out evaluation uses). Returns
-  (loss, (stats, per_token)): for the RTD objectives loss = gen_weight * L_MLM + disc_weight *
-  L_Disc with the sums divided by `normalizers`; for the MLM family see OBJECTIVES. stats holds
-  additive counts and per_token the arrays `summarize` needs for the AUCs (replaced_prob: the
-  generator's probability at temperature 1 of its sample at each used masked position, 0
-  elsewhere). For two_stage,
-  `second_stage` (a traced bool) picks the loss: gen_weight * L_MLM before, disc_weight *
-  L_Disc from the switch on (both are always computed, for the metrics).
-  """
-  gen_dropout_rng, disc_dropout_rng = jax.random.split(dropout_rng)
-  input_ids, token_type_ids, attention_mask = batch["input_ids"], batch["token_type_ids"], batch["attention_mask"]
-  token_weights = attention_mask.astype(jnp.float32)
-  # Packed rows (data.pack_rows) carry segment ids, which the model (built with packed=True)
-  # reads in place of the padding mask; losses and masking still weigh real tokens only.
-  model_mask = batch.get("segment_ids", attention_mask)
-  apply = functools.partial(model.apply, {"params": params})
-  zero = jnp.zeros((), jnp.float32)
-  stats = dict.fromkeys(_STAT_KEYS, zero)
-  stats.update(num_predictions=masked.weights.sum(), num_tokens=token_weights.sum())
-  main_loss = zero
+  model: object
+  apply: Callable
+  batch: dict
+  masked: MaskedInputs
+  sample_keys: jax.Array
+  gen_rng: jax.Array
+  disc_rng: jax.Array
+  objective: ElectraObjective
+  normalizers: Normalizers
+  deterministic: bool
+  second_stage: object
+  temperature: object
+  stats: dict
 
-  if objective.name == "mlm":
-    # BERT: the discriminator-sized tower predicts the originals of its [MASK]ed input.
-    _, mlm_logits = apply(
-        masked.input_ids, token_type_ids, model_mask, masked.positions, deterministic,
-        method=model.discriminator_mlm_logits, rngs={"dropout": disc_dropout_rng},
-    )
-    mlm_logits = _vocabulary_only(mlm_logits, objective.vocab_size)
-    mlm_loss_sum, mlm_correct = _mlm_sums(mlm_logits, masked.target_ids, masked.weights)
-    stats.update(mlm_loss_sum=mlm_loss_sum, mlm_correct=mlm_correct)
-    loss = mlm_loss_sum / normalizers.num_predictions
-    per_token = {"disc_logits": jnp.zeros_like(token_weights), "is_replaced": jnp.zeros_like(attention_mask, bool),
-                 "token_weights": token_weights, "replaced_prob": jnp.zeros_like(token_weights)}
-    return loss, (stats, per_token)
+  @property
+  def token_weights(self):
+    return self.batch["attention_mask"].astype(jnp.float32)
 
-  cloze_logits = None
-  if objective.name == "electric":
-    # The cloze model reads the unmasked input and predicts every token from both sides.
-    cloze_logits = apply(
-        input_ids, token_type_ids, model_mask, deterministic,
-        method=model.cloze_logits, rngs={"dropout": gen_dropout_rng},
-    )  # [batch, seq, vocab]
-    cloze_logits = _vocabulary_only(cloze_logits, objective.vocab_size)
-    candidates = candidate_mask(input_ids, attention_mask, objective).astype(jnp.float32)
-    cloze_loss_sum, _ = _mlm_sums(cloze_logits, input_ids, candidates)
-    stats.update(main_loss_sum=cloze_loss_sum, main_count=candidates.sum())
-    gen_logits = jnp.take_along_axis(cloze_logits, masked.positions[..., None], axis=1)
-  elif objective.uses_generator:
-    gen_logits = apply(
-        masked.input_ids, token_type_ids, model_mask, masked.positions, deterministic,
-        method=model.generator_logits, rngs={"dropout": gen_dropout_rng},
-    )  # [batch, n_pred, vocab] float32
-    gen_logits = _vocabulary_only(gen_logits, objective.vocab_size)
+  @property
+  def model_mask(self):
+    # Packed rows (data.pack_rows) carry segment ids, which the model (built with packed=True)
+    # reads in place of the padding mask; losses and masking still weigh real tokens only.
+    return self.batch.get("segment_ids", self.batch["attention_mask"])
+
+  def tower(self, method, ids, *args, rng):
+    return self.apply(ids, self.batch["token_type_ids"], self.model_mask, *args, self.deterministic,
+                      method=method, rngs={"dropout": rng})
+
+
+class _Sampled(NamedTuple):
+  """The generator's step: its logits at the masked slots, its samples and the corrupted input."""
+
+  gen_logits: jax.Array  # [batch, n_pred, vocab]
+  sampled_ids: jax.Array  # [batch, n_pred]
+  corrupted_ids: jax.Array  # [batch, seq]
+  is_replaced: jax.Array  # [batch, seq] bool
+  replaced_prob: jax.Array  # [batch, seq]: the generator's probability (T=1) of what it put in
+  mlm_loss_sum: jax.Array
+  gen_loss: jax.Array  # gen_weight * L_MLM
+
+
+def _generator_logits(p: _Pass):
+  """[batch, n_pred, vocab]: the generator tower at the masked slots, or, without one (as the
+  official uniform_generator), all-zero logits: uniform samples and a constant L_MLM."""
+  if p.objective.uses_generator:
+    logits = p.tower(p.model.generator_logits, p.masked.input_ids, p.masked.positions, rng=p.gen_rng)
   else:
-    # As the official uniform_generator: all-zero logits, so samples are uniform over the
-    # vocabulary and L_MLM is the constant log(vocab), which trains nothing.
     # Zeros made from the batch (weights * 0 is not folded, as 0 * NaN would not be 0): a
     # constant [batch, n_pred, vocab] array would make XLA fold the losses and sampling over
     # it at compile time, for seconds to minutes.
-    zeros = (masked.weights * 0.0)[..., None]
-    gen_logits = jnp.broadcast_to(zeros, (*masked.positions.shape, model.vocab_size))
-    gen_logits = _vocabulary_only(gen_logits, objective.vocab_size)
-  mlm_loss_sum, mlm_correct, log_normalizer = _mlm_sums(
-      gen_logits, masked.target_ids, masked.weights, with_log_normalizer=True
-  )
+    zeros = (p.masked.weights * 0.0)[..., None]
+    logits = jnp.broadcast_to(zeros, (*p.masked.positions.shape, p.model.vocab_size))
+  return _vocabulary_only(logits, p.objective.vocab_size)
+
+
+def _sample(p: _Pass, gen_logits) -> _Sampled:
+  """L_MLM of `gen_logits`, their samples at the step's temperature (no gradient) and the
+  corrupted input; the generator's counts go to p.stats."""
+  masked, objective, input_ids = p.masked, p.objective, p.batch["input_ids"]
+  mlm_loss_sum, mlm_correct, log_normalizer = _mlm_sums(gen_logits, masked.target_ids, masked.weights,
+                                                        with_log_normalizer=True)
   disallowed = masked.target_ids if objective.disallow_correct else None
-  temperature = objective.temperature if temperature is None else temperature
-  sampled_ids = sample_tokens(sample_keys, gen_logits, temperature, disallowed)
+  sampled_ids = sample_tokens(p.sample_keys, gen_logits, p.temperature, disallowed)
   corrupted_ids, is_replaced = corrupt(input_ids, masked, sampled_ids)
   # How likely the generator (at temperature 1) found each token it put in: the disc AUCs by
   # difficulty in `summarize`. From the loss's own logsumexp, so no pass over the vocabulary.
@@ -445,117 +398,49 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
       jax.lax.stop_gradient(gen_logits).astype(jnp.float32), sampled_ids[..., None], axis=-1
   )[..., 0]
   sampled_prob = jnp.where(masked.weights > 0, jnp.exp(sampled_logit - log_normalizer), 0.0)
-  replaced_prob = jnp.zeros(attention_mask.shape, jnp.float32).at[_rows(input_ids.shape[0]), masked.positions].set(
+  replaced_prob = jnp.zeros(input_ids.shape, jnp.float32).at[_rows(input_ids.shape[0]), masked.positions].set(
       sampled_prob
   )
-  stats.update(
-      mlm_loss_sum=mlm_loss_sum,
-      mlm_correct=mlm_correct,
-      sampled_correct=((sampled_ids == masked.target_ids) * masked.weights).sum(),
-  )
-  gen_loss = objective.gen_weight * mlm_loss_sum / normalizers.num_predictions
-  if objective.name == "electric":
-    gen_loss = objective.gen_weight * stats["main_loss_sum"] / normalizers.num_candidates
-    # Every masked slot counts as replaced, even where the sample equals the original.
-    is_replaced = masked_position_weights(masked, attention_mask.shape) > 0
+  p.stats.update(mlm_loss_sum=mlm_loss_sum, mlm_correct=mlm_correct,
+                 sampled_correct=((sampled_ids == masked.target_ids) * masked.weights).sum())
+  gen_loss = objective.gen_weight * mlm_loss_sum / p.normalizers.num_predictions
+  return _Sampled(gen_logits, sampled_ids, corrupted_ids, is_replaced, replaced_prob, mlm_loss_sum, gen_loss)
 
-  def replace_mlm():
-    """The discriminator tower on the generator-corrupted input (no [MASK]), predicting the
-    originals at the masked slots: (its replaced-token logits [batch, seq], its MLM loss),
-    the MLM sums added to `stats`. One pass gives both heads."""
-    disc_logits, main_logits = apply(
-        corrupted_ids, token_type_ids, model_mask, masked.positions, deterministic,
-        method=model.discriminator_mlm_logits, rngs={"dropout": disc_dropout_rng},
-    )
-    main_logits = _vocabulary_only(main_logits, objective.vocab_size)
-    main_loss_sum, main_correct = _mlm_sums(main_logits, masked.target_ids, masked.weights)
-    stats.update(main_loss_sum=main_loss_sum, main_correct=main_correct, main_count=masked.weights.sum())
-    return disc_logits, main_loss_sum / normalizers.num_predictions
 
-  if objective.name == "replace_mlm":
-    _, main_loss = replace_mlm()
-  elif objective.name == "all_tokens_mlm":
-    # Predict every token of the corrupted input, with the paper's copy mechanism:
-    # p(x_t) = D_t [x_t = input_t] + (1 - D_t) softmax(MLM)_t(x_t), D_t = sigmoid(copy logit).
-    copy_logits, main_logits = apply(
-        corrupted_ids, token_type_ids, model_mask, None, deterministic,
-        method=model.discriminator_mlm_logits, rngs={"dropout": disc_dropout_rng},
-    )  # [batch, seq], [batch, seq, vocab]
-    main_logits = _vocabulary_only(main_logits, objective.vocab_size)
-    log_softmax = jax.nn.log_softmax(main_logits, axis=-1)
-    log_mlm = jnp.take_along_axis(log_softmax, input_ids[..., None], axis=-1)[..., 0]
-    log_copy, log_no_copy = jax.nn.log_sigmoid(copy_logits), jax.nn.log_sigmoid(-copy_logits)
-    copied = ~is_replaced  # the input token is the original one
-    log_p = jnp.where(copied, jnp.logaddexp(log_copy, log_no_copy + log_mlm), log_no_copy + log_mlm)
-    main_loss_sum = -(log_p * token_weights).sum()
-    p_original = jnp.where(copied, jnp.exp(log_copy), 0.0) + jnp.exp(log_no_copy + log_mlm)
-    # The most probable other token: the best MLM alternative, or the (replaced) input token,
-    # which also gets the copy probability.
-    is_original = jnp.arange(main_logits.shape[-1]) == input_ids[..., None]
-    best_other = jnp.exp(log_no_copy + jnp.max(jnp.where(is_original, -jnp.inf, log_softmax), axis=-1))
-    log_mlm_input = jnp.take_along_axis(log_softmax, corrupted_ids[..., None], axis=-1)[..., 0]
-    p_input = jnp.exp(log_copy) + jnp.exp(log_no_copy + log_mlm_input)
-    best_other = jnp.maximum(best_other, jnp.where(copied, 0.0, p_input))
-    main_correct = ((p_original > best_other) * token_weights).sum()
-    stats.update(main_loss_sum=main_loss_sum, main_correct=main_correct, main_count=token_weights.sum())
-    main_loss = main_loss_sum / normalizers.num_tokens
+def _tower_mlm(p: _Pass, corrupted_ids):
+  """The discriminator tower on the corrupted input (no [MASK]) predicting the originals at the
+  masked slots: (its replaced-token logits [batch, seq], its MLM loss), the sums to p.stats.
+  One pass gives both heads."""
+  disc_logits, main_logits = p.tower(p.model.discriminator_mlm_logits, corrupted_ids, p.masked.positions,
+                                     rng=p.disc_rng)
+  main_logits = _vocabulary_only(main_logits, p.objective.vocab_size)
+  main_loss_sum, main_correct = _mlm_sums(main_logits, p.masked.target_ids, p.masked.weights)
+  p.stats.update(main_loss_sum=main_loss_sum, main_correct=main_correct, main_count=p.masked.weights.sum())
+  return disc_logits, main_loss_sum / p.normalizers.num_predictions
 
-  if objective.name in MLM_FAMILY:
-    per_token = {"disc_logits": jnp.zeros_like(token_weights), "is_replaced": is_replaced,
-                 "token_weights": token_weights, "replaced_prob": replaced_prob}
-    return gen_loss + main_loss, (stats, per_token)
 
-  if objective.disc_mlm_weight > 0:
-    disc_logits, disc_mlm_loss = replace_mlm()
-    main_loss = objective.disc_mlm_weight * disc_mlm_loss
-  else:
-    disc_logits = apply(
-        corrupted_ids, token_type_ids, model_mask, deterministic,
-        method=model.discriminator_logits, rngs={"dropout": disc_dropout_rng},
-    )  # [batch, seq] float32
-  if objective.name == "electric":
-    # The energy-based form: the cloze model's log-probability of the token it sees (no
-    # gradient) plus the log prior odds of a position being masked.
-    log_q = jnp.take_along_axis(jax.nn.log_softmax(cloze_logits, axis=-1), corrupted_ids[..., None], axis=-1)[..., 0]
-    disc_logits = (
-        disc_logits + jax.lax.stop_gradient(log_q)
-        + jnp.log(objective.mask_prob / (1.0 - objective.mask_prob))
-    )
-  if objective.name == "electra_15":
-    # L_Disc (and the disc metrics) only where the generator could have replaced a token.
-    token_weights = masked_position_weights(masked, attention_mask.shape)
-    disc_normalizer = normalizers.num_predictions
-  else:
-    disc_normalizer = normalizers.num_tokens
+def _discriminator_logits(p: _Pass, corrupted_ids):
+  """[batch, seq] replaced-token logits, and the weighted MLM loss of the tower's own head
+  under objective.disc_mlm_weight (None without)."""
+  if p.objective.disc_mlm_weight > 0:
+    disc_logits, disc_mlm_loss = _tower_mlm(p, corrupted_ids)
+    return disc_logits, p.objective.disc_mlm_weight * disc_mlm_loss
+  return p.tower(p.model.discriminator_logits, corrupted_ids, rng=p.disc_rng), None
+
+
+def _per_token(p: _Pass, disc_logits, is_replaced, token_weights, replaced_prob) -> dict:
+  return {"disc_logits": disc_logits, "is_replaced": is_replaced, "token_weights": token_weights,
+          "replaced_prob": replaced_prob}
+
+
+def _detection_loss(p: _Pass, disc_logits, is_replaced, replaced_prob, token_weights=None, normalizer=None):
+  """disc_weight * L_Disc over `token_weights` (all real tokens by default) divided by
+  `normalizer` (num_tokens), its counts to p.stats; returns (loss, per_token)."""
+  token_weights = p.token_weights if token_weights is None else token_weights
+  normalizer = p.normalizers.num_tokens if normalizer is None else normalizer
   disc_loss_sum = (_bce(disc_logits, is_replaced.astype(jnp.float32)) * token_weights).sum()
-  disc_loss = objective.disc_weight * disc_loss_sum / disc_normalizer
-  if objective.name == "two_stage":
-    loss = jnp.where(second_stage, disc_loss, gen_loss)
-  elif objective.name == "adversarial":
-    # REINFORCE: the generator's reward at a masked slot is the discriminator's loss on its
-    # sample there (high when the discriminator is fooled). A slot's baseline is the mean
-    # reward of its example's other slots (0 when it has none): it does not depend on the
-    # slot's own sample, so the estimate stays unbiased (a mean that includes the slot itself
-    # scales its gradient by (n - 1) / n, and gives a one-slot example none), and it does not
-    # depend on how the batch is split over devices or micro-batches.
-    bce_at_slots = jnp.take_along_axis(_bce(disc_logits, is_replaced.astype(jnp.float32)), masked.positions, axis=1)
-    reward = jax.lax.stop_gradient(bce_at_slots)
-    weights = masked.weights
-    slots = weights.sum(-1, keepdims=True)
-    others = (reward * weights).sum(-1, keepdims=True) - reward * weights
-    baseline = jnp.where(slots > 1, others / jnp.maximum(slots - 1, 1.0), 0.0)
-    log_policy = jax.nn.log_softmax(gen_logits / temperature, axis=-1)  # the policy that sampled
-    sample_log_prob = jnp.take_along_axis(log_policy, sampled_ids[..., None], axis=-1)[..., 0]
-    reinforce = -((reward - baseline) * sample_log_prob * weights).sum() / normalizers.num_predictions
-    mlm = objective.adversarial_mlm_weight * mlm_loss_sum / normalizers.num_predictions
-    stats.update(main_loss_sum=(reward * weights).sum(), main_count=weights.sum())
-    loss = reinforce + mlm + disc_loss
-  elif objective.disc_mlm_weight > 0:
-    loss = gen_loss + disc_loss + main_loss
-  else:
-    loss = gen_loss + disc_loss
   predicted = disc_logits > 0
-  stats.update(
+  p.stats.update(
       disc_loss_sum=disc_loss_sum,
       disc_true_pos=((predicted & is_replaced) * token_weights).sum(),
       disc_false_pos=((predicted & ~is_replaced) * token_weights).sum(),
@@ -563,8 +448,147 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
       disc_true_neg=((~predicted & ~is_replaced) * token_weights).sum(),
       num_tokens=token_weights.sum(),
   )
-  per_token = {"disc_logits": disc_logits, "is_replaced": is_replaced, "token_weights": token_weights,
-               "replaced_prob": replaced_prob}
+  loss = p.objective.disc_weight * disc_loss_sum / normalizer
+  return loss, _per_token(p, disc_logits, is_replaced, token_weights, replaced_prob)
+
+
+def _electra(p: _Pass, only_masked: bool = False):
+  """gen_weight * L_MLM + disc_weight * L_Disc (+ the tower's MLM under disc_mlm_weight); with
+  `only_masked`, L_Disc and its metrics only where the generator could have replaced a token."""
+  s = _sample(p, _generator_logits(p))
+  disc_logits, main_loss = _discriminator_logits(p, s.corrupted_ids)
+  if only_masked:
+    weights = masked_position_weights(p.masked, s.corrupted_ids.shape)
+    disc_loss, per_token = _detection_loss(p, disc_logits, s.is_replaced, s.replaced_prob, weights,
+                                           p.normalizers.num_predictions)
+  else:
+    disc_loss, per_token = _detection_loss(p, disc_logits, s.is_replaced, s.replaced_prob)
+  loss = s.gen_loss + disc_loss if main_loss is None else s.gen_loss + disc_loss + main_loss
+  return loss, per_token
+
+
+def _two_stage(p: _Pass):
+  """gen_weight * L_MLM before the switch, disc_weight * L_Disc from it on (both computed, for
+  the metrics)."""
+  s = _sample(p, _generator_logits(p))
+  disc_logits, _ = _discriminator_logits(p, s.corrupted_ids)
+  disc_loss, per_token = _detection_loss(p, disc_logits, s.is_replaced, s.replaced_prob)
+  return jnp.where(p.second_stage, disc_loss, s.gen_loss), per_token
+
+
+def _adversarial(p: _Pass):
+  """REINFORCE: the generator's reward at a masked slot is the discriminator's loss on its
+  sample there (high when the discriminator is fooled). A slot's baseline is the mean reward of
+  its example's other slots (0 when it has none): it does not depend on the slot's own sample,
+  so the estimate stays unbiased (a mean that includes the slot itself scales its gradient by
+  (n - 1) / n, and gives a one-slot example none), and it does not depend on how the batch is
+  split over devices or micro-batches."""
+  s = _sample(p, _generator_logits(p))
+  disc_logits, _ = _discriminator_logits(p, s.corrupted_ids)
+  disc_loss, per_token = _detection_loss(p, disc_logits, s.is_replaced, s.replaced_prob)
+  bce_at_slots = jnp.take_along_axis(_bce(disc_logits, s.is_replaced.astype(jnp.float32)), p.masked.positions, axis=1)
+  reward = jax.lax.stop_gradient(bce_at_slots)
+  weights = p.masked.weights
+  slots = weights.sum(-1, keepdims=True)
+  others = (reward * weights).sum(-1, keepdims=True) - reward * weights
+  baseline = jnp.where(slots > 1, others / jnp.maximum(slots - 1, 1.0), 0.0)
+  log_policy = jax.nn.log_softmax(s.gen_logits / p.temperature, axis=-1)  # the policy that sampled
+  sample_log_prob = jnp.take_along_axis(log_policy, s.sampled_ids[..., None], axis=-1)[..., 0]
+  reinforce = -((reward - baseline) * sample_log_prob * weights).sum() / p.normalizers.num_predictions
+  mlm = p.objective.adversarial_mlm_weight * s.mlm_loss_sum / p.normalizers.num_predictions
+  p.stats.update(main_loss_sum=(reward * weights).sum(), main_count=weights.sum())
+  return reinforce + mlm + disc_loss, per_token
+
+
+def _electric(p: _Pass):
+  """The cloze model reads the unmasked input and predicts every maskable token from both
+  sides (its loss); its samples replace the masked tokens, every masked slot is labelled
+  replaced, and the discriminator's logit is the energy-based form: + log q(token) (no
+  gradient) + the log prior odds of a position being masked."""
+  input_ids, objective = p.batch["input_ids"], p.objective
+  cloze_logits = _vocabulary_only(p.tower(p.model.cloze_logits, input_ids, rng=p.gen_rng), objective.vocab_size)
+  candidates = candidate_mask(input_ids, p.batch["attention_mask"], objective).astype(jnp.float32)
+  cloze_loss_sum, _ = _mlm_sums(cloze_logits, input_ids, candidates)
+  p.stats.update(main_loss_sum=cloze_loss_sum, main_count=candidates.sum())
+  s = _sample(p, jnp.take_along_axis(cloze_logits, p.masked.positions[..., None], axis=1))
+  gen_loss = objective.gen_weight * cloze_loss_sum / p.normalizers.num_candidates
+  is_replaced = masked_position_weights(p.masked, input_ids.shape) > 0
+  disc_logits, _ = _discriminator_logits(p, s.corrupted_ids)
+  log_q = jnp.take_along_axis(jax.nn.log_softmax(cloze_logits, axis=-1), s.corrupted_ids[..., None], axis=-1)[..., 0]
+  disc_logits = disc_logits + jax.lax.stop_gradient(log_q) + jnp.log(objective.mask_prob / (1.0 - objective.mask_prob))
+  disc_loss, per_token = _detection_loss(p, disc_logits, is_replaced, s.replaced_prob)
+  return gen_loss + disc_loss, per_token
+
+
+def _mlm(p: _Pass):
+  """BERT: the discriminator-sized tower predicts the originals of its [MASK]ed input."""
+  masked = p.masked
+  _, mlm_logits = p.tower(p.model.discriminator_mlm_logits, masked.input_ids, masked.positions, rng=p.disc_rng)
+  mlm_logits = _vocabulary_only(mlm_logits, p.objective.vocab_size)
+  mlm_loss_sum, mlm_correct = _mlm_sums(mlm_logits, masked.target_ids, masked.weights)
+  p.stats.update(mlm_loss_sum=mlm_loss_sum, mlm_correct=mlm_correct)
+  weights = p.token_weights
+  zeros = jnp.zeros_like(weights)
+  return mlm_loss_sum / p.normalizers.num_predictions, _per_token(
+      p, zeros, jnp.zeros_like(p.batch["attention_mask"], bool), weights, zeros)
+
+
+def _replace_mlm(p: _Pass):
+  """The generator's samples replace the masked tokens; the tower predicts the originals there."""
+  s = _sample(p, _generator_logits(p))
+  _, main_loss = _tower_mlm(p, s.corrupted_ids)
+  weights = p.token_weights
+  return s.gen_loss + main_loss, _per_token(p, jnp.zeros_like(weights), s.is_replaced, weights, s.replaced_prob)
+
+
+def _all_tokens_mlm(p: _Pass):
+  """The tower predicts every token of the corrupted input, with the paper's copy mechanism:
+  p(x_t) = D_t [x_t = input_t] + (1 - D_t) softmax(MLM)_t(x_t), D_t = sigmoid(copy logit)."""
+  s = _sample(p, _generator_logits(p))
+  input_ids, weights = p.batch["input_ids"], p.token_weights
+  copy_logits, main_logits = p.tower(p.model.discriminator_mlm_logits, s.corrupted_ids, None, rng=p.disc_rng)
+  main_logits = _vocabulary_only(main_logits, p.objective.vocab_size)  # [batch, seq, vocab]
+  log_softmax = jax.nn.log_softmax(main_logits, axis=-1)
+  log_mlm = jnp.take_along_axis(log_softmax, input_ids[..., None], axis=-1)[..., 0]
+  log_copy, log_no_copy = jax.nn.log_sigmoid(copy_logits), jax.nn.log_sigmoid(-copy_logits)
+  copied = ~s.is_replaced  # the input token is the original one
+  log_p = jnp.where(copied, jnp.logaddexp(log_copy, log_no_copy + log_mlm), log_no_copy + log_mlm)
+  main_loss_sum = -(log_p * weights).sum()
+  p_original = jnp.where(copied, jnp.exp(log_copy), 0.0) + jnp.exp(log_no_copy + log_mlm)
+  # The most probable other token: the best MLM alternative, or the (replaced) input token,
+  # which also gets the copy probability.
+  is_original = jnp.arange(main_logits.shape[-1]) == input_ids[..., None]
+  best_other = jnp.exp(log_no_copy + jnp.max(jnp.where(is_original, -jnp.inf, log_softmax), axis=-1))
+  log_mlm_input = jnp.take_along_axis(log_softmax, s.corrupted_ids[..., None], axis=-1)[..., 0]
+  p_input = jnp.exp(log_copy) + jnp.exp(log_no_copy + log_mlm_input)
+  best_other = jnp.maximum(best_other, jnp.where(copied, 0.0, p_input))
+  main_correct = ((p_original > best_other) * weights).sum()
+  p.stats.update(main_loss_sum=main_loss_sum, main_correct=main_correct, main_count=weights.sum())
+  main_loss = main_loss_sum / p.normalizers.num_tokens
+  return s.gen_loss + main_loss, _per_token(p, jnp.zeros_like(weights), s.is_replaced, weights, s.replaced_prob)
+
+
+def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dropout_rng,
+                    objective: ElectraObjective, normalizers: Normalizers, deterministic: bool = False,
+                    second_stage=None, temperature=None):
+  """The registered objective's forward on one (micro-)batch whose masking is already drawn.
+
+  `sample_keys` [batch] are the per-example sampling keys (see sample_tokens), `temperature`
+  the sampling temperature (sampling_temperature of the step; None: objective.temperature,
+  the final one, which held-out evaluation uses), `second_stage` in_second_stage of the step.
+  Returns (loss, (stats, per_token)): the loss with its sums divided by `normalizers` (whole-
+  batch counts), stats the additive counts `summarize` reads, per_token the arrays of its AUCs
+  (replaced_prob: the generator's probability at temperature 1 of its sample at each used
+  masked position, 0 elsewhere).
+  """
+  gen_rng, disc_rng = jax.random.split(dropout_rng)
+  zero = jnp.zeros((), jnp.float32)
+  stats = dict.fromkeys(_STAT_KEYS, zero)
+  stats.update(num_predictions=masked.weights.sum(), num_tokens=batch["attention_mask"].astype(jnp.float32).sum())
+  p = _Pass(model, functools.partial(model.apply, {"params": params}), batch, masked, sample_keys, gen_rng, disc_rng,
+            objective, normalizers, deterministic, second_stage,
+            objective.temperature if temperature is None else temperature, stats)
+  loss, per_token = REGISTRY[objective.name].forward(p)
   return loss, (stats, per_token)
 
 
@@ -645,38 +669,195 @@ def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str,
       "disc_recall": true_pos / jnp.maximum(true_pos + stats["disc_false_neg"], 1.0),
       "replaced_fraction": (true_pos + stats["disc_false_neg"]) / num_tokens,
   }
-  if objective.name == "mlm":
-    nan = jnp.full((), jnp.nan, jnp.float32)
-    metrics.update(dict.fromkeys(
-        ["sampled_masked_lm_accuracy", "disc_loss", "disc_auc", "disc_accuracy", "disc_precision",
-         "disc_recall", "replaced_fraction", *BINNED_METRICS], nan))
-    metrics["loss"] = masked_lm_loss
-  elif objective.name in MLM_FAMILY:
-    nan = jnp.full((), jnp.nan, jnp.float32)
-    replaced = per_token_arrays["is_replaced"].astype(jnp.float32) * per_token_arrays["token_weights"]
-    # No discriminator: no AUCs, but the replacements' shares by likelihood stand.
-    metrics.update(dict.fromkeys(["disc_loss", "disc_auc", "disc_accuracy", "disc_precision", "disc_recall",
-                                  *(f"disc_auc_{name}" for name, _, _ in REPLACED_BINS)], nan))
-    metrics["replaced_fraction"] = replaced.sum() / num_tokens
-    main_count = jnp.maximum(stats["main_count"], 1.0)
-    metrics["main_mlm_loss"] = stats["main_loss_sum"] / main_count
-    metrics["main_mlm_accuracy"] = stats["main_correct"] / main_count
-    metrics["loss"] = objective.gen_weight * masked_lm_loss + metrics["main_mlm_loss"]
-  elif objective.name == "electric":
-    metrics["cloze_loss"] = stats["main_loss_sum"] / jnp.maximum(stats["main_count"], 1.0)
-    metrics["loss"] = objective.gen_weight * metrics["cloze_loss"] + objective.disc_weight * disc_loss
-  elif objective.name == "adversarial":
-    # The REINFORCE surrogate is no quantity to watch; the generator's mean reward is.
-    metrics["generator_reward"] = stats["main_loss_sum"] / jnp.maximum(stats["main_count"], 1.0)
-    metrics["loss"] = objective.adversarial_mlm_weight * masked_lm_loss + objective.disc_weight * disc_loss
-  else:
-    metrics["loss"] = objective.gen_weight * masked_lm_loss + objective.disc_weight * disc_loss
-    if objective.disc_mlm_weight > 0:
-      main_count = jnp.maximum(stats["main_count"], 1.0)
-      metrics["main_mlm_loss"] = stats["main_loss_sum"] / main_count
-      metrics["main_mlm_accuracy"] = stats["main_correct"] / main_count
-      metrics["loss"] = metrics["loss"] + objective.disc_mlm_weight * metrics["main_mlm_loss"]
+  REGISTRY[objective.name].metrics(metrics, stats, objective, per_token_arrays)
   return metrics
+
+
+# ---------------------------------------------------------------------------------------
+# The registry: objective.name -> its forward, what it reads and refuses, its metrics
+# ---------------------------------------------------------------------------------------
+def _identity_hook(objective, tree, step):
+  return tree
+
+
+def _start_second_stage(objective, params, step):
+  """two_stage: at the switch step the discriminator's encoder becomes a copy of the
+  generator's (same sizes; its head stays as initialized)."""
+  now = step == objective.switch_step
+  encoder = jax.tree.map(
+      lambda g, d: jnp.where(now, g, d), params["generator"]["encoder"], params["discriminator"]["encoder"]
+  )
+  return {**params, "discriminator": {**params["discriminator"], "encoder": encoder}}
+
+
+def _hold_other_stage(objective, updates, step):
+  """two_stage: only the tower of the current stage moves (weight decay included): the
+  generator is frozen from the switch on, the discriminator waits for it."""
+  second = in_second_stage(objective, step)
+  hold = lambda tree, keep: jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), tree)  # noqa: E731
+  return {**updates, "generator": hold(updates["generator"], ~second),
+          "discriminator": hold(updates["discriminator"], second)}
+
+
+def _no_check(config):
+  pass
+
+
+def _check_no_generator_to_share(config):
+  name, tie = config.objective.name, config.model.get("tie")
+  if tie == "all":
+    raise ConfigError(f"objective.name={name!r} has no generator tower to share an encoder with; use "
+                      "model.tie='embeddings' (or 'none', 'gdes').")
+
+
+def _check_electric(config):
+  _check_no_generator_to_share(config)
+  if config.data.get("pack_rows", False):
+    raise ConfigError(ELECTRIC_UNPACKED)
+
+
+def _check_two_stage(config):
+  m = config.model
+  if m.generator_fraction != 1.0 or m.get("tie") == "all":
+    raise ConfigError(
+        "objective.name='two_stage' starts the discriminator from the generator's weights, so the "
+        f"towers must be the same size and separate: model.generator_fraction=1.0 (is "
+        f"{m.generator_fraction}) and model.tie other than 'all' (is {m.get('tie')!r})."
+    )
+  if m.get("tie") == "none":
+    raise ConfigError(
+        "objective.name='two_stage' starts the discriminator from the generator's weights, but with "
+        "model.tie='none' the generator's embeddings are its own, so the discriminator would enter "
+        "its stage with embeddings nothing trained (and an input projection the generator lacks "
+        "when model.embedding_size differs from hidden_size): use model.tie='embeddings' (the "
+        "paper's) or 'gdes'."
+    )
+
+
+_NAN = float("nan")
+_DISC_METRICS = ("disc_loss", "disc_auc", "disc_accuracy", "disc_precision", "disc_recall",
+                 *(f"disc_auc_{name}" for name, _, _ in REPLACED_BINS))
+
+
+def _main_mlm_metrics(metrics, stats):
+  main_count = jnp.maximum(stats["main_count"], 1.0)
+  metrics["main_mlm_loss"] = stats["main_loss_sum"] / main_count
+  metrics["main_mlm_accuracy"] = stats["main_correct"] / main_count
+
+
+def _rtd_metrics(metrics, stats, objective, per_token):
+  metrics["loss"] = objective.gen_weight * metrics["masked_lm_loss"] + objective.disc_weight * metrics["disc_loss"]
+  if objective.disc_mlm_weight > 0:
+    _main_mlm_metrics(metrics, stats)
+    metrics["loss"] = metrics["loss"] + objective.disc_mlm_weight * metrics["main_mlm_loss"]
+
+
+def _mlm_metrics(metrics, stats, objective, per_token):
+  metrics.update(dict.fromkeys(["sampled_masked_lm_accuracy", "replaced_fraction", *BINNED_METRICS, *_DISC_METRICS],
+                               jnp.full((), _NAN, jnp.float32)))
+  metrics["loss"] = metrics["masked_lm_loss"]
+
+
+def _tower_mlm_metrics(metrics, stats, objective, per_token):
+  # No discriminator: no AUCs, but the replacements' shares by likelihood stand.
+  metrics.update(dict.fromkeys(_DISC_METRICS, jnp.full((), _NAN, jnp.float32)))
+  replaced = per_token["is_replaced"].astype(jnp.float32) * per_token["token_weights"]
+  metrics["replaced_fraction"] = replaced.sum() / jnp.maximum(stats["num_tokens"], 1.0)
+  _main_mlm_metrics(metrics, stats)
+  metrics["loss"] = objective.gen_weight * metrics["masked_lm_loss"] + metrics["main_mlm_loss"]
+
+
+def _electric_metrics(metrics, stats, objective, per_token):
+  metrics["cloze_loss"] = stats["main_loss_sum"] / jnp.maximum(stats["main_count"], 1.0)
+  metrics["loss"] = objective.gen_weight * metrics["cloze_loss"] + objective.disc_weight * metrics["disc_loss"]
+
+
+def _adversarial_metrics(metrics, stats, objective, per_token):
+  # The REINFORCE surrogate is no quantity to watch; the generator's mean reward is.
+  metrics["generator_reward"] = stats["main_loss_sum"] / jnp.maximum(stats["main_count"], 1.0)
+  metrics["loss"] = objective.adversarial_mlm_weight * metrics["masked_lm_loss"] + objective.disc_weight * metrics["disc_loss"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Registered:
+  """One objective: `forward(_Pass) -> (loss, per_token)`, `metrics(metrics, stats, objective,
+  per_token)` setting "loss" and its own keys, what it needs built, and its config checks."""
+
+  forward: Callable
+  metrics: Callable = _rtd_metrics
+  has_generator: bool = True  # a generator tower is built and samples the replacements
+  samples: bool = True  # replacements are sampled at a temperature
+  mlm_head: bool = False  # the discriminator-sized tower has an MLM head
+  disc_mlm: bool = False  # objective.disc_mlm_weight may add the tower's own MLM loss
+  check: Callable = _no_check  # config -> None, raising ConfigError
+  # Keys only this objective reads (the others ignore them), and keys it ignores.
+  own_keys: tuple[str, ...] = ()
+  ignores: tuple[str, ...] = ()
+  # The step's hooks, (objective, tree, step) -> tree: the parameters it trains from, and
+  # the optimizer's updates it applies.
+  before_step: Callable = _identity_hook
+  updates: Callable = _identity_hook
+
+
+# What each objective.name trains; the paper's ablations, and Electric.
+REGISTRY = {
+    # Replaced-token detection with a generator, L_Disc on every token (the default).
+    "electra": Registered(_electra, disc_mlm=True),
+    # The same, with L_Disc only on the masked positions (the paper's "ELECTRA 15%").
+    "electra_15": Registered(functools.partial(_electra, only_masked=True), disc_mlm=True),
+    # Replacements drawn uniformly from the vocabulary; no generator runs.
+    "uniform": Registered(_electra, has_generator=False, check=_check_no_generator_to_share),
+    # BERT: the discriminator-sized tower with an MLM head, 80/10/10 masking, no generator.
+    "mlm": Registered(
+        _mlm, _mlm_metrics, has_generator=False, samples=False, mlm_head=True, check=_check_no_generator_to_share,
+        ignores=("objective.temperature", "objective.initial_temperature", "objective.temperature_decay_fraction",
+                 "objective.disallow_correct", "objective.gen_weight", "objective.disc_weight",
+                 "objective.keep_original_prob"),
+    ),
+    # The generator's samples replace the masked tokens (no [MASK]); the tower predicts the
+    # originals there: gen_weight * L_MLM(gen) + L_MLM(tower).
+    "replace_mlm": Registered(_replace_mlm, _tower_mlm_metrics, mlm_head=True),
+    # As replace_mlm, but the tower predicts every token with the paper's copy mechanism.
+    "all_tokens_mlm": Registered(_all_tokens_mlm, _tower_mlm_metrics, mlm_head=True),
+    # The paper's two-stage training: L_MLM alone until objective.two_stage_switch, then the
+    # discriminator starts from a copy of the generator's encoder and trains on L_Disc alone
+    # while the generator stays frozen (generator_fraction 1).
+    "two_stage": Registered(_two_stage, check=_check_two_stage, own_keys=("objective.two_stage_switch",),
+                            before_step=_start_second_stage, updates=_hold_other_stage),
+    # The paper's adversarial generator: REINFORCE to maximize the discriminator's loss at the
+    # masked positions, plus adversarial_mlm_weight * L_MLM.
+    "adversarial": Registered(_adversarial, _adversarial_metrics, own_keys=("objective.adversarial_mlm_weight",)),
+    # The official electric_objective: a two-tower cloze generator over the unmasked input.
+    "electric": Registered(_electric, _electric_metrics, check=_check_electric),
+}
+OBJECTIVES = tuple(REGISTRY)
+
+
+def ignored_keys(name: str) -> tuple[str, ...]:
+  """Config keys objective `name` never reads: changing one leaves the trained program and
+  the parameters as they are (tests/test_objectives.py traces each), so a sweep trains runs
+  that differ only there once."""
+  entry = REGISTRY[name]
+  keys = [] if entry.has_generator else ["model.generator_fraction"]  # (model.tie=gdes still adds a delta)
+  keys += entry.ignores
+  keys += [key for other, e in REGISTRY.items() if other != name for key in e.own_keys]
+  return tuple(keys)
+
+
+def check_config(config) -> None:
+  """objective.name and the keys whose meaning depends on it, refused by name."""
+  name, disc_mlm_weight = config.objective.get("name", "electra"), config.objective.disc_mlm_weight
+  if not (math.isfinite(disc_mlm_weight) and disc_mlm_weight >= 0):
+    raise ConfigError(f"objective.disc_mlm_weight={disc_mlm_weight} must be finite and >= 0 (0 = off).")
+  if name not in REGISTRY:
+    raise ConfigError(f"objective.name={name!r} is not one of {list(OBJECTIVES)}.")
+  if disc_mlm_weight > 0 and not REGISTRY[name].disc_mlm:
+    with_it = " or ".join(repr(n) for n, e in REGISTRY.items() if e.disc_mlm)
+    raise ConfigError(
+        f"objective.disc_mlm_weight={disc_mlm_weight} adds an MLM loss to the discriminator of "
+        f"objective.name {with_it}, not {name!r}: set it to 0 or change the objective."
+    )
+  REGISTRY[name].check(config)
 
 
 def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjective:
@@ -685,8 +866,7 @@ def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjecti
   # Workdirs written before these keys existed lack them: they ran the defaults.
   name = o.get("name", "electra")
   if name not in OBJECTIVES:
-    planned = " It is planned (issue 7) but not built yet." if name in PLANNED_OBJECTIVES else ""
-    raise ConfigError(f"objective.name={name!r} is not one of {list(OBJECTIVES)}.{planned}")
+    raise ConfigError(f"objective.name={name!r} is not one of {list(OBJECTIVES)}.")
   bert_masking = name == "mlm"
   # No schedule (the same temperature at both ends, or no steps to fall over): None and 0, so
   # the objective, and the step compiled from it, is the constant temperature's.

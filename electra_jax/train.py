@@ -135,9 +135,9 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
   losses are normalized by whole-batch counts and their gradients sum to the full-batch one.
   """
   objective = state.objective
-  params, second_stage = state.params, objectives.in_second_stage(objective, state.step)
-  if objective.name == "two_stage":
-    params = _start_second_stage(params, state.step == objective.switch_step)
+  registered = objectives.REGISTRY[objective.name]
+  params = registered.before_step(objective, state.params, state.step)
+  second_stage = objectives.in_second_stage(objective, state.step)
   mask_rng, sample_rng, dropout_rng = jax.random.split(rng, 3)
   masked = objectives.mask_tokens(mask_rng, batch["input_ids"], batch["attention_mask"], objective)
   sample_keys = jax.random.split(sample_rng, batch["input_ids"].shape[0])
@@ -180,12 +180,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
     (grads, stats), per_token = jax.lax.scan(accumulate, zeros, (micro_inputs, micro_dropout_rngs))
 
   updates, opt_state = state.tx.update(grads, state.opt_state, params)
-  if objective.name == "two_stage":
-    # Only the tower of the current stage moves (weight decay included): the generator is
-    # frozen from the switch on, the discriminator waits for it.
-    hold = lambda tree, keep: jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), tree)  # noqa: E731
-    updates = {**updates, "generator": hold(updates["generator"], ~second_stage),
-               "discriminator": hold(updates["discriminator"], second_stage)}
+  updates = registered.updates(objective, updates, state.step)
   params = optax.apply_updates(params, updates)
   metrics = objectives.summarize(stats, per_token, objective)
   metrics["grad_norm"] = jnp.sqrt(sum(jnp.vdot(g, g) for g in jax.tree.leaves(grads)))
@@ -206,15 +201,6 @@ def step_rngs(seed: int, first_step: int, num_steps: int) -> jax.Array:
   """step_rng(seed, s) for s in first_step .. first_step + num_steps - 1, stacked."""
   steps = jnp.arange(first_step, first_step + num_steps)
   return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(seed), s))(steps)
-
-
-def _start_second_stage(params, now):
-  """two_stage: at the switch step the discriminator's encoder becomes a copy of the
-  generator's (same sizes; its head stays as initialized)."""
-  encoder = jax.tree.map(
-      lambda g, d: jnp.where(now, g, d), params["generator"]["encoder"], params["discriminator"]["encoder"]
-  )
-  return {**params, "discriminator": {**params["discriminator"], "encoder": encoder}}
 
 
 def step_rng(seed: int, step: int) -> jax.Array:

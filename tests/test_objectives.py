@@ -471,3 +471,27 @@ def test_the_check_of_ignored_keys_sees_a_key_that_is_read():
   assert _traced_step(**{"objective.name": "electra", "model.generator_fraction": 1.0})[1] != reference[1]
   assert _traced_step(**{"objective.name": "electra", "objective.temperature": 0.5})[0] != reference[0]
   assert "objective.temperature" not in objectives.ignored_keys("electra")
+
+
+def test_a_registered_objective_trains_through_the_step_with_its_hooks(monkeypatch):
+  """The step reads the registry, not objective names: a new entry whose update hook freezes
+  the generator trains its discriminator alone, and its config check runs in validate."""
+  def freeze_generator(objective, updates, step):
+    return {**updates, "generator": jax.tree.map(jnp.zeros_like, updates["generator"])}
+
+  def refuse_temperature(config):
+    if config.objective.temperature != 1.0:
+      raise config_lib.ConfigError("frozen_generator samples at temperature 1.0")
+
+  entry = dataclasses.replace(objectives.REGISTRY["electra"], updates=freeze_generator, check=refuse_temperature)
+  monkeypatch.setitem(objectives.REGISTRY, "frozen_generator", entry)
+  monkeypatch.setattr(objectives, "OBJECTIVES", (*objectives.OBJECTIVES, "frozen_generator"))
+  config_lib.validate(tiny_config(**{"objective.name": "frozen_generator"}))
+  with pytest.raises(config_lib.ConfigError, match="samples at temperature 1.0"):
+    config_lib.validate(tiny_config(**{"objective.name": "frozen_generator", "objective.temperature": 2.0}))
+  state, batch = _tiny_state_and_batch(**{"objective.name": "frozen_generator"})
+  step = jax.jit(train.train_step)
+  after, metrics = step(*step(state, batch, train.step_rng(0, 0))[:1], batch, train.step_rng(0, 1))  # lr(0) = 0
+  moved = lambda part: any(  # noqa: E731
+      not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.params[part]), jax.tree.leaves(after.params[part])))
+  assert not moved("generator") and moved("discriminator") and np.isfinite(float(metrics["disc_auc"]))
