@@ -135,10 +135,11 @@ def saved_config(workdir: str) -> dict | None:
 
 
 def _config_shape(saved) -> dict:
+  """The config groups of a config.json (without the version that wrote it)."""
   groups = ("model", "train", "data", "objective", "optimizer")
   if not isinstance(saved, dict) or any(not isinstance(saved[g], dict) for g in groups if g in saved):
     raise ValueError(f"a config is an object whose groups {', '.join(groups)} are objects")
-  return saved
+  return {key: value for key, value in saved.items() if key != VERSION_KEY}
 
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
@@ -173,6 +174,17 @@ def parse_duration(text: str, key: str = "train.time_budget") -> float:
 
 def to_json(config: ml_collections.ConfigDict) -> str:
   return json.dumps(config.to_dict(), indent=2, sort_keys=True)
+
+
+# config.json's record of the electra-jax version that wrote it (not a config key: readers drop it).
+VERSION_KEY = "electra_jax_version"
+
+
+def config_file_text(config: ml_collections.ConfigDict) -> str:
+  """A workdir's config.json: the config and the version of electra-jax that wrote it."""
+  from electra_jax import __version__  # noqa: PLC0415 (the package's face imports nothing)
+
+  return json.dumps({**config.to_dict(), VERSION_KEY: __version__}, indent=2, sort_keys=True)
 
 
 def as_saved(config: ml_collections.ConfigDict) -> dict:

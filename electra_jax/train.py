@@ -928,7 +928,7 @@ def _keep_changed_config(config, workdir: str, start_step: int | None) -> None:
   # A second resume from the same checkpoint finds the first one's settings in config.json,
   # which never trained it: the file the first resume kept stays as it is.
   if not workdir_files.exists(workdir_files.path(workdir, kept)):
-    workdir_files.write_text(workdir_files.path(workdir, kept), json.dumps(before, indent=2, sort_keys=True))
+    workdir_files.write_text(workdir_files.path(workdir, kept), workdir_files.read_text(workdir_files.path(workdir, "config.json")))
   logging.warning("Resuming at step %d with settings that differ from the workdir's config.json (kept as %s): %s",
                   start_step, kept, "; ".join(changes))
 
@@ -942,7 +942,7 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease
   if is_chief:
     workdir_files.makedirs(workdir_files.path(workdir))
     _keep_changed_config(config, workdir, start_step)
-    workdir_files.write_text(workdir_files.path(workdir, "config.json"), config_lib.to_json(config))
+    workdir_files.write_text(workdir_files.path(workdir, "config.json"), config_lib.config_file_text(config))
     # metrics.jsonl and eval_metrics.jsonl, plus TensorBoard events under <workdir>/tensorboard.
     metrics_log, eval_log = tensorboard_log.open_logs(workdir)
 

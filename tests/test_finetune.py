@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, tiny_config
+import electra_jax
 from electra_jax import config_lib, models, partitioning, train, workdir_lease
 from electra_jax.errors import ConfigError
 from electra_jax.finetune import model as model_lib
@@ -148,6 +149,7 @@ def test_random_init_model_learns_synthetic_task(tmp_path):
   assert np.mean(np.array(predicted) == np.array(truth)) >= 0.9
   saved = json.loads((workdir / "custom" / "results.json").read_text())
   assert saved["config"]["custom"]["train_file"] == config.custom.train_file
+  assert saved["electra_jax_version"] == electra_jax.__version__
   # Running again with another config into the same workdir is refused before the finished
   # seed is touched.
   config.optimizer.learning_rate *= 2

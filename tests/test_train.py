@@ -17,6 +17,7 @@ import numpy as np
 from electra_jax.errors import ConfigError
 import pytest
 
+import electra_jax
 from conftest import REPO, cli_args, run_cli, tiny_config
 from electra_jax import checkpointing, config_lib, data, flops, models, objectives, train
 
@@ -199,6 +200,8 @@ def test_cli_writes_config_metrics_and_checkpoints(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   config = json.loads((workdir / "config.json").read_text())
   assert config["model"]["hidden_size"] == 32 and config["train"]["steps"] == 6
+  assert config.pop(config_lib.VERSION_KEY) == electra_jax.__version__  # and readers leave it out:
+  assert config_lib.saved_config(str(workdir)) == config_lib.as_saved(config_lib.with_defaults(config))
   lines = _metrics(workdir)
   assert [m["step"] for m in lines] == [1, 2, 3, 4, 5, 6]
   for m in lines:

@@ -24,6 +24,7 @@ import numpy as np
 import optax
 from absl import logging
 
+import electra_jax
 from electra_jax import checkpointing, config_lib, workdir_files, workdir_lease
 from electra_jax.errors import ConfigError
 from electra_jax.data.tokenizer import atomic_write_bytes
@@ -426,6 +427,7 @@ def _run_seeds(config, adapter, backbone, task_dir: str, seeds, finished: dict, 
   results = dict(
       # epochs: after min_steps, what each seed trained (config.epochs holds what was asked).
       task=adapter.name, init=backbone.source, epochs=epochs, steps_per_seed=steps_per_seed,
+      electra_jax_version=electra_jax.__version__,
       config=json.loads(config_json),
       config_fingerprint=hashlib.sha256(config_json.encode()).hexdigest()[:16],
       seeds={str(run["seed"]): {k: run[k] for k in ("kept_epoch", "dev", "test_predictions")} for run in per_seed},

@@ -329,7 +329,7 @@ def write_pretraining_workdir(
     checkpointer.close()
   config_path = os.path.join(workdir, "config.json")
   with open(config_path + ".tmp", "w") as f:
-    f.write(config_lib.to_json(config))
+    f.write(config_lib.config_file_text(config))
   os.replace(config_path + ".tmp", config_path)
   return {
       "workdir": workdir,
