@@ -835,7 +835,9 @@ OBJECTIVES = tuple(REGISTRY)
 def ignored_keys(name: str) -> tuple[str, ...]:
   """Config keys objective `name` never reads: changing one leaves the trained program and
   the parameters as they are (tests/test_objectives.py traces each), so a sweep trains runs
-  that differ only there once."""
+  that differ only there once; () for a name not registered (validate refuses it)."""
+  if name not in REGISTRY:
+    return ()
   entry = REGISTRY[name]
   keys = [] if entry.has_generator else ["model.generator_fraction"]  # (model.tie=gdes still adds a delta)
   keys += entry.ignores
