@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from electra_jax import xla_flags  # noqa: E402
 
-xla_flags.apply_cpu_defaults()  # the CLI's CPU defaults, set before JAX starts
+xla_flags.apply_cpu_defaults(restart=True)  # the CLI's CPU defaults, set before JAX starts
 
 import flax.linen as nn
 import jax

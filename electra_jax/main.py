@@ -9,7 +9,9 @@ import time
 
 from electra_jax import xla_flags
 
-xla_flags.apply_cpu_defaults()  # before anything starts JAX's backends
+# Before anything starts JAX's backends; run as the program (not imported), it may restart the
+# process once with glibc settings for CPU training (xla_flags.malloc_tunables).
+xla_flags.apply_cpu_defaults(restart=__name__ == "__main__" or os.path.basename(sys.argv[0]) == "electra-jax")
 
 import flax  # noqa: E402
 import jax  # noqa: E402
@@ -155,6 +157,9 @@ def main(argv):
     return
   logging.set_verbosity(logging.INFO)
   logging.get_absl_handler().addFilter(_quiet_libraries)
+  if os.environ.get("GLIBC_TUNABLES") == xla_flags.HUGE_PAGES:  # debug level: not news on every run
+    logging.vlog(1, "CPU: glibc allocates large buffers on huge pages (GLIBC_TUNABLES=%s; "
+                 "ELECTRA_JAX_XLA_DEFAULTS=0 turns it off).", xla_flags.HUGE_PAGES)
   try:
     # First, before anything touches the devices. TPU VM slices and SLURM need no flags.
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)

@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from electra_jax import splash_attention
+from electra_jax import random_ops, splash_attention
 from electra_jax.errors import ConfigError
 
 Dtype = Any
@@ -238,7 +238,7 @@ class Embeddings(nn.Module):
     self.position_embeddings = embed(self.max_position_embeddings, "position", "position_embeddings")
     self.token_type_embeddings = embed(self.type_vocab_size, "token_type", "token_type_embeddings")
     self.layer_norm = _layer_norm(self.layer_norm_eps, "layer_norm")
-    self.dropout = nn.Dropout(self.dropout_rate)
+    self.dropout = random_ops.Dropout(self.dropout_rate)
 
   def __call__(self, input_ids, token_type_ids, deterministic: bool, word_table=None, position_ids=None):
     """`word_table` [vocab, E], if given, replaces the word embeddings' own table (GDES);
@@ -326,7 +326,7 @@ class SelfAttention(nn.Module):
       scores = jnp.einsum("bhqd,bhkd->bhqk", query, key) / math.sqrt(cfg.head_dim)
       scores = jnp.where(key_is_real, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
       probs = jax.nn.softmax(scores, axis=-1)
-      probs = nn.Dropout(cfg.attention_dropout_rate)(probs, deterministic=False)
+      probs = random_ops.Dropout(cfg.attention_dropout_rate)(probs, deterministic=False)
       context = jnp.swapaxes(jnp.einsum("bhqk,bhkd->bhqd", probs.astype(self.dtype), value), 1, 2)
     elif self.attention_impl == "splash" and mask.ndim == 2:
       # The Pallas TPU kernel takes segment ids: 0/1 masks, or packed rows' ids as they are
@@ -410,7 +410,7 @@ class EncoderLayer(nn.Module):
     output_norm = _layer_norm(cfg.layer_norm_eps, "output_layer_norm")
 
     def sublayer(block, x):
-      return nn.Dropout(cfg.dropout_rate)(block(x), deterministic=deterministic)
+      return random_ops.Dropout(cfg.dropout_rate)(block(x), deterministic=deterministic)
 
     def attend(x):
       return attention(x, attention_mask, deterministic)

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from electra_jax import random_ops
 from electra_jax.errors import ConfigError
 
 
@@ -168,7 +169,7 @@ def sample_tokens(keys, logits, temperature: float, disallowed_ids=None):
   logits = jax.lax.stop_gradient(logits.astype(jnp.float32)) / temperature
   if disallowed_ids is not None:
     logits = logits - _DISALLOW_PENALTY * jax.nn.one_hot(disallowed_ids, logits.shape[-1], dtype=jnp.float32)
-  gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[1:], jnp.float32))(keys)
+  gumbel = jax.vmap(lambda key: random_ops.gumbel(key, logits.shape[1:]))(keys)
   return jax.lax.stop_gradient(_argmax_first(logits + gumbel).astype(jnp.int32))
 
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import jaxlib
+import pytest
 
 from conftest import REPO
 from electra_jax import xla_flags
@@ -34,3 +35,49 @@ def test_the_cli_module_sets_them_and_xla_accepts_them():
   off = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, "ELECTRA_JAX_XLA_DEFAULTS": "0"},
                        capture_output=True, text=True, timeout=300)
   assert off.returncode == 0 and FLAG not in off.stdout
+
+
+_FAULTS = """
+import os, resource
+from electra_jax import xla_flags
+xla_flags.apply_cpu_defaults(restart=True)
+import jax, jax.numpy as jnp
+# cos(x) is a 128 MiB temporary of the compiled call (XLA:CPU does not fuse it into the dot).
+step = jax.jit(lambda x, w: jnp.cos(x) @ w)
+x, w = jnp.ones((8192, 4096)), jnp.ones((4096, 4))
+step(x, w).block_until_ready()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(3):
+  step(x, w).block_until_ready()
+print(os.environ.get("GLIBC_TUNABLES"), (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 3)
+"""
+
+
+def _run_faults(**env):
+  env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", **env}
+  out = subprocess.run([sys.executable, "-c", _FAULTS], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  tunables, faults = out.stdout.split()[-2:]
+  return tunables, int(faults)
+
+
+def test_a_cpu_process_restarts_with_huge_pages_and_faults_its_temporaries_in_by_the_2_mib():
+  # 128 MiB of temporaries is 32,768 pages of 4 KiB, which each call maps and faults in again;
+  # with transparent huge pages, 64 of 2 MiB.
+  assert _run_faults(ELECTRA_JAX_XLA_DEFAULTS="0") == ("None", pytest.approx(32_768, rel=0.1))
+  assert _run_faults(GLIBC_TUNABLES="glibc.malloc.check=0")[0] == "glibc.malloc.check=0"  # the user's own
+  tunables, faults = _run_faults()
+  if xla_flags.malloc_tunables({"JAX_PLATFORMS": "cpu"}) is None:  # not glibc 2.35+, or THP off
+    assert tunables == "None"
+  else:
+    assert (tunables, faults) == (xla_flags.HUGE_PAGES, pytest.approx(0, abs=2_000))
+
+
+def test_the_allocator_is_left_alone_where_an_accelerator_computes_or_the_user_chose(monkeypatch):
+  assert xla_flags.accelerator_visible({"JAX_PLATFORMS": "cuda"})
+  assert xla_flags.accelerator_visible({"JAX_PLATFORMS": "tpu,cpu"})
+  assert not xla_flags.accelerator_visible({"JAX_PLATFORMS": "cpu"})
+  assert xla_flags.malloc_tunables({"JAX_PLATFORMS": "cuda"}) is None
+  assert xla_flags.malloc_tunables({"JAX_PLATFORMS": "cpu", "MALLOC_ARENA_MAX": "2"}) is None
+  monkeypatch.setattr(xla_flags, "_THP_MODE", "/nonexistent")
+  assert xla_flags.malloc_tunables({"JAX_PLATFORMS": "cpu"}) is None

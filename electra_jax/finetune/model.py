@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from electra_jax import checkpointing, config_lib, data, partitioning, train
+from electra_jax import checkpointing, config_lib, data, partitioning, random_ops, train
 from electra_jax.errors import ConfigError
 from electra_jax.models import Encoder, EncoderConfig, build_model, embeddings_for, tower_from_pretrainer
 
@@ -70,7 +70,7 @@ class ElectraClassifier(nn.Module):
   def setup(self):
     self.embeddings = embeddings_for(self, self.embedding_size, self.config)
     self.encoder = Encoder(self.config, self.embedding_size, self.dtype, self.attention_impl)
-    self.head_dropout = nn.Dropout(self.head_dropout_rate)
+    self.head_dropout = random_ops.Dropout(self.head_dropout_rate)
     self.classifier = nn.Dense(
         self.num_outputs,
         dtype=self.dtype,

@@ -1,0 +1,125 @@
+"""Uniform, Bernoulli and Gumbel draws that equal jax.random's bit for bit, but are cheap on CPUs.
+
+jax.random's default generator hashes a counter per element with Threefry-2x32 (20 rounds).
+On GPU and TPU the rounds are unrolled and fuse into the consumer. On CPU, JAX lowers them as
+a rolled loop (to keep compile times short): five iterations, each reading and writing the
+whole [elements] x 2 words array, and nothing fuses across the loop. For ELECTRA's largest
+draws (dropout masks, and the Gumbel noise over the vocabulary at every masked position, about
+18 M floats per step for electra_small at batch 32) that loop costs about a tenth of a CPU step.
+
+Here the same hash is written out as plain uint32 arithmetic, which XLA fuses with the
+comparison or logarithms that consume it. The counters, the key words, the rounds and the
+bit-to-float conversion follow jax.random's threefry2x32 with `jax_threefry_partitionable`
+(JAX's default), so the draws are the very same numbers (tests/test_random_ops.py checks
+equality with jax.random). Any other setup (another PRNG implementation, the non-partitionable
+layout, the high-range Gumbel mode) falls back to jax.random itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+# Threefry-2x32's rotation constants (Salmon et al., "Parallel random numbers: as easy as
+# 1, 2, 3", SC 2011), used in groups of four rounds, alternating.
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+_KEY_PARITY = np.uint32(0x1BD11BDA)
+
+
+def _rotl(x, r: int):
+  return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
+
+
+def threefry2x32(k1, k2, x1, x2):
+  """The Threefry-2x32 block cipher (20 rounds) of the counter words (x1, x2) under key (k1, k2),
+  elementwise on uint32 arrays; unrolled so that it fuses with its consumers."""
+  ks = (k1, k2, k1 ^ k2 ^ _KEY_PARITY)
+  x1, x2 = x1 + ks[0], x2 + ks[1]
+  for group in range(5):
+    for r in _ROTATIONS[group % 2]:
+      x1 = x1 + x2
+      x2 = _rotl(x2, r) ^ x1
+    x1 = x1 + ks[(group + 1) % 3]
+    x2 = x2 + ks[(group + 2) % 3] + np.uint32(group + 1)
+  return x1, x2
+
+
+def _is_fast_path(key) -> bool:
+  """True when jax.random would draw with partitionable threefry2x32, whose bits we reproduce."""
+  try:
+    impl = jax.random.key_impl(key)
+  except TypeError:  # a raw uint32 key array: jax.random treats it as the default implementation
+    impl = None
+  name = str(impl) if impl is not None else jax.config.jax_default_prng_impl
+  return "threefry2x32" in name and bool(jax.config.jax_threefry_partitionable)
+
+
+def _counters(shape) -> jax.Array:
+  """The flat (row-major) index of every element, as uint32: jax.random's per-element counter
+  (its high word is 0 below 2**32 elements)."""
+  index = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for dim in reversed(range(len(shape))):
+    index = index + lax.broadcasted_iota(jnp.uint32, shape, dim) * np.uint32(stride)
+    stride *= shape[dim]
+  return index
+
+
+def random_bits(key, shape) -> jax.Array:
+  """uint32 bits of `shape`, equal to jax.random.bits(key, shape, jnp.uint32)."""
+  shape = tuple(shape)
+  if not _is_fast_path(key) or math.prod(shape) >= 2**32:
+    return jax.random.bits(key, shape, jnp.uint32)
+  data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+  k1, k2 = data[0], data[1]
+  bits1, bits2 = threefry2x32(k1, k2, jnp.zeros(shape, jnp.uint32), _counters(shape))
+  return bits1 ^ bits2
+
+
+def uniform(key, shape, minval: float = 0.0, maxval: float = 1.0) -> jax.Array:
+  """float32 in [minval, maxval), equal to jax.random.uniform(key, shape, jnp.float32, ...)."""
+  if not _is_fast_path(key):
+    return jax.random.uniform(key, shape, jnp.float32, minval, maxval)
+  bits = random_bits(key, shape)
+  # 23 random mantissa bits under the exponent of 1.0 give [1, 2); shift down to [0, 1).
+  one = np.array(1.0, np.float32).view(np.uint32)
+  floats = lax.bitcast_convert_type((bits >> np.uint32(9)) | one, jnp.float32) - np.float32(1.0)
+  lo, hi = np.float32(minval), np.float32(maxval)
+  return lax.max(lo, floats * (hi - lo) + lo)
+
+
+def bernoulli(key, p: float, shape) -> jax.Array:
+  """bool draws with P(True) = p, equal to jax.random.bernoulli(key, p, shape) for float p."""
+  if not _is_fast_path(key):
+    return jax.random.bernoulli(key, p, shape)
+  return uniform(key, shape) < np.float32(p)
+
+
+def gumbel(key, shape) -> jax.Array:
+  """Standard Gumbel float32 draws, equal to jax.random.gumbel(key, shape, jnp.float32)."""
+  if not _is_fast_path(key) or jax.config.jax_high_dynamic_range_gumbel:
+    return jax.random.gumbel(key, shape, jnp.float32)
+  tiny = np.finfo(np.float32).tiny
+  return -jnp.log(-jnp.log(uniform(key, shape, minval=tiny, maxval=1.0)))
+
+
+class Dropout(nn.Module):
+  """flax.linen.Dropout with these draws: the same masks from the same "dropout" keys (so the
+  same results), cheaper on CPU."""
+
+  rate: float
+
+  @nn.compact
+  def __call__(self, inputs, deterministic: bool):
+    if self.rate == 0.0 or deterministic:
+      return inputs
+    if self.rate == 1.0:
+      return jnp.zeros_like(inputs)
+    keep_prob = 1.0 - self.rate
+    keep = bernoulli(self.make_rng("dropout"), keep_prob, inputs.shape)
+    return lax.select(keep, inputs / keep_prob, jnp.zeros_like(inputs))
