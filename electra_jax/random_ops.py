@@ -5,7 +5,8 @@ On GPU and TPU the rounds are unrolled and fuse into the consumer. On CPU, JAX l
 a rolled loop (to keep compile times short): five iterations, each reading and writing the
 whole [elements] x 2 words array, and nothing fuses across the loop. For ELECTRA's largest
 draws (dropout masks, and the Gumbel noise over the vocabulary at every masked position, about
-18 M floats per step for electra_small at batch 32) that loop costs about a tenth of a CPU step.
+18 M floats per step for electra_small at batch 32) that loop costs 12% of a CPU step
+(benchmarks/RESULTS.md, 2026-11-25).
 
 Here the same hash is written out as plain uint32 arithmetic, which XLA fuses with the
 comparison or logarithms that consume it. The counters, the key words, the rounds and the

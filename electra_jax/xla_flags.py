@@ -44,7 +44,7 @@ def malloc_tunables(environ=os.environ) -> str | None:
   unmaps it on free, so each step faults its pages in again, 4 KiB at a time: 388,000 page
   faults a step on two cores (with none, the step ran 13% faster). glibc.malloc.hugetlb=1
   (glibc 2.35+) asks the kernel for transparent huge pages on such mappings: 2 MiB a fault,
-  1,300 faults a step, 6% faster. Memory is still returned to the system as before. None when
+  1,300 faults a step, 16% of the step (benchmarks/RESULTS.md, 2026-11-25). Memory is still returned to the system as before. None when
   the user has set malloc's own variables, off glibc, on glibc < 2.35, where the kernel's
   transparent huge pages are off, or when an accelerator computes (checked last: it may
   import jax).
