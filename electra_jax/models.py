@@ -181,6 +181,18 @@ def _layer_norm(eps: float, name: str):
   )
 
 
+def vocab_head(module: nn.Module, hidden, word_table, prefix: str = ""):
+  """BERT's masked-LM head inside `module`'s compact call: dense(-> E) + GELU + LayerNorm, then
+  the decoder tied to `word_table` plus `{prefix}output_bias` (parameters `{prefix}head_dense`,
+  `{prefix}head_layer_norm`). `module` holds embedding_size, vocab_size, dtype and config."""
+  hidden = _dense(module.embedding_size, "embed", "mlp", module.dtype, f"{prefix}head_dense")(hidden)
+  hidden = _layer_norm(module.config.layer_norm_eps, f"{prefix}head_layer_norm")(gelu_exact(hidden))
+  output_bias = module.param(
+      f"{prefix}output_bias", _param(nn.initializers.zeros_init(), ("vocab",)), (module.vocab_size,)
+  )
+  return tied_vocab_logits(decoder_input(hidden), word_table, output_bias, module.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class EncoderConfig:
   """Sizes of one transformer tower."""
@@ -565,13 +577,7 @@ class Generator(nn.Module):
     # Only the masked positions reach the head: the vocabulary projection is the costliest
     # matmul of a small generator, and the loss needs nothing else.
     hidden = jnp.take_along_axis(hidden, masked_positions[..., None], axis=1)  # [batch, n_pred, H_g]
-    hidden = _dense(self.embedding_size, "embed", "mlp", self.dtype, "head_dense")(hidden)
-    hidden = gelu_exact(hidden)
-    hidden = _layer_norm(self.config.layer_norm_eps, "head_layer_norm")(hidden)
-    output_bias = self.param(
-        "output_bias", _param(nn.initializers.zeros_init(), ("vocab",)), (self.vocab_size,)
-    )
-    return tied_vocab_logits(decoder_input(hidden), word_table, output_bias, self.dtype)  # [batch, n_pred, vocab]
+    return vocab_head(self, hidden, word_table)  # [batch, n_pred, vocab]
 
 
 class ClozeGenerator(nn.Module):
@@ -598,13 +604,7 @@ class ClozeGenerator(nn.Module):
     ltr, rtl = towers
     # Shift: t takes ltr[t - 1] and rtl[t + 1] (wrapping at the ends, as the official roll).
     hidden = jnp.concatenate([jnp.roll(ltr, 1, axis=1), jnp.roll(rtl, -1, axis=1)], axis=-1)
-    hidden = _dense(self.embedding_size, "embed", "mlp", self.dtype, "head_dense")(hidden)
-    hidden = gelu_exact(hidden)
-    hidden = _layer_norm(self.config.layer_norm_eps, "head_layer_norm")(hidden)
-    output_bias = self.param(
-        "output_bias", _param(nn.initializers.zeros_init(), ("vocab",)), (self.vocab_size,)
-    )
-    return tied_vocab_logits(decoder_input(hidden), word_table, output_bias, self.dtype)  # [batch, seq, vocab]
+    return vocab_head(self, hidden, word_table)  # [batch, seq, vocab]
 
 
 class Discriminator(nn.Module):
@@ -640,13 +640,7 @@ class Discriminator(nn.Module):
       raise ValueError("with_mlm=True needs a Discriminator built with mlm_head=True.")
     if mlm_positions is not None:
       encoded = jnp.take_along_axis(encoded, mlm_positions[..., None], axis=1)
-    hidden = _dense(self.embedding_size, "embed", "mlp", self.dtype, "mlm_head_dense")(encoded)
-    hidden = gelu_exact(hidden)
-    hidden = _layer_norm(self.config.layer_norm_eps, "mlm_head_layer_norm")(hidden)
-    output_bias = self.param(
-        "mlm_output_bias", _param(nn.initializers.zeros_init(), ("vocab",)), (self.vocab_size,)
-    )
-    return logits, tied_vocab_logits(decoder_input(hidden), word_table, output_bias, self.dtype)
+    return logits, vocab_head(self, encoded, word_table, prefix="mlm_")
 
 
 # How the towers share weights (model.tie): "embeddings" (ELECTRA's default: one embedding
