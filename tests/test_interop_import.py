@@ -116,6 +116,14 @@ def test_prefix_resolution_and_bad_paths(tmp_path):
   (tmp_path / "junk.index").write_bytes(b"not a table" * 10)
   with pytest.raises(ConfigError, match="not a TensorFlow checkpoint index"):
     tf_checkpoint.TFCheckpoint(str(tmp_path / "junk"))
+  # A NaN in a tensor's bytes is refused by the tensor's name.
+  nan_ckpt = tf_checkpoint.TFCheckpoint(str(tmp_path / "model.ckpt-3"))
+  entry = nan_ckpt.entries["generator_predictions/output_bias"]
+  with open(tmp_path / "model.ckpt-3.data-00000-of-00001", "r+b") as f:
+    f.seek(entry.offset)
+    f.write(np.array([np.nan], np.float32).tobytes())
+  with pytest.raises(ConfigError, match="'generator_predictions/output_bias' holds 1 NaN or infinite values"):
+    nan_ckpt.read("generator_predictions/output_bias")
   # A truncated data file is named, not read as garbage.
   data = tmp_path / "model.ckpt-12.data-00000-of-00001"
   data.write_bytes(data.read_bytes()[:1000])
@@ -259,6 +267,23 @@ def test_unequal_embeddings_are_refused_unless_one_side_is_chosen(tmp_path):
       params["embeddings"]["position_embeddings"]["embedding"],
       weights["electra.embeddings.position_embeddings.weight"],
   )
+
+
+def test_nan_weights_and_a_broken_shard_index_are_refused_by_name(tmp_path):
+  dirs = _hf_pair_with_vocab(tmp_path)
+  weights_path = os.path.join(dirs["discriminator"], "model.safetensors")
+  weights = safetensors.numpy.load_file(weights_path)
+  weights["discriminator_predictions.dense.weight"][0, :3] = [np.nan, np.inf, -np.inf]
+  safetensors.numpy.save_file(weights, weights_path, metadata={"format": "pt"})
+  with pytest.raises(ConfigError, match=r"discriminator_predictions.dense.weight' holds 3 NaN or infinite values"):
+    interop.pair_from_hf(dirs["discriminator"], dirs["generator"])
+  # A sharded checkpoint whose index is not one is named, not a KeyError.
+  os.remove(weights_path)
+  index = weights_path + ".index.json"
+  with open(index, "w") as f:
+    json.dump({"metadata": {}}, f)
+  with pytest.raises(ConfigError, match=f"Refusing {index}: not a sharded-checkpoint index"):
+    interop.pair_from_hf(dirs["discriminator"], dirs["generator"])
 
 
 def test_pairs_electra_jax_cannot_represent_are_refused(tmp_path):

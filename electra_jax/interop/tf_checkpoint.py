@@ -28,7 +28,7 @@ import numpy as np
 
 from electra_jax import models
 from electra_jax.errors import ConfigError
-from electra_jax.interop import hf
+from electra_jax.interop import hf, weight_files
 
 _TABLE_MAGIC = 0xDB4775248B80FB57
 _FOOTER_SIZE = 48
@@ -201,7 +201,7 @@ class TFCheckpoint:
       raise ConfigError(f"Cannot read the checkpoint data file {path} ({e}).") from e
     if len(raw) != entry.size:
       raise ConfigError(f"{path} is truncated: {name} needs bytes {entry.offset}..{entry.offset + entry.size}.")
-    return np.frombuffer(raw, dtype=dtype).reshape(entry.shape).copy()
+    return weight_files.finite({name: np.frombuffer(raw, dtype=dtype).reshape(entry.shape).copy()}, path)[name]
 
 
 def resolve_prefix(path: str) -> str:

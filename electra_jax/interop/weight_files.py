@@ -62,20 +62,40 @@ def _read_torch_state_dict(path: str) -> dict[str, np.ndarray]:
   }
 
 
+def finite(weights: dict[str, np.ndarray], source: str) -> dict[str, np.ndarray]:
+  """`weights`, refused by the first tensor holding a NaN or an infinity."""
+  for name, array in weights.items():
+    if array.dtype.kind in "fc" or array.dtype.name == "bfloat16":
+      finite = np.isfinite(array)
+      if not finite.all():
+        raise ConfigError(
+            f"Refusing {source}: tensor {name!r} holds {finite.size - int(finite.sum())} NaN or infinite "
+            f"values of {finite.size} (a model trained into NaN, or a damaged file); import a good "
+            "checkpoint."
+        )
+  return weights
+
+
 def read_hf_weights(directory: str) -> dict[str, np.ndarray]:
   """Every tensor of a transformers checkpoint directory: model.safetensors (preferred) or
-  pytorch_model.bin, either possibly sharded (*.index.json)."""
+  pytorch_model.bin, either possibly sharded (*.index.json). Refuses NaN and infinite weights."""
   for file_name, reader in (
       ("model.safetensors", _read_safetensors),
       ("pytorch_model.bin", _read_torch_state_dict),
   ):
     path = os.path.join(directory, file_name)
     if os.path.exists(path):
-      return reader(path)
+      return finite(reader(path), path)
     index_path = path + ".index.json"
     if os.path.exists(index_path):
-      with open(index_path) as f:
-        shard_names = sorted(set(json.load(f)["weight_map"].values()))
+      try:
+        with open(index_path) as f:
+          shard_names = sorted(set(json.load(f)["weight_map"].values()))
+      except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ConfigError(
+            f"Refusing {index_path}: not a sharded-checkpoint index ({type(error).__name__}: {error}); "
+            "it needs a \"weight_map\" of tensor name -> shard file."
+        ) from None
       for shard_name in shard_names:
         if os.path.basename(shard_name) != shard_name:
           raise ConfigError(
@@ -84,7 +104,7 @@ def read_hf_weights(directory: str) -> dict[str, np.ndarray]:
       weights = {}
       for shard_name in shard_names:
         weights.update(reader(os.path.join(directory, shard_name)))
-      return weights
+      return finite(weights, index_path)
   raise ConfigError(
       f"{directory} has no model.safetensors or pytorch_model.bin (nor a sharded index of "
       "either): point load_hf at a directory written by save_pretrained."
