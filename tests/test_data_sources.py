@@ -270,6 +270,14 @@ def test_wordpiece_special_ids_come_from_the_vocab(oracle_vocab):
   assert len(tokenizer.fingerprint) == 16
 
 
+def test_a_vocab_with_a_utf8_bom_reads_as_without(oracle_vocab, tmp_path):
+  with_bom = tmp_path / "bom_vocab.txt"
+  with_bom.write_bytes(b"\xef\xbb\xbf" + open(oracle_vocab, "rb").read())
+  plain, bom = WordPieceTokenizer(oracle_vocab), WordPieceTokenizer(str(with_bom))
+  assert bom.pad_id == plain.pad_id == 0 and bom.vocab_size == plain.vocab_size
+  assert bom.encode("the jumping dogs [MASK]") == plain.encode("the jumping dogs [MASK]")
+
+
 def test_wordpiece_vocab_missing_mask_is_refused(tmp_path):
   path = _bert_like_vocab(tmp_path / "no_mask_vocab.txt", ["the"], drop=("[MASK]",))
   with pytest.raises(ConfigError, match=r"no_mask_vocab\.txt lacks the special token \[MASK\]"):

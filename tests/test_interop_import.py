@@ -286,6 +286,26 @@ def test_nan_weights_and_a_broken_shard_index_are_refused_by_name(tmp_path):
     interop.pair_from_hf(dirs["discriminator"], dirs["generator"])
 
 
+def test_a_vocab_linked_from_outside_or_without_specials_is_refused_before_the_copy(tmp_path):
+  dirs = _hf_pair_with_vocab(tmp_path)
+  outside = tmp_path / "elsewhere.txt"
+  shutil.copy(os.path.join(FIXTURE, "vocab.txt"), outside)
+  for tower in ("discriminator", "generator"):
+    os.remove(os.path.join(dirs[tower], "vocab.txt"))
+  os.symlink(outside, os.path.join(dirs["discriminator"], "vocab.txt"))
+  with pytest.raises(ConfigError, match=f"links to {outside}, outside {dirs['discriminator']}"):
+    interop.pair_from_hf(dirs["discriminator"], dirs["generator"])
+  # A vocabulary without [MASK] is refused before the workdir gets a copy of it.
+  os.remove(os.path.join(dirs["discriminator"], "vocab.txt"))
+  lines = [t for t in open(outside).read().splitlines() if t != "[MASK]"]
+  with open(os.path.join(dirs["discriminator"], "vocab.txt"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+  pair = interop.pair_from_hf(dirs["discriminator"], dirs["generator"])
+  with pytest.raises(ConfigError, match=r"lacks the special token \[MASK\]"):
+    _import(pair, tmp_path / "work")
+  assert not os.path.exists(tmp_path / "work" / "vocab.txt") and not os.path.exists(tmp_path / "work" / "checkpoints")
+
+
 def test_pairs_electra_jax_cannot_represent_are_refused(tmp_path):
   dirs = _hf_pair_with_vocab(tmp_path)
   config = json.loads(open(os.path.join(dirs["generator"], "config.json")).read())

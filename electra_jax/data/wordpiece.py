@@ -40,7 +40,7 @@ class WordPieceTokenizer:
           f"path of a BERT vocab.txt (one token per line)."
       ) from e
     try:
-      tokens = vocab_bytes.decode("utf-8").split("\n")
+      tokens = vocab_bytes.decode("utf-8-sig").split("\n")  # -sig: a BOM would hide [PAD]
     except UnicodeDecodeError as e:
       raise ConfigError(
           f"data.vocab_file={vocab_file!r} is not UTF-8 text ({e}); give a BERT vocab.txt."

@@ -68,9 +68,8 @@ def pair_from_hf(discriminator_dir: str, generator_dir: str) -> ImportedPair:
       )
     towers[expected] = (model, params)
   vocab_files = {
-      name: os.path.join(directory, "vocab.txt")
-      for name, directory in (("discriminator", discriminator_dir), ("generator", generator_dir))
-      if os.path.isfile(os.path.join(directory, "vocab.txt"))
+      name: path for name, directory in (("discriminator", discriminator_dir), ("generator", generator_dir))
+      if (path := _file_beside(directory, "vocab.txt"))
   }
   if len(vocab_files) == 2 and _file_bytes(vocab_files["discriminator"]) != _file_bytes(vocab_files["generator"]):
     raise ConfigError(
@@ -80,8 +79,7 @@ def pair_from_hf(discriminator_dir: str, generator_dir: str) -> ImportedPair:
   vocab_file = vocab_files.get("discriminator") or vocab_files.get("generator")
   # electra-jax's exports of a sentencepiece run carry spm.model instead (transformers has no
   # ELECTRA tokenizer for it); the same model must be beside both towers, if beside both.
-  spm_files = [os.path.join(d, "spm.model") for d in (discriminator_dir, generator_dir)
-               if os.path.isfile(os.path.join(d, "spm.model"))]
+  spm_files = [path for d in (discriminator_dir, generator_dir) if (path := _file_beside(d, "spm.model"))]
   if len(spm_files) == 2 and _file_bytes(spm_files[0]) != _file_bytes(spm_files[1]):
     raise ConfigError(
         f"{spm_files[0]} and {spm_files[1]} differ: the two towers were trained with different "
@@ -96,14 +94,25 @@ def pair_from_hf(discriminator_dir: str, generator_dir: str) -> ImportedPair:
   )
 
 
+def _file_beside(directory: str, name: str) -> str | None:
+  """directory/name if it is a file, None if there is none; refused when it is a link that
+  leaves `directory` (an import copies it into the workdir)."""
+  path = os.path.join(directory, name)
+  if not os.path.isfile(path):
+    return None
+  real, inside = os.path.realpath(path), os.path.realpath(directory)
+  if os.path.commonpath([real, inside]) != inside:
+    raise ConfigError(f"Refusing {path}: it links to {real}, outside {directory}. Put the file itself there.")
+  return path
+
+
 def pair_from_tf(path: str, vocab_file: str | None = None, num_heads: int | None = None) -> ImportedPair:
   """Reads an official TF1 pre-training checkpoint (see tf_checkpoint.py); `vocab_file`
   defaults to the vocab.txt beside it, as the released archives ship it."""
   prefix = tf_checkpoint.resolve_prefix(path)
   towers = tf_checkpoint.read_towers(prefix, num_heads)
   if vocab_file is None:
-    beside = os.path.join(os.path.dirname(prefix), "vocab.txt")
-    vocab_file = beside if os.path.isfile(beside) else None
+    vocab_file = _file_beside(os.path.dirname(prefix), "vocab.txt")
   elif not os.path.isfile(vocab_file):
     raise ConfigError(f"--vocab_file={vocab_file} does not exist; give the checkpoint's vocab.txt.")
   return ImportedPair(
@@ -221,6 +230,7 @@ def _data_config(pair: ImportedPair, config, workdir: str) -> dict:
         "Put the model's vocab.txt there, or pass --config.data.tokenizer=wordpiece "
         "--config.data.vocab_file=PATH."
     )
+  data.WordPieceTokenizer(pair.vocab_file)  # refuses a vocabulary without ELECTRA's special tokens, before the copy
   target = os.path.join(os.path.abspath(workdir), "vocab.txt")
   shutil.copyfile(pair.vocab_file, target + ".tmp")
   os.replace(target + ".tmp", target)
