@@ -306,6 +306,25 @@ def test_a_vocab_linked_from_outside_or_without_specials_is_refused_before_the_c
   assert not os.path.exists(tmp_path / "work" / "vocab.txt") and not os.path.exists(tmp_path / "work" / "checkpoints")
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"num_hidden_layers": 1000}, "num_hidden_layers=1000, but the weight files hold 2"),
+    ({"hidden_size": 64}, "hidden_size=64, but the weight files hold 32"),
+    ({"num_attention_heads": 0}, "num_attention_heads=0 must be a positive whole number"),
+    ({"max_position_embeddings": "512"}, "max_position_embeddings='512' must be a positive whole number"),
+    ({"hidden_dropout_prob": None}, r"hidden_dropout_prob=None must be a number in \[0, 1\)"),
+])
+def test_a_config_json_the_weights_contradict_or_with_bad_values_is_refused_by_key(tmp_path, change, message):
+  directory = tmp_path / "hf"
+  shutil.copytree(os.path.join(FIXTURE, "hf_discriminator"), directory)
+  config = json.loads((directory / "config.json").read_text())
+  (directory / "config.json").write_text(json.dumps({**config, **change}))
+  with pytest.raises(ConfigError, match=message):
+    interop.load_hf(str(directory))
+  (directory / "config.json").write_text("{not json")
+  with pytest.raises(ConfigError, match="config.json is not a readable JSON file"):
+    interop.load_hf(str(directory))
+
+
 def test_pairs_electra_jax_cannot_represent_are_refused(tmp_path):
   dirs = _hf_pair_with_vocab(tmp_path)
   config = json.loads(open(os.path.join(dirs["generator"], "config.json")).read())

@@ -4,7 +4,9 @@ between the two configs and between the two weight layouts (weight_files.py read
 
 import dataclasses
 import json
+import math
 import os
+import re
 import shutil
 from typing import Any
 
@@ -159,6 +161,29 @@ def _param_shapes(model) -> dict[tuple[str, ...], tuple[int, ...]]:
 # ---------------------------------------------------------------------------------------
 # Configs
 # ---------------------------------------------------------------------------------------
+_SIZE_KEYS = ("vocab_size", "embedding_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "intermediate_size", "max_position_embeddings", "type_vocab_size")
+
+
+def _check_sizes_against_weights(hf_config: dict[str, Any], weights: dict[str, np.ndarray], source: str) -> None:
+  """Refuses a config.json whose sizes the weight files contradict, before any model of the
+  claimed size is built (transformers' [out, in] layout)."""
+  def shape_of(suffix):
+    return next((w.shape for name, w in weights.items() if name.endswith(suffix)), None)
+
+  word = shape_of("embeddings.word_embeddings.weight")
+  query = shape_of("encoder.layer.0.attention.self.query.weight")
+  intermediate = shape_of("encoder.layer.0.intermediate.dense.weight")
+  layers = {int(m.group(1)) for name in weights if (m := re.search(r"encoder\.layer\.(\d+)\.", name))}
+  held = {"vocab_size": word and word[0], "embedding_size": word and word[1], "hidden_size": query and query[0],
+          "intermediate_size": intermediate and intermediate[0], "num_hidden_layers": len(layers) or None}
+  for key, actual in held.items():
+    claimed = hf_config.get(key, HF_CONFIG_DEFAULTS[key])
+    if actual is not None and claimed != actual:
+      raise ConfigError(f"{source}: {key}={claimed!r}, but the weight files hold {actual}; the config.json "
+                        "is not the one these weights were saved with.")
+
+
 def model_from_hf_config(hf_config: dict[str, Any], source: str = "config.json"):
   """(kind, model) for a transformers ELECTRA config dict; refuses, naming the key, whatever
   the model could not compute exactly. `source` names the file in errors."""
@@ -187,6 +212,14 @@ def model_from_hf_config(hf_config: dict[str, Any], source: str = "config.json")
           f"{why}. This checkpoint cannot be converted exactly."
       )
   value = {key: hf_config.get(key, default) for key, default in HF_CONFIG_DEFAULTS.items()}
+  for key in _SIZE_KEYS:
+    if type(value[key]) is not int or value[key] < 1:
+      raise ConfigError(f"{source}: {key}={value[key]!r} must be a positive whole number.")
+  for key, low, high in (("hidden_dropout_prob", 0, 1), ("attention_probs_dropout_prob", 0, 1),
+                         ("layer_norm_eps", 0, 1)):
+    number = value[key]
+    if type(number) not in (int, float) or not (math.isfinite(number) and low <= number < high):
+      raise ConfigError(f"{source}: {key}={number!r} must be a number in [{low}, {high}).")
   if value["hidden_size"] % value["num_attention_heads"]:
     raise ConfigError(
         f"{source}: hidden_size={value['hidden_size']} is not divisible by "
@@ -338,11 +371,18 @@ def load_hf(path: str):
         f"{path} has no config.json; point load_hf at a directory written by save_pretrained "
         "(or save_hf)."
     )
-  with open(config_path) as f:
-    hf_config = json.load(f)
+  try:
+    with open(config_path, encoding="utf-8-sig") as f:
+      hf_config = json.load(f)
+  except (ValueError, OSError) as error:
+    raise ConfigError(f"{config_path} is not a readable JSON file ({error}).") from None
+  if not isinstance(hf_config, dict):
+    raise ConfigError(f"{config_path} holds a JSON {type(hf_config).__name__}, not the object of a model config.")
+  weights = read_hf_weights(path)
+  _check_sizes_against_weights(hf_config, weights, config_path)
   kind, model = model_from_hf_config(hf_config, config_path)
   decoder_tied = hf_config.get("tie_word_embeddings", True) is not False
-  return model, params_from_hf_weights(model, kind, read_hf_weights(path), path, decoder_tied)
+  return model, params_from_hf_weights(model, kind, weights, path, decoder_tied)
 
 
 def save_hf(
