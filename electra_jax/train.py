@@ -3,6 +3,7 @@
 checkpoint, compile, loop (with preemption and NaN handling)."""
 
 import collections
+import contextlib
 import dataclasses
 import json
 import math
@@ -727,7 +728,30 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   last logged metrics. One run per workdir (workdir_lease.py): a run refuses a workdir that
   another live run holds, unless `take_over_workdir`. With train.time_budget, train.steps is
   fixed here (resolve_time_budget) and written to config.json."""
-  started = _budget_clock()
+  with _sigterm_unwinds():
+    return _train_and_evaluate(config, workdir, take_over_workdir, _budget_clock())
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+  """Until the training loop's own handler takes over (_PreemptionGuard): SIGTERM raises
+  SystemExit(143) in the main thread, so a run stopped while it starts (data, compile) releases
+  its lease and leaves nothing half-written, where the default action would kill it at once."""
+  def unwind(signum, frame):
+    raise SystemExit(128 + signum)
+
+  try:
+    previous = signal.signal(signal.SIGTERM, unwind)
+  except ValueError:  # not the main thread (some notebook runners)
+    previous = None
+  try:
+    yield
+  finally:
+    if previous is not None:
+      signal.signal(signal.SIGTERM, previous)
+
+
+def _train_and_evaluate(config, workdir: str, take_over_workdir: bool, started: float) -> dict[str, float]:
   workdir_files.check_usable(workdir)
   budgeted = bool(config.train.time_budget)
   # With a time budget train.steps, and with it the switch's default, is known further down.

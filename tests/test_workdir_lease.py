@@ -197,3 +197,22 @@ def test_a_lease_with_fields_of_other_types_is_ignored_with_a_warning(tmp_path, 
   _write_holder(tmp_path, clock.now)
   with pytest.raises(WorkdirInUse):
     WorkdirLease(tmp_path, beat_seconds=60, clock=clock).acquire()
+
+
+def test_a_sigterm_while_the_run_starts_releases_the_lease(tmp_path, monkeypatch):
+  """Before the training loop's own handler (compile, the first state): SIGTERM unwinds with
+  exit code 143 instead of killing the process with its lease held."""
+  import signal  # noqa: PLC0415
+
+  def stopped_while_compiling(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)  # the handler raises before this ends
+    raise AssertionError("SIGTERM did not stop the run")
+
+  monkeypatch.setattr(train, "_train", stopped_while_compiling)
+  before = signal.getsignal(signal.SIGTERM)
+  with pytest.raises(SystemExit) as stopped:
+    train.train_and_evaluate(tiny_config(), str(tmp_path))
+  assert stopped.value.code == 143
+  assert json.loads((tmp_path / workdir_lease.LEASE_FILE).read_text())["released"] is True
+  assert signal.getsignal(signal.SIGTERM) is before  # put back for whatever runs next
