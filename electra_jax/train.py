@@ -736,14 +736,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 def _sigterm_unwinds():
   """Until the training loop's own handler takes over (_PreemptionGuard): SIGTERM raises
   SystemExit(143) in the main thread, so a run stopped while it starts (data, compile) releases
-  its lease and leaves nothing half-written, where the default action would kill it at once."""
+  its lease and leaves nothing half-written, where the default action would kill it at once.
+  Not where jax.distributed runs (one process or several): JAX's preemption service catches
+  SIGTERM from initialize on and the loop stops every process at one step with a checkpoint
+  (a process raising alone would leave the others in a collective)."""
   def unwind(signum, frame):
     raise SystemExit(128 + signum)
 
-  try:
-    previous = signal.signal(signal.SIGTERM, unwind)
-  except ValueError:  # not the main thread (some notebook runners)
-    previous = None
+  previous = None
+  if jax.process_count() == 1 and not jax.distributed.is_initialized():
+    try:
+      previous = signal.signal(signal.SIGTERM, unwind)
+    except ValueError:  # not the main thread (some notebook runners)
+      previous = None
   try:
     yield
   finally:
