@@ -201,7 +201,7 @@ class TFCheckpoint:
       raise ConfigError(f"Cannot read the checkpoint data file {path} ({e}).") from e
     if len(raw) != entry.size:
       raise ConfigError(f"{path} is truncated: {name} needs bytes {entry.offset}..{entry.offset + entry.size}.")
-    return weight_files.finite({name: np.frombuffer(raw, dtype=dtype).reshape(entry.shape).copy()}, path)[name]
+    return weight_files.finite_tensor(name, np.frombuffer(raw, dtype=dtype).reshape(entry.shape).copy(), path)
 
 
 def resolve_prefix(path: str) -> str:

@@ -62,17 +62,23 @@ def _read_torch_state_dict(path: str) -> dict[str, np.ndarray]:
   }
 
 
+def finite_tensor(name: str, array: np.ndarray, source: str) -> np.ndarray:
+  """`array`, refused when it holds a NaN or an infinity."""
+  if array.dtype.kind in "fc" or array.dtype.name == "bfloat16":
+    finite = np.isfinite(array)
+    if not finite.all():
+      raise ConfigError(
+          f"Refusing {source}: tensor {name!r} holds {finite.size - int(finite.sum())} NaN or infinite "
+          f"values of {finite.size} (a model trained into NaN, or a damaged file); import a good "
+          "checkpoint."
+      )
+  return array
+
+
 def finite(weights: dict[str, np.ndarray], source: str) -> dict[str, np.ndarray]:
   """`weights`, refused by the first tensor holding a NaN or an infinity."""
   for name, array in weights.items():
-    if array.dtype.kind in "fc" or array.dtype.name == "bfloat16":
-      finite = np.isfinite(array)
-      if not finite.all():
-        raise ConfigError(
-            f"Refusing {source}: tensor {name!r} holds {finite.size - int(finite.sum())} NaN or infinite "
-            f"values of {finite.size} (a model trained into NaN, or a damaged file); import a good "
-            "checkpoint."
-        )
+    finite_tensor(name, array, source)
   return weights
 
 
