@@ -26,7 +26,7 @@ from electra_jax.data import (
     pack_documents,
     train_sentencepiece,
 )
-from electra_jax.data import corpus, pipeline
+from electra_jax.data import corpus, pipeline, prepare
 
 CLS, SEP, PAD = 2, 3, 0
 
@@ -384,10 +384,11 @@ def test_load_pretraining_data_shapes_and_content(train_data):
   assert train_data.input_ids.dtype == np.int32 and train_data.token_type_ids.dtype == np.int32
   assert train_data.input_ids.shape == train_data.token_type_ids.shape
   assert train_data.input_ids.shape[1] == 64 and train_data.num_examples > 100
-  assert np.all(train_data.input_ids[:, 0] == train_data.tokenizer.cls_id)
-  assert train_data.input_ids.max() < train_data.tokenizer.vocab_size
-  assert 0 < train_data.num_tokens <= train_data.input_ids.size
-  assert train_data.num_tokens == int(np.count_nonzero(train_data.input_ids))
+  input_ids = np.asarray(train_data.input_ids)
+  assert np.all(input_ids[:, 0] == train_data.tokenizer.cls_id)
+  assert input_ids.max() < train_data.tokenizer.vocab_size
+  assert 0 < train_data.num_tokens <= input_ids.size
+  assert train_data.num_tokens == int(np.count_nonzero(input_ids))
   assert "max_seq_len:64" in train_data.fingerprint
   assert train_data.tokenizer.fingerprint in train_data.fingerprint
   text = train_data.tokenizer.decode(train_data.input_ids[0])
@@ -405,12 +406,12 @@ def test_load_pretraining_data_second_call_uses_cache(cache_dir, train_data):
   np.testing.assert_array_equal(again.token_type_ids, train_data.token_type_ids)
   assert again.fingerprint == train_data.fingerprint
   assert all(not os.path.basename(f).startswith(".tmp") for f in files_before), files_before
-  assert all(f.endswith((".npy", ".model", ".json")) for f in files_before), files_before
+  assert all(f.endswith((".npy", ".model", ".json", ".lock")) for f in files_before), files_before
 
 
 def test_damaged_cache_is_rebuilt_identically(cache_dir, train_data):
   [array_path] = [f for f in _cache_files(cache_dir) if f.startswith(os.path.join("builtin", "")) and
-                  os.path.basename(f).startswith("train.len64") and f.endswith("input_ids.npy")]
+                  os.path.basename(f) == "train-00000.npy" and "len64" in f]
   os.remove(os.path.join(cache_dir, array_path))
   rebuilt = load_pretraining_data(_config(cache_dir), "train")
   np.testing.assert_array_equal(rebuilt.input_ids, train_data.input_ids)
@@ -419,7 +420,9 @@ def test_damaged_cache_is_rebuilt_identically(cache_dir, train_data):
 
 def test_train_and_eval_splits_share_no_document(cache_dir, train_data):
   documents = builtin_documents(120)
-  splits = pipeline._split_documents(documents, 0.1)
+  splits = {"train": [], "eval": []}
+  for index, document in enumerate(documents):
+    splits["eval" if prepare.is_eval_document(index, 0.1) else "train"].append(document)
   assert len(splits["eval"]) == 12 and len(splits["train"]) == 108
   train_texts = {"\n".join(d) for d in splits["train"]}
   assert not any("\n".join(d) in train_texts for d in splits["eval"])

@@ -20,6 +20,7 @@ from electra_jax.data import (
     load_pretraining_data,
     load_tokenizer,
     pipeline,
+    prepare,
     read_documents,
     resolve_files,
 )
@@ -299,7 +300,7 @@ def test_wordpiece_config_errors(tmp_path):
 
 
 def _cache_key_directory(config):
-  return pipeline._corpus_cache_dir(pipeline._read_config(config))
+  return pipeline._corpus_cache_dir(prepare.read_config(config))
 
 
 def test_changed_input_file_changes_the_cache_key(tmp_path, oracle_vocab):

@@ -69,7 +69,7 @@ def test_find_cycle_finds_one():
 def test_the_graph_sees_function_level_and_submodule_imports():
   graph = import_graph()
   assert "electra_jax.errors" in graph["electra_jax.config_lib"]  # from electra_jax.errors import ...
-  assert "electra_jax.data.pipeline" in graph["electra_jax.data.prepare"]  # a submodule by name
+  assert "electra_jax.data.prepare" in graph["electra_jax.data.pipeline"]  # a submodule by name
   assert "electra_jax.plots" in graph["electra_jax.sweep"]  # imported inside a function
 
 

@@ -18,7 +18,7 @@ from conftest import tiny_config
 from electra_jax.errors import ConfigError
 from electra_jax.data import get_batch, load_pretraining_data, load_tokenizer, pipeline, prepare_data
 from electra_jax.data.packing import assemble_rows, example_lengths, plan_rows
-from electra_jax.data.pipeline import PreparedData
+from electra_jax.data.pipeline import PretrainingData
 
 PAD = 0
 PACKED_KEYS = {"input_ids", "token_type_ids", "attention_mask", "segment_ids", "position_ids"}
@@ -209,7 +209,7 @@ def test_unpacked_batches_keep_their_keys_and_processes_split_packed_batches():
     np.testing.assert_array_equal(get_batch(packed, step, 8, seed=1)["input_ids"], whole["input_ids"])
 
 
-def test_prepared_shards_give_the_in_memory_packed_batches(tmp_path):
+def test_prepared_shards_give_the_cached_packed_batches(tmp_path):
   # Both paths share one tokenizer, as a prepared directory and a cache of the same config do.
   model = load_tokenizer(tiny_config().data).model_path
   overrides = {
@@ -217,25 +217,25 @@ def test_prepared_shards_give_the_in_memory_packed_batches(tmp_path):
   }
   prepare_data(_config(True, **overrides).data, num_workers=0)
   for split in ("train", "eval"):
-    in_memory = load_pretraining_data(_config(True, **overrides).data, split)
+    cached = load_pretraining_data(_config(True, **overrides).data, split)
     prepared = load_pretraining_data(_config(True, **overrides, **{"data.source": "prepared"}).data, split)
-    assert isinstance(prepared, PreparedData) and len(prepared.input_ids._shards) > 1
+    assert isinstance(prepared, PretrainingData) and len(prepared.input_ids._shards) > 1
     if split == "train":
-      in_memory_train = in_memory
-    assert prepared.fingerprint == in_memory.fingerprint
+      cached_train = cached
+    assert prepared.fingerprint == cached.fingerprint
     unpacked = load_pretraining_data(_config(False, **overrides, **{"data.source": "prepared"}).data, split)
     assert unpacked.fingerprint != prepared.fingerprint
-    np.testing.assert_array_equal(prepared.packing.row_splits, in_memory.packing.row_splits)
-    np.testing.assert_array_equal(prepared.packing.examples, in_memory.packing.examples)
+    np.testing.assert_array_equal(prepared.packing.row_splits, cached.packing.row_splits)
+    np.testing.assert_array_equal(prepared.packing.examples, cached.packing.examples)
     for step in (0, 3):
-      ours, theirs = get_batch(prepared, step, 8, seed=2), get_batch(in_memory, step, 8, seed=2)
+      ours, theirs = get_batch(prepared, step, 8, seed=2), get_batch(cached, step, 8, seed=2)
       assert set(ours) == PACKED_KEYS
       for key in theirs:
         np.testing.assert_array_equal(ours[key], theirs[key])
     every_row = pipeline.get_rows(prepared, np.arange(prepared.num_rows))
     assert sum(len(t) for _, _, t, _ in _segments(every_row)) == prepared.num_tokens
     # The plan came from the shards' lengths files, which hold what scanning the rows gives.
-    np.testing.assert_array_equal(prepared.lengths, example_lengths(in_memory.input_ids, PAD))
+    np.testing.assert_array_equal(prepared.lengths, example_lengths(cached.input_ids, PAD))
     assert unpacked.lengths is None, "unpacked training reads no lengths files"
 
   # Shards prepared before lengths files existed: the rows are scanned, to the same plan.
@@ -249,9 +249,9 @@ def test_prepared_shards_give_the_in_memory_packed_batches(tmp_path):
   for entry in manifest["shards"]:  # and without the files, nothing can read them
     os.remove(tmp_path / "prepared" / f"train-{entry['index']:05d}.lengths.npy")
   old = load_pretraining_data(_config(True, **overrides, **{"data.source": "prepared"}).data)
-  np.testing.assert_array_equal(old.lengths, in_memory_train.packing.lengths)
-  np.testing.assert_array_equal(old.packing.examples, in_memory_train.packing.examples)
-  np.testing.assert_array_equal(old.packing.row_splits, in_memory_train.packing.row_splits)
+  np.testing.assert_array_equal(old.lengths, cached_train.packing.lengths)
+  np.testing.assert_array_equal(old.packing.examples, cached_train.packing.examples)
+  np.testing.assert_array_equal(old.packing.row_splits, cached_train.packing.row_splits)
 
 
 def test_prepare_rebuilds_a_damaged_lengths_file(tmp_path):

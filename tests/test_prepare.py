@@ -31,7 +31,7 @@ from electra_jax.data import (
     prepare_data,
     train_tokenizer,
 )
-from electra_jax.data.pipeline import PreparedData, ShardedRows
+from electra_jax.data.pipeline import PretrainingData, ShardedRows
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -113,7 +113,7 @@ def test_train_tokenizer_model_has_special_tokens_and_serves_the_pipeline(tmp_pa
   assert info["fingerprint"] == tokenizer.fingerprint
   assert [tokenizer.id_to_piece(i) for i in range(5)] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
   assert tokenizer.decode(tokenizer.encode("the old bridge")) == "the old bridge"
-  # data.spm_model_file makes the in-memory pipeline use exactly this model.
+  # data.spm_model_file makes the cache use exactly this model.
   config = _config(tmp_path, corpus_files, spm_model_file=out)
   assert load_pretraining_data(config).tokenizer.fingerprint == tokenizer.fingerprint
   assert load_tokenizer(config).fingerprint == tokenizer.fingerprint
@@ -149,23 +149,23 @@ def test_train_tokenizer_does_not_replace_an_existing_model(tmp_path, corpus_fil
 # ---------------------------------------------------------------- prepare_data
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_prepared_shards_hold_the_in_memory_examples_in_order(tmp_path, corpus_files, spm_model, num_workers):
+def test_prepared_shards_on_two_workers_hold_the_caches_examples_in_order(tmp_path, corpus_files, spm_model):
+  num_workers = 2
   config = _config(tmp_path, corpus_files, spm_model_file=spm_model)
   manifest = prepare_data(config, num_workers=num_workers)
   assert manifest["complete"] and len(manifest["shards"]) == 6  # 36 documents, 7 per shard
   prepared_config = _config(tmp_path, corpus_files, spm_model_file=spm_model, source="prepared")
   for split in ("train", "eval"):
-    in_memory = load_pretraining_data(config, split)
+    cached = load_pretraining_data(config, split)
     prepared = load_pretraining_data(prepared_config, split)
-    assert isinstance(prepared, PreparedData)
+    assert isinstance(prepared, PretrainingData)
     input_ids, token_type_ids = _all_rows(prepared)
-    np.testing.assert_array_equal(input_ids, in_memory.input_ids)
-    np.testing.assert_array_equal(token_type_ids, in_memory.token_type_ids)
-    assert prepared.fingerprint == in_memory.fingerprint, "a checkpoint must resume on either"
-    assert prepared.num_tokens == in_memory.num_tokens
+    np.testing.assert_array_equal(input_ids, cached.input_ids)
+    np.testing.assert_array_equal(token_type_ids, cached.token_type_ids)
+    assert prepared.fingerprint == cached.fingerprint, "a checkpoint must resume on either"
+    assert prepared.num_tokens == cached.num_tokens
     for step in (0, 3):
-      ours, theirs = get_batch(prepared, step, 8, seed=1), get_batch(in_memory, step, 8, seed=1)
+      ours, theirs = get_batch(prepared, step, 8, seed=1), get_batch(cached, step, 8, seed=1)
       for key in theirs:
         np.testing.assert_array_equal(ours[key], theirs[key])
         assert ours[key].dtype == np.int32
@@ -481,19 +481,19 @@ def test_sentencepiece_trained_by_prepare_serves_training(tmp_path, corpus_files
 
 
 @pytest.mark.parametrize("model_type", ["unigram", "bpe"])
-def test_a_tokenizer_trained_by_prepare_equals_the_in_memory_one_on_any_core_count(
+def test_a_tokenizer_trained_by_prepare_equals_the_caches_on_any_core_count(
     tmp_path, corpus_files, monkeypatch, model_type
 ):
   # Without data.spm_model_file both paths train the model; the shards must still hold the
-  # in-memory examples (and fingerprint), whatever the machine's core count.
+  # cache's examples (and fingerprint), whatever the machine's core count.
   config = _config(tmp_path, corpus_files, spm_vocab_size=100, spm_model_type=model_type)
-  in_memory = load_pretraining_data(config)
+  cached = load_pretraining_data(config)
   monkeypatch.setattr(prepare, "_default_workers", lambda: 5)  # a machine of another size
   prepare_data(config, num_workers=0)
   prepared = load_pretraining_data(_config(tmp_path, corpus_files, spm_vocab_size=100, source="prepared"))
-  assert prepared.tokenizer.fingerprint == in_memory.tokenizer.fingerprint
-  assert prepared.fingerprint == in_memory.fingerprint
-  np.testing.assert_array_equal(np.asarray(prepared.input_ids), in_memory.input_ids)
+  assert prepared.tokenizer.fingerprint == cached.tokenizer.fingerprint
+  assert prepared.fingerprint == cached.fingerprint
+  np.testing.assert_array_equal(np.asarray(prepared.input_ids), cached.input_ids)
 
 
 # ---------------------------------------------------------------- bad input
@@ -637,7 +637,7 @@ def test_sharded_rows_index_like_the_concatenated_array():
 def test_two_hosts_read_disjoint_rows_that_cover_each_epoch(spm_model):
   tokenizer = SentencePieceTokenizer(spm_model)
   shards = _indexed_shards([7, 13, 4, 9])
-  data = PreparedData(tokenizer, ShardedRows(shards, 0, 4), ShardedRows(shards, 1, 4), "test", token_count=0)
+  data = PretrainingData(tokenizer, ShardedRows(shards, 0, 4), ShardedRows(shards, 1, 4), "test", token_count=0)
   num_examples, batch = 33, 6
   epoch_rows = {0: [], 1: []}
   for step in range(11):  # 66 positions: exactly two epochs

@@ -4,9 +4,9 @@ The training code should only need `load_pretraining_data`, `get_batch` and `Pre
 `prepare_data` and `train_tokenizer` back the CLI's offline modes; the other names are
 exported for tools and tests.
 
-Sources (data.source): builtin, text, jsonl, tfds (sources.py, tfds_source.py) are read,
-tokenized and packed in memory on first use and cached (pipeline.py), or offline into shards
-by prepare_data (prepare.py); "prepared" trains on those shards, memory-mapped (pipeline.py).
+Sources (data.source): builtin, text, jsonl, tfds (sources.py, tfds_source.py) are tokenized
+and packed into shards (prepare.py): offline by prepare_data, or into the cache on first use;
+training reads shards, memory-mapped, either way (pipeline.py).
 """
 
 from electra_jax.data.corpus import builtin_corpus_fingerprint, builtin_documents

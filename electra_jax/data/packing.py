@@ -125,8 +125,8 @@ def pack_documents(
   its own generator, seeded by `seed` and its index in the corpus (`document_indices`, default
   0, 1, ...). A document's examples therefore do not depend on the documents before it, so
   any slice of a corpus packs, in any process, into exactly the rows the whole corpus gives
-  for that slice: this is what lets `prepare_data` pack shards in parallel and still equal
-  the in-memory path. (The official builder threads one generator through the corpus; the
+  for that slice: this is what lets `prepare_data` pack shards in parallel and still give
+  the rows of one process. (The official builder threads one generator through the corpus; the
   distribution of examples is the same.)
   """
   if max_seq_len < MIN_SEQ_LEN:

@@ -1,10 +1,10 @@
-"""From a data config to pre-training batches: build or load the cached examples, then batch them.
+"""From a data config to pre-training batches: prepared shards, loaded and batched.
 
-Owns choosing the source and tokenizer, the on-disk cache layout (tokenizer + packed .npy
-arrays, all written atomically), the train/eval document split, and the step-indexed,
-process-sharded batch order. Large corpora go through prepare.py instead (the same split and
-packing, in parallel, into shards); data.source="prepared" reads those shards, memory-mapped
-and checked, through the same batching. The shard format (manifest, file names) lives here.
+Every source ends up as shards in the format of prepare.py. data.source="prepared" reads the
+directory --mode=prepare_data wrote; a document source (builtin, text, jsonl, tfds) is prepared
+on first use into the cache, <cache_dir>/<source>/<key>/ (tokenizer) and its len<L>/ (shards),
+and later runs load it in well under a second. Shards are memory-mapped and checked, then served
+by the step-indexed, process-sharded batch order.
 
 Why resuming needs no saved loader state: `get_batch(data, step, ...)` is a pure function of
 the step (epoch e of the stream is a permutation seeded by (seed, e); global batch `step` is
@@ -17,55 +17,25 @@ would add a dependency; random access to memory-mapped rows is all this needs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import functools
 import hashlib
-import io
 import json
 import os
+import tempfile
 import time
 
 import numpy as np
 from absl import logging
 
-from electra_jax.data import corpus, sources
-from electra_jax.data.packing import (
-    ROW_PACKING_VERSION,
-    RowPacking,
-    assemble_rows,
-    example_lengths,
-    pack_documents,
-    plan_rows,
-)
-from electra_jax.errors import ConfigError
-from electra_jax.data.tokenizer import SentencePieceTokenizer, atomic_write_bytes, train_sentencepiece
+from electra_jax.data import prepare
+from electra_jax.data.packing import ROW_PACKING_VERSION, RowPacking, assemble_rows, example_lengths, plan_rows
+from electra_jax.data.prepare import MANIFEST, PACKING_FORMAT_VERSION, PREPARED_FORMAT_VERSION, SPLITS, SPM_MODEL
+from electra_jax.data.tokenizer import SentencePieceTokenizer
 from electra_jax.data.wordpiece import WordPieceTokenizer
-
-# Sources of documents; "prepared" instead reads the shards `prepare_data` wrote.
-DOCUMENT_SOURCES = ("builtin",) + sources.FILE_SOURCES + ("tfds",)
-SUPPORTED_SOURCES = DOCUMENT_SOURCES + ("prepared",)
-SUPPORTED_TOKENIZERS = ("sentencepiece", "wordpiece")
-SPLITS = ("train", "eval")
-
-# Bump whenever extraction or packing would produce different arrays: it keys the cache and
-# enters the data fingerprint, so stale arrays are rebuilt and checkpoints are not resumed
-# on data that changed under them.
-# 3: every document packs with its own generator (see pack_documents); binary files and
-# over-long lines are skipped.
-_CACHE_FORMAT_VERSION = 3
-
-# Fixed packing seeds: the packed data must be a function of the config alone.
-PACKING_SEEDS = {"train": 0, "eval": 1}
-
-_CACHE_ENV_VAR = "ELECTRA_JAX_CACHE"
-
-# Above this much text, building the cache in memory warns and points to prepare_data.
-_LARGE_IN_MEMORY_BYTES = 1 << 30
-
-# Bump when the shard layout or the manifest's meaning changes.
-PREPARED_FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-SPM_MODEL = "spm.model"
+from electra_jax.errors import ConfigError
 
 
 @dataclasses.dataclass
@@ -73,13 +43,17 @@ class PretrainingData:
   """Packed examples of one split, with the tokenizer that produced them."""
 
   tokenizer: SentencePieceTokenizer | WordPieceTokenizer
-  input_ids: np.ndarray  # int32 [num_examples, max_seq_len]
+  input_ids: np.ndarray  # int32 [num_examples, max_seq_len] (ShardedRows when loaded from shards)
   token_type_ids: np.ndarray  # int32 [num_examples, max_seq_len]
   # Identifies tokenizer, max_seq_len and the split's documents; a checkpoint can store
   # it and refuse to resume on different data.
   fingerprint: str
   # data.pack_rows: which examples each row of a batch holds (None: one example per row).
   packing: RowPacking | None = None
+  directory: str = ""  # the prepared directory the rows come from
+  token_count: int | None = None  # non-padding tokens, when the manifest counted them
+  # data.pack_rows: each example's token count, from the shards' lengths files.
+  lengths: np.ndarray | None = None
 
   @property
   def num_examples(self) -> int:
@@ -97,225 +71,18 @@ class PretrainingData:
   @property
   def num_tokens(self) -> int:
     """Number of non-padding tokens over all examples."""
-    return int(np.count_nonzero(self.input_ids != self.tokenizer.pad_id))
-
-
-def _resolve_cache_dir(cache_dir: str) -> str:
-  if cache_dir:
-    return os.path.expanduser(cache_dir)
-  return os.environ.get(_CACHE_ENV_VAR) or os.path.join(os.path.expanduser("~"), ".cache", "electra_jax")
-
-
-def is_eval_document(index: int, eval_fraction: float) -> bool:
-  # Document i is held out when floor((i + 1) * f) steps past floor(i * f): this spreads
-  # exactly floor(n * f) held-out documents evenly over the corpus, for any fraction.
-  return int((index + 1) * eval_fraction) > int(index * eval_fraction)
-
-
-def _split_documents(documents, eval_fraction):
-  splits = {"train": [], "eval": []}
-  for index, document in enumerate(documents):
-    splits["eval" if is_eval_document(index, eval_fraction) else "train"].append(document)
-  return splits
-
-
-def _split_indices(num_documents: int, eval_fraction: float) -> dict[str, list[int]]:
-  """The corpus indices of each split's documents (they seed each document's packing)."""
-  splits = {"train": [], "eval": []}
-  for index in range(num_documents):
-    splits["eval" if is_eval_document(index, eval_fraction) else "train"].append(index)
-  return splits
-
-
-def _save_npy_atomic(path: str, array: np.ndarray) -> None:
-  buffer = io.BytesIO()
-  np.save(buffer, array, allow_pickle=False)
-  atomic_write_bytes(path, buffer.getvalue())
-
-
-def _read_config(data_config):
-  """Validated plain values from the data ConfigDict."""
-  source = data_config.source
-  if source not in SUPPORTED_SOURCES:
-    raise ConfigError(
-        f"Unknown data.source {source!r}; supported sources are {list(SUPPORTED_SOURCES)} "
-        f"(text and jsonl read the files named by data.files, tfds the dataset data.tfds_name, "
-        f"prepared the shards in data.prepared_dir)."
-    )
-  tokenizer = str(data_config.get("tokenizer", "sentencepiece"))
-  if tokenizer not in SUPPORTED_TOKENIZERS:
-    raise ConfigError(
-        f"Unknown data.tokenizer {tokenizer!r}; use one of {list(SUPPORTED_TOKENIZERS)} "
-        f"(wordpiece reads a BERT vocab.txt given by data.vocab_file)."
-    )
-  vocab_file = str(data_config.get("vocab_file", "") or "")
-  if tokenizer == "wordpiece":
-    if not vocab_file:
-      raise ConfigError(
-          "data.tokenizer='wordpiece' needs data.vocab_file, the path of a BERT vocab.txt "
-          "(one token per line), e.g. --config.data.vocab_file=uncased_L-12_H-768_A-12/vocab.txt."
-      )
-    vocab_file = os.path.abspath(os.path.expanduser(vocab_file))
-    if not os.path.isfile(vocab_file):
-      raise ConfigError(f"data.vocab_file={vocab_file!r} is not a file; give the path of a BERT vocab.txt.")
-  strip_accents = data_config.get("strip_accents", None)
-  if strip_accents is not None and not isinstance(strip_accents, bool):
-    raise ConfigError(
-        f"data.strip_accents must be None (follow data.lowercase, as BERT does), True or False, "
-        f"got {strip_accents!r}."
-    )
-  spm_model_file = str(data_config.get("spm_model_file", "") or "")
-  if spm_model_file:
-    spm_model_file = os.path.abspath(os.path.expanduser(spm_model_file))
-    if tokenizer != "sentencepiece":
-      raise ConfigError(
-          f"data.spm_model_file={spm_model_file!r} is set but data.tokenizer={tokenizer!r}; set "
-          f"data.tokenizer='sentencepiece' to use that model, or clear data.spm_model_file."
-      )
-    if not os.path.isfile(spm_model_file):
-      raise ConfigError(
-          f"data.spm_model_file={spm_model_file!r} is not a file; give a model written by "
-          f"--mode=train_tokenizer (or clear it to train one in the cache)."
-      )
-  prepared_dir = str(data_config.get("prepared_dir", "") or "")
-  prepared_dir = os.path.abspath(os.path.expanduser(prepared_dir)) if prepared_dir else ""
-  if source == "prepared" and not prepared_dir:
-    raise ConfigError(
-        "data.source='prepared' needs data.prepared_dir, the directory --mode=prepare_data wrote."
-    )
-  shard_documents = int(data_config.get("shard_documents", 10_000))
-  if shard_documents < 1:
-    raise ConfigError(f"data.shard_documents must be >= 1, got {shard_documents}.")
-  text_field = str(data_config.get("text_field", "text"))
-  if source == "jsonl" and not text_field:
-    raise ConfigError("data.text_field is empty; name the JSON field holding each document's text.")
-  max_seq_len = int(data_config.max_seq_len)
-  vocab_size = int(data_config.get("spm_vocab_size", 8192))
-  model_type = str(data_config.get("spm_model_type", "unigram"))
-  max_documents = int(data_config.get("max_documents", 0))
-  eval_fraction = float(data_config.get("eval_fraction", 0.02))
-  if max_documents < 0:
-    raise ConfigError(f"data.max_documents must be >= 0 (0 means all), got {max_documents}.")
-  if not 0.0 <= eval_fraction < 1.0:
-    raise ConfigError(
-        f"data.eval_fraction must be in [0, 1) (e.g. 0.02 holds out 2% of documents), "
-        f"got {eval_fraction}."
-    )
-  pack_rows = data_config.get("pack_rows", False)
-  if not isinstance(pack_rows, (bool, np.bool_)):
-    raise ConfigError(
-        f"data.pack_rows must be True (several whole examples per row) or False (one per row), "
-        f"got {pack_rows!r}."
-    )
-  return {
-      "source": source,
-      # Resolving the globs here reports a pattern matching nothing before anything is built.
-      "files": sources.resolve_files(data_config.get("files", "")) if source in sources.FILE_SOURCES else [],
-      "text_field": text_field,
-      "tokenizer": tokenizer,
-      "vocab_file": vocab_file,
-      "lowercase": bool(data_config.get("lowercase", True)),
-      "strip_accents": strip_accents,
-      "max_seq_len": max_seq_len,
-      "cache_dir": _resolve_cache_dir(str(data_config.get("cache_dir", ""))),
-      "spm_vocab_size": vocab_size,
-      "spm_model_type": model_type,
-      "max_documents": max_documents,
-      "eval_fraction": eval_fraction,
-      "spm_model_file": spm_model_file,
-      "prepared_dir": prepared_dir,
-      "shard_documents": shard_documents,
-      "tfds_name": str(data_config.get("tfds_name", "") or ""),
-      "tfds_split": str(data_config.get("tfds_split", "train") or "train"),
-      "tfds_text_field": str(data_config.get("tfds_text_field", "text") or "text"),
-      "tfds_data_dir": str(data_config.get("tfds_data_dir", "") or ""),
-      "pack_rows": bool(pack_rows),
-  }
-
-
-def _tfds_corpus(config):
-  from electra_jax.data.tfds_source import TfdsCorpus  # noqa: PLC0415  (imports tfds, ~1 s)
-
-  return TfdsCorpus(config["tfds_name"], config["tfds_split"], config["tfds_text_field"], config["tfds_data_dir"])
-
-
-def source_fingerprint(config) -> dict:
-  """What identifies the source's documents, for cache keys and prepared manifests."""
-  if config["source"] == "builtin":
-    # The source-bytes hash is cheap to recompute, unlike the document-text hash, so a
-    # warm cache is found without parsing the stdlib.
-    return {"sources": corpus.builtin_sources_fingerprint()}
-  if config["source"] == "tfds":
-    return {"tfds": _tfds_corpus(config).fingerprint}
-  # Paths, sizes and mtimes (and small files' bytes): an edited corpus gets a new key.
-  key_fields = {"files": sources.files_fingerprint(config["files"])}
-  if config["source"] == "jsonl":
-    key_fields["text_field"] = config["text_field"]
-    # Records end at "\n" only (before, also at U+2028, U+2029, U+0085, dropping the record):
-    # caches of the earlier reading are rebuilt.
-    key_fields["jsonl_lines"] = "newline"
-  return key_fields
-
-
-def source_description(config) -> dict:
-  """A human-readable account of the source, for manifests."""
-  if config["source"] == "builtin":
-    return {"source": "builtin", "stdlib": corpus.stdlib_root()}
-  if config["source"] == "tfds":
-    return _tfds_corpus(config).description
-  description = {"source": config["source"], "files": config["files"][:100], "num_files": len(config["files"])}
-  if config["source"] == "jsonl":
-    description["text_field"] = config["text_field"]
-  return description
-
-
-def iter_source_documents(config, stats: sources.SourceStats):
-  """The source's documents in corpus order (max_documents of them), streamed.
-
-  `stats` is updated as they are read: skips, and progress as stats.bytes_read of
-  stats.total_bytes (bytes for files, records for TFDS, documents for the built-in corpus).
-  """
-  limit = config["max_documents"] or None
-  if config["source"] == "builtin":
-    documents = corpus.builtin_documents(limit)
-    stats.total_bytes = len(documents)
-
-    def counted():
-      for document in documents:
-        stats.bytes_read += 1
-        stats.num_documents += 1
-        yield document
-
-    iterator = counted()
-  elif config["source"] == "tfds":
-    iterator = _tfds_corpus(config).iter_documents(stats)
-  else:
-    iterator = sources.iter_documents(config["source"], config["files"], config["text_field"], stats)
-  for count, document in enumerate(iterator):
-    if limit is not None and count >= limit:
-      break
-    yield document
-
-
-def no_documents_error(config, stats: sources.SourceStats) -> ConfigError:
-  """The error for a source that gave no usable document."""
-  if config["source"] in sources.FILE_SOURCES:
-    return sources.no_usable_text_error(config["source"], config["files"], config["text_field"], stats)
-  if config["source"] == "tfds":
-    return ConfigError(
-        f"TFDS dataset {config['tfds_name']!r} split {config['tfds_split']!r} gave no usable text in "
-        f"field {config['tfds_text_field']!r} ({stats.counts()}); check data.tfds_text_field."
-    )
-  return ConfigError(f"The built-in corpus gave no documents (max_documents={config['max_documents']}).")
+    if self.token_count is not None:
+      return self.token_count
+    return int(np.count_nonzero(np.asarray(self.input_ids) != self.tokenizer.pad_id))
 
 
 def _corpus_cache_dir(config) -> str:
-  """Directory for everything derived from one corpus + tokenizer configuration."""
+  """The cache directory of one corpus and tokenizer configuration (any max_seq_len)."""
   key_fields = {
-      "format": _CACHE_FORMAT_VERSION,
+      "format": PACKING_FORMAT_VERSION,
       "max_documents": config["max_documents"],
       "eval_fraction": config["eval_fraction"],
-      **source_fingerprint(config),
+      **prepare.source_fingerprint(config),
   }
   # Only keys that change the tokenizer enter the key.
   if config["spm_model_file"]:
@@ -325,29 +92,62 @@ def _corpus_cache_dir(config) -> str:
     key_fields["spm_model_type"] = config["spm_model_type"]
   else:
     key_fields["tokenizer"] = config["tokenizer"]
-    key_fields["wordpiece"] = _wordpiece_tokenizer(config).fingerprint
+    key_fields["wordpiece"] = WordPieceTokenizer(
+        config["vocab_file"], config["lowercase"], config["strip_accents"]).fingerprint
   key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
   return os.path.join(config["cache_dir"], config["source"], key)
 
 
-def _wordpiece_tokenizer(config) -> WordPieceTokenizer:
-  return WordPieceTokenizer(config["vocab_file"], config["lowercase"], config["strip_accents"])
+@contextlib.contextmanager
+def _exclusive(path: str):
+  """Holds an exclusive lock on `path` (created if absent): one process fills a cache at a time."""
+  with open(path, "a") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _tokenizer_tag(config) -> str:
-  return "spm" if config["tokenizer"] == "sentencepiece" else "wp"
+def _cache_tokenizer(config, corpus_dir: str) -> dict:
+  """`config` naming its sentencepiece model: the configured one, or the cache's, trained once
+  per corpus (every max_seq_len reuses it). Call with the cache's lock held."""
+  if config["tokenizer"] != "sentencepiece" or config["spm_model_file"]:
+    return config
+  model = os.path.join(corpus_dir, SPM_MODEL)
+  if not os.path.exists(model):
+    with tempfile.TemporaryDirectory(dir=corpus_dir) as scratch:
+      trained = prepare.train_corpus_tokenizer(config, os.path.join(scratch, SPM_MODEL))
+      os.replace(trained.model_path, model)
+  return dict(config, spm_model_file=model)
+
+
+def cached_prepared(config, shards: bool = True) -> dict:
+  """`config` pointed at the cache's prepared directory for its document source, preparing it
+  first (in this process) when it is missing, unfinished or damaged; `shards=False` only
+  readies the tokenizer."""
+  corpus_dir = _corpus_cache_dir(config)
+  os.makedirs(corpus_dir, exist_ok=True)
+  directory = os.path.join(corpus_dir, f"len{config['max_seq_len']}")
+  with _exclusive(os.path.join(corpus_dir, ".lock")):
+    config = dict(_cache_tokenizer(config, corpus_dir), prepared_dir=directory)
+    manifest = prepare.read_manifest(directory) if shards else {"complete": True, "shards": []}
+    if manifest is None or not manifest.get("complete") or not all(
+        prepare.shard_is_intact(directory, entry, checksums=False) for entry in manifest["shards"]):
+      logging.info("no cached data in %s; preparing it", directory)
+      prepare.prepare_config(config, num_workers=0)
+  return config
 
 
 def data_fingerprint(config, tokenizer, split: str, documents_fingerprint: str) -> str:
   """Identifies a split's examples: packing format, tokenizer, max_seq_len and documents,
   and under data.pack_rows the row packing (a checkpoint trained on unpacked rows is refused
-  on packed ones, and the other way round).
-
-  The in-memory cache and prepared shards of the same config give the same string (and the
-  same examples), so a checkpoint resumes on either.
+  on packed ones, and the other way round). The cache and a prepared directory of the same
+  config give the same string (and the same examples), so a checkpoint resumes on either.
   """
+  tag = "spm" if config["tokenizer"] == "sentencepiece" else "wp"
   fingerprint = (
-      f"format:{_CACHE_FORMAT_VERSION}|{_tokenizer_tag(config)}:{tokenizer.fingerprint}|"
+      f"format:{PACKING_FORMAT_VERSION}|{tag}:{tokenizer.fingerprint}|"
       f"max_seq_len:{config['max_seq_len']}|{split}_documents:{documents_fingerprint}"
   )
   if config.get("pack_rows"):
@@ -355,190 +155,47 @@ def data_fingerprint(config, tokenizer, split: str, documents_fingerprint: str) 
   return fingerprint
 
 
-def _load_tokenizer(config, directory: str):
-  """The cache's tokenizer, or None if it is not there yet."""
-  if config["spm_model_file"]:
-    return SentencePieceTokenizer(config["spm_model_file"])
-  if config["tokenizer"] == "sentencepiece":
-    model_path = os.path.join(directory, "spm.model")
-    return SentencePieceTokenizer(model_path) if os.path.exists(model_path) else None
-  # The vocab file is read where the user keeps it; its bytes and settings are in the
-  # cache key and the tokenizer fingerprint, so the arrays always match it.
-  return _wordpiece_tokenizer(config)
-
-
-def _array_paths(directory: str, split: str, max_seq_len: int, tokenizer_fingerprint: str, tag: str = "spm"):
-  # The tokenizer fingerprint in the name ties the arrays to the exact model that made
-  # them, even if two concurrent builds each wrote a model.
-  stem = os.path.join(directory, f"{split}.len{max_seq_len}.{tag}{tokenizer_fingerprint}")
-  return {
-      "input_ids": stem + ".input_ids.npy",
-      "token_type_ids": stem + ".token_type_ids.npy",
-  }
-
-
-def _build(config, directory: str) -> None:
-  """Write the corpus metadata and both splits' packed arrays; train the tokenizer if absent."""
-  start = time.time()
-  stats = sources.SourceStats()
-  documents = list(iter_source_documents(config, stats))
-  stats.num_documents = len(documents)
-  if config["source"] != "builtin":
-    sources.log_stats(config["source"], stats)
-  if not documents:
-    raise no_documents_error(config, stats)
-  splits = _split_documents(documents, config["eval_fraction"])
-  indices = _split_indices(len(documents), config["eval_fraction"])
-  num_bytes = sum(len(sentence.encode("utf-8")) for document in documents for sentence in document)
-  logging.info(
-      "building %s corpus: %d documents (%d train, %d eval), %.1f MB, in %.1f s",
-      config["source"], len(documents), len(splits["train"]), len(splits["eval"]), num_bytes / 1e6,
-      time.time() - start,
-  )
-  if num_bytes > _LARGE_IN_MEMORY_BYTES:
-    logging.warning(
-        "the %s corpus holds %.1f GB of text, all of it held in memory while it is packed; for "
-        "corpora this size, --mode=prepare_data (all cores, resumable) and data.source='prepared' "
-        "are faster and use little memory.", config["source"], num_bytes / 1e9,
-    )
-  metadata = {
-      "num_documents": len(documents),
-      "num_bytes": num_bytes,
-      "documents_fingerprint": {split: corpus.documents_fingerprint(splits[split]) for split in SPLITS},
-  }
-  atomic_write_bytes(os.path.join(directory, "corpus.json"), json.dumps(metadata, indent=1).encode())
-
-  model_path = os.path.join(directory, "spm.model")
-  if config["tokenizer"] == "sentencepiece" and not config["spm_model_file"] and not os.path.exists(model_path):
-    start = time.time()
-    logging.info(
-        "training sentencepiece %s vocab %d on %d train documents ...",
-        config["spm_model_type"], config["spm_vocab_size"], len(splits["train"]),
-    )
-    train_sentencepiece(
-        (sentence for document in splits["train"] for sentence in document),
-        model_path,
-        vocab_size=config["spm_vocab_size"],
-        model_type=config["spm_model_type"],
-    )
-    logging.info("trained sentencepiece in %.1f s", time.time() - start)
-  tokenizer = _load_tokenizer(config, directory)
-
-  # Both splits are packed together: the eval split is small, and building it later
-  # would mean parsing the corpus again.
-  for split in SPLITS:
-    start = time.time()
-    sentences = [sentence for document in splits[split] for sentence in document]
-    token_ids = iter(tokenizer.encode_batch(sentences))
-    tokenized_documents = [[next(token_ids) for _ in document] for document in splits[split]]
-    packed = pack_documents(
-        tokenized_documents,
-        config["max_seq_len"],
-        cls_id=tokenizer.cls_id,
-        sep_id=tokenizer.sep_id,
-        pad_id=tokenizer.pad_id,
-        seed=PACKING_SEEDS[split],
-        document_indices=indices[split],
-    )
-    paths = _array_paths(
-        directory, split, config["max_seq_len"], tokenizer.fingerprint, _tokenizer_tag(config)
-    )
-    for name, path in paths.items():
-      _save_npy_atomic(path, packed[name])
-    logging.info(
-        "packed %s split: %d examples of length %d, %d tokens, in %.1f s",
-        split, packed["input_ids"].shape[0], config["max_seq_len"],
-        int(np.count_nonzero(packed["input_ids"] != tokenizer.pad_id)), time.time() - start,
-    )
-
-
-def _try_load(config, directory: str, split: str) -> PretrainingData | None:
-  """The cached split, or None if any part of it is missing."""
-  metadata_path = os.path.join(directory, "corpus.json")
-  if not os.path.exists(metadata_path):
-    return None
-  tokenizer = _load_tokenizer(config, directory)
-  if tokenizer is None:
-    return None
-  paths = _array_paths(directory, split, config["max_seq_len"], tokenizer.fingerprint, _tokenizer_tag(config))
-  if not all(os.path.exists(path) for path in paths.values()):
-    return None
-  with open(metadata_path, "rb") as f:
-    metadata = json.loads(f.read())
-  arrays = {name: np.load(path, allow_pickle=False) for name, path in paths.items()}
-  expected_shape = (arrays["input_ids"].shape[0], config["max_seq_len"])
-  for name, array in arrays.items():
-    if array.dtype != np.int32 or array.shape != expected_shape:
-      raise ConfigError(
-          f"Cached array {paths[name]} has dtype {array.dtype} and shape {array.shape}, "
-          f"expected int32 {expected_shape}. The cache is damaged; delete {directory} "
-          f"and it will be rebuilt."
-      )
-  fingerprint = data_fingerprint(config, tokenizer, split, metadata["documents_fingerprint"][split])
-  return PretrainingData(tokenizer, arrays["input_ids"], arrays["token_type_ids"], fingerprint)
-
-
-def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
-  """Packed pre-training examples of `split` ("train" or "eval") for `data_config`.
-
-  The first call builds the corpus (data.source), trains the sentencepiece tokenizer on the
-  train documents (or reads the WordPiece vocab.txt, data.tokenizer) and packs both splits,
-  caching everything under <cache_dir>/<source>/<key>/; later calls load the cache in well
-  under a second. The key includes a fingerprint of data.files, so an edited corpus is rebuilt.
-  With data.pack_rows the result also carries the plan that packs several examples per row
-  (made at load time from the examples' lengths), which get_batch then serves.
-  """
-  if split not in SPLITS:
+def _loadable(data_config, split: str | None = None) -> dict:
+  """The read config, pointed at prepared shards (the cache's, for a document source); without
+  a split, only its tokenizer is readied."""
+  if split is not None and split not in SPLITS:
     raise ConfigError(f"Unknown split {split!r}; use one of {list(SPLITS)}.")
-  config = _read_config(data_config)
+  config = prepare.read_config(data_config)
   if config["source"] == "prepared":
-    return _with_row_packing(load_prepared(config, split), config, split)
+    return config
   if split == "eval" and config["eval_fraction"] == 0:
     raise ConfigError(
         "The eval split is empty because data.eval_fraction is 0; set it above 0 "
         "(e.g. 0.02) to hold out documents for evaluation, or set eval.every_steps=0 to train "
         "without held-out evaluation."
     )
-  directory = _corpus_cache_dir(config)
-  data = _try_load(config, directory, split)
-  if data is None:
-    logging.info("no cached data in %s; building it", directory)
-    _build(config, directory)
-    data = _try_load(config, directory, split)
-  if data is None:
-    raise RuntimeError(
-        f"Built the {split} data in {directory} but could not load it back; check that "
-        f"the directory is writable and not being deleted concurrently."
-    )
-  if data.num_examples == 0:
-    raise ConfigError(
-        f"The {split} split has no examples (max_documents={config['max_documents']}"
-        f"{' (all)' if not config['max_documents'] else ''}, eval_fraction={config['eval_fraction']}); "
-        "use more documents or a larger "
-        f"eval_fraction" + (", or eval.every_steps=0 to train without held-out evaluation." if split == "eval" else ".")
-    )
-  logging.info(
-      "loaded %s data: %d examples of length %d, %d tokens, from %s",
-      split, data.num_examples, data.max_seq_len, data.num_tokens, directory,
-  )
-  return _with_row_packing(data, config, split)
+  if split is None and (config["tokenizer"] == "wordpiece" or config["spm_model_file"]):
+    return config  # nothing to train
+  return cached_prepared(config, shards=split is not None)
+
+
+def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
+  """Packed pre-training examples of `split` ("train" or "eval") for `data_config`.
+
+  A document source is prepared into the cache on first use (see the module docstring); its
+  key includes a fingerprint of data.files, so an edited corpus is prepared again. With
+  data.pack_rows the result also carries the plan that packs several examples per row (made
+  at load time from the examples' lengths), which get_batch then serves.
+  """
+  config = _loadable(data_config, split)
+  return _with_row_packing(load_prepared(config, split), config, split)
 
 
 def _with_row_packing(data: PretrainingData, config, split: str) -> PretrainingData:
   """`data` with its row packing plan under data.pack_rows (the fingerprint already says so).
 
-  The plan is made here from the examples' lengths rather than stored: about a second per
-  million examples, and the same cache or prepared directory then serves packed and unpacked
-  training. Prepared data brings the lengths prepare_data stored (PreparedData.lengths); the
-  in-memory examples are scanned.
+  The plan is made here from the lengths prepare_data stored rather than stored itself: about a
+  second per million examples, and the same shards then serve packed and unpacked training.
   """
   if not config["pack_rows"]:
     return data
   start = time.time()
-  lengths = getattr(data, "lengths", None)
-  if lengths is None:
-    lengths = example_lengths(data.input_ids, data.tokenizer.pad_id)
-  packing = plan_rows(lengths, data.max_seq_len)
+  packing = plan_rows(data.lengths, data.max_seq_len)
   unpacked = packing.lengths.sum(dtype=np.int64) / max(1, data.num_examples * data.max_seq_len)
   logging.info(
       "packed %s rows: %d examples into %d rows of %d; real tokens %.1f%% -> %.1f%% of positions, "
@@ -549,18 +206,12 @@ def _with_row_packing(data: PretrainingData, config, split: str) -> PretrainingD
 
 
 def load_tokenizer(data_config) -> SentencePieceTokenizer | WordPieceTokenizer:
-  """The tokenizer `load_pretraining_data(data_config)` uses, for tools that need only its ids.
-
-  WordPiece reads data.vocab_file; sentencepiece takes the cached model, building the data
-  first (as load_pretraining_data would) if the cache does not hold it yet.
-  """
-  config = _read_config(data_config)
+  """The tokenizer `load_pretraining_data(data_config)` uses, for tools that need only its ids
+  (a sentencepiece model the cache lacks is trained first, as load_pretraining_data would)."""
+  config = _loadable(data_config)
   if config["source"] == "prepared":
     return prepared_tokenizer(config, open_manifest(config["prepared_dir"]))
-  tokenizer = _load_tokenizer(config, _corpus_cache_dir(config))
-  if tokenizer is None:
-    tokenizer = load_pretraining_data(data_config, "train").tokenizer
-  return tokenizer
+  return prepare.configured_tokenizer(config)
 
 
 @functools.lru_cache(maxsize=4)
@@ -649,31 +300,6 @@ def get_rows(data: PretrainingData, rows: np.ndarray) -> dict[str, np.ndarray]:
   }
 
 
-# ---------------------------------------------------------------------------------------
-# Prepared shards (data.source="prepared", written by prepare.py)
-# ---------------------------------------------------------------------------------------
-def shard_file(split: str, index: int) -> str:
-  return f"{split}-{index:05d}.npy"
-
-
-def lengths_file(split: str, index: int) -> str:
-  return f"{split}-{index:05d}.lengths.npy"
-
-
-def read_manifest(out_dir: str) -> dict | None:
-  path = os.path.join(out_dir, MANIFEST)
-  if not os.path.exists(path):
-    return None
-  try:
-    with open(path, "rb") as f:
-      return json.loads(f.read())
-  except ValueError as e:
-    raise ConfigError(
-        f"{path} is not valid JSON ({e}); it was not written by prepare_data. Delete "
-        f"{out_dir} (or choose another data.prepared_dir) and prepare again."
-    ) from e
-
-
 class ShardedRows:
   """The rows of several memory-mapped [rows, 2, L] shards as one read-only int32 [N, L] array.
 
@@ -730,24 +356,9 @@ class ShardedRows:
     return array if dtype is None else array.astype(dtype)
 
 
-@dataclasses.dataclass
-class PreparedData(PretrainingData):
-  """Examples of one split of a prepared directory; the arrays are ShardedRows."""
-
-  directory: str = ""
-  token_count: int = 0
-  # data.pack_rows: each example's token count, from the shards' lengths files (None without
-  # pack_rows).
-  lengths: np.ndarray | None = None
-
-  @property
-  def num_tokens(self) -> int:
-    return self.token_count
-
-
 def open_manifest(directory: str) -> dict:
   """The manifest of a finished preparation, or a ConfigError saying what to run."""
-  manifest = read_manifest(directory)
+  manifest = prepare.read_manifest(directory)
   if manifest is None:
     raise ConfigError(
         f"data.prepared_dir={directory!r} has no {MANIFEST}; create it with "
@@ -772,7 +383,7 @@ def prepared_tokenizer(config, manifest: dict):
   directory = config["prepared_dir"]
   recorded = manifest["tokenizer"]
   if config["tokenizer"] == "wordpiece":
-    tokenizer = WordPieceTokenizer(config["vocab_file"], config["lowercase"], config["strip_accents"])
+    tokenizer = prepare.configured_tokenizer(config)
     described = f"wordpiece {config['vocab_file']} (lowercase={config['lowercase']}, strip_accents={config['strip_accents']})"
   else:
     model_file = config["spm_model_file"] or os.path.join(directory, SPM_MODEL)
@@ -820,7 +431,7 @@ def _shard_lengths(directory: str, split_entry: dict, shard: np.ndarray, pad_id:
   return lengths.astype(np.int32)
 
 
-def load_prepared(config, split: str) -> PreparedData:
+def load_prepared(config, split: str) -> PretrainingData:
   """`split` of the prepared directory config["prepared_dir"], memory-mapped, after checks."""
   directory = config["prepared_dir"]
   manifest = open_manifest(directory)
@@ -871,7 +482,7 @@ def load_prepared(config, split: str) -> PreparedData:
            "evaluation." if split == "eval" else "prepare more documents.")
     )
   fingerprint = data_fingerprint(config, tokenizer, split, manifest["documents_fingerprint"][split])
-  data = PreparedData(
+  data = PretrainingData(
       tokenizer=tokenizer,
       input_ids=ShardedRows(shards, 0, max_seq_len),
       token_type_ids=ShardedRows(shards, 1, max_seq_len),

@@ -1,7 +1,9 @@
-"""Offline data preparation (--mode=prepare_data): a corpus, tokenized and packed into shards.
+"""From a data config to shards: reading the config's source, training its tokenizer, and the
+tokenize-and-pack workers of --mode=prepare_data (and of the cache, pipeline.py).
 
-Owns the prepared-directory layout, the parallel tokenize-and-pack workers, resuming a killed
-run, and the manifest that training checks. Layout of `data.prepared_dir`:
+Owns the data config's checks, the document sources and the train/eval split, the
+prepared-directory format, resuming a killed run, and the manifest that training checks.
+Layout of `data.prepared_dir`:
 
   manifest.json        counts, per-shard rows/bytes/sha256, tokenizer fingerprint, max_seq_len,
                        format version, source description; "complete": true once all shards exist
@@ -13,10 +15,10 @@ run, and the manifest that training checks. Layout of `data.prepared_dir`:
   train-00000.lengths.npy ...  each example's token count, uint16 [rows] (int32 beyond 65535),
                        so data.pack_rows plans its rows without reading every shard whole
 
-Why this equals the in-memory path: documents are split into train/eval by their corpus index
+Why the worker count changes nothing: documents are split into train/eval by their corpus index
 and every document packs with its own seeded generator (pack_documents), so the shards of a
-split, concatenated in index order, hold exactly the rows `load_pretraining_data` builds for the
-same config, in the same order (tests/test_prepare.py checks it).
+split, concatenated in index order, hold the same rows in the same order however many
+processes packed them (tests/test_prepare.py checks it).
 
 Why a kill loses nothing: each shard file is written to a temporary name and renamed; a shard
 counts as done only once the manifest lists it with its sha256, and a re-run verifies those
@@ -40,25 +42,246 @@ import numpy as np
 from absl import logging
 
 from electra_jax.errors import ConfigError
-from electra_jax.data import corpus, pipeline, sources
+from electra_jax.data import corpus, sources
 from electra_jax.data.packing import example_lengths, pack_documents
-from electra_jax.data.pipeline import (
-    MANIFEST,
-    PREPARED_FORMAT_VERSION,
-    SPM_MODEL,
-    lengths_file,
-    read_manifest,
-    shard_file,
-)
 from electra_jax.data.tokenizer import (
     TRAINING_THREADS, NoSentencesError, SentencePieceTokenizer, atomic_write_bytes, train_sentencepiece,
 )
 from electra_jax.data.wordpiece import WordPieceTokenizer
 
-SPLITS = pipeline.SPLITS
-
 _LOG_EVERY_S = 10.0
 _MANIFEST_EVERY_S = 2.0
+
+# Sources of documents; "prepared" instead reads the shards `prepare_data` wrote.
+DOCUMENT_SOURCES = ("builtin",) + sources.FILE_SOURCES + ("tfds",)
+SUPPORTED_SOURCES = DOCUMENT_SOURCES + ("prepared",)
+SUPPORTED_TOKENIZERS = ("sentencepiece", "wordpiece")
+SPLITS = ("train", "eval")
+# Bump whenever extraction or packing would produce different arrays: it keys the cache and
+# enters the data fingerprint, so stale arrays are rebuilt and checkpoints are not resumed
+# on data that changed under them.
+# 3: every document packs with its own generator (see pack_documents); binary files and
+# over-long lines are skipped.
+PACKING_FORMAT_VERSION = 3
+# Fixed packing seeds: the packed data must be a function of the config alone.
+PACKING_SEEDS = {"train": 0, "eval": 1}
+_CACHE_ENV_VAR = "ELECTRA_JAX_CACHE"
+# Bump when the shard layout or the manifest's meaning changes.
+PREPARED_FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SPM_MODEL = "spm.model"
+
+
+def _resolve_cache_dir(cache_dir: str) -> str:
+  if cache_dir:
+    return os.path.expanduser(cache_dir)
+  return os.environ.get(_CACHE_ENV_VAR) or os.path.join(os.path.expanduser("~"), ".cache", "electra_jax")
+
+
+def is_eval_document(index: int, eval_fraction: float) -> bool:
+  # Document i is held out when floor((i + 1) * f) steps past floor(i * f): this spreads
+  # exactly floor(n * f) held-out documents evenly over the corpus, for any fraction.
+  return int((index + 1) * eval_fraction) > int(index * eval_fraction)
+
+
+def read_config(data_config):
+  """Validated plain values from the data ConfigDict."""
+  source = data_config.source
+  if source not in SUPPORTED_SOURCES:
+    raise ConfigError(
+        f"Unknown data.source {source!r}; supported sources are {list(SUPPORTED_SOURCES)} "
+        f"(text and jsonl read the files named by data.files, tfds the dataset data.tfds_name, "
+        f"prepared the shards in data.prepared_dir)."
+    )
+  tokenizer = str(data_config.get("tokenizer", "sentencepiece"))
+  if tokenizer not in SUPPORTED_TOKENIZERS:
+    raise ConfigError(
+        f"Unknown data.tokenizer {tokenizer!r}; use one of {list(SUPPORTED_TOKENIZERS)} "
+        f"(wordpiece reads a BERT vocab.txt given by data.vocab_file)."
+    )
+  vocab_file = str(data_config.get("vocab_file", "") or "")
+  if tokenizer == "wordpiece":
+    if not vocab_file:
+      raise ConfigError(
+          "data.tokenizer='wordpiece' needs data.vocab_file, the path of a BERT vocab.txt "
+          "(one token per line), e.g. --config.data.vocab_file=uncased_L-12_H-768_A-12/vocab.txt."
+      )
+    vocab_file = os.path.abspath(os.path.expanduser(vocab_file))
+    if not os.path.isfile(vocab_file):
+      raise ConfigError(f"data.vocab_file={vocab_file!r} is not a file; give the path of a BERT vocab.txt.")
+  strip_accents = data_config.get("strip_accents", None)
+  if strip_accents is not None and not isinstance(strip_accents, bool):
+    raise ConfigError(
+        f"data.strip_accents must be None (follow data.lowercase, as BERT does), True or False, "
+        f"got {strip_accents!r}."
+    )
+  spm_model_file = str(data_config.get("spm_model_file", "") or "")
+  if spm_model_file:
+    spm_model_file = os.path.abspath(os.path.expanduser(spm_model_file))
+    if tokenizer != "sentencepiece":
+      raise ConfigError(
+          f"data.spm_model_file={spm_model_file!r} is set but data.tokenizer={tokenizer!r}; set "
+          f"data.tokenizer='sentencepiece' to use that model, or clear data.spm_model_file."
+      )
+    if not os.path.isfile(spm_model_file):
+      raise ConfigError(
+          f"data.spm_model_file={spm_model_file!r} is not a file; give a model written by "
+          f"--mode=train_tokenizer (or clear it to train one in the cache)."
+      )
+  prepared_dir = str(data_config.get("prepared_dir", "") or "")
+  prepared_dir = os.path.abspath(os.path.expanduser(prepared_dir)) if prepared_dir else ""
+  if source == "prepared" and not prepared_dir:
+    raise ConfigError(
+        "data.source='prepared' needs data.prepared_dir, the directory --mode=prepare_data wrote."
+    )
+  shard_documents = int(data_config.get("shard_documents", 10_000))
+  if shard_documents < 1:
+    raise ConfigError(f"data.shard_documents must be >= 1, got {shard_documents}.")
+  text_field = str(data_config.get("text_field", "text"))
+  if source == "jsonl" and not text_field:
+    raise ConfigError("data.text_field is empty; name the JSON field holding each document's text.")
+  max_seq_len = int(data_config.max_seq_len)
+  vocab_size = int(data_config.get("spm_vocab_size", 8192))
+  model_type = str(data_config.get("spm_model_type", "unigram"))
+  max_documents = int(data_config.get("max_documents", 0))
+  eval_fraction = float(data_config.get("eval_fraction", 0.02))
+  if max_documents < 0:
+    raise ConfigError(f"data.max_documents must be >= 0 (0 means all), got {max_documents}.")
+  if not 0.0 <= eval_fraction < 1.0:
+    raise ConfigError(
+        f"data.eval_fraction must be in [0, 1) (e.g. 0.02 holds out 2% of documents), "
+        f"got {eval_fraction}."
+    )
+  pack_rows = data_config.get("pack_rows", False)
+  if not isinstance(pack_rows, (bool, np.bool_)):
+    raise ConfigError(
+        f"data.pack_rows must be True (several whole examples per row) or False (one per row), "
+        f"got {pack_rows!r}."
+    )
+  return {
+      "source": source,
+      # Resolving the globs here reports a pattern matching nothing before anything is built.
+      "files": sources.resolve_files(data_config.get("files", "")) if source in sources.FILE_SOURCES else [],
+      "text_field": text_field,
+      "tokenizer": tokenizer,
+      "vocab_file": vocab_file,
+      "lowercase": bool(data_config.get("lowercase", True)),
+      "strip_accents": strip_accents,
+      "max_seq_len": max_seq_len,
+      "cache_dir": _resolve_cache_dir(str(data_config.get("cache_dir", ""))),
+      "spm_vocab_size": vocab_size,
+      "spm_model_type": model_type,
+      "max_documents": max_documents,
+      "eval_fraction": eval_fraction,
+      "spm_model_file": spm_model_file,
+      "prepared_dir": prepared_dir,
+      "shard_documents": shard_documents,
+      "tfds_name": str(data_config.get("tfds_name", "") or ""),
+      "tfds_split": str(data_config.get("tfds_split", "train") or "train"),
+      "tfds_text_field": str(data_config.get("tfds_text_field", "text") or "text"),
+      "tfds_data_dir": str(data_config.get("tfds_data_dir", "") or ""),
+      "pack_rows": bool(pack_rows),
+  }
+
+
+def _tfds_corpus(config):
+  from electra_jax.data.tfds_source import TfdsCorpus  # noqa: PLC0415  (imports tfds, ~1 s)
+
+  return TfdsCorpus(config["tfds_name"], config["tfds_split"], config["tfds_text_field"], config["tfds_data_dir"])
+
+
+def source_fingerprint(config) -> dict:
+  """What identifies the source's documents, for cache keys and prepared manifests."""
+  if config["source"] == "builtin":
+    # The source-bytes hash is cheap to recompute, unlike the document-text hash, so a
+    # warm cache is found without parsing the stdlib.
+    return {"sources": corpus.builtin_sources_fingerprint()}
+  if config["source"] == "tfds":
+    return {"tfds": _tfds_corpus(config).fingerprint}
+  # Paths, sizes and mtimes (and small files' bytes): an edited corpus gets a new key.
+  key_fields = {"files": sources.files_fingerprint(config["files"])}
+  if config["source"] == "jsonl":
+    key_fields["text_field"] = config["text_field"]
+    # Records end at "\n" only (before, also at U+2028, U+2029, U+0085, dropping the record):
+    # caches of the earlier reading are rebuilt.
+    key_fields["jsonl_lines"] = "newline"
+  return key_fields
+
+
+def source_description(config) -> dict:
+  """A human-readable account of the source, for manifests."""
+  if config["source"] == "builtin":
+    return {"source": "builtin", "stdlib": corpus.stdlib_root()}
+  if config["source"] == "tfds":
+    return _tfds_corpus(config).description
+  description = {"source": config["source"], "files": config["files"][:100], "num_files": len(config["files"])}
+  if config["source"] == "jsonl":
+    description["text_field"] = config["text_field"]
+  return description
+
+
+def iter_source_documents(config, stats: sources.SourceStats):
+  """The source's documents in corpus order (max_documents of them), streamed.
+
+  `stats` is updated as they are read: skips, and progress as stats.bytes_read of
+  stats.total_bytes (bytes for files, records for TFDS, documents for the built-in corpus).
+  """
+  limit = config["max_documents"] or None
+  if config["source"] == "builtin":
+    documents = corpus.builtin_documents(limit)
+    stats.total_bytes = len(documents)
+
+    def counted():
+      for document in documents:
+        stats.bytes_read += 1
+        stats.num_documents += 1
+        yield document
+
+    iterator = counted()
+  elif config["source"] == "tfds":
+    iterator = _tfds_corpus(config).iter_documents(stats)
+  else:
+    iterator = sources.iter_documents(config["source"], config["files"], config["text_field"], stats)
+  for count, document in enumerate(iterator):
+    if limit is not None and count >= limit:
+      break
+    yield document
+
+
+def no_documents_error(config, stats: sources.SourceStats) -> ConfigError:
+  """The error for a source that gave no usable document."""
+  if config["source"] in sources.FILE_SOURCES:
+    return sources.no_usable_text_error(config["source"], config["files"], config["text_field"], stats)
+  if config["source"] == "tfds":
+    return ConfigError(
+        f"TFDS dataset {config['tfds_name']!r} split {config['tfds_split']!r} gave no usable text in "
+        f"field {config['tfds_text_field']!r} ({stats.counts()}); check data.tfds_text_field."
+    )
+  return ConfigError(f"The built-in corpus gave no documents (max_documents={config['max_documents']}).")
+# ---------------------------------------------------------------------------------------
+# Prepared shards (data.source="prepared", written by prepare.py)
+# ---------------------------------------------------------------------------------------
+def shard_file(split: str, index: int) -> str:
+  return f"{split}-{index:05d}.npy"
+
+
+def lengths_file(split: str, index: int) -> str:
+  return f"{split}-{index:05d}.lengths.npy"
+
+
+def read_manifest(out_dir: str) -> dict | None:
+  path = os.path.join(out_dir, MANIFEST)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path, "rb") as f:
+      return json.loads(f.read())
+  except ValueError as e:
+    raise ConfigError(
+        f"{path} is not valid JSON ({e}); it was not written by prepare_data. Delete "
+        f"{out_dir} (or choose another data.prepared_dir) and prepare again."
+    ) from e
+
 
 
 def _default_workers() -> int:
@@ -109,8 +332,8 @@ def _load_spec(spec: dict):
 
 
 def _iter_train_sentences(config, stats):
-  for index, document in enumerate(pipeline.iter_source_documents(config, stats)):
-    if not pipeline.is_eval_document(index, config["eval_fraction"]):
+  for index, document in enumerate(iter_source_documents(config, stats)):
+    if not is_eval_document(index, config["eval_fraction"]):
       yield from document
 
 
@@ -123,11 +346,11 @@ def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) 
   from a bigger corpus (the same model on every run and host), so memory stays bounded. Use the model with data.tokenizer="sentencepiece" and
   data.spm_model_file=out_path. Returns what was trained (path, fingerprint, sizes).
   """
-  config = pipeline._read_config(data_config)
-  if config["source"] not in pipeline.DOCUMENT_SOURCES:
+  config = read_config(data_config)
+  if config["source"] not in DOCUMENT_SOURCES:
     raise ConfigError(
         f"train_tokenizer reads documents; data.source={config['source']!r} has none. Use one of "
-        f"{list(pipeline.DOCUMENT_SOURCES)}."
+        f"{list(DOCUMENT_SOURCES)}."
     )
   if not out_path:
     raise ConfigError("train_tokenizer needs an output path (--out=PATH/spm.model).")
@@ -154,7 +377,7 @@ def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) 
         num_threads=num_threads or _default_workers(),
     )
   except NoSentencesError as e:  # the source's own errors (a TFDS dataset not prepared) pass as they are
-    raise pipeline.no_documents_error(config, stats) from e
+    raise no_documents_error(config, stats) from e
   if config["source"] != "builtin":
     sources.log_stats(config["source"], stats)
   tokenizer = SentencePieceTokenizer(out_path)
@@ -170,14 +393,19 @@ def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) 
   return info
 
 
+def configured_tokenizer(config):
+  """The tokenizer a read config names (WordPiece, or data.spm_model_file); None if neither."""
+  if config["tokenizer"] == "wordpiece":
+    return WordPieceTokenizer(config["vocab_file"], config["lowercase"], config["strip_accents"])
+  return SentencePieceTokenizer(config["spm_model_file"]) if config["spm_model_file"] else None
+
+
 def _ready_tokenizer(config, out_dir: str):
   """The tokenizer the shards are made with, when it needs no training: the configured one, or
   the model an earlier prepare_data trained into out_dir. None when a sentencepiece model still
-  has to be trained (_train_prepare_tokenizer). Only loads files: cheap, and writes nothing."""
-  if config["tokenizer"] == "wordpiece":
-    return WordPieceTokenizer(config["vocab_file"], config["lowercase"], config["strip_accents"])
-  if config["spm_model_file"]:
-    return SentencePieceTokenizer(config["spm_model_file"])
+  has to be trained (train_corpus_tokenizer). Only loads files: cheap, and writes nothing."""
+  if config["tokenizer"] == "wordpiece" or config["spm_model_file"]:
+    return configured_tokenizer(config)
   model_path = os.path.join(out_dir, SPM_MODEL)
   if not os.path.exists(model_path):
     return None
@@ -191,25 +419,20 @@ def _ready_tokenizer(config, out_dir: str):
   return tokenizer
 
 
-def _train_prepare_tokenizer(config, scratch_path: str, final_path: str):
-  """A sentencepiece model trained on the train documents into `scratch_path`, outside the
-  prepared directory: it is moved to `final_path` only once the directory is accepted, so a
-  refused or killed run leaves no model there that training would later pick up."""
+def train_corpus_tokenizer(config, path: str):
+  """A sentencepiece model trained on the train documents of the read `config`, written to
+  `path`, on a fixed thread count: the same model (and so the same shards) on any machine."""
   stats = sources.SourceStats()
-  logging.info(
-      "no data.spm_model_file: training a %s sentencepiece model of %d pieces (for %s)",
-      config["spm_model_type"], config["spm_vocab_size"], final_path,
-  )
+  logging.info("no data.spm_model_file: training a %s sentencepiece model of %d pieces",
+               config["spm_model_type"], config["spm_vocab_size"])
   try:
     train_sentencepiece(
-        _iter_train_sentences(config, stats), scratch_path, vocab_size=config["spm_vocab_size"],
-        # The in-memory path's thread count: the model (and so the shards) must not depend on
-        # this machine's cores.
+        _iter_train_sentences(config, stats), path, vocab_size=config["spm_vocab_size"],
         model_type=config["spm_model_type"], num_threads=TRAINING_THREADS,
     )
   except NoSentencesError as e:  # the source's own errors (a TFDS dataset not prepared) pass as they are
-    raise pipeline.no_documents_error(config, stats) from e
-  return SentencePieceTokenizer(scratch_path)
+    raise no_documents_error(config, stats) from e
+  return SentencePieceTokenizer(path)
 
 
 # ---------------------------------------------------------------- workers
@@ -287,7 +510,7 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
     by_split = {split: ([], []) for split in SPLITS}
     for offset, document in enumerate(task["documents"]):
       document_index = task["first_document"] + offset
-      split = "eval" if pipeline.is_eval_document(document_index, task["eval_fraction"]) else "train"
+      split = "eval" if is_eval_document(document_index, task["eval_fraction"]) else "train"
       by_split[split][0].append(document)
       by_split[split][1].append(document_index)
     for split, (documents, indices) in by_split.items():
@@ -297,7 +520,7 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
           cls_id=tokenizer.cls_id,
           sep_id=tokenizer.sep_id,
           pad_id=tokenizer.pad_id,
-          seed=pipeline.PACKING_SEEDS[split],
+          seed=PACKING_SEEDS[split],
           document_indices=indices,
       )
       rows = packed["input_ids"].shape[0]
@@ -345,7 +568,7 @@ def _settings(config, source_key: dict, tokenizer) -> dict:
   `tokenizer` None (not trained yet) leaves out _TOKENIZER_FILE_SETTINGS."""
   settings = {
       "prepared_format": PREPARED_FORMAT_VERSION,
-      "packing_format": pipeline._CACHE_FORMAT_VERSION,
+      "packing_format": PACKING_FORMAT_VERSION,
       "source": config["source"],
       "source_key": source_key,
       "tokenizer": "wordpiece" if config["tokenizer"] == "wordpiece" else "sentencepiece",
@@ -393,7 +616,9 @@ def _sha256_file(path: str) -> str:
   return digest.hexdigest()
 
 
-def _shard_is_intact(out_dir: str, entry: dict) -> bool:
+def shard_is_intact(out_dir: str, entry: dict, checksums: bool = True) -> bool:
+  """Whether the files of a manifest's shard `entry` are there with their sizes (and, with
+  `checksums`, their sha256)."""
   for split_entry in entry["splits"].values():
     if not split_entry["rows"]:
       continue
@@ -404,7 +629,7 @@ def _shard_is_intact(out_dir: str, entry: dict) -> bool:
       path = os.path.join(out_dir, name)
       if not os.path.exists(path) or os.path.getsize(path) != size:
         return False
-      if _sha256_file(path) != sha256:
+      if checksums and _sha256_file(path) != sha256:
         return False
   return True
 
@@ -412,7 +637,7 @@ def _shard_is_intact(out_dir: str, entry: dict) -> bool:
 def _chunks(config, stats, shard_documents: int):
   """(index, first document, documents) of each shard, in corpus order."""
   documents, first = [], 0
-  for document in pipeline.iter_source_documents(config, stats):
+  for document in iter_source_documents(config, stats):
     documents.append(document)
     if len(documents) == shard_documents:
       yield first // shard_documents, first, documents
@@ -435,10 +660,14 @@ def prepare_data(data_config, num_workers: int | None = None) -> dict:
   tokenizer is trained, and with the directory left exactly as it was. Train on the result
   with data.source="prepared". Returns the manifest.
   """
-  config = pipeline._read_config(data_config)
-  if config["source"] not in pipeline.DOCUMENT_SOURCES:
+  return prepare_config(read_config(data_config), num_workers)
+
+
+def prepare_config(config: dict, num_workers: int | None = None) -> dict:
+  """prepare_data of a config that read_config returned."""
+  if config["source"] not in DOCUMENT_SOURCES:
     raise ConfigError(
-        f"prepare_data reads documents from data.source, one of {list(pipeline.DOCUMENT_SOURCES)}, "
+        f"prepare_data reads documents from data.source, one of {list(DOCUMENT_SOURCES)}, "
         f"got {config['source']!r}; set data.source to the corpus the shards are made from."
     )
   out_dir = config["prepared_dir"]
@@ -462,7 +691,7 @@ def prepare_data(data_config, num_workers: int | None = None) -> dict:
   if config["max_seq_len"] < 5:
     raise ConfigError(f"data.max_seq_len must be at least 5, got {config['max_seq_len']}.")
   existing = read_manifest(out_dir)
-  source_key = pipeline.source_fingerprint(config)
+  source_key = source_fingerprint(config)
   tokenizer = _ready_tokenizer(config, out_dir)
   settings = _settings(config, source_key, tokenizer)
   if existing is not None:
@@ -473,7 +702,9 @@ def prepare_data(data_config, num_workers: int | None = None) -> dict:
   model_path, model_bytes = os.path.join(out_dir, SPM_MODEL), None
   if tokenizer is None:
     with tempfile.TemporaryDirectory(prefix="electra_jax_spm-") as scratch:
-      trained = _train_prepare_tokenizer(config, os.path.join(scratch, SPM_MODEL), model_path)
+      # Trained outside the directory, and moved in only once the directory is accepted: a
+      # refused or killed run leaves no model there that training would later pick up.
+      trained = train_corpus_tokenizer(config, os.path.join(scratch, SPM_MODEL))
       settings = _settings(config, source_key, trained)
       if existing is not None:
         _refuse_another_config(
@@ -500,7 +731,7 @@ def prepare_data(data_config, num_workers: int | None = None) -> dict:
   done: dict[int, dict] = {}
   if existing is not None:
     for entry in existing.get("shards", []):
-      if _shard_is_intact(out_dir, entry):
+      if shard_is_intact(out_dir, entry):
         done[entry["index"]] = entry
       else:
         logging.warning("shard %d in %s is missing or damaged; packing it again", entry["index"], out_dir)
@@ -512,7 +743,7 @@ def prepare_data(data_config, num_workers: int | None = None) -> dict:
       "format_version": PREPARED_FORMAT_VERSION,
       "config_key": config_key,
       "settings": settings,
-      "source": pipeline.source_description(config),
+      "source": source_description(config),
       "tokenizer": {k: v for k, v in spec.items()},
       "max_seq_len": config["max_seq_len"],
       "dtype": dtype,
@@ -576,7 +807,7 @@ def prepare_data(data_config, num_workers: int | None = None) -> dict:
   try:
     for index, first, documents in _chunks(config, stats, config["shard_documents"]):
       for offset, document in enumerate(documents):
-        split = "eval" if pipeline.is_eval_document(first + offset, config["eval_fraction"]) else "train"
+        split = "eval" if is_eval_document(first + offset, config["eval_fraction"]) else "train"
         hashers[split].update(document)
       position = stats.bytes_read
       if index in done:
@@ -619,7 +850,7 @@ def prepare_data(data_config, num_workers: int | None = None) -> dict:
   if config["source"] != "builtin":
     sources.log_stats(config["source"], stats)
   if not done:
-    raise pipeline.no_documents_error(config, stats)
+    raise no_documents_error(config, stats)
   expected = list(range(len(done)))
   if sorted(done) != expected:
     raise RuntimeError(f"prepare_data: shards {sorted(set(expected) - set(done))} are missing; run it again.")

@@ -28,9 +28,9 @@ SUPPORTED_MODEL_TYPES = ("unigram", "bpe")
 _MAX_TRAINING_SENTENCES = 1_000_000
 
 # Threads of the sentencepiece trainer wherever a model is trained as part of the data (the
-# in-memory cache, prepare_data): the model depends on them (unigram's pieces, and both types'
-# bytes, which record the count), so a fixed count makes it a function of the config alone, and
-# prepare_data's shards equal the in-memory examples on machines of any size.
+# cache, prepare_data): the model depends on them (unigram's pieces, and both types' bytes,
+# which record the count), so a fixed count makes it a function of the config alone, the same
+# on machines of any size.
 TRAINING_THREADS = 2
 
 # Sentencepiece skips, without a word, sentences over max_sentence_length bytes (its default is
