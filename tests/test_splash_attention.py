@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import cli_args, run_cli, tiny_config
+from conftest import cli_args, run_cli, tiny_config, with_devices
 from electra_jax import models, objectives, splash_attention
 from electra_jax.errors import ConfigError
 
@@ -116,7 +116,7 @@ def test_sharded_training_matches_xla_on_one_device(tmp_path):
   eight = run_cli(
       cli_args(tmp_path / "splash", **common, **{"model.attention_impl": "splash",
                                                   "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}),
-      env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+      env_extra=with_devices(8),
   )
   assert eight.returncode == 0, eight.stderr[-3000:]
   assert "over 8 cpu devices" in eight.stderr and "interpret mode" in eight.stderr
