@@ -1,13 +1,57 @@
 """The one thin wrapper around orbax: train state plus a JSON side-car (step, parameter
-shapes, data fingerprint) under <workdir>/checkpoints/<step>/."""
+shapes, data fingerprint, a checksum of every array) under <workdir>/checkpoints/<step>/.
+A restore recomputes the checksums and refuses a step whose arrays differ (DamagedCheckpoint)."""
 
 import os
 from typing import Any, Optional
 
+import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from absl import logging
 from etils import epath
 
 from electra_jax import workdir_files
+from electra_jax.errors import ConfigError
+
+
+class DamagedCheckpoint(ConfigError):
+  """A checkpoint step whose files cannot be read or whose arrays are not those saved."""
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.uint8)
+  width = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize, jnp.uint32)
+  bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)  # 64-bit values: two words
+  # Each element weighted by its position (an odd multiplier of its flat index), without a
+  # reshape, which would move a sharded array's elements between devices.
+  index, stride = jnp.zeros(bits.shape, jnp.uint32), 1
+  for dim in reversed(range(bits.ndim)):
+    index += jax.lax.broadcasted_iota(jnp.uint32, bits.shape, dim) * jnp.uint32(stride % 2**32)
+    stride *= bits.shape[dim]
+  return jnp.sum(bits * (index * jnp.uint32(2654435761) + jnp.uint32(1)), dtype=jnp.uint32)
+
+
+@jax.jit
+def _checksums(leaves):
+  return [_leaf_checksum(leaf) for leaf in leaves]
+
+
+def checksums(tree: Any) -> dict[str, int]:
+  """Per array of `tree`: the sum of its bits weighted by position, modulo 2**32. Integer sums
+  are exact in any order, so the figure does not depend on the sharding or the device count,
+  and a changed value changes it."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  values = jax.device_get(_checksums([leaf for _, leaf in flat]))
+  return {_name(path): int(value) for (path, _), value in zip(flat, values)}
+
+
+def _name(path) -> str:
+  """'params/embeddings/...': the same for a train state and the plain dicts orbax returns."""
+  return "/".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
 
 
 def checkpoints_directory(workdir: str) -> str:
@@ -33,7 +77,9 @@ class Checkpointer:
     return sorted(self._manager.all_steps())
 
   def save(self, step: int, state: Any, meta: dict) -> None:
-    """Asynchronous: device arrays are copied before this returns, files written after."""
+    """Asynchronous: device arrays are copied before this returns, files written after. The
+    meta records the state's checksums."""
+    meta = dict(meta, checksums=checksums(state))
     self._manager.save(
         step,
         args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
@@ -41,24 +87,86 @@ class Checkpointer:
     )
 
   def read_meta(self, step: int) -> dict:
-    return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    try:
+      return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as error:  # noqa: BLE001 -- whatever orbax raises on a missing or broken file
+      raise self._damaged(step, f"its meta cannot be read ({type(error).__name__}: {str(error)[:300]})") from error
+
+  def _damaged(self, step: int, why: str) -> DamagedCheckpoint:
+    others = [s for s in self.all_steps() if s != step]
+    return DamagedCheckpoint(
+        f"The checkpoint at step {step} in {self.directory} is damaged: {why}. "
+        + (f"Other steps there: {others}." if others else "It is the only step there.")
+    )
 
   def state_difference(self, step: int, abstract_state: Any) -> tuple[list[str], list[str]]:
     """(paths the checkpoint lacks, paths only it has) between the train state saved at `step`
     and `abstract_state`, read from the checkpoint's tree metadata (no array is read). Both
     empty when the structures match; orbax's restore fails with a traceback otherwise."""
-    saved = ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory) / str(step) / "state")
+    try:
+      saved = ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory) / str(step) / "state")
+    except Exception as error:  # noqa: BLE001 -- whatever orbax raises on a missing or broken file
+      raise self._damaged(step, f"its tree metadata cannot be read ({type(error).__name__}: {str(error)[:300]})") from error
     saved_paths = set(ocp.tree.to_flat_dict(dict(saved)))
     wanted = set(ocp.tree.to_flat_dict(ocp.tree.serialize_tree(abstract_state, keep_empty_nodes=True)))
     name = lambda path: "/".join(map(str, path))
     return sorted(map(name, wanted - saved_paths)), sorted(map(name, saved_paths - wanted))
 
   def restore(self, step: int, abstract_state: Any) -> Any:
-    """`abstract_state` leaves are ShapeDtypeStructs carrying the target NamedShardings."""
-    restored = self._manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+    """`abstract_state` leaves are ShapeDtypeStructs carrying the target NamedShardings.
+    Raises DamagedCheckpoint when a file cannot be read or an array's checksum differs from
+    the one saved with it (checkpoints without checksums are taken as they are)."""
+    recorded = self.read_meta(step).get("checksums")
+    try:
+      state = self._manager.restore(
+          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+      )["state"]
+    except Exception as error:  # noqa: BLE001 -- whatever orbax raises on a missing or broken file
+      raise self._damaged(step, f"its arrays cannot be read ({type(error).__name__}: {str(error)[:300]})") from error
+    if recorded is not None:
+      differ = [name for name, value in checksums(state).items() if recorded.get(name) != value]
+      if differ:
+        raise self._damaged(step, f"{len(differ)} arrays differ from what was saved (first: {differ[:3]})")
+    return state
+
+  def restore_newest_intact(self, abstract_state: Any, at_most: int, check=None) -> tuple[int, Any, dict]:
+    """(step, state, meta) of the newest step up to `at_most` that restores intact; each damaged
+    step is named in a warning and skipped. `check(step, meta)` may refuse a step before its
+    arrays are read (its errors pass through). Raises DamagedCheckpoint when none is intact."""
+    damaged = []
+    for step in sorted((s for s in self.all_steps() if s <= at_most), reverse=True):
+      try:
+        meta = self.read_meta(step)
+        if check is not None:
+          check(step, meta)
+        state = self.restore(step, abstract_state)
+      except DamagedCheckpoint as error:
+        logging.warning("%s Trying the step before it.", error)
+        damaged.append(step)
+        continue
+      if damaged:
+        logging.warning("Using the checkpoint at step %d, the newest intact one (damaged: %s).", step, damaged)
+      return step, state, meta
+    raise DamagedCheckpoint(
+        f"No intact checkpoint in {self.directory}: steps {damaged} are damaged (the warnings above "
+        "say how). Restore them from a copy, or move them away to start over."
     )
-    return restored["state"]
+
+  def set_aside_after(self, step: int | None, rename: bool = True) -> list[int]:
+    """Renames every step after `step` (all, for None) to <step>.damaged, where a resume from
+    `step` would save over it, keeping the files; `rename=False` (processes other than the
+    first) only forgets them. Returns those steps."""
+    later = [s for s in self.all_steps() if step is None or s > step]
+    for s in later if rename else ():
+      source = epath.Path(self.directory) / str(s)
+      target, n = source.parent / f"{s}.damaged", 1
+      while target.exists():
+        target, n = source.parent / f"{s}.damaged{n}", n + 1
+      source.rename(target)
+      logging.warning("Moved the damaged checkpoint at step %d to %s; the run trains those steps again.", s, target)
+    if later:
+      self._manager.reload()
+    return later
 
   def wait(self) -> None:
     self._manager.wait_until_finished()

@@ -301,12 +301,13 @@ def _stream_offset(meta: dict | None, start_step: int | None, global_batch: int)
 
 
 def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpus=None):
-  """(step, state): the train state saved at `step` (default: the latest) in `workdir`,
-  sharded for `mesh` whatever mesh saved it, once the checkpoint is known to hold this
-  setup's model (and, given `corpus`, to come from its data)."""
+  """(step, state): the train state saved at `step` (default: the newest intact one) in
+  `workdir`, sharded for `mesh` whatever mesh saved it, once the checkpoint is known to hold
+  this setup's model (and, given `corpus`, to come from its data)."""
   checkpointer = checkpointing.Checkpointer(workdir, keep=1)  # reading only: keep acts on saves
   try:
-    step = checkpointer.latest_step() if step is None else step
+    latest = step is None
+    step = checkpointer.latest_step() if latest else step
     if step is None:
       raise ConfigError(f"{workdir} holds no checkpoint yet; train first or fix --workdir.")
     if step not in checkpointer.all_steps():
@@ -314,12 +315,25 @@ def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpu
           f"{workdir} holds no checkpoint of step {step}; its checkpoints are of steps "
           f"{checkpointer.all_steps()}. Pick one of those, or leave --step out for the latest."
       )
-    _check_checkpoint_matches(checkpointer.read_meta(step), setup, corpus, workdir)
-    _check_state_structure(checkpointer, step, setup, workdir)
     with partitioning.activate(mesh):
+      if latest:
+        return _restore_intact(checkpointer, step, setup, workdir, corpus)[:2]
+      _check_checkpoint_matches(checkpointer.read_meta(step), setup, corpus, workdir)
+      _check_state_structure(checkpointer, step, setup, workdir)
       return step, checkpointer.restore(step, setup.abstract_state)
   finally:
     checkpointer.close()
+
+
+def _restore_intact(checkpointer, latest: int, setup, workdir: str, corpus, config=None):
+  """(step, state, meta) of the newest intact checkpoint up to `latest` (a damaged one is named
+  and skipped), each refused before its arrays are read if it holds another model, data or
+  state structure."""
+  def check(step, meta):
+    _check_checkpoint_matches(meta, setup, corpus, workdir, config)
+    _check_state_structure(checkpointer, step, setup, workdir)
+
+  return checkpointer.restore_newest_intact(setup.abstract_state, latest, check)
 
 
 def check_same_model(saved: dict, current: dict, workdir: str, config=None) -> None:
@@ -768,10 +782,14 @@ def _train_and_evaluate(config, workdir: str, take_over_workdir: bool, started: 
   if jax.process_count() > 1:  # one step for all, even if a save finalizes between the reads
     agreed = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if start_step is None else start_step)))
     start_step = None if agreed < 0 else agreed
-  start_meta = checkpointer.read_meta(start_step) if start_step is not None else None
+  start_meta = restored = None
   if start_step is not None:
-    _check_checkpoint_matches(start_meta, setup, corpus, workdir, config)
-    _check_state_structure(checkpointer, start_step, setup, workdir)
+    try:
+      with partitioning.activate(mesh):
+        start_step, restored, start_meta = _restore_intact(checkpointer, start_step, setup, workdir, corpus, config)
+    except BaseException:
+      checkpointer.close()
+      raise
   if budgeted:
     try:
       resolve_time_budget(config, workdir, start_step, mesh, corpus, setup, started)
@@ -792,8 +810,14 @@ def _train_and_evaluate(config, workdir: str, take_over_workdir: bool, started: 
     raise
   try:
     _check_shared_workdir(workdir, lease)
+    if start_step is not None and start_step != checkpointer.latest_step():  # newer ones were damaged
+      if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("electra_jax: before setting damaged checkpoints aside")
+      checkpointer.set_aside_after(start_step, rename=jax.process_index() == 0)
+      if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("electra_jax: damaged checkpoints set aside")
     stream_offset = _stream_offset(start_meta, start_step, config.train.batch_size)
-    return _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease, stream_offset)
+    return _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, restored, lease, stream_offset)
   finally:
     if lease is not None:
       lease.release()
@@ -962,7 +986,8 @@ def _keep_changed_config(config, workdir: str, start_step: int | None) -> None:
                   start_step, kept, "; ".join(changes))
 
 
-def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease, stream_offset) -> dict[str, float]:
+def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, restored, lease,
+           stream_offset) -> dict[str, float]:
   is_chief = jax.process_index() == 0
   init_rng = jax.random.key(config.train.seed)
   evaluator = evaluation.HeldOutEvaluator(config, setup, mesh) if config.eval.every_steps else None
@@ -984,7 +1009,7 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, lease
         eval_log.truncate_after(0)
     else:
       logging.info("Resuming from the checkpoint at step %d in %s.", start_step, checkpointer.directory)
-      state = checkpointer.restore(start_step, setup.abstract_state)
+      state = restored
       if is_chief:
         metrics_log.truncate_after(start_step)
         eval_log.truncate_after(start_step)

@@ -12,6 +12,7 @@ from electra_jax import config_lib, data, models, partitioning, train, workdir_f
 from electra_jax.errors import ConfigError
 from electra_jax.data.wordpiece import WordPieceTokenizer
 from electra_jax.interop.hf import check_hf_form, save_hf
+from electra_jax.interop.weight_files import finite_tensor
 
 
 def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -> dict[str, str]:
@@ -40,7 +41,9 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
   special_ids = dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id)
   setup = train.build_setup(config, mesh, special_ids)
 
-  _, state = train.restore_checkpoint(workdir, setup, mesh)
+  step, state = train.restore_checkpoint(workdir, setup, mesh)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:  # before anything is written
+    finite_tensor(jax.tree_util.keystr(path), jax.device_get(leaf), f"the checkpoint at step {step} in {workdir}")
 
   towers = ("discriminator", "generator") if export_generator else ("discriminator",)
   written = {}

@@ -69,7 +69,7 @@ def finite_tensor(name: str, array: np.ndarray, source: str) -> np.ndarray:
     if not finite.all():
       raise ConfigError(
           f"Refusing {source}: tensor {name!r} holds {finite.size - int(finite.sum())} NaN or infinite "
-          f"values of {finite.size} (a model trained into NaN, or a damaged file); import a good "
+          f"values of {finite.size} (a model trained into NaN, or a damaged file); use a good "
           "checkpoint."
       )
   return array
