@@ -467,6 +467,54 @@ def test_training_refuses_shards_of_another_tokenizer_or_length(tmp_path, corpus
     load_pretraining_data(_config(tmp_path, corpus_files, source="prepared", prepared_dir=str(tmp_path / "none")))
 
 
+def _shard_path(tmp_path, index=0):
+  return tmp_path / "prepared" / f"train-{index:05d}.npy"
+
+
+def _rewrite_shard(path, change, update_manifest=False):
+  """Writes shard `path` again with `change(rows)`, the same size and format; the manifest's
+  sha256 of it is updated too if asked (a consistent edit, which only the id check sees)."""
+  rows = np.load(path)
+  change(rows)
+  np.save(path, rows, allow_pickle=False)
+  if update_manifest:
+    manifest_path = path.parent / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for entry in manifest["shards"]:
+      if entry["splits"]["train"].get("file") == path.name:
+        entry["splits"]["train"]["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    manifest_path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("fault", ["edited", "ids outside the vocabulary", "truncated"])
+def test_training_reads_shards_that_differ_from_the_manifest_never(tmp_path, corpus_files, spm_model, fault):
+  prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model), num_workers=0)
+  prepared = _config(tmp_path, corpus_files, source="prepared", spm_model_file=spm_model)
+  path = _shard_path(tmp_path, 1)
+  originals = {f: f.read_bytes() for f in (path, path.parent / "manifest.json")}
+  if fault == "truncated":  # the cheap checks at load time see it
+    path.write_bytes(path.read_bytes()[:-64])
+    with pytest.raises(ConfigError, match=rf"(Cannot read shard .*{path.name}|{path.name} has \d+ bytes, the manifest says)"):
+      load_pretraining_data(prepared)
+    return
+  if fault == "edited":
+    _rewrite_shard(path, lambda rows: rows.__setitem__((0, 0, 1), rows[0, 0, 1] + 1))
+    message = "is not the file prepare_data wrote"
+  else:
+    _rewrite_shard(path, lambda rows: rows.__setitem__((0, 0, 1), 119 + 7), update_manifest=True)
+    message = "holds token id 126, outside the tokenizer's 120 ids"
+  data = load_pretraining_data(prepared)  # the run starts at once; the check runs beside it
+  data.verification.wait()
+  with pytest.raises(ConfigError, match=rf"Shard .*{path.name} {message}.*--mode=prepare_data again"):
+    get_batch(data, 0, 4, seed=0)
+  # The files as prepare_data wrote them pass the same check.
+  for f, content in originals.items():
+    f.write_bytes(content)
+  data = load_pretraining_data(prepared)
+  data.verification.wait()
+  assert get_batch(data, 0, 4, seed=0)["input_ids"].shape == (4, 32)
+
+
 def test_sentencepiece_trained_by_prepare_serves_training(tmp_path, corpus_files):
   config = _config(tmp_path, corpus_files, spm_vocab_size=100)
   manifest = prepare_data(config, num_workers=0)

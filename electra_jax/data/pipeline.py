@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -54,6 +55,8 @@ class PretrainingData:
   token_count: int | None = None  # non-padding tokens, when the manifest counted them
   # data.pack_rows: each example's token count, from the shards' lengths files.
   lengths: np.ndarray | None = None
+  # The background check of the shards against the manifest (None: nothing to check).
+  verification: ShardVerification | None = None
 
   @property
   def num_examples(self) -> int:
@@ -289,6 +292,8 @@ def get_rows(data: PretrainingData, rows: np.ndarray) -> dict[str, np.ndarray]:
   within each example, 0 on padding); token types stay per example. The held-out evaluator
   reads its fixed rows through this too.
   """
+  if data.verification is not None:
+    data.verification.raise_if_failed()
   rows = np.asarray(rows, dtype=np.int64)
   if data.packing is not None:
     return assemble_rows(data.packing, rows, data.input_ids, data.token_type_ids, data.tokenizer.pad_id)
@@ -431,6 +436,46 @@ def _shard_lengths(directory: str, split_entry: dict, shard: np.ndarray, pad_id:
   return lengths.astype(np.int32)
 
 
+class ShardVerification:
+  """Checks a split's shard files against the manifest on a background thread, so a run starts
+  at once and its steps do not wait: each file's sha256, and every input id below the
+  tokenizer's vocabulary size. get_rows (and so get_batch) raises the first failure (a
+  ConfigError naming the file) at the next rows it reads."""
+
+  def __init__(self, directory: str, entries: list[dict], vocab_size: int, split: str):
+    self._error: ConfigError | None = None
+    self._args = (directory, entries, vocab_size, split)
+    self._thread = threading.Thread(target=self._run, name="electra-verify-shards", daemon=True)
+    self._thread.start()
+
+  def _run(self) -> None:
+    directory, entries, vocab_size, split = self._args
+    for entry in entries:
+      path = os.path.join(directory, entry["file"])
+      redo = "run --mode=prepare_data again with the same config to re-create it"
+      try:
+        if prepare.sha256_file(path) != entry["sha256"]:
+          self._error = ConfigError(f"Shard {path} is not the file prepare_data wrote (its sha256 differs "
+                                    f"from {prepare.MANIFEST}'s); {redo}.")
+          return
+        largest = int(np.max(np.load(path, mmap_mode="r", allow_pickle=False)[:, 0]))
+      except (OSError, ValueError) as error:
+        self._error = ConfigError(f"Cannot read shard {path} ({error}); {redo}.")
+        return
+      if largest >= vocab_size:
+        self._error = ConfigError(f"Shard {path} holds token id {largest}, outside the tokenizer's "
+                                  f"{vocab_size} ids; {redo}.")
+        return
+    logging.info("verified the %d %s shards of %s against %s", len(entries), split, directory, prepare.MANIFEST)
+
+  def wait(self) -> None:
+    self._thread.join()
+
+  def raise_if_failed(self) -> None:
+    if self._error is not None:
+      raise self._error
+
+
 def load_prepared(config, split: str) -> PretrainingData:
   """`split` of the prepared directory config["prepared_dir"], memory-mapped, after checks."""
   directory = config["prepared_dir"]
@@ -451,11 +496,12 @@ def load_prepared(config, split: str) -> PretrainingData:
                       "are not used: %s.", directory, "; ".join(ignored))
   tokenizer = prepared_tokenizer(config, manifest)
   max_seq_len = manifest["max_seq_len"]
-  shards, lengths = [], []
+  shards, lengths, entries = [], [], []
   for entry in manifest["shards"]:
     split_entry = entry["splits"][split]
     if not split_entry["rows"]:
       continue
+    entries.append(split_entry)
     path = os.path.join(directory, split_entry["file"])
     try:
       array = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -470,6 +516,9 @@ def load_prepared(config, split: str) -> PretrainingData:
           f"({split_entry['rows']}, 2, {max_seq_len}) {manifest['dtype']}. Run --mode=prepare_data "
           f"again to re-create it."
       )
+    if os.path.getsize(path) != split_entry["bytes"]:
+      raise ConfigError(f"Shard {path} has {os.path.getsize(path)} bytes, the manifest says {split_entry['bytes']}; "
+                        "run --mode=prepare_data again with the same config to re-create it.")
     shards.append(array)
     if config["pack_rows"]:
       lengths.append(_shard_lengths(directory, split_entry, array, tokenizer.pad_id))
@@ -490,6 +539,7 @@ def load_prepared(config, split: str) -> PretrainingData:
       directory=directory,
       token_count=int(manifest["totals"][f"{split}_tokens"]),
       lengths=np.concatenate(lengths) if config["pack_rows"] else None,
+      verification=ShardVerification(directory, entries, tokenizer.vocab_size, split),
   )
   logging.info(
       "loaded prepared %s data: %d examples of length %d in %d shards, %d tokens, from %s",

@@ -608,7 +608,7 @@ def _refuse_another_config(out_dir: str, existing: dict, settings: dict, hint: s
   )
 
 
-def _sha256_file(path: str) -> str:
+def sha256_file(path: str) -> str:
   digest = hashlib.sha256()
   with open(path, "rb") as f:
     for block in iter(lambda: f.read(1 << 22), b""):
@@ -629,7 +629,7 @@ def shard_is_intact(out_dir: str, entry: dict, checksums: bool = True) -> bool:
       path = os.path.join(out_dir, name)
       if not os.path.exists(path) or os.path.getsize(path) != size:
         return False
-      if checksums and _sha256_file(path) != sha256:
+      if checksums and sha256_file(path) != sha256:
         return False
   return True
 
