@@ -172,6 +172,13 @@ def parse_duration(text: str, key: str = "train.time_budget") -> float:
   return total
 
 
+def format_duration(seconds: float) -> str:
+  """"1h05m" or "3m07s": how progress lines and ETAs show a duration."""
+  minutes, secs = divmod(int(max(0, seconds)), 60)
+  hours, minutes = divmod(minutes, 60)
+  return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
 def to_json(config: ml_collections.ConfigDict) -> str:
   return json.dumps(config.to_dict(), indent=2, sort_keys=True)
 

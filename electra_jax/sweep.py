@@ -317,12 +317,6 @@ def _latest_checkpoint(workdir: str) -> int | None:
     checkpointer.close()
 
 
-def _format_duration(seconds: float) -> str:
-  minutes, secs = divmod(int(seconds), 60)
-  hours, minutes = divmod(minutes, 60)
-  return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
-
-
 def _finetune_results(workdir: str) -> dict | None:
   found = sorted(glob.glob(os.path.join(workdir, FINETUNE_SUBDIR, "*", "results.json")))
   return json.loads(open(found[0]).read()) if found else None
@@ -420,7 +414,7 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_ov
     workdir = run_dir(sweep_dir, run)
     # ETA: the mean time of the runs trained so far times the runs left to train.
     remaining = sum(unfinished[index - 1:])
-    eta = (f"ETA {_format_duration(remaining * sum(durations) / len(durations))}" if durations
+    eta = (f"ETA {config_lib.format_duration(remaining * sum(durations) / len(durations))}" if durations
            else "ETA after the first trained run")
     logging.info("Sweep run %d/%d %s (%s) | %s", index, len(runs), run.name, run.label, eta)
     error_file = workdir_files.path(workdir, ERROR_FILE)

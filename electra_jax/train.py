@@ -616,13 +616,6 @@ class _Preemption:
       signal.signal(signal.SIGINT, self._previous_interrupt)
 
 
-def _format_duration(seconds: float) -> str:
-  seconds = int(seconds)
-  hours, rest = divmod(seconds, 3600)
-  minutes, secs = divmod(rest, 60)
-  return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
-
-
 def _stop_if_not_finite(what: str, value: float, step: int, checkpointer, config, first_bad_step=None) -> None:
   """Stops the run when `value` is not finite. `first_bad_step`: the first step whose loss was
   not finite, when known; a checkpoint just before it holds the parameters that produced it."""
@@ -748,14 +741,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
 @contextlib.contextmanager
 def _sigterm_unwinds():
-  """Until the training loop's own handler takes over (_PreemptionGuard): SIGTERM raises
-  SystemExit(143) in the main thread, so a run stopped while it starts (data, compile) releases
-  its lease and leaves nothing half-written, where the default action would kill it at once.
+  """Until the training loop's own handler takes over (_Preemption): SIGTERM raises
+  SystemExit(0) in the main thread, as a stop in the loop ends with status 0, so a run stopped
+  while it starts (data, compile) releases its lease and leaves nothing half-written, where the
+  default action would kill it at once.
   Not where jax.distributed runs (one process or several): JAX's preemption service catches
   SIGTERM from initialize on and the loop stops every process at one step with a checkpoint
   (a process raising alone would leave the others in a collective)."""
+  stopped = []
+
   def unwind(signum, frame):
-    raise SystemExit(128 + signum)
+    stopped.append(signum)
+    raise SystemExit(0)
 
   previous = None
   if jax.process_count() == 1 and not jax.distributed.is_initialized():
@@ -765,6 +762,11 @@ def _sigterm_unwinds():
       previous = None
   try:
     yield
+  except SystemExit:
+    if stopped:
+      logging.warning("SIGTERM while the run was starting: it stopped before its first step and saved "
+                      "nothing new. Run the same command to go on.")
+    raise
   finally:
     if previous is not None:
       signal.signal(signal.SIGTERM, previous)
@@ -1009,7 +1011,9 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
         eval_log.truncate_after(0)
     else:
       logging.info("Resuming from the checkpoint at step %d in %s.", start_step, checkpointer.directory)
-      state = restored
+      # The arrays restored at the start, under this setup's static fields (a time budget builds
+      # the setup again once train.steps is known: its schedule and objective read them).
+      state = jax.tree.unflatten(jax.tree.structure(setup.abstract_state), jax.tree.leaves(restored))
       if is_chief:
         metrics_log.truncate_after(start_step)
         eval_log.truncate_after(start_step)
@@ -1083,7 +1087,7 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
             logging.info(
                 "step %d/%d | loss %.4f | mlm_acc %.3f | disc_auc %.3f | %s tokens/s | ETA %s",
                 step, total_steps, logged["loss"], logged["masked_lm_accuracy"],
-                logged["disc_auc"], f"{logged['tokens_per_sec']:,.0f}", _format_duration(eta),
+                logged["disc_auc"], f"{logged['tokens_per_sec']:,.0f}", config_lib.format_duration(eta),
             )
           last_logged, window, window_steps, window_start = logged, [], 0, time.perf_counter()
 

@@ -41,6 +41,7 @@ import time
 import numpy as np
 from absl import logging
 
+from electra_jax import config_lib
 from electra_jax.errors import ConfigError
 from electra_jax.data import corpus, sources
 from electra_jax.data.packing import example_lengths, pack_documents
@@ -291,11 +292,6 @@ def _default_workers() -> int:
     return os.cpu_count() or 1
 
 
-def _format_duration(seconds: float) -> str:
-  seconds = int(max(0, seconds))
-  return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
 # ---------------------------------------------------------------- tokenizer
 
 
@@ -366,21 +362,9 @@ def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) 
     )
   start = time.time()
   stats = sources.SourceStats()
-  logging.info(
-      "training a sentencepiece %s model of %d pieces on the train documents of %s ...",
-      config["spm_model_type"], config["spm_vocab_size"], config["source"],
-  )
-  sentences = _iter_train_sentences(config, stats)
-  try:
-    train_sentencepiece(
-        sentences, out_path, vocab_size=config["spm_vocab_size"], model_type=config["spm_model_type"],
-        num_threads=num_threads or _default_workers(),
-    )
-  except NoSentencesError as e:  # the source's own errors (a TFDS dataset not prepared) pass as they are
-    raise no_documents_error(config, stats) from e
+  tokenizer = train_corpus_tokenizer(config, out_path, num_threads or _default_workers(), stats)
   if config["source"] != "builtin":
     sources.log_stats(config["source"], stats)
-  tokenizer = SentencePieceTokenizer(out_path)
   info = {
       "path": out_path,
       "fingerprint": tokenizer.fingerprint,
@@ -419,16 +403,17 @@ def _ready_tokenizer(config, out_dir: str):
   return tokenizer
 
 
-def train_corpus_tokenizer(config, path: str):
+def train_corpus_tokenizer(config, path: str, num_threads: int = TRAINING_THREADS, stats=None):
   """A sentencepiece model trained on the train documents of the read `config`, written to
-  `path`, on a fixed thread count: the same model (and so the same shards) on any machine."""
-  stats = sources.SourceStats()
-  logging.info("no data.spm_model_file: training a %s sentencepiece model of %d pieces",
-               config["spm_model_type"], config["spm_vocab_size"])
+  `path`. The default thread count is fixed: the same model (and so the same shards) on any
+  machine."""
+  stats = stats or sources.SourceStats()
+  logging.info("training a sentencepiece %s model of %d pieces on the train documents of %s ...",
+               config["spm_model_type"], config["spm_vocab_size"], config["source"])
   try:
     train_sentencepiece(
         _iter_train_sentences(config, stats), path, vocab_size=config["spm_vocab_size"],
-        model_type=config["spm_model_type"], num_threads=TRAINING_THREADS,
+        model_type=config["spm_model_type"], num_threads=num_threads,
     )
   except NoSentencesError as e:  # the source's own errors (a TFDS dataset not prepared) pass as they are
     raise no_documents_error(config, stats) from e
@@ -547,6 +532,8 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
     if "first" in skipped:
       result["first_skip"] = f"document {task['first_document']}+: {skipped['first']}"
     return result
+  except _SigTerm:  # in this process (num_workers=0): prepare_data's loop stops
+    raise
   except BaseException as e:  # noqa: BLE001 -- reported by the main process, naming the shard
     return {"index": index, "error": f"{type(e).__name__}: {e}"}
 
@@ -876,7 +863,7 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
   logging.info(
       "prepared %s: %d shards, %d train / %d eval examples, %d train tokens, in %s",
       out_dir, len(shards), totals["train_examples"], totals["eval_examples"], totals["train_tokens"],
-      _format_duration(time.time() - progress.start),
+      config_lib.format_duration(time.time() - progress.start),
   )
   return manifest
 
@@ -912,7 +899,7 @@ class _Progress:
     total = self.stats.total_bytes
     worked = self.done_position - self.skipped_position
     remaining = total - self.done_position if total else 0
-    eta = _format_duration(elapsed * remaining / worked) if worked > 0 and total else "?"
+    eta = config_lib.format_duration(elapsed * remaining / worked) if worked > 0 and total else "?"
     percent = f"{100 * self.done_position / total:.1f}%" if total else "?"
     logging.info(
         "prepare_data: %d shards, %d documents, %d tokens, %.0f tokens/s, %s of the input, ETA %s",

@@ -211,12 +211,6 @@ def _write_json(path: str, value) -> None:
   atomic_write_bytes(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
 
 
-def _format_duration(seconds: float) -> str:
-  minutes, secs = divmod(int(seconds), 60)
-  hours, minutes = divmod(minutes, 60)
-  return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
-
-
 def _seed_settings(settings: dict) -> dict:
   """A config's saved dict (as config.json or results.json hold it) less the keys that only
   pick or log seeds, with _ADDED_KEYS' values where it lacks them: what one seed's results
@@ -405,7 +399,7 @@ def _run_seeds(config, adapter, backbone, task_dir: str, seeds, finished: dict, 
     logging.info(
         "seed %d | epoch %d/%d | step %d/%d | loss %.4f | lr %.3g | %.1f steps/s | ETA %s",
         seed, epoch + 1, epochs, step, total, float(np.mean(jax.device_get(losses[-config.log_every:]))),
-        float(lr), rate, _format_duration(remaining / max(rate, 1e-9)),
+        float(lr), rate, config_lib.format_duration(remaining / max(rate, 1e-9)),
     )
 
   # One optimizer and one compiled step for every seed: only the parameters' structure matters.
