@@ -47,6 +47,17 @@ TINY_OVERRIDES = {
 }
 
 
+# The longest files first: `--dist loadfile` hands whole files to the workers in collection
+# order, and a long file collected last (test_train.py, by name) keeps one worker busy minutes
+# after the other has run out of work.
+LONGEST_FILES = ("test_train.py", "test_distributed.py", "test_ablations.py", "test_finetune.py", "test_sweep.py")
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 def tiny_config(**overrides):
   config = base.get_config()
   for key, value in {**TINY_OVERRIDES, **overrides}.items():
