@@ -83,10 +83,16 @@ def data_cache(tmp_path_factory):
   # compiling is most of a tiny run's time on a 2-core machine.
   import jax  # noqa: PLC0415
 
+  # A size limit turns on JAX's file lock around each read and write of the cache: without it, a
+  # process (two test processes of one job compile the same programs) could read an entry
+  # another is still writing, and deserializing half an executable crashed a test worker.
   xla_cache = str(tmp_path_factory.mktemp("xla_cache"))
-  os.environ.update(JAX_COMPILATION_CACHE_DIR=xla_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  limit = str(8 << 30)
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=xla_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                    JAX_COMPILATION_CACHE_MAX_SIZE=limit)
   jax.config.update("jax_compilation_cache_dir", xla_cache)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_compilation_cache_max_size", int(limit))
   return cache
 
 
