@@ -112,11 +112,11 @@ class Checkpointer:
     name = lambda path: "/".join(map(str, path))
     return sorted(map(name, wanted - saved_paths)), sorted(map(name, saved_paths - wanted))
 
-  def restore(self, step: int, abstract_state: Any) -> Any:
+  def restore(self, step: int, abstract_state: Any, meta: dict | None = None) -> Any:
     """`abstract_state` leaves are ShapeDtypeStructs carrying the target NamedShardings.
     Raises DamagedCheckpoint when a file cannot be read or an array's checksum differs from
     the one saved with it (checkpoints without checksums are taken as they are)."""
-    recorded = self.read_meta(step).get("checksums")
+    recorded = (meta if meta is not None else self.read_meta(step)).get("checksums")
     try:
       state = self._manager.restore(
           step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
@@ -139,7 +139,7 @@ class Checkpointer:
         meta = self.read_meta(step)
         if check is not None:
           check(step, meta)
-        state = self.restore(step, abstract_state)
+        state = self.restore(step, abstract_state, meta)
       except DamagedCheckpoint as error:
         logging.warning("%s Trying the step before it.", error)
         damaged.append(step)

@@ -134,9 +134,9 @@ def cached_prepared(config, shards: bool = True) -> dict:
   directory = os.path.join(corpus_dir, f"len{config['max_seq_len']}")
   with _exclusive(os.path.join(corpus_dir, ".lock")):
     config = dict(_cache_tokenizer(config, corpus_dir), prepared_dir=directory)
-    manifest = prepare.read_manifest(directory) if shards else {"complete": True, "shards": []}
-    if manifest is None or not manifest.get("complete") or not all(
-        prepare.shard_is_intact(directory, entry, checksums=False) for entry in manifest["shards"]):
+    manifest = prepare.read_manifest(directory) if shards else None
+    if shards and (manifest is None or not manifest.get("complete") or not all(
+        prepare.shard_is_intact(directory, entry, checksums=False) for entry in manifest["shards"])):
       logging.info("no cached data in %s; preparing it", directory)
       prepare.prepare_config(config, num_workers=0)
   return config
