@@ -33,11 +33,10 @@ setup(
         # wheel where one is at hand instead of fetching a multi-GB CUDA build.
         # scipy and scikit-learn are oracles for the fine-tuning metrics; importlib_resources
         # lets tfds prepare its own GLUE builders from the tests' fixture files; pytest-xdist
-        # runs the suite in two processes (the README's test command); filelock lets JAX lock the
-        # compilation cache those processes and their subprocesses share.
+        # runs the suite in two processes (the README's test command).
         "test": [
             "pytest>=8", "pytest-xdist>=3.5", "torch>=2.1,<2.14", "transformers>=5.0", "scipy", "scikit-learn",
-            "importlib_resources", "matplotlib>=3.7", "filelock",
+            "importlib_resources", "matplotlib>=3.7",
         ],
         # --mode=plot and a sweep's curves.png.
         "plots": ["matplotlib>=3.7"],

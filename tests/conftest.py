@@ -76,16 +76,14 @@ def data_cache(tmp_path_factory):
   # compiling is most of a tiny run's time on a 2-core machine.
   import jax  # noqa: PLC0415
 
-  # A size limit turns on JAX's file lock around each read and write of the cache: without it, a
-  # process (two test processes of one job compile the same programs) could read an entry
-  # another is still writing, and deserializing half an executable crashed a test worker.
+  # No size limit: a limit turns on JAX's eviction, which lists and reads the whole cache at
+  # every write (a quarter more time on compile-heavy tests by the end of a session). Without
+  # it, JAX writes entries in place and unlocked, so processes that run side by side get
+  # directories of their own (test_distributed).
   xla_cache = str(tmp_path_factory.mktemp("xla_cache"))
-  limit = str(8 << 30)
-  os.environ.update(JAX_COMPILATION_CACHE_DIR=xla_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                    JAX_COMPILATION_CACHE_MAX_SIZE=limit)
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=xla_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   jax.config.update("jax_compilation_cache_dir", xla_cache)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_compilation_cache_max_size", int(limit))
   return cache
 
 

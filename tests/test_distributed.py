@@ -24,15 +24,23 @@ def _free_port() -> int:
     return sock.getsockname()[1]
 
 
-def _two_processes(workdir, **overrides):
-  """Two CLI processes of four CPU devices each, joined through a fresh local coordinator."""
-  env = dict(os.environ, **with_devices(4),
+def _start_two(command_of, devices: int) -> list[subprocess.Popen]:
+  """Two processes, `command_of(i)` each, joined through a fresh local coordinator. Each has its
+  own XLA cache directory: JAX writes a cache entry in place, so a process could otherwise read
+  one that its twin, compiling the same program at the same moment, is still writing."""
+  env = dict(os.environ, **with_devices(devices),
              ELECTRA_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", ELECTRA_JAX_NUM_PROCESSES="2")
   return [
-      subprocess.Popen(cli_args(workdir, **overrides), cwd=REPO, env=dict(env, ELECTRA_JAX_PROCESS_ID=str(i)),
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      subprocess.Popen(command_of(i), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       env=dict(env, ELECTRA_JAX_PROCESS_ID=str(i),
+                                JAX_COMPILATION_CACHE_DIR=os.path.join(env["JAX_COMPILATION_CACHE_DIR"], f"process{i}")))
       for i in range(2)
   ]
+
+
+def _two_processes(workdir, **overrides):
+  """Two CLI processes of four CPU devices each."""
+  return _start_two(lambda i: cli_args(workdir, **overrides), devices=4)
 
 
 def _metrics(workdir):
@@ -109,10 +117,7 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes(tmp_path):
 
 def _run_two(command_of, devices: int) -> list[tuple[int, str]]:
   """(return code, stderr) of two processes, `command_of(i)` each, joined in one job."""
-  env = dict(os.environ, **with_devices(devices),
-             ELECTRA_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", ELECTRA_JAX_NUM_PROCESSES="2")
-  procs = [subprocess.Popen(command_of(i), cwd=REPO, env=dict(env, ELECTRA_JAX_PROCESS_ID=str(i)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  procs = _start_two(command_of, devices)
   try:
     outputs = [p.communicate(timeout=300) for p in procs]
   finally:
