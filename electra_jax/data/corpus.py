@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import itertools
 import os
 import sysconfig
 from collections.abc import Iterator
@@ -18,16 +19,7 @@ from electra_jax.errors import ConfigError
 # Directories whose docstrings are not representative prose (test suites, vendored code,
 # demos) or are not part of the stdlib proper.
 _SKIPPED_DIRS = frozenset(
-    {
-        "test",
-        "tests",
-        "site-packages",
-        "idlelib",
-        "__pycache__",
-        "lib2to3",
-        "turtledemo",
-        "ensurepip",
-    }
+    {"test", "tests", "site-packages", "idlelib", "__pycache__", "lib2to3", "turtledemo", "ensurepip"}
 )
 
 _HELP_TOPICS_RELPATH = os.path.join("pydoc_data", "topics.py")
@@ -62,11 +54,8 @@ def _stdlib_source_files() -> list[str]:
 
 
 def builtin_sources_fingerprint() -> str:
-  """Cheap (~0.1 s) hash of the stdlib source bytes the built-in corpus is extracted from.
-
-  Unlike `builtin_corpus_fingerprint`, this needs no parsing, so it can key a cache that
-  must be checked quickly; it changes whenever the corpus could change.
-  """
+  """Hash of the stdlib source bytes the built-in corpus is extracted from: unlike
+  `builtin_corpus_fingerprint` it needs no parsing, and it changes whenever the corpus could."""
   root = stdlib_root()
   digest = hashlib.sha256(f"extraction-v{EXTRACTION_VERSION}\n".encode())
   for relpath in _stdlib_source_files():
@@ -189,12 +178,7 @@ def builtin_documents(max_documents: int | None = None) -> list[list[str]]:
     )
   if max_documents is None:
     return [list(document) for document in _all_documents()]
-  documents = []
-  for document in _iter_documents():
-    if len(documents) >= max_documents:
-      break
-    documents.append(document)
-  return documents
+  return list(itertools.islice(_iter_documents(), max_documents))
 
 
 class DocumentsHasher:
@@ -204,8 +188,8 @@ class DocumentsHasher:
     self._digest = hashlib.sha256()
 
   def update(self, document) -> None:
-    # Each sentence followed by a newline, then an extra separator that marks the document
-    # boundary (packing depends on it); hashed as one string for speed.
+    # Each sentence followed by a newline, then a separator marking the document boundary
+    # (packing depends on it).
     self._digest.update(("".join(sentence + "\n" for sentence in document) + "\x00\n").encode("utf-8"))
 
   def hexdigest(self) -> str:
@@ -221,5 +205,5 @@ def documents_fingerprint(documents: list[list[str]]) -> str:
 
 
 def builtin_corpus_fingerprint() -> str:
-  """Short sha256 hex of the full built-in corpus text (parses the stdlib, ~seconds)."""
+  """Short sha256 hex of the full built-in corpus text (parses the stdlib)."""
   return documents_fingerprint(builtin_documents())

@@ -2,22 +2,15 @@
 
 Every source ends up as shards in the format of prepare.py. data.source="prepared" reads the
 directory --mode=prepare_data wrote; a document source (builtin, text, jsonl, tfds) is prepared
-on first use into the cache, <cache_dir>/<source>/<key>/ (tokenizer) and its len<L>/ (shards),
-and later runs load it in well under a second. Shards are memory-mapped and checked, then served
-by the step-indexed, process-sharded batch order.
+on first use into the cache, <cache_dir>/<source>/<key>/ (tokenizer) and its len<L>/ (shards).
+Shards are memory-mapped and checked, then served by the step-indexed, process-sharded batch order.
 
-Why resuming needs no saved loader state: `get_batch(data, step, ...)` is a pure function of
-the step (epoch e of the stream is a permutation seeded by (seed, e); global batch `step` is
-stream positions [step * B, (step + 1) * B); process p takes its contiguous slice). A run
-restored at step s asks for batch s and gets exactly what an uninterrupted run got, mid-epoch
-too, with nothing to checkpoint beyond the step the train state already holds. A grain
-iterator would give the same guarantee only by saving its state in every checkpoint, and
-would add a dependency; random access to memory-mapped rows is all this needs.
+`get_batch(data, step, ...)` is a pure function of the step, so resuming needs no loader state
+(a grain iterator would have to save its state in every checkpoint).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fcntl
 import functools
@@ -38,6 +31,9 @@ from electra_jax.data.tokenizer import SentencePieceTokenizer
 from electra_jax.data.wordpiece import WordPieceTokenizer
 from electra_jax.errors import ConfigError
 
+# How a missing or damaged file of a prepared directory is mended.
+_REDO = "run --mode=prepare_data again with the same config to re-create it"
+
 
 @dataclasses.dataclass
 class PretrainingData:
@@ -51,7 +47,6 @@ class PretrainingData:
   fingerprint: str
   # data.pack_rows: which examples each row of a batch holds (None: one example per row).
   packing: RowPacking | None = None
-  directory: str = ""  # the prepared directory the rows come from
   token_count: int | None = None  # non-padding tokens, when the manifest counted them
   # data.pack_rows: each example's token count, from the shards' lengths files.
   lengths: np.ndarray | None = None
@@ -88,74 +83,43 @@ def _corpus_cache_dir(config) -> str:
       **prepare.source_fingerprint(config),
   }
   # Only keys that change the tokenizer enter the key.
-  if config["spm_model_file"]:
-    key_fields["spm_model"] = SentencePieceTokenizer(config["spm_model_file"]).fingerprint
-  elif config["tokenizer"] == "sentencepiece":
+  if prepare.trains_spm(config):
     key_fields["spm_vocab_size"] = config["spm_vocab_size"]
     key_fields["spm_model_type"] = config["spm_model_type"]
+  elif config["spm_model_file"]:
+    key_fields["spm_model"] = prepare.configured_tokenizer(config).fingerprint
   else:
     key_fields["tokenizer"] = config["tokenizer"]
-    key_fields["wordpiece"] = WordPieceTokenizer(
-        config["vocab_file"], config["lowercase"], config["strip_accents"]).fingerprint
+    key_fields["wordpiece"] = prepare.configured_tokenizer(config).fingerprint
   key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
   return os.path.join(config["cache_dir"], config["source"], key)
-
-
-@contextlib.contextmanager
-def _exclusive(path: str):
-  """Holds an exclusive lock on `path` (created if absent): one process fills a cache at a time."""
-  with open(path, "a") as f:
-    fcntl.flock(f, fcntl.LOCK_EX)
-    try:
-      yield
-    finally:
-      fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _cache_tokenizer(config, corpus_dir: str) -> dict:
-  """`config` naming its sentencepiece model: the configured one, or the cache's, trained once
-  per corpus (every max_seq_len reuses it). Call with the cache's lock held."""
-  if config["tokenizer"] != "sentencepiece" or config["spm_model_file"]:
-    return config
-  model = os.path.join(corpus_dir, SPM_MODEL)
-  if not os.path.exists(model):
-    with tempfile.TemporaryDirectory(dir=corpus_dir) as scratch:
-      trained = prepare.train_corpus_tokenizer(config, os.path.join(scratch, SPM_MODEL))
-      os.replace(trained.model_path, model)
-  return dict(config, spm_model_file=model)
 
 
 def cached_prepared(config, shards: bool = True) -> dict:
   """`config` pointed at the cache's prepared directory for its document source, preparing it
   first (in this process) when it is missing, unfinished or damaged; `shards=False` only
-  readies the tokenizer."""
+  readies the tokenizer. A sentencepiece model is trained once per corpus (every max_seq_len
+  reuses it)."""
   corpus_dir = _corpus_cache_dir(config)
   os.makedirs(corpus_dir, exist_ok=True)
   directory = os.path.join(corpus_dir, f"len{config['max_seq_len']}")
-  with _exclusive(os.path.join(corpus_dir, ".lock")):
-    config = dict(_cache_tokenizer(config, corpus_dir), prepared_dir=directory)
+  # One process fills a cache at a time; closing the file releases the lock.
+  with open(os.path.join(corpus_dir, ".lock"), "a") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if prepare.trains_spm(config):
+      model = os.path.join(corpus_dir, SPM_MODEL)
+      if not os.path.exists(model):
+        with tempfile.TemporaryDirectory(dir=corpus_dir) as scratch:
+          trained = prepare.train_corpus_tokenizer(config, os.path.join(scratch, SPM_MODEL))
+          os.replace(trained.model_path, model)
+      config = dict(config, spm_model_file=model)
+    config = dict(config, prepared_dir=directory)
     manifest = prepare.read_manifest(directory) if shards else None
     if shards and (manifest is None or not manifest.get("complete") or not all(
         prepare.shard_is_intact(directory, entry, checksums=False) for entry in manifest["shards"])):
       logging.info("no cached data in %s; preparing it", directory)
       prepare.prepare_config(config, num_workers=0)
   return config
-
-
-def data_fingerprint(config, tokenizer, split: str, documents_fingerprint: str) -> str:
-  """Identifies a split's examples: packing format, tokenizer, max_seq_len and documents,
-  and under data.pack_rows the row packing (a checkpoint trained on unpacked rows is refused
-  on packed ones, and the other way round). The cache and a prepared directory of the same
-  config give the same string (and the same examples), so a checkpoint resumes on either.
-  """
-  tag = "spm" if config["tokenizer"] == "sentencepiece" else "wp"
-  fingerprint = (
-      f"format:{PACKING_FORMAT_VERSION}|{tag}:{tokenizer.fingerprint}|"
-      f"max_seq_len:{config['max_seq_len']}|{split}_documents:{documents_fingerprint}"
-  )
-  if config.get("pack_rows"):
-    fingerprint += f"|pack_rows:{ROW_PACKING_VERSION}"
-  return fingerprint
 
 
 def _loadable(data_config, split: str | None = None) -> dict:
@@ -172,7 +136,7 @@ def _loadable(data_config, split: str | None = None) -> dict:
         "(e.g. 0.02) to hold out documents for evaluation, or set eval.every_steps=0 to train "
         "without held-out evaluation."
     )
-  if split is None and (config["tokenizer"] == "wordpiece" or config["spm_model_file"]):
+  if split is None and not prepare.trains_spm(config):
     return config  # nothing to train
   return cached_prepared(config, shards=split is not None)
 
@@ -186,17 +150,11 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
   at load time from the examples' lengths), which get_batch then serves.
   """
   config = _loadable(data_config, split)
-  return _with_row_packing(load_prepared(config, split), config, split)
-
-
-def _with_row_packing(data: PretrainingData, config, split: str) -> PretrainingData:
-  """`data` with its row packing plan under data.pack_rows (the fingerprint already says so).
-
-  The plan is made here from the lengths prepare_data stored rather than stored itself: about a
-  second per million examples, and the same shards then serve packed and unpacked training.
-  """
+  data = load_prepared(config, split)
   if not config["pack_rows"]:
     return data
+  # The plan is made from the stored lengths, not stored itself: the same shards serve packed
+  # and unpacked training.
   start = time.time()
   packing = plan_rows(data.lengths, data.max_seq_len)
   unpacked = packing.lengths.sum(dtype=np.int64) / max(1, data.num_examples * data.max_seq_len)
@@ -238,11 +196,10 @@ def get_batch(
 ) -> dict[str, np.ndarray]:
   """This process's rows of global batch `step`; a pure function of its arguments.
 
-  The row stream is epoch 0, epoch 1, ... each a seeded permutation of all rows (examples, or
-  packed rows under data.pack_rows); global batch `step` is stream positions
-  [stream_offset + step * B, stream_offset + (step + 1) * B), and process p takes the p-th
-  contiguous slice of it. Resuming at a step therefore needs no loader state, only the offset
-  when the batch size changed (a checkpoint records its stream position: see train.py).
+  The row stream is epoch 0, epoch 1, ... each a permutation of all rows seeded by (seed, epoch);
+  global batch `step` is stream positions [stream_offset + step * B, stream_offset + (step + 1) * B),
+  and process p takes the p-th contiguous slice of it (stream_offset: the position a checkpoint
+  recorded when the batch size changed).
 
   Returns int32 [B / process_count, max_seq_len] input_ids, token_type_ids and attention_mask;
   packed rows add segment_ids and position_ids (see `get_rows`).
@@ -276,9 +233,8 @@ def get_batch(
 
 
 def batch_keys(pack_rows: bool) -> tuple[str, ...]:
-  """The arrays of a batch the model reads, so the ones to send to the devices: packed rows
-  add their segment ids. (Packed batches also carry position_ids, for inspection; the model
-  derives the same positions from the segment ids, so they need not travel.)"""
+  """The arrays of a batch the model reads, so the ones to send to the devices: packed rows add
+  their segment ids (the model derives position_ids from them)."""
   keys = ("input_ids", "token_type_ids", "attention_mask")
   return keys + ("segment_ids",) if pack_rows else keys
 
@@ -287,10 +243,8 @@ def get_rows(data: PretrainingData, rows: np.ndarray) -> dict[str, np.ndarray]:
   """Rows `rows` (indices in [0, data.num_rows)) as a batch, in that order.
 
   Unpacked: the examples themselves, with attention_mask 1 on non-padding tokens. Packed
-  (data.pack_rows): each row holds several whole examples, and the batch adds segment_ids
-  (1, 2, ... for the row's 1st, 2nd, ... example, 0 on padding) and position_ids (0 .. n - 1
-  within each example, 0 on padding); token types stay per example. The held-out evaluator
-  reads its fixed rows through this too.
+  (data.pack_rows): several whole examples a row, with segment_ids and position_ids (see
+  packing.assemble_rows).
   """
   if data.verification is not None:
     data.verification.raise_if_failed()
@@ -342,15 +296,11 @@ class ShardedRows:
     if isinstance(index, tuple):
       index, rest = index[0], index[1:]
     if isinstance(index, slice):
-      result = self._gather(np.arange(*index.indices(self.shape[0]), dtype=np.int64))
-    elif isinstance(index, (int, np.integer)):
-      row = int(index) + (self.shape[0] if index < 0 else 0)
-      result = self._gather(np.array([row], np.int64))[0]
+      rows = np.arange(*index.indices(self.shape[0]), dtype=np.int64)
     else:
       rows = np.asarray(index, dtype=np.int64)
-      result = self._gather(np.where(rows < 0, rows + self.shape[0], rows).reshape(-1)).reshape(
-          rows.shape + (self.shape[1],)
-      )
+      rows = np.where(rows < 0, rows + self.shape[0], rows)
+    result = self._gather(rows.reshape(-1)).reshape(rows.shape + (self.shape[1],))
     if not rest:
       return result
     # Column indices apply to the gathered rows (an int row index leaves a 1-D row).
@@ -387,27 +337,24 @@ def prepared_tokenizer(config, manifest: dict):
   """The configured tokenizer, refused unless it is the one the shards were made with."""
   directory = config["prepared_dir"]
   recorded = manifest["tokenizer"]
+  made_with = (f"were made with the {recorded['kind']} tokenizer "
+               f"{recorded.get('model_file') or recorded.get('vocab_file')} (fingerprint {recorded['fingerprint']})")
+  tokenizer = prepare.configured_tokenizer(config, directory)
+  if tokenizer is None:
+    raise ConfigError(
+        f"data.tokenizer='sentencepiece' without data.spm_model_file reads {os.path.join(directory, SPM_MODEL)}, "
+        f"which does not exist: the shards in {directory} {made_with}. Configure that tokenizer."
+    )
   if config["tokenizer"] == "wordpiece":
-    tokenizer = prepare.configured_tokenizer(config)
-    described = f"wordpiece {config['vocab_file']} (lowercase={config['lowercase']}, strip_accents={config['strip_accents']})"
+    described = (f"wordpiece {config['vocab_file']} (lowercase={config['lowercase']}, "
+                 f"strip_accents={config['strip_accents']})")
   else:
-    model_file = config["spm_model_file"] or os.path.join(directory, SPM_MODEL)
-    if not os.path.exists(model_file):
-      raise ConfigError(
-          f"data.tokenizer='sentencepiece' without data.spm_model_file reads {model_file}, which "
-          f"does not exist: the shards in {directory} were made with the {recorded['kind']} tokenizer "
-          f"{recorded.get('model_file') or recorded.get('vocab_file')} (fingerprint "
-          f"{recorded['fingerprint']}). Configure that tokenizer."
-      )
-    tokenizer = SentencePieceTokenizer(model_file)
-    described = f"sentencepiece {model_file}"
+    described = f"sentencepiece {tokenizer.model_path}"
   if recorded["kind"] != config["tokenizer"] or tokenizer.fingerprint != recorded["fingerprint"]:
     raise ConfigError(
-        f"The shards in {directory} were made with the {recorded['kind']} tokenizer "
-        f"{recorded.get('model_file') or recorded.get('vocab_file')} (fingerprint {recorded['fingerprint']}), "
-        f"but this config gives {described} (fingerprint {tokenizer.fingerprint}). Configure the "
-        f"tokenizer the shards were made with, or prepare the corpus again with this one into "
-        f"another data.prepared_dir."
+        f"The shards in {directory} {made_with}, but this config gives {described} (fingerprint "
+        f"{tokenizer.fingerprint}). Configure the tokenizer the shards were made with, or prepare the "
+        f"corpus again with this one into another data.prepared_dir."
     )
   return tokenizer
 
@@ -422,17 +369,11 @@ def _shard_lengths(directory: str, split_entry: dict, shard: np.ndarray, pad_id:
   try:
     lengths = np.load(path, allow_pickle=False)
   except (OSError, ValueError) as e:
-    raise ConfigError(
-        f"Cannot read {path} ({e}); run --mode=prepare_data again with the same config to "
-        f"re-create missing or damaged files."
-    ) from e
+    raise ConfigError(f"Cannot read {path} ({e}); {_REDO}.") from e
   if lengths.shape != (split_entry["rows"],) or lengths.dtype.kind not in "iu" or (
       lengths.size and not 1 <= lengths.min() <= lengths.max() <= max_seq_len
   ):
-    raise ConfigError(
-        f"{path} does not hold {split_entry['rows']} example lengths in [1, {max_seq_len}]; run "
-        f"--mode=prepare_data again with the same config to re-create it."
-    )
+    raise ConfigError(f"{path} does not hold {split_entry['rows']} example lengths in [1, {max_seq_len}]; {_REDO}.")
   return lengths.astype(np.int32)
 
 
@@ -444,27 +385,26 @@ class ShardVerification:
 
   def __init__(self, directory: str, entries: list[dict], vocab_size: int, split: str):
     self._error: ConfigError | None = None
-    self._args = (directory, entries, vocab_size, split)
-    self._thread = threading.Thread(target=self._run, name="electra-verify-shards", daemon=True)
+    self._thread = threading.Thread(
+        target=self._run, args=(directory, entries, vocab_size, split), name="electra-verify-shards", daemon=True
+    )
     self._thread.start()
 
-  def _run(self) -> None:
-    directory, entries, vocab_size, split = self._args
+  def _run(self, directory: str, entries: list[dict], vocab_size: int, split: str) -> None:
     for entry in entries:
       path = os.path.join(directory, entry["file"])
-      redo = "run --mode=prepare_data again with the same config to re-create it"
       try:
         if prepare.sha256_file(path) != entry["sha256"]:
           self._error = ConfigError(f"Shard {path} is not the file prepare_data wrote (its sha256 differs "
-                                    f"from {prepare.MANIFEST}'s); {redo}.")
+                                    f"from {prepare.MANIFEST}'s); {_REDO}.")
           return
         largest = int(np.max(np.load(path, mmap_mode="r", allow_pickle=False)[:, 0]))
       except (OSError, ValueError) as error:
-        self._error = ConfigError(f"Cannot read shard {path} ({error}); {redo}.")
+        self._error = ConfigError(f"Cannot read shard {path} ({error}); {_REDO}.")
         return
       if largest >= vocab_size:
         self._error = ConfigError(f"Shard {path} holds token id {largest}, outside the tokenizer's "
-                                  f"{vocab_size} ids; {redo}.")
+                                  f"{vocab_size} ids; {_REDO}.")
         return
     logging.info("verified the %d %s shards of %s against %s", len(entries), split, directory, prepare.MANIFEST)
 
@@ -490,7 +430,7 @@ def load_prepared(config, split: str) -> PretrainingData:
   if split == "train":  # once per run
     ignored = [f"data.{key}={config[key]!r} (the shards' {manifest['settings'][key]!r})"
                for key in ("eval_fraction", "max_documents", "shard_documents")
-               if key in config and key in manifest.get("settings", {}) and config[key] != manifest["settings"][key]]
+               if key in manifest.get("settings", {}) and config[key] != manifest["settings"][key]]
     if ignored:
       logging.warning("data.source=prepared: the shards in %s decide these, so the config's values "
                       "are not used: %s.", directory, "; ".join(ignored))
@@ -506,19 +446,15 @@ def load_prepared(config, split: str) -> PretrainingData:
     try:
       array = np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as e:
-      raise ConfigError(
-          f"Cannot read shard {path} ({e}); run --mode=prepare_data again with the same config "
-          f"to re-create missing or damaged shards."
-      ) from e
+      raise ConfigError(f"Cannot read shard {path} ({e}); {_REDO}.") from e
     if array.shape != (split_entry["rows"], 2, max_seq_len) or array.dtype != np.dtype(manifest["dtype"]):
       raise ConfigError(
           f"Shard {path} has shape {array.shape} and dtype {array.dtype}; the manifest says "
-          f"({split_entry['rows']}, 2, {max_seq_len}) {manifest['dtype']}. Run --mode=prepare_data "
-          f"again to re-create it."
+          f"({split_entry['rows']}, 2, {max_seq_len}) {manifest['dtype']}; {_REDO}."
       )
     if os.path.getsize(path) != split_entry["bytes"]:
       raise ConfigError(f"Shard {path} has {os.path.getsize(path)} bytes, the manifest says {split_entry['bytes']}; "
-                        "run --mode=prepare_data again with the same config to re-create it.")
+                        f"{_REDO}.")
     shards.append(array)
     if config["pack_rows"]:
       lengths.append(_shard_lengths(directory, split_entry, array, tokenizer.pad_id))
@@ -530,13 +466,20 @@ def load_prepared(config, split: str) -> PretrainingData:
         + ("prepare it with data.eval_fraction > 0, or set eval.every_steps=0 to train without held-out "
            "evaluation." if split == "eval" else "prepare more documents.")
     )
-  fingerprint = data_fingerprint(config, tokenizer, split, manifest["documents_fingerprint"][split])
+  # Identifies the split's examples; the cache and a prepared directory of the same config give
+  # the same string (and examples), so a checkpoint resumes on either, and packed rows differ.
+  fingerprint = (
+      f"format:{PACKING_FORMAT_VERSION}|{'spm' if config['tokenizer'] == 'sentencepiece' else 'wp'}:"
+      f"{tokenizer.fingerprint}|max_seq_len:{config['max_seq_len']}|{split}_documents:"
+      f"{manifest['documents_fingerprint'][split]}"
+  )
+  if config["pack_rows"]:
+    fingerprint += f"|pack_rows:{ROW_PACKING_VERSION}"
   data = PretrainingData(
       tokenizer=tokenizer,
       input_ids=ShardedRows(shards, 0, max_seq_len),
       token_type_ids=ShardedRows(shards, 1, max_seq_len),
       fingerprint=fingerprint,
-      directory=directory,
       token_count=int(manifest["totals"][f"{split}_tokens"]),
       lengths=np.concatenate(lengths) if config["pack_rows"] else None,
       verification=ShardVerification(directory, entries, tokenizer.vocab_size, split),

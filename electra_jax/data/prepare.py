@@ -15,14 +15,10 @@ Layout of `data.prepared_dir`:
   train-00000.lengths.npy ...  each example's token count, uint16 [rows] (int32 beyond 65535),
                        so data.pack_rows plans its rows without reading every shard whole
 
-Why the worker count changes nothing: documents are split into train/eval by their corpus index
-and every document packs with its own seeded generator (pack_documents), so the shards of a
-split, concatenated in index order, hold the same rows in the same order however many
-processes packed them (tests/test_prepare.py checks it).
-
-Why a kill loses nothing: each shard file is written to a temporary name and renamed; a shard
-counts as done only once the manifest lists it with its sha256, and a re-run verifies those
-checksums and only packs what is missing.
+The shards do not depend on the worker count: documents go to train/eval by their corpus index
+and each packs with its own seeded generator (pack_documents). A kill loses nothing: files are
+written under temporary names and renamed, a shard counts as done once the manifest lists its
+sha256, and a re-run verifies those and packs only what is missing.
 """
 
 from __future__ import annotations
@@ -44,7 +40,7 @@ from absl import logging
 from electra_jax import config_lib
 from electra_jax.errors import ConfigError
 from electra_jax.data import corpus, sources
-from electra_jax.data.packing import example_lengths, pack_documents
+from electra_jax.data.packing import MIN_SEQ_LEN, example_lengths, pack_documents
 from electra_jax.data.tokenizer import (
     TRAINING_THREADS, NoSentencesError, SentencePieceTokenizer, atomic_write_bytes, train_sentencepiece,
 )
@@ -59,10 +55,7 @@ SUPPORTED_SOURCES = DOCUMENT_SOURCES + ("prepared",)
 SUPPORTED_TOKENIZERS = ("sentencepiece", "wordpiece")
 SPLITS = ("train", "eval")
 # Bump whenever extraction or packing would produce different arrays: it keys the cache and
-# enters the data fingerprint, so stale arrays are rebuilt and checkpoints are not resumed
-# on data that changed under them.
-# 3: every document packs with its own generator (see pack_documents); binary files and
-# over-long lines are skipped.
+# enters the data fingerprint, so stale arrays are rebuilt and checkpoints refuse changed data.
 PACKING_FORMAT_VERSION = 3
 # Fixed packing seeds: the packed data must be a function of the config alone.
 PACKING_SEEDS = {"train": 0, "eval": 1}
@@ -100,14 +93,18 @@ def read_config(data_config):
         f"Unknown data.tokenizer {tokenizer!r}; use one of {list(SUPPORTED_TOKENIZERS)} "
         f"(wordpiece reads a BERT vocab.txt given by data.vocab_file)."
     )
-  vocab_file = str(data_config.get("vocab_file", "") or "")
+
+  def path(key: str) -> str:
+    value = str(data_config.get(key, "") or "")
+    return os.path.abspath(os.path.expanduser(value)) if value else ""
+
+  vocab_file = path("vocab_file")
   if tokenizer == "wordpiece":
     if not vocab_file:
       raise ConfigError(
           "data.tokenizer='wordpiece' needs data.vocab_file, the path of a BERT vocab.txt "
           "(one token per line), e.g. --config.data.vocab_file=uncased_L-12_H-768_A-12/vocab.txt."
       )
-    vocab_file = os.path.abspath(os.path.expanduser(vocab_file))
     if not os.path.isfile(vocab_file):
       raise ConfigError(f"data.vocab_file={vocab_file!r} is not a file; give the path of a BERT vocab.txt.")
   strip_accents = data_config.get("strip_accents", None)
@@ -116,9 +113,8 @@ def read_config(data_config):
         f"data.strip_accents must be None (follow data.lowercase, as BERT does), True or False, "
         f"got {strip_accents!r}."
     )
-  spm_model_file = str(data_config.get("spm_model_file", "") or "")
+  spm_model_file = path("spm_model_file")
   if spm_model_file:
-    spm_model_file = os.path.abspath(os.path.expanduser(spm_model_file))
     if tokenizer != "sentencepiece":
       raise ConfigError(
           f"data.spm_model_file={spm_model_file!r} is set but data.tokenizer={tokenizer!r}; set "
@@ -129,8 +125,7 @@ def read_config(data_config):
           f"data.spm_model_file={spm_model_file!r} is not a file; give a model written by "
           f"--mode=train_tokenizer (or clear it to train one in the cache)."
       )
-  prepared_dir = str(data_config.get("prepared_dir", "") or "")
-  prepared_dir = os.path.abspath(os.path.expanduser(prepared_dir)) if prepared_dir else ""
+  prepared_dir = path("prepared_dir")
   if source == "prepared" and not prepared_dir:
     raise ConfigError(
         "data.source='prepared' needs data.prepared_dir, the directory --mode=prepare_data wrote."
@@ -141,9 +136,6 @@ def read_config(data_config):
   text_field = str(data_config.get("text_field", "text"))
   if source == "jsonl" and not text_field:
     raise ConfigError("data.text_field is empty; name the JSON field holding each document's text.")
-  max_seq_len = int(data_config.max_seq_len)
-  vocab_size = int(data_config.get("spm_vocab_size", 8192))
-  model_type = str(data_config.get("spm_model_type", "unigram"))
   max_documents = int(data_config.get("max_documents", 0))
   eval_fraction = float(data_config.get("eval_fraction", 0.02))
   if max_documents < 0:
@@ -168,10 +160,10 @@ def read_config(data_config):
       "vocab_file": vocab_file,
       "lowercase": bool(data_config.get("lowercase", True)),
       "strip_accents": strip_accents,
-      "max_seq_len": max_seq_len,
+      "max_seq_len": int(data_config.max_seq_len),
       "cache_dir": _resolve_cache_dir(str(data_config.get("cache_dir", ""))),
-      "spm_vocab_size": vocab_size,
-      "spm_model_type": model_type,
+      "spm_vocab_size": int(data_config.get("spm_vocab_size", 8192)),
+      "spm_model_type": str(data_config.get("spm_model_type", "unigram")),
       "max_documents": max_documents,
       "eval_fraction": eval_fraction,
       "spm_model_file": spm_model_file,
@@ -186,7 +178,7 @@ def read_config(data_config):
 
 
 def _tfds_corpus(config):
-  from electra_jax.data.tfds_source import TfdsCorpus  # noqa: PLC0415  (imports tfds, ~1 s)
+  from electra_jax.data.tfds_source import TfdsCorpus  # noqa: PLC0415  (imports tfds, which is heavy)
 
   return TfdsCorpus(config["tfds_name"], config["tfds_split"], config["tfds_text_field"], config["tfds_data_dir"])
 
@@ -203,9 +195,7 @@ def source_fingerprint(config) -> dict:
   key_fields = {"files": sources.files_fingerprint(config["files"])}
   if config["source"] == "jsonl":
     key_fields["text_field"] = config["text_field"]
-    # Records end at "\n" only (before, also at U+2028, U+2029, U+0085, dropping the record):
-    # caches of the earlier reading are rebuilt.
-    key_fields["jsonl_lines"] = "newline"
+    key_fields["jsonl_lines"] = "newline"  # records end at "\n" only
   return key_fields
 
 
@@ -259,15 +249,6 @@ def no_documents_error(config, stats: sources.SourceStats) -> ConfigError:
         f"field {config['tfds_text_field']!r} ({stats.counts()}); check data.tfds_text_field."
     )
   return ConfigError(f"The built-in corpus gave no documents (max_documents={config['max_documents']}).")
-# ---------------------------------------------------------------------------------------
-# Prepared shards (data.source="prepared", written by prepare.py)
-# ---------------------------------------------------------------------------------------
-def shard_file(split: str, index: int) -> str:
-  return f"{split}-{index:05d}.npy"
-
-
-def lengths_file(split: str, index: int) -> str:
-  return f"{split}-{index:05d}.lengths.npy"
 
 
 def read_manifest(out_dir: str) -> dict | None:
@@ -284,7 +265,6 @@ def read_manifest(out_dir: str) -> dict | None:
     ) from e
 
 
-
 def _default_workers() -> int:
   try:
     return len(os.sched_getaffinity(0))
@@ -295,51 +275,13 @@ def _default_workers() -> int:
 # ---------------------------------------------------------------- tokenizer
 
 
-def _tokenizer_spec(config, tokenizer) -> dict:
-  """What a worker process needs to load `tokenizer`, and what the manifest records of it."""
-  if isinstance(tokenizer, WordPieceTokenizer):
-    return {
-        "kind": "wordpiece",
-        "vocab_file": tokenizer.vocab_file,
-        "lowercase": tokenizer.lowercase,
-        "strip_accents": tokenizer.strip_accents,
-        "fingerprint": tokenizer.fingerprint,
-        "vocab_size": tokenizer.vocab_size,
-    }
-  return {
-      "kind": "sentencepiece",
-      "model_file": tokenizer.model_path,
-      "fingerprint": tokenizer.fingerprint,
-      "vocab_size": tokenizer.vocab_size,
-  }
-
-
-def _load_spec(spec: dict):
-  if spec["kind"] == "wordpiece":
-    tokenizer = WordPieceTokenizer(spec["vocab_file"], spec["lowercase"], spec["strip_accents"])
-  else:
-    tokenizer = SentencePieceTokenizer(spec["model_file"])
-  if tokenizer.fingerprint != spec["fingerprint"]:
-    raise ConfigError(
-        f"The tokenizer file changed during preparation (fingerprint {tokenizer.fingerprint}, "
-        f"expected {spec['fingerprint']}); leave it alone and run prepare_data again."
-    )
-  return tokenizer
-
-
-def _iter_train_sentences(config, stats):
-  for index, document in enumerate(iter_source_documents(config, stats)):
-    if not is_eval_document(index, config["eval_fraction"]):
-      yield from document
-
-
 def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) -> dict:
   """Train a sentencepiece model on the train documents of data.source; write it to `out_path`.
 
   data.spm_model_type ("unigram" or "bpe") and data.spm_vocab_size choose the model; ids 0..4
   are [PAD] [UNK] [CLS] [SEP] [MASK]. The eval documents (data.eval_fraction) are left out, as
   training will hold them out. At most a million sentences train it, drawn with a fixed seed
-  from a bigger corpus (the same model on every run and host), so memory stays bounded. Use the model with data.tokenizer="sentencepiece" and
+  (the same model on every run and host). Use the model with data.tokenizer="sentencepiece" and
   data.spm_model_file=out_path. Returns what was trained (path, fingerprint, sizes).
   """
   config = read_config(data_config)
@@ -377,30 +319,20 @@ def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) 
   return info
 
 
-def configured_tokenizer(config):
-  """The tokenizer a read config names (WordPiece, or data.spm_model_file); None if neither."""
+def configured_tokenizer(config, directory: str = ""):
+  """The tokenizer a read config names: WordPiece, data.spm_model_file, or else the sentencepiece
+  model trained into `directory` (prepared or cache); None while that model does not exist."""
   if config["tokenizer"] == "wordpiece":
     return WordPieceTokenizer(config["vocab_file"], config["lowercase"], config["strip_accents"])
-  return SentencePieceTokenizer(config["spm_model_file"]) if config["spm_model_file"] else None
+  if config["spm_model_file"]:
+    return SentencePieceTokenizer(config["spm_model_file"])
+  model_path = os.path.join(directory, SPM_MODEL)
+  return SentencePieceTokenizer(model_path) if directory and os.path.exists(model_path) else None
 
 
-def _ready_tokenizer(config, out_dir: str):
-  """The tokenizer the shards are made with, when it needs no training: the configured one, or
-  the model an earlier prepare_data trained into out_dir. None when a sentencepiece model still
-  has to be trained (train_corpus_tokenizer). Only loads files: cheap, and writes nothing."""
-  if config["tokenizer"] == "wordpiece" or config["spm_model_file"]:
-    return configured_tokenizer(config)
-  model_path = os.path.join(out_dir, SPM_MODEL)
-  if not os.path.exists(model_path):
-    return None
-  tokenizer = SentencePieceTokenizer(model_path)
-  if tokenizer.vocab_size != config["spm_vocab_size"]:
-    raise ConfigError(
-        f"{model_path} (trained by an earlier prepare_data) has {tokenizer.vocab_size} pieces, but "
-        f"data.spm_vocab_size={config['spm_vocab_size']}. Nothing was changed; choose another "
-        f"data.prepared_dir, or delete that directory to prepare it again."
-    )
-  return tokenizer
+def trains_spm(config) -> bool:
+  """Whether the sentencepiece model is trained on the corpus (no data.spm_model_file given)."""
+  return config["tokenizer"] == "sentencepiece" and not config["spm_model_file"]
 
 
 def train_corpus_tokenizer(config, path: str, num_threads: int = TRAINING_THREADS, stats=None):
@@ -410,9 +342,11 @@ def train_corpus_tokenizer(config, path: str, num_threads: int = TRAINING_THREAD
   stats = stats or sources.SourceStats()
   logging.info("training a sentencepiece %s model of %d pieces on the train documents of %s ...",
                config["spm_model_type"], config["spm_vocab_size"], config["source"])
+  sentences = (sentence for index, document in enumerate(iter_source_documents(config, stats))
+               if not is_eval_document(index, config["eval_fraction"]) for sentence in document)
   try:
     train_sentencepiece(
-        _iter_train_sentences(config, stats), path, vocab_size=config["spm_vocab_size"],
+        sentences, path, vocab_size=config["spm_vocab_size"],
         model_type=config["spm_model_type"], num_threads=num_threads,
     )
   except NoSentencesError as e:  # the source's own errors (a TFDS dataset not prepared) pass as they are
@@ -425,12 +359,18 @@ def train_corpus_tokenizer(config, path: str, num_threads: int = TRAINING_THREAD
 _WORKER_TOKENIZER = None
 
 
-def _init_worker(spec: dict, parent: int) -> None:
+def _init_worker(config: dict, out_dir: str, fingerprint: str, parent: int) -> None:
   global _WORKER_TOKENIZER
   # One process per core: each tokenizes on one thread (Hugging Face tokenizers would
   # otherwise start a thread pool per process).
   os.environ["RAYON_NUM_THREADS"] = "1"
-  _WORKER_TOKENIZER = _load_spec(spec)
+  _WORKER_TOKENIZER = configured_tokenizer(config, out_dir)
+  found = _WORKER_TOKENIZER and _WORKER_TOKENIZER.fingerprint
+  if found != fingerprint:
+    raise ConfigError(
+        f"The tokenizer file changed during preparation (fingerprint {found}, "
+        f"expected {fingerprint}); leave it alone and run prepare_data again."
+    )
   _exit_with_parent(parent)
 
 
@@ -477,12 +417,6 @@ def _tokenize_documents(tokenizer, documents, skipped: dict):
   return tokenized
 
 
-def _encode_npy(array: np.ndarray) -> bytes:
-  buffer = io.BytesIO()
-  np.save(buffer, array, allow_pickle=False)
-  return buffer.getvalue()
-
-
 def pack_shard(task: dict, tokenizer=None) -> dict:
   """Tokenize and pack one shard's documents; write one file per split. Never raises:
   failures come back as {"error": ...} so the main process can report the shard by name."""
@@ -515,18 +449,18 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
           "tokens": int(np.count_nonzero(packed["input_ids"] != tokenizer.pad_id)),
       }
       if rows:
-        array = np.stack([packed["input_ids"], packed["token_type_ids"]], axis=1).astype(task["dtype"])
-        data = _encode_npy(array)
-        name = shard_file(split, index)
-        atomic_write_bytes(os.path.join(task["out_dir"], name), data)
-        entry.update(file=name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
         lengths_dtype = np.uint16 if task["max_seq_len"] <= np.iinfo(np.uint16).max else np.int32
-        lengths = _encode_npy(example_lengths(packed["input_ids"], tokenizer.pad_id).astype(lengths_dtype))
-        name = lengths_file(split, index)
-        atomic_write_bytes(os.path.join(task["out_dir"], name), lengths)
-        entry.update(
-            lengths_file=name, lengths_bytes=len(lengths), lengths_sha256=hashlib.sha256(lengths).hexdigest()
+        files = (
+            ("", ".npy", np.stack([packed["input_ids"], packed["token_type_ids"]], axis=1).astype(task["dtype"])),
+            ("lengths_", ".lengths.npy", example_lengths(packed["input_ids"], tokenizer.pad_id).astype(lengths_dtype)),
         )
+        for prefix, suffix, array in files:
+          buffer = io.BytesIO()
+          np.save(buffer, array, allow_pickle=False)
+          data, name = buffer.getvalue(), f"{split}-{index:05d}{suffix}"
+          atomic_write_bytes(os.path.join(task["out_dir"], name), data)
+          sha256 = hashlib.sha256(data).hexdigest()
+          entry.update({f"{prefix}file": name, f"{prefix}bytes": len(data), f"{prefix}sha256": sha256})
       result["splits"][split] = entry
     result["skipped_documents"] = skipped["documents"]
     if "first" in skipped:
@@ -558,7 +492,7 @@ def _settings(config, source_key: dict, tokenizer) -> dict:
       "packing_format": PACKING_FORMAT_VERSION,
       "source": config["source"],
       "source_key": source_key,
-      "tokenizer": "wordpiece" if config["tokenizer"] == "wordpiece" else "sentencepiece",
+      "tokenizer": config["tokenizer"],
       "max_seq_len": config["max_seq_len"],
       "eval_fraction": config["eval_fraction"],
       "max_documents": config["max_documents"],
@@ -567,7 +501,7 @@ def _settings(config, source_key: dict, tokenizer) -> dict:
   if tokenizer is not None:
     settings["tokenizer_fingerprint"] = tokenizer.fingerprint
     settings["dtype"] = "uint16" if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else "int32"
-  if settings["tokenizer"] == "sentencepiece" and not config["spm_model_file"]:
+  if trains_spm(config):
     settings["spm_trained_here"] = {"vocab_size": config["spm_vocab_size"], "model_type": config["spm_model_type"]}
   return settings
 
@@ -607,16 +541,14 @@ def shard_is_intact(out_dir: str, entry: dict, checksums: bool = True) -> bool:
   """Whether the files of a manifest's shard `entry` are there with their sizes (and, with
   `checksums`, their sha256)."""
   for split_entry in entry["splits"].values():
-    if not split_entry["rows"]:
-      continue
-    files = [(split_entry["file"], split_entry["bytes"], split_entry["sha256"])]
-    if "lengths_file" in split_entry:  # shards prepared before data.pack_rows have none
-      files.append((split_entry["lengths_file"], split_entry["lengths_bytes"], split_entry["lengths_sha256"]))
-    for name, size, sha256 in files:
-      path = os.path.join(out_dir, name)
-      if not os.path.exists(path) or os.path.getsize(path) != size:
+    # Shards prepared before data.pack_rows have no lengths file.
+    for prefix in ("", "lengths_") if split_entry["rows"] else ():
+      if f"{prefix}file" not in split_entry:
+        continue
+      path = os.path.join(out_dir, split_entry[f"{prefix}file"])
+      if not os.path.exists(path) or os.path.getsize(path) != split_entry[f"{prefix}bytes"]:
         return False
-      if checksums and sha256_file(path) != sha256:
+      if checksums and sha256_file(path) != split_entry[f"{prefix}sha256"]:
         return False
   return True
 
@@ -643,9 +575,8 @@ def prepare_data(data_config, num_workers: int | None = None) -> dict:
   Uses `num_workers` processes (default: every core; 0 runs in this process); they are
   spawned, so a script calling this needs the usual `if __name__ == "__main__":`. Re-running
   resumes: shards the manifest lists with a matching sha256 are kept, the rest are packed.
-  A prepared_dir holding shards of another config is refused, never overwritten: before any
-  tokenizer is trained, and with the directory left exactly as it was. Train on the result
-  with data.source="prepared". Returns the manifest.
+  A prepared_dir holding shards of another config is refused, left as it was, before any
+  tokenizer is trained. Train on the result with data.source="prepared". Returns the manifest.
   """
   return prepare_config(read_config(data_config), num_workers)
 
@@ -666,8 +597,9 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise ConfigError(f"data.prepared_dir={out_dir!r} is a file; give a directory (new, or one "
                       "prepare_data wrote) for the shards.")
+  existing = read_manifest(out_dir)
   # (A run killed before its first manifest leaves at most its tokenizer and temporary files.)
-  if os.path.isdir(out_dir) and read_manifest(out_dir) is None and any(
+  if os.path.isdir(out_dir) and existing is None and any(
       not name.startswith(".tmp-") and name != SPM_MODEL for name in os.listdir(out_dir)):
     raise ConfigError(f"data.prepared_dir={out_dir!r} holds files but no manifest.json: it is not a "
                       "directory prepare_data wrote. Give an empty or new directory.")
@@ -675,18 +607,24 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
     num_workers = _default_workers()
   if num_workers < 0:
     raise ConfigError(f"num_workers must be >= 0 (0 = in this process), got {num_workers}.")
-  if config["max_seq_len"] < 5:
-    raise ConfigError(f"data.max_seq_len must be at least 5, got {config['max_seq_len']}.")
-  existing = read_manifest(out_dir)
+  if config["max_seq_len"] < MIN_SEQ_LEN:
+    raise ConfigError(f"data.max_seq_len must be at least {MIN_SEQ_LEN}, got {config['max_seq_len']}.")
   source_key = source_fingerprint(config)
-  tokenizer = _ready_tokenizer(config, out_dir)
+  # Loading only: the configured tokenizer, or the model an earlier run trained into out_dir.
+  tokenizer = configured_tokenizer(config, out_dir)
+  model_path, model_bytes = os.path.join(out_dir, SPM_MODEL), None
+  if tokenizer is not None and trains_spm(config) and tokenizer.vocab_size != config["spm_vocab_size"]:
+    raise ConfigError(
+        f"{model_path} (trained by an earlier prepare_data) has {tokenizer.vocab_size} pieces, but "
+        f"data.spm_vocab_size={config['spm_vocab_size']}. Nothing was changed; choose another "
+        f"data.prepared_dir, or delete that directory to prepare it again."
+    )
   settings = _settings(config, source_key, tokenizer)
   if existing is not None:
     # Before training a tokenizer (hours, on a big corpus) and before writing anything: a
     # directory of another config is refused as it is. Only the fingerprint of a tokenizer
     # still to be trained waits for the check below.
     _refuse_another_config(out_dir, existing, settings)
-  model_path, model_bytes = os.path.join(out_dir, SPM_MODEL), None
   if tokenizer is None:
     with tempfile.TemporaryDirectory(prefix="electra_jax_spm-") as scratch:
       # Trained outside the directory, and moved in only once the directory is accepted: a
@@ -712,9 +650,14 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
   if model_bytes is not None:
     atomic_write_bytes(model_path, model_bytes)
     tokenizer = SentencePieceTokenizer(model_path)  # where the workers and training load it
-  spec = _tokenizer_spec(config, tokenizer)
+  # What the manifest records of the tokenizer (a model in out_dir by a relative path: the
+  # directory can move).
+  spec = {"kind": config["tokenizer"], "fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size}
+  if config["tokenizer"] == "wordpiece":
+    spec.update(vocab_file=tokenizer.vocab_file, lowercase=tokenizer.lowercase, strip_accents=tokenizer.strip_accents)
+  else:
+    spec["model_file"] = SPM_MODEL if os.path.dirname(tokenizer.model_path) == out_dir else tokenizer.model_path
   dtype = settings["dtype"]
-  config_key = _config_key(settings)
   done: dict[int, dict] = {}
   if existing is not None:
     for entry in existing.get("shards", []):
@@ -728,18 +671,20 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
 
   manifest = {
       "format_version": PREPARED_FORMAT_VERSION,
-      "config_key": config_key,
+      "config_key": _config_key(settings),
       "settings": settings,
       "source": source_description(config),
-      "tokenizer": {k: v for k, v in spec.items()},
+      "tokenizer": spec,
       "max_seq_len": config["max_seq_len"],
       "dtype": dtype,
       "complete": False,
-      "shards": sorted(done.values(), key=lambda e: e["index"]),
   }
-  if spec["kind"] == "sentencepiece" and os.path.dirname(spec["model_file"]) == out_dir:
-    manifest["tokenizer"]["model_file"] = SPM_MODEL  # relative: the directory can move
-  _write_manifest(out_dir, manifest)
+
+  def save_manifest() -> None:
+    manifest["shards"] = sorted(done.values(), key=lambda e: e["index"])
+    _write_manifest(out_dir, manifest)
+
+  save_manifest()
 
   stats = sources.SourceStats()
   hashers = {split: corpus.DocumentsHasher() for split in SPLITS}
@@ -753,7 +698,7 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
   else:
     executor = concurrent.futures.ProcessPoolExecutor(
         num_workers, mp_context=multiprocessing.get_context("spawn"),
-        initializer=_init_worker, initargs=(spec, os.getpid()),
+        initializer=_init_worker, initargs=(config, out_dir, tokenizer.fingerprint, os.getpid()),
     )
   pending: dict[concurrent.futures.Future, int] = {}
   max_pending = 2 * max(1, num_workers)
@@ -769,12 +714,11 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
     done[result["index"]] = result
     progress.shard_done(result, position)
     if time.time() - last_manifest_write > _MANIFEST_EVERY_S:
-      manifest["shards"] = sorted(done.values(), key=lambda e: e["index"])
-      _write_manifest(out_dir, manifest)
+      save_manifest()
       last_manifest_write = time.time()
 
-  def drain(return_when) -> None:
-    finished, _ = concurrent.futures.wait(list(pending), return_when=return_when)
+  def drain() -> None:
+    finished, _ = concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
     for future in finished:
       position = pending.pop(future)
       try:
@@ -798,7 +742,7 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
         hashers[split].update(document)
       position = stats.bytes_read
       if index in done:
-        progress.skip(position)
+        progress.skipped_position = position
         continue
       task = dict(task_base, index=index, first_document=first, documents=documents)
       if executor is None:
@@ -806,10 +750,10 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
       else:
         pending[executor.submit(pack_shard, task)] = position
         if len(pending) >= max_pending:
-          drain(concurrent.futures.FIRST_COMPLETED)
+          drain()
       progress.maybe_log()
     while pending:
-      drain(concurrent.futures.FIRST_COMPLETED)
+      drain()
       progress.maybe_log()
   except _SigTerm:
     raise SystemExit(
@@ -829,9 +773,7 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
           result = future.result()
           if "error" not in result:
             done[result["index"]] = result
-    # Whatever happened, the manifest lists every shard finished so far.
-    manifest["shards"] = sorted(done.values(), key=lambda e: e["index"])
-    _write_manifest(out_dir, manifest)
+    save_manifest()  # whatever happened, the manifest lists every shard finished so far
 
   stats.num_documents = sum(entry["num_documents"] for entry in done.values())
   if config["source"] != "builtin":
@@ -848,11 +790,10 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
     totals[f"{split}_documents"] = sum(e["splits"][split]["documents"] for e in shards)
     totals[f"{split}_examples"] = sum(e["splits"][split]["rows"] for e in shards)
     totals[f"{split}_tokens"] = sum(e["splits"][split]["tokens"] for e in shards)
-  first_skips = [e["first_skip"] for e in shards if e.get("first_skip")]
   if totals["skipped_documents"]:
-    logging.warning(
-        "skipped %d documents the tokenizer failed on; the first: %s", totals["skipped_documents"], first_skips[0]
-    )
+    first_skip = next(e["first_skip"] for e in shards if e.get("first_skip"))
+    logging.warning("skipped %d documents the tokenizer failed on; the first: %s",
+                    totals["skipped_documents"], first_skip)
   manifest.update(
       complete=True,
       totals=totals,
@@ -880,9 +821,6 @@ class _Progress:
     self.shards = already_done
     self.skipped_position = 0  # input consumed by shards that were already done
     self.done_position = 0  # input consumed by shards finished in this run (max over them)
-
-  def skip(self, position: int) -> None:
-    self.skipped_position = position
 
   def shard_done(self, result: dict, position: int) -> None:
     self.shards += 1

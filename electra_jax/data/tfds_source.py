@@ -107,9 +107,7 @@ class TfdsCorpus:
           f"data.tfds_text_field={text_field!r} is not a feature of {name!r}; its features are "
           f"{features}. Name the one holding the document text."
       )
-    self.data_dir = builder.data_dir
     self._builder = builder
-    self._source = None
     split_info = builder.info.splits[split]
     self.num_records = int(split_info.num_examples)
     self.description = {
@@ -127,30 +125,26 @@ class TfdsCorpus:
     d = self.description
     return f"{d['tfds_name']}|{d['tfds_split']}|{d['tfds_text_field']}|{d['num_records']}|{d['num_bytes']}"
 
-  def _data_source(self):
-    if self._source is None:
-      self._source = self._builder.as_data_source(split=self.split)
-    return self._source
-
-  def iter_documents(self, stats: SourceStats, start: int = 0, stop: int | None = None):
-    """Documents of records [start, stop): the text field split into stripped lines."""
-    source = self._data_source()
-    stop = len(source) if stop is None else min(stop, len(source))
+  def iter_documents(self, stats: SourceStats):
+    """Documents of all records: the text field split into stripped lines."""
+    source = self._builder.as_data_source(split=self.split)
+    stop = len(source)
     stats.total_bytes = stats.total_bytes or self.num_records
-    for block_start in range(start, stop, _READ_BLOCK):
+    for block_start in range(0, stop, _READ_BLOCK):
       keys = list(range(block_start, min(block_start + _READ_BLOCK, stop)))
       records = source.__getitems__(keys) if hasattr(source, "__getitems__") else [source[k] for k in keys]
       for key, record in zip(keys, records):
         stats.bytes_read += 1  # progress is counted in records for TFDS
         text = record[self.text_field]
+        where = lambda key=key: f"{self.name}[{self.split}][{key}]"  # noqa: E731
         if isinstance(text, bytes):
-          text = decode_utf8(text, lambda: f"{self.name}[{self.split}][{key}]", stats)
+          text = decode_utf8(text, where, stats)
         elif not isinstance(text, str):
           stats.skipped_lines += 1
           if not stats.first_skipped_line:
-            stats.first_skipped_line = f"{self.name}[{self.split}][{key}]: {self.text_field!r} is not text"
+            stats.first_skipped_line = f"{where()}: {self.text_field!r} is not text"
           continue
-        document = split_text(text, lambda key=key: f"{self.name}[{self.split}][{key}]", stats)
+        document = split_text(text, where, stats)
         if document:
           stats.num_documents += 1
           yield document

@@ -23,19 +23,15 @@ PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(len(SPECIAL_TOKENS))
 
 SUPPORTED_MODEL_TYPES = ("unigram", "bpe")
 
-# Sentencepiece samples at most this many sentences for training; the built-in corpus has
-# ~16k, so it is used whole, while a large corpus cannot make training unboundedly slow.
+# At most this many sentences train a model, so a large corpus cannot make training unbounded.
 _MAX_TRAINING_SENTENCES = 1_000_000
 
-# Threads of the sentencepiece trainer wherever a model is trained as part of the data (the
-# cache, prepare_data): the model depends on them (unigram's pieces, and both types' bytes,
-# which record the count), so a fixed count makes it a function of the config alone, the same
-# on machines of any size.
+# Threads of the trainer wherever a model is trained as part of the data (the cache, prepare_data):
+# the model depends on the count, so a fixed one makes it a function of the config alone.
 TRAINING_THREADS = 2
 
-# Sentencepiece skips, without a word, sentences over max_sentence_length bytes (its default is
-# 4192; a few stdlib docstring paragraphs are longer), so we raise it to this and cut longer
-# sentences (the readers keep lines of up to 65,536 characters) into pieces within it.
+# Sentencepiece silently skips sentences over max_sentence_length bytes; we raise that limit to
+# this and cut longer sentences into pieces within it.
 _MAX_SENTENCE_BYTES = 16384
 
 
@@ -60,11 +56,10 @@ def _within_limit(sentence: str, limit: int = _MAX_SENTENCE_BYTES) -> Iterator[s
 
 def _sample_sentences(sentences: Iterable[str], k: int) -> list[str]:
   """All of `sentences` in order if there are at most `k`, else `k` of them drawn uniformly by a
-  reservoir sampler with a fixed seed (Li's algorithm L: O(k log(n / k)) draws).
+  reservoir sampler with a fixed seed (Li's algorithm L).
 
-  Sentencepiece samples a corpus over its input_sentence_size itself, but seeds its sampler
-  from the process's random device, so every run (every host building its cache, every
-  rebuild) trained another model on a big corpus. Given at most that many, it keeps them all."""
+  Sentencepiece's own sampler is seeded from the random device, so it would train another model
+  on every run; given at most input_sentence_size sentences, it keeps them all."""
   reservoir: list[str] = []
   iterator = iter(sentences)
   for sentence in iterator:
@@ -190,6 +185,8 @@ def train_sentencepiece(
 class SentencePieceTokenizer:
   """A trained sentencepiece model whose ids 0..4 are SPECIAL_TOKENS."""
 
+  pad_id, unk_id, cls_id, sep_id, mask_id = PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID
+
   def __init__(self, model_path: str):
     self.model_path = model_path
     with open(model_path, "rb") as f:
@@ -230,26 +227,6 @@ class SentencePieceTokenizer:
   @property
   def vocab_size(self) -> int:
     return self._processor.get_piece_size()
-
-  @property
-  def pad_id(self) -> int:
-    return PAD_ID
-
-  @property
-  def unk_id(self) -> int:
-    return UNK_ID
-
-  @property
-  def cls_id(self) -> int:
-    return CLS_ID
-
-  @property
-  def sep_id(self) -> int:
-    return SEP_ID
-
-  @property
-  def mask_id(self) -> int:
-    return MASK_ID
 
   def encode(self, text: str) -> list[int]:
     return self._processor.encode(text, out_type=int)

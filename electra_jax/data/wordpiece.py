@@ -50,7 +50,7 @@ class WordPieceTokenizer:
     tokens = [token.rstrip("\r") for token in tokens]
     # As BERT reads it: the token on line i has id i (a repeated token keeps its last line).
     self._vocab = {token: index for index, token in enumerate(tokens)}
-    self._size = len(tokens)
+    self.vocab_size = len(tokens)
     for token in SPECIAL_TOKENS:
       if token not in self._vocab:
         raise ConfigError(
@@ -58,9 +58,9 @@ class WordPieceTokenizer:
             f"of {list(SPECIAL_TOKENS)}. Add the missing line(s) to the vocab (BERT's vocab.txt "
             f"has them)."
         )
-    # pad_text: "[PAD]" in the text is text (earlier versions made it the padding id), so the
-    # same vocabulary and text give other ids than before: their caches, shards and
-    # checkpoints are not this tokenizer's.
+    self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (self._vocab[t] for t in SPECIAL_TOKENS)
+    # pad_text=1: "[PAD]" in the text is tokenized as text, which sets these ids apart from
+    # those of a tokenizer that made it the padding id.
     settings = f"lowercase={self.lowercase}|strip_accents={self.strip_accents}|pad_text=1\n".encode()
     self.fingerprint = hashlib.sha256(settings + vocab_bytes).hexdigest()[:16]
 
@@ -77,52 +77,25 @@ class WordPieceTokenizer:
     )
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tokenizer.decoder = decoders.WordPiece(prefix="##")
-    # "[MASK]", "[CLS]", "[SEP]" and "[UNK]" written in the text stay one token, as in BERT's
-    # transformers tokenizer (and [CLS]/[SEP]/[MASK] in our sentencepiece models). "[PAD]" does
-    # not: its id inside an example would be read as padding (attention mask 0 mid-example, the
-    # token left out of the losses); it is tokenized as text ("[", "pad", "]"), as sentencepiece
-    # and BERT's original tokenizer do.
+    # The special tokens written in the text stay one token, as in BERT's transformers tokenizer,
+    # except "[PAD]": its id mid-example would be read as padding, so it is tokenized as text.
     tokenizer.add_special_tokens([token for token in SPECIAL_TOKENS if token != "[PAD]"])
-    self._tokenizer = tokenizer
+    self.backend = tokenizer
     self._id_to_token = {index: token for token, index in self._vocab.items()}
 
-  @property
-  def vocab_size(self) -> int:
-    return self._size
-
-  @property
-  def pad_id(self) -> int:
-    return self._vocab["[PAD]"]
-
-  @property
-  def unk_id(self) -> int:
-    return self._vocab["[UNK]"]
-
-  @property
-  def cls_id(self) -> int:
-    return self._vocab["[CLS]"]
-
-  @property
-  def sep_id(self) -> int:
-    return self._vocab["[SEP]"]
-
-  @property
-  def mask_id(self) -> int:
-    return self._vocab["[MASK]"]
-
   def encode(self, text: str) -> list[int]:
-    return self._tokenizer.encode(text, add_special_tokens=False).ids
+    return self.backend.encode(text, add_special_tokens=False).ids
 
   def encode_batch(self, texts: Sequence[str], num_threads: int = -1) -> list[list[int]]:
     """Encode many texts at once; `tokenizers` spreads them over its own thread pool."""
     del num_threads  # set RAYON_NUM_THREADS to bound the pool
-    encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+    encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
     return [encoding.ids for encoding in encodings]
 
   def decode(self, ids: Iterable[int]) -> str:
     """The text of `ids` with "##" pieces joined; [PAD] is dropped, other special tokens kept."""
     pad_id = self.pad_id
-    return self._tokenizer.decode([int(i) for i in ids if int(i) != pad_id], skip_special_tokens=False)
+    return self.backend.decode([int(i) for i in ids if int(i) != pad_id], skip_special_tokens=False)
 
   def id_to_piece(self, i: int) -> str:
     return self._id_to_token.get(int(i), "[UNK]")
