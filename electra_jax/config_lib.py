@@ -49,11 +49,14 @@ def parse_flags(argv: list[str], program: str, listing: str = "configs/base.py")
   try:
     return flags.FLAGS(argv)
   except flags.Error as error:
-    # A recipe's own ConfigError (configs/workdir.py without its DIR, say) reaches absl as the
-    # text of a traceback; its last line is the message.
-    refused = re.findall(r"ConfigError: (.+)", str(error))
-    if refused:
-      sys.exit(f"{program}: error: {refused[-1]}")
+    # A recipe's own ConfigError (configs/workdir.py without its DIR, say): absl and
+    # ml_collections re-raise it, so it is the innermost ConfigError of the chain a traceback shows.
+    refused, cause = None, error
+    while cause is not None:
+      refused = cause if isinstance(cause, ConfigError) else refused
+      cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
+    if refused is not None:
+      sys.exit(f"{program}: error: {refused}")
     sys.stderr.write(f"FATAL Flags parsing error: {error}\nPass --helpshort or --helpfull to see help on flags.\n")
     sys.exit(1)
   except (AttributeError, KeyError) as error:
@@ -223,8 +226,35 @@ def check_finite(config: ml_collections.ConfigDict, prefix: str = "") -> None:
       raise ConfigError(f"{name}={value} is not a finite number; give a finite value (configs/base.py has the default).")
 
 
+# validate's bounds on single keys: (key, the bound as the message states it, its test, what the key means).
+_TEMPERATURE = ("finite and > 0", lambda v: math.isfinite(v) and v > 0, "the generator's sampling temperature; "
+                "official 1.0")
+_BOUNDS = (
+    ("train.grad_accum_steps", ">= 1", lambda v: v >= 1, "micro-batches per step"),
+    ("train.steps_per_call", ">= 1", lambda v: v >= 1, "optimizer steps per compiled call"),
+    ("train.steps", ">= 1", lambda v: v >= 1, "optimizer steps in all"),
+    ("train.log_every", ">= 1", lambda v: v >= 1, "steps per logged line"),
+    ("checkpoint.every_steps", ">= 1", lambda v: v >= 1, "steps between checkpoints"),
+    ("checkpoint.keep", ">= 1", lambda v: v >= 1, "how many of the latest checkpoints stay in the workdir; a run "
+     "that keeps none could never resume"),
+    ("optimizer.warmup_steps", ">= 0", lambda v: v >= 0, "0 = no warmup; the paper uses 10000"),
+    ("optimizer.warmup_fraction", "in [0, 1)", lambda v: 0 <= v < 1, "the share of train.steps spent warming up; "
+     "0 = use optimizer.warmup_steps"),
+    ("eval.every_steps", ">= 0", lambda v: v >= 0, "0 = no held-out evaluation"),
+    ("eval.num_batches", ">= 1", lambda v: v >= 1, "batches of held-out data per evaluation"),
+    ("eval.batch_size", ">= 0", lambda v: v >= 0, "0 = the training micro-batch"),
+    ("objective.mask_prob", "in (0, 1)", lambda v: 0 < v < 1, "the share of positions chosen; official 0.15"),
+    ("objective.keep_original_prob", "in [0, 1]", lambda v: 0 <= v <= 1, "the share of chosen positions left as they "
+     "are instead of [MASK]; official 0.15"),
+    ("objective.temperature", *_TEMPERATURE),
+    ("objective.initial_temperature", *_TEMPERATURE),
+    ("objective.temperature_decay_fraction", "in [0, 1]", lambda v: 0 <= v <= 1, "the share of train.steps over "
+     "which the temperature falls from objective.initial_temperature to objective.temperature; 0 = no schedule"),
+)
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
-  """Checks that need no devices and no data; raises ValueError naming the key and the fix."""
+  """Checks that need no devices and no data; raises ConfigError naming the key and the fix."""
   m, t = config.model, config.train
   check_encoder_sizes(m, ("hidden_size", "num_heads", "intermediate_size", "embedding_size", "vocab_size",
                           "max_position_embeddings"), "model.", " (configs/base.py gives its typical value)")
@@ -246,82 +276,43 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"train.batch_size={t.batch_size}: give a positive global batch size, or -1 for the "
         "largest that fits in train.memory_fraction of a device's memory."
     )
-  if t.grad_accum_steps < 1:
-    raise ConfigError(f"train.grad_accum_steps={t.grad_accum_steps} must be >= 1 (micro-batches per step).")
+  for key, bound, within, meaning in _BOUNDS:
+    group, name = key.split(".")
+    if not within(config[group][name]):
+      raise ConfigError(f"{key}={config[group][name]} must be {bound} ({meaning}).")
   if t.batch_size != -1 and t.batch_size % t.grad_accum_steps:
     raise ConfigError(
         f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps="
         f"{t.grad_accum_steps}: each micro-batch must have the same size."
     )
-  if t.get("steps_per_call", 1) < 1:
-    raise ConfigError(
-        f"train.steps_per_call={t.steps_per_call} must be >= 1 (optimizer steps per compiled call)."
-    )
-  if t.steps < 1 or t.log_every < 1 or config.checkpoint.every_steps < 1:
-    raise ConfigError(
-        f"train.steps={t.steps}, train.log_every={t.log_every} and checkpoint.every_steps="
-        f"{config.checkpoint.every_steps} must all be >= 1."
-    )
-  if config.checkpoint.keep < 1:
-    raise ConfigError(
-        f"checkpoint.keep={config.checkpoint.keep} must be >= 1: it is how many of the latest "
-        "checkpoints stay in the workdir, and a run that keeps none could never resume."
-    )
   check_optimizer(config.optimizer, "ELECTRA-Small uses 5e-4, Base 2e-4")
-  if config.optimizer.warmup_steps < 0:
-    raise ConfigError(
-        f"optimizer.warmup_steps={config.optimizer.warmup_steps} must be >= 0 (0 = no warmup; "
-        "the paper uses 10000)."
-    )
-  if not 0.0 <= config.optimizer.warmup_fraction < 1.0:
-    raise ConfigError(
-        f"optimizer.warmup_fraction={config.optimizer.warmup_fraction} must be in [0, 1) (the share "
-        "of train.steps spent warming up; 0 = use optimizer.warmup_steps)."
-    )
   if t.time_budget:
     parse_duration(t.time_budget)
   check_rates(config.model, ("dropout_rate", "attention_dropout_rate"), "model")
-  _check_data_source(config.data)
+  # The built-in corpus with another source's location set is a forgotten data.source: the run
+  # would train on the standard library's text instead of the corpus named.
+  for key, source in (("files", "text' (or 'jsonl"), ("prepared_dir", "prepared"), ("tfds_name", "tfds")):
+    if config.data.source == "builtin" and config.data[key]:
+      raise ConfigError(
+          f"data.{key}={config.data[key]!r} is set, but data.source='builtin' (the standard library's text) "
+          f"does not read it. Add --config.data.source='{source}' to train on it, or drop data.{key}."
+      )
   if config.data.eval_fraction == 0 and config.eval.every_steps > 0 and config.data.source != "prepared":
     raise ConfigError(
         f"data.eval_fraction=0 holds out no documents, but eval.every_steps={config.eval.every_steps} "
         "evaluates on them. Set --config.eval.every_steps=0 to train without held-out evaluation, "
         "or data.eval_fraction > 0 (e.g. 0.02)."
     )
-  if m.get("attention_impl") == "splash":
+  if m.attention_impl == "splash":
     from electra_jax import splash_attention  # noqa: PLC0415 (it imports this module)
 
     splash_attention.check_seq_len(config.data.max_seq_len)
-  for key, least, meaning in (("every_steps", 0, "0 = no held-out evaluation"),
-                              ("num_batches", 1, "batches of held-out data per evaluation"),
-                              ("batch_size", 0, "0 = the training micro-batch")):
-    if config.eval[key] < least:
-      raise ConfigError(f"eval.{key}={config.eval[key]} must be >= {least} ({meaning}).")
-  if not 0.0 < config.objective.mask_prob < 1.0:
-    raise ConfigError(f"objective.mask_prob={config.objective.mask_prob} must be in (0, 1).")
-  if not 0.0 <= config.objective.keep_original_prob <= 1.0:
-    raise ConfigError(
-        f"objective.keep_original_prob={config.objective.keep_original_prob} must be in [0, 1] (the "
-        "share of chosen positions left as they are instead of [MASK]; official 0.15)."
-    )
-  for key in ("temperature", "initial_temperature"):
-    if not (math.isfinite(config.objective[key]) and config.objective[key] > 0):
-      raise ConfigError(
-          f"objective.{key}={config.objective[key]} must be finite and > 0 (the generator's "
-          "sampling temperature; official 1.0)."
-      )
-  if not 0.0 <= config.objective.temperature_decay_fraction <= 1.0:
-    raise ConfigError(
-        f"objective.temperature_decay_fraction={config.objective.temperature_decay_fraction} must be "
-        "in [0, 1] (the share of train.steps over which the temperature falls from "
-        "objective.initial_temperature to objective.temperature; 0 = no schedule)."
-    )
   from electra_jax import models, objectives  # noqa: PLC0415 (keeps recipes' imports light)
 
-  if m.get("tie", "embeddings") not in models.TIE_MODES:
+  if m.tie not in models.TIE_MODES:
     raise ConfigError(f"model.tie={m.tie!r} is not one of {list(models.TIE_MODES)}.")
   objectives.check_config(config)
-  if m.get("tie") == "all" and m.generator_fraction != 1.0:
+  if m.tie == "all" and m.generator_fraction != 1.0:
     raise ConfigError(
         f"model.tie='all' runs one encoder for both towers, so they must be the same size, but "
         f"model.generator_fraction={m.generator_fraction}: set it to 1.0."
@@ -330,10 +321,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
   # The model's own refusals (attention implementation, remat policy, cuDNN's shapes): it is
   # only described here, nothing is initialized.
   models.build_model(config)
-
-
-# A data key that only another source reads, and the source that reads it.
-_SOURCE_KEYS = (("files", "text' (or 'jsonl"), ("prepared_dir", "prepared"), ("tfds_name", "tfds"))
 
 
 def check_optimizer(o: ml_collections.ConfigDict, typical_lr: str) -> None:
@@ -360,19 +347,6 @@ def check_rates(group: ml_collections.ConfigDict, keys, prefix: str) -> None:
   for key in keys:
     if not 0.0 <= group[key] < 1.0:
       raise ConfigError(f"{prefix}.{key}={group[key]} must be in [0, 1) (the paper: 0.1).")
-
-
-def _check_data_source(d: ml_collections.ConfigDict) -> None:
-  """The built-in corpus with another source's location set is a forgotten data.source: the
-  run would train on the standard library's text instead of the corpus named."""
-  if d.get("source", "builtin") != "builtin":
-    return
-  for key, source in _SOURCE_KEYS:
-    if d.get(key):
-      raise ConfigError(
-          f"data.{key}={d[key]!r} is set, but data.source='builtin' (the standard library's text) "
-          f"does not read it. Add --config.data.source='{source}' to train on it, or drop data.{key}."
-      )
 
 
 def validate_for_mesh(config: ml_collections.ConfigDict, batch_shards: int) -> None:

@@ -39,12 +39,8 @@ def _tpu_vm_worker_count() -> int:
 
 
 def _multi_host_environment() -> Optional[str]:
-  """The scheduler JAX can read its coordinator from, when this is one of several processes.
-
-  TPU VMs made with `gcloud compute tpus tpu-vm create` describe the slice only in their
-  metadata server (no environment variable says "several hosts"): where TPU chips are present
-  it is asked how many workers the slice has, and launch/tpu_vm.py also sets
-  ELECTRA_JAX_DISTRIBUTED=auto there; GKE sets TPU_WORKER_HOSTNAMES."""
+  """The scheduler JAX can read its coordinator from, when this is one of several processes
+  (launch/tpu_vm.py sets ELECTRA_JAX_DISTRIBUTED=auto; GKE sets TPU_WORKER_HOSTNAMES)."""
   if os.environ.get("ELECTRA_JAX_DISTRIBUTED", "").lower() == "auto":
     return "ELECTRA_JAX_DISTRIBUTED=auto (JAX's own cluster detection)"
   # A task of an srun step: the variables JAX's SLURM detection reads. SLURM_NTASKS alone is

@@ -111,7 +111,24 @@ _TF_NUM_HEADS = flags.DEFINE_integer(
 )
 # Every mode but prepare_data and train_tokenizer works in a workdir.
 _NO_WORKDIR_MODES = ("prepare_data", "train_tokenizer")
-
+_DATA_CONFIG = "--config (a recipe with the data.* settings of the corpus)."
+_IMPORT_CONFIG = ("--config: the recipe whose training, data and mesh settings the workdir will use (its model "
+                  "sizes and vocabulary come from the weights).")
+_HF_PAIR = "--hf_discriminator=DIR and --hf_generator=DIR."
+# The flags a mode needs beyond --workdir, checked in order: (flag names, any one of which will
+# do; what "--mode=M needs" is followed by when none is given).
+_NEEDS = {
+    "prepare_data": (("config", _DATA_CONFIG),),
+    "train_tokenizer": (("config", _DATA_CONFIG), ("out", "--out=PATH (the model file to write).")),
+    "export_hf": (("out", "--out=DIR (where the model directories go)."),),
+    "plot": (("out", "--out=FILE.png."),),
+    "sweep": (("config", "--config (the recipe every run starts from)."),
+              ("sweep sweep_file", "--sweep=KEY=V1,V2 (repeatable) and/or --sweep_file=FILE.")),
+    "finetune": (("config", "--config (configs/finetune/glue.py, squad.py, custom.py or tiny.py)."),),
+    "import_hf": (("config", _IMPORT_CONFIG), ("hf_discriminator", _HF_PAIR), ("hf_generator", _HF_PAIR)),
+    "import_tf": (("config", _IMPORT_CONFIG),
+                  ("tf_checkpoint", "--tf_checkpoint=PATH (model.ckpt-N or its directory).")),
+}
 
 # The columns of the end-of-run table (a metric an objective does not compute shows "-").
 _SUMMARY_METRICS = ("loss", "masked_lm_accuracy", "disc_auc", "disc_precision", "disc_recall")
@@ -160,18 +177,19 @@ def main(argv):
   if os.environ.get("GLIBC_TUNABLES") == xla_flags.HUGE_PAGES:  # debug level: not news on every run
     logging.vlog(1, "CPU: glibc allocates large buffers on huge pages (GLIBC_TUNABLES=%s; "
                  "ELECTRA_JAX_XLA_DEFAULTS=0 turns it off).", xla_flags.HUGE_PAGES)
+  mode = _MODE.value
   try:
     # First, before anything touches the devices. TPU VM slices and SLURM need no flags.
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    _check_recipe_kind(_CONFIG.value, _MODE.value)
-    if _MODE.value in ("finetune", "export_hf", "import_hf", "import_tf"):
-      distributed.require_single_process(_MODE.value)
-    if _MODE.value in _NO_WORKDIR_MODES:
-      _data_mode(_MODE.value)
-      return
-    if _WORKDIR.value is None:
-      raise ConfigError(f"--mode={_MODE.value} needs --workdir.")
-    if _MODE.value == "train":
+    _check_recipe_kind(_CONFIG.value, mode)
+    if mode in ("finetune", "export_hf", "import_hf", "import_tf"):
+      distributed.require_single_process(mode)
+    if mode not in _NO_WORKDIR_MODES and _WORKDIR.value is None:
+      raise ConfigError(f"--mode={mode} needs --workdir.")
+    for names, what in _NEEDS.get(mode, ()):
+      if all(flags.FLAGS[name].value in (None, "", []) for name in names.split()):
+        raise ConfigError(f"--mode={mode} needs {what}")
+    if mode == "train":
       config = _CONFIG.value
       if config is None:
         if not workdir_files.exists(workdir_files.path(_WORKDIR.value, "config.json")):
@@ -184,31 +202,70 @@ def main(argv):
       metrics = train.train_and_evaluate(config, _WORKDIR.value, take_over_workdir=_TAKE_OVER.value)
       if metrics and jax.process_index() == 0:  # one summary per job, not per host
         print(end_summary(config, metrics, _WORKDIR.value, time.perf_counter() - started))
-    elif _MODE.value == "eval":
+    elif mode == "eval":
       config = _CONFIG.value or config_lib.load_workdir_config(_WORKDIR.value)
       held_out = train.evaluate_checkpoint(config, _WORKDIR.value, _STEP.value)
       summary = ", ".join(f"{k}={v:.4g}" for k, v in sorted(held_out.items()))
       print(f"Held-out metrics (checkpoint {held_out['step']}): {summary}")
       print(f"Written to {_WORKDIR.value}/eval_step_{held_out['step']}.json")
-    elif _MODE.value == "export_hf":
-      if _OUT.value is None:
-        raise ConfigError("--mode=export_hf needs --out=DIR (where the model directories go).")
-      written = interop.export_workdir(_WORKDIR.value, _OUT.value, _EXPORT_GENERATOR.value)
-      for tower, directory in written.items():
-        print(f"Wrote the {tower} (Hugging Face format) to {directory}")
-    elif _MODE.value in ("sweep", "sweep_report", "plot"):
-      _sweep_mode(_MODE.value)
-    elif _MODE.value in ("import_hf", "import_tf"):
-      _import(_MODE.value)
-    elif _MODE.value == "finetune":
-      if _CONFIG.value is None:
-        raise ConfigError(
-            "--mode=finetune needs --config (configs/finetune/glue.py, squad.py, custom.py or tiny.py)."
-        )
+    elif mode == "finetune":
       from electra_jax.finetune import trainer as finetune  # noqa: PLC0415 (tfds/squad stay out of other modes)
 
       results = finetune.run_finetune(_CONFIG.value, _WORKDIR.value)  # prints its table itself
       print(f"Results: {_WORKDIR.value}/{results['task']}/results.json")
+    elif mode == "export_hf":
+      for tower, directory in interop.export_workdir(_WORKDIR.value, _OUT.value, _EXPORT_GENERATOR.value).items():
+        print(f"Wrote the {tower} (Hugging Face format) to {directory}")
+    elif mode in ("import_hf", "import_tf"):
+      pair = (interop.pair_from_hf(_HF_DISCRIMINATOR.value, _HF_GENERATOR.value) if mode == "import_hf"
+              else interop.pair_from_tf(_TF_CHECKPOINT.value, _VOCAB_FILE.value, _TF_NUM_HEADS.value))
+      summary = interop.write_pretraining_workdir(pair, _CONFIG.value, _WORKDIR.value, _HF_EMBEDDINGS_FROM.value)
+      print(
+          f"Imported {pair.source} ({summary['num_params']:,} parameters, generator_fraction="
+          f"{summary['generator_fraction']:.4g}) as step 0 of {summary['workdir']}; vocabulary "
+          f"{summary['vocab_file']}.\nContinue pre-training with: electra-jax --workdir={summary['workdir']}"
+      )
+    elif mode == "prepare_data":
+      manifest = data.prepare_data(_CONFIG.value.data, num_workers=_WORKERS.value)
+      totals = manifest["totals"]
+      print(
+          f"Prepared {len(manifest['shards'])} shards in {_CONFIG.value.data.prepared_dir}: "
+          f"{totals['train_examples']} train / {totals['eval_examples']} eval examples, "
+          f"{totals['train_tokens']} train tokens. Train with --config.data.source=prepared."
+      )
+    elif mode == "train_tokenizer":
+      info = data.train_tokenizer(_CONFIG.value.data, _OUT.value)
+      print(
+          f"Wrote {info['path']} ({info['vocab_size']} pieces, fingerprint {info['fingerprint']}); "
+          f"use it with --config.data.spm_model_file={info['path']}"
+      )
+    elif mode == "plot":
+      from electra_jax import plots  # noqa: PLC0415 (matplotlib: the `plots` extra)
+
+      plots.plot_curves(_WORKDIR.value.split(","), _OUT.value, _PLOT_METRICS.value)
+      print(f"Wrote {_OUT.value}")
+    elif mode == "sweep_report":
+      from electra_jax import sweep  # noqa: PLC0415
+
+      sweep.write_report(_WORKDIR.value)
+      print(f"Wrote {_WORKDIR.value}/results.md and {_WORKDIR.value}/results.csv")
+    else:  # sweep
+      from electra_jax import sweep  # noqa: PLC0415
+
+      finetune_config = None
+      if _SWEEP_FINETUNE.value:
+        finetune_config = sweep.load_finetune_config(_SWEEP_FINETUNE.value, _SWEEP_FINETUNE_OVERRIDE.value)
+      result = sweep.run_sweep(_CONFIG.value, _WORKDIR.value, _SWEEP.value, _SWEEP_FILE.value, finetune_config,
+                              take_over_workdir=_TAKE_OVER.value)
+      print(workdir_files.read_text(workdir_files.path(_WORKDIR.value, "results.md")))
+      curves = workdir_files.path(_WORKDIR.value, "curves.png")
+      print(f"Tables: {_WORKDIR.value}/results.md, {_WORKDIR.value}/results.csv"
+            + (f"  Curves: {_WORKDIR.value}/curves.png" if workdir_files.exists(curves) else ""))
+      if result["preempted"]:
+        print("The sweep stopped at a SIGTERM; run the same command to go on where it stopped.")
+      if result["failed"]:
+        sys.exit(f"electra-jax: {len(result['failed'])} sweep run(s) failed: {', '.join(result['failed'])} "
+                 "(see the log; re-run the same command to retry them).")
   except (ConfigError, FloatingPointError) as error:  # a mistake, or a diverged run
     sys.exit(f"electra-jax: error: {error}")
 
@@ -249,84 +306,6 @@ def _check_recipe_path(path: str) -> None:
     )
 
 
-def _data_mode(mode: str) -> None:
-  if _CONFIG.value is None:
-    raise ConfigError(f"--mode={mode} needs --config (a recipe with the data.* settings of the corpus).")
-  if mode == "prepare_data":
-    manifest = data.prepare_data(_CONFIG.value.data, num_workers=_WORKERS.value)
-    totals = manifest["totals"]
-    print(
-        f"Prepared {len(manifest['shards'])} shards in {_CONFIG.value.data.prepared_dir}: "
-        f"{totals['train_examples']} train / {totals['eval_examples']} eval examples, "
-        f"{totals['train_tokens']} train tokens. Train with --config.data.source=prepared."
-    )
-  else:
-    if _OUT.value is None:
-      raise ConfigError("--mode=train_tokenizer needs --out=PATH (the model file to write).")
-    info = data.train_tokenizer(_CONFIG.value.data, _OUT.value)
-    print(
-        f"Wrote {info['path']} ({info['vocab_size']} pieces, fingerprint {info['fingerprint']}); "
-        f"use it with --config.data.spm_model_file={info['path']}"
-    )
-
-
-def _sweep_mode(mode: str) -> None:
-  from electra_jax import sweep  # noqa: PLC0415
-
-  if mode == "plot":
-    if _OUT.value is None:
-      raise ConfigError("--mode=plot needs --out=FILE.png.")
-    from electra_jax import plots  # noqa: PLC0415 (matplotlib: the `plots` extra)
-
-    plots.plot_curves(_WORKDIR.value.split(","), _OUT.value, _PLOT_METRICS.value)
-    print(f"Wrote {_OUT.value}")
-    return
-  if mode == "sweep_report":
-    sweep.write_report(_WORKDIR.value)
-    print(f"Wrote {_WORKDIR.value}/results.md and {_WORKDIR.value}/results.csv")
-    return
-  if _CONFIG.value is None:
-    raise ConfigError("--mode=sweep needs --config (the recipe every run starts from).")
-  if not (_SWEEP.value or _SWEEP_FILE.value):
-    raise ConfigError("--mode=sweep needs --sweep=KEY=V1,V2 (repeatable) and/or --sweep_file=FILE.")
-  finetune_config = None
-  if _SWEEP_FINETUNE.value:
-    finetune_config = sweep.load_finetune_config(_SWEEP_FINETUNE.value, _SWEEP_FINETUNE_OVERRIDE.value)
-  result = sweep.run_sweep(_CONFIG.value, _WORKDIR.value, _SWEEP.value, _SWEEP_FILE.value, finetune_config,
-                          take_over_workdir=_TAKE_OVER.value)
-  print(workdir_files.read_text(workdir_files.path(_WORKDIR.value, "results.md")))
-  curves = workdir_files.path(_WORKDIR.value, "curves.png")
-  print(f"Tables: {_WORKDIR.value}/results.md, {_WORKDIR.value}/results.csv"
-        + (f"  Curves: {_WORKDIR.value}/curves.png" if workdir_files.exists(curves) else ""))
-  if result.get("preempted"):
-    print("The sweep stopped at a SIGTERM; run the same command to go on where it stopped.")
-  if result["failed"]:
-    sys.exit(f"electra-jax: {len(result['failed'])} sweep run(s) failed: {', '.join(result['failed'])} "
-             "(see the log; re-run the same command to retry them).")
-
-
-def _import(mode: str) -> None:
-  if _CONFIG.value is None:
-    raise ConfigError(
-        f"--mode={mode} needs --config: the recipe whose training, data and mesh settings the "
-        "workdir will use (its model sizes and vocabulary come from the weights)."
-    )
-  if mode == "import_hf":
-    if not (_HF_DISCRIMINATOR.value and _HF_GENERATOR.value):
-      raise ConfigError("--mode=import_hf needs --hf_discriminator=DIR and --hf_generator=DIR.")
-    pair = interop.pair_from_hf(_HF_DISCRIMINATOR.value, _HF_GENERATOR.value)
-  else:
-    if not _TF_CHECKPOINT.value:
-      raise ConfigError("--mode=import_tf needs --tf_checkpoint=PATH (model.ckpt-N or its directory).")
-    pair = interop.pair_from_tf(_TF_CHECKPOINT.value, _VOCAB_FILE.value, _TF_NUM_HEADS.value)
-  summary = interop.write_pretraining_workdir(pair, _CONFIG.value, _WORKDIR.value, _HF_EMBEDDINGS_FROM.value)
-  print(
-      f"Imported {pair.source} ({summary['num_params']:,} parameters, generator_fraction="
-      f"{summary['generator_fraction']:.4g}) as step 0 of {summary['workdir']}; vocabulary "
-      f"{summary['vocab_file']}.\nContinue pre-training with: electra-jax --workdir={summary['workdir']}"
-  )
-
-
 def _parse_flags(argv):
   """absl's flag parsing, where mistakes in the config flags end with one line naming them
   instead of a traceback (`config_lib.parse_flags`), and a missing --config or recipe file is
@@ -339,15 +318,12 @@ def _parse_flags(argv):
         "workdir) with the overrides."
     )
   argv = list(argv)
-  for i, arg in enumerate(argv[1:], start=1):  # recipes by name (--config=demo) from anywhere
-    if arg.startswith("--config="):
-      argv[i] = "--config=" + config_lib.resolve_recipe(arg.split("=", 1)[1])
-      _check_recipe_path(argv[i].split("=", 1)[1])
-    elif arg == "--config" and i + 1 < len(argv):
-      argv[i + 1] = config_lib.resolve_recipe(argv[i + 1])
-      _check_recipe_path(argv[i + 1])
-  finetune = any(arg == "--mode=finetune" for arg in argv[1:]) or (
-      "--mode" in argv and argv.index("--mode") + 1 < len(argv) and argv[argv.index("--mode") + 1] == "finetune")
+  for i in range(1, len(argv)):  # recipes by name (--config=demo) from anywhere
+    head = "--config=" if argv[i].startswith("--config=") else "" if argv[i - 1] == "--config" else None
+    if head is not None:
+      argv[i] = head + config_lib.resolve_recipe(argv[i][len(head):])
+      _check_recipe_path(argv[i][len(head):])
+  finetune = "--mode=finetune" in argv or ("--mode", "finetune") in zip(argv, argv[1:])
   return config_lib.parse_flags(
       argv, "electra-jax", "configs/finetune/base.py" if finetune else "configs/base.py")
 

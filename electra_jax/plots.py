@@ -11,7 +11,6 @@ display nor changes a notebook's backend. matplotlib is the `plots` extra.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Sequence
@@ -23,18 +22,6 @@ DEFAULT_METRICS = ("loss", "masked_lm_accuracy", "disc_auc")
 PANEL_SIZE = (5.0, 3.5)  # inches; at DPI, one panel is 500 x 350 pixels
 DPI = 100
 MAX_COLUMNS = 3
-
-
-def read_jsonl(file: str) -> list[dict]:
-  if not os.path.exists(file):
-    return []
-  records = []
-  for line in open(file):
-    try:
-      records.append(json.loads(line))
-    except json.JSONDecodeError:
-      continue  # a line cut short by a crash
-  return records
 
 
 def expand_workdirs(workdirs: Sequence[str]) -> list[tuple[str, str]]:
@@ -68,12 +55,9 @@ def plot_curves(workdirs: Sequence[str], out: str | None = None, metrics: Sequen
     ) from error
 
   runs = expand_workdirs(workdirs)
-  logs = []
-  for label, workdir in runs:
-    train_log = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-    eval_log = read_jsonl(os.path.join(workdir, "eval_metrics.jsonl"))
-    if train_log or eval_log:
-      logs.append((label, train_log, eval_log))
+  logs = [(label, *(workdir_files.read_jsonl(workdir_files.path(workdir, file))
+                     for file in ("metrics.jsonl", "eval_metrics.jsonl"))) for label, workdir in runs]
+  logs = [(label, train_log, eval_log) for label, train_log, eval_log in logs if train_log or eval_log]
   if not logs:
     raise ConfigError(
         f"No metrics.jsonl or eval_metrics.jsonl in {', '.join(w for _, w in runs)}: pass training "

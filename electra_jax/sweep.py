@@ -1,21 +1,6 @@
 """Sweeps: one command trains a grid or a list of config overrides, each run in its own
-sub-workdir, then writes a results table (results.csv and results.md) and the runs' curves.
-
-  python -m electra_jax.main --mode=sweep --config=configs/demo.py --workdir=sweeps/objectives \
-      --sweep=objective.name=electra,mlm --sweep=model.generator_fraction=0.25,0.5
-
-That is three runs, not four: objective.name=mlm has no generator, so a run's override of a key
-its objective never reads is left out and runs that become alike train once (merge_unread).
-
-Runs are sequential and in this process (train.train_and_evaluate), each resumable like any
-run: a re-run of the same command skips finished runs and resumes interrupted ones from their
-checkpoints. A failing run is logged and the sweep goes on; the command then exits non-zero.
-
-SWEEP_DIR/sweep.json records the base config's fingerprint and the runs (name -> overrides). A
-re-run with other --sweep values on the same folder ADDS its new runs (the table then covers
-every recorded run); a different base config (recipe or --config.* flags) is refused, so that
-one table never mixes runs of two recipes.
-"""
+sub-workdir of the sweep folder, then writes results.csv, results.md and the runs' curves.
+SWEEP_DIR/sweep.json records the base config and the runs; docs/training.md is the manual."""
 
 from __future__ import annotations
 
@@ -25,7 +10,6 @@ import csv
 import dataclasses
 import glob
 import hashlib
-import importlib.util
 import io
 import itertools
 import json
@@ -42,7 +26,7 @@ from absl import flags as absl_flags
 from absl import logging
 from ml_collections.config_flags import config_path
 
-from electra_jax import config_lib, workdir_files
+from electra_jax import config_lib, plots, workdir_files
 from electra_jax.errors import ConfigError
 
 SWEEP_FILE = workdir_files.SWEEP_FILE
@@ -50,8 +34,8 @@ ERROR_FILE = "sweep_error.txt"
 FINETUNE_SUBDIR = "finetune"
 Override = tuple[str, str]  # (config key, the value as the user wrote it)
 
-# Table columns, in this order. Metric columns appear for the metrics any run logged: these
-# first, in this order, then any others alphabetically; throughput figures are left out.
+# Table columns, in this order; then the metrics any run logged, METRIC_ORDER's first, then the
+# others alphabetically, less throughput figures.
 FIXED_COLUMNS = ("run", "overrides", "status", "steps", "train_tokens", "train_flops")
 METRIC_ORDER = (
     "loss", "masked_lm_loss", "masked_lm_accuracy", "sampled_masked_lm_accuracy", "disc_loss",
@@ -71,12 +55,14 @@ class Run:
 
   @property
   def label(self) -> str:
-    return " ".join(f"{k}={v}" for k, v in self.overrides) or "(recipe)"
+    return _label(self.overrides)
 
 
-# ---------------------------------------------------------------------------------------
-# Parsing the grid and applying overrides
-# ---------------------------------------------------------------------------------------
+def _label(overrides: Sequence[Override]) -> str:
+  return " ".join(f"{k}={v}" for k, v in overrides) or "(recipe)"
+
+
+# --- Parsing the grid and applying overrides ---
 def _split_override(text: str, where: str) -> Override:
   key, sep, value = text.partition("=")
   key = key.strip().removeprefix("--").removeprefix("config.")
@@ -124,21 +110,18 @@ def expand(grid: Sequence[str] = (), sweep_file: str | None = None) -> list[list
     keys = [k for k, _ in overrides]
     if len(set(keys)) != len(keys):
       duplicate = next(k for k in keys if keys.count(k) > 1)
-      raise ConfigError(f"A run sets {duplicate} twice ({' '.join(f'{k}={v}' for k, v in overrides)}).")
+      raise ConfigError(f"A run sets {duplicate} twice ({_label(overrides)}).")
   return runs
 
 
 def _parse_value(key: str, raw: str, field_type) -> Any:
   """As ml_collections' config flags parse --config.KEY=raw: by the field's type."""
+  if field_type is str:
+    return raw
+  parser = {bool: absl_flags.BooleanParser, int: absl_flags.IntegerParser, float: absl_flags.FloatParser}
   try:
-    if field_type is bool:
-      return absl_flags.BooleanParser().parse(raw)
-    if field_type is int:
-      return absl_flags.IntegerParser().parse(raw)
-    if field_type is float:
-      return absl_flags.FloatParser().parse(raw)
-    if field_type is str:
-      return raw
+    if field_type in parser:
+      return parser[field_type]().parse(raw)
   except ValueError as error:
     raise ConfigError(f"{key}={raw!r}: not a valid {field_type.__name__} ({error}).") from None
   try:  # tuples, None-typed fields, ...: a Python literal, else the string itself
@@ -207,15 +190,12 @@ def merge_unread(base: ml_collections.ConfigDict, override_lists: Sequence[Seque
       by_key[key] = recorded.get(key, short)
       runs.append(by_key[key])
   for short, unread, originals in merged.values():
-    label = " ".join(f"{k}={v}" for k, v in short) or "(recipe)"
     logging.info("Sweep: %s does not read %s; %d grid run(s) train as the one run %s.",
-                 label, ", ".join(unread), len(originals), label)
+                 _label(short), ", ".join(unread), len(originals), _label(short))
   return runs
 
 
-# ---------------------------------------------------------------------------------------
-# Run names and the sweep record
-# ---------------------------------------------------------------------------------------
+# --- Run names and the sweep record ---
 def _sanitize(text: str) -> str:
   return re.sub(r"[^A-Za-z0-9._=,+-]+", "-", text).strip("-.") or "run"
 
@@ -269,10 +249,8 @@ def read_record(sweep_dir: str) -> dict | None:
   file = workdir_files.path(sweep_dir, SWEEP_FILE)
   if not workdir_files.exists(file):
     return None
-  def with_runs(record):
-    return dict(record, runs=[Run(str(r["name"]), [tuple(o) for o in r["overrides"]]) for r in record["runs"]])
-
-  return workdir_files.read_json(file, with_runs)
+  return workdir_files.read_json(file, lambda record: dict(
+      record, runs=[Run(str(r["name"]), [tuple(o) for o in r["overrides"]]) for r in record["runs"]]))
 
 
 def _write_record(sweep_dir: str, base_config, runs: Sequence[Run]) -> None:
@@ -289,17 +267,12 @@ def run_dir(sweep_dir: str, run: Run) -> str:
   return os.fspath(workdir_files.path(sweep_dir, run.name))
 
 
-# ---------------------------------------------------------------------------------------
-# The sweep
-# ---------------------------------------------------------------------------------------
+# --- The sweep ---
 def load_finetune_config(recipe: str, overrides: Sequence[str]) -> ml_collections.ConfigDict:
   """A configs/finetune/*.py recipe (get_config()) with key=value overrides."""
   if not os.path.exists(recipe):
     raise ConfigError(f"--sweep_finetune={recipe} does not exist (e.g. configs/finetune/custom.py).")
-  spec = importlib.util.spec_from_file_location("electra_jax_sweep_finetune_recipe", recipe)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  config = config_lib.sibling(recipe, os.path.splitext(os.path.basename(recipe))[0]).get_config()
   pairs = [_split_override(o, f"--sweep_finetune_override={o}") for o in overrides]
   return apply_overrides(config, pairs)
 
@@ -348,7 +321,7 @@ def run_sweep(
     try:
       config_lib.validate(config)
     except ConfigError as error:
-      raise ConfigError(f"Sweep run {' '.join(f'{k}={v}' for k, v in overrides)}: {error}") from None
+      raise ConfigError(f"Sweep run {_label(overrides)}: {error}") from None
     configs.append(config)
   if finetune_config is not None:
     from electra_jax.finetune import trainer as finetune  # noqa: PLC0415
@@ -361,40 +334,35 @@ def run_sweep(
   # other was training as failed (their workdirs held) and leave error files in them.
   lease = train.acquire_lease(sweep_dir, take_over_workdir, "The sweep folder")
   try:
-    return _sweep(base_config, sweep_dir, override_lists, existing, configs, finetune_config, plot, train,
-                  lease, take_over_workdir)
+    runs = name_runs(override_lists, existing, base_config)
+    all_runs = list(existing) + [r for r in runs if r not in existing]
+    _write_record(sweep_dir, base_config, all_runs)
+    logging.info("Sweep of %d runs in %s (%d recorded in all).", len(runs), sweep_dir, len(all_runs))
+    # A SIGTERM (preemption) stops the sweep after the run it reaches: the run saves and
+    # returns (train.py's handler), and one that comes between runs is recorded here.
+    train.clear_sigterm()  # one an earlier run in this process (a notebook) took is not this sweep's
+    try:
+      previous_handler = signal.signal(signal.SIGTERM, train.note_sigterm)
+    except ValueError:  # not the main thread: no handler
+      previous_handler = None
+    try:
+      failed, preempted = _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_over_workdir)
+    finally:
+      if previous_handler is not None:
+        signal.signal(signal.SIGTERM, previous_handler)
+    train._hold_workdir(lease)  # noqa: SLF001 (the tables and curves are the holder's to write)
+    rows = write_report(sweep_dir)
+    if plot:
+      try:
+        plots.plot_curves([sweep_dir], os.path.join(sweep_dir, "curves.png"))
+      except ConfigError as error:  # no matplotlib, or no run logged anything yet
+        logging.warning("No curves.png: %s", error)
+    if failed:
+      logging.error("Sweep finished with %d failed run(s): %s", len(failed), ", ".join(failed))
+    return dict(runs=[r.name for r in runs], failed=failed, rows=rows, preempted=preempted)
   finally:
     if lease is not None:
       lease.release()
-
-
-def _sweep(base_config, sweep_dir, override_lists, existing, configs, finetune_config, plot, train,
-           lease, take_over) -> dict:
-  runs = name_runs(override_lists, existing, base_config)
-  all_runs = list(existing) + [r for r in runs if r not in existing]
-  _write_record(sweep_dir, base_config, all_runs)
-  logging.info("Sweep of %d runs in %s (%d recorded in all).", len(runs), sweep_dir, len(all_runs))
-
-  # A SIGTERM (preemption) stops the sweep after the run it reaches: the run saves and
-  # returns (train.py's handler), and one that comes between runs is recorded here.
-  train.clear_sigterm()  # one an earlier run in this process (a notebook) took is not this sweep's
-  try:
-    previous_handler = signal.signal(signal.SIGTERM, train.note_sigterm)
-  except ValueError:  # not the main thread: no handler
-    previous_handler = None
-  try:
-    failed, preempted = _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_over)
-  finally:
-    if previous_handler is not None:
-      signal.signal(signal.SIGTERM, previous_handler)
-
-  train._hold_workdir(lease)  # noqa: SLF001 (the tables and curves are the holder's to write)
-  rows = write_report(sweep_dir)
-  if plot:
-    _plot_sweep(sweep_dir)
-  if failed:
-    logging.error("Sweep finished with %d failed run(s): %s", len(failed), ", ".join(failed))
-  return dict(runs=[r.name for r in runs], failed=failed, rows=rows, preempted=preempted)
 
 
 def _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_over) -> tuple[list[str], bool]:
@@ -470,25 +438,7 @@ def _finetune_ok(run: Run, workdir: str, finetune_config) -> bool:
   return True
 
 
-def _plot_sweep(sweep_dir: str) -> None:
-  try:
-    from electra_jax import plots  # noqa: PLC0415 (matplotlib is the optional `plots` extra)
-
-    plots.plot_curves([sweep_dir], os.path.join(sweep_dir, "curves.png"))
-  except ImportError:
-    logging.warning("matplotlib is not installed: no %s/curves.png (pip install matplotlib).", sweep_dir)
-  except ConfigError as error:  # e.g. no run logged anything yet
-    logging.warning("No curves.png: %s", error)
-
-
-# ---------------------------------------------------------------------------------------
-# The results table
-# ---------------------------------------------------------------------------------------
-def _ordered_metrics(names) -> list[str]:
-  names = [n for n in names if n not in NOT_IN_TABLE]
-  return [n for n in METRIC_ORDER if n in names] + sorted(n for n in names if n not in METRIC_ORDER)
-
-
+# --- The results table ---
 def train_flops_per_token(config: ml_collections.ConfigDict) -> float:
   """The figure train.py uses for MFU, from a run's config alone (no data, no devices)."""
   from electra_jax import flops, models, objectives  # noqa: PLC0415
@@ -505,18 +455,17 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
   if record is None:
     raise ConfigError(f"{sweep_dir} has no {SWEEP_FILE}: it is not a sweep folder (run --mode=sweep first).")
   override_keys = list(dict.fromkeys(k for r in record["runs"] for k, _ in r.overrides))
-  rows, train_names, eval_names, downstream = [], set(), set(), False
+  rows, logged, downstream = [], {"train": set(), "eval": set()}, False
   for run in record["runs"]:
     workdir = run_dir(sweep_dir, run)
     overrides = dict(run.overrides)
     row = {"run": run.name, "overrides": run.label, **{k: overrides.get(k, "") for k in override_keys}}
-    last_train = workdir_files.last_record(workdir_files.path(workdir, "metrics.jsonl"))
-    last_eval = workdir_files.last_record(workdir_files.path(workdir, "eval_metrics.jsonl"))
-    config_file = workdir_files.path(workdir, "config.json")
-    steps = int(last_train.get("step", 0))
+    last = {split: workdir_files.last_record(workdir_files.path(workdir, file))
+            for split, file in (("train", "metrics.jsonl"), ("eval", "eval_metrics.jsonl"))}
+    steps = int(last["train"].get("step", 0))
     if workdir_files.exists(workdir_files.path(workdir, ERROR_FILE)):
       row["status"] = "failed"
-    elif not workdir_files.exists(config_file):
+    elif not workdir_files.exists(workdir_files.path(workdir, "config.json")):
       row["status"] = "not started"
     else:
       config = config_lib.load_workdir_config(workdir)
@@ -526,14 +475,10 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
       row["status"] = "done" if done else "incomplete"
       tokens = steps * config.train.batch_size * config.data.max_seq_len
       row.update(steps=steps, train_tokens=tokens, train_flops=train_flops_per_token(config) * tokens)
-    for name, value in last_train.items():
-      if name not in NOT_IN_TABLE:
-        row[f"train_{name}"] = value
-        train_names.add(name)
-    for name, value in last_eval.items():
-      if name not in NOT_IN_TABLE:
-        row[f"eval_{name}"] = value
-        eval_names.add(name)
+    for split, log in last.items():
+      names = [name for name in log if name not in NOT_IN_TABLE]
+      row.update((f"{split}_{name}", log[name]) for name in names)
+      logged[split].update(names)
     results = _finetune_results(workdir)
     if results is not None:
       summary = results["summary"]
@@ -543,8 +488,9 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
       downstream = True
     rows.append(row)
   columns = [*FIXED_COLUMNS[:2], *override_keys, *FIXED_COLUMNS[2:]]
-  columns += [f"train_{n}" for n in _ordered_metrics(train_names)]
-  columns += [f"eval_{n}" for n in _ordered_metrics(eval_names)]
+  for split, names in logged.items():
+    ordered = [n for n in METRIC_ORDER if n in names] + sorted(names - set(METRIC_ORDER))
+    columns += [f"{split}_{n}" for n in ordered]
   if downstream:
     columns += list(DOWNSTREAM_COLUMNS)
   return columns, rows
@@ -566,42 +512,21 @@ def _markdown_cell(column: str, value) -> str:
   return str(value).replace("|", "\\|")
 
 
-def format_markdown(columns: Sequence[str], rows: Sequence[dict]) -> str:
-  lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-  for row in rows:
-    lines.append("| " + " | ".join(_markdown_cell(c, row.get(c)) for c in columns) + " |")
-  return "\n".join(lines) + "\n"
-
-
-def format_csv(columns: Sequence[str], rows: Sequence[dict]) -> str:
+def write_report(sweep_dir: str) -> list[dict]:
+  """Rewrites SWEEP_DIR/results.csv (every column) and results.md (less `overrides`, as each swept
+  key has its own column, and the non-headline metrics) from the runs' files; returns the rows."""
+  columns, rows = collect_rows(sweep_dir)
   out = io.StringIO()
-  writer = csv.DictWriter(out, fieldnames=list(columns), extrasaction="ignore", lineterminator="\n")
+  writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
   writer.writeheader()
   for row in rows:
     writer.writerow({c: ("nan" if _is_nan(row.get(c)) else repr(row[c]) if isinstance(row.get(c), float)
                          else row.get(c, "")) for c in columns})
-  return out.getvalue()
-
-
-def markdown_columns(columns: Sequence[str]) -> list[str]:
-  """results.md's columns: all but `overrides` (each swept key has its own column) and the
-  non-headline metrics."""
-  def keep(column: str) -> bool:
-    if column in FIXED_COLUMNS or column in DOWNSTREAM_COLUMNS:
-      return column != "overrides"
-    for prefix in ("train_", "eval_"):
-      if column.startswith(prefix):
-        return column[len(prefix):] in MARKDOWN_METRICS
-    return column != "overrides"
-  return [c for c in columns if keep(c)]
-
-
-def write_report(sweep_dir: str) -> list[dict]:
-  """Rewrites SWEEP_DIR/results.csv and results.md from the runs' files; returns the rows."""
-  columns, rows = collect_rows(sweep_dir)
-  workdir_files.write_text(workdir_files.path(sweep_dir, "results.csv"), format_csv(columns, rows))
-  workdir_files.write_text(
-      workdir_files.path(sweep_dir, "results.md"), format_markdown(markdown_columns(columns), rows)
-  )
+  workdir_files.write_text(workdir_files.path(sweep_dir, "results.csv"), out.getvalue())
+  shown = [c for c in columns if c != "overrides" and (
+      c in FIXED_COLUMNS or not c.startswith(("train_", "eval_")) or c.split("_", 1)[1] in MARKDOWN_METRICS)]
+  lines = ["| " + " | ".join(shown) + " |", "|" + "|".join("---" for _ in shown) + "|"]
+  lines += ["| " + " | ".join(_markdown_cell(c, row.get(c)) for c in shown) + " |" for row in rows]
+  workdir_files.write_text(workdir_files.path(sweep_dir, "results.md"), "\n".join(lines) + "\n")
   logging.info("Wrote %s/results.md and results.csv (%d runs).", sweep_dir, len(rows))
   return rows

@@ -1,21 +1,7 @@
-"""TensorBoard event files beside the JSONL logs: <workdir>/tensorboard/train and
-<workdir>/tensorboard/eval, written through tensorboardX (no TensorFlow needed).
-
-`open_logs(workdir)` returns the two logs train.py writes (metrics.jsonl and
-eval_metrics.jsonl), each also writing every numeric field of a record as a scalar at the
-record's step. The JSONL files stay the source of truth (sweeps, plots and tests read them);
-the event files are a view for `tensorboard --logdir=<workdir>/tensorboard`. So:
-
-- NaN values (disc_auc on a one-class window) are written as they are: TensorBoard shows
-  NaN, the same as the JSONL file holds.
-- A resumed run starts a new event file with a SessionLog START at checkpoint step + 1 (what
-  SummaryWriter(purge_step=...) writes), so TensorBoard drops the points the run logged past
-  its last checkpoint, as JsonlLog.truncate_after does for the JSONL files.
-- Each record is written and flushed to disk when it is logged (see ScalarWriter).
-- Without tensorboardX installed, or for a bucket workdir (gs://: tensorboardX writes to
-  buckets only with extra dependencies), training goes on with the JSONL logs alone and says
-  so once.
-"""
+"""TensorBoard event files beside the JSONL logs (<workdir>/tensorboard/{train,eval}), written
+through tensorboardX without TensorFlow. The JSONL files stay the source of truth; the events are
+a view of them: NaN as NaN, and a resumed run purges the points past its checkpoint. Without
+tensorboardX, or for a bucket workdir, training logs to the JSONL files alone and says so once."""
 
 from __future__ import annotations
 
@@ -49,7 +35,7 @@ def _tensorboardx():
         "(pip install tensorboardX for TensorBoard event files)."
     )
     return None
-  # It warns at every NaN scalar; NaN is expected here (see the module docstring).
+  # It warns at every NaN scalar; NaN is expected here (disc_auc on a one-class window).
   std_logging.getLogger("tensorboardX.x2num").setLevel(std_logging.ERROR)
   return event_file_writer, summary, event_pb2
 
@@ -58,9 +44,8 @@ class ScalarWriter:
   """Scalars into one new event file per writer, opened on first use (so that a resumed run
   can first set its purge step) and flushed after each record.
 
-  tensorboardX's SummaryWriter queues events for a background thread, and its flush() does not
-  wait for that queue, so "flushed" records can still be missing on disk (seen in tests). Its
-  synchronous EventsWriter (the same file format and framing) is used instead."""
+  tensorboardX's SummaryWriter flushes without waiting for its background queue, so its
+  synchronous EventsWriter (the same file format) is used instead."""
 
   def __init__(self, logdir: str):
     self.logdir = logdir
@@ -103,10 +88,6 @@ class ScalarWriter:
       writer.write_event(event_pb2.Event(wall_time=now, step=step, summary=summary.scalar(name, float(value))))
     writer.flush()
 
-  def flush(self) -> None:
-    if self._writer is not None:
-      self._writer.flush()
-
   def close(self) -> None:
     if self._writer is not None:
       self._writer.close()
@@ -136,9 +117,7 @@ class TensorBoardLog:
       self.writer.write(record)
 
   def flush(self) -> None:
-    self.jsonl.flush()
-    if self.writer is not None:
-      self.writer.flush()
+    self.jsonl.flush()  # the events are flushed at each record
 
   def close(self) -> None:
     self.flush()

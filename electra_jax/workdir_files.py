@@ -1,12 +1,8 @@
 """The workdir's small files (config.json, metrics.jsonl, eval results) on local disk or in a
-bucket (`gs://...`, through etils.epath, as orbax writes the checkpoints beside them).
-
-Local writes are atomic (a temporary name, then os.replace). Objects in a bucket are replaced
-whole, which is atomic too, but cannot be appended to: `JsonlLog` keeps a bucket's log in
-memory and rewrites the object at most every `remote_flush_seconds` (and on `flush()`, which
-the training loop calls at each checkpoint and at the end), so a long run does not rewrite a
-growing file at every log step. What a preempted run had not flushed is re-run and re-logged
-after it resumes from its last checkpoint anyway.
+bucket (`gs://...`, through etils.epath, as orbax writes the checkpoints beside them). Writes
+replace a file whole, atomically. A bucket object cannot be appended to, so `JsonlLog` rewrites
+a bucket's log at most every `remote_flush_seconds` and on `flush()` (each checkpoint, the end);
+what a preempted run had not flushed it re-logs after resuming from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -82,17 +78,20 @@ def sweep_runs(folder) -> list[tuple[str, str]]:
   return read_json(file, lambda record: [(str(r["name"]), os.fspath(path(folder, str(r["name"])))) for r in record["runs"]])
 
 
-def last_record(file) -> dict:
-  """The last whole line of a JSONL log (metrics.jsonl, eval_metrics.jsonl); {} if none."""
-  if not exists(file):
-    return {}
-  last = {}
-  for line in read_text(file).splitlines():
+def read_jsonl(file) -> list:
+  """The whole lines of a JSONL log (metrics.jsonl, eval_metrics.jsonl), parsed; [] if none."""
+  records = []
+  for line in read_text(file).splitlines() if exists(file) else []:
     try:
-      last = json.loads(line)
+      records.append(json.loads(line))
     except json.JSONDecodeError:
       continue  # a line cut short by a crash
-  return last
+  return records
+
+
+def last_record(file) -> dict:
+  """The last whole line of a JSONL log; {} if none."""
+  return (read_jsonl(file) or [{}])[-1]
 
 
 def write_text(file, text: str) -> None:

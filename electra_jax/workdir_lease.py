@@ -1,19 +1,12 @@
-"""One training run writes to a workdir at a time.
+"""One training run writes to a workdir at a time: <workdir>/lease.json names the holder (run
+id, host, pid, start time, and a heartbeat a thread of process 0 rewrites every `beat_seconds`).
 
-<workdir>/lease.json names the run that holds the workdir: a random run id, the host, the pid,
-when it started, and a heartbeat that a thread of process 0 rewrites every `beat_seconds`.
-A run starting on a workdir takes the lease when there is none, when its holder released it
-(the holder ended: done, SIGTERM, an error), or when the holder is gone: on the same host its
-pid no longer runs (kill -9, a crash), on any host its heartbeat is older than
-`stale_seconds` (a preempted VM, a lost machine). Otherwise the run refuses before it writes
-anything, naming the holder; `take_over=True` (the CLI's --take_over_workdir) takes the lease
-from a holder the user knows to be dead.
-
-A bucket has no atomic create-if-absent that every filesystem layer offers, and two runs can
-start within one heartbeat of each other on different hosts. So the lease is also a fence: the
-holder reads it again before every checkpoint (and its heartbeat thread on every beat), and a
-run that finds another run's id there stops before it saves. The newest run keeps the workdir;
-the older one never overwrites its checkpoints.
+A run takes the lease when there is none, when its holder released it, or when the holder is
+gone (on the same host its pid no longer runs; on any host its heartbeat is older than
+`stale_seconds`); otherwise it refuses before writing anything, unless `take_over=True`
+(--take_over_workdir). A bucket has no atomic create-if-absent, so the lease is also a fence:
+the holder reads it again before every checkpoint and on every beat, and stops before it saves
+once another run's id is there. The newest run keeps the workdir.
 """
 
 from __future__ import annotations
@@ -110,9 +103,6 @@ class WorkdirLease:
   def run_id(self) -> str:
     return self.record["run_id"]
 
-  def read(self) -> Optional[dict]:
-    return read_lease(self.workdir)
-
   def holder_alive(self, holder: Optional[dict]) -> bool:
     """Whether `holder` (another run's lease) still counts as running."""
     if holder is None or holder.get("released"):
@@ -133,7 +123,7 @@ class WorkdirLease:
 
   def acquire(self, take_over: bool = False) -> None:
     """Takes the workdir, or raises WorkdirInUse naming the run that holds it."""
-    holder = self.read()
+    holder = read_lease(self.workdir)
     if self.holder_alive(holder):
       if not take_over:
         this_process = ""
@@ -169,7 +159,7 @@ class WorkdirLease:
 
   def _still_held(self) -> bool:
     if self.taken_by is None:
-      holder = self.read()
+      holder = read_lease(self.workdir)
       self._last_read = time.monotonic()
       if holder is not None and holder.get("run_id") != self.run_id:
         self.taken_by = holder

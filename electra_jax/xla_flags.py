@@ -1,14 +1,6 @@
-"""CPU settings that make the training step faster, applied by the CLI before JAX starts: XLA
-flags, and (on a machine without an accelerator) huge pages for glibc's large allocations.
-
-jaxlib 0.10's CPU backend hands matmuls and reductions to YNNPACK by default. On the CPUs we
-measured (benchmarks/RESULTS.md), its matmuls at ELECTRA's shapes are about 20% slower than
-XLA's Eigen path, while its reductions are much faster for the many small per-parameter sums
-(the gradient norm). Keeping YNNPACK for reductions only gives the fastest step: about 7%
-more tokens/s for electra_small. The flags concern the CPU backend only (GPU and TPU ignore
-them), and are added only for jaxlib versions where they were verified to exist, since XLA
-aborts on an unknown flag. A flag already in $XLA_FLAGS is left as the user set it.
-"""
+"""CPU settings the CLI applies before JAX starts: XLA flags that keep YNNPACK for reductions
+only (benchmarks/RESULTS.md), and, on a machine without an accelerator, huge pages for glibc's
+large allocations. A flag already in $XLA_FLAGS is left as the user set it."""
 
 from __future__ import annotations
 
@@ -16,7 +8,7 @@ import os
 import platform
 import sys
 
-# flag -> value, per verified jaxlib version prefix.
+# flag -> value, added only for the jaxlib versions where they exist (XLA aborts on an unknown flag).
 CPU_FLAGS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
 VERIFIED_JAXLIB = ("0.10.",)
 
@@ -39,13 +31,10 @@ _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 def malloc_tunables(environ=os.environ) -> str | None:
   """GLIBC_TUNABLES for a CPU training process, or None where they would not apply.
 
-  XLA:CPU allocates each call's temporary buffers as one block (about 1.4 GiB for an
-  electra_small step at batch 32). glibc maps a block that large afresh on every call and
-  unmaps it on free, so each step faults its pages in again, 4 KiB at a time: 388,000 page
-  faults a step on two cores (with none, the step ran 13% faster). glibc.malloc.hugetlb=1
-  (glibc 2.35+) asks the kernel for transparent huge pages on such mappings: 2 MiB a fault,
-  1,300 faults a step, 16% of the step (benchmarks/RESULTS.md, 2026-11-25). Memory is still returned to the system as before. None when
-  the user has set malloc's own variables, off glibc, on glibc < 2.35, where the kernel's
+  XLA:CPU allocates each call's temporaries as one large block, which glibc maps afresh on
+  every call, so each step faults its pages in again 4 KiB at a time; glibc.malloc.hugetlb=1
+  (glibc 2.35+) asks for transparent huge pages on such mappings (benchmarks/RESULTS.md). None
+  when the user has set malloc's own variables, off glibc, on glibc < 2.35, where the kernel's
   transparent huge pages are off, or when an accelerator computes (checked last: it may
   import jax).
   """
