@@ -1,7 +1,6 @@
-"""The fine-tuning model, ELECTRA's discriminator encoder with a task head ([CLS] or the mean
-over real tokens -> dropout -> dense, no pooler), and where its starting weights and tokenizer
-come from: a pre-training workdir's latest checkpoint, a Hugging Face directory, or random
-initialization."""
+"""The fine-tuning classifier (the discriminator's encoder, pooled -> dropout -> dense) and the
+backbone it starts from: a pre-training workdir's latest checkpoint, a Hugging Face directory, or
+random initialization, with the tokenizer that goes with it."""
 
 from __future__ import annotations
 
@@ -12,28 +11,32 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 
-from electra_jax import checkpointing, config_lib, data, partitioning, random_ops, train
+from electra_jax import checkpointing, config_lib, data, random_ops, train
 from electra_jax.errors import ConfigError
 from electra_jax.models import Encoder, EncoderConfig, build_model, embeddings_for, tower_from_pretrainer
 
 # How the classifier reduces the final hidden states to one vector per example (head.pooling).
 POOLINGS = ("cls", "mean")
+# The embedding sizes a task model shares with the backbone it starts from.
+_SIZE_FIELDS = ("vocab_size", "embedding_size", "max_position_embeddings", "type_vocab_size")
 
 
-def head_kernel_init(fan_out: int | None = None):
-  """The task heads' kernel init: the official heads are tf.layers.dense without an
-  initializer, i.e. TF1's default glorot_uniform, U(-l, l) with l = sqrt(6 / (fan_in + fan_out)).
+def head_dense(features: int, dtype, name: str | None = None, fan_out: int | None = None) -> nn.Dense:
+  """A task head's dense layer, as the official heads' tf.layers.dense without an initializer:
+  zero bias and TF1's glorot_uniform kernel, U(-l, l) with l = sqrt(6 / (fan_in + fan_out)).
   fan_out=None: the kernel's output width; an int treats each output column as its own dense
   layer of that width (the official SQuAD head's separate start and end dense(H -> 1))."""
 
-  def init(key, shape, dtype=jnp.float32):
-    fan_in, width = shape[-2], shape[-1]
-    limit = (6.0 / (fan_in + (width if fan_out is None else fan_out))) ** 0.5
+  def kernel_init(key, shape, dtype=jnp.float32):
+    limit = (6.0 / (shape[-2] + (shape[-1] if fan_out is None else fan_out))) ** 0.5
     return jax.random.uniform(key, shape, dtype, -limit, limit)
 
-  return init
+  return nn.Dense(
+      features, dtype=dtype, param_dtype=jnp.float32, name=name,
+      kernel_init=nn.with_logical_partitioning(kernel_init, ("embed", "unmodeled")),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("unmodeled",)),
+  )
 
 
 def pool(hidden: jax.Array, attention_mask: jax.Array, pooling: str) -> jax.Array:
@@ -71,13 +74,7 @@ class ElectraClassifier(nn.Module):
     self.embeddings = embeddings_for(self, self.embedding_size, self.config)
     self.encoder = Encoder(self.config, self.embedding_size, self.dtype, self.attention_impl)
     self.head_dropout = random_ops.Dropout(self.head_dropout_rate)
-    self.classifier = nn.Dense(
-        self.num_outputs,
-        dtype=self.dtype,
-        param_dtype=jnp.float32,
-        kernel_init=nn.with_logical_partitioning(head_kernel_init(), ("embed", "unmodeled")),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("unmodeled",)),
-    )
+    self.classifier = head_dense(self.num_outputs, self.dtype)
 
   def __call__(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
     embedded = self.embeddings(input_ids, token_type_ids, deterministic)
@@ -100,23 +97,18 @@ class Backbone:
   tokenizer: Any
   source: str  # for the logs and results: where the weights came from
 
-  def classifier(self, num_outputs: int, config) -> ElectraClassifier:
+  def task_model(self, module_class, config, **head_fields):
+    """`module_class` (ElectraClassifier, squad.SquadModel) over this encoder, with the
+    fine-tuning config's dropout rates and dtype."""
     encoder_config = dataclasses.replace(
-        self.encoder_config,
-        dropout_rate=config.dropout_rate,
-        attention_dropout_rate=config.attention_dropout_rate,
+        self.encoder_config, dropout_rate=config.dropout_rate, attention_dropout_rate=config.attention_dropout_rate
     )
-    return ElectraClassifier(
-        vocab_size=self.vocab_size,
-        embedding_size=self.embedding_size,
-        max_position_embeddings=self.max_position_embeddings,
-        type_vocab_size=self.type_vocab_size,
-        config=encoder_config,
-        num_outputs=num_outputs,
-        head_dropout_rate=config.head_dropout_rate,
-        dtype=jnp.dtype(config.dtype),
-        pooling=config.head.pooling,
-    )
+    sizes = {k: getattr(self, k) for k in _SIZE_FIELDS}
+    return module_class(**sizes, config=encoder_config, dtype=jnp.dtype(config.dtype), **head_fields)
+
+  def classifier(self, num_outputs: int, config) -> ElectraClassifier:
+    return self.task_model(ElectraClassifier, config, num_outputs=num_outputs,
+                           head_dropout_rate=config.head_dropout_rate, pooling=config.head.pooling)
 
 
 def _tokenizer_from_file(path: str, lowercase: bool | None, strip_accents: bool | None = None):
@@ -168,26 +160,18 @@ def _from_workdir(config, workdir: str) -> Backbone:
   source = f"random init (sizes of {workdir})" if config.random_init else f"{workdir} step {step}"
   params = None
   if not config.random_init:
-    # One device whatever mesh pre-trained it: orbax re-shards the arrays on restore.
-    mesh = partitioning.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)), devices=jax.devices()[:1])
-    special_ids = dict(pad=tokenizer.pad_id, cls=tokenizer.cls_id, sep=tokenizer.sep_id, mask=tokenizer.mask_id)
-    setup = train.build_setup(pretrain_config, mesh, special_ids)
+    from electra_jax.interop.export import one_device_setup  # interop only where it is needed
+
+    mesh, setup = one_device_setup(pretrain_config, tokenizer)
     _, state = train.restore_checkpoint(workdir, setup, mesh, step)
     # The standalone discriminator's view (every model.tie mode resolved: a shared encoder,
     # GDES's shared + delta word table); its RTD head and the generator stay behind.
     _, tower_params = tower_from_pretrainer(setup.model, state.params, "discriminator")
     params = {"embeddings": tower_params["embeddings"], "encoder": tower_params["discriminator"]["encoder"]}
   # The discriminator reads the shared embeddings (embedding_size) in every model.tie mode.
-  return Backbone(
-      vocab_size=pretrainer.vocab_size,
-      embedding_size=pretrainer.embedding_size,
-      max_position_embeddings=pretrainer.max_position_embeddings,
-      type_vocab_size=pretrainer.type_vocab_size,
-      encoder_config=dataclasses.replace(pretrainer.discriminator_config, scan_layers=False),
-      params=params,
-      tokenizer=tokenizer,
-      source=source,
-  )
+  return Backbone(**{k: getattr(pretrainer, k) for k in _SIZE_FIELDS},
+                  encoder_config=dataclasses.replace(pretrainer.discriminator_config, scan_layers=False),
+                  params=params, tokenizer=tokenizer, source=source)
 
 
 def _from_hf(config, path: str) -> Backbone:
@@ -212,11 +196,7 @@ def _from_hf(config, path: str) -> Backbone:
   recorded_lowercase, strip_accents = pairing.read_tokenizer_settings(path)
   lowercase = config.lowercase if config.lowercase is not None else recorded_lowercase
   return Backbone(
-      vocab_size=hf_model.vocab_size,
-      embedding_size=hf_model.embedding_size,
-      max_position_embeddings=hf_model.max_position_embeddings,
-      type_vocab_size=hf_model.type_vocab_size,
-      encoder_config=hf_model.config,
+      **{k: getattr(hf_model, k) for k in _SIZE_FIELDS}, encoder_config=hf_model.config,
       params=None if config.random_init else {"embeddings": hf_params["embeddings"], "encoder": encoder_params},
       tokenizer=_tokenizer_from_file(tokenizer_path, lowercase, strip_accents),
       source=f"random init (sizes of {path})" if config.random_init else f"Hugging Face {path}",
@@ -236,14 +216,9 @@ def _from_config(config) -> Backbone:
                                      "max_position_embeddings"), "config.model.", " (the random-init model's sizes)")
   tokenizer = _tokenizer_from_file(config.tokenizer, config.lowercase)
   return Backbone(
-      vocab_size=m.vocab_size or tokenizer.vocab_size,
-      embedding_size=m.embedding_size,
-      max_position_embeddings=m.max_position_embeddings,
-      type_vocab_size=2,
-      encoder_config=EncoderConfig(m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size),
-      params=None,
-      tokenizer=tokenizer,
-      source="random init (config.model)",
+      m.vocab_size or tokenizer.vocab_size, m.embedding_size, m.max_position_embeddings, 2,
+      EncoderConfig(m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size), None, tokenizer,
+      "random init (config.model)",
   )
 
 

@@ -64,20 +64,6 @@ def _decays(path, _) -> bool:
   return getattr(path[-1], "key", None) in ("kernel", "embedding")
 
 
-def scale_by_tree(scales) -> optax.GradientTransformation:
-  """Multiplies each update by its fixed entry of `scales` (a tree like the parameters)."""
-
-  def init(params):
-    del params
-    return optax.EmptyState()
-
-  def update(updates, state, params=None):
-    del params
-    return jax.tree.map(lambda u, s: u * jnp.asarray(s, u.dtype), updates, scales), state
-
-  return optax.GradientTransformation(init, update)
-
-
 def linear_warmup_decay(base_lr: float, warmup_steps: int, total_steps: int):
   """base_lr * min(1, step / warmup) * max(0, 1 - step / total); no warmup when warmup_steps=0."""
 
@@ -105,7 +91,7 @@ def make_optimizer(config, params, num_layers: int, total_steps: int):
       optax.clip_by_global_norm(o.clip_norm),
       adam,
       optax.add_decayed_weights(o.weight_decay, mask=lambda p: jax.tree_util.tree_map_with_path(_decays, p)),
-      scale_by_tree(scales),
+      optax.stateless(lambda updates, _: jax.tree.map(lambda u, s: u * jnp.asarray(s, u.dtype), updates, scales)),
       optax.scale_by_learning_rate(schedule),
   )
   return tx, schedule

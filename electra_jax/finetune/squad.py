@@ -1,17 +1,6 @@
-"""SQuAD 1.1 and 2.0: reading the data (official JSON or TFDS), windowed features with the
-official document stride and "max context" rule, the span head and its loss, n-best decoding,
-EM/F1 computed as the official evaluation scripts compute them, and the adapter through which
-the fine-tuning trainer runs it all (`make_adapter`, config.task="squad1.1" / "squad2.0").
-
-The pieces, for use outside the trainer (see each docstring):
-  examples = read_squad_json(path, "2.0")        # or read_squad_tfds("squad/v2.0", "validation")
-  features, metadata = make_features(examples, tokenizer, is_training=False)
-  start, end, answerable = split_outputs(SquadModel(..., answerable=True).apply(params, ...))
-  loss = span_loss(start, end, start_positions, end_positions, answerable, is_impossible)
-  predictions, null_odds = postprocess(examples, features, metadata, start, end, answerable,
-                                       null_threshold=None, version="2.0")
-  metrics = squad_metrics(examples, predictions, null_odds, null_threshold=-2.75)
-  write_predictions(path, apply_null_threshold(predictions, null_odds, -2.75))"""
+"""SQuAD 1.1 and 2.0 as the official code runs them: reading (JSON or TFDS), windowed features,
+the span head and its loss, n-best decoding, the official EM/F1, and the trainer's adapter
+(`make_adapter`, config.task="squad1.1" / "squad2.0")."""
 
 from __future__ import annotations
 
@@ -33,10 +22,9 @@ import optax
 from absl import logging
 
 from electra_jax.errors import ConfigError
-from electra_jax.data import tfds_source
 from electra_jax.data.tokenizer import atomic_write_bytes
 from electra_jax.finetune import tasks
-from electra_jax.finetune.model import head_kernel_init
+from electra_jax.finetune.model import head_dense
 from electra_jax.models import Encoder, EncoderConfig, embeddings_for
 
 VERSIONS = ("1.1", "2.0")
@@ -174,42 +162,25 @@ def read_squad_json(path: str, version) -> list[SquadExample]:
   return _check_examples(examples, repr(path))
 
 
-def _text(value) -> str:
-  return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-
-
-def read_squad_tfds(name: str, split: str, data_dir: str | None = None, download: bool = False):
-  """Questions of TFDS `squad/v1.1` or `squad/v2.0` (`split` "train" or "validation"), read
-  through `tfds.data_source` (array_record, random access; no TensorFlow needed).
-
-  With download=False (the default) the dataset must already be prepared under `data_dir`,
-  e.g. by `tfds.builder(name, data_dir=..., file_format="array_record").download_and_prepare()`.
-  """
-  tfds = tfds_source.import_tfds()  # slow to import; only this reader needs it
-
+def read_squad_tfds(name: str, split: str, data_dir: str | None = None):
+  """Questions of a prepared TFDS `squad/v1.1` or `squad/v2.0` (array_record; `split` "train"
+  or "validation"), e.g. by `tfds.builder(name, data_dir=..., file_format="array_record")
+  .download_and_prepare()`."""
   match = re.search(r"v(1\.1|2\.0)$", name)
   if not match:
     raise ConfigError(f"TFDS name {name!r} is not 'squad/v1.1' or 'squad/v2.0'.")
   version = match.group(1)
-  try:
-    source = tfds.data_source(
-        name, split=split, data_dir=data_dir, download=download,
-        builder_kwargs={"file_format": "array_record"},
-    )
-  except Exception as e:  # tfds raises many types for "not prepared" / "no such split"
-    raise ConfigError(
-        f"Cannot open TFDS {name!r} split {split!r} in data_dir={data_dir!r} "
-        f"({type(e).__name__}: {e}). Prepare it in array_record format first (see "
-        "read_squad_tfds), or read the official JSON files with read_squad_json."
-    ) from e
+  source = tasks.open_tfds_split(name, split, data_dir, "read the official JSON files with read_squad_json",
+                                 builder_kwargs={"file_format": "array_record"})
   where = f"TFDS {name} {split}"
+  text = tasks.decode_text
   examples, started = [], time.time()
   for i in range(len(source)):
     record = source[i]
     answers = record["answers"]
-    pairs = [(_text(t), int(s)) for t, s in zip(answers["text"], answers["answer_start"])]
+    pairs = [(text(t), int(s)) for t, s in zip(answers["text"], answers["answer_start"])]
     examples.append(_make_example(
-        _text(record["id"]), _text(record["question"]), _text(record["context"]), pairs,
+        text(record["id"]), text(record["question"]), text(record["context"]), pairs,
         bool(record.get("is_impossible", False)), version, where,
     ))
     _log_progress(f"Reading {where}", i + 1, len(source), started)
@@ -328,7 +299,6 @@ class SquadMetadata:
   """What decoding needs besides the logits, one entry per feature row (window).
 
   example_index: [F] row -> index into the examples list.
-  window_index: [F] which window of its example the row is (0, 1, ...).
   window_start, window_length: [F] the window's context tokens are
     context_tokens[window_start : window_start + window_length] of its example.
   context_offset: [F] sequence position of the window's first context token (len(question) + 2).
@@ -337,7 +307,6 @@ class SquadMetadata:
   """
 
   example_index: np.ndarray
-  window_index: np.ndarray
   window_start: np.ndarray
   window_length: np.ndarray
   context_offset: np.ndarray
@@ -394,8 +363,7 @@ def make_features(
   """
   if max_query_len < 1 or doc_stride < 1:
     raise ConfigError(f"max_query_len={max_query_len} and doc_stride={doc_stride} must be >= 1.")
-  max_tokens_for_doc = max_seq_len - max_query_len - 3
-  if max_tokens_for_doc < 1:
+  if max_seq_len - max_query_len - 3 < 1:
     raise ConfigError(
         f"max_seq_len={max_seq_len} leaves no room for the context after a question of up to "
         f"max_query_len={max_query_len} tokens and [CLS] [SEP] [SEP]; raise max_seq_len or "
@@ -404,7 +372,7 @@ def make_features(
   word_tokenizer = _WordTokenizer(tokenizer)
   contexts: dict[str, tuple[list[int], np.ndarray]] = {}
   columns = {key: [] for key in FEATURE_KEYS}  # per row: an int32 [T] array or one int
-  meta = {key: [] for key in ("example_index", "window_index", "window_start", "window_length", "context_offset")}
+  meta = {key: [] for key in ("example_index", "window_start", "window_length", "context_offset")}
   token_char_spans, skipped, started = [], 0, time.time()
 
   for index, example in enumerate(examples):
@@ -421,11 +389,9 @@ def make_features(
         continue
     query_ids = list(tokenizer.encode(example.question))[:max_query_len]
     offset = len(query_ids) + 2
-    for window_index, (start, length) in enumerate(
-        _windows(len(context_ids), max_seq_len - len(query_ids) - 3, doc_stride)
-    ):
-      # Rows become int32 arrays at once: lists of Python ints would take ~10x the memory
-      # over the ~130k windows of SQuAD 2.0's training set.
+    for start, length in _windows(len(context_ids), max_seq_len - len(query_ids) - 3, doc_stride):
+      # Rows become int32 arrays at once: lists of Python ints over SQuAD 2.0's training
+      # windows would take many times the memory.
       ids = [tokenizer.cls_id, *query_ids, tokenizer.sep_id, *context_ids[start:start + length],
              tokenizer.sep_id]
       input_ids = np.full(max_seq_len, tokenizer.pad_id, np.int32)
@@ -439,7 +405,7 @@ def make_features(
       columns["start_positions"].append(answer[0] - start + offset if inside else 0)
       columns["end_positions"].append(answer[1] - start + offset if inside else 0)
       columns["is_impossible"].append(int(example.is_impossible or not example.answers))
-      for key, value in zip(meta, (index, window_index, start, length, offset)):
+      for key, value in zip(meta, (index, start, length, offset)):
         meta[key].append(value)
     _log_progress("SQuAD features", index + 1, len(examples), started)
 
@@ -480,19 +446,11 @@ class SpanHead(nn.Module):
   answerable_hidden_size: int = 512
   dtype: jnp.dtype = jnp.float32
 
-  def _dense(self, features: int, name: str, fan_out: int | None = None):
-    # The official head's tf.layers.dense default: glorot_uniform (see head_kernel_init).
-    return nn.Dense(
-        features, dtype=self.dtype, param_dtype=jnp.float32, name=name,
-        kernel_init=nn.with_logical_partitioning(head_kernel_init(fan_out), ("embed", "unmodeled")),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("unmodeled",)),
-    )
-
   @nn.compact
   def __call__(self, hidden, token_type_ids, attention_mask):
     mask = answer_mask(token_type_ids, attention_mask)
     # One kernel for the official two dense(H -> 1) layers, each column initialized as one.
-    logits = self._dense(2, "span_logits", fan_out=1)(hidden).astype(jnp.float32)  # [B, T, 2]
+    logits = head_dense(2, self.dtype, "span_logits", fan_out=1)(hidden).astype(jnp.float32)  # [B, T, 2]
     start_logits = jnp.where(mask, logits[..., 0], _MASKED_LOGIT)
     end_logits = jnp.where(mask, logits[..., 1], _MASKED_LOGIT)
     if not self.answerable:
@@ -500,9 +458,9 @@ class SpanHead(nn.Module):
     start_probs = jax.nn.softmax(start_logits, axis=-1)  # [B, T]
     start_summary = jnp.einsum("bt,bth->bh", start_probs.astype(hidden.dtype), hidden)
     summary = jnp.concatenate([hidden[:, 0], start_summary], axis=-1)  # [B, 2H]
-    summary = nn.gelu(self._dense(self.answerable_hidden_size, "answerable_hidden")(summary),
+    summary = nn.gelu(head_dense(self.answerable_hidden_size, self.dtype, "answerable_hidden")(summary),
                       approximate=False)
-    answerable_logits = self._dense(1, "answerable_logit")(summary)[..., 0]
+    answerable_logits = head_dense(1, self.dtype, "answerable_logit")(summary)[..., 0]
     return start_logits, end_logits, answerable_logits.astype(jnp.float32)
 
 
@@ -565,9 +523,9 @@ def postprocess(
   start_logits, end_logits: [F, T]; answerable_logits: [F] from SpanHead(answerable=True).
   Per row, the n_best start and end positions (ranked over the whole row, as the official
   code) that lie in the context are paired (start <= end, length <= max_answer_len, the
-  start token's max-context window must be this row); over
-  all rows of a question the pair with the highest start + end logit wins, and its text is
-  the context's characters from the start token to the end token.
+  start token's max-context window must be this row); over all rows of a question the pair
+  with the highest start + end logit wins, and its text is the context's characters from the
+  start token to the end token.
 
   Returns (predictions {qas_id: text}, null_odds {qas_id: float}); null_odds is empty for
   1.1. For 2.0, null_odds is the no-answer score: with answerable_logits, the smallest
@@ -865,14 +823,7 @@ def make_adapter(config, backbone):
                len(train_examples), len(train_features["input_ids"]), len(dev_examples),
                len(dev_features["input_ids"]))
   answerable = version == "2.0" and settings.answerable_classifier
-  model = SquadModel(
-      vocab_size=backbone.vocab_size, embedding_size=backbone.embedding_size,
-      max_position_embeddings=backbone.max_position_embeddings,
-      type_vocab_size=backbone.type_vocab_size,
-      config=dataclasses.replace(backbone.encoder_config, dropout_rate=config.dropout_rate,
-                                 attention_dropout_rate=config.attention_dropout_rate),
-      answerable=answerable, dtype=jnp.dtype(config.dtype),
-  )
+  model = backbone.task_model(SquadModel, config, answerable=answerable)
 
   def loss_fn(outputs, batch):
     start, end, answerable_logits = split_outputs(outputs)

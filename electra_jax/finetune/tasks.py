@@ -1,7 +1,6 @@
-"""Sentence(-pair) classification and regression tasks: the nine GLUE tasks, read from a
-directory in GLUE's own distribution layout or from TFDS (`glue/<config>`, array_record, no
-TensorFlow), and custom tasks from TSV/CSV/JSONL files; their checks, BERT-style features and
-GLUE test-set submission files. SQuAD lives in squad.py."""
+"""Sentence(-pair) classification and regression tasks: the nine GLUE tasks (GLUE's TSV layout
+or TFDS `glue/<config>`) and custom TSV/CSV/JSONL files; their checks, BERT-style features and
+GLUE submission files. SQuAD lives in squad.py."""
 
 from __future__ import annotations
 
@@ -25,9 +24,6 @@ from electra_jax.finetune import metrics as metrics_lib
 # GLUE sentences hold quotes and apostrophes that are text, not CSV quoting; QQP's longest
 # fields pass csv's default limit.
 csv.field_size_limit(sys.maxsize)
-
-KINDS = ("classification", "regression", "span")
-
 
 @dataclasses.dataclass
 class TaskAdapter:
@@ -65,7 +61,6 @@ class TaskData:
   train: list[Example]
   dev: dict[str, list[Example]]  # evaluation name (e.g. "mnli-m") -> examples
   test: dict[str, list[Example]]  # submission name (e.g. "MNLI-m") -> unlabelled examples
-  is_glue: bool = False
   # Regression with a known label range (lo, hi): the model learns (label - lo) / hi, as the
   # official RegressionTask normalizes STS-B's 0..5 scores; None = raw labels (custom tasks).
   target_range: tuple[float, float] | None = None
@@ -218,18 +213,23 @@ def _glue_labelled(task: GlueTask, path: str) -> list[Example]:
         for i, row in enumerate(_read_tsv(path)) if len(row) > max(text_at, label_at)
     ]
   return [
-      Example(a, b, _parse_label(task.label_list, label, path), index)
+      Example(a, b, label if task.label_list is not None else _regression_label(label, path), index)
       for a, b, label, index in _glue_rows(path, task.text_columns, task.label_column)
   ]
 
 
-def _parse_label(label_list, raw: str, path: str):
-  if label_list is not None:
-    return raw
+def _regression_label(raw, where: str) -> float:
   try:
     return float(raw)
-  except ValueError:
-    raise ConfigError(f"{path}: regression label {raw!r} is not a number.") from None
+  except (TypeError, ValueError):
+    raise ConfigError(f"{where}: regression label {raw!r} is not a number.") from None
+
+
+def _glue_data(name: str, train, dev, test) -> TaskData:
+  task = GLUE_TASKS[name]
+  kind = "regression" if task.label_list is None else "classification"
+  return TaskData(name, kind, task.label_list, metrics_lib.GLUE_METRICS[name], train, dev, test,
+                  target_range=task.target_range)
 
 
 def _glue_task_dir(data_dir: str, task: GlueTask) -> str:
@@ -268,55 +268,48 @@ def load_glue_from_dir(name: str, data_dir: str) -> TaskData:
       test[submission] = [
           Example(a, b, None, index) for a, b, _, index in _glue_rows(path, task.text_columns, None)
       ]
-  return TaskData(
-      name, "regression" if task.label_list is None else "classification", task.label_list,
-      metrics_lib.GLUE_METRICS[name], _glue_labelled(task, train_path), dev, test, is_glue=True,
-      target_range=task.target_range,
-  )
+  return _glue_data(name, _glue_labelled(task, train_path), dev, test)
 
 
-def _tfds_examples(task: GlueTask, source, is_test: bool) -> list[Example]:
-  def text(value):
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+def decode_text(value) -> str:
+  return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
-  examples = []
-  for i in range(len(source)):
-    record = source[i]
-    label = None
-    if not is_test:
-      raw = record["label"]
-      label = float(raw) if task.tfds_labels is None else task.tfds_labels[int(raw)]
-    text_b = text(record[task.tfds_text[1]]) if task.tfds_text[1] else None
-    examples.append(Example(text(record[task.tfds_text[0]]), text_b, label, int(record["idx"])))
-  # TFDS shuffles records on preparation; idx is the row of GLUE's file.
-  return sorted(examples, key=lambda example: example.index)
+
+def open_tfds_split(name: str, split: str, data_dir: str | None, other_source: str, **kwargs):
+  """`tfds.data_source` over a prepared split (random access, no TensorFlow); a ConfigError
+  that ends with `other_source` (another way to read the data) when it cannot be opened."""
+  tfds = tfds_source.import_tfds()  # a heavy import, only when this source is used
+  try:
+    return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False, **kwargs)
+  except Exception as error:  # tfds raises several types for "not prepared here" / "no such split"
+    raise ConfigError(
+        f"Cannot open TFDS {name!r} split {split!r} in {data_dir or 'the default data dir'} "
+        f"({type(error).__name__}: {error}). Prepare it with file_format='array_record' "
+        f"(tfds build --file_format=array_record {name}), set config.tfds_data_dir, or {other_source}."
+    ) from error
 
 
 def load_glue_from_tfds(name: str, tfds_data_dir: str = "") -> TaskData:
-  """GLUE from a prepared TFDS `glue/<name>` (array_record file format), through
-  tfds.data_source: random access, no TensorFlow. Labels become GLUE's label strings."""
-  tfds = tfds_source.import_tfds()  # a heavy import, only when this source is used
+  """GLUE from a prepared TFDS `glue/<name>` (array_record); labels become GLUE's label strings."""
   task = GLUE_TASKS[name]
-  dataset = f"glue/{name}"  # TFDS's config names are the registry's
 
   def split(tfds_split: str, is_test: bool):
-    try:
-      source = tfds.data_source(dataset, split=tfds_split, data_dir=tfds_data_dir or None, download=False)
-    except Exception as error:  # tfds raises several types for "not prepared here"
-      raise ConfigError(
-          f"Could not open TFDS {dataset} split {tfds_split} in {tfds_data_dir or 'the default data dir'} "
-          f"({type(error).__name__}: {error}). Prepare it with file_format='array_record' "
-          "(tfds build --file_format=array_record glue/...), set config.tfds_data_dir, or use "
-          "--config.source=dir with GLUE's TSV files."
-      ) from error
-    return _tfds_examples(task, source, is_test)
+    source = open_tfds_split(f"glue/{name}", tfds_split, tfds_data_dir, "use --config.source=dir with GLUE's TSV files")
+    examples = []
+    for i in range(len(source)):
+      record = source[i]
+      label = None
+      if not is_test:
+        raw = record["label"]
+        label = float(raw) if task.tfds_labels is None else task.tfds_labels[int(raw)]
+      text_b = decode_text(record[task.tfds_text[1]]) if task.tfds_text[1] else None
+      examples.append(Example(decode_text(record[task.tfds_text[0]]), text_b, label, int(record["idx"])))
+    # TFDS shuffles records on preparation; idx is the row of GLUE's file.
+    return sorted(examples, key=lambda example: example.index)
 
-  return TaskData(
-      name, "regression" if task.label_list is None else "classification", task.label_list,
-      metrics_lib.GLUE_METRICS[name], split("train", False),
-      {dev_name: split(s, False) for dev_name, s in task.tfds_dev_splits.items()},
+  return _glue_data(
+      name, split("train", False), {dev_name: split(s, False) for dev_name, s in task.tfds_dev_splits.items()},
       {submission: split(s, True) for submission, s in task.tfds_test_splits.items()},
-      is_glue=True, target_range=task.target_range,
   )
 
 
@@ -383,10 +376,7 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
     if labelled:
       raw = record[custom.label_column]
       if custom.kind == "regression":
-        try:
-          label = float(raw)
-        except (TypeError, ValueError):
-          raise ConfigError(f"{path}: row {row_number + 1}: regression label {raw!r} is not a number.") from None
+        label = _regression_label(raw, f"{path}: row {row_number + 1}")
         if not math.isfinite(label):
           raise ConfigError(f"{path}: row {row_number + 1}: regression label {raw!r} is not a finite number.")
       else:

@@ -1,11 +1,6 @@
-"""`run_finetune(config, workdir)`: for each seed, start from the backbone, train the task for
-its epochs, evaluate on dev after each epoch and keep the last epoch's checkpoint (or, with
-config.keep_epoch="best", the best one's), then write the metrics, test-set predictions and a
-results table (mean, median and best over seeds).
-
-The loop is task-agnostic: a `tasks.TaskAdapter` supplies the model, the features, the loss and the
-evaluation. Classification and regression adapters are built here; span tasks (SQuAD) build
-theirs in squad.py as `make_adapter(config, backbone) -> tasks.TaskAdapter`."""
+"""`run_finetune(config, workdir)`: per seed, train the task from the backbone, evaluate on dev each
+epoch, keep the last (or best) epoch's checkpoint, and write metrics, test predictions and a table
+over seeds. A `tasks.TaskAdapter` supplies the model, features, loss and evaluation (SQuAD's: squad.py)."""
 
 from __future__ import annotations
 
@@ -430,5 +425,5 @@ def _run_seeds(config, adapter, backbone, task_dir: str, seeds, finished: dict, 
   _write_json(os.path.join(task_dir, "results.json"), results)
   table = format_table(summary)
   logging.info("Results over %d seed(s) in %s; the table:", len(seeds), os.path.join(task_dir, "results.json"))
-  print(table)  # once, on stdout (it used to be logged as well, so it showed twice)
+  print(table)
   return results

@@ -3,6 +3,7 @@ the discriminator (and, if asked, the generator) as Hugging Face directories."""
 
 import json
 import os
+import pathlib
 import shutil
 
 import jax
@@ -13,6 +14,16 @@ from electra_jax.errors import ConfigError
 from electra_jax.data.wordpiece import WordPieceTokenizer
 from electra_jax.interop.hf import check_hf_form, save_hf
 from electra_jax.interop.weight_files import finite_tensor
+
+
+def one_device_setup(config, tokenizer=None):
+  """(mesh, train.build_setup) on one device, whatever mesh trained or will train the checkpoint
+  (orbax re-shards on restore). Without `tokenizer` the special ids are placeholders: enough for
+  the parameters' shapes, which do not depend on them."""
+  mesh = partitioning.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)), devices=jax.devices()[:1])
+  special_ids = dict(pad=0, cls=2, sep=3, mask=4) if tokenizer is None else dict(
+      pad=tokenizer.pad_id, cls=tokenizer.cls_id, sep=tokenizer.sep_id, mask=tokenizer.mask_id)
+  return mesh, train.build_setup(config, mesh, special_ids)
 
 
 def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -> dict[str, str]:
@@ -33,14 +44,8 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
                       "Nothing was written; export without --export_generator.")
   check_export_out(out_dir, export_generator)
 
-  # One device whatever mesh trained it: orbax re-shards the arrays onto it on restore.
-  single_device = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
-  mesh = partitioning.make_mesh(single_device, devices=jax.devices()[:1])
-  # The objective (built alongside the state) needs the special ids, fixed by the tokenizer.
-  tok = data.load_tokenizer(config.data)
-  special_ids = dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id)
-  setup = train.build_setup(config, mesh, special_ids)
-
+  tok = data.load_tokenizer(config.data)  # the objective, built with the state, needs its special ids
+  mesh, setup = one_device_setup(config, tok)
   step, state = train.restore_checkpoint(workdir, setup, mesh)
   for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:  # before anything is written
     finite_tensor(jax.tree_util.keystr(path), jax.device_get(leaf), f"the checkpoint at step {step} in {workdir}")
@@ -56,14 +61,9 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
 
 
 def check_export_out(out_dir: str, export_generator: bool = False) -> None:
-  """Refuses an `out_dir` whose contents an export would mix with another model's.
-
-  save_hf and write_tokenizer_files write their files into a tower directory without clearing
-  it, so an earlier export's leftovers would survive next to the new model (a stale spm.model
-  beside a new vocab.txt, say), and an old generator/ the new export does not write would read
-  as this model's generator. Nothing under `out_dir` is ever deleted or modified here: the
-  user decides what the old files were.
-  """
+  """Refuses an `out_dir` whose contents an export would mix with another model's: a non-empty
+  tower directory (exports write into it without clearing it), or an old generator/ this export
+  would leave beside its discriminator. Nothing under `out_dir` is deleted or modified."""
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise ConfigError(f"--out={out_dir!r} is a file; pick a directory for the exported model directories.")
   workdir_files.check_usable(out_dir, "--out")  # a file on its path, or an unwritable parent

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import re
 import shutil
 from typing import Any
@@ -103,8 +104,8 @@ class WeightName:
   transposed: bool  # a Dense kernel: [in, out] here, torch.nn.Linear's [out, in] there
 
 
-def weight_names(kind: str, num_layers: int, has_projection: bool) -> list[WeightName]:
-  """Every tensor of a `kind` model, in the order transformers lists them."""
+def weight_names(kind: str, model) -> list[WeightName]:
+  """Every tensor of the standalone `model` of `kind`, in the order transformers lists them."""
   names = []
 
   def dense(hf_name, path):
@@ -119,9 +120,9 @@ def weight_names(kind: str, num_layers: int, has_projection: bool) -> list[Weigh
     names.append(WeightName(f"embeddings.{table}.weight", ("embeddings", table, "embedding"), False))
   layer_norm("embeddings.LayerNorm", ("embeddings", "layer_norm"))
   encoder = ("encoder",) if kind == "encoder" else (kind, "encoder")
-  if has_projection:
+  if model.embedding_size != model.config.hidden_size:
     dense("embeddings_project", (*encoder, "embeddings_project"))
-  for i in range(num_layers):
+  for i in range(model.config.num_layers):
     hf_layer, layer = f"encoder.layer.{i}", (*encoder, f"layer_{i}")
     for projection in ("query", "key", "value"):
       dense(f"{hf_layer}.attention.self.{projection}", (*layer, "attention", projection))
@@ -290,7 +291,7 @@ def params_from_hf_weights(
   tied_decoder = by_name.pop(_TIED_DECODER, None) if kind == "generator" else None
 
   shapes = _param_shapes(model)
-  names = weight_names(kind, model.config.num_layers, model.embedding_size != model.config.hidden_size)
+  names = weight_names(kind, model)
   expected_names = {w.hf_name for w in names}
   missing = sorted(expected_names - set(by_name))
   unexpected = sorted(set(by_name) - expected_names)
@@ -348,7 +349,7 @@ def hf_weights_from_params(model, kind: str, params) -> dict[str, np.ndarray]:
           f"{type(model).__name__} expects {shape}."
       )
   tensors = {}
-  for w in weight_names(kind, model.config.num_layers, model.embedding_size != model.config.hidden_size):
+  for w in weight_names(kind, model):
     array = np.asarray(flat[w.path], dtype=np.float32)
     is_head = w.hf_name.startswith(_HEAD_PREFIXES)
     hf_name = w.hf_name if kind == "encoder" or is_head else _BACKBONE_PREFIX + w.hf_name
@@ -414,9 +415,8 @@ def save_hf(
   if vocab_file is not None and not os.path.isfile(vocab_file):
     raise ConfigError(f"vocab_file={vocab_file!r} does not exist; pass the vocabulary's path or None.")
   os.makedirs(out_dir, exist_ok=True)
-  with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(hf_config_of(model, model_kind, pad_token_id), f, indent=2, sort_keys=True)
-    f.write("\n")
+  config_text = json.dumps(hf_config_of(model, model_kind, pad_token_id), indent=2, sort_keys=True) + "\n"
+  pathlib.Path(out_dir, "config.json").write_text(config_text)
   # The metadata save_pretrained writes; transformers 4.x checks it when loading.
   safetensors.numpy.save_file(
       tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"}

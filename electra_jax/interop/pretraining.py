@@ -1,13 +1,6 @@
-"""Released weights as step 0 of a pre-training workdir, so that the usual training command
-continues pre-training from them.
-
-Two sources give a (discriminator, generator) pair: two Hugging Face directories
-(`ElectraForPreTraining` + `ElectraForMaskedLM`, see hf.py) or one official TF1 checkpoint
-(`model.ckpt-N` from google-research/electra, see tf_checkpoint.py). Both towers must read the
-same embeddings, since electra-jax keeps ONE embedding tree; this module checks that they do,
-checks that the generator has the shape electra-jax derives from `model.generator_fraction`,
-brings the vocabulary into the workdir, and writes config.json plus the first checkpoint.
-"""
+"""A released (discriminator, generator) pair, from two Hugging Face directories or one official
+TF1 checkpoint, written as step 0 of a pre-training workdir with its vocabulary and config.json,
+once the towers are checked to share one embedding tree and a derivable generator size."""
 
 from __future__ import annotations
 
@@ -15,7 +8,7 @@ import copy
 import dataclasses
 import json
 import os
-import shutil
+import pathlib
 
 import flax
 import jax
@@ -24,8 +17,10 @@ import numpy as np
 from absl import logging
 
 from electra_jax import checkpointing, config_lib, data, models, partitioning, train, workdir_files
+from electra_jax.data.tokenizer import atomic_write_bytes
 from electra_jax.errors import ConfigError
 from electra_jax.interop import hf, tf_checkpoint
+from electra_jax.interop.export import one_device_setup
 
 EMBEDDINGS_CHOICES = ("discriminator", "generator")
 
@@ -67,31 +62,29 @@ def pair_from_hf(discriminator_dir: str, generator_dir: str) -> ImportedPair:
           f"{hf.ARCHITECTURE_OF_KIND[expected]} (its config.json \"architectures\")."
       )
     towers[expected] = (model, params)
-  vocab_files = {
-      name: path for name, directory in (("discriminator", discriminator_dir), ("generator", generator_dir))
-      if (path := _file_beside(directory, "vocab.txt"))
-  }
-  if len(vocab_files) == 2 and _file_bytes(vocab_files["discriminator"]) != _file_bytes(vocab_files["generator"]):
-    raise ConfigError(
-        f"{vocab_files['discriminator']} and {vocab_files['generator']} differ: the two towers were "
-        "trained with different vocabularies and cannot share one embedding table."
-    )
-  vocab_file = vocab_files.get("discriminator") or vocab_files.get("generator")
+  vocab_file = _vocabulary_beside((discriminator_dir, generator_dir), "vocab.txt")
   # electra-jax's exports of a sentencepiece run carry spm.model instead (transformers has no
-  # ELECTRA tokenizer for it); the same model must be beside both towers, if beside both.
-  spm_files = [path for d in (discriminator_dir, generator_dir) if (path := _file_beside(d, "spm.model"))]
-  if len(spm_files) == 2 and _file_bytes(spm_files[0]) != _file_bytes(spm_files[1]):
-    raise ConfigError(
-        f"{spm_files[0]} and {spm_files[1]} differ: the two towers were trained with different "
-        "vocabularies and cannot share one embedding table."
-    )
+  # ELECTRA tokenizer for it).
+  spm_file = _vocabulary_beside((discriminator_dir, generator_dir), "spm.model")
   lowercase, strip_accents = read_tokenizer_settings(discriminator_dir)
   return ImportedPair(
       *towers["discriminator"], *towers["generator"],
       vocab_file=vocab_file, lowercase=lowercase, strip_accents=strip_accents,
       source=f"Hugging Face: discriminator {discriminator_dir}, generator {generator_dir}",
-      spm_model_file=None if vocab_file else (spm_files[0] if spm_files else None),
+      spm_model_file=None if vocab_file else spm_file,
   )
+
+
+def _vocabulary_beside(directories, name: str) -> str | None:
+  """The `name` file beside the towers (the first tower's if both have one), refused when the
+  two differ."""
+  paths = [path for directory in directories if (path := _file_beside(directory, name))]
+  if len(paths) == 2 and pathlib.Path(paths[0]).read_bytes() != pathlib.Path(paths[1]).read_bytes():
+    raise ConfigError(
+        f"{paths[0]} and {paths[1]} differ: the two towers were trained with different "
+        "vocabularies and cannot share one embedding table."
+    )
+  return paths[0] if paths else None
 
 
 def _file_beside(directory: str, name: str) -> str | None:
@@ -120,11 +113,6 @@ def pair_from_tf(path: str, vocab_file: str | None = None, num_heads: int | None
       vocab_file=vocab_file, lowercase=None, strip_accents=None,
       source=f"TensorFlow checkpoint {prefix}",
   )
-
-
-def _file_bytes(path: str) -> bytes:
-  with open(path, "rb") as f:
-    return f.read()
 
 
 def _shared_embeddings(pair: ImportedPair, embeddings_from: str | None) -> dict:
@@ -213,11 +201,13 @@ def _data_config(pair: ImportedPair, config, workdir: str) -> dict:
   """data.* values that tokenize as the released model did: its vocab.txt (or, for an
   electra-jax export of a sentencepiece run, its spm.model), copied into the workdir so the
   workdir is complete on its own (the source may be a temporary download)."""
+  def copy_into_workdir(source: str, name: str) -> str:
+    target = os.path.join(os.path.abspath(workdir), name)
+    atomic_write_bytes(target, pathlib.Path(source).read_bytes())
+    return target
+
   if pair.vocab_file is None and pair.spm_model_file is not None:
-    target = os.path.join(os.path.abspath(workdir), "spm.model")
-    shutil.copyfile(pair.spm_model_file, target + ".tmp")
-    os.replace(target + ".tmp", target)
-    return {"tokenizer": "sentencepiece", "spm_model_file": target}
+    return {"tokenizer": "sentencepiece", "spm_model_file": copy_into_workdir(pair.spm_model_file, "spm.model")}
   if pair.vocab_file is None:
     if config.data.tokenizer == "wordpiece" and config.data.vocab_file:
       logging.warning(
@@ -231,18 +221,12 @@ def _data_config(pair: ImportedPair, config, workdir: str) -> dict:
         "--config.data.vocab_file=PATH."
     )
   data.WordPieceTokenizer(pair.vocab_file)  # refuses a vocabulary without ELECTRA's special tokens, before the copy
-  target = os.path.join(os.path.abspath(workdir), "vocab.txt")
-  shutil.copyfile(pair.vocab_file, target + ".tmp")
-  os.replace(target + ".tmp", target)
-  values = {"tokenizer": "wordpiece", "vocab_file": target}
+  values = {"tokenizer": "wordpiece", "vocab_file": copy_into_workdir(pair.vocab_file, "vocab.txt")}
   if pair.lowercase is not None:
     values["lowercase"] = bool(pair.lowercase)
   if pair.strip_accents is not None:
     values["strip_accents"] = bool(pair.strip_accents)
   return values
-
-
-_SHAPE_ONLY_IDS = dict(pad=0, cls=2, sep=3, mask=4)
 
 
 def _check_pair_fills(imported: dict, wanted: dict, config) -> None:
@@ -291,9 +275,6 @@ def write_pretraining_workdir(
         ", ".join(f"model.{k}={new} (recipe: {old})" for k, (old, new) in sorted(changed.items())),
     )
   config_lib.validate(config)
-  # One device: the checkpoint is re-sharded onto whatever mesh training uses.
-  single_device = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1))
-  mesh = partitioning.make_mesh(single_device, devices=jax.devices()[:1])
   params = {
       "embeddings": embeddings,
       "generator": pair.generator_params["generator"],
@@ -301,10 +282,8 @@ def write_pretraining_workdir(
   }
   if config.model.get("scan_layers", False):  # the recipe trains scanned layers
     params = models.scan_layers(params)
-  # The recipe's model must be the one the pair fills, before anything is written (the
-  # parameters' shapes do not depend on the vocabulary's special ids).
-  _check_pair_fills(train.param_shapes(params), train.build_setup(config, mesh, _SHAPE_ONLY_IDS).param_shapes,
-                    config)
+  # The recipe's model must be the one the pair fills, before anything is written.
+  _check_pair_fills(train.param_shapes(params), one_device_setup(config)[1].param_shapes, config)
   os.makedirs(workdir, exist_ok=True)
   for key, value in _data_config(pair, config, workdir).items():
     config.data[key] = value
@@ -315,8 +294,7 @@ def write_pretraining_workdir(
         f"{config.model.vocab_size} rows of embeddings; this is not the model's vocabulary."
     )
 
-  special_ids = dict(pad=tokenizer.pad_id, cls=tokenizer.cls_id, sep=tokenizer.sep_id, mask=tokenizer.mask_id)
-  setup = train.build_setup(config, mesh, special_ids)
+  mesh, setup = one_device_setup(config, tokenizer)
   with partitioning.activate(mesh):
     fresh = jax.jit(
         lambda r: flax.linen.meta.unbox(setup.init_fn(r)), out_shardings=setup.state_shardings
@@ -338,9 +316,7 @@ def write_pretraining_workdir(
   finally:
     checkpointer.close()
   config_path = os.path.join(workdir, "config.json")
-  with open(config_path + ".tmp", "w") as f:
-    f.write(config_lib.config_file_text(config))
-  os.replace(config_path + ".tmp", config_path)
+  atomic_write_bytes(config_path, config_lib.config_file_text(config).encode())
   return {
       "workdir": workdir,
       "config": config_path,

@@ -1,19 +1,9 @@
-"""Official ELECTRA checkpoints (`model.ckpt-N`, TensorFlow 1 as google-research/electra saves
-them, discriminator and generator in one) read without TensorFlow.
+"""Official ELECTRA TF1 checkpoints (`model.ckpt-N`, both towers) read without TensorFlow: the V2
+tensor bundle's `<prefix>.index` (a LevelDB table of name -> protobuf entry) and its raw
+`<prefix>.data-*` files, mapped onto the standalone towers. Optimizer slots are skipped.
 
-A TF checkpoint (the "V2" tensor bundle) is two files: `<prefix>.index`, a LevelDB-format
-sorted table from each variable's name to a small protobuf (dtype, shape, shard, offset, size),
-and `<prefix>.data-SSSSS-of-NNNNN`, the tensors' raw little-endian bytes back to back. Both
-formats are stable and simple, so reading them here spares users a 1.6 GB TensorFlow install
-that would sit beside JAX only to open a file. The reader is checked against checkpoints that
-TensorFlow itself wrote (tests/fixtures/tf1_electra, made by tests/fixtures/make_tf1_checkpoint.py).
-
-The variable names are the official code's (model/modeling.py, run_pretraining.py):
-`electra/embeddings/*` is the one embedding table both towers read, `electra/...` the
-discriminator's encoder, `generator/...` the generator's, `discriminator_predictions/*` and
-`generator_predictions/*` the heads; Adam slots (`*/adam_m`, `*/adam_v`) and `global_step` are
-skipped: continued pre-training starts a fresh optimizer.
-"""
+Names are the official code's: `electra/embeddings/*` is the table both towers read, `electra/...`
+the discriminator, `generator/...` the generator, `*_predictions/*` the heads."""
 
 from __future__ import annotations
 
@@ -32,13 +22,11 @@ from electra_jax.interop import hf, weight_files
 
 _TABLE_MAGIC = 0xDB4775248B80FB57
 _FOOTER_SIZE = 48
-_BLOCK_TRAILER_SIZE = 5  # compression type byte + masked crc32c
 # tensorflow/core/framework/types.proto values of the dtypes a checkpoint of weights holds.
 _DTYPES = {
     1: np.float32, 2: np.float64, 3: np.int32, 4: np.uint8, 5: np.int16, 6: np.int8,
-    9: np.int64, 10: np.bool_, 17: np.uint16, 19: np.float16, 22: np.uint32, 23: np.uint64,
+    9: np.int64, 10: np.bool_, 14: jnp.bfloat16, 17: np.uint16, 19: np.float16, 22: np.uint32, 23: np.uint64,
 }
-_DT_BFLOAT16 = 14
 _OPTIMIZER_SLOT = re.compile(r"(/adam_[mv]|/Adam(_1)?|/Momentum|^global_step)$")
 # Variables of the official code's other objectives, which electra-jax's pre-trainer lacks.
 _UNSUPPORTED_SCOPES = {
@@ -133,26 +121,14 @@ class TensorEntry:
 
 
 def _tensor_entry(value: bytes) -> TensorEntry:
-  dtype, shape, shard, offset, size, sliced = 0, (), 0, 0, 0, False
-  for field, v in _proto_fields(value):
-    if field == 1:
-      dtype = v
-    elif field == 2:  # TensorShapeProto: repeated Dim (field 2) of {size: 1}
-      shape = tuple(
-          next((size for f, size in _proto_fields(dim) if f == 1), 0)
-          for f, dim in _proto_fields(v) if f == 2
-      )
-    elif field == 3:
-      shard = v
-    elif field == 4:
-      offset = v
-    elif field == 5:
-      size = v
-    elif field == 7:
-      sliced = True
-  if sliced:
+  # BundleEntryProto: 1 dtype, 2 shape, 3 shard, 4 offset, 5 size, 7 slices.
+  fields = dict(_proto_fields(value))
+  if 7 in fields:
     raise ConfigError("The checkpoint stores a partitioned (sliced) variable, which this reader does not read.")
-  return TensorEntry(dtype, shape, shard, offset, size)
+  # TensorShapeProto: repeated Dim (field 2) of {size: 1}.
+  dims = [dim for f, dim in _proto_fields(fields.get(2, b"")) if f == 2]
+  shape = tuple(next((size for f, size in _proto_fields(dim) if f == 1), 0) for dim in dims)
+  return TensorEntry(fields.get(1, 0), shape, fields.get(3, 0), fields.get(4, 0), fields.get(5, 0))
 
 
 class TFCheckpoint:
@@ -181,12 +157,9 @@ class TFCheckpoint:
 
   def read(self, name: str) -> np.ndarray:
     entry = self.entries[name]
-    if entry.dtype == _DT_BFLOAT16:
-      dtype = np.dtype(jnp.bfloat16)
-    elif entry.dtype in _DTYPES:
-      dtype = np.dtype(_DTYPES[entry.dtype])
-    else:
+    if entry.dtype not in _DTYPES:
       raise ConfigError(f"{self.prefix}: {name} has TensorFlow dtype {entry.dtype}, which is not a numeric tensor.")
+    dtype = np.dtype(_DTYPES[entry.dtype])
     count = int(np.prod(entry.shape, dtype=np.int64))
     if count * dtype.itemsize != entry.size:
       raise ConfigError(
@@ -325,7 +298,7 @@ def read_towers(prefix: str, num_heads: int | None = None):
     model = _tower_model(ckpt, scope, kind, num_heads)
     shapes = hf._param_shapes(model)
     flat = {}
-    for w in hf.weight_names(kind, model.config.num_layers, model.embedding_size != model.config.hidden_size):
+    for w in hf.weight_names(kind, model):
       name = official_name(w.hf_name, kind)
       if name not in ckpt.entries:
         raise ConfigError(f"{prefix} lacks {name}, which an official {kind} of these sizes has.")

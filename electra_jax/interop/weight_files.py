@@ -45,17 +45,15 @@ def _read_torch_state_dict(path: str) -> dict[str, np.ndarray]:
     )
   for name, tensor in state_dict.items():
     if not isinstance(name, str):
-      raise ConfigError(
-          f"Refusing {path}: key {name!r} is not a str (its type is {type(name).__name__}); only "
-          "a flat state dict (str -> torch.Tensor) is accepted. Save model.state_dict() or use "
-          "safetensors."
-      )
-    if not isinstance(tensor, torch.Tensor):
-      raise ConfigError(
-          f"Refusing {path}: entry {name!r} is not a torch.Tensor (its type is "
-          f"{type(tensor).__name__}); only a flat state dict (str -> torch.Tensor) is accepted. "
-          "Save model.state_dict() or use safetensors."
-      )
+      wrong = f"key {name!r} is not a str (its type is {type(name).__name__})"
+    elif not isinstance(tensor, torch.Tensor):
+      wrong = f"entry {name!r} is not a torch.Tensor (its type is {type(tensor).__name__})"
+    else:
+      continue
+    raise ConfigError(
+        f"Refusing {path}: {wrong}; only a flat state dict (str -> torch.Tensor) is accepted. "
+        "Save model.state_dict() or use safetensors."
+    )
   return {
       name: tensor.detach().to(torch.float32).numpy() if tensor.is_floating_point() else tensor.numpy()
       for name, tensor in state_dict.items()
