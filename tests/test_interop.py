@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from conftest import cli_args, run_cli, tiny_config
-from electra_jax import checkpointing, interop, models, partitioning, train
+from electra_jax import checkpointing, data, interop, models, partitioning, train
 from electra_jax.errors import ConfigError
 from electra_jax.interop import hf
 
@@ -469,3 +469,58 @@ def test_export_refuses_encoder_options_hugging_face_cannot_hold(tmp_path, monke
     with pytest.raises(ConfigError, match=named[0]):
       interop.save_hf(pretrainer, params, str(out / kind), kind=kind)
   assert not out.exists()
+
+
+# Mixed English, accented and CJK text, with the spacing sentencepiece and BERT each normalize.
+TOKENIZER_TEXTS = [
+    "The café's naïve résumé, déjà vu in Zürich.",
+    "東京は日本の首都です。北京是中国的首都。",
+    "Mixed 中文 and English,  with  double spaces and ß, ﬁ, ½.",
+    "  leading and trailing spaces  ",
+    "tabs\tand\nnew lines; ÀÉÎÕÜ Ñandú",
+]
+
+
+def _tokenizer_corpus():
+  english = [line for document in data.builtin_documents()[:40] for line in document]
+  return english + TOKENIZER_TEXTS * 50 + ["日本語の文章と中国語の文章と한국어 문장"] * 50
+
+
+def _trained_tokenizers(tmp_path):
+  """Tokenizers of each kind, trained here on mixed text: two sentencepiece models and a
+  WordPiece vocabulary from `tokenizers`' trainer, cased and lowercased."""
+  corpus = _tokenizer_corpus()
+  for model_type in ("unigram", "bpe"):
+    path = data.train_sentencepiece(corpus, str(tmp_path / f"{model_type}.model"), 1200, model_type)
+    yield model_type, data.SentencePieceTokenizer(path)
+  import tokenizers  # noqa: PLC0415
+
+  for lowercase in (True, False):
+    wordpiece = tokenizers.Tokenizer(tokenizers.models.WordPiece(unk_token="[UNK]"))
+    wordpiece.normalizer = tokenizers.normalizers.BertNormalizer(lowercase=lowercase)
+    wordpiece.pre_tokenizer = tokenizers.pre_tokenizers.BertPreTokenizer()
+    wordpiece.train_from_iterator(corpus, tokenizers.trainers.WordPieceTrainer(
+        vocab_size=1200, special_tokens=list(data.SPECIAL_TOKENS)))
+    vocab = tmp_path / f"vocab_{lowercase}.txt"
+    vocab.write_text("".join(f"{token}\n" for token, _ in sorted(wordpiece.get_vocab().items(), key=lambda t: t[1])))
+    yield f"wordpiece lowercase={lowercase}", data.WordPieceTokenizer(str(vocab), lowercase)
+
+
+def test_exported_tokenizers_give_autotokenizer_the_training_ids(tmp_path):
+  for name, tok in _trained_tokenizers(tmp_path):
+    directory = tmp_path / name
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"model_type": "electra"}))
+    interop.export.write_tokenizer_files(tok, str(directory), max_length=128)
+    assert (directory / "tokenizer.json").exists() and (directory / "tokenizer_config.json").exists()
+    loaded = transformers.AutoTokenizer.from_pretrained(str(directory))
+    assert (loaded.pad_token_id, loaded.cls_token_id, loaded.sep_token_id, loaded.mask_token_id) == (
+        tok.pad_id, tok.cls_id, tok.sep_id, tok.mask_id), name
+    for text in TOKENIZER_TEXTS:
+      assert loaded(text)["input_ids"] == [tok.cls_id, *tok.encode(text), tok.sep_id], (name, text)
+    pair = loaded(TOKENIZER_TEXTS[0], TOKENIZER_TEXTS[1])
+    first, second = tok.encode(TOKENIZER_TEXTS[0]), tok.encode(TOKENIZER_TEXTS[1])
+    assert pair["input_ids"] == [tok.cls_id, *first, tok.sep_id, *second, tok.sep_id], name
+    assert pair["token_type_ids"] == [0] * (len(first) + 2) + [1] * (len(second) + 1), name
+    # Not a match of unknown pieces: the vocabulary holds the texts' characters.
+    assert tok.unk_id not in tok.encode(" ".join(TOKENIZER_TEXTS)), name

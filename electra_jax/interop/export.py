@@ -8,9 +8,12 @@ import shutil
 
 import jax
 import ml_collections
+import tokenizers
+from sentencepiece import sentencepiece_model_pb2
 
 from electra_jax import config_lib, data, models, partitioning, train, workdir_files
 from electra_jax.errors import ConfigError
+from electra_jax.data.tokenizer import SPECIAL_TOKENS
 from electra_jax.data.wordpiece import WordPieceTokenizer
 from electra_jax.interop.hf import check_hf_form, save_hf
 from electra_jax.interop.weight_files import finite_tensor
@@ -86,26 +89,54 @@ def check_export_out(out_dir: str, export_generator: bool = False) -> None:
 
 
 def write_tokenizer_files(tok, directory: str, max_length: int) -> None:
-  """The vocabulary beside the weights, so the exported model tokenizes as it was trained.
-
-  WordPiece: vocab.txt plus a tokenizer_config.json with the normalization settings, which
-  transformers' AutoTokenizer.from_pretrained(directory) reads as an ElectraTokenizer.
-  sentencepiece: the model file as spm.model (transformers has no ELECTRA tokenizer for it;
-  load it with sentencepiece, or electra_jax.data.SentencePieceTokenizer)."""
+  """The tokenizer beside the weights: tokenizer.json (the whole pipeline, with [CLS] ... [SEP]
+  added as training adds them), tokenizer_config.json, and vocab.txt or spm.model, so
+  transformers' AutoTokenizer.from_pretrained(directory) gives the ids training used."""
+  settings = {
+      "model_max_length": max_length, "model_input_names": ["input_ids", "token_type_ids", "attention_mask"],
+      **{f"{name}_token": f"[{name.upper()}]" for name in ("unk", "sep", "pad", "cls", "mask")},
+  }
   if isinstance(tok, WordPieceTokenizer):
     shutil.copyfile(tok.vocab_file, os.path.join(directory, "vocab.txt"))
-    settings = {
-        "tokenizer_class": "ElectraTokenizer",
-        "do_lower_case": tok.lowercase,
-        # None: follow do_lower_case, as BERT's tokenizer (and ours) does.
-        "strip_accents": tok.strip_accents,
-        "tokenize_chinese_chars": True,
-        "model_max_length": max_length,
-        "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]",
-        "cls_token": "[CLS]", "mask_token": "[MASK]",
-    }
-    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-      json.dump(settings, f, indent=2, sort_keys=True)
-      f.write("\n")
+    pipeline = tokenizers.Tokenizer.from_str(tok.backend.to_str())
+    # strip_accents None: follow do_lower_case, as BERT's tokenizer (and ours) does.
+    settings.update(tokenizer_class="ElectraTokenizer", do_lower_case=tok.lowercase, strip_accents=tok.strip_accents,
+                    tokenize_chinese_chars=True)
   else:
     shutil.copyfile(tok.model_path, os.path.join(directory, "spm.model"))
+    pipeline = _sentencepiece_pipeline(tok.model_path)
+    pipeline.add_special_tokens(list(SPECIAL_TOKENS))
+    settings.update(tokenizer_class="PreTrainedTokenizerFast")
+  pipeline.post_processor = tokenizers.processors.TemplateProcessing(
+      single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+      special_tokens=[("[CLS]", tok.cls_id), ("[SEP]", tok.sep_id)])
+  pipeline.save(os.path.join(directory, "tokenizer.json"))
+  pathlib.Path(directory, "tokenizer_config.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+
+
+def _sentencepiece_pipeline(model_path: str) -> tokenizers.Tokenizer:
+  """sentencepiece's segmentation as a `tokenizers` pipeline: its pieces and scores (unigram) or
+  merges (BPE, read off the vocabulary), its normalization table, and its handling of spaces
+  (trimmed, runs made one, "\u2581" before each word)."""
+  proto = sentencepiece_model_pb2.ModelProto()
+  proto.ParseFromString(pathlib.Path(model_path).read_bytes())
+  spec = proto.trainer_spec
+  pieces = [(piece.piece, piece.score) for piece in proto.pieces]
+  if spec.model_type == spec.UNIGRAM:
+    model = tokenizers.models.Unigram(pieces, spec.unk_id, spec.byte_fallback)
+  else:
+    vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
+    # One merge per way to cut a piece in two pieces, ranked by the merged piece's id.
+    merges = sorted((i, vocab[piece[:cut]], vocab[piece[cut:]], piece[:cut], piece[cut:])
+                    for piece, i in vocab.items() for cut in range(1, len(piece))
+                    if piece[:cut] in vocab and piece[cut:] in vocab)
+    model = tokenizers.models.BPE(vocab, [merge[3:] for merge in merges], unk_token=pieces[spec.unk_id][0],
+                                  fuse_unk=True, byte_fallback=spec.byte_fallback)
+  pipeline = tokenizers.Tokenizer(model)
+  charsmap = proto.normalizer_spec.precompiled_charsmap
+  pipeline.normalizer = tokenizers.normalizers.Sequence(
+      [tokenizers.normalizers.Precompiled(charsmap)] * bool(charsmap)
+      + [tokenizers.normalizers.Strip(), tokenizers.normalizers.Replace(tokenizers.Regex(" {2,}"), " ")])
+  pipeline.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(prepend_scheme="always")
+  pipeline.decoder = tokenizers.decoders.Metaspace(prepend_scheme="always")
+  return pipeline
