@@ -8,7 +8,11 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(include=["electra_jax", "electra_jax.*"]),
+    # The recipes travel inside the package (electra_jax/configs), so --config=demo works after
+    # a plain `pip install`; in a checkout they stay configs/ at the top.
+    packages=[*find_packages(include=["electra_jax", "electra_jax.*"]), "electra_jax.configs",
+              "electra_jax.configs.finetune"],
+    package_dir={"electra_jax.configs": "configs"},
     install_requires=[
         # Python 3.10's newest jax is 0.6.2 and its newest flax 0.10.7 (both tested, with
         # orbax-checkpoint 0.11.28: later orbax enters jax.sharding.set_mesh as a context,

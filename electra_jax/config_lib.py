@@ -87,9 +87,12 @@ def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
   return changes
 
 
-# The recipes of this checkout (a source or editable install); configs/base.py holds the default
-# of every pre-training key.
-RECIPES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+# The recipes: electra_jax/configs in an installed wheel, configs/ beside the package in a
+# checkout (or an editable install). configs/base.py holds the default of every pre-training key.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGED_RECIPES = os.path.join(_PACKAGE_DIR, "configs")
+RECIPES_DIR = (_PACKAGED_RECIPES if os.path.isdir(_PACKAGED_RECIPES)
+               else os.path.join(os.path.dirname(_PACKAGE_DIR), "configs"))
 _BASE_RECIPE = os.path.join(RECIPES_DIR, "base.py")
 
 

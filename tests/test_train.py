@@ -620,6 +620,26 @@ def test_recipes_by_name_from_any_directory(tmp_path, monkeypatch):
   assert "is a fine-tuning recipe (configs/finetune/), but --mode=train" in kind.stderr, kind.stderr[-2000:]
 
 
+def test_a_plain_install_carries_the_recipes(tmp_path):
+  # `pip install .`, not editable, from a copy (a build writes build/ into its source).
+  source, site = tmp_path / "source", tmp_path / "site"
+  for tree in ("electra_jax", "configs"):
+    shutil.copytree(os.path.join(REPO, tree), source / tree, ignore=shutil.ignore_patterns("__pycache__"))
+  for file in ("setup.py", "README.md"):
+    shutil.copy(os.path.join(REPO, file), source / file)
+  installed = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                              "--target", str(site), str(source)], capture_output=True, text=True, timeout=300)
+  assert installed.returncode == 0, installed.stderr[-2000:]
+  shutil.rmtree(source)  # nothing of the checkout is left to fall back on
+  env = dict(os.environ, PYTHONPATH=str(site))
+  where = subprocess.run([sys.executable, "-c", "from electra_jax import config_lib; print(config_lib.RECIPES_DIR)"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+  assert where.stdout.strip() == str(site / "electra_jax" / "configs"), where.stderr[-2000:]
+  typo = subprocess.run([sys.executable, "-m", "electra_jax.main", "--config=demo", "--config.train.stpes=1",
+                         f"--workdir={tmp_path}/w"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+  assert "--config.train.stpes: the config has no key 'stpes'" in typo.stderr, typo.stderr[-2000:]
+
+
 def test_ctrl_c_saves_where_it_stops_like_sigterm(tmp_path):
   """Ctrl-C lost every step since the last checkpoint, with a traceback; it now ends the run
   after the step like SIGTERM, and the end summary says where it stopped."""
