@@ -81,7 +81,7 @@ class HeldOutEvaluator:
     ]
     self.num_examples = num_rows
     self._seed = config.eval.seed
-    self._keys = data.batch_keys(bool(config.data.get("pack_rows", False))) + ("example_index",)
+    self._keys = data.batch_keys(bool(config.data.pack_rows)) + ("example_index",)
     self._mesh = mesh
     replicated = partitioning.replicated(mesh)
     self._step = jax.jit(

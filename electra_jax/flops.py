@@ -1,8 +1,6 @@
 """Model FLOPs per token (6N plus attention for each tower) and the accelerator peaks that
 turn throughput into MFU. The counting rules: docs/training.md, "Metrics"."""
 
-from typing import Optional
-
 import jax
 
 from electra_jax.models import ElectraPretrainer, EncoderConfig
@@ -76,7 +74,7 @@ def objective_flops_per_token(model: ElectraPretrainer, objective, seq_len: int)
   )
 
 
-def peak_flops(device: jax.Device) -> Optional[float]:
+def peak_flops(device: jax.Device) -> float | None:
   """Peak bf16 FLOP/s of one device, or None when unknown (CPUs, unlisted chips)."""
   kind = getattr(device, "device_kind", "")
   for name, peak in PEAK_FLOPS:

@@ -1,12 +1,6 @@
-"""How much device memory a training step needs, and the largest batch that fits.
-
-XLA reports, for a compiled step, the bytes of its arguments, outputs (the donated state aliases
-its input) and temporaries, per device. The temporaries grow linearly with the batch (the
-activations), so two compiles give bytes(batch) = fixed + per_example * batch, whose prediction
-`largest_batch` then checks by bracketing and bisection; a batch the compiler refuses outright
-(XLA's TPU compiler does when a program exceeds the chip's HBM) counts as one that does not fit.
-`train.batch_size = -1` asks `train.prepare` for the largest multiple of the batch shards that
-fits in `train.memory_fraction` of a device's memory.
+"""How much device memory a compiled training step needs (XLA's own per-device figures), and the largest
+batch that fits, which `train.batch_size = -1` asks for: a linear fit of bytes against the batch,
+checked by bracketing and bisection. A step the compiler refuses as too large does not fit.
 """
 
 from __future__ import annotations
@@ -30,11 +24,6 @@ class StepMemory:
   # XLA's cost analysis of the compiled step, per device: it counts what the compiler
   # recomputes, so it shows XLA's TPU compiler rematerializing a step to fit it in HBM.
   flops: float | None = None
-
-
-def _out_of_memory(error: Exception) -> bool:
-  """Whether a compile failed because the program needs more memory than the device has."""
-  return "RESOURCE_EXHAUSTED" in str(error) or "Ran out of memory" in str(error)
 
 
 def compiled_bytes(compiled) -> int:
@@ -78,7 +67,7 @@ def step_memory(compile_step, batch_size: int) -> StepMemory:
   try:
     compiled = compile_step(batch_size)
   except Exception as e:  # noqa: BLE001 (the compiler's error types differ between jax versions)
-    if not _out_of_memory(e):
+    if "RESOURCE_EXHAUSTED" not in str(e) and "Ran out of memory" not in str(e):  # not out of memory
       raise
     logging.info("Batch %d: the compiler refused the step as more than a device's memory "
                  "(%.0f s: %s).", batch_size, time.perf_counter() - start, str(e).splitlines()[0][:200])
@@ -121,14 +110,10 @@ def _recomputed_share(first: StepMemory, second: StepMemory, m: StepMemory) -> f
 
 
 def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, list[StepMemory]]:
-  """The largest multiple of `quantum` whose step fits in `limit_bytes` per device, with the
-  measurements taken on the way. Raises ConfigError when not even `quantum` fits.
-
-  Two compiles give a linear fit, whose prediction is the first guess; XLA's buffer layout is
-  not quite linear, so each guess that fits is followed by the line through the two largest
-  batches that fit, until one does not, and the bracket is then bisected down to one quantum:
-  a handful of compiles. A step XLA could only fit by recomputing part of it (more FLOPs per
-  example than the first two compiles) does not fit: its batch would be slower per token."""
+  """The largest multiple of `quantum` whose step fits in `limit_bytes` per device, and the measurements
+  taken. Guesses follow the line through the two largest batches that fit until one does not, then the
+  bracket is bisected; a step XLA fits only by recomputing (more FLOPs per example than the first two
+  compiles) does not fit. Raises ConfigError when not even `quantum` fits."""
   measured: list[StepMemory] = []
   fitting: list[StepMemory] = []
 
@@ -160,13 +145,9 @@ def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, li
   fit = fit_of(measured)
   while high is None or high - low > quantum:
     if high is None:
-      # Extrapolate the line through the two largest batches that fit. XLA's layout grows less
-      # than linearly past the first compiles, so this lands short and is re-aimed from the new
-      # point; a guess that overshoots brackets the answer for bisection. The layout is not even
-      # monotonic (electra_base s512 on a v5e: batch 96 took less than 88), so the slope is at
-      # least a quarter of the chord's from the smallest batch, and the guess at most 8 x low:
-      # a flat pair cannot send a compile to an absurd batch.
-      # (`fitting` is in ascending order: every candidate is above the largest that fit.)
+      # Extrapolate the line through the two largest batches that fit (`fitting` ascends); a guess
+      # that overshoots brackets the answer. XLA's layout is not even monotonic in the batch, so the
+      # slope is at least a quarter of the chord from the smallest batch and the guess at most 8 x low.
       _, chord = linear_fit(fitting[0], fitting[-1])
       _, per_example = linear_fit(fitting[-2], fitting[-1])
       per_example = max(per_example, chord / 4)

@@ -1,8 +1,6 @@
-"""ELECTRA's networks as Flax Linen modules: shared embeddings, a BERT encoder (post-LN by
-default; pre-LN, a GEGLU feed-forward and bias-free dense layers as options, see
-EncoderConfig), the generator and discriminator towers, and `ElectraPretrainer`, which owns one
-embeddings module used by both towers. Parameters carry logical axis names (see
-partitioning.py)."""
+"""ELECTRA's networks as Flax Linen modules: embeddings, the BERT encoder and its options, the generator and
+discriminator towers, `ElectraPretrainer` (one embeddings module for both towers) and the standalone towers of
+interop and fine-tuning. Parameters carry logical axis names (partitioning.py)."""
 
 import dataclasses
 import functools
@@ -13,17 +11,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from electra_jax import random_ops, splash_attention
+from electra_jax import objectives, random_ops, splash_attention
 from electra_jax.errors import ConfigError
 
 Dtype = Any
 
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", "splash")
 
-# model.remat: what each encoder layer keeps for the backward pass. "none" keeps everything
-# (fastest; right for the official sizes on any modern accelerator), "dots" keeps only the
-# matmul outputs and recomputes the elementwise work (LayerNorm, GELU, dropout, softmax),
-# "full" keeps only the layer's input and recomputes the whole layer.
+# model.remat: what each encoder layer keeps for the backward pass. "none" keeps everything, "dots"
+# keeps only the matmul outputs, "full" keeps only the layer's input.
 REMAT_POLICIES = ("none", "dots", "full")
 
 # model.norm: where each encoder layer normalizes. "post" is BERT's LN(x + f(x)); "pre" is
@@ -32,7 +28,6 @@ NORMS = ("post", "pre")
 # model.ffn: "gelu" is BERT's dense(H->I) + GELU + dense(I->H); "geglu" gates it:
 # dense(H->2I) split into (gate, value), gelu(gate) * value, then dense(I->H).
 FFNS = ("gelu", "geglu")
-
 
 
 def segment_positions(segment_ids):
@@ -67,25 +62,19 @@ def bert_init(stddev: float = 0.02):
 
 
 def gelu_exact(x):
-  """The exact (erf) GELU. jax.nn.gelu(approximate=False) goes through erfc, which XLA:CPU
-  lowers to exp and selects at about 2.5x the cost of erf; values agree to ~5e-7."""
+  """The exact GELU written with erf: jax.nn.gelu(approximate=False) goes through erfc, which XLA:CPU
+  lowers to a costlier exp-and-select."""
   return 0.5 * x * (1.0 + jax.lax.erf(x * jnp.asarray(math.sqrt(0.5), x.dtype)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def tied_vocab_logits(hidden, word_table, output_bias, dtype):
-  """float32 vocabulary logits [..., vocab] = hidden [..., E] @ word_table [vocab, E]^T (inputs
-  in the compute dtype, products accumulated and returned in float32) + output_bias: the tied
-  decoder of the MLM heads.
+  """The MLM heads' tied decoder: float32 logits [..., vocab] = hidden [..., E] @ word_table [vocab, E]^T
+  + output_bias, the product taken in `dtype` and accumulated in float32.
 
-  Its gradient is autodiff's for the product taken in the compute dtype (the float32
-  cotangent cast to it, so the backward matmuls run in bfloat16 where that is the compute
-  dtype), computed in the forms that cost least on a CPU (and no more elsewhere): the table's
-  as [E, vocab] (the logits' gradient read in its own layout, not transposed into a copy as
-  large as the logits) and, on the CPU only, the bias's as a product with a ones vector (a
-  matrix-vector product, where XLA:CPU's column reduction over the vocabulary took ten times
-  longer).
-  Together about 70 ms of a 3.2 s electra_small step on two CPU cores.
+  Its gradient is autodiff's for that product (backward matmuls in `dtype`), in the forms cheapest on a
+  CPU: the table's as [E, vocab] (the logits' gradient read in place, not transposed into a copy) and,
+  on the CPU only, the bias's as a matrix-vector product with ones (XLA:CPU's column reduction is slow).
   """
   return _tied_vocab_logits_fwd(hidden, word_table, output_bias, dtype)[0]
 
@@ -106,40 +95,30 @@ def _tied_vocab_logits_bwd(dtype, residuals, grad):
   hidden_rows = hidden.reshape(-1, hidden.shape[-1]).astype(dtype)
   d_hidden = (grad_c @ table_c).reshape(hidden.shape).astype(hidden.dtype)
   d_table = (hidden_rows.T @ grad_c).T.astype(word_table.dtype)  # via [E, vocab]
-  d_bias = jax.lax.platform_dependent(grad_rows, cpu=_column_sums_by_matmul, default=lambda g: g.sum(0))
+  # Elsewhere a plain sum, which a GPU fuses with the pass computing the logits' gradient.
+  d_bias = jax.lax.platform_dependent(
+      grad_rows, cpu=lambda g: jnp.ones((g.shape[0],), jnp.float32) @ g, default=lambda g: g.sum(0)
+  )
   return d_hidden, d_table, d_bias
-
-
-def _column_sums_by_matmul(rows):
-  # XLA:CPU's column reduction over the vocabulary takes ten times as long as this product.
-  # Elsewhere a plain sum, which a GPU fuses with the pass that computes the logits' gradient
-  # (as a product, that gradient was written out once more, in float32, for the matmul to read).
-  return jnp.ones((rows.shape[0],), jnp.float32) @ rows
 
 
 tied_vocab_logits.defvjp(_tied_vocab_logits_fwd, _tied_vocab_logits_bwd)
 
 
 def decoder_input(hidden):
-  """The MLM heads' hidden states [batch, ..., E] as the tied decoder reads them: split over
-  the batch axes only. Left to propagation, the E axis takes the word table's fsdp split, and
-  on a mesh with data, fsdp and tensor all above 1 XLA then hands the gradient of the batch
-  shards (data 0, fsdp 1) and (data 1, fsdp 0) each other's rows (measured with jax 0.10.2 on
-  2 x 2 x 2 CPU devices: the generator's gradients were wrong from the first step)."""
+  """The MLM heads' hidden states [batch, ..., E] pinned to the batch split. Left to propagation, E takes
+  the word table's fsdp split, and on a mesh with data, fsdp and tensor all above 1 XLA then swaps two
+  batch shards' rows in the heads' gradient (docs/performance.md, "Sharding")."""
   return nn.with_logical_constraint(hidden, ("act_batch",) + (None,) * (hidden.ndim - 1))
 
 
-def _param(init, axes):
-  return nn.with_logical_partitioning(init, axes)
+_param = nn.with_logical_partitioning
 
 
 def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-  """nn.Dense's product, lhs [..., in] @ rhs [in, out], taken as one [rows, in] @ [in, out]
-  matmul. The same numbers; what changes is the backward pass: the kernel's gradient becomes a
-  2-D product that contracts the rows, which XLA:CPU computes in place, whereas from [b, s, ...]
-  activations it first copied the output gradient into a transposed [out, b*s] buffer (about
-  12 ms of a 200 ms electra_small layer on two cores). GPU and TPU compilers flatten the
-  leading dimensions of a dense layer's dot themselves; the reshape is a bitcast there."""
+  """nn.Dense's product, lhs [..., in] @ rhs [in, out], taken as one [rows, in] @ [in, out] matmul: the
+  same numbers, but the kernel's gradient becomes a 2-D product XLA:CPU computes in place instead of
+  copying the output gradient into a transposed buffer. Elsewhere the reshape is a bitcast."""
   (lhs_contract, rhs_contract), batch_dims = dimension_numbers
   if lhs_contract != (lhs.ndim - 1,) or rhs_contract != (0,) or rhs.ndim != 2 or batch_dims != ((), ()):
     raise ValueError(f"rows_dot_general takes nn.Dense's [..., in] x [in, out] product, not {dimension_numbers}.")
@@ -154,15 +133,12 @@ def _dense(features, in_axis: str, out_axis: str, dtype: Dtype, name: str, use_b
            float32_out=False):
   """nn.Dense with float32 parameters and `dtype` compute; `float32_out`: the product is
   returned in float32 rather than rounded to `dtype` (for logits)."""
-  dot_general = rows_dot_general
-  if float32_out:
-    dot_general = functools.partial(rows_dot_general, preferred_element_type=jnp.float32)
   return nn.Dense(
       features,
       use_bias=use_bias,
       dtype=dtype,
       param_dtype=jnp.float32,
-      dot_general=dot_general,
+      dot_general=functools.partial(rows_dot_general, preferred_element_type=jnp.float32 if float32_out else None),
       kernel_init=_param(bert_init(), (in_axis, out_axis)),
       bias_init=_param(nn.initializers.zeros_init(), (out_axis,)),
       name=name,
@@ -205,9 +181,8 @@ class EncoderConfig:
   attention_dropout_rate: float = 0.1
   layer_norm_eps: float = 1e-12
   remat: str = "none"  # see REMAT_POLICIES
-  # One scanned layer (params stacked on a leading "layers" axis, under encoder/layers/layer)
-  # instead of layer_0 .. layer_{L-1}: compile time stops growing with depth. Checkpoints keep
-  # that layout; standalone towers, export and fine-tuning see the unscanned one (unscan_layers).
+  # One scanned layer (params stacked on a leading "layers" axis, under encoder/layers/layer) instead
+  # of layer_0 .. layer_{L-1}; standalone towers, export and fine-tuning see the unscanned layout.
   scan_layers: bool = False
   norm: str = "post"  # see NORMS
   ffn: str = "gelu"  # see FFNS
@@ -255,11 +230,8 @@ class Embeddings(nn.Module):
   def __call__(self, input_ids, token_type_ids, deterministic: bool, word_table=None, position_ids=None):
     """`word_table` [vocab, E], if given, replaces the word embeddings' own table (GDES);
     `position_ids` [batch, seq] (packed rows) replaces 0, 1, 2, ..."""
-    # The lookups read the float32 tables and the sum is taken in float32. This matters for
-    # speed as much as for precision: the gradient of a lookup is a scatter-add into the
-    # table, and on GPUs a bfloat16 scatter-add whose indices repeat (padding, [MASK], the
-    # two token types) serializes on compare-and-swap loops: 90% of an electra_small step on
-    # an H100 went there. Positions and token types need no scatter at all (see below).
+    # Lookups and sum in float32: a lookup's gradient is a scatter-add, and on GPUs a bfloat16
+    # scatter-add with repeated indices serializes. Positions and token types need no scatter.
     if word_table is None:
       word_table = self.word_embeddings.embedding
     words = jnp.take(word_table.astype(jnp.float32), input_ids, axis=0)
@@ -300,7 +272,8 @@ def embeddings_for(owner, embedding_size: int, config: EncoderConfig, **kwargs) 
 
 
 class SelfAttention(nn.Module):
-  """Multi-head self-attention through jax.nn.dot_product_attention."""
+  """Multi-head self-attention, [batch, seq, H] -> [batch, seq, H]. `attention_mask`: [batch, seq] real
+  keys (or segment ids, for splash), or a [batch, seq, seq] query x key mask."""
 
   config: EncoderConfig
   dtype: Dtype
@@ -309,7 +282,6 @@ class SelfAttention(nn.Module):
   @nn.compact
   def __call__(self, hidden, attention_mask, deterministic: bool):
     cfg = self.config
-
     mask = attention_mask.astype(bool)
     readable = _readable_neighbours(mask, cfg.attention_conv // 2) if cfg.attention_conv else None
 
@@ -330,10 +302,8 @@ class SelfAttention(nn.Module):
     key_is_real = mask[:, None, None, :] if mask.ndim == 2 else mask[:, None, :, :]
     use_dropout = not deterministic and cfg.attention_dropout_rate > 0.0
     if use_dropout:
-      # dot_product_attention has no dropout on the probabilities, which BERT and the
-      # official ELECTRA apply during training; this explicit path computes the same thing.
-      # Heads moved next to the batch first, so both products are plain batched matmuls
-      # (about 10% faster on CPU than letting the einsums transpose their operands).
+      # dot_product_attention has no dropout on the probabilities, which BERT and the official
+      # ELECTRA apply in training. Heads go next to the batch so both products are batched matmuls.
       query, key, value = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))  # [b, h, s, d]
       scores = jnp.einsum("bhqd,bhkd->bhqk", query, key) / math.sqrt(cfg.head_dim)
       scores = jnp.where(key_is_real, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
@@ -345,18 +315,15 @@ class SelfAttention(nn.Module):
       # (ElectraPretrainer passes those through for this implementation).
       context = splash_attention.splash_attention(query, key, value, attention_mask)
     elif self.attention_impl == "cudnn" and mask.ndim == 2:
-      # cuDNN's fused kernel takes the padding as lengths rather than a mask (electra-jax's
-      # rows are right-padded: real tokens first). A row with no real token (the padding rows
-      # that fill evaluation's last batch) gets length 1: cuDNN before 9.25 returns NaN for
-      # a length of 0, and one NaN, even at weight 0, would make every summed metric NaN.
+      # cuDNN takes the padding as lengths (rows are right-padded). An all-padding row (evaluation's
+      # last batch) gets length 1: cuDNN before 9.25 returns NaN for 0, which would poison the sums.
       lengths = jnp.maximum(mask.sum(-1, dtype=jnp.int32), 1)
       context = jax.nn.dot_product_attention(
           query, key, value, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
           implementation="cudnn",
       )
     else:
-      # A [batch, q, k] mask here is packed rows' segment mask or the cloze towers' causal
-      # ones. The splash kernel takes segment ids, not such masks: with it these go to XLA.
+      # A [batch, q, k] mask (packed rows, the cloze towers' causal ones): splash cannot take it.
       implementation = "xla" if self.attention_impl == "splash" else self.attention_impl
       context = jax.nn.dot_product_attention(
           query, key, value, mask=key_is_real, implementation=implementation
@@ -395,9 +362,8 @@ def _sequence_conv(x, taps, readable):
 
 
 def _conv_init(width: int, stddev: float = 0.5):
-  """The identity (centre tap 1) plus N(0, stddev) on every tap: a new layer starts as the
-  plain projection with neighbours mixed in at random, which gives attention something local
-  to read from the first step (stddev 0.5 learned fastest of 0.1 / 0.5 / 1.0 in the demo)."""
+  """The identity (centre tap 1) plus N(0, stddev) on every tap: the plain projection with neighbours
+  mixed in at random (stddev: docs/small_budget.md)."""
 
   def init(key, shape, dtype=jnp.float32):
     return (stddev * jax.random.normal(key, shape, dtype)).at[width // 2].add(1.0)
@@ -441,11 +407,9 @@ class EncoderLayer(nn.Module):
 
 
 def _feed_forward(cfg: EncoderConfig, dtype: Dtype, hidden):
-  """The position-wise FFN, [..., H] -> [..., H], called inside EncoderLayer (its dense
-  layers are the layer's `intermediate` and `output`). GEGLU's `intermediate` kernel is
-  [H, 2I], gate columns first: a GELU tree's is [H, I], so the two never load into each
-  other. (Under mesh.tensor > 1 its mlp axis is split across devices, so pairing gate and
-  value halves moves data between them; intermediate_size stays the product's width.)"""
+  """The position-wise FFN, [..., H] -> [..., H], inside EncoderLayer (dense layers `intermediate` and
+  `output`). GEGLU's `intermediate` kernel is [H, 2I], gate columns first, so a GELU tree never loads
+  into it."""
   width = 2 * cfg.intermediate_size if cfg.ffn == "geglu" else cfg.intermediate_size
   inner = _dense(width, "embed", "mlp", dtype, "intermediate", cfg.use_bias)(hidden)
   if cfg.ffn == "geglu":
@@ -540,11 +504,9 @@ def scan_layers(tree):
 
 
 def _remat_layer(policy: str, in_scan: bool = False):
-  """EncoderLayer, or EncoderLayer under jax.checkpoint with `policy` (REMAT_POLICIES). The
-  parameter tree is the same either way (layer_0, layer_1, ...). `in_scan`: the body of a
-  scan, where jax.checkpoint needs no barriers against common-subexpression elimination (the
-  loop already keeps the recomputation in the backward pass), and barriers would only stop
-  XLA from fusing across them."""
+  """EncoderLayer, or EncoderLayer under jax.checkpoint with `policy` (REMAT_POLICIES); the parameter
+  tree is the same either way. `in_scan`: a scan's body, where the loop already keeps the recomputation
+  and CSE barriers would only stop XLA from fusing across them."""
   if policy not in REMAT_POLICIES:
     raise ConfigError(f"model.remat={policy!r} is not one of {list(REMAT_POLICIES)}.")
   if policy == "none":
@@ -555,6 +517,11 @@ def _remat_layer(policy: str, in_scan: bool = False):
   }[policy]
   # Argument 3 of __call__ (self, hidden, attention_mask, deterministic) is a Python bool.
   return nn.remat(EncoderLayer, policy=saveable, static_argnums=(3,), prevent_cse=not in_scan)
+
+
+def _encoder(tower: nn.Module) -> Encoder:
+  """A tower's own encoder, inside its compact call."""
+  return Encoder(tower.config, tower.embedding_size, tower.dtype, tower.attention_impl, name="encoder")
 
 
 class Generator(nn.Module):
@@ -570,9 +537,7 @@ class Generator(nn.Module):
 
   @nn.compact
   def __call__(self, embedded, attention_mask, masked_positions, word_table, deterministic: bool):
-    encoder = self.shared_encoder or Encoder(
-        self.config, self.embedding_size, self.dtype, self.attention_impl, name="encoder"
-    )
+    encoder = self.shared_encoder or _encoder(self)
     hidden = encoder(embedded, attention_mask, deterministic)
     # Only the masked positions reach the head: the vocabulary projection is the costliest
     # matmul of a small generator, and the loss needs nothing else.
@@ -626,9 +591,7 @@ class Discriminator(nn.Module):
   @nn.compact
   def __call__(self, embedded, attention_mask, deterministic: bool, with_mlm: bool = False,
                mlm_positions=None, word_table=None):
-    encoder = self.shared_encoder or Encoder(
-        self.config, self.embedding_size, self.dtype, self.attention_impl, name="encoder"
-    )
+    encoder = self.shared_encoder or _encoder(self)
     encoded = encoder(embedded, attention_mask, deterministic)
     hidden = _dense(self.config.hidden_size, "embed", "mlp", self.dtype, "head_dense")(encoded)
     hidden = gelu_exact(hidden)
@@ -676,14 +639,10 @@ class ElectraPretrainer(nn.Module):
   discriminator_mlm_head: bool = False
   # True for Electric: the generator is the two-tower cloze model (ClozeGenerator).
   cloze_generator: bool = False
-  # True for packed rows (data.pack_rows): the `attention_mask` argument of every method is
-  # then the batch's segment ids (1, 2, ... per example, 0 on padding); attention stays
-  # within a segment and positions restart at each. A plain 0/1 mask is one segment per row,
-  # so unpacked batches give the same results either way.
+  # True for packed rows (data.pack_rows): every method's `attention_mask` is then the segment ids
+  # (1, 2, ... per example, 0 on padding); attention stays within a segment and positions restart
+  # at each. A 0/1 mask is one segment per row, so unpacked batches give the same results.
   packed: bool = False
-
-  def _embeddings(self, embedding_size: int) -> Embeddings:
-    return embeddings_for(self, embedding_size, self.discriminator_config)
 
   @property
   def generator_embedding_size(self) -> int:
@@ -698,11 +657,9 @@ class ElectraPretrainer(nn.Module):
     return segment_attention_mask(attention_mask), segment_positions(attention_mask)
 
   def setup(self):
-    if self.tie not in TIE_MODES:
-      raise ConfigError(f"model.tie={self.tie!r} is not one of {list(TIE_MODES)}.")
-    self.embeddings = self._embeddings(self.embedding_size)
+    self.embeddings = embeddings_for(self, self.embedding_size, self.discriminator_config)
     if self.tie == "none" and self.has_generator:
-      self.generator_embeddings = self._embeddings(self.generator_embedding_size)
+      self.generator_embeddings = embeddings_for(self, self.generator_embedding_size, self.discriminator_config)
     if self.tie == "gdes":
       self.discriminator_word_delta = self.param(
           "discriminator_word_delta",
@@ -710,12 +667,7 @@ class ElectraPretrainer(nn.Module):
           (self.vocab_size, self.embedding_size),
       )
     shared = None
-    if self.tie == "all":
-      if self.generator_config != self.discriminator_config:
-        raise ConfigError(
-            "model.tie='all' runs one encoder for both towers, so they must be the same size: "
-            "set model.generator_fraction=1.0."
-        )
+    if self.tie == "all":  # config_lib.validate refuses towers of different sizes
       shared = self.shared_encoder = Encoder(
           self.discriminator_config, self.embedding_size, self.dtype, self.attention_impl
       )
@@ -734,52 +686,48 @@ class ElectraPretrainer(nn.Module):
         mlm_head=self.discriminator_mlm_head, vocab_size=self.vocab_size, shared_encoder=shared,
     )
 
+  def _generator_embeddings(self) -> Embeddings:
+    return self.generator_embeddings if self.tie == "none" else self.embeddings
+
   def generator_logits(
       self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic: bool = True
   ):
     """Vocabulary logits at `masked_positions` [batch, n_pred] -> [batch, n_pred, vocab], float32."""
-    embeddings = self.generator_embeddings if self.tie == "none" else self.embeddings
+    embeddings = self._generator_embeddings()
     mask, positions = self._mask_and_positions(attention_mask)
     embedded = embeddings(input_ids, token_type_ids, deterministic, position_ids=positions)
     return self.generator(embedded, mask, masked_positions, embeddings.word_table(), deterministic)
 
   def cloze_logits(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
     """Electric's generator: [batch, seq] -> vocabulary logits at every position, float32."""
-    embeddings = self.generator_embeddings if self.tie == "none" else self.embeddings
+    embeddings = self._generator_embeddings()
     embedded = embeddings(input_ids, token_type_ids, deterministic)
     return self.generator(embedded, attention_mask, embeddings.word_table(), deterministic)
 
-  def discriminator_word_table(self):
-    """The word table the discriminator reads: the shared one, or for GDES
-    stop_gradient(shared) + delta, so L_Disc moves only the delta."""
-    if self.tie != "gdes":
-      return self.embeddings.word_table()
-    return jax.lax.stop_gradient(self.embeddings.word_table()) + self.discriminator_word_delta
+  def _discriminate(self, input_ids, token_type_ids, attention_mask, deterministic: bool, **head):
+    """The discriminator tower; it reads the shared word table, or for GDES stop_gradient(shared) +
+    delta, so L_Disc moves only the delta."""
+    word_table = self.embeddings.word_table()
+    if self.tie == "gdes":
+      word_table = jax.lax.stop_gradient(word_table) + self.discriminator_word_delta
+    mask, positions = self._mask_and_positions(attention_mask)
+    embedded = self.embeddings(
+        input_ids, token_type_ids, deterministic,
+        word_table=word_table if self.tie == "gdes" else None, position_ids=positions,
+    )
+    return self.discriminator(embedded, mask, deterministic, word_table=word_table, **head)
 
   def discriminator_logits(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
     """One "replaced" logit per token: [batch, seq] -> [batch, seq], float32."""
-    word_table = self.discriminator_word_table() if self.tie == "gdes" else None
-    mask, positions = self._mask_and_positions(attention_mask)
-    embedded = self.embeddings(
-        input_ids, token_type_ids, deterministic, word_table=word_table, position_ids=positions
-    )
-    return self.discriminator(embedded, mask, deterministic)
+    return self._discriminate(input_ids, token_type_ids, attention_mask, deterministic)
 
   def discriminator_mlm_logits(
       self, input_ids, token_type_ids, attention_mask, mlm_positions=None, deterministic: bool = True
   ):
     """(per-token logits [batch, seq], the discriminator tower's MLM logits [batch, n, vocab] at
     `mlm_positions`, or [batch, seq, vocab] when None); needs discriminator_mlm_head."""
-    word_table = self.discriminator_word_table()
-    mask, positions = self._mask_and_positions(attention_mask)
-    embedded = self.embeddings(
-        input_ids, token_type_ids, deterministic,
-        word_table=word_table if self.tie == "gdes" else None, position_ids=positions,
-    )
-    return self.discriminator(
-        embedded, mask, deterministic, with_mlm=True, mlm_positions=mlm_positions,
-        word_table=word_table,
-    )
+    return self._discriminate(input_ids, token_type_ids, attention_mask, deterministic, with_mlm=True,
+                              mlm_positions=mlm_positions)
 
   def __call__(
       self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic: bool = True
@@ -819,9 +767,9 @@ def generator_encoder_config(discriminator: EncoderConfig, fraction: float) -> E
 
 
 def _check_cudnn_shapes(discriminator: EncoderConfig, generator: EncoderConfig, config) -> None:
-  """cuDNN's fused attention takes head sizes that are multiples of 8 up to 256 (128 before
-  Hopper), and, where it reads a mask (packed rows, Electric's cloze towers), an even
-  sequence length. Refused here rather than by cuDNN at compile time."""
+  """Refuses before compiling what cuDNN's fused attention cannot take: head sizes not a multiple of 8
+  or above 256 (128 before Hopper), and an odd sequence length where it reads a mask (packed rows,
+  Electric's cloze towers)."""
   for tower, cfg in (("discriminator", discriminator), ("generator", generator)):
     if cfg.head_dim % 8 or cfg.head_dim > 256:
       raise ConfigError(
@@ -830,7 +778,7 @@ def _check_cudnn_shapes(discriminator: EncoderConfig, generator: EncoderConfig, 
           f"{cfg.hidden_size} over {cfg.num_heads} heads): change model.hidden_size, "
           "model.num_heads or model.generator_fraction, or use model.attention_impl='xla'."
       )
-  uses_mask = config.data.get("pack_rows", False) or config.objective.get("name") == "electric"
+  uses_mask = config.data.pack_rows or config.objective.name == "electric"
   if uses_mask and config.data.max_seq_len % 2:
     raise ConfigError(
         f"model.attention_impl='cudnn' with packed rows or Electric trains through cuDNN's "
@@ -841,25 +789,11 @@ def _check_cudnn_shapes(discriminator: EncoderConfig, generator: EncoderConfig, 
 
 def build_model(config) -> ElectraPretrainer:
   """The pre-training model described by a full electra-jax config (see configs/base.py)."""
-  from electra_jax import objectives  # noqa: PLC0415 (objectives does not import models)
-
   m = config.model
-  objective = config.objective.get("name", "electra")
-  discriminator = EncoderConfig(
-      hidden_size=m.hidden_size,
-      num_layers=m.num_layers,
-      num_heads=m.num_heads,
-      intermediate_size=m.intermediate_size,
-      dropout_rate=m.dropout_rate,
-      attention_dropout_rate=m.attention_dropout_rate,
-      layer_norm_eps=m.layer_norm_eps,
-      remat=m.get("remat", "none"),
-      scan_layers=bool(m.get("scan_layers", False)),
-      norm=m.norm,
-      ffn=m.ffn,
-      use_bias=m.use_bias,
-      attention_conv=m.attention_conv,
-  )
+  objective = config.objective.name
+  # EncoderConfig's fields are the model.* keys of the same names.
+  sizes = {field.name: m[field.name] for field in dataclasses.fields(EncoderConfig)}
+  discriminator = EncoderConfig(**{**sizes, "scan_layers": bool(m.scan_layers)})
   if not (type(m.attention_conv) is int and m.attention_conv >= 0 and (m.attention_conv == 0 or m.attention_conv % 2)):
     raise ConfigError(
         f"model.attention_conv={m.attention_conv!r} must be 0 (no convolution) or an odd kernel "
@@ -901,11 +835,11 @@ def build_model(config) -> ElectraPretrainer:
       discriminator_config=discriminator,
       dtype=jnp.dtype(config.train.dtype),
       attention_impl=m.attention_impl,
-      tie=m.get("tie", "embeddings"),  # absent from workdirs written before it existed
+      tie=m.tie,
       has_generator=objectives.REGISTRY[objective].has_generator,
       discriminator_mlm_head=objectives.REGISTRY[objective].mlm_head or config.objective.disc_mlm_weight > 0,
       cloze_generator=objective == "electric",
-      packed=bool(config.data.get("pack_rows", False)),
+      packed=bool(config.data.pack_rows),
   )
 
 
@@ -957,16 +891,12 @@ class ElectraGeneratorModel(_TowerOverEmbeddings):
 
   def setup(self):
     super().setup()
-    self.generator = Generator(
-        self.config, self.embedding_size, self.vocab_size, self.dtype, self.attention_impl
-    )
+    self.generator = Generator(self.config, self.embedding_size, self.vocab_size, self.dtype, self.attention_impl)
 
   def __call__(self, input_ids, attention_mask=None, token_type_ids=None, deterministic: bool = True):
     embedded, attention_mask = self._embed(input_ids, attention_mask, token_type_ids, deterministic)
     every_position = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]), input_ids.shape)
-    return self.generator(
-        embedded, attention_mask, every_position, self.embeddings.word_table(), deterministic
-    )
+    return self.generator(embedded, attention_mask, every_position, self.embeddings.word_table(), deterministic)
 
 
 class ElectraEncoderModel(_TowerOverEmbeddings):

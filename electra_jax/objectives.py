@@ -1,6 +1,6 @@
-"""ELECTRA's replaced-token-detection objective as pure functions: masking, Gumbel sampling,
-corruption, the two losses and the official pre-training metrics. No Flax state lives here;
-the model enters only through `ElectraPretrainer.apply`."""
+"""Pre-training objectives as pure functions: masking, Gumbel sampling, corruption, the losses and the
+official metrics, and REGISTRY, which maps objective.name to its forward pass, metrics and config checks.
+The model enters only through `ElectraPretrainer.apply`."""
 
 import dataclasses
 import functools
@@ -15,10 +15,6 @@ from electra_jax import random_ops
 from electra_jax.errors import ConfigError
 
 
-ELECTRIC_UNPACKED = (
-    "Electric's cloze generator reads across the row's ends, so it cannot train on packed rows: "
-    "set data.pack_rows=False for objective.name='electric'."
-)
 # BERT's masking for objective "mlm": of the chosen positions 80% [MASK], 10% a random token,
 # 10% kept.
 _BERT_KEEP_PROB, _BERT_RANDOM_PROB = 0.1, 0.1
@@ -80,11 +76,9 @@ class ElectraObjective:
 
 
 def sampling_temperature(objective: ElectraObjective, step):
-  """The generator's sampling temperature at `step` (a step count, traced or not): a pure
-  function of the step, so a resumed run samples as an uninterrupted one. Without a schedule it
-  is the Python float objective.temperature, so the compiled step is the one a constant
-  temperature always gave; with one, initial + (final - initial) * min(1, step / decay_steps)
-  in float32."""
+  """The generator's sampling temperature at `step` (traced or not), a pure function of the step so a
+  resumed run samples as an uninterrupted one: initial + (final - initial) * min(1, step / decay_steps)
+  in float32, or without a schedule the Python float objective.temperature."""
   initial, final = objective.initial_temperature, objective.temperature
   if initial is None or initial == final or objective.temperature_decay_steps <= 0:
     return final
@@ -159,13 +153,10 @@ def mask_tokens(rng, input_ids, attention_mask, objective: ElectraObjective) -> 
 
 
 def sample_tokens(keys, logits, temperature: float, disallowed_ids=None):
-  """Gumbel-max sampling from softmax(logits / temperature), in float32, one PRNG key per
-  example (`keys` [batch]) so a row's draw does not depend on how the batch is split into
-  micro-batches or devices. The draw is discrete and wrapped in stop_gradient: no gradient
-  can flow back to the generator through it. `disallowed_ids` [batch, n_pred], if given,
-  get their logit lowered by 1000 after the division by the temperature, as the official
-  disallow_correct does (sample_from_softmax(logits / temperature, disallow)): lowered before
-  it, the penalty would shrink to 1000 / temperature and let a hot sampler draw the original."""
+  """Gumbel-max samples [batch, n_pred] from softmax(logits / temperature) in float32, with no gradient.
+  One PRNG key per example (`keys` [batch]), so a row's draw does not depend on how the batch is split.
+  `disallowed_ids` [batch, n_pred], if given, lose 1000 after the division by the temperature, as the
+  official disallow_correct does (before it, a hot sampler could still draw the original)."""
   logits = jax.lax.stop_gradient(logits.astype(jnp.float32)) / temperature
   if disallowed_ids is not None:
     logits = logits - _DISALLOW_PENALTY * jax.nn.one_hot(disallowed_ids, logits.shape[-1], dtype=jnp.float32)
@@ -209,34 +200,13 @@ class Normalizers(NamedTuple):
     )
 
 
-def _argmax_first(z):
-  """jnp.argmax over the last axis (the first maximal index), int32, in the form that is
-  fastest on each platform (both give the same index). Logits here are never NaN."""
-  return jax.lax.platform_dependent(z, cpu=_argmax_two_reductions, default=_argmax_one_reduction)
-
-
-def _argmax_one_reduction(z):
-  # One (value, index) reduction: on a GPU it fuses with what computes z, so the Gumbel-noised
-  # logits are never written out; two reductions made XLA store them (about 600 MB of memory
-  # traffic per electra_small step at batch 128, benchmarks/compile_audit.py).
-  return jnp.argmax(z, axis=-1).astype(jnp.int32)
-
-
-def _argmax_two_reductions(z):
-  """The maximum, then the smallest index holding it, the index search in float32 (exact below
-  2**24). Over a vocabulary, XLA:CPU takes about twice as long for jnp.argmax (its variadic
-  (value, index) reduce runs unvectorised) and for an int32 index search. Both reductions are
-  ones the SPMD partitioner knows, so the vocabulary axis may be sharded."""
-  return _index_of(z, z.max(-1))
-
-
 def _max_and_argmax(z):
-  """(maximum, first maximal index as int32) over the last axis, in the fewest passes over z
-  on each platform: off the CPU one (value, index) reduction and a gather of the value; on
-  the CPU the maximum and then the index search of _argmax_two_reductions."""
+  """(maximum, first maximal index as int32) over the last axis; z is never NaN. Off the CPU one
+  (value, index) reduction, which fuses with what computes z; on the CPU, whose variadic reduce runs
+  unvectorised, the maximum and then a float32 search for its first index (_argmax_two_reductions)."""
 
   def one_reduction(z):
-    index = _argmax_one_reduction(z)
+    index = jnp.argmax(z, axis=-1).astype(jnp.int32)
     return jnp.take_along_axis(z, index[..., None], axis=-1)[..., 0], index
 
   def two_reductions(z):
@@ -246,8 +216,18 @@ def _max_and_argmax(z):
   return jax.lax.platform_dependent(z, cpu=two_reductions, default=one_reduction)
 
 
+def _argmax_first(z):
+  """jnp.argmax over the last axis, int32, in the form fastest on each platform."""
+  return _max_and_argmax(z)[1]
+
+
+def _argmax_two_reductions(z):
+  """_argmax_first's CPU form."""
+  return _index_of(z, z.max(-1))
+
+
 def _index_of(z, top):
-  """The first index along the last axis where z equals `top`, searched in float32."""
+  """The first index along the last axis where z equals `top`, searched in float32 (exact below 2**24)."""
   assert z.shape[-1] < 2**24, z.shape
   index = jax.lax.broadcasted_iota(jnp.float32, z.shape, z.ndim - 1)
   return jnp.min(jnp.where(z == top[..., None], index, float(z.shape[-1])), -1).astype(jnp.int32)
@@ -255,15 +235,9 @@ def _index_of(z, top):
 
 @jax.custom_vjp
 def _weighted_nll_sum(logits, top, target_ids, weights):
-  """(sum(weights * (logsumexp(logits) - logits[target_ids])), logsumexp(logits) [...]) over
-  the last axis of float32 logits; `top` [...] is each row's maximum logit, the logsumexp's
-  shift (no gradient). The logsumexp is returned for metrics only: no gradient flows back
-  through it.
-
-  Written out with its gradient, weights * (softmax - one_hot(target)), as one elementwise
-  pass: autodiff took a second full-size pass to add the two terms' gradients (and, on GPUs,
-  wrote the sum out in float32 besides the bfloat16 copy the matmuls read), and the target
-  logit is a gather, not a pass over the vocabulary."""
+  """(sum(weights * (logsumexp(logits) - logits[target_ids])), logsumexp(logits) [...]) over the last
+  axis of float32 logits; `top` [...] is each row's maximum, the logsumexp's shift. Only the sum carries
+  a gradient, weights * (softmax - one_hot(target)), written out as one elementwise pass."""
   return _weighted_nll_sum_fwd(logits, top, target_ids, weights)[0]
 
 
@@ -280,7 +254,7 @@ def _weighted_nll_sum_bwd(residuals, grads):
   logits, shifted_exp, total, lse, target_ids, weights = residuals
   grad = grads[0]  # the logsumexp output carries none (see _weighted_nll_sum)
   # The CPU reads the forward's exponentials back (an exp costs more there than the memory);
-  # elsewhere they are computed again, so they are never written out (nothing reads them then).
+  # elsewhere they are recomputed, so they are never written out.
   softmax = jax.lax.platform_dependent(
       logits, shifted_exp, total, lse,
       cpu=lambda _, shifted_exp, total, __: shifted_exp / total[..., None],
@@ -295,12 +269,9 @@ _weighted_nll_sum.defvjp(_weighted_nll_sum_fwd, _weighted_nll_sum_bwd)
 
 
 def _mlm_sums(logits, target_ids, weights, with_log_normalizer: bool = False):
-  """(summed cross-entropy, summed correct argmax) of vocabulary logits against targets, and
-  with `with_log_normalizer` also each row's logsumexp [...] (no gradient), which the loss
-  computes anyway. The maximum that shifts the logsumexp is the one the accuracy's argmax
-  finds, so the forward pass reads the logits twice off the CPU (the argmax, the
-  exponentials) and three times on it (the maximum, the index search, the exponentials),
-  where it took four and five."""
+  """(summed cross-entropy, summed correct argmax) of vocabulary logits against targets, and with
+  `with_log_normalizer` each row's logsumexp [...] (no gradient). The accuracy's argmax also finds the
+  logsumexp's shift, so the logits are read as few times as possible."""
   top, predicted = _max_and_argmax(jax.lax.stop_gradient(logits))
   nll_sum, log_normalizer = _weighted_nll_sum(logits, top, target_ids, weights)
   correct = (predicted == target_ids) * weights
@@ -428,7 +399,7 @@ def _discriminator_logits(p: _Pass, corrupted_ids):
   return p.tower(p.model.discriminator_logits, corrupted_ids, rng=p.disc_rng), None
 
 
-def _per_token(p: _Pass, disc_logits, is_replaced, token_weights, replaced_prob) -> dict:
+def _per_token(disc_logits, is_replaced, token_weights, replaced_prob) -> dict:
   return {"disc_logits": disc_logits, "is_replaced": is_replaced, "token_weights": token_weights,
           "replaced_prob": replaced_prob}
 
@@ -449,7 +420,7 @@ def _detection_loss(p: _Pass, disc_logits, is_replaced, replaced_prob, token_wei
       num_tokens=token_weights.sum(),
   )
   loss = p.objective.disc_weight * disc_loss_sum / normalizer
-  return loss, _per_token(p, disc_logits, is_replaced, token_weights, replaced_prob)
+  return loss, _per_token(disc_logits, is_replaced, token_weights, replaced_prob)
 
 
 def _electra(p: _Pass, only_masked: bool = False):
@@ -530,7 +501,7 @@ def _mlm(p: _Pass):
   weights = p.token_weights
   zeros = jnp.zeros_like(weights)
   return mlm_loss_sum / p.normalizers.num_predictions, _per_token(
-      p, zeros, jnp.zeros_like(p.batch["attention_mask"], bool), weights, zeros)
+      zeros, jnp.zeros_like(p.batch["attention_mask"], bool), weights, zeros)
 
 
 def _replace_mlm(p: _Pass):
@@ -538,7 +509,7 @@ def _replace_mlm(p: _Pass):
   s = _sample(p, _generator_logits(p))
   _, main_loss = _tower_mlm(p, s.corrupted_ids)
   weights = p.token_weights
-  return s.gen_loss + main_loss, _per_token(p, jnp.zeros_like(weights), s.is_replaced, weights, s.replaced_prob)
+  return s.gen_loss + main_loss, _per_token(jnp.zeros_like(weights), s.is_replaced, weights, s.replaced_prob)
 
 
 def _all_tokens_mlm(p: _Pass):
@@ -565,7 +536,7 @@ def _all_tokens_mlm(p: _Pass):
   main_correct = ((p_original > best_other) * weights).sum()
   p.stats.update(main_loss_sum=main_loss_sum, main_correct=main_correct, main_count=weights.sum())
   main_loss = main_loss_sum / p.normalizers.num_tokens
-  return s.gen_loss + main_loss, _per_token(p, jnp.zeros_like(weights), s.is_replaced, weights, s.replaced_prob)
+  return s.gen_loss + main_loss, _per_token(jnp.zeros_like(weights), s.is_replaced, weights, s.replaced_prob)
 
 
 def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dropout_rng,
@@ -704,27 +675,29 @@ def _no_check(config):
 
 
 def _check_no_generator_to_share(config):
-  name, tie = config.objective.name, config.model.get("tie")
-  if tie == "all":
-    raise ConfigError(f"objective.name={name!r} has no generator tower to share an encoder with; use "
+  if config.model.tie == "all":
+    raise ConfigError(f"objective.name={config.objective.name!r} has no generator tower to share an encoder with; use "
                       "model.tie='embeddings' (or 'none', 'gdes').")
 
 
 def _check_electric(config):
   _check_no_generator_to_share(config)
-  if config.data.get("pack_rows", False):
-    raise ConfigError(ELECTRIC_UNPACKED)
+  if config.data.pack_rows:
+    raise ConfigError(
+        "Electric's cloze generator reads across the row's ends, so it cannot train on packed rows: "
+        "set data.pack_rows=False for objective.name='electric'."
+    )
 
 
 def _check_two_stage(config):
   m = config.model
-  if m.generator_fraction != 1.0 or m.get("tie") == "all":
+  if m.generator_fraction != 1.0 or m.tie == "all":
     raise ConfigError(
         "objective.name='two_stage' starts the discriminator from the generator's weights, so the "
         f"towers must be the same size and separate: model.generator_fraction=1.0 (is "
-        f"{m.generator_fraction}) and model.tie other than 'all' (is {m.get('tie')!r})."
+        f"{m.generator_fraction}) and model.tie other than 'all' (is {m.tie!r})."
     )
-  if m.get("tie") == "none":
+  if m.tie == "none":
     raise ConfigError(
         "objective.name='two_stage' starts the discriminator from the generator's weights, but with "
         "model.tie='none' the generator's embeddings are its own, so the discriminator would enter "
@@ -848,7 +821,7 @@ def ignored_keys(name: str) -> tuple[str, ...]:
 
 def check_config(config) -> None:
   """objective.name and the keys whose meaning depends on it, refused by name."""
-  name, disc_mlm_weight = config.objective.get("name", "electra"), config.objective.disc_mlm_weight
+  name, disc_mlm_weight = config.objective.name, config.objective.disc_mlm_weight
   if not (math.isfinite(disc_mlm_weight) and disc_mlm_weight >= 0):
     raise ConfigError(f"objective.disc_mlm_weight={disc_mlm_weight} must be finite and >= 0 (0 = off).")
   if name not in REGISTRY:
@@ -865,10 +838,7 @@ def check_config(config) -> None:
 def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjective:
   """`special_ids` maps pad/cls/sep/mask to the tokenizer's ids."""
   o = config.objective
-  # Workdirs written before these keys existed lack them: they ran the defaults.
-  name = o.get("name", "electra")
-  if name not in OBJECTIVES:
-    raise ConfigError(f"objective.name={name!r} is not one of {list(OBJECTIVES)}.")
+  name = o.name
   bert_masking = name == "mlm"
   # No schedule (the same temperature at both ends, or no steps to fall over): None and 0, so
   # the objective, and the step compiled from it, is the constant temperature's.
@@ -877,10 +847,10 @@ def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjecti
   return ElectraObjective(
       disc_mlm_weight=o.disc_mlm_weight,
       name=name,
-      disallow_correct=o.get("disallow_correct", False),
+      disallow_correct=o.disallow_correct,
       random_token_prob=_BERT_RANDOM_PROB if bert_masking else 0.0,
-      switch_step=o.get("two_stage_switch", 0) or config.train.steps // 2,
-      adversarial_mlm_weight=o.get("adversarial_mlm_weight", 0.0),
+      switch_step=o.two_stage_switch or config.train.steps // 2,
+      adversarial_mlm_weight=o.adversarial_mlm_weight,
       vocab_size=special_ids.get("vocab_size", config.model.vocab_size),
       mask_prob=o.mask_prob,
       max_predictions=official_max_predictions(o.mask_prob, config.data.max_seq_len),

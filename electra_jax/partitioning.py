@@ -73,14 +73,9 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
 @contextlib.contextmanager
 def activate(mesh: Mesh):
   """The context in which model code is traced, so logical constraints reach the compiler."""
-  with _set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
+  set_mesh = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh  # jax 0.6 (Python 3.10) has only use_mesh
+  with set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
     yield
-
-
-def _set_mesh(mesh: Mesh):
-  # jax.set_mesh arrived in jax 0.7; jax 0.6 (the newest on Python 3.10) calls it use_mesh.
-  set_mesh = getattr(jax, "set_mesh", None)
-  return set_mesh(mesh) if set_mesh is not None else jax.sharding.use_mesh(mesh)
 
 
 def _fit_to_shape(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh) -> PartitionSpec:

@@ -1,19 +1,9 @@
-"""Uniform, Bernoulli and Gumbel draws that equal jax.random's bit for bit, but are cheap on CPUs.
+"""Uniform, Bernoulli and Gumbel draws equal to jax.random's bit for bit, and Dropout built on them.
 
-jax.random's default generator hashes a counter per element with Threefry-2x32 (20 rounds).
-On GPU and TPU the rounds are unrolled and fuse into the consumer. On CPU, JAX lowers them as
-a rolled loop (to keep compile times short): five iterations, each reading and writing the
-whole [elements] x 2 words array, and nothing fuses across the loop. For ELECTRA's largest
-draws (dropout masks, and the Gumbel noise over the vocabulary at every masked position, about
-18 M floats per step for electra_small at batch 32) that loop costs 12% of a CPU step
-(benchmarks/RESULTS.md, 2026-11-25).
-
-Here the same hash is written out as plain uint32 arithmetic, which XLA fuses with the
-comparison or logarithms that consume it. The counters, the key words, the rounds and the
-bit-to-float conversion follow jax.random's threefry2x32 with `jax_threefry_partitionable`
-(JAX's default), so the draws are the very same numbers (tests/test_random_ops.py checks
-equality with jax.random). Any other setup (another PRNG implementation, the non-partitionable
-layout, the high-range Gumbel mode) falls back to jax.random itself.
+XLA:CPU lowers jax.random's Threefry-2x32 as a rolled loop that nothing fuses across, which costs a
+CPU step measurably (benchmarks/RESULTS.md); here the same hash is plain uint32 arithmetic that fuses
+with its consumer. The draws follow jax.random's partitionable threefry2x32 (JAX's default); any other
+setup (another PRNG, the non-partitionable layout, high-range Gumbel) falls back to jax.random.
 """
 
 from __future__ import annotations

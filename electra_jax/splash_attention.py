@@ -1,18 +1,7 @@
-"""Splash attention: the Pallas flash-attention kernel for TPUs, for `model.attention_impl='splash'`.
-
-The kernel (jax.experimental.pallas.ops.tpu.splash_attention) computes softmax(q k^T / sqrt(d)) v
-block by block without ever holding the [seq, seq] scores, and keeps a query from a key of
-another segment through per-token segment ids. electra-jax's rows give it those directly:
-0/1 attention masks (one example per row, padding is segment 0) or the segment ids of packed
-rows (1, 2, ... per example). A padding query then attends to padding keys only, whose
-outputs nothing reads; every real token's output equals the masked softmax reference.
-
-The kernel works on one device's block of the batch and heads, so under a mesh (jax.set_mesh,
-as `partitioning.activate` does) it runs inside `jax.shard_map`: batch split over the data and
-fsdp axes, heads over the tensor axis when they divide it. A program compiled for another
-platform than TPU runs it in Pallas's interpret mode, which is exact but slow: use it to test,
-not to train. The choice follows the platform compiled for (lax.platform_dependent), so a TPU
-program compiled ahead of time on a CPU host holds the real kernel.
+"""`model.attention_impl='splash'`: the Pallas splash (flash) attention kernel for TPUs, which takes
+0/1 masks or packed rows' segment ids as its segment ids. Under a mesh it runs inside `jax.shard_map`
+(batch over data and fsdp, heads over tensor when they divide it); a program compiled for another
+platform runs it in Pallas's interpret mode, exact but slow (for tests).
 """
 
 from __future__ import annotations
@@ -63,19 +52,8 @@ def _kernel(num_heads: int, seq_len: int, interpret: bool):
   kernel = kernel_lib.make_splash_mha(
       mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret
   )
-  # Built afresh per trace: the kernel holds arrays made while tracing, which must not
-  # outlive it (a cache across traces leaks tracers).
+  # Built afresh per trace: a cache across traces would leak the tracers the kernel holds.
   return kernel, kernel_lib.SegmentIds
-
-
-def _mesh_platform() -> str | None:
-  """The platform of the mesh in use (jax.set_mesh, as training and evaluation trace their
-  steps), None outside one (shape-only traces such as parameter init)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return None
-  device = getattr(mesh, "abstract_device", None)  # jax >= 0.7
-  return getattr(device, "platform", None) or jax.devices()[0].platform
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,9 +79,8 @@ def _local_attention(query, key, value, segment_ids, *, interpret: bool):
   except NotImplementedError as error:
     if "multiple of 128" not in str(error):
       raise
-    # The kernel of jax < 0.7 (Python 3.10's newest is 0.6) takes head_dim only in whole
-    # 128-lane tiles. Zero columns change no score q.k, and the outputs' extra columns are
-    # dropped: the same values and gradients.
+    # jax < 0.7 (Python 3.10's newest): the kernel takes head_dim only in whole 128-lane tiles. Zero
+    # columns change no score, and the extra output columns are dropped.
     widths = [(0, 0)] * 3 + [(0, -head_dim % 128)]
     out = jax.vmap(per_example)(*(jnp.pad(x, widths) for x in (q, k, v)), ids)[..., :head_dim]
   return to_heads_first(out)
@@ -112,9 +89,12 @@ def _local_attention(query, key, value, segment_ids, *, interpret: bool):
 def splash_attention(query, key, value, segment_ids):
   """query/key/value [batch, seq, heads, head_dim]; segment_ids [batch, seq] (0 = padding, and
   a query sees only keys of its own segment) -> [batch, seq, heads, head_dim]."""
-  platform = _mesh_platform()
-  if platform not in (None, "tpu"):  # a step traced for a mesh of another platform
-    _warn_interpret(platform)
+  mesh = jax.sharding.get_abstract_mesh()  # jax.set_mesh's; empty in shape-only traces (parameter init)
+  if not mesh.empty:
+    device = getattr(mesh, "abstract_device", None)  # jax >= 0.7
+    platform = getattr(device, "platform", None) or jax.devices()[0].platform
+    if platform != "tpu":  # a step traced for a mesh of another platform
+      _warn_interpret(platform)
   check_seq_len(query.shape[1])
 
   def attend(*args):
@@ -125,14 +105,12 @@ def splash_attention(query, key, value, segment_ids):
         default=functools.partial(_local_attention, interpret=True),
     )
 
-  mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return attend(query, key, value, segment_ids)
   batch_axes = tuple(a for a in partitioning.BATCH_AXES if a in mesh.axis_names)
   batch_shards = math.prod(mesh.shape[a] for a in batch_axes)
   if query.shape[0] % batch_shards:
-    # Only shape-only traces (parameter init on one dummy row) get here: training batches are
-    # checked to divide over the batch shards before anything compiles.
+    # Only shape-only traces (parameter init on one dummy row) get here.
     return attend(query, key, value, segment_ids)
   tensor = mesh.shape.get("tensor", 1)
   heads_axis = "tensor" if tensor > 1 and query.shape[2] % tensor == 0 else None
