@@ -130,8 +130,10 @@ def _parse_value(key: str, raw: str, field_type) -> Any:
     return raw
 
 
-def apply_overrides(base: ml_collections.ConfigDict, overrides: Sequence[Override]) -> ml_collections.ConfigDict:
-  """A copy of `base` with `overrides` applied; ConfigError naming a bad key or value."""
+def apply_overrides(base: ml_collections.ConfigDict, overrides: Sequence[Override],
+                    what: str = "Sweep") -> ml_collections.ConfigDict:
+  """A copy of `base` with `overrides` applied; ConfigError naming a bad key or value (as
+  `what` key ...: a sweep's, or the Python API's)."""
   config = copy.deepcopy(base)
   for key, raw in overrides:
     try:
@@ -139,14 +141,14 @@ def apply_overrides(base: ml_collections.ConfigDict, overrides: Sequence[Overrid
     except (KeyError, AttributeError) as error:
       missing, hint = config_lib.missing_key(error)
       raise ConfigError(
-          f"Sweep key {key!r} is not a config key: the config has no {missing!r}. {hint + ' ' if hint else ''}"
+          f"{what} key {key!r} is not a config key: the config has no {missing!r}. {hint + ' ' if hint else ''}"
           "configs/base.py lists every key."
       ) from None
     value = _parse_value(key, raw, field_type)
     try:
       config_path.set_value(key, config, value)
     except (TypeError, ValueError, KeyError, AttributeError) as error:
-      raise ConfigError(f"Sweep value {key}={raw!r} does not fit the config: {error}") from None
+      raise ConfigError(f"{what} value {key}={raw!r} does not fit the config: {error}") from None
   return config
 
 

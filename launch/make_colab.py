@@ -25,11 +25,14 @@ evaluates it on held-out text.
 
 The demo recipe trains 600 steps; change `OVERRIDES` below for longer or larger runs."""),
     ("code", f"""\
-{COLAB_ONLY}: clones electra-jax and installs it (the recipes in configs/ come with the clone).
+{COLAB_ONLY}: clones electra-jax and installs it (the recipes come with the package), with
+# JAX's TPU build on a TPU runtime.
+import glob
 REPO_URL = "https://github.com/OWNER/electra-jax"  # <- the repository to install from
 BRANCH = "main"
+ON_TPU = bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 !git clone --quiet --depth=1 --branch={{BRANCH}} {{REPO_URL}} electra-jax
-%pip install --quiet ./electra-jax"""),
+%pip install --quiet ./electra-jax {{'"jax[tpu]"' if ON_TPU else ''}}"""),
     ("code", """\
 # The devices JAX sees: 8 TPU cores on a v2-8/v3-8 runtime, 1 chip on v5e-1/v6e-1.
 import json
@@ -45,9 +48,8 @@ for device in jax.devices():
 # The run: the demo recipe plus OVERRIDES ("group.key": value, as --config.group.key=value
 # on the command line). Re-running the notebook resumes from WORKDIR's latest checkpoint; a
 # WORKDIR on a mounted Google Drive (/content/drive/MyDrive/...) outlives the Colab session.
-from electra_jax import config_lib, train
+from electra_jax import api
 
-CONFIGS_DIR = os.environ.get("ELECTRA_JAX_CONFIGS", "electra-jax/configs")
 WORKDIR = os.environ.get("ELECTRA_JAX_NOTEBOOK_WORKDIR", "workdirs/colab_demo")
 OVERRIDES = {
     # "train.steps": 2000,
@@ -55,15 +57,7 @@ OVERRIDES = {
 }
 OVERRIDES.update(json.loads(os.environ.get("ELECTRA_JAX_NOTEBOOK_OVERRIDES", "{}")))
 
-config = config_lib.sibling(os.path.join(CONFIGS_DIR, "demo.py"), "demo").get_config()
-for key, value in OVERRIDES.items():
-  *groups, name = key.split(".")
-  node = config
-  for group in groups:
-    node = node[group]
-  if name not in node:
-    raise KeyError(f"{key!r} is not a config key; every key is listed in {CONFIGS_DIR}/base.py.")
-  node[name] = value
+config = api.load_config("demo", OVERRIDES)  # a mistyped key is refused, with the nearest name
 m, t = config.model, config.train
 print(f"hidden {m.hidden_size}, {m.num_layers} layers, generator {m.generator_fraction:g}x; "
       f"{t.steps} steps of {t.batch_size} x {config.data.max_seq_len} tokens -> {WORKDIR}")"""),
@@ -83,7 +77,7 @@ outcome = {}
 
 def pretrain():
   try:
-    outcome["metrics"] = train.train_and_evaluate(config, WORKDIR)
+    outcome["metrics"] = api.pretrain(config, WORKDIR)
   except BaseException as error:  # shown by the cell below the thread, not lost in it
     outcome["error"] = error
 
@@ -139,14 +133,15 @@ print(f"Done: checkpoints in {WORKDIR}/checkpoints, metrics in {metrics_path}")"
     ("code", """\
 # Held-out evaluation of the latest checkpoint: documents the run never trained on, with
 # fixed masks, so the figures compare across checkpoints and runs.
-held_out = train.evaluate_checkpoint(config, WORKDIR)
+held_out = api.evaluate(WORKDIR)
 print(f"held-out metrics of the checkpoint at step {held_out['step']}:")
 for name, value in sorted(held_out.items()):
   if name != "step":
     print(f"  {name:28s} {value:.4f}")"""),
     ("markdown", """\
-Next: `!python -m electra_jax.main --mode=export_hf --workdir={WORKDIR} --out=hf_model` writes
-the discriminator in Hugging Face format (`transformers.ElectraForPreTraining.from_pretrained`).
+Next: `api.export_hf(WORKDIR, "hf_model")` writes the discriminator and its tokenizer in Hugging
+Face format (`transformers.ElectraForPreTraining` and `AutoTokenizer.from_pretrained`), and
+`api.finetune(api.load_config("finetune/custom", {...}), "finetuned")` fine-tunes it.
 For TPU pods, GPU hosts and SLURM clusters see `launch/README.md` in the repository."""),
 ]
 

@@ -545,3 +545,29 @@ def test_a_second_run_on_the_same_task_folder_is_refused_before_it_deletes_anyth
   (task_dir / workdir_lease.LEASE_FILE).write_text(json.dumps(dict(holder, released=True)))
   trainer.run_finetune(config, str(tmp_path / "w"))  # the other run has ended: this one goes
   assert not kept.exists() and json.loads((task_dir / workdir_lease.LEASE_FILE).read_text())["released"]
+
+
+def test_the_python_api_pretrains_evaluates_finetunes_and_exports_the_demo(tmp_path, capfd):
+  from conftest import TINY_OVERRIDES  # noqa: PLC0415
+  from electra_jax import api  # noqa: PLC0415
+
+  with pytest.raises(ConfigError, match="Override key 'train.stpes' is not a config key"):
+    api.load_config("demo", {"train.stpes": 4})
+  config = api.load_config("demo", {**TINY_OVERRIDES, "train.steps": 4, "checkpoint.every_steps": 4,
+                                    "eval.every_steps": 4, "objective.temperature": 1.5, "train.log_every": 2})
+  assert (config.objective.temperature, config.train.steps, config.model.hidden_size) == (1.5, 4, 32)
+  workdir = tmp_path / "pretrained"
+  metrics = api.pretrain(config, str(workdir))
+  assert metrics["step"] == 4 and np.isfinite(metrics["loss"])
+  assert "Compiled the train step" in capfd.readouterr().err  # the progress reaches a notebook's stderr
+  held_out = api.evaluate(str(workdir))
+  assert held_out["step"] == 4 and 0.0 <= held_out["disc_auc"] <= 1.0
+
+  paths = write_synthetic(tmp_path, 64, 32, 8)
+  finetuning = api.load_config("finetune/tiny", {"init_from": str(workdir), "epochs": 1,
+                                                 "custom.train_file": paths["train"], "custom.dev_file": paths["dev"]})
+  results = api.finetune(finetuning, str(tmp_path / "finetuned"))
+  assert 0.0 <= results["summary"]["custom"]["accuracy"]["mean"] <= 1.0
+  assert (tmp_path / "finetuned" / "custom" / "results.json").exists()
+  exported = api.export_hf(str(workdir), str(tmp_path / "hf"))
+  assert sorted(exported) == ["discriminator"] and os.path.exists(os.path.join(exported["discriminator"], "tokenizer.json"))

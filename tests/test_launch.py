@@ -606,8 +606,7 @@ def test_notebook_pretrains_and_evaluates_on_cpu(tmp_path):
   # No evaluation during training: the notebook's last cell evaluates the checkpoint.
   overrides = dict(TINY_OVERRIDES, **{"train.steps": 4, "train.log_every": 2, "checkpoint.every_steps": 4,
                                       "eval.every_steps": 0})
-  env = dict(os.environ, ELECTRA_JAX_CONFIGS=os.path.join(REPO, "configs"),
-             ELECTRA_JAX_NOTEBOOK_WORKDIR=str(tmp_path / "wd"), ELECTRA_JAX_NOTEBOOK_PLOT="0",
+  env = dict(os.environ, ELECTRA_JAX_NOTEBOOK_WORKDIR=str(tmp_path / "wd"), ELECTRA_JAX_NOTEBOOK_PLOT="0",
              ELECTRA_JAX_NOTEBOOK_OVERRIDES=json.dumps(overrides))
   done = subprocess.run([sys.executable, "-c", runner], input=json.dumps(cells), cwd=tmp_path, env=env,
                         capture_output=True, text=True, timeout=300)

@@ -1,0 +1,61 @@
+"""The Python API, for notebooks and scripts: a recipe with overrides, then pre-training,
+evaluation, fine-tuning and export. Each logs its progress to stderr (which notebooks show)
+and returns what the command line prints."""
+
+import os
+from collections.abc import Mapping
+
+import ml_collections
+from absl import logging
+
+from electra_jax import config_lib, interop, sweep, train
+from electra_jax.errors import ConfigError
+
+
+def load_config(recipe: str, overrides: Mapping[str, object] | None = None) -> ml_collections.ConfigDict:
+  """A recipe by name or path (`"demo"`, `"finetune/tiny"`, `"configs/electra_small.py"`, with
+  `:ARG` for recipes that take one) and `{"group.key": value}` overrides, each checked as the
+  command line checks `--config.group.key=value`."""
+  path, _, arg = config_lib.resolve_recipe(recipe).partition(":")
+  if not os.path.isfile(path):
+    raise ConfigError(f"recipe={recipe!r} is neither a file nor a recipe in {config_lib.RECIPES_DIR} "
+                      "(e.g. 'demo', 'electra_small', 'finetune/glue').")
+  module = config_lib.sibling(path, os.path.splitext(os.path.basename(path))[0])
+  config = module.get_config(arg) if arg else module.get_config()
+  written = [(key, value if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else repr(value))
+             for key, value in (overrides or {}).items()]
+  return sweep.apply_overrides(config, written, what="Override")
+
+
+def _log_progress() -> None:
+  # Outside absl's app.run, absl logs nothing below WARNING and only through Python's root logger.
+  logging.set_verbosity(logging.INFO)
+  logging.use_absl_handler()
+
+
+def pretrain(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+  """Pre-trains (or resumes) in `workdir`, as `--mode=train`; the final metrics."""
+  _log_progress()
+  return train.train_and_evaluate(config, workdir)
+
+
+def evaluate(workdir: str, step: int | None = None) -> dict[str, float]:
+  """Held-out metrics of `workdir`'s checkpoint at `step` (default: the latest), as `--mode=eval`."""
+  _log_progress()
+  return train.evaluate_checkpoint(config_lib.load_workdir_config(workdir), workdir, step)
+
+
+def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Fine-tunes as `--mode=finetune` (a configs/finetune recipe, its init_from a pre-training
+  workdir); the results that `<workdir>/<task>/results.json` holds."""
+  from electra_jax.finetune import trainer  # noqa: PLC0415 (tfds and SQuAD stay out of pre-training)
+
+  _log_progress()
+  return trainer.run_finetune(config, workdir)
+
+
+def export_hf(workdir: str, out: str, export_generator: bool = False) -> dict[str, str]:
+  """`workdir`'s latest checkpoint as Hugging Face directories in `out`, as `--mode=export_hf`;
+  {tower: directory}."""
+  _log_progress()
+  return interop.export_workdir(workdir, out, export_generator)
