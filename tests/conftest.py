@@ -79,10 +79,13 @@ def data_cache(tmp_path_factory):
   # No size limit: a limit turns on JAX's eviction, which lists and reads the whole cache at
   # every write (a quarter more time on compile-heavy tests by the end of a session). Without
   # it, JAX writes entries in place and unlocked, so processes that run side by side get
-  # directories of their own (test_distributed).
-  xla_cache = str(tmp_path_factory.mktemp("xla_cache"))
-  os.environ.update(JAX_COMPILATION_CACHE_DIR=xla_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-  jax.config.update("jax_compilation_cache_dir", xla_cache)
+  # directories of their own (test_distributed). The test process keeps its own too: the CLI
+  # sets XLA's CPU flags before its backend starts, and JAX keys an entry by the XLA_FLAGS of
+  # the moment, so a process whose flags changed after its start could load an executable
+  # built under other flags.
+  xla_cache = tmp_path_factory.mktemp("xla_cache")
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=str(xla_cache / "cli"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  jax.config.update("jax_compilation_cache_dir", str(xla_cache / "tests"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   return cache
 

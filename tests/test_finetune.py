@@ -547,9 +547,17 @@ def test_a_second_run_on_the_same_task_folder_is_refused_before_it_deletes_anyth
   assert not kept.exists() and json.loads((task_dir / workdir_lease.LEASE_FILE).read_text())["released"]
 
 
-def test_the_python_api_pretrains_evaluates_finetunes_and_exports_the_demo(tmp_path, capfd):
+def test_the_python_api_pretrains_evaluates_finetunes_and_exports_the_demo(tmp_path, capfd, request):
+  import logging as std_logging  # noqa: PLC0415
+  from absl import logging as absl_logging  # noqa: PLC0415
   from conftest import TINY_OVERRIDES  # noqa: PLC0415
   from electra_jax import api  # noqa: PLC0415
+
+  # The API turns absl's logging on for the whole process, as a notebook wants; not for the
+  # tests that run after this one.
+  verbosity = absl_logging.get_verbosity()
+  request.addfinalizer(lambda: (std_logging.root.removeHandler(absl_logging.get_absl_handler()),
+                                absl_logging.set_verbosity(verbosity)))
 
   with pytest.raises(ConfigError, match="Override key 'train.stpes' is not a config key"):
     api.load_config("demo", {"train.stpes": 4})
