@@ -547,35 +547,43 @@ def test_a_second_run_on_the_same_task_folder_is_refused_before_it_deletes_anyth
   assert not kept.exists() and json.loads((task_dir / workdir_lease.LEASE_FILE).read_text())["released"]
 
 
-def test_the_python_api_pretrains_evaluates_finetunes_and_exports_the_demo(tmp_path, capfd, request):
-  import logging as std_logging  # noqa: PLC0415
-  from absl import logging as absl_logging  # noqa: PLC0415
-  from conftest import TINY_OVERRIDES  # noqa: PLC0415
-  from electra_jax import api  # noqa: PLC0415
+_API_SCRIPT = """
+import json, sys
+from electra_jax import api
+from electra_jax.errors import ConfigError
+workdir, finetuned, hf, overrides, train_file, dev_file = sys.argv[1:]
+try:
+  api.load_config("demo", {"train.stpes": 4})
+except ConfigError as error:
+  print(json.dumps({"typo": str(error)}))
+config = api.load_config("demo", json.loads(overrides))
+print(json.dumps({"sizes": [config.objective.temperature, config.train.steps, config.model.hidden_size]}))
+print(json.dumps({"pretrain": api.pretrain(config, workdir)}))
+print(json.dumps({"evaluate": api.evaluate(workdir)}))
+finetuning = api.load_config("finetune/tiny", {"init_from": workdir, "epochs": 1, "custom.train_file": train_file,
+                                               "custom.dev_file": dev_file})
+print(json.dumps({"finetune": api.finetune(finetuning, finetuned)["summary"]}))
+print(json.dumps({"export": api.export_hf(workdir, hf)}))
+"""
 
-  # The API turns absl's logging on for the whole process, as a notebook wants; not for the
-  # tests that run after this one.
-  verbosity = absl_logging.get_verbosity()
-  request.addfinalizer(lambda: (std_logging.root.removeHandler(absl_logging.get_absl_handler()),
-                                absl_logging.set_verbosity(verbosity)))
 
-  with pytest.raises(ConfigError, match="Override key 'train.stpes' is not a config key"):
-    api.load_config("demo", {"train.stpes": 4})
-  config = api.load_config("demo", {**TINY_OVERRIDES, "train.steps": 4, "checkpoint.every_steps": 4,
-                                    "eval.every_steps": 4, "objective.temperature": 1.5, "train.log_every": 2})
-  assert (config.objective.temperature, config.train.steps, config.model.hidden_size) == (1.5, 4, 32)
-  workdir = tmp_path / "pretrained"
-  metrics = api.pretrain(config, str(workdir))
-  assert metrics["step"] == 4 and np.isfinite(metrics["loss"])
-  assert "Compiled the train step" in capfd.readouterr().err  # the progress reaches a notebook's stderr
-  held_out = api.evaluate(str(workdir))
-  assert held_out["step"] == 4 and 0.0 <= held_out["disc_auc"] <= 1.0
+def test_the_python_api_pretrains_evaluates_finetunes_and_exports_the_demo(tmp_path):
+  # In a process of its own, as a notebook's: the API turns on absl's logging process-wide.
+  from conftest import TINY_OVERRIDES, run_cli  # noqa: PLC0415
 
+  overrides = {**TINY_OVERRIDES, "train.steps": 4, "checkpoint.every_steps": 4, "eval.every_steps": 4,
+               "objective.temperature": 1.5, "train.log_every": 2}
   paths = write_synthetic(tmp_path, 64, 32, 8)
-  finetuning = api.load_config("finetune/tiny", {"init_from": str(workdir), "epochs": 1,
-                                                 "custom.train_file": paths["train"], "custom.dev_file": paths["dev"]})
-  results = api.finetune(finetuning, str(tmp_path / "finetuned"))
-  assert 0.0 <= results["summary"]["custom"]["accuracy"]["mean"] <= 1.0
-  assert (tmp_path / "finetuned" / "custom" / "results.json").exists()
-  exported = api.export_hf(str(workdir), str(tmp_path / "hf"))
-  assert sorted(exported) == ["discriminator"] and os.path.exists(os.path.join(exported["discriminator"], "tokenizer.json"))
+  workdir, finetuned, hf = tmp_path / "pretrained", tmp_path / "finetuned", tmp_path / "hf"
+  done = run_cli([sys.executable, "-c", _API_SCRIPT, str(workdir), str(finetuned), str(hf), json.dumps(overrides),
+                  paths["train"], paths["dev"]])
+  assert done.returncode == 0, done.stderr[-3000:]
+  out = {key: value for line in done.stdout.splitlines() if line.startswith("{") for key, value in json.loads(line).items()}
+  assert "Override key 'train.stpes' is not a config key" in out["typo"]
+  assert out["sizes"] == [1.5, 4, 32]
+  assert out["pretrain"]["step"] == 4 and np.isfinite(out["pretrain"]["loss"])
+  assert "Compiled the train step" in done.stderr  # the progress reaches a notebook's stderr
+  assert out["evaluate"]["step"] == 4 and 0.0 <= out["evaluate"]["disc_auc"] <= 1.0
+  assert 0.0 <= out["finetune"]["custom"]["accuracy"]["mean"] <= 1.0
+  assert (finetuned / "custom" / "results.json").exists()
+  assert sorted(out["export"]) == ["discriminator"] and (hf / "discriminator" / "tokenizer.json").exists()
