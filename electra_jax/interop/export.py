@@ -24,8 +24,7 @@ def one_device_setup(config, tokenizer=None):
   (orbax re-shards on restore). Without `tokenizer` the special ids are placeholders: enough for
   the parameters' shapes, which do not depend on them."""
   mesh = partitioning.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)), devices=jax.devices()[:1])
-  special_ids = dict(pad=0, cls=2, sep=3, mask=4) if tokenizer is None else dict(
-      pad=tokenizer.pad_id, cls=tokenizer.cls_id, sep=tokenizer.sep_id, mask=tokenizer.mask_id)
+  special_ids = dict(pad=0, cls=2, sep=3, mask=4) if tokenizer is None else train.special_ids(tokenizer)
   return mesh, train.build_setup(config, mesh, special_ids)
 
 
