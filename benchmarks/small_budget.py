@@ -40,8 +40,6 @@ sys.path.insert(0, HERE)
 import small_budget_tasks  # noqa: E402
 
 OBJECTIVES = ("electra", "mlm")
-# Fine-tuning rows: a Debian synopsis is a dozen tokens, a man-page paragraph up to a few hundred.
-FINETUNE_SEQ_LEN = {"debian": 64, "manpages": 128}
 
 
 def _cli(args: list[str], log_path: str) -> None:
@@ -100,8 +98,7 @@ def finetune(task_dir: str, init: str, init_from: str, seeds: int, extra: list[s
       "--mode=finetune", f"--config={ROOT}/configs/finetune/custom.py", f"--workdir={workdir}",
       f"--config.custom.train_file={task_dir}/train.jsonl", f"--config.custom.dev_file={task_dir}/dev.jsonl",
       "--config.custom.text_a_column=sentence", "--config.custom.label_column=label",
-      f"--config.init_from={init_from}", f"--config.num_seeds={seeds}",
-      f"--config.max_seq_len={FINETUNE_SEQ_LEN[os.path.basename(task_dir)]}", *extra,
+      f"--config.init_from={init_from}", f"--config.num_seeds={seeds}", *extra,
   ]
   if init.startswith("random"):  # "random_<budget>": the pre-training run gives only its tokenizer
     args.append("--config.random_init=True")

@@ -431,7 +431,7 @@ def test_a_workdir_that_cannot_be_made_is_refused_before_anything_loads(tmp_path
 
 
 def tiny_classifier(pooling):
-  encoder = models.EncoderConfig(hidden_size=8, num_layers=2, num_heads=2, intermediate_size=16)
+  encoder = models.EncoderConfig(hidden_size=8, num_layers=2, num_heads=2, intermediate_size=16, attention_conv=3)
   return model_lib.ElectraClassifier(vocab_size=20, embedding_size=8, max_position_embeddings=8, type_vocab_size=2,
                                      config=encoder, num_outputs=3, pooling=pooling)
 
@@ -439,7 +439,8 @@ def tiny_classifier(pooling):
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
 def test_head_pooling_by_hand_and_blind_to_padding(pooling):
   """head.pooling: "cls" is the first token's final state (the official head), "mean" the mean
-  over the real tokens; either way a padded position's id changes nothing."""
+  over the real tokens; either way a padded position's id changes nothing, nor does cutting the
+  padding off (tasks.encode_examples pads to the longest row only)."""
   mask = jnp.array([[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0]], jnp.int32)
   ids = jnp.array([[2, 5, 6, 7, 3, 0, 0, 0], [2, 9, 3, 0, 0, 0, 0, 0]], jnp.int32)
   types = jnp.zeros_like(ids)
@@ -456,6 +457,8 @@ def test_head_pooling_by_hand_and_blind_to_padding(pooling):
 
   other_padding = jnp.where(mask == 1, ids, 11)
   np.testing.assert_allclose(model.apply({"params": params}, other_padding, types, mask), logits, atol=1e-6)
+  trimmed = [x[:, :5] for x in (ids, types, mask)]
+  np.testing.assert_allclose(model.apply({"params": params}, *trimmed), logits, atol=1e-5)
   if pooling == "mean":  # the same weights under the first-token head read something else
     assert not np.allclose(tiny_classifier("cls").apply({"params": params}, ids, types, mask), logits, atol=1e-3)
   assert model_lib.ElectraClassifier.pooling == "cls"  # the official head unless asked

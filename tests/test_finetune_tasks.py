@@ -221,6 +221,13 @@ def test_encode_examples(tokenizer):
   np.testing.assert_array_equal(short["input_ids"][0], [cls, ids["dog"], sep, ids["cat"], sep, pad, pad, pad])
   np.testing.assert_array_equal(short["token_type_ids"][0], [0, 0, 0, 1, 1, 0, 0, 0])
   np.testing.assert_array_equal(short["attention_mask"][0], [1, 1, 1, 1, 1, 0, 0, 0])
+  # A longer max_seq_len pads only to the longest row, rounded up to a multiple of 8.
+  wide = tasks.encode_examples(examples, tokenizer, 64, data)  # the second row's 9 tokens: 16
+  assert wide["input_ids"].shape == wide["attention_mask"].shape == (2, 16)
+  np.testing.assert_array_equal(wide["input_ids"][0, :8], features["input_ids"][0])
+  assert wide["attention_mask"].sum(1).tolist() == [8, 9]
+  long = tasks.encode_examples([tasks.Example(" ".join(WORDS[:4] * 3), None, "pos", 0)], tokenizer, 64, data)
+  assert long["input_ids"].shape == (1, 16) and long["attention_mask"].sum() == 14
 
 
 def test_glue_submission_file(tmp_path):

@@ -484,10 +484,16 @@ def truncate_pair(tokens_a: list[int], tokens_b: list[int], max_tokens: int) -> 
   return tokens_a[:len_a], tokens_b[:len_b]
 
 
+# Rows are padded to a multiple of this (one compiled shape per split, even lengths for kernels).
+PAD_MULTIPLE = 8
+
+
 def encode_examples(examples: Sequence[Example], tokenizer, max_seq_len: int, data: TaskData) -> dict[str, np.ndarray]:
-  """[CLS] A [SEP] (B [SEP]) padded to max_seq_len, token types 0 for A and 1 for B.
-  Returns int32 input_ids / token_type_ids / attention_mask [n, max_seq_len], labels [n]
-  (int32 ids, or float32 for regression; 0 where unlabelled) and the examples' index [n]."""
+  """[CLS] A [SEP] (B [SEP]) truncated to max_seq_len, token types 0 for A and 1 for B.
+  Returns int32 input_ids / token_type_ids / attention_mask [n, width], labels [n] (int32 ids,
+  or float32 for regression; 0 where unlabelled) and the examples' index [n]. width is the
+  longest row rounded up to a multiple of PAD_MULTIPLE, at most max_seq_len: attention and
+  pooling mask the padding out, so short texts give the same outputs for less compute."""
   if max_seq_len < 3:
     raise ConfigError(f"config.max_seq_len={max_seq_len} leaves no room for text; use at least 3.")
   n = len(examples)
@@ -509,15 +515,17 @@ def encode_examples(examples: Sequence[Example], tokenizer, max_seq_len: int, da
     input_ids[row, :length] = segment_a + segment_b
     token_type_ids[row, len(segment_a):length] = 1
     attention_mask[row, :length] = 1
+  longest = int(attention_mask.sum(1).max(initial=1))
+  width = min(max_seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
   if data.kind == "classification":
     label_to_id = {label: i for i, label in enumerate(data.label_list)}
     labels = np.array([label_to_id[e.label] if e.label is not None else 0 for e in examples], np.int32)
   else:
     labels = np.array([e.label if e.label is not None else 0.0 for e in examples], np.float32)
   return {
-      "input_ids": input_ids,
-      "token_type_ids": token_type_ids,
-      "attention_mask": attention_mask,
+      "input_ids": input_ids[:, :width],
+      "token_type_ids": token_type_ids[:, :width],
+      "attention_mask": attention_mask[:, :width],
       "labels": labels,
       "index": np.array([e.index for e in examples], np.int64),
   }
