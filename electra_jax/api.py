@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import ml_collections
 from absl import logging
 
-from electra_jax import config_lib, interop, sweep, train
+from electra_jax import config_lib, sweep, train
 from electra_jax.errors import ConfigError
 
 
@@ -55,7 +55,10 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 def export_hf(workdir: str, out: str, export_generator: bool = False) -> dict[str, str]:
-  """`workdir`'s latest checkpoint as Hugging Face directories in `out`, as `--mode=export_hf`;
-  {tower: directory}."""
+  """A pre-training workdir's latest checkpoint (its discriminator, and generator if asked) or a
+  fine-tuning workdir's seeds as Hugging Face directories in `out`, as `--mode=export_hf`;
+  {what: directory}."""
+  from electra_jax.finetune import export  # noqa: PLC0415 (as finetune)
+
   _log_progress()
-  return interop.export_workdir(workdir, out, export_generator)
+  return export.export_hf(workdir, out, export_generator)

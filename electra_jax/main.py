@@ -31,7 +31,7 @@ _MODES = {
     "train": "pre-train, or resume, in --workdir (the default mode)",
     "eval": "held-out metrics of --workdir's latest checkpoint (or --step)",
     "finetune": "a task head on a pre-trained discriminator (configs/finetune/*.py), results in --workdir",
-    "export_hf": "write --workdir's latest checkpoint as Hugging Face directories in --out",
+    "export_hf": "write --workdir (pre-training or fine-tuning) as Hugging Face directories in --out",
     "import_hf": "start --workdir from a released Hugging Face pair (--hf_discriminator, --hf_generator)",
     "import_tf": "start --workdir from an official TF1 checkpoint (--tf_checkpoint)",
     "train_tokenizer": "train a sentencepiece model on the config's corpus into --out",
@@ -214,8 +214,10 @@ def main(argv):
       results = finetune.run_finetune(_CONFIG.value, _WORKDIR.value)  # prints its table itself
       print(f"Results: {_WORKDIR.value}/{results['task']}/results.json")
     elif mode == "export_hf":
-      for tower, directory in interop.export_workdir(_WORKDIR.value, _OUT.value, _EXPORT_GENERATOR.value).items():
-        print(f"Wrote the {tower} (Hugging Face format) to {directory}")
+      from electra_jax.finetune import export as finetune_export  # noqa: PLC0415 (as finetune)
+
+      for name, directory in finetune_export.export_hf(_WORKDIR.value, _OUT.value, _EXPORT_GENERATOR.value).items():
+        print(f"Wrote the {name} (Hugging Face format) to {directory}")
     elif mode in ("import_hf", "import_tf"):
       pair = (interop.pair_from_hf(_HF_DISCRIMINATOR.value, _HF_GENERATOR.value) if mode == "import_hf"
               else interop.pair_from_tf(_TF_CHECKPOINT.value, _VOCAB_FILE.value, _TF_NUM_HEADS.value))

@@ -149,6 +149,27 @@ def test_random_init_model_learns_synthetic_task(tmp_path):
   assert np.mean(np.array(predicted) == np.array(truth)) >= 0.9
   saved = json.loads((workdir / "custom" / "results.json").read_text())
   assert saved["config"]["custom"]["train_file"] == config.custom.train_file
+
+  # Exported, the kept model predicts the same with Hugging Face's classes: logits within 1e-4.
+  import torch  # noqa: PLC0415
+  import transformers  # noqa: PLC0415
+
+  from electra_jax.finetune import export  # noqa: PLC0415
+
+  out = export.export_hf(str(workdir), str(tmp_path / "hf"))
+  hf_dir = str(tmp_path / "hf" / "custom" / "seed_0")
+  assert out == {"custom/seed_0": hf_dir}
+  hf_model = transformers.AutoModelForSequenceClassification.from_pretrained(hf_dir).eval()
+  assert hf_model.config.id2label == {0: "0", 1: "1"}
+  texts = [json.loads(line)["sentence"] for line in open(config.custom.test_file)]
+  inputs = transformers.AutoTokenizer.from_pretrained(hf_dir)(texts, padding=True, return_tensors="np")
+  _, _, _, model = export.load_task_model(str(workdir), "custom")
+  params = export.restore_seed(str(workdir), "custom", 0, model)
+  ours = np.asarray(model.apply({"params": params}, inputs["input_ids"], inputs["token_type_ids"], inputs["attention_mask"]))
+  with torch.no_grad():
+    theirs = hf_model(**{k: torch.tensor(v) for k, v in inputs.items()}).logits.numpy()
+  np.testing.assert_allclose(theirs, ours, atol=1e-4)
+  assert theirs.argmax(-1).tolist() == predicted  # the run's own test predictions
   assert saved["electra_jax_version"] == electra_jax.__version__
   # Running again with another config into the same workdir is refused before the finished
   # seed is touched.
@@ -567,6 +588,7 @@ finetuning = api.load_config("finetune/tiny", {"init_from": workdir, "epochs": 1
                                                "custom.dev_file": dev_file})
 print(json.dumps({"finetune": api.finetune(finetuning, finetuned)["summary"]}))
 print(json.dumps({"export": api.export_hf(workdir, hf)}))
+print(json.dumps({"export_finetuned": api.export_hf(finetuned, hf + "_finetuned")}))
 """
 
 
@@ -590,3 +612,52 @@ def test_the_python_api_pretrains_evaluates_finetunes_and_exports_the_demo(tmp_p
   assert 0.0 <= out["finetune"]["custom"]["accuracy"]["mean"] <= 1.0
   assert (finetuned / "custom" / "results.json").exists()
   assert sorted(out["export"]) == ["discriminator"] and (hf / "discriminator" / "tokenizer.json").exists()
+  assert out["export_finetuned"] == {"custom/seed_0": str(tmp_path / "hf_finetuned" / "custom" / "seed_0")}
+
+
+def test_the_exported_head_is_ours_at_the_layer_norms_bounds():
+  """ElectraClassificationHead (dense -> GELU -> out_proj) holding our one dense layer: exact
+  for every [CLS] vector the final LayerNorm can give, its extremes included; regression on a
+  (lo, hi) range comes out on the labels' scale."""
+  import torch  # noqa: PLC0415
+  import transformers  # noqa: PLC0415
+
+  from electra_jax.finetune import export  # noqa: PLC0415
+
+  size, rng = 16, np.random.default_rng(0)
+  scale, bias = rng.normal(size=size).astype(np.float32), rng.normal(size=size).astype(np.float32)
+  encoder = models.EncoderConfig(hidden_size=size, num_layers=1, num_heads=2, intermediate_size=32)
+  bound = np.abs(scale) * np.sqrt(size) + np.abs(bias)
+  pooled = np.concatenate([-bound[None], bound[None], rng.normal(size=(6, size)) * 3]).astype(np.float32)
+  for kind, outputs in (("classification", 3), ("regression", 1)):
+    kernel = rng.normal(size=(size, outputs)).astype(np.float32)
+    head_bias = rng.normal(size=outputs).astype(np.float32)
+    params = {"encoder": {"layer_0": {"output_layer_norm": {"scale": scale, "bias": bias}}},
+              "classifier": {"kernel": kernel, "bias": head_bias}}
+    head = dict(kind=kind, target_range=[0.0, 5.0] if kind == "regression" else None)
+    tensors = export._classification_head(params, head, encoder)
+    hf_head = transformers.models.electra.modeling_electra.ElectraClassificationHead(
+        transformers.ElectraConfig(hidden_size=size, num_labels=outputs)).eval()
+    hf_head.load_state_dict({name.removeprefix("classifier."): torch.tensor(v) for name, v in tensors.items()})
+    with torch.no_grad():
+      theirs = hf_head(torch.tensor(pooled)[:, None, :]).numpy()
+    ours = pooled @ kernel + head_bias
+    # float32 rounding of x + c only (c ~ 20 here): a GELU off its identity would be off by O(1).
+    np.testing.assert_allclose(theirs, ours * 5.0 if kind == "regression" else ours, rtol=1e-5, atol=1e-4)
+
+
+def test_exports_hugging_face_cannot_hold_are_refused_by_name(tmp_path):
+  from electra_jax.finetune import export  # noqa: PLC0415
+
+  task = tmp_path / "work" / "custom"
+  task.mkdir(parents=True)
+  results = {"config": {"head": {"pooling": "mean"}}, "seeds": {"0": {}}}
+  (task / "results.json").write_text(json.dumps(results))
+  with pytest.raises(ConfigError, match="predates exports"):
+    export.export_hf(str(tmp_path / "work"), str(tmp_path / "out"))
+  (task / "results.json").write_text(json.dumps(dict(results, head={"kind": "classification", "labels": ["a", "b"]})))
+  with pytest.raises(ConfigError, match=r"head.pooling='mean', and Hugging Face's ElectraForSequenceClassification"):
+    export.export_hf(str(tmp_path / "work"), str(tmp_path / "out"))
+  with pytest.raises(ConfigError, match="--export_generator: .* is a fine-tuning workdir"):
+    export.export_hf(str(tmp_path / "work"), str(tmp_path / "out"), export_generator=True)
+  assert not (tmp_path / "out").exists()

@@ -545,6 +545,29 @@ def test_adapter_through_the_trainer_writes_predictions_that_score_as_reported(t
     assert dev[key] in set(null_odds.values()) | {0.0}
   assert "_thresh" not in trainer.format_table(results["summary"])
 
+  # Exported as ElectraForQuestionAnswering: the same start and end logits where an answer may
+  # be (the answerability head has no Hugging Face form and stays behind).
+  import torch  # noqa: PLC0415
+  import transformers  # noqa: PLC0415
+
+  from electra_jax.finetune import export  # noqa: PLC0415
+
+  work = str(tmp_path / "work")
+  hf_dir = export.export_hf(work, str(tmp_path / "hf"))["squad2.0/seed_0"]
+  hf_model = transformers.AutoModelForQuestionAnswering.from_pretrained(hf_dir).eval()
+  _, _, _, model = export.load_task_model(work, "squad2.0")
+  params = export.restore_seed(work, "squad2.0", 0, model)
+  ids = rng.integers(5, tokenizer.vocab_size, (3, 64)).astype(np.int32)
+  types = (np.arange(64) >= 12).astype(np.int32)[None].repeat(3, 0)
+  mask = (np.arange(64) < np.array([[64], [40], [20]])).astype(np.int32)
+  start, end, _ = squad.split_outputs(np.asarray(model.apply({"params": params}, ids, types, mask)))
+  with torch.no_grad():
+    theirs = hf_model(input_ids=torch.tensor(ids), token_type_ids=torch.tensor(types), attention_mask=torch.tensor(mask))
+  where = np.asarray(squad.answer_mask(types, mask))
+  assert where.sum() > 50
+  np.testing.assert_allclose(theirs.start_logits.numpy()[where], start[where], atol=1e-4)
+  np.testing.assert_allclose(theirs.end_logits.numpy()[where], end[where], atol=1e-4)
+
 
 def test_squad_settings_and_missing_files(tmp_path):
   import ml_collections

@@ -860,4 +860,5 @@ def make_adapter(config, backbone):
       write_predictions(paths[0], predictions)
     return paths
 
-  return tasks.TaskAdapter(f"squad{version}", model, train_features, loss_fn, evaluate, write_test)
+  return tasks.TaskAdapter(f"squad{version}", model, train_features, loss_fn, evaluate, write_test,
+                           dict(kind="span", answerable=answerable))

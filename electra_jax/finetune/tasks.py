@@ -40,6 +40,10 @@ class TaskAdapter:
   evaluate: Callable[[Callable[[dict], np.ndarray]], dict[str, dict[str, float]]]
   # (predict, directory) -> paths of the test-set prediction files written there.
   write_test: Callable[[Callable[[dict], np.ndarray], str], list[str]]
+  # What the outputs mean, for exports (results.json "head"): {"kind": "classification",
+  # "labels": [...]}, {"kind": "regression", "target_range": [lo, hi] or None} or {"kind":
+  # "span", "answerable": bool}.
+  head: dict
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,7 +82,9 @@ def classification_adapter(config, data: tasks.TaskData, backbone: model_lib.Bac
       paths.append(tasks.write_predictions(os.path.join(directory, f"{name}.tsv"), features["index"], strings))
     return paths
 
-  return tasks.TaskAdapter(data.name, model, train_features, loss_fn, evaluate, write_test)
+  head = (dict(kind="regression", target_range=data.target_range and list(data.target_range)) if is_regression
+          else dict(kind="classification", labels=list(data.label_list)))
+  return tasks.TaskAdapter(data.name, model, train_features, loss_fn, evaluate, write_test, head)
 
 
 def make_adapter(config, backbone: model_lib.Backbone) -> tasks.TaskAdapter:
@@ -415,7 +417,7 @@ def _run_seeds(config, adapter, backbone, task_dir: str, seeds, finished: dict, 
   config_json = config_lib.to_json(config)
   results = dict(
       # epochs: after min_steps, what each seed trained (config.epochs holds what was asked).
-      task=adapter.name, init=backbone.source, epochs=epochs, steps_per_seed=steps_per_seed,
+      task=adapter.name, init=backbone.source, epochs=epochs, steps_per_seed=steps_per_seed, head=adapter.head,
       electra_jax_version=electra_jax.__version__,
       config=json.loads(config_json),
       config_fingerprint=hashlib.sha256(config_json.encode()).hexdigest()[:16],

@@ -1,0 +1,160 @@
+"""Exporting a fine-tuning workdir: each finished seed's kept checkpoint as a Hugging Face
+ElectraForSequenceClassification (classification, regression) or ElectraForQuestionAnswering
+(SQuAD) directory, with the tokenizer it was fine-tuned with."""
+
+import json
+import os
+import pathlib
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+import safetensors.numpy
+from absl import logging
+
+from electra_jax import checkpointing, models
+from electra_jax.errors import ConfigError
+from electra_jax.finetune import model as model_lib
+from electra_jax.finetune import squad
+from electra_jax.interop import export, hf
+
+# GELU(x) == x in float32 once x >= _GELU_FLOOR (1 - Phi(8) ~ 6e-16 is below float32's epsilon).
+_GELU_FLOOR = 8.0
+
+
+def export_hf(workdir: str, out_dir: str, export_generator: bool = False) -> dict[str, str]:
+  """`--mode=export_hf`: a fine-tuning workdir's seeds (export_finetuned), else a pre-training
+  workdir's towers (interop.export_workdir). Returns {what: directory}."""
+  if not finetuned_tasks(workdir):
+    return export.export_workdir(workdir, out_dir, export_generator)
+  if export_generator:
+    raise ConfigError(f"--export_generator: {workdir} is a fine-tuning workdir, which has no generator. Nothing was written.")
+  return export_finetuned(workdir, out_dir)
+
+
+def finetuned_tasks(workdir: str) -> list[str]:
+  """The task folders of a fine-tuning workdir (each holds a results.json)."""
+  if not os.path.isdir(workdir):
+    return []
+  return sorted(name for name in os.listdir(workdir) if os.path.isfile(os.path.join(workdir, name, "results.json")))
+
+
+def _classification_head(params, head: dict, encoder: models.EncoderConfig):
+  """HF's ElectraClassificationHead (dense -> GELU -> out_proj on [CLS]) holding our one dense
+  layer exactly: dense is the identity shifted by c, with c so large that every input to the
+  GELU is at least _GELU_FLOOR (the final LayerNorm bounds each feature by |scale| sqrt(H) +
+  |bias|), and out_proj takes c back off. Regression folds (lo, hi) in, so HF's logits are on
+  the labels' scale."""
+  norm = params["encoder"][f"layer_{encoder.num_layers - 1}"]["output_layer_norm"]  # post-LN: HF's only form
+  size = encoder.hidden_size
+  shift = np.abs(np.asarray(norm["scale"])) * np.sqrt(size) + np.abs(np.asarray(norm["bias"])) + _GELU_FLOOR
+  kernel = np.asarray(params["classifier"]["kernel"], np.float64)
+  bias = np.asarray(params["classifier"]["bias"], np.float64)
+  if head["kind"] == "regression":
+    lo, hi = head["target_range"] or (0.0, 1.0)
+    kernel, bias = kernel * hi, bias * hi + lo
+  return {
+      "classifier.dense.weight": np.eye(size, dtype=np.float32),
+      "classifier.dense.bias": shift.astype(np.float32),
+      "classifier.out_proj.weight": np.ascontiguousarray(kernel.T, np.float32),  # safetensors ignores strides
+      "classifier.out_proj.bias": (bias - shift.astype(np.float64) @ kernel).astype(np.float32),
+  }
+
+
+def _hf_config(backbone, head: dict) -> dict:
+  encoder = models.ElectraEncoderModel(**{k: getattr(backbone, k) for k in model_lib._SIZE_FIELDS},
+                                       config=backbone.encoder_config)
+  settings = hf.hf_config_of(encoder, "encoder", backbone.tokenizer.pad_id)
+  if head["kind"] == "span":
+    return dict(settings, architectures=["ElectraForQuestionAnswering"], num_labels=2)
+  if head["kind"] == "regression":
+    return dict(settings, architectures=["ElectraForSequenceClassification"], num_labels=1, problem_type="regression")
+  labels = head["labels"]
+  return dict(settings, architectures=["ElectraForSequenceClassification"], problem_type="single_label_classification",
+              id2label={str(i): label for i, label in enumerate(labels)},
+              label2id={label: i for i, label in enumerate(labels)})
+
+
+def load_task_model(workdir: str, task: str):
+  """(config, head, backbone without weights, task model) of one fine-tuned task, refused
+  before any checkpoint is read when Hugging Face has no class for it."""
+  with open(os.path.join(workdir, task, "results.json")) as f:
+    results = json.load(f)
+  head = results.get("head")
+  if head is None:
+    raise ConfigError(f"{workdir}/{task}/results.json predates exports (no 'head' entry); fine-tune again to export it.")
+  config = ml_collections.ConfigDict(results["config"])
+  if head["kind"] != "span" and config.head.pooling != "cls":
+    raise ConfigError(
+        f"{workdir}/{task} was fine-tuned with head.pooling={config.head.pooling!r}, and Hugging Face's "
+        "ElectraForSequenceClassification reads the first token only; fine-tune with "
+        "--config.head.pooling=cls to export, or use the model in electra-jax."
+    )
+  config.random_init = True  # sizes and tokenizer only: the weights come from the fine-tuned checkpoint
+  backbone = model_lib.load_backbone(config)
+  hf.check_hf_form(backbone.encoder_config)
+  if head["kind"] == "span":
+    model = backbone.task_model(squad.SquadModel, config, answerable=head["answerable"])
+  else:
+    model = backbone.classifier(1 if head["kind"] == "regression" else len(head["labels"]), config)
+  return config, head, backbone, model
+
+
+def export_finetuned(workdir: str, out_dir: str) -> dict[str, str]:
+  """Writes <out_dir>/<task>/seed_<s> for every finished seed of every task in the fine-tuning
+  `workdir`: config.json, model.safetensors and the tokenizer files, so transformers'
+  AutoModelForSequenceClassification / AutoModelForQuestionAnswering and AutoTokenizer load it.
+  Logits match ours (SQuAD: at the positions an answer may take; SQuAD 2.0's answerability
+  head has no HF form and is left out, as logged). Returns {"<task>/seed_<s>": directory}."""
+  tasks = finetuned_tasks(workdir)
+  if not tasks:
+    raise ConfigError(f"{workdir} holds no fine-tuned task (no <task>/results.json); fine-tune first.")
+  loaded = {task: load_task_model(workdir, task) for task in tasks}  # every refusal before anything is written
+  for task in tasks:
+    export.check_export_out(os.path.join(out_dir, task))
+  written = {}
+  for task, (config, head, backbone, model) in loaded.items():
+    if head.get("answerable"):
+      logging.warning("%s: SQuAD 2.0's answerability head has no ElectraForQuestionAnswering form and is "
+                      "left out; the export's no-answer score is the [CLS] span's, as Hugging Face's.", task)
+    for seed in sorted(int(s) for s in json.load(open(os.path.join(workdir, task, "results.json")))["seeds"]):
+      params = restore_seed(workdir, task, seed, model)
+      directory = os.path.join(out_dir, task, f"seed_{seed}")
+      _write(directory, backbone, head, params)
+      written[f"{task}/seed_{seed}"] = directory
+  return written
+
+
+def restore_seed(workdir: str, task: str, seed: int, model):
+  """The parameters (numpy) of one seed's kept checkpoint, for the task `model`."""
+  ids = np.zeros((1, 8), np.int32)
+  abstract = jax.eval_shape(lambda: nn.meta.unbox(model.init(jax.random.key(0), ids, ids, ids + 1)["params"]))
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
+  checkpointer = checkpointing.Checkpointer(os.path.join(workdir, task, f"seed_{seed}"), keep=1)
+  try:
+    step = checkpointer.latest_step()
+    if step is None:
+      raise ConfigError(f"{checkpointer.directory} holds no checkpoint; fine-tune seed {seed} again to export it.")
+    return jax.device_get(checkpointer.restore(step, {"params": abstract})["params"])
+  finally:
+    checkpointer.close()
+
+
+def _write(directory: str, backbone, head: dict, params) -> None:
+  encoder = models.ElectraEncoderModel(**{k: getattr(backbone, k) for k in model_lib._SIZE_FIELDS},
+                                       config=backbone.encoder_config)
+  tensors = {"electra." + name: value for name, value in hf.hf_weights_from_params(
+      encoder, "encoder", {"embeddings": params["embeddings"], "encoder": params["encoder"]}).items()}
+  if head["kind"] == "span":
+    kernel = np.asarray(params["span_head"]["span_logits"]["kernel"], np.float32)
+    tensors["qa_outputs.weight"] = np.ascontiguousarray(kernel.T)
+    tensors["qa_outputs.bias"] = np.asarray(params["span_head"]["span_logits"]["bias"], np.float32)
+  else:
+    tensors.update(_classification_head(params, head, backbone.encoder_config))
+  os.makedirs(directory, exist_ok=True)
+  settings = _hf_config(backbone, head)
+  pathlib.Path(directory, "config.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+  safetensors.numpy.save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+  export.write_tokenizer_files(backbone.tokenizer, directory, backbone.max_position_embeddings)
