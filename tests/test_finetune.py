@@ -3,7 +3,9 @@ actual update, a tiny model that must learn a synthetic task, and initialization
 pre-training workdir (weights carried over, tokenizer checked, several seeds summarized)."""
 
 import json
+import math
 import os
+import re
 import sys
 import time
 
@@ -491,9 +493,9 @@ def test_min_steps_raises_the_epochs_and_the_schedule_spans_them(tmp_path, monke
   totals = []
   make_optimizer = optim.make_optimizer
 
-  def recording(config, params, num_layers, total_steps):
+  def recording(config, params, num_layers, total_steps, learning_rate=None):
     totals.append(total_steps)
-    return make_optimizer(config, params, num_layers, total_steps)
+    return make_optimizer(config, params, num_layers, total_steps, learning_rate)
 
   monkeypatch.setattr(trainer.optim, "make_optimizer", recording)
   config = synthetic_config(tmp_path, n_train=40, n_dev=16, epochs=1, min_steps=7)
@@ -661,3 +663,38 @@ def test_exports_hugging_face_cannot_hold_are_refused_by_name(tmp_path):
   with pytest.raises(ConfigError, match="--export_generator: .* is a fine-tuning workdir"):
     export.export_hf(str(tmp_path / "work"), str(tmp_path / "out"), export_generator=True)
   assert not (tmp_path / "out").exists()
+
+
+def test_the_learning_rate_is_chosen_on_train_never_dev_and_kept_on_a_rerun(tmp_path):
+  config = synthetic_config(tmp_path, n_train=240, n_dev=48, epochs=4)
+  config.select.learning_rates = "1e-7,3e-3"
+  config.optimizer.learning_rate = 1e-7  # replaced by the choice
+  workdir = tmp_path / "work"
+  results = trainer.run_finetune(config, str(workdir))
+  scores = results["selection"]["held_out_scores"]
+  assert results["selection"]["learning_rate"] == 3e-3 and scores["0.003"] > scores["1e-07"], results["selection"]
+  assert results["summary"]["custom"]["accuracy"]["mean"] >= 0.8  # trained at the choice (1e-7 stays at chance)
+  trial = workdir / "custom" / "select" / "lr_0.003" / "seed_0" / "metrics.json"
+  history = json.loads(trial.read_text())["history"]
+  assert all(list(epoch["dev"]) == ["held_out"] for epoch in history)  # scored on held-out train rows only
+  assert history[-1]["step"] == 4 * math.ceil(192 / config.batch_size)  # 240 - 48 held out
+
+  # More seeds later: the trials are read back, not trained again, and choose the same rate.
+  before = trial.stat().st_mtime_ns
+  config.num_seeds = 2
+  again = trainer.run_finetune(config, str(workdir))
+  assert again["selection"] == results["selection"] and trial.stat().st_mtime_ns == before
+  assert again["seeds"]["0"] == results["seeds"]["0"]
+
+
+@pytest.mark.parametrize("task, rates, named", [
+    ("custom", "3e-4,abc", "config.select.learning_rates='3e-4,abc': give distinct positive rates"),
+    ("custom", "1e-3,1e-3", "give distinct positive rates"),
+    ("custom", "0", "give distinct positive rates"),
+    ("squad1.1", "1e-3", "SQuAD's windows cannot be split by rows"),
+])
+def test_learning_rate_choices_are_refused_by_name(tmp_path, task, rates, named):
+  config = synthetic_config(tmp_path, n_train=16, n_dev=8)
+  config.task, config.select.learning_rates = task, rates
+  with pytest.raises(ConfigError, match=re.escape(named)):
+    trainer.validate(config)

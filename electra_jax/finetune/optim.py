@@ -75,13 +75,15 @@ def linear_warmup_decay(base_lr: float, warmup_steps: int, total_steps: int):
   return schedule
 
 
-def make_optimizer(config, params, num_layers: int, total_steps: int):
+def make_optimizer(config, params, num_layers: int, total_steps: int, learning_rate: float | None = None):
   """(tx, schedule) from the fine-tuning config's optimizer keys (see configs/finetune/glue.py):
-  clip, Adam, decoupled weight decay, the layer-wise multipliers, then the scheduled lr."""
+  clip, Adam, decoupled weight decay, the layer-wise multipliers, then the scheduled lr, whose
+  peak is `learning_rate` (None: optimizer.learning_rate)."""
   o = config.optimizer
   if not 0.0 <= o.warmup_fraction < 1.0:
     raise ConfigError(f"optimizer.warmup_fraction={o.warmup_fraction} must be in [0, 1).")
-  schedule = linear_warmup_decay(o.learning_rate, int(round(o.warmup_fraction * total_steps)), total_steps)
+  peak = o.learning_rate if learning_rate is None else learning_rate
+  schedule = linear_warmup_decay(peak, int(round(o.warmup_fraction * total_steps)), total_steps)
   if o.bias_correction:
     adam = optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)
   else:

@@ -44,6 +44,9 @@ class TaskAdapter:
   # "labels": [...]}, {"kind": "regression", "target_range": [lo, hi] or None} or {"kind":
   # "span", "answerable": bool}.
   head: dict
+  # (fraction, seed) -> this adapter on a (1 - fraction) share of train, whose evaluate scores
+  # the rest ("held_out") and writes no test files; None where a task cannot be split by rows.
+  split: Callable[[float, int], "TaskAdapter"] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,7 @@ over seeds. A `tasks.TaskAdapter` supplies the model, features, loss and evaluat
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -37,7 +38,7 @@ KEEP_EPOCH = ("last", "best")
 _NOT_SEED_KEYS = ("seed", "num_seeds", "log_every")
 # Keys added after runs had been finished, with the values that reproduce those runs: a saved
 # config without them reads as having these values, so its finished seeds still match.
-_ADDED_KEYS = {"min_steps": 0, "head": {"pooling": "cls"}}
+_ADDED_KEYS = {"min_steps": 0, "head": {"pooling": "cls"}, "select": {"learning_rates": "", "fraction": 0.2}}
 
 
 # ---------------------------------------------------------------------------------------
@@ -84,7 +85,17 @@ def classification_adapter(config, data: tasks.TaskData, backbone: model_lib.Bac
 
   head = (dict(kind="regression", target_range=data.target_range and list(data.target_range)) if is_regression
           else dict(kind="classification", labels=list(data.label_list)))
-  return tasks.TaskAdapter(data.name, model, train_features, loss_fn, evaluate, write_test, head)
+
+  def split(fraction, seed):
+    order = np.random.default_rng([seed, 7]).permutation(_num_examples(train_features))
+    held, fit = np.split(order, [max(1, round(fraction * len(order)))])
+    held_out = {name: array[held] for name, array in train_features.items()}
+    score = lambda predict: {"held_out": metrics_lib.compute_metrics(
+        data.metric_names, held_out["labels"], to_predictions(predict(held_out)))}
+    return tasks.TaskAdapter(data.name, model, {name: array[fit] for name, array in train_features.items()},
+                             loss_fn, score, lambda predict, directory: [], head)
+
+  return tasks.TaskAdapter(data.name, model, train_features, loss_fn, evaluate, write_test, head, split)
 
 
 def make_adapter(config, backbone: model_lib.Backbone) -> tasks.TaskAdapter:
@@ -174,6 +185,7 @@ def validate(config) -> None:
         f"config.head.pooling={pooling!r} with task {config.task!r}: SQuAD's span head pools "
         "nothing; use head.pooling='cls'."
     )
+  select_rates(config)
   config_lib.check_finite(config, "config.")
 
 
@@ -372,20 +384,14 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
     lease.release()
 
 
-def _run_seeds(config, adapter, backbone, task_dir: str, seeds, finished: dict, pending, epochs: int) -> dict:
-  steps_per_seed = math.ceil(_num_examples(adapter.train_features) / config.batch_size) * epochs
-  logging.info(
-      "Fine-tuning %s from %s: %d train examples, %d epochs, %d steps per seed, seeds %s.",
-      adapter.name, backbone.source, _num_examples(adapter.train_features), epochs, steps_per_seed, seeds,
-  )
-  if finished:
-    logging.info("Seeds %s finished in an earlier run with this config: their results are kept.", sorted(finished))
-
+def _progress_logger(config, epochs: int, pending: list[int]):
+  """progress(seed, epoch, step, total, losses, lr): a log line every log_every steps, with the
+  speed measured from the second step (compiling is not speed) and the ETA over `pending` seeds."""
   clock = dict(start=None, done=0)
 
   def progress(seed, epoch, step, total, losses, lr):
     if clock["start"] is None:
-      clock["start"] = time.perf_counter()  # after the first step: compile time is not speed
+      clock["start"] = time.perf_counter()
       clock["done"] = 0
       return
     clock["done"] += 1
@@ -399,13 +405,77 @@ def _run_seeds(config, adapter, backbone, task_dir: str, seeds, finished: dict, 
         float(lr), rate, config_lib.format_duration(remaining / max(rate, 1e-9)),
     )
 
-  # One optimizer and one compiled step for every seed: only the parameters' structure matters.
+  return progress
+
+
+def _compiled_steps(config, adapter, backbone, steps_per_seed: int, learning_rate: float | None = None):
+  """(tx, schedule, train_step, predict_step): one optimizer and one compiled step for every
+  seed, since only the parameters' structure matters."""
   ids = jnp.zeros((1, config.max_seq_len), jnp.int32)
   abstract_params = nn.meta.unbox(
       jax.eval_shape(lambda rng: adapter.model.init(rng, ids, ids, jnp.ones_like(ids))["params"], jax.random.key(0))
   )
-  tx, schedule = optim.make_optimizer(config, abstract_params, backbone.encoder_config.num_layers, steps_per_seed)
-  steps = (tx, schedule, *_make_steps(adapter, tx))
+  tx, schedule = optim.make_optimizer(config, abstract_params, backbone.encoder_config.num_layers, steps_per_seed,
+                                      learning_rate)
+  return (tx, schedule, *_make_steps(adapter, tx))
+
+
+def select_rates(config) -> list[float]:
+  """config.select.learning_rates as floats ([] when off), refused by name when unreadable."""
+  text = str(config.select.learning_rates).strip()
+  try:
+    rates = [float(part) for part in text.split(",")] if text else []
+  except ValueError:
+    rates = [-1.0]
+  if any(not (math.isfinite(rate) and rate > 0) for rate in rates) or len(set(rates)) != len(rates):
+    raise ConfigError(
+        f"config.select.learning_rates={text!r}: give distinct positive rates, comma-separated "
+        "(e.g. '3e-4,1e-3,3e-3'), or '' to train at optimizer.learning_rate."
+    )
+  if rates and str(config.task).lower().startswith("squad"):
+    raise ConfigError(f"config.select.learning_rates={text!r} with task {config.task!r}: SQuAD's windows cannot be "
+                      "split by rows; set it to '' and choose optimizer.learning_rate.")
+  if rates and not 0.0 < config.select.fraction < 1.0:
+    raise ConfigError(f"config.select.fraction={config.select.fraction} must be in (0, 1): the share of train held out.")
+  return rates
+
+
+def _select_learning_rate(config, adapter, backbone, task_dir: str, rates: list[float]) -> dict:
+  """Fine-tunes seed config.seed at each rate on a (1 - select.fraction) share of train, scored on
+  the rest (dev is not read); under <task_dir>/select/, where finished trials are kept for a
+  re-run. Returns {"learning_rate": the best, "held_out_scores": {rate: score}}."""
+  fit = adapter.split(config.select.fraction, config.seed)
+  epochs = resolve_epochs(config, _num_examples(fit.train_features))
+  steps_per_seed = math.ceil(_num_examples(fit.train_features) / config.batch_size) * epochs
+  seed, scores = config.seed, {}
+  for rate in rates:
+    trial = copy.deepcopy(config)
+    trial.optimizer.learning_rate, trial.select.learning_rates, trial.keep_epoch = rate, "", "last"
+    directory = os.path.join(task_dir, "select", f"lr_{rate:g}")
+    result = _finished_seeds(trial, directory, adapter.name, [seed]).get(seed)
+    if result is None:
+      logging.info("Choosing the learning rate on train: %g, on %d examples (%d held out).", rate,
+                   _num_examples(fit.train_features), _num_examples(adapter.train_features) - _num_examples(fit.train_features))
+      result = _run_seed(trial, fit, backbone, seed, os.path.join(directory, f"seed_{seed}"), epochs,
+                         _compiled_steps(trial, fit, backbone, steps_per_seed), _progress_logger(trial, epochs, [seed]))
+    scores[f"{rate:g}"] = result["dev"]["held_out"]["score"]
+  best = max(rates, key=lambda rate: scores[f"{rate:g}"])  # the first of equals: rates in the given order
+  logging.info("Held-out scores by learning rate %s: training every seed at %g.", scores, best)
+  return dict(learning_rate=best, held_out_scores=scores)
+
+
+def _run_seeds(config, adapter, backbone, task_dir: str, seeds, finished: dict, pending, epochs: int) -> dict:
+  rates = select_rates(config)  # finished trials are read back, not trained again
+  selection = _select_learning_rate(config, adapter, backbone, task_dir, rates) if rates else None
+  steps_per_seed = math.ceil(_num_examples(adapter.train_features) / config.batch_size) * epochs
+  logging.info(
+      "Fine-tuning %s from %s: %d train examples, %d epochs, %d steps per seed, seeds %s.",
+      adapter.name, backbone.source, _num_examples(adapter.train_features), epochs, steps_per_seed, seeds,
+  )
+  if finished:
+    logging.info("Seeds %s finished in an earlier run with this config: their results are kept.", sorted(finished))
+  progress = _progress_logger(config, epochs, pending)
+  steps = _compiled_steps(config, adapter, backbone, steps_per_seed, selection and selection["learning_rate"])
   per_seed = []
   for seed in seeds:
     if seed in finished:
@@ -418,7 +488,7 @@ def _run_seeds(config, adapter, backbone, task_dir: str, seeds, finished: dict, 
   results = dict(
       # epochs: after min_steps, what each seed trained (config.epochs holds what was asked).
       task=adapter.name, init=backbone.source, epochs=epochs, steps_per_seed=steps_per_seed, head=adapter.head,
-      electra_jax_version=electra_jax.__version__,
+      selection=selection, electra_jax_version=electra_jax.__version__,
       config=json.loads(config_json),
       config_fingerprint=hashlib.sha256(config_json.encode()).hexdigest()[:16],
       seeds={str(run["seed"]): {k: run[k] for k in ("kept_epoch", "dev", "test_predictions")} for run in per_seed},
