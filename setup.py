@@ -37,11 +37,17 @@ setup(
         # wheel where one is at hand instead of fetching a multi-GB CUDA build.
         # scipy and scikit-learn are oracles for the fine-tuning metrics; importlib_resources
         # lets tfds prepare its own GLUE builders from the tests' fixture files; pytest-xdist
-        # runs the suite in two processes (the README's test command).
+        # runs the suite in two processes (the README's test command); the optional writers and
+        # source below are tested offline.
         "test": [
             "pytest>=8", "pytest-xdist>=3.5", "torch>=2.1,<2.14", "transformers>=5.0", "scipy", "scikit-learn",
-            "importlib_resources", "matplotlib>=3.7",
+            "importlib_resources", "matplotlib>=3.7", "wandb>=0.19", "mlflow-skinny>=2.20", "datasets>=2.19",
         ],
+        # train.metric_writers="wandb" / "mlflow" (mlflow-skinny: the tracking client alone).
+        "wandb": ["wandb>=0.19"],
+        "mlflow": ["mlflow-skinny>=2.20"],
+        # data.source="hf_datasets": a local Hugging Face dataset.
+        "hf_datasets": ["datasets>=2.19"],
         # --mode=plot and a sweep's curves.png.
         "plots": ["matplotlib>=3.7"],
         # gs:// workdirs: etils.epath reaches buckets through gcsfs, orbax also needs the client.

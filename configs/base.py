@@ -85,15 +85,19 @@ def get_config():
   # in data.files, one sentence or paragraph per line, blank lines between documents. "jsonl":
   # the files in data.files, one JSON object per line whose data.text_field string is a
   # document (split into sentences on its newlines). "tfds": a prepared TFDS dataset (tfds_*
-  # keys). "prepared": the shards --mode=prepare_data wrote into data.prepared_dir from one of
+  # keys). "hf_datasets": a local Hugging Face dataset (hf_* keys). "prepared": the shards --mode=prepare_data wrote into data.prepared_dir from one of
   # the other sources (memory-mapped; nothing is tokenized at training time).
   data.source = "builtin"
   data.files = ""  # text/jsonl: comma-separated paths or globs, e.g. "corpus/*.txt,extra.txt"
-  data.text_field = "text"  # jsonl: the field holding each document's text
+  data.text_field = "text"  # jsonl, hf_datasets: the field holding each document's text
   data.tfds_name = ""  # tfds: e.g. "wikipedia/20230601.en", stored as array_record (no TensorFlow)
   data.tfds_split = "train"  # tfds: the split read; eval_fraction of its records are held out
   data.tfds_text_field = "text"  # tfds: the feature holding each document's text
   data.tfds_data_dir = ""  # tfds: "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
+  # hf_datasets: a local Hugging Face dataset (save_to_disk's folder, or data files load_dataset
+  # reads), its data.text_field column; nothing is downloaded (pip install electra-jax[hf_datasets]).
+  data.hf_path = ""
+  data.hf_split = "train"
   # --mode=prepare_data writes shards here; data.source="prepared" trains on them.
   data.prepared_dir = ""
   data.shard_documents = 10_000  # prepare_data: documents per shard (one task of one worker)
@@ -136,6 +140,11 @@ def get_config():
   # reuses it (no new timing, so it trains exactly as an uninterrupted run would). Single steps
   # are timed: with train.steps_per_call > 1 the run may end a little early.
   train.time_budget = ""
+  # Where metrics go besides metrics.jsonl, eval_metrics.jsonl and TensorBoard: comma-separated
+  # "wandb" (Weights & Biases; WANDB_PROJECT, WANDB_MODE=offline, ... as usual) and/or "mlflow"
+  # (MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME). A resumed run logs into the same run. Needs
+  # pip install 'electra-jax[wandb]' or '[mlflow]'.
+  train.metric_writers = ""
 
   # AdamW with linear warmup then linear decay to 0, as the official code schedules it:
   # lr(step) = learning_rate * min(1, step / warmup_steps) * max(0, 1 - step / train.steps).

@@ -291,10 +291,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
   check_optimizer(config.optimizer, "ELECTRA-Small uses 5e-4, Base 2e-4")
   if t.time_budget:
     parse_duration(t.time_budget)
+  from electra_jax import tensorboard_log  # noqa: PLC0415 (its writers' names; it imports no config)
+
+  tensorboard_log.writer_names(t.metric_writers)
   check_rates(config.model, ("dropout_rate", "attention_dropout_rate"), "model")
   # The built-in corpus with another source's location set is a forgotten data.source: the run
   # would train on the standard library's text instead of the corpus named.
-  for key, source in (("files", "text' (or 'jsonl"), ("prepared_dir", "prepared"), ("tfds_name", "tfds")):
+  for key, source in (("files", "text' (or 'jsonl"), ("prepared_dir", "prepared"), ("tfds_name", "tfds"),
+                      ("hf_path", "hf_datasets")):
     if config.data.source == "builtin" and config.data[key]:
       raise ConfigError(
           f"data.{key}={config.data[key]!r} is set, but data.source='builtin' (the standard library's text) "

@@ -1,18 +1,25 @@
-"""TensorBoard event files beside the JSONL logs (<workdir>/tensorboard/{train,eval}), written
-through tensorboardX without TensorFlow. The JSONL files stay the source of truth; the events are
-a view of them: NaN as NaN, and a resumed run purges the points past its checkpoint. Without
-tensorboardX, or for a bucket workdir, training logs to the JSONL files alone and says so once."""
+"""Where metrics go: the JSONL logs (the source of truth), TensorBoard event files beside them
+(<workdir>/tensorboard/{train,eval}, through tensorboardX without TensorFlow: NaN as NaN, and a
+resumed run purges the points past its checkpoint), and the Weights & Biases or MLflow run that
+train.metric_writers names (train/<metric> and eval/<metric>; a resumed run logs into the same
+run again). Without tensorboardX, or for a bucket workdir, no event files are written, said once."""
 
 from __future__ import annotations
 
+import importlib
 import logging as std_logging
 import numbers
 import os
+import secrets
 import time
 
 from absl import logging
 
 from electra_jax import workdir_files
+from electra_jax.errors import ConfigError
+
+# train.metric_writers' names -> (the module it needs, the extra that installs it).
+SERVICES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 
 SUBDIR = "tensorboard"
 _warned: set[str] = set()
@@ -94,13 +101,90 @@ class ScalarWriter:
       self._writer = None
 
 
-class TensorBoardLog:
-  """A workdir_files.JsonlLog that also writes each record to a ScalarWriter (or to nothing:
-  `writer=None`). Same methods as JsonlLog, plus close()."""
+def writer_names(text: str) -> list[str]:
+  """train.metric_writers as names, each refused by name unless known and installed."""
+  names = [name.strip() for name in str(text).split(",") if name.strip()]
+  for name in names:
+    if name not in SERVICES:
+      raise ConfigError(f"train.metric_writers: {name!r} is not one of {sorted(SERVICES)} (comma-separated, or '').")
+    module, extra = SERVICES[name]
+    try:
+      importlib.import_module(module)
+    except ImportError:
+      raise ConfigError(f"train.metric_writers={text!r} needs {module}: pip install 'electra-jax[{extra}]'.") from None
+  return names
 
-  def __init__(self, jsonl: workdir_files.JsonlLog, writer: ScalarWriter | None):
-    self.jsonl = jsonl
-    self.writer = writer
+
+def _numbers(record: dict, prefix: str) -> dict[str, float]:
+  return {f"{prefix}/{name}": float(value) for name, value in record.items()
+          if name != "step" and not isinstance(value, bool) and isinstance(value, numbers.Real)}
+
+
+def _run_id(workdir: str, service: str) -> str | None:
+  """The id of the run a first start of this workdir opened (written beside config.json)."""
+  path = workdir_files.path(workdir, f"{service}_run_id")
+  return workdir_files.read_text(path).strip() if workdir_files.exists(path) else None
+
+
+class WandbRun:
+  """The workdir's W&B run (resumed by its id on a restart); `log(record, prefix)` writes one
+  record's numbers against its "step", so a resumed run may log steps again."""
+
+  def __init__(self, workdir: str, config: dict):
+    import wandb  # noqa: PLC0415 (the wandb extra)
+
+    run_id = _run_id(workdir, "wandb") or secrets.token_hex(6)  # W&B ids: letters and digits
+    self.run = wandb.init(id=run_id, resume="allow", name=os.path.basename(os.path.normpath(workdir)),
+                          config=config, dir=workdir if not workdir_files.is_remote(workdir) else None)
+    self.run.define_metric("*", step_metric="step")
+    workdir_files.write_text(workdir_files.path(workdir, "wandb_run_id"), run_id)
+
+  def log(self, record: dict, prefix: str) -> None:
+    self.run.log({**_numbers(record, prefix), "step": int(record["step"])})
+
+  def close(self) -> None:
+    self.run.finish()
+
+
+class MlflowRun:
+  """The workdir's MLflow run (MLFLOW_TRACKING_URI; experiment MLFLOW_EXPERIMENT_NAME or
+  "electra-jax"), the config as its config.json artifact; reopened by its id on a restart."""
+
+  def __init__(self, workdir: str, config: dict):
+    import mlflow  # noqa: PLC0415 (the mlflow extra)
+
+    self.client, self.entities = mlflow.MlflowClient(), mlflow.entities
+    self.run_id = _run_id(workdir, "mlflow")
+    if self.run_id is None:
+      name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "electra-jax")
+      experiment = self.client.get_experiment_by_name(name)
+      experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+      self.run_id = self.client.create_run(experiment_id, run_name=os.path.basename(os.path.normpath(workdir))).info.run_id
+      self.client.log_dict(self.run_id, config, "config.json")
+      workdir_files.write_text(workdir_files.path(workdir, "mlflow_run_id"), self.run_id)
+    else:
+      self.client.update_run(self.run_id, status="RUNNING")
+
+  def log(self, record: dict, prefix: str) -> None:
+    now, step = int(time.time() * 1000), int(record["step"])
+    metrics = [self.entities.Metric(key, value, now, step) for key, value in _numbers(record, prefix).items()]
+    self.client.log_batch(self.run_id, metrics=metrics)
+
+  def close(self) -> None:
+    self.client.set_terminated(self.run_id)
+
+
+_RUNS = {"wandb": WandbRun, "mlflow": MlflowRun}
+
+
+class MetricLog:
+  """A workdir_files.JsonlLog that also writes each record to a ScalarWriter (None: none) and
+  to `runs` under `prefix`. Same methods as JsonlLog, plus close(), which closes the runs if
+  `closes_runs` (one of the logs sharing them)."""
+
+  def __init__(self, jsonl: workdir_files.JsonlLog, writer: ScalarWriter | None, runs=(), prefix: str = "train",
+               closes_runs: bool = True):
+    self.jsonl, self.writer, self.runs, self.prefix, self.closes_runs = jsonl, writer, list(runs), prefix, closes_runs
 
   @property
   def file(self):
@@ -115,6 +199,8 @@ class TensorBoardLog:
     self.jsonl.append(record)
     if self.writer is not None:
       self.writer.write(record)
+    for run in self.runs:
+      run.log(record, self.prefix)
 
   def flush(self) -> None:
     self.jsonl.flush()  # the events are flushed at each record
@@ -123,11 +209,14 @@ class TensorBoardLog:
     self.flush()
     if self.writer is not None:
       self.writer.close()
+    for run in self.runs if self.closes_runs else ():
+      run.close()
 
 
-def open_logs(workdir: str) -> tuple[TensorBoardLog, TensorBoardLog]:
+def open_logs(workdir: str, metric_writers: str = "", config: dict | None = None) -> tuple[MetricLog, MetricLog]:
   """(metrics.jsonl, eval_metrics.jsonl) logs of `workdir`, with TensorBoard events under
-  <workdir>/tensorboard/{train,eval} when the workdir is local and tensorboardX installed."""
+  <workdir>/tensorboard/{train,eval} when the workdir is local and tensorboardX installed, and
+  the runs `metric_writers` names (opened with `config`; the train log closes them)."""
   writers = {"train": None, "eval": None}
   if workdir_files.is_remote(workdir):
     _warn_once(
@@ -137,7 +226,9 @@ def open_logs(workdir: str) -> tuple[TensorBoardLog, TensorBoardLog]:
   elif _tensorboardx() is not None:
     root = workdir_files.path(workdir, SUBDIR)
     writers = {split: ScalarWriter(str(root / split)) for split in writers}
+  runs = [_RUNS[name](workdir, config or {}) for name in writer_names(metric_writers)]
   return (
-      TensorBoardLog(workdir_files.JsonlLog(workdir_files.path(workdir, "metrics.jsonl")), writers["train"]),
-      TensorBoardLog(workdir_files.JsonlLog(workdir_files.path(workdir, "eval_metrics.jsonl")), writers["eval"]),
+      MetricLog(workdir_files.JsonlLog(workdir_files.path(workdir, "metrics.jsonl")), writers["train"], runs, "train"),
+      MetricLog(workdir_files.JsonlLog(workdir_files.path(workdir, "eval_metrics.jsonl")), writers["eval"], runs, "eval",
+                closes_runs=False),
   )

@@ -999,8 +999,10 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
     workdir_files.makedirs(workdir_files.path(workdir))
     _keep_changed_config(config, workdir, start_step)
     workdir_files.write_text(workdir_files.path(workdir, "config.json"), config_lib.config_file_text(config))
-    # metrics.jsonl and eval_metrics.jsonl, plus TensorBoard events under <workdir>/tensorboard.
-    metrics_log, eval_log = tensorboard_log.open_logs(workdir)
+    # metrics.jsonl and eval_metrics.jsonl, TensorBoard events under <workdir>/tensorboard, and
+    # the W&B / MLflow runs train.metric_writers names.
+    metrics_log, eval_log = tensorboard_log.open_logs(workdir, config.train.metric_writers,
+                                                      json.loads(config_lib.to_json(config)))
 
   with partitioning.activate(mesh):
     if start_step is None:

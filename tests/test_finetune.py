@@ -143,6 +143,11 @@ def test_random_init_model_learns_synthetic_task(tmp_path):
   assert len(metrics["history"]) == config.epochs
   assert metrics["dev"]["custom"]["accuracy"] == max(h["dev"]["custom"]["accuracy"] for h in metrics["history"])
   assert os.listdir(seed_dir / "checkpoints") == [str(metrics["kept_step"])]  # only the best kept
+  from test_plots import read_scalars  # noqa: PLC0415 (TensorBoard gets each epoch's figures too)
+
+  scalars = read_scalars(str(seed_dir / "tensorboard"))
+  assert scalars["custom/accuracy"] == {h["step"]: pytest.approx(h["dev"]["custom"]["accuracy"]) for h in metrics["history"]}
+  assert set(scalars["train_loss"]) == {h["step"] for h in metrics["history"]}
   # Test predictions follow the rule on unseen sentences, in the submission format.
   lines = (seed_dir / "predictions" / "custom_test.tsv").read_text().splitlines()
   truth = [json.loads(line)["truth"] for line in open(config.custom.test_file)]
@@ -594,16 +599,17 @@ print(json.dumps({"export_finetuned": api.export_hf(finetuned, hf + "_finetuned"
 """
 
 
-def test_the_python_api_pretrains_evaluates_finetunes_and_exports_the_demo(tmp_path):
+def test_the_python_api_pretrains_evaluates_finetunes_and_exports_the_demo(tmp_path, monkeypatch):
   # In a process of its own, as a notebook's: the API turns on absl's logging process-wide.
   from conftest import TINY_OVERRIDES, run_cli  # noqa: PLC0415
 
   overrides = {**TINY_OVERRIDES, "train.steps": 4, "checkpoint.every_steps": 4, "eval.every_steps": 4,
-               "objective.temperature": 1.5, "train.log_every": 2}
+               "objective.temperature": 1.5, "train.log_every": 2, "train.metric_writers": "mlflow"}
   paths = write_synthetic(tmp_path, 64, 32, 8)
   workdir, finetuned, hf = tmp_path / "pretrained", tmp_path / "finetuned", tmp_path / "hf"
+  mlflow_env = {"MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(), "MLFLOW_ALLOW_FILE_STORE": "true"}
   done = run_cli([sys.executable, "-c", _API_SCRIPT, str(workdir), str(finetuned), str(hf), json.dumps(overrides),
-                  paths["train"], paths["dev"]])
+                  paths["train"], paths["dev"]], env_extra=mlflow_env)
   assert done.returncode == 0, done.stderr[-3000:]
   out = {key: value for line in done.stdout.splitlines() if line.startswith("{") for key, value in json.loads(line).items()}
   assert "Override key 'train.stpes' is not a config key" in out["typo"]
@@ -615,6 +621,15 @@ def test_the_python_api_pretrains_evaluates_finetunes_and_exports_the_demo(tmp_p
   assert (finetuned / "custom" / "results.json").exists()
   assert sorted(out["export"]) == ["discriminator"] and (hf / "discriminator" / "tokenizer.json").exists()
   assert out["export_finetuned"] == {"custom/seed_0": str(tmp_path / "hf_finetuned" / "custom" / "seed_0")}
+  # train.metric_writers reaches the run: MLflow got the logged steps and the held-out metrics.
+  import mlflow  # noqa: PLC0415
+
+  for name, value in mlflow_env.items():
+    monkeypatch.setenv(name, value)
+  run_id = (workdir / "mlflow_run_id").read_text()
+  client = mlflow.MlflowClient(mlflow_env["MLFLOW_TRACKING_URI"])
+  assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [2, 4]
+  assert [m.step for m in client.get_metric_history(run_id, "eval/disc_auc")] == [4]
 
 
 def test_the_exported_head_is_ours_at_the_layer_norms_bounds():

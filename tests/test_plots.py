@@ -192,3 +192,49 @@ def test_plot_without_matplotlib_names_the_install(tmp_path, monkeypatch):
   with pytest.raises(ConfigError, match="pip install matplotlib"):
     plots.plot_curves([str(tmp_path / "sweep" / "a")], str(tmp_path / "c.png"))
   assert not (tmp_path / "c.png").exists()
+
+
+def test_wandb_and_mlflow_runs_receive_the_metrics_and_a_resume_logs_into_the_same_run(tmp_path, monkeypatch):
+  import mlflow  # noqa: PLC0415
+
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())  # a local store: offline
+  monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+  workdir = str(tmp_path / "w")
+  os.makedirs(workdir)
+  config = {"train": {"steps": 3}}
+  train_log, eval_log = tensorboard_log.open_logs(workdir, "wandb, mlflow", config)
+  for step in (1, 2):
+    train_log.append({"step": step, "loss": 10.0 / step, "disc_auc": float("nan") if step == 1 else 0.6})
+  eval_log.append({"step": 2, "loss": 4.5})
+  wandb_run = train_log.runs[0].run
+  assert {k: dict(wandb_run.summary)[k] for k in ("train/loss", "eval/loss", "step")} == {
+      "train/loss": 5.0, "eval/loss": 4.5, "step": 2}
+  train_log.close()
+  eval_log.close()
+  ids = {service: open(os.path.join(workdir, f"{service}_run_id")).read() for service in ("wandb", "mlflow")}
+
+  train_log, eval_log = tensorboard_log.open_logs(workdir, "wandb,mlflow", config)  # resumed at step 2
+  train_log.truncate_after(2)
+  train_log.append({"step": 3, "loss": 3.0, "disc_auc": 0.7})
+  wandb_run = train_log.runs[0].run
+  assert wandb_run.id == ids["wandb"] and dict(wandb_run.summary)["train/loss"] == 3.0
+  train_log.close()
+  eval_log.close()
+  assert {service: open(os.path.join(workdir, f"{service}_run_id")).read() for service in ids} == ids
+
+  client = mlflow.MlflowClient()
+  history = lambda key: [(m.step, m.value) for m in client.get_metric_history(ids["mlflow"], key)]
+  assert history("train/loss") == [(1, 10.0), (2, 5.0), (3, 3.0)]
+  assert history("eval/loss") == [(2, 4.5)] and math.isnan(history("train/disc_auc")[0][1])
+  assert client.get_run(ids["mlflow"]).info.status == "FINISHED"
+  assert json.loads(open(client.download_artifacts(ids["mlflow"], "config.json")).read()) == config
+  # W&B offline: both starts wrote into run <id>'s local files.
+  assert len(glob.glob(os.path.join(workdir, "wandb", f"offline-run-*-{ids['wandb']}", f"run-{ids['wandb']}.wandb"))) == 2
+
+
+def test_unknown_metric_writers_are_refused_by_name():
+  with pytest.raises(ConfigError, match=r"train.metric_writers: 'neptune' is not one of \['mlflow', 'wandb'\]"):
+    tensorboard_log.writer_names("mlflow,neptune")
+  assert tensorboard_log.writer_names(" wandb , ") == ["wandb"]

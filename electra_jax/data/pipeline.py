@@ -1,7 +1,7 @@
 """From a data config to pre-training batches: prepared shards, loaded and batched.
 
 Every source ends up as shards in the format of prepare.py. data.source="prepared" reads the
-directory --mode=prepare_data wrote; a document source (builtin, text, jsonl, tfds) is prepared
+directory --mode=prepare_data wrote; a document source (builtin, text, jsonl, tfds, hf_datasets) is prepared
 on first use into the cache, <cache_dir>/<source>/<key>/ (tokenizer) and its len<L>/ (shards).
 Shards are memory-mapped and checked, then served by the step-indexed, process-sharded batch order.
 

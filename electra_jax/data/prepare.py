@@ -50,7 +50,10 @@ _LOG_EVERY_S = 10.0
 _MANIFEST_EVERY_S = 2.0
 
 # Sources of documents; "prepared" instead reads the shards `prepare_data` wrote.
-DOCUMENT_SOURCES = ("builtin",) + sources.FILE_SOURCES + ("tfds",)
+# Sources read record by record from a dataset library: each gives a corpus object (fingerprint,
+# description, iter_documents).
+RECORD_SOURCES = ("tfds", "hf_datasets")
+DOCUMENT_SOURCES = ("builtin",) + sources.FILE_SOURCES + RECORD_SOURCES
 SUPPORTED_SOURCES = DOCUMENT_SOURCES + ("prepared",)
 SUPPORTED_TOKENIZERS = ("sentencepiece", "wordpiece")
 SPLITS = ("train", "eval")
@@ -85,7 +88,7 @@ def read_config(data_config):
     raise ConfigError(
         f"Unknown data.source {source!r}; supported sources are {list(SUPPORTED_SOURCES)} "
         f"(text and jsonl read the files named by data.files, tfds the dataset data.tfds_name, "
-        f"prepared the shards in data.prepared_dir)."
+        f"hf_datasets the local dataset data.hf_path, prepared the shards in data.prepared_dir)."
     )
   tokenizer = str(data_config.get("tokenizer", "sentencepiece"))
   if tokenizer not in SUPPORTED_TOKENIZERS:
@@ -134,7 +137,7 @@ def read_config(data_config):
   if shard_documents < 1:
     raise ConfigError(f"data.shard_documents must be >= 1, got {shard_documents}.")
   text_field = str(data_config.get("text_field", "text"))
-  if source == "jsonl" and not text_field:
+  if source in ("jsonl", "hf_datasets") and not text_field:
     raise ConfigError("data.text_field is empty; name the JSON field holding each document's text.")
   max_documents = int(data_config.get("max_documents", 0))
   eval_fraction = float(data_config.get("eval_fraction", 0.02))
@@ -173,11 +176,18 @@ def read_config(data_config):
       "tfds_split": str(data_config.get("tfds_split", "train") or "train"),
       "tfds_text_field": str(data_config.get("tfds_text_field", "text") or "text"),
       "tfds_data_dir": str(data_config.get("tfds_data_dir", "") or ""),
+      "hf_path": str(data_config.get("hf_path", "") or ""),
+      "hf_split": str(data_config.get("hf_split", "train") or "train"),
       "pack_rows": bool(pack_rows),
   }
 
 
-def _tfds_corpus(config):
+def _record_corpus(config):
+  """The corpus object of a RECORD_SOURCES source (each imports its library only here)."""
+  if config["source"] == "hf_datasets":
+    from electra_jax.data.hf_datasets_source import HfDatasetCorpus  # noqa: PLC0415
+
+    return HfDatasetCorpus(config["hf_path"], config["hf_split"], config["text_field"])
   from electra_jax.data.tfds_source import TfdsCorpus  # noqa: PLC0415  (imports tfds, which is heavy)
 
   return TfdsCorpus(config["tfds_name"], config["tfds_split"], config["tfds_text_field"], config["tfds_data_dir"])
@@ -189,8 +199,8 @@ def source_fingerprint(config) -> dict:
     # The source-bytes hash is cheap to recompute, unlike the document-text hash, so a
     # warm cache is found without parsing the stdlib.
     return {"sources": corpus.builtin_sources_fingerprint()}
-  if config["source"] == "tfds":
-    return {"tfds": _tfds_corpus(config).fingerprint}
+  if config["source"] in RECORD_SOURCES:
+    return {config["source"]: _record_corpus(config).fingerprint}
   # Paths, sizes and mtimes (and small files' bytes): an edited corpus gets a new key.
   key_fields = {"files": sources.files_fingerprint(config["files"])}
   if config["source"] == "jsonl":
@@ -203,8 +213,8 @@ def source_description(config) -> dict:
   """A human-readable account of the source, for manifests."""
   if config["source"] == "builtin":
     return {"source": "builtin", "stdlib": corpus.stdlib_root()}
-  if config["source"] == "tfds":
-    return _tfds_corpus(config).description
+  if config["source"] in RECORD_SOURCES:
+    return _record_corpus(config).description
   description = {"source": config["source"], "files": config["files"][:100], "num_files": len(config["files"])}
   if config["source"] == "jsonl":
     description["text_field"] = config["text_field"]
@@ -229,8 +239,8 @@ def iter_source_documents(config, stats: sources.SourceStats):
         yield document
 
     iterator = counted()
-  elif config["source"] == "tfds":
-    iterator = _tfds_corpus(config).iter_documents(stats)
+  elif config["source"] in RECORD_SOURCES:
+    iterator = _record_corpus(config).iter_documents(stats)
   else:
     iterator = sources.iter_documents(config["source"], config["files"], config["text_field"], stats)
   for count, document in enumerate(iterator):
@@ -247,6 +257,11 @@ def no_documents_error(config, stats: sources.SourceStats) -> ConfigError:
     return ConfigError(
         f"TFDS dataset {config['tfds_name']!r} split {config['tfds_split']!r} gave no usable text in "
         f"field {config['tfds_text_field']!r} ({stats.counts()}); check data.tfds_text_field."
+    )
+  if config["source"] == "hf_datasets":
+    return ConfigError(
+        f"The dataset {config['hf_path']!r} split {config['hf_split']!r} gave no usable text in column "
+        f"{config['text_field']!r} ({stats.counts()}); check data.text_field."
     )
   return ConfigError(f"The built-in corpus gave no documents (max_documents={config['max_documents']}).")
 

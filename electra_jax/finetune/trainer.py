@@ -21,7 +21,7 @@ import optax
 from absl import logging
 
 import electra_jax
-from electra_jax import checkpointing, config_lib, workdir_files, workdir_lease
+from electra_jax import checkpointing, config_lib, tensorboard_log, workdir_files, workdir_lease
 from electra_jax.errors import ConfigError
 from electra_jax.data.tokenizer import atomic_write_bytes
 from electra_jax.finetune import metrics as metrics_lib
@@ -313,9 +313,11 @@ def _run_seed(config, adapter, backbone, seed: int, seed_dir: str, epochs: int, 
   opt_state = tx.init(params)
 
   # A seed whose earlier run was cut short (no metrics.json: run_finetune refuses finished
-  # ones) starts over; its checkpoints may be from later steps.
-  shutil.rmtree(os.path.join(seed_dir, "checkpoints"), ignore_errors=True)
+  # ones) starts over; its checkpoints and events may be from later steps.
+  for stale in ("checkpoints", tensorboard_log.SUBDIR):
+    shutil.rmtree(os.path.join(seed_dir, stale), ignore_errors=True)
   checkpointer = checkpointing.Checkpointer(seed_dir, keep=1)
+  events = tensorboard_log.ScalarWriter(os.path.join(seed_dir, tensorboard_log.SUBDIR))  # each epoch's figures
   kept, history, step = None, [], 0
   try:
     for epoch in range(epochs):
@@ -336,6 +338,8 @@ def _run_seed(config, adapter, backbone, seed: int, seed_dir: str, epochs: int, 
       dev = adapter.evaluate(_predictor(predict_step, params, eval_batch_size))
       score = float(np.mean([m["score"] for m in dev.values()]))
       history.append(dict(epoch=epoch + 1, step=step, train_loss=train_loss, dev=dev, score=score))
+      events.write({"step": step, "train_loss": train_loss,
+                    **{f"{name}/{metric}": value for name, by_metric in dev.items() for metric, value in by_metric.items()}})
       logging.info(
           "seed %d epoch %d/%d | train loss %.4f | dev %s", seed, epoch + 1, epochs, train_loss,
           " ".join(f"{name}: " + ", ".join(f"{k}={v:.4f}" for k, v in m.items()) for name, m in dev.items()),
@@ -346,6 +350,7 @@ def _run_seed(config, adapter, backbone, seed: int, seed_dir: str, epochs: int, 
   finally:
     checkpointer.wait()
     checkpointer.close()
+    events.close()
 
   prediction_files = adapter.write_test(_predictor(predict_step, kept["params"], eval_batch_size),
                                         os.path.join(seed_dir, "predictions"))
