@@ -62,10 +62,14 @@ def _classification_head(params, head: dict, encoder: models.EncoderConfig):
   }
 
 
+def _encoder_model(backbone) -> models.ElectraEncoderModel:
+  """The backbone as the headless model whose weights interop.hf names (ElectraModel's)."""
+  return models.ElectraEncoderModel(**{k: getattr(backbone, k) for k in model_lib.SIZE_FIELDS},
+                                    config=backbone.encoder_config)
+
+
 def _hf_config(backbone, head: dict) -> dict:
-  encoder = models.ElectraEncoderModel(**{k: getattr(backbone, k) for k in model_lib._SIZE_FIELDS},
-                                       config=backbone.encoder_config)
-  settings = hf.hf_config_of(encoder, "encoder", backbone.tokenizer.pad_id)
+  settings = hf.hf_config_of(_encoder_model(backbone), "encoder", backbone.tokenizer.pad_id)
   if head["kind"] == "span":
     return dict(settings, architectures=["ElectraForQuestionAnswering"], num_labels=2)
   if head["kind"] == "regression":
@@ -143,10 +147,8 @@ def restore_seed(workdir: str, task: str, seed: int, model):
 
 
 def _write(directory: str, backbone, head: dict, params) -> None:
-  encoder = models.ElectraEncoderModel(**{k: getattr(backbone, k) for k in model_lib._SIZE_FIELDS},
-                                       config=backbone.encoder_config)
   tensors = {"electra." + name: value for name, value in hf.hf_weights_from_params(
-      encoder, "encoder", {"embeddings": params["embeddings"], "encoder": params["encoder"]}).items()}
+      _encoder_model(backbone), "encoder", {"embeddings": params["embeddings"], "encoder": params["encoder"]}).items()}
   if head["kind"] == "span":
     kernel = np.asarray(params["span_head"]["span_logits"]["kernel"], np.float32)
     tensors["qa_outputs.weight"] = np.ascontiguousarray(kernel.T)

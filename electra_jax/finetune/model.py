@@ -19,7 +19,7 @@ from electra_jax.models import Encoder, EncoderConfig, build_model, embeddings_f
 # How the classifier reduces the final hidden states to one vector per example (head.pooling).
 POOLINGS = ("cls", "mean")
 # The embedding sizes a task model shares with the backbone it starts from.
-_SIZE_FIELDS = ("vocab_size", "embedding_size", "max_position_embeddings", "type_vocab_size")
+SIZE_FIELDS = ("vocab_size", "embedding_size", "max_position_embeddings", "type_vocab_size")
 
 
 def head_dense(features: int, dtype, name: str | None = None, fan_out: int | None = None) -> nn.Dense:
@@ -103,7 +103,7 @@ class Backbone:
     encoder_config = dataclasses.replace(
         self.encoder_config, dropout_rate=config.dropout_rate, attention_dropout_rate=config.attention_dropout_rate
     )
-    sizes = {k: getattr(self, k) for k in _SIZE_FIELDS}
+    sizes = {k: getattr(self, k) for k in SIZE_FIELDS}
     return module_class(**sizes, config=encoder_config, dtype=jnp.dtype(config.dtype), **head_fields)
 
   def classifier(self, num_outputs: int, config) -> ElectraClassifier:
@@ -169,7 +169,7 @@ def _from_workdir(config, workdir: str) -> Backbone:
     _, tower_params = tower_from_pretrainer(setup.model, state.params, "discriminator")
     params = {"embeddings": tower_params["embeddings"], "encoder": tower_params["discriminator"]["encoder"]}
   # The discriminator reads the shared embeddings (embedding_size) in every model.tie mode.
-  return Backbone(**{k: getattr(pretrainer, k) for k in _SIZE_FIELDS},
+  return Backbone(**{k: getattr(pretrainer, k) for k in SIZE_FIELDS},
                   encoder_config=dataclasses.replace(pretrainer.discriminator_config, scan_layers=False),
                   params=params, tokenizer=tokenizer, source=source)
 
@@ -196,7 +196,7 @@ def _from_hf(config, path: str) -> Backbone:
   recorded_lowercase, strip_accents = pairing.read_tokenizer_settings(path)
   lowercase = config.lowercase if config.lowercase is not None else recorded_lowercase
   return Backbone(
-      **{k: getattr(hf_model, k) for k in _SIZE_FIELDS}, encoder_config=hf_model.config,
+      **{k: getattr(hf_model, k) for k in SIZE_FIELDS}, encoder_config=hf_model.config,
       params=None if config.random_init else {"embeddings": hf_params["embeddings"], "encoder": encoder_params},
       tokenizer=_tokenizer_from_file(tokenizer_path, lowercase, strip_accents),
       source=f"random init (sizes of {path})" if config.random_init else f"Hugging Face {path}",
