@@ -15,6 +15,7 @@ def get_config():
   config.batch_size = 16
   config.epochs = 4
   config.min_steps = 0  # tests and demos train exactly the epochs they set
+  config.select.learning_rates = ""  # ... at the rate they set
   config.head.pooling = "cls"  # the official head, which Hugging Face export and the tests compare against
   config.log_every = 10
   config.optimizer.update(learning_rate=3e-3)
