@@ -10,12 +10,6 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-# The suite compiles hundreds of tiny programs and times none: LLVM's cheapest code generation
-# compiles them about a quarter faster. Set before JAX starts, and inherited by the CLI
-# subprocesses (with_devices keeps it when a test asks for more CPU devices).
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
-
 
 def with_devices(count: int) -> dict:
   """Environment entries that give a subprocess `count` CPU devices (keeping $XLA_FLAGS)."""
@@ -78,22 +72,19 @@ def data_cache(tmp_path_factory):
   """One cache for the whole session, shared with subprocesses through the environment."""
   cache = str(tmp_path_factory.mktemp("electra_jax_cache"))
   os.environ["ELECTRA_JAX_CACHE"] = cache
-  # One persistent XLA compilation cache too, for this process and the CLI subprocesses alike
-  # (they inherit the environment): many tests compile the same tiny train and eval steps, and
-  # compiling is most of a tiny run's time on a 2-core machine.
+  # A persistent XLA compilation cache for the CLI subprocesses (they inherit the environment):
+  # many tests run the same tiny train and eval steps, and compiling is most of a tiny run's
+  # time on a 2-core machine. No size limit: a limit turns on JAX's eviction, which lists and
+  # reads the whole cache at every write. Without it JAX writes entries in place and unlocked,
+  # so processes that run side by side get directories of their own (test_distributed).
+  # The test processes themselves use none: each of the five workers lost in earlier runs died
+  # inside XLA in a test process that had torch (and, once, pyarrow) loaded, three of them while
+  # serializing or deserializing a cache entry; no CLI process ever did.
   import jax  # noqa: PLC0415
 
-  # No size limit: a limit turns on JAX's eviction, which lists and reads the whole cache at
-  # every write (a quarter more time on compile-heavy tests by the end of a session). Without
-  # it, JAX writes entries in place and unlocked, so processes that run side by side get
-  # directories of their own (test_distributed). The test process keeps its own too: the CLI
-  # sets XLA's CPU flags before its backend starts, and JAX keys an entry by the XLA_FLAGS of
-  # the moment, so a process whose flags changed after its start could load an executable
-  # built under other flags.
+  jax.config.update("jax_enable_compilation_cache", False)  # this process (env is read at import)
   xla_cache = tmp_path_factory.mktemp("xla_cache")
   os.environ.update(JAX_COMPILATION_CACHE_DIR=str(xla_cache / "cli"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-  jax.config.update("jax_compilation_cache_dir", str(xla_cache / "tests"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   return cache
 
 
