@@ -444,7 +444,7 @@ def test_other_max_seq_len_reuses_the_tokenizer(cache_dir, train_data):
 
 
 def test_unknown_source_lists_supported_sources(tmp_path):
-  with pytest.raises(ValueError, match=r"'c4'.*\['builtin', 'text', 'jsonl', 'tfds', 'prepared'\]"):
+  with pytest.raises(ValueError, match=r"'c4'.*\['builtin', 'text', 'jsonl', 'tfds', 'hf_datasets', 'prepared'\]"):
     load_pretraining_data(_config(tmp_path, source="c4"))
 
 
