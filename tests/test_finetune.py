@@ -170,7 +170,7 @@ def test_random_init_model_learns_synthetic_task(tmp_path):
   assert hf_model.config.id2label == {0: "0", 1: "1"}
   texts = [json.loads(line)["sentence"] for line in open(config.custom.test_file)]
   inputs = transformers.AutoTokenizer.from_pretrained(hf_dir)(texts, padding=True, return_tensors="np")
-  _, _, _, model = export.load_task_model(str(workdir), "custom")
+  model = export.load_task_model(str(workdir), "custom").model
   params = export.restore_seed(str(workdir), "custom", 0, model)
   ours = np.asarray(model.apply({"params": params}, inputs["input_ids"], inputs["token_type_ids"], inputs["attention_mask"]))
   with torch.no_grad():

@@ -5,6 +5,7 @@ ElectraForSequenceClassification (classification, regression) or ElectraForQuest
 import json
 import os
 import pathlib
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -80,9 +81,17 @@ def _hf_config(backbone, head: dict) -> dict:
               label2id={label: i for i, label in enumerate(labels)})
 
 
-def load_task_model(workdir: str, task: str):
-  """(config, head, backbone without weights, task model) of one fine-tuned task, refused
-  before any checkpoint is read when Hugging Face has no class for it."""
+class TaskModel(NamedTuple):
+  config: ml_collections.ConfigDict
+  head: dict
+  backbone: model_lib.Backbone  # without weights
+  model: nn.Module
+  seeds: list[int]  # the finished seeds
+
+
+def load_task_model(workdir: str, task: str) -> TaskModel:
+  """One fine-tuned task from its results.json, refused before any checkpoint is read when
+  Hugging Face has no class for it."""
   with open(os.path.join(workdir, task, "results.json")) as f:
     results = json.load(f)
   head = results.get("head")
@@ -102,7 +111,7 @@ def load_task_model(workdir: str, task: str):
     model = backbone.task_model(squad.SquadModel, config, answerable=head["answerable"])
   else:
     model = backbone.classifier(1 if head["kind"] == "regression" else len(head["labels"]), config)
-  return config, head, backbone, model
+  return TaskModel(config, head, backbone, model, sorted(int(s) for s in results["seeds"]))
 
 
 def export_finetuned(workdir: str, out_dir: str) -> dict[str, str]:
@@ -118,11 +127,11 @@ def export_finetuned(workdir: str, out_dir: str) -> dict[str, str]:
   for task in tasks:
     export.check_export_out(os.path.join(out_dir, task))
   written = {}
-  for task, (config, head, backbone, model) in loaded.items():
+  for task, (_, head, backbone, model, seeds) in loaded.items():
     if head.get("answerable"):
       logging.warning("%s: SQuAD 2.0's answerability head has no ElectraForQuestionAnswering form and is "
                       "left out; the export's no-answer score is the [CLS] span's, as Hugging Face's.", task)
-    for seed in sorted(int(s) for s in json.load(open(os.path.join(workdir, task, "results.json")))["seeds"]):
+    for seed in seeds:
       params = restore_seed(workdir, task, seed, model)
       directory = os.path.join(out_dir, task, f"seed_{seed}")
       _write(directory, backbone, head, params)
