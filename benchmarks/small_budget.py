@@ -10,15 +10,18 @@ defaults of configs/finetune/custom.py, several seeds, nothing tuned on dev.
 
 A budget is CPU wall-clock time (12m, 60m: train.time_budget, measured on the machine that runs
 it) or a number of optimizer steps (3965steps: train.steps), which is how the larger CPU budgets
-are reached on a GPU: a 2-core CPU gets 793 quick-recipe steps out of 12 minutes. --jobs runs that
-many pre-training and fine-tuning processes at once; use it with step budgets only (processes
-sharing a CPU get fewer steps out of a time budget). Random init does not depend on the budget:
-it is fine-tuned once, with the first budget's tokenizer.
+are reached on a GPU: a 2-core CPU gets about 800 quick-recipe steps out of 12 minutes. Every
+pre-training run comes first, then the fine-tuning. --jobs runs that many fine-tuning processes
+at once, and as many pre-training processes when the budgets are in steps; with time budgets the
+pre-training runs one at a time (processes sharing a CPU get fewer steps out of a time budget).
+Random init does not depend on the budget: it is fine-tuned once, with the first budget's
+tokenizer.
 
 Everything goes under --out (default .bench_data/small_budget): <task>/pretrain_<objective>_<budget>/
 (pre-training workdirs), <task>/finetune_<init>/ (fine-tuning workdirs), results.jsonl (one line
-per finished measurement). Pre-training runs alone on the machine: a busy machine gets fewer
-steps out of the same wall-clock budget (train.steps in each workdir's config.json says how many).
+per finished measurement). Leave the machine alone while a time budget is measured (the first
+steps of each pre-training run): a busy machine gets fewer steps out of the same wall-clock budget
+(train.steps in each workdir's config.json says how many).
 """
 
 import argparse
@@ -145,21 +148,17 @@ def run(args) -> None:
                    held_out={k: held_out.get(k) for k in ("disc_auc", "disc_recall", "masked_lm_accuracy")})
       _record(results_file, row)
 
-    # Each pre-training run is fine-tuned as soon as it ends; with --jobs > 1 the runs go at once
-    # (on one corpus they may build its data cache together: each of its files is written atomically).
+    # Every pre-training run first, then the fine-tuning: a time budget needs the machine to
+    # itself, so those pre-train one at a time (step budgets: --jobs at once; on one corpus they
+    # may build its data cache together, each of its files written atomically), while the
+    # fine-tuning runs, whose length is fixed in steps, go --jobs at once in either case.
+    runs = [(o, b) for b in budgets for o in OBJECTIVES]
+    pretrain_jobs = args.jobs if all(b.endswith("steps") for b in budgets) else 1
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, pretrain_jobs)) as pool:
+      workdirs.update(zip(runs, pool.map(lambda run: pretrain(task_dir, *run, args.pretrain_override), runs)))
+    finetunes = [("random", budgets[0])] + runs  # random init needs only the first budget's tokenizer
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-      futures = []
-
-      def pretrain_and_finetune(objective, budget):
-        workdirs[objective, budget] = pretrain(task_dir, objective, budget, args.pretrain_override)
-        if (objective, budget) == ("electra", budgets[0]) and (task, "random", budget) not in done:
-          futures.append(pool.submit(finetune_one, "random", budget))  # needs only the tokenizer
-        if (task, objective, budget) not in done:
-          finetune_one(objective, budget)
-
-      futures += [pool.submit(pretrain_and_finetune, o, b) for b in budgets for o in OBJECTIVES]
-      while futures:
-        futures.pop(0).result()
+      list(pool.map(lambda run: finetune_one(*run), [run for run in finetunes if (task, *run) not in done]))
 
 
 def report(args) -> None:
@@ -211,14 +210,12 @@ def main() -> None:
   parser.add_argument("--tasks", default="debian,manpages")
   parser.add_argument("--budgets", default="12m")
   parser.add_argument("--seeds", type=int, default=3)
-  parser.add_argument("--jobs", type=int, default=1, help="processes at once (step budgets only)")
+  parser.add_argument("--jobs", type=int, default=1,
+                      help="fine-tuning processes at once; pre-training too when the budgets are in steps")
   parser.add_argument("--pretrain_override", action="append", default=[], help="e.g. --config.model.norm=post")
   parser.add_argument("--finetune_override", action="append", default=[], help="e.g. --config.head.pooling=cls")
   parser.add_argument("--plot", default="", help="report: also draw the accuracy against the budget here (PNG)")
   args = parser.parse_args()
-  if args.jobs > 1 and not all(b.endswith("steps") for b in args.budgets.split(",")):
-    parser.error(f"--jobs={args.jobs} with --budgets={args.budgets}: processes sharing the machine get fewer "
-                 "steps out of a time budget; give budgets in steps (e.g. 793steps) or use --jobs=1.")
   run(args) if args.command == "run" else report(args)
 
 
