@@ -9,18 +9,8 @@ from typing import Optional
 import jax
 from absl import logging
 
+from electra_jax import xla_flags
 from electra_jax.errors import ConfigError
-
-
-def _tpu_chips_present() -> bool:
-  """Whether TPU chips sit on this machine's PCI bus (a Cloud TPU VM), read from /sys without
-  starting any JAX backend; JAX's own check, so new TPU generations come with JAX updates."""
-  try:
-    from jax._src import hardware_utils  # noqa: PLC0415
-
-    return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
-  except Exception:  # noqa: BLE001 (a private helper: its absence means "cannot tell")
-    return False
 
 
 def _tpu_vm_worker_count() -> int:
@@ -52,7 +42,7 @@ def _multi_host_environment() -> Optional[str]:
     return "a multi-host TPU slice on GKE"
   # The same command started on every worker of a TPU VM slice (gcloud ... ssh --worker=all):
   # no variable says "several hosts", the metadata server does. Asked only where TPU chips are.
-  if _tpu_chips_present() and _tpu_vm_worker_count() > 1:
+  if xla_flags.tpu_chips_present() and _tpu_vm_worker_count() > 1:
     return "a multi-host Cloud TPU VM slice (its metadata server)"
   return None
 

@@ -4,6 +4,7 @@ large allocations. A flag already in $XLA_FLAGS is left as the user set it."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import sys
@@ -62,9 +63,22 @@ def accelerator_visible(environ=os.environ) -> bool:
     return platforms.split(",")[0].strip().lower() != "cpu"
   if os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd"):
     return True
-  from electra_jax import distributed  # noqa: PLC0415 (imports jax, which starts no backend)
+  return tpu_chips_present()
 
-  return distributed._tpu_chips_present()  # noqa: SLF001
+
+def tpu_chips_present() -> bool:
+  """Whether TPU chips sit on this machine's PCI bus (a Cloud TPU VM), by JAX's own check, so new
+  TPU generations come with JAX updates. Its module needs only the standard library and is loaded
+  from its file: importing jax for it would cost the CLI a second of every start, twice over
+  when the process then starts itself again (apply_cpu_defaults)."""
+  try:
+    jax_dir = os.path.dirname(importlib.util.find_spec("jax").origin)
+    spec = importlib.util.spec_from_file_location("_jax_hardware_utils", os.path.join(jax_dir, "_src", "hardware_utils.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.num_available_tpu_chips_and_device_id()[0] > 0
+  except Exception:  # noqa: BLE001 (a private helper: its absence means "cannot tell")
+    return False
 
 
 def apply_cpu_defaults(restart: bool = False) -> None:

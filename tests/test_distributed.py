@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import EIGHT_DEVICE_OVERRIDES, REPO, cli_args, run_cli, with_devices
-from electra_jax import distributed
+from electra_jax import distributed, xla_flags
 
 
 def _free_port() -> int:
@@ -237,7 +237,7 @@ def test_tpu_vm_slices_are_detected_from_the_metadata_server(monkeypatch, chips,
     for name in ("ELECTRA_JAX_DISTRIBUTED", "SLURM_NTASKS", "TPU_WORKER_HOSTNAMES"):
       monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("GCE_METADATA_IP", f"127.0.0.1:{server.server_port}")
-    monkeypatch.setattr(distributed, "_tpu_chips_present", lambda: chips)
+    monkeypatch.setattr(xla_flags, "tpu_chips_present", lambda: chips)
     found = distributed._multi_host_environment()
   finally:
     server.shutdown()

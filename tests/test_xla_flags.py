@@ -81,3 +81,16 @@ def test_the_allocator_is_left_alone_where_an_accelerator_computes_or_the_user_c
   assert xla_flags.malloc_tunables({"JAX_PLATFORMS": "cpu", "MALLOC_ARENA_MAX": "2"}) is None
   monkeypatch.setattr(xla_flags, "_THP_MODE", "/nonexistent")
   assert xla_flags.malloc_tunables({"JAX_PLATFORMS": "cpu"}) is None
+
+
+def test_the_accelerator_check_does_not_import_jax_and_agrees_with_jax():
+  """The CLI asks before it may start itself again; importing jax for the answer cost every CPU
+  run a second of startup, twice over."""
+  probe = ("import sys; from electra_jax import xla_flags; visible = xla_flags.accelerator_visible({}); "
+           "print(visible, xla_flags.tpu_chips_present(), 'jax' in sys.modules)")
+  out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO)
+  visible, chips, imported = out.stdout.split()
+  assert imported == "False"
+  from jax._src import hardware_utils  # noqa: PLC0415
+
+  assert chips == str(hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0)
