@@ -1,32 +1,31 @@
-"""The GPU measurements of benchmarks/RESULTS.md, planned to fit a lent GPU's budget.
+"""The GPU measurements of benchmarks/RESULTS.md, for a GPU machine reached one command at a time.
 
-A session that is lent a GPU gets about 30 minutes of device time, at most 10 minutes a call,
-a minute or more of each fresh machine's start counted in, and at most 8 files back from $OUT.
-The one H100 session this project had lost its measurements to first compiles that outran
-too-short timeouts. So each mode here is one device call. Its runs go in order of importance
-under one deadline (--budget). A run's timeout is what is left of the budget, up to the run's
-own cap. A run that cannot start with the time it needs is reported as skipped, so the call
-still returns what it measured. Everything lands in three files: summary.txt, results.jsonl
-(each run's JSON) and log.txt (each run's stderr).
+Rented and shared GPU machines often run one command per call, under a time limit, over a copy of
+the checkout that has to be uploaded. This script plans for that: each mode is one command whose
+runs go in order of importance under one deadline (--budget, seconds); a run gets what is left of
+the deadline, up to its own cap, and a run that cannot start with the time it needs (a first
+compile takes about a minute) is reported as skipped, so the command still returns what it
+measured. Everything lands in three files under --out: summary.txt, results.jsonl (each run's
+JSON) and log.txt (each run's stderr).
 
-Here, without a GPU, once (makes .bench_data/s128, .bench_data/s512 and the ml_collections
-wheel the device image lacks, in .whl, and checks what travels against the 64 MiB limit):
+Once, on any machine (writes .bench_data/s128, .bench_data/s512 and, in .whl, wheels of what the
+GPU machine's Python lacks; --upload-limit-mib checks what travels against an upload limit):
 
   python benchmarks/gpu_suite.py prepare
   python benchmarks/gpu_suite.py goals --dry-run    # the commands, caps and the deadline
 
-On the device machine, one `run` call per mode, carrying .bench_data/s128, .bench_data/s512
-and .whl (the script installs the wheel into /tmp/site itself):
+On the GPU machine, from a copy of the checkout with .bench_data/s128, .bench_data/s512 and .whl
+(the script installs the wheels into /tmp/site itself), one command per mode:
 
-  python3 benchmarks/gpu_suite.py goals     # issue 6's figures: small s128 and base s512, bf16,
-                                            # MFU and tokens/s against the PyTorch step
+  python3 benchmarks/gpu_suite.py goals     # MFU and tokens/s of electra_small (seq 128) and
+                                            # electra_base (seq 512) in bf16, against PyTorch's step
   python3 benchmarks/gpu_suite.py profile   # device traces: top kernels of both steps
   python3 benchmarks/gpu_suite.py check packed   # attention against xla; packed rows; the
                                                  # paper's attention dropout
   python3 benchmarks/gpu_suite.py memory    # largest batch per size and sequence length
   python3 benchmarks/gpu_suite.py layer     # one encoder layer against PyTorch's
 
-Several modes in one call share its deadline, in the order given.
+Several modes in one command share its deadline, in the order given.
 """
 
 import argparse
@@ -42,17 +41,16 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = {128: ".bench_data/s128", 512: ".bench_data/s512"}
 WHEELS = ".whl"
-SITE = "/tmp/site"  # where the carried wheels are installed on the device machine
-CARRY_LIMIT = 64 * 2**20  # what travels to the device machine, working tree included
-# What the benchmarks import beyond the standard library; the device image holds all but
-# ml_collections (device/KINDS.md), which travels as a wheel.
+SITE = "/tmp/site"  # where the copied wheels are installed on the GPU machine
+# What the benchmarks import beyond the standard library; a GPU image with jax and torch often
+# lacks ml_collections, which then travels as a wheel (prepare --wheel for others).
 NEEDED = ("jax", "flax", "optax", "orbax.checkpoint", "ml_collections", "absl", "sentencepiece",
           "tokenizers", "etils", "numpy", "torch", "transformers")
 # issue 6's goals on an H100: MFU per recipe, and tokens/s over the PyTorch step's.
 GOALS = {"electra_small": 0.25, "electra_base": 0.45}
 GOAL_RATIO = 2.0
-# Seconds of runs in one device call, which may take 600: the wheel install and the version
-# probe (importing jax and torch) come first.
+# Seconds of runs in one command: under a 10-minute limit per command, less the wheel install
+# and the version probe (importing jax and torch), which come first.
 DEFAULT_BUDGET = 540
 
 
@@ -185,7 +183,7 @@ def _launch(env):
 
 
 def summarize(record):
-  """A few lines per run for summary.txt (the device call's reply carries its end)."""
+  """A few lines per run for summary.txt (the end of the command's output)."""
   head = f"{record['name']}: {record['status']}"
   if record["status"] == "skipped":
     return f"{head} ({record['reason']})"
@@ -227,7 +225,7 @@ def verdict(records):
 
 
 # ---------------------------------------------------------------------------------------
-# On the device machine: the carried wheels, then the plan
+# On the GPU machine: the copied wheels, then the plan
 # ---------------------------------------------------------------------------------------
 # One interpreter start (jax and torch take seconds to import): what is missing, else the versions.
 _PROBE = """
@@ -313,10 +311,10 @@ def dry_run(modes, budget):
 
 
 # ---------------------------------------------------------------------------------------
-# Here, before a device session: what the calls carry
+# Before: the data and wheels that go to the GPU machine
 # ---------------------------------------------------------------------------------------
 def _tree_bytes():
-  """Bytes of what travels besides carried paths: tracked and untracked, not ignored, files."""
+  """Bytes of the checkout that travels: tracked and untracked, not ignored, files."""
   names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout.split("\0")
   return sum(os.path.getsize(os.path.join(REPO, n)) for n in names if n and os.path.isfile(os.path.join(REPO, n)))
@@ -326,7 +324,7 @@ def _dir_bytes(path):
   return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
-def prepare(wheels):
+def prepare(wheels, python_version="3.12", upload_limit_mib=0):
   for seq_len, path in DATA.items():
     if os.path.isdir(os.path.join(REPO, path)):
       print(f"{path}: there already")
@@ -335,43 +333,46 @@ def prepare(wheels):
                     "--config=configs/electra_small.py", f"--config.data.max_seq_len={seq_len}",
                     f"--config.data.prepared_dir={path}", "--config.data.max_documents=6000"], cwd=REPO, check=True)
   if not wheels:
-    import ml_collections  # the version this machine runs, which the device image lacks
+    import ml_collections  # the version this machine runs
 
     wheels = [f"ml_collections=={ml_collections.__version__}"]
-  # The device's python3 is CPython 3.12 on manylinux x86_64 (device/KINDS.md).
+  # The GPU machine's Python: --python-version, manylinux x86_64.
   platforms = [f"--platform=manylinux_2_{n}_x86_64" for n in (28, 27, 17)] + ["--platform=manylinux2014_x86_64"]
   subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                  "--python-version=3.12", "--implementation=cp", *platforms,
+                  f"--python-version={python_version}", "--implementation=cp", *platforms,
                   "-d", os.path.join(REPO, WHEELS), *wheels], check=True)
   tracked = [p for p in [*DATA.values(), WHEELS]
              if subprocess.run(["git", "check-ignore", "-q", p], cwd=REPO).returncode != 0]
   if tracked:
-    sys.exit(f"gpu_suite: {', '.join(tracked)} must be git-ignored (carried paths; else they travel twice).")
-  carried = {p: _dir_bytes(os.path.join(REPO, p)) for p in [*DATA.values(), WHEELS]}
-  total = _tree_bytes() + sum(carried.values())
-  for path, size in carried.items():
+    sys.exit(f"gpu_suite: {', '.join(tracked)} must be git-ignored (copied beside the checkout; else they travel twice).")
+  copied = {p: _dir_bytes(os.path.join(REPO, p)) for p in [*DATA.values(), WHEELS]}
+  total = _tree_bytes() + sum(copied.values())
+  for path, size in copied.items():
     print(f"{path}: {size / 2**20:.1f} MiB")
-  print(f"travels in all (working tree + carried): {total / 2**20:.1f} MiB of {CARRY_LIMIT // 2**20} MiB")
-  if total > CARRY_LIMIT:
-    sys.exit("gpu_suite: over the device's limit; prepare less data (--config.data.max_documents) or fewer wheels.")
-  print(f"device call: run(command='python3 benchmarks/gpu_suite.py goals', carry={list(carried)}, "
-        "timeout_s=600)")
+  print(f"travels in all (checkout + {', '.join(copied)}): {total / 2**20:.1f} MiB")
+  if upload_limit_mib and total > upload_limit_mib * 2**20:
+    sys.exit(f"gpu_suite: over --upload-limit-mib={upload_limit_mib}; prepare less data "
+             "(--config.data.max_documents) or fewer wheels.")
+  print(f"On the GPU machine, with {', '.join(copied)} beside the checkout: python3 benchmarks/gpu_suite.py goals")
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("modes", nargs="+", choices=["prepare", *MODES])
   parser.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
-                      help="Seconds for all runs of the call (a device call may run 600 s).")
+                      help="Seconds for all runs of the command, installs and probe included.")
   parser.add_argument("--dry-run", action="store_true", help="Print the plan and its commands; run nothing.")
   parser.add_argument("--wheel", action="append", default=[], metavar="NAME==VERSION",
-                      help="prepare: the wheels to carry (default: ml_collections at this machine's version).")
+                      help="prepare: the wheels to copy (default: ml_collections at this machine's version).")
+  parser.add_argument("--python-version", default="3.12", help="prepare: the GPU machine's Python, for its wheels.")
+  parser.add_argument("--upload-limit-mib", type=int, default=0,
+                      help="prepare: fail when the checkout and data exceed this upload limit (0: none).")
   parser.add_argument("--out", default=os.environ.get("OUT", "gpu_results"), help="Where the three files go.")
   args = parser.parse_args(argv)
   if "prepare" in args.modes:
     if len(args.modes) > 1:
-      parser.error("prepare runs here, without a GPU; the other modes run on the device machine")
-    return prepare(args.wheel)
+      parser.error("prepare runs before, on any machine; the other modes run on the GPU machine")
+    return prepare(args.wheel, args.python_version, args.upload_limit_mib)
   if args.dry_run:
     return dry_run(args.modes, args.budget)
   measure(args.modes, args.budget, args.out)

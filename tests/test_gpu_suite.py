@@ -1,5 +1,5 @@
-"""benchmarks/gpu_suite.py: what a session lent a GPU runs. A GPU session is rare and short, so
-what can go wrong without a GPU is checked here: every planned run is a valid config whose
+"""benchmarks/gpu_suite.py: the GPU measurements. Time on a GPU is scarce, so what can go wrong
+without one is checked here: every planned run is a valid config whose
 script takes its flags, the plan keeps to its deadline, and a real result is read back."""
 
 import itertools
@@ -48,13 +48,13 @@ def test_every_planned_run_is_a_valid_config_and_its_script_takes_its_flags(run)
     assert config.train.dtype == "bfloat16"
 
 
-def test_the_goals_come_first_and_fit_one_device_call():
+def test_the_goals_come_first_and_fit_one_command():
   goals = gpu_suite.MODES["goals"]
   measured = {(run.recipe, dict(run.overrides).get("data.max_seq_len", 128)) for run in goals[:2]}
   assert measured == {("electra_small", 128), ("electra_base", 512)}
   assert all("--vs-huggingface" in run.command() for run in goals[:2])
   # The two figures the issue asks for must both get their full cap inside the default budget.
-  assert goals[0].cap + goals[1].cap <= gpu_suite.DEFAULT_BUDGET < 600  # 600 s: one device call's limit
+  assert goals[0].cap + goals[1].cap <= gpu_suite.DEFAULT_BUDGET < 600  # 600 s: a 10-minute limit per command
   assert max(run.cap for run in ALL_RUNS) <= gpu_suite.DEFAULT_BUDGET
 
 
@@ -114,7 +114,7 @@ def test_a_real_cpu_result_goes_through_the_whole_suite(tmp_path, monkeypatch):
   assert record["status"] == "ok", record.get("stderr_tail")
   result = record["result"]
   assert result["batch_size"] == 4 and result["seq_len"] == 64
-  # A device call brings back 8 files at most.
+  # Few files to bring back from the GPU machine.
   assert sorted(os.listdir(tmp_path)) == ["log.txt", "results.jsonl", "summary.txt"]
   assert json.loads(open(tmp_path / "results.jsonl").readline())["result"] == result
   summary = open(tmp_path / "summary.txt").read()
