@@ -82,7 +82,6 @@ def _hf_config(backbone, head: dict) -> dict:
 
 
 class TaskModel(NamedTuple):
-  config: ml_collections.ConfigDict
   head: dict
   backbone: model_lib.Backbone  # without weights
   model: nn.Module
@@ -111,7 +110,7 @@ def load_task_model(workdir: str, task: str) -> TaskModel:
     model = backbone.task_model(squad.SquadModel, config, answerable=head["answerable"])
   else:
     model = backbone.classifier(1 if head["kind"] == "regression" else len(head["labels"]), config)
-  return TaskModel(config, head, backbone, model, sorted(int(s) for s in results["seeds"]))
+  return TaskModel(head, backbone, model, sorted(int(s) for s in results["seeds"]))
 
 
 def export_finetuned(workdir: str, out_dir: str) -> dict[str, str]:
@@ -127,7 +126,7 @@ def export_finetuned(workdir: str, out_dir: str) -> dict[str, str]:
   for task in tasks:
     export.check_export_out(os.path.join(out_dir, task))
   written = {}
-  for task, (_, head, backbone, model, seeds) in loaded.items():
+  for task, (head, backbone, model, seeds) in loaded.items():
     if head.get("answerable"):
       logging.warning("%s: SQuAD 2.0's answerability head has no ElectraForQuestionAnswering form and is "
                       "left out; the export's no-answer score is the [CLS] span's, as Hugging Face's.", task)
