@@ -10,7 +10,8 @@ Debian puts on this machine (nobody here wrote it). Used by benchmarks/small_bud
 Labelled and corpus texts never share a source: a Debian source package (whose binary packages
 repeat each other's descriptions) or a man page is in the training set, the dev set or the
 corpus, never in two. Each task directory gets corpus.txt (one paragraph per line, a blank line
-between documents), train.jsonl (2,000 examples), dev.jsonl (2,000 to 4,000) and stats.json.
+between documents), train.jsonl (2,000 examples), dev.jsonl (2,000 to 4,000) and stats.json; each
+example has its sentence, label and group (its source package or man page).
 
   python benchmarks/small_budget_tasks.py OUT_DIR [debian manpages]
 """
@@ -69,7 +70,10 @@ def _split_groups(groups: dict, labels: dict, rng: random.Random, dev_size: int)
 
 
 def _examples(groups, texts_of, label_of, size: int, rng: random.Random):
-  examples = [{"sentence": text, "label": label_of(group)} for group in sorted(groups) for text in texts_of(group)]
+  """Up to `size` examples of the groups' texts, each with its group (a Debian source package or
+  a man page: --config.custom.group_column=group holds out whole groups when choosing a rate)."""
+  examples = [{"sentence": text, "label": label_of(group), "group": os.path.basename(group)}
+              for group in sorted(groups) for text in texts_of(group)]
   rng.shuffle(examples)
   return examples[:size]
 

@@ -2,6 +2,7 @@
 actual update, a tiny model that must learn a synthetic task, and initialization from a
 pre-training workdir (weights carried over, tokenizer checked, several seeds summarized)."""
 
+import collections
 import json
 import math
 import os
@@ -21,7 +22,7 @@ import electra_jax
 from electra_jax import config_lib, models, partitioning, train, workdir_lease
 from electra_jax.errors import ConfigError
 from electra_jax.finetune import model as model_lib
-from electra_jax.finetune import optim, trainer
+from electra_jax.finetune import optim, tasks, trainer
 
 finetune_tiny = config_lib.sibling(os.path.join(REPO, "configs", "finetune", "tiny.py"), "tiny")
 WORDS = [f"w{i}" for i in range(40)]
@@ -555,10 +556,15 @@ def test_min_steps_and_pooling_make_another_config(tmp_path):
   assert len({trainer.seed_fingerprint(c) for c in (config, other, mean)}) == 3
 
   old = config.copy_and_resolve_references()
-  del old["min_steps"], old["head"]
+  del old["min_steps"], old["head"], old.custom["group_column"]
   trainer._write_json(str(tmp_path / "results.json"), {"config": config_lib.as_saved(old)})
   trainer._check_results_of_same_config(config, str(tmp_path))
   assert trainer.seed_fingerprint(old) == trainer.seed_fingerprint(config)
+  grouped = config.copy_and_resolve_references()  # a key added inside a group: the same rule
+  grouped.custom.group_column = "page"
+  assert trainer.seed_fingerprint(grouped) != trainer.seed_fingerprint(config)
+  with pytest.raises(ConfigError, match="custom.group_column: '' -> 'page'"):
+    trainer._check_results_of_same_config(grouped, str(tmp_path))
 
 
 def test_a_second_run_on_the_same_task_folder_is_refused_before_it_deletes_anything(tmp_path):
@@ -700,6 +706,38 @@ def test_the_learning_rate_is_chosen_on_train_never_dev_and_kept_on_a_rerun(tmp_
   again = trainer.run_finetune(config, str(workdir))
   assert again["selection"] == results["selection"] and trial.stat().st_mtime_ns == before
   assert again["seeds"]["0"] == results["seeds"]["0"]
+
+
+def test_the_held_out_share_takes_whole_groups():
+  """With custom.group_column the learning rate is scored on groups it never trained on, as dev
+  is; without, on random rows, as before."""
+  rng = np.random.default_rng(0)
+  groups = [f"page{g}" for g in rng.integers(0, 40, 500)]
+  held, fit = trainer.held_out_rows(groups, 0.2, seed=3)
+  assert sorted(np.concatenate([held, fit])) == list(range(500))
+  assert not {groups[i] for i in held} & {groups[i] for i in fit}
+  sizes = collections.Counter(groups)
+  assert 100 <= len(held) < 100 + max(sizes.values())  # whole groups until a fifth is held out
+  assert trainer.held_out_rows(groups, 0.2, seed=4)[0].tolist() != held.tolist()
+  ungrouped = trainer.held_out_rows([None] * 500, 0.2, seed=3)
+  order = np.random.default_rng([3, 7]).permutation(500)  # the rows' draw, unchanged
+  assert ungrouped[0].tolist() == order[:100].tolist() and ungrouped[1].tolist() == order[100:].tolist()
+  with pytest.raises(ConfigError, match="holds out all 2 groups"):
+    trainer.held_out_rows(["a", "b", "b"], 0.9, seed=0)
+
+
+def test_a_custom_task_reads_its_group_column(tmp_path):
+  config = synthetic_config(tmp_path, n_train=16, n_dev=8)
+  rows = [json.loads(line) for line in open(config.custom.train_file)]
+  with open(config.custom.train_file, "w") as f:
+    f.writelines(json.dumps(dict(row, page=f"p{i // 4}")) + "\n" for i, row in enumerate(rows))
+  config.custom.group_column = "page"
+  data = tasks.load_custom(config.custom)
+  assert [e.group for e in data.train] == [f"p{i // 4}" for i in range(16)]
+  assert all(e.group is None for e in data.dev["custom"])  # dev needs no such column
+  config.custom.group_column = "source"
+  with pytest.raises(ConfigError, match="row 1 has no column 'source'"):
+    tasks.load_custom(config.custom)
 
 
 @pytest.mark.parametrize("task, rates, named", [

@@ -30,6 +30,10 @@ def get_config():
                       # positive class is the second label.
   custom.metrics = ""  # comma-separated from accuracy,f1,mcc,pearson,spearman; "" = accuracy
                        # (classification) or pearson,spearman (regression)
+  # The train file's column naming each example's group (its document, page or source): the
+  # learning rate's held-out share (config.select) then takes whole groups, so it scores on
+  # unseen groups as dev does, not on siblings of the examples it trained on. "" = rows.
+  custom.group_column = ""
 
   # --- Initialization. init_from: a pre-training workdir (its latest checkpoint: the
   # discriminator and the shared embeddings) or a Hugging Face ELECTRA directory.

@@ -55,6 +55,7 @@ class Example:
   text_b: str | None
   label: str | float | None  # None in unlabelled (test) splits
   index: int  # the row's id: GLUE submissions list predictions by it
+  group: str | None = None  # custom.group_column's value (train only)
 
 
 @dataclasses.dataclass
@@ -371,13 +372,17 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
   columns = [custom.text_a_column] + ([custom.text_b_column] if custom.text_b_column else [])
   if labelled:
     columns.append(custom.label_column)
+  grouped = split == "train" and bool(custom.group_column)
+  if grouped:
+    columns.append(custom.group_column)
   examples = []
   for row_number, record in enumerate(records):
     for column in columns:
       if record.get(column) is None:
         raise ConfigError(
             f"{path}: row {row_number + 1} has no column {column!r} (it has {sorted(record)}). "
-            "Set config.custom.text_a_column / text_b_column / label_column to the file's column names."
+            "Set config.custom.text_a_column / text_b_column / label_column / group_column to the file's "
+            "column names."
         )
     label = None
     if labelled:
@@ -394,7 +399,8 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
               "example its class, or leave the row out."
           )
     text_b = str(record[custom.text_b_column]) if custom.text_b_column else None
-    examples.append(Example(str(record[custom.text_a_column]), text_b, label, row_number))
+    group = str(record[custom.group_column]) if grouped else None
+    examples.append(Example(str(record[custom.text_a_column]), text_b, label, row_number, group))
   return examples
 
 

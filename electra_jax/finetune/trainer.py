@@ -37,8 +37,11 @@ KEEP_EPOCH = ("last", "best")
 # Keys a finished seed's results do not depend on: a re-run that differs only in them keeps it.
 _NOT_SEED_KEYS = ("seed", "num_seeds", "log_every")
 # Keys added after runs had been finished, with the values that reproduce those runs: a saved
-# config without them reads as having these values, so its finished seeds still match.
-_ADDED_KEYS = {"min_steps": 0, "head": {"pooling": "cls"}, "select": {"learning_rates": "", "fraction": 0.2}}
+# config without them reads as having these values, so its finished seeds still match. A dotted
+# name is a key added inside a group that already existed.
+_ADDED_KEYS = {"min_steps": 0, "head": {"pooling": "cls"}, "select": {"learning_rates": "", "fraction": 0.2},
+               "custom.group_column": ""}
+_NESTED_ADDED = tuple((*name.split("."), value) for name, value in _ADDED_KEYS.items() if "." in name)
 
 
 # ---------------------------------------------------------------------------------------
@@ -87,8 +90,7 @@ def classification_adapter(config, data: tasks.TaskData, backbone: model_lib.Bac
           else dict(kind="classification", labels=list(data.label_list)))
 
   def split(fraction, seed):
-    order = np.random.default_rng([seed, 7]).permutation(_num_examples(train_features))
-    held, fit = np.split(order, [max(1, round(fraction * len(order)))])
+    held, fit = held_out_rows([example.group for example in data.train], fraction, seed)
     held_out = {name: array[held] for name, array in train_features.items()}
     score = lambda predict: {"held_out": metrics_lib.compute_metrics(
         data.metric_names, held_out["labels"], to_predictions(predict(held_out)))}
@@ -96,6 +98,25 @@ def classification_adapter(config, data: tasks.TaskData, backbone: model_lib.Bac
                              loss_fn, score, lambda predict, directory: [], head)
 
   return tasks.TaskAdapter(data.name, model, train_features, loss_fn, evaluate, write_test, head, split)
+
+
+def held_out_rows(groups: list, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+  """(held-out rows, the rest) of a training set: about `fraction` of the rows, at least one,
+  drawn at random; with groups (none None), whole groups in random order until that many rows
+  are held out, so no group is on both sides."""
+  rng = np.random.default_rng([seed, 7])
+  wanted = max(1, round(fraction * len(groups)))
+  if any(group is None for group in groups):
+    return np.split(rng.permutation(len(groups)), [wanted])
+  _, group_of_row = np.unique(np.array(groups, dtype=str), return_inverse=True)
+  group_order = rng.permutation(group_of_row.max() + 1)
+  rows_so_far = np.cumsum(np.bincount(group_of_row)[group_order])
+  held_groups = group_order[: int(np.searchsorted(rows_so_far, wanted)) + 1]  # the first reaching `wanted`
+  held = np.isin(group_of_row, held_groups)
+  if held.all():
+    raise ConfigError(f"config.select.fraction={fraction} holds out all {len(group_order)} groups of "
+                      "config.custom.group_column; lower it, or give the training set more groups.")
+  return np.flatnonzero(held), np.flatnonzero(~held)
 
 
 def make_adapter(config, backbone: model_lib.Backbone) -> tasks.TaskAdapter:
@@ -224,7 +245,12 @@ def _seed_settings(settings: dict) -> dict:
   """A config's saved dict (as config.json or results.json hold it) less the keys that only
   pick or log seeds, with _ADDED_KEYS' values where it lacks them: what one seed's results
   depend on."""
-  return {**_ADDED_KEYS, **{key: value for key, value in settings.items() if key not in _NOT_SEED_KEYS}}
+  top = {key: value for key, value in _ADDED_KEYS.items() if "." not in key}
+  settings = {**top, **{key: value for key, value in settings.items() if key not in _NOT_SEED_KEYS}}
+  for group, key, value in _NESTED_ADDED:
+    if isinstance(settings.get(group), dict):
+      settings[group] = {key: value, **settings[group]}
+  return settings
 
 
 def seed_fingerprint(config) -> str:
@@ -232,6 +258,9 @@ def seed_fingerprint(config) -> str:
   values are left out, so the hash equals the one recorded before they existed."""
   settings = {key: value for key, value in _seed_settings(config_lib.as_saved(config)).items()
               if key not in _ADDED_KEYS or value != _ADDED_KEYS[key]}
+  for group, key, value in _NESTED_ADDED:
+    if isinstance(settings.get(group), dict) and settings[group].get(key) == value:
+      settings[group] = {k: v for k, v in settings[group].items() if k != key}
   return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
