@@ -10,6 +10,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from electra_jax import api
 from electra_jax.errors import ConfigError
 from electra_jax.data import WordPieceTokenizer, tfds_source
 from electra_jax.finetune import tasks
@@ -127,9 +128,9 @@ def custom_config(tmp_path, fmt, rows_train, rows_dev, **custom):
       path.write_text(sep.join(columns) + "\n" + "".join(sep.join(str(r[c]) for c in columns) + "\n" for r in rows))
     return str(path)
 
-  fields = dict(train_file=write("train", rows_train), dev_file=write("dev", rows_dev), test_file="", format="",
-                text_a_column="text", text_b_column="", label_column="label", kind="classification",
-                labels="", metrics="")
+  # configs/finetune/base.py's custom block, so that a key added there is here too.
+  fields = api.load_config("finetune/base").custom.to_dict()
+  fields.update(train_file=write("train", rows_train), dev_file=write("dev", rows_dev), text_a_column="text")
   fields.update(custom)
   return ml_collections.ConfigDict(dict(task="custom", source="dir", data_dir="", custom=fields))
 
