@@ -6,6 +6,7 @@ defaults of configs/finetune/custom.py, several seeds, nothing tuned on dev.
   python benchmarks/small_budget.py run --budgets=12m            # resumable: done runs are kept
   python benchmarks/small_budget.py run --budgets=12m,60m --tasks=debian
   python benchmarks/small_budget.py report                        # table + plot into docs/
+  python benchmarks/small_budget.py split_check --tasks=manpages  # held-out share vs dev (TF-IDF)
   python benchmarks/small_budget.py run --budgets=793steps,3965steps --jobs=6   # on one GPU
 
 A budget is CPU wall-clock time (12m, 60m: train.time_budget, measured on the machine that runs
@@ -110,20 +111,46 @@ def finetune(task_dir: str, init: str, init_from: str, seeds: int, extra: list[s
   return [results["seeds"][s]["dev"]["custom"]["accuracy"] for s in sorted(results["seeds"], key=int)]
 
 
-def tfidf(task_dir: str) -> float:
+def _read(task_dir: str, split: str) -> list[dict]:
+  return [json.loads(line) for line in open(os.path.join(task_dir, f"{split}.jsonl"))]
+
+
+def _tfidf(train: list[dict], evaluated: list[list[dict]]) -> list[float]:
   """TF-IDF (words and word pairs, sublinear tf) + logistic regression, its C chosen by 5-fold
-  cross-validation on the training set."""
+  cross-validation on `train`: the accuracy on each list of `evaluated`."""
   from sklearn.feature_extraction.text import TfidfVectorizer  # noqa: PLC0415 (a test extra)
   from sklearn.linear_model import LogisticRegressionCV  # noqa: PLC0415
 
-  read = lambda split: [json.loads(line) for line in open(os.path.join(task_dir, f"{split}.jsonl"))]
-  train, dev = read("train"), read("dev")
   vectorizer = TfidfVectorizer(sublinear_tf=True, ngram_range=(1, 2))
   features = vectorizer.fit_transform([e["sentence"] for e in train])
   classifier = LogisticRegressionCV(Cs=[0.1, 1, 10, 100], cv=5, max_iter=3000)
   classifier.fit(features, [e["label"] for e in train])
-  predicted = classifier.predict(vectorizer.transform([e["sentence"] for e in dev]))
-  return float(np.mean(predicted == np.array([e["label"] for e in dev])))
+  return [float(np.mean(classifier.predict(vectorizer.transform([e["sentence"] for e in examples]))
+                        == np.array([e["label"] for e in examples]))) for examples in evaluated]
+
+
+def tfidf(task_dir: str) -> float:
+  return _tfidf(_read(task_dir, "train"), [_read(task_dir, "dev")])[0]
+
+
+def split_check(args) -> None:
+  """How far the score on the learning rate's held-out share (config.select) is from dev's, by
+  rows and by whole groups (custom.group_column=group): TF-IDF fit on the rest of train, scored on
+  that share and on dev, for the held-out draws of seeds 0 to --seeds - 1."""
+  from electra_jax.finetune.trainer import held_out_rows  # noqa: PLC0415 (the split fine-tuning uses)
+
+  for task in args.tasks.split(","):
+    task_dir = small_budget_tasks.build(args.out, task)
+    train, dev = _read(task_dir, "train"), _read(task_dir, "dev")
+    if "group" not in train[0]:
+      sys.exit(f"{task_dir}/train.jsonl has no group field (built before examples carried one): "
+               "build the task again under a new --out.")
+    for split, groups in (("rows", [None] * len(train)), ("groups", [e["group"] for e in train])):
+      for seed in range(args.seeds):
+        held, fit = held_out_rows(groups, 0.2, seed)
+        held_out, on_dev = _tfidf([train[i] for i in fit], [[train[i] for i in held], dev])
+        print(json.dumps(dict(task=task, held_out_by=split, seed=seed, held_out=round(held_out, 4),
+                              dev=round(on_dev, 4))), flush=True)
 
 
 def run(args) -> None:
@@ -205,7 +232,7 @@ def report(args) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("command", choices=("run", "report"))
+  parser.add_argument("command", choices=("run", "report", "split_check"))
   parser.add_argument("--out", default=os.path.join(ROOT, ".bench_data", "small_budget"))
   parser.add_argument("--tasks", default="debian,manpages")
   parser.add_argument("--budgets", default="12m")
@@ -216,7 +243,7 @@ def main() -> None:
   parser.add_argument("--finetune_override", action="append", default=[], help="e.g. --config.head.pooling=cls")
   parser.add_argument("--plot", default="", help="report: also draw the accuracy against the budget here (PNG)")
   args = parser.parse_args()
-  run(args) if args.command == "run" else report(args)
+  dict(run=run, report=report, split_check=split_check)[args.command](args)
 
 
 if __name__ == "__main__":
