@@ -96,14 +96,18 @@ def _finished(workdir: str) -> bool:
 
 
 def finetune(task_dir: str, init: str, init_from: str, seeds: int, extra: list[str]) -> list[float]:
-  """Dev accuracy of each seed, fine-tuned with configs/finetune/custom.py's defaults."""
+  """Dev accuracy of each seed, fine-tuned with configs/finetune/custom.py's defaults; the
+  learning rate's held-out share takes whole groups where the task files name them."""
   workdir = os.path.join(task_dir, f"finetune_{init}")
   args = [
       "--mode=finetune", f"--config={ROOT}/configs/finetune/custom.py", f"--workdir={workdir}",
       f"--config.custom.train_file={task_dir}/train.jsonl", f"--config.custom.dev_file={task_dir}/dev.jsonl",
       "--config.custom.text_a_column=sentence", "--config.custom.label_column=label",
-      f"--config.init_from={init_from}", f"--config.num_seeds={seeds}", *extra,
+      f"--config.init_from={init_from}", f"--config.num_seeds={seeds}",
   ]
+  if "group" in json.loads(open(os.path.join(task_dir, "train.jsonl")).readline()):
+    args.append("--config.custom.group_column=group")  # held out by whole pages/packages: see split_check
+  args += extra
   if init.startswith("random"):  # "random_<budget>": the pre-training run gives only its tokenizer
     args.append("--config.random_init=True")
   _cli(args, os.path.join(task_dir, f"finetune_{init}.log"))
