@@ -41,7 +41,18 @@ _NOT_SEED_KEYS = ("seed", "num_seeds", "log_every")
 # name is a key added inside a group that already existed.
 _ADDED_KEYS = {"min_steps": 0, "head": {"pooling": "cls"}, "select": {"learning_rates": "", "fraction": 0.2},
                "custom.group_column": ""}
-_NESTED_ADDED = tuple((*name.split("."), value) for name, value in _ADDED_KEYS.items() if "." in name)
+
+
+def _added_key_slots(settings: dict):
+  """(the dict that holds it, its name, its value when added) for each of _ADDED_KEYS whose group
+  `settings` has."""
+  for name, value in _ADDED_KEYS.items():
+    *groups, key = name.split(".")
+    holder = settings
+    for group in groups:
+      holder = holder.get(group) if isinstance(holder, dict) else None
+    if isinstance(holder, dict):
+      yield holder, key, value
 
 
 # ---------------------------------------------------------------------------------------
@@ -245,22 +256,19 @@ def _seed_settings(settings: dict) -> dict:
   """A config's saved dict (as config.json or results.json hold it) less the keys that only
   pick or log seeds, with _ADDED_KEYS' values where it lacks them: what one seed's results
   depend on."""
-  top = {key: value for key, value in _ADDED_KEYS.items() if "." not in key}
-  settings = {**top, **{key: value for key, value in settings.items() if key not in _NOT_SEED_KEYS}}
-  for group, key, value in _NESTED_ADDED:
-    if isinstance(settings.get(group), dict):
-      settings[group] = {key: value, **settings[group]}
+  settings = copy.deepcopy({key: value for key, value in settings.items() if key not in _NOT_SEED_KEYS})
+  for holder, key, value in _added_key_slots(settings):
+    holder.setdefault(key, copy.deepcopy(value))
   return settings
 
 
 def seed_fingerprint(config) -> str:
   """What one seed's results depend on, as a short hash. Added keys at their _ADDED_KEYS
   values are left out, so the hash equals the one recorded before they existed."""
-  settings = {key: value for key, value in _seed_settings(config_lib.as_saved(config)).items()
-              if key not in _ADDED_KEYS or value != _ADDED_KEYS[key]}
-  for group, key, value in _NESTED_ADDED:
-    if isinstance(settings.get(group), dict) and settings[group].get(key) == value:
-      settings[group] = {k: v for k, v in settings[group].items() if k != key}
+  settings = _seed_settings(config_lib.as_saved(config))
+  for holder, key, value in list(_added_key_slots(settings)):
+    if holder[key] == value:
+      del holder[key]
   return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
