@@ -11,6 +11,7 @@ import logging as std_logging
 import numbers
 import os
 import secrets
+import sys
 import time
 
 from absl import logging
@@ -33,6 +34,11 @@ def _warn_once(key: str, message: str, *args) -> None:
 
 def _tensorboardx():
   """The tensorboardX modules we write with, or None (warned once) when it is not installed."""
+  # tensorboardX imports torch when it is installed, only to accept its tensors (we pass floats):
+  # 1.5 s and hundreds of MB in every run. torch reads as absent while tensorboardX loads.
+  hide_torch = "torch" not in sys.modules
+  if hide_torch:
+    sys.modules["torch"] = None
   try:
     from tensorboardX import event_file_writer, summary  # noqa: PLC0415 (optional at run time)
     from tensorboardX.proto import event_pb2  # noqa: PLC0415
@@ -42,6 +48,9 @@ def _tensorboardx():
         "(pip install tensorboardX for TensorBoard event files)."
     )
     return None
+  finally:
+    if hide_torch:
+      del sys.modules["torch"]
   # It warns at every NaN scalar; NaN is expected here (disc_auc on a one-class window).
   std_logging.getLogger("tensorboardX.x2num").setLevel(std_logging.ERROR)
   return event_file_writer, summary, event_pb2

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import struct
+import subprocess
 import sys
 
 import numpy as np
@@ -121,6 +122,19 @@ def test_without_tensorboardx_training_logs_go_on(tmp_path, monkeypatch):
   train_log.close()
   assert [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))] == [{"loss": 3.0, "step": 1}]
   assert not os.path.exists(os.path.join(workdir, "tensorboard"))
+
+
+def test_event_files_leave_torch_unloaded_and_importable(tmp_path):
+  # tensorboardX would import torch (seconds and hundreds of MB in every run) when it is installed.
+  code = (
+      "import sys; from electra_jax import tensorboard_log as t\n"
+      f"log, _ = t.open_logs({str(tmp_path)!r}); log.append({{'step': 1, 'loss': 2.0}}); log.close()\n"
+      "assert 'torch' not in sys.modules, 'torch loaded'\n"
+      "import torch; print(torch.__name__)"
+  )
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0 and result.stdout.strip() == "torch", result.stderr[-2000:]
+  assert read_scalars(str(tmp_path / "tensorboard" / "train"))["loss"] == {1: 2.0}
 
 
 def test_bucket_workdir_writes_no_events(monkeypatch):
