@@ -1,6 +1,7 @@
 """Shared fixtures: tiny configs over a small slice of the built-in corpus, whose tokenizer and
 packed arrays are built once per test session in a temporary cache."""
 
+import importlib.abc
 import os
 import subprocess
 import sys
@@ -49,13 +50,17 @@ TINY_OVERRIDES = {
 
 # The longest files first: `--dist loadfile` hands whole files to the workers in collection
 # order, and a long file collected last (test_train.py, by name) keeps one worker busy minutes
-# after the other has run out of work.
-LONGEST_FILES = ("test_train.py", "test_distributed.py", "test_ablations.py", "test_finetune.py", "test_sweep.py")
+# after the other has run out of work. The files that load torch or pyarrow come last (their
+# process compiles without its cache from then on: see _NativePeerWatch).
+LONGEST_FILES = ("test_train.py", "test_distributed.py", "test_ablations.py", "test_sweep.py", "test_finetune.py")
+PEER_FILES = ("test_squad.py", "test_plots.py", "test_finetune_metrics.py", "test_hf_datasets_source.py",
+              "test_hf_peer.py", "test_interop.py", "test_interop_import.py")
 
 
 def pytest_collection_modifyitems(items):
   rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+  rank.update({name: len(LONGEST_FILES) + 1 + i for i, name in enumerate(PEER_FILES)})
+  items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # stable: files keep their order
 
 
 def tiny_config(**overrides):
@@ -78,20 +83,40 @@ def data_cache(tmp_path_factory):
   """One cache for the whole session, shared with subprocesses through the environment."""
   cache = str(tmp_path_factory.mktemp("electra_jax_cache"))
   os.environ["ELECTRA_JAX_CACHE"] = cache
-  # A persistent XLA compilation cache for the CLI subprocesses (they inherit the environment):
-  # many tests run the same tiny train and eval steps, and compiling is most of a tiny run's
-  # time on a 2-core machine. No size limit: a limit turns on JAX's eviction, which lists and
-  # reads the whole cache at every write. Without it JAX writes entries in place and unlocked,
-  # so processes that run side by side get directories of their own (test_distributed).
-  # The test processes themselves use none: each of the five workers lost in earlier runs died
-  # inside XLA in a test process that had torch (and, once, pyarrow) loaded, three of them while
-  # serializing or deserializing a cache entry; no CLI process ever did.
+  # Persistent XLA compilation caches: many tests compile the same tiny train and eval steps, and
+  # compiling is most of a tiny run's time on a 2-core machine. No size limit: a limit turns on
+  # JAX's eviction, which lists and reads the whole cache at every write. Without it JAX writes
+  # entries in place and unlocked, so no two processes that may compile at once share one: this
+  # process, its CLI subprocesses (they inherit the environment; test_distributed gives each of
+  # its twin processes its own) and the other xdist worker (another temporary root) each have a
+  # directory of their own.
   import jax  # noqa: PLC0415
 
-  jax.config.update("jax_enable_compilation_cache", False)  # this process (env is read at import)
   xla_cache = tmp_path_factory.mktemp("xla_cache")
   os.environ.update(JAX_COMPILATION_CACHE_DIR=str(xla_cache / "cli"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  jax.config.update("jax_compilation_cache_dir", str(xla_cache / "tests"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   return cache
+
+
+# Each of the five workers lost in earlier runs died inside XLA in a test process that had torch
+# (and once pyarrow) loaded, three of them while writing or reading a cache entry; no process
+# without them ever did. So a test process stops using its cache the moment it first imports
+# either (the tests import them inside the tests that need them, and their files run last).
+class _NativePeerWatch(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path=None, target=None):
+    if name in ("torch", "pyarrow"):
+      import jax  # noqa: PLC0415
+      from jax._src import compilation_cache  # noqa: PLC0415 (reset_cache: only here)
+
+      jax.config.update("jax_enable_compilation_cache", False)
+      compilation_cache.reset_cache()
+      sys.meta_path.remove(self)
+    return None  # the usual finders import it
+
+
+if not any(name in sys.modules for name in ("torch", "pyarrow")):
+  sys.meta_path.insert(0, _NativePeerWatch())
 
 
 def run_cli(args, env_extra=None, timeout=600, **kwargs):

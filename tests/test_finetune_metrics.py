@@ -2,8 +2,6 @@
 
 import numpy as np
 import pytest
-import scipy.stats
-import sklearn.metrics
 
 from electra_jax.finetune import metrics
 
@@ -40,6 +38,9 @@ def test_average_ranks_with_ties():
 
 @pytest.mark.parametrize("seed", range(5))
 def test_against_sklearn_and_scipy(seed):
+  import scipy.stats  # noqa: PLC0415 (sklearn loads pyarrow: kept out of collection, see conftest)
+  import sklearn.metrics  # noqa: PLC0415
+
   rng = np.random.default_rng(seed)
   n = int(rng.integers(5, 60))
   labels = rng.integers(0, 2, n)

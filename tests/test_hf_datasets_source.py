@@ -3,7 +3,6 @@ load_dataset reads) becomes documents, shards and a training run like every othe
 
 import json
 
-import datasets
 import numpy as np
 import pytest
 
@@ -28,6 +27,8 @@ def _rows(n, seed=0):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
   path = tmp_path_factory.mktemp("hf") / "saved"
+  import datasets  # noqa: PLC0415 (pyarrow stays out of the process until here; see conftest)
+
   datasets.DatasetDict({"train": datasets.Dataset.from_dict(_rows(150)),
                         "test": datasets.Dataset.from_dict(_rows(5, 1))}).save_to_disk(str(path))
   return str(path)

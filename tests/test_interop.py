@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
-import torch
 import transformers
 
 from conftest import cli_args, run_cli, tiny_config
@@ -24,11 +23,7 @@ from electra_jax.interop import hf
 
 transformers.utils.logging.disable_progress_bar()
 
-HF_CLASSES = {
-    "discriminator": transformers.ElectraForPreTraining,
-    "generator": transformers.ElectraForMaskedLM,
-    "encoder": transformers.ElectraModel,
-}
+HF_CLASSES = {"discriminator": "ElectraForPreTraining", "generator": "ElectraForMaskedLM", "encoder": "ElectraModel"}
 
 # Embedding size equal to, smaller than and larger than the hidden size (ELECTRA-Small's
 # generator has H=64 < E=128), an odd vocabulary, one to three layers.
@@ -53,8 +48,9 @@ def _hf_config(**sizes):
 
 def _random_hf_model(kind, seed=0, **sizes):
   """A transformers model whose every tensor (LayerNorms and biases included) is random."""
+  import torch  # noqa: PLC0415 (kept out of collection: see conftest.data_cache)
   torch.manual_seed(seed)
-  model = HF_CLASSES[kind](_hf_config(**sizes)).eval()
+  model = getattr(transformers, HF_CLASSES[kind])(_hf_config(**sizes)).eval()
   with torch.no_grad():
     for parameter in model.parameters():
       parameter.add_(0.1 * torch.randn_like(parameter))
@@ -76,6 +72,7 @@ def _inputs(seed=0, batch=3, seq=10):
 
 
 def _hf_outputs(hf_model, input_ids, attention_mask, token_type_ids):
+  import torch  # noqa: PLC0415 (kept out of collection: see conftest.data_cache)
   with torch.no_grad():
     out = hf_model(
         input_ids=torch.tensor(input_ids),
@@ -139,7 +136,7 @@ def _transformers_warnings():
 
 def _from_pretrained_cleanly(kind, directory):
   with _transformers_warnings() as warnings:
-    hf_model, info = HF_CLASSES[kind].from_pretrained(directory, output_loading_info=True)
+    hf_model, info = getattr(transformers, HF_CLASSES[kind]).from_pretrained(directory, output_loading_info=True)
   assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
   assert warnings == [], warnings
   return hf_model.eval()
@@ -188,6 +185,7 @@ def test_save_hf_loads_cleanly_and_matches(tmp_path, kind, shape):
 
 @pytest.mark.parametrize("kind", ["discriminator", "generator", "encoder"])
 def test_round_trip_through_ours_is_bit_identical(tmp_path, kind):
+  import torch  # noqa: PLC0415 (kept out of collection: see conftest.data_cache)
   hf_model = _random_hf_model(kind, seed=4, **SHAPES["E<H,3layers"])
   hf_model.save_pretrained(tmp_path / "original")
   model, params = interop.load_hf(str(tmp_path / "original"))
@@ -240,6 +238,7 @@ def _save_hf_discriminator(directory):
 
 
 def test_pytorch_bin_state_dict_loads_and_torch_load_is_weights_only(tmp_path, monkeypatch):
+  import torch  # noqa: PLC0415 (kept out of collection: see conftest.data_cache)
   hf_model = _save_hf_discriminator(tmp_path)
   os.remove(tmp_path / "model.safetensors")
   # As older transformers versions saved it: with the position_ids buffer.
