@@ -109,9 +109,9 @@ class _NativePeerWatch(importlib.abc.MetaPathFinder):
       import jax  # noqa: PLC0415
       from jax._src import compilation_cache  # noqa: PLC0415 (reset_cache: only here)
 
-      jax.config.update("jax_enable_compilation_cache", False)
-      compilation_cache.reset_cache()
-      sys.meta_path.remove(self)
+      if jax.config.jax_enable_compilation_cache:
+        jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.reset_cache()
     return None  # the usual finders import it
 
 
