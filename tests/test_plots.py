@@ -10,6 +10,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -229,6 +230,10 @@ def test_wandb_and_mlflow_runs_receive_the_metrics_and_a_resume_logs_into_the_sa
   eval_log.close()
   ids = {service: open(os.path.join(workdir, f"{service}_run_id")).read() for service in ("wandb", "mlflow")}
 
+  # W&B names an offline run's folder by its start, to the second: the resume starts in the next.
+  first_second = int(time.time())
+  while int(time.time()) == first_second:
+    time.sleep(0.02)
   train_log, eval_log = tensorboard_log.open_logs(workdir, "wandb,mlflow", config)  # resumed at step 2
   train_log.truncate_after(2)
   train_log.append({"step": 3, "loss": 3.0, "disc_auc": 0.7})
