@@ -35,8 +35,8 @@ def _warn_once(key: str, message: str, *args) -> None:
 def _tensorboardx():
   """The tensorboardX modules we write with, or None (warned once) when it is not installed."""
   # tensorboardX imports torch when it is installed, only to accept its tensors (we pass floats):
-  # 1.5 s and hundreds of MB in every run. torch reads as absent while tensorboardX loads.
-  hide_torch = "torch" not in sys.modules
+  # 1.5 s and hundreds of MB in every run. torch reads as absent while tensorboardX first loads.
+  hide_torch = "torch" not in sys.modules and "tensorboardX" not in sys.modules
   if hide_torch:
     sys.modules["torch"] = None
   try:
