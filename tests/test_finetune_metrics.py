@@ -38,7 +38,7 @@ def test_average_ranks_with_ties():
 
 @pytest.mark.parametrize("seed", range(5))
 def test_against_sklearn_and_scipy(seed):
-  import scipy.stats  # noqa: PLC0415 (sklearn loads pyarrow: kept out of collection, see conftest)
+  import scipy.stats  # noqa: PLC0415 (sklearn loads pyarrow: kept out of collection, see conftest._NativePeerWatch)
   import sklearn.metrics  # noqa: PLC0415
 
   rng = np.random.default_rng(seed)

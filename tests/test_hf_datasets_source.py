@@ -27,7 +27,7 @@ def _rows(n, seed=0):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
   path = tmp_path_factory.mktemp("hf") / "saved"
-  import datasets  # noqa: PLC0415 (pyarrow stays out of the process until here; see conftest)
+  import datasets  # noqa: PLC0415 (pyarrow: kept out of collection, see conftest._NativePeerWatch)
 
   datasets.DatasetDict({"train": datasets.Dataset.from_dict(_rows(150)),
                         "test": datasets.Dataset.from_dict(_rows(5, 1))}).save_to_disk(str(path))

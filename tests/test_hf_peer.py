@@ -17,12 +17,12 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 @pytest.mark.parametrize("gather_masked", [False, True])
 def test_the_peer_samples_and_scores_only_the_tokenizers_vocabulary(gather_masked):
-  import torch  # noqa: PLC0415 (kept out of collection: see conftest.data_cache)
+  import hf_peer  # noqa: PLC0415 (it and torch are kept out of collection: see conftest._NativePeerWatch)
+  import torch  # noqa: PLC0415
+
   config = tiny_config(**{"model.vocab_size": 64, "model.hidden_size": 32, "model.num_layers": 1,
                           "model.num_heads": 2, "model.intermediate_size": 64, "model.embedding_size": 32,
                           "model.generator_fraction": 0.5, "data.max_seq_len": 16})
-  import hf_peer  # noqa: PLC0415 (it imports torch: kept out of collection, see conftest)
-
   objective = objectives.ElectraObjective(
       mask_prob=0.5, max_predictions=8, gen_weight=1.0, disc_weight=50.0, temperature=1.0,
       keep_original_prob=0.15, mask_id=4, pad_id=0, cls_id=2, sep_id=3, vocab_size=12)

@@ -48,7 +48,7 @@ def _hf_config(**sizes):
 
 def _random_hf_model(kind, seed=0, **sizes):
   """A transformers model whose every tensor (LayerNorms and biases included) is random."""
-  import torch  # noqa: PLC0415 (kept out of collection: see conftest.data_cache)
+  import torch  # noqa: PLC0415 (kept out of collection: see conftest._NativePeerWatch)
   torch.manual_seed(seed)
   model = getattr(transformers, HF_CLASSES[kind])(_hf_config(**sizes)).eval()
   with torch.no_grad():
@@ -72,7 +72,7 @@ def _inputs(seed=0, batch=3, seq=10):
 
 
 def _hf_outputs(hf_model, input_ids, attention_mask, token_type_ids):
-  import torch  # noqa: PLC0415 (kept out of collection: see conftest.data_cache)
+  import torch  # noqa: PLC0415 (kept out of collection: see conftest._NativePeerWatch)
   with torch.no_grad():
     out = hf_model(
         input_ids=torch.tensor(input_ids),
@@ -185,7 +185,7 @@ def test_save_hf_loads_cleanly_and_matches(tmp_path, kind, shape):
 
 @pytest.mark.parametrize("kind", ["discriminator", "generator", "encoder"])
 def test_round_trip_through_ours_is_bit_identical(tmp_path, kind):
-  import torch  # noqa: PLC0415 (kept out of collection: see conftest.data_cache)
+  import torch  # noqa: PLC0415 (kept out of collection: see conftest._NativePeerWatch)
   hf_model = _random_hf_model(kind, seed=4, **SHAPES["E<H,3layers"])
   hf_model.save_pretrained(tmp_path / "original")
   model, params = interop.load_hf(str(tmp_path / "original"))
@@ -238,7 +238,7 @@ def _save_hf_discriminator(directory):
 
 
 def test_pytorch_bin_state_dict_loads_and_torch_load_is_weights_only(tmp_path, monkeypatch):
-  import torch  # noqa: PLC0415 (kept out of collection: see conftest.data_cache)
+  import torch  # noqa: PLC0415 (kept out of collection: see conftest._NativePeerWatch)
   hf_model = _save_hf_discriminator(tmp_path)
   os.remove(tmp_path / "model.safetensors")
   # As older transformers versions saved it: with the position_ids buffer.

@@ -23,7 +23,6 @@ from electra_jax import checkpointing, interop, models, partitioning, train
 from electra_jax.errors import ConfigError
 from electra_jax.interop import tf_checkpoint
 
-
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "tf1_electra")
 VOCAB = 61  # the fixture's vocabulary: [PAD] [UNK] [CLS] [SEP] [MASK] w0 .. w55
 PYTHON_M_MAIN = ["python", "-m", "electra_jax.main"]
@@ -49,7 +48,7 @@ def _inputs(seed=0, batch=3, seq=12):
 
 
 def _hf_logits(hf_class, directory, inputs):
-  import torch  # noqa: PLC0415 (kept out of collection: see conftest.data_cache)
+  import torch  # noqa: PLC0415 (kept out of collection: see conftest._NativePeerWatch)
   model = hf_class.from_pretrained(directory).eval()
   with torch.no_grad():
     return model(*(torch.tensor(x) for x in inputs[:1]), attention_mask=torch.tensor(inputs[1]),
@@ -327,7 +326,7 @@ def test_a_config_json_the_weights_contradict_or_with_bad_values_is_refused_by_k
 
 
 def test_pairs_electra_jax_cannot_represent_are_refused(tmp_path):
-  import torch  # noqa: PLC0415 (kept out of collection: see conftest.data_cache)
+  import torch  # noqa: PLC0415 (kept out of collection: see conftest._NativePeerWatch)
   dirs = _hf_pair_with_vocab(tmp_path)
   config = json.loads(open(os.path.join(dirs["generator"], "config.json")).read())
   config["intermediate_size"] = 48  # the official generator's FFN is 4 x hidden = 64
