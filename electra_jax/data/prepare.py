@@ -1,31 +1,15 @@
-"""From a data config to shards: reading the config's source, training its tokenizer, and the
-tokenize-and-pack workers of --mode=prepare_data (and of the cache, pipeline.py).
+"""From a data config to shards (shards.py): the config's checks, its document source and train/eval
+split, training its tokenizer, and the tokenize-and-pack workers of --mode=prepare_data (and the cache).
 
-Owns the data config's checks, the document sources and the train/eval split, the
-prepared-directory format, resuming a killed run, and the manifest that training checks.
-Layout of `data.prepared_dir`:
-
-  manifest.json        counts, per-shard rows/bytes/sha256, tokenizer fingerprint, max_seq_len,
-                       format version, source description; "complete": true once all shards exist
-  spm.model            the sentencepiece model, when prepare_data trained it (trained outside the
-                       directory and moved in only once the directory is accepted)
-  train-00000.npy ...  shard k of a split: the examples of documents [k*S, (k+1)*S) of the corpus
-  eval-00000.npy ...   (S = data.shard_documents), uint16 (int32 for vocabularies over 65536) of
-                       shape [rows, 2, max_seq_len]: [:, 0] input ids, [:, 1] token type ids
-  train-00000.lengths.npy ...  each example's token count, uint16 [rows] (int32 beyond 65535),
-                       so data.pack_rows plans its rows without reading every shard whole
-
-The shards do not depend on the worker count: documents go to train/eval by their corpus index
-and each packs with its own seeded generator (pack_documents). A kill loses nothing: files are
-written under temporary names and renamed, a shard counts as done once the manifest lists its
-sha256, and a re-run verifies those and packs only what is missing.
+The shards do not depend on the worker count: documents go to train/eval by their corpus index and
+each packs with its own seeded generator. A re-run verifies the shards the manifest lists and packs
+only what is missing.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import io
 import json
 import multiprocessing
 import os
@@ -39,8 +23,9 @@ from absl import logging
 
 from electra_jax import config_lib
 from electra_jax.errors import ConfigError
-from electra_jax.data import corpus, sources
-from electra_jax.data.packing import MIN_SEQ_LEN, example_lengths, pack_documents
+from electra_jax.data import corpus, shards, sources
+from electra_jax.data.packing import MIN_SEQ_LEN, pack_documents
+from electra_jax.data.shards import PREPARED_FORMAT_VERSION, SPLITS, SPM_MODEL
 from electra_jax.data.tokenizer import (
     TRAINING_THREADS, NoSentencesError, SentencePieceTokenizer, atomic_write_bytes, train_sentencepiece,
 )
@@ -49,30 +34,21 @@ from electra_jax.data.wordpiece import WordPieceTokenizer
 _LOG_EVERY_S = 10.0
 _MANIFEST_EVERY_S = 2.0
 
-# Sources of documents; "prepared" instead reads the shards `prepare_data` wrote.
 # Sources read record by record from a dataset library: each gives a corpus object (fingerprint,
-# description, iter_documents).
+# description, iter_documents). "prepared" reads the shards `prepare_data` wrote.
 RECORD_SOURCES = ("tfds", "hf_datasets")
 DOCUMENT_SOURCES = ("builtin",) + sources.FILE_SOURCES + RECORD_SOURCES
 SUPPORTED_SOURCES = DOCUMENT_SOURCES + ("prepared",)
 SUPPORTED_TOKENIZERS = ("sentencepiece", "wordpiece")
-SPLITS = ("train", "eval")
 # Bump whenever extraction or packing would produce different arrays: it keys the cache and
 # enters the data fingerprint, so stale arrays are rebuilt and checkpoints refuse changed data.
 PACKING_FORMAT_VERSION = 3
 # Fixed packing seeds: the packed data must be a function of the config alone.
 PACKING_SEEDS = {"train": 0, "eval": 1}
 _CACHE_ENV_VAR = "ELECTRA_JAX_CACHE"
-# Bump when the shard layout or the manifest's meaning changes.
-PREPARED_FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-SPM_MODEL = "spm.model"
-
-
-def _resolve_cache_dir(cache_dir: str) -> str:
-  if cache_dir:
-    return os.path.expanduser(cache_dir)
-  return os.environ.get(_CACHE_ENV_VAR) or os.path.join(os.path.expanduser("~"), ".cache", "electra_jax")
+# The record sources' keys; an empty value means the default.
+_RECORD_SOURCE_KEYS = {"tfds_name": "", "tfds_split": "train", "tfds_text_field": "text", "tfds_data_dir": "",
+                       "hf_path": "", "hf_split": "train"}
 
 
 def is_eval_document(index: int, eval_fraction: float) -> bool:
@@ -92,47 +68,33 @@ def read_config(data_config):
     )
   tokenizer = str(data_config.get("tokenizer", "sentencepiece"))
   if tokenizer not in SUPPORTED_TOKENIZERS:
-    raise ConfigError(
-        f"Unknown data.tokenizer {tokenizer!r}; use one of {list(SUPPORTED_TOKENIZERS)} "
-        f"(wordpiece reads a BERT vocab.txt given by data.vocab_file)."
-    )
+    raise ConfigError(f"Unknown data.tokenizer {tokenizer!r}; use one of {list(SUPPORTED_TOKENIZERS)} "
+                      f"(wordpiece reads a BERT vocab.txt given by data.vocab_file).")
 
   def path(key: str) -> str:
     value = str(data_config.get(key, "") or "")
     return os.path.abspath(os.path.expanduser(value)) if value else ""
 
-  vocab_file = path("vocab_file")
-  if tokenizer == "wordpiece":
-    if not vocab_file:
-      raise ConfigError(
-          "data.tokenizer='wordpiece' needs data.vocab_file, the path of a BERT vocab.txt "
-          "(one token per line), e.g. --config.data.vocab_file=uncased_L-12_H-768_A-12/vocab.txt."
-      )
-    if not os.path.isfile(vocab_file):
-      raise ConfigError(f"data.vocab_file={vocab_file!r} is not a file; give the path of a BERT vocab.txt.")
+  vocab_file, spm_model_file, prepared_dir = path("vocab_file"), path("spm_model_file"), path("prepared_dir")
+  if tokenizer == "wordpiece" and not vocab_file:
+    raise ConfigError(
+        "data.tokenizer='wordpiece' needs data.vocab_file, the path of a BERT vocab.txt "
+        "(one token per line), e.g. --config.data.vocab_file=uncased_L-12_H-768_A-12/vocab.txt."
+    )
+  if tokenizer == "wordpiece" and not os.path.isfile(vocab_file):
+    raise ConfigError(f"data.vocab_file={vocab_file!r} is not a file; give the path of a BERT vocab.txt.")
   strip_accents = data_config.get("strip_accents", None)
   if strip_accents is not None and not isinstance(strip_accents, bool):
-    raise ConfigError(
-        f"data.strip_accents must be None (follow data.lowercase, as BERT does), True or False, "
-        f"got {strip_accents!r}."
-    )
-  spm_model_file = path("spm_model_file")
-  if spm_model_file:
-    if tokenizer != "sentencepiece":
-      raise ConfigError(
-          f"data.spm_model_file={spm_model_file!r} is set but data.tokenizer={tokenizer!r}; set "
-          f"data.tokenizer='sentencepiece' to use that model, or clear data.spm_model_file."
-      )
-    if not os.path.isfile(spm_model_file):
-      raise ConfigError(
-          f"data.spm_model_file={spm_model_file!r} is not a file; give a model written by "
-          f"--mode=train_tokenizer (or clear it to train one in the cache)."
-      )
-  prepared_dir = path("prepared_dir")
+    raise ConfigError(f"data.strip_accents must be None (follow data.lowercase, as BERT does), True or False, "
+                      f"got {strip_accents!r}.")
+  if spm_model_file and tokenizer != "sentencepiece":
+    raise ConfigError(f"data.spm_model_file={spm_model_file!r} is set but data.tokenizer={tokenizer!r}; set "
+                      f"data.tokenizer='sentencepiece' to use that model, or clear data.spm_model_file.")
+  if spm_model_file and not os.path.isfile(spm_model_file):
+    raise ConfigError(f"data.spm_model_file={spm_model_file!r} is not a file; give a model written by "
+                      f"--mode=train_tokenizer (or clear it to train one in the cache).")
   if source == "prepared" and not prepared_dir:
-    raise ConfigError(
-        "data.source='prepared' needs data.prepared_dir, the directory --mode=prepare_data wrote."
-    )
+    raise ConfigError("data.source='prepared' needs data.prepared_dir, the directory --mode=prepare_data wrote.")
   shard_documents = int(data_config.get("shard_documents", 10_000))
   if shard_documents < 1:
     raise ConfigError(f"data.shard_documents must be >= 1, got {shard_documents}.")
@@ -144,16 +106,14 @@ def read_config(data_config):
   if max_documents < 0:
     raise ConfigError(f"data.max_documents must be >= 0 (0 means all), got {max_documents}.")
   if not 0.0 <= eval_fraction < 1.0:
-    raise ConfigError(
-        f"data.eval_fraction must be in [0, 1) (e.g. 0.02 holds out 2% of documents), "
-        f"got {eval_fraction}."
-    )
+    raise ConfigError(f"data.eval_fraction must be in [0, 1) (e.g. 0.02 holds out 2% of documents), "
+                      f"got {eval_fraction}.")
   pack_rows = data_config.get("pack_rows", False)
   if not isinstance(pack_rows, (bool, np.bool_)):
-    raise ConfigError(
-        f"data.pack_rows must be True (several whole examples per row) or False (one per row), "
-        f"got {pack_rows!r}."
-    )
+    raise ConfigError(f"data.pack_rows must be True (several whole examples per row) or False (one per row), "
+                      f"got {pack_rows!r}.")
+  cache_dir = os.path.expanduser(str(data_config.get("cache_dir", ""))) or os.environ.get(_CACHE_ENV_VAR) or (
+      os.path.join(os.path.expanduser("~"), ".cache", "electra_jax"))
   return {
       "source": source,
       # Resolving the globs here reports a pattern matching nothing before anything is built.
@@ -164,7 +124,7 @@ def read_config(data_config):
       "lowercase": bool(data_config.get("lowercase", True)),
       "strip_accents": strip_accents,
       "max_seq_len": int(data_config.max_seq_len),
-      "cache_dir": _resolve_cache_dir(str(data_config.get("cache_dir", ""))),
+      "cache_dir": cache_dir,
       "spm_vocab_size": int(data_config.get("spm_vocab_size", 8192)),
       "spm_model_type": str(data_config.get("spm_model_type", "unigram")),
       "max_documents": max_documents,
@@ -172,12 +132,7 @@ def read_config(data_config):
       "spm_model_file": spm_model_file,
       "prepared_dir": prepared_dir,
       "shard_documents": shard_documents,
-      "tfds_name": str(data_config.get("tfds_name", "") or ""),
-      "tfds_split": str(data_config.get("tfds_split", "train") or "train"),
-      "tfds_text_field": str(data_config.get("tfds_text_field", "text") or "text"),
-      "tfds_data_dir": str(data_config.get("tfds_data_dir", "") or ""),
-      "hf_path": str(data_config.get("hf_path", "") or ""),
-      "hf_split": str(data_config.get("hf_split", "train") or "train"),
+      **{key: str(data_config.get(key, default) or default) for key, default in _RECORD_SOURCE_KEYS.items()},
       "pack_rows": bool(pack_rows),
   }
 
@@ -196,16 +151,13 @@ def _record_corpus(config):
 def source_fingerprint(config) -> dict:
   """What identifies the source's documents, for cache keys and prepared manifests."""
   if config["source"] == "builtin":
-    # The source-bytes hash is cheap to recompute, unlike the document-text hash, so a
-    # warm cache is found without parsing the stdlib.
+    # The source bytes, cheap to hash unlike the extracted text: a warm cache needs no parsing.
     return {"sources": corpus.builtin_sources_fingerprint()}
   if config["source"] in RECORD_SOURCES:
     return {config["source"]: _record_corpus(config).fingerprint}
-  # Paths, sizes and mtimes (and small files' bytes): an edited corpus gets a new key.
   key_fields = {"files": sources.files_fingerprint(config["files"])}
   if config["source"] == "jsonl":
-    key_fields["text_field"] = config["text_field"]
-    key_fields["jsonl_lines"] = "newline"  # records end at "\n" only
+    key_fields.update(text_field=config["text_field"], jsonl_lines="newline")  # records end at "\n" only
   return key_fields
 
 
@@ -222,30 +174,22 @@ def source_description(config) -> dict:
 
 
 def iter_source_documents(config, stats: sources.SourceStats):
-  """The source's documents in corpus order (max_documents of them), streamed.
-
-  `stats` is updated as they are read: skips, and progress as stats.bytes_read of
-  stats.total_bytes (bytes for files, records for TFDS, documents for the built-in corpus).
-  """
+  """The source's documents in corpus order (max_documents of them), streamed; `stats` counts skips and
+  progress (stats.bytes_read of stats.total_bytes: bytes, records or built-in documents)."""
   limit = config["max_documents"] or None
   if config["source"] == "builtin":
     documents = corpus.builtin_documents(limit)
     stats.total_bytes = len(documents)
-
-    def counted():
-      for document in documents:
-        stats.bytes_read += 1
-        stats.num_documents += 1
-        yield document
-
-    iterator = counted()
   elif config["source"] in RECORD_SOURCES:
-    iterator = _record_corpus(config).iter_documents(stats)
+    documents = _record_corpus(config).iter_documents(stats)
   else:
-    iterator = sources.iter_documents(config["source"], config["files"], config["text_field"], stats)
-  for count, document in enumerate(iterator):
+    documents = sources.iter_documents(config["source"], config["files"], config["text_field"], stats)
+  for count, document in enumerate(documents):
     if limit is not None and count >= limit:
       break
+    if config["source"] == "builtin":
+      stats.bytes_read += 1
+      stats.num_documents += 1
     yield document
 
 
@@ -266,20 +210,6 @@ def no_documents_error(config, stats: sources.SourceStats) -> ConfigError:
   return ConfigError(f"The built-in corpus gave no documents (max_documents={config['max_documents']}).")
 
 
-def read_manifest(out_dir: str) -> dict | None:
-  path = os.path.join(out_dir, MANIFEST)
-  if not os.path.exists(path):
-    return None
-  try:
-    with open(path, "rb") as f:
-      return json.loads(f.read())
-  except ValueError as e:
-    raise ConfigError(
-        f"{path} is not valid JSON ({e}); it was not written by prepare_data. Delete "
-        f"{out_dir} (or choose another data.prepared_dir) and prepare again."
-    ) from e
-
-
 def _default_workers() -> int:
   try:
     return len(os.sched_getaffinity(0))
@@ -291,28 +221,20 @@ def _default_workers() -> int:
 
 
 def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) -> dict:
-  """Train a sentencepiece model on the train documents of data.source; write it to `out_path`.
-
-  data.spm_model_type ("unigram" or "bpe") and data.spm_vocab_size choose the model; ids 0..4
-  are [PAD] [UNK] [CLS] [SEP] [MASK]. The eval documents (data.eval_fraction) are left out, as
-  training will hold them out. At most a million sentences train it, drawn with a fixed seed
-  (the same model on every run and host). Use the model with data.tokenizer="sentencepiece" and
-  data.spm_model_file=out_path. Returns what was trained (path, fingerprint, sizes).
-  """
+  """Train a sentencepiece model (data.spm_model_type, data.spm_vocab_size) on the train documents of
+  data.source and write it to `out_path`, for data.spm_model_file. At most a million sentences, drawn
+  with a fixed seed, train it. Returns what was trained (path, fingerprint, sizes)."""
   config = read_config(data_config)
   if config["source"] not in DOCUMENT_SOURCES:
-    raise ConfigError(
-        f"train_tokenizer reads documents; data.source={config['source']!r} has none. Use one of "
-        f"{list(DOCUMENT_SOURCES)}."
-    )
+    raise ConfigError(f"train_tokenizer reads documents; data.source={config['source']!r} has none. Use one of "
+                      f"{list(DOCUMENT_SOURCES)}.")
   if not out_path:
     raise ConfigError("train_tokenizer needs an output path (--out=PATH/spm.model).")
   out_path = os.path.abspath(os.path.expanduser(out_path))
   if os.path.isdir(out_path):
     raise ConfigError(f"--out={out_path!r} is a directory; give a file name such as {out_path}/spm.model.")
   if os.path.exists(out_path):
-    # Prepared shards and workdirs record the fingerprint of the model they were made with; a
-    # new one in its place (other settings, or just another core count) would strand them.
+    # Prepared shards and workdirs record the fingerprint of the model they were made with.
     raise ConfigError(
         f"--out={out_path!r} already exists: prepared data or a workdir may use that model. "
         "Nothing was written; give a new path, or delete the file first to replace it."
@@ -351,9 +273,8 @@ def trains_spm(config) -> bool:
 
 
 def train_corpus_tokenizer(config, path: str, num_threads: int = TRAINING_THREADS, stats=None):
-  """A sentencepiece model trained on the train documents of the read `config`, written to
-  `path`. The default thread count is fixed: the same model (and so the same shards) on any
-  machine."""
+  """A sentencepiece model trained on the train documents of the read `config`, written to `path`. The
+  default thread count is fixed: the same model (and so the same shards) on any machine."""
   stats = stats or sources.SourceStats()
   logging.info("training a sentencepiece %s model of %d pieces on the train documents of %s ...",
                config["spm_model_type"], config["spm_vocab_size"], config["source"])
@@ -361,8 +282,8 @@ def train_corpus_tokenizer(config, path: str, num_threads: int = TRAINING_THREAD
                if not is_eval_document(index, config["eval_fraction"]) for sentence in document)
   try:
     train_sentencepiece(
-        sentences, path, vocab_size=config["spm_vocab_size"],
-        model_type=config["spm_model_type"], num_threads=num_threads,
+        sentences, path, vocab_size=config["spm_vocab_size"], model_type=config["spm_model_type"],
+        num_threads=num_threads,
     )
   except NoSentencesError as e:  # the source's own errors (a TFDS dataset not prepared) pass as they are
     raise no_documents_error(config, stats) from e
@@ -376,8 +297,7 @@ _WORKER_TOKENIZER = None
 
 def _init_worker(config: dict, out_dir: str, fingerprint: str, parent: int) -> None:
   global _WORKER_TOKENIZER
-  # One process per core: each tokenizes on one thread (Hugging Face tokenizers would
-  # otherwise start a thread pool per process).
+  # One process per core, each tokenizing on one thread (no Hugging Face thread pool per process).
   os.environ["RAYON_NUM_THREADS"] = "1"
   _WORKER_TOKENIZER = configured_tokenizer(config, out_dir)
   found = _WORKER_TOKENIZER and _WORKER_TOKENIZER.fingerprint
@@ -390,10 +310,8 @@ def _init_worker(config: dict, out_dir: str, fingerprint: str, parent: int) -> N
 
 
 def _exit_with_parent(parent: int) -> None:
-  """A worker waits on its task queue forever; if prepare_data's process is killed (SIGKILL,
-  out of memory), nothing would end it. It ends itself once its parent is gone. (`parent`
-  comes from the parent: one that died while this worker started would already show here
-  as another process's pid.)"""
+  """Ends this worker once `parent` is gone (killed, out of memory): it would wait on its task queue
+  forever. The pid comes from the parent, as a parent dead before this ran shows another one here."""
 
   def watch():
     while os.getppid() == parent:
@@ -413,8 +331,8 @@ def _raise_sigterm(signum, frame):
 
 
 def _tokenize_documents(tokenizer, documents, skipped: dict):
-  """Token ids of every sentence of `documents`; a document the tokenizer fails on is
-  replaced by an empty one and counted in `skipped` (its packing draws nothing)."""
+  """Token ids of every sentence of `documents`; a document the tokenizer fails on becomes an empty one
+  (its packing draws nothing), counted in `skipped`."""
   sentences = [sentence for document in documents for sentence in document]
   try:
     token_ids = iter(tokenizer.encode_batch(sentences, num_threads=1))
@@ -442,40 +360,21 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
     result = {"index": index, "first_document": task["first_document"],
               "num_documents": len(task["documents"]), "splits": {}}
     by_split = {split: ([], []) for split in SPLITS}
-    for offset, document in enumerate(task["documents"]):
-      document_index = task["first_document"] + offset
+    for document_index, document in enumerate(task["documents"], task["first_document"]):
       split = "eval" if is_eval_document(document_index, task["eval_fraction"]) else "train"
       by_split[split][0].append(document)
       by_split[split][1].append(document_index)
     for split, (documents, indices) in by_split.items():
       packed = pack_documents(
-          _tokenize_documents(tokenizer, documents, skipped),
-          task["max_seq_len"],
-          cls_id=tokenizer.cls_id,
-          sep_id=tokenizer.sep_id,
-          pad_id=tokenizer.pad_id,
-          seed=PACKING_SEEDS[split],
-          document_indices=indices,
+          _tokenize_documents(tokenizer, documents, skipped), task["max_seq_len"], cls_id=tokenizer.cls_id,
+          sep_id=tokenizer.sep_id, pad_id=tokenizer.pad_id, seed=PACKING_SEEDS[split], document_indices=indices,
       )
-      rows = packed["input_ids"].shape[0]
-      entry = {
-          "documents": len(documents),
-          "rows": rows,
-          "tokens": int(np.count_nonzero(packed["input_ids"] != tokenizer.pad_id)),
-      }
-      if rows:
-        lengths_dtype = np.uint16 if task["max_seq_len"] <= np.iinfo(np.uint16).max else np.int32
-        files = (
-            ("", ".npy", np.stack([packed["input_ids"], packed["token_type_ids"]], axis=1).astype(task["dtype"])),
-            ("lengths_", ".lengths.npy", example_lengths(packed["input_ids"], tokenizer.pad_id).astype(lengths_dtype)),
-        )
-        for prefix, suffix, array in files:
-          buffer = io.BytesIO()
-          np.save(buffer, array, allow_pickle=False)
-          data, name = buffer.getvalue(), f"{split}-{index:05d}{suffix}"
-          atomic_write_bytes(os.path.join(task["out_dir"], name), data)
-          sha256 = hashlib.sha256(data).hexdigest()
-          entry.update({f"{prefix}file": name, f"{prefix}bytes": len(data), f"{prefix}sha256": sha256})
+      input_ids = packed["input_ids"]
+      entry = {"documents": len(documents), "rows": input_ids.shape[0],
+               "tokens": int(np.count_nonzero(input_ids != tokenizer.pad_id))}
+      if entry["rows"]:
+        entry.update(shards.write_split(task["out_dir"], split, index, input_ids, packed["token_type_ids"],
+                                        tokenizer.pad_id, task["dtype"]))
       result["splits"][split] = entry
     result["skipped_documents"] = skipped["documents"]
     if "first" in skipped:
@@ -487,11 +386,7 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
     return {"index": index, "error": f"{type(e).__name__}: {e}"}
 
 
-# ---------------------------------------------------------------- manifest
-
-
-def _write_manifest(out_dir: str, manifest: dict) -> None:
-  atomic_write_bytes(os.path.join(out_dir, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True).encode())
+# ---------------------------------------------------------------- settings
 
 
 # The settings that only the tokenizer's file gives; before a sentencepiece model is trained,
@@ -507,15 +402,10 @@ def _settings(config, source_key: dict, tokenizer) -> dict:
       "packing_format": PACKING_FORMAT_VERSION,
       "source": config["source"],
       "source_key": source_key,
-      "tokenizer": config["tokenizer"],
-      "max_seq_len": config["max_seq_len"],
-      "eval_fraction": config["eval_fraction"],
-      "max_documents": config["max_documents"],
-      "shard_documents": config["shard_documents"],
+      **{key: config[key] for key in ("tokenizer", "max_seq_len", "eval_fraction", "max_documents", "shard_documents")},
   }
   if tokenizer is not None:
-    settings["tokenizer_fingerprint"] = tokenizer.fingerprint
-    settings["dtype"] = "uint16" if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else "int32"
+    settings.update(tokenizer_fingerprint=tokenizer.fingerprint, dtype=shards.token_dtype(tokenizer.vocab_size))
   if trains_spm(config):
     settings["spm_trained_here"] = {"vocab_size": config["spm_vocab_size"], "model_type": config["spm_model_type"]}
   return settings
@@ -535,50 +425,12 @@ def _refuse_another_config(out_dir: str, existing: dict, settings: dict, hint: s
   differences = {k: (old.get(k), settings.get(k)) for k in keys if old.get(k) != settings.get(k)}
   if "tokenizer_fingerprint" in settings and existing.get("config_key") != _config_key(settings):
     differences = differences or {"config_key": (existing.get("config_key"), _config_key(settings))}
-  if not differences:
-    return
-  raise ConfigError(
-      f"data.prepared_dir={out_dir!r} holds shards of another config (was -> now: "
-      f"{differences}){hint}. Nothing was changed; choose another data.prepared_dir, or delete "
-      f"that directory to prepare it again."
-  )
-
-
-def sha256_file(path: str) -> str:
-  digest = hashlib.sha256()
-  with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 22), b""):
-      digest.update(block)
-  return digest.hexdigest()
-
-
-def shard_is_intact(out_dir: str, entry: dict, checksums: bool = True) -> bool:
-  """Whether the files of a manifest's shard `entry` are there with their sizes (and, with
-  `checksums`, their sha256)."""
-  for split_entry in entry["splits"].values():
-    # Shards prepared before data.pack_rows have no lengths file.
-    for prefix in ("", "lengths_") if split_entry["rows"] else ():
-      if f"{prefix}file" not in split_entry:
-        continue
-      path = os.path.join(out_dir, split_entry[f"{prefix}file"])
-      if not os.path.exists(path) or os.path.getsize(path) != split_entry[f"{prefix}bytes"]:
-        return False
-      if checksums and sha256_file(path) != split_entry[f"{prefix}sha256"]:
-        return False
-  return True
-
-
-def _chunks(config, stats, shard_documents: int):
-  """(index, first document, documents) of each shard, in corpus order."""
-  documents, first = [], 0
-  for document in iter_source_documents(config, stats):
-    documents.append(document)
-    if len(documents) == shard_documents:
-      yield first // shard_documents, first, documents
-      first += len(documents)
-      documents = []
-  if documents:
-    yield first // shard_documents, first, documents
+  if differences:
+    raise ConfigError(
+        f"data.prepared_dir={out_dir!r} holds shards of another config (was -> now: "
+        f"{differences}){hint}. Nothing was changed; choose another data.prepared_dir, or delete "
+        f"that directory to prepare it again."
+    )
 
 
 # ---------------------------------------------------------------- driver
@@ -587,13 +439,43 @@ def _chunks(config, stats, shard_documents: int):
 def prepare_data(data_config, num_workers: int | None = None) -> dict:
   """Tokenize and pack the corpus of `data_config` into shards in data.prepared_dir.
 
-  Uses `num_workers` processes (default: every core; 0 runs in this process); they are
-  spawned, so a script calling this needs the usual `if __name__ == "__main__":`. Re-running
-  resumes: shards the manifest lists with a matching sha256 are kept, the rest are packed.
-  A prepared_dir holding shards of another config is refused, left as it was, before any
-  tokenizer is trained. Train on the result with data.source="prepared". Returns the manifest.
+  Uses `num_workers` spawned processes (default: every core; 0 runs in this process), so a script
+  calling this needs `if __name__ == "__main__":`. Re-running resumes; a prepared_dir of another
+  config is refused untouched, before any tokenizer is trained. Returns the manifest.
   """
   return prepare_config(read_config(data_config), num_workers)
+
+
+def _accepted_tokenizer(config, out_dir: str, existing: dict | None):
+  """(tokenizer, settings, model bytes to write into out_dir or None), after refusing an out_dir of
+  another config: before training a tokenizer where possible, which can take hours."""
+  source_key = source_fingerprint(config)
+  tokenizer = configured_tokenizer(config, out_dir)  # the configured one, or one an earlier run trained
+  model_path = os.path.join(out_dir, SPM_MODEL)
+  if tokenizer is not None and trains_spm(config) and tokenizer.vocab_size != config["spm_vocab_size"]:
+    raise ConfigError(
+        f"{model_path} (trained by an earlier prepare_data) has {tokenizer.vocab_size} pieces, but "
+        f"data.spm_vocab_size={config['spm_vocab_size']}. Nothing was changed; choose another "
+        f"data.prepared_dir, or delete that directory to prepare it again."
+    )
+  settings = _settings(config, source_key, tokenizer)
+  if existing is not None:
+    _refuse_another_config(out_dir, existing, settings)
+  if tokenizer is not None:
+    return tokenizer, settings, None
+  with tempfile.TemporaryDirectory(prefix="electra_jax_spm-") as scratch:
+    # Trained outside the directory, moved in only once it is accepted: a refused or killed run
+    # leaves no model there that training would later pick up.
+    trained = train_corpus_tokenizer(config, os.path.join(scratch, SPM_MODEL))
+    settings = _settings(config, source_key, trained)
+    if existing is not None:
+      _refuse_another_config(
+          out_dir, existing, settings,
+          hint=f" ({model_path}, which the shards were made with, is missing, and training it again gave "
+          f"another model; put that file back to resume)",
+      )
+    with open(trained.model_path, "rb") as f:
+      return trained, settings, f.read()
 
 
 def prepare_config(config: dict, num_workers: int | None = None) -> dict:
@@ -605,14 +487,12 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
     )
   out_dir = config["prepared_dir"]
   if not out_dir:
-    raise ConfigError(
-        "prepare_data needs data.prepared_dir, the directory the shards go to, e.g. "
-        "--config.data.prepared_dir=/data/electra_prepared."
-    )
+    raise ConfigError("prepare_data needs data.prepared_dir, the directory the shards go to, e.g. "
+                      "--config.data.prepared_dir=/data/electra_prepared.")
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise ConfigError(f"data.prepared_dir={out_dir!r} is a file; give a directory (new, or one "
                       "prepare_data wrote) for the shards.")
-  existing = read_manifest(out_dir)
+  existing = shards.read_manifest(out_dir)
   # (A run killed before its first manifest leaves at most its tokenizer and temporary files.)
   if os.path.isdir(out_dir) and existing is None and any(
       not name.startswith(".tmp-") and name != SPM_MODEL for name in os.listdir(out_dir)):
@@ -624,65 +504,32 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
     raise ConfigError(f"num_workers must be >= 0 (0 = in this process), got {num_workers}.")
   if config["max_seq_len"] < MIN_SEQ_LEN:
     raise ConfigError(f"data.max_seq_len must be at least {MIN_SEQ_LEN}, got {config['max_seq_len']}.")
-  source_key = source_fingerprint(config)
-  # Loading only: the configured tokenizer, or the model an earlier run trained into out_dir.
-  tokenizer = configured_tokenizer(config, out_dir)
-  model_path, model_bytes = os.path.join(out_dir, SPM_MODEL), None
-  if tokenizer is not None and trains_spm(config) and tokenizer.vocab_size != config["spm_vocab_size"]:
-    raise ConfigError(
-        f"{model_path} (trained by an earlier prepare_data) has {tokenizer.vocab_size} pieces, but "
-        f"data.spm_vocab_size={config['spm_vocab_size']}. Nothing was changed; choose another "
-        f"data.prepared_dir, or delete that directory to prepare it again."
-    )
-  settings = _settings(config, source_key, tokenizer)
-  if existing is not None:
-    # Before training a tokenizer (hours, on a big corpus) and before writing anything: a
-    # directory of another config is refused as it is. Only the fingerprint of a tokenizer
-    # still to be trained waits for the check below.
-    _refuse_another_config(out_dir, existing, settings)
-  if tokenizer is None:
-    with tempfile.TemporaryDirectory(prefix="electra_jax_spm-") as scratch:
-      # Trained outside the directory, and moved in only once the directory is accepted: a
-      # refused or killed run leaves no model there that training would later pick up.
-      trained = train_corpus_tokenizer(config, os.path.join(scratch, SPM_MODEL))
-      settings = _settings(config, source_key, trained)
-      if existing is not None:
-        _refuse_another_config(
-            out_dir, existing, settings,
-            hint=f" ({model_path}, which the shards were made with, is missing, and training it again gave "
-            f"another model; put that file back to resume)",
-        )
-      with open(trained.model_path, "rb") as f:
-        model_bytes = f.read()
+  tokenizer, settings, model_bytes = _accepted_tokenizer(config, out_dir, existing)
 
-  # Accepted: from here on the directory is ours to write.
+  # Accepted: from here on the directory is ours to write. A killed run's half-written files have
+  # temporary names; clear them (one prepare_data per directory at a time).
   os.makedirs(out_dir, exist_ok=True)
-  # A killed run leaves its half-written file under a temporary name, never a shard's name;
-  # clear them (one prepare_data per directory at a time).
   for name in os.listdir(out_dir):
     if name.startswith(".tmp-"):
       os.remove(os.path.join(out_dir, name))
   if model_bytes is not None:
-    atomic_write_bytes(model_path, model_bytes)
-    tokenizer = SentencePieceTokenizer(model_path)  # where the workers and training load it
-  # What the manifest records of the tokenizer (a model in out_dir by a relative path: the
-  # directory can move).
+    atomic_write_bytes(os.path.join(out_dir, SPM_MODEL), model_bytes)
+    tokenizer = SentencePieceTokenizer(os.path.join(out_dir, SPM_MODEL))  # where the workers load it
+  # A model in out_dir is recorded by a relative path: the directory can move.
   spec = {"kind": config["tokenizer"], "fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size}
   if config["tokenizer"] == "wordpiece":
     spec.update(vocab_file=tokenizer.vocab_file, lowercase=tokenizer.lowercase, strip_accents=tokenizer.strip_accents)
   else:
     spec["model_file"] = SPM_MODEL if os.path.dirname(tokenizer.model_path) == out_dir else tokenizer.model_path
-  dtype = settings["dtype"]
   done: dict[int, dict] = {}
-  if existing is not None:
-    for entry in existing.get("shards", []):
-      if shard_is_intact(out_dir, entry):
-        done[entry["index"]] = entry
-      else:
-        logging.warning("shard %d in %s is missing or damaged; packing it again", entry["index"], out_dir)
-    if existing.get("complete") and len(done) == len(existing["shards"]):
-      logging.info("%s is already prepared (%d shards verified); nothing to do", out_dir, len(done))
-      return existing
+  for entry in existing.get("shards", []) if existing is not None else ():
+    if shards.shard_is_intact(out_dir, entry):
+      done[entry["index"]] = entry
+    else:
+      logging.warning("shard %d in %s is missing or damaged; packing it again", entry["index"], out_dir)
+  if existing is not None and existing.get("complete") and len(done) == len(existing["shards"]):
+    logging.info("%s is already prepared (%d shards verified); nothing to do", out_dir, len(done))
+    return existing
 
   manifest = {
       "format_version": PREPARED_FORMAT_VERSION,
@@ -691,48 +538,64 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
       "source": source_description(config),
       "tokenizer": spec,
       "max_seq_len": config["max_seq_len"],
-      "dtype": dtype,
+      "dtype": settings["dtype"],
       "complete": False,
   }
 
   def save_manifest() -> None:
     manifest["shards"] = sorted(done.values(), key=lambda e: e["index"])
-    _write_manifest(out_dir, manifest)
+    shards.write_manifest(out_dir, manifest)
 
   save_manifest()
-
   stats = sources.SourceStats()
   hashers = {split: corpus.DocumentsHasher() for split in SPLITS}
-  task_base = {
-      "out_dir": out_dir, "max_seq_len": config["max_seq_len"],
-      "eval_fraction": config["eval_fraction"], "dtype": dtype,
-  }
   progress = _Progress(stats, len(done))
-  if num_workers == 0:
-    executor = None
-  else:
+  _pack_missing(config, tokenizer, settings["dtype"], num_workers, done, save_manifest, stats, hashers, progress)
+
+  stats.num_documents = sum(entry["num_documents"] for entry in done.values())
+  if config["source"] != "builtin":
+    sources.log_stats(config["source"], stats)
+  if not done:
+    raise no_documents_error(config, stats)
+  expected = list(range(len(done)))
+  if sorted(done) != expected:
+    raise RuntimeError(f"prepare_data: shards {sorted(set(expected) - set(done))} are missing; run it again.")
+  entries = manifest["shards"]
+  totals = {"documents": sum(e["num_documents"] for e in entries),
+            "skipped_documents": sum(e.get("skipped_documents", 0) for e in entries)}
+  for split in SPLITS:
+    for total, key in (("documents", "documents"), ("examples", "rows"), ("tokens", "tokens")):
+      totals[f"{split}_{total}"] = sum(e["splits"][split][key] for e in entries)
+  if totals["skipped_documents"]:
+    first_skip = next(e["first_skip"] for e in entries if e.get("first_skip"))
+    logging.warning("skipped %d documents the tokenizer failed on; the first: %s",
+                    totals["skipped_documents"], first_skip)
+  manifest.update(complete=True, totals=totals, source_stats=stats.counts(),
+                  documents_fingerprint={split: hashers[split].hexdigest() for split in SPLITS})
+  shards.write_manifest(out_dir, manifest)
+  logging.info(
+      "prepared %s: %d shards, %d train / %d eval examples, %d train tokens, in %s",
+      out_dir, len(entries), totals["train_examples"], totals["eval_examples"], totals["train_tokens"],
+      config_lib.format_duration(time.time() - progress.start),
+  )
+  return manifest
+
+
+def _pack_missing(config, tokenizer, dtype, num_workers, done, save_manifest, stats, hashers, progress) -> None:
+  """Packs the shards not in `done` (on `num_workers` processes, 0: here), adding each to `done`; the
+  manifest lists every finished shard whenever this returns or raises (on SIGTERM too)."""
+  out_dir = config["prepared_dir"]
+  executor = None
+  if num_workers:
     executor = concurrent.futures.ProcessPoolExecutor(
         num_workers, mp_context=multiprocessing.get_context("spawn"),
         initializer=_init_worker, initargs=(config, out_dir, tokenizer.fingerprint, os.getpid()),
     )
-  pending: dict[concurrent.futures.Future, int] = {}
-  max_pending = 2 * max(1, num_workers)
+  pending: dict[concurrent.futures.Future, int] = {}  # each task's position in the input
   last_manifest_write = time.time()
 
-  def finish(result: dict, position: int) -> None:
-    nonlocal last_manifest_write
-    if "error" in result:
-      raise RuntimeError(
-          f"prepare_data: shard {result['index']} failed ({result['error']}). The {len(done)} "
-          f"finished shards are kept in {out_dir}; fix the cause and run prepare_data again to resume."
-      )
-    done[result["index"]] = result
-    progress.shard_done(result, position)
-    if time.time() - last_manifest_write > _MANIFEST_EVERY_S:
-      save_manifest()
-      last_manifest_write = time.time()
-
   def drain() -> None:
+    nonlocal last_manifest_write
     finished, _ = concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
     for future in finished:
       position = pending.pop(future)
@@ -744,28 +607,38 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
             f"shards are kept in {out_dir}; run prepare_data again to resume (fewer workers use "
             f"less memory)."
         ) from e
-      finish(result, position)
+      if "error" in result:
+        raise RuntimeError(
+            f"prepare_data: shard {result['index']} failed ({result['error']}). The {len(done)} "
+            f"finished shards are kept in {out_dir}; fix the cause and run prepare_data again to resume."
+        )
+      done[result["index"]] = result
+      progress.shard_done(result, position)
+      if time.time() - last_manifest_write > _MANIFEST_EVERY_S:
+        save_manifest()
+        last_manifest_write = time.time()
 
   try:
     previous_handler = signal.signal(signal.SIGTERM, _raise_sigterm)
   except ValueError:  # not the main thread: SIGTERM keeps its handler
     previous_handler = None
   try:
-    for index, first, documents in _chunks(config, stats, config["shard_documents"]):
-      for offset, document in enumerate(documents):
-        split = "eval" if is_eval_document(first + offset, config["eval_fraction"]) else "train"
-        hashers[split].update(document)
-      position = stats.bytes_read
+    for index, first, documents in _chunks(config, stats):
+      for document_index, document in enumerate(documents, first):
+        hashers["eval" if is_eval_document(document_index, config["eval_fraction"]) else "train"].update(document)
       if index in done:
-        progress.skipped_position = position
+        progress.skipped_position = stats.bytes_read
         continue
-      task = dict(task_base, index=index, first_document=first, documents=documents)
-      if executor is None:
-        finish(pack_shard(task, tokenizer), position)
+      task = {"out_dir": out_dir, "max_seq_len": config["max_seq_len"], "eval_fraction": config["eval_fraction"],
+              "dtype": dtype, "index": index, "first_document": first, "documents": documents}
+      if executor is None:  # packed here, then finished at once like a worker's result
+        future = concurrent.futures.Future()
+        future.set_result(pack_shard(task, tokenizer))
       else:
-        pending[executor.submit(pack_shard, task)] = position
-        if len(pending) >= max_pending:
-          drain()
+        future = executor.submit(pack_shard, task)
+      pending[future] = stats.bytes_read
+      if len(pending) >= 2 * num_workers:
+        drain()
       progress.maybe_log()
     while pending:
       drain()
@@ -788,40 +661,20 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
           result = future.result()
           if "error" not in result:
             done[result["index"]] = result
-    save_manifest()  # whatever happened, the manifest lists every shard finished so far
+    save_manifest()
 
-  stats.num_documents = sum(entry["num_documents"] for entry in done.values())
-  if config["source"] != "builtin":
-    sources.log_stats(config["source"], stats)
-  if not done:
-    raise no_documents_error(config, stats)
-  expected = list(range(len(done)))
-  if sorted(done) != expected:
-    raise RuntimeError(f"prepare_data: shards {sorted(set(expected) - set(done))} are missing; run it again.")
-  shards = manifest["shards"]
-  totals = {"documents": sum(e["num_documents"] for e in shards),
-            "skipped_documents": sum(e.get("skipped_documents", 0) for e in shards)}
-  for split in SPLITS:
-    totals[f"{split}_documents"] = sum(e["splits"][split]["documents"] for e in shards)
-    totals[f"{split}_examples"] = sum(e["splits"][split]["rows"] for e in shards)
-    totals[f"{split}_tokens"] = sum(e["splits"][split]["tokens"] for e in shards)
-  if totals["skipped_documents"]:
-    first_skip = next(e["first_skip"] for e in shards if e.get("first_skip"))
-    logging.warning("skipped %d documents the tokenizer failed on; the first: %s",
-                    totals["skipped_documents"], first_skip)
-  manifest.update(
-      complete=True,
-      totals=totals,
-      source_stats=stats.counts(),
-      documents_fingerprint={split: hashers[split].hexdigest() for split in SPLITS},
-  )
-  _write_manifest(out_dir, manifest)
-  logging.info(
-      "prepared %s: %d shards, %d train / %d eval examples, %d train tokens, in %s",
-      out_dir, len(shards), totals["train_examples"], totals["eval_examples"], totals["train_tokens"],
-      config_lib.format_duration(time.time() - progress.start),
-  )
-  return manifest
+
+def _chunks(config, stats):
+  """(index, first document, documents) of each shard, in corpus order."""
+  documents, first, size = [], 0, config["shard_documents"]
+  for document in iter_source_documents(config, stats):
+    documents.append(document)
+    if len(documents) == size:
+      yield first // size, first, documents
+      first += len(documents)
+      documents = []
+  if documents:
+    yield first // size, first, documents
 
 
 class _Progress:
@@ -829,10 +682,8 @@ class _Progress:
 
   def __init__(self, stats: sources.SourceStats, already_done: int):
     self.stats = stats
-    self.start = time.time()
-    self.last_log = self.start
-    self.documents = 0
-    self.tokens = 0
+    self.start = self.last_log = time.time()
+    self.documents = self.tokens = 0
     self.shards = already_done
     self.skipped_position = 0  # input consumed by shards that were already done
     self.done_position = 0  # input consumed by shards finished in this run (max over them)
@@ -848,8 +699,7 @@ class _Progress:
     if now - self.last_log < _LOG_EVERY_S:
       return
     self.last_log = now
-    elapsed = now - self.start
-    total = self.stats.total_bytes
+    elapsed, total = now - self.start, self.stats.total_bytes
     worked = self.done_position - self.skipped_position
     remaining = total - self.done_position if total else 0
     eta = config_lib.format_duration(elapsed * remaining / worked) if worked > 0 and total else "?"

@@ -1,0 +1,258 @@
+"""The prepared-directory format: every source becomes these shards, and training reads only them.
+
+Layout of a prepared directory (`data.prepared_dir`, or a cache's len<L>/):
+
+  manifest.json        counts, per-shard rows/bytes/sha256, tokenizer fingerprint, max_seq_len,
+                       format version, source description; "complete": true once all shards exist
+  spm.model            the sentencepiece model, when prepare_data trained it
+  train-00000.npy ...  shard k of a split: the examples of documents [k*S, (k+1)*S) of the corpus
+  eval-00000.npy ...   (S = data.shard_documents), uint16 (int32 for vocabularies over 65536) of
+                       shape [rows, 2, max_seq_len]: [:, 0] input ids, [:, 1] token type ids
+  train-00000.lengths.npy ...  each example's token count, uint16 [rows] (int32 beyond 65535)
+
+Files are written under temporary names (".tmp-*") and renamed; a shard counts as done once the
+manifest lists its sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import threading
+
+import numpy as np
+from absl import logging
+
+from electra_jax.data.packing import example_lengths
+from electra_jax.data.tokenizer import atomic_write_bytes
+from electra_jax.errors import ConfigError
+
+# Bump when the shard layout or the manifest's meaning changes.
+PREPARED_FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SPM_MODEL = "spm.model"
+SPLITS = ("train", "eval")
+# How a missing or damaged file of a prepared directory is mended.
+REDO = "run --mode=prepare_data again with the same config to re-create it"
+
+
+def token_dtype(vocab_size: int) -> str:
+  return "uint16" if vocab_size <= np.iinfo(np.uint16).max + 1 else "int32"
+
+
+def write_split(out_dir: str, split: str, index: int, input_ids, token_type_ids, pad_id: int, dtype: str) -> dict:
+  """Writes shard `index` of `split` (rows and lengths files); returns their manifest fields."""
+  max_seq_len = input_ids.shape[1]
+  lengths_dtype = np.uint16 if max_seq_len <= np.iinfo(np.uint16).max else np.int32
+  entry = {}
+  for prefix, suffix, array in (
+      ("", ".npy", np.stack([input_ids, token_type_ids], axis=1).astype(dtype)),
+      ("lengths_", ".lengths.npy", example_lengths(input_ids, pad_id).astype(lengths_dtype)),
+  ):
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    data, name = buffer.getvalue(), f"{split}-{index:05d}{suffix}"
+    atomic_write_bytes(os.path.join(out_dir, name), data)
+    sha256 = hashlib.sha256(data).hexdigest()
+    entry.update({f"{prefix}file": name, f"{prefix}bytes": len(data), f"{prefix}sha256": sha256})
+  return entry
+
+
+def read_manifest(out_dir: str) -> dict | None:
+  path = os.path.join(out_dir, MANIFEST)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path, "rb") as f:
+      return json.loads(f.read())
+  except ValueError as e:
+    raise ConfigError(
+        f"{path} is not valid JSON ({e}); it was not written by prepare_data. Delete "
+        f"{out_dir} (or choose another data.prepared_dir) and prepare again."
+    ) from e
+
+
+def write_manifest(out_dir: str, manifest: dict) -> None:
+  atomic_write_bytes(os.path.join(out_dir, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True).encode())
+
+
+def open_manifest(directory: str) -> dict:
+  """The manifest of a finished preparation, or a ConfigError saying what to run."""
+  manifest = read_manifest(directory)
+  if manifest is None:
+    raise ConfigError(
+        f"data.prepared_dir={directory!r} has no {MANIFEST}; create it with "
+        f"`python -m electra_jax.main --mode=prepare_data --config=...` (same data config, with "
+        f"data.source set to the corpus), then train with data.source='prepared'."
+    )
+  if manifest.get("format_version") != PREPARED_FORMAT_VERSION:
+    raise ConfigError(
+        f"{directory} was prepared in format {manifest.get('format_version')}, this version reads "
+        f"format {PREPARED_FORMAT_VERSION}; prepare the corpus again into a new data.prepared_dir."
+    )
+  if not manifest.get("complete"):
+    raise ConfigError(
+        f"The preparation of {directory} did not finish ({len(manifest.get('shards', []))} shards "
+        f"so far); run --mode=prepare_data again with the same config: it resumes."
+    )
+  return manifest
+
+
+def sha256_file(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 22), b""):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+def shard_is_intact(out_dir: str, entry: dict, checksums: bool = True) -> bool:
+  """Whether the files of a manifest's shard `entry` are there with their sizes (and, with
+  `checksums`, their sha256)."""
+  for split_entry in entry["splits"].values():
+    # Shards prepared before data.pack_rows have no lengths file.
+    for prefix in ("", "lengths_") if split_entry["rows"] else ():
+      if f"{prefix}file" not in split_entry:
+        continue
+      path = os.path.join(out_dir, split_entry[f"{prefix}file"])
+      if not os.path.exists(path) or os.path.getsize(path) != split_entry[f"{prefix}bytes"]:
+        return False
+      if checksums and sha256_file(path) != split_entry[f"{prefix}sha256"]:
+        return False
+  return True
+
+
+def _load_lengths(directory: str, split_entry: dict, shard: np.ndarray, pad_id: int) -> np.ndarray:
+  """int32 [rows]: the shard's lengths file, or a scan of its rows where it has none."""
+  max_seq_len = shard.shape[2]
+  if "lengths_file" not in split_entry:
+    return example_lengths(shard[:, 0], pad_id)
+  path = os.path.join(directory, split_entry["lengths_file"])
+  try:
+    lengths = np.load(path, allow_pickle=False)
+  except (OSError, ValueError) as e:
+    raise ConfigError(f"Cannot read {path} ({e}); {REDO}.") from e
+  if lengths.shape != (split_entry["rows"],) or lengths.dtype.kind not in "iu" or (
+      lengths.size and not 1 <= lengths.min() <= lengths.max() <= max_seq_len
+  ):
+    raise ConfigError(f"{path} does not hold {split_entry['rows']} example lengths in [1, {max_seq_len}]; {REDO}.")
+  return lengths.astype(np.int32)
+
+
+def load_split(directory: str, manifest: dict, split: str, pad_id: int, with_lengths: bool):
+  """The non-empty shards of `split`, memory-mapped after the cheap checks (shape, dtype, size):
+  (arrays, their manifest entries, the examples' lengths or None)."""
+  max_seq_len = manifest["max_seq_len"]
+  shards, entries, lengths = [], [], []
+  for entry in manifest["shards"]:
+    split_entry = entry["splits"][split]
+    if not split_entry["rows"]:
+      continue
+    path = os.path.join(directory, split_entry["file"])
+    try:
+      array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as e:
+      raise ConfigError(f"Cannot read shard {path} ({e}); {REDO}.") from e
+    if array.shape != (split_entry["rows"], 2, max_seq_len) or array.dtype != np.dtype(manifest["dtype"]):
+      raise ConfigError(
+          f"Shard {path} has shape {array.shape} and dtype {array.dtype}; the manifest says "
+          f"({split_entry['rows']}, 2, {max_seq_len}) {manifest['dtype']}; {REDO}."
+      )
+    if os.path.getsize(path) != split_entry["bytes"]:
+      raise ConfigError(f"Shard {path} has {os.path.getsize(path)} bytes, the manifest says {split_entry['bytes']}; "
+                        f"{REDO}.")
+    shards.append(array)
+    entries.append(split_entry)
+    if with_lengths:
+      lengths.append(_load_lengths(directory, split_entry, array, pad_id))
+  return shards, entries, np.concatenate(lengths) if with_lengths and shards else None
+
+
+class ShardedRows:
+  """The rows of several memory-mapped [rows, 2, L] shards as one read-only int32 [N, L] array.
+
+  Supports `shape`, `len`, and indexing rows with an integer array, a slice or an int (the result
+  is a fresh int32 ndarray). `channel` 0 selects input ids, 1 token type ids.
+  """
+
+  def __init__(self, shards: list[np.ndarray], channel: int, max_seq_len: int):
+    self._shards = shards
+    self._channel = channel
+    self._offsets = np.cumsum([0] + [shard.shape[0] for shard in shards])
+    self.shape = (int(self._offsets[-1]), max_seq_len)
+    self.dtype = np.dtype(np.int32)
+    self.ndim = 2
+
+  def __len__(self) -> int:
+    return self.shape[0]
+
+  def _gather(self, rows: np.ndarray) -> np.ndarray:
+    out = np.empty((rows.shape[0], self.shape[1]), np.int32)
+    if rows.size == 0:
+      return out
+    if rows.min() < 0 or rows.max() >= self.shape[0]:
+      raise IndexError(f"row index out of range for {self.shape[0]} rows")
+    shard_of_row = np.searchsorted(self._offsets, rows, side="right") - 1
+    for shard in np.unique(shard_of_row):
+      selected = shard_of_row == shard
+      out[selected] = self._shards[shard][rows[selected] - self._offsets[shard], self._channel]
+    return out
+
+  def __getitem__(self, index):
+    rest = ()
+    if isinstance(index, tuple):
+      index, rest = index[0], index[1:]
+    if isinstance(index, slice):
+      rows = np.arange(*index.indices(self.shape[0]), dtype=np.int64)
+    else:
+      rows = np.asarray(index, dtype=np.int64)
+      rows = np.where(rows < 0, rows + self.shape[0], rows)
+    result = self._gather(rows.reshape(-1)).reshape(rows.shape + (self.shape[1],))
+    if not rest:
+      return result
+    # Column indices apply to the gathered rows (an int row index leaves a 1-D row).
+    return result[rest] if isinstance(index, (int, np.integer)) else result[(slice(None),) + rest]
+
+  def __array__(self, dtype=None, copy=None):
+    array = self[:]
+    return array if dtype is None else array.astype(dtype)
+
+
+class ShardVerification:
+  """Checks a split's shard files on a background thread, so a run starts at once: each file's
+  sha256 against the manifest, and every input id below the vocabulary size. raise_if_failed
+  raises the first failure (a ConfigError naming the file)."""
+
+  def __init__(self, directory: str, entries: list[dict], vocab_size: int, split: str):
+    self._error: ConfigError | None = None
+    self._thread = threading.Thread(
+        target=self._run, args=(directory, entries, vocab_size, split), name="electra-verify-shards", daemon=True
+    )
+    self._thread.start()
+
+  def _run(self, directory: str, entries: list[dict], vocab_size: int, split: str) -> None:
+    for entry in entries:
+      path = os.path.join(directory, entry["file"])
+      try:
+        if sha256_file(path) != entry["sha256"]:
+          self._error = ConfigError(f"Shard {path} is not the file prepare_data wrote (its sha256 differs "
+                                    f"from {MANIFEST}'s); {REDO}.")
+          return
+        largest = int(np.max(np.load(path, mmap_mode="r", allow_pickle=False)[:, 0]))
+      except (OSError, ValueError) as error:
+        self._error = ConfigError(f"Cannot read shard {path} ({error}); {REDO}.")
+        return
+      if largest >= vocab_size:
+        self._error = ConfigError(f"Shard {path} holds token id {largest}, outside the tokenizer's "
+                                  f"{vocab_size} ids; {REDO}.")
+        return
+    logging.info("verified the %d %s shards of %s against %s", len(entries), split, directory, MANIFEST)
+
+  def wait(self) -> None:
+    self._thread.join()
+
+  def raise_if_failed(self) -> None:
+    if self._error is not None:
+      raise self._error
