@@ -1,17 +1,12 @@
-"""Pre-training data for electra-jax: corpora, tokenizers, example packing and batching.
-
-The training code should only need `load_pretraining_data`, `get_batch` and `Prefetcher`;
-`prepare_data` and `train_tokenizer` back the CLI's offline modes; the other names are
-exported for tools and tests.
-
-Sources (data.source): builtin, text, jsonl, tfds (sources.py, tfds_source.py) are tokenized
-and packed into shards (prepare.py): offline by prepare_data, or into the cache on first use;
-training reads shards, memory-mapped, either way (pipeline.py).
-"""
+"""Pre-training data: every source (corpus.py, sources.py, tfds_source.py, hf_datasets_source.py) is
+tokenized and packed (prepare.py) into shards (shards.py), offline by prepare_data or into the cache on
+first use; training reads the shards, memory-mapped (pipeline.py)."""
 
 from electra_jax.data.corpus import builtin_corpus_fingerprint, builtin_documents
 from electra_jax.data.packing import pack_documents
-from electra_jax.data.pipeline import PretrainingData, batch_keys, get_batch, get_rows, load_pretraining_data, load_tokenizer
+from electra_jax.data.pipeline import (
+    PretrainingData, batch_keys, get_batch, get_rows, load_pretraining_data, load_tokenizer,
+)
 from electra_jax.data.prefetch import Prefetcher
 from electra_jax.data.prepare import prepare_data, train_tokenizer
 from electra_jax.data.sources import SourceStats, read_documents, resolve_files

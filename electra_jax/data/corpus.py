@@ -1,8 +1,5 @@
-"""The built-in English corpus: docstrings and help topics of the running Python's stdlib.
-
-Owns finding the stdlib sources, extracting their prose with `ast` (never importing them),
-splitting it into documents of sentences, and fingerprinting the result for cache keys.
-"""
+"""The built-in English corpus: docstrings and help topics of the running Python's stdlib, extracted
+with `ast` (never imported) and split into documents of sentences; and document fingerprints."""
 
 from __future__ import annotations
 
@@ -16,19 +13,14 @@ from collections.abc import Iterator
 
 from electra_jax.errors import ConfigError
 
-# Directories whose docstrings are not representative prose (test suites, vendored code,
-# demos) or are not part of the stdlib proper.
+# Directories of no representative prose (tests, vendored code, demos) or outside the stdlib proper.
 _SKIPPED_DIRS = frozenset(
     {"test", "tests", "site-packages", "idlelib", "__pycache__", "lib2to3", "turtledemo", "ensurepip"}
 )
 
 _HELP_TOPICS_RELPATH = os.path.join("pydoc_data", "topics.py")
-
-# Bump when the extraction rules change, so caches keyed on the sources are rebuilt.
-EXTRACTION_VERSION = 1
-
-# A paragraph counts as prose when at least this fraction of its characters are letters
-# or spaces; this drops code samples, tables and doctest output.
+EXTRACTION_VERSION = 1  # bump when the extraction rules change: caches keyed on the sources are rebuilt
+# A paragraph is prose when this share of its characters are letters or spaces (not code or tables).
 _MIN_PROSE_FRACTION = 0.75
 
 _DOCSTRING_OWNERS = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
@@ -44,8 +36,7 @@ def _stdlib_source_files() -> list[str]:
   root = stdlib_root()
   paths = []
   for dirpath, dirnames, filenames in os.walk(root):
-    # Pruning and sorting in place makes os.walk skip those trees and visit the rest
-    # in a fixed order, so the corpus is the same on every run.
+    # In place: os.walk skips those trees and visits the rest in a fixed order.
     dirnames[:] = sorted(d for d in dirnames if d not in _SKIPPED_DIRS)
     for name in sorted(filenames):
       if name.endswith(".py"):
@@ -76,35 +67,21 @@ def _iter_docstrings(node: ast.AST) -> Iterator[str]:
     yield from _iter_docstrings(child)
 
 
-def _is_prose_line(line: str) -> bool:
-  stripped = line.strip()
-  # Doctest prompts and continuation lines are code, and a line with no letters or
-  # digits is an underline or a rule ("*****", "-----").
-  if stripped.startswith((">>>", "...")):
-    return False
-  return any(ch.isalnum() for ch in stripped)
-
-
-def _is_prose(paragraph: str) -> bool:
-  textual = sum(1 for ch in paragraph if ch.isalpha() or ch == " ")
-  return textual >= _MIN_PROSE_FRACTION * len(paragraph)
-
-
 def split_sentences(text: str) -> list[str]:
-  """Split `text` into paragraphs on blank lines, one whitespace-normalized line each.
-
-  Paragraphs that are mostly code or punctuation are dropped.
-  """
+  """Split `text` into paragraphs on blank lines, one whitespace-normalized line each; paragraphs that are
+  mostly code or punctuation are dropped."""
   sentences = []
   paragraph_lines: list[str] = []
   for line in text.splitlines() + [""]:
-    if line.strip():
-      if _is_prose_line(line):
+    stripped = line.strip()
+    if stripped:
+      # Doctest prompts and continuations are code; a line of no letters or digits is a rule ("-----").
+      if not stripped.startswith((">>>", "...")) and any(ch.isalnum() for ch in stripped):
         paragraph_lines.append(line)
       continue
     paragraph = " ".join(" ".join(paragraph_lines).split())
     paragraph_lines = []
-    if paragraph and _is_prose(paragraph):
+    if paragraph and sum(ch.isalpha() or ch == " " for ch in paragraph) >= _MIN_PROSE_FRACTION * len(paragraph):
       sentences.append(paragraph)
   return sentences
 
@@ -113,51 +90,30 @@ def _parse(path: str) -> ast.Module | None:
   with open(path, "rb") as f:
     source = f.read()
   try:
-    # Parsing bytes lets ast honour each file's own coding declaration.
-    return ast.parse(source, filename=path)
-  except (SyntaxError, ValueError):
-    # A stdlib file this interpreter cannot parse contributes nothing; it must not
-    # stop the whole corpus from being built.
+    return ast.parse(source, filename=path)  # bytes: ast honours each file's coding declaration
+  except (SyntaxError, ValueError):  # a file this interpreter cannot parse contributes nothing
     return None
 
 
-def _source_file_documents() -> Iterator[list[str]]:
+def _iter_documents() -> Iterator[list[str]]:
+  """One document per stdlib source file (its docstrings), then one per pydoc help topic."""
   root = stdlib_root()
   for relpath in _stdlib_source_files():
     tree = _parse(os.path.join(root, relpath))
-    if tree is None:
-      continue
-    document = []
-    for docstring in _iter_docstrings(tree):
-      document.extend(split_sentences(docstring))
+    docstrings = _iter_docstrings(tree) if tree is not None else ()
+    document = [sentence for docstring in docstrings for sentence in split_sentences(docstring)]
     if document:
       yield document
-
-
-def _help_topic_documents() -> Iterator[list[str]]:
-  tree = _parse(os.path.join(stdlib_root(), _HELP_TOPICS_RELPATH))
-  if tree is None:
-    return
+  tree = _parse(os.path.join(root, _HELP_TOPICS_RELPATH))
   topics = None
-  for statement in tree.body:
-    if (
-        isinstance(statement, ast.Assign)
-        and len(statement.targets) == 1
-        and isinstance(statement.targets[0], ast.Name)
-        and statement.targets[0].id == "topics"
-    ):
+  for statement in tree.body if tree is not None else ():
+    if (isinstance(statement, ast.Assign) and len(statement.targets) == 1
+        and isinstance(statement.targets[0], ast.Name) and statement.targets[0].id == "topics"):
       topics = ast.literal_eval(statement.value)
-  if not isinstance(topics, dict):
-    return
-  for name in sorted(topics):
+  for name in sorted(topics) if isinstance(topics, dict) else ():
     document = split_sentences(topics[name])
     if document:
       yield document
-
-
-def _iter_documents() -> Iterator[list[str]]:
-  yield from _source_file_documents()
-  yield from _help_topic_documents()
 
 
 @functools.lru_cache(maxsize=1)
@@ -166,16 +122,10 @@ def _all_documents() -> tuple[tuple[str, ...], ...]:
 
 
 def builtin_documents(max_documents: int | None = None) -> list[list[str]]:
-  """The built-in corpus: a list of documents, each a list of one-line paragraphs.
-
-  One document per stdlib source file (all its docstrings) and one per `pydoc` help
-  topic, in a fixed order. `max_documents` keeps only the first that many, and stops
-  parsing early, which keeps tests fast.
-  """
+  """The built-in corpus: documents (lists of one-line paragraphs) in a fixed order; `max_documents`
+  keeps the first that many, and stops parsing early."""
   if max_documents is not None and max_documents < 0:
-    raise ConfigError(
-        f"max_documents must be None (all documents) or >= 0, got {max_documents}."
-    )
+    raise ConfigError(f"max_documents must be None (all documents) or >= 0, got {max_documents}.")
   if max_documents is None:
     return [list(document) for document in _all_documents()]
   return list(itertools.islice(_iter_documents(), max_documents))
@@ -188,8 +138,7 @@ class DocumentsHasher:
     self._digest = hashlib.sha256()
 
   def update(self, document) -> None:
-    # Each sentence followed by a newline, then a separator marking the document boundary
-    # (packing depends on it).
+    # Each sentence and a newline, then a separator marking the document boundary (packing depends on it).
     self._digest.update(("".join(sentence + "\n" for sentence in document) + "\x00\n").encode("utf-8"))
 
   def hexdigest(self) -> str:

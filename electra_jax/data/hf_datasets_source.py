@@ -1,7 +1,5 @@
-"""data.source="hf_datasets": a local Hugging Face dataset as documents. data.hf_path is a
-directory `save_to_disk` wrote (read with `load_from_disk`) or one `load_dataset` reads locally
-(data files or a loading script's folder); nothing is downloaded. Needs the `datasets` package
-(the hf_datasets extra)."""
+"""data.source="hf_datasets": a local Hugging Face dataset as documents: data.hf_path is a directory
+`save_to_disk` wrote, or one `load_dataset` reads locally; nothing is downloaded (the hf_datasets extra)."""
 
 from __future__ import annotations
 

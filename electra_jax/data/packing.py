@@ -1,11 +1,6 @@
-"""Packing tokenized documents into fixed-length ELECTRA pre-training examples, and examples
-into rows.
-
-Owns the example layout ([CLS] A [SEP] or [CLS] A [SEP] B [SEP], right-padded), the rules for
-how sentences of one document are grouped into the A and B segments, and (data.pack_rows) the
-plan that lays several whole examples side by side in one row with segment ids and
-per-example positions.
-"""
+"""Packing tokenized documents into fixed-length ELECTRA examples ([CLS] A [SEP] or [CLS] A [SEP] B [SEP],
+right-padded), and (data.pack_rows) several whole examples side by side into one row, with segment ids
+and per-example positions."""
 
 from __future__ import annotations
 
@@ -18,24 +13,15 @@ import numpy as np
 
 from electra_jax.errors import ConfigError
 
-# Smallest max_seq_len that leaves room for [CLS], [SEP], [SEP] and some text; it is also
-# the lower end of the random short target lengths.
+# Smallest max_seq_len with room for [CLS], [SEP], [SEP] and some text; the shortest random target length.
 MIN_SEQ_LEN = 5
-
-
-def document_rng(seed: int, document_index: int) -> random.Random:
-  """The generator of one document's packing choices."""
-  # A string seed goes through SHA-512, so nearby (seed, index) pairs give unrelated
-  # streams and the result does not depend on Python's hash randomization.
-  return random.Random(f"electra-pack:{int(seed)}:{int(document_index)}")
 
 
 def _document_examples(document, rng, max_seq_len, cls_id, sep_id, single_segment_prob, short_seq_prob):
   """(tokens, number of [CLS] A [SEP] tokens) of each example of one document (see pack_documents)."""
 
   def draw_target_length() -> int:
-    # Occasional short examples teach the model the short inputs it meets later in
-    # fine-tuning, which full-length packing alone would never show it.
+    # Occasional short examples show the model the short inputs of fine-tuning.
     return rng.randint(MIN_SEQ_LEN, max_seq_len) if rng.random() < short_seq_prob else max_seq_len
 
   examples = []
@@ -47,12 +33,10 @@ def _document_examples(document, rng, max_seq_len, cls_id, sep_id, single_segmen
     if num_buffered_tokens < target_length and i + 1 < len(sentences):
       continue
     a_target = None if rng.random() < single_segment_prob else (target_length - 3) // 2
-    segment_a: list[int] = []
-    segment_b: list[int] = []
+    segment_a, segment_b = [], []
     for buffered_sentence in buffered:
-      # The official builder's rule, checked anew for every sentence: a short sentence can
-      # still join A after a longer one went to B; a sentence that would overfill A joins it
-      # on a coin flip only while B is empty and A is below its target.
+      # The official builder's rule, per sentence: a short sentence can still join A after a longer
+      # one went to B; one that would overfill A joins it on a coin flip only while B is empty.
       goes_to_a = (
           a_target is None
           or not segment_a
@@ -68,36 +52,19 @@ def _document_examples(document, rng, max_seq_len, cls_id, sep_id, single_segmen
   return examples
 
 
-def pack_documents(
-    documents: Sequence[Sequence[Sequence[int]]],
-    max_seq_len: int,
-    *,
-    cls_id: int,
-    sep_id: int,
-    pad_id: int,
-    seed: int,
-    single_segment_prob: float = 0.1,
-    short_seq_prob: float = 0.05,
-    document_indices: Sequence[int] | None = None,
-) -> dict[str, np.ndarray]:
-  """Pack tokenized documents (lists of token-id sentences) into padded examples.
+def pack_documents(documents: Sequence[Sequence[Sequence[int]]], max_seq_len: int, *, cls_id: int, sep_id: int,
+                   pad_id: int, seed: int, single_segment_prob: float = 0.1, short_seq_prob: float = 0.05,
+                   document_indices: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+  """Pack tokenized documents (lists of token-id sentences) into int32 [num_examples, max_seq_len]
+  `input_ids` and `token_type_ids` (1 on B [SEP], else 0).
 
-  Sentences of a document are buffered until they reach the current target length (or
-  the document ends) and then split into segments A and B. Examples never mix
-  documents. Returns int32 arrays `input_ids` and `token_type_ids` of shape
-  [num_examples, max_seq_len]; token types are 0 on [CLS] A [SEP] and padding, 1 on
-  B [SEP]. The output is a deterministic function of the inputs and `seed`.
-
-  Each document draws its random choices from its own generator, seeded by `seed` and its
-  corpus index (`document_indices`, default 0, 1, ...), so any slice of a corpus packs, in any
-  process, into exactly the rows the whole corpus gives for it. (The official builder threads one
-  generator through the corpus; the distribution of examples is the same.)
+  A document's sentences are buffered up to the current target length (or the document's end), then
+  split into segments A and B; examples never mix documents. Each document draws from its own generator,
+  seeded by `seed` and its corpus index (`document_indices`, default 0, 1, ...), so any slice of a corpus
+  packs, in any process, into exactly the rows the whole corpus gives for it.
   """
   if max_seq_len < MIN_SEQ_LEN:
-    raise ConfigError(
-        f"max_seq_len must be at least {MIN_SEQ_LEN} to fit [CLS] A [SEP] B [SEP], "
-        f"got {max_seq_len}."
-    )
+    raise ConfigError(f"max_seq_len must be at least {MIN_SEQ_LEN} to fit [CLS] A [SEP] B [SEP], got {max_seq_len}.")
   for name, prob in (("single_segment_prob", single_segment_prob), ("short_seq_prob", short_seq_prob)):
     if not 0.0 <= prob <= 1.0:
       raise ConfigError(f"{name} must be a probability in [0, 1], got {prob}.")
@@ -105,15 +72,13 @@ def pack_documents(
   if document_indices is None:
     document_indices = range(len(documents))
   elif len(document_indices) != len(documents):
-    raise ValueError(
-        f"pack_documents: {len(document_indices)} document_indices for {len(documents)} documents."
-    )
+    raise ValueError(f"pack_documents: {len(document_indices)} document_indices for {len(documents)} documents.")
+  # Each document's generator: a string seed goes through SHA-512, so nearby (seed, index) pairs give
+  # unrelated streams.
   examples = [
-      example
-      for index, document in zip(document_indices, documents)
-      for example in _document_examples(
-          document, document_rng(seed, index), max_seq_len, cls_id, sep_id, single_segment_prob, short_seq_prob
-      )
+      example for index, document in zip(document_indices, documents)
+      for example in _document_examples(document, random.Random(f"electra-pack:{int(seed)}:{int(index)}"),
+                                        max_seq_len, cls_id, sep_id, single_segment_prob, short_seq_prob)
   ]
   input_ids = np.full((len(examples), max_seq_len), pad_id, dtype=np.int32)
   token_type_ids = np.zeros((len(examples), max_seq_len), dtype=np.int32)
@@ -124,24 +89,17 @@ def pack_documents(
 
 
 # ---------------------------------------------------------------- packing examples into rows
-#
-# data.pack_rows: the examples above are laid side by side into rows of max_seq_len, so the
-# compute that padding would take goes to text. The plan depends on the examples' lengths alone.
 
 # Bump when the plan for the same lengths would change: it enters the data fingerprint.
 ROW_PACKING_VERSION = 1
-# Examples are packed within windows of this many consecutive examples (storage order), which
-# keeps each best-fit search short at almost no cost in padding.
+# Examples are packed within windows of this many consecutive ones: short best-fit searches, little padding.
 ROW_PACKING_WINDOW = 4096
 
 
 @dataclasses.dataclass(frozen=True)
 class RowPacking:
-  """Which examples each packed row holds, in compressed-sparse-row form.
-
-  Row r holds the examples `examples[row_splits[r]:row_splits[r + 1]]` (increasing example
-  indices), laid out in that order from column 0; `lengths[e]` is example e's token count.
-  """
+  """Which examples each packed row holds: row r the examples `examples[row_splits[r]:row_splits[r + 1]]`
+  (increasing), laid out in that order from column 0; `lengths[e]` is example e's token count."""
 
   row_splits: np.ndarray  # int64 [num_rows + 1]
   examples: np.ndarray  # int64 [num_examples], row by row
@@ -158,11 +116,8 @@ class RowPacking:
 
 
 def example_lengths(input_ids, pad_id: int, block_rows: int = 1 << 16) -> np.ndarray:
-  """int32 [num_examples]: each right-padded example's length (its last non-pad token + 1).
-
-  Reads `input_ids` (an array, or pipeline.ShardedRows) in blocks of rows, so a memory-mapped
-  corpus is scanned without being loaded whole.
-  """
+  """int32 [num_examples]: each right-padded example's length (its last non-pad token + 1), read in blocks
+  of rows, so a memory-mapped corpus is scanned without being loaded whole."""
   num_examples, max_seq_len = int(input_ids.shape[0]), int(input_ids.shape[1])
   lengths = np.empty(num_examples, np.int32)
   for start in range(0, num_examples, block_rows):
@@ -175,9 +130,8 @@ def example_lengths(input_ids, pad_id: int, block_rows: int = 1 << 16) -> np.nda
 
 
 def _best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
-  """Bins (lists of positions into `lengths`) from best-fit decreasing: longest example first,
-  each into the open bin it fills most tightly, else a new bin. Ties go to the earlier
-  example and the earlier bin, so the result is a pure function of `lengths`."""
+  """Bins (lists of positions into `lengths`) by best-fit decreasing: longest example first, each into the
+  open bin it fills most tightly, else a new bin; ties go to the earlier example and bin."""
   order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
   shortest = min(lengths)
   bins: list[list[int]] = []
@@ -198,25 +152,21 @@ def _best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def plan_rows(lengths: np.ndarray, max_seq_len: int, window: int = ROW_PACKING_WINDOW) -> RowPacking:
-  """Pack examples of the given lengths into rows of `max_seq_len`, never splitting one.
+  """Pack examples of the given lengths into rows of `max_seq_len`, each in exactly one row, whole.
 
-  Every example lands in exactly one row. Within each window of `window` consecutive examples,
-  those too long to share a row with the window's shortest example get a row of their own
-  (most full-length examples, without a Python loop); the rest are packed by best-fit
-  decreasing. Rows come window by window: the single rows first, then the packed ones.
-  Deterministic: a pure function of (lengths, max_seq_len, window).
+  Within each window of `window` consecutive examples, those too long to share a row with the window's
+  shortest get a row of their own; the rest are packed by best-fit decreasing. Rows come window by
+  window, the single rows first. A pure function of (lengths, max_seq_len, window).
   """
   lengths = np.asarray(lengths, dtype=np.int32)
   if lengths.ndim != 1:
     raise ValueError(f"plan_rows: lengths must be 1-D, got shape {lengths.shape}.")
   if lengths.size and (lengths.min() < 1 or lengths.max() > max_seq_len):
-    raise ValueError(
-        f"plan_rows: example lengths must be in [1, {max_seq_len}], got [{lengths.min()}, {lengths.max()}]."
-    )
+    raise ValueError(f"plan_rows: example lengths must be in [1, {max_seq_len}], got [{lengths.min()}, "
+                     f"{lengths.max()}].")
   if window < 1:
     raise ValueError(f"plan_rows: window must be >= 1, got {window}.")
-  row_sizes: list[np.ndarray] = []
-  examples: list[np.ndarray] = []
+  row_sizes, examples = [], []  # per window: int64 arrays
   for start in range(0, lengths.size, window):
     chunk = lengths[start : start + window]
     alone = chunk + chunk.min() > max_seq_len
@@ -237,16 +187,11 @@ def plan_rows(lengths: np.ndarray, max_seq_len: int, window: int = ROW_PACKING_W
   )
 
 
-def assemble_rows(
-    packing: RowPacking, rows: np.ndarray, input_ids, token_type_ids, pad_id: int
-) -> dict[str, np.ndarray]:
-  """The packed rows `rows` as a batch: int32 [len(rows), max_seq_len] arrays.
-
-  input_ids / token_type_ids: the examples' own tokens and types side by side, pad_id / 0 after;
-  attention_mask: 1 on tokens; segment_ids: 1, 2, ... for the row's 1st, 2nd, ... example, 0 on
-  padding; position_ids: 0 .. length - 1 within each example (restarting at its [CLS]), 0 on
-  padding. Gathers only the examples these rows hold from `input_ids` / `token_type_ids`.
-  """
+def assemble_rows(packing: RowPacking, rows: np.ndarray, input_ids, token_type_ids,
+                  pad_id: int) -> dict[str, np.ndarray]:
+  """The packed rows `rows` as int32 [len(rows), max_seq_len] arrays: input_ids / token_type_ids (the
+  examples side by side, pad_id / 0 after), attention_mask (1 on tokens), segment_ids (1, 2, ... for the
+  row's examples, 0 on padding) and position_ids (0 .. length - 1 within each example, 0 on padding)."""
   rows = np.asarray(rows, dtype=np.int64)
   batch, seq = rows.shape[0], packing.max_seq_len
   first = packing.row_splits[rows]
@@ -256,9 +201,8 @@ def assemble_rows(
   segment = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(row_start, counts)
   examples = packing.examples[np.repeat(first, counts) + segment]
   lengths = packing.lengths[examples]
-  # The batch's tokens in order (example by example, each from its position 0) are the
-  # row-major order both of the examples' real tokens and of the rows' first columns, which
-  # they fill without gaps: two boolean masks place them with no per-token index arithmetic.
+  # The batch's tokens in order fill the rows' first columns without gaps: two boolean masks (the
+  # examples' real tokens, the rows' filled columns) place them with no per-token index arithmetic.
   source = np.arange(input_ids.shape[1]) < lengths[:, None]
   row_tokens = np.add.reduceat(lengths, row_start) if batch else np.zeros(0, np.int32)
   target = np.arange(seq) < row_tokens[:, None]

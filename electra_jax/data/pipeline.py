@@ -69,7 +69,7 @@ def _corpus_cache_dir(config) -> str:
       "format": PACKING_FORMAT_VERSION,
       "max_documents": config["max_documents"],
       "eval_fraction": config["eval_fraction"],
-      **prepare.source_fingerprint(config),
+      **prepare.describe_source(config)[0],
   }
   # Only keys that change the tokenizer enter the key.
   if prepare.trains_spm(config):

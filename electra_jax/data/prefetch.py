@@ -1,9 +1,5 @@
 """Background prefetching of step-indexed batches, so host-side gathering overlaps the device step.
-
-Owns one daemon thread that calls `fetch_fn(step)` for consecutive steps ahead of the consumer.
-Because batches are a pure function of the step (see get_batch), prefetching changes no batch
-and needs no state beyond the next step to fetch.
-"""
+Batches are a pure function of the step (see get_batch), so prefetching changes no batch."""
 
 from __future__ import annotations
 
@@ -12,22 +8,13 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-# Poll interval of the producer's blocking put, so close() is noticed promptly.
-_PUT_TIMEOUT_S = 0.1
+_PUT_TIMEOUT_S = 0.1  # the producer's blocking put polls close() this often
 
 
 class Prefetcher:
-  """Iterates over fetch_fn(start_step), fetch_fn(start_step + 1), ..., computed up to
-  `depth` steps ahead in a background thread.
-
-  An exception raised by fetch_fn is re-raised, as itself, by the iteration that would have
-  returned that step's batch; the thread stops there. `stop_step` (exclusive) ends the
-  iteration; without it the iteration is endless. Use as a context manager, or call close(),
-  so the thread stops.
-
-    with Prefetcher(lambda step: get_batch(data, step, B, seed), start_step) as batches:
-      for step, batch in zip(range(start_step, total_steps), batches):
-        ...
+  """Iterates over fetch_fn(start_step), fetch_fn(start_step + 1), ... up to `stop_step` (exclusive;
+  None: endless), computed up to `depth` steps ahead in a background thread. An exception of fetch_fn is
+  re-raised, as itself, where that step's batch would come. Use as a context manager, or call close().
   """
 
   def __init__(self, fetch_fn: Callable[[int], Any], start_step: int, depth: int = 2, stop_step: int | None = None):

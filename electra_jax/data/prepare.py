@@ -1,9 +1,6 @@
 """From a data config to shards (shards.py): the config's checks, its document source and train/eval
-split, training its tokenizer, and the tokenize-and-pack workers of --mode=prepare_data (and the cache).
-
-The shards do not depend on the worker count: documents go to train/eval by their corpus index and
-each packs with its own seeded generator. A re-run verifies the shards the manifest lists and packs
-only what is missing.
+split, its tokenizer, and the tokenize-and-pack workers of --mode=prepare_data (and of the cache).
+Shards depend on the config alone (not the worker count); a re-run packs only what is missing.
 """
 
 from __future__ import annotations
@@ -34,8 +31,7 @@ from electra_jax.data.wordpiece import WordPieceTokenizer
 _LOG_EVERY_S = 10.0
 _MANIFEST_EVERY_S = 2.0
 
-# Sources read record by record from a dataset library: each gives a corpus object (fingerprint,
-# description, iter_documents). "prepared" reads the shards `prepare_data` wrote.
+# Sources read from a dataset library; each gives a corpus object (fingerprint, description, iter_documents).
 RECORD_SOURCES = ("tfds", "hf_datasets")
 DOCUMENT_SOURCES = ("builtin",) + sources.FILE_SOURCES + RECORD_SOURCES
 SUPPORTED_SOURCES = DOCUMENT_SOURCES + ("prepared",)
@@ -148,29 +144,21 @@ def _record_corpus(config):
   return TfdsCorpus(config["tfds_name"], config["tfds_split"], config["tfds_text_field"], config["tfds_data_dir"])
 
 
-def source_fingerprint(config) -> dict:
-  """What identifies the source's documents, for cache keys and prepared manifests."""
-  if config["source"] == "builtin":
+def describe_source(config) -> tuple[dict, dict]:
+  """(what identifies the source's documents, for cache keys and settings; an account of it, for manifests)"""
+  source = config["source"]
+  if source == "builtin":
     # The source bytes, cheap to hash unlike the extracted text: a warm cache needs no parsing.
-    return {"sources": corpus.builtin_sources_fingerprint()}
-  if config["source"] in RECORD_SOURCES:
-    return {config["source"]: _record_corpus(config).fingerprint}
-  key_fields = {"files": sources.files_fingerprint(config["files"])}
-  if config["source"] == "jsonl":
-    key_fields.update(text_field=config["text_field"], jsonl_lines="newline")  # records end at "\n" only
-  return key_fields
-
-
-def source_description(config) -> dict:
-  """A human-readable account of the source, for manifests."""
-  if config["source"] == "builtin":
-    return {"source": "builtin", "stdlib": corpus.stdlib_root()}
-  if config["source"] in RECORD_SOURCES:
-    return _record_corpus(config).description
-  description = {"source": config["source"], "files": config["files"][:100], "num_files": len(config["files"])}
-  if config["source"] == "jsonl":
+    return {"sources": corpus.builtin_sources_fingerprint()}, {"source": "builtin", "stdlib": corpus.stdlib_root()}
+  if source in RECORD_SOURCES:
+    record_corpus = _record_corpus(config)
+    return {source: record_corpus.fingerprint}, record_corpus.description
+  fingerprint = {"files": sources.files_fingerprint(config["files"])}
+  description = {"source": source, "files": config["files"][:100], "num_files": len(config["files"])}
+  if source == "jsonl":
+    fingerprint.update(text_field=config["text_field"], jsonl_lines="newline")  # records end at "\n" only
     description["text_field"] = config["text_field"]
-  return description
+  return fingerprint, description
 
 
 def iter_source_documents(config, stats: sources.SourceStats):
@@ -198,15 +186,11 @@ def no_documents_error(config, stats: sources.SourceStats) -> ConfigError:
   if config["source"] in sources.FILE_SOURCES:
     return sources.no_usable_text_error(config["source"], config["files"], config["text_field"], stats)
   if config["source"] == "tfds":
-    return ConfigError(
-        f"TFDS dataset {config['tfds_name']!r} split {config['tfds_split']!r} gave no usable text in "
-        f"field {config['tfds_text_field']!r} ({stats.counts()}); check data.tfds_text_field."
-    )
+    return ConfigError(f"TFDS dataset {config['tfds_name']!r} split {config['tfds_split']!r} gave no usable text in "
+                       f"field {config['tfds_text_field']!r} ({stats.counts()}); check data.tfds_text_field.")
   if config["source"] == "hf_datasets":
-    return ConfigError(
-        f"The dataset {config['hf_path']!r} split {config['hf_split']!r} gave no usable text in column "
-        f"{config['text_field']!r} ({stats.counts()}); check data.text_field."
-    )
+    return ConfigError(f"The dataset {config['hf_path']!r} split {config['hf_split']!r} gave no usable text in column "
+                       f"{config['text_field']!r} ({stats.counts()}); check data.text_field.")
   return ConfigError(f"The built-in corpus gave no documents (max_documents={config['max_documents']}).")
 
 
@@ -233,25 +217,17 @@ def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) 
   out_path = os.path.abspath(os.path.expanduser(out_path))
   if os.path.isdir(out_path):
     raise ConfigError(f"--out={out_path!r} is a directory; give a file name such as {out_path}/spm.model.")
-  if os.path.exists(out_path):
-    # Prepared shards and workdirs record the fingerprint of the model they were made with.
-    raise ConfigError(
-        f"--out={out_path!r} already exists: prepared data or a workdir may use that model. "
-        "Nothing was written; give a new path, or delete the file first to replace it."
-    )
+  if os.path.exists(out_path):  # prepared shards and workdirs record the fingerprint of the model they use
+    raise ConfigError(f"--out={out_path!r} already exists: prepared data or a workdir may use that model. "
+                      "Nothing was written; give a new path, or delete the file first to replace it.")
   start = time.time()
   stats = sources.SourceStats()
   tokenizer = train_corpus_tokenizer(config, out_path, num_threads or _default_workers(), stats)
   if config["source"] != "builtin":
     sources.log_stats(config["source"], stats)
-  info = {
-      "path": out_path,
-      "fingerprint": tokenizer.fingerprint,
-      "vocab_size": tokenizer.vocab_size,
-      "model_type": config["spm_model_type"],
-      "documents_read": stats.num_documents,
-      "seconds": round(time.time() - start, 1),
-  }
+  info = {"path": out_path, "fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size,
+          "model_type": config["spm_model_type"], "documents_read": stats.num_documents,
+          "seconds": round(time.time() - start, 1)}
   logging.info("wrote %s: %s", out_path, info)
   return info
 
@@ -281,10 +257,8 @@ def train_corpus_tokenizer(config, path: str, num_threads: int = TRAINING_THREAD
   sentences = (sentence for index, document in enumerate(iter_source_documents(config, stats))
                if not is_eval_document(index, config["eval_fraction"]) for sentence in document)
   try:
-    train_sentencepiece(
-        sentences, path, vocab_size=config["spm_vocab_size"], model_type=config["spm_model_type"],
-        num_threads=num_threads,
-    )
+    train_sentencepiece(sentences, path, vocab_size=config["spm_vocab_size"], model_type=config["spm_model_type"],
+                        num_threads=num_threads)
   except NoSentencesError as e:  # the source's own errors (a TFDS dataset not prepared) pass as they are
     raise no_documents_error(config, stats) from e
   return SentencePieceTokenizer(path)
@@ -302,10 +276,8 @@ def _init_worker(config: dict, out_dir: str, fingerprint: str, parent: int) -> N
   _WORKER_TOKENIZER = configured_tokenizer(config, out_dir)
   found = _WORKER_TOKENIZER and _WORKER_TOKENIZER.fingerprint
   if found != fingerprint:
-    raise ConfigError(
-        f"The tokenizer file changed during preparation (fingerprint {found}, "
-        f"expected {fingerprint}); leave it alone and run prepare_data again."
-    )
+    raise ConfigError(f"The tokenizer file changed during preparation (fingerprint {found}, "
+                      f"expected {fingerprint}); leave it alone and run prepare_data again.")
   _exit_with_parent(parent)
 
 
@@ -426,11 +398,9 @@ def _refuse_another_config(out_dir: str, existing: dict, settings: dict, hint: s
   if "tokenizer_fingerprint" in settings and existing.get("config_key") != _config_key(settings):
     differences = differences or {"config_key": (existing.get("config_key"), _config_key(settings))}
   if differences:
-    raise ConfigError(
-        f"data.prepared_dir={out_dir!r} holds shards of another config (was -> now: "
-        f"{differences}){hint}. Nothing was changed; choose another data.prepared_dir, or delete "
-        f"that directory to prepare it again."
-    )
+    raise ConfigError(f"data.prepared_dir={out_dir!r} holds shards of another config (was -> now: {differences})"
+                      f"{hint}. Nothing was changed; choose another data.prepared_dir, or delete that directory "
+                      "to prepare it again.")
 
 
 # ---------------------------------------------------------------- driver
@@ -446,18 +416,15 @@ def prepare_data(data_config, num_workers: int | None = None) -> dict:
   return prepare_config(read_config(data_config), num_workers)
 
 
-def _accepted_tokenizer(config, out_dir: str, existing: dict | None):
+def _accepted_tokenizer(config, out_dir: str, existing: dict | None, source_key: dict):
   """(tokenizer, settings, model bytes to write into out_dir or None), after refusing an out_dir of
   another config: before training a tokenizer where possible, which can take hours."""
-  source_key = source_fingerprint(config)
   tokenizer = configured_tokenizer(config, out_dir)  # the configured one, or one an earlier run trained
   model_path = os.path.join(out_dir, SPM_MODEL)
   if tokenizer is not None and trains_spm(config) and tokenizer.vocab_size != config["spm_vocab_size"]:
-    raise ConfigError(
-        f"{model_path} (trained by an earlier prepare_data) has {tokenizer.vocab_size} pieces, but "
-        f"data.spm_vocab_size={config['spm_vocab_size']}. Nothing was changed; choose another "
-        f"data.prepared_dir, or delete that directory to prepare it again."
-    )
+    raise ConfigError(f"{model_path} (trained by an earlier prepare_data) has {tokenizer.vocab_size} pieces, but "
+                      f"data.spm_vocab_size={config['spm_vocab_size']}. Nothing was changed; choose another "
+                      "data.prepared_dir, or delete that directory to prepare it again.")
   settings = _settings(config, source_key, tokenizer)
   if existing is not None:
     _refuse_another_config(out_dir, existing, settings)
@@ -481,10 +448,8 @@ def _accepted_tokenizer(config, out_dir: str, existing: dict | None):
 def prepare_config(config: dict, num_workers: int | None = None) -> dict:
   """prepare_data of a config that read_config returned."""
   if config["source"] not in DOCUMENT_SOURCES:
-    raise ConfigError(
-        f"prepare_data reads documents from data.source, one of {list(DOCUMENT_SOURCES)}, "
-        f"got {config['source']!r}; set data.source to the corpus the shards are made from."
-    )
+    raise ConfigError(f"prepare_data reads documents from data.source, one of {list(DOCUMENT_SOURCES)}, got "
+                      f"{config['source']!r}; set data.source to the corpus the shards are made from.")
   out_dir = config["prepared_dir"]
   if not out_dir:
     raise ConfigError("prepare_data needs data.prepared_dir, the directory the shards go to, e.g. "
@@ -504,7 +469,8 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
     raise ConfigError(f"num_workers must be >= 0 (0 = in this process), got {num_workers}.")
   if config["max_seq_len"] < MIN_SEQ_LEN:
     raise ConfigError(f"data.max_seq_len must be at least {MIN_SEQ_LEN}, got {config['max_seq_len']}.")
-  tokenizer, settings, model_bytes = _accepted_tokenizer(config, out_dir, existing)
+  source_key, description = describe_source(config)
+  tokenizer, settings, model_bytes = _accepted_tokenizer(config, out_dir, existing, source_key)
 
   # Accepted: from here on the directory is ours to write. A killed run's half-written files have
   # temporary names; clear them (one prepare_data per directory at a time).
@@ -535,7 +501,7 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
       "format_version": PREPARED_FORMAT_VERSION,
       "config_key": _config_key(settings),
       "settings": settings,
-      "source": source_description(config),
+      "source": description,
       "tokenizer": spec,
       "max_seq_len": config["max_seq_len"],
       "dtype": settings["dtype"],
@@ -602,16 +568,13 @@ def _pack_missing(config, tokenizer, dtype, num_workers, done, save_manifest, st
       try:
         result = future.result()
       except concurrent.futures.process.BrokenProcessPool as e:
-        raise RuntimeError(
-            f"prepare_data: a worker process died (killed, or out of memory) ({e}). The finished "
-            f"shards are kept in {out_dir}; run prepare_data again to resume (fewer workers use "
-            f"less memory)."
-        ) from e
+        raise RuntimeError(f"prepare_data: a worker process died (killed, or out of memory) ({e}). The finished "
+                           f"shards are kept in {out_dir}; run prepare_data again to resume (fewer workers use "
+                           "less memory).") from e
       if "error" in result:
-        raise RuntimeError(
-            f"prepare_data: shard {result['index']} failed ({result['error']}). The {len(done)} "
-            f"finished shards are kept in {out_dir}; fix the cause and run prepare_data again to resume."
-        )
+        raise RuntimeError(f"prepare_data: shard {result['index']} failed ({result['error']}). The {len(done)} "
+                           f"finished shards are kept in {out_dir}; fix the cause and run prepare_data again to "
+                           "resume.")
       done[result["index"]] = result
       progress.shard_done(result, position)
       if time.time() - last_manifest_write > _MANIFEST_EVERY_S:
@@ -644,10 +607,8 @@ def _pack_missing(config, tokenizer, dtype, num_workers, done, save_manifest, st
       drain()
       progress.maybe_log()
   except _SigTerm:
-    raise SystemExit(
-        f"prepare_data stopped by SIGTERM: the finished shards are kept and listed in "
-        f"{os.path.join(out_dir, 'manifest.json')}; run the same command to resume."
-    ) from None
+    raise SystemExit(f"prepare_data stopped by SIGTERM: the finished shards are kept and listed in "
+                     f"{os.path.join(out_dir, 'manifest.json')}; run the same command to resume.") from None
   finally:
     if previous_handler is not None:
       signal.signal(signal.SIGTERM, previous_handler)

@@ -1,8 +1,6 @@
 """A user's own corpus as documents: plain-text files ("text") and JSON Lines files ("jsonl").
-
-Owns resolving `data.files` (comma-separated paths and globs), reading the files with their
-problems counted and logged, and fingerprinting the files for cache keys.
-"""
+Owns resolving `data.files`, reading the files with their problems counted and logged, and their
+fingerprint for cache keys."""
 
 from __future__ import annotations
 
@@ -19,63 +17,44 @@ from electra_jax.errors import ConfigError
 
 FILE_SOURCES = ("text", "jsonl")
 
-# A corpus up to this size enters the fingerprint with its content hash, so that even an edit
-# that keeps the size and (on a coarse-clock filesystem) the mtime changes the cache key; a
-# bigger one is identified by paths, sizes and mtimes only, to keep a warm start fast.
+# A corpus up to this size enters the fingerprint with its content hash (an edit may keep size and
+# mtime); a bigger one by paths, sizes and mtimes only, to keep a warm start fast.
 _HASHED_CORPUS_BYTES = 64 << 20
 
 
 @dataclasses.dataclass
 class SourceStats:
-  """What reading the files found; logged, and returned for tools and tests."""
+  """What reading a source found (each count with the place of its first case); logged, and returned."""
 
   files: list[str] = dataclasses.field(default_factory=list)
   empty_files: list[str] = dataclasses.field(default_factory=list)
-  # Files holding NUL bytes in their first block (images, archives, compiled files): skipped.
-  binary_files: list[str] = dataclasses.field(default_factory=list)
-  # Lines holding bytes that are not UTF-8: kept, with U+FFFD in place of the bad bytes.
-  replaced_lines: int = 0
-  first_replaced_line: str = ""  # "path:line" of the first such line
-  # JSONL lines skipped: not JSON, not an object, or without a string under text_field.
-  skipped_lines: int = 0
-  first_skipped_line: str = ""  # "path:line: why" of the first skipped line
-  # Sentences (lines, or paragraphs of a JSONL/TFDS text) over MAX_SENTENCE_CHARS: skipped.
-  long_sentences: int = 0
-  first_long_sentence: str = ""  # "where: N characters" of the first one
+  binary_files: list[str] = dataclasses.field(default_factory=list)  # NUL bytes in the first block: skipped
+  replaced_lines: int = 0  # lines with bytes that are not UTF-8: kept, with U+FFFD in their place
+  first_replaced_line: str = ""
+  skipped_lines: int = 0  # records skipped: not JSON, not an object, or without a string text field
+  first_skipped_line: str = ""
+  long_sentences: int = 0  # sentences over MAX_SENTENCE_CHARS: skipped
+  first_long_sentence: str = ""
   num_documents: int = 0
-  # Progress of a streaming read: bytes of the files consumed so far, of total_bytes.
-  bytes_read: int = 0
+  bytes_read: int = 0  # progress of a streaming read, of total_bytes
   total_bytes: int = 0
 
   def counts(self) -> dict:
     """The counts (not the file lists) as a JSON-able dict, for manifests and logs."""
-    return {
-        "files": len(self.files),
-        "empty_files": len(self.empty_files),
-        "binary_files": len(self.binary_files),
-        "replaced_lines": self.replaced_lines,
-        "skipped_lines": self.skipped_lines,
-        "long_sentences": self.long_sentences,
-        "documents": self.num_documents,
-    }
+    return {"files": len(self.files), "empty_files": len(self.empty_files), "binary_files": len(self.binary_files),
+            "replaced_lines": self.replaced_lines, "skipped_lines": self.skipped_lines,
+            "long_sentences": self.long_sentences, "documents": self.num_documents}
 
 
-# A "sentence" longer than this (a line of a text file, a line of a JSONL/TFDS document) is
-# almost always junk (minified code, base64, a table dumped on one line); packing would keep at
-# most max_seq_len of its tokens anyway. It is skipped and counted, so it can neither stall a
-# tokenizer worker nor hide in a shard.
+# A longer "sentence" (line) is almost always junk (minified code, base64, a table on one line): it is
+# skipped and counted, so it can neither stall a tokenizer worker nor hide in a shard.
 MAX_SENTENCE_CHARS = 1 << 16
-
-# Text files never contain NUL; one in the first block marks a binary file.
-_SNIFF_BYTES = 8192
-
-# Files are decoded this many bytes (rounded to whole lines) at a time.
-_BLOCK_BYTES = 8 << 20
+_SNIFF_BYTES = 8192  # a NUL in a file's first block marks it binary
+_BLOCK_BYTES = 8 << 20  # files are decoded this many bytes (rounded to whole lines) at a time
 
 
 def decode_utf8(raw: bytes, where, stats: SourceStats) -> str:
-  """UTF-8 text of `raw`; bytes that are not UTF-8 become U+FFFD, counted in `stats` with
-  the first place (`where`, called only then) it happened."""
+  """UTF-8 text of `raw`; bytes that are not UTF-8 become U+FFFD, counted in `stats` (`where()` the place)."""
   try:
     return raw.decode("utf-8")
   except UnicodeDecodeError:
@@ -96,33 +75,23 @@ def keep_sentence(sentence: str, where, stats: SourceStats) -> bool:
 
 
 def resolve_files(files: str) -> list[str]:
-  """The files named by `files`, a comma-separated list of paths and globs, in that order.
-
-  Each glob's matches are sorted; a file named twice is read once. `~` is expanded and `**`
-  matches across directories.
-  """
+  """The files named by `files`, comma-separated paths and globs (`~`, `**`), in that order; each glob's
+  matches sorted, a file named twice read once."""
   patterns = [pattern.strip() for pattern in str(files or "").split(",") if pattern.strip()]
   if not patterns:
-    raise ConfigError(
-        "data.files is empty; give the corpus as a comma-separated list of paths or globs, "
-        "e.g. --config.data.files='corpus/*.txt'."
-    )
+    raise ConfigError("data.files is empty; give the corpus as a comma-separated list of paths or globs, "
+                      "e.g. --config.data.files='corpus/*.txt'.")
   paths: list[str] = []
   seen = set()
   for pattern in patterns:
-    expanded = os.path.expanduser(pattern)
-    matches = sorted(glob.glob(expanded, recursive=True))
+    matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
     if not matches:
-      raise ConfigError(
-          f"data.files pattern {pattern!r} matches no file; check the path (relative paths "
-          f"start from {os.getcwd()}) or remove it from data.files."
-      )
+      raise ConfigError(f"data.files pattern {pattern!r} matches no file; check the path (relative paths "
+                        f"start from {os.getcwd()}) or remove it from data.files.")
     for match in matches:
       if os.path.isdir(match):
-        raise ConfigError(
-            f"data.files entry {pattern!r} matches the directory {match!r}; name the files, "
-            f"e.g. {os.path.join(match, '*.txt')!r}."
-        )
+        raise ConfigError(f"data.files entry {pattern!r} matches the directory {match!r}; name the files, "
+                          f"e.g. {os.path.join(match, '*.txt')!r}.")
       absolute = os.path.abspath(match)
       if absolute not in seen:
         seen.add(absolute)
@@ -170,15 +139,9 @@ def _split_lines(text: str, newline_only: bool) -> list[str]:
 
 
 def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
-  """(line number, text) of `path`, streamed; lines with non-UTF-8 bytes are decoded with
-  replacement and counted. Yields nothing for a binary file (recorded in stats).
-
-  Lines end where str.splitlines ends them (\n, \r, form feeds, the Unicode separators), as
-  if the whole file were decoded and split at once; an empty line is one blank line.
-  `newline_only` (JSON Lines) ends them at "\n" only: JSON strings may hold U+2028, U+2029
-  and U+0085 unescaped (json.dumps(..., ensure_ascii=False) writes them so), and splitting a
-  record there would turn it into two invalid lines and drop the document.
-  """
+  """(line number, text) of `path`, streamed, split as str.splitlines splits the whole file; nothing
+  for a binary file. `newline_only` (JSON Lines) ends lines at "\n" only: JSON strings may hold U+2028,
+  U+2029 and U+0085 unescaped, and splitting a record there would drop it."""
   with open(path, "rb") as f:
     if b"\0" in f.read(_SNIFF_BYTES):
       stats.binary_files.append(path)
@@ -210,7 +173,6 @@ def _text_file_documents(path: str, stats: SourceStats):
   for number, line in _iter_lines(path, stats):
     line = line.strip()
     if line:
-      # The length test inline: this loop runs once per line of the corpus.
       if len(line) <= MAX_SENTENCE_CHARS or keep_sentence(line, lambda: f"{path}:{number}", stats):
         document.append(line)
     elif document:
@@ -256,10 +218,7 @@ def split_text(text: str, where, stats: SourceStats) -> list[str]:
 
 
 def iter_documents(source: str, paths: list[str], text_field: str = "text", stats: SourceStats | None = None):
-  """The documents of `paths` read as `source`, streamed one at a time (see read_documents).
-
-  `stats` (updated as the files are read) counts what was skipped and how many bytes were read.
-  """
+  """The documents of `paths` read as `source`, streamed (see read_documents); `stats` counts as it goes."""
   if source not in FILE_SOURCES:
     raise ConfigError(f"read_documents: source must be one of {FILE_SOURCES}, got {source!r}.")
   stats = stats if stats is not None else SourceStats()
@@ -282,14 +241,11 @@ def iter_documents(source: str, paths: list[str], text_field: str = "text", stat
 def read_documents(
     source: str, paths: list[str], text_field: str = "text", max_documents: int | None = None
 ) -> tuple[list[list[str]], SourceStats]:
-  """The documents (lists of sentence strings) of `paths` read as `source`, and their stats.
+  """The documents (lists of sentences) of `paths` read as `source` (the first `max_documents`), and stats.
 
-  "text": one sentence or paragraph per line; blank lines and file ends separate documents.
-  "jsonl": one document per line, the string under `text_field`, split on its newlines; lines
-  that are not a JSON object with that string are skipped and counted. Non-UTF-8 bytes are
-  replaced with U+FFFD and the lines holding them counted; empty files are skipped and named.
-  Files with NUL bytes (binary) and sentences over MAX_SENTENCE_CHARS are skipped and counted.
-  Raises ConfigError if no file holds any text. `max_documents` keeps only the first ones.
+  "text": one sentence or paragraph per line; blank lines and file ends separate documents. "jsonl": one
+  document per line, the string under `text_field`, split on its newlines. What cannot be read as text is
+  skipped and counted (see SourceStats); raises ConfigError if no file holds any text.
   """
   stats = SourceStats()
   documents: list[list[str]] = []
@@ -312,43 +268,29 @@ def no_usable_text_error(source: str, paths: list[str], text_field: str, stats: 
   if stats.binary_files:
     reasons.append(f"{len(stats.binary_files)} binary files skipped: {stats.binary_files[:3]}")
   if stats.long_sentences:
-    reasons.append(
-        f"{stats.long_sentences} lines over {MAX_SENTENCE_CHARS} characters skipped, first at "
-        f"{stats.first_long_sentence}"
-    )
+    reasons.append(f"{stats.long_sentences} lines over {MAX_SENTENCE_CHARS} characters skipped, first at "
+                   f"{stats.first_long_sentence}")
   why = f" ({'; '.join(reasons)})" if reasons else ""
   return ConfigError(
-        f"data.source={source!r}: no usable text in data.files {paths}{why}. Point data.files "
-        f"at non-empty UTF-8 files"
-        + (f" whose JSON lines hold a string field {text_field!r} (data.text_field)." if source == "jsonl"
-           else " with one sentence or paragraph per line.")
+      f"data.source={source!r}: no usable text in data.files {paths}{why}. Point data.files at non-empty UTF-8 "
+      + (f"files whose JSON lines hold a string field {text_field!r} (data.text_field)." if source == "jsonl"
+         else "files with one sentence or paragraph per line.")
   )
 
 
 def log_stats(source: str, stats: SourceStats) -> None:
-  logging.info(
-      "read %d documents from %d %s files (%d empty)",
-      stats.num_documents, len(stats.files), source, len(stats.empty_files),
-  )
-  if stats.empty_files:
-    logging.warning("skipped %d empty files: %s", len(stats.empty_files), ", ".join(stats.empty_files))
-  if stats.replaced_lines:
-    logging.warning(
-        "%d lines held bytes that are not UTF-8 and were kept with U+FFFD in their place; "
-        "the first is %s", stats.replaced_lines, stats.first_replaced_line,
-    )
-  if stats.binary_files:
-    logging.warning(
-        "skipped %d binary files (NUL bytes; not text): %s", len(stats.binary_files),
-        ", ".join(stats.binary_files[:10]),
-    )
-  if stats.long_sentences:
-    logging.warning(
-        "skipped %d lines longer than %d characters (not prose); the first is %s",
-        stats.long_sentences, MAX_SENTENCE_CHARS, stats.first_long_sentence,
-    )
-  if stats.skipped_lines:
-    logging.warning(
-        "skipped %d JSONL lines that are not a JSON object with a string text field; the first "
-        "is %s", stats.skipped_lines, stats.first_skipped_line,
-    )
+  logging.info("read %d documents from %d %s files (%d empty)", stats.num_documents, len(stats.files), source,
+               len(stats.empty_files))
+  for count, message, first in (
+      (len(stats.empty_files), "skipped %d empty files: %s", ", ".join(stats.empty_files)),
+      (stats.replaced_lines, "%d lines held bytes that are not UTF-8 and were kept with U+FFFD in their place; "
+       "the first is %s", stats.first_replaced_line),
+      (len(stats.binary_files), "skipped %d binary files (NUL bytes; not text): %s",
+       ", ".join(stats.binary_files[:10])),
+      (stats.long_sentences, f"skipped %d lines longer than {MAX_SENTENCE_CHARS} characters (not prose); the first "
+       "is %s", stats.first_long_sentence),
+      (stats.skipped_lines, "skipped %d JSONL lines that are not a JSON object with a string text field; the first "
+       "is %s", stats.first_skipped_line),
+  ):
+    if count:
+      logging.warning(message, count, first)

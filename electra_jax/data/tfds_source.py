@@ -1,9 +1,5 @@
-"""TFDS corpora (data.source = "tfds"): Wikipedia, C4, BookCorpus, ... read without TensorFlow.
-
-Owns opening a prepared TFDS dataset through its random-access data source (array_record or
-parquet files, read by `tfds.data_source`; only `tfds.load`/`as_dataset` need TensorFlow),
-turning its records into documents, and the errors for a dataset that is not there.
-"""
+"""TFDS corpora (data.source = "tfds"): Wikipedia, C4, BookCorpus, ... read without TensorFlow, through
+a prepared dataset's random-access data source (array_record or parquet files), as documents."""
 
 from __future__ import annotations
 
@@ -14,16 +10,12 @@ import os
 from electra_jax.errors import ConfigError
 from electra_jax.data.sources import SourceStats, decode_utf8, split_text
 
-# Records are fetched in blocks: one `__getitems__` call reads many records at a time.
-_READ_BLOCK = 256
-
+_READ_BLOCK = 256  # records fetched by one `__getitems__` call
 _RANDOM_ACCESS_FORMATS = ("array_record", "parquet")
 
 
-# TFDS's own builder groups. TFDS registers them in one loop that stops at the first group whose
-# optional dependency is missing (nearest_neighbors and d4rl need h5py), which leaves every later
-# group, `text` (glue, wikipedia, c4) and `question_answering` (squad) among them, unregistered:
-# "Dataset glue not found". import_tfds imports each group on its own instead.
+# TFDS's builder groups. TFDS registers them in one loop that stops at the first group missing an optional
+# dependency (h5py), leaving later ones (`text`: glue, wikipedia, c4) unregistered; import_tfds imports each.
 _BUILDER_GROUPS = (
     "audio", "graphs", "image", "image_classification", "object_detection", "nearest_neighbors",
     "question_answering", "d4rl", "ranking", "recommendation", "rl_unplugged", "rlds.datasets",
@@ -34,8 +26,7 @@ _BUILDER_GROUPS = (
 
 @functools.cache
 def import_tfds():
-  """The tensorflow_datasets module with every builder group that imports here registered
-  (a group missing an optional dependency is skipped alone; TFDS's own loop would skip the rest)."""
+  """The tensorflow_datasets module with every builder group that imports here registered."""
   import tensorflow_datasets as tfds  # noqa: PLC0415  (heavy; only TFDS sources need it)
 
   for group in _BUILDER_GROUPS:
@@ -65,25 +56,19 @@ class TfdsCorpus:
 
   def __init__(self, name: str, split: str, text_field: str, data_dir: str = ""):
     if not name:
-      raise ConfigError(
-          "data.source='tfds' needs data.tfds_name, e.g. --config.data.tfds_name=wikipedia/20230601.en."
-      )
+      raise ConfigError("data.source='tfds' needs data.tfds_name, e.g. --config.data.tfds_name=wikipedia/20230601.en.")
     try:
       tfds = import_tfds()
     except ImportError as e:
-      raise ConfigError(
-          f"data.source='tfds' needs tensorflow-datasets ({e}); `pip install tensorflow-datasets` "
-          f"(TensorFlow itself is not needed)."
-      ) from e
+      raise ConfigError(f"data.source='tfds' needs tensorflow-datasets ({e}); `pip install tensorflow-datasets` "
+                        f"(TensorFlow itself is not needed).") from e
     self.name, self.split, self.text_field = name, split, text_field
     data_dir = os.path.expanduser(data_dir) if data_dir else None
     try:
       builder = tfds.builder(name, data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError as e:
-      raise ConfigError(
-          f"data.tfds_name={name!r} is not a TFDS dataset ({str(e).splitlines()[0]}); see "
-          f"https://www.tensorflow.org/datasets/catalog for names such as 'wikipedia/20230601.en'."
-      ) from e
+      raise ConfigError(f"data.tfds_name={name!r} is not a TFDS dataset ({str(e).splitlines()[0]}); see "
+                        "https://www.tensorflow.org/datasets/catalog for names such as 'wikipedia/20230601.en'.") from e
     if not builder.is_prepared():
       raise ConfigError(
           f"TFDS dataset {name!r} is not prepared in {builder.data_dir} (data.tfds_data_dir="
@@ -96,29 +81,19 @@ class TfdsCorpus:
           f"TensorFlow can read; electra-jax reads {list(_RANDOM_ACCESS_FORMATS)}. Prepare it again "
           f"into another data_dir with file_format='array_record'. " + _prepare_hint(name, "")
       )
-    splits = list(builder.info.splits.keys())
     if split not in builder.info.splits:
-      raise ConfigError(
-          f"data.tfds_split={split!r} is not a split of {name!r}; it has {splits}."
-      )
+      raise ConfigError(f"data.tfds_split={split!r} is not a split of {name!r}; it has "
+                        f"{list(builder.info.splits.keys())}.")
     features = list(builder.info.features.keys()) if hasattr(builder.info.features, "keys") else []
     if text_field not in features:
-      raise ConfigError(
-          f"data.tfds_text_field={text_field!r} is not a feature of {name!r}; its features are "
-          f"{features}. Name the one holding the document text."
-      )
+      raise ConfigError(f"data.tfds_text_field={text_field!r} is not a feature of {name!r}; its features are "
+                        f"{features}. Name the one holding the document text.")
     self._builder = builder
     split_info = builder.info.splits[split]
     self.num_records = int(split_info.num_examples)
-    self.description = {
-        "source": "tfds",
-        "tfds_name": builder.info.full_name,
-        "tfds_split": split,
-        "tfds_text_field": text_field,
-        "tfds_data_dir": str(builder.data_dir),
-        "num_records": self.num_records,
-        "num_bytes": int(split_info.num_bytes),
-    }
+    self.description = {"source": "tfds", "tfds_name": builder.info.full_name, "tfds_split": split,
+                        "tfds_text_field": text_field, "tfds_data_dir": str(builder.data_dir),
+                        "num_records": self.num_records, "num_bytes": int(split_info.num_bytes)}
 
   @property
   def fingerprint(self) -> str:

@@ -1,8 +1,6 @@
 """SentencePiece tokenizers for ELECTRA: training one with our special tokens, and loading it.
-
-Owns the special-token layout ([PAD] [UNK] [CLS] [SEP] [MASK] at ids 0..4), which every
-other part of the framework relies on, and refuses model files that do not follow it.
-"""
+Owns the special-token layout ([PAD] [UNK] [CLS] [SEP] [MASK] at ids 0..4), which the whole framework
+relies on, and refuses model files that do not follow it."""
 
 from __future__ import annotations
 
@@ -22,22 +20,17 @@ SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(len(SPECIAL_TOKENS))
 
 SUPPORTED_MODEL_TYPES = ("unigram", "bpe")
-
-# At most this many sentences train a model, so a large corpus cannot make training unbounded.
-_MAX_TRAINING_SENTENCES = 1_000_000
-
-# Threads of the trainer wherever a model is trained as part of the data (the cache, prepare_data):
-# the model depends on the count, so a fixed one makes it a function of the config alone.
+_MAX_TRAINING_SENTENCES = 1_000_000  # at most this many sentences train a model
+# Threads of the trainer where a model is part of the data (the cache, prepare_data): the model depends
+# on the count, so a fixed one makes it a function of the config alone.
 TRAINING_THREADS = 2
-
-# Sentencepiece silently skips sentences over max_sentence_length bytes; we raise that limit to
-# this and cut longer sentences into pieces within it.
+# Sentencepiece silently skips sentences over max_sentence_length bytes; we raise that limit to this
+# and cut longer sentences into pieces within it.
 _MAX_SENTENCE_BYTES = 16384
 
 
 def _within_limit(sentence: str, limit: int = _MAX_SENTENCE_BYTES) -> Iterator[str]:
-  """`sentence`, or pieces of it of at most `limit` UTF-8 bytes, cut at a space where one is
-  near (sentencepiece splits at whitespace anyway, so words stay whole)."""
+  """`sentence`, or pieces of it of at most `limit` UTF-8 bytes, cut at a space where one is near."""
   if len(sentence) * 4 <= limit or len(sentence.encode("utf-8")) <= limit:
     yield sentence
     return
@@ -55,11 +48,8 @@ def _within_limit(sentence: str, limit: int = _MAX_SENTENCE_BYTES) -> Iterator[s
 
 
 def _sample_sentences(sentences: Iterable[str], k: int) -> list[str]:
-  """All of `sentences` in order if there are at most `k`, else `k` of them drawn uniformly by a
-  reservoir sampler with a fixed seed (Li's algorithm L).
-
-  Sentencepiece's own sampler is seeded from the random device, so it would train another model
-  on every run; given at most input_sentence_size sentences, it keeps them all."""
+  """All of `sentences` in order if there are at most `k`, else `k` of them drawn uniformly by a reservoir
+  sampler with a fixed seed (Li's algorithm L): sentencepiece's own sampler is seeded at random."""
   reservoir: list[str] = []
   iterator = iter(sentences)
   for sentence in iterator:
@@ -86,11 +76,8 @@ class NoSentencesError(ConfigError):
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
-  """Write `data` to `path` so readers see either the old file or the whole new one.
-
-  The bytes go to a temporary file in the same directory (so the rename cannot cross
-  filesystems) and replace `path` in one `os.replace`.
-  """
+  """Write `data` to `path` so readers see either the old file or the whole new one (a temporary file
+  in the same directory, renamed over `path`)."""
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(path))
@@ -108,28 +95,15 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
     raise
 
 
-def train_sentencepiece(
-    sentences: Iterable[str],
-    out_path: str,
-    vocab_size: int,
-    model_type: str = "unigram",
-    num_threads: int = TRAINING_THREADS,
-) -> str:
-  """Train a sentencepiece model on `sentences` and write it atomically to `out_path`.
-
-  The model reserves ids 0..4 for SPECIAL_TOKENS and has no BOS/EOS pieces (ELECTRA
-  inputs use [CLS]/[SEP] instead). Returns `out_path`.
-  """
+def train_sentencepiece(sentences: Iterable[str], out_path: str, vocab_size: int, model_type: str = "unigram",
+                        num_threads: int = TRAINING_THREADS) -> str:
+  """Train a sentencepiece model on `sentences` and write it atomically to `out_path` (returned): ids 0..4
+  are SPECIAL_TOKENS, and there are no BOS/EOS pieces (ELECTRA inputs use [CLS]/[SEP])."""
   if model_type not in SUPPORTED_MODEL_TYPES:
-    raise ConfigError(
-        f"Unsupported sentencepiece model_type {model_type!r}; "
-        f"use one of {SUPPORTED_MODEL_TYPES}."
-    )
+    raise ConfigError(f"Unsupported sentencepiece model_type {model_type!r}; use one of {SUPPORTED_MODEL_TYPES}.")
   if vocab_size <= len(SPECIAL_TOKENS):
-    raise ConfigError(
-        f"vocab_size must be larger than the {len(SPECIAL_TOKENS)} special tokens "
-        f"{SPECIAL_TOKENS}, got {vocab_size}."
-    )
+    raise ConfigError(f"vocab_size must be larger than the {len(SPECIAL_TOKENS)} special tokens {SPECIAL_TOKENS}, "
+                      f"got {vocab_size}.")
   model_bytes = io.BytesIO()
   num_sentences = 0
 
@@ -144,39 +118,22 @@ def train_sentencepiece(
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(_sample_sentences(counted_sentences(), _MAX_TRAINING_SENTENCES)),
         model_writer=model_bytes,
-        vocab_size=vocab_size,
-        model_type=model_type,
-        pad_id=PAD_ID,
-        pad_piece="[PAD]",
-        unk_id=UNK_ID,
-        unk_piece="[UNK]",
-        bos_id=-1,
-        eos_id=-1,
-        user_defined_symbols=list(SPECIAL_TOKENS[CLS_ID:]),
-        num_threads=num_threads,
-        input_sentence_size=_MAX_TRAINING_SENTENCES,
-        shuffle_input_sentence=True,
+        vocab_size=vocab_size, model_type=model_type, pad_id=PAD_ID, pad_piece="[PAD]", unk_id=UNK_ID,
+        unk_piece="[UNK]", bos_id=-1, eos_id=-1, user_defined_symbols=list(SPECIAL_TOKENS[CLS_ID:]),
+        num_threads=num_threads, input_sentence_size=_MAX_TRAINING_SENTENCES, shuffle_input_sentence=True,
         max_sentence_length=_MAX_SENTENCE_BYTES,
-        # Sentencepiece's trainer logs every EM step to stderr; only keep errors.
-        minloglevel=2,
+        minloglevel=2,  # errors only: the trainer logs every EM step to stderr
     )
   except RuntimeError as e:
     if num_sentences == 0:
-      raise NoSentencesError(
-          "train_sentencepiece got no sentences to train on; pass a non-empty "
-          "iterable of strings."
-      ) from e
+      raise NoSentencesError("train_sentencepiece got no sentences to train on; pass a non-empty "
+                             "iterable of strings.") from e
     if "Vocabulary size too high" in str(e):
-      raise ConfigError(
-          f"The training text is too small for a sentencepiece vocabulary of "
-          f"{vocab_size} pieces ({e}). Lower the vocab size (spm_vocab_size) or "
-          f"train on more text."
-      ) from e
+      raise ConfigError(f"The training text is too small for a sentencepiece vocabulary of {vocab_size} pieces "
+                        f"({e}). Lower the vocab size (spm_vocab_size) or train on more text.") from e
     if "Vocabulary size is smaller" in str(e):
-      raise ConfigError(
-          f"A sentencepiece vocabulary of {vocab_size} pieces cannot hold every character the "
-          f"training text needs ({e}). Raise the vocab size (spm_vocab_size)."
-      ) from e
+      raise ConfigError(f"A sentencepiece vocabulary of {vocab_size} pieces cannot hold every character the "
+                        f"training text needs ({e}). Raise the vocab size (spm_vocab_size).") from e
     raise
   atomic_write_bytes(out_path, model_bytes.getvalue())
   return out_path
@@ -191,17 +148,14 @@ class SentencePieceTokenizer:
     self.model_path = model_path
     with open(model_path, "rb") as f:
       model_bytes = f.read()
-    # Hashing the same bytes we load means the fingerprint always matches the model
-    # in use, even if the file is replaced concurrently.
+    # The bytes loaded are the bytes hashed, even if the file is replaced meanwhile.
     self.fingerprint = hashlib.sha256(model_bytes).hexdigest()[:16]
     self._processor = spm.SentencePieceProcessor()
     try:
       self._processor.LoadFromSerializedProto(model_bytes)
     except RuntimeError as e:
-      raise ConfigError(
-          f"{model_path} is not a valid sentencepiece model ({e}). Delete it and "
-          f"train a new one with train_sentencepiece."
-      ) from e
+      raise ConfigError(f"{model_path} is not a valid sentencepiece model ({e}). Delete it and "
+                        f"train a new one with train_sentencepiece.") from e
     self._check_special_tokens()
 
   def _check_special_tokens(self) -> None:
@@ -210,13 +164,9 @@ class SentencePieceTokenizer:
       piece_at_id = self._processor.id_to_piece(expected_id) if expected_id < size else None
       if piece_at_id == token:
         continue
-      # piece_to_id answers the unknown id for pieces the model lacks, so an id is
-      # only real if mapping it back gives the token.
+      # piece_to_id answers the unknown id for a missing piece: an id is real if it maps back to the token.
       found_id = self._processor.piece_to_id(token)
-      if self._processor.id_to_piece(found_id) != token:
-        problem = "is missing"
-      else:
-        problem = f"has id {found_id}"
+      problem = "is missing" if self._processor.id_to_piece(found_id) != token else f"has id {found_id}"
       raise ConfigError(
           f"Sentencepiece model {self.model_path}: special token {token} {problem}, "
           f"but ELECTRA needs {list(SPECIAL_TOKENS)} at ids 0..{len(SPECIAL_TOKENS) - 1} "
@@ -243,7 +193,5 @@ class SentencePieceTokenizer:
     return self._processor.id_to_piece(int(i))
 
   def __repr__(self) -> str:
-    return (
-        f"SentencePieceTokenizer({self.model_path!r}, vocab_size={self.vocab_size}, "
-        f"fingerprint={self.fingerprint!r})"
-    )
+    return (f"SentencePieceTokenizer({self.model_path!r}, vocab_size={self.vocab_size}, "
+            f"fingerprint={self.fingerprint!r})")

@@ -1,8 +1,5 @@
-"""BERT WordPiece tokenization from a `vocab.txt`, built on the Hugging Face `tokenizers` library.
-
-Owns reading the vocabulary, finding the special tokens' ids in it (BERT's own vocab has
-[PAD]=0, [UNK]=100, [CLS]=101, [SEP]=102, [MASK]=103) and BERT's normalization options.
-"""
+"""BERT WordPiece tokenization from a `vocab.txt` (BERT's has [PAD]=0, [UNK]=100, [CLS]=101, [SEP]=102,
+[MASK]=103), with BERT's normalization, built on the Hugging Face `tokenizers` library."""
 
 from __future__ import annotations
 
@@ -35,16 +32,12 @@ class WordPieceTokenizer:
       with open(vocab_file, "rb") as f:
         vocab_bytes = f.read()
     except OSError as e:
-      raise ConfigError(
-          f"Cannot read the WordPiece vocabulary data.vocab_file={vocab_file!r} ({e}); give the "
-          f"path of a BERT vocab.txt (one token per line)."
-      ) from e
+      raise ConfigError(f"Cannot read the WordPiece vocabulary data.vocab_file={vocab_file!r} ({e}); give the "
+                        f"path of a BERT vocab.txt (one token per line).") from e
     try:
       tokens = vocab_bytes.decode("utf-8-sig").split("\n")  # -sig: a BOM would hide [PAD]
     except UnicodeDecodeError as e:
-      raise ConfigError(
-          f"data.vocab_file={vocab_file!r} is not UTF-8 text ({e}); give a BERT vocab.txt."
-      ) from e
+      raise ConfigError(f"data.vocab_file={vocab_file!r} is not UTF-8 text ({e}); give a BERT vocab.txt.") from e
     if tokens and tokens[-1] == "":
       tokens.pop()  # the final newline ends the last line; it does not start an empty token
     tokens = [token.rstrip("\r") for token in tokens]
@@ -53,28 +46,17 @@ class WordPieceTokenizer:
     self.vocab_size = len(tokens)
     for token in SPECIAL_TOKENS:
       if token not in self._vocab:
-        raise ConfigError(
-            f"WordPiece vocabulary {vocab_file} lacks the special token {token}; ELECTRA needs all "
-            f"of {list(SPECIAL_TOKENS)}. Add the missing line(s) to the vocab (BERT's vocab.txt "
-            f"has them)."
-        )
+        raise ConfigError(f"WordPiece vocabulary {vocab_file} lacks the special token {token}; ELECTRA needs all of "
+                          f"{list(SPECIAL_TOKENS)}. Add the missing line(s) to the vocab (BERT's vocab.txt has them).")
     self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (self._vocab[t] for t in SPECIAL_TOKENS)
-    # pad_text=1: "[PAD]" in the text is tokenized as text, which sets these ids apart from
-    # those of a tokenizer that made it the padding id.
+    # pad_text=1: "[PAD]" in the text is tokenized as text, unlike in a tokenizer that made it the padding id.
     settings = f"lowercase={self.lowercase}|strip_accents={self.strip_accents}|pad_text=1\n".encode()
     self.fingerprint = hashlib.sha256(settings + vocab_bytes).hexdigest()[:16]
 
-    tokenizer = Tokenizer(
-        models.WordPiece(
-            self._vocab, unk_token="[UNK]", max_input_chars_per_word=_MAX_INPUT_CHARS_PER_WORD
-        )
-    )
+    tokenizer = Tokenizer(models.WordPiece(self._vocab, unk_token="[UNK]",
+                                           max_input_chars_per_word=_MAX_INPUT_CHARS_PER_WORD))
     tokenizer.normalizer = normalizers.BertNormalizer(
-        clean_text=True,
-        handle_chinese_chars=True,
-        strip_accents=self.strip_accents,
-        lowercase=self.lowercase,
-    )
+        clean_text=True, handle_chinese_chars=True, strip_accents=self.strip_accents, lowercase=self.lowercase)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tokenizer.decoder = decoders.WordPiece(prefix="##")
     # The special tokens written in the text stay one token, as in BERT's transformers tokenizer,
@@ -94,15 +76,11 @@ class WordPieceTokenizer:
 
   def decode(self, ids: Iterable[int]) -> str:
     """The text of `ids` with "##" pieces joined; [PAD] is dropped, other special tokens kept."""
-    pad_id = self.pad_id
-    return self.backend.decode([int(i) for i in ids if int(i) != pad_id], skip_special_tokens=False)
+    return self.backend.decode([int(i) for i in ids if int(i) != self.pad_id], skip_special_tokens=False)
 
   def id_to_piece(self, i: int) -> str:
     return self._id_to_token.get(int(i), "[UNK]")
 
   def __repr__(self) -> str:
-    return (
-        f"WordPieceTokenizer({self.vocab_file!r}, lowercase={self.lowercase}, "
-        f"strip_accents={self.strip_accents}, vocab_size={self.vocab_size}, "
-        f"fingerprint={self.fingerprint!r})"
-    )
+    return (f"WordPieceTokenizer({self.vocab_file!r}, lowercase={self.lowercase}, strip_accents={self.strip_accents}, "
+            f"vocab_size={self.vocab_size}, fingerprint={self.fingerprint!r})")
