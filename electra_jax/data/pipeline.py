@@ -82,15 +82,24 @@ def _corpus_cache_dir(config) -> str:
   return os.path.join(config["cache_dir"], config["source"], key)
 
 
-def cached_prepared(config, with_shards: bool = True) -> dict:
-  """`config` pointed at the cache's prepared directory for its document source, preparing it first
-  (in this process) when it is missing, unfinished or damaged; `with_shards=False` only readies the
-  tokenizer. A sentencepiece model is trained once per corpus (every max_seq_len reuses it)."""
+def _loadable(data_config, split: str | None = None) -> dict:
+  """The read config, pointed at prepared shards: for a document source the cache's, prepared first (in
+  this process) when missing, unfinished or damaged. Without a split, only the tokenizer is readied; a
+  sentencepiece model is trained once per corpus (every max_seq_len reuses it)."""
+  if split is not None and split not in SPLITS:
+    raise ConfigError(f"Unknown split {split!r}; use one of {list(SPLITS)}.")
+  config = prepare.read_config(data_config)
+  if config["source"] == "prepared":
+    return config
+  if split == "eval" and config["eval_fraction"] == 0:
+    raise ConfigError("The eval split is empty because data.eval_fraction is 0; set it above 0 (e.g. 0.02) to hold "
+                      "out documents for evaluation, or set eval.every_steps=0 to train without held-out evaluation.")
+  if split is None and not prepare.trains_spm(config):
+    return config  # nothing to train
   corpus_dir = _corpus_cache_dir(config)
   os.makedirs(corpus_dir, exist_ok=True)
   directory = os.path.join(corpus_dir, f"len{config['max_seq_len']}")
-  # One process fills a cache at a time; closing the file releases the lock.
-  with open(os.path.join(corpus_dir, ".lock"), "a") as lock:
+  with open(os.path.join(corpus_dir, ".lock"), "a") as lock:  # one process fills a cache at a time
     fcntl.flock(lock, fcntl.LOCK_EX)
     if prepare.trains_spm(config):
       model = os.path.join(corpus_dir, SPM_MODEL)
@@ -100,31 +109,12 @@ def cached_prepared(config, with_shards: bool = True) -> dict:
           os.replace(trained.model_path, model)
       config = dict(config, spm_model_file=model)
     config = dict(config, prepared_dir=directory)
-    manifest = shards.read_manifest(directory) if with_shards else None
-    if with_shards and (manifest is None or not manifest.get("complete") or not all(
+    manifest = shards.read_manifest(directory) if split is not None else None
+    if split is not None and (manifest is None or not manifest.get("complete") or not all(
         shards.shard_is_intact(directory, entry, checksums=False) for entry in manifest["shards"])):
       logging.info("no cached data in %s; preparing it", directory)
       prepare.prepare_config(config, num_workers=0)
   return config
-
-
-def _loadable(data_config, split: str | None = None) -> dict:
-  """The read config, pointed at prepared shards (the cache's, for a document source); without
-  a split, only its tokenizer is readied."""
-  if split is not None and split not in SPLITS:
-    raise ConfigError(f"Unknown split {split!r}; use one of {list(SPLITS)}.")
-  config = prepare.read_config(data_config)
-  if config["source"] == "prepared":
-    return config
-  if split == "eval" and config["eval_fraction"] == 0:
-    raise ConfigError(
-        "The eval split is empty because data.eval_fraction is 0; set it above 0 "
-        "(e.g. 0.02) to hold out documents for evaluation, or set eval.every_steps=0 to train "
-        "without held-out evaluation."
-    )
-  if split is None and not prepare.trains_spm(config):
-    return config  # nothing to train
-  return cached_prepared(config, with_shards=split is not None)
 
 
 def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
@@ -163,39 +153,24 @@ def _epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
   return permutation
 
 
-def get_batch(
-    data: PretrainingData,
-    step: int,
-    global_batch_size: int,
-    seed: int,
-    process_index: int = 0,
-    process_count: int = 1,
-    stream_offset: int = 0,
-) -> dict[str, np.ndarray]:
-  """This process's rows of global batch `step`; a pure function of its arguments.
+def get_batch(data: PretrainingData, step: int, global_batch_size: int, seed: int, process_index: int = 0,
+              process_count: int = 1, stream_offset: int = 0) -> dict[str, np.ndarray]:
+  """This process's rows of global batch `step` (see get_rows); a pure function of its arguments.
 
-  The row stream is epoch 0, epoch 1, ... each a permutation of all rows seeded by (seed, epoch);
-  global batch `step` is stream positions [stream_offset + step * B, stream_offset + (step + 1) * B),
-  and process p takes the p-th contiguous slice of it (stream_offset: the position a checkpoint
-  recorded when the batch size changed).
-
-  Returns int32 [B / process_count, max_seq_len] input_ids, token_type_ids and attention_mask;
-  packed rows add segment_ids and position_ids (see `get_rows`).
+  The row stream is epoch 0, epoch 1, ... each a permutation of all rows seeded by (seed, epoch); global
+  batch `step` is stream positions [stream_offset + step * B, stream_offset + (step + 1) * B), and process
+  p takes the p-th contiguous slice of it (stream_offset: where a checkpoint saw the batch size change).
   """
   if data.num_rows == 0:
     raise ConfigError("get_batch: the dataset has no examples; check the data config.")
   if global_batch_size <= 0:
     raise ConfigError(f"global_batch_size must be positive, got {global_batch_size}.")
   if process_count <= 0 or not 0 <= process_index < process_count:
-    raise ConfigError(
-        f"process_index must be in [0, process_count), got process_index={process_index}, "
-        f"process_count={process_count}."
-    )
+    raise ConfigError(f"process_index must be in [0, process_count), got process_index={process_index}, "
+                      f"process_count={process_count}.")
   if global_batch_size % process_count:
-    raise ConfigError(
-        f"global_batch_size {global_batch_size} is not divisible by process_count "
-        f"{process_count}; choose a batch size that is a multiple of the process count."
-    )
+    raise ConfigError(f"global_batch_size {global_batch_size} is not divisible by process_count {process_count}; "
+                      "choose a batch size that is a multiple of the process count.")
   if step < 0 or stream_offset + step * global_batch_size < 0:
     raise ConfigError(f"step must be >= 0 and start a batch at a stream position >= 0, got step {step} "
                       f"with stream_offset {stream_offset}.")
@@ -241,21 +216,16 @@ def prepared_tokenizer(config, manifest: dict):
                f"{recorded.get('model_file') or recorded.get('vocab_file')} (fingerprint {recorded['fingerprint']})")
   tokenizer = prepare.configured_tokenizer(config, directory)
   if tokenizer is None:
-    raise ConfigError(
-        f"data.tokenizer='sentencepiece' without data.spm_model_file reads {os.path.join(directory, SPM_MODEL)}, "
-        f"which does not exist: the shards in {directory} {made_with}. Configure that tokenizer."
-    )
-  if config["tokenizer"] == "wordpiece":
-    described = (f"wordpiece {config['vocab_file']} (lowercase={config['lowercase']}, "
-                 f"strip_accents={config['strip_accents']})")
-  else:
-    described = f"sentencepiece {tokenizer.model_path}"
+    raise ConfigError(f"data.tokenizer='sentencepiece' without data.spm_model_file reads "
+                      f"{os.path.join(directory, SPM_MODEL)}, which does not exist: the shards in {directory} "
+                      f"{made_with}. Configure that tokenizer.")
   if recorded["kind"] != config["tokenizer"] or tokenizer.fingerprint != recorded["fingerprint"]:
-    raise ConfigError(
-        f"The shards in {directory} {made_with}, but this config gives {described} (fingerprint "
-        f"{tokenizer.fingerprint}). Configure the tokenizer the shards were made with, or prepare the "
-        f"corpus again with this one into another data.prepared_dir."
-    )
+    described = (f"wordpiece {config['vocab_file']} (lowercase={config['lowercase']}, strip_accents="
+                 f"{config['strip_accents']})" if config["tokenizer"] == "wordpiece"
+                 else f"sentencepiece {tokenizer.model_path}")
+    raise ConfigError(f"The shards in {directory} {made_with}, but this config gives {described} (fingerprint "
+                      f"{tokenizer.fingerprint}). Configure the tokenizer the shards were made with, or prepare the "
+                      "corpus again with this one into another data.prepared_dir.")
   return tokenizer
 
 
@@ -264,12 +234,10 @@ def load_prepared(config, split: str) -> PretrainingData:
   directory = config["prepared_dir"]
   manifest = shards.open_manifest(directory)
   if manifest["max_seq_len"] != config["max_seq_len"]:
-    raise ConfigError(
-        f"The shards in {directory} hold examples of max_seq_len={manifest['max_seq_len']}, but "
-        f"data.max_seq_len={config['max_seq_len']}. Set data.max_seq_len={manifest['max_seq_len']}, "
-        f"or prepare the corpus again with max_seq_len={config['max_seq_len']} into another "
-        f"data.prepared_dir."
-    )
+    raise ConfigError(f"The shards in {directory} hold examples of max_seq_len={manifest['max_seq_len']}, but "
+                      f"data.max_seq_len={config['max_seq_len']}. Set data.max_seq_len={manifest['max_seq_len']}, or "
+                      f"prepare the corpus again with max_seq_len={config['max_seq_len']} into another "
+                      "data.prepared_dir.")
   if split == "train":  # once per run
     ignored = [f"data.{key}={config[key]!r} (the shards' {manifest['settings'][key]!r})"
                for key in ("eval_fraction", "max_documents", "shard_documents")

@@ -73,10 +73,8 @@ def read_config(data_config):
 
   vocab_file, spm_model_file, prepared_dir = path("vocab_file"), path("spm_model_file"), path("prepared_dir")
   if tokenizer == "wordpiece" and not vocab_file:
-    raise ConfigError(
-        "data.tokenizer='wordpiece' needs data.vocab_file, the path of a BERT vocab.txt "
-        "(one token per line), e.g. --config.data.vocab_file=uncased_L-12_H-768_A-12/vocab.txt."
-    )
+    raise ConfigError("data.tokenizer='wordpiece' needs data.vocab_file, the path of a BERT vocab.txt (one token "
+                      "per line), e.g. --config.data.vocab_file=uncased_L-12_H-768_A-12/vocab.txt.")
   if tokenizer == "wordpiece" and not os.path.isfile(vocab_file):
     raise ConfigError(f"data.vocab_file={vocab_file!r} is not a file; give the path of a BERT vocab.txt.")
   strip_accents = data_config.get("strip_accents", None)
@@ -513,10 +511,8 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
     shards.write_manifest(out_dir, manifest)
 
   save_manifest()
-  stats = sources.SourceStats()
-  hashers = {split: corpus.DocumentsHasher() for split in SPLITS}
-  progress = _Progress(stats, len(done))
-  _pack_missing(config, tokenizer, settings["dtype"], num_workers, done, save_manifest, stats, hashers, progress)
+  start = time.time()
+  stats, documents_fingerprint = _pack_missing(config, tokenizer, settings["dtype"], num_workers, done, save_manifest)
 
   stats.num_documents = sum(entry["num_documents"] for entry in done.values())
   if config["source"] != "builtin":
@@ -537,20 +533,24 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
     logging.warning("skipped %d documents the tokenizer failed on; the first: %s",
                     totals["skipped_documents"], first_skip)
   manifest.update(complete=True, totals=totals, source_stats=stats.counts(),
-                  documents_fingerprint={split: hashers[split].hexdigest() for split in SPLITS})
+                  documents_fingerprint=documents_fingerprint)
   shards.write_manifest(out_dir, manifest)
   logging.info(
       "prepared %s: %d shards, %d train / %d eval examples, %d train tokens, in %s",
       out_dir, len(entries), totals["train_examples"], totals["eval_examples"], totals["train_tokens"],
-      config_lib.format_duration(time.time() - progress.start),
+      config_lib.format_duration(time.time() - start),
   )
   return manifest
 
 
-def _pack_missing(config, tokenizer, dtype, num_workers, done, save_manifest, stats, hashers, progress) -> None:
+def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, save_manifest):
   """Packs the shards not in `done` (on `num_workers` processes, 0: here), adding each to `done`; the
-  manifest lists every finished shard whenever this returns or raises (on SIGTERM too)."""
+  manifest lists every finished shard whenever this returns or raises (on SIGTERM too). Returns the
+  source's stats and the fingerprint of each split's documents."""
   out_dir = config["prepared_dir"]
+  stats = sources.SourceStats()
+  hashers = {split: corpus.DocumentsHasher() for split in SPLITS}
+  progress = _Progress(stats, len(done))
   executor = None
   if num_workers:
     executor = concurrent.futures.ProcessPoolExecutor(
@@ -623,6 +623,7 @@ def _pack_missing(config, tokenizer, dtype, num_workers, done, save_manifest, st
           if "error" not in result:
             done[result["index"]] = result
     save_manifest()
+  return stats, {split: hashers[split].hexdigest() for split in SPLITS}
 
 
 def _chunks(config, stats):

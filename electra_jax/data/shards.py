@@ -68,10 +68,8 @@ def read_manifest(out_dir: str) -> dict | None:
     with open(path, "rb") as f:
       return json.loads(f.read())
   except ValueError as e:
-    raise ConfigError(
-        f"{path} is not valid JSON ({e}); it was not written by prepare_data. Delete "
-        f"{out_dir} (or choose another data.prepared_dir) and prepare again."
-    ) from e
+    raise ConfigError(f"{path} is not valid JSON ({e}); it was not written by prepare_data. Delete "
+                      f"{out_dir} (or choose another data.prepared_dir) and prepare again.") from e
 
 
 def write_manifest(out_dir: str, manifest: dict) -> None:
@@ -82,21 +80,15 @@ def open_manifest(directory: str) -> dict:
   """The manifest of a finished preparation, or a ConfigError saying what to run."""
   manifest = read_manifest(directory)
   if manifest is None:
-    raise ConfigError(
-        f"data.prepared_dir={directory!r} has no {MANIFEST}; create it with "
-        f"`python -m electra_jax.main --mode=prepare_data --config=...` (same data config, with "
-        f"data.source set to the corpus), then train with data.source='prepared'."
-    )
+    raise ConfigError(f"data.prepared_dir={directory!r} has no {MANIFEST}; create it with "
+                      "`python -m electra_jax.main --mode=prepare_data --config=...` (same data config, with "
+                      "data.source set to the corpus), then train with data.source='prepared'.")
   if manifest.get("format_version") != PREPARED_FORMAT_VERSION:
-    raise ConfigError(
-        f"{directory} was prepared in format {manifest.get('format_version')}, this version reads "
-        f"format {PREPARED_FORMAT_VERSION}; prepare the corpus again into a new data.prepared_dir."
-    )
+    raise ConfigError(f"{directory} was prepared in format {manifest.get('format_version')}, this version reads "
+                      f"format {PREPARED_FORMAT_VERSION}; prepare the corpus again into a new data.prepared_dir.")
   if not manifest.get("complete"):
-    raise ConfigError(
-        f"The preparation of {directory} did not finish ({len(manifest.get('shards', []))} shards "
-        f"so far); run --mode=prepare_data again with the same config: it resumes."
-    )
+    raise ConfigError(f"The preparation of {directory} did not finish ({len(manifest.get('shards', []))} shards "
+                      "so far); run --mode=prepare_data again with the same config: it resumes.")
   return manifest
 
 
@@ -156,10 +148,8 @@ def load_split(directory: str, manifest: dict, split: str, pad_id: int, with_len
     except (OSError, ValueError) as e:
       raise ConfigError(f"Cannot read shard {path} ({e}); {REDO}.") from e
     if array.shape != (split_entry["rows"], 2, max_seq_len) or array.dtype != np.dtype(manifest["dtype"]):
-      raise ConfigError(
-          f"Shard {path} has shape {array.shape} and dtype {array.dtype}; the manifest says "
-          f"({split_entry['rows']}, 2, {max_seq_len}) {manifest['dtype']}; {REDO}."
-      )
+      raise ConfigError(f"Shard {path} has shape {array.shape} and dtype {array.dtype}; the manifest says "
+                        f"({split_entry['rows']}, 2, {max_seq_len}) {manifest['dtype']}; {REDO}.")
     if os.path.getsize(path) != split_entry["bytes"]:
       raise ConfigError(f"Shard {path} has {os.path.getsize(path)} bytes, the manifest says {split_entry['bytes']}; "
                         f"{REDO}.")

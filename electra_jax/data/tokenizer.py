@@ -167,12 +167,9 @@ class SentencePieceTokenizer:
       # piece_to_id answers the unknown id for a missing piece: an id is real if it maps back to the token.
       found_id = self._processor.piece_to_id(token)
       problem = "is missing" if self._processor.id_to_piece(found_id) != token else f"has id {found_id}"
-      raise ConfigError(
-          f"Sentencepiece model {self.model_path}: special token {token} {problem}, "
-          f"but ELECTRA needs {list(SPECIAL_TOKENS)} at ids 0..{len(SPECIAL_TOKENS) - 1} "
-          f"(id {expected_id} is {piece_at_id!r}). Train the model with "
-          f"electra_jax.data.train_sentencepiece."
-      )
+      raise ConfigError(f"Sentencepiece model {self.model_path}: special token {token} {problem}, but ELECTRA needs "
+                        f"{list(SPECIAL_TOKENS)} at ids 0..{len(SPECIAL_TOKENS) - 1} (id {expected_id} is "
+                        f"{piece_at_id!r}). Train the model with electra_jax.data.train_sentencepiece.")
 
   @property
   def vocab_size(self) -> int:
