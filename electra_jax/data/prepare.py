@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -96,9 +97,9 @@ def read_config(data_config):
   if source in ("jsonl", "hf_datasets") and not text_field:
     raise ConfigError("data.text_field is empty; name the JSON field holding each document's text.")
   max_documents = int(data_config.get("max_documents", 0))
-  eval_fraction = float(data_config.get("eval_fraction", 0.02))
   if max_documents < 0:
     raise ConfigError(f"data.max_documents must be >= 0 (0 means all), got {max_documents}.")
+  eval_fraction = float(data_config.get("eval_fraction", 0.02))
   if not 0.0 <= eval_fraction < 1.0:
     raise ConfigError(f"data.eval_fraction must be in [0, 1) (e.g. 0.02 holds out 2% of documents), "
                       f"got {eval_fraction}.")
@@ -112,20 +113,13 @@ def read_config(data_config):
       "source": source,
       # Resolving the globs here reports a pattern matching nothing before anything is built.
       "files": sources.resolve_files(data_config.get("files", "")) if source in sources.FILE_SOURCES else [],
-      "text_field": text_field,
-      "tokenizer": tokenizer,
-      "vocab_file": vocab_file,
-      "lowercase": bool(data_config.get("lowercase", True)),
-      "strip_accents": strip_accents,
-      "max_seq_len": int(data_config.max_seq_len),
-      "cache_dir": cache_dir,
+      "text_field": text_field, "tokenizer": tokenizer, "vocab_file": vocab_file,
+      "lowercase": bool(data_config.get("lowercase", True)), "strip_accents": strip_accents,
+      "max_seq_len": int(data_config.max_seq_len), "cache_dir": cache_dir,
       "spm_vocab_size": int(data_config.get("spm_vocab_size", 8192)),
       "spm_model_type": str(data_config.get("spm_model_type", "unigram")),
-      "max_documents": max_documents,
-      "eval_fraction": eval_fraction,
-      "spm_model_file": spm_model_file,
-      "prepared_dir": prepared_dir,
-      "shard_documents": shard_documents,
+      "max_documents": max_documents, "eval_fraction": eval_fraction, "spm_model_file": spm_model_file,
+      "prepared_dir": prepared_dir, "shard_documents": shard_documents,
       **{key: str(data_config.get(key, default) or default) for key, default in _RECORD_SOURCE_KEYS.items()},
       "pack_rows": bool(pack_rows),
   }
@@ -576,7 +570,7 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
                            f"finished shards are kept in {out_dir}; fix the cause and run prepare_data again to "
                            "resume.")
       done[result["index"]] = result
-      progress.shard_done(result, position)
+      progress.log(result, position)
       if time.time() - last_manifest_write > _MANIFEST_EVERY_S:
         save_manifest()
         last_manifest_write = time.time()
@@ -586,7 +580,11 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
   except ValueError:  # not the main thread: SIGTERM keeps its handler
     previous_handler = None
   try:
-    for index, first, documents in _chunks(config, stats):
+    source_documents, size = iter_source_documents(config, stats), config["shard_documents"]
+    for index in itertools.count():
+      documents, first = list(itertools.islice(source_documents, size)), index * size
+      if not documents:
+        break
       for document_index, document in enumerate(documents, first):
         hashers["eval" if is_eval_document(document_index, config["eval_fraction"]) else "train"].update(document)
       if index in done:
@@ -602,10 +600,8 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
       pending[future] = stats.bytes_read
       if len(pending) >= 2 * num_workers:
         drain()
-      progress.maybe_log()
     while pending:
       drain()
-      progress.maybe_log()
   except _SigTerm:
     raise SystemExit(f"prepare_data stopped by SIGTERM: the finished shards are kept and listed in "
                      f"{os.path.join(out_dir, 'manifest.json')}; run the same command to resume.") from None
@@ -626,37 +622,21 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
   return stats, {split: hashers[split].hexdigest() for split in SPLITS}
 
 
-def _chunks(config, stats):
-  """(index, first document, documents) of each shard, in corpus order."""
-  documents, first, size = [], 0, config["shard_documents"]
-  for document in iter_source_documents(config, stats):
-    documents.append(document)
-    if len(documents) == size:
-      yield first // size, first, documents
-      first += len(documents)
-      documents = []
-  if documents:
-    yield first // size, first, documents
-
-
 class _Progress:
   """Progress lines: documents, tokens, tokens/s and an ETA from the share of input consumed."""
 
   def __init__(self, stats: sources.SourceStats, already_done: int):
-    self.stats = stats
+    self.stats, self.shards, self.documents, self.tokens = stats, already_done, 0, 0
     self.start = self.last_log = time.time()
-    self.documents = self.tokens = 0
-    self.shards = already_done
     self.skipped_position = 0  # input consumed by shards that were already done
     self.done_position = 0  # input consumed by shards finished in this run (max over them)
 
-  def shard_done(self, result: dict, position: int) -> None:
+  def log(self, result: dict, position: int) -> None:
+    """Counts shard `result`, finished at input `position`; logs at most every _LOG_EVERY_S."""
     self.shards += 1
     self.documents += result["num_documents"]
     self.tokens += sum(entry["tokens"] for entry in result["splits"].values())
     self.done_position = max(self.done_position, position)
-
-  def maybe_log(self) -> None:
     now = time.time()
     if now - self.last_log < _LOG_EVERY_S:
       return
