@@ -65,12 +65,8 @@ class PretrainingData:
 
 def _corpus_cache_dir(config) -> str:
   """The cache directory of one corpus and tokenizer configuration (any max_seq_len)."""
-  key_fields = {
-      "format": PACKING_FORMAT_VERSION,
-      "max_documents": config["max_documents"],
-      "eval_fraction": config["eval_fraction"],
-      **prepare.describe_source(config)[0],
-  }
+  key_fields = {"format": PACKING_FORMAT_VERSION, "max_documents": config["max_documents"],
+                "eval_fraction": config["eval_fraction"], **prepare.describe_source(config)[0]}
   # Only keys that change the tokenizer enter the key.
   if prepare.trains_spm(config):
     key_fields.update(spm_vocab_size=config["spm_vocab_size"], spm_model_type=config["spm_model_type"])

@@ -20,35 +20,30 @@ class Prefetcher:
   def __init__(self, fetch_fn: Callable[[int], Any], start_step: int, depth: int = 2, stop_step: int | None = None):
     if depth < 1:
       raise ValueError(f"Prefetcher depth must be >= 1, got {depth}.")
-    self._fetch_fn = fetch_fn
     self._next_step = start_step
-    self._stop_step = stop_step
     self._queue: queue.Queue = queue.Queue(maxsize=depth)
     self._stop = threading.Event()
     self._finished = False
-    self._thread = threading.Thread(target=self._produce, args=(start_step,), name="electra-prefetch", daemon=True)
+    self._thread = threading.Thread(target=self._produce, args=(fetch_fn, start_step, stop_step),
+                                    name="electra-prefetch", daemon=True)
     self._thread.start()
 
-  def _put(self, item) -> bool:
+  def _produce(self, fetch_fn, step: int, stop_step: int | None) -> None:
     while not self._stop.is_set():
-      try:
-        self._queue.put(item, timeout=_PUT_TIMEOUT_S)
-        return True
-      except queue.Full:
-        continue
-    return False
-
-  def _produce(self, step: int) -> None:
-    while not self._stop.is_set():
-      if self._stop_step is not None and step >= self._stop_step:
-        self._put(("end", step, None))
-        return
-      try:
-        batch = self._fetch_fn(step)
-      except BaseException as e:  # noqa: BLE001 -- handed to the consumer
-        self._put(("error", step, e))
-        return
-      if not self._put(("batch", step, batch)):
+      if stop_step is not None and step >= stop_step:
+        item = ("end", None)
+      else:
+        try:
+          item = ("batch", fetch_fn(step))
+        except BaseException as e:  # noqa: BLE001 -- handed to the consumer
+          item = ("error", e)
+      while not self._stop.is_set():  # a blocking put that notices close()
+        try:
+          self._queue.put(item, timeout=_PUT_TIMEOUT_S)
+          break
+        except queue.Full:
+          pass
+      if item[0] != "batch":
         return
       step += 1
 
@@ -63,18 +58,15 @@ class Prefetcher:
   def __next__(self):
     if self._finished:
       raise StopIteration
-    kind, step, payload = self._queue.get()
+    kind, payload = self._queue.get()
+    if kind == "batch":
+      self._next_step += 1
+      return payload
+    self._finished = True
     if kind == "end":
-      self._finished = True
       raise StopIteration
-    if kind == "error":
-      self._finished = True
-      self.close()
-      # The original exception, so a ConfigError stays one (its traceback shows the fetch).
-      raise payload
-    assert step == self._next_step, (step, self._next_step)
-    self._next_step += 1
-    return payload
+    self.close()
+    raise payload  # the original exception, so a ConfigError stays one (its traceback shows the fetch)
 
   def close(self) -> None:
     """Stop the thread (it finishes at most the fetch in progress)."""

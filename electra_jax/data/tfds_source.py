@@ -40,15 +40,12 @@ def import_tfds():
 def _prepare_hint(name: str, data_dir: str) -> str:
   where = f", data_dir={data_dir!r}" if data_dir else ""
   cli_dir = f" --data_dir={data_dir}" if data_dir else ""
-  return (
-      f"Prepare it once, where the internet is reachable (it downloads the source data), with: "
-      f"python -c \"from electra_jax.data.tfds_source import import_tfds; "
-      f"import_tfds().builder({name!r}{where}, "
-      f"file_format='array_record').download_and_prepare()\" (or: tfds build {name} "
-      f"--file_format=array_record{cli_dir}), then set data.tfds_data_dir to that directory "
-      f"(default: $TFDS_DATA_DIR or ~/tensorflow_datasets). Datasets built with Apache Beam "
-      f"(wikipedia, c4) also need `pip install apache-beam` where they are prepared."
-  )
+  return ("Prepare it once, where the internet is reachable (it downloads the source data), with: python -c "
+          f"\"from electra_jax.data.tfds_source import import_tfds; import_tfds().builder({name!r}{where}, "
+          f"file_format='array_record').download_and_prepare()\" (or: tfds build {name} --file_format=array_record"
+          f"{cli_dir}), then set data.tfds_data_dir to that directory (default: $TFDS_DATA_DIR or "
+          "~/tensorflow_datasets). Datasets built with Apache Beam (wikipedia, c4) also need `pip install "
+          "apache-beam` where they are prepared.")
 
 
 class TfdsCorpus:

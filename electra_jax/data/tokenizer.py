@@ -156,9 +156,6 @@ class SentencePieceTokenizer:
     except RuntimeError as e:
       raise ConfigError(f"{model_path} is not a valid sentencepiece model ({e}). Delete it and "
                         f"train a new one with train_sentencepiece.") from e
-    self._check_special_tokens()
-
-  def _check_special_tokens(self) -> None:
     size = self._processor.get_piece_size()
     for expected_id, token in enumerate(SPECIAL_TOKENS):
       piece_at_id = self._processor.id_to_piece(expected_id) if expected_id < size else None
