@@ -12,11 +12,7 @@ from absl import logging
 from etils import epath
 
 from electra_jax import workdir_files
-from electra_jax.errors import ConfigError
-
-
-class DamagedCheckpoint(ConfigError):
-  """A checkpoint step whose files cannot be read or whose arrays are not those saved."""
+from electra_jax.errors import DamagedCheckpoint
 
 
 def _leaf_checksum(x: jax.Array) -> jax.Array:
