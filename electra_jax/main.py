@@ -51,11 +51,10 @@ class _RecipeParser(ConfigFileFlagParser):
     return config
 
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Path to a recipe in configs/ (e.g. configs/demo.py).", lock_config=True
-)
-flags.FLAGS["config"].parser = _RecipeParser("config")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, metrics.jsonl and checkpoints.")
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "Path to a recipe in configs/ (e.g. configs/demo.py).")
+FLAGS["config"].parser = _RecipeParser("config")
+flags.DEFINE_string("workdir", None, "Directory for config.json, metrics.jsonl and checkpoints.")
 # One line each: `electra-jax --help` lists them (USAGE below).
 _MODES = {
     "train": "pre-train, or resume, in --workdir (the default mode)",
@@ -82,61 +81,46 @@ USAGE = "\n".join([
     "Recipes: configs/*.py (configs/base.py lists every key); docs/ has the manual.",
     "--helpfull lists every flag, those of the libraries too.",
 ])
-_MODE = flags.DEFINE_enum("mode", "train", list(_MODES), "What to do; one of the modes above.")
-_VERSION = flags.DEFINE_bool("version", False, "Print the version of electra-jax and of JAX, then exit.")
-_SWEEP = flags.DEFINE_multi_string(
-    "sweep", [], "sweep: KEY=V1,V2,... (repeatable; the runs are the product of all), e.g. "
-    "--sweep=objective.name=electra,mlm.",
-)
-_SWEEP_FILE = flags.DEFINE_string(
-    "sweep_file", None, "sweep: a file with one run per line (space-separated key=value "
-    "overrides, # comments); crossed with --sweep when both are given.",
-)
-_SWEEP_FINETUNE = flags.DEFINE_string(
-    "sweep_finetune", None, "sweep: a fine-tuning recipe (e.g. configs/finetune/custom.py) run on "
-    "each finished run into <run>/finetune; its dev score goes in the table.",
-)
-_SWEEP_FINETUNE_OVERRIDE = flags.DEFINE_multi_string(
-    "sweep_finetune_override", [], "sweep: key=value for the --sweep_finetune recipe (repeatable)."
-)
-_PLOT_METRICS = flags.DEFINE_list(
-    "plot_metrics", None, "plot: the metrics to draw, one panel each (default: loss, masked_lm_accuracy, disc_auc)."
-)
-_WORKERS = flags.DEFINE_integer(
-    "workers", None, "prepare_data: worker processes (default: every core; 0 = in this process)."
-)
-_STEP = flags.DEFINE_integer("step", None, "eval: the checkpoint step (default: the latest).")
-_TAKE_OVER = flags.DEFINE_bool(
-    "take_over_workdir", False,
-    "train and sweep: start even though another run (or sweep) holds --workdir (its lease.json "
-    "names it), because you know it is dead. Without it a workdir a live run holds is refused.",
-)
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "Multi-process runs: host:port of process 0 (or ELECTRA_JAX_COORDINATOR_ADDRESS)."
-)
-_NUM_PROCESSES = flags.DEFINE_integer(
-    "num_processes", None, "Multi-process runs: how many (or ELECTRA_JAX_NUM_PROCESSES).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process runs: this one's id (or ELECTRA_JAX_PROCESS_ID).")
-_OUT = flags.DEFINE_string(
-    "out", None, "export_hf: directory for the Hugging Face model directories; train_tokenizer: the "
-    "sentencepiece model file to write; plot: the PNG to write.",
-)
-_EXPORT_GENERATOR = flags.DEFINE_bool(
-    "export_generator", False, "export_hf: write the generator too (<out>/generator).")
-_HF_DISCRIMINATOR = flags.DEFINE_string("hf_discriminator", None, "import_hf: an ElectraForPreTraining directory.")
-_HF_GENERATOR = flags.DEFINE_string("hf_generator", None, "import_hf: an ElectraForMaskedLM directory.")
-_HF_EMBEDDINGS_FROM = flags.DEFINE_enum(
+flags.DEFINE_enum("mode", "train", list(_MODES), "What to do; one of the modes above.")
+flags.DEFINE_bool("version", False, "Print the version of electra-jax and of JAX, then exit.")
+# The other flags, by mode (their help starts with the modes that read them).
+for define, name, default, help_text in (
+    (flags.DEFINE_multi_string, "sweep", [],
+     "sweep: KEY=V1,V2,... (repeatable; the runs are the product of all), e.g. --sweep=objective.name=electra,mlm."),
+    (flags.DEFINE_string, "sweep_file", None, "sweep: a file with one run per line (space-separated key=value "
+     "overrides, # comments); crossed with --sweep when both are given."),
+    (flags.DEFINE_string, "sweep_finetune", None, "sweep: a fine-tuning recipe (e.g. configs/finetune/custom.py) run "
+     "on each finished run into <run>/finetune; its dev score goes in the table."),
+    (flags.DEFINE_multi_string, "sweep_finetune_override", [],
+     "sweep: key=value for the --sweep_finetune recipe (repeatable)."),
+    (flags.DEFINE_list, "plot_metrics", None,
+     "plot: the metrics to draw, one panel each (default: loss, masked_lm_accuracy, disc_auc)."),
+    (flags.DEFINE_integer, "workers", None,
+     "prepare_data: worker processes (default: every core; 0 = in this process)."),
+    (flags.DEFINE_integer, "step", None, "eval: the checkpoint step (default: the latest)."),
+    (flags.DEFINE_bool, "take_over_workdir", False, "train and sweep: start even though another run (or sweep) holds "
+     "--workdir (its lease.json names it), because you know it is dead. Without it a workdir a live run holds is "
+     "refused."),
+    (flags.DEFINE_string, "coordinator_address", None,
+     "Multi-process runs: host:port of process 0 (or ELECTRA_JAX_COORDINATOR_ADDRESS)."),
+    (flags.DEFINE_integer, "num_processes", None, "Multi-process runs: how many (or ELECTRA_JAX_NUM_PROCESSES)."),
+    (flags.DEFINE_integer, "process_id", None, "Multi-process runs: this one's id (or ELECTRA_JAX_PROCESS_ID)."),
+    (flags.DEFINE_string, "out", None, "export_hf: directory for the Hugging Face model directories; "
+     "train_tokenizer: the sentencepiece model file to write; plot: the PNG to write."),
+    (flags.DEFINE_bool, "export_generator", False, "export_hf: write the generator too (<out>/generator)."),
+    (flags.DEFINE_string, "hf_discriminator", None, "import_hf: an ElectraForPreTraining directory."),
+    (flags.DEFINE_string, "hf_generator", None, "import_hf: an ElectraForMaskedLM directory."),
+    (flags.DEFINE_string, "tf_checkpoint", None,
+     "import_tf: an official checkpoint (model.ckpt-N prefix, or its directory)."),
+    (flags.DEFINE_string, "vocab_file", None, "import_tf: the vocab.txt (default: the one beside the checkpoint)."),
+    (flags.DEFINE_integer, "tf_num_heads", None,
+     "import_tf: the discriminator's attention heads (default: hidden // 64, as officially)."),
+):
+  define(name, default, help_text)
+flags.DEFINE_enum(
     "hf_embeddings_from", None, ["discriminator", "generator"],
     "import_hf: whose embeddings both towers keep when the two directories' embeddings differ (by default that is "
     "refused).",
-)
-_TF_CHECKPOINT = flags.DEFINE_string(
-    "tf_checkpoint", None, "import_tf: an official checkpoint (model.ckpt-N prefix, or its directory)."
-)
-_VOCAB_FILE = flags.DEFINE_string(
-    "vocab_file", None, "import_tf: the vocab.txt (default: the one beside the checkpoint).")
-_TF_NUM_HEADS = flags.DEFINE_integer(
-    "tf_num_heads", None, "import_tf: the discriminator's attention heads (default: hidden // 64, as officially)."
 )
 _DATA_CONFIG = "--config (a recipe with the data.* settings of the corpus)."
 _IMPORT_CONFIG = ("--config: the recipe whose training, data and mesh settings the workdir will use (its model "
@@ -207,17 +191,17 @@ def _check_flags(mode: str, config) -> None:
       )
   if mode in ("finetune", "export_hf", "import_hf", "import_tf"):
     distributed.require_single_process(mode)
-  if mode not in ("prepare_data", "train_tokenizer") and _WORKDIR.value is None:
+  if mode not in ("prepare_data", "train_tokenizer") and FLAGS.workdir is None:
     raise ConfigError(f"--mode={mode} needs --workdir.")
   for names, what in _NEEDS.get(mode, ()):
-    if all(flags.FLAGS[name].value in (None, "", []) for name in names.split()):
+    if all(FLAGS[name].value in (None, "", []) for name in names.split()):
       raise ConfigError(f"--mode={mode} needs {what}")
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-  if _VERSION.value:
+  if FLAGS.version:
     print(f"electra-jax {electra_jax.__version__} (jax {jax.__version__}, flax {flax.__version__})")
     return
   logging.set_verbosity(logging.INFO)
@@ -225,10 +209,10 @@ def main(argv):
   if os.environ.get("GLIBC_TUNABLES") == xla_flags.HUGE_PAGES:  # debug level: not news on every run
     logging.vlog(1, "CPU: glibc allocates large buffers on huge pages (GLIBC_TUNABLES=%s; "
                  "ELECTRA_JAX_XLA_DEFAULTS=0 turns it off).", xla_flags.HUGE_PAGES)
-  mode, config, workdir, out = _MODE.value, _CONFIG.value, _WORKDIR.value, _OUT.value
+  mode, config, workdir, out = FLAGS.mode, FLAGS.config, FLAGS.workdir, FLAGS.out
   try:
     # First, before anything touches the devices. TPU VM slices and SLURM need no flags.
-    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     _check_flags(mode, config)
     if mode == "train":
       if config is None and not workdir_files.exists(workdir_files.path(workdir, "config.json")):
@@ -238,11 +222,11 @@ def main(argv):
         )
       config = config or config_lib.load_workdir_config(workdir)
       started = time.perf_counter()
-      metrics = train.train_and_evaluate(config, workdir, take_over_workdir=_TAKE_OVER.value)
+      metrics = train.train_and_evaluate(config, workdir, take_over_workdir=FLAGS.take_over_workdir)
       if metrics and jax.process_index() == 0:  # one summary per job, not per host
         print(end_summary(config, metrics, workdir, time.perf_counter() - started))
     elif mode == "eval":
-      held_out = train.evaluate_checkpoint(config or config_lib.load_workdir_config(workdir), workdir, _STEP.value)
+      held_out = train.evaluate_checkpoint(config or config_lib.load_workdir_config(workdir), workdir, FLAGS.step)
       summary = ", ".join(f"{k}={v:.4g}" for k, v in sorted(held_out.items()))
       print(f"Held-out metrics (checkpoint {held_out['step']}): {summary}")
       print(f"Written to {workdir}/eval_step_{held_out['step']}.json")
@@ -254,19 +238,19 @@ def main(argv):
     elif mode == "export_hf":
       from electra_jax.finetune import export  # noqa: PLC0415 (as finetune)
 
-      for name, directory in export.export_hf(workdir, out, _EXPORT_GENERATOR.value).items():
+      for name, directory in export.export_hf(workdir, out, FLAGS.export_generator).items():
         print(f"Wrote the {name} (Hugging Face format) to {directory}")
     elif mode in ("import_hf", "import_tf"):
-      pair = (interop.pair_from_hf(_HF_DISCRIMINATOR.value, _HF_GENERATOR.value) if mode == "import_hf"
-              else interop.pair_from_tf(_TF_CHECKPOINT.value, _VOCAB_FILE.value, _TF_NUM_HEADS.value))
-      summary = interop.write_pretraining_workdir(pair, config, workdir, _HF_EMBEDDINGS_FROM.value)
+      pair = (interop.pair_from_hf(FLAGS.hf_discriminator, FLAGS.hf_generator) if mode == "import_hf"
+              else interop.pair_from_tf(FLAGS.tf_checkpoint, FLAGS.vocab_file, FLAGS.tf_num_heads))
+      summary = interop.write_pretraining_workdir(pair, config, workdir, FLAGS.hf_embeddings_from)
       print(
           f"Imported {pair.source} ({summary['num_params']:,} parameters, generator_fraction="
           f"{summary['generator_fraction']:.4g}) as step 0 of {summary['workdir']}; vocabulary "
           f"{summary['vocab_file']}.\nContinue pre-training with: electra-jax --workdir={summary['workdir']}"
       )
     elif mode == "prepare_data":
-      manifest = data.prepare_data(config.data, num_workers=_WORKERS.value)
+      manifest = data.prepare_data(config.data, num_workers=FLAGS.workers)
       totals = manifest["totals"]
       print(
           f"Prepared {len(manifest['shards'])} shards in {config.data.prepared_dir}: "
@@ -280,7 +264,7 @@ def main(argv):
     elif mode == "plot":
       from electra_jax import plots  # noqa: PLC0415 (matplotlib: the `plots` extra)
 
-      plots.plot_curves(workdir.split(","), out, _PLOT_METRICS.value)
+      plots.plot_curves(workdir.split(","), out, FLAGS.plot_metrics)
       print(f"Wrote {out}")
     else:
       from electra_jax import sweep  # noqa: PLC0415
@@ -290,10 +274,10 @@ def main(argv):
         print(f"Wrote {workdir}/results.md and {workdir}/results.csv")
         return
       finetune_config = None
-      if _SWEEP_FINETUNE.value:
-        finetune_config = sweep.load_finetune_config(_SWEEP_FINETUNE.value, _SWEEP_FINETUNE_OVERRIDE.value)
-      result = sweep.run_sweep(config, workdir, _SWEEP.value, _SWEEP_FILE.value, finetune_config,
-                               take_over_workdir=_TAKE_OVER.value)
+      if FLAGS.sweep_finetune:
+        finetune_config = sweep.load_finetune_config(FLAGS.sweep_finetune, FLAGS.sweep_finetune_override)
+      result = sweep.run_sweep(config, workdir, FLAGS.sweep, FLAGS.sweep_file, finetune_config,
+                               take_over_workdir=FLAGS.take_over_workdir)
       print(workdir_files.read_text(workdir_files.path(workdir, "results.md")))
       curves = workdir_files.exists(workdir_files.path(workdir, "curves.png"))
       print(f"Tables: {workdir}/results.md, {workdir}/results.csv"
@@ -315,7 +299,7 @@ _KEY_FLAGS = ("mode", "config", "workdir", "out", "step", "take_over_workdir", "
 def run():
   sys.modules["__main__"].__doc__ = USAGE  # what absl's --help prints first
   for name in _KEY_FLAGS:
-    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
+    FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
   app.run(main, flags_parser=config_lib.flags_parser("electra-jax"))
 
 
