@@ -292,36 +292,29 @@ _SOURCE_KEYS = (("files", "text' (or 'jsonl"), ("prepared_dir", "prepared"), ("t
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
-  """Checks that need no devices and no data; raises ConfigError naming the key and the fix."""
+  """Checks that need no devices and no data, group by group; raises ConfigError naming the key
+  and the fix."""
+  from electra_jax import models, objectives, splash_attention, tensorboard_log  # noqa: PLC0415 (they import this)
+
   m, t, d = config.model, config.train, config.data
   check_encoder_sizes(m, ("hidden_size", "num_heads", "intermediate_size", "embedding_size", "vocab_size",
                           "max_position_embeddings"), "model.", " (configs/base.py gives its typical value)")
+  _check_bounds(config, _BOUNDS)
+  check_rates(m, ("dropout_rate", "attention_dropout_rate"), "model")
+  if m.tie not in models.TIE_MODES:
+    raise ConfigError(f"model.tie={m.tie!r} is not one of {list(models.TIE_MODES)}.")
+  if m.tie == "all" and m.generator_fraction != 1.0:
+    raise ConfigError(
+        f"model.tie='all' runs one encoder for both towers, so they must be the same size, but "
+        f"model.generator_fraction={m.generator_fraction}: set it to 1.0."
+    )
   if d.max_seq_len > m.max_position_embeddings:
     raise ConfigError(
         f"data.max_seq_len={d.max_seq_len} exceeds model.max_position_embeddings="
         f"{m.max_position_embeddings}. Lower data.max_seq_len or raise max_position_embeddings."
     )
-  if t.dtype not in DTYPES:
-    raise ConfigError(f"train.dtype={t.dtype!r} is not one of {DTYPES}.")
-  # train.batch_size=-1 is resolved by train.prepare to the largest batch that fits (memory.py).
-  if t.batch_size < 1 and t.batch_size != -1:
-    raise ConfigError(
-        f"train.batch_size={t.batch_size}: give a positive global batch size, or -1 for the "
-        "largest that fits in train.memory_fraction of a device's memory."
-    )
-  _check_bounds(config, _BOUNDS)
-  if t.batch_size != -1 and t.batch_size % t.grad_accum_steps:
-    raise ConfigError(
-        f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps="
-        f"{t.grad_accum_steps}: each micro-batch must have the same size."
-    )
-  check_optimizer(config.optimizer, "ELECTRA-Small uses 5e-4, Base 2e-4")
-  if t.time_budget:
-    parse_duration(t.time_budget)
-  from electra_jax import models, objectives, splash_attention, tensorboard_log  # noqa: PLC0415 (they import this)
-
-  tensorboard_log.writer_names(t.metric_writers)
-  check_rates(m, ("dropout_rate", "attention_dropout_rate"), "model")
+  if m.attention_impl == "splash":
+    splash_attention.check_seq_len(d.max_seq_len)
   for key, source in _SOURCE_KEYS:
     if d.source == "builtin" and d[key]:
       raise ConfigError(
@@ -334,16 +327,24 @@ def validate(config: ml_collections.ConfigDict) -> None:
         "evaluates on them. Set --config.eval.every_steps=0 to train without held-out evaluation, "
         "or data.eval_fraction > 0 (e.g. 0.02)."
     )
-  if m.attention_impl == "splash":
-    splash_attention.check_seq_len(d.max_seq_len)
-  if m.tie not in models.TIE_MODES:
-    raise ConfigError(f"model.tie={m.tie!r} is not one of {list(models.TIE_MODES)}.")
-  objectives.check_config(config)
-  if m.tie == "all" and m.generator_fraction != 1.0:
+  if t.dtype not in DTYPES:
+    raise ConfigError(f"train.dtype={t.dtype!r} is not one of {DTYPES}.")
+  # train.batch_size=-1 is resolved by train.prepare to the largest batch that fits (memory.py).
+  if t.batch_size < 1 and t.batch_size != -1:
     raise ConfigError(
-        f"model.tie='all' runs one encoder for both towers, so they must be the same size, but "
-        f"model.generator_fraction={m.generator_fraction}: set it to 1.0."
+        f"train.batch_size={t.batch_size}: give a positive global batch size, or -1 for the "
+        "largest that fits in train.memory_fraction of a device's memory."
     )
+  if t.batch_size != -1 and t.batch_size % t.grad_accum_steps:
+    raise ConfigError(
+        f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps="
+        f"{t.grad_accum_steps}: each micro-batch must have the same size."
+    )
+  if t.time_budget:
+    parse_duration(t.time_budget)
+  tensorboard_log.writer_names(t.metric_writers)
+  check_optimizer(config.optimizer, "ELECTRA-Small uses 5e-4, Base 2e-4")
+  objectives.check_config(config)
   check_finite(config)  # after the checks above, whose messages say more where they apply
   # The model's own refusals (attention implementation, remat policy, cuDNN's shapes): it is
   # only described here, nothing is initialized.
