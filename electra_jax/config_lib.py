@@ -151,10 +151,8 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
   """The resolved config a training run saved as <workdir>/config.json (see saved_config)."""
   saved = saved_config(workdir)
   if saved is None:
-    raise ConfigError(
-        f"{workdir} has no config.json, so it is not a pre-training workdir; pass the --workdir "
-        "a training run wrote (or give --config)."
-    )
+    raise ConfigError(f"{workdir} has no config.json, so it is not a pre-training workdir; pass the --workdir a "
+                      "training run wrote (or give --config).")
   return ml_collections.ConfigDict(saved)
 
 
@@ -223,10 +221,8 @@ def check_encoder_sizes(m, keys, prefix: str, why: str) -> None:
   divide the hidden size (`prefix` is how the user spells the group, `why` ends the line)."""
   _check_bounds(m, [(key, *_AT_LEAST_1, why) for key in keys], prefix)
   if m.hidden_size % m.num_heads:
-    raise ConfigError(
-        f"{prefix}hidden_size={m.hidden_size} is not divisible by {prefix}num_heads={m.num_heads}. "
-        "Pick num_heads dividing hidden_size (ELECTRA uses hidden_size / 64 heads)."
-    )
+    raise ConfigError(f"{prefix}hidden_size={m.hidden_size} is not divisible by {prefix}num_heads={m.num_heads}. "
+                      "Pick num_heads dividing hidden_size (ELECTRA uses hidden_size / 64 heads).")
 
 
 def check_finite(config: ml_collections.ConfigDict, prefix: str = "") -> None:
@@ -304,15 +300,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if m.tie not in models.TIE_MODES:
     raise ConfigError(f"model.tie={m.tie!r} is not one of {list(models.TIE_MODES)}.")
   if m.tie == "all" and m.generator_fraction != 1.0:
-    raise ConfigError(
-        f"model.tie='all' runs one encoder for both towers, so they must be the same size, but "
-        f"model.generator_fraction={m.generator_fraction}: set it to 1.0."
-    )
+    raise ConfigError(f"model.tie='all' runs one encoder for both towers, so they must be the same size, but "
+                      f"model.generator_fraction={m.generator_fraction}: set it to 1.0.")
   if d.max_seq_len > m.max_position_embeddings:
-    raise ConfigError(
-        f"data.max_seq_len={d.max_seq_len} exceeds model.max_position_embeddings="
-        f"{m.max_position_embeddings}. Lower data.max_seq_len or raise max_position_embeddings."
-    )
+    raise ConfigError(f"data.max_seq_len={d.max_seq_len} exceeds model.max_position_embeddings="
+                      f"{m.max_position_embeddings}. Lower data.max_seq_len or raise max_position_embeddings.")
   if m.attention_impl == "splash":
     splash_attention.check_seq_len(d.max_seq_len)
   for key, source in _SOURCE_KEYS:
@@ -331,15 +323,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"train.dtype={t.dtype!r} is not one of {DTYPES}.")
   # train.batch_size=-1 is resolved by train.prepare to the largest batch that fits (memory.py).
   if t.batch_size < 1 and t.batch_size != -1:
-    raise ConfigError(
-        f"train.batch_size={t.batch_size}: give a positive global batch size, or -1 for the "
-        "largest that fits in train.memory_fraction of a device's memory."
-    )
+    raise ConfigError(f"train.batch_size={t.batch_size}: give a positive global batch size, or -1 for the largest "
+                      "that fits in train.memory_fraction of a device's memory.")
   if t.batch_size != -1 and t.batch_size % t.grad_accum_steps:
-    raise ConfigError(
-        f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps="
-        f"{t.grad_accum_steps}: each micro-batch must have the same size."
-    )
+    raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps="
+                      f"{t.grad_accum_steps}: each micro-batch must have the same size.")
   if t.time_budget:
     parse_duration(t.time_budget)
   tensorboard_log.writer_names(t.metric_writers)
