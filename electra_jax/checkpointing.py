@@ -12,11 +12,7 @@ from absl import logging
 from etils import epath
 
 from electra_jax import workdir_files
-from electra_jax.errors import ConfigError
-
-
-class DamagedCheckpoint(ConfigError):
-  """A checkpoint step whose files cannot be read or whose arrays are not those saved."""
+from electra_jax.errors import DamagedCheckpoint
 
 
 def _leaf_checksum(x: jax.Array) -> jax.Array:
@@ -41,23 +37,18 @@ def _checksums(leaves):
 
 
 def checksums(tree: Any) -> dict[str, int]:
-  """Per array of `tree`: the sum of its bits weighted by position, modulo 2**32. Integer sums
-  are exact in any order, so the figure does not depend on the sharding or the device count,
-  and a changed value changes it."""
+  """Per array of `tree` ('params/embeddings/...'): the sum of its bits weighted by position,
+  modulo 2**32. Integer sums are exact in any order, so the figure does not depend on the
+  sharding or the device count, and a changed value changes it."""
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   values = jax.device_get(_checksums([leaf for _, leaf in flat]))
-  return {_name(path): int(value) for (path, _), value in zip(flat, values)}
-
-
-def _name(path) -> str:
-  """'params/embeddings/...': the same for a train state and the plain dicts orbax returns."""
-  return "/".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
+  # The same names for a train state and the plain dicts orbax returns.
+  name = lambda path: "/".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
+  return {name(path): int(value) for (path, _), value in zip(flat, values)}
 
 
 def checkpoints_directory(workdir: str) -> str:
-  """<workdir>/checkpoints; a bucket path (gs://...) stays as it is (os.path.abspath would
-  make it a local one). Orbax writes to buckets through gcsfs and google-cloud-storage: the
-  `gcs` extra."""
+  """<workdir>/checkpoints; a bucket path (gs://..., the `gcs` extra) stays as it is."""
   return os.fspath(workdir_files.path(workdir, "checkpoints"))
 
 
@@ -66,8 +57,7 @@ class Checkpointer:
   def __init__(self, workdir: str, keep: int):
     self.directory = checkpoints_directory(workdir)
     self._manager = ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
     )
 
   def latest_step(self) -> Optional[int]:
@@ -81,16 +71,15 @@ class Checkpointer:
     meta records the state's checksums."""
     meta = dict(meta, checksums=checksums(state))
     self._manager.save(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-        force=True,
+        step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True
     )
 
-  def read_meta(self, step: int) -> dict:
+  def _read(self, step: int, what: str, read):
+    """read(), or DamagedCheckpoint naming `what` of `step` could not be read and the other steps."""
     try:
-      return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+      return read()
     except Exception as error:  # noqa: BLE001 -- whatever orbax raises on a missing or broken file
-      raise self._damaged(step, f"its meta cannot be read ({type(error).__name__}: {str(error)[:300]})") from error
+      raise self._damaged(step, f"its {what} cannot be read ({type(error).__name__}: {str(error)[:300]})") from error
 
   def _damaged(self, step: int, why: str) -> DamagedCheckpoint:
     others = [s for s in self.all_steps() if s != step]
@@ -99,14 +88,16 @@ class Checkpointer:
         + (f"Other steps there: {others}." if others else "It is the only step there.")
     )
 
+  def read_meta(self, step: int) -> dict:
+    meta = ocp.args.Composite(meta=ocp.args.JsonRestore())
+    return self._read(step, "meta", lambda: self._manager.restore(step, args=meta)["meta"])
+
   def state_difference(self, step: int, abstract_state: Any) -> tuple[list[str], list[str]]:
     """(paths the checkpoint lacks, paths only it has) between the train state saved at `step`
-    and `abstract_state`, read from the checkpoint's tree metadata (no array is read). Both
-    empty when the structures match; orbax's restore fails with a traceback otherwise."""
-    try:
-      saved = ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory) / str(step) / "state")
-    except Exception as error:  # noqa: BLE001 -- whatever orbax raises on a missing or broken file
-      raise self._damaged(step, f"its tree metadata cannot be read ({type(error).__name__}: {str(error)[:300]})") from error
+    and `abstract_state`, from the checkpoint's tree metadata (no array is read). Both empty
+    when the structures match; orbax's restore fails with a traceback otherwise."""
+    saved = self._read(step, "tree metadata", lambda: ocp.StandardCheckpointHandler().metadata(
+        epath.Path(self.directory) / str(step) / "state"))
     saved_paths = set(ocp.tree.to_flat_dict(dict(saved)))
     wanted = set(ocp.tree.to_flat_dict(ocp.tree.serialize_tree(abstract_state, keep_empty_nodes=True)))
     name = lambda path: "/".join(map(str, path))
@@ -117,12 +108,8 @@ class Checkpointer:
     Raises DamagedCheckpoint when a file cannot be read or an array's checksum differs from
     the one saved with it (checkpoints without checksums are taken as they are)."""
     recorded = (meta if meta is not None else self.read_meta(step)).get("checksums")
-    try:
-      state = self._manager.restore(
-          step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
-      )["state"]
-    except Exception as error:  # noqa: BLE001 -- whatever orbax raises on a missing or broken file
-      raise self._damaged(step, f"its arrays cannot be read ({type(error).__name__}: {str(error)[:300]})") from error
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+    state = self._read(step, "arrays", lambda: self._manager.restore(step, args=args)["state"])
     if recorded is not None:
       differ = [name for name, value in checksums(state).items() if recorded.get(name) != value]
       if differ:

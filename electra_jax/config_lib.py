@@ -1,6 +1,7 @@
 """Loading recipe files from configs/ and checking a config before anything is compiled:
 every error names the offending value and what to do about it."""
 
+import functools
 import importlib.util
 import json
 import math
@@ -16,11 +17,8 @@ DTYPES = ("float32", "bfloat16")
 
 
 def sibling(config_file: str, name: str):
-  """Imports configs/<name>.py next to `config_file`, wherever the command runs from.
-
-  config_flags loads a recipe by path, so `from configs import base` would only work when the
-  repository root happens to be on sys.path.
-  """
+  """Imports configs/<name>.py next to `config_file`, wherever the command runs from (config_flags
+  loads a recipe by path, so `from configs import base` would need the repository on sys.path)."""
   path = os.path.join(os.path.dirname(os.path.abspath(config_file)), f"{name}.py")
   spec = importlib.util.spec_from_file_location(f"electra_jax_configs_{name}", path)
   module = importlib.util.module_from_spec(spec)
@@ -38,32 +36,38 @@ def missing_key(error: BaseException) -> tuple[str, str]:
   return key.strip("'\""), hint.strip()
 
 
-def parse_flags(argv: list[str], program: str, listing: str = "configs/base.py") -> list[str]:
-  """absl's flag parsing for a program with a `--config` file flag, where a mistake in the
-  config flags ends with one line instead of a traceback: a --config.* override of a key the
-  config does not have (ml_collections raises AttributeError or KeyError, often with a close
-  match), or a recipe's own ConfigError. `listing` is the file named as listing every key."""
+def parse_flags(argv: list[str], program: str) -> list[str]:
+  """absl's flag parsing for a program with a `--config` recipe flag, where a mistake in the
+  config flags ends with one line instead of a traceback: a recipe's own ConfigError, an
+  override without --config, or an override of a key the config does not have."""
   from absl import flags  # noqa: PLC0415 (recipes import this module and need no absl)
 
-  overrides = [arg.split("=")[0] for arg in argv[1:] if arg.startswith("--config.")]
   try:
     return flags.FLAGS(argv)
   except flags.Error as error:
-    # A recipe's own ConfigError (configs/workdir.py without its DIR, say): absl and
-    # ml_collections re-raise it, so it is the innermost ConfigError of the chain a traceback shows.
+    # absl and ml_collections re-raise a recipe's ConfigError: the innermost one of the chain.
     refused, cause = None, error
     while cause is not None:
       refused = cause if isinstance(cause, ConfigError) else refused
       cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
     if refused is not None:
       sys.exit(f"{program}: error: {refused}")
+    if isinstance(error, flags.UnrecognizedFlagError) and error.flagname.startswith("config."):
+      sys.exit(
+          f"{program}: error: --{error.flagname} changes a recipe, but no --config was given. To change the "
+          "config.json of an existing workdir, pass --config=configs/workdir.py:DIR (DIR = the workdir) with "
+          "the overrides."
+      )
     sys.stderr.write(f"FATAL Flags parsing error: {error}\nPass --helpshort or --helpfull to see help on flags.\n")
     sys.exit(1)
-  except (AttributeError, KeyError) as error:
+  except (AttributeError, KeyError) as error:  # ml_collections: an override of a key the config lacks
     key, hint = missing_key(error)
+    overrides = [arg.split("=")[0] for arg in argv[1:] if arg.startswith("--config.")]
     named = [flag for flag in overrides if key in flag.split(".")[1:]]
     if not named:
       raise
+    # main's --config parser knows which base lists the keys of the recipe it loaded.
+    listing = getattr(flags.FLAGS["config"].parser, "listing", "configs/base.py")
     sys.exit(
         f"{program}: error: {named[0]}: the config has no key {key!r}. {hint + ' ' if hint else ''}"
         f"{listing} lists every key with its default."
@@ -118,20 +122,15 @@ def merged_over(defaults: dict, saved: dict) -> dict:
 
 
 def with_defaults(saved: dict) -> ml_collections.ConfigDict:
-  """A saved config (a config.json's dict) completed with configs/base.py's defaults.
-
-  A workdir written before a key existed ran without it, which is what its default does, so
-  code reads every key directly. configs/base.py is found next to the package (a source or
-  editable install); without it the saved keys are all there is.
-  """
+  """A saved config (a config.json's dict) completed with configs/base.py's defaults, so code
+  reads every key directly. Without configs/base.py the saved keys are all there is."""
   if os.path.exists(_BASE_RECIPE):
     saved = merged_over(sibling(_BASE_RECIPE, "base").get_config().to_dict(), saved)
   return ml_collections.ConfigDict(saved)
 
 
 def saved_config(workdir: str) -> dict | None:
-  """<workdir>/config.json as a dict (None if there is none), completed with the defaults of
-  the keys it predates (with_defaults): the one reader of a workdir's config.json."""
+  """<workdir>/config.json as a dict completed with_defaults; None if there is none."""
   from electra_jax import workdir_files  # noqa: PLC0415 (keeps recipes' imports light)
 
   path = workdir_files.path(workdir, "config.json")
@@ -152,10 +151,8 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
   """The resolved config a training run saved as <workdir>/config.json (see saved_config)."""
   saved = saved_config(workdir)
   if saved is None:
-    raise ConfigError(
-        f"{workdir} has no config.json, so it is not a pre-training workdir; pass the --workdir "
-        "a training run wrote (or give --config)."
-    )
+    raise ConfigError(f"{workdir} has no config.json, so it is not a pre-training workdir; pass the --workdir a "
+                      "training run wrote (or give --config).")
   return ml_collections.ConfigDict(saved)
 
 
@@ -205,17 +202,27 @@ def as_saved(config: ml_collections.ConfigDict) -> dict:
   return json.loads(to_json(config))
 
 
+# Bounds as the messages state them, and their tests.
+_AT_LEAST_1, _AT_LEAST_0, _POSITIVE = (">= 1", lambda v: v >= 1), (">= 0", lambda v: v >= 0), ("> 0", lambda v: v > 0)
+_BELOW_1, _FRACTION = ("in [0, 1)", lambda v: 0 <= v < 1), ("in [0, 1]", lambda v: 0 <= v <= 1)
+
+
+def _check_bounds(config, bounds, prefix: str = "") -> None:
+  """Raises ConfigError for the first (key, bound, test, meaning) of `bounds` whose value fails
+  its test; `key` may be dotted, `prefix` is how the user spells the group."""
+  for key, bound, within, meaning in bounds:
+    value = functools.reduce(lambda group, name: group[name], key.split("."), config)
+    if not within(value):
+      raise ConfigError(f"{prefix}{key}={value} must be {bound}{meaning}.")
+
+
 def check_encoder_sizes(m, keys, prefix: str, why: str) -> None:
   """Refuses, by name, a size in `keys` of model config `m` below 1, or heads that do not
   divide the hidden size (`prefix` is how the user spells the group, `why` ends the line)."""
-  for key in keys:
-    if m[key] < 1:
-      raise ConfigError(f"{prefix}{key}={m[key]} must be >= 1{why}.")
+  _check_bounds(m, [(key, *_AT_LEAST_1, why) for key in keys], prefix)
   if m.hidden_size % m.num_heads:
-    raise ConfigError(
-        f"{prefix}hidden_size={m.hidden_size} is not divisible by {prefix}num_heads={m.num_heads}. "
-        "Pick num_heads dividing hidden_size (ELECTRA uses hidden_size / 64 heads)."
-    )
+    raise ConfigError(f"{prefix}hidden_size={m.hidden_size} is not divisible by {prefix}num_heads={m.num_heads}. "
+                      "Pick num_heads dividing hidden_size (ELECTRA uses hidden_size / 64 heads).")
 
 
 def check_finite(config: ml_collections.ConfigDict, prefix: str = "") -> None:
@@ -226,134 +233,110 @@ def check_finite(config: ml_collections.ConfigDict, prefix: str = "") -> None:
     if isinstance(value, ml_collections.ConfigDict):
       check_finite(value, name + ".")
     elif isinstance(value, float) and not math.isfinite(value):
-      raise ConfigError(f"{name}={value} is not a finite number; give a finite value (configs/base.py has the default).")
+      raise ConfigError(
+          f"{name}={value} is not a finite number; give a finite value (configs/base.py has the default).")
 
 
-# validate's bounds on single keys: (key, the bound as the message states it, its test, what the key means).
-_TEMPERATURE = ("finite and > 0", lambda v: math.isfinite(v) and v > 0, "the generator's sampling temperature; "
-                "official 1.0")
+def check_optimizer(o: ml_collections.ConfigDict, typical_lr: str) -> None:
+  """The AdamW keys pre-training and fine-tuning share; `typical_lr` goes into the message."""
+  _check_bounds(o, (
+      ("learning_rate", *_POSITIVE, f" (the peak of the warmup-then-linear-decay schedule; {typical_lr})"),
+      ("weight_decay", *_AT_LEAST_0, " (0 = none; official 0.01)"),
+      ("b1", *_BELOW_1, " (Adam's moment decay; official 0.9)"),
+      ("b2", *_BELOW_1, " (Adam's moment decay; official 0.999)"),
+      ("eps", *_POSITIVE, " (official 1e-6)"),
+      ("clip_norm", *_POSITIVE, " (the global gradient norm's cap; official 1.0)"),
+  ), "optimizer.")
+
+
+def check_rates(group: ml_collections.ConfigDict, keys, prefix: str) -> None:
+  """Dropout rates: in [0, 1) (a rate of 1 would drop everything)."""
+  _check_bounds(group, [(key, *_BELOW_1, " (the paper: 0.1)") for key in keys], prefix + ".")
+
+
+# validate's bounds on single keys: (key, bound, test, what the key means).
+_TEMPERATURE = ("finite and > 0", lambda v: math.isfinite(v) and v > 0, " (the generator's sampling temperature; "
+                "official 1.0)")
 _BOUNDS = (
-    ("train.grad_accum_steps", ">= 1", lambda v: v >= 1, "micro-batches per step"),
-    ("train.steps_per_call", ">= 1", lambda v: v >= 1, "optimizer steps per compiled call"),
-    ("train.steps", ">= 1", lambda v: v >= 1, "optimizer steps in all"),
-    ("train.log_every", ">= 1", lambda v: v >= 1, "steps per logged line"),
-    ("checkpoint.every_steps", ">= 1", lambda v: v >= 1, "steps between checkpoints"),
-    ("checkpoint.keep", ">= 1", lambda v: v >= 1, "how many of the latest checkpoints stay in the workdir; a run "
-     "that keeps none could never resume"),
-    ("optimizer.warmup_steps", ">= 0", lambda v: v >= 0, "0 = no warmup; the paper uses 10000"),
-    ("optimizer.warmup_fraction", "in [0, 1)", lambda v: 0 <= v < 1, "the share of train.steps spent warming up; "
-     "0 = use optimizer.warmup_steps"),
-    ("eval.every_steps", ">= 0", lambda v: v >= 0, "0 = no held-out evaluation"),
-    ("eval.num_batches", ">= 1", lambda v: v >= 1, "batches of held-out data per evaluation"),
-    ("eval.batch_size", ">= 0", lambda v: v >= 0, "0 = the training micro-batch"),
-    ("objective.mask_prob", "in (0, 1)", lambda v: 0 < v < 1, "the share of positions chosen; official 0.15"),
-    ("objective.keep_original_prob", "in [0, 1]", lambda v: 0 <= v <= 1, "the share of chosen positions left as they "
-     "are instead of [MASK]; official 0.15"),
+    ("model.generator_fraction", "in (0, 1]", lambda v: 0 < v <= 1, ": the generator is that fraction of the "
+     "discriminator's width (the paper uses 1/4 to 1/2)"),
+    ("train.grad_accum_steps", *_AT_LEAST_1, " (micro-batches per step)"),
+    ("train.steps_per_call", *_AT_LEAST_1, " (optimizer steps per compiled call)"),
+    ("train.steps", *_AT_LEAST_1, " (optimizer steps in all)"),
+    ("train.log_every", *_AT_LEAST_1, " (steps per logged line)"),
+    ("checkpoint.every_steps", *_AT_LEAST_1, " (steps between checkpoints)"),
+    ("checkpoint.keep", *_AT_LEAST_1, " (how many of the latest checkpoints stay in the workdir; a run that keeps "
+     "none could never resume)"),
+    ("optimizer.warmup_steps", *_AT_LEAST_0, " (0 = no warmup; the paper uses 10000)"),
+    ("optimizer.warmup_fraction", *_BELOW_1, " (the share of train.steps spent warming up; "
+     "0 = use optimizer.warmup_steps)"),
+    ("eval.every_steps", *_AT_LEAST_0, " (0 = no held-out evaluation)"),
+    ("eval.num_batches", *_AT_LEAST_1, " (batches of held-out data per evaluation)"),
+    ("eval.batch_size", *_AT_LEAST_0, " (0 = the training micro-batch)"),
+    ("objective.mask_prob", "in (0, 1)", lambda v: 0 < v < 1, " (the share of positions chosen; official 0.15)"),
+    ("objective.keep_original_prob", *_FRACTION, " (the share of chosen positions left as they are instead of "
+     "[MASK]; official 0.15)"),
     ("objective.temperature", *_TEMPERATURE),
     ("objective.initial_temperature", *_TEMPERATURE),
-    ("objective.temperature_decay_fraction", "in [0, 1]", lambda v: 0 <= v <= 1, "the share of train.steps over "
-     "which the temperature falls from objective.initial_temperature to objective.temperature; 0 = no schedule"),
+    ("objective.temperature_decay_fraction", *_FRACTION, " (the share of train.steps over which the temperature "
+     "falls from objective.initial_temperature to objective.temperature; 0 = no schedule)"),
 )
+# The built-in corpus with another source's location set is a forgotten data.source: the run
+# would train on the standard library's text instead of the corpus named. (key, the source that reads it)
+_SOURCE_KEYS = (("files", "text' (or 'jsonl"), ("prepared_dir", "prepared"), ("tfds_name", "tfds"),
+                ("hf_path", "hf_datasets"))
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
-  """Checks that need no devices and no data; raises ConfigError naming the key and the fix."""
-  m, t = config.model, config.train
+  """Checks that need no devices and no data, group by group; raises ConfigError naming the key
+  and the fix."""
+  from electra_jax import models, objectives, splash_attention, tensorboard_log  # noqa: PLC0415 (they import this)
+
+  m, t, d = config.model, config.train, config.data
   check_encoder_sizes(m, ("hidden_size", "num_heads", "intermediate_size", "embedding_size", "vocab_size",
                           "max_position_embeddings"), "model.", " (configs/base.py gives its typical value)")
-  if not 0.0 < m.generator_fraction <= 1.0:
-    raise ConfigError(
-        f"model.generator_fraction={m.generator_fraction} is outside (0, 1]: the generator is "
-        f"that fraction of the discriminator's width (the paper uses 1/4 to 1/2)."
-    )
-  if config.data.max_seq_len > m.max_position_embeddings:
-    raise ConfigError(
-        f"data.max_seq_len={config.data.max_seq_len} exceeds model.max_position_embeddings="
-        f"{m.max_position_embeddings}. Lower data.max_seq_len or raise max_position_embeddings."
-    )
-  if t.dtype not in DTYPES:
-    raise ConfigError(f"train.dtype={t.dtype!r} is not one of {DTYPES}.")
-  # train.batch_size=-1 is resolved by train.prepare to the largest batch that fits (memory.py).
-  if t.batch_size < 1 and t.batch_size != -1:
-    raise ConfigError(
-        f"train.batch_size={t.batch_size}: give a positive global batch size, or -1 for the "
-        "largest that fits in train.memory_fraction of a device's memory."
-    )
-  for key, bound, within, meaning in _BOUNDS:
-    group, name = key.split(".")
-    if not within(config[group][name]):
-      raise ConfigError(f"{key}={config[group][name]} must be {bound} ({meaning}).")
-  if t.batch_size != -1 and t.batch_size % t.grad_accum_steps:
-    raise ConfigError(
-        f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps="
-        f"{t.grad_accum_steps}: each micro-batch must have the same size."
-    )
-  check_optimizer(config.optimizer, "ELECTRA-Small uses 5e-4, Base 2e-4")
-  if t.time_budget:
-    parse_duration(t.time_budget)
-  from electra_jax import tensorboard_log  # noqa: PLC0415 (its writers' names; it imports no config)
-
-  tensorboard_log.writer_names(t.metric_writers)
-  check_rates(config.model, ("dropout_rate", "attention_dropout_rate"), "model")
-  # The built-in corpus with another source's location set is a forgotten data.source: the run
-  # would train on the standard library's text instead of the corpus named.
-  for key, source in (("files", "text' (or 'jsonl"), ("prepared_dir", "prepared"), ("tfds_name", "tfds"),
-                      ("hf_path", "hf_datasets")):
-    if config.data.source == "builtin" and config.data[key]:
+  _check_bounds(config, _BOUNDS)
+  check_rates(m, ("dropout_rate", "attention_dropout_rate"), "model")
+  if m.tie not in models.TIE_MODES:
+    raise ConfigError(f"model.tie={m.tie!r} is not one of {list(models.TIE_MODES)}.")
+  if m.tie == "all" and m.generator_fraction != 1.0:
+    raise ConfigError(f"model.tie='all' runs one encoder for both towers, so they must be the same size, but "
+                      f"model.generator_fraction={m.generator_fraction}: set it to 1.0.")
+  if d.max_seq_len > m.max_position_embeddings:
+    raise ConfigError(f"data.max_seq_len={d.max_seq_len} exceeds model.max_position_embeddings="
+                      f"{m.max_position_embeddings}. Lower data.max_seq_len or raise max_position_embeddings.")
+  if m.attention_impl == "splash":
+    splash_attention.check_seq_len(d.max_seq_len)
+  for key, source in _SOURCE_KEYS:
+    if d.source == "builtin" and d[key]:
       raise ConfigError(
-          f"data.{key}={config.data[key]!r} is set, but data.source='builtin' (the standard library's text) "
-          f"does not read it. Add --config.data.source='{source}' to train on it, or drop data.{key}."
+          f"data.{key}={d[key]!r} is set, but data.source='builtin' (the standard library's text) does not read "
+          f"it. Add --config.data.source='{source}' to train on it, or drop data.{key}."
       )
-  if config.data.eval_fraction == 0 and config.eval.every_steps > 0 and config.data.source != "prepared":
+  if d.eval_fraction == 0 and config.eval.every_steps > 0 and d.source != "prepared":
     raise ConfigError(
         f"data.eval_fraction=0 holds out no documents, but eval.every_steps={config.eval.every_steps} "
         "evaluates on them. Set --config.eval.every_steps=0 to train without held-out evaluation, "
         "or data.eval_fraction > 0 (e.g. 0.02)."
     )
-  if m.attention_impl == "splash":
-    from electra_jax import splash_attention  # noqa: PLC0415 (it imports this module)
-
-    splash_attention.check_seq_len(config.data.max_seq_len)
-  from electra_jax import models, objectives  # noqa: PLC0415 (keeps recipes' imports light)
-
-  if m.tie not in models.TIE_MODES:
-    raise ConfigError(f"model.tie={m.tie!r} is not one of {list(models.TIE_MODES)}.")
+  if t.dtype not in DTYPES:
+    raise ConfigError(f"train.dtype={t.dtype!r} is not one of {DTYPES}.")
+  # train.batch_size=-1 is resolved by train.prepare to the largest batch that fits (memory.py).
+  if t.batch_size < 1 and t.batch_size != -1:
+    raise ConfigError(f"train.batch_size={t.batch_size}: give a positive global batch size, or -1 for the largest "
+                      "that fits in train.memory_fraction of a device's memory.")
+  if t.batch_size != -1 and t.batch_size % t.grad_accum_steps:
+    raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps="
+                      f"{t.grad_accum_steps}: each micro-batch must have the same size.")
+  if t.time_budget:
+    parse_duration(t.time_budget)
+  tensorboard_log.writer_names(t.metric_writers)
+  check_optimizer(config.optimizer, "ELECTRA-Small uses 5e-4, Base 2e-4")
   objectives.check_config(config)
-  if m.tie == "all" and m.generator_fraction != 1.0:
-    raise ConfigError(
-        f"model.tie='all' runs one encoder for both towers, so they must be the same size, but "
-        f"model.generator_fraction={m.generator_fraction}: set it to 1.0."
-    )
   check_finite(config)  # after the checks above, whose messages say more where they apply
   # The model's own refusals (attention implementation, remat policy, cuDNN's shapes): it is
   # only described here, nothing is initialized.
   models.build_model(config)
-
-
-def check_optimizer(o: ml_collections.ConfigDict, typical_lr: str) -> None:
-  """The AdamW keys pre-training and fine-tuning share; `typical_lr` goes into the message."""
-  if not o.learning_rate > 0:
-    raise ConfigError(
-        f"optimizer.learning_rate={o.learning_rate} must be > 0 (the peak of the warmup-then-"
-        f"linear-decay schedule; {typical_lr})."
-    )
-  if not o.weight_decay >= 0:
-    raise ConfigError(f"optimizer.weight_decay={o.weight_decay} must be >= 0 (0 = none; official 0.01).")
-  for key in ("b1", "b2"):
-    if not 0.0 <= o[key] < 1.0:
-      raise ConfigError(f"optimizer.{key}={o[key]} must be in [0, 1) (Adam's moment decay; official 0.9, 0.999).")
-  if not o.eps > 0 or not o.clip_norm > 0:
-    raise ConfigError(
-        f"optimizer.eps={o.eps} and optimizer.clip_norm={o.clip_norm} must be > 0 (official 1e-6 "
-        "and 1.0, the global gradient norm's cap)."
-    )
-
-
-def check_rates(group: ml_collections.ConfigDict, keys, prefix: str) -> None:
-  """Dropout rates: in [0, 1) (a rate of 1 would drop everything)."""
-  for key in keys:
-    if not 0.0 <= group[key] < 1.0:
-      raise ConfigError(f"{prefix}.{key}={group[key]} must be in [0, 1) (the paper: 0.1).")
 
 
 def validate_for_mesh(config: ml_collections.ConfigDict, batch_shards: int) -> None:

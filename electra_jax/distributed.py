@@ -17,10 +17,8 @@ def _tpu_vm_worker_count() -> int:
   """Hosts in this TPU VM slice, from the metadata server's worker-network-endpoints (what
   jax.distributed.initialize reads there too); 0 when it does not answer."""
   host = os.environ.get("GCE_METADATA_IP", "metadata.google.internal")
-  request = urllib.request.Request(
-      f"http://{host}/computeMetadata/v1/instance/attributes/worker-network-endpoints",
-      headers={"Metadata-Flavor": "Google"},
-  )
+  request = urllib.request.Request(f"http://{host}/computeMetadata/v1/instance/attributes/worker-network-endpoints",
+                                   headers={"Metadata-Flavor": "Google"})
   try:
     with urllib.request.urlopen(request, timeout=10) as response:
       return len([worker for worker in response.read().decode().split(",") if worker.strip()])
@@ -47,17 +45,9 @@ def _multi_host_environment() -> Optional[str]:
   return None
 
 
-def _int_from_env(name: str) -> int:
-  try:
-    return int(os.environ[name])
-  except ValueError:
-    raise ConfigError(f"{name}={os.environ[name]!r} is not a whole number.") from None
-
-
 def require_single_process(mode: str) -> None:
-  """Fine-tuning, export and import run in one process (one device, files written once); in a
-  multi-process job the processes other than 0 cannot even address the device they restore
-  to, so they are refused before anything is read."""
+  """Fine-tuning, export and import run in one process: in a multi-process job the processes
+  other than 0 cannot even address the device they restore to."""
   if jax.process_count() > 1:
     raise ConfigError(
         f"--mode={mode} runs in one process, but this is process {jax.process_index()} of "
@@ -67,21 +57,24 @@ def require_single_process(mode: str) -> None:
     )
 
 
-def initialize(
-    coordinator_address: Optional[str] = None,
-    num_processes: Optional[int] = None,
-    process_id: Optional[int] = None,
-) -> None:
+def _from_env(value, name: str):
+  """`value`, or else the whole number in $name (None when that is unset too)."""
+  if value is not None or not os.environ.get(name):
+    return value
+  try:
+    return int(os.environ[name])
+  except ValueError:
+    raise ConfigError(f"{name}={os.environ[name]!r} is not a whole number.") from None
+
+
+def initialize(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
+               process_id: Optional[int] = None) -> None:
   """Call once, first. Explicit arguments win; then ELECTRA_JAX_COORDINATOR_ADDRESS,
   ELECTRA_JAX_NUM_PROCESSES and ELECTRA_JAX_PROCESS_ID; then ELECTRA_JAX_DISTRIBUTED=auto,
   SLURM or GKE TPU detection."""
-  env = os.environ
-  coordinator_address = coordinator_address or env.get("ELECTRA_JAX_COORDINATOR_ADDRESS") or None
-  if num_processes is None and env.get("ELECTRA_JAX_NUM_PROCESSES"):
-    num_processes = _int_from_env("ELECTRA_JAX_NUM_PROCESSES")
-  if process_id is None and env.get("ELECTRA_JAX_PROCESS_ID"):
-    process_id = _int_from_env("ELECTRA_JAX_PROCESS_ID")
-
+  coordinator_address = coordinator_address or os.environ.get("ELECTRA_JAX_COORDINATOR_ADDRESS") or None
+  num_processes = _from_env(num_processes, "ELECTRA_JAX_NUM_PROCESSES")
+  process_id = _from_env(process_id, "ELECTRA_JAX_PROCESS_ID")
   explicit = (coordinator_address, num_processes, process_id)
   if any(value is not None for value in explicit):
     if any(value is None for value in explicit):
@@ -109,4 +102,3 @@ def initialize(
     return
   logging.info("Process %d of %d, %d local and %d global devices.", jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count())
-

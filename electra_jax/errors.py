@@ -1,6 +1,13 @@
-"""The package's one user-facing error type."""
+"""The errors a user can act on: the CLI prints them in one line, without a traceback."""
 
 
 class ConfigError(ValueError):
-  """A problem with the user's config, data or workdir: the message names the value and the fix,
-  and the CLI prints it without a traceback."""
+  """A problem with the user's config, data or workdir: the message names the value and the fix."""
+
+
+class DamagedCheckpoint(ConfigError):
+  """A checkpoint step whose files cannot be read or whose arrays are not those saved."""
+
+
+class WorkdirInUse(ConfigError):
+  """Another run holds the workdir, or took it over from this one."""

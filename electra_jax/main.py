@@ -17,15 +17,44 @@ import flax  # noqa: E402
 import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
+from ml_collections.config_flags.config_flags import ConfigFileFlagParser  # noqa: E402
 
 import electra_jax  # noqa: E402
 from electra_jax import config_lib, data, distributed, interop, train, workdir_files  # noqa: E402
 from electra_jax.errors import ConfigError  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Path to a recipe in configs/ (e.g. configs/demo.py).", lock_config=True
-)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json, metrics.jsonl and checkpoints.")
+
+class _RecipeParser(ConfigFileFlagParser):
+  """--config's parser: a recipe's file, or its name (`demo`, `finetune/glue`) from any directory.
+  A value that names no recipe is refused in one line before anything is loaded."""
+
+  listing = "configs/base.py"  # the file that lists every key of the loaded recipe
+
+  def parse(self, path):
+    path = config_lib.resolve_recipe(path)
+    recipe = path.split(":", 1)[0]
+    if recipe.endswith(".json"):
+      raise ConfigError(
+          f"--config={path} is a JSON file; --config takes a recipe (a .py file with get_config()). To "
+          "continue a workdir with its config.json, pass --workdir=DIR alone, or --config=configs/workdir.py:DIR "
+          "with overrides."
+      )
+    if not os.path.isfile(recipe):
+      raise ConfigError(
+          f"--config={path}: {recipe} is {'a directory' if os.path.isdir(recipe) else 'not a file'}, and no "
+          "recipe has that name. Give a recipe file or a recipe's name, e.g. demo or finetune/glue "
+          f"({config_lib.RECIPES_DIR} lists them)."
+      )
+    config = super().parse(path)
+    if "init_from" in config:
+      self.listing = "configs/finetune/base.py"
+    return config
+
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "Path to a recipe in configs/ (e.g. configs/demo.py).")
+FLAGS["config"].parser = _RecipeParser("config")
+flags.DEFINE_string("workdir", None, "Directory for config.json, metrics.jsonl and checkpoints.")
 # One line each: `electra-jax --help` lists them (USAGE below).
 _MODES = {
     "train": "pre-train, or resume, in --workdir (the default mode)",
@@ -52,65 +81,47 @@ USAGE = "\n".join([
     "Recipes: configs/*.py (configs/base.py lists every key); docs/ has the manual.",
     "--helpfull lists every flag, those of the libraries too.",
 ])
-_MODE = flags.DEFINE_enum("mode", "train", list(_MODES), "What to do; one of the modes above.")
-_VERSION = flags.DEFINE_bool("version", False, "Print the version of electra-jax and of JAX, then exit.")
-_SWEEP = flags.DEFINE_multi_string(
-    "sweep", [], "sweep: KEY=V1,V2,... (repeatable; the runs are the product of all), e.g. "
-    "--sweep=objective.name=electra,mlm.",
-)
-_SWEEP_FILE = flags.DEFINE_string(
-    "sweep_file", None, "sweep: a file with one run per line (space-separated key=value "
-    "overrides, # comments); crossed with --sweep when both are given.",
-)
-_SWEEP_FINETUNE = flags.DEFINE_string(
-    "sweep_finetune", None, "sweep: a fine-tuning recipe (e.g. configs/finetune/custom.py) run on "
-    "each finished run into <run>/finetune; its dev score goes in the table.",
-)
-_SWEEP_FINETUNE_OVERRIDE = flags.DEFINE_multi_string(
-    "sweep_finetune_override", [], "sweep: key=value for the --sweep_finetune recipe (repeatable)."
-)
-_PLOT_METRICS = flags.DEFINE_list(
-    "plot_metrics", None, "plot: the metrics to draw, one panel each (default: loss, "
-    "masked_lm_accuracy, disc_auc).",
-)
-_WORKERS = flags.DEFINE_integer(
-    "workers", None, "prepare_data: worker processes (default: every core; 0 = in this process)."
-)
-_STEP = flags.DEFINE_integer("step", None, "eval: the checkpoint step (default: the latest).")
-_TAKE_OVER = flags.DEFINE_bool(
-    "take_over_workdir", False,
-    "train and sweep: start even though another run (or sweep) holds --workdir (its lease.json "
-    "names it), because you know it is dead. Without it a workdir a live run holds is refused.",
-)
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "Multi-process runs: host:port of process 0 (or ELECTRA_JAX_COORDINATOR_ADDRESS)."
-)
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process runs: how many (or ELECTRA_JAX_NUM_PROCESSES).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process runs: this one's id (or ELECTRA_JAX_PROCESS_ID).")
-_OUT = flags.DEFINE_string(
-    "out", None,
-    "export_hf: directory for the Hugging Face model directories; train_tokenizer: the "
-    "sentencepiece model file to write; plot: the PNG to write.",
-)
-_EXPORT_GENERATOR = flags.DEFINE_bool(
-    "export_generator", False, "export_hf: write the generator too (<out>/generator)."
-)
-_HF_DISCRIMINATOR = flags.DEFINE_string("hf_discriminator", None, "import_hf: an ElectraForPreTraining directory.")
-_HF_GENERATOR = flags.DEFINE_string("hf_generator", None, "import_hf: an ElectraForMaskedLM directory.")
-_HF_EMBEDDINGS_FROM = flags.DEFINE_enum(
+flags.DEFINE_enum("mode", "train", list(_MODES), "What to do; one of the modes above.")
+flags.DEFINE_bool("version", False, "Print the version of electra-jax and of JAX, then exit.")
+# The other flags, by mode (their help starts with the modes that read them).
+for define, name, default, help_text in (
+    (flags.DEFINE_multi_string, "sweep", [],
+     "sweep: KEY=V1,V2,... (repeatable; the runs are the product of all), e.g. --sweep=objective.name=electra,mlm."),
+    (flags.DEFINE_string, "sweep_file", None, "sweep: a file with one run per line (space-separated key=value "
+     "overrides, # comments); crossed with --sweep when both are given."),
+    (flags.DEFINE_string, "sweep_finetune", None, "sweep: a fine-tuning recipe (e.g. configs/finetune/custom.py) run "
+     "on each finished run into <run>/finetune; its dev score goes in the table."),
+    (flags.DEFINE_multi_string, "sweep_finetune_override", [],
+     "sweep: key=value for the --sweep_finetune recipe (repeatable)."),
+    (flags.DEFINE_list, "plot_metrics", None,
+     "plot: the metrics to draw, one panel each (default: loss, masked_lm_accuracy, disc_auc)."),
+    (flags.DEFINE_integer, "workers", None,
+     "prepare_data: worker processes (default: every core; 0 = in this process)."),
+    (flags.DEFINE_integer, "step", None, "eval: the checkpoint step (default: the latest)."),
+    (flags.DEFINE_bool, "take_over_workdir", False, "train and sweep: start even though another run (or sweep) holds "
+     "--workdir (its lease.json names it), because you know it is dead. Without it a workdir a live run holds is "
+     "refused."),
+    (flags.DEFINE_string, "coordinator_address", None,
+     "Multi-process runs: host:port of process 0 (or ELECTRA_JAX_COORDINATOR_ADDRESS)."),
+    (flags.DEFINE_integer, "num_processes", None, "Multi-process runs: how many (or ELECTRA_JAX_NUM_PROCESSES)."),
+    (flags.DEFINE_integer, "process_id", None, "Multi-process runs: this one's id (or ELECTRA_JAX_PROCESS_ID)."),
+    (flags.DEFINE_string, "out", None, "export_hf: directory for the Hugging Face model directories; "
+     "train_tokenizer: the sentencepiece model file to write; plot: the PNG to write."),
+    (flags.DEFINE_bool, "export_generator", False, "export_hf: write the generator too (<out>/generator)."),
+    (flags.DEFINE_string, "hf_discriminator", None, "import_hf: an ElectraForPreTraining directory."),
+    (flags.DEFINE_string, "hf_generator", None, "import_hf: an ElectraForMaskedLM directory."),
+    (flags.DEFINE_string, "tf_checkpoint", None,
+     "import_tf: an official checkpoint (model.ckpt-N prefix, or its directory)."),
+    (flags.DEFINE_string, "vocab_file", None, "import_tf: the vocab.txt (default: the one beside the checkpoint)."),
+    (flags.DEFINE_integer, "tf_num_heads", None,
+     "import_tf: the discriminator's attention heads (default: hidden // 64, as officially)."),
+):
+  define(name, default, help_text)
+flags.DEFINE_enum(
     "hf_embeddings_from", None, ["discriminator", "generator"],
-    "import_hf: whose embeddings both towers keep when the two directories' embeddings differ "
-    "(by default that is refused).",
+    "import_hf: whose embeddings both towers keep when the two directories' embeddings differ (by default that is "
+    "refused).",
 )
-_TF_CHECKPOINT = flags.DEFINE_string(
-    "tf_checkpoint", None, "import_tf: an official checkpoint (model.ckpt-N prefix, or its directory)."
-)
-_VOCAB_FILE = flags.DEFINE_string("vocab_file", None, "import_tf: the vocab.txt (default: the one beside the checkpoint).")
-_TF_NUM_HEADS = flags.DEFINE_integer(
-    "tf_num_heads", None, "import_tf: the discriminator's attention heads (default: hidden // 64, as officially)."
-)
-# Every mode but prepare_data and train_tokenizer works in a workdir.
-_NO_WORKDIR_MODES = ("prepare_data", "train_tokenizer")
 _DATA_CONFIG = "--config (a recipe with the data.* settings of the corpus)."
 _IMPORT_CONFIG = ("--config: the recipe whose training, data and mesh settings the workdir will use (its model "
                   "sizes and vocabulary come from the weights).")
@@ -129,7 +140,6 @@ _NEEDS = {
     "import_tf": (("config", _IMPORT_CONFIG),
                   ("tf_checkpoint", "--tf_checkpoint=PATH (model.ckpt-N or its directory).")),
 }
-
 # The columns of the end-of-run table (a metric an objective does not compute shows "-").
 _SUMMARY_METRICS = ("loss", "masked_lm_accuracy", "disc_auc", "disc_precision", "disc_recall")
 
@@ -151,8 +161,7 @@ def end_summary(config, metrics: dict, workdir: str, seconds: float) -> str:
   tokens = step * config.train.batch_size * config.data.max_seq_len
   return "\n".join([
       f"{'Done' if step >= config.train.steps else 'Stopped'}: step {step} of {config.train.steps}, "
-      f"{tokens:,} tokens in all (padding included); "
-      f"this command ran {minutes}m{secs:02d}s.",
+      f"{tokens:,} tokens in all (padding included); this command ran {minutes}m{secs:02d}s.",
       *table,
       f"Files: {workdir}/checkpoints, {workdir}/metrics.jsonl, {workdir}/eval_metrics.jsonl, {workdir}/config.json",
   ])
@@ -166,10 +175,33 @@ def _quiet_libraries(record) -> bool:
   return "orbax" not in record.pathname and "Unable to initialize backend" not in record.getMessage()
 
 
+def _check_flags(mode: str, config) -> None:
+  """The flags `mode` needs, and a recipe of its kind: a fine-tuning one (it has init_from) for
+  --mode=finetune, a pre-training one for the modes that train or read data."""
+  if config is not None and mode not in ("plot", "sweep_report"):
+    if "init_from" in config and mode != "finetune":
+      raise ConfigError(
+          f"--config is a fine-tuning recipe (configs/finetune/), but --mode={mode} takes a pre-training one "
+          "(configs/demo.py, configs/electra_small.py, ...). To fine-tune, add --mode=finetune."
+      )
+    if mode == "finetune" and "init_from" not in config:
+      raise ConfigError(
+          "--mode=finetune takes a fine-tuning recipe (configs/finetune/glue.py, squad.py, custom.py or tiny.py; "
+          "the pre-training workdir goes in --config.init_from), but --config is a pre-training recipe."
+      )
+  if mode in ("finetune", "export_hf", "import_hf", "import_tf"):
+    distributed.require_single_process(mode)
+  if mode not in ("prepare_data", "train_tokenizer") and FLAGS.workdir is None:
+    raise ConfigError(f"--mode={mode} needs --workdir.")
+  for names, what in _NEEDS.get(mode, ()):
+    if all(FLAGS[name].value in (None, "", []) for name in names.split()):
+      raise ConfigError(f"--mode={mode} needs {what}")
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-  if _VERSION.value:
+  if FLAGS.version:
     print(f"electra-jax {electra_jax.__version__} (jax {jax.__version__}, flax {flax.__version__})")
     return
   logging.set_verbosity(logging.INFO)
@@ -177,92 +209,79 @@ def main(argv):
   if os.environ.get("GLIBC_TUNABLES") == xla_flags.HUGE_PAGES:  # debug level: not news on every run
     logging.vlog(1, "CPU: glibc allocates large buffers on huge pages (GLIBC_TUNABLES=%s; "
                  "ELECTRA_JAX_XLA_DEFAULTS=0 turns it off).", xla_flags.HUGE_PAGES)
-  mode = _MODE.value
+  mode, config, workdir, out = FLAGS.mode, FLAGS.config, FLAGS.workdir, FLAGS.out
   try:
     # First, before anything touches the devices. TPU VM slices and SLURM need no flags.
-    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    _check_recipe_kind(_CONFIG.value, mode)
-    if mode in ("finetune", "export_hf", "import_hf", "import_tf"):
-      distributed.require_single_process(mode)
-    if mode not in _NO_WORKDIR_MODES and _WORKDIR.value is None:
-      raise ConfigError(f"--mode={mode} needs --workdir.")
-    for names, what in _NEEDS.get(mode, ()):
-      if all(flags.FLAGS[name].value in (None, "", []) for name in names.split()):
-        raise ConfigError(f"--mode={mode} needs {what}")
+    distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    _check_flags(mode, config)
     if mode == "train":
-      config = _CONFIG.value
-      if config is None:
-        if not workdir_files.exists(workdir_files.path(_WORKDIR.value, "config.json")):
-          raise ConfigError(
-              "--mode=train needs --config (a recipe, e.g. configs/demo.py), unless --workdir "
-              "already holds a config.json to continue with."
-          )
-        config = config_lib.load_workdir_config(_WORKDIR.value)
+      if config is None and not workdir_files.exists(workdir_files.path(workdir, "config.json")):
+        raise ConfigError(
+            "--mode=train needs --config (a recipe, e.g. configs/demo.py), unless --workdir already holds a "
+            "config.json to continue with."
+        )
+      config = config or config_lib.load_workdir_config(workdir)
       started = time.perf_counter()
-      metrics = train.train_and_evaluate(config, _WORKDIR.value, take_over_workdir=_TAKE_OVER.value)
+      metrics = train.train_and_evaluate(config, workdir, take_over_workdir=FLAGS.take_over_workdir)
       if metrics and jax.process_index() == 0:  # one summary per job, not per host
-        print(end_summary(config, metrics, _WORKDIR.value, time.perf_counter() - started))
+        print(end_summary(config, metrics, workdir, time.perf_counter() - started))
     elif mode == "eval":
-      config = _CONFIG.value or config_lib.load_workdir_config(_WORKDIR.value)
-      held_out = train.evaluate_checkpoint(config, _WORKDIR.value, _STEP.value)
+      held_out = train.evaluate_checkpoint(config or config_lib.load_workdir_config(workdir), workdir, FLAGS.step)
       summary = ", ".join(f"{k}={v:.4g}" for k, v in sorted(held_out.items()))
       print(f"Held-out metrics (checkpoint {held_out['step']}): {summary}")
-      print(f"Written to {_WORKDIR.value}/eval_step_{held_out['step']}.json")
+      print(f"Written to {workdir}/eval_step_{held_out['step']}.json")
     elif mode == "finetune":
-      from electra_jax.finetune import trainer as finetune  # noqa: PLC0415 (tfds/squad stay out of other modes)
+      from electra_jax.finetune import trainer  # noqa: PLC0415 (tfds/squad stay out of other modes)
 
-      results = finetune.run_finetune(_CONFIG.value, _WORKDIR.value)  # prints its table itself
-      print(f"Results: {_WORKDIR.value}/{results['task']}/results.json")
+      results = trainer.run_finetune(config, workdir)  # prints its table itself
+      print(f"Results: {workdir}/{results['task']}/results.json")
     elif mode == "export_hf":
-      from electra_jax.finetune import export as finetune_export  # noqa: PLC0415 (as finetune)
+      from electra_jax.finetune import export  # noqa: PLC0415 (as finetune)
 
-      for name, directory in finetune_export.export_hf(_WORKDIR.value, _OUT.value, _EXPORT_GENERATOR.value).items():
+      for name, directory in export.export_hf(workdir, out, FLAGS.export_generator).items():
         print(f"Wrote the {name} (Hugging Face format) to {directory}")
     elif mode in ("import_hf", "import_tf"):
-      pair = (interop.pair_from_hf(_HF_DISCRIMINATOR.value, _HF_GENERATOR.value) if mode == "import_hf"
-              else interop.pair_from_tf(_TF_CHECKPOINT.value, _VOCAB_FILE.value, _TF_NUM_HEADS.value))
-      summary = interop.write_pretraining_workdir(pair, _CONFIG.value, _WORKDIR.value, _HF_EMBEDDINGS_FROM.value)
+      pair = (interop.pair_from_hf(FLAGS.hf_discriminator, FLAGS.hf_generator) if mode == "import_hf"
+              else interop.pair_from_tf(FLAGS.tf_checkpoint, FLAGS.vocab_file, FLAGS.tf_num_heads))
+      summary = interop.write_pretraining_workdir(pair, config, workdir, FLAGS.hf_embeddings_from)
       print(
           f"Imported {pair.source} ({summary['num_params']:,} parameters, generator_fraction="
           f"{summary['generator_fraction']:.4g}) as step 0 of {summary['workdir']}; vocabulary "
           f"{summary['vocab_file']}.\nContinue pre-training with: electra-jax --workdir={summary['workdir']}"
       )
     elif mode == "prepare_data":
-      manifest = data.prepare_data(_CONFIG.value.data, num_workers=_WORKERS.value)
+      manifest = data.prepare_data(config.data, num_workers=FLAGS.workers)
       totals = manifest["totals"]
       print(
-          f"Prepared {len(manifest['shards'])} shards in {_CONFIG.value.data.prepared_dir}: "
+          f"Prepared {len(manifest['shards'])} shards in {config.data.prepared_dir}: "
           f"{totals['train_examples']} train / {totals['eval_examples']} eval examples, "
           f"{totals['train_tokens']} train tokens. Train with --config.data.source=prepared."
       )
     elif mode == "train_tokenizer":
-      info = data.train_tokenizer(_CONFIG.value.data, _OUT.value)
-      print(
-          f"Wrote {info['path']} ({info['vocab_size']} pieces, fingerprint {info['fingerprint']}); "
-          f"use it with --config.data.spm_model_file={info['path']}"
-      )
+      info = data.train_tokenizer(config.data, out)
+      print(f"Wrote {info['path']} ({info['vocab_size']} pieces, fingerprint {info['fingerprint']}); "
+            f"use it with --config.data.spm_model_file={info['path']}")
     elif mode == "plot":
       from electra_jax import plots  # noqa: PLC0415 (matplotlib: the `plots` extra)
 
-      plots.plot_curves(_WORKDIR.value.split(","), _OUT.value, _PLOT_METRICS.value)
-      print(f"Wrote {_OUT.value}")
-    elif mode == "sweep_report":
+      plots.plot_curves(workdir.split(","), out, FLAGS.plot_metrics)
+      print(f"Wrote {out}")
+    else:
       from electra_jax import sweep  # noqa: PLC0415
 
-      sweep.write_report(_WORKDIR.value)
-      print(f"Wrote {_WORKDIR.value}/results.md and {_WORKDIR.value}/results.csv")
-    else:  # sweep
-      from electra_jax import sweep  # noqa: PLC0415
-
+      if mode == "sweep_report":
+        sweep.write_report(workdir)
+        print(f"Wrote {workdir}/results.md and {workdir}/results.csv")
+        return
       finetune_config = None
-      if _SWEEP_FINETUNE.value:
-        finetune_config = sweep.load_finetune_config(_SWEEP_FINETUNE.value, _SWEEP_FINETUNE_OVERRIDE.value)
-      result = sweep.run_sweep(_CONFIG.value, _WORKDIR.value, _SWEEP.value, _SWEEP_FILE.value, finetune_config,
-                              take_over_workdir=_TAKE_OVER.value)
-      print(workdir_files.read_text(workdir_files.path(_WORKDIR.value, "results.md")))
-      curves = workdir_files.path(_WORKDIR.value, "curves.png")
-      print(f"Tables: {_WORKDIR.value}/results.md, {_WORKDIR.value}/results.csv"
-            + (f"  Curves: {_WORKDIR.value}/curves.png" if workdir_files.exists(curves) else ""))
+      if FLAGS.sweep_finetune:
+        finetune_config = sweep.load_finetune_config(FLAGS.sweep_finetune, FLAGS.sweep_finetune_override)
+      result = sweep.run_sweep(config, workdir, FLAGS.sweep, FLAGS.sweep_file, finetune_config,
+                               take_over_workdir=FLAGS.take_over_workdir)
+      print(workdir_files.read_text(workdir_files.path(workdir, "results.md")))
+      curves = workdir_files.exists(workdir_files.path(workdir, "curves.png"))
+      print(f"Tables: {workdir}/results.md, {workdir}/results.csv"
+            + (f"  Curves: {workdir}/curves.png" if curves else ""))
       if result["preempted"]:
         print("The sweep stopped at a SIGTERM; run the same command to go on where it stopped.")
       if result["failed"]:
@@ -270,64 +289,6 @@ def main(argv):
                  "(see the log; re-run the same command to retry them).")
   except (ConfigError, FloatingPointError) as error:  # a mistake, or a diverged run
     sys.exit(f"electra-jax: error: {error}")
-
-
-def _check_recipe_kind(config, mode: str) -> None:
-  """A fine-tuning recipe (it has init_from) given to a pre-training mode, or the reverse."""
-  if config is None or mode in ("plot", "sweep_report"):
-    return
-  finetuning = "init_from" in config
-  if finetuning and mode != "finetune":
-    raise ConfigError(
-        f"--config is a fine-tuning recipe (configs/finetune/), but --mode={mode} takes a "
-        "pre-training one (configs/demo.py, configs/electra_small.py, ...). To fine-tune, add "
-        "--mode=finetune."
-    )
-  if mode == "finetune" and not finetuning:
-    raise ConfigError(
-        "--mode=finetune takes a fine-tuning recipe (configs/finetune/glue.py, squad.py, "
-        "custom.py or tiny.py; the pre-training workdir goes in --config.init_from), but --config "
-        "is a pre-training recipe."
-    )
-
-
-def _check_recipe_path(path: str) -> None:
-  """Exits with one line when --config names no recipe file, before absl imports it."""
-  recipe = path.split(":", 1)[0]
-  if recipe.endswith(".json"):
-    sys.exit(
-        f"electra-jax: error: --config={path} is a JSON file; --config takes a recipe (a .py file "
-        "with get_config()). To continue a workdir with its config.json, pass --workdir=DIR alone, "
-        "or --config=configs/workdir.py:DIR with overrides."
-    )
-  if not os.path.isfile(recipe):
-    what = "a directory" if os.path.isdir(recipe) else "not a file"
-    sys.exit(
-        f"electra-jax: error: --config={path}: {recipe} is {what}, and no recipe has that name. Give "
-        f"a recipe file or a recipe's name, e.g. demo or finetune/glue ({config_lib.RECIPES_DIR} lists them)."
-    )
-
-
-def _parse_flags(argv):
-  """absl's flag parsing, where mistakes in the config flags end with one line naming them
-  instead of a traceback (`config_lib.parse_flags`), and a missing --config or recipe file is
-  named before any recipe is loaded."""
-  overrides = [arg.split("=")[0] for arg in argv[1:] if arg.startswith("--config.")]
-  if overrides and not any(arg == "--config" or arg.startswith("--config=") for arg in argv[1:]):
-    sys.exit(
-        f"electra-jax: error: {overrides[0]} changes a recipe, but no --config was given. To change "
-        "the config.json of an existing workdir, pass --config=configs/workdir.py:DIR (DIR = the "
-        "workdir) with the overrides."
-    )
-  argv = list(argv)
-  for i in range(1, len(argv)):  # recipes by name (--config=demo) from anywhere
-    head = "--config=" if argv[i].startswith("--config=") else "" if argv[i - 1] == "--config" else None
-    if head is not None:
-      argv[i] = head + config_lib.resolve_recipe(argv[i][len(head):])
-      _check_recipe_path(argv[i][len(head):])
-  finetune = "--mode=finetune" in argv or ("--mode", "finetune") in zip(argv, argv[1:])
-  return config_lib.parse_flags(
-      argv, "electra-jax", "configs/finetune/base.py" if finetune else "configs/base.py")
 
 
 # The flags `--help` shows (absl shows the key flags of the program's main module, which for the
@@ -338,8 +299,8 @@ _KEY_FLAGS = ("mode", "config", "workdir", "out", "step", "take_over_workdir", "
 def run():
   sys.modules["__main__"].__doc__ = USAGE  # what absl's --help prints first
   for name in _KEY_FLAGS:
-    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
-  app.run(main, flags_parser=_parse_flags)
+    FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
+  app.run(main, flags_parser=config_lib.flags_parser("electra-jax"))
 
 
 if __name__ == "__main__":

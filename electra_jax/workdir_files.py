@@ -1,9 +1,6 @@
 """The workdir's small files (config.json, metrics.jsonl, eval results) on local disk or in a
-bucket (`gs://...`, through etils.epath, as orbax writes the checkpoints beside them). Writes
-replace a file whole, atomically. A bucket object cannot be appended to, so `JsonlLog` rewrites
-a bucket's log at most every `remote_flush_seconds` and on `flush()` (each checkpoint, the end);
-what a preempted run had not flushed it re-logs after resuming from its last checkpoint.
-"""
+bucket (`gs://...`, through etils.epath). Writes replace a file whole, atomically; a bucket's
+`JsonlLog` is rewritten at most every `remote_flush_seconds` and on `flush()`."""
 
 from __future__ import annotations
 
@@ -30,9 +27,8 @@ def path(workdir, *parts) -> epath.Path:
 
 
 def check_usable(workdir, flag: str = "--workdir") -> None:
-  """Refuses, before any data or compile, a local workdir that cannot be made: a file in
-  its place or on its path, or a parent this user may not write to. (A bucket is not checked.)
-  `flag` names the option that gave the directory (--out for an export)."""
+  """Refuses a local workdir that cannot be made (a file on its path, a parent this user may
+  not write to), naming `flag`, the option that gave it. A bucket is not checked."""
   if is_remote(workdir):
     return
   existing = os.path.abspath(os.fspath(workdir))
@@ -57,9 +53,8 @@ def read_text(file) -> str:
 
 
 def read_json(file, parse=lambda value: value):
-  """parse(the JSON of `file`), a file electra-jax wrote (config.json, sweep.json, ...), refused
-  by name when it is not JSON or when `parse` (which raises on a layout this version does not
-  write) fails: such a file was edited or damaged since."""
+  """parse(the JSON of `file`), a file electra-jax wrote, refused by name when it is not JSON or
+  `parse` raises (on a layout this version does not write): it was edited or damaged since."""
   try:
     return parse(json.loads(read_text(file)))
   except (ValueError, KeyError, TypeError, AttributeError) as error:
@@ -70,8 +65,7 @@ def read_json(file, parse=lambda value: value):
 
 
 def sweep_runs(folder) -> list[tuple[str, str]]:
-  """[(name, workdir)] of a sweep folder's runs in the order sweep.json records them; [] when
-  `folder` is not a sweep folder."""
+  """[(name, workdir)] of a sweep folder's runs in sweep.json's order; [] for another folder."""
   file = path(folder, SWEEP_FILE)
   if not exists(file):
     return []

@@ -22,13 +22,15 @@ from typing import Callable, Optional
 from absl import logging
 
 from electra_jax import workdir_files
-from electra_jax.errors import ConfigError
+from electra_jax.errors import WorkdirInUse
 
 LEASE_FILE = "lease.json"
-
-
-class WorkdirInUse(ConfigError):
-  """Another run holds the workdir, or took it over from this one."""
+# The fields a lease's reader uses, and their types: a hand-edited value of another type would
+# otherwise fail inside the check (float("abc")) and block --take_over_workdir too.
+_FIELD_TYPES = {"host": str, "pid": int, "heartbeat": (int, float), "released": bool, "started": str}
+# The leases this process holds now (their run ids): what tells this process's own live runs
+# from a dead run that had the same pid (a restarted container).
+_LIVE_RUN_IDS: set[str] = set()
 
 
 def _pid_running(pid: int) -> bool:
@@ -47,14 +49,9 @@ def describe(holder: dict, now: float) -> str:
           f"started {holder.get('started', '?')}, last heartbeat {age:.0f} s ago)")
 
 
-# The leases this process holds now (their run ids): what tells this process's own live runs
-# from a dead run that had the same pid (a restarted container).
-_LIVE_RUN_IDS: set[str] = set()
-
-
 def read_lease(workdir) -> Optional[dict]:
-  """The lease file's content; None when there is none, or when it cannot be parsed (local
-  writes are atomic, so only a hand edit leaves it so; it is treated as absent)."""
+  """The lease file's content; None when there is none, or when it is not a lease this version
+  wrote (only a hand edit leaves it so: it is treated as absent)."""
   file = workdir_files.path(workdir, LEASE_FILE)
   if not workdir_files.exists(file):
     return None
@@ -70,11 +67,6 @@ def read_lease(workdir) -> Optional[dict]:
   return holder
 
 
-# The fields a lease's reader uses, and their types: a hand-edited value of another type would
-# otherwise fail inside the check (float("abc")) and block --take_over_workdir too.
-_FIELD_TYPES = {"host": str, "pid": int, "heartbeat": (int, float), "released": bool, "started": str}
-
-
 class WorkdirLease:
   """Process 0's claim on a workdir. `acquire()` once before writing anything, `check()`
   before each checkpoint, `release()` at the end (also after an error)."""
@@ -86,13 +78,8 @@ class WorkdirLease:
     self.workdir = workdir
     self.file = workdir_files.path(workdir, LEASE_FILE)
     self.beat_seconds, self.stale_seconds, self._clock = beat_seconds, stale_seconds, clock
-    self.record = {
-        "run_id": uuid.uuid4().hex[:12],
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "released": False,
-    }
+    self.record = {"run_id": uuid.uuid4().hex[:12], "host": socket.gethostname(), "pid": os.getpid(),
+                   "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "released": False}
     self._stop = threading.Event()
     self._thread: Optional[threading.Thread] = None
     self._lock = threading.Lock()  # the main thread's check/release against the heartbeat's write
@@ -109,14 +96,14 @@ class WorkdirLease:
       return False
     if self._clock() - float(holder.get("heartbeat", 0.0)) > self.stale_seconds:
       return False
-    if holder.get("host") == self.record["host"]:
-      if int(holder.get("pid", -1)) == os.getpid():
-        # This process's own pid: alive only if this process holds that lease now (a notebook
-        # cell still training in a thread). A restarted container gets the same host name and
-        # pid (often 1) as the run it replaced, which is dead.
-        return holder.get("run_id") in _LIVE_RUN_IDS
-      return _pid_running(int(holder.get("pid", -1)))
-    return True
+    if holder.get("host") != self.record["host"]:
+      return True
+    if int(holder.get("pid", -1)) == os.getpid():
+      # This process's own pid: alive only if this process holds that lease now (a notebook
+      # cell still training in a thread). A restarted container gets the same host name and
+      # pid (often 1) as the run it replaced, which is dead.
+      return holder.get("run_id") in _LIVE_RUN_IDS
+    return _pid_running(int(holder.get("pid", -1)))
 
   def _write(self) -> None:
     workdir_files.write_text(self.file, json.dumps(dict(self.record, heartbeat=self._clock()), sort_keys=True))
@@ -170,14 +157,12 @@ class WorkdirLease:
     it was read less than `max_age_seconds` ago (a bucket's read takes tens of ms)."""
     with self._lock:
       fresh = time.monotonic() - self._last_read < max_age_seconds
-      held = self.taken_by is None if fresh else self._still_held()
-      if not held:
-        raise WorkdirInUse(self.lost_message())
-
-  def lost_message(self) -> str:
-    return (f"Another run took over the workdir {self.workdir}: {describe(self.taken_by, self._clock())}. "
+      if not (self.taken_by is None if fresh else self._still_held()):
+        raise WorkdirInUse(
+            f"Another run took over the workdir {self.workdir}: {describe(self.taken_by, self._clock())}. "
             f"This run ({self.run_id}) stopped without saving, so as not to overwrite that run's "
-            "checkpoints. Run one job per workdir.")
+            "checkpoints. Run one job per workdir."
+        )
 
   def release(self) -> None:
     """Marks the lease released, unless another run holds it by now. Stops the heartbeat."""
