@@ -97,11 +97,9 @@ def load_task_model(workdir: str, task: str) -> TaskModel:
                       "export it.")
   config = ml_collections.ConfigDict(results["config"])
   if head["kind"] != "span" and config.head.pooling != "cls":
-    raise ConfigError(
-        f"{workdir}/{task} was fine-tuned with head.pooling={config.head.pooling!r}, and Hugging Face's "
-        "ElectraForSequenceClassification reads the first token only; fine-tune with "
-        "--config.head.pooling=cls to export, or use the model in electra-jax."
-    )
+    raise ConfigError(f"{workdir}/{task} was fine-tuned with head.pooling={config.head.pooling!r}, and Hugging "
+                      "Face's ElectraForSequenceClassification reads the first token only; fine-tune with "
+                      "--config.head.pooling=cls to export, or use the model in electra-jax.")
   config.random_init = True  # sizes and tokenizer only: the weights come from the fine-tuned checkpoint
   backbone = model_lib.load_backbone(config)
   hf.check_hf_form(backbone.encoder_config)
@@ -128,10 +126,8 @@ def export_finetuned(workdir: str, out_dir: str) -> dict[str, str]:
       logging.warning("%s: SQuAD 2.0's answerability head has no ElectraForQuestionAnswering form and is "
                       "left out; the export's no-answer score is the [CLS] span's, as Hugging Face's.", task)
     for seed in seeds:
-      params = restore_seed(workdir, task, seed, model)
-      directory = os.path.join(out_dir, task, f"seed_{seed}")
-      _write(directory, backbone, head, params)
-      written[f"{task}/seed_{seed}"] = directory
+      written[f"{task}/seed_{seed}"] = directory = os.path.join(out_dir, task, f"seed_{seed}")
+      _write(directory, backbone, head, restore_seed(workdir, task, seed, model))
   return written
 
 

@@ -139,13 +139,10 @@ def _from_workdir(config, workdir: str) -> Backbone:
     parts = [part.partition(":") for part in meta["data_fingerprint"].split("|")]
     recorded = next((value for kind, _, value in parts if kind in ("spm", "wp")), None)
   if recorded is not None and recorded != tokenizer.fingerprint:
-    raise ConfigError(
-        f"The tokenizer {tokenizer!r} differs from the one the checkpoint in {workdir} was "
-        f"pre-trained with (fingerprint {recorded}); its token ids would mean other words to the "
-        "model. Leave config.tokenizer empty to use the pre-training tokenizer (if its cache was "
-        "rebuilt differently, restore the cache or pre-train again)."
-    )
-
+    raise ConfigError(f"The tokenizer {tokenizer!r} differs from the one the checkpoint in {workdir} was pre-trained "
+                      f"with (fingerprint {recorded}); its token ids would mean other words to the model. Leave "
+                      "config.tokenizer empty to use the pre-training tokenizer (if its cache was rebuilt "
+                      "differently, restore the cache or pre-train again).")
   pretrainer = build_model(pretrain_config)
   source = f"random init (sizes of {workdir})" if config.random_init else f"{workdir} step {step}"
   params = None
@@ -176,10 +173,10 @@ def _from_hf(config, path: str) -> Backbone:
   if not tokenizer_path:
     raise ConfigError(f"{path} has neither vocab.txt nor spm.model; set config.tokenizer to the vocabulary "
                       "the model was trained with.")
-  # The directory's tokenizer_config.json says how the text was normalized (a cased model must
-  # not be lowercased); config.lowercase, when set, overrides it.
-  recorded_lowercase, strip_accents = pairing.read_tokenizer_settings(path)
-  lowercase = config.lowercase if config.lowercase is not None else recorded_lowercase
+  # The directory's tokenizer_config.json says how the text was normalized (a cased model must not be
+  # lowercased); config.lowercase, when set, overrides it.
+  lowercase, strip_accents = pairing.read_tokenizer_settings(path)
+  lowercase = lowercase if config.lowercase is None else config.lowercase
   return Backbone(
       **sizes_of(hf_model), encoder_config=hf_model.config,
       params=None if config.random_init else {"embeddings": hf_params["embeddings"], "encoder": tower["encoder"]},
@@ -191,20 +188,16 @@ def _from_hf(config, path: str) -> Backbone:
 def _from_config(config) -> Backbone:
   """Random init with the sizes in config.model and the tokenizer in config.tokenizer."""
   if not config.tokenizer:
-    raise ConfigError(
-        "config.init_from is empty, so the model starts from scratch and needs config.tokenizer "
-        "(a sentencepiece .model or a BERT vocab.txt). To fine-tune a pre-trained model, set "
-        "config.init_from to its pre-training workdir or Hugging Face directory."
-    )
+    raise ConfigError("config.init_from is empty, so the model starts from scratch and needs config.tokenizer (a "
+                      "sentencepiece .model or a BERT vocab.txt). To fine-tune a pre-trained model, set "
+                      "config.init_from to its pre-training workdir or Hugging Face directory.")
   m = config.model
   config_lib.check_encoder_sizes(m, ("hidden_size", "num_layers", "num_heads", "intermediate_size", "embedding_size",
                                      "max_position_embeddings"), "config.model.", " (the random-init model's sizes)")
   tokenizer = _tokenizer_from_file(config.tokenizer, config.lowercase)
-  return Backbone(
-      m.vocab_size or tokenizer.vocab_size, m.embedding_size, m.max_position_embeddings, 2,
-      EncoderConfig(m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size), None, tokenizer,
-      "random init (config.model)",
-  )
+  return Backbone(m.vocab_size or tokenizer.vocab_size, m.embedding_size, m.max_position_embeddings, 2,
+                  EncoderConfig(m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size), None, tokenizer,
+                  "random init (config.model)")
 
 
 def load_backbone(config) -> Backbone:
@@ -219,20 +212,14 @@ def load_backbone(config) -> Backbone:
   elif os.path.isfile(os.path.join(init_from, "config.json")):
     backbone = _from_hf(config, init_from)
   else:
-    raise ConfigError(
-        f"config.init_from={init_from!r} is neither a pre-training workdir (with checkpoints/) nor "
-        "a Hugging Face model directory (with config.json)."
-    )
+    raise ConfigError(f"config.init_from={init_from!r} is neither a pre-training workdir (with checkpoints/) nor a "
+                      "Hugging Face model directory (with config.json).")
   if backbone.tokenizer.vocab_size > backbone.vocab_size:
-    raise ConfigError(
-        f"The tokenizer has {backbone.tokenizer.vocab_size} tokens but the model's vocabulary only "
-        f"{backbone.vocab_size}; use the tokenizer the model was trained with."
-    )
+    raise ConfigError(f"The tokenizer has {backbone.tokenizer.vocab_size} tokens but the model's vocabulary only "
+                      f"{backbone.vocab_size}; use the tokenizer the model was trained with.")
   if config.max_seq_len > backbone.max_position_embeddings:
-    raise ConfigError(
-        f"config.max_seq_len={config.max_seq_len} exceeds the model's max_position_embeddings="
-        f"{backbone.max_position_embeddings}; lower max_seq_len."
-    )
+    raise ConfigError(f"config.max_seq_len={config.max_seq_len} exceeds the model's max_position_embeddings="
+                      f"{backbone.max_position_embeddings}; lower max_seq_len.")
   return backbone
 
 
@@ -245,9 +232,8 @@ def init_params(backbone: Backbone, model: ElectraClassifier, rng: jax.Array, se
     # Copies: the training step donates its parameters, and the next seed starts from these.
     pretrained = jax.tree.map(lambda x: jnp.array(x, copy=True), nn.meta.unbox(backbone.params))
     for name in ("embeddings", "encoder"):
-      expected = jax.tree.map(jnp.shape, params[name])
-      got = jax.tree.map(jnp.shape, pretrained[name])
+      expected, got = jax.tree.map(jnp.shape, params[name]), jax.tree.map(jnp.shape, pretrained[name])
       if expected != got:
         raise ConfigError(f"The pre-trained {name} do not fit the classifier: {got} vs {expected}.")
-    params = {**params, "embeddings": pretrained["embeddings"], "encoder": pretrained["encoder"]}
+      params[name] = pretrained[name]
   return params

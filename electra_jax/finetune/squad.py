@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -48,9 +49,6 @@ def _log_progress(what: str, done: int, total: int, started: float) -> None:
     logging.info("%s: %d/%d (%.0f s elapsed, ETA %.0f s)", what, done, total, elapsed, eta)
 
 
-# ---------------------------------------------------------------------------------------
-# Examples: official JSON and TFDS.
-# ---------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class SquadExample:
   """One question about one context. `answers` holds (text, answer_start) pairs, the start a
@@ -78,11 +76,9 @@ def _make_example(qas_id, question, context, answers, is_impossible, version, wh
     start = int(start)
     found = context[start:start + len(text)] if start >= 0 else None
     if found != text:
-      raise ConfigError(
-          f"{where}: question {qas_id!r}: answer_start={start} does not point at the answer "
-          f"text {text!r} (the context there reads {found!r}). answer_start must be the "
-          "character offset of the answer in the context; fix the file."
-      )
+      raise ConfigError(f"{where}: question {qas_id!r}: answer_start={start} does not point at the answer text "
+                        f"{text!r} (the context there reads {found!r}). answer_start must be the character offset "
+                        "of the answer in the context; fix the file.")
     checked.append((text, start))
   if version == "1.1" and is_impossible:
     raise ConfigError(f"{where}: question {qas_id!r} is marked is_impossible, which only SQuAD 2.0 has; read "
@@ -121,10 +117,8 @@ def read_squad_json(path: str, version) -> list[SquadExample]:
     data = json.loads(raw)["data"]
     questions = [(p["context"], qa) for a in data for p in a["paragraphs"] for qa in p["qas"]]
   except (json.JSONDecodeError, KeyError, TypeError) as e:
-    raise ConfigError(
-        f"{path!r} is not an official SQuAD JSON file ({type(e).__name__}: {e}); it needs "
-        '{"data": [{"paragraphs": [{"context": ..., "qas": [...]}]}]}.'
-    ) from e
+    raise ConfigError(f"{path!r} is not an official SQuAD JSON file ({type(e).__name__}: {e}); it needs "
+                      '{"data": [{"paragraphs": [{"context": ..., "qas": [...]}]}]}.') from e
   examples = []
   for context, qa in questions:
     try:
@@ -158,9 +152,6 @@ def read_squad_tfds(name: str, split: str, data_dir: str | None = None):
   return _check_examples(examples, where)
 
 
-# ---------------------------------------------------------------------------------------
-# Features: [CLS] question [SEP] context window [SEP], windows `doc_stride` tokens apart.
-# ---------------------------------------------------------------------------------------
 def _fold(text: str) -> str:
   """Lowercased, compatibility-decomposed, without accents: what tokenizers normalize to, so a
   piece's characters can be matched back to the word they came from."""
@@ -168,54 +159,36 @@ def _fold(text: str) -> str:
   return "".join(c for c in decomposed if not unicodedata.combining(c))
 
 
-class _WordTokenizer:
-  """Token ids of one whitespace-separated word and each token's [start, end) characters in it.
-  Pieces are aligned through _fold; when that fails (an [UNK], a normalization we do not reproduce)
-  every piece spans the whole word, so an answer still maps to whole words, as the official code."""
+def _word_tokenizer(tokenizer):
+  """word -> (its token ids, each token's [start, end) characters in it), cached. Pieces are aligned
+  through _fold; when that fails (an [UNK], a normalization we do not reproduce) every piece spans
+  the whole word, so an answer still maps to whole words, as the official code."""
+  unk_id = getattr(tokenizer, "unk_id", None)
+  hashes = "##" if getattr(tokenizer, "kind", None) == "wordpiece" else ""
 
-  def __init__(self, tokenizer):
-    self._tokenizer = tokenizer
-    self._strip_hashes = getattr(tokenizer, "kind", None) == "wordpiece"
-    self._unk_id = getattr(tokenizer, "unk_id", None)
-    self._cache: dict[str, tuple[list[int], list[tuple[int, int]]]] = {}
-
-  def _piece_text(self, token_id: int) -> str | None:
-    if token_id == self._unk_id:
-      return None
-    piece = self._tokenizer.id_to_piece(token_id)
-    if self._strip_hashes:
-      piece = piece.removeprefix("##")
-    return piece.replace("\u2581", "")  # sentencepiece's word-boundary marker
-
-  def __call__(self, word: str):
-    if word not in self._cache:
-      ids = list(self._tokenizer.encode(word))
-      self._cache[word] = (ids, self._align(word, ids))
-    return self._cache[word]
-
-  def _align(self, word: str, ids: list[int]) -> list[tuple[int, int]]:
-    whole_word = [(0, len(word))] * len(ids)
-    folded_word, owner = "", []  # owner: folded character -> the word character it came from
-    for i, char in enumerate(word):
-      folded_char = _fold(char)
-      folded_word += folded_char
-      owner.extend([i] * len(folded_char))
-    pieces = [self._piece_text(t) for t in ids]
-    folded = [_fold(p) for p in pieces] if None not in pieces else None
-    if folded is None or "".join(folded) != folded_word:
-      return whole_word
+  @functools.cache
+  def tokenize(word: str):
+    ids = list(tokenizer.encode(word))
+    owner = [i for i, char in enumerate(word) for _ in _fold(char)]  # folded character -> word character
+    pieces = [None if token == unk_id else tokenizer.id_to_piece(token) for token in ids]
+    # Each piece's text without wordpiece's "##" and sentencepiece's word-boundary "▁".
+    folded = None if None in pieces else [_fold(p.removeprefix(hashes).replace("\u2581", "")) for p in pieces]
+    if folded is None or "".join(folded) != "".join(_fold(char) for char in word):
+      return ids, [(0, len(word))] * len(ids)
     spans, position = [], 0
     for piece in folded:
       if not piece:  # e.g. a lone "▁": zero width, just before the next character
         at = owner[position] if position < len(owner) else len(word)
         spans.append((at, at))
-        continue
-      spans.append((owner[position], owner[position + len(piece) - 1] + 1))
-      position += len(piece)
-    return spans
+      else:
+        spans.append((owner[position], owner[position + len(piece) - 1] + 1))
+        position += len(piece)
+    return ids, spans
+
+  return tokenize
 
 
-def _tokenize_context(context: str, word_tokenizer: _WordTokenizer):
+def _tokenize_context(context: str, word_tokenizer):
   """Context token ids and their [start, end) character spans in the context: int32 [n, 2]."""
   ids, spans = [], []
   for match in re.finditer(r"\S+", context):
@@ -306,25 +279,18 @@ def make_features(
     *,
     is_training: bool,
 ) -> tuple[dict[str, np.ndarray], SquadMetadata]:
-  """Model inputs and targets, one row per context window, as the official SQuAD code builds them:
-  the context split on whitespace, each word tokenized, the question cut to `max_query_len` tokens,
-  windows of up to max_seq_len - len(question) - 3 context tokens starting `doc_stride` apart.
-
-  Returns (features, metadata). features: int32 input_ids, token_type_ids (0 question, 1 context
-  and its [SEP]), attention_mask [F, max_seq_len]; start_positions, end_positions [F]: the first
-  answer's first and last token in the row, or 0 ([CLS]) when the window does not hold all of it;
-  is_impossible [F]: the question's label on every one of its rows (the official answerability
-  target). With is_training=True a question whose answer covers no token is left out (as the
-  official code); with is_training=False every question gets its rows.
-  """
+  """(int32 FEATURE_KEYS arrays, SquadMetadata), one row per context window as the official code
+  builds them: [CLS] question (at most max_query_len tokens) [SEP] window [SEP], windows doc_stride
+  tokens apart. start/end_positions: the first answer's tokens in the row, or 0 ([CLS]) when the
+  window misses any of it; is_impossible: the question's label on all its rows. In training, a
+  question whose answer covers no token is left out (as the official code)."""
   if max_query_len < 1 or doc_stride < 1:
     raise ConfigError(f"max_query_len={max_query_len} and doc_stride={doc_stride} must be >= 1.")
   if max_seq_len - max_query_len - 3 < 1:
-    raise ConfigError(
-        f"max_seq_len={max_seq_len} leaves no room for the context after a question of up to "
-        f"max_query_len={max_query_len} tokens and [CLS] [SEP] [SEP]; raise max_seq_len or lower max_query_len."
-    )
-  word_tokenizer = _WordTokenizer(tokenizer)
+    raise ConfigError(f"max_seq_len={max_seq_len} leaves no room for the context after a question of up to "
+                      f"max_query_len={max_query_len} tokens and [CLS] [SEP] [SEP]; raise max_seq_len or lower "
+                      "max_query_len.")
+  word_tokenizer = _word_tokenizer(tokenizer)
   contexts: dict[str, tuple[list[int], np.ndarray]] = {}
   rows, meta = [], []  # per row: FEATURE_KEYS' values; (example, window_start, window_length, context_offset)
   token_char_spans, skipped, started = [], 0, time.time()
@@ -366,9 +332,6 @@ def make_features(
   return features, metadata
 
 
-# ---------------------------------------------------------------------------------------
-# Head and loss.
-# ---------------------------------------------------------------------------------------
 def answer_mask(token_type_ids, attention_mask):
   """bool [batch, seq]: positions an answer may start or end at, the context (segment 1) and
   [CLS] (the "no answer in this window" target), as the official head masks them."""
@@ -428,9 +391,6 @@ def span_loss(*args, weights=None, **kwargs):
   return jnp.sum(per_row * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
-# ---------------------------------------------------------------------------------------
-# Decoding.
-# ---------------------------------------------------------------------------------------
 def apply_null_threshold(predictions: dict, null_odds: dict, null_threshold: float) -> dict:
   """Final answers: "" (no answer) where null_odds > null_threshold, else the span text."""
   return {qid: "" if null_odds.get(qid, -np.inf) > null_threshold else text for qid, text in predictions.items()}
@@ -449,27 +409,17 @@ def postprocess(
     *,
     version,
 ) -> tuple[dict[str, str], dict[str, float]]:
-  """Answer text per question from the [F, T] logits of every row (window) of make_features.
-
-  Per row, the n_best start and end positions (ranked over the whole row, as the official code)
-  that lie in the context are paired (start <= end, length <= max_answer_len, the start token's
-  max-context window must be this row); over the question's rows the highest start + end logit
-  wins, and its text is the context's characters from the start token to the end token.
-
-  Returns (predictions {qas_id: text}, null_odds {qas_id: float}, empty for 1.1). For 2.0,
-  null_odds is the no-answer score: with answerable_logits [F], the smallest -answerable_logit
-  over the question's windows; without, min over windows of start[CLS] + end[CLS] minus the best
-  span's score. With null_threshold=None the predictions are the best spans (squad_metrics
-  searches the best threshold on them); with a float, a question whose null_odds exceeds it gets "".
-  """
+  """(predictions {qas_id: text}, null_odds {qas_id: float}) from the [F, T] logits of make_features'
+  rows: per question the valid start/end pair (among each row's n_best) with the highest start +
+  end logit. For 2.0, null_odds is the smallest -answerable_logit over the question's rows, or
+  without answerable_logits, min(start[CLS] + end[CLS]) minus the best span's score; with a float
+  null_threshold, a question whose null_odds exceeds it gets "" (None: the best spans, to score)."""
   version = _check_version(version)
   start_logits, end_logits = np.asarray(start_logits, np.float32), np.asarray(end_logits, np.float32)
   num_rows = len(metadata)
   if start_logits.shape != (num_rows, metadata.seq_len) or end_logits.shape != start_logits.shape:
-    raise ValueError(
-        f"postprocess got logits of shapes {start_logits.shape} and {end_logits.shape}; the "
-        f"features have {num_rows} rows of {metadata.seq_len} ({features['input_ids'].shape})."
-    )
+    raise ValueError(f"postprocess got logits of shapes {start_logits.shape} and {end_logits.shape}; the features "
+                     f"have {num_rows} rows of {metadata.seq_len} ({features['input_ids'].shape}).")
   if answerable_logits is not None:
     answerable_logits = np.asarray(answerable_logits, np.float32).reshape(num_rows)
   predictions, null_odds = {}, {}
@@ -509,9 +459,6 @@ def postprocess(
   return predictions, null_odds
 
 
-# ---------------------------------------------------------------------------------------
-# Metrics, as the official evaluation scripts (v1.1 and v2.0) compute them.
-# ---------------------------------------------------------------------------------------
 _PUNCTUATION = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
 
@@ -563,13 +510,9 @@ def squad_metrics(
     null_threshold: float = -2.75,
     version=None,
 ) -> dict[str, float]:
-  """EM and F1 in percent ("exact", "f1", "total"), max over each question's gold answers.
-
-  version: "1.1" or "2.0"; by default 2.0 when any question is impossible or null_odds is given.
-  For 2.0 as the official v2 script with --na-prob-thresh: a question whose null_odds exceeds
-  null_threshold counts as answered "", and the result adds HasAns_* / NoAns_* breakdowns and, with
-  null_odds, best_exact / best_f1 and the thresholds reaching them. A missing prediction scores 0.
-  """
+  """EM and F1 in percent ("exact", "f1", "total"), max over each question's gold answers; version
+  None: 2.0 when any question is impossible or null_odds is given. 2.0 as the official v2 script with
+  --na-prob-thresh, adding HasAns_* / NoAns_* and, with null_odds, best_exact / best_f1 and their cuts."""
   if version is None:
     version = "2.0" if null_odds is not None or any(e.is_impossible for e in examples) else "1.1"
   version = _check_version(version)
@@ -622,9 +565,6 @@ def write_predictions(path: str, predictions: dict) -> None:
   atomic_write_bytes(path, json.dumps(payload, ensure_ascii=False, indent=1).encode("utf-8"))
 
 
-# ---------------------------------------------------------------------------------------
-# Fine-tuning: the model and the adapter electra_jax/finetune/trainer.py runs.
-# ---------------------------------------------------------------------------------------
 class SquadModel(nn.Module):
   """The discriminator encoder with a SpanHead: parameters {embeddings, encoder, span_head}, the
   first two as the classifier's. [B, T] inputs -> float32 [B, T, 3]: start logits, end logits, and
@@ -700,10 +640,8 @@ def load_squad(config, version: str) -> tuple[list[SquadExample], list[SquadExam
   paths = [os.path.join(config.data_dir, f"{split}-v{version}.json") for split in ("train", "dev")]
   for path in paths:
     if not os.path.isfile(path):
-      raise ConfigError(
-          f"SQuAD {version}: {path} does not exist. Set config.data_dir to the folder holding the "
-          f"official train-v{version}.json and dev-v{version}.json, or use config.source=tfds."
-      )
+      raise ConfigError(f"SQuAD {version}: {path} does not exist. Set config.data_dir to the folder holding the "
+                        f"official train-v{version}.json and dev-v{version}.json, or use config.source=tfds.")
   return read_squad_json(paths[0], version), read_squad_json(paths[1], version)
 
 

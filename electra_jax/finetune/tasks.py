@@ -25,6 +25,7 @@ from electra_jax.finetune import metrics as metrics_lib
 # fields pass csv's default limit.
 csv.field_size_limit(sys.maxsize)
 
+
 @dataclasses.dataclass
 class TaskAdapter:
   """What the loop needs from a task. Features are numpy arrays with a leading example axis,
@@ -72,9 +73,6 @@ class TaskData:
   target_range: tuple[float, float] | None = None
 
 
-# ---------------------------------------------------------------------------------------
-# GLUE
-# ---------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class GlueTask:
   """Where one GLUE task's data lives, in GLUE's TSVs and in TFDS."""
@@ -190,19 +188,15 @@ def _glue_splits(name: str) -> tuple[GlueTask, dict[str, str], dict[str, str]]:
 
 def _glue_task_dir(data_dir: str, task: GlueTask) -> str:
   if not data_dir:
-    raise ConfigError(
-        "config.data_dir is empty: give the GLUE directory (the one holding CoLA/, SST-2/, ...), "
-        "or read the task from TFDS with --config.source=tfds."
-    )
+    raise ConfigError("config.data_dir is empty: give the GLUE directory (the one holding CoLA/, SST-2/, ...), or "
+                      "read the task from TFDS with --config.source=tfds.")
   nested = os.path.join(data_dir, task.directory)
   if os.path.isdir(nested):
     return nested
   if os.path.isfile(os.path.join(data_dir, "train.tsv")):
     return data_dir  # the task's own folder works as well as GLUE's root
-  raise ConfigError(
-      f"config.data_dir={data_dir!r} has neither a {task.directory}/ folder nor a train.tsv; give "
-      f"GLUE's root directory (with {task.directory}/train.tsv) or the task's own folder."
-  )
+  raise ConfigError(f"config.data_dir={data_dir!r} has neither a {task.directory}/ folder nor a train.tsv; give "
+                    f"GLUE's root directory (with {task.directory}/train.tsv) or the task's own folder.")
 
 
 def load_glue_from_dir(name: str, data_dir: str) -> TaskData:
@@ -234,11 +228,9 @@ def open_tfds_split(name: str, split: str, data_dir: str | None, other_source: s
   try:
     return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False, **kwargs)
   except Exception as error:  # tfds raises several types for "not prepared here" / "no such split"
-    raise ConfigError(
-        f"Cannot open TFDS {name!r} split {split!r} in {data_dir or 'the default data dir'} "
-        f"({type(error).__name__}: {error}). Prepare it with file_format='array_record' "
-        f"(tfds build --file_format=array_record {name}), set config.tfds_data_dir, or {other_source}."
-    ) from error
+    raise ConfigError(f"Cannot open TFDS {name!r} split {split!r} in {data_dir or 'the default data dir'} "
+                      f"({type(error).__name__}: {error}). Prepare it with file_format='array_record' (tfds build "
+                      f"--file_format=array_record {name}), set config.tfds_data_dir, or {other_source}.") from error
 
 
 def load_glue_from_tfds(name: str, tfds_data_dir: str = "") -> TaskData:
@@ -265,9 +257,6 @@ def load_glue_from_tfds(name: str, tfds_data_dir: str = "") -> TaskData:
                     {submission: split(stem, True) for submission, stem in test_files.items()})
 
 
-# ---------------------------------------------------------------------------------------
-# Custom tasks
-# ---------------------------------------------------------------------------------------
 CUSTOM_FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
 
 
@@ -289,18 +278,14 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
   with open(path, encoding="utf-8-sig", newline="") as f:
     # TSV has no quoting: a '"' that opens a field is text (as in GLUE's files), where CSV's
     # rules would read on, over tabs and line ends, to the next '"' and merge the rows between.
-    quoting = csv.QUOTE_NONE if file_format == "tsv" else csv.QUOTE_MINIMAL
-    reader = csv.DictReader(f, delimiter="\t" if file_format == "tsv" else ",", quoting=quoting)
+    tsv = file_format == "tsv"
+    reader = csv.DictReader(f, delimiter="\t" if tsv else ",", quoting=csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL)
     records = list(reader)
-    if reader.fieldnames is None:
-      return []
     for row_number, record in enumerate(records, 1):
       if None in record:  # DictReader's key for fields past the header's
-        raise ConfigError(
-            f"{path}: row {row_number} has {len(reader.fieldnames) + len(record[None])} fields, its header "
-            f"{len(reader.fieldnames)}: a {'tab' if file_format == 'tsv' else 'comma'} inside a text? "
-            f"{'Quote that field' if file_format == 'csv' else 'Remove it, or use CSV or JSONL'}."
-        )
+        raise ConfigError(f"{path}: row {row_number} has {len(reader.fieldnames) + len(record[None])} fields, its "
+                          f"header {len(reader.fieldnames)}: a {'tab' if tsv else 'comma'} inside a text? "
+                          f"{'Remove it, or use CSV or JSONL' if tsv else 'Quote that field'}.")
     return records
 
 
@@ -370,9 +355,6 @@ def load_custom(custom) -> TaskData:
   return TaskData("custom", custom.kind, label_list, metric_names, train, dev, test)
 
 
-# ---------------------------------------------------------------------------------------
-# Loading and checking
-# ---------------------------------------------------------------------------------------
 def check_task_data(data: TaskData) -> None:
   """Refuses what would otherwise fail late or silently: an empty split, a label outside the task's
   labels or never seen in training."""
@@ -391,11 +373,9 @@ def check_task_data(data: TaskData) -> None:
   for dev_name, examples in data.dev.items():
     unseen = sorted({example.label for example in examples} - train_labels)
     if unseen:
-      raise ConfigError(
-          f"Task {data.name}: dev split {dev_name} has label(s) {unseen} that never occur in the "
-          f"train split (train labels: {sorted(train_labels)}); the classifier could never predict "
-          "them. Fix the label column or the split."
-      )
+      raise ConfigError(f"Task {data.name}: dev split {dev_name} has label(s) {unseen} that never occur in the train "
+                        f"split (train labels: {sorted(train_labels)}); the classifier could never predict them. "
+                        "Fix the label column or the split.")
 
 
 def load_task(config) -> TaskData:
@@ -416,9 +396,6 @@ def load_task(config) -> TaskData:
   return data
 
 
-# ---------------------------------------------------------------------------------------
-# Features
-# ---------------------------------------------------------------------------------------
 def truncate_pair(tokens_a: list[int], tokens_b: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
   """Drops tokens from the end of the longer segment (b on ties) until both fit, as BERT does:
   a short segment keeps its few, informative tokens."""
@@ -468,9 +445,6 @@ def encode_examples(examples: Sequence[Example], tokenizer, max_seq_len: int, da
               index=np.array([e.index for e in examples], np.int64))
 
 
-# ---------------------------------------------------------------------------------------
-# Predictions
-# ---------------------------------------------------------------------------------------
 def prediction_strings(data: TaskData, predictions: np.ndarray) -> list[str]:
   """Class ids -> label strings; regression scores -> '%.3f'."""
   if data.kind == "classification":

@@ -47,27 +47,20 @@ def _added_key_slots(settings: dict):
   """(the dict that holds it, its name, its value when added) for each of _ADDED_KEYS whose group
   `settings` has."""
   for name, value in _ADDED_KEYS.items():
-    *groups, key = name.split(".")
-    holder = settings
-    for group in groups:
-      holder = holder.get(group) if isinstance(holder, dict) else None
+    group, _, key = name.rpartition(".")
+    holder = settings.get(group) if group else settings
     if isinstance(holder, dict):
       yield holder, key, value
 
 
-# ---------------------------------------------------------------------------------------
-# Classification and regression
-# ---------------------------------------------------------------------------------------
 def classification_adapter(config, data: tasks.TaskData, backbone: model_lib.Backbone) -> tasks.TaskAdapter:
   encode = lambda examples: tasks.encode_examples(examples, backbone.tokenizer, config.max_seq_len, data)
   start = time.time()
   train_features = encode(data.train)
   dev_features = {name: encode(examples) for name, examples in data.dev.items()}
   test_features = {name: encode(examples) for name, examples in data.test.items()}
-  logging.info(
-      "Tokenized %s: %d train, %s dev, %s test examples in %.1f s.", data.name, len(data.train),
-      {k: len(v) for k, v in data.dev.items()}, {k: len(v) for k, v in data.test.items()}, time.time() - start,
-  )
+  logging.info("Tokenized %s: %d train, %s dev, %s test examples in %.1f s.", data.name, len(data.train),
+               {k: len(v) for k, v in data.dev.items()}, {k: len(v) for k, v in data.test.items()}, time.time() - start)
   is_regression = data.kind == "regression"
   model = backbone.classifier(1 if is_regression else len(data.label_list), config)
 
@@ -128,15 +121,6 @@ def _is_squad(config) -> bool:
   return str(config.task).lower().startswith("squad")
 
 
-def make_adapter(config, backbone: model_lib.Backbone) -> tasks.TaskAdapter:
-  if _is_squad(config):
-    return squad.make_adapter(config, backbone)
-  return classification_adapter(config, tasks.load_task(config), backbone)
-
-
-# ---------------------------------------------------------------------------------------
-# Batching, steps
-# ---------------------------------------------------------------------------------------
 def _num_examples(features) -> int:
   return len(features["input_ids"])
 
@@ -164,9 +148,8 @@ def _compiled_steps(config, adapter, backbone, steps_per_seed: int, learning_rat
   """(tx, schedule, train_step, predict_step): one optimizer and one compiled step for every seed,
   since only the parameters' structure matters."""
   ids = jnp.zeros((1, config.max_seq_len), jnp.int32)
-  abstract_params = nn.meta.unbox(
-      jax.eval_shape(lambda rng: adapter.model.init(rng, ids, ids, jnp.ones_like(ids))["params"], jax.random.key(0))
-  )
+  init = lambda: adapter.model.init(jax.random.key(0), ids, ids, ids + 1)["params"]
+  abstract_params = nn.meta.unbox(jax.eval_shape(init))
   tx, schedule = optim.make_optimizer(config, abstract_params, backbone.encoder_config.num_layers, steps_per_seed,
                                       learning_rate)
 
@@ -196,9 +179,6 @@ def _predictor(predict_step, params, batch_size: int):
   return predict
 
 
-# ---------------------------------------------------------------------------------------
-# Config, files, summaries
-# ---------------------------------------------------------------------------------------
 def validate(config) -> None:
   for key in ("batch_size", "num_seeds", "log_every"):
     if config[key] < 1:
@@ -212,9 +192,8 @@ def validate(config) -> None:
   config_lib.check_optimizer(config.optimizer, "the official 1e-4 for Small and Base, 5e-5 for Large")
   if config.keep_epoch not in KEEP_EPOCH:
     raise ConfigError(f"config.keep_epoch={config.keep_epoch!r}: use one of {list(KEEP_EPOCH)}.")
-  min_steps = config.min_steps
-  if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 0:
-    raise ConfigError(f"config.min_steps={min_steps!r} must be an int >= 0 (0 = train the epochs alone).")
+  if type(config.min_steps) is not int or config.min_steps < 0:  # noqa: E721 (a bool is no step count)
+    raise ConfigError(f"config.min_steps={config.min_steps!r} must be an int >= 0 (0 = train the epochs alone).")
   pooling = config.head.pooling
   if pooling not in model_lib.POOLINGS:
     raise ConfigError(f"config.head.pooling={pooling!r}: use one of {list(model_lib.POOLINGS)}.")
@@ -244,11 +223,9 @@ def resolve_epochs(config, num_train: int) -> int:
   steps_per_epoch = math.ceil(num_train / config.batch_size)
   if config.min_steps and steps_per_epoch and epochs * steps_per_epoch < config.min_steps:
     raised = math.ceil(config.min_steps / steps_per_epoch)
-    logging.info(
-        "%d epochs give %d optimizer steps (%d train examples, batch %d), fewer than min_steps=%d: "
-        "training %d epochs (%d steps).", epochs, epochs * steps_per_epoch, num_train, config.batch_size,
-        config.min_steps, raised, raised * steps_per_epoch,
-    )
+    logging.info("%d epochs give %d optimizer steps (%d train examples, batch %d), fewer than min_steps=%d: "
+                 "training %d epochs (%d steps).", epochs, epochs * steps_per_epoch, num_train, config.batch_size,
+                 config.min_steps, raised, raised * steps_per_epoch)
     return raised
   return epochs
 
@@ -285,10 +262,9 @@ def _check_results_of_same_config(config, task_dir: str) -> None:
     saved = _seed_settings(json.load(f).get("config") or {})
   changes = config_lib.changed_keys(saved, _seed_settings(config_lib.as_saved(config)))
   if changes:
-    raise ConfigError(
-        f"{path} holds the results of another config ({'; '.join(changes[:5])}); this run would "
-        "replace them. Use a new --workdir, or that config to go on with more seeds. Nothing was written."
-    )
+    raise ConfigError(f"{path} holds the results of another config ({'; '.join(changes[:5])}); this run would "
+                      "replace them. Use a new --workdir, or that config to go on with more seeds. Nothing was "
+                      "written.")
 
 
 def _finished_seeds(config, task_dir: str, task: str, seeds: list[int]) -> dict[int, dict]:
@@ -302,11 +278,9 @@ def _finished_seeds(config, task_dir: str, task: str, seeds: list[int]) -> dict[
     with open(path) as f:
       result = json.load(f)
     if result.get("config_fingerprint") != fingerprint:
-      raise ConfigError(
-          f"{path} exists: this workdir already holds a finished {task} run for seed {seed}, "
-          "fine-tuned with another config. Use a new --workdir so it is not overwritten, or the "
-          "same config to go on with the seeds it has not finished."
-      )
+      raise ConfigError(f"{path} exists: this workdir already holds a finished {task} run for seed {seed}, fine-tuned "
+                        "with another config. Use a new --workdir so it is not overwritten, or the same config to "
+                        "go on with the seeds it has not finished.")
     finished[seed] = result
   return finished
 
@@ -335,9 +309,6 @@ def format_table(summary) -> str:
   return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------
-# The run
-# ---------------------------------------------------------------------------------------
 def _run_seed(config, adapter, backbone, seed: int, seed_dir: str, epochs: int, steps, progress) -> dict:
   tx, schedule, train_step, predict_step = steps
   eval_batch_size = config.eval_batch_size or config.batch_size
@@ -373,10 +344,8 @@ def _run_seed(config, adapter, backbone, seed: int, seed_dir: str, epochs: int, 
       history.append(dict(epoch=epoch + 1, step=step, train_loss=train_loss, dev=dev, score=score))
       events.write({"step": step, "train_loss": train_loss, **{
           f"{name}/{metric}": value for name, by_metric in dev.items() for metric, value in by_metric.items()}})
-      logging.info(
-          "seed %d epoch %d/%d | train loss %.4f | dev %s", seed, epoch + 1, epochs, train_loss,
-          " ".join(f"{name}: " + ", ".join(f"{k}={v:.4f}" for k, v in m.items()) for name, m in dev.items()),
-      )
+      logging.info("seed %d epoch %d/%d | train loss %.4f | dev %s", seed, epoch + 1, epochs, train_loss,
+                   " ".join(f"{name}: " + ", ".join(f"{k}={v:.4f}" for k, v in m.items()) for name, m in dev.items()))
       if config.keep_epoch == "last" or kept is None or score > kept["score"]:
         kept = dict(history[-1], params=jax.device_get(params))
         checkpointer.save(step, {"params": params}, {"epoch": epoch + 1, "dev": dev, "seed": seed})
@@ -404,20 +373,22 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   validate(config)
   workdir_files.check_usable(workdir)  # before the data and the backbone load
   backbone = model_lib.load_backbone(config)
-  adapter = make_adapter(config, backbone)
+  if _is_squad(config):
+    adapter = squad.make_adapter(config, backbone)
+  else:
+    adapter = classification_adapter(config, tasks.load_task(config), backbone)
   epochs = resolve_epochs(config, _num_examples(adapter.train_features))
   task_dir = os.path.join(workdir, adapter.name)
   seeds = [config.seed + i for i in range(config.num_seeds)]
   finished = _finished_seeds(config, task_dir, adapter.name, seeds)
   _check_results_of_same_config(config, task_dir)
-  pending = [seed for seed in seeds if seed not in finished]
   os.makedirs(task_dir, exist_ok=True)
   # One run per task folder: each seed starts by deleting its checkpoints, which would pull
   # them from under another run of the same task (a dead run's lease is detected and taken).
   lease = workdir_lease.WorkdirLease(task_dir)
   lease.acquire()
   try:
-    return _run_seeds(config, adapter, backbone, task_dir, seeds, finished, pending, epochs)
+    return _run_seeds(config, adapter, backbone, task_dir, seeds, finished, epochs)
   finally:
     lease.release()
 
@@ -436,11 +407,9 @@ def _progress_logger(config, epochs: int, pending: list[int]):
       return
     rate = clock["done"] / (time.perf_counter() - clock["start"])
     remaining = (total - step) + total * (len(pending) - 1 - pending.index(seed))
-    logging.info(
-        "seed %d | epoch %d/%d | step %d/%d | loss %.4f | lr %.3g | %.1f steps/s | ETA %s",
-        seed, epoch + 1, epochs, step, total, float(np.mean(jax.device_get(losses[-config.log_every:]))),
-        float(lr), rate, config_lib.format_duration(remaining / max(rate, 1e-9)),
-    )
+    logging.info("seed %d | epoch %d/%d | step %d/%d | loss %.4f | lr %.3g | %.1f steps/s | ETA %s", seed, epoch + 1,
+                 epochs, step, total, float(np.mean(jax.device_get(losses[-config.log_every:]))), float(lr), rate,
+                 config_lib.format_duration(remaining / max(rate, 1e-9)))
 
   return progress
 
@@ -489,17 +458,15 @@ def _select_learning_rate(config, adapter, backbone, task_dir: str, rates: list[
   return dict(learning_rate=best, held_out_scores=scores)
 
 
-def _run_seeds(config, adapter, backbone, task_dir: str, seeds, finished: dict, pending, epochs: int) -> dict:
+def _run_seeds(config, adapter, backbone, task_dir: str, seeds, finished: dict, epochs: int) -> dict:
   rates = select_rates(config)  # finished trials are read back, not trained again
   selection = _select_learning_rate(config, adapter, backbone, task_dir, rates) if rates else None
   steps_per_seed = _steps_per_seed(config, adapter.train_features, epochs)
-  logging.info(
-      "Fine-tuning %s from %s: %d train examples, %d epochs, %d steps per seed, seeds %s.",
-      adapter.name, backbone.source, _num_examples(adapter.train_features), epochs, steps_per_seed, seeds,
-  )
+  logging.info("Fine-tuning %s from %s: %d train examples, %d epochs, %d steps per seed, seeds %s.", adapter.name,
+               backbone.source, _num_examples(adapter.train_features), epochs, steps_per_seed, seeds)
   if finished:
     logging.info("Seeds %s finished in an earlier run with this config: their results are kept.", sorted(finished))
-  progress = _progress_logger(config, epochs, pending)
+  progress = _progress_logger(config, epochs, [seed for seed in seeds if seed not in finished])
   steps = _compiled_steps(config, adapter, backbone, steps_per_seed, selection and selection["learning_rate"])
   per_seed = []
   for seed in seeds:
