@@ -14,17 +14,6 @@ from electra_jax.train import scale_by_adam_without_bias_correction
 LAYERWISE_RULES = ("correct", "official")
 
 
-def layer_depth(path: tuple[str, ...], num_layers: int) -> int:
-  """0 for the embeddings (and the E->H projection), l+1 for encoder layer_l (a pre-LN encoder's
-  final_layer_norm goes with the top layer), num_layers+1 for anything else: the task head."""
-  if path[0] == "embeddings" or path[:2] == ("encoder", "embeddings_project"):
-    return 0
-  if path[:2] == ("encoder", "final_layer_norm"):
-    return num_layers
-  match = re.match(r"layer_(\d+)$", path[1]) if path[0] == "encoder" else None
-  return int(match.group(1)) + 1 if match else num_layers + 1
-
-
 def check_layerwise(decay: float, rule: str) -> None:
   if rule not in LAYERWISE_RULES:
     raise ConfigError(f"optimizer.layerwise_lr_decay_rule={rule!r}: use one of {list(LAYERWISE_RULES)}.")
@@ -45,7 +34,16 @@ def layerwise_lr_scales(params, num_layers: int, decay: float, rule: str = "corr
   top = head_depth + (1 if rule == "official" else 0)
 
   def scale(path, _):
-    depth = layer_depth(tuple(getattr(key, "key", str(key)) for key in path), num_layers)
+    # Depth 0: the embeddings (and the E->H projection); l+1: encoder layer_l (a pre-LN encoder's
+    # final_layer_norm goes with the top layer); head_depth: anything else, the task head.
+    path = tuple(getattr(key, "key", str(key)) for key in path)
+    match = re.match(r"layer_(\d+)$", path[1]) if path[0] == "encoder" else None
+    if path[0] == "embeddings" or path[:2] == ("encoder", "embeddings_project"):
+      depth = 0
+    elif path[:2] == ("encoder", "final_layer_norm"):
+      depth = num_layers
+    else:
+      depth = int(match.group(1)) + 1 if match else head_depth
     return 1.0 if depth == head_depth else float(decay ** (top - depth))
 
   return jax.tree_util.tree_map_with_path(scale, params)

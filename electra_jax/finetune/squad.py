@@ -198,12 +198,6 @@ def _tokenize_context(context: str, word_tokenizer):
   return ids, np.asarray(spans, dtype=np.int32).reshape(-1, 2)
 
 
-def _answer_tokens(spans: np.ndarray, start: int, end: int):
-  """First and last context token overlapping characters [start, end), or None."""
-  overlaps = np.flatnonzero((spans[:, 1] > start) & (spans[:, 0] < end))
-  return (int(overlaps[0]), int(overlaps[-1])) if overlaps.size else None
-
-
 def _windows(num_tokens: int, max_tokens: int, doc_stride: int) -> list[tuple[int, int]]:
   """(start, length) of each window over the context tokens, as the official code slides them:
   a window starts min(length, doc_stride) after the previous one, the last reaches the end."""
@@ -302,8 +296,9 @@ def make_features(
     token_char_spans.append(spans)
     answer = None
     if example.answers and not example.is_impossible:
-      text, char_start = example.answers[0]
-      answer = _answer_tokens(spans, char_start, char_start + len(text))
+      text, char_start = example.answers[0]  # the first and last context token it overlaps
+      overlaps = np.flatnonzero((spans[:, 1] > char_start) & (spans[:, 0] < char_start + len(text)))
+      answer = (int(overlaps[0]), int(overlaps[-1])) if overlaps.size else None
       if answer is None and is_training:
         skipped += 1
         continue

@@ -114,15 +114,6 @@ TASK_NAMES = tuple(GLUE_TASKS) + ("custom",)
 TEN_EPOCH_TASKS = ("rte", "stsb")
 
 
-def canonical_task_name(name: str) -> str:
-  """'SST-2', 'sst_2', 'STS-B' ... -> the registry's key; ConfigError for an unknown task."""
-  key = str(name).lower().replace("-", "").replace("_", "")
-  if key not in TASK_NAMES:
-    raise ConfigError(f"Unknown task {name!r}. Use one of {list(TASK_NAMES)} (custom reads the files named by "
-                      "config.custom.*; SQuAD has its own reader).")
-  return key
-
-
 def _read_tsv(path: str) -> list[list[str]]:
   with open(path, encoding="utf-8-sig", newline="") as f:
     return list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
@@ -186,24 +177,19 @@ def _glue_splits(name: str) -> tuple[GlueTask, dict[str, str], dict[str, str]]:
   return task, task.dev_files or {name: "dev"}, task.test_files or {task.directory: "test"}
 
 
-def _glue_task_dir(data_dir: str, task: GlueTask) -> str:
-  if not data_dir:
-    raise ConfigError("config.data_dir is empty: give the GLUE directory (the one holding CoLA/, SST-2/, ...), or "
-                      "read the task from TFDS with --config.source=tfds.")
-  nested = os.path.join(data_dir, task.directory)
-  if os.path.isdir(nested):
-    return nested
-  if os.path.isfile(os.path.join(data_dir, "train.tsv")):
-    return data_dir  # the task's own folder works as well as GLUE's root
-  raise ConfigError(f"config.data_dir={data_dir!r} has neither a {task.directory}/ folder nor a train.tsv; give "
-                    f"GLUE's root directory (with {task.directory}/train.tsv) or the task's own folder.")
-
-
 def load_glue_from_dir(name: str, data_dir: str) -> TaskData:
   """GLUE as its download script lays it out: <data_dir>/<Task>/{train,dev,test}.tsv, MNLI with
   dev_matched/dev_mismatched/test_matched/test_mismatched. Test files are optional."""
   task, dev_files, test_files = _glue_splits(name)
-  task_dir = _glue_task_dir(data_dir, task)
+  if not data_dir:
+    raise ConfigError("config.data_dir is empty: give the GLUE directory (the one holding CoLA/, SST-2/, ...), or "
+                      "read the task from TFDS with --config.source=tfds.")
+  task_dir = os.path.join(data_dir, task.directory)
+  if not os.path.isdir(task_dir):
+    if not os.path.isfile(os.path.join(data_dir, "train.tsv")):
+      raise ConfigError(f"config.data_dir={data_dir!r} has neither a {task.directory}/ folder nor a train.tsv; give "
+                        f"GLUE's root directory (with {task.directory}/train.tsv) or the task's own folder.")
+    task_dir = data_dir  # the task's own folder works as well as GLUE's root
   train_path = os.path.join(task_dir, "train.tsv")
   _require_file(train_path, f"GLUE {name} train split")
   dev = {}
@@ -379,8 +365,11 @@ def check_task_data(data: TaskData) -> None:
 
 
 def load_task(config) -> TaskData:
-  """The fine-tuning config's task, read from its source and checked."""
-  name = canonical_task_name(config.task)
+  """The fine-tuning config's task ('SST-2', 'sst_2' ... name GLUE's sst2), read from its source and checked."""
+  name = str(config.task).lower().replace("-", "").replace("_", "")
+  if name not in TASK_NAMES:
+    raise ConfigError(f"Unknown task {config.task!r}. Use one of {list(TASK_NAMES)} (custom reads the files named by "
+                      "config.custom.*; SQuAD has its own reader).")
   if name == "custom":
     data = load_custom(config.custom)
   elif config.source == "tfds":

@@ -192,7 +192,7 @@ def validate(config) -> None:
   config_lib.check_optimizer(config.optimizer, "the official 1e-4 for Small and Base, 5e-5 for Large")
   if config.keep_epoch not in KEEP_EPOCH:
     raise ConfigError(f"config.keep_epoch={config.keep_epoch!r}: use one of {list(KEEP_EPOCH)}.")
-  if type(config.min_steps) is not int or config.min_steps < 0:  # noqa: E721 (a bool is no step count)
+  if type(config.min_steps) is not int or config.min_steps < 0:  # not a bool either: True is no step count
     raise ConfigError(f"config.min_steps={config.min_steps!r} must be an int >= 0 (0 = train the epochs alone).")
   pooling = config.head.pooling
   if pooling not in model_lib.POOLINGS:
