@@ -1,6 +1,5 @@
 """Exporting a fine-tuning workdir: each finished seed's kept checkpoint as a Hugging Face
-ElectraForSequenceClassification (classification, regression) or ElectraForQuestionAnswering
-(SQuAD) directory, with the tokenizer it was fine-tuned with."""
+ElectraForSequenceClassification or ElectraForQuestionAnswering directory, with its tokenizer."""
 
 import json
 import os
@@ -30,15 +29,15 @@ def export_hf(workdir: str, out_dir: str, export_generator: bool = False) -> dic
   if not finetuned_tasks(workdir):
     return export.export_workdir(workdir, out_dir, export_generator)
   if export_generator:
-    raise ConfigError(f"--export_generator: {workdir} is a fine-tuning workdir, which has no generator. Nothing was written.")
+    raise ConfigError(f"--export_generator: {workdir} is a fine-tuning workdir, which has no generator. "
+                      "Nothing was written.")
   return export_finetuned(workdir, out_dir)
 
 
 def finetuned_tasks(workdir: str) -> list[str]:
   """The task folders of a fine-tuning workdir (each holds a results.json)."""
-  if not os.path.isdir(workdir):
-    return []
-  return sorted(name for name in os.listdir(workdir) if os.path.isfile(os.path.join(workdir, name, "results.json")))
+  names = os.listdir(workdir) if os.path.isdir(workdir) else []
+  return sorted(name for name in names if os.path.isfile(os.path.join(workdir, name, "results.json")))
 
 
 def _classification_head(params, head: dict, encoder: models.EncoderConfig):
@@ -65,8 +64,7 @@ def _classification_head(params, head: dict, encoder: models.EncoderConfig):
 
 def _encoder_model(backbone) -> models.ElectraEncoderModel:
   """The backbone as the headless model whose weights interop.hf names (ElectraModel's)."""
-  return models.ElectraEncoderModel(**{k: getattr(backbone, k) for k in model_lib.SIZE_FIELDS},
-                                    config=backbone.encoder_config)
+  return models.ElectraEncoderModel(**model_lib.sizes_of(backbone), config=backbone.encoder_config)
 
 
 def _hf_config(backbone, head: dict) -> dict:
@@ -89,20 +87,19 @@ class TaskModel(NamedTuple):
 
 
 def load_task_model(workdir: str, task: str) -> TaskModel:
-  """One fine-tuned task from its results.json, refused before any checkpoint is read when
-  Hugging Face has no class for it."""
+  """One fine-tuned task from its results.json, refused before any checkpoint is read when Hugging
+  Face has no class for it."""
   with open(os.path.join(workdir, task, "results.json")) as f:
     results = json.load(f)
   head = results.get("head")
   if head is None:
-    raise ConfigError(f"{workdir}/{task}/results.json predates exports (no 'head' entry); fine-tune again to export it.")
+    raise ConfigError(f"{workdir}/{task}/results.json predates exports (no 'head' entry); fine-tune again to "
+                      "export it.")
   config = ml_collections.ConfigDict(results["config"])
   if head["kind"] != "span" and config.head.pooling != "cls":
-    raise ConfigError(
-        f"{workdir}/{task} was fine-tuned with head.pooling={config.head.pooling!r}, and Hugging Face's "
-        "ElectraForSequenceClassification reads the first token only; fine-tune with "
-        "--config.head.pooling=cls to export, or use the model in electra-jax."
-    )
+    raise ConfigError(f"{workdir}/{task} was fine-tuned with head.pooling={config.head.pooling!r}, and Hugging "
+                      "Face's ElectraForSequenceClassification reads the first token only; fine-tune with "
+                      "--config.head.pooling=cls to export, or use the model in electra-jax.")
   config.random_init = True  # sizes and tokenizer only: the weights come from the fine-tuned checkpoint
   backbone = model_lib.load_backbone(config)
   hf.check_hf_form(backbone.encoder_config)
@@ -114,11 +111,9 @@ def load_task_model(workdir: str, task: str) -> TaskModel:
 
 
 def export_finetuned(workdir: str, out_dir: str) -> dict[str, str]:
-  """Writes <out_dir>/<task>/seed_<s> for every finished seed of every task in the fine-tuning
-  `workdir`: config.json, model.safetensors and the tokenizer files, so transformers'
-  AutoModelForSequenceClassification / AutoModelForQuestionAnswering and AutoTokenizer load it.
-  Logits match ours (SQuAD: at the positions an answer may take; SQuAD 2.0's answerability
-  head has no HF form and is left out, as logged). Returns {"<task>/seed_<s>": directory}."""
+  """Writes <out_dir>/<task>/seed_<s> (config.json, model.safetensors, the tokenizer files) for every
+  finished seed of every task, for transformers' Auto* classes. Logits match ours (SQuAD: where an
+  answer may be; 2.0's answerability head has no HF form). Returns {"<task>/seed_<s>": directory}."""
   tasks = finetuned_tasks(workdir)
   if not tasks:
     raise ConfigError(f"{workdir} holds no fine-tuned task (no <task>/results.json); fine-tune first.")
@@ -131,10 +126,8 @@ def export_finetuned(workdir: str, out_dir: str) -> dict[str, str]:
       logging.warning("%s: SQuAD 2.0's answerability head has no ElectraForQuestionAnswering form and is "
                       "left out; the export's no-answer score is the [CLS] span's, as Hugging Face's.", task)
     for seed in seeds:
-      params = restore_seed(workdir, task, seed, model)
-      directory = os.path.join(out_dir, task, f"seed_{seed}")
-      _write(directory, backbone, head, params)
-      written[f"{task}/seed_{seed}"] = directory
+      written[f"{task}/seed_{seed}"] = directory = os.path.join(out_dir, task, f"seed_{seed}")
+      _write(directory, backbone, head, restore_seed(workdir, task, seed, model))
   return written
 
 
@@ -158,13 +151,13 @@ def _write(directory: str, backbone, head: dict, params) -> None:
   tensors = {"electra." + name: value for name, value in hf.hf_weights_from_params(
       _encoder_model(backbone), "encoder", {"embeddings": params["embeddings"], "encoder": params["encoder"]}).items()}
   if head["kind"] == "span":
-    kernel = np.asarray(params["span_head"]["span_logits"]["kernel"], np.float32)
-    tensors["qa_outputs.weight"] = np.ascontiguousarray(kernel.T)
-    tensors["qa_outputs.bias"] = np.asarray(params["span_head"]["span_logits"]["bias"], np.float32)
+    span = params["span_head"]["span_logits"]
+    tensors["qa_outputs.weight"] = np.ascontiguousarray(np.asarray(span["kernel"], np.float32).T)
+    tensors["qa_outputs.bias"] = np.asarray(span["bias"], np.float32)
   else:
     tensors.update(_classification_head(params, head, backbone.encoder_config))
   os.makedirs(directory, exist_ok=True)
-  settings = _hf_config(backbone, head)
-  pathlib.Path(directory, "config.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+  settings = json.dumps(_hf_config(backbone, head), indent=2, sort_keys=True)
+  pathlib.Path(directory, "config.json").write_text(settings + "\n")
   safetensors.numpy.save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
   export.write_tokenizer_files(backbone.tokenizer, directory, backbone.max_position_embeddings)

@@ -1,40 +1,42 @@
-"""Fine-tuning metrics in numpy, computed as GLUE's official scorer computes them, and the
-table of which metrics each GLUE task reports. Undefined correlations (a constant prediction
-or target) are 0, not NaN, so that a degenerate model scores as "no correlation" and the
-best-checkpoint choice still works."""
+"""Fine-tuning metrics in numpy, as GLUE's official scorer computes them, and which metrics each
+GLUE task reports. Undefined correlations (a constant prediction or target) are 0, not NaN, so a
+degenerate model scores as "no correlation" and the best-checkpoint choice still works."""
 
 from collections.abc import Sequence
 
 import numpy as np
 
 
+def _pair(a: Sequence, b: Sequence, dtype=None) -> tuple[np.ndarray, np.ndarray]:
+  a, b = np.asarray(a, dtype), np.asarray(b, dtype)
+  if a.shape != b.shape or a.ndim != 1:
+    raise ValueError(f"Metrics need two 1-D arrays of one length, got shapes {a.shape} and {b.shape}.")
+  if a.size == 0:
+    raise ValueError("Metrics of an empty split are undefined; the split has no examples.")
+  return a, b
+
+
 def accuracy(labels: Sequence, predictions: Sequence) -> float:
-  labels, predictions = np.asarray(labels), np.asarray(predictions)
-  _check_same_length(labels, predictions)
+  labels, predictions = _pair(labels, predictions)
   return float(np.mean(labels == predictions))
 
 
 def f1(labels: Sequence[int], predictions: Sequence[int], positive: int = 1) -> float:
-  """Binary F1 of class `positive`: 2 TP / (2 TP + FP + FN); 0 when there is no positive
-  among either the labels or the predictions (as scikit-learn's zero_division=0)."""
-  labels, predictions = np.asarray(labels), np.asarray(predictions)
-  _check_same_length(labels, predictions)
+  """Binary F1 of class `positive`; 0 when neither side has a positive (scikit-learn's zero_division=0)."""
+  labels, predictions = _pair(labels, predictions)
   true_positives = np.sum((predictions == positive) & (labels == positive))
   denominator = np.sum(predictions == positive) + np.sum(labels == positive)
   return float(2 * true_positives / denominator) if denominator else 0.0
 
 
 def matthews_corrcoef(labels: Sequence[int], predictions: Sequence[int]) -> float:
-  """Matthews correlation (the multi-class form of Gorodkin 2004, which is the usual
-  (TP*TN - FP*FN) / sqrt(...) for two classes); 0 when a side has a single class."""
-  labels, predictions = np.asarray(labels), np.asarray(predictions)
-  _check_same_length(labels, predictions)
+  """Matthews correlation (the multi-class form of Gorodkin 2004); 0 when a side has a single class."""
+  labels, predictions = _pair(labels, predictions)
   classes = np.union1d(labels, predictions)
   true_counts = np.array([np.sum(labels == c) for c in classes], np.float64)
   predicted_counts = np.array([np.sum(predictions == c) for c in classes], np.float64)
-  correct = float(np.sum(labels == predictions))
   total = float(labels.size)
-  covariance = correct * total - np.dot(true_counts, predicted_counts)
+  covariance = float(np.sum(labels == predictions)) * total - np.dot(true_counts, predicted_counts)
   variance_true = total**2 - np.dot(true_counts, true_counts)
   variance_predicted = total**2 - np.dot(predicted_counts, predicted_counts)
   if variance_true == 0 or variance_predicted == 0:
@@ -44,9 +46,7 @@ def matthews_corrcoef(labels: Sequence[int], predictions: Sequence[int]) -> floa
 
 def pearson(targets: Sequence[float], predictions: Sequence[float]) -> float:
   """Pearson's r; 0 when either side is constant."""
-  targets = np.asarray(targets, np.float64)
-  predictions = np.asarray(predictions, np.float64)
-  _check_same_length(targets, predictions)
+  targets, predictions = _pair(targets, predictions, np.float64)
   centered_t, centered_p = targets - targets.mean(), predictions - predictions.mean()
   norm = np.sqrt(np.dot(centered_t, centered_t) * np.dot(centered_p, centered_p))
   return float(np.dot(centered_t, centered_p) / norm) if norm > 0 else 0.0
@@ -57,38 +57,23 @@ def average_ranks(values: Sequence[float]) -> np.ndarray:
   values = np.asarray(values, np.float64)
   order = np.argsort(values, kind="stable")
   sorted_values = values[order]
-  # Start index of each run of equal values in sorted order.
-  starts = np.flatnonzero(np.r_[True, sorted_values[1:] != sorted_values[:-1]])
+  starts = np.flatnonzero(np.r_[True, sorted_values[1:] != sorted_values[:-1]])  # of each run of equal values
   ends = np.r_[starts[1:], values.size]  # exclusive
-  run_ranks = (starts + ends + 1) / 2.0  # mean of ranks starts+1 .. ends
   ranks = np.empty(values.size, np.float64)
-  ranks[order] = np.repeat(run_ranks, ends - starts)
+  ranks[order] = np.repeat((starts + ends + 1) / 2.0, ends - starts)
   return ranks
 
 
 def spearman(targets: Sequence[float], predictions: Sequence[float]) -> float:
   """Spearman's rho: Pearson's r of the average ranks."""
-  _check_same_length(np.asarray(targets), np.asarray(predictions))
+  _pair(targets, predictions)
   return pearson(average_ranks(targets), average_ranks(predictions))
 
 
-def _check_same_length(a: np.ndarray, b: np.ndarray) -> None:
-  if a.shape != b.shape or a.ndim != 1:
-    raise ValueError(f"Metrics need two 1-D arrays of one length, got shapes {a.shape} and {b.shape}.")
-  if a.size == 0:
-    raise ValueError("Metrics of an empty split are undefined; the split has no examples.")
+METRIC_FNS = {"accuracy": accuracy, "f1": f1, "mcc": matthews_corrcoef, "pearson": pearson, "spearman": spearman}
 
-
-METRIC_FNS = {
-    "accuracy": accuracy,
-    "f1": f1,
-    "mcc": matthews_corrcoef,
-    "pearson": pearson,
-    "spearman": spearman,
-}
-
-# What GLUE's leaderboard reports for each task; MNLI reports it on each of its two dev
-# (and test) sets, matched and mismatched.
+# What GLUE's leaderboard reports for each task; MNLI reports it on each of its two dev (and
+# test) sets, matched and mismatched.
 GLUE_METRICS = {
     "cola": ("mcc",),
     "sst2": ("accuracy",),
@@ -103,8 +88,8 @@ GLUE_METRICS = {
 
 
 def compute_metrics(names: Sequence[str], labels, predictions) -> dict[str, float]:
-  """{name: value} for each metric in `names`, plus "score", their mean (GLUE averages a
-  task's metrics into its one leaderboard number; keep_epoch="best" chooses the epoch by it)."""
+  """{name: value} for each metric in `names`, plus "score", their mean (GLUE's one number per
+  task; keep_epoch="best" chooses the epoch by it)."""
   unknown = [name for name in names if name not in METRIC_FNS]
   if unknown or not names:
     raise ValueError(f"Unknown metrics {unknown} (known: {sorted(METRIC_FNS)}).")

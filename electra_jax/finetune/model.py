@@ -22,11 +22,14 @@ POOLINGS = ("cls", "mean")
 SIZE_FIELDS = ("vocab_size", "embedding_size", "max_position_embeddings", "type_vocab_size")
 
 
+def sizes_of(model) -> dict[str, int]:
+  return {k: getattr(model, k) for k in SIZE_FIELDS}
+
+
 def head_dense(features: int, dtype, name: str | None = None, fan_out: int | None = None) -> nn.Dense:
-  """A task head's dense layer, as the official heads' tf.layers.dense without an initializer:
-  zero bias and TF1's glorot_uniform kernel, U(-l, l) with l = sqrt(6 / (fan_in + fan_out)).
-  fan_out=None: the kernel's output width; an int treats each output column as its own dense
-  layer of that width (the official SQuAD head's separate start and end dense(H -> 1))."""
+  """A task head's dense layer as the official tf.layers.dense: zero bias, TF1's glorot_uniform
+  kernel. fan_out=None: the kernel's width; an int treats each output column as its own dense layer
+  of that width (the official SQuAD head's separate start and end dense(H -> 1))."""
 
   def kernel_init(key, shape, dtype=jnp.float32):
     limit = (6.0 / (shape[-2] + (shape[-1] if fan_out is None else fan_out))) ** 0.5
@@ -40,9 +43,8 @@ def head_dense(features: int, dtype, name: str | None = None, fan_out: int | Non
 
 
 def pool(hidden: jax.Array, attention_mask: jax.Array, pooling: str) -> jax.Array:
-  """[batch, seq, hidden] -> [batch, hidden]. "cls": the first token's state (the official
-  head). "mean": the mean over the positions where attention_mask is 1 ([CLS] and [SEP]
-  included), taken in float32; padding does not enter it."""
+  """[batch, seq, hidden] -> [batch, hidden]. "cls": the first token's state (the official head).
+  "mean": the float32 mean over the positions where attention_mask is 1 ([CLS] and [SEP] included)."""
   if pooling == "cls":
     return hidden[:, 0]
   if pooling == "mean":
@@ -54,10 +56,8 @@ def pool(hidden: jax.Array, attention_mask: jax.Array, pooling: str) -> jax.Arra
 
 
 class ElectraClassifier(nn.Module):
-  """Parameters {embeddings, encoder, classifier}; the first two are the discriminator's
-  (the `encoder` subtree of its tower). [batch, seq] -> [batch, num_outputs] float32: class
-  logits, or one score for regression, from the final hidden states pooled as `pooling` says
-  (see `pool`)."""
+  """Parameters {embeddings, encoder, classifier}, the first two the discriminator's. [batch, seq]
+  -> [batch, num_outputs] float32: class logits, or one regression score, from the pooled states."""
 
   vocab_size: int
   embedding_size: int
@@ -78,15 +78,14 @@ class ElectraClassifier(nn.Module):
 
   def __call__(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
     embedded = self.embeddings(input_ids, token_type_ids, deterministic)
-    hidden = self.encoder(embedded, attention_mask, deterministic)  # [batch, seq, hidden]
+    hidden = self.encoder(embedded, attention_mask, deterministic)
     pooled = self.head_dropout(pool(hidden, attention_mask, self.pooling), deterministic=deterministic)
-    return self.classifier(pooled).astype(jnp.float32)  # [batch, num_outputs]
+    return self.classifier(pooled).astype(jnp.float32)
 
 
 @dataclasses.dataclass
 class Backbone:
-  """The encoder a task head goes on: its sizes, its weights (None = random init) and the
-  tokenizer its vocabulary belongs to."""
+  """The encoder a task head goes on: its sizes, its weights (None = random init) and its tokenizer."""
 
   vocab_size: int
   embedding_size: int
@@ -98,13 +97,12 @@ class Backbone:
   source: str  # for the logs and results: where the weights came from
 
   def task_model(self, module_class, config, **head_fields):
-    """`module_class` (ElectraClassifier, squad.SquadModel) over this encoder, with the
-    fine-tuning config's dropout rates and dtype."""
+    """`module_class` (ElectraClassifier, squad.SquadModel) over this encoder, with the fine-tuning
+    config's dropout rates and dtype."""
     encoder_config = dataclasses.replace(
         self.encoder_config, dropout_rate=config.dropout_rate, attention_dropout_rate=config.attention_dropout_rate
     )
-    sizes = {k: getattr(self, k) for k in SIZE_FIELDS}
-    return module_class(**sizes, config=encoder_config, dtype=jnp.dtype(config.dtype), **head_fields)
+    return module_class(**sizes_of(self), config=encoder_config, dtype=jnp.dtype(config.dtype), **head_fields)
 
   def classifier(self, num_outputs: int, config) -> ElectraClassifier:
     return self.task_model(ElectraClassifier, config, num_outputs=num_outputs,
@@ -112,22 +110,12 @@ class Backbone:
 
 
 def _tokenizer_from_file(path: str, lowercase: bool | None, strip_accents: bool | None = None):
-  """A sentencepiece .model, or a BERT vocab.txt normalized as `lowercase` says (None: True,
-  BERT's uncased default) and `strip_accents` (None: follow lowercase)."""
+  """A sentencepiece .model, or a BERT vocab.txt (lowercase None: True, BERT's uncased default)."""
   if not os.path.isfile(path):
     raise ConfigError(f"config.tokenizer={path!r} is not a file; give a sentencepiece .model or a BERT vocab.txt.")
   if path.endswith(".model"):
     return data.SentencePieceTokenizer(path)
   return data.WordPieceTokenizer(path, True if lowercase is None else lowercase, strip_accents)
-
-
-def _recorded_tokenizer_fingerprint(data_fingerprint: str) -> str | None:
-  """The tokenizer part ('spm:<hash>' or 'wp:<hash>') of a checkpoint's data fingerprint."""
-  for part in data_fingerprint.split("|"):
-    kind, _, value = part.partition(":")
-    if kind in ("spm", "wp"):
-      return value
-  return None
 
 
 def _from_workdir(config, workdir: str) -> Backbone:
@@ -145,17 +133,16 @@ def _from_workdir(config, workdir: str) -> Backbone:
   else:
     tokenizer = data.load_tokenizer(pretrain_config.data)
   # A checkpoint imported (interop/pretraining.py) and not yet trained has no data fingerprint,
-  # only its vocabulary's.
-  recorded = (_recorded_tokenizer_fingerprint(meta["data_fingerprint"]) if meta.get("data_fingerprint")
-              else meta.get("tokenizer_fingerprint"))
+  # only its vocabulary's; a data fingerprint's tokenizer part is 'spm:<hash>' or 'wp:<hash>'.
+  recorded = meta.get("tokenizer_fingerprint")
+  if meta.get("data_fingerprint"):
+    parts = [part.partition(":") for part in meta["data_fingerprint"].split("|")]
+    recorded = next((value for kind, _, value in parts if kind in ("spm", "wp")), None)
   if recorded is not None and recorded != tokenizer.fingerprint:
-    raise ConfigError(
-        f"The tokenizer {tokenizer!r} differs from the one the checkpoint in {workdir} was "
-        f"pre-trained with (fingerprint {recorded}); its token ids would mean other words to the "
-        "model. Leave config.tokenizer empty to use the pre-training tokenizer (if its cache was "
-        "rebuilt differently, restore the cache or pre-train again)."
-    )
-
+    raise ConfigError(f"The tokenizer {tokenizer!r} differs from the one the checkpoint in {workdir} was pre-trained "
+                      f"with (fingerprint {recorded}); its token ids would mean other words to the model. Leave "
+                      "config.tokenizer empty to use the pre-training tokenizer (if its cache was rebuilt "
+                      "differently, restore the cache or pre-train again).")
   pretrainer = build_model(pretrain_config)
   source = f"random init (sizes of {workdir})" if config.random_init else f"{workdir} step {step}"
   params = None
@@ -169,7 +156,7 @@ def _from_workdir(config, workdir: str) -> Backbone:
     _, tower_params = tower_from_pretrainer(setup.model, state.params, "discriminator")
     params = {"embeddings": tower_params["embeddings"], "encoder": tower_params["discriminator"]["encoder"]}
   # The discriminator reads the shared embeddings (embedding_size) in every model.tie mode.
-  return Backbone(**{k: getattr(pretrainer, k) for k in SIZE_FIELDS},
+  return Backbone(**sizes_of(pretrainer),
                   encoder_config=dataclasses.replace(pretrainer.discriminator_config, scan_layers=False),
                   params=params, tokenizer=tokenizer, source=source)
 
@@ -179,25 +166,20 @@ def _from_hf(config, path: str) -> Backbone:
   from electra_jax.interop import pretraining as pairing
 
   hf_model, hf_params = interop.load_hf(path)
-  tower = next((name for name in ("discriminator", "generator") if name in hf_params), None)
-  encoder_params = hf_params[tower]["encoder"] if tower else hf_params["encoder"]
-  tokenizer_path = config.tokenizer
+  tower = next((hf_params[name] for name in ("discriminator", "generator") if name in hf_params), hf_params)
+  # A BERT vocab.txt, or the spm.model electra-jax's export of a sentencepiece run writes.
+  candidates = [os.path.join(path, name) for name in ("vocab.txt", "spm.model")]
+  tokenizer_path = config.tokenizer or next((c for c in candidates if os.path.isfile(c)), "")
   if not tokenizer_path:
-    # A BERT vocab.txt, or the spm.model electra-jax's export of a sentencepiece run writes.
-    candidates = [os.path.join(path, name) for name in ("vocab.txt", "spm.model")]
-    tokenizer_path = next((c for c in candidates if os.path.isfile(c)), "")
-    if not tokenizer_path:
-      raise ConfigError(
-          f"{path} has neither vocab.txt nor spm.model; set config.tokenizer to the vocabulary the "
-          "model was trained with."
-      )
-  # The directory's tokenizer_config.json says how the text was normalized (a cased model must
-  # not be lowercased); config.lowercase, when set, overrides it.
-  recorded_lowercase, strip_accents = pairing.read_tokenizer_settings(path)
-  lowercase = config.lowercase if config.lowercase is not None else recorded_lowercase
+    raise ConfigError(f"{path} has neither vocab.txt nor spm.model; set config.tokenizer to the vocabulary "
+                      "the model was trained with.")
+  # The directory's tokenizer_config.json says how the text was normalized (a cased model must not be
+  # lowercased); config.lowercase, when set, overrides it.
+  lowercase, strip_accents = pairing.read_tokenizer_settings(path)
+  lowercase = lowercase if config.lowercase is None else config.lowercase
   return Backbone(
-      **{k: getattr(hf_model, k) for k in SIZE_FIELDS}, encoder_config=hf_model.config,
-      params=None if config.random_init else {"embeddings": hf_params["embeddings"], "encoder": encoder_params},
+      **sizes_of(hf_model), encoder_config=hf_model.config,
+      params=None if config.random_init else {"embeddings": hf_params["embeddings"], "encoder": tower["encoder"]},
       tokenizer=_tokenizer_from_file(tokenizer_path, lowercase, strip_accents),
       source=f"random init (sizes of {path})" if config.random_init else f"Hugging Face {path}",
   )
@@ -206,26 +188,22 @@ def _from_hf(config, path: str) -> Backbone:
 def _from_config(config) -> Backbone:
   """Random init with the sizes in config.model and the tokenizer in config.tokenizer."""
   if not config.tokenizer:
-    raise ConfigError(
-        "config.init_from is empty, so the model starts from scratch and needs config.tokenizer "
-        "(a sentencepiece .model or a BERT vocab.txt). To fine-tune a pre-trained model, set "
-        "config.init_from to its pre-training workdir or Hugging Face directory."
-    )
+    raise ConfigError("config.init_from is empty, so the model starts from scratch and needs config.tokenizer (a "
+                      "sentencepiece .model or a BERT vocab.txt). To fine-tune a pre-trained model, set "
+                      "config.init_from to its pre-training workdir or Hugging Face directory.")
   m = config.model
   config_lib.check_encoder_sizes(m, ("hidden_size", "num_layers", "num_heads", "intermediate_size", "embedding_size",
                                      "max_position_embeddings"), "config.model.", " (the random-init model's sizes)")
   tokenizer = _tokenizer_from_file(config.tokenizer, config.lowercase)
-  return Backbone(
-      m.vocab_size or tokenizer.vocab_size, m.embedding_size, m.max_position_embeddings, 2,
-      EncoderConfig(m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size), None, tokenizer,
-      "random init (config.model)",
-  )
+  return Backbone(m.vocab_size or tokenizer.vocab_size, m.embedding_size, m.max_position_embeddings, 2,
+                  EncoderConfig(m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size), None, tokenizer,
+                  "random init (config.model)")
 
 
 def load_backbone(config) -> Backbone:
-  """Where the encoder starts, from config.init_from: a pre-training workdir (it has
-  checkpoints/), a Hugging Face directory (config.json + weights), or "" for config.model's
-  sizes. config.random_init keeps the sizes and tokenizer but not the weights (a baseline)."""
+  """Where the encoder starts, from config.init_from: a pre-training workdir (it has checkpoints/),
+  a Hugging Face directory (config.json + weights), or "" for config.model's sizes.
+  config.random_init keeps the sizes and tokenizer but not the weights (a baseline)."""
   init_from = config.init_from
   if not init_from:
     backbone = _from_config(config)
@@ -234,35 +212,28 @@ def load_backbone(config) -> Backbone:
   elif os.path.isfile(os.path.join(init_from, "config.json")):
     backbone = _from_hf(config, init_from)
   else:
-    raise ConfigError(
-        f"config.init_from={init_from!r} is neither a pre-training workdir (with checkpoints/) nor "
-        "a Hugging Face model directory (with config.json)."
-    )
+    raise ConfigError(f"config.init_from={init_from!r} is neither a pre-training workdir (with checkpoints/) nor a "
+                      "Hugging Face model directory (with config.json).")
   if backbone.tokenizer.vocab_size > backbone.vocab_size:
-    raise ConfigError(
-        f"The tokenizer has {backbone.tokenizer.vocab_size} tokens but the model's vocabulary only "
-        f"{backbone.vocab_size}; use the tokenizer the model was trained with."
-    )
+    raise ConfigError(f"The tokenizer has {backbone.tokenizer.vocab_size} tokens but the model's vocabulary only "
+                      f"{backbone.vocab_size}; use the tokenizer the model was trained with.")
   if config.max_seq_len > backbone.max_position_embeddings:
-    raise ConfigError(
-        f"config.max_seq_len={config.max_seq_len} exceeds the model's max_position_embeddings="
-        f"{backbone.max_position_embeddings}; lower max_seq_len."
-    )
+    raise ConfigError(f"config.max_seq_len={config.max_seq_len} exceeds the model's max_position_embeddings="
+                      f"{backbone.max_position_embeddings}; lower max_seq_len.")
   return backbone
 
 
 def init_params(backbone: Backbone, model: ElectraClassifier, rng: jax.Array, seq_len: int):
-  """Fresh parameters for `model`, with the backbone's weights (if any) in place of the
-  random embeddings and encoder; the head is always new."""
+  """Fresh parameters for `model`, with the backbone's weights (if any) in place of the random
+  embeddings and encoder; the head is always new."""
   ids = jnp.zeros((1, seq_len), jnp.int32)
   params = nn.meta.unbox(jax.jit(model.init)(rng, ids, ids, jnp.ones_like(ids))["params"])
   if backbone.params is not None:
     # Copies: the training step donates its parameters, and the next seed starts from these.
     pretrained = jax.tree.map(lambda x: jnp.array(x, copy=True), nn.meta.unbox(backbone.params))
     for name in ("embeddings", "encoder"):
-      expected = jax.tree.map(jnp.shape, params[name])
-      got = jax.tree.map(jnp.shape, pretrained[name])
+      expected, got = jax.tree.map(jnp.shape, params[name]), jax.tree.map(jnp.shape, pretrained[name])
       if expected != got:
         raise ConfigError(f"The pre-trained {name} do not fit the classifier: {got} vs {expected}.")
-    params = {**params, "embeddings": pretrained["embeddings"], "encoder": pretrained["encoder"]}
+      params[name] = pretrained[name]
   return params

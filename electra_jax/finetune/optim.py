@@ -1,6 +1,6 @@
-"""The fine-tuning optimizer: gradient clipping, AdamW (no decay on LayerNorm or biases),
-linear warmup then linear decay, and layer-wise learning-rate decay, which gives layers nearer
-the input smaller steps. Parameter trees are the classifier's {embeddings, encoder, <head>}."""
+"""The fine-tuning optimizer: gradient clipping, AdamW (no decay on LayerNorm or biases), linear
+warmup then linear decay, and layer-wise learning-rate decay, which gives layers nearer the input
+smaller steps. Parameter trees are the classifier's {embeddings, encoder, <head>}."""
 
 import re
 
@@ -12,24 +12,13 @@ from electra_jax.errors import ConfigError
 from electra_jax.train import scale_by_adam_without_bias_correction
 
 LAYERWISE_RULES = ("correct", "official")
-_LAYER = re.compile(r"layer_(\d+)$")
 
 
-def layer_depth(path: tuple[str, ...], num_layers: int) -> int:
-  """0 for the embeddings (and the E->H projection), l+1 for encoder layer_l (and a pre-LN
-  encoder's final_layer_norm, which normalizes the top layer's output, with the top layer),
-  num_layers+1 for anything else: the task head."""
-  if path[0] == "embeddings":
-    return 0
-  if path[0] == "encoder":
-    if path[1] == "embeddings_project":
-      return 0
-    if path[1] == "final_layer_norm":
-      return num_layers
-    match = _LAYER.match(path[1])
-    if match:
-      return int(match.group(1)) + 1
-  return num_layers + 1
+def check_layerwise(decay: float, rule: str) -> None:
+  if rule not in LAYERWISE_RULES:
+    raise ConfigError(f"optimizer.layerwise_lr_decay_rule={rule!r}: use one of {list(LAYERWISE_RULES)}.")
+  if not 0.0 < decay <= 1.0:
+    raise ConfigError(f"optimizer.layerwise_lr_decay={decay} must be in (0, 1] (1 = no layer-wise decay).")
 
 
 def layerwise_lr_scales(params, num_layers: int, decay: float, rule: str = "correct"):
@@ -37,24 +26,25 @@ def layerwise_lr_scales(params, num_layers: int, decay: float, rule: str = "corr
 
   correct:  decay ** (num_layers + 1 - depth): the head 1, the top layer decay, ... the
             embeddings decay ** (num_layers + 1); "lr * decay^(depth - l)" of the paper.
-  official: the official code's `_get_layer_lrs`, which puts the head at depth num_layers + 2
-            and the layers at l + 1, so the top layer gets decay ** 2 and everything below the
-            head one factor of decay less than the correct rule; the head still gets 1.
-  decay=1 turns layer-wise decay off.
+  official: the official code's `_get_layer_lrs`, which puts the head at depth num_layers + 2,
+            so everything below the head gets one factor of decay less; the head still gets 1.
   """
-  if rule not in LAYERWISE_RULES:
-    raise ConfigError(f"layerwise_lr_decay_rule={rule!r}: use one of {list(LAYERWISE_RULES)}.")
-  if not 0.0 < decay <= 1.0:
-    raise ConfigError(f"layerwise_lr_decay={decay} must be in (0, 1] (1 = no layer-wise decay).")
+  check_layerwise(decay, rule)
   head_depth = num_layers + 1
+  top = head_depth + (1 if rule == "official" else 0)
 
   def scale(path, _):
-    names = tuple(getattr(key, "key", str(key)) for key in path)
-    depth = layer_depth(names, num_layers)
-    if depth == head_depth:
-      return 1.0
-    top = head_depth + (1 if rule == "official" else 0)
-    return float(decay ** (top - depth))
+    # Depth 0: the embeddings (and the E->H projection); l+1: encoder layer_l (a pre-LN encoder's
+    # final_layer_norm goes with the top layer); head_depth: anything else, the task head.
+    path = tuple(getattr(key, "key", str(key)) for key in path)
+    match = re.match(r"layer_(\d+)$", path[1]) if path[0] == "encoder" else None
+    if path[0] == "embeddings" or path[:2] == ("encoder", "embeddings_project"):
+      depth = 0
+    elif path[:2] == ("encoder", "final_layer_norm"):
+      depth = num_layers
+    else:
+      depth = int(match.group(1)) + 1 if match else head_depth
+    return 1.0 if depth == head_depth else float(decay ** (top - depth))
 
   return jax.tree_util.tree_map_with_path(scale, params)
 
@@ -76,9 +66,9 @@ def linear_warmup_decay(base_lr: float, warmup_steps: int, total_steps: int):
 
 
 def make_optimizer(config, params, num_layers: int, total_steps: int, learning_rate: float | None = None):
-  """(tx, schedule) from the fine-tuning config's optimizer keys (see configs/finetune/glue.py):
-  clip, Adam, decoupled weight decay, the layer-wise multipliers, then the scheduled lr, whose
-  peak is `learning_rate` (None: optimizer.learning_rate)."""
+  """(tx, schedule) from the fine-tuning config's optimizer keys: clip, Adam, decoupled weight
+  decay, the layer-wise multipliers, then the scheduled lr peaking at `learning_rate` (None:
+  optimizer.learning_rate)."""
   o = config.optimizer
   if not 0.0 <= o.warmup_fraction < 1.0:
     raise ConfigError(f"optimizer.warmup_fraction={o.warmup_fraction} must be in [0, 1).")

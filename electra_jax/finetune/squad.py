@@ -1,11 +1,11 @@
-"""SQuAD 1.1 and 2.0 as the official code runs them: reading (JSON or TFDS), windowed features,
-the span head and its loss, n-best decoding, the official EM/F1, and the trainer's adapter
-(`make_adapter`, config.task="squad1.1" / "squad2.0")."""
+"""SQuAD 1.1 and 2.0 as the official code runs them: reading (JSON or TFDS), windowed features, the
+span head and its loss, n-best decoding, the official EM/F1, and the trainer's adapter."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -28,40 +28,32 @@ from electra_jax.finetune.model import head_dense
 from electra_jax.models import Encoder, EncoderConfig, embeddings_for
 
 VERSIONS = ("1.1", "2.0")
-FEATURE_KEYS = (
-    "input_ids", "token_type_ids", "attention_mask", "start_positions", "end_positions",
-    "is_impossible",
-)
-# Added to the logits of positions that cannot start or end an answer (question, padding):
-# the official head adds -1000, enough for softmax to give them no mass.
+_VERSION_NAMES = {name: version for version in VERSIONS for name in (version, version[0], "v" + version)}
+FEATURE_KEYS = ("input_ids", "token_type_ids", "attention_mask", "start_positions", "end_positions", "is_impossible")
+# Added to the logits of positions that cannot start or end an answer (question, padding): the
+# official head adds -1000, enough for softmax to give them no mass.
 _MASKED_LOGIT = -10000.0
-_PROGRESS_EVERY = 5000
 
 
 def _check_version(version) -> str:
-  normalized = {"1.1": "1.1", "1": "1.1", "v1.1": "1.1", "2.0": "2.0", "2": "2.0", "v2.0": "2.0"}
   key = str(version).strip().lower()
-  if key not in normalized:
+  if key not in _VERSION_NAMES:
     raise ConfigError(f"SQuAD version={version!r} is not one of {VERSIONS}.")
-  return normalized[key]
+  return _VERSION_NAMES[key]
 
 
 def _log_progress(what: str, done: int, total: int, started: float) -> None:
-  if done % _PROGRESS_EVERY and done != total:
-    return
-  elapsed = time.time() - started
-  eta = elapsed / max(done, 1) * (total - done)
-  logging.info("%s: %d/%d (%.0f s elapsed, ETA %.0f s)", what, done, total, elapsed, eta)
+  if done % 5000 == 0 or done == total:
+    elapsed = time.time() - started
+    eta = elapsed / max(done, 1) * (total - done)
+    logging.info("%s: %d/%d (%.0f s elapsed, ETA %.0f s)", what, done, total, elapsed, eta)
 
 
-# ---------------------------------------------------------------------------------------
-# Examples: official JSON and TFDS.
-# ---------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class SquadExample:
   """One question about one context. `answers` holds (text, answer_start) pairs, the start a
-  character offset into `context`; training uses the first, evaluation takes the best score
-  over all. An impossible (SQuAD 2.0) question has no answers and is_impossible=True."""
+  character offset into `context`; training uses the first, evaluation takes the best score over
+  all. An impossible (SQuAD 2.0) question has no answers and is_impossible=True."""
 
   qas_id: str
   question: str
@@ -79,57 +71,40 @@ def _make_example(qas_id, question, context, answers, is_impossible, version, wh
   checked = []
   for text, start in answers:
     if not isinstance(text, str) or isinstance(start, bool) or not isinstance(start, (int, np.integer)):
-      raise ConfigError(
-          f"{where}: question {qas_id!r} has an answer {(text, start)!r}; each answer needs a "
-          "string 'text' and an integer 'answer_start'."
-      )
+      raise ConfigError(f"{where}: question {qas_id!r} has an answer {(text, start)!r}; each answer needs a "
+                        "string 'text' and an integer 'answer_start'.")
     start = int(start)
     found = context[start:start + len(text)] if start >= 0 else None
     if found != text:
-      raise ConfigError(
-          f"{where}: question {qas_id!r}: answer_start={start} does not point at the answer "
-          f"text {text!r} (the context there reads {found!r}). answer_start must be the "
-          "character offset of the answer in the context; fix the file."
-      )
+      raise ConfigError(f"{where}: question {qas_id!r}: answer_start={start} does not point at the answer text "
+                        f"{text!r} (the context there reads {found!r}). answer_start must be the character offset "
+                        "of the answer in the context; fix the file.")
     checked.append((text, start))
   if version == "1.1" and is_impossible:
-    raise ConfigError(
-        f"{where}: question {qas_id!r} is marked is_impossible, which only SQuAD 2.0 has; read "
-        "the file with version='2.0'."
-    )
+    raise ConfigError(f"{where}: question {qas_id!r} is marked is_impossible, which only SQuAD 2.0 has; read "
+                      "the file with version='2.0'.")
   if is_impossible and checked:
-    raise ConfigError(
-        f"{where}: question {qas_id!r} is marked is_impossible but has answers {checked}; an "
-        "impossible question must have an empty 'answers' list."
-    )
+    raise ConfigError(f"{where}: question {qas_id!r} is marked is_impossible but has answers {checked}; an "
+                      "impossible question must have an empty 'answers' list.")
   if not is_impossible and not checked:
-    raise ConfigError(
-        f"{where}: question {qas_id!r} has no answers and is not marked is_impossible. SQuAD "
-        "1.1 questions need at least one answer; for 2.0 set is_impossible=true."
-    )
+    raise ConfigError(f"{where}: question {qas_id!r} has no answers and is not marked is_impossible. SQuAD 1.1 "
+                      "questions need at least one answer; for 2.0 set is_impossible=true.")
   return SquadExample(qas_id, question, context, checked, bool(is_impossible))
 
 
 def _check_examples(examples: list[SquadExample], where: str) -> list[SquadExample]:
   if not examples:
     raise ConfigError(f"{where} holds no SQuAD questions; give a non-empty file or split.")
-  counts = collections.Counter(e.qas_id for e in examples)
-  repeated = [qid for qid, n in counts.items() if n > 1]
+  repeated = [qid for qid, n in collections.Counter(e.qas_id for e in examples).items() if n > 1]
   if repeated:
-    raise ConfigError(
-        f"{where}: question ids {repeated[:5]} occur more than once; predictions are keyed by "
-        "id, so every question needs its own."
-    )
+    raise ConfigError(f"{where}: question ids {repeated[:5]} occur more than once; predictions are keyed by "
+                      "id, so every question needs its own.")
   return examples
 
 
 def read_squad_json(path: str, version) -> list[SquadExample]:
-  """Questions of an official SQuAD JSON file ({"data": [{"paragraphs": [{"context", "qas"}]}]}).
-
-  `version` is "1.1" or "2.0". 2.0's `plausible_answers` are ignored (they are not gold
-  answers). Raises ConfigError for an unreadable or empty file, a missing field, or an
-  answer_start that does not point at its answer text.
-  """
+  """Questions of an official SQuAD JSON file ({"data": [{"paragraphs": [{"context", "qas"}]}]}),
+  `version` "1.1" or "2.0" (2.0's `plausible_answers` are not gold answers and are ignored)."""
   version = _check_version(version)
   try:
     with open(path, encoding="utf-8") as f:
@@ -142,30 +117,23 @@ def read_squad_json(path: str, version) -> list[SquadExample]:
     data = json.loads(raw)["data"]
     questions = [(p["context"], qa) for a in data for p in a["paragraphs"] for qa in p["qas"]]
   except (json.JSONDecodeError, KeyError, TypeError) as e:
-    raise ConfigError(
-        f"{path!r} is not an official SQuAD JSON file ({type(e).__name__}: {e}); it needs "
-        '{"data": [{"paragraphs": [{"context": ..., "qas": [...]}]}]}.'
-    ) from e
+    raise ConfigError(f"{path!r} is not an official SQuAD JSON file ({type(e).__name__}: {e}); it needs "
+                      '{"data": [{"paragraphs": [{"context": ..., "qas": [...]}]}]}.') from e
   examples = []
   for context, qa in questions:
     try:
       answers = [(a["text"], a["answer_start"]) for a in qa["answers"]]
       qas_id, question, is_impossible = qa["id"], qa["question"], qa.get("is_impossible", False)
     except (KeyError, TypeError, AttributeError) as e:
-      raise ConfigError(
-          f"{path!r}: a question lacks the field {e} (each needs 'id', 'question' and "
-          "'answers', each answer 'text' and 'answer_start')."
-      ) from e
-    examples.append(
-        _make_example(qas_id, question, context, answers, is_impossible, version, repr(path))
-    )
+      raise ConfigError(f"{path!r}: a question lacks the field {e} (each needs 'id', 'question' and 'answers', "
+                        "each answer 'text' and 'answer_start').") from e
+    examples.append(_make_example(qas_id, question, context, answers, is_impossible, version, repr(path)))
   return _check_examples(examples, repr(path))
 
 
 def read_squad_tfds(name: str, split: str, data_dir: str | None = None):
-  """Questions of a prepared TFDS `squad/v1.1` or `squad/v2.0` (array_record; `split` "train"
-  or "validation"), e.g. by `tfds.builder(name, data_dir=..., file_format="array_record")
-  .download_and_prepare()`."""
+  """Questions of a prepared TFDS `squad/v1.1` or `squad/v2.0` (array_record; `split` "train" or
+  "validation")."""
   match = re.search(r"v(1\.1|2\.0)$", name)
   if not match:
     raise ConfigError(f"TFDS name {name!r} is not 'squad/v1.1' or 'squad/v2.0'.")
@@ -177,79 +145,50 @@ def read_squad_tfds(name: str, split: str, data_dir: str | None = None):
   examples, started = [], time.time()
   for i in range(len(source)):
     record = source[i]
-    answers = record["answers"]
-    pairs = [(text(t), int(s)) for t, s in zip(answers["text"], answers["answer_start"])]
-    examples.append(_make_example(
-        text(record["id"]), text(record["question"]), text(record["context"]), pairs,
-        bool(record.get("is_impossible", False)), version, where,
-    ))
+    pairs = [(text(t), int(s)) for t, s in zip(record["answers"]["text"], record["answers"]["answer_start"])]
+    examples.append(_make_example(text(record["id"]), text(record["question"]), text(record["context"]), pairs,
+                                  bool(record.get("is_impossible", False)), version, where))
     _log_progress(f"Reading {where}", i + 1, len(source), started)
   return _check_examples(examples, where)
 
 
-# ---------------------------------------------------------------------------------------
-# Features: [CLS] question [SEP] context window [SEP], windows `doc_stride` tokens apart.
-# ---------------------------------------------------------------------------------------
 def _fold(text: str) -> str:
-  """Lowercased, compatibility-decomposed, without accents: what tokenizers normalize to, so
-  a piece's characters can be matched back to the word they came from."""
+  """Lowercased, compatibility-decomposed, without accents: what tokenizers normalize to, so a
+  piece's characters can be matched back to the word they came from."""
   decomposed = unicodedata.normalize("NFKD", text.lower())
   return "".join(c for c in decomposed if not unicodedata.combining(c))
 
 
-class _WordTokenizer:
-  """Token ids of one whitespace-separated word and each token's [start, end) characters in it.
+def _word_tokenizer(tokenizer):
+  """word -> (its token ids, each token's [start, end) characters in it), cached. Pieces are aligned
+  through _fold; when that fails (an [UNK], a normalization we do not reproduce) every piece spans
+  the whole word, so an answer still maps to whole words, as the official code."""
+  unk_id = getattr(tokenizer, "unk_id", None)
+  hashes = "##" if getattr(tokenizer, "kind", None) == "wordpiece" else ""
 
-  Pieces are aligned to the word's characters through _fold; when that fails (an [UNK], a
-  normalization we do not reproduce) every piece of the word spans the whole word, so an
-  answer still maps to whole words, as the official code does.
-  """
-
-  def __init__(self, tokenizer):
-    self._tokenizer = tokenizer
-    self._strip_hashes = getattr(tokenizer, "kind", None) == "wordpiece"
-    self._unk_id = getattr(tokenizer, "unk_id", None)
-    self._cache: dict[str, tuple[list[int], list[tuple[int, int]]]] = {}
-
-  def _piece_text(self, token_id: int) -> str | None:
-    if token_id == self._unk_id:
-      return None
-    piece = self._tokenizer.id_to_piece(token_id)
-    if self._strip_hashes and piece.startswith("##"):
-      piece = piece[2:]
-    return piece.replace("\u2581", "")  # sentencepiece's word-boundary marker
-
-  def __call__(self, word: str):
-    if word not in self._cache:
-      ids = list(self._tokenizer.encode(word))
-      self._cache[word] = (ids, self._align(word, ids))
-    return self._cache[word]
-
-  def _align(self, word: str, ids: list[int]) -> list[tuple[int, int]]:
-    whole_word = [(0, len(word))] * len(ids)
-    folded_word, owner = "", []  # owner: folded character -> the word character it came from
-    for i, char in enumerate(word):
-      folded_char = _fold(char)
-      folded_word += folded_char
-      owner.extend([i] * len(folded_char))
-    pieces = [self._piece_text(t) for t in ids]
-    if any(p is None for p in pieces):
-      return whole_word
-    folded = [_fold(p) for p in pieces]
-    if "".join(folded) != folded_word:
-      return whole_word
+  @functools.cache
+  def tokenize(word: str):
+    ids = list(tokenizer.encode(word))
+    owner = [i for i, char in enumerate(word) for _ in _fold(char)]  # folded character -> word character
+    pieces = [None if token == unk_id else tokenizer.id_to_piece(token) for token in ids]
+    # Each piece's text without wordpiece's "##" and sentencepiece's word-boundary "▁".
+    folded = None if None in pieces else [_fold(p.removeprefix(hashes).replace("\u2581", "")) for p in pieces]
+    if folded is None or "".join(folded) != "".join(_fold(char) for char in word):
+      return ids, [(0, len(word))] * len(ids)
     spans, position = [], 0
     for piece in folded:
       if not piece:  # e.g. a lone "▁": zero width, just before the next character
         at = owner[position] if position < len(owner) else len(word)
         spans.append((at, at))
-        continue
-      spans.append((owner[position], owner[position + len(piece) - 1] + 1))
-      position += len(piece)
-    return spans
+      else:
+        spans.append((owner[position], owner[position + len(piece) - 1] + 1))
+        position += len(piece)
+    return ids, spans
+
+  return tokenize
 
 
-def _tokenize_context(context: str, word_tokenizer: _WordTokenizer):
+def _tokenize_context(context: str, word_tokenizer):
   """Context token ids and their [start, end) character spans in the context: int32 [n, 2]."""
   ids, spans = [], []
   for match in re.finditer(r"\S+", context):
@@ -257,14 +196,6 @@ def _tokenize_context(context: str, word_tokenizer: _WordTokenizer):
     ids.extend(word_ids)
     spans.extend((match.start() + s, match.start() + e) for s, e in word_spans)
   return ids, np.asarray(spans, dtype=np.int32).reshape(-1, 2)
-
-
-def _answer_tokens(spans: np.ndarray, start: int, end: int):
-  """First and last context token overlapping characters [start, end), or None."""
-  overlaps = np.flatnonzero((spans[:, 1] > start) & (spans[:, 0] < end))
-  if overlaps.size == 0:
-    return None
-  return int(overlaps[0]), int(overlaps[-1])
 
 
 def _windows(num_tokens: int, max_tokens: int, doc_stride: int) -> list[tuple[int, int]]:
@@ -280,9 +211,9 @@ def _windows(num_tokens: int, max_tokens: int, doc_stride: int) -> list[tuple[in
 
 
 def max_context_owner(windows: Sequence[tuple[int, int]], num_tokens: int) -> np.ndarray:
-  """For each context token, the index of the window that gives it the most context: the
-  largest min(left, right) + 0.01 * window length, the first window on ties (the official
-  rule). Decoding only lets an answer start in its token's owner window."""
+  """For each context token, the index of the window that gives it the most context: the largest
+  min(left, right) + 0.01 * window length, the first window on ties (the official rule). Decoding
+  only lets an answer start in its token's owner window."""
   best_score = np.full(num_tokens, -np.inf)
   owner = np.full(num_tokens, -1, dtype=np.int32)
   for index, (start, length) in enumerate(windows):
@@ -296,15 +227,9 @@ def max_context_owner(windows: Sequence[tuple[int, int]], num_tokens: int) -> np
 
 @dataclasses.dataclass
 class SquadMetadata:
-  """What decoding needs besides the logits, one entry per feature row (window).
-
-  example_index: [F] row -> index into the examples list.
-  window_start, window_length: [F] the window's context tokens are
-    context_tokens[window_start : window_start + window_length] of its example.
-  context_offset: [F] sequence position of the window's first context token (len(question) + 2).
-  token_char_spans: per example, int32 [num_context_tokens, 2]: each context token's
-    [start, end) characters in the context (examples sharing a context share the array).
-  """
+  """What decoding needs besides the logits, one entry per feature row (window): its example's
+  index, the window's context tokens (window_start, window_length) and the position of its first
+  (context_offset); per example, each context token's [start, end) characters (int32 [n, 2])."""
 
   example_index: np.ndarray
   window_start: np.ndarray
@@ -322,17 +247,21 @@ class SquadMetadata:
       rows[int(example)].append(row)
     return rows
 
-  def token_is_max_context(self, row: int) -> np.ndarray:
-    """bool [seq_len]: True at the row's context positions whose max-context window it is."""
-    example = int(self.example_index[row])
-    rows = self.rows_of_example()[example]
+  def max_context_flags(self, example: int, rows: list[int]) -> np.ndarray:
+    """bool [len(rows), seq_len]: each of the example's rows' context positions whose max-context
+    window it is."""
     windows = [(int(self.window_start[r]), int(self.window_length[r])) for r in rows]
     owner = max_context_owner(windows, len(self.token_char_spans[example]))
-    start, length = windows[rows.index(row)]
-    flags = np.zeros(self.seq_len, dtype=bool)
-    offset = int(self.context_offset[row])
-    flags[offset:offset + length] = owner[start:start + length] == rows.index(row)
+    flags = np.zeros((len(rows), self.seq_len), dtype=bool)
+    for i, (row, (start, length)) in enumerate(zip(rows, windows)):
+      offset = int(self.context_offset[row])
+      flags[i, offset:offset + length] = owner[start:start + length] == i
     return flags
+
+  def token_is_max_context(self, row: int) -> np.ndarray:
+    example = int(self.example_index[row])
+    rows = self.rows_of_example()[example]
+    return self.max_context_flags(example, rows)[rows.index(row)]
 
 
 def make_features(
@@ -344,37 +273,22 @@ def make_features(
     *,
     is_training: bool,
 ) -> tuple[dict[str, np.ndarray], SquadMetadata]:
-  """Model inputs and targets, one row per context window, as the official SQuAD code builds
-  them: the context split on whitespace, each word tokenized, the question cut to
-  `max_query_len` tokens, windows of up to max_seq_len - len(question) - 3 context tokens
-  starting `doc_stride` tokens apart.
-
-  Returns (features, metadata). features: int32 arrays, F rows of max_seq_len:
-    input_ids, token_type_ids (0 question, 1 context and its [SEP]), attention_mask [F, T];
-    start_positions, end_positions [F]: the answer's first and last token in the row, or 0
-      ([CLS]) when the row's window does not contain the whole answer or the question is
-      impossible; is_impossible [F]: the question's label, on every one of its rows (the
-      target of the 2.0 answerability classifier, as in the official code: a window that
-      misses the answer of an answerable question still says "answerable").
-  metadata: a SquadMetadata for postprocess.
-  Targets use the first answer (the official choice). With is_training=True a question whose
-  answer covers no token (it lies in characters the tokenizer drops) is left out, as the
-  official code leaves it out; with is_training=False every question gets its rows.
-  """
+  """(int32 FEATURE_KEYS arrays, SquadMetadata), one row per context window as the official code
+  builds them: [CLS] question (at most max_query_len tokens) [SEP] window [SEP], windows doc_stride
+  tokens apart. start/end_positions: the first answer's tokens in the row, or 0 ([CLS]) when the
+  window misses any of it; is_impossible: the question's label on all its rows. In training, a
+  question whose answer covers no token is left out (as the official code)."""
   if max_query_len < 1 or doc_stride < 1:
     raise ConfigError(f"max_query_len={max_query_len} and doc_stride={doc_stride} must be >= 1.")
   if max_seq_len - max_query_len - 3 < 1:
-    raise ConfigError(
-        f"max_seq_len={max_seq_len} leaves no room for the context after a question of up to "
-        f"max_query_len={max_query_len} tokens and [CLS] [SEP] [SEP]; raise max_seq_len or "
-        "lower max_query_len."
-    )
-  word_tokenizer = _WordTokenizer(tokenizer)
+    raise ConfigError(f"max_seq_len={max_seq_len} leaves no room for the context after a question of up to "
+                      f"max_query_len={max_query_len} tokens and [CLS] [SEP] [SEP]; raise max_seq_len or lower "
+                      "max_query_len.")
+  word_tokenizer = _word_tokenizer(tokenizer)
   contexts: dict[str, tuple[list[int], np.ndarray]] = {}
-  columns = {key: [] for key in FEATURE_KEYS}  # per row: an int32 [T] array or one int
-  meta = {key: [] for key in ("example_index", "window_start", "window_length", "context_offset")}
+  rows, meta = [], []  # per row: FEATURE_KEYS' values; (example, window_start, window_length, context_offset)
   token_char_spans, skipped, started = [], 0, time.time()
-
+  positions = np.arange(max_seq_len)
   for index, example in enumerate(examples):
     if example.context not in contexts:
       contexts[example.context] = _tokenize_context(example.context, word_tokenizer)
@@ -382,48 +296,37 @@ def make_features(
     token_char_spans.append(spans)
     answer = None
     if example.answers and not example.is_impossible:
-      text, char_start = example.answers[0]
-      answer = _answer_tokens(spans, char_start, char_start + len(text))
+      text, char_start = example.answers[0]  # the first and last context token it overlaps
+      overlaps = np.flatnonzero((spans[:, 1] > char_start) & (spans[:, 0] < char_start + len(text)))
+      answer = (int(overlaps[0]), int(overlaps[-1])) if overlaps.size else None
       if answer is None and is_training:
         skipped += 1
         continue
     query_ids = list(tokenizer.encode(example.question))[:max_query_len]
     offset = len(query_ids) + 2
     for start, length in _windows(len(context_ids), max_seq_len - len(query_ids) - 3, doc_stride):
-      # Rows become int32 arrays at once: lists of Python ints over SQuAD 2.0's training
-      # windows would take many times the memory.
-      ids = [tokenizer.cls_id, *query_ids, tokenizer.sep_id, *context_ids[start:start + length],
-             tokenizer.sep_id]
+      # Rows become int32 arrays at once: lists of Python ints over SQuAD 2.0's training windows
+      # would take many times the memory.
+      ids = [tokenizer.cls_id, *query_ids, tokenizer.sep_id, *context_ids[start:start + length], tokenizer.sep_id]
       input_ids = np.full(max_seq_len, tokenizer.pad_id, np.int32)
       input_ids[:len(ids)] = ids
-      token_type_ids = np.zeros(max_seq_len, np.int32)
-      token_type_ids[offset:len(ids)] = 1
-      columns["input_ids"].append(input_ids)
-      columns["token_type_ids"].append(token_type_ids)
-      columns["attention_mask"].append((np.arange(max_seq_len) < len(ids)).astype(np.int32))
       inside = answer is not None and start <= answer[0] and answer[1] < start + length
-      columns["start_positions"].append(answer[0] - start + offset if inside else 0)
-      columns["end_positions"].append(answer[1] - start + offset if inside else 0)
-      columns["is_impossible"].append(int(example.is_impossible or not example.answers))
-      for key, value in zip(meta, (index, start, length, offset)):
-        meta[key].append(value)
+      rows.append((input_ids, ((positions >= offset) & (positions < len(ids))).astype(np.int32),
+                   (positions < len(ids)).astype(np.int32), answer[0] - start + offset if inside else 0,
+                   answer[1] - start + offset if inside else 0, int(example.is_impossible or not example.answers)))
+      meta.append((index, start, length, offset))
     _log_progress("SQuAD features", index + 1, len(examples), started)
 
   if skipped:
     logging.warning("make_features left out %d training questions whose answer covers no token.", skipped)
-  if not columns["input_ids"]:
+  if not rows:
     raise ConfigError("make_features got no usable SQuAD questions; check the examples given.")
-  features = {key: np.asarray(value, dtype=np.int32) for key, value in columns.items()}
-  metadata = SquadMetadata(
-      **{key: np.asarray(value, dtype=np.int32) for key, value in meta.items()},
-      token_char_spans=token_char_spans, seq_len=max_seq_len,
-  )
+  features = {key: np.asarray(column, dtype=np.int32) for key, column in zip(FEATURE_KEYS, zip(*rows))}
+  metadata = SquadMetadata(*(np.asarray(column, dtype=np.int32) for column in zip(*meta)), token_char_spans,
+                           max_seq_len)
   return features, metadata
 
 
-# ---------------------------------------------------------------------------------------
-# Head and loss.
-# ---------------------------------------------------------------------------------------
 def answer_mask(token_type_ids, attention_mask):
   """bool [batch, seq]: positions an answer may start or end at, the context (segment 1) and
   [CLS] (the "no answer in this window" target), as the official head masks them."""
@@ -432,14 +335,11 @@ def answer_mask(token_type_ids, attention_mask):
 
 
 class SpanHead(nn.Module):
-  """Start and end logits per token from the encoder's sequence output, and with
-  `answerable=True` (SQuAD 2.0) one answerability logit per row, as ELECTRA's official head:
-  dense([CLS] hidden ++ start-probability-weighted hidden) -> GELU -> dense -> 1.
-
-  __call__(hidden [B, T, H], token_type_ids [B, T], attention_mask [B, T]) returns
-  (start_logits [B, T], end_logits [B, T], answerable_logits [B] or None), float32, with
-  every position outside answer_mask at -10000. A positive answerable logit means "this
-  window holds the answer".
+  """Start and end logits per token, and with `answerable=True` (SQuAD 2.0) one answerability
+  logit per row, as ELECTRA's official head: dense([CLS] hidden ++ start-probability-weighted
+  hidden) -> GELU -> dense -> 1. (hidden [B, T, H], token_type_ids, attention_mask [B, T]) ->
+  float32 (start_logits [B, T], end_logits [B, T], answerable_logits [B] or None), positions
+  outside answer_mask at -10000. A positive answerable logit means "this window holds the answer".
   """
 
   answerable: bool = False
@@ -464,45 +364,31 @@ class SpanHead(nn.Module):
     return start_logits, end_logits, answerable_logits.astype(jnp.float32)
 
 
-def span_losses(
-    start_logits, end_logits, start_positions, end_positions,
-    answerable_logits=None, is_impossible=None, answerable_weight: float = 0.5,
-):
+def span_losses(start_logits, end_logits, start_positions, end_positions,
+                answerable_logits=None, is_impossible=None, answerable_weight: float = 0.5):
   """Per row [B]: (CE(start) + CE(end)) / 2, plus answerable_weight (official: 0.5) times the
   sigmoid cross-entropy of answerable_logits against 1 - is_impossible when they are given."""
-  per_row = 0.5 * (
-      optax.softmax_cross_entropy_with_integer_labels(start_logits, start_positions)
-      + optax.softmax_cross_entropy_with_integer_labels(end_logits, end_positions)
-  )
+  per_row = 0.5 * (optax.softmax_cross_entropy_with_integer_labels(start_logits, start_positions)
+                   + optax.softmax_cross_entropy_with_integer_labels(end_logits, end_positions))
   if answerable_logits is None:
     return per_row
-  if is_impossible is None:
-    raise ValueError("span_losses got answerable_logits without is_impossible targets.")
   answerable = 1.0 - jnp.asarray(is_impossible, jnp.float32)
   return per_row + answerable_weight * optax.sigmoid_binary_cross_entropy(answerable_logits, answerable)
 
 
-def span_loss(
-    start_logits, end_logits, start_positions, end_positions,
-    answerable_logits=None, is_impossible=None, answerable_weight: float = 0.5, weights=None,
-):
-  """The mean of span_losses over rows; `weights` [B] (1 real, 0 padding) restricts it to
-  real rows."""
-  per_row = span_losses(start_logits, end_logits, start_positions, end_positions,
-                        answerable_logits, is_impossible, answerable_weight)
+def span_loss(*args, weights=None, **kwargs):
+  """The mean of span_losses(*args, **kwargs) over rows; `weights` [B] (1 real, 0 padding)
+  restricts it to real rows."""
+  per_row = span_losses(*args, **kwargs)
   if weights is None:
     return jnp.mean(per_row)
   weights = jnp.asarray(weights, jnp.float32)
   return jnp.sum(per_row * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
-# ---------------------------------------------------------------------------------------
-# Decoding.
-# ---------------------------------------------------------------------------------------
 def apply_null_threshold(predictions: dict, null_odds: dict, null_threshold: float) -> dict:
   """Final answers: "" (no answer) where null_odds > null_threshold, else the span text."""
-  return {qid: "" if null_odds.get(qid, -np.inf) > null_threshold else text
-          for qid, text in predictions.items()}
+  return {qid: "" if null_odds.get(qid, -np.inf) > null_threshold else text for qid, text in predictions.items()}
 
 
 def postprocess(
@@ -518,30 +404,17 @@ def postprocess(
     *,
     version,
 ) -> tuple[dict[str, str], dict[str, float]]:
-  """Answer text per question from the logits of every row (window) of make_features.
-
-  start_logits, end_logits: [F, T]; answerable_logits: [F] from SpanHead(answerable=True).
-  Per row, the n_best start and end positions (ranked over the whole row, as the official
-  code) that lie in the context are paired (start <= end, length <= max_answer_len, the
-  start token's max-context window must be this row); over all rows of a question the pair
-  with the highest start + end logit wins, and its text is the context's characters from the
-  start token to the end token.
-
-  Returns (predictions {qas_id: text}, null_odds {qas_id: float}); null_odds is empty for
-  1.1. For 2.0, null_odds is the no-answer score: with answerable_logits, the smallest
-  -answerable_logit over the question's windows (the official classifier's score); without,
-  min over windows of start[CLS] + end[CLS] minus the best span's score. With
-  null_threshold=None the predictions are the best spans (what squad_metrics needs to search
-  the best threshold); with a float, a question whose null_odds exceeds it gets "".
-  """
+  """(predictions {qas_id: text}, null_odds {qas_id: float}) from the [F, T] logits of make_features'
+  rows: per question the valid start/end pair (among each row's n_best) with the highest start +
+  end logit. For 2.0, null_odds is the smallest -answerable_logit over the question's rows, or
+  without answerable_logits, min(start[CLS] + end[CLS]) minus the best span's score; with a float
+  null_threshold, a question whose null_odds exceeds it gets "" (None: the best spans, to score)."""
   version = _check_version(version)
   start_logits, end_logits = np.asarray(start_logits, np.float32), np.asarray(end_logits, np.float32)
   num_rows = len(metadata)
   if start_logits.shape != (num_rows, metadata.seq_len) or end_logits.shape != start_logits.shape:
-    raise ValueError(
-        f"postprocess got logits of shapes {start_logits.shape} and {end_logits.shape}; the "
-        f"features have {num_rows} rows of {metadata.seq_len} ({features['input_ids'].shape})."
-    )
+    raise ValueError(f"postprocess got logits of shapes {start_logits.shape} and {end_logits.shape}; the features "
+                     f"have {num_rows} rows of {metadata.seq_len} ({features['input_ids'].shape}).")
   if answerable_logits is not None:
     answerable_logits = np.asarray(answerable_logits, np.float32).reshape(num_rows)
   predictions, null_odds = {}, {}
@@ -551,49 +424,36 @@ def postprocess(
     if not rows:
       continue  # left out of training features; nothing to decode
     spans = metadata.token_char_spans[index]
-    windows = [(int(metadata.window_start[r]), int(metadata.window_length[r])) for r in rows]
-    owner = max_context_owner(windows, len(spans))
     candidates, score_null = [], np.inf
-    for window, (row, (start, length)) in enumerate(zip(rows, windows)):
+    for row, owned in zip(rows, metadata.max_context_flags(index, rows)):
+      start, length = int(metadata.window_start[row]), int(metadata.window_length[row])
       offset = int(metadata.context_offset[row])
       row_start, row_end = start_logits[row], end_logits[row]
       if answerable_logits is not None:
         score_null = min(score_null, -float(answerable_logits[row]))
       else:
         score_null = min(score_null, float(row_start[0] + row_end[0]))
-      # As the official decoding: the n_best starts and ends over the whole row (ties to the
-      # lower position), and only then the invalid ones dropped: [CLS], the question, padding,
-      # the last [SEP], and starts whose max-context window is another row.
-      in_context = np.zeros(len(row_start), bool)
-      in_context[offset:offset + length] = True
-      owned = in_context.copy()
-      owned[offset:offset + length] = owner[start:start + length] == window
+      # As the official decoding: the n_best starts and ends over the whole row (ties to the lower
+      # position), and only then the invalid ones dropped: [CLS], the question, padding, the last
+      # [SEP], and starts whose max-context window is another row.
       starts = np.argsort(-row_start, kind="stable")[:n_best]
       starts = starts[owned[starts]]
       ends = np.argsort(-row_end, kind="stable")[:n_best]
-      ends = ends[in_context[ends]]
+      ends = ends[(ends >= offset) & (ends < offset + length)]
       for s in starts:
         for e in ends[(ends >= s) & (ends - s < max_answer_len)]:
           candidates.append((float(row_start[s] + row_end[e]), start + s - offset, start + e - offset))
     candidates.sort(key=lambda c: -c[0])
-    best_text, best_score = "", 0.0
-    for score, first, last in candidates:
-      text = example.context[spans[first, 0]:spans[last, 1]].strip()
-      if text:
-        best_text, best_score = text, score
-        break
+    texts = ((example.context[spans[first, 0]:spans[last, 1]].strip(), score) for score, first, last in candidates)
+    best_text, best_score = next(((text, score) for text, score in texts if text), ("", 0.0))
     predictions[example.qas_id] = best_text
     if version == "2.0":
-      odds = score_null if answerable_logits is not None else score_null - best_score
-      null_odds[example.qas_id] = float(odds)
+      null_odds[example.qas_id] = float(score_null if answerable_logits is not None else score_null - best_score)
   if version == "2.0" and null_threshold is not None:
     predictions = apply_null_threshold(predictions, null_odds, null_threshold)
   return predictions, null_odds
 
 
-# ---------------------------------------------------------------------------------------
-# Metrics, as the official evaluation scripts (v1.1 and v2.0) compute them.
-# ---------------------------------------------------------------------------------------
 _PUNCTUATION = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
 
@@ -645,14 +505,9 @@ def squad_metrics(
     null_threshold: float = -2.75,
     version=None,
 ) -> dict[str, float]:
-  """EM and F1 in percent ("exact", "f1", "total"), max over each question's gold answers.
-
-  version: "1.1" or "2.0"; by default 2.0 when any question is impossible or null_odds is
-  given. For 2.0 as the official v2 script with --na-prob-thresh: a question whose null_odds
-  exceeds null_threshold counts as answered "", and the result adds HasAns_* / NoAns_*
-  breakdowns and, with null_odds, best_exact / best_f1 and the thresholds reaching them.
-  A question without a prediction scores 0 (and is logged).
-  """
+  """EM and F1 in percent ("exact", "f1", "total"), max over each question's gold answers; version
+  None: 2.0 when any question is impossible or null_odds is given. 2.0 as the official v2 script with
+  --na-prob-thresh, adding HasAns_* / NoAns_* and, with null_odds, best_exact / best_f1 and their cuts."""
   if version is None:
     version = "2.0" if null_odds is not None or any(e.is_impossible for e in examples) else "1.1"
   version = _check_version(version)
@@ -688,12 +543,10 @@ def squad_metrics(
   exact_thr = {q: float(not has_answer[q]) if says_null[q] else s for q, s in exact.items()}
   f1_thr = {q: float(not has_answer[q]) if says_null[q] else s for q, s in f1.items()}
   result = summary(exact_thr, f1_thr, list(exact))
-  has_qids = [q for q in exact if has_answer[q]]
-  no_qids = [q for q in exact if not has_answer[q]]
-  if has_qids:
-    result.update(summary(exact_thr, f1_thr, has_qids, "HasAns_"))
-  if no_qids:
-    result.update(summary(exact_thr, f1_thr, no_qids, "NoAns_"))
+  for prefix, answerable in (("HasAns_", True), ("NoAns_", False)):
+    qids = [q for q in exact if has_answer[q] == answerable]
+    if qids:
+      result.update(summary(exact_thr, f1_thr, qids, prefix))
   if null_odds is not None:
     result["best_exact"], result["best_exact_thresh"] = _best_threshold(predictions, exact, odds, has_answer)
     result["best_f1"], result["best_f1_thresh"] = _best_threshold(predictions, f1, odds, has_answer)
@@ -707,17 +560,11 @@ def write_predictions(path: str, predictions: dict) -> None:
   atomic_write_bytes(path, json.dumps(payload, ensure_ascii=False, indent=1).encode("utf-8"))
 
 
-# ---------------------------------------------------------------------------------------
-# Fine-tuning: the model and the adapter electra_jax/finetune/trainer.py runs.
-# ---------------------------------------------------------------------------------------
 class SquadModel(nn.Module):
-  """The discriminator encoder with a SpanHead. Parameters {embeddings, encoder, span_head}
-  (the first two as the fine-tuning classifier's, so the same pre-trained weights load).
-
-  (input_ids, token_type_ids, attention_mask) [B, T] -> float32 [B, T, 3]: start logits,
-  end logits, and the answerability logit repeated along T (zeros without the classifier);
-  one array so the trainer's predict can batch it. split_outputs takes it apart.
-  """
+  """The discriminator encoder with a SpanHead: parameters {embeddings, encoder, span_head}, the
+  first two as the classifier's. [B, T] inputs -> float32 [B, T, 3]: start logits, end logits, and
+  the answerability logit repeated along T (zeros without it), one array so the trainer's predict
+  can batch it; split_outputs takes it apart."""
 
   vocab_size: int
   embedding_size: int
@@ -730,14 +577,11 @@ class SquadModel(nn.Module):
   @nn.compact
   def __call__(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
     embedded = embeddings_for(self, self.embedding_size, self.config, name="embeddings")(
-        input_ids, token_type_ids, deterministic
-    )
+        input_ids, token_type_ids, deterministic)
     hidden = Encoder(self.config, self.embedding_size, self.dtype, name="encoder")(
-        embedded, attention_mask, deterministic
-    )
+        embedded, attention_mask, deterministic)
     start, end, answerable = SpanHead(self.answerable, dtype=self.dtype, name="span_head")(
-        hidden, token_type_ids, attention_mask
-    )
+        hidden, token_type_ids, attention_mask)
     if answerable is None:
       answerable = jnp.zeros(start.shape[:1], jnp.float32)
     return jnp.stack([start, end, jnp.broadcast_to(answerable[:, None], start.shape)], axis=-1)
@@ -750,8 +594,7 @@ def split_outputs(outputs):
 
 @dataclasses.dataclass(frozen=True)
 class SquadSettings:
-  """SQuAD's fine-tuning settings (ELECTRA's official values), from config.task and the
-  optional config.squad group."""
+  """SQuAD's fine-tuning settings (ELECTRA's official values), from config.task and config.squad."""
 
   version: str
   doc_stride: int = 128
@@ -764,19 +607,17 @@ class SquadSettings:
 
 
 def squad_settings(config) -> SquadSettings:
-  """Version from config.task: "squad1.1" / "squadv1" / "squad_v1.1" are 1.1, "squad" (as in
-  the official code) / "squad2.0" / "squad_v2.0" are 2.0; the rest from config.squad."""
-  task = re.sub(r"[^a-z0-9]", "", str(config.task).lower())
-  versions = {"squad": "2.0", "squad2": "2.0", "squad20": "2.0", "squadv2": "2.0", "squadv20": "2.0",
-              "squad1": "1.1", "squad11": "1.1", "squadv1": "1.1", "squadv11": "1.1"}
-  if task not in versions:
+  """Version from config.task: "squad1.1" / "squadv1" / "squad_v1.1" are 1.1, "squad" (as in the
+  official code) / "squad2.0" / "squad_v2.0" are 2.0; the rest from config.squad."""
+  task = re.fullmatch(r"squad(v?(1|11|2|20))?", re.sub(r"[^a-z0-9]", "", str(config.task).lower()))
+  if not task:
     raise ConfigError(f"config.task={config.task!r}: for SQuAD use 'squad1.1' or 'squad2.0'.")
   overrides = config.squad.to_dict() if "squad" in config else {}
   known = {f.name for f in dataclasses.fields(SquadSettings)} - {"version"}
   unknown = sorted(set(overrides) - known)
   if unknown:
     raise ConfigError(f"config.squad has unknown keys {unknown}; known: {sorted(known)}.")
-  settings = SquadSettings(versions[task], **overrides)
+  settings = SquadSettings("1.1" if (task.group(2) or "2").startswith("1") else "2.0", **overrides)
   for key in ("doc_stride", "max_query_len", "n_best", "max_answer_len"):
     if getattr(settings, key) < 1:
       raise ConfigError(f"config.squad.{key}={getattr(settings, key)} must be >= 1.")
@@ -785,8 +626,7 @@ def squad_settings(config) -> SquadSettings:
 
 def load_squad(config, version: str) -> tuple[list[SquadExample], list[SquadExample]]:
   """(train, dev) questions: config.source "dir" reads the official train-v<version>.json and
-  dev-v<version>.json from config.data_dir; "tfds" reads squad/v<version> from
-  config.tfds_data_dir ("" = TFDS's default)."""
+  dev-v<version>.json from config.data_dir; "tfds" reads squad/v<version> from config.tfds_data_dir."""
   if config.source == "tfds":
     name, data_dir = f"squad/v{version}", config.tfds_data_dir or None
     return read_squad_tfds(name, "train", data_dir), read_squad_tfds(name, "validation", data_dir)
@@ -795,28 +635,26 @@ def load_squad(config, version: str) -> tuple[list[SquadExample], list[SquadExam
   paths = [os.path.join(config.data_dir, f"{split}-v{version}.json") for split in ("train", "dev")]
   for path in paths:
     if not os.path.isfile(path):
-      raise ConfigError(
-          f"SQuAD {version}: {path} does not exist. Set config.data_dir to the folder holding the "
-          f"official train-v{version}.json and dev-v{version}.json, or use config.source=tfds."
-      )
+      raise ConfigError(f"SQuAD {version}: {path} does not exist. Set config.data_dir to the folder holding the "
+                        f"official train-v{version}.json and dev-v{version}.json, or use config.source=tfds.")
   return read_squad_json(paths[0], version), read_squad_json(paths[1], version)
 
 
-# squad_metrics' keys that are percentages; the trainer's results table wants fractions.
-_REPORTED = ("exact", "f1", "HasAns_exact", "HasAns_f1", "NoAns_exact", "NoAns_f1", "best_exact", "best_f1")
+# squad_metrics' keys the trainer reports: percentages become fractions; the null-odds cuts reaching
+# best_exact / best_f1 (for --config.squad.null_threshold) are thresholds and stay as they are.
+_REPORTED = ("exact", "f1", "HasAns_exact", "HasAns_f1", "NoAns_exact", "NoAns_f1", "best_exact", "best_f1",
+             "best_exact_thresh", "best_f1_thresh")
 
 
 def make_adapter(config, backbone):
-  """The trainer's TaskAdapter for SQuAD (see electra_jax/finetune/trainer.py): features for
-  train and dev, SquadModel, the per-row span loss, dev EM/F1 after each epoch ("score" =
-  F1, all as fractions), and the dev predictions in the official JSON at the end."""
+  """The trainer's TaskAdapter for SQuAD: train and dev features, SquadModel, the per-row span loss,
+  dev EM/F1 as fractions after each epoch ("score" = F1), and the dev predictions in the official
+  JSON at the end."""
   settings = squad_settings(config)
   version, tokenizer = settings.version, backbone.tokenizer
   train_examples, dev_examples = load_squad(config, version)
   build = lambda examples, is_training: make_features(
-      examples, tokenizer, config.max_seq_len, settings.doc_stride, settings.max_query_len,
-      is_training=is_training,
-  )
+      examples, tokenizer, config.max_seq_len, settings.doc_stride, settings.max_query_len, is_training=is_training)
   train_features, _ = build(train_examples, True)
   dev_features, dev_metadata = build(dev_examples, False)
   logging.info("SQuAD %s: %d train questions -> %d rows, %d dev questions -> %d rows.", version,
@@ -833,20 +671,14 @@ def make_adapter(config, backbone):
 
   def decode(predict):
     start, end, answerable_logits = split_outputs(np.asarray(predict(dev_features)))
-    return postprocess(
-        dev_examples, dev_features, dev_metadata, start, end,
-        answerable_logits if answerable else None, settings.n_best, settings.max_answer_len,
-        null_threshold=None, version=version,
-    )
+    return postprocess(dev_examples, dev_features, dev_metadata, start, end, answerable_logits if answerable else None,
+                       settings.n_best, settings.max_answer_len, null_threshold=None, version=version)
 
   def evaluate(predict):
     predictions, null_odds = decode(predict)
     scores = squad_metrics(dev_examples, predictions, null_odds if version == "2.0" else None,
                            settings.null_threshold, version)
-    result = {key: scores[key] / 100.0 for key in _REPORTED if key in scores}
-    # The null-odds cuts reaching best_exact / best_f1 (for --config.squad.null_threshold):
-    # thresholds, not scores, so kept as they are (and out of the printed table).
-    result.update({key: scores[key] for key in ("best_exact_thresh", "best_f1_thresh") if key in scores})
+    result = {key: scores[key] / (1.0 if key.endswith("_thresh") else 100.0) for key in _REPORTED if key in scores}
     return {f"squad{version}": dict(result, score=result["f1"])}
 
   def write_test(predict, directory):

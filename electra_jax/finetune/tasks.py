@@ -1,6 +1,6 @@
-"""Sentence(-pair) classification and regression tasks: the nine GLUE tasks (GLUE's TSV layout
-or TFDS `glue/<config>`) and custom TSV/CSV/JSONL files; their checks, BERT-style features and
-GLUE submission files. SQuAD lives in squad.py."""
+"""Sentence(-pair) classification and regression tasks: the nine GLUE tasks (GLUE's TSVs or TFDS
+`glue/<config>`) and custom TSV/CSV/JSONL files; their checks, BERT-style features and GLUE
+submission files. SQuAD lives in squad.py."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from electra_jax.finetune import metrics as metrics_lib
 # fields pass csv's default limit.
 csv.field_size_limit(sys.maxsize)
 
+
 @dataclasses.dataclass
 class TaskAdapter:
   """What the loop needs from a task. Features are numpy arrays with a leading example axis,
@@ -35,17 +36,15 @@ class TaskAdapter:
   train_features: dict[str, np.ndarray]
   # (model outputs, batch) -> per-example losses [batch]; the loop averages over real rows.
   loss_fn: Callable[[Any, dict], Any]
-  # predict(features) -> model outputs as numpy [n, ...] -> {eval name: {metric: value}},
-  # each with a "score" (keep_epoch="best" keeps the epoch with the best mean score over eval sets).
+  # predict (features -> numpy outputs) -> {eval name: {metric: value}}, each with a "score".
   evaluate: Callable[[Callable[[dict], np.ndarray]], dict[str, dict[str, float]]]
   # (predict, directory) -> paths of the test-set prediction files written there.
   write_test: Callable[[Callable[[dict], np.ndarray], str], list[str]]
-  # What the outputs mean, for exports (results.json "head"): {"kind": "classification",
-  # "labels": [...]}, {"kind": "regression", "target_range": [lo, hi] or None} or {"kind":
-  # "span", "answerable": bool}.
+  # What the outputs mean, for exports: {"kind": "classification", "labels": [...]}, {"kind":
+  # "regression", "target_range": [lo, hi] or None} or {"kind": "span", "answerable": bool}.
   head: dict
-  # (fraction, seed) -> this adapter on a (1 - fraction) share of train, whose evaluate scores
-  # the rest ("held_out") and writes no test files; None where a task cannot be split by rows.
+  # (fraction, seed) -> this adapter on a (1 - fraction) share of train, whose evaluate scores the
+  # rest ("held_out") and writes no test files; None where a task cannot be split by rows.
   split: Callable[[float, int], "TaskAdapter"] | None = None
 
 
@@ -69,112 +68,50 @@ class TaskData:
   train: list[Example]
   dev: dict[str, list[Example]]  # evaluation name (e.g. "mnli-m") -> examples
   test: dict[str, list[Example]]  # submission name (e.g. "MNLI-m") -> unlabelled examples
-  # Regression with a known label range (lo, hi): the model learns (label - lo) / hi, as the
-  # official RegressionTask normalizes STS-B's 0..5 scores; None = raw labels (custom tasks).
+  # Regression's known label range (lo, hi): the model learns (label - lo) / hi, as the official
+  # RegressionTask normalizes STS-B's 0..5 scores; None = raw labels (custom tasks).
   target_range: tuple[float, float] | None = None
 
 
-# ---------------------------------------------------------------------------------------
-# GLUE
-# ---------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class GlueTask:
   """Where one GLUE task's data lives, in GLUE's TSVs and in TFDS."""
 
   directory: str  # GLUE's folder, e.g. "CoLA"
-  label_list: tuple[str, ...] | None  # label strings as GLUE's TSVs and submissions write them
+  label_list: tuple[str, ...] | None  # label strings as GLUE's TSVs and submissions write them; None: regression
   text_columns: tuple[str, str | None]  # header names of text_a, text_b
-  label_column: str
-  dev_files: dict[str, str]  # evaluation name -> file stem
-  test_files: dict[str, str]  # submission name -> file stem
-  tfds_text: tuple[str, str | None]
-  tfds_dev_splits: dict[str, str]  # evaluation name -> TFDS split
-  tfds_test_splits: dict[str, str]  # submission name -> TFDS split
-  # TFDS's class index -> GLUE's label string (TFDS orders some tasks' classes differently).
-  tfds_labels: tuple[str, ...] | None = None
-  test_index_column: str = "index"
-  # Sentence order carries no meaning: the official code trains on both orders.
-  symmetric: bool = False
-  # CoLA's train and dev files have no header: (text column, label column) by position.
-  headerless_columns: tuple[int, int] | None = None
-  # Regression: the label range the official code normalizes targets with (TaskData.target_range).
-  target_range: tuple[float, float] | None = None
-
-
-def _single(dev_name, test_name):
-  return {dev_name: "dev"}, {test_name: "test"}
-
-
-def _glue(directory, labels, text, label_column, tfds_text, tfds_labels, dev_test, **kwargs):
-  dev_files, test_files = dev_test
-  tfds_dev = {name: "validation" for name in dev_files}
-  tfds_test = {name: "test" for name in test_files}
-  if directory == "MNLI":
-    tfds_dev = {"mnli-m": "validation_matched", "mnli-mm": "validation_mismatched"}
-    tfds_test = {"MNLI-m": "test_matched", "MNLI-mm": "test_mismatched"}
-  return GlueTask(
-      directory, labels, text, label_column, dev_files, test_files, tfds_text, tfds_dev, tfds_test,
-      tfds_labels, **kwargs,
-  )
+  label_column: str = "label"
+  tfds_text: tuple[str, str | None] | None = None  # TFDS's feature names; None: text_columns
+  tfds_labels: tuple[str, ...] | None = None  # TFDS's class index -> label string; None: label_list
+  # Evaluation name -> dev file stem, submission name -> test file stem (TFDS's splits: the same with
+  # "validation" for "dev"); None: {<task>: "dev"} and {<directory>: "test"}.
+  dev_files: dict[str, str] | None = None
+  test_files: dict[str, str] | None = None
+  symmetric: bool = False  # sentence order carries no meaning: the official code trains on both orders
+  headerless_columns: tuple[int, int] | None = None  # CoLA's train and dev: (text, label) column by position
+  target_range: tuple[float, float] | None = None  # regression: the official label range (TaskData.target_range)
 
 
 _BINARY = ("0", "1")
 _ENTAILMENT = ("entailment", "not_entailment")
+_PAIR = ("sentence1", "sentence2")
 GLUE_TASKS = {
-    "cola": _glue(
-        "CoLA", _BINARY, ("sentence", None), "label", ("sentence", None), _BINARY,
-        _single("cola", "CoLA"), headerless_columns=(3, 1),
-    ),
-    "sst2": _glue(
-        "SST-2", _BINARY, ("sentence", None), "label", ("sentence", None), _BINARY,
-        _single("sst2", "SST-2"),
-    ),
-    "mrpc": _glue(
-        "MRPC", _BINARY, ("#1 String", "#2 String"), "Quality", ("sentence1", "sentence2"), _BINARY,
-        _single("mrpc", "MRPC"), symmetric=True,
-    ),
-    "stsb": _glue(
-        "STS-B", None, ("sentence1", "sentence2"), "score", ("sentence1", "sentence2"), None,
-        _single("stsb", "STS-B"), symmetric=True, target_range=(0.0, 5.0),
-    ),
-    "qqp": _glue(
-        "QQP", _BINARY, ("question1", "question2"), "is_duplicate", ("question1", "question2"),
-        _BINARY, _single("qqp", "QQP"), test_index_column="id",
-    ),
-    "mnli": _glue(
-        "MNLI", ("contradiction", "entailment", "neutral"), ("sentence1", "sentence2"), "gold_label",
-        ("premise", "hypothesis"), ("entailment", "neutral", "contradiction"),
-        ({"mnli-m": "dev_matched", "mnli-mm": "dev_mismatched"},
-         {"MNLI-m": "test_matched", "MNLI-mm": "test_mismatched"}),
-    ),
-    "qnli": _glue(
-        "QNLI", _ENTAILMENT, ("question", "sentence"), "label", ("question", "sentence"), _ENTAILMENT,
-        _single("qnli", "QNLI"),
-    ),
-    "rte": _glue(
-        "RTE", _ENTAILMENT, ("sentence1", "sentence2"), "label", ("sentence1", "sentence2"), _ENTAILMENT,
-        _single("rte", "RTE"),
-    ),
-    # GLUE writes WNLI's labels as 0/1 (1 = entailment), as TFDS's class order has it.
-    "wnli": _glue(
-        "WNLI", _BINARY, ("sentence1", "sentence2"), "label", ("sentence1", "sentence2"), _BINARY,
-        _single("wnli", "WNLI"),
-    ),
+    "cola": GlueTask("CoLA", _BINARY, ("sentence", None), headerless_columns=(3, 1)),
+    "sst2": GlueTask("SST-2", _BINARY, ("sentence", None)),
+    "mrpc": GlueTask("MRPC", _BINARY, ("#1 String", "#2 String"), "Quality", _PAIR, symmetric=True),
+    "stsb": GlueTask("STS-B", None, _PAIR, "score", symmetric=True, target_range=(0.0, 5.0)),
+    "qqp": GlueTask("QQP", _BINARY, ("question1", "question2"), "is_duplicate"),
+    "mnli": GlueTask("MNLI", ("contradiction", "entailment", "neutral"), _PAIR, "gold_label",
+                     ("premise", "hypothesis"), ("entailment", "neutral", "contradiction"),
+                     {"mnli-m": "dev_matched", "mnli-mm": "dev_mismatched"},
+                     {"MNLI-m": "test_matched", "MNLI-mm": "test_mismatched"}),
+    "qnli": GlueTask("QNLI", _ENTAILMENT, ("question", "sentence")),
+    "rte": GlueTask("RTE", _ENTAILMENT, _PAIR),
+    "wnli": GlueTask("WNLI", _BINARY, _PAIR),  # GLUE writes its labels 0/1 (1 = entailment), as TFDS
 }
 TASK_NAMES = tuple(GLUE_TASKS) + ("custom",)
 # Official names for fine-tuning's default number of epochs (ELECTRA trains RTE and STS-B 10).
 TEN_EPOCH_TASKS = ("rte", "stsb")
-
-
-def canonical_task_name(name: str) -> str:
-  """'SST-2', 'sst_2', 'STS-B' ... -> the registry's key; ConfigError for an unknown task."""
-  key = str(name).lower().replace("-", "").replace("_", "")
-  if key not in TASK_NAMES:
-    raise ConfigError(
-        f"Unknown task {name!r}. Use one of {list(TASK_NAMES)} (custom reads the files named by "
-        "config.custom.*; SQuAD has its own reader)."
-    )
-  return key
 
 
 def _read_tsv(path: str) -> list[list[str]]:
@@ -204,11 +141,9 @@ def _glue_rows(path: str, columns: Sequence[str | None], label_column: str | Non
     if len(row) < len(header):
       skipped += 1  # QQP's train.tsv has a few broken lines; TFDS and the official code skip them
       continue
-    text_a = row[where[columns[0]]]
-    text_b = row[where[columns[1]]] if columns[1] else None
-    label = row[where[label_column]] if label_column else None
     index = int(row[index_position]) if index_position is not None and row[index_position].isdigit() else row_number
-    yield text_a, text_b, label, index
+    yield (row[where[columns[0]]], row[where[columns[1]]] if columns[1] else None,
+           row[where[label_column]] if label_column else None, index)
   if skipped:
     logging.warning("Skipped %d malformed line(s) of %s.", skipped, path)
 
@@ -216,14 +151,10 @@ def _glue_rows(path: str, columns: Sequence[str | None], label_column: str | Non
 def _glue_labelled(task: GlueTask, path: str) -> list[Example]:
   if task.headerless_columns is not None:
     text_at, label_at = task.headerless_columns
-    return [
-        Example(row[text_at], None, row[label_at], i)
-        for i, row in enumerate(_read_tsv(path)) if len(row) > max(text_at, label_at)
-    ]
-  return [
-      Example(a, b, label if task.label_list is not None else _regression_label(label, path), index)
-      for a, b, label, index in _glue_rows(path, task.text_columns, task.label_column)
-  ]
+    return [Example(row[text_at], None, row[label_at], i)
+            for i, row in enumerate(_read_tsv(path)) if len(row) > max(text_at, label_at)]
+  return [Example(a, b, label if task.label_list is not None else _regression_label(label, path), index)
+          for a, b, label, index in _glue_rows(path, task.text_columns, task.label_column)]
 
 
 def _regression_label(raw, where: str) -> float:
@@ -240,42 +171,35 @@ def _glue_data(name: str, train, dev, test) -> TaskData:
                   target_range=task.target_range)
 
 
-def _glue_task_dir(data_dir: str, task: GlueTask) -> str:
-  if not data_dir:
-    raise ConfigError(
-        "config.data_dir is empty: give the GLUE directory (the one holding CoLA/, SST-2/, ...), "
-        "or read the task from TFDS with --config.source=tfds."
-    )
-  nested = os.path.join(data_dir, task.directory)
-  if os.path.isdir(nested):
-    return nested
-  if os.path.isfile(os.path.join(data_dir, "train.tsv")):
-    return data_dir  # the task's own folder works as well as GLUE's root
-  raise ConfigError(
-      f"config.data_dir={data_dir!r} has neither a {task.directory}/ folder nor a train.tsv; give "
-      f"GLUE's root directory (with {task.directory}/train.tsv) or the task's own folder."
-  )
+def _glue_splits(name: str) -> tuple[GlueTask, dict[str, str], dict[str, str]]:
+  """The task, {evaluation name: dev file stem} and {submission name: test file stem}."""
+  task = GLUE_TASKS[name]
+  return task, task.dev_files or {name: "dev"}, task.test_files or {task.directory: "test"}
 
 
 def load_glue_from_dir(name: str, data_dir: str) -> TaskData:
-  """GLUE as its download script lays it out: <data_dir>/<Task>/{train,dev,test}.tsv, MNLI
-  with dev_matched/dev_mismatched/test_matched/test_mismatched. Test files are optional."""
-  task = GLUE_TASKS[name]
-  task_dir = _glue_task_dir(data_dir, task)
+  """GLUE as its download script lays it out: <data_dir>/<Task>/{train,dev,test}.tsv, MNLI with
+  dev_matched/dev_mismatched/test_matched/test_mismatched. Test files are optional."""
+  task, dev_files, test_files = _glue_splits(name)
+  if not data_dir:
+    raise ConfigError("config.data_dir is empty: give the GLUE directory (the one holding CoLA/, SST-2/, ...), or "
+                      "read the task from TFDS with --config.source=tfds.")
+  task_dir = os.path.join(data_dir, task.directory)
+  if not os.path.isdir(task_dir):
+    if not os.path.isfile(os.path.join(data_dir, "train.tsv")):
+      raise ConfigError(f"config.data_dir={data_dir!r} has neither a {task.directory}/ folder nor a train.tsv; give "
+                        f"GLUE's root directory (with {task.directory}/train.tsv) or the task's own folder.")
+    task_dir = data_dir  # the task's own folder works as well as GLUE's root
   train_path = os.path.join(task_dir, "train.tsv")
   _require_file(train_path, f"GLUE {name} train split")
   dev = {}
-  for dev_name, stem in task.dev_files.items():
+  for dev_name, stem in dev_files.items():
     path = os.path.join(task_dir, stem + ".tsv")
     _require_file(path, f"GLUE {name} dev split {dev_name}")
     dev[dev_name] = _glue_labelled(task, path)
-  test = {}
-  for submission, stem in task.test_files.items():
-    path = os.path.join(task_dir, stem + ".tsv")
-    if os.path.isfile(path):
-      test[submission] = [
-          Example(a, b, None, index) for a, b, _, index in _glue_rows(path, task.text_columns, None)
-      ]
+  test_paths = {submission: os.path.join(task_dir, stem + ".tsv") for submission, stem in test_files.items()}
+  test = {submission: [Example(a, b, None, index) for a, b, _, index in _glue_rows(path, task.text_columns, None)]
+          for submission, path in test_paths.items() if os.path.isfile(path)}
   return _glue_data(name, _glue_labelled(task, train_path), dev, test)
 
 
@@ -284,22 +208,22 @@ def decode_text(value) -> str:
 
 
 def open_tfds_split(name: str, split: str, data_dir: str | None, other_source: str, **kwargs):
-  """`tfds.data_source` over a prepared split (random access, no TensorFlow); a ConfigError
-  that ends with `other_source` (another way to read the data) when it cannot be opened."""
+  """`tfds.data_source` over a prepared split (random access, no TensorFlow); a ConfigError that
+  ends with `other_source` (another way to read the data) when it cannot be opened."""
   tfds = tfds_source.import_tfds()  # a heavy import, only when this source is used
   try:
     return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False, **kwargs)
   except Exception as error:  # tfds raises several types for "not prepared here" / "no such split"
-    raise ConfigError(
-        f"Cannot open TFDS {name!r} split {split!r} in {data_dir or 'the default data dir'} "
-        f"({type(error).__name__}: {error}). Prepare it with file_format='array_record' "
-        f"(tfds build --file_format=array_record {name}), set config.tfds_data_dir, or {other_source}."
-    ) from error
+    raise ConfigError(f"Cannot open TFDS {name!r} split {split!r} in {data_dir or 'the default data dir'} "
+                      f"({type(error).__name__}: {error}). Prepare it with file_format='array_record' (tfds build "
+                      f"--file_format=array_record {name}), set config.tfds_data_dir, or {other_source}.") from error
 
 
 def load_glue_from_tfds(name: str, tfds_data_dir: str = "") -> TaskData:
   """GLUE from a prepared TFDS `glue/<name>` (array_record); labels become GLUE's label strings."""
-  task = GLUE_TASKS[name]
+  task, dev_files, test_files = _glue_splits(name)
+  text_a, text_b = task.tfds_text or task.text_columns
+  labels = task.tfds_labels or task.label_list
 
   def split(tfds_split: str, is_test: bool):
     source = open_tfds_split(f"glue/{name}", tfds_split, tfds_data_dir, "use --config.source=dir with GLUE's TSV files")
@@ -308,22 +232,17 @@ def load_glue_from_tfds(name: str, tfds_data_dir: str = "") -> TaskData:
       record = source[i]
       label = None
       if not is_test:
-        raw = record["label"]
-        label = float(raw) if task.tfds_labels is None else task.tfds_labels[int(raw)]
-      text_b = decode_text(record[task.tfds_text[1]]) if task.tfds_text[1] else None
-      examples.append(Example(decode_text(record[task.tfds_text[0]]), text_b, label, int(record["idx"])))
+        label = float(record["label"]) if labels is None else labels[int(record["label"])]
+      examples.append(Example(decode_text(record[text_a]), decode_text(record[text_b]) if text_b else None, label,
+                              int(record["idx"])))
     # TFDS shuffles records on preparation; idx is the row of GLUE's file.
     return sorted(examples, key=lambda example: example.index)
 
-  return _glue_data(
-      name, split("train", False), {dev_name: split(s, False) for dev_name, s in task.tfds_dev_splits.items()},
-      {submission: split(s, True) for submission, s in task.tfds_test_splits.items()},
-  )
+  return _glue_data(name, split("train", False),
+                    {dev_name: split(stem.replace("dev", "validation"), False) for dev_name, stem in dev_files.items()},
+                    {submission: split(stem, True) for submission, stem in test_files.items()})
 
 
-# ---------------------------------------------------------------------------------------
-# Custom tasks
-# ---------------------------------------------------------------------------------------
 CUSTOM_FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
 
 
@@ -345,28 +264,22 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
   with open(path, encoding="utf-8-sig", newline="") as f:
     # TSV has no quoting: a '"' that opens a field is text (as in GLUE's files), where CSV's
     # rules would read on, over tabs and line ends, to the next '"' and merge the rows between.
-    quoting = csv.QUOTE_NONE if file_format == "tsv" else csv.QUOTE_MINIMAL
-    reader = csv.DictReader(f, delimiter="\t" if file_format == "tsv" else ",", quoting=quoting)
+    tsv = file_format == "tsv"
+    reader = csv.DictReader(f, delimiter="\t" if tsv else ",", quoting=csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL)
     records = list(reader)
-    if reader.fieldnames is None:
-      return []
     for row_number, record in enumerate(records, 1):
       if None in record:  # DictReader's key for fields past the header's
-        raise ConfigError(
-            f"{path}: row {row_number} has {len(reader.fieldnames) + len(record[None])} fields, its header "
-            f"{len(reader.fieldnames)}: a {'tab' if file_format == 'tsv' else 'comma'} inside a text? "
-            f"{'Quote that field' if file_format == 'csv' else 'Remove it, or use CSV or JSONL'}."
-        )
+        raise ConfigError(f"{path}: row {row_number} has {len(reader.fieldnames) + len(record[None])} fields, its "
+                          f"header {len(reader.fieldnames)}: a {'tab' if tsv else 'comma'} inside a text? "
+                          f"{'Remove it, or use CSV or JSONL' if tsv else 'Quote that field'}.")
     return records
 
 
 def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example]:
   file_format = custom.format or CUSTOM_FORMATS.get(os.path.splitext(path)[1].lower())
   if file_format not in CUSTOM_FORMATS.values():
-    raise ConfigError(
-        f"Cannot tell the format of {path}: set config.custom.format to one of "
-        f"{sorted(set(CUSTOM_FORMATS.values()))} (or name the file .tsv, .csv or .jsonl)."
-    )
+    raise ConfigError(f"Cannot tell the format of {path}: set config.custom.format to one of "
+                      f"{sorted(set(CUSTOM_FORMATS.values()))} (or name the file .tsv, .csv or .jsonl).")
   _require_file(path, f"custom task {split} split")
   records = _custom_records(path, file_format)
   columns = [custom.text_a_column] + ([custom.text_b_column] if custom.text_b_column else [])
@@ -379,11 +292,9 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
   for row_number, record in enumerate(records):
     for column in columns:
       if record.get(column) is None:
-        raise ConfigError(
-            f"{path}: row {row_number + 1} has no column {column!r} (it has {sorted(record)}). "
-            "Set config.custom.text_a_column / text_b_column / label_column / group_column to the file's "
-            "column names."
-        )
+        raise ConfigError(f"{path}: row {row_number + 1} has no column {column!r} (it has {sorted(record)}). Set "
+                          "config.custom.text_a_column / text_b_column / label_column / group_column to the file's "
+                          "column names.")
     label = None
     if labelled:
       raw = record[custom.label_column]
@@ -394,10 +305,8 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
       else:
         label = str(raw).lower() if isinstance(raw, bool) else str(raw)
         if not label.strip():
-          raise ConfigError(
-              f"{path}: row {row_number + 1}: the label ({custom.label_column!r}) is empty; give every "
-              "example its class, or leave the row out."
-          )
+          raise ConfigError(f"{path}: row {row_number + 1}: the label ({custom.label_column!r}) is empty; give every "
+                            "example its class, or leave the row out.")
     text_b = str(record[custom.text_b_column]) if custom.text_b_column else None
     group = str(record[custom.group_column]) if grouped else None
     examples.append(Example(str(record[custom.text_a_column]), text_b, label, row_number, group))
@@ -405,8 +314,8 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
 
 
 def load_custom(custom) -> TaskData:
-  """A task from config.custom: train_file, dev_file (and optional test_file), the column
-  names, kind ("classification" or "regression"), the metrics and optionally the label order."""
+  """A task from config.custom: train_file, dev_file (and optional test_file), the column names,
+  kind ("classification" or "regression"), the metrics and optionally the label order."""
   if custom.kind not in ("classification", "regression"):
     raise ConfigError(f"config.custom.kind={custom.kind!r}: use 'classification' or 'regression'.")
   for key in ("train_file", "dev_file"):
@@ -417,10 +326,8 @@ def load_custom(custom) -> TaskData:
   test = {"custom_test": _custom_split(custom, custom.test_file, "test", False)} if custom.test_file else {}
   label_list = None
   if custom.kind == "classification":
-    if custom.labels:
-      label_list = tuple(label.strip() for label in custom.labels.split(","))
-    else:
-      label_list = tuple(sorted({example.label for example in train}))
+    label_list = (tuple(label.strip() for label in custom.labels.split(",")) if custom.labels
+                  else tuple(sorted({example.label for example in train})))
   default_metrics = "accuracy" if custom.kind == "classification" else "pearson,spearman"
   metric_names = tuple(m.strip() for m in (custom.metrics or default_metrics).split(","))
   unknown = [m for m in metric_names if m not in metrics_lib.METRIC_FNS]
@@ -434,12 +341,9 @@ def load_custom(custom) -> TaskData:
   return TaskData("custom", custom.kind, label_list, metric_names, train, dev, test)
 
 
-# ---------------------------------------------------------------------------------------
-# Loading and checking
-# ---------------------------------------------------------------------------------------
 def check_task_data(data: TaskData) -> None:
-  """Refuses what would otherwise fail late or silently: an empty split, a label outside
-  the task's labels or never seen in training."""
+  """Refuses what would otherwise fail late or silently: an empty split, a label outside the task's
+  labels or never seen in training."""
   splits = {"train": data.train, **{f"dev ({k})": v for k, v in data.dev.items()},
             **{f"test ({k})": v for k, v in data.test.items()}}
   for split_name, examples in splits.items():
@@ -450,23 +354,22 @@ def check_task_data(data: TaskData) -> None:
   train_labels = {example.label for example in data.train}
   outside = sorted(train_labels - set(data.label_list))
   if outside:
-    raise ConfigError(
-        f"Task {data.name}: training label(s) {outside} are not among the task's labels "
-        f"{list(data.label_list)}; fix the data (or config.custom.labels)."
-    )
+    raise ConfigError(f"Task {data.name}: training label(s) {outside} are not among the task's labels "
+                      f"{list(data.label_list)}; fix the data (or config.custom.labels).")
   for dev_name, examples in data.dev.items():
     unseen = sorted({example.label for example in examples} - train_labels)
     if unseen:
-      raise ConfigError(
-          f"Task {data.name}: dev split {dev_name} has label(s) {unseen} that never occur in the "
-          f"train split (train labels: {sorted(train_labels)}); the classifier could never predict "
-          "them. Fix the label column or the split."
-      )
+      raise ConfigError(f"Task {data.name}: dev split {dev_name} has label(s) {unseen} that never occur in the train "
+                        f"split (train labels: {sorted(train_labels)}); the classifier could never predict them. "
+                        "Fix the label column or the split.")
 
 
 def load_task(config) -> TaskData:
-  """The fine-tuning config's task, read from its source and checked."""
-  name = canonical_task_name(config.task)
+  """The fine-tuning config's task ('SST-2', 'sst_2' ... name GLUE's sst2), read from its source and checked."""
+  name = str(config.task).lower().replace("-", "").replace("_", "")
+  if name not in TASK_NAMES:
+    raise ConfigError(f"Unknown task {config.task!r}. Use one of {list(TASK_NAMES)} (custom reads the files named by "
+                      "config.custom.*; SQuAD has its own reader).")
   if name == "custom":
     data = load_custom(config.custom)
   elif config.source == "tfds":
@@ -482,9 +385,6 @@ def load_task(config) -> TaskData:
   return data
 
 
-# ---------------------------------------------------------------------------------------
-# Features
-# ---------------------------------------------------------------------------------------
 def truncate_pair(tokens_a: list[int], tokens_b: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
   """Drops tokens from the end of the longer segment (b on ties) until both fit, as BERT does:
   a short segment keeps its few, informative tokens."""
@@ -502,24 +402,19 @@ PAD_MULTIPLE = 8
 
 
 def encode_examples(examples: Sequence[Example], tokenizer, max_seq_len: int, data: TaskData) -> dict[str, np.ndarray]:
-  """[CLS] A [SEP] (B [SEP]) truncated to max_seq_len, token types 0 for A and 1 for B.
-  Returns int32 input_ids / token_type_ids / attention_mask [n, width], labels [n] (int32 ids,
-  or float32 for regression; 0 where unlabelled) and the examples' index [n]. width is the
-  longest row rounded up to a multiple of PAD_MULTIPLE, at most max_seq_len: attention and
-  pooling mask the padding out, so short texts give the same outputs for less compute."""
+  """[CLS] A [SEP] (B [SEP]) truncated to max_seq_len, token types 0 for A and 1 for B. Returns int32
+  input_ids / token_type_ids / attention_mask [n, width], labels [n] (int32 ids, or float32 for
+  regression; 0 where unlabelled) and the examples' index [n]. width is the longest row rounded up
+  to a multiple of PAD_MULTIPLE, at most max_seq_len: padding is masked out, so it saves compute."""
   if max_seq_len < 3:
     raise ConfigError(f"config.max_seq_len={max_seq_len} leaves no room for text; use at least 3.")
-  n = len(examples)
-  ids_a = tokenizer.encode_batch([e.text_a for e in examples])
-  has_b = [e.text_b is not None for e in examples]
-  ids_b_list = tokenizer.encode_batch([e.text_b for e in examples if e.text_b is not None]) if any(has_b) else []
-  ids_b_iter = iter(ids_b_list)
-  input_ids = np.full((n, max_seq_len), tokenizer.pad_id, np.int32)
-  token_type_ids = np.zeros((n, max_seq_len), np.int32)
-  attention_mask = np.zeros((n, max_seq_len), np.int32)
-  for row, (tokens_a, pair) in enumerate(zip(ids_a, has_b)):
-    if pair:
-      tokens_a, tokens_b = truncate_pair(tokens_a, next(ids_b_iter), max_seq_len - 3)
+  texts_b = [e.text_b for e in examples if e.text_b is not None]
+  ids_b = iter(tokenizer.encode_batch(texts_b) if texts_b else [])
+  input_ids = np.full((len(examples), max_seq_len), tokenizer.pad_id, np.int32)
+  token_type_ids, attention_mask = np.zeros_like(input_ids), np.zeros_like(input_ids)
+  for row, (tokens_a, example) in enumerate(zip(tokenizer.encode_batch([e.text_a for e in examples]), examples)):
+    if example.text_b is not None:
+      tokens_a, tokens_b = truncate_pair(tokens_a, next(ids_b), max_seq_len - 3)
       segment_b = tokens_b + [tokenizer.sep_id]
     else:
       tokens_a, segment_b = tokens_a[: max_seq_len - 2], []
@@ -528,25 +423,17 @@ def encode_examples(examples: Sequence[Example], tokenizer, max_seq_len: int, da
     input_ids[row, :length] = segment_a + segment_b
     token_type_ids[row, len(segment_a):length] = 1
     attention_mask[row, :length] = 1
-  longest = int(attention_mask.sum(1).max(initial=1))
-  width = min(max_seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
+  width = min(max_seq_len, -(-int(attention_mask.sum(1).max(initial=1)) // PAD_MULTIPLE) * PAD_MULTIPLE)
   if data.kind == "classification":
     label_to_id = {label: i for i, label in enumerate(data.label_list)}
     labels = np.array([label_to_id[e.label] if e.label is not None else 0 for e in examples], np.int32)
   else:
     labels = np.array([e.label if e.label is not None else 0.0 for e in examples], np.float32)
-  return {
-      "input_ids": input_ids[:, :width],
-      "token_type_ids": token_type_ids[:, :width],
-      "attention_mask": attention_mask[:, :width],
-      "labels": labels,
-      "index": np.array([e.index for e in examples], np.int64),
-  }
+  return dict(input_ids=input_ids[:, :width], token_type_ids=token_type_ids[:, :width],
+              attention_mask=attention_mask[:, :width], labels=labels,
+              index=np.array([e.index for e in examples], np.int64))
 
 
-# ---------------------------------------------------------------------------------------
-# Predictions
-# ---------------------------------------------------------------------------------------
 def prediction_strings(data: TaskData, predictions: np.ndarray) -> list[str]:
   """Class ids -> label strings; regression scores -> '%.3f'."""
   if data.kind == "classification":

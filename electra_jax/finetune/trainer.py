@@ -47,34 +47,26 @@ def _added_key_slots(settings: dict):
   """(the dict that holds it, its name, its value when added) for each of _ADDED_KEYS whose group
   `settings` has."""
   for name, value in _ADDED_KEYS.items():
-    *groups, key = name.split(".")
-    holder = settings
-    for group in groups:
-      holder = holder.get(group) if isinstance(holder, dict) else None
+    group, _, key = name.rpartition(".")
+    holder = settings.get(group) if group else settings
     if isinstance(holder, dict):
       yield holder, key, value
 
 
-# ---------------------------------------------------------------------------------------
-# Classification and regression
-# ---------------------------------------------------------------------------------------
 def classification_adapter(config, data: tasks.TaskData, backbone: model_lib.Backbone) -> tasks.TaskAdapter:
-  tokenizer, seq_len = backbone.tokenizer, config.max_seq_len
-  encode = lambda examples: tasks.encode_examples(examples, tokenizer, seq_len, data)
+  encode = lambda examples: tasks.encode_examples(examples, backbone.tokenizer, config.max_seq_len, data)
   start = time.time()
   train_features = encode(data.train)
   dev_features = {name: encode(examples) for name, examples in data.dev.items()}
   test_features = {name: encode(examples) for name, examples in data.test.items()}
-  logging.info(
-      "Tokenized %s: %d train, %s dev, %s test examples in %.1f s.", data.name, len(data.train),
-      {k: len(v) for k, v in data.dev.items()}, {k: len(v) for k, v in data.test.items()}, time.time() - start,
-  )
+  logging.info("Tokenized %s: %d train, %s dev, %s test examples in %.1f s.", data.name, len(data.train),
+               {k: len(v) for k, v in data.dev.items()}, {k: len(v) for k, v in data.test.items()}, time.time() - start)
   is_regression = data.kind == "regression"
   model = backbone.classifier(1 if is_regression else len(data.label_list), config)
 
   # Regression on a known range (STS-B's 0..5) learns (label - lo) / hi, as the official
   # RegressionTask; predictions are mapped back to the labels' scale for metrics and submissions.
-  lo, hi = data.target_range if data.target_range is not None else (0.0, 1.0)
+  lo, hi = data.target_range or (0.0, 1.0)
 
   def loss_fn(outputs, batch):
     if is_regression:
@@ -84,18 +76,13 @@ def classification_adapter(config, data: tasks.TaskData, backbone: model_lib.Bac
   def to_predictions(outputs):
     return outputs[:, 0] * hi + lo if is_regression else outputs.argmax(-1)
 
-  def evaluate(predict):
-    return {
-        name: metrics_lib.compute_metrics(data.metric_names, features["labels"], to_predictions(predict(features)))
-        for name, features in dev_features.items()
-    }
+  def score(predict, features):
+    return metrics_lib.compute_metrics(data.metric_names, features["labels"], to_predictions(predict(features)))
 
   def write_test(predict, directory):
-    paths = []
-    for name, features in test_features.items():
-      strings = tasks.prediction_strings(data, to_predictions(predict(features)))
-      paths.append(tasks.write_predictions(os.path.join(directory, f"{name}.tsv"), features["index"], strings))
-    return paths
+    return [tasks.write_predictions(os.path.join(directory, f"{name}.tsv"), features["index"],
+                                    tasks.prediction_strings(data, to_predictions(predict(features))))
+            for name, features in test_features.items()]
 
   head = (dict(kind="regression", target_range=data.target_range and list(data.target_range)) if is_regression
           else dict(kind="classification", labels=list(data.label_list)))
@@ -103,11 +90,11 @@ def classification_adapter(config, data: tasks.TaskData, backbone: model_lib.Bac
   def split(fraction, seed):
     held, fit = held_out_rows([example.group for example in data.train], fraction, seed)
     held_out = {name: array[held] for name, array in train_features.items()}
-    score = lambda predict: {"held_out": metrics_lib.compute_metrics(
-        data.metric_names, held_out["labels"], to_predictions(predict(held_out)))}
     return tasks.TaskAdapter(data.name, model, {name: array[fit] for name, array in train_features.items()},
-                             loss_fn, score, lambda predict, directory: [], head)
+                             loss_fn, lambda predict: {"held_out": score(predict, held_out)},
+                             lambda predict, directory: [], head)
 
+  evaluate = lambda predict: {name: score(predict, features) for name, features in dev_features.items()}
   return tasks.TaskAdapter(data.name, model, train_features, loss_fn, evaluate, write_test, head, split)
 
 
@@ -130,17 +117,16 @@ def held_out_rows(groups: list, fraction: float, seed: int) -> tuple[np.ndarray,
   return np.flatnonzero(held), np.flatnonzero(~held)
 
 
-def make_adapter(config, backbone: model_lib.Backbone) -> tasks.TaskAdapter:
-  if str(config.task).lower().startswith("squad"):
-    return squad.make_adapter(config, backbone)
-  return classification_adapter(config, tasks.load_task(config), backbone)
+def _is_squad(config) -> bool:
+  return str(config.task).lower().startswith("squad")
 
 
-# ---------------------------------------------------------------------------------------
-# Batching, steps
-# ---------------------------------------------------------------------------------------
 def _num_examples(features) -> int:
   return len(features["input_ids"])
+
+
+def _steps_per_seed(config, features, epochs: int) -> int:
+  return math.ceil(_num_examples(features) / config.batch_size) * epochs
 
 
 def batches(features: dict[str, np.ndarray], batch_size: int, order: np.ndarray | None = None):
@@ -158,12 +144,19 @@ def batches(features: dict[str, np.ndarray], batch_size: int, order: np.ndarray 
     yield batch, real
 
 
-def _make_steps(adapter: tasks.TaskAdapter, tx):
-  model = adapter.model
+def _compiled_steps(config, adapter, backbone, steps_per_seed: int, learning_rate: float | None = None):
+  """(tx, schedule, train_step, predict_step): one optimizer and one compiled step for every seed,
+  since only the parameters' structure matters."""
+  ids = jnp.zeros((1, config.max_seq_len), jnp.int32)
+  init = lambda: adapter.model.init(jax.random.key(0), ids, ids, ids + 1)["params"]
+  abstract_params = nn.meta.unbox(jax.eval_shape(init))
+  tx, schedule = optim.make_optimizer(config, abstract_params, backbone.encoder_config.num_layers, steps_per_seed,
+                                      learning_rate)
 
   def apply(params, batch, deterministic, rng=None):
     rngs = None if deterministic else {"dropout": rng}
-    return model.apply({"params": params}, *(batch[k] for k in MODEL_INPUTS), deterministic=deterministic, rngs=rngs)
+    return adapter.model.apply({"params": params}, *(batch[k] for k in MODEL_INPUTS), deterministic=deterministic,
+                               rngs=rngs)
 
   def train_step(params, opt_state, batch, rng):
     def loss(p):
@@ -175,7 +168,7 @@ def _make_steps(adapter: tasks.TaskAdapter, tx):
     return optax.apply_updates(params, updates), opt_state, value
 
   predict_step = jax.jit(lambda params, batch: apply(params, batch, True))
-  return jax.jit(train_step, donate_argnums=(0, 1)), predict_step
+  return tx, schedule, jax.jit(train_step, donate_argnums=(0, 1)), predict_step
 
 
 def _predictor(predict_step, params, batch_size: int):
@@ -186,48 +179,39 @@ def _predictor(predict_step, params, batch_size: int):
   return predict
 
 
-# ---------------------------------------------------------------------------------------
-# Config, files, summaries
-# ---------------------------------------------------------------------------------------
 def validate(config) -> None:
   for key in ("batch_size", "num_seeds", "log_every"):
     if config[key] < 1:
       raise ConfigError(f"config.{key}={config[key]} must be >= 1.")
   if config.epochs < 0 or config.eval_batch_size < 0:
-    raise ConfigError(f"config.epochs={config.epochs} and eval_batch_size={config.eval_batch_size} must be >= 0 (0 = default).")
+    raise ConfigError(f"config.epochs={config.epochs} and eval_batch_size={config.eval_batch_size} must be >= 0 "
+                      "(0 = default).")
   if config.dtype not in config_lib.DTYPES:
     raise ConfigError(f"config.dtype={config.dtype!r} is not one of {config_lib.DTYPES}.")
   config_lib.check_rates(config, ("dropout_rate", "attention_dropout_rate", "head_dropout_rate"), "config")
   config_lib.check_optimizer(config.optimizer, "the official 1e-4 for Small and Base, 5e-5 for Large")
   if config.keep_epoch not in KEEP_EPOCH:
     raise ConfigError(f"config.keep_epoch={config.keep_epoch!r}: use one of {list(KEEP_EPOCH)}.")
-  if config.optimizer.layerwise_lr_decay_rule not in optim.LAYERWISE_RULES:
-    raise ConfigError(
-        f"config.optimizer.layerwise_lr_decay_rule={config.optimizer.layerwise_lr_decay_rule!r}: use one of "
-        f"{list(optim.LAYERWISE_RULES)}."
-    )
-  min_steps = config.min_steps
-  if isinstance(min_steps, bool) or not isinstance(min_steps, int) or min_steps < 0:
-    raise ConfigError(f"config.min_steps={min_steps!r} must be an int >= 0 (0 = train the epochs alone).")
+  if type(config.min_steps) is not int or config.min_steps < 0:  # not a bool either: True is no step count
+    raise ConfigError(f"config.min_steps={config.min_steps!r} must be an int >= 0 (0 = train the epochs alone).")
   pooling = config.head.pooling
   if pooling not in model_lib.POOLINGS:
     raise ConfigError(f"config.head.pooling={pooling!r}: use one of {list(model_lib.POOLINGS)}.")
-  if pooling != "cls" and str(config.task).lower().startswith("squad"):
-    raise ConfigError(
-        f"config.head.pooling={pooling!r} with task {config.task!r}: SQuAD's span head pools "
-        "nothing; use head.pooling='cls'."
-    )
+  if pooling != "cls" and _is_squad(config):
+    raise ConfigError(f"config.head.pooling={pooling!r} with task {config.task!r}: SQuAD's span head pools "
+                      "nothing; use head.pooling='cls'.")
   select_rates(config)
   config_lib.check_finite(config, "config.")
+  optim.check_layerwise(config.optimizer.layerwise_lr_decay, config.optimizer.layerwise_lr_decay_rule)
 
 
 def epochs_for(config) -> int:
   """config.epochs, or the task's official count when it is 0 (before min_steps)."""
   if config.epochs:
     return config.epochs
-  task = str(config.task).lower().replace("-", "").replace("_", "")
-  if task.startswith("squad"):
+  if _is_squad(config):
     return SQUAD_EPOCHS
+  task = str(config.task).lower().replace("-", "").replace("_", "")
   return LONG_TASK_EPOCHS if task in tasks.TEN_EPOCH_TASKS else DEFAULT_EPOCHS
 
 
@@ -239,11 +223,9 @@ def resolve_epochs(config, num_train: int) -> int:
   steps_per_epoch = math.ceil(num_train / config.batch_size)
   if config.min_steps and steps_per_epoch and epochs * steps_per_epoch < config.min_steps:
     raised = math.ceil(config.min_steps / steps_per_epoch)
-    logging.info(
-        "%d epochs give %d optimizer steps (%d train examples, batch %d), fewer than min_steps=%d: "
-        "training %d epochs (%d steps).", epochs, epochs * steps_per_epoch, num_train, config.batch_size,
-        config.min_steps, raised, raised * steps_per_epoch,
-    )
+    logging.info("%d epochs give %d optimizer steps (%d train examples, batch %d), fewer than min_steps=%d: "
+                 "training %d epochs (%d steps).", epochs, epochs * steps_per_epoch, num_train, config.batch_size,
+                 config.min_steps, raised, raised * steps_per_epoch)
     return raised
   return epochs
 
@@ -253,9 +235,8 @@ def _write_json(path: str, value) -> None:
 
 
 def _seed_settings(settings: dict) -> dict:
-  """A config's saved dict (as config.json or results.json hold it) less the keys that only
-  pick or log seeds, with _ADDED_KEYS' values where it lacks them: what one seed's results
-  depend on."""
+  """What one seed's results depend on: a config's saved dict less the keys that only pick or log
+  seeds, with _ADDED_KEYS' values where it lacks them."""
   settings = copy.deepcopy({key: value for key, value in settings.items() if key not in _NOT_SEED_KEYS})
   for holder, key, value in _added_key_slots(settings):
     holder.setdefault(key, copy.deepcopy(value))
@@ -263,8 +244,8 @@ def _seed_settings(settings: dict) -> dict:
 
 
 def seed_fingerprint(config) -> str:
-  """What one seed's results depend on, as a short hash. Added keys at their _ADDED_KEYS
-  values are left out, so the hash equals the one recorded before they existed."""
+  """_seed_settings as a short hash. Added keys at their _ADDED_KEYS values are left out, so the
+  hash equals the one recorded before they existed."""
   settings = _seed_settings(config_lib.as_saved(config))
   for holder, key, value in list(_added_key_slots(settings)):
     if holder[key] == value:
@@ -273,8 +254,7 @@ def seed_fingerprint(config) -> str:
 
 
 def _check_results_of_same_config(config, task_dir: str) -> None:
-  """<task>/results.json holds one config's table: another config (on seeds that are not in
-  the way) would replace it with its own."""
+  """<task>/results.json holds one config's table: another config would replace it with its own."""
   path = os.path.join(task_dir, "results.json")
   if not os.path.exists(path):
     return
@@ -282,16 +262,14 @@ def _check_results_of_same_config(config, task_dir: str) -> None:
     saved = _seed_settings(json.load(f).get("config") or {})
   changes = config_lib.changed_keys(saved, _seed_settings(config_lib.as_saved(config)))
   if changes:
-    raise ConfigError(
-        f"{path} holds the results of another config ({'; '.join(changes[:5])}); this run would "
-        "replace them. Use a new --workdir, or that config to go on with more seeds. Nothing was written."
-    )
+    raise ConfigError(f"{path} holds the results of another config ({'; '.join(changes[:5])}); this run would "
+                      "replace them. Use a new --workdir, or that config to go on with more seeds. Nothing was "
+                      "written.")
 
 
 def _finished_seeds(config, task_dir: str, task: str, seeds: list[int]) -> dict[int, dict]:
-  """The seeds a run of this same config already finished here (each seed_<s>/metrics.json),
-  kept so an interrupted multi-seed run goes on where it stopped. A finished seed of another
-  config is refused: its results would be mixed with this config's in one table."""
+  """The seeds a run of this same config already finished here (seed_<s>/metrics.json), kept so an
+  interrupted run goes on where it stopped. Another config's finished seed is refused."""
   finished, fingerprint = {}, seed_fingerprint(config)
   for seed in seeds:
     path = os.path.join(task_dir, f"seed_{seed}", "metrics.json")
@@ -300,26 +278,21 @@ def _finished_seeds(config, task_dir: str, task: str, seeds: list[int]) -> dict[
     with open(path) as f:
       result = json.load(f)
     if result.get("config_fingerprint") != fingerprint:
-      raise ConfigError(
-          f"{path} exists: this workdir already holds a finished {task} run for seed {seed}, "
-          "fine-tuned with another config. Use a new --workdir so it is not overwritten, or the "
-          "same config to go on with the seeds it has not finished."
-      )
+      raise ConfigError(f"{path} exists: this workdir already holds a finished {task} run for seed {seed}, fine-tuned "
+                        "with another config. Use a new --workdir so it is not overwritten, or the same config to "
+                        "go on with the seeds it has not finished.")
     finished[seed] = result
   return finished
 
 
 def summarize(per_seed: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
   """{eval name: {metric: {mean, median, best, n}}} over the seeds' kept-epoch dev metrics."""
-  summary = {}
-  for eval_name, first in per_seed[0]["dev"].items():
-    summary[eval_name] = {}
-    for metric in first:
-      values = np.array([run["dev"][eval_name][metric] for run in per_seed])
-      summary[eval_name][metric] = dict(
-          mean=float(values.mean()), median=float(np.median(values)), best=float(values.max()), n=len(values)
-      )
-  return summary
+  def stats(values):
+    values = np.array(values)
+    return dict(mean=float(values.mean()), median=float(np.median(values)), best=float(values.max()), n=len(values))
+
+  return {eval_name: {metric: stats([run["dev"][eval_name][metric] for run in per_seed]) for metric in first}
+          for eval_name, first in per_seed[0]["dev"].items()}
 
 
 def format_table(summary) -> str:
@@ -336,15 +309,11 @@ def format_table(summary) -> str:
   return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------
-# The run
-# ---------------------------------------------------------------------------------------
 def _run_seed(config, adapter, backbone, seed: int, seed_dir: str, epochs: int, steps, progress) -> dict:
   tx, schedule, train_step, predict_step = steps
-  batch_size = config.batch_size
-  eval_batch_size = config.eval_batch_size or batch_size
+  eval_batch_size = config.eval_batch_size or config.batch_size
   num_train = _num_examples(adapter.train_features)
-  total_steps = math.ceil(num_train / batch_size) * epochs
+  total_steps = _steps_per_seed(config, adapter.train_features, epochs)
 
   params = model_lib.init_params(backbone, adapter.model, jax.random.key(seed), config.max_seq_len)
   opt_state = tx.init(params)
@@ -360,7 +329,7 @@ def _run_seed(config, adapter, backbone, seed: int, seed_dir: str, epochs: int, 
     for epoch in range(epochs):
       order = np.random.default_rng([seed, epoch]).permutation(num_train)
       losses = []
-      for batch, _ in batches(adapter.train_features, batch_size, order):
+      for batch, _ in batches(adapter.train_features, config.batch_size, order):
         rng = jax.random.fold_in(jax.random.key(seed), step)
         params, opt_state, loss = train_step(params, opt_state, batch, rng)
         losses.append(loss)
@@ -368,19 +337,15 @@ def _run_seed(config, adapter, backbone, seed: int, seed_dir: str, epochs: int, 
         progress(seed, epoch, step, total_steps, losses, schedule(step - 1))  # the rate this step used
       train_loss = float(np.mean(jax.device_get(losses)))
       if not math.isfinite(train_loss):
-        raise FloatingPointError(
-            f"Seed {seed}: the training loss became {train_loss} in epoch {epoch + 1}; lower "
-            "optimizer.learning_rate or use dtype=float32."
-        )
+        raise FloatingPointError(f"Seed {seed}: the training loss became {train_loss} in epoch {epoch + 1}; lower "
+                                 "optimizer.learning_rate or use dtype=float32.")
       dev = adapter.evaluate(_predictor(predict_step, params, eval_batch_size))
       score = float(np.mean([m["score"] for m in dev.values()]))
       history.append(dict(epoch=epoch + 1, step=step, train_loss=train_loss, dev=dev, score=score))
-      events.write({"step": step, "train_loss": train_loss,
-                    **{f"{name}/{metric}": value for name, by_metric in dev.items() for metric, value in by_metric.items()}})
-      logging.info(
-          "seed %d epoch %d/%d | train loss %.4f | dev %s", seed, epoch + 1, epochs, train_loss,
-          " ".join(f"{name}: " + ", ".join(f"{k}={v:.4f}" for k, v in m.items()) for name, m in dev.items()),
-      )
+      events.write({"step": step, "train_loss": train_loss, **{
+          f"{name}/{metric}": value for name, by_metric in dev.items() for metric, value in by_metric.items()}})
+      logging.info("seed %d epoch %d/%d | train loss %.4f | dev %s", seed, epoch + 1, epochs, train_loss,
+                   " ".join(f"{name}: " + ", ".join(f"{k}={v:.4f}" for k, v in m.items()) for name, m in dev.items()))
       if config.keep_epoch == "last" or kept is None or score > kept["score"]:
         kept = dict(history[-1], params=jax.device_get(params))
         checkpointer.save(step, {"params": params}, {"epoch": epoch + 1, "dev": dev, "seed": seed})
@@ -408,20 +373,22 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   validate(config)
   workdir_files.check_usable(workdir)  # before the data and the backbone load
   backbone = model_lib.load_backbone(config)
-  adapter = make_adapter(config, backbone)
+  if _is_squad(config):
+    adapter = squad.make_adapter(config, backbone)
+  else:
+    adapter = classification_adapter(config, tasks.load_task(config), backbone)
   epochs = resolve_epochs(config, _num_examples(adapter.train_features))
   task_dir = os.path.join(workdir, adapter.name)
   seeds = [config.seed + i for i in range(config.num_seeds)]
   finished = _finished_seeds(config, task_dir, adapter.name, seeds)
   _check_results_of_same_config(config, task_dir)
-  pending = [seed for seed in seeds if seed not in finished]
   os.makedirs(task_dir, exist_ok=True)
   # One run per task folder: each seed starts by deleting its checkpoints, which would pull
   # them from under another run of the same task (a dead run's lease is detected and taken).
   lease = workdir_lease.WorkdirLease(task_dir)
   lease.acquire()
   try:
-    return _run_seeds(config, adapter, backbone, task_dir, seeds, finished, pending, epochs)
+    return _run_seeds(config, adapter, backbone, task_dir, seeds, finished, epochs)
   finally:
     lease.release()
 
@@ -434,32 +401,17 @@ def _progress_logger(config, epochs: int, pending: list[int]):
   def progress(seed, epoch, step, total, losses, lr):
     if clock["start"] is None:
       clock["start"] = time.perf_counter()
-      clock["done"] = 0
       return
     clock["done"] += 1
     if step % config.log_every and step != total:
       return
     rate = clock["done"] / (time.perf_counter() - clock["start"])
     remaining = (total - step) + total * (len(pending) - 1 - pending.index(seed))
-    logging.info(
-        "seed %d | epoch %d/%d | step %d/%d | loss %.4f | lr %.3g | %.1f steps/s | ETA %s",
-        seed, epoch + 1, epochs, step, total, float(np.mean(jax.device_get(losses[-config.log_every:]))),
-        float(lr), rate, config_lib.format_duration(remaining / max(rate, 1e-9)),
-    )
+    logging.info("seed %d | epoch %d/%d | step %d/%d | loss %.4f | lr %.3g | %.1f steps/s | ETA %s", seed, epoch + 1,
+                 epochs, step, total, float(np.mean(jax.device_get(losses[-config.log_every:]))), float(lr), rate,
+                 config_lib.format_duration(remaining / max(rate, 1e-9)))
 
   return progress
-
-
-def _compiled_steps(config, adapter, backbone, steps_per_seed: int, learning_rate: float | None = None):
-  """(tx, schedule, train_step, predict_step): one optimizer and one compiled step for every
-  seed, since only the parameters' structure matters."""
-  ids = jnp.zeros((1, config.max_seq_len), jnp.int32)
-  abstract_params = nn.meta.unbox(
-      jax.eval_shape(lambda rng: adapter.model.init(rng, ids, ids, jnp.ones_like(ids))["params"], jax.random.key(0))
-  )
-  tx, schedule = optim.make_optimizer(config, abstract_params, backbone.encoder_config.num_layers, steps_per_seed,
-                                      learning_rate)
-  return (tx, schedule, *_make_steps(adapter, tx))
 
 
 def select_rates(config) -> list[float]:
@@ -470,15 +422,14 @@ def select_rates(config) -> list[float]:
   except ValueError:
     rates = [-1.0]
   if any(not (math.isfinite(rate) and rate > 0) for rate in rates) or len(set(rates)) != len(rates):
-    raise ConfigError(
-        f"config.select.learning_rates={text!r}: give distinct positive rates, comma-separated "
-        "(e.g. '3e-4,1e-3,3e-3'), or '' to train at optimizer.learning_rate."
-    )
-  if rates and str(config.task).lower().startswith("squad"):
+    raise ConfigError(f"config.select.learning_rates={text!r}: give distinct positive rates, comma-separated "
+                      "(e.g. '3e-4,1e-3,3e-3'), or '' to train at optimizer.learning_rate.")
+  if rates and _is_squad(config):
     raise ConfigError(f"config.select.learning_rates={text!r} with task {config.task!r}: SQuAD's windows cannot be "
                       "split by rows; set it to '' and choose optimizer.learning_rate.")
   if rates and not 0.0 < config.select.fraction < 1.0:
-    raise ConfigError(f"config.select.fraction={config.select.fraction} must be in (0, 1): the share of train held out.")
+    raise ConfigError(f"config.select.fraction={config.select.fraction} must be in (0, 1): the share of train "
+                      "held out.")
   return rates
 
 
@@ -487,8 +438,9 @@ def _select_learning_rate(config, adapter, backbone, task_dir: str, rates: list[
   the rest (dev is not read); under <task_dir>/select/, where finished trials are kept for a
   re-run. Returns {"learning_rate": the best, "held_out_scores": {rate: score}}."""
   fit = adapter.split(config.select.fraction, config.seed)
-  epochs = resolve_epochs(config, _num_examples(fit.train_features))
-  steps_per_seed = math.ceil(_num_examples(fit.train_features) / config.batch_size) * epochs
+  num_fit = _num_examples(fit.train_features)
+  epochs = resolve_epochs(config, num_fit)
+  steps_per_seed = _steps_per_seed(config, fit.train_features, epochs)
   seed, scores = config.seed, {}
   for rate in rates:
     trial = copy.deepcopy(config)
@@ -496,8 +448,8 @@ def _select_learning_rate(config, adapter, backbone, task_dir: str, rates: list[
     directory = os.path.join(task_dir, "select", f"lr_{rate:g}")
     result = _finished_seeds(trial, directory, adapter.name, [seed]).get(seed)
     if result is None:
-      logging.info("Choosing the learning rate on train: %g, on %d examples (%d held out).", rate,
-                   _num_examples(fit.train_features), _num_examples(adapter.train_features) - _num_examples(fit.train_features))
+      logging.info("Choosing the learning rate on train: %g, on %d examples (%d held out).", rate, num_fit,
+                   _num_examples(adapter.train_features) - num_fit)
       result = _run_seed(trial, fit, backbone, seed, os.path.join(directory, f"seed_{seed}"), epochs,
                          _compiled_steps(trial, fit, backbone, steps_per_seed), _progress_logger(trial, epochs, [seed]))
     scores[f"{rate:g}"] = result["dev"]["held_out"]["score"]
@@ -506,25 +458,21 @@ def _select_learning_rate(config, adapter, backbone, task_dir: str, rates: list[
   return dict(learning_rate=best, held_out_scores=scores)
 
 
-def _run_seeds(config, adapter, backbone, task_dir: str, seeds, finished: dict, pending, epochs: int) -> dict:
+def _run_seeds(config, adapter, backbone, task_dir: str, seeds, finished: dict, epochs: int) -> dict:
   rates = select_rates(config)  # finished trials are read back, not trained again
   selection = _select_learning_rate(config, adapter, backbone, task_dir, rates) if rates else None
-  steps_per_seed = math.ceil(_num_examples(adapter.train_features) / config.batch_size) * epochs
-  logging.info(
-      "Fine-tuning %s from %s: %d train examples, %d epochs, %d steps per seed, seeds %s.",
-      adapter.name, backbone.source, _num_examples(adapter.train_features), epochs, steps_per_seed, seeds,
-  )
+  steps_per_seed = _steps_per_seed(config, adapter.train_features, epochs)
+  logging.info("Fine-tuning %s from %s: %d train examples, %d epochs, %d steps per seed, seeds %s.", adapter.name,
+               backbone.source, _num_examples(adapter.train_features), epochs, steps_per_seed, seeds)
   if finished:
     logging.info("Seeds %s finished in an earlier run with this config: their results are kept.", sorted(finished))
-  progress = _progress_logger(config, epochs, pending)
+  progress = _progress_logger(config, epochs, [seed for seed in seeds if seed not in finished])
   steps = _compiled_steps(config, adapter, backbone, steps_per_seed, selection and selection["learning_rate"])
   per_seed = []
   for seed in seeds:
-    if seed in finished:
-      per_seed.append(finished[seed])
-      continue
     seed_dir = os.path.join(task_dir, f"seed_{seed}")
-    per_seed.append(_run_seed(config, adapter, backbone, seed, seed_dir, epochs, steps, progress))
+    per_seed.append(finished[seed] if seed in finished else
+                    _run_seed(config, adapter, backbone, seed, seed_dir, epochs, steps, progress))
   summary = summarize(per_seed)
   config_json = config_lib.to_json(config)
   results = dict(
@@ -537,7 +485,6 @@ def _run_seeds(config, adapter, backbone, task_dir: str, seeds, finished: dict, 
       summary=summary,
   )
   _write_json(os.path.join(task_dir, "results.json"), results)
-  table = format_table(summary)
   logging.info("Results over %d seed(s) in %s; the table:", len(seeds), os.path.join(task_dir, "results.json"))
-  print(table)
+  print(format_table(summary))
   return results
