@@ -33,10 +33,9 @@ def _attention_flops(cfg: EncoderConfig, seq_len: int) -> int:
 
 def train_flops_per_token(model: ElectraPretrainer, seq_len: int, max_predictions: int, with_generator: bool = True,
                           all_positions_mlm: bool = False) -> float:
-  """Training FLOPs per input token, both towers (only the discriminator when the objective
-  runs no generator, e.g. uniform replacements), plus the discriminator tower's MLM head for
-  the MLM-family ablations (at every position with `all_positions_mlm`). The generator's head
-  (dense H_g->E and the E x V vocabulary projection) runs only on the max_predictions slots."""
+  """Training FLOPs per input token of both towers (the discriminator alone `with_generator=False`) and the
+  discriminator's MLM head (at every position with `all_positions_mlm`, else on the max_predictions slots,
+  like the generator's head)."""
   gen, disc = model.generator_config, model.discriminator_config
   gen_emb, emb = model.generator_embedding_size, model.embedding_size
   gen_head = (gen.hidden_size * gen_emb + gen_emb * model.vocab_size) * max_predictions / seq_len

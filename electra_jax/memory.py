@@ -45,8 +45,7 @@ def compiled_flops(compiled) -> float | None:
 
 
 def device_memory_bytes(device: jax.Device | None = None) -> int:
-  """Memory of one device: the allocator's limit on GPU/TPU; on CPU the host's available
-  memory shared by its local devices."""
+  """Memory of one device: the allocator's limit on GPU/TPU; on CPU its share of the host's available memory."""
   device = device or jax.local_devices()[0]
   stats = device.memory_stats() if hasattr(device, "memory_stats") else None
   if stats and stats.get("bytes_limit"):
@@ -78,8 +77,8 @@ def step_memory(compile_step, batch_size: int) -> StepMemory:
 
 
 def linear_fit(small: StepMemory, large: StepMemory) -> tuple[float, float]:
-  """(fixed, per_example) bytes of bytes(batch) = fixed + per_example * batch through two
-  measurements; per_example at least one byte (a step's memory never shrinks with the batch)."""
+  """(fixed, per_example) of bytes(batch) = fixed + per_example * batch through two measurements; per_example
+  at least one byte (a step's memory never shrinks with the batch)."""
   per_example = max(1.0, (large.bytes_per_device - small.bytes_per_device) / (large.batch_size - small.batch_size))
   return small.bytes_per_device - per_example * small.batch_size, per_example
 
@@ -143,9 +142,7 @@ def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, li
       low = candidate
     else:
       high = candidate
-  logging.info(
-      "Memory per device: %s; largest batch %d (limit %.2f GiB, %d compiles).",
-      "no linear fit" if fit is None else f"{fit[0] / 2**20:.1f} MiB fixed + {fit[1] / 2**20:.3f} MiB per example",
-      low, limit_bytes / 2**30, len(measured),
-  )
+  shown = "no linear fit" if fit is None else f"{fit[0] / 2**20:.1f} MiB fixed + {fit[1] / 2**20:.3f} MiB per example"
+  logging.info("Memory per device: %s; largest batch %d (limit %.2f GiB, %d compiles).", shown, low,
+               limit_bytes / 2**30, len(measured))
   return low, measured

@@ -86,16 +86,15 @@ tied_vocab_logits.defvjp(_tied_vocab_logits_fwd, _tied_vocab_logits_bwd)
 
 
 def decoder_input(hidden):
-  """The MLM heads' hidden states [batch, ..., E] pinned to the batch split. Left to propagation, E takes
-  the word table's fsdp split, and on a mesh with data, fsdp and tensor all above 1 XLA then swaps two
-  batch shards' rows in the heads' gradient (docs/performance.md, "Sharding")."""
+  """The MLM heads' hidden states [batch, ..., E] pinned to the batch split: left to propagation, E takes the
+  word table's fsdp split, and with data, fsdp and tensor all above 1 XLA then swaps two batch shards' rows
+  in the heads' gradient (docs/performance.md, "Sharding")."""
   return nn.with_logical_constraint(hidden, ("act_batch",) + (None,) * (hidden.ndim - 1))
 
 
 def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-  """nn.Dense's product, lhs [..., in] @ rhs [in, out], taken as one [rows, in] @ [in, out] matmul: the
-  same numbers, but the kernel's gradient becomes a 2-D product XLA:CPU computes in place instead of
-  copying the output gradient into a transposed buffer. Elsewhere the reshape is a bitcast."""
+  """nn.Dense's product, lhs [..., in] @ rhs [in, out], as one [rows, in] @ [in, out] matmul: the same
+  numbers, but XLA:CPU computes the kernel's gradient in place, not from a transposed copy."""
   (lhs_contract, rhs_contract), batch_dims = dimension_numbers
   if lhs_contract != (lhs.ndim - 1,) or rhs_contract != (0,) or rhs.ndim != 2 or batch_dims != ((), ()):
     raise ValueError(f"rows_dot_general takes nn.Dense's [..., in] x [in, out] product, not {dimension_numbers}.")
@@ -121,9 +120,8 @@ def _layer_norm(eps: float, name: str):
 
 
 def vocab_head(module: nn.Module, hidden, word_table, prefix: str = ""):
-  """BERT's masked-LM head inside `module`'s compact call (it holds embedding_size, vocab_size, dtype and
-  config): dense(-> E) + GELU + LayerNorm (`{prefix}head_dense`, `{prefix}head_layer_norm`), then the
-  decoder tied to `word_table` plus `{prefix}output_bias`."""
+  """BERT's masked-LM head inside a tower's compact call: dense(-> E) + GELU + LayerNorm (`{prefix}head_dense`,
+  `{prefix}head_layer_norm`), then the decoder tied to `word_table` plus `{prefix}output_bias`."""
   hidden = _dense(module.embedding_size, "embed", "mlp", module.dtype, f"{prefix}head_dense")(hidden)
   hidden = _layer_norm(module.config.layer_norm_eps, f"{prefix}head_layer_norm")(gelu_exact(hidden))
   bias_init = _param(nn.initializers.zeros_init(), ("vocab",))
@@ -186,10 +184,8 @@ class Embeddings(nn.Module):
     word_table = self.word_embeddings.embedding if word_table is None else word_table
     words = jnp.take(word_table.astype(jnp.float32), input_ids, axis=0)
     position_table = self.position_embeddings.embedding
-    if position_ids is None:
-      positions = position_table[None, : input_ids.shape[-1]]
-    else:
-      positions = jnp.take(position_table, position_ids, axis=0)
+    positions = (position_table[None, : input_ids.shape[-1]] if position_ids is None
+                 else jnp.take(position_table, position_ids, axis=0))
     # A handful of token types: a select per type, whose gradient is a masked sum.
     type_table = self.token_type_embeddings.embedding
     types = jnp.zeros((), jnp.float32)
@@ -205,7 +201,7 @@ class Embeddings(nn.Module):
 
 
 def embeddings_for(owner, embedding_size: int, config: EncoderConfig, **kwargs) -> Embeddings:
-  """The Embeddings module of a model with vocab_size / max_position_embeddings / type_vocab_size / dtype
+  """The Embeddings module of a model with vocab_size, max_position_embeddings, type_vocab_size and dtype
   fields, with `config`'s dropout and LayerNorm epsilon (`kwargs`, e.g. name=, go to the module)."""
   return Embeddings(
       vocab_size=owner.vocab_size, embedding_size=embedding_size, max_position_embeddings=owner.max_position_embeddings,
@@ -265,25 +261,23 @@ class SelfAttention(nn.Module):
 
 
 def _readable_neighbours(mask, radius: int):
-  """[2 * radius + 1, batch, seq] bool: whether position i may read i + offset (offsets -radius..radius),
-  by attention's rule (`mask` [batch, seq] or [batch, seq, seq]) and never across the row's ends."""
+  """[2 * radius + 1, batch, seq] bool: whether position i may read i + offset (offsets -radius..radius), by
+  attention's `mask` ([batch, seq] or [batch, seq, seq]) and never across the row's ends."""
   seq = mask.shape[-1]
   rows = []
   for offset in range(-radius, radius + 1):
     target = jnp.arange(seq) + offset
     inside = (target >= 0) & (target < seq)
     target = jnp.clip(target, 0, seq - 1)
-    if mask.ndim == 2:
-      allowed = mask[:, target]
-    else:
-      allowed = jnp.take_along_axis(mask, jnp.broadcast_to(target[None, :, None], (mask.shape[0], seq, 1)), 2)[..., 0]
+    allowed = mask[:, target] if mask.ndim == 2 else jnp.take_along_axis(
+        mask, jnp.broadcast_to(target[None, :, None], (mask.shape[0], seq, 1)), 2)[..., 0]
     rows.append(allowed & inside)
   return jnp.stack(rows)
 
 
 def _sequence_conv(x, taps, readable):
-  """Depthwise convolution along the sequence: out[b, i, c] = sum_k taps[k, c] * x[b, i + k - r, c]
-  over the neighbours `readable` allows ([K, batch, seq], see _readable_neighbours)."""
+  """Depthwise convolution along the sequence: out[b, i, c] = sum_k taps[k, c] * x[b, i + k - r, c] over the
+  neighbours `readable` allows."""
   radius = taps.shape[0] // 2
   out = jnp.zeros_like(x)
   for k in range(taps.shape[0]):
@@ -403,8 +397,7 @@ def unscan_layers(tree):
 
 
 def scan_layers(tree):
-  """The inverse of unscan_layers: layer_0 .. layer_{L-1} of every encoder stacked into
-  {"layers": {"layer": ...}} (for trees imported from unscanned models)."""
+  """The inverse of unscan_layers, for trees imported from unscanned models."""
   if not isinstance(tree, dict):
     return tree
   layer_keys = sorted((k for k in tree if k.startswith("layer_") and k[6:].isdigit()), key=lambda k: int(k[6:]))
@@ -460,9 +453,8 @@ class ClozeGenerator(_Tower):
 
 
 class Discriminator(_Tower):
-  """Replaced-token detector: encoder, then dense(H->H) + GELU + dense(H->1) per token. With `mlm_head`
-  (the MLM-family ablations) also a masked-LM head (mlm_head_dense, mlm_head_layer_norm, mlm_output_bias),
-  whose logits at `mlm_positions` (every position when None) `with_mlm=True` returns as well."""
+  """Replaced-token detector: encoder, then dense(H->H) + GELU + dense(H->1) per token. `with_mlm=True` also
+  returns the logits of its `mlm_head` (vocab_head, prefix mlm_) at `mlm_positions` (all when None)."""
 
   mlm_head: bool = False
 
@@ -500,9 +492,8 @@ class ElectraPretrainer(nn.Module):
   has_generator: bool = True  # False for objectives without one (mlm, uniform): no generator parameters
   discriminator_mlm_head: bool = False  # the MLM-family objectives: the discriminator gets a masked-LM head
   cloze_generator: bool = False  # Electric: the generator is the two-tower ClozeGenerator
-  # Packed rows (data.pack_rows): every method's `attention_mask` is the segment ids (1, 2, ... per example,
-  # 0 on padding); attention stays within a segment and positions restart at each. A 0/1 mask is one segment
-  # per row, so unpacked batches give the same results.
+  # Packed rows: every method's `attention_mask` is the segment ids (see segment_positions); a 0/1 mask is
+  # one segment per row, so unpacked batches give the same results.
   packed: bool = False
 
   @property
@@ -605,9 +596,7 @@ def generator_encoder_config(discriminator: EncoderConfig, fraction: float) -> E
 
 
 def _check_attention(config, discriminator: EncoderConfig) -> None:
-  """Refuses before compiling what the chosen attention kernel cannot take. cuDNN: head sizes not a multiple
-  of 8 or above 256 (128 before Hopper), and an odd sequence length where it reads a mask (packed rows,
-  Electric's cloze towers)."""
+  """Refuses, before compiling, what the chosen attention kernel cannot take."""
   m = config.model
   if m.attention_impl not in ATTENTION_IMPLEMENTATIONS:
     raise ConfigError(f"model.attention_impl={m.attention_impl!r} is not one of {list(ATTENTION_IMPLEMENTATIONS)}.")
@@ -735,8 +724,8 @@ def no_standalone_generator(pretrainer: ElectraPretrainer) -> str | None:
 
 def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
   """(model, params) of one tower of a pre-trainer: `params` is an ElectraPretrainer tree; the result's is
-  {embeddings, <tower>}, the same arrays (not copies), except with tie="gdes", where the discriminator's
-  word table is the sum it reads (shared + delta), and tie="none", where the generator's embeddings are its own."""
+  {embeddings, <tower>}, the same arrays, but the discriminator's word table under tie="gdes" is the sum it
+  reads (shared + delta), and the generator's embeddings under tie="none" its own."""
   if tower not in TOWER_MODELS:
     raise ConfigError(f"tower={tower!r} is not one of {sorted(TOWER_MODELS)}.")
   why_not = no_standalone_generator(pretrainer) if tower == "generator" else None

@@ -15,21 +15,12 @@ from electra_jax.errors import ConfigError
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
-# Logical name -> mesh axis, in priority order. Parameters: vocab, embed, mlp, heads, kv, ...;
-# activations: act_*. A mesh axis is used at most once per array; a later logical axis that
-# wants an already used mesh axis stays replicated.
+# Logical name -> mesh axis, in priority order: activations (act_*), then parameters. A mesh axis is used at
+# most once per array; a later logical axis that wants an already used mesh axis stays replicated.
 LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
-    ("act_batch", BATCH_AXES),
-    ("act_len", None),
-    ("act_embed", None),
-    ("vocab", "tensor"),
-    ("heads", "tensor"),
-    ("mlp", "tensor"),
-    ("embed", "fsdp"),
-    ("kv", None),
-    ("position", None),
-    ("token_type", None),
-    ("unmodeled", None),
+    ("act_batch", BATCH_AXES), ("act_len", None), ("act_embed", None),
+    ("vocab", "tensor"), ("heads", "tensor"), ("mlp", "tensor"), ("embed", "fsdp"),
+    ("kv", None), ("position", None), ("token_type", None), ("unmodeled", None),
     ("layers", None),  # the stacked axis of scanned layers (model.scan_layers)
 )
 
@@ -133,9 +124,8 @@ def batch_shards(mesh: Mesh) -> int:
 
 
 def check_process_shards(mesh: Mesh, process_count: int) -> None:
-  """Each process feeds its own rows (train.py reads a distinct slice per process), so each
-  must own whole batch shards: data * fsdp a multiple of the process count. A tensor axis
-  that spans processes breaks that."""
+  """Each process feeds its own rows, so each must own whole batch shards: data * fsdp a multiple of the
+  process count (a tensor axis that spans processes breaks that)."""
   if batch_shards(mesh) % process_count:
     raise ConfigError(
         f"The mesh splits each batch into {batch_shards(mesh)} shards (mesh.data * mesh.fsdp = "
@@ -147,9 +137,8 @@ def check_process_shards(mesh: Mesh, process_count: int) -> None:
 
 def global_batch_from_local(local_batch: dict[str, np.ndarray], mesh: Mesh, stacked: bool = False,
                             keys: Sequence[str] | None = None) -> dict[str, jax.Array]:
-  """Global arrays from this process's rows (the whole batch when there is one process);
-  `stacked`: arrays [steps, rows, ...] of several batches. `keys`: only these arrays go to the
-  devices (all of them when None)."""
+  """Global arrays from this process's rows (the whole batch when there is one process); `stacked`: arrays
+  [steps, rows, ...] of several batches. `keys`: only these arrays go to the devices (all when None)."""
   sharding = stacked_batch_sharding(mesh) if stacked else batch_sharding(mesh)
   names = local_batch if keys is None else keys
   return {name: jax.make_array_from_process_local_data(sharding, local_batch[name]) for name in names}

@@ -31,10 +31,8 @@ def check_seq_len(seq_len: int) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _warn_interpret(platform: str) -> None:
-  logging.warning(
-      "model.attention_impl='splash' is a TPU kernel; on %s it runs in Pallas interpret mode, "
-      "exact but slow (for tests). Use 'xla' (or 'cudnn' on NVIDIA GPUs) to train here.", platform
-  )
+  logging.warning("model.attention_impl='splash' is a TPU kernel; on %s it runs in Pallas interpret mode, exact "
+                  "but slow (for tests). Use 'xla' (or 'cudnn' on NVIDIA GPUs) to train here.", platform)
 
 
 def _local_attention(query, key, value, segment_ids, *, interpret: bool):
@@ -47,10 +45,8 @@ def _local_attention(query, key, value, segment_ids, *, interpret: bool):
 
   _, seq_len, num_heads, head_dim = query.shape
   block = min(MAX_BLOCK, seq_len)
-  blocks = kernel_lib.BlockSizes(
-      block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
-      block_kv_dkv_compute=block, use_fused_bwd_kernel=True,
-  )
+  blocks = kernel_lib.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                                 block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
   # No mask beyond the segment ids. Built afresh per trace: a cache would leak the tracers it holds.
   mask = mask_lib.MultiHeadMask([mask_lib.FullMask((seq_len, seq_len)) for _ in range(num_heads)])
   kernel = kernel_lib.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret)
@@ -96,7 +92,5 @@ def splash_attention(query, key, value, segment_ids):
   tensor = mesh.shape.get("tensor", 1)
   heads_axis = "tensor" if tensor > 1 and query.shape[2] % tensor == 0 else None
   qkv_spec = PartitionSpec(batch_axes, None, heads_axis, None)
-  return jax.shard_map(
-      attend, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, PartitionSpec(batch_axes, None)),
-      out_specs=qkv_spec, check_vma=False,
-  )(query, key, value, segment_ids)
+  return jax.shard_map(attend, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, PartitionSpec(batch_axes, None)),
+                       out_specs=qkv_spec, check_vma=False)(query, key, value, segment_ids)
