@@ -5,23 +5,13 @@ import jax
 
 from electra_jax.models import ElectraPretrainer, EncoderConfig
 
-# bfloat16 dense peak FLOP/s per chip (vendors' datasheets, half the sparse figure), matched
-# in order against jax.Device.device_kind: the PCIe and NVL parts before the SXM ones, whose
-# names ("NVIDIA H100 80GB HBM3", "NVIDIA H200") carry no form factor.
+# bfloat16 dense peak FLOP/s per chip (datasheets, half the sparse figure), matched in order against
+# jax.Device.device_kind: PCIe and NVL parts first, as the SXM ones' names carry no form factor.
 PEAK_FLOPS = (
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H200 NVL", 835e12),
-    ("H100", 989e12),
-    ("H200", 989e12),
+    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
     ("A100", 312e12),
-    ("TPU v4", 275e12),
-    ("TPU v5 lite", 197e12),
-    ("TPU v5e", 197e12),
-    ("TPU v5p", 459e12),
-    ("TPU v5", 459e12),
-    ("TPU v6 lite", 918e12),
-    ("TPU v6e", 918e12),
+    ("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12), ("TPU v5p", 459e12), ("TPU v5", 459e12),
+    ("TPU v6 lite", 918e12), ("TPU v6e", 918e12),
 )
 
 
@@ -41,14 +31,11 @@ def _attention_flops(cfg: EncoderConfig, seq_len: int) -> int:
   return 12 * cfg.num_layers * seq_len * cfg.hidden_size
 
 
-def train_flops_per_token(
-    model: ElectraPretrainer, seq_len: int, max_predictions: int, with_generator: bool = True,
-    all_positions_mlm: bool = False,
-) -> float:
-  """Training FLOPs per input token, both towers (only the discriminator when the objective
-  runs no generator, e.g. uniform replacements), plus the discriminator tower's MLM head for
-  the MLM-family ablations (at every position with `all_positions_mlm`). The generator's head
-  (dense H_g->E and the E x V vocabulary projection) runs only on the max_predictions slots."""
+def train_flops_per_token(model: ElectraPretrainer, seq_len: int, max_predictions: int, with_generator: bool = True,
+                          all_positions_mlm: bool = False) -> float:
+  """Training FLOPs per input token of both towers (the discriminator alone `with_generator=False`) and the
+  discriminator's MLM head (at every position with `all_positions_mlm`, else on the max_predictions slots,
+  like the generator's head)."""
   gen, disc = model.generator_config, model.discriminator_config
   gen_emb, emb = model.generator_embedding_size, model.embedding_size
   gen_head = (gen.hidden_size * gen_emb + gen_emb * model.vocab_size) * max_predictions / seq_len
@@ -65,19 +52,13 @@ def train_flops_per_token(
 
 
 def objective_flops_per_token(model: ElectraPretrainer, objective, seq_len: int) -> float:
-  """train_flops_per_token for a run's objective (objectives.ElectraObjective): whether a
-  generator runs and where the MLM heads predict. What train.py logs as MFU, the sweep
-  table's train_flops and the benchmarks all count with this."""
-  return train_flops_per_token(
-      model, seq_len, objective.max_predictions, objective.uses_generator,
-      all_positions_mlm=objective.name == "all_tokens_mlm",
-  )
+  """train_flops_per_token for a run's objective (objectives.ElectraObjective): whether a generator runs
+  and where the MLM heads predict; train.py's MFU, the sweep table and the benchmarks count with this."""
+  return train_flops_per_token(model, seq_len, objective.max_predictions, objective.uses_generator,
+                               all_positions_mlm=objective.name == "all_tokens_mlm")
 
 
 def peak_flops(device: jax.Device) -> float | None:
   """Peak bf16 FLOP/s of one device, or None when unknown (CPUs, unlisted chips)."""
-  kind = getattr(device, "device_kind", "")
-  for name, peak in PEAK_FLOPS:
-    if name.lower() in kind.lower():
-      return peak
-  return None
+  kind = getattr(device, "device_kind", "").lower()
+  return next((peak for name, peak in PEAK_FLOPS if name.lower() in kind), None)

@@ -1,9 +1,6 @@
 """How much device memory a compiled training step needs (XLA's own per-device figures), and the largest
-batch that fits, which `train.batch_size = -1` asks for: a linear fit of bytes against the batch,
-checked by bracketing and bisection. A step the compiler refuses as too large does not fit.
-"""
-
-from __future__ import annotations
+batch that fits, which `train.batch_size = -1` asks for: a linear fit of bytes against the batch, checked
+by bracketing and bisection. A step the compiler refuses as too large does not fit."""
 
 import dataclasses
 import os
@@ -14,15 +11,17 @@ from absl import logging
 
 from electra_jax.errors import ConfigError
 
+# A batch fits only if the compiled step does no more work per example than the small batches measured
+# first: XLA's TPU compiler rematerializes activations to squeeze a larger batch into HBM.
+RECOMPUTE_TOLERANCE = 0.02
+
 
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
   batch_size: int
-  # arguments + outputs - donated (aliased) + temporaries; None where the compiler refused the
-  # step as more than the device's memory (XLA's TPU compiler does, GPU and CPU do not).
+  # arguments + outputs - donated + temporaries; None where the compiler refused the step as too large.
   bytes_per_device: int | None
-  # XLA's cost analysis of the compiled step, per device: it counts what the compiler
-  # recomputes, so it shows XLA's TPU compiler rematerializing a step to fit it in HBM.
+  # XLA's cost analysis per device: it counts what the compiler recomputes to fit a step in memory.
   flops: float | None = None
 
 
@@ -46,8 +45,7 @@ def compiled_flops(compiled) -> float | None:
 
 
 def device_memory_bytes(device: jax.Device | None = None) -> int:
-  """Memory of one device: the allocator's limit on GPU/TPU; on CPU the host's available
-  memory shared by its local devices."""
+  """Memory of one device: the allocator's limit on GPU/TPU; on CPU its share of the host's available memory."""
   device = device or jax.local_devices()[0]
   stats = device.memory_stats() if hasattr(device, "memory_stats") else None
   if stats and stats.get("bytes_limit"):
@@ -61,13 +59,12 @@ def device_memory_bytes(device: jax.Device | None = None) -> int:
 
 
 def step_memory(compile_step, batch_size: int) -> StepMemory:
-  """Compiles the train step for `batch_size` (global) with `compile_step(batch_size)` (e.g.
-  train.step_compiler) and returns its per-device bytes."""
+  """The per-device bytes of the train step compiled by `compile_step(batch_size)` (global batch)."""
   start = time.perf_counter()
   try:
     compiled = compile_step(batch_size)
   except Exception as e:  # noqa: BLE001 (the compiler's error types differ between jax versions)
-    if "RESOURCE_EXHAUSTED" not in str(e) and "Ran out of memory" not in str(e):  # not out of memory
+    if "RESOURCE_EXHAUSTED" not in str(e) and "Ran out of memory" not in str(e):
       raise
     logging.info("Batch %d: the compiler refused the step as more than a device's memory "
                  "(%.0f s: %s).", batch_size, time.perf_counter() - start, str(e).splitlines()[0][:200])
@@ -80,28 +77,20 @@ def step_memory(compile_step, batch_size: int) -> StepMemory:
 
 
 def linear_fit(small: StepMemory, large: StepMemory) -> tuple[float, float]:
-  """(fixed, per_example) bytes of bytes(batch) = fixed + per_example * batch through two
-  measurements; per_example at least one byte (a step's memory never shrinks with the batch)."""
+  """(fixed, per_example) of bytes(batch) = fixed + per_example * batch through two measurements; per_example
+  at least one byte (a step's memory never shrinks with the batch)."""
   per_example = max(1.0, (large.bytes_per_device - small.bytes_per_device) / (large.batch_size - small.batch_size))
   return small.bytes_per_device - per_example * small.batch_size, per_example
 
 
 def fit_of(measured: list[StepMemory]) -> tuple[float, float] | None:
-  """The linear fit through the two smallest measured batches with a size, or None when fewer
-  than two compiled."""
+  """The linear fit through the two smallest measured batches that compiled, or None for fewer than two."""
   sized = sorted((m for m in measured if m.bytes_per_device is not None), key=lambda m: m.batch_size)
   return linear_fit(sized[0], sized[1]) if len(sized) >= 2 else None
 
 
-# A batch fits only if the compiled step does no more work per example than the small batches
-# measured first: XLA's TPU compiler rematerializes activations to squeeze a step into HBM,
-# which fits a larger batch at the cost of recomputing part of the forward pass.
-RECOMPUTE_TOLERANCE = 0.02
-
-
 def _recomputed_share(first: StepMemory, second: StepMemory, m: StepMemory) -> float:
-  """How much more than the line through `first` and `second`'s FLOPs `m`'s step does, as a
-  fraction of that line (0 where a cost analysis is missing)."""
+  """How far `m`'s FLOPs exceed the line through `first` and `second`'s, as a fraction of it (0 without them)."""
   if None in (first.flops, second.flops, m.flops):  # a refused compile has no FLOPs either
     return 0.0
   per_example = (second.flops - first.flops) / (second.batch_size - first.batch_size)
@@ -133,36 +122,27 @@ def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, li
   if not fits(quantum):
     needs = measured[0].bytes_per_device
     needs = "more than a device's memory" if needs is None else f"{needs / 2**30:.2f} GiB per device"
-    raise ConfigError(
-        f"Even a batch of {quantum} needs {needs}, more than the {limit_bytes / 2**30:.2f} GiB "
-        "allowed: use a smaller model or max_seq_len, bfloat16, or more devices."
-    )
-  low, high = quantum, None  # the largest known to fit, the smallest known not to
-  if fits(4 * quantum):
-    low = 4 * quantum
-  else:
-    high = 4 * quantum
+    raise ConfigError(f"Even a batch of {quantum} needs {needs}, more than the {limit_bytes / 2**30:.2f} GiB "
+                      "allowed: use a smaller model or max_seq_len, bfloat16, or more devices.")
+  # The largest batch known to fit, the smallest known not to.
+  low, high = (4 * quantum, None) if fits(4 * quantum) else (quantum, 4 * quantum)
   fit = fit_of(measured)
   while high is None or high - low > quantum:
     if high is None:
-      # Extrapolate the line through the two largest batches that fit (`fitting` ascends); a guess
-      # that overshoots brackets the answer. XLA's layout is not even monotonic in the batch, so the
-      # slope is at least a quarter of the chord from the smallest batch and the guess at most 8 x low.
+      # Extrapolate the line through the two largest batches that fit; a guess that overshoots brackets
+      # the answer. XLA's layout is not even monotonic in the batch, so the slope is at least a quarter
+      # of the chord from the smallest batch and the guess at most 8 x low.
       _, chord = linear_fit(fitting[0], fitting[-1])
-      _, per_example = linear_fit(fitting[-2], fitting[-1])
-      per_example = max(per_example, chord / 4)
+      per_example = max(linear_fit(fitting[-2], fitting[-1])[1], chord / 4)
       guess = int((limit_bytes - fitting[-1].bytes_per_device) / per_example + fitting[-1].batch_size)
       candidate = max(low + quantum, min(guess // quantum * quantum, 8 * low))
     else:
-      candidate = max(low + quantum, (low + high) // 2 // quantum * quantum)
-      candidate = min(candidate, high - quantum)
+      candidate = min(max(low + quantum, (low + high) // 2 // quantum * quantum), high - quantum)
     if fits(candidate):
       low = candidate
     else:
       high = candidate
-  logging.info(
-      "Memory per device: %s; largest batch %d (limit %.2f GiB, %d compiles).",
-      "no linear fit" if fit is None else f"{fit[0] / 2**20:.1f} MiB fixed + {fit[1] / 2**20:.3f} MiB per example",
-      low, limit_bytes / 2**30, len(measured),
-  )
+  shown = "no linear fit" if fit is None else f"{fit[0] / 2**20:.1f} MiB fixed + {fit[1] / 2**20:.3f} MiB per example"
+  logging.info("Memory per device: %s; largest batch %d (limit %.2f GiB, %d compiles).", shown, low,
+               limit_bytes / 2**30, len(measured))
   return low, measured

@@ -15,50 +15,35 @@ from electra_jax import objectives, random_ops, splash_attention
 from electra_jax.errors import ConfigError
 
 Dtype = Any
+_param = nn.with_logical_partitioning
 
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", "splash")
-
-# model.remat: what each encoder layer keeps for the backward pass. "none" keeps everything, "dots"
-# keeps only the matmul outputs, "full" keeps only the layer's input.
-REMAT_POLICIES = ("none", "dots", "full")
-
-# model.norm: where each encoder layer normalizes. "post" is BERT's LN(x + f(x)); "pre" is
-# x + f(LN(x)) with one more LayerNorm after the last layer (Encoder's final_layer_norm).
-NORMS = ("post", "pre")
-# model.ffn: "gelu" is BERT's dense(H->I) + GELU + dense(I->H); "geglu" gates it:
-# dense(H->2I) split into (gate, value), gelu(gate) * value, then dense(I->H).
-FFNS = ("gelu", "geglu")
+# model.remat -> what each encoder layer keeps for the backward pass: everything, the matmul outputs, its input.
+REMAT_POLICIES = {"none": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                  "full": jax.checkpoint_policies.nothing_saveable}
+NORMS = ("post", "pre")  # see EncoderLayer
+FFNS = ("gelu", "geglu")  # see _feed_forward
+TIE_MODES = ("embeddings", "none", "gdes", "all")  # see ElectraPretrainer
 
 
 def segment_positions(segment_ids):
-  """Per-segment positions of a packed batch: [batch, seq] segment ids (1, 2, ... for the
-  examples of a row, 0 on padding) -> positions that restart at 0 where each segment begins,
-  so a packed example is embedded exactly as it would be alone in its row."""
-  seq_len = segment_ids.shape[-1]
-  index = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), segment_ids.shape)
+  """[batch, seq] segment ids (1, 2, ... for the examples of a packed row, 0 on padding) -> positions that
+  restart at 0 where each segment begins, so a packed example is embedded as it would be alone in its row."""
+  index = jnp.broadcast_to(jnp.arange(segment_ids.shape[-1], dtype=jnp.int32), segment_ids.shape)
   previous = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
   starts = jnp.where(segment_ids != previous, index, 0)
   return index - jax.lax.cummax(starts, axis=1)
 
 
 def segment_attention_mask(segment_ids):
-  """[batch, seq] segment ids -> [batch, seq, seq]: a query attends to the real keys of its own
-  segment only, so packed examples do not see each other."""
+  """[batch, seq] segment ids -> [batch, seq, seq]: a query attends to the real keys of its own segment only."""
   same = segment_ids[:, :, None] == segment_ids[:, None, :]
   return same & (segment_ids[:, None, :] > 0)
 
 
 def bert_init(stddev: float = 0.02):
-  """TF's truncated_normal_initializer: N(0, stddev) cut at two standard deviations.
-
-  jax.nn.initializers.truncated_normal rescales so the *truncated* distribution has the
-  given stddev; BERT and ELECTRA do not, so we draw the cut normal and scale it ourselves.
-  """
-
-  def init(key, shape, dtype=jnp.float32):
-    return stddev * jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype)
-
-  return init
+  """TF's truncated_normal_initializer: N(0, stddev) cut at two standard deviations, not rescaled."""
+  return lambda key, shape, dtype=jnp.float32: stddev * jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype)
 
 
 def gelu_exact(x):
@@ -70,32 +55,27 @@ def gelu_exact(x):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def tied_vocab_logits(hidden, word_table, output_bias, dtype):
   """The MLM heads' tied decoder: float32 logits [..., vocab] = hidden [..., E] @ word_table [vocab, E]^T
-  + output_bias, the product taken in `dtype` and accumulated in float32.
-
-  Its gradient is autodiff's for that product (backward matmuls in `dtype`), in the forms cheapest on a
-  CPU: the table's as [E, vocab] (the logits' gradient read in place, not transposed into a copy) and,
-  on the CPU only, the bias's as a matrix-vector product with ones (XLA:CPU's column reduction is slow).
-  """
+  + output_bias, the product taken in `dtype` and accumulated in float32 (bfloat16 logits would coarsen the
+  softmax, sampling and loss). Its gradient is autodiff's, in the forms cheapest on a CPU."""
   return _tied_vocab_logits_fwd(hidden, word_table, output_bias, dtype)[0]
 
 
 def _tied_vocab_logits_fwd(hidden, word_table, output_bias, dtype):
-  # Accumulated and returned in float32: rounding bfloat16 logits (a step of 0.06 at 10)
-  # would coarsen the softmax, the sampling and the loss that all read them in float32.
-  logits = jnp.einsum(
-      "...e,ve->...v", hidden.astype(dtype), word_table.astype(dtype), preferred_element_type=jnp.float32
-  )
+  logits = jnp.einsum("...e,ve->...v", hidden.astype(dtype), word_table.astype(dtype),
+                      preferred_element_type=jnp.float32)
   return logits + output_bias, (hidden, word_table)
 
 
 def _tied_vocab_logits_bwd(dtype, residuals, grad):
+  # The backward matmuls in `dtype`; the table's gradient via [E, vocab] (the logits' gradient read in place,
+  # not transposed into a copy); the bias's on the CPU a matrix-vector product with ones (XLA:CPU's column
+  # reduction is slow), elsewhere a plain sum, which a GPU fuses with the pass computing the logits' gradient.
   hidden, word_table = residuals
   grad_rows = grad.reshape(-1, grad.shape[-1])  # [n, vocab] float32
   grad_c, table_c = grad_rows.astype(dtype), word_table.astype(dtype)
   hidden_rows = hidden.reshape(-1, hidden.shape[-1]).astype(dtype)
   d_hidden = (grad_c @ table_c).reshape(hidden.shape).astype(hidden.dtype)
-  d_table = (hidden_rows.T @ grad_c).T.astype(word_table.dtype)  # via [E, vocab]
-  # Elsewhere a plain sum, which a GPU fuses with the pass computing the logits' gradient.
+  d_table = (hidden_rows.T @ grad_c).T.astype(word_table.dtype)
   d_bias = jax.lax.platform_dependent(
       grad_rows, cpu=lambda g: jnp.ones((g.shape[0],), jnp.float32) @ g, default=lambda g: g.sum(0)
   )
@@ -106,72 +86,52 @@ tied_vocab_logits.defvjp(_tied_vocab_logits_fwd, _tied_vocab_logits_bwd)
 
 
 def decoder_input(hidden):
-  """The MLM heads' hidden states [batch, ..., E] pinned to the batch split. Left to propagation, E takes
-  the word table's fsdp split, and on a mesh with data, fsdp and tensor all above 1 XLA then swaps two
-  batch shards' rows in the heads' gradient (docs/performance.md, "Sharding")."""
+  """The MLM heads' hidden states [batch, ..., E] pinned to the batch split: left to propagation, E takes the
+  word table's fsdp split, and with data, fsdp and tensor all above 1 XLA then swaps two batch shards' rows
+  in the heads' gradient (docs/performance.md, "Sharding")."""
   return nn.with_logical_constraint(hidden, ("act_batch",) + (None,) * (hidden.ndim - 1))
 
 
-_param = nn.with_logical_partitioning
-
-
 def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-  """nn.Dense's product, lhs [..., in] @ rhs [in, out], taken as one [rows, in] @ [in, out] matmul: the
-  same numbers, but the kernel's gradient becomes a 2-D product XLA:CPU computes in place instead of
-  copying the output gradient into a transposed buffer. Elsewhere the reshape is a bitcast."""
+  """nn.Dense's product, lhs [..., in] @ rhs [in, out], as one [rows, in] @ [in, out] matmul: the same
+  numbers, but XLA:CPU computes the kernel's gradient in place, not from a transposed copy."""
   (lhs_contract, rhs_contract), batch_dims = dimension_numbers
   if lhs_contract != (lhs.ndim - 1,) or rhs_contract != (0,) or rhs.ndim != 2 or batch_dims != ((), ()):
     raise ValueError(f"rows_dot_general takes nn.Dense's [..., in] x [in, out] product, not {dimension_numbers}.")
-  rows = jax.lax.dot_general(
-      lhs.reshape(-1, lhs.shape[-1]), rhs, (((1,), (0,)), ((), ())),
-      precision=precision, preferred_element_type=preferred_element_type,
-  )
+  rows = jax.lax.dot_general(lhs.reshape(-1, lhs.shape[-1]), rhs, (((1,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=preferred_element_type)
   return rows.reshape(*lhs.shape[:-1], rhs.shape[-1])
 
 
-def _dense(features, in_axis: str, out_axis: str, dtype: Dtype, name: str, use_bias=True,
-           float32_out=False):
-  """nn.Dense with float32 parameters and `dtype` compute; `float32_out`: the product is
-  returned in float32 rather than rounded to `dtype` (for logits)."""
+def _dense(features, in_axis: str, out_axis: str, dtype: Dtype, name: str, use_bias=True, float32_out=False):
+  """nn.Dense with float32 parameters and `dtype` compute; `float32_out` keeps the product in float32 (logits)."""
   return nn.Dense(
-      features,
-      use_bias=use_bias,
-      dtype=dtype,
-      param_dtype=jnp.float32,
+      features, use_bias=use_bias, dtype=dtype, param_dtype=jnp.float32, name=name,
       dot_general=functools.partial(rows_dot_general, preferred_element_type=jnp.float32 if float32_out else None),
-      kernel_init=_param(bert_init(), (in_axis, out_axis)),
-      bias_init=_param(nn.initializers.zeros_init(), (out_axis,)),
-      name=name,
+      kernel_init=_param(bert_init(), (in_axis, out_axis)), bias_init=_param(nn.initializers.zeros_init(), (out_axis,)),
   )
 
 
 def _layer_norm(eps: float, name: str):
-  # Statistics in float32 whatever the compute dtype: flax promotes them for us.
-  return nn.LayerNorm(
-      epsilon=eps,
-      dtype=jnp.float32,
-      param_dtype=jnp.float32,
-      scale_init=_param(nn.initializers.ones_init(), ("embed",)),
-      bias_init=_param(nn.initializers.zeros_init(), ("embed",)),
-      name=name,
-  )
+  # Statistics in float32 whatever the compute dtype.
+  return nn.LayerNorm(epsilon=eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name,
+                      scale_init=_param(nn.initializers.ones_init(), ("embed",)),
+                      bias_init=_param(nn.initializers.zeros_init(), ("embed",)))
 
 
 def vocab_head(module: nn.Module, hidden, word_table, prefix: str = ""):
-  """BERT's masked-LM head inside `module`'s compact call: dense(-> E) + GELU + LayerNorm, then
-  the decoder tied to `word_table` plus `{prefix}output_bias` (parameters `{prefix}head_dense`,
-  `{prefix}head_layer_norm`). `module` holds embedding_size, vocab_size, dtype and config."""
+  """BERT's masked-LM head inside a tower's compact call: dense(-> E) + GELU + LayerNorm (`{prefix}head_dense`,
+  `{prefix}head_layer_norm`), then the decoder tied to `word_table` plus `{prefix}output_bias`."""
   hidden = _dense(module.embedding_size, "embed", "mlp", module.dtype, f"{prefix}head_dense")(hidden)
   hidden = _layer_norm(module.config.layer_norm_eps, f"{prefix}head_layer_norm")(gelu_exact(hidden))
-  output_bias = module.param(
-      f"{prefix}output_bias", _param(nn.initializers.zeros_init(), ("vocab",)), (module.vocab_size,)
-  )
+  bias_init = _param(nn.initializers.zeros_init(), ("vocab",))
+  output_bias = module.param(f"{prefix}output_bias", bias_init, (module.vocab_size,))
   return tied_vocab_logits(decoder_input(hidden), word_table, output_bias, module.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class EncoderConfig:
-  """Sizes of one transformer tower."""
+  """Sizes and options of one transformer tower (the model.* keys of the same names)."""
 
   hidden_size: int
   num_layers: int
@@ -181,17 +141,13 @@ class EncoderConfig:
   attention_dropout_rate: float = 0.1
   layer_norm_eps: float = 1e-12
   remat: str = "none"  # see REMAT_POLICIES
-  # One scanned layer (params stacked on a leading "layers" axis, under encoder/layers/layer) instead
-  # of layer_0 .. layer_{L-1}; standalone towers, export and fine-tuning see the unscanned layout.
+  # One scanned layer (params stacked on a leading "layers" axis, under encoder/layers/layer) instead of
+  # layer_0 .. layer_{L-1}; standalone towers, export and fine-tuning see the unscanned layout.
   scan_layers: bool = False
   norm: str = "post"  # see NORMS
   ffn: str = "gelu"  # see FFNS
-  # False: no bias in any of the encoder's dense layers (query, key, value, attention output,
-  # both FFN projections, embeddings_project); heads and LayerNorms keep theirs.
-  use_bias: bool = True
-  # Width of the depthwise convolution along the sequence after the query, key and value
-  # projections (Primer's multi-dconv-head attention); 0: none. See SelfAttention.
-  attention_conv: int = 0
+  use_bias: bool = True  # False: none in the encoder's dense layers (heads and LayerNorms keep theirs)
+  attention_conv: int = 0  # see SelfAttention
 
   @property
   def head_dim(self) -> int:
@@ -210,16 +166,9 @@ class Embeddings(nn.Module):
   dtype: Dtype = jnp.float32
 
   def setup(self):
-    def embed(num, axis, name):
-      # Looked up in float32 whatever the compute dtype (see __call__).
-      return nn.Embed(
-          num,
-          self.embedding_size,
-          dtype=jnp.float32,
-          param_dtype=jnp.float32,
-          embedding_init=_param(bert_init(), (axis, "embed")),
-          name=name,
-      )
+    def embed(num, axis, name):  # looked up in float32 whatever the compute dtype (see __call__)
+      return nn.Embed(num, self.embedding_size, dtype=jnp.float32, param_dtype=jnp.float32,
+                      embedding_init=_param(bert_init(), (axis, "embed")), name=name)
 
     self.word_embeddings = embed(self.vocab_size, "vocab", "word_embeddings")
     self.position_embeddings = embed(self.max_position_embeddings, "position", "position_embeddings")
@@ -229,51 +178,42 @@ class Embeddings(nn.Module):
 
   def __call__(self, input_ids, token_type_ids, deterministic: bool, word_table=None, position_ids=None):
     """`word_table` [vocab, E], if given, replaces the word embeddings' own table (GDES);
-    `position_ids` [batch, seq] (packed rows) replaces 0, 1, 2, ..."""
+    `position_ids` [batch, seq] (packed rows) replace 0, 1, 2, ... (a slice, whose gradient is a pad)."""
     # Lookups and sum in float32: a lookup's gradient is a scatter-add, and on GPUs a bfloat16
     # scatter-add with repeated indices serializes. Positions and token types need no scatter.
-    if word_table is None:
-      word_table = self.word_embeddings.embedding
+    word_table = self.word_embeddings.embedding if word_table is None else word_table
     words = jnp.take(word_table.astype(jnp.float32), input_ids, axis=0)
     position_table = self.position_embeddings.embedding
-    if position_ids is None:  # 0, 1, 2, ...: a slice, whose gradient is a pad
-      positions = position_table[None, : input_ids.shape[-1]]
-    else:  # packed rows
-      positions = jnp.take(position_table, position_ids, axis=0)
+    positions = (position_table[None, : input_ids.shape[-1]] if position_ids is None
+                 else jnp.take(position_table, position_ids, axis=0))
     # A handful of token types: a select per type, whose gradient is a masked sum.
     type_table = self.token_type_embeddings.embedding
     types = jnp.zeros((), jnp.float32)
     for type_id in range(self.type_vocab_size):
       types = types + jnp.where((token_type_ids == type_id)[..., None], type_table[type_id], 0.0)
-    embedded = words + positions + types
-    embedded = self.layer_norm(embedded).astype(self.dtype)
+    embedded = self.layer_norm(words + positions + types).astype(self.dtype)
     embedded = self.dropout(embedded, deterministic=deterministic)
     return nn.with_logical_constraint(embedded, ("act_batch", "act_len", "act_embed"))
 
   def word_table(self):
-    """The [vocab, E] table; the generator's output layer is its transpose."""
+    """The [vocab, E] table; the MLM heads' decoder is its transpose."""
     return self.word_embeddings.embedding
 
 
-def embeddings_for(owner, embedding_size: int, config: EncoderConfig, **kwargs) -> "Embeddings":
-  """The Embeddings module of a model with vocab_size / max_position_embeddings /
-  type_vocab_size / dtype fields, with `config`'s dropout and LayerNorm epsilon (`kwargs`,
-  e.g. name=, go to the module)."""
+def embeddings_for(owner, embedding_size: int, config: EncoderConfig, **kwargs) -> Embeddings:
+  """The Embeddings module of a model with vocab_size, max_position_embeddings, type_vocab_size and dtype
+  fields, with `config`'s dropout and LayerNorm epsilon (`kwargs`, e.g. name=, go to the module)."""
   return Embeddings(
-      vocab_size=owner.vocab_size,
-      embedding_size=embedding_size,
-      max_position_embeddings=owner.max_position_embeddings,
-      type_vocab_size=owner.type_vocab_size,
-      dropout_rate=config.dropout_rate,
-      layer_norm_eps=config.layer_norm_eps,
-      dtype=owner.dtype,
-      **kwargs,
+      vocab_size=owner.vocab_size, embedding_size=embedding_size, max_position_embeddings=owner.max_position_embeddings,
+      type_vocab_size=owner.type_vocab_size, dropout_rate=config.dropout_rate, layer_norm_eps=config.layer_norm_eps,
+      dtype=owner.dtype, **kwargs,
   )
 
 
 class SelfAttention(nn.Module):
-  """Multi-head self-attention, [batch, seq, H] -> [batch, seq, H]. `attention_mask`: [batch, seq] real
-  keys (or segment ids, for splash), or a [batch, seq, seq] query x key mask."""
+  """Multi-head self-attention, [batch, seq, H] -> [batch, seq, H]. `attention_mask`: [batch, seq] real keys
+  (or segment ids, for splash), or a [batch, seq, seq] query x key mask. config.attention_conv: the width of a
+  depthwise convolution along the sequence after each projection (Primer's multi-dconv-head attention)."""
 
   config: EncoderConfig
   dtype: Dtype
@@ -289,70 +229,55 @@ class SelfAttention(nn.Module):
       # One [H, H] matrix per projection (heads side by side), as BERT stores it.
       projected = _dense(cfg.hidden_size, "embed", "heads", self.dtype, name, cfg.use_bias)(hidden)
       if cfg.attention_conv:
-        taps = self.param(
-            f"{name}_conv", _param(_conv_init(cfg.attention_conv), ("unmodeled", "heads")),
-            (cfg.attention_conv, cfg.hidden_size), jnp.float32,
-        )
+        taps = self.param(f"{name}_conv", _param(_conv_init(cfg.attention_conv), ("unmodeled", "heads")),
+                          (cfg.attention_conv, cfg.hidden_size), jnp.float32)
         projected = _sequence_conv(projected, taps.astype(projected.dtype), readable)
       return projected.reshape(*hidden.shape[:-1], cfg.num_heads, cfg.head_dim)
 
     query, key, value = project("query"), project("key"), project("value")
-    # [batch, seq] marks the real keys; [batch, seq, seq] is a full query x key mask (causal
-    # towers). Either way -> [batch, 1, q or 1, seq] for every head.
+    # Real keys [batch, seq] or a query x key mask [batch, seq, seq] -> [batch, 1, q or 1, seq] for every head.
     key_is_real = mask[:, None, None, :] if mask.ndim == 2 else mask[:, None, :, :]
-    use_dropout = not deterministic and cfg.attention_dropout_rate > 0.0
-    if use_dropout:
-      # dot_product_attention has no dropout on the probabilities, which BERT and the official
-      # ELECTRA apply in training. Heads go next to the batch so both products are batched matmuls.
+    if not deterministic and cfg.attention_dropout_rate > 0.0:
+      # BERT's dropout on the probabilities, which dot_product_attention lacks; heads next to the batch.
       query, key, value = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))  # [b, h, s, d]
       scores = jnp.einsum("bhqd,bhkd->bhqk", query, key) / math.sqrt(cfg.head_dim)
       scores = jnp.where(key_is_real, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-      probs = jax.nn.softmax(scores, axis=-1)
-      probs = random_ops.Dropout(cfg.attention_dropout_rate)(probs, deterministic=False)
+      probs = random_ops.Dropout(cfg.attention_dropout_rate)(jax.nn.softmax(scores, axis=-1), deterministic=False)
       context = jnp.swapaxes(jnp.einsum("bhqk,bhkd->bhqd", probs.astype(self.dtype), value), 1, 2)
     elif self.attention_impl == "splash" and mask.ndim == 2:
-      # The Pallas TPU kernel takes segment ids: 0/1 masks, or packed rows' ids as they are
-      # (ElectraPretrainer passes those through for this implementation).
+      # The kernel takes 0/1 masks, or packed rows' ids as ElectraPretrainer passes them, as segment ids.
       context = splash_attention.splash_attention(query, key, value, attention_mask)
     elif self.attention_impl == "cudnn" and mask.ndim == 2:
-      # cuDNN takes the padding as lengths (rows are right-padded). An all-padding row (evaluation's
-      # last batch) gets length 1: cuDNN before 9.25 returns NaN for 0, which would poison the sums.
+      # Right-padded rows' lengths; an all-padding row (evaluation's last batch) gets 1, as cuDNN before
+      # 9.25 returns NaN for 0.
       lengths = jnp.maximum(mask.sum(-1, dtype=jnp.int32), 1)
-      context = jax.nn.dot_product_attention(
-          query, key, value, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
-          implementation="cudnn",
-      )
-    else:
-      # A [batch, q, k] mask (packed rows, the cloze towers' causal ones): splash cannot take it.
+      context = jax.nn.dot_product_attention(query, key, value, query_seq_lengths=lengths,
+                                             key_value_seq_lengths=lengths, implementation="cudnn")
+    else:  # splash cannot take a [batch, q, k] mask (packed rows, the cloze towers' causal ones)
       implementation = "xla" if self.attention_impl == "splash" else self.attention_impl
-      context = jax.nn.dot_product_attention(
-          query, key, value, mask=key_is_real, implementation=implementation
-      )
+      context = jax.nn.dot_product_attention(query, key, value, mask=key_is_real, implementation=implementation)
     context = context.reshape(*hidden.shape[:-1], cfg.hidden_size)
     return _dense(cfg.hidden_size, "heads", "embed", self.dtype, "output", cfg.use_bias)(context)
 
 
 def _readable_neighbours(mask, radius: int):
-  """[2 * radius + 1, batch, seq] bool: whether position i may read i + offset (offsets
-  -radius..radius), by the same rule as attention: `mask` [batch, seq] (real keys) or
-  [batch, seq, seq] (packed rows' segments, causal towers), and never across the row's ends."""
+  """[2 * radius + 1, batch, seq] bool: whether position i may read i + offset (offsets -radius..radius), by
+  attention's `mask` ([batch, seq] or [batch, seq, seq]) and never across the row's ends."""
   seq = mask.shape[-1]
   rows = []
   for offset in range(-radius, radius + 1):
     target = jnp.arange(seq) + offset
     inside = (target >= 0) & (target < seq)
     target = jnp.clip(target, 0, seq - 1)
-    if mask.ndim == 2:
-      allowed = mask[:, target]
-    else:
-      allowed = jnp.take_along_axis(mask, jnp.broadcast_to(target[None, :, None], (mask.shape[0], seq, 1)), 2)[..., 0]
+    allowed = mask[:, target] if mask.ndim == 2 else jnp.take_along_axis(
+        mask, jnp.broadcast_to(target[None, :, None], (mask.shape[0], seq, 1)), 2)[..., 0]
     rows.append(allowed & inside)
   return jnp.stack(rows)
 
 
 def _sequence_conv(x, taps, readable):
-  """Depthwise convolution along the sequence: out[b, i, c] = sum_k taps[k, c] * x[b, i + k - r, c]
-  over the neighbours `readable` allows ([K, batch, seq], see _readable_neighbours)."""
+  """Depthwise convolution along the sequence: out[b, i, c] = sum_k taps[k, c] * x[b, i + k - r, c] over the
+  neighbours `readable` allows."""
   radius = taps.shape[0] // 2
   out = jnp.zeros_like(x)
   for k in range(taps.shape[0]):
@@ -362,19 +287,13 @@ def _sequence_conv(x, taps, readable):
 
 
 def _conv_init(width: int, stddev: float = 0.5):
-  """The identity (centre tap 1) plus N(0, stddev) on every tap: the plain projection with neighbours
-  mixed in at random (stddev: docs/small_budget.md)."""
-
-  def init(key, shape, dtype=jnp.float32):
-    return (stddev * jax.random.normal(key, shape, dtype)).at[width // 2].add(1.0)
-
-  return init
+  """The identity (centre tap 1) plus N(0, stddev) on every tap (stddev: docs/small_budget.md)."""
+  return lambda key, shape, dtype=jnp.float32: (stddev * jax.random.normal(key, shape, dtype)).at[width // 2].add(1.0)
 
 
 class EncoderLayer(nn.Module):
-  """One transformer block. norm="post" (BERT's): LN(x + attn(x)), then LN(x + FFN(x));
-  norm="pre": x + attn(LN(x)), then x + FFN(LN(x)). Either way the LayerNorms are
-  attention_layer_norm and output_layer_norm, and the FFN is `config.ffn`."""
+  """One transformer block. norm="post" (BERT's): LN(x + attn(x)), then LN(x + FFN(x)); norm="pre":
+  x + attn(LN(x)), then x + FFN(LN(x)), and Encoder's final_layer_norm after the last layer."""
 
   config: EncoderConfig
   dtype: Dtype
@@ -384,32 +303,21 @@ class EncoderLayer(nn.Module):
   def __call__(self, hidden, attention_mask, deterministic: bool):
     cfg = self.config
     attention = SelfAttention(cfg, self.dtype, self.attention_impl, name="attention")
-    attention_norm = _layer_norm(cfg.layer_norm_eps, "attention_layer_norm")
-    output_norm = _layer_norm(cfg.layer_norm_eps, "output_layer_norm")
-
-    def sublayer(block, x):
-      return random_ops.Dropout(cfg.dropout_rate)(block(x), deterministic=deterministic)
-
-    def attend(x):
-      return attention(x, attention_mask, deterministic)
-
-    def feed_forward(x):
-      return _feed_forward(cfg, self.dtype, x)
-
-    if cfg.norm == "pre":
-      # The residual stream is never normalized; each block reads a normalized copy of it.
-      hidden = hidden + sublayer(attend, attention_norm(hidden).astype(self.dtype))
-      hidden = hidden + sublayer(feed_forward, output_norm(hidden).astype(self.dtype))
-    else:
-      hidden = attention_norm(hidden + sublayer(attend, hidden)).astype(self.dtype)
-      hidden = output_norm(hidden + sublayer(feed_forward, hidden)).astype(self.dtype)
+    blocks = ((functools.partial(attention, attention_mask=attention_mask, deterministic=deterministic),
+               _layer_norm(cfg.layer_norm_eps, "attention_layer_norm")),
+              (functools.partial(_feed_forward, cfg, self.dtype), _layer_norm(cfg.layer_norm_eps, "output_layer_norm")))
+    for block, norm in blocks:
+      dropout = random_ops.Dropout(cfg.dropout_rate)
+      if cfg.norm == "pre":  # the residual stream is never normalized; each block reads a normalized copy
+        hidden = hidden + dropout(block(norm(hidden).astype(self.dtype)), deterministic=deterministic)
+      else:
+        hidden = norm(hidden + dropout(block(hidden), deterministic=deterministic)).astype(self.dtype)
     return nn.with_logical_constraint(hidden, ("act_batch", "act_len", "act_embed"))
 
 
 def _feed_forward(cfg: EncoderConfig, dtype: Dtype, hidden):
-  """The position-wise FFN, [..., H] -> [..., H], inside EncoderLayer (dense layers `intermediate` and
-  `output`). GEGLU's `intermediate` kernel is [H, 2I], gate columns first, so a GELU tree never loads
-  into it."""
+  """ffn="gelu": BERT's dense(H->I) + GELU + dense(I->H) (`intermediate`, `output`); "geglu": gelu(gate) *
+  value of the first's [H, 2I] kernel, gate columns first, so a GELU tree never loads into it."""
   width = 2 * cfg.intermediate_size if cfg.ffn == "geglu" else cfg.intermediate_size
   inner = _dense(width, "embed", "mlp", dtype, "intermediate", cfg.use_bias)(hidden)
   if cfg.ffn == "geglu":
@@ -421,9 +329,7 @@ def _feed_forward(cfg: EncoderConfig, dtype: Dtype, hidden):
 
 
 class Encoder(nn.Module):
-  """The E->H projection (only when sizes differ), a stack of encoder layers and, for
-  norm="pre", `final_layer_norm` over the last layer's output (pre-LN layers leave their
-  residual stream unnormalized)."""
+  """The E->H projection (only when sizes differ), the encoder layers and, for norm="pre", `final_layer_norm`."""
 
   config: EncoderConfig
   embedding_size: int
@@ -437,23 +343,14 @@ class Encoder(nn.Module):
     if self.embedding_size != cfg.hidden_size:
       hidden = _dense(cfg.hidden_size, "embed", "mlp", self.dtype, "embeddings_project", cfg.use_bias)(hidden)
     if cfg.scan_layers:
-      scanned = nn.scan(
-          _ScanBody,
-          variable_axes={"params": 0},
-          split_rngs={"params": True, "dropout": True},
-          in_axes=(nn.broadcast,),
-          length=cfg.num_layers,
-          metadata_params={nn.PARTITION_NAME: "layers"},
-      )
-      hidden, _ = scanned(cfg, self.dtype, self.attention_impl, deterministic, name="layers")(
-          hidden, attention_mask
-      )
+      scanned = nn.scan(_ScanBody, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+                        in_axes=(nn.broadcast,), length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+      hidden, _ = scanned(cfg, self.dtype, self.attention_impl, deterministic, name="layers")(hidden, attention_mask)
     else:
       layer_class = _remat_layer(cfg.remat)
       for i in range(cfg.num_layers):
-        hidden = layer_class(cfg, self.dtype, self.attention_impl, name=f"layer_{i}")(
-            hidden, attention_mask, deterministic
-        )
+        layer = layer_class(cfg, self.dtype, self.attention_impl, name=f"layer_{i}")
+        hidden = layer(hidden, attention_mask, deterministic)
     if cfg.norm == "pre":
       hidden = _layer_norm(cfg.layer_norm_eps, "final_layer_norm")(hidden).astype(self.dtype)
     return hidden  # [batch, seq, hidden]
@@ -469,31 +366,38 @@ class _ScanBody(nn.Module):
 
   @nn.compact
   def __call__(self, hidden, attention_mask):
-    layer_class = _remat_layer(self.config.remat, in_scan=True)
-    layer = layer_class(self.config, self.dtype, self.attention_impl, name="layer")
+    layer = _remat_layer(self.config.remat, in_scan=True)(self.config, self.dtype, self.attention_impl, name="layer")
     return layer(hidden, attention_mask, self.deterministic), None
 
 
+def _remat_layer(policy: str, in_scan: bool = False):
+  """EncoderLayer, under jax.checkpoint with `policy` unless "none" (the same parameters). In a scan's body
+  the loop already keeps the recomputation apart, and CSE barriers would only stop fusion."""
+  if policy not in REMAT_POLICIES:
+    raise ConfigError(f"model.remat={policy!r} is not one of {list(REMAT_POLICIES)}.")
+  if policy == "none":
+    return EncoderLayer
+  # Argument 3 of __call__ (self, hidden, attention_mask, deterministic) is a Python bool.
+  return nn.remat(EncoderLayer, policy=REMAT_POLICIES[policy], static_argnums=(3,), prevent_cse=not in_scan)
+
+
 def unscan_layers(tree):
-  """A parameter (or gradient, optimizer-moment) tree with every scanned encoder
-  ({"layers": {"layer": stacked}}) rewritten as layer_0 .. layer_{L-1}; other trees as they are."""
+  """A parameter (or gradient, optimizer-moment) tree with every scanned encoder ({"layers": {"layer":
+  stacked}}) rewritten as layer_0 .. layer_{L-1}; other trees as they are."""
   if not isinstance(tree, dict):
     return tree
   out = {}
   for key, value in tree.items():
     if key == "layers" and isinstance(value, dict) and set(value) == {"layer"}:
-      stacked = value["layer"]
-      num_layers = jax.tree.leaves(stacked)[0].shape[0]
-      for i in range(num_layers):
-        out[f"layer_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+      for i in range(jax.tree.leaves(value["layer"])[0].shape[0]):
+        out[f"layer_{i}"] = jax.tree.map(lambda x, i=i: x[i], value["layer"])
     else:
       out[key] = unscan_layers(value)
   return out
 
 
 def scan_layers(tree):
-  """The inverse of unscan_layers: layer_0 .. layer_{L-1} of every encoder stacked into
-  {"layers": {"layer": ...}} (for trees imported from unscanned models)."""
+  """The inverse of unscan_layers, for trees imported from unscanned models."""
   if not isinstance(tree, dict):
     return tree
   layer_keys = sorted((k for k in tree if k.startswith("layer_") and k[6:].isdigit()), key=lambda k: int(k[6:]))
@@ -503,30 +407,8 @@ def scan_layers(tree):
   return out
 
 
-def _remat_layer(policy: str, in_scan: bool = False):
-  """EncoderLayer, or EncoderLayer under jax.checkpoint with `policy` (REMAT_POLICIES); the parameter
-  tree is the same either way. `in_scan`: a scan's body, where the loop already keeps the recomputation
-  and CSE barriers would only stop XLA from fusing across them."""
-  if policy not in REMAT_POLICIES:
-    raise ConfigError(f"model.remat={policy!r} is not one of {list(REMAT_POLICIES)}.")
-  if policy == "none":
-    return EncoderLayer
-  saveable = {
-      "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-      "full": jax.checkpoint_policies.nothing_saveable,
-  }[policy]
-  # Argument 3 of __call__ (self, hidden, attention_mask, deterministic) is a Python bool.
-  return nn.remat(EncoderLayer, policy=saveable, static_argnums=(3,), prevent_cse=not in_scan)
-
-
-def _encoder(tower: nn.Module) -> Encoder:
-  """A tower's own encoder, inside its compact call."""
-  return Encoder(tower.config, tower.embedding_size, tower.dtype, tower.attention_impl, name="encoder")
-
-
-class Generator(nn.Module):
-  """Masked LM tower: encoder, then at the masked positions dense(H_g->E) + GELU + LayerNorm
-  and the decoder tied to the shared word table, plus its own output bias."""
+class _Tower(nn.Module):
+  """The fields of the towers below, and their encoder."""
 
   config: EncoderConfig
   embedding_size: int
@@ -535,66 +417,52 @@ class Generator(nn.Module):
   attention_impl: str = "xla"
   shared_encoder: nn.Module | None = None  # tie="all": the one encoder both towers run
 
+  def _encode(self, embedded, attention_mask, deterministic: bool, name: str = "encoder"):
+    """The tower's own encoder, or the shared one, over `embedded` (called inside the compact call)."""
+    encoder = self.shared_encoder or Encoder(self.config, self.embedding_size, self.dtype, self.attention_impl,
+                                             name=name)
+    return encoder(embedded, attention_mask, deterministic)
+
+
+class Generator(_Tower):
+  """Masked LM tower: encoder, then vocab_head at the masked positions."""
+
   @nn.compact
   def __call__(self, embedded, attention_mask, masked_positions, word_table, deterministic: bool):
-    encoder = self.shared_encoder or _encoder(self)
-    hidden = encoder(embedded, attention_mask, deterministic)
-    # Only the masked positions reach the head: the vocabulary projection is the costliest
-    # matmul of a small generator, and the loss needs nothing else.
+    hidden = self._encode(embedded, attention_mask, deterministic)
+    # Only the masked positions reach the head, the costliest matmul of a small generator.
     hidden = jnp.take_along_axis(hidden, masked_positions[..., None], axis=1)  # [batch, n_pred, H_g]
     return vocab_head(self, hidden, word_table)  # [batch, n_pred, vocab]
 
 
-class ClozeGenerator(nn.Module):
-  """Electric's generator (the official two-tower cloze model): a left-to-right and a
-  right-to-left encoder over the UNMASKED input; position t reads the left tower at t - 1 and
-  the right tower at t + 1, so it sees every token but its own, and predicts it through
-  dense(2 H_g -> E) + GELU + LayerNorm and the decoder tied to the word table."""
-
-  config: EncoderConfig
-  embedding_size: int
-  vocab_size: int
-  dtype: Dtype
-  attention_impl: str = "xla"
+class ClozeGenerator(_Tower):
+  """Electric's generator (the official two-tower cloze model): a left-to-right and a right-to-left encoder
+  over the UNMASKED input; position t reads the first at t - 1 and the second at t + 1, so it sees every
+  token but its own, and predicts it through vocab_head. It has no shared encoder."""
 
   @nn.compact
   def __call__(self, embedded, attention_mask, word_table, deterministic: bool):
     seq_len = attention_mask.shape[-1]
     keys = attention_mask.astype(bool)[:, None, :]  # [batch, 1, seq]
     left_to_right = jnp.tril(jnp.ones((seq_len, seq_len), bool))[None]
-    towers = []
-    for name, causal in (("encoder_ltr", left_to_right), ("encoder_rtl", jnp.swapaxes(left_to_right, 1, 2))):
-      encoder = Encoder(self.config, self.embedding_size, self.dtype, self.attention_impl, name=name)
-      towers.append(encoder(embedded, keys & causal, deterministic))
-    ltr, rtl = towers
+    ltr = self._encode(embedded, keys & left_to_right, deterministic, "encoder_ltr")
+    rtl = self._encode(embedded, keys & jnp.swapaxes(left_to_right, 1, 2), deterministic, "encoder_rtl")
     # Shift: t takes ltr[t - 1] and rtl[t + 1] (wrapping at the ends, as the official roll).
     hidden = jnp.concatenate([jnp.roll(ltr, 1, axis=1), jnp.roll(rtl, -1, axis=1)], axis=-1)
     return vocab_head(self, hidden, word_table)  # [batch, seq, vocab]
 
 
-class Discriminator(nn.Module):
-  """Replaced-token detector: encoder, then dense(H->H) + GELU + dense(H->1) per token.
+class Discriminator(_Tower):
+  """Replaced-token detector: encoder, then dense(H->H) + GELU + dense(H->1) per token. `with_mlm=True` also
+  returns the logits of its `mlm_head` (vocab_head, prefix mlm_) at `mlm_positions` (all when None)."""
 
-  With `mlm_head` (the MLM-family ablations) it also has a masked-LM head of its own
-  (mlm_head_dense, mlm_head_layer_norm, mlm_output_bias, decoder tied to the word table it
-  reads), and `with_mlm=True` returns (per-token logits, vocabulary logits at `mlm_positions`,
-  or at every position when those are None)."""
-
-  config: EncoderConfig
-  embedding_size: int
-  dtype: Dtype
-  attention_impl: str = "xla"
   mlm_head: bool = False
-  vocab_size: int = 0
-  shared_encoder: nn.Module | None = None  # tie="all": the one encoder both towers run
 
   @nn.compact
   def __call__(self, embedded, attention_mask, deterministic: bool, with_mlm: bool = False,
                mlm_positions=None, word_table=None):
-    encoder = self.shared_encoder or _encoder(self)
-    encoded = encoder(embedded, attention_mask, deterministic)
-    hidden = _dense(self.config.hidden_size, "embed", "mlp", self.dtype, "head_dense")(encoded)
-    hidden = gelu_exact(hidden)
+    encoded = self._encode(embedded, attention_mask, deterministic)
+    hidden = gelu_exact(_dense(self.config.hidden_size, "embed", "mlp", self.dtype, "head_dense")(encoded))
     logits = _dense(1, "mlp", "unmodeled", self.dtype, "head_out", float32_out=True)(hidden)
     logits = logits[..., 0].astype(jnp.float32)  # [batch, seq]
     if not with_mlm:
@@ -606,23 +474,11 @@ class Discriminator(nn.Module):
     return logits, vocab_head(self, encoded, word_table, prefix="mlm_")
 
 
-# How the towers share weights (model.tie): "embeddings" (ELECTRA's default: one embedding
-# tree), "none" (the generator has its own embeddings of its hidden size, as the official
-# untied_generator_embeddings), "gdes" (DeBERTa-v3's gradient-disentangled sharing: the
-# discriminator reads stop_gradient(shared word table) + its own zero-initialised delta),
-# "all" (one encoder for both towers, which keep only their heads; generator_fraction 1).
-TIE_MODES = ("embeddings", "none", "gdes", "all")
-
-
 class ElectraPretrainer(nn.Module):
-  """Generator and discriminator over ONE embeddings module.
-
-  With the default tie="embeddings" the parameter tree's top level is exactly {embeddings,
-  generator, discriminator}: the word, position and token-type tables and the embedding
-  LayerNorm exist once and both towers (and the generator's tied output layer) read them.
-  tie="none" adds `generator_embeddings`; tie="gdes" adds `discriminator_word_delta`;
-  tie="all" moves both towers' encoders into one `shared_encoder`.
-  """
+  """Generator and discriminator over ONE embeddings module: with the default tie="embeddings" the tree's top
+  level is exactly {embeddings, generator, discriminator}. tie="none" adds the generator's own
+  `generator_embeddings` (of its hidden size); tie="gdes" (DeBERTa-v3) `discriminator_word_delta`, which the
+  discriminator adds to stop_gradient(shared word table); tie="all" runs one `shared_encoder` in both towers."""
 
   vocab_size: int
   embedding_size: int
@@ -632,16 +488,12 @@ class ElectraPretrainer(nn.Module):
   discriminator_config: EncoderConfig
   dtype: Dtype = jnp.float32
   attention_impl: str = "xla"
-  tie: str = "embeddings"
-  # False for objectives without a generator (mlm, uniform): no generator parameters at all.
-  has_generator: bool = True
-  # True for the MLM-family objectives: the discriminator tower gets a masked-LM head.
-  discriminator_mlm_head: bool = False
-  # True for Electric: the generator is the two-tower cloze model (ClozeGenerator).
-  cloze_generator: bool = False
-  # True for packed rows (data.pack_rows): every method's `attention_mask` is then the segment ids
-  # (1, 2, ... per example, 0 on padding); attention stays within a segment and positions restart
-  # at each. A 0/1 mask is one segment per row, so unpacked batches give the same results.
+  tie: str = "embeddings"  # see TIE_MODES
+  has_generator: bool = True  # False for objectives without one (mlm, uniform): no generator parameters
+  discriminator_mlm_head: bool = False  # the MLM-family objectives: the discriminator gets a masked-LM head
+  cloze_generator: bool = False  # Electric: the generator is the two-tower ClozeGenerator
+  # Packed rows: every method's `attention_mask` is the segment ids (see segment_positions); a 0/1 mask is
+  # one segment per row, so unpacked batches give the same results.
   packed: bool = False
 
   @property
@@ -652,9 +504,9 @@ class ElectraPretrainer(nn.Module):
     """(the mask the towers read, position ids or None) for this batch."""
     if not self.packed:
       return attention_mask, None
-    if self.attention_impl == "splash":  # the kernel reads segment ids itself
-      return attention_mask, segment_positions(attention_mask)
-    return segment_attention_mask(attention_mask), segment_positions(attention_mask)
+    # The splash kernel reads segment ids itself.
+    mask = attention_mask if self.attention_impl == "splash" else segment_attention_mask(attention_mask)
+    return mask, segment_positions(attention_mask)
 
   def setup(self):
     self.embeddings = embeddings_for(self, self.embedding_size, self.discriminator_config)
@@ -662,36 +514,25 @@ class ElectraPretrainer(nn.Module):
       self.generator_embeddings = embeddings_for(self, self.generator_embedding_size, self.discriminator_config)
     if self.tie == "gdes":
       self.discriminator_word_delta = self.param(
-          "discriminator_word_delta",
-          _param(nn.initializers.zeros_init(), ("vocab", "embed")),
+          "discriminator_word_delta", _param(nn.initializers.zeros_init(), ("vocab", "embed")),
           (self.vocab_size, self.embedding_size),
       )
     shared = None
     if self.tie == "all":  # config_lib.validate refuses towers of different sizes
-      shared = self.shared_encoder = Encoder(
-          self.discriminator_config, self.embedding_size, self.dtype, self.attention_impl
-      )
+      shared = self.shared_encoder = Encoder(self.discriminator_config, self.embedding_size, self.dtype,
+                                             self.attention_impl)
+    sizes = (self.generator_config, self.generator_embedding_size, self.vocab_size, self.dtype, self.attention_impl)
     if self.cloze_generator:
-      self.generator = ClozeGenerator(
-          self.generator_config, self.generator_embedding_size, self.vocab_size, self.dtype,
-          self.attention_impl,
-      )
+      self.generator = ClozeGenerator(*sizes)
     elif self.has_generator:
-      self.generator = Generator(
-          self.generator_config, self.generator_embedding_size, self.vocab_size, self.dtype,
-          self.attention_impl, shared_encoder=shared,
-      )
-    self.discriminator = Discriminator(
-        self.discriminator_config, self.embedding_size, self.dtype, self.attention_impl,
-        mlm_head=self.discriminator_mlm_head, vocab_size=self.vocab_size, shared_encoder=shared,
-    )
+      self.generator = Generator(*sizes, shared_encoder=shared)
+    self.discriminator = Discriminator(self.discriminator_config, self.embedding_size, self.vocab_size, self.dtype,
+                                       self.attention_impl, shared, mlm_head=self.discriminator_mlm_head)
 
   def _generator_embeddings(self) -> Embeddings:
     return self.generator_embeddings if self.tie == "none" else self.embeddings
 
-  def generator_logits(
-      self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic: bool = True
-  ):
+  def generator_logits(self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic: bool = True):
     """Vocabulary logits at `masked_positions` [batch, n_pred] -> [batch, n_pred, vocab], float32."""
     embeddings = self._generator_embeddings()
     mask, positions = self._mask_and_positions(attention_mask)
@@ -705,151 +546,121 @@ class ElectraPretrainer(nn.Module):
     return self.generator(embedded, attention_mask, embeddings.word_table(), deterministic)
 
   def _discriminate(self, input_ids, token_type_ids, attention_mask, deterministic: bool, **head):
-    """The discriminator tower; it reads the shared word table, or for GDES stop_gradient(shared) +
-    delta, so L_Disc moves only the delta."""
+    """The discriminator tower over the shared word table, or for GDES stop_gradient(shared) + delta."""
     word_table = self.embeddings.word_table()
     if self.tie == "gdes":
       word_table = jax.lax.stop_gradient(word_table) + self.discriminator_word_delta
     mask, positions = self._mask_and_positions(attention_mask)
-    embedded = self.embeddings(
-        input_ids, token_type_ids, deterministic,
-        word_table=word_table if self.tie == "gdes" else None, position_ids=positions,
-    )
+    embedded = self.embeddings(input_ids, token_type_ids, deterministic,
+                               word_table=word_table if self.tie == "gdes" else None, position_ids=positions)
     return self.discriminator(embedded, mask, deterministic, word_table=word_table, **head)
 
   def discriminator_logits(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
     """One "replaced" logit per token: [batch, seq] -> [batch, seq], float32."""
     return self._discriminate(input_ids, token_type_ids, attention_mask, deterministic)
 
-  def discriminator_mlm_logits(
-      self, input_ids, token_type_ids, attention_mask, mlm_positions=None, deterministic: bool = True
-  ):
+  def discriminator_mlm_logits(self, input_ids, token_type_ids, attention_mask, mlm_positions=None,
+                               deterministic: bool = True):
     """(per-token logits [batch, seq], the discriminator tower's MLM logits [batch, n, vocab] at
     `mlm_positions`, or [batch, seq, vocab] when None); needs discriminator_mlm_head."""
     return self._discriminate(input_ids, token_type_ids, attention_mask, deterministic, with_mlm=True,
                               mlm_positions=mlm_positions)
 
-  def __call__(
-      self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic: bool = True
-  ):
-    """Both towers on the same input; used to create every parameter at init. The generator's
-    output is None without a generator; the discriminator's is a pair with an MLM head."""
+  def __call__(self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic: bool = True):
+    """Both towers on the same input, which creates every parameter at init: (generator's logits or None,
+    discriminator's, a pair with an MLM head)."""
+    inputs = (input_ids, token_type_ids, attention_mask)
     generator = None
     if self.cloze_generator:
-      generator = self.cloze_logits(input_ids, token_type_ids, attention_mask, deterministic)
+      generator = self.cloze_logits(*inputs, deterministic)
     elif self.has_generator:
-      generator = self.generator_logits(
-          input_ids, token_type_ids, attention_mask, masked_positions, deterministic
-      )
+      generator = self.generator_logits(*inputs, masked_positions, deterministic)
     if self.discriminator_mlm_head:
-      return generator, self.discriminator_mlm_logits(
-          input_ids, token_type_ids, attention_mask, masked_positions, deterministic
-      )
-    return generator, self.discriminator_logits(input_ids, token_type_ids, attention_mask, deterministic)
+      return generator, self.discriminator_mlm_logits(*inputs, masked_positions, deterministic)
+    return generator, self.discriminator_logits(*inputs, deterministic)
 
 
 def generator_encoder_config(discriminator: EncoderConfig, fraction: float) -> EncoderConfig:
-  """The generator is `fraction` as wide as the discriminator (same depth, same head size,
-  FFN scaled alike), as the official code sizes it; it always has at least one head."""
+  """The generator `fraction` as wide as the discriminator (same depth and head size, FFN scaled alike), as
+  the official code sizes it, with at least one head."""
   hidden = int(round(discriminator.hidden_size * fraction))
   num_heads = max(1, hidden // discriminator.head_dim)
   if hidden < 1 or hidden % num_heads:
     raise ConfigError(
-        f"model.generator_fraction={fraction} gives a generator hidden size of {hidden}, which "
-        f"does not split into {num_heads} heads of the discriminator's head size "
-        f"{discriminator.head_dim}; choose a fraction so hidden_size * fraction is a multiple "
-        f"of {discriminator.head_dim} (or smaller than it)."
+        f"model.generator_fraction={fraction} gives a generator hidden size of {hidden}, which does not split "
+        f"into {num_heads} heads of the discriminator's head size {discriminator.head_dim}; choose a fraction "
+        f"so hidden_size * fraction is a multiple of {discriminator.head_dim} (or smaller than it)."
     )
   intermediate = int(round(discriminator.intermediate_size * fraction))
-  return dataclasses.replace(
-      discriminator, hidden_size=hidden, num_heads=num_heads, intermediate_size=intermediate
-  )
+  return dataclasses.replace(discriminator, hidden_size=hidden, num_heads=num_heads, intermediate_size=intermediate)
 
 
-def _check_cudnn_shapes(discriminator: EncoderConfig, generator: EncoderConfig, config) -> None:
-  """Refuses before compiling what cuDNN's fused attention cannot take: head sizes not a multiple of 8
-  or above 256 (128 before Hopper), and an odd sequence length where it reads a mask (packed rows,
-  Electric's cloze towers)."""
+def _check_attention(config, discriminator: EncoderConfig) -> None:
+  """Refuses, before compiling, what the chosen attention kernel cannot take."""
+  m = config.model
+  if m.attention_impl not in ATTENTION_IMPLEMENTATIONS:
+    raise ConfigError(f"model.attention_impl={m.attention_impl!r} is not one of {list(ATTENTION_IMPLEMENTATIONS)}.")
+  if m.attention_impl == "cudnn" and config.train.dtype != "bfloat16":
+    raise ConfigError(f"model.attention_impl='cudnn' runs cuDNN's fused attention, which takes bfloat16 inputs "
+                      f"only, but train.dtype={config.train.dtype!r}: set --config.train.dtype=bfloat16 "
+                      "or model.attention_impl='xla'.")
+  if m.attention_impl in ("cudnn", "splash") and m.attention_dropout_rate > 0:
+    raise ConfigError(
+        f"model.attention_impl={m.attention_impl!r} runs a fused attention kernel, which has no dropout on the "
+        f"attention probabilities, but model.attention_dropout_rate={m.attention_dropout_rate}: set "
+        "--config.model.attention_dropout_rate=0.0 (the fused kernels' usual setting) or model.attention_impl='xla' "
+        "to keep it."
+    )
+  if m.attention_impl == "splash":
+    splash_attention.check_seq_len(config.data.max_seq_len)
+  if m.attention_impl != "cudnn":
+    return
+  generator = generator_encoder_config(discriminator, m.generator_fraction)
   for tower, cfg in (("discriminator", discriminator), ("generator", generator)):
     if cfg.head_dim % 8 or cfg.head_dim > 256:
       raise ConfigError(
-          f"model.attention_impl='cudnn' needs a head size that is a multiple of 8 and at most "
-          f"256 (128 before Hopper GPUs), but the {tower}'s is {cfg.head_dim} (hidden "
-          f"{cfg.hidden_size} over {cfg.num_heads} heads): change model.hidden_size, "
-          "model.num_heads or model.generator_fraction, or use model.attention_impl='xla'."
+          f"model.attention_impl='cudnn' needs a head size that is a multiple of 8 and at most 256 (128 before "
+          f"Hopper GPUs), but the {tower}'s is {cfg.head_dim} (hidden {cfg.hidden_size} over {cfg.num_heads} "
+          "heads): change model.hidden_size, model.num_heads or model.generator_fraction, or use "
+          "model.attention_impl='xla'."
       )
-  uses_mask = config.data.pack_rows or config.objective.name == "electric"
-  if uses_mask and config.data.max_seq_len % 2:
+  if (config.data.pack_rows or config.objective.name == "electric") and config.data.max_seq_len % 2:
     raise ConfigError(
-        f"model.attention_impl='cudnn' with packed rows or Electric trains through cuDNN's "
-        f"masked kernel, which needs an even sequence length, but data.max_seq_len="
-        f"{config.data.max_seq_len}: make it even, or use model.attention_impl='xla'."
+        f"model.attention_impl='cudnn' with packed rows or Electric trains through cuDNN's masked kernel, which "
+        f"needs an even sequence length, but data.max_seq_len={config.data.max_seq_len}: make it even, or use "
+        "model.attention_impl='xla'."
     )
 
 
 def build_model(config) -> ElectraPretrainer:
   """The pre-training model described by a full electra-jax config (see configs/base.py)."""
   m = config.model
-  objective = config.objective.name
-  # EncoderConfig's fields are the model.* keys of the same names.
+  objective = objectives.REGISTRY[config.objective.name]
   sizes = {field.name: m[field.name] for field in dataclasses.fields(EncoderConfig)}
   discriminator = EncoderConfig(**{**sizes, "scan_layers": bool(m.scan_layers)})
   if not (type(m.attention_conv) is int and m.attention_conv >= 0 and (m.attention_conv == 0 or m.attention_conv % 2)):
-    raise ConfigError(
-        f"model.attention_conv={m.attention_conv!r} must be 0 (no convolution) or an odd kernel "
-        "width such as 3 (the position and its two neighbours)."
-    )
+    raise ConfigError(f"model.attention_conv={m.attention_conv!r} must be 0 (no convolution) or an odd kernel "
+                      "width such as 3 (the position and its two neighbours).")
   for key, allowed in (("norm", NORMS), ("ffn", FFNS), ("use_bias", (True, False))):
     # `in` alone would take 1 and 0 for True and False.
     if not any(m[key] == value and type(m[key]) is type(value) for value in allowed):
       raise ConfigError(f"model.{key}={m[key]!r} is not one of {list(allowed)}.")
-  if m.attention_impl not in ATTENTION_IMPLEMENTATIONS:
-    raise ConfigError(
-        f"model.attention_impl={m.attention_impl!r} is not one of {list(ATTENTION_IMPLEMENTATIONS)}."
-    )
-  if m.attention_impl == "cudnn" and config.train.dtype != "bfloat16":
-    raise ConfigError(
-        f"model.attention_impl='cudnn' runs cuDNN's fused attention, which takes bfloat16 "
-        f"inputs only, but train.dtype={config.train.dtype!r}: set --config.train.dtype=bfloat16 "
-        "or model.attention_impl='xla'."
-    )
-  if m.attention_impl in ("cudnn", "splash") and m.attention_dropout_rate > 0:
-    raise ConfigError(
-        f"model.attention_impl={m.attention_impl!r} runs a fused attention kernel, which has no "
-        f"dropout on the attention probabilities, but model.attention_dropout_rate="
-        f"{m.attention_dropout_rate}: set --config.model.attention_dropout_rate=0.0 (the fused "
-        "kernels' usual setting) or model.attention_impl='xla' to keep it."
-    )
-  if m.attention_impl == "splash":
-    splash_attention.check_seq_len(config.data.max_seq_len)
+  _check_attention(config, discriminator)
   generator = generator_encoder_config(discriminator, m.generator_fraction)
-  if m.attention_impl == "cudnn":
-    _check_cudnn_shapes(discriminator, generator, config)
   _remat_layer(discriminator.remat)  # refuses an unknown policy before anything is traced
   return ElectraPretrainer(
-      vocab_size=m.vocab_size,
-      embedding_size=m.embedding_size,
-      max_position_embeddings=m.max_position_embeddings,
-      type_vocab_size=m.type_vocab_size,
-      generator_config=generator,
-      discriminator_config=discriminator,
-      dtype=jnp.dtype(config.train.dtype),
-      attention_impl=m.attention_impl,
-      tie=m.tie,
-      has_generator=objectives.REGISTRY[objective].has_generator,
-      discriminator_mlm_head=objectives.REGISTRY[objective].mlm_head or config.objective.disc_mlm_weight > 0,
-      cloze_generator=objective == "electric",
-      packed=bool(config.data.pack_rows),
+      vocab_size=m.vocab_size, embedding_size=m.embedding_size, max_position_embeddings=m.max_position_embeddings,
+      type_vocab_size=m.type_vocab_size, generator_config=generator, discriminator_config=discriminator,
+      dtype=jnp.dtype(config.train.dtype), attention_impl=m.attention_impl, tie=m.tie,
+      has_generator=objective.has_generator,
+      discriminator_mlm_head=objective.mlm_head or config.objective.disc_mlm_weight > 0,
+      cloze_generator=config.objective.name == "electric", packed=bool(config.data.pack_rows),
   )
 
 
-# ---------------------------------------------------------------------------------------
-# Standalone towers: one tower over its own embeddings, for inference, fine-tuning and
-# Hugging Face interop. Their parameter trees are the pre-trainer's subtrees, name for name.
-# ---------------------------------------------------------------------------------------
 class _TowerOverEmbeddings(nn.Module):
-  """Fields and embeddings shared by the standalone models below. `config` is the tower's
-  own EncoderConfig (the generator's may be narrower than the discriminator's)."""
+  """One tower over its own embeddings, for inference, fine-tuning and Hugging Face interop; its parameter tree
+  is the pre-trainer's subtree, name for name. `config` is the tower's own (the generator's may be narrower)."""
 
   vocab_size: int
   embedding_size: int
@@ -859,57 +670,44 @@ class _TowerOverEmbeddings(nn.Module):
   dtype: Dtype = jnp.float32
   attention_impl: str = "xla"
 
-  def setup(self):
-    self.embeddings = embeddings_for(self, self.embedding_size, self.config)
-
-  def _embed(self, input_ids, attention_mask, token_type_ids, deterministic: bool):
-    """Embedded tokens [batch, seq, E] and the attention mask, with the defaults filled in:
-    every token real, every token of type 0."""
-    if attention_mask is None:
-      attention_mask = jnp.ones_like(input_ids)
-    if token_type_ids is None:
-      token_type_ids = jnp.zeros_like(input_ids)
-    return self.embeddings(input_ids, token_type_ids, deterministic), attention_mask
+  @nn.compact
+  def __call__(self, input_ids, attention_mask=None, token_type_ids=None, deterministic: bool = True):
+    """Every token real and of type 0 unless `attention_mask` and `token_type_ids` say otherwise."""
+    attention_mask = jnp.ones_like(input_ids) if attention_mask is None else attention_mask
+    token_type_ids = jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+    embeddings = embeddings_for(self, self.embedding_size, self.config, name="embeddings")
+    embedded = embeddings(input_ids, token_type_ids, deterministic)
+    return self._tower(embedded, attention_mask, embeddings.word_table(), deterministic)
 
 
 class ElectraDiscriminatorModel(_TowerOverEmbeddings):
-  """The discriminator alone, parameters {embeddings, discriminator}: one "replaced" logit
-  per token, [batch, seq] -> [batch, seq] float32."""
+  """The discriminator alone, parameters {embeddings, discriminator}: [batch, seq] -> "replaced" logits
+  [batch, seq] float32."""
 
-  def setup(self):
-    super().setup()
-    self.discriminator = Discriminator(self.config, self.embedding_size, self.dtype, self.attention_impl)
-
-  def __call__(self, input_ids, attention_mask=None, token_type_ids=None, deterministic: bool = True):
-    embedded, attention_mask = self._embed(input_ids, attention_mask, token_type_ids, deterministic)
-    return self.discriminator(embedded, attention_mask, deterministic)
+  def _tower(self, embedded, attention_mask, word_table, deterministic):
+    tower = Discriminator(self.config, self.embedding_size, self.vocab_size, self.dtype, self.attention_impl,
+                          name="discriminator")
+    return tower(embedded, attention_mask, deterministic)
 
 
 class ElectraGeneratorModel(_TowerOverEmbeddings):
-  """The generator alone, parameters {embeddings, generator}: vocabulary logits at every
-  position, [batch, seq] -> [batch, seq, vocab] float32."""
+  """The generator alone, parameters {embeddings, generator}: [batch, seq] -> vocabulary logits at every
+  position, [batch, seq, vocab] float32."""
 
-  def setup(self):
-    super().setup()
-    self.generator = Generator(self.config, self.embedding_size, self.vocab_size, self.dtype, self.attention_impl)
-
-  def __call__(self, input_ids, attention_mask=None, token_type_ids=None, deterministic: bool = True):
-    embedded, attention_mask = self._embed(input_ids, attention_mask, token_type_ids, deterministic)
-    every_position = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]), input_ids.shape)
-    return self.generator(embedded, attention_mask, every_position, self.embeddings.word_table(), deterministic)
+  def _tower(self, embedded, attention_mask, word_table, deterministic):
+    every_position = jnp.broadcast_to(jnp.arange(embedded.shape[1]), embedded.shape[:2])
+    tower = Generator(self.config, self.embedding_size, self.vocab_size, self.dtype, self.attention_impl,
+                      name="generator")
+    return tower(embedded, attention_mask, every_position, word_table, deterministic)
 
 
 class ElectraEncoderModel(_TowerOverEmbeddings):
-  """An encoder without a head, parameters {embeddings, encoder} (the `encoder` subtree of
-  either tower): last hidden states, [batch, seq] -> [batch, seq, hidden]."""
+  """An encoder without a head, parameters {embeddings, encoder} (the `encoder` subtree of either tower):
+  [batch, seq] -> last hidden states [batch, seq, hidden]."""
 
-  def setup(self):
-    super().setup()
-    self.encoder = Encoder(self.config, self.embedding_size, self.dtype, self.attention_impl)
-
-  def __call__(self, input_ids, attention_mask=None, token_type_ids=None, deterministic: bool = True):
-    embedded, attention_mask = self._embed(input_ids, attention_mask, token_type_ids, deterministic)
-    return self.encoder(embedded, attention_mask, deterministic)
+  def _tower(self, embedded, attention_mask, word_table, deterministic):
+    encoder = Encoder(self.config, self.embedding_size, self.dtype, self.attention_impl, name="encoder")
+    return encoder(embedded, attention_mask, deterministic)
 
 
 TOWER_MODELS = {"discriminator": ElectraDiscriminatorModel, "generator": ElectraGeneratorModel}
@@ -925,11 +723,9 @@ def no_standalone_generator(pretrainer: ElectraPretrainer) -> str | None:
 
 
 def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
-  """(model, params) of one tower of a pre-trainer: `params` is an ElectraPretrainer tree
-  {embeddings, generator, discriminator}; the result's tree is {embeddings, <tower>}, the
-  same arrays (not copies), except with tie="gdes", where the discriminator's word table is
-  the sum it reads (shared + delta), and tie="none", where the generator's embeddings are its
-  own."""
+  """(model, params) of one tower of a pre-trainer: `params` is an ElectraPretrainer tree; the result's is
+  {embeddings, <tower>}, the same arrays, but the discriminator's word table under tie="gdes" is the sum it
+  reads (shared + delta), and the generator's embeddings under tie="none" its own."""
   if tower not in TOWER_MODELS:
     raise ConfigError(f"tower={tower!r} is not one of {sorted(TOWER_MODELS)}.")
   why_not = no_standalone_generator(pretrainer) if tower == "generator" else None
@@ -937,36 +733,27 @@ def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
     raise ConfigError(f"{why_not}; export the discriminator.")
   if not {"embeddings", tower} <= set(params):
     raise ConfigError(
-        f"The parameter tree's top level is {sorted(params)}, not an ElectraPretrainer's "
-        "{embeddings, generator, discriminator}. Pass the `params` of a pre-training state "
-        "(e.g. state.params, not {'params': ...})."
+        f"The parameter tree's top level is {sorted(params)}, not an ElectraPretrainer's {{embeddings, generator, "
+        "discriminator}. Pass the `params` of a pre-training state (e.g. state.params, not {'params': ...})."
     )
   tower_config = pretrainer.discriminator_config if tower == "discriminator" else pretrainer.generator_config
-  # Standalone towers (export, fine-tuning, inference) use the unscanned layout.
-  if tower_config.scan_layers:
+  if tower_config.scan_layers:  # standalone towers use the unscanned layout
     tower_config = dataclasses.replace(tower_config, scan_layers=False)
     params = unscan_layers(params)
-  embeddings = params["embeddings"]
-  tower_params = params[tower]
+  embeddings, tower_params, embedding_size = params["embeddings"], params[tower], pretrainer.embedding_size
   if pretrainer.tie == "all":
     tower_params = {**tower_params, "encoder": params["shared_encoder"]}
   if tower == "discriminator" and pretrainer.discriminator_mlm_head:
     # The standalone discriminator (and transformers' ElectraForPreTraining) has no MLM head.
     tower_params = {k: v for k, v in tower_params.items() if not k.startswith("mlm_")}
-  embedding_size = pretrainer.embedding_size
   if tower == "generator" and pretrainer.tie == "none":
     embeddings, embedding_size = params["generator_embeddings"], pretrainer.generator_embedding_size
   if tower == "discriminator" and pretrainer.tie == "gdes":
-    # The table the discriminator was trained to read: shared + its delta (a new array).
     word_table = embeddings["word_embeddings"]["embedding"] + params["discriminator_word_delta"]
     embeddings = {**embeddings, "word_embeddings": {"embedding": word_table}}
   model = TOWER_MODELS[tower](
-      vocab_size=pretrainer.vocab_size,
-      embedding_size=embedding_size,
-      max_position_embeddings=pretrainer.max_position_embeddings,
-      type_vocab_size=pretrainer.type_vocab_size,
-      config=tower_config,
-      dtype=pretrainer.dtype,
-      attention_impl=pretrainer.attention_impl,
+      vocab_size=pretrainer.vocab_size, embedding_size=embedding_size,
+      max_position_embeddings=pretrainer.max_position_embeddings, type_vocab_size=pretrainer.type_vocab_size,
+      config=tower_config, dtype=pretrainer.dtype, attention_impl=pretrainer.attention_impl,
   )
   return model, {"embeddings": embeddings, tower: tower_params}

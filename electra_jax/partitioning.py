@@ -15,21 +15,12 @@ from electra_jax.errors import ConfigError
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
-# Logical name -> mesh axis, in priority order. Parameters: vocab, embed, mlp, heads, kv, ...;
-# activations: act_*. A mesh axis is used at most once per array; a later logical axis that
-# wants an already used mesh axis stays replicated.
+# Logical name -> mesh axis, in priority order: activations (act_*), then parameters. A mesh axis is used at
+# most once per array; a later logical axis that wants an already used mesh axis stays replicated.
 LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
-    ("act_batch", BATCH_AXES),
-    ("act_len", None),
-    ("act_embed", None),
-    ("vocab", "tensor"),
-    ("heads", "tensor"),
-    ("mlp", "tensor"),
-    ("embed", "fsdp"),
-    ("kv", None),
-    ("position", None),
-    ("token_type", None),
-    ("unmodeled", None),
+    ("act_batch", BATCH_AXES), ("act_len", None), ("act_embed", None),
+    ("vocab", "tensor"), ("heads", "tensor"), ("mlp", "tensor"), ("embed", "fsdp"),
+    ("kv", None), ("position", None), ("token_type", None), ("unmodeled", None),
     ("layers", None),  # the stacked axis of scanned layers (model.scan_layers)
 )
 
@@ -40,34 +31,25 @@ def resolve_mesh_shape(mesh_config, device_count: int) -> tuple[int, int, int]:
   shown = ", ".join(f"mesh.{n}={s}" for n, s in zip(MESH_AXES, sizes))
   fill = [i for i, s in enumerate(sizes) if s == -1]
   if len(fill) > 1 or any(s == 0 or s < -1 for s in sizes):
-    raise ConfigError(
-        f"Mesh sizes {shown} are invalid: each must be a positive integer, and at most one may "
-        "be -1 (meaning: all remaining devices)."
-    )
+    raise ConfigError(f"Mesh sizes {shown} are invalid: each must be a positive integer, and at most one may "
+                      "be -1 (meaning: all remaining devices).")
   known = math.prod(s for s in sizes if s != -1)
   if fill:
     if device_count % known:
-      raise ConfigError(
-          f"Mesh sizes {shown} cannot fill {device_count} devices: {device_count} is not "
-          f"divisible by {known}. Choose sizes whose product divides the device count."
-      )
+      raise ConfigError(f"Mesh sizes {shown} cannot fill {device_count} devices: {device_count} is not "
+                        f"divisible by {known}. Choose sizes whose product divides the device count.")
     sizes[fill[0]] = device_count // known
   if math.prod(sizes) != device_count:
-    raise ConfigError(
-        f"Mesh sizes {shown} multiply to {math.prod(sizes)}, but there are {device_count} "
-        f"devices. Make their product {device_count}, or set one of them to -1."
-    )
+    raise ConfigError(f"Mesh sizes {shown} multiply to {math.prod(sizes)}, but there are {device_count} "
+                      f"devices. Make their product {device_count}, or set one of them to -1.")
   return tuple(sizes)
 
 
 def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
   devices = list(devices if devices is not None else jax.devices())
   shape = resolve_mesh_shape(mesh_config, len(devices))
-  # Auto axis types: Linen's logical constraints are sharding hints for the compiler, which
-  # explicit-axis meshes (jax.make_mesh's default) reject.
-  return jax.make_mesh(
-      shape, MESH_AXES, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * len(shape)
-  )
+  # Auto axis types: Linen's logical constraints are hints, which explicit-axis meshes reject.
+  return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
 
 
 @contextlib.contextmanager
@@ -78,67 +60,59 @@ def activate(mesh: Mesh):
     yield
 
 
-def _fit_to_shape(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
-  """Drops a mesh axis from a dimension it does not divide (e.g. one generator head over
-  tensor=2): that dimension is replicated instead of failing to shard."""
-  fitted = []
-  for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+def _is_spec(x) -> bool:
+  return isinstance(x, PartitionSpec)
+
+
+def _undivided(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh):
+  """(dimension, mesh axis names, their size) for each dimension of `shape` that `spec`'s axes do not divide."""
+  for dim, axes in enumerate(spec):
     names = (axes,) if isinstance(axes, str) else tuple(axes or ())
     size = math.prod(mesh.shape[n] for n in names)
-    fitted.append(axes if names and dim % size == 0 else None)
-  return PartitionSpec(*fitted)
+    if names and shape[dim] % size:
+      yield dim, names, size
 
 
 def partition_specs(boxed_tree, mesh):
-  """Mesh PartitionSpecs for a tree from `jax.eval_shape(init)`: leaves annotated with logical
-  names follow the rules table, everything else (step counters, scalars) is replicated."""
-  logical_specs = nn.get_partition_spec(boxed_tree)
-  mesh_specs = nn.logical_to_mesh(logical_specs, LOGICAL_AXIS_RULES)
-  shapes = jax.tree.map(lambda x: x.shape, nn.meta.unbox(boxed_tree))
-  return jax.tree.map(
-      lambda spec, shape: _fit_to_shape(spec, shape, mesh),
-      mesh_specs,
-      shapes,
-      is_leaf=lambda x: isinstance(x, PartitionSpec),
-  )
+  """Mesh PartitionSpecs for a tree from `jax.eval_shape(init)`: leaves annotated with logical names follow
+  the rules table, except a dimension its mesh axes do not divide (e.g. one generator head over tensor=2);
+  that, and everything unannotated (step counters, scalars), is replicated."""
+  mesh_specs = nn.logical_to_mesh(nn.get_partition_spec(boxed_tree), LOGICAL_AXIS_RULES)
+
+  def fit(spec, leaf):
+    spec = tuple(spec) + (None,) * (len(leaf.shape) - len(spec))
+    undivided = {dim for dim, _, _ in _undivided(spec, leaf.shape, mesh)}
+    return PartitionSpec(*(None if dim in undivided else axes or None for dim, axes in enumerate(spec)))
+
+  return jax.tree.map(fit, mesh_specs, nn.meta.unbox(boxed_tree), is_leaf=_is_spec)
 
 
 def unsharded_dimensions(boxed_tree, mesh, min_elements: int = 2**20) -> list[str]:
-  """One line per array of at least `min_elements` whose rules asked for a mesh axis that a
-  dimension's size does not divide, so that dimension is replicated (e.g. a 30522-word table
-  over tensor=4: every device then holds the whole table and its optimizer moments)."""
+  """One line per array of at least `min_elements` with a dimension its rules' mesh axes do not divide,
+  so replicated (e.g. a 30522-word table over tensor=4: every device holds it and its optimizer moments)."""
   mesh_specs = nn.logical_to_mesh(nn.get_partition_spec(boxed_tree), LOGICAL_AXIS_RULES)
-  shapes = nn.meta.unbox(boxed_tree)
   found = []
-  for (path, spec), leaf in zip(
-      jax.tree_util.tree_leaves_with_path(mesh_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)),
-      jax.tree.leaves(shapes),
-  ):
-    if math.prod(leaf.shape) < min_elements:
-      continue
-    fitted = _fit_to_shape(spec, leaf.shape, mesh)
-    for dim, (wanted, got) in enumerate(zip(tuple(spec) + (None,) * len(leaf.shape), fitted)):
-      if wanted and not got:
-        names = (wanted,) if isinstance(wanted, str) else tuple(wanted)
-        size = math.prod(mesh.shape[n] for n in names)
-        found.append(
-            f"{jax.tree_util.keystr(path, simple=True, separator='/')} {list(leaf.shape)}: dimension "
-            f"{dim} ({leaf.shape[dim]}) is not divisible by {'*'.join(names)}={size}"
-        )
+  for (path, spec), leaf in zip(jax.tree_util.tree_leaves_with_path(mesh_specs, is_leaf=_is_spec),
+                                jax.tree.leaves(nn.meta.unbox(boxed_tree))):
+    if math.prod(leaf.shape) >= min_elements:
+      found += [f"{jax.tree_util.keystr(path, simple=True, separator='/')} {list(leaf.shape)}: dimension {dim} "
+                f"({leaf.shape[dim]}) is not divisible by {'*'.join(names)}={size}"
+                for dim, names, size in _undivided(spec, leaf.shape, mesh)]
   return found
 
 
 def shardings_for(boxed_tree, mesh: Mesh):
-  return jax.tree.map(
-      lambda spec: NamedSharding(mesh, spec),
-      partition_specs(boxed_tree, mesh),
-      is_leaf=lambda x: isinstance(x, PartitionSpec),
-  )
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), partition_specs(boxed_tree, mesh), is_leaf=_is_spec)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Batches are split along their first dimension over the data and fsdp axes."""
   return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def stacked_batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Several batches stacked on a leading (step) axis: each split like one batch."""
+  return NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -150,31 +124,21 @@ def batch_shards(mesh: Mesh) -> int:
 
 
 def check_process_shards(mesh: Mesh, process_count: int) -> None:
-  """Each process feeds its own rows (train.py reads a distinct slice per process), so each
-  must own whole batch shards: data * fsdp a multiple of the process count. A tensor axis
-  that spans processes breaks that."""
-  shards = batch_shards(mesh)
-  if shards % process_count:
+  """Each process feeds its own rows, so each must own whole batch shards: data * fsdp a multiple of the
+  process count (a tensor axis that spans processes breaks that)."""
+  if batch_shards(mesh) % process_count:
     raise ConfigError(
-        f"The mesh splits each batch into {shards} shards (mesh.data * mesh.fsdp = "
-        f"{mesh.shape['data']} * {mesh.shape['fsdp']}) over {process_count} processes, and every "
-        f"process reads its own rows: make mesh.data * mesh.fsdp a multiple of {process_count} "
+        f"The mesh splits each batch into {batch_shards(mesh)} shards (mesh.data * mesh.fsdp = "
+        f"{mesh.shape['data']} * {mesh.shape['fsdp']}) over {process_count} processes, and every process reads "
+        f"its own rows: make mesh.data * mesh.fsdp a multiple of {process_count} "
         f"(mesh.tensor={mesh.shape['tensor']} at most the devices of one host)."
     )
 
 
-def stacked_batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Several batches stacked on a leading (step) axis: each split like one batch."""
-  return NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))
-
-
-def global_batch_from_local(
-    local_batch: dict[str, np.ndarray], mesh: Mesh, stacked: bool = False,
-    keys: Sequence[str] | None = None,
-) -> dict[str, jax.Array]:
-  """Global arrays from this process's rows (the whole batch when there is one process);
-  `stacked`: arrays [steps, rows, ...] of several batches. `keys`: only these arrays go to the
-  devices (all of them when None)."""
+def global_batch_from_local(local_batch: dict[str, np.ndarray], mesh: Mesh, stacked: bool = False,
+                            keys: Sequence[str] | None = None) -> dict[str, jax.Array]:
+  """Global arrays from this process's rows (the whole batch when there is one process); `stacked`: arrays
+  [steps, rows, ...] of several batches. `keys`: only these arrays go to the devices (all when None)."""
   sharding = stacked_batch_sharding(mesh) if stacked else batch_sharding(mesh)
   names = local_batch if keys is None else keys
   return {name: jax.make_array_from_process_local_data(sharding, local_batch[name]) for name in names}

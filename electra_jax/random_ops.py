@@ -1,12 +1,6 @@
 """Uniform, Bernoulli and Gumbel draws equal to jax.random's bit for bit, and Dropout built on them.
-
-XLA:CPU lowers jax.random's Threefry-2x32 as a rolled loop that nothing fuses across, which costs a
-CPU step measurably (benchmarks/RESULTS.md); here the same hash is plain uint32 arithmetic that fuses
-with its consumer. The draws follow jax.random's partitionable threefry2x32 (JAX's default); any other
-setup (another PRNG, the non-partitionable layout, high-range Gumbel) falls back to jax.random.
-"""
-
-from __future__ import annotations
+XLA:CPU runs jax.random's Threefry-2x32 as a loop nothing fuses across; here the same hash is uint32
+arithmetic that fuses with its consumer. Setups other than partitionable threefry fall back to jax.random."""
 
 import math
 
@@ -16,14 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-# Threefry-2x32's rotation constants (Salmon et al., "Parallel random numbers: as easy as
-# 1, 2, 3", SC 2011), used in groups of four rounds, alternating.
+# Threefry-2x32's rotation constants (Salmon et al., SC 2011), in groups of four rounds, alternating.
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _KEY_PARITY = np.uint32(0x1BD11BDA)
-
-
-def _rotl(x, r: int):
-  return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
 
 
 def threefry2x32(k1, k2, x1, x2):
@@ -34,7 +23,7 @@ def threefry2x32(k1, k2, x1, x2):
   for group in range(5):
     for r in _ROTATIONS[group % 2]:
       x1 = x1 + x2
-      x2 = _rotl(x2, r) ^ x1
+      x2 = ((x2 << np.uint32(r)) | (x2 >> np.uint32(32 - r))) ^ x1
     x1 = x1 + ks[(group + 1) % 3]
     x2 = x2 + ks[(group + 2) % 3] + np.uint32(group + 1)
   return x1, x2
@@ -43,22 +32,10 @@ def threefry2x32(k1, k2, x1, x2):
 def _is_fast_path(key) -> bool:
   """True when jax.random would draw with partitionable threefry2x32, whose bits we reproduce."""
   try:
-    impl = jax.random.key_impl(key)
+    name = str(jax.random.key_impl(key))
   except TypeError:  # a raw uint32 key array: jax.random treats it as the default implementation
-    impl = None
-  name = str(impl) if impl is not None else jax.config.jax_default_prng_impl
+    name = jax.config.jax_default_prng_impl
   return "threefry2x32" in name and bool(jax.config.jax_threefry_partitionable)
-
-
-def _counters(shape) -> jax.Array:
-  """The flat (row-major) index of every element, as uint32: jax.random's per-element counter
-  (its high word is 0 below 2**32 elements)."""
-  index = jnp.zeros(shape, jnp.uint32)
-  stride = 1
-  for dim in reversed(range(len(shape))):
-    index = index + lax.broadcasted_iota(jnp.uint32, shape, dim) * np.uint32(stride)
-    stride *= shape[dim]
-  return index
 
 
 def random_bits(key, shape) -> jax.Array:
@@ -67,8 +44,12 @@ def random_bits(key, shape) -> jax.Array:
   if not _is_fast_path(key) or math.prod(shape) >= 2**32:
     return jax.random.bits(key, shape, jnp.uint32)
   data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
-  k1, k2 = data[0], data[1]
-  bits1, bits2 = threefry2x32(k1, k2, jnp.zeros(shape, jnp.uint32), _counters(shape))
+  # jax.random's per-element counter: the row-major index (its high word is 0 below 2**32 elements).
+  counters, stride = jnp.zeros(shape, jnp.uint32), 1
+  for dim in reversed(range(len(shape))):
+    counters = counters + lax.broadcasted_iota(jnp.uint32, shape, dim) * np.uint32(stride)
+    stride *= shape[dim]
+  bits1, bits2 = threefry2x32(data[0], data[1], jnp.zeros(shape, jnp.uint32), counters)
   return bits1 ^ bits2
 
 
@@ -76,10 +57,9 @@ def uniform(key, shape, minval: float = 0.0, maxval: float = 1.0) -> jax.Array:
   """float32 in [minval, maxval), equal to jax.random.uniform(key, shape, jnp.float32, ...)."""
   if not _is_fast_path(key):
     return jax.random.uniform(key, shape, jnp.float32, minval, maxval)
-  bits = random_bits(key, shape)
   # 23 random mantissa bits under the exponent of 1.0 give [1, 2); shift down to [0, 1).
   one = np.array(1.0, np.float32).view(np.uint32)
-  floats = lax.bitcast_convert_type((bits >> np.uint32(9)) | one, jnp.float32) - np.float32(1.0)
+  floats = lax.bitcast_convert_type((random_bits(key, shape) >> np.uint32(9)) | one, jnp.float32) - np.float32(1.0)
   lo, hi = np.float32(minval), np.float32(maxval)
   return lax.max(lo, floats * (hi - lo) + lo)
 
@@ -95,13 +75,11 @@ def gumbel(key, shape) -> jax.Array:
   """Standard Gumbel float32 draws, equal to jax.random.gumbel(key, shape, jnp.float32)."""
   if not _is_fast_path(key) or jax.config.jax_high_dynamic_range_gumbel:
     return jax.random.gumbel(key, shape, jnp.float32)
-  tiny = np.finfo(np.float32).tiny
-  return -jnp.log(-jnp.log(uniform(key, shape, minval=tiny, maxval=1.0)))
+  return -jnp.log(-jnp.log(uniform(key, shape, minval=np.finfo(np.float32).tiny, maxval=1.0)))
 
 
 class Dropout(nn.Module):
-  """flax.linen.Dropout with these draws: the same masks from the same "dropout" keys (so the
-  same results), cheaper on CPU."""
+  """flax.linen.Dropout with these draws: the same masks from the same "dropout" keys, cheaper on CPU."""
 
   rate: float
 

@@ -1,10 +1,6 @@
-"""`model.attention_impl='splash'`: the Pallas splash (flash) attention kernel for TPUs, which takes
-0/1 masks or packed rows' segment ids as its segment ids. Under a mesh it runs inside `jax.shard_map`
-(batch over data and fsdp, heads over tensor when they divide it); a program compiled for another
-platform runs it in Pallas's interpret mode, exact but slow (for tests).
-"""
-
-from __future__ import annotations
+"""`model.attention_impl='splash'`: the Pallas splash (flash) attention kernel for TPUs over segment ids
+(0/1 masks or packed rows'). Under a mesh it runs inside `jax.shard_map`; a program compiled for another
+platform runs it in Pallas's interpret mode, exact but slow (for tests)."""
 
 import functools
 import math
@@ -17,73 +13,58 @@ from jax.sharding import PartitionSpec
 from electra_jax import partitioning
 from electra_jax.errors import ConfigError
 
-# Rows are tiled into blocks of this many tokens (or the whole row when shorter).
-MAX_BLOCK = 512
-# TPU tiles are 128 lanes wide: the sequence length must be a multiple of this.
-SEQ_MULTIPLE = 128
+MAX_BLOCK = 512  # rows are tiled into blocks of this many tokens (or the whole row when shorter)
+SEQ_MULTIPLE = 128  # TPU tiles are 128 lanes wide
 
 
 def check_seq_len(seq_len: int) -> None:
   """Refuses, before any tracing, a sequence length the kernel cannot tile."""
   if seq_len % SEQ_MULTIPLE:
+    below = seq_len - seq_len % SEQ_MULTIPLE
     raise ConfigError(
         f"model.attention_impl='splash' tiles rows into blocks of {SEQ_MULTIPLE} tokens, but "
         f"data.max_seq_len={seq_len} is not a multiple of {SEQ_MULTIPLE}: choose e.g. "
-        f"{' or '.join(map(str, sorted({max(SEQ_MULTIPLE, seq_len // SEQ_MULTIPLE * SEQ_MULTIPLE), -(-seq_len // SEQ_MULTIPLE) * SEQ_MULTIPLE})))}, "
+        f"{' or '.join(map(str, sorted({max(SEQ_MULTIPLE, below), below + SEQ_MULTIPLE})))}, "
         "or model.attention_impl='xla'."
     )
 
 
-def _kernel(num_heads: int, seq_len: int, interpret: bool):
+@functools.lru_cache(maxsize=None)
+def _warn_interpret(platform: str) -> None:
+  logging.warning("model.attention_impl='splash' is a TPU kernel; on %s it runs in Pallas interpret mode, exact "
+                  "but slow (for tests). Use 'xla' (or 'cudnn' on NVIDIA GPUs) to train here.", platform)
+
+
+def _local_attention(query, key, value, segment_ids, *, interpret: bool):
+  """One device's block: query/key/value [b, s, h, d], segment_ids [b, s] -> [b, s, h, d]."""
   # Deferred import: Pallas's TPU modules are only needed when this implementation is chosen.
   from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415
       splash_attention_kernel as kernel_lib,
       splash_attention_mask as mask_lib,
   )
 
-  block = min(MAX_BLOCK, seq_len)
-  blocks = kernel_lib.BlockSizes(
-      block_q=block, block_kv=block, block_kv_compute=block,
-      block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-      use_fused_bwd_kernel=True,
-  )
-  # No mask beyond the segment ids: every query may see every key of its own segment.
-  mask = mask_lib.MultiHeadMask([mask_lib.FullMask((seq_len, seq_len)) for _ in range(num_heads)])
-  kernel = kernel_lib.make_splash_mha(
-      mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret
-  )
-  # Built afresh per trace: a cache across traces would leak the tracers the kernel holds.
-  return kernel, kernel_lib.SegmentIds
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_interpret(platform: str) -> None:
-  logging.warning(
-      "model.attention_impl='splash' is a TPU kernel; on %s it runs in Pallas interpret mode, "
-      "exact but slow (for tests). Use 'xla' (or 'cudnn' on NVIDIA GPUs) to train here.", platform
-  )
-
-
-def _local_attention(query, key, value, segment_ids, *, interpret: bool):
-  """One device's block: query/key/value [b, s, h, d], segment_ids [b, s] -> [b, s, h, d]."""
   _, seq_len, num_heads, head_dim = query.shape
-  kernel, segment_type = _kernel(num_heads, seq_len, interpret)
+  block = min(MAX_BLOCK, seq_len)
+  blocks = kernel_lib.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                                 block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
+  # No mask beyond the segment ids. Built afresh per trace: a cache would leak the tracers it holds.
+  mask = mask_lib.MultiHeadMask([mask_lib.FullMask((seq_len, seq_len)) for _ in range(num_heads)])
+  kernel = kernel_lib.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret)
   # The kernel applies no 1/sqrt(d) of its own; it takes [heads, seq, head_dim] per example.
-  to_heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
-  q = to_heads_first(query * jnp.asarray(1.0 / math.sqrt(head_dim), query.dtype))
-  k, v = to_heads_first(key), to_heads_first(value)
+  q = jnp.swapaxes(query * jnp.asarray(1.0 / math.sqrt(head_dim), query.dtype), 1, 2)
+  k, v = jnp.swapaxes(key, 1, 2), jnp.swapaxes(value, 1, 2)
   ids = segment_ids.astype(jnp.int32)
-  per_example = lambda a, b, c, ids: kernel(a, b, c, segment_ids=segment_type(q=ids, kv=ids))  # noqa: E731
+  per_example = jax.vmap(lambda a, b, c, ids: kernel(a, b, c, segment_ids=kernel_lib.SegmentIds(q=ids, kv=ids)))
   try:
-    out = jax.vmap(per_example)(q, k, v, ids)
+    out = per_example(q, k, v, ids)
   except NotImplementedError as error:
     if "multiple of 128" not in str(error):
       raise
-    # jax < 0.7 (Python 3.10's newest): the kernel takes head_dim only in whole 128-lane tiles. Zero
-    # columns change no score, and the extra output columns are dropped.
+    # jax < 0.7 (Python 3.10's newest) takes head_dim only in whole 128-lane tiles. Zero columns change
+    # no score, and the extra output columns are dropped.
     widths = [(0, 0)] * 3 + [(0, -head_dim % 128)]
-    out = jax.vmap(per_example)(*(jnp.pad(x, widths) for x in (q, k, v)), ids)[..., :head_dim]
-  return to_heads_first(out)
+    out = per_example(*(jnp.pad(x, widths) for x in (q, k, v)), ids)[..., :head_dim]
+  return jnp.swapaxes(out, 1, 2)
 
 
 def splash_attention(query, key, value, segment_ids):
@@ -98,24 +79,18 @@ def splash_attention(query, key, value, segment_ids):
   check_seq_len(query.shape[1])
 
   def attend(*args):
-    # The kernel for the platform the program is compiled for, which need not be this
-    # process's default one (a TPU program compiled ahead of time on a CPU host).
+    # The kernel for the platform the program is compiled for, which need not be this process's.
     return jax.lax.platform_dependent(
         *args, tpu=functools.partial(_local_attention, interpret=False),
         default=functools.partial(_local_attention, interpret=True),
     )
 
-  if mesh.empty or mesh.size == 1:
-    return attend(query, key, value, segment_ids)
   batch_axes = tuple(a for a in partitioning.BATCH_AXES if a in mesh.axis_names)
-  batch_shards = math.prod(mesh.shape[a] for a in batch_axes)
-  if query.shape[0] % batch_shards:
-    # Only shape-only traces (parameter init on one dummy row) get here.
+  # A mesh's batch shards may not divide a shape-only trace's one dummy row (parameter init).
+  if mesh.empty or mesh.size == 1 or query.shape[0] % math.prod(mesh.shape[a] for a in batch_axes):
     return attend(query, key, value, segment_ids)
   tensor = mesh.shape.get("tensor", 1)
   heads_axis = "tensor" if tensor > 1 and query.shape[2] % tensor == 0 else None
   qkv_spec = PartitionSpec(batch_axes, None, heads_axis, None)
-  return jax.shard_map(
-      attend, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, PartitionSpec(batch_axes, None)),
-      out_specs=qkv_spec, check_vma=False,
-  )(query, key, value, segment_ids)
+  return jax.shard_map(attend, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, PartitionSpec(batch_axes, None)),
+                       out_specs=qkv_spec, check_vma=False)(query, key, value, segment_ids)

@@ -1,8 +1,6 @@
-"""CPU settings the CLI applies before JAX starts: XLA flags that keep YNNPACK for reductions
-only (benchmarks/RESULTS.md), and, on a machine without an accelerator, huge pages for glibc's
-large allocations. A flag already in $XLA_FLAGS is left as the user set it."""
-
-from __future__ import annotations
+"""CPU settings the CLI applies before JAX starts: XLA flags that keep YNNPACK for reductions only,
+and, on a machine without an accelerator, huge pages for glibc's large allocations. A flag already
+in $XLA_FLAGS is left as the user set it."""
 
 import importlib.util
 import os
@@ -12,6 +10,11 @@ import sys
 # flag -> value, added only for the jaxlib versions where they exist (XLA aborts on an unknown flag).
 CPU_FLAGS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
 VERIFIED_JAXLIB = ("0.10.",)
+# Environment variables through which a user tunes glibc's malloc; any of them set, we leave it be.
+_MALLOC_ENV = ("GLIBC_TUNABLES", "MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_",
+               "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+_THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def cpu_defaults(jaxlib_version: str, xla_flags: str) -> str:
@@ -22,23 +25,10 @@ def cpu_defaults(jaxlib_version: str, xla_flags: str) -> str:
   return " ".join([xla_flags, *added]).strip()
 
 
-# Environment variables through which a user tunes glibc's malloc; any of them set, we leave it be.
-_MALLOC_ENV = ("GLIBC_TUNABLES", "MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_",
-               "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
-HUGE_PAGES = "glibc.malloc.hugetlb=1"
-_THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
-
-
 def malloc_tunables(environ=os.environ) -> str | None:
-  """GLIBC_TUNABLES for a CPU training process, or None where they would not apply.
-
-  XLA:CPU allocates each call's temporaries as one large block, which glibc maps afresh on
-  every call, so each step faults its pages in again 4 KiB at a time; glibc.malloc.hugetlb=1
-  (glibc 2.35+) asks for transparent huge pages on such mappings (benchmarks/RESULTS.md). None
-  when the user has set malloc's own variables, off glibc, on glibc < 2.35, where the kernel's
-  transparent huge pages are off, or when an accelerator computes (checked last: it may
-  import jax).
-  """
+  """GLIBC_TUNABLES for a CPU training process: XLA:CPU maps each call's temporaries afresh, and
+  glibc.malloc.hugetlb=1 (glibc 2.35+) faults them in by transparent huge pages, not 4 KiB ones.
+  None when the user tunes malloc, off glibc 2.35+, with huge pages off, or where an accelerator computes."""
   if any(name in environ for name in _MALLOC_ENV):
     return None
   libc, version = platform.libc_ver()
@@ -46,34 +36,27 @@ def malloc_tunables(environ=os.environ) -> str | None:
     return None
   try:
     with open(_THP_MODE) as f:
-      if "[never]" in f.read():
-        return None
+      huge_pages_off = "[never]" in f.read()
   except OSError:
     return None
-  if accelerator_visible(environ):
-    return None
-  return HUGE_PAGES
+  return None if huge_pages_off or accelerator_visible(environ) else HUGE_PAGES
 
 
 def accelerator_visible(environ=os.environ) -> bool:
-  """Whether this process will compute on a GPU or TPU: $JAX_PLATFORMS if set, else whether
-  NVIDIA or AMD GPU device files or TPU chips are on this machine. Starts no JAX backend."""
+  """Whether this process will compute on a GPU or TPU: $JAX_PLATFORMS if set, else whether NVIDIA
+  or AMD GPU device files or TPU chips are on this machine. Starts no JAX backend."""
   platforms = environ.get("JAX_PLATFORMS", "").strip()
   if platforms:
     return platforms.split(",")[0].strip().lower() != "cpu"
-  if os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd"):
-    return True
-  return tpu_chips_present()
+  return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd") or tpu_chips_present()
 
 
 def tpu_chips_present() -> bool:
-  """Whether TPU chips sit on this machine's PCI bus (a Cloud TPU VM), by JAX's own check, so new
-  TPU generations come with JAX updates. Its module needs only the standard library and is loaded
-  from its file: importing jax for it would cost the CLI a second of every start, twice over
-  when the process then starts itself again (apply_cpu_defaults)."""
+  """Whether TPU chips sit on this machine's PCI bus, by JAX's own check. Its module needs only the
+  standard library and is loaded from its file: importing jax would slow every CLI start."""
   try:
-    jax_dir = os.path.dirname(importlib.util.find_spec("jax").origin)
-    spec = importlib.util.spec_from_file_location("_jax_hardware_utils", os.path.join(jax_dir, "_src", "hardware_utils.py"))
+    path = os.path.join(os.path.dirname(importlib.util.find_spec("jax").origin), "_src", "hardware_utils.py")
+    spec = importlib.util.spec_from_file_location("_jax_hardware_utils", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.num_available_tpu_chips_and_device_id()[0] > 0
@@ -82,10 +65,9 @@ def tpu_chips_present() -> bool:
 
 
 def apply_cpu_defaults(restart: bool = False) -> None:
-  """Sets $XLA_FLAGS for this process. Call before JAX initialises its backends (the first
-  computation or jax.devices()). With `restart` (the CLI and the benchmark scripts, as their
-  first statement), a process that would gain from malloc_tunables starts itself again with
-  them: glibc reads them only at start. Set ELECTRA_JAX_XLA_DEFAULTS=0 to change neither."""
+  """Sets $XLA_FLAGS; call before JAX initialises its backends. With `restart`, a process that would
+  gain from malloc_tunables starts itself again with them (glibc reads them only at start).
+  ELECTRA_JAX_XLA_DEFAULTS=0 changes neither."""
   if os.environ.get("ELECTRA_JAX_XLA_DEFAULTS", "1") == "0":
     return
   import jaxlib  # noqa: PLC0415 (imported only to read its version)
