@@ -28,11 +28,8 @@ ARCHITECTURES = {
     "ElectraModel": "encoder",  # no head: ElectraEncoderModel gives the last hidden states
 }
 ARCHITECTURE_OF_KIND = {kind: architecture for architecture, kind in ARCHITECTURES.items()}
-MODEL_CLASSES = {
-    "discriminator": models.ElectraDiscriminatorModel,
-    "generator": models.ElectraGeneratorModel,
-    "encoder": models.ElectraEncoderModel,
-}
+MODEL_CLASSES = {"discriminator": models.ElectraDiscriminatorModel, "generator": models.ElectraGeneratorModel,
+                 "encoder": models.ElectraEncoderModel}
 
 # transformers.ElectraConfig's defaults (ELECTRA-Small's sizes), for keys a config.json omits.
 HF_CONFIG_DEFAULTS = {
@@ -41,21 +38,18 @@ HF_CONFIG_DEFAULTS = {
     "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1, "layer_norm_eps": 1e-12,
 }
 # The keys that fill the EncoderConfig, with its field for each; the other keys are the model's own.
-_ENCODER_FIELDS = {
+ENCODER_FIELDS = {
     "hidden_size": "hidden_size", "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
     "intermediate_size": "intermediate_size", "hidden_dropout_prob": "dropout_rate",
     "attention_probs_dropout_prob": "attention_dropout_rate", "layer_norm_eps": "layer_norm_eps",
 }
-_MODEL_KEYS = [key for key in HF_CONFIG_DEFAULTS if key not in _ENCODER_FIELDS]
+MODEL_KEYS = [key for key in HF_CONFIG_DEFAULTS if key not in ENCODER_FIELDS]
 
 # Config values that change the computation in ways electra-jax does not implement: the one
 # value it computes, and why any other is refused.
 SUPPORTED_CONFIG_VALUES = {
-    "hidden_act": (
-        "gelu",
-        "electra-jax's encoder uses the exact (erf) GELU, which transformers calls \"gelu\" "
-        "(\"gelu_new\" and \"gelu_pytorch_tanh\" are the tanh approximation)",
-    ),
+    "hidden_act": ("gelu", "electra-jax's encoder uses the exact (erf) GELU, which transformers calls \"gelu\" "
+                   "(\"gelu_new\" and \"gelu_pytorch_tanh\" are the tanh approximation)"),
     "position_embedding_type": ("absolute", "electra-jax has learned absolute positions only"),
     "is_decoder": (False, "electra-jax's encoder attends in both directions"),
     "add_cross_attention": (False, "electra-jax's encoder has no cross-attention"),
@@ -87,7 +81,6 @@ _IGNORED_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
 _BACKBONE_PREFIX = "electra."
 _HEAD_PREFIXES = ("discriminator_predictions.", "generator_predictions.", "generator_lm_head.")
 _TIED_DECODER = "generator_lm_head.weight"
-_WORD_TABLE = "embeddings.word_embeddings.weight"
 _PAD_ID = 0  # [PAD] is id 0 in every electra-jax tokenizer
 
 
@@ -199,15 +192,15 @@ def model_from_hf_config(hf_config: dict[str, Any], source: str = "config.json")
   if value["hidden_size"] % value["num_attention_heads"]:
     raise ConfigError(f"{source}: hidden_size={value['hidden_size']} is not divisible by "
                       f"num_attention_heads={value['num_attention_heads']}.")
-  encoder_config = models.EncoderConfig(**{field: value[key] for key, field in _ENCODER_FIELDS.items()})
-  return kind, MODEL_CLASSES[kind](**{key: value[key] for key in _MODEL_KEYS}, config=encoder_config)
+  encoder_config = models.EncoderConfig(**{field: value[key] for key, field in ENCODER_FIELDS.items()})
+  return kind, MODEL_CLASSES[kind](**{key: value[key] for key in MODEL_KEYS}, config=encoder_config)
 
 
 def hf_config_of(model, kind: str, pad_token_id: int = _PAD_ID) -> dict[str, Any]:
   """The config.json of a standalone model, as transformers.ElectraConfig reads it."""
   return {
-      **{key: getattr(model, key) for key in _MODEL_KEYS},
-      **{key: getattr(model.config, field) for key, field in _ENCODER_FIELDS.items()},
+      **{key: getattr(model, key) for key in MODEL_KEYS},
+      **{key: getattr(model.config, field) for key, field in ENCODER_FIELDS.items()},
       "architectures": [ARCHITECTURE_OF_KIND[kind]], "model_type": "electra", "hidden_act": "gelu",
       "initializer_range": 0.02, "pad_token_id": pad_token_id, "tie_word_embeddings": True, "dtype": "float32",
   }
@@ -255,7 +248,7 @@ def params_from_hf_weights(model, kind: str, weights: dict[str, np.ndarray], sou
                         "electra-jax's generator needs its decoder tied to the word embeddings.")
     if tied_decoder is not None and not np.array_equal(tied_decoder.astype(np.float32), word_table):
       raise ConfigError(
-          f"{source}: {_TIED_DECODER} differs from {_BACKBONE_PREFIX}{_WORD_TABLE}. electra-jax's "
+          f"{source}: {_TIED_DECODER} differs from {_BACKBONE_PREFIX}embeddings.word_embeddings.weight. electra-jax's "
           "generator ties its output layer to the word embeddings, as ELECTRA does; an untied "
           "decoder cannot be represented."
       )
