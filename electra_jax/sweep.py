@@ -36,11 +36,9 @@ Override = tuple[str, str]  # (config key, the value as the user wrote it)
 # Table columns, in this order; then the metrics any run logged, METRIC_ORDER's first, then the
 # others alphabetically, less throughput figures.
 FIXED_COLUMNS = ("run", "overrides", "status", "steps", "train_tokens", "train_flops")
-METRIC_ORDER = (
-    "loss", "masked_lm_loss", "masked_lm_accuracy", "sampled_masked_lm_accuracy", "disc_loss",
-    "disc_auc", "disc_accuracy", "disc_precision", "disc_recall", "replaced_fraction",
-    "main_mlm_loss", "main_mlm_accuracy", "cloze_loss",
-)
+METRIC_ORDER = ("loss", "masked_lm_loss", "masked_lm_accuracy", "sampled_masked_lm_accuracy", "disc_loss", "disc_auc",
+                "disc_accuracy", "disc_precision", "disc_recall", "replaced_fraction", "main_mlm_loss",
+                "main_mlm_accuracy", "cloze_loss")
 NOT_IN_TABLE = ("step", "steps_per_sec", "tokens_per_sec", "mfu", "learning_rate", "sampling_temperature")
 # results.md keeps the headline metrics (results.csv has every column).
 MARKDOWN_METRICS = ("loss", "masked_lm_accuracy", "disc_auc", "disc_accuracy", "main_mlm_accuracy", "cloze_loss")
@@ -101,8 +99,8 @@ def expand(grid: Sequence[str] = (), sweep_file: str | None = None) -> list[list
   runs = [line + combo for line in lines for combo in combos]
   for overrides in runs:
     keys = [k for k, _ in overrides]
-    duplicate = next((k for k in keys if keys.count(k) > 1), None)
-    if duplicate:
+    if len(set(keys)) != len(keys):
+      duplicate = next(k for k in keys if keys.count(k) > 1)
       raise ConfigError(f"A run sets {duplicate} twice ({_label(overrides)}).")
   return runs
 
@@ -133,10 +131,8 @@ def apply_overrides(base: ml_collections.ConfigDict, overrides: Sequence[Overrid
       field_type = config_path.get_type(key, config)
     except (KeyError, AttributeError) as error:
       missing, hint = config_lib.missing_key(error)
-      raise ConfigError(
-          f"{what} key {key!r} is not a config key: the config has no {missing!r}. {hint + ' ' if hint else ''}"
-          "configs/base.py lists every key."
-      ) from None
+      raise ConfigError(f"{what} key {key!r} is not a config key: the config has no {missing!r}. "
+                        f"{hint + ' ' if hint else ''}configs/base.py lists every key.") from None
     value = _parse_value(key, raw, field_type)
     try:
       config_path.set_value(key, config, value)
@@ -292,11 +288,9 @@ def run_sweep(
   record = read_record(sweep_dir)
   existing = record["runs"] if record else []
   if record and record["base_config_fingerprint"] != _fingerprint(base_config):
-    raise ConfigError(
-        f"{sweep_dir}/{SWEEP_FILE} was written for another base config (recipe or --config.* "
-        "flags): one table must not mix recipes. Use the same --config and flags as before, or a "
-        "new --workdir for this sweep."
-    )
+    raise ConfigError(f"{sweep_dir}/{SWEEP_FILE} was written for another base config (recipe or --config.* flags): "
+                      "one table must not mix recipes. Use the same --config and flags as before, or a new "
+                      "--workdir for this sweep.")
   override_lists = merge_unread(base_config, override_lists, existing)
   configs = [apply_overrides(base_config, overrides) for overrides in override_lists]
   for overrides, config in zip(override_lists, configs):
@@ -385,10 +379,8 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_ov
         continue
       reached = _latest_checkpoint(workdir) or 0
       if reached < config.train.steps or train.sigterm_received():  # SIGTERM: saved and returned
-        logging.warning(
-            "Sweep run %s stopped at step %d of %d (SIGTERM, a preemption); the sweep stops here. "
-            "Run the same command to go on.", run.name, reached, config.train.steps,
-        )
+        logging.warning("Sweep run %s stopped at step %d of %d (SIGTERM, a preemption); the sweep stops here. "
+                        "Run the same command to go on.", run.name, reached, config.train.steps)
         return failed, True
     if workdir_files.exists(error_file):
       error_file.unlink()

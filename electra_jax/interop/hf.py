@@ -57,12 +57,10 @@ SUPPORTED_CONFIG_VALUES = {
 
 # The encoder options transformers' ElectraModel cannot hold: (EncoderConfig field, its only
 # Hugging Face value, what ElectraModel is instead). Import always gives that value.
-HF_ENCODER_FORM = (
-    ("norm", "post", "it is post-LayerNorm only"),
-    ("ffn", "gelu", "its feed-forward is dense + GELU + dense, without a gate"),
-    ("use_bias", True, "every dense layer of its encoder has a bias"),
-    ("attention_conv", 0, "its attention has no convolution"),
-)
+HF_ENCODER_FORM = (("norm", "post", "it is post-LayerNorm only"),
+                   ("ffn", "gelu", "its feed-forward is dense + GELU + dense, without a gate"),
+                   ("use_bias", True, "every dense layer of its encoder has a bias"),
+                   ("attention_conv", 0, "its attention has no convolution"))
 
 
 def check_hf_form(tower: models.EncoderConfig) -> None:
@@ -172,11 +170,9 @@ def model_from_hf_config(hf_config: dict[str, Any], source: str = "config.json")
     raise ConfigError(f"{source}: \"architectures\" is {architectures!r}; it must name exactly one of "
                       f"{sorted(ARCHITECTURES)} (add it to config.json if it is missing).")
   if architectures[0] not in ARCHITECTURES:
-    raise ConfigError(
-        f"{source}: architectures={architectures!r} has a head electra-jax cannot represent; "
-        f"supported: {sorted(ARCHITECTURES)}. To keep only the encoder of a fine-tuned model, "
-        "save its `.electra` submodule (an ElectraModel) with save_pretrained and load that."
-    )
+    raise ConfigError(f"{source}: architectures={architectures!r} has a head electra-jax cannot represent; "
+                      f"supported: {sorted(ARCHITECTURES)}. To keep only the encoder of a fine-tuned model, save its "
+                      "`.electra` submodule (an ElectraModel) with save_pretrained and load that.")
   kind = ARCHITECTURES[architectures[0]]
   for key, (supported, why) in SUPPORTED_CONFIG_VALUES.items():
     if key in hf_config and hf_config[key] != supported:
@@ -247,11 +243,9 @@ def params_from_hf_weights(model, kind: str, weights: dict[str, np.ndarray], sou
       raise ConfigError(f"{source}: tie_word_embeddings=false but the weights hold no {_TIED_DECODER}; "
                         "electra-jax's generator needs its decoder tied to the word embeddings.")
     if tied_decoder is not None and not np.array_equal(tied_decoder.astype(np.float32), word_table):
-      raise ConfigError(
-          f"{source}: {_TIED_DECODER} differs from {_BACKBONE_PREFIX}embeddings.word_embeddings.weight. electra-jax's "
-          "generator ties its output layer to the word embeddings, as ELECTRA does; an untied "
-          "decoder cannot be represented."
-      )
+      raise ConfigError(f"{source}: {_TIED_DECODER} differs from electra.embeddings.word_embeddings.weight. "
+                        "electra-jax's generator ties its output layer to the word embeddings, as ELECTRA does; "
+                        "an untied decoder cannot be represented.")
   return flax.traverse_util.unflatten_dict(flat)
 
 

@@ -137,18 +137,12 @@ def _model_config(pair: ImportedPair) -> dict:
   except ConfigError:  # no whole number of discriminator-sized heads
     derived = None
   if derived != gen.config:
-    mismatched = (
-        f"hidden_size={gen.config.hidden_size}, num_heads={gen.config.num_heads}" if derived is None else ", ".join(
-            f"{f.name}={getattr(gen.config, f.name)} (derived: {getattr(derived, f.name)})"
-            for f in dataclasses.fields(models.EncoderConfig)
-            if getattr(gen.config, f.name) != getattr(derived, f.name)
-        )
-    )
-    raise ConfigError(
-        f"The generator's sizes are not what electra-jax derives from the discriminator and "
-        f"generator_fraction={fraction:.6g} (same depth and head size, FFN and dropout scaled "
-        f"alike, as the official code builds it): {mismatched}. This pair cannot be represented."
-    )
+    mismatched = f"hidden_size={gen.config.hidden_size}, num_heads={gen.config.num_heads}" if derived is None else (
+        ", ".join(f"{f.name}={getattr(gen.config, f.name)} (derived: {getattr(derived, f.name)})"
+                  for f in dataclasses.fields(derived) if getattr(gen.config, f.name) != getattr(derived, f.name)))
+    raise ConfigError(f"The generator's sizes are not what electra-jax derives from the discriminator and "
+                      f"generator_fraction={fraction:.6g} (same depth and head size, FFN and dropout scaled alike, "
+                      f"as the official code builds it): {mismatched}. This pair cannot be represented.")
   # config.model names the encoder's fields as EncoderConfig does. Hugging Face and TF1 towers always
   # have the encoder options' defaults (hf.HF_ENCODER_FORM): a recipe asking for others gets these.
   encoder_fields = [*hf.ENCODER_FIELDS.values(), *(field for field, _, _ in hf.HF_ENCODER_FORM)]
@@ -188,13 +182,11 @@ def _check_pair_fills(imported: dict, wanted: dict, config) -> None:
     return
   name = next(n for n in sorted(set(imported) | set(wanted)) if imported.get(n) != wanted.get(n))
   raise ConfigError(
-      f"The recipe's model is not the one an imported pair fills: parameter {name!r} is "
-      f"{wanted.get(name, 'absent')} in it but {imported.get(name, 'absent')} in the pair "
-      f"(objective.name={config.objective.name!r}, model.tie={config.model.tie!r}). "
-      "A generator and discriminator over one embedding tree are what objective.name electra, "
-      "electra_15, two_stage or adversarial train with model.tie='embeddings' (the defaults): import "
-      "with those. Nothing was written."
-  )
+      f"The recipe's model is not the one an imported pair fills: parameter {name!r} is {wanted.get(name, 'absent')} "
+      f"in it but {imported.get(name, 'absent')} in the pair (objective.name={config.objective.name!r}, "
+      f"model.tie={config.model.tie!r}). A generator and discriminator over one embedding tree are what "
+      "objective.name electra, electra_15, two_stage or adversarial train with model.tie='embeddings' (the "
+      "defaults): import with those. Nothing was written.")
 
 
 def write_pretraining_workdir(pair: ImportedPair, config: ml_collections.ConfigDict, workdir: str,

@@ -1,14 +1,12 @@
 """Official ELECTRA TF1 checkpoints (`model.ckpt-N`, both towers) read without TensorFlow: the V2
 tensor bundle's `<prefix>.index` (a LevelDB table of name -> protobuf entry) and its raw
-`<prefix>.data-*` files, mapped onto the standalone towers. Optimizer slots are skipped.
-
-Names are the official code's: `electra/embeddings/*` is the table both towers read, `electra/...`
-the discriminator, `generator/...` the generator, `*_predictions/*` the heads."""
+`<prefix>.data-*` files, mapped onto the standalone towers. Optimizer slots are skipped."""
 
 from __future__ import annotations
 
 import collections
 import os
+import pathlib
 import re
 import struct
 
@@ -128,19 +126,17 @@ class TFCheckpoint:
     self.prefix = prefix
     index_path = prefix + ".index"
     try:
-      with open(index_path, "rb") as f:
-        index = f.read()
+      index = pathlib.Path(index_path).read_bytes()
     except OSError as e:
       raise ConfigError(f"Cannot read the checkpoint index {index_path} ({e}).") from e
     self.num_shards = 1
     self.entries: dict[str, TensorEntry] = {}
     for key, value in _table_items(index, index_path):
-      if key == b"":  # BundleHeaderProto
-        for field, v in _proto_fields(value):
-          if field == 1:
-            self.num_shards = v
-          elif field == 2 and v != 0:
-            raise ConfigError(f"{index_path}: a big-endian checkpoint; only little-endian is read.")
+      if key == b"":  # BundleHeaderProto: 1 num_shards, 2 endianness (0: little)
+        header = dict(_proto_fields(value))
+        self.num_shards = header.get(1, 1)
+        if header.get(2, 0) != 0:
+          raise ConfigError(f"{index_path}: a big-endian checkpoint; only little-endian is read.")
       else:
         self.entries[key.decode("utf-8")] = _tensor_entry(value)
 

@@ -3,6 +3,7 @@ state dicts only through torch.load(weights_only=True), refusing anything but st
 
 import json
 import os
+import pathlib
 
 import jax
 import numpy as np
@@ -62,25 +63,17 @@ def finite_tensor(name: str, array: np.ndarray, source: str) -> np.ndarray:
   return array
 
 
-def _finite(weights: dict[str, np.ndarray], source: str) -> dict[str, np.ndarray]:
-  return {name: finite_tensor(name, array, source) for name, array in weights.items()}
-
-
 def read_hf_weights(directory: str) -> dict[str, np.ndarray]:
   """Every tensor of a transformers checkpoint directory: model.safetensors (preferred) or
   pytorch_model.bin, either possibly sharded (*.index.json). Refuses NaN and infinite weights."""
-  for file_name, reader in (
-      ("model.safetensors", _read_safetensors),
-      ("pytorch_model.bin", _read_torch_state_dict),
-  ):
+  for file_name, reader in (("model.safetensors", _read_safetensors), ("pytorch_model.bin", _read_torch_state_dict)):
     path = os.path.join(directory, file_name)
     if os.path.exists(path):
-      return _finite(reader(path), path)
+      return {name: finite_tensor(name, array, path) for name, array in reader(path).items()}
     index_path = path + ".index.json"
     if os.path.exists(index_path):
       try:
-        with open(index_path) as f:
-          shard_names = sorted(set(json.load(f)["weight_map"].values()))
+        shard_names = sorted(set(json.loads(pathlib.Path(index_path).read_text())["weight_map"].values()))
       except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise ConfigError(f"Refusing {index_path}: not a sharded-checkpoint index ({type(error).__name__}: "
                           f"{error}); it needs a \"weight_map\" of tensor name -> shard file.") from None
@@ -90,6 +83,6 @@ def read_hf_weights(directory: str) -> dict[str, np.ndarray]:
       weights = {}
       for shard_name in shard_names:
         weights.update(reader(os.path.join(directory, shard_name)))
-      return _finite(weights, index_path)
+      return {name: finite_tensor(name, array, index_path) for name, array in weights.items()}
   raise ConfigError(f"{directory} has no model.safetensors or pytorch_model.bin (nor a sharded index of "
                     "either): point load_hf at a directory written by save_pretrained.")
