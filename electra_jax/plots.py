@@ -1,13 +1,6 @@
-"""Loss and metric curves of one or many workdirs as one PNG: a panel per metric, a line per
-workdir (training metrics.jsonl solid, held-out eval_metrics.jsonl dashed, same colour), x =
-step. A sweep folder stands for its runs. From Python or a notebook:
-
-  from electra_jax import plots
-  fig = plots.plot_curves(["workdirs/demo", "sweeps/objectives"], "curves.png", ["loss", "disc_auc"])
-
-It draws on a matplotlib Figure with the Agg canvas, never pyplot, so it neither needs a
-display nor changes a notebook's backend. matplotlib is the `plots` extra.
-"""
+"""Loss and metric curves of workdirs (a sweep folder stands for its runs) as one PNG: a panel
+per metric, a line per workdir (metrics.jsonl solid, eval_metrics.jsonl dashed). Drawn with the
+Agg canvas, never pyplot, so it needs no display and leaves a notebook's backend alone."""
 
 from __future__ import annotations
 
@@ -28,11 +21,9 @@ def expand_workdirs(workdirs: Sequence[str]) -> list[tuple[str, str]]:
   """[(label, workdir)]: a sweep folder (with sweep.json) becomes its runs."""
   expanded = []
   for workdir in workdirs:
-    runs = workdir_files.sweep_runs(workdir)
-    if runs:
-      expanded += [(f"{os.path.basename(os.path.normpath(workdir))}/{name}", path) for name, path in runs]
-    else:
-      expanded.append((os.path.basename(os.path.normpath(workdir)) or workdir, workdir))
+    name = os.path.basename(os.path.normpath(workdir))
+    runs = [(f"{name}/{run}", path) for run, path in workdir_files.sweep_runs(workdir)]
+    expanded += runs or [(name or workdir, workdir)]
   return expanded
 
 
@@ -49,20 +40,16 @@ def plot_curves(workdirs: Sequence[str], out: str | None = None, metrics: Sequen
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 (optional extra)
     from matplotlib.figure import Figure  # noqa: PLC0415
   except ImportError as error:
-    raise ConfigError(
-        "Plots need matplotlib, which is not installed: pip install matplotlib (the package's `plots` "
-        "extra)."
-    ) from error
+    raise ConfigError("Plots need matplotlib, which is not installed: pip install matplotlib (the package's "
+                      "`plots` extra).") from error
 
   runs = expand_workdirs(workdirs)
   logs = [(label, *(workdir_files.read_jsonl(workdir_files.path(workdir, file))
                      for file in ("metrics.jsonl", "eval_metrics.jsonl"))) for label, workdir in runs]
   logs = [(label, train_log, eval_log) for label, train_log, eval_log in logs if train_log or eval_log]
   if not logs:
-    raise ConfigError(
-        f"No metrics.jsonl or eval_metrics.jsonl in {', '.join(w for _, w in runs)}: pass training "
-        "workdirs (or sweep folders) whose runs have logged."
-    )
+    raise ConfigError(f"No metrics.jsonl or eval_metrics.jsonl in {', '.join(w for _, w in runs)}: pass training "
+                      "workdirs (or sweep folders) whose runs have logged.")
   logged = {k for _, t, e in logs for r in t + e for k in r if k != "step"}
   if metrics:
     unknown = [m for m in metrics if m not in logged]
@@ -76,15 +63,12 @@ def plot_curves(workdirs: Sequence[str], out: str | None = None, metrics: Sequen
   figure = Figure(figsize=(PANEL_SIZE[0] * columns, PANEL_SIZE[1] * rows), dpi=DPI, layout="constrained")
   FigureCanvasAgg(figure)
   axes = figure.subplots(rows, columns, squeeze=False).ravel()
-  colors = [f"C{i % 10}" for i in range(len(logs))]
   for ax, metric in zip(axes, metrics):
-    for color, (label, train_log, eval_log) in zip(colors, logs):
-      steps, values = _series(train_log, metric)
-      if steps:
-        ax.plot(steps, values, color=color, linestyle="-", label=f"{label} (train)")
-      steps, values = _series(eval_log, metric)
-      if steps:
-        ax.plot(steps, values, color=color, linestyle="--", marker=".", label=f"{label} (eval)")
+    for i, (label, train_log, eval_log) in enumerate(logs):  # a workdir's train and eval lines share a colour
+      for split, log, linestyle, marker in (("train", train_log, "-", None), ("eval", eval_log, "--", ".")):
+        steps, values = _series(log, metric)
+        if steps:
+          ax.plot(steps, values, color=f"C{i % 10}", linestyle=linestyle, marker=marker, label=f"{label} ({split})")
     ax.set_title(metric)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import copy
 import csv
-import dataclasses
 import glob
 import hashlib
 import io
@@ -19,7 +18,7 @@ import re
 import signal
 import shlex
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import ml_collections
 from absl import flags as absl_flags
@@ -37,25 +36,18 @@ Override = tuple[str, str]  # (config key, the value as the user wrote it)
 # Table columns, in this order; then the metrics any run logged, METRIC_ORDER's first, then the
 # others alphabetically, less throughput figures.
 FIXED_COLUMNS = ("run", "overrides", "status", "steps", "train_tokens", "train_flops")
-METRIC_ORDER = (
-    "loss", "masked_lm_loss", "masked_lm_accuracy", "sampled_masked_lm_accuracy", "disc_loss",
-    "disc_auc", "disc_accuracy", "disc_precision", "disc_recall", "replaced_fraction",
-    "main_mlm_loss", "main_mlm_accuracy", "cloze_loss",
-)
+METRIC_ORDER = ("loss", "masked_lm_loss", "masked_lm_accuracy", "sampled_masked_lm_accuracy", "disc_loss", "disc_auc",
+                "disc_accuracy", "disc_precision", "disc_recall", "replaced_fraction", "main_mlm_loss",
+                "main_mlm_accuracy", "cloze_loss")
 NOT_IN_TABLE = ("step", "steps_per_sec", "tokens_per_sec", "mfu", "learning_rate", "sampling_temperature")
 # results.md keeps the headline metrics (results.csv has every column).
 MARKDOWN_METRICS = ("loss", "masked_lm_accuracy", "disc_auc", "disc_accuracy", "main_mlm_accuracy", "cloze_loss")
 DOWNSTREAM_COLUMNS = ("downstream_task", "downstream_score", "downstream_seeds")
 
 
-@dataclasses.dataclass
-class Run:
+class Run(NamedTuple):
   name: str
   overrides: list[Override]
-
-  @property
-  def label(self) -> str:
-    return _label(self.overrides)
 
 
 def _label(overrides: Sequence[Override]) -> str:
@@ -76,10 +68,9 @@ def parse_grid(specs: Sequence[str]) -> list[list[Override]]:
   axes = []
   for spec in specs:
     key, values = _split_override(spec, f"--sweep={spec}")
-    choices = [v.strip() for v in values.split(",")]
-    if not all(choices):
+    axes.append([(key, v.strip()) for v in values.split(",")])
+    if not all(v for _, v in axes[-1]):
       raise ConfigError(f"--sweep={spec}: empty value; give KEY=V1,V2,... (a value with commas goes in --sweep_file).")
-    axes.append([(key, v) for v in choices])
   return [list(combo) for combo in itertools.product(*axes)]
 
 
@@ -140,10 +131,8 @@ def apply_overrides(base: ml_collections.ConfigDict, overrides: Sequence[Overrid
       field_type = config_path.get_type(key, config)
     except (KeyError, AttributeError) as error:
       missing, hint = config_lib.missing_key(error)
-      raise ConfigError(
-          f"{what} key {key!r} is not a config key: the config has no {missing!r}. {hint + ' ' if hint else ''}"
-          "configs/base.py lists every key."
-      ) from None
+      raise ConfigError(f"{what} key {key!r} is not a config key: the config has no {missing!r}. "
+                        f"{hint + ' ' if hint else ''}configs/base.py lists every key.") from None
     value = _parse_value(key, raw, field_type)
     try:
       config_path.set_value(key, config, value)
@@ -175,8 +164,7 @@ def merge_unread(base: ml_collections.ConfigDict, override_lists: Sequence[Seque
   from electra_jax import objectives  # noqa: PLC0415 (jax stays out of sweep_report's import)
 
   def reduced(overrides):
-    name = apply_overrides(base, overrides).objective.get("name", "electra")
-    unread = set(objectives.ignored_keys(name))
+    unread = set(objectives.ignored_keys(apply_overrides(base, overrides).objective.name))
     return [tuple(o) for o in overrides if o[0] not in unread], sorted({k for k, _ in overrides if k in unread})
 
   recorded = {}
@@ -198,10 +186,6 @@ def merge_unread(base: ml_collections.ConfigDict, override_lists: Sequence[Seque
 
 
 # --- Run names and the sweep record ---
-def _sanitize(text: str) -> str:
-  return re.sub(r"[^A-Za-z0-9._=,+-]+", "-", text).strip("-.") or "run"
-
-
 def _readable_name(overrides: Sequence[Override]) -> str:
   if not overrides:
     return "recipe"
@@ -209,7 +193,7 @@ def _readable_name(overrides: Sequence[Override]) -> str:
   # The key's last part reads well; the full key where two of them would collide.
   parts = [(leaf if leaves.count(leaf) == 1 else key) + "=" + value
            for leaf, (key, value) in zip(leaves, overrides)]
-  name = _sanitize(",".join(parts))
+  name = re.sub(r"[^A-Za-z0-9._=,+-]+", "-", ",".join(parts)).strip("-.") or "run"
   if len(name) > 100:
     digest = hashlib.sha1(json.dumps(overrides).encode()).hexdigest()[:8]
     name = name[:90].rstrip("-.,=") + "-" + digest
@@ -231,11 +215,8 @@ def name_runs(override_lists: Sequence[Sequence[Override]], existing: Sequence[R
     if known is not None:
       runs.append(known)
       continue
-    name = stem = _readable_name(overrides)
-    for i in itertools.count(2):
-      if name not in taken:
-        break
-      name = f"{stem}-{i}"
+    stem = _readable_name(overrides)
+    name = next(n for n in itertools.chain([stem], (f"{stem}-{i}" for i in itertools.count(2))) if n not in taken)
     taken.add(name)
     run = Run(name, list(overrides))
     by_overrides[json.dumps(overrides)] = run
@@ -256,11 +237,8 @@ def read_record(sweep_dir: str) -> dict | None:
 
 
 def _write_record(sweep_dir: str, base_config, runs: Sequence[Run]) -> None:
-  record = dict(
-      base_config_fingerprint=_fingerprint(base_config),
-      base_config=config_lib.as_saved(base_config),
-      runs=[dict(name=r.name, overrides=[list(o) for o in r.overrides]) for r in runs],
-  )
+  record = dict(base_config_fingerprint=_fingerprint(base_config), base_config=config_lib.as_saved(base_config),
+                runs=[dict(name=r.name, overrides=[list(o) for o in r.overrides]) for r in runs])
   workdir_files.makedirs(workdir_files.path(sweep_dir))
   workdir_files.write_text(workdir_files.path(sweep_dir, SWEEP_FILE), json.dumps(record, indent=2) + "\n")
 
@@ -303,28 +281,23 @@ def run_sweep(
     plot: bool = True, take_over_workdir: bool = False,
 ) -> dict:
   """Trains every run of the grid (skipping finished ones), fine-tunes each if asked, writes
-  the tables and curves. Returns {"runs": [...], "failed": [names], "rows": table rows}.
-  Every override of every run is checked before anything is trained or written. One sweep
-  at a time holds `sweep_dir` (its own lease.json, as a run holds its workdir); another is
-  refused before it writes anything, unless `take_over_workdir`."""
+  the tables and curves; returns {"runs", "failed", "rows", "preempted"}. Every run is checked
+  before anything is written. One sweep at a time holds `sweep_dir` (its lease.json), unless
+  `take_over_workdir`."""
   override_lists = expand(grid, sweep_file)
   record = read_record(sweep_dir)
   existing = record["runs"] if record else []
   if record and record["base_config_fingerprint"] != _fingerprint(base_config):
-    raise ConfigError(
-        f"{sweep_dir}/{SWEEP_FILE} was written for another base config (recipe or --config.* "
-        "flags): one table must not mix recipes. Use the same --config and flags as before, or a "
-        "new --workdir for this sweep."
-    )
+    raise ConfigError(f"{sweep_dir}/{SWEEP_FILE} was written for another base config (recipe or --config.* flags): "
+                      "one table must not mix recipes. Use the same --config and flags as before, or a new "
+                      "--workdir for this sweep.")
   override_lists = merge_unread(base_config, override_lists, existing)
-  configs = []
-  for overrides in override_lists:
-    config = apply_overrides(base_config, overrides)
+  configs = [apply_overrides(base_config, overrides) for overrides in override_lists]
+  for overrides, config in zip(override_lists, configs):
     try:
       config_lib.validate(config)
     except ConfigError as error:
       raise ConfigError(f"Sweep run {_label(overrides)}: {error}") from None
-    configs.append(config)
   if finetune_config is not None:
     from electra_jax.finetune import trainer as finetune  # noqa: PLC0415
 
@@ -332,8 +305,7 @@ def run_sweep(
 
   from electra_jax import train  # noqa: PLC0415 (jax stays out of sweep_report)
 
-  # One sweep per folder: two would each rewrite sweep.json, and each would count the runs the
-  # other was training as failed (their workdirs held) and leave error files in them.
+  # Two sweeps on one folder would each rewrite sweep.json and fail the runs the other trains.
   lease = train.acquire_lease(sweep_dir, take_over_workdir, "The sweep folder")
   try:
     runs = name_runs(override_lists, existing, base_config)
@@ -370,35 +342,32 @@ def run_sweep(
 def _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_over) -> tuple[list[str], bool]:
   """Trains (or resumes, or skips) each run in order; (failed run names, preempted). Stops
   with WorkdirInUse once another sweep has taken the folder over (`lease`, None on processes
-  other than 0); with `take_over` each run takes its workdir from a dead holder too (the dead
-  sweep's run)."""
+  other than 0); with `take_over` each run takes its workdir from a dead holder too."""
   failed, durations = [], []
   latest_steps = [_latest_checkpoint(run_dir(sweep_dir, r)) for r in runs]
   unfinished = [(latest or 0) < c.train.steps for latest, c in zip(latest_steps, configs)]
-  for index, (run, config, latest) in enumerate(zip(runs, configs, latest_steps), 1):
+  for index, (run, config, latest, to_train) in enumerate(zip(runs, configs, latest_steps, unfinished), 1):
     if train.sigterm_received():
       logging.warning("SIGTERM received: the sweep stops before run %d/%d %s. Run the same command "
                       "to go on.", index, len(runs), run.name)
       return failed, True
     train._hold_workdir(lease)  # noqa: SLF001 (every process stops if another sweep took the folder)
     workdir = run_dir(sweep_dir, run)
-    # ETA: the mean time of the runs trained so far times the runs left to train.
     remaining = sum(unfinished[index - 1:])
     eta = (f"ETA {config_lib.format_duration(remaining * sum(durations) / len(durations))}" if durations
            else "ETA after the first trained run")
-    logging.info("Sweep run %d/%d %s (%s) | %s", index, len(runs), run.name, run.label, eta)
+    logging.info("Sweep run %d/%d %s (%s) | %s", index, len(runs), run.name, _label(run.overrides), eta)
     error_file = workdir_files.path(workdir, ERROR_FILE)
-    if not unfinished[index - 1]:
+    started = time.perf_counter()
+    if not to_train:
       logging.info("Run %s is finished (checkpoint %d): skipped.", run.name, latest)
     else:
       if latest is not None:
         logging.info("Run %s resumes from its checkpoint at step %d.", run.name, latest)
-      started = time.perf_counter()
       try:
         train.train_and_evaluate(config, workdir, take_over_workdir=take_over)
       except Exception as error:  # noqa: BLE001 (the sweep goes on; the error is kept and reported)
-        # A run taken over because another sweep took the folder: that sweep owns the run now,
-        # so nothing is written into it and this sweep stops here.
+        # Another sweep that took the folder over owns this run now: write nothing into it, stop.
         train._hold_workdir(lease)  # noqa: SLF001
         if isinstance(error, ConfigError):  # the user's input: the message says it all
           logging.error("Sweep run %s failed: %s Going on with the next one.", run.name, error)
@@ -410,16 +379,14 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_ov
         continue
       reached = _latest_checkpoint(workdir) or 0
       if reached < config.train.steps or train.sigterm_received():  # SIGTERM: saved and returned
-        logging.warning(
-            "Sweep run %s stopped at step %d of %d (SIGTERM, a preemption); the sweep stops here. "
-            "Run the same command to go on.", run.name, reached, config.train.steps,
-        )
+        logging.warning("Sweep run %s stopped at step %d of %d (SIGTERM, a preemption); the sweep stops here. "
+                        "Run the same command to go on.", run.name, reached, config.train.steps)
         return failed, True
     if workdir_files.exists(error_file):
       error_file.unlink()
     if finetune_config is not None and not _finetune_ok(run, workdir, finetune_config):
       failed.append(run.name)
-    if unfinished[index - 1]:  # training (and fine-tuning) time of the runs trained here
+    if to_train:  # training (and fine-tuning) time of the runs trained here
       durations.append(time.perf_counter() - started)
   return failed, False
 
@@ -445,10 +412,9 @@ def train_flops_per_token(config: ml_collections.ConfigDict) -> float:
   """The figure train.py uses for MFU, from a run's config alone (no data, no devices)."""
   from electra_jax import flops, models, objectives  # noqa: PLC0415
 
-  model = models.build_model(config)
-  vocab = config.model.vocab_size
-  objective = objectives.objective_from_config(config, dict(pad=0, cls=1, sep=2, mask=3, vocab_size=vocab))
-  return flops.objective_flops_per_token(model, objective, config.data.max_seq_len)
+  special_ids = dict(pad=0, cls=1, sep=2, mask=3, vocab_size=config.model.vocab_size)
+  objective = objectives.objective_from_config(config, special_ids)
+  return flops.objective_flops_per_token(models.build_model(config), objective, config.data.max_seq_len)
 
 
 def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
@@ -461,7 +427,7 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
   for run in record["runs"]:
     workdir = run_dir(sweep_dir, run)
     overrides = dict(run.overrides)
-    row = {"run": run.name, "overrides": run.label, **{k: overrides.get(k, "") for k in override_keys}}
+    row = {"run": run.name, "overrides": _label(run.overrides), **{k: overrides.get(k, "") for k in override_keys}}
     last = {split: workdir_files.last_record(workdir_files.path(workdir, file))
             for split, file in (("train", "metrics.jsonl"), ("eval", "eval_metrics.jsonl"))}
     steps = int(last["train"].get("step", 0))
@@ -484,8 +450,7 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
     results = _finetune_results(workdir)
     if results is not None:
       summary = results["summary"]
-      task_summary = summary.get(results["task"]) or next(iter(summary.values()))
-      score = task_summary["score"]
+      score = (summary.get(results["task"]) or next(iter(summary.values())))["score"]
       row.update(downstream_task=results["task"], downstream_score=100 * score["mean"], downstream_seeds=score["n"])
       downstream = True
     rows.append(row)
@@ -498,12 +463,8 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
   return columns, rows
 
 
-def _is_nan(value) -> bool:
-  return isinstance(value, float) and math.isnan(value)
-
-
 def _markdown_cell(column: str, value) -> str:
-  if value is None or value == "" or _is_nan(value):
+  if value is None or value == "" or (isinstance(value, float) and math.isnan(value)):
     return "–"
   if column == "train_flops":
     return f"{value:.3g}"
@@ -522,8 +483,7 @@ def write_report(sweep_dir: str) -> list[dict]:
   writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
   writer.writeheader()
   for row in rows:
-    writer.writerow({c: ("nan" if _is_nan(row.get(c)) else repr(row[c]) if isinstance(row.get(c), float)
-                         else row.get(c, "")) for c in columns})
+    writer.writerow({c: repr(row[c]) if isinstance(row.get(c), float) else row.get(c, "") for c in columns})
   workdir_files.write_text(workdir_files.path(sweep_dir, "results.csv"), out.getvalue())
   shown = [c for c in columns if c != "overrides" and (
       c in FIXED_COLUMNS or not c.startswith(("train_", "eval_")) or c.split("_", 1)[1] in MARKDOWN_METRICS)]

@@ -1,8 +1,6 @@
 """Where metrics go: the JSONL logs (the source of truth), TensorBoard event files beside them
-(<workdir>/tensorboard/{train,eval}, through tensorboardX without TensorFlow: NaN as NaN, and a
-resumed run purges the points past its checkpoint), and the Weights & Biases or MLflow run that
-train.metric_writers names (train/<metric> and eval/<metric>; a resumed run logs into the same
-run again). Without tensorboardX, or for a bucket workdir, no event files are written, said once."""
+(<workdir>/tensorboard/{train,eval}; a resumed run purges the points past its checkpoint), and
+the Weights & Biases or MLflow run train.metric_writers names, which a resumed run logs into again."""
 
 from __future__ import annotations
 
@@ -18,9 +16,6 @@ from absl import logging
 
 from electra_jax import workdir_files
 from electra_jax.errors import ConfigError
-
-# train.metric_writers' names -> (the module it needs, the extra that installs it).
-SERVICES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 
 SUBDIR = "tensorboard"
 _warned: set[str] = set()
@@ -43,10 +38,8 @@ def _tensorboardx():
     from tensorboardX import event_file_writer, summary  # noqa: PLC0415 (optional at run time)
     from tensorboardX.proto import event_pb2  # noqa: PLC0415
   except ImportError:
-    _warn_once(
-        "missing", "tensorboardX is not installed: metrics go to the JSONL logs only "
-        "(pip install tensorboardX for TensorBoard event files)."
-    )
+    _warn_once("missing", "tensorboardX is not installed: metrics go to the JSONL logs only "
+               "(pip install tensorboardX for TensorBoard event files).")
     return None
   finally:
     if hide_torch:
@@ -58,38 +51,28 @@ def _tensorboardx():
 
 class ScalarWriter:
   """Scalars into one new event file per writer, opened on first use (so that a resumed run
-  can first set its purge step) and flushed after each record.
-
-  tensorboardX's SummaryWriter flushes without waiting for its background queue, so its
-  synchronous EventsWriter (the same file format) is used instead."""
+  can first set its purge step) and flushed after each record: tensorboardX's synchronous
+  EventsWriter, as its SummaryWriter flushes without waiting for its background queue."""
 
   def __init__(self, logdir: str):
     self.logdir = logdir
-    self._writer = None
-    self._purge_step: int | None = None
-    self._disabled = False
-    self._modules = None
+    self._writer = self._purge_step = None
+    self._modules = _tensorboardx()  # None: no tensorboardX, so nothing is written
 
   def purge_after(self, last_step: int) -> None:
     """TensorBoard then drops the points earlier files logged past `last_step`."""
     self._purge_step = last_step + 1
 
   def _open(self):
-    if self._writer is None and not self._disabled:
-      self._modules = _tensorboardx()
-      if self._modules is None:
-        self._disabled = True
-        return None
+    if self._writer is None and self._modules is not None:
       event_file_writer, _, event_pb2 = self._modules
       os.makedirs(self.logdir, exist_ok=True)
       # The pid and a clock tick keep the names of writers opened in the same second apart.
       suffix = f".{os.getpid()}.{time.monotonic_ns()}"
       self._writer = event_file_writer.EventsWriter(os.path.join(self.logdir, "events"), suffix)
       if self._purge_step is not None:  # what SummaryWriter(purge_step=N) writes
-        self._writer.write_event(event_pb2.Event(
-            wall_time=time.time(), step=self._purge_step,
-            session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START),
-        ))
+        start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+        self._writer.write_event(event_pb2.Event(wall_time=time.time(), step=self._purge_step, session_log=start))
     return self._writer
 
   def write(self, record: dict) -> None:
@@ -98,10 +81,8 @@ class ScalarWriter:
       return
     _, summary, event_pb2 = self._modules
     step, now = int(record["step"]), time.time()
-    for name, value in sorted(record.items()):
-      if name == "step" or isinstance(value, bool) or not isinstance(value, numbers.Real):
-        continue
-      writer.write_event(event_pb2.Event(wall_time=now, step=step, summary=summary.scalar(name, float(value))))
+    for name, value in sorted(_numbers(record).items()):
+      writer.write_event(event_pb2.Event(wall_time=now, step=step, summary=summary.scalar(name, value)))
     writer.flush()
 
   def close(self) -> None:
@@ -114,18 +95,18 @@ def writer_names(text: str) -> list[str]:
   """train.metric_writers as names, each refused by name unless known and installed."""
   names = [name.strip() for name in str(text).split(",") if name.strip()]
   for name in names:
-    if name not in SERVICES:
-      raise ConfigError(f"train.metric_writers: {name!r} is not one of {sorted(SERVICES)} (comma-separated, or '').")
-    module, extra = SERVICES[name]
+    if name not in _RUNS:
+      raise ConfigError(f"train.metric_writers: {name!r} is not one of {sorted(_RUNS)} (comma-separated, or '').")
     try:
-      importlib.import_module(module)
+      importlib.import_module(name)  # each service's module, and the extra that installs it, has its name
     except ImportError:
-      raise ConfigError(f"train.metric_writers={text!r} needs {module}: pip install 'electra-jax[{extra}]'.") from None
+      raise ConfigError(f"train.metric_writers={text!r} needs {name}: pip install 'electra-jax[{name}]'.") from None
   return names
 
 
-def _numbers(record: dict, prefix: str) -> dict[str, float]:
-  return {f"{prefix}/{name}": float(value) for name, value in record.items()
+def _numbers(record: dict, prefix: str = "") -> dict[str, float]:
+  """The record's numbers (not "step", not booleans) as floats, their names under `prefix`/."""
+  return {prefix + name: float(value) for name, value in record.items()
           if name != "step" and not isinstance(value, bool) and isinstance(value, numbers.Real)}
 
 
@@ -149,7 +130,7 @@ class WandbRun:
     workdir_files.write_text(workdir_files.path(workdir, "wandb_run_id"), run_id)
 
   def log(self, record: dict, prefix: str) -> None:
-    self.run.log({**_numbers(record, prefix), "step": int(record["step"])})
+    self.run.log({**_numbers(record, f"{prefix}/"), "step": int(record["step"])})
 
   def close(self) -> None:
     self.run.finish()
@@ -168,7 +149,8 @@ class MlflowRun:
       name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "electra-jax")
       experiment = self.client.get_experiment_by_name(name)
       experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
-      self.run_id = self.client.create_run(experiment_id, run_name=os.path.basename(os.path.normpath(workdir))).info.run_id
+      run_name = os.path.basename(os.path.normpath(workdir))
+      self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
       self.client.log_dict(self.run_id, config, "config.json")
       workdir_files.write_text(workdir_files.path(workdir, "mlflow_run_id"), self.run_id)
     else:
@@ -176,7 +158,7 @@ class MlflowRun:
 
   def log(self, record: dict, prefix: str) -> None:
     now, step = int(time.time() * 1000), int(record["step"])
-    metrics = [self.entities.Metric(key, value, now, step) for key, value in _numbers(record, prefix).items()]
+    metrics = [self.entities.Metric(key, value, now, step) for key, value in _numbers(record, f"{prefix}/").items()]
     self.client.log_batch(self.run_id, metrics=metrics)
 
   def close(self) -> None:
@@ -228,16 +210,13 @@ def open_logs(workdir: str, metric_writers: str = "", config: dict | None = None
   the runs `metric_writers` names (opened with `config`; the train log closes them)."""
   writers = {"train": None, "eval": None}
   if workdir_files.is_remote(workdir):
-    _warn_once(
-        "remote", "TensorBoard event files are written for local workdirs only; %s is a bucket, "
-        "so its metrics go to the JSONL logs alone.", workdir,
-    )
+    _warn_once("remote", "TensorBoard event files are written for local workdirs only; %s is a bucket, "
+               "so its metrics go to the JSONL logs alone.", workdir)
   elif _tensorboardx() is not None:
     root = workdir_files.path(workdir, SUBDIR)
     writers = {split: ScalarWriter(str(root / split)) for split in writers}
   runs = [_RUNS[name](workdir, config or {}) for name in writer_names(metric_writers)]
-  return (
-      MetricLog(workdir_files.JsonlLog(workdir_files.path(workdir, "metrics.jsonl")), writers["train"], runs, "train"),
-      MetricLog(workdir_files.JsonlLog(workdir_files.path(workdir, "eval_metrics.jsonl")), writers["eval"], runs, "eval",
-                closes_runs=False),
-  )
+  train_log, eval_log = (workdir_files.JsonlLog(workdir_files.path(workdir, file))
+                         for file in ("metrics.jsonl", "eval_metrics.jsonl"))
+  return (MetricLog(train_log, writers["train"], runs, "train"),
+          MetricLog(eval_log, writers["eval"], runs, "eval", closes_runs=False))

@@ -20,9 +20,9 @@ from electra_jax.interop.weight_files import finite_tensor
 
 
 def one_device_setup(config, tokenizer=None):
-  """(mesh, train.build_setup) on one device, whatever mesh trained or will train the checkpoint
-  (orbax re-shards on restore). Without `tokenizer` the special ids are placeholders: enough for
-  the parameters' shapes, which do not depend on them."""
+  """(mesh, train.build_setup) on one device, whatever mesh trained the checkpoint (orbax
+  re-shards on restore). Without `tokenizer` the special ids are placeholders: the shapes do
+  not depend on them."""
   mesh = partitioning.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)), devices=jax.devices()[:1])
   special_ids = dict(pad=0, cls=2, sep=3, mask=4) if tokenizer is None else train.special_ids(tokenizer)
   return mesh, train.build_setup(config, mesh, special_ids)
@@ -30,10 +30,8 @@ def one_device_setup(config, tokenizer=None):
 
 def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -> dict[str, str]:
   """Writes <out_dir>/discriminator (and <out_dir>/generator) from the latest checkpoint in
-  `workdir`, using the model described by <workdir>/config.json. Returns {tower: directory}.
-  An `out_dir` that already holds another export is refused before anything is written
-  (check_export_out): it is never overwritten or mixed with this one; so is a model with
-  encoder options no Hugging Face ElectraModel holds (hf.check_hf_form)."""
+  `workdir`; returns {tower: directory}. An `out_dir` holding another export, or a model no
+  ElectraModel can hold, is refused before anything is restored or written."""
   config = config_lib.load_workdir_config(workdir)
   if not workdir_files.exists(workdir_files.path(workdir, "checkpoints")):
     raise ConfigError(f"{workdir} has no checkpoints/ directory: nothing to export yet.")
@@ -42,7 +40,7 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
   check_hf_form(pretrainer.discriminator_config)  # the generator's derives from it, options alike
   why_not = models.no_standalone_generator(pretrainer) if export_generator else None
   if why_not:
-    raise ConfigError(f"--export_generator: {why_not} (objective.name={config.objective.get('name', 'electra')!r}). "
+    raise ConfigError(f"--export_generator: {why_not} (objective.name={config.objective.name!r}). "
                       "Nothing was written; export without --export_generator.")
   check_export_out(out_dir, export_generator)
 
@@ -53,38 +51,29 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
     finite_tensor(jax.tree_util.keystr(path), jax.device_get(leaf), f"the checkpoint at step {step} in {workdir}")
 
   towers = ("discriminator", "generator") if export_generator else ("discriminator",)
-  written = {}
-  for tower in towers:
-    directory = os.path.join(out_dir, tower)
+  written = {tower: os.path.join(out_dir, tower) for tower in towers}
+  for tower, directory in written.items():
     save_hf(setup.model, state.params, directory, kind=tower, pad_token_id=tok.pad_id)
     write_tokenizer_files(tok, directory, config.model.max_position_embeddings)
-    written[tower] = directory
   return written
 
 
 def check_export_out(out_dir: str, export_generator: bool = False) -> None:
   """Refuses an `out_dir` whose contents an export would mix with another model's: a non-empty
-  tower directory (exports write into it without clearing it), or an old generator/ this export
-  would leave beside its discriminator. Nothing under `out_dir` is deleted or modified."""
+  tower directory, or an old generator/ this export would leave beside its discriminator."""
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise ConfigError(f"--out={out_dir!r} is a file; pick a directory for the exported model directories.")
   workdir_files.check_usable(out_dir, "--out")  # a file on its path, or an unwritable parent
-  towers = ("discriminator", "generator") if export_generator else ("discriminator",)
   for tower in ("discriminator", "generator"):
     directory = os.path.join(out_dir, tower)
     if not os.path.lexists(directory) or (os.path.isdir(directory) and not os.listdir(directory)):
       continue  # nothing there to mix up
-    if tower in towers:
-      why = "is not an empty directory, and an export writes into it without clearing it"
-    else:
-      why = (
-          "holds an earlier export's generator, which this export (without --export_generator) "
-          "would leave beside a discriminator it does not belong to"
-      )
-    raise ConfigError(
-        f"--out={out_dir!r}: {directory} {why}. Nothing was written; pick a new --out, or remove "
-        f"{directory} first."
-    )
+    why = ("is not an empty directory, and an export writes into it without clearing it"
+           if tower == "discriminator" or export_generator else
+           "holds an earlier export's generator, which this export (without --export_generator) "
+           "would leave beside a discriminator it does not belong to")
+    raise ConfigError(f"--out={out_dir!r}: {directory} {why}. Nothing was written; pick a new --out, or remove "
+                      f"{directory} first.")
 
 
 def write_tokenizer_files(tok, directory: str, max_length: int) -> None:

@@ -28,36 +28,28 @@ ARCHITECTURES = {
     "ElectraModel": "encoder",  # no head: ElectraEncoderModel gives the last hidden states
 }
 ARCHITECTURE_OF_KIND = {kind: architecture for architecture, kind in ARCHITECTURES.items()}
-MODEL_CLASSES = {
-    "discriminator": models.ElectraDiscriminatorModel,
-    "generator": models.ElectraGeneratorModel,
-    "encoder": models.ElectraEncoderModel,
-}
+MODEL_CLASSES = {"discriminator": models.ElectraDiscriminatorModel, "generator": models.ElectraGeneratorModel,
+                 "encoder": models.ElectraEncoderModel}
 
 # transformers.ElectraConfig's defaults (ELECTRA-Small's sizes), for keys a config.json omits.
 HF_CONFIG_DEFAULTS = {
-    "vocab_size": 30522,
-    "embedding_size": 128,
-    "hidden_size": 256,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 4,
-    "intermediate_size": 1024,
-    "hidden_act": "gelu",
-    "hidden_dropout_prob": 0.1,
-    "attention_probs_dropout_prob": 0.1,
-    "max_position_embeddings": 512,
-    "type_vocab_size": 2,
-    "layer_norm_eps": 1e-12,
+    "vocab_size": 30522, "embedding_size": 128, "hidden_size": 256, "num_hidden_layers": 12,
+    "num_attention_heads": 4, "intermediate_size": 1024, "max_position_embeddings": 512, "type_vocab_size": 2,
+    "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1, "layer_norm_eps": 1e-12,
 }
+# The keys that fill the EncoderConfig, with its field for each; the other keys are the model's own.
+ENCODER_FIELDS = {
+    "hidden_size": "hidden_size", "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
+    "intermediate_size": "intermediate_size", "hidden_dropout_prob": "dropout_rate",
+    "attention_probs_dropout_prob": "attention_dropout_rate", "layer_norm_eps": "layer_norm_eps",
+}
+MODEL_KEYS = [key for key in HF_CONFIG_DEFAULTS if key not in ENCODER_FIELDS]
 
 # Config values that change the computation in ways electra-jax does not implement: the one
 # value it computes, and why any other is refused.
 SUPPORTED_CONFIG_VALUES = {
-    "hidden_act": (
-        "gelu",
-        "electra-jax's encoder uses the exact (erf) GELU, which transformers calls \"gelu\" "
-        "(\"gelu_new\" and \"gelu_pytorch_tanh\" are the tanh approximation)",
-    ),
+    "hidden_act": ("gelu", "electra-jax's encoder uses the exact (erf) GELU, which transformers calls \"gelu\" "
+                   "(\"gelu_new\" and \"gelu_pytorch_tanh\" are the tanh approximation)"),
     "position_embedding_type": ("absolute", "electra-jax has learned absolute positions only"),
     "is_decoder": (False, "electra-jax's encoder attends in both directions"),
     "add_cross_attention": (False, "electra-jax's encoder has no cross-attention"),
@@ -65,22 +57,18 @@ SUPPORTED_CONFIG_VALUES = {
 
 # The encoder options transformers' ElectraModel cannot hold: (EncoderConfig field, its only
 # Hugging Face value, what ElectraModel is instead). Import always gives that value.
-HF_ENCODER_FORM = (
-    ("norm", "post", "it is post-LayerNorm only"),
-    ("ffn", "gelu", "its feed-forward is dense + GELU + dense, without a gate"),
-    ("use_bias", True, "every dense layer of its encoder has a bias"),
-    ("attention_conv", 0, "its attention has no convolution"),
-)
+HF_ENCODER_FORM = (("norm", "post", "it is post-LayerNorm only"),
+                   ("ffn", "gelu", "its feed-forward is dense + GELU + dense, without a gate"),
+                   ("use_bias", True, "every dense layer of its encoder has a bias"),
+                   ("attention_conv", 0, "its attention has no convolution"))
 
 
 def check_hf_form(tower: models.EncoderConfig) -> None:
   """Refuses, one line per option, an encoder option (model.norm, ffn, use_bias,
   attention_conv) that no Hugging Face ElectraModel can hold (before anything is written)."""
-  lines = [
-      f"model.{field}={getattr(tower, field)!r} has no Hugging Face ElectraModel form ({why}); "
-      "fine-tune or evaluate it in electra-jax instead."
-      for field, value, why in HF_ENCODER_FORM if getattr(tower, field) != value
-  ]
+  lines = [f"model.{field}={getattr(tower, field)!r} has no Hugging Face ElectraModel form ({why}); "
+           "fine-tune or evaluate it in electra-jax instead."
+           for field, value, why in HF_ENCODER_FORM if getattr(tower, field) != value]
   if lines:
     raise ConfigError("\n".join(lines))
 
@@ -91,7 +79,6 @@ _IGNORED_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
 _BACKBONE_PREFIX = "electra."
 _HEAD_PREFIXES = ("discriminator_predictions.", "generator_predictions.", "generator_lm_head.")
 _TIED_DECODER = "generator_lm_head.weight"
-_WORD_TABLE = "embeddings.word_embeddings.weight"
 _PAD_ID = 0  # [PAD] is id 0 in every electra-jax tokenizer
 
 
@@ -108,17 +95,13 @@ def weight_names(kind: str, model) -> list[WeightName]:
   """Every tensor of the standalone `model` of `kind`, in the order transformers lists them."""
   names = []
 
-  def dense(hf_name, path):
-    names.append(WeightName(f"{hf_name}.weight", (*path, "kernel"), True))
-    names.append(WeightName(f"{hf_name}.bias", (*path, "bias"), False))
-
-  def layer_norm(hf_name, path):
-    names.append(WeightName(f"{hf_name}.weight", (*path, "scale"), False))
+  def dense(hf_name, path, weight="kernel"):  # weight="scale": a LayerNorm
+    names.append(WeightName(f"{hf_name}.weight", (*path, weight), weight == "kernel"))
     names.append(WeightName(f"{hf_name}.bias", (*path, "bias"), False))
 
   for table in ("word_embeddings", "position_embeddings", "token_type_embeddings"):
     names.append(WeightName(f"embeddings.{table}.weight", ("embeddings", table, "embedding"), False))
-  layer_norm("embeddings.LayerNorm", ("embeddings", "layer_norm"))
+  dense("embeddings.LayerNorm", ("embeddings", "layer_norm"), "scale")
   encoder = ("encoder",) if kind == "encoder" else (kind, "encoder")
   if model.embedding_size != model.config.hidden_size:
     dense("embeddings_project", (*encoder, "embeddings_project"))
@@ -127,16 +110,16 @@ def weight_names(kind: str, model) -> list[WeightName]:
     for projection in ("query", "key", "value"):
       dense(f"{hf_layer}.attention.self.{projection}", (*layer, "attention", projection))
     dense(f"{hf_layer}.attention.output.dense", (*layer, "attention", "output"))
-    layer_norm(f"{hf_layer}.attention.output.LayerNorm", (*layer, "attention_layer_norm"))
+    dense(f"{hf_layer}.attention.output.LayerNorm", (*layer, "attention_layer_norm"), "scale")
     dense(f"{hf_layer}.intermediate.dense", (*layer, "intermediate"))
     dense(f"{hf_layer}.output.dense", (*layer, "output"))
-    layer_norm(f"{hf_layer}.output.LayerNorm", (*layer, "output_layer_norm"))
+    dense(f"{hf_layer}.output.LayerNorm", (*layer, "output_layer_norm"), "scale")
   if kind == "discriminator":
     dense("discriminator_predictions.dense", ("discriminator", "head_dense"))
     dense("discriminator_predictions.dense_prediction", ("discriminator", "head_out"))
   elif kind == "generator":
     dense("generator_predictions.dense", ("generator", "head_dense"))
-    layer_norm("generator_predictions.LayerNorm", ("generator", "head_layer_norm"))
+    dense("generator_predictions.LayerNorm", ("generator", "head_layer_norm"), "scale")
     # The decoder's weight is the word table (tied); only its bias is the generator's own.
     names.append(WeightName("generator_lm_head.bias", ("generator", "output_bias"), False))
   return names
@@ -146,10 +129,8 @@ def kind_of(model) -> str:
   for kind, model_class in MODEL_CLASSES.items():
     if isinstance(model, model_class):
       return kind
-  raise ConfigError(
-      f"{type(model).__name__} has no Hugging Face counterpart; pass an "
-      "ElectraDiscriminatorModel, ElectraGeneratorModel, ElectraEncoderModel or ElectraPretrainer."
-  )
+  raise ConfigError(f"{type(model).__name__} has no Hugging Face counterpart; pass an ElectraDiscriminatorModel, "
+                    "ElectraGeneratorModel, ElectraEncoderModel or ElectraPretrainer.")
 
 
 def _param_shapes(model) -> dict[tuple[str, ...], tuple[int, ...]]:
@@ -157,13 +138,6 @@ def _param_shapes(model) -> dict[tuple[str, ...], tuple[int, ...]]:
   abstract = jax.eval_shape(model.init, jax.random.key(0), ids)["params"]
   flat = flax.traverse_util.flatten_dict(nn.meta.unbox(abstract))
   return {path: tuple(leaf.shape) for path, leaf in flat.items()}
-
-
-# ---------------------------------------------------------------------------------------
-# Configs
-# ---------------------------------------------------------------------------------------
-_SIZE_KEYS = ("vocab_size", "embedding_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-              "intermediate_size", "max_position_embeddings", "type_vocab_size")
 
 
 def _check_sizes_against_weights(hf_config: dict[str, Any], weights: dict[str, np.ndarray], source: str) -> None:
@@ -189,97 +163,49 @@ def model_from_hf_config(hf_config: dict[str, Any], source: str = "config.json")
   """(kind, model) for a transformers ELECTRA config dict; refuses, naming the key, whatever
   the model could not compute exactly. `source` names the file in errors."""
   if hf_config.get("model_type", "electra") != "electra":
-    raise ConfigError(
-        f"{source}: model_type={hf_config['model_type']!r} is not \"electra\"; only ELECTRA "
-        "checkpoints can be read."
-    )
+    raise ConfigError(f"{source}: model_type={hf_config['model_type']!r} is not \"electra\"; only ELECTRA "
+                      "checkpoints can be read.")
   architectures = hf_config.get("architectures")
   if not architectures or len(architectures) != 1:
-    raise ConfigError(
-        f"{source}: \"architectures\" is {architectures!r}; it must name exactly one of "
-        f"{sorted(ARCHITECTURES)} (add it to config.json if it is missing)."
-    )
+    raise ConfigError(f"{source}: \"architectures\" is {architectures!r}; it must name exactly one of "
+                      f"{sorted(ARCHITECTURES)} (add it to config.json if it is missing).")
   if architectures[0] not in ARCHITECTURES:
-    raise ConfigError(
-        f"{source}: architectures={architectures!r} has a head electra-jax cannot represent; "
-        f"supported: {sorted(ARCHITECTURES)}. To keep only the encoder of a fine-tuned model, "
-        "save its `.electra` submodule (an ElectraModel) with save_pretrained and load that."
-    )
+    raise ConfigError(f"{source}: architectures={architectures!r} has a head electra-jax cannot represent; "
+                      f"supported: {sorted(ARCHITECTURES)}. To keep only the encoder of a fine-tuned model, save its "
+                      "`.electra` submodule (an ElectraModel) with save_pretrained and load that.")
   kind = ARCHITECTURES[architectures[0]]
   for key, (supported, why) in SUPPORTED_CONFIG_VALUES.items():
     if key in hf_config and hf_config[key] != supported:
-      raise ConfigError(
-          f"{source}: {key}={hf_config[key]!r} is not supported, only {key}={supported!r}: "
-          f"{why}. This checkpoint cannot be converted exactly."
-      )
+      raise ConfigError(f"{source}: {key}={hf_config[key]!r} is not supported, only {key}={supported!r}: "
+                        f"{why}. This checkpoint cannot be converted exactly.")
   value = {key: hf_config.get(key, default) for key, default in HF_CONFIG_DEFAULTS.items()}
-  for key in _SIZE_KEYS:
-    if type(value[key]) is not int or value[key] < 1:
-      raise ConfigError(f"{source}: {key}={value[key]!r} must be a positive whole number.")
-  for key, low, high in (("hidden_dropout_prob", 0, 1), ("attention_probs_dropout_prob", 0, 1),
-                         ("layer_norm_eps", 0, 1)):
+  for key, default in HF_CONFIG_DEFAULTS.items():
     number = value[key]
-    if type(number) not in (int, float) or not (math.isfinite(number) and low <= number < high):
-      raise ConfigError(f"{source}: {key}={number!r} must be a number in [{low}, {high}).")
+    if type(default) is int and (type(number) is not int or number < 1):
+      raise ConfigError(f"{source}: {key}={number!r} must be a positive whole number.")
+    if type(default) is float and (type(number) not in (int, float) or not (math.isfinite(number) and 0 <= number < 1)):
+      raise ConfigError(f"{source}: {key}={number!r} must be a number in [0, 1).")
   if value["hidden_size"] % value["num_attention_heads"]:
-    raise ConfigError(
-        f"{source}: hidden_size={value['hidden_size']} is not divisible by "
-        f"num_attention_heads={value['num_attention_heads']}."
-    )
-  encoder_config = models.EncoderConfig(
-      hidden_size=value["hidden_size"],
-      num_layers=value["num_hidden_layers"],
-      num_heads=value["num_attention_heads"],
-      intermediate_size=value["intermediate_size"],
-      dropout_rate=value["hidden_dropout_prob"],
-      attention_dropout_rate=value["attention_probs_dropout_prob"],
-      layer_norm_eps=value["layer_norm_eps"],
-  )
-  model = MODEL_CLASSES[kind](
-      vocab_size=value["vocab_size"],
-      embedding_size=value["embedding_size"],
-      max_position_embeddings=value["max_position_embeddings"],
-      type_vocab_size=value["type_vocab_size"],
-      config=encoder_config,
-  )
-  return kind, model
+    raise ConfigError(f"{source}: hidden_size={value['hidden_size']} is not divisible by "
+                      f"num_attention_heads={value['num_attention_heads']}.")
+  encoder_config = models.EncoderConfig(**{field: value[key] for key, field in ENCODER_FIELDS.items()})
+  return kind, MODEL_CLASSES[kind](**{key: value[key] for key in MODEL_KEYS}, config=encoder_config)
 
 
 def hf_config_of(model, kind: str, pad_token_id: int = _PAD_ID) -> dict[str, Any]:
   """The config.json of a standalone model, as transformers.ElectraConfig reads it."""
-  tower = model.config
   return {
-      "architectures": [ARCHITECTURE_OF_KIND[kind]],
-      "model_type": "electra",
-      "vocab_size": model.vocab_size,
-      "embedding_size": model.embedding_size,
-      "hidden_size": tower.hidden_size,
-      "num_hidden_layers": tower.num_layers,
-      "num_attention_heads": tower.num_heads,
-      "intermediate_size": tower.intermediate_size,
-      "hidden_act": "gelu",
-      "hidden_dropout_prob": tower.dropout_rate,
-      "attention_probs_dropout_prob": tower.attention_dropout_rate,
-      "max_position_embeddings": model.max_position_embeddings,
-      "type_vocab_size": model.type_vocab_size,
-      "layer_norm_eps": tower.layer_norm_eps,
-      "initializer_range": 0.02,
-      "pad_token_id": pad_token_id,
-      "tie_word_embeddings": True,
-      "dtype": "float32",
+      **{key: getattr(model, key) for key in MODEL_KEYS},
+      **{key: getattr(model.config, field) for key, field in ENCODER_FIELDS.items()},
+      "architectures": [ARCHITECTURE_OF_KIND[kind]], "model_type": "electra", "hidden_act": "gelu",
+      "initializer_range": 0.02, "pad_token_id": pad_token_id, "tie_word_embeddings": True, "dtype": "float32",
   }
 
 
-# ---------------------------------------------------------------------------------------
-# Weights <-> parameter trees
-# ---------------------------------------------------------------------------------------
-def params_from_hf_weights(
-    model, kind: str, weights: dict[str, np.ndarray], source: str, decoder_tied: bool = True
-):
+def params_from_hf_weights(model, kind: str, weights: dict[str, np.ndarray], source: str, decoder_tied: bool = True):
   """Our parameter tree (float32 numpy leaves) from transformers tensors, with every name
   and shape checked; `source` names the checkpoint in errors. `decoder_tied` is config.json's
   tie_word_embeddings: when false, the stored decoder must equal the word table."""
-  architecture = ARCHITECTURE_OF_KIND[kind]
   by_name = {}
   for key, array in weights.items():
     name = key[len(_BACKBONE_PREFIX):] if key.startswith(_BACKBONE_PREFIX) else key
@@ -297,7 +223,7 @@ def params_from_hf_weights(
   unexpected = sorted(set(by_name) - expected_names)
   if missing or unexpected:
     raise ConfigError(
-        f"{source}: the weights do not match an {architecture} with this config.json "
+        f"{source}: the weights do not match an {ARCHITECTURE_OF_KIND[kind]} with this config.json "
         f"(missing: {missing[:8] or 'none'}{' ...' if len(missing) > 8 else ''}; unexpected: "
         f"{unexpected[:8] or 'none'}{' ...' if len(unexpected) > 8 else ''}). Check that "
         "\"architectures\" and num_hidden_layers describe these weights."
@@ -308,24 +234,18 @@ def params_from_hf_weights(
     value = array.T if w.transposed else array
     if value.shape != shapes[w.path]:
       wanted = shapes[w.path][::-1] if w.transposed else shapes[w.path]
-      raise ConfigError(
-          f"{source}: {w.hf_name} has shape {tuple(array.shape)} but config.json implies "
-          f"{tuple(wanted)}; the weights and config.json disagree."
-      )
+      raise ConfigError(f"{source}: {w.hf_name} has shape {tuple(array.shape)} but config.json implies "
+                        f"{tuple(wanted)}; the weights and config.json disagree.")
     flat[w.path] = np.ascontiguousarray(value, dtype=np.float32)
   if kind == "generator":
     word_table = flat[("embeddings", "word_embeddings", "embedding")]
     if tied_decoder is None and not decoder_tied:
-      raise ConfigError(
-          f"{source}: tie_word_embeddings=false but the weights hold no {_TIED_DECODER}; "
-          "electra-jax's generator needs its decoder tied to the word embeddings."
-      )
+      raise ConfigError(f"{source}: tie_word_embeddings=false but the weights hold no {_TIED_DECODER}; "
+                        "electra-jax's generator needs its decoder tied to the word embeddings.")
     if tied_decoder is not None and not np.array_equal(tied_decoder.astype(np.float32), word_table):
-      raise ConfigError(
-          f"{source}: {_TIED_DECODER} differs from {_BACKBONE_PREFIX}{_WORD_TABLE}. electra-jax's "
-          "generator ties its output layer to the word embeddings, as ELECTRA does; an untied "
-          "decoder cannot be represented."
-      )
+      raise ConfigError(f"{source}: {_TIED_DECODER} differs from electra.embeddings.word_embeddings.weight. "
+                        "electra-jax's generator ties its output layer to the word embeddings, as ELECTRA does; "
+                        "an untied decoder cannot be represented.")
   return flax.traverse_util.unflatten_dict(flat)
 
 
@@ -344,10 +264,8 @@ def hf_weights_from_params(model, kind: str, params) -> dict[str, np.ndarray]:
     )
   for path, shape in shapes.items():
     if tuple(np.shape(flat[path])) != shape:
-      raise ConfigError(
-          f"Parameter {'/'.join(path)} has shape {tuple(np.shape(flat[path]))}, but the "
-          f"{type(model).__name__} expects {shape}."
-      )
+      raise ConfigError(f"Parameter {'/'.join(path)} has shape {tuple(np.shape(flat[path]))}, but the "
+                        f"{type(model).__name__} expects {shape}.")
   tensors = {}
   for w in weight_names(kind, model):
     array = np.asarray(flat[w.path], dtype=np.float32)
@@ -357,21 +275,14 @@ def hf_weights_from_params(model, kind: str, params) -> dict[str, np.ndarray]:
   return tensors
 
 
-# ---------------------------------------------------------------------------------------
-# The API
-# ---------------------------------------------------------------------------------------
 def load_hf(path: str):
-  """(model, params) from a transformers ELECTRA directory (config.json and model.safetensors
-  or pytorch_model.bin). ElectraForPreTraining gives an ElectraDiscriminatorModel,
-  ElectraForMaskedLM an ElectraGeneratorModel, ElectraModel an ElectraEncoderModel (last
-  hidden states). The model computes in float32; `model.clone(dtype=jnp.bfloat16)` changes
-  that. `params` holds float32 numpy arrays: apply with model.apply({"params": params}, ids)."""
+  """(model, params) from a transformers ELECTRA directory: ElectraForPreTraining gives an
+  ElectraDiscriminatorModel, ElectraForMaskedLM an ElectraGeneratorModel, ElectraModel an
+  ElectraEncoderModel. The model computes in float32; `params` holds float32 numpy arrays."""
   config_path = os.path.join(path, "config.json")
   if not os.path.isfile(config_path):
-    raise ConfigError(
-        f"{path} has no config.json; point load_hf at a directory written by save_pretrained "
-        "(or save_hf)."
-    )
+    raise ConfigError(f"{path} has no config.json; point load_hf at a directory written by save_pretrained "
+                      "(or save_hf).")
   try:
     with open(config_path, encoding="utf-8-sig") as f:
       hf_config = json.load(f)
@@ -386,31 +297,21 @@ def load_hf(path: str):
   return model, params_from_hf_weights(model, kind, weights, path, decoder_tied)
 
 
-def save_hf(
-    model, params, out_dir: str, kind: str | None = None, vocab_file: str | None = None,
-    pad_token_id: int = _PAD_ID,
-) -> str:
-  """Writes config.json and model.safetensors to `out_dir` so that transformers'
-  ElectraForPreTraining / ElectraForMaskedLM / ElectraModel.from_pretrained(out_dir) loads
-  every weight. `model` is a standalone model (`kind` then defaults to its own and must agree)
-  or an ElectraPretrainer with `params` its {embeddings, generator, discriminator} tree (then
-  `kind` picks the tower). `vocab_file`, if given, is copied into `out_dir` unchanged (no
-  tokenizer config is written). `pad_token_id` goes into config.json (the [PAD] id of the
-  vocabulary; 0 in every electra-jax tokenizer and in BERT's vocab.txt). Returns `out_dir`."""
+def save_hf(model, params, out_dir: str, kind: str | None = None, vocab_file: str | None = None,
+            pad_token_id: int = _PAD_ID) -> str:
+  """Writes config.json and model.safetensors to `out_dir` for transformers' from_pretrained.
+  `model` is a standalone model, or an ElectraPretrainer whose tower `kind` picks; `vocab_file`,
+  if given, is copied beside them unchanged. Returns `out_dir`."""
   if isinstance(model, models.ElectraPretrainer):
     if kind not in models.TOWER_MODELS:
-      raise ConfigError(
-          f"kind={kind!r}: exporting an ElectraPretrainer needs kind='discriminator' or "
-          "'generator' (the tower to write)."
-      )
+      raise ConfigError(f"kind={kind!r}: exporting an ElectraPretrainer needs kind='discriminator' or "
+                        "'generator' (the tower to write).")
     model, params = models.tower_from_pretrainer(model, params, kind)
   model_kind = kind_of(model)
   check_hf_form(model.config)
   if kind is not None and kind != model_kind:
-    raise ConfigError(
-        f"kind={kind!r} does not match the {type(model).__name__} (a {model_kind}); leave kind "
-        "out or pass the matching model."
-    )
+    raise ConfigError(f"kind={kind!r} does not match the {type(model).__name__} (a {model_kind}); leave kind "
+                      "out or pass the matching model.")
   tensors = hf_weights_from_params(model, model_kind, params)
   if vocab_file is not None and not os.path.isfile(vocab_file):
     raise ConfigError(f"vocab_file={vocab_file!r} does not exist; pass the vocabulary's path or None.")
@@ -418,9 +319,7 @@ def save_hf(
   config_text = json.dumps(hf_config_of(model, model_kind, pad_token_id), indent=2, sort_keys=True) + "\n"
   pathlib.Path(out_dir, "config.json").write_text(config_text)
   # The metadata save_pretrained writes; transformers 4.x checks it when loading.
-  safetensors.numpy.save_file(
-      tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"}
-  )
+  safetensors.numpy.save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
   if vocab_file is not None:
     shutil.copyfile(vocab_file, os.path.join(out_dir, os.path.basename(vocab_file)))
   return out_dir

@@ -43,10 +43,7 @@ class ImportedPair:
 def read_tokenizer_settings(directory: str) -> tuple[bool | None, bool | None]:
   """(do_lower_case, strip_accents) from a Hugging Face tokenizer_config.json, if any."""
   path = os.path.join(directory, "tokenizer_config.json")
-  if not os.path.isfile(path):
-    return None, None
-  with open(path) as f:
-    settings = json.load(f)
+  settings = json.loads(pathlib.Path(path).read_text()) if os.path.isfile(path) else {}
   return settings.get("do_lower_case"), settings.get("strip_accents")
 
 
@@ -57,22 +54,16 @@ def pair_from_hf(discriminator_dir: str, generator_dir: str) -> ImportedPair:
     model, params = hf.load_hf(directory)
     kind = hf.kind_of(model)
     if kind != expected:
-      raise ConfigError(
-          f"{directory} holds an {hf.ARCHITECTURE_OF_KIND[kind]}, but --hf_{expected} needs an "
-          f"{hf.ARCHITECTURE_OF_KIND[expected]} (its config.json \"architectures\")."
-      )
+      raise ConfigError(f"{directory} holds an {hf.ARCHITECTURE_OF_KIND[kind]}, but --hf_{expected} needs an "
+                        f"{hf.ARCHITECTURE_OF_KIND[expected]} (its config.json \"architectures\").")
     towers[expected] = (model, params)
   vocab_file = _vocabulary_beside((discriminator_dir, generator_dir), "vocab.txt")
-  # electra-jax's exports of a sentencepiece run carry spm.model instead (transformers has no
-  # ELECTRA tokenizer for it).
+  # electra-jax's exports of a sentencepiece run carry spm.model instead.
   spm_file = _vocabulary_beside((discriminator_dir, generator_dir), "spm.model")
-  lowercase, strip_accents = read_tokenizer_settings(discriminator_dir)
   return ImportedPair(
-      *towers["discriminator"], *towers["generator"],
-      vocab_file=vocab_file, lowercase=lowercase, strip_accents=strip_accents,
+      *towers["discriminator"], *towers["generator"], vocab_file, *read_tokenizer_settings(discriminator_dir),
       source=f"Hugging Face: discriminator {discriminator_dir}, generator {generator_dir}",
-      spm_model_file=None if vocab_file else spm_file,
-  )
+      spm_model_file=None if vocab_file else spm_file)
 
 
 def _vocabulary_beside(directories, name: str) -> str | None:
@@ -80,10 +71,8 @@ def _vocabulary_beside(directories, name: str) -> str | None:
   two differ."""
   paths = [path for directory in directories if (path := _file_beside(directory, name))]
   if len(paths) == 2 and pathlib.Path(paths[0]).read_bytes() != pathlib.Path(paths[1]).read_bytes():
-    raise ConfigError(
-        f"{paths[0]} and {paths[1]} differ: the two towers were trained with different "
-        "vocabularies and cannot share one embedding table."
-    )
+    raise ConfigError(f"{paths[0]} and {paths[1]} differ: the two towers were trained with different "
+                      "vocabularies and cannot share one embedding table.")
   return paths[0] if paths else None
 
 
@@ -108,45 +97,29 @@ def pair_from_tf(path: str, vocab_file: str | None = None, num_heads: int | None
     vocab_file = _file_beside(os.path.dirname(prefix), "vocab.txt")
   elif not os.path.isfile(vocab_file):
     raise ConfigError(f"--vocab_file={vocab_file} does not exist; give the checkpoint's vocab.txt.")
-  return ImportedPair(
-      *towers["discriminator"], *towers["generator"],
-      vocab_file=vocab_file, lowercase=None, strip_accents=None,
-      source=f"TensorFlow checkpoint {prefix}",
-  )
+  return ImportedPair(*towers["discriminator"], *towers["generator"], vocab_file, lowercase=None, strip_accents=None,
+                      source=f"TensorFlow checkpoint {prefix}")
 
 
 def _shared_embeddings(pair: ImportedPair, embeddings_from: str | None) -> dict:
   """The one embedding tree both towers will read: the towers' own when they are equal,
-  else the one `embeddings_from` names (refused without it, saying what differs)."""
+  else the one `embeddings_from` names (refused without it, saying what differs). The shapes
+  are equal: _model_config checked the sizes they follow."""
   disc = flax.traverse_util.flatten_dict(pair.discriminator_params["embeddings"], sep="/")
   gen = flax.traverse_util.flatten_dict(pair.generator_params["embeddings"], sep="/")
-  differences = []
-  for name in sorted(disc):
-    if disc[name].shape != gen[name].shape:
-      differences.append(f"{name}: shape {disc[name].shape} vs {gen[name].shape}")
-    elif not np.array_equal(disc[name], gen[name]):
-      diff = float(np.max(np.abs(disc[name] - gen[name])))
-      differences.append(f"{name}: max |difference| {diff:.3g}")
+  differences = [f"{name}: max |difference| {float(np.max(np.abs(disc[name] - gen[name]))):.3g}"
+                 for name in sorted(disc) if not np.array_equal(disc[name], gen[name])]
   if not differences:
     logging.info("The discriminator's and generator's embeddings are equal: one shared table.")
     return pair.discriminator_params["embeddings"]
   if embeddings_from is None:
-    raise ConfigError(
-        f"The discriminator's and generator's embeddings differ ({'; '.join(differences)}), but "
-        "electra-jax shares ONE embedding tree between the towers. Pass "
-        "--hf_embeddings_from=discriminator (or generator) to keep that tower's embeddings for both."
-    )
+    raise ConfigError(f"The discriminator's and generator's embeddings differ ({'; '.join(differences)}), but "
+                      "electra-jax shares ONE embedding tree between the towers. Pass --hf_embeddings_from="
+                      "discriminator (or generator) to keep that tower's embeddings for both.")
   if embeddings_from not in EMBEDDINGS_CHOICES:
     raise ConfigError(f"embeddings_from={embeddings_from!r} is not one of {list(EMBEDDINGS_CHOICES)}.")
-  if any("shape" in d for d in differences):
-    raise ConfigError(
-        f"The towers' embeddings have different shapes ({'; '.join(differences)}); one table "
-        "cannot serve both."
-    )
-  logging.warning(
-      "The towers' embeddings differ (%s); both will use the %s's, as --hf_embeddings_from asks.",
-      "; ".join(differences), embeddings_from,
-  )
+  logging.warning("The towers' embeddings differ (%s); both will use the %s's, as --hf_embeddings_from asks.",
+                  "; ".join(differences), embeddings_from)
   return getattr(pair, f"{embeddings_from}_params")["embeddings"]
 
 
@@ -154,47 +127,27 @@ def _model_config(pair: ImportedPair) -> dict:
   """config.model values that build exactly these two towers, or a ConfigError naming the
   generator size electra-jax cannot derive from one `generator_fraction`."""
   disc, gen = pair.discriminator, pair.generator
-  for field in ("vocab_size", "embedding_size", "max_position_embeddings", "type_vocab_size"):
+  for field in hf.MODEL_KEYS:
     if getattr(disc, field) != getattr(gen, field):
-      raise ConfigError(
-          f"The discriminator has {field}={getattr(disc, field)} but the generator "
-          f"{getattr(gen, field)}; towers sharing one embedding table must agree on it."
-      )
+      raise ConfigError(f"The discriminator has {field}={getattr(disc, field)} but the generator "
+                        f"{getattr(gen, field)}; towers sharing one embedding table must agree on it.")
   fraction = gen.config.hidden_size / disc.config.hidden_size
   try:
     derived = models.generator_encoder_config(disc.config, fraction) if fraction <= 1 else None
   except ConfigError:  # no whole number of discriminator-sized heads
     derived = None
   if derived != gen.config:
-    mismatched = (
-        f"hidden_size={gen.config.hidden_size}, num_heads={gen.config.num_heads}" if derived is None else ", ".join(
-            f"{f.name}={getattr(gen.config, f.name)} (derived: {getattr(derived, f.name)})"
-            for f in dataclasses.fields(models.EncoderConfig)
-            if getattr(gen.config, f.name) != getattr(derived, f.name)
-        )
-    )
-    raise ConfigError(
-        f"The generator's sizes are not what electra-jax derives from the discriminator and "
-        f"generator_fraction={fraction:.6g} (same depth and head size, FFN and dropout scaled "
-        f"alike, as the official code builds it): {mismatched}. This pair cannot be represented."
-    )
-  return dict(
-      vocab_size=disc.vocab_size,
-      embedding_size=disc.embedding_size,
-      max_position_embeddings=disc.max_position_embeddings,
-      type_vocab_size=disc.type_vocab_size,
-      hidden_size=disc.config.hidden_size,
-      num_layers=disc.config.num_layers,
-      num_heads=disc.config.num_heads,
-      intermediate_size=disc.config.intermediate_size,
-      dropout_rate=disc.config.dropout_rate,
-      attention_dropout_rate=disc.config.attention_dropout_rate,
-      layer_norm_eps=disc.config.layer_norm_eps,
-      # Hugging Face and TF1 ELECTRA towers always have the encoder options' defaults (one
-      # list of them, hf.HF_ENCODER_FORM): a recipe asking for others gets these, logged as changed.
-      **{field: getattr(disc.config, field) for field, _, _ in hf.HF_ENCODER_FORM},
-      generator_fraction=fraction,
-  )
+    mismatched = f"hidden_size={gen.config.hidden_size}, num_heads={gen.config.num_heads}" if derived is None else (
+        ", ".join(f"{f.name}={getattr(gen.config, f.name)} (derived: {getattr(derived, f.name)})"
+                  for f in dataclasses.fields(derived) if getattr(gen.config, f.name) != getattr(derived, f.name)))
+    raise ConfigError(f"The generator's sizes are not what electra-jax derives from the discriminator and "
+                      f"generator_fraction={fraction:.6g} (same depth and head size, FFN and dropout scaled alike, "
+                      f"as the official code builds it): {mismatched}. This pair cannot be represented.")
+  # config.model names the encoder's fields as EncoderConfig does. Hugging Face and TF1 towers always
+  # have the encoder options' defaults (hf.HF_ENCODER_FORM): a recipe asking for others gets these.
+  encoder_fields = [*hf.ENCODER_FIELDS.values(), *(field for field, _, _ in hf.HF_ENCODER_FORM)]
+  return {**{key: getattr(disc, key) for key in hf.MODEL_KEYS},
+          **{field: getattr(disc.config, field) for field in encoder_fields}, "generator_fraction": fraction}
 
 
 def _data_config(pair: ImportedPair, config, workdir: str) -> dict:
@@ -210,23 +163,16 @@ def _data_config(pair: ImportedPair, config, workdir: str) -> dict:
     return {"tokenizer": "sentencepiece", "spm_model_file": copy_into_workdir(pair.spm_model_file, "spm.model")}
   if pair.vocab_file is None:
     if config.data.tokenizer == "wordpiece" and config.data.vocab_file:
-      logging.warning(
-          "%s has no vocab.txt; using data.vocab_file=%s. The ids must mean what they meant in "
-          "pre-training.", pair.source, config.data.vocab_file,
-      )
+      logging.warning("%s has no vocab.txt; using data.vocab_file=%s. The ids must mean what they meant in "
+                      "pre-training.", pair.source, config.data.vocab_file)
       return {}
-    raise ConfigError(
-        f"{pair.source}: no vocab.txt (or spm.model) beside the weights, so the token ids would mean nothing. "
-        "Put the model's vocab.txt there, or pass --config.data.tokenizer=wordpiece "
-        "--config.data.vocab_file=PATH."
-    )
+    raise ConfigError(f"{pair.source}: no vocab.txt (or spm.model) beside the weights, so the token ids would mean "
+                      "nothing. Put the model's vocab.txt there, or pass --config.data.tokenizer=wordpiece "
+                      "--config.data.vocab_file=PATH.")
   data.WordPieceTokenizer(pair.vocab_file)  # refuses a vocabulary without ELECTRA's special tokens, before the copy
-  values = {"tokenizer": "wordpiece", "vocab_file": copy_into_workdir(pair.vocab_file, "vocab.txt")}
-  if pair.lowercase is not None:
-    values["lowercase"] = bool(pair.lowercase)
-  if pair.strip_accents is not None:
-    values["strip_accents"] = bool(pair.strip_accents)
-  return values
+  recorded = {"lowercase": pair.lowercase, "strip_accents": pair.strip_accents}
+  return {"tokenizer": "wordpiece", "vocab_file": copy_into_workdir(pair.vocab_file, "vocab.txt"),
+          **{key: bool(value) for key, value in recorded.items() if value is not None}}
 
 
 def _check_pair_fills(imported: dict, wanted: dict, config) -> None:
@@ -236,22 +182,15 @@ def _check_pair_fills(imported: dict, wanted: dict, config) -> None:
     return
   name = next(n for n in sorted(set(imported) | set(wanted)) if imported.get(n) != wanted.get(n))
   raise ConfigError(
-      f"The recipe's model is not the one an imported pair fills: parameter {name!r} is "
-      f"{wanted.get(name, 'absent')} in it but {imported.get(name, 'absent')} in the pair "
-      f"(objective.name={config.objective.get('name', 'electra')!r}, "
-      f"model.tie={config.model.get('tie', 'embeddings')!r}). "
-      "A generator and discriminator over one embedding tree are what objective.name electra, "
-      "electra_15, two_stage or adversarial train with model.tie='embeddings' (the defaults): import "
-      "with those. Nothing was written."
-  )
+      f"The recipe's model is not the one an imported pair fills: parameter {name!r} is {wanted.get(name, 'absent')} "
+      f"in it but {imported.get(name, 'absent')} in the pair (objective.name={config.objective.name!r}, "
+      f"model.tie={config.model.tie!r}). A generator and discriminator over one embedding tree are what "
+      "objective.name electra, electra_15, two_stage or adversarial train with model.tie='embeddings' (the "
+      "defaults): import with those. Nothing was written.")
 
 
-def write_pretraining_workdir(
-    pair: ImportedPair,
-    config: ml_collections.ConfigDict,
-    workdir: str,
-    embeddings_from: str | None = None,
-) -> dict:
+def write_pretraining_workdir(pair: ImportedPair, config: ml_collections.ConfigDict, workdir: str,
+                              embeddings_from: str | None = None) -> dict:
   """Writes <workdir>/config.json (`config` with the model group of the pair, and the pair's
   vocabulary) and a step-0 checkpoint holding both towers over one embedding tree, with a
   fresh optimizer state. Refuses a workdir that already has checkpoints. Returns a summary."""
@@ -260,67 +199,46 @@ def write_pretraining_workdir(
   # A step's directory is its number; "<step>.orbax-checkpoint-tmp" is a save that never
   # finished (an import killed mid-way), which orbax removes: not a checkpoint.
   if os.path.isdir(checkpoints_dir) and any(name.isdigit() for name in os.listdir(checkpoints_dir)):
-    raise ConfigError(
-        f"{workdir} already holds checkpoints; import into a new --workdir (nothing was changed)."
-    )
+    raise ConfigError(f"{workdir} already holds checkpoints; import into a new --workdir (nothing was changed).")
   model_values = _model_config(pair)
   embeddings = _shared_embeddings(pair, embeddings_from)
   config = copy.deepcopy(config)  # the caller's config stays as it was
   changed = {k: (config.model[k], v) for k, v in model_values.items() if config.model[k] != v}
-  for key, value in model_values.items():
-    config.model[key] = value
+  config.model.update(model_values)
   if changed:
-    logging.info(
-        "Model sizes taken from the imported weights: %s",
-        ", ".join(f"model.{k}={new} (recipe: {old})" for k, (old, new) in sorted(changed.items())),
-    )
+    logging.info("Model sizes taken from the imported weights: %s",
+                 ", ".join(f"model.{k}={new} (recipe: {old})" for k, (old, new) in sorted(changed.items())))
   config_lib.validate(config)
-  params = {
-      "embeddings": embeddings,
-      "generator": pair.generator_params["generator"],
-      "discriminator": pair.discriminator_params["discriminator"],
-  }
-  if config.model.get("scan_layers", False):  # the recipe trains scanned layers
+  params = {"embeddings": embeddings, "generator": pair.generator_params["generator"],
+            "discriminator": pair.discriminator_params["discriminator"]}
+  if config.model.scan_layers:  # the recipe trains scanned layers
     params = models.scan_layers(params)
   # The recipe's model must be the one the pair fills, before anything is written.
   _check_pair_fills(train.param_shapes(params), one_device_setup(config)[1].param_shapes, config)
   os.makedirs(workdir, exist_ok=True)
-  for key, value in _data_config(pair, config, workdir).items():
-    config.data[key] = value
+  config.data.update(_data_config(pair, config, workdir))
   tokenizer = data.load_tokenizer(config.data)
   if tokenizer.vocab_size > config.model.vocab_size:
-    raise ConfigError(
-        f"The vocabulary has {tokenizer.vocab_size} tokens but the imported model only "
-        f"{config.model.vocab_size} rows of embeddings; this is not the model's vocabulary."
-    )
+    raise ConfigError(f"The vocabulary has {tokenizer.vocab_size} tokens but the imported model only "
+                      f"{config.model.vocab_size} rows of embeddings; this is not the model's vocabulary.")
 
   mesh, setup = one_device_setup(config, tokenizer)
   with partitioning.activate(mesh):
-    fresh = jax.jit(
-        lambda r: flax.linen.meta.unbox(setup.init_fn(r)), out_shardings=setup.state_shardings
-    )(jax.random.key(config.train.seed))
+    fresh = jax.jit(lambda r: flax.linen.meta.unbox(setup.init_fn(r)),
+                    out_shardings=setup.state_shardings)(jax.random.key(config.train.seed))
     params = jax.device_put(params, setup.state_shardings.params)
     state = fresh.replace(params=params, opt_state=fresh.tx.init(params))
 
   checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
   try:
     # No data fingerprint yet: the first training save binds the checkpoints to their data.
-    meta = {
-        "param_shapes": setup.param_shapes,
-        "data_fingerprint": None,
-        "tokenizer_fingerprint": tokenizer.fingerprint,
-        "imported_from": pair.source,
-    }
-    checkpointer.save(0, state, meta)
+    checkpointer.save(0, state, {"param_shapes": setup.param_shapes, "data_fingerprint": None,
+                                 "tokenizer_fingerprint": tokenizer.fingerprint, "imported_from": pair.source})
     checkpointer.wait()
   finally:
     checkpointer.close()
   config_path = os.path.join(workdir, "config.json")
   atomic_write_bytes(config_path, config_lib.config_file_text(config).encode())
-  return {
-      "workdir": workdir,
-      "config": config_path,
-      "vocab_file": config.data.vocab_file or config.data.spm_model_file,
-      "num_params": int(sum(np.prod(s) for s in setup.param_shapes.values())),
-      "generator_fraction": config.model.generator_fraction,
-  }
+  return {"workdir": workdir, "config": config_path, "vocab_file": config.data.vocab_file or config.data.spm_model_file,
+          "num_params": int(sum(np.prod(s) for s in setup.param_shapes.values())),
+          "generator_fraction": config.model.generator_fraction}

@@ -1,14 +1,12 @@
 """Official ELECTRA TF1 checkpoints (`model.ckpt-N`, both towers) read without TensorFlow: the V2
 tensor bundle's `<prefix>.index` (a LevelDB table of name -> protobuf entry) and its raw
-`<prefix>.data-*` files, mapped onto the standalone towers. Optimizer slots are skipped.
-
-Names are the official code's: `electra/embeddings/*` is the table both towers read, `electra/...`
-the discriminator, `generator/...` the generator, `*_predictions/*` the heads."""
+`<prefix>.data-*` files, mapped onto the standalone towers. Optimizer slots are skipped."""
 
 from __future__ import annotations
 
-import dataclasses
+import collections
 import os
+import pathlib
 import re
 import struct
 
@@ -16,7 +14,6 @@ import flax
 import jax.numpy as jnp
 import numpy as np
 
-from electra_jax import models
 from electra_jax.errors import ConfigError
 from electra_jax.interop import hf, weight_files
 
@@ -37,9 +34,7 @@ _UNSUPPORTED_SCOPES = {
 }
 
 
-# ---------------------------------------------------------------------------------------
-# Protocol buffers and LevelDB tables: just what a tensor bundle index uses
-# ---------------------------------------------------------------------------------------
+# Protocol buffers and LevelDB tables: just what a tensor bundle index uses.
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
   result, shift = 0, 0
   while True:
@@ -93,10 +88,8 @@ def _read_block(data: bytes, handle: bytes, source: str) -> bytes:
   offset, pos = _varint(handle, 0)
   size, _ = _varint(handle, pos)
   if data[offset + size] != 0:
-    raise ConfigError(
-        f"{source}: a compressed index block (type {data[offset + size]}); TensorFlow writes "
-        "checkpoint indexes uncompressed, so this file is not a TF checkpoint index."
-    )
+    raise ConfigError(f"{source}: a compressed index block (type {data[offset + size]}); TensorFlow writes "
+                      "checkpoint indexes uncompressed, so this file is not a TF checkpoint index.")
   return data[offset : offset + size]
 
 
@@ -111,13 +104,7 @@ def _table_items(data: bytes, source: str):
     yield from _block_entries(_read_block(data, handle, source))
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorEntry:
-  dtype: int
-  shape: tuple[int, ...]
-  shard: int
-  offset: int
-  size: int
+TensorEntry = collections.namedtuple("TensorEntry", "dtype shape shard offset size")
 
 
 def _tensor_entry(value: bytes) -> TensorEntry:
@@ -139,19 +126,17 @@ class TFCheckpoint:
     self.prefix = prefix
     index_path = prefix + ".index"
     try:
-      with open(index_path, "rb") as f:
-        index = f.read()
+      index = pathlib.Path(index_path).read_bytes()
     except OSError as e:
       raise ConfigError(f"Cannot read the checkpoint index {index_path} ({e}).") from e
     self.num_shards = 1
     self.entries: dict[str, TensorEntry] = {}
     for key, value in _table_items(index, index_path):
-      if key == b"":  # BundleHeaderProto
-        for field, v in _proto_fields(value):
-          if field == 1:
-            self.num_shards = v
-          elif field == 2 and v != 0:
-            raise ConfigError(f"{index_path}: a big-endian checkpoint; only little-endian is read.")
+      if key == b"":  # BundleHeaderProto: 1 num_shards, 2 endianness (0: little)
+        header = dict(_proto_fields(value))
+        self.num_shards = header.get(1, 1)
+        if header.get(2, 0) != 0:
+          raise ConfigError(f"{index_path}: a big-endian checkpoint; only little-endian is read.")
       else:
         self.entries[key.decode("utf-8")] = _tensor_entry(value)
 
@@ -162,9 +147,7 @@ class TFCheckpoint:
     dtype = np.dtype(_DTYPES[entry.dtype])
     count = int(np.prod(entry.shape, dtype=np.int64))
     if count * dtype.itemsize != entry.size:
-      raise ConfigError(
-          f"{self.prefix}: {name} claims shape {entry.shape} of {dtype} but {entry.size} bytes."
-      )
+      raise ConfigError(f"{self.prefix}: {name} claims shape {entry.shape} of {dtype} but {entry.size} bytes.")
     path = f"{self.prefix}.data-{entry.shard:05d}-of-{self.num_shards:05d}"
     try:
       with open(path, "rb") as f:
@@ -180,8 +163,7 @@ class TFCheckpoint:
 def resolve_prefix(path: str) -> str:
   """`model.ckpt-N` from a prefix, its .index file, or a directory (its `checkpoint` file's
   latest entry, else the highest-numbered model.ckpt-N there)."""
-  if path.endswith(".index"):
-    path = path[: -len(".index")]
+  path = path.removesuffix(".index")
   if os.path.isfile(path + ".index"):
     return path
   if os.path.isdir(path):
@@ -189,27 +171,16 @@ def resolve_prefix(path: str) -> str:
     if os.path.isfile(state):
       with open(state) as f:
         match = re.search(r'^model_checkpoint_path:\s*"([^"]+)"', f.read(), re.MULTILINE)
-      if match:
-        candidate = match.group(1)
-        candidate = candidate if os.path.isabs(candidate) else os.path.join(path, candidate)
-        if os.path.isfile(candidate + ".index"):
-          return candidate
-    steps = [
-        (int(m.group(1)), name[: -len(".index")])
-        for name in os.listdir(path)
-        if (m := re.fullmatch(r"model\.ckpt-(\d+)\.index", name))
-    ]
+      if match and os.path.isfile(os.path.join(path, match.group(1)) + ".index"):
+        return os.path.join(path, match.group(1))  # relative to `path`, or absolute
+    steps = [(int(m.group(1)), name.removesuffix(".index"))
+             for name in os.listdir(path) if (m := re.fullmatch(r"model\.ckpt-(\d+)\.index", name))]
     if steps:
       return os.path.join(path, max(steps)[1])
-  raise ConfigError(
-      f"{path} is not a TensorFlow checkpoint: give the prefix (e.g. electra_small/model.ckpt-1000000), "
-      "its .index file, or the directory holding it."
-  )
+  raise ConfigError(f"{path} is not a TensorFlow checkpoint: give the prefix (e.g. "
+                    "electra_small/model.ckpt-1000000), its .index file, or the directory holding it.")
 
 
-# ---------------------------------------------------------------------------------------
-# Official names <-> our parameter paths
-# ---------------------------------------------------------------------------------------
 _HEAD_RENAMES = {
     "generator_lm_head.bias": "generator_predictions/output_bias",
     "discriminator_predictions.dense_prediction.weight": "discriminator_predictions/dense_1/kernel",
@@ -242,38 +213,31 @@ def official_name(hf_name: str, tower: str) -> str:
 def _layer_count(names, scope: str) -> int:
   layers = {int(m.group(1)) for n in names if (m := re.match(rf"{scope}/encoder/layer_(\d+)/", n))}
   if not layers:
-    raise ConfigError(f"The checkpoint has no {scope}/encoder/layer_* variables; it is not an ELECTRA pre-training checkpoint.")
+    raise ConfigError(f"The checkpoint has no {scope}/encoder/layer_* variables; it is not an ELECTRA "
+                      "pre-training checkpoint.")
   if layers != set(range(len(layers))):
     raise ConfigError(f"The checkpoint's {scope} layers are {sorted(layers)}, not 0..{max(layers)}.")
   return len(layers)
 
 
 def _tower_model(ckpt: TFCheckpoint, scope: str, kind: str, num_heads: int | None):
-  """A standalone tower sized from the checkpoint's shapes. Heads are not in the shapes: the
-  official code uses max(1, hidden // 64) (or `num_heads`, for a checkpoint trained with
-  other model_hparam_overrides)."""
+  """A standalone tower sized from the checkpoint's shapes (dropout and epsilon: the official
+  defaults, which are transformers'). Heads are not in the shapes: the official code uses
+  max(1, hidden // 64), or `num_heads` for a checkpoint trained with model_hparam_overrides."""
   shape = lambda name: ckpt.entries[name].shape
   vocab, embedding = shape("electra/embeddings/word_embeddings")
   hidden = shape(f"{scope}/encoder/layer_0/attention/self/query/kernel")[1]
   heads = num_heads or max(1, hidden // 64)
   if hidden % heads:
-    raise ConfigError(f"The {kind}'s hidden size {hidden} does not split into {heads} heads; pass the right head count.")
-  config = models.EncoderConfig(
-      hidden_size=hidden,
-      num_layers=_layer_count(ckpt.entries, scope),
-      num_heads=heads,
-      intermediate_size=shape(f"{scope}/encoder/layer_0/intermediate/dense/kernel")[1],
-      dropout_rate=0.1,  # the official defaults (BertConfig)
-      attention_dropout_rate=0.1,
-      layer_norm_eps=1e-12,  # tf.contrib.layers.layer_norm's epsilon
-  )
-  return hf.MODEL_CLASSES[kind](
-      vocab_size=vocab,
-      embedding_size=embedding,
-      max_position_embeddings=shape("electra/embeddings/position_embeddings")[0],
-      type_vocab_size=shape("electra/embeddings/token_type_embeddings")[0],
-      config=config,
-  )
+    raise ConfigError(f"The {kind}'s hidden size {hidden} does not split into {heads} heads; pass the right "
+                      "head count.")
+  return hf.model_from_hf_config({
+      "architectures": [hf.ARCHITECTURE_OF_KIND[kind]], "vocab_size": vocab, "embedding_size": embedding,
+      "hidden_size": hidden, "num_hidden_layers": _layer_count(ckpt.entries, scope), "num_attention_heads": heads,
+      "intermediate_size": shape(f"{scope}/encoder/layer_0/intermediate/dense/kernel")[1],
+      "max_position_embeddings": shape("electra/embeddings/position_embeddings")[0],
+      "type_vocab_size": shape("electra/embeddings/token_type_embeddings")[0],
+  }, ckpt.prefix)[1]
 
 
 def read_towers(prefix: str, num_heads: int | None = None):
@@ -286,10 +250,8 @@ def read_towers(prefix: str, num_heads: int | None = None):
   if "electra/embeddings/word_embeddings" not in ckpt.entries:
     raise ConfigError(f"{prefix} has no electra/embeddings/word_embeddings: not an ELECTRA checkpoint.")
   if not any(name.startswith("generator/") for name in ckpt.entries):
-    raise ConfigError(
-        f"{prefix} has no generator/ variables. Official pre-training checkpoints hold both towers; "
-        "a fine-tuned or discriminator-only checkpoint cannot continue pre-training."
-    )
+    raise ConfigError(f"{prefix} has no generator/ variables. Official pre-training checkpoints hold both towers; "
+                      "a fine-tuned or discriminator-only checkpoint cannot continue pre-training.")
   used, towers = set(), {}
   for kind, scope in (("discriminator", "electra"), ("generator", "generator")):
     if kind == "generator":  # the discriminator's head size, as the official code sizes it
@@ -310,8 +272,6 @@ def read_towers(prefix: str, num_heads: int | None = None):
     towers[kind] = (model, flax.traverse_util.unflatten_dict(flat))
   leftover = sorted(n for n in ckpt.entries if n not in used and not _OPTIMIZER_SLOT.search(n))
   if leftover:
-    raise ConfigError(
-        f"{prefix} holds variables electra-jax has no place for: {leftover[:8]}"
-        f"{' ...' if len(leftover) > 8 else ''}. It may come from another objective or model."
-    )
+    raise ConfigError(f"{prefix} holds variables electra-jax has no place for: {leftover[:8]}"
+                      f"{' ...' if len(leftover) > 8 else ''}. It may come from another objective or model.")
   return towers
