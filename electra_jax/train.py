@@ -318,9 +318,7 @@ def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
   abstract_state = jax.tree.map(
       lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), nn.meta.unbox(boxed_shapes), state_shardings
   )
-  return TrainingSetup(
-      model, objective, init_fn, state_shardings, abstract_state, param_shapes(boxed_shapes.params)
-  )
+  return TrainingSetup(model, objective, init_fn, state_shardings, abstract_state, param_shapes(boxed_shapes.params))
 
 
 def batch_keys(config) -> tuple[str, ...]:
@@ -481,12 +479,10 @@ class _Preemption:
         )
         self._collective = False
       return self
-    try:
+    with contextlib.suppress(ValueError):  # not the main thread (some notebook runners): no handler then
       self._previous = signal.signal(signal.SIGTERM, self._handle)
       # A first Ctrl-C saves at the end of the step too; a second one stops at once.
       self._previous_interrupt = signal.signal(signal.SIGINT, self._handle)
-    except ValueError:  # not the main thread (some notebook runners): no handler then
-      self._previous = None
     return self
 
   def _handle(self, signum, frame):
@@ -877,20 +873,19 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
     # Batches are read and gathered on a background thread, a step or two ahead.
     with _Preemption() as preemption, data.Prefetcher(fetch, start_step, stop_step=total_steps) as batches:
       while step < total_steps:
+        # Several steps in one call where they fit before the next log, eval or checkpoint step.
         to_boundary = min([*(p - step % p for p in _periods(config).values()), total_steps - step])
-        if compiled_steps is not None and to_boundary >= steps_per_call:
-          # Several steps in one call; a call never crosses a log, eval or checkpoint step.
-          local = [next(batches) for _ in range(steps_per_call)]
+        num_steps = steps_per_call if compiled_steps is not None and to_boundary >= steps_per_call else 1
+        if num_steps > 1:
+          local = [next(batches) for _ in range(num_steps)]
           stacked = {name: np.stack([b[name] for b in local]) for name in keys}
           batch = partitioning.global_batch_from_local(stacked, mesh, stacked=True)
-          state, metrics = compiled_steps(state, batch, step_rngs(seed, step, steps_per_call))
-          step += steps_per_call
-          window_steps += steps_per_call
+          state, metrics = compiled_steps(state, batch, step_rngs(seed, step, num_steps))
         else:
           batch = partitioning.global_batch_from_local(next(batches), mesh, keys=keys)
           state, metrics = compiled_step(state, batch, step_rng(seed, step))
-          step += 1
-          window_steps += 1
+        step += num_steps
+        window_steps += num_steps
         window.append(metrics)
         stopping = preemption.stop_after(call)
         call += 1
