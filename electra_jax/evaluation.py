@@ -10,13 +10,9 @@ from electra_jax.errors import ConfigError
 
 
 def eval_step(state, batch, seed_key):
-  """Forward pass without dropout; returns the additive stats and per-token arrays.
-
-  Masks and samples come from a key per held-out example (fold_in of `batch["example_index"]`),
-  so the figures do not depend on the eval batch size or the number of devices. Samples are
-  drawn at the final temperature (objective.temperature), whatever the step's temperature in
-  training (objective.initial_temperature's schedule), so figures compare across checkpoints.
-  """
+  """Forward pass without dropout: (additive stats, per-token arrays). Masks and samples come from
+  a key per held-out example (fold_in of batch["example_index"]), so the figures do not depend on
+  the batch size or device count; samples are drawn at the final temperature, objective.temperature."""
   objective = state.objective
   example_keys = jax.vmap(lambda i: jax.random.fold_in(seed_key, i))(batch["example_index"])
   mask_keys, sample_keys = jnp.moveaxis(jax.vmap(jax.random.split)(example_keys), 1, 0)
@@ -29,27 +25,27 @@ def eval_step(state, batch, seed_key):
       objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective),
   )
   # The parameters as they are (a two_stage discriminator is copied from the generator by the
-  # next train step, not here); the loss it returns is not reported, only the stats.
+  # next train step, not here); only the stats are reported, not the loss.
   _, (stats, per_token) = objectives.electra_forward(
       state.model, state.params, batch, masked, sample_keys, seed_key, objective, normalizers,
-      deterministic=True, second_stage=objectives.in_second_stage(objective, state.step),
+      deterministic=True, step=state.step,
   )
   return stats, per_token
 
 
 class HeldOutEvaluator:
   """Evaluates a train state on the first `eval.num_batches` batches of the held-out split, in
-  order (no shuffle). A short last batch is filled with all-padding rows, which carry no
-  weight, so every held-out example counts exactly once."""
+  order. A short last batch is filled with all-padding rows, which carry no weight, so every
+  held-out example counts exactly once."""
 
   def __init__(self, config, setup, mesh):
     held_out = data.load_pretraining_data(config.data, split="eval")
     batch_size = config.eval.batch_size or config.train.batch_size // config.train.grad_accum_steps
-    shards = partitioning.batch_shards(mesh)
-    if batch_size % shards or batch_size % jax.process_count():
+    shards, processes = partitioning.batch_shards(mesh), jax.process_count()
+    if batch_size % shards or batch_size % processes:
       raise ConfigError(
           f"eval.batch_size={batch_size} is not divisible by the {shards} batch shards "
-          f"(mesh.data * mesh.fsdp) and {jax.process_count()} processes; choose a multiple."
+          f"(mesh.data * mesh.fsdp) and {processes} processes; choose a multiple."
       )
     num_rows = min(held_out.num_rows, config.eval.num_batches * batch_size)
     if num_rows == 0:
@@ -58,27 +54,16 @@ class HeldOutEvaluator:
           "data.eval_fraction or set eval.every_steps=0."
       )
     num_batches = -(-num_rows // batch_size)
-    pad_id = held_out.tokenizer.pad_id
+    local = slice(jax.process_index() * batch_size // processes, (jax.process_index() + 1) * batch_size // processes)
+    self._batches = [{"example_index": np.arange(i * batch_size, (i + 1) * batch_size, dtype=np.int32)[local]}
+                     for i in range(num_batches)]
     # The first rows in storage order (packed rows with data.pack_rows): the same every time.
-    held = data.get_rows(held_out, np.arange(num_rows))
-
-    def rows(array, fill):
+    for name, array in data.get_rows(held_out, np.arange(num_rows)).items():
+      fill = held_out.tokenizer.pad_id if name == "input_ids" else 0
       padded = np.full((num_batches * batch_size, array.shape[1]), fill, np.int32)
       padded[:num_rows] = array
-      return padded.reshape(num_batches, batch_size, -1)
-
-    stacked = {name: rows(array, pad_id if name == "input_ids" else 0) for name, array in held.items()}
-    local = slice(
-        jax.process_index() * batch_size // jax.process_count(),
-        (jax.process_index() + 1) * batch_size // jax.process_count(),
-    )
-    self._batches = [
-        {
-            **{name: array[i, local] for name, array in stacked.items()},
-            "example_index": np.arange(i * batch_size, (i + 1) * batch_size, dtype=np.int32)[local],
-        }
-        for i in range(num_batches)
-    ]
+      for i, batch in enumerate(padded.reshape(num_batches, batch_size, -1)):
+        self._batches[i][name] = batch[local]
     self.num_examples = num_rows
     self._seed = config.eval.seed
     self._keys = data.batch_keys(bool(config.data.pack_rows)) + ("example_index",)

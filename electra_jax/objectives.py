@@ -1,5 +1,5 @@
 """Pre-training objectives as pure functions: masking, Gumbel sampling, corruption, the losses and the
-official metrics, and REGISTRY, which maps objective.name to its forward pass, metrics and config checks.
+official metrics, and REGISTRY, which maps objective.name to its forward pass, metrics, checks and hooks.
 The model enters only through `ElectraPretrainer.apply`."""
 
 import dataclasses
@@ -10,21 +10,19 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 
 from electra_jax import random_ops
 from electra_jax.errors import ConfigError
 
 
-# BERT's masking for objective "mlm": of the chosen positions 80% [MASK], 10% a random token,
-# 10% kept.
+# BERT's masking for objective "mlm": of the chosen positions 80% [MASK], 10% a random token, 10% kept.
 _BERT_KEEP_PROB, _BERT_RANDOM_PROB = 0.1, 0.1
 _STAT_KEYS = (
     "mlm_loss_sum", "mlm_correct", "sampled_correct", "num_predictions", "disc_loss_sum",
     "disc_true_pos", "disc_false_pos", "disc_false_neg", "disc_true_neg", "num_tokens",
     "main_loss_sum", "main_correct", "main_count",
 )
-# What the official code subtracts from the original token's logit when disallow_correct is on.
-_DISALLOW_PENALTY = 1000.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,19 +40,16 @@ class ElectraObjective:
   cls_id: int
   sep_id: int
   name: str = "electra"
-  # Of the chosen positions, the share replaced by a uniformly random token (BERT's 10%).
-  random_token_prob: float = 0.0
-  # The tokenizer's vocabulary (0 = unknown: all of the model's rows). model.vocab_size may be
-  # larger; the generator's softmax, its samples and BERT's random tokens keep to this many ids.
+  random_token_prob: float = 0.0  # of the chosen positions, the share given a random token (BERT's 10%)
+  # The tokenizer's vocabulary (0: all of the model's rows, which may be more): the generator's
+  # softmax, its samples and BERT's random tokens keep to these ids.
   vocab_size: int = 0
   switch_step: int = 0  # two_stage: the first step of the discriminator's stage
   adversarial_mlm_weight: float = 0.0  # adversarial: weight of the generator's L_MLM beside REINFORCE
-  # As the official option: the generator may not sample the original token, so every masked
-  # position is replaced (the original's logit is lowered by 1000 before sampling).
+  # The official option: the original's logit loses 1000 before sampling, so every masked position is replaced.
   disallow_correct: bool = False
-  # The sampling temperature at step 0 (None: `temperature`), falling linearly to
-  # `temperature` at step temperature_decay_steps (0: `temperature` throughout). See
-  # sampling_temperature.
+  # The sampling temperature at step 0 (None: `temperature`), falling linearly to `temperature`
+  # at step temperature_decay_steps (see sampling_temperature).
   initial_temperature: float | None = None
   temperature_decay_steps: int = 0
   # electra / electra_15: the weight of the discriminator's own MLM loss at the masked positions
@@ -76,9 +71,8 @@ class ElectraObjective:
 
 
 def sampling_temperature(objective: ElectraObjective, step):
-  """The generator's sampling temperature at `step` (traced or not), a pure function of the step so a
-  resumed run samples as an uninterrupted one: initial + (final - initial) * min(1, step / decay_steps)
-  in float32, or without a schedule the Python float objective.temperature."""
+  """The sampling temperature at `step` (traced or not), a function of the step alone so a resumed run
+  samples as an uninterrupted one; without a schedule the Python float objective.temperature."""
   initial, final = objective.initial_temperature, objective.temperature
   if initial is None or initial == final or objective.temperature_decay_steps <= 0:
     return final
@@ -99,10 +93,8 @@ class MaskedInputs(NamedTuple):
 
 
 def _vocabulary_only(logits, vocab_size: int):
-  """Vocabulary logits [..., rows] with the rows past the tokenizer's `vocab_size` at -1e9:
-  model.vocab_size may exceed the vocabulary (rounded up for sharding, or a 30522-row recipe
-  over a smaller tokenizer), and those rows are no tokens, so they must get no probability
-  (a zero-initialised model would otherwise sample them most of the time)."""
+  """Logits [..., rows] with the rows past the tokenizer's `vocab_size` at -1e9: model.vocab_size may
+  be larger (rounded up for sharding), and those rows are no tokens, so they get no probability."""
   if not 0 < vocab_size < logits.shape[-1]:
     return logits
   in_vocabulary = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) < vocab_size
@@ -119,11 +111,9 @@ def candidate_mask(input_ids, attention_mask, objective: ElectraObjective):
 
 
 def mask_tokens(rng, input_ids, attention_mask, objective: ElectraObjective) -> MaskedInputs:
-  """Chooses clip(round(n * mask_prob), 1, N) distinct positions per row (n = non-padding
-  tokens) among tokens that are not [CLS], [SEP], [MASK] or padding; replaces each with
-  [MASK] with probability 1 - keep_original_prob and leaves the rest as they are. A row is one
-  example (the official count), or with data.pack_rows several, which then share the row's
-  count (each gets mask_prob of its tokens on average)."""
+  """Chooses clip(round(n * mask_prob), 1, N) distinct candidate positions per row (n: its real
+  tokens; packed examples share their row's count) and puts [MASK] at each with probability
+  1 - keep_original_prob (and a random token with random_token_prob)."""
   batch_size, seq_len = input_ids.shape
   num_slots = objective.max_predictions
   choose_rng, replace_rng = jax.random.split(rng)
@@ -153,27 +143,21 @@ def mask_tokens(rng, input_ids, attention_mask, objective: ElectraObjective) -> 
 
 
 def sample_tokens(keys, logits, temperature: float, disallowed_ids=None):
-  """Gumbel-max samples [batch, n_pred] from softmax(logits / temperature) in float32, with no gradient.
-  One PRNG key per example (`keys` [batch]), so a row's draw does not depend on how the batch is split.
-  `disallowed_ids` [batch, n_pred], if given, lose 1000 after the division by the temperature, as the
-  official disallow_correct does (before it, a hot sampler could still draw the original)."""
+  """Gumbel-max samples [batch, n_pred] from softmax(logits / temperature) in float32, with no gradient,
+  one key per example (`keys` [batch]) so a row's draw does not depend on the batch's split.
+  `disallowed_ids` [batch, n_pred] lose 1000 after the division, as the official disallow_correct."""
   logits = jax.lax.stop_gradient(logits.astype(jnp.float32)) / temperature
   if disallowed_ids is not None:
-    logits = logits - _DISALLOW_PENALTY * jax.nn.one_hot(disallowed_ids, logits.shape[-1], dtype=jnp.float32)
+    logits = logits - 1000.0 * jax.nn.one_hot(disallowed_ids, logits.shape[-1], dtype=jnp.float32)
   gumbel = jax.vmap(lambda key: random_ops.gumbel(key, logits.shape[1:]))(keys)
   return jax.lax.stop_gradient(_argmax_first(logits + gumbel).astype(jnp.int32))
 
 
 def corrupt(input_ids, masked: MaskedInputs, sampled_ids):
-  """x_corrupt: the ORIGINAL input with the samples put at the used masked positions.
-
-  Returns (corrupted_ids [batch, seq], is_replaced [batch, seq] bool). A sample equal to the
-  original token leaves it unchanged and so is labelled original.
-  """
-  batch_size = input_ids.shape[0]
-  current = masked.target_ids
-  new_tokens = jnp.where(masked.weights > 0, sampled_ids, current)
-  corrupted_ids = input_ids.at[_rows(batch_size), masked.positions].set(new_tokens)
+  """(corrupted_ids, is_replaced) [batch, seq]: the ORIGINAL input with the samples put at the used
+  masked positions; a sample equal to the original token is labelled original."""
+  new_tokens = jnp.where(masked.weights > 0, sampled_ids, masked.target_ids)
+  corrupted_ids = input_ids.at[_rows(input_ids.shape[0]), masked.positions].set(new_tokens)
   return corrupted_ids, corrupted_ids != input_ids
 
 
@@ -183,7 +167,7 @@ def masked_position_weights(masked: MaskedInputs, shape) -> jax.Array:
 
 
 class Normalizers(NamedTuple):
-  """Denominators of the two losses over the WHOLE batch, so that gradient accumulation over
+  """Denominators of the losses over the WHOLE batch, so that gradient accumulation over
   micro-batches adds up to exactly the full-batch loss."""
 
   num_predictions: jax.Array  # sum of MaskedInputs.weights
@@ -201,9 +185,9 @@ class Normalizers(NamedTuple):
 
 
 def _max_and_argmax(z):
-  """(maximum, first maximal index as int32) over the last axis; z is never NaN. Off the CPU one
-  (value, index) reduction, which fuses with what computes z; on the CPU, whose variadic reduce runs
-  unvectorised, the maximum and then a float32 search for its first index (_argmax_two_reductions)."""
+  """(maximum, first maximal index as int32) over the last axis of z (no NaN): one (value, index)
+  reduction, which fuses with what computes z, except on the CPU, whose variadic reduce runs
+  unvectorised: there the maximum, then a search for its first index."""
 
   def one_reduction(z):
     index = jnp.argmax(z, axis=-1).astype(jnp.int32)
@@ -217,12 +201,10 @@ def _max_and_argmax(z):
 
 
 def _argmax_first(z):
-  """jnp.argmax over the last axis, int32, in the form fastest on each platform."""
   return _max_and_argmax(z)[1]
 
 
 def _argmax_two_reductions(z):
-  """_argmax_first's CPU form."""
   return _index_of(z, z.max(-1))
 
 
@@ -235,9 +217,9 @@ def _index_of(z, top):
 
 @jax.custom_vjp
 def _weighted_nll_sum(logits, top, target_ids, weights):
-  """(sum(weights * (logsumexp(logits) - logits[target_ids])), logsumexp(logits) [...]) over the last
-  axis of float32 logits; `top` [...] is each row's maximum, the logsumexp's shift. Only the sum carries
-  a gradient, weights * (softmax - one_hot(target)), written out as one elementwise pass."""
+  """(sum(weights * (logsumexp(logits) - logits[target_ids])), logsumexp(logits)) over the last axis
+  of float32 logits, `top` each row's maximum. Only the sum carries a gradient, written out as one
+  elementwise pass: weights * (softmax - one_hot(target))."""
   return _weighted_nll_sum_fwd(logits, top, target_ids, weights)[0]
 
 
@@ -252,7 +234,6 @@ def _weighted_nll_sum_fwd(logits, top, target_ids, weights):
 
 def _weighted_nll_sum_bwd(residuals, grads):
   logits, shifted_exp, total, lse, target_ids, weights = residuals
-  grad = grads[0]  # the logsumexp output carries none (see _weighted_nll_sum)
   # The CPU reads the forward's exponentials back (an exp costs more there than the memory);
   # elsewhere they are recomputed, so they are never written out.
   softmax = jax.lax.platform_dependent(
@@ -261,7 +242,7 @@ def _weighted_nll_sum_bwd(residuals, grads):
       default=lambda logits, _, __, lse: jnp.exp(logits - lse[..., None]),
   )
   is_target = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == target_ids[..., None]
-  d_logits = (grad * weights)[..., None] * (softmax - is_target.astype(jnp.float32))
+  d_logits = (grads[0] * weights)[..., None] * (softmax - is_target.astype(jnp.float32))
   return d_logits, None, None, None
 
 
@@ -270,7 +251,7 @@ _weighted_nll_sum.defvjp(_weighted_nll_sum_fwd, _weighted_nll_sum_bwd)
 
 def _mlm_sums(logits, target_ids, weights, with_log_normalizer: bool = False):
   """(summed cross-entropy, summed correct argmax) of vocabulary logits against targets, and with
-  `with_log_normalizer` each row's logsumexp [...] (no gradient). The accuracy's argmax also finds the
+  `with_log_normalizer` each row's logsumexp (no gradient). The accuracy's argmax also finds the
   logsumexp's shift, so the logits are read as few times as possible."""
   top, predicted = _max_and_argmax(jax.lax.stop_gradient(logits))
   nll_sum, log_normalizer = _weighted_nll_sum(logits, top, target_ids, weights)
@@ -285,19 +266,13 @@ def _bce(logits, labels):
   return jnp.maximum(logits, 0.0) - logits * labels + jnp.log1p(jnp.exp(-jnp.abs(logits)))
 
 
-def in_second_stage(objective: ElectraObjective, step):
-  """two_stage: whether `step` (a step count, traced or not) is in the discriminator's stage;
-  None for every other objective. Training and evaluation both ask here, so they agree."""
-  return step >= objective.switch_step if objective.name == "two_stage" else None
-
-
 # ---------------------------------------------------------------------------------------
 # The forward pass: shared pieces, then one function per objective (REGISTRY below)
 # ---------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class _Pass:
-  """What every objective's forward reads: the model bound to its parameters, one
-  (micro-)batch with its drawn masking, and the `stats` it adds its counts to."""
+  """What every objective's forward reads: the model bound to its parameters, one (micro-)batch
+  with its drawn masking, the step, and the `stats` it adds its counts to."""
 
   model: object
   apply: Callable
@@ -309,7 +284,7 @@ class _Pass:
   objective: ElectraObjective
   normalizers: Normalizers
   deterministic: bool
-  second_stage: object
+  step: object
   temperature: object
   stats: dict
 
@@ -317,14 +292,11 @@ class _Pass:
   def token_weights(self):
     return self.batch["attention_mask"].astype(jnp.float32)
 
-  @property
-  def model_mask(self):
-    # Packed rows (data.pack_rows) carry segment ids, which the model (built with packed=True)
-    # reads in place of the padding mask; losses and masking still weigh real tokens only.
-    return self.batch.get("segment_ids", self.batch["attention_mask"])
-
   def tower(self, method, ids, *args, rng):
-    return self.apply(ids, self.batch["token_type_ids"], self.model_mask, *args, self.deterministic,
+    # Packed rows (data.pack_rows) carry segment ids, which the model reads in place of the
+    # padding mask; losses and masking still weigh real tokens only.
+    model_mask = self.batch.get("segment_ids", self.batch["attention_mask"])
+    return self.apply(ids, self.batch["token_type_ids"], model_mask, *args, self.deterministic,
                       method=method, rngs={"dropout": rng})
 
 
@@ -341,30 +313,28 @@ class _Sampled(NamedTuple):
 
 
 def _generator_logits(p: _Pass):
-  """[batch, n_pred, vocab]: the generator tower at the masked slots, or, without one (as the
-  official uniform_generator), all-zero logits: uniform samples and a constant L_MLM."""
+  """[batch, n_pred, vocab]: the generator at the masked slots, or without one (the official
+  uniform_generator) all-zero logits: uniform samples and a constant L_MLM."""
   if p.objective.uses_generator:
     logits = p.tower(p.model.generator_logits, p.masked.input_ids, p.masked.positions, rng=p.gen_rng)
   else:
-    # Zeros made from the batch (weights * 0 is not folded, as 0 * NaN would not be 0): a
-    # constant [batch, n_pred, vocab] array would make XLA fold the losses and sampling over
-    # it at compile time, for seconds to minutes.
+    # Zeros made from the batch: XLA would fold the losses and sampling over a constant array
+    # at compile time, for seconds to minutes.
     zeros = (p.masked.weights * 0.0)[..., None]
     logits = jnp.broadcast_to(zeros, (*p.masked.positions.shape, p.model.vocab_size))
   return _vocabulary_only(logits, p.objective.vocab_size)
 
 
 def _sample(p: _Pass, gen_logits) -> _Sampled:
-  """L_MLM of `gen_logits`, their samples at the step's temperature (no gradient) and the
-  corrupted input; the generator's counts go to p.stats."""
+  """L_MLM of `gen_logits`, their samples at the step's temperature and the corrupted input; the
+  generator's counts go to p.stats."""
   masked, objective, input_ids = p.masked, p.objective, p.batch["input_ids"]
   mlm_loss_sum, mlm_correct, log_normalizer = _mlm_sums(gen_logits, masked.target_ids, masked.weights,
                                                         with_log_normalizer=True)
   disallowed = masked.target_ids if objective.disallow_correct else None
   sampled_ids = sample_tokens(p.sample_keys, gen_logits, p.temperature, disallowed)
   corrupted_ids, is_replaced = corrupt(input_ids, masked, sampled_ids)
-  # How likely the generator (at temperature 1) found each token it put in: the disc AUCs by
-  # difficulty in `summarize`. From the loss's own logsumexp, so no pass over the vocabulary.
+  # The generator's probability (T=1) of each token it put in, for `summarize`'s AUCs by difficulty.
   sampled_logit = jnp.take_along_axis(
       jax.lax.stop_gradient(gen_logits).astype(jnp.float32), sampled_ids[..., None], axis=-1
   )[..., 0]
@@ -379,9 +349,8 @@ def _sample(p: _Pass, gen_logits) -> _Sampled:
 
 
 def _tower_mlm(p: _Pass, corrupted_ids):
-  """The discriminator tower on the corrupted input (no [MASK]) predicting the originals at the
-  masked slots: (its replaced-token logits [batch, seq], its MLM loss), the sums to p.stats.
-  One pass gives both heads."""
+  """The discriminator tower on the corrupted input predicting the originals at the masked slots, in
+  one pass: (its replaced-token logits [batch, seq], its MLM loss); the sums go to p.stats."""
   disc_logits, main_logits = p.tower(p.model.discriminator_mlm_logits, corrupted_ids, p.masked.positions,
                                      rng=p.disc_rng)
   main_logits = _vocabulary_only(main_logits, p.objective.vocab_size)
@@ -391,8 +360,8 @@ def _tower_mlm(p: _Pass, corrupted_ids):
 
 
 def _discriminator_logits(p: _Pass, corrupted_ids):
-  """[batch, seq] replaced-token logits, and the weighted MLM loss of the tower's own head
-  under objective.disc_mlm_weight (None without)."""
+  """[batch, seq] replaced-token logits, and the tower's own MLM loss weighted by
+  objective.disc_mlm_weight (None without)."""
   if p.objective.disc_mlm_weight > 0:
     disc_logits, disc_mlm_loss = _tower_mlm(p, corrupted_ids)
     return disc_logits, p.objective.disc_mlm_weight * disc_mlm_loss
@@ -405,8 +374,8 @@ def _per_token(disc_logits, is_replaced, token_weights, replaced_prob) -> dict:
 
 
 def _detection_loss(p: _Pass, disc_logits, is_replaced, replaced_prob, token_weights=None, normalizer=None):
-  """disc_weight * L_Disc over `token_weights` (all real tokens by default) divided by
-  `normalizer` (num_tokens), its counts to p.stats; returns (loss, per_token)."""
+  """(disc_weight * L_Disc over `token_weights` (all real tokens) / `normalizer` (num_tokens),
+  per_token); the counts go to p.stats."""
   token_weights = p.token_weights if token_weights is None else token_weights
   normalizer = p.normalizers.num_tokens if normalizer is None else normalizer
   disc_loss_sum = (_bce(disc_logits, is_replaced.astype(jnp.float32)) * token_weights).sum()
@@ -439,21 +408,17 @@ def _electra(p: _Pass, only_masked: bool = False):
 
 
 def _two_stage(p: _Pass):
-  """gen_weight * L_MLM before the switch, disc_weight * L_Disc from it on (both computed, for
-  the metrics)."""
+  """gen_weight * L_MLM before the switch, disc_weight * L_Disc from it on (both computed, for the metrics)."""
   s = _sample(p, _generator_logits(p))
   disc_logits, _ = _discriminator_logits(p, s.corrupted_ids)
   disc_loss, per_token = _detection_loss(p, disc_logits, s.is_replaced, s.replaced_prob)
-  return jnp.where(p.second_stage, disc_loss, s.gen_loss), per_token
+  return jnp.where(p.step >= p.objective.switch_step, disc_loss, s.gen_loss), per_token
 
 
 def _adversarial(p: _Pass):
-  """REINFORCE: the generator's reward at a masked slot is the discriminator's loss on its
-  sample there (high when the discriminator is fooled). A slot's baseline is the mean reward of
-  its example's other slots (0 when it has none): it does not depend on the slot's own sample,
-  so the estimate stays unbiased (a mean that includes the slot itself scales its gradient by
-  (n - 1) / n, and gives a one-slot example none), and it does not depend on how the batch is
-  split over devices or micro-batches."""
+  """REINFORCE: a masked slot's reward is the discriminator's loss on the generator's sample there.
+  Its baseline is the mean reward of its example's other slots (0 without any): independent of
+  the slot's own sample, so the estimate stays unbiased, and of how the batch is split."""
   s = _sample(p, _generator_logits(p))
   disc_logits, _ = _discriminator_logits(p, s.corrupted_ids)
   disc_loss, per_token = _detection_loss(p, disc_logits, s.is_replaced, s.replaced_prob)
@@ -472,10 +437,9 @@ def _adversarial(p: _Pass):
 
 
 def _electric(p: _Pass):
-  """The cloze model reads the unmasked input and predicts every maskable token from both
-  sides (its loss); its samples replace the masked tokens, every masked slot is labelled
-  replaced, and the discriminator's logit is the energy-based form: + log q(token) (no
-  gradient) + the log prior odds of a position being masked."""
+  """The cloze model reads the unmasked input and predicts every maskable token from both sides
+  (its loss); its samples replace the masked tokens, all labelled replaced, and the discriminator's
+  logit is the energy-based form: + log q(token) (no gradient) + the log prior odds of a mask."""
   input_ids, objective = p.batch["input_ids"], p.objective
   cloze_logits = _vocabulary_only(p.tower(p.model.cloze_logits, input_ids, rng=p.gen_rng), objective.vocab_size)
   candidates = candidate_mask(input_ids, p.batch["attention_mask"], objective).astype(jnp.float32)
@@ -541,40 +505,31 @@ def _all_tokens_mlm(p: _Pass):
 
 def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dropout_rng,
                     objective: ElectraObjective, normalizers: Normalizers, deterministic: bool = False,
-                    second_stage=None, temperature=None):
-  """The registered objective's forward on one (micro-)batch whose masking is already drawn.
-
-  `sample_keys` [batch] are the per-example sampling keys (see sample_tokens), `temperature`
-  the sampling temperature (sampling_temperature of the step; None: objective.temperature,
-  the final one, which held-out evaluation uses), `second_stage` in_second_stage of the step.
-  Returns (loss, (stats, per_token)): the loss with its sums divided by `normalizers` (whole-
-  batch counts), stats the additive counts `summarize` reads, per_token the arrays of its AUCs
-  (replaced_prob: the generator's probability at temperature 1 of its sample at each used
-  masked position, 0 elsewhere).
-  """
+                    step=None, temperature=None):
+  """The registered objective's forward on one (micro-)batch whose masking is already drawn:
+  (loss, (stats, per_token)), the loss's sums divided by `normalizers` (whole-batch counts), stats
+  the additive counts `summarize` reads, per_token the arrays of its AUCs. `sample_keys` [batch]:
+  per-example sampling keys; `step`: the train step (two_stage's stage); `temperature`: the
+  sampling temperature (None: objective.temperature, the final one, which evaluation uses)."""
   gen_rng, disc_rng = jax.random.split(dropout_rng)
-  zero = jnp.zeros((), jnp.float32)
-  stats = dict.fromkeys(_STAT_KEYS, zero)
+  stats = dict.fromkeys(_STAT_KEYS, jnp.zeros((), jnp.float32))
   stats.update(num_predictions=masked.weights.sum(), num_tokens=batch["attention_mask"].astype(jnp.float32).sum())
   p = _Pass(model, functools.partial(model.apply, {"params": params}), batch, masked, sample_keys, gen_rng, disc_rng,
-            objective, normalizers, deterministic, second_stage,
+            objective, normalizers, deterministic, step,
             objective.temperature if temperature is None else temperature, stats)
   loss, per_token = REGISTRY[objective.name].forward(p)
   return loss, (stats, per_token)
 
 
 def binary_auc(scores, labels, weights):
-  """Exact ROC AUC (Mann-Whitney U with ties counted half) over entries with weight > 0.
-
-  NaN when the entries hold no positive or no negative, or a NaN score.
-  """
+  """Exact ROC AUC (Mann-Whitney U with ties counted half) over entries with weight > 0; NaN when
+  they hold no positive or no negative, or a NaN score."""
   return binary_aucs(scores, labels, weights, [labels])[0]
 
 
 def binary_aucs(scores, labels, weights, positive_subsets) -> list:
-  """binary_auc of each subset of the positives against all the negatives: for each mask in
-  `positive_subsets` (shaped like `labels`), the AUC of the positives (labels true, weight > 0)
-  it marks against every negative. One sort of the negatives serves them all."""
+  """binary_auc of each subset of the positives (a mask shaped like `labels`) against all the
+  negatives. One sort of the negatives serves them all."""
   scores, labels = scores.reshape(-1), labels.reshape(-1).astype(bool)
   valid = weights.reshape(-1) > 0
   is_neg = valid & ~labels
@@ -586,8 +541,7 @@ def binary_aucs(scores, labels, weights, positive_subsets) -> list:
   aucs = []
   for subset in positive_subsets:
     is_pos = valid & labels & subset.reshape(-1).astype(bool)
-    # The pair count in float32: as int32 it wraps past 2**31 pairs, about 130k tokens per
-    # batch (ELECTRA-Base's 256 x 512 has 131k).
+    # The pair count in float32: as int32 it wraps past 2**31 pairs (ELECTRA-Base's 256 x 512 batch).
     num_pairs = is_pos.sum().astype(jnp.float32) * is_neg.sum().astype(jnp.float32)
     auc = jnp.where(is_pos, credit, 0.0).sum() / num_pairs
     aucs.append(jnp.where(has_nan, jnp.nan, auc))
@@ -600,46 +554,34 @@ REPLACED_BINS = (("unlikely", 0.0, 0.01), ("plausible", 0.01, 0.1), ("likely", 0
 BINNED_METRICS = tuple(f"{prefix}_{name}" for prefix in ("disc_auc", "replaced_share") for name, _, _ in REPLACED_BINS)
 
 
-def _binned_metrics(per_token_arrays) -> dict[str, jax.Array]:
-  """disc_auc_<bin>: the AUC of the bin's replaced tokens against every original token (NaN
-  when the bin is empty); replaced_share_<bin>: the bin's share of the replaced tokens (NaN
-  when none was replaced). Over the tokens L_Disc covers (token_weights)."""
+def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str, jax.Array]:
+  """The official metric set from summed stats (disc metrics over the tokens L_Disc covers), the
+  total loss, disc_auc_<bin> (a bin's replaced tokens against every original token) and
+  replaced_share_<bin> by REPLACED_BINS, and the registered objective's own keys."""
+  num_predictions = jnp.maximum(stats["num_predictions"], 1.0)
+  num_tokens = jnp.maximum(stats["num_tokens"], 1.0)
+  true_pos = stats["disc_true_pos"]
   is_replaced = per_token_arrays["is_replaced"].astype(bool)
   weights, prob = per_token_arrays["token_weights"], per_token_arrays["replaced_prob"]
   in_bins = [(prob >= low) & (prob < high) for _, low, high in REPLACED_BINS]
   aucs = binary_aucs(per_token_arrays["disc_logits"], is_replaced, weights, [is_replaced] + in_bins)
   replaced = (is_replaced * weights).sum()
-  metrics = {"disc_auc": aucs[0]}
+  metrics = {
+      "masked_lm_loss": stats["mlm_loss_sum"] / num_predictions,
+      "masked_lm_accuracy": stats["mlm_correct"] / num_predictions,
+      "sampled_masked_lm_accuracy": stats["sampled_correct"] / num_predictions,
+      "disc_loss": stats["disc_loss_sum"] / num_tokens,
+      "disc_auc": aucs[0],
+  }
   for (name, _, _), auc, in_bin in zip(REPLACED_BINS, aucs[1:], in_bins):
     metrics[f"disc_auc_{name}"] = auc
     metrics[f"replaced_share_{name}"] = ((is_replaced & in_bin) * weights).sum() / replaced
-  return metrics
-
-
-def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str, jax.Array]:
-  """The official metric set from summed stats: masked_lm_accuracy, masked_lm_loss,
-  sampled_masked_lm_accuracy, disc_loss, disc_auc, disc_accuracy, disc_precision, disc_recall
-  (disc metrics weighted by the tokens L_Disc covers), plus the total loss, and the disc AUC
-  by how likely the generator found the replacements (_binned_metrics). Objectives
-  without replaced-token detection report NaN disc metrics (there is no discriminator loss),
-  and the Replace / All-Tokens MLM ones add main_mlm_loss and main_mlm_accuracy (the
-  discriminator-sized model's own MLM); for `mlm` the masked_lm metrics are that model's."""
-  num_predictions = jnp.maximum(stats["num_predictions"], 1.0)
-  num_tokens = jnp.maximum(stats["num_tokens"], 1.0)
-  masked_lm_loss = stats["mlm_loss_sum"] / num_predictions
-  disc_loss = stats["disc_loss_sum"] / num_tokens
-  true_pos = stats["disc_true_pos"]
-  metrics = {
-      "masked_lm_loss": masked_lm_loss,
-      "masked_lm_accuracy": stats["mlm_correct"] / num_predictions,
-      "sampled_masked_lm_accuracy": stats["sampled_correct"] / num_predictions,
-      "disc_loss": disc_loss,
-      **_binned_metrics(per_token_arrays),
-      "disc_accuracy": (true_pos + stats["disc_true_neg"]) / num_tokens,
-      "disc_precision": true_pos / jnp.maximum(true_pos + stats["disc_false_pos"], 1.0),
-      "disc_recall": true_pos / jnp.maximum(true_pos + stats["disc_false_neg"], 1.0),
-      "replaced_fraction": (true_pos + stats["disc_false_neg"]) / num_tokens,
-  }
+  metrics.update(
+      disc_accuracy=(true_pos + stats["disc_true_neg"]) / num_tokens,
+      disc_precision=true_pos / jnp.maximum(true_pos + stats["disc_false_pos"], 1.0),
+      disc_recall=true_pos / jnp.maximum(true_pos + stats["disc_false_neg"], 1.0),
+      replaced_fraction=(true_pos + stats["disc_false_neg"]) / num_tokens,
+  )
   REGISTRY[objective.name].metrics(metrics, stats, objective, per_token_arrays)
   return metrics
 
@@ -649,6 +591,10 @@ def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str,
 # ---------------------------------------------------------------------------------------
 def _identity_hook(objective, tree, step):
   return tree
+
+
+def _nothing(*args):
+  return None
 
 
 def _start_second_stage(objective, params, step):
@@ -662,16 +608,36 @@ def _start_second_stage(objective, params, step):
 
 
 def _hold_other_stage(objective, updates, step):
-  """two_stage: only the tower of the current stage moves (weight decay included): the
-  generator is frozen from the switch on, the discriminator waits for it."""
-  second = in_second_stage(objective, step)
+  """two_stage: only the tower of the current stage moves (weight decay included)."""
+  second = step >= objective.switch_step
   hold = lambda tree, keep: jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), tree)  # noqa: E731
   return {**updates, "generator": hold(updates["generator"], ~second),
           "discriminator": hold(updates["discriminator"], second)}
 
 
-def _no_check(config):
-  pass
+def _keep_two_stage_switch(config, saved_config: Callable, start_step: int | None) -> None:
+  """two_stage: the switch is fixed at a run's first start and written to config.json: left at 0 it
+  is half of train.steps, which a resume with more steps would move, copying the generator's encoder
+  over the trained discriminator again. A switch moved past the checkpoint is refused."""
+  saved, recorded = saved_config(), None
+  if saved is not None and saved["objective"]["name"] == "two_stage":
+    # config.json before the switch was fixed kept 0: the default then was its own train.steps // 2.
+    recorded = saved["objective"]["two_stage_switch"] or saved["train"]["steps"] // 2
+  o = config.objective
+  if not o.two_stage_switch:
+    o.two_stage_switch = recorded or config.train.steps // 2
+    logging.info("objective.two_stage_switch: the discriminator's stage starts at step %d%s.",
+                 o.two_stage_switch, " (as this workdir recorded)" if recorded else "")
+  switch = o.two_stage_switch
+  if start_step is None or recorded is None or switch == recorded or start_step <= min(switch, recorded):
+    return
+  harm = ("copy the generator's encoder over the trained discriminator again" if switch > recorded
+          else "start the discriminator's stage without the generator's encoder")
+  raise ConfigError(
+      f"objective.two_stage_switch={switch}, but this workdir's run switches at step {recorded} "
+      f"and its checkpoint is at step {start_step}: moving the switch now would {harm}. Leave it at "
+      f"{recorded} (or 0), or use a new --workdir."
+  )
 
 
 def _check_no_generator_to_share(config):
@@ -707,7 +673,6 @@ def _check_two_stage(config):
     )
 
 
-_NAN = float("nan")
 _DISC_METRICS = ("disc_loss", "disc_auc", "disc_accuracy", "disc_precision", "disc_recall",
                  *(f"disc_auc_{name}" for name, _, _ in REPLACED_BINS))
 
@@ -727,13 +692,13 @@ def _rtd_metrics(metrics, stats, objective, per_token):
 
 def _mlm_metrics(metrics, stats, objective, per_token):
   metrics.update(dict.fromkeys(["sampled_masked_lm_accuracy", "replaced_fraction", *BINNED_METRICS, *_DISC_METRICS],
-                               jnp.full((), _NAN, jnp.float32)))
+                               jnp.full((), jnp.nan, jnp.float32)))
   metrics["loss"] = metrics["masked_lm_loss"]
 
 
 def _tower_mlm_metrics(metrics, stats, objective, per_token):
   # No discriminator: no AUCs, but the replacements' shares by likelihood stand.
-  metrics.update(dict.fromkeys(_DISC_METRICS, jnp.full((), _NAN, jnp.float32)))
+  metrics.update(dict.fromkeys(_DISC_METRICS, jnp.full((), jnp.nan, jnp.float32)))
   replaced = per_token["is_replaced"].astype(jnp.float32) * per_token["token_weights"]
   metrics["replaced_fraction"] = replaced.sum() / jnp.maximum(stats["num_tokens"], 1.0)
   _main_mlm_metrics(metrics, stats)
@@ -748,7 +713,8 @@ def _electric_metrics(metrics, stats, objective, per_token):
 def _adversarial_metrics(metrics, stats, objective, per_token):
   # The REINFORCE surrogate is no quantity to watch; the generator's mean reward is.
   metrics["generator_reward"] = stats["main_loss_sum"] / jnp.maximum(stats["main_count"], 1.0)
-  metrics["loss"] = objective.adversarial_mlm_weight * metrics["masked_lm_loss"] + objective.disc_weight * metrics["disc_loss"]
+  mlm_loss = objective.adversarial_mlm_weight * metrics["masked_lm_loss"]
+  metrics["loss"] = mlm_loss + objective.disc_weight * metrics["disc_loss"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -762,7 +728,7 @@ class Registered:
   samples: bool = True  # replacements are sampled at a temperature
   mlm_head: bool = False  # the discriminator-sized tower has an MLM head
   disc_mlm: bool = False  # objective.disc_mlm_weight may add the tower's own MLM loss
-  check: Callable = _no_check  # config -> None, raising ConfigError
+  check: Callable = _nothing  # config -> None, raising ConfigError
   # Keys only this objective reads (the others ignore them), and keys it ignores.
   own_keys: tuple[str, ...] = ()
   ignores: tuple[str, ...] = ()
@@ -770,6 +736,9 @@ class Registered:
   # the optimizer's updates it applies.
   before_step: Callable = _identity_hook
   updates: Callable = _identity_hook
+  # (config, saved_config() -> the workdir's config.json or None, the checkpoint's step or None),
+  # once per run before the setup is final: fixes the keys a resume must keep, refuses one that moved them.
+  start_run: Callable = _nothing
 
 
 # What each objective.name trains; the paper's ablations, and Electric.
@@ -796,7 +765,8 @@ REGISTRY = {
     # discriminator starts from a copy of the generator's encoder and trains on L_Disc alone
     # while the generator stays frozen (generator_fraction 1).
     "two_stage": Registered(_two_stage, check=_check_two_stage, own_keys=("objective.two_stage_switch",),
-                            before_step=_start_second_stage, updates=_hold_other_stage),
+                            before_step=_start_second_stage, updates=_hold_other_stage,
+                            start_run=_keep_two_stage_switch),
     # The paper's adversarial generator: REINFORCE to maximize the discriminator's loss at the
     # masked positions, plus adversarial_mlm_weight * L_MLM.
     "adversarial": Registered(_adversarial, _adversarial_metrics, own_keys=("objective.adversarial_mlm_weight",)),
@@ -836,33 +806,25 @@ def check_config(config) -> None:
 
 
 def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjective:
-  """`special_ids` maps pad/cls/sep/mask to the tokenizer's ids."""
+  """`special_ids` maps pad/cls/sep/mask (and vocab_size) to the tokenizer's."""
   o = config.objective
-  name = o.name
-  bert_masking = name == "mlm"
+  bert_masking = o.name == "mlm"
   # No schedule (the same temperature at both ends, or no steps to fall over): None and 0, so
   # the objective, and the step compiled from it, is the constant temperature's.
   decay_steps = round(o.temperature_decay_fraction * config.train.steps)
   scheduled = decay_steps > 0 and o.initial_temperature != o.temperature
   return ElectraObjective(
-      disc_mlm_weight=o.disc_mlm_weight,
-      name=name,
-      disallow_correct=o.disallow_correct,
+      mask_prob=o.mask_prob, max_predictions=official_max_predictions(o.mask_prob, config.data.max_seq_len),
+      gen_weight=o.gen_weight, disc_weight=o.disc_weight, temperature=o.temperature,
+      keep_original_prob=_BERT_KEEP_PROB if bert_masking else o.keep_original_prob,
+      mask_id=special_ids["mask"], pad_id=special_ids["pad"], cls_id=special_ids["cls"], sep_id=special_ids["sep"],
+      name=o.name,
       random_token_prob=_BERT_RANDOM_PROB if bert_masking else 0.0,
+      vocab_size=special_ids.get("vocab_size", config.model.vocab_size),
       switch_step=o.two_stage_switch or config.train.steps // 2,
       adversarial_mlm_weight=o.adversarial_mlm_weight,
-      vocab_size=special_ids.get("vocab_size", config.model.vocab_size),
-      mask_prob=o.mask_prob,
-      max_predictions=official_max_predictions(o.mask_prob, config.data.max_seq_len),
-      gen_weight=o.gen_weight,
-      disc_weight=o.disc_weight,
-      temperature=o.temperature,
+      disallow_correct=o.disallow_correct,
       initial_temperature=o.initial_temperature if scheduled else None,
       temperature_decay_steps=decay_steps if scheduled else 0,
-      keep_original_prob=_BERT_KEEP_PROB if bert_masking else o.keep_original_prob,
-      mask_id=special_ids["mask"],
-      pad_id=special_ids["pad"],
-      cls_id=special_ids["cls"],
-      sep_id=special_ids["sep"],
+      disc_mlm_weight=o.disc_mlm_weight,
   )
-
