@@ -217,6 +217,27 @@ def split_text(text: str, where, stats: SourceStats) -> list[str]:
   ]
 
 
+def record_documents(name: str, num_records: int, read_texts, text_field: str, stats: SourceStats, block: int):
+  """The documents of a dataset's records in order, read `block` at a time (`read_texts(start, stop)`): each
+  text split by split_text, bytes decoded as UTF-8, any other value skipped and counted. Progress counts records."""
+  stats.total_bytes = stats.total_bytes or num_records
+  for start in range(0, num_records, block):
+    for key, text in enumerate(read_texts(start, min(start + block, num_records)), start):
+      stats.bytes_read += 1
+      where = lambda key=key: f"{name}[{key}]"  # noqa: E731
+      if isinstance(text, bytes):
+        text = decode_utf8(text, where, stats)
+      elif not isinstance(text, str):
+        stats.skipped_lines += 1
+        if not stats.first_skipped_line:
+          stats.first_skipped_line = f"{where()}: {text_field!r} is not text"
+        continue
+      document = split_text(text, where, stats)
+      if document:
+        stats.num_documents += 1
+        yield document
+
+
 def iter_documents(source: str, paths: list[str], text_field: str = "text", stats: SourceStats | None = None):
   """The documents of `paths` read as `source`, streamed (see read_documents); `stats` counts as it goes."""
   if source not in FILE_SOURCES:
