@@ -160,17 +160,15 @@ def iter_source_documents(config, stats: sources.SourceStats):
   if config["source"] == "builtin":
     documents = corpus.builtin_documents(limit)
     stats.total_bytes = len(documents)
-  elif config["source"] in RECORD_SOURCES:
-    documents = _record_corpus(config).iter_documents(stats)
-  else:
-    documents = sources.iter_documents(config["source"], config["files"], config["text_field"], stats)
-  for count, document in enumerate(documents):
-    if limit is not None and count >= limit:
-      break
-    if config["source"] == "builtin":
+    for document in documents:
       stats.bytes_read += 1
       stats.num_documents += 1
-    yield document
+      yield document
+  elif config["source"] in RECORD_SOURCES:
+    yield from itertools.islice(_record_corpus(config).iter_documents(stats), limit)
+  else:
+    yield from itertools.islice(sources.iter_documents(config["source"], config["files"], config["text_field"], stats),
+                                limit)
 
 
 def no_documents_error(config, stats: sources.SourceStats) -> ConfigError:
