@@ -45,11 +45,8 @@ class HfDatasetCorpus:
     self._dataset, self.path, self.split, self.text_field = loaded, path, split, text_field
     self.description = {"source": "hf_datasets", "hf_path": path, "hf_split": split, "text_field": text_field,
                         "num_rows": loaded.num_rows}
-
-  @property
-  def fingerprint(self) -> str:
-    """datasets' own hash of the rows (new data, new key), with the split and column read."""
-    return f"{self._dataset._fingerprint}|{self.split}|{self.text_field}|{self._dataset.num_rows}"
+    # datasets' own hash of the rows (new data, new key), with the split and column read.
+    self.fingerprint = f"{loaded._fingerprint}|{split}|{text_field}|{loaded.num_rows}"
 
   def iter_documents(self, stats: SourceStats):
     """Documents of all rows in order: the text column split into stripped lines."""

@@ -88,11 +88,8 @@ class TfdsCorpus:
     self.description = {"source": "tfds", "tfds_name": builder.info.full_name, "tfds_split": split,
                         "tfds_text_field": text_field, "tfds_data_dir": str(builder.data_dir),
                         "num_records": self.num_records, "num_bytes": int(split_info.num_bytes)}
-
-  @property
-  def fingerprint(self) -> str:
-    d = self.description
-    return f"{d['tfds_name']}|{d['tfds_split']}|{d['tfds_text_field']}|{d['num_records']}|{d['num_bytes']}"
+    self.fingerprint = "|".join(str(self.description[key]) for key in (
+        "tfds_name", "tfds_split", "tfds_text_field", "num_records", "num_bytes"))
 
   def iter_documents(self, stats: SourceStats):
     """Documents of all records: the text field split into stripped lines."""
