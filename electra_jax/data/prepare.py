@@ -167,8 +167,8 @@ def iter_source_documents(config, stats: sources.SourceStats):
   elif config["source"] in RECORD_SOURCES:
     yield from itertools.islice(_record_corpus(config).iter_documents(stats), limit)
   else:
-    yield from itertools.islice(sources.iter_documents(config["source"], config["files"], config["text_field"], stats),
-                                limit)
+    documents = sources.iter_documents(config["source"], config["files"], config["text_field"], stats)
+    yield from itertools.islice(documents, limit)
 
 
 def no_documents_error(config, stats: sources.SourceStats) -> ConfigError:
@@ -563,6 +563,7 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
     logging.info("prepare_data: %d shards, %d documents, %d tokens, %.0f tokens/s, %s of the input, ETA %s",
                  progress["shards"], progress["documents"], progress["tokens"], progress["tokens"] / max(elapsed, 1e-9),
                  percent, eta)
+
   executor = None
   if num_workers:
     executor = concurrent.futures.ProcessPoolExecutor(
