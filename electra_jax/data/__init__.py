@@ -14,23 +14,8 @@ from electra_jax.data.tokenizer import SPECIAL_TOKENS, SentencePieceTokenizer, t
 from electra_jax.data.wordpiece import WordPieceTokenizer
 
 __all__ = [
-    "SPECIAL_TOKENS",
-    "Prefetcher",
-    "PretrainingData",
-    "SentencePieceTokenizer",
-    "SourceStats",
-    "WordPieceTokenizer",
-    "builtin_corpus_fingerprint",
-    "builtin_documents",
-    "batch_keys",
-    "get_batch",
-    "get_rows",
-    "load_pretraining_data",
-    "load_tokenizer",
-    "pack_documents",
-    "prepare_data",
-    "read_documents",
-    "resolve_files",
-    "train_sentencepiece",
+    "SPECIAL_TOKENS", "Prefetcher", "PretrainingData", "SentencePieceTokenizer", "SourceStats", "WordPieceTokenizer",
+    "builtin_corpus_fingerprint", "builtin_documents", "batch_keys", "get_batch", "get_rows", "load_pretraining_data",
+    "load_tokenizer", "pack_documents", "prepare_data", "read_documents", "resolve_files", "train_sentencepiece",
     "train_tokenizer",
 ]

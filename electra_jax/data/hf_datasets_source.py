@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from electra_jax.errors import ConfigError
-from electra_jax.data.sources import SourceStats, split_text
+from electra_jax.data.sources import SourceStats, record_documents
 
 _READ_BLOCK = 1024  # rows fetched per column read
 _SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # what save_to_disk writes
@@ -45,26 +45,11 @@ class HfDatasetCorpus:
     self._dataset, self.path, self.split, self.text_field = loaded, path, split, text_field
     self.description = {"source": "hf_datasets", "hf_path": path, "hf_split": split, "text_field": text_field,
                         "num_rows": loaded.num_rows}
-
-  @property
-  def fingerprint(self) -> str:
-    """datasets' own hash of the rows (new data, new key), with the split and column read."""
-    return f"{self._dataset._fingerprint}|{self.split}|{self.text_field}|{self._dataset.num_rows}"
+    # datasets' own hash of the rows (new data, new key), with the split and column read.
+    self.fingerprint = f"{loaded._fingerprint}|{split}|{text_field}|{loaded.num_rows}"
 
   def iter_documents(self, stats: SourceStats):
     """Documents of all rows in order: the text column split into stripped lines."""
-    rows = self._dataset.num_rows
-    stats.total_bytes = stats.total_bytes or rows  # progress is counted in rows
-    for start in range(0, rows, _READ_BLOCK):
-      texts = self._dataset[start:start + _READ_BLOCK][self.text_field]
-      for row, text in enumerate(texts, start):
-        stats.bytes_read += 1
-        if not isinstance(text, str):
-          stats.skipped_lines += 1
-          if not stats.first_skipped_line:
-            stats.first_skipped_line = f"{self.path}[{self.split}][{row}]: {self.text_field!r} is not text"
-          continue
-        document = split_text(text, lambda row=row: f"{self.path}[{self.split}][{row}]", stats)
-        if document:
-          stats.num_documents += 1
-          yield document
+    yield from record_documents(f"{self.path}[{self.split}]", self._dataset.num_rows,
+                                lambda start, stop: self._dataset[start:stop][self.text_field], self.text_field,
+                                stats, _READ_BLOCK)

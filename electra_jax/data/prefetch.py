@@ -20,7 +20,7 @@ class Prefetcher:
   def __init__(self, fetch_fn: Callable[[int], Any], start_step: int, depth: int = 2, stop_step: int | None = None):
     if depth < 1:
       raise ValueError(f"Prefetcher depth must be >= 1, got {depth}.")
-    self._next_step = start_step
+    self.next_step = start_step  # the step whose batch the next iteration returns
     self._queue: queue.Queue = queue.Queue(maxsize=depth)
     self._stop = threading.Event()
     self._finished = False
@@ -47,11 +47,6 @@ class Prefetcher:
         return
       step += 1
 
-  @property
-  def next_step(self) -> int:
-    """The step whose batch the next iteration returns."""
-    return self._next_step
-
   def __iter__(self) -> Iterator[Any]:
     return self
 
@@ -60,7 +55,7 @@ class Prefetcher:
       raise StopIteration
     kind, payload = self._queue.get()
     if kind == "batch":
-      self._next_step += 1
+      self.next_step += 1
       return payload
     self._finished = True
     if kind == "end":

@@ -160,17 +160,15 @@ def iter_source_documents(config, stats: sources.SourceStats):
   if config["source"] == "builtin":
     documents = corpus.builtin_documents(limit)
     stats.total_bytes = len(documents)
-  elif config["source"] in RECORD_SOURCES:
-    documents = _record_corpus(config).iter_documents(stats)
-  else:
-    documents = sources.iter_documents(config["source"], config["files"], config["text_field"], stats)
-  for count, document in enumerate(documents):
-    if limit is not None and count >= limit:
-      break
-    if config["source"] == "builtin":
+    for document in documents:
       stats.bytes_read += 1
       stats.num_documents += 1
-    yield document
+      yield document
+  elif config["source"] in RECORD_SOURCES:
+    yield from itertools.islice(_record_corpus(config).iter_documents(stats), limit)
+  else:
+    documents = sources.iter_documents(config["source"], config["files"], config["text_field"], stats)
+    yield from itertools.islice(documents, limit)
 
 
 def no_documents_error(config, stats: sources.SourceStats) -> ConfigError:
@@ -544,7 +542,28 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
   out_dir = config["prepared_dir"]
   stats = sources.SourceStats()
   hashers = {split: corpus.DocumentsHasher() for split in SPLITS}
-  progress = _Progress(stats, len(done))
+  progress = {"shards": len(done), "documents": 0, "tokens": 0, "start": time.time(), "last_log": time.time(),
+              "skipped_position": 0, "done_position": 0}  # input consumed by shards done before / in this run
+
+  def log_progress(result: dict, position: int) -> None:
+    """Counts shard `result`, finished at input `position`; logs at most every _LOG_EVERY_S an ETA from the
+    share of input consumed."""
+    progress["shards"] += 1
+    progress["documents"] += result["num_documents"]
+    progress["tokens"] += sum(entry["tokens"] for entry in result["splits"].values())
+    progress["done_position"] = done_position = max(progress["done_position"], position)
+    now = time.time()
+    if now - progress["last_log"] < _LOG_EVERY_S:
+      return
+    progress["last_log"] = now
+    elapsed, total = now - progress["start"], stats.total_bytes
+    worked = done_position - progress["skipped_position"]
+    eta = config_lib.format_duration(elapsed * (total - done_position) / worked) if worked > 0 and total else "?"
+    percent = f"{100 * done_position / total:.1f}%" if total else "?"
+    logging.info("prepare_data: %d shards, %d documents, %d tokens, %.0f tokens/s, %s of the input, ETA %s",
+                 progress["shards"], progress["documents"], progress["tokens"], progress["tokens"] / max(elapsed, 1e-9),
+                 percent, eta)
+
   executor = None
   if num_workers:
     executor = concurrent.futures.ProcessPoolExecutor(
@@ -570,7 +589,7 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
                            f"finished shards are kept in {out_dir}; fix the cause and run prepare_data again to "
                            "resume.")
       done[result["index"]] = result
-      progress.log(result, position)
+      log_progress(result, position)
       if time.time() - last_manifest_write > _MANIFEST_EVERY_S:
         save_manifest()
         last_manifest_write = time.time()
@@ -588,7 +607,7 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
       for document_index, document in enumerate(documents, first):
         hashers["eval" if is_eval_document(document_index, config["eval_fraction"]) else "train"].update(document)
       if index in done:
-        progress.skipped_position = stats.bytes_read
+        progress["skipped_position"] = stats.bytes_read
         continue
       task = {"out_dir": out_dir, "max_seq_len": config["max_seq_len"], "eval_fraction": config["eval_fraction"],
               "dtype": dtype, "index": index, "first_document": first, "documents": documents}
@@ -608,8 +627,6 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
   finally:
     if previous_handler is not None:
       signal.signal(signal.SIGTERM, previous_handler)
-    for future in pending:
-      future.cancel()
     if executor is not None:
       executor.shutdown(wait=True, cancel_futures=True)
       # Shards the workers finished while this loop stopped are written: keep them too.
@@ -620,33 +637,3 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
             done[result["index"]] = result
     save_manifest()
   return stats, {split: hashers[split].hexdigest() for split in SPLITS}
-
-
-class _Progress:
-  """Progress lines: documents, tokens, tokens/s and an ETA from the share of input consumed."""
-
-  def __init__(self, stats: sources.SourceStats, already_done: int):
-    self.stats, self.shards, self.documents, self.tokens = stats, already_done, 0, 0
-    self.start = self.last_log = time.time()
-    self.skipped_position = 0  # input consumed by shards that were already done
-    self.done_position = 0  # input consumed by shards finished in this run (max over them)
-
-  def log(self, result: dict, position: int) -> None:
-    """Counts shard `result`, finished at input `position`; logs at most every _LOG_EVERY_S."""
-    self.shards += 1
-    self.documents += result["num_documents"]
-    self.tokens += sum(entry["tokens"] for entry in result["splits"].values())
-    self.done_position = max(self.done_position, position)
-    now = time.time()
-    if now - self.last_log < _LOG_EVERY_S:
-      return
-    self.last_log = now
-    elapsed, total = now - self.start, self.stats.total_bytes
-    worked = self.done_position - self.skipped_position
-    remaining = total - self.done_position if total else 0
-    eta = config_lib.format_duration(elapsed * remaining / worked) if worked > 0 and total else "?"
-    percent = f"{100 * self.done_position / total:.1f}%" if total else "?"
-    logging.info(
-        "prepare_data: %d shards, %d documents, %d tokens, %.0f tokens/s, %s of the input, ETA %s",
-        self.shards, self.documents, self.tokens, self.tokens / max(elapsed, 1e-9), percent, eta,
-    )

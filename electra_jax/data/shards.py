@@ -227,17 +227,16 @@ class ShardVerification:
       path = os.path.join(directory, entry["file"])
       try:
         if sha256_file(path) != entry["sha256"]:
-          self._error = ConfigError(f"Shard {path} is not the file prepare_data wrote (its sha256 differs "
-                                    f"from {MANIFEST}'s); {REDO}.")
-          return
-        largest = int(np.max(np.load(path, mmap_mode="r", allow_pickle=False)[:, 0]))
+          problem = f"is not the file prepare_data wrote (its sha256 differs from {MANIFEST}'s)"
+        else:
+          largest = int(np.max(np.load(path, mmap_mode="r", allow_pickle=False)[:, 0]))
+          if largest < vocab_size:
+            continue
+          problem = f"holds token id {largest}, outside the tokenizer's {vocab_size} ids"
+        self._error = ConfigError(f"Shard {path} {problem}; {REDO}.")
       except (OSError, ValueError) as error:
         self._error = ConfigError(f"Cannot read shard {path} ({error}); {REDO}.")
-        return
-      if largest >= vocab_size:
-        self._error = ConfigError(f"Shard {path} holds token id {largest}, outside the tokenizer's "
-                                  f"{vocab_size} ids; {REDO}.")
-        return
+      return
     logging.info("verified the %d %s shards of %s against %s", len(entries), split, directory, MANIFEST)
 
   def wait(self) -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import glob
 import hashlib
 import io
+import itertools
 import json
 import os
 
@@ -152,17 +153,11 @@ def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
     for data in _blocks(f):
       stats.bytes_read += len(data)
       try:
-        lines = _split_lines(data.decode("utf-8"), newline_only)
-      except UnicodeDecodeError:
-        lines = None
-      if lines is not None:  # the common case: the whole block at C speed
-        for line in lines:
-          number += 1
-          yield number, line
-        continue
-      for raw in io.BytesIO(data):  # only this block, line by line, to find the bad lines
-        text = decode_utf8(raw, lambda: f"{path}:{number + 1}", stats)
-        for line in _split_lines(text, newline_only) or [""]:
+        texts = [data.decode("utf-8")]  # the common case: the whole block at C speed
+      except UnicodeDecodeError:  # only this block, line by line, to find the bad lines
+        texts = (decode_utf8(raw, lambda: f"{path}:{number + 1}", stats) for raw in io.BytesIO(data))
+      for text in texts:
+        for line in _split_lines(text, newline_only):
           number += 1
           yield number, line
 
@@ -217,6 +212,27 @@ def split_text(text: str, where, stats: SourceStats) -> list[str]:
   ]
 
 
+def record_documents(name: str, num_records: int, read_texts, text_field: str, stats: SourceStats, block: int):
+  """The documents of a dataset's records in order, read `block` at a time (`read_texts(start, stop)`): each
+  text split by split_text, bytes decoded as UTF-8, any other value skipped and counted. Progress counts records."""
+  stats.total_bytes = stats.total_bytes or num_records
+  for start in range(0, num_records, block):
+    for key, text in enumerate(read_texts(start, min(start + block, num_records)), start):
+      stats.bytes_read += 1
+      where = lambda key=key: f"{name}[{key}]"  # noqa: E731
+      if isinstance(text, bytes):
+        text = decode_utf8(text, where, stats)
+      elif not isinstance(text, str):
+        stats.skipped_lines += 1
+        if not stats.first_skipped_line:
+          stats.first_skipped_line = f"{where()}: {text_field!r} is not text"
+        continue
+      document = split_text(text, where, stats)
+      if document:
+        stats.num_documents += 1
+        yield document
+
+
 def iter_documents(source: str, paths: list[str], text_field: str = "text", stats: SourceStats | None = None):
   """The documents of `paths` read as `source`, streamed (see read_documents); `stats` counts as it goes."""
   if source not in FILE_SOURCES:
@@ -226,11 +242,8 @@ def iter_documents(source: str, paths: list[str], text_field: str = "text", stat
   stats.total_bytes = sum(os.path.getsize(path) for path in paths)
   for path in paths:
     before = (stats.num_documents, len(stats.binary_files), stats.skipped_lines, stats.long_sentences)
-    if source == "text":
-      documents = _text_file_documents(path, stats)
-    else:
-      documents = _jsonl_file_documents(path, text_field, stats)
-    for document in documents:
+    for document in (_text_file_documents(path, stats) if source == "text"
+                     else _jsonl_file_documents(path, text_field, stats)):
       stats.num_documents += 1
       yield document
     # Empty: nothing came out of the file and nothing in it was skipped for a reason.
@@ -248,12 +261,7 @@ def read_documents(
   skipped and counted (see SourceStats); raises ConfigError if no file holds any text.
   """
   stats = SourceStats()
-  documents: list[list[str]] = []
-  for document in iter_documents(source, paths, text_field, stats):
-    if max_documents is not None and len(documents) >= max_documents:
-      break
-    documents.append(document)
-  stats.num_documents = len(documents)
+  documents = list(itertools.islice(iter_documents(source, paths, text_field, stats), max_documents))
   log_stats(source, stats)
   if not documents:
     raise no_usable_text_error(source, paths, text_field, stats)

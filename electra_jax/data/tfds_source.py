@@ -8,7 +8,7 @@ import importlib
 import os
 
 from electra_jax.errors import ConfigError
-from electra_jax.data.sources import SourceStats, decode_utf8, split_text
+from electra_jax.data.sources import SourceStats, record_documents
 
 _READ_BLOCK = 256  # records fetched by one `__getitems__` call
 _RANDOM_ACCESS_FORMATS = ("array_record", "parquet")
@@ -88,32 +88,17 @@ class TfdsCorpus:
     self.description = {"source": "tfds", "tfds_name": builder.info.full_name, "tfds_split": split,
                         "tfds_text_field": text_field, "tfds_data_dir": str(builder.data_dir),
                         "num_records": self.num_records, "num_bytes": int(split_info.num_bytes)}
-
-  @property
-  def fingerprint(self) -> str:
-    d = self.description
-    return f"{d['tfds_name']}|{d['tfds_split']}|{d['tfds_text_field']}|{d['num_records']}|{d['num_bytes']}"
+    self.fingerprint = "|".join(str(self.description[key]) for key in (
+        "tfds_name", "tfds_split", "tfds_text_field", "num_records", "num_bytes"))
 
   def iter_documents(self, stats: SourceStats):
     """Documents of all records: the text field split into stripped lines."""
     source = self._builder.as_data_source(split=self.split)
-    stop = len(source)
-    stats.total_bytes = stats.total_bytes or self.num_records
-    for block_start in range(0, stop, _READ_BLOCK):
-      keys = list(range(block_start, min(block_start + _READ_BLOCK, stop)))
+
+    def read_texts(start: int, stop: int) -> list:
+      keys = list(range(start, stop))
       records = source.__getitems__(keys) if hasattr(source, "__getitems__") else [source[k] for k in keys]
-      for key, record in zip(keys, records):
-        stats.bytes_read += 1  # progress is counted in records for TFDS
-        text = record[self.text_field]
-        where = lambda key=key: f"{self.name}[{self.split}][{key}]"  # noqa: E731
-        if isinstance(text, bytes):
-          text = decode_utf8(text, where, stats)
-        elif not isinstance(text, str):
-          stats.skipped_lines += 1
-          if not stats.first_skipped_line:
-            stats.first_skipped_line = f"{where()}: {self.text_field!r} is not text"
-          continue
-        document = split_text(text, where, stats)
-        if document:
-          stats.num_documents += 1
-          yield document
+      return [record[self.text_field] for record in records]
+
+    yield from record_documents(f"{self.name}[{self.split}]", len(source), read_texts, self.text_field, stats,
+                                _READ_BLOCK)
