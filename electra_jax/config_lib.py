@@ -36,10 +36,14 @@ def missing_key(error: BaseException) -> tuple[str, str]:
   return key.strip("'\""), hint.strip()
 
 
-def parse_flags(argv: list[str], program: str) -> list[str]:
-  """absl's flag parsing for a program with a `--config` recipe flag, where a mistake in the
-  config flags ends with one line instead of a traceback: a recipe's own ConfigError, an
-  override without --config, or an override of a key the config does not have."""
+def flags_parser(program: str):
+  """`app.run(main, flags_parser=config_lib.flags_parser("name"))` for scripts with --config:
+  absl's flag parsing, where a mistake in the config flags ends with one line instead of a
+  traceback (a recipe's own ConfigError, an override without --config, or of an absent key)."""
+  return lambda argv: _parse_flags(argv, program)
+
+
+def _parse_flags(argv: list[str], program: str) -> list[str]:
   from absl import flags  # noqa: PLC0415 (recipes import this module and need no absl)
 
   try:
@@ -72,11 +76,6 @@ def parse_flags(argv: list[str], program: str) -> list[str]:
         f"{program}: error: {named[0]}: the config has no key {key!r}. {hint + ' ' if hint else ''}"
         f"{listing} lists every key with its default."
     )
-
-
-def flags_parser(program: str):
-  """`app.run(main, flags_parser=config_lib.flags_parser("name"))` for scripts with --config."""
-  return lambda argv: parse_flags(argv, program)
 
 
 def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -19,17 +19,15 @@ MAX_COLUMNS = 3
 
 def expand_workdirs(workdirs: Sequence[str]) -> list[tuple[str, str]]:
   """[(label, workdir)]: a sweep folder (with sweep.json) becomes its runs."""
+  from electra_jax import sweep  # noqa: PLC0415 (sweep imports this module)
+
   expanded = []
   for workdir in workdirs:
     name = os.path.basename(os.path.normpath(workdir))
-    runs = [(f"{name}/{run}", path) for run, path in workdir_files.sweep_runs(workdir)]
+    record = sweep.read_record(workdir) or {"runs": []}
+    runs = [(f"{name}/{run.name}", sweep.run_dir(workdir, run)) for run in record["runs"]]
     expanded += runs or [(name or workdir, workdir)]
   return expanded
-
-
-def _series(records: list[dict], metric: str) -> tuple[list[int], list[float]]:
-  points = [(int(r["step"]), float(r[metric])) for r in records if metric in r and "step" in r]
-  return [s for s, _ in points], [v for _, v in points]  # NaN values leave gaps in the line
 
 
 def plot_curves(workdirs: Sequence[str], out: str | None = None, metrics: Sequence[str] | None = None):
@@ -66,9 +64,9 @@ def plot_curves(workdirs: Sequence[str], out: str | None = None, metrics: Sequen
   for ax, metric in zip(axes, metrics):
     for i, (label, train_log, eval_log) in enumerate(logs):  # a workdir's train and eval lines share a colour
       for split, log, linestyle, marker in (("train", train_log, "-", None), ("eval", eval_log, "--", ".")):
-        steps, values = _series(log, metric)
-        if steps:
-          ax.plot(steps, values, color=f"C{i % 10}", linestyle=linestyle, marker=marker, label=f"{label} ({split})")
+        points = [(int(r["step"]), float(r[metric])) for r in log if metric in r and "step" in r]
+        if points:  # NaN values leave gaps in the line
+          ax.plot(*zip(*points), color=f"C{i % 10}", linestyle=linestyle, marker=marker, label=f"{label} ({split})")
     ax.set_title(metric)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)

@@ -28,7 +28,7 @@ from ml_collections.config_flags import config_path
 from electra_jax import config_lib, plots, workdir_files
 from electra_jax.errors import ConfigError
 
-SWEEP_FILE = workdir_files.SWEEP_FILE
+SWEEP_FILE = "sweep.json"
 ERROR_FILE = "sweep_error.txt"
 FINETUNE_SUBDIR = "finetune"
 Override = tuple[str, str]  # (config key, the value as the user wrote it)
@@ -156,11 +156,9 @@ def identity(base: ml_collections.ConfigDict, overrides: Sequence[Override]) -> 
 
 def merge_unread(base: ml_collections.ConfigDict, override_lists: Sequence[Sequence[Override]],
                  existing: Sequence[Run] = ()) -> list[list[Override]]:
-  """The runs to train: each run's overrides less the keys its objective never reads
-  (objectives.ignored_keys: objective.name=mlm has no generator, so model.generator_fraction
-  changes nothing it trains), and runs left alike trained once, in first-come order. A
-  recorded run (`existing`) that comes down to the same overrides stands for them, so an
-  earlier sweep's runs are kept. Logs what was left out."""
+  """The runs to train: each run's overrides less the keys its objective never reads (objective
+  mlm has no generator), runs left alike once, in first-come order; a recorded run (`existing`)
+  that comes down to the same overrides stands for them. Logs what was left out."""
   from electra_jax import objectives  # noqa: PLC0415 (jax stays out of sweep_report's import)
 
   def reduced(overrides):
@@ -170,19 +168,17 @@ def merge_unread(base: ml_collections.ConfigDict, override_lists: Sequence[Seque
   recorded = {}
   for run in existing:
     recorded.setdefault(identity(base, reduced(run.overrides)[0]), [tuple(o) for o in run.overrides])
-  runs, by_key, merged = [], {}, {}
+  runs, merged = {}, {}  # by identity, in first-come order
   for overrides in override_lists:
     short, unread = reduced(overrides)
     key = identity(base, short)
     if unread:
       merged.setdefault(key, (short, unread, []))[2].append(overrides)
-    if key not in by_key:
-      by_key[key] = recorded.get(key, short)
-      runs.append(by_key[key])
+    runs.setdefault(key, recorded.get(key, short))
   for short, unread, originals in merged.values():
     logging.info("Sweep: %s does not read %s; %d grid run(s) train as the one run %s.",
                  _label(short), ", ".join(unread), len(originals), _label(short))
-  return runs
+  return list(runs.values())
 
 
 # --- Run names and the sweep record ---
@@ -211,16 +207,13 @@ def name_runs(override_lists: Sequence[Sequence[Override]], existing: Sequence[R
   runs = []
   for overrides in override_lists:
     overrides = [tuple(o) for o in overrides]
-    known = by_overrides.get(same(overrides))
-    if known is not None:
-      runs.append(known)
-      continue
-    stem = _readable_name(overrides)
-    name = next(n for n in itertools.chain([stem], (f"{stem}-{i}" for i in itertools.count(2))) if n not in taken)
-    taken.add(name)
-    run = Run(name, list(overrides))
-    by_overrides[json.dumps(overrides)] = run
-    runs.append(run)
+    key = same(overrides)
+    if key not in by_overrides:
+      stem = _readable_name(overrides)
+      name = next(n for n in itertools.chain([stem], (f"{stem}-{i}" for i in itertools.count(2))) if n not in taken)
+      taken.add(name)
+      by_overrides[key] = Run(name, list(overrides))
+    runs.append(by_overrides[key])
   return runs
 
 
@@ -229,6 +222,7 @@ def _fingerprint(config: ml_collections.ConfigDict) -> str:
 
 
 def read_record(sweep_dir: str) -> dict | None:
+  """SWEEP_DIR/sweep.json, its runs as Run tuples; None for a folder that is no sweep's."""
   file = workdir_files.path(sweep_dir, SWEEP_FILE)
   if not workdir_files.exists(file):
     return None

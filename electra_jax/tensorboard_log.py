@@ -63,9 +63,11 @@ class ScalarWriter:
     """TensorBoard then drops the points earlier files logged past `last_step`."""
     self._purge_step = last_step + 1
 
-  def _open(self):
-    if self._writer is None and self._modules is not None:
-      event_file_writer, _, event_pb2 = self._modules
+  def write(self, record: dict) -> None:
+    if self._modules is None:
+      return
+    event_file_writer, summary, event_pb2 = self._modules
+    if self._writer is None:
       os.makedirs(self.logdir, exist_ok=True)
       # The pid and a clock tick keep the names of writers opened in the same second apart.
       suffix = f".{os.getpid()}.{time.monotonic_ns()}"
@@ -73,17 +75,10 @@ class ScalarWriter:
       if self._purge_step is not None:  # what SummaryWriter(purge_step=N) writes
         start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
         self._writer.write_event(event_pb2.Event(wall_time=time.time(), step=self._purge_step, session_log=start))
-    return self._writer
-
-  def write(self, record: dict) -> None:
-    writer = self._open()
-    if writer is None:
-      return
-    _, summary, event_pb2 = self._modules
     step, now = int(record["step"]), time.time()
     for name, value in sorted(_numbers(record).items()):
-      writer.write_event(event_pb2.Event(wall_time=now, step=step, summary=summary.scalar(name, value)))
-    writer.flush()
+      self._writer.write_event(event_pb2.Event(wall_time=now, step=step, summary=summary.scalar(name, value)))
+    self._writer.flush()
 
   def close(self) -> None:
     if self._writer is not None:
@@ -168,33 +163,26 @@ class MlflowRun:
 _RUNS = {"wandb": WandbRun, "mlflow": MlflowRun}
 
 
-class MetricLog:
+class MetricLog(workdir_files.JsonlLog):
   """A workdir_files.JsonlLog that also writes each record to a ScalarWriter (None: none) and
-  to `runs` under `prefix`. Same methods as JsonlLog, plus close(), which closes the runs if
-  `closes_runs` (one of the logs sharing them)."""
+  to `runs` under `prefix`; close() flushes, and closes the runs if `closes_runs` (one of the
+  logs sharing them). TensorBoard events are flushed at each record."""
 
-  def __init__(self, jsonl: workdir_files.JsonlLog, writer: ScalarWriter | None, runs=(), prefix: str = "train",
-               closes_runs: bool = True):
-    self.jsonl, self.writer, self.runs, self.prefix, self.closes_runs = jsonl, writer, list(runs), prefix, closes_runs
-
-  @property
-  def file(self):
-    return self.jsonl.file
+  def __init__(self, file, writer: ScalarWriter | None, runs=(), prefix: str = "train", closes_runs: bool = True):
+    super().__init__(file)
+    self.writer, self.runs, self.prefix, self.closes_runs = writer, list(runs), prefix, closes_runs
 
   def truncate_after(self, last_step: int) -> None:
-    self.jsonl.truncate_after(last_step)
+    super().truncate_after(last_step)
     if self.writer is not None:
       self.writer.purge_after(last_step)
 
   def append(self, record: dict) -> None:
-    self.jsonl.append(record)
+    super().append(record)
     if self.writer is not None:
       self.writer.write(record)
     for run in self.runs:
       run.log(record, self.prefix)
-
-  def flush(self) -> None:
-    self.jsonl.flush()  # the events are flushed at each record
 
   def close(self) -> None:
     self.flush()
@@ -216,7 +204,6 @@ def open_logs(workdir: str, metric_writers: str = "", config: dict | None = None
     root = workdir_files.path(workdir, SUBDIR)
     writers = {split: ScalarWriter(str(root / split)) for split in writers}
   runs = [_RUNS[name](workdir, config or {}) for name in writer_names(metric_writers)]
-  train_log, eval_log = (workdir_files.JsonlLog(workdir_files.path(workdir, file))
-                         for file in ("metrics.jsonl", "eval_metrics.jsonl"))
-  return (MetricLog(train_log, writers["train"], runs, "train"),
-          MetricLog(eval_log, writers["eval"], runs, "eval", closes_runs=False))
+  return (MetricLog(workdir_files.path(workdir, "metrics.jsonl"), writers["train"], runs, "train"),
+          MetricLog(workdir_files.path(workdir, "eval_metrics.jsonl"), writers["eval"], runs, "eval",
+                    closes_runs=False))

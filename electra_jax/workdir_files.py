@@ -13,8 +13,6 @@ from etils import epath
 
 from electra_jax.errors import ConfigError
 
-SWEEP_FILE = "sweep.json"  # a sweep folder's record of its base config and runs
-
 
 def is_remote(path) -> bool:
   return "://" in os.fspath(path)
@@ -62,14 +60,6 @@ def read_json(file, parse=lambda value: value):
         f"{file} is not as electra-jax writes it ({type(error).__name__}: {error}); it was edited or "
         "damaged. Put back a good copy, or move its folder aside and start again."
     ) from None
-
-
-def sweep_runs(folder) -> list[tuple[str, str]]:
-  """[(name, workdir)] of a sweep folder's runs in sweep.json's order; [] for another folder."""
-  file = path(folder, SWEEP_FILE)
-  if not exists(file):
-    return []
-  return read_json(file, lambda record: [(str(r["name"]), os.fspath(path(folder, str(r["name"])))) for r in record["runs"]])
 
 
 def read_jsonl(file) -> list:
@@ -126,15 +116,12 @@ class JsonlLog:
   def truncate_after(self, last_step: int) -> None:
     """Drops lines past `last_step` (left by a run that got further than its last
     checkpoint), so a resumed run logs each step once."""
-    if not self._remote and not self.file.exists():
-      return
-    lines = self._content() if self._remote else self.file.read_text().splitlines()
+    lines = self._content()
     # A line cut short by a crash has no step and goes too.
     kept = [line for line in lines if (step := _step_of(line)) is not None and step <= last_step]
     if len(kept) != len(lines):
       write_text(self.file, "".join(line + "\n" for line in kept))
-    if self._remote:
-      self._lines = kept
+    self._lines = kept if self._remote else None  # a local file is appended to, not kept here
 
   def append(self, record: dict) -> None:
     self._pending.append(json.dumps(record, sort_keys=True))

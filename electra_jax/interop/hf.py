@@ -208,7 +208,7 @@ def params_from_hf_weights(model, kind: str, weights: dict[str, np.ndarray], sou
   tie_word_embeddings: when false, the stored decoder must equal the word table."""
   by_name = {}
   for key, array in weights.items():
-    name = key[len(_BACKBONE_PREFIX):] if key.startswith(_BACKBONE_PREFIX) else key
+    name = key.removeprefix(_BACKBONE_PREFIX)
     if name in by_name:
       raise ConfigError(f"{source}: {name!r} is stored twice, with and without {_BACKBONE_PREFIX!r}.")
     by_name[name] = array

@@ -210,20 +210,16 @@ def official_name(hf_name: str, tower: str) -> str:
   return f"{'electra' if tower == 'discriminator' else 'generator'}/{name}"
 
 
-def _layer_count(names, scope: str) -> int:
-  layers = {int(m.group(1)) for n in names if (m := re.match(rf"{scope}/encoder/layer_(\d+)/", n))}
+def _tower_model(ckpt: TFCheckpoint, scope: str, kind: str, num_heads: int | None):
+  """A standalone tower sized from the checkpoint's shapes (dropout and epsilon: the official
+  defaults, which are transformers'). Heads are not in the shapes: the official code uses
+  max(1, hidden // 64), or `num_heads` for a checkpoint trained with model_hparam_overrides."""
+  layers = {int(m.group(1)) for n in ckpt.entries if (m := re.match(rf"{scope}/encoder/layer_(\d+)/", n))}
   if not layers:
     raise ConfigError(f"The checkpoint has no {scope}/encoder/layer_* variables; it is not an ELECTRA "
                       "pre-training checkpoint.")
   if layers != set(range(len(layers))):
     raise ConfigError(f"The checkpoint's {scope} layers are {sorted(layers)}, not 0..{max(layers)}.")
-  return len(layers)
-
-
-def _tower_model(ckpt: TFCheckpoint, scope: str, kind: str, num_heads: int | None):
-  """A standalone tower sized from the checkpoint's shapes (dropout and epsilon: the official
-  defaults, which are transformers'). Heads are not in the shapes: the official code uses
-  max(1, hidden // 64), or `num_heads` for a checkpoint trained with model_hparam_overrides."""
   shape = lambda name: ckpt.entries[name].shape
   vocab, embedding = shape("electra/embeddings/word_embeddings")
   hidden = shape(f"{scope}/encoder/layer_0/attention/self/query/kernel")[1]
@@ -233,7 +229,7 @@ def _tower_model(ckpt: TFCheckpoint, scope: str, kind: str, num_heads: int | Non
                       "head count.")
   return hf.model_from_hf_config({
       "architectures": [hf.ARCHITECTURE_OF_KIND[kind]], "vocab_size": vocab, "embedding_size": embedding,
-      "hidden_size": hidden, "num_hidden_layers": _layer_count(ckpt.entries, scope), "num_attention_heads": heads,
+      "hidden_size": hidden, "num_hidden_layers": len(layers), "num_attention_heads": heads,
       "intermediate_size": shape(f"{scope}/encoder/layer_0/intermediate/dense/kernel")[1],
       "max_position_embeddings": shape("electra/embeddings/position_embeddings")[0],
       "type_vocab_size": shape("electra/embeddings/token_type_embeddings")[0],
