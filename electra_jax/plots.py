@@ -19,13 +19,10 @@ MAX_COLUMNS = 3
 
 def expand_workdirs(workdirs: Sequence[str]) -> list[tuple[str, str]]:
   """[(label, workdir)]: a sweep folder (with sweep.json) becomes its runs."""
-  from electra_jax import sweep  # noqa: PLC0415 (sweep imports this module)
-
   expanded = []
   for workdir in workdirs:
     name = os.path.basename(os.path.normpath(workdir))
-    record = sweep.read_record(workdir) or {"runs": []}
-    runs = [(f"{name}/{run.name}", sweep.run_dir(workdir, run)) for run in record["runs"]]
+    runs = [(f"{name}/{run}", path) for run, path in workdir_files.sweep_runs(workdir)]
     expanded += runs or [(name or workdir, workdir)]
   return expanded
 

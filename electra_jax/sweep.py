@@ -28,7 +28,7 @@ from ml_collections.config_flags import config_path
 from electra_jax import config_lib, plots, workdir_files
 from electra_jax.errors import ConfigError
 
-SWEEP_FILE = "sweep.json"
+SWEEP_FILE = workdir_files.SWEEP_FILE
 ERROR_FILE = "sweep_error.txt"
 FINETUNE_SUBDIR = "finetune"
 Override = tuple[str, str]  # (config key, the value as the user wrote it)

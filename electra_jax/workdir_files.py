@@ -13,6 +13,7 @@ from etils import epath
 
 from electra_jax.errors import ConfigError
 
+SWEEP_FILE = "sweep.json"  # a sweep folder's record of its base config and runs
 
 def is_remote(path) -> bool:
   return "://" in os.fspath(path)
@@ -60,6 +61,14 @@ def read_json(file, parse=lambda value: value):
         f"{file} is not as electra-jax writes it ({type(error).__name__}: {error}); it was edited or "
         "damaged. Put back a good copy, or move its folder aside and start again."
     ) from None
+
+
+def sweep_runs(folder) -> list[tuple[str, str]]:
+  """[(name, workdir)] of a sweep folder's runs in sweep.json's order; [] for another folder."""
+  file = path(folder, SWEEP_FILE)
+  if not exists(file):
+    return []
+  return read_json(file, lambda record: [(str(r["name"]), os.fspath(path(folder, str(r["name"])))) for r in record["runs"]])
 
 
 def read_jsonl(file) -> list:
