@@ -24,14 +24,28 @@ _GELU_FLOOR = 8.0
 
 
 def export_hf(workdir: str, out_dir: str, export_generator: bool = False) -> dict[str, str]:
-  """`--mode=export_hf`: a fine-tuning workdir's seeds (export_finetuned), else a pre-training
-  workdir's towers (interop.export_workdir). Returns {what: directory}."""
-  if not finetuned_tasks(workdir):
+  """`--mode=export_hf`: a pre-training workdir's towers (interop.export_workdir), or for every finished
+  seed of a fine-tuning workdir's tasks <out_dir>/<task>/seed_<s> (config.json, model.safetensors, the
+  tokenizer files) for transformers' Auto* classes. Logits match ours (SQuAD: where an answer may be;
+  2.0's answerability head has no HF form). Returns {what: directory}."""
+  tasks = finetuned_tasks(workdir)
+  if not tasks:
     return export.export_workdir(workdir, out_dir, export_generator)
   if export_generator:
     raise ConfigError(f"--export_generator: {workdir} is a fine-tuning workdir, which has no generator. "
                       "Nothing was written.")
-  return export_finetuned(workdir, out_dir)
+  loaded = {task: load_task_model(workdir, task) for task in tasks}  # every refusal before anything is written
+  for task in tasks:
+    export.check_export_out(os.path.join(out_dir, task))
+  written = {}
+  for task, (head, backbone, model, seeds) in loaded.items():
+    if head.get("answerable"):
+      logging.warning("%s: SQuAD 2.0's answerability head has no ElectraForQuestionAnswering form and is "
+                      "left out; the export's no-answer score is the [CLS] span's, as Hugging Face's.", task)
+    for seed in seeds:
+      written[f"{task}/seed_{seed}"] = directory = os.path.join(out_dir, task, f"seed_{seed}")
+      _write(directory, backbone, head, restore_seed(workdir, task, seed, model))
+  return written
 
 
 def finetuned_tasks(workdir: str) -> list[str]:
@@ -108,27 +122,6 @@ def load_task_model(workdir: str, task: str) -> TaskModel:
   else:
     model = backbone.classifier(1 if head["kind"] == "regression" else len(head["labels"]), config)
   return TaskModel(head, backbone, model, sorted(int(s) for s in results["seeds"]))
-
-
-def export_finetuned(workdir: str, out_dir: str) -> dict[str, str]:
-  """Writes <out_dir>/<task>/seed_<s> (config.json, model.safetensors, the tokenizer files) for every
-  finished seed of every task, for transformers' Auto* classes. Logits match ours (SQuAD: where an
-  answer may be; 2.0's answerability head has no HF form). Returns {"<task>/seed_<s>": directory}."""
-  tasks = finetuned_tasks(workdir)
-  if not tasks:
-    raise ConfigError(f"{workdir} holds no fine-tuned task (no <task>/results.json); fine-tune first.")
-  loaded = {task: load_task_model(workdir, task) for task in tasks}  # every refusal before anything is written
-  for task in tasks:
-    export.check_export_out(os.path.join(out_dir, task))
-  written = {}
-  for task, (head, backbone, model, seeds) in loaded.items():
-    if head.get("answerable"):
-      logging.warning("%s: SQuAD 2.0's answerability head has no ElectraForQuestionAnswering form and is "
-                      "left out; the export's no-answer score is the [CLS] span's, as Hugging Face's.", task)
-    for seed in seeds:
-      written[f"{task}/seed_{seed}"] = directory = os.path.join(out_dir, task, f"seed_{seed}")
-      _write(directory, backbone, head, restore_seed(workdir, task, seed, model))
-  return written
 
 
 def restore_seed(workdir: str, task: str, seed: int, model):

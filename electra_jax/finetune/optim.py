@@ -74,14 +74,11 @@ def make_optimizer(config, params, num_layers: int, total_steps: int, learning_r
     raise ConfigError(f"optimizer.warmup_fraction={o.warmup_fraction} must be in [0, 1).")
   peak = o.learning_rate if learning_rate is None else learning_rate
   schedule = linear_warmup_decay(peak, int(round(o.warmup_fraction * total_steps)), total_steps)
-  if o.bias_correction:
-    adam = optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)
-  else:
-    adam = scale_by_adam_without_bias_correction(o.b1, o.b2, o.eps)
+  adam = optax.scale_by_adam if o.bias_correction else scale_by_adam_without_bias_correction
   scales = layerwise_lr_scales(params, num_layers, o.layerwise_lr_decay, o.layerwise_lr_decay_rule)
   tx = optax.chain(
       optax.clip_by_global_norm(o.clip_norm),
-      adam,
+      adam(o.b1, o.b2, o.eps),
       optax.add_decayed_weights(o.weight_decay, mask=lambda p: jax.tree_util.tree_map_with_path(_decays, p)),
       optax.stateless(lambda updates, _: jax.tree.map(lambda u, s: u * jnp.asarray(s, u.dtype), updates, scales)),
       optax.scale_by_learning_rate(schedule),

@@ -229,14 +229,15 @@ def max_context_owner(windows: Sequence[tuple[int, int]], num_tokens: int) -> np
 class SquadMetadata:
   """What decoding needs besides the logits, one entry per feature row (window): its example's
   index, the window's context tokens (window_start, window_length) and the position of its first
-  (context_offset); per example, each context token's [start, end) characters (int32 [n, 2])."""
+  (context_offset); per example, each context token's [start, end) characters (int32 [n, 2]); per
+  row, bool [seq_len] flags of the positions whose max-context window it is (max_context)."""
 
   example_index: np.ndarray
   window_start: np.ndarray
   window_length: np.ndarray
   context_offset: np.ndarray
   token_char_spans: list[np.ndarray]
-  seq_len: int
+  max_context: np.ndarray
 
   def __len__(self) -> int:
     return len(self.example_index)
@@ -247,21 +248,8 @@ class SquadMetadata:
       rows[int(example)].append(row)
     return rows
 
-  def max_context_flags(self, example: int, rows: list[int]) -> np.ndarray:
-    """bool [len(rows), seq_len]: each of the example's rows' context positions whose max-context
-    window it is."""
-    windows = [(int(self.window_start[r]), int(self.window_length[r])) for r in rows]
-    owner = max_context_owner(windows, len(self.token_char_spans[example]))
-    flags = np.zeros((len(rows), self.seq_len), dtype=bool)
-    for i, (row, (start, length)) in enumerate(zip(rows, windows)):
-      offset = int(self.context_offset[row])
-      flags[i, offset:offset + length] = owner[start:start + length] == i
-    return flags
-
   def token_is_max_context(self, row: int) -> np.ndarray:
-    example = int(self.example_index[row])
-    rows = self.rows_of_example()[example]
-    return self.max_context_flags(example, rows)[rows.index(row)]
+    return self.max_context[row]
 
 
 def make_features(
@@ -287,7 +275,7 @@ def make_features(
   word_tokenizer = _word_tokenizer(tokenizer)
   contexts: dict[str, tuple[list[int], np.ndarray]] = {}
   rows, meta = [], []  # per row: FEATURE_KEYS' values; (example, window_start, window_length, context_offset)
-  token_char_spans, skipped, started = [], 0, time.time()
+  token_char_spans, max_context, skipped, started = [], [], 0, time.time()
   positions = np.arange(max_seq_len)
   for index, example in enumerate(examples):
     if example.context not in contexts:
@@ -304,7 +292,9 @@ def make_features(
         continue
     query_ids = list(tokenizer.encode(example.question))[:max_query_len]
     offset = len(query_ids) + 2
-    for start, length in _windows(len(context_ids), max_seq_len - len(query_ids) - 3, doc_stride):
+    windows = _windows(len(context_ids), max_seq_len - len(query_ids) - 3, doc_stride)
+    owner = max_context_owner(windows, len(context_ids))
+    for window, (start, length) in enumerate(windows):
       # Rows become int32 arrays at once: lists of Python ints over SQuAD 2.0's training windows
       # would take many times the memory.
       ids = [tokenizer.cls_id, *query_ids, tokenizer.sep_id, *context_ids[start:start + length], tokenizer.sep_id]
@@ -315,6 +305,8 @@ def make_features(
                    (positions < len(ids)).astype(np.int32), answer[0] - start + offset if inside else 0,
                    answer[1] - start + offset if inside else 0, int(example.is_impossible or not example.answers)))
       meta.append((index, start, length, offset))
+      max_context.append(np.zeros(max_seq_len, bool))
+      max_context[-1][offset:offset + length] = owner[start:start + length] == window
     _log_progress("SQuAD features", index + 1, len(examples), started)
 
   if skipped:
@@ -323,7 +315,7 @@ def make_features(
     raise ConfigError("make_features got no usable SQuAD questions; check the examples given.")
   features = {key: np.asarray(column, dtype=np.int32) for key, column in zip(FEATURE_KEYS, zip(*rows))}
   metadata = SquadMetadata(*(np.asarray(column, dtype=np.int32) for column in zip(*meta)), token_char_spans,
-                           max_seq_len)
+                           np.stack(max_context))
   return features, metadata
 
 
@@ -335,12 +327,9 @@ def answer_mask(token_type_ids, attention_mask):
 
 
 class SpanHead(nn.Module):
-  """Start and end logits per token, and with `answerable=True` (SQuAD 2.0) one answerability
-  logit per row, as ELECTRA's official head: dense([CLS] hidden ++ start-probability-weighted
-  hidden) -> GELU -> dense -> 1. (hidden [B, T, H], token_type_ids, attention_mask [B, T]) ->
-  float32 (start_logits [B, T], end_logits [B, T], answerable_logits [B] or None), positions
-  outside answer_mask at -10000. A positive answerable logit means "this window holds the answer".
-  """
+  """ELECTRA's official span head: float32 start and end logits [B, T] (-10000 outside answer_mask)
+  and, with `answerable` (SQuAD 2.0), an answerability logit [B] (positive: the window holds the
+  answer) from dense([CLS] hidden ++ start-probability-weighted hidden) -> GELU -> dense; else None."""
 
   answerable: bool = False
   answerable_hidden_size: int = 512
@@ -380,9 +369,7 @@ def span_loss(*args, weights=None, **kwargs):
   """The mean of span_losses(*args, **kwargs) over rows; `weights` [B] (1 real, 0 padding)
   restricts it to real rows."""
   per_row = span_losses(*args, **kwargs)
-  if weights is None:
-    return jnp.mean(per_row)
-  weights = jnp.asarray(weights, jnp.float32)
+  weights = jnp.ones_like(per_row) if weights is None else jnp.asarray(weights, jnp.float32)
   return jnp.sum(per_row * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
@@ -412,9 +399,9 @@ def postprocess(
   version = _check_version(version)
   start_logits, end_logits = np.asarray(start_logits, np.float32), np.asarray(end_logits, np.float32)
   num_rows = len(metadata)
-  if start_logits.shape != (num_rows, metadata.seq_len) or end_logits.shape != start_logits.shape:
+  if start_logits.shape != metadata.max_context.shape or end_logits.shape != start_logits.shape:
     raise ValueError(f"postprocess got logits of shapes {start_logits.shape} and {end_logits.shape}; the features "
-                     f"have {num_rows} rows of {metadata.seq_len} ({features['input_ids'].shape}).")
+                     f"have {num_rows} rows of {metadata.max_context.shape[1]} ({features['input_ids'].shape}).")
   if answerable_logits is not None:
     answerable_logits = np.asarray(answerable_logits, np.float32).reshape(num_rows)
   predictions, null_odds = {}, {}
@@ -425,14 +412,12 @@ def postprocess(
       continue  # left out of training features; nothing to decode
     spans = metadata.token_char_spans[index]
     candidates, score_null = [], np.inf
-    for row, owned in zip(rows, metadata.max_context_flags(index, rows)):
+    for row in rows:
       start, length = int(metadata.window_start[row]), int(metadata.window_length[row])
-      offset = int(metadata.context_offset[row])
+      offset, owned = int(metadata.context_offset[row]), metadata.max_context[row]
       row_start, row_end = start_logits[row], end_logits[row]
-      if answerable_logits is not None:
-        score_null = min(score_null, -float(answerable_logits[row]))
-      else:
-        score_null = min(score_null, float(row_start[0] + row_end[0]))
+      null = float(row_start[0] + row_end[0]) if answerable_logits is None else -float(answerable_logits[row])
+      score_null = min(score_null, null)
       # As the official decoding: the n_best starts and ends over the whole row (ties to the lower
       # position), and only then the invalid ones dropped: [CLS], the question, padding, the last
       # [SEP], and starts whose max-context window is another row.
@@ -683,14 +668,13 @@ def make_adapter(config, backbone):
 
   def write_test(predict, directory):
     predictions, null_odds = decode(predict)
-    paths = [os.path.join(directory, "dev_predictions.json")]
+    files = {"dev_predictions.json": predictions}
     if version == "2.0":
-      write_predictions(paths[0], apply_null_threshold(predictions, null_odds, settings.null_threshold))
-      paths.append(os.path.join(directory, "dev_null_odds.json"))
-      write_predictions(paths[1], null_odds)
-    else:
-      write_predictions(paths[0], predictions)
-    return paths
+      files = {"dev_predictions.json": apply_null_threshold(predictions, null_odds, settings.null_threshold),
+               "dev_null_odds.json": null_odds}
+    for name, values in files.items():
+      write_predictions(os.path.join(directory, name), values)
+    return [os.path.join(directory, name) for name in files]
 
   return tasks.TaskAdapter(f"squad{version}", model, train_features, loss_fn, evaluate, write_test,
                            dict(kind="span", answerable=answerable))

@@ -387,14 +387,10 @@ def load_task(config) -> TaskData:
 
 def truncate_pair(tokens_a: list[int], tokens_b: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
   """Drops tokens from the end of the longer segment (b on ties) until both fit, as BERT does:
-  a short segment keeps its few, informative tokens."""
-  len_a, len_b = len(tokens_a), len(tokens_b)
-  while len_a + len_b > max_tokens:
-    if len_a > len_b:
-      len_a -= 1
-    else:
-      len_b -= 1
-  return tokens_a[:len_a], tokens_b[:len_b]
+  a short segment keeps its few, informative tokens. Where that loop ends: a segment shorter than
+  half keeps all, the other takes the rest; two long ones split max_tokens, a taking the odd token."""
+  len_a = min(len(tokens_a), max(max_tokens - len(tokens_b), (max_tokens + 1) // 2))
+  return tokens_a[:len_a], tokens_b[:max_tokens - len_a]
 
 
 # Rows are padded to a multiple of this (one compiled shape per split, even lengths for kernels).

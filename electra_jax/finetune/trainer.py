@@ -309,8 +309,9 @@ def format_table(summary) -> str:
   return "\n".join(lines)
 
 
-def _run_seed(config, adapter, backbone, seed: int, seed_dir: str, epochs: int, steps, progress) -> dict:
+def _run_seed(config, adapter, backbone, seed: int, task_dir: str, epochs: int, steps, progress) -> dict:
   tx, schedule, train_step, predict_step = steps
+  seed_dir = os.path.join(task_dir, f"seed_{seed}")
   eval_batch_size = config.eval_batch_size or config.batch_size
   num_train = _num_examples(adapter.train_features)
   total_steps = _steps_per_seed(config, adapter.train_features, epochs)
@@ -388,7 +389,32 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   lease = workdir_lease.WorkdirLease(task_dir)
   lease.acquire()
   try:
-    return _run_seeds(config, adapter, backbone, task_dir, seeds, finished, epochs)
+    rates = select_rates(config)  # finished trials are read back, not trained again
+    selection = _select_learning_rate(config, adapter, backbone, task_dir, rates) if rates else None
+    steps_per_seed = _steps_per_seed(config, adapter.train_features, epochs)
+    logging.info("Fine-tuning %s from %s: %d train examples, %d epochs, %d steps per seed, seeds %s.", adapter.name,
+                 backbone.source, _num_examples(adapter.train_features), epochs, steps_per_seed, seeds)
+    if finished:
+      logging.info("Seeds %s finished in an earlier run with this config: their results are kept.", sorted(finished))
+    progress = _progress_logger(config, epochs, [seed for seed in seeds if seed not in finished])
+    steps = _compiled_steps(config, adapter, backbone, steps_per_seed, selection and selection["learning_rate"])
+    per_seed = [finished[seed] if seed in finished else
+                _run_seed(config, adapter, backbone, seed, task_dir, epochs, steps, progress) for seed in seeds]
+    summary = summarize(per_seed)
+    config_json = config_lib.to_json(config)
+    results = dict(
+        # epochs: after min_steps, what each seed trained (config.epochs holds what was asked).
+        task=adapter.name, init=backbone.source, epochs=epochs, steps_per_seed=steps_per_seed, head=adapter.head,
+        selection=selection, electra_jax_version=electra_jax.__version__,
+        config=json.loads(config_json),
+        config_fingerprint=hashlib.sha256(config_json.encode()).hexdigest()[:16],
+        seeds={str(run["seed"]): {k: run[k] for k in ("kept_epoch", "dev", "test_predictions")} for run in per_seed},
+        summary=summary,
+    )
+    _write_json(os.path.join(task_dir, "results.json"), results)
+    logging.info("Results over %d seed(s) in %s; the table:", len(seeds), os.path.join(task_dir, "results.json"))
+    print(format_table(summary))
+    return results
   finally:
     lease.release()
 
@@ -450,41 +476,9 @@ def _select_learning_rate(config, adapter, backbone, task_dir: str, rates: list[
     if result is None:
       logging.info("Choosing the learning rate on train: %g, on %d examples (%d held out).", rate, num_fit,
                    _num_examples(adapter.train_features) - num_fit)
-      result = _run_seed(trial, fit, backbone, seed, os.path.join(directory, f"seed_{seed}"), epochs,
-                         _compiled_steps(trial, fit, backbone, steps_per_seed), _progress_logger(trial, epochs, [seed]))
+      steps = _compiled_steps(trial, fit, backbone, steps_per_seed)
+      result = _run_seed(trial, fit, backbone, seed, directory, epochs, steps, _progress_logger(trial, epochs, [seed]))
     scores[f"{rate:g}"] = result["dev"]["held_out"]["score"]
   best = max(rates, key=lambda rate: scores[f"{rate:g}"])  # the first of equals: rates in the given order
   logging.info("Held-out scores by learning rate %s: training every seed at %g.", scores, best)
   return dict(learning_rate=best, held_out_scores=scores)
-
-
-def _run_seeds(config, adapter, backbone, task_dir: str, seeds, finished: dict, epochs: int) -> dict:
-  rates = select_rates(config)  # finished trials are read back, not trained again
-  selection = _select_learning_rate(config, adapter, backbone, task_dir, rates) if rates else None
-  steps_per_seed = _steps_per_seed(config, adapter.train_features, epochs)
-  logging.info("Fine-tuning %s from %s: %d train examples, %d epochs, %d steps per seed, seeds %s.", adapter.name,
-               backbone.source, _num_examples(adapter.train_features), epochs, steps_per_seed, seeds)
-  if finished:
-    logging.info("Seeds %s finished in an earlier run with this config: their results are kept.", sorted(finished))
-  progress = _progress_logger(config, epochs, [seed for seed in seeds if seed not in finished])
-  steps = _compiled_steps(config, adapter, backbone, steps_per_seed, selection and selection["learning_rate"])
-  per_seed = []
-  for seed in seeds:
-    seed_dir = os.path.join(task_dir, f"seed_{seed}")
-    per_seed.append(finished[seed] if seed in finished else
-                    _run_seed(config, adapter, backbone, seed, seed_dir, epochs, steps, progress))
-  summary = summarize(per_seed)
-  config_json = config_lib.to_json(config)
-  results = dict(
-      # epochs: after min_steps, what each seed trained (config.epochs holds what was asked).
-      task=adapter.name, init=backbone.source, epochs=epochs, steps_per_seed=steps_per_seed, head=adapter.head,
-      selection=selection, electra_jax_version=electra_jax.__version__,
-      config=json.loads(config_json),
-      config_fingerprint=hashlib.sha256(config_json.encode()).hexdigest()[:16],
-      seeds={str(run["seed"]): {k: run[k] for k in ("kept_epoch", "dev", "test_predictions")} for run in per_seed},
-      summary=summary,
-  )
-  _write_json(os.path.join(task_dir, "results.json"), results)
-  logging.info("Results over %d seed(s) in %s; the table:", len(seeds), os.path.join(task_dir, "results.json"))
-  print(format_table(summary))
-  return results
