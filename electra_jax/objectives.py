@@ -348,15 +348,17 @@ def _sample(p: _Pass, gen_logits) -> _Sampled:
   return _Sampled(gen_logits, sampled_ids, corrupted_ids, is_replaced, replaced_prob, mlm_loss_sum, gen_loss)
 
 
-def _tower_mlm(p: _Pass, corrupted_ids):
-  """The discriminator tower on the corrupted input predicting the originals at the masked slots, in
-  one pass: (its replaced-token logits [batch, seq], its MLM loss); the sums go to p.stats."""
-  disc_logits, main_logits = p.tower(p.model.discriminator_mlm_logits, corrupted_ids, p.masked.positions,
-                                     rng=p.disc_rng)
-  main_logits = _vocabulary_only(main_logits, p.objective.vocab_size)
-  main_loss_sum, main_correct = _mlm_sums(main_logits, p.masked.target_ids, p.masked.weights)
-  p.stats.update(main_loss_sum=main_loss_sum, main_correct=main_correct, main_count=p.masked.weights.sum())
-  return disc_logits, main_loss_sum / p.normalizers.num_predictions
+def _tower_mlm(p: _Pass, input_ids, stat: str = "main"):
+  """The discriminator tower on `input_ids` predicting the originals at the masked slots, in one pass:
+  (its replaced-token logits [batch, seq], its MLM loss); the sums go to p.stats as <stat>_loss_sum and
+  <stat>_correct (mlm's, or main_* with main_count)."""
+  disc_logits, logits = p.tower(p.model.discriminator_mlm_logits, input_ids, p.masked.positions, rng=p.disc_rng)
+  loss_sum, correct = _mlm_sums(_vocabulary_only(logits, p.objective.vocab_size), p.masked.target_ids,
+                                p.masked.weights)
+  p.stats.update({f"{stat}_loss_sum": loss_sum, f"{stat}_correct": correct})
+  if stat == "main":
+    p.stats["main_count"] = p.masked.weights.sum()
+  return disc_logits, loss_sum / p.normalizers.num_predictions
 
 
 def _discriminator_logits(p: _Pass, corrupted_ids):
@@ -453,15 +455,10 @@ def _electric(p: _Pass):
 
 def _mlm(p: _Pass):
   """BERT: the discriminator-sized tower predicts the originals of its [MASK]ed input."""
-  masked = p.masked
-  _, mlm_logits = p.tower(p.model.discriminator_mlm_logits, masked.input_ids, masked.positions, rng=p.disc_rng)
-  mlm_logits = _vocabulary_only(mlm_logits, p.objective.vocab_size)
-  mlm_loss_sum, mlm_correct = _mlm_sums(mlm_logits, masked.target_ids, masked.weights)
-  p.stats.update(mlm_loss_sum=mlm_loss_sum, mlm_correct=mlm_correct)
+  _, loss = _tower_mlm(p, p.masked.input_ids, stat="mlm")
   weights = p.token_weights
   zeros = jnp.zeros_like(weights)
-  return mlm_loss_sum / p.normalizers.num_predictions, _per_token(
-      zeros, jnp.zeros_like(p.batch["attention_mask"], bool), weights, zeros)
+  return loss, _per_token(zeros, jnp.zeros_like(p.batch["attention_mask"], bool), weights, zeros)
 
 
 def _replace_mlm(p: _Pass):

@@ -467,22 +467,20 @@ class _Preemption:
     self.requested = False
     self.signal_name = "SIGTERM"
     self._previous = self._previous_interrupt = None
-    self._collective = jax.process_count() > 1 or jax.distributed.is_initialized()
+    self._collective = jax.distributed.is_initialized()
 
   def __enter__(self):
-    if self._collective:
-      if not jax.distributed.is_initialized():  # several processes joined by the runtime alone
-        logging.warning(
-            "%d processes without jax.distributed: a SIGTERM stops this run without a checkpoint "
-            "(it resumes from the last periodic one). Start it through electra_jax.main, which "
-            "joins the job.", jax.process_count(),
-        )
-        self._collective = False
-      return self
-    with contextlib.suppress(ValueError):  # not the main thread (some notebook runners): no handler then
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-      # A first Ctrl-C saves at the end of the step too; a second one stops at once.
-      self._previous_interrupt = signal.signal(signal.SIGINT, self._handle)
+    if jax.process_count() > 1 and not self._collective:  # several processes joined by the runtime alone
+      logging.warning(
+          "%d processes without jax.distributed: a SIGTERM stops this run without a checkpoint "
+          "(it resumes from the last periodic one). Start it through electra_jax.main, which "
+          "joins the job.", jax.process_count(),
+      )
+    elif not self._collective:
+      with contextlib.suppress(ValueError):  # not the main thread (some notebook runners): no handler then
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        # A first Ctrl-C saves at the end of the step too; a second one stops at once.
+        self._previous_interrupt = signal.signal(signal.SIGINT, self._handle)
     return self
 
   def _handle(self, signum, frame):
