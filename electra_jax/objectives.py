@@ -348,15 +348,17 @@ def _sample(p: _Pass, gen_logits) -> _Sampled:
   return _Sampled(gen_logits, sampled_ids, corrupted_ids, is_replaced, replaced_prob, mlm_loss_sum, gen_loss)
 
 
-def _tower_mlm(p: _Pass, corrupted_ids):
-  """The discriminator tower on the corrupted input predicting the originals at the masked slots, in
-  one pass: (its replaced-token logits [batch, seq], its MLM loss); the sums go to p.stats."""
-  disc_logits, main_logits = p.tower(p.model.discriminator_mlm_logits, corrupted_ids, p.masked.positions,
-                                     rng=p.disc_rng)
-  main_logits = _vocabulary_only(main_logits, p.objective.vocab_size)
-  main_loss_sum, main_correct = _mlm_sums(main_logits, p.masked.target_ids, p.masked.weights)
-  p.stats.update(main_loss_sum=main_loss_sum, main_correct=main_correct, main_count=p.masked.weights.sum())
-  return disc_logits, main_loss_sum / p.normalizers.num_predictions
+def _tower_mlm(p: _Pass, input_ids, stat: str = "main"):
+  """The discriminator tower on `input_ids` predicting the originals at the masked slots, in one pass:
+  (its replaced-token logits [batch, seq], its MLM loss); the sums go to p.stats as <stat>_loss_sum and
+  <stat>_correct (mlm's, or main_* with main_count)."""
+  disc_logits, logits = p.tower(p.model.discriminator_mlm_logits, input_ids, p.masked.positions, rng=p.disc_rng)
+  loss_sum, correct = _mlm_sums(_vocabulary_only(logits, p.objective.vocab_size), p.masked.target_ids,
+                                p.masked.weights)
+  p.stats.update({f"{stat}_loss_sum": loss_sum, f"{stat}_correct": correct})
+  if stat == "main":
+    p.stats["main_count"] = p.masked.weights.sum()
+  return disc_logits, loss_sum / p.normalizers.num_predictions
 
 
 def _discriminator_logits(p: _Pass, corrupted_ids):
@@ -373,11 +375,12 @@ def _per_token(disc_logits, is_replaced, token_weights, replaced_prob) -> dict:
           "replaced_prob": replaced_prob}
 
 
-def _detection_loss(p: _Pass, disc_logits, is_replaced, replaced_prob, token_weights=None, normalizer=None):
-  """(disc_weight * L_Disc over `token_weights` (all real tokens) / `normalizer` (num_tokens),
-  per_token); the counts go to p.stats."""
-  token_weights = p.token_weights if token_weights is None else token_weights
-  normalizer = p.normalizers.num_tokens if normalizer is None else normalizer
+def _detection_loss(p: _Pass, disc_logits, is_replaced, replaced_prob, only_masked: bool = False):
+  """(disc_weight * L_Disc over the real tokens (with `only_masked`, the used masked positions) / their
+  whole-batch count, per_token); the counts go to p.stats."""
+  token_weights, normalizer = p.token_weights, p.normalizers.num_tokens
+  if only_masked:
+    token_weights, normalizer = masked_position_weights(p.masked, is_replaced.shape), p.normalizers.num_predictions
   disc_loss_sum = (_bce(disc_logits, is_replaced.astype(jnp.float32)) * token_weights).sum()
   predicted = disc_logits > 0
   p.stats.update(
@@ -397,14 +400,9 @@ def _electra(p: _Pass, only_masked: bool = False):
   `only_masked`, L_Disc and its metrics only where the generator could have replaced a token."""
   s = _sample(p, _generator_logits(p))
   disc_logits, main_loss = _discriminator_logits(p, s.corrupted_ids)
-  if only_masked:
-    weights = masked_position_weights(p.masked, s.corrupted_ids.shape)
-    disc_loss, per_token = _detection_loss(p, disc_logits, s.is_replaced, s.replaced_prob, weights,
-                                           p.normalizers.num_predictions)
-  else:
-    disc_loss, per_token = _detection_loss(p, disc_logits, s.is_replaced, s.replaced_prob)
-  loss = s.gen_loss + disc_loss if main_loss is None else s.gen_loss + disc_loss + main_loss
-  return loss, per_token
+  disc_loss, per_token = _detection_loss(p, disc_logits, s.is_replaced, s.replaced_prob, only_masked)
+  loss = s.gen_loss + disc_loss
+  return (loss if main_loss is None else loss + main_loss), per_token
 
 
 def _two_stage(p: _Pass):
@@ -416,9 +414,9 @@ def _two_stage(p: _Pass):
 
 
 def _adversarial(p: _Pass):
-  """REINFORCE: a masked slot's reward is the discriminator's loss on the generator's sample there.
-  Its baseline is the mean reward of its example's other slots (0 without any): independent of
-  the slot's own sample, so the estimate stays unbiased, and of how the batch is split."""
+  """REINFORCE, rewarding a masked slot's sample with the discriminator's loss on it, plus adversarial_mlm_weight
+  * L_MLM. A slot's baseline is the mean reward of its example's other slots (0 without any): independent of
+  its own sample, so the estimate stays unbiased, and of how the batch is split."""
   s = _sample(p, _generator_logits(p))
   disc_logits, _ = _discriminator_logits(p, s.corrupted_ids)
   disc_loss, per_token = _detection_loss(p, disc_logits, s.is_replaced, s.replaced_prob)
@@ -437,9 +435,9 @@ def _adversarial(p: _Pass):
 
 
 def _electric(p: _Pass):
-  """The cloze model reads the unmasked input and predicts every maskable token from both sides
-  (its loss); its samples replace the masked tokens, all labelled replaced, and the discriminator's
-  logit is the energy-based form: + log q(token) (no gradient) + the log prior odds of a mask."""
+  """The official electric_objective: the cloze model reads the unmasked input and predicts every maskable
+  token from both sides (its loss); its samples replace the masked tokens, all labelled replaced, and the
+  discriminator's logit is the energy-based form: + log q(token) (no gradient) + the log prior odds of a mask."""
   input_ids, objective = p.batch["input_ids"], p.objective
   cloze_logits = _vocabulary_only(p.tower(p.model.cloze_logits, input_ids, rng=p.gen_rng), objective.vocab_size)
   candidates = candidate_mask(input_ids, p.batch["attention_mask"], objective).astype(jnp.float32)
@@ -457,15 +455,10 @@ def _electric(p: _Pass):
 
 def _mlm(p: _Pass):
   """BERT: the discriminator-sized tower predicts the originals of its [MASK]ed input."""
-  masked = p.masked
-  _, mlm_logits = p.tower(p.model.discriminator_mlm_logits, masked.input_ids, masked.positions, rng=p.disc_rng)
-  mlm_logits = _vocabulary_only(mlm_logits, p.objective.vocab_size)
-  mlm_loss_sum, mlm_correct = _mlm_sums(mlm_logits, masked.target_ids, masked.weights)
-  p.stats.update(mlm_loss_sum=mlm_loss_sum, mlm_correct=mlm_correct)
+  _, loss = _tower_mlm(p, p.masked.input_ids, stat="mlm")
   weights = p.token_weights
   zeros = jnp.zeros_like(weights)
-  return mlm_loss_sum / p.normalizers.num_predictions, _per_token(
-      zeros, jnp.zeros_like(p.batch["attention_mask"], bool), weights, zeros)
+  return loss, _per_token(zeros, jnp.zeros_like(p.batch["attention_mask"], bool), weights, zeros)
 
 
 def _replace_mlm(p: _Pass):
@@ -756,21 +749,12 @@ REGISTRY = {
                  "objective.disallow_correct", "objective.gen_weight", "objective.disc_weight",
                  "objective.keep_original_prob"),
     ),
-    # The generator's samples replace the masked tokens (no [MASK]); the tower predicts the
-    # originals there: gen_weight * L_MLM(gen) + L_MLM(tower).
     "replace_mlm": Registered(_replace_mlm, _tower_mlm_metrics, mlm_head=True),
-    # As replace_mlm, but the tower predicts every token with the paper's copy mechanism.
     "all_tokens_mlm": Registered(_all_tokens_mlm, _tower_mlm_metrics, mlm_head=True),
-    # The paper's two-stage training: L_MLM alone until objective.two_stage_switch, then the
-    # discriminator starts from a copy of the generator's encoder and trains on L_Disc alone
-    # while the generator stays frozen (generator_fraction 1).
     "two_stage": Registered(_two_stage, check=_check_two_stage, own_keys=("objective.two_stage_switch",),
                             before_step=_start_second_stage, updates=_hold_other_stage,
                             start_run=_keep_two_stage_switch),
-    # The paper's adversarial generator: REINFORCE to maximize the discriminator's loss at the
-    # masked positions, plus adversarial_mlm_weight * L_MLM.
     "adversarial": Registered(_adversarial, _adversarial_metrics, own_keys=("objective.adversarial_mlm_weight",)),
-    # The official electric_objective: a two-tower cloze generator over the unmasked input.
     "electric": Registered(_electric, _electric_metrics, check=_check_electric),
 }
 OBJECTIVES = tuple(REGISTRY)

@@ -467,22 +467,20 @@ class _Preemption:
     self.requested = False
     self.signal_name = "SIGTERM"
     self._previous = self._previous_interrupt = None
-    self._collective = jax.process_count() > 1 or jax.distributed.is_initialized()
+    self._collective = jax.distributed.is_initialized()
 
   def __enter__(self):
-    if self._collective:
-      if not jax.distributed.is_initialized():  # several processes joined by the runtime alone
-        logging.warning(
-            "%d processes without jax.distributed: a SIGTERM stops this run without a checkpoint "
-            "(it resumes from the last periodic one). Start it through electra_jax.main, which "
-            "joins the job.", jax.process_count(),
-        )
-        self._collective = False
-      return self
-    with contextlib.suppress(ValueError):  # not the main thread (some notebook runners): no handler then
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-      # A first Ctrl-C saves at the end of the step too; a second one stops at once.
-      self._previous_interrupt = signal.signal(signal.SIGINT, self._handle)
+    if jax.process_count() > 1 and not self._collective:  # several processes joined by the runtime alone
+      logging.warning(
+          "%d processes without jax.distributed: a SIGTERM stops this run without a checkpoint "
+          "(it resumes from the last periodic one). Start it through electra_jax.main, which "
+          "joins the job.", jax.process_count(),
+      )
+    elif not self._collective:
+      with contextlib.suppress(ValueError):  # not the main thread (some notebook runners): no handler then
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        # A first Ctrl-C saves at the end of the step too; a second one stops at once.
+        self._previous_interrupt = signal.signal(signal.SIGINT, self._handle)
     return self
 
   def _handle(self, signum, frame):
@@ -604,14 +602,6 @@ def acquire_lease(directory: str, take_over: bool, name: str = "The workdir") ->
 # ---------------------------------------------------------------------------------------
 # The whole run
 # ---------------------------------------------------------------------------------------
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       take_over_workdir: bool = False) -> dict[str, float]:
-  """Pre-trains per `config`, resuming from `workdir` if it holds a checkpoint; the last logged
-  metrics. A workdir another live run holds is refused, unless `take_over_workdir`."""
-  with _sigterm_unwinds():
-    return _train_and_evaluate(config, workdir, take_over_workdir, _budget_clock())
-
-
 @contextlib.contextmanager
 def _sigterm_unwinds():
   """Until _Preemption takes over, SIGTERM raises SystemExit(0), so a run stopped while it starts
@@ -638,55 +628,60 @@ def _sigterm_unwinds():
       signal.signal(signal.SIGTERM, previous)
 
 
-def _train_and_evaluate(config, workdir: str, take_over_workdir: bool, started: float) -> dict[str, float]:
-  workdir_files.check_usable(workdir)
-  mesh, corpus, setup = prepare(config)
-  # --- Checkpoint: restore or initialize. Refusals happen before anything is written.
-  checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
-  try:
-    start_step = checkpointer.latest_step()
-    if jax.process_count() > 1:  # one step for all, even if a save finalizes between the reads
-      agreed = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if start_step is None else start_step)))
-      start_step = None if agreed < 0 else agreed
-    start_meta = restored = None
-    if start_step is not None:
-      with partitioning.activate(mesh):
-        check = _checkpoint_check(checkpointer, setup, workdir, corpus, config)
-        start_step, restored, start_meta = checkpointer.restore_newest_intact(setup.abstract_state, start_step, check)
-    if config.train.time_budget:
-      resolve_time_budget(config, workdir, start_step, mesh, corpus, setup, started)
-    # The objective's keys a resume must keep (two_stage's switch), once train.steps is final.
-    objectives.REGISTRY[config.objective.name].start_run(config, lambda: config_lib.saved_config(workdir), start_step)
-    ids = special_ids(corpus.tokenizer)
-    if config.train.time_budget or objectives.objective_from_config(config, ids) != setup.objective:
-      setup = build_setup(config, mesh, ids)  # the schedule and the objective read train.steps
-    if (note := warmup_note(config)) is not None:
-      logging.warning("%s", note)
-    lease = acquire_lease(workdir, take_over_workdir)
-  except BaseException:
-    checkpointer.close()
-    raise
-  try:
-    _check_shared_workdir(workdir, lease)
-    if start_step is not None and start_step != checkpointer.latest_step():  # newer ones were damaged
-      if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("electra_jax: before setting damaged checkpoints aside")
-      checkpointer.set_aside_after(start_step, rename=jax.process_index() == 0)
-      if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("electra_jax: damaged checkpoints set aside")
-    # A checkpoint records the stream position it reached, so a run resumed with another batch
-    # size (train.batch_size=-1 resolves it on each start) goes on from there.
-    stream_offset = 0
-    if start_step:
-      stream_offset = int(start_meta["stream_position"]) - start_step * config.train.batch_size
-      if stream_offset:
-        logging.info("The checkpoint at step %d read %d rows of the data stream (the batch size changed "
-                     "along the way); batches of %d go on from there.", start_step, start_meta["stream_position"],
-                     config.train.batch_size)
-    return _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, restored, lease, stream_offset)
-  finally:
-    if lease is not None:
-      lease.release()
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       take_over_workdir: bool = False) -> dict[str, float]:
+  """Pre-trains per `config`, resuming from `workdir` if it holds a checkpoint; the last logged
+  metrics. A workdir another live run holds is refused, unless `take_over_workdir`."""
+  started = _budget_clock()
+  with _sigterm_unwinds():
+    workdir_files.check_usable(workdir)
+    mesh, corpus, setup = prepare(config)
+    # --- Checkpoint: restore or initialize. Refusals happen before anything is written.
+    checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
+    try:
+      start_step = checkpointer.latest_step()
+      if jax.process_count() > 1:  # one step for all, even if a save finalizes between the reads
+        agreed = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if start_step is None else start_step)))
+        start_step = None if agreed < 0 else agreed
+      start_meta = restored = None
+      if start_step is not None:
+        with partitioning.activate(mesh):
+          check = _checkpoint_check(checkpointer, setup, workdir, corpus, config)
+          start_step, restored, start_meta = checkpointer.restore_newest_intact(setup.abstract_state, start_step, check)
+      if config.train.time_budget:
+        resolve_time_budget(config, workdir, start_step, mesh, corpus, setup, started)
+      # The objective's keys a resume must keep (two_stage's switch), once train.steps is final.
+      objectives.REGISTRY[config.objective.name].start_run(config, lambda: config_lib.saved_config(workdir), start_step)
+      ids = special_ids(corpus.tokenizer)
+      if config.train.time_budget or objectives.objective_from_config(config, ids) != setup.objective:
+        setup = build_setup(config, mesh, ids)  # the schedule and the objective read train.steps
+      if (note := warmup_note(config)) is not None:
+        logging.warning("%s", note)
+      lease = acquire_lease(workdir, take_over_workdir)
+    except BaseException:
+      checkpointer.close()
+      raise
+    try:
+      _check_shared_workdir(workdir, lease)
+      if start_step is not None and start_step != checkpointer.latest_step():  # newer ones were damaged
+        if jax.process_count() > 1:
+          multihost_utils.sync_global_devices("electra_jax: before setting damaged checkpoints aside")
+        checkpointer.set_aside_after(start_step, rename=jax.process_index() == 0)
+        if jax.process_count() > 1:
+          multihost_utils.sync_global_devices("electra_jax: damaged checkpoints set aside")
+      # A checkpoint records the stream position it reached, so a run resumed with another batch
+      # size (train.batch_size=-1 resolves it on each start) goes on from there.
+      stream_offset = 0
+      if start_step:
+        stream_offset = int(start_meta["stream_position"]) - start_step * config.train.batch_size
+        if stream_offset:
+          logging.info("The checkpoint at step %d read %d rows of the data stream (the batch size changed "
+                       "along the way); batches of %d go on from there.", start_step, start_meta["stream_position"],
+                       config.train.batch_size)
+      return _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, restored, lease, stream_offset)
+    finally:
+      if lease is not None:
+        lease.release()
 
 
 # train.time_budget: the share of the time left that steps may take; the rest is kept for
@@ -837,7 +832,7 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
     compile_start = time.perf_counter()
     compiled_step = compile_train_step(setup, config, mesh)
     steps_per_call = config.train.steps_per_call
-    compiled_steps = compile_train_steps(setup, config, mesh, steps_per_call) if steps_per_call > 1 else None
+    compiled_steps = compile_train_step(setup, config, mesh, steps_per_call) if steps_per_call > 1 else None
     logging.info("Compiled the train step in %.1f s.", time.perf_counter() - compile_start)
     _warn_single_steps(config, steps_per_call)
 
@@ -875,7 +870,7 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
       while step < total_steps:
         # Several steps in one call where they fit before the next log, eval or checkpoint step.
         to_boundary = min([*(p - step % p for p in _periods(config).values()), total_steps - step])
-        num_steps = steps_per_call if compiled_steps is not None and to_boundary >= steps_per_call else 1
+        num_steps = steps_per_call if to_boundary >= steps_per_call else 1
         if num_steps > 1:
           local = [next(batches) for _ in range(num_steps)]
           stacked = {name: np.stack([b[name] for b in local]) for name in keys}
