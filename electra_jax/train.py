@@ -855,6 +855,7 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
   meta = {"param_shapes": setup.param_shapes, "data_fingerprint": corpus.fingerprint}
   window, window_steps, last_logged, step, call = [], 0, {}, start_step, 0
   keys = batch_keys(config)
+  periods = tuple(_periods(config).values())
   window_start = time.perf_counter()
   if start_step >= total_steps:
     logging.info("Nothing to do: the checkpoint at step %d reached train.steps=%d.", start_step, total_steps)
@@ -869,7 +870,7 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
     with _Preemption() as preemption, data.Prefetcher(fetch, start_step, stop_step=total_steps) as batches:
       while step < total_steps:
         # Several steps in one call where they fit before the next log, eval or checkpoint step.
-        to_boundary = min([*(p - step % p for p in _periods(config).values()), total_steps - step])
+        to_boundary = min([*(p - step % p for p in periods), total_steps - step])
         num_steps = steps_per_call if to_boundary >= steps_per_call else 1
         if num_steps > 1:
           local = [next(batches) for _ in range(num_steps)]
