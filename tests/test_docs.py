@@ -1,5 +1,6 @@
-"""The README and docs/ stay a map that works: every relative link resolves, every mode of the
-CLI has its row in the README's table, and the README stays short."""
+"""The README and docs/ stay a map that works: every relative link resolves, every command in them
+names real modes, flags, recipes and config keys, every mode of the CLI has its row in the
+README's table, and the README stays short."""
 
 import os
 import re
@@ -67,3 +68,77 @@ def test_help_lists_every_mode_and_the_main_flags_and_version_names_the_release(
     assert re.search(rf"^  --(\[no\])?{flag}:", shown, re.M), (flag, shown)
   version = _console_script("--version")
   assert version.returncode == 0 and version.stdout.startswith(f"electra-jax {electra_jax.__version__} (jax ")
+
+
+def _documented_commands():
+  """(page, argv) of every electra-jax command in the README and docs/: the lines of fenced shell
+  blocks (continuations joined, a block's VAR="..." expanded) and inline code spans."""
+  import shlex  # noqa: PLC0415
+
+  commands = []
+  for page in _pages():
+    text = open(page, encoding="utf-8").read()
+    lines = []
+    # Odd pieces between fences are the blocks; a block's first line names its language.
+    for block in re.split(r"^```", text, flags=re.M)[1::2]:
+      language, _, block = block.partition("\n")
+      if language not in ("", "bash", "sh"):
+        continue
+      variables = {}
+      for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+        line = line.split(" #")[0].strip()
+        assignment = re.match(r'([A-Z_]+)="(.*)"$', line)
+        if assignment:
+          variables[assignment.group(1)] = assignment.group(2)
+          continue
+        lines.append(re.sub(r"\$([A-Z_]+)", lambda m: variables.get(m.group(1), m.group(0)), line))
+    lines += [span.replace("\n", " ") for span in re.findall(r"`((?:electra-jax|python -m electra_jax\.main) [^`]+)`", text)]
+    for line in lines:
+      for part in line.split("&&"):
+        if not re.match(r"\s*(electra-jax|python -m electra_jax\.main) ", part):
+          continue
+        words = shlex.split(part.replace("[", " ").replace("]", " "))
+        argv = [w for w in words[1 if words[0] == "electra-jax" else 3:] if w != "..."]
+        commands.append((os.path.relpath(page, ROOT), argv))
+  return commands
+
+
+def test_every_documented_command_names_real_modes_flags_recipes_and_config_keys():
+  from absl import flags  # noqa: PLC0415
+
+  from electra_jax import config_lib, main  # noqa: F401, PLC0415 (main defines the flags)
+
+  commands = _documented_commands()
+  assert len(commands) >= 25, commands
+  modes = flags.FLAGS["mode"].parser.enum_values
+  wrong = []
+  for page, argv in commands:
+    recipe, keys = None, []
+    for arg in argv:
+      name, _, value = arg.removeprefix("--").partition("=")
+      if name.startswith("config."):
+        keys.append(name.removeprefix("config."))
+      elif name == "config":
+        recipe = config_lib.resolve_recipe(value)
+      elif name == "mode" and value not in modes:
+        wrong.append(f"{page}: --mode={value}")
+      elif name not in flags.FLAGS and name.removeprefix("no") not in flags.FLAGS and name != "help":  # app.run's
+        wrong.append(f"{page}: --{name}")
+    if recipe is None:
+      wrong += [f"{page}: --config.{key} without --config" for key in keys]
+      continue
+    path, _, argument = recipe.partition(":")
+    if not os.path.isfile(os.path.join(ROOT, path)):
+      wrong.append(f"{page}: --config={recipe}")
+      continue
+    if argument:  # configs/workdir.py:W reads a workdir that the docs only name
+      continue
+    config = config_lib.sibling(os.path.join(ROOT, path), os.path.basename(path)[:-3]).get_config()
+    for key in keys:
+      node = config
+      for part in key.split("."):
+        if part not in node:
+          wrong.append(f"{page}: --config.{key} ({path} has no {part!r})")
+          break
+        node = node[part]
+  assert not wrong, wrong
