@@ -11,6 +11,8 @@ import os
 import sysconfig
 from collections.abc import Iterator
 
+from electra_jax.errors import ConfigError
+
 # Directories of no representative prose (tests, vendored code, demos) or outside the stdlib proper.
 _SKIPPED_DIRS = frozenset(
     {"test", "tests", "site-packages", "idlelib", "__pycache__", "lib2to3", "turtledemo", "ensurepip"}
@@ -119,6 +121,8 @@ def _all_documents() -> tuple[tuple[str, ...], ...]:
 def builtin_documents(max_documents: int | None = None) -> list[list[str]]:
   """The built-in corpus: documents (lists of one-line paragraphs) in a fixed order, the first
   `max_documents` of them (parsing stops early)."""
+  if max_documents is not None and max_documents < 0:
+    raise ConfigError(f"max_documents must be None (all documents) or >= 0, got {max_documents}.")
   if max_documents is None:
     return [list(document) for document in _all_documents()]
   return list(itertools.islice(_iter_documents(), max_documents))
