@@ -27,7 +27,6 @@ _DOCSTRING_OWNERS = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctio
 
 
 def stdlib_root() -> str:
-  """Directory holding the pure-Python standard library of this interpreter."""
   return sysconfig.get_paths()["stdlib"]
 
 
@@ -45,8 +44,8 @@ def _stdlib_source_files() -> list[str]:
 
 
 def builtin_sources_fingerprint() -> str:
-  """Hash of the stdlib source bytes the built-in corpus is extracted from: unlike
-  `builtin_corpus_fingerprint` it needs no parsing, and it changes whenever the corpus could."""
+  """Hash of the stdlib source bytes the corpus is extracted from: no parsing, and it changes whenever the
+  corpus could."""
   root = stdlib_root()
   digest = hashlib.sha256(f"extraction-v{EXTRACTION_VERSION}\n".encode())
   for relpath in _stdlib_source_files():
@@ -58,7 +57,6 @@ def builtin_sources_fingerprint() -> str:
 
 
 def _iter_docstrings(node: ast.AST) -> Iterator[str]:
-  """Docstrings of `node` and everything nested in it, in source order."""
   if isinstance(node, _DOCSTRING_OWNERS):
     docstring = ast.get_docstring(node, clean=True)
     if docstring:
@@ -68,8 +66,7 @@ def _iter_docstrings(node: ast.AST) -> Iterator[str]:
 
 
 def split_sentences(text: str) -> list[str]:
-  """Split `text` into paragraphs on blank lines, one whitespace-normalized line each; paragraphs that are
-  mostly code or punctuation are dropped."""
+  """`text`'s paragraphs, one whitespace-normalized line each; those mostly code or punctuation dropped."""
   sentences = []
   paragraph_lines: list[str] = []
   for line in text.splitlines() + [""]:
@@ -122,8 +119,8 @@ def _all_documents() -> tuple[tuple[str, ...], ...]:
 
 
 def builtin_documents(max_documents: int | None = None) -> list[list[str]]:
-  """The built-in corpus: documents (lists of one-line paragraphs) in a fixed order; `max_documents`
-  keeps the first that many, and stops parsing early."""
+  """The built-in corpus: documents (lists of one-line paragraphs) in a fixed order, the first
+  `max_documents` of them (parsing stops early)."""
   if max_documents is not None and max_documents < 0:
     raise ConfigError(f"max_documents must be None (all documents) or >= 0, got {max_documents}.")
   if max_documents is None:
@@ -132,7 +129,7 @@ def builtin_documents(max_documents: int | None = None) -> list[list[str]]:
 
 
 class DocumentsHasher:
-  """Incremental `documents_fingerprint`, for corpora streamed one document at a time."""
+  """Incremental `documents_fingerprint`, for streamed corpora."""
 
   def __init__(self):
     self._digest = hashlib.sha256()
@@ -154,5 +151,4 @@ def documents_fingerprint(documents: list[list[str]]) -> str:
 
 
 def builtin_corpus_fingerprint() -> str:
-  """Short sha256 hex of the full built-in corpus text (parses the stdlib)."""
   return documents_fingerprint(builtin_documents())

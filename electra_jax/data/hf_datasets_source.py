@@ -49,7 +49,6 @@ class HfDatasetCorpus:
     self.fingerprint = f"{loaded._fingerprint}|{split}|{text_field}|{loaded.num_rows}"
 
   def iter_documents(self, stats: SourceStats):
-    """Documents of all rows in order: the text column split into stripped lines."""
     yield from record_documents(f"{self.path}[{self.split}]", self._dataset.num_rows,
                                 lambda start, stop: self._dataset[start:stop][self.text_field], self.text_field,
                                 stats, _READ_BLOCK)

@@ -56,13 +56,9 @@ def pack_documents(documents: Sequence[Sequence[Sequence[int]]], max_seq_len: in
                    pad_id: int, seed: int, single_segment_prob: float = 0.1, short_seq_prob: float = 0.05,
                    document_indices: Sequence[int] | None = None) -> dict[str, np.ndarray]:
   """Pack tokenized documents (lists of token-id sentences) into int32 [num_examples, max_seq_len]
-  `input_ids` and `token_type_ids` (1 on B [SEP], else 0).
-
-  A document's sentences are buffered up to the current target length (or the document's end), then
-  split into segments A and B; examples never mix documents. Each document draws from its own generator,
-  seeded by `seed` and its corpus index (`document_indices`, default 0, 1, ...), so any slice of a corpus
-  packs, in any process, into exactly the rows the whole corpus gives for it.
-  """
+  `input_ids` and `token_type_ids` (1 on B [SEP]); examples never mix documents. Each document draws from a
+  generator seeded by `seed` and its corpus index (`document_indices`, default 0, 1, ...), so any slice of a
+  corpus packs, in any process, into exactly the rows the whole corpus gives for it."""
   if max_seq_len < MIN_SEQ_LEN:
     raise ConfigError(f"max_seq_len must be at least {MIN_SEQ_LEN} to fit [CLS] A [SEP] B [SEP], got {max_seq_len}.")
   for name, prob in (("single_segment_prob", single_segment_prob), ("short_seq_prob", short_seq_prob)):
@@ -117,7 +113,7 @@ class RowPacking:
 
 def example_lengths(input_ids, pad_id: int, block_rows: int = 1 << 16) -> np.ndarray:
   """int32 [num_examples]: each right-padded example's length (its last non-pad token + 1), read in blocks
-  of rows, so a memory-mapped corpus is scanned without being loaded whole."""
+  of rows (a memory-mapped corpus is not loaded whole)."""
   num_examples, max_seq_len = int(input_ids.shape[0]), int(input_ids.shape[1])
   lengths = np.empty(num_examples, np.int32)
   for start in range(0, num_examples, block_rows):
@@ -152,20 +148,13 @@ def _best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def plan_rows(lengths: np.ndarray, max_seq_len: int, window: int = ROW_PACKING_WINDOW) -> RowPacking:
-  """Pack examples of the given lengths into rows of `max_seq_len`, each in exactly one row, whole.
-
-  Within each window of `window` consecutive examples, those too long to share a row with the window's
-  shortest get a row of their own; the rest are packed by best-fit decreasing. Rows come window by
-  window, the single rows first. A pure function of (lengths, max_seq_len, window).
-  """
+  """Pack examples of the given lengths, whole, into rows of `max_seq_len`: in each window of `window`
+  consecutive examples, those too long to share a row with the window's shortest get their own row (first),
+  the rest are packed by best-fit decreasing. A pure function of its arguments."""
   lengths = np.asarray(lengths, dtype=np.int32)
-  if lengths.ndim != 1:
-    raise ValueError(f"plan_rows: lengths must be 1-D, got shape {lengths.shape}.")
   if lengths.size and (lengths.min() < 1 or lengths.max() > max_seq_len):
     raise ValueError(f"plan_rows: example lengths must be in [1, {max_seq_len}], got [{lengths.min()}, "
                      f"{lengths.max()}].")
-  if window < 1:
-    raise ValueError(f"plan_rows: window must be >= 1, got {window}.")
   row_sizes, examples = [], []  # per window: int64 arrays
   for start in range(0, lengths.size, window):
     chunk = lengths[start : start + window]

@@ -1,19 +1,13 @@
-"""From a data config to pre-training batches: prepared shards (shards.py), loaded and batched.
-
-data.source="prepared" reads the directory --mode=prepare_data wrote; a document source is prepared on
-first use into the cache, <cache_dir>/<source>/<key>/ (tokenizer) and its len<L>/ (shards).
-`get_batch(data, step, ...)` is a pure function of the step, so resuming needs no loader state.
-"""
+"""Pre-training batches from prepared shards: data.prepared_dir, or the cache a document source is prepared
+into on first use (<cache_dir>/<source>/<key>/ holds its tokenizer, len<L>/ its shards).
+`get_batch(data, step, ...)` is a pure function of the step, so resuming needs no loader state."""
 
 from __future__ import annotations
 
 import dataclasses
 import fcntl
 import functools
-import hashlib
-import json
 import os
-import tempfile
 import time
 
 import numpy as np
@@ -48,7 +42,6 @@ class PretrainingData:
 
   @property
   def num_rows(self) -> int:
-    """Rows get_batch draws from: packed rows under data.pack_rows, else the examples."""
     return self.packing.num_rows if self.packing is not None else self.num_examples
 
   @property
@@ -57,14 +50,13 @@ class PretrainingData:
 
   @property
   def num_tokens(self) -> int:
-    """Number of non-padding tokens over all examples."""
     if self.token_count is not None:
       return self.token_count
     return int(np.count_nonzero(np.asarray(self.input_ids) != self.tokenizer.pad_id))
 
 
 def _corpus_cache_dir(config) -> str:
-  """The cache directory of one corpus and tokenizer configuration (any max_seq_len)."""
+  """The cache directory of one corpus and tokenizer (any max_seq_len)."""
   key_fields = {"format": PACKING_FORMAT_VERSION, "max_documents": config["max_documents"],
                 "eval_fraction": config["eval_fraction"], **prepare.describe_source(config)[0]}
   # Only keys that change the tokenizer enter the key.
@@ -74,14 +66,12 @@ def _corpus_cache_dir(config) -> str:
     key_fields["spm_model"] = prepare.configured_tokenizer(config).fingerprint
   else:
     key_fields.update(tokenizer=config["tokenizer"], wordpiece=prepare.configured_tokenizer(config).fingerprint)
-  key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
-  return os.path.join(config["cache_dir"], config["source"], key)
+  return os.path.join(config["cache_dir"], config["source"], prepare.config_key(key_fields))
 
 
 def _loadable(data_config, split: str | None = None) -> dict:
-  """The read config, pointed at prepared shards: for a document source the cache's, prepared first (in
-  this process) when missing, unfinished or damaged. Without a split, only the tokenizer is readied; a
-  sentencepiece model is trained once per corpus (every max_seq_len reuses it)."""
+  """The read config, pointed at prepared shards: for a document source the cache's, prepared first when
+  missing or damaged. Without a split only the tokenizer is readied (trained once per corpus)."""
   if split is not None and split not in SPLITS:
     raise ConfigError(f"Unknown split {split!r}; use one of {list(SPLITS)}.")
   config = prepare.read_config(data_config)
@@ -99,10 +89,8 @@ def _loadable(data_config, split: str | None = None) -> dict:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if prepare.trains_spm(config):
       model = os.path.join(corpus_dir, SPM_MODEL)
-      if not os.path.exists(model):
-        with tempfile.TemporaryDirectory(dir=corpus_dir) as scratch:
-          trained = prepare.train_corpus_tokenizer(config, os.path.join(scratch, SPM_MODEL))
-          os.replace(trained.model_path, model)
+      if not os.path.exists(model):  # written atomically: a killed run leaves no model behind
+        prepare.train_corpus_tokenizer(config, model)
       config = dict(config, spm_model_file=model)
     config = dict(config, prepared_dir=directory)
     manifest = shards.read_manifest(directory) if split is not None else None
@@ -114,9 +102,8 @@ def _loadable(data_config, split: str | None = None) -> dict:
 
 
 def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
-  """Packed pre-training examples of `split` ("train" or "eval") for `data_config`; with data.pack_rows,
-  also the plan that packs several examples per row (made from the stored lengths, so the same shards
-  serve packed and unpacked training)."""
+  """Packed pre-training examples of `split` ("train" or "eval"); with data.pack_rows, also the plan that
+  packs several examples per row (from the stored lengths: the same shards serve both)."""
   config = _loadable(data_config, split)
   data = load_prepared(config, split)
   if not config["pack_rows"]:
@@ -133,8 +120,7 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
 
 
 def load_tokenizer(data_config) -> SentencePieceTokenizer | WordPieceTokenizer:
-  """The tokenizer `load_pretraining_data(data_config)` uses, for tools that need only its ids
-  (a sentencepiece model the cache lacks is trained first, as load_pretraining_data would)."""
+  """The tokenizer `load_pretraining_data(data_config)` uses (a model the cache lacks is trained first)."""
   config = _loadable(data_config)
   if config["source"] == "prepared":
     return prepared_tokenizer(config, shards.open_manifest(config["prepared_dir"]))
@@ -182,15 +168,14 @@ def get_batch(data: PretrainingData, step: int, global_batch_size: int, seed: in
 
 
 def batch_keys(pack_rows: bool) -> tuple[str, ...]:
-  """The arrays of a batch the model reads, so the ones to send to the devices: packed rows add
-  their segment ids (the model derives position_ids from them)."""
+  """The arrays of a batch sent to the devices: packed rows add their segment ids (position_ids derive from
+  them)."""
   keys = ("input_ids", "token_type_ids", "attention_mask")
   return keys + ("segment_ids",) if pack_rows else keys
 
 
 def get_rows(data: PretrainingData, rows: np.ndarray) -> dict[str, np.ndarray]:
-  """Rows `rows` (indices in [0, data.num_rows)) as a batch, in that order: the examples with
-  attention_mask 1 on their tokens, or packed rows (see packing.assemble_rows)."""
+  """Rows `rows` (in [0, data.num_rows)) as a batch, in that order (packed rows: packing.assemble_rows)."""
   if data.verification is not None:
     data.verification.raise_if_failed()
   rows = np.asarray(rows, dtype=np.int64)

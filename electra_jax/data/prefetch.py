@@ -12,10 +12,8 @@ _PUT_TIMEOUT_S = 0.1  # the producer's blocking put polls close() this often
 
 
 class Prefetcher:
-  """Iterates over fetch_fn(start_step), fetch_fn(start_step + 1), ... up to `stop_step` (exclusive;
-  None: endless), computed up to `depth` steps ahead in a background thread. An exception of fetch_fn is
-  re-raised, as itself, where that step's batch would come. Use as a context manager, or call close().
-  """
+  """Iterates over fetch_fn(start_step), fetch_fn(start_step + 1), ... up to `stop_step` (exclusive; None:
+  endless), computed `depth` steps ahead in a thread; an exception of fetch_fn is re-raised in its step."""
 
   def __init__(self, fetch_fn: Callable[[int], Any], start_step: int, depth: int = 2, stop_step: int | None = None):
     if depth < 1:

@@ -1,7 +1,5 @@
-"""From a data config to shards (shards.py): the config's checks, its document source and train/eval
-split, its tokenizer, and the tokenize-and-pack workers of --mode=prepare_data (and of the cache).
-Shards depend on the config alone (not the worker count); a re-run packs only what is missing.
-"""
+"""From a data config to shards (shards.py): its checks, source, train/eval split, tokenizer, and the
+tokenize-and-pack workers. Shards depend on the config alone; a re-run packs only what is missing."""
 
 from __future__ import annotations
 
@@ -32,7 +30,6 @@ from electra_jax.data.wordpiece import WordPieceTokenizer
 _LOG_EVERY_S = 10.0
 _MANIFEST_EVERY_S = 2.0
 
-# Sources read from a dataset library; each gives a corpus object (fingerprint, description, iter_documents).
 RECORD_SOURCES = ("tfds", "hf_datasets")
 DOCUMENT_SOURCES = ("builtin",) + sources.FILE_SOURCES + RECORD_SOURCES
 SUPPORTED_SOURCES = DOCUMENT_SOURCES + ("prepared",)
@@ -40,10 +37,8 @@ SUPPORTED_TOKENIZERS = ("sentencepiece", "wordpiece")
 # Bump whenever extraction or packing would produce different arrays: it keys the cache and
 # enters the data fingerprint, so stale arrays are rebuilt and checkpoints refuse changed data.
 PACKING_FORMAT_VERSION = 3
-# Fixed packing seeds: the packed data must be a function of the config alone.
 PACKING_SEEDS = {"train": 0, "eval": 1}
 _CACHE_ENV_VAR = "ELECTRA_JAX_CACHE"
-# The record sources' keys; an empty value means the default.
 _RECORD_SOURCE_KEYS = {"tfds_name": "", "tfds_split": "train", "tfds_text_field": "text", "tfds_data_dir": "",
                        "hf_path": "", "hf_split": "train"}
 
@@ -55,7 +50,6 @@ def is_eval_document(index: int, eval_fraction: float) -> bool:
 
 
 def read_config(data_config):
-  """Validated plain values from the data ConfigDict."""
   source = data_config.source
   if source not in SUPPORTED_SOURCES:
     raise ConfigError(
@@ -111,7 +105,6 @@ def read_config(data_config):
       os.path.join(os.path.expanduser("~"), ".cache", "electra_jax"))
   return {
       "source": source,
-      # Resolving the globs here reports a pattern matching nothing before anything is built.
       "files": sources.resolve_files(data_config.get("files", "")) if source in sources.FILE_SOURCES else [],
       "text_field": text_field, "tokenizer": tokenizer, "vocab_file": vocab_file,
       "lowercase": bool(data_config.get("lowercase", True)), "strip_accents": strip_accents,
@@ -126,7 +119,6 @@ def read_config(data_config):
 
 
 def _record_corpus(config):
-  """The corpus object of a RECORD_SOURCES source (each imports its library only here)."""
   if config["source"] == "hf_datasets":
     from electra_jax.data.hf_datasets_source import HfDatasetCorpus  # noqa: PLC0415
 
@@ -137,7 +129,7 @@ def _record_corpus(config):
 
 
 def describe_source(config) -> tuple[dict, dict]:
-  """(what identifies the source's documents, for cache keys and settings; an account of it, for manifests)"""
+  """(what identifies the source's documents, for cache keys; an account of it, for manifests)"""
   source = config["source"]
   if source == "builtin":
     # The source bytes, cheap to hash unlike the extracted text: a warm cache needs no parsing.
@@ -154,8 +146,7 @@ def describe_source(config) -> tuple[dict, dict]:
 
 
 def iter_source_documents(config, stats: sources.SourceStats):
-  """The source's documents in corpus order (max_documents of them), streamed; `stats` counts skips and
-  progress (stats.bytes_read of stats.total_bytes: bytes, records or built-in documents)."""
+  """The source's first max_documents documents, streamed; `stats` counts skips and progress."""
   limit = config["max_documents"] or None
   if config["source"] == "builtin":
     documents = corpus.builtin_documents(limit)
@@ -172,7 +163,6 @@ def iter_source_documents(config, stats: sources.SourceStats):
 
 
 def no_documents_error(config, stats: sources.SourceStats) -> ConfigError:
-  """The error for a source that gave no usable document."""
   if config["source"] in sources.FILE_SOURCES:
     return sources.no_usable_text_error(config["source"], config["files"], config["text_field"], stats)
   if config["source"] == "tfds":
@@ -191,13 +181,9 @@ def _default_workers() -> int:
     return os.cpu_count() or 1
 
 
-# ---------------------------------------------------------------- tokenizer
-
-
 def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) -> dict:
-  """Train a sentencepiece model (data.spm_model_type, data.spm_vocab_size) on the train documents of
-  data.source and write it to `out_path`, for data.spm_model_file. At most a million sentences, drawn
-  with a fixed seed, train it. Returns what was trained (path, fingerprint, sizes)."""
+  """Train a sentencepiece model on the train documents of data.source into `out_path` (for
+  data.spm_model_file); returns what was trained."""
   config = read_config(data_config)
   if config["source"] not in DOCUMENT_SOURCES:
     raise ConfigError(f"train_tokenizer reads documents; data.source={config['source']!r} has none. Use one of "
@@ -207,7 +193,7 @@ def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) 
   out_path = os.path.abspath(os.path.expanduser(out_path))
   if os.path.isdir(out_path):
     raise ConfigError(f"--out={out_path!r} is a directory; give a file name such as {out_path}/spm.model.")
-  if os.path.exists(out_path):  # prepared shards and workdirs record the fingerprint of the model they use
+  if os.path.exists(out_path):
     raise ConfigError(f"--out={out_path!r} already exists: prepared data or a workdir may use that model. "
                       "Nothing was written; give a new path, or delete the file first to replace it.")
   start = time.time()
@@ -224,7 +210,7 @@ def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) 
 
 def configured_tokenizer(config, directory: str = ""):
   """The tokenizer a read config names: WordPiece, data.spm_model_file, or else the sentencepiece
-  model trained into `directory` (prepared or cache); None while that model does not exist."""
+  model trained into `directory`; None while that model does not exist."""
   if config["tokenizer"] == "wordpiece":
     return WordPieceTokenizer(config["vocab_file"], config["lowercase"], config["strip_accents"])
   if config["spm_model_file"]:
@@ -234,13 +220,12 @@ def configured_tokenizer(config, directory: str = ""):
 
 
 def trains_spm(config) -> bool:
-  """Whether the sentencepiece model is trained on the corpus (no data.spm_model_file given)."""
   return config["tokenizer"] == "sentencepiece" and not config["spm_model_file"]
 
 
 def train_corpus_tokenizer(config, path: str, num_threads: int = TRAINING_THREADS, stats=None):
-  """A sentencepiece model trained on the train documents of the read `config`, written to `path`. The
-  default thread count is fixed: the same model (and so the same shards) on any machine."""
+  """A sentencepiece model trained on the train documents of `config` into `path`; the fixed default
+  thread count makes it (and so the shards) the same on any machine."""
   stats = stats or sources.SourceStats()
   logging.info("training a sentencepiece %s model of %d pieces on the train documents of %s ...",
                config["spm_model_type"], config["spm_vocab_size"], config["source"])
@@ -254,14 +239,11 @@ def train_corpus_tokenizer(config, path: str, num_threads: int = TRAINING_THREAD
   return SentencePieceTokenizer(path)
 
 
-# ---------------------------------------------------------------- workers
-
 _WORKER_TOKENIZER = None
 
 
 def _init_worker(config: dict, out_dir: str, fingerprint: str, parent: int) -> None:
   global _WORKER_TOKENIZER
-  # One process per core, each tokenizing on one thread (no Hugging Face thread pool per process).
   os.environ["RAYON_NUM_THREADS"] = "1"
   _WORKER_TOKENIZER = configured_tokenizer(config, out_dir)
   found = _WORKER_TOKENIZER and _WORKER_TOKENIZER.fingerprint
@@ -272,8 +254,8 @@ def _init_worker(config: dict, out_dir: str, fingerprint: str, parent: int) -> N
 
 
 def _exit_with_parent(parent: int) -> None:
-  """Ends this worker once `parent` is gone (killed, out of memory): it would wait on its task queue
-  forever. The pid comes from the parent, as a parent dead before this ran shows another one here."""
+  """Ends this worker once `parent` is gone (it would wait on its task queue forever); the parent passes
+  its pid, as a parent dead before this ran shows another one here."""
 
   def watch():
     while os.getppid() == parent:
@@ -284,7 +266,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 class _SigTerm(Exception):
-  """Raised in prepare_data's loop by SIGTERM, so its cleanup (the workers, the manifest) runs."""
+  """Raised by SIGTERM in prepare_data's loop, so its cleanup (workers, manifest) runs."""
 
 
 def _raise_sigterm(signum, frame):
@@ -293,8 +275,7 @@ def _raise_sigterm(signum, frame):
 
 
 def _tokenize_documents(tokenizer, documents, skipped: dict):
-  """Token ids of every sentence of `documents`; a document the tokenizer fails on becomes an empty one
-  (its packing draws nothing), counted in `skipped`."""
+  """Token ids of every sentence of `documents`; a document the tokenizer fails on becomes empty, counted."""
   sentences = [sentence for document in documents for sentence in document]
   try:
     token_ids = iter(tokenizer.encode_batch(sentences, num_threads=1))
@@ -313,8 +294,7 @@ def _tokenize_documents(tokenizer, documents, skipped: dict):
 
 
 def pack_shard(task: dict, tokenizer=None) -> dict:
-  """Tokenize and pack one shard's documents; write one file per split. Never raises:
-  failures come back as {"error": ...} so the main process can report the shard by name."""
+  """Tokenize and pack one shard's documents into a file per split; a failure comes back as {"error": ...}."""
   index = task["index"]
   try:
     tokenizer = tokenizer or _WORKER_TOKENIZER
@@ -342,23 +322,16 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
     if "first" in skipped:
       result["first_skip"] = f"document {task['first_document']}+: {skipped['first']}"
     return result
-  except _SigTerm:  # in this process (num_workers=0): prepare_data's loop stops
-    raise
   except BaseException as e:  # noqa: BLE001 -- reported by the main process, naming the shard
     return {"index": index, "error": f"{type(e).__name__}: {e}"}
 
 
-# ---------------------------------------------------------------- settings
-
-
-# The settings that only the tokenizer's file gives; before a sentencepiece model is trained,
-# a directory is checked on all the others.
+# The settings only the tokenizer's file gives; before a model is trained the others are checked.
 _TOKENIZER_FILE_SETTINGS = ("tokenizer_fingerprint", "dtype")
 
 
 def _settings(config, source_key: dict, tokenizer) -> dict:
-  """What the shards depend on; a directory is only resumed by a run with equal settings.
-  `tokenizer` None (not trained yet) leaves out _TOKENIZER_FILE_SETTINGS."""
+  """What the shards depend on; a directory is only resumed by a run with equal settings."""
   settings = {
       "prepared_format": PREPARED_FORMAT_VERSION,
       "packing_format": PACKING_FORMAT_VERSION,
@@ -373,42 +346,36 @@ def _settings(config, source_key: dict, tokenizer) -> dict:
   return settings
 
 
-def _config_key(settings: dict) -> str:
+def config_key(settings: dict) -> str:
+  """A short hash of `settings` (a prepared directory's, or the cache's key)."""
   return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _refuse_another_config(out_dir: str, existing: dict, settings: dict, hint: str = "") -> None:
-  """Raises unless the manifest `existing` of out_dir was written with `settings`; without the
-  tokenizer's settings (not trained yet), compares all the others. `hint` ends the message."""
+  """Raises unless the manifest `existing` of out_dir was written with `settings`."""
   old = existing.get("settings", {})
   keys = list(settings) + [k for k in old if k not in settings]
   if "tokenizer_fingerprint" not in settings:
     keys = [k for k in keys if k not in _TOKENIZER_FILE_SETTINGS]
   differences = {k: (old.get(k), settings.get(k)) for k in keys if old.get(k) != settings.get(k)}
-  if "tokenizer_fingerprint" in settings and existing.get("config_key") != _config_key(settings):
-    differences = differences or {"config_key": (existing.get("config_key"), _config_key(settings))}
+  if "tokenizer_fingerprint" in settings and existing.get("config_key") != config_key(settings):
+    differences = differences or {"config_key": (existing.get("config_key"), config_key(settings))}
   if differences:
     raise ConfigError(f"data.prepared_dir={out_dir!r} holds shards of another config (was -> now: {differences})"
                       f"{hint}. Nothing was changed; choose another data.prepared_dir, or delete that directory "
                       "to prepare it again.")
 
 
-# ---------------------------------------------------------------- driver
-
-
 def prepare_data(data_config, num_workers: int | None = None) -> dict:
-  """Tokenize and pack the corpus of `data_config` into shards in data.prepared_dir.
-
-  Uses `num_workers` spawned processes (default: every core; 0 runs in this process), so a script
-  calling this needs `if __name__ == "__main__":`. Re-running resumes; a prepared_dir of another
-  config is refused untouched, before any tokenizer is trained. Returns the manifest.
-  """
+  """Tokenize and pack the corpus of `data_config` into shards in data.prepared_dir; returns the manifest.
+  `num_workers` spawned processes (default: every core; 0: this one) need `if __name__ == "__main__":`.
+  Re-running resumes; a prepared_dir of another config is refused untouched."""
   return prepare_config(read_config(data_config), num_workers)
 
 
 def _accepted_tokenizer(config, out_dir: str, existing: dict | None, source_key: dict):
-  """(tokenizer, settings, model bytes to write into out_dir or None), after refusing an out_dir of
-  another config: before training a tokenizer where possible, which can take hours."""
+  """(tokenizer, settings) once out_dir is accepted, before training a tokenizer where possible; a model
+  trained here is written into out_dir."""
   tokenizer = configured_tokenizer(config, out_dir)  # the configured one, or one an earlier run trained
   model_path = os.path.join(out_dir, SPM_MODEL)
   if tokenizer is not None and trains_spm(config) and tokenizer.vocab_size != config["spm_vocab_size"]:
@@ -419,7 +386,7 @@ def _accepted_tokenizer(config, out_dir: str, existing: dict | None, source_key:
   if existing is not None:
     _refuse_another_config(out_dir, existing, settings)
   if tokenizer is not None:
-    return tokenizer, settings, None
+    return tokenizer, settings
   with tempfile.TemporaryDirectory(prefix="electra_jax_spm-") as scratch:
     # Trained outside the directory, moved in only once it is accepted: a refused or killed run
     # leaves no model there that training would later pick up.
@@ -432,11 +399,11 @@ def _accepted_tokenizer(config, out_dir: str, existing: dict | None, source_key:
           f"another model; put that file back to resume)",
       )
     with open(trained.model_path, "rb") as f:
-      return trained, settings, f.read()
+      atomic_write_bytes(model_path, f.read())
+  return SentencePieceTokenizer(model_path), settings
 
 
 def prepare_config(config: dict, num_workers: int | None = None) -> dict:
-  """prepare_data of a config that read_config returned."""
   if config["source"] not in DOCUMENT_SOURCES:
     raise ConfigError(f"prepare_data reads documents from data.source, one of {list(DOCUMENT_SOURCES)}, got "
                       f"{config['source']!r}; set data.source to the corpus the shards are made from.")
@@ -460,17 +427,13 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
   if config["max_seq_len"] < MIN_SEQ_LEN:
     raise ConfigError(f"data.max_seq_len must be at least {MIN_SEQ_LEN}, got {config['max_seq_len']}.")
   source_key, description = describe_source(config)
-  tokenizer, settings, model_bytes = _accepted_tokenizer(config, out_dir, existing, source_key)
+  tokenizer, settings = _accepted_tokenizer(config, out_dir, existing, source_key)
 
-  # Accepted: from here on the directory is ours to write. A killed run's half-written files have
-  # temporary names; clear them (one prepare_data per directory at a time).
+  # Accepted: the directory is ours. A killed run's half-written files have temporary names; clear them.
   os.makedirs(out_dir, exist_ok=True)
   for name in os.listdir(out_dir):
     if name.startswith(".tmp-"):
       os.remove(os.path.join(out_dir, name))
-  if model_bytes is not None:
-    atomic_write_bytes(os.path.join(out_dir, SPM_MODEL), model_bytes)
-    tokenizer = SentencePieceTokenizer(os.path.join(out_dir, SPM_MODEL))  # where the workers load it
   # A model in out_dir is recorded by a relative path: the directory can move.
   spec = {"kind": config["tokenizer"], "fingerprint": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size}
   if config["tokenizer"] == "wordpiece":
@@ -489,7 +452,7 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
 
   manifest = {
       "format_version": PREPARED_FORMAT_VERSION,
-      "config_key": _config_key(settings),
+      "config_key": config_key(settings),
       "settings": settings,
       "source": description,
       "tokenizer": spec,
@@ -536,45 +499,25 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
 
 
 def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, save_manifest):
-  """Packs the shards not in `done` (on `num_workers` processes, 0: here), adding each to `done`; the
-  manifest lists every finished shard whenever this returns or raises (on SIGTERM too). Returns the
-  source's stats and the fingerprint of each split's documents."""
+  """Packs the shards not in `done` into it (on `num_workers` processes, 0: here); the manifest lists every
+  finished shard whenever this returns or raises. Returns the source's stats and each split's fingerprint."""
   out_dir = config["prepared_dir"]
   stats = sources.SourceStats()
   hashers = {split: corpus.DocumentsHasher() for split in SPLITS}
-  progress = {"shards": len(done), "documents": 0, "tokens": 0, "start": time.time(), "last_log": time.time(),
-              "skipped_position": 0, "done_position": 0}  # input consumed by shards done before / in this run
-
-  def log_progress(result: dict, position: int) -> None:
-    """Counts shard `result`, finished at input `position`; logs at most every _LOG_EVERY_S an ETA from the
-    share of input consumed."""
-    progress["shards"] += 1
-    progress["documents"] += result["num_documents"]
-    progress["tokens"] += sum(entry["tokens"] for entry in result["splits"].values())
-    progress["done_position"] = done_position = max(progress["done_position"], position)
-    now = time.time()
-    if now - progress["last_log"] < _LOG_EVERY_S:
-      return
-    progress["last_log"] = now
-    elapsed, total = now - progress["start"], stats.total_bytes
-    worked = done_position - progress["skipped_position"]
-    eta = config_lib.format_duration(elapsed * (total - done_position) / worked) if worked > 0 and total else "?"
-    percent = f"{100 * done_position / total:.1f}%" if total else "?"
-    logging.info("prepare_data: %d shards, %d documents, %d tokens, %.0f tokens/s, %s of the input, ETA %s",
-                 progress["shards"], progress["documents"], progress["tokens"], progress["tokens"] / max(elapsed, 1e-9),
-                 percent, eta)
-
-  executor = None
+  start = last_log = last_manifest_write = time.time()
+  packed_documents = packed_tokens = 0  # in this run
+  skipped_position = done_position = 0  # input consumed by shards done before / in this run
   if num_workers:
     executor = concurrent.futures.ProcessPoolExecutor(
         num_workers, mp_context=multiprocessing.get_context("spawn"),
         initializer=_init_worker, initargs=(config, out_dir, tokenizer.fingerprint, os.getpid()),
     )
+  else:  # a thread of this process, with this tokenizer (SIGTERM stops the main thread's loop)
+    executor = concurrent.futures.ThreadPoolExecutor(1)
   pending: dict[concurrent.futures.Future, int] = {}  # each task's position in the input
-  last_manifest_write = time.time()
 
   def drain() -> None:
-    nonlocal last_manifest_write
+    nonlocal last_log, last_manifest_write, packed_documents, packed_tokens, done_position
     finished, _ = concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
     for future in finished:
       position = pending.pop(future)
@@ -589,10 +532,20 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
                            f"finished shards are kept in {out_dir}; fix the cause and run prepare_data again to "
                            "resume.")
       done[result["index"]] = result
-      log_progress(result, position)
-      if time.time() - last_manifest_write > _MANIFEST_EVERY_S:
+      packed_documents += result["num_documents"]
+      packed_tokens += sum(entry["tokens"] for entry in result["splits"].values())
+      done_position = max(done_position, position)
+      now = time.time()
+      if now - last_log >= _LOG_EVERY_S:  # an ETA from the share of the input consumed
+        last_log = now
+        total, worked, elapsed = stats.total_bytes, done_position - skipped_position, now - start
+        eta = config_lib.format_duration(elapsed * (total - done_position) / worked) if worked > 0 and total else "?"
+        logging.info("prepare_data: %d shards, %d documents, %d tokens, %.0f tokens/s, %s of the input, ETA %s",
+                     len(done), packed_documents, packed_tokens, packed_tokens / max(elapsed, 1e-9),
+                     f"{100 * done_position / total:.1f}%" if total else "?", eta)
+      if now - last_manifest_write > _MANIFEST_EVERY_S:
         save_manifest()
-        last_manifest_write = time.time()
+        last_manifest_write = now
 
   try:
     previous_handler = signal.signal(signal.SIGTERM, _raise_sigterm)
@@ -607,16 +560,11 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
       for document_index, document in enumerate(documents, first):
         hashers["eval" if is_eval_document(document_index, config["eval_fraction"]) else "train"].update(document)
       if index in done:
-        progress["skipped_position"] = stats.bytes_read
+        skipped_position = stats.bytes_read
         continue
       task = {"out_dir": out_dir, "max_seq_len": config["max_seq_len"], "eval_fraction": config["eval_fraction"],
               "dtype": dtype, "index": index, "first_document": first, "documents": documents}
-      if executor is None:  # packed here, then finished at once like a worker's result
-        future = concurrent.futures.Future()
-        future.set_result(pack_shard(task, tokenizer))
-      else:
-        future = executor.submit(pack_shard, task)
-      pending[future] = stats.bytes_read
+      pending[executor.submit(pack_shard, task, None if num_workers else tokenizer)] = stats.bytes_read
       if len(pending) >= 2 * num_workers:
         drain()
     while pending:
@@ -627,13 +575,12 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
   finally:
     if previous_handler is not None:
       signal.signal(signal.SIGTERM, previous_handler)
-    if executor is not None:
-      executor.shutdown(wait=True, cancel_futures=True)
-      # Shards the workers finished while this loop stopped are written: keep them too.
-      for future in pending:
-        if future.done() and not future.cancelled() and future.exception() is None:
-          result = future.result()
-          if "error" not in result:
-            done[result["index"]] = result
+    executor.shutdown(wait=True, cancel_futures=True)
+    # Shards the workers finished while this loop stopped are written: keep them too.
+    for future in pending:
+      if future.done() and not future.cancelled() and future.exception() is None:
+        result = future.result()
+        if "error" not in result:
+          done[result["index"]] = result
     save_manifest()
   return stats, {split: hashers[split].hexdigest() for split in SPLITS}

@@ -101,12 +101,10 @@ def sha256_file(path: str) -> str:
 
 
 def shard_is_intact(out_dir: str, entry: dict, checksums: bool = True) -> bool:
-  """Whether the files of a manifest's shard `entry` are there with their sizes (and, with
-  `checksums`, their sha256)."""
+  """Whether a manifest's shard `entry` has its files, of their sizes (and `checksums`, sha256)."""
   for split_entry in entry["splits"].values():
-    # Shards prepared before data.pack_rows have no lengths file.
     for prefix in ("", "lengths_") if split_entry["rows"] else ():
-      if f"{prefix}file" not in split_entry:
+      if f"{prefix}file" not in split_entry:  # shards prepared before data.pack_rows have no lengths file
         continue
       path = os.path.join(out_dir, split_entry[f"{prefix}file"])
       if not os.path.exists(path) or os.path.getsize(path) != split_entry[f"{prefix}bytes"]:
@@ -161,11 +159,8 @@ def load_split(directory: str, manifest: dict, split: str, pad_id: int, with_len
 
 
 class ShardedRows:
-  """The rows of several memory-mapped [rows, 2, L] shards as one read-only int32 [N, L] array.
-
-  Supports `shape`, `len`, and indexing rows with an integer array, a slice or an int (the result
-  is a fresh int32 ndarray). `channel` 0 selects input ids, 1 token type ids.
-  """
+  """The rows of several memory-mapped [rows, 2, L] shards as one read-only int32 [N, L] array, indexed by
+  an integer array, a slice or an int (a fresh ndarray). `channel` 0 selects input ids, 1 token type ids."""
 
   def __init__(self, shards: list[np.ndarray], channel: int, max_seq_len: int):
     self._shards = shards
@@ -211,9 +206,8 @@ class ShardedRows:
 
 
 class ShardVerification:
-  """Checks a split's shard files on a background thread, so a run starts at once: each file's
-  sha256 against the manifest, and every input id below the vocabulary size. raise_if_failed
-  raises the first failure (a ConfigError naming the file)."""
+  """Checks a split's shard files (sha256, every id below the vocabulary size) on a background thread, so a
+  run starts at once; raise_if_failed raises the first failure."""
 
   def __init__(self, directory: str, entries: list[dict], vocab_size: int, split: str):
     self._error: ConfigError | None = None

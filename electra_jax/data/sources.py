@@ -1,6 +1,5 @@
-"""A user's own corpus as documents: plain-text files ("text") and JSON Lines files ("jsonl").
-Owns resolving `data.files`, reading the files with their problems counted and logged, and their
-fingerprint for cache keys."""
+"""A user's own corpus as documents: plain-text ("text") and JSON Lines ("jsonl") files, read with their
+problems counted and logged, and their fingerprint for cache keys; the record sources' shared reader."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ _HASHED_CORPUS_BYTES = 64 << 20
 
 @dataclasses.dataclass
 class SourceStats:
-  """What reading a source found (each count with the place of its first case); logged, and returned."""
+  """What reading a source found (each count with the place of its first case)."""
 
   files: list[str] = dataclasses.field(default_factory=list)
   empty_files: list[str] = dataclasses.field(default_factory=list)
@@ -41,7 +40,6 @@ class SourceStats:
   total_bytes: int = 0
 
   def counts(self) -> dict:
-    """The counts (not the file lists) as a JSON-able dict, for manifests and logs."""
     return {"files": len(self.files), "empty_files": len(self.empty_files), "binary_files": len(self.binary_files),
             "replaced_lines": self.replaced_lines, "skipped_lines": self.skipped_lines,
             "long_sentences": self.long_sentences, "documents": self.num_documents}
@@ -55,7 +53,7 @@ _BLOCK_BYTES = 8 << 20  # files are decoded this many bytes (rounded to whole li
 
 
 def decode_utf8(raw: bytes, where, stats: SourceStats) -> str:
-  """UTF-8 text of `raw`; bytes that are not UTF-8 become U+FFFD, counted in `stats` (`where()` the place)."""
+  """UTF-8 text of `raw`; other bytes become U+FFFD, counted (`where()` the place)."""
   try:
     return raw.decode("utf-8")
   except UnicodeDecodeError:
@@ -66,7 +64,7 @@ def decode_utf8(raw: bytes, where, stats: SourceStats) -> str:
 
 
 def keep_sentence(sentence: str, where, stats: SourceStats) -> bool:
-  """False (and counted) for a sentence too long to be text; `where` is called for the first."""
+  """False (and counted) for a sentence too long to be text."""
   if len(sentence) <= MAX_SENTENCE_CHARS:
     return True
   stats.long_sentences += 1
@@ -76,8 +74,8 @@ def keep_sentence(sentence: str, where, stats: SourceStats) -> bool:
 
 
 def resolve_files(files: str) -> list[str]:
-  """The files named by `files`, comma-separated paths and globs (`~`, `**`), in that order; each glob's
-  matches sorted, a file named twice read once."""
+  """The files of `files`, comma-separated paths and globs (`~`, `**`) in order, each glob's matches sorted,
+  a file named twice read once."""
   patterns = [pattern.strip() for pattern in str(files or "").split(",") if pattern.strip()]
   if not patterns:
     raise ConfigError("data.files is empty; give the corpus as a comma-separated list of paths or globs, "
@@ -140,9 +138,8 @@ def _split_lines(text: str, newline_only: bool) -> list[str]:
 
 
 def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
-  """(line number, text) of `path`, streamed, split as str.splitlines splits the whole file; nothing
-  for a binary file. `newline_only` (JSON Lines) ends lines at "\n" only: JSON strings may hold U+2028,
-  U+2029 and U+0085 unescaped, and splitting a record there would drop it."""
+  """(line number, text) of `path`, streamed, split as str.splitlines splits the whole file; nothing for
+  a binary file. `newline_only` (JSON Lines): JSON strings may hold U+2028, U+2029, U+0085 unescaped."""
   with open(path, "rb") as f:
     if b"\0" in f.read(_SNIFF_BYTES):
       stats.binary_files.append(path)
@@ -204,7 +201,7 @@ def _jsonl_file_documents(path: str, text_field: str, stats: SourceStats):
 
 
 def split_text(text: str, where, stats: SourceStats) -> list[str]:
-  """A document's text as sentences: its stripped non-blank lines, too-long ones skipped."""
+  """A document's text as sentences: its stripped non-blank lines, too long ones skipped."""
   return [
       sentence
       for sentence in (line.strip() for line in text.splitlines())
@@ -213,8 +210,8 @@ def split_text(text: str, where, stats: SourceStats) -> list[str]:
 
 
 def record_documents(name: str, num_records: int, read_texts, text_field: str, stats: SourceStats, block: int):
-  """The documents of a dataset's records in order, read `block` at a time (`read_texts(start, stop)`): each
-  text split by split_text, bytes decoded as UTF-8, any other value skipped and counted. Progress counts records."""
+  """The documents of a dataset's records, read `block` at a time by `read_texts(start, stop)`; a value
+  neither str nor bytes is skipped and counted. Progress counts records."""
   stats.total_bytes = stats.total_bytes or num_records
   for start in range(0, num_records, block):
     for key, text in enumerate(read_texts(start, min(start + block, num_records)), start):
@@ -234,7 +231,7 @@ def record_documents(name: str, num_records: int, read_texts, text_field: str, s
 
 
 def iter_documents(source: str, paths: list[str], text_field: str = "text", stats: SourceStats | None = None):
-  """The documents of `paths` read as `source`, streamed (see read_documents); `stats` counts as it goes."""
+  """The documents of `paths` read as `source`, streamed (see read_documents)."""
   if source not in FILE_SOURCES:
     raise ConfigError(f"read_documents: source must be one of {FILE_SOURCES}, got {source!r}.")
   stats = stats if stats is not None else SourceStats()
@@ -254,12 +251,9 @@ def iter_documents(source: str, paths: list[str], text_field: str = "text", stat
 def read_documents(
     source: str, paths: list[str], text_field: str = "text", max_documents: int | None = None
 ) -> tuple[list[list[str]], SourceStats]:
-  """The documents (lists of sentences) of `paths` read as `source` (the first `max_documents`), and stats.
-
-  "text": one sentence or paragraph per line; blank lines and file ends separate documents. "jsonl": one
-  document per line, the string under `text_field`, split on its newlines. What cannot be read as text is
-  skipped and counted (see SourceStats); raises ConfigError if no file holds any text.
-  """
+  """The first `max_documents` documents (lists of sentences) of `paths`, and stats. "text": a sentence per
+  line, blank lines and file ends separate documents; "jsonl": a document per line, the string under
+  `text_field`. What cannot be read as text is skipped and counted; raises ConfigError if nothing is left."""
   stats = SourceStats()
   documents = list(itertools.islice(iter_documents(source, paths, text_field, stats), max_documents))
   log_stats(source, stats)
@@ -269,7 +263,6 @@ def read_documents(
 
 
 def no_usable_text_error(source: str, paths: list[str], text_field: str, stats: SourceStats) -> ConfigError:
-  """The error for a corpus that yielded no document, naming why its lines were dropped."""
   reasons = []
   if stats.skipped_lines:
     reasons.append(f"{stats.skipped_lines} JSONL lines skipped, first at {stats.first_skipped_line}")

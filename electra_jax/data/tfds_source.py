@@ -14,8 +14,8 @@ _READ_BLOCK = 256  # records fetched by one `__getitems__` call
 _RANDOM_ACCESS_FORMATS = ("array_record", "parquet")
 
 
-# TFDS's builder groups. TFDS registers them in one loop that stops at the first group missing an optional
-# dependency (h5py), leaving later ones (`text`: glue, wikipedia, c4) unregistered; import_tfds imports each.
+# TFDS registers its builder groups in one loop that stops at the first missing an optional dependency
+# (h5py), leaving later ones (`text`: glue, wikipedia, c4) unregistered; import_tfds imports each.
 _BUILDER_GROUPS = (
     "audio", "graphs", "image", "image_classification", "object_detection", "nearest_neighbors",
     "question_answering", "d4rl", "ranking", "recommendation", "rl_unplugged", "rlds.datasets",
@@ -92,7 +92,6 @@ class TfdsCorpus:
         "tfds_name", "tfds_split", "tfds_text_field", "num_records", "num_bytes"))
 
   def iter_documents(self, stats: SourceStats):
-    """Documents of all records: the text field split into stripped lines."""
     source = self._builder.as_data_source(split=self.split)
 
     def read_texts(start: int, stop: int) -> list:

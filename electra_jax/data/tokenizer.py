@@ -1,6 +1,5 @@
-"""SentencePiece tokenizers for ELECTRA: training one with our special tokens, and loading it.
-Owns the special-token layout ([PAD] [UNK] [CLS] [SEP] [MASK] at ids 0..4), which the whole framework
-relies on, and refuses model files that do not follow it."""
+"""SentencePiece tokenizers for ELECTRA, trained and loaded with the special-token layout the framework relies
+on ([PAD] [UNK] [CLS] [SEP] [MASK] at ids 0..4); model files that do not follow it are refused."""
 
 from __future__ import annotations
 
@@ -48,8 +47,8 @@ def _within_limit(sentence: str, limit: int = _MAX_SENTENCE_BYTES) -> Iterator[s
 
 
 def _sample_sentences(sentences: Iterable[str], k: int) -> list[str]:
-  """All of `sentences` in order if there are at most `k`, else `k` of them drawn uniformly by a reservoir
-  sampler with a fixed seed (Li's algorithm L): sentencepiece's own sampler is seeded at random."""
+  """All of `sentences` if at most `k`, else `k` drawn by a reservoir sampler of fixed seed (Li's algorithm L):
+  sentencepiece's own sampler is seeded at random."""
   reservoir: list[str] = []
   iterator = iter(sentences)
   for sentence in iterator:
@@ -76,8 +75,7 @@ class NoSentencesError(ConfigError):
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
-  """Write `data` to `path` so readers see either the old file or the whole new one (a temporary file
-  in the same directory, renamed over `path`)."""
+  """Write `data` to `path` so readers see either the old file or the whole new one."""
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(path))
@@ -97,8 +95,8 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 
 def train_sentencepiece(sentences: Iterable[str], out_path: str, vocab_size: int, model_type: str = "unigram",
                         num_threads: int = TRAINING_THREADS) -> str:
-  """Train a sentencepiece model on `sentences` and write it atomically to `out_path` (returned): ids 0..4
-  are SPECIAL_TOKENS, and there are no BOS/EOS pieces (ELECTRA inputs use [CLS]/[SEP])."""
+  """Train a sentencepiece model on `sentences` into `out_path` (returned), atomically: ids 0..4 are
+  SPECIAL_TOKENS, and there are no BOS/EOS pieces."""
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise ConfigError(f"Unsupported sentencepiece model_type {model_type!r}; use one of {SUPPORTED_MODEL_TYPES}.")
   if vocab_size <= len(SPECIAL_TOKENS):
@@ -176,7 +174,6 @@ class SentencePieceTokenizer:
     return self._processor.encode(text, out_type=int)
 
   def encode_batch(self, texts: Sequence[str], num_threads: int = -1) -> list[list[int]]:
-    """Encode many texts at once; sentencepiece spreads them over `num_threads`."""
     return self._processor.encode(list(texts), out_type=int, num_threads=num_threads)
 
   def decode(self, ids: Iterable[int]) -> str:

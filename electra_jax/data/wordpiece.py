@@ -16,11 +16,8 @@ _MAX_INPUT_CHARS_PER_WORD = 100
 
 
 class WordPieceTokenizer:
-  """A BERT vocabulary with BERT's basic tokenization; the same interface as SentencePieceTokenizer.
-
-  `lowercase` lowercases the text; `strip_accents` removes accents (None: when lowercasing, as
-  BERT does). Chinese, Japanese and Korean ideographs become single-character words.
-  """
+  """A BERT vocabulary with BERT's basic tokenization; the interface of SentencePieceTokenizer.
+  `strip_accents` None strips accents when lowercasing, as BERT does."""
 
   kind = "wordpiece"
 
@@ -69,8 +66,7 @@ class WordPieceTokenizer:
     return self.backend.encode(text, add_special_tokens=False).ids
 
   def encode_batch(self, texts: Sequence[str], num_threads: int = -1) -> list[list[int]]:
-    """Encode many texts at once; `tokenizers` spreads them over its own thread pool."""
-    del num_threads  # set RAYON_NUM_THREADS to bound the pool
+    del num_threads  # `tokenizers` has its own pool: RAYON_NUM_THREADS bounds it
     encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
     return [encoding.ids for encoding in encodings]
 
