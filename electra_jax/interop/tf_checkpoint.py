@@ -213,17 +213,13 @@ def read_towers(prefix: str, num_heads: int | None = None):
   for scope, what in _UNSUPPORTED_SCOPES.items():
     if any(name.startswith(scope + "/") for name in ckpt.entries):
       raise ConfigError(f"{prefix} holds {what}; electra-jax cannot represent it.")
-  if "electra/embeddings/word_embeddings" not in ckpt.entries:
-    raise ConfigError(f"{prefix} has no electra/embeddings/word_embeddings: not an ELECTRA checkpoint.")
-  if not any(name.startswith("generator/") for name in ckpt.entries):
-    raise ConfigError(f"{prefix} has no generator/ variables. Official pre-training checkpoints hold both towers; "
-                      "a fine-tuned or discriminator-only checkpoint cannot continue pre-training.")
   used, towers = set(), {}
   for kind, scope in (("discriminator", "electra"), ("generator", "generator")):
     layers = {m.group(1) for n in ckpt.entries if (m := re.match(rf"{scope}/encoder/layer_(\d+)/", n))}
     if not layers:
-      raise ConfigError(f"The checkpoint has no {scope}/encoder/layer_* variables; it is not an ELECTRA "
-                        "pre-training checkpoint.")
+      raise ConfigError(f"{prefix} has no {scope}/encoder/layer_* variables. Official ELECTRA pre-training "
+                        "checkpoints hold both towers; a fine-tuned or discriminator-only checkpoint cannot continue "
+                        "pre-training.")
     weights = {}
     for w in hf.weight_names(kind, len(layers), f"{scope}/embeddings_project/kernel" in ckpt.entries):
       name = official_name(w.hf_name, kind)
