@@ -61,9 +61,7 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
 def check_export_out(out_dir: str, export_generator: bool = False) -> None:
   """Refuses an `out_dir` whose contents an export would mix with another model's: a non-empty
   tower directory, or an old generator/ this export would leave beside its discriminator."""
-  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-    raise ConfigError(f"--out={out_dir!r} is a file; pick a directory for the exported model directories.")
-  workdir_files.check_usable(out_dir, "--out")  # a file on its path, or an unwritable parent
+  workdir_files.check_usable(out_dir, "--out")  # a file at or on its path, or an unwritable parent
   for tower in ("discriminator", "generator"):
     directory = os.path.join(out_dir, tower)
     if not os.path.lexists(directory) or (os.path.isdir(directory) and not os.listdir(directory)):

@@ -2,7 +2,7 @@
 pytorch_model.bin) read as, and written from, electra-jax's standalone models. Owns the mapping
 between the two configs and between the two weight layouts (weight_files.py reads the files)."""
 
-import dataclasses
+import collections
 import json
 import math
 import os
@@ -82,17 +82,14 @@ _TIED_DECODER = "generator_lm_head.weight"
 _PAD_ID = 0  # [PAD] is id 0 in every electra-jax tokenizer
 
 
-@dataclasses.dataclass(frozen=True)
-class WeightName:
-  """One tensor under both names. `hf_name` leaves out the backbone's "electra." prefix."""
-
-  hf_name: str
-  path: tuple[str, ...]  # in our parameter tree
-  transposed: bool  # a Dense kernel: [in, out] here, torch.nn.Linear's [out, in] there
+# One tensor under both names: transformers' (without the backbone's "electra." prefix) and its path in
+# our tree; `transposed`: a Dense kernel, [in, out] here and torch.nn.Linear's [out, in] there.
+WeightName = collections.namedtuple("WeightName", "hf_name path transposed")
 
 
-def weight_names(kind: str, model) -> list[WeightName]:
-  """Every tensor of the standalone `model` of `kind`, in the order transformers lists them."""
+def weight_names(kind: str, num_layers: int, projected: bool) -> list[WeightName]:
+  """Every tensor of a standalone tower of `kind`, in the order transformers lists them;
+  `projected`: the embeddings are projected to the hidden size (embedding_size != hidden_size)."""
   names = []
 
   def dense(hf_name, path, weight="kernel"):  # weight="scale": a LayerNorm
@@ -103,9 +100,9 @@ def weight_names(kind: str, model) -> list[WeightName]:
     names.append(WeightName(f"embeddings.{table}.weight", ("embeddings", table, "embedding"), False))
   dense("embeddings.LayerNorm", ("embeddings", "layer_norm"), "scale")
   encoder = ("encoder",) if kind == "encoder" else (kind, "encoder")
-  if model.embedding_size != model.config.hidden_size:
+  if projected:
     dense("embeddings_project", (*encoder, "embeddings_project"))
-  for i in range(model.config.num_layers):
+  for i in range(num_layers):
     hf_layer, layer = f"encoder.layer.{i}", (*encoder, f"layer_{i}")
     for projection in ("query", "key", "value"):
       dense(f"{hf_layer}.attention.self.{projection}", (*layer, "attention", projection))
@@ -125,6 +122,10 @@ def weight_names(kind: str, model) -> list[WeightName]:
   return names
 
 
+def _model_weight_names(kind: str, model) -> list[WeightName]:
+  return weight_names(kind, model.config.num_layers, model.embedding_size != model.config.hidden_size)
+
+
 def kind_of(model) -> str:
   for kind, model_class in MODEL_CLASSES.items():
     if isinstance(model, model_class):
@@ -140,23 +141,33 @@ def _param_shapes(model) -> dict[tuple[str, ...], tuple[int, ...]]:
   return {path: tuple(leaf.shape) for path, leaf in flat.items()}
 
 
-def _check_sizes_against_weights(hf_config: dict[str, Any], weights: dict[str, np.ndarray], source: str) -> None:
-  """Refuses a config.json whose sizes the weight files contradict, before any model of the
-  claimed size is built (transformers' [out, in] layout)."""
-  def shape_of(suffix):
-    return next((w.shape for name, w in weights.items() if name.endswith(suffix)), None)
+# The config.json sizes a tensor's shape (transformers' layout) shows: (tensor, axis).
+_SIZES_HELD = {
+    "vocab_size": ("embeddings.word_embeddings.weight", 0), "embedding_size": ("embeddings.word_embeddings.weight", 1),
+    "hidden_size": ("encoder.layer.0.attention.self.query.weight", 0),
+    "intermediate_size": ("encoder.layer.0.intermediate.dense.weight", 0),
+    "max_position_embeddings": ("embeddings.position_embeddings.weight", 0),
+    "type_vocab_size": ("embeddings.token_type_embeddings.weight", 0),
+}
 
-  word = shape_of("embeddings.word_embeddings.weight")
-  query = shape_of("encoder.layer.0.attention.self.query.weight")
-  intermediate = shape_of("encoder.layer.0.intermediate.dense.weight")
-  layers = {int(m.group(1)) for name in weights if (m := re.search(r"encoder\.layer\.(\d+)\.", name))}
-  held = {"vocab_size": word and word[0], "embedding_size": word and word[1], "hidden_size": query and query[0],
-          "intermediate_size": intermediate and intermediate[0], "num_hidden_layers": len(layers) or None}
-  for key, actual in held.items():
-    claimed = hf_config.get(key, HF_CONFIG_DEFAULTS[key])
-    if actual is not None and claimed != actual:
-      raise ConfigError(f"{source}: {key}={claimed!r}, but the weight files hold {actual}; the config.json "
-                        "is not the one these weights were saved with.")
+
+def sizes_held(weights: dict[str, np.ndarray]) -> dict[str, int]:
+  """The config.json sizes that transformers-layout `weights` show (those they hold tensors for)."""
+  shapes = {name.removeprefix(_BACKBONE_PREFIX): np.shape(array) for name, array in weights.items()}
+  held = {key: shapes[name][axis] for key, (name, axis) in _SIZES_HELD.items() if name in shapes}
+  layers = {int(m.group(1)) for name in shapes if (m := re.match(r"encoder\.layer\.(\d+)\.", name))}
+  return {**held, "num_hidden_layers": len(layers)} if layers else held
+
+
+def _mismatch(expected: dict[str, tuple[int, ...]], given: dict[str, Any]) -> str:
+  """"missing: [...]; unexpected: [...]" between names with their shapes (`given` holds arrays), "" when equal."""
+  want = {f"{name} {tuple(shape)}" for name, shape in expected.items()}
+  have = {f"{name} {tuple(np.shape(array))}" for name, array in given.items()}
+  missing, unexpected = sorted(want - have), sorted(have - want)
+  if not missing and not unexpected:
+    return ""
+  return "; ".join(f"{what}: {names[:8] or 'none'}{' ...' if len(names) > 8 else ''}"
+                   for what, names in (("missing", missing), ("unexpected", unexpected)))
 
 
 def model_from_hf_config(hf_config: dict[str, Any], source: str = "config.json"):
@@ -216,27 +227,14 @@ def params_from_hf_weights(model, kind: str, weights: dict[str, np.ndarray], sou
     by_name.pop(buffer, None)
   tied_decoder = by_name.pop(_TIED_DECODER, None) if kind == "generator" else None
 
-  shapes = _param_shapes(model)
-  names = weight_names(kind, model)
-  expected_names = {w.hf_name for w in names}
-  missing = sorted(expected_names - set(by_name))
-  unexpected = sorted(set(by_name) - expected_names)
-  if missing or unexpected:
-    raise ConfigError(
-        f"{source}: the weights do not match an {ARCHITECTURE_OF_KIND[kind]} with this config.json "
-        f"(missing: {missing[:8] or 'none'}{' ...' if len(missing) > 8 else ''}; unexpected: "
-        f"{unexpected[:8] or 'none'}{' ...' if len(unexpected) > 8 else ''}). Check that "
-        "\"architectures\" and num_hidden_layers describe these weights."
-    )
-  flat = {}
-  for w in names:
-    array = by_name[w.hf_name]
-    value = array.T if w.transposed else array
-    if value.shape != shapes[w.path]:
-      wanted = shapes[w.path][::-1] if w.transposed else shapes[w.path]
-      raise ConfigError(f"{source}: {w.hf_name} has shape {tuple(array.shape)} but config.json implies "
-                        f"{tuple(wanted)}; the weights and config.json disagree.")
-    flat[w.path] = np.ascontiguousarray(value, dtype=np.float32)
+  names, shapes = _model_weight_names(kind, model), _param_shapes(model)
+  # Each name with its shape in transformers' layout, as config.json implies it.
+  mismatch = _mismatch({w.hf_name: shapes[w.path][::-1] if w.transposed else shapes[w.path] for w in names}, by_name)
+  if mismatch:
+    raise ConfigError(f"{source}: the weights do not match an {ARCHITECTURE_OF_KIND[kind]} with this config.json "
+                      f"({mismatch}). Check that \"architectures\" and num_hidden_layers describe these weights.")
+  flat = {w.path: np.ascontiguousarray(by_name[w.hf_name].T if w.transposed else by_name[w.hf_name], dtype=np.float32)
+          for w in names}
   if kind == "generator":
     word_table = flat[("embeddings", "word_embeddings", "embedding")]
     if tied_decoder is None and not decoder_tied:
@@ -252,22 +250,14 @@ def params_from_hf_weights(model, kind: str, weights: dict[str, np.ndarray], sou
 def hf_weights_from_params(model, kind: str, params) -> dict[str, np.ndarray]:
   """transformers' tensors (float32, contiguous, full names) from our parameter tree."""
   flat = flax.traverse_util.flatten_dict(jax.device_get(nn.meta.unbox(params)))
-  shapes = _param_shapes(model)
-  missing = sorted("/".join(p) for p in set(shapes) - set(flat))
-  unexpected = sorted("/".join(p) for p in set(flat) - set(shapes))
-  if missing or unexpected:
+  mismatch = _mismatch({"/".join(p): shape for p, shape in _param_shapes(model).items()},
+                       {"/".join(p): array for p, array in flat.items()})
+  if mismatch:
     hint = " Pass variables['params'], not the variables dict." if "params" in params else ""
-    raise ConfigError(
-        f"The parameters do not match the {type(model).__name__} (missing: {missing[:8] or 'none'}; "
-        f"unexpected: {unexpected[:8] or 'none'}).{hint} For a pre-training state pass the "
-        "ElectraPretrainer and kind='discriminator' or 'generator'."
-    )
-  for path, shape in shapes.items():
-    if tuple(np.shape(flat[path])) != shape:
-      raise ConfigError(f"Parameter {'/'.join(path)} has shape {tuple(np.shape(flat[path]))}, but the "
-                        f"{type(model).__name__} expects {shape}.")
+    raise ConfigError(f"The parameters do not match the {type(model).__name__} ({mismatch}).{hint} For a pre-training "
+                      "state pass the ElectraPretrainer and kind='discriminator' or 'generator'.")
   tensors = {}
-  for w in weight_names(kind, model):
+  for w in _model_weight_names(kind, model):
     array = np.asarray(flat[w.path], dtype=np.float32)
     is_head = w.hf_name.startswith(_HEAD_PREFIXES)
     hf_name = w.hf_name if kind == "encoder" or is_head else _BACKBONE_PREFIX + w.hf_name
@@ -291,8 +281,11 @@ def load_hf(path: str):
   if not isinstance(hf_config, dict):
     raise ConfigError(f"{config_path} holds a JSON {type(hf_config).__name__}, not the object of a model config.")
   weights = read_hf_weights(path)
-  _check_sizes_against_weights(hf_config, weights, config_path)
   kind, model = model_from_hf_config(hf_config, config_path)
+  for key, actual in sizes_held(weights).items():  # named by the key, before any tensor is matched
+    if hf_config.get(key, HF_CONFIG_DEFAULTS[key]) != actual:
+      raise ConfigError(f"{config_path}: {key}={hf_config.get(key, HF_CONFIG_DEFAULTS[key])!r}, but the weight files "
+                        f"hold {actual}; the config.json is not the one these weights were saved with.")
   decoder_tied = hf_config.get("tie_word_embeddings", True) is not False
   return model, params_from_hf_weights(model, kind, weights, path, decoder_tied)
 

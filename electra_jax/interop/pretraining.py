@@ -22,8 +22,6 @@ from electra_jax.errors import ConfigError
 from electra_jax.interop import hf, tf_checkpoint
 from electra_jax.interop.export import one_device_setup
 
-EMBEDDINGS_CHOICES = ("discriminator", "generator")
-
 
 @dataclasses.dataclass
 class ImportedPair:
@@ -67,25 +65,20 @@ def pair_from_hf(discriminator_dir: str, generator_dir: str) -> ImportedPair:
 
 
 def _vocabulary_beside(directories, name: str) -> str | None:
-  """The `name` file beside the towers (the first tower's if both have one), refused when the
-  two differ."""
-  paths = [path for directory in directories if (path := _file_beside(directory, name))]
+  """The `name` file beside the towers (the first tower's if both have one), refused when the two
+  differ or one links outside its directory (an import copies it into the workdir)."""
+  paths = []
+  for directory in directories:
+    path = os.path.join(directory, name)
+    if os.path.isfile(path):
+      real, inside = os.path.realpath(path), os.path.realpath(directory)
+      if os.path.commonpath([real, inside]) != inside:
+        raise ConfigError(f"Refusing {path}: it links to {real}, outside {directory}. Put the file itself there.")
+      paths.append(path)
   if len(paths) == 2 and pathlib.Path(paths[0]).read_bytes() != pathlib.Path(paths[1]).read_bytes():
     raise ConfigError(f"{paths[0]} and {paths[1]} differ: the two towers were trained with different "
                       "vocabularies and cannot share one embedding table.")
   return paths[0] if paths else None
-
-
-def _file_beside(directory: str, name: str) -> str | None:
-  """directory/name if it is a file, None if there is none; refused when it is a link that
-  leaves `directory` (an import copies it into the workdir)."""
-  path = os.path.join(directory, name)
-  if not os.path.isfile(path):
-    return None
-  real, inside = os.path.realpath(path), os.path.realpath(directory)
-  if os.path.commonpath([real, inside]) != inside:
-    raise ConfigError(f"Refusing {path}: it links to {real}, outside {directory}. Put the file itself there.")
-  return path
 
 
 def pair_from_tf(path: str, vocab_file: str | None = None, num_heads: int | None = None) -> ImportedPair:
@@ -94,7 +87,7 @@ def pair_from_tf(path: str, vocab_file: str | None = None, num_heads: int | None
   prefix = tf_checkpoint.resolve_prefix(path)
   towers = tf_checkpoint.read_towers(prefix, num_heads)
   if vocab_file is None:
-    vocab_file = _file_beside(os.path.dirname(prefix), "vocab.txt")
+    vocab_file = _vocabulary_beside([os.path.dirname(prefix)], "vocab.txt")
   elif not os.path.isfile(vocab_file):
     raise ConfigError(f"--vocab_file={vocab_file} does not exist; give the checkpoint's vocab.txt.")
   return ImportedPair(*towers["discriminator"], *towers["generator"], vocab_file, lowercase=None, strip_accents=None,
@@ -116,8 +109,8 @@ def _shared_embeddings(pair: ImportedPair, embeddings_from: str | None) -> dict:
     raise ConfigError(f"The discriminator's and generator's embeddings differ ({'; '.join(differences)}), but "
                       "electra-jax shares ONE embedding tree between the towers. Pass --hf_embeddings_from="
                       "discriminator (or generator) to keep that tower's embeddings for both.")
-  if embeddings_from not in EMBEDDINGS_CHOICES:
-    raise ConfigError(f"embeddings_from={embeddings_from!r} is not one of {list(EMBEDDINGS_CHOICES)}.")
+  if embeddings_from not in ("discriminator", "generator"):
+    raise ConfigError(f"embeddings_from={embeddings_from!r} is not one of ['discriminator', 'generator'].")
   logging.warning("The towers' embeddings differ (%s); both will use the %s's, as --hf_embeddings_from asks.",
                   "; ".join(differences), embeddings_from)
   return getattr(pair, f"{embeddings_from}_params")["embeddings"]

@@ -10,7 +10,6 @@ import pathlib
 import re
 import struct
 
-import flax
 import jax.numpy as jnp
 import numpy as np
 
@@ -181,91 +180,61 @@ def resolve_prefix(path: str) -> str:
                     "electra_small/model.ckpt-1000000), its .index file, or the directory holding it.")
 
 
-_HEAD_RENAMES = {
-    "generator_lm_head.bias": "generator_predictions/output_bias",
-    "discriminator_predictions.dense_prediction.weight": "discriminator_predictions/dense_1/kernel",
-    "discriminator_predictions.dense_prediction.bias": "discriminator_predictions/dense_1/bias",
-}
+# transformers' weight names -> the official code's, one substitution after another.
+_OFFICIAL_RENAMES = (
+    (r"^generator_lm_head\.bias$", "generator_predictions.output_bias"),
+    (r"\.dense_prediction\.", ".dense_1."),
+    (r"encoder\.layer\.(\d+)", r"encoder.layer_\1"),
+    (r"LayerNorm\.weight$", "LayerNorm.gamma"),
+    (r"LayerNorm\.bias$", "LayerNorm.beta"),
+    (r"_embeddings\.weight$", "_embeddings"),  # a table is a bare variable: electra/embeddings/word_embeddings
+    (r"\.weight$", ".kernel"),
+)
 
 
 def official_name(hf_name: str, tower: str) -> str:
   """The official TF variable of a transformers weight name (without the "electra." prefix)
   of `tower`: backbone variables live under "electra" (discriminator) or "generator", except
   the embeddings, which both towers read from "electra/embeddings"."""
-  if hf_name in _HEAD_RENAMES:
-    return _HEAD_RENAMES[hf_name]
-  parts = re.sub(r"encoder\.layer\.(\d+)", r"encoder.layer_\1", hf_name).split(".")
-  leaf, owner = parts[-1], parts[-2]
-  if owner == "LayerNorm":
-    parts[-1] = {"weight": "gamma", "bias": "beta"}[leaf]
-  elif owner.endswith("_embeddings"):
-    parts.pop()  # a table is a bare variable: electra/embeddings/word_embeddings
-  elif leaf == "weight":
-    parts[-1] = "kernel"
-  name = "/".join(parts)
-  if parts[0].endswith("_predictions"):
+  for pattern, replacement in _OFFICIAL_RENAMES:
+    hf_name = re.sub(pattern, replacement, hf_name)
+  name = hf_name.replace(".", "/")
+  scope = name.split("/")[0]
+  if scope.endswith("_predictions"):
     return name
-  if parts[0] == "embeddings":
-    return f"electra/{name}"
-  return f"{'electra' if tower == 'discriminator' else 'generator'}/{name}"
-
-
-def _tower_model(ckpt: TFCheckpoint, scope: str, kind: str, num_heads: int | None):
-  """A standalone tower sized from the checkpoint's shapes (dropout and epsilon: the official
-  defaults, which are transformers'). Heads are not in the shapes: the official code uses
-  max(1, hidden // 64), or `num_heads` for a checkpoint trained with model_hparam_overrides."""
-  layers = {int(m.group(1)) for n in ckpt.entries if (m := re.match(rf"{scope}/encoder/layer_(\d+)/", n))}
-  if not layers:
-    raise ConfigError(f"The checkpoint has no {scope}/encoder/layer_* variables; it is not an ELECTRA "
-                      "pre-training checkpoint.")
-  if layers != set(range(len(layers))):
-    raise ConfigError(f"The checkpoint's {scope} layers are {sorted(layers)}, not 0..{max(layers)}.")
-  shape = lambda name: ckpt.entries[name].shape
-  vocab, embedding = shape("electra/embeddings/word_embeddings")
-  hidden = shape(f"{scope}/encoder/layer_0/attention/self/query/kernel")[1]
-  heads = num_heads or max(1, hidden // 64)
-  if hidden % heads:
-    raise ConfigError(f"The {kind}'s hidden size {hidden} does not split into {heads} heads; pass the right "
-                      "head count.")
-  return hf.model_from_hf_config({
-      "architectures": [hf.ARCHITECTURE_OF_KIND[kind]], "vocab_size": vocab, "embedding_size": embedding,
-      "hidden_size": hidden, "num_hidden_layers": len(layers), "num_attention_heads": heads,
-      "intermediate_size": shape(f"{scope}/encoder/layer_0/intermediate/dense/kernel")[1],
-      "max_position_embeddings": shape("electra/embeddings/position_embeddings")[0],
-      "type_vocab_size": shape("electra/embeddings/token_type_embeddings")[0],
-  }, ckpt.prefix)[1]
+  return f"{'electra' if scope == 'embeddings' or tower == 'discriminator' else 'generator'}/{name}"
 
 
 def read_towers(prefix: str, num_heads: int | None = None):
-  """{tower: (model, params)} for the discriminator and generator of an official checkpoint;
-  each params tree is {"embeddings", <tower>} (the embeddings are the same arrays)."""
+  """{tower: (model, params)} of an official checkpoint's two towers, read as transformers tensors
+  for hf.py to check and map. Heads are not in the shapes: the official code gives the discriminator
+  max(1, hidden // 64) (or `num_heads`, from model_hparam_overrides) and the generator its head size."""
   ckpt = TFCheckpoint(prefix)
   for scope, what in _UNSUPPORTED_SCOPES.items():
     if any(name.startswith(scope + "/") for name in ckpt.entries):
       raise ConfigError(f"{prefix} holds {what}; electra-jax cannot represent it.")
-  if "electra/embeddings/word_embeddings" not in ckpt.entries:
-    raise ConfigError(f"{prefix} has no electra/embeddings/word_embeddings: not an ELECTRA checkpoint.")
-  if not any(name.startswith("generator/") for name in ckpt.entries):
-    raise ConfigError(f"{prefix} has no generator/ variables. Official pre-training checkpoints hold both towers; "
-                      "a fine-tuned or discriminator-only checkpoint cannot continue pre-training.")
   used, towers = set(), {}
   for kind, scope in (("discriminator", "electra"), ("generator", "generator")):
-    if kind == "generator":  # the discriminator's head size, as the official code sizes it
-      hidden = ckpt.entries["generator/encoder/layer_0/attention/self/query/kernel"].shape[1]
-      num_heads = max(1, hidden // towers["discriminator"][0].config.head_dim)
-    model = _tower_model(ckpt, scope, kind, num_heads)
-    shapes = hf._param_shapes(model)
-    flat = {}
-    for w in hf.weight_names(kind, model):
+    layers = {m.group(1) for n in ckpt.entries if (m := re.match(rf"{scope}/encoder/layer_(\d+)/", n))}
+    if not layers:
+      raise ConfigError(f"{prefix} has no {scope}/encoder/layer_* variables. Official ELECTRA pre-training "
+                        "checkpoints hold both towers; a fine-tuned or discriminator-only checkpoint cannot continue "
+                        "pre-training.")
+    weights = {}
+    for w in hf.weight_names(kind, len(layers), f"{scope}/embeddings_project/kernel" in ckpt.entries):
       name = official_name(w.hf_name, kind)
       if name not in ckpt.entries:
         raise ConfigError(f"{prefix} lacks {name}, which an official {kind} of these sizes has.")
-      array = ckpt.read(name).astype(np.float32)
-      if array.shape != shapes[w.path]:
-        raise ConfigError(f"{prefix}: {name} has shape {array.shape}, expected {shapes[w.path]}.")
-      flat[w.path] = array
+      array = ckpt.read(name)
+      weights[w.hf_name] = array.T if w.transposed else array  # back to transformers' [out, in]
       used.add(name)
-    towers[kind] = (model, flax.traverse_util.unflatten_dict(flat))
+    sizes = hf.sizes_held(weights)
+    if kind == "generator":
+      num_heads = max(1, sizes["hidden_size"] // towers["discriminator"][0].config.head_dim)
+    hf_config = {"architectures": [hf.ARCHITECTURE_OF_KIND[kind]], **sizes,
+                 "num_attention_heads": num_heads or max(1, sizes["hidden_size"] // 64)}
+    model = hf.model_from_hf_config(hf_config, prefix)[1]
+    towers[kind] = (model, hf.params_from_hf_weights(model, kind, weights, prefix))
   leftover = sorted(n for n in ckpt.entries if n not in used and not _OPTIMIZER_SLOT.search(n))
   if leftover:
     raise ConfigError(f"{prefix} holds variables electra-jax has no place for: {leftover[:8]}"
