@@ -24,8 +24,7 @@ from absl import logging
 from electra_jax.errors import ConfigError
 from electra_jax.data.tokenizer import atomic_write_bytes
 from electra_jax.finetune import tasks
-from electra_jax.finetune.model import head_dense
-from electra_jax.models import Encoder, EncoderConfig, embeddings_for
+from electra_jax.finetune.model import EncoderWithHead, head_dense
 
 VERSIONS = ("1.1", "2.0")
 _VERSION_NAMES = {name: version for version in VERSIONS for name in (version, version[0], "v" + version)}
@@ -545,28 +544,19 @@ def write_predictions(path: str, predictions: dict) -> None:
   atomic_write_bytes(path, json.dumps(payload, ensure_ascii=False, indent=1).encode("utf-8"))
 
 
-class SquadModel(nn.Module):
-  """The discriminator encoder with a SpanHead: parameters {embeddings, encoder, span_head}, the
-  first two as the classifier's. [B, T] inputs -> float32 [B, T, 3]: start logits, end logits, and
-  the answerability logit repeated along T (zeros without it), one array so the trainer's predict
-  can batch it; split_outputs takes it apart."""
+class SquadModel(EncoderWithHead):
+  """Parameters {embeddings, encoder, span_head}. [B, T] inputs -> float32 [B, T, 3]: start logits,
+  end logits, and the answerability logit repeated along T (zeros without it), one array so the
+  trainer's predict can batch it; split_outputs takes it apart."""
 
-  vocab_size: int
-  embedding_size: int
-  max_position_embeddings: int
-  type_vocab_size: int
-  config: EncoderConfig
   answerable: bool = False
-  dtype: jnp.dtype = jnp.float32
 
-  @nn.compact
-  def __call__(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
-    embedded = embeddings_for(self, self.embedding_size, self.config, name="embeddings")(
-        input_ids, token_type_ids, deterministic)
-    hidden = Encoder(self.config, self.embedding_size, self.dtype, name="encoder")(
-        embedded, attention_mask, deterministic)
-    start, end, answerable = SpanHead(self.answerable, dtype=self.dtype, name="span_head")(
-        hidden, token_type_ids, attention_mask)
+  def setup(self):
+    super().setup()
+    self.span_head = SpanHead(self.answerable, dtype=self.dtype)
+
+  def head(self, hidden, token_type_ids, attention_mask, deterministic):
+    start, end, answerable = self.span_head(hidden, token_type_ids, attention_mask)
     if answerable is None:
       answerable = jnp.zeros(start.shape[:1], jnp.float32)
     return jnp.stack([start, end, jnp.broadcast_to(answerable[:, None], start.shape)], axis=-1)
