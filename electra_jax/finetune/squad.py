@@ -512,25 +512,24 @@ def squad_metrics(
     f1[example.qas_id] = max(f1_score(g, prediction, version) for g in golds)
   if not exact:
     raise ConfigError("squad_metrics got no questions to score.")
-
-  def summary(exact_scores, f1_scores, qids, prefix=""):
-    return {
-        f"{prefix}exact": 100.0 * sum(exact_scores[q] for q in qids) / len(qids),
-        f"{prefix}f1": 100.0 * sum(f1_scores[q] for q in qids) / len(qids),
-        f"{prefix}total": len(qids),
-    }
-
-  if version == "1.1":
-    return summary(exact, f1, list(exact))
+  scores = {"exact": exact, "f1": f1}
   odds = null_odds or {}
-  says_null = {q: odds.get(q, -np.inf) > null_threshold for q in exact}
-  exact_thr = {q: float(not has_answer[q]) if says_null[q] else s for q, s in exact.items()}
-  f1_thr = {q: float(not has_answer[q]) if says_null[q] else s for q, s in f1.items()}
-  result = summary(exact_thr, f1_thr, list(exact))
+  if version == "2.0":  # a question whose null odds pass the threshold is answered "": right when it has none
+    scores = {name: {q: float(not has_answer[q]) if odds.get(q, -np.inf) > null_threshold else s
+                     for q, s in by_question.items()} for name, by_question in scores.items()}
+
+  def summary(qids, prefix=""):
+    result = {prefix + name: 100.0 * sum(by_question[q] for q in qids) / len(qids)
+              for name, by_question in scores.items()}
+    return dict(result, **{f"{prefix}total": len(qids)})
+
+  result = summary(list(exact))
+  if version == "1.1":
+    return result
   for prefix, answerable in (("HasAns_", True), ("NoAns_", False)):
     qids = [q for q in exact if has_answer[q] == answerable]
     if qids:
-      result.update(summary(exact_thr, f1_thr, qids, prefix))
+      result.update(summary(qids, prefix))
   if null_odds is not None:
     result["best_exact"], result["best_exact_thresh"] = _best_threshold(predictions, exact, odds, has_answer)
     result["best_f1"], result["best_f1_thresh"] = _best_threshold(predictions, f1, odds, has_answer)
