@@ -4,6 +4,7 @@ random initialization, with the tokenizer that goes with it."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import Any
@@ -131,14 +132,11 @@ def _tokenizer_from_file(path: str, lowercase: bool | None, strip_accents: bool 
 
 def _from_workdir(config, workdir: str) -> Backbone:
   pretrain_config = config_lib.load_workdir_config(workdir)
-  checkpointer = checkpointing.Checkpointer(workdir, keep=1)
-  try:
+  with contextlib.closing(checkpointing.Checkpointer(workdir, keep=1)) as checkpointer:
     step = checkpointer.latest_step()
     if step is None:
       raise ConfigError(f"config.init_from={workdir!r} holds no checkpoint yet; pre-train first.")
     meta = checkpointer.read_meta(step)
-  finally:
-    checkpointer.close()
   if config.tokenizer:
     tokenizer = _tokenizer_from_file(config.tokenizer, config.lowercase)
   else:

@@ -124,37 +124,35 @@ def _require_file(path: str, what: str) -> None:
     raise ConfigError(f"{what}: {path} does not exist. Check config.data_dir and the task name.")
 
 
-def _glue_rows(path: str, columns: Sequence[str | None], label_column: str | None):
-  """(text_a, text_b, label, index) per row of a GLUE TSV with a header line."""
+def _glue_examples(task: GlueTask, path: str, labelled: bool) -> list[Example]:
+  """The examples of a GLUE TSV, by its header's column names (CoLA's train and dev: by position)."""
   rows = _read_tsv(path)
+  if labelled and task.headerless_columns is not None:
+    text_at, label_at = task.headerless_columns
+    return [Example(row[text_at], None, row[label_at], i)
+            for i, row in enumerate(rows) if len(row) > max(text_at, label_at)]
   if not rows:
     raise ConfigError(f"{path} is empty; GLUE files start with a header line.")
   header = rows[0]
-  wanted = [c for c in (*columns, label_column) if c is not None]
+  wanted = [c for c in (*task.text_columns, task.label_column if labelled else None) if c is not None]
   missing = [c for c in wanted if c not in header]
   if missing:
     raise ConfigError(f"{path} has no column {missing[0]!r} (its header: {header}); is it the right GLUE file?")
   where = {name: header.index(name) for name in wanted}
   index_position = header.index("index") if "index" in header else header.index("id") if "id" in header else None
-  skipped = 0
+  examples, skipped, (text_a, text_b) = [], 0, task.text_columns
   for row_number, row in enumerate(rows[1:]):
     if len(row) < len(header):
       skipped += 1  # QQP's train.tsv has a few broken lines; TFDS and the official code skip them
       continue
     index = int(row[index_position]) if index_position is not None and row[index_position].isdigit() else row_number
-    yield (row[where[columns[0]]], row[where[columns[1]]] if columns[1] else None,
-           row[where[label_column]] if label_column else None, index)
+    label = row[where[task.label_column]] if labelled else None
+    if labelled and task.label_list is None:
+      label = _regression_label(label, path)
+    examples.append(Example(row[where[text_a]], row[where[text_b]] if text_b else None, label, index))
   if skipped:
     logging.warning("Skipped %d malformed line(s) of %s.", skipped, path)
-
-
-def _glue_labelled(task: GlueTask, path: str) -> list[Example]:
-  if task.headerless_columns is not None:
-    text_at, label_at = task.headerless_columns
-    return [Example(row[text_at], None, row[label_at], i)
-            for i, row in enumerate(_read_tsv(path)) if len(row) > max(text_at, label_at)]
-  return [Example(a, b, label if task.label_list is not None else _regression_label(label, path), index)
-          for a, b, label, index in _glue_rows(path, task.text_columns, task.label_column)]
+  return examples
 
 
 def _regression_label(raw, where: str) -> float:
@@ -197,10 +195,7 @@ def load_glue_from_dir(name: str, data_dir: str) -> TaskData:
     path = os.path.join(task_dir, stem + ".tsv")
     if labelled:
       _require_file(path, what)
-      return _glue_labelled(task, path)
-    if os.path.isfile(path):
-      return [Example(a, b, None, index) for a, b, _, index in _glue_rows(path, task.text_columns, None)]
-    return None
+    return _glue_examples(task, path, labelled) if os.path.isfile(path) else None
 
   return _glue_task_data(name, read)
 
