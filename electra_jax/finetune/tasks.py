@@ -140,7 +140,7 @@ def _glue_examples(task: GlueTask, path: str, labelled: bool) -> list[Example]:
     raise ConfigError(f"{path} has no column {missing[0]!r} (its header: {header}); is it the right GLUE file?")
   where = {name: header.index(name) for name in wanted}
   index_position = header.index("index") if "index" in header else header.index("id") if "id" in header else None
-  examples, skipped, (text_a, text_b) = [], 0, task.text_columns
+  (text_a, text_b), examples, skipped = task.text_columns, [], 0
   for row_number, row in enumerate(rows[1:]):
     if len(row) < len(header):
       skipped += 1  # QQP's train.tsv has a few broken lines; TFDS and the official code skip them
