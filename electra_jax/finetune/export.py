@@ -1,6 +1,7 @@
 """Exporting a fine-tuning workdir: each finished seed's kept checkpoint as a Hugging Face
 ElectraForSequenceClassification or ElectraForQuestionAnswering directory, with its tokenizer."""
 
+import contextlib
 import json
 import os
 import pathlib
@@ -130,14 +131,12 @@ def restore_seed(workdir: str, task: str, seed: int, model):
   abstract = jax.eval_shape(lambda: nn.meta.unbox(model.init(jax.random.key(0), ids, ids, ids + 1)["params"]))
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
-  checkpointer = checkpointing.Checkpointer(os.path.join(workdir, task, f"seed_{seed}"), keep=1)
-  try:
+  seed_dir = os.path.join(workdir, task, f"seed_{seed}")
+  with contextlib.closing(checkpointing.Checkpointer(seed_dir, keep=1)) as checkpointer:
     step = checkpointer.latest_step()
     if step is None:
       raise ConfigError(f"{checkpointer.directory} holds no checkpoint; fine-tune seed {seed} again to export it.")
     return jax.device_get(checkpointer.restore(step, {"params": abstract})["params"])
-  finally:
-    checkpointer.close()
 
 
 def _write(directory: str, backbone, head: dict, params) -> None:

@@ -4,6 +4,7 @@ random initialization, with the tokenizer that goes with it."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import Any
@@ -55,30 +56,41 @@ def pool(hidden: jax.Array, attention_mask: jax.Array, pooling: str) -> jax.Arra
   raise ConfigError(f"head.pooling={pooling!r}: use one of {list(POOLINGS)}.")
 
 
-class ElectraClassifier(nn.Module):
-  """Parameters {embeddings, encoder, classifier}, the first two the discriminator's. [batch, seq]
-  -> [batch, num_outputs] float32: class logits, or one regression score, from the pooled states."""
+class EncoderWithHead(nn.Module):
+  """The discriminator's {embeddings, encoder} (the backbone's names) and a subclass's task head,
+  which `head` applies to the final hidden states."""
 
   vocab_size: int
   embedding_size: int
   max_position_embeddings: int
   type_vocab_size: int
   config: EncoderConfig
-  num_outputs: int
-  head_dropout_rate: float = 0.1
   dtype: Any = jnp.float32
   attention_impl: str = "xla"
-  pooling: str = "cls"
 
   def setup(self):
     self.embeddings = embeddings_for(self, self.embedding_size, self.config)
     self.encoder = Encoder(self.config, self.embedding_size, self.dtype, self.attention_impl)
+
+  def __call__(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
+    hidden = self.encoder(self.embeddings(input_ids, token_type_ids, deterministic), attention_mask, deterministic)
+    return self.head(hidden, token_type_ids, attention_mask, deterministic)
+
+
+class ElectraClassifier(EncoderWithHead, kw_only=True):
+  """Parameters {embeddings, encoder, classifier}. [batch, seq] -> [batch, num_outputs] float32:
+  class logits, or one regression score, from the pooled states (pooled -> dropout -> dense)."""
+
+  num_outputs: int
+  head_dropout_rate: float = 0.1
+  pooling: str = "cls"
+
+  def setup(self):
+    super().setup()
     self.head_dropout = random_ops.Dropout(self.head_dropout_rate)
     self.classifier = head_dense(self.num_outputs, self.dtype)
 
-  def __call__(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
-    embedded = self.embeddings(input_ids, token_type_ids, deterministic)
-    hidden = self.encoder(embedded, attention_mask, deterministic)
+  def head(self, hidden, token_type_ids, attention_mask, deterministic):
     pooled = self.head_dropout(pool(hidden, attention_mask, self.pooling), deterministic=deterministic)
     return self.classifier(pooled).astype(jnp.float32)
 
@@ -120,14 +132,11 @@ def _tokenizer_from_file(path: str, lowercase: bool | None, strip_accents: bool 
 
 def _from_workdir(config, workdir: str) -> Backbone:
   pretrain_config = config_lib.load_workdir_config(workdir)
-  checkpointer = checkpointing.Checkpointer(workdir, keep=1)
-  try:
+  with contextlib.closing(checkpointing.Checkpointer(workdir, keep=1)) as checkpointer:
     step = checkpointer.latest_step()
     if step is None:
       raise ConfigError(f"config.init_from={workdir!r} holds no checkpoint yet; pre-train first.")
     meta = checkpointer.read_meta(step)
-  finally:
-    checkpointer.close()
   if config.tokenizer:
     tokenizer = _tokenizer_from_file(config.tokenizer, config.lowercase)
   else:

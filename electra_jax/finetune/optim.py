@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from electra_jax.errors import ConfigError
-from electra_jax.train import scale_by_adam_without_bias_correction
+from electra_jax.train import _decays, scale_by_adam_without_bias_correction
 
 LAYERWISE_RULES = ("correct", "official")
 
@@ -47,11 +47,6 @@ def layerwise_lr_scales(params, num_layers: int, decay: float, rule: str = "corr
     return 1.0 if depth == head_depth else float(decay ** (top - depth))
 
   return jax.tree_util.tree_map_with_path(scale, params)
-
-
-def _decays(path, _) -> bool:
-  # As the official AdamWeightDecayOptimizer: no weight decay on LayerNorm or any bias.
-  return getattr(path[-1], "key", None) in ("kernel", "embedding")
 
 
 def linear_warmup_decay(base_lr: float, warmup_steps: int, total_steps: int):

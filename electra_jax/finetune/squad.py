@@ -24,8 +24,7 @@ from absl import logging
 from electra_jax.errors import ConfigError
 from electra_jax.data.tokenizer import atomic_write_bytes
 from electra_jax.finetune import tasks
-from electra_jax.finetune.model import head_dense
-from electra_jax.models import Encoder, EncoderConfig, embeddings_for
+from electra_jax.finetune.model import EncoderWithHead, head_dense
 
 VERSIONS = ("1.1", "2.0")
 _VERSION_NAMES = {name: version for version in VERSIONS for name in (version, version[0], "v" + version)}
@@ -513,25 +512,24 @@ def squad_metrics(
     f1[example.qas_id] = max(f1_score(g, prediction, version) for g in golds)
   if not exact:
     raise ConfigError("squad_metrics got no questions to score.")
-
-  def summary(exact_scores, f1_scores, qids, prefix=""):
-    return {
-        f"{prefix}exact": 100.0 * sum(exact_scores[q] for q in qids) / len(qids),
-        f"{prefix}f1": 100.0 * sum(f1_scores[q] for q in qids) / len(qids),
-        f"{prefix}total": len(qids),
-    }
-
-  if version == "1.1":
-    return summary(exact, f1, list(exact))
+  scores = {"exact": exact, "f1": f1}
   odds = null_odds or {}
-  says_null = {q: odds.get(q, -np.inf) > null_threshold for q in exact}
-  exact_thr = {q: float(not has_answer[q]) if says_null[q] else s for q, s in exact.items()}
-  f1_thr = {q: float(not has_answer[q]) if says_null[q] else s for q, s in f1.items()}
-  result = summary(exact_thr, f1_thr, list(exact))
+  if version == "2.0":  # a question whose null odds pass the threshold is answered "": right when it has none
+    scores = {name: {q: float(not has_answer[q]) if odds.get(q, -np.inf) > null_threshold else s
+                     for q, s in by_question.items()} for name, by_question in scores.items()}
+
+  def summary(qids, prefix=""):
+    result = {prefix + name: 100.0 * sum(by_question[q] for q in qids) / len(qids)
+              for name, by_question in scores.items()}
+    return dict(result, **{f"{prefix}total": len(qids)})
+
+  result = summary(list(exact))
+  if version == "1.1":
+    return result
   for prefix, answerable in (("HasAns_", True), ("NoAns_", False)):
     qids = [q for q in exact if has_answer[q] == answerable]
     if qids:
-      result.update(summary(exact_thr, f1_thr, qids, prefix))
+      result.update(summary(qids, prefix))
   if null_odds is not None:
     result["best_exact"], result["best_exact_thresh"] = _best_threshold(predictions, exact, odds, has_answer)
     result["best_f1"], result["best_f1_thresh"] = _best_threshold(predictions, f1, odds, has_answer)
@@ -545,28 +543,19 @@ def write_predictions(path: str, predictions: dict) -> None:
   atomic_write_bytes(path, json.dumps(payload, ensure_ascii=False, indent=1).encode("utf-8"))
 
 
-class SquadModel(nn.Module):
-  """The discriminator encoder with a SpanHead: parameters {embeddings, encoder, span_head}, the
-  first two as the classifier's. [B, T] inputs -> float32 [B, T, 3]: start logits, end logits, and
-  the answerability logit repeated along T (zeros without it), one array so the trainer's predict
-  can batch it; split_outputs takes it apart."""
+class SquadModel(EncoderWithHead):
+  """Parameters {embeddings, encoder, span_head}. [B, T] inputs -> float32 [B, T, 3]: start logits,
+  end logits, and the answerability logit repeated along T (zeros without it), one array so the
+  trainer's predict can batch it; split_outputs takes it apart."""
 
-  vocab_size: int
-  embedding_size: int
-  max_position_embeddings: int
-  type_vocab_size: int
-  config: EncoderConfig
   answerable: bool = False
-  dtype: jnp.dtype = jnp.float32
 
-  @nn.compact
-  def __call__(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
-    embedded = embeddings_for(self, self.embedding_size, self.config, name="embeddings")(
-        input_ids, token_type_ids, deterministic)
-    hidden = Encoder(self.config, self.embedding_size, self.dtype, name="encoder")(
-        embedded, attention_mask, deterministic)
-    start, end, answerable = SpanHead(self.answerable, dtype=self.dtype, name="span_head")(
-        hidden, token_type_ids, attention_mask)
+  def setup(self):
+    super().setup()
+    self.span_head = SpanHead(self.answerable, dtype=self.dtype)
+
+  def head(self, hidden, token_type_ids, attention_mask, deterministic):
+    start, end, answerable = self.span_head(hidden, token_type_ids, attention_mask)
     if answerable is None:
       answerable = jnp.zeros(start.shape[:1], jnp.float32)
     return jnp.stack([start, end, jnp.broadcast_to(answerable[:, None], start.shape)], axis=-1)

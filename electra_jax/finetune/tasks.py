@@ -124,37 +124,35 @@ def _require_file(path: str, what: str) -> None:
     raise ConfigError(f"{what}: {path} does not exist. Check config.data_dir and the task name.")
 
 
-def _glue_rows(path: str, columns: Sequence[str | None], label_column: str | None):
-  """(text_a, text_b, label, index) per row of a GLUE TSV with a header line."""
+def _glue_examples(task: GlueTask, path: str, labelled: bool) -> list[Example]:
+  """The examples of a GLUE TSV, by its header's column names (CoLA's train and dev: by position)."""
   rows = _read_tsv(path)
+  if labelled and task.headerless_columns is not None:
+    text_at, label_at = task.headerless_columns
+    return [Example(row[text_at], None, row[label_at], i)
+            for i, row in enumerate(rows) if len(row) > max(text_at, label_at)]
   if not rows:
     raise ConfigError(f"{path} is empty; GLUE files start with a header line.")
   header = rows[0]
-  wanted = [c for c in (*columns, label_column) if c is not None]
+  wanted = [c for c in (*task.text_columns, task.label_column if labelled else None) if c is not None]
   missing = [c for c in wanted if c not in header]
   if missing:
     raise ConfigError(f"{path} has no column {missing[0]!r} (its header: {header}); is it the right GLUE file?")
   where = {name: header.index(name) for name in wanted}
   index_position = header.index("index") if "index" in header else header.index("id") if "id" in header else None
-  skipped = 0
+  (text_a, text_b), examples, skipped = task.text_columns, [], 0
   for row_number, row in enumerate(rows[1:]):
     if len(row) < len(header):
       skipped += 1  # QQP's train.tsv has a few broken lines; TFDS and the official code skip them
       continue
     index = int(row[index_position]) if index_position is not None and row[index_position].isdigit() else row_number
-    yield (row[where[columns[0]]], row[where[columns[1]]] if columns[1] else None,
-           row[where[label_column]] if label_column else None, index)
+    label = row[where[task.label_column]] if labelled else None
+    if labelled and task.label_list is None:
+      label = _regression_label(label, path)
+    examples.append(Example(row[where[text_a]], row[where[text_b]] if text_b else None, label, index))
   if skipped:
     logging.warning("Skipped %d malformed line(s) of %s.", skipped, path)
-
-
-def _glue_labelled(task: GlueTask, path: str) -> list[Example]:
-  if task.headerless_columns is not None:
-    text_at, label_at = task.headerless_columns
-    return [Example(row[text_at], None, row[label_at], i)
-            for i, row in enumerate(_read_tsv(path)) if len(row) > max(text_at, label_at)]
-  return [Example(a, b, label if task.label_list is not None else _regression_label(label, path), index)
-          for a, b, label, index in _glue_rows(path, task.text_columns, task.label_column)]
+  return examples
 
 
 def _regression_label(raw, where: str) -> float:
@@ -164,23 +162,25 @@ def _regression_label(raw, where: str) -> float:
     raise ConfigError(f"{where}: regression label {raw!r} is not a number.") from None
 
 
-def _glue_data(name: str, train, dev, test) -> TaskData:
+def _glue_task_data(name: str, read) -> TaskData:
+  """GLUE task `name` from `read(file stem, what for errors, labelled)`: its examples, or None for
+  a missing test split (test splits are optional)."""
   task = GLUE_TASKS[name]
+  train = read("train", f"GLUE {name} train split", True)
+  dev = {dev_name: read(stem, f"GLUE {name} dev split {dev_name}", True)
+         for dev_name, stem in (task.dev_files or {name: "dev"}).items()}
+  test = {submission: read(stem, f"GLUE {name} test split {submission}", False)
+          for submission, stem in (task.test_files or {task.directory: "test"}).items()}
   kind = "regression" if task.label_list is None else "classification"
-  return TaskData(name, kind, task.label_list, metrics_lib.GLUE_METRICS[name], train, dev, test,
+  return TaskData(name, kind, task.label_list, metrics_lib.GLUE_METRICS[name], train, dev,
+                  {submission: examples for submission, examples in test.items() if examples is not None},
                   target_range=task.target_range)
-
-
-def _glue_splits(name: str) -> tuple[GlueTask, dict[str, str], dict[str, str]]:
-  """The task, {evaluation name: dev file stem} and {submission name: test file stem}."""
-  task = GLUE_TASKS[name]
-  return task, task.dev_files or {name: "dev"}, task.test_files or {task.directory: "test"}
 
 
 def load_glue_from_dir(name: str, data_dir: str) -> TaskData:
   """GLUE as its download script lays it out: <data_dir>/<Task>/{train,dev,test}.tsv, MNLI with
   dev_matched/dev_mismatched/test_matched/test_mismatched. Test files are optional."""
-  task, dev_files, test_files = _glue_splits(name)
+  task = GLUE_TASKS[name]
   if not data_dir:
     raise ConfigError("config.data_dir is empty: give the GLUE directory (the one holding CoLA/, SST-2/, ...), or "
                       "read the task from TFDS with --config.source=tfds.")
@@ -190,17 +190,14 @@ def load_glue_from_dir(name: str, data_dir: str) -> TaskData:
       raise ConfigError(f"config.data_dir={data_dir!r} has neither a {task.directory}/ folder nor a train.tsv; give "
                         f"GLUE's root directory (with {task.directory}/train.tsv) or the task's own folder.")
     task_dir = data_dir  # the task's own folder works as well as GLUE's root
-  train_path = os.path.join(task_dir, "train.tsv")
-  _require_file(train_path, f"GLUE {name} train split")
-  dev = {}
-  for dev_name, stem in dev_files.items():
+
+  def read(stem: str, what: str, labelled: bool):
     path = os.path.join(task_dir, stem + ".tsv")
-    _require_file(path, f"GLUE {name} dev split {dev_name}")
-    dev[dev_name] = _glue_labelled(task, path)
-  test_paths = {submission: os.path.join(task_dir, stem + ".tsv") for submission, stem in test_files.items()}
-  test = {submission: [Example(a, b, None, index) for a, b, _, index in _glue_rows(path, task.text_columns, None)]
-          for submission, path in test_paths.items() if os.path.isfile(path)}
-  return _glue_data(name, _glue_labelled(task, train_path), dev, test)
+    if labelled:
+      _require_file(path, what)
+    return _glue_examples(task, path, labelled) if os.path.isfile(path) else None
+
+  return _glue_task_data(name, read)
 
 
 def decode_text(value) -> str:
@@ -221,26 +218,25 @@ def open_tfds_split(name: str, split: str, data_dir: str | None, other_source: s
 
 def load_glue_from_tfds(name: str, tfds_data_dir: str = "") -> TaskData:
   """GLUE from a prepared TFDS `glue/<name>` (array_record); labels become GLUE's label strings."""
-  task, dev_files, test_files = _glue_splits(name)
+  task = GLUE_TASKS[name]
   text_a, text_b = task.tfds_text or task.text_columns
   labels = task.tfds_labels or task.label_list
 
-  def split(tfds_split: str, is_test: bool):
-    source = open_tfds_split(f"glue/{name}", tfds_split, tfds_data_dir, "use --config.source=dir with GLUE's TSV files")
+  def read(stem: str, what: str, labelled: bool):
+    source = open_tfds_split(f"glue/{name}", stem.replace("dev", "validation"), tfds_data_dir,
+                             "use --config.source=dir with GLUE's TSV files")
     examples = []
     for i in range(len(source)):
       record = source[i]
       label = None
-      if not is_test:
+      if labelled:
         label = float(record["label"]) if labels is None else labels[int(record["label"])]
       examples.append(Example(decode_text(record[text_a]), decode_text(record[text_b]) if text_b else None, label,
                               int(record["idx"])))
     # TFDS shuffles records on preparation; idx is the row of GLUE's file.
     return sorted(examples, key=lambda example: example.index)
 
-  return _glue_data(name, split("train", False),
-                    {dev_name: split(stem.replace("dev", "validation"), False) for dev_name, stem in dev_files.items()},
-                    {submission: split(stem, True) for submission, stem in test_files.items()})
+  return _glue_task_data(name, read)
 
 
 CUSTOM_FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
