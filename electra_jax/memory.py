@@ -46,8 +46,7 @@ def compiled_flops(compiled) -> float | None:
 
 def device_memory_bytes(device: jax.Device | None = None) -> int:
   """Memory of one device: the allocator's limit on GPU/TPU; on CPU its share of the host's available memory."""
-  device = device or jax.local_devices()[0]
-  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  stats = (device or jax.local_devices()[0]).memory_stats()  # None on CPU
   if stats and stats.get("bytes_limit"):
     return int(stats["bytes_limit"])
   try:
@@ -89,15 +88,6 @@ def fit_of(measured: list[StepMemory]) -> tuple[float, float] | None:
   return linear_fit(sized[0], sized[1]) if len(sized) >= 2 else None
 
 
-def _recomputed_share(first: StepMemory, second: StepMemory, m: StepMemory) -> float:
-  """How far `m`'s FLOPs exceed the line through `first` and `second`'s, as a fraction of it (0 without them)."""
-  if None in (first.flops, second.flops, m.flops):  # a refused compile has no FLOPs either
-    return 0.0
-  per_example = (second.flops - first.flops) / (second.batch_size - first.batch_size)
-  predicted = first.flops + per_example * (m.batch_size - first.batch_size)
-  return m.flops / predicted - 1 if predicted > 0 else 0.0
-
-
 def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, list[StepMemory]]:
   """The largest multiple of `quantum` whose step fits in `limit_bytes` per device, and the measurements
   taken. Guesses follow the line through the two largest batches that fit until one does not, then the
@@ -111,7 +101,12 @@ def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, li
     measured.append(m)
     if m.bytes_per_device is None or m.bytes_per_device > limit_bytes:
       return False
-    extra = _recomputed_share(measured[0], measured[1], m) if len(measured) > 2 else 0.0
+    extra = 0.0  # how far m's FLOPs exceed the line through the first two compiles', as a fraction of it
+    if len(measured) > 2 and None not in (measured[0].flops, measured[1].flops, m.flops):  # refused: no FLOPs
+      first, second = measured[:2]
+      per_example = (second.flops - first.flops) / (second.batch_size - first.batch_size)
+      predicted = first.flops + per_example * (m.batch_size - first.batch_size)
+      extra = m.flops / predicted - 1 if predicted > 0 else 0.0
     if extra > RECOMPUTE_TOLERANCE:
       logging.info("Batch %d: XLA recomputes %.0f%% more of the step than the first two compiles' "
                    "line predicts, to fit it in memory: taken as not fitting.", batch, 100 * extra)

@@ -55,8 +55,7 @@ def gelu_exact(x):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def tied_vocab_logits(hidden, word_table, output_bias, dtype):
   """The MLM heads' tied decoder: float32 logits [..., vocab] = hidden [..., E] @ word_table [vocab, E]^T
-  + output_bias, the product taken in `dtype` and accumulated in float32 (bfloat16 logits would coarsen the
-  softmax, sampling and loss). Its gradient is autodiff's, in the forms cheapest on a CPU."""
+  + output_bias, the product in `dtype` accumulated in float32; autodiff's gradient in the forms cheapest on a CPU."""
   return _tied_vocab_logits_fwd(hidden, word_table, output_bias, dtype)[0]
 
 
@@ -67,14 +66,12 @@ def _tied_vocab_logits_fwd(hidden, word_table, output_bias, dtype):
 
 
 def _tied_vocab_logits_bwd(dtype, residuals, grad):
-  # The backward matmuls in `dtype`; the table's gradient via [E, vocab] (the logits' gradient read in place,
-  # not transposed into a copy); the bias's on the CPU a matrix-vector product with ones (XLA:CPU's column
-  # reduction is slow), elsewhere a plain sum, which a GPU fuses with the pass computing the logits' gradient.
+  # The table's gradient via [E, vocab] (the logits' gradient read in place, not transposed into a copy); the
+  # bias's on the CPU a product with ones (XLA:CPU's column reduction is slow), elsewhere a sum a GPU fuses.
   hidden, word_table = residuals
   grad_rows = grad.reshape(-1, grad.shape[-1])  # [n, vocab] float32
-  grad_c, table_c = grad_rows.astype(dtype), word_table.astype(dtype)
-  hidden_rows = hidden.reshape(-1, hidden.shape[-1]).astype(dtype)
-  d_hidden = (grad_c @ table_c).reshape(hidden.shape).astype(hidden.dtype)
+  grad_c, hidden_rows = grad_rows.astype(dtype), hidden.reshape(-1, hidden.shape[-1]).astype(dtype)
+  d_hidden = (grad_c @ word_table.astype(dtype)).reshape(hidden.shape).astype(hidden.dtype)
   d_table = (hidden_rows.T @ grad_c).T.astype(word_table.dtype)
   d_bias = jax.lax.platform_dependent(
       grad_rows, cpu=lambda g: jnp.ones((g.shape[0],), jnp.float32) @ g, default=lambda g: g.sum(0)
@@ -87,8 +84,7 @@ tied_vocab_logits.defvjp(_tied_vocab_logits_fwd, _tied_vocab_logits_bwd)
 
 def decoder_input(hidden):
   """The MLM heads' hidden states [batch, ..., E] pinned to the batch split: left to propagation, E takes the
-  word table's fsdp split, and with data, fsdp and tensor all above 1 XLA then swaps two batch shards' rows
-  in the heads' gradient (docs/performance.md, "Sharding")."""
+  word table's fsdp split, and XLA then swaps batch shards' rows in the heads' gradient (docs/performance.md)."""
   return nn.with_logical_constraint(hidden, ("act_batch",) + (None,) * (hidden.ndim - 1))
 
 
@@ -121,11 +117,11 @@ def _layer_norm(eps: float, name: str):
 
 def vocab_head(module: nn.Module, hidden, word_table, prefix: str = ""):
   """BERT's masked-LM head inside a tower's compact call: dense(-> E) + GELU + LayerNorm (`{prefix}head_dense`,
-  `{prefix}head_layer_norm`), then the decoder tied to `word_table` plus `{prefix}output_bias`."""
-  hidden = _dense(module.embedding_size, "embed", "mlp", module.dtype, f"{prefix}head_dense")(hidden)
+  `{prefix}head_layer_norm`), then the decoder tied to `word_table` [vocab, E] plus `{prefix}output_bias`."""
+  vocab_size, embedding_size = word_table.shape
+  hidden = _dense(embedding_size, "embed", "mlp", module.dtype, f"{prefix}head_dense")(hidden)
   hidden = _layer_norm(module.config.layer_norm_eps, f"{prefix}head_layer_norm")(gelu_exact(hidden))
-  bias_init = _param(nn.initializers.zeros_init(), ("vocab",))
-  output_bias = module.param(f"{prefix}output_bias", bias_init, (module.vocab_size,))
+  output_bias = module.param(f"{prefix}output_bias", _param(nn.initializers.zeros_init(), ("vocab",)), (vocab_size,))
   return tied_vocab_logits(decoder_input(hidden), word_table, output_bias, module.dtype)
 
 
@@ -342,43 +338,38 @@ class Encoder(nn.Module):
     hidden = embedded
     if self.embedding_size != cfg.hidden_size:
       hidden = _dense(cfg.hidden_size, "embed", "mlp", self.dtype, "embeddings_project", cfg.use_bias)(hidden)
+    layer = EncoderLayer
+    if cfg.remat != "none":
+      # Argument 3 of __call__ (self, hidden, attention_mask, deterministic) is a Python bool. A scan keeps the
+      # recomputation apart by itself, where CSE barriers would only stop fusion.
+      layer = nn.remat(layer, policy=REMAT_POLICIES[cfg.remat], static_argnums=(3,), prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers:
       scanned = nn.scan(_ScanBody, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
                         in_axes=(nn.broadcast,), length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-      hidden, _ = scanned(cfg, self.dtype, self.attention_impl, deterministic, name="layers")(hidden, attention_mask)
+      body = scanned(layer, cfg, self.dtype, self.attention_impl, deterministic, name="layers")
+      hidden, _ = body(hidden, attention_mask)
     else:
-      layer_class = _remat_layer(cfg.remat)
       for i in range(cfg.num_layers):
-        layer = layer_class(cfg, self.dtype, self.attention_impl, name=f"layer_{i}")
-        hidden = layer(hidden, attention_mask, deterministic)
+        hidden = layer(cfg, self.dtype, self.attention_impl, name=f"layer_{i}")(hidden, attention_mask, deterministic)
     if cfg.norm == "pre":
       hidden = _layer_norm(cfg.layer_norm_eps, "final_layer_norm")(hidden).astype(self.dtype)
     return hidden  # [batch, seq, hidden]
 
 
 class _ScanBody(nn.Module):
-  """One encoder layer as the body of nn.scan: (hidden, mask) -> (hidden, None)."""
+  """One encoder layer (`layer`, EncoderLayer or its remat) as the body of nn.scan: (hidden, mask) -> (hidden,
+  None); `deterministic` is a field, as scan would trace a Python bool argument."""
 
+  layer: type
   config: EncoderConfig
   dtype: Dtype
   attention_impl: str
-  deterministic: bool  # a field, not an argument: scan would trace a Python bool
+  deterministic: bool
 
   @nn.compact
   def __call__(self, hidden, attention_mask):
-    layer = _remat_layer(self.config.remat, in_scan=True)(self.config, self.dtype, self.attention_impl, name="layer")
+    layer = self.layer(self.config, self.dtype, self.attention_impl, name="layer")
     return layer(hidden, attention_mask, self.deterministic), None
-
-
-def _remat_layer(policy: str, in_scan: bool = False):
-  """EncoderLayer, under jax.checkpoint with `policy` unless "none" (the same parameters). In a scan's body
-  the loop already keeps the recomputation apart, and CSE barriers would only stop fusion."""
-  if policy not in REMAT_POLICIES:
-    raise ConfigError(f"model.remat={policy!r} is not one of {list(REMAT_POLICIES)}.")
-  if policy == "none":
-    return EncoderLayer
-  # Argument 3 of __call__ (self, hidden, attention_mask, deterministic) is a Python bool.
-  return nn.remat(EncoderLayer, policy=REMAT_POLICIES[policy], static_argnums=(3,), prevent_cse=not in_scan)
 
 
 def unscan_layers(tree):
@@ -408,14 +399,13 @@ def scan_layers(tree):
 
 
 class _Tower(nn.Module):
-  """The fields of the towers below, and their encoder."""
+  """The fields of the towers below (Encoder's, and the encoder both run under tie="all"), and their encoder."""
 
   config: EncoderConfig
   embedding_size: int
-  vocab_size: int
   dtype: Dtype
   attention_impl: str = "xla"
-  shared_encoder: nn.Module | None = None  # tie="all": the one encoder both towers run
+  shared_encoder: nn.Module | None = None
 
   def _encode(self, embedded, attention_mask, deterministic: bool, name: str = "encoder"):
     """The tower's own encoder, or the shared one, over `embedded` (called inside the compact call)."""
@@ -425,31 +415,27 @@ class _Tower(nn.Module):
 
 
 class Generator(_Tower):
-  """Masked LM tower: encoder, then vocab_head at the masked positions."""
+  """Masked LM tower: encoder, then vocab_head at `masked_positions` (every position when None). cloze=True:
+  Electric's generator (the official two-tower cloze model), a left-to-right and a right-to-left encoder over the
+  UNMASKED input; position t reads the first at t - 1 and the second at t + 1, so it sees every token but its own."""
+
+  cloze: bool = False
 
   @nn.compact
-  def __call__(self, embedded, attention_mask, masked_positions, word_table, deterministic: bool):
-    hidden = self._encode(embedded, attention_mask, deterministic)
-    # Only the masked positions reach the head, the costliest matmul of a small generator.
-    hidden = jnp.take_along_axis(hidden, masked_positions[..., None], axis=1)  # [batch, n_pred, H_g]
-    return vocab_head(self, hidden, word_table)  # [batch, n_pred, vocab]
-
-
-class ClozeGenerator(_Tower):
-  """Electric's generator (the official two-tower cloze model): a left-to-right and a right-to-left encoder
-  over the UNMASKED input; position t reads the first at t - 1 and the second at t + 1, so it sees every
-  token but its own, and predicts it through vocab_head. It has no shared encoder."""
-
-  @nn.compact
-  def __call__(self, embedded, attention_mask, word_table, deterministic: bool):
-    seq_len = attention_mask.shape[-1]
-    keys = attention_mask.astype(bool)[:, None, :]  # [batch, 1, seq]
-    left_to_right = jnp.tril(jnp.ones((seq_len, seq_len), bool))[None]
-    ltr = self._encode(embedded, keys & left_to_right, deterministic, "encoder_ltr")
-    rtl = self._encode(embedded, keys & jnp.swapaxes(left_to_right, 1, 2), deterministic, "encoder_rtl")
-    # Shift: t takes ltr[t - 1] and rtl[t + 1] (wrapping at the ends, as the official roll).
-    hidden = jnp.concatenate([jnp.roll(ltr, 1, axis=1), jnp.roll(rtl, -1, axis=1)], axis=-1)
-    return vocab_head(self, hidden, word_table)  # [batch, seq, vocab]
+  def __call__(self, embedded, attention_mask, deterministic: bool, word_table, masked_positions=None):
+    if self.cloze:
+      keys = attention_mask.astype(bool)[:, None, :]  # [batch, 1, seq]
+      left_to_right = jnp.tril(jnp.ones((keys.shape[-1],) * 2, bool))[None]
+      ltr = self._encode(embedded, keys & left_to_right, deterministic, "encoder_ltr")
+      rtl = self._encode(embedded, keys & jnp.swapaxes(left_to_right, 1, 2), deterministic, "encoder_rtl")
+      # Shift: t takes ltr[t - 1] and rtl[t + 1] (wrapping at the ends, as the official roll).
+      hidden = jnp.concatenate([jnp.roll(ltr, 1, axis=1), jnp.roll(rtl, -1, axis=1)], axis=-1)
+    else:
+      hidden = self._encode(embedded, attention_mask, deterministic)
+    if masked_positions is not None:
+      # Only the masked positions reach the head, the costliest matmul of a small generator.
+      hidden = jnp.take_along_axis(hidden, masked_positions[..., None], axis=1)  # [batch, n_pred, H_g]
+    return vocab_head(self, hidden, word_table)  # [batch, n_pred or seq, vocab]
 
 
 class Discriminator(_Tower):
@@ -459,8 +445,8 @@ class Discriminator(_Tower):
   mlm_head: bool = False
 
   @nn.compact
-  def __call__(self, embedded, attention_mask, deterministic: bool, with_mlm: bool = False,
-               mlm_positions=None, word_table=None):
+  def __call__(self, embedded, attention_mask, deterministic: bool, word_table=None, mlm_positions=None,
+               with_mlm: bool = False):
     encoded = self._encode(embedded, attention_mask, deterministic)
     hidden = gelu_exact(_dense(self.config.hidden_size, "embed", "mlp", self.dtype, "head_dense")(encoded))
     logits = _dense(1, "mlp", "unmodeled", self.dtype, "head_out", float32_out=True)(hidden)
@@ -491,7 +477,7 @@ class ElectraPretrainer(nn.Module):
   tie: str = "embeddings"  # see TIE_MODES
   has_generator: bool = True  # False for objectives without one (mlm, uniform): no generator parameters
   discriminator_mlm_head: bool = False  # the MLM-family objectives: the discriminator gets a masked-LM head
-  cloze_generator: bool = False  # Electric: the generator is the two-tower ClozeGenerator
+  cloze_generator: bool = False  # Electric: the generator is the two-tower cloze Generator
   # Packed rows: every method's `attention_mask` is the segment ids (see segment_positions); a 0/1 mask is
   # one segment per row, so unpacked batches give the same results.
   packed: bool = False
@@ -499,14 +485,6 @@ class ElectraPretrainer(nn.Module):
   @property
   def generator_embedding_size(self) -> int:
     return self.generator_config.hidden_size if self.tie == "none" else self.embedding_size
-
-  def _mask_and_positions(self, attention_mask):
-    """(the mask the towers read, position ids or None) for this batch."""
-    if not self.packed:
-      return attention_mask, None
-    # The splash kernel reads segment ids itself.
-    mask = attention_mask if self.attention_impl == "splash" else segment_attention_mask(attention_mask)
-    return mask, segment_positions(attention_mask)
 
   def setup(self):
     self.embeddings = embeddings_for(self, self.embedding_size, self.discriminator_config)
@@ -521,39 +499,40 @@ class ElectraPretrainer(nn.Module):
     if self.tie == "all":  # config_lib.validate refuses towers of different sizes
       shared = self.shared_encoder = Encoder(self.discriminator_config, self.embedding_size, self.dtype,
                                              self.attention_impl)
-    sizes = (self.generator_config, self.generator_embedding_size, self.vocab_size, self.dtype, self.attention_impl)
-    if self.cloze_generator:
-      self.generator = ClozeGenerator(*sizes)
-    elif self.has_generator:
-      self.generator = Generator(*sizes, shared_encoder=shared)
-    self.discriminator = Discriminator(self.discriminator_config, self.embedding_size, self.vocab_size, self.dtype,
+    if self.has_generator:  # the cloze generator runs encoders of its own
+      self.generator = Generator(self.generator_config, self.generator_embedding_size, self.dtype,
+                                 self.attention_impl, None if self.cloze_generator else shared, self.cloze_generator)
+    self.discriminator = Discriminator(self.discriminator_config, self.embedding_size, self.dtype,
                                        self.attention_impl, shared, mlm_head=self.discriminator_mlm_head)
 
-  def _generator_embeddings(self) -> Embeddings:
-    return self.generator_embeddings if self.tie == "none" else self.embeddings
+  def _embed(self, embeddings: Embeddings, word_table, input_ids, token_type_ids, attention_mask, deterministic):
+    """(the inputs embedded over `word_table`, the mask the towers read): packed rows' segment ids give positions
+    that restart at each segment and a query x key mask (the splash kernel reads segment ids itself)."""
+    positions, mask = None, attention_mask
+    if self.packed:
+      positions = segment_positions(attention_mask)
+      mask = attention_mask if self.attention_impl == "splash" else segment_attention_mask(attention_mask)
+    return embeddings(input_ids, token_type_ids, deterministic, word_table, positions), mask
 
   def generator_logits(self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic: bool = True):
-    """Vocabulary logits at `masked_positions` [batch, n_pred] -> [batch, n_pred, vocab], float32."""
-    embeddings = self._generator_embeddings()
-    mask, positions = self._mask_and_positions(attention_mask)
-    embedded = embeddings(input_ids, token_type_ids, deterministic, position_ids=positions)
-    return self.generator(embedded, mask, masked_positions, embeddings.word_table(), deterministic)
+    """Vocabulary logits at `masked_positions` [batch, n_pred] -> [batch, n_pred, vocab], float32 (every
+    position, [batch, seq, vocab], for the cloze generator and None)."""
+    embeddings = self.generator_embeddings if self.tie == "none" else self.embeddings
+    word_table = embeddings.word_table()
+    embedded, mask = self._embed(embeddings, word_table, input_ids, token_type_ids, attention_mask, deterministic)
+    return self.generator(embedded, mask, deterministic, word_table, masked_positions)
 
   def cloze_logits(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
     """Electric's generator: [batch, seq] -> vocabulary logits at every position, float32."""
-    embeddings = self._generator_embeddings()
-    embedded = embeddings(input_ids, token_type_ids, deterministic)
-    return self.generator(embedded, attention_mask, embeddings.word_table(), deterministic)
+    return self.generator_logits(input_ids, token_type_ids, attention_mask, None, deterministic)
 
   def _discriminate(self, input_ids, token_type_ids, attention_mask, deterministic: bool, **head):
     """The discriminator tower over the shared word table, or for GDES stop_gradient(shared) + delta."""
     word_table = self.embeddings.word_table()
     if self.tie == "gdes":
       word_table = jax.lax.stop_gradient(word_table) + self.discriminator_word_delta
-    mask, positions = self._mask_and_positions(attention_mask)
-    embedded = self.embeddings(input_ids, token_type_ids, deterministic,
-                               word_table=word_table if self.tie == "gdes" else None, position_ids=positions)
-    return self.discriminator(embedded, mask, deterministic, word_table=word_table, **head)
+    embedded, mask = self._embed(self.embeddings, word_table, input_ids, token_type_ids, attention_mask, deterministic)
+    return self.discriminator(embedded, mask, deterministic, word_table, **head)
 
   def discriminator_logits(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
     """One "replaced" logit per token: [batch, seq] -> [batch, seq], float32."""
@@ -571,10 +550,8 @@ class ElectraPretrainer(nn.Module):
     discriminator's, a pair with an MLM head)."""
     inputs = (input_ids, token_type_ids, attention_mask)
     generator = None
-    if self.cloze_generator:
-      generator = self.cloze_logits(*inputs, deterministic)
-    elif self.has_generator:
-      generator = self.generator_logits(*inputs, masked_positions, deterministic)
+    if self.has_generator:
+      generator = self.generator_logits(*inputs, None if self.cloze_generator else masked_positions, deterministic)
     if self.discriminator_mlm_head:
       return generator, self.discriminator_mlm_logits(*inputs, masked_positions, deterministic)
     return generator, self.discriminator_logits(*inputs, deterministic)
@@ -641,13 +618,12 @@ def build_model(config) -> ElectraPretrainer:
   if not (type(m.attention_conv) is int and m.attention_conv >= 0 and (m.attention_conv == 0 or m.attention_conv % 2)):
     raise ConfigError(f"model.attention_conv={m.attention_conv!r} must be 0 (no convolution) or an odd kernel "
                       "width such as 3 (the position and its two neighbours).")
-  for key, allowed in (("norm", NORMS), ("ffn", FFNS), ("use_bias", (True, False))):
+  for key, allowed in (("norm", NORMS), ("ffn", FFNS), ("use_bias", (True, False)), ("remat", REMAT_POLICIES)):
     # `in` alone would take 1 and 0 for True and False.
     if not any(m[key] == value and type(m[key]) is type(value) for value in allowed):
       raise ConfigError(f"model.{key}={m[key]!r} is not one of {list(allowed)}.")
   _check_attention(config, discriminator)
   generator = generator_encoder_config(discriminator, m.generator_fraction)
-  _remat_layer(discriminator.remat)  # refuses an unknown policy before anything is traced
   return ElectraPretrainer(
       vocab_size=m.vocab_size, embedding_size=m.embedding_size, max_position_embeddings=m.max_position_embeddings,
       type_vocab_size=m.type_vocab_size, generator_config=generator, discriminator_config=discriminator,
@@ -659,8 +635,8 @@ def build_model(config) -> ElectraPretrainer:
 
 
 class _TowerOverEmbeddings(nn.Module):
-  """One tower over its own embeddings, for inference, fine-tuning and Hugging Face interop; its parameter tree
-  is the pre-trainer's subtree, name for name. `config` is the tower's own (the generator's may be narrower)."""
+  """One tower (the subclass's `_tower`) over its own embeddings, for inference, fine-tuning and Hugging Face
+  interop; its parameter tree is the pre-trainer's subtree, name for name. `config` is the tower's own."""
 
   vocab_size: int
   embedding_size: int
@@ -677,37 +653,32 @@ class _TowerOverEmbeddings(nn.Module):
     token_type_ids = jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids
     embeddings = embeddings_for(self, self.embedding_size, self.config, name="embeddings")
     embedded = embeddings(input_ids, token_type_ids, deterministic)
-    return self._tower(embedded, attention_mask, embeddings.word_table(), deterministic)
+    tower_class = {"discriminator": Discriminator, "generator": Generator, "encoder": Encoder}[self._tower]
+    tower = tower_class(self.config, self.embedding_size, self.dtype, self.attention_impl, name=self._tower)
+    if self._tower == "generator":
+      return tower(embedded, attention_mask, deterministic, embeddings.word_table())
+    return tower(embedded, attention_mask, deterministic)
 
 
 class ElectraDiscriminatorModel(_TowerOverEmbeddings):
   """The discriminator alone, parameters {embeddings, discriminator}: [batch, seq] -> "replaced" logits
   [batch, seq] float32."""
 
-  def _tower(self, embedded, attention_mask, word_table, deterministic):
-    tower = Discriminator(self.config, self.embedding_size, self.vocab_size, self.dtype, self.attention_impl,
-                          name="discriminator")
-    return tower(embedded, attention_mask, deterministic)
+  _tower = "discriminator"
 
 
 class ElectraGeneratorModel(_TowerOverEmbeddings):
   """The generator alone, parameters {embeddings, generator}: [batch, seq] -> vocabulary logits at every
   position, [batch, seq, vocab] float32."""
 
-  def _tower(self, embedded, attention_mask, word_table, deterministic):
-    every_position = jnp.broadcast_to(jnp.arange(embedded.shape[1]), embedded.shape[:2])
-    tower = Generator(self.config, self.embedding_size, self.vocab_size, self.dtype, self.attention_impl,
-                      name="generator")
-    return tower(embedded, attention_mask, every_position, word_table, deterministic)
+  _tower = "generator"
 
 
 class ElectraEncoderModel(_TowerOverEmbeddings):
   """An encoder without a head, parameters {embeddings, encoder} (the `encoder` subtree of either tower):
   [batch, seq] -> last hidden states [batch, seq, hidden]."""
 
-  def _tower(self, embedded, attention_mask, word_table, deterministic):
-    encoder = Encoder(self.config, self.embedding_size, self.dtype, self.attention_impl, name="encoder")
-    return encoder(embedded, attention_mask, deterministic)
+  _tower = "encoder"
 
 
 TOWER_MODELS = {"discriminator": ElectraDiscriminatorModel, "generator": ElectraGeneratorModel}

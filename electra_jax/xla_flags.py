@@ -29,16 +29,12 @@ def malloc_tunables(environ=os.environ) -> str | None:
   """GLIBC_TUNABLES for a CPU training process: XLA:CPU maps each call's temporaries afresh, and
   glibc.malloc.hugetlb=1 (glibc 2.35+) faults them in by transparent huge pages, not 4 KiB ones.
   None when the user tunes malloc, off glibc 2.35+, with huge pages off, or where an accelerator computes."""
-  if any(name in environ for name in _MALLOC_ENV):
-    return None
   libc, version = platform.libc_ver()
-  if platform.system() != "Linux" or libc != "glibc" or tuple(map(int, version.split(".")[:2])) < (2, 35):
+  if (any(name in environ for name in _MALLOC_ENV) or platform.system() != "Linux" or libc != "glibc"
+      or tuple(map(int, version.split(".")[:2])) < (2, 35) or not os.path.exists(_THP_MODE)):
     return None
-  try:
-    with open(_THP_MODE) as f:
-      huge_pages_off = "[never]" in f.read()
-  except OSError:
-    return None
+  with open(_THP_MODE) as f:
+    huge_pages_off = "[never]" in f.read()
   return None if huge_pages_off or accelerator_visible(environ) else HUGE_PAGES
 
 
