@@ -223,18 +223,8 @@ def _fingerprint(config: ml_collections.ConfigDict) -> str:
 
 def read_record(sweep_dir: str) -> dict | None:
   """SWEEP_DIR/sweep.json, its runs as Run tuples; None for a folder that is no sweep's."""
-  file = workdir_files.path(sweep_dir, SWEEP_FILE)
-  if not workdir_files.exists(file):
-    return None
-  return workdir_files.read_json(file, lambda record: dict(
-      record, runs=[Run(str(r["name"]), [tuple(o) for o in r["overrides"]]) for r in record["runs"]]))
-
-
-def _write_record(sweep_dir: str, base_config, runs: Sequence[Run]) -> None:
-  record = dict(base_config_fingerprint=_fingerprint(base_config), base_config=config_lib.as_saved(base_config),
-                runs=[dict(name=r.name, overrides=[list(o) for o in r.overrides]) for r in runs])
-  workdir_files.makedirs(workdir_files.path(sweep_dir))
-  workdir_files.write_text(workdir_files.path(sweep_dir, SWEEP_FILE), json.dumps(record, indent=2) + "\n")
+  record = workdir_files.read_sweep(sweep_dir)
+  return record and dict(record, runs=[Run(*run) for run in record["runs"]])
 
 
 def run_dir(sweep_dir: str, run: Run) -> str:
@@ -304,7 +294,10 @@ def run_sweep(
   try:
     runs = name_runs(override_lists, existing, base_config)
     all_runs = list(existing) + [r for r in runs if r not in existing]
-    _write_record(sweep_dir, base_config, all_runs)
+    record = dict(base_config_fingerprint=_fingerprint(base_config), base_config=config_lib.as_saved(base_config),
+                  runs=[dict(name=r.name, overrides=[list(o) for o in r.overrides]) for r in all_runs])
+    workdir_files.makedirs(workdir_files.path(sweep_dir))
+    workdir_files.write_text(workdir_files.path(sweep_dir, SWEEP_FILE), json.dumps(record, indent=2) + "\n")
     logging.info("Sweep of %d runs in %s (%d recorded in all).", len(runs), sweep_dir, len(all_runs))
     # A SIGTERM (preemption) stops the sweep after the run it reaches: the run saves and
     # returns (train.py's handler), and one that comes between runs is recorded here.
