@@ -43,8 +43,7 @@ def read_lease(workdir) -> Optional[dict]:
   try:
     holder = json.loads(workdir_files.read_text(file))
   except (ValueError, OSError):
-    logging.warning("Ignoring %s: it is not a lease this version wrote.", file)
-    return None
+    holder = None
   if not isinstance(holder, dict) or not isinstance(holder.get("run_id"), str) or any(
       key in holder and not isinstance(holder[key], types) for key, types in _FIELD_TYPES.items()):
     logging.warning("Ignoring %s: its fields are not those of a lease this version wrote.", file)
