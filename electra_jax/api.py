@@ -2,29 +2,21 @@
 evaluation, fine-tuning and export. Each logs its progress to stderr (which notebooks show)
 and returns what the command line prints."""
 
-import os
 from collections.abc import Mapping
 
 import ml_collections
 from absl import logging
 
 from electra_jax import config_lib, sweep, train
-from electra_jax.errors import ConfigError
 
 
 def load_config(recipe: str, overrides: Mapping[str, object] | None = None) -> ml_collections.ConfigDict:
   """A recipe by name or path (`"demo"`, `"finetune/tiny"`, `"configs/electra_small.py"`, with
   `:ARG` for recipes that take one) and `{"group.key": value}` overrides, each checked as the
   command line checks `--config.group.key=value`."""
-  path, _, arg = config_lib.resolve_recipe(recipe).partition(":")
-  if not os.path.isfile(path):
-    raise ConfigError(f"recipe={recipe!r} is neither a file nor a recipe in {config_lib.RECIPES_DIR} "
-                      "(e.g. 'demo', 'electra_small', 'finetune/glue').")
-  module = config_lib.sibling(path, os.path.splitext(os.path.basename(path))[0])
-  config = module.get_config(arg) if arg else module.get_config()
   written = [(key, value if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else repr(value))
              for key, value in (overrides or {}).items()]
-  return sweep.apply_overrides(config, written, what="Override")
+  return sweep.load_recipe(recipe, written)
 
 
 def _log_progress() -> None:

@@ -111,18 +111,16 @@ def resolve_recipe(value: str) -> str:
   return candidate + colon + rest if name and os.path.isfile(candidate) else value
 
 
-def merged_over(defaults: dict, saved: dict) -> dict:
-  """`saved` with every key it lacks (at any depth) taken from `defaults`."""
-  merged = dict(defaults)
-  for key, value in saved.items():
-    default = defaults.get(key)
-    merged[key] = merged_over(default, value) if isinstance(default, dict) and isinstance(value, dict) else value
-  return merged
-
-
 def with_defaults(saved: dict) -> ml_collections.ConfigDict:
-  """A saved config (a config.json's dict) completed with configs/base.py's defaults, so code
-  reads every key directly. Without configs/base.py the saved keys are all there is."""
+  """A saved config (a config.json's dict) completed with configs/base.py's defaults, at any
+  depth, so code reads every key directly. Without configs/base.py the saved keys are all there is."""
+  def merged_over(defaults: dict, saved: dict) -> dict:
+    merged = dict(defaults)
+    for key, value in saved.items():
+      both = isinstance(defaults.get(key), dict) and isinstance(value, dict)
+      merged[key] = merged_over(defaults[key], value) if both else value
+    return merged
+
   if os.path.exists(_BASE_RECIPE):
     saved = merged_over(sibling(_BASE_RECIPE, "base").get_config().to_dict(), saved)
   return ml_collections.ConfigDict(saved)
@@ -132,18 +130,14 @@ def saved_config(workdir: str) -> dict | None:
   """<workdir>/config.json as a dict completed with_defaults; None if there is none."""
   from electra_jax import workdir_files  # noqa: PLC0415 (keeps recipes' imports light)
 
+  def groups(saved) -> dict:  # the config groups, less the version that wrote them
+    names = ("model", "train", "data", "objective", "optimizer")
+    if not isinstance(saved, dict) or any(not isinstance(saved[g], dict) for g in names if g in saved):
+      raise ValueError(f"a config is an object whose groups {', '.join(names)} are objects")
+    return {key: value for key, value in saved.items() if key != VERSION_KEY}
+
   path = workdir_files.path(workdir, "config.json")
-  if not workdir_files.exists(path):
-    return None
-  return with_defaults(workdir_files.read_json(path, _config_shape)).to_dict()
-
-
-def _config_shape(saved) -> dict:
-  """The config groups of a config.json (without the version that wrote it)."""
-  groups = ("model", "train", "data", "objective", "optimizer")
-  if not isinstance(saved, dict) or any(not isinstance(saved[g], dict) for g in groups if g in saved):
-    raise ValueError(f"a config is an object whose groups {', '.join(groups)} are objects")
-  return {key: value for key, value in saved.items() if key != VERSION_KEY}
+  return with_defaults(workdir_files.read_json(path, groups)).to_dict() if workdir_files.exists(path) else None
 
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:

@@ -13,19 +13,6 @@ from electra_jax import xla_flags
 from electra_jax.errors import ConfigError
 
 
-def _tpu_vm_worker_count() -> int:
-  """Hosts in this TPU VM slice, from the metadata server's worker-network-endpoints (what
-  jax.distributed.initialize reads there too); 0 when it does not answer."""
-  host = os.environ.get("GCE_METADATA_IP", "metadata.google.internal")
-  request = urllib.request.Request(f"http://{host}/computeMetadata/v1/instance/attributes/worker-network-endpoints",
-                                   headers={"Metadata-Flavor": "Google"})
-  try:
-    with urllib.request.urlopen(request, timeout=10) as response:
-      return len([worker for worker in response.read().decode().split(",") if worker.strip()])
-  except (OSError, ValueError):
-    return 0
-
-
 def _multi_host_environment() -> Optional[str]:
   """The scheduler JAX can read its coordinator from, when this is one of several processes
   (launch/tpu_vm.py sets ELECTRA_JAX_DISTRIBUTED=auto; GKE sets TPU_WORKER_HOSTNAMES)."""
@@ -39,22 +26,19 @@ def _multi_host_environment() -> Optional[str]:
   if "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
     return "a multi-host TPU slice on GKE"
   # The same command started on every worker of a TPU VM slice (gcloud ... ssh --worker=all):
-  # no variable says "several hosts", the metadata server does. Asked only where TPU chips are.
-  if xla_flags.tpu_chips_present() and _tpu_vm_worker_count() > 1:
-    return "a multi-host Cloud TPU VM slice (its metadata server)"
-  return None
-
-
-def require_single_process(mode: str) -> None:
-  """Fine-tuning, export and import run in one process: in a multi-process job the processes
-  other than 0 cannot even address the device they restore to."""
-  if jax.process_count() > 1:
-    raise ConfigError(
-        f"--mode={mode} runs in one process, but this is process {jax.process_index()} of "
-        f"{jax.process_count()}. Start it once, without the multi-process settings "
-        "(--coordinator_address/--num_processes/--process_id, ELECTRA_JAX_* variables, "
-        "ELECTRA_JAX_DISTRIBUTED, or srun), e.g. on one host of the slice."
-    )
+  # no variable says "several hosts", the metadata server's worker-network-endpoints (which
+  # jax.distributed.initialize reads too) does. Asked only where TPU chips are.
+  if not xla_flags.tpu_chips_present():
+    return None
+  host = os.environ.get("GCE_METADATA_IP", "metadata.google.internal")
+  request = urllib.request.Request(f"http://{host}/computeMetadata/v1/instance/attributes/worker-network-endpoints",
+                                   headers={"Metadata-Flavor": "Google"})
+  try:
+    with urllib.request.urlopen(request, timeout=10) as response:
+      workers = [worker for worker in response.read().decode().split(",") if worker.strip()]
+  except (OSError, ValueError):  # no answer: one host
+    return None
+  return "a multi-host Cloud TPU VM slice (its metadata server)" if len(workers) > 1 else None
 
 
 def _from_env(value, name: str):

@@ -157,11 +157,10 @@ def end_summary(config, metrics: dict, workdir: str, seconds: float) -> str:
   table = [" " * width + "".join(f"  {key}" for key in _SUMMARY_METRICS)]
   table += [f"{name:<{width}}" + "".join(f"  {cell(row, key):>{len(key)}}" for key in _SUMMARY_METRICS)
             for name, row in rows]
-  minutes, secs = divmod(round(seconds), 60)
   tokens = step * config.train.batch_size * config.data.max_seq_len
   return "\n".join([
       f"{'Done' if step >= config.train.steps else 'Stopped'}: step {step} of {config.train.steps}, "
-      f"{tokens:,} tokens in all (padding included); this command ran {minutes}m{secs:02d}s.",
+      f"{tokens:,} tokens in all (padding included); this command ran {config_lib.format_duration(seconds)}.",
       *table,
       f"Files: {workdir}/checkpoints, {workdir}/metrics.jsonl, {workdir}/eval_metrics.jsonl, {workdir}/config.json",
   ])
@@ -189,8 +188,14 @@ def _check_flags(mode: str, config) -> None:
           "--mode=finetune takes a fine-tuning recipe (configs/finetune/glue.py, squad.py, custom.py or tiny.py; "
           "the pre-training workdir goes in --config.init_from), but --config is a pre-training recipe."
       )
-  if mode in ("finetune", "export_hf", "import_hf", "import_tf"):
-    distributed.require_single_process(mode)
+  # In a multi-process job the processes other than 0 could not even address the device they restore to.
+  if mode in ("finetune", "export_hf", "import_hf", "import_tf") and jax.process_count() > 1:
+    raise ConfigError(
+        f"--mode={mode} runs in one process, but this is process {jax.process_index()} of "
+        f"{jax.process_count()}. Start it once, without the multi-process settings "
+        "(--coordinator_address/--num_processes/--process_id, ELECTRA_JAX_* variables, "
+        "ELECTRA_JAX_DISTRIBUTED, or srun), e.g. on one host of the slice."
+    )
   if mode not in ("prepare_data", "train_tokenizer") and FLAGS.workdir is None:
     raise ConfigError(f"--mode={mode} needs --workdir.")
   for names, what in _NEEDS.get(mode, ()):
@@ -273,9 +278,8 @@ def main(argv):
         sweep.write_report(workdir)
         print(f"Wrote {workdir}/results.md and {workdir}/results.csv")
         return
-      finetune_config = None
-      if FLAGS.sweep_finetune:
-        finetune_config = sweep.load_finetune_config(FLAGS.sweep_finetune, FLAGS.sweep_finetune_override)
+      finetune_config = (sweep.load_finetune_config(FLAGS.sweep_finetune, FLAGS.sweep_finetune_override)
+                         if FLAGS.sweep_finetune else None)
       result = sweep.run_sweep(config, workdir, FLAGS.sweep, FLAGS.sweep_file, finetune_config,
                                take_over_workdir=FLAGS.take_over_workdir)
       print(workdir_files.read_text(workdir_files.path(workdir, "results.md")))

@@ -22,7 +22,8 @@ def expand_workdirs(workdirs: Sequence[str]) -> list[tuple[str, str]]:
   expanded = []
   for workdir in workdirs:
     name = os.path.basename(os.path.normpath(workdir))
-    runs = [(f"{name}/{run}", path) for run, path in workdir_files.sweep_runs(workdir)]
+    record = workdir_files.read_sweep(workdir) or {"runs": ()}
+    runs = [(f"{name}/{run}", os.fspath(workdir_files.path(workdir, run))) for run, _ in record["runs"]]
     expanded += runs or [(name or workdir, workdir)]
   return expanded
 

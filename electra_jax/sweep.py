@@ -63,40 +63,31 @@ def _split_override(text: str, where: str) -> Override:
   return key, value.strip()
 
 
-def parse_grid(specs: Sequence[str]) -> list[list[Override]]:
-  """--sweep=KEY=V1,V2 flags -> the product of all, one override list per run."""
+def expand(grid: Sequence[str] = (), sweep_file: str | None = None) -> list[list[Override]]:
+  """The runs: each line of `sweep_file` (space-separated key=value overrides, shell quoting, #
+  comments) crossed with the product of the --sweep=KEY=V1,V2 `grid` (either alone works too)."""
+  lines = [[]]
+  if sweep_file:
+    if not os.path.exists(sweep_file):
+      raise ConfigError(f"--sweep_file={sweep_file} does not exist.")
+    lines = []
+    with open(sweep_file) as f:
+      for number, line in enumerate(f, 1):
+        try:
+          words = shlex.split(line, comments=True)
+        except ValueError as error:
+          raise ConfigError(f"{sweep_file}:{number}: {error}") from None
+        if words:
+          lines.append([_split_override(word, f"{sweep_file}:{number}") for word in words])
+    if not lines:
+      raise ConfigError(f"--sweep_file={sweep_file} lists no runs (one line of key=value overrides per run).")
   axes = []
-  for spec in specs:
+  for spec in grid:
     key, values = _split_override(spec, f"--sweep={spec}")
     axes.append([(key, v.strip()) for v in values.split(",")])
     if not all(v for _, v in axes[-1]):
       raise ConfigError(f"--sweep={spec}: empty value; give KEY=V1,V2,... (a value with commas goes in --sweep_file).")
-  return [list(combo) for combo in itertools.product(*axes)]
-
-
-def read_sweep_file(path: str) -> list[list[Override]]:
-  """One run per line: space-separated key=value overrides (shell quoting), # comments."""
-  if not os.path.exists(path):
-    raise ConfigError(f"--sweep_file={path} does not exist.")
-  runs = []
-  with open(path) as f:
-    for number, line in enumerate(f, 1):
-      try:
-        words = shlex.split(line, comments=True)
-      except ValueError as error:
-        raise ConfigError(f"{path}:{number}: {error}") from None
-      if words:
-        runs.append([_split_override(word, f"{path}:{number}") for word in words])
-  if not runs:
-    raise ConfigError(f"--sweep_file={path} lists no runs (one line of key=value overrides per run).")
-  return runs
-
-
-def expand(grid: Sequence[str] = (), sweep_file: str | None = None) -> list[list[Override]]:
-  """Each sweep-file line crossed with the grid (either alone works too)."""
-  lines = read_sweep_file(sweep_file) if sweep_file else [[]]
-  combos = parse_grid(grid) if grid else [[]]
-  runs = [line + combo for line in lines for combo in combos]
+  runs = [line + list(combo) for line in lines for combo in itertools.product(*axes)]
   for overrides in runs:
     keys = [k for k, _ in overrides]
     if len(set(keys)) != len(keys):
@@ -223,18 +214,8 @@ def _fingerprint(config: ml_collections.ConfigDict) -> str:
 
 def read_record(sweep_dir: str) -> dict | None:
   """SWEEP_DIR/sweep.json, its runs as Run tuples; None for a folder that is no sweep's."""
-  file = workdir_files.path(sweep_dir, SWEEP_FILE)
-  if not workdir_files.exists(file):
-    return None
-  return workdir_files.read_json(file, lambda record: dict(
-      record, runs=[Run(str(r["name"]), [tuple(o) for o in r["overrides"]]) for r in record["runs"]]))
-
-
-def _write_record(sweep_dir: str, base_config, runs: Sequence[Run]) -> None:
-  record = dict(base_config_fingerprint=_fingerprint(base_config), base_config=config_lib.as_saved(base_config),
-                runs=[dict(name=r.name, overrides=[list(o) for o in r.overrides]) for r in runs])
-  workdir_files.makedirs(workdir_files.path(sweep_dir))
-  workdir_files.write_text(workdir_files.path(sweep_dir, SWEEP_FILE), json.dumps(record, indent=2) + "\n")
+  record = workdir_files.read_sweep(sweep_dir)
+  return record and dict(record, runs=[Run(*run) for run in record["runs"]])
 
 
 def run_dir(sweep_dir: str, run: Run) -> str:
@@ -242,13 +223,22 @@ def run_dir(sweep_dir: str, run: Run) -> str:
 
 
 # --- The sweep ---
+def load_recipe(recipe: str, overrides: Sequence[Override] = (), what: str = "Override",
+                flag: str = "recipe") -> ml_collections.ConfigDict:
+  """A recipe by name or path (`demo`, `finetune/tiny`, `configs/electra_small.py`, with `:ARG`
+  for recipes that take one) with `overrides` applied (apply_overrides); `flag` names the recipe's option."""
+  path, _, arg = config_lib.resolve_recipe(recipe).partition(":")
+  if not os.path.isfile(path):
+    raise ConfigError(f"{flag}={recipe!r} is neither a file nor a recipe in {config_lib.RECIPES_DIR} "
+                      "(e.g. 'demo', 'electra_small', 'finetune/glue').")
+  module = config_lib.sibling(path, os.path.splitext(os.path.basename(path))[0])
+  return apply_overrides(module.get_config(arg) if arg else module.get_config(), overrides, what)
+
+
 def load_finetune_config(recipe: str, overrides: Sequence[str]) -> ml_collections.ConfigDict:
-  """A configs/finetune/*.py recipe (get_config()) with key=value overrides."""
-  if not os.path.exists(recipe):
-    raise ConfigError(f"--sweep_finetune={recipe} does not exist (e.g. configs/finetune/custom.py).")
-  config = config_lib.sibling(recipe, os.path.splitext(os.path.basename(recipe))[0]).get_config()
+  """--sweep_finetune's recipe with --sweep_finetune_override's key=value overrides."""
   pairs = [_split_override(o, f"--sweep_finetune_override={o}") for o in overrides]
-  return apply_overrides(config, pairs)
+  return load_recipe(recipe, pairs, "Sweep", "--sweep_finetune")
 
 
 def _latest_checkpoint(workdir: str) -> int | None:
@@ -304,7 +294,10 @@ def run_sweep(
   try:
     runs = name_runs(override_lists, existing, base_config)
     all_runs = list(existing) + [r for r in runs if r not in existing]
-    _write_record(sweep_dir, base_config, all_runs)
+    record = dict(base_config_fingerprint=_fingerprint(base_config), base_config=config_lib.as_saved(base_config),
+                  runs=[dict(name=r.name, overrides=[list(o) for o in r.overrides]) for r in all_runs])
+    workdir_files.makedirs(workdir_files.path(sweep_dir))
+    workdir_files.write_text(workdir_files.path(sweep_dir, SWEEP_FILE), json.dumps(record, indent=2) + "\n")
     logging.info("Sweep of %d runs in %s (%d recorded in all).", len(runs), sweep_dir, len(all_runs))
     # A SIGTERM (preemption) stops the sweep after the run it reaches: the run saves and
     # returns (train.py's handler), and one that comes between runs is recorded here.

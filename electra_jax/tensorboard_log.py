@@ -105,24 +105,17 @@ def _numbers(record: dict, prefix: str = "") -> dict[str, float]:
           if name != "step" and not isinstance(value, bool) and isinstance(value, numbers.Real)}
 
 
-def _run_id(workdir: str, service: str) -> str | None:
-  """The id of the run a first start of this workdir opened (written beside config.json)."""
-  path = workdir_files.path(workdir, f"{service}_run_id")
-  return workdir_files.read_text(path).strip() if workdir_files.exists(path) else None
-
-
 class WandbRun:
-  """The workdir's W&B run (resumed by its id on a restart); `log(record, prefix)` writes one
-  record's numbers against its "step", so a resumed run may log steps again."""
+  """The workdir's W&B run (`run_id`: the one an earlier start opened, or None); `log(record, prefix)`
+  writes one record's numbers against its "step", so a resumed run may log steps again."""
 
-  def __init__(self, workdir: str, config: dict):
+  def __init__(self, workdir: str, config: dict, run_id: str | None):
     import wandb  # noqa: PLC0415 (the wandb extra)
 
-    run_id = _run_id(workdir, "wandb") or secrets.token_hex(6)  # W&B ids: letters and digits
-    self.run = wandb.init(id=run_id, resume="allow", name=os.path.basename(os.path.normpath(workdir)),
+    self.run_id = run_id or secrets.token_hex(6)  # W&B ids: letters and digits
+    self.run = wandb.init(id=self.run_id, resume="allow", name=os.path.basename(os.path.normpath(workdir)),
                           config=config, dir=workdir if not workdir_files.is_remote(workdir) else None)
     self.run.define_metric("*", step_metric="step")
-    workdir_files.write_text(workdir_files.path(workdir, "wandb_run_id"), run_id)
 
   def log(self, record: dict, prefix: str) -> None:
     self.run.log({**_numbers(record, f"{prefix}/"), "step": int(record["step"])})
@@ -135,19 +128,17 @@ class MlflowRun:
   """The workdir's MLflow run (MLFLOW_TRACKING_URI; experiment MLFLOW_EXPERIMENT_NAME or
   "electra-jax"), the config as its config.json artifact; reopened by its id on a restart."""
 
-  def __init__(self, workdir: str, config: dict):
+  def __init__(self, workdir: str, config: dict, run_id: str | None):
     import mlflow  # noqa: PLC0415 (the mlflow extra)
 
-    self.client, self.entities = mlflow.MlflowClient(), mlflow.entities
-    self.run_id = _run_id(workdir, "mlflow")
-    if self.run_id is None:
+    self.client, self.entities, self.run_id = mlflow.MlflowClient(), mlflow.entities, run_id
+    if run_id is None:
       name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "electra-jax")
       experiment = self.client.get_experiment_by_name(name)
       experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
       run_name = os.path.basename(os.path.normpath(workdir))
       self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
       self.client.log_dict(self.run_id, config, "config.json")
-      workdir_files.write_text(workdir_files.path(workdir, "mlflow_run_id"), self.run_id)
     else:
       self.client.update_run(self.run_id, status="RUNNING")
 
@@ -203,7 +194,12 @@ def open_logs(workdir: str, metric_writers: str = "", config: dict | None = None
   elif _tensorboardx() is not None:
     root = workdir_files.path(workdir, SUBDIR)
     writers = {split: ScalarWriter(str(root / split)) for split in writers}
-  runs = [_RUNS[name](workdir, config or {}) for name in writer_names(metric_writers)]
+  runs = []
+  for name in writer_names(metric_writers):  # each run's id, beside config.json, reopens it on a restart
+    id_file = workdir_files.path(workdir, f"{name}_run_id")
+    runs.append(_RUNS[name](workdir, config or {}, workdir_files.read_text(id_file).strip()
+                            if workdir_files.exists(id_file) else None))
+    workdir_files.write_text(id_file, runs[-1].run_id)
   return (MetricLog(workdir_files.path(workdir, "metrics.jsonl"), writers["train"], runs, "train"),
           MetricLog(workdir_files.path(workdir, "eval_metrics.jsonl"), writers["eval"], runs, "eval",
                     closes_runs=False))

@@ -63,12 +63,13 @@ def read_json(file, parse=lambda value: value):
     ) from None
 
 
-def sweep_runs(folder) -> list[tuple[str, str]]:
-  """[(name, workdir)] of a sweep folder's runs in sweep.json's order; [] for another folder."""
+def read_sweep(folder) -> dict | None:
+  """A sweep folder's sweep.json, its runs as (name, overrides) pairs; None for another folder."""
   file = path(folder, SWEEP_FILE)
   if not exists(file):
-    return []
-  return read_json(file, lambda record: [(str(r["name"]), os.fspath(path(folder, str(r["name"])))) for r in record["runs"]])
+    return None
+  return read_json(file, lambda record: dict(
+      record, runs=[(str(r["name"]), [tuple(o) for o in r["overrides"]]) for r in record["runs"]]))
 
 
 def read_jsonl(file) -> list:

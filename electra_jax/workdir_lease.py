@@ -28,16 +28,6 @@ _FIELD_TYPES = {"host": str, "pid": int, "heartbeat": (int, float), "released": 
 _LIVE_RUN_IDS: set[str] = set()
 
 
-def _pid_running(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except (PermissionError, OverflowError, ValueError):
-    return True  # someone else's process, or a pid this system cannot have: assume alive
-  return True
-
-
 def describe(holder: dict, now: float) -> str:
   age = now - float(holder.get("heartbeat", 0.0))
   return (f"run {holder.get('run_id', '?')} on host {holder.get('host', '?')} (pid {holder.get('pid', '?')}, "
@@ -53,8 +43,7 @@ def read_lease(workdir) -> Optional[dict]:
   try:
     holder = json.loads(workdir_files.read_text(file))
   except (ValueError, OSError):
-    logging.warning("Ignoring %s: it is not a lease this version wrote.", file)
-    return None
+    holder = None
   if not isinstance(holder, dict) or not isinstance(holder.get("run_id"), str) or any(
       key in holder and not isinstance(holder[key], types) for key, types in _FIELD_TYPES.items()):
     logging.warning("Ignoring %s: its fields are not those of a lease this version wrote.", file)
@@ -96,7 +85,13 @@ class WorkdirLease:
       # cell still training in a thread). A restarted container gets the same host name and
       # pid (often 1) as the run it replaced, which is dead.
       return holder.get("run_id") in _LIVE_RUN_IDS
-    return _pid_running(int(holder.get("pid", -1)))
+    try:
+      os.kill(int(holder.get("pid", -1)), 0)
+    except ProcessLookupError:
+      return False
+    except (PermissionError, OverflowError, ValueError):
+      pass  # someone else's process, or a pid this system cannot have: assume alive
+    return True
 
   def _write(self) -> None:
     workdir_files.write_text(self.file, json.dumps(dict(self.record, heartbeat=self._clock()), sort_keys=True))
