@@ -6,6 +6,7 @@ where the loss goes and where gradients flow, on small hand-made batches."""
 import dataclasses
 import json
 import math
+import shutil
 
 import flax
 import flax.linen as nn
@@ -417,12 +418,24 @@ def test_two_stage_refuses_untied_embeddings_it_could_not_start_the_discriminato
                                        "model.tie": "none"}))
 
 
-def test_two_stage_resumed_with_more_steps_keeps_its_switch(tmp_path):
+# One two-stage run of 4 steps at the default switch (half of them), evaluated at 2 and 4 and
+# checkpointed at every step, for the two tests below (the resume trains on a copy).
+TWO_STAGE = {"objective.name": "two_stage", "model.generator_fraction": 1.0, "train.steps": 4,
+             "checkpoint.every_steps": 1, "checkpoint.keep": 10, "eval.every_steps": 2, "eval.num_batches": 1}
+
+
+@pytest.fixture(scope="module")
+def two_stage_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("two_stage") / "run"
+  train.train_and_evaluate(tiny_config(**TWO_STAGE), str(workdir))
+  return workdir
+
+
+def test_two_stage_resumed_with_more_steps_keeps_its_switch(tmp_path, two_stage_run):
   # The default switch is half of train.steps: a resume with more steps used to move it and
   # copy the generator's encoder over the discriminator its stage had trained.
-  first = {"objective.name": "two_stage", "model.generator_fraction": 1.0, "train.steps": 4,
-           "checkpoint.every_steps": 1, "checkpoint.keep": 10, "eval.every_steps": 0}
-  train.train_and_evaluate(tiny_config(**first), str(tmp_path))
+  first = TWO_STAGE
+  shutil.copytree(two_stage_run, tmp_path, dirs_exist_ok=True)  # trained with tiny_config(**first)
   assert json.loads((tmp_path / "config.json").read_text())["objective"]["two_stage_switch"] == 2
   # Resumed to 8 steps at a learning rate too small to move anything visibly.
   train.train_and_evaluate(tiny_config(**{**first, "train.steps": 8, "optimizer.learning_rate": 1e-9}),
@@ -449,13 +462,10 @@ def test_two_stage_resumed_with_more_steps_keeps_its_switch(tmp_path):
                              str(tmp_path))
 
 
-def test_two_stage_evaluates_held_out_data_on_both_sides_of_the_switch(tmp_path):
+def test_two_stage_evaluates_held_out_data_on_both_sides_of_the_switch(two_stage_run):
   # Evaluation used to hand electra_forward no stage, which two_stage's loss cannot do without.
-  config = tiny_config(**{"objective.name": "two_stage", "objective.two_stage_switch": 2,
-                          "model.generator_fraction": 1.0, "train.steps": 4, "checkpoint.every_steps": 4,
-                          "eval.every_steps": 2, "eval.num_batches": 1})
-  train.train_and_evaluate(config, str(tmp_path))
-  lines = [json.loads(line) for line in (tmp_path / "eval_metrics.jsonl").read_text().splitlines()]
+  assert json.loads((two_stage_run / "config.json").read_text())["objective"]["two_stage_switch"] == 2
+  lines = [json.loads(line) for line in (two_stage_run / "eval_metrics.jsonl").read_text().splitlines()]
   assert [m["step"] for m in lines] == [2, 4]
   for m in lines:
     assert all(np.isfinite(m[k]) for k in ("masked_lm_loss", "disc_loss", "disc_auc")), m

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import shutil
 
 import flax
 import jax
@@ -321,10 +322,19 @@ def test_stored_decoder_must_equal_the_word_table(tmp_path):
     interop.load_hf(str(tmp_path))
 
 
-def test_cli_exports_a_pretraining_workdir(tmp_path):
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+  """A 2-step pre-training run of the tiny config (its checkpoint at step 2), never modified:
+  the export tests each copy it."""
+  workdir = tmp_path_factory.mktemp("pretrained") / "run"
+  config = tiny_config(**{"train.steps": 2, "checkpoint.every_steps": 2, "eval.every_steps": 0})
+  train.train_and_evaluate(config, str(workdir))
+  return workdir
+
+
+def test_cli_exports_a_pretraining_workdir(tmp_path, pretrained):
   workdir, out = tmp_path / "run", tmp_path / "hf"
-  overrides = {"train.steps": 2, "checkpoint.every_steps": 2}
-  assert run_cli(cli_args(workdir, **overrides)).returncode == 0
+  shutil.copytree(pretrained, workdir)
   python_m_main = cli_args(workdir)[:3]
   result = run_cli(
       [*python_m_main, "--mode=export_hf", f"--workdir={workdir}", f"--out={out}", "--export_generator"]
@@ -372,10 +382,9 @@ def _listing(directory):
   }
 
 
-def test_export_refuses_an_out_holding_another_export_and_leaves_it_untouched(tmp_path, monkeypatch):
+def test_export_refuses_an_out_holding_another_export_and_leaves_it_untouched(tmp_path, monkeypatch, pretrained):
   workdir, out = tmp_path / "run", tmp_path / "hf"
-  config = tiny_config(**{"train.steps": 2, "checkpoint.every_steps": 2, "eval.every_steps": 0})
-  train.train_and_evaluate(config, str(workdir))
+  shutil.copytree(pretrained, workdir)
   first = interop.export_workdir(str(workdir), str(out), export_generator=True)
   assert sorted(first) == ["discriminator", "generator"]
   before = _listing(out)

@@ -2,6 +2,7 @@
 the CLI end to end (outputs, bit-exact resume after SIGTERM, refusing another model's workdir)."""
 
 import json
+import logging
 import shutil
 import os
 import signal
@@ -194,6 +195,37 @@ def _metrics(workdir):
     return [json.loads(line) for line in f]
 
 
+class _Messages(logging.Handler):
+  def __init__(self):
+    super().__init__(logging.INFO)
+    self.messages = []
+
+  def emit(self, record):
+    self.messages.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory):
+  """One in-process run of the tiny config for 3 steps (a checkpoint at 3) and the messages it
+  logged, for the tests that look at a finished run or resume one (each on a copy)."""
+  workdir = tmp_path_factory.mktemp("three_steps") / "run"
+  handler, root = _Messages(), logging.getLogger()
+  level = root.level
+  root.addHandler(handler)
+  root.setLevel(logging.INFO)
+  try:
+    train.train_and_evaluate(tiny_config(**{"train.steps": 3}), str(workdir))
+  finally:
+    root.removeHandler(handler)
+    root.setLevel(level)
+  return workdir, "\n".join(handler.messages)
+
+
+def _copy_of(three_steps, tmp_path):
+  shutil.copytree(three_steps[0], tmp_path / "run")
+  return tmp_path / "run"
+
+
 def test_cli_writes_config_metrics_and_checkpoints(tmp_path):
   workdir = tmp_path / "run"
   result = run_cli(cli_args(workdir))
@@ -274,9 +306,8 @@ def test_sigterm_saves_and_resume_is_bit_exact(tmp_path):
       assert a[name] == b[name], (a["step"], name, a[name], b[name])  # to the last bit
 
 
-def test_workdir_of_another_model_is_refused_and_left_intact(tmp_path):
-  workdir = tmp_path / "run"
-  assert run_cli(cli_args(workdir, **{"train.steps": 3})).returncode == 0
+def test_workdir_of_another_model_is_refused_and_left_intact(tmp_path, three_steps):
+  workdir = _copy_of(three_steps, tmp_path)  # what `cli_args(workdir, train.steps=3)` trains
   before = {p: p.stat().st_mtime_ns for p in workdir.rglob("*") if p.is_file()}
   config_before = (workdir / "config.json").read_text()
   result = run_cli(cli_args(workdir, **{"train.steps": 3, "model.intermediate_size": 96}))
@@ -428,9 +459,8 @@ def test_cli_mistakes_end_in_one_line(tmp_path, args, message):
   assert "FATAL" not in result.stderr and "--helpfull" not in result.stderr  # no flag listing
 
 
-def test_resuming_with_other_settings_names_them_and_keeps_the_old_config(tmp_path, caplog):
-  workdir = tmp_path / "run"
-  train.train_and_evaluate(tiny_config(**{"train.steps": 3}), str(workdir))
+def test_resuming_with_other_settings_names_them_and_keeps_the_old_config(tmp_path, caplog, three_steps):
+  workdir = _copy_of(three_steps, tmp_path)  # trained with tiny_config(train.steps=3)
   first = json.loads((workdir / "config.json").read_text())
   train.train_and_evaluate(tiny_config(**{"train.steps": 3}), str(workdir))  # the same: nothing kept
   assert sorted(p.name for p in workdir.glob("config*.json")) == ["config.json"]
@@ -482,12 +512,11 @@ def test_a_resume_with_another_batch_size_goes_on_where_the_data_stream_stopped(
   assert read == list(range(56, 72))
 
 
-def test_a_resume_whose_optimizer_state_differs_is_refused_before_anything_is_written(tmp_path):
+def test_a_resume_whose_optimizer_state_differs_is_refused_before_anything_is_written(tmp_path, three_steps):
   """optimizer.bias_correction changes the optimizer state's structure (optax's Adam keeps a
   count, the official one does not): orbax's restore fails on it. That was a traceback after
   config.json had taken the refused settings; it is a ConfigError before anything is written."""
-  workdir = tmp_path / "run"
-  train.train_and_evaluate(tiny_config(**{"train.steps": 3}), str(workdir))
+  workdir = _copy_of(three_steps, tmp_path)  # trained with tiny_config(train.steps=3)
   before = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file() and "lease" not in p.name}
   with pytest.raises(ConfigError, match=r"optimizer state.*optimizer\.bias_correction"):
     train.train_and_evaluate(tiny_config(**{"train.steps": 6, "optimizer.bias_correction": False}), str(workdir))
@@ -516,19 +545,35 @@ def _fake_budget_clock(monkeypatch, measured=None):
   monkeypatch.setattr(train, "measure_step_time", measure)
 
 
-def test_the_time_budget_fixes_train_steps_so_the_schedule_ends_with_it(tmp_path, monkeypatch):
+# A fresh run's budget is timed (the step, compiling, a held-out evaluation: eval.every_steps is
+# on); the temperature decays and the warmup is a fraction, so both follow the steps it fixes.
+_BUDGET = {"train.time_budget": "5s", "checkpoint.every_steps": 100, "objective.initial_temperature": 2.0,
+           "objective.temperature_decay_fraction": 0.5, "optimizer.warmup_fraction": 0.2}
+
+
+@pytest.fixture(scope="module")
+def budget_run(tmp_path_factory):
+  """A run under train.time_budget with the fake clock (no checkpoint before its end), and the
+  timings it measured."""
+  workdir = tmp_path_factory.mktemp("budget") / "reference"
   measured = []
-  _fake_budget_clock(monkeypatch, measured)
-  config = tiny_config(**{"train.time_budget": "10s", "train.steps": 1000, "checkpoint.every_steps": 100})
-  train.train_and_evaluate(config, str(tmp_path))
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    _fake_budget_clock(monkeypatch, measured)
+    train.train_and_evaluate(tiny_config(**_BUDGET), str(workdir))
+  return workdir, measured
+
+
+def test_the_time_budget_fixes_train_steps_so_the_schedule_ends_with_it(budget_run):
+  workdir, measured = budget_run
+  assert tiny_config().train.steps != 9 and tiny_config().eval.every_steps > 0
   assert len(measured) == 1 and measured[0].step > 0 and measured[0].compile > 0 and measured[0].evaluation > 0
-  saved = json.loads((tmp_path / "config.json").read_text())
-  assert saved["train"]["steps"] == 19 and saved["train"]["time_budget"] == "10s"  # floor(10 * 0.97 / 0.5)
-  lines = _metrics(tmp_path)
-  assert lines[-1]["step"] == 19
-  # The last update (from step 18) takes lr / 19; the schedule reaches 0 at step 19.
-  assert lines[-1]["learning_rate"] == pytest.approx(1e-3 / 19, rel=1e-5)
-  assert float(train.learning_rate_schedule(1e-3, 2, saved["train"]["steps"])(19)) == 0.0
+  saved = json.loads((workdir / "config.json").read_text())
+  assert saved["train"]["steps"] == 9 and saved["train"]["time_budget"] == "5s"  # floor(5 * 0.97 / 0.5)
+  lines = _metrics(workdir)
+  assert lines[-1]["step"] == 9
+  # The last update (from step 8) takes lr / 9; the schedule reaches 0 at step 9.
+  assert lines[-1]["learning_rate"] == pytest.approx(1e-3 / 9, rel=1e-5)
+  assert float(train.learning_rate_schedule(1e-3, 2, saved["train"]["steps"])(9)) == 0.0
   # The count: compiling again, the steps and their evaluations in 97% of what is left.
   timing = train.StepTiming(step=1.0, compile=10.0, evaluation=4.0)
   assert train.budget_steps(100.0, 20.0, timing, eval_every=10, start_step=0) == 45  # (67.9 - 4) / 1.4
@@ -536,31 +581,26 @@ def test_the_time_budget_fixes_train_steps_so_the_schedule_ends_with_it(tmp_path
   assert train.budget_steps(10.0, 20.0, timing, eval_every=0, start_step=5) == 6  # spent: one step
 
 
-def test_a_resume_with_the_same_time_budget_keeps_its_steps_and_is_bit_exact(tmp_path, monkeypatch):
-  overrides = {"train.time_budget": "5s", "checkpoint.every_steps": 100, "eval.every_steps": 0,
-               "objective.initial_temperature": 2.0, "objective.temperature_decay_fraction": 0.5,
-               "optimizer.warmup_fraction": 0.2}
-  _fake_budget_clock(monkeypatch, [])
-  train.train_and_evaluate(tiny_config(**overrides), str(tmp_path / "reference"))
+def test_a_resume_with_the_same_time_budget_keeps_its_steps_and_is_bit_exact(tmp_path, monkeypatch, budget_run):
   # 9 steps (floor(4.85 / 0.5)); the temperature falls over round(4.5) = 4 of them.
-  want = _metrics(tmp_path / "reference")
+  want = _metrics(budget_run[0])
   assert [m["step"] for m in want] == list(range(1, 10))
   assert [m["sampling_temperature"] for m in want] == [2.0, 1.75, 1.5, 1.25, 1.0, 1.0, 1.0, 1.0, 1.0]
   assert want[1]["learning_rate"] == pytest.approx(1e-3 * 0.5 * (1 - 1 / 9), rel=1e-5)  # warmup round(1.8) = 2
 
   # Preempted after its fifth step (a checkpoint there), then resumed without a new timing.
+  _fake_budget_clock(monkeypatch, [])
   monkeypatch.setattr(train._Preemption, "stop_after", lambda self, call: call == 4)
-  train.train_and_evaluate(tiny_config(**overrides), str(tmp_path / "interrupted"))
+  train.train_and_evaluate(tiny_config(**_BUDGET), str(tmp_path / "interrupted"))
   assert os.listdir(tmp_path / "interrupted" / "checkpoints") == ["5"]
   monkeypatch.undo()
   _fake_budget_clock(monkeypatch, None)
-  train.train_and_evaluate(tiny_config(**overrides), str(tmp_path / "interrupted"))
+  train.train_and_evaluate(tiny_config(**_BUDGET), str(tmp_path / "interrupted"))
   got = _metrics(tmp_path / "interrupted")
   assert [m["step"] for m in got] == list(range(1, 10))
   for a, b in zip(want, got):
     for name in REQUIRED_METRICS - {"tokens_per_sec", "steps_per_sec"} | {"sampling_temperature"}:
       assert a[name] == b[name], (a["step"], name, a[name], b[name])  # to the last bit
-
 
 
 def test_a_warmup_as_long_as_the_run_is_named_with_the_peak_it_leaves(tmp_path, monkeypatch, caplog):
@@ -579,15 +619,14 @@ def test_a_warmup_as_long_as_the_run_is_named_with_the_peak_it_leaves(tmp_path, 
   assert note in caplog.text
 
 
-def test_a_run_starts_with_a_summary_of_what_it_trains(tmp_path, caplog):
-  config = tiny_config(**{"train.steps": 1, "checkpoint.every_steps": 1, "eval.every_steps": 0})
-  with caplog.at_level("INFO"):
-    train.train_and_evaluate(config, str(tmp_path / "run"))
-  assert "Compiled the train step in " in caplog.text
-  summary = next(line for line in caplog.text.splitlines() if "Training electra: parameters" in line)
+def test_a_run_starts_with_a_summary_of_what_it_trains(tmp_path, three_steps):
+  config = tiny_config(**{"train.steps": 3})  # the run three_steps logged
+  workdir, logged = _copy_of(three_steps, tmp_path), three_steps[1]
+  assert "Compiled the train step in " in logged
+  summary = next(line for line in logged.splitlines() if "Training electra: parameters" in line)
   # Against the saved state and the FLOP counter, not against the summary's own arithmetic.
-  checkpointer = checkpointing.Checkpointer(str(tmp_path / "run"), keep=1)
-  params = checkpointer.read_meta(1)["param_shapes"]
+  checkpointer = checkpointing.Checkpointer(str(workdir), keep=1)
+  params = checkpointer.read_meta(3)["param_shapes"]
   checkpointer.close()
   total = sum(int(np.prod(shape)) for shape in params.values())
   assert f"({total / 1e6:.2f}M in all)" in summary
