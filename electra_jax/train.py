@@ -567,39 +567,32 @@ def _mean_metrics(window: list[dict]) -> dict[str, float]:
   return means
 
 
-def _agreed(problem: str | None) -> str | None:
-  """Process 0's verdict on every process: its message, None when it found nothing wrong."""
-  if jax.process_count() == 1:
-    return problem
-  if not int(multihost_utils.broadcast_one_to_all(np.int32(problem is not None))):
-    return None
-  return problem or "Process 0 stopped the run; its log says why."
+def _refused_everywhere(attempt: Callable[[], Any] | None, name: str = "The workdir") -> None:
+  """Runs process 0's `attempt` (None on the others); a WorkdirInUse it raises is raised on every
+  process, with `name` for the workdir."""
+  problem = None
+  if attempt is not None:
+    try:
+      attempt()
+    except workdir_lease.WorkdirInUse as error:
+      problem = str(error).replace("The workdir", name, 1)
+  if jax.process_count() > 1:
+    refused = int(multihost_utils.broadcast_one_to_all(np.int32(problem is not None)))
+    problem = (problem or "Process 0 stopped the run; its log says why.") if refused else None
+  if problem:
+    raise workdir_lease.WorkdirInUse(problem)
 
 
 def _hold_workdir(lease: workdir_lease.WorkdirLease | None, max_age_seconds: float = 0.0) -> None:
   """Raises WorkdirInUse on every process once another run has taken the workdir over."""
-  problem = None
-  if lease is not None:
-    try:
-      lease.check(max_age_seconds)
-    except workdir_lease.WorkdirInUse as error:
-      problem = str(error)
-  if problem := _agreed(problem):
-    raise workdir_lease.WorkdirInUse(problem)
+  _refused_everywhere(None if lease is None else lambda: lease.check(max_age_seconds))
 
 
 def acquire_lease(directory: str, take_over: bool, name: str = "The workdir") -> workdir_lease.WorkdirLease | None:
   """Process 0 takes `directory`'s lease (returned; None on the other processes), or every
   process raises WorkdirInUse with its message."""
-  lease, problem = None, None
-  if jax.process_index() == 0:
-    lease = workdir_lease.WorkdirLease(directory)
-    try:
-      lease.acquire(take_over=take_over)
-    except workdir_lease.WorkdirInUse as error:
-      lease, problem = None, str(error).replace("The workdir", name, 1)
-  if problem := _agreed(problem):
-    raise workdir_lease.WorkdirInUse(problem)
+  lease = workdir_lease.WorkdirLease(directory) if jax.process_index() == 0 else None
+  _refused_everywhere(None if lease is None else lambda: lease.acquire(take_over=take_over), name)
   return lease
 
 
