@@ -104,16 +104,14 @@ class Checkpointer:
     return sorted(map(name, wanted - saved_paths)), sorted(map(name, saved_paths - wanted))
 
   def restore(self, step: int, abstract_state: Any, meta: dict | None = None) -> Any:
-    """`abstract_state` leaves are ShapeDtypeStructs carrying the target NamedShardings.
-    Raises DamagedCheckpoint when a file cannot be read or an array's checksum differs from
-    the one saved with it (checkpoints without checksums are taken as they are)."""
-    recorded = (meta if meta is not None else self.read_meta(step)).get("checksums")
+    """`abstract_state` leaves are ShapeDtypeStructs carrying the target NamedShardings. Raises
+    DamagedCheckpoint when a file cannot be read or an array's checksum differs from the one saved."""
+    recorded = (meta if meta is not None else self.read_meta(step))["checksums"]
     args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
     state = self._read(step, "arrays", lambda: self._manager.restore(step, args=args)["state"])
-    if recorded is not None:
-      differ = [name for name, value in checksums(state).items() if recorded.get(name) != value]
-      if differ:
-        raise self._damaged(step, f"{len(differ)} arrays differ from what was saved (first: {differ[:3]})")
+    differ = [name for name, value in checksums(state).items() if recorded.get(name) != value]
+    if differ:
+      raise self._damaged(step, f"{len(differ)} arrays differ from what was saved (first: {differ[:3]})")
     return state
 
   def restore_newest_intact(self, abstract_state: Any, at_most: int, check=None) -> tuple[int, Any, dict]:
@@ -139,11 +137,10 @@ class Checkpointer:
         "say how). Restore them from a copy, or move them away to start over."
     )
 
-  def set_aside_after(self, step: int | None, rename: bool = True) -> list[int]:
-    """Renames every step after `step` (all, for None) to <step>.damaged, where a resume from
-    `step` would save over it, keeping the files; `rename=False` (processes other than the
-    first) only forgets them. Returns those steps."""
-    later = [s for s in self.all_steps() if step is None or s > step]
+  def set_aside_after(self, step: int, rename: bool = True) -> None:
+    """Renames every step after `step` to <step>.damaged, where a resume from `step` would save over
+    it, keeping the files; `rename=False` (processes other than the first) only forgets them."""
+    later = [s for s in self.all_steps() if s > step]
     for s in later if rename else ():
       source = epath.Path(self.directory) / str(s)
       target, n = source.parent / f"{s}.damaged", 1
@@ -153,7 +150,6 @@ class Checkpointer:
       logging.warning("Moved the damaged checkpoint at step %d to %s; the run trains those steps again.", s, target)
     if later:
       self._manager.reload()
-    return later
 
   def wait(self) -> None:
     self._manager.wait_until_finished()

@@ -46,9 +46,7 @@ class TrainState:
   grad_accum_steps: int = flax.struct.field(pytree_node=False, default=1)
 
 
-# ---------------------------------------------------------------------------------------
-# Optimizer
-# ---------------------------------------------------------------------------------------
+# --- Optimizer
 class OfficialAdamState(NamedTuple):
   mu: Any
   nu: Any
@@ -123,12 +121,10 @@ def make_optimizer(config: ml_collections.ConfigDict):
   return tx, schedule
 
 
-# ---------------------------------------------------------------------------------------
-# Update step
-# ---------------------------------------------------------------------------------------
+# --- Update step
 def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
-  """One optimizer update on `batch` ([batch, seq] arrays). Masks are drawn for the whole batch
-  first, so micro-batch losses share whole-batch denominators and their gradients sum to the full one."""
+  """One optimizer update on `batch` ([batch, seq] arrays). Masks are drawn for the whole batch first,
+  so micro-batch losses share whole-batch denominators and their gradients sum to the full one."""
   objective = state.objective
   registered = objectives.REGISTRY[objective.name]
   params = registered.before_step(objective, state.params, state.step)
@@ -194,9 +190,7 @@ def step_rngs(seed: int, first_step: int, num_steps: int) -> jax.Array:
   return jax.vmap(lambda s: step_rng(seed, s))(jnp.arange(first_step, first_step + num_steps))
 
 
-# ---------------------------------------------------------------------------------------
-# Building the state
-# ---------------------------------------------------------------------------------------
+# --- Building the state
 def make_init_fn(config, model: ElectraPretrainer, objective) -> Callable[[jax.Array], TrainState]:
   """rng -> a fresh state whose parameters still carry their logical-axis boxes (nn.Partitioned):
   jax.eval_shape of it gives the shardings, nn.meta.unbox of it the real state."""
@@ -210,6 +204,10 @@ def make_init_fn(config, model: ElectraPretrainer, objective) -> Callable[[jax.A
                       learning_rate_fn=schedule, objective=objective, grad_accum_steps=config.train.grad_accum_steps)
 
   return init_fn
+
+
+def _fresh_state(setup, seed: int) -> TrainState:
+  return jax.jit(lambda r: nn.meta.unbox(setup.init_fn(r)), out_shardings=setup.state_shardings)(jax.random.key(seed))
 
 
 def param_shapes(params) -> dict[str, list[int]]:
@@ -329,8 +327,7 @@ def batch_keys(config) -> tuple[str, ...]:
 def compile_train_step(setup: TrainingSetup, config, mesh, num_steps: int | None = None):
   """train_step compiled for this config's global batch with the state donated, or with `num_steps`,
   train_steps over that many stacked batches and keys. Call it inside `partitioning.activate(mesh)`."""
-  # The keys' shape and dtype only, so nothing runs on the devices (compile-only ones, as
-  # benchmarks/compile_audit.py uses, cannot run anything).
+  # Abstract keys: compile-only devices (benchmarks/compile_audit.py) cannot run anything.
   if num_steps is None:
     fn, batch_sharding, leading = train_step, partitioning.batch_sharding(mesh), ()
     rng = jax.eval_shape(lambda: jax.random.key(0))
@@ -437,9 +434,7 @@ def prepare(config):
   return mesh, corpus, setup
 
 
-# ---------------------------------------------------------------------------------------
-# Host-side helpers of the loop
-# ---------------------------------------------------------------------------------------
+# --- Host-side helpers of the loop
 # Set by any SIGTERM this process took, a run's handler or a sweep's (sweep.py asks after each
 # run, so one that came during a run's last step, or between runs, still stops the sweep).
 _SIGTERM = threading.Event()
@@ -459,37 +454,45 @@ def note_sigterm(signum=None, frame=None) -> None:
 
 
 class _Preemption:
-  """SIGTERM (a preemption) or Ctrl-C ends the run after a step, with a checkpoint. Under jax.distributed
-  all processes must save at one step (the save is collective): JAX's preemption service, which catches
-  SIGTERM from initialize on, picks a loop call every process reaches; no Python handler then."""
+  """SIGTERM for a whole run: while it starts it unwinds at once (SystemExit(0), the lease released);
+  once the loop runs, SIGTERM or a first Ctrl-C ends it after a step, with a checkpoint. Under
+  jax.distributed the save is collective: JAX's preemption service, which catches SIGTERM from
+  initialize on, picks a loop call every process reaches; no Python handler then."""
 
   def __init__(self):
-    self.requested = False
+    self.requested = self.unwound = self.looping = False
     self.signal_name = "SIGTERM"
-    self._previous = self._previous_interrupt = None
+    self._previous = {}
     self._collective = jax.distributed.is_initialized()
 
+  def _install(self, signum) -> None:
+    if jax.process_count() == 1 and not self._collective:
+      with contextlib.suppress(ValueError):  # not the main thread (some notebook runners): no handler then
+        self._previous[signum] = signal.signal(signum, self._handle)
+
   def __enter__(self):
+    self._install(signal.SIGTERM)
+    return self
+
+  def start_loop(self) -> None:
+    self.looping = True
     if jax.process_count() > 1 and not self._collective:  # several processes joined by the runtime alone
       logging.warning(
           "%d processes without jax.distributed: a SIGTERM stops this run without a checkpoint "
           "(it resumes from the last periodic one). Start it through electra_jax.main, which "
           "joins the job.", jax.process_count(),
       )
-    elif not self._collective:
-      with contextlib.suppress(ValueError):  # not the main thread (some notebook runners): no handler then
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
-        # A first Ctrl-C saves at the end of the step too; a second one stops at once.
-        self._previous_interrupt = signal.signal(signal.SIGINT, self._handle)
-    return self
+    self._install(signal.SIGINT)  # a first Ctrl-C saves at the end of the step too; a second one stops at once
 
   def _handle(self, signum, frame):
+    if not self.looping:
+      self.unwound = True
+      raise SystemExit(0)
     self.requested = True
+    _SIGTERM.set()
     if signum == signal.SIGINT:
       self.signal_name = "Ctrl-C (SIGINT)"
-      signal.signal(signal.SIGINT, self._previous_interrupt)
-      self._previous_interrupt = None
-    _SIGTERM.set()
+      signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))
 
   def stop_after(self, call: int) -> bool:
     if self._collective and not self.requested:
@@ -506,10 +509,11 @@ class _Preemption:
     return self.requested
 
   def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-    if self._previous_interrupt is not None:
-      signal.signal(signal.SIGINT, self._previous_interrupt)
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous)
+    if self.unwound:
+      logging.warning("SIGTERM while the run was starting: it stopped before its first step and saved "
+                      "nothing new. Run the same command to go on.")
 
 
 def _stop_if_not_finite(what: str, value: float, step: int, checkpointer, config, first_bad_step=None) -> None:
@@ -563,77 +567,42 @@ def _mean_metrics(window: list[dict]) -> dict[str, float]:
   return means
 
 
-def _agreed(problem: str | None) -> str | None:
-  """Process 0's verdict on every process: its message, None when it found nothing wrong."""
-  if jax.process_count() == 1:
-    return problem
-  if not int(multihost_utils.broadcast_one_to_all(np.int32(problem is not None))):
-    return None
-  return problem or "Process 0 stopped the run; its log says why."
+def _refused_everywhere(attempt: Callable[[], Any] | None, name: str = "The workdir") -> None:
+  """Runs process 0's `attempt` (None on the others); a WorkdirInUse it raises is raised on every
+  process, with `name` for the workdir."""
+  problem = None
+  if attempt is not None:
+    try:
+      attempt()
+    except workdir_lease.WorkdirInUse as error:
+      problem = str(error).replace("The workdir", name, 1)
+  if jax.process_count() > 1:
+    refused = int(multihost_utils.broadcast_one_to_all(np.int32(problem is not None)))
+    problem = (problem or "Process 0 stopped the run; its log says why.") if refused else None
+  if problem:
+    raise workdir_lease.WorkdirInUse(problem)
 
 
 def _hold_workdir(lease: workdir_lease.WorkdirLease | None, max_age_seconds: float = 0.0) -> None:
   """Raises WorkdirInUse on every process once another run has taken the workdir over."""
-  problem = None
-  if lease is not None:
-    try:
-      lease.check(max_age_seconds)
-    except workdir_lease.WorkdirInUse as error:
-      problem = str(error)
-  if problem := _agreed(problem):
-    raise workdir_lease.WorkdirInUse(problem)
+  _refused_everywhere(None if lease is None else lambda: lease.check(max_age_seconds))
 
 
 def acquire_lease(directory: str, take_over: bool, name: str = "The workdir") -> workdir_lease.WorkdirLease | None:
   """Process 0 takes `directory`'s lease (returned; None on the other processes), or every
   process raises WorkdirInUse with its message."""
-  lease, problem = None, None
-  if jax.process_index() == 0:
-    lease = workdir_lease.WorkdirLease(directory)
-    try:
-      lease.acquire(take_over=take_over)
-    except workdir_lease.WorkdirInUse as error:
-      lease, problem = None, str(error).replace("The workdir", name, 1)
-  if problem := _agreed(problem):
-    raise workdir_lease.WorkdirInUse(problem)
+  lease = workdir_lease.WorkdirLease(directory) if jax.process_index() == 0 else None
+  _refused_everywhere(None if lease is None else lambda: lease.acquire(take_over=take_over), name)
   return lease
 
 
-# ---------------------------------------------------------------------------------------
-# The whole run
-# ---------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _sigterm_unwinds():
-  """Until _Preemption takes over, SIGTERM raises SystemExit(0), so a run stopped while it starts
-  releases its lease and writes nothing half (not under jax.distributed, whose service catches it)."""
-  stopped = []
-
-  def unwind(signum, frame):
-    stopped.append(signum)
-    raise SystemExit(0)
-
-  previous = None
-  if jax.process_count() == 1 and not jax.distributed.is_initialized():
-    with contextlib.suppress(ValueError):  # not the main thread (some notebook runners)
-      previous = signal.signal(signal.SIGTERM, unwind)
-  try:
-    yield
-  except SystemExit:
-    if stopped:
-      logging.warning("SIGTERM while the run was starting: it stopped before its first step and saved "
-                      "nothing new. Run the same command to go on.")
-    raise
-  finally:
-    if previous is not None:
-      signal.signal(signal.SIGTERM, previous)
-
-
+# --- The whole run
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        take_over_workdir: bool = False) -> dict[str, float]:
   """Pre-trains per `config`, resuming from `workdir` if it holds a checkpoint; the last logged
   metrics. A workdir another live run holds is refused, unless `take_over_workdir`."""
   started = _budget_clock()
-  with _sigterm_unwinds():
+  with _Preemption() as preemption:
     workdir_files.check_usable(workdir)
     mesh, corpus, setup = prepare(config)
     # --- Checkpoint: restore or initialize. Refusals happen before anything is written.
@@ -678,7 +647,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           logging.info("The checkpoint at step %d read %d rows of the data stream (the batch size changed "
                        "along the way); batches of %d go on from there.", start_step, start_meta["stream_position"],
                        config.train.batch_size)
-      return _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, restored, lease, stream_offset)
+      return _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, restored, lease, stream_offset,
+                    preemption)
     finally:
       if lease is not None:
         lease.release()
@@ -699,39 +669,36 @@ class StepTiming(NamedTuple):
   evaluation: float  # one held-out evaluation (0 without eval.every_steps)
 
 
+def _timed(fn, *args):
+  """(fn(*args) once its arrays are ready, the seconds that took)."""
+  clock = time.perf_counter()
+  result = jax.block_until_ready(fn(*args))
+  return result, time.perf_counter() - clock
+
+
 def measure_step_time(config, setup: TrainingSetup, mesh, corpus) -> StepTiming:
   """Times the train step on a throwaway fresh state and batch 0 (after a warm-up step), and one
   held-out evaluation (after a first that compiles). Nothing of the run is advanced."""
+  seed = config.train.seed
   with partitioning.activate(mesh):
-    clock = time.perf_counter()
-    step_fn = compile_train_step(setup, config, mesh)
-    compile_seconds = time.perf_counter() - clock
-    state = jax.jit(lambda r: nn.meta.unbox(setup.init_fn(r)), out_shardings=setup.state_shardings)(
-        jax.random.key(config.train.seed)
-    )
-    local = data.get_batch(
-        corpus, 0, config.train.batch_size, config.train.seed, jax.process_index(), jax.process_count()
-    )
+    step_fn, compile_seconds = _timed(compile_train_step, setup, config, mesh)
+    local = data.get_batch(corpus, 0, config.train.batch_size, seed, jax.process_index(), jax.process_count())
     batch = partitioning.global_batch_from_local(local, mesh, keys=batch_keys(config))
-    rng = step_rng(config.train.seed, 0)
-    state, metrics = step_fn(state, batch, rng)
-    jax.block_until_ready((state, metrics))
-    clock = time.perf_counter()
-    for _ in range(_TIMED_STEPS):
-      state, metrics = step_fn(state, batch, rng)
-    jax.block_until_ready((state, metrics))
-    step_seconds = (time.perf_counter() - clock) / _TIMED_STEPS
+    rng = step_rng(seed, 0)
+    (state, _), _ = _timed(step_fn, _fresh_state(setup, seed), batch, rng)
+
+    def timed_steps(state):
+      for _ in range(_TIMED_STEPS):
+        state, metrics = step_fn(state, batch, rng)
+      return state, metrics
+
+    (state, _), seconds = _timed(timed_steps, state)
   eval_seconds = 0.0
   if config.eval.every_steps:
     evaluator = evaluation.HeldOutEvaluator(config, setup, mesh)
-    clock = time.perf_counter()
-    evaluator(state)
-    first = time.perf_counter() - clock
-    clock = time.perf_counter()
-    evaluator(state)
-    eval_seconds = time.perf_counter() - clock
+    first, eval_seconds = _timed(evaluator, state)[1], _timed(evaluator, state)[1]
     compile_seconds += max(first - eval_seconds, 0.0)
-  return StepTiming(step_seconds, compile_seconds, eval_seconds)
+  return StepTiming(seconds / _TIMED_STEPS, compile_seconds, eval_seconds)
 
 
 def budget_steps(budget_seconds: float, elapsed_seconds: float, timing: StepTiming, eval_every: int,
@@ -801,8 +768,8 @@ def _keep_changed_config(config, workdir: str, start_step: int | None) -> None:
                   start_step, f"config.step{start_step}.json", "; ".join(changes))
 
 
-def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, restored, lease,
-           stream_offset) -> dict[str, float]:
+def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, restored, lease, stream_offset,
+           preemption: _Preemption) -> dict[str, float]:
   is_chief = jax.process_index() == 0
   evaluator = evaluation.HeldOutEvaluator(config, setup, mesh) if config.eval.every_steps else None
   # Local or in a bucket (gs://...): see workdir_files.py. Only process 0 writes them.
@@ -817,8 +784,7 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
 
   with partitioning.activate(mesh):
     if start_step is None:
-      state = jax.jit(lambda r: nn.meta.unbox(setup.init_fn(r)), out_shardings=setup.state_shardings)(
-          jax.random.key(config.train.seed))
+      state = _fresh_state(setup, config.train.seed)
       start_step = 0
     else:
       logging.info("Resuming from the checkpoint at step %d in %s.", start_step, checkpointer.directory)
@@ -866,8 +832,9 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
 
   # Whatever ends the loop (done, SIGTERM, NaN, an error), saves in flight are completed.
   try:
+    preemption.start_loop()
     # Batches are read and gathered on a background thread, a step or two ahead.
-    with _Preemption() as preemption, data.Prefetcher(fetch, start_step, stop_step=total_steps) as batches:
+    with data.Prefetcher(fetch, start_step, stop_step=total_steps) as batches:
       while step < total_steps:
         # Several steps in one call where they fit before the next log, eval or checkpoint step.
         to_boundary = min([*(p - step % p for p in periods), total_steps - step])
