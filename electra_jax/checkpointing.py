@@ -105,10 +105,13 @@ class Checkpointer:
 
   def restore(self, step: int, abstract_state: Any, meta: dict | None = None) -> Any:
     """`abstract_state` leaves are ShapeDtypeStructs carrying the target NamedShardings. Raises
-    DamagedCheckpoint when a file cannot be read or an array's checksum differs from the one saved."""
-    recorded = (meta if meta is not None else self.read_meta(step))["checksums"]
+    DamagedCheckpoint when a file cannot be read or an array's checksum differs from the one saved
+    (0.1.0 saved none: its checkpoints are taken as they are)."""
+    recorded = (meta if meta is not None else self.read_meta(step)).get("checksums")
     args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
     state = self._read(step, "arrays", lambda: self._manager.restore(step, args=args)["state"])
+    if recorded is None:
+      return state
     differ = [name for name, value in checksums(state).items() if recorded.get(name) != value]
     if differ:
       raise self._damaged(step, f"{len(differ)} arrays differ from what was saved (first: {differ[:3]})")

@@ -41,15 +41,18 @@ def workdir(trained, tmp_path):
   return copy
 
 
-def _rewrite_step(workdir, step, change, keep_meta=True):
+def _rewrite_step(workdir, step, change, keep_meta=True, drop_checksums=False):
   """Writes checkpoint `step` again with `change(state)`; its meta (and so its checksums) stays
-  the old one unless keep_meta is False. Stands for a storage fault that leaves valid files."""
+  the old one unless keep_meta is False. Stands for a storage fault that leaves valid files
+  (drop_checksums: for a checkpoint as 0.1.0 wrote it, before checksums)."""
   manager = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"))
   meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
   state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
   state = change(state)
   if not keep_meta:
     meta = dict(meta, checksums=checkpointing.checksums(state))
+  if drop_checksums:
+    meta.pop("checksums")
   manager.close()
   shutil.rmtree(os.path.join(workdir, "checkpoints", str(step)))
   manager = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"))
@@ -117,6 +120,14 @@ def test_a_damaged_step_asked_for_by_number_is_refused_and_the_latest_falls_back
   with pytest.raises(DamagedCheckpoint, match=r"step 6 .* is damaged: 1 arrays differ .*word_embeddings.*Other steps there: \[3\]"):
     train.evaluate_checkpoint(config, workdir, step=6)
   assert train.evaluate_checkpoint(config, workdir)["step"] == 3
+
+
+def test_a_checkpoint_saved_without_checksums_restores_as_it_is(workdir):
+  config = tiny_config(**STEPS)
+  want = train.evaluate_checkpoint(config, workdir, step=6)
+  _rewrite_step(workdir, 6, lambda state: state, drop_checksums=True)
+  got = train.evaluate_checkpoint(config, workdir, step=6)
+  assert json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)  # to the last bit (NaNs too)
 
 
 def test_no_intact_step_is_one_clear_error(workdir):
