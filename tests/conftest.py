@@ -1,7 +1,9 @@
 """Shared fixtures: tiny configs over a small slice of the built-in corpus, whose tokenizer and
 packed arrays are built once per test session in a temporary cache."""
 
+import contextlib
 import importlib.abc
+import logging
 import os
 import subprocess
 import sys
@@ -131,3 +133,22 @@ def run_cli(args, env_extra=None, timeout=600, **kwargs):
 # compiles faster.
 EIGHT_DEVICE_OVERRIDES = {"train.steps": 5, "checkpoint.every_steps": 5, "optimizer.learning_rate": 1e-4, "model.num_layers": 1,
                           "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
+
+
+@contextlib.contextmanager
+def logged_messages(name=None, level=logging.INFO):
+  """The messages that logger `name` (the root for None) gets at `level` or above inside the block,
+  as a list filled while it runs; the logger's own level is lowered to `level` meanwhile if needed."""
+  messages = []
+  handler = logging.Handler(level)
+  handler.emit = lambda record: messages.append(record.getMessage())
+  logger = logging.getLogger(name)
+  previous = logger.level
+  logger.addHandler(handler)
+  if logger.getEffectiveLevel() > level:
+    logger.setLevel(level)
+  try:
+    yield messages
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(previous)

@@ -2,7 +2,6 @@
 for bit and load without missing or unexpected weights, and unsafe or unrepresentable
 checkpoints are refused by name."""
 
-import contextlib
 import json
 import logging
 import os
@@ -17,7 +16,7 @@ import pytest
 import safetensors.numpy
 import transformers
 
-from conftest import cli_args, run_cli, tiny_config
+from conftest import cli_args, logged_messages, run_cli, tiny_config
 from electra_jax import checkpointing, data, interop, models, partitioning, train
 from electra_jax.errors import ConfigError
 from electra_jax.interop import hf
@@ -113,30 +112,9 @@ def _assert_same_outputs(model, params, hf_model, seed=0):
   return ours
 
 
-class _CapturedWarnings(logging.Handler):
-
-  def __init__(self):
-    super().__init__(logging.WARNING)
-    self.messages = []
-
-  def emit(self, record):
-    self.messages.append(record.getMessage())
-
-
-@contextlib.contextmanager
-def _transformers_warnings():
-  """Every warning transformers logs (missing/unexpected weights among them) in the block."""
-  handler = _CapturedWarnings()
-  library_logger = logging.getLogger("transformers")
-  library_logger.addHandler(handler)
-  try:
-    yield handler.messages
-  finally:
-    library_logger.removeHandler(handler)
-
-
 def _from_pretrained_cleanly(kind, directory):
-  with _transformers_warnings() as warnings:
+  # Every warning transformers logs (missing/unexpected weights among them).
+  with logged_messages("transformers", logging.WARNING) as warnings:
     hf_model, info = getattr(transformers, HF_CLASSES[kind]).from_pretrained(directory, output_loading_info=True)
   assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
   assert warnings == [], warnings

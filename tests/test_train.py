@@ -2,7 +2,6 @@
 the CLI end to end (outputs, bit-exact resume after SIGTERM, refusing another model's workdir)."""
 
 import json
-import logging
 import shutil
 import os
 import signal
@@ -19,7 +18,7 @@ from electra_jax.errors import ConfigError
 import pytest
 
 import electra_jax
-from conftest import REPO, cli_args, run_cli, tiny_config
+from conftest import REPO, cli_args, logged_messages, run_cli, tiny_config
 from electra_jax import checkpointing, config_lib, data, flops, models, objectives, train
 
 REQUIRED_METRICS = {
@@ -195,30 +194,14 @@ def _metrics(workdir):
     return [json.loads(line) for line in f]
 
 
-class _Messages(logging.Handler):
-  def __init__(self):
-    super().__init__(logging.INFO)
-    self.messages = []
-
-  def emit(self, record):
-    self.messages.append(record.getMessage())
-
-
 @pytest.fixture(scope="module")
 def three_steps(tmp_path_factory):
   """One in-process run of the tiny config for 3 steps (a checkpoint at 3) and the messages it
   logged, for the tests that look at a finished run or resume one (each on a copy)."""
   workdir = tmp_path_factory.mktemp("three_steps") / "run"
-  handler, root = _Messages(), logging.getLogger()
-  level = root.level
-  root.addHandler(handler)
-  root.setLevel(logging.INFO)
-  try:
+  with logged_messages() as messages:
     train.train_and_evaluate(tiny_config(**{"train.steps": 3}), str(workdir))
-  finally:
-    root.removeHandler(handler)
-    root.setLevel(level)
-  return workdir, "\n".join(handler.messages)
+  return workdir, "\n".join(messages)
 
 
 def _copy_of(three_steps, tmp_path):
