@@ -29,7 +29,6 @@ from electra_jax import xla_flags  # noqa: E402
 
 xla_flags.apply_cpu_defaults(restart=True)  # the CLI's CPU defaults, set before JAX starts
 
-import flax.linen as nn
 import jax
 import numpy as np
 from absl import app, flags
@@ -60,9 +59,7 @@ def main(argv):
   batch_size, seq_len = config.train.batch_size, config.data.max_seq_len
 
   with partitioning.activate(mesh):
-    state = jax.jit(lambda r: nn.meta.unbox(setup.init_fn(r)), out_shardings=setup.state_shardings)(
-        jax.random.key(0)
-    )
+    state = train.fresh_state(setup, 0)
     compile_start = time.perf_counter()
     step_fn = train.compile_train_step(setup, config, mesh)
     per_call = config.train.get("steps_per_call", 1)

@@ -21,7 +21,6 @@ from electra_jax import xla_flags  # noqa: E402
 
 xla_flags.apply_cpu_defaults(restart=True)  # the CLI's CPU defaults, set before JAX starts
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from absl import app, flags
@@ -52,9 +51,7 @@ def main(argv):
   mesh, corpus, setup = train.prepare(config)
   objective = setup.objective
   with partitioning.activate(mesh):
-    state = jax.jit(lambda r: nn.meta.unbox(setup.init_fn(r)), out_shardings=setup.state_shardings)(
-        jax.random.key(0)
-    )
+    state = train.fresh_state(setup, 0)
     batch = partitioning.global_batch_from_local(data.get_batch(corpus, 0, config.train.batch_size, 0), mesh,
                                                    keys=train.batch_keys(config))
     step_fn = train.compile_train_step(setup, config, mesh)

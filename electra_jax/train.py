@@ -5,6 +5,7 @@ checkpoint, compile, loop (with preemption and NaN handling)."""
 import collections
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -102,20 +103,30 @@ def warmup_note(config: ml_collections.ConfigDict) -> str | None:
 
 
 def make_optimizer(config: ml_collections.ConfigDict):
-  """Global-norm clipping, then AdamW (optax's, or the official one without bias correction)."""
+  """(tx, schedule): global-norm clipping, then AdamW (optax's, or the official one without bias
+  correction), under the official schedule."""
   o = config.optimizer
-  schedule = learning_rate_schedule(o.learning_rate, warmup_steps(config), config.train.steps)
-  if o.bias_correction:
-    adam = optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps)
+  return _optimizer(o.learning_rate, warmup_steps(config), config.train.steps, o.bias_correction, o.b1, o.b2, o.eps,
+                    o.clip_norm, o.weight_decay)
+
+
+@functools.cache
+def _optimizer(learning_rate, warmup, steps, bias_correction, b1, b2, eps, clip_norm, weight_decay):
+  # One (tx, schedule) object per setting: they are static fields of TrainState, so a config
+  # trained again in this process (a notebook cell run twice, a resume, a sweep's runs) has an
+  # equal state structure and jax reuses the traced and compiled steps instead of tracing anew.
+  schedule = learning_rate_schedule(learning_rate, warmup, steps)
+  if bias_correction:
+    adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
   else:
-    adam = scale_by_adam_without_bias_correction(o.b1, o.b2, o.eps)
+    adam = scale_by_adam_without_bias_correction(b1, b2, eps)
   decay_mask = lambda params: jax.tree_util.tree_map_with_path(
       _decays, params, is_leaf=lambda x: isinstance(x, nn.Partitioned)
   )
   tx = optax.chain(
-      optax.clip_by_global_norm(o.clip_norm),
+      optax.clip_by_global_norm(clip_norm),
       adam,
-      optax.add_decayed_weights(o.weight_decay, mask=decay_mask),
+      optax.add_decayed_weights(weight_decay, mask=decay_mask),
       optax.scale_by_learning_rate(schedule),
   )
   return tx, schedule
@@ -191,23 +202,42 @@ def step_rngs(seed: int, first_step: int, num_steps: int) -> jax.Array:
 
 
 # --- Building the state
-def make_init_fn(config, model: ElectraPretrainer, objective) -> Callable[[jax.Array], TrainState]:
+@dataclasses.dataclass(frozen=True)
+class StateInit:
   """rng -> a fresh state whose parameters still carry their logical-axis boxes (nn.Partitioned):
-  jax.eval_shape of it gives the shardings, nn.meta.unbox of it the real state."""
+  jax.eval_shape of it gives the shardings, `fresh_state` the real state. Equal settings make
+  equal (hashable) inits, so a state is initialized by one traced function per setting."""
+
+  model: ElectraPretrainer
+  objective: objectives.ElectraObjective
+  tx: optax.GradientTransformation
+  schedule: Callable[[jax.Array], jax.Array]
+  seq_len: int
+  grad_accum_steps: int
+
+  def __call__(self, rng: jax.Array) -> TrainState:
+    ids = jnp.zeros((1, self.seq_len), jnp.int32)
+    positions = jnp.zeros((1, self.objective.max_predictions), jnp.int32)
+    params = self.model.init(rng, ids, ids, jnp.ones_like(ids), positions)["params"]
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params), model=self.model,
+                      tx=self.tx, learning_rate_fn=self.schedule, objective=self.objective,
+                      grad_accum_steps=self.grad_accum_steps)
+
+
+def make_init_fn(config, model: ElectraPretrainer, objective) -> StateInit:
   tx, schedule = make_optimizer(config)
-  ids = jnp.zeros((1, config.data.max_seq_len), jnp.int32)
-  positions = jnp.zeros((1, objective.max_predictions), jnp.int32)
-
-  def init_fn(rng):
-    params = model.init(rng, ids, ids, jnp.ones_like(ids), positions)["params"]
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), model=model, tx=tx,
-                      learning_rate_fn=schedule, objective=objective, grad_accum_steps=config.train.grad_accum_steps)
-
-  return init_fn
+  return StateInit(model, objective, tx, schedule, config.data.max_seq_len, config.train.grad_accum_steps)
 
 
-def _fresh_state(setup, seed: int) -> TrainState:
-  return jax.jit(lambda r: nn.meta.unbox(setup.init_fn(r)), out_shardings=setup.state_shardings)(jax.random.key(seed))
+def _unboxed_init(init: StateInit, rng: jax.Array) -> TrainState:
+  return nn.meta.unbox(init(rng))
+
+
+def fresh_state(setup, seed: int) -> TrainState:
+  """The state a run starts from: `setup.init_fn` at key(seed), each device initializing its own
+  shards (`setup.state_shardings`)."""
+  init = jax.jit(_unboxed_init, static_argnums=0, out_shardings=setup.state_shardings)
+  return init(setup.init_fn, jax.random.key(seed))
 
 
 def param_shapes(params) -> dict[str, list[int]]:
@@ -294,7 +324,7 @@ class TrainingSetup:
 
   model: ElectraPretrainer
   objective: objectives.ElectraObjective
-  init_fn: Callable[[jax.Array], TrainState]  # boxed; see make_init_fn
+  init_fn: StateInit
   state_shardings: TrainState  # NamedSharding leaves
   abstract_state: TrainState  # ShapeDtypeStruct leaves carrying those shardings
   param_shapes: dict[str, list[int]]
@@ -685,7 +715,7 @@ def measure_step_time(config, setup: TrainingSetup, mesh, corpus) -> StepTiming:
     local = data.get_batch(corpus, 0, config.train.batch_size, seed, jax.process_index(), jax.process_count())
     batch = partitioning.global_batch_from_local(local, mesh, keys=batch_keys(config))
     rng = step_rng(seed, 0)
-    (state, _), _ = _timed(step_fn, _fresh_state(setup, seed), batch, rng)
+    (state, _), _ = _timed(step_fn, fresh_state(setup, seed), batch, rng)
 
     def timed_steps(state):
       for _ in range(_TIMED_STEPS):
@@ -784,7 +814,7 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
 
   with partitioning.activate(mesh):
     if start_step is None:
-      state = _fresh_state(setup, config.train.seed)
+      state = fresh_state(setup, config.train.seed)
       start_step = 0
     else:
       logging.info("Resuming from the checkpoint at step %d in %s.", start_step, checkpointer.directory)

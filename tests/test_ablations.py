@@ -383,7 +383,7 @@ def test_two_stage_trains_the_generator_then_a_discriminator_started_from_it():
                           "model.generator_fraction": 1.0, "train.steps": 4})
   mesh, corpus, setup = train.prepare(config)
   with partitioning.activate(mesh):
-    state = jax.jit(lambda r: nn.meta.unbox(setup.init_fn(r)), out_shardings=setup.state_shardings)(jax.random.key(0))
+    state = train.fresh_state(setup, 0)
     step_fn = train.compile_train_step(setup, config, mesh)
     history = [jax.device_get(state.params)]
     for step in range(4):

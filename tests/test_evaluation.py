@@ -3,8 +3,6 @@ calls), padding rows without weight, and eval_metrics.jsonl written during train
 
 import json
 
-import flax.linen as nn
-import jax
 import numpy as np
 import pytest
 
@@ -17,7 +15,7 @@ def _setup_and_state(**overrides):
   mesh = partitioning.make_mesh(config.mesh)
   tok = data.load_pretraining_data(config.data).tokenizer
   setup = train.build_setup(config, mesh, dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id))
-  state = jax.jit(lambda r: nn.meta.unbox(setup.init_fn(r)))(jax.random.key(0))
+  state = train.fresh_state(setup, 0)
   return setup, mesh, state
 
 

@@ -19,7 +19,7 @@ import pytest
 
 import electra_jax
 from conftest import REPO, cli_args, logged_messages, run_cli, tiny_config
-from electra_jax import checkpointing, config_lib, data, flops, models, objectives, train
+from electra_jax import checkpointing, config_lib, data, flops, models, objectives, partitioning, train
 
 REQUIRED_METRICS = {
     "step", "loss", "masked_lm_accuracy", "masked_lm_loss", "sampled_masked_lm_accuracy",
@@ -117,6 +117,20 @@ def test_warmup_fraction_takes_its_share_of_the_steps():
   assert float(schedule(4)) == pytest.approx(1e-3 * 0.5 * (1 - 4 / 30), rel=1e-6)
   config.optimizer.warmup_fraction = 0.0
   assert train.warmup_steps(config) == 2
+
+
+def test_a_config_built_again_has_the_same_state_structure_so_its_traced_step_is_reused():
+  """The optimizer, schedule and init are static fields of the state: built again from an equal
+  config (a notebook cell run twice, a resume, a sweep's runs) they compare equal, so jax reuses
+  the traced and compiled step; a setting that changes the step gives another structure."""
+  mesh = partitioning.make_mesh(tiny_config().mesh)
+  ids = dict(pad=0, cls=2, sep=3, mask=4)
+  first, again = (train.build_setup(tiny_config(), mesh, ids) for _ in range(2))
+  assert jax.tree.structure(again.abstract_state) == jax.tree.structure(first.abstract_state)
+  assert again.init_fn == first.init_fn and hash(again.init_fn) == hash(first.init_fn)
+  for change in ({"train.steps": 7}, {"optimizer.learning_rate": 2e-3}, {"optimizer.bias_correction": False}):
+    other = train.build_setup(tiny_config(**change), mesh, ids)
+    assert jax.tree.structure(other.abstract_state) != jax.tree.structure(first.abstract_state), change
 
 
 def test_duration_strings():

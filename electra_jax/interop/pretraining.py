@@ -217,8 +217,7 @@ def write_pretraining_workdir(pair: ImportedPair, config: ml_collections.ConfigD
 
   mesh, setup = one_device_setup(config, tokenizer)
   with partitioning.activate(mesh):
-    fresh = jax.jit(lambda r: flax.linen.meta.unbox(setup.init_fn(r)),
-                    out_shardings=setup.state_shardings)(jax.random.key(config.train.seed))
+    fresh = train.fresh_state(setup, config.train.seed)
     params = jax.device_put(params, setup.state_shardings.params)
     state = fresh.replace(params=params, opt_state=fresh.tx.init(params))
 
