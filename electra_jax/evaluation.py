@@ -1,6 +1,8 @@
 """Held-out pre-training evaluation: the official metric set over a fixed set of held-out
 examples with fixed masks and fixed samples, so numbers compare across checkpoints and runs."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,6 +85,11 @@ class HeldOutEvaluator:
         stats, arrays = self._step(state, batch, jax.random.key(self._seed))
         totals = stats if totals is None else jax.tree.map(jnp.add, totals, stats)
         per_token.append(arrays)
-    per_token = jax.tree.map(lambda *xs: jnp.concatenate(xs), *per_token)
-    metrics = objectives.summarize(totals, per_token, state.objective)
+    metrics = _summarize(totals, per_token, state.objective)
     return {name: float(value) for name, value in jax.device_get(metrics).items()}
+
+
+@functools.partial(jax.jit, static_argnums=2)  # one program, not one per operation
+def _summarize(totals, per_token_batches, objective):
+  per_token = jax.tree.map(lambda *xs: jnp.concatenate(xs), *per_token_batches)
+  return objectives.summarize(totals, per_token, objective)
