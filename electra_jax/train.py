@@ -597,15 +597,15 @@ def _mean_metrics(window: list[dict]) -> dict[str, float]:
   return means
 
 
-def _refused_everywhere(attempt: Callable[[], Any] | None, name: str = "The workdir") -> None:
+def _refused_everywhere(attempt: Callable[[], Any] | None) -> None:
   """Runs process 0's `attempt` (None on the others); a WorkdirInUse it raises is raised on every
-  process, with `name` for the workdir."""
+  process."""
   problem = None
   if attempt is not None:
     try:
       attempt()
     except workdir_lease.WorkdirInUse as error:
-      problem = str(error).replace("The workdir", name, 1)
+      problem = str(error)
   if jax.process_count() > 1:
     refused = int(multihost_utils.broadcast_one_to_all(np.int32(problem is not None)))
     problem = (problem or "Process 0 stopped the run; its log says why.") if refused else None
@@ -621,8 +621,8 @@ def _hold_workdir(lease: workdir_lease.WorkdirLease | None, max_age_seconds: flo
 def acquire_lease(directory: str, take_over: bool, name: str = "The workdir") -> workdir_lease.WorkdirLease | None:
   """Process 0 takes `directory`'s lease (returned; None on the other processes), or every
   process raises WorkdirInUse with its message."""
-  lease = workdir_lease.WorkdirLease(directory) if jax.process_index() == 0 else None
-  _refused_everywhere(None if lease is None else lambda: lease.acquire(take_over=take_over), name)
+  lease = workdir_lease.WorkdirLease(directory, name=name) if jax.process_index() == 0 else None
+  _refused_everywhere(None if lease is None else lambda: lease.acquire(take_over=take_over))
   return lease
 
 

@@ -56,8 +56,8 @@ class WorkdirLease:
   before each checkpoint, `release()` at the end (also after an error)."""
 
   def __init__(self, workdir, beat_seconds: float = 30.0, stale_seconds: float = 120.0,
-               clock: Callable[[], float] = time.time):
-    self.workdir = workdir
+               clock: Callable[[], float] = time.time, name: str = "The workdir"):
+    self.workdir, self.name = workdir, name  # name: how a refusal names it ("The sweep folder")
     self.file = workdir_files.path(workdir, LEASE_FILE)
     self.beat_seconds, self.stale_seconds, self._clock = beat_seconds, stale_seconds, clock
     self.record = {"run_id": uuid.uuid4().hex[:12], "host": socket.gethostname(), "pid": os.getpid(),
@@ -106,7 +106,7 @@ class WorkdirLease:
           this_process = (" That is this very process: a run still going in another thread (a "
                           "notebook whose cell was interrupted keeps training in the background).")
         raise WorkdirInUse(
-            f"The workdir {self.workdir} is in use by {describe(holder, self._clock())}.{this_process} "
+            f"{self.name} {self.workdir} is in use by {describe(holder, self._clock())}.{this_process} "
             "Wait for that run to end, or use another --workdir. If it is dead (its machine was "
             f"lost; a run on another host also counts as dead {self.stale_seconds:.0f} s after its "
             "last heartbeat), pass --take_over_workdir. Nothing was written."
