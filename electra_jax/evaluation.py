@@ -78,18 +78,19 @@ class HeldOutEvaluator:
     )
 
   def __call__(self, state) -> dict[str, float]:
-    totals, per_token = None, []
+    outputs = []
     with partitioning.activate(self._mesh):
       for local_batch in self._batches:
         batch = partitioning.global_batch_from_local(local_batch, self._mesh, keys=self._keys)
-        stats, arrays = self._step(state, batch, jax.random.key(self._seed))
-        totals = stats if totals is None else jax.tree.map(jnp.add, totals, stats)
-        per_token.append(arrays)
-    metrics = _summarize(totals, per_token, state.objective)
+        outputs.append(self._step(state, batch, jax.random.key(self._seed)))
+    metrics = _summarize(outputs, state.objective)
     return {name: float(value) for name, value in jax.device_get(metrics).items()}
 
 
-@functools.partial(jax.jit, static_argnums=2)  # one program, not one per operation
-def _summarize(totals, per_token_batches, objective):
-  per_token = jax.tree.map(lambda *xs: jnp.concatenate(xs), *per_token_batches)
+@functools.partial(jax.jit, static_argnums=1)  # one program, not one per operation
+def _summarize(outputs, objective):
+  """The metrics of eval_step's (stats, per-token arrays) over all batches: stats summed in batch
+  order, arrays concatenated."""
+  totals = jax.tree.map(lambda *xs: functools.reduce(jnp.add, xs), *(stats for stats, _ in outputs))
+  per_token = jax.tree.map(lambda *xs: jnp.concatenate(xs), *(arrays for _, arrays in outputs))
   return objectives.summarize(totals, per_token, objective)
