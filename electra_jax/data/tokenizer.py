@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import math
 import os
 import random
@@ -49,25 +50,18 @@ def _within_limit(sentence: str, limit: int = _MAX_SENTENCE_BYTES) -> Iterator[s
 def _sample_sentences(sentences: Iterable[str], k: int) -> list[str]:
   """All of `sentences` if at most `k`, else `k` drawn by a reservoir sampler of fixed seed (Li's algorithm L):
   sentencepiece's own sampler is seeded at random."""
-  reservoir: list[str] = []
   iterator = iter(sentences)
-  for sentence in iterator:
-    reservoir.append(sentence)
-    if len(reservoir) == k:
-      break
-  else:
+  reservoir = list(itertools.islice(iterator, k))
+  if len(reservoir) < k:
     return reservoir
-  rng = random.Random(f"electra-spm-sample:{k}")
-  w = math.exp(math.log(1.0 - rng.random()) / k)
-  skip = int(math.log(1.0 - rng.random()) / math.log(1.0 - w)) if w < 1.0 else 0
-  for sentence in iterator:
-    if skip:
-      skip -= 1
-      continue
-    reservoir[rng.randrange(k)] = sentence
+  rng, w = random.Random(f"electra-spm-sample:{k}"), 1.0
+  while True:
     w *= math.exp(math.log(1.0 - rng.random()) / k)
     skip = int(math.log(1.0 - rng.random()) / math.log(1.0 - w)) if w < 1.0 else 0
-  return reservoir
+    sentence = next(itertools.islice(iterator, skip, None), None)  # the one after `skip` more
+    if sentence is None:
+      return reservoir
+    reservoir[rng.randrange(k)] = sentence
 
 
 class NoSentencesError(ConfigError):
