@@ -128,26 +128,18 @@ def builtin_documents(max_documents: int | None = None) -> list[list[str]]:
   return list(itertools.islice(_iter_documents(), max_documents))
 
 
-class DocumentsHasher:
-  """Incremental `documents_fingerprint`, for streamed corpora."""
-
-  def __init__(self):
-    self._digest = hashlib.sha256()
-
-  def update(self, document) -> None:
-    # Each sentence and a newline, then a separator marking the document boundary (packing depends on it).
-    self._digest.update(("".join(sentence + "\n" for sentence in document) + "\x00\n").encode("utf-8"))
-
-  def hexdigest(self) -> str:
-    return self._digest.hexdigest()[:16]
+def document_bytes(document) -> bytes:
+  """A document's text as fingerprints hash it: each sentence and a newline, then a separator marking the
+  document boundary (packing depends on it)."""
+  return ("".join(sentence + "\n" for sentence in document) + "\x00\n").encode("utf-8")
 
 
 def documents_fingerprint(documents: list[list[str]]) -> str:
   """Short sha256 hex of the text of `documents` (order and boundaries included)."""
-  hasher = DocumentsHasher()
+  digest = hashlib.sha256()
   for document in documents:
-    hasher.update(document)
-  return hasher.hexdigest()
+    digest.update(document_bytes(document))
+  return digest.hexdigest()[:16]
 
 
 def builtin_corpus_fingerprint() -> str:

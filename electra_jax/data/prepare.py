@@ -39,6 +39,10 @@ SUPPORTED_TOKENIZERS = ("sentencepiece", "wordpiece")
 PACKING_FORMAT_VERSION = 3
 PACKING_SEEDS = {"train": 0, "eval": 1}
 _CACHE_ENV_VAR = "ELECTRA_JAX_CACHE"
+# The data keys a config may leave out, with their defaults (each value is cast to its default's type).
+_DEFAULTS = {"tokenizer": "sentencepiece", "text_field": "text", "lowercase": True, "spm_vocab_size": 8192,
+             "spm_model_type": "unigram", "max_documents": 0, "eval_fraction": 0.02, "shard_documents": 10_000}
+# An empty value of these means the default too.
 _RECORD_SOURCE_KEYS = {"tfds_name": "", "tfds_split": "train", "tfds_text_field": "text", "tfds_data_dir": "",
                        "hf_path": "", "hf_split": "train"}
 
@@ -49,7 +53,8 @@ def is_eval_document(index: int, eval_fraction: float) -> bool:
   return int((index + 1) * eval_fraction) > int(index * eval_fraction)
 
 
-def read_config(data_config):
+def read_config(data_config) -> dict:
+  """The data config as a dict of checked values, paths absolute; raises ConfigError naming a bad one."""
   source = data_config.source
   if source not in SUPPORTED_SOURCES:
     raise ConfigError(
@@ -57,16 +62,15 @@ def read_config(data_config):
         f"(text and jsonl read the files named by data.files, tfds the dataset data.tfds_name, "
         f"hf_datasets the local dataset data.hf_path, prepared the shards in data.prepared_dir)."
     )
-  tokenizer = str(data_config.get("tokenizer", "sentencepiece"))
+  config = {key: type(default)(data_config.get(key, default)) for key, default in _DEFAULTS.items()}
+  config.update({key: str(data_config.get(key, default) or default) for key, default in _RECORD_SOURCE_KEYS.items()})
+  for key in ("vocab_file", "spm_model_file", "prepared_dir"):
+    value = str(data_config.get(key, "") or "")
+    config[key] = os.path.abspath(os.path.expanduser(value)) if value else ""
+  tokenizer, vocab_file, spm_model_file = config["tokenizer"], config["vocab_file"], config["spm_model_file"]
   if tokenizer not in SUPPORTED_TOKENIZERS:
     raise ConfigError(f"Unknown data.tokenizer {tokenizer!r}; use one of {list(SUPPORTED_TOKENIZERS)} "
                       f"(wordpiece reads a BERT vocab.txt given by data.vocab_file).")
-
-  def path(key: str) -> str:
-    value = str(data_config.get(key, "") or "")
-    return os.path.abspath(os.path.expanduser(value)) if value else ""
-
-  vocab_file, spm_model_file, prepared_dir = path("vocab_file"), path("spm_model_file"), path("prepared_dir")
   if tokenizer == "wordpiece" and not vocab_file:
     raise ConfigError("data.tokenizer='wordpiece' needs data.vocab_file, the path of a BERT vocab.txt (one token "
                       "per line), e.g. --config.data.vocab_file=uncased_L-12_H-768_A-12/vocab.txt.")
@@ -82,40 +86,27 @@ def read_config(data_config):
   if spm_model_file and not os.path.isfile(spm_model_file):
     raise ConfigError(f"data.spm_model_file={spm_model_file!r} is not a file; give a model written by "
                       f"--mode=train_tokenizer (or clear it to train one in the cache).")
-  if source == "prepared" and not prepared_dir:
+  if source == "prepared" and not config["prepared_dir"]:
     raise ConfigError("data.source='prepared' needs data.prepared_dir, the directory --mode=prepare_data wrote.")
-  shard_documents = int(data_config.get("shard_documents", 10_000))
-  if shard_documents < 1:
-    raise ConfigError(f"data.shard_documents must be >= 1, got {shard_documents}.")
-  text_field = str(data_config.get("text_field", "text"))
-  if source in ("jsonl", "hf_datasets") and not text_field:
+  if config["shard_documents"] < 1:
+    raise ConfigError(f"data.shard_documents must be >= 1, got {config['shard_documents']}.")
+  if source in ("jsonl", "hf_datasets") and not config["text_field"]:
     raise ConfigError("data.text_field is empty; name the JSON field holding each document's text.")
-  max_documents = int(data_config.get("max_documents", 0))
-  if max_documents < 0:
-    raise ConfigError(f"data.max_documents must be >= 0 (0 means all), got {max_documents}.")
-  eval_fraction = float(data_config.get("eval_fraction", 0.02))
-  if not 0.0 <= eval_fraction < 1.0:
+  if config["max_documents"] < 0:
+    raise ConfigError(f"data.max_documents must be >= 0 (0 means all), got {config['max_documents']}.")
+  if not 0.0 <= config["eval_fraction"] < 1.0:
     raise ConfigError(f"data.eval_fraction must be in [0, 1) (e.g. 0.02 holds out 2% of documents), "
-                      f"got {eval_fraction}.")
+                      f"got {config['eval_fraction']}.")
   pack_rows = data_config.get("pack_rows", False)
   if not isinstance(pack_rows, (bool, np.bool_)):
     raise ConfigError(f"data.pack_rows must be True (several whole examples per row) or False (one per row), "
                       f"got {pack_rows!r}.")
   cache_dir = os.path.expanduser(str(data_config.get("cache_dir", ""))) or os.environ.get(_CACHE_ENV_VAR) or (
       os.path.join(os.path.expanduser("~"), ".cache", "electra_jax"))
-  return {
-      "source": source,
-      "files": sources.resolve_files(data_config.get("files", "")) if source in sources.FILE_SOURCES else [],
-      "text_field": text_field, "tokenizer": tokenizer, "vocab_file": vocab_file,
-      "lowercase": bool(data_config.get("lowercase", True)), "strip_accents": strip_accents,
-      "max_seq_len": int(data_config.max_seq_len), "cache_dir": cache_dir,
-      "spm_vocab_size": int(data_config.get("spm_vocab_size", 8192)),
-      "spm_model_type": str(data_config.get("spm_model_type", "unigram")),
-      "max_documents": max_documents, "eval_fraction": eval_fraction, "spm_model_file": spm_model_file,
-      "prepared_dir": prepared_dir, "shard_documents": shard_documents,
-      **{key: str(data_config.get(key, default) or default) for key, default in _RECORD_SOURCE_KEYS.items()},
-      "pack_rows": bool(pack_rows),
-  }
+  config.update(source=source, strip_accents=strip_accents, pack_rows=bool(pack_rows), cache_dir=cache_dir,
+                max_seq_len=int(data_config.max_seq_len),
+                files=sources.resolve_files(data_config.get("files", "")) if source in sources.FILE_SOURCES else [])
+  return config
 
 
 def _record_corpus(config):
@@ -265,15 +256,6 @@ def _exit_with_parent(parent: int) -> None:
   threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
 
 
-class _SigTerm(Exception):
-  """Raised by SIGTERM in prepare_data's loop, so its cleanup (workers, manifest) runs."""
-
-
-def _raise_sigterm(signum, frame):
-  del signum, frame
-  raise _SigTerm
-
-
 def _tokenize_documents(tokenizer, documents, skipped: dict):
   """Token ids of every sentence of `documents`; a document the tokenizer fails on becomes empty, counted."""
   sentences = [sentence for document in documents for sentence in document]
@@ -353,13 +335,11 @@ def config_key(settings: dict) -> str:
 
 def _refuse_another_config(out_dir: str, existing: dict, settings: dict, hint: str = "") -> None:
   """Raises unless the manifest `existing` of out_dir was written with `settings`."""
-  old = existing.get("settings", {})
+  old = existing["settings"]
   keys = list(settings) + [k for k in old if k not in settings]
   if "tokenizer_fingerprint" not in settings:
     keys = [k for k in keys if k not in _TOKENIZER_FILE_SETTINGS]
   differences = {k: (old.get(k), settings.get(k)) for k in keys if old.get(k) != settings.get(k)}
-  if "tokenizer_fingerprint" in settings and existing.get("config_key") != config_key(settings):
-    differences = differences or {"config_key": (existing.get("config_key"), config_key(settings))}
   if differences:
     raise ConfigError(f"data.prepared_dir={out_dir!r} holds shards of another config (was -> now: {differences})"
                       f"{hint}. Nothing was changed; choose another data.prepared_dir, or delete that directory "
@@ -503,7 +483,7 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
   finished shard whenever this returns or raises. Returns the source's stats and each split's fingerprint."""
   out_dir = config["prepared_dir"]
   stats = sources.SourceStats()
-  hashers = {split: corpus.DocumentsHasher() for split in SPLITS}
+  hashers = {split: hashlib.sha256() for split in SPLITS}
   start = last_log = last_manifest_write = time.time()
   packed_documents = packed_tokens = 0  # in this run
   skipped_position = done_position = 0  # input consumed by shards done before / in this run
@@ -547,8 +527,12 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
         save_manifest()
         last_manifest_write = now
 
+  def stop(signum, frame):  # raised in the loop below, so its cleanup (workers, manifest) runs
+    raise SystemExit(f"prepare_data stopped by SIGTERM: the finished shards are kept and listed in "
+                     f"{os.path.join(out_dir, shards.MANIFEST)}; run the same command to resume.")
+
   try:
-    previous_handler = signal.signal(signal.SIGTERM, _raise_sigterm)
+    previous_handler = signal.signal(signal.SIGTERM, stop)
   except ValueError:  # not the main thread: SIGTERM keeps its handler
     previous_handler = None
   try:
@@ -558,7 +542,8 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
       if not documents:
         break
       for document_index, document in enumerate(documents, first):
-        hashers["eval" if is_eval_document(document_index, config["eval_fraction"]) else "train"].update(document)
+        split = "eval" if is_eval_document(document_index, config["eval_fraction"]) else "train"
+        hashers[split].update(corpus.document_bytes(document))
       if index in done:
         skipped_position = stats.bytes_read
         continue
@@ -569,18 +554,15 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
         drain()
     while pending:
       drain()
-  except _SigTerm:
-    raise SystemExit(f"prepare_data stopped by SIGTERM: the finished shards are kept and listed in "
-                     f"{os.path.join(out_dir, 'manifest.json')}; run the same command to resume.") from None
   finally:
     if previous_handler is not None:
       signal.signal(signal.SIGTERM, previous_handler)
     executor.shutdown(wait=True, cancel_futures=True)
     # Shards the workers finished while this loop stopped are written: keep them too.
     for future in pending:
-      if future.done() and not future.cancelled() and future.exception() is None:
+      if not future.cancelled() and future.exception() is None:
         result = future.result()
         if "error" not in result:
           done[result["index"]] = result
     save_manifest()
-  return stats, {split: hashers[split].hexdigest() for split in SPLITS}
+  return stats, {split: hashers[split].hexdigest()[:16] for split in SPLITS}

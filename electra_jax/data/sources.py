@@ -128,15 +128,6 @@ def _blocks(f):
       yield data
 
 
-def _split_lines(text: str, newline_only: bool) -> list[str]:
-  if not newline_only:
-    return text.splitlines()
-  lines = text.split("\n")
-  if lines[-1] == "":
-    lines.pop()  # the text's final "\n" ends its last line; it does not start another
-  return lines
-
-
 def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
   """(line number, text) of `path`, streamed, split as str.splitlines splits the whole file; nothing for
   a binary file. `newline_only` (JSON Lines): JSON strings may hold U+2028, U+2029, U+0085 unescaped."""
@@ -154,7 +145,9 @@ def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
       except UnicodeDecodeError:  # only this block, line by line, to find the bad lines
         texts = (decode_utf8(raw, lambda: f"{path}:{number + 1}", stats) for raw in io.BytesIO(data))
       for text in texts:
-        for line in _split_lines(text, newline_only):
+        # A text's final "\n" ends its last line; it does not start another.
+        lines = text.removesuffix("\n").split("\n") if newline_only else text.splitlines()
+        for line in lines:
           number += 1
           yield number, line
 
