@@ -275,7 +275,6 @@ def make_features(
   contexts: dict[str, tuple[list[int], np.ndarray]] = {}
   rows, meta = [], []  # per row: FEATURE_KEYS' values; (example, window_start, window_length, context_offset)
   token_char_spans, max_context, skipped, started = [], [], 0, time.time()
-  positions = np.arange(max_seq_len)
   for index, example in enumerate(examples):
     if example.context not in contexts:
       contexts[example.context] = _tokenize_context(example.context, word_tokenizer)
@@ -294,15 +293,10 @@ def make_features(
     windows = _windows(len(context_ids), max_seq_len - len(query_ids) - 3, doc_stride)
     owner = max_context_owner(windows, len(context_ids))
     for window, (start, length) in enumerate(windows):
-      # Rows become int32 arrays at once: lists of Python ints over SQuAD 2.0's training windows
-      # would take many times the memory.
-      ids = [tokenizer.cls_id, *query_ids, tokenizer.sep_id, *context_ids[start:start + length], tokenizer.sep_id]
-      input_ids = np.full(max_seq_len, tokenizer.pad_id, np.int32)
-      input_ids[:len(ids)] = ids
       inside = answer is not None and start <= answer[0] and answer[1] < start + length
-      rows.append((input_ids, ((positions >= offset) & (positions < len(ids))).astype(np.int32),
-                   (positions < len(ids)).astype(np.int32), answer[0] - start + offset if inside else 0,
-                   answer[1] - start + offset if inside else 0, int(example.is_impossible or not example.answers)))
+      rows.append((*tasks.pack_pair(tokenizer, query_ids, context_ids[start:start + length], max_seq_len),
+                   answer[0] - start + offset if inside else 0, answer[1] - start + offset if inside else 0,
+                   int(example.is_impossible or not example.answers)))
       meta.append((index, start, length, offset))
       max_context.append(np.zeros(max_seq_len, bool))
       max_context[-1][offset:offset + length] = owner[start:start + length] == window
