@@ -110,8 +110,6 @@ GLUE_TASKS = {
     "wnli": GlueTask("WNLI", _BINARY, _PAIR),  # GLUE writes its labels 0/1 (1 = entailment), as TFDS
 }
 TASK_NAMES = tuple(GLUE_TASKS) + ("custom",)
-# Official names for fine-tuning's default number of epochs (ELECTRA trains RTE and STS-B 10).
-TEN_EPOCH_TASKS = ("rte", "stsb")
 
 
 def _read_tsv(path: str) -> list[list[str]]:

@@ -29,8 +29,8 @@ from electra_jax.finetune import model as model_lib
 from electra_jax.finetune import optim, squad, tasks
 
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
-# Official defaults for epochs by task when config.epochs = 0.
-DEFAULT_EPOCHS, LONG_TASK_EPOCHS, SQUAD_EPOCHS = 3, 10, 2
+# The official epochs by task when config.epochs = 0 (any other task: 3).
+OFFICIAL_EPOCHS = {"rte": 10, "stsb": 10, "squad": 2}
 # Which epoch's model a seed keeps and reports: "last" (the official code: train all epochs,
 # then evaluate), or "best" (the best dev score over epochs: chosen on dev itself, so optimistic).
 KEEP_EPOCH = ("last", "best")
@@ -207,12 +207,8 @@ def validate(config) -> None:
 
 def epochs_for(config) -> int:
   """config.epochs, or the task's official count when it is 0 (before min_steps)."""
-  if config.epochs:
-    return config.epochs
-  if _is_squad(config):
-    return SQUAD_EPOCHS
-  task = str(config.task).lower().replace("-", "").replace("_", "")
-  return LONG_TASK_EPOCHS if task in tasks.TEN_EPOCH_TASKS else DEFAULT_EPOCHS
+  task = "squad" if _is_squad(config) else str(config.task).lower().replace("-", "").replace("_", "")
+  return config.epochs or OFFICIAL_EPOCHS.get(task, 3)
 
 
 def resolve_epochs(config, num_train: int) -> int:
