@@ -112,11 +112,6 @@ GLUE_TASKS = {
 TASK_NAMES = tuple(GLUE_TASKS) + ("custom",)
 
 
-def _read_tsv(path: str) -> list[list[str]]:
-  with open(path, encoding="utf-8-sig", newline="") as f:
-    return list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
-
-
 def _require_file(path: str, what: str) -> None:
   if not os.path.isfile(path):
     raise ConfigError(f"{what}: {path} does not exist. Check config.data_dir and the task name.")
@@ -124,7 +119,8 @@ def _require_file(path: str, what: str) -> None:
 
 def _glue_examples(task: GlueTask, path: str, labelled: bool) -> list[Example]:
   """The examples of a GLUE TSV, by its header's column names (CoLA's train and dev: by position)."""
-  rows = _read_tsv(path)
+  with open(path, encoding="utf-8-sig", newline="") as f:
+    rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
   if labelled and task.headerless_columns is not None:
     text_at, label_at = task.headerless_columns
     return [Example(row[text_at], None, row[label_at], i)
@@ -440,6 +436,5 @@ def write_predictions(path: str, indices: Sequence[int], predictions: Sequence[s
   """A GLUE submission file (`index<TAB>prediction` after a header), written atomically.
   GLUE's server wants <Task>.tsv (CoLA.tsv, MNLI-m.tsv, ...) zipped together."""
   lines = ["index\tprediction"] + [f"{int(i)}\t{p}" for i, p in zip(indices, predictions)]
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   atomic_write_bytes(path, ("\n".join(lines) + "\n").encode("utf-8"))
   return path
