@@ -413,6 +413,7 @@ def encode_examples(examples: Sequence[Example], tokenizer, max_seq_len: int, da
       rows.append(pack_pair(tokenizer, tokens_a[:max_seq_len - 2], None, max_seq_len))
     else:
       rows.append(pack_pair(tokenizer, *truncate_pair(tokens_a, next(ids_b), max_seq_len - 3), max_seq_len))
+  # [n, 3, max_seq_len] -> three [n, max_seq_len] (reshape keeps the shape when there are no rows)
   input_ids, token_type_ids, attention_mask = np.array(rows, np.int32).reshape(-1, 3, max_seq_len).transpose(1, 0, 2)
   width = min(max_seq_len, -(-int(attention_mask.sum(1).max(initial=1)) // PAD_MULTIPLE) * PAD_MULTIPLE)
   if data.kind == "classification":
