@@ -14,7 +14,7 @@ import numpy as np
 import safetensors.numpy
 from absl import logging
 
-from electra_jax import checkpointing, models
+from electra_jax import checkpointing, models, workdir_files
 from electra_jax.errors import ConfigError
 from electra_jax.finetune import model as model_lib
 from electra_jax.finetune import squad
@@ -29,7 +29,8 @@ def export_hf(workdir: str, out_dir: str, export_generator: bool = False) -> dic
   seed of a fine-tuning workdir's tasks <out_dir>/<task>/seed_<s> (config.json, model.safetensors, the
   tokenizer files) for transformers' Auto* classes. Logits match ours (SQuAD: where an answer may be;
   2.0's answerability head has no HF form). Returns {what: directory}."""
-  tasks = finetuned_tasks(workdir)
+  names = os.listdir(workdir) if os.path.isdir(workdir) else []
+  tasks = sorted(name for name in names if os.path.isfile(os.path.join(workdir, name, "results.json")))
   if not tasks:
     return export.export_workdir(workdir, out_dir, export_generator)
   if export_generator:
@@ -47,12 +48,6 @@ def export_hf(workdir: str, out_dir: str, export_generator: bool = False) -> dic
       written[f"{task}/seed_{seed}"] = directory = os.path.join(out_dir, task, f"seed_{seed}")
       _write(directory, backbone, head, restore_seed(workdir, task, seed, model))
   return written
-
-
-def finetuned_tasks(workdir: str) -> list[str]:
-  """The task folders of a fine-tuning workdir (each holds a results.json)."""
-  names = os.listdir(workdir) if os.path.isdir(workdir) else []
-  return sorted(name for name in names if os.path.isfile(os.path.join(workdir, name, "results.json")))
 
 
 def _classification_head(params, head: dict, encoder: models.EncoderConfig):
@@ -77,13 +72,8 @@ def _classification_head(params, head: dict, encoder: models.EncoderConfig):
   }
 
 
-def _encoder_model(backbone) -> models.ElectraEncoderModel:
-  """The backbone as the headless model whose weights interop.hf names (ElectraModel's)."""
-  return models.ElectraEncoderModel(**model_lib.sizes_of(backbone), config=backbone.encoder_config)
-
-
 def _hf_config(backbone, head: dict) -> dict:
-  settings = hf.hf_config_of(_encoder_model(backbone), "encoder", backbone.tokenizer.pad_id)
+  settings = hf.hf_config_of(backbone.model, "encoder", backbone.tokenizer.pad_id)
   if head["kind"] == "span":
     return dict(settings, architectures=["ElectraForQuestionAnswering"], num_labels=2)
   if head["kind"] == "regression":
@@ -104,8 +94,7 @@ class TaskModel(NamedTuple):
 def load_task_model(workdir: str, task: str) -> TaskModel:
   """One fine-tuned task from its results.json, refused before any checkpoint is read when Hugging
   Face has no class for it."""
-  with open(os.path.join(workdir, task, "results.json")) as f:
-    results = json.load(f)
+  results = workdir_files.read_json(os.path.join(workdir, task, "results.json"))
   head = results.get("head")
   if head is None:
     raise ConfigError(f"{workdir}/{task}/results.json predates exports (no 'head' entry); fine-tune again to "
@@ -141,7 +130,7 @@ def restore_seed(workdir: str, task: str, seed: int, model):
 
 def _write(directory: str, backbone, head: dict, params) -> None:
   tensors = {"electra." + name: value for name, value in hf.hf_weights_from_params(
-      _encoder_model(backbone), "encoder", {"embeddings": params["embeddings"], "encoder": params["encoder"]}).items()}
+      backbone.model, "encoder", {"embeddings": params["embeddings"], "encoder": params["encoder"]}).items()}
   if head["kind"] == "span":
     span = params["span_head"]["span_logits"]
     tensors["qa_outputs.weight"] = np.ascontiguousarray(np.asarray(span["kernel"], np.float32).T)
@@ -152,4 +141,4 @@ def _write(directory: str, backbone, head: dict, params) -> None:
   settings = json.dumps(_hf_config(backbone, head), indent=2, sort_keys=True)
   pathlib.Path(directory, "config.json").write_text(settings + "\n")
   safetensors.numpy.save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-  export.write_tokenizer_files(backbone.tokenizer, directory, backbone.max_position_embeddings)
+  export.write_tokenizer_files(backbone.tokenizer, directory, backbone.model.max_position_embeddings)

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from electra_jax import checkpointing, config_lib, data, random_ops, train
 from electra_jax.errors import ConfigError
-from electra_jax.models import Encoder, EncoderConfig, build_model, embeddings_for, tower_from_pretrainer
+from electra_jax.models import (Encoder, EncoderConfig, ElectraEncoderModel, build_model, embeddings_for,
+                                tower_from_pretrainer)
 
 # How the classifier reduces the final hidden states to one vector per example (head.pooling).
 POOLINGS = ("cls", "mean")
@@ -97,16 +98,17 @@ class ElectraClassifier(EncoderWithHead, kw_only=True):
 
 @dataclasses.dataclass
 class Backbone:
-  """The encoder a task head goes on: its sizes, its weights (None = random init) and its tokenizer."""
+  """The encoder a task head goes on: the headless model (its sizes and config), its weights (None =
+  random init) and its tokenizer."""
 
-  vocab_size: int
-  embedding_size: int
-  max_position_embeddings: int
-  type_vocab_size: int
-  encoder_config: EncoderConfig
+  model: ElectraEncoderModel
   params: dict | None  # {embeddings, encoder}
   tokenizer: Any
   source: str  # for the logs and results: where the weights came from
+
+  @property
+  def encoder_config(self) -> EncoderConfig:
+    return self.model.config
 
   def task_model(self, module_class, config, **head_fields):
     """`module_class` (ElectraClassifier, squad.SquadModel) over this encoder, with the fine-tuning
@@ -114,7 +116,7 @@ class Backbone:
     encoder_config = dataclasses.replace(
         self.encoder_config, dropout_rate=config.dropout_rate, attention_dropout_rate=config.attention_dropout_rate
     )
-    return module_class(**sizes_of(self), config=encoder_config, dtype=jnp.dtype(config.dtype), **head_fields)
+    return module_class(**sizes_of(self.model), config=encoder_config, dtype=jnp.dtype(config.dtype), **head_fields)
 
   def classifier(self, num_outputs: int, config) -> ElectraClassifier:
     return self.task_model(ElectraClassifier, config, num_outputs=num_outputs,
@@ -165,9 +167,8 @@ def _from_workdir(config, workdir: str) -> Backbone:
     _, tower_params = tower_from_pretrainer(setup.model, state.params, "discriminator")
     params = {"embeddings": tower_params["embeddings"], "encoder": tower_params["discriminator"]["encoder"]}
   # The discriminator reads the shared embeddings (embedding_size) in every model.tie mode.
-  return Backbone(**sizes_of(pretrainer),
-                  encoder_config=dataclasses.replace(pretrainer.discriminator_config, scan_layers=False),
-                  params=params, tokenizer=tokenizer, source=source)
+  encoder_config = dataclasses.replace(pretrainer.discriminator_config, scan_layers=False)
+  return Backbone(ElectraEncoderModel(**sizes_of(pretrainer), config=encoder_config), params, tokenizer, source)
 
 
 def _from_hf(config, path: str) -> Backbone:
@@ -187,7 +188,7 @@ def _from_hf(config, path: str) -> Backbone:
   lowercase, strip_accents = pairing.read_tokenizer_settings(path)
   lowercase = lowercase if config.lowercase is None else config.lowercase
   return Backbone(
-      **sizes_of(hf_model), encoder_config=hf_model.config,
+      ElectraEncoderModel(**sizes_of(hf_model), config=hf_model.config),
       params=None if config.random_init else {"embeddings": hf_params["embeddings"], "encoder": tower["encoder"]},
       tokenizer=_tokenizer_from_file(tokenizer_path, lowercase, strip_accents),
       source=f"random init (sizes of {path})" if config.random_init else f"Hugging Face {path}",
@@ -204,9 +205,9 @@ def _from_config(config) -> Backbone:
   config_lib.check_encoder_sizes(m, ("hidden_size", "num_layers", "num_heads", "intermediate_size", "embedding_size",
                                      "max_position_embeddings"), "config.model.", " (the random-init model's sizes)")
   tokenizer = _tokenizer_from_file(config.tokenizer, config.lowercase)
-  return Backbone(m.vocab_size or tokenizer.vocab_size, m.embedding_size, m.max_position_embeddings, 2,
-                  EncoderConfig(m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size), None, tokenizer,
-                  "random init (config.model)")
+  model = ElectraEncoderModel(m.vocab_size or tokenizer.vocab_size, m.embedding_size, m.max_position_embeddings, 2,
+                              EncoderConfig(m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size))
+  return Backbone(model, None, tokenizer, "random init (config.model)")
 
 
 def load_backbone(config) -> Backbone:
@@ -223,12 +224,12 @@ def load_backbone(config) -> Backbone:
   else:
     raise ConfigError(f"config.init_from={init_from!r} is neither a pre-training workdir (with checkpoints/) nor a "
                       "Hugging Face model directory (with config.json).")
-  if backbone.tokenizer.vocab_size > backbone.vocab_size:
+  if backbone.tokenizer.vocab_size > backbone.model.vocab_size:
     raise ConfigError(f"The tokenizer has {backbone.tokenizer.vocab_size} tokens but the model's vocabulary only "
-                      f"{backbone.vocab_size}; use the tokenizer the model was trained with.")
-  if config.max_seq_len > backbone.max_position_embeddings:
+                      f"{backbone.model.vocab_size}; use the tokenizer the model was trained with.")
+  if config.max_seq_len > backbone.model.max_position_embeddings:
     raise ConfigError(f"config.max_seq_len={config.max_seq_len} exceeds the model's max_position_embeddings="
-                      f"{backbone.max_position_embeddings}; lower max_seq_len.")
+                      f"{backbone.model.max_position_embeddings}; lower max_seq_len.")
   return backbone
 
 

@@ -50,9 +50,8 @@ def _log_progress(what: str, done: int, total: int, started: float) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class SquadExample:
-  """One question about one context. `answers` holds (text, answer_start) pairs, the start a
-  character offset into `context`; training uses the first, evaluation takes the best score over
-  all. An impossible (SQuAD 2.0) question has no answers and is_impossible=True."""
+  """One question about one context. `answers`: (text, character offset in `context`) pairs; training
+  uses the first, evaluation the best over all. An impossible (2.0) question has none."""
 
   qas_id: str
   question: str
@@ -226,10 +225,9 @@ def max_context_owner(windows: Sequence[tuple[int, int]], num_tokens: int) -> np
 
 @dataclasses.dataclass
 class SquadMetadata:
-  """What decoding needs besides the logits, one entry per feature row (window): its example's
-  index, the window's context tokens (window_start, window_length) and the position of its first
-  (context_offset); per example, each context token's [start, end) characters (int32 [n, 2]); per
-  row, bool [seq_len] flags of the positions whose max-context window it is (max_context)."""
+  """What decoding needs besides the logits. Per row: its example, its window of context tokens and
+  that window's first position, and bool [seq_len] flags of the positions it is the max-context
+  window of; per example: each context token's [start, end) characters (int32 [n, 2])."""
 
   example_index: np.ndarray
   window_start: np.ndarray
@@ -260,11 +258,9 @@ def make_features(
     *,
     is_training: bool,
 ) -> tuple[dict[str, np.ndarray], SquadMetadata]:
-  """(int32 FEATURE_KEYS arrays, SquadMetadata), one row per context window as the official code
-  builds them: [CLS] question (at most max_query_len tokens) [SEP] window [SEP], windows doc_stride
-  tokens apart. start/end_positions: the first answer's tokens in the row, or 0 ([CLS]) when the
-  window misses any of it; is_impossible: the question's label on all its rows. In training, a
-  question whose answer covers no token is left out (as the official code)."""
+  """(int32 FEATURE_KEYS arrays, SquadMetadata), a row per window as the official code builds them:
+  [CLS] question [SEP] window [SEP]. start/end_positions: the first answer's tokens, or 0 ([CLS]) when the
+  window misses any of it; is_impossible: the question's. Training leaves out answers that cover no token."""
   if max_query_len < 1 or doc_stride < 1:
     raise ConfigError(f"max_query_len={max_query_len} and doc_stride={doc_stride} must be >= 1.")
   if max_seq_len - max_query_len - 3 < 1:
@@ -275,7 +271,6 @@ def make_features(
   contexts: dict[str, tuple[list[int], np.ndarray]] = {}
   rows, meta = [], []  # per row: FEATURE_KEYS' values; (example, window_start, window_length, context_offset)
   token_char_spans, max_context, skipped, started = [], [], 0, time.time()
-  positions = np.arange(max_seq_len)
   for index, example in enumerate(examples):
     if example.context not in contexts:
       contexts[example.context] = _tokenize_context(example.context, word_tokenizer)
@@ -294,15 +289,10 @@ def make_features(
     windows = _windows(len(context_ids), max_seq_len - len(query_ids) - 3, doc_stride)
     owner = max_context_owner(windows, len(context_ids))
     for window, (start, length) in enumerate(windows):
-      # Rows become int32 arrays at once: lists of Python ints over SQuAD 2.0's training windows
-      # would take many times the memory.
-      ids = [tokenizer.cls_id, *query_ids, tokenizer.sep_id, *context_ids[start:start + length], tokenizer.sep_id]
-      input_ids = np.full(max_seq_len, tokenizer.pad_id, np.int32)
-      input_ids[:len(ids)] = ids
       inside = answer is not None and start <= answer[0] and answer[1] < start + length
-      rows.append((input_ids, ((positions >= offset) & (positions < len(ids))).astype(np.int32),
-                   (positions < len(ids)).astype(np.int32), answer[0] - start + offset if inside else 0,
-                   answer[1] - start + offset if inside else 0, int(example.is_impossible or not example.answers)))
+      rows.append((*tasks.pack_pair(tokenizer, query_ids, context_ids[start:start + length], max_seq_len),
+                   answer[0] - start + offset if inside else 0, answer[1] - start + offset if inside else 0,
+                   int(example.is_impossible or not example.answers)))
       meta.append((index, start, length, offset))
       max_context.append(np.zeros(max_seq_len, bool))
       max_context[-1][offset:offset + length] = owner[start:start + length] == window
@@ -390,11 +380,10 @@ def postprocess(
     *,
     version,
 ) -> tuple[dict[str, str], dict[str, float]]:
-  """(predictions {qas_id: text}, null_odds {qas_id: float}) from the [F, T] logits of make_features'
-  rows: per question the valid start/end pair (among each row's n_best) with the highest start +
-  end logit. For 2.0, null_odds is the smallest -answerable_logit over the question's rows, or
-  without answerable_logits, min(start[CLS] + end[CLS]) minus the best span's score; with a float
-  null_threshold, a question whose null_odds exceeds it gets "" (None: the best spans, to score)."""
+  """(predictions {qas_id: text}, null_odds {qas_id: float}): per question the valid span (of each
+  row's n_best starts and ends) with the highest start + end logit. 2.0's null_odds: min -answerable_logit
+  over the rows, or min(start[CLS] + end[CLS]) - the best span's score; "" where it exceeds a float
+  null_threshold (None: the best spans, to score)."""
   version = _check_version(version)
   start_logits, end_logits = np.asarray(start_logits, np.float32), np.asarray(end_logits, np.float32)
   num_rows = len(metadata)
@@ -544,9 +533,8 @@ def write_predictions(path: str, predictions: dict) -> None:
 
 
 class SquadModel(EncoderWithHead):
-  """Parameters {embeddings, encoder, span_head}. [B, T] inputs -> float32 [B, T, 3]: start logits,
-  end logits, and the answerability logit repeated along T (zeros without it), one array so the
-  trainer's predict can batch it; split_outputs takes it apart."""
+  """Parameters {embeddings, encoder, span_head}. [B, T] -> float32 [B, T, 3]: start, end and the
+  answerability logit along T (zeros without it), one array the trainer can batch (see split_outputs)."""
 
   answerable: bool = False
 
@@ -614,16 +602,9 @@ def load_squad(config, version: str) -> tuple[list[SquadExample], list[SquadExam
   return read_squad_json(paths[0], version), read_squad_json(paths[1], version)
 
 
-# squad_metrics' keys the trainer reports: percentages become fractions; the null-odds cuts reaching
-# best_exact / best_f1 (for --config.squad.null_threshold) are thresholds and stay as they are.
-_REPORTED = ("exact", "f1", "HasAns_exact", "HasAns_f1", "NoAns_exact", "NoAns_f1", "best_exact", "best_f1",
-             "best_exact_thresh", "best_f1_thresh")
-
-
 def make_adapter(config, backbone):
-  """The trainer's TaskAdapter for SQuAD: train and dev features, SquadModel, the per-row span loss,
-  dev EM/F1 as fractions after each epoch ("score" = F1), and the dev predictions in the official
-  JSON at the end."""
+  """The trainer's TaskAdapter for SQuAD: dev EM/F1 as fractions ("score" = F1) and the dev
+  predictions in the official JSON as its test files."""
   settings = squad_settings(config)
   version, tokenizer = settings.version, backbone.tokenizer
   train_examples, dev_examples = load_squad(config, version)
@@ -652,7 +633,10 @@ def make_adapter(config, backbone):
     predictions, null_odds = decode(predict)
     scores = squad_metrics(dev_examples, predictions, null_odds if version == "2.0" else None,
                            settings.null_threshold, version)
-    result = {key: scores[key] / (1.0 if key.endswith("_thresh") else 100.0) for key in _REPORTED if key in scores}
+    # Percentages become fractions; the null-odds cuts reaching best_exact / best_f1 (for
+    # --config.squad.null_threshold) are thresholds and stay as they are; the counts stay out.
+    result = {key: value / (1.0 if key.endswith("_thresh") else 100.0) for key, value in scores.items()
+              if not key.endswith("total")}
     return {f"squad{version}": dict(result, score=result["f1"])}
 
   def write_test(predict, directory):

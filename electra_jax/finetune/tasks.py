@@ -110,13 +110,6 @@ GLUE_TASKS = {
     "wnli": GlueTask("WNLI", _BINARY, _PAIR),  # GLUE writes its labels 0/1 (1 = entailment), as TFDS
 }
 TASK_NAMES = tuple(GLUE_TASKS) + ("custom",)
-# Official names for fine-tuning's default number of epochs (ELECTRA trains RTE and STS-B 10).
-TEN_EPOCH_TASKS = ("rte", "stsb")
-
-
-def _read_tsv(path: str) -> list[list[str]]:
-  with open(path, encoding="utf-8-sig", newline="") as f:
-    return list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
 
 
 def _require_file(path: str, what: str) -> None:
@@ -126,7 +119,8 @@ def _require_file(path: str, what: str) -> None:
 
 def _glue_examples(task: GlueTask, path: str, labelled: bool) -> list[Example]:
   """The examples of a GLUE TSV, by its header's column names (CoLA's train and dev: by position)."""
-  rows = _read_tsv(path)
+  with open(path, encoding="utf-8-sig", newline="") as f:
+    rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
   if labelled and task.headerless_columns is not None:
     text_at, label_at = task.headerless_columns
     return [Example(row[text_at], None, row[label_at], i)
@@ -389,32 +383,38 @@ def truncate_pair(tokens_a: list[int], tokens_b: list[int], max_tokens: int) -> 
   return tokens_a[:len_a], tokens_b[:max_tokens - len_a]
 
 
+def pack_pair(tokenizer, tokens_a: list[int], tokens_b: list[int] | None, width: int) -> list[np.ndarray]:
+  """[CLS] a [SEP] (b [SEP]) as int32 [width] input_ids, token_type_ids (1 from b on) and attention_mask:
+  the row layout of classification and SQuAD (question = a, context window = b). Arrays, not lists:
+  Python ints over SQuAD 2.0's training windows would take many times the memory."""
+  ids = [tokenizer.cls_id, *tokens_a, tokenizer.sep_id] + ([] if tokens_b is None else [*tokens_b, tokenizer.sep_id])
+  positions = np.arange(width)
+  input_ids = np.full(width, tokenizer.pad_id, np.int32)
+  input_ids[:len(ids)] = ids
+  return [input_ids, ((positions >= len(tokens_a) + 2) & (positions < len(ids))).astype(np.int32),
+          (positions < len(ids)).astype(np.int32)]
+
+
 # Rows are padded to a multiple of this (one compiled shape per split, even lengths for kernels).
 PAD_MULTIPLE = 8
 
 
 def encode_examples(examples: Sequence[Example], tokenizer, max_seq_len: int, data: TaskData) -> dict[str, np.ndarray]:
-  """[CLS] A [SEP] (B [SEP]) truncated to max_seq_len, token types 0 for A and 1 for B. Returns int32
-  input_ids / token_type_ids / attention_mask [n, width], labels [n] (int32 ids, or float32 for
-  regression; 0 where unlabelled) and the examples' index [n]. width is the longest row rounded up
-  to a multiple of PAD_MULTIPLE, at most max_seq_len: padding is masked out, so it saves compute."""
+  """pack_pair's rows truncated to max_seq_len, with labels [n] (int32 ids, or float32 for regression;
+  0 where unlabelled) and the examples' index [n]. The rows are as wide as the longest, rounded up to a
+  multiple of PAD_MULTIPLE (at most max_seq_len): padding is masked out, so it saves compute."""
   if max_seq_len < 3:
     raise ConfigError(f"config.max_seq_len={max_seq_len} leaves no room for text; use at least 3.")
   texts_b = [e.text_b for e in examples if e.text_b is not None]
   ids_b = iter(tokenizer.encode_batch(texts_b) if texts_b else [])
-  input_ids = np.full((len(examples), max_seq_len), tokenizer.pad_id, np.int32)
-  token_type_ids, attention_mask = np.zeros_like(input_ids), np.zeros_like(input_ids)
-  for row, (tokens_a, example) in enumerate(zip(tokenizer.encode_batch([e.text_a for e in examples]), examples)):
-    if example.text_b is not None:
-      tokens_a, tokens_b = truncate_pair(tokens_a, next(ids_b), max_seq_len - 3)
-      segment_b = tokens_b + [tokenizer.sep_id]
+  rows = []
+  for tokens_a, example in zip(tokenizer.encode_batch([e.text_a for e in examples]), examples):
+    if example.text_b is None:
+      rows.append(pack_pair(tokenizer, tokens_a[:max_seq_len - 2], None, max_seq_len))
     else:
-      tokens_a, segment_b = tokens_a[: max_seq_len - 2], []
-    segment_a = [tokenizer.cls_id] + tokens_a + [tokenizer.sep_id]
-    length = len(segment_a) + len(segment_b)
-    input_ids[row, :length] = segment_a + segment_b
-    token_type_ids[row, len(segment_a):length] = 1
-    attention_mask[row, :length] = 1
+      rows.append(pack_pair(tokenizer, *truncate_pair(tokens_a, next(ids_b), max_seq_len - 3), max_seq_len))
+  # [n, 3, max_seq_len] -> three [n, max_seq_len] (reshape keeps the shape when there are no rows)
+  input_ids, token_type_ids, attention_mask = np.array(rows, np.int32).reshape(-1, 3, max_seq_len).transpose(1, 0, 2)
   width = min(max_seq_len, -(-int(attention_mask.sum(1).max(initial=1)) // PAD_MULTIPLE) * PAD_MULTIPLE)
   if data.kind == "classification":
     label_to_id = {label: i for i, label in enumerate(data.label_list)}
@@ -437,6 +437,5 @@ def write_predictions(path: str, indices: Sequence[int], predictions: Sequence[s
   """A GLUE submission file (`index<TAB>prediction` after a header), written atomically.
   GLUE's server wants <Task>.tsv (CoLA.tsv, MNLI-m.tsv, ...) zipped together."""
   lines = ["index\tprediction"] + [f"{int(i)}\t{p}" for i, p in zip(indices, predictions)]
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   atomic_write_bytes(path, ("\n".join(lines) + "\n").encode("utf-8"))
   return path

@@ -4,6 +4,7 @@ over seeds. A `tasks.TaskAdapter` supplies the model, features, loss and evaluat
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -29,8 +30,8 @@ from electra_jax.finetune import model as model_lib
 from electra_jax.finetune import optim, squad, tasks
 
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
-# Official defaults for epochs by task when config.epochs = 0.
-DEFAULT_EPOCHS, LONG_TASK_EPOCHS, SQUAD_EPOCHS = 3, 10, 2
+# The official epochs by task when config.epochs = 0 (any other task: 3).
+OFFICIAL_EPOCHS = {"rte": 10, "stsb": 10, "squad": 2}
 # Which epoch's model a seed keeps and reports: "last" (the official code: train all epochs,
 # then evaluate), or "best" (the best dev score over epochs: chosen on dev itself, so optimistic).
 KEEP_EPOCH = ("last", "best")
@@ -136,12 +137,9 @@ def batches(features: dict[str, np.ndarray], batch_size: int, order: np.ndarray 
   order = np.arange(n) if order is None else order
   for start in range(0, n, batch_size):
     rows = order[start:start + batch_size]
-    real = len(rows)
-    if real < batch_size:
-      rows = np.concatenate([rows, np.full(batch_size - real, rows[0])])
-    batch = {name: array[rows] for name, array in features.items() if name != "index"}
-    batch["weights"] = (np.arange(batch_size) < real).astype(np.float32)
-    yield batch, real
+    weights = (np.arange(batch_size) < len(rows)).astype(np.float32)
+    rows = np.concatenate([rows, np.full(batch_size - len(rows), rows[0])])
+    yield dict({name: array[rows] for name, array in features.items() if name != "index"}, weights=weights)
 
 
 def _compiled_steps(config, adapter, backbone, steps_per_seed: int, learning_rate: float | None = None):
@@ -172,11 +170,9 @@ def _compiled_steps(config, adapter, backbone, steps_per_seed: int, learning_rat
 
 
 def _predictor(predict_step, params, batch_size: int):
-  def predict(features):
-    outputs = [np.asarray(predict_step(params, batch))[:real] for batch, real in batches(features, batch_size)]
-    return np.concatenate(outputs)
-
-  return predict
+  """features -> the model's outputs for their rows (the last batch's padding cut off)."""
+  return lambda features: np.concatenate(
+      [np.asarray(predict_step(params, batch)) for batch in batches(features, batch_size)])[:_num_examples(features)]
 
 
 def validate(config) -> None:
@@ -207,12 +203,8 @@ def validate(config) -> None:
 
 def epochs_for(config) -> int:
   """config.epochs, or the task's official count when it is 0 (before min_steps)."""
-  if config.epochs:
-    return config.epochs
-  if _is_squad(config):
-    return SQUAD_EPOCHS
-  task = str(config.task).lower().replace("-", "").replace("_", "")
-  return LONG_TASK_EPOCHS if task in tasks.TEN_EPOCH_TASKS else DEFAULT_EPOCHS
+  task = "squad" if _is_squad(config) else str(config.task).lower().replace("-", "").replace("_", "")
+  return config.epochs or OFFICIAL_EPOCHS.get(task, 3)
 
 
 def resolve_epochs(config, num_train: int) -> int:
@@ -258,8 +250,7 @@ def _check_results_of_same_config(config, task_dir: str) -> None:
   path = os.path.join(task_dir, "results.json")
   if not os.path.exists(path):
     return
-  with open(path) as f:
-    saved = _seed_settings(json.load(f).get("config") or {})
+  saved = _seed_settings(workdir_files.read_json(path).get("config") or {})
   changes = config_lib.changed_keys(saved, _seed_settings(config_lib.as_saved(config)))
   if changes:
     raise ConfigError(f"{path} holds the results of another config ({'; '.join(changes[:5])}); this run would "
@@ -275,8 +266,7 @@ def _finished_seeds(config, task_dir: str, task: str, seeds: list[int]) -> dict[
     path = os.path.join(task_dir, f"seed_{seed}", "metrics.json")
     if not os.path.exists(path):
       continue
-    with open(path) as f:
-      result = json.load(f)
+    result = workdir_files.read_json(path)
     if result.get("config_fingerprint") != fingerprint:
       raise ConfigError(f"{path} exists: this workdir already holds a finished {task} run for seed {seed}, fine-tuned "
                         "with another config. Use a new --workdir so it is not overwritten, or the same config to "
@@ -326,11 +316,11 @@ def _run_seed(config, adapter, backbone, seed: int, task_dir: str, epochs: int, 
   checkpointer = checkpointing.Checkpointer(seed_dir, keep=1)
   events = tensorboard_log.ScalarWriter(os.path.join(seed_dir, tensorboard_log.SUBDIR))  # each epoch's figures
   kept, history, step = None, [], 0
-  try:
+  with contextlib.closing(checkpointer), contextlib.closing(events):  # the checkpointer's close waits for its saves
     for epoch in range(epochs):
       order = np.random.default_rng([seed, epoch]).permutation(num_train)
       losses = []
-      for batch, _ in batches(adapter.train_features, config.batch_size, order):
+      for batch in batches(adapter.train_features, config.batch_size, order):
         rng = jax.random.fold_in(jax.random.key(seed), step)
         params, opt_state, loss = train_step(params, opt_state, batch, rng)
         losses.append(loss)
@@ -350,10 +340,6 @@ def _run_seed(config, adapter, backbone, seed: int, task_dir: str, epochs: int, 
       if config.keep_epoch == "last" or kept is None or score > kept["score"]:
         kept = dict(history[-1], params=jax.device_get(params))
         checkpointer.save(step, {"params": params}, {"epoch": epoch + 1, "dev": dev, "seed": seed})
-  finally:
-    checkpointer.wait()
-    checkpointer.close()
-    events.close()
 
   prediction_files = adapter.write_test(_predictor(predict_step, kept["params"], eval_batch_size),
                                         os.path.join(seed_dir, "predictions"))
