@@ -57,15 +57,14 @@ class HeldOutEvaluator:
       )
     num_batches = -(-num_rows // batch_size)
     local = slice(jax.process_index() * batch_size // processes, (jax.process_index() + 1) * batch_size // processes)
-    self._batches = [{"example_index": np.arange(i * batch_size, (i + 1) * batch_size, dtype=np.int32)[local]}
-                     for i in range(num_batches)]
+    padded = {"example_index": np.arange(num_batches * batch_size, dtype=np.int32)}
     # The first rows in storage order (packed rows with data.pack_rows): the same every time.
     for name, array in data.get_rows(held_out, np.arange(num_rows)).items():
       fill = held_out.tokenizer.pad_id if name == "input_ids" else 0
-      padded = np.full((num_batches * batch_size, array.shape[1]), fill, np.int32)
-      padded[:num_rows] = array
-      for i, batch in enumerate(padded.reshape(num_batches, batch_size, -1)):
-        self._batches[i][name] = batch[local]
+      padded[name] = np.full((num_batches * batch_size, array.shape[1]), fill, np.int32)
+      padded[name][:num_rows] = array
+    self._batches = [{name: rows[i * batch_size:(i + 1) * batch_size][local] for name, rows in padded.items()}
+                     for i in range(num_batches)]
     self.num_examples = num_rows
     self._seed = config.eval.seed
     self._keys = data.batch_keys(bool(config.data.pack_rows)) + ("example_index",)

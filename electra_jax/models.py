@@ -440,9 +440,7 @@ class Generator(_Tower):
 
 class Discriminator(_Tower):
   """Replaced-token detector: encoder, then dense(H->H) + GELU + dense(H->1) per token. `with_mlm=True` also
-  returns the logits of its `mlm_head` (vocab_head, prefix mlm_) at `mlm_positions` (all when None)."""
-
-  mlm_head: bool = False
+  returns the logits of its MLM head (vocab_head, prefix mlm_) at `mlm_positions` (all when None)."""
 
   @nn.compact
   def __call__(self, embedded, attention_mask, deterministic: bool, word_table=None, mlm_positions=None,
@@ -453,8 +451,6 @@ class Discriminator(_Tower):
     logits = logits[..., 0].astype(jnp.float32)  # [batch, seq]
     if not with_mlm:
       return logits
-    if not self.mlm_head:
-      raise ValueError("with_mlm=True needs a Discriminator built with mlm_head=True.")
     if mlm_positions is not None:
       encoded = jnp.take_along_axis(encoded, mlm_positions[..., None], axis=1)
     return logits, vocab_head(self, encoded, word_table, prefix="mlm_")
@@ -503,7 +499,7 @@ class ElectraPretrainer(nn.Module):
       self.generator = Generator(self.generator_config, self.generator_embedding_size, self.dtype,
                                  self.attention_impl, None if self.cloze_generator else shared, self.cloze_generator)
     self.discriminator = Discriminator(self.discriminator_config, self.embedding_size, self.dtype,
-                                       self.attention_impl, shared, mlm_head=self.discriminator_mlm_head)
+                                       self.attention_impl, shared)
 
   def _embed(self, embeddings: Embeddings, word_table, input_ids, token_type_ids, attention_mask, deterministic):
     """(the inputs embedded over `word_table`, the mask the towers read): packed rows' segment ids give positions
@@ -526,24 +522,21 @@ class ElectraPretrainer(nn.Module):
     """Electric's generator: [batch, seq] -> vocabulary logits at every position, float32."""
     return self.generator_logits(input_ids, token_type_ids, attention_mask, None, deterministic)
 
-  def _discriminate(self, input_ids, token_type_ids, attention_mask, deterministic: bool, **head):
-    """The discriminator tower over the shared word table, or for GDES stop_gradient(shared) + delta."""
+  def discriminator_logits(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True, **head):
+    """One "replaced" logit per token: [batch, seq] -> [batch, seq], float32; the discriminator reads the shared
+    word table, or for GDES stop_gradient(shared) + delta."""
     word_table = self.embeddings.word_table()
     if self.tie == "gdes":
       word_table = jax.lax.stop_gradient(word_table) + self.discriminator_word_delta
     embedded, mask = self._embed(self.embeddings, word_table, input_ids, token_type_ids, attention_mask, deterministic)
     return self.discriminator(embedded, mask, deterministic, word_table, **head)
 
-  def discriminator_logits(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
-    """One "replaced" logit per token: [batch, seq] -> [batch, seq], float32."""
-    return self._discriminate(input_ids, token_type_ids, attention_mask, deterministic)
-
   def discriminator_mlm_logits(self, input_ids, token_type_ids, attention_mask, mlm_positions=None,
                                deterministic: bool = True):
     """(per-token logits [batch, seq], the discriminator tower's MLM logits [batch, n, vocab] at
     `mlm_positions`, or [batch, seq, vocab] when None); needs discriminator_mlm_head."""
-    return self._discriminate(input_ids, token_type_ids, attention_mask, deterministic, with_mlm=True,
-                              mlm_positions=mlm_positions)
+    return self.discriminator_logits(input_ids, token_type_ids, attention_mask, deterministic, with_mlm=True,
+                                     mlm_positions=mlm_positions)
 
   def __call__(self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic: bool = True):
     """Both towers on the same input, which creates every parameter at init: (generator's logits or None,
@@ -572,7 +565,7 @@ def generator_encoder_config(discriminator: EncoderConfig, fraction: float) -> E
   return dataclasses.replace(discriminator, hidden_size=hidden, num_heads=num_heads, intermediate_size=intermediate)
 
 
-def _check_attention(config, discriminator: EncoderConfig) -> None:
+def _check_attention(config, discriminator: EncoderConfig, cloze: bool) -> None:
   """Refuses, before compiling, what the chosen attention kernel cannot take."""
   m = config.model
   if m.attention_impl not in ATTENTION_IMPLEMENTATIONS:
@@ -601,7 +594,7 @@ def _check_attention(config, discriminator: EncoderConfig) -> None:
           "heads): change model.hidden_size, model.num_heads or model.generator_fraction, or use "
           "model.attention_impl='xla'."
       )
-  if (config.data.pack_rows or config.objective.name == "electric") and config.data.max_seq_len % 2:
+  if (config.data.pack_rows or cloze) and config.data.max_seq_len % 2:
     raise ConfigError(
         f"model.attention_impl='cudnn' with packed rows or Electric trains through cuDNN's masked kernel, which "
         f"needs an even sequence length, but data.max_seq_len={config.data.max_seq_len}: make it even, or use "
@@ -622,7 +615,7 @@ def build_model(config) -> ElectraPretrainer:
     # `in` alone would take 1 and 0 for True and False.
     if not any(m[key] == value and type(m[key]) is type(value) for value in allowed):
       raise ConfigError(f"model.{key}={m[key]!r} is not one of {list(allowed)}.")
-  _check_attention(config, discriminator)
+  _check_attention(config, discriminator, objective.cloze)
   generator = generator_encoder_config(discriminator, m.generator_fraction)
   return ElectraPretrainer(
       vocab_size=m.vocab_size, embedding_size=m.embedding_size, max_position_embeddings=m.max_position_embeddings,
@@ -630,7 +623,7 @@ def build_model(config) -> ElectraPretrainer:
       dtype=jnp.dtype(config.train.dtype), attention_impl=m.attention_impl, tie=m.tie,
       has_generator=objective.has_generator,
       discriminator_mlm_head=objective.mlm_head or config.objective.disc_mlm_weight > 0,
-      cloze_generator=config.objective.name == "electric", packed=bool(config.data.pack_rows),
+      cloze_generator=objective.cloze, packed=bool(config.data.pack_rows),
   )
 
 

@@ -16,8 +16,6 @@ from electra_jax import random_ops
 from electra_jax.errors import ConfigError
 
 
-# BERT's masking for objective "mlm": of the chosen positions 80% [MASK], 10% a random token, 10% kept.
-_BERT_KEEP_PROB, _BERT_RANDOM_PROB = 0.1, 0.1
 _STAT_KEYS = (
     "mlm_loss_sum", "mlm_correct", "sampled_correct", "num_predictions", "disc_loss_sum",
     "disc_true_pos", "disc_false_pos", "disc_false_neg", "disc_true_neg", "num_tokens",
@@ -57,17 +55,8 @@ class ElectraObjective:
   disc_mlm_weight: float = 0.0
 
   @property
-  def never_masked_ids(self) -> tuple[int, ...]:
-    return (self.pad_id, self.cls_id, self.sep_id, self.mask_id)
-
-  @property
   def uses_generator(self) -> bool:
     return REGISTRY[self.name].has_generator
-
-  @property
-  def samples(self) -> bool:
-    """Whether replacements are sampled at a temperature (all but BERT's mlm)."""
-    return REGISTRY[self.name].samples
 
 
 def sampling_temperature(objective: ElectraObjective, step):
@@ -107,7 +96,8 @@ def _rows(batch_size: int) -> jax.Array:
 
 def candidate_mask(input_ids, attention_mask, objective: ElectraObjective):
   """[batch, seq] bool: the tokens masking may choose (not [CLS], [SEP], [MASK] or padding)."""
-  return attention_mask.astype(bool) & ~jnp.isin(input_ids, jnp.asarray(objective.never_masked_ids))
+  never_masked = jnp.asarray((objective.pad_id, objective.cls_id, objective.sep_id, objective.mask_id))
+  return attention_mask.astype(bool) & ~jnp.isin(input_ids, never_masked)
 
 
 def mask_tokens(rng, input_ids, attention_mask, objective: ElectraObjective) -> MaskedInputs:
@@ -193,11 +183,7 @@ def _max_and_argmax(z):
     index = jnp.argmax(z, axis=-1).astype(jnp.int32)
     return jnp.take_along_axis(z, index[..., None], axis=-1)[..., 0], index
 
-  def two_reductions(z):
-    top = z.max(-1)
-    return top, _index_of(z, top)
-
-  return jax.lax.platform_dependent(z, cpu=two_reductions, default=one_reduction)
+  return jax.lax.platform_dependent(z, cpu=_two_reductions, default=one_reduction)
 
 
 def _argmax_first(z):
@@ -205,14 +191,15 @@ def _argmax_first(z):
 
 
 def _argmax_two_reductions(z):
-  return _index_of(z, z.max(-1))
+  return _two_reductions(z)[1]
 
 
-def _index_of(z, top):
-  """The first index along the last axis where z equals `top`, searched in float32 (exact below 2**24)."""
+def _two_reductions(z):
+  """(maximum, its first index) along the last axis, the index searched in float32 (exact below 2**24)."""
   assert z.shape[-1] < 2**24, z.shape
+  top = z.max(-1)
   index = jax.lax.broadcasted_iota(jnp.float32, z.shape, z.ndim - 1)
-  return jnp.min(jnp.where(z == top[..., None], index, float(z.shape[-1])), -1).astype(jnp.int32)
+  return top, jnp.min(jnp.where(z == top[..., None], index, float(z.shape[-1])), -1).astype(jnp.int32)
 
 
 @jax.custom_vjp
@@ -721,6 +708,9 @@ class Registered:
   samples: bool = True  # replacements are sampled at a temperature
   mlm_head: bool = False  # the discriminator-sized tower has an MLM head
   disc_mlm: bool = False  # objective.disc_mlm_weight may add the tower's own MLM loss
+  cloze: bool = False  # the generator is Electric's two-tower cloze model, reading the unmasked input
+  # (keep_original_prob, random_token_prob) in place of (objective.keep_original_prob, 0).
+  masking: tuple[float, float] | None = None
   check: Callable = _nothing  # config -> None, raising ConfigError
   # Keys only this objective reads (the others ignore them), and keys it ignores.
   own_keys: tuple[str, ...] = ()
@@ -742,9 +732,11 @@ REGISTRY = {
     "electra_15": Registered(functools.partial(_electra, only_masked=True), disc_mlm=True),
     # Replacements drawn uniformly from the vocabulary; no generator runs.
     "uniform": Registered(_electra, has_generator=False, check=_check_no_generator_to_share),
-    # BERT: the discriminator-sized tower with an MLM head, 80/10/10 masking, no generator.
+    # BERT: the discriminator-sized tower with an MLM head, no generator, and of the chosen positions
+    # 80% [MASK], 10% a random token, 10% kept.
     "mlm": Registered(
-        _mlm, _mlm_metrics, has_generator=False, samples=False, mlm_head=True, check=_check_no_generator_to_share,
+        _mlm, _mlm_metrics, has_generator=False, samples=False, mlm_head=True, masking=(0.1, 0.1),
+        check=_check_no_generator_to_share,
         ignores=("objective.temperature", "objective.initial_temperature", "objective.temperature_decay_fraction",
                  "objective.disallow_correct", "objective.gen_weight", "objective.disc_weight",
                  "objective.keep_original_prob"),
@@ -755,7 +747,7 @@ REGISTRY = {
                             before_step=_start_second_stage, updates=_hold_other_stage,
                             start_run=_keep_two_stage_switch),
     "adversarial": Registered(_adversarial, _adversarial_metrics, own_keys=("objective.adversarial_mlm_weight",)),
-    "electric": Registered(_electric, _electric_metrics, check=_check_electric),
+    "electric": Registered(_electric, _electric_metrics, cloze=True, check=_check_electric),
 }
 OBJECTIVES = tuple(REGISTRY)
 
@@ -792,7 +784,7 @@ def check_config(config) -> None:
 def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjective:
   """`special_ids` maps pad/cls/sep/mask (and vocab_size) to the tokenizer's."""
   o = config.objective
-  bert_masking = o.name == "mlm"
+  keep_original_prob, random_token_prob = REGISTRY[o.name].masking or (o.keep_original_prob, 0.0)
   # No schedule (the same temperature at both ends, or no steps to fall over): None and 0, so
   # the objective, and the step compiled from it, is the constant temperature's.
   decay_steps = round(o.temperature_decay_fraction * config.train.steps)
@@ -800,11 +792,9 @@ def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjecti
   return ElectraObjective(
       mask_prob=o.mask_prob, max_predictions=official_max_predictions(o.mask_prob, config.data.max_seq_len),
       gen_weight=o.gen_weight, disc_weight=o.disc_weight, temperature=o.temperature,
-      keep_original_prob=_BERT_KEEP_PROB if bert_masking else o.keep_original_prob,
+      keep_original_prob=keep_original_prob, random_token_prob=random_token_prob,
       mask_id=special_ids["mask"], pad_id=special_ids["pad"], cls_id=special_ids["cls"], sep_id=special_ids["sep"],
-      name=o.name,
-      random_token_prob=_BERT_RANDOM_PROB if bert_masking else 0.0,
-      vocab_size=special_ids.get("vocab_size", config.model.vocab_size),
+      name=o.name, vocab_size=special_ids.get("vocab_size", config.model.vocab_size),
       switch_step=o.two_stage_switch or config.train.steps // 2,
       adversarial_mlm_weight=o.adversarial_mlm_weight,
       disallow_correct=o.disallow_correct,

@@ -182,7 +182,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
   metrics["grad_norm"] = jnp.sqrt(sum(jnp.vdot(g, g) for g in jax.tree.leaves(grads)))
   metrics["learning_rate"] = state.learning_rate_fn(state.step)
   # NaN where nothing is sampled: mlm's step then does not depend on the temperature keys.
-  metrics["sampling_temperature"] = jnp.asarray(temperature if objective.samples else jnp.nan, jnp.float32)
+  metrics["sampling_temperature"] = jnp.asarray(temperature if registered.samples else jnp.nan, jnp.float32)
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
@@ -412,9 +412,6 @@ def _warn_single_steps(config, steps_per_call: int) -> None:
     )
 
 
-AUTO_BATCH_SIZE = -1  # train.batch_size=-1: the largest batch that fits in device memory
-
-
 def special_ids(tokenizer) -> dict[str, int]:
   """The token ids build_setup needs from the corpus's tokenizer."""
   return dict(pad=tokenizer.pad_id, cls=tokenizer.cls_id, sep=tokenizer.sep_id, mask=tokenizer.mask_id,
@@ -435,7 +432,7 @@ def prepare(config):
         f"model.attention_impl='cudnn' is NVIDIA's fused attention, but the devices here are "
         f"{platform}: use model.attention_impl='xla' (or 'splash' on TPU)."
     )
-  auto_batch = config.train.batch_size == AUTO_BATCH_SIZE
+  auto_batch = config.train.batch_size == -1  # the largest batch that fits in device memory
   if not auto_batch:
     config_lib.validate_for_mesh(config, partitioning.batch_shards(mesh))
   logging.info("Mesh %s over %d %s devices.", dict(mesh.shape), mesh.size, platform)
