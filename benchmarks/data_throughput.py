@@ -98,12 +98,12 @@ def _time_training(config, steps):
       partitioning.global_batch_from_local(data.get_batch(corpus, i, batch_size, 0), mesh)
       for i in range(steps + 1)
   ]
-  state, metrics = step_fn(state, batches[0], train.step_rng(0, 0))  # warm-up
+  state, metrics = step_fn(state, batches[0], train.step_rng(0, 0), setup.schedule)  # warm-up
   jax.block_until_ready(metrics)
   seconds = []
   for i in range(steps):
     start = time.perf_counter()
-    state, metrics = step_fn(state, batches[i + 1], train.step_rng(0, i + 1))
+    state, metrics = step_fn(state, batches[i + 1], train.step_rng(0, i + 1), setup.schedule)
     jax.block_until_ready(metrics)
     seconds.append(time.perf_counter() - start)
   return batch_size * config.data.max_seq_len / statistics.median(seconds), seconds

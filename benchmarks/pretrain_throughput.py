@@ -88,10 +88,10 @@ def main(argv):
     i = 0
     while i < num_steps:
       if first_loss is None or per_call == 1 or num_steps - i < per_call:
-        state, metrics = step_fn(state, batches[i % len(batches)], train.step_rng(0, offset + i))
+        state, metrics = step_fn(state, batches[i % len(batches)], train.step_rng(0, offset + i), setup.schedule)
         i += 1
       else:
-        state, metrics = steps_fn(state, stacked[0], train.step_rngs(0, offset + i, per_call))
+        state, metrics = steps_fn(state, stacked[0], train.step_rngs(0, offset + i, per_call), setup.schedule)
         i += per_call
       if first_loss is None:  # the freshly initialized model on batch 0
         first_loss = float(metrics["loss"])

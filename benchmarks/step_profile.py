@@ -71,7 +71,7 @@ def main(argv):
     forward = jax.jit(loss)
     backward = jax.jit(jax.grad(loss))
     grads = backward(state.params) if _PARTS.value else None
-    update = jax.jit(lambda g, o, p: state.tx.update(g, o, p))
+    update = jax.jit(lambda g, o, p: state.tx.update(g, o, p, schedule=setup.schedule))
     gen_logits = jnp.zeros((*masked.positions.shape, state.model.vocab_size), jnp.float32)
     sample = jax.jit(lambda k, l: objectives.sample_tokens(k, l, objective.temperature, None))
 
@@ -86,7 +86,7 @@ def main(argv):
 
     def whole(s):
       for i in range(_STEPS.value):
-        s, metrics = step_fn(s, batch, train.step_rng(0, i))
+        s, metrics = step_fn(s, batch, train.step_rng(0, i), setup.schedule)
       return s, metrics
 
     state, metrics = whole(state)  # warm (the step donates its input state)

@@ -789,13 +789,16 @@ def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjecti
   # the objective, and the step compiled from it, is the constant temperature's.
   decay_steps = round(o.temperature_decay_fraction * config.train.steps)
   scheduled = decay_steps > 0 and o.initial_temperature != o.temperature
+  # Only the objective that owns the switch reads it: the others (and their compiled steps) stay
+  # the same whatever train.steps is.
+  switches = "objective.two_stage_switch" in REGISTRY[o.name].own_keys
   return ElectraObjective(
       mask_prob=o.mask_prob, max_predictions=official_max_predictions(o.mask_prob, config.data.max_seq_len),
       gen_weight=o.gen_weight, disc_weight=o.disc_weight, temperature=o.temperature,
       keep_original_prob=keep_original_prob, random_token_prob=random_token_prob,
       mask_id=special_ids["mask"], pad_id=special_ids["pad"], cls_id=special_ids["cls"], sep_id=special_ids["sep"],
       name=o.name, vocab_size=special_ids.get("vocab_size", config.model.vocab_size),
-      switch_step=o.two_stage_switch or config.train.steps // 2,
+      switch_step=(o.two_stage_switch or config.train.steps // 2) if switches else 0,
       adversarial_mlm_weight=o.adversarial_mlm_weight,
       disallow_correct=o.disallow_correct,
       initial_temperature=o.initial_temperature if scheduled else None,

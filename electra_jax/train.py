@@ -42,7 +42,6 @@ class TrainState:
   opt_state: Any
   model: ElectraPretrainer = flax.struct.field(pytree_node=False)
   tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
-  learning_rate_fn: Callable[[jax.Array], jax.Array] = flax.struct.field(pytree_node=False)
   objective: objectives.ElectraObjective = flax.struct.field(pytree_node=False)
   grad_accum_steps: int = flax.struct.field(pytree_node=False, default=1)
 
@@ -68,16 +67,42 @@ def scale_by_adam_without_bias_correction(b1: float, b2: float, eps: float):
   return optax.GradientTransformation(init, update)
 
 
-def learning_rate_schedule(base_lr: float, warmup_steps: int, total_steps: int):
-  """lr * min(1, step / warmup) * max(0, 1 - step / total): the official ELECTRA schedule."""
+@flax.struct.dataclass
+class Schedule:
+  """The official learning rate, peak * min(1, step / warmup) * max(0, 1 - step / total), with its
+  settings as float32 arrays. The compiled step takes it as an argument, so runs that differ only in
+  train.steps, the warmup or the peak rate (a resume with more steps, a time budget, a sweep over
+  rates) share one traced and compiled program."""
 
-  def schedule(step):
+  peak: jax.Array
+  # 1 / warmup and 1 / total in float32: XLA turns a division by a constant into this product, so
+  # the rates are the ones the same schedule with constant settings compiles to.
+  inverse_warmup: jax.Array
+  inverse_total: jax.Array
+
+  def __call__(self, step):
     step = jnp.asarray(step, jnp.float32)
-    warmup = jnp.minimum(1.0, step / max(warmup_steps, 1))
-    decay = jnp.maximum(0.0, 1.0 - step / total_steps)
-    return base_lr * warmup * decay
+    return self.peak * jnp.minimum(1.0, step * self.inverse_warmup) * jnp.maximum(0.0, 1.0 - step * self.inverse_total)
 
-  return schedule
+
+def learning_rate_schedule(base_lr: float, warmup_steps: int, total_steps: int) -> Schedule:
+  one = np.float32(1.0)
+  return Schedule(jnp.float32(base_lr), jnp.float32(one / np.float32(max(warmup_steps, 1))),
+                  jnp.float32(one / np.float32(total_steps)))
+
+
+def scale_by_schedule_argument() -> optax.GradientTransformationExtraArgs:
+  """optax.scale_by_learning_rate with the Schedule passed to update (`schedule=`) instead of built
+  in: the same state (the update count) and the same arithmetic."""
+
+  def update(updates, state, params=None, *, schedule: Schedule, **extra):
+    del params, extra
+    step_size = -1 * schedule(state.count)
+    updates = jax.tree.map(lambda g: jnp.array(step_size, dtype=g.dtype) * g, updates)
+    return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+  return optax.GradientTransformationExtraArgs(
+      lambda params: optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32)), update)
 
 
 def _decays(path, _) -> bool:
@@ -104,18 +129,17 @@ def warmup_note(config: ml_collections.ConfigDict) -> str | None:
 
 def make_optimizer(config: ml_collections.ConfigDict):
   """(tx, schedule): global-norm clipping, then AdamW (optax's, or the official one without bias
-  correction), under the official schedule."""
+  correction), scaled by the official schedule, which tx.update takes as `schedule=`."""
   o = config.optimizer
-  return _optimizer(o.learning_rate, warmup_steps(config), config.train.steps, o.bias_correction, o.b1, o.b2, o.eps,
-                    o.clip_norm, o.weight_decay)
+  tx = _optimizer(o.bias_correction, o.b1, o.b2, o.eps, o.clip_norm, o.weight_decay)
+  return tx, learning_rate_schedule(o.learning_rate, warmup_steps(config), config.train.steps)
 
 
 @functools.cache
-def _optimizer(learning_rate, warmup, steps, bias_correction, b1, b2, eps, clip_norm, weight_decay):
-  # One (tx, schedule) object per setting: they are static fields of TrainState, so a config
-  # trained again in this process (a notebook cell run twice, a resume, a sweep's runs) has an
-  # equal state structure and jax reuses the traced and compiled steps instead of tracing anew.
-  schedule = learning_rate_schedule(learning_rate, warmup, steps)
+def _optimizer(bias_correction, b1, b2, eps, clip_norm, weight_decay):
+  # One tx per setting: it is a static field of TrainState, so a config trained again in this
+  # process (a notebook cell run twice, a resume, a sweep's runs) has an equal state structure and
+  # jax reuses the traced and compiled steps instead of tracing anew.
   if bias_correction:
     adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
   else:
@@ -123,18 +147,17 @@ def _optimizer(learning_rate, warmup, steps, bias_correction, b1, b2, eps, clip_
   decay_mask = lambda params: jax.tree_util.tree_map_with_path(
       _decays, params, is_leaf=lambda x: isinstance(x, nn.Partitioned)
   )
-  tx = optax.chain(
+  return optax.chain(
       optax.clip_by_global_norm(clip_norm),
       adam,
       optax.add_decayed_weights(weight_decay, mask=decay_mask),
-      optax.scale_by_learning_rate(schedule),
+      scale_by_schedule_argument(),
   )
-  return tx, schedule
 
 
 # --- Update step
-def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
-  """One optimizer update on `batch` ([batch, seq] arrays). Masks are drawn for the whole batch first,
+def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array, schedule: Schedule):
+  """One optimizer update on `batch` ([batch, seq] arrays) at the learning rate `schedule` gives. Masks are drawn for the whole batch first,
   so micro-batch losses share whole-batch denominators and their gradients sum to the full one."""
   objective = state.objective
   registered = objectives.REGISTRY[objective.name]
@@ -176,19 +199,19 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array):
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grads_shape, stats_shape))
     (grads, stats), per_token = jax.lax.scan(accumulate, zeros, (micro_inputs, micro_dropout_rngs))
 
-  updates, opt_state = state.tx.update(grads, state.opt_state, params)
+  updates, opt_state = state.tx.update(grads, state.opt_state, params, schedule=schedule)
   params = optax.apply_updates(params, registered.updates(objective, updates, state.step))
   metrics = objectives.summarize(stats, per_token, objective)
   metrics["grad_norm"] = jnp.sqrt(sum(jnp.vdot(g, g) for g in jax.tree.leaves(grads)))
-  metrics["learning_rate"] = state.learning_rate_fn(state.step)
+  metrics["learning_rate"] = schedule(state.step)
   # NaN where nothing is sampled: mlm's step then does not depend on the temperature keys.
   metrics["sampling_temperature"] = jnp.asarray(temperature if registered.samples else jnp.nan, jnp.float32)
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def train_steps(state: TrainState, batches: dict[str, jax.Array], rngs: jax.Array):
+def train_steps(state: TrainState, batches: dict[str, jax.Array], rngs: jax.Array, schedule: Schedule):
   """train_step over batches and rngs stacked on a leading axis; each step's metrics stacked."""
-  return jax.lax.scan(lambda s, inputs: train_step(s, *inputs), state, (batches, rngs))
+  return jax.lax.scan(lambda s, inputs: train_step(s, *inputs, schedule), state, (batches, rngs))
 
 
 def step_rng(seed: int, step: int) -> jax.Array:
@@ -211,7 +234,6 @@ class StateInit:
   model: ElectraPretrainer
   objective: objectives.ElectraObjective
   tx: optax.GradientTransformation
-  schedule: Callable[[jax.Array], jax.Array]
   seq_len: int
   grad_accum_steps: int
 
@@ -220,13 +242,13 @@ class StateInit:
     positions = jnp.zeros((1, self.objective.max_predictions), jnp.int32)
     params = self.model.init(rng, ids, ids, jnp.ones_like(ids), positions)["params"]
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params), model=self.model,
-                      tx=self.tx, learning_rate_fn=self.schedule, objective=self.objective,
+                      tx=self.tx, objective=self.objective,
                       grad_accum_steps=self.grad_accum_steps)
 
 
 def make_init_fn(config, model: ElectraPretrainer, objective) -> StateInit:
-  tx, schedule = make_optimizer(config)
-  return StateInit(model, objective, tx, schedule, config.data.max_seq_len, config.train.grad_accum_steps)
+  tx, _ = make_optimizer(config)
+  return StateInit(model, objective, tx, config.data.max_seq_len, config.train.grad_accum_steps)
 
 
 def _unboxed_init(init: StateInit, rng: jax.Array) -> TrainState:
@@ -328,6 +350,7 @@ class TrainingSetup:
   state_shardings: TrainState  # NamedSharding leaves
   abstract_state: TrainState  # ShapeDtypeStruct leaves carrying those shardings
   param_shapes: dict[str, list[int]]
+  schedule: Schedule  # train_step's last argument
 
 
 def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
@@ -346,7 +369,8 @@ def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
   abstract_state = jax.tree.map(
       lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), nn.meta.unbox(boxed_shapes), state_shardings
   )
-  return TrainingSetup(model, objective, init_fn, state_shardings, abstract_state, param_shapes(boxed_shapes.params))
+  return TrainingSetup(model, objective, init_fn, state_shardings, abstract_state, param_shapes(boxed_shapes.params),
+                       make_optimizer(config)[1])
 
 
 def batch_keys(config) -> tuple[str, ...]:
@@ -370,9 +394,10 @@ def compile_train_step(setup: TrainingSetup, config, mesh, num_steps: int | None
       name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding) for name in batch_keys(config)
   }
   abstract_rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=replicated)
-  jitted = jax.jit(fn, in_shardings=(setup.state_shardings, batch_sharding, replicated),
+  abstract_schedule = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated), setup.schedule)
+  jitted = jax.jit(fn, in_shardings=(setup.state_shardings, batch_sharding, replicated, replicated),
                    out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,))
-  return jitted.lower(setup.abstract_state, abstract_batch, abstract_rng).compile()
+  return jitted.lower(setup.abstract_state, abstract_batch, abstract_rng, abstract_schedule).compile()
 
 
 def compile_train_steps(setup: TrainingSetup, config, mesh, num_steps: int):
@@ -712,11 +737,11 @@ def measure_step_time(config, setup: TrainingSetup, mesh, corpus) -> StepTiming:
     local = data.get_batch(corpus, 0, config.train.batch_size, seed, jax.process_index(), jax.process_count())
     batch = partitioning.global_batch_from_local(local, mesh, keys=batch_keys(config))
     rng = step_rng(seed, 0)
-    (state, _), _ = _timed(step_fn, fresh_state(setup, seed), batch, rng)
+    (state, _), _ = _timed(step_fn, fresh_state(setup, seed), batch, rng, setup.schedule)
 
     def timed_steps(state):
       for _ in range(_TIMED_STEPS):
-        state, metrics = step_fn(state, batch, rng)
+        state, metrics = step_fn(state, batch, rng, setup.schedule)
       return state, metrics
 
     (state, _), seconds = _timed(timed_steps, state)
@@ -870,10 +895,10 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
           local = [next(batches) for _ in range(num_steps)]
           stacked = {name: np.stack([b[name] for b in local]) for name in keys}
           batch = partitioning.global_batch_from_local(stacked, mesh, stacked=True)
-          state, metrics = compiled_steps(state, batch, step_rngs(seed, step, num_steps))
+          state, metrics = compiled_steps(state, batch, step_rngs(seed, step, num_steps), setup.schedule)
         else:
           batch = partitioning.global_batch_from_local(next(batches), mesh, keys=keys)
-          state, metrics = compiled_step(state, batch, step_rng(seed, step))
+          state, metrics = compiled_step(state, batch, step_rng(seed, step), setup.schedule)
         step += num_steps
         window_steps += num_steps
         window.append(metrics)

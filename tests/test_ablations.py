@@ -388,7 +388,7 @@ def test_two_stage_trains_the_generator_then_a_discriminator_started_from_it():
     history = [jax.device_get(state.params)]
     for step in range(4):
       batch = partitioning.global_batch_from_local(data.get_batch(corpus, step, 8, 0), mesh)
-      state, _ = step_fn(state, batch, train.step_rng(0, step))
+      state, _ = step_fn(state, batch, train.step_rng(0, step), setup.schedule)
       history.append(jax.device_get(state.params))
   changed = lambda a, b: any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))  # noqa: E731
   # Stage one (steps 0, 1): only the generator (and the shared embeddings) move.

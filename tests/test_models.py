@@ -544,9 +544,10 @@ def test_a_pretraining_step_with_all_options_on():
   ids, types, mask = _inputs(batch=4, seq=16)
   batch = dict(input_ids=ids, token_type_ids=types, attention_mask=mask)
   step = jax.jit(train.train_step)
-  state_after, metrics = step(state, batch, train.step_rng(0, 0))
+  schedule = train.make_optimizer(config)[1]
+  state_after, metrics = step(state, batch, train.step_rng(0, 0), schedule)
   assert np.isfinite(float(metrics["loss"])) and float(metrics["loss"]) > 0
-  state_after, metrics = step(state_after, batch, train.step_rng(0, 1))  # step 0's learning rate is 0
+  state_after, metrics = step(state_after, batch, train.step_rng(0, 1), schedule)  # step 0's learning rate is 0
   assert np.isfinite(float(metrics["loss"]))
   for tower in ("generator", "discriminator"):
     before = state.params[tower]["encoder"]["final_layer_norm"]["scale"]

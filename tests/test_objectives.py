@@ -215,8 +215,8 @@ def test_the_default_temperature_compiles_the_constant_step():
   assert _traced_step(**{"objective.initial_temperature": 2.0, "objective.temperature_decay_fraction": 0.5})[0] != reference[0]
   losses = []
   for overrides in ({}, {"objective.initial_temperature": 1.0, "objective.temperature_decay_fraction": 1.0}):
-    state, batch = _tiny_state_and_batch(**overrides)
-    losses.append(float(jax.jit(train.train_step)(state, batch, train.step_rng(0, 0))[1]["loss"]))
+    state, batch, schedule = _tiny_state_and_batch(**overrides)
+    losses.append(float(jax.jit(train.train_step)(state, batch, train.step_rng(0, 0), schedule)[1]["loss"]))
   assert losses[0] == losses[1]
 
 
@@ -226,7 +226,8 @@ def _tiny_state_and_batch(**overrides):
   objective = objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4, vocab_size=300))
   state = nn.meta.unbox(train.make_init_fn(config, model, objective)(jax.random.key(0)))
   ids, mask = _random_batch(0, batch=config.train.batch_size, seq=config.data.max_seq_len)
-  return state, {"input_ids": jnp.asarray(ids), "token_type_ids": jnp.zeros_like(ids), "attention_mask": jnp.asarray(mask)}
+  batch = {"input_ids": jnp.asarray(ids), "token_type_ids": jnp.zeros_like(ids), "attention_mask": jnp.asarray(mask)}
+  return state, batch, train.make_optimizer(config)[1]
 
 
 class _RecordingModel:
@@ -449,7 +450,7 @@ def _traced_step(**overrides):
   shape = (config.train.batch_size, config.data.max_seq_len)
   batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in train.batch_keys(config)}
   with partitioning.activate(mesh):
-    jaxpr = jax.make_jaxpr(train.train_step)(state, batch, jax.eval_shape(lambda: jax.random.key(0)))
+    jaxpr = jax.make_jaxpr(train.train_step)(state, batch, jax.eval_shape(lambda: jax.random.key(0)), setup.schedule)
   return str(jaxpr), setup.param_shapes
 
 
@@ -489,9 +490,9 @@ def test_a_registered_objective_trains_through_the_step_with_its_hooks(monkeypat
   config_lib.validate(tiny_config(**{"objective.name": "frozen_generator"}))
   with pytest.raises(config_lib.ConfigError, match="samples at temperature 1.0"):
     config_lib.validate(tiny_config(**{"objective.name": "frozen_generator", "objective.temperature": 2.0}))
-  state, batch = _tiny_state_and_batch(**{"objective.name": "frozen_generator"})
+  state, batch, schedule = _tiny_state_and_batch(**{"objective.name": "frozen_generator"})
   step = jax.jit(train.train_step)
-  after, metrics = step(*step(state, batch, train.step_rng(0, 0))[:1], batch, train.step_rng(0, 1))  # lr(0) = 0
+  after, metrics = step(step(state, batch, train.step_rng(0, 0), schedule)[0], batch, train.step_rng(0, 1), schedule)  # lr(0) = 0
   moved = lambda part: any(  # noqa: E731
       not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.params[part]), jax.tree.leaves(after.params[part])))
   assert not moved("generator") and moved("discriminator") and np.isfinite(float(metrics["disc_auc"]))
