@@ -31,7 +31,7 @@ class ElectraObjective:
   max_predictions: int  # N: masked-position slots per example
   gen_weight: float
   disc_weight: float
-  temperature: float  # the sampling temperature from temperature_decay_steps on, and in evaluation
+  temperature: float  # the sampling temperature once the schedule has fallen, and in evaluation
   keep_original_prob: float  # share of chosen positions left unmasked (official: 0.15)
   mask_id: int
   pad_id: int
@@ -47,9 +47,8 @@ class ElectraObjective:
   # The official option: the original's logit loses 1000 before sampling, so every masked position is replaced.
   disallow_correct: bool = False
   # The sampling temperature at step 0 (None: `temperature`), falling linearly to `temperature`
-  # at step temperature_decay_steps (see sampling_temperature).
+  # over the steps the run's schedule gives (see sampling_temperature).
   initial_temperature: float | None = None
-  temperature_decay_steps: int = 0
   # electra / electra_15: the weight of the discriminator's own MLM loss at the masked positions
   # of the corrupted input (0: none, and the discriminator has no MLM head).
   disc_mlm_weight: float = 0.0
@@ -63,13 +62,22 @@ class ElectraObjective:
     return REGISTRY[self.name].has_generator
 
 
-def sampling_temperature(objective: ElectraObjective, step):
+def temperature_decay_steps(config) -> int:
+  """The steps over which the sampling temperature falls to objective.temperature (0: no schedule)."""
+  o = config.objective
+  decay_steps = round(o.temperature_decay_fraction * config.train.steps)
+  return decay_steps if decay_steps > 0 and o.initial_temperature != o.temperature else 0
+
+
+def sampling_temperature(objective: ElectraObjective, step, inverse_decay_steps=None):
   """The sampling temperature at `step` (traced or not), a function of the step alone so a resumed run
-  samples as an uninterrupted one; without a schedule the Python float objective.temperature."""
+  samples as an uninterrupted one: it falls from objective.initial_temperature over 1 / inverse_decay_steps
+  steps (a float32 array, so the compiled step does not depend on the count); without a schedule the
+  Python float objective.temperature."""
   initial, final = objective.initial_temperature, objective.temperature
-  if initial is None or initial == final or objective.temperature_decay_steps <= 0:
+  if initial is None or initial == final:
     return final
-  progress = jnp.minimum(jnp.asarray(step, jnp.float32) / objective.temperature_decay_steps, 1.0)
+  progress = jnp.minimum(jnp.asarray(step, jnp.float32) * inverse_decay_steps, 1.0)
   return initial + (final - initial) * progress
 
 
@@ -788,10 +796,9 @@ def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjecti
   """`special_ids` maps pad/cls/sep/mask (and vocab_size) to the tokenizer's."""
   o = config.objective
   keep_original_prob, random_token_prob = REGISTRY[o.name].masking or (o.keep_original_prob, 0.0)
-  # No schedule (the same temperature at both ends, or no steps to fall over): None and 0, so
-  # the objective, and the step compiled from it, is the constant temperature's.
-  decay_steps = round(o.temperature_decay_fraction * config.train.steps)
-  scheduled = decay_steps > 0 and o.initial_temperature != o.temperature
+  # No schedule (the same temperature at both ends, or no steps to fall over): None, so the
+  # objective, and the step compiled from it, is the constant temperature's.
+  scheduled = temperature_decay_steps(config) > 0
   # Only the objective that owns the switch reads it: the others (and their compiled steps) stay
   # the same whatever train.steps is.
   switches = "objective.two_stage_switch" in REGISTRY[o.name].own_keys
@@ -805,6 +812,5 @@ def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjecti
       adversarial_mlm_weight=o.adversarial_mlm_weight,
       disallow_correct=o.disallow_correct,
       initial_temperature=o.initial_temperature if scheduled else None,
-      temperature_decay_steps=decay_steps if scheduled else 0,
       disc_mlm_weight=o.disc_mlm_weight,
   )

@@ -69,26 +69,31 @@ def scale_by_adam_without_bias_correction(b1: float, b2: float, eps: float):
 
 @flax.struct.dataclass
 class Schedule:
-  """The official learning rate, peak * min(1, step / warmup) * max(0, 1 - step / total), with its
-  settings as float32 arrays. The compiled step takes it as an argument, so runs that differ only in
+  """What changes with the step, with its settings as float32 arrays: the official learning rate,
+  peak * min(1, step / warmup) * max(0, 1 - step / total), and the steps over which the sampling
+  temperature falls. The compiled step takes it as an argument, so runs that differ only in
   train.steps, the warmup or the peak rate (a resume with more steps, a time budget, a sweep over
   rates) share one traced and compiled program."""
 
   peak: jax.Array
-  # 1 / warmup and 1 / total in float32: XLA turns a division by a constant into this product, so
-  # the rates are the ones the same schedule with constant settings compiles to.
+  # 1 / warmup, 1 / total and 1 / the temperature's decay steps in float32: XLA turns a division by
+  # a constant into this product, so the values are the ones constant settings compile to.
   inverse_warmup: jax.Array
   inverse_total: jax.Array
+  inverse_temperature_decay: jax.Array  # 0: no temperature schedule
 
   def __call__(self, step):
     step = jnp.asarray(step, jnp.float32)
     return self.peak * jnp.minimum(1.0, step * self.inverse_warmup) * jnp.maximum(0.0, 1.0 - step * self.inverse_total)
 
 
-def learning_rate_schedule(base_lr: float, warmup_steps: int, total_steps: int) -> Schedule:
-  one = np.float32(1.0)
-  return Schedule(jnp.float32(base_lr), jnp.float32(one / np.float32(max(warmup_steps, 1))),
-                  jnp.float32(one / np.float32(total_steps)))
+def learning_rate_schedule(base_lr: float, warmup_steps: int, total_steps: int,
+                           temperature_decay_steps: int = 0) -> Schedule:
+  def inverse(steps: int) -> jax.Array:
+    return jnp.float32(np.float32(1.0) / np.float32(steps) if steps else 0.0)
+
+  return Schedule(jnp.float32(base_lr), inverse(max(warmup_steps, 1)), inverse(total_steps),
+                  inverse(temperature_decay_steps))
 
 
 def scale_by_schedule_argument() -> optax.GradientTransformationExtraArgs:
@@ -132,7 +137,8 @@ def make_optimizer(config: ml_collections.ConfigDict):
   correction), scaled by the official schedule, which tx.update takes as `schedule=`."""
   o = config.optimizer
   tx = _optimizer(o.bias_correction, o.b1, o.b2, o.eps, o.clip_norm, o.weight_decay)
-  return tx, learning_rate_schedule(o.learning_rate, warmup_steps(config), config.train.steps)
+  return tx, learning_rate_schedule(o.learning_rate, warmup_steps(config), config.train.steps,
+                                    objectives.temperature_decay_steps(config))
 
 
 @functools.cache
@@ -169,7 +175,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array, s
       masked, batch["attention_mask"],
       objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective),
   )
-  temperature = objectives.sampling_temperature(objective, state.step)
+  temperature = objectives.sampling_temperature(objective, state.step, schedule.inverse_temperature_decay)
 
   def loss_fn(params, micro_batch, micro_masked, micro_sample_keys, micro_dropout_rng):
     return objectives.electra_forward(
@@ -717,7 +723,7 @@ class StepTiming(NamedTuple):
   """What measure_step_time found, in seconds."""
 
   step: float  # one compiled training step
-  compile: float  # compiling the step and the evaluation, which the run does again
+  compile: float  # compiling the step and the evaluation (again only if the objective reads train.steps)
   evaluation: float  # one held-out evaluation (0 without eval.every_steps)
 
 
@@ -774,8 +780,14 @@ def resolve_time_budget(config, workdir: str, start_step: int | None, mesh, corp
     logging.info("train.time_budget=%s: train.steps=%d, as this workdir's config.json records.", t.time_budget, steps)
   else:
     timing = measure_step_time(config, setup, mesh, corpus)
-    budget = config_lib.parse_duration(t.time_budget)
-    steps = budget_steps(budget, _budget_clock() - started, timing, config.eval.every_steps, start_step or 0)
+    budget, elapsed = config_lib.parse_duration(t.time_budget), _budget_clock() - started
+    steps = budget_steps(budget, elapsed, timing._replace(compile=0.0), config.eval.every_steps, start_step or 0)
+    # The schedule is an argument of the compiled step: it compiles again only for an objective
+    # that reads train.steps (two_stage's switch at half the run).
+    sized = config.copy_and_resolve_references()
+    sized.train.steps = steps
+    if objectives.objective_from_config(sized, special_ids(corpus.tokenizer)) != setup.objective:
+      steps = budget_steps(budget, elapsed, timing, config.eval.every_steps, start_step or 0)
     logging.info(
         "train.time_budget=%s: measured %.4g s/step (compiling %.1f s, evaluation %.1f s), training %d steps.",
         t.time_budget, timing.step, timing.compile, timing.evaluation, steps,

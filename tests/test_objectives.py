@@ -193,18 +193,21 @@ def test_disc_auc_by_how_likely_the_generator_found_the_replacement():
 
 
 def test_sampling_temperature_falls_linearly_then_stays():
-  objective = _objective(temperature=1.0, initial_temperature=3.0, temperature_decay_steps=10)
+  objective = _objective(temperature=1.0, initial_temperature=3.0)
+  inverse_decay = train.learning_rate_schedule(1e-3, 1, 100, temperature_decay_steps=10).inverse_temperature_decay
   for step, want in [(0, 3.0), (5, 2.0), (10, 1.0), (25, 1.0)]:
-    assert float(objectives.sampling_temperature(objective, jnp.int32(step))) == want, step
+    assert float(objectives.sampling_temperature(objective, jnp.int32(step), inverse_decay)) == want, step
   # No schedule: the constant itself, a Python float, so nothing is traced.
-  for constant in (_objective(temperature=2.0), _objective(initial_temperature=1.0, temperature_decay_steps=10),
-                   _objective(initial_temperature=3.0, temperature_decay_steps=0)):
-    assert objectives.sampling_temperature(constant, jnp.int32(3)) is constant.temperature
-  # From the config: the decay ends at round(fraction * train.steps).
+  for constant in (_objective(temperature=2.0), _objective(initial_temperature=1.0)):
+    assert objectives.sampling_temperature(constant, jnp.int32(3), inverse_decay) is constant.temperature
+  # From the config: the decay ends at round(fraction * train.steps), and none is no schedule.
   config = tiny_config(**{"train.steps": 30, "objective.initial_temperature": 2.0,
                           "objective.temperature_decay_fraction": 0.25})
   objective = objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4))
-  assert (objective.initial_temperature, objective.temperature_decay_steps) == (2.0, 8)
+  assert objective.initial_temperature == 2.0 and objectives.temperature_decay_steps(config) == 8
+  assert float(train.make_optimizer(config)[1].inverse_temperature_decay) == np.float32(1) / np.float32(8)
+  config.objective.temperature_decay_fraction = 0.01  # round(0.3) = 0 steps to fall over
+  assert objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4)).initial_temperature is None
 
 
 def test_the_default_temperature_compiles_the_constant_step():

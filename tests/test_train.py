@@ -592,6 +592,17 @@ def test_the_time_budget_fixes_train_steps_so_the_schedule_ends_with_it(budget_r
   assert train.budget_steps(10.0, 20.0, timing, eval_every=0, start_step=5) == 6  # spent: one step
 
 
+def test_the_time_budget_counts_compiling_again_only_for_an_objective_that_reads_train_steps(tmp_path, monkeypatch):
+  """The schedule (rate and temperature) is an argument of the compiled step, so fixing train.steps
+  reuses the step timed; two_stage's switch (half the run) changes the objective, which compiles again."""
+  monkeypatch.setattr(train, "measure_step_time", lambda *args: train.StepTiming(step=0.5, compile=2.0, evaluation=0.0))
+  for overrides, want in (({}, 9), ({"objective.name": "two_stage", "model.generator_fraction": 1.0}, 5)):
+    config = tiny_config(**_BUDGET, **overrides)  # floor(5 * 0.97 / 0.5) = 9; floor((5 - 2) * 0.97 / 0.5) = 5
+    mesh, corpus, setup = train.prepare(config)
+    train.resolve_time_budget(config, str(tmp_path), None, mesh, corpus, setup, train._budget_clock())
+    assert config.train.steps == want, overrides
+
+
 def test_a_resume_with_the_same_time_budget_keeps_its_steps_and_is_bit_exact(tmp_path, monkeypatch, budget_run):
   # 9 steps (floor(4.85 / 0.5)); the temperature falls over round(4.5) = 4 of them.
   want = _metrics(budget_run[0])
