@@ -163,8 +163,9 @@ def _optimizer(bias_correction, b1, b2, eps, clip_norm, weight_decay):
 
 # --- Update step
 def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array, schedule: Schedule):
-  """One optimizer update on `batch` ([batch, seq] arrays) at the learning rate `schedule` gives. Masks are drawn for the whole batch first,
-  so micro-batch losses share whole-batch denominators and their gradients sum to the full one."""
+  """One optimizer update on `batch` ([batch, seq] arrays) at the rate and temperature `schedule` gives.
+  Masks are drawn for the whole batch first, so micro-batch losses share whole-batch denominators and
+  their gradients sum to the full one."""
   objective = state.objective
   registered = objectives.REGISTRY[objective.name]
   params = registered.before_step(objective, state.params, state.step)
