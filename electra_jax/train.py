@@ -401,7 +401,8 @@ def compile_train_step(setup: TrainingSetup, config, mesh, num_steps: int | None
       name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding) for name in batch_keys(config)
   }
   abstract_rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=replicated)
-  abstract_schedule = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated), setup.schedule)
+  abstract_schedule = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated),
+                                   setup.schedule)
   jitted = jax.jit(fn, in_shardings=(setup.state_shardings, batch_sharding, replicated, replicated),
                    out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,))
   return jitted.lower(setup.abstract_state, abstract_batch, abstract_rng, abstract_schedule).compile()

@@ -133,13 +133,15 @@ def test_a_config_built_again_has_the_same_state_structure_so_its_traced_step_is
     state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), setup.abstract_state)
     batch = {k: jax.ShapeDtypeStruct((8, 32), jnp.int32) for k in ("input_ids", "token_type_ids", "attention_mask")}
     with partitioning.activate(mesh):
-      return str(jax.make_jaxpr(train.train_step)(state, batch, jax.eval_shape(lambda: jax.random.key(0)), setup.schedule))
+      rng = jax.eval_shape(lambda: jax.random.key(0))
+      return str(jax.make_jaxpr(train.train_step)(state, batch, rng, setup.schedule))
 
   for change in ({}, {"train.steps": 7}, {"optimizer.learning_rate": 2e-3}, {"optimizer.warmup_steps": 5}):
     again = train.build_setup(tiny_config(**change), mesh, ids)
     assert jax.tree.structure(again.abstract_state) == jax.tree.structure(first.abstract_state), change
     assert again.init_fn == first.init_fn and hash(again.init_fn) == hash(first.init_fn), change
-    assert (float(again.schedule(1)), float(again.schedule(6))) != (float(first.schedule(1)), float(first.schedule(6))) or not change
+    rates = lambda setup: (float(setup.schedule(1)), float(setup.schedule(6)))  # noqa: E731
+    assert (rates(again) != rates(first)) == bool(change), change
   assert traced(train.build_setup(tiny_config(**{"train.steps": 7}), mesh, ids)) == traced(first)
   for change in ({"optimizer.bias_correction": False},
                  {"objective.initial_temperature": 2.0, "objective.temperature_decay_fraction": 0.5}):
