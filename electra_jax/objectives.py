@@ -69,7 +69,7 @@ def temperature_decay_steps(config) -> int:
   return decay_steps if decay_steps > 0 and o.initial_temperature != o.temperature else 0
 
 
-def sampling_temperature(objective: ElectraObjective, step, inverse_decay_steps=None):
+def sampling_temperature(objective: ElectraObjective, step, inverse_decay_steps):
   """The sampling temperature at `step` (traced or not), a function of the step alone so a resumed run
   samples as an uninterrupted one: it falls from objective.initial_temperature over 1 / inverse_decay_steps
   steps (a float32 array, so the compiled step does not depend on the count); without a schedule the

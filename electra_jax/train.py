@@ -682,8 +682,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       # The objective's keys a resume must keep (two_stage's switch), once train.steps is final.
       objectives.REGISTRY[config.objective.name].start_run(config, lambda: config_lib.saved_config(workdir), start_step)
       ids = special_ids(corpus.tokenizer)
-      if config.train.time_budget or objectives.objective_from_config(config, ids) != setup.objective:
-        setup = build_setup(config, mesh, ids)  # the schedule and the objective read train.steps
+      if objectives.objective_from_config(config, ids) != setup.objective:  # two_stage's switch reads train.steps
+        setup = build_setup(config, mesh, ids)
+      else:  # train.steps may be final only now (a time budget): the schedule reads it, nothing compiled does
+        setup = dataclasses.replace(setup, schedule=make_optimizer(config)[1])
       if (note := warmup_note(config)) is not None:
         logging.warning("%s", note)
       lease = acquire_lease(workdir, take_over_workdir)
