@@ -5,7 +5,7 @@ import pytest
 
 from electra_jax import config_lib, flops, models, objectives
 
-from conftest import REPO
+from conftest import REPO, TINY_OVERRIDES, tiny_config
 
 
 @pytest.mark.parametrize("recipe, want", [("electra_small", 70.4e6), ("electra_base", 668.6e6)])
@@ -41,17 +41,17 @@ def test_the_throughput_benchmark_counts_the_objectives_flops(tmp_path, objectiv
 
   from electra_jax import sweep
 
-  overrides = [f"--config.objective.name={objective}", "--config.model.generator_fraction=1.0",
-               "--config.train.batch_size=4", f"--config.data.cache_dir={tmp_path}"]
+  settings = {**TINY_OVERRIDES, "objective.name": objective, "model.generator_fraction": 1.0}
   result = subprocess.run(
-      [sys.executable, "benchmarks/pretrain_throughput.py", "--config=configs/demo.py", "--steps=1",
-       "--windows=1", "--warmup=0", *overrides], cwd=REPO, capture_output=True, text=True, timeout=600)
+      [sys.executable, "benchmarks/pretrain_throughput.py", "--config=configs/base.py", "--steps=1", "--windows=1",
+       "--warmup=0", *(f"--config.{key}={value}" for key, value in settings.items())],
+      cwd=REPO, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   printed = json.loads(result.stdout[result.stdout.index("{"):])
-  config = config_lib.sibling(f"{REPO}/configs/base.py", "demo").get_config()
-  config.objective.name, config.model.generator_fraction = objective, 1.0
+  config = tiny_config(**settings)
   want = sweep.train_flops_per_token(config)
-  electra = flops.train_flops_per_token(models.build_model(config), config.data.max_seq_len, 19)
+  slots = objectives.official_max_predictions(config.objective.mask_prob, config.data.max_seq_len)
+  electra = flops.train_flops_per_token(models.build_model(config), config.data.max_seq_len, slots)
   assert printed["model_flops_per_token"] == pytest.approx(want, rel=1e-9) and want != pytest.approx(electra, rel=0.05)
 
 
