@@ -8,6 +8,12 @@ defaults of configs/finetune/custom.py, several seeds, nothing tuned on dev.
   python benchmarks/small_budget.py report                        # table + plot into docs/
   python benchmarks/small_budget.py split_check --tasks=manpages  # held-out share vs dev (TF-IDF)
   python benchmarks/small_budget.py run --budgets=793steps,3965steps --jobs=6   # on one GPU
+  python benchmarks/small_budget.py run --budgets=3965steps --jobs=6 --arms=gen50,gdes \\
+      --arm 'gen50=--config.model.generator_fraction=0.5' --arm 'gdes=--config.model.tie=gdes'
+
+An arm is one pre-training recipe: electra (configs/quick.py), mlm (the same with
+objective.name=mlm) and each --arm NAME=OVERRIDES; random (init) is fine-tuned only. --arms picks
+those run (default electra,mlm,random); their rows in results.jsonl carry the arm's name as init.
 
 A budget is CPU wall-clock time (12m, 60m: train.time_budget, measured on the machine that runs
 it) or a number of optimizer steps (3965steps: train.steps), which is how the larger CPU budgets
@@ -18,7 +24,7 @@ pre-training runs one at a time (processes sharing a CPU get fewer steps out of 
 Random init does not depend on the budget: it is fine-tuned once, with the first budget's
 tokenizer.
 
-Everything goes under --out (default .bench_data/small_budget): <task>/pretrain_<objective>_<budget>/
+Everything goes under --out (default .bench_data/small_budget): <task>/pretrain_<arm>_<budget>/
 (pre-training workdirs), <task>/finetune_<init>/ (fine-tuning workdirs), results.jsonl (one line
 per finished measurement). Leave the machine alone while a time budget is measured (the first
 steps of each pre-training run): a busy machine gets fewer steps out of the same wall-clock budget
@@ -42,9 +48,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import small_budget_tasks  # noqa: E402
-
-OBJECTIVES = ("electra", "mlm")
-
 
 def _cli(args: list[str], log_path: str) -> None:
   command = [sys.executable, "-m", "electra_jax.main", *args]
@@ -73,8 +76,8 @@ def _record(results_file: str, row: dict) -> None:
   print(json.dumps(row, sort_keys=True), flush=True)
 
 
-def pretrain(task_dir: str, objective: str, budget: str, extra: list[str]) -> str:
-  workdir = os.path.join(task_dir, f"pretrain_{objective}_{budget}")
+def pretrain(task_dir: str, arm: str, budget: str, extra: list[str]) -> str:
+  workdir = os.path.join(task_dir, f"pretrain_{arm}_{budget}")
   if not os.path.exists(os.path.join(workdir, "eval_metrics.jsonl")) or not _finished(workdir):
     if budget.endswith("steps"):  # evaluated and saved 4 times, whatever the length
       steps = int(budget[: -len("steps")])
@@ -84,8 +87,8 @@ def pretrain(task_dir: str, objective: str, budget: str, extra: list[str]) -> st
     else:
       length = [f"--config.train.time_budget={budget}"]
     _cli([f"--config={ROOT}/configs/quick.py", f"--workdir={workdir}", "--config.data.source=text",
-          f"--config.data.files={task_dir}/corpus.txt", *length,
-          f"--config.objective.name={objective}", *extra], os.path.join(task_dir, f"pretrain_{objective}_{budget}.log"))
+          f"--config.data.files={task_dir}/corpus.txt", *length, *extra],
+         os.path.join(task_dir, f"pretrain_{arm}_{budget}.log"))
   return workdir
 
 
@@ -157,39 +160,60 @@ def split_check(args) -> None:
                               dev=round(on_dev, 4))), flush=True)
 
 
+def parse_arms(definitions: list[str], chosen: str) -> dict[str, list[str]]:
+  """{arm: its pre-training overrides} for the chosen arms: electra, mlm and those --arm defines
+  (NAME=OVERRIDES, space-separated); random (init) has none and is fine-tuned only."""
+  arms = {"electra": [], "mlm": ["--config.objective.name=mlm"], "random": []}
+  for definition in definitions:
+    name, sep, overrides = definition.partition("=")
+    if not sep or not name.isidentifier() or name in arms:
+      sys.exit(f"--arm {definition!r}: give NAME=OVERRIDES with a new NAME (letters, digits, _), "
+               "e.g. --arm 'gdes=--config.model.tie=gdes'")
+    arms[name] = overrides.split()
+  unknown = [name for name in chosen.split(",") if name not in arms]
+  if unknown:
+    sys.exit(f"--arms={chosen}: {', '.join(unknown)} undefined; the arms are {', '.join(arms)}")
+  return {name: arms[name] for name in chosen.split(",")}
+
+
 def run(args) -> None:
   results_file = os.path.join(args.out, "results.jsonl")
   done = {(r["task"], r["init"], r.get("budget")) for r in _done(results_file)}
-  budgets = args.budgets.split(",")
-  for task in args.tasks.split(","):
-    task_dir = small_budget_tasks.build(args.out, task)
+  budgets, arms = args.budgets.split(","), parse_arms(args.arm, args.arms)
+  task_dirs = {task: small_budget_tasks.build(args.out, task) for task in args.tasks.split(",")}
+  for task, task_dir in task_dirs.items():
     if (task, "tfidf", None) not in done:
       _record(results_file, dict(task=task, init="tfidf", budget=None, accuracy=[tfidf(task_dir)]))
-    workdirs = {}
 
-    def finetune_one(init, budget):
-      workdir = workdirs["electra" if init == "random" else init, budget]
-      start = time.time()
-      accuracy = finetune(task_dir, f"{init}_{budget}", workdir, args.seeds, args.finetune_override)
-      row = dict(task=task, init=init, budget=budget, accuracy=accuracy, finetune_seconds=round(time.time() - start))
-      if init != "random":
-        config = json.load(open(os.path.join(workdir, "config.json")))
-        held_out = workdir_files.last_record(os.path.join(workdir, "eval_metrics.jsonl"))
-        row.update(pretrain_steps=config["train"]["steps"],
-                   held_out={k: held_out.get(k) for k in ("disc_auc", "disc_recall", "masked_lm_accuracy")})
-      _record(results_file, row)
+  # Every pre-training run of every task first, then the fine-tuning: a time budget needs the
+  # machine to itself, so those pre-train one at a time (step budgets: --jobs at once; on one
+  # corpus they may build its data cache together, each of its files written atomically), while
+  # the fine-tuning runs, whose length is fixed in steps, go --jobs at once in either case. Random
+  # init needs a tokenizer only: the first budget's run of the first pre-trained arm gives it.
+  pretrained = [name for name in arms if name != "random"]
+  if not pretrained:
+    sys.exit(f"--arms={args.arms}: name at least one pre-trained arm (random init takes its tokenizer)")
+  runs = [(task, arm, budget) for task in task_dirs for budget in budgets for arm in pretrained]
+  pretrain_jobs = args.jobs if all(b.endswith("steps") for b in budgets) else 1
+  with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, pretrain_jobs)) as pool:
+    workdirs = dict(zip(runs, pool.map(
+        lambda r: pretrain(task_dirs[r[0]], r[1], r[2], args.pretrain_override + arms[r[1]]), runs)))
 
-    # Every pre-training run first, then the fine-tuning: a time budget needs the machine to
-    # itself, so those pre-train one at a time (step budgets: --jobs at once; on one corpus they
-    # may build its data cache together, each of its files written atomically), while the
-    # fine-tuning runs, whose length is fixed in steps, go --jobs at once in either case.
-    runs = [(o, b) for b in budgets for o in OBJECTIVES]
-    pretrain_jobs = args.jobs if all(b.endswith("steps") for b in budgets) else 1
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, pretrain_jobs)) as pool:
-      workdirs.update(zip(runs, pool.map(lambda run: pretrain(task_dir, *run, args.pretrain_override), runs)))
-    finetunes = [("random", budgets[0])] + runs  # random init needs only the first budget's tokenizer
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-      list(pool.map(lambda run: finetune_one(*run), [run for run in finetunes if (task, *run) not in done]))
+  def finetune_one(task, init, budget):
+    workdir = workdirs[task, pretrained[0] if init == "random" else init, budget]
+    start = time.time()
+    accuracy = finetune(task_dirs[task], f"{init}_{budget}", workdir, args.seeds, args.finetune_override)
+    row = dict(task=task, init=init, budget=budget, accuracy=accuracy, finetune_seconds=round(time.time() - start))
+    if init != "random":
+      config = json.load(open(os.path.join(workdir, "config.json")))
+      held_out = workdir_files.last_record(os.path.join(workdir, "eval_metrics.jsonl"))
+      row.update(pretrain_steps=config["train"]["steps"], overrides=arms[init],
+                 held_out={k: held_out.get(k) for k in ("disc_auc", "disc_recall", "masked_lm_accuracy")})
+    _record(results_file, row)
+
+  finetunes = [(task, "random", budgets[0]) for task in task_dirs if "random" in arms] + runs
+  with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+    list(pool.map(lambda r: finetune_one(*r), [r for r in finetunes if r not in done]))
 
 
 def report(args) -> None:
@@ -213,7 +237,7 @@ def report(args) -> None:
     figure, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.5), squeeze=False)
     for axis, task in zip(axes[0], tasks):
       task_rows = [r for r in rows if r["task"] == task]
-      for init in ("electra", "mlm"):
+      for init in sorted({r["init"] for r in task_rows} - {"random", "tfidf"}):
         points = sorted((r["pretrain_steps"], r["accuracy"]) for r in task_rows if r["init"] == init)
         if points:
           spread = [100 * np.std(a, ddof=1) if len(a) > 1 else 0.0 for _, a in points]  # as the table
@@ -243,7 +267,11 @@ def main() -> None:
   parser.add_argument("--seeds", type=int, default=3)
   parser.add_argument("--jobs", type=int, default=1,
                       help="fine-tuning processes at once; pre-training too when the budgets are in steps")
-  parser.add_argument("--pretrain_override", action="append", default=[], help="e.g. --config.model.norm=post")
+  parser.add_argument("--pretrain_override", action="append", default=[],
+                      help="every arm's pre-training, e.g. --config.model.norm=post")
+  parser.add_argument("--arm", action="append", default=[],
+                      help="another pre-training arm, NAME=OVERRIDES: e.g. 'gdes=--config.model.tie=gdes'")
+  parser.add_argument("--arms", default="electra,mlm,random", help="the arms run (random: fine-tuned only)")
   parser.add_argument("--finetune_override", action="append", default=[], help="e.g. --config.head.pooling=cls")
   parser.add_argument("--plot", default="", help="report: also draw the accuracy against the budget here (PNG)")
   args = parser.parse_args()
