@@ -64,7 +64,7 @@ def main(argv):
     step_fn = train.compile_train_step(setup, config, mesh)
     per_call = config.train.get("steps_per_call", 1)
     if per_call > 1:  # train.steps_per_call: k steps per compiled call (lax.scan)
-      steps_fn = train.compile_train_steps(setup, config, mesh, per_call)
+      steps_fn = train.compile_train_step(setup, config, mesh, per_call)
     compile_seconds = time.perf_counter() - compile_start
 
   keys = train.batch_keys(config)

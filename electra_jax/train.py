@@ -408,11 +408,6 @@ def compile_train_step(setup: TrainingSetup, config, mesh, num_steps: int | None
   return jitted.lower(setup.abstract_state, abstract_batch, abstract_rng, abstract_schedule).compile()
 
 
-def compile_train_steps(setup: TrainingSetup, config, mesh, num_steps: int):
-  """train_steps compiled for `num_steps` stacked global batches (train.steps_per_call)."""
-  return compile_train_step(setup, config, mesh, num_steps)
-
-
 def step_compiler(config, setup: TrainingSetup, mesh):
   """batch_size -> compile_train_step for this config at that global batch (memory's probe)."""
 
