@@ -69,15 +69,16 @@ def temperature_decay_steps(config) -> int:
   return decay_steps if decay_steps > 0 and o.initial_temperature != o.temperature else 0
 
 
-def sampling_temperature(objective: ElectraObjective, step, inverse_decay_steps):
+def sampling_temperature(objective: ElectraObjective, step, decay_steps):
   """The sampling temperature at `step` (traced or not), a function of the step alone so a resumed run
-  samples as an uninterrupted one: it falls from objective.initial_temperature over 1 / inverse_decay_steps
-  steps (a float32 array, so the compiled step does not depend on the count); without a schedule the
-  Python float objective.temperature."""
+  samples as an uninterrupted one: it falls from objective.initial_temperature over `decay_steps`
+  (a float32 array, so the compiled step does not depend on the count), reaching objective.temperature
+  exactly at that step; without a schedule the Python float objective.temperature."""
   initial, final = objective.initial_temperature, objective.temperature
   if initial is None or initial == final:
     return final
-  progress = jnp.minimum(jnp.asarray(step, jnp.float32) * inverse_decay_steps, 1.0)
+  # 0 decay steps (no schedule) stays at the initial temperature rather than divide 0 by 0.
+  progress = jnp.minimum(jnp.asarray(step, jnp.float32), decay_steps) / jnp.maximum(decay_steps, 1.0)
   return initial + (final - initial) * progress
 
 

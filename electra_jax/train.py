@@ -76,24 +76,25 @@ class Schedule:
   rates) share one traced and compiled program."""
 
   peak: jax.Array
-  # 1 / warmup, 1 / total and 1 / the temperature's decay steps in float32: XLA turns a division by
-  # a constant into this product, so the values are the ones constant settings compile to.
-  inverse_warmup: jax.Array
-  inverse_total: jax.Array
-  inverse_temperature_decay: jax.Array  # 0: no temperature schedule
+  # The warmup, train.steps and the temperature's decay steps as float32 step counts. The rate and
+  # the temperature divide by them rather than multiply by their inverses: 427 * float32(1 / 427)
+  # is below 1, so a product would leave the rate above 0 at the last step for most totals.
+  warmup: jax.Array  # at least 1
+  total: jax.Array
+  temperature_decay: jax.Array  # 0: no temperature schedule
 
   def __call__(self, step):
     step = jnp.asarray(step, jnp.float32)
-    return self.peak * jnp.minimum(1.0, step * self.inverse_warmup) * jnp.maximum(0.0, 1.0 - step * self.inverse_total)
+    return (self.peak * jnp.minimum(1.0, step / self.warmup)
+            * (jnp.maximum(0.0, self.total - step) / self.total))
 
 
 def learning_rate_schedule(base_lr: float, warmup_steps: int, total_steps: int,
                            temperature_decay_steps: int = 0) -> Schedule:
-  def inverse(steps: int) -> jax.Array:
-    return jnp.float32(np.float32(1.0) / np.float32(steps) if steps else 0.0)
-
-  return Schedule(jnp.float32(base_lr), inverse(max(warmup_steps, 1)), inverse(total_steps),
-                  inverse(temperature_decay_steps))
+  if total_steps < 1:
+    raise ValueError(f"total_steps={total_steps}: the schedule needs at least one step")
+  return Schedule(*(jnp.float32(value) for value in
+                    (base_lr, max(warmup_steps, 1), total_steps, temperature_decay_steps)))
 
 
 def scale_by_schedule_argument() -> optax.GradientTransformationExtraArgs:
@@ -176,7 +177,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array, s
       masked, batch["attention_mask"],
       objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective),
   )
-  temperature = objectives.sampling_temperature(objective, state.step, schedule.inverse_temperature_decay)
+  temperature = objectives.sampling_temperature(objective, state.step, schedule.temperature_decay)
 
   def loss_fn(params, micro_batch, micro_masked, micro_sample_keys, micro_dropout_rng):
     return objectives.electra_forward(

@@ -42,7 +42,7 @@ def test_held_out_figures_sample_at_the_final_temperature():
   setup, mesh, state = _setup_and_state()
   scheduled, _, scheduled_state = _setup_and_state(**{"objective.initial_temperature": 5.0,
                                                       "objective.temperature_decay_fraction": 1.0})
-  assert scheduled.objective.initial_temperature == 5.0 and float(scheduled.schedule.inverse_temperature_decay) == np.float32(1) / np.float32(6)
+  assert scheduled.objective.initial_temperature == 5.0 and float(scheduled.schedule.temperature_decay) == 6
   plain, hot = _evaluator(setup, mesh, 4, 2)(state), _evaluator(scheduled, mesh, 4, 2)(scheduled_state)
   assert plain == pytest.approx(hot, nan_ok=True)
   assert {"disc_auc_unlikely", "disc_auc_plausible", "disc_auc_likely", "replaced_share_likely"} <= set(plain)

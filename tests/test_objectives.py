@@ -194,18 +194,23 @@ def test_disc_auc_by_how_likely_the_generator_found_the_replacement():
 
 def test_sampling_temperature_falls_linearly_then_stays():
   objective = _objective(temperature=1.0, initial_temperature=3.0)
-  inverse_decay = train.learning_rate_schedule(1e-3, 1, 100, temperature_decay_steps=10).inverse_temperature_decay
+  decay = train.learning_rate_schedule(1e-3, 1, 100, temperature_decay_steps=10).temperature_decay
   for step, want in [(0, 3.0), (5, 2.0), (10, 1.0), (25, 1.0)]:
-    assert float(objectives.sampling_temperature(objective, jnp.int32(step), inverse_decay)) == want, step
+    assert float(objectives.sampling_temperature(objective, jnp.int32(step), decay)) == want, step
+  # The final temperature is reached exactly at the last decay step, whatever its count (a step
+  # times float32(1 / 49) falls short of 1 at step 49).
+  for steps in (49, 427, 1003):
+    decay = train.learning_rate_schedule(1e-3, 1, 2 * steps, temperature_decay_steps=steps).temperature_decay
+    assert float(objectives.sampling_temperature(objective, jnp.int32(steps), decay)) == 1.0, steps
   # No schedule: the constant itself, a Python float, so nothing is traced.
   for constant in (_objective(temperature=2.0), _objective(initial_temperature=1.0)):
-    assert objectives.sampling_temperature(constant, jnp.int32(3), inverse_decay) is constant.temperature
+    assert objectives.sampling_temperature(constant, jnp.int32(3), decay) is constant.temperature
   # From the config: the decay ends at round(fraction * train.steps), and none is no schedule.
   config = tiny_config(**{"train.steps": 30, "objective.initial_temperature": 2.0,
                           "objective.temperature_decay_fraction": 0.25})
   objective = objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4))
   assert objective.initial_temperature == 2.0 and objectives.temperature_decay_steps(config) == 8
-  assert float(train.make_optimizer(config)[1].inverse_temperature_decay) == np.float32(1) / np.float32(8)
+  assert float(train.make_optimizer(config)[1].temperature_decay) == 8
   config.objective.temperature_decay_fraction = 0.01  # round(0.3) = 0 steps to fall over
   assert objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4)).initial_temperature is None
 

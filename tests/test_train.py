@@ -108,6 +108,14 @@ def test_learning_rate_schedule_is_the_official_one():
   schedule = train.learning_rate_schedule(1e-3, warmup_steps=10, total_steps=100)
   for step, want in [(0, 0.0), (5, 1e-3 * 0.5 * 0.95), (10, 1e-3 * 0.9), (60, 1e-3 * 0.4), (100, 0.0)]:
     assert float(schedule(step)) == pytest.approx(want, rel=1e-6, abs=1e-12)  # float32
+  # The rate is exactly 0 at the last step and the peak exactly at the warmup's end, whatever the
+  # counts (1 - 427 * float32(1 / 427) is 6e-8, not 0).
+  for total in (49, 427, 1003, 9973):
+    schedule = train.learning_rate_schedule(1e-3, total // 10, total)
+    assert float(schedule(total)) == 0.0 and float(schedule(total + 5)) == 0.0, total
+    assert float(schedule(total // 10)) == np.float32(1e-3) * ((np.float32(total) - total // 10) / np.float32(total))
+  with pytest.raises(ValueError, match="total_steps=0"):
+    train.learning_rate_schedule(1e-3, 1, 0)
 
 
 def test_warmup_fraction_takes_its_share_of_the_steps():
