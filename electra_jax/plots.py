@@ -4,6 +4,7 @@ Agg canvas, never pyplot, so it needs no display and leaves a notebook's backend
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from typing import Sequence
@@ -72,9 +73,7 @@ def plot_curves(workdirs: Sequence[str], out: str | None = None, metrics: Sequen
     ax.set_visible(False)
   axes[0].legend(fontsize="small")
   if out:
-    directory = os.path.dirname(os.path.abspath(out))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(out)}.tmp.png")
-    figure.savefig(tmp, format="png")
-    os.replace(tmp, out)
+    png = io.BytesIO()
+    figure.savefig(png, format="png")
+    workdir_files.write_bytes(out, png.getvalue())
   return figure

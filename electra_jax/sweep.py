@@ -297,7 +297,7 @@ def run_sweep(
     record = dict(base_config_fingerprint=_fingerprint(base_config), base_config=config_lib.as_saved(base_config),
                   runs=[dict(name=r.name, overrides=[list(o) for o in r.overrides]) for r in all_runs])
     workdir_files.makedirs(workdir_files.path(sweep_dir))
-    workdir_files.write_text(workdir_files.path(sweep_dir, SWEEP_FILE), json.dumps(record, indent=2) + "\n")
+    workdir_files.write_json(workdir_files.path(sweep_dir, SWEEP_FILE), record)
     logging.info("Sweep of %d runs in %s (%d recorded in all).", len(runs), sweep_dir, len(all_runs))
     # A SIGTERM (preemption) stops the sweep after the run it reaches: the run saves and
     # returns (train.py's handler), and one that comes between runs is recorded here.

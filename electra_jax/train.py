@@ -984,7 +984,5 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, step: i
   held_out = evaluation.HeldOutEvaluator(config, setup, mesh)(state)
   held_out["step"] = step
   if jax.process_index() == 0:
-    workdir_files.write_text(
-        workdir_files.path(workdir, f"eval_step_{step}.json"), json.dumps(held_out, indent=2, sort_keys=True)
-    )
+    workdir_files.write_json(workdir_files.path(workdir, f"eval_step_{step}.json"), held_out)
   return held_out

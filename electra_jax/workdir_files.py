@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import threading
+import tempfile
 import time
 
 from etils import epath
@@ -88,16 +88,36 @@ def last_record(file) -> dict:
   return (read_jsonl(file) or [{}])[-1]
 
 
-def write_text(file, text: str) -> None:
-  """Replaces `file` with `text` in one step: readers see the old or the new content."""
-  file = epath.Path(file)
+def write_bytes(file, data: bytes) -> None:
+  """Replaces `file` with `data` in one step: readers see the old file or the whole new one. A
+  local file's folder is made, and `data` goes to a `.tmp-` file of this writer's own (so two
+  writers of one file never share it), fsynced and renamed over `file`."""
   if is_remote(file):
-    file.write_text(text)
+    epath.Path(file).write_bytes(data)
     return
-  # A name of this writer's own, so two processes or threads replacing one file never share it.
-  tmp = file.with_name(f"{file.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-  tmp.write_text(text)
-  os.replace(tmp, file)
+  directory = os.path.dirname(os.path.abspath(file))
+  os.makedirs(directory, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(file))
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.chmod(tmp, 0o644)  # mkstemp makes owner-only files; a shared cache is read by others
+    os.replace(tmp, file)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def write_text(file, text: str) -> None:
+  write_bytes(file, text.encode())
+
+
+def write_json(file, value) -> None:
+  """`value` as indented JSON, keys sorted, by write_bytes."""
+  write_text(file, json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
 def _step_of(line: str) -> int | None:

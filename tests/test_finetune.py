@@ -19,7 +19,7 @@ import pytest
 
 from conftest import REPO, tiny_config
 import electra_jax
-from electra_jax import config_lib, models, partitioning, train, workdir_lease
+from electra_jax import config_lib, models, partitioning, train, workdir_files, workdir_lease
 from electra_jax.errors import ConfigError
 from electra_jax.finetune import model as model_lib
 from electra_jax.finetune import optim, tasks, trainer
@@ -546,7 +546,7 @@ def test_min_steps_and_pooling_make_another_config(tmp_path):
   """results.json of min_steps=0 is another config's for min_steps=1000; a config saved before
   min_steps and head existed reads as min_steps=0, pooling "cls", so its seeds still match."""
   config = finetune_tiny.get_config()
-  trainer._write_json(str(tmp_path / "results.json"), {"config": config_lib.as_saved(config)})
+  workdir_files.write_json(str(tmp_path / "results.json"), {"config": config_lib.as_saved(config)})
   other = config.copy_and_resolve_references()
   other.min_steps = 1000
   with pytest.raises(ConfigError, match="another config .*min_steps: 0 -> 1000"):
@@ -557,7 +557,7 @@ def test_min_steps_and_pooling_make_another_config(tmp_path):
 
   old = config.copy_and_resolve_references()
   del old["min_steps"], old["head"], old.custom["group_column"]
-  trainer._write_json(str(tmp_path / "results.json"), {"config": config_lib.as_saved(old)})
+  workdir_files.write_json(str(tmp_path / "results.json"), {"config": config_lib.as_saved(old)})
   trainer._check_results_of_same_config(config, str(tmp_path))
   assert trainer.seed_fingerprint(old) == trainer.seed_fingerprint(config)
   grouped = config.copy_and_resolve_references()  # a key added inside a group: the same rule

@@ -17,13 +17,13 @@ import time
 import numpy as np
 from absl import logging
 
-from electra_jax import config_lib
+from electra_jax import config_lib, workdir_files
 from electra_jax.errors import ConfigError
 from electra_jax.data import corpus, shards, sources
 from electra_jax.data.packing import MIN_SEQ_LEN, pack_documents
 from electra_jax.data.shards import PREPARED_FORMAT_VERSION, SPLITS, SPM_MODEL
 from electra_jax.data.tokenizer import (
-    TRAINING_THREADS, NoSentencesError, SentencePieceTokenizer, atomic_write_bytes, train_sentencepiece,
+    TRAINING_THREADS, NoSentencesError, SentencePieceTokenizer, train_sentencepiece,
 )
 from electra_jax.data.wordpiece import WordPieceTokenizer
 
@@ -379,7 +379,7 @@ def _accepted_tokenizer(config, out_dir: str, existing: dict | None, source_key:
           f"another model; put that file back to resume)",
       )
     with open(trained.model_path, "rb") as f:
-      atomic_write_bytes(model_path, f.read())
+      workdir_files.write_bytes(model_path, f.read())
   return SentencePieceTokenizer(model_path), settings
 
 

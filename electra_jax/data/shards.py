@@ -25,8 +25,8 @@ import threading
 import numpy as np
 from absl import logging
 
+from electra_jax import workdir_files
 from electra_jax.data.packing import example_lengths
-from electra_jax.data.tokenizer import atomic_write_bytes
 from electra_jax.errors import ConfigError
 
 # Bump when the shard layout or the manifest's meaning changes.
@@ -54,7 +54,7 @@ def write_split(out_dir: str, split: str, index: int, input_ids, token_type_ids,
     buffer = io.BytesIO()
     np.save(buffer, array, allow_pickle=False)
     data, name = buffer.getvalue(), f"{split}-{index:05d}{suffix}"
-    atomic_write_bytes(os.path.join(out_dir, name), data)
+    workdir_files.write_bytes(os.path.join(out_dir, name), data)
     sha256 = hashlib.sha256(data).hexdigest()
     entry.update({f"{prefix}file": name, f"{prefix}bytes": len(data), f"{prefix}sha256": sha256})
   return entry
@@ -73,7 +73,7 @@ def read_manifest(out_dir: str) -> dict | None:
 
 
 def write_manifest(out_dir: str, manifest: dict) -> None:
-  atomic_write_bytes(os.path.join(out_dir, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True).encode())
+  workdir_files.write_json(os.path.join(out_dir, MANIFEST), manifest)
 
 
 def open_manifest(directory: str) -> dict:

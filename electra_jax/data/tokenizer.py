@@ -7,13 +7,12 @@ import hashlib
 import io
 import itertools
 import math
-import os
 import random
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 
 import sentencepiece as spm
 
+from electra_jax import workdir_files
 from electra_jax.errors import ConfigError
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -68,25 +67,6 @@ class NoSentencesError(ConfigError):
   """train_sentencepiece was given no text (callers turn it into a message about their source)."""
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
-  """Write `data` to `path` so readers see either the old file or the whole new one."""
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
-  fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(path))
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    # mkstemp creates owner-only files; a shared cache should be readable by others.
-    os.chmod(tmp_path, 0o644)
-    os.replace(tmp_path, path)
-  except BaseException:
-    if os.path.exists(tmp_path):
-      os.remove(tmp_path)
-    raise
-
-
 def train_sentencepiece(sentences: Iterable[str], out_path: str, vocab_size: int, model_type: str = "unigram",
                         num_threads: int = TRAINING_THREADS) -> str:
   """Train a sentencepiece model on `sentences` into `out_path` (returned), atomically: ids 0..4 are
@@ -127,7 +107,7 @@ def train_sentencepiece(sentences: Iterable[str], out_path: str, vocab_size: int
       raise ConfigError(f"A sentencepiece vocabulary of {vocab_size} pieces cannot hold every character the "
                         f"training text needs ({e}). Raise the vocab size (spm_vocab_size).") from e
     raise
-  atomic_write_bytes(out_path, model_bytes.getvalue())
+  workdir_files.write_bytes(out_path, model_bytes.getvalue())
   return out_path
 
 

@@ -2,9 +2,7 @@
 ElectraForSequenceClassification or ElectraForQuestionAnswering directory, with its tokenizer."""
 
 import contextlib
-import json
 import os
-import pathlib
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -138,7 +136,6 @@ def _write(directory: str, backbone, head: dict, params) -> None:
   else:
     tensors.update(_classification_head(params, head, backbone.encoder_config))
   os.makedirs(directory, exist_ok=True)
-  settings = json.dumps(_hf_config(backbone, head), indent=2, sort_keys=True)
-  pathlib.Path(directory, "config.json").write_text(settings + "\n")
+  workdir_files.write_json(os.path.join(directory, "config.json"), _hf_config(backbone, head))
   safetensors.numpy.save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
   export.write_tokenizer_files(backbone.tokenizer, directory, backbone.model.max_position_embeddings)

@@ -21,8 +21,8 @@ import numpy as np
 import optax
 from absl import logging
 
+from electra_jax import workdir_files
 from electra_jax.errors import ConfigError
-from electra_jax.data.tokenizer import atomic_write_bytes
 from electra_jax.finetune import tasks
 from electra_jax.finetune.model import EncoderWithHead, head_dense
 
@@ -529,7 +529,7 @@ def write_predictions(path: str, predictions: dict) -> None:
   """The official predictions JSON {qas_id: answer text} ("" = no answer), written atomically.
   The same function writes null_odds as the v2 script's --na-prob-file ({qas_id: float})."""
   payload = {str(k): (v if isinstance(v, str) else float(v)) for k, v in predictions.items()}
-  atomic_write_bytes(path, json.dumps(payload, ensure_ascii=False, indent=1).encode("utf-8"))
+  workdir_files.write_text(path, json.dumps(payload, ensure_ascii=False, indent=1))
 
 
 class SquadModel(EncoderWithHead):

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 from absl import logging
 
+from electra_jax import workdir_files
 from electra_jax.errors import ConfigError
 from electra_jax.data import tfds_source
-from electra_jax.data.tokenizer import atomic_write_bytes
 from electra_jax.finetune import metrics as metrics_lib
 
 # GLUE sentences hold quotes and apostrophes that are text, not CSV quoting; QQP's longest
@@ -437,5 +437,5 @@ def write_predictions(path: str, indices: Sequence[int], predictions: Sequence[s
   """A GLUE submission file (`index<TAB>prediction` after a header), written atomically.
   GLUE's server wants <Task>.tsv (CoLA.tsv, MNLI-m.tsv, ...) zipped together."""
   lines = ["index\tprediction"] + [f"{int(i)}\t{p}" for i, p in zip(indices, predictions)]
-  atomic_write_bytes(path, ("\n".join(lines) + "\n").encode("utf-8"))
+  workdir_files.write_text(path, "\n".join(lines) + "\n")
   return path

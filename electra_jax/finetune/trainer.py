@@ -24,7 +24,6 @@ from absl import logging
 import electra_jax
 from electra_jax import checkpointing, config_lib, tensorboard_log, workdir_files, workdir_lease
 from electra_jax.errors import ConfigError
-from electra_jax.data.tokenizer import atomic_write_bytes
 from electra_jax.finetune import metrics as metrics_lib
 from electra_jax.finetune import model as model_lib
 from electra_jax.finetune import optim, squad, tasks
@@ -222,10 +221,6 @@ def resolve_epochs(config, num_train: int) -> int:
   return epochs
 
 
-def _write_json(path: str, value) -> None:
-  atomic_write_bytes(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
-
-
 def _seed_settings(settings: dict) -> dict:
   """What one seed's results depend on: a config's saved dict less the keys that only pick or log
   seeds, with _ADDED_KEYS' values where it lacks them."""
@@ -349,7 +344,7 @@ def _run_seed(config, adapter, backbone, seed: int, task_dir: str, epochs: int, 
       checkpoint=os.path.join(checkpointer.directory, str(kept["step"])), test_predictions=prediction_files,
       config_fingerprint=seed_fingerprint(config),
   )
-  _write_json(os.path.join(seed_dir, "metrics.json"), result)
+  workdir_files.write_json(os.path.join(seed_dir, "metrics.json"), result)
   return result
 
 
@@ -397,7 +392,7 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
         seeds={str(run["seed"]): {k: run[k] for k in ("kept_epoch", "dev", "test_predictions")} for run in per_seed},
         summary=summary,
     )
-    _write_json(os.path.join(task_dir, "results.json"), results)
+    workdir_files.write_json(os.path.join(task_dir, "results.json"), results)
     logging.info("Results over %d seed(s) in %s; the table:", len(seeds), os.path.join(task_dir, "results.json"))
     print(format_table(summary))
     return results

@@ -1,7 +1,6 @@
 """Exporting a pre-training workdir: restores its latest checkpoint on one device and writes
 the discriminator (and, if asked, the generator) as Hugging Face directories."""
 
-import json
 import os
 import pathlib
 import shutil
@@ -97,7 +96,7 @@ def write_tokenizer_files(tok, directory: str, max_length: int) -> None:
       single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
       special_tokens=[("[CLS]", tok.cls_id), ("[SEP]", tok.sep_id)])
   pipeline.save(os.path.join(directory, "tokenizer.json"))
-  pathlib.Path(directory, "tokenizer_config.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+  workdir_files.write_json(os.path.join(directory, "tokenizer_config.json"), settings)
 
 
 def _sentencepiece_pipeline(model_path: str) -> tokenizers.Tokenizer:

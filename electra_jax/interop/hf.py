@@ -6,7 +6,6 @@ import collections
 import json
 import math
 import os
-import pathlib
 import re
 import shutil
 from typing import Any
@@ -17,7 +16,7 @@ import jax
 import numpy as np
 import safetensors.numpy
 
-from electra_jax import models
+from electra_jax import models, workdir_files
 from electra_jax.errors import ConfigError
 from electra_jax.interop.weight_files import read_hf_weights
 
@@ -309,8 +308,7 @@ def save_hf(model, params, out_dir: str, kind: str | None = None, vocab_file: st
   if vocab_file is not None and not os.path.isfile(vocab_file):
     raise ConfigError(f"vocab_file={vocab_file!r} does not exist; pass the vocabulary's path or None.")
   os.makedirs(out_dir, exist_ok=True)
-  config_text = json.dumps(hf_config_of(model, model_kind, pad_token_id), indent=2, sort_keys=True) + "\n"
-  pathlib.Path(out_dir, "config.json").write_text(config_text)
+  workdir_files.write_json(os.path.join(out_dir, "config.json"), hf_config_of(model, model_kind, pad_token_id))
   # The metadata save_pretrained writes; transformers 4.x checks it when loading.
   safetensors.numpy.save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
   if vocab_file is not None:

@@ -17,7 +17,6 @@ import numpy as np
 from absl import logging
 
 from electra_jax import checkpointing, config_lib, data, models, partitioning, train, workdir_files
-from electra_jax.data.tokenizer import atomic_write_bytes
 from electra_jax.errors import ConfigError
 from electra_jax.interop import hf, tf_checkpoint
 from electra_jax.interop.export import one_device_setup
@@ -149,7 +148,7 @@ def _data_config(pair: ImportedPair, config, workdir: str) -> dict:
   workdir is complete on its own (the source may be a temporary download)."""
   def copy_into_workdir(source: str, name: str) -> str:
     target = os.path.join(os.path.abspath(workdir), name)
-    atomic_write_bytes(target, pathlib.Path(source).read_bytes())
+    workdir_files.write_bytes(target, pathlib.Path(source).read_bytes())
     return target
 
   if pair.vocab_file is None and pair.spm_model_file is not None:
@@ -230,7 +229,7 @@ def write_pretraining_workdir(pair: ImportedPair, config: ml_collections.ConfigD
   finally:
     checkpointer.close()
   config_path = os.path.join(workdir, "config.json")
-  atomic_write_bytes(config_path, config_lib.config_file_text(config).encode())
+  workdir_files.write_text(config_path, config_lib.config_file_text(config))
   return {"workdir": workdir, "config": config_path, "vocab_file": config.data.vocab_file or config.data.spm_model_file,
           "num_params": int(sum(np.prod(s) for s in setup.param_shapes.values())),
           "generator_fraction": config.model.generator_fraction}
