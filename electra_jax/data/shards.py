@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import threading
 
@@ -61,15 +60,9 @@ def write_split(out_dir: str, split: str, index: int, input_ids, token_type_ids,
 
 
 def read_manifest(out_dir: str) -> dict | None:
+  """`out_dir`'s manifest; None when it has none, ConfigError naming the file when it is damaged."""
   path = os.path.join(out_dir, MANIFEST)
-  if not os.path.exists(path):
-    return None
-  try:
-    with open(path, "rb") as f:
-      return json.loads(f.read())
-  except ValueError as e:
-    raise ConfigError(f"{path} is not valid JSON ({e}); it was not written by prepare_data. Delete "
-                      f"{out_dir} (or choose another data.prepared_dir) and prepare again.") from e
+  return workdir_files.read_json(path, dict) if os.path.exists(path) else None
 
 
 def write_manifest(out_dir: str, manifest: dict) -> None:
