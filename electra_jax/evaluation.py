@@ -50,11 +50,6 @@ class HeldOutEvaluator:
           f"(mesh.data * mesh.fsdp) and {processes} processes; choose a multiple."
       )
     num_rows = min(held_out.num_rows, config.eval.num_batches * batch_size)
-    if num_rows == 0:
-      raise ConfigError(
-          f"The held-out split is empty (data.eval_fraction={config.data.eval_fraction}); raise "
-          "data.eval_fraction or set eval.every_steps=0."
-      )
     num_batches = -(-num_rows // batch_size)
     local = slice(jax.process_index() * batch_size // processes, (jax.process_index() + 1) * batch_size // processes)
     padded = {"example_index": np.arange(num_batches * batch_size, dtype=np.int32)}
