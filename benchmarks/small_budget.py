@@ -7,6 +7,7 @@ defaults of configs/finetune/custom.py, several seeds, nothing tuned on dev.
   python benchmarks/small_budget.py run --budgets=12m,60m --tasks=debian
   python benchmarks/small_budget.py report                        # table + plot into docs/
   python benchmarks/small_budget.py split_check --tasks=manpages  # held-out share vs dev (TF-IDF)
+  python benchmarks/small_budget.py prepare                      # task folders and tokenizers
   python benchmarks/small_budget.py run --budgets=793steps,3965steps --jobs=6   # on one GPU
   python benchmarks/small_budget.py run --budgets=3965steps --jobs=6 --arms=gen50,gdes \\
       --arm 'gen50=--config.model.generator_fraction=0.5' --arm 'gdes=--config.model.tie=gdes'
@@ -21,8 +22,12 @@ are reached on a GPU: a 2-core CPU gets about 800 quick-recipe steps out of 12 m
 pre-training run comes first, then the fine-tuning. --jobs runs that many fine-tuning processes
 at once, and as many pre-training processes when the budgets are in steps; with time budgets the
 pre-training runs one at a time (processes sharing a CPU get fewer steps out of a time budget).
-Random init does not depend on the budget: it is fine-tuned once, with the first budget's
-tokenizer.
+Random init does not depend on the budget: it is fine-tuned once.
+
+Each task's sentencepiece model is trained once, before any arm (<task>/spm.model, from
+configs/quick.py's data settings and --pretrain_override), and every arm and random init use it:
+arms on one corpus share their vocabulary, and a task folder that carries its model (`prepare`
+on a CPU, then copied to the GPU machine) trains none there.
 
 Everything goes under --out (default .bench_data/small_budget): <task>/pretrain_<arm>_<budget>/
 (pre-training workdirs), <task>/finetune_<init>/ (fine-tuning workdirs), results.jsonl (one line
@@ -74,6 +79,21 @@ def _record(results_file: str, row: dict) -> None:
   with _RECORD_LOCK, open(results_file, "a") as f:
     f.write(json.dumps(row, sort_keys=True) + "\n")
   print(json.dumps(row, sort_keys=True), flush=True)
+
+
+def task_tokenizer(task_dir: str, overrides: list[str]) -> list[str]:
+  """The override that gives every arm of a task one sentencepiece model, <task>/spm.model,
+  trained once (configs/quick.py's data settings and `overrides`) before any pre-training:
+  arms on one corpus then share a vocabulary by construction, and a GPU run whose task folder
+  carries the model trains none. None where `overrides` already names a model file."""
+  if any(o.startswith("--config.data.spm_model_file=") for o in overrides):
+    return []
+  path = os.path.join(task_dir, "spm.model")
+  if not os.path.exists(path):  # written atomically: a killed run leaves none behind
+    _cli(["--mode=train_tokenizer", f"--config={ROOT}/configs/quick.py", "--config.data.source=text",
+          f"--config.data.files={task_dir}/corpus.txt", f"--out={path}", *overrides],
+         os.path.join(task_dir, "spm.log"))
+  return [f"--config.data.spm_model_file={path}"]
 
 
 def pretrain(task_dir: str, arm: str, budget: str, extra: list[str]) -> str:
@@ -176,28 +196,37 @@ def parse_arms(definitions: list[str], chosen: str) -> dict[str, list[str]]:
   return {name: arms[name] for name in chosen.split(",")}
 
 
+def prepare(args) -> dict[str, list[str]]:
+  """Builds each task's folder and trains its tokenizer (tasks at once): {task folder: the
+  override that names its model}. What a GPU run needs from a CPU: `run` then trains none."""
+  task_dirs = [small_budget_tasks.build(args.out, task) for task in args.tasks.split(",")]
+  with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+    return dict(zip(task_dirs, pool.map(lambda d: task_tokenizer(d, args.pretrain_override), task_dirs)))
+
+
 def run(args) -> None:
   results_file = os.path.join(args.out, "results.jsonl")
   done = {(r["task"], r["init"], r.get("budget")) for r in _done(results_file)}
   budgets, arms = args.budgets.split(","), parse_arms(args.arm, args.arms)
-  task_dirs = {task: small_budget_tasks.build(args.out, task) for task in args.tasks.split(",")}
+  tokenizers = prepare(args)
+  task_dirs = dict(zip(args.tasks.split(","), tokenizers))
   for task, task_dir in task_dirs.items():
     if (task, "tfidf", None) not in done:
       _record(results_file, dict(task=task, init="tfidf", budget=None, accuracy=[tfidf(task_dir)]))
 
-  # Every pre-training run of every task first, then the fine-tuning: a time budget needs the
-  # machine to itself, so those pre-train one at a time (step budgets: --jobs at once; on one
-  # corpus they may build its data cache together, each of its files written atomically), while
-  # the fine-tuning runs, whose length is fixed in steps, go --jobs at once in either case. Random
-  # init needs a tokenizer only: the first budget's run of the first pre-trained arm gives it.
+  # Each task's tokenizer first (prepare), then every pre-training run of every task, then the
+  # fine-tuning. A time budget needs the machine to itself, so those pre-train one at a time
+  # (step budgets: --jobs at once; on one corpus they may build its shards together, each file
+  # written atomically); the fine-tuning runs, whose length is fixed in steps, go --jobs at once in
+  # either case. Random init needs a tokenizer only: the first pre-trained arm's workdir gives it.
   pretrained = [name for name in arms if name != "random"]
   if not pretrained:
     sys.exit(f"--arms={args.arms}: name at least one pre-trained arm (random init takes its tokenizer)")
   runs = [(task, arm, budget) for task in task_dirs for budget in budgets for arm in pretrained]
   pretrain_jobs = args.jobs if all(b.endswith("steps") for b in budgets) else 1
   with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, pretrain_jobs)) as pool:
-    workdirs = dict(zip(runs, pool.map(
-        lambda r: pretrain(task_dirs[r[0]], r[1], r[2], args.pretrain_override + arms[r[1]]), runs)))
+    workdirs = dict(zip(runs, pool.map(lambda r: pretrain(
+        task_dirs[r[0]], r[1], r[2], tokenizers[task_dirs[r[0]]] + args.pretrain_override + arms[r[1]]), runs)))
 
   def finetune_one(task, init, budget):
     workdir = workdirs[task, pretrained[0] if init == "random" else init, budget]
@@ -260,7 +289,7 @@ def report(args) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("command", choices=("run", "report", "split_check"))
+  parser.add_argument("command", choices=("run", "prepare", "report", "split_check"))
   parser.add_argument("--out", default=os.path.join(ROOT, ".bench_data", "small_budget"))
   parser.add_argument("--tasks", default="debian,manpages")
   parser.add_argument("--budgets", default="12m")
@@ -275,7 +304,7 @@ def main() -> None:
   parser.add_argument("--finetune_override", action="append", default=[], help="e.g. --config.head.pooling=cls")
   parser.add_argument("--plot", default="", help="report: also draw the accuracy against the budget here (PNG)")
   args = parser.parse_args()
-  dict(run=run, report=report, split_check=split_check)[args.command](args)
+  dict(run=run, prepare=prepare, report=report, split_check=split_check)[args.command](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,81 @@
+"""benchmarks/small_budget.py: each task's tokenizer is trained once, before the arms, and every
+arm of the task pre-trains with it (arms sharing a corpus then share a vocabulary, and a task
+folder that carries its model trains none). The electra-jax processes are replaced by recorders."""
+
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+import small_budget  # noqa: E402
+
+
+def _recording_cli(monkeypatch):
+  calls = []
+
+  def cli(args, log_path):
+    calls.append(args)
+    out = [a for a in args if a.startswith("--out=")]
+    if out:
+      open(out[0][len("--out="):], "wb").close()
+
+  monkeypatch.setattr(small_budget, "_cli", cli)
+  return calls
+
+
+def test_the_task_tokenizer_is_trained_once_with_the_overrides(tmp_path, monkeypatch):
+  calls = _recording_cli(monkeypatch)
+  model = str(tmp_path / "spm.model")
+  first = small_budget.task_tokenizer(str(tmp_path), ["--config.data.spm_vocab_size=512"])
+  assert first == [f"--config.data.spm_model_file={model}"]
+  assert len(calls) == 1
+  assert "--mode=train_tokenizer" in calls[0] and f"--out={model}" in calls[0]
+  assert f"--config.data.files={tmp_path}/corpus.txt" in calls[0]
+  assert calls[0][-1] == "--config.data.spm_vocab_size=512"  # data overrides shape the vocabulary
+  assert small_budget.task_tokenizer(str(tmp_path), []) == first
+  assert len(calls) == 1  # the model is there: nothing trained again
+
+
+def test_an_override_naming_a_model_file_trains_none(tmp_path, monkeypatch):
+  calls = _recording_cli(monkeypatch)
+  assert small_budget.task_tokenizer(str(tmp_path), ["--config.data.spm_model_file=/m/spm.model"]) == []
+  assert calls == [] and not os.path.exists(tmp_path / "spm.model")
+
+
+def test_every_arm_of_a_task_pretrains_with_its_tokenizer(tmp_path, monkeypatch):
+  calls = _recording_cli(monkeypatch)
+  task_dirs = {}
+  for task in ("debian", "manpages"):
+    task_dirs[task] = str(tmp_path / task)
+    os.makedirs(task_dirs[task])
+  monkeypatch.setattr(small_budget.small_budget_tasks, "build", lambda out, task: task_dirs[task])
+  monkeypatch.setattr(small_budget, "tfidf", lambda task_dir: 0.5)
+  pretrained = []
+
+  def pretrain(task_dir, arm, budget, extra):
+    pretrained.append((task_dir, arm, extra))
+    workdir = os.path.join(task_dir, f"pretrain_{arm}_{budget}")
+    os.makedirs(workdir, exist_ok=True)
+    json.dump({"train": {"steps": 10}}, open(os.path.join(workdir, "config.json"), "w"))
+    open(os.path.join(workdir, "eval_metrics.jsonl"), "w").write(json.dumps({"step": 10, "disc_auc": 0.7}) + "\n")
+    return workdir
+
+  monkeypatch.setattr(small_budget, "pretrain", pretrain)
+  monkeypatch.setattr(small_budget, "finetune", lambda *args: [0.5])
+  monkeypatch.setattr(sys, "argv", [
+      "small_budget.py", "run", f"--out={tmp_path}", "--tasks=debian,manpages", "--budgets=10steps",
+      "--jobs=3", "--arms=electra,gdes,random", "--arm", "gdes=--config.model.tie=gdes",
+      "--pretrain_override=--config.train.seed=1"])
+  small_budget.main()
+
+  assert sorted(a for c in calls for a in c if a.startswith("--out=")) == sorted(
+      f"--out={d}/spm.model" for d in task_dirs.values())  # one tokenizer per task, none per arm
+  assert len(pretrained) == 4
+  for task_dir, arm, extra in pretrained:
+    assert extra[:2] == [f"--config.data.spm_model_file={task_dir}/spm.model", "--config.train.seed=1"]
+    assert extra[2:] == ({"gdes": ["--config.model.tie=gdes"]}.get(arm, []))
+  rows = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
+  assert sorted((r["task"], r["init"]) for r in rows if r["init"] != "tfidf") == sorted(
+      (task, init) for task in task_dirs for init in ("electra", "gdes", "random"))
