@@ -739,27 +739,42 @@ def test_prefetcher_yields_consecutive_steps_and_runs_at_most_depth_ahead():
   assert calls == list(range(5, len(calls) + 5))
 
 
+def _prefetch_threads():
+  return [t for t in threading.enumerate() if t.name.startswith("electra-prefetch")]
+
+
 def test_prefetcher_raises_the_fetch_error_at_its_step_and_stops():
   def fetch(step):
     if step == 3:
       raise ConfigError("bad step 3")
     return step
 
-  prefetcher = Prefetcher(fetch, start_step=0, depth=2)
+  calls = []
+  prefetcher = Prefetcher(lambda step: calls.append(step) or fetch(step), start_step=0, depth=2)
   assert [next(prefetcher) for _ in range(3)] == [0, 1, 2]
   with pytest.raises(ConfigError, match="bad step 3"):
     next(prefetcher)
   with pytest.raises(StopIteration):
     next(prefetcher)
-  assert not prefetcher._thread.is_alive()
+  fetched = len(calls)
+  time.sleep(0.2)
+  assert len(calls) == fetched <= 6  # fetching stopped with the error: at most depth steps past it
+  assert not _prefetch_threads()
 
 
 def test_prefetcher_stop_step_and_close():
   assert list(Prefetcher(lambda step: step * 2, start_step=2, stop_step=6)) == [4, 6, 8, 10]
-  prefetcher = Prefetcher(lambda step: step, start_step=0, depth=1)
+  assert not _prefetch_threads()  # the iteration's end ends the thread
+  calls = []
+  prefetcher = Prefetcher(lambda step: calls.append(step) or step, start_step=0, depth=1)
   next(prefetcher)
   prefetcher.close()
-  assert not prefetcher._thread.is_alive()
+  fetched = len(calls)
+  time.sleep(0.2)
+  assert calls == [0, 1][:fetched] and len(calls) == fetched  # nothing fetched after close
+  assert not _prefetch_threads()
+  with pytest.raises(StopIteration):
+    next(prefetcher)
   with pytest.raises(ValueError, match="depth"):
     Prefetcher(lambda step: step, 0, depth=0)
 
