@@ -196,20 +196,21 @@ def parse_arms(definitions: list[str], chosen: str) -> dict[str, list[str]]:
   return {name: arms[name] for name in chosen.split(",")}
 
 
-def prepare(args) -> dict[str, list[str]]:
-  """Builds each task's folder and trains its tokenizer (tasks at once): {task folder: the
-  override that names its model}. What a GPU run needs from a CPU: `run` then trains none."""
-  task_dirs = [small_budget_tasks.build(args.out, task) for task in args.tasks.split(",")]
+def prepare(args) -> tuple[dict[str, str], dict[str, list[str]]]:
+  """Builds each task's folder and trains its tokenizer (tasks at once): {task: its folder} and
+  {task: the override that names its model}. What a GPU run needs from a CPU: `run` then trains
+  none."""
+  task_dirs = {task: small_budget_tasks.build(args.out, task) for task in args.tasks.split(",")}
   with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-    return dict(zip(task_dirs, pool.map(lambda d: task_tokenizer(d, args.pretrain_override), task_dirs)))
+    overrides = pool.map(lambda d: task_tokenizer(d, args.pretrain_override), task_dirs.values())
+    return task_dirs, dict(zip(task_dirs, overrides))
 
 
 def run(args) -> None:
   results_file = os.path.join(args.out, "results.jsonl")
   done = {(r["task"], r["init"], r.get("budget")) for r in _done(results_file)}
   budgets, arms = args.budgets.split(","), parse_arms(args.arm, args.arms)
-  tokenizers = prepare(args)
-  task_dirs = dict(zip(args.tasks.split(","), tokenizers))
+  task_dirs, tokenizers = prepare(args)
   for task, task_dir in task_dirs.items():
     if (task, "tfidf", None) not in done:
       _record(results_file, dict(task=task, init="tfidf", budget=None, accuracy=[tfidf(task_dir)]))
@@ -226,7 +227,7 @@ def run(args) -> None:
   pretrain_jobs = args.jobs if all(b.endswith("steps") for b in budgets) else 1
   with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, pretrain_jobs)) as pool:
     workdirs = dict(zip(runs, pool.map(lambda r: pretrain(
-        task_dirs[r[0]], r[1], r[2], tokenizers[task_dirs[r[0]]] + args.pretrain_override + arms[r[1]]), runs)))
+        task_dirs[r[0]], r[1], r[2], tokenizers[r[0]] + args.pretrain_override + arms[r[1]]), runs)))
 
   def finetune_one(task, init, budget):
     workdir = workdirs[task, pretrained[0] if init == "random" else init, budget]
