@@ -39,6 +39,13 @@ def test_readme_lists_every_mode_and_stays_short():
   assert len(readme.splitlines()) < 200
 
 
+def test_readme_holds_no_dates_commit_hashes_or_test_counts():
+  # They go stale with every change; measurements and their dates live in benchmarks/RESULTS.md.
+  readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+  stale = re.findall(r"\b20\d\d-\d\d-\d\d\b|\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b|\b\d+ (?:passed|tests)\b", readme)
+  assert stale == []
+
+
 def test_every_docs_page_is_linked_from_the_readme():
   readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
   pages = [name for name in os.listdir(DOCS) if name.endswith(".md")]
