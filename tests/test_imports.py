@@ -76,3 +76,17 @@ def test_the_graph_sees_function_level_and_submodule_imports():
 def test_the_package_has_no_import_cycle():
   cycle = find_cycle(import_graph())
   assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_a_recipe_loads_without_jax():
+  # configs/*.py import config_lib, which imports the model code only inside validate(): reading a
+  # recipe (a launch script, a notebook cell that edits it) costs no jax import.
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('quick', 'configs/quick.py'); "
+          "recipe = importlib.util.module_from_spec(spec); spec.loader.exec_module(recipe); recipe.get_config(); "
+          "print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))")
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == "[]"
