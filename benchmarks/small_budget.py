@@ -8,6 +8,7 @@ defaults of configs/finetune/custom.py, several seeds, nothing tuned on dev.
   python benchmarks/small_budget.py report                        # table + plot into docs/
   python benchmarks/small_budget.py split_check --tasks=manpages  # held-out share vs dev (TF-IDF)
   python benchmarks/small_budget.py prepare                      # task folders and tokenizers
+  python benchmarks/small_budget.py probe --tasks=manpages --workdirs=pretrain_mlm_60m   # linear probes
   python benchmarks/small_budget.py run --budgets=793steps,3965steps --jobs=6   # on one GPU
   python benchmarks/small_budget.py run --budgets=3965steps --jobs=6 --arms=gen50,gdes \\
       --arm 'gen50=--config.model.generator_fraction=0.5' --arm 'gdes=--config.model.tie=gdes'
@@ -44,6 +45,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import numpy as np
 
@@ -180,6 +182,76 @@ def split_check(args) -> None:
                               dev=round(on_dev, 4))), flush=True)
 
 
+def probe(args) -> None:
+  """Linear probes: each pre-trained encoder (--workdirs, pre-training workdirs in the task folder)
+  frozen, its states mean-pooled over the tokens at the embeddings, after every layer and at the
+  encoder's output, and logistic regression fit on each (C chosen by 5-fold cross-validation on
+  train, folds by whole groups where the task has them); dev accuracy per layer. It tells what an
+  encoder holds before fine-tuning moves it. Random init (the first workdir's sizes and
+  tokenizer, --seeds draws) is the floor. Lines go to stdout and <out>/probes.jsonl."""
+  import jax  # noqa: PLC0415
+  from flax import linen as nn  # noqa: PLC0415
+  from sklearn.linear_model import LogisticRegressionCV  # noqa: PLC0415 (a test extra)
+  from sklearn.model_selection import GroupKFold  # noqa: PLC0415
+  from sklearn.pipeline import make_pipeline  # noqa: PLC0415
+  from sklearn.preprocessing import StandardScaler  # noqa: PLC0415
+
+  from electra_jax import api, models  # noqa: PLC0415
+  from electra_jax.finetune import model as model_lib, tasks  # noqa: PLC0415
+
+  if not args.workdirs:
+    sys.exit("probe: name the pre-training workdirs, e.g. --workdirs=pretrain_electra_60m,pretrain_mlm_60m")
+  warnings.filterwarnings("ignore", category=FutureWarning, module="sklearn")  # its coming defaults
+  probed = (models.Embeddings, models.EncoderLayer, models.Encoder)
+  for task in args.tasks.split(","):
+    task_dir = small_budget_tasks.build(args.out, task)
+    workdirs = args.workdirs.split(",")
+    grouped = "group" in json.loads(open(os.path.join(task_dir, "train.jsonl")).readline())
+    inits = [(name, name, 0) for name in workdirs] + [(f"random_{s}", None, s) for s in range(args.seeds)]
+    for init, workdir, seed in inits:
+      config = api.load_config("finetune/custom", {
+          "custom.train_file": f"{task_dir}/train.jsonl", "custom.dev_file": f"{task_dir}/dev.jsonl",
+          "custom.text_a_column": "sentence", "custom.label_column": "label",
+          "init_from": os.path.join(task_dir, workdir or workdirs[0]), "random_init": workdir is None,
+          **({"custom.group_column": "group"} if grouped else {})})
+      backbone, data = model_lib.load_backbone(config), tasks.load_task(config)
+      encoder = backbone.model
+      params = backbone.params
+      if params is None:
+        ids = np.zeros((1, 8), np.int32)
+        params = encoder.init(jax.random.key(seed), ids)["params"]
+      params = nn.meta.unbox(params)
+
+      @jax.jit
+      def pooled(params, input_ids, attention_mask, token_type_ids):
+        _, state = encoder.apply({"params": params}, input_ids, attention_mask, token_type_ids,
+                                 capture_intermediates=lambda module, method: isinstance(module, probed)
+                                 and method == "__call__", mutable=["intermediates"])
+        found = jax.tree_util.tree_flatten_with_path(state["intermediates"])[0]
+        return {"/".join(k.key for k in path if getattr(k, "key", "__call__") != "__call__"):
+                model_lib.pool(value, attention_mask, "mean") for path, value in found}
+
+      def features(examples):
+        arrays = tasks.encode_examples(examples, backbone.tokenizer, config.max_seq_len, data)
+        parts = [pooled(params, *(arrays[k][i:i + 256] for k in ("input_ids", "attention_mask", "token_type_ids")))
+                 for i in range(0, len(examples), 256)]
+        return {name: np.concatenate([np.asarray(p[name]) for p in parts]) for name in parts[0]}, arrays["labels"]
+
+      (train_x, train_y), (dev_x, dev_y) = features(data.train), features(data.dev["custom"])
+      groups = [e.group if e.group is not None else e.index for e in data.train]
+      folds = list(GroupKFold(5).split(train_y, train_y, groups))
+      accuracy = {}
+      for name in train_x:
+        classifier = make_pipeline(StandardScaler(), LogisticRegressionCV(Cs=[0.01, 0.1, 1, 10], cv=folds,
+                                                                           max_iter=3000))
+        classifier.fit(train_x[name], train_y)
+        accuracy[name] = round(float(np.mean(classifier.predict(dev_x[name]) == dev_y)), 4)
+      row = dict(task=task, init=init, source=backbone.source, dev_accuracy=accuracy)
+      with open(os.path.join(args.out, "probes.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+      print(json.dumps(row), flush=True)
+
+
 def parse_arms(definitions: list[str], chosen: str) -> dict[str, list[str]]:
   """{arm: its pre-training overrides} for the chosen arms: electra, mlm and those --arm defines
   (NAME=OVERRIDES, space-separated); random (init) has none and is fine-tuned only."""
@@ -290,7 +362,7 @@ def report(args) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("command", choices=("run", "prepare", "report", "split_check"))
+  parser.add_argument("command", choices=("run", "prepare", "report", "split_check", "probe"))
   parser.add_argument("--out", default=os.path.join(ROOT, ".bench_data", "small_budget"))
   parser.add_argument("--tasks", default="debian,manpages")
   parser.add_argument("--budgets", default="12m")
@@ -303,9 +375,11 @@ def main() -> None:
                       help="another pre-training arm, NAME=OVERRIDES: e.g. 'gdes=--config.model.tie=gdes'")
   parser.add_argument("--arms", default="electra,mlm,random", help="the arms run (random: fine-tuned only)")
   parser.add_argument("--finetune_override", action="append", default=[], help="e.g. --config.head.pooling=cls")
+  parser.add_argument("--workdirs", default="", help="probe: pre-training workdirs in each task folder, e.g. "
+                      "pretrain_electra_60m,pretrain_mlm_60m")
   parser.add_argument("--plot", default="", help="report: also draw the accuracy against the budget here (PNG)")
   args = parser.parse_args()
-  dict(run=run, prepare=prepare, report=report, split_check=split_check)[args.command](args)
+  dict(run=run, prepare=prepare, report=report, split_check=split_check, probe=probe)[args.command](args)
 
 
 if __name__ == "__main__":
