@@ -283,7 +283,8 @@ _SOURCE_KEYS = (("files", "text' (or 'jsonl"), ("prepared_dir", "prepared"), ("t
 def validate(config: ml_collections.ConfigDict) -> None:
   """Checks that need no devices and no data, group by group; raises ConfigError naming the key
   and the fix."""
-  from electra_jax import models, objectives, splash_attention, tensorboard_log  # noqa: PLC0415 (recipes import this module: keep it free of jax)
+  # Here, not at the top: recipes import this module, and reading a recipe should not import jax.
+  from electra_jax import models, objectives, splash_attention, tensorboard_log  # noqa: PLC0415
 
   m, t, d = config.model, config.train, config.data
   check_encoder_sizes(m, ("hidden_size", "num_heads", "intermediate_size", "embedding_size", "vocab_size",
