@@ -120,19 +120,23 @@ def _finished(workdir: str) -> bool:
   return bool(steps) and steps[-1] >= config["train"]["steps"]
 
 
+def task_keys(task_dir: str) -> dict[str, str]:
+  """The configs/finetune/custom.py keys that read a task folder; the learning rate's held-out
+  share takes whole groups (pages, packages) where its examples name them (see split_check)."""
+  keys = {"custom.train_file": f"{task_dir}/train.jsonl", "custom.dev_file": f"{task_dir}/dev.jsonl",
+          "custom.text_a_column": "sentence", "custom.label_column": "label"}
+  if "group" in json.loads(open(os.path.join(task_dir, "train.jsonl")).readline()):
+    keys["custom.group_column"] = "group"
+  return keys
+
+
 def finetune(task_dir: str, init: str, init_from: str, seeds: int, extra: list[str]) -> list[float]:
   """Dev accuracy of each seed, fine-tuned with configs/finetune/custom.py's defaults; the
   learning rate's held-out share takes whole groups where the task files name them."""
   workdir = os.path.join(task_dir, f"finetune_{init}")
-  args = [
-      "--mode=finetune", f"--config={ROOT}/configs/finetune/custom.py", f"--workdir={workdir}",
-      f"--config.custom.train_file={task_dir}/train.jsonl", f"--config.custom.dev_file={task_dir}/dev.jsonl",
-      "--config.custom.text_a_column=sentence", "--config.custom.label_column=label",
-      f"--config.init_from={init_from}", f"--config.num_seeds={seeds}",
-  ]
-  if "group" in json.loads(open(os.path.join(task_dir, "train.jsonl")).readline()):
-    args.append("--config.custom.group_column=group")  # held out by whole pages/packages: see split_check
-  args += extra
+  args = ["--mode=finetune", f"--config={ROOT}/configs/finetune/custom.py", f"--workdir={workdir}",
+          *(f"--config.{key}={value}" for key, value in task_keys(task_dir).items()),
+          f"--config.init_from={init_from}", f"--config.num_seeds={seeds}", *extra]
   if init.startswith("random"):  # "random_<budget>": the pre-training run gives only its tokenizer
     args.append("--config.random_init=True")
   _cli(args, os.path.join(task_dir, f"finetune_{init}.log"))
@@ -206,14 +210,11 @@ def probe(args) -> None:
   for task in args.tasks.split(","):
     task_dir = small_budget_tasks.build(args.out, task)
     workdirs = args.workdirs.split(",")
-    grouped = "group" in json.loads(open(os.path.join(task_dir, "train.jsonl")).readline())
     inits = [(name, name, 0) for name in workdirs] + [(f"random_{s}", None, s) for s in range(args.seeds)]
     for init, workdir, seed in inits:
       config = api.load_config("finetune/custom", {
-          "custom.train_file": f"{task_dir}/train.jsonl", "custom.dev_file": f"{task_dir}/dev.jsonl",
-          "custom.text_a_column": "sentence", "custom.label_column": "label",
-          "init_from": os.path.join(task_dir, workdir or workdirs[0]), "random_init": workdir is None,
-          **({"custom.group_column": "group"} if grouped else {})})
+          **task_keys(task_dir), "init_from": os.path.join(task_dir, workdir or workdirs[0]),
+          "random_init": workdir is None})
       backbone, data = model_lib.load_backbone(config), tasks.load_task(config)
       encoder = backbone.model
       params = backbone.params
