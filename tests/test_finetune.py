@@ -3,6 +3,7 @@ actual update, a tiny model that must learn a synthetic task, and initialization
 pre-training workdir (weights carried over, tokenizer checked, several seeds summarized)."""
 
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -310,6 +311,26 @@ def test_init_from_a_workdir_with_encoder_options_keeps_them(tmp_path):
   logits = classifier.apply({"params": params}, ids, jnp.zeros_like(ids), jnp.ones_like(ids))
   assert logits.shape == (2, 2) and np.isfinite(np.asarray(logits)).all()
 
+  # reinit_layers=1: the top layer and the final LayerNorm are the fresh draw of the same key
+  # (what random_init gives), everything below them the checkpoint's (shifted by 1 here, so no
+  # leaf of it can equal a fresh one by chance).
+  fresh = model_lib.init_params(dataclasses.replace(backbone, params=None), classifier, jax.random.key(0),
+                                config.max_seq_len)
+  shifted = dataclasses.replace(backbone, params=jax.tree.map(lambda x: x + 1.0, backbone.params))
+  pretrained = model_lib.init_params(shifted, classifier, jax.random.key(0), config.max_seq_len)
+  reinit = model_lib.init_params(shifted, classifier, jax.random.key(0), config.max_seq_len, reinit_layers=1)
+  top = f"layer_{pretrain_config.model.num_layers - 1}"
+  assert {top, "final_layer_norm", "layer_0"} <= set(reinit["encoder"])
+  for name, tree in reinit["encoder"].items():
+    source = fresh if name in (top, "final_layer_norm") else pretrained
+    jax.tree.map(np.testing.assert_array_equal, tree, source["encoder"][name])
+  jax.tree.map(np.testing.assert_array_equal, reinit["embeddings"], pretrained["embeddings"])
+  config.reinit_layers = pretrain_config.model.num_layers + 1
+  with pytest.raises(ConfigError, match=f"config.reinit_layers={config.reinit_layers} exceeds the encoder's "
+                                        f"{pretrain_config.model.num_layers} layers"):
+    trainer.run_finetune(config, str(tmp_path / "ft"))
+  assert not (tmp_path / "ft" / "custom").exists()
+
 
 def test_glue_run_writes_submission_files(tmp_path):
   """MNLI from GLUE's layout end to end: both dev sets evaluated, both test files written
@@ -529,6 +550,8 @@ def test_head_and_min_steps_refused_by_name():
       ("custom", "head.pooling", "max", r"config.head.pooling='max': use one of \['cls', 'mean'\]"),
       ("squad2.0", "head.pooling", "mean", "config.head.pooling='mean' with task 'squad2.0'"),
       ("custom", "min_steps", -5, "config.min_steps=-5 must be an int >= 0"),
+      ("custom", "reinit_layers", -1, "config.reinit_layers=-1 must be an int >= 0"),
+      ("custom", "reinit_layers", True, "config.reinit_layers=True must be an int >= 0"),
       ("custom", "optimizer.learning_rate", float("inf"), "config.optimizer.learning_rate=inf is not a finite number"),
       ("custom", "optimizer.layerwise_lr_decay", float("nan"), "config.optimizer.layerwise_lr_decay=nan is not a finite"),
   ):

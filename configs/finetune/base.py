@@ -39,6 +39,10 @@ def get_config():
   # discriminator and the shared embeddings) or a Hugging Face ELECTRA directory.
   config.init_from = ""
   config.random_init = False  # same sizes and tokenizer as init_from, fresh weights (a baseline)
+  # The top N layers of the pre-trained encoder (and a pre-LN encoder's final LayerNorm) start
+  # from fresh weights, as the head does: for a pre-training objective whose top layers serve
+  # that objective more than the task (Zhang et al. 2021, few-sample fine-tuning). 0 = keep all.
+  config.reinit_layers = 0
   config.tokenizer = ""  # "" = the pre-training one; else a sentencepiece .model or vocab.txt
   # vocab.txt tokenizers: lowercase the text? None = as a Hugging Face init_from's
   # tokenizer_config.json records it (its strip_accents too), else True (BERT uncased).

@@ -233,9 +233,10 @@ def load_backbone(config) -> Backbone:
   return backbone
 
 
-def init_params(backbone: Backbone, model: ElectraClassifier, rng: jax.Array, seq_len: int):
+def init_params(backbone: Backbone, model: ElectraClassifier, rng: jax.Array, seq_len: int, reinit_layers: int = 0):
   """Fresh parameters for `model`, with the backbone's weights (if any) in place of the random
-  embeddings and encoder; the head is always new."""
+  embeddings and encoder, except its top `reinit_layers` layers (and a pre-LN encoder's final
+  LayerNorm with them), which keep the fresh draw; the head is always new."""
   ids = jnp.zeros((1, seq_len), jnp.int32)
   params = nn.meta.unbox(jax.jit(model.init)(rng, ids, ids, jnp.ones_like(ids))["params"])
   if backbone.params is not None:
@@ -245,5 +246,10 @@ def init_params(backbone: Backbone, model: ElectraClassifier, rng: jax.Array, se
       expected, got = jax.tree.map(jnp.shape, params[name]), jax.tree.map(jnp.shape, pretrained[name])
       if expected != got:
         raise ConfigError(f"The pre-trained {name} do not fit the classifier: {got} vs {expected}.")
-      params[name] = pretrained[name]
+    num_layers = backbone.encoder_config.num_layers
+    fresh = {f"layer_{i}" for i in range(num_layers - reinit_layers, num_layers)}
+    fresh |= {"final_layer_norm"} if reinit_layers else set()
+    params["embeddings"] = pretrained["embeddings"]
+    params["encoder"] = {key: params["encoder"][key] if key in fresh else value
+                         for key, value in pretrained["encoder"].items()}
   return params

@@ -40,7 +40,7 @@ _NOT_SEED_KEYS = ("seed", "num_seeds", "log_every")
 # config without them reads as having these values, so its finished seeds still match. A dotted
 # name is a key added inside a group that already existed.
 _ADDED_KEYS = {"min_steps": 0, "head": {"pooling": "cls"}, "select": {"learning_rates": "", "fraction": 0.2},
-               "custom.group_column": ""}
+               "custom.group_column": "", "reinit_layers": 0}
 
 
 def _added_key_slots(settings: dict):
@@ -189,6 +189,9 @@ def validate(config) -> None:
     raise ConfigError(f"config.keep_epoch={config.keep_epoch!r}: use one of {list(KEEP_EPOCH)}.")
   if type(config.min_steps) is not int or config.min_steps < 0:  # not a bool either: True is no step count
     raise ConfigError(f"config.min_steps={config.min_steps!r} must be an int >= 0 (0 = train the epochs alone).")
+  if type(config.reinit_layers) is not int or config.reinit_layers < 0:
+    raise ConfigError(f"config.reinit_layers={config.reinit_layers!r} must be an int >= 0 (0 = keep every "
+                      "pre-trained layer).")
   pooling = config.head.pooling
   if pooling not in model_lib.POOLINGS:
     raise ConfigError(f"config.head.pooling={pooling!r}: use one of {list(model_lib.POOLINGS)}.")
@@ -301,7 +304,8 @@ def _run_seed(config, adapter, backbone, seed: int, task_dir: str, epochs: int, 
   num_train = _num_examples(adapter.train_features)
   total_steps = _steps_per_seed(config, adapter.train_features, epochs)
 
-  params = model_lib.init_params(backbone, adapter.model, jax.random.key(seed), config.max_seq_len)
+  params = model_lib.init_params(backbone, adapter.model, jax.random.key(seed), config.max_seq_len,
+                                 config.reinit_layers)
   opt_state = tx.init(params)
 
   # A seed whose earlier run was cut short (no metrics.json: run_finetune refuses finished
@@ -355,6 +359,9 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   validate(config)
   workdir_files.check_usable(workdir)  # before the data and the backbone load
   backbone = model_lib.load_backbone(config)
+  if config.reinit_layers > backbone.encoder_config.num_layers:
+    raise ConfigError(f"config.reinit_layers={config.reinit_layers} exceeds the encoder's "
+                      f"{backbone.encoder_config.num_layers} layers; use at most that many.")
   if _is_squad(config):
     adapter = squad.make_adapter(config, backbone)
   else:
