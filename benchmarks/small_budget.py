@@ -130,9 +130,10 @@ def task_keys(task_dir: str) -> dict[str, str]:
   return keys
 
 
-def finetune(task_dir: str, init: str, init_from: str, seeds: int, extra: list[str]) -> list[float]:
-  """Dev accuracy of each seed, fine-tuned with configs/finetune/custom.py's defaults; the
-  learning rate's held-out share takes whole groups where the task files name them."""
+def finetune(task_dir: str, init: str, init_from: str, seeds: int, extra: list[str]) -> tuple[list[float], dict]:
+  """Dev accuracy of each seed, fine-tuned with configs/finetune/custom.py's defaults, and the
+  learning rate's choice ({} when the rate was fixed): the rate and each rate's held-out score,
+  the held-out share taking whole groups where the task files name them."""
   workdir = os.path.join(task_dir, f"finetune_{init}")
   args = ["--mode=finetune", f"--config={ROOT}/configs/finetune/custom.py", f"--workdir={workdir}",
           *(f"--config.{key}={value}" for key, value in task_keys(task_dir).items()),
@@ -141,7 +142,8 @@ def finetune(task_dir: str, init: str, init_from: str, seeds: int, extra: list[s
     args.append("--config.random_init=True")
   _cli(args, os.path.join(task_dir, f"finetune_{init}.log"))
   results = json.load(open(os.path.join(workdir, "custom", "results.json")))
-  return [results["seeds"][s]["dev"]["custom"]["accuracy"] for s in sorted(results["seeds"], key=int)]
+  accuracy = [results["seeds"][s]["dev"]["custom"]["accuracy"] for s in sorted(results["seeds"], key=int)]
+  return accuracy, results["selection"] or {}
 
 
 def _read(task_dir: str, split: str) -> list[dict]:
@@ -305,8 +307,9 @@ def run(args) -> None:
   def finetune_one(task, init, budget):
     workdir = workdirs[task, pretrained[0] if init == "random" else init, budget]
     start = time.time()
-    accuracy = finetune(task_dirs[task], f"{init}_{budget}", workdir, args.seeds, args.finetune_override)
-    row = dict(task=task, init=init, budget=budget, accuracy=accuracy, finetune_seconds=round(time.time() - start))
+    accuracy, selection = finetune(task_dirs[task], f"{init}_{budget}", workdir, args.seeds, args.finetune_override)
+    row = dict(task=task, init=init, budget=budget, accuracy=accuracy, selection=selection,
+               finetune_seconds=round(time.time() - start))
     if init != "random":
       config = json.load(open(os.path.join(workdir, "config.json")))
       held_out = workdir_files.last_record(os.path.join(workdir, "eval_metrics.jsonl"))
@@ -321,13 +324,16 @@ def run(args) -> None:
 
 def report(args) -> None:
   rows = _done(os.path.join(args.out, "results.jsonl"))
-  lines = ["| task | budget | init | dev accuracy, mean ± sd (seeds) | pre-training steps | held-out disc_auc |",
-           "|---|---|---|---|---|---|"]
+  lines = ["| task | budget | init | rate chosen (held-out score by rate) | dev accuracy, mean ± sd (seeds) | "
+           "pre-training steps | held-out disc_auc |", "|---|---|---|---|---|---|---|"]
   for r in sorted(rows, key=lambda r: (r["task"], r.get("budget") or "", r["init"])):
     acc = 100 * np.array(r["accuracy"])
     spread = f" ± {acc.std(ddof=1):.1f} ({len(acc)})" if len(acc) > 1 else ""
     auc = (r.get("held_out") or {}).get("disc_auc")
-    lines.append(f"| {r['task']} | {r.get('budget') or '-'} | {r['init']} | {acc.mean():.1f}{spread} | "
+    chosen = r.get("selection") or {}
+    scores = " / ".join(f"{k} {100 * v:.1f}" for k, v in chosen.get("held_out_scores", {}).items())
+    rate = f"{chosen['learning_rate']:g} ({scores})" if chosen else "-"
+    lines.append(f"| {r['task']} | {r.get('budget') or '-'} | {r['init']} | {rate} | {acc.mean():.1f}{spread} | "
                  f"{r.get('pretrain_steps', '-')} | {'-' if auc is None else f'{auc:.3f}'} |")
   print("\n".join(lines))
   if args.plot:

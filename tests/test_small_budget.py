@@ -63,7 +63,9 @@ def test_every_arm_of_a_task_pretrains_with_its_tokenizer(tmp_path, monkeypatch)
     return workdir
 
   monkeypatch.setattr(small_budget, "pretrain", pretrain)
-  monkeypatch.setattr(small_budget, "finetune", lambda *args: [0.5])
+  choice = {"learning_rate": 1e-3, "held_out_scores": {"0.0003": 0.662, "0.001": 0.697}}
+  monkeypatch.setattr(small_budget, "finetune", lambda task_dir, init, *args: (
+      [0.5], {} if init.startswith("random") else choice))
   monkeypatch.setattr(sys, "argv", [
       "small_budget.py", "run", f"--out={tmp_path}", "--tasks=debian,manpages", "--budgets=10steps",
       "--jobs=3", "--arms=electra,gdes,random", "--arm", "gdes=--config.model.tie=gdes",
@@ -79,3 +81,17 @@ def test_every_arm_of_a_task_pretrains_with_its_tokenizer(tmp_path, monkeypatch)
   rows = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
   assert sorted((r["task"], r["init"]) for r in rows if r["init"] != "tfidf") == sorted(
       (task, init) for task in task_dirs for init in ("electra", "gdes", "random"))
+  assert all(r["selection"] == ({} if r["init"] == "random" else choice) for r in rows if r["init"] != "tfidf")
+
+
+def test_the_report_shows_each_rate_chosen_and_its_held_out_scores(tmp_path, monkeypatch, capsys):
+  rows = [dict(task="debian", init="electra", budget="60m", accuracy=[0.5, 0.52], pretrain_steps=3255,
+               held_out={"disc_auc": 0.85}, selection={"learning_rate": 1e-3,
+                                                       "held_out_scores": {"0.0003": 0.662, "0.001": 0.697}}),
+          dict(task="debian", init="random", budget="60m", accuracy=[0.5], selection={})]
+  (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  monkeypatch.setattr(sys, "argv", ["small_budget.py", "report", f"--out={tmp_path}"])
+  small_budget.main()
+  table = capsys.readouterr().out.splitlines()
+  assert table[2] == "| debian | 60m | electra | 0.001 (0.0003 66.2 / 0.001 69.7) | 51.0 ± 1.4 (2) | 3255 | 0.850 |"
+  assert table[3] == "| debian | 60m | random | - | 50.0 | - | - |"
