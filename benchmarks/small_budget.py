@@ -386,6 +386,7 @@ def main() -> None:
                       "pretrain_electra_60m,pretrain_mlm_60m")
   parser.add_argument("--plot", default="", help="report: also draw the accuracy against the budget here (PNG)")
   args = parser.parse_args()
+  args.out = os.path.abspath(args.out)  # the CLI runs from the repository root, not from the caller's folder
   dict(run=run, prepare=prepare, report=report, split_check=split_check, probe=probe)[args.command](args)
 
 
