@@ -62,7 +62,8 @@ def _cli(args: list[str], log_path: str) -> None:
   with open(log_path, "a") as log:
     log.write("$ " + " ".join(command) + "\n")
     log.flush()
-    done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    # From the caller's folder, as this process: relative paths in --out and the overrides mean the same.
+    done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
   if done.returncode:
     sys.exit(f"failed (exit {done.returncode}, {time.time() - start:.0f}s): {' '.join(command)}\nsee {log_path}")
 
@@ -386,7 +387,6 @@ def main() -> None:
                       "pretrain_electra_60m,pretrain_mlm_60m")
   parser.add_argument("--plot", default="", help="report: also draw the accuracy against the budget here (PNG)")
   args = parser.parse_args()
-  args.out = os.path.abspath(args.out)  # the CLI runs from the repository root, not from the caller's folder
   dict(run=run, prepare=prepare, report=report, split_check=split_check, probe=probe)[args.command](args)
 
 
