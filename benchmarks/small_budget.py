@@ -171,8 +171,9 @@ def tfidf(task_dir: str) -> float:
 
 def split_check(args) -> None:
   """How far the score on the learning rate's held-out share (config.select) is from dev's, by
-  rows and by whole groups (custom.group_column=group): TF-IDF fit on the rest of train, scored on
-  that share and on dev, for the held-out draws of seeds 0 to --seeds - 1."""
+  rows, by whole groups (custom.group_column=group) and by whole groups in 3 folds
+  (select.folds=3: the mean over the shares): TF-IDF fit on the rest of train, scored on the
+  share and on dev, for the held-out draws of seeds 0 to --seeds - 1."""
   from electra_jax.finetune.trainer import held_out_rows  # noqa: PLC0415 (the split fine-tuning uses)
 
   for task in args.tasks.split(","):
@@ -181,11 +182,13 @@ def split_check(args) -> None:
     if "group" not in train[0]:
       sys.exit(f"{task_dir}/train.jsonl has no group field (built before examples carried one): "
                "build the task again under a new --out.")
-    for split, groups in (("rows", [None] * len(train)), ("groups", [e["group"] for e in train])):
+    groups = [e["group"] for e in train]
+    for split, by, folds in (("rows", [None] * len(train), 1), ("groups", groups, 1), ("groups", groups, 3)):
       for seed in range(args.seeds):
-        held, fit = held_out_rows(groups, 0.2, seed)
-        held_out, on_dev = _tfidf([train[i] for i in fit], [[train[i] for i in held], dev])
-        print(json.dumps(dict(task=task, held_out_by=split, seed=seed, held_out=round(held_out, 4),
+        scores = [_tfidf([train[i] for i in fit], [[train[i] for i in held], dev])
+                  for held, fit in held_out_rows(by, 0.2, seed, folds)]
+        held_out, on_dev = np.mean(scores, axis=0)
+        print(json.dumps(dict(task=task, held_out_by=split, folds=folds, seed=seed, held_out=round(held_out, 4),
                               dev=round(on_dev, 4))), flush=True)
 
 

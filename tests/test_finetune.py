@@ -730,23 +730,70 @@ def test_the_learning_rate_is_chosen_on_train_never_dev_and_kept_on_a_rerun(tmp_
   assert again["selection"] == results["selection"] and trial.stat().st_mtime_ns == before
   assert again["seeds"]["0"] == results["seeds"]["0"]
 
+  # select.folds=2: each rate is scored on both halves of train in turn, by the mean.
+  config.num_seeds, config.select.folds = 1, 2
+  folded = trainer.run_finetune(config, str(tmp_path / "folds"))
+  for rate in ("1e-07", "0.003"):
+    fold_scores = []
+    for k in (1, 2):
+      trial = json.loads((tmp_path / "folds" / "custom" / "select" / f"lr_{rate}_fold{k}of2" / "seed_0" /
+                          "metrics.json").read_text())
+      assert trial["history"][-1]["step"] == 4 * math.ceil(120 / config.batch_size)  # half of 240 held out
+      fold_scores.append(trial["dev"]["held_out"]["score"])
+    assert folded["selection"]["held_out_scores"][rate] == pytest.approx(np.mean(fold_scores))
+  assert folded["selection"]["learning_rate"] == 3e-3
+
 
 def test_the_held_out_share_takes_whole_groups():
   """With custom.group_column the learning rate is scored on groups it never trained on, as dev
   is; without, on random rows, as before."""
   rng = np.random.default_rng(0)
   groups = [f"page{g}" for g in rng.integers(0, 40, 500)]
-  held, fit = trainer.held_out_rows(groups, 0.2, seed=3)
+  [(held, fit)] = trainer.held_out_rows(groups, 0.2, seed=3)
   assert sorted(np.concatenate([held, fit])) == list(range(500))
   assert not {groups[i] for i in held} & {groups[i] for i in fit}
   sizes = collections.Counter(groups)
   assert 100 <= len(held) < 100 + max(sizes.values())  # whole groups until a fifth is held out
-  assert trainer.held_out_rows(groups, 0.2, seed=4)[0].tolist() != held.tolist()
-  ungrouped = trainer.held_out_rows([None] * 500, 0.2, seed=3)
+  assert trainer.held_out_rows(groups, 0.2, seed=4)[0][0].tolist() != held.tolist()
+  [ungrouped] = trainer.held_out_rows([None] * 500, 0.2, seed=3)
   order = np.random.default_rng([3, 7]).permutation(500)  # the rows' draw, unchanged
   assert ungrouped[0].tolist() == order[:100].tolist() and ungrouped[1].tolist() == order[100:].tolist()
   with pytest.raises(ConfigError, match="holds out all 2 groups"):
     trainer.held_out_rows(["a", "b", "b"], 0.9, seed=0)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_folds_hold_out_every_row_once(grouped):
+  rng = np.random.default_rng(1)
+  groups = [f"page{g}" for g in rng.integers(0, 40, 500)] if grouped else [None] * 500
+  splits = trainer.held_out_rows(groups, 0.2, seed=3, folds=3)
+  assert len(splits) == 3
+  assert sorted(np.concatenate([held for held, _ in splits]).tolist()) == list(range(500))  # each row once
+  for held, fit in splits:
+    assert sorted(np.concatenate([held, fit]).tolist()) == list(range(500))
+    assert abs(len(held) - 500 / 3) <= (max(collections.Counter(groups).values()) if grouped else 1)
+    if grouped:
+      assert not {groups[i] for i in held} & {groups[i] for i in fit}
+  with pytest.raises(ConfigError, match="config.select.folds=3 leaves a held-out share empty: the training set "
+                                        "has 2 groups"):
+    trainer.held_out_rows(["a", "b", "b"], 0.2, seed=0, folds=3)
+
+
+@pytest.mark.parametrize("rates", ["", "3e-4,1e-3"])
+def test_seeds_finished_before_select_folds_existed_still_match(tmp_path, monkeypatch, rates):
+  """A finished seed records its config's fingerprint; one recorded before `select.folds` existed
+  (by the code of then, which had these added keys) must match the same config today."""
+  config = synthetic_config(tmp_path, n_train=16, n_dev=8)
+  config.select.learning_rates = rates
+  today = trainer.seed_fingerprint(config)
+  older = json.loads(config_lib.to_json(config))
+  del older["select"]["folds"]
+  monkeypatch.setattr(trainer, "_ADDED_KEYS", {"min_steps": 0, "head": {"pooling": "cls"}, "select": {
+      "learning_rates": "", "fraction": 0.2}, "custom.group_column": "", "reinit_layers": 0})
+  assert trainer.seed_fingerprint(ml_collections.ConfigDict(older)) == today
+  config.select.folds = 2
+  monkeypatch.undo()
+  assert trainer.seed_fingerprint(config) != today  # folds does change what a seed is
 
 
 def test_a_custom_task_reads_its_group_column(tmp_path):
@@ -768,9 +815,11 @@ def test_a_custom_task_reads_its_group_column(tmp_path):
     ("custom", "1e-3,1e-3", "give distinct positive rates"),
     ("custom", "0", "give distinct positive rates"),
     ("squad1.1", "1e-3", "SQuAD's windows cannot be split by rows"),
+    ("custom", "1e-3 folds=0", "config.select.folds=0 must be a whole number >= 1"),
 ])
 def test_learning_rate_choices_are_refused_by_name(tmp_path, task, rates, named):
   config = synthetic_config(tmp_path, n_train=16, n_dev=8)
-  config.task, config.select.learning_rates = task, rates
+  rates, _, folds = rates.partition(" folds=")
+  config.task, config.select.learning_rates, config.select.folds = task, rates, int(folds or 1)
   with pytest.raises(ConfigError, match=re.escape(named)):
     trainer.validate(config)

@@ -75,8 +75,10 @@ def get_config():
   # The learning rate chosen on the training set itself, never on dev: each of these rates
   # (comma-separated, e.g. "3e-4,1e-3,3e-3") fine-tunes seed `seed` on a (1 - fraction) share of
   # train and is scored on the rest; the best then trains every seed on all of train, in place of
-  # optimizer.learning_rate. "" = off.
-  config.select = ml_collections.ConfigDict(dict(learning_rates="", fraction=0.2))
+  # optimizer.learning_rate. "" = off. folds=K (> 1) scores each rate on K disjoint shares of
+  # train in turn (K trials per rate; fraction unused) and takes the mean: every row is held out
+  # once, which separates rates closer than one share can.
+  config.select = ml_collections.ConfigDict(dict(learning_rates="", fraction=0.2, folds=1))
   config.dropout_rate = 0.1  # encoder hidden dropout while fine-tuning
   config.attention_dropout_rate = 0.1
   config.head_dropout_rate = 0.1  # on the pooled vector before the dense layer

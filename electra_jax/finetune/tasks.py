@@ -43,9 +43,10 @@ class TaskAdapter:
   # What the outputs mean, for exports: {"kind": "classification", "labels": [...]}, {"kind":
   # "regression", "target_range": [lo, hi] or None} or {"kind": "span", "answerable": bool}.
   head: dict
-  # (fraction, seed) -> this adapter on a (1 - fraction) share of train, whose evaluate scores the
-  # rest ("held_out") and writes no test files; None where a task cannot be split by rows.
-  split: Callable[[float, int], "TaskAdapter"] | None = None
+  # (fraction, seed, folds) -> [this adapter on the rest of train, whose evaluate scores one
+  # held-out share ("held_out") and writes no test files] per share (trainer.held_out_rows); None
+  # where a task cannot be split by rows.
+  split: Callable[[float, int, int], list["TaskAdapter"]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

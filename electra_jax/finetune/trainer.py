@@ -38,9 +38,11 @@ KEEP_EPOCH = ("last", "best")
 _NOT_SEED_KEYS = ("seed", "num_seeds", "log_every")
 # Keys added after runs had been finished, with the values that reproduce those runs: a saved
 # config without them reads as having these values, so its finished seeds still match. A dotted
-# name is a key added inside a group that already existed.
-_ADDED_KEYS = {"min_steps": 0, "head": {"pooling": "cls"}, "select": {"learning_rates": "", "fraction": 0.2},
-               "custom.group_column": "", "reinit_layers": 0}
+# name is a key added inside a group that already existed; if that group is listed too, the key
+# goes into the group's value as well.
+_ADDED_KEYS = {"min_steps": 0, "head": {"pooling": "cls"},
+               "select": {"learning_rates": "", "fraction": 0.2, "folds": 1}, "custom.group_column": "",
+               "reinit_layers": 0, "select.folds": 1}
 
 
 def _added_key_slots(settings: dict):
@@ -87,34 +89,46 @@ def classification_adapter(config, data: tasks.TaskData, backbone: model_lib.Bac
   head = (dict(kind="regression", target_range=data.target_range and list(data.target_range)) if is_regression
           else dict(kind="classification", labels=list(data.label_list)))
 
-  def split(fraction, seed):
-    held, fit = held_out_rows([example.group for example in data.train], fraction, seed)
+  def split(held, fit):
     held_out = {name: array[held] for name, array in train_features.items()}
     return tasks.TaskAdapter(data.name, model, {name: array[fit] for name, array in train_features.items()},
                              loss_fn, lambda predict: {"held_out": score(predict, held_out)},
                              lambda predict, directory: [], head)
 
   evaluate = lambda predict: {name: score(predict, features) for name, features in dev_features.items()}
-  return tasks.TaskAdapter(data.name, model, train_features, loss_fn, evaluate, write_test, head, split)
+  return tasks.TaskAdapter(data.name, model, train_features, loss_fn, evaluate, write_test, head,
+                           lambda fraction, seed, folds=1: [split(*rows) for rows in held_out_rows(
+                               [example.group for example in data.train], fraction, seed, folds)])
 
 
-def held_out_rows(groups: list, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-  """(held-out rows, the rest) of a training set: about `fraction` of the rows, at least one,
-  drawn at random; with groups (none None), whole groups in random order until that many rows
-  are held out, so no group is on both sides."""
+def held_out_rows(groups: list, fraction: float, seed: int, folds: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
+  """[(held-out rows, the rest)] of a training set. folds=1: one share of about `fraction` of the
+  rows, at least one, drawn at random; folds=K: K disjoint shares of about 1/K that cover it.
+  With groups (none None) each share takes whole groups, so no group is on both sides."""
   rng = np.random.default_rng([seed, 7])
-  wanted = max(1, round(fraction * len(groups)))
-  if any(group is None for group in groups):
-    return np.split(rng.permutation(len(groups)), [wanted])
-  _, group_of_row = np.unique(np.array(groups, dtype=str), return_inverse=True)
-  group_order = rng.permutation(group_of_row.max() + 1)
-  rows_so_far = np.cumsum(np.bincount(group_of_row)[group_order])
-  held_groups = group_order[: int(np.searchsorted(rows_so_far, wanted)) + 1]  # the first reaching `wanted`
-  held = np.isin(group_of_row, held_groups)
-  if held.all():
-    raise ConfigError(f"config.select.fraction={fraction} holds out all {len(group_order)} groups of "
-                      "config.custom.group_column; lower it, or give the training set more groups.")
-  return np.flatnonzero(held), np.flatnonzero(~held)
+  grouped = all(group is not None for group in groups)
+  if grouped:
+    _, group_of_row = np.unique(np.array(groups, dtype=str), return_inverse=True)
+    sizes = np.bincount(group_of_row)
+  else:
+    sizes = np.ones(len(groups), int)
+  order = rng.permutation(len(sizes))  # the units (groups, or rows) in random order
+  ends = np.cumsum(sizes[order])  # rows in the first 1, 2, ... units
+  if folds == 1:  # units until `fraction` of the rows are held out, the one reaching it included
+    share = (np.arange(len(order)) > np.searchsorted(ends, max(1, round(fraction * len(groups))))).astype(int)
+  else:  # each unit to the share its rows' midpoint falls in
+    share = np.minimum(((ends - sizes[order] / 2) * folds / len(groups)).astype(int), folds - 1)
+  units = "groups of config.custom.group_column" if grouped else "rows"
+  if folds == 1 and (share == 0).all():
+    raise ConfigError(f"config.select.fraction={fraction} holds out all {len(order)} {units}; lower it, or give "
+                      "the training set more.")
+  if len(np.unique(share)) < folds:
+    raise ConfigError(f"config.select.folds={folds} leaves a held-out share empty: the training set has "
+                      f"{len(order)} {units}; lower it, or give the training set more.")
+  held_units = [order[share == k] for k in range(folds)]
+  if not grouped:  # rows in the order drawn
+    return [(held, order[share != k]) for k, held in enumerate(held_units)]
+  return [(np.flatnonzero(held), np.flatnonzero(~held)) for held in (np.isin(group_of_row, u) for u in held_units)]
 
 
 def _is_squad(config) -> bool:
@@ -444,29 +458,38 @@ def select_rates(config) -> list[float]:
   if rates and not 0.0 < config.select.fraction < 1.0:
     raise ConfigError(f"config.select.fraction={config.select.fraction} must be in (0, 1): the share of train "
                       "held out.")
+  if rates and (not isinstance(config.select.folds, int) or config.select.folds < 1):
+    raise ConfigError(f"config.select.folds={config.select.folds!r} must be a whole number >= 1: 1 holds out "
+                      "select.fraction of train once; K scores each rate on K disjoint shares in turn.")
   return rates
 
 
 def _select_learning_rate(config, adapter, backbone, task_dir: str, rates: list[float]) -> dict:
-  """Fine-tunes seed config.seed at each rate on a (1 - select.fraction) share of train, scored on
-  the rest (dev is not read); under <task_dir>/select/, where finished trials are kept for a
-  re-run. Returns {"learning_rate": the best, "held_out_scores": {rate: score}}."""
-  fit = adapter.split(config.select.fraction, config.seed)
-  num_fit = _num_examples(fit.train_features)
-  epochs = resolve_epochs(config, num_fit)
-  steps_per_seed = _steps_per_seed(config, fit.train_features, epochs)
+  """Fine-tunes seed config.seed at each rate on the rest of train and scores it on a held-out
+  share (select.fraction), or on each of select.folds shares in turn (the mean); dev is not read.
+  Under <task_dir>/select/, where finished trials are kept for a re-run. Returns {"learning_rate":
+  the best, "held_out_scores": {rate: score}}."""
+  folds = config.select.folds
+  splits = adapter.split(config.select.fraction, config.seed, folds)
   seed, scores = config.seed, {}
   for rate in rates:
     trial = copy.deepcopy(config)
     trial.optimizer.learning_rate, trial.select.learning_rates, trial.keep_epoch = rate, "", "last"
-    directory = os.path.join(task_dir, "select", f"lr_{rate:g}")
-    result = _finished_seeds(trial, directory, adapter.name, [seed]).get(seed)
-    if result is None:
-      logging.info("Choosing the learning rate on train: %g, on %d examples (%d held out).", rate, num_fit,
-                   _num_examples(adapter.train_features) - num_fit)
-      steps = _compiled_steps(trial, fit, backbone, steps_per_seed)
-      result = _run_seed(trial, fit, backbone, seed, directory, epochs, steps, _progress_logger(trial, epochs, [seed]))
-    scores[f"{rate:g}"] = result["dev"]["held_out"]["score"]
+    fold_scores = []
+    for k, fit in enumerate(splits):
+      num_fit = _num_examples(fit.train_features)
+      epochs = resolve_epochs(config, num_fit)
+      name = f"lr_{rate:g}" if folds == 1 else f"lr_{rate:g}_fold{k + 1}of{folds}"
+      directory = os.path.join(task_dir, "select", name)
+      result = _finished_seeds(trial, directory, adapter.name, [seed]).get(seed)
+      if result is None:
+        logging.info("Choosing the learning rate on train: %g, on %d examples (%d held out%s).", rate, num_fit,
+                     _num_examples(adapter.train_features) - num_fit, f", share {k + 1} of {folds}" * (folds > 1))
+        steps = _compiled_steps(trial, fit, backbone, _steps_per_seed(config, fit.train_features, epochs))
+        result = _run_seed(trial, fit, backbone, seed, directory, epochs, steps,
+                           _progress_logger(trial, epochs, [seed]))
+      fold_scores.append(result["dev"]["held_out"]["score"])
+    scores[f"{rate:g}"] = float(np.mean(fold_scores))
   best = max(rates, key=lambda rate: scores[f"{rate:g}"])  # the first of equals: rates in the given order
   logging.info("Held-out scores by learning rate %s: training every seed at %g.", scores, best)
   return dict(learning_rate=best, held_out_scores=scores)
