@@ -202,10 +202,6 @@ def _argmax_first(z):
   return _max_and_argmax(z)[1]
 
 
-def _argmax_two_reductions(z):
-  return _two_reductions(z)[1]
-
-
 def _two_reductions(z):
   """(maximum, its first index) along the last axis, the index searched in float32 (exact below 2**24)."""
   assert z.shape[-1] < 2**24, z.shape
