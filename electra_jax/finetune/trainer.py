@@ -97,7 +97,7 @@ def classification_adapter(config, data: tasks.TaskData, backbone: model_lib.Bac
 
   evaluate = lambda predict: {name: score(predict, features) for name, features in dev_features.items()}
   return tasks.TaskAdapter(data.name, model, train_features, loss_fn, evaluate, write_test, head,
-                           lambda fraction, seed, folds=1: [split(*rows) for rows in held_out_rows(
+                           lambda fraction, seed, folds: [split(*rows) for rows in held_out_rows(
                                [example.group for example in data.train], fraction, seed, folds)])
 
 
@@ -470,22 +470,24 @@ def _select_learning_rate(config, adapter, backbone, task_dir: str, rates: list[
   Under <task_dir>/select/, where finished trials are kept for a re-run. Returns {"learning_rate":
   the best, "held_out_scores": {rate: score}}."""
   folds = config.select.folds
-  splits = adapter.split(config.select.fraction, config.seed, folds)
+  splits = []  # (the adapter on the rest of train, its epochs, its steps per seed) per held-out share
+  for fit in adapter.split(config.select.fraction, config.seed, folds):
+    epochs = resolve_epochs(config, _num_examples(fit.train_features))
+    splits.append((fit, epochs, _steps_per_seed(config, fit.train_features, epochs)))
   seed, scores = config.seed, {}
   for rate in rates:
     trial = copy.deepcopy(config)
     trial.optimizer.learning_rate, trial.select.learning_rates, trial.keep_epoch = rate, "", "last"
     fold_scores = []
-    for k, fit in enumerate(splits):
-      num_fit = _num_examples(fit.train_features)
-      epochs = resolve_epochs(config, num_fit)
+    for k, (fit, epochs, steps_per_seed) in enumerate(splits):
       name = f"lr_{rate:g}" if folds == 1 else f"lr_{rate:g}_fold{k + 1}of{folds}"
       directory = os.path.join(task_dir, "select", name)
       result = _finished_seeds(trial, directory, adapter.name, [seed]).get(seed)
       if result is None:
+        num_fit = _num_examples(fit.train_features)
         logging.info("Choosing the learning rate on train: %g, on %d examples (%d held out%s).", rate, num_fit,
                      _num_examples(adapter.train_features) - num_fit, f", share {k + 1} of {folds}" * (folds > 1))
-        steps = _compiled_steps(trial, fit, backbone, _steps_per_seed(config, fit.train_features, epochs))
+        steps = _compiled_steps(trial, fit, backbone, steps_per_seed)
         result = _run_seed(trial, fit, backbone, seed, directory, epochs, steps,
                            _progress_logger(trial, epochs, [seed]))
       fold_scores.append(result["dev"]["held_out"]["score"])
