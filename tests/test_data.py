@@ -3,6 +3,7 @@
 Pipeline tests share one small cached build (120 documents, 400-piece vocab) per module.
 """
 
+import ast
 import io
 import os
 import random
@@ -222,6 +223,26 @@ def test_builtin_corpus_is_large_deterministic_and_clean():
   all_text = " ".join(s for document in documents for s in document)
   # Help topics are part of the corpus, not only docstrings.
   assert "The \"if\" statement is used for conditional execution" in all_text
+
+
+def test_a_spurious_ast_depth_error_does_not_drop_a_file(monkeypatch):
+  # CPython 3.11's AST builder can fail a parse when another thread parses at the same moment.
+  path = os.path.join(corpus.stdlib_root(), "textwrap.py")
+  expected = ast.dump(corpus._parse(path))
+  real_parse, calls = ast.parse, []
+
+  def flaky_parse(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 1:
+      raise SystemError("AST constructor recursion depth mismatch (before=177, after=230)")
+    return real_parse(*args, **kwargs)
+
+  monkeypatch.setattr(ast, "parse", flaky_parse)
+  assert ast.dump(corpus._parse(path)) == expected
+  assert len(calls) == 2
+  monkeypatch.setattr(ast, "parse", lambda *a, **k: (_ for _ in ()).throw(SystemError("always")))
+  with pytest.raises(SystemError, match="always"):  # a lasting failure is not a missing file
+    corpus._parse(path)
 
 
 def test_builtin_documents_rejects_negative_max_documents():

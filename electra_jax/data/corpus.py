@@ -83,13 +83,21 @@ def split_sentences(text: str) -> list[str]:
   return sentences
 
 
-def _parse(path: str) -> ast.Module | None:
+def _parse(path: str, attempts: int = 3) -> ast.Module | None:
   with open(path, "rb") as f:
     source = f.read()
-  try:
-    return ast.parse(source, filename=path)  # bytes: ast honours each file's coding declaration
-  except (SyntaxError, ValueError):  # a file this interpreter cannot parse contributes nothing
-    return None
+  for attempt in range(attempts):
+    try:
+      return ast.parse(source, filename=path)  # bytes: ast honours each file's coding declaration
+    except (SyntaxError, ValueError):  # a file this interpreter cannot parse contributes nothing
+      return None
+    except SystemError:
+      # CPython 3.11 (gh-106905) keeps the AST builder's depth count per interpreter, so another
+      # thread parsing at the same moment (3.11's traceback carets do) can fail this parse with
+      # "AST constructor recursion depth mismatch". The same bytes parse again; dropping the file
+      # instead would change the corpus.
+      if attempt == attempts - 1:
+        raise
 
 
 def _iter_documents() -> Iterator[list[str]]:
