@@ -747,7 +747,7 @@ REGISTRY = {
         check=_check_no_generator_to_share,
         ignores=("objective.temperature", "objective.initial_temperature", "objective.temperature_decay_fraction",
                  "objective.disallow_correct", "objective.gen_weight", "objective.disc_weight",
-                 "objective.keep_original_prob"),
+                 "objective.keep_original_prob", "objective.disc_mlm_weight"),
     ),
     "replace_mlm": Registered(_replace_mlm, _tower_mlm_metrics, mlm_head=True),
     "all_tokens_mlm": Registered(_all_tokens_mlm, _tower_mlm_metrics, mlm_head=True),
@@ -780,13 +780,14 @@ def check_config(config) -> None:
     raise ConfigError(f"objective.disc_mlm_weight={disc_mlm_weight} must be finite and >= 0 (0 = off).")
   if name not in REGISTRY:
     raise ConfigError(f"objective.name={name!r} is not one of {list(OBJECTIVES)}.")
-  if disc_mlm_weight > 0 and not REGISTRY[name].disc_mlm:
+  entry = REGISTRY[name]
+  if disc_mlm_weight > 0 and not entry.disc_mlm and "objective.disc_mlm_weight" not in entry.ignores:
     with_it = " or ".join(repr(n) for n, e in REGISTRY.items() if e.disc_mlm)
     raise ConfigError(
         f"objective.disc_mlm_weight={disc_mlm_weight} adds an MLM loss to the discriminator of "
         f"objective.name {with_it}, not {name!r}: set it to 0 or change the objective."
     )
-  REGISTRY[name].check(config)
+  entry.check(config)
 
 
 def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjective:

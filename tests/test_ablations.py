@@ -587,7 +587,7 @@ def test_disc_mlm_weight_adds_the_discriminators_own_mlm_at_the_masked_slots():
 @pytest.mark.parametrize("overrides, named", [
     ({"objective.disc_mlm_weight": -1.0}, "objective.disc_mlm_weight=-1.0"),
     ({"objective.disc_mlm_weight": float("nan")}, "objective.disc_mlm_weight=nan"),
-    ({"objective.disc_mlm_weight": 1.0, "objective.name": "mlm"}, "not 'mlm'"),
+    ({"objective.disc_mlm_weight": 1.0, "objective.name": "uniform"}, "not 'uniform'"),
 ])
 def test_disc_mlm_weight_is_refused_by_name(overrides, named):
   with pytest.raises(ConfigError, match=named):

@@ -444,7 +444,7 @@ _OTHER_VALUES = {
     "objective.disallow_correct": [True], "objective.gen_weight": [2.0], "objective.disc_weight": [7.0],
     "objective.keep_original_prob": [0.3], "objective.two_stage_switch": [1],
     "objective.adversarial_mlm_weight": [0.5], "objective.initial_temperature": [2.0],
-    "objective.temperature_decay_fraction": [0.5],
+    "objective.temperature_decay_fraction": [0.5], "objective.disc_mlm_weight": [1.0],
 }
 
 
