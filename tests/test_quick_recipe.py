@@ -43,3 +43,7 @@ def test_the_quick_recipe_trains_to_its_time_budget(tmp_path, objective):
     # budget gave (the last step, index steps - 1, samples at 3 - 2 (steps - 1) / steps).
     assert lines[0]["sampling_temperature"] == 3.0
     assert lines[-1]["sampling_temperature"] == pytest.approx(3.0 - 2.0 * (steps - 1) / steps, rel=1e-6)
+    # The discriminator's own MLM trains beside replaced-token detection; MLM ignores the key.
+    assert np.isfinite(lines[-1]["main_mlm_loss"]) and lines[-1]["main_mlm_loss"] > 0
+  else:
+    assert saved["objective"]["disc_mlm_weight"] == 1.0 and "main_mlm_loss" not in lines[-1]
