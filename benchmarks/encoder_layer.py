@@ -1,9 +1,12 @@
 """One encoder layer, forward and backward with dropout, timed alternately in one process:
 electra-jax's `models.EncoderLayer`, the same layer with flax's N-D dense product instead of
-`models.rows_dot_general` (--flax_dense), and, with --torch, Hugging Face's PyTorch
-`ElectraLayer` (sdpa) at the same sizes. Reports min and median per variant.
+`models.rows_dot_general` (--flax_dense), the layer with Primer's convolution of width K after
+q, k and v (--attention_conv=K; its cost is that variant against the first), and, with --torch,
+Hugging Face's PyTorch `ElectraLayer` (sdpa) at the same sizes. Reports min and median per
+variant.
 
   python benchmarks/encoder_layer.py --flax_dense --torch     # electra_small's discriminator layer
+  python benchmarks/encoder_layer.py --hidden=128 --heads=2 --ffn=512 --batch=64 --attention_conv=3
 """
 
 import itertools
@@ -32,13 +35,14 @@ _BATCH = flags.DEFINE_integer("batch", 32, "Batch size.")
 _SEQ = flags.DEFINE_integer("seq", 128, "Sequence length (the last quarter of every row is padding).")
 _RUNS = flags.DEFINE_integer("runs", 40, "Timed runs per variant.")
 _FLAX_DENSE = flags.DEFINE_boolean("flax_dense", False, "Also time the layer with nn.Dense's own N-D product.")
+_CONV = flags.DEFINE_integer("attention_conv", 0, "Also time the layer with model.attention_conv of this width.")
 _TORCH = flags.DEFINE_boolean("torch", False, "Also time transformers' PyTorch ElectraLayer.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                            "Compute dtype (float32 parameters either way; PyTorch under autocast).")
 
 
-def _jax_layer(x, mask):
-  config = models.EncoderConfig(_HIDDEN.value, 1, _HEADS.value, _FFN.value)
+def _jax_layer(x, mask, attention_conv=0):
+  config = models.EncoderConfig(_HIDDEN.value, 1, _HEADS.value, _FFN.value, attention_conv=attention_conv)
   layer = models.EncoderLayer(config, jnp.dtype(_DTYPE.value))
   params = nn.meta.unbox(layer.init({"params": jax.random.key(1), "dropout": jax.random.key(2)}, x, mask, False))
 
@@ -94,6 +98,8 @@ def main(argv):
     models.rows_dot_general = jax.lax.dot_general  # what nn.Dense uses by default
     variants["electra-jax, flax N-D dense"] = _jax_layer(x, mask)
     models.rows_dot_general = rows_dot_general
+  if _CONV.value:
+    variants[f"electra-jax, attention_conv={_CONV.value}"] = _jax_layer(x, mask, _CONV.value)
   if _TORCH.value:
     variants["PyTorch ElectraLayer (sdpa)"] = _torch_layer()
   times = {name: [] for name in variants}
