@@ -352,7 +352,8 @@ def _run_seed(config, adapter, backbone, seed: int, task_dir: str, epochs: int, 
                    " ".join(f"{name}: " + ", ".join(f"{k}={v:.4f}" for k, v in m.items()) for name, m in dev.items()))
       if config.keep_epoch == "last" or kept is None or score > kept["score"]:
         kept = dict(history[-1], params=jax.device_get(params))
-        checkpointer.save(step, {"params": params}, {"epoch": epoch + 1, "dev": dev, "seed": seed})
+    # Saved once: a seed cut short starts over, so no epoch before the kept one is ever read.
+    checkpointer.save(kept["step"], {"params": kept["params"]}, {"epoch": kept["epoch"], "dev": kept["dev"], "seed": seed})
 
   prediction_files = adapter.write_test(_predictor(predict_step, kept["params"], eval_batch_size),
                                         os.path.join(seed_dir, "predictions"))
