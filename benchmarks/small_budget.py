@@ -169,6 +169,25 @@ def tfidf(task_dir: str) -> float:
   return _tfidf(_read(task_dir, "train"), [_read(task_dir, "dev")])[0]
 
 
+def labelled_subset(task_dir: str, labels: int) -> str:
+  """The task with only `labels` of its training examples (drawn at random, seed 0; dev whole):
+  <task>/labels_<N>/, where its fine-tuning workdirs go too. How pre-training pays off as the
+  labelled set shrinks; 0 is the task itself."""
+  subset_dir = os.path.join(task_dir, f"labels_{labels}")
+  if not labels or os.path.exists(os.path.join(subset_dir, "dev.jsonl")):  # written last: a whole folder
+    return subset_dir if labels else task_dir
+  train = _read(task_dir, "train")
+  if not 0 < labels < len(train):
+    sys.exit(f"--labels={labels}: give fewer than the task's {len(train)} training examples (0: all of them)")
+  os.makedirs(subset_dir, exist_ok=True)
+  chosen = sorted(np.random.default_rng(0).choice(len(train), labels, replace=False))
+  for split, examples in (("train", [train[i] for i in chosen]), ("dev", _read(task_dir, "dev"))):
+    with open(os.path.join(subset_dir, f"{split}.jsonl.tmp"), "w") as f:
+      f.writelines(json.dumps(e) + "\n" for e in examples)
+    os.replace(os.path.join(subset_dir, f"{split}.jsonl.tmp"), os.path.join(subset_dir, f"{split}.jsonl"))
+  return subset_dir
+
+
 def split_check(args) -> None:
   """How far the score on the learning rate's held-out share (config.select) is from dev's, by
   rows, by whole groups (custom.group_column=group) and by whole groups in 3 folds
@@ -287,12 +306,14 @@ def prepare(args) -> tuple[dict[str, str], dict[str, list[str]]]:
 
 def run(args) -> None:
   results_file = os.path.join(args.out, "results.jsonl")
-  done = {(r["task"], r["init"], r.get("budget")) for r in _done(results_file)}
+  done = {(r["task"], r["init"], r.get("budget")) for r in _done(results_file) if r.get("labels", 0) == args.labels}
   budgets, arms = args.budgets.split(","), parse_arms(args.arm, args.arms)
   task_dirs, tokenizers = prepare(args)
-  for task, task_dir in task_dirs.items():
+  labelled = {task: labelled_subset(task_dir, args.labels) for task, task_dir in task_dirs.items()}
+  for task in task_dirs:
     if (task, "tfidf", None) not in done:
-      _record(results_file, dict(task=task, init="tfidf", budget=None, accuracy=[tfidf(task_dir)]))
+      _record(results_file, dict(task=task, init="tfidf", budget=None, labels=args.labels,
+                                 accuracy=[tfidf(labelled[task])]))
 
   # Each task's tokenizer first (prepare), then every pre-training run of every task, then the
   # fine-tuning. A time budget needs the machine to itself, so those pre-train one at a time
@@ -311,8 +332,8 @@ def run(args) -> None:
   def finetune_one(task, init, budget):
     workdir = workdirs[task, pretrained[0] if init == "random" else init, budget]
     start = time.time()
-    accuracy, selection = finetune(task_dirs[task], f"{init}_{budget}", workdir, args.seeds, args.finetune_override)
-    row = dict(task=task, init=init, budget=budget, accuracy=accuracy, selection=selection,
+    accuracy, selection = finetune(labelled[task], f"{init}_{budget}", workdir, args.seeds, args.finetune_override)
+    row = dict(task=task, init=init, budget=budget, labels=args.labels, accuracy=accuracy, selection=selection,
                finetune_seconds=round(time.time() - start))
     if init != "random":
       config = json.load(open(os.path.join(workdir, "config.json")))
@@ -328,16 +349,16 @@ def run(args) -> None:
 
 def report(args) -> None:
   rows = _done(os.path.join(args.out, "results.jsonl"))
-  lines = ["| task | budget | init | rate chosen (held-out score by rate) | dev accuracy, mean ± sd (seeds) | "
-           "pre-training steps | held-out disc_auc |", "|---|---|---|---|---|---|---|"]
-  for r in sorted(rows, key=lambda r: (r["task"], r.get("budget") or "", r["init"])):
+  lines = ["| task | labels | budget | init | rate chosen (held-out score by rate) | dev accuracy, mean ± sd (seeds) | "
+           "pre-training steps | held-out disc_auc |", "|---|---|---|---|---|---|---|---|"]
+  for r in sorted(rows, key=lambda r: (r["task"], r.get("labels", 0), r.get("budget") or "", r["init"])):
     acc = 100 * np.array(r["accuracy"])
     spread = f" ± {acc.std(ddof=1):.1f} ({len(acc)})" if len(acc) > 1 else ""
     auc = (r.get("held_out") or {}).get("disc_auc")
     chosen = r.get("selection") or {}
     scores = " / ".join(f"{k} {100 * v:.1f}" for k, v in chosen.get("held_out_scores", {}).items())
     rate = f"{chosen['learning_rate']:g} ({scores})" if chosen else "-"
-    lines.append(f"| {r['task']} | {r.get('budget') or '-'} | {r['init']} | {rate} | {acc.mean():.1f}{spread} | "
+    lines.append(f"| {r['task']} | {r.get('labels') or 'all'} | {r.get('budget') or '-'} | {r['init']} | {rate} | {acc.mean():.1f}{spread} | "
                  f"{r.get('pretrain_steps', '-')} | {'-' if auc is None else f'{auc:.3f}'} |")
   print("\n".join(lines))
   if args.plot:
@@ -346,6 +367,7 @@ def report(args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
+    rows = [r for r in rows if r.get("labels", 0) == args.labels]  # one labelled set per plot
     tasks = sorted({r["task"] for r in rows})
     figure, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.5), squeeze=False)
     for axis, task in zip(axes[0], tasks):
@@ -385,6 +407,9 @@ def main() -> None:
   parser.add_argument("--arm", action="append", default=[],
                       help="another pre-training arm, NAME=OVERRIDES: e.g. 'gdes=--config.model.tie=gdes'")
   parser.add_argument("--arms", default="electra,mlm,random", help="the arms run (random: fine-tuned only)")
+  parser.add_argument("--labels", type=int, default=0,
+                      help="run: fine-tune (and fit TF-IDF) on this many training examples, drawn at random; "
+                      "report: plot that set (0: all)")
   parser.add_argument("--finetune_override", action="append", default=[], help="e.g. --config.head.pooling=cls")
   parser.add_argument("--workdirs", default="", help="probe: pre-training workdirs in each task folder, e.g. "
                       "pretrain_electra_60m,pretrain_mlm_60m")

@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
@@ -93,5 +95,21 @@ def test_the_report_shows_each_rate_chosen_and_its_held_out_scores(tmp_path, mon
   monkeypatch.setattr(sys, "argv", ["small_budget.py", "report", f"--out={tmp_path}"])
   small_budget.main()
   table = capsys.readouterr().out.splitlines()
-  assert table[2] == "| debian | 60m | electra | 0.001 (0.0003 66.2 / 0.001 69.7) | 51.0 ± 1.4 (2) | 3255 | 0.850 |"
-  assert table[3] == "| debian | 60m | random | - | 50.0 | - | - |"
+  assert table[2] == "| debian | all | 60m | electra | 0.001 (0.0003 66.2 / 0.001 69.7) | 51.0 ± 1.4 (2) | 3255 | 0.850 |"
+  assert table[3] == "| debian | all | 60m | random | - | 50.0 | - | - |"
+
+
+def test_a_labelled_subset_draws_from_train_keeps_dev_and_is_drawn_once(tmp_path):
+  examples = [{"sentence": f"s{i}", "label": str(i % 3)} for i in range(50)]
+  for split, rows in (("train", examples), ("dev", examples[:7])):
+    (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in rows))
+  assert small_budget.labelled_subset(str(tmp_path), 0) == str(tmp_path)
+  subset = small_budget.labelled_subset(str(tmp_path), 20)
+  assert subset == str(tmp_path / "labels_20")
+  train = small_budget._read(subset, "train")
+  assert len(train) == 20 and len({e["sentence"] for e in train}) == 20 and all(e in examples for e in train)
+  assert small_budget._read(subset, "dev") == examples[:7]
+  (tmp_path / "train.jsonl").write_text("")  # a folder already drawn is kept as it is
+  assert small_budget._read(small_budget.labelled_subset(str(tmp_path), 20), "train") == train
+  with pytest.raises(SystemExit, match=r"--labels=20: give fewer than the task's 20 training examples"):
+    small_budget.labelled_subset(str(tmp_path / "labels_20"), 20)
