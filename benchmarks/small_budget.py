@@ -5,6 +5,7 @@ defaults of configs/finetune/custom.py, several seeds, nothing tuned on dev.
 
   python benchmarks/small_budget.py run --budgets=12m            # resumable: done runs are kept
   python benchmarks/small_budget.py run --budgets=12m,60m --tasks=debian
+  python benchmarks/small_budget.py run --budgets=12m --labels=500  # fine-tune on 500 labels
   python benchmarks/small_budget.py report                        # table + plot into docs/
   python benchmarks/small_budget.py split_check --tasks=manpages  # held-out share vs dev (TF-IDF)
   python benchmarks/small_budget.py prepare                      # task folders and tokenizers
