@@ -350,8 +350,8 @@ def run(args) -> None:
 
 def report(args) -> None:
   rows = _done(os.path.join(args.out, "results.jsonl"))
-  lines = ["| task | labels | budget | init | rate chosen (held-out score by rate) | dev accuracy, mean ± sd (seeds) | "
-           "pre-training steps | held-out disc_auc |", "|---|---|---|---|---|---|---|---|"]
+  lines = ["| task | labels | budget | init | rate chosen (held-out score by rate) | "
+           "dev accuracy, mean ± sd (seeds) | pre-training steps | held-out disc_auc |", "|---" * 8 + "|"]
   for r in sorted(rows, key=lambda r: (r["task"], r.get("labels", 0), r.get("budget") or "", r["init"])):
     acc = 100 * np.array(r["accuracy"])
     spread = f" ± {acc.std(ddof=1):.1f} ({len(acc)})" if len(acc) > 1 else ""
@@ -359,8 +359,9 @@ def report(args) -> None:
     chosen = r.get("selection") or {}
     scores = " / ".join(f"{k} {100 * v:.1f}" for k, v in chosen.get("held_out_scores", {}).items())
     rate = f"{chosen['learning_rate']:g} ({scores})" if chosen else "-"
-    lines.append(f"| {r['task']} | {r.get('labels') or 'all'} | {r.get('budget') or '-'} | {r['init']} | {rate} | {acc.mean():.1f}{spread} | "
-                 f"{r.get('pretrain_steps', '-')} | {'-' if auc is None else f'{auc:.3f}'} |")
+    lines.append(f"| {r['task']} | {r.get('labels') or 'all'} | {r.get('budget') or '-'} | {r['init']} | {rate} | "
+                 f"{acc.mean():.1f}{spread} | {r.get('pretrain_steps', '-')} | "
+                 f"{'-' if auc is None else f'{auc:.3f}'} |")
   print("\n".join(lines))
   if args.plot:
     import matplotlib  # noqa: PLC0415 (the plots extra)

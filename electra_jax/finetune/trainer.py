@@ -353,7 +353,8 @@ def _run_seed(config, adapter, backbone, seed: int, task_dir: str, epochs: int, 
       if config.keep_epoch == "last" or kept is None or score > kept["score"]:
         kept = dict(history[-1], params=jax.device_get(params))
     # Saved once: a seed cut short starts over, so no epoch before the kept one is ever read.
-    checkpointer.save(kept["step"], {"params": kept["params"]}, {"epoch": kept["epoch"], "dev": kept["dev"], "seed": seed})
+    checkpointer.save(kept["step"], {"params": kept["params"]},
+                      {"epoch": kept["epoch"], "dev": kept["dev"], "seed": seed})
 
   prediction_files = adapter.write_test(_predictor(predict_step, kept["params"], eval_batch_size),
                                         os.path.join(seed_dir, "predictions"))
