@@ -180,12 +180,10 @@ def labelled_subset(task_dir: str, labels: int) -> str:
   train = _read(task_dir, "train")
   if not 0 < labels < len(train):
     sys.exit(f"--labels={labels}: give fewer than the task's {len(train)} training examples (0: all of them)")
-  os.makedirs(subset_dir, exist_ok=True)
   chosen = sorted(np.random.default_rng(0).choice(len(train), labels, replace=False))
   for split, examples in (("train", [train[i] for i in chosen]), ("dev", _read(task_dir, "dev"))):
-    with open(os.path.join(subset_dir, f"{split}.jsonl.tmp"), "w") as f:
-      f.writelines(json.dumps(e) + "\n" for e in examples)
-    os.replace(os.path.join(subset_dir, f"{split}.jsonl.tmp"), os.path.join(subset_dir, f"{split}.jsonl"))
+    workdir_files.write_text(os.path.join(subset_dir, f"{split}.jsonl"),
+                             "".join(json.dumps(e) + "\n" for e in examples))
   return subset_dir
 
 
