@@ -150,13 +150,18 @@ class EncoderConfig:
     return self.hidden_size // self.num_heads
 
 
-class Embeddings(nn.Module):
-  """Word + position + token-type embeddings, LayerNorm and dropout: [batch, seq] -> [batch, seq, E]."""
+class EmbeddingSizes(nn.Module):
+  """The sizes of an Embeddings module: the first fields of it and of every model that owns one."""
 
   vocab_size: int
   embedding_size: int
   max_position_embeddings: int
   type_vocab_size: int
+
+
+class Embeddings(EmbeddingSizes):
+  """Word + position + token-type embeddings, LayerNorm and dropout: [batch, seq] -> [batch, seq, E]."""
+
   dropout_rate: float
   layer_norm_eps: float
   dtype: Dtype = jnp.float32
@@ -196,9 +201,9 @@ class Embeddings(nn.Module):
     return self.word_embeddings.embedding
 
 
-def embeddings_for(owner, embedding_size: int, config: EncoderConfig, **kwargs) -> Embeddings:
-  """The Embeddings module of a model with vocab_size, max_position_embeddings, type_vocab_size and dtype
-  fields, with `config`'s dropout and LayerNorm epsilon (`kwargs`, e.g. name=, go to the module)."""
+def embeddings_for(owner: EmbeddingSizes, embedding_size: int, config: EncoderConfig, **kwargs) -> Embeddings:
+  """The Embeddings module of `owner`'s sizes (bar `embedding_size`) and dtype, with `config`'s dropout and
+  LayerNorm epsilon (`kwargs`, e.g. name=, go to the module)."""
   return Embeddings(
       vocab_size=owner.vocab_size, embedding_size=embedding_size, max_position_embeddings=owner.max_position_embeddings,
       type_vocab_size=owner.type_vocab_size, dropout_rate=config.dropout_rate, layer_norm_eps=config.layer_norm_eps,
@@ -206,14 +211,18 @@ def embeddings_for(owner, embedding_size: int, config: EncoderConfig, **kwargs) 
   )
 
 
-class SelfAttention(nn.Module):
-  """Multi-head self-attention, [batch, seq, H] -> [batch, seq, H]. `attention_mask`: [batch, seq] real keys
-  (or segment ids, for splash), or a [batch, seq, seq] query x key mask. config.attention_conv: the width of a
-  depthwise convolution along the sequence after each projection (Primer's multi-dconv-head attention)."""
+class _Block(nn.Module):
+  """The fields of an encoder block (SelfAttention, EncoderLayer)."""
 
   config: EncoderConfig
   dtype: Dtype
   attention_impl: str = "xla"
+
+
+class SelfAttention(_Block):
+  """Multi-head self-attention, [batch, seq, H] -> [batch, seq, H]. `attention_mask`: [batch, seq] real keys
+  (or segment ids, for splash), or a [batch, seq, seq] query x key mask. config.attention_conv: the width of a
+  depthwise convolution along the sequence after each projection (Primer's multi-dconv-head attention)."""
 
   @nn.compact
   def __call__(self, hidden, attention_mask, deterministic: bool):
@@ -287,13 +296,9 @@ def _conv_init(width: int, stddev: float = 0.5):
   return lambda key, shape, dtype=jnp.float32: (stddev * jax.random.normal(key, shape, dtype)).at[width // 2].add(1.0)
 
 
-class EncoderLayer(nn.Module):
+class EncoderLayer(_Block):
   """One transformer block. norm="post" (BERT's): LN(x + attn(x)), then LN(x + FFN(x)); norm="pre":
   x + attn(LN(x)), then x + FFN(LN(x)), and Encoder's final_layer_norm after the last layer."""
-
-  config: EncoderConfig
-  dtype: Dtype
-  attention_impl: str = "xla"
 
   @nn.compact
   def __call__(self, hidden, attention_mask, deterministic: bool):
@@ -456,16 +461,12 @@ class Discriminator(_Tower):
     return logits, vocab_head(self, encoded, word_table, prefix="mlm_")
 
 
-class ElectraPretrainer(nn.Module):
+class ElectraPretrainer(EmbeddingSizes):
   """Generator and discriminator over ONE embeddings module: with the default tie="embeddings" the tree's top
   level is exactly {embeddings, generator, discriminator}. tie="none" adds the generator's own
   `generator_embeddings` (of its hidden size); tie="gdes" (DeBERTa-v3) `discriminator_word_delta`, which the
   discriminator adds to stop_gradient(shared word table); tie="all" runs one `shared_encoder` in both towers."""
 
-  vocab_size: int
-  embedding_size: int
-  max_position_embeddings: int
-  type_vocab_size: int
   generator_config: EncoderConfig
   discriminator_config: EncoderConfig
   dtype: Dtype = jnp.float32
@@ -627,17 +628,17 @@ def build_model(config) -> ElectraPretrainer:
   )
 
 
-class _TowerOverEmbeddings(nn.Module):
-  """One tower (the subclass's `_tower`) over its own embeddings, for inference, fine-tuning and Hugging Face
-  interop; its parameter tree is the pre-trainer's subtree, name for name. `config` is the tower's own."""
+class OneTower(EmbeddingSizes):
+  """The fields of a model of one tower over its own embeddings (`config` is the tower's own)."""
 
-  vocab_size: int
-  embedding_size: int
-  max_position_embeddings: int
-  type_vocab_size: int
   config: EncoderConfig
   dtype: Dtype = jnp.float32
   attention_impl: str = "xla"
+
+
+class _TowerOverEmbeddings(OneTower):
+  """One tower (the subclass's `_tower`) over its own embeddings, for inference, fine-tuning and Hugging Face
+  interop; its parameter tree is the pre-trainer's subtree, name for name."""
 
   @nn.compact
   def __call__(self, input_ids, attention_mask=None, token_type_ids=None, deterministic: bool = True):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from electra_jax import checkpointing, config_lib, data, random_ops, train
 from electra_jax.errors import ConfigError
-from electra_jax.models import (Encoder, EncoderConfig, ElectraEncoderModel, build_model, embeddings_for,
+from electra_jax.models import (Encoder, EncoderConfig, ElectraEncoderModel, OneTower, build_model, embeddings_for,
                                 tower_from_pretrainer)
 
 # How the classifier reduces the final hidden states to one vector per example (head.pooling).
@@ -57,17 +57,9 @@ def pool(hidden: jax.Array, attention_mask: jax.Array, pooling: str) -> jax.Arra
   raise ConfigError(f"head.pooling={pooling!r}: use one of {list(POOLINGS)}.")
 
 
-class EncoderWithHead(nn.Module):
+class EncoderWithHead(OneTower):
   """The discriminator's {embeddings, encoder} (the backbone's names) and a subclass's task head,
   which `head` applies to the final hidden states."""
-
-  vocab_size: int
-  embedding_size: int
-  max_position_embeddings: int
-  type_vocab_size: int
-  config: EncoderConfig
-  dtype: Any = jnp.float32
-  attention_impl: str = "xla"
 
   def setup(self):
     self.embeddings = embeddings_for(self, self.embedding_size, self.config)
