@@ -32,16 +32,21 @@ arms on one corpus share their vocabulary, and a task folder that carries its mo
 on a CPU, then copied to the GPU machine) trains none there.
 
 Everything goes under --out (default .bench_data/small_budget): <task>/pretrain_<arm>_<budget>/
-(pre-training workdirs), <task>/finetune_<init>/ (fine-tuning workdirs), results.jsonl (one line
-per finished measurement). Leave the machine alone while a time budget is measured (the first
-steps of each pre-training run): a busy machine gets fewer steps out of the same wall-clock budget
-(train.steps in each workdir's config.json says how many).
+(pre-training workdirs), <task>/finetune_<init>_<budget>/ (fine-tuning workdirs), results.jsonl (one
+line per finished measurement). --pretrain_override and --finetune_override make a variant: its
+workdirs' names end in +<the overrides> (pre-training ones in the pre-training overrides alone, so a
+fine-tuning variant reuses the encoders) and its rows carry them, so a variant is run and reported
+beside the defaults instead of being taken for them. Leave the machine alone while a time budget
+is measured (the first steps of each pre-training run): a busy machine gets fewer steps out of the
+same wall-clock budget (train.steps in each workdir's config.json says how many).
 """
 
 import argparse
 import concurrent.futures
+import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -85,6 +90,23 @@ def _record(results_file: str, row: dict) -> None:
   print(json.dumps(row, sort_keys=True), flush=True)
 
 
+def variant(overrides: list[str]) -> str:
+  """'' for none, else '+' and the overrides without their --config. prefix, in characters safe in a
+  folder name (long ones shortened, with a hash of the whole): what names a variant's workdirs."""
+  if not overrides:
+    return ""
+  name = re.sub(r"[^A-Za-z0-9._=,-]+", "_", "+".join(o.removeprefix("--config.") for o in overrides))
+  if len(name) > 48:
+    name = f"{name[:32]}-{hashlib.sha1(' '.join(overrides).encode()).hexdigest()[:8]}"
+  return "+" + name
+
+
+def _row_key(row: dict) -> tuple:
+  """What tells two measurements apart: task, init, budget, labelled set and variant."""
+  return (row["task"], row["init"], row.get("budget"), row.get("labels", 0),
+          variant(row.get("pretrain_overrides", []) + row.get("finetune_overrides", [])))
+
+
 def task_tokenizer(task_dir: str, overrides: list[str]) -> list[str]:
   """The override that gives every arm of a task one sentencepiece model, <task>/spm.model,
   trained once (configs/quick.py's data settings and `overrides`) before any pre-training:
@@ -100,8 +122,8 @@ def task_tokenizer(task_dir: str, overrides: list[str]) -> list[str]:
   return [f"--config.data.spm_model_file={path}"]
 
 
-def pretrain(task_dir: str, arm: str, budget: str, extra: list[str]) -> str:
-  workdir = os.path.join(task_dir, f"pretrain_{arm}_{budget}")
+def pretrain(task_dir: str, arm: str, budget: str, extra: list[str], tag: str = "") -> str:
+  workdir = os.path.join(task_dir, f"pretrain_{arm}_{budget}{tag}")
   if not os.path.exists(os.path.join(workdir, "eval_metrics.jsonl")) or not _finished(workdir):
     if budget.endswith("steps"):  # evaluated and saved 4 times, whatever the length
       steps = int(budget[: -len("steps")])
@@ -112,7 +134,7 @@ def pretrain(task_dir: str, arm: str, budget: str, extra: list[str]) -> str:
       length = [f"--config.train.time_budget={budget}"]
     _cli([f"--config={ROOT}/configs/quick.py", f"--workdir={workdir}", "--config.data.source=text",
           f"--config.data.files={task_dir}/corpus.txt", *length, *extra],
-         os.path.join(task_dir, f"pretrain_{arm}_{budget}.log"))
+         os.path.join(task_dir, f"pretrain_{arm}_{budget}{tag}.log"))
   return workdir
 
 
@@ -305,12 +327,15 @@ def prepare(args) -> tuple[dict[str, str], dict[str, list[str]]]:
 
 def run(args) -> None:
   results_file = os.path.join(args.out, "results.jsonl")
-  done = {(r["task"], r["init"], r.get("budget")) for r in _done(results_file) if r.get("labels", 0) == args.labels}
+  done = {_row_key(r) for r in _done(results_file)}
+  overrides = {key: value for key, value in (("pretrain_overrides", args.pretrain_override),
+                                              ("finetune_overrides", args.finetune_override)) if value}
+  tag = variant(args.pretrain_override + args.finetune_override)
   budgets, arms = args.budgets.split(","), parse_arms(args.arm, args.arms)
   task_dirs, tokenizers = prepare(args)
   labelled = {task: labelled_subset(task_dir, args.labels) for task, task_dir in task_dirs.items()}
   for task in task_dirs:
-    if (task, "tfidf", None) not in done:
+    if (task, "tfidf", None, args.labels, "") not in done:
       _record(results_file, dict(task=task, init="tfidf", budget=None, labels=args.labels,
                                  accuracy=[tfidf(labelled[task])]))
 
@@ -326,14 +351,16 @@ def run(args) -> None:
   pretrain_jobs = args.jobs if all(b.endswith("steps") for b in budgets) else 1
   with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, pretrain_jobs)) as pool:
     workdirs = dict(zip(runs, pool.map(lambda r: pretrain(
-        task_dirs[r[0]], r[1], r[2], tokenizers[r[0]] + args.pretrain_override + arms[r[1]]), runs)))
+        task_dirs[r[0]], r[1], r[2], tokenizers[r[0]] + args.pretrain_override + arms[r[1]],
+        variant(args.pretrain_override)), runs)))
 
   def finetune_one(task, init, budget):
     workdir = workdirs[task, pretrained[0] if init == "random" else init, budget]
     start = time.time()
-    accuracy, selection = finetune(labelled[task], f"{init}_{budget}", workdir, args.seeds, args.finetune_override)
+    accuracy, selection = finetune(labelled[task], f"{init}_{budget}{tag}", workdir, args.seeds,
+                                   args.finetune_override)
     row = dict(task=task, init=init, budget=budget, labels=args.labels, accuracy=accuracy, selection=selection,
-               finetune_seconds=round(time.time() - start))
+               finetune_seconds=round(time.time() - start), **overrides)
     if init != "random":
       config = json.load(open(os.path.join(workdir, "config.json")))
       held_out = workdir_files.last_record(os.path.join(workdir, "eval_metrics.jsonl"))
@@ -343,21 +370,24 @@ def run(args) -> None:
 
   finetunes = [(task, "random", budgets[0]) for task in task_dirs if "random" in arms] + runs
   with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-    list(pool.map(lambda r: finetune_one(*r), [r for r in finetunes if r not in done]))
+    list(pool.map(lambda r: finetune_one(*r), [r for r in finetunes if (*r, args.labels, tag) not in done]))
 
 
 def report(args) -> None:
   rows = _done(os.path.join(args.out, "results.jsonl"))
   lines = ["| task | labels | budget | init | rate chosen (held-out score by rate) | "
            "dev accuracy, mean ± sd (seeds) | pre-training steps | held-out disc_auc |", "|---" * 8 + "|"]
-  for r in sorted(rows, key=lambda r: (r["task"], r.get("labels", 0), r.get("budget") or "", r["init"])):
+  keyed = sorted((r["task"], r.get("labels", 0), r.get("budget") or "", r["init"] + _row_key(r)[4], i)
+                 for i, r in enumerate(rows))  # init: with its variant
+  for task, labels, budget, init, i in keyed:
+    r = rows[i]
     acc = 100 * np.array(r["accuracy"])
     spread = f" ± {acc.std(ddof=1):.1f} ({len(acc)})" if len(acc) > 1 else ""
     auc = (r.get("held_out") or {}).get("disc_auc")
     chosen = r.get("selection") or {}
     scores = " / ".join(f"{k} {100 * v:.1f}" for k, v in chosen.get("held_out_scores", {}).items())
     rate = f"{chosen['learning_rate']:g} ({scores})" if chosen else "-"
-    lines.append(f"| {r['task']} | {r.get('labels') or 'all'} | {r.get('budget') or '-'} | {r['init']} | {rate} | "
+    lines.append(f"| {task} | {labels or 'all'} | {budget or '-'} | {init} | {rate} | "
                  f"{acc.mean():.1f}{spread} | {r.get('pretrain_steps', '-')} | "
                  f"{'-' if auc is None else f'{auc:.3f}'} |")
   print("\n".join(lines))
@@ -367,7 +397,7 @@ def report(args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    rows = [r for r in rows if r.get("labels", 0) == args.labels]  # one labelled set per plot
+    rows = [r for r in rows if _row_key(r)[3:] == (args.labels, "")]  # one labelled set, no variants
     tasks = sorted({r["task"] for r in rows})
     figure, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.5), squeeze=False)
     for axis, task in zip(axes[0], tasks):

@@ -56,9 +56,10 @@ def test_every_arm_of_a_task_pretrains_with_its_tokenizer(tmp_path, monkeypatch)
   monkeypatch.setattr(small_budget, "tfidf", lambda task_dir: 0.5)
   pretrained = []
 
-  def pretrain(task_dir, arm, budget, extra):
+  def pretrain(task_dir, arm, budget, extra, tag):
+    assert tag == "+train.seed=1"
     pretrained.append((task_dir, arm, extra))
-    workdir = os.path.join(task_dir, f"pretrain_{arm}_{budget}")
+    workdir = os.path.join(task_dir, f"pretrain_{arm}_{budget}{tag}")
     os.makedirs(workdir, exist_ok=True)
     json.dump({"train": {"steps": 10}}, open(os.path.join(workdir, "config.json"), "w"))
     open(os.path.join(workdir, "eval_metrics.jsonl"), "w").write(json.dumps({"step": 10, "disc_auc": 0.7}) + "\n")
@@ -84,6 +85,52 @@ def test_every_arm_of_a_task_pretrains_with_its_tokenizer(tmp_path, monkeypatch)
   assert sorted((r["task"], r["init"]) for r in rows if r["init"] != "tfidf") == sorted(
       (task, init) for task in task_dirs for init in ("electra", "gdes", "random"))
   assert all(r["selection"] == ({} if r["init"] == "random" else choice) for r in rows if r["init"] != "tfidf")
+  assert all(r["pretrain_overrides"] == ["--config.train.seed=1"] for r in rows if r["init"] != "tfidf")
+
+
+def test_a_fine_tuning_variant_runs_beside_the_defaults_on_the_same_encoders(tmp_path, monkeypatch, capsys):
+  task_dir = str(tmp_path / "debian")
+  os.makedirs(task_dir)
+  monkeypatch.setattr(small_budget.small_budget_tasks, "build", lambda out, task: task_dir)
+  monkeypatch.setattr(small_budget, "tfidf", lambda task_dir: 0.5)
+  monkeypatch.setattr(small_budget, "task_tokenizer", lambda task_dir, overrides: [])
+  pretrained, finetuned = [], []
+
+  def pretrain(task_dir, arm, budget, extra, tag=""):
+    pretrained.append(f"pretrain_{arm}_{budget}{tag}")
+    workdir = os.path.join(task_dir, pretrained[-1])
+    os.makedirs(workdir, exist_ok=True)
+    json.dump({"train": {"steps": 10}}, open(os.path.join(workdir, "config.json"), "w"))
+    open(os.path.join(workdir, "eval_metrics.jsonl"), "w").write(json.dumps({"step": 10}) + "\n")
+    return workdir
+
+  def finetune(task_dir, init, init_from, seeds, extra):
+    finetuned.append((init, os.path.basename(init_from), extra))
+    return [0.6 if extra else 0.5], {}
+
+  monkeypatch.setattr(small_budget, "pretrain", pretrain)
+  monkeypatch.setattr(small_budget, "finetune", finetune)
+  run = ["small_budget.py", "run", f"--out={tmp_path}", "--tasks=debian", "--budgets=10steps", "--arms=electra,random"]
+  for argv in (run, run + ["--finetune_override=--config.select.folds=3"], run):
+    monkeypatch.setattr(sys, "argv", argv)
+    small_budget.main()
+  # The variant's workdirs are its own, its encoders the defaults'; a second default run does nothing.
+  folds = ["--config.select.folds=3"]
+  assert finetuned == [(init, "pretrain_electra_10steps", extra) for extra, tag in (([], ""), (folds, "+select.folds=3"))
+                       for init in (f"random_10steps{tag}", f"electra_10steps{tag}")]
+  assert set(pretrained) == {"pretrain_electra_10steps"}
+  rows = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
+  assert [(r["init"], r.get("finetune_overrides")) for r in rows if r["init"] != "tfidf"] == [
+      ("random", None), ("electra", None), ("random", ["--config.select.folds=3"]),
+      ("electra", ["--config.select.folds=3"])]
+  monkeypatch.setattr(sys, "argv", ["small_budget.py", "report", f"--out={tmp_path}"])
+  capsys.readouterr()
+  small_budget.main()
+  table = [line.split(" | ")[3:6:2] for line in capsys.readouterr().out.splitlines()[2:] if "tfidf" not in line]
+  assert table == [["electra", "50.0"], ["electra+select.folds=3", "60.0"], ["random", "50.0"],
+                   ["random+select.folds=3", "60.0"]]
+  long = small_budget.variant(["--config.custom.train_file=/a/b c/" + "x" * 60])
+  assert long.startswith("+custom.train_file=_a_b_c_") and len(long) == 42 and "/" not in long
 
 
 def test_the_report_shows_each_rate_chosen_and_its_held_out_scores(tmp_path, monkeypatch, capsys):
