@@ -116,13 +116,13 @@ def test_a_fine_tuning_variant_runs_beside_the_defaults_on_the_same_encoders(tmp
     small_budget.main()
   # The variant's workdirs are its own, its encoders the defaults'; a second default run does nothing.
   folds = ["--config.select.folds=3"]
-  assert finetuned == [(init, "pretrain_electra_10steps", extra) for extra, tag in (([], ""), (folds, "+select.folds=3"))
+  assert finetuned == [(init, "pretrain_electra_10steps", extra)
+                       for extra, tag in (([], ""), (folds, "+select.folds=3"))
                        for init in (f"random_10steps{tag}", f"electra_10steps{tag}")]
   assert set(pretrained) == {"pretrain_electra_10steps"}
   rows = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
   assert [(r["init"], r.get("finetune_overrides")) for r in rows if r["init"] != "tfidf"] == [
-      ("random", None), ("electra", None), ("random", ["--config.select.folds=3"]),
-      ("electra", ["--config.select.folds=3"])]
+      ("random", None), ("electra", None), ("random", folds), ("electra", folds)]
   monkeypatch.setattr(sys, "argv", ["small_budget.py", "report", f"--out={tmp_path}"])
   capsys.readouterr()
   small_budget.main()
