@@ -95,8 +95,8 @@ def variant(overrides: list[str]) -> str:
   folder name (long ones shortened, with a hash of the whole): what names a variant's workdirs."""
   if not overrides:
     return ""
-  name = re.sub(r"[^A-Za-z0-9._=,-]+", "_", "+".join(o.removeprefix("--config.") for o in overrides))
-  if len(name) > 48:
+  name = "+".join(re.sub(r"[^A-Za-z0-9._=,-]+", "_", o.removeprefix("--config.")) for o in overrides)
+  if len(name) > 100:
     name = f"{name[:32]}-{hashlib.sha1(' '.join(overrides).encode()).hexdigest()[:8]}"
   return "+" + name
 

@@ -129,7 +129,8 @@ def test_a_fine_tuning_variant_runs_beside_the_defaults_on_the_same_encoders(tmp
   table = [line.split(" | ")[3:6:2] for line in capsys.readouterr().out.splitlines()[2:] if "tfidf" not in line]
   assert table == [["electra", "50.0"], ["electra+select.folds=3", "60.0"], ["random", "50.0"],
                    ["random+select.folds=3", "60.0"]]
-  long = small_budget.variant(["--config.custom.train_file=/a/b c/" + "x" * 60])
+  assert small_budget.variant(["--config.a=", "--config.b=x y"]) == "+a=+b=x_y"
+  long = small_budget.variant(["--config.custom.train_file=/a/b c/" + "x" * 100])
   assert long.startswith("+custom.train_file=_a_b_c_") and len(long) == 42 and "/" not in long
 
 
