@@ -377,17 +377,15 @@ def report(args) -> None:
   rows = _done(os.path.join(args.out, "results.jsonl"))
   lines = ["| task | labels | budget | init | rate chosen (held-out score by rate) | "
            "dev accuracy, mean ± sd (seeds) | pre-training steps | held-out disc_auc |", "|---" * 8 + "|"]
-  keyed = sorted((r["task"], r.get("labels", 0), r.get("budget") or "", r["init"] + _row_key(r)[4], i)
-                 for i, r in enumerate(rows))  # init: with its variant
-  for task, labels, budget, init, i in keyed:
-    r = rows[i]
+  named = lambda r: r["init"] + _row_key(r)[4]  # noqa: E731 (the init with its variant)
+  for r in sorted(rows, key=lambda r: (r["task"], r.get("labels", 0), r.get("budget") or "", named(r))):
     acc = 100 * np.array(r["accuracy"])
     spread = f" ± {acc.std(ddof=1):.1f} ({len(acc)})" if len(acc) > 1 else ""
     auc = (r.get("held_out") or {}).get("disc_auc")
     chosen = r.get("selection") or {}
     scores = " / ".join(f"{k} {100 * v:.1f}" for k, v in chosen.get("held_out_scores", {}).items())
     rate = f"{chosen['learning_rate']:g} ({scores})" if chosen else "-"
-    lines.append(f"| {task} | {labels or 'all'} | {budget or '-'} | {init} | {rate} | "
+    lines.append(f"| {r['task']} | {r.get('labels') or 'all'} | {r.get('budget') or '-'} | {named(r)} | {rate} | "
                  f"{acc.mean():.1f}{spread} | {r.get('pretrain_steps', '-')} | "
                  f"{'-' if auc is None else f'{auc:.3f}'} |")
   print("\n".join(lines))
