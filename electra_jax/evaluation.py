@@ -28,11 +28,10 @@ def eval_step(state, batch, seed_key):
   )
   # The parameters as they are (a two_stage discriminator is copied from the generator by the
   # next train step, not here); only the stats are reported, not the loss.
-  _, (stats, per_token) = objectives.electra_forward(
+  return objectives.electra_forward(
       state.model, state.params, batch, masked, sample_keys, seed_key, objective, normalizers,
       deterministic=True, step=state.step,
-  )
-  return stats, per_token
+  )[1]
 
 
 class HeldOutEvaluator:

@@ -169,9 +169,8 @@ def end_summary(config, metrics: dict, workdir: str, seconds: float) -> str:
 def _quiet_libraries(record) -> bool:
   # orbax logs every save step at INFO through absl, burying our progress lines; JAX says at INFO
   # that it looked for a TPU on every machine that has none.
-  if record.levelno >= std_logging.WARNING:
-    return True
-  return "orbax" not in record.pathname and "Unable to initialize backend" not in record.getMessage()
+  return record.levelno >= std_logging.WARNING or (
+      "orbax" not in record.pathname and "Unable to initialize backend" not in record.getMessage())
 
 
 def _check_flags(mode: str, config) -> None:

@@ -34,8 +34,7 @@ def plot_curves(workdirs: Sequence[str], out: str | None = None, metrics: Sequen
   `out` (PNG) when given; returns the matplotlib Figure. `metrics` defaults to those of
   DEFAULT_METRICS that any workdir logged."""
   try:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 (optional extra)
-    from matplotlib.figure import Figure  # noqa: PLC0415
+    from matplotlib.figure import Figure  # noqa: PLC0415 (optional extra)
   except ImportError as error:
     raise ConfigError("Plots need matplotlib, which is not installed: pip install matplotlib (the package's "
                       "`plots` extra).") from error
@@ -58,7 +57,6 @@ def plot_curves(workdirs: Sequence[str], out: str | None = None, metrics: Sequen
   columns = min(MAX_COLUMNS, len(metrics))
   rows = math.ceil(len(metrics) / columns)
   figure = Figure(figsize=(PANEL_SIZE[0] * columns, PANEL_SIZE[1] * rows), dpi=DPI, layout="constrained")
-  FigureCanvasAgg(figure)
   axes = figure.subplots(rows, columns, squeeze=False).ravel()
   for ax, metric in zip(axes, metrics):
     for i, (label, train_log, eval_log) in enumerate(logs):  # a workdir's train and eval lines share a colour

@@ -5,6 +5,7 @@ SWEEP_DIR/sweep.json records the base config and the runs; docs/training.md is t
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import csv
 import glob
@@ -90,8 +91,7 @@ def expand(grid: Sequence[str] = (), sweep_file: str | None = None) -> list[list
   runs = [line + list(combo) for line in lines for combo in itertools.product(*axes)]
   for overrides in runs:
     keys = [k for k, _ in overrides]
-    if len(set(keys)) != len(keys):
-      duplicate = next(k for k in keys if keys.count(k) > 1)
+    if duplicate := next((k for k in keys if keys.count(k) > 1), None):
       raise ConfigError(f"A run sets {duplicate} twice ({_label(overrides)}).")
   return runs
 
@@ -244,14 +244,10 @@ def load_finetune_config(recipe: str, overrides: Sequence[str]) -> ml_collection
 def _latest_checkpoint(workdir: str) -> int | None:
   from electra_jax import checkpointing  # noqa: PLC0415 (orbax stays out of sweep_report's import)
 
-  directory = checkpointing.checkpoints_directory(workdir)
-  if not workdir_files.exists(directory):
+  if not workdir_files.exists(checkpointing.checkpoints_directory(workdir)):
     return None
-  checkpointer = checkpointing.Checkpointer(workdir, keep=1)
-  try:
+  with contextlib.closing(checkpointing.Checkpointer(workdir, keep=1)) as checkpointer:
     return checkpointer.latest_step()
-  finally:
-    checkpointer.close()
 
 
 def _finetune_results(workdir: str) -> dict | None:

@@ -18,13 +18,6 @@ from electra_jax import workdir_files
 from electra_jax.errors import ConfigError
 
 SUBDIR = "tensorboard"
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str, *args) -> None:
-  if key not in _warned:
-    _warned.add(key)
-    logging.warning(message, *args)
 
 
 def _tensorboardx():
@@ -38,8 +31,8 @@ def _tensorboardx():
     from tensorboardX import event_file_writer, summary  # noqa: PLC0415 (optional at run time)
     from tensorboardX.proto import event_pb2  # noqa: PLC0415
   except ImportError:
-    _warn_once("missing", "tensorboardX is not installed: metrics go to the JSONL logs only "
-               "(pip install tensorboardX for TensorBoard event files).")
+    logging.log_first_n(logging.WARNING, "tensorboardX is not installed: metrics go to the JSONL logs only "
+                        "(pip install tensorboardX for TensorBoard event files).", 1)
     return None
   finally:
     if hide_torch:
@@ -189,8 +182,8 @@ def open_logs(workdir: str, metric_writers: str = "", config: dict | None = None
   the runs `metric_writers` names (opened with `config`; the train log closes them)."""
   writers = {"train": None, "eval": None}
   if workdir_files.is_remote(workdir):
-    _warn_once("remote", "TensorBoard event files are written for local workdirs only; %s is a bucket, "
-               "so its metrics go to the JSONL logs alone.", workdir)
+    logging.log_first_n(logging.WARNING, "TensorBoard event files are written for local workdirs only; %s is a "
+                        "bucket, so its metrics go to the JSONL logs alone.", 1, workdir)
   elif _tensorboardx() is not None:
     root = workdir_files.path(workdir, SUBDIR)
     writers = {split: ScalarWriter(str(root / split)) for split in writers}

@@ -77,18 +77,13 @@ def train_sentencepiece(sentences: Iterable[str], out_path: str, vocab_size: int
     raise ConfigError(f"vocab_size must be larger than the {len(SPECIAL_TOKENS)} special tokens {SPECIAL_TOKENS}, "
                       f"got {vocab_size}.")
   model_bytes = io.BytesIO()
-  num_sentences = 0
-
-  def counted_sentences():
-    nonlocal num_sentences
-    for sentence in sentences:
-      for piece in _within_limit(sentence):
-        num_sentences += 1
-        yield piece
-
+  sample = _sample_sentences((piece for sentence in sentences for piece in _within_limit(sentence)),
+                             _MAX_TRAINING_SENTENCES)
+  if not sample:
+    raise NoSentencesError("train_sentencepiece got no sentences to train on; pass a non-empty iterable of strings.")
   try:
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(_sample_sentences(counted_sentences(), _MAX_TRAINING_SENTENCES)),
+        sentence_iterator=iter(sample),
         model_writer=model_bytes,
         vocab_size=vocab_size, model_type=model_type, pad_id=PAD_ID, pad_piece="[PAD]", unk_id=UNK_ID,
         unk_piece="[UNK]", bos_id=-1, eos_id=-1, user_defined_symbols=list(SPECIAL_TOKENS[CLS_ID:]),
@@ -97,9 +92,6 @@ def train_sentencepiece(sentences: Iterable[str], out_path: str, vocab_size: int
         minloglevel=2,  # errors only: the trainer logs every EM step to stderr
     )
   except RuntimeError as e:
-    if num_sentences == 0:
-      raise NoSentencesError("train_sentencepiece got no sentences to train on; pass a non-empty "
-                             "iterable of strings.") from e
     if "Vocabulary size too high" in str(e):
       raise ConfigError(f"The training text is too small for a sentencepiece vocabulary of {vocab_size} pieces "
                         f"({e}). Lower the vocab size (spm_vocab_size) or train on more text.") from e

@@ -32,12 +32,10 @@ class WordPieceTokenizer:
       raise ConfigError(f"Cannot read the WordPiece vocabulary data.vocab_file={vocab_file!r} ({e}); give the "
                         f"path of a BERT vocab.txt (one token per line).") from e
     try:
-      tokens = vocab_bytes.decode("utf-8-sig").split("\n")  # -sig: a BOM would hide [PAD]
+      # -sig: a BOM would hide [PAD]; the final newline ends the last line, it does not start an empty token.
+      tokens = [token.rstrip("\r") for token in vocab_bytes.decode("utf-8-sig").removesuffix("\n").split("\n")]
     except UnicodeDecodeError as e:
       raise ConfigError(f"data.vocab_file={vocab_file!r} is not UTF-8 text ({e}); give a BERT vocab.txt.") from e
-    if tokens and tokens[-1] == "":
-      tokens.pop()  # the final newline ends the last line; it does not start an empty token
-    tokens = [token.rstrip("\r") for token in tokens]
     # As BERT reads it: the token on line i has id i (a repeated token keeps its last line).
     self._vocab = {token: index for index, token in enumerate(tokens)}
     self.vocab_size = len(tokens)

@@ -20,12 +20,11 @@ from electra_jax.models import (Encoder, EncoderConfig, ElectraEncoderModel, One
 
 # How the classifier reduces the final hidden states to one vector per example (head.pooling).
 POOLINGS = ("cls", "mean")
-# The embedding sizes a task model shares with the backbone it starts from.
-SIZE_FIELDS = ("vocab_size", "embedding_size", "max_position_embeddings", "type_vocab_size")
 
 
 def sizes_of(model) -> dict[str, int]:
-  return {k: getattr(model, k) for k in SIZE_FIELDS}
+  """The embedding sizes a task model shares with the backbone it starts from."""
+  return {k: getattr(model, k) for k in ("vocab_size", "embedding_size", "max_position_embeddings", "type_vocab_size")}
 
 
 def head_dense(features: int, dtype, name: str | None = None, fan_out: int | None = None) -> nn.Dense:

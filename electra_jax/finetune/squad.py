@@ -494,11 +494,8 @@ def squad_metrics(
       golds = [g for g in golds if normalize_answer(g)] or [""]
     has_answer[example.qas_id] = not example.is_impossible
     prediction = predictions.get(example.qas_id)
-    if prediction is None:
-      exact[example.qas_id] = f1[example.qas_id] = 0.0
-      continue
-    exact[example.qas_id] = float(max(exact_match(g, prediction) for g in golds))
-    f1[example.qas_id] = max(f1_score(g, prediction, version) for g in golds)
+    exact[example.qas_id] = 0.0 if prediction is None else float(max(exact_match(g, prediction) for g in golds))
+    f1[example.qas_id] = 0.0 if prediction is None else max(f1_score(g, prediction, version) for g in golds)
   if not exact:
     raise ConfigError("squad_metrics got no questions to score.")
   scores = {"exact": exact, "f1": f1}
@@ -641,10 +638,9 @@ def make_adapter(config, backbone):
 
   def write_test(predict, directory):
     predictions, null_odds = decode(predict)
-    files = {"dev_predictions.json": predictions}
+    files = {"dev_predictions.json": apply_null_threshold(predictions, null_odds, settings.null_threshold)}
     if version == "2.0":
-      files = {"dev_predictions.json": apply_null_threshold(predictions, null_odds, settings.null_threshold),
-               "dev_null_odds.json": null_odds}
+      files["dev_null_odds.json"] = null_odds
     for name, values in files.items():
       write_predictions(os.path.join(directory, name), values)
     return [os.path.join(directory, name) for name in files]

@@ -6,7 +6,6 @@ import pathlib
 import shutil
 
 import jax
-import ml_collections
 import tokenizers
 from sentencepiece import sentencepiece_model_pb2
 
@@ -22,7 +21,7 @@ def one_device_setup(config, tokenizer=None):
   """(mesh, train.build_setup) on one device, whatever mesh trained the checkpoint (orbax
   re-shards on restore). Without `tokenizer` the special ids are placeholders: the shapes do
   not depend on them."""
-  mesh = partitioning.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)), devices=jax.devices()[:1])
+  mesh = partitioning.make_mesh(dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
   special_ids = dict(pad=0, cls=2, sep=3, mask=4) if tokenizer is None else train.special_ids(tokenizer)
   return mesh, train.build_setup(config, mesh, special_ids)
 

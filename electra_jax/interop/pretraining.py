@@ -4,6 +4,7 @@ once the towers are checked to share one embedding tree and a derivable generato
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -220,14 +221,11 @@ def write_pretraining_workdir(pair: ImportedPair, config: ml_collections.ConfigD
     params = jax.device_put(params, setup.state_shardings.params)
     state = fresh.replace(params=params, opt_state=fresh.tx.init(params))
 
-  checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
-  try:
+  with contextlib.closing(checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)) as checkpointer:
     # No data fingerprint yet: the first training save binds the checkpoints to their data.
     checkpointer.save(0, state, {"param_shapes": setup.param_shapes, "data_fingerprint": None,
                                  "tokenizer_fingerprint": tokenizer.fingerprint, "imported_from": pair.source})
     checkpointer.wait()
-  finally:
-    checkpointer.close()
   config_path = os.path.join(workdir, "config.json")
   workdir_files.write_text(config_path, config_lib.config_file_text(config))
   return {"workdir": workdir, "config": config_path, "vocab_file": config.data.vocab_file or config.data.spm_model_file,
