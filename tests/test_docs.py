@@ -155,7 +155,7 @@ def test_every_documented_command_names_real_modes_flags_recipes_and_config_keys
 def test_the_config_reference_names_every_key_of_the_base_config():
   from electra_jax import config_lib  # noqa: PLC0415
 
-  config = config_lib.sibling(os.path.join(ROOT, "configs", "quick.py"), "base").get_config()
+  config = config_lib.sibling(os.path.join(ROOT, "configs", "base.py"), "base").get_config()
   reference = open(os.path.join(DOCS, "config.md"), encoding="utf-8").read()
   rows = {line.split("|")[1].strip(" `"): line for line in reference.splitlines() if line.startswith("| `")}
   missing = [f"{group}.{key}" for group, keys in config.items() for key in keys
