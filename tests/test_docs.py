@@ -10,8 +10,10 @@ DOCS = os.path.join(ROOT, "docs")
 
 
 def _pages():
+  """The README, docs/ and the measurements in benchmarks/ that docs/ cites."""
   return [os.path.join(ROOT, "README.md")] + sorted(
-      os.path.join(DOCS, name) for name in os.listdir(DOCS) if name.endswith(".md"))
+      os.path.join(folder, name) for folder in (DOCS, os.path.join(ROOT, "benchmarks"))
+      for name in os.listdir(folder) if name.endswith(".md"))
 
 
 def test_relative_links_resolve():

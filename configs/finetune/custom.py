@@ -27,8 +27,9 @@ def get_config():
   config.optimizer.learning_rate = 3e-4
   # ...but a pre-trained encoder may want another rate than random init does: each of these
   # trains on 80% of train and is scored on the rest, and the best trains the seeds (dev is not
-  # read). On Debian synopses it lifted 12-minute encoders by 2 to 5 points (docs/small_budget.md).
-  # It trains about 2.4 more runs' worth: set it to "" for large training sets.
+  # read). On Debian synopses it lifted 12-minute encoders by 2 to 5 points
+  # (benchmarks/SMALL_BUDGET_RESULTS.md). It trains about 2.4 more runs' worth: set it to "" for
+  # large training sets.
   config.select.learning_rates = "3e-4,1e-3,3e-3"
   # Replaced-token detection labels [CLS] "original" in every example, so a first-token head
   # starts from a vector pre-training barely trained; the mean over the tokens does not.
