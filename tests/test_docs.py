@@ -1,6 +1,6 @@
-"""The README and docs/ stay a map that works: every relative link resolves, every command in them
-names real modes, flags, recipes and config keys, every mode of the CLI has its row in the
-README's table, and the README stays short."""
+"""The README, docs/ and benchmarks/*.md stay a map that works: every relative link resolves,
+every command in them names real modes, flags, recipes and config keys, every mode of the CLI has
+its row in the README's table, and the README stays short."""
 
 import os
 import re
