@@ -841,6 +841,7 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
     workdir_files.makedirs(workdir_files.path(workdir))
     _keep_changed_config(config, workdir, start_step)
     workdir_files.write_text(workdir_files.path(workdir, "config.json"), config_lib.config_file_text(config))
+    data.keep_tokenizer(corpus.tokenizer, workdir)  # fine-tuning and export need no corpus then
     # metrics.jsonl and eval_metrics.jsonl, TensorBoard events under <workdir>/tensorboard, and
     # the W&B / MLflow runs train.metric_writers names.
     metrics_log, eval_log = tensorboard_log.open_logs(workdir, config.train.metric_writers,

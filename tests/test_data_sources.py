@@ -284,6 +284,22 @@ def test_wordpiece_vocab_missing_mask_is_refused(tmp_path):
     WordPieceTokenizer(path)
 
 
+def test_a_workdir_keeps_a_wordpiece_vocabulary_with_its_case_settings(oracle_vocab, tmp_path):
+  """keep_tokenizer copies the vocab.txt into the workdir; workdir_tokenizer reads it back with the
+  data settings' case rules (the same fingerprint), the original file gone."""
+  source = tmp_path / "gone" / "vocab.txt"
+  _write(source, open(oracle_vocab, "rb").read(), mode="wb")
+  settings = _config(tmp_path, tokenizer="wordpiece", vocab_file=str(source), lowercase=False, strip_accents=True)
+  original = WordPieceTokenizer(str(source), lowercase=False, strip_accents=True)
+  pipeline.keep_tokenizer(original, tmp_path / "workdir")
+  os.remove(source)
+  kept = pipeline.workdir_tokenizer(tmp_path / "workdir", settings)
+  assert kept.vocab_file == str(tmp_path / "workdir" / "vocab.txt")
+  assert (kept.fingerprint, kept.lowercase, kept.strip_accents) == (original.fingerprint, False, True)
+  assert kept.encode("Café Über") == original.encode("Café Über") != WordPieceTokenizer(kept.vocab_file).encode(
+      "Café Über")  # the default rules (lowercase) would tokenize otherwise
+
+
 def test_wordpiece_config_errors(tmp_path):
   corpus = _write(tmp_path / "c.txt", "the dog")
   with pytest.raises(ConfigError, match="needs data.vocab_file"):

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import time
 
@@ -20,10 +21,11 @@ import pytest
 
 from conftest import REPO, tiny_config
 import electra_jax
-from electra_jax import config_lib, models, partitioning, train, workdir_files, workdir_lease
+from electra_jax import config_lib, data, models, partitioning, train, workdir_files, workdir_lease
 from electra_jax.errors import ConfigError
 from electra_jax.finetune import model as model_lib
 from electra_jax.finetune import optim, tasks, trainer
+from electra_jax.interop import export
 
 finetune_tiny = config_lib.sibling(os.path.join(REPO, "configs", "finetune", "tiny.py"), "tiny")
 WORDS = [f"w{i}" for i in range(40)]
@@ -286,6 +288,31 @@ def test_init_from_pretraining_workdir(tmp_path, pretrained_workdir):
   config.tokenizer = str(tmp_path / "vocab.txt")
   with pytest.raises(ConfigError, match="differs from the one the checkpoint"):
     model_lib.load_backbone(config)  # run_finetune's first step after validating the config
+
+
+def test_a_moved_workdir_fine_tunes_and_exports_without_the_corpus_that_trained_its_tokenizer(tmp_path):
+  """Pre-training keeps its tokenizer in the workdir (spm.model, byte for byte), so a workdir moved
+  to another folder or machine, its corpus left behind, gives fine-tuning and export that tokenizer."""
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("\n\n".join("\n".join(document) for document in data.builtin_documents(120)) + "\n")
+  config = tiny_config(**{"data.source": "text", "data.files": str(corpus), "train.steps": 1,
+                          "checkpoint.every_steps": 1, "eval.every_steps": 0})
+  train.train_and_evaluate(config, str(tmp_path / "pretrain"))
+  trained = data.load_tokenizer(config.data)  # the one the cache trained on the corpus, which the run used
+  with open(trained.model_path, "rb") as f:
+    assert (tmp_path / "pretrain" / "spm.model").read_bytes() == f.read()
+
+  corpus.unlink()
+  moved = tmp_path / "moved"
+  shutil.move(tmp_path / "pretrain", moved)
+  with pytest.raises(ConfigError, match="matches no file"):
+    data.load_tokenizer(config.data)  # what reading the workdir needed before it kept its tokenizer
+  backbone = model_lib.load_backbone(synthetic_config(tmp_path, n_train=16, n_dev=8, init_from=str(moved),
+                                                      tokenizer=""))
+  assert backbone.tokenizer.fingerprint == trained.fingerprint and backbone.params is not None
+  written = export.export_workdir(str(moved), str(tmp_path / "hf"))
+  assert (tmp_path / "hf" / "discriminator" / "spm.model").read_bytes() == (moved / "spm.model").read_bytes()
+  assert set(written) == {"discriminator"}
 
 
 def test_init_from_a_workdir_with_encoder_options_keeps_them(tmp_path):

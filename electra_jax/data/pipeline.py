@@ -13,6 +13,7 @@ import time
 import numpy as np
 from absl import logging
 
+from electra_jax import workdir_files
 from electra_jax.data import prepare, shards
 from electra_jax.data.packing import ROW_PACKING_VERSION, RowPacking, assemble_rows, plan_rows
 from electra_jax.data.prepare import PACKING_FORMAT_VERSION
@@ -125,6 +126,31 @@ def load_tokenizer(data_config) -> SentencePieceTokenizer | WordPieceTokenizer:
   if config["source"] == "prepared":
     return prepared_tokenizer(config, shards.open_manifest(config["prepared_dir"]))
   return prepare.configured_tokenizer(config)
+
+
+# A pre-training workdir keeps a copy of its tokenizer, named as the Hugging Face export names it.
+WORDPIECE_VOCAB = "vocab.txt"
+
+
+def keep_tokenizer(tokenizer, workdir) -> None:
+  """Copies `tokenizer`'s file into `workdir`, so that fine-tuning and export read the workdir
+  without the corpus, the cache or the relative paths that gave the tokenizer."""
+  wordpiece = isinstance(tokenizer, WordPieceTokenizer)
+  source, name = (tokenizer.vocab_file, WORDPIECE_VOCAB) if wordpiece else (tokenizer.model_path, SPM_MODEL)
+  with open(source, "rb") as f:
+    workdir_files.write_bytes(workdir_files.path(workdir, name), f.read())
+
+
+def workdir_tokenizer(workdir, data_config) -> SentencePieceTokenizer | WordPieceTokenizer:
+  """The tokenizer the pre-training run in `workdir` used: the copy keep_tokenizer wrote there, else
+  (a workdir in a bucket, or from before the copy) the one `data_config`, its data settings, names."""
+  wordpiece = data_config.get("tokenizer", "sentencepiece") == "wordpiece"
+  kept = os.path.join(os.fspath(workdir), WORDPIECE_VOCAB if wordpiece else SPM_MODEL)
+  if workdir_files.is_remote(workdir) or not os.path.isfile(kept):
+    return load_tokenizer(data_config)
+  if wordpiece:
+    return WordPieceTokenizer(kept, data_config.get("lowercase", True), data_config.get("strip_accents", None))
+  return SentencePieceTokenizer(kept)
 
 
 @functools.lru_cache(maxsize=4)

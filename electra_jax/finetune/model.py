@@ -133,7 +133,7 @@ def _from_workdir(config, workdir: str) -> Backbone:
   if config.tokenizer:
     tokenizer = _tokenizer_from_file(config.tokenizer, config.lowercase)
   else:
-    tokenizer = data.load_tokenizer(pretrain_config.data)
+    tokenizer = data.workdir_tokenizer(workdir, pretrain_config.data)
   # A checkpoint imported (interop/pretraining.py) and not yet trained has no data fingerprint,
   # only its vocabulary's; a data fingerprint's tokenizer part is 'spm:<hash>' or 'wp:<hash>'.
   recorded = meta.get("tokenizer_fingerprint")

@@ -42,7 +42,7 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
                       "Nothing was written; export without --export_generator.")
   check_export_out(out_dir, export_generator)
 
-  tok = data.load_tokenizer(config.data)  # the objective, built with the state, needs its special ids
+  tok = data.workdir_tokenizer(workdir, config.data)  # the objective, built with the state, needs its special ids
   mesh, setup = one_device_setup(config, tok)
   step, state = train.restore_checkpoint(workdir, setup, mesh)
   for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:  # before anything is written
