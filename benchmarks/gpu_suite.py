@@ -24,6 +24,7 @@ On the GPU machine, from a copy of the checkout with .bench_data/s128, .bench_da
                                                  # paper's attention dropout
   python3 benchmarks/gpu_suite.py memory    # largest batch per size and sequence length
   python3 benchmarks/gpu_suite.py layer     # one encoder layer against PyTorch's
+  python3 benchmarks/gpu_suite.py finetune  # a seed of fine-tuning against its step alone
 
 Several modes in one command share its deadline, in the order given.
 """
@@ -129,6 +130,10 @@ MODES = {
                                       "--flax_dense", "--torch", "--runs=50"), 240, 60)
         for size, dims in (("small", "--hidden=256 --heads=4 --ffn=1024 --batch=128 --seq=128"),
                            ("base", "--hidden=768 --heads=12 --ffn=3072 --batch=32 --seq=512"))
+    ),
+    "finetune": tuple(  # a seed of fine-tuning against its step alone: what the loop adds on a GPU
+        Run(f"finetune_loop_{size}", "text", ("benchmarks/finetune_loop.py", f"--size={size}", "--steps=1000"), 200, 60)
+        for size in ("tiny", "quick")
     ),
 }
 

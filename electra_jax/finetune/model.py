@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -224,12 +225,19 @@ def load_backbone(config) -> Backbone:
   return backbone
 
 
+@functools.lru_cache(maxsize=4)
+def _compiled_init(model: nn.Module):
+  """One compiled init per model (Linen modules compare by their fields), which every seed and
+  learning-rate trial of a run reuses: jax.jit(model.init) afresh compiles again each time."""
+  return jax.jit(model.init)
+
+
 def init_params(backbone: Backbone, model: ElectraClassifier, rng: jax.Array, seq_len: int, reinit_layers: int = 0):
   """Fresh parameters for `model`, with the backbone's weights (if any) in place of the random
   embeddings and encoder, except its top `reinit_layers` layers (and a pre-LN encoder's final
   LayerNorm with them), which keep the fresh draw; the head is always new."""
   ids = jnp.zeros((1, seq_len), jnp.int32)
-  params = nn.meta.unbox(jax.jit(model.init)(rng, ids, ids, jnp.ones_like(ids))["params"])
+  params = nn.meta.unbox(_compiled_init(model)(rng, ids, ids, jnp.ones_like(ids))["params"])
   if backbone.params is not None:
     # Copies: the training step donates its parameters, and the next seed starts from these.
     pretrained = jax.tree.map(lambda x: jnp.array(x, copy=True), nn.meta.unbox(backbone.params))
