@@ -321,10 +321,9 @@ def _run_seed(config, adapter, backbone, seed: int, task_dir: str, epochs: int, 
   num_train = _num_examples(adapter.train_features)
   total_steps = _steps_per_seed(config, adapter.train_features, epochs)
 
-  params = model_lib.init_params(backbone, adapter.model, jax.random.key(seed), config.max_seq_len,
-                                 config.reinit_layers)
+  seed_key = jax.random.key(seed)  # draws the head and, folded with each step, its dropout
+  params = model_lib.init_params(backbone, adapter.model, seed_key, config.max_seq_len, config.reinit_layers)
   opt_state = tx.init(params)
-  seed_key = jax.random.key(seed)
 
   # A seed whose earlier run was cut short (no metrics.json: run_finetune refuses finished
   # ones) starts over; its checkpoints and events may be from later steps.
@@ -428,9 +427,9 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 def _progress_logger(config, epochs: int, pending: list[int]):
   """progress(seed, epoch, step, total, losses, schedule): a log line every log_every steps, with
-  the rate step `step` used, the speed measured from the second step (compiling is not speed) and
-  the ETA over `pending` seeds. The schedule is read only for a line: on the host it costs more
-  than a small model's step."""
+  the learning rate of the latest step, the speed measured from the second step (compiling is not
+  speed) and the ETA over `pending` seeds. The schedule is evaluated only for a line: on the host
+  it costs more than a small model's step."""
   clock = dict(start=None, done=0)
 
   def progress(seed, epoch, step, total, losses, schedule):
