@@ -144,6 +144,7 @@ class EncoderConfig:
   ffn: str = "gelu"  # see FFNS
   use_bias: bool = True  # False: none in the encoder's dense layers (heads and LayerNorms keep theirs)
   attention_conv: int = 0  # see SelfAttention
+  ngram_buckets: int = 0  # see ngram_ids: the discriminator's (and a fine-tuned encoder's) n-gram embeddings
 
   @property
   def head_dim(self) -> int:
@@ -159,25 +160,57 @@ class EmbeddingSizes(nn.Module):
   type_vocab_size: int
 
 
+def ngram_ids(input_ids, buckets: int, position_ids=None):
+  """[batch, seq] -> [batch, seq, 2] int32: the buckets of each token's bigram with its left and with its
+  right neighbour, hashed into `buckets`. A neighbour beyond the row, or (with packed rows' `position_ids`,
+  which restart at 0 in each example) in another example, is a boundary marker."""
+  boundary = jnp.full_like(input_ids[:, :1], -1)
+  if position_ids is None:
+    left = jnp.concatenate([boundary, input_ids[:, :-1]], axis=1)
+    right = jnp.concatenate([input_ids[:, 1:], boundary], axis=1)
+  else:
+    starts = position_ids == 0  # the first token of each packed example
+    left = jnp.where(starts, -1, jnp.concatenate([boundary, input_ids[:, :-1]], axis=1))
+    right = jnp.where(jnp.concatenate([starts[:, 1:], jnp.ones_like(starts[:, :1])], axis=1), -1,
+                      jnp.concatenate([input_ids[:, 1:], boundary], axis=1))
+
+  def bucket(first, second, salt):
+    # A multiplicative hash of the pair in uint32 (wrapping), mixed, then reduced: any vocabulary size.
+    h = first.astype(jnp.uint32) * jnp.uint32(0x9E3779B1) ^ (second.astype(jnp.uint32) + jnp.uint32(salt)) * jnp.uint32(0x85EBCA77)
+    h = h ^ (h >> 15)
+    return (h % jnp.uint32(buckets)).astype(jnp.int32)
+
+  return jnp.stack([bucket(left, input_ids, 0x27D4EB2F), bucket(input_ids, right, 0x165667B1)], axis=-1)
+
+
 class Embeddings(EmbeddingSizes):
-  """Word + position + token-type embeddings, LayerNorm and dropout: [batch, seq] -> [batch, seq, E]."""
+  """Word + position + token-type (+ hashed bigram) embeddings, LayerNorm and dropout: [batch, seq] -> [batch,
+  seq, E]. ngram_buckets > 0: a table of that many rows, whose rows at ngram_ids are added to each token's
+  (hashed n-gram input embeddings, as N-grammer and the over-tokenized transformer use them), so a token's
+  fit with its neighbours is one lookup away from the first step instead of something attention must learn
+  to find; a call with ngrams=False (the generator) leaves them out."""
 
   dropout_rate: float
   layer_norm_eps: float
   dtype: Dtype = jnp.float32
+  ngram_buckets: int = 0
 
   def setup(self):
-    def embed(num, axis, name):  # looked up in float32 whatever the compute dtype (see __call__)
+    def embed(num, axis, name, init=bert_init()):  # looked up in float32 whatever the compute dtype (see __call__)
       return nn.Embed(num, self.embedding_size, dtype=jnp.float32, param_dtype=jnp.float32,
-                      embedding_init=_param(bert_init(), (axis, "embed")), name=name)
+                      embedding_init=_param(init, (axis, "embed")), name=name)
 
     self.word_embeddings = embed(self.vocab_size, "vocab", "word_embeddings")
     self.position_embeddings = embed(self.max_position_embeddings, "position", "position_embeddings")
     self.token_type_embeddings = embed(self.type_vocab_size, "token_type", "token_type_embeddings")
+    if self.ngram_buckets:
+      # Zeros: a bucket no training bigram reached adds nothing, rather than noise the model never saw.
+      self.ngram_embeddings = embed(self.ngram_buckets, "vocab", "ngram_embeddings", nn.initializers.zeros_init())
     self.layer_norm = _layer_norm(self.layer_norm_eps, "layer_norm")
     self.dropout = random_ops.Dropout(self.dropout_rate)
 
-  def __call__(self, input_ids, token_type_ids, deterministic: bool, word_table=None, position_ids=None):
+  def __call__(self, input_ids, token_type_ids, deterministic: bool, word_table=None, position_ids=None,
+               ngrams: bool = True):
     """`word_table` [vocab, E], if given, replaces the word embeddings' own table (GDES);
     `position_ids` [batch, seq] (packed rows) replace 0, 1, 2, ... (a slice, whose gradient is a pad)."""
     # Lookups and sum in float32: a lookup's gradient is a scatter-add, and on GPUs a bfloat16
@@ -192,6 +225,9 @@ class Embeddings(EmbeddingSizes):
     types = jnp.zeros((), jnp.float32)
     for type_id in range(self.type_vocab_size):
       types = types + jnp.where((token_type_ids == type_id)[..., None], type_table[type_id], 0.0)
+    if self.ngram_buckets and ngrams:
+      buckets = ngram_ids(input_ids, self.ngram_buckets, position_ids)
+      words = words + jnp.take(self.ngram_embeddings.embedding, buckets, axis=0).sum(axis=-2)
     embedded = self.layer_norm(words + positions + types).astype(self.dtype)
     embedded = self.dropout(embedded, deterministic=deterministic)
     return nn.with_logical_constraint(embedded, ("act_batch", "act_len", "act_embed"))
@@ -207,7 +243,7 @@ def embeddings_for(owner: EmbeddingSizes, embedding_size: int, config: EncoderCo
   return Embeddings(
       vocab_size=owner.vocab_size, embedding_size=embedding_size, max_position_embeddings=owner.max_position_embeddings,
       type_vocab_size=owner.type_vocab_size, dropout_rate=config.dropout_rate, layer_norm_eps=config.layer_norm_eps,
-      dtype=owner.dtype, **kwargs,
+      dtype=owner.dtype, ngram_buckets=config.ngram_buckets, **kwargs,
   )
 
 
@@ -486,7 +522,7 @@ class ElectraPretrainer(EmbeddingSizes):
   def setup(self):
     self.embeddings = embeddings_for(self, self.embedding_size, self.discriminator_config)
     if self.tie == "none" and self.has_generator:
-      self.generator_embeddings = embeddings_for(self, self.generator_embedding_size, self.discriminator_config)
+      self.generator_embeddings = embeddings_for(self, self.generator_embedding_size, self.generator_config)
     if self.tie == "gdes":
       self.discriminator_word_delta = self.param(
           "discriminator_word_delta", _param(nn.initializers.zeros_init(), ("vocab", "embed")),
@@ -502,21 +538,24 @@ class ElectraPretrainer(EmbeddingSizes):
     self.discriminator = Discriminator(self.discriminator_config, self.embedding_size, self.dtype,
                                        self.attention_impl, shared)
 
-  def _embed(self, embeddings: Embeddings, word_table, input_ids, token_type_ids, attention_mask, deterministic):
+  def _embed(self, embeddings: Embeddings, word_table, input_ids, token_type_ids, attention_mask, deterministic,
+             ngrams: bool = True):
     """(the inputs embedded over `word_table`, the mask the towers read): packed rows' segment ids give positions
     that restart at each segment and a query x key mask (the splash kernel reads segment ids itself)."""
     positions, mask = None, attention_mask
     if self.packed:
       positions = segment_positions(attention_mask)
       mask = attention_mask if self.attention_impl == "splash" else segment_attention_mask(attention_mask)
-    return embeddings(input_ids, token_type_ids, deterministic, word_table, positions), mask
+    return embeddings(input_ids, token_type_ids, deterministic, word_table, positions, ngrams), mask
 
   def generator_logits(self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic: bool = True):
     """Vocabulary logits at `masked_positions` [batch, n_pred] -> [batch, n_pred, vocab], float32 (every
     position, [batch, seq, vocab], for the cloze generator and None)."""
     embeddings = self.generator_embeddings if self.tie == "none" else self.embeddings
     word_table = embeddings.word_table()
-    embedded, mask = self._embed(embeddings, word_table, input_ids, token_type_ids, attention_mask, deterministic)
+    # The n-gram embeddings are the discriminator's: the generator stays the weaker tower (ELECTRA's premise).
+    embedded, mask = self._embed(embeddings, word_table, input_ids, token_type_ids, attention_mask, deterministic,
+                                 ngrams=False)
     return self.generator(embedded, mask, deterministic, word_table, masked_positions)
 
   def cloze_logits(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
@@ -563,7 +602,8 @@ def generator_encoder_config(discriminator: EncoderConfig, fraction: float) -> E
         f"so hidden_size * fraction is a multiple of {discriminator.head_dim} (or smaller than it)."
     )
   intermediate = int(round(discriminator.intermediate_size * fraction))
-  return dataclasses.replace(discriminator, hidden_size=hidden, num_heads=num_heads, intermediate_size=intermediate)
+  return dataclasses.replace(discriminator, hidden_size=hidden, num_heads=num_heads, intermediate_size=intermediate,
+                             ngram_buckets=0)
 
 
 def _check_attention(config, discriminator: EncoderConfig, cloze: bool) -> None:
@@ -612,6 +652,9 @@ def build_model(config) -> ElectraPretrainer:
   if not (type(m.attention_conv) is int and m.attention_conv >= 0 and (m.attention_conv == 0 or m.attention_conv % 2)):
     raise ConfigError(f"model.attention_conv={m.attention_conv!r} must be 0 (no convolution) or an odd kernel "
                       "width such as 3 (the position and its two neighbours).")
+  if not (type(m.ngram_buckets) is int and m.ngram_buckets >= 0):
+    raise ConfigError(f"model.ngram_buckets={m.ngram_buckets!r} must be 0 (no n-gram embeddings) or a number of "
+                      "rows such as 65536.")
   for key, allowed in (("norm", NORMS), ("ffn", FFNS), ("use_bias", (True, False)), ("remat", REMAT_POLICIES)):
     # `in` alone would take 1 and 0 for True and False.
     if not any(m[key] == value and type(m[key]) is type(value) for value in allowed):
@@ -713,6 +756,8 @@ def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
     tower_params = {k: v for k, v in tower_params.items() if not k.startswith("mlm_")}
   if tower == "generator" and pretrainer.tie == "none":
     embeddings, embedding_size = params["generator_embeddings"], pretrainer.generator_embedding_size
+  if tower == "generator":  # the n-gram table is the discriminator's alone
+    embeddings = {k: v for k, v in embeddings.items() if k != "ngram_embeddings"}
   if tower == "discriminator" and pretrainer.tie == "gdes":
     word_table = embeddings["word_embeddings"]["embedding"] + params["discriminator_word_delta"]
     embeddings = {**embeddings, "word_embeddings": {"embedding": word_table}}

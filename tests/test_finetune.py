@@ -269,6 +269,8 @@ def test_init_from_pretraining_workdir(tmp_path, pretrained_workdir):
   _, state = train.restore_checkpoint(workdir, setup, mesh)
   jax.tree.map(np.testing.assert_array_equal, params["embeddings"], state.params["embeddings"])
   jax.tree.map(np.testing.assert_array_equal, params["encoder"], state.params["discriminator"]["encoder"])
+  np.testing.assert_array_equal(params["embeddings"]["ngram_embeddings"]["embedding"],
+                                state.params["embeddings"]["ngram_embeddings"]["embedding"])
   assert backbone.encoder_config.hidden_size == pretrain_config.model.hidden_size
 
   config.random_init = True
@@ -318,7 +320,8 @@ def test_a_moved_workdir_fine_tunes_and_exports_without_the_corpus_that_trained_
 def test_init_from_a_workdir_with_encoder_options_keeps_them(tmp_path):
   """A pre-LN, GEGLU, bias-free pre-training run fine-tunes with that very encoder: its saved
   config builds it and the checkpoint's encoder (final LayerNorm included) fills it."""
-  options = {"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False, "model.attention_conv": 3}
+  options = {"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False, "model.attention_conv": 3,
+             "model.ngram_buckets": 31}
   workdir = str(tmp_path / "pretrain")
   pretrain_config = tiny_config(**options, **{"train.steps": 1, "checkpoint.every_steps": 1, "eval.every_steps": 0})
   train.train_and_evaluate(pretrain_config, workdir)
@@ -326,13 +329,15 @@ def test_init_from_a_workdir_with_encoder_options_keeps_them(tmp_path):
   backbone = model_lib.load_backbone(config)
   classifier = backbone.classifier(2, config)
   assert (classifier.config.norm, classifier.config.ffn, classifier.config.use_bias,
-          classifier.config.attention_conv) == ("pre", "geglu", False, 3)
+          classifier.config.attention_conv, classifier.config.ngram_buckets) == ("pre", "geglu", False, 3, 31)
   params = model_lib.init_params(backbone, classifier, jax.random.key(0), config.max_seq_len)
   mesh = partitioning.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)), devices=jax.devices()[:1])
   tok = backbone.tokenizer
   setup = train.build_setup(pretrain_config, mesh, dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id))
   _, state = train.restore_checkpoint(workdir, setup, mesh)
   jax.tree.map(np.testing.assert_array_equal, params["encoder"], state.params["discriminator"]["encoder"])
+  np.testing.assert_array_equal(params["embeddings"]["ngram_embeddings"]["embedding"],
+                                state.params["embeddings"]["ngram_embeddings"]["embedding"])
   assert "final_layer_norm" in params["encoder"] and "bias" not in params["encoder"]["layer_0"]["intermediate"]
   ids = jnp.full((2, config.max_seq_len), tok.cls_id, jnp.int32)
   logits = classifier.apply({"params": params}, ids, jnp.zeros_like(ids), jnp.ones_like(ids))

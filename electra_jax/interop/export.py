@@ -35,7 +35,7 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
     raise ConfigError(f"{workdir} has no checkpoints/ directory: nothing to export yet.")
   # Before the (slow) restore, so a refused export costs nothing and writes nothing.
   pretrainer = models.build_model(config)
-  check_hf_form(pretrainer.discriminator_config)  # the generator's derives from it, options alike
+  check_hf_form(pretrainer.discriminator_config)  # the generator's derives from it (it never has n-grams)
   why_not = models.no_standalone_generator(pretrainer) if export_generator else None
   if why_not:
     raise ConfigError(f"--export_generator: {why_not} (objective.name={config.objective.name!r}). "

@@ -59,12 +59,13 @@ SUPPORTED_CONFIG_VALUES = {
 HF_ENCODER_FORM = (("norm", "post", "it is post-LayerNorm only"),
                    ("ffn", "gelu", "its feed-forward is dense + GELU + dense, without a gate"),
                    ("use_bias", True, "every dense layer of its encoder has a bias"),
-                   ("attention_conv", 0, "its attention has no convolution"))
+                   ("attention_conv", 0, "its attention has no convolution"),
+                   ("ngram_buckets", 0, "its embeddings are words, positions and token types only"))
 
 
 def check_hf_form(tower: models.EncoderConfig) -> None:
   """Refuses, one line per option, an encoder option (model.norm, ffn, use_bias,
-  attention_conv) that no Hugging Face ElectraModel can hold (before anything is written)."""
+  attention_conv, ngram_buckets) that no Hugging Face ElectraModel can hold (before anything is written)."""
   lines = [f"model.{field}={getattr(tower, field)!r} has no Hugging Face ElectraModel form ({why}); "
            "fine-tune or evaluate it in electra-jax instead."
            for field, value, why in HF_ENCODER_FORM if getattr(tower, field) != value]
