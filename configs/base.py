@@ -52,6 +52,9 @@ def get_config():
   # sequence after each of the query, key and value projections (0: none), so every position
   # sees its neighbours before attention has learned to find them (docs/small_budget.md).
   model.attention_conv = 0
+  # The generator's own width (-1: attention_conv's). 0 with attention_conv > 0 keeps the
+  # generator, and so its replacements, as they are without it (docs/small_budget.md).
+  model.generator_attention_conv = -1
   # Hashed bigram embeddings for the discriminator: rows of a table of this many (0: none), one
   # for each token's pair with its left and one with its right neighbour, added to its word
   # embedding, so replaced-token detection can read a token's fit with its neighbours from the

@@ -590,9 +590,10 @@ class ElectraPretrainer(EmbeddingSizes):
     return generator, self.discriminator_logits(*inputs, deterministic)
 
 
-def generator_encoder_config(discriminator: EncoderConfig, fraction: float) -> EncoderConfig:
+def generator_encoder_config(discriminator: EncoderConfig, fraction: float, attention_conv: int = -1) -> EncoderConfig:
   """The generator `fraction` as wide as the discriminator (same depth and head size, FFN scaled alike), as
-  the official code sizes it, with at least one head."""
+  the official code sizes it, with at least one head, no n-gram embeddings, and a convolution of width
+  `attention_conv` (-1: the discriminator's)."""
   hidden = int(round(discriminator.hidden_size * fraction))
   num_heads = max(1, hidden // discriminator.head_dim)
   if hidden < 1 or hidden % num_heads:
@@ -602,8 +603,9 @@ def generator_encoder_config(discriminator: EncoderConfig, fraction: float) -> E
         f"so hidden_size * fraction is a multiple of {discriminator.head_dim} (or smaller than it)."
     )
   intermediate = int(round(discriminator.intermediate_size * fraction))
+  conv = discriminator.attention_conv if attention_conv == -1 else attention_conv
   return dataclasses.replace(discriminator, hidden_size=hidden, num_heads=num_heads, intermediate_size=intermediate,
-                             ngram_buckets=0)
+                             ngram_buckets=0, attention_conv=conv)
 
 
 def _check_attention(config, discriminator: EncoderConfig, cloze: bool) -> None:
@@ -649,18 +651,24 @@ def build_model(config) -> ElectraPretrainer:
   objective = objectives.REGISTRY[config.objective.name]
   sizes = {field.name: m[field.name] for field in dataclasses.fields(EncoderConfig)}
   discriminator = EncoderConfig(**{**sizes, "scan_layers": bool(m.scan_layers)})
-  if not (type(m.attention_conv) is int and m.attention_conv >= 0 and (m.attention_conv == 0 or m.attention_conv % 2)):
-    raise ConfigError(f"model.attention_conv={m.attention_conv!r} must be 0 (no convolution) or an odd kernel "
-                      "width such as 3 (the position and its two neighbours).")
+  for key, extra in (("attention_conv", ""), ("generator_attention_conv", ", or -1 (model.attention_conv's)")):
+    width = m[key]
+    if not (type(width) is int and (width == 0 or width > 0 and width % 2 or extra and width == -1)):
+      raise ConfigError(f"model.{key}={width!r} must be 0 (no convolution) or an odd kernel width such as 3 (the "
+                        f"position and its two neighbours){extra}.")
+  if m.tie == "all" and m.generator_attention_conv not in (-1, m.attention_conv):
+    raise ConfigError(f"model.tie='all' runs one encoder for both towers, so model.generator_attention_conv="
+                      f"{m.generator_attention_conv} cannot differ from model.attention_conv={m.attention_conv}: "
+                      "set it to -1.")
   if not (type(m.ngram_buckets) is int and m.ngram_buckets >= 0):
     raise ConfigError(f"model.ngram_buckets={m.ngram_buckets!r} must be 0 (no n-gram embeddings) or a number of "
-                      "rows such as 65536.")
+                      "rows such as 262139.")
   for key, allowed in (("norm", NORMS), ("ffn", FFNS), ("use_bias", (True, False)), ("remat", REMAT_POLICIES)):
     # `in` alone would take 1 and 0 for True and False.
     if not any(m[key] == value and type(m[key]) is type(value) for value in allowed):
       raise ConfigError(f"model.{key}={m[key]!r} is not one of {list(allowed)}.")
   _check_attention(config, discriminator, objective.cloze)
-  generator = generator_encoder_config(discriminator, m.generator_fraction)
+  generator = generator_encoder_config(discriminator, m.generator_fraction, m.generator_attention_conv)
   return ElectraPretrainer(
       vocab_size=m.vocab_size, embedding_size=m.embedding_size, max_position_embeddings=m.max_position_embeddings,
       type_vocab_size=m.type_vocab_size, generator_config=generator, discriminator_config=discriminator,

@@ -523,6 +523,9 @@ def test_options_agree_under_scan_layers_and_remat():
     ("attention_conv", 2, r"model.attention_conv=2 must be 0 \(no convolution\) or an odd kernel width"),
     ("attention_conv", -3, r"model.attention_conv=-3 must be 0"),
     ("attention_conv", "3", r"model.attention_conv='3' must be 0"),
+    ("generator_attention_conv", -2, r"model.generator_attention_conv=-2 must be 0 \(no convolution\) or an odd "
+                                     r"kernel width such as 3 .*, or -1 \(model.attention_conv's\)"),
+    ("generator_attention_conv", 4, r"model.generator_attention_conv=4 must be 0"),
     ("ngram_buckets", -1, r"model.ngram_buckets=-1 must be 0 \(no n-gram embeddings\) or a number of rows"),
     ("ngram_buckets", "64", r"model.ngram_buckets='64' must be 0"),
 ])
@@ -630,3 +633,44 @@ def test_ngram_embeddings_by_hand_and_only_in_the_discriminator():
   _, gen_params = models.tower_from_pretrainer(model, params, "generator")
   _, disc_params = models.tower_from_pretrainer(model, params, "discriminator")
   assert "ngram_embeddings" not in gen_params["embeddings"] and "ngram_embeddings" in disc_params["embeddings"]
+
+
+def test_the_generator_takes_its_own_convolution_width():
+  """model.generator_attention_conv: -1 gives the generator the discriminator's convolution; 0 gives it none
+  (its tree, and so its samples, those of a model without the convolution) while the discriminator keeps its
+  taps; one shared encoder (tie='all') cannot hold two widths."""
+  def convs(**options):
+    model, params = _init(tiny_config(**{"model.attention_conv": 3, **options}))
+    attention = lambda tower: params[tower]["encoder"]["layer_0"]["attention"]
+    return model, {tower: sorted(k for k in attention(tower) if k.endswith("_conv"))
+                   for tower in ("generator", "discriminator")}
+
+  _, both = convs()
+  assert both["generator"] == both["discriminator"] == ["key_conv", "query_conv", "value_conv"]
+  model, own = convs(**{"model.generator_attention_conv": 0})
+  assert own == {"generator": [], "discriminator": ["key_conv", "query_conv", "value_conv"]}
+  plain = models.build_model(tiny_config())
+  assert model.generator_config == plain.generator_config
+  assert model.discriminator_config.attention_conv == 3
+  with pytest.raises(ConfigError, match=r"model.tie='all' runs one encoder for both towers, so "
+                                        r"model.generator_attention_conv=0 cannot differ from model.attention_conv=3"):
+    models.build_model(tiny_config(**{"model.tie": "all", "model.generator_fraction": 1.0,
+                                      "model.attention_conv": 3, "model.generator_attention_conv": 0}))
+
+
+def test_the_demo_at_temperature_1_is_a_variant_of_the_demo():
+  """configs/demo.py:t1: the demo's sizes and schedule at sampling temperature 1, with n-grams and the
+  convolution in the discriminator only; the plain demo keeps the paper's (Hugging Face exportable) encoder."""
+  from electra_jax import api  # noqa: PLC0415
+
+  demo, t1 = api.load_config("demo"), api.load_config("demo:t1")
+  assert demo.objective.temperature == 2.0 and t1.objective.temperature == 1.0
+  assert (demo.model.ngram_buckets, demo.model.attention_conv, demo.model.norm) == (0, 0, "post")
+  changed = [line.split(":")[0] for line in config_lib.changed_keys(config_lib.as_saved(demo), config_lib.as_saved(t1))]
+  assert changed == ["model.attention_conv", "model.ffn", "model.generator_attention_conv", "model.ngram_buckets",
+                     "model.norm", "model.use_bias", "objective.temperature"], changed
+  model = models.build_model(t1)
+  assert (model.discriminator_config.attention_conv, model.discriminator_config.ngram_buckets) == (3, 262_139)
+  assert (model.generator_config.attention_conv, model.generator_config.ngram_buckets) == (0, 0)
+  with pytest.raises(ConfigError, match=r"configs/demo.py has no variant 't2'"):
+    api.load_config("demo:t2")
