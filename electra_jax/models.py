@@ -764,7 +764,7 @@ def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
     tower_params = {k: v for k, v in tower_params.items() if not k.startswith("mlm_")}
   if tower == "generator" and pretrainer.tie == "none":
     embeddings, embedding_size = params["generator_embeddings"], pretrainer.generator_embedding_size
-  if tower == "generator":  # the n-gram table is the discriminator's alone
+  if tower == "generator" and "ngram_embeddings" in embeddings:  # the n-gram table is the discriminator's alone
     embeddings = {k: v for k, v in embeddings.items() if k != "ngram_embeddings"}
   if tower == "discriminator" and pretrainer.tie == "gdes":
     word_table = embeddings["word_embeddings"]["embedding"] + params["discriminator_word_delta"]
