@@ -165,14 +165,12 @@ def ngram_ids(input_ids, buckets: int, position_ids=None):
   right neighbour, hashed into `buckets`. A neighbour beyond the row, or (with packed rows' `position_ids`,
   which restart at 0 in each example) in another example, is a boundary marker."""
   boundary = jnp.full_like(input_ids[:, :1], -1)
-  if position_ids is None:
-    left = jnp.concatenate([boundary, input_ids[:, :-1]], axis=1)
-    right = jnp.concatenate([input_ids[:, 1:], boundary], axis=1)
-  else:
+  left = jnp.concatenate([boundary, input_ids[:, :-1]], axis=1)
+  right = jnp.concatenate([input_ids[:, 1:], boundary], axis=1)
+  if position_ids is not None:
     starts = position_ids == 0  # the first token of each packed example
-    left = jnp.where(starts, -1, jnp.concatenate([boundary, input_ids[:, :-1]], axis=1))
-    right = jnp.where(jnp.concatenate([starts[:, 1:], jnp.ones_like(starts[:, :1])], axis=1), -1,
-                      jnp.concatenate([input_ids[:, 1:], boundary], axis=1))
+    left = jnp.where(starts, -1, left)
+    right = jnp.where(jnp.concatenate([starts[:, 1:], jnp.ones_like(starts[:, :1])], axis=1), -1, right)
 
   def bucket(first, second, salt):
     # A multiplicative hash of the pair in uint32 (wrapping), mixed, then reduced: any vocabulary size.
