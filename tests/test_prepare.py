@@ -5,6 +5,7 @@ The corpus is a few dozen synthetic documents written into tmp_path; the tokeniz
 sentencepiece model trained once per module by train_tokenizer.
 """
 
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -249,6 +250,28 @@ def test_a_failed_shard_is_named_and_the_finished_ones_are_kept(tmp_path, corpus
   assert [entry["index"] for entry in manifest["shards"]] == [0, 1] and not manifest["complete"]
   monkeypatch.setattr(prepare, "pack_shard", original_pack_shard)
   assert prepare_data(config, num_workers=0)["complete"]
+
+
+def test_a_stop_while_a_finished_shard_is_read_back_still_lists_it(tmp_path, corpus_files, spm_model, monkeypatch):
+  """SIGTERM raises SystemExit wherever the main thread is; here it lands as the second finished
+  shard's result is read. That shard's file is on disk, so the manifest must list it (a result
+  taken off the pending list before it was recorded used to be lost)."""
+  config = _config(tmp_path, corpus_files, spm_model_file=spm_model)
+  original_result, calls = concurrent.futures.Future.result, [0]
+
+  def interrupted(future, timeout=None):
+    calls[0] += 1
+    if calls[0] == 2:
+      raise SystemExit("prepare_data stopped by SIGTERM (simulated)")
+    return original_result(future, timeout)
+
+  monkeypatch.setattr(concurrent.futures.Future, "result", interrupted)
+  with pytest.raises(SystemExit, match="simulated"):
+    prepare_data(config, num_workers=0)
+  directory = tmp_path / "prepared"
+  manifest = json.loads((directory / "manifest.json").read_text())
+  listed = {entry["splits"]["train"]["file"] for entry in manifest["shards"] if entry["splits"]["train"]["rows"]}
+  assert len(listed) >= 2 and listed == {p.name for p in directory.glob("train-?????.npy")}
 
 
 _KILLED_RUN = """

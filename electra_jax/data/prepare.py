@@ -499,11 +499,10 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
   def drain() -> None:
     nonlocal last_log, last_manifest_write, packed_documents, packed_tokens, done_position
     finished, _ = concurrent.futures.wait(list(pending), return_when=concurrent.futures.FIRST_COMPLETED)
-    for future in finished:
-      position = pending.pop(future)
+    for future in finished:  # each stays in `pending` until `done` has it (a SIGTERM may stop this loop)
       try:
         result = future.result()
-      except concurrent.futures.process.BrokenProcessPool as e:
+      except concurrent.futures.BrokenExecutor as e:  # (BrokenProcessPool, importable without the process pool)
         raise RuntimeError(f"prepare_data: a worker process died (killed, or out of memory) ({e}). The finished "
                            f"shards are kept in {out_dir}; run prepare_data again to resume (fewer workers use "
                            "less memory).") from e
@@ -512,6 +511,7 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
                            f"finished shards are kept in {out_dir}; fix the cause and run prepare_data again to "
                            "resume.")
       done[result["index"]] = result
+      position = pending.pop(future)
       packed_documents += result["num_documents"]
       packed_tokens += sum(entry["tokens"] for entry in result["splits"].values())
       done_position = max(done_position, position)
