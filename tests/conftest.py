@@ -3,10 +3,12 @@ packed arrays are built once per test session in a temporary cache."""
 
 import contextlib
 import importlib.abc
+import io
 import logging
 import os
 import subprocess
 import sys
+import traceback
 
 import pytest
 
@@ -21,6 +23,10 @@ sys.path.insert(0, REPO)
 _COMPILE_FAST = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = " ".join((os.environ.get("XLA_FLAGS", ""), *_COMPILE_FAST)).strip()
+# And the flags the CLI adds, so that a run in this process (`cli`) computes what a CLI subprocess does.
+from electra_jax import xla_flags  # noqa: E402
+
+xla_flags.apply_cpu_defaults()
 
 
 def with_devices(count: int) -> dict:
@@ -125,8 +131,49 @@ if not any(name in sys.modules for name in ("torch", "pyarrow")):
 
 
 def run_cli(args, env_extra=None, timeout=600, **kwargs):
+  """`args` in a subprocess: for what only a process of its own shows (its start, signals, devices)."""
   env = dict(os.environ, **(env_extra or {}))
   return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def cli(args, cwd=REPO) -> subprocess.CompletedProcess:
+  """`python -m electra_jax.main ...` (`args` as for run_cli) run by absl in this process: the exit
+  code, stdout and stderr (absl's log included) the subprocess would give, a traceback printed for
+  an uncaught exception. JAX's traced and compiled steps of earlier runs here are reused, which
+  makes it many times faster than run_cli."""
+  from absl import app, flags  # noqa: PLC0415
+  from absl import logging as absl_logging  # noqa: PLC0415
+
+  from electra_jax import main  # noqa: PLC0415
+
+  assert [os.path.basename(args[0]).startswith("python"), *args[1:3]] == [True, "-m", "electra_jax.main"], args
+  argv = ["electra-jax", *map(str, args[3:])]
+  flags.FLAGS.unparse_flags()  # every flag back to its default, and no override of the last recipe
+  for name in [name for name in flags.FLAGS if name.startswith("config.")]:
+    delattr(flags.FLAGS, name)
+  flags.FLAGS["config"].parser = main._RecipeParser("config")
+  stdout, stderr = io.StringIO(), io.StringIO()
+  handler = absl_logging.get_absl_handler().python_handler
+  saved = sys.argv, handler.stream, os.getcwd()
+  sys.argv, handler.stream = argv, stderr  # ml_collections reads the overrides from sys.argv
+  os.chdir(cwd)
+  try:
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+      try:
+        app.run(main.main, argv=argv, flags_parser=config_lib.flags_parser("electra-jax"))
+        code = 0
+      except SystemExit as stop:
+        code = 0 if stop.code is None else stop.code
+        if isinstance(code, str):
+          print(code, file=sys.stderr)
+          code = 1
+      except Exception:  # noqa: BLE001 (what the interpreter prints for an uncaught exception)
+        traceback.print_exc()
+        code = 1
+  finally:
+    sys.argv, handler.stream, cwd = saved
+    os.chdir(cwd)
+  return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
 
 
 # The tiny config on a data x fsdp x tensor = 2 x 2 x 2 mesh. Adam's first updates are about

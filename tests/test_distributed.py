@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import EIGHT_DEVICE_OVERRIDES, REPO, cli_args, run_cli, with_devices
+from conftest import EIGHT_DEVICE_OVERRIDES, REPO, cli, cli_args, run_cli, with_devices
 from electra_jax import distributed, xla_flags
 
 
@@ -51,7 +51,7 @@ def test_one_device_eight_devices_and_two_processes_of_four_train_alike(tmp_path
   # Sharded reductions sum in another order, and Adam's first updates are about lr * sign(g):
   # see conftest.EIGHT_DEVICE_OVERRIDES for the small learning rate that keeps this in bounds.
   overrides = EIGHT_DEVICE_OVERRIDES
-  one = run_cli(cli_args(tmp_path / "one", **{k: v for k, v in overrides.items() if not k.startswith("mesh.")}))
+  one = cli(cli_args(tmp_path / "one", **{k: v for k, v in overrides.items() if not k.startswith("mesh.")}))
   assert one.returncode == 0, one.stderr[-3000:]
   eight = run_cli(cli_args(tmp_path / "eight", **overrides),
                   env_extra=with_devices(8))

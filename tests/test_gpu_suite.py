@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from conftest import TINY_OVERRIDES
 from electra_jax import config_lib, sweep
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,7 +108,9 @@ def test_a_real_cpu_result_goes_through_the_whole_suite(tmp_path, monkeypatch):
   demo = gpu_suite.Run(
       "demo_vs_hf", "throughput",
       ("benchmarks/pretrain_throughput.py", "--steps=2", "--windows=1", "--warmup=1", "--vs-huggingface"),
-      cap=400, need=30, recipe="demo", overrides=(("train.batch_size", 4), ("data.max_seq_len", 64)))
+      cap=400, need=30, recipe="demo", overrides=(  # the tiny test model and corpus, at batch 4 x 64
+          *((key, value) for key, value in TINY_OVERRIDES.items() if key.startswith(("model.", "data."))),
+          ("train.batch_size", 4), ("data.max_seq_len", 64)))
   monkeypatch.setitem(gpu_suite.MODES, "cpu", (demo,))
   records = gpu_suite.measure(["cpu"], 500, str(tmp_path))
   (record,) = records

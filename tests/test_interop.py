@@ -16,7 +16,7 @@ import pytest
 import safetensors.numpy
 import transformers
 
-from conftest import cli_args, logged_messages, run_cli, tiny_config
+from conftest import cli, cli_args, logged_messages, tiny_config
 from electra_jax import checkpointing, data, interop, models, partitioning, train
 from electra_jax.errors import ConfigError
 from electra_jax.interop import hf
@@ -314,7 +314,7 @@ def test_cli_exports_a_pretraining_workdir(tmp_path, pretrained):
   workdir, out = tmp_path / "run", tmp_path / "hf"
   shutil.copytree(pretrained, workdir)
   python_m_main = cli_args(workdir)[:3]
-  result = run_cli(
+  result = cli(
       [*python_m_main, "--mode=export_hf", f"--workdir={workdir}", f"--out={out}", "--export_generator"]
   )
   assert result.returncode == 0, result.stderr[-3000:]
@@ -387,7 +387,7 @@ def test_export_refuses_an_out_holding_another_export_and_leaves_it_untouched(tm
     interop.export_workdir(str(workdir), str(tmp_path / "a_file"))
   # The command line reports it as an error, before loading anything.
   python_m_main = cli_args(workdir)[:3]
-  refused = run_cli([*python_m_main, "--mode=export_hf", f"--workdir={workdir}", f"--out={out}"])
+  refused = cli([*python_m_main, "--mode=export_hf", f"--workdir={workdir}", f"--out={out}"])
   assert refused.returncode != 0 and "holds an earlier export's generator" in refused.stderr
   assert _listing(out) == before
 
@@ -401,11 +401,11 @@ def test_export_refuses_an_out_holding_another_export_and_leaves_it_untouched(tm
 
 def test_cli_asks_for_what_each_mode_needs(tmp_path):
   python_m_main = cli_args(tmp_path)[:3]
-  no_out = run_cli([*python_m_main, "--mode=export_hf", f"--workdir={tmp_path}"])
+  no_out = cli([*python_m_main, "--mode=export_hf", f"--workdir={tmp_path}"])
   assert no_out.returncode != 0 and "--mode=export_hf needs --out" in no_out.stderr
-  no_config = run_cli([*python_m_main, f"--workdir={tmp_path}"])
+  no_config = cli([*python_m_main, f"--workdir={tmp_path}"])
   assert no_config.returncode != 0 and "--mode=train needs --config" in no_config.stderr
-  not_a_workdir = run_cli([*python_m_main, "--mode=export_hf", f"--workdir={tmp_path}", f"--out={tmp_path}/hf"])
+  not_a_workdir = cli([*python_m_main, "--mode=export_hf", f"--workdir={tmp_path}", f"--out={tmp_path}/hf"])
   assert not_a_workdir.returncode != 0 and "has no config.json" in not_a_workdir.stderr
 
 

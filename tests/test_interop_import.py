@@ -18,7 +18,7 @@ import pytest
 import safetensors.numpy
 import transformers
 
-from conftest import REPO, run_cli, tiny_config
+from conftest import REPO, cli, tiny_config
 from electra_jax import checkpointing, interop, models, partitioning, train
 from electra_jax.errors import ConfigError
 from electra_jax.interop import tf_checkpoint
@@ -186,7 +186,7 @@ def _restore_params(workdir, step):
 def test_import_hf_pair_continue_pretraining_and_export(tmp_path):
   dirs = _hf_pair_with_vocab(tmp_path, lowercase=False)
   workdir, out = tmp_path / "run", tmp_path / "exported"
-  imported = run_cli(_cli(
+  imported = cli(_cli(
       "--mode=import_hf", f"--hf_discriminator={dirs['discriminator']}",
       f"--hf_generator={dirs['generator']}", f"--config={REPO}/configs/base.py", f"--workdir={workdir}",
   ))
@@ -207,7 +207,7 @@ def test_import_hf_pair_continue_pretraining_and_export(tmp_path):
     _assert_logits_match(model, tower_params, hf_class, dirs[tower])
 
   # The usual command, without --config, continues from it.
-  trained = run_cli(PYTHON_M_MAIN + [f"--workdir={workdir}"])
+  trained = cli(PYTHON_M_MAIN + [f"--workdir={workdir}"])
   assert trained.returncode == 0, trained.stderr[-3000:]
   logged = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert [m["step"] for m in logged] == [1, 2]
@@ -221,7 +221,7 @@ def test_import_hf_pair_continue_pretraining_and_export(tmp_path):
     assert not any(k.endswith("/embedding") for k in flax.traverse_util.flatten_dict(after[tower], sep="/"))
 
   # Export: the vocabulary and its settings travel, and tokenize as the original did.
-  exported = run_cli(PYTHON_M_MAIN + ["--mode=export_hf", f"--workdir={workdir}", f"--out={out}"])
+  exported = cli(PYTHON_M_MAIN + ["--mode=export_hf", f"--workdir={workdir}", f"--out={out}"])
   assert exported.returncode == 0, exported.stderr[-3000:]
   tokenizer = transformers.AutoTokenizer.from_pretrained(str(out / "discriminator"))
   original = transformers.BertTokenizer(os.path.join(dirs["discriminator"], "vocab.txt"), do_lower_case=False)
@@ -232,7 +232,7 @@ def test_import_hf_pair_continue_pretraining_and_export(tmp_path):
 
 def test_import_tf_via_the_cli(tmp_path):
   workdir = tmp_path / "run"
-  result = run_cli(_cli("--mode=import_tf", f"--tf_checkpoint={FIXTURE}", f"--config={REPO}/configs/base.py",
+  result = cli(_cli("--mode=import_tf", f"--tf_checkpoint={FIXTURE}", f"--config={REPO}/configs/base.py",
                         f"--workdir={workdir}"))
   assert result.returncode == 0, result.stderr[-3000:]
   assert "Continue pre-training with: electra-jax --workdir=" in result.stdout
@@ -241,7 +241,7 @@ def test_import_tf_via_the_cli(tmp_path):
   _assert_logits_match(model, tower_params, transformers.ElectraForPreTraining,
                        os.path.join(FIXTURE, "hf_discriminator"), seed=2)
   # Importing again into the same workdir changes nothing and says why.
-  again = run_cli(_cli("--mode=import_tf", f"--tf_checkpoint={FIXTURE}", f"--config={REPO}/configs/base.py",
+  again = cli(_cli("--mode=import_tf", f"--tf_checkpoint={FIXTURE}", f"--config={REPO}/configs/base.py",
                        f"--workdir={workdir}"))
   assert again.returncode != 0 and "already holds checkpoints" in again.stderr
 

@@ -808,7 +808,7 @@ def test_prefetcher_stop_step_and_close():
 def test_bring_your_corpus_from_the_command_line(tmp_path, corpus_files):
   """train_tokenizer -> prepare_data -> train on the shards, as the README's section runs it."""
   sys.path.insert(0, os.path.join(REPO, "tests"))
-  from conftest import cli_args, run_cli  # noqa: PLC0415
+  from conftest import cli, cli_args  # noqa: PLC0415
 
   data_flags = [
       "--config.data.source=text", f"--config.data.files={corpus_files}", "--config.data.spm_vocab_size=120",
@@ -817,10 +817,10 @@ def test_bring_your_corpus_from_the_command_line(tmp_path, corpus_files):
   python_m_main = [sys.executable, "-m", "electra_jax.main", f"--config={REPO}/configs/base.py",
                    "--config.data.max_seq_len=32"]
   model = str(tmp_path / "spm.model")
-  trained = run_cli(python_m_main + ["--mode=train_tokenizer", f"--out={model}", *data_flags])
+  trained = cli(python_m_main + ["--mode=train_tokenizer", f"--out={model}", *data_flags])
   assert trained.returncode == 0, trained.stderr[-2000:]
   assert SentencePieceTokenizer(model).vocab_size == 120 and "spm_model_file=" in trained.stdout
-  prepared = run_cli(python_m_main + ["--mode=prepare_data", "--workers=2", f"--config.data.spm_model_file={model}",
+  prepared = cli(python_m_main + ["--mode=prepare_data", "--workers=2", f"--config.data.spm_model_file={model}",
                                       *data_flags])
   assert prepared.returncode == 0, prepared.stderr[-2000:]
   manifest = json.loads((tmp_path / "prepared" / "manifest.json").read_text())
@@ -830,7 +830,7 @@ def test_bring_your_corpus_from_the_command_line(tmp_path, corpus_files):
   args = cli_args(workdir, **{"data.source": "prepared", "data.prepared_dir": tmp_path / "prepared",
                               "data.spm_model_file": model, "data.spm_vocab_size": 120, "train.steps": 2,
                               "checkpoint.every_steps": 2, "eval.every_steps": 2})
-  run = run_cli(args)
+  run = cli(args)
   assert run.returncode == 0, run.stderr[-2000:]
   logged = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert [m["step"] for m in logged] == [1, 2] and all(np.isfinite(m["loss"]) for m in logged)

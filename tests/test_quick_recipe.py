@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, cli
 from electra_jax import config_lib, train
 
 
@@ -24,9 +24,9 @@ def test_the_quick_recipe_trains_to_its_time_budget(tmp_path, objective):
   shrink = {"model.hidden_size": 32, "model.num_heads": 2, "model.intermediate_size": 64, "model.embedding_size": 16,
             "model.vocab_size": 512, "model.max_position_embeddings": 64, "data.max_seq_len": 32,
             "data.spm_vocab_size": 500, "data.max_documents": 120, "train.batch_size": 8,
-            "train.time_budget": "15s", "train.log_every": 1, "eval.every_steps": 0, "objective.name": objective}
+            "train.time_budget": "4s", "train.log_every": 1, "eval.every_steps": 0, "objective.name": objective}
   args = [sys.executable, "-m", "electra_jax.main", f"--config={REPO}/configs/quick.py", f"--workdir={workdir}"]
-  result = run_cli(args + [f"--config.{k}={v}" for k, v in shrink.items()])
+  result = cli(args + [f"--config.{k}={v}" for k, v in shrink.items()])
   assert result.returncode == 0, result.stderr[-3000:]
   saved = json.loads((workdir / "config.json").read_text())
   steps = saved["train"]["steps"]

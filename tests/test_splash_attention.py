@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import cli_args, run_cli, tiny_config, with_devices
+from conftest import cli, cli_args, run_cli, tiny_config, with_devices
 from electra_jax import models, objectives, splash_attention
 from electra_jax.errors import ConfigError
 
@@ -111,7 +111,7 @@ def test_sharded_training_matches_xla_on_one_device(tmp_path):
   common = {"train.steps": 2, "checkpoint.every_steps": 2, "optimizer.learning_rate": 1e-4, "eval.every_steps": 0,
             "model.attention_dropout_rate": 0.0, "model.dropout_rate": 0.0,
             "data.max_seq_len": SEQ, "model.max_position_embeddings": SEQ}
-  one = run_cli(cli_args(tmp_path / "xla", **common))
+  one = cli(cli_args(tmp_path / "xla", **common))
   assert one.returncode == 0, one.stderr[-3000:]
   eight = run_cli(
       cli_args(tmp_path / "splash", **common, **{"model.attention_impl": "splash",

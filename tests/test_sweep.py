@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, run_cli, tiny_config
+from conftest import REPO, cli, tiny_config
 from electra_jax import flops, sweep, train
 from electra_jax.errors import ConfigError
 from test_plots import assert_events_match_jsonl, png_size
@@ -300,17 +300,17 @@ def test_cli_sweep_report_and_plot(swept, tmp_path):
   sweep_dir = swept["sweep_dir"]
   table = open(os.path.join(sweep_dir, "results.md")).read()
   os.remove(os.path.join(sweep_dir, "results.md"))
-  result = run_cli([sys.executable, "-m", "electra_jax.main", "--mode=sweep_report", f"--workdir={sweep_dir}"])
+  result = cli([sys.executable, "-m", "electra_jax.main", "--mode=sweep_report", f"--workdir={sweep_dir}"])
   assert result.returncode == 0, result.stderr
   assert open(os.path.join(sweep_dir, "results.md")).read() == table
   out = str(tmp_path / "curves.png")
-  result = run_cli([sys.executable, "-m", "electra_jax.main", "--mode=plot", f"--workdir={sweep_dir}", f"--out={out}",
+  result = cli([sys.executable, "-m", "electra_jax.main", "--mode=plot", f"--workdir={sweep_dir}", f"--out={out}",
                     "--plot_metrics=loss,disc_auc,masked_lm_accuracy,disc_accuracy"])
   assert result.returncode == 0, result.stderr
   assert png_size(out) == (3 * 500, 2 * 350)
   # A bad sweep key is one line on stderr, before any training.
   bad_dir = str(tmp_path / "bad")
-  result = run_cli([sys.executable, "-m", "electra_jax.main", "--mode=sweep", f"--config={REPO}/configs/demo.py",
+  result = cli([sys.executable, "-m", "electra_jax.main", "--mode=sweep", f"--config={REPO}/configs/demo.py",
                     f"--workdir={bad_dir}", "--sweep=objective.name=electra,mlm", "--sweep=model.generator_frac=0.5"])
   assert result.returncode == 1
   assert result.stderr.strip().splitlines()[-1].startswith(

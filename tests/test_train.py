@@ -18,7 +18,7 @@ from electra_jax.errors import ConfigError
 import pytest
 
 import electra_jax
-from conftest import REPO, cli_args, logged_messages, run_cli, tiny_config
+from conftest import REPO, cli, cli_args, logged_messages, run_cli, tiny_config
 from electra_jax import checkpointing, config_lib, data, flops, models, objectives, partitioning, train
 
 REQUIRED_METRICS = {
@@ -274,7 +274,7 @@ def test_cli_writes_config_metrics_and_checkpoints(tmp_path):
   assert train_row.split()[-5:] == [f"{lines[-1][key]:.4f}" for key in header.split()]
   assert held_out_row.split()[-5:] == [f"{held_out[key]:.4f}" for key in header.split()]
   # Running again finds the run complete and trains nothing more.
-  again = run_cli(cli_args(workdir))
+  again = cli(cli_args(workdir))
   assert again.returncode == 0 and len(_metrics(workdir)) == 6
 
 
@@ -308,7 +308,7 @@ def test_sigterm_saves_and_resume_is_bit_exact(tmp_path):
   steps = 150
   overrides = {"train.steps": steps, "checkpoint.every_steps": 1000}
   reference = tmp_path / "reference"
-  assert run_cli(cli_args(reference, **overrides)).returncode == 0
+  assert cli(cli_args(reference, **overrides)).returncode == 0  # in this process: the same numbers
 
   interrupted = tmp_path / "interrupted"
   proc, _, stderr = _signal_after_logged(interrupted, overrides, 5, signal.SIGTERM)
@@ -317,7 +317,7 @@ def test_sigterm_saves_and_resume_is_bit_exact(tmp_path):
   assert len(saved) == 1 and 5 <= saved[0] < steps, saved  # stopped early, saved where it stopped
   assert "SIGTERM" in stderr
 
-  resumed = run_cli(cli_args(interrupted, **overrides))
+  resumed = cli(cli_args(interrupted, **overrides))
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "Resuming from the checkpoint at step" in resumed.stderr
   want, got = _metrics(reference), _metrics(interrupted)
@@ -331,7 +331,7 @@ def test_workdir_of_another_model_is_refused_and_left_intact(tmp_path, three_ste
   workdir = _copy_of(three_steps, tmp_path)  # what `cli_args(workdir, train.steps=3)` trains
   before = {p: p.stat().st_mtime_ns for p in workdir.rglob("*") if p.is_file()}
   config_before = (workdir / "config.json").read_text()
-  result = run_cli(cli_args(workdir, **{"train.steps": 3, "model.intermediate_size": 96}))
+  result = cli(cli_args(workdir, **{"train.steps": 3, "model.intermediate_size": 96}))
   assert result.returncode != 0
   assert "different model" in result.stderr and "intermediate/bias" in result.stderr and "Traceback" not in result.stderr
   assert "differ from its config.json: model.intermediate_size: 64 -> 96." in result.stderr
@@ -340,18 +340,18 @@ def test_workdir_of_another_model_is_refused_and_left_intact(tmp_path, three_ste
 
 
 def test_mistyped_override_names_the_close_match(tmp_path):
-  result = run_cli(cli_args(tmp_path / "run") + ["--config.train.stpes=5"])
+  result = cli(cli_args(tmp_path / "run") + ["--config.train.stpes=5"])
   assert result.returncode != 0
   assert result.stderr.strip().splitlines()[-1] == (
       "electra-jax: error: --config.train.stpes: the config has no key 'stpes'. Did you mean \"steps\" "
       "instead of \"stpes\"? configs/base.py lists every key with its default."
   )
   assert "Traceback" not in result.stderr
-  result = run_cli(cli_args(tmp_path / "run") + ["--config.train.num_steps=5"])  # no close match
+  result = cli(cli_args(tmp_path / "run") + ["--config.train.num_steps=5"])  # no close match
   assert "error: --config.train.num_steps: the config has no key 'num_steps'." in result.stderr
   assert not (tmp_path / "run").exists()
   # A fine-tuning recipe's keys are listed in its own base.
-  result = run_cli(["python", "-m", "electra_jax.main", "--mode=finetune", "--config=configs/finetune/tiny.py",
+  result = cli(["python", "-m", "electra_jax.main", "--mode=finetune", "--config=configs/finetune/tiny.py",
                     "--config.epochz=1", f"--workdir={tmp_path / 'ft'}"])
   assert result.stderr.strip().splitlines()[-1].endswith(
       "configs/finetune/base.py lists every key with its default.")
@@ -455,7 +455,7 @@ def test_overrides_apply_to_a_workdirs_own_config(tmp_path):
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.split() == ["9", str(tiny_config().model.hidden_size)]
   # Overrides without any --config are answered with that recipe.
-  result = run_cli(cli_args(workdir)[:3] + [f"--workdir={workdir}", "--config.train.steps=9"])
+  result = cli(cli_args(workdir)[:3] + [f"--workdir={workdir}", "--config.train.steps=9"])
   assert "error: --config.train.steps changes a recipe, but no --config was given" in result.stderr
   assert "--config=configs/workdir.py:DIR" in result.stderr
 
@@ -473,7 +473,7 @@ def test_overrides_apply_to_a_workdirs_own_config(tmp_path):
 )
 def test_cli_mistakes_end_in_one_line(tmp_path, args, message):
   args = [a.replace("=W", f"={tmp_path}") for a in args]
-  result = run_cli([sys.executable, "-m", "electra_jax.main", *args])
+  result = cli([sys.executable, "-m", "electra_jax.main", *args])
   assert result.returncode != 0 and "Traceback" not in result.stderr
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith("electra-jax: error: ") and message in last, result.stderr[-2000:]
@@ -682,12 +682,11 @@ def test_recipes_by_name_from_any_directory(tmp_path, monkeypatch):
   (tmp_path / "mine" / "demo").write_text("")  # a file of that name is what the user meant
   assert config_lib.resolve_recipe("mine/demo") == "mine/demo"
   # From the CLI, outside the checkout: the recipe is loaded (its keys and its kind are known).
-  def cli(*args):
-    return subprocess.run([sys.executable, "-m", "electra_jax.main", *args, f"--workdir={tmp_path}/w"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
-  typo = cli("--config=demo", "--config.train.stpes=1")
+  def elsewhere(*args):
+    return cli([sys.executable, "-m", "electra_jax.main", *args, f"--workdir={tmp_path}/w"], cwd=tmp_path)
+  typo = elsewhere("--config=demo", "--config.train.stpes=1")
   assert "--config.train.stpes: the config has no key 'stpes'" in typo.stderr, typo.stderr[-2000:]
-  kind = cli("--config=finetune/tiny")
+  kind = elsewhere("--config=finetune/tiny")
   assert "is a fine-tuning recipe (configs/finetune/), but --mode=train" in kind.stderr, kind.stderr[-2000:]
 
 
