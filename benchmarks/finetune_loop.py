@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from electra_jax import config_lib, data  # noqa: E402
-from electra_jax.finetune import model as model_lib, tasks, trainer  # noqa: E402
+from electra_jax.finetune import model as model_lib, optim, tasks, trainer  # noqa: E402
 
 import stdlib_topic_task  # noqa: E402  (benchmarks/, beside this script)
 
@@ -69,9 +69,10 @@ def main(argv):
     adapter = trainer.classification_adapter(config, tasks.load_task(config), backbone)
     epochs = trainer.resolve_epochs(config, trainer._num_examples(adapter.train_features))
     total = trainer._steps_per_seed(config, adapter.train_features, epochs)
-    steps = trainer._compiled_steps(config, adapter, backbone, total)
+    steps = trainer._compiled_steps(config, adapter, backbone)
     quiet = lambda *args: None
-    tx, _, train_step, _ = steps
+    optimizer, train_step, _ = steps
+    args = optim.schedule_args(config, total)
     feed = list(trainer.batches(adapter.train_features, config.batch_size))
     key = jax.random.key(0)
 
@@ -82,7 +83,7 @@ def main(argv):
     def step_alone(round_, params, opt_state):
       del round_
       for step in range(total):
-        params, opt_state, loss = train_step(params, opt_state, feed[step % len(feed)], key, step)
+        params, opt_state, loss = train_step(params, opt_state, feed[step % len(feed)], key, step, args)
       return loss
 
     timings = {}
@@ -90,7 +91,7 @@ def main(argv):
       seconds = []
       for round_ in range(-1, _ROUNDS.value):  # round -1 compiles
         params = model_lib.init_params(backbone, adapter.model, key, config.max_seq_len)
-        state = jax.block_until_ready((params, tx.init(params)))
+        state = jax.block_until_ready((params, optimizer(args, params)[0].init(params)))
         start = time.perf_counter()
         jax.block_until_ready(work(round_, *state))
         seconds.append(time.perf_counter() - start)

@@ -83,7 +83,8 @@ def optimizer_config(**overrides):
 def test_optimizer_update_uses_layer_rates_and_decay_mask(rule, top_layer_scale):
   params = jax.tree.map(jnp.ones_like, three_layer_params())
   grads = jax.tree.map(jnp.ones_like, params)
-  tx, schedule = optim.make_optimizer(optimizer_config(layerwise_lr_decay_rule=rule), params, 3, total_steps=10)
+  config = optimizer_config(layerwise_lr_decay_rule=rule)
+  tx, schedule = optim.make_optimizer(config, params, 3, optim.schedule_args(config, total_steps=10))
   updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
   updates = flax.traverse_util.flatten_dict(updates, sep="/")
   lr = 0.1 * (1 - 0 / 10)  # step 0, no warmup
@@ -395,12 +396,12 @@ def test_official_epoch_defaults():
 
 def test_finetune_from_the_command_line(tmp_path, pretrained_workdir):
   """--mode=finetune from a pre-training workdir, as the README runs it."""
-  from conftest import run_cli  # noqa: PLC0415
+  from conftest import cli  # noqa: PLC0415
 
   workdir, _ = pretrained_workdir
   paths = write_synthetic(tmp_path, 64, 32, 8)
   out = tmp_path / "ft"
-  result = run_cli([
+  result = cli([
       sys.executable, "-m", "electra_jax.main", "--mode=finetune", f"--config={REPO}/configs/finetune/tiny.py",
       f"--config.custom.train_file={paths['train']}", f"--config.custom.dev_file={paths['dev']}",
       f"--config.init_from={workdir}", "--config.epochs=1", f"--workdir={out}",
@@ -409,7 +410,7 @@ def test_finetune_from_the_command_line(tmp_path, pretrained_workdir):
   assert f"Results: {out}/custom/results.json" in result.stdout
   saved = json.loads((out / "custom" / "results.json").read_text())
   assert 0.0 <= saved["summary"]["custom"]["accuracy"]["mean"] <= 1.0
-  bad = run_cli([sys.executable, "-m", "electra_jax.main", "--mode=finetune", f"--workdir={out}"])
+  bad = cli([sys.executable, "-m", "electra_jax.main", "--mode=finetune", f"--workdir={out}"])
   assert bad.returncode != 0 and "--mode=finetune needs --config" in bad.stderr
 
 
@@ -550,9 +551,10 @@ def test_min_steps_raises_the_epochs_and_the_schedule_spans_them(tmp_path, monke
   totals = []
   make_optimizer = optim.make_optimizer
 
-  def recording(config, params, num_layers, total_steps, learning_rate=None):
-    totals.append(total_steps)
-    return make_optimizer(config, params, num_layers, total_steps, learning_rate)
+  def recording(config, params, num_layers, args):
+    if isinstance(args, np.ndarray):  # the seed's own call (the compiled step's sees a tracer)
+      totals.append(int(args[2]))
+    return make_optimizer(config, params, num_layers, args)
 
   monkeypatch.setattr(trainer.optim, "make_optimizer", recording)
   config = synthetic_config(tmp_path, n_train=40, n_dev=16, epochs=1, min_steps=7)

@@ -6,6 +6,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from electra_jax.errors import ConfigError
@@ -49,26 +50,34 @@ def layerwise_lr_scales(params, num_layers: int, decay: float, rule: str = "corr
   return jax.tree_util.tree_map_with_path(scale, params)
 
 
-def linear_warmup_decay(base_lr: float, warmup_steps: int, total_steps: int):
-  """base_lr * min(1, step / warmup) * max(0, 1 - step / total); no warmup when warmup_steps=0."""
+def linear_warmup_decay(base_lr, warmup_steps, total_steps):
+  """base_lr * min(1, step / warmup) * max(0, 1 - step / total); no warmup when warmup_steps=0.
+  The arguments may be traced (schedule_args inside a compiled step)."""
 
   def schedule(step):
     step = jnp.asarray(step, jnp.float32)
-    warmup = jnp.minimum(1.0, step / warmup_steps) if warmup_steps > 0 else 1.0
-    return base_lr * warmup * jnp.maximum(0.0, 1.0 - step / max(total_steps, 1))
+    warmup = jnp.where(warmup_steps > 0, jnp.minimum(1.0, step / jnp.maximum(warmup_steps, 1)), 1.0)
+    return base_lr * warmup * jnp.maximum(0.0, 1.0 - step / jnp.maximum(total_steps, 1))
 
   return schedule
 
 
-def make_optimizer(config, params, num_layers: int, total_steps: int, learning_rate: float | None = None):
-  """(tx, schedule) from the fine-tuning config's optimizer keys: clip, Adam, decoupled weight
-  decay, the layer-wise multipliers, then the scheduled lr peaking at `learning_rate` (None:
-  optimizer.learning_rate)."""
+def schedule_args(config, total_steps: int, learning_rate: float | None = None) -> np.ndarray:
+  """float32 [peak, warmup steps, total steps] of a run's schedule, peaking at `learning_rate`
+  (None: optimizer.learning_rate). An argument of the compiled step, so the learning-rate trials
+  and the seeds of one fine-tuning run share one compile."""
   o = config.optimizer
   if not 0.0 <= o.warmup_fraction < 1.0:
     raise ConfigError(f"optimizer.warmup_fraction={o.warmup_fraction} must be in [0, 1).")
   peak = o.learning_rate if learning_rate is None else learning_rate
-  schedule = linear_warmup_decay(peak, int(round(o.warmup_fraction * total_steps)), total_steps)
+  return np.array([peak, round(o.warmup_fraction * total_steps), total_steps], np.float32)
+
+
+def make_optimizer(config, params, num_layers: int, args):
+  """(tx, schedule) from the fine-tuning config's optimizer keys: clip, Adam, decoupled weight
+  decay, the layer-wise multipliers, then the schedule of `args` (schedule_args)."""
+  o = config.optimizer
+  schedule = linear_warmup_decay(args[0], args[1], args[2])
   adam = optax.scale_by_adam if o.bias_correction else scale_by_adam_without_bias_correction
   scales = layerwise_lr_scales(params, num_layers, o.layerwise_lr_decay, o.layerwise_lr_decay_rule)
   tx = optax.chain(

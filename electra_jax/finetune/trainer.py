@@ -13,7 +13,6 @@ import os
 import shutil
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -155,22 +154,22 @@ def batches(features: dict[str, np.ndarray], batch_size: int, order: np.ndarray 
     yield dict({name: array[rows] for name, array in features.items() if name != "index"}, weights=weights)
 
 
-def _compiled_steps(config, adapter, backbone, steps_per_seed: int, learning_rate: float | None = None):
-  """(tx, schedule, train_step, predict_step): one optimizer and one compiled step for every seed,
-  since only the parameters' structure matters."""
-  ids = jnp.zeros((1, config.max_seq_len), jnp.int32)
-  init = lambda: adapter.model.init(jax.random.key(0), ids, ids, ids + 1)["params"]
-  abstract_params = nn.meta.unbox(jax.eval_shape(init))
-  tx, schedule = optim.make_optimizer(config, abstract_params, backbone.encoder_config.num_layers, steps_per_seed,
-                                      learning_rate)
+def _compiled_steps(config, adapter, backbone):
+  """(optimizer, train_step, predict_step): one compiled step for every seed and learning-rate
+  trial of a run (their splits of train share the model), since only the parameters' structure
+  matters; `optimizer(args, params)` is optim.make_optimizer's (tx, schedule) for schedule_args `args`,
+  which train_step(params, opt_state, batch, seed_key, step, args) takes too."""
+  num_layers = backbone.encoder_config.num_layers
+  optimizer = lambda args, params: optim.make_optimizer(config, params, num_layers, args)
 
   def apply(params, batch, deterministic, rng=None):
     rngs = None if deterministic else {"dropout": rng}
     return adapter.model.apply({"params": params}, *(batch[k] for k in MODEL_INPUTS), deterministic=deterministic,
                                rngs=rngs)
 
-  def train_step(params, opt_state, batch, seed_key, step):
+  def train_step(params, opt_state, batch, seed_key, step, args):
     rng = jax.random.fold_in(seed_key, step)  # here, not eagerly: one host dispatch per step instead of two
+    tx, _ = optimizer(args, params)
 
     def loss(p):
       per_example = adapter.loss_fn(apply(p, batch, False, rng), batch)
@@ -181,7 +180,7 @@ def _compiled_steps(config, adapter, backbone, steps_per_seed: int, learning_rat
     return optax.apply_updates(params, updates), opt_state, value
 
   predict_step = jax.jit(lambda params, batch: apply(params, batch, True))
-  return tx, schedule, jax.jit(train_step, donate_argnums=(0, 1)), predict_step
+  return optimizer, jax.jit(train_step, donate_argnums=(0, 1)), predict_step
 
 
 def _predictor(predict_step, params, batch_size: int):
@@ -314,15 +313,18 @@ def format_table(summary) -> str:
   return "\n".join(lines)
 
 
-def _run_seed(config, adapter, backbone, seed: int, task_dir: str, epochs: int, steps, progress) -> dict:
-  tx, schedule, train_step, predict_step = steps
+def _run_seed(config, adapter, backbone, seed: int, task_dir: str, epochs: int, steps, progress,
+              learning_rate: float | None = None) -> dict:
+  optimizer, train_step, predict_step = steps
   seed_dir = os.path.join(task_dir, f"seed_{seed}")
   eval_batch_size = config.eval_batch_size or config.batch_size
   num_train = _num_examples(adapter.train_features)
   total_steps = _steps_per_seed(config, adapter.train_features, epochs)
+  args = optim.schedule_args(config, total_steps, learning_rate)
 
   seed_key = jax.random.key(seed)  # draws the head and, folded with each step, its dropout
   params = model_lib.init_params(backbone, adapter.model, seed_key, config.max_seq_len, config.reinit_layers)
+  tx, schedule = optimizer(args, params)
   opt_state = tx.init(params)
 
   # A seed whose earlier run was cut short (no metrics.json: run_finetune refuses finished
@@ -337,7 +339,7 @@ def _run_seed(config, adapter, backbone, seed: int, task_dir: str, epochs: int, 
       order = np.random.default_rng([seed, epoch]).permutation(num_train)
       losses = []
       for batch in batches(adapter.train_features, config.batch_size, order):
-        params, opt_state, loss = train_step(params, opt_state, batch, seed_key, step)
+        params, opt_state, loss = train_step(params, opt_state, batch, seed_key, step, args)
         losses.append(loss)
         step += 1
         progress(seed, epoch, step, total_steps, losses, schedule)
@@ -396,16 +398,17 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   lease.acquire()
   try:
     rates = select_rates(config)  # finished trials are read back, not trained again
-    selection = _select_learning_rate(config, adapter, backbone, task_dir, rates) if rates else None
+    steps = _compiled_steps(config, adapter, backbone)
+    selection = _select_learning_rate(config, adapter, backbone, task_dir, rates, steps) if rates else None
     steps_per_seed = _steps_per_seed(config, adapter.train_features, epochs)
     logging.info("Fine-tuning %s from %s: %d train examples, %d epochs, %d steps per seed, seeds %s.", adapter.name,
                  backbone.source, _num_examples(adapter.train_features), epochs, steps_per_seed, seeds)
     if finished:
       logging.info("Seeds %s finished in an earlier run with this config: their results are kept.", sorted(finished))
     progress = _progress_logger(config, epochs, [seed for seed in seeds if seed not in finished])
-    steps = _compiled_steps(config, adapter, backbone, steps_per_seed, selection and selection["learning_rate"])
+    rate = selection and selection["learning_rate"]
     per_seed = [finished[seed] if seed in finished else
-                _run_seed(config, adapter, backbone, seed, task_dir, epochs, steps, progress) for seed in seeds]
+                _run_seed(config, adapter, backbone, seed, task_dir, epochs, steps, progress, rate) for seed in seeds]
     summary = summarize(per_seed)
     config_json = config_lib.to_json(config)
     results = dict(
@@ -471,22 +474,21 @@ def select_rates(config) -> list[float]:
   return rates
 
 
-def _select_learning_rate(config, adapter, backbone, task_dir: str, rates: list[float]) -> dict:
+def _select_learning_rate(config, adapter, backbone, task_dir: str, rates: list[float], steps) -> dict:
   """Fine-tunes seed config.seed at each rate on the rest of train and scores it on a held-out
   share (select.fraction), or on each of select.folds shares in turn (the mean); dev is not read.
   Under <task_dir>/select/, where finished trials are kept for a re-run. Returns {"learning_rate":
   the best, "held_out_scores": {rate: score}}."""
   folds = config.select.folds
-  splits = []  # (the adapter on the rest of train, its epochs, its steps per seed) per held-out share
+  splits = []  # (the adapter on the rest of train, its epochs) per held-out share
   for fit in adapter.split(config.select.fraction, config.seed, folds):
-    epochs = resolve_epochs(config, _num_examples(fit.train_features))
-    splits.append((fit, epochs, _steps_per_seed(config, fit.train_features, epochs)))
+    splits.append((fit, resolve_epochs(config, _num_examples(fit.train_features))))
   seed, scores = config.seed, {}
   for rate in rates:
     trial = copy.deepcopy(config)
     trial.optimizer.learning_rate, trial.select.learning_rates, trial.keep_epoch = rate, "", "last"
     fold_scores = []
-    for k, (fit, epochs, steps_per_seed) in enumerate(splits):
+    for k, (fit, epochs) in enumerate(splits):
       name = f"lr_{rate:g}" if folds == 1 else f"lr_{rate:g}_fold{k + 1}of{folds}"
       directory = os.path.join(task_dir, "select", name)
       result = _finished_seeds(trial, directory, adapter.name, [seed]).get(seed)
@@ -494,7 +496,6 @@ def _select_learning_rate(config, adapter, backbone, task_dir: str, rates: list[
         num_fit = _num_examples(fit.train_features)
         logging.info("Choosing the learning rate on train: %g, on %d examples (%d held out%s).", rate, num_fit,
                      _num_examples(adapter.train_features) - num_fit, f", share {k + 1} of {folds}" * (folds > 1))
-        steps = _compiled_steps(trial, fit, backbone, steps_per_seed)
         result = _run_seed(trial, fit, backbone, seed, directory, epochs, steps,
                            _progress_logger(trial, epochs, [seed]))
       fold_scores.append(result["dev"]["held_out"]["score"])
