@@ -47,7 +47,8 @@ def _model_and_params(tie="embeddings", objective="electra"):
                           "model.attention_dropout_rate": 0.0, "objective.name": objective})
   model = models.build_model(config)
   ids = jnp.zeros((1, 8), jnp.int32)
-  params = nn.meta.unbox(model.init(jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32))["params"])
+  params = nn.meta.unbox(
+      jax.jit(model.init)(jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32))["params"])
   return model, params
 
 
@@ -57,9 +58,10 @@ def _forward(model, params, objective, batch, seed=1):
   normalizers = objectives.Normalizers.of(
       masked, batch["attention_mask"], objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective)
   )
-  loss, (stats, per_token) = objectives.electra_forward(
-      model, params, batch, masked, keys, jax.random.key(3), objective, normalizers, deterministic=True
-  )
+  # Compiled: op by op, each of the forward's few hundred ops would compile on its own.
+  loss, (stats, per_token) = jax.jit(lambda p: objectives.electra_forward(
+      model, p, batch, masked, keys, jax.random.key(3), objective, normalizers, deterministic=True
+  ))(params)
   return masked, loss, stats, per_token
 
 

@@ -19,7 +19,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from conftest import REPO, tiny_config
+from conftest import REPO
+from conftest import deep_tiny_config as tiny_config
 import electra_jax
 from electra_jax import config_lib, data, models, partitioning, train, workdir_files, workdir_lease
 from electra_jax.errors import ConfigError

@@ -16,7 +16,8 @@ import pytest
 import safetensors.numpy
 import transformers
 
-from conftest import cli, cli_args, logged_messages, tiny_config
+from conftest import cli, cli_args, logged_messages
+from conftest import deep_tiny_config as tiny_config
 from electra_jax import checkpointing, data, interop, models, partitioning, train
 from electra_jax.errors import ConfigError
 from electra_jax.interop import hf

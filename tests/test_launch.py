@@ -612,7 +612,7 @@ def test_notebook_pretrains_and_evaluates_on_cpu(tmp_path):
                         capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
   out = done.stdout
-  assert "device(s)" in out and "hidden 32, 2 layers" in out
+  assert "device(s)" in out and f"hidden 32, {TINY_OVERRIDES['model.num_layers']} layers" in out
   # The live view printed each logged step as the run wrote it.
   assert [line.split("|")[0].split() for line in out.splitlines() if line.startswith("step ")] == [
       ["step", "2"], ["step", "4"]]

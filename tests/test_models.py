@@ -16,7 +16,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from conftest import REPO, tiny_config
+from conftest import REPO
+from conftest import deep_tiny_config as tiny_config
 from electra_jax import config_lib, models, objectives, train
 from electra_jax.errors import ConfigError
 

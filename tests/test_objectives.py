@@ -353,7 +353,7 @@ def _grads(objective):
   ids, mask = jnp.asarray(ids), jnp.asarray(mask)
   objective = dataclasses.replace(objective, max_predictions=4)
   positions = jnp.zeros((1, 4), jnp.int32)
-  params = nn.meta.unbox(model.init(jax.random.key(0), ids[:1], ids[:1], mask[:1], positions)["params"])
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), ids[:1], ids[:1], mask[:1], positions)["params"])
   masked = objectives.mask_tokens(jax.random.key(1), ids, mask, objective)
   batch = {"input_ids": ids, "token_type_ids": jnp.zeros_like(ids), "attention_mask": mask}
   normalizers = objectives.Normalizers.of(masked, mask)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import deep_tiny_config as tiny_config
 from electra_jax import config_lib, models
 from electra_jax.errors import ConfigError
 
@@ -32,7 +32,7 @@ def _model_and_params(**overrides):
   config.data.pack_rows = True
   model = models.build_model(config)
   ids = jnp.zeros((1, 32), jnp.int32)
-  params = model.init(jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 4), jnp.int32))["params"]
+  params = jax.jit(model.init)(jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 4), jnp.int32))["params"]
   return model, params
 
 
@@ -62,7 +62,8 @@ def test_packed_examples_equal_the_same_examples_alone():
     alone_ids[row, :n], alone_types[row, :n], alone_mask[row, :n] = tokens, types, 1
     offset += n
 
-  apply = lambda *args, **kw: model.apply({"params": params}, *args, **kw)  # noqa: E731
+  # Compiled: run op by op, each of the forward's few hundred ops would compile on its own.
+  apply = lambda *args, method: jax.jit(lambda p, *a: model.apply({"params": p}, *a, method=method))(params, *args)
   packed_disc = apply(packed_ids, packed_types, segments, method=model.discriminator_logits)
   alone_disc = apply(alone_ids, alone_types, alone_mask, method=model.discriminator_logits)
   # The generator at two slots of each example (positions inside the row / inside the example).
@@ -121,14 +122,16 @@ def test_electric_refuses_packed_rows():
                                        "data.pack_rows": True}))
 
 
-def _loss_and_grads(remat):
+def _loss_and_grads(remat, params=None):
+  """(loss, grads) of the tiny pretrainer under `remat`, and the parameters (drawn if None)."""
   config = tiny_config(**{"model.remat": remat, "model.dropout_rate": 0.1, "model.attention_dropout_rate": 0.1})
   model = models.build_model(config)
   rng = np.random.default_rng(2)
   ids = jnp.asarray(rng.integers(5, 500, size=(2, 32)), jnp.int32)
   mask = jnp.ones_like(ids)
   positions = jnp.array([[1, 5, 9], [2, 3, 30]])
-  params = model.init(jax.random.key(0), ids, ids * 0, mask, positions)["params"]
+  if params is None:
+    params = jax.jit(model.init)(jax.random.key(0), ids, ids * 0, mask, positions)["params"]
 
   def loss(p):
     gen, disc = model.apply(
@@ -136,13 +139,13 @@ def _loss_and_grads(remat):
     )
     return (gen ** 2).mean() + (disc ** 2).mean()
 
-  return jax.jit(jax.value_and_grad(loss))(params)
+  return jax.jit(jax.value_and_grad(loss))(params), params
 
 
 def test_remat_policies_change_nothing_but_memory():
-  loss, grads = _loss_and_grads("none")
+  (loss, grads), params = _loss_and_grads("none")  # remat leaves the parameters as they are
   for policy in ("dots", "full"):
-    other_loss, other_grads = _loss_and_grads(policy)
+    (other_loss, other_grads), _ = _loss_and_grads(policy, params)
     assert jax.tree.structure(other_grads) == jax.tree.structure(grads)
     np.testing.assert_allclose(other_loss, loss, rtol=1e-6)
     for got, want in zip(jax.tree.leaves(other_grads), jax.tree.leaves(grads)):

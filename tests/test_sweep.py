@@ -123,11 +123,11 @@ def test_sweep_table_matches_each_runs_logs(swept):
         setup.model, 32, setup.objective.max_predictions, setup.objective.uses_generator
     )
     assert float(row["train_flops"]) == pytest.approx(per_token * tokens, rel=1e-12)
-  # By hand for MLM (one tower, PERFORMANCE.md's rules): 6 x (2 layers of 4H^2 + 2HI, the E->H
+  # By hand for MLM (one tower, PERFORMANCE.md's rules): 6 x (L layers of 4H^2 + 2HI, the E->H
   # projection, the H^2 + H head, the vocabulary head on 4 of 32 positions) + 12 L s H.
-  h, i, e, v = 32, 64, 16, 512
-  params = 2 * (4 * h * h + 2 * h * i) + e * h + h * h + h + (h * e + e * v) * 4 / 32
-  assert float(rows[1]["train_flops"]) == 6 * params * tokens + 12 * 2 * 32 * h * tokens
+  h, i, e, v, layers = 32, 64, 16, 512, base_config().model.num_layers
+  params = layers * (4 * h * h + 2 * h * i) + e * h + h * h + h + (h * e + e * v) * 4 / 32
+  assert float(rows[1]["train_flops"]) == 6 * params * tokens + 12 * layers * 32 * h * tokens
   assert float(rows[0]["train_flops"]) > float(rows[1]["train_flops"])  # plus the generator
 
   # Downstream: the mean over the two seeds of each seed's own dev score.
