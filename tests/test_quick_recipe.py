@@ -21,7 +21,7 @@ def test_the_quick_recipe_trains_to_its_time_budget(tmp_path, objective):
   and temperature schedule train, train.steps is what the budget gave (recorded in config.json),
   and the schedule ends at that step. `objective.name=mlm` is the same recipe's baseline."""
   workdir = tmp_path / objective
-  shrink = {"model.hidden_size": 32, "model.num_heads": 2, "model.intermediate_size": 64, "model.embedding_size": 16,
+  shrink = {"model.hidden_size": 32, "model.num_layers": 1, "model.num_heads": 2, "model.intermediate_size": 64, "model.embedding_size": 16,
             "model.vocab_size": 512, "model.max_position_embeddings": 64, "data.max_seq_len": 32,
             "data.spm_vocab_size": 500, "data.max_documents": 120, "train.batch_size": 8,
             "train.time_budget": "4s", "train.log_every": 1, "eval.every_steps": 0, "objective.name": objective}
