@@ -71,7 +71,7 @@ def main(argv):
     total = trainer._steps_per_seed(config, adapter.train_features, epochs)
     steps = trainer._compiled_steps(config, adapter, backbone)
     quiet = lambda *args: None
-    optimizer, train_step, _ = steps
+    train_step, _ = steps
     args = optim.schedule_args(config, total)
     feed = list(trainer.batches(adapter.train_features, config.batch_size))
     key = jax.random.key(0)
@@ -91,7 +91,8 @@ def main(argv):
       seconds = []
       for round_ in range(-1, _ROUNDS.value):  # round -1 compiles
         params = model_lib.init_params(backbone, adapter.model, key, config.max_seq_len)
-        state = jax.block_until_ready((params, optimizer(args, params)[0].init(params)))
+        tx, _ = optim.make_optimizer(config, params, backbone.encoder_config.num_layers, args)
+        state = jax.block_until_ready((params, tx.init(params)))
         start = time.perf_counter()
         jax.block_until_ready(work(round_, *state))
         seconds.append(time.perf_counter() - start)

@@ -162,7 +162,7 @@ def cli(args, cwd=REPO) -> subprocess.CompletedProcess:
   flags.FLAGS["config"].parser = main._RecipeParser("config")
   stdout, stderr = io.StringIO(), io.StringIO()
   handler = absl_logging.get_absl_handler().python_handler
-  saved = sys.argv, handler.stream, os.getcwd()
+  saved = sys.argv, handler.stream, os.getcwd()  # put back after the run
   sys.argv, handler.stream = argv, stderr  # ml_collections reads the overrides from sys.argv
   os.chdir(cwd)
   try:
@@ -179,8 +179,8 @@ def cli(args, cwd=REPO) -> subprocess.CompletedProcess:
         traceback.print_exc()
         code = 1
   finally:
-    sys.argv, handler.stream, cwd = saved
-    os.chdir(cwd)
+    sys.argv, handler.stream, previous_cwd = saved
+    os.chdir(previous_cwd)
   return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
 
 

@@ -155,12 +155,10 @@ def batches(features: dict[str, np.ndarray], batch_size: int, order: np.ndarray 
 
 
 def _compiled_steps(config, adapter, backbone):
-  """(optimizer, train_step, predict_step): one compiled step for every seed and learning-rate
-  trial of a run (their splits of train share the model), since only the parameters' structure
-  matters; `optimizer(args, params)` is optim.make_optimizer's (tx, schedule) for schedule_args `args`,
-  which train_step(params, opt_state, batch, seed_key, step, args) takes too."""
+  """(train_step, predict_step): one compiled step for every seed and learning-rate trial of a run
+  (their splits of train share the model), since only the parameters' structure matters;
+  train_step(params, opt_state, batch, seed_key, step, args) takes optim.schedule_args `args`."""
   num_layers = backbone.encoder_config.num_layers
-  optimizer = lambda args, params: optim.make_optimizer(config, params, num_layers, args)
 
   def apply(params, batch, deterministic, rng=None):
     rngs = None if deterministic else {"dropout": rng}
@@ -169,7 +167,7 @@ def _compiled_steps(config, adapter, backbone):
 
   def train_step(params, opt_state, batch, seed_key, step, args):
     rng = jax.random.fold_in(seed_key, step)  # here, not eagerly: one host dispatch per step instead of two
-    tx, _ = optimizer(args, params)
+    tx, _ = optim.make_optimizer(config, params, num_layers, args)
 
     def loss(p):
       per_example = adapter.loss_fn(apply(p, batch, False, rng), batch)
@@ -180,7 +178,7 @@ def _compiled_steps(config, adapter, backbone):
     return optax.apply_updates(params, updates), opt_state, value
 
   predict_step = jax.jit(lambda params, batch: apply(params, batch, True))
-  return optimizer, jax.jit(train_step, donate_argnums=(0, 1)), predict_step
+  return jax.jit(train_step, donate_argnums=(0, 1)), predict_step
 
 
 def _predictor(predict_step, params, batch_size: int):
@@ -315,7 +313,7 @@ def format_table(summary) -> str:
 
 def _run_seed(config, adapter, backbone, seed: int, task_dir: str, epochs: int, steps, progress,
               learning_rate: float | None = None) -> dict:
-  optimizer, train_step, predict_step = steps
+  train_step, predict_step = steps
   seed_dir = os.path.join(task_dir, f"seed_{seed}")
   eval_batch_size = config.eval_batch_size or config.batch_size
   num_train = _num_examples(adapter.train_features)
@@ -324,7 +322,7 @@ def _run_seed(config, adapter, backbone, seed: int, task_dir: str, epochs: int, 
 
   seed_key = jax.random.key(seed)  # draws the head and, folded with each step, its dropout
   params = model_lib.init_params(backbone, adapter.model, seed_key, config.max_seq_len, config.reinit_layers)
-  tx, schedule = optimizer(args, params)
+  tx, schedule = optim.make_optimizer(config, params, backbone.encoder_config.num_layers, args)
   opt_state = tx.init(params)
 
   # A seed whose earlier run was cut short (no metrics.json: run_finetune refuses finished
