@@ -68,39 +68,35 @@ def read_config(data_config) -> dict:
     value = str(data_config.get(key, "") or "")
     config[key] = os.path.abspath(os.path.expanduser(value)) if value else ""
   tokenizer, vocab_file, spm_model_file = config["tokenizer"], config["vocab_file"], config["spm_model_file"]
-  if tokenizer not in SUPPORTED_TOKENIZERS:
-    raise ConfigError(f"Unknown data.tokenizer {tokenizer!r}; use one of {list(SUPPORTED_TOKENIZERS)} "
-                      f"(wordpiece reads a BERT vocab.txt given by data.vocab_file).")
-  if tokenizer == "wordpiece" and not vocab_file:
-    raise ConfigError("data.tokenizer='wordpiece' needs data.vocab_file, the path of a BERT vocab.txt (one token "
-                      "per line), e.g. --config.data.vocab_file=uncased_L-12_H-768_A-12/vocab.txt.")
-  if tokenizer == "wordpiece" and not os.path.isfile(vocab_file):
-    raise ConfigError(f"data.vocab_file={vocab_file!r} is not a file; give the path of a BERT vocab.txt.")
-  strip_accents = data_config.get("strip_accents", None)
-  if strip_accents is not None and not isinstance(strip_accents, bool):
-    raise ConfigError(f"data.strip_accents must be None (follow data.lowercase, as BERT does), True or False, "
-                      f"got {strip_accents!r}.")
-  if spm_model_file and tokenizer != "sentencepiece":
-    raise ConfigError(f"data.spm_model_file={spm_model_file!r} is set but data.tokenizer={tokenizer!r}; set "
-                      f"data.tokenizer='sentencepiece' to use that model, or clear data.spm_model_file.")
-  if spm_model_file and not os.path.isfile(spm_model_file):
-    raise ConfigError(f"data.spm_model_file={spm_model_file!r} is not a file; give a model written by "
-                      f"--mode=train_tokenizer (or clear it to train one in the cache).")
-  if source == "prepared" and not config["prepared_dir"]:
-    raise ConfigError("data.source='prepared' needs data.prepared_dir, the directory --mode=prepare_data wrote.")
-  if config["shard_documents"] < 1:
-    raise ConfigError(f"data.shard_documents must be >= 1, got {config['shard_documents']}.")
-  if source in ("jsonl", "hf_datasets") and not config["text_field"]:
-    raise ConfigError("data.text_field is empty; name the JSON field holding each document's text.")
-  if config["max_documents"] < 0:
-    raise ConfigError(f"data.max_documents must be >= 0 (0 means all), got {config['max_documents']}.")
-  if not 0.0 <= config["eval_fraction"] < 1.0:
-    raise ConfigError(f"data.eval_fraction must be in [0, 1) (e.g. 0.02 holds out 2% of documents), "
-                      f"got {config['eval_fraction']}.")
-  pack_rows = data_config.get("pack_rows", False)
-  if not isinstance(pack_rows, (bool, np.bool_)):
-    raise ConfigError(f"data.pack_rows must be True (several whole examples per row) or False (one per row), "
-                      f"got {pack_rows!r}.")
+  strip_accents, pack_rows = data_config.get("strip_accents", None), data_config.get("pack_rows", False)
+  problems = (  # (whether it is wrong, what to say), the first wrong one is raised
+      (tokenizer not in SUPPORTED_TOKENIZERS, f"Unknown data.tokenizer {tokenizer!r}; use one of "
+       f"{list(SUPPORTED_TOKENIZERS)} (wordpiece reads a BERT vocab.txt given by data.vocab_file)."),
+      (tokenizer == "wordpiece" and not vocab_file, "data.tokenizer='wordpiece' needs data.vocab_file, the path of a "
+       "BERT vocab.txt (one token per line), e.g. --config.data.vocab_file=uncased_L-12_H-768_A-12/vocab.txt."),
+      (tokenizer == "wordpiece" and not os.path.isfile(vocab_file),
+       f"data.vocab_file={vocab_file!r} is not a file; give the path of a BERT vocab.txt."),
+      (strip_accents is not None and not isinstance(strip_accents, bool), "data.strip_accents must be None (follow "
+       f"data.lowercase, as BERT does), True or False, got {strip_accents!r}."),
+      (spm_model_file and tokenizer != "sentencepiece", f"data.spm_model_file={spm_model_file!r} is set but "
+       f"data.tokenizer={tokenizer!r}; set data.tokenizer='sentencepiece' to use that model, or clear "
+       "data.spm_model_file."),
+      (spm_model_file and not os.path.isfile(spm_model_file), f"data.spm_model_file={spm_model_file!r} is not a "
+       "file; give a model written by --mode=train_tokenizer (or clear it to train one in the cache)."),
+      (source == "prepared" and not config["prepared_dir"],
+       "data.source='prepared' needs data.prepared_dir, the directory --mode=prepare_data wrote."),
+      (config["shard_documents"] < 1, f"data.shard_documents must be >= 1, got {config['shard_documents']}."),
+      (source in ("jsonl", "hf_datasets") and not config["text_field"],
+       "data.text_field is empty; name the JSON field holding each document's text."),
+      (config["max_documents"] < 0, f"data.max_documents must be >= 0 (0 means all), got {config['max_documents']}."),
+      (not 0.0 <= config["eval_fraction"] < 1.0, "data.eval_fraction must be in [0, 1) (e.g. 0.02 holds out 2% of "
+       f"documents), got {config['eval_fraction']}."),
+      (not isinstance(pack_rows, (bool, np.bool_)), "data.pack_rows must be True (several whole examples per row) "
+       f"or False (one per row), got {pack_rows!r}."),
+  )
+  for wrong, message in problems:
+    if wrong:
+      raise ConfigError(message)
   cache_dir = os.path.expanduser(str(data_config.get("cache_dir", ""))) or os.environ.get(_CACHE_ENV_VAR) or (
       os.path.join(os.path.expanduser("~"), ".cache", "electra_jax"))
   config.update(source=source, strip_accents=strip_accents, pack_rows=bool(pack_rows), cache_dir=cache_dir,
@@ -154,15 +150,20 @@ def iter_source_documents(config, stats: sources.SourceStats):
 
 
 def no_documents_error(config, stats: sources.SourceStats) -> ConfigError:
-  if config["source"] in sources.FILE_SOURCES:
-    return sources.no_usable_text_error(config["source"], config["files"], config["text_field"], stats)
-  if config["source"] == "tfds":
-    return ConfigError(f"TFDS dataset {config['tfds_name']!r} split {config['tfds_split']!r} gave no usable text in "
-                       f"field {config['tfds_text_field']!r} ({stats.counts()}); check data.tfds_text_field.")
-  if config["source"] == "hf_datasets":
-    return ConfigError(f"The dataset {config['hf_path']!r} split {config['hf_split']!r} gave no usable text in column "
-                       f"{config['text_field']!r} ({stats.counts()}); check data.text_field.")
-  return ConfigError(f"The built-in corpus gave no documents (max_documents={config['max_documents']}).")
+  source = config["source"]
+  if source in sources.FILE_SOURCES:
+    return sources.no_usable_text_error(source, config["files"], config["text_field"], stats)
+  if source == "builtin":
+    return ConfigError(f"The built-in corpus gave no documents (max_documents={config['max_documents']}).")
+  what, field = ((f"TFDS dataset {config['tfds_name']!r} split {config['tfds_split']!r}", "tfds_text_field")
+                 if source == "tfds" else (f"The dataset {config['hf_path']!r} split {config['hf_split']!r}", "text_field"))
+  return ConfigError(f"{what} gave no usable text in field {config[field]!r} ({stats.counts()}); check data.{field}.")
+
+
+def _require_documents(config, mode: str) -> None:
+  if config["source"] not in DOCUMENT_SOURCES:
+    raise ConfigError(f"{mode} reads documents; data.source={config['source']!r} has none. Set data.source to the "
+                      f"corpus, one of {list(DOCUMENT_SOURCES)}.")
 
 
 def _default_workers() -> int:
@@ -176,9 +177,7 @@ def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) 
   """Train a sentencepiece model on the train documents of data.source into `out_path` (for
   data.spm_model_file); returns what was trained."""
   config = read_config(data_config)
-  if config["source"] not in DOCUMENT_SOURCES:
-    raise ConfigError(f"train_tokenizer reads documents; data.source={config['source']!r} has none. Use one of "
-                      f"{list(DOCUMENT_SOURCES)}.")
+  _require_documents(config, "train_tokenizer")
   if not out_path:
     raise ConfigError("train_tokenizer needs an output path (--out=PATH/spm.model).")
   out_path = os.path.abspath(os.path.expanduser(out_path))
@@ -384,9 +383,7 @@ def _accepted_tokenizer(config, out_dir: str, existing: dict | None, source_key:
 
 
 def prepare_config(config: dict, num_workers: int | None = None) -> dict:
-  if config["source"] not in DOCUMENT_SOURCES:
-    raise ConfigError(f"prepare_data reads documents from data.source, one of {list(DOCUMENT_SOURCES)}, got "
-                      f"{config['source']!r}; set data.source to the corpus the shards are made from.")
+  _require_documents(config, "prepare_data")
   out_dir = config["prepared_dir"]
   if not out_dir:
     raise ConfigError("prepare_data needs data.prepared_dir, the directory the shards go to, e.g. "
@@ -421,12 +418,12 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
   else:
     spec["model_file"] = SPM_MODEL if os.path.dirname(tokenizer.model_path) == out_dir else tokenizer.model_path
   done: dict[int, dict] = {}
-  for entry in existing.get("shards", []) if existing is not None else ():
+  for entry in existing["shards"] if existing is not None else ():
     if shards.shard_is_intact(out_dir, entry):
       done[entry["index"]] = entry
     else:
       logging.warning("shard %d in %s is missing or damaged; packing it again", entry["index"], out_dir)
-  if existing is not None and existing.get("complete") and len(done) == len(existing["shards"]):
+  if existing is not None and existing["complete"] and len(done) == len(existing["shards"]):
     logging.info("%s is already prepared (%d shards verified); nothing to do", out_dir, len(done))
     return existing
 
@@ -443,33 +440,29 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
 
   def save_manifest() -> None:
     manifest["shards"] = sorted(done.values(), key=lambda e: e["index"])
-    shards.write_manifest(out_dir, manifest)
+    workdir_files.write_json(os.path.join(out_dir, shards.MANIFEST), manifest)
 
   save_manifest()
   start = time.time()
   stats, documents_fingerprint = _pack_missing(config, tokenizer, settings["dtype"], num_workers, done, save_manifest)
-
   stats.num_documents = sum(entry["num_documents"] for entry in done.values())
   if config["source"] != "builtin":
     sources.log_stats(config["source"], stats)
   if not done:
     raise no_documents_error(config, stats)
-  expected = list(range(len(done)))
-  if sorted(done) != expected:
-    raise RuntimeError(f"prepare_data: shards {sorted(set(expected) - set(done))} are missing; run it again.")
+  if sorted(done) != list(range(len(done))):
+    raise RuntimeError(f"prepare_data: shards {sorted(set(range(len(done))) - set(done))} are missing; run it again.")
   entries = manifest["shards"]
-  totals = {"documents": sum(e["num_documents"] for e in entries),
-            "skipped_documents": sum(e.get("skipped_documents", 0) for e in entries)}
+  totals = {"documents": stats.num_documents, "skipped_documents": sum(e["skipped_documents"] for e in entries)}
   for split in SPLITS:
     for total, key in (("documents", "documents"), ("examples", "rows"), ("tokens", "tokens")):
       totals[f"{split}_{total}"] = sum(e["splits"][split][key] for e in entries)
   if totals["skipped_documents"]:
-    first_skip = next(e["first_skip"] for e in entries if e.get("first_skip"))
-    logging.warning("skipped %d documents the tokenizer failed on; the first: %s",
-                    totals["skipped_documents"], first_skip)
+    logging.warning("skipped %d documents the tokenizer failed on; the first: %s", totals["skipped_documents"],
+                    next(e["first_skip"] for e in entries if e.get("first_skip")))
   manifest.update(complete=True, totals=totals, source_stats=stats.counts(),
                   documents_fingerprint=documents_fingerprint)
-  shards.write_manifest(out_dir, manifest)
+  save_manifest()
   logging.info(
       "prepared %s: %d shards, %d train / %d eval examples, %d train tokens, in %s",
       out_dir, len(entries), totals["train_examples"], totals["eval_examples"], totals["train_tokens"],

@@ -65,10 +65,6 @@ def read_manifest(out_dir: str) -> dict | None:
   return workdir_files.read_json(path, dict) if os.path.exists(path) else None
 
 
-def write_manifest(out_dir: str, manifest: dict) -> None:
-  workdir_files.write_json(os.path.join(out_dir, MANIFEST), manifest)
-
-
 def open_manifest(directory: str) -> dict:
   """The manifest of a finished preparation, or a ConfigError saying what to run."""
   manifest = read_manifest(directory)
@@ -76,11 +72,11 @@ def open_manifest(directory: str) -> dict:
     raise ConfigError(f"data.prepared_dir={directory!r} has no {MANIFEST}; create it with "
                       "`python -m electra_jax.main --mode=prepare_data --config=...` (same data config, with "
                       "data.source set to the corpus), then train with data.source='prepared'.")
-  if manifest.get("format_version") != PREPARED_FORMAT_VERSION:
-    raise ConfigError(f"{directory} was prepared in format {manifest.get('format_version')}, this version reads "
+  if manifest["format_version"] != PREPARED_FORMAT_VERSION:
+    raise ConfigError(f"{directory} was prepared in format {manifest['format_version']}, this version reads "
                       f"format {PREPARED_FORMAT_VERSION}; prepare the corpus again into a new data.prepared_dir.")
-  if not manifest.get("complete"):
-    raise ConfigError(f"The preparation of {directory} did not finish ({len(manifest.get('shards', []))} shards "
+  if not manifest["complete"]:
+    raise ConfigError(f"The preparation of {directory} did not finish ({len(manifest['shards'])} shards "
                       "so far); run --mode=prepare_data again with the same config: it resumes.")
   return manifest
 
@@ -107,26 +103,21 @@ def shard_is_intact(out_dir: str, entry: dict, checksums: bool = True) -> bool:
   return True
 
 
-def _load_lengths(directory: str, split_entry: dict, shard: np.ndarray, pad_id: int) -> np.ndarray:
-  """int32 [rows]: the shard's lengths file, or a scan of its rows where it has none."""
-  max_seq_len = shard.shape[2]
-  if "lengths_file" not in split_entry:
-    return example_lengths(shard[:, 0], pad_id)
-  path = os.path.join(directory, split_entry["lengths_file"])
+def _unreadable(path: str, error: Exception) -> ConfigError:
+  return ConfigError(f"Cannot read shard {path} ({error}); {REDO}.")
+
+
+def _load(path: str, mmap_mode=None) -> np.ndarray:
   try:
-    lengths = np.load(path, allow_pickle=False)
+    return np.load(path, mmap_mode=mmap_mode, allow_pickle=False)
   except (OSError, ValueError) as e:
-    raise ConfigError(f"Cannot read {path} ({e}); {REDO}.") from e
-  if lengths.shape != (split_entry["rows"],) or lengths.dtype.kind not in "iu" or (
-      lengths.size and not 1 <= lengths.min() <= lengths.max() <= max_seq_len
-  ):
-    raise ConfigError(f"{path} does not hold {split_entry['rows']} example lengths in [1, {max_seq_len}]; {REDO}.")
-  return lengths.astype(np.int32)
+    raise _unreadable(path, e) from e
 
 
 def load_split(directory: str, manifest: dict, split: str, pad_id: int, with_lengths: bool):
   """The non-empty shards of `split`, memory-mapped after the cheap checks (shape, dtype, size):
-  (arrays, their manifest entries, the examples' lengths or None)."""
+  (arrays, their manifest entries, the examples' int32 lengths or None). Shards prepared before
+  lengths files existed have their rows scanned instead."""
   max_seq_len = manifest["max_seq_len"]
   shards, entries, lengths = [], [], []
   for entry in manifest["shards"]:
@@ -134,10 +125,7 @@ def load_split(directory: str, manifest: dict, split: str, pad_id: int, with_len
     if not split_entry["rows"]:
       continue
     path = os.path.join(directory, split_entry["file"])
-    try:
-      array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError) as e:
-      raise ConfigError(f"Cannot read shard {path} ({e}); {REDO}.") from e
+    array = _load(path, mmap_mode="r")
     if array.shape != (split_entry["rows"], 2, max_seq_len) or array.dtype != np.dtype(manifest["dtype"]):
       raise ConfigError(f"Shard {path} has shape {array.shape} and dtype {array.dtype}; the manifest says "
                         f"({split_entry['rows']}, 2, {max_seq_len}) {manifest['dtype']}; {REDO}.")
@@ -146,8 +134,17 @@ def load_split(directory: str, manifest: dict, split: str, pad_id: int, with_len
                         f"{REDO}.")
     shards.append(array)
     entries.append(split_entry)
-    if with_lengths:
-      lengths.append(_load_lengths(directory, split_entry, array, pad_id))
+    if not with_lengths:
+      continue
+    if "lengths_file" not in split_entry:
+      lengths.append(example_lengths(array[:, 0], pad_id))
+      continue
+    path = os.path.join(directory, split_entry["lengths_file"])
+    shard_lengths = _load(path)
+    if shard_lengths.shape != (split_entry["rows"],) or shard_lengths.dtype.kind not in "iu" or (
+        shard_lengths.size and not 1 <= shard_lengths.min() <= shard_lengths.max() <= max_seq_len):
+      raise ConfigError(f"{path} does not hold {split_entry['rows']} example lengths in [1, {max_seq_len}]; {REDO}.")
+    lengths.append(shard_lengths.astype(np.int32))
   return shards, entries, np.concatenate(lengths) if with_lengths and shards else None
 
 
@@ -198,37 +195,37 @@ class ShardedRows:
     return array if dtype is None else array.astype(dtype)
 
 
-class ShardVerification:
+class ShardVerification(threading.Thread):
   """Checks a split's shard files (sha256, every id below the vocabulary size) on a background thread, so a
   run starts at once; raise_if_failed raises the first failure."""
 
   def __init__(self, directory: str, entries: list[dict], vocab_size: int, split: str):
-    self._error: ConfigError | None = None
-    self._thread = threading.Thread(
-        target=self._run, args=(directory, entries, vocab_size, split), name="electra-verify-shards", daemon=True
-    )
-    self._thread.start()
+    super().__init__(name="electra-verify-shards", daemon=True)
+    self.error: ConfigError | None = None
+    self._directory, self._entries, self._vocab_size, self._split = directory, entries, vocab_size, split
+    self.start()
 
-  def _run(self, directory: str, entries: list[dict], vocab_size: int, split: str) -> None:
-    for entry in entries:
-      path = os.path.join(directory, entry["file"])
+  def run(self) -> None:
+    for entry in self._entries:
+      path = os.path.join(self._directory, entry["file"])
       try:
         if sha256_file(path) != entry["sha256"]:
           problem = f"is not the file prepare_data wrote (its sha256 differs from {MANIFEST}'s)"
+        elif (largest := int(np.max(_load(path, mmap_mode="r")[:, 0]))) >= self._vocab_size:
+          problem = f"holds token id {largest}, outside the tokenizer's {self._vocab_size} ids"
         else:
-          largest = int(np.max(np.load(path, mmap_mode="r", allow_pickle=False)[:, 0]))
-          if largest < vocab_size:
-            continue
-          problem = f"holds token id {largest}, outside the tokenizer's {vocab_size} ids"
-        self._error = ConfigError(f"Shard {path} {problem}; {REDO}.")
-      except (OSError, ValueError) as error:
-        self._error = ConfigError(f"Cannot read shard {path} ({error}); {REDO}.")
+          continue
+        self.error = ConfigError(f"Shard {path} {problem}; {REDO}.")
+      except OSError as error:
+        self.error = _unreadable(path, error)
+      except ConfigError as error:
+        self.error = error
       return
-    logging.info("verified the %d %s shards of %s against %s", len(entries), split, directory, MANIFEST)
+    logging.info("verified the %d %s shards of %s against %s", len(self._entries), self._split, self._directory,
+                 MANIFEST)
 
-  def wait(self) -> None:
-    self._thread.join()
+  wait = threading.Thread.join
 
   def raise_if_failed(self) -> None:
-    if self._error is not None:
-      raise self._error
+    if self.error is not None:
+      raise self.error
