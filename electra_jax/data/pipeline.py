@@ -248,7 +248,7 @@ def load_prepared(config, split: str) -> PretrainingData:
   if split == "train":  # once per run
     ignored = [f"data.{key}={config[key]!r} (the shards' {manifest['settings'][key]!r})"
                for key in ("eval_fraction", "max_documents", "shard_documents")
-               if key in manifest.get("settings", {}) and config[key] != manifest["settings"][key]]
+               if config[key] != manifest["settings"][key]]
     if ignored:
       logging.warning("data.source=prepared: the shards in %s decide these, so the config's values "
                       "are not used: %s.", directory, "; ".join(ignored))
@@ -267,17 +267,12 @@ def load_prepared(config, split: str) -> PretrainingData:
       f"format:{PACKING_FORMAT_VERSION}|{'spm' if config['tokenizer'] == 'sentencepiece' else 'wp'}:"
       f"{tokenizer.fingerprint}|max_seq_len:{config['max_seq_len']}|{split}_documents:"
       f"{manifest['documents_fingerprint'][split]}"
+      + (f"|pack_rows:{ROW_PACKING_VERSION}" if config["pack_rows"] else "")
   )
-  if config["pack_rows"]:
-    fingerprint += f"|pack_rows:{ROW_PACKING_VERSION}"
-  max_seq_len = manifest["max_seq_len"]
+  max_seq_len = config["max_seq_len"]
   data = PretrainingData(
-      tokenizer=tokenizer,
-      input_ids=ShardedRows(arrays, 0, max_seq_len),
-      token_type_ids=ShardedRows(arrays, 1, max_seq_len),
-      fingerprint=fingerprint,
-      token_count=int(manifest["totals"][f"{split}_tokens"]),
-      lengths=lengths,
+      tokenizer, ShardedRows(arrays, 0, max_seq_len), ShardedRows(arrays, 1, max_seq_len), fingerprint,
+      token_count=int(manifest["totals"][f"{split}_tokens"]), lengths=lengths,
       verification=ShardVerification(directory, entries, tokenizer.vocab_size, split),
   )
   logging.info(

@@ -156,7 +156,8 @@ def no_documents_error(config, stats: sources.SourceStats) -> ConfigError:
   if source == "builtin":
     return ConfigError(f"The built-in corpus gave no documents (max_documents={config['max_documents']}).")
   what, field = ((f"TFDS dataset {config['tfds_name']!r} split {config['tfds_split']!r}", "tfds_text_field")
-                 if source == "tfds" else (f"The dataset {config['hf_path']!r} split {config['hf_split']!r}", "text_field"))
+                 if source == "tfds" else
+                 (f"The dataset {config['hf_path']!r} split {config['hf_split']!r}", "text_field"))
   return ConfigError(f"{what} gave no usable text in field {config[field]!r} ({stats.counts()}); check data.{field}.")
 
 
@@ -332,8 +333,10 @@ def config_key(settings: dict) -> str:
   return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _refuse_another_config(out_dir: str, existing: dict, settings: dict, hint: str = "") -> None:
-  """Raises unless the manifest `existing` of out_dir was written with `settings`."""
+def _refuse_another_config(out_dir: str, existing: dict | None, settings: dict, hint: str = "") -> None:
+  """Raises unless out_dir is new or its manifest `existing` was written with `settings`."""
+  if existing is None:
+    return
   old = existing["settings"]
   keys = list(settings) + [k for k in old if k not in settings]
   if "tokenizer_fingerprint" not in settings:
@@ -362,8 +365,7 @@ def _accepted_tokenizer(config, out_dir: str, existing: dict | None, source_key:
                       f"data.spm_vocab_size={config['spm_vocab_size']}. Nothing was changed; choose another "
                       "data.prepared_dir, or delete that directory to prepare it again.")
   settings = _settings(config, source_key, tokenizer)
-  if existing is not None:
-    _refuse_another_config(out_dir, existing, settings)
+  _refuse_another_config(out_dir, existing, settings)
   if tokenizer is not None:
     return tokenizer, settings
   with tempfile.TemporaryDirectory(prefix="electra_jax_spm-") as scratch:
@@ -371,12 +373,8 @@ def _accepted_tokenizer(config, out_dir: str, existing: dict | None, source_key:
     # leaves no model there that training would later pick up.
     trained = train_corpus_tokenizer(config, os.path.join(scratch, SPM_MODEL))
     settings = _settings(config, source_key, trained)
-    if existing is not None:
-      _refuse_another_config(
-          out_dir, existing, settings,
-          hint=f" ({model_path}, which the shards were made with, is missing, and training it again gave "
-          f"another model; put that file back to resume)",
-      )
+    _refuse_another_config(out_dir, existing, settings, hint=f" ({model_path}, which the shards were made with, is "
+                           "missing, and training it again gave another model; put that file back to resume)")
     with open(trained.model_path, "rb") as f:
       workdir_files.write_bytes(model_path, f.read())
   return SentencePieceTokenizer(model_path), settings

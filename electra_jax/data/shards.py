@@ -176,19 +176,13 @@ class ShardedRows:
     return out
 
   def __getitem__(self, index):
-    rest = ()
-    if isinstance(index, tuple):
-      index, rest = index[0], index[1:]
+    index, columns = index if isinstance(index, tuple) else (index, slice(None))
     if isinstance(index, slice):
       rows = np.arange(*index.indices(self.shape[0]), dtype=np.int64)
     else:
       rows = np.asarray(index, dtype=np.int64)
       rows = np.where(rows < 0, rows + self.shape[0], rows)
-    result = self._gather(rows.reshape(-1)).reshape(rows.shape + (self.shape[1],))
-    if not rest:
-      return result
-    # Column indices apply to the gathered rows (an int row index leaves a 1-D row).
-    return result[rest] if isinstance(index, (int, np.integer)) else result[(slice(None),) + rest]
+    return self._gather(rows.reshape(-1)).reshape(rows.shape + (self.shape[1],))[..., columns]
 
   def __array__(self, dtype=None, copy=None):
     array = self[:]

@@ -44,6 +44,12 @@ class SourceStats:
             "replaced_lines": self.replaced_lines, "skipped_lines": self.skipped_lines,
             "long_sentences": self.long_sentences, "documents": self.num_documents}
 
+  def skip(self, count: str, place: str) -> None:
+    """One more of `count` (replaced_lines, skipped_lines, long_sentences), the first's place kept."""
+    setattr(self, count, getattr(self, count) + 1)
+    first = "first_" + count.removesuffix("s")
+    setattr(self, first, getattr(self, first) or place)
+
 
 # A longer "sentence" (line) is almost always junk (minified code, base64, a table on one line): it is
 # skipped and counted, so it can neither stall a tokenizer worker nor hide in a shard.
@@ -57,9 +63,7 @@ def decode_utf8(raw: bytes, where, stats: SourceStats) -> str:
   try:
     return raw.decode("utf-8")
   except UnicodeDecodeError:
-    stats.replaced_lines += 1
-    if not stats.first_replaced_line:
-      stats.first_replaced_line = where()
+    stats.skip("replaced_lines", where())
     return raw.decode("utf-8", errors="replace")
 
 
@@ -67,9 +71,7 @@ def keep_sentence(sentence: str, where, stats: SourceStats) -> bool:
   """False (and counted) for a sentence too long to be text."""
   if len(sentence) <= MAX_SENTENCE_CHARS:
     return True
-  stats.long_sentences += 1
-  if not stats.first_long_sentence:
-    stats.first_long_sentence = f"{where()}: {len(sentence)} characters"
+  stats.skip("long_sentences", f"{where()}: {len(sentence)} characters")
   return False
 
 
@@ -158,7 +160,7 @@ def _text_file_documents(path: str, stats: SourceStats):
   for number, line in _iter_lines(path, stats):
     line = line.strip()
     if line:
-      if len(line) <= MAX_SENTENCE_CHARS or keep_sentence(line, lambda: f"{path}:{number}", stats):
+      if keep_sentence(line, lambda: f"{path}:{number}", stats):
         document.append(line)
     elif document:
       yield document
@@ -184,9 +186,7 @@ def _jsonl_file_documents(path: str, text_field: str, stats: SourceStats):
       elif not isinstance(record[text_field], str):
         why = f"{text_field!r} is not a string"
     if why:
-      stats.skipped_lines += 1
-      if not stats.first_skipped_line:
-        stats.first_skipped_line = f"{path}:{number}: {why}"
+      stats.skip("skipped_lines", f"{path}:{number}: {why}")
       continue
     document = split_text(record[text_field], lambda: f"{path}:{number}", stats)
     if document:
@@ -198,7 +198,7 @@ def split_text(text: str, where, stats: SourceStats) -> list[str]:
   return [
       sentence
       for sentence in (line.strip() for line in text.splitlines())
-      if sentence and (len(sentence) <= MAX_SENTENCE_CHARS or keep_sentence(sentence, where, stats))
+      if sentence and keep_sentence(sentence, where, stats)
   ]
 
 
@@ -213,9 +213,7 @@ def record_documents(name: str, num_records: int, read_texts, text_field: str, s
       if isinstance(text, bytes):
         text = decode_utf8(text, where, stats)
       elif not isinstance(text, str):
-        stats.skipped_lines += 1
-        if not stats.first_skipped_line:
-          stats.first_skipped_line = f"{where()}: {text_field!r} is not text"
+        stats.skip("skipped_lines", f"{where()}: {text_field!r} is not text")
         continue
       document = split_text(text, where, stats)
       if document:
