@@ -169,19 +169,18 @@ def get_batch(data: PretrainingData, step: int, global_batch_size: int, seed: in
   batch `step` is stream positions [stream_offset + step * B, stream_offset + (step + 1) * B), and process
   p takes the p-th contiguous slice of it (stream_offset: where a checkpoint saw the batch size change).
   """
-  if data.num_rows == 0:
-    raise ConfigError("get_batch: the dataset has no examples; check the data config.")
-  if global_batch_size <= 0:
-    raise ConfigError(f"global_batch_size must be positive, got {global_batch_size}.")
-  if process_count <= 0 or not 0 <= process_index < process_count:
-    raise ConfigError(f"process_index must be in [0, process_count), got process_index={process_index}, "
-                      f"process_count={process_count}.")
-  if global_batch_size % process_count:
-    raise ConfigError(f"global_batch_size {global_batch_size} is not divisible by process_count {process_count}; "
-                      "choose a batch size that is a multiple of the process count.")
-  if step < 0 or stream_offset + step * global_batch_size < 0:
-    raise ConfigError(f"step must be >= 0 and start a batch at a stream position >= 0, got step {step} "
-                      f"with stream_offset {stream_offset}.")
+  for wrong, message in (
+      (data.num_rows == 0, "get_batch: the dataset has no examples; check the data config."),
+      (global_batch_size <= 0, f"global_batch_size must be positive, got {global_batch_size}."),
+      (process_count <= 0 or not 0 <= process_index < process_count, "process_index must be in [0, process_count), "
+       f"got process_index={process_index}, process_count={process_count}."),
+      (process_count > 0 and global_batch_size % process_count, f"global_batch_size {global_batch_size} is not "
+       f"divisible by process_count {process_count}; choose a batch size that is a multiple of the process count."),
+      (step < 0 or stream_offset + step * global_batch_size < 0, "step must be >= 0 and start a batch at a stream "
+       f"position >= 0, got step {step} with stream_offset {stream_offset}."),
+  ):
+    if wrong:
+      raise ConfigError(message)
   per_process = global_batch_size // process_count
   start = stream_offset + step * global_batch_size + process_index * per_process
   positions = np.arange(start, start + per_process, dtype=np.int64)
