@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import glob
 import hashlib
-import io
 import itertools
 import json
 import os
@@ -113,23 +112,6 @@ def files_fingerprint(paths: list[str]) -> str:
   return digest.hexdigest()[:16]
 
 
-def _blocks(f):
-  """The file's bytes in blocks of whole lines (each ends with b"\n", except maybe the last)."""
-  remainder = b""
-  while True:
-    block = f.read(_BLOCK_BYTES)
-    if not block:
-      if remainder:
-        yield remainder
-      return
-    data = remainder + block
-    cut = data.rfind(b"\n") + 1
-    # Splitting the bytes on b"\n" is safe: in UTF-8 that byte only ever means a newline.
-    data, remainder = data[:cut], data[cut:]
-    if data:
-      yield data
-
-
 def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
   """(line number, text) of `path`, streamed, split as str.splitlines splits the whole file; nothing for
   a binary file. `newline_only` (JSON Lines): JSON strings may hold U+2028, U+2029, U+0085 unescaped."""
@@ -140,12 +122,14 @@ def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
       return
     f.seek(0)
     number = 0
-    for data in _blocks(f):
+    # Blocks of whole lines: in UTF-8 the byte b"\n" only ever means a newline.
+    for raw_lines in iter(lambda: f.readlines(_BLOCK_BYTES), []):
+      data = b"".join(raw_lines)
       stats.bytes_read += len(data)
       try:
         texts = [data.decode("utf-8")]  # the common case: the whole block at C speed
       except UnicodeDecodeError:  # only this block, line by line, to find the bad lines
-        texts = (decode_utf8(raw, lambda: f"{path}:{number + 1}", stats) for raw in io.BytesIO(data))
+        texts = (decode_utf8(raw, lambda: f"{path}:{number + 1}", stats) for raw in raw_lines)
       for text in texts:
         # A text's final "\n" ends its last line; it does not start another.
         lines = text.removesuffix("\n").split("\n") if newline_only else text.splitlines()
