@@ -291,17 +291,15 @@ def summarize(per_seed: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
 
 
 def format_table(summary) -> str:
-  rows = [(eval_name, metric, s) for eval_name, by_metric in summary.items() for metric, s in by_metric.items()
-          # the score of a one-metric task is that metric; thresholds (SQuAD 2.0's null-odds
-          # cuts) are not fractions and stay in results.json
-          if not (metric == "score" and len(by_metric) == 2) and not metric.endswith("_thresh")]
-  task_w = max([len("task")] + [len(r[0]) for r in rows])
-  metric_w = max([len("metric")] + [len(r[1]) for r in rows])
-  lines = [f"{'task':<{task_w}} {'metric':<{metric_w}} {'mean':>8} {'median':>8} {'best':>8} {'seeds':>5}"]
-  for eval_name, metric, s in rows:
-    lines.append(f"{eval_name:<{task_w}} {metric:<{metric_w}} {100 * s['mean']:8.2f} {100 * s['median']:8.2f} "
-                 f"{100 * s['best']:8.2f} {s['n']:5d}")
-  return "\n".join(lines)
+  # The score of a one-metric task is that metric; thresholds (SQuAD 2.0's null-odds cuts) are not
+  # fractions and stay in results.json.
+  rows = [("task", "metric", "mean", "median", "best", "seeds")] + [
+      (eval_name, metric, *(f"{100 * s[key]:.2f}" for key in ("mean", "median", "best")), str(s["n"]))
+      for eval_name, by_metric in summary.items() for metric, s in by_metric.items()
+      if not (metric == "score" and len(by_metric) == 2) and not metric.endswith("_thresh")]
+  task_w, metric_w = (max(len(row[column]) for row in rows) for column in (0, 1))
+  return "\n".join(f"{task:<{task_w}} {metric:<{metric_w}} {mean:>8} {median:>8} {best:>8} {seeds:>5}"
+                   for task, metric, mean, median, best, seeds in rows)
 
 
 def _run_seed(config, adapter, backbone, seed: int, task_dir: str, epochs: int, steps, progress,
