@@ -1,5 +1,5 @@
-"""Exporting a fine-tuning workdir: each finished seed's kept checkpoint as a Hugging Face
-ElectraForSequenceClassification or ElectraForQuestionAnswering directory, with its tokenizer."""
+"""Each finished seed of a fine-tuning workdir as a Hugging Face ElectraForSequenceClassification or
+ElectraForQuestionAnswering directory, with its tokenizer."""
 
 import contextlib
 import os
@@ -23,10 +23,9 @@ _GELU_FLOOR = 8.0
 
 
 def export_hf(workdir: str, out_dir: str, export_generator: bool = False) -> dict[str, str]:
-  """`--mode=export_hf`: a pre-training workdir's towers (interop.export_workdir), or for every finished
-  seed of a fine-tuning workdir's tasks <out_dir>/<task>/seed_<s> (config.json, model.safetensors, the
-  tokenizer files) for transformers' Auto* classes. Logits match ours (SQuAD: where an answer may be;
-  2.0's answerability head has no HF form). Returns {what: directory}."""
+  """`--mode=export_hf`: a pre-training workdir's towers (interop.export_workdir), or each finished seed
+  of a fine-tuning workdir's tasks as <out_dir>/<task>/seed_<s> (config.json, model.safetensors, the
+  tokenizer files), whose logits match ours (SQuAD: where an answer may be). Returns {what: directory}."""
   names = os.listdir(workdir) if os.path.isdir(workdir) else []
   tasks = sorted(name for name in names if os.path.isfile(os.path.join(workdir, name, "results.json")))
   if not tasks:
@@ -49,11 +48,10 @@ def export_hf(workdir: str, out_dir: str, export_generator: bool = False) -> dic
 
 
 def _classification_head(params, head: dict, encoder: models.EncoderConfig):
-  """HF's ElectraClassificationHead (dense -> GELU -> out_proj on [CLS]) holding our one dense
-  layer exactly: dense is the identity shifted by c, with c so large that every input to the
-  GELU is at least _GELU_FLOOR (the final LayerNorm bounds each feature by |scale| sqrt(H) +
-  |bias|), and out_proj takes c back off. Regression folds (lo, hi) in, so HF's logits are on
-  the labels' scale."""
+  """HF's ElectraClassificationHead (dense -> GELU -> out_proj on [CLS]) holding our one dense layer
+  exactly: dense is the identity shifted by c, so large that every GELU input is at least _GELU_FLOOR
+  (the final LayerNorm bounds each feature by |scale| sqrt(H) + |bias|), and out_proj takes c back
+  off. Regression folds (lo, hi) in: HF's logits are on the labels' scale."""
   norm = params["encoder"][f"layer_{encoder.num_layers - 1}"]["output_layer_norm"]  # post-LN: HF's only form
   size = encoder.hidden_size
   shift = np.abs(np.asarray(norm["scale"])) * np.sqrt(size) + np.abs(np.asarray(norm["bias"])) + _GELU_FLOOR
@@ -90,8 +88,7 @@ class TaskModel(NamedTuple):
 
 
 def load_task_model(workdir: str, task: str) -> TaskModel:
-  """One fine-tuned task from its results.json, refused before any checkpoint is read when Hugging
-  Face has no class for it."""
+  """A fine-tuned task from its results.json, refused before any checkpoint is read where HF has no class."""
   results = workdir_files.read_json(os.path.join(workdir, task, "results.json"))
   head = results.get("head")
   if head is None:

@@ -1,6 +1,5 @@
-"""Fine-tuning metrics in numpy, as GLUE's official scorer computes them, and which metrics each
-GLUE task reports. Undefined correlations (a constant prediction or target) are 0, not NaN, so a
-degenerate model scores as "no correlation" and the best-checkpoint choice still works."""
+"""Fine-tuning metrics in numpy, as GLUE's scorer computes them, and the ones each GLUE task reports.
+Undefined correlations (a constant side) are 0, not NaN, so the best-epoch choice still works."""
 
 from collections.abc import Sequence
 
@@ -72,8 +71,7 @@ def spearman(targets: Sequence[float], predictions: Sequence[float]) -> float:
 
 METRIC_FNS = {"accuracy": accuracy, "f1": f1, "mcc": matthews_corrcoef, "pearson": pearson, "spearman": spearman}
 
-# What GLUE's leaderboard reports for each task; MNLI reports it on each of its two dev (and
-# test) sets, matched and mismatched.
+# What GLUE's leaderboard reports for each task (MNLI: on matched and mismatched alike).
 GLUE_METRICS = {
     "cola": ("mcc",),
     "sst2": ("accuracy",),
@@ -88,8 +86,7 @@ GLUE_METRICS = {
 
 
 def compute_metrics(names: Sequence[str], labels, predictions) -> dict[str, float]:
-  """{name: value} for each metric in `names`, plus "score", their mean (GLUE's one number per
-  task; keep_epoch="best" chooses the epoch by it)."""
+  """{name: value} for each metric in `names`, plus "score", their mean (GLUE's number per task)."""
   unknown = [name for name in names if name not in METRIC_FNS]
   if unknown or not names:
     raise ValueError(f"Unknown metrics {unknown} (known: {sorted(METRIC_FNS)}).")

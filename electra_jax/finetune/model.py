@@ -1,6 +1,5 @@
 """The fine-tuning classifier (the discriminator's encoder, pooled -> dropout -> dense) and the
-backbone it starts from: a pre-training workdir's latest checkpoint, a Hugging Face directory, or
-random initialization, with the tokenizer that goes with it."""
+backbone it starts from (a pre-training workdir, a Hugging Face directory or random init) with its tokenizer."""
 
 from __future__ import annotations
 
@@ -24,14 +23,13 @@ POOLINGS = ("cls", "mean")
 
 
 def sizes_of(model) -> dict[str, int]:
-  """The embedding sizes a task model shares with the backbone it starts from."""
+  """The embedding sizes a task model shares with its backbone."""
   return {k: getattr(model, k) for k in ("vocab_size", "embedding_size", "max_position_embeddings", "type_vocab_size")}
 
 
 def head_dense(features: int, dtype, name: str | None = None, fan_out: int | None = None) -> nn.Dense:
-  """A task head's dense layer as the official tf.layers.dense: zero bias, TF1's glorot_uniform
-  kernel. fan_out=None: the kernel's width; an int treats each output column as its own dense layer
-  of that width (the official SQuAD head's separate start and end dense(H -> 1))."""
+  """A head's dense layer as the official tf.layers.dense: zero bias, TF1's glorot_uniform kernel, whose
+  fan-out is `fan_out` if given (a column as its own layer: the SQuAD head's start and end dense(H -> 1))."""
 
   def kernel_init(key, shape, dtype=jnp.float32):
     limit = (6.0 / (shape[-2] + (shape[-1] if fan_out is None else fan_out))) ** 0.5
@@ -45,21 +43,19 @@ def head_dense(features: int, dtype, name: str | None = None, fan_out: int | Non
 
 
 def pool(hidden: jax.Array, attention_mask: jax.Array, pooling: str) -> jax.Array:
-  """[batch, seq, hidden] -> [batch, hidden]. "cls": the first token's state (the official head).
-  "mean": the float32 mean over the positions where attention_mask is 1 ([CLS] and [SEP] included)."""
+  """[batch, seq, hidden] -> [batch, hidden]: the first token's state ("cls", the official head), or
+  the float32 mean over the positions where attention_mask is 1 ("mean")."""
   if pooling == "cls":
     return hidden[:, 0]
   if pooling == "mean":
     mask = (attention_mask > 0).astype(jnp.float32)[..., None]
     total = jnp.sum(hidden.astype(jnp.float32) * mask, axis=1)
-    # An all-padding row (the trainer never makes one) gives zeros rather than NaN.
-    return (total / jnp.maximum(jnp.sum(mask, axis=1), 1.0)).astype(hidden.dtype)
+    return (total / jnp.maximum(jnp.sum(mask, axis=1), 1.0)).astype(hidden.dtype)  # all padding: 0, not NaN
   raise ConfigError(f"head.pooling={pooling!r}: use one of {list(POOLINGS)}.")
 
 
 class EncoderWithHead(OneTower):
-  """The discriminator's {embeddings, encoder} (the backbone's names) and a subclass's task head,
-  which `head` applies to the final hidden states."""
+  """The discriminator's {embeddings, encoder} and a subclass's `head` on the final hidden states."""
 
   def setup(self):
     self.embeddings = embeddings_for(self, self.embedding_size, self.config)
@@ -90,21 +86,19 @@ class ElectraClassifier(EncoderWithHead, kw_only=True):
 
 @dataclasses.dataclass
 class Backbone:
-  """The encoder a task head goes on: the headless model (its sizes and config), its weights (None =
-  random init) and its tokenizer."""
+  """The encoder a task head goes on: the headless model, its weights and its tokenizer."""
 
   model: ElectraEncoderModel
-  params: dict | None  # {embeddings, encoder}
+  params: dict | None  # {embeddings, encoder}; None: random init
   tokenizer: Any
-  source: str  # for the logs and results: where the weights came from
+  source: str  # where the weights came from, for the logs and results
 
   @property
   def encoder_config(self) -> EncoderConfig:
     return self.model.config
 
   def task_model(self, module_class, config, **head_fields):
-    """`module_class` (ElectraClassifier, squad.SquadModel) over this encoder, with the fine-tuning
-    config's dropout rates and dtype."""
+    """`module_class` (ElectraClassifier, squad.SquadModel) over this encoder, with config's dropout and dtype."""
     encoder_config = dataclasses.replace(
         self.encoder_config, dropout_rate=config.dropout_rate, attention_dropout_rate=config.attention_dropout_rate
     )
@@ -135,8 +129,8 @@ def _from_workdir(config, workdir: str) -> Backbone:
     tokenizer = _tokenizer_from_file(config.tokenizer, config.lowercase)
   else:
     tokenizer = data.workdir_tokenizer(workdir, pretrain_config.data)
-  # A checkpoint imported (interop/pretraining.py) and not yet trained has no data fingerprint,
-  # only its vocabulary's; a data fingerprint's tokenizer part is 'spm:<hash>' or 'wp:<hash>'.
+  # An imported, untrained checkpoint has only its vocabulary's fingerprint; a data fingerprint's
+  # tokenizer part is 'spm:<hash>' or 'wp:<hash>'.
   recorded = meta.get("tokenizer_fingerprint")
   if meta.get("data_fingerprint"):
     parts = [part.partition(":") for part in meta["data_fingerprint"].split("|")]
@@ -154,11 +148,9 @@ def _from_workdir(config, workdir: str) -> Backbone:
 
     mesh, setup = one_device_setup(pretrain_config, tokenizer)
     _, state = train.restore_checkpoint(workdir, setup, mesh, step)
-    # The standalone discriminator's view (every model.tie mode resolved: a shared encoder,
-    # GDES's shared + delta word table); its RTD head and the generator stay behind.
+    # The standalone discriminator, every model.tie mode resolved; the RTD head and generator stay behind.
     _, tower_params = tower_from_pretrainer(setup.model, state.params, "discriminator")
     params = {"embeddings": tower_params["embeddings"], "encoder": tower_params["discriminator"]["encoder"]}
-  # The discriminator reads the shared embeddings (embedding_size) in every model.tie mode.
   encoder_config = dataclasses.replace(pretrainer.discriminator_config, scan_layers=False)
   return Backbone(ElectraEncoderModel(**sizes_of(pretrainer), config=encoder_config), params, tokenizer, source)
 
@@ -169,14 +161,12 @@ def _from_hf(config, path: str) -> Backbone:
 
   hf_model, hf_params = interop.load_hf(path)
   tower = next((hf_params[name] for name in ("discriminator", "generator") if name in hf_params), hf_params)
-  # A BERT vocab.txt, or the spm.model electra-jax's export of a sentencepiece run writes.
-  candidates = [os.path.join(path, name) for name in ("vocab.txt", "spm.model")]
+  candidates = [os.path.join(path, name) for name in ("vocab.txt", "spm.model")]  # BERT's, or our export's
   tokenizer_path = config.tokenizer or next((c for c in candidates if os.path.isfile(c)), "")
   if not tokenizer_path:
     raise ConfigError(f"{path} has neither vocab.txt nor spm.model; set config.tokenizer to the vocabulary "
                       "the model was trained with.")
-  # The directory's tokenizer_config.json says how the text was normalized (a cased model must not be
-  # lowercased); config.lowercase, when set, overrides it.
+  # How tokenizer_config.json says the text was normalized, unless config.lowercase is set.
   lowercase, strip_accents = pairing.read_tokenizer_settings(path)
   lowercase = lowercase if config.lowercase is None else config.lowercase
   return Backbone(
@@ -188,7 +178,6 @@ def _from_hf(config, path: str) -> Backbone:
 
 
 def _from_config(config) -> Backbone:
-  """Random init with the sizes in config.model and the tokenizer in config.tokenizer."""
   if not config.tokenizer:
     raise ConfigError("config.init_from is empty, so the model starts from scratch and needs config.tokenizer (a "
                       "sentencepiece .model or a BERT vocab.txt). To fine-tune a pre-trained model, set "
@@ -203,9 +192,9 @@ def _from_config(config) -> Backbone:
 
 
 def load_backbone(config) -> Backbone:
-  """Where the encoder starts, from config.init_from: a pre-training workdir (it has checkpoints/),
-  a Hugging Face directory (config.json + weights), or "" for config.model's sizes.
-  config.random_init keeps the sizes and tokenizer but not the weights (a baseline)."""
+  """The encoder config.init_from names: a pre-training workdir (with checkpoints/), a Hugging Face
+  directory (config.json + weights), or "" for config.model's sizes; config.random_init keeps the
+  sizes and tokenizer, not the weights (a baseline)."""
   init_from = config.init_from
   if not init_from:
     backbone = _from_config(config)
@@ -227,15 +216,13 @@ def load_backbone(config) -> Backbone:
 
 @functools.lru_cache(maxsize=4)
 def _compiled_init(model: nn.Module):
-  """One compiled init per model (Linen modules compare by their fields), which every seed and
-  learning-rate trial of a run reuses: jax.jit(model.init) afresh compiles again each time."""
+  """One compiled init per model (modules compare by their fields) for every seed and trial of a run."""
   return jax.jit(model.init)
 
 
 def init_params(backbone: Backbone, model: ElectraClassifier, rng: jax.Array, seq_len: int, reinit_layers: int = 0):
-  """Fresh parameters for `model`, with the backbone's weights (if any) in place of the random
-  embeddings and encoder, except its top `reinit_layers` layers (and a pre-LN encoder's final
-  LayerNorm with them), which keep the fresh draw; the head is always new."""
+  """Fresh parameters for `model` with the backbone's weights (if any) in place of the embeddings and
+  encoder, but for the top `reinit_layers` layers (and a pre-LN final LayerNorm with them)."""
   ids = jnp.zeros((1, seq_len), jnp.int32)
   params = nn.meta.unbox(_compiled_init(model)(rng, ids, ids, jnp.ones_like(ids))["params"])
   if backbone.params is not None:

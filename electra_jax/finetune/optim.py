@@ -1,6 +1,5 @@
-"""The fine-tuning optimizer: gradient clipping, AdamW (no decay on LayerNorm or biases), linear
-warmup then linear decay, and layer-wise learning-rate decay, which gives layers nearer the input
-smaller steps. Parameter trees are the classifier's {embeddings, encoder, <head>}."""
+"""The fine-tuning optimizer over {embeddings, encoder, <head>}: clipping, AdamW (no decay on
+LayerNorm or biases), linear warmup and decay, and layer-wise decay (smaller steps nearer the input)."""
 
 import re
 
@@ -25,18 +24,16 @@ def check_layerwise(decay: float, rule: str) -> None:
 def layerwise_lr_scales(params, num_layers: int, decay: float, rule: str = "correct"):
   """A tree like `params` holding each parameter's learning-rate multiplier.
 
-  correct:  decay ** (num_layers + 1 - depth): the head 1, the top layer decay, ... the
-            embeddings decay ** (num_layers + 1); "lr * decay^(depth - l)" of the paper.
-  official: the official code's `_get_layer_lrs`, which puts the head at depth num_layers + 2,
-            so everything below the head gets one factor of decay less; the head still gets 1.
+  correct:  decay ** (num_layers + 1 - depth), the paper's: the head 1, the top layer decay, ...
+            the embeddings (depth 0, with the E->H projection) decay ** (num_layers + 1).
+  official: the official `_get_layer_lrs`, whose head is at depth num_layers + 2: one factor of
+            decay less below the head. A pre-LN final_layer_norm goes with the top layer.
   """
   check_layerwise(decay, rule)
   head_depth = num_layers + 1
   top = head_depth + (1 if rule == "official" else 0)
 
   def scale(path, _):
-    # Depth 0: the embeddings (and the E->H projection); l+1: encoder layer_l (a pre-LN encoder's
-    # final_layer_norm goes with the top layer); head_depth: anything else, the task head.
     path = tuple(getattr(key, "key", str(key)) for key in path)
     match = re.match(r"layer_(\d+)$", path[1]) if path[0] == "encoder" else None
     if path[0] == "embeddings" or path[:2] == ("encoder", "embeddings_project"):
@@ -51,8 +48,7 @@ def layerwise_lr_scales(params, num_layers: int, decay: float, rule: str = "corr
 
 
 def linear_warmup_decay(base_lr, warmup_steps, total_steps):
-  """base_lr * min(1, step / warmup) * max(0, 1 - step / total); no warmup when warmup_steps=0.
-  The arguments may be traced (schedule_args inside a compiled step)."""
+  """base_lr * min(1, step / warmup) * max(0, 1 - step / total) (warmup_steps=0: none); the arguments may be traced."""
 
   def schedule(step):
     step = jnp.asarray(step, jnp.float32)
@@ -63,9 +59,8 @@ def linear_warmup_decay(base_lr, warmup_steps, total_steps):
 
 
 def schedule_args(config, total_steps: int, learning_rate: float | None = None) -> np.ndarray:
-  """float32 [peak, warmup steps, total steps] of a run's schedule, peaking at `learning_rate`
-  (None: optimizer.learning_rate). An argument of the compiled step, so the learning-rate trials
-  and the seeds of one fine-tuning run share one compile."""
+  """float32 [peak (None: optimizer.learning_rate), warmup steps, total steps]: an argument of the
+  compiled step, so a run's seeds and learning-rate trials share one compile."""
   o = config.optimizer
   if not 0.0 <= o.warmup_fraction < 1.0:
     raise ConfigError(f"optimizer.warmup_fraction={o.warmup_fraction} must be in [0, 1).")
@@ -74,8 +69,7 @@ def schedule_args(config, total_steps: int, learning_rate: float | None = None) 
 
 
 def make_optimizer(config, params, num_layers: int, args):
-  """(tx, schedule) from the fine-tuning config's optimizer keys: clip, Adam, decoupled weight
-  decay, the layer-wise multipliers, then the schedule of `args` (schedule_args)."""
+  """(tx, schedule): clip, Adam, decoupled weight decay, the layer-wise multipliers, then the schedule of `args`."""
   o = config.optimizer
   schedule = linear_warmup_decay(args[0], args[1], args[2])
   adam = optax.scale_by_adam if o.bias_correction else scale_by_adam_without_bias_correction

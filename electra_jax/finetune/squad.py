@@ -44,14 +44,14 @@ def _check_version(version) -> str:
 def _log_progress(what: str, done: int, total: int, started: float) -> None:
   if done % 5000 == 0 or done == total:
     elapsed = time.time() - started
-    eta = elapsed / max(done, 1) * (total - done)
-    logging.info("%s: %d/%d (%.0f s elapsed, ETA %.0f s)", what, done, total, elapsed, eta)
+    logging.info("%s: %d/%d (%.0f s elapsed, ETA %.0f s)", what, done, total, elapsed,
+                 elapsed / max(done, 1) * (total - done))
 
 
 @dataclasses.dataclass(frozen=True)
 class SquadExample:
-  """One question about one context. `answers`: (text, character offset in `context`) pairs; training
-  uses the first, evaluation the best over all. An impossible (2.0) question has none."""
+  """`answers`: (text, character offset in `context`) pairs; training uses the first, evaluation
+  the best of all; an impossible (2.0) question has none."""
 
   qas_id: str
   question: str
@@ -61,7 +61,6 @@ class SquadExample:
 
 
 def _make_example(qas_id, question, context, answers, is_impossible, version, where) -> SquadExample:
-  """Checks one question as read from a file; every problem names the question and the fix."""
   if not isinstance(qas_id, str) or not qas_id:
     raise ConfigError(f"{where}: question id {qas_id!r} must be a non-empty string.")
   if not isinstance(question, str) or not isinstance(context, str):
@@ -130,16 +129,14 @@ def read_squad_json(path: str, version) -> list[SquadExample]:
 
 
 def read_squad_tfds(name: str, split: str, data_dir: str | None = None):
-  """Questions of a prepared TFDS `squad/v1.1` or `squad/v2.0` (array_record; `split` "train" or
-  "validation")."""
+  """Questions of a prepared TFDS `squad/v1.1` or `squad/v2.0` (array_record), split "train" or "validation"."""
   match = re.search(r"v(1\.1|2\.0)$", name)
   if not match:
     raise ConfigError(f"TFDS name {name!r} is not 'squad/v1.1' or 'squad/v2.0'.")
   version = match.group(1)
   source = tasks.open_tfds_split(name, split, data_dir, "read the official JSON files with read_squad_json",
                                  builder_kwargs={"file_format": "array_record"})
-  where = f"TFDS {name} {split}"
-  text = tasks.decode_text
+  where, text = f"TFDS {name} {split}", tasks.decode_text
   examples, started = [], time.time()
   for i in range(len(source)):
     record = source[i]
@@ -151,8 +148,7 @@ def read_squad_tfds(name: str, split: str, data_dir: str | None = None):
 
 
 def _fold(text: str) -> str:
-  """Lowercased, compatibility-decomposed, without accents: what tokenizers normalize to, so a
-  piece's characters can be matched back to the word they came from."""
+  """Lowercased, NFKD, without accents: what tokenizers normalize to, to match pieces to words."""
   decomposed = unicodedata.normalize("NFKD", text.lower())
   return "".join(c for c in decomposed if not unicodedata.combining(c))
 
@@ -187,7 +183,7 @@ def _word_tokenizer(tokenizer):
 
 
 def _tokenize_context(context: str, word_tokenizer):
-  """Context token ids and their [start, end) character spans in the context: int32 [n, 2]."""
+  """Context token ids and their [start, end) characters in the context, int32 [n, 2]."""
   ids, spans = [], []
   for match in re.finditer(r"\S+", context):
     word_ids, word_spans = word_tokenizer(match.group())
@@ -225,9 +221,9 @@ def max_context_owner(windows: Sequence[tuple[int, int]], num_tokens: int) -> np
 
 @dataclasses.dataclass
 class SquadMetadata:
-  """What decoding needs besides the logits. Per row: its example, its window of context tokens and
-  that window's first position, and bool [seq_len] flags of the positions it is the max-context
-  window of; per example: each context token's [start, end) characters (int32 [n, 2])."""
+  """What decoding needs besides the logits. Per row: its example, window, the window's first
+  position and bool [seq_len] flags where it is the max-context window; per example: each context
+  token's [start, end) characters (int32 [n, 2])."""
 
   example_index: np.ndarray
   window_start: np.ndarray
@@ -249,15 +245,8 @@ class SquadMetadata:
     return self.max_context[row]
 
 
-def make_features(
-    examples: Sequence[SquadExample],
-    tokenizer,
-    max_seq_len: int = 512,
-    doc_stride: int = 128,
-    max_query_len: int = 64,
-    *,
-    is_training: bool,
-) -> tuple[dict[str, np.ndarray], SquadMetadata]:
+def make_features(examples: Sequence[SquadExample], tokenizer, max_seq_len: int = 512, doc_stride: int = 128,
+                  max_query_len: int = 64, *, is_training: bool) -> tuple[dict[str, np.ndarray], SquadMetadata]:
   """(int32 FEATURE_KEYS arrays, SquadMetadata), a row per window as the official code builds them:
   [CLS] question [SEP] window [SEP]. start/end_positions: the first answer's tokens, or 0 ([CLS]) when the
   window misses any of it; is_impossible: the question's. Training leaves out answers that cover no token."""
@@ -355,11 +344,11 @@ def span_losses(start_logits, end_logits, start_positions, end_positions,
 
 
 def span_loss(*args, weights=None, **kwargs):
-  """The mean of span_losses(*args, **kwargs) over rows; `weights` [B] (1 real, 0 padding)
-  restricts it to real rows."""
+  """The mean of span_losses(*args, **kwargs) over the rows whose `weights` [B] are 1 (None: all)."""
   per_row = span_losses(*args, **kwargs)
   weights = jnp.ones_like(per_row) if weights is None else jnp.asarray(weights, jnp.float32)
   return jnp.sum(per_row * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+
 
 
 def apply_null_threshold(predictions: dict, null_odds: dict, null_threshold: float) -> dict:
@@ -367,38 +356,23 @@ def apply_null_threshold(predictions: dict, null_odds: dict, null_threshold: flo
   return {qid: "" if null_odds.get(qid, -np.inf) > null_threshold else text for qid, text in predictions.items()}
 
 
-def postprocess(
-    examples: Sequence[SquadExample],
-    features: dict[str, np.ndarray],
-    metadata: SquadMetadata,
-    start_logits,
-    end_logits,
-    answerable_logits=None,
-    n_best: int = 20,
-    max_answer_len: int = 30,
-    null_threshold: float | None = -2.75,
-    *,
-    version,
-) -> tuple[dict[str, str], dict[str, float]]:
+def postprocess(examples: Sequence[SquadExample], features: dict[str, np.ndarray], metadata: SquadMetadata,
+                start_logits, end_logits, answerable_logits=None, n_best: int = 20, max_answer_len: int = 30,
+                null_threshold: float | None = -2.75, *, version) -> tuple[dict[str, str], dict[str, float]]:
   """(predictions {qas_id: text}, null_odds {qas_id: float}): per question the valid span (of each
-  row's n_best starts and ends) with the highest start + end logit. 2.0's null_odds: min -answerable_logit
-  over the rows, or min(start[CLS] + end[CLS]) - the best span's score; "" where it exceeds a float
-  null_threshold (None: the best spans, to score)."""
+  row's n_best starts and ends) with the highest start + end logit. 2.0's null_odds: min
+  -answerable_logit over the rows, or min(start[CLS] + end[CLS]) - the best span's score; the answer
+  is "" where it exceeds a float null_threshold (None: keep the best spans, to score)."""
   version = _check_version(version)
   start_logits, end_logits = np.asarray(start_logits, np.float32), np.asarray(end_logits, np.float32)
-  num_rows = len(metadata)
   if start_logits.shape != metadata.max_context.shape or end_logits.shape != start_logits.shape:
     raise ValueError(f"postprocess got logits of shapes {start_logits.shape} and {end_logits.shape}; the features "
-                     f"have {num_rows} rows of {metadata.max_context.shape[1]} ({features['input_ids'].shape}).")
+                     f"have {len(metadata)} rows of {metadata.max_context.shape[1]} ({features['input_ids'].shape}).")
   if answerable_logits is not None:
-    answerable_logits = np.asarray(answerable_logits, np.float32).reshape(num_rows)
+    answerable_logits = np.asarray(answerable_logits, np.float32).reshape(len(metadata))
   predictions, null_odds = {}, {}
-  rows_of_example = metadata.rows_of_example()
-  for index, example in enumerate(examples):
-    rows = rows_of_example.get(index, [])
-    if not rows:
-      continue  # left out of training features; nothing to decode
-    spans = metadata.token_char_spans[index]
+  for index, rows in sorted(metadata.rows_of_example().items()):  # examples left out of training have none
+    example, spans = examples[index], metadata.token_char_spans[index]
     candidates, score_null = [], np.inf
     for row in rows:
       start, length = int(metadata.window_start[row]), int(metadata.window_length[row])
@@ -455,8 +429,8 @@ def f1_score(gold: str, prediction: str, version="2.0") -> float:
 
 
 def _best_threshold(predictions, scores, null_odds, has_answer) -> tuple[float, float]:
-  """The official search: start from "no answer everywhere", answer questions in increasing
-  null_odds, keep the best total; returns (score in %, the null_odds threshold reaching it)."""
+  """The official search: from "no answer everywhere", answer questions in increasing null_odds
+  and keep the best total; returns (score in %, the null_odds threshold reaching it)."""
   current = best = sum(1 for qid in scores if not has_answer[qid])
   best_threshold = 0.0
   for qid in sorted(null_odds, key=lambda k: null_odds[k]):
@@ -471,15 +445,10 @@ def _best_threshold(predictions, scores, null_odds, has_answer) -> tuple[float, 
   return 100.0 * best / len(scores), float(best_threshold)
 
 
-def squad_metrics(
-    examples: Sequence[SquadExample],
-    predictions: dict[str, str],
-    null_odds: dict[str, float] | None = None,
-    null_threshold: float = -2.75,
-    version=None,
-) -> dict[str, float]:
+def squad_metrics(examples: Sequence[SquadExample], predictions: dict[str, str], null_odds: dict | None = None,
+                  null_threshold: float = -2.75, version=None) -> dict[str, float]:
   """EM and F1 in percent ("exact", "f1", "total"), max over each question's gold answers; version
-  None: 2.0 when any question is impossible or null_odds is given. 2.0 as the official v2 script with
+  None: 2.0 when a question is impossible or null_odds is given. 2.0 as the official v2 script with
   --na-prob-thresh, adding HasAns_* / NoAns_* and, with null_odds, best_exact / best_f1 and their cuts."""
   if version is None:
     version = "2.0" if null_odds is not None or any(e.is_impossible for e in examples) else "1.1"
@@ -523,8 +492,8 @@ def squad_metrics(
 
 
 def write_predictions(path: str, predictions: dict) -> None:
-  """The official predictions JSON {qas_id: answer text} ("" = no answer), written atomically.
-  The same function writes null_odds as the v2 script's --na-prob-file ({qas_id: float})."""
+  """The official predictions JSON {qas_id: text} ("" = no answer), or null_odds as the v2 script's
+  --na-prob-file ({qas_id: float}), written atomically."""
   payload = {str(k): (v if isinstance(v, str) else float(v)) for k, v in predictions.items()}
   workdir_files.write_text(path, json.dumps(payload, ensure_ascii=False, indent=1))
 
@@ -553,7 +522,7 @@ def split_outputs(outputs):
 
 @dataclasses.dataclass(frozen=True)
 class SquadSettings:
-  """SQuAD's fine-tuning settings (ELECTRA's official values), from config.task and config.squad."""
+  """SQuAD's fine-tuning settings (the official values), from config.task and config.squad."""
 
   version: str
   doc_stride: int = 128
@@ -566,8 +535,8 @@ class SquadSettings:
 
 
 def squad_settings(config) -> SquadSettings:
-  """Version from config.task: "squad1.1" / "squadv1" / "squad_v1.1" are 1.1, "squad" (as in the
-  official code) / "squad2.0" / "squad_v2.0" are 2.0; the rest from config.squad."""
+  """Version from config.task ("squad1.1", "squadv1", "squad_v1.1": 1.1; "squad" as the official code,
+  "squad2.0", "squad_v2.0": 2.0); the rest from config.squad."""
   task = re.fullmatch(r"squad(v?(1|11|2|20))?", re.sub(r"[^a-z0-9]", "", str(config.task).lower()))
   if not task:
     raise ConfigError(f"config.task={config.task!r}: for SQuAD use 'squad1.1' or 'squad2.0'.")
@@ -584,8 +553,8 @@ def squad_settings(config) -> SquadSettings:
 
 
 def load_squad(config, version: str) -> tuple[list[SquadExample], list[SquadExample]]:
-  """(train, dev) questions: config.source "dir" reads the official train-v<version>.json and
-  dev-v<version>.json from config.data_dir; "tfds" reads squad/v<version> from config.tfds_data_dir."""
+  """(train, dev) questions: the official {train,dev}-v<version>.json in config.data_dir (source
+  "dir"), or TFDS squad/v<version> in config.tfds_data_dir (source "tfds")."""
   if config.source == "tfds":
     name, data_dir = f"squad/v{version}", config.tfds_data_dir or None
     return read_squad_tfds(name, "train", data_dir), read_squad_tfds(name, "validation", data_dir)
@@ -596,12 +565,12 @@ def load_squad(config, version: str) -> tuple[list[SquadExample], list[SquadExam
     if not os.path.isfile(path):
       raise ConfigError(f"SQuAD {version}: {path} does not exist. Set config.data_dir to the folder holding the "
                         f"official train-v{version}.json and dev-v{version}.json, or use config.source=tfds.")
-  return read_squad_json(paths[0], version), read_squad_json(paths[1], version)
+  return tuple(read_squad_json(path, version) for path in paths)
 
 
 def make_adapter(config, backbone):
-  """The trainer's TaskAdapter for SQuAD: dev EM/F1 as fractions ("score" = F1) and the dev
-  predictions in the official JSON as its test files."""
+  """The trainer's TaskAdapter: dev EM/F1 as fractions ("score" = F1), the dev predictions in the
+  official JSON as its test files."""
   settings = squad_settings(config)
   version, tokenizer = settings.version, backbone.tokenizer
   train_examples, dev_examples = load_squad(config, version)
@@ -641,9 +610,10 @@ def make_adapter(config, backbone):
     files = {"dev_predictions.json": apply_null_threshold(predictions, null_odds, settings.null_threshold)}
     if version == "2.0":
       files["dev_null_odds.json"] = null_odds
-    for name, values in files.items():
-      write_predictions(os.path.join(directory, name), values)
-    return [os.path.join(directory, name) for name in files]
+    files = {os.path.join(directory, name): values for name, values in files.items()}
+    for path, values in files.items():
+      write_predictions(path, values)
+    return list(files)
 
   return tasks.TaskAdapter(f"squad{version}", model, train_features, loss_fn, evaluate, write_test,
                            dict(kind="span", answerable=answerable))

@@ -1,6 +1,5 @@
-"""Sentence(-pair) classification and regression tasks: the nine GLUE tasks (GLUE's TSVs or TFDS
-`glue/<config>`) and custom TSV/CSV/JSONL files; their checks, BERT-style features and GLUE
-submission files. SQuAD lives in squad.py."""
+"""Sentence(-pair) classification and regression: the nine GLUE tasks (GLUE's TSVs or TFDS
+`glue/<config>`) and custom TSV/CSV/JSONL files, their checks, features and GLUE submission files."""
 
 from __future__ import annotations
 
@@ -21,31 +20,26 @@ from electra_jax.errors import ConfigError
 from electra_jax.data import tfds_source
 from electra_jax.finetune import metrics as metrics_lib
 
-# GLUE sentences hold quotes and apostrophes that are text, not CSV quoting; QQP's longest
-# fields pass csv's default limit.
-csv.field_size_limit(sys.maxsize)
+csv.field_size_limit(sys.maxsize)  # QQP's longest fields pass csv's default limit
 
 
 @dataclasses.dataclass
 class TaskAdapter:
-  """What the loop needs from a task. Features are numpy arrays with a leading example axis,
-  holding at least the trainer's MODEL_INPUTS; `model.apply` takes them in that order."""
+  """What the loop needs from a task. Features: numpy arrays with a leading example axis, holding
+  at least the trainer's MODEL_INPUTS, which `model.apply` takes in that order."""
 
   name: str
   model: Any  # a flax.linen.Module
   train_features: dict[str, np.ndarray]
-  # (model outputs, batch) -> per-example losses [batch]; the loop averages over real rows.
-  loss_fn: Callable[[Any, dict], Any]
+  loss_fn: Callable[[Any, dict], Any]  # (outputs, batch) -> per-example losses [batch]
   # predict (features -> numpy outputs) -> {eval name: {metric: value}}, each with a "score".
   evaluate: Callable[[Callable[[dict], np.ndarray]], dict[str, dict[str, float]]]
-  # (predict, directory) -> paths of the test-set prediction files written there.
-  write_test: Callable[[Callable[[dict], np.ndarray], str], list[str]]
-  # What the outputs mean, for exports: {"kind": "classification", "labels": [...]}, {"kind":
-  # "regression", "target_range": [lo, hi] or None} or {"kind": "span", "answerable": bool}.
+  write_test: Callable[[Callable[[dict], np.ndarray], str], list[str]]  # (predict, directory) -> paths written
+  # For exports: {"kind": "classification", "labels": [...]}, {"kind": "regression", "target_range":
+  # [lo, hi] or None} or {"kind": "span", "answerable": bool}.
   head: dict
-  # (fraction, seed, folds) -> [this adapter on the rest of train, whose evaluate scores one
-  # held-out share ("held_out") and writes no test files] per share (trainer.held_out_rows); None
-  # where a task cannot be split by rows.
+  # (fraction, seed, folds) -> per held-out share (trainer.held_out_rows), this adapter on the rest
+  # of train, scoring that share as "held_out" and writing no test files; None: cannot be split.
   split: Callable[[float, int, int], list["TaskAdapter"]] | None = None
 
 
@@ -60,7 +54,7 @@ class Example:
 
 @dataclasses.dataclass
 class TaskData:
-  """Everything the trainer needs from a task, checked (see `check_task_data`)."""
+  """A task's examples and what they mean, checked by `check_task_data`."""
 
   name: str
   kind: str  # "classification" or "regression" ("span" tasks come from squad.py)
@@ -69,8 +63,8 @@ class TaskData:
   train: list[Example]
   dev: dict[str, list[Example]]  # evaluation name (e.g. "mnli-m") -> examples
   test: dict[str, list[Example]]  # submission name (e.g. "MNLI-m") -> unlabelled examples
-  # Regression's known label range (lo, hi): the model learns (label - lo) / hi, as the official
-  # RegressionTask normalizes STS-B's 0..5 scores; None = raw labels (custom tasks).
+  # Regression's label range (lo, hi): the model learns (label - lo) / hi, as the official code
+  # normalizes STS-B's 0..5; None: raw labels (custom tasks).
   target_range: tuple[float, float] | None = None
 
 
@@ -84,8 +78,8 @@ class GlueTask:
   label_column: str = "label"
   tfds_text: tuple[str, str | None] | None = None  # TFDS's feature names; None: text_columns
   tfds_labels: tuple[str, ...] | None = None  # TFDS's class index -> label string; None: label_list
-  # Evaluation name -> dev file stem, submission name -> test file stem (TFDS's splits: the same with
-  # "validation" for "dev"); None: {<task>: "dev"} and {<directory>: "test"}.
+  # Evaluation name -> dev file stem, submission name -> test file stem (TFDS: "validation" for
+  # "dev"); None: {<task>: "dev"} and {<directory>: "test"}.
   dev_files: dict[str, str] | None = None
   test_files: dict[str, str] | None = None
   symmetric: bool = False  # sentence order carries no meaning: the official code trains on both orders
@@ -158,8 +152,7 @@ def _regression_label(raw, where: str) -> float:
 
 
 def _glue_task_data(name: str, read) -> TaskData:
-  """GLUE task `name` from `read(file stem, what for errors, labelled)`: its examples, or None for
-  a missing test split (test splits are optional)."""
+  """GLUE task `name` from `read(file stem, what for errors, labelled)` -> examples (None: no test split)."""
   task = GLUE_TASKS[name]
   train = read("train", f"GLUE {name} train split", True)
   dev = {dev_name: read(stem, f"GLUE {name} dev split {dev_name}", True)
@@ -173,8 +166,8 @@ def _glue_task_data(name: str, read) -> TaskData:
 
 
 def load_glue_from_dir(name: str, data_dir: str) -> TaskData:
-  """GLUE as its download script lays it out: <data_dir>/<Task>/{train,dev,test}.tsv, MNLI with
-  dev_matched/dev_mismatched/test_matched/test_mismatched. Test files are optional."""
+  """GLUE as its download script lays it out: <data_dir>/<Task>/{train,dev,test}.tsv (MNLI:
+  dev_matched, dev_mismatched, test_matched, test_mismatched); test files are optional."""
   task = GLUE_TASKS[name]
   if not data_dir:
     raise ConfigError("config.data_dir is empty: give the GLUE directory (the one holding CoLA/, SST-2/, ...), or "
@@ -200,8 +193,8 @@ def decode_text(value) -> str:
 
 
 def open_tfds_split(name: str, split: str, data_dir: str | None, other_source: str, **kwargs):
-  """`tfds.data_source` over a prepared split (random access, no TensorFlow); a ConfigError that
-  ends with `other_source` (another way to read the data) when it cannot be opened."""
+  """`tfds.data_source` over a prepared split; a ConfigError ending in `other_source` (another way to
+  read the data) when it cannot be opened."""
   tfds = tfds_source.import_tfds()  # a heavy import, only when this source is used
   try:
     return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False, **kwargs)
@@ -221,15 +214,11 @@ def load_glue_from_tfds(name: str, tfds_data_dir: str = "") -> TaskData:
     source = open_tfds_split(f"glue/{name}", stem.replace("dev", "validation"), tfds_data_dir,
                              "use --config.source=dir with GLUE's TSV files")
     examples = []
-    for i in range(len(source)):
-      record = source[i]
-      label = None
-      if labelled:
-        label = float(record["label"]) if labels is None else labels[int(record["label"])]
+    for record in (source[i] for i in range(len(source))):
+      label = None if not labelled else float(record["label"]) if labels is None else labels[int(record["label"])]
       examples.append(Example(decode_text(record[text_a]), decode_text(record[text_b]) if text_b else None, label,
                               int(record["idx"])))
-    # TFDS shuffles records on preparation; idx is the row of GLUE's file.
-    return sorted(examples, key=lambda example: example.index)
+    return sorted(examples, key=lambda example: example.index)  # TFDS shuffles; idx is GLUE's row
 
   return _glue_task_data(name, read)
 
@@ -241,16 +230,13 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
   if file_format == "jsonl":
     records = []
     with open(path, encoding="utf-8") as f:
-      for line_number, line in enumerate(f, 1):
-        if not line.strip():
-          continue
+      for line_number, line in filter(lambda numbered: numbered[1].strip(), enumerate(f, 1)):
         try:
-          record = json.loads(line)
+          records.append(json.loads(line))
         except json.JSONDecodeError as error:
           raise ConfigError(f"{path}:{line_number} is not JSON ({error}).") from None
-        if not isinstance(record, dict):
+        if not isinstance(records[-1], dict):
           raise ConfigError(f"{path}:{line_number} is not a JSON object.")
-        records.append(record)
     return records
   with open(path, encoding="utf-8-sig", newline="") as f:
     # TSV has no quoting: a '"' that opens a field is text (as in GLUE's files), where CSV's
@@ -272,41 +258,37 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
     raise ConfigError(f"Cannot tell the format of {path}: set config.custom.format to one of "
                       f"{sorted(set(CUSTOM_FORMATS.values()))} (or name the file .tsv, .csv or .jsonl).")
   _require_file(path, f"custom task {split} split")
-  records = _custom_records(path, file_format)
-  columns = [custom.text_a_column] + ([custom.text_b_column] if custom.text_b_column else [])
-  if labelled:
-    columns.append(custom.label_column)
   grouped = split == "train" and bool(custom.group_column)
-  if grouped:
-    columns.append(custom.group_column)
+  columns = [custom.text_a_column, custom.text_b_column, labelled and custom.label_column,
+             grouped and custom.group_column]
   examples = []
-  for row_number, record in enumerate(records):
-    for column in columns:
+  for row_number, record in enumerate(_custom_records(path, file_format), 1):
+    where = f"{path}: row {row_number}"
+    for column in filter(None, columns):
       if record.get(column) is None:
-        raise ConfigError(f"{path}: row {row_number + 1} has no column {column!r} (it has {sorted(record)}). Set "
-                          "config.custom.text_a_column / text_b_column / label_column / group_column to the file's "
-                          "column names.")
+        raise ConfigError(f"{where} has no column {column!r} (it has {sorted(record)}). Set config.custom."
+                          "text_a_column / text_b_column / label_column / group_column to the file's column names.")
     label = None
     if labelled:
       raw = record[custom.label_column]
       if custom.kind == "regression":
-        label = _regression_label(raw, f"{path}: row {row_number + 1}")
+        label = _regression_label(raw, where)
         if not math.isfinite(label):
-          raise ConfigError(f"{path}: row {row_number + 1}: regression label {raw!r} is not a finite number.")
+          raise ConfigError(f"{where}: regression label {raw!r} is not a finite number.")
       else:
         label = str(raw).lower() if isinstance(raw, bool) else str(raw)
         if not label.strip():
-          raise ConfigError(f"{path}: row {row_number + 1}: the label ({custom.label_column!r}) is empty; give every "
-                            "example its class, or leave the row out.")
+          raise ConfigError(f"{where}: the label ({custom.label_column!r}) is empty; give every example its class, "
+                            "or leave the row out.")
     text_b = str(record[custom.text_b_column]) if custom.text_b_column else None
     group = str(record[custom.group_column]) if grouped else None
-    examples.append(Example(str(record[custom.text_a_column]), text_b, label, row_number, group))
+    examples.append(Example(str(record[custom.text_a_column]), text_b, label, row_number - 1, group))
   return examples
 
 
 def load_custom(custom) -> TaskData:
-  """A task from config.custom: train_file, dev_file (and optional test_file), the column names,
-  kind ("classification" or "regression"), the metrics and optionally the label order."""
+  """A task from config.custom: train_file, dev_file (test_file optional), the column names, kind
+  ("classification" or "regression"), the metrics and optionally the label order."""
   if custom.kind not in ("classification", "regression"):
     raise ConfigError(f"config.custom.kind={custom.kind!r}: use 'classification' or 'regression'.")
   for key in ("train_file", "dev_file"):
@@ -333,8 +315,7 @@ def load_custom(custom) -> TaskData:
 
 
 def check_task_data(data: TaskData) -> None:
-  """Refuses what would otherwise fail late or silently: an empty split, a label outside the task's
-  labels or never seen in training."""
+  """Refuses an empty split and a label outside the task's labels or never seen in training."""
   splits = {"train": data.train, **{f"dev ({k})": v for k, v in data.dev.items()},
             **{f"test ({k})": v for k, v in data.test.items()}}
   for split_name, examples in splits.items():
@@ -377,17 +358,16 @@ def load_task(config) -> TaskData:
 
 
 def truncate_pair(tokens_a: list[int], tokens_b: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
-  """Drops tokens from the end of the longer segment (b on ties) until both fit, as BERT does:
-  a short segment keeps its few, informative tokens. Where that loop ends: a segment shorter than
-  half keeps all, the other takes the rest; two long ones split max_tokens, a taking the odd token."""
+  """What BERT's loop (drop the longer segment's last token, b's on ties, until both fit) ends with:
+  a segment shorter than half keeps all, the other takes the rest; two long ones split max_tokens,
+  a taking the odd token."""
   len_a = min(len(tokens_a), max(max_tokens - len(tokens_b), (max_tokens + 1) // 2))
   return tokens_a[:len_a], tokens_b[:max_tokens - len_a]
 
 
 def pack_pair(tokenizer, tokens_a: list[int], tokens_b: list[int] | None, width: int) -> list[np.ndarray]:
-  """[CLS] a [SEP] (b [SEP]) as int32 [width] input_ids, token_type_ids (1 from b on) and attention_mask:
-  the row layout of classification and SQuAD (question = a, context window = b). Arrays, not lists:
-  Python ints over SQuAD 2.0's training windows would take many times the memory."""
+  """[CLS] a [SEP] (b [SEP]) as int32 [width] input_ids, token_type_ids (1 from b on) and attention_mask
+  (SQuAD: question = a, context window = b); arrays, as Python ints would take many times the memory."""
   ids = [tokenizer.cls_id, *tokens_a, tokenizer.sep_id] + ([] if tokens_b is None else [*tokens_b, tokenizer.sep_id])
   positions = np.arange(width)
   input_ids = np.full(width, tokenizer.pad_id, np.int32)
@@ -401,9 +381,8 @@ PAD_MULTIPLE = 8
 
 
 def encode_examples(examples: Sequence[Example], tokenizer, max_seq_len: int, data: TaskData) -> dict[str, np.ndarray]:
-  """pack_pair's rows truncated to max_seq_len, with labels [n] (int32 ids, or float32 for regression;
-  0 where unlabelled) and the examples' index [n]. The rows are as wide as the longest, rounded up to a
-  multiple of PAD_MULTIPLE (at most max_seq_len): padding is masked out, so it saves compute."""
+  """pack_pair's rows truncated to max_seq_len, labels [n] (int32 ids or float32 regression targets,
+  0 where unlabelled) and index [n]; rows as wide as the longest, rounded up to PAD_MULTIPLE."""
   if max_seq_len < 3:
     raise ConfigError(f"config.max_seq_len={max_seq_len} leaves no room for text; use at least 3.")
   texts_b = [e.text_b for e in examples if e.text_b is not None]
@@ -435,8 +414,7 @@ def prediction_strings(data: TaskData, predictions: np.ndarray) -> list[str]:
 
 
 def write_predictions(path: str, indices: Sequence[int], predictions: Sequence[str]) -> str:
-  """A GLUE submission file (`index<TAB>prediction` after a header), written atomically.
-  GLUE's server wants <Task>.tsv (CoLA.tsv, MNLI-m.tsv, ...) zipped together."""
+  """A GLUE submission file <Task>.tsv (`index<TAB>prediction` after a header), written atomically."""
   lines = ["index\tprediction"] + [f"{int(i)}\t{p}" for i, p in zip(indices, predictions)]
   workdir_files.write_text(path, "\n".join(lines) + "\n")
   return path

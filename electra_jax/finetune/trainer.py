@@ -1,6 +1,6 @@
-"""`run_finetune(config, workdir)`: per seed, train the task from the backbone, evaluate on dev each
-epoch, keep the last (or best) epoch's checkpoint, and write metrics, test predictions and a table
-over seeds. A `tasks.TaskAdapter` supplies the model, features, loss and evaluation (SQuAD's: squad.py)."""
+"""`run_finetune(config, workdir)`: per seed, train from the backbone, evaluate on dev each epoch, keep
+the last (or best) epoch's checkpoint, write metrics and test predictions, and tabulate the seeds.
+A `tasks.TaskAdapter` supplies the model, features, loss and evaluation (SQuAD's: squad.py)."""
 
 from __future__ import annotations
 
@@ -35,18 +35,16 @@ OFFICIAL_EPOCHS = {"rte": 10, "stsb": 10, "squad": 2}
 KEEP_EPOCH = ("last", "best")
 # Keys a finished seed's results do not depend on: a re-run that differs only in them keeps it.
 _NOT_SEED_KEYS = ("seed", "num_seeds", "log_every")
-# Keys added after runs had been finished, with the values that reproduce those runs: a saved
-# config without them reads as having these values, so its finished seeds still match. A dotted
-# name is a key added inside a group that already existed; if that group is listed too, the key
-# goes into the group's value as well.
+# Keys added after runs had been finished, with the values that reproduce those runs: a saved config
+# without them reads as having these values, so its finished seeds still match. A dotted name is a
+# key added inside an existing group (if the group is listed too, its value has the key as well).
 _ADDED_KEYS = {"min_steps": 0, "head": {"pooling": "cls"},
                "select": {"learning_rates": "", "fraction": 0.2, "folds": 1}, "custom.group_column": "",
                "reinit_layers": 0, "select.folds": 1}
 
 
 def _added_key_slots(settings: dict):
-  """(the dict that holds it, its name, its value when added) for each of _ADDED_KEYS whose group
-  `settings` has."""
+  """(its holder dict, name, value when added) for each of _ADDED_KEYS whose group `settings` has."""
   for name, value in _ADDED_KEYS.items():
     group, _, key = name.rpartition(".")
     holder = settings.get(group) if group else settings
@@ -101,9 +99,9 @@ def classification_adapter(config, data: tasks.TaskData, backbone: model_lib.Bac
 
 
 def held_out_rows(groups: list, fraction: float, seed: int, folds: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
-  """[(held-out rows, the rest)] of a training set. folds=1: one share of about `fraction` of the
-  rows, at least one, drawn at random; folds=K: K disjoint shares of about 1/K that cover it.
-  With groups (none None) each share takes whole groups, so no group is on both sides."""
+  """[(held-out rows, the rest)] of a training set: folds=1, one random share of about `fraction`
+  of the rows (at least one); folds=K, K disjoint shares of about 1/K covering it. With groups
+  (none None) each share takes whole groups, so no group is on both sides."""
   rng = np.random.default_rng([seed, 7])
   grouped = all(group is not None for group in groups)
   if grouped:
@@ -143,8 +141,7 @@ def _steps_per_seed(config, features, epochs: int) -> int:
 
 
 def batches(features: dict[str, np.ndarray], batch_size: int, order: np.ndarray | None = None):
-  """Fixed-size batches (one compiled shape): the last one is padded by repeating row 0, with
-  weight 0 so padding neither trains nor counts."""
+  """Fixed-size batches (one compiled shape): the last is padded with row 0 at weight 0."""
   n = _num_examples(features)
   order = np.arange(n) if order is None else order
   for start in range(0, n, batch_size):
@@ -155,9 +152,9 @@ def batches(features: dict[str, np.ndarray], batch_size: int, order: np.ndarray 
 
 
 def _compiled_steps(config, adapter, backbone):
-  """(train_step, predict_step): one compiled step for every seed and learning-rate trial of a run
-  (their splits of train share the model), since only the parameters' structure matters;
-  train_step(params, opt_state, batch, seed_key, step, args) takes optim.schedule_args `args`."""
+  """(train_step, predict_step), compiled once for every seed and learning-rate trial of a run (only
+  the parameters' structure matters); train_step(params, opt_state, batch, seed_key, step, args)
+  takes optim.schedule_args `args`."""
   num_layers = backbone.encoder_config.num_layers
 
   def apply(params, batch, deterministic, rng=None):
@@ -201,11 +198,9 @@ def validate(config) -> None:
   config_lib.check_optimizer(config.optimizer, "the official 1e-4 for Small and Base, 5e-5 for Large")
   if config.keep_epoch not in KEEP_EPOCH:
     raise ConfigError(f"config.keep_epoch={config.keep_epoch!r}: use one of {list(KEEP_EPOCH)}.")
-  if type(config.min_steps) is not int or config.min_steps < 0:  # not a bool either: True is no step count
-    raise ConfigError(f"config.min_steps={config.min_steps!r} must be an int >= 0 (0 = train the epochs alone).")
-  if type(config.reinit_layers) is not int or config.reinit_layers < 0:
-    raise ConfigError(f"config.reinit_layers={config.reinit_layers!r} must be an int >= 0 (0 = keep every "
-                      "pre-trained layer).")
+  for key, zero in (("min_steps", "train the epochs alone"), ("reinit_layers", "keep every pre-trained layer")):
+    if type(config[key]) is not int or config[key] < 0:  # not a bool either: True is no count
+      raise ConfigError(f"config.{key}={config[key]!r} must be an int >= 0 (0 = {zero}).")
   pooling = config.head.pooling
   if pooling not in model_lib.POOLINGS:
     raise ConfigError(f"config.head.pooling={pooling!r}: use one of {list(model_lib.POOLINGS)}.")
@@ -224,9 +219,8 @@ def epochs_for(config) -> int:
 
 
 def resolve_epochs(config, num_train: int) -> int:
-  """The epochs a seed trains: epochs_for(config), raised to ceil(min_steps / steps per epoch)
-  when it gives fewer than config.min_steps optimizer steps (steps per epoch: ceil(num_train /
-  batch_size), the last batch padded)."""
+  """epochs_for(config), raised to ceil(min_steps / steps per epoch) when it gives fewer than
+  config.min_steps optimizer steps (an epoch: ceil(num_train / batch_size) steps)."""
   epochs = epochs_for(config)
   steps_per_epoch = math.ceil(num_train / config.batch_size)
   if config.min_steps and steps_per_epoch and epochs * steps_per_epoch < config.min_steps:
@@ -239,8 +233,7 @@ def resolve_epochs(config, num_train: int) -> int:
 
 
 def _seed_settings(settings: dict) -> dict:
-  """What one seed's results depend on: a config's saved dict less the keys that only pick or log
-  seeds, with _ADDED_KEYS' values where it lacks them."""
+  """What a seed's results depend on: a saved config less _NOT_SEED_KEYS, with _ADDED_KEYS' defaults."""
   settings = copy.deepcopy({key: value for key, value in settings.items() if key not in _NOT_SEED_KEYS})
   for holder, key, value in _added_key_slots(settings):
     holder.setdefault(key, copy.deepcopy(value))
@@ -248,8 +241,8 @@ def _seed_settings(settings: dict) -> dict:
 
 
 def seed_fingerprint(config) -> str:
-  """_seed_settings as a short hash. Added keys at their _ADDED_KEYS values are left out, so the
-  hash equals the one recorded before they existed."""
+  """_seed_settings as a short hash, without added keys at their _ADDED_KEYS values (so the hash
+  equals the one recorded before they existed)."""
   settings = _seed_settings(config_lib.as_saved(config))
   for holder, key, value in list(_added_key_slots(settings)):
     if holder[key] == value:
@@ -271,8 +264,8 @@ def _check_results_of_same_config(config, task_dir: str) -> None:
 
 
 def _finished_seeds(config, task_dir: str, task: str, seeds: list[int]) -> dict[int, dict]:
-  """The seeds a run of this same config already finished here (seed_<s>/metrics.json), kept so an
-  interrupted run goes on where it stopped. Another config's finished seed is refused."""
+  """The seeds this config already finished here (seed_<s>/metrics.json), so an interrupted run goes
+  on where it stopped; another config's finished seed is refused."""
   finished, fingerprint = {}, seed_fingerprint(config)
   for seed in seeds:
     path = os.path.join(task_dir, f"seed_{seed}", "metrics.json")
@@ -298,17 +291,15 @@ def summarize(per_seed: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
 
 
 def format_table(summary) -> str:
-  rows = [(eval_name, metric, s) for eval_name, by_metric in summary.items() for metric, s in by_metric.items()
-          # the score of a one-metric task is that metric; thresholds (SQuAD 2.0's null-odds
-          # cuts) are not fractions and stay in results.json
-          if not (metric == "score" and len(by_metric) == 2) and not metric.endswith("_thresh")]
-  task_w = max([len("task")] + [len(r[0]) for r in rows])
-  metric_w = max([len("metric")] + [len(r[1]) for r in rows])
-  lines = [f"{'task':<{task_w}} {'metric':<{metric_w}} {'mean':>8} {'median':>8} {'best':>8} {'seeds':>5}"]
-  for eval_name, metric, s in rows:
-    lines.append(f"{eval_name:<{task_w}} {metric:<{metric_w}} {100 * s['mean']:8.2f} {100 * s['median']:8.2f} "
-                 f"{100 * s['best']:8.2f} {s['n']:5d}")
-  return "\n".join(lines)
+  # The score of a one-metric task is that metric; thresholds (SQuAD 2.0's null-odds cuts) are not
+  # fractions and stay in results.json.
+  rows = [("task", "metric", "mean", "median", "best", "seeds")] + [
+      (eval_name, metric, *(f"{100 * s[key]:.2f}" for key in ("mean", "median", "best")), str(s["n"]))
+      for eval_name, by_metric in summary.items() for metric, s in by_metric.items()
+      if not (metric == "score" and len(by_metric) == 2) and not metric.endswith("_thresh")]
+  task_w, metric_w = (max(len(row[column]) for row in rows) for column in (0, 1))
+  return "\n".join(f"{task:<{task_w}} {metric:<{metric_w}} {mean:>8} {median:>8} {best:>8} {seeds:>5}"
+                   for task, metric, mean, median, best, seeds in rows)
 
 
 def _run_seed(config, adapter, backbone, seed: int, task_dir: str, epochs: int, steps, progress,
@@ -371,9 +362,9 @@ def _run_seed(config, adapter, backbone, seed: int, task_dir: str, epochs: int, 
 
 
 def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Fine-tunes config.task for config.num_seeds seeds under <workdir>/<task>/; returns (and
-  writes to <workdir>/<task>/results.json) the config, each seed's kept-epoch dev metrics and their
-  summary, and prints the table. Every input check happens before the first step."""
+  """Fine-tunes config.task for config.num_seeds seeds under <workdir>/<task>/, every input checked
+  before the first step; returns (and writes to <task>/results.json) the config, each seed's kept-epoch
+  dev metrics and their summary, and prints the table."""
   validate(config)
   workdir_files.check_usable(workdir)  # before the data and the backbone load
   backbone = model_lib.load_backbone(config)
@@ -427,10 +418,9 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 def _progress_logger(config, epochs: int, pending: list[int]):
-  """progress(seed, epoch, step, total, losses, schedule): a log line every log_every steps, with
-  the learning rate of the latest step, the speed measured from the second step (compiling is not
-  speed) and the ETA over `pending` seeds. The schedule is evaluated only for a line: on the host
-  it costs more than a small model's step."""
+  """progress(seed, epoch, step, total, losses, schedule): a line every log_every steps with the
+  latest learning rate (evaluated only then: on the host it costs more than a small step), the
+  speed from the second step on (compiling is not speed) and the ETA over `pending` seeds."""
   clock = dict(start=None, done=0)
 
   def progress(seed, epoch, step, total, losses, schedule):
@@ -473,15 +463,12 @@ def select_rates(config) -> list[float]:
 
 
 def _select_learning_rate(config, adapter, backbone, task_dir: str, rates: list[float], steps) -> dict:
-  """Fine-tunes seed config.seed at each rate on the rest of train and scores it on a held-out
-  share (select.fraction), or on each of select.folds shares in turn (the mean); dev is not read.
-  Under <task_dir>/select/, where finished trials are kept for a re-run. Returns {"learning_rate":
-  the best, "held_out_scores": {rate: score}}."""
-  folds = config.select.folds
-  splits = []  # (the adapter on the rest of train, its epochs) per held-out share
-  for fit in adapter.split(config.select.fraction, config.seed, folds):
-    splits.append((fit, resolve_epochs(config, _num_examples(fit.train_features))))
-  seed, scores = config.seed, {}
+  """Fine-tunes seed config.seed at each rate on the rest of train and scores it on a held-out share
+  (select.fraction), or the mean over select.folds shares; dev is not read. Trials are kept under
+  <task_dir>/select/ for a re-run. Returns {"learning_rate": the best, "held_out_scores": {rate: score}}."""
+  folds, seed, scores = config.select.folds, config.seed, {}
+  splits = [(fit, resolve_epochs(config, _num_examples(fit.train_features)))  # per held-out share
+            for fit in adapter.split(config.select.fraction, seed, folds)]
   for rate in rates:
     trial = copy.deepcopy(config)
     trial.optimizer.learning_rate, trial.select.learning_rates, trial.keep_epoch = rate, "", "last"
