@@ -21,12 +21,8 @@ import safetensors.numpy
 from electra_jax import models, workdir_files
 from electra_jax.errors import ConfigError
 
-# The transformers classes we read and write, and what each is here.
-ARCHITECTURES = {
-    "ElectraForPreTraining": "discriminator",
-    "ElectraForMaskedLM": "generator",
-    "ElectraModel": "encoder",  # no head: ElectraEncoderModel gives the last hidden states
-}
+# The transformers classes we read and write, and what each is here (ElectraModel has no head).
+ARCHITECTURES = {"ElectraForPreTraining": "discriminator", "ElectraForMaskedLM": "generator", "ElectraModel": "encoder"}
 ARCHITECTURE_OF_KIND = {kind: architecture for architecture, kind in ARCHITECTURES.items()}
 MODEL_CLASSES = {"discriminator": models.ElectraDiscriminatorModel, "generator": models.ElectraGeneratorModel,
                  "encoder": models.ElectraEncoderModel}
