@@ -1,6 +1,5 @@
-"""ELECTRA's networks as Flax Linen modules: embeddings, the BERT encoder and its options, the generator and
-discriminator towers, `ElectraPretrainer` (one embeddings module for both towers) and the standalone towers of
-interop and fine-tuning. Parameters carry logical axis names (partitioning.py)."""
+"""ELECTRA's networks as Flax Linen modules: embeddings, the encoder, the two towers, `ElectraPretrainer` (one
+embeddings module for both) and the standalone towers. Parameters carry logical axis names (partitioning.py)."""
 
 import dataclasses
 import functools
@@ -183,10 +182,8 @@ def ngram_ids(input_ids, buckets: int, position_ids=None):
 
 class Embeddings(EmbeddingSizes):
   """Word + position + token-type (+ hashed bigram) embeddings, LayerNorm and dropout: [batch, seq] -> [batch,
-  seq, E]. ngram_buckets > 0: a table of that many rows, whose rows at ngram_ids are added to each token's
-  (hashed n-gram input embeddings, as N-grammer and the over-tokenized transformer use them), so a token's
-  fit with its neighbours is one lookup away from the first step instead of something attention must learn
-  to find; a call with ngrams=False (the generator) leaves them out."""
+  seq, E]. ngram_buckets > 0: the rows at ngram_ids of a table that large are added to each token's (as in
+  N-grammer); a call with ngrams=False (the generator) leaves them out."""
 
   dropout_rate: float
   layer_norm_eps: float
@@ -246,7 +243,7 @@ def embeddings_for(owner: EmbeddingSizes, embedding_size: int, config: EncoderCo
 
 
 class _Block(nn.Module):
-  """The fields of an encoder block (SelfAttention, EncoderLayer)."""
+  """The fields of SelfAttention and EncoderLayer."""
 
   config: EncoderConfig
   dtype: Dtype
@@ -363,13 +360,17 @@ def _feed_forward(cfg: EncoderConfig, dtype: Dtype, hidden):
   return _dense(cfg.hidden_size, "mlp", "embed", dtype, "output", cfg.use_bias)(inner)
 
 
-class Encoder(nn.Module):
-  """The E->H projection (only when sizes differ), the encoder layers and, for norm="pre", `final_layer_norm`."""
+class _EncoderFields(nn.Module):
+  """The fields of Encoder and of the towers."""
 
   config: EncoderConfig
   embedding_size: int
   dtype: Dtype
   attention_impl: str = "xla"
+
+
+class Encoder(_EncoderFields):
+  """The E->H projection (only when sizes differ), the encoder layers and, for norm="pre", `final_layer_norm`."""
 
   @nn.compact
   def __call__(self, embedded, attention_mask, deterministic: bool):
@@ -385,7 +386,7 @@ class Encoder(nn.Module):
     if cfg.scan_layers:
       scanned = nn.scan(_ScanBody, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
                         in_axes=(nn.broadcast,), length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-      body = scanned(layer, cfg, self.dtype, self.attention_impl, deterministic, name="layers")
+      body = scanned(cfg, self.dtype, self.attention_impl, layer, deterministic, name="layers")
       hidden, _ = body(hidden, attention_mask)
     else:
       for i in range(cfg.num_layers):
@@ -395,15 +396,12 @@ class Encoder(nn.Module):
     return hidden  # [batch, seq, hidden]
 
 
-class _ScanBody(nn.Module):
-  """One encoder layer (`layer`, EncoderLayer or its remat) as the body of nn.scan: (hidden, mask) -> (hidden,
-  None); `deterministic` is a field, as scan would trace a Python bool argument."""
+class _ScanBody(_Block):
+  """`layer` (EncoderLayer or its remat) as nn.scan's body: (hidden, mask) -> (hidden, None); `deterministic`
+  is a field, as scan would trace a Python bool argument."""
 
-  layer: type
-  config: EncoderConfig
-  dtype: Dtype
-  attention_impl: str
-  deterministic: bool
+  layer: type = None
+  deterministic: bool = True
 
   @nn.compact
   def __call__(self, hidden, attention_mask):
@@ -437,13 +435,9 @@ def scan_layers(tree):
   return out
 
 
-class _Tower(nn.Module):
-  """The fields of the towers below (Encoder's, and the encoder both run under tie="all"), and their encoder."""
+class _Tower(_EncoderFields):
+  """A tower's encoder: its own, or the one both towers run under tie="all"."""
 
-  config: EncoderConfig
-  embedding_size: int
-  dtype: Dtype
-  attention_impl: str = "xla"
   shared_encoder: nn.Module | None = None
 
   def _encode(self, embedded, attention_mask, deterministic: bool, name: str = "encoder"):
@@ -606,41 +600,29 @@ def generator_encoder_config(discriminator: EncoderConfig, fraction: float, atte
                              ngram_buckets=0, attention_conv=conv)
 
 
-def _check_attention(config, discriminator: EncoderConfig, cloze: bool) -> None:
+def _check_attention(config, towers: dict[str, EncoderConfig], cloze: bool) -> None:
   """Refuses, before compiling, what the chosen attention kernel cannot take."""
-  m = config.model
-  if m.attention_impl not in ATTENTION_IMPLEMENTATIONS:
-    raise ConfigError(f"model.attention_impl={m.attention_impl!r} is not one of {list(ATTENTION_IMPLEMENTATIONS)}.")
-  if m.attention_impl == "cudnn" and config.train.dtype != "bfloat16":
-    raise ConfigError(f"model.attention_impl='cudnn' runs cuDNN's fused attention, which takes bfloat16 inputs "
-                      f"only, but train.dtype={config.train.dtype!r}: set --config.train.dtype=bfloat16 "
-                      "or model.attention_impl='xla'.")
-  if m.attention_impl in ("cudnn", "splash") and m.attention_dropout_rate > 0:
-    raise ConfigError(
-        f"model.attention_impl={m.attention_impl!r} runs a fused attention kernel, which has no dropout on the "
-        f"attention probabilities, but model.attention_dropout_rate={m.attention_dropout_rate}: set "
-        "--config.model.attention_dropout_rate=0.0 (the fused kernels' usual setting) or model.attention_impl='xla' "
-        "to keep it."
-    )
-  if m.attention_impl == "splash":
-    splash_attention.check_seq_len(config.data.max_seq_len)
-  if m.attention_impl != "cudnn":
+  impl, dropout, seq_len = config.model.attention_impl, config.model.attention_dropout_rate, config.data.max_seq_len
+  if impl == "cudnn" and config.train.dtype != "bfloat16":
+    raise ConfigError(f"model.attention_impl='cudnn' takes bfloat16 inputs only, but train.dtype="
+                      f"{config.train.dtype!r}: set --config.train.dtype=bfloat16 or model.attention_impl='xla'.")
+  if impl in ("cudnn", "splash") and dropout > 0:
+    raise ConfigError(f"model.attention_impl={impl!r} runs a fused kernel without dropout on the attention "
+                      f"probabilities, but model.attention_dropout_rate={dropout}: set "
+                      "--config.model.attention_dropout_rate=0.0, or model.attention_impl='xla' to keep it.")
+  if impl == "splash":
+    splash_attention.check_seq_len(seq_len)
+  if impl != "cudnn":
     return
-  generator = generator_encoder_config(discriminator, m.generator_fraction)
-  for tower, cfg in (("discriminator", discriminator), ("generator", generator)):
+  for tower, cfg in towers.items():
     if cfg.head_dim % 8 or cfg.head_dim > 256:
       raise ConfigError(
           f"model.attention_impl='cudnn' needs a head size that is a multiple of 8 and at most 256 (128 before "
           f"Hopper GPUs), but the {tower}'s is {cfg.head_dim} (hidden {cfg.hidden_size} over {cfg.num_heads} "
-          "heads): change model.hidden_size, model.num_heads or model.generator_fraction, or use "
-          "model.attention_impl='xla'."
-      )
-  if (config.data.pack_rows or cloze) and config.data.max_seq_len % 2:
-    raise ConfigError(
-        f"model.attention_impl='cudnn' with packed rows or Electric trains through cuDNN's masked kernel, which "
-        f"needs an even sequence length, but data.max_seq_len={config.data.max_seq_len}: make it even, or use "
-        "model.attention_impl='xla'."
-    )
+          "heads): change model.hidden_size, num_heads or generator_fraction, or use model.attention_impl='xla'.")
+  if (config.data.pack_rows or cloze) and seq_len % 2:
+    raise ConfigError(f"model.attention_impl='cudnn' with packed rows or Electric needs an even sequence length, "
+                      f"but data.max_seq_len={seq_len}: make it even, or use model.attention_impl='xla'.")
 
 
 def build_model(config) -> ElectraPretrainer:
@@ -661,12 +643,14 @@ def build_model(config) -> ElectraPretrainer:
   if not (type(m.ngram_buckets) is int and m.ngram_buckets >= 0):
     raise ConfigError(f"model.ngram_buckets={m.ngram_buckets!r} must be 0 (no n-gram embeddings) or a number of "
                       "rows such as 262139.")
-  for key, allowed in (("norm", NORMS), ("ffn", FFNS), ("use_bias", (True, False)), ("remat", REMAT_POLICIES)):
+  choices = (("norm", NORMS), ("ffn", FFNS), ("use_bias", (True, False)), ("remat", REMAT_POLICIES),
+             ("attention_impl", ATTENTION_IMPLEMENTATIONS))
+  for key, allowed in choices:
     # `in` alone would take 1 and 0 for True and False.
     if not any(m[key] == value and type(m[key]) is type(value) for value in allowed):
       raise ConfigError(f"model.{key}={m[key]!r} is not one of {list(allowed)}.")
-  _check_attention(config, discriminator, objective.cloze)
   generator = generator_encoder_config(discriminator, m.generator_fraction, m.generator_attention_conv)
+  _check_attention(config, {"discriminator": discriminator, "generator": generator}, objective.cloze)
   return ElectraPretrainer(
       vocab_size=m.vocab_size, embedding_size=m.embedding_size, max_position_embeddings=m.max_position_embeddings,
       type_vocab_size=m.type_vocab_size, generator_config=generator, discriminator_config=discriminator,
@@ -686,8 +670,8 @@ class OneTower(EmbeddingSizes):
 
 
 class _TowerOverEmbeddings(OneTower):
-  """One tower (the subclass's `_tower`) over its own embeddings, for inference, fine-tuning and Hugging Face
-  interop; its parameter tree is the pre-trainer's subtree, name for name."""
+  """The subclass's `_tower` over its own embeddings; its parameter tree is the pre-trainer's subtree, name for
+  name."""
 
   @nn.compact
   def __call__(self, input_ids, attention_mask=None, token_type_ids=None, deterministic: bool = True):
@@ -698,28 +682,24 @@ class _TowerOverEmbeddings(OneTower):
     embedded = embeddings(input_ids, token_type_ids, deterministic)
     tower_class = {"discriminator": Discriminator, "generator": Generator, "encoder": Encoder}[self._tower]
     tower = tower_class(self.config, self.embedding_size, self.dtype, self.attention_impl, name=self._tower)
-    if self._tower == "generator":
-      return tower(embedded, attention_mask, deterministic, embeddings.word_table())
-    return tower(embedded, attention_mask, deterministic)
+    word_table = (embeddings.word_table(),) if self._tower == "generator" else ()
+    return tower(embedded, attention_mask, deterministic, *word_table)
 
 
 class ElectraDiscriminatorModel(_TowerOverEmbeddings):
-  """The discriminator alone, parameters {embeddings, discriminator}: [batch, seq] -> "replaced" logits
-  [batch, seq] float32."""
+  """Parameters {embeddings, discriminator}: [batch, seq] -> "replaced" logits [batch, seq] float32."""
 
   _tower = "discriminator"
 
 
 class ElectraGeneratorModel(_TowerOverEmbeddings):
-  """The generator alone, parameters {embeddings, generator}: [batch, seq] -> vocabulary logits at every
-  position, [batch, seq, vocab] float32."""
+  """Parameters {embeddings, generator}: [batch, seq] -> vocabulary logits [batch, seq, vocab] float32."""
 
   _tower = "generator"
 
 
 class ElectraEncoderModel(_TowerOverEmbeddings):
-  """An encoder without a head, parameters {embeddings, encoder} (the `encoder` subtree of either tower):
-  [batch, seq] -> last hidden states [batch, seq, hidden]."""
+  """No head; parameters {embeddings, encoder} (either tower's `encoder`): [batch, seq] -> [batch, seq, hidden]."""
 
   _tower = "encoder"
 
@@ -754,15 +734,15 @@ def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
   if tower_config.scan_layers:  # standalone towers use the unscanned layout
     tower_config = dataclasses.replace(tower_config, scan_layers=False)
     params = unscan_layers(params)
-  embeddings, tower_params, embedding_size = params["embeddings"], params[tower], pretrainer.embedding_size
+  embeddings, embedding_size = params["embeddings"], pretrainer.embedding_size
+  # The standalone discriminator (and transformers' ElectraForPreTraining) has no MLM head.
+  tower_params = {k: v for k, v in params[tower].items() if not k.startswith("mlm_")}
   if pretrainer.tie == "all":
-    tower_params = {**tower_params, "encoder": params["shared_encoder"]}
-  if tower == "discriminator" and pretrainer.discriminator_mlm_head:
-    # The standalone discriminator (and transformers' ElectraForPreTraining) has no MLM head.
-    tower_params = {k: v for k, v in tower_params.items() if not k.startswith("mlm_")}
-  if tower == "generator" and pretrainer.tie == "none":
-    embeddings, embedding_size = params["generator_embeddings"], pretrainer.generator_embedding_size
-  if tower == "generator" and "ngram_embeddings" in embeddings:  # the n-gram table is the discriminator's alone
+    tower_params["encoder"] = params["shared_encoder"]
+  if tower == "generator":
+    if pretrainer.tie == "none":
+      embeddings, embedding_size = params["generator_embeddings"], pretrainer.generator_embedding_size
+    # The n-gram table is the discriminator's alone.
     embeddings = {k: v for k, v in embeddings.items() if k != "ngram_embeddings"}
   if tower == "discriminator" and pretrainer.tie == "gdes":
     word_table = embeddings["word_embeddings"]["embedding"] + params["discriminator_word_delta"]

@@ -13,8 +13,7 @@ from electra_jax import config_lib, data, models, partitioning, train, workdir_f
 from electra_jax.errors import ConfigError
 from electra_jax.data.tokenizer import SPECIAL_TOKENS
 from electra_jax.data.wordpiece import WordPieceTokenizer
-from electra_jax.interop.hf import check_hf_form, save_hf
-from electra_jax.interop.weight_files import finite_tensor
+from electra_jax.interop.hf import check_hf_form, finite_tensor, save_hf
 
 
 def one_device_setup(config, tokenizer=None):

@@ -2,8 +2,6 @@
 TF1 checkpoint, written as step 0 of a pre-training workdir with its vocabulary and config.json,
 once the towers are checked to share one embedding tree and a derivable generator size."""
 
-from __future__ import annotations
-
 import contextlib
 import copy
 import dataclasses
@@ -168,20 +166,6 @@ def _data_config(pair: ImportedPair, config, workdir: str) -> dict:
           **{key: bool(value) for key, value in recorded.items() if value is not None}}
 
 
-def _check_pair_fills(imported: dict, wanted: dict, config) -> None:
-  """Refuses a recipe whose model has parameters other than the pair's (a tower's own
-  embeddings, a discriminator MLM head, GDES's delta, a shared encoder...)."""
-  if imported == wanted:
-    return
-  name = next(n for n in sorted(set(imported) | set(wanted)) if imported.get(n) != wanted.get(n))
-  raise ConfigError(
-      f"The recipe's model is not the one an imported pair fills: parameter {name!r} is {wanted.get(name, 'absent')} "
-      f"in it but {imported.get(name, 'absent')} in the pair (objective.name={config.objective.name!r}, "
-      f"model.tie={config.model.tie!r}). A generator and discriminator over one embedding tree are what "
-      "objective.name electra, electra_15, two_stage or adversarial train with model.tie='embeddings' (the "
-      "defaults): import with those. Nothing was written.")
-
-
 def write_pretraining_workdir(pair: ImportedPair, config: ml_collections.ConfigDict, workdir: str,
                               embeddings_from: str | None = None) -> dict:
   """Writes <workdir>/config.json (`config` with the model group of the pair, and the pair's
@@ -206,8 +190,17 @@ def write_pretraining_workdir(pair: ImportedPair, config: ml_collections.ConfigD
             "discriminator": pair.discriminator_params["discriminator"]}
   if config.model.scan_layers:  # the recipe trains scanned layers
     params = models.scan_layers(params)
-  # The recipe's model must be the one the pair fills, before anything is written.
-  _check_pair_fills(train.param_shapes(params), one_device_setup(config)[1].param_shapes, config)
+  # The recipe's model must have no parameters but the pair's (no tower's own embeddings, discriminator MLM head,
+  # GDES delta, shared encoder...), before anything is written.
+  imported, wanted = train.param_shapes(params), one_device_setup(config)[1].param_shapes
+  if imported != wanted:
+    name = next(n for n in sorted(set(imported) | set(wanted)) if imported.get(n) != wanted.get(n))
+    raise ConfigError(
+        f"The recipe's model is not the one an imported pair fills: parameter {name!r} is "
+        f"{wanted.get(name, 'absent')} in it but {imported.get(name, 'absent')} in the pair (objective.name="
+        f"{config.objective.name!r}, model.tie={config.model.tie!r}). A generator and discriminator over one "
+        "embedding tree are what objective.name electra, electra_15, two_stage or adversarial train with "
+        "model.tie='embeddings' (the defaults): import with those. Nothing was written.")
   os.makedirs(workdir, exist_ok=True)
   config.data.update(_data_config(pair, config, workdir))
   tokenizer = data.load_tokenizer(config.data)

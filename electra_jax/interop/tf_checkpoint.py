@@ -2,8 +2,6 @@
 tensor bundle's `<prefix>.index` (a LevelDB table of name -> protobuf entry) and its raw
 `<prefix>.data-*` files, mapped onto the standalone towers. Optimizer slots are skipped."""
 
-from __future__ import annotations
-
 import collections
 import os
 import pathlib
@@ -14,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from electra_jax.errors import ConfigError
-from electra_jax.interop import hf, weight_files
+from electra_jax.interop import hf
 
 _TABLE_MAGIC = 0xDB4775248B80FB57
 _FOOTER_SIZE = 48
@@ -156,7 +154,7 @@ class TFCheckpoint:
       raise ConfigError(f"Cannot read the checkpoint data file {path} ({e}).") from e
     if len(raw) != entry.size:
       raise ConfigError(f"{path} is truncated: {name} needs bytes {entry.offset}..{entry.offset + entry.size}.")
-    return weight_files.finite_tensor(name, np.frombuffer(raw, dtype=dtype).reshape(entry.shape).copy(), path)
+    return hf.finite_tensor(name, np.frombuffer(raw, dtype=dtype).reshape(entry.shape).copy(), path)
 
 
 def resolve_prefix(path: str) -> str:
