@@ -333,9 +333,8 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_ov
       return failed, True
     train._hold_workdir(lease)  # noqa: SLF001 (every process stops if another sweep took the folder)
     workdir = run_dir(sweep_dir, run)
-    remaining = sum(unfinished[index - 1:])
-    eta = (f"ETA {config_lib.format_duration(remaining * sum(durations) / len(durations))}" if durations
-           else "ETA after the first trained run")
+    eta = (f"ETA {config_lib.format_duration(sum(unfinished[index - 1:]) * sum(durations) / len(durations))}"
+           if durations else "ETA after the first trained run")
     logging.info("Sweep run %d/%d %s (%s) | %s", index, len(runs), run.name, _label(run.overrides), eta)
     error_file = workdir_files.path(workdir, ERROR_FILE)
     started = time.perf_counter()
@@ -347,8 +346,7 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_ov
       try:
         train.train_and_evaluate(config, workdir, take_over_workdir=take_over)
       except Exception as error:  # noqa: BLE001 (the sweep goes on; the error is kept and reported)
-        # Another sweep that took the folder over owns this run now: write nothing into it, stop.
-        train._hold_workdir(lease)  # noqa: SLF001
+        train._hold_workdir(lease)  # noqa: SLF001 (a sweep that took the folder over owns this run: stop)
         if isinstance(error, ConfigError):  # the user's input: the message says it all
           logging.error("Sweep run %s failed: %s Going on with the next one.", run.name, error)
         else:
@@ -357,8 +355,7 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_ov
         workdir_files.makedirs(workdir)
         workdir_files.write_text(error_file, f"{type(error).__name__}: {error}\n")
         continue
-      reached = _latest_checkpoint(workdir) or 0
-      if reached < config.train.steps or train.sigterm_received():  # SIGTERM: saved and returned
+      if (reached := _latest_checkpoint(workdir) or 0) < config.train.steps or train.sigterm_received():  # SIGTERM
         logging.warning("Sweep run %s stopped at step %d of %d (SIGTERM, a preemption); the sweep stops here. "
                         "Run the same command to go on.", run.name, reached, config.train.steps)
         return failed, True
