@@ -1,6 +1,5 @@
-"""The Python API, for notebooks and scripts: a recipe with overrides, then pre-training,
-evaluation, fine-tuning and export. Each logs its progress to stderr (which notebooks show)
-and returns what the command line prints."""
+"""The Python API, for notebooks and scripts: a recipe with overrides, then pre-training, evaluation,
+fine-tuning and export, each logging its progress to stderr and returning what the CLI prints."""
 
 from collections.abc import Mapping
 
@@ -11,9 +10,8 @@ from electra_jax import config_lib, sweep, train
 
 
 def load_config(recipe: str, overrides: Mapping[str, object] | None = None) -> ml_collections.ConfigDict:
-  """A recipe by name or path (`"demo"`, `"finetune/tiny"`, `"configs/electra_small.py"`, with
-  `:ARG` for recipes that take one) and `{"group.key": value}` overrides, each checked as the
-  command line checks `--config.group.key=value`."""
+  """A recipe by name or path (as sweep.load_recipe) with `{"group.key": value}` overrides, each
+  checked as the command line checks `--config.group.key=value`."""
   written = [(key, value if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else repr(value))
              for key, value in (overrides or {}).items()]
   return sweep.load_recipe(recipe, written)
@@ -38,8 +36,7 @@ def evaluate(workdir: str, step: int | None = None) -> dict[str, float]:
 
 
 def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Fine-tunes as `--mode=finetune` (a configs/finetune recipe, its init_from a pre-training
-  workdir); the results that `<workdir>/<task>/results.json` holds."""
+  """Fine-tunes as `--mode=finetune`; what `<workdir>/<task>/results.json` holds."""
   from electra_jax.finetune import trainer  # noqa: PLC0415 (tfds and SQuAD stay out of pre-training)
 
   _log_progress()
@@ -47,9 +44,7 @@ def finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 def export_hf(workdir: str, out: str, export_generator: bool = False) -> dict[str, str]:
-  """A pre-training workdir's latest checkpoint (its discriminator, and generator if asked) or a
-  fine-tuning workdir's seeds as Hugging Face directories in `out`, as `--mode=export_hf`;
-  {what: directory}."""
+  """A workdir as Hugging Face directories in `out`, as `--mode=export_hf`; {what: directory}."""
   from electra_jax.finetune import export  # noqa: PLC0415 (as finetune)
 
   _log_progress()

@@ -37,9 +37,8 @@ def _checksums(leaves):
 
 
 def checksums(tree: Any) -> dict[str, int]:
-  """Per array of `tree` ('params/embeddings/...'): the sum of its bits weighted by position,
-  modulo 2**32. Integer sums are exact in any order, so the figure does not depend on the
-  sharding or the device count, and a changed value changes it."""
+  """Per array of `tree` ('params/embeddings/...'): the sum of its bits weighted by position, modulo
+  2**32, exact in any order, so independent of sharding and device count."""
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   values = jax.device_get(_checksums([leaf for _, leaf in flat]))
   # The same names for a train state and the plain dicts orbax returns.
@@ -48,7 +47,6 @@ def checksums(tree: Any) -> dict[str, int]:
 
 
 def checkpoints_directory(workdir: str) -> str:
-  """<workdir>/checkpoints; a bucket path (gs://..., the `gcs` extra) stays as it is."""
   return os.fspath(workdir_files.path(workdir, "checkpoints"))
 
 
@@ -56,9 +54,8 @@ class Checkpointer:
 
   def __init__(self, workdir: str, keep: int):
     self.directory = checkpoints_directory(workdir)
-    self._manager = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-    )
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+    self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> Optional[int]:
     return self._manager.latest_step()
@@ -67,15 +64,13 @@ class Checkpointer:
     return sorted(self._manager.all_steps())
 
   def save(self, step: int, state: Any, meta: dict) -> None:
-    """Asynchronous: device arrays are copied before this returns, files written after. The
-    meta records the state's checksums."""
+    """Asynchronous (device arrays are copied before this returns); the meta gets the checksums."""
     meta = dict(meta, checksums=checksums(state))
-    self._manager.save(
-        step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True
-    )
+    args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+    self._manager.save(step, args=args, force=True)
 
   def _read(self, step: int, what: str, read):
-    """read(), or DamagedCheckpoint naming `what` of `step` could not be read and the other steps."""
+    """read(), or DamagedCheckpoint saying `what` of `step` cannot be read."""
     try:
       return read()
     except Exception as error:  # noqa: BLE001 -- whatever orbax raises on a missing or broken file
@@ -93,9 +88,8 @@ class Checkpointer:
     return self._read(step, "meta", lambda: self._manager.restore(step, args=meta)["meta"])
 
   def state_difference(self, step: int, abstract_state: Any) -> tuple[list[str], list[str]]:
-    """(paths the checkpoint lacks, paths only it has) between the train state saved at `step`
-    and `abstract_state`, from the checkpoint's tree metadata (no array is read). Both empty
-    when the structures match; orbax's restore fails with a traceback otherwise."""
+    """(paths the checkpoint at `step` lacks, paths only it has) against `abstract_state`, from its
+    tree metadata (no array is read): orbax's restore would fail with a traceback."""
     saved = self._read(step, "tree metadata", lambda: ocp.StandardCheckpointHandler().metadata(
         epath.Path(self.directory) / str(step) / "state"))
     saved_paths = set(ocp.tree.to_flat_dict(dict(saved)))
@@ -104,9 +98,8 @@ class Checkpointer:
     return sorted(map(name, wanted - saved_paths)), sorted(map(name, saved_paths - wanted))
 
   def restore(self, step: int, abstract_state: Any, meta: dict | None = None) -> Any:
-    """`abstract_state` leaves are ShapeDtypeStructs carrying the target NamedShardings. Raises
-    DamagedCheckpoint when a file cannot be read or an array's checksum differs from the one saved
-    (0.1.0 saved none: its checkpoints are taken as they are)."""
+    """`abstract_state`: ShapeDtypeStructs with the target shardings. DamagedCheckpoint when a file
+    cannot be read or an array's checksum differs from the one saved."""
     recorded = (meta if meta is not None else self.read_meta(step)).get("checksums")
     args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
     state = self._read(step, "arrays", lambda: self._manager.restore(step, args=args)["state"])
@@ -118,9 +111,8 @@ class Checkpointer:
     return state
 
   def restore_newest_intact(self, abstract_state: Any, at_most: int, check=None) -> tuple[int, Any, dict]:
-    """(step, state, meta) of the newest step up to `at_most` that restores intact; each damaged
-    step is named in a warning and skipped. `check(step, meta)` may refuse a step before its
-    arrays are read (its errors pass through). Raises DamagedCheckpoint when none is intact."""
+    """(step, state, meta) of the newest step up to `at_most` that restores intact, each damaged one
+    skipped with a warning; `check(step, meta)` may refuse a step before its arrays are read."""
     damaged = []
     for step in sorted((s for s in self.all_steps() if s <= at_most), reverse=True):
       try:
@@ -135,14 +127,12 @@ class Checkpointer:
       if damaged:
         logging.warning("Using the checkpoint at step %d, the newest intact one (damaged: %s).", step, damaged)
       return step, state, meta
-    raise DamagedCheckpoint(
-        f"No intact checkpoint in {self.directory}: steps {damaged} are damaged (the warnings above "
-        "say how). Restore them from a copy, or move them away to start over."
-    )
+    raise DamagedCheckpoint(f"No intact checkpoint in {self.directory}: steps {damaged} are damaged (the warnings "
+                            "above say how). Restore them from a copy, or move them away to start over.")
 
   def set_aside_after(self, step: int, rename: bool = True) -> None:
-    """Renames every step after `step` to <step>.damaged, where a resume from `step` would save over
-    it, keeping the files; `rename=False` (processes other than the first) only forgets them."""
+    """Renames every step after `step` (a resume from `step` would save over it) to <step>.damaged;
+    `rename=False` (processes other than the first) only forgets them."""
     later = [s for s in self.all_steps() if s > step]
     for s in later if rename else ():
       source = epath.Path(self.directory) / str(s)

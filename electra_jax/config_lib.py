@@ -17,8 +17,8 @@ DTYPES = ("float32", "bfloat16")
 
 
 def sibling(config_file: str, name: str):
-  """Imports configs/<name>.py next to `config_file`, wherever the command runs from (config_flags
-  loads a recipe by path, so `from configs import base` would need the repository on sys.path)."""
+  """Imports <name>.py beside `config_file`, wherever the command runs from (a recipe is loaded by
+  path, so `from configs import base` would need the repository on sys.path)."""
   path = os.path.join(os.path.dirname(os.path.abspath(config_file)), f"{name}.py")
   spec = importlib.util.spec_from_file_location(f"electra_jax_configs_{name}", path)
   module = importlib.util.module_from_spec(spec)
@@ -27,8 +27,8 @@ def sibling(config_file: str, name: str):
 
 
 def missing_key(error: BaseException) -> tuple[str, str]:
-  """(key, hint) from the error ml_collections raises for an absent key, which nests the text
-  (an AttributeError around a KeyError around "'key'\nDid you mean ...")."""
+  """(key, hint) from ml_collections' error for an absent key: an AttributeError around a KeyError
+  around "'key'\nDid you mean ..."."""
   message = error
   while isinstance(message, BaseException) and message.args:
     message = message.args[0]
@@ -37,9 +37,9 @@ def missing_key(error: BaseException) -> tuple[str, str]:
 
 
 def flags_parser(program: str):
-  """`app.run(main, flags_parser=config_lib.flags_parser("name"))` for scripts with --config:
-  absl's flag parsing, where a mistake in the config flags ends with one line instead of a
-  traceback (a recipe's own ConfigError, an override without --config, or of an absent key)."""
+  """`app.run(main, flags_parser=config_lib.flags_parser("name"))`: absl's flag parsing, where a
+  mistake in the config flags (a recipe's ConfigError, an override of an absent key, or without
+  --config) ends in one line instead of a traceback."""
   return lambda argv: _parse_flags(argv, program)
 
 
@@ -57,11 +57,8 @@ def _parse_flags(argv: list[str], program: str) -> list[str]:
     if refused is not None:
       sys.exit(f"{program}: error: {refused}")
     if isinstance(error, flags.UnrecognizedFlagError) and error.flagname.startswith("config."):
-      sys.exit(
-          f"{program}: error: --{error.flagname} changes a recipe, but no --config was given. To change the "
-          "config.json of an existing workdir, pass --config=configs/workdir.py:DIR (DIR = the workdir) with "
-          "the overrides."
-      )
+      sys.exit(f"{program}: error: --{error.flagname} changes a recipe, but no --config was given. To change the "
+               "config.json of a workdir, pass --config=configs/workdir.py:DIR (DIR = the workdir) with the overrides.")
     sys.stderr.write(f"FATAL Flags parsing error: {error}\nPass --helpshort or --helpfull to see help on flags.\n")
     sys.exit(1)
   except (AttributeError, KeyError) as error:  # ml_collections: an override of a key the config lacks
@@ -70,12 +67,9 @@ def _parse_flags(argv: list[str], program: str) -> list[str]:
     named = [flag for flag in overrides if key in flag.split(".")[1:]]
     if not named:
       raise
-    # main's --config parser knows which base lists the keys of the recipe it loaded.
-    listing = getattr(flags.FLAGS["config"].parser, "listing", "configs/base.py")
-    sys.exit(
-        f"{program}: error: {named[0]}: the config has no key {key!r}. {hint + ' ' if hint else ''}"
-        f"{listing} lists every key with its default."
-    )
+    listing = getattr(flags.FLAGS["config"].parser, "listing", "configs/base.py")  # main's parser sets it
+    sys.exit(f"{program}: error: {named[0]}: the config has no key {key!r}. {hint + ' ' if hint else ''}"
+             f"{listing} lists every key with its default.")
 
 
 def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -90,8 +84,7 @@ def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
   return changes
 
 
-# The recipes: electra_jax/configs in an installed wheel, configs/ beside the package in a
-# checkout (or an editable install). configs/base.py holds the default of every pre-training key.
+# The recipes: electra_jax/configs in an installed wheel, configs/ beside the package in a checkout.
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _PACKAGED_RECIPES = os.path.join(_PACKAGE_DIR, "configs")
 RECIPES_DIR = (_PACKAGED_RECIPES if os.path.isdir(_PACKAGED_RECIPES)
@@ -100,9 +93,9 @@ _BASE_RECIPE = os.path.join(RECIPES_DIR, "base.py")
 
 
 def resolve_recipe(value: str) -> str:
-  """--config's value with a recipe's name (`demo`, `finetune/glue`, `configs/demo.py` from
-  another directory) made the path of that recipe in RECIPES_DIR; anything after a ":" is kept
-  (it goes to the recipe's get_config). A path that exists, or names no recipe, is returned as is."""
+  """--config's value with a recipe's name (`demo`, `finetune/glue`, `configs/demo.py` from another
+  directory) made its path in RECIPES_DIR, keeping any ":ARG"; a path that exists, or names no
+  recipe, is returned as is."""
   recipe, colon, rest = value.partition(":")
   if "://" in value or os.path.exists(recipe):
     return value
@@ -112,8 +105,8 @@ def resolve_recipe(value: str) -> str:
 
 
 def with_defaults(saved: dict) -> ml_collections.ConfigDict:
-  """A saved config (a config.json's dict) completed with configs/base.py's defaults, at any
-  depth, so code reads every key directly. Without configs/base.py the saved keys are all there is."""
+  """A saved config (a config.json's dict) completed at any depth with configs/base.py's defaults
+  (when there is one), so code reads every key directly."""
   def merged_over(defaults: dict, saved: dict) -> dict:
     merged = dict(defaults)
     for key, value in saved.items():
@@ -141,9 +134,8 @@ def saved_config(workdir: str) -> dict | None:
 
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
-  """The resolved config a training run saved as <workdir>/config.json (see saved_config)."""
-  saved = saved_config(workdir)
-  if saved is None:
+  """The config a training run saved as <workdir>/config.json (see saved_config)."""
+  if (saved := saved_config(workdir)) is None:
     raise ConfigError(f"{workdir} has no config.json, so it is not a pre-training workdir; pass the --workdir a "
                       "training run wrote (or give --config).")
   return ml_collections.ConfigDict(saved)
@@ -153,17 +145,13 @@ _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\
 
 
 def parse_duration(text: str, key: str = "train.time_budget") -> float:
-  """Seconds in a duration such as "90s", "12m", "4h", "1h30m" or "1.5h" (hours, minutes and
-  seconds in that order, each at most once). Raises ConfigError naming `key` otherwise."""
+  """Seconds in a duration such as "90s", "12m", "4h", "1h30m" or "1.5h"; else ConfigError naming `key`."""
   match = _DURATION.fullmatch(text.strip().lower())
   if not text.strip() or match is None:
-    raise ConfigError(
-        f"{key}={text!r} is not a duration: write hours, minutes and seconds in that order, "
-        'e.g. "90s", "12m", "4h" or "1h30m" ("" = no budget).'
-    )
+    raise ConfigError(f"{key}={text!r} is not a duration: write hours, minutes and seconds in that order, "
+                      'e.g. "90s", "12m", "4h" or "1h30m" ("" = no budget).')
   hours, minutes, seconds = (float(part or 0) for part in match.groups())
-  total = 3600 * hours + 60 * minutes + seconds
-  if total <= 0:
+  if (total := 3600 * hours + 60 * minutes + seconds) <= 0:
     raise ConfigError(f"{key}={text!r} is no time at all: give a positive duration, or \"\" for no budget.")
   return total
 
@@ -201,8 +189,8 @@ _BELOW_1, _FRACTION = ("in [0, 1)", lambda v: 0 <= v < 1), ("in [0, 1]", lambda 
 
 
 def _check_bounds(config, bounds, prefix: str = "") -> None:
-  """Raises ConfigError for the first (key, bound, test, meaning) of `bounds` whose value fails
-  its test; `key` may be dotted, `prefix` is how the user spells the group."""
+  """ConfigError for the first (dotted key, bound, test, meaning) of `bounds` whose value fails its
+  test; `prefix` is how the user spells the group."""
   for key, bound, within, meaning in bounds:
     value = functools.reduce(lambda group, name: group[name], key.split("."), config)
     if not within(value):
@@ -210,8 +198,8 @@ def _check_bounds(config, bounds, prefix: str = "") -> None:
 
 
 def check_encoder_sizes(m, keys, prefix: str, why: str) -> None:
-  """Refuses, by name, a size in `keys` of model config `m` below 1, or heads that do not
-  divide the hidden size (`prefix` is how the user spells the group, `why` ends the line)."""
+  """Refuses by name a size in `keys` of model config `m` below 1, or heads that do not divide the
+  hidden size (`why` ends the line)."""
   _check_bounds(m, [(key, *_AT_LEAST_1, why) for key in keys], prefix)
   if m.hidden_size % m.num_heads:
     raise ConfigError(f"{prefix}hidden_size={m.hidden_size} is not divisible by {prefix}num_heads={m.num_heads}. "
@@ -219,15 +207,13 @@ def check_encoder_sizes(m, keys, prefix: str, why: str) -> None:
 
 
 def check_finite(config: ml_collections.ConfigDict, prefix: str = "") -> None:
-  """Every float in the config is a number: range checks written as `not 0 < x < 1` would let
-  NaN through, and `x > 0` lets inf through."""
+  """Every float in the config is finite (`x > 0` lets inf through, and NaN fails every comparison)."""
   for key, value in config.items():
     name = f"{prefix}{key}"
     if isinstance(value, ml_collections.ConfigDict):
       check_finite(value, name + ".")
     elif isinstance(value, float) and not math.isfinite(value):
-      raise ConfigError(
-          f"{name}={value} is not a finite number; give a finite value (configs/base.py has the default).")
+      raise ConfigError(f"{name}={value} is not a finite number; give a finite one (configs/base.py has the default).")
 
 
 def check_optimizer(o: ml_collections.ConfigDict, typical_lr: str) -> None:
@@ -274,15 +260,13 @@ _BOUNDS = (
     ("objective.temperature_decay_fraction", *_FRACTION, " (the share of train.steps over which the temperature "
      "falls from objective.initial_temperature to objective.temperature; 0 = no schedule)"),
 )
-# The built-in corpus with another source's location set is a forgotten data.source: the run
-# would train on the standard library's text instead of the corpus named. (key, the source that reads it)
+# (key, the source that reads it): set with the built-in corpus, it is a forgotten data.source.
 _SOURCE_KEYS = (("files", "text' (or 'jsonl"), ("prepared_dir", "prepared"), ("tfds_name", "tfds"),
                 ("hf_path", "hf_datasets"))
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
-  """Checks that need no devices and no data, group by group; raises ConfigError naming the key
-  and the fix."""
+  """The checks that need no devices and no data; ConfigError naming the key and the fix."""
   # Here, not at the top: recipes import this module, and reading a recipe should not import jax.
   from electra_jax import models, objectives, splash_attention, tensorboard_log  # noqa: PLC0415
 
@@ -303,16 +287,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
     splash_attention.check_seq_len(d.max_seq_len)
   for key, source in _SOURCE_KEYS:
     if d.source == "builtin" and d[key]:
-      raise ConfigError(
-          f"data.{key}={d[key]!r} is set, but data.source='builtin' (the standard library's text) does not read "
-          f"it. Add --config.data.source='{source}' to train on it, or drop data.{key}."
-      )
+      raise ConfigError(f"data.{key}={d[key]!r} is set, but data.source='builtin' (the standard library's text) "
+                        f"does not read it. Add --config.data.source='{source}' to train on it, or drop data.{key}.")
   if d.eval_fraction == 0 and config.eval.every_steps > 0 and d.source != "prepared":
-    raise ConfigError(
-        f"data.eval_fraction=0 holds out no documents, but eval.every_steps={config.eval.every_steps} "
-        "evaluates on them. Set --config.eval.every_steps=0 to train without held-out evaluation, "
-        "or data.eval_fraction > 0 (e.g. 0.02)."
-    )
+    raise ConfigError(f"data.eval_fraction=0 holds out no documents, but eval.every_steps={config.eval.every_steps} "
+                      "evaluates on them. Set --config.eval.every_steps=0, or data.eval_fraction > 0 (e.g. 0.02).")
   if t.dtype not in DTYPES:
     raise ConfigError(f"train.dtype={t.dtype!r} is not one of {DTYPES}.")
   # train.batch_size=-1 is resolved by train.prepare to the largest batch that fits (memory.py).
@@ -328,19 +307,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
   check_optimizer(config.optimizer, "ELECTRA-Small uses 5e-4, Base 2e-4")
   objectives.check_config(config)
   check_finite(config)  # after the checks above, whose messages say more where they apply
-  # The model's own refusals (attention implementation, remat policy, cuDNN's shapes): it is
-  # only described here, nothing is initialized.
+  # The model's own refusals (attention implementation, remat policy, cuDNN's shapes); nothing is initialized.
   models.build_model(config)
 
 
 def validate_for_mesh(config: ml_collections.ConfigDict, batch_shards: int) -> None:
   """The global batch (and each micro-batch) must split evenly over the data axes."""
   t = config.train
-  micro_batch = t.batch_size // t.grad_accum_steps
-  if micro_batch % batch_shards:
-    raise ConfigError(
-        f"train.batch_size={t.batch_size} (micro-batch {micro_batch} with train.grad_accum_steps="
-        f"{t.grad_accum_steps}) is not divisible by the {batch_shards} batch shards "
-        f"(mesh.data * mesh.fsdp). Use a batch size that is a multiple of "
-        f"{batch_shards * t.grad_accum_steps}, or change the mesh."
-    )
+  if (micro_batch := t.batch_size // t.grad_accum_steps) % batch_shards:
+    raise ConfigError(f"train.batch_size={t.batch_size} (micro-batch {micro_batch} with train.grad_accum_steps="
+                      f"{t.grad_accum_steps}) is not divisible by the {batch_shards} batch shards (mesh.data * "
+                      f"mesh.fsdp). Use a multiple of {batch_shards * t.grad_accum_steps}, or change the mesh.")

@@ -18,16 +18,14 @@ def _multi_host_environment() -> Optional[str]:
   (launch/tpu_vm.py sets ELECTRA_JAX_DISTRIBUTED=auto; GKE sets TPU_WORKER_HOSTNAMES)."""
   if os.environ.get("ELECTRA_JAX_DISTRIBUTED", "").lower() == "auto":
     return "ELECTRA_JAX_DISTRIBUTED=auto (JAX's own cluster detection)"
-  # A task of an srun step: the variables JAX's SLURM detection reads. SLURM_NTASKS alone is
-  # also set in an salloc shell or the batch script, where no peers will join.
+  # A task of an srun step (SLURM_NTASKS alone is also set in an salloc shell, where no peers join).
   slurm_step = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
   if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and all(name in os.environ for name in slurm_step):
     return "SLURM"
   if "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
     return "a multi-host TPU slice on GKE"
-  # The same command started on every worker of a TPU VM slice (gcloud ... ssh --worker=all):
-  # no variable says "several hosts", the metadata server's worker-network-endpoints (which
-  # jax.distributed.initialize reads too) does. Asked only where TPU chips are.
+  # A TPU VM slice's workers (gcloud ... ssh --worker=all): only the metadata server says there are
+  # several, in worker-network-endpoints (which JAX reads too). Asked only where TPU chips are.
   if not xla_flags.tpu_chips_present():
     return None
   host = os.environ.get("GCE_METADATA_IP", "metadata.google.internal")
@@ -53,30 +51,24 @@ def _from_env(value, name: str):
 
 def initialize(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
                process_id: Optional[int] = None) -> None:
-  """Call once, first. Explicit arguments win; then ELECTRA_JAX_COORDINATOR_ADDRESS,
-  ELECTRA_JAX_NUM_PROCESSES and ELECTRA_JAX_PROCESS_ID; then ELECTRA_JAX_DISTRIBUTED=auto,
-  SLURM or GKE TPU detection."""
+  """Call once, first. The arguments, else the ELECTRA_JAX_* variables, else JAX's detection of
+  the scheduler (_multi_host_environment)."""
   coordinator_address = coordinator_address or os.environ.get("ELECTRA_JAX_COORDINATOR_ADDRESS") or None
   num_processes = _from_env(num_processes, "ELECTRA_JAX_NUM_PROCESSES")
   process_id = _from_env(process_id, "ELECTRA_JAX_PROCESS_ID")
   explicit = (coordinator_address, num_processes, process_id)
   if any(value is not None for value in explicit):
     if any(value is None for value in explicit):
-      raise ConfigError(
-          f"A multi-process run needs all of coordinator_address={coordinator_address!r}, "
-          f"num_processes={num_processes!r} and process_id={process_id!r} (flags "
-          "--coordinator_address/--num_processes/--process_id or ELECTRA_JAX_* variables)."
-      )
+      raise ConfigError(f"A multi-process run needs all of coordinator_address={coordinator_address!r}, "
+                        f"num_processes={num_processes!r} and process_id={process_id!r} (flags "
+                        "--coordinator_address/--num_processes/--process_id or ELECTRA_JAX_* variables).")
     if not 0 <= process_id < num_processes:
       raise ConfigError(f"process_id={process_id} must be in [0, num_processes={num_processes}).")
     host, _, port = coordinator_address.rpartition(":")
     if not host or not port.isdigit():
-      raise ConfigError(
-          f"coordinator_address={coordinator_address!r} must be HOST:PORT, e.g. 10.0.0.2:1234 "
-          "(process 0's address and a free port every process can reach)."
-      )
-    # Cross-process collectives of the CPU backend (local multi-process runs and tests) go
-    # through gloo; the setting touches nothing on GPU or TPU backends.
+      raise ConfigError(f"coordinator_address={coordinator_address!r} must be HOST:PORT, e.g. 10.0.0.2:1234 "
+                        "(process 0's address and a free port every process can reach).")
+    # The CPU backend's cross-process collectives (local runs, tests); GPU and TPU ignore it.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
   elif (scheduler := _multi_host_environment()) is not None:

@@ -9,8 +9,7 @@ import time
 
 from electra_jax import xla_flags
 
-# Before anything starts JAX's backends; run as the program (not imported), it may restart the
-# process once with glibc settings for CPU training (xla_flags.malloc_tunables).
+# Before JAX starts; run as the program, it may restart the process with glibc's settings for CPU training.
 xla_flags.apply_cpu_defaults(restart=__name__ == "__main__" or os.path.basename(sys.argv[0]) == "electra-jax")
 
 import flax  # noqa: E402
@@ -25,8 +24,8 @@ from electra_jax.errors import ConfigError  # noqa: E402
 
 
 class _RecipeParser(ConfigFileFlagParser):
-  """--config's parser: a recipe's file, or its name (`demo`, `finetune/glue`) from any directory.
-  A value that names no recipe is refused in one line before anything is loaded."""
+  """--config's parser: a recipe's file, or its name (`demo`, `finetune/glue`) from any directory;
+  a value that names no recipe is refused in one line."""
 
   listing = "configs/base.py"  # the file that lists every key of the loaded recipe
 
@@ -34,17 +33,13 @@ class _RecipeParser(ConfigFileFlagParser):
     path = config_lib.resolve_recipe(path)
     recipe = path.split(":", 1)[0]
     if recipe.endswith(".json"):
-      raise ConfigError(
-          f"--config={path} is a JSON file; --config takes a recipe (a .py file with get_config()). To "
-          "continue a workdir with its config.json, pass --workdir=DIR alone, or --config=configs/workdir.py:DIR "
-          "with overrides."
-      )
+      raise ConfigError(f"--config={path} is a JSON file; --config takes a recipe (a .py file with get_config()). "
+                        "To continue a workdir, pass --workdir=DIR alone, or --config=configs/workdir.py:DIR with "
+                        "overrides.")
     if not os.path.isfile(recipe):
-      raise ConfigError(
-          f"--config={path}: {recipe} is {'a directory' if os.path.isdir(recipe) else 'not a file'}, and no "
-          "recipe has that name. Give a recipe file or a recipe's name, e.g. demo or finetune/glue "
-          f"({config_lib.RECIPES_DIR} lists them)."
-      )
+      raise ConfigError(f"--config={path}: {recipe} is {'a directory' if os.path.isdir(recipe) else 'not a file'}, "
+                        "and no recipe has that name. Give a recipe file or a recipe's name, e.g. demo or "
+                        f"finetune/glue ({config_lib.RECIPES_DIR} lists them).")
     config = super().parse(path)
     if "init_from" in config:
       self.listing = "configs/finetune/base.py"
@@ -126,8 +121,8 @@ _DATA_CONFIG = "--config (a recipe with the data.* settings of the corpus)."
 _IMPORT_CONFIG = ("--config: the recipe whose training, data and mesh settings the workdir will use (its model "
                   "sizes and vocabulary come from the weights).")
 _HF_PAIR = "--hf_discriminator=DIR and --hf_generator=DIR."
-# The flags a mode needs beyond --workdir, checked in order: (flag names, any one of which will
-# do; what "--mode=M needs" is followed by when none is given).
+# The flags a mode needs beyond --workdir, in order: (flag names, any one of which will do; what
+# "--mode=M needs" is followed by when none is given).
 _NEEDS = {
     "prepare_data": (("config", _DATA_CONFIG),),
     "train_tokenizer": (("config", _DATA_CONFIG), ("out", "--out=PATH (the model file to write).")),
@@ -145,8 +140,8 @@ _SUMMARY_METRICS = ("loss", "masked_lm_accuracy", "disc_auc", "disc_precision", 
 
 
 def end_summary(config, metrics: dict, workdir: str, seconds: float) -> str:
-  """The end of a training run: wall time, tokens, the last logged train metrics and the last
-  held-out evaluation side by side, and where the files are."""
+  """The end of a training run: wall time, tokens, the last train and held-out metrics side by
+  side, and where the files are."""
   step = int(metrics["step"])
   rows = [("train (last log window)", metrics)]
   held_out = workdir_files.last_record(workdir_files.path(workdir, "eval_metrics.jsonl"))
@@ -174,27 +169,21 @@ def _quiet_libraries(record) -> bool:
 
 
 def _check_flags(mode: str, config) -> None:
-  """The flags `mode` needs, and a recipe of its kind: a fine-tuning one (it has init_from) for
-  --mode=finetune, a pre-training one for the modes that train or read data."""
+  """The flags `mode` needs, and a recipe of its kind: a fine-tuning one (with init_from) for
+  --mode=finetune, a pre-training one for the others that read one."""
   if config is not None and mode not in ("plot", "sweep_report"):
     if "init_from" in config and mode != "finetune":
-      raise ConfigError(
-          f"--config is a fine-tuning recipe (configs/finetune/), but --mode={mode} takes a pre-training one "
-          "(configs/demo.py, configs/electra_small.py, ...). To fine-tune, add --mode=finetune."
-      )
+      raise ConfigError(f"--config is a fine-tuning recipe (configs/finetune/), but --mode={mode} takes a pre-training "
+                        "one (configs/demo.py, configs/electra_small.py, ...). To fine-tune, add --mode=finetune.")
     if mode == "finetune" and "init_from" not in config:
-      raise ConfigError(
-          "--mode=finetune takes a fine-tuning recipe (configs/finetune/glue.py, squad.py, custom.py or tiny.py; "
-          "the pre-training workdir goes in --config.init_from), but --config is a pre-training recipe."
-      )
+      raise ConfigError("--mode=finetune takes a fine-tuning recipe (configs/finetune/glue.py, squad.py, custom.py "
+                        "or tiny.py; the pre-training workdir goes in --config.init_from), but --config is a "
+                        "pre-training one.")
   # In a multi-process job the processes other than 0 could not even address the device they restore to.
   if mode in ("finetune", "export_hf", "import_hf", "import_tf") and jax.process_count() > 1:
-    raise ConfigError(
-        f"--mode={mode} runs in one process, but this is process {jax.process_index()} of "
-        f"{jax.process_count()}. Start it once, without the multi-process settings "
-        "(--coordinator_address/--num_processes/--process_id, ELECTRA_JAX_* variables, "
-        "ELECTRA_JAX_DISTRIBUTED, or srun), e.g. on one host of the slice."
-    )
+    raise ConfigError(f"--mode={mode} runs in one process, but this is process {jax.process_index()} of "
+                      f"{jax.process_count()}. Start it once, without the multi-process settings (flags, "
+                      "ELECTRA_JAX_* variables, or srun), e.g. on one host of the slice.")
   if mode not in ("prepare_data", "train_tokenizer") and FLAGS.workdir is None:
     raise ConfigError(f"--mode={mode} needs --workdir.")
   for names, what in _NEEDS.get(mode, ()):
@@ -215,15 +204,13 @@ def main(argv):
                  "ELECTRA_JAX_XLA_DEFAULTS=0 turns it off).", xla_flags.HUGE_PAGES)
   mode, config, workdir, out = FLAGS.mode, FLAGS.config, FLAGS.workdir, FLAGS.out
   try:
-    # First, before anything touches the devices. TPU VM slices and SLURM need no flags.
+    # Before anything touches the devices.
     distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     _check_flags(mode, config)
     if mode == "train":
       if config is None and not workdir_files.exists(workdir_files.path(workdir, "config.json")):
-        raise ConfigError(
-            "--mode=train needs --config (a recipe, e.g. configs/demo.py), unless --workdir already holds a "
-            "config.json to continue with."
-        )
+        raise ConfigError("--mode=train needs --config (a recipe, e.g. configs/demo.py), unless --workdir already "
+                          "holds a config.json to continue with.")
       config = config or config_lib.load_workdir_config(workdir)
       started = time.perf_counter()
       metrics = train.train_and_evaluate(config, workdir, take_over_workdir=FLAGS.take_over_workdir)
@@ -248,19 +235,15 @@ def main(argv):
       pair = (interop.pair_from_hf(FLAGS.hf_discriminator, FLAGS.hf_generator) if mode == "import_hf"
               else interop.pair_from_tf(FLAGS.tf_checkpoint, FLAGS.vocab_file, FLAGS.tf_num_heads))
       summary = interop.write_pretraining_workdir(pair, config, workdir, FLAGS.hf_embeddings_from)
-      print(
-          f"Imported {pair.source} ({summary['num_params']:,} parameters, generator_fraction="
-          f"{summary['generator_fraction']:.4g}) as step 0 of {summary['workdir']}; vocabulary "
-          f"{summary['vocab_file']}.\nContinue pre-training with: electra-jax --workdir={summary['workdir']}"
-      )
+      print(f"Imported {pair.source} ({summary['num_params']:,} parameters, generator_fraction="
+            f"{summary['generator_fraction']:.4g}) as step 0 of {summary['workdir']}; vocabulary "
+            f"{summary['vocab_file']}.\nContinue pre-training with: electra-jax --workdir={summary['workdir']}")
     elif mode == "prepare_data":
       manifest = data.prepare_data(config.data, num_workers=FLAGS.workers)
       totals = manifest["totals"]
-      print(
-          f"Prepared {len(manifest['shards'])} shards in {config.data.prepared_dir}: "
-          f"{totals['train_examples']} train / {totals['eval_examples']} eval examples, "
-          f"{totals['train_tokens']} train tokens. Train with --config.data.source=prepared."
-      )
+      print(f"Prepared {len(manifest['shards'])} shards in {config.data.prepared_dir}: {totals['train_examples']} "
+            f"train / {totals['eval_examples']} eval examples, {totals['train_tokens']} train tokens. Train with "
+            "--config.data.source=prepared.")
     elif mode == "train_tokenizer":
       info = data.train_tokenizer(config.data, out)
       print(f"Wrote {info['path']} ({info['vocab_size']} pieces, fingerprint {info['fingerprint']}); "
@@ -294,8 +277,7 @@ def main(argv):
     sys.exit(f"electra-jax: error: {error}")
 
 
-# The flags `--help` shows (absl shows the key flags of the program's main module, which for the
-# console script is a stub of pip's).
+# The flags `--help` shows (absl shows the main module's key flags: for the console script, pip's stub).
 _KEY_FLAGS = ("mode", "config", "workdir", "out", "step", "take_over_workdir", "version")
 
 

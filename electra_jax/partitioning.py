@@ -15,8 +15,8 @@ from electra_jax.errors import ConfigError
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
-# Logical name -> mesh axis, in priority order: activations (act_*), then parameters. A mesh axis is used at
-# most once per array; a later logical axis that wants an already used mesh axis stays replicated.
+# Logical name -> mesh axis, activations (act_*) first. A mesh axis is used at most once per array: a
+# later logical axis that wants one already used stays replicated.
 LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
     ("act_batch", BATCH_AXES), ("act_len", None), ("act_embed", None),
     ("vocab", "tensor"), ("heads", "tensor"), ("mlp", "tensor"), ("embed", "fsdp"),
@@ -74,9 +74,8 @@ def _undivided(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh):
 
 
 def partition_specs(boxed_tree, mesh):
-  """Mesh PartitionSpecs for a tree from `jax.eval_shape(init)`: leaves annotated with logical names follow
-  the rules table, except a dimension its mesh axes do not divide (e.g. one generator head over tensor=2);
-  that, and everything unannotated (step counters, scalars), is replicated."""
+  """Mesh PartitionSpecs for a tree from `jax.eval_shape(init)` by the rules table; a dimension its mesh
+  axes do not divide (one generator head over tensor=2), and everything unannotated, is replicated."""
   mesh_specs = nn.logical_to_mesh(nn.get_partition_spec(boxed_tree), LOGICAL_AXIS_RULES)
 
   def fit(spec, leaf):
@@ -88,8 +87,8 @@ def partition_specs(boxed_tree, mesh):
 
 
 def unsharded_dimensions(boxed_tree, mesh, min_elements: int = 2**20) -> list[str]:
-  """One line per array of at least `min_elements` with a dimension its rules' mesh axes do not divide,
-  so replicated (e.g. a 30522-word table over tensor=4: every device holds it and its optimizer moments)."""
+  """One line per array of at least `min_elements` replicated because its rules' mesh axes do not divide
+  a dimension (a 30522-word table over tensor=4: every device holds it and its optimizer moments)."""
   mesh_specs = nn.logical_to_mesh(nn.get_partition_spec(boxed_tree), LOGICAL_AXIS_RULES)
   found = []
   for (path, spec), leaf in zip(jax.tree_util.tree_leaves_with_path(mesh_specs, is_leaf=_is_spec),
@@ -106,7 +105,6 @@ def shardings_for(boxed_tree, mesh: Mesh):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Batches are split along their first dimension over the data and fsdp axes."""
   return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
 
 
@@ -124,8 +122,7 @@ def batch_shards(mesh: Mesh) -> int:
 
 
 def check_process_shards(mesh: Mesh, process_count: int) -> None:
-  """Each process feeds its own rows, so each must own whole batch shards: data * fsdp a multiple of the
-  process count (a tensor axis that spans processes breaks that)."""
+  """Each process feeds its own rows, so owns whole batch shards: data * fsdp a multiple of the processes."""
   if batch_shards(mesh) % process_count:
     raise ConfigError(
         f"The mesh splits each batch into {batch_shards(mesh)} shards (mesh.data * mesh.fsdp = "
@@ -137,8 +134,7 @@ def check_process_shards(mesh: Mesh, process_count: int) -> None:
 
 def global_batch_from_local(local_batch: dict[str, np.ndarray], mesh: Mesh, stacked: bool = False,
                             keys: Sequence[str] | None = None) -> dict[str, jax.Array]:
-  """Global arrays from this process's rows (the whole batch when there is one process); `stacked`: arrays
-  [steps, rows, ...] of several batches. `keys`: only these arrays go to the devices (all when None)."""
+  """Global arrays (only `keys`, if given) from this process's rows; `stacked`: [steps, rows, ...]."""
   sharding = stacked_batch_sharding(mesh) if stacked else batch_sharding(mesh)
   names = local_batch if keys is None else keys
   return {name: jax.make_array_from_process_local_data(sharding, local_batch[name]) for name in names}

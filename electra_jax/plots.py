@@ -30,14 +30,12 @@ def expand_workdirs(workdirs: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def plot_curves(workdirs: Sequence[str], out: str | None = None, metrics: Sequence[str] | None = None):
-  """Renders the curves of `workdirs` (sweep folders expand to their runs) and writes them to
-  `out` (PNG) when given; returns the matplotlib Figure. `metrics` defaults to those of
-  DEFAULT_METRICS that any workdir logged."""
+  """The matplotlib Figure of the curves of `workdirs` (sweep folders expand to their runs), also
+  written to `out` (PNG) if given; `metrics`: by default those of DEFAULT_METRICS logged."""
   try:
     from matplotlib.figure import Figure  # noqa: PLC0415 (optional extra)
   except ImportError as error:
-    raise ConfigError("Plots need matplotlib, which is not installed: pip install matplotlib (the package's "
-                      "`plots` extra).") from error
+    raise ConfigError("Plots need matplotlib: pip install matplotlib (the `plots` extra).") from error
 
   runs = expand_workdirs(workdirs)
   logs = [(label, *(workdir_files.read_jsonl(workdir_files.path(workdir, file))
@@ -47,12 +45,9 @@ def plot_curves(workdirs: Sequence[str], out: str | None = None, metrics: Sequen
     raise ConfigError(f"No metrics.jsonl or eval_metrics.jsonl in {', '.join(w for _, w in runs)}: pass training "
                       "workdirs (or sweep folders) whose runs have logged.")
   logged = {k for _, t, e in logs for r in t + e for k in r if k != "step"}
-  if metrics:
-    unknown = [m for m in metrics if m not in logged]
-    if unknown:
-      raise ConfigError(f"--plot_metrics {', '.join(unknown)}: not logged by these runs; they logged {sorted(logged)}.")
-  else:
-    metrics = [m for m in DEFAULT_METRICS if m in logged] or sorted(logged)
+  metrics = metrics or [m for m in DEFAULT_METRICS if m in logged] or sorted(logged)
+  if unknown := [m for m in metrics if m not in logged]:
+    raise ConfigError(f"--plot_metrics {', '.join(unknown)}: not logged by these runs; they logged {sorted(logged)}.")
 
   columns = min(MAX_COLUMNS, len(metrics))
   rows = math.ceil(len(metrics) / columns)

@@ -1,6 +1,6 @@
-"""Sweeps: one command trains a grid or a list of config overrides, each run in its own
-sub-workdir of the sweep folder, then writes results.csv, results.md and the runs' curves.
-SWEEP_DIR/sweep.json records the base config and the runs; docs/training.md is the manual."""
+"""Sweeps: one command trains a grid or a list of config overrides, each run in a sub-workdir of
+the sweep folder (whose sweep.json records the base config and the runs), then writes results.csv,
+results.md and the runs' curves. docs/training.md is the manual."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ ERROR_FILE = "sweep_error.txt"
 FINETUNE_SUBDIR = "finetune"
 Override = tuple[str, str]  # (config key, the value as the user wrote it)
 
-# Table columns, in this order; then the metrics any run logged, METRIC_ORDER's first, then the
-# others alphabetically, less throughput figures.
+# Table columns, in this order; then the metrics any run logged (METRIC_ORDER's first, then the
+# others alphabetically), less NOT_IN_TABLE.
 FIXED_COLUMNS = ("run", "overrides", "status", "steps", "train_tokens", "train_flops")
 METRIC_ORDER = ("loss", "masked_lm_loss", "masked_lm_accuracy", "sampled_masked_lm_accuracy", "disc_loss", "disc_auc",
                 "disc_accuracy", "disc_precision", "disc_recall", "replaced_fraction", "main_mlm_loss",
@@ -65,8 +65,8 @@ def _split_override(text: str, where: str) -> Override:
 
 
 def expand(grid: Sequence[str] = (), sweep_file: str | None = None) -> list[list[Override]]:
-  """The runs: each line of `sweep_file` (space-separated key=value overrides, shell quoting, #
-  comments) crossed with the product of the --sweep=KEY=V1,V2 `grid` (either alone works too)."""
+  """The runs: each line of `sweep_file` (key=value overrides, shell quoting, # comments) crossed
+  with the product of the --sweep=KEY=V1,V2 `grid` (either alone works too)."""
   lines = [[]]
   if sweep_file:
     if not os.path.exists(sweep_file):
@@ -114,8 +114,8 @@ def _parse_value(key: str, raw: str, field_type) -> Any:
 
 def apply_overrides(base: ml_collections.ConfigDict, overrides: Sequence[Override],
                     what: str = "Sweep") -> ml_collections.ConfigDict:
-  """A copy of `base` with `overrides` applied; ConfigError naming a bad key or value (as
-  `what` key ...: a sweep's, or the Python API's)."""
+  """A copy of `base` with `overrides` applied; a bad key or value is a ConfigError that starts
+  with `what` (whose overrides they are)."""
   config = copy.deepcopy(base)
   for key, raw in overrides:
     try:
@@ -133,8 +133,8 @@ def apply_overrides(base: ml_collections.ConfigDict, overrides: Sequence[Overrid
 
 
 def identity(base: ml_collections.ConfigDict, overrides: Sequence[Override]) -> str:
-  """What makes runs the same: the overrides as parsed values, in key order, so
-  `b=.5 a=1e-3` is the run `a=0.001 b=0.5` (flag order and spelling do not matter)."""
+  """What makes runs the same: the overrides as parsed values, in key order (`b=.5 a=1e-3` is the
+  run `a=0.001 b=0.5`)."""
   parsed = []
   for key, raw in overrides:
     try:
@@ -147,9 +147,9 @@ def identity(base: ml_collections.ConfigDict, overrides: Sequence[Override]) -> 
 
 def merge_unread(base: ml_collections.ConfigDict, override_lists: Sequence[Sequence[Override]],
                  existing: Sequence[Run] = ()) -> list[list[Override]]:
-  """The runs to train: each run's overrides less the keys its objective never reads (objective
-  mlm has no generator), runs left alike once, in first-come order; a recorded run (`existing`)
-  that comes down to the same overrides stands for them. Logs what was left out."""
+  """The runs to train, in first-come order: each run's overrides less the keys its objective never
+  reads (mlm has no generator), runs left alike once; a recorded run (`existing`) that comes down
+  to the same overrides stands for them. Logs what was left out."""
   from electra_jax import objectives  # noqa: PLC0415 (jax stays out of sweep_report's import)
 
   def reduced(overrides):
@@ -177,7 +177,7 @@ def _readable_name(overrides: Sequence[Override]) -> str:
   if not overrides:
     return "recipe"
   leaves = [k.rsplit(".", 1)[-1] for k, _ in overrides]
-  # The key's last part reads well; the full key where two of them would collide.
+  # The key's last part, or the full key where two last parts are alike.
   parts = [(leaf if leaves.count(leaf) == 1 else key) + "=" + value
            for leaf, (key, value) in zip(leaves, overrides)]
   name = re.sub(r"[^A-Za-z0-9._=,+-]+", "-", ",".join(parts)).strip("-.") or "run"
@@ -189,9 +189,8 @@ def _readable_name(overrides: Sequence[Override]) -> str:
 
 def name_runs(override_lists: Sequence[Sequence[Override]], existing: Sequence[Run] = (),
               base: ml_collections.ConfigDict | None = None) -> list[Run]:
-  """Runs for `override_lists`, reusing a recorded run's name when the overrides match (as
-  `identity` compares them, given the `base` config; else as written) and otherwise a
-  readable, unique name."""
+  """Runs for `override_lists`: a recorded run where the overrides match (by `identity` given
+  `base`, else as written), else a new readable, unique name."""
   same = (lambda overrides: identity(base, overrides)) if base is not None else json.dumps
   by_overrides = {same([tuple(o) for o in r.overrides]): r for r in existing}
   taken = {r.name for r in existing}
@@ -213,7 +212,7 @@ def _fingerprint(config: ml_collections.ConfigDict) -> str:
 
 
 def read_record(sweep_dir: str) -> dict | None:
-  """SWEEP_DIR/sweep.json, its runs as Run tuples; None for a folder that is no sweep's."""
+  """SWEEP_DIR/sweep.json with its runs as Runs; None for a folder that is no sweep's."""
   record = workdir_files.read_sweep(sweep_dir)
   return record and dict(record, runs=[Run(*run) for run in record["runs"]])
 
@@ -225,8 +224,8 @@ def run_dir(sweep_dir: str, run: Run) -> str:
 # --- The sweep ---
 def load_recipe(recipe: str, overrides: Sequence[Override] = (), what: str = "Override",
                 flag: str = "recipe") -> ml_collections.ConfigDict:
-  """A recipe by name or path (`demo`, `finetune/tiny`, `configs/electra_small.py`, with `:ARG`
-  for recipes that take one) with `overrides` applied (apply_overrides); `flag` names the recipe's option."""
+  """A recipe by name or path (`demo`, `finetune/tiny`, `configs/electra_small.py`, `:ARG` after it
+  for recipes that take one) with `overrides` applied; `flag` is how an error names the recipe."""
   path, _, arg = config_lib.resolve_recipe(recipe).partition(":")
   if not os.path.isfile(path):
     raise ConfigError(f"{flag}={recipe!r} is neither a file nor a recipe in {config_lib.RECIPES_DIR} "
@@ -260,10 +259,9 @@ def run_sweep(
     sweep_file: str | None = None, finetune_config: ml_collections.ConfigDict | None = None,
     plot: bool = True, take_over_workdir: bool = False,
 ) -> dict:
-  """Trains every run of the grid (skipping finished ones), fine-tunes each if asked, writes
-  the tables and curves; returns {"runs", "failed", "rows", "preempted"}. Every run is checked
-  before anything is written. One sweep at a time holds `sweep_dir` (its lease.json), unless
-  `take_over_workdir`."""
+  """Trains every run (skipping finished ones), fine-tunes each if asked, writes the tables and
+  curves; {"runs", "failed", "rows", "preempted"}. Every run is checked before anything is written.
+  One sweep at a time holds `sweep_dir` (its lease.json), unless `take_over_workdir`."""
   override_lists = expand(grid, sweep_file)
   record = read_record(sweep_dir)
   existing = record["runs"] if record else []
@@ -295,8 +293,8 @@ def run_sweep(
     workdir_files.makedirs(workdir_files.path(sweep_dir))
     workdir_files.write_json(workdir_files.path(sweep_dir, SWEEP_FILE), record)
     logging.info("Sweep of %d runs in %s (%d recorded in all).", len(runs), sweep_dir, len(all_runs))
-    # A SIGTERM (preemption) stops the sweep after the run it reaches: the run saves and
-    # returns (train.py's handler), and one that comes between runs is recorded here.
+    # A SIGTERM (preemption) stops the sweep at the run it reaches: the run saves and returns
+    # (train.py's handler); one that comes between runs is noted here.
     train.clear_sigterm()  # one an earlier run in this process (a notebook) took is not this sweep's
     try:
       previous_handler = signal.signal(signal.SIGTERM, train.note_sigterm)
@@ -323,9 +321,8 @@ def run_sweep(
 
 
 def _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_over) -> tuple[list[str], bool]:
-  """Trains (or resumes, or skips) each run in order; (failed run names, preempted). Stops
-  with WorkdirInUse once another sweep has taken the folder over (`lease`, None on processes
-  other than 0); with `take_over` each run takes its workdir from a dead holder too."""
+  """Trains (or resumes, or skips) each run in order; (failed run names, preempted). Stops with
+  WorkdirInUse once another sweep took the folder (`lease`, None on processes other than 0)."""
   failed, durations = [], []
   latest_steps = [_latest_checkpoint(run_dir(sweep_dir, r)) for r in runs]
   unfinished = [(latest or 0) < c.train.steps for latest, c in zip(latest_steps, configs)]
@@ -336,9 +333,8 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_ov
       return failed, True
     train._hold_workdir(lease)  # noqa: SLF001 (every process stops if another sweep took the folder)
     workdir = run_dir(sweep_dir, run)
-    remaining = sum(unfinished[index - 1:])
-    eta = (f"ETA {config_lib.format_duration(remaining * sum(durations) / len(durations))}" if durations
-           else "ETA after the first trained run")
+    eta = (f"ETA {config_lib.format_duration(sum(unfinished[index - 1:]) * sum(durations) / len(durations))}"
+           if durations else "ETA after the first trained run")
     logging.info("Sweep run %d/%d %s (%s) | %s", index, len(runs), run.name, _label(run.overrides), eta)
     error_file = workdir_files.path(workdir, ERROR_FILE)
     started = time.perf_counter()
@@ -350,8 +346,7 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_ov
       try:
         train.train_and_evaluate(config, workdir, take_over_workdir=take_over)
       except Exception as error:  # noqa: BLE001 (the sweep goes on; the error is kept and reported)
-        # Another sweep that took the folder over owns this run now: write nothing into it, stop.
-        train._hold_workdir(lease)  # noqa: SLF001
+        train._hold_workdir(lease)  # noqa: SLF001 (a sweep that took the folder over owns this run: stop)
         if isinstance(error, ConfigError):  # the user's input: the message says it all
           logging.error("Sweep run %s failed: %s Going on with the next one.", run.name, error)
         else:
@@ -360,8 +355,7 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_ov
         workdir_files.makedirs(workdir)
         workdir_files.write_text(error_file, f"{type(error).__name__}: {error}\n")
         continue
-      reached = _latest_checkpoint(workdir) or 0
-      if reached < config.train.steps or train.sigterm_received():  # SIGTERM: saved and returned
+      if (reached := _latest_checkpoint(workdir) or 0) < config.train.steps or train.sigterm_received():  # SIGTERM
         logging.warning("Sweep run %s stopped at step %d of %d (SIGTERM, a preemption); the sweep stops here. "
                         "Run the same command to go on.", run.name, reached, config.train.steps)
         return failed, True
@@ -459,8 +453,8 @@ def _markdown_cell(column: str, value) -> str:
 
 
 def write_report(sweep_dir: str) -> list[dict]:
-  """Rewrites SWEEP_DIR/results.csv (every column) and results.md (less `overrides`, as each swept
-  key has its own column, and the non-headline metrics) from the runs' files; returns the rows."""
+  """Rewrites SWEEP_DIR/results.csv (every column) and results.md (the headline metrics; each swept
+  key has its own column, so no `overrides`) from the runs' files; returns the rows."""
   columns, rows = collect_rows(sweep_dir)
   out = io.StringIO()
   writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore", lineterminator="\n")

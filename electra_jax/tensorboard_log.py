@@ -22,8 +22,8 @@ SUBDIR = "tensorboard"
 
 def _tensorboardx():
   """The tensorboardX modules we write with, or None (warned once) when it is not installed."""
-  # tensorboardX imports torch when it is installed, only to accept its tensors (we pass floats):
-  # 1.5 s and hundreds of MB in every run. torch reads as absent while tensorboardX first loads.
+  # tensorboardX imports torch, if installed, to accept its tensors (1.5 s and hundreds of MB in every
+  # run): torch reads as absent while tensorboardX first loads.
   hide_torch = "torch" not in sys.modules and "tensorboardX" not in sys.modules
   if hide_torch:
     sys.modules["torch"] = None
@@ -43,14 +43,13 @@ def _tensorboardx():
 
 
 class ScalarWriter:
-  """Scalars into one new event file per writer, opened on first use (so that a resumed run
-  can first set its purge step) and flushed after each record: tensorboardX's synchronous
-  EventsWriter, as its SummaryWriter flushes without waiting for its background queue."""
+  """Scalars into one new event file per writer, opened on first use (after a resumed run set its
+  purge step), flushed after each record: SummaryWriter's flush does not wait for its queue."""
 
   def __init__(self, logdir: str):
     self.logdir = logdir
     self._writer = self._purge_step = None
-    self._modules = _tensorboardx()  # None: no tensorboardX, so nothing is written
+    self._modules = _tensorboardx()  # None: nothing is written
 
   def purge_after(self, last_step: int) -> None:
     """TensorBoard then drops the points earlier files logged past `last_step`."""
@@ -62,8 +61,7 @@ class ScalarWriter:
     event_file_writer, summary, event_pb2 = self._modules
     if self._writer is None:
       os.makedirs(self.logdir, exist_ok=True)
-      # The pid and a clock tick keep the names of writers opened in the same second apart.
-      suffix = f".{os.getpid()}.{time.monotonic_ns()}"
+      suffix = f".{os.getpid()}.{time.monotonic_ns()}"  # writers opened in the same second differ
       self._writer = event_file_writer.EventsWriter(os.path.join(self.logdir, "events"), suffix)
       if self._purge_step is not None:  # what SummaryWriter(purge_step=N) writes
         start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
@@ -99,8 +97,8 @@ def _numbers(record: dict, prefix: str = "") -> dict[str, float]:
 
 
 class WandbRun:
-  """The workdir's W&B run (`run_id`: the one an earlier start opened, or None); `log(record, prefix)`
-  writes one record's numbers against its "step", so a resumed run may log steps again."""
+  """The workdir's W&B run (`run_id`: the one an earlier start opened, or None), its metrics logged
+  against "step", so a resumed run may log steps again."""
 
   def __init__(self, workdir: str, config: dict, run_id: str | None):
     import wandb  # noqa: PLC0415 (the wandb extra)
@@ -148,9 +146,8 @@ _RUNS = {"wandb": WandbRun, "mlflow": MlflowRun}
 
 
 class MetricLog(workdir_files.JsonlLog):
-  """A workdir_files.JsonlLog that also writes each record to a ScalarWriter (None: none) and
-  to `runs` under `prefix`; close() flushes, and closes the runs if `closes_runs` (one of the
-  logs sharing them). TensorBoard events are flushed at each record."""
+  """A JsonlLog that also writes each record to a ScalarWriter (or None) and to `runs` under
+  `prefix`; close() closes the runs too if `closes_runs` (one of the logs sharing them)."""
 
   def __init__(self, file, writer: ScalarWriter | None, runs=(), prefix: str = "train", closes_runs: bool = True):
     super().__init__(file)
@@ -177,9 +174,8 @@ class MetricLog(workdir_files.JsonlLog):
 
 
 def open_logs(workdir: str, metric_writers: str = "", config: dict | None = None) -> tuple[MetricLog, MetricLog]:
-  """(metrics.jsonl, eval_metrics.jsonl) logs of `workdir`, with TensorBoard events under
-  <workdir>/tensorboard/{train,eval} when the workdir is local and tensorboardX installed, and
-  the runs `metric_writers` names (opened with `config`; the train log closes them)."""
+  """(metrics.jsonl, eval_metrics.jsonl) of `workdir`, with TensorBoard events in a local workdir's
+  tensorboard/{train,eval}, and the runs `metric_writers` names (the train log closes them)."""
   writers = {"train": None, "eval": None}
   if workdir_files.is_remote(workdir):
     logging.log_first_n(logging.WARNING, "TensorBoard event files are written for local workdirs only; %s is a "

@@ -15,19 +15,20 @@ from electra_jax.errors import ConfigError
 
 SWEEP_FILE = "sweep.json"  # a sweep folder's record of its base config and runs
 
+
 def is_remote(path) -> bool:
   return "://" in os.fspath(path)
 
 
 def path(workdir, *parts) -> epath.Path:
-  """`workdir`/parts as an epath.Path; a local workdir is made absolute."""
+  """`workdir`/parts; a local workdir is made absolute."""
   root = os.fspath(workdir)
   return epath.Path(root if is_remote(root) else os.path.abspath(root)).joinpath(*parts)
 
 
 def check_usable(workdir, flag: str = "--workdir") -> None:
-  """Refuses a local workdir that cannot be made (a file on its path, a parent this user may
-  not write to), naming `flag`, the option that gave it. A bucket is not checked."""
+  """Refuses, naming `flag`, a local workdir that cannot be made (a file on its path, a parent this
+  user may not write to). A bucket is not checked."""
   if is_remote(workdir):
     return
   existing = os.path.abspath(os.fspath(workdir))
@@ -52,15 +53,13 @@ def read_text(file) -> str:
 
 
 def read_json(file, parse=lambda value: value):
-  """parse(the JSON of `file`), a file electra-jax wrote, refused by name when it is not JSON or
-  `parse` raises (on a layout this version does not write): it was edited or damaged since."""
+  """parse(the JSON of `file`), refused by name when it is not JSON or `parse` raises on it (a
+  layout this version does not write: it was edited or damaged)."""
   try:
     return parse(json.loads(read_text(file)))
   except (ValueError, KeyError, TypeError, AttributeError) as error:
-    raise ConfigError(
-        f"{file} is not as electra-jax writes it ({type(error).__name__}: {error}); it was edited or "
-        "damaged. Put back a good copy, or move its folder aside and start again."
-    ) from None
+    raise ConfigError(f"{file} is not as electra-jax writes it ({type(error).__name__}: {error}); it was edited or "
+                      "damaged. Put back a good copy, or move its folder aside and start again.") from None
 
 
 def read_sweep(folder) -> dict | None:
@@ -89,9 +88,8 @@ def last_record(file) -> dict:
 
 
 def write_bytes(file, data: bytes) -> None:
-  """Replaces `file` with `data` in one step: readers see the old file or the whole new one. A
-  local file's folder is made, and `data` goes to a `.tmp-` file of this writer's own (so two
-  writers of one file never share it), fsynced and renamed over `file`."""
+  """Replaces `file` with `data` in one step: readers see the old file or the whole new one. A local
+  file's folder is made; `data` goes to a `.tmp-` file of this writer's own, fsynced and renamed."""
   if is_remote(file):
     epath.Path(file).write_bytes(data)
     return
@@ -116,15 +114,18 @@ def write_text(file, text: str) -> None:
 
 
 def write_json(file, value) -> None:
-  """`value` as indented JSON, keys sorted, by write_bytes."""
   write_text(file, json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
-def _step_of(line: str) -> int | None:
+def _step_of(line: str) -> float:
   try:
     return int(json.loads(line)["step"])
   except (ValueError, KeyError, TypeError):
-    return None
+    return float("inf")
+
+
+def _text(lines: list[str]) -> str:
+  return "".join(line + "\n" for line in lines)
 
 
 class JsonlLog:
@@ -144,13 +145,12 @@ class JsonlLog:
     return self._lines
 
   def truncate_after(self, last_step: int) -> None:
-    """Drops lines past `last_step` (left by a run that got further than its last
-    checkpoint), so a resumed run logs each step once."""
+    """Drops the lines past `last_step` (a run that got further than its last checkpoint) and any
+    cut short by a crash, so a resumed run logs each step once."""
     lines = self._content()
-    # A line cut short by a crash has no step and goes too.
-    kept = [line for line in lines if (step := _step_of(line)) is not None and step <= last_step]
+    kept = [line for line in lines if _step_of(line) <= last_step]
     if len(kept) != len(lines):
-      write_text(self.file, "".join(line + "\n" for line in kept))
+      write_text(self.file, _text(kept))
     self._lines = kept if self._remote else None  # a local file is appended to, not kept here
 
   def append(self, record: dict) -> None:
@@ -163,9 +163,9 @@ class JsonlLog:
       return
     if self._remote:
       self._content().extend(self._pending)
-      write_text(self.file, "".join(line + "\n" for line in self._lines))
+      write_text(self.file, _text(self._lines))
     else:
       with open(self.file, "a") as f:
-        f.write("".join(line + "\n" for line in self._pending))
+        f.write(_text(self._pending))
     self._pending = []
     self._last_flush = time.monotonic()

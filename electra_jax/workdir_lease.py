@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Callable, Optional
+from typing import Callable
 
 from absl import logging
 
@@ -20,23 +20,23 @@ from electra_jax import workdir_files
 from electra_jax.errors import WorkdirInUse
 
 LEASE_FILE = "lease.json"
-# The fields a lease's reader uses, and their types: a hand-edited value of another type would
-# otherwise fail inside the check (float("abc")) and block --take_over_workdir too.
-_FIELD_TYPES = {"host": str, "pid": int, "heartbeat": (int, float), "released": bool, "started": str}
-# The leases this process holds now (their run ids): what tells this process's own live runs
-# from a dead run that had the same pid (a restarted container).
+# The fields a reader uses: a hand-edited value of another type would fail inside the check and
+# block --take_over_workdir too.
+_FIELD_TYPES = {"run_id": str, "host": str, "pid": int, "heartbeat": (int, float), "released": bool, "started": str}
+# The run ids of the leases this process holds: what tells its own live runs from a dead run that
+# had the same pid (a restarted container).
 _LIVE_RUN_IDS: set[str] = set()
 
 
 def describe(holder: dict, now: float) -> str:
   age = now - float(holder.get("heartbeat", 0.0))
-  return (f"run {holder.get('run_id', '?')} on host {holder.get('host', '?')} (pid {holder.get('pid', '?')}, "
+  return (f"run {holder['run_id']} on host {holder.get('host', '?')} (pid {holder.get('pid', '?')}, "
           f"started {holder.get('started', '?')}, last heartbeat {age:.0f} s ago)")
 
 
-def read_lease(workdir) -> Optional[dict]:
-  """The lease file's content; None when there is none, or when it is not a lease this version
-  wrote (only a hand edit leaves it so: it is treated as absent)."""
+def read_lease(workdir) -> dict | None:
+  """The lease file's content; None when there is none or it is not a lease this version wrote
+  (a hand edit: it is treated as absent)."""
   file = workdir_files.path(workdir, LEASE_FILE)
   if not workdir_files.exists(file):
     return None
@@ -44,7 +44,7 @@ def read_lease(workdir) -> Optional[dict]:
     holder = json.loads(workdir_files.read_text(file))
   except (ValueError, OSError):
     holder = None
-  if not isinstance(holder, dict) or not isinstance(holder.get("run_id"), str) or any(
+  if not isinstance(holder, dict) or "run_id" not in holder or any(
       key in holder and not isinstance(holder[key], types) for key, types in _FIELD_TYPES.items()):
     logging.warning("Ignoring %s: its fields are not those of a lease this version wrote.", file)
     return None
@@ -52,8 +52,8 @@ def read_lease(workdir) -> Optional[dict]:
 
 
 class WorkdirLease:
-  """Process 0's claim on a workdir. `acquire()` once before writing anything, `check()`
-  before each checkpoint, `release()` at the end (also after an error)."""
+  """Process 0's claim on a workdir: `acquire()` before writing anything, `check()` before each
+  checkpoint, `release()` at the end (also after an error)."""
 
   def __init__(self, workdir, beat_seconds: float = 30.0, stale_seconds: float = 120.0,
                clock: Callable[[], float] = time.time, name: str = "The workdir"):
@@ -63,30 +63,28 @@ class WorkdirLease:
     self.record = {"run_id": uuid.uuid4().hex[:12], "host": socket.gethostname(), "pid": os.getpid(),
                    "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "released": False}
     self._stop = threading.Event()
-    self._thread: Optional[threading.Thread] = None
+    self._thread: threading.Thread | None = None
     self._lock = threading.Lock()  # the main thread's check/release against the heartbeat's write
-    self.taken_by: Optional[dict] = None  # set once another run's id is found in the file
+    self.taken_by: dict | None = None  # set once another run's id is found in the file
     self._last_read = -float("inf")  # time.monotonic() of the last read of the file
 
   @property
   def run_id(self) -> str:
     return self.record["run_id"]
 
-  def holder_alive(self, holder: Optional[dict]) -> bool:
+  def holder_alive(self, holder: dict | None) -> bool:
     """Whether `holder` (another run's lease) still counts as running."""
-    if holder is None or holder.get("released"):
-      return False
-    if self._clock() - float(holder.get("heartbeat", 0.0)) > self.stale_seconds:
+    if holder is None or holder.get("released") or self._clock() - holder.get("heartbeat", 0.0) > self.stale_seconds:
       return False
     if holder.get("host") != self.record["host"]:
       return True
-    if int(holder.get("pid", -1)) == os.getpid():
-      # This process's own pid: alive only if this process holds that lease now (a notebook
-      # cell still training in a thread). A restarted container gets the same host name and
-      # pid (often 1) as the run it replaced, which is dead.
-      return holder.get("run_id") in _LIVE_RUN_IDS
+    pid = holder.get("pid", -1)
+    if pid == os.getpid():
+      # Alive only if this process holds that lease now (a notebook cell still training in a
+      # thread): a restarted container gets the host name and pid of the dead run it replaced.
+      return holder["run_id"] in _LIVE_RUN_IDS
     try:
-      os.kill(int(holder.get("pid", -1)), 0)
+      os.kill(pid, 0)
     except ProcessLookupError:
       return False
     except (PermissionError, OverflowError, ValueError):
@@ -101,15 +99,15 @@ class WorkdirLease:
     holder = read_lease(self.workdir)
     if self.holder_alive(holder):
       if not take_over:
-        this_process = ""
-        if holder.get("host") == self.record["host"] and holder.get("pid") == self.record["pid"]:
-          this_process = (" That is this very process: a run still going in another thread (a "
-                          "notebook whose cell was interrupted keeps training in the background).")
+        this_process = (" That is this very process: a run still going in another thread (a notebook whose cell "
+                        "was interrupted keeps training in the background)."
+                        if (holder.get("host"), holder.get("pid")) == (self.record["host"], self.record["pid"])
+                        else "")
         raise WorkdirInUse(
             f"{self.name} {self.workdir} is in use by {describe(holder, self._clock())}.{this_process} "
-            "Wait for that run to end, or use another --workdir. If it is dead (its machine was "
-            f"lost; a run on another host also counts as dead {self.stale_seconds:.0f} s after its "
-            "last heartbeat), pass --take_over_workdir. Nothing was written."
+            "Wait for that run to end, or use another --workdir. If it is dead (its machine was lost; a run on "
+            f"another host also counts as dead {self.stale_seconds:.0f} s after its last heartbeat), pass "
+            "--take_over_workdir. Nothing was written."
         )
       logging.warning("--take_over_workdir: taking %s from %s.", self.workdir, describe(holder, self._clock()))
     elif holder is not None and not holder.get("released"):
@@ -136,7 +134,7 @@ class WorkdirLease:
     if self.taken_by is None:
       holder = read_lease(self.workdir)
       self._last_read = time.monotonic()
-      if holder is not None and holder.get("run_id") != self.run_id:
+      if holder is not None and holder["run_id"] != self.run_id:
         self.taken_by = holder
     return self.taken_by is None
 
@@ -147,9 +145,9 @@ class WorkdirLease:
       fresh = time.monotonic() - self._last_read < max_age_seconds
       if not (self.taken_by is None if fresh else self._still_held()):
         raise WorkdirInUse(
-            f"Another run took over the workdir {self.workdir}: {describe(self.taken_by, self._clock())}. "
-            f"This run ({self.run_id}) stopped without saving, so as not to overwrite that run's "
-            "checkpoints. Run one job per workdir."
+            f"Another run took over the workdir {self.workdir}: {describe(self.taken_by, self._clock())}. This run "
+            f"({self.run_id}) stopped without saving, so as not to overwrite that run's checkpoints. Run one job "
+            "per workdir."
         )
 
   def release(self) -> None:

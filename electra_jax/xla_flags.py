@@ -26,9 +26,8 @@ def cpu_defaults(jaxlib_version: str, xla_flags: str) -> str:
 
 
 def malloc_tunables(environ=os.environ) -> str | None:
-  """GLIBC_TUNABLES for a CPU training process: XLA:CPU maps each call's temporaries afresh, and
-  glibc.malloc.hugetlb=1 (glibc 2.35+) faults them in by transparent huge pages, not 4 KiB ones.
-  None when the user tunes malloc, off glibc 2.35+, with huge pages off, or where an accelerator computes."""
+  """GLIBC_TUNABLES for a CPU training process, whose temporaries XLA maps afresh on every call: huge pages
+  fault them in (glibc 2.35+). None if the user tunes malloc, without them, or where an accelerator computes."""
   libc, version = platform.libc_ver()
   if (any(name in environ for name in _MALLOC_ENV) or platform.system() != "Linux" or libc != "glibc"
       or tuple(map(int, version.split(".")[:2])) < (2, 35) or not os.path.exists(_THP_MODE)):
@@ -39,17 +38,17 @@ def malloc_tunables(environ=os.environ) -> str | None:
 
 
 def accelerator_visible(environ=os.environ) -> bool:
-  """Whether this process will compute on a GPU or TPU: $JAX_PLATFORMS if set, else whether NVIDIA
-  or AMD GPU device files or TPU chips are on this machine. Starts no JAX backend."""
+  """Whether this process will compute on a GPU or TPU: $JAX_PLATFORMS if set, else whether GPU device
+  files or TPU chips are on this machine. Starts no JAX backend."""
   platforms = environ.get("JAX_PLATFORMS", "").strip()
   if platforms:
     return platforms.split(",")[0].strip().lower() != "cpu"
-  return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd") or tpu_chips_present()
+  return any(map(os.path.exists, ("/dev/nvidiactl", "/dev/kfd"))) or tpu_chips_present()
 
 
 def tpu_chips_present() -> bool:
-  """Whether TPU chips sit on this machine's PCI bus, by JAX's own check. Its module needs only the
-  standard library and is loaded from its file: importing jax would slow every CLI start."""
+  """Whether TPU chips sit on this machine's PCI bus, by JAX's own check, loaded from its file (it needs
+  only the standard library; importing jax would slow every CLI start)."""
   try:
     path = os.path.join(os.path.dirname(importlib.util.find_spec("jax").origin), "_src", "hardware_utils.py")
     spec = importlib.util.spec_from_file_location("_jax_hardware_utils", path)
@@ -61,9 +60,8 @@ def tpu_chips_present() -> bool:
 
 
 def apply_cpu_defaults(restart: bool = False) -> None:
-  """Sets $XLA_FLAGS; call before JAX initialises its backends. With `restart`, a process that would
-  gain from malloc_tunables starts itself again with them (glibc reads them only at start).
-  ELECTRA_JAX_XLA_DEFAULTS=0 changes neither."""
+  """Sets $XLA_FLAGS before JAX starts; with `restart`, a process that gains from malloc_tunables
+  starts again with them (glibc reads them only at start). ELECTRA_JAX_XLA_DEFAULTS=0: neither."""
   if os.environ.get("ELECTRA_JAX_XLA_DEFAULTS", "1") == "0":
     return
   import jaxlib  # noqa: PLC0415 (imported only to read its version)
