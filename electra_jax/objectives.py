@@ -44,18 +44,12 @@ class ElectraObjective:
   vocab_size: int = 0
   switch_step: int = 0  # two_stage: the first step of the discriminator's stage
   adversarial_mlm_weight: float = 0.0  # adversarial: weight of the generator's L_MLM beside REINFORCE
-  # The official option: the original's logit loses 1000 before sampling, so every masked position is replaced.
-  disallow_correct: bool = False
-  # The sampling temperature at step 0 (None: `temperature`), falling linearly to `temperature`
-  # over the steps the run's schedule gives (see sampling_temperature).
+  disallow_correct: bool = False  # the official option: the original's logit loses 1000 before sampling
+  # The sampling temperature at step 0 (None: `temperature`), falling linearly to `temperature`.
   initial_temperature: float | None = None
   # electra / electra_15: the weight of the discriminator's own MLM loss at the masked positions
   # of the corrupted input (0: none, and the discriminator has no MLM head).
   disc_mlm_weight: float = 0.0
-
-  @property
-  def never_masked_ids(self) -> tuple[int, ...]:
-    return (self.pad_id, self.cls_id, self.sep_id, self.mask_id)
 
   @property
   def uses_generator(self) -> bool:
@@ -70,10 +64,9 @@ def temperature_decay_steps(config) -> int:
 
 
 def sampling_temperature(objective: ElectraObjective, step, decay_steps):
-  """The sampling temperature at `step` (traced or not), a function of the step alone so a resumed run
-  samples as an uninterrupted one: it falls from objective.initial_temperature over `decay_steps`
-  (a float32 array, so the compiled step does not depend on the count), reaching objective.temperature
-  exactly at that step; without a schedule the Python float objective.temperature."""
+  """The sampling temperature at `step`, a function of the step alone (a resumed run samples as an
+  uninterrupted one): from objective.initial_temperature linearly to objective.temperature, reached
+  exactly at `decay_steps` (a float32 array); without a schedule the Python float objective.temperature."""
   initial, final = objective.initial_temperature, objective.temperature
   if initial is None or initial == final:
     return final
@@ -95,8 +88,8 @@ class MaskedInputs(NamedTuple):
 
 
 def _vocabulary_only(logits, vocab_size: int):
-  """Logits [..., rows] with the rows past the tokenizer's `vocab_size` at -1e9: model.vocab_size may
-  be larger (rounded up for sharding), and those rows are no tokens, so they get no probability."""
+  """Logits [..., rows] with the rows past the tokenizer's `vocab_size` (model.vocab_size may be
+  rounded up for sharding) at -1e9: they are no tokens."""
   if not 0 < vocab_size < logits.shape[-1]:
     return logits
   in_vocabulary = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) < vocab_size
@@ -109,7 +102,8 @@ def _rows(batch_size: int) -> jax.Array:
 
 def candidate_mask(input_ids, attention_mask, objective: ElectraObjective):
   """[batch, seq] bool: the tokens masking may choose (not [CLS], [SEP], [MASK] or padding)."""
-  return attention_mask.astype(bool) & ~jnp.isin(input_ids, jnp.asarray(objective.never_masked_ids))
+  never_masked = jnp.asarray((objective.pad_id, objective.cls_id, objective.sep_id, objective.mask_id))
+  return attention_mask.astype(bool) & ~jnp.isin(input_ids, never_masked)
 
 
 def mask_tokens(rng, input_ids, attention_mask, objective: ElectraObjective) -> MaskedInputs:
@@ -169,7 +163,7 @@ def masked_position_weights(masked: MaskedInputs, shape) -> jax.Array:
 
 
 class Normalizers(NamedTuple):
-  """Denominators of the losses over the WHOLE batch, so that gradient accumulation over
+  """The losses' denominators over the WHOLE batch, so that gradient accumulation over
   micro-batches adds up to exactly the full-batch loss."""
 
   num_predictions: jax.Array  # sum of MaskedInputs.weights
@@ -262,15 +256,15 @@ def _bce(logits, labels):
 
 
 # ---------------------------------------------------------------------------------------
-# The forward pass: shared pieces, then one function per objective (REGISTRY below)
+# The forward pass: shared pieces, then the objectives built from them
 # ---------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class _Pass:
-  """What every objective's forward reads: the model bound to its parameters, one (micro-)batch
-  with its drawn masking, the step, and the `stats` it adds its counts to."""
+  """What every objective's forward reads: the model and its parameters, one (micro-)batch with its
+  drawn masking, the step, and the `stats` it adds its counts to."""
 
   model: object
-  apply: Callable
+  params: object
   batch: dict
   masked: MaskedInputs
   sample_keys: jax.Array
@@ -291,8 +285,8 @@ class _Pass:
     # Packed rows (data.pack_rows) carry segment ids, which the model reads in place of the
     # padding mask; losses and masking still weigh real tokens only.
     model_mask = self.batch.get("segment_ids", self.batch["attention_mask"])
-    return self.apply(ids, self.batch["token_type_ids"], model_mask, *args, self.deterministic,
-                      method=method, rngs={"dropout": rng})
+    return self.model.apply({"params": self.params}, ids, self.batch["token_type_ids"], model_mask, *args,
+                            self.deterministic, method=method, rngs={"dropout": rng})
 
 
 class _Sampled(NamedTuple):
@@ -390,62 +384,87 @@ def _detection_loss(p: _Pass, disc_logits, is_replaced, replaced_prob, only_mask
   return loss, _per_token(disc_logits, is_replaced, token_weights, replaced_prob)
 
 
-def _electra(p: _Pass, only_masked: bool = False):
-  """gen_weight * L_MLM + disc_weight * L_Disc (+ the tower's MLM under disc_mlm_weight); with
-  `only_masked`, L_Disc and its metrics only where the generator could have replaced a token."""
+def _detect(p: _Pass, only_masked: bool = False):
+  """The generator's samples, then the discriminator on the corrupted input: (sampled, disc_logits,
+  disc_weight * L_Disc, the tower's weighted MLM loss or None, per_token)."""
   s = _sample(p, _generator_logits(p))
   disc_logits, main_loss = _discriminator_logits(p, s.corrupted_ids)
   disc_loss, per_token = _detection_loss(p, disc_logits, s.is_replaced, s.replaced_prob, only_masked)
+  return s, disc_logits, disc_loss, main_loss, per_token
+
+
+def _nan_metrics(metrics, names) -> None:
+  metrics.update(dict.fromkeys(names, jnp.full((), jnp.nan, jnp.float32)))
+
+
+def _main_mlm_metrics(metrics, stats) -> None:
+  main_count = jnp.maximum(stats["main_count"], 1.0)
+  metrics["main_mlm_loss"] = stats["main_loss_sum"] / main_count
+  metrics["main_mlm_accuracy"] = stats["main_correct"] / main_count
+
+
+def _rtd_metrics(metrics, stats, objective, per_token):
+  metrics["loss"] = objective.gen_weight * metrics["masked_lm_loss"] + objective.disc_weight * metrics["disc_loss"]
+  if objective.disc_mlm_weight > 0:
+    _main_mlm_metrics(metrics, stats)
+    metrics["loss"] = metrics["loss"] + objective.disc_mlm_weight * metrics["main_mlm_loss"]
+
+
+def _identity_hook(objective, tree, step):
+  return tree
+
+
+def _nothing(*args):
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Registered:
+  """One objective: `forward(_Pass) -> (loss, per_token)`, `metrics(metrics, stats, objective,
+  per_token)` setting "loss" and its own keys, what it needs built, and its config checks."""
+
+  forward: Callable
+  metrics: Callable = _rtd_metrics
+  has_generator: bool = True  # a generator tower is built and samples the replacements
+  samples: bool = True  # replacements are sampled at a temperature
+  mlm_head: bool = False  # the discriminator-sized tower has an MLM head
+  disc_mlm: bool = False  # objective.disc_mlm_weight may add the tower's own MLM loss
+  cloze: bool = False  # the generator is Electric's two-tower cloze model, reading the unmasked input
+  # (keep_original_prob, random_token_prob) in place of (objective.keep_original_prob, 0).
+  masking: tuple[float, float] | None = None
+  check: Callable = _nothing  # config -> None, raising ConfigError
+  own_keys: tuple[str, ...] = ()  # keys only this objective reads (the others ignore them)
+  ignores: tuple[str, ...] = ()
+  # (objective, tree, step) -> tree: the parameters the step trains from, the updates it applies.
+  before_step: Callable = _identity_hook
+  updates: Callable = _identity_hook
+  # (config, saved_config() -> the workdir's config.json or None, the checkpoint's step or None), once
+  # per run before the setup is final: fixes the keys a resume must keep, refuses one that moved them.
+  start_run: Callable = _nothing
+
+
+REGISTRY: dict[str, Registered] = {}
+
+
+def _check_no_generator_to_share(config):
+  if config.model.tie == "all":
+    raise ConfigError(f"objective.name={config.objective.name!r} has no generator tower to share an encoder with; use "
+                      "model.tie='embeddings' (or 'none', 'gdes').")
+
+
+def _electra(p: _Pass, only_masked: bool = False):
+  """gen_weight * L_MLM + disc_weight * L_Disc (+ the tower's MLM under disc_mlm_weight); with
+  `only_masked`, L_Disc and its metrics only where the generator could have replaced a token."""
+  s, _, disc_loss, main_loss, per_token = _detect(p, only_masked)
   loss = s.gen_loss + disc_loss
   return (loss if main_loss is None else loss + main_loss), per_token
 
 
-def _two_stage(p: _Pass):
-  """gen_weight * L_MLM before the switch, disc_weight * L_Disc from it on (both computed, for the metrics)."""
-  s = _sample(p, _generator_logits(p))
-  disc_logits, _ = _discriminator_logits(p, s.corrupted_ids)
-  disc_loss, per_token = _detection_loss(p, disc_logits, s.is_replaced, s.replaced_prob)
-  return jnp.where(p.step >= p.objective.switch_step, disc_loss, s.gen_loss), per_token
-
-
-def _adversarial(p: _Pass):
-  """REINFORCE, rewarding a masked slot's sample with the discriminator's loss on it, plus adversarial_mlm_weight
-  * L_MLM. A slot's baseline is the mean reward of its example's other slots (0 without any): independent of
-  its own sample, so the estimate stays unbiased, and of how the batch is split."""
-  s = _sample(p, _generator_logits(p))
-  disc_logits, _ = _discriminator_logits(p, s.corrupted_ids)
-  disc_loss, per_token = _detection_loss(p, disc_logits, s.is_replaced, s.replaced_prob)
-  bce_at_slots = jnp.take_along_axis(_bce(disc_logits, s.is_replaced.astype(jnp.float32)), p.masked.positions, axis=1)
-  reward = jax.lax.stop_gradient(bce_at_slots)
-  weights = p.masked.weights
-  slots = weights.sum(-1, keepdims=True)
-  others = (reward * weights).sum(-1, keepdims=True) - reward * weights
-  baseline = jnp.where(slots > 1, others / jnp.maximum(slots - 1, 1.0), 0.0)
-  log_policy = jax.nn.log_softmax(s.gen_logits / p.temperature, axis=-1)  # the policy that sampled
-  sample_log_prob = jnp.take_along_axis(log_policy, s.sampled_ids[..., None], axis=-1)[..., 0]
-  reinforce = -((reward - baseline) * sample_log_prob * weights).sum() / p.normalizers.num_predictions
-  mlm = p.objective.adversarial_mlm_weight * s.mlm_loss_sum / p.normalizers.num_predictions
-  p.stats.update(main_loss_sum=(reward * weights).sum(), main_count=weights.sum())
-  return reinforce + mlm + disc_loss, per_token
-
-
-def _electric(p: _Pass):
-  """The official electric_objective: the cloze model reads the unmasked input and predicts every maskable
-  token from both sides (its loss); its samples replace the masked tokens, all labelled replaced, and the
-  discriminator's logit is the energy-based form: + log q(token) (no gradient) + the log prior odds of a mask."""
-  input_ids, objective = p.batch["input_ids"], p.objective
-  cloze_logits = _vocabulary_only(p.tower(p.model.cloze_logits, input_ids, rng=p.gen_rng), objective.vocab_size)
-  candidates = candidate_mask(input_ids, p.batch["attention_mask"], objective).astype(jnp.float32)
-  cloze_loss_sum, _ = _mlm_sums(cloze_logits, input_ids, candidates)
-  p.stats.update(main_loss_sum=cloze_loss_sum, main_count=candidates.sum())
-  s = _sample(p, jnp.take_along_axis(cloze_logits, p.masked.positions[..., None], axis=1))
-  gen_loss = objective.gen_weight * cloze_loss_sum / p.normalizers.num_candidates
-  is_replaced = masked_position_weights(p.masked, input_ids.shape) > 0
-  disc_logits, _ = _discriminator_logits(p, s.corrupted_ids)
-  log_q = jnp.take_along_axis(jax.nn.log_softmax(cloze_logits, axis=-1), s.corrupted_ids[..., None], axis=-1)[..., 0]
-  disc_logits = disc_logits + jax.lax.stop_gradient(log_q) + jnp.log(objective.mask_prob / (1.0 - objective.mask_prob))
-  disc_loss, per_token = _detection_loss(p, disc_logits, is_replaced, s.replaced_prob)
-  return gen_loss + disc_loss, per_token
+# Replaced-token detection with a generator, L_Disc on every token (the default); only on the masked
+# positions (the paper's "ELECTRA 15%"); with replacements drawn uniformly from the vocabulary, no generator.
+REGISTRY["electra"] = Registered(_electra, disc_mlm=True)
+REGISTRY["electra_15"] = Registered(functools.partial(_electra, only_masked=True), disc_mlm=True)
+REGISTRY["uniform"] = Registered(_electra, has_generator=False, check=_check_no_generator_to_share)
 
 
 def _mlm(p: _Pass):
@@ -454,6 +473,21 @@ def _mlm(p: _Pass):
   weights = p.token_weights
   zeros = jnp.zeros_like(weights)
   return loss, _per_token(zeros, jnp.zeros_like(p.batch["attention_mask"], bool), weights, zeros)
+
+
+def _mlm_metrics(metrics, stats, objective, per_token):
+  _nan_metrics(metrics, ("sampled_masked_lm_accuracy", "replaced_fraction", *BINNED_METRICS, *_DISC_METRICS))
+  metrics["loss"] = metrics["masked_lm_loss"]
+
+
+# No generator, and of the chosen positions 80% [MASK], 10% a random token, 10% kept.
+REGISTRY["mlm"] = Registered(
+    _mlm, _mlm_metrics, has_generator=False, samples=False, mlm_head=True, masking=(0.1, 0.1),
+    check=_check_no_generator_to_share,
+    ignores=("objective.temperature", "objective.initial_temperature", "objective.temperature_decay_fraction",
+             "objective.disallow_correct", "objective.gen_weight", "objective.disc_weight",
+             "objective.keep_original_prob", "objective.disc_mlm_weight"),
+)
 
 
 def _replace_mlm(p: _Pass):
@@ -491,6 +525,150 @@ def _all_tokens_mlm(p: _Pass):
   return s.gen_loss + main_loss, _per_token(jnp.zeros_like(weights), s.is_replaced, weights, s.replaced_prob)
 
 
+def _tower_mlm_metrics(metrics, stats, objective, per_token):
+  # No discriminator: no AUCs, but the replacements' shares by likelihood stand.
+  _nan_metrics(metrics, _DISC_METRICS)
+  replaced = per_token["is_replaced"].astype(jnp.float32) * per_token["token_weights"]
+  metrics["replaced_fraction"] = replaced.sum() / jnp.maximum(stats["num_tokens"], 1.0)
+  _main_mlm_metrics(metrics, stats)
+  metrics["loss"] = objective.gen_weight * metrics["masked_lm_loss"] + metrics["main_mlm_loss"]
+
+
+REGISTRY["replace_mlm"] = Registered(_replace_mlm, _tower_mlm_metrics, mlm_head=True)
+REGISTRY["all_tokens_mlm"] = Registered(_all_tokens_mlm, _tower_mlm_metrics, mlm_head=True)
+
+
+def _two_stage(p: _Pass):
+  """gen_weight * L_MLM before the switch, disc_weight * L_Disc from it on (both computed, for the metrics)."""
+  s, _, disc_loss, _, per_token = _detect(p)
+  return jnp.where(p.step >= p.objective.switch_step, disc_loss, s.gen_loss), per_token
+
+
+def _check_two_stage(config):
+  m = config.model
+  if m.generator_fraction != 1.0 or m.tie == "all":
+    raise ConfigError(
+        "objective.name='two_stage' starts the discriminator from the generator's weights, so the "
+        f"towers must be the same size and separate: model.generator_fraction=1.0 (is "
+        f"{m.generator_fraction}) and model.tie other than 'all' (is {m.tie!r})."
+    )
+  if m.tie == "none":
+    raise ConfigError(
+        "objective.name='two_stage' starts the discriminator from the generator's weights, but with "
+        "model.tie='none' the generator's embeddings are its own, so the discriminator would enter its "
+        "stage with embeddings nothing trained: use model.tie='embeddings' (the paper's) or 'gdes'."
+    )
+
+
+def _start_second_stage(objective, params, step):
+  """At the switch step the discriminator's encoder becomes a copy of the generator's (its head stays)."""
+  now = step == objective.switch_step
+  encoder = jax.tree.map(
+      lambda g, d: jnp.where(now, g, d), params["generator"]["encoder"], params["discriminator"]["encoder"]
+  )
+  return {**params, "discriminator": {**params["discriminator"], "encoder": encoder}}
+
+
+def _hold_other_stage(objective, updates, step):
+  """Only the tower of the current stage moves (weight decay included)."""
+  second = step >= objective.switch_step
+  hold = lambda tree, keep: jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), tree)  # noqa: E731
+  return {**updates, "generator": hold(updates["generator"], ~second),
+          "discriminator": hold(updates["discriminator"], second)}
+
+
+def _keep_two_stage_switch(config, saved_config: Callable, start_step: int | None) -> None:
+  """The switch is fixed at a run's first start and written to config.json: left at 0 it is half of
+  train.steps, which a resume with more steps would move, copying the generator's encoder over the
+  trained discriminator again. A switch moved past the checkpoint is refused."""
+  saved = saved_config()
+  recorded = saved["objective"]["two_stage_switch"] if saved and saved["objective"]["name"] == "two_stage" else None
+  o = config.objective
+  if not o.two_stage_switch:
+    o.two_stage_switch = recorded or config.train.steps // 2
+    logging.info("objective.two_stage_switch: the discriminator's stage starts at step %d%s.",
+                 o.two_stage_switch, " (as this workdir recorded)" if recorded else "")
+  switch = o.two_stage_switch
+  if start_step is None or recorded is None or switch == recorded or start_step <= min(switch, recorded):
+    return
+  harm = ("copy the generator's encoder over the trained discriminator again" if switch > recorded
+          else "start the discriminator's stage without the generator's encoder")
+  raise ConfigError(
+      f"objective.two_stage_switch={switch}, but this workdir's run switches at step {recorded} "
+      f"and its checkpoint is at step {start_step}: moving the switch now would {harm}. Leave it at "
+      f"{recorded} (or 0), or use a new --workdir."
+  )
+
+
+REGISTRY["two_stage"] = Registered(_two_stage, check=_check_two_stage, own_keys=("objective.two_stage_switch",),
+                                   before_step=_start_second_stage, updates=_hold_other_stage,
+                                   start_run=_keep_two_stage_switch)
+
+
+def _adversarial(p: _Pass):
+  """REINFORCE, rewarding a masked slot's sample with the discriminator's loss on it, plus adversarial_mlm_weight
+  * L_MLM. A slot's baseline is the mean reward of its example's other slots (0 without any): independent of
+  its own sample, so the estimate stays unbiased, and of how the batch is split."""
+  s, disc_logits, disc_loss, _, per_token = _detect(p)
+  bce_at_slots = jnp.take_along_axis(_bce(disc_logits, s.is_replaced.astype(jnp.float32)), p.masked.positions, axis=1)
+  reward = jax.lax.stop_gradient(bce_at_slots)
+  weights = p.masked.weights
+  slots = weights.sum(-1, keepdims=True)
+  others = (reward * weights).sum(-1, keepdims=True) - reward * weights
+  baseline = jnp.where(slots > 1, others / jnp.maximum(slots - 1, 1.0), 0.0)
+  log_policy = jax.nn.log_softmax(s.gen_logits / p.temperature, axis=-1)  # the policy that sampled
+  sample_log_prob = jnp.take_along_axis(log_policy, s.sampled_ids[..., None], axis=-1)[..., 0]
+  reinforce = -((reward - baseline) * sample_log_prob * weights).sum() / p.normalizers.num_predictions
+  mlm = p.objective.adversarial_mlm_weight * s.mlm_loss_sum / p.normalizers.num_predictions
+  p.stats.update(main_loss_sum=(reward * weights).sum(), main_count=weights.sum())
+  return reinforce + mlm + disc_loss, per_token
+
+
+def _adversarial_metrics(metrics, stats, objective, per_token):
+  # The REINFORCE surrogate is no quantity to watch; the generator's mean reward is.
+  metrics["generator_reward"] = stats["main_loss_sum"] / jnp.maximum(stats["main_count"], 1.0)
+  mlm_loss = objective.adversarial_mlm_weight * metrics["masked_lm_loss"]
+  metrics["loss"] = mlm_loss + objective.disc_weight * metrics["disc_loss"]
+
+
+REGISTRY["adversarial"] = Registered(_adversarial, _adversarial_metrics, own_keys=("objective.adversarial_mlm_weight",))
+
+
+def _electric(p: _Pass):
+  """The official electric_objective: the cloze model reads the unmasked input and predicts every maskable
+  token from both sides (its loss); its samples replace the masked tokens, all labelled replaced, and the
+  discriminator's logit is the energy-based form: + log q(token) (no gradient) + the log prior odds of a mask."""
+  input_ids, objective = p.batch["input_ids"], p.objective
+  cloze_logits = _vocabulary_only(p.tower(p.model.cloze_logits, input_ids, rng=p.gen_rng), objective.vocab_size)
+  candidates = candidate_mask(input_ids, p.batch["attention_mask"], objective).astype(jnp.float32)
+  cloze_loss_sum, _ = _mlm_sums(cloze_logits, input_ids, candidates)
+  p.stats.update(main_loss_sum=cloze_loss_sum, main_count=candidates.sum())
+  s = _sample(p, jnp.take_along_axis(cloze_logits, p.masked.positions[..., None], axis=1))
+  gen_loss = objective.gen_weight * cloze_loss_sum / p.normalizers.num_candidates
+  is_replaced = masked_position_weights(p.masked, input_ids.shape) > 0
+  disc_logits, _ = _discriminator_logits(p, s.corrupted_ids)
+  log_q = jnp.take_along_axis(jax.nn.log_softmax(cloze_logits, axis=-1), s.corrupted_ids[..., None], axis=-1)[..., 0]
+  disc_logits = disc_logits + jax.lax.stop_gradient(log_q) + jnp.log(objective.mask_prob / (1.0 - objective.mask_prob))
+  disc_loss, per_token = _detection_loss(p, disc_logits, is_replaced, s.replaced_prob)
+  return gen_loss + disc_loss, per_token
+
+
+def _electric_metrics(metrics, stats, objective, per_token):
+  metrics["cloze_loss"] = stats["main_loss_sum"] / jnp.maximum(stats["main_count"], 1.0)
+  metrics["loss"] = objective.gen_weight * metrics["cloze_loss"] + objective.disc_weight * metrics["disc_loss"]
+
+
+def _check_electric(config):
+  _check_no_generator_to_share(config)
+  if config.data.pack_rows:
+    raise ConfigError("Electric's cloze generator reads across the row's ends, so it cannot train on packed rows: "
+                      "set data.pack_rows=False for objective.name='electric'.")
+
+
+REGISTRY["electric"] = Registered(_electric, _electric_metrics, cloze=True, check=_check_electric)
+OBJECTIVES = tuple(REGISTRY)
+
+
 def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dropout_rng,
                     objective: ElectraObjective, normalizers: Normalizers, deterministic: bool = False,
                     step=None, temperature=None):
@@ -502,13 +680,15 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
   gen_rng, disc_rng = jax.random.split(dropout_rng)
   stats = dict.fromkeys(_STAT_KEYS, jnp.zeros((), jnp.float32))
   stats.update(num_predictions=masked.weights.sum(), num_tokens=batch["attention_mask"].astype(jnp.float32).sum())
-  p = _Pass(model, functools.partial(model.apply, {"params": params}), batch, masked, sample_keys, gen_rng, disc_rng,
-            objective, normalizers, deterministic, step,
-            objective.temperature if temperature is None else temperature, stats)
+  p = _Pass(model, params, batch, masked, sample_keys, gen_rng, disc_rng, objective, normalizers, deterministic,
+            step, objective.temperature if temperature is None else temperature, stats)
   loss, per_token = REGISTRY[objective.name].forward(p)
   return loss, (stats, per_token)
 
 
+# ---------------------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------------------
 def binary_auc(scores, labels, weights):
   """Exact ROC AUC (Mann-Whitney U with ties counted half) over entries with weight > 0; NaN when
   they hold no positive or no negative, or a NaN score."""
@@ -517,7 +697,7 @@ def binary_auc(scores, labels, weights):
 
 def binary_aucs(scores, labels, weights, positive_subsets) -> list:
   """binary_auc of each subset of the positives (a mask shaped like `labels`) against all the
-  negatives. One sort of the negatives serves them all."""
+  negatives, from one sort of the negatives."""
   scores, labels = scores.reshape(-1), labels.reshape(-1).astype(bool)
   valid = weights.reshape(-1) > 0
   is_neg = valid & ~labels
@@ -540,6 +720,8 @@ def binary_aucs(scores, labels, weights, positive_subsets) -> list:
 # in, [low, high): where the discriminator's detection of hard replacements shows.
 REPLACED_BINS = (("unlikely", 0.0, 0.01), ("plausible", 0.01, 0.1), ("likely", 0.1, math.inf))
 BINNED_METRICS = tuple(f"{prefix}_{name}" for prefix in ("disc_auc", "replaced_share") for name, _, _ in REPLACED_BINS)
+_DISC_METRICS = ("disc_loss", "disc_auc", "disc_accuracy", "disc_precision", "disc_recall",
+                 *(f"disc_auc_{name}" for name, _, _ in REPLACED_BINS))
 
 
 def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str, jax.Array]:
@@ -575,195 +757,12 @@ def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str,
 
 
 # ---------------------------------------------------------------------------------------
-# The registry: objective.name -> its forward, what it reads and refuses, its metrics
+# From the config
 # ---------------------------------------------------------------------------------------
-def _identity_hook(objective, tree, step):
-  return tree
-
-
-def _nothing(*args):
-  return None
-
-
-def _start_second_stage(objective, params, step):
-  """two_stage: at the switch step the discriminator's encoder becomes a copy of the
-  generator's (same sizes; its head stays as initialized)."""
-  now = step == objective.switch_step
-  encoder = jax.tree.map(
-      lambda g, d: jnp.where(now, g, d), params["generator"]["encoder"], params["discriminator"]["encoder"]
-  )
-  return {**params, "discriminator": {**params["discriminator"], "encoder": encoder}}
-
-
-def _hold_other_stage(objective, updates, step):
-  """two_stage: only the tower of the current stage moves (weight decay included)."""
-  second = step >= objective.switch_step
-  hold = lambda tree, keep: jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), tree)  # noqa: E731
-  return {**updates, "generator": hold(updates["generator"], ~second),
-          "discriminator": hold(updates["discriminator"], second)}
-
-
-def _keep_two_stage_switch(config, saved_config: Callable, start_step: int | None) -> None:
-  """two_stage: the switch is fixed at a run's first start and written to config.json: left at 0 it
-  is half of train.steps, which a resume with more steps would move, copying the generator's encoder
-  over the trained discriminator again. A switch moved past the checkpoint is refused."""
-  saved, recorded = saved_config(), None
-  if saved is not None and saved["objective"]["name"] == "two_stage":
-    # config.json before the switch was fixed kept 0: the default then was its own train.steps // 2.
-    recorded = saved["objective"]["two_stage_switch"] or saved["train"]["steps"] // 2
-  o = config.objective
-  if not o.two_stage_switch:
-    o.two_stage_switch = recorded or config.train.steps // 2
-    logging.info("objective.two_stage_switch: the discriminator's stage starts at step %d%s.",
-                 o.two_stage_switch, " (as this workdir recorded)" if recorded else "")
-  switch = o.two_stage_switch
-  if start_step is None or recorded is None or switch == recorded or start_step <= min(switch, recorded):
-    return
-  harm = ("copy the generator's encoder over the trained discriminator again" if switch > recorded
-          else "start the discriminator's stage without the generator's encoder")
-  raise ConfigError(
-      f"objective.two_stage_switch={switch}, but this workdir's run switches at step {recorded} "
-      f"and its checkpoint is at step {start_step}: moving the switch now would {harm}. Leave it at "
-      f"{recorded} (or 0), or use a new --workdir."
-  )
-
-
-def _check_no_generator_to_share(config):
-  if config.model.tie == "all":
-    raise ConfigError(f"objective.name={config.objective.name!r} has no generator tower to share an encoder with; use "
-                      "model.tie='embeddings' (or 'none', 'gdes').")
-
-
-def _check_electric(config):
-  _check_no_generator_to_share(config)
-  if config.data.pack_rows:
-    raise ConfigError(
-        "Electric's cloze generator reads across the row's ends, so it cannot train on packed rows: "
-        "set data.pack_rows=False for objective.name='electric'."
-    )
-
-
-def _check_two_stage(config):
-  m = config.model
-  if m.generator_fraction != 1.0 or m.tie == "all":
-    raise ConfigError(
-        "objective.name='two_stage' starts the discriminator from the generator's weights, so the "
-        f"towers must be the same size and separate: model.generator_fraction=1.0 (is "
-        f"{m.generator_fraction}) and model.tie other than 'all' (is {m.tie!r})."
-    )
-  if m.tie == "none":
-    raise ConfigError(
-        "objective.name='two_stage' starts the discriminator from the generator's weights, but with "
-        "model.tie='none' the generator's embeddings are its own, so the discriminator would enter "
-        "its stage with embeddings nothing trained (and an input projection the generator lacks "
-        "when model.embedding_size differs from hidden_size): use model.tie='embeddings' (the "
-        "paper's) or 'gdes'."
-    )
-
-
-_DISC_METRICS = ("disc_loss", "disc_auc", "disc_accuracy", "disc_precision", "disc_recall",
-                 *(f"disc_auc_{name}" for name, _, _ in REPLACED_BINS))
-
-
-def _main_mlm_metrics(metrics, stats):
-  main_count = jnp.maximum(stats["main_count"], 1.0)
-  metrics["main_mlm_loss"] = stats["main_loss_sum"] / main_count
-  metrics["main_mlm_accuracy"] = stats["main_correct"] / main_count
-
-
-def _rtd_metrics(metrics, stats, objective, per_token):
-  metrics["loss"] = objective.gen_weight * metrics["masked_lm_loss"] + objective.disc_weight * metrics["disc_loss"]
-  if objective.disc_mlm_weight > 0:
-    _main_mlm_metrics(metrics, stats)
-    metrics["loss"] = metrics["loss"] + objective.disc_mlm_weight * metrics["main_mlm_loss"]
-
-
-def _mlm_metrics(metrics, stats, objective, per_token):
-  metrics.update(dict.fromkeys(["sampled_masked_lm_accuracy", "replaced_fraction", *BINNED_METRICS, *_DISC_METRICS],
-                               jnp.full((), jnp.nan, jnp.float32)))
-  metrics["loss"] = metrics["masked_lm_loss"]
-
-
-def _tower_mlm_metrics(metrics, stats, objective, per_token):
-  # No discriminator: no AUCs, but the replacements' shares by likelihood stand.
-  metrics.update(dict.fromkeys(_DISC_METRICS, jnp.full((), jnp.nan, jnp.float32)))
-  replaced = per_token["is_replaced"].astype(jnp.float32) * per_token["token_weights"]
-  metrics["replaced_fraction"] = replaced.sum() / jnp.maximum(stats["num_tokens"], 1.0)
-  _main_mlm_metrics(metrics, stats)
-  metrics["loss"] = objective.gen_weight * metrics["masked_lm_loss"] + metrics["main_mlm_loss"]
-
-
-def _electric_metrics(metrics, stats, objective, per_token):
-  metrics["cloze_loss"] = stats["main_loss_sum"] / jnp.maximum(stats["main_count"], 1.0)
-  metrics["loss"] = objective.gen_weight * metrics["cloze_loss"] + objective.disc_weight * metrics["disc_loss"]
-
-
-def _adversarial_metrics(metrics, stats, objective, per_token):
-  # The REINFORCE surrogate is no quantity to watch; the generator's mean reward is.
-  metrics["generator_reward"] = stats["main_loss_sum"] / jnp.maximum(stats["main_count"], 1.0)
-  mlm_loss = objective.adversarial_mlm_weight * metrics["masked_lm_loss"]
-  metrics["loss"] = mlm_loss + objective.disc_weight * metrics["disc_loss"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Registered:
-  """One objective: `forward(_Pass) -> (loss, per_token)`, `metrics(metrics, stats, objective,
-  per_token)` setting "loss" and its own keys, what it needs built, and its config checks."""
-
-  forward: Callable
-  metrics: Callable = _rtd_metrics
-  has_generator: bool = True  # a generator tower is built and samples the replacements
-  samples: bool = True  # replacements are sampled at a temperature
-  mlm_head: bool = False  # the discriminator-sized tower has an MLM head
-  disc_mlm: bool = False  # objective.disc_mlm_weight may add the tower's own MLM loss
-  cloze: bool = False  # the generator is Electric's two-tower cloze model, reading the unmasked input
-  # (keep_original_prob, random_token_prob) in place of (objective.keep_original_prob, 0).
-  masking: tuple[float, float] | None = None
-  check: Callable = _nothing  # config -> None, raising ConfigError
-  # Keys only this objective reads (the others ignore them), and keys it ignores.
-  own_keys: tuple[str, ...] = ()
-  ignores: tuple[str, ...] = ()
-  # The step's hooks, (objective, tree, step) -> tree: the parameters it trains from, and
-  # the optimizer's updates it applies.
-  before_step: Callable = _identity_hook
-  updates: Callable = _identity_hook
-  # (config, saved_config() -> the workdir's config.json or None, the checkpoint's step or None),
-  # once per run before the setup is final: fixes the keys a resume must keep, refuses one that moved them.
-  start_run: Callable = _nothing
-
-
-# What each objective.name trains; the paper's ablations, and Electric.
-REGISTRY = {
-    # Replaced-token detection with a generator, L_Disc on every token (the default).
-    "electra": Registered(_electra, disc_mlm=True),
-    # The same, with L_Disc only on the masked positions (the paper's "ELECTRA 15%").
-    "electra_15": Registered(functools.partial(_electra, only_masked=True), disc_mlm=True),
-    # Replacements drawn uniformly from the vocabulary; no generator runs.
-    "uniform": Registered(_electra, has_generator=False, check=_check_no_generator_to_share),
-    # BERT: the discriminator-sized tower with an MLM head, no generator, and of the chosen positions
-    # 80% [MASK], 10% a random token, 10% kept.
-    "mlm": Registered(
-        _mlm, _mlm_metrics, has_generator=False, samples=False, mlm_head=True, masking=(0.1, 0.1),
-        check=_check_no_generator_to_share,
-        ignores=("objective.temperature", "objective.initial_temperature", "objective.temperature_decay_fraction",
-                 "objective.disallow_correct", "objective.gen_weight", "objective.disc_weight",
-                 "objective.keep_original_prob", "objective.disc_mlm_weight"),
-    ),
-    "replace_mlm": Registered(_replace_mlm, _tower_mlm_metrics, mlm_head=True),
-    "all_tokens_mlm": Registered(_all_tokens_mlm, _tower_mlm_metrics, mlm_head=True),
-    "two_stage": Registered(_two_stage, check=_check_two_stage, own_keys=("objective.two_stage_switch",),
-                            before_step=_start_second_stage, updates=_hold_other_stage,
-                            start_run=_keep_two_stage_switch),
-    "adversarial": Registered(_adversarial, _adversarial_metrics, own_keys=("objective.adversarial_mlm_weight",)),
-    "electric": Registered(_electric, _electric_metrics, cloze=True, check=_check_electric),
-}
-OBJECTIVES = tuple(REGISTRY)
-
-
 def ignored_keys(name: str) -> tuple[str, ...]:
-  """Config keys objective `name` never reads: changing one leaves the trained program and
-  the parameters as they are (tests/test_objectives.py traces each), so a sweep trains runs
-  that differ only there once; () for a name not registered (validate refuses it)."""
+  """Config keys objective `name` never reads: changing one leaves the trained program and the
+  parameters as they are (tests/test_objectives.py traces each), so a sweep trains runs that differ
+  only there once; () for a name not registered (validate refuses it)."""
   if name not in REGISTRY:
     return ()
   entry = REGISTRY[name]
@@ -791,15 +790,12 @@ def check_config(config) -> None:
 
 
 def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjective:
-  """`special_ids` maps pad/cls/sep/mask (and vocab_size) to the tokenizer's."""
-  o = config.objective
-  keep_original_prob, random_token_prob = REGISTRY[o.name].masking or (o.keep_original_prob, 0.0)
-  # No schedule (the same temperature at both ends, or no steps to fall over): None, so the
-  # objective, and the step compiled from it, is the constant temperature's.
-  scheduled = temperature_decay_steps(config) > 0
-  # Only the objective that owns the switch reads it: the others (and their compiled steps) stay
-  # the same whatever train.steps is.
-  switches = "objective.two_stage_switch" in REGISTRY[o.name].own_keys
+  """`special_ids` maps pad/cls/sep/mask (and vocab_size) to the tokenizer's. Settings an objective
+  does not read (no temperature schedule, another objective's switch) are left at their defaults, so
+  its compiled step does not depend on them."""
+  o, entry = config.objective, REGISTRY[config.objective.name]
+  keep_original_prob, random_token_prob = entry.masking or (o.keep_original_prob, 0.0)
+  switches = "objective.two_stage_switch" in entry.own_keys
   return ElectraObjective(
       mask_prob=o.mask_prob, max_predictions=official_max_predictions(o.mask_prob, config.data.max_seq_len),
       gen_weight=o.gen_weight, disc_weight=o.disc_weight, temperature=o.temperature,
@@ -809,6 +805,6 @@ def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjecti
       switch_step=(o.two_stage_switch or config.train.steps // 2) if switches else 0,
       adversarial_mlm_weight=o.adversarial_mlm_weight,
       disallow_correct=o.disallow_correct,
-      initial_temperature=o.initial_temperature if scheduled else None,
+      initial_temperature=o.initial_temperature if temperature_decay_steps(config) > 0 else None,
       disc_mlm_weight=o.disc_mlm_weight,
   )
