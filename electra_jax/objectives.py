@@ -39,17 +39,13 @@ class ElectraObjective:
   sep_id: int
   name: str = "electra"
   random_token_prob: float = 0.0  # of the chosen positions, the share given a random token (BERT's 10%)
-  # The tokenizer's vocabulary (0: all of the model's rows, which may be more): the generator's
-  # softmax, its samples and BERT's random tokens keep to these ids.
-  vocab_size: int = 0
+  vocab_size: int = 0  # the tokenizer's (0: the model's rows, which may be more): softmaxes and samples keep to it
   switch_step: int = 0  # two_stage: the first step of the discriminator's stage
   adversarial_mlm_weight: float = 0.0  # adversarial: weight of the generator's L_MLM beside REINFORCE
   disallow_correct: bool = False  # the official option: the original's logit loses 1000 before sampling
   # The sampling temperature at step 0 (None: `temperature`), falling linearly to `temperature`.
   initial_temperature: float | None = None
-  # electra / electra_15: the weight of the discriminator's own MLM loss at the masked positions
-  # of the corrupted input (0: none, and the discriminator has no MLM head).
-  disc_mlm_weight: float = 0.0
+  disc_mlm_weight: float = 0.0  # electra(_15): the discriminator's own MLM loss on the corrupted input (0: none)
 
   @property
   def uses_generator(self) -> bool:
@@ -64,9 +60,8 @@ def temperature_decay_steps(config) -> int:
 
 
 def sampling_temperature(objective: ElectraObjective, step, decay_steps):
-  """The sampling temperature at `step`, a function of the step alone (a resumed run samples as an
-  uninterrupted one): from objective.initial_temperature linearly to objective.temperature, reached
-  exactly at `decay_steps` (a float32 array); without a schedule the Python float objective.temperature."""
+  """The temperature at `step` (so a resume samples as an uninterrupted run): linear from initial_temperature
+  to temperature, reached exactly at `decay_steps` (float32); without a schedule the Python float temperature."""
   initial, final = objective.initial_temperature, objective.temperature
   if initial is None or initial == final:
     return final
@@ -107,9 +102,8 @@ def candidate_mask(input_ids, attention_mask, objective: ElectraObjective):
 
 
 def mask_tokens(rng, input_ids, attention_mask, objective: ElectraObjective) -> MaskedInputs:
-  """Chooses clip(round(n * mask_prob), 1, N) distinct candidate positions per row (n: its real
-  tokens; packed examples share their row's count) and puts [MASK] at each with probability
-  1 - keep_original_prob (and a random token with random_token_prob)."""
+  """Chooses clip(round(n * mask_prob), 1, N) distinct candidates per row (n: its real tokens) and puts
+  [MASK] at each with probability 1 - keep_original_prob (a random token with random_token_prob)."""
   batch_size, seq_len = input_ids.shape
   num_slots = objective.max_predictions
   choose_rng, replace_rng = jax.random.split(rng)
@@ -139,9 +133,8 @@ def mask_tokens(rng, input_ids, attention_mask, objective: ElectraObjective) -> 
 
 
 def sample_tokens(keys, logits, temperature: float, disallowed_ids=None):
-  """Gumbel-max samples [batch, n_pred] from softmax(logits / temperature) in float32, with no gradient,
-  one key per example (`keys` [batch]) so a row's draw does not depend on the batch's split.
-  `disallowed_ids` [batch, n_pred] lose 1000 after the division, as the official disallow_correct."""
+  """Gumbel-max samples [batch, n_pred] of softmax(logits / temperature), no gradient, one key per example
+  (a row's draw does not depend on the batch's split); `disallowed_ids` lose 1000 (disallow_correct)."""
   logits = jax.lax.stop_gradient(logits.astype(jnp.float32)) / temperature
   if disallowed_ids is not None:
     logits = logits - 1000.0 * jax.nn.one_hot(disallowed_ids, logits.shape[-1], dtype=jnp.float32)
@@ -150,8 +143,8 @@ def sample_tokens(keys, logits, temperature: float, disallowed_ids=None):
 
 
 def corrupt(input_ids, masked: MaskedInputs, sampled_ids):
-  """(corrupted_ids, is_replaced) [batch, seq]: the ORIGINAL input with the samples put at the used
-  masked positions; a sample equal to the original token is labelled original."""
+  """(corrupted_ids, is_replaced): the ORIGINAL input with the samples at the used masked positions; a
+  sample equal to the original token is labelled original."""
   new_tokens = jnp.where(masked.weights > 0, sampled_ids, masked.target_ids)
   corrupted_ids = input_ids.at[_rows(input_ids.shape[0]), masked.positions].set(new_tokens)
   return corrupted_ids, corrupted_ids != input_ids
@@ -163,8 +156,7 @@ def masked_position_weights(masked: MaskedInputs, shape) -> jax.Array:
 
 
 class Normalizers(NamedTuple):
-  """The losses' denominators over the WHOLE batch, so that gradient accumulation over
-  micro-batches adds up to exactly the full-batch loss."""
+  """The losses' denominators over the WHOLE batch: accumulated micro-batches add up to the full-batch loss."""
 
   num_predictions: jax.Array  # sum of MaskedInputs.weights
   num_tokens: jax.Array  # sum of attention_mask
@@ -181,9 +173,8 @@ class Normalizers(NamedTuple):
 
 
 def _max_and_argmax(z):
-  """(maximum, first maximal index as int32) over the last axis of z (no NaN): one (value, index)
-  reduction, which fuses with what computes z, except on the CPU, whose variadic reduce runs
-  unvectorised: there the maximum, then a search for its first index."""
+  """(maximum, first maximal index) over the last axis: one (value, index) reduction, except on the CPU,
+  whose variadic reduce runs unvectorised: there the maximum, then a search for its first index."""
 
   def one_reduction(z):
     index = jnp.argmax(z, axis=-1).astype(jnp.int32)
@@ -206,9 +197,8 @@ def _two_reductions(z):
 
 @jax.custom_vjp
 def _weighted_nll_sum(logits, top, target_ids, weights):
-  """(sum(weights * (logsumexp(logits) - logits[target_ids])), logsumexp(logits)) over the last axis
-  of float32 logits, `top` each row's maximum. Only the sum carries a gradient, written out as one
-  elementwise pass: weights * (softmax - one_hot(target))."""
+  """(sum(weights * (logsumexp(logits) - logits[target_ids])), logsumexp), `top` each row's maximum; only
+  the sum has a gradient, written as one elementwise pass: weights * (softmax - one_hot(target))."""
   return _weighted_nll_sum_fwd(logits, top, target_ids, weights)[0]
 
 
@@ -239,9 +229,8 @@ _weighted_nll_sum.defvjp(_weighted_nll_sum_fwd, _weighted_nll_sum_bwd)
 
 
 def _mlm_sums(logits, target_ids, weights, with_log_normalizer: bool = False):
-  """(summed cross-entropy, summed correct argmax) of vocabulary logits against targets, and with
-  `with_log_normalizer` each row's logsumexp (no gradient). The accuracy's argmax also finds the
-  logsumexp's shift, so the logits are read as few times as possible."""
+  """(summed cross-entropy, summed correct argmax) against targets (and each row's logsumexp, no gradient):
+  the accuracy's argmax also finds the logsumexp's shift, so the logits are read as few times as possible."""
   top, predicted = _max_and_argmax(jax.lax.stop_gradient(logits))
   nll_sum, log_normalizer = _weighted_nll_sum(logits, top, target_ids, weights)
   correct = (predicted == target_ids) * weights
@@ -260,8 +249,8 @@ def _bce(logits, labels):
 # ---------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class _Pass:
-  """What every objective's forward reads: the model and its parameters, one (micro-)batch with its
-  drawn masking, the step, and the `stats` it adds its counts to."""
+  """What an objective's forward reads: the model, one (micro-)batch and its masking, the step, and the
+  `stats` it adds its counts to."""
 
   model: object
   params: object
@@ -303,7 +292,7 @@ class _Sampled(NamedTuple):
 
 def _generator_logits(p: _Pass):
   """[batch, n_pred, vocab]: the generator at the masked slots, or without one (the official
-  uniform_generator) all-zero logits: uniform samples and a constant L_MLM."""
+  uniform_generator) zeros: uniform samples and a constant L_MLM."""
   if p.objective.uses_generator:
     logits = p.tower(p.model.generator_logits, p.masked.input_ids, p.masked.positions, rng=p.gen_rng)
   else:
@@ -315,8 +304,7 @@ def _generator_logits(p: _Pass):
 
 
 def _sample(p: _Pass, gen_logits) -> _Sampled:
-  """L_MLM of `gen_logits`, their samples at the step's temperature and the corrupted input; the
-  generator's counts go to p.stats."""
+  """L_MLM of `gen_logits`, their samples and the corrupted input; the generator's counts go to p.stats."""
   masked, objective, input_ids = p.masked, p.objective, p.batch["input_ids"]
   mlm_loss_sum, mlm_correct, log_normalizer = _mlm_sums(gen_logits, masked.target_ids, masked.weights,
                                                         with_log_normalizer=True)
@@ -338,9 +326,8 @@ def _sample(p: _Pass, gen_logits) -> _Sampled:
 
 
 def _tower_mlm(p: _Pass, input_ids, stat: str = "main"):
-  """The discriminator tower on `input_ids` predicting the originals at the masked slots, in one pass:
-  (its replaced-token logits [batch, seq], its MLM loss); the sums go to p.stats as <stat>_loss_sum and
-  <stat>_correct (mlm's, or main_* with main_count)."""
+  """(replaced-token logits, MLM loss at the masked slots) of the discriminator tower on `input_ids`, one
+  pass; the sums go to p.stats as <stat>_loss_sum and <stat>_correct (main_*: with main_count)."""
   disc_logits, logits = p.tower(p.model.discriminator_mlm_logits, input_ids, p.masked.positions, rng=p.disc_rng)
   loss_sum, correct = _mlm_sums(_vocabulary_only(logits, p.objective.vocab_size), p.masked.target_ids,
                                 p.masked.weights)
@@ -351,8 +338,7 @@ def _tower_mlm(p: _Pass, input_ids, stat: str = "main"):
 
 
 def _discriminator_logits(p: _Pass, corrupted_ids):
-  """[batch, seq] replaced-token logits, and the tower's own MLM loss weighted by
-  objective.disc_mlm_weight (None without)."""
+  """(replaced-token logits, the tower's own MLM loss times disc_mlm_weight, or None without)."""
   if p.objective.disc_mlm_weight > 0:
     disc_logits, disc_mlm_loss = _tower_mlm(p, corrupted_ids)
     return disc_logits, p.objective.disc_mlm_weight * disc_mlm_loss
@@ -365,8 +351,7 @@ def _per_token(disc_logits, is_replaced, token_weights, replaced_prob) -> dict:
 
 
 def _detection_loss(p: _Pass, disc_logits, is_replaced, replaced_prob, only_masked: bool = False):
-  """(disc_weight * L_Disc over the real tokens (with `only_masked`, the used masked positions) / their
-  whole-batch count, per_token); the counts go to p.stats."""
+  """(disc_weight * L_Disc over the real tokens (or the used masked positions), per_token); counts to p.stats."""
   token_weights, normalizer = p.token_weights, p.normalizers.num_tokens
   if only_masked:
     token_weights, normalizer = masked_position_weights(p.masked, is_replaced.shape), p.normalizers.num_predictions
@@ -385,8 +370,7 @@ def _detection_loss(p: _Pass, disc_logits, is_replaced, replaced_prob, only_mask
 
 
 def _detect(p: _Pass, only_masked: bool = False):
-  """The generator's samples, then the discriminator on the corrupted input: (sampled, disc_logits,
-  disc_weight * L_Disc, the tower's weighted MLM loss or None, per_token)."""
+  """Samples, then the discriminator on them: (sampled, disc_logits, disc loss, tower MLM loss, per_token)."""
   s = _sample(p, _generator_logits(p))
   disc_logits, main_loss = _discriminator_logits(p, s.corrupted_ids)
   disc_loss, per_token = _detection_loss(p, disc_logits, s.is_replaced, s.replaced_prob, only_masked)
@@ -410,14 +394,6 @@ def _rtd_metrics(metrics, stats, objective, per_token):
     metrics["loss"] = metrics["loss"] + objective.disc_mlm_weight * metrics["main_mlm_loss"]
 
 
-def _identity_hook(objective, tree, step):
-  return tree
-
-
-def _nothing(*args):
-  return None
-
-
 @dataclasses.dataclass(frozen=True)
 class Registered:
   """One objective: `forward(_Pass) -> (loss, per_token)`, `metrics(metrics, stats, objective,
@@ -432,15 +408,15 @@ class Registered:
   cloze: bool = False  # the generator is Electric's two-tower cloze model, reading the unmasked input
   # (keep_original_prob, random_token_prob) in place of (objective.keep_original_prob, 0).
   masking: tuple[float, float] | None = None
-  check: Callable = _nothing  # config -> None, raising ConfigError
+  check: Callable = lambda config: None  # raises ConfigError
   own_keys: tuple[str, ...] = ()  # keys only this objective reads (the others ignore them)
   ignores: tuple[str, ...] = ()
   # (objective, tree, step) -> tree: the parameters the step trains from, the updates it applies.
-  before_step: Callable = _identity_hook
-  updates: Callable = _identity_hook
+  before_step: Callable = lambda objective, params, step: params
+  updates: Callable = lambda objective, updates, step: updates
   # (config, saved_config() -> the workdir's config.json or None, the checkpoint's step or None), once
   # per run before the setup is final: fixes the keys a resume must keep, refuses one that moved them.
-  start_run: Callable = _nothing
+  start_run: Callable = lambda config, saved_config, start_step: None
 
 
 REGISTRY: dict[str, Registered] = {}
@@ -672,11 +648,9 @@ OBJECTIVES = tuple(REGISTRY)
 def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dropout_rng,
                     objective: ElectraObjective, normalizers: Normalizers, deterministic: bool = False,
                     step=None, temperature=None):
-  """The registered objective's forward on one (micro-)batch whose masking is already drawn:
-  (loss, (stats, per_token)), the loss's sums divided by `normalizers` (whole-batch counts), stats
-  the additive counts `summarize` reads, per_token the arrays of its AUCs. `sample_keys` [batch]:
-  per-example sampling keys; `step`: the train step (two_stage's stage); `temperature`: the
-  sampling temperature (None: objective.temperature, the final one, which evaluation uses)."""
+  """The registered objective's forward on one (micro-)batch with its masking drawn: (loss, (stats, per_token)),
+  the loss's sums divided by `normalizers`, stats the additive counts and per_token the arrays `summarize`
+  reads. `sample_keys` [batch]: per-example keys; `temperature` None: objective.temperature (evaluation's)."""
   gen_rng, disc_rng = jax.random.split(dropout_rng)
   stats = dict.fromkeys(_STAT_KEYS, jnp.zeros((), jnp.float32))
   stats.update(num_predictions=masked.weights.sum(), num_tokens=batch["attention_mask"].astype(jnp.float32).sum())
@@ -696,8 +670,7 @@ def binary_auc(scores, labels, weights):
 
 
 def binary_aucs(scores, labels, weights, positive_subsets) -> list:
-  """binary_auc of each subset of the positives (a mask shaped like `labels`) against all the
-  negatives, from one sort of the negatives."""
+  """binary_auc of each subset of the positives (a mask like `labels`) against all negatives, sorted once."""
   scores, labels = scores.reshape(-1), labels.reshape(-1).astype(bool)
   valid = weights.reshape(-1) > 0
   is_neg = valid & ~labels
@@ -725,9 +698,8 @@ _DISC_METRICS = ("disc_loss", "disc_auc", "disc_accuracy", "disc_precision", "di
 
 
 def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str, jax.Array]:
-  """The official metric set from summed stats (disc metrics over the tokens L_Disc covers), the
-  total loss, disc_auc_<bin> (a bin's replaced tokens against every original token) and
-  replaced_share_<bin> by REPLACED_BINS, and the registered objective's own keys."""
+  """The official metrics from summed stats, disc_auc_<bin> (a bin's replaced tokens against every original)
+  and replaced_share_<bin> by REPLACED_BINS; the registered objective adds the loss and its own keys."""
   num_predictions = jnp.maximum(stats["num_predictions"], 1.0)
   num_tokens = jnp.maximum(stats["num_tokens"], 1.0)
   true_pos = stats["disc_true_pos"]
@@ -760,9 +732,8 @@ def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str,
 # From the config
 # ---------------------------------------------------------------------------------------
 def ignored_keys(name: str) -> tuple[str, ...]:
-  """Config keys objective `name` never reads: changing one leaves the trained program and the
-  parameters as they are (tests/test_objectives.py traces each), so a sweep trains runs that differ
-  only there once; () for a name not registered (validate refuses it)."""
+  """Config keys objective `name` never reads (its traced step and parameters stay the same), so a sweep
+  trains runs that differ only there once; () for a name not registered."""
   if name not in REGISTRY:
     return ()
   entry = REGISTRY[name]
