@@ -244,9 +244,7 @@ def _bce(logits, labels):
   return jnp.maximum(logits, 0.0) - logits * labels + jnp.log1p(jnp.exp(-jnp.abs(logits)))
 
 
-# ---------------------------------------------------------------------------------------
-# The forward pass: shared pieces, then the objectives built from them
-# ---------------------------------------------------------------------------------------
+# --- The forward pass: shared pieces, then the objectives built from them
 @dataclasses.dataclass
 class _Pass:
   """What an objective's forward reads: the model, one (micro-)batch and its masking, the step, and the
@@ -279,13 +277,14 @@ class _Pass:
 
 
 class _Sampled(NamedTuple):
-  """The generator's step: its logits at the masked slots, its samples and the corrupted input."""
+  """The generator's step: its logits at the masked slots [batch, n_pred, vocab], its samples [batch,
+  n_pred], the corrupted input, what was replaced and the generator's probability (T=1) of it [batch, seq]."""
 
-  gen_logits: jax.Array  # [batch, n_pred, vocab]
-  sampled_ids: jax.Array  # [batch, n_pred]
-  corrupted_ids: jax.Array  # [batch, seq]
-  is_replaced: jax.Array  # [batch, seq] bool
-  replaced_prob: jax.Array  # [batch, seq]: the generator's probability (T=1) of what it put in
+  gen_logits: jax.Array
+  sampled_ids: jax.Array
+  corrupted_ids: jax.Array
+  is_replaced: jax.Array
+  replaced_prob: jax.Array
   mlm_loss_sum: jax.Array
   gen_loss: jax.Array  # gen_weight * L_MLM
 
@@ -660,9 +659,7 @@ def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dro
   return loss, (stats, per_token)
 
 
-# ---------------------------------------------------------------------------------------
-# Metrics
-# ---------------------------------------------------------------------------------------
+# --- Metrics
 def binary_auc(scores, labels, weights):
   """Exact ROC AUC (Mann-Whitney U with ties counted half) over entries with weight > 0; NaN when
   they hold no positive or no negative, or a NaN score."""
@@ -728,9 +725,7 @@ def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str,
   return metrics
 
 
-# ---------------------------------------------------------------------------------------
-# From the config
-# ---------------------------------------------------------------------------------------
+# --- From the config
 def ignored_keys(name: str) -> tuple[str, ...]:
   """Config keys objective `name` never reads (its traced step and parameters stay the same), so a sweep
   trains runs that differ only there once; () for a name not registered."""

@@ -502,8 +502,8 @@ def _timed(fn, *args):
 
 
 def measure_step_time(config, setup: TrainingSetup, mesh, corpus) -> StepTiming:
-  """Times the train step on a throwaway fresh state and batch 0 (after a warm-up step), and one
-  held-out evaluation (after a first that compiles). Nothing of the run is advanced."""
+  """Times the train step on a throwaway state and batch 0 (after a warm-up step) and one held-out
+  evaluation (after a first that compiles); nothing of the run is advanced."""
   seed = config.train.seed
   with partitioning.activate(mesh):
     step_fn, compile_seconds = _timed(compile_train_step, setup, config, mesh)
@@ -719,9 +719,8 @@ def _params_finite(params) -> jax.Array:
   return jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(params)]))
 
 
-# Metrics that are NaN on some healthy steps (disc_auc when a step's tokens are all one class,
-# the binned AUCs and shares when a bin or the replacements are empty): their window mean skips
-# NaN steps. Any other NaN (loss, grad_norm, ...) is a diverged step and must show in the mean.
+# NaN on some healthy steps (a step's tokens all one class, an empty bin): their window mean skips NaN
+# steps. Any other NaN (loss, grad_norm, ...) is a diverged step and must show in the mean.
 _NAN_WHEN_HEALTHY = frozenset({"disc_auc", *objectives.BINNED_METRICS})
 
 
