@@ -556,8 +556,10 @@ def _keep_two_stage_switch(config, saved_config: Callable, start_step: int | Non
   """The switch is fixed at a run's first start and written to config.json: left at 0 it is half of
   train.steps, which a resume with more steps would move, copying the generator's encoder over the
   trained discriminator again. A switch moved past the checkpoint is refused."""
-  saved = saved_config()
-  recorded = saved["objective"]["two_stage_switch"] if saved and saved["objective"]["name"] == "two_stage" else None
+  saved, recorded = saved_config(), None
+  if saved is not None and saved["objective"]["name"] == "two_stage":
+    # config.json before the switch was fixed kept 0: the default then was its own train.steps // 2.
+    recorded = saved["objective"]["two_stage_switch"] or saved["train"]["steps"] // 2
   o = config.objective
   if not o.two_stage_switch:
     o.two_stage_switch = recorded or config.train.steps // 2
