@@ -12,9 +12,8 @@ from electra_jax.errors import ConfigError
 
 
 def eval_step(state, batch, seed_key):
-  """Forward pass without dropout: (additive stats, per-token arrays). Masks and samples come from
-  a key per held-out example (fold_in of batch["example_index"]), so the figures do not depend on
-  the batch size or device count; samples are drawn at the final temperature, objective.temperature."""
+  """Forward pass without dropout: (additive stats, per-token arrays). Masks and samples (at the final
+  temperature) come from a key per held-out example, so the figures do not depend on the batch size."""
   objective = state.objective
   example_keys = jax.vmap(lambda i: jax.random.fold_in(seed_key, i))(batch["example_index"])
   mask_keys, sample_keys = jnp.moveaxis(jax.vmap(jax.random.split)(example_keys), 1, 0)
@@ -26,8 +25,7 @@ def eval_step(state, batch, seed_key):
       masked, batch["attention_mask"],
       objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective),
   )
-  # The parameters as they are (a two_stage discriminator is copied from the generator by the
-  # next train step, not here); only the stats are reported, not the loss.
+  # The parameters as they are (two_stage's copy is the next train step's); the stats, not the loss.
   return objectives.electra_forward(
       state.model, state.params, batch, masked, sample_keys, seed_key, objective, normalizers,
       deterministic=True, step=state.step,
@@ -35,9 +33,8 @@ def eval_step(state, batch, seed_key):
 
 
 class HeldOutEvaluator:
-  """Evaluates a train state on the first `eval.num_batches` batches of the held-out split, in
-  order. A short last batch is filled with all-padding rows, which carry no weight, so every
-  held-out example counts exactly once."""
+  """Evaluates a train state on the first `eval.num_batches` batches of the held-out split, in order; a
+  short last batch is filled with all-padding rows (no weight), so every example counts exactly once."""
 
   def __init__(self, config, setup, mesh):
     held_out = data.load_pretraining_data(config.data, split="eval")
@@ -82,8 +79,7 @@ class HeldOutEvaluator:
 
 @functools.partial(jax.jit, static_argnums=1)  # one program, not one per operation
 def _summarize(outputs, objective):
-  """The metrics of eval_step's (stats, per-token arrays) over all batches: stats summed in batch
-  order, arrays concatenated."""
+  """The metrics of eval_step's outputs: stats summed in batch order, arrays concatenated."""
   totals = jax.tree.map(lambda *xs: functools.reduce(jnp.add, xs), *(stats for stats, _ in outputs))
   per_token = jax.tree.map(lambda *xs: jnp.concatenate(xs), *(arrays for _, arrays in outputs))
   return objectives.summarize(totals, per_token, objective)

@@ -33,9 +33,8 @@ def _attention_flops(cfg: EncoderConfig, seq_len: int) -> int:
 
 def train_flops_per_token(model: ElectraPretrainer, seq_len: int, max_predictions: int, with_generator: bool = True,
                           all_positions_mlm: bool = False) -> float:
-  """Training FLOPs per input token of both towers (the discriminator alone `with_generator=False`) and the
-  discriminator's MLM head (at every position with `all_positions_mlm`, else on the max_predictions slots,
-  like the generator's head)."""
+  """Training FLOPs per input token of both towers (the discriminator alone without the generator), the MLM
+  heads on the max_predictions slots (the discriminator's at every position with `all_positions_mlm`)."""
   gen, disc = model.generator_config, model.discriminator_config
   gen_emb, emb = model.generator_embedding_size, model.embedding_size
   gen_head = (gen.hidden_size * gen_emb + gen_emb * model.vocab_size) * max_predictions / seq_len
@@ -52,8 +51,7 @@ def train_flops_per_token(model: ElectraPretrainer, seq_len: int, max_prediction
 
 
 def objective_flops_per_token(model: ElectraPretrainer, objective, seq_len: int) -> float:
-  """train_flops_per_token for a run's objective (objectives.ElectraObjective): whether a generator runs
-  and where the MLM heads predict; train.py's MFU, the sweep table and the benchmarks count with this."""
+  """train_flops_per_token for a run's objective: whether a generator runs and where the MLM heads predict."""
   return train_flops_per_token(model, seq_len, objective.max_predictions, objective.uses_generator,
                                all_positions_mlm=objective.name == "all_tokens_mlm")
 

@@ -1,6 +1,5 @@
-"""How much device memory a compiled training step needs (XLA's own per-device figures), and the largest
-batch that fits, which `train.batch_size = -1` asks for: a linear fit of bytes against the batch, checked
-by bracketing and bisection. A step the compiler refuses as too large does not fit."""
+"""The device memory a compiled training step needs (XLA's per-device figures), and the largest batch that
+fits (`train.batch_size = -1`): a linear fit of bytes against the batch, then bracketing and bisection."""
 
 import dataclasses
 import os
@@ -19,10 +18,8 @@ RECOMPUTE_TOLERANCE = 0.02
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
   batch_size: int
-  # arguments + outputs - donated + temporaries; None where the compiler refused the step as too large.
-  bytes_per_device: int | None
-  # XLA's cost analysis per device: it counts what the compiler recomputes to fit a step in memory.
-  flops: float | None = None
+  bytes_per_device: int | None  # arguments + outputs - donated + temporaries; None: refused as too large
+  flops: float | None = None  # XLA's cost analysis per device, which counts what it recomputes to fit
 
 
 def compiled_bytes(compiled) -> int:
@@ -76,8 +73,7 @@ def step_memory(compile_step, batch_size: int) -> StepMemory:
 
 
 def linear_fit(small: StepMemory, large: StepMemory) -> tuple[float, float]:
-  """(fixed, per_example) of bytes(batch) = fixed + per_example * batch through two measurements; per_example
-  at least one byte (a step's memory never shrinks with the batch)."""
+  """(fixed, per_example) of bytes = fixed + per_example * batch through two measurements (per_example >= 1)."""
   per_example = max(1.0, (large.bytes_per_device - small.bytes_per_device) / (large.batch_size - small.batch_size))
   return small.bytes_per_device - per_example * small.batch_size, per_example
 
@@ -89,10 +85,10 @@ def fit_of(measured: list[StepMemory]) -> tuple[float, float] | None:
 
 
 def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, list[StepMemory]]:
-  """The largest multiple of `quantum` whose step fits in `limit_bytes` per device, and the measurements
-  taken. Guesses follow the line through the two largest batches that fit until one does not, then the
-  bracket is bisected; a step XLA fits only by recomputing (more FLOPs per example than the first two
-  compiles) does not fit. Raises ConfigError when not even `quantum` fits."""
+  """The largest multiple of `quantum` whose step fits in `limit_bytes` per device, and the measurements:
+  guesses follow the line through the two largest batches that fit until one does not, then the bracket is
+  bisected. A step XLA fits only by recomputing (more FLOPs per example than the first two compiles) does
+  not fit; ConfigError when not even `quantum` fits."""
   measured: list[StepMemory] = []
   fitting: list[StepMemory] = []
 
@@ -133,10 +129,7 @@ def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, li
       candidate = max(low + quantum, min(guess // quantum * quantum, 8 * low))
     else:
       candidate = min(max(low + quantum, (low + high) // 2 // quantum * quantum), high - quantum)
-    if fits(candidate):
-      low = candidate
-    else:
-      high = candidate
+    low, high = (candidate, high) if fits(candidate) else (low, candidate)
   shown = "no linear fit" if fit is None else f"{fit[0] / 2**20:.1f} MiB fixed + {fit[1] / 2**20:.3f} MiB per example"
   logging.info("Memory per device: %s; largest batch %d (limit %.2f GiB, %d compiles).", shown, low,
                limit_bytes / 2**30, len(measured))

@@ -39,23 +39,13 @@ class ElectraObjective:
   sep_id: int
   name: str = "electra"
   random_token_prob: float = 0.0  # of the chosen positions, the share given a random token (BERT's 10%)
-  # The tokenizer's vocabulary (0: all of the model's rows, which may be more): the generator's
-  # softmax, its samples and BERT's random tokens keep to these ids.
-  vocab_size: int = 0
+  vocab_size: int = 0  # the tokenizer's (0: the model's rows, which may be more): softmaxes and samples keep to it
   switch_step: int = 0  # two_stage: the first step of the discriminator's stage
   adversarial_mlm_weight: float = 0.0  # adversarial: weight of the generator's L_MLM beside REINFORCE
-  # The official option: the original's logit loses 1000 before sampling, so every masked position is replaced.
-  disallow_correct: bool = False
-  # The sampling temperature at step 0 (None: `temperature`), falling linearly to `temperature`
-  # over the steps the run's schedule gives (see sampling_temperature).
+  disallow_correct: bool = False  # the official option: the original's logit loses 1000 before sampling
+  # The sampling temperature at step 0 (None: `temperature`), falling linearly to `temperature`.
   initial_temperature: float | None = None
-  # electra / electra_15: the weight of the discriminator's own MLM loss at the masked positions
-  # of the corrupted input (0: none, and the discriminator has no MLM head).
-  disc_mlm_weight: float = 0.0
-
-  @property
-  def never_masked_ids(self) -> tuple[int, ...]:
-    return (self.pad_id, self.cls_id, self.sep_id, self.mask_id)
+  disc_mlm_weight: float = 0.0  # electra(_15): the discriminator's own MLM loss on the corrupted input (0: none)
 
   @property
   def uses_generator(self) -> bool:
@@ -70,10 +60,8 @@ def temperature_decay_steps(config) -> int:
 
 
 def sampling_temperature(objective: ElectraObjective, step, decay_steps):
-  """The sampling temperature at `step` (traced or not), a function of the step alone so a resumed run
-  samples as an uninterrupted one: it falls from objective.initial_temperature over `decay_steps`
-  (a float32 array, so the compiled step does not depend on the count), reaching objective.temperature
-  exactly at that step; without a schedule the Python float objective.temperature."""
+  """The temperature at `step` (so a resume samples as an uninterrupted run): linear from initial_temperature
+  to temperature, reached exactly at `decay_steps` (float32); without a schedule the Python float temperature."""
   initial, final = objective.initial_temperature, objective.temperature
   if initial is None or initial == final:
     return final
@@ -95,8 +83,8 @@ class MaskedInputs(NamedTuple):
 
 
 def _vocabulary_only(logits, vocab_size: int):
-  """Logits [..., rows] with the rows past the tokenizer's `vocab_size` at -1e9: model.vocab_size may
-  be larger (rounded up for sharding), and those rows are no tokens, so they get no probability."""
+  """Logits [..., rows] with the rows past the tokenizer's `vocab_size` (model.vocab_size may be
+  rounded up for sharding) at -1e9: they are no tokens."""
   if not 0 < vocab_size < logits.shape[-1]:
     return logits
   in_vocabulary = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) < vocab_size
@@ -109,13 +97,13 @@ def _rows(batch_size: int) -> jax.Array:
 
 def candidate_mask(input_ids, attention_mask, objective: ElectraObjective):
   """[batch, seq] bool: the tokens masking may choose (not [CLS], [SEP], [MASK] or padding)."""
-  return attention_mask.astype(bool) & ~jnp.isin(input_ids, jnp.asarray(objective.never_masked_ids))
+  never_masked = jnp.asarray((objective.pad_id, objective.cls_id, objective.sep_id, objective.mask_id))
+  return attention_mask.astype(bool) & ~jnp.isin(input_ids, never_masked)
 
 
 def mask_tokens(rng, input_ids, attention_mask, objective: ElectraObjective) -> MaskedInputs:
-  """Chooses clip(round(n * mask_prob), 1, N) distinct candidate positions per row (n: its real
-  tokens; packed examples share their row's count) and puts [MASK] at each with probability
-  1 - keep_original_prob (and a random token with random_token_prob)."""
+  """Chooses clip(round(n * mask_prob), 1, N) distinct candidates per row (n: its real tokens) and puts
+  [MASK] at each with probability 1 - keep_original_prob (a random token with random_token_prob)."""
   batch_size, seq_len = input_ids.shape
   num_slots = objective.max_predictions
   choose_rng, replace_rng = jax.random.split(rng)
@@ -145,9 +133,8 @@ def mask_tokens(rng, input_ids, attention_mask, objective: ElectraObjective) -> 
 
 
 def sample_tokens(keys, logits, temperature: float, disallowed_ids=None):
-  """Gumbel-max samples [batch, n_pred] from softmax(logits / temperature) in float32, with no gradient,
-  one key per example (`keys` [batch]) so a row's draw does not depend on the batch's split.
-  `disallowed_ids` [batch, n_pred] lose 1000 after the division, as the official disallow_correct."""
+  """Gumbel-max samples [batch, n_pred] of softmax(logits / temperature), no gradient, one key per example
+  (a row's draw does not depend on the batch's split); `disallowed_ids` lose 1000 (disallow_correct)."""
   logits = jax.lax.stop_gradient(logits.astype(jnp.float32)) / temperature
   if disallowed_ids is not None:
     logits = logits - 1000.0 * jax.nn.one_hot(disallowed_ids, logits.shape[-1], dtype=jnp.float32)
@@ -156,8 +143,8 @@ def sample_tokens(keys, logits, temperature: float, disallowed_ids=None):
 
 
 def corrupt(input_ids, masked: MaskedInputs, sampled_ids):
-  """(corrupted_ids, is_replaced) [batch, seq]: the ORIGINAL input with the samples put at the used
-  masked positions; a sample equal to the original token is labelled original."""
+  """(corrupted_ids, is_replaced): the ORIGINAL input with the samples at the used masked positions; a
+  sample equal to the original token is labelled original."""
   new_tokens = jnp.where(masked.weights > 0, sampled_ids, masked.target_ids)
   corrupted_ids = input_ids.at[_rows(input_ids.shape[0]), masked.positions].set(new_tokens)
   return corrupted_ids, corrupted_ids != input_ids
@@ -169,8 +156,7 @@ def masked_position_weights(masked: MaskedInputs, shape) -> jax.Array:
 
 
 class Normalizers(NamedTuple):
-  """Denominators of the losses over the WHOLE batch, so that gradient accumulation over
-  micro-batches adds up to exactly the full-batch loss."""
+  """The losses' denominators over the WHOLE batch: accumulated micro-batches add up to the full-batch loss."""
 
   num_predictions: jax.Array  # sum of MaskedInputs.weights
   num_tokens: jax.Array  # sum of attention_mask
@@ -187,9 +173,8 @@ class Normalizers(NamedTuple):
 
 
 def _max_and_argmax(z):
-  """(maximum, first maximal index as int32) over the last axis of z (no NaN): one (value, index)
-  reduction, which fuses with what computes z, except on the CPU, whose variadic reduce runs
-  unvectorised: there the maximum, then a search for its first index."""
+  """(maximum, first maximal index) over the last axis: one (value, index) reduction, except on the CPU,
+  whose variadic reduce runs unvectorised: there the maximum, then a search for its first index."""
 
   def one_reduction(z):
     index = jnp.argmax(z, axis=-1).astype(jnp.int32)
@@ -212,9 +197,8 @@ def _two_reductions(z):
 
 @jax.custom_vjp
 def _weighted_nll_sum(logits, top, target_ids, weights):
-  """(sum(weights * (logsumexp(logits) - logits[target_ids])), logsumexp(logits)) over the last axis
-  of float32 logits, `top` each row's maximum. Only the sum carries a gradient, written out as one
-  elementwise pass: weights * (softmax - one_hot(target))."""
+  """(sum(weights * (logsumexp(logits) - logits[target_ids])), logsumexp), `top` each row's maximum; only
+  the sum has a gradient, written as one elementwise pass: weights * (softmax - one_hot(target))."""
   return _weighted_nll_sum_fwd(logits, top, target_ids, weights)[0]
 
 
@@ -245,9 +229,8 @@ _weighted_nll_sum.defvjp(_weighted_nll_sum_fwd, _weighted_nll_sum_bwd)
 
 
 def _mlm_sums(logits, target_ids, weights, with_log_normalizer: bool = False):
-  """(summed cross-entropy, summed correct argmax) of vocabulary logits against targets, and with
-  `with_log_normalizer` each row's logsumexp (no gradient). The accuracy's argmax also finds the
-  logsumexp's shift, so the logits are read as few times as possible."""
+  """(summed cross-entropy, summed correct argmax) against targets (and each row's logsumexp, no gradient):
+  the accuracy's argmax also finds the logsumexp's shift, so the logits are read as few times as possible."""
   top, predicted = _max_and_argmax(jax.lax.stop_gradient(logits))
   nll_sum, log_normalizer = _weighted_nll_sum(logits, top, target_ids, weights)
   correct = (predicted == target_ids) * weights
@@ -261,16 +244,14 @@ def _bce(logits, labels):
   return jnp.maximum(logits, 0.0) - logits * labels + jnp.log1p(jnp.exp(-jnp.abs(logits)))
 
 
-# ---------------------------------------------------------------------------------------
-# The forward pass: shared pieces, then one function per objective (REGISTRY below)
-# ---------------------------------------------------------------------------------------
+# --- The forward pass: shared pieces, then the objectives built from them
 @dataclasses.dataclass
 class _Pass:
-  """What every objective's forward reads: the model bound to its parameters, one (micro-)batch
-  with its drawn masking, the step, and the `stats` it adds its counts to."""
+  """What an objective's forward reads: the model, one (micro-)batch and its masking, the step, and the
+  `stats` it adds its counts to."""
 
   model: object
-  apply: Callable
+  params: object
   batch: dict
   masked: MaskedInputs
   sample_keys: jax.Array
@@ -291,25 +272,26 @@ class _Pass:
     # Packed rows (data.pack_rows) carry segment ids, which the model reads in place of the
     # padding mask; losses and masking still weigh real tokens only.
     model_mask = self.batch.get("segment_ids", self.batch["attention_mask"])
-    return self.apply(ids, self.batch["token_type_ids"], model_mask, *args, self.deterministic,
-                      method=method, rngs={"dropout": rng})
+    return self.model.apply({"params": self.params}, ids, self.batch["token_type_ids"], model_mask, *args,
+                            self.deterministic, method=method, rngs={"dropout": rng})
 
 
 class _Sampled(NamedTuple):
-  """The generator's step: its logits at the masked slots, its samples and the corrupted input."""
+  """The generator's step: its logits at the masked slots [batch, n_pred, vocab], its samples [batch,
+  n_pred], the corrupted input, what was replaced and the generator's probability (T=1) of it [batch, seq]."""
 
-  gen_logits: jax.Array  # [batch, n_pred, vocab]
-  sampled_ids: jax.Array  # [batch, n_pred]
-  corrupted_ids: jax.Array  # [batch, seq]
-  is_replaced: jax.Array  # [batch, seq] bool
-  replaced_prob: jax.Array  # [batch, seq]: the generator's probability (T=1) of what it put in
+  gen_logits: jax.Array
+  sampled_ids: jax.Array
+  corrupted_ids: jax.Array
+  is_replaced: jax.Array
+  replaced_prob: jax.Array
   mlm_loss_sum: jax.Array
   gen_loss: jax.Array  # gen_weight * L_MLM
 
 
 def _generator_logits(p: _Pass):
   """[batch, n_pred, vocab]: the generator at the masked slots, or without one (the official
-  uniform_generator) all-zero logits: uniform samples and a constant L_MLM."""
+  uniform_generator) zeros: uniform samples and a constant L_MLM."""
   if p.objective.uses_generator:
     logits = p.tower(p.model.generator_logits, p.masked.input_ids, p.masked.positions, rng=p.gen_rng)
   else:
@@ -321,8 +303,7 @@ def _generator_logits(p: _Pass):
 
 
 def _sample(p: _Pass, gen_logits) -> _Sampled:
-  """L_MLM of `gen_logits`, their samples at the step's temperature and the corrupted input; the
-  generator's counts go to p.stats."""
+  """L_MLM of `gen_logits`, their samples and the corrupted input; the generator's counts go to p.stats."""
   masked, objective, input_ids = p.masked, p.objective, p.batch["input_ids"]
   mlm_loss_sum, mlm_correct, log_normalizer = _mlm_sums(gen_logits, masked.target_ids, masked.weights,
                                                         with_log_normalizer=True)
@@ -344,9 +325,8 @@ def _sample(p: _Pass, gen_logits) -> _Sampled:
 
 
 def _tower_mlm(p: _Pass, input_ids, stat: str = "main"):
-  """The discriminator tower on `input_ids` predicting the originals at the masked slots, in one pass:
-  (its replaced-token logits [batch, seq], its MLM loss); the sums go to p.stats as <stat>_loss_sum and
-  <stat>_correct (mlm's, or main_* with main_count)."""
+  """(replaced-token logits, MLM loss at the masked slots) of the discriminator tower on `input_ids`, one
+  pass; the sums go to p.stats as <stat>_loss_sum and <stat>_correct (main_*: with main_count)."""
   disc_logits, logits = p.tower(p.model.discriminator_mlm_logits, input_ids, p.masked.positions, rng=p.disc_rng)
   loss_sum, correct = _mlm_sums(_vocabulary_only(logits, p.objective.vocab_size), p.masked.target_ids,
                                 p.masked.weights)
@@ -357,8 +337,7 @@ def _tower_mlm(p: _Pass, input_ids, stat: str = "main"):
 
 
 def _discriminator_logits(p: _Pass, corrupted_ids):
-  """[batch, seq] replaced-token logits, and the tower's own MLM loss weighted by
-  objective.disc_mlm_weight (None without)."""
+  """(replaced-token logits, the tower's own MLM loss times disc_mlm_weight, or None without)."""
   if p.objective.disc_mlm_weight > 0:
     disc_logits, disc_mlm_loss = _tower_mlm(p, corrupted_ids)
     return disc_logits, p.objective.disc_mlm_weight * disc_mlm_loss
@@ -371,8 +350,7 @@ def _per_token(disc_logits, is_replaced, token_weights, replaced_prob) -> dict:
 
 
 def _detection_loss(p: _Pass, disc_logits, is_replaced, replaced_prob, only_masked: bool = False):
-  """(disc_weight * L_Disc over the real tokens (with `only_masked`, the used masked positions) / their
-  whole-batch count, per_token); the counts go to p.stats."""
+  """(disc_weight * L_Disc over the real tokens (or the used masked positions), per_token); counts to p.stats."""
   token_weights, normalizer = p.token_weights, p.normalizers.num_tokens
   if only_masked:
     token_weights, normalizer = masked_position_weights(p.masked, is_replaced.shape), p.normalizers.num_predictions
@@ -390,62 +368,78 @@ def _detection_loss(p: _Pass, disc_logits, is_replaced, replaced_prob, only_mask
   return loss, _per_token(disc_logits, is_replaced, token_weights, replaced_prob)
 
 
-def _electra(p: _Pass, only_masked: bool = False):
-  """gen_weight * L_MLM + disc_weight * L_Disc (+ the tower's MLM under disc_mlm_weight); with
-  `only_masked`, L_Disc and its metrics only where the generator could have replaced a token."""
+def _detect(p: _Pass, only_masked: bool = False):
+  """Samples, then the discriminator on them: (sampled, disc_logits, disc loss, tower MLM loss, per_token)."""
   s = _sample(p, _generator_logits(p))
   disc_logits, main_loss = _discriminator_logits(p, s.corrupted_ids)
   disc_loss, per_token = _detection_loss(p, disc_logits, s.is_replaced, s.replaced_prob, only_masked)
+  return s, disc_logits, disc_loss, main_loss, per_token
+
+
+def _nan_metrics(metrics, names) -> None:
+  metrics.update(dict.fromkeys(names, jnp.full((), jnp.nan, jnp.float32)))
+
+
+def _main_mlm_metrics(metrics, stats) -> None:
+  main_count = jnp.maximum(stats["main_count"], 1.0)
+  metrics["main_mlm_loss"] = stats["main_loss_sum"] / main_count
+  metrics["main_mlm_accuracy"] = stats["main_correct"] / main_count
+
+
+def _rtd_metrics(metrics, stats, objective, per_token):
+  metrics["loss"] = objective.gen_weight * metrics["masked_lm_loss"] + objective.disc_weight * metrics["disc_loss"]
+  if objective.disc_mlm_weight > 0:
+    _main_mlm_metrics(metrics, stats)
+    metrics["loss"] = metrics["loss"] + objective.disc_mlm_weight * metrics["main_mlm_loss"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Registered:
+  """One objective: `forward(_Pass) -> (loss, per_token)`, `metrics(metrics, stats, objective,
+  per_token)` setting "loss" and its own keys, what it needs built, and its config checks."""
+
+  forward: Callable
+  metrics: Callable = _rtd_metrics
+  has_generator: bool = True  # a generator tower is built and samples the replacements
+  samples: bool = True  # replacements are sampled at a temperature
+  mlm_head: bool = False  # the discriminator-sized tower has an MLM head
+  disc_mlm: bool = False  # objective.disc_mlm_weight may add the tower's own MLM loss
+  cloze: bool = False  # the generator is Electric's two-tower cloze model, reading the unmasked input
+  # (keep_original_prob, random_token_prob) in place of (objective.keep_original_prob, 0).
+  masking: tuple[float, float] | None = None
+  check: Callable = lambda config: None  # raises ConfigError
+  own_keys: tuple[str, ...] = ()  # keys only this objective reads (the others ignore them)
+  ignores: tuple[str, ...] = ()
+  # (objective, tree, step) -> tree: the parameters the step trains from, the updates it applies.
+  before_step: Callable = lambda objective, params, step: params
+  updates: Callable = lambda objective, updates, step: updates
+  # (config, saved_config() -> the workdir's config.json or None, the checkpoint's step or None), once
+  # per run before the setup is final: fixes the keys a resume must keep, refuses one that moved them.
+  start_run: Callable = lambda config, saved_config, start_step: None
+
+
+REGISTRY: dict[str, Registered] = {}
+
+
+def _check_no_generator_to_share(config):
+  if config.model.tie == "all":
+    raise ConfigError(f"objective.name={config.objective.name!r} has no generator tower to share an encoder with; use "
+                      "model.tie='embeddings' (or 'none', 'gdes').")
+
+
+def _electra(p: _Pass, only_masked: bool = False):
+  """gen_weight * L_MLM + disc_weight * L_Disc (+ the tower's MLM under disc_mlm_weight); with
+  `only_masked`, L_Disc and its metrics only where the generator could have replaced a token."""
+  s, _, disc_loss, main_loss, per_token = _detect(p, only_masked)
   loss = s.gen_loss + disc_loss
   return (loss if main_loss is None else loss + main_loss), per_token
 
 
-def _two_stage(p: _Pass):
-  """gen_weight * L_MLM before the switch, disc_weight * L_Disc from it on (both computed, for the metrics)."""
-  s = _sample(p, _generator_logits(p))
-  disc_logits, _ = _discriminator_logits(p, s.corrupted_ids)
-  disc_loss, per_token = _detection_loss(p, disc_logits, s.is_replaced, s.replaced_prob)
-  return jnp.where(p.step >= p.objective.switch_step, disc_loss, s.gen_loss), per_token
-
-
-def _adversarial(p: _Pass):
-  """REINFORCE, rewarding a masked slot's sample with the discriminator's loss on it, plus adversarial_mlm_weight
-  * L_MLM. A slot's baseline is the mean reward of its example's other slots (0 without any): independent of
-  its own sample, so the estimate stays unbiased, and of how the batch is split."""
-  s = _sample(p, _generator_logits(p))
-  disc_logits, _ = _discriminator_logits(p, s.corrupted_ids)
-  disc_loss, per_token = _detection_loss(p, disc_logits, s.is_replaced, s.replaced_prob)
-  bce_at_slots = jnp.take_along_axis(_bce(disc_logits, s.is_replaced.astype(jnp.float32)), p.masked.positions, axis=1)
-  reward = jax.lax.stop_gradient(bce_at_slots)
-  weights = p.masked.weights
-  slots = weights.sum(-1, keepdims=True)
-  others = (reward * weights).sum(-1, keepdims=True) - reward * weights
-  baseline = jnp.where(slots > 1, others / jnp.maximum(slots - 1, 1.0), 0.0)
-  log_policy = jax.nn.log_softmax(s.gen_logits / p.temperature, axis=-1)  # the policy that sampled
-  sample_log_prob = jnp.take_along_axis(log_policy, s.sampled_ids[..., None], axis=-1)[..., 0]
-  reinforce = -((reward - baseline) * sample_log_prob * weights).sum() / p.normalizers.num_predictions
-  mlm = p.objective.adversarial_mlm_weight * s.mlm_loss_sum / p.normalizers.num_predictions
-  p.stats.update(main_loss_sum=(reward * weights).sum(), main_count=weights.sum())
-  return reinforce + mlm + disc_loss, per_token
-
-
-def _electric(p: _Pass):
-  """The official electric_objective: the cloze model reads the unmasked input and predicts every maskable
-  token from both sides (its loss); its samples replace the masked tokens, all labelled replaced, and the
-  discriminator's logit is the energy-based form: + log q(token) (no gradient) + the log prior odds of a mask."""
-  input_ids, objective = p.batch["input_ids"], p.objective
-  cloze_logits = _vocabulary_only(p.tower(p.model.cloze_logits, input_ids, rng=p.gen_rng), objective.vocab_size)
-  candidates = candidate_mask(input_ids, p.batch["attention_mask"], objective).astype(jnp.float32)
-  cloze_loss_sum, _ = _mlm_sums(cloze_logits, input_ids, candidates)
-  p.stats.update(main_loss_sum=cloze_loss_sum, main_count=candidates.sum())
-  s = _sample(p, jnp.take_along_axis(cloze_logits, p.masked.positions[..., None], axis=1))
-  gen_loss = objective.gen_weight * cloze_loss_sum / p.normalizers.num_candidates
-  is_replaced = masked_position_weights(p.masked, input_ids.shape) > 0
-  disc_logits, _ = _discriminator_logits(p, s.corrupted_ids)
-  log_q = jnp.take_along_axis(jax.nn.log_softmax(cloze_logits, axis=-1), s.corrupted_ids[..., None], axis=-1)[..., 0]
-  disc_logits = disc_logits + jax.lax.stop_gradient(log_q) + jnp.log(objective.mask_prob / (1.0 - objective.mask_prob))
-  disc_loss, per_token = _detection_loss(p, disc_logits, is_replaced, s.replaced_prob)
-  return gen_loss + disc_loss, per_token
+# Replaced-token detection with a generator, L_Disc on every token (the default); only on the masked
+# positions (the paper's "ELECTRA 15%"); with replacements drawn uniformly from the vocabulary, no generator.
+REGISTRY["electra"] = Registered(_electra, disc_mlm=True)
+REGISTRY["electra_15"] = Registered(functools.partial(_electra, only_masked=True), disc_mlm=True)
+REGISTRY["uniform"] = Registered(_electra, has_generator=False, check=_check_no_generator_to_share)
 
 
 def _mlm(p: _Pass):
@@ -454,6 +448,21 @@ def _mlm(p: _Pass):
   weights = p.token_weights
   zeros = jnp.zeros_like(weights)
   return loss, _per_token(zeros, jnp.zeros_like(p.batch["attention_mask"], bool), weights, zeros)
+
+
+def _mlm_metrics(metrics, stats, objective, per_token):
+  _nan_metrics(metrics, ("sampled_masked_lm_accuracy", "replaced_fraction", *BINNED_METRICS, *_DISC_METRICS))
+  metrics["loss"] = metrics["masked_lm_loss"]
+
+
+# No generator, and of the chosen positions 80% [MASK], 10% a random token, 10% kept.
+REGISTRY["mlm"] = Registered(
+    _mlm, _mlm_metrics, has_generator=False, samples=False, mlm_head=True, masking=(0.1, 0.1),
+    check=_check_no_generator_to_share,
+    ignores=("objective.temperature", "objective.initial_temperature", "objective.temperature_decay_fraction",
+             "objective.disallow_correct", "objective.gen_weight", "objective.disc_weight",
+             "objective.keep_original_prob", "objective.disc_mlm_weight"),
+)
 
 
 def _replace_mlm(p: _Pass):
@@ -491,24 +500,168 @@ def _all_tokens_mlm(p: _Pass):
   return s.gen_loss + main_loss, _per_token(jnp.zeros_like(weights), s.is_replaced, weights, s.replaced_prob)
 
 
+def _tower_mlm_metrics(metrics, stats, objective, per_token):
+  # No discriminator: no AUCs, but the replacements' shares by likelihood stand.
+  _nan_metrics(metrics, _DISC_METRICS)
+  replaced = per_token["is_replaced"].astype(jnp.float32) * per_token["token_weights"]
+  metrics["replaced_fraction"] = replaced.sum() / jnp.maximum(stats["num_tokens"], 1.0)
+  _main_mlm_metrics(metrics, stats)
+  metrics["loss"] = objective.gen_weight * metrics["masked_lm_loss"] + metrics["main_mlm_loss"]
+
+
+REGISTRY["replace_mlm"] = Registered(_replace_mlm, _tower_mlm_metrics, mlm_head=True)
+REGISTRY["all_tokens_mlm"] = Registered(_all_tokens_mlm, _tower_mlm_metrics, mlm_head=True)
+
+
+def _two_stage(p: _Pass):
+  """gen_weight * L_MLM before the switch, disc_weight * L_Disc from it on (both computed, for the metrics)."""
+  s, _, disc_loss, _, per_token = _detect(p)
+  return jnp.where(p.step >= p.objective.switch_step, disc_loss, s.gen_loss), per_token
+
+
+def _check_two_stage(config):
+  m = config.model
+  if m.generator_fraction != 1.0 or m.tie == "all":
+    raise ConfigError(
+        "objective.name='two_stage' starts the discriminator from the generator's weights, so the "
+        f"towers must be the same size and separate: model.generator_fraction=1.0 (is "
+        f"{m.generator_fraction}) and model.tie other than 'all' (is {m.tie!r})."
+    )
+  if m.tie == "none":
+    raise ConfigError(
+        "objective.name='two_stage' starts the discriminator from the generator's weights, but with "
+        "model.tie='none' the generator's embeddings are its own, so the discriminator would enter its "
+        "stage with embeddings nothing trained: use model.tie='embeddings' (the paper's) or 'gdes'."
+    )
+
+
+def _start_second_stage(objective, params, step):
+  """At the switch step the discriminator's encoder becomes a copy of the generator's (its head stays)."""
+  now = step == objective.switch_step
+  encoder = jax.tree.map(
+      lambda g, d: jnp.where(now, g, d), params["generator"]["encoder"], params["discriminator"]["encoder"]
+  )
+  return {**params, "discriminator": {**params["discriminator"], "encoder": encoder}}
+
+
+def _hold_other_stage(objective, updates, step):
+  """Only the tower of the current stage moves (weight decay included)."""
+  second = step >= objective.switch_step
+  hold = lambda tree, keep: jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), tree)  # noqa: E731
+  return {**updates, "generator": hold(updates["generator"], ~second),
+          "discriminator": hold(updates["discriminator"], second)}
+
+
+def _keep_two_stage_switch(config, saved_config: Callable, start_step: int | None) -> None:
+  """The switch is fixed at a run's first start and written to config.json: left at 0 it is half of
+  train.steps, which a resume with more steps would move, copying the generator's encoder over the
+  trained discriminator again. A switch moved past the checkpoint is refused."""
+  saved, recorded = saved_config(), None
+  if saved is not None and saved["objective"]["name"] == "two_stage":
+    # config.json before the switch was fixed kept 0: the default then was its own train.steps // 2.
+    recorded = saved["objective"]["two_stage_switch"] or saved["train"]["steps"] // 2
+  o = config.objective
+  if not o.two_stage_switch:
+    o.two_stage_switch = recorded or config.train.steps // 2
+    logging.info("objective.two_stage_switch: the discriminator's stage starts at step %d%s.",
+                 o.two_stage_switch, " (as this workdir recorded)" if recorded else "")
+  switch = o.two_stage_switch
+  if start_step is None or recorded is None or switch == recorded or start_step <= min(switch, recorded):
+    return
+  harm = ("copy the generator's encoder over the trained discriminator again" if switch > recorded
+          else "start the discriminator's stage without the generator's encoder")
+  raise ConfigError(
+      f"objective.two_stage_switch={switch}, but this workdir's run switches at step {recorded} "
+      f"and its checkpoint is at step {start_step}: moving the switch now would {harm}. Leave it at "
+      f"{recorded} (or 0), or use a new --workdir."
+  )
+
+
+REGISTRY["two_stage"] = Registered(_two_stage, check=_check_two_stage, own_keys=("objective.two_stage_switch",),
+                                   before_step=_start_second_stage, updates=_hold_other_stage,
+                                   start_run=_keep_two_stage_switch)
+
+
+def _adversarial(p: _Pass):
+  """REINFORCE, rewarding a masked slot's sample with the discriminator's loss on it, plus adversarial_mlm_weight
+  * L_MLM. A slot's baseline is the mean reward of its example's other slots (0 without any): independent of
+  its own sample, so the estimate stays unbiased, and of how the batch is split."""
+  s, disc_logits, disc_loss, _, per_token = _detect(p)
+  bce_at_slots = jnp.take_along_axis(_bce(disc_logits, s.is_replaced.astype(jnp.float32)), p.masked.positions, axis=1)
+  reward = jax.lax.stop_gradient(bce_at_slots)
+  weights = p.masked.weights
+  slots = weights.sum(-1, keepdims=True)
+  others = (reward * weights).sum(-1, keepdims=True) - reward * weights
+  baseline = jnp.where(slots > 1, others / jnp.maximum(slots - 1, 1.0), 0.0)
+  log_policy = jax.nn.log_softmax(s.gen_logits / p.temperature, axis=-1)  # the policy that sampled
+  sample_log_prob = jnp.take_along_axis(log_policy, s.sampled_ids[..., None], axis=-1)[..., 0]
+  reinforce = -((reward - baseline) * sample_log_prob * weights).sum() / p.normalizers.num_predictions
+  mlm = p.objective.adversarial_mlm_weight * s.mlm_loss_sum / p.normalizers.num_predictions
+  p.stats.update(main_loss_sum=(reward * weights).sum(), main_count=weights.sum())
+  return reinforce + mlm + disc_loss, per_token
+
+
+def _adversarial_metrics(metrics, stats, objective, per_token):
+  # The REINFORCE surrogate is no quantity to watch; the generator's mean reward is.
+  metrics["generator_reward"] = stats["main_loss_sum"] / jnp.maximum(stats["main_count"], 1.0)
+  mlm_loss = objective.adversarial_mlm_weight * metrics["masked_lm_loss"]
+  metrics["loss"] = mlm_loss + objective.disc_weight * metrics["disc_loss"]
+
+
+REGISTRY["adversarial"] = Registered(_adversarial, _adversarial_metrics, own_keys=("objective.adversarial_mlm_weight",))
+
+
+def _electric(p: _Pass):
+  """The official electric_objective: the cloze model reads the unmasked input and predicts every maskable
+  token from both sides (its loss); its samples replace the masked tokens, all labelled replaced, and the
+  discriminator's logit is the energy-based form: + log q(token) (no gradient) + the log prior odds of a mask."""
+  input_ids, objective = p.batch["input_ids"], p.objective
+  cloze_logits = _vocabulary_only(p.tower(p.model.cloze_logits, input_ids, rng=p.gen_rng), objective.vocab_size)
+  candidates = candidate_mask(input_ids, p.batch["attention_mask"], objective).astype(jnp.float32)
+  cloze_loss_sum, _ = _mlm_sums(cloze_logits, input_ids, candidates)
+  p.stats.update(main_loss_sum=cloze_loss_sum, main_count=candidates.sum())
+  s = _sample(p, jnp.take_along_axis(cloze_logits, p.masked.positions[..., None], axis=1))
+  gen_loss = objective.gen_weight * cloze_loss_sum / p.normalizers.num_candidates
+  is_replaced = masked_position_weights(p.masked, input_ids.shape) > 0
+  disc_logits, _ = _discriminator_logits(p, s.corrupted_ids)
+  log_q = jnp.take_along_axis(jax.nn.log_softmax(cloze_logits, axis=-1), s.corrupted_ids[..., None], axis=-1)[..., 0]
+  disc_logits = disc_logits + jax.lax.stop_gradient(log_q) + jnp.log(objective.mask_prob / (1.0 - objective.mask_prob))
+  disc_loss, per_token = _detection_loss(p, disc_logits, is_replaced, s.replaced_prob)
+  return gen_loss + disc_loss, per_token
+
+
+def _electric_metrics(metrics, stats, objective, per_token):
+  metrics["cloze_loss"] = stats["main_loss_sum"] / jnp.maximum(stats["main_count"], 1.0)
+  metrics["loss"] = objective.gen_weight * metrics["cloze_loss"] + objective.disc_weight * metrics["disc_loss"]
+
+
+def _check_electric(config):
+  _check_no_generator_to_share(config)
+  if config.data.pack_rows:
+    raise ConfigError("Electric's cloze generator reads across the row's ends, so it cannot train on packed rows: "
+                      "set data.pack_rows=False for objective.name='electric'.")
+
+
+REGISTRY["electric"] = Registered(_electric, _electric_metrics, cloze=True, check=_check_electric)
+OBJECTIVES = tuple(REGISTRY)
+
+
 def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dropout_rng,
                     objective: ElectraObjective, normalizers: Normalizers, deterministic: bool = False,
                     step=None, temperature=None):
-  """The registered objective's forward on one (micro-)batch whose masking is already drawn:
-  (loss, (stats, per_token)), the loss's sums divided by `normalizers` (whole-batch counts), stats
-  the additive counts `summarize` reads, per_token the arrays of its AUCs. `sample_keys` [batch]:
-  per-example sampling keys; `step`: the train step (two_stage's stage); `temperature`: the
-  sampling temperature (None: objective.temperature, the final one, which evaluation uses)."""
+  """The registered objective's forward on one (micro-)batch with its masking drawn: (loss, (stats, per_token)),
+  the loss's sums divided by `normalizers`, stats the additive counts and per_token the arrays `summarize`
+  reads. `sample_keys` [batch]: per-example keys; `temperature` None: objective.temperature (evaluation's)."""
   gen_rng, disc_rng = jax.random.split(dropout_rng)
   stats = dict.fromkeys(_STAT_KEYS, jnp.zeros((), jnp.float32))
   stats.update(num_predictions=masked.weights.sum(), num_tokens=batch["attention_mask"].astype(jnp.float32).sum())
-  p = _Pass(model, functools.partial(model.apply, {"params": params}), batch, masked, sample_keys, gen_rng, disc_rng,
-            objective, normalizers, deterministic, step,
-            objective.temperature if temperature is None else temperature, stats)
+  p = _Pass(model, params, batch, masked, sample_keys, gen_rng, disc_rng, objective, normalizers, deterministic,
+            step, objective.temperature if temperature is None else temperature, stats)
   loss, per_token = REGISTRY[objective.name].forward(p)
   return loss, (stats, per_token)
 
 
+# --- Metrics
 def binary_auc(scores, labels, weights):
   """Exact ROC AUC (Mann-Whitney U with ties counted half) over entries with weight > 0; NaN when
   they hold no positive or no negative, or a NaN score."""
@@ -516,8 +669,7 @@ def binary_auc(scores, labels, weights):
 
 
 def binary_aucs(scores, labels, weights, positive_subsets) -> list:
-  """binary_auc of each subset of the positives (a mask shaped like `labels`) against all the
-  negatives. One sort of the negatives serves them all."""
+  """binary_auc of each subset of the positives (a mask like `labels`) against all negatives, sorted once."""
   scores, labels = scores.reshape(-1), labels.reshape(-1).astype(bool)
   valid = weights.reshape(-1) > 0
   is_neg = valid & ~labels
@@ -540,12 +692,13 @@ def binary_aucs(scores, labels, weights, positive_subsets) -> list:
 # in, [low, high): where the discriminator's detection of hard replacements shows.
 REPLACED_BINS = (("unlikely", 0.0, 0.01), ("plausible", 0.01, 0.1), ("likely", 0.1, math.inf))
 BINNED_METRICS = tuple(f"{prefix}_{name}" for prefix in ("disc_auc", "replaced_share") for name, _, _ in REPLACED_BINS)
+_DISC_METRICS = ("disc_loss", "disc_auc", "disc_accuracy", "disc_precision", "disc_recall",
+                 *(f"disc_auc_{name}" for name, _, _ in REPLACED_BINS))
 
 
 def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str, jax.Array]:
-  """The official metric set from summed stats (disc metrics over the tokens L_Disc covers), the
-  total loss, disc_auc_<bin> (a bin's replaced tokens against every original token) and
-  replaced_share_<bin> by REPLACED_BINS, and the registered objective's own keys."""
+  """The official metrics from summed stats, disc_auc_<bin> (a bin's replaced tokens against every original)
+  and replaced_share_<bin> by REPLACED_BINS; the registered objective adds the loss and its own keys."""
   num_predictions = jnp.maximum(stats["num_predictions"], 1.0)
   num_tokens = jnp.maximum(stats["num_tokens"], 1.0)
   true_pos = stats["disc_true_pos"]
@@ -574,196 +727,10 @@ def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str,
   return metrics
 
 
-# ---------------------------------------------------------------------------------------
-# The registry: objective.name -> its forward, what it reads and refuses, its metrics
-# ---------------------------------------------------------------------------------------
-def _identity_hook(objective, tree, step):
-  return tree
-
-
-def _nothing(*args):
-  return None
-
-
-def _start_second_stage(objective, params, step):
-  """two_stage: at the switch step the discriminator's encoder becomes a copy of the
-  generator's (same sizes; its head stays as initialized)."""
-  now = step == objective.switch_step
-  encoder = jax.tree.map(
-      lambda g, d: jnp.where(now, g, d), params["generator"]["encoder"], params["discriminator"]["encoder"]
-  )
-  return {**params, "discriminator": {**params["discriminator"], "encoder": encoder}}
-
-
-def _hold_other_stage(objective, updates, step):
-  """two_stage: only the tower of the current stage moves (weight decay included)."""
-  second = step >= objective.switch_step
-  hold = lambda tree, keep: jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), tree)  # noqa: E731
-  return {**updates, "generator": hold(updates["generator"], ~second),
-          "discriminator": hold(updates["discriminator"], second)}
-
-
-def _keep_two_stage_switch(config, saved_config: Callable, start_step: int | None) -> None:
-  """two_stage: the switch is fixed at a run's first start and written to config.json: left at 0 it
-  is half of train.steps, which a resume with more steps would move, copying the generator's encoder
-  over the trained discriminator again. A switch moved past the checkpoint is refused."""
-  saved, recorded = saved_config(), None
-  if saved is not None and saved["objective"]["name"] == "two_stage":
-    # config.json before the switch was fixed kept 0: the default then was its own train.steps // 2.
-    recorded = saved["objective"]["two_stage_switch"] or saved["train"]["steps"] // 2
-  o = config.objective
-  if not o.two_stage_switch:
-    o.two_stage_switch = recorded or config.train.steps // 2
-    logging.info("objective.two_stage_switch: the discriminator's stage starts at step %d%s.",
-                 o.two_stage_switch, " (as this workdir recorded)" if recorded else "")
-  switch = o.two_stage_switch
-  if start_step is None or recorded is None or switch == recorded or start_step <= min(switch, recorded):
-    return
-  harm = ("copy the generator's encoder over the trained discriminator again" if switch > recorded
-          else "start the discriminator's stage without the generator's encoder")
-  raise ConfigError(
-      f"objective.two_stage_switch={switch}, but this workdir's run switches at step {recorded} "
-      f"and its checkpoint is at step {start_step}: moving the switch now would {harm}. Leave it at "
-      f"{recorded} (or 0), or use a new --workdir."
-  )
-
-
-def _check_no_generator_to_share(config):
-  if config.model.tie == "all":
-    raise ConfigError(f"objective.name={config.objective.name!r} has no generator tower to share an encoder with; use "
-                      "model.tie='embeddings' (or 'none', 'gdes').")
-
-
-def _check_electric(config):
-  _check_no_generator_to_share(config)
-  if config.data.pack_rows:
-    raise ConfigError(
-        "Electric's cloze generator reads across the row's ends, so it cannot train on packed rows: "
-        "set data.pack_rows=False for objective.name='electric'."
-    )
-
-
-def _check_two_stage(config):
-  m = config.model
-  if m.generator_fraction != 1.0 or m.tie == "all":
-    raise ConfigError(
-        "objective.name='two_stage' starts the discriminator from the generator's weights, so the "
-        f"towers must be the same size and separate: model.generator_fraction=1.0 (is "
-        f"{m.generator_fraction}) and model.tie other than 'all' (is {m.tie!r})."
-    )
-  if m.tie == "none":
-    raise ConfigError(
-        "objective.name='two_stage' starts the discriminator from the generator's weights, but with "
-        "model.tie='none' the generator's embeddings are its own, so the discriminator would enter "
-        "its stage with embeddings nothing trained (and an input projection the generator lacks "
-        "when model.embedding_size differs from hidden_size): use model.tie='embeddings' (the "
-        "paper's) or 'gdes'."
-    )
-
-
-_DISC_METRICS = ("disc_loss", "disc_auc", "disc_accuracy", "disc_precision", "disc_recall",
-                 *(f"disc_auc_{name}" for name, _, _ in REPLACED_BINS))
-
-
-def _main_mlm_metrics(metrics, stats):
-  main_count = jnp.maximum(stats["main_count"], 1.0)
-  metrics["main_mlm_loss"] = stats["main_loss_sum"] / main_count
-  metrics["main_mlm_accuracy"] = stats["main_correct"] / main_count
-
-
-def _rtd_metrics(metrics, stats, objective, per_token):
-  metrics["loss"] = objective.gen_weight * metrics["masked_lm_loss"] + objective.disc_weight * metrics["disc_loss"]
-  if objective.disc_mlm_weight > 0:
-    _main_mlm_metrics(metrics, stats)
-    metrics["loss"] = metrics["loss"] + objective.disc_mlm_weight * metrics["main_mlm_loss"]
-
-
-def _mlm_metrics(metrics, stats, objective, per_token):
-  metrics.update(dict.fromkeys(["sampled_masked_lm_accuracy", "replaced_fraction", *BINNED_METRICS, *_DISC_METRICS],
-                               jnp.full((), jnp.nan, jnp.float32)))
-  metrics["loss"] = metrics["masked_lm_loss"]
-
-
-def _tower_mlm_metrics(metrics, stats, objective, per_token):
-  # No discriminator: no AUCs, but the replacements' shares by likelihood stand.
-  metrics.update(dict.fromkeys(_DISC_METRICS, jnp.full((), jnp.nan, jnp.float32)))
-  replaced = per_token["is_replaced"].astype(jnp.float32) * per_token["token_weights"]
-  metrics["replaced_fraction"] = replaced.sum() / jnp.maximum(stats["num_tokens"], 1.0)
-  _main_mlm_metrics(metrics, stats)
-  metrics["loss"] = objective.gen_weight * metrics["masked_lm_loss"] + metrics["main_mlm_loss"]
-
-
-def _electric_metrics(metrics, stats, objective, per_token):
-  metrics["cloze_loss"] = stats["main_loss_sum"] / jnp.maximum(stats["main_count"], 1.0)
-  metrics["loss"] = objective.gen_weight * metrics["cloze_loss"] + objective.disc_weight * metrics["disc_loss"]
-
-
-def _adversarial_metrics(metrics, stats, objective, per_token):
-  # The REINFORCE surrogate is no quantity to watch; the generator's mean reward is.
-  metrics["generator_reward"] = stats["main_loss_sum"] / jnp.maximum(stats["main_count"], 1.0)
-  mlm_loss = objective.adversarial_mlm_weight * metrics["masked_lm_loss"]
-  metrics["loss"] = mlm_loss + objective.disc_weight * metrics["disc_loss"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Registered:
-  """One objective: `forward(_Pass) -> (loss, per_token)`, `metrics(metrics, stats, objective,
-  per_token)` setting "loss" and its own keys, what it needs built, and its config checks."""
-
-  forward: Callable
-  metrics: Callable = _rtd_metrics
-  has_generator: bool = True  # a generator tower is built and samples the replacements
-  samples: bool = True  # replacements are sampled at a temperature
-  mlm_head: bool = False  # the discriminator-sized tower has an MLM head
-  disc_mlm: bool = False  # objective.disc_mlm_weight may add the tower's own MLM loss
-  cloze: bool = False  # the generator is Electric's two-tower cloze model, reading the unmasked input
-  # (keep_original_prob, random_token_prob) in place of (objective.keep_original_prob, 0).
-  masking: tuple[float, float] | None = None
-  check: Callable = _nothing  # config -> None, raising ConfigError
-  # Keys only this objective reads (the others ignore them), and keys it ignores.
-  own_keys: tuple[str, ...] = ()
-  ignores: tuple[str, ...] = ()
-  # The step's hooks, (objective, tree, step) -> tree: the parameters it trains from, and
-  # the optimizer's updates it applies.
-  before_step: Callable = _identity_hook
-  updates: Callable = _identity_hook
-  # (config, saved_config() -> the workdir's config.json or None, the checkpoint's step or None),
-  # once per run before the setup is final: fixes the keys a resume must keep, refuses one that moved them.
-  start_run: Callable = _nothing
-
-
-# What each objective.name trains; the paper's ablations, and Electric.
-REGISTRY = {
-    # Replaced-token detection with a generator, L_Disc on every token (the default).
-    "electra": Registered(_electra, disc_mlm=True),
-    # The same, with L_Disc only on the masked positions (the paper's "ELECTRA 15%").
-    "electra_15": Registered(functools.partial(_electra, only_masked=True), disc_mlm=True),
-    # Replacements drawn uniformly from the vocabulary; no generator runs.
-    "uniform": Registered(_electra, has_generator=False, check=_check_no_generator_to_share),
-    # BERT: the discriminator-sized tower with an MLM head, no generator, and of the chosen positions
-    # 80% [MASK], 10% a random token, 10% kept.
-    "mlm": Registered(
-        _mlm, _mlm_metrics, has_generator=False, samples=False, mlm_head=True, masking=(0.1, 0.1),
-        check=_check_no_generator_to_share,
-        ignores=("objective.temperature", "objective.initial_temperature", "objective.temperature_decay_fraction",
-                 "objective.disallow_correct", "objective.gen_weight", "objective.disc_weight",
-                 "objective.keep_original_prob", "objective.disc_mlm_weight"),
-    ),
-    "replace_mlm": Registered(_replace_mlm, _tower_mlm_metrics, mlm_head=True),
-    "all_tokens_mlm": Registered(_all_tokens_mlm, _tower_mlm_metrics, mlm_head=True),
-    "two_stage": Registered(_two_stage, check=_check_two_stage, own_keys=("objective.two_stage_switch",),
-                            before_step=_start_second_stage, updates=_hold_other_stage,
-                            start_run=_keep_two_stage_switch),
-    "adversarial": Registered(_adversarial, _adversarial_metrics, own_keys=("objective.adversarial_mlm_weight",)),
-    "electric": Registered(_electric, _electric_metrics, cloze=True, check=_check_electric),
-}
-OBJECTIVES = tuple(REGISTRY)
-
-
+# --- From the config
 def ignored_keys(name: str) -> tuple[str, ...]:
-  """Config keys objective `name` never reads: changing one leaves the trained program and
-  the parameters as they are (tests/test_objectives.py traces each), so a sweep trains runs
-  that differ only there once; () for a name not registered (validate refuses it)."""
+  """Config keys objective `name` never reads (its traced step and parameters stay the same), so a sweep
+  trains runs that differ only there once; () for a name not registered."""
   if name not in REGISTRY:
     return ()
   entry = REGISTRY[name]
@@ -791,15 +758,12 @@ def check_config(config) -> None:
 
 
 def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjective:
-  """`special_ids` maps pad/cls/sep/mask (and vocab_size) to the tokenizer's."""
-  o = config.objective
-  keep_original_prob, random_token_prob = REGISTRY[o.name].masking or (o.keep_original_prob, 0.0)
-  # No schedule (the same temperature at both ends, or no steps to fall over): None, so the
-  # objective, and the step compiled from it, is the constant temperature's.
-  scheduled = temperature_decay_steps(config) > 0
-  # Only the objective that owns the switch reads it: the others (and their compiled steps) stay
-  # the same whatever train.steps is.
-  switches = "objective.two_stage_switch" in REGISTRY[o.name].own_keys
+  """`special_ids` maps pad/cls/sep/mask (and vocab_size) to the tokenizer's. Settings an objective
+  does not read (no temperature schedule, another objective's switch) are left at their defaults, so
+  its compiled step does not depend on them."""
+  o, entry = config.objective, REGISTRY[config.objective.name]
+  keep_original_prob, random_token_prob = entry.masking or (o.keep_original_prob, 0.0)
+  switches = "objective.two_stage_switch" in entry.own_keys
   return ElectraObjective(
       mask_prob=o.mask_prob, max_predictions=official_max_predictions(o.mask_prob, config.data.max_seq_len),
       gen_weight=o.gen_weight, disc_weight=o.disc_weight, temperature=o.temperature,
@@ -809,6 +773,6 @@ def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjecti
       switch_step=(o.two_stage_switch or config.train.steps // 2) if switches else 0,
       adversarial_mlm_weight=o.adversarial_mlm_weight,
       disallow_correct=o.disallow_correct,
-      initial_temperature=o.initial_temperature if scheduled else None,
+      initial_temperature=o.initial_temperature if temperature_decay_steps(config) > 0 else None,
       disc_mlm_weight=o.disc_mlm_weight,
   )

@@ -1,6 +1,6 @@
-"""Pre-training: the optimizer, the module-level `train_step(state, batch, rng)`, and
-`train_and_evaluate`, which reads top to bottom: config, mesh, input, model, shardings,
-checkpoint, compile, loop (with preemption and NaN handling)."""
+"""Pre-training: the optimizer, `train_step(state, batch, rng, schedule)`, the sharded setup, and
+`train_and_evaluate`: config, mesh, data and model (`prepare`), checkpoint, time budget, lease,
+then the loop with its logs, evaluations, checkpoints, preemption and NaN handling."""
 
 import collections
 import contextlib
@@ -69,16 +69,12 @@ def scale_by_adam_without_bias_correction(b1: float, b2: float, eps: float):
 
 @flax.struct.dataclass
 class Schedule:
-  """What changes with the step, with its settings as float32 arrays: the official learning rate,
-  peak * min(1, step / warmup) * max(0, 1 - step / total), and the steps over which the sampling
-  temperature falls. The compiled step takes it as an argument, so runs that differ only in
-  train.steps, the warmup or the peak rate (a resume with more steps, a time budget, a sweep over
-  rates) share one traced and compiled program."""
+  """The official rate peak * min(1, step / warmup) * max(0, 1 - step / total) and the temperature's decay
+  steps, as float32 arrays: an argument of the compiled step, so runs that differ only there (a resume with
+  more steps, a time budget, a sweep over rates) share one program. The rate divides by the counts: 427 *
+  float32(1 / 427) is below 1, which would leave it above 0 at the last step."""
 
   peak: jax.Array
-  # The warmup, train.steps and the temperature's decay steps as float32 step counts. The rate and
-  # the temperature divide by them rather than multiply by their inverses: 427 * float32(1 / 427)
-  # is below 1, so a product would leave the rate above 0 at the last step for most totals.
   warmup: jax.Array  # at least 1
   total: jax.Array
   temperature_decay: jax.Array  # 0: no temperature schedule
@@ -98,8 +94,7 @@ def learning_rate_schedule(base_lr: float, warmup_steps: int, total_steps: int,
 
 
 def scale_by_schedule_argument() -> optax.GradientTransformationExtraArgs:
-  """optax.scale_by_learning_rate with the Schedule passed to update (`schedule=`) instead of built
-  in: the same state (the update count) and the same arithmetic."""
+  """optax.scale_by_learning_rate with the Schedule passed to update (`schedule=`) instead of built in."""
 
   def update(updates, state, params=None, *, schedule: Schedule, **extra):
     del params, extra
@@ -144,29 +139,22 @@ def make_optimizer(config: ml_collections.ConfigDict):
 
 @functools.cache
 def _optimizer(bias_correction, b1, b2, eps, clip_norm, weight_decay):
-  # One tx per setting: it is a static field of TrainState, so a config trained again in this
-  # process (a notebook cell run twice, a resume, a sweep's runs) has an equal state structure and
-  # jax reuses the traced and compiled steps instead of tracing anew.
+  # One tx per setting: a static field of TrainState, so an equal config trained again in this process
+  # has an equal state structure and jax reuses the traced and compiled steps.
   if bias_correction:
     adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
   else:
     adam = scale_by_adam_without_bias_correction(b1, b2, eps)
-  decay_mask = lambda params: jax.tree_util.tree_map_with_path(
-      _decays, params, is_leaf=lambda x: isinstance(x, nn.Partitioned)
-  )
-  return optax.chain(
-      optax.clip_by_global_norm(clip_norm),
-      adam,
-      optax.add_decayed_weights(weight_decay, mask=decay_mask),
-      scale_by_schedule_argument(),
-  )
+  decay_mask = functools.partial(jax.tree_util.tree_map_with_path, _decays,
+                                 is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  return optax.chain(optax.clip_by_global_norm(clip_norm), adam,
+                     optax.add_decayed_weights(weight_decay, mask=decay_mask), scale_by_schedule_argument())
 
 
 # --- Update step
 def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array, schedule: Schedule):
-  """One optimizer update on `batch` ([batch, seq] arrays) at the rate and temperature `schedule` gives.
-  Masks are drawn for the whole batch first, so micro-batch losses share whole-batch denominators and
-  their gradients sum to the full one."""
+  """One optimizer update on `batch` ([batch, seq] arrays). Masks are drawn for the whole batch first, so
+  micro-batch losses share whole-batch denominators and their gradients sum to the full one."""
   objective = state.objective
   registered = objectives.REGISTRY[objective.name]
   params = registered.before_step(objective, state.params, state.step)
@@ -204,7 +192,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array, s
 
     first = jax.tree.map(lambda x: x[0], micro_inputs)
     (_, (stats_shape, _)), grads_shape = jax.eval_shape(grad_fn, params, *first, micro_dropout_rngs[0])
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grads_shape, stats_shape))
+    zeros = jax.tree.map(jnp.zeros_like, (grads_shape, stats_shape))
     (grads, stats), per_token = jax.lax.scan(accumulate, zeros, (micro_inputs, micro_dropout_rngs))
 
   updates, opt_state = state.tx.update(grads, state.opt_state, params, schedule=schedule)
@@ -235,9 +223,8 @@ def step_rngs(seed: int, first_step: int, num_steps: int) -> jax.Array:
 # --- Building the state
 @dataclasses.dataclass(frozen=True)
 class StateInit:
-  """rng -> a fresh state whose parameters still carry their logical-axis boxes (nn.Partitioned):
-  jax.eval_shape of it gives the shardings, `fresh_state` the real state. Equal settings make
-  equal (hashable) inits, so a state is initialized by one traced function per setting."""
+  """rng -> a fresh state, its parameters still boxed (nn.Partitioned) for the shardings. Equal settings
+  make equal (hashable) inits, so a state is initialized by one traced function per setting."""
 
   model: ElectraPretrainer
   objective: objectives.ElectraObjective
@@ -250,13 +237,12 @@ class StateInit:
     positions = jnp.zeros((1, self.objective.max_predictions), jnp.int32)
     params = self.model.init(rng, ids, ids, jnp.ones_like(ids), positions)["params"]
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params), model=self.model,
-                      tx=self.tx, objective=self.objective,
-                      grad_accum_steps=self.grad_accum_steps)
+                      tx=self.tx, objective=self.objective, grad_accum_steps=self.grad_accum_steps)
 
 
 def make_init_fn(config, model: ElectraPretrainer, objective) -> StateInit:
-  tx, _ = make_optimizer(config)
-  return StateInit(model, objective, tx, config.data.max_seq_len, config.train.grad_accum_steps)
+  return StateInit(model, objective, make_optimizer(config)[0], config.data.max_seq_len,
+                   config.train.grad_accum_steps)
 
 
 def _unboxed_init(init: StateInit, rng: jax.Array) -> TrainState:
@@ -264,8 +250,7 @@ def _unboxed_init(init: StateInit, rng: jax.Array) -> TrainState:
 
 
 def fresh_state(setup, seed: int) -> TrainState:
-  """The state a run starts from: `setup.init_fn` at key(seed), each device initializing its own
-  shards (`setup.state_shardings`)."""
+  """The state a run starts from: `setup.init_fn` at key(seed), each device initializing its own shards."""
   init = jax.jit(_unboxed_init, static_argnums=0, out_shardings=setup.state_shardings)
   return init(setup.init_fn, jax.random.key(seed))
 
@@ -274,78 +259,6 @@ def param_shapes(params) -> dict[str, list[int]]:
   """{'generator/encoder/layer_0/...': shape}, stored with each checkpoint."""
   flat = flax.traverse_util.flatten_dict(nn.meta.unbox(params), sep="/")
   return {name: list(leaf.shape) for name, leaf in flat.items()}
-
-
-def _checkpoint_check(checkpointer, setup, workdir: str, corpus=None, config=None):
-  """(step, meta) -> None, refusing a checkpoint of another model, data (given `corpus`) or state
-  structure; `config` names the model settings that differ."""
-
-  def check(step: int, meta: dict) -> None:
-    saved, current = meta["param_shapes"], setup.param_shapes
-    for name in sorted(set(saved) | set(current)):
-      if saved.get(name) != current.get(name):
-        before = config_lib.saved_config(workdir) if config is not None else None
-        changes = before and config_lib.changed_keys(
-            {"model": before["model"]}, {"model": config_lib.as_saved(config)["model"]})
-        settings = f" The model settings that differ from its config.json: {'; '.join(changes)}." if changes else ""
-        raise ConfigError(
-            f"The workdir {workdir} holds a checkpoint of a different model: parameter {name!r} "
-            f"is {saved.get(name, 'absent')} there but {current.get(name, 'absent')} in this "
-            f"config.{settings} Use a new --workdir, or the config that made this checkpoint "
-            f"({os.path.join(workdir, 'config.json')}). Nothing was overwritten."
-        )
-    if corpus is not None and meta["data_fingerprint"] is None:
-      # Imported weights (interop/pretraining.py): bound to their vocabulary, not yet to a corpus.
-      if meta["tokenizer_fingerprint"] != corpus.tokenizer.fingerprint:
-        raise ConfigError(
-            f"The checkpoint in {workdir} holds weights imported from {meta['imported_from']} with "
-            f"their own vocabulary (tokenizer {meta['tokenizer_fingerprint']}), but this config "
-            f"tokenizes with {corpus.tokenizer.fingerprint}. Train with the workdir's config.json "
-            "(which names that vocabulary), e.g. leave out --config."
-        )
-    elif corpus is not None and meta["data_fingerprint"] != corpus.fingerprint:
-      raise ConfigError(
-          f"The checkpoint in {workdir} was trained on data {meta['data_fingerprint']} but this "
-          f"config gives {corpus.fingerprint} (a different tokenizer, corpus, max_seq_len or data.pack_rows). "
-          "Use a new --workdir, or the data settings of its config.json."
-      )
-    missing, extra = checkpointer.state_difference(step, setup.abstract_state)
-    if missing or extra:
-      optimizer = all(p.startswith("opt_state") for p in missing + extra)
-      what = "an optimizer state" if optimizer else "a train state"
-      hint = (" optimizer.bias_correction decides whether Adam keeps a step count (True: optax's Adam; "
-              "False: the official one): resume with the value in its config.json." if optimizer else "")
-      raise ConfigError(
-          f"The checkpoint at step {step} in {workdir} holds {what} of another structure than this "
-          f"config's (missing from it: {missing[:3] or 'none'}; only in it: {extra[:3] or 'none'}).{hint} Or "
-          "use a new --workdir. Nothing was overwritten."
-      )
-
-  return check
-
-
-def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpus=None):
-  """(step, state): the state saved at `step` (default: the newest intact one) in `workdir`, sharded
-  for `mesh`, once the checkpoint is known to hold this setup's model (and given `corpus`, its data)."""
-  checkpointer = checkpointing.Checkpointer(workdir, keep=1)  # reading only: keep acts on saves
-  try:
-    latest = step is None
-    step = checkpointer.latest_step() if latest else step
-    if step is None:
-      raise ConfigError(f"{workdir} holds no checkpoint yet; train first or fix --workdir.")
-    if step not in checkpointer.all_steps():
-      raise ConfigError(
-          f"{workdir} holds no checkpoint of step {step}; its checkpoints are of steps "
-          f"{checkpointer.all_steps()}. Pick one of those, or leave --step out for the latest."
-      )
-    check = _checkpoint_check(checkpointer, setup, workdir, corpus)
-    with partitioning.activate(mesh):
-      if latest:
-        return checkpointer.restore_newest_intact(setup.abstract_state, step, check)[:2]
-      check(step, checkpointer.read_meta(step))
-      return step, checkpointer.restore(step, setup.abstract_state)
-  finally:
-    checkpointer.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,38 +334,21 @@ def step_compiler(config, setup: TrainingSetup, mesh):
   return compile_step
 
 
-def _periods(config) -> dict[str, int]:
-  """The steps between logs, checkpoints and evaluations."""
-  periods = {"train.log_every": config.train.log_every, "checkpoint.every_steps": config.checkpoint.every_steps}
-  if config.eval.every_steps:
-    periods["eval.every_steps"] = config.eval.every_steps
-  return periods
-
-
-def _warn_single_steps(config, steps_per_call: int) -> None:
-  """Says so when train.steps_per_call leaves steps before a boundary to run one call each."""
-  uneven = {name: p for name, p in _periods(config).items() if p % steps_per_call}
-  if steps_per_call > 1 and uneven:
-    shown = ", ".join(f"{name}={p}" for name, p in uneven.items())
-    logging.warning(
-        "train.steps_per_call=%d does not divide %s: the steps before each such boundary that "
-        "do not fill a call run one call each (slower). Make them multiples of %d.",
-        steps_per_call, shown, steps_per_call,
-    )
-
-
 def special_ids(tokenizer) -> dict[str, int]:
   """The token ids build_setup needs from the corpus's tokenizer."""
   return dict(pad=tokenizer.pad_id, cls=tokenizer.cls_id, sep=tokenizer.sep_id, mask=tokenizer.mask_id,
               vocab_size=tokenizer.vocab_size)
 
 
+def _from_process_0(value: int) -> int:
+  """`value` as process 0 has it, on every process."""
+  return int(multihost_utils.broadcast_one_to_all(np.int32(value))) if jax.process_count() > 1 else value
+
+
 def prepare(config):
   """Config checks, mesh, training data and the sharded setup, in that order: every mistake is
   reported before anything is compiled or written."""
-  # --- Config: everything checkable without devices or data.
-  config_lib.validate(config)
-  # --- Mesh
+  config_lib.validate(config)  # everything checkable without devices or data
   mesh = partitioning.make_mesh(config.mesh)
   partitioning.check_process_shards(mesh, jax.process_count())
   platform = jax.devices()[0].platform
@@ -465,7 +361,6 @@ def prepare(config):
   if not auto_batch:
     config_lib.validate_for_mesh(config, partitioning.batch_shards(mesh))
   logging.info("Mesh %s over %d %s devices.", dict(mesh.shape), mesh.size, platform)
-  # --- Input
   corpus = data.load_pretraining_data(config.data, split="train")
   tokenizer = corpus.tokenizer
   if config.model.vocab_size < tokenizer.vocab_size:
@@ -473,16 +368,12 @@ def prepare(config):
         f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's vocabulary "
         f"({tokenizer.vocab_size}). Set model.vocab_size >= {tokenizer.vocab_size}."
     )
-  # --- Model and shardings
   setup = build_setup(config, mesh, special_ids(tokenizer))
-  if auto_batch:
-    # The largest batch that fits (the setup does not depend on it); written to config.json.
+  if auto_batch:  # the setup does not depend on the batch; config.json records the one found
     limit = int(config.train.memory_fraction * memory.device_memory_bytes())
     quantum = partitioning.batch_shards(mesh) * config.train.grad_accum_steps
     batch_size, _ = memory.largest_batch(step_compiler(config, setup, mesh), limit, quantum)
-    if jax.process_count() > 1:
-      # Hosts may see different free memory (CPU hosts do): all take the smallest answer,
-      # a multiple of the quantum that fits everywhere.
+    if jax.process_count() > 1:  # hosts may see different free memory: all take the smallest answer
       batch_size = int(multihost_utils.process_allgather(np.int64(batch_size)).min())
     config.train.batch_size = batch_size
     logging.info("train.batch_size=-1: using %d, the largest batch that fits.", batch_size)
@@ -490,7 +381,188 @@ def prepare(config):
   return mesh, corpus, setup
 
 
-# --- Host-side helpers of the loop
+# --- Checkpoints
+def _checkpoint_check(checkpointer, setup, workdir: str, corpus=None, config=None):
+  """(step, meta) -> None, refusing a checkpoint of another model, data (given `corpus`) or state
+  structure; `config` names the model settings that differ."""
+
+  def check(step: int, meta: dict) -> None:
+    saved, current = meta["param_shapes"], setup.param_shapes
+    for name in sorted(set(saved) | set(current)):
+      if saved.get(name) != current.get(name):
+        before = config_lib.saved_config(workdir) if config is not None else None
+        changes = before and config_lib.changed_keys(
+            {"model": before["model"]}, {"model": config_lib.as_saved(config)["model"]})
+        settings = f" The model settings that differ from its config.json: {'; '.join(changes)}." if changes else ""
+        raise ConfigError(
+            f"The workdir {workdir} holds a checkpoint of a different model: parameter {name!r} "
+            f"is {saved.get(name, 'absent')} there but {current.get(name, 'absent')} in this "
+            f"config.{settings} Use a new --workdir, or the config that made this checkpoint "
+            f"({os.path.join(workdir, 'config.json')}). Nothing was overwritten."
+        )
+    if corpus is not None and meta["data_fingerprint"] is None:  # imported weights: bound to a vocabulary alone
+      if meta["tokenizer_fingerprint"] != corpus.tokenizer.fingerprint:
+        raise ConfigError(
+            f"The checkpoint in {workdir} holds weights imported from {meta['imported_from']} with "
+            f"their own vocabulary (tokenizer {meta['tokenizer_fingerprint']}), but this config "
+            f"tokenizes with {corpus.tokenizer.fingerprint}. Train with the workdir's config.json "
+            "(which names that vocabulary), e.g. leave out --config."
+        )
+    elif corpus is not None and meta["data_fingerprint"] != corpus.fingerprint:
+      raise ConfigError(
+          f"The checkpoint in {workdir} was trained on data {meta['data_fingerprint']} but this "
+          f"config gives {corpus.fingerprint} (a different tokenizer, corpus, max_seq_len or data.pack_rows). "
+          "Use a new --workdir, or the data settings of its config.json."
+      )
+    missing, extra = checkpointer.state_difference(step, setup.abstract_state)
+    if missing or extra:
+      optimizer = all(p.startswith("opt_state") for p in missing + extra)
+      hint = (" optimizer.bias_correction decides whether Adam keeps a step count (True: optax's Adam; "
+              "False: the official one): resume with the value in its config.json." if optimizer else "")
+      raise ConfigError(
+          f"The checkpoint at step {step} in {workdir} holds {'an optimizer' if optimizer else 'a train'} state "
+          f"of another structure than this config's (missing from it: {missing[:3] or 'none'}; only in it: "
+          f"{extra[:3] or 'none'}).{hint} Or use a new --workdir. Nothing was overwritten."
+      )
+
+  return check
+
+
+def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpus=None):
+  """(step, state): the state saved at `step` (default: the newest intact one) in `workdir`, sharded
+  for `mesh`, once the checkpoint is known to hold this setup's model (and given `corpus`, its data)."""
+  checkpointer = checkpointing.Checkpointer(workdir, keep=1)  # reading only: keep acts on saves
+  try:
+    latest = step is None
+    step = checkpointer.latest_step() if latest else step
+    if step is None:
+      raise ConfigError(f"{workdir} holds no checkpoint yet; train first or fix --workdir.")
+    if step not in checkpointer.all_steps():
+      raise ConfigError(
+          f"{workdir} holds no checkpoint of step {step}; its checkpoints are of steps "
+          f"{checkpointer.all_steps()}. Pick one of those, or leave --step out for the latest."
+      )
+    check = _checkpoint_check(checkpointer, setup, workdir, corpus)
+    with partitioning.activate(mesh):
+      if latest:
+        return checkpointer.restore_newest_intact(setup.abstract_state, step, check)[:2]
+      check(step, checkpointer.read_meta(step))
+      return step, checkpointer.restore(step, setup.abstract_state)
+  finally:
+    checkpointer.close()
+
+
+def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, step: int | None = None) -> dict:
+  """Held-out metrics of a saved checkpoint (the latest unless `step` is given), also written to
+  <workdir>/eval_step_<N>.json."""
+  mesh, corpus, setup = prepare(config)
+  step, state = restore_checkpoint(workdir, setup, mesh, step, corpus)
+  held_out = evaluation.HeldOutEvaluator(config, setup, mesh)(state)
+  held_out["step"] = step
+  if jax.process_index() == 0:
+    workdir_files.write_json(workdir_files.path(workdir, f"eval_step_{step}.json"), held_out)
+  return held_out
+
+
+def _keep_changed_config(config, workdir: str, start_step: int | None) -> None:
+  """Resuming with other settings: says which, and keeps the config the checkpoint was trained with
+  as config.step<N>.json before config.json takes the new one."""
+  before = config_lib.saved_config(workdir) if start_step is not None else None
+  changes = config_lib.changed_keys(before, config_lib.as_saved(config)) if before is not None else None
+  if not changes:
+    return
+  kept = workdir_files.path(workdir, f"config.step{start_step}.json")
+  # A second resume from the same checkpoint finds the first one's settings in config.json,
+  # which never trained it: the file the first resume kept stays as it is.
+  if not workdir_files.exists(kept):
+    workdir_files.write_text(kept, workdir_files.read_text(workdir_files.path(workdir, "config.json")))
+  logging.warning("Resuming at step %d with settings that differ from the workdir's config.json (kept as %s): %s",
+                  start_step, f"config.step{start_step}.json", "; ".join(changes))
+
+
+# --- train.time_budget
+_BUDGET_MARGIN = 0.03  # the share of the time left kept for logs, checkpoints and the host's work
+_TIMED_STEPS = 3  # after one warm-up step
+_budget_clock = time.monotonic  # when the budget's time started and how much is spent
+
+
+class StepTiming(NamedTuple):
+  """What measure_step_time found, in seconds."""
+
+  step: float  # one compiled training step
+  compile: float  # compiling the step and the evaluation (again only if the objective reads train.steps)
+  evaluation: float  # one held-out evaluation (0 without eval.every_steps)
+
+
+def _timed(fn, *args):
+  """(fn(*args) once its arrays are ready, the seconds that took)."""
+  clock = time.perf_counter()
+  result = jax.block_until_ready(fn(*args))
+  return result, time.perf_counter() - clock
+
+
+def measure_step_time(config, setup: TrainingSetup, mesh, corpus) -> StepTiming:
+  """Times the train step on a throwaway state and batch 0 (after a warm-up step) and one held-out
+  evaluation (after a first that compiles); nothing of the run is advanced."""
+  seed = config.train.seed
+  with partitioning.activate(mesh):
+    step_fn, compile_seconds = _timed(compile_train_step, setup, config, mesh)
+    local = data.get_batch(corpus, 0, config.train.batch_size, seed, jax.process_index(), jax.process_count())
+    batch = partitioning.global_batch_from_local(local, mesh, keys=batch_keys(config))
+    rng = step_rng(seed, 0)
+    (state, _), _ = _timed(step_fn, fresh_state(setup, seed), batch, rng, setup.schedule)
+
+    def timed_steps(state):
+      for _ in range(_TIMED_STEPS):
+        state, metrics = step_fn(state, batch, rng, setup.schedule)
+      return state, metrics
+
+    (state, _), seconds = _timed(timed_steps, state)
+  eval_seconds = 0.0
+  if config.eval.every_steps:
+    evaluator = evaluation.HeldOutEvaluator(config, setup, mesh)
+    first, eval_seconds = _timed(evaluator, state)[1], _timed(evaluator, state)[1]
+    compile_seconds += max(first - eval_seconds, 0.0)
+  return StepTiming(seconds / _TIMED_STEPS, compile_seconds, eval_seconds)
+
+
+def budget_steps(budget_seconds: float, elapsed_seconds: float, timing: StepTiming, eval_every: int,
+                 start_step: int) -> int:
+  """train.steps for a run at `start_step`: the most new steps (at least one) for which compiling
+  again, the steps and their evaluations fit in (1 - _BUDGET_MARGIN) of the budget left."""
+  left = (budget_seconds - elapsed_seconds - timing.compile) * (1.0 - _BUDGET_MARGIN)
+  per_step = timing.step + (timing.evaluation / eval_every if eval_every else 0.0)
+  new_steps = math.floor((left - (timing.evaluation if eval_every else 0.0)) / per_step)
+  return start_step + max(new_steps, 1)
+
+
+def resolve_time_budget(config, workdir: str, start_step: int | None, mesh, corpus, setup: TrainingSetup,
+                        started: float) -> None:
+  """Sets train.steps for train.time_budget: on a resume under the same budget what config.json
+  records (the interrupted run's schedule), else process 0's budget_steps since `started`."""
+  t = config.train
+  saved = config_lib.saved_config(workdir) if start_step is not None else None
+  if saved is not None and saved["train"]["time_budget"] == t.time_budget:
+    steps = int(saved["train"]["steps"])
+    logging.info("train.time_budget=%s: train.steps=%d, as this workdir's config.json records.", t.time_budget, steps)
+  else:
+    timing = measure_step_time(config, setup, mesh, corpus)
+    budget, elapsed = config_lib.parse_duration(t.time_budget), _budget_clock() - started
+    steps = budget_steps(budget, elapsed, timing._replace(compile=0.0), config.eval.every_steps, start_step or 0)
+    # The schedule is an argument of the compiled step: it compiles again only for an objective
+    # that reads train.steps (two_stage's switch at half the run).
+    sized = config.copy_and_resolve_references()
+    sized.train.steps = steps
+    if objectives.objective_from_config(sized, special_ids(corpus.tokenizer)) != setup.objective:
+      steps = budget_steps(budget, elapsed, timing, config.eval.every_steps, start_step or 0)
+    logging.info(
+        "train.time_budget=%s: measured %.4g s/step (compiling %.1f s, evaluation %.1f s), training %d steps.",
+        t.time_budget, timing.step, timing.compile, timing.evaluation, steps,
+    )
+  t.steps = _from_process_0(steps)
+
+
+# --- SIGTERM, the lease, non-finite values
 # Set by any SIGTERM this process took, a run's handler or a sweep's (sweep.py asks after each
 # run, so one that came during a run's last step, or between runs, still stops the sweep).
 _SIGTERM = threading.Event()
@@ -557,10 +629,8 @@ class _Preemption:
         if self.requested:
           _SIGTERM.set()
       except RuntimeError as error:  # jax_enable_preemption_service=False
-        logging.warning(
-            "No preemption handling (%s): a SIGTERM stops this run without a checkpoint; it "
-            "resumes from the last periodic one.", error,
-        )
+        logging.warning("No preemption handling (%s): a SIGTERM stops this run without a checkpoint; it "
+                        "resumes from the last periodic one.", error)
         self._collective = False
     return self.requested
 
@@ -570,6 +640,50 @@ class _Preemption:
     if self.unwound:
       logging.warning("SIGTERM while the run was starting: it stopped before its first step and saved "
                       "nothing new. Run the same command to go on.")
+
+
+def _refused_everywhere(attempt: Callable[[], Any] | None) -> None:
+  """Runs process 0's `attempt` (None on the others); a WorkdirInUse it raises is raised on every process."""
+  problem = None
+  if attempt is not None:
+    try:
+      attempt()
+    except workdir_lease.WorkdirInUse as error:
+      problem = str(error)
+  if _from_process_0(problem is not None):
+    raise workdir_lease.WorkdirInUse(problem or "Process 0 stopped the run; its log says why.")
+
+
+def _hold_workdir(lease: workdir_lease.WorkdirLease | None, max_age_seconds: float = 0.0) -> None:
+  """Raises WorkdirInUse on every process once another run has taken the workdir over."""
+  _refused_everywhere(None if lease is None else lambda: lease.check(max_age_seconds))
+
+
+def acquire_lease(directory: str, take_over: bool, name: str = "The workdir") -> workdir_lease.WorkdirLease | None:
+  """Process 0 takes `directory`'s lease (returned; None on the other processes), or every
+  process raises WorkdirInUse with its message."""
+  lease = workdir_lease.WorkdirLease(directory, name=name) if jax.process_index() == 0 else None
+  _refused_everywhere(None if lease is None else lambda: lease.acquire(take_over=take_over))
+  return lease
+
+
+def _check_shared_workdir(workdir: str, lease: workdir_lease.WorkdirLease | None) -> None:
+  """Every process must see the lease process 0 just wrote: checkpoints are saved by all together,
+  and a workdir local to each host would leave orbax waiting forever."""
+  if jax.process_count() == 1:
+    return
+  run_id = lease.run_id if lease is not None else ""
+  ids = np.frombuffer(run_id.encode().ljust(32), np.uint8) if jax.process_index() == 0 else np.zeros(32, np.uint8)
+  expected = bytes(np.asarray(multihost_utils.broadcast_one_to_all(ids), np.uint8)).decode().strip()
+  seen = (workdir_lease.read_lease(workdir) or {}).get("run_id")
+  sees = np.asarray(multihost_utils.process_allgather(np.int32(seen == expected))).reshape(-1)
+  blind = [int(i) for i in np.flatnonzero(sees == 0)]
+  if blind:
+    raise ConfigError(
+        f"--workdir={workdir} is not one directory every process sees: process(es) {blind} cannot "
+        f"read the {workdir_lease.LEASE_FILE} process 0 wrote there, and checkpoints are saved by "
+        "all processes together. On a multi-host slice use a bucket (gs://...) or a shared mount."
+    )
 
 
 def _stop_if_not_finite(what: str, value: float, step: int, checkpointer, config, first_bad_step=None) -> None:
@@ -605,9 +719,8 @@ def _params_finite(params) -> jax.Array:
   return jnp.all(jnp.stack([jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(params)]))
 
 
-# Metrics that are NaN on some healthy steps (disc_auc when a step's tokens are all one class,
-# the binned AUCs and shares when a bin or the replacements are empty): their window mean skips
-# NaN steps. Any other NaN (loss, grad_norm, ...) is a diverged step and must show in the mean.
+# NaN on some healthy steps (a step's tokens all one class, an empty bin): their window mean skips NaN
+# steps. Any other NaN (loss, grad_norm, ...) is a diverged step and must show in the mean.
 _NAN_WHEN_HEALTHY = frozenset({"disc_auc", *objectives.BINNED_METRICS})
 
 
@@ -623,33 +736,37 @@ def _mean_metrics(window: list[dict]) -> dict[str, float]:
   return means
 
 
-def _refused_everywhere(attempt: Callable[[], Any] | None) -> None:
-  """Runs process 0's `attempt` (None on the others); a WorkdirInUse it raises is raised on every
-  process."""
-  problem = None
-  if attempt is not None:
-    try:
-      attempt()
-    except workdir_lease.WorkdirInUse as error:
-      problem = str(error)
-  if jax.process_count() > 1:
-    refused = int(multihost_utils.broadcast_one_to_all(np.int32(problem is not None)))
-    problem = (problem or "Process 0 stopped the run; its log says why.") if refused else None
-  if problem:
-    raise workdir_lease.WorkdirInUse(problem)
+def _periods(config) -> dict[str, int]:
+  """The steps between logs, checkpoints and evaluations."""
+  periods = {"train.log_every": config.train.log_every, "checkpoint.every_steps": config.checkpoint.every_steps}
+  if config.eval.every_steps:
+    periods["eval.every_steps"] = config.eval.every_steps
+  return periods
 
 
-def _hold_workdir(lease: workdir_lease.WorkdirLease | None, max_age_seconds: float = 0.0) -> None:
-  """Raises WorkdirInUse on every process once another run has taken the workdir over."""
-  _refused_everywhere(None if lease is None else lambda: lease.check(max_age_seconds))
+def _warn_single_steps(config, steps_per_call: int) -> None:
+  """Says so when train.steps_per_call leaves steps before a boundary to run one call each."""
+  uneven = {name: p for name, p in _periods(config).items() if p % steps_per_call}
+  if steps_per_call > 1 and uneven:
+    logging.warning(
+        "train.steps_per_call=%d does not divide %s: the steps before each such boundary that do not fill a "
+        "call run one call each (slower). Make them multiples of %d.",
+        steps_per_call, ", ".join(f"{name}={p}" for name, p in uneven.items()), steps_per_call,
+    )
 
 
-def acquire_lease(directory: str, take_over: bool, name: str = "The workdir") -> workdir_lease.WorkdirLease | None:
-  """Process 0 takes `directory`'s lease (returned; None on the other processes), or every
-  process raises WorkdirInUse with its message."""
-  lease = workdir_lease.WorkdirLease(directory, name=name) if jax.process_index() == 0 else None
-  _refused_everywhere(None if lease is None else lambda: lease.acquire(take_over=take_over))
-  return lease
+def _summary(config, setup: TrainingSetup, corpus, flops_per_token: float) -> str:
+  """The line a run starts with: what it trains, how big, on what."""
+  parts = collections.Counter()
+  for path, shape in setup.param_shapes.items():
+    parts[path.split("/", 1)[0]] += math.prod(shape)
+  counts = ", ".join(f"{name} {count / 1e6:.2f}M" for name, count in sorted(parts.items()))
+  seq_len, global_batch = config.data.max_seq_len, config.train.batch_size
+  return (f"Training {config.objective.name}: parameters {counts} ({sum(parts.values()) / 1e6:.2f}M in all); "
+          f"{flops_per_token / 1e6:.1f} model MFLOPs per token; {global_batch * seq_len:,} tokens per step "
+          f"(batch {global_batch} x {seq_len}) for {config.train.steps:,} steps; {config.train.dtype}, attention "
+          f"{config.model.attention_impl}; data {config.data.source}: {corpus.num_examples:,} train examples, "
+          f"vocabulary {corpus.tokenizer.vocab_size:,}.")
 
 
 # --- The whole run
@@ -661,13 +778,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   with _Preemption() as preemption:
     workdir_files.check_usable(workdir)
     mesh, corpus, setup = prepare(config)
-    # --- Checkpoint: restore or initialize. Refusals happen before anything is written.
+    # Restore, or start afresh: every refusal comes before anything is written.
     checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
     try:
-      start_step = checkpointer.latest_step()
-      if jax.process_count() > 1:  # one step for all, even if a save finalizes between the reads
-        agreed = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if start_step is None else start_step)))
-        start_step = None if agreed < 0 else agreed
+      latest = checkpointer.latest_step()
+      start_step = _from_process_0(-1 if latest is None else latest)  # one for all, even if a save ends meanwhile
+      start_step = None if start_step < 0 else start_step
       start_meta = restored = None
       if start_step is not None:
         with partitioning.activate(mesh):
@@ -675,12 +791,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           start_step, restored, start_meta = checkpointer.restore_newest_intact(setup.abstract_state, start_step, check)
       if config.train.time_budget:
         resolve_time_budget(config, workdir, start_step, mesh, corpus, setup, started)
-      # The objective's keys a resume must keep (two_stage's switch), once train.steps is final.
+      # Once train.steps is final: the objective's keys a resume must keep (two_stage's switch), then
+      # the setup, built again only where the objective reads train.steps (else just its schedule).
       objectives.REGISTRY[config.objective.name].start_run(config, lambda: config_lib.saved_config(workdir), start_step)
       ids = special_ids(corpus.tokenizer)
-      if objectives.objective_from_config(config, ids) != setup.objective:  # two_stage's switch reads train.steps
+      if objectives.objective_from_config(config, ids) != setup.objective:
         setup = build_setup(config, mesh, ids)
-      else:  # train.steps may be final only now (a time budget): the schedule reads it, nothing compiled does
+      else:
         setup = dataclasses.replace(setup, schedule=make_optimizer(config)[1])
       if (note := warmup_note(config)) is not None:
         logging.warning("%s", note)
@@ -712,149 +829,27 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         lease.release()
 
 
-# train.time_budget: the share of the time left that steps may take; the rest is kept for
-# logging, checkpoints, loading the held-out data and the host's work between steps.
-_BUDGET_MARGIN = 0.03
-_TIMED_STEPS = 3  # after one warm-up step
-_budget_clock = time.monotonic  # when the budget's time started and how much is spent
-
-
-class StepTiming(NamedTuple):
-  """What measure_step_time found, in seconds."""
-
-  step: float  # one compiled training step
-  compile: float  # compiling the step and the evaluation (again only if the objective reads train.steps)
-  evaluation: float  # one held-out evaluation (0 without eval.every_steps)
-
-
-def _timed(fn, *args):
-  """(fn(*args) once its arrays are ready, the seconds that took)."""
-  clock = time.perf_counter()
-  result = jax.block_until_ready(fn(*args))
-  return result, time.perf_counter() - clock
-
-
-def measure_step_time(config, setup: TrainingSetup, mesh, corpus) -> StepTiming:
-  """Times the train step on a throwaway fresh state and batch 0 (after a warm-up step), and one
-  held-out evaluation (after a first that compiles). Nothing of the run is advanced."""
-  seed = config.train.seed
-  with partitioning.activate(mesh):
-    step_fn, compile_seconds = _timed(compile_train_step, setup, config, mesh)
-    local = data.get_batch(corpus, 0, config.train.batch_size, seed, jax.process_index(), jax.process_count())
-    batch = partitioning.global_batch_from_local(local, mesh, keys=batch_keys(config))
-    rng = step_rng(seed, 0)
-    (state, _), _ = _timed(step_fn, fresh_state(setup, seed), batch, rng, setup.schedule)
-
-    def timed_steps(state):
-      for _ in range(_TIMED_STEPS):
-        state, metrics = step_fn(state, batch, rng, setup.schedule)
-      return state, metrics
-
-    (state, _), seconds = _timed(timed_steps, state)
-  eval_seconds = 0.0
-  if config.eval.every_steps:
-    evaluator = evaluation.HeldOutEvaluator(config, setup, mesh)
-    first, eval_seconds = _timed(evaluator, state)[1], _timed(evaluator, state)[1]
-    compile_seconds += max(first - eval_seconds, 0.0)
-  return StepTiming(seconds / _TIMED_STEPS, compile_seconds, eval_seconds)
-
-
-def budget_steps(budget_seconds: float, elapsed_seconds: float, timing: StepTiming, eval_every: int,
-                 start_step: int) -> int:
-  """train.steps for a run at `start_step`: the most new steps (at least one) for which compiling
-  again, the steps and their evaluations fit in (1 - _BUDGET_MARGIN) of the budget left."""
-  left = (budget_seconds - elapsed_seconds - timing.compile) * (1.0 - _BUDGET_MARGIN)
-  per_step = timing.step + (timing.evaluation / eval_every if eval_every else 0.0)
-  new_steps = math.floor((left - (timing.evaluation if eval_every else 0.0)) / per_step)
-  return start_step + max(new_steps, 1)
-
-
-def resolve_time_budget(config, workdir: str, start_step: int | None, mesh, corpus, setup: TrainingSetup,
-                        started: float) -> None:
-  """Sets train.steps for train.time_budget: on a resume under the same budget what config.json
-  records (the interrupted run's schedule), else process 0's budget_steps since `started`."""
-  t = config.train
-  saved = config_lib.saved_config(workdir) if start_step is not None else None
-  if saved is not None and saved["train"]["time_budget"] == t.time_budget:
-    steps = int(saved["train"]["steps"])
-    logging.info("train.time_budget=%s: train.steps=%d, as this workdir's config.json records.", t.time_budget, steps)
-  else:
-    timing = measure_step_time(config, setup, mesh, corpus)
-    budget, elapsed = config_lib.parse_duration(t.time_budget), _budget_clock() - started
-    steps = budget_steps(budget, elapsed, timing._replace(compile=0.0), config.eval.every_steps, start_step or 0)
-    # The schedule is an argument of the compiled step: it compiles again only for an objective
-    # that reads train.steps (two_stage's switch at half the run).
-    sized = config.copy_and_resolve_references()
-    sized.train.steps = steps
-    if objectives.objective_from_config(sized, special_ids(corpus.tokenizer)) != setup.objective:
-      steps = budget_steps(budget, elapsed, timing, config.eval.every_steps, start_step or 0)
-    logging.info(
-        "train.time_budget=%s: measured %.4g s/step (compiling %.1f s, evaluation %.1f s), training %d steps.",
-        t.time_budget, timing.step, timing.compile, timing.evaluation, steps,
-    )
-  if jax.process_count() > 1:
-    steps = int(multihost_utils.broadcast_one_to_all(np.int32(steps)))
-  t.steps = steps
-
-
-def _check_shared_workdir(workdir: str, lease: workdir_lease.WorkdirLease | None) -> None:
-  """Every process must see the lease process 0 just wrote: checkpoints are saved by all together,
-  and a workdir local to each host would leave orbax waiting forever."""
-  if jax.process_count() == 1:
-    return
-  run_id = lease.run_id if lease is not None else ""
-  ids = np.frombuffer(run_id.encode().ljust(32), np.uint8) if jax.process_index() == 0 else np.zeros(32, np.uint8)
-  expected = bytes(np.asarray(multihost_utils.broadcast_one_to_all(ids), np.uint8)).decode().strip()
-  seen = (workdir_lease.read_lease(workdir) or {}).get("run_id")
-  sees = np.asarray(multihost_utils.process_allgather(np.int32(seen == expected))).reshape(-1)
-  blind = [int(i) for i in np.flatnonzero(sees == 0)]
-  if blind:
-    raise ConfigError(
-        f"--workdir={workdir} is not one directory every process sees: process(es) {blind} cannot "
-        f"read the {workdir_lease.LEASE_FILE} process 0 wrote there, and checkpoints are saved by "
-        "all processes together. On a multi-host slice use a bucket (gs://...) or a shared mount."
-    )
-
-
-def _keep_changed_config(config, workdir: str, start_step: int | None) -> None:
-  """Resuming with other settings: says which, and keeps the config the checkpoint was trained
-  with as config.step<N>.json before config.json takes the new one."""
-  before = config_lib.saved_config(workdir) if start_step is not None else None
-  changes = config_lib.changed_keys(before, config_lib.as_saved(config)) if before is not None else None
-  if not changes:
-    return
-  kept = workdir_files.path(workdir, f"config.step{start_step}.json")
-  # A second resume from the same checkpoint finds the first one's settings in config.json,
-  # which never trained it: the file the first resume kept stays as it is.
-  if not workdir_files.exists(kept):
-    workdir_files.write_text(kept, workdir_files.read_text(workdir_files.path(workdir, "config.json")))
-  logging.warning("Resuming at step %d with settings that differ from the workdir's config.json (kept as %s): %s",
-                  start_step, f"config.step{start_step}.json", "; ".join(changes))
-
-
 def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, restored, lease, stream_offset,
            preemption: _Preemption) -> dict[str, float]:
+  """The loop, from `restored` at `start_step` (None: a fresh state); the last logged metrics."""
   is_chief = jax.process_index() == 0
   evaluator = evaluation.HeldOutEvaluator(config, setup, mesh) if config.eval.every_steps else None
-  # Local or in a bucket (gs://...): see workdir_files.py. Only process 0 writes them.
-  if is_chief:
+  if is_chief:  # the workdir may be a bucket (gs://...): see workdir_files.py
     workdir_files.makedirs(workdir_files.path(workdir))
     _keep_changed_config(config, workdir, start_step)
     workdir_files.write_text(workdir_files.path(workdir, "config.json"), config_lib.config_file_text(config))
     data.keep_tokenizer(corpus.tokenizer, workdir)  # fine-tuning and export need no corpus then
-    # metrics.jsonl and eval_metrics.jsonl, TensorBoard events under <workdir>/tensorboard, and
-    # the W&B / MLflow runs train.metric_writers names.
+    # metrics.jsonl and eval_metrics.jsonl, TensorBoard events, and the runs train.metric_writers names.
     metrics_log, eval_log = tensorboard_log.open_logs(workdir, config.train.metric_writers,
                                                       json.loads(config_lib.to_json(config)))
 
   with partitioning.activate(mesh):
     if start_step is None:
-      state = fresh_state(setup, config.train.seed)
-      start_step = 0
+      state, start_step = fresh_state(setup, config.train.seed), 0
     else:
       logging.info("Resuming from the checkpoint at step %d in %s.", start_step, checkpointer.directory)
-      # The arrays restored at the start, under this setup's static fields (its schedule and
-      # objective may read a train.steps fixed after the restore).
+      # The arrays restored under this setup's static fields (its schedule and objective may read a
+      # train.steps fixed after the restore).
       state = jax.tree.unflatten(jax.tree.structure(setup.abstract_state), jax.tree.leaves(restored))
     if is_chief:  # a run killed after its checkpoint logged steps this one will log again
       metrics_log.truncate_after(start_step)
@@ -867,26 +862,14 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
     logging.info("Compiled the train step in %.1f s.", time.perf_counter() - compile_start)
     _warn_single_steps(config, steps_per_call)
 
-  # --- Loop
   total_steps, seed = config.train.steps, config.train.seed
   seq_len, global_batch = config.data.max_seq_len, config.train.batch_size
   flops_per_token = flops.objective_flops_per_token(setup.model, setup.objective, seq_len)
-  parts = collections.Counter()
-  for path, shape in setup.param_shapes.items():
-    parts[path.split("/", 1)[0]] += math.prod(shape)
-  counts = ", ".join(f"{name} {count / 1e6:.2f}M" for name, count in sorted(parts.items()))
-  summary = (
-      f"Training {config.objective.name}: parameters {counts} ({sum(parts.values()) / 1e6:.2f}M in all); "
-      f"{flops_per_token / 1e6:.1f} model MFLOPs per token; {global_batch * seq_len:,} tokens per step "
-      f"(batch {global_batch} x {seq_len}) for {total_steps:,} steps; {config.train.dtype}, attention "
-      f"{config.model.attention_impl}; data {config.data.source}: {corpus.num_examples:,} train examples, "
-      f"vocabulary {corpus.tokenizer.vocab_size:,}.")
-  logging.info("%s", summary)
+  logging.info("%s", _summary(config, setup, corpus, flops_per_token))
   peak = flops.peak_flops(jax.devices()[0])
   meta = {"param_shapes": setup.param_shapes, "data_fingerprint": corpus.fingerprint}
   window, window_steps, last_logged, step, call = [], 0, {}, start_step, 0
-  keys = batch_keys(config)
-  periods = tuple(_periods(config).values())
+  keys, periods = batch_keys(config), tuple(_periods(config).values())
   window_start = time.perf_counter()
   if start_step >= total_steps:
     logging.info("Nothing to do: the checkpoint at step %d reached train.steps=%d.", start_step, total_steps)
@@ -895,8 +878,7 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
     return data.get_batch(corpus, step_index, global_batch, seed, jax.process_index(), jax.process_count(),
                           stream_offset)
 
-  # Whatever ends the loop (done, SIGTERM, NaN, an error), saves in flight are completed.
-  try:
+  try:  # whatever ends the loop (done, SIGTERM, NaN, an error), saves in flight are completed
     preemption.start_loop()
     # Batches are read and gathered on a background thread, a step or two ahead.
     with data.Prefetcher(fetch, start_step, stop_step=total_steps) as batches:
@@ -919,8 +901,8 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
         call += 1
 
         if step % config.train.log_every == 0 or step == total_steps or stopping:
-          # Read the lease file (local: at each log step; a bucket: every 10 s at most): a run
-          # that took the workdir over owns its logs from its checkpoint on.
+          # The lease file (local: at each log step; a bucket: every 10 s at most): a run that took
+          # the workdir over owns its logs from its checkpoint on.
           _hold_workdir(lease, 10.0 if workdir_files.is_remote(workdir) else 0.0)
           logged = _mean_metrics(window)
           steps_per_sec = window_steps / (time.perf_counter() - window_start)
@@ -975,15 +957,3 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
   if step >= total_steps and is_chief:
     logging.info("Done: step %d, checkpoints in %s.", step, checkpointer.directory)
   return last_logged
-
-
-def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, step: int | None = None) -> dict:
-  """Held-out metrics of a saved checkpoint (the latest unless `step` is given), also written to
-  <workdir>/eval_step_<N>.json."""
-  mesh, corpus, setup = prepare(config)
-  step, state = restore_checkpoint(workdir, setup, mesh, step, corpus)
-  held_out = evaluation.HeldOutEvaluator(config, setup, mesh)(state)
-  held_out["step"] = step
-  if jax.process_index() == 0:
-    workdir_files.write_json(workdir_files.path(workdir, f"eval_step_{step}.json"), held_out)
-  return held_out
