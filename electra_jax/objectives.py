@@ -48,6 +48,10 @@ class ElectraObjective:
   disc_mlm_weight: float = 0.0  # electra(_15): the discriminator's own MLM loss on the corrupted input (0: none)
 
   @property
+  def never_masked_ids(self) -> tuple[int, ...]:
+    return (self.pad_id, self.cls_id, self.sep_id, self.mask_id)
+
+  @property
   def uses_generator(self) -> bool:
     return REGISTRY[self.name].has_generator
 
@@ -97,8 +101,7 @@ def _rows(batch_size: int) -> jax.Array:
 
 def candidate_mask(input_ids, attention_mask, objective: ElectraObjective):
   """[batch, seq] bool: the tokens masking may choose (not [CLS], [SEP], [MASK] or padding)."""
-  never_masked = jnp.asarray((objective.pad_id, objective.cls_id, objective.sep_id, objective.mask_id))
-  return attention_mask.astype(bool) & ~jnp.isin(input_ids, never_masked)
+  return attention_mask.astype(bool) & ~jnp.isin(input_ids, jnp.asarray(objective.never_masked_ids))
 
 
 def mask_tokens(rng, input_ids, attention_mask, objective: ElectraObjective) -> MaskedInputs:
