@@ -734,15 +734,15 @@ def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
   if tower_config.scan_layers:  # standalone towers use the unscanned layout
     tower_config = dataclasses.replace(tower_config, scan_layers=False)
     params = unscan_layers(params)
-  embeddings, embedding_size = params["embeddings"], pretrainer.embedding_size
-  # The standalone discriminator (and transformers' ElectraForPreTraining) has no MLM head.
-  tower_params = {k: v for k, v in params[tower].items() if not k.startswith("mlm_")}
+  embeddings, tower_params, embedding_size = params["embeddings"], params[tower], pretrainer.embedding_size
   if pretrainer.tie == "all":
-    tower_params["encoder"] = params["shared_encoder"]
-  if tower == "generator":
-    if pretrainer.tie == "none":
-      embeddings, embedding_size = params["generator_embeddings"], pretrainer.generator_embedding_size
-    # The n-gram table is the discriminator's alone.
+    tower_params = {**tower_params, "encoder": params["shared_encoder"]}
+  if tower == "discriminator" and pretrainer.discriminator_mlm_head:
+    # The standalone discriminator (and transformers' ElectraForPreTraining) has no MLM head.
+    tower_params = {k: v for k, v in tower_params.items() if not k.startswith("mlm_")}
+  if tower == "generator" and pretrainer.tie == "none":
+    embeddings, embedding_size = params["generator_embeddings"], pretrainer.generator_embedding_size
+  if tower == "generator" and "ngram_embeddings" in embeddings:  # the n-gram table is the discriminator's alone
     embeddings = {k: v for k, v in embeddings.items() if k != "ngram_embeddings"}
   if tower == "discriminator" and pretrainer.tie == "gdes":
     word_table = embeddings["word_embeddings"]["embedding"] + params["discriminator_word_delta"]
