@@ -182,8 +182,9 @@ def _check_flags(mode: str, config) -> None:
   # In a multi-process job the processes other than 0 could not even address the device they restore to.
   if mode in ("finetune", "export_hf", "import_hf", "import_tf") and jax.process_count() > 1:
     raise ConfigError(f"--mode={mode} runs in one process, but this is process {jax.process_index()} of "
-                      f"{jax.process_count()}. Start it once, without the multi-process settings (flags, "
-                      "ELECTRA_JAX_* variables, or srun), e.g. on one host of the slice.")
+                      f"{jax.process_count()}. Start it once, without the multi-process settings "
+                      "(--coordinator_address/--num_processes/--process_id, ELECTRA_JAX_* variables, or srun), "
+                      "e.g. on one host of the slice.")
   if mode not in ("prepare_data", "train_tokenizer") and FLAGS.workdir is None:
     raise ConfigError(f"--mode={mode} needs --workdir.")
   for names, what in _NEEDS.get(mode, ()):
