@@ -19,6 +19,7 @@ example has its sentence, label and group (its source package or man page).
 import collections
 import glob
 import gzip
+import hashlib
 import json
 import os
 import random
@@ -182,6 +183,11 @@ def manpages(rng: random.Random):
 TASKS = {"debian": debian, "manpages": manpages}
 
 
+def _digest(path: str) -> str:
+  with open(path, "rb") as f:
+    return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
 def build(out_dir: str, name: str) -> str:
   task_dir = os.path.join(out_dir, name)
   if os.path.exists(os.path.join(task_dir, "stats.json")):
@@ -198,6 +204,8 @@ def build(out_dir: str, name: str) -> str:
       "corpus_documents": len(corpus), "corpus_words": sum(len(p.split()) for doc in corpus for p in doc),
       "train": len(train), "dev": len(dev), "classes": sorted(counts),
       "dev_majority": max(counts.values()) / len(dev),
+      # The package index and the installed pages change from day to day: equal digests, equal task.
+      "sha256": {file: _digest(os.path.join(task_dir, file)) for file in ("corpus.txt", "train.jsonl", "dev.jsonl")},
   }
   with open(os.path.join(task_dir, "stats.json"), "w") as f:
     json.dump(stats, f, indent=2)

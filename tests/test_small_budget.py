@@ -161,3 +161,22 @@ def test_a_labelled_subset_draws_from_train_keeps_dev_and_is_drawn_once(tmp_path
   assert small_budget._read(small_budget.labelled_subset(str(tmp_path), 20), "train") == train
   with pytest.raises(SystemExit, match=r"--labels=20: give fewer than the task's 20 training examples"):
     small_budget.labelled_subset(str(tmp_path / "labels_20"), 20)
+
+
+def test_a_task_folder_records_the_digests_that_tell_two_days_tasks_apart(tmp_path, monkeypatch):
+  import hashlib
+
+  import small_budget_tasks
+
+  def task(words):
+    return lambda rng: ([[words, "second paragraph"]], [{"sentence": "a b", "label": "x"}],
+                        [{"sentence": "c d", "label": "y"}])
+
+  monkeypatch.setitem(small_budget_tasks.TASKS, "one", task("some words"))
+  monkeypatch.setitem(small_budget_tasks.TASKS, "two", task("other words"))
+  stats = {name: json.loads(open(os.path.join(small_budget_tasks.build(str(tmp_path), name), "stats.json")).read())
+           for name in ("one", "two")}
+  for file, digest in stats["one"]["sha256"].items():
+    assert digest == hashlib.sha256((tmp_path / "one" / file).read_bytes()).hexdigest()[:16]
+  assert stats["one"]["sha256"]["corpus.txt"] != stats["two"]["sha256"]["corpus.txt"]
+  assert stats["one"]["sha256"]["dev.jsonl"] == stats["two"]["sha256"]["dev.jsonl"]
