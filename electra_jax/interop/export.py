@@ -17,22 +17,19 @@ from electra_jax.interop.hf import check_hf_form, finite_tensor, save_hf
 
 
 def one_device_setup(config, tokenizer=None):
-  """(mesh, train.build_setup) on one device, whatever mesh trained the checkpoint (orbax
-  re-shards on restore). Without `tokenizer` the special ids are placeholders: the shapes do
-  not depend on them."""
+  """(mesh, train.build_setup) on one device, whatever mesh trained (orbax re-shards on restore). Without
+  `tokenizer` the special ids are placeholders: no shape depends on them."""
   mesh = partitioning.make_mesh(dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
   special_ids = dict(pad=0, cls=2, sep=3, mask=4) if tokenizer is None else train.special_ids(tokenizer)
   return mesh, train.build_setup(config, mesh, special_ids)
 
 
 def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -> dict[str, str]:
-  """Writes <out_dir>/discriminator (and <out_dir>/generator) from the latest checkpoint in
-  `workdir`; returns {tower: directory}. An `out_dir` holding another export, or a model no
-  ElectraModel can hold, is refused before anything is restored or written."""
+  """Writes <out_dir>/discriminator (and generator) from `workdir`'s latest checkpoint; returns {tower: directory}.
+  An `out_dir` holding another export, or a model no ElectraModel holds, is refused before the restore."""
   config = config_lib.load_workdir_config(workdir)
   if not workdir_files.exists(workdir_files.path(workdir, "checkpoints")):
     raise ConfigError(f"{workdir} has no checkpoints/ directory: nothing to export yet.")
-  # Before the (slow) restore, so a refused export costs nothing and writes nothing.
   pretrainer = models.build_model(config)
   check_hf_form(pretrainer.discriminator_config)  # the generator's derives from it (it never has n-grams)
   why_not = models.no_standalone_generator(pretrainer) if export_generator else None
@@ -56,9 +53,9 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
 
 
 def check_export_out(out_dir: str, export_generator: bool = False) -> None:
-  """Refuses an `out_dir` whose contents an export would mix with another model's: a non-empty
-  tower directory, or an old generator/ this export would leave beside its discriminator."""
-  workdir_files.check_usable(out_dir, "--out")  # a file at or on its path, or an unwritable parent
+  """Refuses an `out_dir` where an export would mix with another model: a non-empty tower directory, or an old
+  generator/ this export would leave beside its discriminator."""
+  workdir_files.check_usable(out_dir, "--out")
   for tower in ("discriminator", "generator"):
     directory = os.path.join(out_dir, tower)
     if not os.path.lexists(directory) or (os.path.isdir(directory) and not os.listdir(directory)):
@@ -72,9 +69,8 @@ def check_export_out(out_dir: str, export_generator: bool = False) -> None:
 
 
 def write_tokenizer_files(tok, directory: str, max_length: int) -> None:
-  """The tokenizer beside the weights: tokenizer.json (the whole pipeline, with [CLS] ... [SEP]
-  added as training adds them), tokenizer_config.json, and vocab.txt or spm.model, so
-  transformers' AutoTokenizer.from_pretrained(directory) gives the ids training used."""
+  """tokenizer.json (adding [CLS] ... [SEP] as training does), tokenizer_config.json and vocab.txt or spm.model
+  beside the weights: AutoTokenizer.from_pretrained(directory) gives the ids training used."""
   settings = {
       "model_max_length": max_length, "model_input_names": ["input_ids", "token_type_ids", "attention_mask"],
       **{f"{name}_token": f"[{name.upper()}]" for name in ("unk", "sep", "pad", "cls", "mask")},
@@ -98,9 +94,8 @@ def write_tokenizer_files(tok, directory: str, max_length: int) -> None:
 
 
 def _sentencepiece_pipeline(model_path: str) -> tokenizers.Tokenizer:
-  """sentencepiece's segmentation as a `tokenizers` pipeline: its pieces and scores (unigram) or
-  merges (BPE, read off the vocabulary), its normalization table, and its handling of spaces
-  (trimmed, runs made one, "\u2581" before each word)."""
+  """sentencepiece's segmentation as a `tokenizers` pipeline: pieces and scores (unigram) or merges (BPE, read off
+  the vocabulary), its normalization table, and its spaces (trimmed, runs made one, "\u2581" before each word)."""
   proto = sentencepiece_model_pb2.ModelProto()
   proto.ParseFromString(pathlib.Path(model_path).read_bytes())
   spec = proto.trainer_spec

@@ -1,6 +1,5 @@
-"""Hugging Face `transformers` ELECTRA directories (config.json plus model.safetensors or pytorch_model.bin,
-the latter only through torch.load(weights_only=True)) read as, and written from, electra-jax's standalone
-models: the files, and the mapping between the two configs and the two weight layouts."""
+"""Hugging Face `transformers` ELECTRA directories (config.json plus model.safetensors, or pytorch_model.bin
+through torch.load(weights_only=True)) read as, and written from, electra-jax's standalone models."""
 
 import collections
 import json
@@ -41,8 +40,7 @@ ENCODER_FIELDS = {
 }
 MODEL_KEYS = [key for key in HF_CONFIG_DEFAULTS if key not in ENCODER_FIELDS]
 
-# Config values that change the computation in ways electra-jax does not implement: the one
-# value it computes, and why any other is refused.
+# Config values electra-jax computes only one way: that value, and why any other is refused.
 SUPPORTED_CONFIG_VALUES = {
     "hidden_act": ("gelu", "electra-jax's encoder uses the exact (erf) GELU, which transformers calls \"gelu\" "
                    "(\"gelu_new\" and \"gelu_pytorch_tanh\" are the tanh approximation)"),
@@ -51,8 +49,7 @@ SUPPORTED_CONFIG_VALUES = {
     "add_cross_attention": (False, "electra-jax's encoder has no cross-attention"),
 }
 
-# The encoder options transformers' ElectraModel cannot hold: (EncoderConfig field, its only
-# Hugging Face value, what ElectraModel is instead). Import always gives that value.
+# Encoder options ElectraModel cannot hold: (EncoderConfig field, its only Hugging Face value, why).
 HF_ENCODER_FORM = (("norm", "post", "it is post-LayerNorm only"),
                    ("ffn", "gelu", "its feed-forward is dense + GELU + dense, without a gate"),
                    ("use_bias", True, "every dense layer of its encoder has a bias"),
@@ -61,8 +58,7 @@ HF_ENCODER_FORM = (("norm", "post", "it is post-LayerNorm only"),
 
 
 def check_hf_form(tower: models.EncoderConfig) -> None:
-  """Refuses, one line per option, an encoder option (model.norm, ffn, use_bias,
-  attention_conv, ngram_buckets) that no Hugging Face ElectraModel can hold (before anything is written)."""
+  """Refuses, one line per option, each HF_ENCODER_FORM option that no ElectraModel can hold."""
   lines = [f"model.{field}={getattr(tower, field)!r} has no Hugging Face ElectraModel form ({why}); "
            "fine-tune or evaluate it in electra-jax instead."
            for field, value, why in HF_ENCODER_FORM if getattr(tower, field) != value]
@@ -70,8 +66,7 @@ def check_hf_form(tower: models.EncoderConfig) -> None:
     raise ConfigError("\n".join(lines))
 
 
-# Non-trainable buffers that older transformers versions saved with the weights; positions and
-# default token types are always arange(seq) and zeros here, as there.
+# Buffers older transformers saved with the weights: arange(seq) and zeros, here as there.
 _IGNORED_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
 _BACKBONE_PREFIX = "electra."
 _HEAD_PREFIXES = ("discriminator_predictions.", "generator_predictions.", "generator_lm_head.")
@@ -79,14 +74,13 @@ _TIED_DECODER = "generator_lm_head.weight"
 _PAD_ID = 0  # [PAD] is id 0 in every electra-jax tokenizer
 
 
-# One tensor under both names: transformers' (without the backbone's "electra." prefix) and its path in
-# our tree; `transposed`: a Dense kernel, [in, out] here and torch.nn.Linear's [out, in] there.
+# One tensor: transformers' name (without "electra."), our tree's path, and whether it is a Dense kernel
+# ([in, out] here, torch.nn.Linear's [out, in] there).
 WeightName = collections.namedtuple("WeightName", "hf_name path transposed")
 
 
 def weight_names(kind: str, num_layers: int, projected: bool) -> list[WeightName]:
-  """Every tensor of a standalone tower of `kind`, in the order transformers lists them;
-  `projected`: the embeddings are projected to the hidden size (embedding_size != hidden_size)."""
+  """Every tensor of a standalone tower of `kind`, in transformers' order; `projected`: embedding_size != hidden_size."""
   names = []
 
   def dense(hf_name, path, weight="kernel"):  # weight="scale": a LayerNorm
@@ -168,19 +162,15 @@ def _mismatch(expected: dict[str, tuple[int, ...]], given: dict[str, Any]) -> st
 
 
 def model_from_hf_config(hf_config: dict[str, Any], source: str = "config.json"):
-  """(kind, model) for a transformers ELECTRA config dict; refuses, naming the key, whatever
-  the model could not compute exactly. `source` names the file in errors."""
+  """(kind, model) for a transformers ELECTRA config dict; refuses, naming the key (and `source`), whatever
+  the model could not compute exactly."""
   if hf_config.get("model_type", "electra") != "electra":
     raise ConfigError(f"{source}: model_type={hf_config['model_type']!r} is not \"electra\"; only ELECTRA "
                       "checkpoints can be read.")
   architectures = hf_config.get("architectures")
-  if not architectures or len(architectures) != 1:
-    raise ConfigError(f"{source}: \"architectures\" is {architectures!r}; it must name exactly one of "
-                      f"{sorted(ARCHITECTURES)} (add it to config.json if it is missing).")
-  if architectures[0] not in ARCHITECTURES:
-    raise ConfigError(f"{source}: architectures={architectures!r} has a head electra-jax cannot represent; "
-                      f"supported: {sorted(ARCHITECTURES)}. To keep only the encoder of a fine-tuned model, save its "
-                      "`.electra` submodule (an ElectraModel) with save_pretrained and load that.")
+  if not isinstance(architectures, list) or len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
+    raise ConfigError(f"{source}: architectures={architectures!r} must name exactly one of {sorted(ARCHITECTURES)}. "
+                      "To keep only the encoder of a fine-tuned model, save_pretrained its `.electra` submodule.")
   kind = ARCHITECTURES[architectures[0]]
   for key, (supported, why) in SUPPORTED_CONFIG_VALUES.items():
     if key in hf_config and hf_config[key] != supported:
@@ -211,9 +201,9 @@ def hf_config_of(model, kind: str, pad_token_id: int = _PAD_ID) -> dict[str, Any
 
 
 def params_from_hf_weights(model, kind: str, weights: dict[str, np.ndarray], source: str, decoder_tied: bool = True):
-  """Our parameter tree (float32 numpy leaves) from transformers tensors, with every name
-  and shape checked; `source` names the checkpoint in errors. `decoder_tied` is config.json's
-  tie_word_embeddings: when false, the stored decoder must equal the word table."""
+  """Our parameter tree (float32 numpy leaves) from transformers tensors, every name and shape checked.
+  `decoder_tied`: config.json's tie_word_embeddings (false: the decoder must be stored); a stored decoder must
+  equal the word table."""
   by_name = {}
   for key, array in weights.items():
     name = key.removeprefix(_BACKBONE_PREFIX)
@@ -225,7 +215,6 @@ def params_from_hf_weights(model, kind: str, weights: dict[str, np.ndarray], sou
   tied_decoder = by_name.pop(_TIED_DECODER, None) if kind == "generator" else None
 
   names, shapes = _model_weight_names(kind, model), _param_shapes(model)
-  # Each name with its shape in transformers' layout, as config.json implies it.
   mismatch = _mismatch({w.hf_name: shapes[w.path][::-1] if w.transposed else shapes[w.path] for w in names}, by_name)
   if mismatch:
     raise ConfigError(f"{source}: the weights do not match an {ARCHITECTURE_OF_KIND[kind]} with this config.json "
@@ -256,9 +245,8 @@ def hf_weights_from_params(model, kind: str, params) -> dict[str, np.ndarray]:
   tensors = {}
   for w in _model_weight_names(kind, model):
     array = np.asarray(flat[w.path], dtype=np.float32)
-    is_head = w.hf_name.startswith(_HEAD_PREFIXES)
-    hf_name = w.hf_name if kind == "encoder" or is_head else _BACKBONE_PREFIX + w.hf_name
-    tensors[hf_name] = np.ascontiguousarray(array.T if w.transposed else array)
+    prefix = "" if kind == "encoder" or w.hf_name.startswith(_HEAD_PREFIXES) else _BACKBONE_PREFIX
+    tensors[prefix + w.hf_name] = np.ascontiguousarray(array.T if w.transposed else array)
   return tensors
 
 
@@ -282,19 +270,17 @@ def _read_torch_state_dict(path: str) -> dict[str, np.ndarray]:
   try:
     state_dict = torch.load(path, map_location="cpu", weights_only=True)
   except Exception as error:  # pickle.UnpicklingError for anything but tensors, or a bad file
-    raise ConfigError(
-        f"Refusing {path}: torch.load(weights_only=True) cannot read it as plain tensors "
-        f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). Only a "
-        "state dict (str -> tensor) is accepted; save model.state_dict() or use safetensors."
-    ) from error
+    raise ConfigError(f"Refusing {path}: torch.load(weights_only=True) cannot read it as plain tensors "
+                      f"({type(error).__name__}: {(str(error).splitlines() or [''])[0]}). Save model.state_dict() "
+                      "or use safetensors.") from error
   if not isinstance(state_dict, dict):
     raise ConfigError(f"Refusing {path}: it holds a {type(state_dict).__name__!r} object, not a state dict "
-                      "(a flat dict of str -> torch.Tensor). Save model.state_dict() or use safetensors.")
+                      "(str -> torch.Tensor). Save model.state_dict() or use safetensors.")
   for name, tensor in state_dict.items():
     if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-      wrong = (f"key {name!r} is not a str (its type is {type(name).__name__})" if not isinstance(name, str)
-               else f"entry {name!r} is not a torch.Tensor (its type is {type(tensor).__name__})")
-      raise ConfigError(f"Refusing {path}: {wrong}; only a flat state dict (str -> torch.Tensor) is accepted. "
+      wrong = f"key {name!r} is not a str" if not isinstance(name, str) else (
+          f"entry {name!r} is not a torch.Tensor (its type is {type(tensor).__name__})")
+      raise ConfigError(f"Refusing {path}: {wrong}; only a state dict (str -> torch.Tensor) is accepted. "
                         "Save model.state_dict() or use safetensors.")
   return {
       name: tensor.detach().to(torch.float32).numpy() if tensor.is_floating_point() else tensor.numpy()
@@ -314,8 +300,8 @@ def finite_tensor(name: str, array: np.ndarray, source: str) -> np.ndarray:
 
 
 def read_hf_weights(directory: str) -> dict[str, np.ndarray]:
-  """Every tensor of a transformers checkpoint directory: model.safetensors (preferred) or
-  pytorch_model.bin, either possibly sharded (*.index.json). Refuses NaN and infinite weights."""
+  """Every tensor of a transformers directory: model.safetensors (preferred) or pytorch_model.bin, either
+  possibly sharded (*.index.json). Refuses NaN and infinite weights."""
   for file_name, reader in (("model.safetensors", _read_safetensors), ("pytorch_model.bin", _read_torch_state_dict)):
     path = os.path.join(directory, file_name)
     if os.path.exists(path):
@@ -339,16 +325,14 @@ def read_hf_weights(directory: str) -> dict[str, np.ndarray]:
 
 
 def load_hf(path: str):
-  """(model, params) from a transformers ELECTRA directory: ElectraForPreTraining gives an
-  ElectraDiscriminatorModel, ElectraForMaskedLM an ElectraGeneratorModel, ElectraModel an
-  ElectraEncoderModel. The model computes in float32; `params` holds float32 numpy arrays."""
+  """(model, params) from a transformers ELECTRA directory: the MODEL_CLASSES model of its architecture
+  (ElectraForPreTraining: discriminator, ElectraForMaskedLM: generator, ElectraModel: encoder), float32."""
   config_path = os.path.join(path, "config.json")
   if not os.path.isfile(config_path):
     raise ConfigError(f"{path} has no config.json; point load_hf at a directory written by save_pretrained "
                       "(or save_hf).")
   try:
-    with open(config_path, encoding="utf-8-sig") as f:
-      hf_config = json.load(f)
+    hf_config = json.loads(pathlib.Path(config_path).read_text(encoding="utf-8-sig"))
   except (ValueError, OSError) as error:
     raise ConfigError(f"{config_path} is not a readable JSON file ({error}).") from None
   if not isinstance(hf_config, dict):
@@ -365,9 +349,8 @@ def load_hf(path: str):
 
 def save_hf(model, params, out_dir: str, kind: str | None = None, vocab_file: str | None = None,
             pad_token_id: int = _PAD_ID) -> str:
-  """Writes config.json and model.safetensors to `out_dir` for transformers' from_pretrained.
-  `model` is a standalone model, or an ElectraPretrainer whose tower `kind` picks; `vocab_file`,
-  if given, is copied beside them unchanged. Returns `out_dir`."""
+  """Writes config.json, model.safetensors (and a copy of `vocab_file`) to `out_dir` for from_pretrained;
+  `model` is a standalone model, or an ElectraPretrainer whose tower `kind` picks. Returns `out_dir`."""
   if isinstance(model, models.ElectraPretrainer):
     if kind not in models.TOWER_MODELS:
       raise ConfigError(f"kind={kind!r}: exporting an ElectraPretrainer needs kind='discriminator' or "

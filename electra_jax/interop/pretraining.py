@@ -1,6 +1,5 @@
-"""A released (discriminator, generator) pair, from two Hugging Face directories or one official
-TF1 checkpoint, written as step 0 of a pre-training workdir with its vocabulary and config.json,
-once the towers are checked to share one embedding tree and a derivable generator size."""
+"""A released (discriminator, generator) pair, from two Hugging Face directories or one official TF1
+checkpoint, checked and written as step 0 of a pre-training workdir with its vocabulary and config.json."""
 
 import contextlib
 import copy
@@ -93,9 +92,8 @@ def pair_from_tf(path: str, vocab_file: str | None = None, num_heads: int | None
 
 
 def _shared_embeddings(pair: ImportedPair, embeddings_from: str | None) -> dict:
-  """The one embedding tree both towers will read: the towers' own when they are equal,
-  else the one `embeddings_from` names (refused without it, saying what differs). The shapes
-  are equal: _model_config checked the sizes they follow."""
+  """The one embedding tree of both towers: theirs when equal, else the one `embeddings_from` names (refused
+  without it, saying what differs). _model_config has checked that the shapes agree."""
   disc = flax.traverse_util.flatten_dict(pair.discriminator_params["embeddings"], sep="/")
   gen = flax.traverse_util.flatten_dict(pair.generator_params["embeddings"], sep="/")
   differences = [f"{name}: max |difference| {float(np.max(np.abs(disc[name] - gen[name]))):.3g}"
@@ -115,8 +113,7 @@ def _shared_embeddings(pair: ImportedPair, embeddings_from: str | None) -> dict:
 
 
 def _model_config(pair: ImportedPair) -> dict:
-  """config.model values that build exactly these two towers, or a ConfigError naming the
-  generator size electra-jax cannot derive from one `generator_fraction`."""
+  """config.model values that build exactly these two towers; refuses a generator no `generator_fraction` gives."""
   disc, gen = pair.discriminator, pair.generator
   for field in hf.MODEL_KEYS:
     if getattr(disc, field) != getattr(gen, field):
@@ -134,17 +131,15 @@ def _model_config(pair: ImportedPair) -> dict:
     raise ConfigError(f"The generator's sizes are not what electra-jax derives from the discriminator and "
                       f"generator_fraction={fraction:.6g} (same depth and head size, FFN and dropout scaled alike, "
                       f"as the official code builds it): {mismatched}. This pair cannot be represented.")
-  # config.model names the encoder's fields as EncoderConfig does. Hugging Face and TF1 towers always
-  # have the encoder options' defaults (hf.HF_ENCODER_FORM): a recipe asking for others gets these.
+  # Imported towers always have HF_ENCODER_FORM's options: a recipe asking for others gets these.
   encoder_fields = [*hf.ENCODER_FIELDS.values(), *(field for field, _, _ in hf.HF_ENCODER_FORM)]
   return {**{key: getattr(disc, key) for key in hf.MODEL_KEYS},
           **{field: getattr(disc.config, field) for field in encoder_fields}, "generator_fraction": fraction}
 
 
 def _data_config(pair: ImportedPair, config, workdir: str) -> dict:
-  """data.* values that tokenize as the released model did: its vocab.txt (or, for an
-  electra-jax export of a sentencepiece run, its spm.model), copied into the workdir so the
-  workdir is complete on its own (the source may be a temporary download)."""
+  """data.* values that tokenize as the released model did: its vocab.txt (or an electra-jax export's
+  spm.model), copied into the workdir, which then stands on its own."""
   def copy_into_workdir(source: str, name: str) -> str:
     target = os.path.join(os.path.abspath(workdir), name)
     workdir_files.write_bytes(target, pathlib.Path(source).read_bytes())
@@ -168,13 +163,11 @@ def _data_config(pair: ImportedPair, config, workdir: str) -> dict:
 
 def write_pretraining_workdir(pair: ImportedPair, config: ml_collections.ConfigDict, workdir: str,
                               embeddings_from: str | None = None) -> dict:
-  """Writes <workdir>/config.json (`config` with the model group of the pair, and the pair's
-  vocabulary) and a step-0 checkpoint holding both towers over one embedding tree, with a
-  fresh optimizer state. Refuses a workdir that already has checkpoints. Returns a summary."""
-  workdir_files.check_usable(workdir)  # a file on its path, or an unwritable parent
+  """Writes <workdir>/config.json (`config` with the pair's model sizes and vocabulary) and a step-0 checkpoint
+  of both towers over one embedding tree, fresh optimizer state. Refuses a workdir with checkpoints."""
+  workdir_files.check_usable(workdir)
   checkpoints_dir = os.path.join(workdir, "checkpoints")
-  # A step's directory is its number; "<step>.orbax-checkpoint-tmp" is a save that never
-  # finished (an import killed mid-way), which orbax removes: not a checkpoint.
+  # Steps are numbered directories; "<step>.orbax-checkpoint-tmp" is an unfinished save orbax removes.
   if os.path.isdir(checkpoints_dir) and any(name.isdigit() for name in os.listdir(checkpoints_dir)):
     raise ConfigError(f"{workdir} already holds checkpoints; import into a new --workdir (nothing was changed).")
   model_values = _model_config(pair)
@@ -190,8 +183,7 @@ def write_pretraining_workdir(pair: ImportedPair, config: ml_collections.ConfigD
             "discriminator": pair.discriminator_params["discriminator"]}
   if config.model.scan_layers:  # the recipe trains scanned layers
     params = models.scan_layers(params)
-  # The recipe's model must have no parameters but the pair's (no tower's own embeddings, discriminator MLM head,
-  # GDES delta, shared encoder...), before anything is written.
+  # The recipe's model must have exactly the pair's parameters (no GDES delta, MLM head...) before any write.
   imported, wanted = train.param_shapes(params), one_device_setup(config)[1].param_shapes
   if imported != wanted:
     name = next(n for n in sorted(set(imported) | set(wanted)) if imported.get(n) != wanted.get(n))

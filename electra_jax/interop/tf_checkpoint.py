@@ -1,6 +1,5 @@
-"""Official ELECTRA TF1 checkpoints (`model.ckpt-N`, both towers) read without TensorFlow: the V2
-tensor bundle's `<prefix>.index` (a LevelDB table of name -> protobuf entry) and its raw
-`<prefix>.data-*` files, mapped onto the standalone towers. Optimizer slots are skipped."""
+"""Official ELECTRA TF1 checkpoints (`model.ckpt-N`, both towers) read without TensorFlow: the V2 bundle's
+`<prefix>.index` (a LevelDB table of name -> protobuf entry) and raw `<prefix>.data-*` files."""
 
 import collections
 import os
@@ -46,8 +45,7 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
 
 
 def _proto_fields(buf: bytes):
-  """(field number, value) pairs of a serialized protobuf message: ints for varint and
-  fixed fields, bytes for length-delimited ones."""
+  """(field number, value) pairs of a serialized protobuf message: ints, or bytes for length-delimited fields."""
   pos = 0
   while pos < len(buf):
     key, pos = _varint(buf, pos)
@@ -116,8 +114,7 @@ def _tensor_entry(value: bytes) -> TensorEntry:
 
 
 class TFCheckpoint:
-  """The tensors of a TF V2 checkpoint, read lazily: `.entries` maps names to dtype and shape,
-  `.read(name)` returns one tensor as a numpy array."""
+  """A TF V2 checkpoint, read lazily: `.entries` maps names to TensorEntry, `.read(name)` gives one array."""
 
   def __init__(self, prefix: str):
     self.prefix = prefix
@@ -158,8 +155,8 @@ class TFCheckpoint:
 
 
 def resolve_prefix(path: str) -> str:
-  """`model.ckpt-N` from a prefix, its .index file, or a directory (its `checkpoint` file's
-  latest entry, else the highest-numbered model.ckpt-N there)."""
+  """`model.ckpt-N` from a prefix, its .index file, or a directory (its `checkpoint` file's entry, else the
+  highest-numbered model.ckpt-N there)."""
   path = path.removesuffix(".index")
   if os.path.isfile(path + ".index"):
     return path
@@ -191,9 +188,8 @@ _OFFICIAL_RENAMES = (
 
 
 def official_name(hf_name: str, tower: str) -> str:
-  """The official TF variable of a transformers weight name (without the "electra." prefix)
-  of `tower`: backbone variables live under "electra" (discriminator) or "generator", except
-  the embeddings, which both towers read from "electra/embeddings"."""
+  """The official TF variable of `tower`'s transformers weight name (without "electra."): under "electra"
+  (discriminator) or "generator", but the shared embeddings under "electra/embeddings"."""
   for pattern, replacement in _OFFICIAL_RENAMES:
     hf_name = re.sub(pattern, replacement, hf_name)
   name = hf_name.replace(".", "/")
@@ -204,9 +200,8 @@ def official_name(hf_name: str, tower: str) -> str:
 
 
 def read_towers(prefix: str, num_heads: int | None = None):
-  """{tower: (model, params)} of an official checkpoint's two towers, read as transformers tensors
-  for hf.py to check and map. Heads are not in the shapes: the official code gives the discriminator
-  max(1, hidden // 64) (or `num_heads`, from model_hparam_overrides) and the generator its head size."""
+  """{tower: (model, params)} of an official checkpoint's two towers, through hf.py's checks. The shapes hold no
+  head count: the discriminator has `num_heads` (default max(1, hidden // 64)), the generator its head size."""
   ckpt = TFCheckpoint(prefix)
   for scope, what in _UNSUPPORTED_SCOPES.items():
     if any(name.startswith(scope + "/") for name in ckpt.entries):
