@@ -1,6 +1,5 @@
-"""The one thin wrapper around orbax: train state plus a JSON side-car (step, parameter
-shapes, data fingerprint, a checksum of every array) under <workdir>/checkpoints/<step>/.
-A restore recomputes the checksums and refuses a step whose arrays differ (DamagedCheckpoint)."""
+"""The one wrapper around orbax: train state plus a JSON side-car (parameter shapes, data fingerprint, a checksum
+of every array) under <workdir>/checkpoints/<step>/; a restore refuses arrays that differ (DamagedCheckpoint)."""
 
 import os
 from typing import Any, Optional
@@ -37,8 +36,8 @@ def _checksums(leaves):
 
 
 def checksums(tree: Any) -> dict[str, int]:
-  """Per array of `tree` ('params/embeddings/...'): the sum of its bits weighted by position, modulo
-  2**32, exact in any order, so independent of sharding and device count."""
+  """Per array of `tree` ('params/embeddings/...'): the sum of its bits weighted by position, modulo 2**32,
+  exact in any order, so independent of sharding and device count."""
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   values = jax.device_get(_checksums([leaf for _, leaf in flat]))
   # The same names for a train state and the plain dicts orbax returns.
@@ -88,8 +87,8 @@ class Checkpointer:
     return self._read(step, "meta", lambda: self._manager.restore(step, args=meta)["meta"])
 
   def state_difference(self, step: int, abstract_state: Any) -> tuple[list[str], list[str]]:
-    """(paths the checkpoint at `step` lacks, paths only it has) against `abstract_state`, from its
-    tree metadata (no array is read): orbax's restore would fail with a traceback."""
+    """(paths the checkpoint at `step` lacks, paths only it has) against `abstract_state`, from its tree
+    metadata alone (orbax's restore would fail with a traceback)."""
     saved = self._read(step, "tree metadata", lambda: ocp.StandardCheckpointHandler().metadata(
         epath.Path(self.directory) / str(step) / "state"))
     saved_paths = set(ocp.tree.to_flat_dict(dict(saved)))
@@ -103,9 +102,7 @@ class Checkpointer:
     recorded = (meta if meta is not None else self.read_meta(step)).get("checksums")
     args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
     state = self._read(step, "arrays", lambda: self._manager.restore(step, args=args)["state"])
-    if recorded is None:
-      return state
-    differ = [name for name, value in checksums(state).items() if recorded.get(name) != value]
+    differ = [] if recorded is None else [n for n, value in checksums(state).items() if recorded.get(n) != value]
     if differ:
       raise self._damaged(step, f"{len(differ)} arrays differ from what was saved (first: {differ[:3]})")
     return state
@@ -132,7 +129,7 @@ class Checkpointer:
 
   def set_aside_after(self, step: int, rename: bool = True) -> None:
     """Renames every step after `step` (a resume from `step` would save over it) to <step>.damaged;
-    `rename=False` (processes other than the first) only forgets them."""
+    `rename=False` (the other processes) only forgets them."""
     later = [s for s in self.all_steps() if s > step]
     for s in later if rename else ():
       source = epath.Path(self.directory) / str(s)

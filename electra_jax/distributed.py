@@ -1,6 +1,5 @@
-"""Joining a multi-process JAX job before anything touches the devices: explicit coordinator
-settings (flags or ELECTRA_JAX_* environment variables), or JAX's own detection on SLURM
-allocations and multi-host TPU VM slices. A single process needs nothing."""
+"""Joining a multi-process JAX job before anything touches the devices: explicit coordinator settings (flags or
+ELECTRA_JAX_* variables), or JAX's own detection on SLURM and multi-host TPU slices. One process needs nothing."""
 
 import os
 import urllib.request
@@ -14,8 +13,8 @@ from electra_jax.errors import ConfigError
 
 
 def _multi_host_environment() -> Optional[str]:
-  """The scheduler JAX can read its coordinator from, when this is one of several processes
-  (launch/tpu_vm.py sets ELECTRA_JAX_DISTRIBUTED=auto; GKE sets TPU_WORKER_HOSTNAMES)."""
+  """The scheduler JAX reads its coordinator from, when this is one of several processes (launch/tpu_vm.py sets
+  ELECTRA_JAX_DISTRIBUTED=auto; GKE sets TPU_WORKER_HOSTNAMES); else None."""
   if os.environ.get("ELECTRA_JAX_DISTRIBUTED", "").lower() == "auto":
     return "ELECTRA_JAX_DISTRIBUTED=auto (JAX's own cluster detection)"
   # A task of an srun step (SLURM_NTASKS alone is also set in an salloc shell, where no peers join).
@@ -24,8 +23,7 @@ def _multi_host_environment() -> Optional[str]:
     return "SLURM"
   if "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
     return "a multi-host TPU slice on GKE"
-  # A TPU VM slice's workers (gcloud ... ssh --worker=all): only the metadata server says there are
-  # several, in worker-network-endpoints (which JAX reads too). Asked only where TPU chips are.
+  # A TPU VM slice's workers: only the metadata server's worker-network-endpoints (which JAX reads too) tells.
   if not xla_flags.tpu_chips_present():
     return None
   host = os.environ.get("GCE_METADATA_IP", "metadata.google.internal")
@@ -51,8 +49,7 @@ def _from_env(value, name: str):
 
 def initialize(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
                process_id: Optional[int] = None) -> None:
-  """Call once, first. The arguments, else the ELECTRA_JAX_* variables, else JAX's detection of
-  the scheduler (_multi_host_environment)."""
+  """Call once, first: the arguments, else the ELECTRA_JAX_* variables, else _multi_host_environment."""
   coordinator_address = coordinator_address or os.environ.get("ELECTRA_JAX_COORDINATOR_ADDRESS") or None
   num_processes = _from_env(num_processes, "ELECTRA_JAX_NUM_PROCESSES")
   process_id = _from_env(process_id, "ELECTRA_JAX_PROCESS_ID")

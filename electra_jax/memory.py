@@ -10,8 +10,8 @@ from absl import logging
 
 from electra_jax.errors import ConfigError
 
-# A batch fits only if the compiled step does no more work per example than the small batches measured
-# first: XLA's TPU compiler rematerializes activations to squeeze a larger batch into HBM.
+# A batch fits only if its step does no more work per example than the first two measured: XLA's TPU
+# compiler rematerializes activations to squeeze a larger batch into HBM.
 RECOMPUTE_TOLERANCE = 0.02
 
 
@@ -85,10 +85,9 @@ def fit_of(measured: list[StepMemory]) -> tuple[float, float] | None:
 
 
 def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, list[StepMemory]]:
-  """The largest multiple of `quantum` whose step fits in `limit_bytes` per device, and the measurements:
-  guesses follow the line through the two largest batches that fit until one does not, then the bracket is
-  bisected. A step XLA fits only by recomputing (more FLOPs per example than the first two compiles) does
-  not fit; ConfigError when not even `quantum` fits."""
+  """(the largest multiple of `quantum` whose step fits in `limit_bytes` per device, the measurements): guesses
+  follow the line through the largest fitting batches until one does not fit, then the bracket is bisected. A step
+  XLA fits only by recomputing does not fit; ConfigError when not even `quantum` fits."""
   measured: list[StepMemory] = []
   fitting: list[StepMemory] = []
 
@@ -120,9 +119,8 @@ def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, li
   fit = fit_of(measured)
   while high is None or high - low > quantum:
     if high is None:
-      # Extrapolate the line through the two largest batches that fit; a guess that overshoots brackets
-      # the answer. XLA's layout is not even monotonic in the batch, so the slope is at least a quarter
-      # of the chord from the smallest batch and the guess at most 8 x low.
+      # XLA's layout is not even monotonic in the batch: the slope is at least a quarter of the chord from the
+      # smallest batch, and the guess at most 8 x low.
       _, chord = linear_fit(fitting[0], fitting[-1])
       per_example = max(linear_fit(fitting[-2], fitting[-1])[1], chord / 4)
       guess = int((limit_bytes - fitting[-1].bytes_per_device) / per_example + fitting[-1].batch_size)

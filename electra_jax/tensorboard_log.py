@@ -1,6 +1,5 @@
-"""Where metrics go: the JSONL logs (the source of truth), TensorBoard event files beside them
-(<workdir>/tensorboard/{train,eval}; a resumed run purges the points past its checkpoint), and
-the Weights & Biases or MLflow run train.metric_writers names, which a resumed run logs into again."""
+"""Where metrics go: the JSONL logs (the source of truth), TensorBoard events in <workdir>/tensorboard/{train,eval}
+(a resumed run purges the points past its checkpoint), and the W&B or MLflow runs train.metric_writers names."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ SUBDIR = "tensorboard"
 
 def _tensorboardx():
   """The tensorboardX modules we write with, or None (warned once) when it is not installed."""
-  # tensorboardX imports torch, if installed, to accept its tensors (1.5 s and hundreds of MB in every
-  # run): torch reads as absent while tensorboardX first loads.
+  # tensorboardX would import torch, if installed (seconds and hundreds of MB): hidden while it first loads.
   hide_torch = "torch" not in sys.modules and "tensorboardX" not in sys.modules
   if hide_torch:
     sys.modules["torch"] = None
@@ -43,8 +41,8 @@ def _tensorboardx():
 
 
 class ScalarWriter:
-  """Scalars into one new event file per writer, opened on first use (after a resumed run set its
-  purge step), flushed after each record: SummaryWriter's flush does not wait for its queue."""
+  """Scalars into one new event file, opened on first use (after purge_after), flushed after each record:
+  SummaryWriter's flush does not wait for its queue."""
 
   def __init__(self, logdir: str):
     self.logdir = logdir
@@ -97,8 +95,8 @@ def _numbers(record: dict, prefix: str = "") -> dict[str, float]:
 
 
 class WandbRun:
-  """The workdir's W&B run (`run_id`: the one an earlier start opened, or None), its metrics logged
-  against "step", so a resumed run may log steps again."""
+  """The workdir's W&B run (`run_id`: an earlier start's, or None), logged against "step" so a resumed run may
+  log steps again."""
 
   def __init__(self, workdir: str, config: dict, run_id: str | None):
     import wandb  # noqa: PLC0415 (the wandb extra)
@@ -116,8 +114,8 @@ class WandbRun:
 
 
 class MlflowRun:
-  """The workdir's MLflow run (MLFLOW_TRACKING_URI; experiment MLFLOW_EXPERIMENT_NAME or
-  "electra-jax"), the config as its config.json artifact; reopened by its id on a restart."""
+  """The workdir's MLflow run (experiment MLFLOW_EXPERIMENT_NAME or "electra-jax"), the config as its
+  config.json artifact; reopened by `run_id` on a restart."""
 
   def __init__(self, workdir: str, config: dict, run_id: str | None):
     import mlflow  # noqa: PLC0415 (the mlflow extra)
@@ -146,8 +144,8 @@ _RUNS = {"wandb": WandbRun, "mlflow": MlflowRun}
 
 
 class MetricLog(workdir_files.JsonlLog):
-  """A JsonlLog that also writes each record to a ScalarWriter (or None) and to `runs` under
-  `prefix`; close() closes the runs too if `closes_runs` (one of the logs sharing them)."""
+  """A JsonlLog that also writes each record to a ScalarWriter (or None) and to `runs` under `prefix`;
+  close() closes the runs too if `closes_runs`."""
 
   def __init__(self, file, writer: ScalarWriter | None, runs=(), prefix: str = "train", closes_runs: bool = True):
     super().__init__(file)
@@ -174,8 +172,8 @@ class MetricLog(workdir_files.JsonlLog):
 
 
 def open_logs(workdir: str, metric_writers: str = "", config: dict | None = None) -> tuple[MetricLog, MetricLog]:
-  """(metrics.jsonl, eval_metrics.jsonl) of `workdir`, with TensorBoard events in a local workdir's
-  tensorboard/{train,eval}, and the runs `metric_writers` names (the train log closes them)."""
+  """(metrics.jsonl, eval_metrics.jsonl) of `workdir`, with TensorBoard events (local workdirs only) and the
+  runs `metric_writers` names (the train log closes them)."""
   writers = {"train": None, "eval": None}
   if workdir_files.is_remote(workdir):
     logging.log_first_n(logging.WARNING, "TensorBoard event files are written for local workdirs only; %s is a "

@@ -53,8 +53,7 @@ def read_text(file) -> str:
 
 
 def read_json(file, parse=lambda value: value):
-  """parse(the JSON of `file`), refused by name when it is not JSON or `parse` raises on it (a
-  layout this version does not write: it was edited or damaged)."""
+  """parse(the JSON of `file`), refused by name when it is not JSON or `parse` raises (an edited or damaged file)."""
   try:
     return parse(json.loads(read_text(file)))
   except (ValueError, KeyError, TypeError, AttributeError) as error:
@@ -88,8 +87,7 @@ def last_record(file) -> dict:
 
 
 def write_bytes(file, data: bytes) -> None:
-  """Replaces `file` with `data` in one step: readers see the old file or the whole new one. A local
-  file's folder is made; `data` goes to a `.tmp-` file of this writer's own, fsynced and renamed."""
+  """Replaces `file` with `data` atomically: a local one (its folder made) via a fsynced `.tmp-` file, renamed."""
   if is_remote(file):
     epath.Path(file).write_bytes(data)
     return

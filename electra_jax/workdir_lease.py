@@ -1,8 +1,7 @@
-"""One training run writes to a workdir at a time: <workdir>/lease.json names the holder (run id,
-host, pid, start time, heartbeat). A run takes a lease that is absent, released or dead (its pid gone
-on this host, or no heartbeat for `stale_seconds`), else refuses unless `take_over`. A bucket has no
-atomic create, so the holder reads the lease again before each checkpoint and on every beat, and stops
-once another run's id is there: the newest run keeps the workdir."""
+"""One training run per workdir: <workdir>/lease.json names the holder (run id, host, pid, start, heartbeat). A run
+takes a lease that is absent, released or dead (pid gone on this host, or no heartbeat for `stale_seconds`), else
+refuses unless `take_over`. A bucket has no atomic create: the holder re-reads the lease before each checkpoint and
+on every beat, and stops once another run's id is there (the newest run keeps the workdir)."""
 
 from __future__ import annotations
 
@@ -20,11 +19,9 @@ from electra_jax import workdir_files
 from electra_jax.errors import WorkdirInUse
 
 LEASE_FILE = "lease.json"
-# The fields a reader uses: a hand-edited value of another type would fail inside the check and
-# block --take_over_workdir too.
+# The fields a reader uses; a hand-edited value of another type would block --take_over_workdir too.
 _FIELD_TYPES = {"run_id": str, "host": str, "pid": int, "heartbeat": (int, float), "released": bool, "started": str}
-# The run ids of the leases this process holds: what tells its own live runs from a dead run that
-# had the same pid (a restarted container).
+# The leases this process holds: its own live runs, unlike a dead run with the same pid (a restarted container).
 _LIVE_RUN_IDS: set[str] = set()
 
 
@@ -35,8 +32,7 @@ def describe(holder: dict, now: float) -> str:
 
 
 def read_lease(workdir) -> dict | None:
-  """The lease file's content; None when there is none or it is not a lease this version wrote
-  (a hand edit: it is treated as absent)."""
+  """The lease file's content; None when there is none or it is not a lease this version wrote (a hand edit)."""
   file = workdir_files.path(workdir, LEASE_FILE)
   if not workdir_files.exists(file):
     return None
