@@ -57,8 +57,7 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
   if any(value is not None for value in explicit):
     if any(value is None for value in explicit):
       raise ConfigError(f"A multi-process run needs all of coordinator_address={coordinator_address!r}, "
-                        f"num_processes={num_processes!r} and process_id={process_id!r} (flags "
-                        "--coordinator_address/--num_processes/--process_id or ELECTRA_JAX_* variables).")
+                        f"num_processes={num_processes!r} and process_id={process_id!r} (flags or ELECTRA_JAX_*).")
     if not 0 <= process_id < num_processes:
       raise ConfigError(f"process_id={process_id} must be in [0, num_processes={num_processes}).")
     host, _, port = coordinator_address.rpartition(":")

@@ -100,11 +100,9 @@ class WorkdirLease:
                         if (holder.get("host"), holder.get("pid")) == (self.record["host"], self.record["pid"])
                         else "")
         raise WorkdirInUse(
-            f"{self.name} {self.workdir} is in use by {describe(holder, self._clock())}.{this_process} "
-            "Wait for that run to end, or use another --workdir. If it is dead (its machine was lost; a run on "
-            f"another host also counts as dead {self.stale_seconds:.0f} s after its last heartbeat), pass "
-            "--take_over_workdir. Nothing was written."
-        )
+            f"{self.name} {self.workdir} is in use by {describe(holder, self._clock())}.{this_process} Wait for it "
+            f"to end, or use another --workdir; if it is dead (on another host: no heartbeat for "
+            f"{self.stale_seconds:.0f} s), pass --take_over_workdir. Nothing was written.")
       logging.warning("--take_over_workdir: taking %s from %s.", self.workdir, describe(holder, self._clock()))
     elif holder is not None and not holder.get("released"):
       logging.warning("The last run on %s ended without releasing it (%s); taking it over.",
@@ -142,9 +140,7 @@ class WorkdirLease:
       if not (self.taken_by is None if fresh else self._still_held()):
         raise WorkdirInUse(
             f"Another run took over the workdir {self.workdir}: {describe(self.taken_by, self._clock())}. This run "
-            f"({self.run_id}) stopped without saving, so as not to overwrite that run's checkpoints. Run one job "
-            "per workdir."
-        )
+            f"({self.run_id}) stopped without saving, not to overwrite its checkpoints. Run one job per workdir.")
 
   def release(self) -> None:
     """Marks the lease released, unless another run holds it by now. Stops the heartbeat."""

@@ -80,7 +80,7 @@ WeightName = collections.namedtuple("WeightName", "hf_name path transposed")
 
 
 def weight_names(kind: str, num_layers: int, projected: bool) -> list[WeightName]:
-  """Every tensor of a standalone tower of `kind`, in transformers' order; `projected`: embedding_size != hidden_size."""
+  """Every tensor of a standalone `kind` tower, in transformers' order; `projected`: embedding_size != hidden_size."""
   names = []
 
   def dense(hf_name, path, weight="kernel"):  # weight="scale": a LayerNorm
@@ -227,9 +227,8 @@ def params_from_hf_weights(model, kind: str, weights: dict[str, np.ndarray], sou
       raise ConfigError(f"{source}: tie_word_embeddings=false but the weights hold no {_TIED_DECODER}; "
                         "electra-jax's generator needs its decoder tied to the word embeddings.")
     if tied_decoder is not None and not np.array_equal(tied_decoder.astype(np.float32), word_table):
-      raise ConfigError(f"{source}: {_TIED_DECODER} differs from electra.embeddings.word_embeddings.weight. "
-                        "electra-jax's generator ties its output layer to the word embeddings, as ELECTRA does; "
-                        "an untied decoder cannot be represented.")
+      raise ConfigError(f"{source}: {_TIED_DECODER} differs from electra.embeddings.word_embeddings.weight; "
+                        "electra-jax's generator ties them, as ELECTRA does, and cannot hold an untied decoder.")
   return flax.traverse_util.unflatten_dict(flat)
 
 
@@ -293,9 +292,8 @@ def finite_tensor(name: str, array: np.ndarray, source: str) -> np.ndarray:
   if array.dtype.kind in "fc" or array.dtype.name == "bfloat16":
     finite = np.isfinite(array)
     if not finite.all():
-      raise ConfigError(
-          f"Refusing {source}: tensor {name!r} holds {finite.size - int(finite.sum())} NaN or infinite "
-          f"values of {finite.size} (a model trained into NaN, or a damaged file); use a good checkpoint.")
+      raise ConfigError(f"Refusing {source}: tensor {name!r} holds {finite.size - int(finite.sum())} NaN or "
+                        f"infinite values of {finite.size} (trained into NaN, or damaged); use a good checkpoint.")
   return array
 
 

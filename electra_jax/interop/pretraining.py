@@ -102,9 +102,8 @@ def _shared_embeddings(pair: ImportedPair, embeddings_from: str | None) -> dict:
     logging.info("The discriminator's and generator's embeddings are equal: one shared table.")
     return pair.discriminator_params["embeddings"]
   if embeddings_from is None:
-    raise ConfigError(f"The discriminator's and generator's embeddings differ ({'; '.join(differences)}), but "
-                      "electra-jax shares ONE embedding tree between the towers. Pass --hf_embeddings_from="
-                      "discriminator (or generator) to keep that tower's embeddings for both.")
+    raise ConfigError(f"The discriminator's and generator's embeddings differ ({'; '.join(differences)}), but the "
+                      "towers share ONE embedding tree: pass --hf_embeddings_from=discriminator (or generator).")
   if embeddings_from not in ("discriminator", "generator"):
     raise ConfigError(f"embeddings_from={embeddings_from!r} is not one of ['discriminator', 'generator'].")
   logging.warning("The towers' embeddings differ (%s); both will use the %s's, as --hf_embeddings_from asks.",
@@ -128,9 +127,8 @@ def _model_config(pair: ImportedPair) -> dict:
     mismatched = f"hidden_size={gen.config.hidden_size}, num_heads={gen.config.num_heads}" if derived is None else (
         ", ".join(f"{f.name}={getattr(gen.config, f.name)} (derived: {getattr(derived, f.name)})"
                   for f in dataclasses.fields(derived) if getattr(gen.config, f.name) != getattr(derived, f.name)))
-    raise ConfigError(f"The generator's sizes are not what electra-jax derives from the discriminator and "
-                      f"generator_fraction={fraction:.6g} (same depth and head size, FFN and dropout scaled alike, "
-                      f"as the official code builds it): {mismatched}. This pair cannot be represented.")
+    raise ConfigError(f"The generator's sizes are not those the official code derives from the discriminator "
+                      f"and generator_fraction={fraction:.6g}: {mismatched}. This pair cannot be represented.")
   # Imported towers always have HF_ENCODER_FORM's options: a recipe asking for others gets these.
   encoder_fields = [*hf.ENCODER_FIELDS.values(), *(field for field, _, _ in hf.HF_ENCODER_FORM)]
   return {**{key: getattr(disc, key) for key in hf.MODEL_KEYS},
@@ -152,9 +150,8 @@ def _data_config(pair: ImportedPair, config, workdir: str) -> dict:
       logging.warning("%s has no vocab.txt; using data.vocab_file=%s. The ids must mean what they meant in "
                       "pre-training.", pair.source, config.data.vocab_file)
       return {}
-    raise ConfigError(f"{pair.source}: no vocab.txt (or spm.model) beside the weights, so the token ids would mean "
-                      "nothing. Put the model's vocab.txt there, or pass --config.data.tokenizer=wordpiece "
-                      "--config.data.vocab_file=PATH.")
+    raise ConfigError(f"{pair.source}: no vocab.txt (or spm.model) beside the weights to give the ids a meaning. "
+                      "Put it there, or pass --config.data.tokenizer=wordpiece --config.data.vocab_file=PATH.")
   data.WordPieceTokenizer(pair.vocab_file)  # refuses a vocabulary without ELECTRA's special tokens, before the copy
   recorded = {"lowercase": pair.lowercase, "strip_accents": pair.strip_accents}
   return {"tokenizer": "wordpiece", "vocab_file": copy_into_workdir(pair.vocab_file, "vocab.txt"),
@@ -188,11 +185,10 @@ def write_pretraining_workdir(pair: ImportedPair, config: ml_collections.ConfigD
   if imported != wanted:
     name = next(n for n in sorted(set(imported) | set(wanted)) if imported.get(n) != wanted.get(n))
     raise ConfigError(
-        f"The recipe's model is not the one an imported pair fills: parameter {name!r} is "
-        f"{wanted.get(name, 'absent')} in it but {imported.get(name, 'absent')} in the pair (objective.name="
-        f"{config.objective.name!r}, model.tie={config.model.tie!r}). A generator and discriminator over one "
-        "embedding tree are what objective.name electra, electra_15, two_stage or adversarial train with "
-        "model.tie='embeddings' (the defaults): import with those. Nothing was written.")
+        f"The recipe's model is not the one an imported pair fills: parameter {name!r} is {wanted.get(name, 'absent')} "
+        f"in it but {imported.get(name, 'absent')} in the pair (objective.name={config.objective.name!r}, model.tie="
+        f"{config.model.tie!r}). Import with objective.name electra, electra_15, two_stage or adversarial and "
+        "model.tie='embeddings' (the defaults). Nothing was written.")
   os.makedirs(workdir, exist_ok=True)
   config.data.update(_data_config(pair, config, workdir))
   tokenizer = data.load_tokenizer(config.data)

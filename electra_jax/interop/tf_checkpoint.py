@@ -210,9 +210,8 @@ def read_towers(prefix: str, num_heads: int | None = None):
   for kind, scope in (("discriminator", "electra"), ("generator", "generator")):
     layers = {m.group(1) for n in ckpt.entries if (m := re.match(rf"{scope}/encoder/layer_(\d+)/", n))}
     if not layers:
-      raise ConfigError(f"{prefix} has no {scope}/encoder/layer_* variables. Official ELECTRA pre-training "
-                        "checkpoints hold both towers; a fine-tuned or discriminator-only checkpoint cannot continue "
-                        "pre-training.")
+      raise ConfigError(f"{prefix} has no {scope}/encoder/layer_* variables: only an official pre-training "
+                        "checkpoint (both towers, not a fine-tuned or discriminator-only one) continues pre-training.")
     weights = {}
     for w in hf.weight_names(kind, len(layers), f"{scope}/embeddings_project/kernel" in ckpt.entries):
       name = official_name(w.hf_name, kind)
