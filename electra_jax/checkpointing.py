@@ -21,8 +21,7 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
     x = x.astype(jnp.uint8)
   width = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize, jnp.uint32)
   bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)  # 64-bit values: two words
-  # Each element weighted by its position (an odd multiplier of its flat index), without a
-  # reshape, which would move a sharded array's elements between devices.
+  # Each element weighted by an odd multiple of its flat index, without a reshape (it would move sharded data).
   index, stride = jnp.zeros(bits.shape, jnp.uint32), 1
   for dim in reversed(range(bits.ndim)):
     index += jax.lax.broadcasted_iota(jnp.uint32, bits.shape, dim) * jnp.uint32(stride % 2**32)

@@ -10,8 +10,8 @@ from absl import logging
 
 from electra_jax.errors import ConfigError
 
-# A batch fits only if its step does no more work per example than the first two measured: XLA's TPU
-# compiler rematerializes activations to squeeze a larger batch into HBM.
+# A batch fits only if its step does no more work per example than the first two measured (XLA's TPU compiler
+# rematerializes activations to squeeze a larger batch into HBM).
 RECOMPUTE_TOLERANCE = 0.02
 
 

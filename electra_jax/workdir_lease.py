@@ -76,8 +76,7 @@ class WorkdirLease:
       return True
     pid = holder.get("pid", -1)
     if pid == os.getpid():
-      # Alive only if this process holds that lease now (a notebook cell still training in a
-      # thread): a restarted container gets the host name and pid of the dead run it replaced.
+      # Alive only if this process holds it (a notebook's training thread), not a restarted container's dead run.
       return holder["run_id"] in _LIVE_RUN_IDS
     try:
       os.kill(pid, 0)

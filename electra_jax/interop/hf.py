@@ -74,8 +74,7 @@ _TIED_DECODER = "generator_lm_head.weight"
 _PAD_ID = 0  # [PAD] is id 0 in every electra-jax tokenizer
 
 
-# One tensor: transformers' name (without "electra."), our tree's path, and whether it is a Dense kernel
-# ([in, out] here, torch.nn.Linear's [out, in] there).
+# transformers' name (without "electra."), our path, and whether it is a kernel ([in, out] here, [out, in] there).
 WeightName = collections.namedtuple("WeightName", "hf_name path transposed")
 
 

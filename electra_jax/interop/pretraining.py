@@ -53,7 +53,6 @@ def pair_from_hf(discriminator_dir: str, generator_dir: str) -> ImportedPair:
                         f"{hf.ARCHITECTURE_OF_KIND[expected]} (its config.json \"architectures\").")
     towers[expected] = (model, params)
   vocab_file = _vocabulary_beside((discriminator_dir, generator_dir), "vocab.txt")
-  # electra-jax's exports of a sentencepiece run carry spm.model instead.
   spm_file = _vocabulary_beside((discriminator_dir, generator_dir), "spm.model")
   return ImportedPair(
       *towers["discriminator"], *towers["generator"], vocab_file, *read_tokenizer_settings(discriminator_dir),
