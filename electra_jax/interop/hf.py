@@ -125,8 +125,7 @@ def kind_of(model) -> str:
 
 
 def _param_shapes(model) -> dict[tuple[str, ...], tuple[int, ...]]:
-  ids = np.zeros((1, 1), np.int32)
-  abstract = jax.eval_shape(model.init, jax.random.key(0), ids)["params"]
+  abstract = jax.eval_shape(model.init, jax.random.key(0), np.zeros((1, 1), np.int32))["params"]
   flat = flax.traverse_util.flatten_dict(nn.meta.unbox(abstract))
   return {path: tuple(leaf.shape) for path, leaf in flat.items()}
 

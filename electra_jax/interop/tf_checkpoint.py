@@ -139,8 +139,7 @@ class TFCheckpoint:
     if entry.dtype not in _DTYPES:
       raise ConfigError(f"{self.prefix}: {name} has TensorFlow dtype {entry.dtype}, which is not a numeric tensor.")
     dtype = np.dtype(_DTYPES[entry.dtype])
-    count = int(np.prod(entry.shape, dtype=np.int64))
-    if count * dtype.itemsize != entry.size:
+    if int(np.prod(entry.shape, dtype=np.int64)) * dtype.itemsize != entry.size:
       raise ConfigError(f"{self.prefix}: {name} claims shape {entry.shape} of {dtype} but {entry.size} bytes.")
     path = f"{self.prefix}.data-{entry.shard:05d}-of-{self.num_shards:05d}"
     try:
