@@ -94,10 +94,8 @@ class WorkdirLease:
     holder = read_lease(self.workdir)
     if self.holder_alive(holder):
       if not take_over:
-        this_process = (" That is this very process: a run still going in another thread (a notebook whose cell "
-                        "was interrupted keeps training in the background)."
-                        if (holder.get("host"), holder.get("pid")) == (self.record["host"], self.record["pid"])
-                        else "")
+        this_process = " That is this very process: a run still training in another thread (a notebook cell)." if (
+            holder.get("host"), holder.get("pid")) == (self.record["host"], self.record["pid"]) else ""
         raise WorkdirInUse(
             f"{self.name} {self.workdir} is in use by {describe(holder, self._clock())}.{this_process} Wait for it "
             f"to end, or use another --workdir; if it is dead (on another host: no heartbeat for "
