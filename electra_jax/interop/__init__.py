@@ -1,6 +1,5 @@
-"""Checkpoint interop: Hugging Face `transformers` ELECTRA directories in and out, official
-TF1 checkpoints in, the export of a pre-training workdir's latest checkpoint, and the import of
-a released discriminator + generator pair as the first checkpoint of a pre-training workdir."""
+"""Checkpoint interop: Hugging Face ELECTRA directories in and out, official TF1 checkpoints in, a pre-training
+workdir's export, and a released discriminator + generator pair imported as a workdir's first checkpoint."""
 
 from electra_jax.interop.export import check_export_out, export_workdir
 from electra_jax.interop.hf import load_hf, save_hf
