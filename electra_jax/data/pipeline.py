@@ -1,14 +1,19 @@
 """Pre-training batches from prepared shards: data.prepared_dir, or the cache a document source is prepared
 into on first use (<cache_dir>/<source>/<key>/ holds its tokenizer, len<L>/ its shards).
-`get_batch(data, step, ...)` is a pure function of the step, so resuming needs no loader state."""
+`get_batch(data, step, ...)` is a pure function of the step, so resuming needs no loader state (and
+Prefetcher computes batches ahead without changing any)."""
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import fcntl
 import functools
 import os
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 from absl import logging
@@ -51,9 +56,9 @@ class PretrainingData:
 
   @property
   def num_tokens(self) -> int:
-    if self.token_count is not None:
-      return self.token_count
-    return int(np.count_nonzero(np.asarray(self.input_ids) != self.tokenizer.pad_id))
+    if self.token_count is None:
+      return int(np.count_nonzero(np.asarray(self.input_ids) != self.tokenizer.pad_id))
+    return self.token_count
 
 
 def _corpus_cache_dir(config) -> str:
@@ -94,9 +99,11 @@ def _loadable(data_config, split: str | None = None) -> dict:
         prepare.train_corpus_tokenizer(config, model)
       config = dict(config, spm_model_file=model)
     config = dict(config, prepared_dir=directory)
-    manifest = shards.read_manifest(directory) if split is not None else None
-    if split is not None and (manifest is None or not manifest.get("complete") or not all(
-        shards.shard_is_intact(directory, entry, checksums=False) for entry in manifest["shards"])):
+    if split is None:
+      return config
+    manifest = shards.read_manifest(directory)
+    if manifest is None or not manifest.get("complete") or not all(
+        shards.shard_is_intact(directory, entry, checksums=False) for entry in manifest["shards"]):
       logging.info("no cached data in %s; preparing it", directory)
       prepare.prepare_config(config, num_workers=0)
   return config
@@ -279,3 +286,53 @@ def load_prepared(config, split: str) -> PretrainingData:
       split, data.num_examples, max_seq_len, len(arrays), data.num_tokens, directory,
   )
   return data
+
+
+class Prefetcher:
+  """Iterates over fetch_fn(start_step), fetch_fn(start_step + 1), ... up to `stop_step` (exclusive; None:
+  endless), computed in order by one thread, at most `depth` steps ahead; an exception of fetch_fn is
+  re-raised (as itself) in its step, which ends the iteration. Its thread ends with the iteration or
+  close()."""
+
+  def __init__(self, fetch_fn: Callable[[int], Any], start_step: int, depth: int = 2, stop_step: int | None = None):
+    if depth < 1:
+      raise ValueError(f"Prefetcher depth must be >= 1, got {depth}.")
+    self.next_step = start_step  # the step whose batch the next iteration returns
+    self._fetch, self._stop_step, self._submitted = fetch_fn, stop_step, start_step
+    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="electra-prefetch")
+    self._ahead: collections.deque[concurrent.futures.Future] = collections.deque()
+    for _ in range(depth):
+      self._submit()
+
+  def _submit(self) -> None:
+    if self._stop_step is None or self._submitted < self._stop_step:
+      self._ahead.append(self._pool.submit(self._fetch, self._submitted))
+      self._submitted += 1
+
+  def __iter__(self) -> Iterator[Any]:
+    return self
+
+  def __next__(self):
+    if not self._ahead:
+      self.close()
+      raise StopIteration
+    try:
+      batch = self._ahead.popleft().result()
+    except BaseException:
+      self.close()
+      raise
+    self._submit()
+    self.next_step += 1
+    return batch
+
+  def close(self) -> None:
+    """Stop fetching: what has not started is dropped, the fetch in progress finishes."""
+    while self._ahead:
+      self._ahead.popleft().cancel()
+    self._pool.shutdown(wait=True)
+
+  def __enter__(self) -> Prefetcher:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

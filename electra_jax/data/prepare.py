@@ -107,9 +107,7 @@ def read_config(data_config) -> dict:
 
 def _record_corpus(config):
   if config["source"] == "hf_datasets":
-    from electra_jax.data.hf_datasets_source import HfDatasetCorpus  # noqa: PLC0415
-
-    return HfDatasetCorpus(config["hf_path"], config["hf_split"], config["text_field"])
+    return sources.HfDatasetCorpus(config["hf_path"], config["hf_split"], config["text_field"])
   from electra_jax.data.tfds_source import TfdsCorpus  # noqa: PLC0415  (imports tfds, which is heavy)
 
   return TfdsCorpus(config["tfds_name"], config["tfds_split"], config["tfds_text_field"], config["tfds_data_dir"])
