@@ -66,7 +66,7 @@ def read_config(data_config) -> dict:
   config.update({key: str(data_config.get(key, default) or default) for key, default in _RECORD_SOURCE_KEYS.items()})
   for key in ("vocab_file", "spm_model_file", "prepared_dir"):
     value = str(data_config.get(key, "") or "")
-    config[key] = os.path.abspath(os.path.expanduser(value)) if value else ""
+    config[key] = value and os.path.abspath(os.path.expanduser(value))
   tokenizer, vocab_file, spm_model_file = config["tokenizer"], config["vocab_file"], config["spm_model_file"]
   strip_accents, pack_rows = data_config.get("strip_accents", None), data_config.get("pack_rows", False)
   problems = (  # (whether it is wrong, what to say), the first wrong one is raised
@@ -140,11 +140,12 @@ def iter_source_documents(config, stats: sources.SourceStats):
       stats.bytes_read += 1
       stats.num_documents += 1
       yield document
-  elif config["source"] in RECORD_SOURCES:
-    yield from itertools.islice(_record_corpus(config).iter_documents(stats), limit)
+    return
+  if config["source"] in RECORD_SOURCES:
+    documents = _record_corpus(config).iter_documents(stats)
   else:
     documents = sources.iter_documents(config["source"], config["files"], config["text_field"], stats)
-    yield from itertools.islice(documents, limit)
+  yield from itertools.islice(documents, limit)
 
 
 def no_documents_error(config, stats: sources.SourceStats) -> ConfigError:
@@ -166,10 +167,9 @@ def _require_documents(config, mode: str) -> None:
 
 
 def _default_workers() -> int:
-  try:
+  if hasattr(os, "sched_getaffinity"):  # Linux
     return len(os.sched_getaffinity(0))
-  except AttributeError:  # not on Linux
-    return os.cpu_count() or 1
+  return os.cpu_count() or 1
 
 
 def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) -> dict:
@@ -185,8 +185,7 @@ def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) 
   if os.path.exists(out_path):
     raise ConfigError(f"--out={out_path!r} already exists: prepared data or a workdir may use that model. "
                       "Nothing was written; give a new path, or delete the file first to replace it.")
-  start = time.time()
-  stats = sources.SourceStats()
+  start, stats = time.time(), sources.SourceStats()
   tokenizer = train_corpus_tokenizer(config, out_path, num_threads or _default_workers(), stats)
   if config["source"] != "builtin":
     sources.log_stats(config["source"], stats)
@@ -235,8 +234,7 @@ def _init_worker(config: dict, out_dir: str, fingerprint: str, parent: int) -> N
   global _WORKER_TOKENIZER
   os.environ["RAYON_NUM_THREADS"] = "1"
   _WORKER_TOKENIZER = configured_tokenizer(config, out_dir)
-  found = _WORKER_TOKENIZER and _WORKER_TOKENIZER.fingerprint
-  if found != fingerprint:
+  if (found := _WORKER_TOKENIZER and _WORKER_TOKENIZER.fingerprint) != fingerprint:
     raise ConfigError(f"The tokenizer file changed during preparation (fingerprint {found}, "
                       f"expected {fingerprint}); leave it alone and run prepare_data again.")
   _exit_with_parent(parent)
@@ -277,15 +275,14 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
   """Tokenize and pack one shard's documents into a file per split; a failure comes back as {"error": ...}."""
   index = task["index"]
   try:
-    tokenizer = tokenizer or _WORKER_TOKENIZER
-    skipped = {"documents": 0}
+    tokenizer, skipped = tokenizer or _WORKER_TOKENIZER, {"documents": 0}
     result = {"index": index, "first_document": task["first_document"],
               "num_documents": len(task["documents"]), "splits": {}}
     by_split = {split: ([], []) for split in SPLITS}
     for document_index, document in enumerate(task["documents"], task["first_document"]):
-      split = "eval" if is_eval_document(document_index, task["eval_fraction"]) else "train"
-      by_split[split][0].append(document)
-      by_split[split][1].append(document_index)
+      documents, indices = by_split["eval" if is_eval_document(document_index, task["eval_fraction"]) else "train"]
+      documents.append(document)
+      indices.append(document_index)
     for split, (documents, indices) in by_split.items():
       packed = pack_documents(
           _tokenize_documents(tokenizer, documents, skipped), task["max_seq_len"], cls_id=tokenizer.cls_id,
@@ -312,13 +309,10 @@ _TOKENIZER_FILE_SETTINGS = ("tokenizer_fingerprint", "dtype")
 
 def _settings(config, source_key: dict, tokenizer) -> dict:
   """What the shards depend on; a directory is only resumed by a run with equal settings."""
-  settings = {
-      "prepared_format": PREPARED_FORMAT_VERSION,
-      "packing_format": PACKING_FORMAT_VERSION,
-      "source": config["source"],
-      "source_key": source_key,
-      **{key: config[key] for key in ("tokenizer", "max_seq_len", "eval_fraction", "max_documents", "shard_documents")},
-  }
+  settings = {"prepared_format": PREPARED_FORMAT_VERSION, "packing_format": PACKING_FORMAT_VERSION,
+              "source": config["source"], "source_key": source_key,
+              **{key: config[key] for key in ("tokenizer", "max_seq_len", "eval_fraction", "max_documents",
+                                              "shard_documents")}}
   if tokenizer is not None:
     settings.update(tokenizer_fingerprint=tokenizer.fingerprint, dtype=shards.token_dtype(tokenizer.vocab_size))
   if trains_spm(config):
@@ -393,8 +387,7 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
       not name.startswith(".tmp-") and name != SPM_MODEL for name in os.listdir(out_dir)):
     raise ConfigError(f"data.prepared_dir={out_dir!r} holds files but no manifest.json: it is not a "
                       "directory prepare_data wrote. Give an empty or new directory.")
-  if num_workers is None:
-    num_workers = _default_workers()
+  num_workers = _default_workers() if num_workers is None else num_workers
   if num_workers < 0:
     raise ConfigError(f"num_workers must be >= 0 (0 = in this process), got {num_workers}.")
   if config["max_seq_len"] < MIN_SEQ_LEN:
@@ -423,16 +416,9 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
     logging.info("%s is already prepared (%d shards verified); nothing to do", out_dir, len(done))
     return existing
 
-  manifest = {
-      "format_version": PREPARED_FORMAT_VERSION,
-      "config_key": config_key(settings),
-      "settings": settings,
-      "source": description,
-      "tokenizer": spec,
-      "max_seq_len": config["max_seq_len"],
-      "dtype": settings["dtype"],
-      "complete": False,
-  }
+  manifest = {"format_version": PREPARED_FORMAT_VERSION, "config_key": config_key(settings), "settings": settings,
+              "source": description, "tokenizer": spec, "max_seq_len": config["max_seq_len"],
+              "dtype": settings["dtype"], "complete": False}
 
   def save_manifest() -> None:
     manifest["shards"] = sorted(done.values(), key=lambda e: e["index"])

@@ -85,8 +85,7 @@ def resolve_files(files: str) -> list[str]:
   if not patterns:
     raise ConfigError("data.files is empty; give the corpus as a comma-separated list of paths or globs, "
                       "e.g. --config.data.files='corpus/*.txt'.")
-  paths: list[str] = []
-  seen = set()
+  paths: dict[str, None] = {}  # ordered, each path once
   for pattern in patterns:
     matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
     if not matches:
@@ -96,11 +95,8 @@ def resolve_files(files: str) -> list[str]:
       if os.path.isdir(match):
         raise ConfigError(f"data.files entry {pattern!r} matches the directory {match!r}; name the files, "
                           f"e.g. {os.path.join(match, '*.txt')!r}.")
-      absolute = os.path.abspath(match)
-      if absolute not in seen:
-        seen.add(absolute)
-        paths.append(absolute)
-  return paths
+      paths[os.path.abspath(match)] = None
+  return list(paths)
 
 
 def files_fingerprint(paths: list[str]) -> str:
@@ -183,11 +179,8 @@ def _jsonl_file_documents(path: str, text_field: str, stats: SourceStats):
 
 def split_text(text: str, where, stats: SourceStats) -> list[str]:
   """A document's text as sentences: its stripped non-blank lines, too long ones skipped."""
-  return [
-      sentence
-      for sentence in (line.strip() for line in text.splitlines())
-      if sentence and keep_sentence(sentence, where, stats)
-  ]
+  sentences = (line.strip() for line in text.splitlines())
+  return [sentence for sentence in sentences if sentence and keep_sentence(sentence, where, stats)]
 
 
 def record_documents(name: str, num_records: int, read_texts, text_field: str, stats: SourceStats, block: int):
@@ -216,14 +209,16 @@ def iter_documents(source: str, paths: list[str], text_field: str = "text", stat
   stats = stats if stats is not None else SourceStats()
   stats.files = list(paths)
   stats.total_bytes = sum(os.path.getsize(path) for path in paths)
+  def progress():
+    return stats.num_documents, len(stats.binary_files), stats.skipped_lines, stats.long_sentences
+
   for path in paths:
-    before = (stats.num_documents, len(stats.binary_files), stats.skipped_lines, stats.long_sentences)
+    before = progress()
     for document in (_text_file_documents(path, stats) if source == "text"
                      else _jsonl_file_documents(path, text_field, stats)):
       stats.num_documents += 1
       yield document
-    # Empty: nothing came out of the file and nothing in it was skipped for a reason.
-    if (stats.num_documents, len(stats.binary_files), stats.skipped_lines, stats.long_sentences) == before:
+    if progress() == before:  # nothing came out of the file and nothing in it was skipped for a reason
       stats.empty_files.append(path)
 
 
