@@ -119,11 +119,9 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
   start = time.time()
   packing = plan_rows(data.lengths, data.max_seq_len)
   unpacked = packing.lengths.sum(dtype=np.int64) / max(1, data.num_examples * data.max_seq_len)
-  logging.info(
-      "packed %s rows: %d examples into %d rows of %d; real tokens %.1f%% -> %.1f%% of positions, "
-      "in %.1f s", split, data.num_examples, packing.num_rows, data.max_seq_len, 100 * unpacked,
-      100 * packing.real_token_fraction(), time.time() - start,
-  )
+  logging.info("packed %s rows: %d examples into %d rows of %d; real tokens %.1f%% -> %.1f%% of positions, "
+               "in %.1f s", split, data.num_examples, packing.num_rows, data.max_seq_len, 100 * unpacked,
+               100 * packing.real_token_fraction(), time.time() - start)
   return dataclasses.replace(data, packing=packing)
 
 
@@ -202,8 +200,7 @@ def get_batch(data: PretrainingData, step: int, global_batch_size: int, seed: in
 def batch_keys(pack_rows: bool) -> tuple[str, ...]:
   """The arrays of a batch sent to the devices: packed rows add their segment ids (position_ids derive from
   them)."""
-  keys = ("input_ids", "token_type_ids", "attention_mask")
-  return keys + ("segment_ids",) if pack_rows else keys
+  return ("input_ids", "token_type_ids", "attention_mask") + (("segment_ids",) if pack_rows else ())
 
 
 def get_rows(data: PretrainingData, rows: np.ndarray) -> dict[str, np.ndarray]:
@@ -214,11 +211,8 @@ def get_rows(data: PretrainingData, rows: np.ndarray) -> dict[str, np.ndarray]:
   if data.packing is not None:
     return assemble_rows(data.packing, rows, data.input_ids, data.token_type_ids, data.tokenizer.pad_id)
   input_ids = data.input_ids[rows]
-  return {
-      "input_ids": input_ids,
-      "token_type_ids": data.token_type_ids[rows],
-      "attention_mask": (input_ids != data.tokenizer.pad_id).astype(np.int32),
-  }
+  return {"input_ids": input_ids, "token_type_ids": data.token_type_ids[rows],
+          "attention_mask": (input_ids != data.tokenizer.pad_id).astype(np.int32)}
 
 
 def prepared_tokenizer(config, manifest: dict):
@@ -261,30 +255,23 @@ def load_prepared(config, split: str) -> PretrainingData:
   tokenizer = prepared_tokenizer(config, manifest)
   arrays, entries, lengths = shards.load_split(directory, manifest, split, tokenizer.pad_id, config["pack_rows"])
   if not arrays:
-    raise ConfigError(
-        f"The {split} split of {directory} has no examples (eval_fraction="
-        f"{manifest['settings']['eval_fraction']} when it was prepared); "
-        + ("prepare it with data.eval_fraction > 0, or set eval.every_steps=0 to train without held-out "
-           "evaluation." if split == "eval" else "prepare more documents.")
-    )
+    fix = ("prepare it with data.eval_fraction > 0, or set eval.every_steps=0 to train without held-out evaluation."
+           if split == "eval" else "prepare more documents.")
+    raise ConfigError(f"The {split} split of {directory} has no examples (eval_fraction="
+                      f"{manifest['settings']['eval_fraction']} when it was prepared); {fix}")
   # The cache and a prepared directory of the same config give the same string (and examples), so a
   # checkpoint resumes on either; packed rows differ.
-  fingerprint = (
-      f"format:{PACKING_FORMAT_VERSION}|{'spm' if config['tokenizer'] == 'sentencepiece' else 'wp'}:"
-      f"{tokenizer.fingerprint}|max_seq_len:{config['max_seq_len']}|{split}_documents:"
-      f"{manifest['documents_fingerprint'][split]}"
-      + (f"|pack_rows:{ROW_PACKING_VERSION}" if config["pack_rows"] else "")
-  )
-  max_seq_len = config["max_seq_len"]
+  max_seq_len, kind = config["max_seq_len"], "spm" if config["tokenizer"] == "sentencepiece" else "wp"
+  fingerprint = (f"format:{PACKING_FORMAT_VERSION}|{kind}:{tokenizer.fingerprint}|max_seq_len:{max_seq_len}|"
+                 f"{split}_documents:{manifest['documents_fingerprint'][split]}"
+                 + (f"|pack_rows:{ROW_PACKING_VERSION}" if config["pack_rows"] else ""))
   data = PretrainingData(
       tokenizer, ShardedRows(arrays, 0, max_seq_len), ShardedRows(arrays, 1, max_seq_len), fingerprint,
       token_count=int(manifest["totals"][f"{split}_tokens"]), lengths=lengths,
       verification=ShardVerification(directory, entries, tokenizer.vocab_size, split),
   )
-  logging.info(
-      "loaded prepared %s data: %d examples of length %d in %d shards, %d tokens, from %s",
-      split, data.num_examples, max_seq_len, len(arrays), data.num_tokens, directory,
-  )
+  logging.info("loaded prepared %s data: %d examples of length %d in %d shards, %d tokens, from %s",
+               split, data.num_examples, max_seq_len, len(arrays), data.num_tokens, directory)
   return data
 
 
