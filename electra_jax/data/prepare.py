@@ -329,10 +329,8 @@ def _refuse_another_config(out_dir: str, existing: dict | None, settings: dict, 
   """Raises unless out_dir is new or its manifest `existing` was written with `settings`."""
   if existing is None:
     return
-  old = existing["settings"]
-  keys = list(settings) + [k for k in old if k not in settings]
-  if "tokenizer_fingerprint" not in settings:
-    keys = [k for k in keys if k not in _TOKENIZER_FILE_SETTINGS]
+  old, known = existing["settings"], "tokenizer_fingerprint" in settings
+  keys = list(settings) + [k for k in old if k not in settings and (known or k not in _TOKENIZER_FILE_SETTINGS)]
   differences = {k: (old.get(k), settings.get(k)) for k in keys if old.get(k) != settings.get(k)}
   if differences:
     raise ConfigError(f"data.prepared_dir={out_dir!r} holds shards of another config (was -> now: {differences})"
@@ -445,30 +443,24 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
   manifest.update(complete=True, totals=totals, source_stats=stats.counts(),
                   documents_fingerprint=documents_fingerprint)
   save_manifest()
-  logging.info(
-      "prepared %s: %d shards, %d train / %d eval examples, %d train tokens, in %s",
-      out_dir, len(entries), totals["train_examples"], totals["eval_examples"], totals["train_tokens"],
-      config_lib.format_duration(time.time() - start),
-  )
+  logging.info("prepared %s: %d shards, %d train / %d eval examples, %d train tokens, in %s", out_dir, len(entries),
+               totals["train_examples"], totals["eval_examples"], totals["train_tokens"],
+               config_lib.format_duration(time.time() - start))
   return manifest
 
 
 def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, save_manifest):
   """Packs the shards not in `done` into it (on `num_workers` processes, 0: here); the manifest lists every
   finished shard whenever this returns or raises. Returns the source's stats and each split's fingerprint."""
-  out_dir = config["prepared_dir"]
-  stats = sources.SourceStats()
+  out_dir, stats = config["prepared_dir"], sources.SourceStats()
   hashers = {split: hashlib.sha256() for split in SPLITS}
   start = last_log = last_manifest_write = time.time()
   packed_documents = packed_tokens = 0  # in this run
   skipped_position = done_position = 0  # input consumed by shards done before / in this run
-  if num_workers:
-    executor = concurrent.futures.ProcessPoolExecutor(
-        num_workers, mp_context=multiprocessing.get_context("spawn"),
-        initializer=_init_worker, initargs=(config, out_dir, tokenizer.fingerprint, os.getpid()),
-    )
-  else:  # a thread of this process, with this tokenizer (SIGTERM stops the main thread's loop)
-    executor = concurrent.futures.ThreadPoolExecutor(1)
+  # Without workers, a thread of this process with this tokenizer (SIGTERM stops the main thread's loop).
+  executor = concurrent.futures.ThreadPoolExecutor(1) if not num_workers else concurrent.futures.ProcessPoolExecutor(
+      num_workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+      initargs=(config, out_dir, tokenizer.fingerprint, os.getpid()))
   pending: dict[concurrent.futures.Future, int] = {}  # each task's position in the input
 
   def drain() -> None:
@@ -486,10 +478,9 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
                            f"finished shards are kept in {out_dir}; fix the cause and run prepare_data again to "
                            "resume.")
       done[result["index"]] = result
-      position = pending.pop(future)
+      done_position = max(done_position, pending.pop(future))
       packed_documents += result["num_documents"]
       packed_tokens += sum(entry["tokens"] for entry in result["splits"].values())
-      done_position = max(done_position, position)
       now = time.time()
       if now - last_log >= _LOG_EVERY_S:  # an ETA from the share of the input consumed
         last_log = now
