@@ -22,9 +22,7 @@ from electra_jax.errors import ConfigError
 from electra_jax.data import corpus, shards, sources
 from electra_jax.data.packing import MIN_SEQ_LEN, pack_documents
 from electra_jax.data.shards import PREPARED_FORMAT_VERSION, SPLITS, SPM_MODEL
-from electra_jax.data.tokenizer import (
-    TRAINING_THREADS, NoSentencesError, SentencePieceTokenizer, train_sentencepiece,
-)
+from electra_jax.data.tokenizer import TRAINING_THREADS, NoSentencesError, SentencePieceTokenizer, train_sentencepiece
 from electra_jax.data.wordpiece import WordPieceTokenizer
 
 _LOG_EVERY_S = 10.0
