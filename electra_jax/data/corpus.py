@@ -14,9 +14,8 @@ from collections.abc import Iterator
 from electra_jax.errors import ConfigError
 
 # Directories of no representative prose (tests, vendored code, demos) or outside the stdlib proper.
-_SKIPPED_DIRS = frozenset(
-    {"test", "tests", "site-packages", "idlelib", "__pycache__", "lib2to3", "turtledemo", "ensurepip"}
-)
+_SKIPPED_DIRS = frozenset({"test", "tests", "site-packages", "idlelib", "__pycache__", "lib2to3", "turtledemo",
+                           "ensurepip"})
 
 _HELP_TOPICS_RELPATH = os.path.join("pydoc_data", "topics.py")
 EXTRACTION_VERSION = 1  # bump when the extraction rules change: caches keyed on the sources are rebuilt

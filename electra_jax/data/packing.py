@@ -185,13 +185,9 @@ def assemble_rows(packing: RowPacking, rows: np.ndarray, input_ids, token_type_i
   source = np.arange(input_ids.shape[1]) < lengths[:, None]
   row_tokens = np.add.reduceat(lengths, row_start) if batch else np.zeros(0, np.int32)
   target = np.arange(seq) < row_tokens[:, None]
-  out = {
-      "input_ids": np.full((batch, seq), pad_id, np.int32),
-      "token_type_ids": np.zeros((batch, seq), np.int32),
-      "attention_mask": target.astype(np.int32),
-      "segment_ids": np.zeros((batch, seq), np.int32),
-      "position_ids": np.zeros((batch, seq), np.int32),
-  }
+  out = {"input_ids": np.full((batch, seq), pad_id, np.int32), "token_type_ids": np.zeros((batch, seq), np.int32),
+         "attention_mask": target.astype(np.int32), "segment_ids": np.zeros((batch, seq), np.int32),
+         "position_ids": np.zeros((batch, seq), np.int32)}
   out["input_ids"][target] = np.asarray(input_ids[examples])[source]
   out["token_type_ids"][target] = np.asarray(token_type_ids[examples])[source]
   out["segment_ids"][target] = np.repeat(segment + 1, lengths)

@@ -265,11 +265,9 @@ def load_prepared(config, split: str) -> PretrainingData:
   fingerprint = (f"format:{PACKING_FORMAT_VERSION}|{kind}:{tokenizer.fingerprint}|max_seq_len:{max_seq_len}|"
                  f"{split}_documents:{manifest['documents_fingerprint'][split]}"
                  + (f"|pack_rows:{ROW_PACKING_VERSION}" if config["pack_rows"] else ""))
-  data = PretrainingData(
-      tokenizer, ShardedRows(arrays, 0, max_seq_len), ShardedRows(arrays, 1, max_seq_len), fingerprint,
-      token_count=int(manifest["totals"][f"{split}_tokens"]), lengths=lengths,
-      verification=ShardVerification(directory, entries, tokenizer.vocab_size, split),
-  )
+  data = PretrainingData(tokenizer, ShardedRows(arrays, 0, max_seq_len), ShardedRows(arrays, 1, max_seq_len),
+                         fingerprint, token_count=int(manifest["totals"][f"{split}_tokens"]), lengths=lengths,
+                         verification=ShardVerification(directory, entries, tokenizer.vocab_size, split))
   logging.info("loaded prepared %s data: %d examples of length %d in %d shards, %d tokens, from %s",
                split, data.num_examples, max_seq_len, len(arrays), data.num_tokens, directory)
   return data

@@ -55,11 +55,9 @@ def read_config(data_config) -> dict:
   """The data config as a dict of checked values, paths absolute; raises ConfigError naming a bad one."""
   source = data_config.source
   if source not in SUPPORTED_SOURCES:
-    raise ConfigError(
-        f"Unknown data.source {source!r}; supported sources are {list(SUPPORTED_SOURCES)} "
-        f"(text and jsonl read the files named by data.files, tfds the dataset data.tfds_name, "
-        f"hf_datasets the local dataset data.hf_path, prepared the shards in data.prepared_dir)."
-    )
+    raise ConfigError(f"Unknown data.source {source!r}; supported sources are {list(SUPPORTED_SOURCES)} (text "
+                      "and jsonl read the files named by data.files, tfds the dataset data.tfds_name, hf_datasets "
+                      "the local dataset data.hf_path, prepared the shards in data.prepared_dir).")
   config = {key: type(default)(data_config.get(key, default)) for key, default in _DEFAULTS.items()}
   config.update({key: str(data_config.get(key, default) or default) for key, default in _RECORD_SOURCE_KEYS.items()})
   for key in ("vocab_file", "spm_model_file", "prepared_dir"):
@@ -282,10 +280,9 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
       documents.append(document)
       indices.append(document_index)
     for split, (documents, indices) in by_split.items():
-      packed = pack_documents(
-          _tokenize_documents(tokenizer, documents, skipped), task["max_seq_len"], cls_id=tokenizer.cls_id,
-          sep_id=tokenizer.sep_id, pad_id=tokenizer.pad_id, seed=PACKING_SEEDS[split], document_indices=indices,
-      )
+      packed = pack_documents(_tokenize_documents(tokenizer, documents, skipped), task["max_seq_len"],
+                              cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, pad_id=tokenizer.pad_id,
+                              seed=PACKING_SEEDS[split], document_indices=indices)
       input_ids = packed["input_ids"]
       entry = {"documents": len(documents), "rows": input_ids.shape[0],
                "tokens": int(np.count_nonzero(input_ids != tokenizer.pad_id))}

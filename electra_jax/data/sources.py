@@ -246,11 +246,10 @@ def no_usable_text_error(source: str, paths: list[str], text_field: str, stats: 
     reasons.append(f"{stats.long_sentences} lines over {MAX_SENTENCE_CHARS} characters skipped, first at "
                    f"{stats.first_long_sentence}")
   why = f" ({'; '.join(reasons)})" if reasons else ""
-  return ConfigError(
-      f"data.source={source!r}: no usable text in data.files {paths}{why}. Point data.files at non-empty UTF-8 "
-      + (f"files whose JSON lines hold a string field {text_field!r} (data.text_field)." if source == "jsonl"
-         else "files with one sentence or paragraph per line.")
-  )
+  wanted = (f"files whose JSON lines hold a string field {text_field!r} (data.text_field)." if source == "jsonl"
+            else "files with one sentence or paragraph per line.")
+  return ConfigError(f"data.source={source!r}: no usable text in data.files {paths}{why}. Point data.files at "
+                     f"non-empty UTF-8 {wanted}")
 
 
 def log_stats(source: str, stats: SourceStats) -> None:
