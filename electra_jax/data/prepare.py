@@ -452,10 +452,12 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
   start = last_log = last_manifest_write = time.time()
   packed_documents = packed_tokens = 0  # in this run
   skipped_position = done_position = 0  # input consumed by shards done before / in this run
-  # Without workers, a thread of this process with this tokenizer (SIGTERM stops the main thread's loop).
-  executor = concurrent.futures.ThreadPoolExecutor(1) if not num_workers else concurrent.futures.ProcessPoolExecutor(
-      num_workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
-      initargs=(config, out_dir, tokenizer.fingerprint, os.getpid()))
+  if num_workers:
+    executor = concurrent.futures.ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"),
+                                                      initializer=_init_worker,
+                                                      initargs=(config, out_dir, tokenizer.fingerprint, os.getpid()))
+  else:  # a thread of this process, with this tokenizer (SIGTERM stops the main thread's loop)
+    executor = concurrent.futures.ThreadPoolExecutor(1)
   pending: dict[concurrent.futures.Future, int] = {}  # each task's position in the input
 
   def drain() -> None:

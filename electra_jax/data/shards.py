@@ -2,9 +2,9 @@
 
 A prepared directory (`data.prepared_dir`, or a cache's len<L>/) holds manifest.json (counts, per-file
 rows/bytes/sha256, tokenizer, max_seq_len, format version, source; "complete" once all shards exist),
-spm.model when prepare_data trained it, and per shard k of a split (documents [k*S, (k+1)*S), S =
-data.shard_documents): train-0000k.npy, uint16 (int32 beyond 65536 ids) [rows, 2, max_seq_len] of input
-ids ([:, 0]) and token type ids ([:, 1]), and train-0000k.lengths.npy, each example's token count.
+spm.model when prepare_data trained it, and for shard k of each split (documents [k*S, (k+1)*S), S =
+data.shard_documents) <split>-<k:05d>.npy, uint16 (int32 beyond 65536 ids) [rows, 2, max_seq_len] of
+input ids ([:, 0]) and token type ids ([:, 1]), and <split>-<k:05d>.lengths.npy, each example's length.
 Files are written under temporary names (".tmp-*") and renamed; a shard is done once the manifest lists it.
 """
 
