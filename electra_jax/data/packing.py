@@ -79,8 +79,6 @@ def pack_documents(documents: Sequence[Sequence[Sequence[int]]], max_seq_len: in
   return {"input_ids": input_ids, "token_type_ids": token_type_ids}
 
 
-# ---------------------------------------------------------------- packing examples into rows
-
 # Bump when the plan for the same lengths would change: it enters the data fingerprint.
 ROW_PACKING_VERSION = 1
 # Examples are packed within windows of this many consecutive ones: short best-fit searches, little padding.
