@@ -9,8 +9,7 @@ import pytest
 from conftest import tiny_config
 from electra_jax import train
 from electra_jax.data import load_pretraining_data, prepare
-from electra_jax.data.hf_datasets_source import HfDatasetCorpus
-from electra_jax.data.sources import SourceStats
+from electra_jax.data.sources import HfDatasetCorpus, SourceStats
 from electra_jax.errors import ConfigError
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small cats watch".split()

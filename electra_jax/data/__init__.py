@@ -1,14 +1,13 @@
-"""Pre-training data: every source (corpus.py, sources.py, tfds_source.py, hf_datasets_source.py) is
-tokenized and packed (prepare.py) into shards (shards.py), offline by prepare_data or into the cache on
-first use; training reads the shards, memory-mapped (pipeline.py)."""
+"""Pre-training data: every source (corpus.py, sources.py, tfds_source.py) is tokenized and packed
+(prepare.py) into shards (shards.py), offline by prepare_data or into the cache on first use; training
+reads the shards, memory-mapped (pipeline.py)."""
 
 from electra_jax.data.corpus import builtin_corpus_fingerprint, builtin_documents
 from electra_jax.data.packing import pack_documents
 from electra_jax.data.pipeline import (
-    PretrainingData, batch_keys, get_batch, get_rows, keep_tokenizer, load_pretraining_data, load_tokenizer,
+    Prefetcher, PretrainingData, batch_keys, get_batch, get_rows, keep_tokenizer, load_pretraining_data, load_tokenizer,
     workdir_tokenizer,
 )
-from electra_jax.data.prefetch import Prefetcher
 from electra_jax.data.prepare import prepare_data, train_tokenizer
 from electra_jax.data.sources import SourceStats, read_documents, resolve_files
 from electra_jax.data.tokenizer import SPECIAL_TOKENS, SentencePieceTokenizer, train_sentencepiece

@@ -14,9 +14,8 @@ from collections.abc import Iterator
 from electra_jax.errors import ConfigError
 
 # Directories of no representative prose (tests, vendored code, demos) or outside the stdlib proper.
-_SKIPPED_DIRS = frozenset(
-    {"test", "tests", "site-packages", "idlelib", "__pycache__", "lib2to3", "turtledemo", "ensurepip"}
-)
+_SKIPPED_DIRS = frozenset({"test", "tests", "site-packages", "idlelib", "__pycache__", "lib2to3", "turtledemo",
+                           "ensurepip"})
 
 _HELP_TOPICS_RELPATH = os.path.join("pydoc_data", "topics.py")
 EXTRACTION_VERSION = 1  # bump when the extraction rules change: caches keyed on the sources are rebuilt
@@ -35,11 +34,8 @@ def _stdlib_source_files() -> list[str]:
   root = stdlib_root()
   paths = []
   for dirpath, dirnames, filenames in os.walk(root):
-    # In place: os.walk skips those trees and visits the rest in a fixed order.
-    dirnames[:] = sorted(d for d in dirnames if d not in _SKIPPED_DIRS)
-    for name in sorted(filenames):
-      if name.endswith(".py"):
-        paths.append(os.path.relpath(os.path.join(dirpath, name), root))
+    dirnames[:] = sorted(d for d in dirnames if d not in _SKIPPED_DIRS)  # in place: os.walk skips the rest
+    paths += [os.path.relpath(os.path.join(dirpath, name), root) for name in sorted(filenames) if name.endswith(".py")]
   return paths
 
 
@@ -92,10 +88,8 @@ def _parse(path: str, attempts: int = 3) -> ast.Module | None:
     except (SyntaxError, ValueError):  # a file this interpreter cannot parse contributes nothing
       return None
     except SystemError:
-      # CPython 3.11 (gh-106905) keeps the AST builder's depth count per interpreter, so another
-      # thread parsing at the same moment (3.11's traceback carets do) can fail this parse with
-      # "AST constructor recursion depth mismatch". The same bytes parse again; dropping the file
-      # instead would change the corpus.
+      # CPython 3.11 (gh-106905): a parse on another thread can fail this one ("AST constructor
+      # recursion depth mismatch"); the same bytes parse again, and dropping the file would change the corpus.
       if attempt == attempts - 1:
         raise
 
@@ -144,10 +138,7 @@ def document_bytes(document) -> bytes:
 
 def documents_fingerprint(documents: list[list[str]]) -> str:
   """Short sha256 hex of the text of `documents` (order and boundaries included)."""
-  digest = hashlib.sha256()
-  for document in documents:
-    digest.update(document_bytes(document))
-  return digest.hexdigest()[:16]
+  return hashlib.sha256(b"".join(document_bytes(document) for document in documents)).hexdigest()[:16]
 
 
 def builtin_corpus_fingerprint() -> str:

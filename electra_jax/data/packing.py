@@ -37,12 +37,8 @@ def _document_examples(document, rng, max_seq_len, cls_id, sep_id, single_segmen
     for buffered_sentence in buffered:
       # The official builder's rule, per sentence: a short sentence can still join A after a longer
       # one went to B; one that would overfill A joins it on a coin flip only while B is empty.
-      goes_to_a = (
-          a_target is None
-          or not segment_a
-          or len(segment_a) + len(buffered_sentence) < a_target
-          or (not segment_b and len(segment_a) < a_target and rng.random() < 0.5)
-      )
+      goes_to_a = (a_target is None or not segment_a or len(segment_a) + len(buffered_sentence) < a_target
+                   or (not segment_b and len(segment_a) < a_target and rng.random() < 0.5))
       (segment_a if goes_to_a else segment_b).extend(buffered_sentence)
     segment_a = segment_a[: max_seq_len - 2]
     segment_b = segment_b[: max(0, max_seq_len - len(segment_a) - 3)]
@@ -71,11 +67,10 @@ def pack_documents(documents: Sequence[Sequence[Sequence[int]]], max_seq_len: in
     raise ValueError(f"pack_documents: {len(document_indices)} document_indices for {len(documents)} documents.")
   # Each document's generator: a string seed goes through SHA-512, so nearby (seed, index) pairs give
   # unrelated streams.
-  examples = [
-      example for index, document in zip(document_indices, documents)
-      for example in _document_examples(document, random.Random(f"electra-pack:{int(seed)}:{int(index)}"),
-                                        max_seq_len, cls_id, sep_id, single_segment_prob, short_seq_prob)
-  ]
+  examples = []
+  for index, document in zip(document_indices, documents):
+    rng = random.Random(f"electra-pack:{int(seed)}:{int(index)}")
+    examples += _document_examples(document, rng, max_seq_len, cls_id, sep_id, single_segment_prob, short_seq_prob)
   input_ids = np.full((len(examples), max_seq_len), pad_id, dtype=np.int32)
   token_type_ids = np.zeros((len(examples), max_seq_len), dtype=np.int32)
   for row, (tokens, num_segment_a_tokens) in enumerate(examples):
@@ -83,8 +78,6 @@ def pack_documents(documents: Sequence[Sequence[Sequence[int]]], max_seq_len: in
     token_type_ids[row, num_segment_a_tokens : len(tokens)] = 1
   return {"input_ids": input_ids, "token_type_ids": token_type_ids}
 
-
-# ---------------------------------------------------------------- packing examples into rows
 
 # Bump when the plan for the same lengths would change: it enters the data fingerprint.
 ROW_PACKING_VERSION = 1
@@ -155,7 +148,7 @@ def plan_rows(lengths: np.ndarray, max_seq_len: int, window: int = ROW_PACKING_W
   if lengths.size and (lengths.min() < 1 or lengths.max() > max_seq_len):
     raise ValueError(f"plan_rows: example lengths must be in [1, {max_seq_len}], got [{lengths.min()}, "
                      f"{lengths.max()}].")
-  row_sizes, examples = [], []  # per window: int64 arrays
+  row_sizes, examples = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]  # per window
   for start in range(0, lengths.size, window):
     chunk = lengths[start : start + window]
     alone = chunk + chunk.min() > max_seq_len
@@ -167,13 +160,8 @@ def plan_rows(lengths: np.ndarray, max_seq_len: int, window: int = ROW_PACKING_W
       bins = _best_fit_decreasing(chunk[shared].tolist(), max_seq_len)
       row_sizes.append(np.array([len(b) for b in bins], np.int64))
       examples.append(np.concatenate([np.sort(shared[b]) for b in bins]) + start)
-  sizes = np.concatenate(row_sizes) if row_sizes else np.zeros(0, np.int64)
-  return RowPacking(
-      row_splits=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
-      examples=np.concatenate(examples).astype(np.int64) if examples else np.zeros(0, np.int64),
-      lengths=lengths,
-      max_seq_len=int(max_seq_len),
-  )
+  row_splits = np.concatenate([[0], np.cumsum(np.concatenate(row_sizes))]).astype(np.int64)
+  return RowPacking(row_splits, np.concatenate(examples).astype(np.int64), lengths, int(max_seq_len))
 
 
 def assemble_rows(packing: RowPacking, rows: np.ndarray, input_ids, token_type_ids,
@@ -195,13 +183,9 @@ def assemble_rows(packing: RowPacking, rows: np.ndarray, input_ids, token_type_i
   source = np.arange(input_ids.shape[1]) < lengths[:, None]
   row_tokens = np.add.reduceat(lengths, row_start) if batch else np.zeros(0, np.int32)
   target = np.arange(seq) < row_tokens[:, None]
-  out = {
-      "input_ids": np.full((batch, seq), pad_id, np.int32),
-      "token_type_ids": np.zeros((batch, seq), np.int32),
-      "attention_mask": target.astype(np.int32),
-      "segment_ids": np.zeros((batch, seq), np.int32),
-      "position_ids": np.zeros((batch, seq), np.int32),
-  }
+  out = {"input_ids": np.full((batch, seq), pad_id, np.int32), "token_type_ids": np.zeros((batch, seq), np.int32),
+         "attention_mask": target.astype(np.int32), "segment_ids": np.zeros((batch, seq), np.int32),
+         "position_ids": np.zeros((batch, seq), np.int32)}
   out["input_ids"][target] = np.asarray(input_ids[examples])[source]
   out["token_type_ids"][target] = np.asarray(token_type_ids[examples])[source]
   out["segment_ids"][target] = np.repeat(segment + 1, lengths)

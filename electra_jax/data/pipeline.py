@@ -1,14 +1,19 @@
 """Pre-training batches from prepared shards: data.prepared_dir, or the cache a document source is prepared
 into on first use (<cache_dir>/<source>/<key>/ holds its tokenizer, len<L>/ its shards).
-`get_batch(data, step, ...)` is a pure function of the step, so resuming needs no loader state."""
+`get_batch(data, step, ...)` is a pure function of the step, so resuming needs no loader state (and
+Prefetcher computes batches ahead without changing any)."""
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import fcntl
 import functools
 import os
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 from absl import logging
@@ -51,9 +56,9 @@ class PretrainingData:
 
   @property
   def num_tokens(self) -> int:
-    if self.token_count is not None:
-      return self.token_count
-    return int(np.count_nonzero(np.asarray(self.input_ids) != self.tokenizer.pad_id))
+    if self.token_count is None:
+      return int(np.count_nonzero(np.asarray(self.input_ids) != self.tokenizer.pad_id))
+    return self.token_count
 
 
 def _corpus_cache_dir(config) -> str:
@@ -94,9 +99,11 @@ def _loadable(data_config, split: str | None = None) -> dict:
         prepare.train_corpus_tokenizer(config, model)
       config = dict(config, spm_model_file=model)
     config = dict(config, prepared_dir=directory)
-    manifest = shards.read_manifest(directory) if split is not None else None
-    if split is not None and (manifest is None or not manifest.get("complete") or not all(
-        shards.shard_is_intact(directory, entry, checksums=False) for entry in manifest["shards"])):
+    if split is None:
+      return config
+    manifest = shards.read_manifest(directory)
+    if manifest is None or not manifest.get("complete") or not all(
+        shards.shard_is_intact(directory, entry, checksums=False) for entry in manifest["shards"]):
       logging.info("no cached data in %s; preparing it", directory)
       prepare.prepare_config(config, num_workers=0)
   return config
@@ -112,11 +119,9 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
   start = time.time()
   packing = plan_rows(data.lengths, data.max_seq_len)
   unpacked = packing.lengths.sum(dtype=np.int64) / max(1, data.num_examples * data.max_seq_len)
-  logging.info(
-      "packed %s rows: %d examples into %d rows of %d; real tokens %.1f%% -> %.1f%% of positions, "
-      "in %.1f s", split, data.num_examples, packing.num_rows, data.max_seq_len, 100 * unpacked,
-      100 * packing.real_token_fraction(), time.time() - start,
-  )
+  logging.info("packed %s rows: %d examples into %d rows of %d; real tokens %.1f%% -> %.1f%% of positions, "
+               "in %.1f s", split, data.num_examples, packing.num_rows, data.max_seq_len, 100 * unpacked,
+               100 * packing.real_token_fraction(), time.time() - start)
   return dataclasses.replace(data, packing=packing)
 
 
@@ -195,8 +200,7 @@ def get_batch(data: PretrainingData, step: int, global_batch_size: int, seed: in
 def batch_keys(pack_rows: bool) -> tuple[str, ...]:
   """The arrays of a batch sent to the devices: packed rows add their segment ids (position_ids derive from
   them)."""
-  keys = ("input_ids", "token_type_ids", "attention_mask")
-  return keys + ("segment_ids",) if pack_rows else keys
+  return ("input_ids", "token_type_ids", "attention_mask") + (("segment_ids",) if pack_rows else ())
 
 
 def get_rows(data: PretrainingData, rows: np.ndarray) -> dict[str, np.ndarray]:
@@ -207,11 +211,8 @@ def get_rows(data: PretrainingData, rows: np.ndarray) -> dict[str, np.ndarray]:
   if data.packing is not None:
     return assemble_rows(data.packing, rows, data.input_ids, data.token_type_ids, data.tokenizer.pad_id)
   input_ids = data.input_ids[rows]
-  return {
-      "input_ids": input_ids,
-      "token_type_ids": data.token_type_ids[rows],
-      "attention_mask": (input_ids != data.tokenizer.pad_id).astype(np.int32),
-  }
+  return {"input_ids": input_ids, "token_type_ids": data.token_type_ids[rows],
+          "attention_mask": (input_ids != data.tokenizer.pad_id).astype(np.int32)}
 
 
 def prepared_tokenizer(config, manifest: dict):
@@ -254,28 +255,69 @@ def load_prepared(config, split: str) -> PretrainingData:
   tokenizer = prepared_tokenizer(config, manifest)
   arrays, entries, lengths = shards.load_split(directory, manifest, split, tokenizer.pad_id, config["pack_rows"])
   if not arrays:
-    raise ConfigError(
-        f"The {split} split of {directory} has no examples (eval_fraction="
-        f"{manifest['settings']['eval_fraction']} when it was prepared); "
-        + ("prepare it with data.eval_fraction > 0, or set eval.every_steps=0 to train without held-out "
-           "evaluation." if split == "eval" else "prepare more documents.")
-    )
+    fix = ("prepare it with data.eval_fraction > 0, or set eval.every_steps=0 to train without held-out evaluation."
+           if split == "eval" else "prepare more documents.")
+    raise ConfigError(f"The {split} split of {directory} has no examples (eval_fraction="
+                      f"{manifest['settings']['eval_fraction']} when it was prepared); {fix}")
   # The cache and a prepared directory of the same config give the same string (and examples), so a
   # checkpoint resumes on either; packed rows differ.
-  fingerprint = (
-      f"format:{PACKING_FORMAT_VERSION}|{'spm' if config['tokenizer'] == 'sentencepiece' else 'wp'}:"
-      f"{tokenizer.fingerprint}|max_seq_len:{config['max_seq_len']}|{split}_documents:"
-      f"{manifest['documents_fingerprint'][split]}"
-      + (f"|pack_rows:{ROW_PACKING_VERSION}" if config["pack_rows"] else "")
-  )
-  max_seq_len = config["max_seq_len"]
-  data = PretrainingData(
-      tokenizer, ShardedRows(arrays, 0, max_seq_len), ShardedRows(arrays, 1, max_seq_len), fingerprint,
-      token_count=int(manifest["totals"][f"{split}_tokens"]), lengths=lengths,
-      verification=ShardVerification(directory, entries, tokenizer.vocab_size, split),
-  )
-  logging.info(
-      "loaded prepared %s data: %d examples of length %d in %d shards, %d tokens, from %s",
-      split, data.num_examples, max_seq_len, len(arrays), data.num_tokens, directory,
-  )
+  max_seq_len, kind = config["max_seq_len"], "spm" if config["tokenizer"] == "sentencepiece" else "wp"
+  fingerprint = (f"format:{PACKING_FORMAT_VERSION}|{kind}:{tokenizer.fingerprint}|max_seq_len:{max_seq_len}|"
+                 f"{split}_documents:{manifest['documents_fingerprint'][split]}"
+                 + (f"|pack_rows:{ROW_PACKING_VERSION}" if config["pack_rows"] else ""))
+  data = PretrainingData(tokenizer, ShardedRows(arrays, 0, max_seq_len), ShardedRows(arrays, 1, max_seq_len),
+                         fingerprint, token_count=int(manifest["totals"][f"{split}_tokens"]), lengths=lengths,
+                         verification=ShardVerification(directory, entries, tokenizer.vocab_size, split))
+  logging.info("loaded prepared %s data: %d examples of length %d in %d shards, %d tokens, from %s",
+               split, data.num_examples, max_seq_len, len(arrays), data.num_tokens, directory)
   return data
+
+
+class Prefetcher:
+  """Iterates over fetch_fn(start_step), fetch_fn(start_step + 1), ... up to `stop_step` (exclusive; None:
+  endless), computed in order by one thread, at most `depth` steps ahead; an exception of fetch_fn is
+  re-raised (as itself) in its step, which ends the iteration. Its thread ends with the iteration or
+  close()."""
+
+  def __init__(self, fetch_fn: Callable[[int], Any], start_step: int, depth: int = 2, stop_step: int | None = None):
+    if depth < 1:
+      raise ValueError(f"Prefetcher depth must be >= 1, got {depth}.")
+    self.next_step = start_step  # the step whose batch the next iteration returns
+    self._fetch, self._stop_step, self._submitted = fetch_fn, stop_step, start_step
+    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="electra-prefetch")
+    self._ahead: collections.deque[concurrent.futures.Future] = collections.deque()
+    for _ in range(depth):
+      self._submit()
+
+  def _submit(self) -> None:
+    if self._stop_step is None or self._submitted < self._stop_step:
+      self._ahead.append(self._pool.submit(self._fetch, self._submitted))
+      self._submitted += 1
+
+  def __iter__(self) -> Iterator[Any]:
+    return self
+
+  def __next__(self):
+    if not self._ahead:
+      self.close()
+      raise StopIteration
+    try:
+      batch = self._ahead.popleft().result()
+    except BaseException:
+      self.close()
+      raise
+    self._submit()
+    self.next_step += 1
+    return batch
+
+  def close(self) -> None:
+    """Stop fetching: what has not started is dropped, the fetch in progress finishes."""
+    while self._ahead:
+      self._ahead.popleft().cancel()
+    self._pool.shutdown(wait=True)
+
+  def __enter__(self) -> Prefetcher:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

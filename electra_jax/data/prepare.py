@@ -22,9 +22,7 @@ from electra_jax.errors import ConfigError
 from electra_jax.data import corpus, shards, sources
 from electra_jax.data.packing import MIN_SEQ_LEN, pack_documents
 from electra_jax.data.shards import PREPARED_FORMAT_VERSION, SPLITS, SPM_MODEL
-from electra_jax.data.tokenizer import (
-    TRAINING_THREADS, NoSentencesError, SentencePieceTokenizer, train_sentencepiece,
-)
+from electra_jax.data.tokenizer import TRAINING_THREADS, NoSentencesError, SentencePieceTokenizer, train_sentencepiece
 from electra_jax.data.wordpiece import WordPieceTokenizer
 
 _LOG_EVERY_S = 10.0
@@ -57,16 +55,14 @@ def read_config(data_config) -> dict:
   """The data config as a dict of checked values, paths absolute; raises ConfigError naming a bad one."""
   source = data_config.source
   if source not in SUPPORTED_SOURCES:
-    raise ConfigError(
-        f"Unknown data.source {source!r}; supported sources are {list(SUPPORTED_SOURCES)} "
-        f"(text and jsonl read the files named by data.files, tfds the dataset data.tfds_name, "
-        f"hf_datasets the local dataset data.hf_path, prepared the shards in data.prepared_dir)."
-    )
+    raise ConfigError(f"Unknown data.source {source!r}; supported sources are {list(SUPPORTED_SOURCES)} (text "
+                      "and jsonl read the files named by data.files, tfds the dataset data.tfds_name, hf_datasets "
+                      "the local dataset data.hf_path, prepared the shards in data.prepared_dir).")
   config = {key: type(default)(data_config.get(key, default)) for key, default in _DEFAULTS.items()}
   config.update({key: str(data_config.get(key, default) or default) for key, default in _RECORD_SOURCE_KEYS.items()})
   for key in ("vocab_file", "spm_model_file", "prepared_dir"):
     value = str(data_config.get(key, "") or "")
-    config[key] = os.path.abspath(os.path.expanduser(value)) if value else ""
+    config[key] = value and os.path.abspath(os.path.expanduser(value))
   tokenizer, vocab_file, spm_model_file = config["tokenizer"], config["vocab_file"], config["spm_model_file"]
   strip_accents, pack_rows = data_config.get("strip_accents", None), data_config.get("pack_rows", False)
   problems = (  # (whether it is wrong, what to say), the first wrong one is raised
@@ -107,9 +103,7 @@ def read_config(data_config) -> dict:
 
 def _record_corpus(config):
   if config["source"] == "hf_datasets":
-    from electra_jax.data.hf_datasets_source import HfDatasetCorpus  # noqa: PLC0415
-
-    return HfDatasetCorpus(config["hf_path"], config["hf_split"], config["text_field"])
+    return sources.HfDatasetCorpus(config["hf_path"], config["hf_split"], config["text_field"])
   from electra_jax.data.tfds_source import TfdsCorpus  # noqa: PLC0415  (imports tfds, which is heavy)
 
   return TfdsCorpus(config["tfds_name"], config["tfds_split"], config["tfds_text_field"], config["tfds_data_dir"])
@@ -142,11 +136,12 @@ def iter_source_documents(config, stats: sources.SourceStats):
       stats.bytes_read += 1
       stats.num_documents += 1
       yield document
-  elif config["source"] in RECORD_SOURCES:
-    yield from itertools.islice(_record_corpus(config).iter_documents(stats), limit)
+    return
+  if config["source"] in RECORD_SOURCES:
+    documents = _record_corpus(config).iter_documents(stats)
   else:
     documents = sources.iter_documents(config["source"], config["files"], config["text_field"], stats)
-    yield from itertools.islice(documents, limit)
+  yield from itertools.islice(documents, limit)
 
 
 def no_documents_error(config, stats: sources.SourceStats) -> ConfigError:
@@ -168,10 +163,9 @@ def _require_documents(config, mode: str) -> None:
 
 
 def _default_workers() -> int:
-  try:
+  if hasattr(os, "sched_getaffinity"):  # Linux
     return len(os.sched_getaffinity(0))
-  except AttributeError:  # not on Linux
-    return os.cpu_count() or 1
+  return os.cpu_count() or 1
 
 
 def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) -> dict:
@@ -187,8 +181,7 @@ def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) 
   if os.path.exists(out_path):
     raise ConfigError(f"--out={out_path!r} already exists: prepared data or a workdir may use that model. "
                       "Nothing was written; give a new path, or delete the file first to replace it.")
-  start = time.time()
-  stats = sources.SourceStats()
+  start, stats = time.time(), sources.SourceStats()
   tokenizer = train_corpus_tokenizer(config, out_path, num_threads or _default_workers(), stats)
   if config["source"] != "builtin":
     sources.log_stats(config["source"], stats)
@@ -237,8 +230,7 @@ def _init_worker(config: dict, out_dir: str, fingerprint: str, parent: int) -> N
   global _WORKER_TOKENIZER
   os.environ["RAYON_NUM_THREADS"] = "1"
   _WORKER_TOKENIZER = configured_tokenizer(config, out_dir)
-  found = _WORKER_TOKENIZER and _WORKER_TOKENIZER.fingerprint
-  if found != fingerprint:
+  if (found := _WORKER_TOKENIZER and _WORKER_TOKENIZER.fingerprint) != fingerprint:
     raise ConfigError(f"The tokenizer file changed during preparation (fingerprint {found}, "
                       f"expected {fingerprint}); leave it alone and run prepare_data again.")
   _exit_with_parent(parent)
@@ -279,20 +271,18 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
   """Tokenize and pack one shard's documents into a file per split; a failure comes back as {"error": ...}."""
   index = task["index"]
   try:
-    tokenizer = tokenizer or _WORKER_TOKENIZER
-    skipped = {"documents": 0}
+    tokenizer, skipped = tokenizer or _WORKER_TOKENIZER, {"documents": 0}
     result = {"index": index, "first_document": task["first_document"],
               "num_documents": len(task["documents"]), "splits": {}}
     by_split = {split: ([], []) for split in SPLITS}
     for document_index, document in enumerate(task["documents"], task["first_document"]):
-      split = "eval" if is_eval_document(document_index, task["eval_fraction"]) else "train"
-      by_split[split][0].append(document)
-      by_split[split][1].append(document_index)
+      documents, indices = by_split["eval" if is_eval_document(document_index, task["eval_fraction"]) else "train"]
+      documents.append(document)
+      indices.append(document_index)
     for split, (documents, indices) in by_split.items():
-      packed = pack_documents(
-          _tokenize_documents(tokenizer, documents, skipped), task["max_seq_len"], cls_id=tokenizer.cls_id,
-          sep_id=tokenizer.sep_id, pad_id=tokenizer.pad_id, seed=PACKING_SEEDS[split], document_indices=indices,
-      )
+      packed = pack_documents(_tokenize_documents(tokenizer, documents, skipped), task["max_seq_len"],
+                              cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, pad_id=tokenizer.pad_id,
+                              seed=PACKING_SEEDS[split], document_indices=indices)
       input_ids = packed["input_ids"]
       entry = {"documents": len(documents), "rows": input_ids.shape[0],
                "tokens": int(np.count_nonzero(input_ids != tokenizer.pad_id))}
@@ -314,13 +304,10 @@ _TOKENIZER_FILE_SETTINGS = ("tokenizer_fingerprint", "dtype")
 
 def _settings(config, source_key: dict, tokenizer) -> dict:
   """What the shards depend on; a directory is only resumed by a run with equal settings."""
-  settings = {
-      "prepared_format": PREPARED_FORMAT_VERSION,
-      "packing_format": PACKING_FORMAT_VERSION,
-      "source": config["source"],
-      "source_key": source_key,
-      **{key: config[key] for key in ("tokenizer", "max_seq_len", "eval_fraction", "max_documents", "shard_documents")},
-  }
+  settings = {"prepared_format": PREPARED_FORMAT_VERSION, "packing_format": PACKING_FORMAT_VERSION,
+              "source": config["source"], "source_key": source_key,
+              **{key: config[key] for key in ("tokenizer", "max_seq_len", "eval_fraction", "max_documents",
+                                              "shard_documents")}}
   if tokenizer is not None:
     settings.update(tokenizer_fingerprint=tokenizer.fingerprint, dtype=shards.token_dtype(tokenizer.vocab_size))
   if trains_spm(config):
@@ -337,10 +324,8 @@ def _refuse_another_config(out_dir: str, existing: dict | None, settings: dict, 
   """Raises unless out_dir is new or its manifest `existing` was written with `settings`."""
   if existing is None:
     return
-  old = existing["settings"]
-  keys = list(settings) + [k for k in old if k not in settings]
-  if "tokenizer_fingerprint" not in settings:
-    keys = [k for k in keys if k not in _TOKENIZER_FILE_SETTINGS]
+  old, known = existing["settings"], "tokenizer_fingerprint" in settings
+  keys = list(settings) + [k for k in old if k not in settings and (known or k not in _TOKENIZER_FILE_SETTINGS)]
   differences = {k: (old.get(k), settings.get(k)) for k in keys if old.get(k) != settings.get(k)}
   if differences:
     raise ConfigError(f"data.prepared_dir={out_dir!r} holds shards of another config (was -> now: {differences})"
@@ -395,8 +380,7 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
       not name.startswith(".tmp-") and name != SPM_MODEL for name in os.listdir(out_dir)):
     raise ConfigError(f"data.prepared_dir={out_dir!r} holds files but no manifest.json: it is not a "
                       "directory prepare_data wrote. Give an empty or new directory.")
-  if num_workers is None:
-    num_workers = _default_workers()
+  num_workers = _default_workers() if num_workers is None else num_workers
   if num_workers < 0:
     raise ConfigError(f"num_workers must be >= 0 (0 = in this process), got {num_workers}.")
   if config["max_seq_len"] < MIN_SEQ_LEN:
@@ -425,16 +409,9 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
     logging.info("%s is already prepared (%d shards verified); nothing to do", out_dir, len(done))
     return existing
 
-  manifest = {
-      "format_version": PREPARED_FORMAT_VERSION,
-      "config_key": config_key(settings),
-      "settings": settings,
-      "source": description,
-      "tokenizer": spec,
-      "max_seq_len": config["max_seq_len"],
-      "dtype": settings["dtype"],
-      "complete": False,
-  }
+  manifest = {"format_version": PREPARED_FORMAT_VERSION, "config_key": config_key(settings), "settings": settings,
+              "source": description, "tokenizer": spec, "max_seq_len": config["max_seq_len"],
+              "dtype": settings["dtype"], "complete": False}
 
   def save_manifest() -> None:
     manifest["shards"] = sorted(done.values(), key=lambda e: e["index"])
@@ -461,28 +438,24 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
   manifest.update(complete=True, totals=totals, source_stats=stats.counts(),
                   documents_fingerprint=documents_fingerprint)
   save_manifest()
-  logging.info(
-      "prepared %s: %d shards, %d train / %d eval examples, %d train tokens, in %s",
-      out_dir, len(entries), totals["train_examples"], totals["eval_examples"], totals["train_tokens"],
-      config_lib.format_duration(time.time() - start),
-  )
+  logging.info("prepared %s: %d shards, %d train / %d eval examples, %d train tokens, in %s", out_dir, len(entries),
+               totals["train_examples"], totals["eval_examples"], totals["train_tokens"],
+               config_lib.format_duration(time.time() - start))
   return manifest
 
 
 def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, save_manifest):
   """Packs the shards not in `done` into it (on `num_workers` processes, 0: here); the manifest lists every
   finished shard whenever this returns or raises. Returns the source's stats and each split's fingerprint."""
-  out_dir = config["prepared_dir"]
-  stats = sources.SourceStats()
+  out_dir, stats = config["prepared_dir"], sources.SourceStats()
   hashers = {split: hashlib.sha256() for split in SPLITS}
   start = last_log = last_manifest_write = time.time()
   packed_documents = packed_tokens = 0  # in this run
   skipped_position = done_position = 0  # input consumed by shards done before / in this run
   if num_workers:
-    executor = concurrent.futures.ProcessPoolExecutor(
-        num_workers, mp_context=multiprocessing.get_context("spawn"),
-        initializer=_init_worker, initargs=(config, out_dir, tokenizer.fingerprint, os.getpid()),
-    )
+    executor = concurrent.futures.ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"),
+                                                      initializer=_init_worker,
+                                                      initargs=(config, out_dir, tokenizer.fingerprint, os.getpid()))
   else:  # a thread of this process, with this tokenizer (SIGTERM stops the main thread's loop)
     executor = concurrent.futures.ThreadPoolExecutor(1)
   pending: dict[concurrent.futures.Future, int] = {}  # each task's position in the input
@@ -502,10 +475,9 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
                            f"finished shards are kept in {out_dir}; fix the cause and run prepare_data again to "
                            "resume.")
       done[result["index"]] = result
-      position = pending.pop(future)
+      done_position = max(done_position, pending.pop(future))
       packed_documents += result["num_documents"]
       packed_tokens += sum(entry["tokens"] for entry in result["splits"].values())
-      done_position = max(done_position, position)
       now = time.time()
       if now - last_log >= _LOG_EVERY_S:  # an ETA from the share of the input consumed
         last_log = now

@@ -1,17 +1,11 @@
 """The prepared-directory format: every source becomes these shards, and training reads only them.
 
-Layout of a prepared directory (`data.prepared_dir`, or a cache's len<L>/):
-
-  manifest.json        counts, per-shard rows/bytes/sha256, tokenizer fingerprint, max_seq_len,
-                       format version, source description; "complete": true once all shards exist
-  spm.model            the sentencepiece model, when prepare_data trained it
-  train-00000.npy ...  shard k of a split: the examples of documents [k*S, (k+1)*S) of the corpus
-  eval-00000.npy ...   (S = data.shard_documents), uint16 (int32 for vocabularies over 65536) of
-                       shape [rows, 2, max_seq_len]: [:, 0] input ids, [:, 1] token type ids
-  train-00000.lengths.npy ...  each example's token count, uint16 [rows] (int32 beyond 65535)
-
-Files are written under temporary names (".tmp-*") and renamed; a shard counts as done once the
-manifest lists its sha256.
+A prepared directory (`data.prepared_dir`, or a cache's len<L>/) holds manifest.json (counts, per-file
+rows/bytes/sha256, tokenizer, max_seq_len, format version, source; "complete" once all shards exist),
+spm.model when prepare_data trained it, and for shard k of each split (documents [k*S, (k+1)*S), S =
+data.shard_documents) <split>-<k:05d>.npy, uint16 (int32 beyond 65536 ids) [rows, 2, max_seq_len] of
+input ids ([:, 0]) and token type ids ([:, 1]), and <split>-<k:05d>.lengths.npy, each example's length.
+Files are written under temporary names (".tmp-*") and renamed; a shard is done once the manifest lists it.
 """
 
 from __future__ import annotations
@@ -43,8 +37,7 @@ def token_dtype(vocab_size: int) -> str:
 
 def write_split(out_dir: str, split: str, index: int, input_ids, token_type_ids, pad_id: int, dtype: str) -> dict:
   """Writes shard `index` of `split` (rows and lengths files); returns their manifest fields."""
-  max_seq_len = input_ids.shape[1]
-  lengths_dtype = np.uint16 if max_seq_len <= np.iinfo(np.uint16).max else np.int32
+  lengths_dtype = np.uint16 if input_ids.shape[1] <= np.iinfo(np.uint16).max else np.int32
   entry = {}
   for prefix, suffix, array in (
       ("", ".npy", np.stack([input_ids, token_type_ids], axis=1).astype(dtype)),
@@ -103,15 +96,11 @@ def shard_is_intact(out_dir: str, entry: dict, checksums: bool = True) -> bool:
   return True
 
 
-def _unreadable(path: str, error: Exception) -> ConfigError:
-  return ConfigError(f"Cannot read shard {path} ({error}); {REDO}.")
-
-
 def _load(path: str, mmap_mode=None) -> np.ndarray:
   try:
     return np.load(path, mmap_mode=mmap_mode, allow_pickle=False)
   except (OSError, ValueError) as e:
-    raise _unreadable(path, e) from e
+    raise ConfigError(f"Cannot read shard {path} ({e}); {REDO}.") from e
 
 
 def load_split(directory: str, manifest: dict, split: str, pad_id: int, with_lengths: bool):
@@ -120,31 +109,29 @@ def load_split(directory: str, manifest: dict, split: str, pad_id: int, with_len
   lengths files existed have their rows scanned instead."""
   max_seq_len = manifest["max_seq_len"]
   shards, entries, lengths = [], [], []
-  for entry in manifest["shards"]:
-    split_entry = entry["splits"][split]
-    if not split_entry["rows"]:
+  for split_entry in (entry["splits"][split] for entry in manifest["shards"]):
+    rows = split_entry["rows"]
+    if not rows:
       continue
     path = os.path.join(directory, split_entry["file"])
     array = _load(path, mmap_mode="r")
-    if array.shape != (split_entry["rows"], 2, max_seq_len) or array.dtype != np.dtype(manifest["dtype"]):
+    if array.shape != (rows, 2, max_seq_len) or array.dtype != np.dtype(manifest["dtype"]):
       raise ConfigError(f"Shard {path} has shape {array.shape} and dtype {array.dtype}; the manifest says "
-                        f"({split_entry['rows']}, 2, {max_seq_len}) {manifest['dtype']}; {REDO}.")
+                        f"({rows}, 2, {max_seq_len}) {manifest['dtype']}; {REDO}.")
     if os.path.getsize(path) != split_entry["bytes"]:
       raise ConfigError(f"Shard {path} has {os.path.getsize(path)} bytes, the manifest says {split_entry['bytes']}; "
                         f"{REDO}.")
     shards.append(array)
     entries.append(split_entry)
-    if not with_lengths:
-      continue
-    if "lengths_file" not in split_entry:
+    if with_lengths and "lengths_file" not in split_entry:
       lengths.append(example_lengths(array[:, 0], pad_id))
-      continue
-    path = os.path.join(directory, split_entry["lengths_file"])
-    shard_lengths = _load(path)
-    if shard_lengths.shape != (split_entry["rows"],) or shard_lengths.dtype.kind not in "iu" or (
-        shard_lengths.size and not 1 <= shard_lengths.min() <= shard_lengths.max() <= max_seq_len):
-      raise ConfigError(f"{path} does not hold {split_entry['rows']} example lengths in [1, {max_seq_len}]; {REDO}.")
-    lengths.append(shard_lengths.astype(np.int32))
+    elif with_lengths:
+      path = os.path.join(directory, split_entry["lengths_file"])
+      found = _load(path)
+      if found.shape != (rows,) or found.dtype.kind not in "iu" or (
+          found.size and not 1 <= found.min() <= found.max() <= max_seq_len):
+        raise ConfigError(f"{path} does not hold {rows} example lengths in [1, {max_seq_len}]; {REDO}.")
+      lengths.append(found.astype(np.int32))
   return shards, entries, np.concatenate(lengths) if with_lengths and shards else None
 
 
@@ -153,8 +140,7 @@ class ShardedRows:
   an integer array, a slice or an int (a fresh ndarray). `channel` 0 selects input ids, 1 token type ids."""
 
   def __init__(self, shards: list[np.ndarray], channel: int, max_seq_len: int):
-    self._shards = shards
-    self._channel = channel
+    self._shards, self._channel = shards, channel
     self._offsets = np.cumsum([0] + [shard.shape[0] for shard in shards])
     self.shape = (int(self._offsets[-1]), max_seq_len)
     self.dtype = np.dtype(np.int32)
@@ -163,18 +149,6 @@ class ShardedRows:
   def __len__(self) -> int:
     return self.shape[0]
 
-  def _gather(self, rows: np.ndarray) -> np.ndarray:
-    out = np.empty((rows.shape[0], self.shape[1]), np.int32)
-    if rows.size == 0:
-      return out
-    if rows.min() < 0 or rows.max() >= self.shape[0]:
-      raise IndexError(f"row index out of range for {self.shape[0]} rows")
-    shard_of_row = np.searchsorted(self._offsets, rows, side="right") - 1
-    for shard in np.unique(shard_of_row):
-      selected = shard_of_row == shard
-      out[selected] = self._shards[shard][rows[selected] - self._offsets[shard], self._channel]
-    return out
-
   def __getitem__(self, index):
     index, columns = index if isinstance(index, tuple) else (index, slice(None))
     if isinstance(index, slice):
@@ -182,7 +156,15 @@ class ShardedRows:
     else:
       rows = np.asarray(index, dtype=np.int64)
       rows = np.where(rows < 0, rows + self.shape[0], rows)
-    return self._gather(rows.reshape(-1)).reshape(rows.shape + (self.shape[1],))[..., columns]
+    flat = rows.reshape(-1)
+    out = np.empty((flat.shape[0], self.shape[1]), np.int32)
+    if flat.size and (flat.min() < 0 or flat.max() >= self.shape[0]):
+      raise IndexError(f"row index out of range for {self.shape[0]} rows")
+    shard_of_row = np.searchsorted(self._offsets, flat, side="right") - 1
+    for shard in np.unique(shard_of_row):
+      selected = shard_of_row == shard
+      out[selected] = self._shards[shard][flat[selected] - self._offsets[shard], self._channel]
+    return out.reshape(rows.shape + (self.shape[1],))[..., columns]
 
   def __array__(self, dtype=None, copy=None):
     array = self[:]
@@ -211,7 +193,7 @@ class ShardVerification(threading.Thread):
           continue
         self.error = ConfigError(f"Shard {path} {problem}; {REDO}.")
       except OSError as error:
-        self.error = _unreadable(path, error)
+        self.error = ConfigError(f"Cannot read shard {path} ({error}); {REDO}.")
       except ConfigError as error:
         self.error = error
       return

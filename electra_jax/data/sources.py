@@ -1,5 +1,7 @@
 """A user's own corpus as documents: plain-text ("text") and JSON Lines ("jsonl") files, read with their
-problems counted and logged, and their fingerprint for cache keys; the record sources' shared reader."""
+problems counted and logged, and their fingerprint for cache keys; the record sources' shared reader, and
+data.source="hf_datasets": a local Hugging Face dataset (a `save_to_disk` directory, or one `load_dataset`
+reads locally; nothing is downloaded)."""
 
 from __future__ import annotations
 
@@ -55,6 +57,8 @@ class SourceStats:
 MAX_SENTENCE_CHARS = 1 << 16
 _SNIFF_BYTES = 8192  # a NUL in a file's first block marks it binary
 _BLOCK_BYTES = 8 << 20  # files are decoded this many bytes (rounded to whole lines) at a time
+_HF_READ_BLOCK = 1024  # rows fetched per column read
+_SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # what save_to_disk writes
 
 
 def decode_utf8(raw: bytes, where, stats: SourceStats) -> str:
@@ -81,8 +85,7 @@ def resolve_files(files: str) -> list[str]:
   if not patterns:
     raise ConfigError("data.files is empty; give the corpus as a comma-separated list of paths or globs, "
                       "e.g. --config.data.files='corpus/*.txt'.")
-  paths: list[str] = []
-  seen = set()
+  paths: dict[str, None] = {}  # ordered, each path once
   for pattern in patterns:
     matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
     if not matches:
@@ -92,11 +95,8 @@ def resolve_files(files: str) -> list[str]:
       if os.path.isdir(match):
         raise ConfigError(f"data.files entry {pattern!r} matches the directory {match!r}; name the files, "
                           f"e.g. {os.path.join(match, '*.txt')!r}.")
-      absolute = os.path.abspath(match)
-      if absolute not in seen:
-        seen.add(absolute)
-        paths.append(absolute)
-  return paths
+      paths[os.path.abspath(match)] = None
+  return list(paths)
 
 
 def files_fingerprint(paths: list[str]) -> str:
@@ -179,11 +179,8 @@ def _jsonl_file_documents(path: str, text_field: str, stats: SourceStats):
 
 def split_text(text: str, where, stats: SourceStats) -> list[str]:
   """A document's text as sentences: its stripped non-blank lines, too long ones skipped."""
-  return [
-      sentence
-      for sentence in (line.strip() for line in text.splitlines())
-      if sentence and keep_sentence(sentence, where, stats)
-  ]
+  sentences = (line.strip() for line in text.splitlines())
+  return [sentence for sentence in sentences if sentence and keep_sentence(sentence, where, stats)]
 
 
 def record_documents(name: str, num_records: int, read_texts, text_field: str, stats: SourceStats, block: int):
@@ -212,14 +209,16 @@ def iter_documents(source: str, paths: list[str], text_field: str = "text", stat
   stats = stats if stats is not None else SourceStats()
   stats.files = list(paths)
   stats.total_bytes = sum(os.path.getsize(path) for path in paths)
+  def progress():
+    return stats.num_documents, len(stats.binary_files), stats.skipped_lines, stats.long_sentences
+
   for path in paths:
-    before = (stats.num_documents, len(stats.binary_files), stats.skipped_lines, stats.long_sentences)
+    before = progress()
     for document in (_text_file_documents(path, stats) if source == "text"
                      else _jsonl_file_documents(path, text_field, stats)):
       stats.num_documents += 1
       yield document
-    # Empty: nothing came out of the file and nothing in it was skipped for a reason.
-    if (stats.num_documents, len(stats.binary_files), stats.skipped_lines, stats.long_sentences) == before:
+    if progress() == before:  # nothing came out of the file and nothing in it was skipped for a reason
       stats.empty_files.append(path)
 
 
@@ -247,11 +246,10 @@ def no_usable_text_error(source: str, paths: list[str], text_field: str, stats: 
     reasons.append(f"{stats.long_sentences} lines over {MAX_SENTENCE_CHARS} characters skipped, first at "
                    f"{stats.first_long_sentence}")
   why = f" ({'; '.join(reasons)})" if reasons else ""
-  return ConfigError(
-      f"data.source={source!r}: no usable text in data.files {paths}{why}. Point data.files at non-empty UTF-8 "
-      + (f"files whose JSON lines hold a string field {text_field!r} (data.text_field)." if source == "jsonl"
-         else "files with one sentence or paragraph per line.")
-  )
+  wanted = (f"files whose JSON lines hold a string field {text_field!r} (data.text_field)." if source == "jsonl"
+            else "files with one sentence or paragraph per line.")
+  return ConfigError(f"data.source={source!r}: no usable text in data.files {paths}{why}. Point data.files at "
+                     f"non-empty UTF-8 {wanted}")
 
 
 def log_stats(source: str, stats: SourceStats) -> None:
@@ -270,3 +268,45 @@ def log_stats(source: str, stats: SourceStats) -> None:
   ):
     if count:
       logging.warning(message, count, first)
+
+
+class HfDatasetCorpus:
+  """One split of a local Hugging Face dataset, each row's `text_field` a document."""
+
+  def __init__(self, path: str, split: str, text_field: str):
+    if not path:
+      raise ConfigError("data.source='hf_datasets' needs data.hf_path, a local dataset directory "
+                        "(save_to_disk's output, or data files load_dataset reads).")
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(path):
+      raise ConfigError(f"data.hf_path={path!r} is not a directory; give a local dataset's folder.")
+    try:
+      import datasets  # noqa: PLC0415 (optional: the hf_datasets extra)
+    except ImportError as error:
+      raise ConfigError(f"data.source='hf_datasets' needs the datasets package ({error}); "
+                        "pip install 'electra-jax[hf_datasets]'.") from None
+    try:
+      if any(os.path.exists(os.path.join(path, marker)) for marker in _SAVED_MARKERS):
+        loaded = datasets.load_from_disk(path)
+      else:
+        loaded = datasets.load_dataset(path, split=split)
+    except Exception as error:  # noqa: BLE001 -- whatever datasets raises on a folder it cannot read
+      raise ConfigError(f"data.hf_path={path!r} is not a dataset datasets can read locally "
+                        f"({type(error).__name__}: {str(error)[:300]}).") from None
+    if isinstance(loaded, datasets.DatasetDict):
+      if split not in loaded:
+        raise ConfigError(f"data.hf_split={split!r} is not a split of {path}; it has {sorted(loaded)}.")
+      loaded = loaded[split]
+    if text_field not in loaded.column_names:
+      raise ConfigError(f"data.text_field={text_field!r} is not a column of {path}; its columns are "
+                        f"{loaded.column_names}. Name the one holding the document text.")
+    self._dataset, self.path, self.split, self.text_field = loaded, path, split, text_field
+    self.description = {"source": "hf_datasets", "hf_path": path, "hf_split": split, "text_field": text_field,
+                        "num_rows": loaded.num_rows}
+    # datasets' own hash of the rows (new data, new key), with the split and column read.
+    self.fingerprint = f"{loaded._fingerprint}|{split}|{text_field}|{loaded.num_rows}"
+
+  def iter_documents(self, stats: SourceStats):
+    yield from record_documents(f"{self.path}[{self.split}]", self._dataset.num_rows,
+                                lambda start, stop: self._dataset[start:stop][self.text_field], self.text_field,
+                                stats, _HF_READ_BLOCK)

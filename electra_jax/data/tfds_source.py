@@ -82,8 +82,7 @@ class TfdsCorpus:
     if text_field not in features:
       raise ConfigError(f"data.tfds_text_field={text_field!r} is not a feature of {name!r}; its features are "
                         f"{features}. Name the one holding the document text.")
-    self._builder = builder
-    split_info = builder.info.splits[split]
+    self._builder, split_info = builder, builder.info.splits[split]
     self.num_records = int(split_info.num_examples)
     self.description = {"source": "tfds", "tfds_name": builder.info.full_name, "tfds_split": split,
                         "tfds_text_field": text_field, "tfds_data_dir": str(builder.data_dir),

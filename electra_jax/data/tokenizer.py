@@ -82,15 +82,12 @@ def train_sentencepiece(sentences: Iterable[str], out_path: str, vocab_size: int
   if not sample:
     raise NoSentencesError("train_sentencepiece got no sentences to train on; pass a non-empty iterable of strings.")
   try:
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sample),
-        model_writer=model_bytes,
-        vocab_size=vocab_size, model_type=model_type, pad_id=PAD_ID, pad_piece="[PAD]", unk_id=UNK_ID,
-        unk_piece="[UNK]", bos_id=-1, eos_id=-1, user_defined_symbols=list(SPECIAL_TOKENS[CLS_ID:]),
-        num_threads=num_threads, input_sentence_size=_MAX_TRAINING_SENTENCES, shuffle_input_sentence=True,
-        max_sentence_length=_MAX_SENTENCE_BYTES,
-        minloglevel=2,  # errors only: the trainer logs every EM step to stderr
-    )
+    spm.SentencePieceTrainer.train(  # minloglevel=2: errors only (the trainer logs every EM step to stderr)
+        sentence_iterator=iter(sample), model_writer=model_bytes, vocab_size=vocab_size, model_type=model_type,
+        pad_id=PAD_ID, pad_piece="[PAD]", unk_id=UNK_ID, unk_piece="[UNK]", bos_id=-1, eos_id=-1,
+        user_defined_symbols=list(SPECIAL_TOKENS[CLS_ID:]), num_threads=num_threads,
+        input_sentence_size=_MAX_TRAINING_SENTENCES, shuffle_input_sentence=True,
+        max_sentence_length=_MAX_SENTENCE_BYTES, minloglevel=2)
   except RuntimeError as e:
     if "Vocabulary size too high" in str(e):
       raise ConfigError(f"The training text is too small for a sentencepiece vocabulary of {vocab_size} pieces "
