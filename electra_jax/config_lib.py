@@ -236,7 +236,7 @@ _BOUNDS = (
     ("checkpoint.every_steps", *_AT_LEAST_1, " (steps between checkpoints)"),
     ("checkpoint.keep", *_AT_LEAST_1, " (checkpoints kept; a run that keeps none could never resume)"),
     ("optimizer.warmup_steps", *_AT_LEAST_0, " (0 = no warmup; the paper uses 10000)"),
-    ("optimizer.warmup_fraction", *_BELOW_1, " (of train.steps; 0 = use optimizer.warmup_steps)"),
+    ("optimizer.warmup_fraction", *_BELOW_1, " (of train.steps, warming up; 0 = use optimizer.warmup_steps)"),
     ("eval.every_steps", *_AT_LEAST_0, " (0 = no held-out evaluation)"),
     ("eval.num_batches", *_AT_LEAST_1, " (batches of held-out data per evaluation)"),
     ("eval.batch_size", *_AT_LEAST_0, " (0 = the training micro-batch)"),
@@ -244,7 +244,7 @@ _BOUNDS = (
     ("objective.keep_original_prob", *_FRACTION, " (the share of chosen positions not [MASK]ed; official 0.15)"),
     ("objective.temperature", *_TEMPERATURE),
     ("objective.initial_temperature", *_TEMPERATURE),
-    ("objective.temperature_decay_fraction", *_FRACTION, " (of train.steps, from initial_temperature; 0 = none)"),
+    ("objective.temperature_decay_fraction", *_FRACTION, " (of train.steps the temperature falls over; 0 = none)"),
 )
 # (key, the source that reads it): set with the built-in corpus, it is a forgotten data.source.
 _SOURCE_KEYS = (("files", "text' (or 'jsonl"), ("prepared_dir", "prepared"), ("tfds_name", "tfds"),

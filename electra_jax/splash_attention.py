@@ -21,12 +21,10 @@ def check_seq_len(seq_len: int) -> None:
   """Refuses, before any tracing, a sequence length the kernel cannot tile."""
   if seq_len % SEQ_MULTIPLE:
     below = seq_len - seq_len % SEQ_MULTIPLE
-    raise ConfigError(
-        f"model.attention_impl='splash' tiles rows into blocks of {SEQ_MULTIPLE} tokens, but "
-        f"data.max_seq_len={seq_len} is not a multiple of {SEQ_MULTIPLE}: choose e.g. "
-        f"{' or '.join(map(str, sorted({max(SEQ_MULTIPLE, below), below + SEQ_MULTIPLE})))}, "
-        "or model.attention_impl='xla'."
-    )
+    choices = " or ".join(map(str, sorted({max(SEQ_MULTIPLE, below), below + SEQ_MULTIPLE})))
+    raise ConfigError(f"model.attention_impl='splash' tiles rows into blocks of {SEQ_MULTIPLE} tokens, but "
+                      f"data.max_seq_len={seq_len} is not a multiple of {SEQ_MULTIPLE}: choose e.g. {choices}, "
+                      "or model.attention_impl='xla'.")
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,8 +35,7 @@ def _warn_interpret(platform: str) -> None:
 
 def _local_attention(query, key, value, segment_ids, *, interpret: bool):
   """One device's block: query/key/value [b, s, h, d], segment_ids [b, s] -> [b, s, h, d]."""
-  # Deferred import: Pallas's TPU modules are only needed when this implementation is chosen.
-  from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415 (only for this implementation)
       splash_attention_kernel as kernel_lib,
       splash_attention_mask as mask_lib,
   )
@@ -68,8 +65,8 @@ def _local_attention(query, key, value, segment_ids, *, interpret: bool):
 
 
 def splash_attention(query, key, value, segment_ids):
-  """query/key/value [batch, seq, heads, head_dim]; segment_ids [batch, seq] (0 = padding, and
-  a query sees only keys of its own segment) -> [batch, seq, heads, head_dim]."""
+  """query/key/value [batch, seq, heads, head_dim]; segment_ids [batch, seq] (0 = padding; a query sees
+  only keys of its own segment) -> [batch, seq, heads, head_dim]."""
   mesh = jax.sharding.get_abstract_mesh()  # jax.set_mesh's; empty in shape-only traces (parameter init)
   if not mesh.empty:
     device = getattr(mesh, "abstract_device", None)  # jax >= 0.7
