@@ -286,10 +286,9 @@ def run_sweep(
     logging.info("Sweep of %d runs in %s (%d recorded in all).", len(runs), sweep_dir, len(all_runs))
     # A SIGTERM stops the sweep: a run saves and returns (train.py's handler); between runs it is noted here.
     train.clear_sigterm()  # one an earlier run in this process (a notebook) took is not this sweep's
-    try:
+    previous_handler = None
+    with contextlib.suppress(ValueError):  # not the main thread: no handler
       previous_handler = signal.signal(signal.SIGTERM, train.note_sigterm)
-    except ValueError:  # not the main thread: no handler
-      previous_handler = None
     try:
       failed, preempted = _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_over_workdir)
     finally:
@@ -389,7 +388,7 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
   if record is None:
     raise ConfigError(f"{sweep_dir} has no {SWEEP_FILE}: it is not a sweep folder (run --mode=sweep first).")
   override_keys = list(dict.fromkeys(k for r in record["runs"] for k, _ in r.overrides))
-  rows, logged, downstream = [], {"train": set(), "eval": set()}, False
+  rows, logged = [], {"train": set(), "eval": set()}
   for run in record["runs"]:
     workdir = run_dir(sweep_dir, run)
     overrides = dict(run.overrides)
@@ -417,13 +416,12 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
       summary = results["summary"]
       score = (summary.get(results["task"]) or next(iter(summary.values())))["score"]
       row.update(downstream_task=results["task"], downstream_score=100 * score["mean"], downstream_seeds=score["n"])
-      downstream = True
     rows.append(row)
   columns = [*FIXED_COLUMNS[:2], *override_keys, *FIXED_COLUMNS[2:]]
   for split, names in logged.items():
     ordered = [n for n in METRIC_ORDER if n in names] + sorted(names - set(METRIC_ORDER))
     columns += [f"{split}_{n}" for n in ordered]
-  if downstream:
+  if any("downstream_task" in row for row in rows):
     columns += list(DOWNSTREAM_COLUMNS)
   return columns, rows
 
