@@ -35,8 +35,7 @@ def missing_key(error: BaseException) -> tuple[str, str]:
 
 
 def flags_parser(program: str):
-  """`app.run(main, flags_parser=config_lib.flags_parser("name"))`: absl's flag parsing, where a
-  mistake in the config flags (a recipe's ConfigError, an absent key, no --config) ends in one line."""
+  """For `app.run(main, flags_parser=...)`: absl's parsing, a mistake in the config flags ending in one line."""
   from absl import flags  # noqa: PLC0415 (recipes import this module and need no absl)
 
   def parse(argv: list[str]) -> list[str]:

@@ -1,6 +1,5 @@
-"""Uniform, Bernoulli and Gumbel draws equal to jax.random's bit for bit, and Dropout built on them.
-XLA:CPU runs jax.random's Threefry-2x32 as a loop nothing fuses across; here the same hash is uint32
-arithmetic that fuses with its consumer. Setups other than partitionable threefry fall back to jax.random."""
+"""Uniform, Bernoulli and Gumbel draws equal to jax.random's bit for bit, and Dropout on them: Threefry-2x32 as
+uint32 arithmetic that fuses with its consumer (XLA:CPU's is an unfused loop); other PRNG setups use jax.random."""
 
 import math
 

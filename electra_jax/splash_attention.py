@@ -1,6 +1,5 @@
-"""`model.attention_impl='splash'`: the Pallas splash (flash) attention kernel for TPUs over segment ids
-(0/1 masks or packed rows'). Under a mesh it runs inside `jax.shard_map`; a program compiled for another
-platform runs it in Pallas's interpret mode, exact but slow (for tests)."""
+"""`model.attention_impl='splash'`: Pallas's splash attention TPU kernel over segment ids, inside `jax.shard_map`
+under a mesh; compiled for another platform it runs in interpret mode, exact but slow (for tests)."""
 
 import functools
 import math

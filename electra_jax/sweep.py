@@ -182,8 +182,7 @@ def _readable_name(overrides: Sequence[Override]) -> str:
 
 def name_runs(override_lists: Sequence[Sequence[Override]], existing: Sequence[Run] = (),
               base: ml_collections.ConfigDict | None = None) -> list[Run]:
-  """Runs for `override_lists`: a recorded run where the overrides match (by `identity` given `base`, else
-  as written), else a new readable, unique name."""
+  """Runs for `override_lists`: the recorded one with the same overrides (by `identity`), else a new name."""
   same = (lambda overrides: identity(base, overrides)) if base is not None else json.dumps
   by_overrides = {same([tuple(o) for o in r.overrides]): r for r in existing}
   taken = {r.name for r in existing}
@@ -216,8 +215,7 @@ def run_dir(sweep_dir: str, run: Run) -> str:
 
 def load_recipe(recipe: str, overrides: Sequence[Override] = (), what: str = "Override",
                 flag: str = "recipe") -> ml_collections.ConfigDict:
-  """A recipe by name or path (`demo`, `finetune/tiny`, `configs/electra_small.py`, `:ARG` after it) with
-  `overrides` applied; `flag` is how an error names the recipe."""
+  """A recipe by name or path (`demo`, `finetune/tiny:ARG`) with `overrides`; errors name it as `flag`."""
   path, _, arg = config_lib.resolve_recipe(recipe).partition(":")
   if not os.path.isfile(path):
     raise ConfigError(f"{flag}={recipe!r} is neither a file nor a recipe in {config_lib.RECIPES_DIR} "
@@ -310,8 +308,7 @@ def run_sweep(
 
 
 def _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_over) -> tuple[list[str], bool]:
-  """Trains, resumes or skips each run; (failed run names, preempted). WorkdirInUse once another sweep took
-  the folder (`lease`, None on processes other than 0)."""
+  """Trains, resumes or skips each run; (failed run names, preempted). WorkdirInUse once another sweep holds it."""
   failed, durations = [], []
   latest_steps = [_latest_checkpoint(run_dir(sweep_dir, r)) for r in runs]
   unfinished = [(latest or 0) < c.train.steps for latest, c in zip(latest_steps, configs)]
@@ -439,8 +436,7 @@ def _markdown_cell(column: str, value) -> str:
 
 
 def write_report(sweep_dir: str) -> list[dict]:
-  """Rewrites SWEEP_DIR/results.csv (every column) and results.md (the headline metrics, no `overrides`)
-  from the runs' files; returns the rows."""
+  """Rewrites results.csv (every column) and results.md (the headline metrics) from the runs; the rows."""
   columns, rows = collect_rows(sweep_dir)
   out = io.StringIO()
   writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore", lineterminator="\n")

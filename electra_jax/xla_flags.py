@@ -37,8 +37,7 @@ def malloc_tunables(environ=os.environ) -> str | None:
 
 
 def accelerator_visible(environ=os.environ) -> bool:
-  """Whether this process will compute on a GPU or TPU: $JAX_PLATFORMS if set, else whether GPU device
-  files or TPU chips are on this machine. Starts no JAX backend."""
+  """Whether this process will compute on a GPU or TPU ($JAX_PLATFORMS, else the machine's devices); no JAX."""
   platforms = environ.get("JAX_PLATFORMS", "").strip()
   if platforms:
     return platforms.split(",")[0].strip().lower() != "cpu"
