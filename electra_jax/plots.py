@@ -1,8 +1,6 @@
 """Curves of workdirs (a sweep folder stands for its runs) as one PNG: a panel per metric, a line per workdir
 (metrics.jsonl solid, eval_metrics.jsonl dashed). No pyplot: no display needed, a notebook's backend kept."""
 
-from __future__ import annotations
-
 import io
 import math
 import os

@@ -1,8 +1,6 @@
 """Sweeps: a grid or list of config overrides trained in sub-workdirs of a sweep folder (sweep.json records
 the base config and the runs), then results.csv, results.md and the curves. docs/training.md is the manual."""
 
-from __future__ import annotations
-
 import ast
 import contextlib
 import copy
