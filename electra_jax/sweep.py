@@ -345,27 +345,21 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_ov
         return failed, True
     if workdir_files.exists(error_file):
       error_file.unlink()
-    if finetune_config is not None and not _finetune_ok(run, workdir, finetune_config):
-      failed.append(run.name)
+    if finetune_config is not None and _finetune_results(workdir) is not None:
+      logging.info("Run %s is already fine-tuned: skipped.", run.name)
+    elif finetune_config is not None:
+      from electra_jax.finetune import trainer as finetune  # noqa: PLC0415
+
+      run_finetune_config = copy.deepcopy(finetune_config)
+      run_finetune_config.init_from = workdir
+      try:
+        finetune.run_finetune(run_finetune_config, os.path.join(workdir, FINETUNE_SUBDIR))
+      except Exception:  # noqa: BLE001
+        logging.exception("Fine-tuning run %s failed; going on with the next one.", run.name)
+        failed.append(run.name)
     if to_train:  # training (and fine-tuning) time of the runs trained here
       durations.append(time.perf_counter() - started)
   return failed, False
-
-
-def _finetune_ok(run: Run, workdir: str, finetune_config) -> bool:
-  if _finetune_results(workdir) is not None:
-    logging.info("Run %s is already fine-tuned: skipped.", run.name)
-    return True
-  from electra_jax.finetune import trainer as finetune  # noqa: PLC0415
-
-  config = copy.deepcopy(finetune_config)
-  config.init_from = workdir
-  try:
-    finetune.run_finetune(config, os.path.join(workdir, FINETUNE_SUBDIR))
-  except Exception:  # noqa: BLE001
-    logging.exception("Fine-tuning run %s failed; going on with the next one.", run.name)
-    return False
-  return True
 
 
 def train_flops_per_token(config: ml_collections.ConfigDict) -> float:
