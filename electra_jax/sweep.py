@@ -181,13 +181,12 @@ def _readable_name(overrides: Sequence[Override]) -> str:
 def name_runs(override_lists: Sequence[Sequence[Override]], existing: Sequence[Run] = (),
               base: ml_collections.ConfigDict | None = None) -> list[Run]:
   """Runs for `override_lists`: the recorded one with the same overrides (by `identity`), else a new name."""
-  same = (lambda overrides: identity(base, overrides)) if base is not None else json.dumps
-  by_overrides = {same([tuple(o) for o in r.overrides]): r for r in existing}
+  by_overrides = {identity(base, r.overrides): r for r in existing}  # base None: the values as written
   taken = {r.name for r in existing}
   runs = []
   for overrides in override_lists:
     overrides = [tuple(o) for o in overrides]
-    key = same(overrides)
+    key = identity(base, overrides)
     if key not in by_overrides:
       stem = _readable_name(overrides)
       name = next(n for n in itertools.chain([stem], (f"{stem}-{i}" for i in itertools.count(2))) if n not in taken)
