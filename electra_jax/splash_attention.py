@@ -34,10 +34,8 @@ def _warn_interpret(platform: str) -> None:
 
 def _local_attention(query, key, value, segment_ids, *, interpret: bool):
   """One device's block: query/key/value [b, s, h, d], segment_ids [b, s] -> [b, s, h, d]."""
-  from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415 (only for this implementation)
-      splash_attention_kernel as kernel_lib,
-      splash_attention_mask as mask_lib,
-  )
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib  # noqa: PLC0415
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib  # noqa: PLC0415
 
   _, seq_len, num_heads, head_dim = query.shape
   block = min(MAX_BLOCK, seq_len)
@@ -76,10 +74,8 @@ def splash_attention(query, key, value, segment_ids):
 
   def attend(*args):
     # The kernel for the platform the program is compiled for, which need not be this process's.
-    return jax.lax.platform_dependent(
-        *args, tpu=functools.partial(_local_attention, interpret=False),
-        default=functools.partial(_local_attention, interpret=True),
-    )
+    return jax.lax.platform_dependent(*args, tpu=functools.partial(_local_attention, interpret=False),
+                                      default=functools.partial(_local_attention, interpret=True))
 
   batch_axes = tuple(a for a in partitioning.BATCH_AXES if a in mesh.axis_names)
   # A mesh's batch shards may not divide a shape-only trace's one dummy row (parameter init).

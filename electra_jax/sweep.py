@@ -241,11 +241,9 @@ def _finetune_results(workdir: str) -> dict | None:
   return json.loads(open(found[0]).read()) if found else None
 
 
-def run_sweep(
-    base_config: ml_collections.ConfigDict, sweep_dir: str, grid: Sequence[str] = (),
-    sweep_file: str | None = None, finetune_config: ml_collections.ConfigDict | None = None,
-    plot: bool = True, take_over_workdir: bool = False,
-) -> dict:
+def run_sweep(base_config: ml_collections.ConfigDict, sweep_dir: str, grid: Sequence[str] = (),
+              sweep_file: str | None = None, finetune_config: ml_collections.ConfigDict | None = None,
+              plot: bool = True, take_over_workdir: bool = False) -> dict:
   """Trains every unfinished run, fine-tunes each if asked, writes the tables and curves; {"runs", "failed",
   "rows", "preempted"}. Every run is checked before anything is written; one sweep holds `sweep_dir`."""
   override_lists = expand(grid, sweep_file)
