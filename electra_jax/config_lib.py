@@ -17,8 +17,7 @@ DTYPES = ("float32", "bfloat16")
 
 
 def sibling(config_file: str, name: str):
-  """Imports <name>.py beside `config_file`, wherever the command runs from (a recipe is loaded by
-  path, so `from configs import base` would need the repository on sys.path)."""
+  """Imports <name>.py beside `config_file`, wherever the command runs from (no sys.path needed)."""
   path = os.path.join(os.path.dirname(os.path.abspath(config_file)), f"{name}.py")
   spec = importlib.util.spec_from_file_location(f"electra_jax_configs_{name}", path)
   module = importlib.util.module_from_spec(spec)
@@ -27,8 +26,7 @@ def sibling(config_file: str, name: str):
 
 
 def missing_key(error: BaseException) -> tuple[str, str]:
-  """(key, hint) from ml_collections' error for an absent key: an AttributeError around a KeyError
-  around "'key'\nDid you mean ..."."""
+  """(key, hint) from ml_collections' error for an absent key ("'key'\nDid you mean ...", nested)."""
   message = error
   while isinstance(message, BaseException) and message.args:
     message = message.args[0]
@@ -37,39 +35,36 @@ def missing_key(error: BaseException) -> tuple[str, str]:
 
 
 def flags_parser(program: str):
-  """`app.run(main, flags_parser=config_lib.flags_parser("name"))`: absl's flag parsing, where a
-  mistake in the config flags (a recipe's ConfigError, an override of an absent key, or without
-  --config) ends in one line instead of a traceback."""
-  return lambda argv: _parse_flags(argv, program)
-
-
-def _parse_flags(argv: list[str], program: str) -> list[str]:
+  """For `app.run(main, flags_parser=...)`: absl's parsing, a mistake in the config flags ending in one line."""
   from absl import flags  # noqa: PLC0415 (recipes import this module and need no absl)
 
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as error:
-    # absl and ml_collections re-raise a recipe's ConfigError: the innermost one of the chain.
-    refused, cause = None, error
-    while cause is not None:
-      refused = cause if isinstance(cause, ConfigError) else refused
-      cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
-    if refused is not None:
-      sys.exit(f"{program}: error: {refused}")
-    if isinstance(error, flags.UnrecognizedFlagError) and error.flagname.startswith("config."):
-      sys.exit(f"{program}: error: --{error.flagname} changes a recipe, but no --config was given. To change the "
-               "config.json of a workdir, pass --config=configs/workdir.py:DIR (DIR = the workdir) with the overrides.")
-    sys.stderr.write(f"FATAL Flags parsing error: {error}\nPass --helpshort or --helpfull to see help on flags.\n")
-    sys.exit(1)
-  except (AttributeError, KeyError) as error:  # ml_collections: an override of a key the config lacks
-    key, hint = missing_key(error)
-    overrides = [arg.split("=")[0] for arg in argv[1:] if arg.startswith("--config.")]
-    named = [flag for flag in overrides if key in flag.split(".")[1:]]
-    if not named:
-      raise
-    listing = getattr(flags.FLAGS["config"].parser, "listing", "configs/base.py")  # main's parser sets it
-    sys.exit(f"{program}: error: {named[0]}: the config has no key {key!r}. {hint + ' ' if hint else ''}"
-             f"{listing} lists every key with its default.")
+  def parse(argv: list[str]) -> list[str]:
+    try:
+      return flags.FLAGS(argv)
+    except flags.Error as error:
+      # absl and ml_collections re-raise a recipe's ConfigError: the innermost one of the chain.
+      refused, cause = None, error
+      while cause is not None:
+        refused = cause if isinstance(cause, ConfigError) else refused
+        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
+      if refused is not None:
+        sys.exit(f"{program}: error: {refused}")
+      if isinstance(error, flags.UnrecognizedFlagError) and error.flagname.startswith("config."):
+        sys.exit(f"{program}: error: --{error.flagname} changes a recipe, but no --config was given. To change a "
+                 "workdir's config.json, pass --config=configs/workdir.py:DIR (DIR = the workdir) with the overrides.")
+      sys.stderr.write(f"FATAL Flags parsing error: {error}\nPass --helpshort or --helpfull to see help on flags.\n")
+      sys.exit(1)
+    except (AttributeError, KeyError) as error:  # ml_collections: an override of a key the config lacks
+      key, hint = missing_key(error)
+      overrides = [arg.split("=")[0] for arg in argv[1:] if arg.startswith("--config.")]
+      named = [flag for flag in overrides if key in flag.split(".")[1:]]
+      if not named:
+        raise
+      listing = getattr(flags.FLAGS["config"].parser, "listing", "configs/base.py")  # main's parser sets it
+      sys.exit(f"{program}: error: {named[0]}: the config has no key {key!r}. {hint + ' ' if hint else ''}"
+               f"{listing} lists every key with its default.")
+
+  return parse
 
 
 def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -93,9 +88,8 @@ _BASE_RECIPE = os.path.join(RECIPES_DIR, "base.py")
 
 
 def resolve_recipe(value: str) -> str:
-  """--config's value with a recipe's name (`demo`, `finetune/glue`, `configs/demo.py` from another
-  directory) made its path in RECIPES_DIR, keeping any ":ARG"; a path that exists, or names no
-  recipe, is returned as is."""
+  """--config's value with a recipe's name (`demo`, `finetune/glue`, `configs/demo.py`) made its path in
+  RECIPES_DIR, keeping any ":ARG"; a path that exists, or names no recipe, is returned as is."""
   recipe, colon, rest = value.partition(":")
   if "://" in value or os.path.exists(recipe):
     return value
@@ -105,8 +99,7 @@ def resolve_recipe(value: str) -> str:
 
 
 def with_defaults(saved: dict) -> ml_collections.ConfigDict:
-  """A saved config (a config.json's dict) completed at any depth with configs/base.py's defaults
-  (when there is one), so code reads every key directly."""
+  """A saved config (a config.json's dict) completed at any depth with configs/base.py's defaults, if any."""
   def merged_over(defaults: dict, saved: dict) -> dict:
     merged = dict(defaults)
     for key, value in saved.items():
@@ -189,8 +182,7 @@ _BELOW_1, _FRACTION = ("in [0, 1)", lambda v: 0 <= v < 1), ("in [0, 1]", lambda 
 
 
 def _check_bounds(config, bounds, prefix: str = "") -> None:
-  """ConfigError for the first (dotted key, bound, test, meaning) of `bounds` whose value fails its
-  test; `prefix` is how the user spells the group."""
+  """ConfigError for the first (dotted key, bound, test, meaning) whose value fails; `prefix` names the group."""
   for key, bound, within, meaning in bounds:
     value = functools.reduce(lambda group, name: group[name], key.split("."), config)
     if not within(value):
@@ -198,8 +190,7 @@ def _check_bounds(config, bounds, prefix: str = "") -> None:
 
 
 def check_encoder_sizes(m, keys, prefix: str, why: str) -> None:
-  """Refuses by name a size in `keys` of model config `m` below 1, or heads that do not divide the
-  hidden size (`why` ends the line)."""
+  """Refuses a size in `keys` of model config `m` below 1, or heads that do not divide the hidden size."""
   _check_bounds(m, [(key, *_AT_LEAST_1, why) for key in keys], prefix)
   if m.hidden_size % m.num_heads:
     raise ConfigError(f"{prefix}hidden_size={m.hidden_size} is not divisible by {prefix}num_heads={m.num_heads}. "
@@ -219,10 +210,10 @@ def check_finite(config: ml_collections.ConfigDict, prefix: str = "") -> None:
 def check_optimizer(o: ml_collections.ConfigDict, typical_lr: str) -> None:
   """The AdamW keys pre-training and fine-tuning share; `typical_lr` goes into the message."""
   _check_bounds(o, (
-      ("learning_rate", *_POSITIVE, f" (the peak of the warmup-then-linear-decay schedule; {typical_lr})"),
+      ("learning_rate", *_POSITIVE, f" (the schedule's peak; {typical_lr})"),
       ("weight_decay", *_AT_LEAST_0, " (0 = none; official 0.01)"),
-      ("b1", *_BELOW_1, " (Adam's moment decay; official 0.9)"),
-      ("b2", *_BELOW_1, " (Adam's moment decay; official 0.999)"),
+      ("b1", *_BELOW_1, " (official 0.9)"),
+      ("b2", *_BELOW_1, " (official 0.999)"),
       ("eps", *_POSITIVE, " (official 1e-6)"),
       ("clip_norm", *_POSITIVE, " (the global gradient norm's cap; official 1.0)"),
   ), "optimizer.")
@@ -234,31 +225,25 @@ def check_rates(group: ml_collections.ConfigDict, keys, prefix: str) -> None:
 
 
 # validate's bounds on single keys: (key, bound, test, what the key means).
-_TEMPERATURE = ("finite and > 0", lambda v: math.isfinite(v) and v > 0, " (the generator's sampling temperature; "
-                "official 1.0)")
+_TEMPERATURE = ("finite and > 0", lambda v: math.isfinite(v) and v > 0, " (the sampling temperature; official 1.0)")
 _BOUNDS = (
-    ("model.generator_fraction", "in (0, 1]", lambda v: 0 < v <= 1, ": the generator is that fraction of the "
-     "discriminator's width (the paper uses 1/4 to 1/2)"),
+    ("model.generator_fraction", "in (0, 1]", lambda v: 0 < v <= 1, " (of the discriminator's width; paper: 1/4-1/2)"),
     ("train.grad_accum_steps", *_AT_LEAST_1, " (micro-batches per step)"),
     ("train.steps_per_call", *_AT_LEAST_1, " (optimizer steps per compiled call)"),
     ("train.steps", *_AT_LEAST_1, " (optimizer steps in all)"),
     ("train.log_every", *_AT_LEAST_1, " (steps per logged line)"),
     ("checkpoint.every_steps", *_AT_LEAST_1, " (steps between checkpoints)"),
-    ("checkpoint.keep", *_AT_LEAST_1, " (how many of the latest checkpoints stay in the workdir; a run that keeps "
-     "none could never resume)"),
+    ("checkpoint.keep", *_AT_LEAST_1, " (checkpoints kept; a run that keeps none could never resume)"),
     ("optimizer.warmup_steps", *_AT_LEAST_0, " (0 = no warmup; the paper uses 10000)"),
-    ("optimizer.warmup_fraction", *_BELOW_1, " (the share of train.steps spent warming up; "
-     "0 = use optimizer.warmup_steps)"),
+    ("optimizer.warmup_fraction", *_BELOW_1, " (of train.steps, warming up; 0 = use optimizer.warmup_steps)"),
     ("eval.every_steps", *_AT_LEAST_0, " (0 = no held-out evaluation)"),
     ("eval.num_batches", *_AT_LEAST_1, " (batches of held-out data per evaluation)"),
     ("eval.batch_size", *_AT_LEAST_0, " (0 = the training micro-batch)"),
     ("objective.mask_prob", "in (0, 1)", lambda v: 0 < v < 1, " (the share of positions chosen; official 0.15)"),
-    ("objective.keep_original_prob", *_FRACTION, " (the share of chosen positions left as they are instead of "
-     "[MASK]; official 0.15)"),
+    ("objective.keep_original_prob", *_FRACTION, " (the share of chosen positions not [MASK]ed; official 0.15)"),
     ("objective.temperature", *_TEMPERATURE),
     ("objective.initial_temperature", *_TEMPERATURE),
-    ("objective.temperature_decay_fraction", *_FRACTION, " (the share of train.steps over which the temperature "
-     "falls from objective.initial_temperature to objective.temperature; 0 = no schedule)"),
+    ("objective.temperature_decay_fraction", *_FRACTION, " (of train.steps the temperature falls over; 0 = none)"),
 )
 # (key, the source that reads it): set with the built-in corpus, it is a forgotten data.source.
 _SOURCE_KEYS = (("files", "text' (or 'jsonl"), ("prepared_dir", "prepared"), ("tfds_name", "tfds"),
@@ -267,8 +252,7 @@ _SOURCE_KEYS = (("files", "text' (or 'jsonl"), ("prepared_dir", "prepared"), ("t
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """The checks that need no devices and no data; ConfigError naming the key and the fix."""
-  # Here, not at the top: recipes import this module, and reading a recipe should not import jax.
-  from electra_jax import models, objectives, splash_attention, tensorboard_log  # noqa: PLC0415
+  from electra_jax import models, objectives, splash_attention, tensorboard_log  # noqa: PLC0415 (recipes need no jax)
 
   m, t, d = config.model, config.train, config.data
   check_encoder_sizes(m, ("hidden_size", "num_heads", "intermediate_size", "embedding_size", "vocab_size",
@@ -294,7 +278,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
                       "evaluates on them. Set --config.eval.every_steps=0, or data.eval_fraction > 0 (e.g. 0.02).")
   if t.dtype not in DTYPES:
     raise ConfigError(f"train.dtype={t.dtype!r} is not one of {DTYPES}.")
-  # train.batch_size=-1 is resolved by train.prepare to the largest batch that fits (memory.py).
   if t.batch_size < 1 and t.batch_size != -1:
     raise ConfigError(f"train.batch_size={t.batch_size}: give a positive global batch size, or -1 for the largest "
                       "that fits in train.memory_fraction of a device's memory.")
@@ -307,8 +290,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   check_optimizer(config.optimizer, "ELECTRA-Small uses 5e-4, Base 2e-4")
   objectives.check_config(config)
   check_finite(config)  # after the checks above, whose messages say more where they apply
-  # The model's own refusals (attention implementation, remat policy, cuDNN's shapes); nothing is initialized.
-  models.build_model(config)
+  models.build_model(config)  # the model's own refusals; nothing is initialized
 
 
 def validate_for_mesh(config: ml_collections.ConfigDict, batch_shards: int) -> None:

@@ -17,19 +17,14 @@ def eval_step(state, batch, seed_key):
   objective = state.objective
   example_keys = jax.vmap(lambda i: jax.random.fold_in(seed_key, i))(batch["example_index"])
   mask_keys, sample_keys = jnp.moveaxis(jax.vmap(jax.random.split)(example_keys), 1, 0)
-  masked = jax.vmap(
-      lambda key, ids, mask: objectives.mask_tokens(key, ids[None], mask[None], objective)
-  )(mask_keys, batch["input_ids"], batch["attention_mask"])
+  masked = jax.vmap(lambda key, ids, mask: objectives.mask_tokens(key, ids[None], mask[None], objective))(
+      mask_keys, batch["input_ids"], batch["attention_mask"])
   masked = jax.tree.map(lambda x: x[:, 0], masked)  # [batch, 1, ...] -> [batch, ...]
-  normalizers = objectives.Normalizers.of(
-      masked, batch["attention_mask"],
-      objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective),
-  )
+  candidates = objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective)
+  normalizers = objectives.Normalizers.of(masked, batch["attention_mask"], candidates)
   # The parameters as they are (two_stage's copy is the next train step's); the stats, not the loss.
-  return objectives.electra_forward(
-      state.model, state.params, batch, masked, sample_keys, seed_key, objective, normalizers,
-      deterministic=True, step=state.step,
-  )[1]
+  return objectives.electra_forward(state.model, state.params, batch, masked, sample_keys, seed_key, objective,
+                                   normalizers, deterministic=True, step=state.step)[1]
 
 
 class HeldOutEvaluator:
@@ -41,10 +36,8 @@ class HeldOutEvaluator:
     batch_size = config.eval.batch_size or config.train.batch_size // config.train.grad_accum_steps
     shards, processes = partitioning.batch_shards(mesh), jax.process_count()
     if batch_size % shards or batch_size % processes:
-      raise ConfigError(
-          f"eval.batch_size={batch_size} is not divisible by the {shards} batch shards "
-          f"(mesh.data * mesh.fsdp) and {processes} processes; choose a multiple."
-      )
+      raise ConfigError(f"eval.batch_size={batch_size} is not divisible by the {shards} batch shards "
+                        f"(mesh.data * mesh.fsdp) and {processes} processes; choose a multiple.")
     num_rows = min(held_out.num_rows, config.eval.num_batches * batch_size)
     num_batches = -(-num_rows // batch_size)
     local = slice(jax.process_index() * batch_size // processes, (jax.process_index() + 1) * batch_size // processes)
@@ -61,11 +54,8 @@ class HeldOutEvaluator:
     self._keys = data.batch_keys(bool(config.data.pack_rows)) + ("example_index",)
     self._mesh = mesh
     replicated = partitioning.replicated(mesh)
-    self._step = jax.jit(
-        eval_step,
-        in_shardings=(setup.state_shardings, partitioning.batch_sharding(mesh), replicated),
-        out_shardings=replicated,
-    )
+    self._step = jax.jit(eval_step, in_shardings=(setup.state_shardings, partitioning.batch_sharding(mesh), replicated),
+                         out_shardings=replicated)
 
   def __call__(self, state) -> dict[str, float]:
     outputs = []

@@ -1,5 +1,5 @@
-"""Model FLOPs per token (6N plus attention for each tower) and the accelerator peaks that
-turn throughput into MFU. The counting rules: docs/training.md, "Metrics"."""
+"""Model FLOPs per token (6N plus attention for each tower) and the accelerator peaks that turn throughput
+into MFU. The counting rules: docs/training.md, "Metrics"."""
 
 import jax
 
@@ -9,9 +9,8 @@ from electra_jax.models import ElectraPretrainer, EncoderConfig
 # jax.Device.device_kind: PCIe and NVL parts first, as the SXM ones' names carry no form factor.
 PEAK_FLOPS = (
     ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
-    ("A100", 312e12),
-    ("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12), ("TPU v5p", 459e12), ("TPU v5", 459e12),
-    ("TPU v6 lite", 918e12), ("TPU v6e", 918e12),
+    ("A100", 312e12), ("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12), ("TPU v5p", 459e12),
+    ("TPU v5", 459e12), ("TPU v6 lite", 918e12), ("TPU v6e", 918e12),
 )
 
 

@@ -24,8 +24,7 @@ from electra_jax.errors import ConfigError  # noqa: E402
 
 
 class _RecipeParser(ConfigFileFlagParser):
-  """--config's parser: a recipe's file, or its name (`demo`, `finetune/glue`) from any directory;
-  a value that names no recipe is refused in one line."""
+  """--config's parser: a recipe's file, or its name (`demo`, `finetune/glue`) from any directory."""
 
   listing = "configs/base.py"  # the file that lists every key of the loaded recipe
 
@@ -34,8 +33,7 @@ class _RecipeParser(ConfigFileFlagParser):
     recipe = path.split(":", 1)[0]
     if recipe.endswith(".json"):
       raise ConfigError(f"--config={path} is a JSON file; --config takes a recipe (a .py file with get_config()). "
-                        "To continue a workdir, pass --workdir=DIR alone, or --config=configs/workdir.py:DIR with "
-                        "overrides.")
+                        "To continue a workdir, pass --workdir=DIR alone, or --config=configs/workdir.py:DIR.")
     if not os.path.isfile(recipe):
       raise ConfigError(f"--config={path}: {recipe} is {'a directory' if os.path.isdir(recipe) else 'not a file'}, "
                         "and no recipe has that name. Give a recipe file or a recipe's name, e.g. demo or "
@@ -80,49 +78,32 @@ flags.DEFINE_enum("mode", "train", list(_MODES), "What to do; one of the modes a
 flags.DEFINE_bool("version", False, "Print the version of electra-jax and of JAX, then exit.")
 # The other flags, by mode (their help starts with the modes that read them).
 for define, name, default, help_text in (
-    (flags.DEFINE_multi_string, "sweep", [],
-     "sweep: KEY=V1,V2,... (repeatable; the runs are the product of all), e.g. --sweep=objective.name=electra,mlm."),
-    (flags.DEFINE_string, "sweep_file", None, "sweep: a file with one run per line (space-separated key=value "
-     "overrides, # comments); crossed with --sweep when both are given."),
-    (flags.DEFINE_string, "sweep_finetune", None, "sweep: a fine-tuning recipe (e.g. configs/finetune/custom.py) run "
-     "on each finished run into <run>/finetune; its dev score goes in the table."),
-    (flags.DEFINE_multi_string, "sweep_finetune_override", [],
-     "sweep: key=value for the --sweep_finetune recipe (repeatable)."),
-    (flags.DEFINE_list, "plot_metrics", None,
-     "plot: the metrics to draw, one panel each (default: loss, masked_lm_accuracy, disc_auc)."),
-    (flags.DEFINE_integer, "workers", None,
-     "prepare_data: worker processes (default: every core; 0 = in this process)."),
+    (flags.DEFINE_multi_string, "sweep", [], "sweep: KEY=V1,V2,... (repeatable; the runs are the product of all)."),
+    (flags.DEFINE_string, "sweep_file", None, "sweep: a file of runs, one line of key=value overrides each."),
+    (flags.DEFINE_string, "sweep_finetune", None, "sweep: a fine-tuning recipe run on each finished run."),
+    (flags.DEFINE_multi_string, "sweep_finetune_override", [], "sweep: key=value for --sweep_finetune (repeatable)."),
+    (flags.DEFINE_list, "plot_metrics", None, "plot: metrics to draw (default: loss, masked_lm_accuracy, disc_auc)."),
+    (flags.DEFINE_integer, "workers", None, "prepare_data: worker processes (default: every core; 0 = this one)."),
     (flags.DEFINE_integer, "step", None, "eval: the checkpoint step (default: the latest)."),
-    (flags.DEFINE_bool, "take_over_workdir", False, "train and sweep: start even though another run (or sweep) holds "
-     "--workdir (its lease.json names it), because you know it is dead. Without it a workdir a live run holds is "
-     "refused."),
-    (flags.DEFINE_string, "coordinator_address", None,
-     "Multi-process runs: host:port of process 0 (or ELECTRA_JAX_COORDINATOR_ADDRESS)."),
-    (flags.DEFINE_integer, "num_processes", None, "Multi-process runs: how many (or ELECTRA_JAX_NUM_PROCESSES)."),
-    (flags.DEFINE_integer, "process_id", None, "Multi-process runs: this one's id (or ELECTRA_JAX_PROCESS_ID)."),
-    (flags.DEFINE_string, "out", None, "export_hf: directory for the Hugging Face model directories; "
-     "train_tokenizer: the sentencepiece model file to write; plot: the PNG to write."),
+    (flags.DEFINE_bool, "take_over_workdir", False, "train and sweep: start even though a dead run holds --workdir."),
+    (flags.DEFINE_string, "coordinator_address", None, "Multi-process: host:port of process 0 (or ELECTRA_JAX_*)."),
+    (flags.DEFINE_integer, "num_processes", None, "Multi-process: how many (or ELECTRA_JAX_NUM_PROCESSES)."),
+    (flags.DEFINE_integer, "process_id", None, "Multi-process: this one's id (or ELECTRA_JAX_PROCESS_ID)."),
+    (flags.DEFINE_string, "out", None, "export_hf: the output directory; train_tokenizer, plot: the file to write."),
     (flags.DEFINE_bool, "export_generator", False, "export_hf: write the generator too (<out>/generator)."),
     (flags.DEFINE_string, "hf_discriminator", None, "import_hf: an ElectraForPreTraining directory."),
     (flags.DEFINE_string, "hf_generator", None, "import_hf: an ElectraForMaskedLM directory."),
-    (flags.DEFINE_string, "tf_checkpoint", None,
-     "import_tf: an official checkpoint (model.ckpt-N prefix, or its directory)."),
+    (flags.DEFINE_string, "tf_checkpoint", None, "import_tf: an official checkpoint (model.ckpt-N or its directory)."),
     (flags.DEFINE_string, "vocab_file", None, "import_tf: the vocab.txt (default: the one beside the checkpoint)."),
-    (flags.DEFINE_integer, "tf_num_heads", None,
-     "import_tf: the discriminator's attention heads (default: hidden // 64, as officially)."),
+    (flags.DEFINE_integer, "tf_num_heads", None, "import_tf: the discriminator's heads (default: hidden // 64)."),
 ):
   define(name, default, help_text)
-flags.DEFINE_enum(
-    "hf_embeddings_from", None, ["discriminator", "generator"],
-    "import_hf: whose embeddings both towers keep when the two directories' embeddings differ (by default that is "
-    "refused).",
-)
+flags.DEFINE_enum("hf_embeddings_from", None, ["discriminator", "generator"],
+                  "import_hf: whose embeddings both towers keep where the two differ (by default refused).")
 _DATA_CONFIG = "--config (a recipe with the data.* settings of the corpus)."
-_IMPORT_CONFIG = ("--config: the recipe whose training, data and mesh settings the workdir will use (its model "
-                  "sizes and vocabulary come from the weights).")
+_IMPORT_CONFIG = "--config: the recipe whose training, data and mesh settings the workdir will use."
 _HF_PAIR = "--hf_discriminator=DIR and --hf_generator=DIR."
-# The flags a mode needs beyond --workdir, in order: (flag names, any one of which will do; what
-# "--mode=M needs" is followed by when none is given).
+# The flags a mode needs beyond --workdir: (flag names, any one of which will do; what "--mode=M needs").
 _NEEDS = {
     "prepare_data": (("config", _DATA_CONFIG),),
     "train_tokenizer": (("config", _DATA_CONFIG), ("out", "--out=PATH (the model file to write).")),
@@ -132,20 +113,16 @@ _NEEDS = {
               ("sweep sweep_file", "--sweep=KEY=V1,V2 (repeatable) and/or --sweep_file=FILE.")),
     "finetune": (("config", "--config (configs/finetune/glue.py, squad.py, custom.py or tiny.py)."),),
     "import_hf": (("config", _IMPORT_CONFIG), ("hf_discriminator", _HF_PAIR), ("hf_generator", _HF_PAIR)),
-    "import_tf": (("config", _IMPORT_CONFIG),
-                  ("tf_checkpoint", "--tf_checkpoint=PATH (model.ckpt-N or its directory).")),
+    "import_tf": (("config", _IMPORT_CONFIG), ("tf_checkpoint", "--tf_checkpoint=PATH (model.ckpt-N or its folder).")),
 }
-# The columns of the end-of-run table (a metric an objective does not compute shows "-").
 _SUMMARY_METRICS = ("loss", "masked_lm_accuracy", "disc_auc", "disc_precision", "disc_recall")
 
 
 def end_summary(config, metrics: dict, workdir: str, seconds: float) -> str:
-  """The end of a training run: wall time, tokens, the last train and held-out metrics side by
-  side, and where the files are."""
+  """The end of a training run: wall time, tokens, the last train and held-out metrics, the files."""
   step = int(metrics["step"])
   rows = [("train (last log window)", metrics)]
-  held_out = workdir_files.last_record(workdir_files.path(workdir, "eval_metrics.jsonl"))
-  if held_out:
+  if held_out := workdir_files.last_record(workdir_files.path(workdir, "eval_metrics.jsonl")):
     rows.append((f"held-out (step {held_out['step']})", held_out))
   cell = lambda row, key: f"{row[key]:.4f}" if isinstance(row.get(key), float) and math.isfinite(row[key]) else "-"
   width = max(len(name) for name, _ in rows)
@@ -162,29 +139,24 @@ def end_summary(config, metrics: dict, workdir: str, seconds: float) -> str:
 
 
 def _quiet_libraries(record) -> bool:
-  # orbax logs every save step at INFO through absl, burying our progress lines; JAX says at INFO
-  # that it looked for a TPU on every machine that has none.
+  # orbax logs every save at INFO through absl; JAX says at INFO that it found no TPU.
   return record.levelno >= std_logging.WARNING or (
       "orbax" not in record.pathname and "Unable to initialize backend" not in record.getMessage())
 
 
 def _check_flags(mode: str, config) -> None:
-  """The flags `mode` needs, and a recipe of its kind: a fine-tuning one (with init_from) for
-  --mode=finetune, a pre-training one for the others that read one."""
+  """The flags `mode` needs, and a recipe of its kind (fine-tuning ones have init_from)."""
   if config is not None and mode not in ("plot", "sweep_report"):
     if "init_from" in config and mode != "finetune":
       raise ConfigError(f"--config is a fine-tuning recipe (configs/finetune/), but --mode={mode} takes a pre-training "
                         "one (configs/demo.py, configs/electra_small.py, ...). To fine-tune, add --mode=finetune.")
     if mode == "finetune" and "init_from" not in config:
-      raise ConfigError("--mode=finetune takes a fine-tuning recipe (configs/finetune/glue.py, squad.py, custom.py "
-                        "or tiny.py; the pre-training workdir goes in --config.init_from), but --config is a "
-                        "pre-training one.")
-  # In a multi-process job the processes other than 0 could not even address the device they restore to.
+      raise ConfigError("--mode=finetune takes a fine-tuning recipe (configs/finetune/*.py; the pre-training workdir "
+                        "goes in --config.init_from), but --config is a pre-training one.")
   if mode in ("finetune", "export_hf", "import_hf", "import_tf") and jax.process_count() > 1:
     raise ConfigError(f"--mode={mode} runs in one process, but this is process {jax.process_index()} of "
                       f"{jax.process_count()}. Start it once, without the multi-process settings "
-                      "(--coordinator_address/--num_processes/--process_id, ELECTRA_JAX_* variables, or srun), "
-                      "e.g. on one host of the slice.")
+                      "(--coordinator_address/--num_processes/--process_id, ELECTRA_JAX_* variables, or srun).")
   if mode not in ("prepare_data", "train_tokenizer") and FLAGS.workdir is None:
     raise ConfigError(f"--mode={mode} needs --workdir.")
   for names, what in _NEEDS.get(mode, ()):
@@ -200,13 +172,12 @@ def main(argv):
     return
   logging.set_verbosity(logging.INFO)
   logging.get_absl_handler().addFilter(_quiet_libraries)
-  if os.environ.get("GLIBC_TUNABLES") == xla_flags.HUGE_PAGES:  # debug level: not news on every run
+  if os.environ.get("GLIBC_TUNABLES") == xla_flags.HUGE_PAGES:
     logging.vlog(1, "CPU: glibc allocates large buffers on huge pages (GLIBC_TUNABLES=%s; "
                  "ELECTRA_JAX_XLA_DEFAULTS=0 turns it off).", xla_flags.HUGE_PAGES)
   mode, config, workdir, out = FLAGS.mode, FLAGS.config, FLAGS.workdir, FLAGS.out
   try:
-    # Before anything touches the devices.
-    distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)  # before any device
     _check_flags(mode, config)
     if mode == "train":
       if config is None and not workdir_files.exists(workdir_files.path(workdir, "config.json")):
@@ -278,13 +249,9 @@ def main(argv):
     sys.exit(f"electra-jax: error: {error}")
 
 
-# The flags `--help` shows (absl shows the main module's key flags: for the console script, pip's stub).
-_KEY_FLAGS = ("mode", "config", "workdir", "out", "step", "take_over_workdir", "version")
-
-
 def run():
   sys.modules["__main__"].__doc__ = USAGE  # what absl's --help prints first
-  for name in _KEY_FLAGS:
+  for name in ("mode", "config", "workdir", "out", "step", "take_over_workdir", "version"):  # what --help shows
     FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
   app.run(main, flags_parser=config_lib.flags_parser("electra-jax"))
 

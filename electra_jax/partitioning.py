@@ -124,17 +124,14 @@ def batch_shards(mesh: Mesh) -> int:
 def check_process_shards(mesh: Mesh, process_count: int) -> None:
   """Each process feeds its own rows, so owns whole batch shards: data * fsdp a multiple of the processes."""
   if batch_shards(mesh) % process_count:
-    raise ConfigError(
-        f"The mesh splits each batch into {batch_shards(mesh)} shards (mesh.data * mesh.fsdp = "
-        f"{mesh.shape['data']} * {mesh.shape['fsdp']}) over {process_count} processes, and every process reads "
-        f"its own rows: make mesh.data * mesh.fsdp a multiple of {process_count} "
-        f"(mesh.tensor={mesh.shape['tensor']} at most the devices of one host)."
-    )
+    raise ConfigError(f"The mesh splits each batch into {batch_shards(mesh)} shards (mesh.data * mesh.fsdp = "
+                      f"{mesh.shape['data']} * {mesh.shape['fsdp']}) over {process_count} processes, each reading its "
+                      f"own rows: make mesh.data * mesh.fsdp a multiple of {process_count} "
+                      f"(mesh.tensor={mesh.shape['tensor']} at most the devices of one host).")
 
 
 def global_batch_from_local(local_batch: dict[str, np.ndarray], mesh: Mesh, stacked: bool = False,
                             keys: Sequence[str] | None = None) -> dict[str, jax.Array]:
   """Global arrays (only `keys`, if given) from this process's rows; `stacked`: [steps, rows, ...]."""
   sharding = stacked_batch_sharding(mesh) if stacked else batch_sharding(mesh)
-  names = local_batch if keys is None else keys
-  return {name: jax.make_array_from_process_local_data(sharding, local_batch[name]) for name in names}
+  return {name: jax.make_array_from_process_local_data(sharding, local_batch[name]) for name in keys or local_batch}

@@ -1,8 +1,5 @@
-"""Loss and metric curves of workdirs (a sweep folder stands for its runs) as one PNG: a panel
-per metric, a line per workdir (metrics.jsonl solid, eval_metrics.jsonl dashed). Drawn with the
-Agg canvas, never pyplot, so it needs no display and leaves a notebook's backend alone."""
-
-from __future__ import annotations
+"""Curves of workdirs (a sweep folder stands for its runs) as one PNG: a panel per metric, a line per workdir
+(metrics.jsonl solid, eval_metrics.jsonl dashed). No pyplot: no display needed, a notebook's backend kept."""
 
 import io
 import math
@@ -30,8 +27,8 @@ def expand_workdirs(workdirs: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def plot_curves(workdirs: Sequence[str], out: str | None = None, metrics: Sequence[str] | None = None):
-  """The matplotlib Figure of the curves of `workdirs` (sweep folders expand to their runs), also
-  written to `out` (PNG) if given; `metrics`: by default those of DEFAULT_METRICS logged."""
+  """The matplotlib Figure of `workdirs`' curves, also written to `out` (PNG) if given; `metrics`: by default
+  those of DEFAULT_METRICS logged."""
   try:
     from matplotlib.figure import Figure  # noqa: PLC0415 (optional extra)
   except ImportError as error:

@@ -1,6 +1,5 @@
-"""Uniform, Bernoulli and Gumbel draws equal to jax.random's bit for bit, and Dropout built on them.
-XLA:CPU runs jax.random's Threefry-2x32 as a loop nothing fuses across; here the same hash is uint32
-arithmetic that fuses with its consumer. Setups other than partitionable threefry fall back to jax.random."""
+"""Uniform, Bernoulli and Gumbel draws equal to jax.random's bit for bit, and Dropout on them: Threefry-2x32 as
+uint32 arithmetic that fuses with its consumer (XLA:CPU's is an unfused loop); other PRNG setups use jax.random."""
 
 import math
 
@@ -16,8 +15,7 @@ _KEY_PARITY = np.uint32(0x1BD11BDA)
 
 
 def threefry2x32(k1, k2, x1, x2):
-  """The Threefry-2x32 block cipher (20 rounds) of the counter words (x1, x2) under key (k1, k2),
-  elementwise on uint32 arrays; unrolled so that it fuses with its consumers."""
+  """Threefry-2x32 (20 rounds) of counter words (x1, x2) under key (k1, k2), elementwise on uint32 arrays."""
   ks = (k1, k2, k1 ^ k2 ^ _KEY_PARITY)
   x1, x2 = x1 + ks[0], x2 + ks[1]
   for group in range(5):
@@ -87,8 +85,6 @@ class Dropout(nn.Module):
   def __call__(self, inputs, deterministic: bool):
     if self.rate == 0.0 or deterministic:
       return inputs
-    if self.rate == 1.0:
-      return jnp.zeros_like(inputs)
     keep_prob = 1.0 - self.rate
     keep = bernoulli(self.make_rng("dropout"), keep_prob, inputs.shape)
     return lax.select(keep, inputs / keep_prob, jnp.zeros_like(inputs))

@@ -1,6 +1,5 @@
-"""`model.attention_impl='splash'`: the Pallas splash (flash) attention kernel for TPUs over segment ids
-(0/1 masks or packed rows'). Under a mesh it runs inside `jax.shard_map`; a program compiled for another
-platform runs it in Pallas's interpret mode, exact but slow (for tests)."""
+"""`model.attention_impl='splash'`: Pallas's splash attention TPU kernel over segment ids, inside `jax.shard_map`
+under a mesh; compiled for another platform it runs in interpret mode, exact but slow (for tests)."""
 
 import functools
 import math
@@ -21,12 +20,10 @@ def check_seq_len(seq_len: int) -> None:
   """Refuses, before any tracing, a sequence length the kernel cannot tile."""
   if seq_len % SEQ_MULTIPLE:
     below = seq_len - seq_len % SEQ_MULTIPLE
-    raise ConfigError(
-        f"model.attention_impl='splash' tiles rows into blocks of {SEQ_MULTIPLE} tokens, but "
-        f"data.max_seq_len={seq_len} is not a multiple of {SEQ_MULTIPLE}: choose e.g. "
-        f"{' or '.join(map(str, sorted({max(SEQ_MULTIPLE, below), below + SEQ_MULTIPLE})))}, "
-        "or model.attention_impl='xla'."
-    )
+    choices = " or ".join(map(str, sorted({max(SEQ_MULTIPLE, below), below + SEQ_MULTIPLE})))
+    raise ConfigError(f"model.attention_impl='splash' tiles rows into blocks of {SEQ_MULTIPLE} tokens, but "
+                      f"data.max_seq_len={seq_len} is not a multiple of {SEQ_MULTIPLE}: choose e.g. {choices}, "
+                      "or model.attention_impl='xla'.")
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,11 +34,8 @@ def _warn_interpret(platform: str) -> None:
 
 def _local_attention(query, key, value, segment_ids, *, interpret: bool):
   """One device's block: query/key/value [b, s, h, d], segment_ids [b, s] -> [b, s, h, d]."""
-  # Deferred import: Pallas's TPU modules are only needed when this implementation is chosen.
-  from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415
-      splash_attention_kernel as kernel_lib,
-      splash_attention_mask as mask_lib,
-  )
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib  # noqa: PLC0415
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib  # noqa: PLC0415
 
   _, seq_len, num_heads, head_dim = query.shape
   block = min(MAX_BLOCK, seq_len)
@@ -68,8 +62,8 @@ def _local_attention(query, key, value, segment_ids, *, interpret: bool):
 
 
 def splash_attention(query, key, value, segment_ids):
-  """query/key/value [batch, seq, heads, head_dim]; segment_ids [batch, seq] (0 = padding, and
-  a query sees only keys of its own segment) -> [batch, seq, heads, head_dim]."""
+  """query/key/value [batch, seq, heads, head_dim]; segment_ids [batch, seq] (0 = padding; a query sees
+  only keys of its own segment) -> [batch, seq, heads, head_dim]."""
   mesh = jax.sharding.get_abstract_mesh()  # jax.set_mesh's; empty in shape-only traces (parameter init)
   if not mesh.empty:
     device = getattr(mesh, "abstract_device", None)  # jax >= 0.7
@@ -80,10 +74,8 @@ def splash_attention(query, key, value, segment_ids):
 
   def attend(*args):
     # The kernel for the platform the program is compiled for, which need not be this process's.
-    return jax.lax.platform_dependent(
-        *args, tpu=functools.partial(_local_attention, interpret=False),
-        default=functools.partial(_local_attention, interpret=True),
-    )
+    return jax.lax.platform_dependent(*args, tpu=functools.partial(_local_attention, interpret=False),
+                                      default=functools.partial(_local_attention, interpret=True))
 
   batch_axes = tuple(a for a in partitioning.BATCH_AXES if a in mesh.axis_names)
   # A mesh's batch shards may not divide a shape-only trace's one dummy row (parameter init).

@@ -1,8 +1,5 @@
-"""Sweeps: one command trains a grid or a list of config overrides, each run in a sub-workdir of
-the sweep folder (whose sweep.json records the base config and the runs), then writes results.csv,
-results.md and the runs' curves. docs/training.md is the manual."""
-
-from __future__ import annotations
+"""Sweeps: a grid or list of config overrides trained in sub-workdirs of a sweep folder (sweep.json records
+the base config and the runs), then results.csv, results.md and the curves. docs/training.md is the manual."""
 
 import ast
 import contextlib
@@ -34,8 +31,7 @@ ERROR_FILE = "sweep_error.txt"
 FINETUNE_SUBDIR = "finetune"
 Override = tuple[str, str]  # (config key, the value as the user wrote it)
 
-# Table columns, in this order; then the metrics any run logged (METRIC_ORDER's first, then the
-# others alphabetically), less NOT_IN_TABLE.
+# Table columns; then the metrics any run logged (METRIC_ORDER's first, the others sorted), less NOT_IN_TABLE.
 FIXED_COLUMNS = ("run", "overrides", "status", "steps", "train_tokens", "train_flops")
 METRIC_ORDER = ("loss", "masked_lm_loss", "masked_lm_accuracy", "sampled_masked_lm_accuracy", "disc_loss", "disc_auc",
                 "disc_accuracy", "disc_precision", "disc_recall", "replaced_fraction", "main_mlm_loss",
@@ -55,7 +51,6 @@ def _label(overrides: Sequence[Override]) -> str:
   return " ".join(f"{k}={v}" for k, v in overrides) or "(recipe)"
 
 
-# --- Parsing the grid and applying overrides ---
 def _split_override(text: str, where: str) -> Override:
   key, sep, value = text.partition("=")
   key = key.strip().removeprefix("--").removeprefix("config.")
@@ -65,8 +60,8 @@ def _split_override(text: str, where: str) -> Override:
 
 
 def expand(grid: Sequence[str] = (), sweep_file: str | None = None) -> list[list[Override]]:
-  """The runs: each line of `sweep_file` (key=value overrides, shell quoting, # comments) crossed
-  with the product of the --sweep=KEY=V1,V2 `grid` (either alone works too)."""
+  """The runs: each line of `sweep_file` (key=value overrides, shell quoting, # comments) crossed with the
+  product of the --sweep=KEY=V1,V2 `grid` (either alone works too)."""
   lines = [[]]
   if sweep_file:
     if not os.path.exists(sweep_file):
@@ -114,8 +109,7 @@ def _parse_value(key: str, raw: str, field_type) -> Any:
 
 def apply_overrides(base: ml_collections.ConfigDict, overrides: Sequence[Override],
                     what: str = "Sweep") -> ml_collections.ConfigDict:
-  """A copy of `base` with `overrides` applied; a bad key or value is a ConfigError that starts
-  with `what` (whose overrides they are)."""
+  """A copy of `base` with `overrides` applied; a bad key or value is a ConfigError starting with `what`."""
   config = copy.deepcopy(base)
   for key, raw in overrides:
     try:
@@ -133,8 +127,7 @@ def apply_overrides(base: ml_collections.ConfigDict, overrides: Sequence[Overrid
 
 
 def identity(base: ml_collections.ConfigDict, overrides: Sequence[Override]) -> str:
-  """What makes runs the same: the overrides as parsed values, in key order (`b=.5 a=1e-3` is the
-  run `a=0.001 b=0.5`)."""
+  """What makes runs the same: the parsed overrides in key order (`b=.5 a=1e-3` is `a=0.001 b=0.5`)."""
   parsed = []
   for key, raw in overrides:
     try:
@@ -147,9 +140,8 @@ def identity(base: ml_collections.ConfigDict, overrides: Sequence[Override]) -> 
 
 def merge_unread(base: ml_collections.ConfigDict, override_lists: Sequence[Sequence[Override]],
                  existing: Sequence[Run] = ()) -> list[list[Override]]:
-  """The runs to train, in first-come order: each run's overrides less the keys its objective never
-  reads (mlm has no generator), runs left alike once; a recorded run (`existing`) that comes down
-  to the same overrides stands for them. Logs what was left out."""
+  """The runs to train, in first-come order: each run's overrides less the keys its objective never reads,
+  runs left alike once; a recorded run (`existing`) that comes down to the same stands for them."""
   from electra_jax import objectives  # noqa: PLC0415 (jax stays out of sweep_report's import)
 
   def reduced(overrides):
@@ -172,7 +164,6 @@ def merge_unread(base: ml_collections.ConfigDict, override_lists: Sequence[Seque
   return list(runs.values())
 
 
-# --- Run names and the sweep record ---
 def _readable_name(overrides: Sequence[Override]) -> str:
   if not overrides:
     return "recipe"
@@ -189,15 +180,13 @@ def _readable_name(overrides: Sequence[Override]) -> str:
 
 def name_runs(override_lists: Sequence[Sequence[Override]], existing: Sequence[Run] = (),
               base: ml_collections.ConfigDict | None = None) -> list[Run]:
-  """Runs for `override_lists`: a recorded run where the overrides match (by `identity` given
-  `base`, else as written), else a new readable, unique name."""
-  same = (lambda overrides: identity(base, overrides)) if base is not None else json.dumps
-  by_overrides = {same([tuple(o) for o in r.overrides]): r for r in existing}
+  """Runs for `override_lists`: the recorded one with the same overrides (by `identity`), else a new name."""
+  by_overrides = {identity(base, r.overrides): r for r in existing}  # base None: the values as written
   taken = {r.name for r in existing}
   runs = []
   for overrides in override_lists:
     overrides = [tuple(o) for o in overrides]
-    key = same(overrides)
+    key = identity(base, overrides)
     if key not in by_overrides:
       stem = _readable_name(overrides)
       name = next(n for n in itertools.chain([stem], (f"{stem}-{i}" for i in itertools.count(2))) if n not in taken)
@@ -221,11 +210,9 @@ def run_dir(sweep_dir: str, run: Run) -> str:
   return os.fspath(workdir_files.path(sweep_dir, run.name))
 
 
-# --- The sweep ---
 def load_recipe(recipe: str, overrides: Sequence[Override] = (), what: str = "Override",
                 flag: str = "recipe") -> ml_collections.ConfigDict:
-  """A recipe by name or path (`demo`, `finetune/tiny`, `configs/electra_small.py`, `:ARG` after it
-  for recipes that take one) with `overrides` applied; `flag` is how an error names the recipe."""
+  """A recipe by name or path (`demo`, `finetune/tiny:ARG`) with `overrides`; errors name it as `flag`."""
   path, _, arg = config_lib.resolve_recipe(recipe).partition(":")
   if not os.path.isfile(path):
     raise ConfigError(f"{flag}={recipe!r} is neither a file nor a recipe in {config_lib.RECIPES_DIR} "
@@ -254,14 +241,11 @@ def _finetune_results(workdir: str) -> dict | None:
   return json.loads(open(found[0]).read()) if found else None
 
 
-def run_sweep(
-    base_config: ml_collections.ConfigDict, sweep_dir: str, grid: Sequence[str] = (),
-    sweep_file: str | None = None, finetune_config: ml_collections.ConfigDict | None = None,
-    plot: bool = True, take_over_workdir: bool = False,
-) -> dict:
-  """Trains every run (skipping finished ones), fine-tunes each if asked, writes the tables and
-  curves; {"runs", "failed", "rows", "preempted"}. Every run is checked before anything is written.
-  One sweep at a time holds `sweep_dir` (its lease.json), unless `take_over_workdir`."""
+def run_sweep(base_config: ml_collections.ConfigDict, sweep_dir: str, grid: Sequence[str] = (),
+              sweep_file: str | None = None, finetune_config: ml_collections.ConfigDict | None = None,
+              plot: bool = True, take_over_workdir: bool = False) -> dict:
+  """Trains every unfinished run, fine-tunes each if asked, writes the tables and curves; {"runs", "failed",
+  "rows", "preempted"}. Every run is checked before anything is written; one sweep holds `sweep_dir`."""
   override_lists = expand(grid, sweep_file)
   record = read_record(sweep_dir)
   existing = record["runs"] if record else []
@@ -293,13 +277,11 @@ def run_sweep(
     workdir_files.makedirs(workdir_files.path(sweep_dir))
     workdir_files.write_json(workdir_files.path(sweep_dir, SWEEP_FILE), record)
     logging.info("Sweep of %d runs in %s (%d recorded in all).", len(runs), sweep_dir, len(all_runs))
-    # A SIGTERM (preemption) stops the sweep at the run it reaches: the run saves and returns
-    # (train.py's handler); one that comes between runs is noted here.
+    # A SIGTERM stops the sweep: a run saves and returns (train.py's handler); between runs it is noted here.
     train.clear_sigterm()  # one an earlier run in this process (a notebook) took is not this sweep's
-    try:
+    previous_handler = None
+    with contextlib.suppress(ValueError):  # not the main thread: no handler
       previous_handler = signal.signal(signal.SIGTERM, train.note_sigterm)
-    except ValueError:  # not the main thread: no handler
-      previous_handler = None
     try:
       failed, preempted = _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_over_workdir)
     finally:
@@ -321,8 +303,7 @@ def run_sweep(
 
 
 def _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_over) -> tuple[list[str], bool]:
-  """Trains (or resumes, or skips) each run in order; (failed run names, preempted). Stops with
-  WorkdirInUse once another sweep took the folder (`lease`, None on processes other than 0)."""
+  """Trains, resumes or skips each run; (failed run names, preempted). WorkdirInUse once another sweep holds it."""
   failed, durations = [], []
   latest_steps = [_latest_checkpoint(run_dir(sweep_dir, r)) for r in runs]
   unfinished = [(latest or 0) < c.train.steps for latest, c in zip(latest_steps, configs)]
@@ -361,30 +342,23 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_ov
         return failed, True
     if workdir_files.exists(error_file):
       error_file.unlink()
-    if finetune_config is not None and not _finetune_ok(run, workdir, finetune_config):
-      failed.append(run.name)
+    if finetune_config is not None and _finetune_results(workdir) is not None:
+      logging.info("Run %s is already fine-tuned: skipped.", run.name)
+    elif finetune_config is not None:
+      from electra_jax.finetune import trainer as finetune  # noqa: PLC0415
+
+      run_finetune_config = copy.deepcopy(finetune_config)
+      run_finetune_config.init_from = workdir
+      try:
+        finetune.run_finetune(run_finetune_config, os.path.join(workdir, FINETUNE_SUBDIR))
+      except Exception:  # noqa: BLE001
+        logging.exception("Fine-tuning run %s failed; going on with the next one.", run.name)
+        failed.append(run.name)
     if to_train:  # training (and fine-tuning) time of the runs trained here
       durations.append(time.perf_counter() - started)
   return failed, False
 
 
-def _finetune_ok(run: Run, workdir: str, finetune_config) -> bool:
-  if _finetune_results(workdir) is not None:
-    logging.info("Run %s is already fine-tuned: skipped.", run.name)
-    return True
-  from electra_jax.finetune import trainer as finetune  # noqa: PLC0415
-
-  config = copy.deepcopy(finetune_config)
-  config.init_from = workdir
-  try:
-    finetune.run_finetune(config, os.path.join(workdir, FINETUNE_SUBDIR))
-  except Exception:  # noqa: BLE001
-    logging.exception("Fine-tuning run %s failed; going on with the next one.", run.name)
-    return False
-  return True
-
-
-# --- The results table ---
 def train_flops_per_token(config: ml_collections.ConfigDict) -> float:
   """The figure train.py uses for MFU, from a run's config alone (no data, no devices)."""
   from electra_jax import flops, models, objectives  # noqa: PLC0415
@@ -400,7 +374,7 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
   if record is None:
     raise ConfigError(f"{sweep_dir} has no {SWEEP_FILE}: it is not a sweep folder (run --mode=sweep first).")
   override_keys = list(dict.fromkeys(k for r in record["runs"] for k, _ in r.overrides))
-  rows, logged, downstream = [], {"train": set(), "eval": set()}, False
+  rows, logged = [], {"train": set(), "eval": set()}
   for run in record["runs"]:
     workdir = run_dir(sweep_dir, run)
     overrides = dict(run.overrides)
@@ -414,8 +388,7 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
       row["status"] = "not started"
     else:
       config = config_lib.load_workdir_config(workdir)
-      # Done once the last step is saved: a run killed between logging its last step and
-      # saving it (during the final evaluation, say) resumes, so it is not done.
+      # Done once the last step is saved: one killed between logging and saving it resumes.
       done = steps >= config.train.steps and (_latest_checkpoint(workdir) or 0) >= config.train.steps
       row["status"] = "done" if done else "incomplete"
       tokens = steps * config.train.batch_size * config.data.max_seq_len
@@ -429,13 +402,12 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
       summary = results["summary"]
       score = (summary.get(results["task"]) or next(iter(summary.values())))["score"]
       row.update(downstream_task=results["task"], downstream_score=100 * score["mean"], downstream_seeds=score["n"])
-      downstream = True
     rows.append(row)
   columns = [*FIXED_COLUMNS[:2], *override_keys, *FIXED_COLUMNS[2:]]
   for split, names in logged.items():
     ordered = [n for n in METRIC_ORDER if n in names] + sorted(names - set(METRIC_ORDER))
     columns += [f"{split}_{n}" for n in ordered]
-  if downstream:
+  if any("downstream_task" in row for row in rows):
     columns += list(DOWNSTREAM_COLUMNS)
   return columns, rows
 
@@ -453,8 +425,7 @@ def _markdown_cell(column: str, value) -> str:
 
 
 def write_report(sweep_dir: str) -> list[dict]:
-  """Rewrites SWEEP_DIR/results.csv (every column) and results.md (the headline metrics; each swept
-  key has its own column, so no `overrides`) from the runs' files; returns the rows."""
+  """Rewrites results.csv (every column) and results.md (the headline metrics) from the runs; the rows."""
   columns, rows = collect_rows(sweep_dir)
   out = io.StringIO()
   writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore", lineterminator="\n")

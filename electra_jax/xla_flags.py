@@ -1,6 +1,5 @@
-"""CPU settings the CLI applies before JAX starts: XLA flags that keep YNNPACK for reductions only,
-and, on a machine without an accelerator, huge pages for glibc's large allocations. A flag already
-in $XLA_FLAGS is left as the user set it."""
+"""CPU settings the CLI applies before JAX starts: XLA flags that keep YNNPACK for reductions only, and,
+without an accelerator, huge pages for glibc's large allocations. The user's own settings win."""
 
 import importlib.util
 import os
@@ -38,8 +37,7 @@ def malloc_tunables(environ=os.environ) -> str | None:
 
 
 def accelerator_visible(environ=os.environ) -> bool:
-  """Whether this process will compute on a GPU or TPU: $JAX_PLATFORMS if set, else whether GPU device
-  files or TPU chips are on this machine. Starts no JAX backend."""
+  """Whether this process will compute on a GPU or TPU ($JAX_PLATFORMS, else the machine's devices); no JAX."""
   platforms = environ.get("JAX_PLATFORMS", "").strip()
   if platforms:
     return platforms.split(",")[0].strip().lower() != "cpu"
@@ -47,8 +45,8 @@ def accelerator_visible(environ=os.environ) -> bool:
 
 
 def tpu_chips_present() -> bool:
-  """Whether TPU chips sit on this machine's PCI bus, by JAX's own check, loaded from its file (it needs
-  only the standard library; importing jax would slow every CLI start)."""
+  """Whether TPU chips sit on this machine's PCI bus, by JAX's own check loaded from its file (importing jax
+  would slow every CLI start)."""
   try:
     path = os.path.join(os.path.dirname(importlib.util.find_spec("jax").origin), "_src", "hardware_utils.py")
     spec = importlib.util.spec_from_file_location("_jax_hardware_utils", path)
