@@ -1,5 +1,5 @@
-"""Sentence(-pair) classification and regression: the nine GLUE tasks (GLUE's TSVs or TFDS
-`glue/<config>`) and custom TSV/CSV/JSONL files, their checks, features and GLUE submission files."""
+"""Sentence(-pair) classification and regression: the nine GLUE tasks (GLUE's TSVs or TFDS `glue/<config>`) and
+custom TSV/CSV/JSONL files, their checks, features and GLUE submission files."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ csv.field_size_limit(sys.maxsize)  # QQP's longest fields pass csv's default lim
 
 @dataclasses.dataclass
 class TaskAdapter:
-  """What the loop needs from a task. Features: numpy arrays with a leading example axis, holding
-  at least the trainer's MODEL_INPUTS, which `model.apply` takes in that order."""
+  """What the loop needs from a task. Features: numpy arrays with a leading example axis, holding at least the
+  trainer's MODEL_INPUTS, which `model.apply` takes in that order."""
 
   name: str
   model: Any  # a flax.linen.Module
@@ -35,11 +35,9 @@ class TaskAdapter:
   # predict (features -> numpy outputs) -> {eval name: {metric: value}}, each with a "score".
   evaluate: Callable[[Callable[[dict], np.ndarray]], dict[str, dict[str, float]]]
   write_test: Callable[[Callable[[dict], np.ndarray], str], list[str]]  # (predict, directory) -> paths written
-  # For exports: {"kind": "classification", "labels": [...]}, {"kind": "regression", "target_range":
-  # [lo, hi] or None} or {"kind": "span", "answerable": bool}.
-  head: dict
-  # (fraction, seed, folds) -> per held-out share (trainer.held_out_rows), this adapter on the rest
-  # of train, scoring that share as "held_out" and writing no test files; None: cannot be split.
+  head: dict  # for exports: {"kind": "classification"|"regression"|"span", and "labels"|"target_range"|"answerable"}
+  # (fraction, seed, folds) -> per held-out share (trainer.held_out_rows) this adapter on the rest of train,
+  # scoring the share as "held_out"; None: cannot be split.
   split: Callable[[float, int, int], list["TaskAdapter"]] | None = None
 
 
@@ -63,9 +61,7 @@ class TaskData:
   train: list[Example]
   dev: dict[str, list[Example]]  # evaluation name (e.g. "mnli-m") -> examples
   test: dict[str, list[Example]]  # submission name (e.g. "MNLI-m") -> unlabelled examples
-  # Regression's label range (lo, hi): the model learns (label - lo) / hi, as the official code
-  # normalizes STS-B's 0..5; None: raw labels (custom tasks).
-  target_range: tuple[float, float] | None = None
+  target_range: tuple[float, float] | None = None  # regression: the model learns (label - lo) / hi; None: raw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +74,7 @@ class GlueTask:
   label_column: str = "label"
   tfds_text: tuple[str, str | None] | None = None  # TFDS's feature names; None: text_columns
   tfds_labels: tuple[str, ...] | None = None  # TFDS's class index -> label string; None: label_list
-  # Evaluation name -> dev file stem, submission name -> test file stem (TFDS: "validation" for
-  # "dev"); None: {<task>: "dev"} and {<directory>: "test"}.
+  # Evaluation / submission name -> file stem; None: {<task>: "dev"} and {<directory>: "test"}.
   dev_files: dict[str, str] | None = None
   test_files: dict[str, str] | None = None
   symmetric: bool = False  # sentence order carries no meaning: the official code trains on both orders
@@ -166,17 +161,16 @@ def _glue_task_data(name: str, read) -> TaskData:
 
 
 def load_glue_from_dir(name: str, data_dir: str) -> TaskData:
-  """GLUE as its download script lays it out: <data_dir>/<Task>/{train,dev,test}.tsv (MNLI:
-  dev_matched, dev_mismatched, test_matched, test_mismatched); test files are optional."""
+  """GLUE as its download script lays it out: <data_dir>/<Task>/{train,dev,test}.tsv (MNLI: dev_matched, ...);
+  test files are optional."""
   task = GLUE_TASKS[name]
   if not data_dir:
-    raise ConfigError("config.data_dir is empty: give the GLUE directory (the one holding CoLA/, SST-2/, ...), or "
-                      "read the task from TFDS with --config.source=tfds.")
+    raise ConfigError("config.data_dir is empty: give GLUE's directory (holding CoLA/, ...), or use source=tfds.")
   task_dir = os.path.join(data_dir, task.directory)
   if not os.path.isdir(task_dir):
     if not os.path.isfile(os.path.join(data_dir, "train.tsv")):
       raise ConfigError(f"config.data_dir={data_dir!r} has neither a {task.directory}/ folder nor a train.tsv; give "
-                        f"GLUE's root directory (with {task.directory}/train.tsv) or the task's own folder.")
+                        "GLUE's root directory or the task's own folder.")
     task_dir = data_dir  # the task's own folder works as well as GLUE's root
 
   def read(stem: str, what: str, labelled: bool):
@@ -193,8 +187,7 @@ def decode_text(value) -> str:
 
 
 def open_tfds_split(name: str, split: str, data_dir: str | None, other_source: str, **kwargs):
-  """`tfds.data_source` over a prepared split; a ConfigError ending in `other_source` (another way to
-  read the data) when it cannot be opened."""
+  """`tfds.data_source` over a prepared split; a ConfigError suggesting `other_source` when it cannot be opened."""
   tfds = tfds_source.import_tfds()  # a heavy import, only when this source is used
   try:
     return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False, **kwargs)
@@ -287,8 +280,7 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
 
 
 def load_custom(custom) -> TaskData:
-  """A task from config.custom: train_file, dev_file (test_file optional), the column names, kind
-  ("classification" or "regression"), the metrics and optionally the label order."""
+  """A task from config.custom: its files (test_file optional), column names, kind, metrics and label order."""
   if custom.kind not in ("classification", "regression"):
     raise ConfigError(f"config.custom.kind={custom.kind!r}: use 'classification' or 'regression'.")
   for key in ("train_file", "dev_file"):
@@ -340,8 +332,7 @@ def load_task(config) -> TaskData:
   """The fine-tuning config's task ('SST-2', 'sst_2' ... name GLUE's sst2), read from its source and checked."""
   name = str(config.task).lower().replace("-", "").replace("_", "")
   if name not in TASK_NAMES:
-    raise ConfigError(f"Unknown task {config.task!r}. Use one of {list(TASK_NAMES)} (custom reads the files named by "
-                      "config.custom.*; SQuAD has its own reader).")
+    raise ConfigError(f"Unknown task {config.task!r}. Use one of {list(TASK_NAMES)} or squad1.1, squad2.0.")
   if name == "custom":
     data = load_custom(config.custom)
   elif config.source == "tfds":
@@ -358,16 +349,13 @@ def load_task(config) -> TaskData:
 
 
 def truncate_pair(tokens_a: list[int], tokens_b: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
-  """What BERT's loop (drop the longer segment's last token, b's on ties, until both fit) ends with:
-  a segment shorter than half keeps all, the other takes the rest; two long ones split max_tokens,
-  a taking the odd token."""
+  """What BERT's loop (drop the longer segment's last token, b's on ties, until both fit) ends with, in one step."""
   len_a = min(len(tokens_a), max(max_tokens - len(tokens_b), (max_tokens + 1) // 2))
   return tokens_a[:len_a], tokens_b[:max_tokens - len_a]
 
 
 def pack_pair(tokenizer, tokens_a: list[int], tokens_b: list[int] | None, width: int) -> list[np.ndarray]:
-  """[CLS] a [SEP] (b [SEP]) as int32 [width] input_ids, token_type_ids (1 from b on) and attention_mask
-  (SQuAD: question = a, context window = b); arrays, as Python ints would take many times the memory."""
+  """[CLS] a [SEP] (b [SEP]) as int32 [width] input_ids, token_type_ids (1 from b on) and attention_mask."""
   ids = [tokenizer.cls_id, *tokens_a, tokenizer.sep_id] + ([] if tokens_b is None else [*tokens_b, tokenizer.sep_id])
   positions = np.arange(width)
   input_ids = np.full(width, tokenizer.pad_id, np.int32)
@@ -381,8 +369,8 @@ PAD_MULTIPLE = 8
 
 
 def encode_examples(examples: Sequence[Example], tokenizer, max_seq_len: int, data: TaskData) -> dict[str, np.ndarray]:
-  """pack_pair's rows truncated to max_seq_len, labels [n] (int32 ids or float32 regression targets,
-  0 where unlabelled) and index [n]; rows as wide as the longest, rounded up to PAD_MULTIPLE."""
+  """pack_pair's rows truncated to max_seq_len and cut to the longest (rounded up to PAD_MULTIPLE), labels [n]
+  (int32 ids or float32 targets, 0 where unlabelled) and index [n]."""
   if max_seq_len < 3:
     raise ConfigError(f"config.max_seq_len={max_seq_len} leaves no room for text; use at least 3.")
   texts_b = [e.text_b for e in examples if e.text_b is not None]
