@@ -193,8 +193,8 @@ def open_tfds_split(name: str, split: str, data_dir: str | None, other_source: s
     return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False, **kwargs)
   except Exception as error:  # tfds raises several types for "not prepared here" / "no such split"
     raise ConfigError(f"Cannot open TFDS {name!r} split {split!r} in {data_dir or 'the default data dir'} "
-                      f"({type(error).__name__}: {error}). Prepare it with file_format='array_record' (tfds build "
-                      f"--file_format=array_record {name}), set config.tfds_data_dir, or {other_source}.") from error
+                      f"({type(error).__name__}: {error}); run `tfds build --file_format=array_record {name}`, set "
+                      f"config.tfds_data_dir, or {other_source}.") from error
 
 
 def load_glue_from_tfds(name: str, tfds_data_dir: str = "") -> TaskData:
@@ -232,8 +232,7 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
           raise ConfigError(f"{path}:{line_number} is not a JSON object.")
     return records
   with open(path, encoding="utf-8-sig", newline="") as f:
-    # TSV has no quoting: a '"' that opens a field is text (as in GLUE's files), where CSV's
-    # rules would read on, over tabs and line ends, to the next '"' and merge the rows between.
+    # TSV has no quoting: a '"' opening a field is text (as in GLUE's), not the start of a multi-row field.
     tsv = file_format == "tsv"
     reader = csv.DictReader(f, delimiter="\t" if tsv else ",", quoting=csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL)
     records = list(reader)
@@ -248,8 +247,7 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
 def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example]:
   file_format = custom.format or CUSTOM_FORMATS.get(os.path.splitext(path)[1].lower())
   if file_format not in CUSTOM_FORMATS.values():
-    raise ConfigError(f"Cannot tell the format of {path}: set config.custom.format to one of "
-                      f"{sorted(set(CUSTOM_FORMATS.values()))} (or name the file .tsv, .csv or .jsonl).")
+    raise ConfigError(f"Cannot tell the format of {path}: set config.custom.format to tsv, csv or jsonl.")
   _require_file(path, f"custom task {split} split")
   grouped = split == "train" and bool(custom.group_column)
   columns = [custom.text_a_column, custom.text_b_column, labelled and custom.label_column,
@@ -259,8 +257,7 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
     where = f"{path}: row {row_number}"
     for column in filter(None, columns):
       if record.get(column) is None:
-        raise ConfigError(f"{where} has no column {column!r} (it has {sorted(record)}). Set config.custom."
-                          "text_a_column / text_b_column / label_column / group_column to the file's column names.")
+        raise ConfigError(f"{where} has no column {column!r} (it has {sorted(record)}); set config.custom.*_column.")
     label = None
     if labelled:
       raw = record[custom.label_column]
@@ -271,8 +268,7 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
       else:
         label = str(raw).lower() if isinstance(raw, bool) else str(raw)
         if not label.strip():
-          raise ConfigError(f"{where}: the label ({custom.label_column!r}) is empty; give every example its class, "
-                            "or leave the row out.")
+          raise ConfigError(f"{where}: the label ({custom.label_column!r}) is empty; give it or leave the row out.")
     text_b = str(record[custom.text_b_column]) if custom.text_b_column else None
     group = str(record[custom.group_column]) if grouped else None
     examples.append(Example(str(record[custom.text_a_column]), text_b, label, row_number - 1, group))
@@ -319,13 +315,12 @@ def check_task_data(data: TaskData) -> None:
   outside = sorted(train_labels - set(data.label_list))
   if outside:
     raise ConfigError(f"Task {data.name}: training label(s) {outside} are not among the task's labels "
-                      f"{list(data.label_list)}; fix the data (or config.custom.labels).")
+                      f"{list(data.label_list)}; fix the data or config.custom.labels.")
   for dev_name, examples in data.dev.items():
     unseen = sorted({example.label for example in examples} - train_labels)
     if unseen:
       raise ConfigError(f"Task {data.name}: dev split {dev_name} has label(s) {unseen} that never occur in the train "
-                        f"split (train labels: {sorted(train_labels)}); the classifier could never predict them. "
-                        "Fix the label column or the split.")
+                        f"split (train labels: {sorted(train_labels)}); fix the label column or the split.")
 
 
 def load_task(config) -> TaskData:
