@@ -182,21 +182,19 @@ def validate(config) -> None:
       raise ConfigError(f"config.{key}={config[key]} must be >= 1.")
   if config.epochs < 0 or config.eval_batch_size < 0:
     raise ConfigError(f"config.epochs={config.epochs}, eval_batch_size={config.eval_batch_size}: use >= 0 (0: default)")
-  if config.dtype not in config_lib.DTYPES:
-    raise ConfigError(f"config.dtype={config.dtype!r} is not one of {config_lib.DTYPES}.")
   config_lib.check_rates(config, ("dropout_rate", "attention_dropout_rate", "head_dropout_rate"), "config")
   config_lib.check_optimizer(config.optimizer, "the official 1e-4 for Small and Base, 5e-5 for Large")
-  if config.keep_epoch not in KEEP_EPOCH:
-    raise ConfigError(f"config.keep_epoch={config.keep_epoch!r}: use one of {list(KEEP_EPOCH)}.")
+  choices = (("dtype", config.dtype, config_lib.DTYPES), ("keep_epoch", config.keep_epoch, KEEP_EPOCH),
+             ("head.pooling", config.head.pooling, model_lib.POOLINGS))
+  for key, value, allowed in choices:
+    if value not in allowed:
+      raise ConfigError(f"config.{key}={value!r}: use one of {list(allowed)}.")
   for key, zero in (("min_steps", "train the epochs alone"), ("reinit_layers", "keep every pre-trained layer")):
     if type(config[key]) is not int or config[key] < 0:  # not a bool either: True is no count
       raise ConfigError(f"config.{key}={config[key]!r} must be an int >= 0 (0 = {zero}).")
-  pooling = config.head.pooling
-  if pooling not in model_lib.POOLINGS:
-    raise ConfigError(f"config.head.pooling={pooling!r}: use one of {list(model_lib.POOLINGS)}.")
-  if pooling != "cls" and _is_squad(config):
-    raise ConfigError(f"config.head.pooling={pooling!r} with task {config.task!r}: SQuAD's span head pools "
-                      "nothing; use head.pooling='cls'.")
+  if config.head.pooling != "cls" and _is_squad(config):
+    raise ConfigError(f"config.head.pooling={config.head.pooling!r} with task {config.task!r}: SQuAD's span head "
+                      "pools nothing; use head.pooling='cls'.")
   select_rates(config)
   config_lib.check_finite(config, "config.")
   optim.check_layerwise(config.optimizer.layerwise_lr_decay, config.optimizer.layerwise_lr_decay_rule)
@@ -426,7 +424,7 @@ def select_rates(config) -> list[float]:
   try:
     rates = [float(part) for part in text.split(",")] if text else []
   except ValueError:
-    rates = [-1.0]
+    rates = [-1.0]  # refused below
   if any(not (math.isfinite(rate) and rate > 0) for rate in rates) or len(set(rates)) != len(rates):
     raise ConfigError(f"config.select.learning_rates={text!r}: give distinct positive rates, comma-separated "
                       "(e.g. '3e-4,1e-3,3e-3'), or '' to train at optimizer.learning_rate.")
