@@ -128,8 +128,7 @@ def _from_workdir(config, workdir: str) -> Backbone:
     tokenizer = _tokenizer_from_file(config.tokenizer, config.lowercase)
   else:
     tokenizer = data.workdir_tokenizer(workdir, pretrain_config.data)
-  # An imported, untrained checkpoint has only its vocabulary's fingerprint; a data fingerprint's
-  # tokenizer part is 'spm:<hash>' or 'wp:<hash>'.
+  # An imported checkpoint has only its vocabulary's fingerprint; a data fingerprint's is its 'spm:'/'wp:' part.
   recorded = meta.get("tokenizer_fingerprint")
   if meta.get("data_fingerprint"):
     parts = [part.partition(":") for part in meta["data_fingerprint"].split("|")]
@@ -164,12 +163,10 @@ def _from_hf(config, path: str) -> Backbone:
   # How tokenizer_config.json says the text was normalized, unless config.lowercase is set.
   lowercase, strip_accents = pairing.read_tokenizer_settings(path)
   lowercase = lowercase if config.lowercase is None else config.lowercase
-  return Backbone(
-      ElectraEncoderModel(**sizes_of(hf_model), config=hf_model.config),
-      params=None if config.random_init else {"embeddings": hf_params["embeddings"], "encoder": tower["encoder"]},
-      tokenizer=_tokenizer_from_file(tokenizer_path, lowercase, strip_accents),
-      source=f"random init (sizes of {path})" if config.random_init else f"Hugging Face {path}",
-  )
+  params = None if config.random_init else {"embeddings": hf_params["embeddings"], "encoder": tower["encoder"]}
+  return Backbone(ElectraEncoderModel(**sizes_of(hf_model), config=hf_model.config), params,
+                  _tokenizer_from_file(tokenizer_path, lowercase, strip_accents),
+                  f"random init (sizes of {path})" if config.random_init else f"Hugging Face {path}")
 
 
 def _from_config(config) -> Backbone:

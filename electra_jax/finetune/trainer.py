@@ -332,12 +332,10 @@ def _run_seed(config, adapter, backbone, seed: int, task_dir: str, epochs: int, 
 
   prediction_files = adapter.write_test(_predictor(predict_step, kept["params"], eval_batch_size),
                                         os.path.join(seed_dir, "predictions"))
-  result = dict(
-      seed=seed, epochs=epochs, steps=step, keep_epoch=config.keep_epoch, kept_epoch=kept["epoch"],
-      kept_step=kept["step"], dev=kept["dev"], history=history,
-      checkpoint=os.path.join(checkpointer.directory, str(kept["step"])), test_predictions=prediction_files,
-      config_fingerprint=seed_fingerprint(config),
-  )
+  result = dict(seed=seed, epochs=epochs, steps=step, keep_epoch=config.keep_epoch, kept_epoch=kept["epoch"],
+                kept_step=kept["step"], dev=kept["dev"], history=history,
+                checkpoint=os.path.join(checkpointer.directory, str(kept["step"])), test_predictions=prediction_files,
+                config_fingerprint=seed_fingerprint(config))
   workdir_files.write_json(os.path.join(seed_dir, "metrics.json"), result)
   return result
 
@@ -382,8 +380,7 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
     results = dict(
         # epochs: after min_steps, what each seed trained (config.epochs holds what was asked).
         task=adapter.name, init=backbone.source, epochs=epochs, steps_per_seed=steps_per_seed, head=adapter.head,
-        selection=selection, electra_jax_version=electra_jax.__version__,
-        config=json.loads(config_json),
+        selection=selection, electra_jax_version=electra_jax.__version__, config=json.loads(config_json),
         config_fingerprint=hashlib.sha256(config_json.encode()).hexdigest()[:16],
         seeds={str(run["seed"]): {k: run[k] for k in ("kept_epoch", "dev", "test_predictions")} for run in per_seed},
         summary=summary,
