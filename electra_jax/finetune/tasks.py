@@ -223,7 +223,7 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
   if file_format == "jsonl":
     records = []
     with open(path, encoding="utf-8") as f:
-      for line_number, line in filter(lambda numbered: numbered[1].strip(), enumerate(f, 1)):
+      for line_number, line in ((n, line) for n, line in enumerate(f, 1) if line.strip()):
         try:
           records.append(json.loads(line))
         except json.JSONDecodeError as error:
@@ -258,17 +258,15 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
     for column in filter(None, columns):
       if record.get(column) is None:
         raise ConfigError(f"{where} has no column {column!r} (it has {sorted(record)}); set config.custom.*_column.")
-    label = None
-    if labelled:
-      raw = record[custom.label_column]
-      if custom.kind == "regression":
-        label = _regression_label(raw, where)
-        if not math.isfinite(label):
-          raise ConfigError(f"{where}: regression label {raw!r} is not a finite number.")
-      else:
-        label = str(raw).lower() if isinstance(raw, bool) else str(raw)
-        if not label.strip():
-          raise ConfigError(f"{where}: the label ({custom.label_column!r}) is empty; give it or leave the row out.")
+    label, raw = None, record.get(custom.label_column)
+    if labelled and custom.kind == "regression":
+      label = _regression_label(raw, where)
+      if not math.isfinite(label):
+        raise ConfigError(f"{where}: regression label {raw!r} is not a finite number.")
+    elif labelled:
+      label = str(raw).lower() if isinstance(raw, bool) else str(raw)
+      if not label.strip():
+        raise ConfigError(f"{where}: the label ({custom.label_column!r}) is empty; give it or leave the row out.")
     text_b = str(record[custom.text_b_column]) if custom.text_b_column else None
     group = str(record[custom.group_column]) if grouped else None
     examples.append(Example(str(record[custom.text_a_column]), text_b, label, row_number - 1, group))
