@@ -337,14 +337,14 @@ def test_postprocess_on_oracle_logits_recovers_the_exact_answer_text(kind, reque
     flags = np.zeros(len(metadata.token_char_spans[index]), int)
     for row in example_rows:
       start, offset = int(metadata.window_start[row]), int(metadata.context_offset[row])
-      flagged = np.flatnonzero(metadata.token_is_max_context(row)) - offset + start
+      flagged = np.flatnonzero(metadata.max_context[row]) - offset + start
       flags[flagged] += 1
     assert (flags == 1).all()
 
   # A stronger one-token span at a position whose max-context window is another row is
   # ignored; the same logits at a position this row owns win.
   row = metadata.rows_of_example()[2][1]
-  owned = metadata.token_is_max_context(row)
+  owned = metadata.max_context[row]
   context = np.flatnonzero(features["token_type_ids"][row] * features["attention_mask"][row])[:-1]
   spans = metadata.token_char_spans[2]
   doc = np.arange(len(owned)) - metadata.context_offset[row] + metadata.window_start[row]
@@ -604,7 +604,7 @@ def test_postprocess_takes_the_n_best_over_the_whole_row_before_filtering(tokeni
   context = "It stands on the Champ de Mars in Paris"
   example = squad.SquadExample("q", "Which city?", context, [("Paris", context.index("Paris"))])
   features, metadata = squad.make_features([example], tokenizer, 40, 10, 8, is_training=False)
-  assert len(metadata) == 1
+  assert len(metadata.example_index) == 1
   offset = int(metadata.context_offset[0])
   p = lambda i: offset + i  # sequence position of context token i
   mask = np.asarray(squad.answer_mask(features["token_type_ids"], features["attention_mask"]))[0]

@@ -23,16 +23,14 @@ _GELU_FLOOR = 8.0
 
 
 def export_hf(workdir: str, out_dir: str, export_generator: bool = False) -> dict[str, str]:
-  """`--mode=export_hf`: a pre-training workdir's towers (interop.export_workdir), or each finished seed
-  of a fine-tuning workdir's tasks as <out_dir>/<task>/seed_<s> (config.json, model.safetensors, the
-  tokenizer files), whose logits match ours (SQuAD: where an answer may be). Returns {what: directory}."""
+  """`--mode=export_hf`: a pre-training workdir's towers, or each finished seed of a fine-tuning workdir as
+  <out_dir>/<task>/seed_<s> (HF config, weights and tokenizer; logits match ours). Returns {what: directory}."""
   names = os.listdir(workdir) if os.path.isdir(workdir) else []
   tasks = sorted(name for name in names if os.path.isfile(os.path.join(workdir, name, "results.json")))
   if not tasks:
     return export.export_workdir(workdir, out_dir, export_generator)
   if export_generator:
-    raise ConfigError(f"--export_generator: {workdir} is a fine-tuning workdir, which has no generator. "
-                      "Nothing was written.")
+    raise ConfigError(f"--export_generator: {workdir} is a fine-tuning workdir, which has no generator.")
   loaded = {task: load_task_model(workdir, task) for task in tasks}  # every refusal before anything is written
   for task in tasks:
     export.check_export_out(os.path.join(out_dir, task))
@@ -48,10 +46,9 @@ def export_hf(workdir: str, out_dir: str, export_generator: bool = False) -> dic
 
 
 def _classification_head(params, head: dict, encoder: models.EncoderConfig):
-  """HF's ElectraClassificationHead (dense -> GELU -> out_proj on [CLS]) holding our one dense layer
-  exactly: dense is the identity shifted by c, so large that every GELU input is at least _GELU_FLOOR
-  (the final LayerNorm bounds each feature by |scale| sqrt(H) + |bias|), and out_proj takes c back
-  off. Regression folds (lo, hi) in: HF's logits are on the labels' scale."""
+  """HF's ElectraClassificationHead (dense -> GELU -> out_proj) holding our one dense layer exactly: dense is
+  the identity shifted by c, which puts every GELU input (bounded by the final LayerNorm: |scale| sqrt(H) + |bias|)
+  at or above _GELU_FLOOR, and out_proj takes c back off. Regression folds (lo, hi) in."""
   norm = params["encoder"][f"layer_{encoder.num_layers - 1}"]["output_layer_norm"]  # post-LN: HF's only form
   size = encoder.hidden_size
   shift = np.abs(np.asarray(norm["scale"])) * np.sqrt(size) + np.abs(np.asarray(norm["bias"])) + _GELU_FLOOR
@@ -92,13 +89,11 @@ def load_task_model(workdir: str, task: str) -> TaskModel:
   results = workdir_files.read_json(os.path.join(workdir, task, "results.json"))
   head = results.get("head")
   if head is None:
-    raise ConfigError(f"{workdir}/{task}/results.json predates exports (no 'head' entry); fine-tune again to "
-                      "export it.")
+    raise ConfigError(f"{workdir}/{task}/results.json predates exports (no 'head' entry); fine-tune it again.")
   config = ml_collections.ConfigDict(results["config"])
   if head["kind"] != "span" and config.head.pooling != "cls":
     raise ConfigError(f"{workdir}/{task} was fine-tuned with head.pooling={config.head.pooling!r}, and Hugging "
-                      "Face's ElectraForSequenceClassification reads the first token only; fine-tune with "
-                      "--config.head.pooling=cls to export, or use the model in electra-jax.")
+                      "Face's ElectraForSequenceClassification reads [CLS] only; fine-tune with head.pooling=cls.")
   config.random_init = True  # sizes and tokenizer only: the weights come from the fine-tuned checkpoint
   backbone = model_lib.load_backbone(config)
   hf.check_hf_form(backbone.encoder_config)

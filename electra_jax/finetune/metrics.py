@@ -32,8 +32,8 @@ def matthews_corrcoef(labels: Sequence[int], predictions: Sequence[int]) -> floa
   """Matthews correlation (the multi-class form of Gorodkin 2004); 0 when a side has a single class."""
   labels, predictions = _pair(labels, predictions)
   classes = np.union1d(labels, predictions)
-  true_counts = np.array([np.sum(labels == c) for c in classes], np.float64)
-  predicted_counts = np.array([np.sum(predictions == c) for c in classes], np.float64)
+  true_counts = np.sum(labels[:, None] == classes, axis=0, dtype=np.float64)
+  predicted_counts = np.sum(predictions[:, None] == classes, axis=0, dtype=np.float64)
   total = float(labels.size)
   covariance = float(np.sum(labels == predictions)) * total - np.dot(true_counts, predicted_counts)
   variance_true = total**2 - np.dot(true_counts, true_counts)
@@ -54,13 +54,9 @@ def pearson(targets: Sequence[float], predictions: Sequence[float]) -> float:
 def average_ranks(values: Sequence[float]) -> np.ndarray:
   """Ranks 1..n; tied values share the mean of the ranks they span (scipy's 'average')."""
   values = np.asarray(values, np.float64)
-  order = np.argsort(values, kind="stable")
-  sorted_values = values[order]
-  starts = np.flatnonzero(np.r_[True, sorted_values[1:] != sorted_values[:-1]])  # of each run of equal values
-  ends = np.r_[starts[1:], values.size]  # exclusive
-  ranks = np.empty(values.size, np.float64)
-  ranks[order] = np.repeat((starts + ends + 1) / 2.0, ends - starts)
-  return ranks
+  _, inverse, counts = np.unique(values, return_inverse=True, return_counts=True, equal_nan=False)
+  ends = np.cumsum(counts)  # of each run of equal values, exclusive
+  return ((2 * ends - counts + 1) / 2.0)[inverse]
 
 
 def spearman(targets: Sequence[float], predictions: Sequence[float]) -> float:
@@ -73,14 +69,8 @@ METRIC_FNS = {"accuracy": accuracy, "f1": f1, "mcc": matthews_corrcoef, "pearson
 
 # What GLUE's leaderboard reports for each task (MNLI: on matched and mismatched alike).
 GLUE_METRICS = {
-    "cola": ("mcc",),
-    "sst2": ("accuracy",),
-    "mrpc": ("accuracy", "f1"),
-    "stsb": ("pearson", "spearman"),
-    "qqp": ("accuracy", "f1"),
-    "mnli": ("accuracy",),
-    "qnli": ("accuracy",),
-    "rte": ("accuracy",),
+    "cola": ("mcc",), "sst2": ("accuracy",), "mrpc": ("accuracy", "f1"), "stsb": ("pearson", "spearman"),
+    "qqp": ("accuracy", "f1"), "mnli": ("accuracy",), "qnli": ("accuracy",), "rte": ("accuracy",),
     "wnli": ("accuracy",),
 }
 

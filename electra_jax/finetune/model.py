@@ -1,5 +1,5 @@
-"""The fine-tuning classifier (the discriminator's encoder, pooled -> dropout -> dense) and the
-backbone it starts from (a pre-training workdir, a Hugging Face directory or random init) with its tokenizer."""
+"""The fine-tuning classifier (encoder, pooled -> dropout -> dense) and the backbone it starts from (a
+pre-training workdir, a Hugging Face directory or random init) with its tokenizer."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def sizes_of(model) -> dict[str, int]:
 
 
 def head_dense(features: int, dtype, name: str | None = None, fan_out: int | None = None) -> nn.Dense:
-  """A head's dense layer as the official tf.layers.dense: zero bias, TF1's glorot_uniform kernel, whose
-  fan-out is `fan_out` if given (a column as its own layer: the SQuAD head's start and end dense(H -> 1))."""
+  """A head's dense layer as the official tf.layers.dense: zero bias, TF1's glorot_uniform kernel with fan-out
+  `fan_out` if given (each column initialized as its own layer)."""
 
   def kernel_init(key, shape, dtype=jnp.float32):
     limit = (6.0 / (shape[-2] + (shape[-1] if fan_out is None else fan_out))) ** 0.5
@@ -43,8 +43,8 @@ def head_dense(features: int, dtype, name: str | None = None, fan_out: int | Non
 
 
 def pool(hidden: jax.Array, attention_mask: jax.Array, pooling: str) -> jax.Array:
-  """[batch, seq, hidden] -> [batch, hidden]: the first token's state ("cls", the official head), or
-  the float32 mean over the positions where attention_mask is 1 ("mean")."""
+  """[batch, seq, hidden] -> [batch, hidden]: the first token's state ("cls"), or the float32 mean over the
+  positions where attention_mask is 1 ("mean")."""
   if pooling == "cls":
     return hidden[:, 0]
   if pooling == "mean":
@@ -67,8 +67,8 @@ class EncoderWithHead(OneTower):
 
 
 class ElectraClassifier(EncoderWithHead, kw_only=True):
-  """Parameters {embeddings, encoder, classifier}. [batch, seq] -> [batch, num_outputs] float32:
-  class logits, or one regression score, from the pooled states (pooled -> dropout -> dense)."""
+  """Parameters {embeddings, encoder, classifier}. [batch, seq] -> float32 [batch, num_outputs]: class logits
+  or one regression score (pooled -> dropout -> dense)."""
 
   num_outputs: int
   head_dropout_rate: float = 0.1
@@ -99,9 +99,8 @@ class Backbone:
 
   def task_model(self, module_class, config, **head_fields):
     """`module_class` (ElectraClassifier, squad.SquadModel) over this encoder, with config's dropout and dtype."""
-    encoder_config = dataclasses.replace(
-        self.encoder_config, dropout_rate=config.dropout_rate, attention_dropout_rate=config.attention_dropout_rate
-    )
+    encoder_config = dataclasses.replace(self.encoder_config, dropout_rate=config.dropout_rate,
+                                         attention_dropout_rate=config.attention_dropout_rate)
     return module_class(**sizes_of(self.model), config=encoder_config, dtype=jnp.dtype(config.dtype), **head_fields)
 
   def classifier(self, num_outputs: int, config) -> ElectraClassifier:
@@ -129,23 +128,19 @@ def _from_workdir(config, workdir: str) -> Backbone:
     tokenizer = _tokenizer_from_file(config.tokenizer, config.lowercase)
   else:
     tokenizer = data.workdir_tokenizer(workdir, pretrain_config.data)
-  # An imported, untrained checkpoint has only its vocabulary's fingerprint; a data fingerprint's
-  # tokenizer part is 'spm:<hash>' or 'wp:<hash>'.
+  # An imported checkpoint has only its vocabulary's fingerprint; a data fingerprint's is its 'spm:'/'wp:' part.
   recorded = meta.get("tokenizer_fingerprint")
   if meta.get("data_fingerprint"):
     parts = [part.partition(":") for part in meta["data_fingerprint"].split("|")]
     recorded = next((value for kind, _, value in parts if kind in ("spm", "wp")), None)
   if recorded is not None and recorded != tokenizer.fingerprint:
     raise ConfigError(f"The tokenizer {tokenizer!r} differs from the one the checkpoint in {workdir} was pre-trained "
-                      f"with (fingerprint {recorded}); its token ids would mean other words to the model. Leave "
-                      "config.tokenizer empty to use the pre-training tokenizer (if its cache was rebuilt "
-                      "differently, restore the cache or pre-train again).")
+                      f"with (fingerprint {recorded}); leave config.tokenizer empty to use that one.")
   pretrainer = build_model(pretrain_config)
   source = f"random init (sizes of {workdir})" if config.random_init else f"{workdir} step {step}"
   params = None
   if not config.random_init:
     from electra_jax.interop.export import one_device_setup  # interop only where it is needed
-
     mesh, setup = one_device_setup(pretrain_config, tokenizer)
     _, state = train.restore_checkpoint(workdir, setup, mesh, step)
     # The standalone discriminator, every model.tie mode resolved; the RTD head and generator stay behind.
@@ -164,24 +159,20 @@ def _from_hf(config, path: str) -> Backbone:
   candidates = [os.path.join(path, name) for name in ("vocab.txt", "spm.model")]  # BERT's, or our export's
   tokenizer_path = config.tokenizer or next((c for c in candidates if os.path.isfile(c)), "")
   if not tokenizer_path:
-    raise ConfigError(f"{path} has neither vocab.txt nor spm.model; set config.tokenizer to the vocabulary "
-                      "the model was trained with.")
+    raise ConfigError(f"{path} has neither vocab.txt nor spm.model; set config.tokenizer to the model's vocabulary.")
   # How tokenizer_config.json says the text was normalized, unless config.lowercase is set.
   lowercase, strip_accents = pairing.read_tokenizer_settings(path)
   lowercase = lowercase if config.lowercase is None else config.lowercase
-  return Backbone(
-      ElectraEncoderModel(**sizes_of(hf_model), config=hf_model.config),
-      params=None if config.random_init else {"embeddings": hf_params["embeddings"], "encoder": tower["encoder"]},
-      tokenizer=_tokenizer_from_file(tokenizer_path, lowercase, strip_accents),
-      source=f"random init (sizes of {path})" if config.random_init else f"Hugging Face {path}",
-  )
+  params = None if config.random_init else {"embeddings": hf_params["embeddings"], "encoder": tower["encoder"]}
+  return Backbone(ElectraEncoderModel(**sizes_of(hf_model), config=hf_model.config), params,
+                  _tokenizer_from_file(tokenizer_path, lowercase, strip_accents),
+                  f"random init (sizes of {path})" if config.random_init else f"Hugging Face {path}")
 
 
 def _from_config(config) -> Backbone:
   if not config.tokenizer:
     raise ConfigError("config.init_from is empty, so the model starts from scratch and needs config.tokenizer (a "
-                      "sentencepiece .model or a BERT vocab.txt). To fine-tune a pre-trained model, set "
-                      "config.init_from to its pre-training workdir or Hugging Face directory.")
+                      "sentencepiece .model or a BERT vocab.txt), or set config.init_from to a pre-trained model.")
   m = config.model
   config_lib.check_encoder_sizes(m, ("hidden_size", "num_layers", "num_heads", "intermediate_size", "embedding_size",
                                      "max_position_embeddings"), "config.model.", " (the random-init model's sizes)")
@@ -192,9 +183,8 @@ def _from_config(config) -> Backbone:
 
 
 def load_backbone(config) -> Backbone:
-  """The encoder config.init_from names: a pre-training workdir (with checkpoints/), a Hugging Face
-  directory (config.json + weights), or "" for config.model's sizes; config.random_init keeps the
-  sizes and tokenizer, not the weights (a baseline)."""
+  """The encoder config.init_from names: a pre-training workdir, a Hugging Face directory, or "" for
+  config.model's sizes; config.random_init keeps the sizes and tokenizer, not the weights."""
   init_from = config.init_from
   if not init_from:
     backbone = _from_config(config)
@@ -204,7 +194,7 @@ def load_backbone(config) -> Backbone:
     backbone = _from_hf(config, init_from)
   else:
     raise ConfigError(f"config.init_from={init_from!r} is neither a pre-training workdir (with checkpoints/) nor a "
-                      "Hugging Face model directory (with config.json).")
+                      "Hugging Face directory (with config.json).")
   if backbone.tokenizer.vocab_size > backbone.model.vocab_size:
     raise ConfigError(f"The tokenizer has {backbone.tokenizer.vocab_size} tokens but the model's vocabulary only "
                       f"{backbone.model.vocab_size}; use the tokenizer the model was trained with.")
@@ -216,13 +206,13 @@ def load_backbone(config) -> Backbone:
 
 @functools.lru_cache(maxsize=4)
 def _compiled_init(model: nn.Module):
-  """One compiled init per model (modules compare by their fields) for every seed and trial of a run."""
+  """One compiled init per model (modules compare by their fields) for all seeds and trials of a run."""
   return jax.jit(model.init)
 
 
 def init_params(backbone: Backbone, model: ElectraClassifier, rng: jax.Array, seq_len: int, reinit_layers: int = 0):
-  """Fresh parameters for `model` with the backbone's weights (if any) in place of the embeddings and
-  encoder, but for the top `reinit_layers` layers (and a pre-LN final LayerNorm with them)."""
+  """Fresh parameters for `model`, the backbone's weights (if any) in the embeddings and encoder but for the top
+  `reinit_layers` layers (and a pre-LN final LayerNorm with them)."""
   ids = jnp.zeros((1, seq_len), jnp.int32)
   params = nn.meta.unbox(_compiled_init(model)(rng, ids, ids, jnp.ones_like(ids))["params"])
   if backbone.params is not None:

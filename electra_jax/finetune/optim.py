@@ -22,13 +22,8 @@ def check_layerwise(decay: float, rule: str) -> None:
 
 
 def layerwise_lr_scales(params, num_layers: int, decay: float, rule: str = "correct"):
-  """A tree like `params` holding each parameter's learning-rate multiplier.
-
-  correct:  decay ** (num_layers + 1 - depth), the paper's: the head 1, the top layer decay, ...
-            the embeddings (depth 0, with the E->H projection) decay ** (num_layers + 1).
-  official: the official `_get_layer_lrs`, whose head is at depth num_layers + 2: one factor of
-            decay less below the head. A pre-LN final_layer_norm goes with the top layer.
-  """
+  """A tree like `params` of learning-rate multipliers: the head 1, depth d (embeddings 0) decay ** (L + 1 - d);
+  "official" (its `_get_layer_lrs`) one factor of decay more below the head. final_layer_norm is the top layer's."""
   check_layerwise(decay, rule)
   head_depth = num_layers + 1
   top = head_depth + (1 if rule == "official" else 0)
@@ -59,8 +54,7 @@ def linear_warmup_decay(base_lr, warmup_steps, total_steps):
 
 
 def schedule_args(config, total_steps: int, learning_rate: float | None = None) -> np.ndarray:
-  """float32 [peak (None: optimizer.learning_rate), warmup steps, total steps]: an argument of the
-  compiled step, so a run's seeds and learning-rate trials share one compile."""
+  """float32 [peak (None: optimizer.learning_rate), warmup steps, total steps], an argument of the compiled step."""
   o = config.optimizer
   if not 0.0 <= o.warmup_fraction < 1.0:
     raise ConfigError(f"optimizer.warmup_fraction={o.warmup_fraction} must be in [0, 1).")

@@ -1,5 +1,5 @@
-"""SQuAD 1.1 and 2.0 as the official code runs them: reading (JSON or TFDS), windowed features, the
-span head and its loss, n-best decoding, the official EM/F1, and the trainer's adapter."""
+"""SQuAD 1.1 and 2.0 as the official code runs them: reading (JSON or TFDS), windowed features, the span head
+and its loss, n-best decoding, the official EM/F1, and the trainer's adapter."""
 
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ from electra_jax.finetune.model import EncoderWithHead, head_dense
 VERSIONS = ("1.1", "2.0")
 _VERSION_NAMES = {name: version for version in VERSIONS for name in (version, version[0], "v" + version)}
 FEATURE_KEYS = ("input_ids", "token_type_ids", "attention_mask", "start_positions", "end_positions", "is_impossible")
-# Added to the logits of positions that cannot start or end an answer (question, padding): the
-# official head adds -1000, enough for softmax to give them no mass.
+# The logit of positions that cannot start or end an answer (question, padding): no softmax mass.
 _MASKED_LOGIT = -10000.0
 
 
@@ -50,8 +49,7 @@ def _log_progress(what: str, done: int, total: int, started: float) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class SquadExample:
-  """`answers`: (text, character offset in `context`) pairs; training uses the first, evaluation
-  the best of all; an impossible (2.0) question has none."""
+  """`answers`: (text, character offset in `context`) pairs; training uses the first, evaluation the best of all."""
 
   qas_id: str
   question: str
@@ -61,31 +59,24 @@ class SquadExample:
 
 
 def _make_example(qas_id, question, context, answers, is_impossible, version, where) -> SquadExample:
-  if not isinstance(qas_id, str) or not qas_id:
-    raise ConfigError(f"{where}: question id {qas_id!r} must be a non-empty string.")
-  if not isinstance(question, str) or not isinstance(context, str):
-    raise ConfigError(f"{where}: question {qas_id!r} needs string 'question' and 'context' fields.")
+  if not (qas_id and isinstance(qas_id, str) and isinstance(question, str) and isinstance(context, str)):
+    raise ConfigError(f"{where}: question {qas_id!r} needs a non-empty string 'id', string 'question' and 'context'.")
   checked = []
   for text, start in answers:
     if not isinstance(text, str) or isinstance(start, bool) or not isinstance(start, (int, np.integer)):
-      raise ConfigError(f"{where}: question {qas_id!r} has an answer {(text, start)!r}; each answer needs a "
-                        "string 'text' and an integer 'answer_start'.")
+      raise ConfigError(f"{where}: question {qas_id!r} has an answer {(text, start)!r}; each needs a string "
+                        "'text' and an integer 'answer_start'.")
     start = int(start)
     found = context[start:start + len(text)] if start >= 0 else None
     if found != text:
       raise ConfigError(f"{where}: question {qas_id!r}: answer_start={start} does not point at the answer text "
-                        f"{text!r} (the context there reads {found!r}). answer_start must be the character offset "
-                        "of the answer in the context; fix the file.")
+                        f"{text!r} (the context there reads {found!r}); fix the file.")
     checked.append((text, start))
-  if version == "1.1" and is_impossible:
-    raise ConfigError(f"{where}: question {qas_id!r} is marked is_impossible, which only SQuAD 2.0 has; read "
-                      "the file with version='2.0'.")
-  if is_impossible and checked:
-    raise ConfigError(f"{where}: question {qas_id!r} is marked is_impossible but has answers {checked}; an "
-                      "impossible question must have an empty 'answers' list.")
-  if not is_impossible and not checked:
-    raise ConfigError(f"{where}: question {qas_id!r} has no answers and is not marked is_impossible. SQuAD 1.1 "
-                      "questions need at least one answer; for 2.0 set is_impossible=true.")
+  for bad, why in ((version == "1.1" and is_impossible, "is marked is_impossible, which only SQuAD 2.0 has"),
+                   (is_impossible and checked, f"is marked is_impossible but has answers {checked}"),
+                   (not is_impossible and not checked, "has no answers and is not marked is_impossible")):
+    if bad:
+      raise ConfigError(f"{where}: question {qas_id!r} {why}.")
   return SquadExample(qas_id, question, context, checked, bool(is_impossible))
 
 
@@ -94,14 +85,12 @@ def _check_examples(examples: list[SquadExample], where: str) -> list[SquadExamp
     raise ConfigError(f"{where} holds no SQuAD questions; give a non-empty file or split.")
   repeated = [qid for qid, n in collections.Counter(e.qas_id for e in examples).items() if n > 1]
   if repeated:
-    raise ConfigError(f"{where}: question ids {repeated[:5]} occur more than once; predictions are keyed by "
-                      "id, so every question needs its own.")
+    raise ConfigError(f"{where}: question ids {repeated[:5]} occur more than once; give each question its own.")
   return examples
 
 
 def read_squad_json(path: str, version) -> list[SquadExample]:
-  """Questions of an official SQuAD JSON file ({"data": [{"paragraphs": [{"context", "qas"}]}]}),
-  `version` "1.1" or "2.0" (2.0's `plausible_answers` are not gold answers and are ignored)."""
+  """Questions of an official SQuAD JSON file, `version` "1.1" or "2.0" (`plausible_answers` are ignored)."""
   version = _check_version(version)
   try:
     with open(path, encoding="utf-8") as f:
@@ -122,8 +111,7 @@ def read_squad_json(path: str, version) -> list[SquadExample]:
       answers = [(a["text"], a["answer_start"]) for a in qa["answers"]]
       qas_id, question, is_impossible = qa["id"], qa["question"], qa.get("is_impossible", False)
     except (KeyError, TypeError, AttributeError) as e:
-      raise ConfigError(f"{path!r}: a question lacks the field {e} (each needs 'id', 'question' and 'answers', "
-                        "each answer 'text' and 'answer_start').") from e
+      raise ConfigError(f"{path!r}: a question lacks the field {e} (see the official files).") from e
     examples.append(_make_example(qas_id, question, context, answers, is_impossible, version, repr(path)))
   return _check_examples(examples, repr(path))
 
@@ -133,7 +121,6 @@ def read_squad_tfds(name: str, split: str, data_dir: str | None = None):
   match = re.search(r"v(1\.1|2\.0)$", name)
   if not match:
     raise ConfigError(f"TFDS name {name!r} is not 'squad/v1.1' or 'squad/v2.0'.")
-  version = match.group(1)
   source = tasks.open_tfds_split(name, split, data_dir, "read the official JSON files with read_squad_json",
                                  builder_kwargs={"file_format": "array_record"})
   where, text = f"TFDS {name} {split}", tasks.decode_text
@@ -142,7 +129,7 @@ def read_squad_tfds(name: str, split: str, data_dir: str | None = None):
     record = source[i]
     pairs = [(text(t), int(s)) for t, s in zip(record["answers"]["text"], record["answers"]["answer_start"])]
     examples.append(_make_example(text(record["id"]), text(record["question"]), text(record["context"]), pairs,
-                                  bool(record.get("is_impossible", False)), version, where))
+                                  bool(record.get("is_impossible", False)), match.group(1), where))
     _log_progress(f"Reading {where}", i + 1, len(source), started)
   return _check_examples(examples, where)
 
@@ -154,9 +141,8 @@ def _fold(text: str) -> str:
 
 
 def _word_tokenizer(tokenizer):
-  """word -> (its token ids, each token's [start, end) characters in it), cached. Pieces are aligned
-  through _fold; when that fails (an [UNK], a normalization we do not reproduce) every piece spans
-  the whole word, so an answer still maps to whole words, as the official code."""
+  """word -> (its token ids, each token's [start, end) characters in it), cached; where the pieces do not align
+  through _fold (an [UNK], another normalization) each spans the whole word, as in the official code."""
   unk_id = getattr(tokenizer, "unk_id", None)
   hashes = "##" if getattr(tokenizer, "kind", None) == "wordpiece" else ""
 
@@ -193,8 +179,7 @@ def _tokenize_context(context: str, word_tokenizer):
 
 
 def _windows(num_tokens: int, max_tokens: int, doc_stride: int) -> list[tuple[int, int]]:
-  """(start, length) of each window over the context tokens, as the official code slides them:
-  a window starts min(length, doc_stride) after the previous one, the last reaches the end."""
+  """(start, length) of each window over the context tokens, each min(length, doc_stride) after the previous."""
   windows, start = [], 0
   while True:
     length = min(num_tokens - start, max_tokens)
@@ -205,9 +190,8 @@ def _windows(num_tokens: int, max_tokens: int, doc_stride: int) -> list[tuple[in
 
 
 def max_context_owner(windows: Sequence[tuple[int, int]], num_tokens: int) -> np.ndarray:
-  """For each context token, the index of the window that gives it the most context: the largest
-  min(left, right) + 0.01 * window length, the first window on ties (the official rule). Decoding
-  only lets an answer start in its token's owner window."""
+  """For each context token, the window giving it the most context: the largest min(left, right) + 0.01 * length,
+  the first on ties (the official rule); an answer may only start in its token's owner window."""
   best_score = np.full(num_tokens, -np.inf)
   owner = np.full(num_tokens, -1, dtype=np.int32)
   for index, (start, length) in enumerate(windows):
@@ -221,9 +205,8 @@ def max_context_owner(windows: Sequence[tuple[int, int]], num_tokens: int) -> np
 
 @dataclasses.dataclass
 class SquadMetadata:
-  """What decoding needs besides the logits. Per row: its example, window, the window's first
-  position and bool [seq_len] flags where it is the max-context window; per example: each context
-  token's [start, end) characters (int32 [n, 2])."""
+  """What decoding needs besides the logits. Per row: its example, window, the window's first position and
+  bool [seq_len] max_context flags; per example: each context token's [start, end) characters, int32 [n, 2]."""
 
   example_index: np.ndarray
   window_start: np.ndarray
@@ -232,30 +215,22 @@ class SquadMetadata:
   token_char_spans: list[np.ndarray]
   max_context: np.ndarray
 
-  def __len__(self) -> int:
-    return len(self.example_index)
-
   def rows_of_example(self) -> dict[int, list[int]]:
     rows = collections.defaultdict(list)
     for row, example in enumerate(self.example_index):
       rows[int(example)].append(row)
     return rows
 
-  def token_is_max_context(self, row: int) -> np.ndarray:
-    return self.max_context[row]
-
 
 def make_features(examples: Sequence[SquadExample], tokenizer, max_seq_len: int = 512, doc_stride: int = 128,
                   max_query_len: int = 64, *, is_training: bool) -> tuple[dict[str, np.ndarray], SquadMetadata]:
-  """(int32 FEATURE_KEYS arrays, SquadMetadata), a row per window as the official code builds them:
-  [CLS] question [SEP] window [SEP]. start/end_positions: the first answer's tokens, or 0 ([CLS]) when the
-  window misses any of it; is_impossible: the question's. Training leaves out answers that cover no token."""
+  """(int32 FEATURE_KEYS arrays, SquadMetadata), a row [CLS] question [SEP] window [SEP] per window; positions:
+  the first answer's tokens, or 0 ([CLS]) where the window misses it. Training drops answers covering no token."""
   if max_query_len < 1 or doc_stride < 1:
     raise ConfigError(f"max_query_len={max_query_len} and doc_stride={doc_stride} must be >= 1.")
   if max_seq_len - max_query_len - 3 < 1:
-    raise ConfigError(f"max_seq_len={max_seq_len} leaves no room for the context after a question of up to "
-                      f"max_query_len={max_query_len} tokens and [CLS] [SEP] [SEP]; raise max_seq_len or lower "
-                      "max_query_len.")
+    raise ConfigError(f"max_seq_len={max_seq_len} leaves no room for the context after max_query_len="
+                      f"{max_query_len} and [CLS] [SEP] [SEP]; raise max_seq_len or lower max_query_len.")
   word_tokenizer = _word_tokenizer(tokenizer)
   contexts: dict[str, tuple[list[int], np.ndarray]] = {}
   rows, meta = [], []  # per row: FEATURE_KEYS' values; (example, window_start, window_length, context_offset)
@@ -286,7 +261,6 @@ def make_features(examples: Sequence[SquadExample], tokenizer, max_seq_len: int 
       max_context.append(np.zeros(max_seq_len, bool))
       max_context[-1][offset:offset + length] = owner[start:start + length] == window
     _log_progress("SQuAD features", index + 1, len(examples), started)
-
   if skipped:
     logging.warning("make_features left out %d training questions whose answer covers no token.", skipped)
   if not rows:
@@ -298,16 +272,15 @@ def make_features(examples: Sequence[SquadExample], tokenizer, max_seq_len: int 
 
 
 def answer_mask(token_type_ids, attention_mask):
-  """bool [batch, seq]: positions an answer may start or end at, the context (segment 1) and
-  [CLS] (the "no answer in this window" target), as the official head masks them."""
+  """bool [batch, seq]: where an answer may start or end: the context (segment 1) and [CLS] (no answer here)."""
   mask = jnp.asarray(token_type_ids * attention_mask).astype(bool)
   return mask.at[:, 0].set(True)
 
 
 class SpanHead(nn.Module):
-  """ELECTRA's official span head: float32 start and end logits [B, T] (-10000 outside answer_mask)
-  and, with `answerable` (SQuAD 2.0), an answerability logit [B] (positive: the window holds the
-  answer) from dense([CLS] hidden ++ start-probability-weighted hidden) -> GELU -> dense; else None."""
+  """ELECTRA's official span head: float32 start and end logits [B, T] (_MASKED_LOGIT outside answer_mask) and,
+  with `answerable`, an answerability logit [B] from dense([CLS] ++ start-probability-weighted hidden) -> GELU ->
+  dense (else None)."""
 
   answerable: bool = False
   answerable_hidden_size: int = 512
@@ -333,8 +306,8 @@ class SpanHead(nn.Module):
 
 def span_losses(start_logits, end_logits, start_positions, end_positions,
                 answerable_logits=None, is_impossible=None, answerable_weight: float = 0.5):
-  """Per row [B]: (CE(start) + CE(end)) / 2, plus answerable_weight (official: 0.5) times the
-  sigmoid cross-entropy of answerable_logits against 1 - is_impossible when they are given."""
+  """Per row [B]: (CE(start) + CE(end)) / 2, plus answerable_weight times the sigmoid cross-entropy of
+  answerable_logits (when given) against 1 - is_impossible."""
   per_row = 0.5 * (optax.softmax_cross_entropy_with_integer_labels(start_logits, start_positions)
                    + optax.softmax_cross_entropy_with_integer_labels(end_logits, end_positions))
   if answerable_logits is None:
@@ -350,7 +323,6 @@ def span_loss(*args, weights=None, **kwargs):
   return jnp.sum(per_row * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
-
 def apply_null_threshold(predictions: dict, null_odds: dict, null_threshold: float) -> dict:
   """Final answers: "" (no answer) where null_odds > null_threshold, else the span text."""
   return {qid: "" if null_odds.get(qid, -np.inf) > null_threshold else text for qid, text in predictions.items()}
@@ -359,17 +331,16 @@ def apply_null_threshold(predictions: dict, null_odds: dict, null_threshold: flo
 def postprocess(examples: Sequence[SquadExample], features: dict[str, np.ndarray], metadata: SquadMetadata,
                 start_logits, end_logits, answerable_logits=None, n_best: int = 20, max_answer_len: int = 30,
                 null_threshold: float | None = -2.75, *, version) -> tuple[dict[str, str], dict[str, float]]:
-  """(predictions {qas_id: text}, null_odds {qas_id: float}): per question the valid span (of each
-  row's n_best starts and ends) with the highest start + end logit. 2.0's null_odds: min
-  -answerable_logit over the rows, or min(start[CLS] + end[CLS]) - the best span's score; the answer
-  is "" where it exceeds a float null_threshold (None: keep the best spans, to score)."""
+  """(predictions {qas_id: text}, null_odds {qas_id: float}): per question the valid span (of each row's n_best
+  starts and ends) with the highest start + end logit. 2.0's null_odds: min -answerable_logit over the rows, or
+  min(start[CLS] + end[CLS]) - the best span's; "" where above null_threshold (None: keep the spans)."""
   version = _check_version(version)
   start_logits, end_logits = np.asarray(start_logits, np.float32), np.asarray(end_logits, np.float32)
   if start_logits.shape != metadata.max_context.shape or end_logits.shape != start_logits.shape:
     raise ValueError(f"postprocess got logits of shapes {start_logits.shape} and {end_logits.shape}; the features "
-                     f"have {len(metadata)} rows of {metadata.max_context.shape[1]} ({features['input_ids'].shape}).")
+                     f"have shape {metadata.max_context.shape} ({features['input_ids'].shape}).")
   if answerable_logits is not None:
-    answerable_logits = np.asarray(answerable_logits, np.float32).reshape(len(metadata))
+    answerable_logits = np.asarray(answerable_logits, np.float32).reshape(len(start_logits))
   predictions, null_odds = {}, {}
   for index, rows in sorted(metadata.rows_of_example().items()):  # examples left out of training have none
     example, spans = examples[index], metadata.token_char_spans[index]
@@ -380,9 +351,8 @@ def postprocess(examples: Sequence[SquadExample], features: dict[str, np.ndarray
       row_start, row_end = start_logits[row], end_logits[row]
       null = float(row_start[0] + row_end[0]) if answerable_logits is None else -float(answerable_logits[row])
       score_null = min(score_null, null)
-      # As the official decoding: the n_best starts and ends over the whole row (ties to the lower
-      # position), and only then the invalid ones dropped: [CLS], the question, padding, the last
-      # [SEP], and starts whose max-context window is another row.
+      # As the official decoding: the n_best starts and ends over the whole row (ties to the lower position),
+      # then the invalid dropped: [CLS], question, padding, last [SEP], starts owned by another window.
       starts = np.argsort(-row_start, kind="stable")[:n_best]
       starts = starts[owned[starts]]
       ends = np.argsort(-row_end, kind="stable")[:n_best]
@@ -416,8 +386,7 @@ def exact_match(gold: str, prediction: str) -> int:
 
 
 def f1_score(gold: str, prediction: str, version="2.0") -> float:
-  """Token F1 of the normalized texts. 2.0 scores an empty side 1 if both are empty, else 0;
-  1.1's script has no such case (an empty side just shares no token)."""
+  """Token F1 of the normalized texts; 2.0 (not 1.1's script) scores an empty side 1 if both are empty, else 0."""
   gold_tokens, pred_tokens = normalize_answer(gold).split(), normalize_answer(prediction).split()
   if _check_version(version) == "2.0" and (not gold_tokens or not pred_tokens):
     return float(gold_tokens == pred_tokens)
@@ -429,8 +398,7 @@ def f1_score(gold: str, prediction: str, version="2.0") -> float:
 
 
 def _best_threshold(predictions, scores, null_odds, has_answer) -> tuple[float, float]:
-  """The official search: from "no answer everywhere", answer questions in increasing null_odds
-  and keep the best total; returns (score in %, the null_odds threshold reaching it)."""
+  """The official search, answering questions in increasing null_odds: (best score in %, its null_odds cut)."""
   current = best = sum(1 for qid in scores if not has_answer[qid])
   best_threshold = 0.0
   for qid in sorted(null_odds, key=lambda k: null_odds[k]):
@@ -447,9 +415,9 @@ def _best_threshold(predictions, scores, null_odds, has_answer) -> tuple[float, 
 
 def squad_metrics(examples: Sequence[SquadExample], predictions: dict[str, str], null_odds: dict | None = None,
                   null_threshold: float = -2.75, version=None) -> dict[str, float]:
-  """EM and F1 in percent ("exact", "f1", "total"), max over each question's gold answers; version
-  None: 2.0 when a question is impossible or null_odds is given. 2.0 as the official v2 script with
-  --na-prob-thresh, adding HasAns_* / NoAns_* and, with null_odds, best_exact / best_f1 and their cuts."""
+  """EM and F1 in percent ("exact", "f1", "total"), the max over each question's gold answers; version None: 2.0
+  where a question is impossible or null_odds given. 2.0 as the official v2 script with --na-prob-thresh, adding
+  HasAns_* / NoAns_* and, with null_odds, best_exact / best_f1 and their cuts."""
   if version is None:
     version = "2.0" if null_odds is not None or any(e.is_impossible for e in examples) else "1.1"
   version = _check_version(version)
@@ -492,15 +460,14 @@ def squad_metrics(examples: Sequence[SquadExample], predictions: dict[str, str],
 
 
 def write_predictions(path: str, predictions: dict) -> None:
-  """The official predictions JSON {qas_id: text} ("" = no answer), or null_odds as the v2 script's
-  --na-prob-file ({qas_id: float}), written atomically."""
+  """The official predictions JSON {qas_id: text}, or null_odds as the v2 script's --na-prob-file, atomically."""
   payload = {str(k): (v if isinstance(v, str) else float(v)) for k, v in predictions.items()}
   workdir_files.write_text(path, json.dumps(payload, ensure_ascii=False, indent=1))
 
 
 class SquadModel(EncoderWithHead):
-  """Parameters {embeddings, encoder, span_head}. [B, T] -> float32 [B, T, 3]: start, end and the
-  answerability logit along T (zeros without it), one array the trainer can batch (see split_outputs)."""
+  """Parameters {embeddings, encoder, span_head}. [B, T] -> float32 [B, T, 3]: start, end and the answerability
+  logit along T (zeros without it), one array the trainer can batch (see split_outputs)."""
 
   answerable: bool = False
 
@@ -535,8 +502,8 @@ class SquadSettings:
 
 
 def squad_settings(config) -> SquadSettings:
-  """Version from config.task ("squad1.1", "squadv1", "squad_v1.1": 1.1; "squad" as the official code,
-  "squad2.0", "squad_v2.0": 2.0); the rest from config.squad."""
+  """Version from config.task ("squad1.1", "squadv1", ...: 1.1; "squad", "squad2.0", ...: 2.0), the rest from
+  config.squad."""
   task = re.fullmatch(r"squad(v?(1|11|2|20))?", re.sub(r"[^a-z0-9]", "", str(config.task).lower()))
   if not task:
     raise ConfigError(f"config.task={config.task!r}: for SQuAD use 'squad1.1' or 'squad2.0'.")
@@ -553,8 +520,7 @@ def squad_settings(config) -> SquadSettings:
 
 
 def load_squad(config, version: str) -> tuple[list[SquadExample], list[SquadExample]]:
-  """(train, dev) questions: the official {train,dev}-v<version>.json in config.data_dir (source
-  "dir"), or TFDS squad/v<version> in config.tfds_data_dir (source "tfds")."""
+  """(train, dev) questions: {train,dev}-v<version>.json in config.data_dir, or TFDS squad/v<version>."""
   if config.source == "tfds":
     name, data_dir = f"squad/v{version}", config.tfds_data_dir or None
     return read_squad_tfds(name, "train", data_dir), read_squad_tfds(name, "validation", data_dir)
@@ -563,14 +529,13 @@ def load_squad(config, version: str) -> tuple[list[SquadExample], list[SquadExam
   paths = [os.path.join(config.data_dir, f"{split}-v{version}.json") for split in ("train", "dev")]
   for path in paths:
     if not os.path.isfile(path):
-      raise ConfigError(f"SQuAD {version}: {path} does not exist. Set config.data_dir to the folder holding the "
-                        f"official train-v{version}.json and dev-v{version}.json, or use config.source=tfds.")
+      raise ConfigError(f"SQuAD {version}: {path} does not exist; set config.data_dir to the folder of the official "
+                        "files, or use config.source=tfds.")
   return tuple(read_squad_json(path, version) for path in paths)
 
 
 def make_adapter(config, backbone):
-  """The trainer's TaskAdapter: dev EM/F1 as fractions ("score" = F1), the dev predictions in the
-  official JSON as its test files."""
+  """The trainer's TaskAdapter: dev EM/F1 as fractions ("score" = F1), dev predictions as its test files."""
   settings = squad_settings(config)
   version, tokenizer = settings.version, backbone.tokenizer
   train_examples, dev_examples = load_squad(config, version)
@@ -599,8 +564,7 @@ def make_adapter(config, backbone):
     predictions, null_odds = decode(predict)
     scores = squad_metrics(dev_examples, predictions, null_odds if version == "2.0" else None,
                            settings.null_threshold, version)
-    # Percentages become fractions; the null-odds cuts reaching best_exact / best_f1 (for
-    # --config.squad.null_threshold) are thresholds and stay as they are; the counts stay out.
+    # Percentages become fractions; the null-odds cuts (*_thresh) stay as they are; the counts stay out.
     result = {key: value / (1.0 if key.endswith("_thresh") else 100.0) for key, value in scores.items()
               if not key.endswith("total")}
     return {f"squad{version}": dict(result, score=result["f1"])}
@@ -610,10 +574,9 @@ def make_adapter(config, backbone):
     files = {"dev_predictions.json": apply_null_threshold(predictions, null_odds, settings.null_threshold)}
     if version == "2.0":
       files["dev_null_odds.json"] = null_odds
-    files = {os.path.join(directory, name): values for name, values in files.items()}
-    for path, values in files.items():
-      write_predictions(path, values)
-    return list(files)
+    for name, values in files.items():
+      write_predictions(os.path.join(directory, name), values)
+    return [os.path.join(directory, name) for name in files]
 
   return tasks.TaskAdapter(f"squad{version}", model, train_features, loss_fn, evaluate, write_test,
                            dict(kind="span", answerable=answerable))

@@ -1,5 +1,5 @@
-"""Sentence(-pair) classification and regression: the nine GLUE tasks (GLUE's TSVs or TFDS
-`glue/<config>`) and custom TSV/CSV/JSONL files, their checks, features and GLUE submission files."""
+"""Sentence(-pair) classification and regression: the nine GLUE tasks (GLUE's TSVs or TFDS `glue/<config>`) and
+custom TSV/CSV/JSONL files, their checks, features and GLUE submission files."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ csv.field_size_limit(sys.maxsize)  # QQP's longest fields pass csv's default lim
 
 @dataclasses.dataclass
 class TaskAdapter:
-  """What the loop needs from a task. Features: numpy arrays with a leading example axis, holding
-  at least the trainer's MODEL_INPUTS, which `model.apply` takes in that order."""
+  """What the loop needs from a task. Features: numpy arrays with a leading example axis, holding at least the
+  trainer's MODEL_INPUTS, which `model.apply` takes in that order."""
 
   name: str
   model: Any  # a flax.linen.Module
@@ -35,11 +35,9 @@ class TaskAdapter:
   # predict (features -> numpy outputs) -> {eval name: {metric: value}}, each with a "score".
   evaluate: Callable[[Callable[[dict], np.ndarray]], dict[str, dict[str, float]]]
   write_test: Callable[[Callable[[dict], np.ndarray], str], list[str]]  # (predict, directory) -> paths written
-  # For exports: {"kind": "classification", "labels": [...]}, {"kind": "regression", "target_range":
-  # [lo, hi] or None} or {"kind": "span", "answerable": bool}.
-  head: dict
-  # (fraction, seed, folds) -> per held-out share (trainer.held_out_rows), this adapter on the rest
-  # of train, scoring that share as "held_out" and writing no test files; None: cannot be split.
+  head: dict  # for exports: {"kind": "classification"|"regression"|"span", and "labels"|"target_range"|"answerable"}
+  # (fraction, seed, folds) -> per held-out share (trainer.held_out_rows) this adapter on the rest of train,
+  # scoring the share as "held_out"; None: cannot be split.
   split: Callable[[float, int, int], list["TaskAdapter"]] | None = None
 
 
@@ -63,9 +61,7 @@ class TaskData:
   train: list[Example]
   dev: dict[str, list[Example]]  # evaluation name (e.g. "mnli-m") -> examples
   test: dict[str, list[Example]]  # submission name (e.g. "MNLI-m") -> unlabelled examples
-  # Regression's label range (lo, hi): the model learns (label - lo) / hi, as the official code
-  # normalizes STS-B's 0..5; None: raw labels (custom tasks).
-  target_range: tuple[float, float] | None = None
+  target_range: tuple[float, float] | None = None  # regression: the model learns (label - lo) / hi; None: raw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +74,7 @@ class GlueTask:
   label_column: str = "label"
   tfds_text: tuple[str, str | None] | None = None  # TFDS's feature names; None: text_columns
   tfds_labels: tuple[str, ...] | None = None  # TFDS's class index -> label string; None: label_list
-  # Evaluation name -> dev file stem, submission name -> test file stem (TFDS: "validation" for
-  # "dev"); None: {<task>: "dev"} and {<directory>: "test"}.
+  # Evaluation / submission name -> file stem; None: {<task>: "dev"} and {<directory>: "test"}.
   dev_files: dict[str, str] | None = None
   test_files: dict[str, str] | None = None
   symmetric: bool = False  # sentence order carries no meaning: the official code trains on both orders
@@ -166,17 +161,16 @@ def _glue_task_data(name: str, read) -> TaskData:
 
 
 def load_glue_from_dir(name: str, data_dir: str) -> TaskData:
-  """GLUE as its download script lays it out: <data_dir>/<Task>/{train,dev,test}.tsv (MNLI:
-  dev_matched, dev_mismatched, test_matched, test_mismatched); test files are optional."""
+  """GLUE as its download script lays it out: <data_dir>/<Task>/{train,dev,test}.tsv (MNLI: dev_matched, ...);
+  test files are optional."""
   task = GLUE_TASKS[name]
   if not data_dir:
-    raise ConfigError("config.data_dir is empty: give the GLUE directory (the one holding CoLA/, SST-2/, ...), or "
-                      "read the task from TFDS with --config.source=tfds.")
+    raise ConfigError("config.data_dir is empty: give GLUE's directory (holding CoLA/, ...), or use source=tfds.")
   task_dir = os.path.join(data_dir, task.directory)
   if not os.path.isdir(task_dir):
     if not os.path.isfile(os.path.join(data_dir, "train.tsv")):
       raise ConfigError(f"config.data_dir={data_dir!r} has neither a {task.directory}/ folder nor a train.tsv; give "
-                        f"GLUE's root directory (with {task.directory}/train.tsv) or the task's own folder.")
+                        "GLUE's root directory or the task's own folder.")
     task_dir = data_dir  # the task's own folder works as well as GLUE's root
 
   def read(stem: str, what: str, labelled: bool):
@@ -193,15 +187,14 @@ def decode_text(value) -> str:
 
 
 def open_tfds_split(name: str, split: str, data_dir: str | None, other_source: str, **kwargs):
-  """`tfds.data_source` over a prepared split; a ConfigError ending in `other_source` (another way to
-  read the data) when it cannot be opened."""
+  """`tfds.data_source` over a prepared split; a ConfigError suggesting `other_source` when it cannot be opened."""
   tfds = tfds_source.import_tfds()  # a heavy import, only when this source is used
   try:
     return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False, **kwargs)
   except Exception as error:  # tfds raises several types for "not prepared here" / "no such split"
     raise ConfigError(f"Cannot open TFDS {name!r} split {split!r} in {data_dir or 'the default data dir'} "
-                      f"({type(error).__name__}: {error}). Prepare it with file_format='array_record' (tfds build "
-                      f"--file_format=array_record {name}), set config.tfds_data_dir, or {other_source}.") from error
+                      f"({type(error).__name__}: {error}); run `tfds build --file_format=array_record {name}`, set "
+                      f"config.tfds_data_dir, or {other_source}.") from error
 
 
 def load_glue_from_tfds(name: str, tfds_data_dir: str = "") -> TaskData:
@@ -230,7 +223,7 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
   if file_format == "jsonl":
     records = []
     with open(path, encoding="utf-8") as f:
-      for line_number, line in filter(lambda numbered: numbered[1].strip(), enumerate(f, 1)):
+      for line_number, line in ((n, line) for n, line in enumerate(f, 1) if line.strip()):
         try:
           records.append(json.loads(line))
         except json.JSONDecodeError as error:
@@ -239,8 +232,7 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
           raise ConfigError(f"{path}:{line_number} is not a JSON object.")
     return records
   with open(path, encoding="utf-8-sig", newline="") as f:
-    # TSV has no quoting: a '"' that opens a field is text (as in GLUE's files), where CSV's
-    # rules would read on, over tabs and line ends, to the next '"' and merge the rows between.
+    # TSV has no quoting: a '"' opening a field is text (as in GLUE's), not the start of a multi-row field.
     tsv = file_format == "tsv"
     reader = csv.DictReader(f, delimiter="\t" if tsv else ",", quoting=csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL)
     records = list(reader)
@@ -255,8 +247,7 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
 def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example]:
   file_format = custom.format or CUSTOM_FORMATS.get(os.path.splitext(path)[1].lower())
   if file_format not in CUSTOM_FORMATS.values():
-    raise ConfigError(f"Cannot tell the format of {path}: set config.custom.format to one of "
-                      f"{sorted(set(CUSTOM_FORMATS.values()))} (or name the file .tsv, .csv or .jsonl).")
+    raise ConfigError(f"Cannot tell the format of {path}: set config.custom.format to tsv, csv or jsonl.")
   _require_file(path, f"custom task {split} split")
   grouped = split == "train" and bool(custom.group_column)
   columns = [custom.text_a_column, custom.text_b_column, labelled and custom.label_column,
@@ -266,20 +257,16 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
     where = f"{path}: row {row_number}"
     for column in filter(None, columns):
       if record.get(column) is None:
-        raise ConfigError(f"{where} has no column {column!r} (it has {sorted(record)}). Set config.custom."
-                          "text_a_column / text_b_column / label_column / group_column to the file's column names.")
-    label = None
-    if labelled:
-      raw = record[custom.label_column]
-      if custom.kind == "regression":
-        label = _regression_label(raw, where)
-        if not math.isfinite(label):
-          raise ConfigError(f"{where}: regression label {raw!r} is not a finite number.")
-      else:
-        label = str(raw).lower() if isinstance(raw, bool) else str(raw)
-        if not label.strip():
-          raise ConfigError(f"{where}: the label ({custom.label_column!r}) is empty; give every example its class, "
-                            "or leave the row out.")
+        raise ConfigError(f"{where} has no column {column!r} (it has {sorted(record)}); set config.custom.*_column.")
+    label, raw = None, record.get(custom.label_column)
+    if labelled and custom.kind == "regression":
+      label = _regression_label(raw, where)
+      if not math.isfinite(label):
+        raise ConfigError(f"{where}: regression label {raw!r} is not a finite number.")
+    elif labelled:
+      label = str(raw).lower() if isinstance(raw, bool) else str(raw)
+      if not label.strip():
+        raise ConfigError(f"{where}: the label ({custom.label_column!r}) is empty; give it or leave the row out.")
     text_b = str(record[custom.text_b_column]) if custom.text_b_column else None
     group = str(record[custom.group_column]) if grouped else None
     examples.append(Example(str(record[custom.text_a_column]), text_b, label, row_number - 1, group))
@@ -287,8 +274,7 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
 
 
 def load_custom(custom) -> TaskData:
-  """A task from config.custom: train_file, dev_file (test_file optional), the column names, kind
-  ("classification" or "regression"), the metrics and optionally the label order."""
+  """A task from config.custom: its files (test_file optional), column names, kind, metrics and label order."""
   if custom.kind not in ("classification", "regression"):
     raise ConfigError(f"config.custom.kind={custom.kind!r}: use 'classification' or 'regression'.")
   for key in ("train_file", "dev_file"):
@@ -327,21 +313,19 @@ def check_task_data(data: TaskData) -> None:
   outside = sorted(train_labels - set(data.label_list))
   if outside:
     raise ConfigError(f"Task {data.name}: training label(s) {outside} are not among the task's labels "
-                      f"{list(data.label_list)}; fix the data (or config.custom.labels).")
+                      f"{list(data.label_list)}; fix the data or config.custom.labels.")
   for dev_name, examples in data.dev.items():
     unseen = sorted({example.label for example in examples} - train_labels)
     if unseen:
       raise ConfigError(f"Task {data.name}: dev split {dev_name} has label(s) {unseen} that never occur in the train "
-                        f"split (train labels: {sorted(train_labels)}); the classifier could never predict them. "
-                        "Fix the label column or the split.")
+                        f"split (train labels: {sorted(train_labels)}); fix the label column or the split.")
 
 
 def load_task(config) -> TaskData:
   """The fine-tuning config's task ('SST-2', 'sst_2' ... name GLUE's sst2), read from its source and checked."""
   name = str(config.task).lower().replace("-", "").replace("_", "")
   if name not in TASK_NAMES:
-    raise ConfigError(f"Unknown task {config.task!r}. Use one of {list(TASK_NAMES)} (custom reads the files named by "
-                      "config.custom.*; SQuAD has its own reader).")
+    raise ConfigError(f"Unknown task {config.task!r}. Use one of {list(TASK_NAMES)} or squad1.1, squad2.0.")
   if name == "custom":
     data = load_custom(config.custom)
   elif config.source == "tfds":
@@ -358,16 +342,13 @@ def load_task(config) -> TaskData:
 
 
 def truncate_pair(tokens_a: list[int], tokens_b: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
-  """What BERT's loop (drop the longer segment's last token, b's on ties, until both fit) ends with:
-  a segment shorter than half keeps all, the other takes the rest; two long ones split max_tokens,
-  a taking the odd token."""
+  """What BERT's loop (drop the longer segment's last token, b's on ties, until both fit) ends with, in one step."""
   len_a = min(len(tokens_a), max(max_tokens - len(tokens_b), (max_tokens + 1) // 2))
   return tokens_a[:len_a], tokens_b[:max_tokens - len_a]
 
 
 def pack_pair(tokenizer, tokens_a: list[int], tokens_b: list[int] | None, width: int) -> list[np.ndarray]:
-  """[CLS] a [SEP] (b [SEP]) as int32 [width] input_ids, token_type_ids (1 from b on) and attention_mask
-  (SQuAD: question = a, context window = b); arrays, as Python ints would take many times the memory."""
+  """[CLS] a [SEP] (b [SEP]) as int32 [width] input_ids, token_type_ids (1 from b on) and attention_mask."""
   ids = [tokenizer.cls_id, *tokens_a, tokenizer.sep_id] + ([] if tokens_b is None else [*tokens_b, tokenizer.sep_id])
   positions = np.arange(width)
   input_ids = np.full(width, tokenizer.pad_id, np.int32)
@@ -381,8 +362,8 @@ PAD_MULTIPLE = 8
 
 
 def encode_examples(examples: Sequence[Example], tokenizer, max_seq_len: int, data: TaskData) -> dict[str, np.ndarray]:
-  """pack_pair's rows truncated to max_seq_len, labels [n] (int32 ids or float32 regression targets,
-  0 where unlabelled) and index [n]; rows as wide as the longest, rounded up to PAD_MULTIPLE."""
+  """pack_pair's rows truncated to max_seq_len and cut to the longest (rounded up to PAD_MULTIPLE), labels [n]
+  (int32 ids or float32 targets, 0 where unlabelled) and index [n]."""
   if max_seq_len < 3:
     raise ConfigError(f"config.max_seq_len={max_seq_len} leaves no room for text; use at least 3.")
   texts_b = [e.text_b for e in examples if e.text_b is not None]

@@ -1,6 +1,5 @@
-"""`run_finetune(config, workdir)`: per seed, train from the backbone, evaluate on dev each epoch, keep
-the last (or best) epoch's checkpoint, write metrics and test predictions, and tabulate the seeds.
-A `tasks.TaskAdapter` supplies the model, features, loss and evaluation (SQuAD's: squad.py)."""
+"""`run_finetune(config, workdir)`: per seed, train from the backbone, evaluate on dev each epoch, keep the last
+(or best) epoch's checkpoint, write metrics and test predictions, and tabulate the seeds."""
 
 from __future__ import annotations
 
@@ -30,14 +29,12 @@ from electra_jax.finetune import optim, squad, tasks
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
 # The official epochs by task when config.epochs = 0 (any other task: 3).
 OFFICIAL_EPOCHS = {"rte": 10, "stsb": 10, "squad": 2}
-# Which epoch's model a seed keeps and reports: "last" (the official code: train all epochs,
-# then evaluate), or "best" (the best dev score over epochs: chosen on dev itself, so optimistic).
+# Which epoch a seed keeps: "last" (the official code), or "best" on dev (chosen on dev itself: optimistic).
 KEEP_EPOCH = ("last", "best")
 # Keys a finished seed's results do not depend on: a re-run that differs only in them keeps it.
 _NOT_SEED_KEYS = ("seed", "num_seeds", "log_every")
-# Keys added after runs had been finished, with the values that reproduce those runs: a saved config
-# without them reads as having these values, so its finished seeds still match. A dotted name is a
-# key added inside an existing group (if the group is listed too, its value has the key as well).
+# Keys added after runs had been finished, with the values that reproduce those runs: a saved config without
+# them reads as having these, so its finished seeds still match. A dotted name: a key added inside a group.
 _ADDED_KEYS = {"min_steps": 0, "head": {"pooling": "cls"},
                "select": {"learning_rates": "", "fraction": 0.2, "folds": 1}, "custom.group_column": "",
                "reinit_layers": 0, "select.folds": 1}
@@ -62,10 +59,7 @@ def classification_adapter(config, data: tasks.TaskData, backbone: model_lib.Bac
                {k: len(v) for k, v in data.dev.items()}, {k: len(v) for k, v in data.test.items()}, time.time() - start)
   is_regression = data.kind == "regression"
   model = backbone.classifier(1 if is_regression else len(data.label_list), config)
-
-  # Regression on a known range (STS-B's 0..5) learns (label - lo) / hi, as the official
-  # RegressionTask; predictions are mapped back to the labels' scale for metrics and submissions.
-  lo, hi = data.target_range or (0.0, 1.0)
+  lo, hi = data.target_range or (0.0, 1.0)  # regression learns (label - lo) / hi, as the official RegressionTask
 
   def loss_fn(outputs, batch):
     if is_regression:
@@ -99,9 +93,8 @@ def classification_adapter(config, data: tasks.TaskData, backbone: model_lib.Bac
 
 
 def held_out_rows(groups: list, fraction: float, seed: int, folds: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
-  """[(held-out rows, the rest)] of a training set: folds=1, one random share of about `fraction`
-  of the rows (at least one); folds=K, K disjoint shares of about 1/K covering it. With groups
-  (none None) each share takes whole groups, so no group is on both sides."""
+  """[(held-out rows, the rest)]: folds=1, one random share of about `fraction` of the rows (at least one);
+  folds=K, K disjoint shares of about 1/K. With groups (none None) each share takes whole groups."""
   rng = np.random.default_rng([seed, 7])
   grouped = all(group is not None for group in groups)
   if grouped:
@@ -152,9 +145,8 @@ def batches(features: dict[str, np.ndarray], batch_size: int, order: np.ndarray 
 
 
 def _compiled_steps(config, adapter, backbone):
-  """(train_step, predict_step), compiled once for every seed and learning-rate trial of a run (only
-  the parameters' structure matters); train_step(params, opt_state, batch, seed_key, step, args)
-  takes optim.schedule_args `args`."""
+  """(train_step(params, opt_state, batch, seed_key, step, optim.schedule_args), predict_step), compiled once
+  for every seed and learning-rate trial of a run."""
   num_layers = backbone.encoder_config.num_layers
 
   def apply(params, batch, deterministic, rng=None):
@@ -179,8 +171,7 @@ def _compiled_steps(config, adapter, backbone):
 
 
 def _predictor(predict_step, params, batch_size: int):
-  """features -> the model's outputs for their rows (the last batch's padding cut off)."""
-  # Every batch is dispatched before any is read back, so the device never waits on the host.
+  """features -> the model's outputs for their rows; every batch is dispatched before any is read back."""
   return lambda features: np.concatenate(jax.device_get(
       [predict_step(params, batch) for batch in batches(features, batch_size)]))[:_num_examples(features)]
 
@@ -190,23 +181,20 @@ def validate(config) -> None:
     if config[key] < 1:
       raise ConfigError(f"config.{key}={config[key]} must be >= 1.")
   if config.epochs < 0 or config.eval_batch_size < 0:
-    raise ConfigError(f"config.epochs={config.epochs} and eval_batch_size={config.eval_batch_size} must be >= 0 "
-                      "(0 = default).")
-  if config.dtype not in config_lib.DTYPES:
-    raise ConfigError(f"config.dtype={config.dtype!r} is not one of {config_lib.DTYPES}.")
+    raise ConfigError(f"config.epochs={config.epochs}, eval_batch_size={config.eval_batch_size}: use >= 0 (0: default)")
   config_lib.check_rates(config, ("dropout_rate", "attention_dropout_rate", "head_dropout_rate"), "config")
   config_lib.check_optimizer(config.optimizer, "the official 1e-4 for Small and Base, 5e-5 for Large")
-  if config.keep_epoch not in KEEP_EPOCH:
-    raise ConfigError(f"config.keep_epoch={config.keep_epoch!r}: use one of {list(KEEP_EPOCH)}.")
+  choices = (("dtype", config.dtype, config_lib.DTYPES), ("keep_epoch", config.keep_epoch, KEEP_EPOCH),
+             ("head.pooling", config.head.pooling, model_lib.POOLINGS))
+  for key, value, allowed in choices:
+    if value not in allowed:
+      raise ConfigError(f"config.{key}={value!r}: use one of {list(allowed)}.")
   for key, zero in (("min_steps", "train the epochs alone"), ("reinit_layers", "keep every pre-trained layer")):
     if type(config[key]) is not int or config[key] < 0:  # not a bool either: True is no count
       raise ConfigError(f"config.{key}={config[key]!r} must be an int >= 0 (0 = {zero}).")
-  pooling = config.head.pooling
-  if pooling not in model_lib.POOLINGS:
-    raise ConfigError(f"config.head.pooling={pooling!r}: use one of {list(model_lib.POOLINGS)}.")
-  if pooling != "cls" and _is_squad(config):
-    raise ConfigError(f"config.head.pooling={pooling!r} with task {config.task!r}: SQuAD's span head pools "
-                      "nothing; use head.pooling='cls'.")
+  if config.head.pooling != "cls" and _is_squad(config):
+    raise ConfigError(f"config.head.pooling={config.head.pooling!r} with task {config.task!r}: SQuAD's span head "
+                      "pools nothing; use head.pooling='cls'.")
   select_rates(config)
   config_lib.check_finite(config, "config.")
   optim.check_layerwise(config.optimizer.layerwise_lr_decay, config.optimizer.layerwise_lr_decay_rule)
@@ -219,8 +207,7 @@ def epochs_for(config) -> int:
 
 
 def resolve_epochs(config, num_train: int) -> int:
-  """epochs_for(config), raised to ceil(min_steps / steps per epoch) when it gives fewer than
-  config.min_steps optimizer steps (an epoch: ceil(num_train / batch_size) steps)."""
+  """epochs_for(config), raised to ceil(min_steps / steps per epoch) where it gives fewer than config.min_steps."""
   epochs = epochs_for(config)
   steps_per_epoch = math.ceil(num_train / config.batch_size)
   if config.min_steps and steps_per_epoch and epochs * steps_per_epoch < config.min_steps:
@@ -241,8 +228,7 @@ def _seed_settings(settings: dict) -> dict:
 
 
 def seed_fingerprint(config) -> str:
-  """_seed_settings as a short hash, without added keys at their _ADDED_KEYS values (so the hash
-  equals the one recorded before they existed)."""
+  """_seed_settings as a short hash, leaving out added keys at their _ADDED_KEYS values (as before they existed)."""
   settings = _seed_settings(config_lib.as_saved(config))
   for holder, key, value in list(_added_key_slots(settings)):
     if holder[key] == value:
@@ -258,14 +244,12 @@ def _check_results_of_same_config(config, task_dir: str) -> None:
   saved = _seed_settings(workdir_files.read_json(path).get("config") or {})
   changes = config_lib.changed_keys(saved, _seed_settings(config_lib.as_saved(config)))
   if changes:
-    raise ConfigError(f"{path} holds the results of another config ({'; '.join(changes[:5])}); this run would "
-                      "replace them. Use a new --workdir, or that config to go on with more seeds. Nothing was "
-                      "written.")
+    raise ConfigError(f"{path} holds the results of another config ({'; '.join(changes[:5])}); use a new --workdir, "
+                      "or that config to go on with more seeds. Nothing was written.")
 
 
 def _finished_seeds(config, task_dir: str, task: str, seeds: list[int]) -> dict[int, dict]:
-  """The seeds this config already finished here (seed_<s>/metrics.json), so an interrupted run goes
-  on where it stopped; another config's finished seed is refused."""
+  """The seeds this config already finished here (seed_<s>/metrics.json); another config's are refused."""
   finished, fingerprint = {}, seed_fingerprint(config)
   for seed in seeds:
     path = os.path.join(task_dir, f"seed_{seed}", "metrics.json")
@@ -274,8 +258,7 @@ def _finished_seeds(config, task_dir: str, task: str, seeds: list[int]) -> dict[
     result = workdir_files.read_json(path)
     if result.get("config_fingerprint") != fingerprint:
       raise ConfigError(f"{path} exists: this workdir already holds a finished {task} run for seed {seed}, fine-tuned "
-                        "with another config. Use a new --workdir so it is not overwritten, or the same config to "
-                        "go on with the seeds it has not finished.")
+                        "with another config; use a new --workdir, or that config.")
     finished[seed] = result
   return finished
 
@@ -291,8 +274,7 @@ def summarize(per_seed: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
 
 
 def format_table(summary) -> str:
-  # The score of a one-metric task is that metric; thresholds (SQuAD 2.0's null-odds cuts) are not
-  # fractions and stay in results.json.
+  # A one-metric task's score is that metric; thresholds (SQuAD 2.0's null-odds cuts) are not fractions.
   rows = [("task", "metric", "mean", "median", "best", "seeds")] + [
       (eval_name, metric, *(f"{100 * s[key]:.2f}" for key in ("mean", "median", "best")), str(s["n"]))
       for eval_name, by_metric in summary.items() for metric, s in by_metric.items()
@@ -316,8 +298,7 @@ def _run_seed(config, adapter, backbone, seed: int, task_dir: str, epochs: int, 
   tx, schedule = optim.make_optimizer(config, params, backbone.encoder_config.num_layers, args)
   opt_state = tx.init(params)
 
-  # A seed whose earlier run was cut short (no metrics.json: run_finetune refuses finished
-  # ones) starts over; its checkpoints and events may be from later steps.
+  # A seed whose earlier run was cut short starts over; its checkpoints and events may be from later steps.
   for stale in ("checkpoints", tensorboard_log.SUBDIR):
     shutil.rmtree(os.path.join(seed_dir, stale), ignore_errors=True)
   checkpointer = checkpointing.Checkpointer(seed_dir, keep=1)
@@ -351,20 +332,17 @@ def _run_seed(config, adapter, backbone, seed: int, task_dir: str, epochs: int, 
 
   prediction_files = adapter.write_test(_predictor(predict_step, kept["params"], eval_batch_size),
                                         os.path.join(seed_dir, "predictions"))
-  result = dict(
-      seed=seed, epochs=epochs, steps=step, keep_epoch=config.keep_epoch, kept_epoch=kept["epoch"],
-      kept_step=kept["step"], dev=kept["dev"], history=history,
-      checkpoint=os.path.join(checkpointer.directory, str(kept["step"])), test_predictions=prediction_files,
-      config_fingerprint=seed_fingerprint(config),
-  )
+  result = dict(seed=seed, epochs=epochs, steps=step, keep_epoch=config.keep_epoch, kept_epoch=kept["epoch"],
+                kept_step=kept["step"], dev=kept["dev"], history=history,
+                checkpoint=os.path.join(checkpointer.directory, str(kept["step"])), test_predictions=prediction_files,
+                config_fingerprint=seed_fingerprint(config))
   workdir_files.write_json(os.path.join(seed_dir, "metrics.json"), result)
   return result
 
 
 def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Fine-tunes config.task for config.num_seeds seeds under <workdir>/<task>/, every input checked
-  before the first step; returns (and writes to <task>/results.json) the config, each seed's kept-epoch
-  dev metrics and their summary, and prints the table."""
+  """Fine-tunes config.task for config.num_seeds seeds under <workdir>/<task>/, every input checked first; returns
+  (and writes to <task>/results.json) the config, each seed's kept-epoch dev metrics and their summary."""
   validate(config)
   workdir_files.check_usable(workdir)  # before the data and the backbone load
   backbone = model_lib.load_backbone(config)
@@ -381,8 +359,7 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   finished = _finished_seeds(config, task_dir, adapter.name, seeds)
   _check_results_of_same_config(config, task_dir)
   os.makedirs(task_dir, exist_ok=True)
-  # One run per task folder: each seed starts by deleting its checkpoints, which would pull
-  # them from under another run of the same task (a dead run's lease is detected and taken).
+  # One run per task folder: each seed starts by deleting its checkpoints, under another run's feet otherwise.
   lease = workdir_lease.WorkdirLease(task_dir)
   lease.acquire()
   try:
@@ -403,8 +380,7 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
     results = dict(
         # epochs: after min_steps, what each seed trained (config.epochs holds what was asked).
         task=adapter.name, init=backbone.source, epochs=epochs, steps_per_seed=steps_per_seed, head=adapter.head,
-        selection=selection, electra_jax_version=electra_jax.__version__,
-        config=json.loads(config_json),
+        selection=selection, electra_jax_version=electra_jax.__version__, config=json.loads(config_json),
         config_fingerprint=hashlib.sha256(config_json.encode()).hexdigest()[:16],
         seeds={str(run["seed"]): {k: run[k] for k in ("kept_epoch", "dev", "test_predictions")} for run in per_seed},
         summary=summary,
@@ -418,9 +394,8 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 def _progress_logger(config, epochs: int, pending: list[int]):
-  """progress(seed, epoch, step, total, losses, schedule): a line every log_every steps with the
-  latest learning rate (evaluated only then: on the host it costs more than a small step), the
-  speed from the second step on (compiling is not speed) and the ETA over `pending` seeds."""
+  """progress(seed, epoch, step, total, losses, schedule): a line every log_every steps with the learning rate,
+  the speed from the second step on (compiling is not speed) and the ETA over the `pending` seeds."""
   clock = dict(start=None, done=0)
 
   def progress(seed, epoch, step, total, losses, schedule):
@@ -446,26 +421,23 @@ def select_rates(config) -> list[float]:
   try:
     rates = [float(part) for part in text.split(",")] if text else []
   except ValueError:
-    rates = [-1.0]
+    rates = [-1.0]  # refused below
   if any(not (math.isfinite(rate) and rate > 0) for rate in rates) or len(set(rates)) != len(rates):
     raise ConfigError(f"config.select.learning_rates={text!r}: give distinct positive rates, comma-separated "
                       "(e.g. '3e-4,1e-3,3e-3'), or '' to train at optimizer.learning_rate.")
   if rates and _is_squad(config):
     raise ConfigError(f"config.select.learning_rates={text!r} with task {config.task!r}: SQuAD's windows cannot be "
-                      "split by rows; set it to '' and choose optimizer.learning_rate.")
+                      "split by rows; set it to ''.")
   if rates and not 0.0 < config.select.fraction < 1.0:
-    raise ConfigError(f"config.select.fraction={config.select.fraction} must be in (0, 1): the share of train "
-                      "held out.")
+    raise ConfigError(f"config.select.fraction={config.select.fraction} must be in (0, 1): the share held out.")
   if rates and (not isinstance(config.select.folds, int) or config.select.folds < 1):
-    raise ConfigError(f"config.select.folds={config.select.folds!r} must be a whole number >= 1: 1 holds out "
-                      "select.fraction of train once; K scores each rate on K disjoint shares in turn.")
+    raise ConfigError(f"config.select.folds={config.select.folds!r} must be a whole number >= 1 (the shares held out).")
   return rates
 
 
 def _select_learning_rate(config, adapter, backbone, task_dir: str, rates: list[float], steps) -> dict:
-  """Fine-tunes seed config.seed at each rate on the rest of train and scores it on a held-out share
-  (select.fraction), or the mean over select.folds shares; dev is not read. Trials are kept under
-  <task_dir>/select/ for a re-run. Returns {"learning_rate": the best, "held_out_scores": {rate: score}}."""
+  """Fine-tunes seed config.seed at each rate on the rest of train, scored on the held-out share (the mean over
+  select.folds shares), trials kept under <task_dir>/select/: {"learning_rate", "held_out_scores": {rate: score}}."""
   folds, seed, scores = config.select.folds, config.seed, {}
   splits = [(fit, resolve_epochs(config, _num_examples(fit.train_features)))  # per held-out share
             for fit in adapter.split(config.select.fraction, seed, folds)]
