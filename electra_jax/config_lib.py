@@ -252,23 +252,16 @@ _SOURCE_KEYS = (("files", "text' (or 'jsonl"), ("prepared_dir", "prepared"), ("t
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """The checks that need no devices and no data; ConfigError naming the key and the fix."""
-  from electra_jax import models, objectives, splash_attention, tensorboard_log  # noqa: PLC0415 (recipes need no jax)
+  from electra_jax import models, objectives, tensorboard_log  # noqa: PLC0415 (recipes need no jax)
 
   m, t, d = config.model, config.train, config.data
   check_encoder_sizes(m, ("hidden_size", "num_heads", "intermediate_size", "embedding_size", "vocab_size",
                           "max_position_embeddings"), "model.", " (configs/base.py gives its typical value)")
   _check_bounds(config, _BOUNDS)
   check_rates(m, ("dropout_rate", "attention_dropout_rate"), "model")
-  if m.tie not in models.TIE_MODES:
-    raise ConfigError(f"model.tie={m.tie!r} is not one of {list(models.TIE_MODES)}.")
-  if m.tie == "all" and m.generator_fraction != 1.0:
-    raise ConfigError(f"model.tie='all' runs one encoder for both towers, so they must be the same size, but "
-                      f"model.generator_fraction={m.generator_fraction}: set it to 1.0.")
   if d.max_seq_len > m.max_position_embeddings:
     raise ConfigError(f"data.max_seq_len={d.max_seq_len} exceeds model.max_position_embeddings="
                       f"{m.max_position_embeddings}. Lower data.max_seq_len or raise max_position_embeddings.")
-  if m.attention_impl == "splash":
-    splash_attention.check_seq_len(d.max_seq_len)
   for key, source in _SOURCE_KEYS:
     if d.source == "builtin" and d[key]:
       raise ConfigError(f"data.{key}={d[key]!r} is set, but data.source='builtin' (the standard library's text) "

@@ -603,6 +603,8 @@ def generator_encoder_config(discriminator: EncoderConfig, fraction: float, atte
 def _check_attention(config, towers: dict[str, EncoderConfig], cloze: bool) -> None:
   """Refuses, before compiling, what the chosen attention kernel cannot take."""
   impl, dropout, seq_len = config.model.attention_impl, config.model.attention_dropout_rate, config.data.max_seq_len
+  if impl == "splash":
+    splash_attention.check_seq_len(seq_len)
   if impl == "cudnn" and config.train.dtype != "bfloat16":
     raise ConfigError(f"model.attention_impl='cudnn' takes bfloat16 inputs only, but train.dtype="
                       f"{config.train.dtype!r}: set --config.train.dtype=bfloat16 or model.attention_impl='xla'.")
@@ -610,8 +612,6 @@ def _check_attention(config, towers: dict[str, EncoderConfig], cloze: bool) -> N
     raise ConfigError(f"model.attention_impl={impl!r} runs a fused kernel without dropout on the attention "
                       f"probabilities, but model.attention_dropout_rate={dropout}: set "
                       "--config.model.attention_dropout_rate=0.0, or model.attention_impl='xla' to keep it.")
-  if impl == "splash":
-    splash_attention.check_seq_len(seq_len)
   if impl != "cudnn":
     return
   for tower, cfg in towers.items():
@@ -631,6 +631,15 @@ def build_model(config) -> ElectraPretrainer:
   objective = objectives.REGISTRY[config.objective.name]
   sizes = {field.name: m[field.name] for field in dataclasses.fields(EncoderConfig)}
   discriminator = EncoderConfig(**{**sizes, "scan_layers": bool(m.scan_layers)})
+  choices = (("tie", TIE_MODES), ("norm", NORMS), ("ffn", FFNS), ("use_bias", (True, False)),
+             ("remat", REMAT_POLICIES), ("attention_impl", ATTENTION_IMPLEMENTATIONS))
+  for key, allowed in choices:
+    # `in` alone would take 1 and 0 for True and False.
+    if not any(m[key] == value and type(m[key]) is type(value) for value in allowed):
+      raise ConfigError(f"model.{key}={m[key]!r} is not one of {list(allowed)}.")
+  if m.tie == "all" and m.generator_fraction != 1.0:
+    raise ConfigError(f"model.tie='all' runs one encoder for both towers, so they must be the same size, but "
+                      f"model.generator_fraction={m.generator_fraction}: set it to 1.0.")
   for key, extra in (("attention_conv", ""), ("generator_attention_conv", ", or -1 (model.attention_conv's)")):
     width = m[key]
     if not (type(width) is int and (width == 0 or width > 0 and width % 2 or extra and width == -1)):
@@ -643,12 +652,6 @@ def build_model(config) -> ElectraPretrainer:
   if not (type(m.ngram_buckets) is int and m.ngram_buckets >= 0):
     raise ConfigError(f"model.ngram_buckets={m.ngram_buckets!r} must be 0 (no n-gram embeddings) or a number of "
                       "rows such as 262139.")
-  choices = (("norm", NORMS), ("ffn", FFNS), ("use_bias", (True, False)), ("remat", REMAT_POLICIES),
-             ("attention_impl", ATTENTION_IMPLEMENTATIONS))
-  for key, allowed in choices:
-    # `in` alone would take 1 and 0 for True and False.
-    if not any(m[key] == value and type(m[key]) is type(value) for value in allowed):
-      raise ConfigError(f"model.{key}={m[key]!r} is not one of {list(allowed)}.")
   generator = generator_encoder_config(discriminator, m.generator_fraction, m.generator_attention_conv)
   _check_attention(config, {"discriminator": discriminator, "generator": generator}, objective.cloze)
   return ElectraPretrainer(
