@@ -62,7 +62,7 @@ def read_config(data_config) -> dict:
   config.update({key: str(data_config.get(key, default) or default) for key, default in _RECORD_SOURCE_KEYS.items()})
   for key in ("vocab_file", "spm_model_file", "prepared_dir"):
     value = str(data_config.get(key, "") or "")
-    config[key] = value and os.path.abspath(os.path.expanduser(value))
+    config[key] = os.path.abspath(os.path.expanduser(value)) if value else ""
   tokenizer, vocab_file, spm_model_file = config["tokenizer"], config["vocab_file"], config["spm_model_file"]
   strip_accents, pack_rows = data_config.get("strip_accents", None), data_config.get("pack_rows", False)
   problems = (  # (whether it is wrong, what to say), the first wrong one is raised

@@ -123,15 +123,17 @@ def load_split(directory: str, manifest: dict, split: str, pad_id: int, with_len
                         f"{REDO}.")
     shards.append(array)
     entries.append(split_entry)
-    if with_lengths and "lengths_file" not in split_entry:
+    if not with_lengths:
+      continue
+    if "lengths_file" not in split_entry:
       lengths.append(example_lengths(array[:, 0], pad_id))
-    elif with_lengths:
-      path = os.path.join(directory, split_entry["lengths_file"])
-      found = _load(path)
-      if found.shape != (rows,) or found.dtype.kind not in "iu" or (
-          found.size and not 1 <= found.min() <= found.max() <= max_seq_len):
-        raise ConfigError(f"{path} does not hold {rows} example lengths in [1, {max_seq_len}]; {REDO}.")
-      lengths.append(found.astype(np.int32))
+      continue
+    path = os.path.join(directory, split_entry["lengths_file"])
+    found = _load(path)
+    if found.shape != (rows,) or found.dtype.kind not in "iu" or (
+        found.size and not 1 <= found.min() <= found.max() <= max_seq_len):
+      raise ConfigError(f"{path} does not hold {rows} example lengths in [1, {max_seq_len}]; {REDO}.")
+    lengths.append(found.astype(np.int32))
   return shards, entries, np.concatenate(lengths) if with_lengths and shards else None
 
 

@@ -223,7 +223,9 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
   if file_format == "jsonl":
     records = []
     with open(path, encoding="utf-8") as f:
-      for line_number, line in ((n, line) for n, line in enumerate(f, 1) if line.strip()):
+      for line_number, line in enumerate(f, 1):
+        if not line.strip():
+          continue
         try:
           records.append(json.loads(line))
         except json.JSONDecodeError as error:
