@@ -107,6 +107,18 @@ MODES = {
         _throughput("small_b1024_packed_k10", "electra_small", 128, 1024,
                     FAST + (("data.pack_rows", True), ("train.steps_per_call", 10)), cap=200, need=90),
     ),
+    # The levers issue 74 names that need no new code, each beside its baseline in one command:
+    # bias-free dense layers (their gradients are separate reductions) and several steps a call.
+    "levers": (
+        _throughput("base_b32_cudnn", "electra_base", 512, 32, FAST, PEER, cap=280, need=130),
+        _throughput("base_b32_cudnn_nobias", "electra_base", 512, 32, FAST + (("model.use_bias", False),),
+                    cap=200, need=90),
+        _throughput("small_b128_cudnn_k10", "electra_small", 128, 128, FAST + (("train.steps_per_call", 10),),
+                    cap=200, need=130),
+        _throughput("small_b128_cudnn_k10_nobias", "electra_small", 128, 128,
+                    FAST + (("train.steps_per_call", 10), ("model.use_bias", False)), cap=200, need=130),
+        _throughput("small_b128_cudnn", "electra_small", 128, 128, FAST, PEER, cap=240, need=100),
+    ),
     "profile": (
         _profile("prof_small_b128", "electra_small", 128, 128),
         _profile("prof_base_b32", "electra_base", 512, 32),
