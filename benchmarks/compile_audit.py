@@ -45,12 +45,18 @@ from electra_jax import config_lib, flops, memory, partitioning, train  # noqa: 
 from electra_jax.errors import ConfigError  # noqa: E402
 from hlo_audit import Audit  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/electra_small.py", "Recipe.", lock_config=False)
-_DEVICE = flags.DEFINE_enum("device", "h100", list(targets.TARGETS), "What to compile for (GPUs: SXM parts).")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/electra_small.py", "Recipe.", lock_config=False
+)
+_DEVICE = flags.DEFINE_enum(
+    "device", "h100", list(targets.TARGETS), "What to compile for (GPUs: SXM parts)."
+)
 _TOPOLOGY = flags.DEFINE_string(
-    "topology", "", "TPU slice shape, e.g. 2x2 or 4x4 (v5e, v6e), 2x2x2 (v5p); default one chip.")
+    "topology", "", "TPU slice shape, e.g. 2x2 or 4x4 (v5e, v6e), 2x2x2 (v5p); default one chip."
+)
 _TOP = flags.DEFINE_integer("top", 25, "GPU: source operations listed, by roofline bound.")
 _HLO = flags.DEFINE_string("hlo_out", "", "Also write the optimized HLO text here.")
+
 
 def main(argv):
   del argv
@@ -65,7 +71,9 @@ def main(argv):
   except ConfigError as e:
     sys.exit(f"{e} ({len(devices)} devices in {target.name} {_TOPOLOGY.value or 'one chip'})")
   # Special ids shape the masking, not the program; the vocabulary is the recipe's.
-  setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4, vocab_size=config.model.vocab_size))
+  setup = train.build_setup(
+      config, mesh, dict(pad=0, cls=2, sep=3, mask=4, vocab_size=config.model.vocab_size)
+  )
   with partitioning.activate(mesh):
     compiled = train.compile_train_step(setup, config, mesh)
   hlo = compiled.as_text()
@@ -74,42 +82,61 @@ def main(argv):
       f.write(hlo)
   batch, seq = config.train.batch_size, config.data.max_seq_len
   model_flops = flops.objective_flops_per_token(setup.model, setup.objective, seq) * batch * seq
-  print(f"{target.name} x {len(devices)} (compiled, not run): batch {batch} x seq {seq}, {config.train.dtype}, "
-        f"attention {config.model.attention_impl}, mesh {dict(mesh.shape)}")
+  print(
+      f"{target.name} x {len(devices)} (compiled, not run): batch {batch} x seq {seq}, {config.train.dtype}, "
+      f"attention {config.model.attention_impl}, mesh {dict(mesh.shape)}"
+  )
   if target.platform == "cuda":
     _report_gpu(hlo, target, model_flops)
   else:
-    _report_tpu(compiled, hlo, target, model_flops / len(devices), len({d.process_index for d in devices}),
-                config.model.scan_layers)
+    _report_tpu(
+        compiled,
+        hlo,
+        target,
+        model_flops / len(devices),
+        len({d.process_index for d in devices}),
+        config.model.scan_layers,
+    )
 
 
 def _report_gpu(hlo, target, model_flops):
   audit = Audit(hlo, target.peak, target.bandwidth)
   t = audit.totals()
   print(f"kernel launches per step: {t['launches']}")
-  print(f"matmul FLOPs: {t['dot_flops'] / 1e9:,.1f} G (electra_jax/flops.py: {model_flops / 1e9:,.1f} G; "
-        "the first adds what the backward of cuDNN's attention computes again)")
+  print(
+      f"matmul FLOPs: {t['dot_flops'] / 1e9:,.1f} G (electra_jax/flops.py: {model_flops / 1e9:,.1f} G; "
+      "the first adds what the backward of cuDNN's attention computes again)"
+  )
   print(f"bytes read and written by kernels: {t['bytes'] / 1e9:.2f} GB")
-  print(f"roofline bound: {t['bound_s'] * 1e3:.2f} ms (no launch or latency cost), so MFU at most "
-        f"{model_flops / t['bound_s'] / target.peak:.0%}")
+  print(
+      f"roofline bound: {t['bound_s'] * 1e3:.2f} ms (no launch or latency cost), so MFU at most "
+      f"{model_flops / t['bound_s'] / target.peak:.0%}"
+  )
   if _TOP.value:
     print("\n| bound (ms) | kernels | GFLOP | MB | source | operation |\n|---|---|---|---|---|---|")
   for (where, operation), (bound, launches, dot, moved) in sorted(
-      audit.by_source.items(), key=lambda kv: -kv[1][0])[:_TOP.value]:
-    print(f"| {bound * 1e3:.3f} | {launches} | {dot / 1e9:.1f} | {moved / 1e6:.1f} | {where} | {operation} |")
+      audit.by_source.items(), key=lambda kv: -kv[1][0]
+  )[: _TOP.value]:
+    print(
+        f"| {bound * 1e3:.3f} | {launches} | {dot / 1e9:.1f} | {moved / 1e6:.1f} | {where} | {operation} |"
+    )
 
 
 def _report_tpu(compiled, hlo, target, model_flops_per_chip, hosts, scanned):
   m, held = compiled.memory_analysis(), memory.compiled_bytes(compiled)
   print(f"hosts: {hosts}")
-  print(f"memory per chip: {held / 2**30:.2f} GiB of {target.memory / 2**30:.0f} GiB HBM "
-        f"({held / target.memory:.0%}): state and batch {m.argument_size_in_bytes / 2**30:.2f} GiB, "
-        f"temporaries {m.temp_size_in_bytes / 2**30:.2f} GiB")
+  print(
+      f"memory per chip: {held / 2**30:.2f} GiB of {target.memory / 2**30:.0f} GiB HBM "
+      f"({held / target.memory:.0%}): state and batch {m.argument_size_in_bytes / 2**30:.2f} GiB, "
+      f"temporaries {m.temp_size_in_bytes / 2**30:.2f} GiB"
+  )
   # XLA's cost analysis and a count of the program's text both see a loop's body once.
   looped = " (the scanned layers' loop body counted once)" if scanned else ""
   xla_flops = memory.compiled_flops(compiled) or 0
-  print(f"FLOPs per chip (XLA's cost analysis, Mosaic kernels not included): {xla_flops / 1e9:,.1f} G "
-        f"(electra_jax/flops.py's share: {model_flops_per_chip / 1e9:,.1f} G){looped}")
+  print(
+      f"FLOPs per chip (XLA's cost analysis, Mosaic kernels not included): {xla_flops / 1e9:,.1f} G "
+      f"(electra_jax/flops.py's share: {model_flops_per_chip / 1e9:,.1f} G){looped}"
+  )
   mosaic = hlo.count('custom_call_target="tpu_custom_call"')
   print(f"Mosaic (Pallas) kernel calls in the program: {mosaic}{looped}")
 

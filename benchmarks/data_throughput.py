@@ -33,20 +33,32 @@ from electra_jax import config_lib  # noqa: E402
 from electra_jax import data  # noqa: E402
 
 _WORKERS = flags.DEFINE_list(
-    "workers", ["0", "1", "2"], "Worker counts to time preparation with (0 = in the main process).")
-_ROUNDS = flags.DEFINE_integer("rounds", 3, "Timed preparations per worker count; the median is reported.")
-_MAX_DOCUMENTS = flags.DEFINE_integer("max_documents", 0, "Documents of the built-in corpus (0 = all).")
+    "workers", ["0", "1", "2"], "Worker counts to time preparation with (0 = in the main process)."
+)
+_ROUNDS = flags.DEFINE_integer(
+    "rounds", 3, "Timed preparations per worker count; the median is reported."
+)
+_MAX_DOCUMENTS = flags.DEFINE_integer(
+    "max_documents", 0, "Documents of the built-in corpus (0 = all)."
+)
 _REPEAT = flags.DEFINE_integer(
-    "repeat", 10, "Write the corpus this many times (it is small; a bigger input makes worker "
-    "start-up a small share of the preparation time).")
+    "repeat",
+    10,
+    "Write the corpus this many times (it is small; a bigger input makes worker "
+    "start-up a small share of the preparation time).",
+)
 _SPM_VOCAB = flags.DEFINE_integer("spm_vocab_size", 8192, "Sentencepiece vocabulary trained first.")
 _SEQ_LEN = flags.DEFINE_integer("max_seq_len", 128, "Example length (electra_small's).")
 _BATCH = flags.DEFINE_integer("batch_size", 128, "Global batch of the loader measurement.")
 _LOADER_STEPS = flags.DEFINE_integer("loader_steps", 300, "get_batch calls per loader measurement.")
 _TRAIN_STEPS = flags.DEFINE_integer("train_steps", 3, "Timed electra_small steps (0 = skip).")
 _TRAIN_BATCH = flags.DEFINE_integer("train_batch_size", 32, "Batch of the electra_small steps.")
-_SHARD_DOCUMENTS = flags.DEFINE_integer("shard_documents", 100, "Documents per shard (one worker task).")
-_SPM_MODEL = flags.DEFINE_string("spm_model", "", "A sentencepiece model to use instead of training one.")
+_SHARD_DOCUMENTS = flags.DEFINE_integer(
+    "shard_documents", 100, "Documents per shard (one worker task)."
+)
+_SPM_MODEL = flags.DEFINE_string(
+    "spm_model", "", "A sentencepiece model to use instead of training one."
+)
 _WORKDIR = flags.DEFINE_string("workdir", "", "Where corpus and shards go ('' = a temporary dir).")
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,14 +79,18 @@ def _write_builtin_corpus(directory, max_documents, repeat):
 
 def _cpu_seconds():
   """CPU seconds (user + system) of this process and of its finished child processes."""
-  own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+  own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+      resource.RUSAGE_CHILDREN
+  )
   return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
 
 
 def _time_loader(loaded, steps, batch_size, seed=0, prefetch=False):
   start = time.perf_counter()
   if prefetch:
-    with data.Prefetcher(lambda step: data.get_batch(loaded, step, batch_size, seed), 0, depth=2) as batches:
+    with data.Prefetcher(
+        lambda step: data.get_batch(loaded, step, batch_size, seed), 0, depth=2
+    ) as batches:
       for _ in range(steps):
         next(batches)
   else:
@@ -115,16 +131,23 @@ def main(argv):
   corpus_dir = os.path.join(workdir, "corpus")
   num_documents, num_bytes = _write_builtin_corpus(corpus_dir, _MAX_DOCUMENTS.value, _REPEAT.value)
 
-  config = config_lib.sibling(os.path.join(_REPO, "configs", "electra_small.py"), "electra_small").get_config()
+  config = config_lib.sibling(
+      os.path.join(_REPO, "configs", "electra_small.py"), "electra_small"
+  ).get_config()
   data_config = config.data
   data_config.update(
-      source="text", files=os.path.join(corpus_dir, "*.txt"), max_seq_len=_SEQ_LEN.value,
-      spm_vocab_size=_SPM_VOCAB.value, shard_documents=_SHARD_DOCUMENTS.value,
+      source="text",
+      files=os.path.join(corpus_dir, "*.txt"),
+      max_seq_len=_SEQ_LEN.value,
+      spm_vocab_size=_SPM_VOCAB.value,
+      shard_documents=_SHARD_DOCUMENTS.value,
   )
   spm_path = _SPM_MODEL.value or os.path.join(workdir, "spm.model")
   start = time.perf_counter()
   if not _SPM_MODEL.value:
-    if os.path.exists(spm_path):  # this benchmark's own model from an earlier run: train_tokenizer keeps existing files
+    if os.path.exists(
+        spm_path
+    ):  # this benchmark's own model from an earlier run: train_tokenizer keeps existing files
       os.remove(spm_path)
     data.train_tokenizer(data_config, spm_path)
   tokenizer_seconds = time.perf_counter() - start
@@ -174,7 +197,9 @@ def main(argv):
       "batch_size": _BATCH.value,
       "examples": loaded.num_examples,
       "tokens_per_sec": round(_time_loader(loaded, _LOADER_STEPS.value, _BATCH.value)),
-      "tokens_per_sec_prefetched": round(_time_loader(loaded, _LOADER_STEPS.value, _BATCH.value, prefetch=True)),
+      "tokens_per_sec_prefetched": round(
+          _time_loader(loaded, _LOADER_STEPS.value, _BATCH.value, prefetch=True)
+      ),
   }
   if _TRAIN_STEPS.value:
     print(json.dumps(result, indent=1), flush=True)  # the data figures, before the slow part
@@ -198,7 +223,8 @@ def main(argv):
     }
     result["loader_over_training"] = round(result["loader"]["tokens_per_sec"] / tokens_per_sec, 1)
     result["prepare_over_training"] = {
-        name: round(entry["tokens_per_sec"] / tokens_per_sec, 1) for name, entry in result["prepare"].items()
+        name: round(entry["tokens_per_sec"] / tokens_per_sec, 1)
+        for name, entry in result["prepare"].items()
     }
     print(json.dumps(result, indent=1))
   else:

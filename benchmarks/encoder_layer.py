@@ -32,19 +32,33 @@ _HIDDEN = flags.DEFINE_integer("hidden", 256, "Hidden size.")
 _HEADS = flags.DEFINE_integer("heads", 4, "Attention heads.")
 _FFN = flags.DEFINE_integer("ffn", 1024, "Intermediate size.")
 _BATCH = flags.DEFINE_integer("batch", 32, "Batch size.")
-_SEQ = flags.DEFINE_integer("seq", 128, "Sequence length (the last quarter of every row is padding).")
+_SEQ = flags.DEFINE_integer(
+    "seq", 128, "Sequence length (the last quarter of every row is padding)."
+)
 _RUNS = flags.DEFINE_integer("runs", 40, "Timed runs per variant.")
-_FLAX_DENSE = flags.DEFINE_boolean("flax_dense", False, "Also time the layer with nn.Dense's own N-D product.")
-_CONV = flags.DEFINE_integer("attention_conv", 0, "Also time the layer with model.attention_conv of this width.")
+_FLAX_DENSE = flags.DEFINE_boolean(
+    "flax_dense", False, "Also time the layer with nn.Dense's own N-D product."
+)
+_CONV = flags.DEFINE_integer(
+    "attention_conv", 0, "Also time the layer with model.attention_conv of this width."
+)
 _TORCH = flags.DEFINE_boolean("torch", False, "Also time transformers' PyTorch ElectraLayer.")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
-                           "Compute dtype (float32 parameters either way; PyTorch under autocast).")
+_DTYPE = flags.DEFINE_enum(
+    "dtype",
+    "float32",
+    ["float32", "bfloat16"],
+    "Compute dtype (float32 parameters either way; PyTorch under autocast).",
+)
 
 
 def _jax_layer(x, mask, attention_conv=0):
-  config = models.EncoderConfig(_HIDDEN.value, 1, _HEADS.value, _FFN.value, attention_conv=attention_conv)
+  config = models.EncoderConfig(
+      _HIDDEN.value, 1, _HEADS.value, _FFN.value, attention_conv=attention_conv
+  )
   layer = models.EncoderLayer(config, jnp.dtype(_DTYPE.value))
-  params = nn.meta.unbox(layer.init({"params": jax.random.key(1), "dropout": jax.random.key(2)}, x, mask, False))
+  params = nn.meta.unbox(
+      layer.init({"params": jax.random.key(1), "dropout": jax.random.key(2)}, x, mask, False)
+  )
 
   def loss(p, x, key):
     y = layer.apply(p, x, mask, False, rngs={"dropout": key})
@@ -65,13 +79,17 @@ def _torch_layer():
   torch.set_num_threads(os.cpu_count())
   device = "cuda" if torch.cuda.is_available() else "cpu"
   autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=_DTYPE.value == "bfloat16")
-  config = ElectraConfig(hidden_size=_HIDDEN.value, num_attention_heads=_HEADS.value,
-                         intermediate_size=_FFN.value, hidden_act="gelu")
+  config = ElectraConfig(
+      hidden_size=_HIDDEN.value,
+      num_attention_heads=_HEADS.value,
+      intermediate_size=_FFN.value,
+      hidden_act="gelu",
+  )
   config._attn_implementation = "sdpa"  # noqa: SLF001
   layer = ElectraLayer(config).train().to(device)
   x = torch.randn(_BATCH.value, _SEQ.value, _HIDDEN.value, device=device, requires_grad=True)
   real = torch.ones(_BATCH.value, _SEQ.value, device=device)
-  real[:, _SEQ.value * 3 // 4:] = 0
+  real[:, _SEQ.value * 3 // 4 :] = 0
   additive = (1.0 - real[:, None, None, :]) * torch.finfo(torch.float32).min
 
   def step():
@@ -91,7 +109,7 @@ def _torch_layer():
 def main(argv):
   del argv
   x = jax.random.normal(jax.random.key(0), (_BATCH.value, _SEQ.value, _HIDDEN.value))
-  mask = jnp.ones((_BATCH.value, _SEQ.value), jnp.int32).at[:, _SEQ.value * 3 // 4:].set(0)
+  mask = jnp.ones((_BATCH.value, _SEQ.value), jnp.int32).at[:, _SEQ.value * 3 // 4 :].set(0)
   variants = {"electra-jax": _jax_layer(x, mask)}
   if _FLAX_DENSE.value:
     rows_dot_general = models.rows_dot_general
@@ -110,8 +128,10 @@ def main(argv):
       start = time.perf_counter()
       step()
       times[name].append(1000 * (time.perf_counter() - start))
-  print(f"one layer fwd+bwd, H {_HIDDEN.value}, {_HEADS.value} heads, FFN {_FFN.value}, batch {_BATCH.value}, "
-        f"seq {_SEQ.value}, dropout 0.1, {_DTYPE.value}, {_RUNS.value} runs each, interleaved ({jax.devices()[0].platform})")
+  print(
+      f"one layer fwd+bwd, H {_HIDDEN.value}, {_HEADS.value} heads, FFN {_FFN.value}, batch {_BATCH.value}, "
+      f"seq {_SEQ.value}, dropout 0.1, {_DTYPE.value}, {_RUNS.value} runs each, interleaved ({jax.devices()[0].platform})"
+  )
   for name, values in times.items():
     print(f"  {name:32s} min {min(values):7.1f} ms   median {statistics.median(values):7.1f} ms")
 

@@ -42,7 +42,9 @@ SIZES = {  # hidden, layers, heads, intermediate, embedding
     "quick": (128, 4, 2, 512, 128),  # configs/quick.py's discriminator
 }
 _SIZE = flags.DEFINE_enum("size", "tiny", list(SIZES), "Encoder size (random init).")
-_STEPS = flags.DEFINE_integer("steps", 1000, "Optimizer steps of the seed (min_steps; whole epochs).")
+_STEPS = flags.DEFINE_integer(
+    "steps", 1000, "Optimizer steps of the seed (min_steps; whole epochs)."
+)
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Timed seeds per measurement; the median is reported.")
 
 
@@ -50,7 +52,9 @@ def _write_task(directory: str) -> tuple[str, str, str]:
   with contextlib.redirect_stdout(io.StringIO()):  # it prints its statistics
     stdlib_topic_task.main(directory)
   spm_model = os.path.join(directory, "spm.model")
-  data.train_sentencepiece((s for document in data.builtin_documents() for s in document), spm_model, 4096)
+  data.train_sentencepiece(
+      (s for document in data.builtin_documents() for s in document), spm_model, 4096
+  )
   return os.path.join(directory, "train.jsonl"), os.path.join(directory, "dev.jsonl"), spm_model
 
 
@@ -59,10 +63,17 @@ def main(argv):
   with tempfile.TemporaryDirectory() as workdir:
     train_file, dev_file, spm_model = _write_task(workdir)
     hidden, layers, heads, intermediate, embedding = SIZES[_SIZE.value]
-    config = config_lib.sibling(os.path.join(_REPO, "configs", "finetune", "custom.py"), "custom").get_config()
+    config = config_lib.sibling(
+        os.path.join(_REPO, "configs", "finetune", "custom.py"), "custom"
+    ).get_config()
     config.custom.update(train_file=train_file, dev_file=dev_file)
-    config.model.update(hidden_size=hidden, num_layers=layers, num_heads=heads, intermediate_size=intermediate,
-                        embedding_size=embedding)
+    config.model.update(
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        intermediate_size=intermediate,
+        embedding_size=embedding,
+    )
     config.update(tokenizer=spm_model, min_steps=_STEPS.value, log_every=10**9)
     config.select.learning_rates = ""
     backbone = model_lib.load_backbone(config)
@@ -78,12 +89,16 @@ def main(argv):
 
     def seed_loop(round_, params, opt_state):
       del params, opt_state  # a seed draws its own: its init is part of what it costs
-      trainer._run_seed(config, adapter, backbone, 0, os.path.join(workdir, f"run_{round_}"), epochs, steps, quiet)
+      trainer._run_seed(
+          config, adapter, backbone, 0, os.path.join(workdir, f"run_{round_}"), epochs, steps, quiet
+      )
 
     def step_alone(round_, params, opt_state):
       del round_
       for step in range(total):
-        params, opt_state, loss = train_step(params, opt_state, feed[step % len(feed)], key, step, args)
+        params, opt_state, loss = train_step(
+            params, opt_state, feed[step % len(feed)], key, step, args
+        )
       return loss
 
     timings = {}
@@ -98,12 +113,16 @@ def main(argv):
         seconds.append(time.perf_counter() - start)
       timings[name] = float(np.median(seconds[1:]))
     width = adapter.train_features["input_ids"].shape[1]
-    print(f"{platform.machine()} {jax.devices()[0].device_kind}, jax {jax.__version__}; size {_SIZE.value}, "
-          f"{total} steps of {config.batch_size} rows of {width} tokens over {epochs} epochs, median of "
-          f"{_ROUNDS.value}:")
+    print(
+        f"{platform.machine()} {jax.devices()[0].device_kind}, jax {jax.__version__}; size {_SIZE.value}, "
+        f"{total} steps of {config.batch_size} rows of {width} tokens over {epochs} epochs, median of "
+        f"{_ROUNDS.value}:"
+    )
     for name, seconds in timings.items():
       print(f"  {name:17s} {seconds:7.2f} s  {total / seconds:8.1f} steps/s")
-    print(f"  the step is {timings['train step alone'] / timings['seed loop']:.0%} of the seed's time")
+    print(
+        f"  the step is {timings['train step alone'] / timings['seed loop']:.0%} of the seed's time"
+    )
 
 
 if __name__ == "__main__":

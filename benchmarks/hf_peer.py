@@ -45,8 +45,15 @@ class HfElectraPretraining:
   every row.
   """
 
-  def __init__(self, config, objective, gather_masked: bool = False, seed: int = 0,
-               device: str = "cpu", autocast_dtype=None):
+  def __init__(
+      self,
+      config,
+      objective,
+      gather_masked: bool = False,
+      seed: int = 0,
+      device: str = "cpu",
+      autocast_dtype=None,
+  ):
     """`device` "cuda" runs on the GPU; `autocast_dtype` (e.g. torch.bfloat16) runs the forward
     passes under torch.autocast with float32 master weights, as mixed-precision users do."""
     torch.set_num_threads(os.cpu_count())
@@ -57,7 +64,10 @@ class HfElectraPretraining:
     frac = m.generator_fraction
     disc_config = _electra_config(m, m.hidden_size, m.num_heads, m.intermediate_size)
     gen_config = _electra_config(
-        m, int(m.hidden_size * frac), max(1, int(m.num_heads * frac)), int(m.intermediate_size * frac)
+        m,
+        int(m.hidden_size * frac),
+        max(1, int(m.num_heads * frac)),
+        int(m.intermediate_size * frac),
     )
     self.generator = transformers.ElectraForMaskedLM(gen_config)
     self.discriminator = transformers.ElectraForPreTraining(disc_config)
@@ -70,14 +80,19 @@ class HfElectraPretraining:
 
     self.objective = objective
     self.gather_masked = gather_masked
-    self.never_masked = torch.tensor(objective.never_masked_ids, dtype=torch.long, device=self.device)
+    self.never_masked = torch.tensor(
+        objective.never_masked_ids, dtype=torch.long, device=self.device
+    )
     self.params = self._unique_parameters()
     decay = [p for n, p in self.params if p.ndim > 1]
     no_decay = [p for n, p in self.params if p.ndim <= 1]  # LayerNorm parameters and biases
     self.optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.optimizer.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.optimizer.learning_rate, betas=(config.optimizer.b1, config.optimizer.b2),
+        [
+            {"params": decay, "weight_decay": config.optimizer.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=config.optimizer.learning_rate,
+        betas=(config.optimizer.b1, config.optimizer.b2),
         eps=config.optimizer.eps,
         fused=self.device.type == "cuda",  # PyTorch's fastest AdamW on GPUs
     )
@@ -108,25 +123,38 @@ class HfElectraPretraining:
     batch_size, seq_len = input_ids.shape
     is_candidate = attention_mask.bool() & ~torch.isin(input_ids, self.never_masked)
     num_tokens = attention_mask.float().sum(-1)
-    num_to_predict = torch.round(num_tokens * obj.mask_prob).clamp(1, obj.max_predictions)  # half to even
+    num_to_predict = torch.round(num_tokens * obj.mask_prob).clamp(
+        1, obj.max_predictions
+    )  # half to even
     num_to_predict = torch.minimum(num_to_predict, is_candidate.sum(-1).float()).long()
     scores = torch.where(
-        is_candidate, torch.rand(batch_size, seq_len, device=self.device), torch.full((), -1.0, device=self.device)
+        is_candidate,
+        torch.rand(batch_size, seq_len, device=self.device),
+        torch.full((), -1.0, device=self.device),
     )
     positions = scores.topk(obj.max_predictions, dim=1).indices  # [batch, N]
-    is_used = torch.arange(obj.max_predictions, device=self.device)[None, :] < num_to_predict[:, None]
+    is_used = (
+        torch.arange(obj.max_predictions, device=self.device)[None, :] < num_to_predict[:, None]
+    )
     target_ids = input_ids.gather(1, positions)
-    put_mask = is_used & (torch.rand(batch_size, obj.max_predictions, device=self.device) >= obj.keep_original_prob)
+    put_mask = is_used & (
+        torch.rand(batch_size, obj.max_predictions, device=self.device) >= obj.keep_original_prob
+    )
     masked_ids = input_ids.scatter(1, positions, torch.where(put_mask, obj.mask_id, target_ids))
     return masked_ids, positions, is_used, target_ids
 
-  def _generator_loss_and_logits(self, masked_ids, token_type_ids, attention_mask, positions, is_used, target_ids):
+  def _generator_loss_and_logits(
+      self, masked_ids, token_type_ids, attention_mask, positions, is_used, target_ids
+  ):
     """(mean MLM loss over masked positions, logits at `positions` [batch, N, vocab])."""
     if not self.gather_masked:
       labels = torch.full_like(masked_ids, -100)
       labels.scatter_(1, positions, torch.where(is_used, target_ids, -100))
       out = self.generator(
-          input_ids=masked_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=labels
+          input_ids=masked_ids,
+          attention_mask=attention_mask,
+          token_type_ids=token_type_ids,
+          labels=labels,
       )
       index = positions[..., None].expand(-1, -1, out.logits.shape[-1])
       return out.loss, out.logits.gather(1, index)
@@ -135,9 +163,13 @@ class HfElectraPretraining:
     ).last_hidden_state
     index = positions[..., None].expand(-1, -1, hidden.shape[-1])
     picked = hidden.gather(1, index)  # [batch, N, hidden]
-    logits = self._vocabulary_only(self.generator.generator_lm_head(self.generator.generator_predictions(picked)))
+    logits = self._vocabulary_only(
+        self.generator.generator_lm_head(self.generator.generator_predictions(picked))
+    )
     labels = torch.where(is_used, target_ids, -100)
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    )
     return loss, logits
 
   def _vocabulary_only(self, logits):
@@ -146,7 +178,9 @@ class HfElectraPretraining:
     vocab_size = self.objective.vocab_size
     if not 0 < vocab_size < logits.shape[-1]:
       return logits
-    return logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= vocab_size, -1e9)
+    return logits.masked_fill(
+        torch.arange(logits.shape[-1], device=logits.device) >= vocab_size, -1e9
+    )
 
   def _autocast(self):
     if self.autocast_dtype is None:
@@ -179,7 +213,10 @@ class HfElectraPretraining:
       is_replaced = (corrupted != input_ids).float()  # a sample equal to the original is original
     with self._autocast():
       disc_loss = self.discriminator(
-          input_ids=corrupted, attention_mask=attention_mask, token_type_ids=token_type_ids, labels=is_replaced
+          input_ids=corrupted,
+          attention_mask=attention_mask,
+          token_type_ids=token_type_ids,
+          labels=is_replaced,
       ).loss  # sigmoid BCE averaged over attention_mask == 1
     loss = obj.gen_weight * mlm_loss + obj.disc_weight * disc_loss
 

@@ -16,11 +16,41 @@ import re
 
 # HLO instructions that are kernels of their own on a GPU (everything else is metadata,
 # a bitcast, a tuple, or is folded into one of these).
-KERNELS = {"fusion", "custom-call", "dot", "copy", "sort", "scatter", "gather", "reduce", "transpose",
-           "concatenate", "pad", "dynamic-update-slice", "dynamic-slice", "all-reduce",
-           "all-gather", "reduce-scatter", "collective-permute", "rng-bit-generator"}
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
-          "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+KERNELS = {
+    "fusion",
+    "custom-call",
+    "dot",
+    "copy",
+    "sort",
+    "scatter",
+    "gather",
+    "reduce",
+    "transpose",
+    "concatenate",
+    "pad",
+    "dynamic-update-slice",
+    "dynamic-slice",
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "collective-permute",
+    "rng-bit-generator",
+}
+_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "bf16": 2,
+    "f16": 2,
+    "s16": 2,
+    "u16": 2,
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+}
 _ARRAY = re.compile(r"\b(%s)\[([\d,]*)\]" % "|".join(_BYTES))
 _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z\-]+)\((.*?)\)(?:, |$)")
 _CUBLAS = ("__cublas$gemm", "__cublas$lt$matmul")
@@ -69,17 +99,24 @@ def computations(hlo: str) -> tuple[dict[str, list[str]], str]:
 
 def source_frames(hlo: str):
   """stack_frame_id -> the innermost frame in electra_jax, as 'file:line function'."""
+
   def table(name):
     found = re.search(r"\n%s\n(.*?)\n\n" % name, hlo, re.S)
     return [line.split(None, 1) for line in found.group(1).split("\n")] if found else []
+
   files = {int(i): rest.strip('"') for i, rest in table("FileNames")}
   functions = {int(i): rest.strip('"') for i, rest in table("FunctionNames")}
   locations = {}
   for i, rest in table("FileLocations"):
     fields = dict(re.findall(r"(\w+)=(\d+)", rest))
-    locations[int(i)] = (files[int(fields["file_name_id"])], functions[int(fields["function_name_id"])],
-                         int(fields["line"]))
-  frames = {int(i): tuple(int(v) for v in re.findall(r"=(\d+)", rest)) for i, rest in table("StackFrames")}
+    locations[int(i)] = (
+        files[int(fields["file_name_id"])],
+        functions[int(fields["function_name_id"])],
+        int(fields["line"]),
+    )
+  frames = {
+      int(i): tuple(int(v) for v in re.findall(r"=(\d+)", rest)) for i, rest in table("StackFrames")
+  }
 
   def ours(frame_id):
     seen = set()
@@ -91,6 +128,7 @@ def source_frames(hlo: str):
         return f"{path.split('/electra_jax/')[-1]}:{line} {function}"
       frame_id = parent
     return "(outside electra_jax)"
+
   return ours
 
 
@@ -116,13 +154,21 @@ class Audit:
       return 0
     operands = re.findall(r"%([\w.\-]+)", m.group(4))
     if m.group(3) == "dot":
-      return 2 * _elements(_ARRAY.search(m.group(2)).group(2)) * _contracted(line, _dims(shapes[operands[0]]), False)
+      return (
+          2
+          * _elements(_ARRAY.search(m.group(2)).group(2))
+          * _contracted(line, _dims(shapes[operands[0]]), False)
+      )
     if m.group(3) != "custom-call":
       return 0
     target = re.search(r'custom_call_target="([^"]*)"', line)
     target = target.group(1) if target else ""
     if target in _CUBLAS:  # result: (product, workspace)
-      return 2 * _elements(_ARRAY.search(m.group(2)).group(2)) * _contracted(line, _dims(shapes[operands[0]]), True)
+      return (
+          2
+          * _elements(_ARRAY.search(m.group(2)).group(2))
+          * _contracted(line, _dims(shapes[operands[0]]), True)
+      )
     if target.startswith("__cudnn$fmha"):
       # Query and key come first, each [batch, seq, heads, head_dim].
       batch, q_len, heads, head_dim = _dims(shapes[operands[0]])
@@ -142,7 +188,9 @@ class Audit:
     sliced = self._sliced_parameters(fused.group(1)) if fused else {}
     for index, name in enumerate(re.findall(r"%([\w.\-]+)", m.group(4))):
       whole = array_bytes(shapes.get(name, ""))
-      moved += min(sliced.get(index, whole), whole)  # overlapping gathers read no more than all of it
+      moved += min(
+          sliced.get(index, whole), whole
+      )  # overlapping gathers read no more than all of it
     return moved
 
   def _sliced_parameters(self, comp) -> dict[int, int]:
@@ -210,7 +258,9 @@ class Audit:
       if op not in KERNELS:
         continue
       moved = self._moved(m, line, shapes)
-      dot = self._dot(line, shapes) + sum(self.dot_flops(c) for c in re.findall(r"calls=%([\w.\-]+)", line))
+      dot = self._dot(line, shapes) + sum(
+          self.dot_flops(c) for c in re.findall(r"calls=%([\w.\-]+)", line)
+      )
       frame = re.search(r"stack_frame_id=(\d+)", line)
       name = re.search(r'op_name="([^"]*)"', line)
       operation = re.sub(r"layer_\d+", "layer_N", name.group(1).split("/", 1)[-1]) if name else "?"

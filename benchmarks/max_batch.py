@@ -28,17 +28,32 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("--configs", default="electra_small,electra_base,electra_large")
   parser.add_argument("--seq_lens", default="128,512")
   parser.add_argument("--memory_fraction", type=float, default=0.9)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  parser.add_argument("--step", type=int, default=0,
-                      help="Resolution of the search in examples (default: the batch shards, as at start).")
-  parser.add_argument("--device", default="", choices=["", *targets.TARGETS],
-                      help="Compile for one device of this kind instead of this machine's (no device needed).")
-  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="A config override for every recipe, e.g. model.attention_impl=splash (repeatable).")
+  parser.add_argument(
+      "--step",
+      type=int,
+      default=0,
+      help="Resolution of the search in examples (default: the batch shards, as at start).",
+  )
+  parser.add_argument(
+      "--device",
+      default="",
+      choices=["", *targets.TARGETS],
+      help="Compile for one device of this kind instead of this machine's (no device needed).",
+  )
+  parser.add_argument(
+      "--set",
+      action="append",
+      default=[],
+      metavar="KEY=VALUE",
+      help="A config override for every recipe, e.g. model.attention_impl=splash (repeatable).",
+  )
   args = parser.parse_args()
   for spec in args.set:
     if "=" not in spec:
@@ -46,12 +61,18 @@ def main():
   # Refused here, before any compile, rather than by a traceback halfway through the table.
   for name in args.configs.split(","):
     if not os.path.isfile(os.path.join(REPO, "configs", f"{name}.py")):
-      sys.exit(f"--configs: no recipe configs/{name}.py (give names like electra_small,electra_base).")
+      sys.exit(
+          f"--configs: no recipe configs/{name}.py (give names like electra_small,electra_base)."
+      )
   if not all(s.strip().isdigit() and int(s) > 0 for s in args.seq_lens.split(",")):
-    sys.exit(f"--seq_lens={args.seq_lens!r}: give positive whole numbers separated by commas, e.g. 128,512.")
+    sys.exit(
+        f"--seq_lens={args.seq_lens!r}: give positive whole numbers separated by commas, e.g. 128,512."
+    )
   if args.step < 0 or not 0 < args.memory_fraction <= 1:
-    sys.exit(f"--step={args.step} must be >= 0 (0 = the batch shards) and --memory_fraction="
-             f"{args.memory_fraction} in (0, 1].")
+    sys.exit(
+        f"--step={args.step} must be >= 0 (0 = the batch shards) and --memory_fraction="
+        f"{args.memory_fraction} in (0, 1]."
+    )
   if args.device:
     targets.compile_on_this_host()  # before JAX starts
   import jax  # noqa: PLC0415
@@ -67,10 +88,16 @@ def main():
     kind, limit = target.name, int(args.memory_fraction * target.memory)
   else:
     devices = jax.devices()
-    kind, limit = devices[0].device_kind, int(args.memory_fraction * memory.device_memory_bytes(devices[0]))
-  print(f"device: {kind} x {len(devices)}{' (compiled for, not present)' if args.device else ''}, "
-        f"{limit / 2**30:.1f} GiB allowed per device ({args.memory_fraction:.0%}), dtype {args.dtype}\n")
-  print("| recipe | max_seq_len | fixed (GiB) | per example (MiB) | largest batch | its bytes (GiB) | compiles | time |")
+    kind, limit = devices[0].device_kind, int(
+        args.memory_fraction * memory.device_memory_bytes(devices[0])
+    )
+  print(
+      f"device: {kind} x {len(devices)}{' (compiled for, not present)' if args.device else ''}, "
+      f"{limit / 2**30:.1f} GiB allowed per device ({args.memory_fraction:.0%}), dtype {args.dtype}\n"
+  )
+  print(
+      "| recipe | max_seq_len | fixed (GiB) | per example (MiB) | largest batch | its bytes (GiB) | compiles | time |"
+  )
   print("|---|---|---|---|---|---|---|---|")
   for name in args.configs.split(","):
     for seq_len in (int(s) for s in args.seq_lens.split(",")):
@@ -88,20 +115,28 @@ def main():
       setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4))
       quantum = partitioning.batch_shards(mesh) * config.train.grad_accum_steps
       if args.step % quantum:
-        sys.exit(f"--step={args.step} is not a multiple of {quantum} (batch shards x grad_accum_steps).")
+        sys.exit(
+            f"--step={args.step} is not a multiple of {quantum} (batch shards x grad_accum_steps)."
+        )
       quantum = args.step or quantum
       start = time.perf_counter()
       try:
-        batch, measured = memory.largest_batch(train.step_compiler(config, setup, mesh), limit, quantum)
+        batch, measured = memory.largest_batch(
+            train.step_compiler(config, setup, mesh), limit, quantum
+        )
       except ConfigError as e:  # not even one quantum fits: say so, go on to the next
         print(f"| `{name}` | {seq_len} | - | - | none | - | - | {e} |", flush=True)
         continue
       fit = memory.fit_of(measured)
-      fixed, per_example = ("-", "-") if fit is None else (f"{fit[0] / 2**30:.2f}", f"{fit[1] / 2**20:.1f}")
+      fixed, per_example = (
+          ("-", "-") if fit is None else (f"{fit[0] / 2**30:.2f}", f"{fit[1] / 2**20:.1f}")
+      )
       chosen = next(m for m in measured if m.batch_size == batch)
-      print(f"| `{name}` | {seq_len} | {fixed} | {per_example} | {batch} | "
-            f"{chosen.bytes_per_device / 2**30:.2f} | {len(measured)} | {time.perf_counter() - start:.0f} s |",
-            flush=True)
+      print(
+          f"| `{name}` | {seq_len} | {fixed} | {per_example} | {batch} | "
+          f"{chosen.bytes_per_device / 2**30:.2f} | {len(measured)} | {time.perf_counter() - start:.0f} s |",
+          flush=True,
+      )
 
 
 if __name__ == "__main__":

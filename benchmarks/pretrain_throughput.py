@@ -36,7 +36,9 @@ from ml_collections import config_flags
 
 from electra_jax import config_lib, data, flops, partitioning, train
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py", "Recipe to measure.", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/demo.py", "Recipe to measure.", lock_config=True
+)
 _STEPS = flags.DEFINE_integer("steps", 20, "Train steps per timed window.")
 _WINDOWS = flags.DEFINE_integer("windows", 3, "Timed windows; the median is reported.")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps after compiling.")
@@ -44,7 +46,8 @@ _VS_HF = flags.DEFINE_boolean(
     "vs-huggingface", False, "Also time Hugging Face's PyTorch ELECTRA step on the same batches."
 )
 _HF_GATHERED = flags.DEFINE_boolean(
-    "hf-gathered", False,
+    "hf-gathered",
+    False,
     "With --vs-huggingface, also time a PyTorch variant whose MLM head runs only at the masked "
     "positions (the default peer computes vocabulary logits at every position).",
 )
@@ -53,7 +56,9 @@ _HF_GATHERED = flags.DEFINE_boolean(
 def main(argv):
   del argv
   if _STEPS.value < 1 or _WINDOWS.value < 1 or _WARMUP.value < 0:
-    sys.exit(f"--steps={_STEPS.value} and --windows={_WINDOWS.value} must be >= 1, --warmup={_WARMUP.value} >= 0.")
+    sys.exit(
+        f"--steps={_STEPS.value} and --windows={_WINDOWS.value} must be >= 1, --warmup={_WARMUP.value} >= 0."
+    )
   config = _CONFIG.value
   mesh, corpus, setup = train.prepare(config)
   batch_size, seq_len = config.train.batch_size, config.data.max_seq_len
@@ -69,7 +74,9 @@ def main(argv):
 
   keys = train.batch_keys(config)
   batches = [
-      partitioning.global_batch_from_local(data.get_batch(corpus, i, batch_size, 0), mesh, keys=keys)
+      partitioning.global_batch_from_local(
+          data.get_batch(corpus, i, batch_size, 0), mesh, keys=keys
+      )
       for i in range(_STEPS.value)
   ]
 
@@ -78,8 +85,11 @@ def main(argv):
   stacked = []
   if per_call > 1:
     host = [data.get_batch(corpus, i, batch_size, 0) for i in range(per_call)]
-    stacked = [partitioning.global_batch_from_local(
-        {name: np.stack([b[name] for b in host]) for name in keys}, mesh, stacked=True)]
+    stacked = [
+        partitioning.global_batch_from_local(
+            {name: np.stack([b[name] for b in host]) for name in keys}, mesh, stacked=True
+        )
+    ]
 
   def run(num_steps, offset):
     nonlocal state, first_loss
@@ -88,10 +98,14 @@ def main(argv):
     i = 0
     while i < num_steps:
       if first_loss is None or per_call == 1 or num_steps - i < per_call:
-        state, metrics = step_fn(state, batches[i % len(batches)], train.step_rng(0, offset + i), setup.schedule)
+        state, metrics = step_fn(
+            state, batches[i % len(batches)], train.step_rng(0, offset + i), setup.schedule
+        )
         i += 1
       else:
-        state, metrics = steps_fn(state, stacked[0], train.step_rngs(0, offset + i, per_call), setup.schedule)
+        state, metrics = steps_fn(
+            state, stacked[0], train.step_rngs(0, offset + i, per_call), setup.schedule
+        )
         i += per_call
       if first_loss is None:  # the freshly initialized model on batch 0
         first_loss = float(metrics["loss"])
@@ -116,10 +130,14 @@ def main(argv):
     on_gpu = jax.devices()[0].platform == "gpu"
     for key, peer_value in (("norm", "post"), ("ffn", "gelu"), ("use_bias", True)):
       if config.model[key] != peer_value:  # transformers' ELECTRA has only the default encoder
-        raise SystemExit(f"--vs-huggingface: model.{key}={config.model[key]!r} has no transformers "
-                         "ElectraModel form, so the peer would not be like for like.")
+        raise SystemExit(
+            f"--vs-huggingface: model.{key}={config.model[key]!r} has no transformers "
+            "ElectraModel form, so the peer would not be like for like."
+        )
     if on_gpu and not torch.cuda.is_available():
-      raise SystemExit("JAX runs on a GPU but PyTorch sees none: the peer would not be like for like.")
+      raise SystemExit(
+          "JAX runs on a GPU but PyTorch sees none: the peer would not be like for like."
+      )
     # Like for like: the peer runs where we run, in bfloat16 autocast when we compute in bf16.
     peer_device = "cuda" if on_gpu else "cpu"
     autocast = torch.bfloat16 if config.train.dtype == "bfloat16" else None
@@ -162,7 +180,9 @@ def main(argv):
       "tokens_per_sec": round(tokens_per_sec, 1),
       "model_flops_per_token": round(flops_per_token),
       "achieved_tflops": round(tokens_per_sec * flops_per_token / 1e12, 4),
-      "mfu": None if peak is None else round(tokens_per_sec * flops_per_token / (peak * jax.device_count()), 4),
+      "mfu": None
+      if peak is None
+      else round(tokens_per_sec * flops_per_token / (peak * jax.device_count()), 4),
       "jax": jax.__version__,
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
   }
@@ -180,7 +200,9 @@ def main(argv):
       peer_seconds = statistics.median(seconds[name])
       peer_tokens_per_sec = batch_size * seq_len / peer_seconds
       result[name] = {
-          "mlm_head": "masked positions only" if peer.gather_masked else "every position (labels=-100)",
+          "mlm_head": "masked positions only"
+          if peer.gather_masked
+          else "every position (labels=-100)",
           "step_ms": round(1000 * peer_seconds, 2),
           "tokens_per_sec": round(peer_tokens_per_sec, 1),
           "step0_loss": round(peer_first_loss, 4),

@@ -26,8 +26,10 @@ def _prepared(cache: str):
   """(train rows, eval rows) of the demo's prepared cache, each a list of int arrays ([CLS] .. [SEP])."""
   found = sorted(glob.glob(os.path.join(cache, "builtin", "*", "len128")))
   if not found:
-    sys.exit(f"no prepared built-in corpus under {cache}: run `electra-jax --config=configs/demo.py "
-             "--workdir=W` once first (or pass --cache).")
+    sys.exit(
+        f"no prepared built-in corpus under {cache}: run `electra-jax --config=configs/demo.py "
+        "--workdir=W` once first (or pass --cache)."
+    )
   rows = {}
   for split in ("train", "eval"):
     ids = np.load(os.path.join(found[-1], f"{split}-00000.npy"))[:, 0].astype(np.int64)
@@ -69,7 +71,9 @@ def ceiling(args) -> None:
   k = 0.1
 
   def pmi(a, b):
-    return np.log((pairs.get((a, b), 0) + k * probs[b] * args.vocab) / (unigram[a] + k * args.vocab)) - np.log(probs[b])
+    return np.log(
+        (pairs.get((a, b), 0) + k * probs[b] * args.vocab) / (unigram[a] + k * args.vocab)
+    ) - np.log(probs[b])
 
   rng = np.random.default_rng(0)
   labels, scores = [], []
@@ -79,7 +83,9 @@ def ceiling(args) -> None:
       for i in range(1, len(row) - 1):
         scores.append(-(pmi(corrupted[i - 1], corrupted[i]) + pmi(corrupted[i], corrupted[i + 1])))
         labels.append(replaced[i])
-  print(f"bigram counts, {len(held_out)} held-out rows x {args.rounds} draws: AUC {_auc(labels, scores):.3f}")
+  print(
+      f"bigram counts, {len(held_out)} held-out rows x {args.rounds} draws: AUC {_auc(labels, scores):.3f}"
+  )
 
 
 def bilinear(args) -> None:
@@ -94,9 +100,13 @@ def bilinear(args) -> None:
   probs = unigram / unigram.sum()
   width, vocab = args.width, args.vocab
   keys = jax.random.split(jax.random.key(0), 4)
-  params = dict(e=0.02 * jax.random.normal(keys[0], (vocab, width)), u=0.02 * jax.random.normal(keys[1], (vocab, width)),
-                a=jnp.eye(width) + 0.02 * jax.random.normal(keys[2], (width, width)),
-                b=jnp.eye(width) + 0.02 * jax.random.normal(keys[3], (width, width)), bias=jnp.zeros(vocab))
+  params = dict(
+      e=0.02 * jax.random.normal(keys[0], (vocab, width)),
+      u=0.02 * jax.random.normal(keys[1], (vocab, width)),
+      a=jnp.eye(width) + 0.02 * jax.random.normal(keys[2], (width, width)),
+      b=jnp.eye(width) + 0.02 * jax.random.normal(keys[3], (width, width)),
+      bias=jnp.zeros(vocab),
+  )
 
   def logits(p, ids):
     e = p["e"][ids]
@@ -109,8 +119,13 @@ def bilinear(args) -> None:
     return (per_token * weights).sum() / weights.sum()
 
   warmup, steps = 60, args.steps
-  schedule = optax.join_schedules([optax.linear_schedule(0.0, args.learning_rate, warmup),
-                                   optax.linear_schedule(args.learning_rate, 0.0, steps - warmup)], [warmup])
+  schedule = optax.join_schedules(
+      [
+          optax.linear_schedule(0.0, args.learning_rate, warmup),
+          optax.linear_schedule(args.learning_rate, 0.0, steps - warmup),
+      ],
+      [warmup],
+  )
   tx = optax.adamw(schedule, weight_decay=0.01)
   state = tx.init(params)
 
@@ -123,9 +138,11 @@ def bilinear(args) -> None:
   def batch(rows, rng):
     corrupted = [_corrupt(row, probs, rng) for row in rows]
     length = max(len(r) for r in rows)
-    ids, labels, weights = (np.zeros((len(rows), length), t) for t in (np.int32, np.float32, np.float32))
+    ids, labels, weights = (
+        np.zeros((len(rows), length), t) for t in (np.int32, np.float32, np.float32)
+    )
     for i, (row, replaced) in enumerate(corrupted):
-      ids[i, :len(row)], labels[i, :len(row)], weights[i, 1:len(row) - 1] = row, replaced, 1.0
+      ids[i, : len(row)], labels[i, : len(row)], weights[i, 1 : len(row) - 1] = row, replaced, 1.0
     return ids, labels, weights
 
   rng, eval_rng = np.random.default_rng(0), np.random.default_rng(1)
@@ -134,7 +151,9 @@ def bilinear(args) -> None:
     rows = [train[j] for j in rng.integers(0, len(train), 32)]
     params, state, _ = step(params, state, *batch(rows, rng))
     if i % 200 == 0 or i == steps:
-      scores = [(np.asarray(logits(params, ids))[w > 0], lab[w > 0]) for ids, lab, w in held_out_batches]
+      scores = [
+          (np.asarray(logits(params, ids))[w > 0], lab[w > 0]) for ids, lab, w in held_out_batches
+      ]
       auc = _auc(np.concatenate([s[1] for s in scores]), np.concatenate([s[0] for s in scores]))
       print(f"step {i}: held-out AUC {auc:.3f}", flush=True)
 
@@ -150,8 +169,10 @@ def unigram(args, overrides) -> None:
   generator_logits = objectives._generator_logits
 
   def from_unigram(p):
-    logits = generator_logits(p)  # kept in the graph (times 0): the generator's parameters get zero gradients
-    return jnp.broadcast_to(log_unigram[:logits.shape[-1]], logits.shape) + 0.0 * logits
+    logits = generator_logits(
+        p
+    )  # kept in the graph (times 0): the generator's parameters get zero gradients
+    return jnp.broadcast_to(log_unigram[: logits.shape[-1]], logits.shape) + 0.0 * logits
 
   objectives._generator_logits = from_unigram
   sys.argv = [sys.argv[0], "--config=configs/demo.py", f"--workdir={args.workdir}", *overrides]
@@ -159,18 +180,32 @@ def unigram(args, overrides) -> None:
 
 
 if __name__ == "__main__":
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("probe", choices=["ceiling", "bilinear", "unigram"])
-  parser.add_argument("--cache", default=os.environ.get("ELECTRA_JAX_CACHE", os.path.expanduser("~/.cache/electra_jax")))
+  parser.add_argument(
+      "--cache",
+      default=os.environ.get("ELECTRA_JAX_CACHE", os.path.expanduser("~/.cache/electra_jax")),
+  )
   parser.add_argument("--vocab", type=int, default=8192, help="the demo's vocabulary size")
-  parser.add_argument("--rounds", type=int, default=5, help="ceiling: replacement draws per held-out row")
-  parser.add_argument("--learning_rate", type=float, default=1e-2, help="bilinear: peak learning rate")
+  parser.add_argument(
+      "--rounds", type=int, default=5, help="ceiling: replacement draws per held-out row"
+  )
+  parser.add_argument(
+      "--learning_rate", type=float, default=1e-2, help="bilinear: peak learning rate"
+  )
   parser.add_argument("--width", type=int, default=64, help="bilinear: embedding width")
   parser.add_argument("--steps", type=int, default=600, help="bilinear: optimizer steps")
-  parser.add_argument("--workdir", default="workdirs/rtd_unigram", help="unigram: the run's workdir")
+  parser.add_argument(
+      "--workdir", default="workdirs/rtd_unigram", help="unigram: the run's workdir"
+  )
   known, rest = parser.parse_known_args()
   rest = rest[1:] if rest[:1] == ["--"] else rest
   if known.probe != "unigram" and rest:
     parser.error(f"unrecognized arguments: {' '.join(rest)}")
-  {"ceiling": lambda: ceiling(known), "bilinear": lambda: bilinear(known),
-   "unigram": lambda: unigram(known, rest)}[known.probe]()
+  {
+      "ceiling": lambda: ceiling(known),
+      "bilinear": lambda: bilinear(known),
+      "unigram": lambda: unigram(known, rest),
+  }[known.probe]()

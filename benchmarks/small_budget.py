@@ -62,6 +62,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import small_budget_tasks  # noqa: E402
 
+
 def _cli(args: list[str], log_path: str) -> None:
   command = [sys.executable, "-m", "electra_jax.main", *args]
   start = time.time()
@@ -71,7 +72,9 @@ def _cli(args: list[str], log_path: str) -> None:
     # From the caller's folder, as this process: relative paths in --out and the overrides mean the same.
     done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
   if done.returncode:
-    sys.exit(f"failed (exit {done.returncode}, {time.time() - start:.0f}s): {' '.join(command)}\nsee {log_path}")
+    sys.exit(
+        f"failed (exit {done.returncode}, {time.time() - start:.0f}s): {' '.join(command)}\nsee {log_path}"
+    )
 
 
 def _done(results_file: str) -> list[dict]:
@@ -95,7 +98,9 @@ def variant(overrides: list[str]) -> str:
   folder name (long ones shortened, with a hash of the whole): what names a variant's workdirs."""
   if not overrides:
     return ""
-  name = "+".join(re.sub(r"[^A-Za-z0-9._=,-]+", "_", o.removeprefix("--config.")) for o in overrides)
+  name = "+".join(
+      re.sub(r"[^A-Za-z0-9._=,-]+", "_", o.removeprefix("--config.")) for o in overrides
+  )
   if len(name) > 100:
     name = f"{name[:32]}-{hashlib.sha1(' '.join(overrides).encode()).hexdigest()[:8]}"
   return "+" + name
@@ -103,8 +108,13 @@ def variant(overrides: list[str]) -> str:
 
 def _row_key(row: dict) -> tuple:
   """What tells two measurements apart: task, init, budget, labelled set and variant."""
-  return (row["task"], row["init"], row.get("budget"), row.get("labels", 0),
-          variant(row.get("pretrain_overrides", []) + row.get("finetune_overrides", [])))
+  return (
+      row["task"],
+      row["init"],
+      row.get("budget"),
+      row.get("labels", 0),
+      variant(row.get("pretrain_overrides", []) + row.get("finetune_overrides", [])),
+  )
 
 
 def task_tokenizer(task_dir: str, overrides: list[str]) -> list[str]:
@@ -116,9 +126,17 @@ def task_tokenizer(task_dir: str, overrides: list[str]) -> list[str]:
     return []
   path = os.path.join(task_dir, "spm.model")
   if not os.path.exists(path):  # written atomically: a killed run leaves none behind
-    _cli(["--mode=train_tokenizer", f"--config={ROOT}/configs/quick.py", "--config.data.source=text",
-          f"--config.data.files={task_dir}/corpus.txt", f"--out={path}", *overrides],
-         os.path.join(task_dir, "spm.log"))
+    _cli(
+        [
+            "--mode=train_tokenizer",
+            f"--config={ROOT}/configs/quick.py",
+            "--config.data.source=text",
+            f"--config.data.files={task_dir}/corpus.txt",
+            f"--out={path}",
+            *overrides,
+        ],
+        os.path.join(task_dir, "spm.log"),
+    )
   return [f"--config.data.spm_model_file={path}"]
 
 
@@ -128,45 +146,75 @@ def pretrain(task_dir: str, arm: str, budget: str, extra: list[str], tag: str = 
     if budget.endswith("steps"):  # evaluated and saved 4 times, whatever the length
       steps = int(budget[: -len("steps")])
       every = max(100, steps // 4)
-      length = ["--config.train.time_budget=", f"--config.train.steps={steps}",
-                f"--config.eval.every_steps={every}", f"--config.checkpoint.every_steps={every}"]
+      length = [
+          "--config.train.time_budget=",
+          f"--config.train.steps={steps}",
+          f"--config.eval.every_steps={every}",
+          f"--config.checkpoint.every_steps={every}",
+      ]
     else:
       length = [f"--config.train.time_budget={budget}"]
-    _cli([f"--config={ROOT}/configs/quick.py", f"--workdir={workdir}", "--config.data.source=text",
-          f"--config.data.files={task_dir}/corpus.txt", *length, *extra],
-         os.path.join(task_dir, f"pretrain_{arm}_{budget}{tag}.log"))
+    _cli(
+        [
+            f"--config={ROOT}/configs/quick.py",
+            f"--workdir={workdir}",
+            "--config.data.source=text",
+            f"--config.data.files={task_dir}/corpus.txt",
+            *length,
+            *extra,
+        ],
+        os.path.join(task_dir, f"pretrain_{arm}_{budget}{tag}.log"),
+    )
   return workdir
 
 
 def _finished(workdir: str) -> bool:
   config = json.load(open(os.path.join(workdir, "config.json")))
-  steps = [json.loads(line)["step"] for line in open(os.path.join(workdir, "metrics.jsonl")) if line.strip()]
+  steps = [
+      json.loads(line)["step"]
+      for line in open(os.path.join(workdir, "metrics.jsonl"))
+      if line.strip()
+  ]
   return bool(steps) and steps[-1] >= config["train"]["steps"]
 
 
 def task_keys(task_dir: str) -> dict[str, str]:
   """The configs/finetune/custom.py keys that read a task folder; the learning rate's held-out
   share takes whole groups (pages, packages) where its examples name them (see split_check)."""
-  keys = {"custom.train_file": f"{task_dir}/train.jsonl", "custom.dev_file": f"{task_dir}/dev.jsonl",
-          "custom.text_a_column": "sentence", "custom.label_column": "label"}
+  keys = {
+      "custom.train_file": f"{task_dir}/train.jsonl",
+      "custom.dev_file": f"{task_dir}/dev.jsonl",
+      "custom.text_a_column": "sentence",
+      "custom.label_column": "label",
+  }
   if "group" in json.loads(open(os.path.join(task_dir, "train.jsonl")).readline()):
     keys["custom.group_column"] = "group"
   return keys
 
 
-def finetune(task_dir: str, init: str, init_from: str, seeds: int, extra: list[str]) -> tuple[list[float], dict]:
+def finetune(
+    task_dir: str, init: str, init_from: str, seeds: int, extra: list[str]
+) -> tuple[list[float], dict]:
   """Dev accuracy of each seed, fine-tuned with configs/finetune/custom.py's defaults, and the
   learning rate's choice ({} when the rate was fixed): the rate and each rate's held-out score,
   the held-out share taking whole groups where the task files name them."""
   workdir = os.path.join(task_dir, f"finetune_{init}")
-  args = ["--mode=finetune", f"--config={ROOT}/configs/finetune/custom.py", f"--workdir={workdir}",
-          *(f"--config.{key}={value}" for key, value in task_keys(task_dir).items()),
-          f"--config.init_from={init_from}", f"--config.num_seeds={seeds}", *extra]
+  args = [
+      "--mode=finetune",
+      f"--config={ROOT}/configs/finetune/custom.py",
+      f"--workdir={workdir}",
+      *(f"--config.{key}={value}" for key, value in task_keys(task_dir).items()),
+      f"--config.init_from={init_from}",
+      f"--config.num_seeds={seeds}",
+      *extra,
+  ]
   if init.startswith("random"):  # "random_<budget>": the pre-training run gives only its tokenizer
     args.append("--config.random_init=True")
   _cli(args, os.path.join(task_dir, f"finetune_{init}.log"))
   results = json.load(open(os.path.join(workdir, "custom", "results.json")))
-  accuracy = [results["seeds"][s]["dev"]["custom"]["accuracy"] for s in sorted(results["seeds"], key=int)]
+  accuracy = [
+      results["seeds"][s]["dev"]["custom"]["accuracy"] for s in sorted(results["seeds"], key=int)
+  ]
   return accuracy, results["selection"] or {}
 
 
@@ -184,8 +232,15 @@ def _tfidf(train: list[dict], evaluated: list[list[dict]]) -> list[float]:
   features = vectorizer.fit_transform([e["sentence"] for e in train])
   classifier = LogisticRegressionCV(Cs=[0.1, 1, 10, 100], cv=5, max_iter=3000)
   classifier.fit(features, [e["label"] for e in train])
-  return [float(np.mean(classifier.predict(vectorizer.transform([e["sentence"] for e in examples]))
-                        == np.array([e["label"] for e in examples]))) for examples in evaluated]
+  return [
+      float(
+          np.mean(
+              classifier.predict(vectorizer.transform([e["sentence"] for e in examples]))
+              == np.array([e["label"] for e in examples])
+          )
+      )
+      for examples in evaluated
+  ]
 
 
 def tfidf(task_dir: str) -> float:
@@ -197,15 +252,20 @@ def labelled_subset(task_dir: str, labels: int) -> str:
   <task>/labels_<N>/, where its fine-tuning workdirs go too. How pre-training pays off as the
   labelled set shrinks; 0 is the task itself."""
   subset_dir = os.path.join(task_dir, f"labels_{labels}")
-  if not labels or os.path.exists(os.path.join(subset_dir, "dev.jsonl")):  # written last: a whole folder
+  if not labels or os.path.exists(
+      os.path.join(subset_dir, "dev.jsonl")
+  ):  # written last: a whole folder
     return subset_dir if labels else task_dir
   train = _read(task_dir, "train")
   if not 0 < labels < len(train):
-    sys.exit(f"--labels={labels}: give fewer than the task's {len(train)} training examples (0: all of them)")
+    sys.exit(
+        f"--labels={labels}: give fewer than the task's {len(train)} training examples (0: all of them)"
+    )
   chosen = sorted(np.random.default_rng(0).choice(len(train), labels, replace=False))
   for split, examples in (("train", [train[i] for i in chosen]), ("dev", _read(task_dir, "dev"))):
-    workdir_files.write_text(os.path.join(subset_dir, f"{split}.jsonl"),
-                             "".join(json.dumps(e) + "\n" for e in examples))
+    workdir_files.write_text(
+        os.path.join(subset_dir, f"{split}.jsonl"), "".join(json.dumps(e) + "\n" for e in examples)
+    )
   return subset_dir
 
 
@@ -220,16 +280,35 @@ def split_check(args) -> None:
     task_dir = small_budget_tasks.build(args.out, task)
     train, dev = _read(task_dir, "train"), _read(task_dir, "dev")
     if "group" not in train[0]:
-      sys.exit(f"{task_dir}/train.jsonl has no group field (built before examples carried one): "
-               "build the task again under a new --out.")
+      sys.exit(
+          f"{task_dir}/train.jsonl has no group field (built before examples carried one): "
+          "build the task again under a new --out."
+      )
     groups = [e["group"] for e in train]
-    for split, by, folds in (("rows", [None] * len(train), 1), ("groups", groups, 1), ("groups", groups, 3)):
+    for split, by, folds in (
+        ("rows", [None] * len(train), 1),
+        ("groups", groups, 1),
+        ("groups", groups, 3),
+    ):
       for seed in range(args.seeds):
-        scores = [_tfidf([train[i] for i in fit], [[train[i] for i in held], dev])
-                  for held, fit in held_out_rows(by, 0.2, seed, folds)]
+        scores = [
+            _tfidf([train[i] for i in fit], [[train[i] for i in held], dev])
+            for held, fit in held_out_rows(by, 0.2, seed, folds)
+        ]
         held_out, on_dev = np.mean(scores, axis=0)
-        print(json.dumps(dict(task=task, held_out_by=split, folds=folds, seed=seed, held_out=round(held_out, 4),
-                              dev=round(on_dev, 4))), flush=True)
+        print(
+            json.dumps(
+                dict(
+                    task=task,
+                    held_out_by=split,
+                    folds=folds,
+                    seed=seed,
+                    held_out=round(held_out, 4),
+                    dev=round(on_dev, 4),
+                )
+            ),
+            flush=True,
+        )
 
 
 def probe(args) -> None:
@@ -250,17 +329,26 @@ def probe(args) -> None:
   from electra_jax.finetune import model as model_lib, tasks  # noqa: PLC0415
 
   if not args.workdirs:
-    sys.exit("probe: name the pre-training workdirs, e.g. --workdirs=pretrain_electra_60m,pretrain_mlm_60m")
+    sys.exit(
+        "probe: name the pre-training workdirs, e.g. --workdirs=pretrain_electra_60m,pretrain_mlm_60m"
+    )
   warnings.filterwarnings("ignore", category=FutureWarning, module="sklearn")  # its coming defaults
   probed = (models.Embeddings, models.EncoderLayer, models.Encoder)
   for task in args.tasks.split(","):
     task_dir = small_budget_tasks.build(args.out, task)
     workdirs = args.workdirs.split(",")
-    inits = [(name, name, 0) for name in workdirs] + [(f"random_{s}", None, s) for s in range(args.seeds)]
+    inits = [(name, name, 0) for name in workdirs] + [
+        (f"random_{s}", None, s) for s in range(args.seeds)
+    ]
     for init, workdir, seed in inits:
-      config = api.load_config("finetune/custom", {
-          **task_keys(task_dir), "init_from": os.path.join(task_dir, workdir or workdirs[0]),
-          "random_init": workdir is None})
+      config = api.load_config(
+          "finetune/custom",
+          {
+              **task_keys(task_dir),
+              "init_from": os.path.join(task_dir, workdir or workdirs[0]),
+              "random_init": workdir is None,
+          },
+      )
       backbone, data = model_lib.load_backbone(config), tasks.load_task(config)
       encoder = backbone.model
       params = backbone.params
@@ -271,26 +359,47 @@ def probe(args) -> None:
 
       @jax.jit
       def pooled(params, input_ids, attention_mask, token_type_ids):
-        _, state = encoder.apply({"params": params}, input_ids, attention_mask, token_type_ids,
-                                 capture_intermediates=lambda module, method: isinstance(module, probed)
-                                 and method == "__call__", mutable=["intermediates"])
+        _, state = encoder.apply(
+            {"params": params},
+            input_ids,
+            attention_mask,
+            token_type_ids,
+            capture_intermediates=lambda module, method: isinstance(module, probed)
+            and method == "__call__",
+            mutable=["intermediates"],
+        )
         found = jax.tree_util.tree_flatten_with_path(state["intermediates"])[0]
-        return {"/".join(k.key for k in path if getattr(k, "key", "__call__") != "__call__"):
-                model_lib.pool(value, attention_mask, "mean") for path, value in found}
+        return {
+            "/".join(
+                k.key for k in path if getattr(k, "key", "__call__") != "__call__"
+            ): model_lib.pool(value, attention_mask, "mean")
+            for path, value in found
+        }
 
       def features(examples):
         arrays = tasks.encode_examples(examples, backbone.tokenizer, config.max_seq_len, data)
-        parts = [pooled(params, *(arrays[k][i:i + 256] for k in ("input_ids", "attention_mask", "token_type_ids")))
-                 for i in range(0, len(examples), 256)]
-        return {name: np.concatenate([np.asarray(p[name]) for p in parts]) for name in parts[0]}, arrays["labels"]
+        parts = [
+            pooled(
+                params,
+                *(
+                    arrays[k][i : i + 256]
+                    for k in ("input_ids", "attention_mask", "token_type_ids")
+                ),
+            )
+            for i in range(0, len(examples), 256)
+        ]
+        return {
+            name: np.concatenate([np.asarray(p[name]) for p in parts]) for name in parts[0]
+        }, arrays["labels"]
 
       (train_x, train_y), (dev_x, dev_y) = features(data.train), features(data.dev["custom"])
       groups = [e.group if e.group is not None else e.index for e in data.train]
       folds = list(GroupKFold(5).split(train_y, train_y, groups))
       accuracy = {}
       for name in train_x:
-        classifier = make_pipeline(StandardScaler(), LogisticRegressionCV(Cs=[0.01, 0.1, 1, 10], cv=folds,
-                                                                           max_iter=3000))
+        classifier = make_pipeline(
+            StandardScaler(), LogisticRegressionCV(Cs=[0.01, 0.1, 1, 10], cv=folds, max_iter=3000)
+        )
         classifier.fit(train_x[name], train_y)
         accuracy[name] = round(float(np.mean(classifier.predict(dev_x[name]) == dev_y)), 4)
       row = dict(task=task, init=init, source=backbone.source, dev_accuracy=accuracy)
@@ -306,8 +415,10 @@ def parse_arms(definitions: list[str], chosen: str) -> dict[str, list[str]]:
   for definition in definitions:
     name, sep, overrides = definition.partition("=")
     if not sep or not name.isidentifier() or name in arms:
-      sys.exit(f"--arm {definition!r}: give NAME=OVERRIDES with a new NAME (letters, digits, _), "
-               "e.g. --arm 'gdes=--config.model.tie=gdes'")
+      sys.exit(
+          f"--arm {definition!r}: give NAME=OVERRIDES with a new NAME (letters, digits, _), "
+          "e.g. --arm 'gdes=--config.model.tie=gdes'"
+      )
     arms[name] = overrides.split()
   unknown = [name for name in chosen.split(",") if name not in arms]
   if unknown:
@@ -328,16 +439,30 @@ def prepare(args) -> tuple[dict[str, str], dict[str, list[str]]]:
 def run(args) -> None:
   results_file = os.path.join(args.out, "results.jsonl")
   done = {_row_key(r) for r in _done(results_file)}
-  overrides = {key: value for key, value in (("pretrain_overrides", args.pretrain_override),
-                                              ("finetune_overrides", args.finetune_override)) if value}
+  overrides = {
+      key: value
+      for key, value in (
+          ("pretrain_overrides", args.pretrain_override),
+          ("finetune_overrides", args.finetune_override),
+      )
+      if value
+  }
   tag = variant(args.pretrain_override + args.finetune_override)
   budgets, arms = args.budgets.split(","), parse_arms(args.arm, args.arms)
   task_dirs, tokenizers = prepare(args)
   labelled = {task: labelled_subset(task_dir, args.labels) for task, task_dir in task_dirs.items()}
   for task in task_dirs:
     if (task, "tfidf", None, args.labels, "") not in done:
-      _record(results_file, dict(task=task, init="tfidf", budget=None, labels=args.labels,
-                                 accuracy=[tfidf(labelled[task])]))
+      _record(
+          results_file,
+          dict(
+              task=task,
+              init="tfidf",
+              budget=None,
+              labels=args.labels,
+              accuracy=[tfidf(labelled[task])],
+          ),
+      )
 
   # Each task's tokenizer first (prepare), then every pre-training run of every task, then the
   # fine-tuning. A time budget needs the machine to itself, so those pre-train one at a time
@@ -346,48 +471,85 @@ def run(args) -> None:
   # either case. Random init needs a tokenizer only: the first pre-trained arm's workdir gives it.
   pretrained = [name for name in arms if name != "random"]
   if not pretrained:
-    sys.exit(f"--arms={args.arms}: name at least one pre-trained arm (random init takes its tokenizer)")
+    sys.exit(
+        f"--arms={args.arms}: name at least one pre-trained arm (random init takes its tokenizer)"
+    )
   runs = [(task, arm, budget) for task in task_dirs for budget in budgets for arm in pretrained]
   pretrain_jobs = args.jobs if all(b.endswith("steps") for b in budgets) else 1
   with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, pretrain_jobs)) as pool:
-    workdirs = dict(zip(runs, pool.map(lambda r: pretrain(
-        task_dirs[r[0]], r[1], r[2], tokenizers[r[0]] + args.pretrain_override + arms[r[1]],
-        variant(args.pretrain_override)), runs)))
+    workdirs = dict(
+        zip(
+            runs,
+            pool.map(
+                lambda r: pretrain(
+                    task_dirs[r[0]],
+                    r[1],
+                    r[2],
+                    tokenizers[r[0]] + args.pretrain_override + arms[r[1]],
+                    variant(args.pretrain_override),
+                ),
+                runs,
+            ),
+        )
+    )
 
   def finetune_one(task, init, budget):
     workdir = workdirs[task, pretrained[0] if init == "random" else init, budget]
     start = time.time()
-    accuracy, selection = finetune(labelled[task], f"{init}_{budget}{tag}", workdir, args.seeds,
-                                   args.finetune_override)
-    row = dict(task=task, init=init, budget=budget, labels=args.labels, accuracy=accuracy, selection=selection,
-               finetune_seconds=round(time.time() - start), **overrides)
+    accuracy, selection = finetune(
+        labelled[task], f"{init}_{budget}{tag}", workdir, args.seeds, args.finetune_override
+    )
+    row = dict(
+        task=task,
+        init=init,
+        budget=budget,
+        labels=args.labels,
+        accuracy=accuracy,
+        selection=selection,
+        finetune_seconds=round(time.time() - start),
+        **overrides,
+    )
     if init != "random":
       config = json.load(open(os.path.join(workdir, "config.json")))
       held_out = workdir_files.last_record(os.path.join(workdir, "eval_metrics.jsonl"))
-      row.update(pretrain_steps=config["train"]["steps"], overrides=arms[init],
-                 held_out={k: held_out.get(k) for k in ("disc_auc", "disc_recall", "masked_lm_accuracy")})
+      row.update(
+          pretrain_steps=config["train"]["steps"],
+          overrides=arms[init],
+          held_out={k: held_out.get(k) for k in ("disc_auc", "disc_recall", "masked_lm_accuracy")},
+      )
     _record(results_file, row)
 
   finetunes = [(task, "random", budgets[0]) for task in task_dirs if "random" in arms] + runs
   with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-    list(pool.map(lambda r: finetune_one(*r), [r for r in finetunes if (*r, args.labels, tag) not in done]))
+    list(
+        pool.map(
+            lambda r: finetune_one(*r), [r for r in finetunes if (*r, args.labels, tag) not in done]
+        )
+    )
 
 
 def report(args) -> None:
   rows = _done(os.path.join(args.out, "results.jsonl"))
-  lines = ["| task | labels | budget | init | rate chosen (held-out score by rate) | "
-           "dev accuracy, mean ± sd (seeds) | pre-training steps | held-out disc_auc |", "|---" * 8 + "|"]
+  lines = [
+      "| task | labels | budget | init | rate chosen (held-out score by rate) | "
+      "dev accuracy, mean ± sd (seeds) | pre-training steps | held-out disc_auc |",
+      "|---" * 8 + "|",
+  ]
   named = lambda r: r["init"] + _row_key(r)[4]  # noqa: E731 (the init with its variant)
-  for r in sorted(rows, key=lambda r: (r["task"], r.get("labels", 0), r.get("budget") or "", named(r))):
+  for r in sorted(
+      rows, key=lambda r: (r["task"], r.get("labels", 0), r.get("budget") or "", named(r))
+  ):
     acc = 100 * np.array(r["accuracy"])
     spread = f" ± {acc.std(ddof=1):.1f} ({len(acc)})" if len(acc) > 1 else ""
     auc = (r.get("held_out") or {}).get("disc_auc")
     chosen = r.get("selection") or {}
     scores = " / ".join(f"{k} {100 * v:.1f}" for k, v in chosen.get("held_out_scores", {}).items())
     rate = f"{chosen['learning_rate']:g} ({scores})" if chosen else "-"
-    lines.append(f"| {r['task']} | {r.get('labels') or 'all'} | {r.get('budget') or '-'} | {named(r)} | {rate} | "
-                 f"{acc.mean():.1f}{spread} | {r.get('pretrain_steps', '-')} | "
-                 f"{'-' if auc is None else f'{auc:.3f}'} |")
+    lines.append(
+        f"| {r['task']} | {r.get('labels') or 'all'} | {r.get('budget') or '-'} | {named(r)} | {rate} | "
+        f"{acc.mean():.1f}{spread} | {r.get('pretrain_steps', '-')} | "
+        f"{'-' if auc is None else f'{auc:.3f}'} |"
+    )
   print("\n".join(lines))
   if args.plot:
     import matplotlib  # noqa: PLC0415 (the plots extra)
@@ -395,25 +557,42 @@ def report(args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    rows = [r for r in rows if _row_key(r)[3:] == (args.labels, "")]  # one labelled set, no variants
+    rows = [
+        r for r in rows if _row_key(r)[3:] == (args.labels, "")
+    ]  # one labelled set, no variants
     tasks = sorted({r["task"] for r in rows})
     figure, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.5), squeeze=False)
     for axis, task in zip(axes[0], tasks):
       task_rows = [r for r in rows if r["task"] == task]
       for init in sorted({r["init"] for r in task_rows} - {"random", "tfidf"}):
-        points = sorted((r["pretrain_steps"], r["accuracy"]) for r in task_rows if r["init"] == init)
+        points = sorted(
+            (r["pretrain_steps"], r["accuracy"]) for r in task_rows if r["init"] == init
+        )
         if points:
-          spread = [100 * np.std(a, ddof=1) if len(a) > 1 else 0.0 for _, a in points]  # as the table
-          axis.errorbar([s for s, _ in points], [100 * np.mean(a) for _, a in points], yerr=spread,
-                        marker="o", capsize=3, label=init)
+          spread = [
+              100 * np.std(a, ddof=1) if len(a) > 1 else 0.0 for _, a in points
+          ]  # as the table
+          axis.errorbar(
+              [s for s, _ in points],
+              [100 * np.mean(a) for _, a in points],
+              yerr=spread,
+              marker="o",
+              capsize=3,
+              label=init,
+          )
       # Neither depends on the budget: lines across the plot.
       for init, style in (("random", ":"), ("tfidf", "--")):
         accuracy = [a for r in task_rows if r["init"] == init for a in r["accuracy"]]
         if accuracy:
-          axis.axhline(100 * np.mean(accuracy), color="gray", linestyle=style,
-                       label={"random": "random init", "tfidf": "TF-IDF + LR"}[init])
-      axis.set(title=task, xlabel="pre-training steps (batch 64 x 128 tokens)",
-               ylabel="dev accuracy (%)")
+          axis.axhline(
+              100 * np.mean(accuracy),
+              color="gray",
+              linestyle=style,
+              label={"random": "random init", "tfidf": "TF-IDF + LR"}[init],
+          )
+      axis.set(
+          title=task, xlabel="pre-training steps (batch 64 x 128 tokens)", ylabel="dev accuracy (%)"
+      )
       axis.set_xscale("log")
       axis.legend()
     figure.tight_layout()
@@ -422,28 +601,58 @@ def report(args) -> None:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("command", choices=("run", "prepare", "report", "split_check", "probe"))
   parser.add_argument("--out", default=os.path.join(ROOT, ".bench_data", "small_budget"))
   parser.add_argument("--tasks", default="debian,manpages")
   parser.add_argument("--budgets", default="12m")
   parser.add_argument("--seeds", type=int, default=3)
-  parser.add_argument("--jobs", type=int, default=1,
-                      help="fine-tuning processes at once; pre-training too when the budgets are in steps")
-  parser.add_argument("--pretrain_override", action="append", default=[],
-                      help="every arm's pre-training, e.g. --config.model.norm=post")
-  parser.add_argument("--arm", action="append", default=[],
-                      help="another pre-training arm, NAME=OVERRIDES: e.g. 'gdes=--config.model.tie=gdes'")
-  parser.add_argument("--arms", default="electra,mlm,random", help="the arms run (random: fine-tuned only)")
-  parser.add_argument("--labels", type=int, default=0,
-                      help="run: fine-tune (and fit TF-IDF) on this many training examples, drawn at random; "
-                      "report: plot that set (0: all)")
-  parser.add_argument("--finetune_override", action="append", default=[], help="e.g. --config.head.pooling=cls")
-  parser.add_argument("--workdirs", default="", help="probe: pre-training workdirs in each task folder, e.g. "
-                      "pretrain_electra_60m,pretrain_mlm_60m")
-  parser.add_argument("--plot", default="", help="report: also draw the accuracy against the budget here (PNG)")
+  parser.add_argument(
+      "--jobs",
+      type=int,
+      default=1,
+      help="fine-tuning processes at once; pre-training too when the budgets are in steps",
+  )
+  parser.add_argument(
+      "--pretrain_override",
+      action="append",
+      default=[],
+      help="every arm's pre-training, e.g. --config.model.norm=post",
+  )
+  parser.add_argument(
+      "--arm",
+      action="append",
+      default=[],
+      help="another pre-training arm, NAME=OVERRIDES: e.g. 'gdes=--config.model.tie=gdes'",
+  )
+  parser.add_argument(
+      "--arms", default="electra,mlm,random", help="the arms run (random: fine-tuned only)"
+  )
+  parser.add_argument(
+      "--labels",
+      type=int,
+      default=0,
+      help="run: fine-tune (and fit TF-IDF) on this many training examples, drawn at random; "
+      "report: plot that set (0: all)",
+  )
+  parser.add_argument(
+      "--finetune_override", action="append", default=[], help="e.g. --config.head.pooling=cls"
+  )
+  parser.add_argument(
+      "--workdirs",
+      default="",
+      help="probe: pre-training workdirs in each task folder, e.g. "
+      "pretrain_electra_60m,pretrain_mlm_60m",
+  )
+  parser.add_argument(
+      "--plot", default="", help="report: also draw the accuracy against the budget here (PNG)"
+  )
   args = parser.parse_args()
-  dict(run=run, prepare=prepare, report=report, split_check=split_check, probe=probe)[args.command](args)
+  dict(run=run, prepare=prepare, report=report, split_check=split_check, probe=probe)[args.command](
+      args
+  )
 
 
 if __name__ == "__main__":

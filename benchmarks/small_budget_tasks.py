@@ -28,8 +28,20 @@ import subprocess
 import sys
 
 APT_LISTS = "/var/lib/apt/lists"
-DEBIAN_SECTIONS = ("admin", "devel", "doc", "games", "graphics", "libs", "net", "science", "sound", "text",
-                   "utils", "x11")
+DEBIAN_SECTIONS = (
+    "admin",
+    "devel",
+    "doc",
+    "games",
+    "graphics",
+    "libs",
+    "net",
+    "science",
+    "sound",
+    "text",
+    "utils",
+    "x11",
+)
 MAN_SECTIONS = ("1", "2", "3", "5", "7", "8")
 TRAIN_SIZE = 2000
 
@@ -38,8 +50,9 @@ def _apt_records(pattern: str):
   """The stanzas (dicts; continuation lines joined with newlines) of apt list files."""
   files = sorted(glob.glob(os.path.join(APT_LISTS, pattern)))
   for file in files:
-    text = subprocess.run(["/usr/lib/apt/apt-helper", "cat-file", file], check=True, capture_output=True,
-                          text=True).stdout
+    text = subprocess.run(
+        ["/usr/lib/apt/apt-helper", "cat-file", file], check=True, capture_output=True, text=True
+    ).stdout
     for stanza in text.split("\n\n"):
       record, key = {}, None
       for line in stanza.splitlines():
@@ -66,15 +79,18 @@ def _split_groups(groups: dict, labels: dict, rng: random.Random, dev_size: int)
     # A quarter of each class's groups is labelled: half of those train, half dev.
     labelled = members[: max(4, len(members) // 4)]
     train += labelled[: len(labelled) // 2]
-    dev += labelled[len(labelled) // 2:]
+    dev += labelled[len(labelled) // 2 :]
   return set(train), set(dev)
 
 
 def _examples(groups, texts_of, label_of, size: int, rng: random.Random):
   """Up to `size` examples of the groups' texts, each with its group (a Debian source package or
   a man page: --config.custom.group_column=group holds out whole groups when choosing a rate)."""
-  examples = [{"sentence": text, "label": label_of(group), "group": os.path.basename(group)}
-              for group in sorted(groups) for text in texts_of(group)]
+  examples = [
+      {"sentence": text, "label": label_of(group), "group": os.path.basename(group)}
+      for group in sorted(groups)
+      for text in texts_of(group)
+  ]
   rng.shuffle(examples)
   return examples[:size]
 
@@ -96,11 +112,16 @@ def debian(rng: random.Random):
     md5_of[name] = record["Description-md5"]
   long_of = {}
   for record in _apt_records("*_i18n_Translation-en.lz4"):
-    if record.get("Package") in md5_of and record.get("Description-md5") == md5_of[record["Package"]]:
+    if (
+        record.get("Package") in md5_of
+        and record.get("Description-md5") == md5_of[record["Package"]]
+    ):
       long_of[record["Package"]] = record["Description-en"]
   if len(long_of) < 10_000:
-    sys.exit("debian: the package index has no English descriptions; run "
-             "`apt-get -o Acquire::Languages=en update` first.")
+    sys.exit(
+        "debian: the package index has no English descriptions; run "
+        "`apt-get -o Acquire::Languages=en update` first."
+    )
   members = collections.defaultdict(list)
   for name in sorted(long_of):
     members[group_of[name]].append(name)
@@ -110,8 +131,9 @@ def debian(rng: random.Random):
     section = collections.Counter(section_of[n] for n in names).most_common(1)[0][0]
     labels[group] = section if section in DEBIAN_SECTIONS else None
   train_groups, dev_groups = _split_groups(members, labels, rng, 4000)
-  synopses = lambda group: sorted({long_of[n].split("\n")[0].strip() for n in members[group]
-                                   if section_of[n] == labels[group]})
+  synopses = lambda group: sorted(
+      {long_of[n].split("\n")[0].strip() for n in members[group] if section_of[n] == labels[group]}
+  )
   train = _examples(train_groups, synopses, labels.get, TRAIN_SIZE, rng)
   dev = _examples(dev_groups, synopses, labels.get, 4000, rng)
   corpus = []
@@ -125,7 +147,9 @@ def debian(rng: random.Random):
   return corpus, train, dev
 
 
-_ROFF_ESCAPE = re.compile(r"\\f(\[[^\]]*\]|\(..|.)|\\\(..|\\\[[^\]]*\]|\\[&|^%:]|\\s[-+]?\d+|\\\*\(?..?")
+_ROFF_ESCAPE = re.compile(
+    r"\\f(\[[^\]]*\]|\(..|.)|\\\(..|\\\[[^\]]*\]|\\[&|^%:]|\\s[-+]?\d+|\\\*\(?..?"
+)
 
 
 def _man_text(path: str) -> list[str]:
@@ -135,23 +159,34 @@ def _man_text(path: str) -> list[str]:
     lines = f.read().splitlines()
   paragraphs, current, in_body = [], [], False
   for line in lines:
-    if line.startswith((".\\\"", "'\\\"")):
+    if line.startswith(('.\\"', "'\\\"")):
       continue
     if line.startswith("."):
       request = line[1:].split(" ", 1)
       if request[0] in ("SH", "SS"):
         in_body = in_body or "DESCRIPTION" in line.upper()
-      if request[0] in ("SH", "SS", "PP", "P", "LP", "TP", "IP", "sp", "br", "nf", "fi", "RS", "RE") and current:
+      if (
+          request[0]
+          in ("SH", "SS", "PP", "P", "LP", "TP", "IP", "sp", "br", "nf", "fi", "RS", "RE")
+          and current
+      ):
         paragraphs.append(" ".join(current))
         current = []
-      if request[0] in ("B", "I", "BR", "IR", "RB", "RI", "BI", "IB", "SM") and len(request) > 1 and in_body:
+      if (
+          request[0] in ("B", "I", "BR", "IR", "RB", "RI", "BI", "IB", "SM")
+          and len(request) > 1
+          and in_body
+      ):
         current.append(request[1].replace('"', ""))
       continue
     if in_body and line.strip():
       current.append(line.strip())
   if current:
     paragraphs.append(" ".join(current))
-  cleaned = [" ".join(_ROFF_ESCAPE.sub("", p).replace("\\-", "-").replace("\\e", "\\").split()) for p in paragraphs]
+  cleaned = [
+      " ".join(_ROFF_ESCAPE.sub("", p).replace("\\-", "-").replace("\\e", "\\").split())
+      for p in paragraphs
+  ]
   return [p for p in cleaned if len(p.split()) >= 8]
 
 
@@ -165,15 +200,21 @@ def manpages(rng: random.Random):
         pages[path] = paragraphs
         labels[path] = section if section in MAN_SECTIONS else None
   if len(pages) < 1000:
-    sys.exit(f"manpages: only {len(pages)} English man pages under /usr/share/man; install more packages.")
+    sys.exit(
+        f"manpages: only {len(pages)} English man pages under /usr/share/man; install more packages."
+    )
   train_groups, dev_groups = _split_groups(pages, labels, rng, 2000)
   # At most 5 paragraphs from a page, so long pages do not fill a class.
   texts = lambda page: pages[page][:5]
   per_class = TRAIN_SIZE // len(MAN_SECTIONS)
   train, dev = [], []
   for section in MAN_SECTIONS:
-    train += _examples({g for g in train_groups if labels[g] == section}, texts, labels.get, per_class, rng)
-    dev += _examples({g for g in dev_groups if labels[g] == section}, texts, labels.get, per_class, rng)
+    train += _examples(
+        {g for g in train_groups if labels[g] == section}, texts, labels.get, per_class, rng
+    )
+    dev += _examples(
+        {g for g in dev_groups if labels[g] == section}, texts, labels.get, per_class, rng
+    )
   rng.shuffle(train)
   rng.shuffle(dev)
   corpus = [pages[p] for p in sorted(set(pages) - train_groups - dev_groups)]
@@ -201,11 +242,17 @@ def build(out_dir: str, name: str) -> str:
       f.writelines(json.dumps(e) + "\n" for e in examples)
   counts = collections.Counter(e["label"] for e in dev)
   stats = {
-      "corpus_documents": len(corpus), "corpus_words": sum(len(p.split()) for doc in corpus for p in doc),
-      "train": len(train), "dev": len(dev), "classes": sorted(counts),
+      "corpus_documents": len(corpus),
+      "corpus_words": sum(len(p.split()) for doc in corpus for p in doc),
+      "train": len(train),
+      "dev": len(dev),
+      "classes": sorted(counts),
       "dev_majority": max(counts.values()) / len(dev),
       # The package index and the installed pages change from day to day: equal digests, equal task.
-      "sha256": {file: _digest(os.path.join(task_dir, file)) for file in ("corpus.txt", "train.jsonl", "dev.jsonl")},
+      "sha256": {
+          file: _digest(os.path.join(task_dir, file))
+          for file in ("corpus.txt", "train.jsonl", "dev.jsonl")
+      },
   }
   with open(os.path.join(task_dir, "stats.json"), "w") as f:
     json.dump(stats, f, indent=2)

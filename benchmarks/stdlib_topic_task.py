@@ -29,26 +29,90 @@ the official fine-tuning lr of 1e-4 a pre-trained demo model beats random init o
 Writes OUT_DIR/train.jsonl (2,687 sentences), dev.jsonl (828, balanced), train400.jsonl
 (100 per class) and task_stats.json. Deterministic for a given Python standard library.
 """
+
 import collections, json, os, random, re, sys
 from electra_jax.data import corpus
 
 GROUPS = {
-  "net": ["email/", "http/", "urllib/", "smtplib.py", "imaplib.py", "poplib.py", "ftplib.py",
-          "nntplib.py", "telnetlib.py", "socket.py", "socketserver.py", "ssl.py", "mailbox.py",
-          "mimetypes.py", "cgi.py", "wsgiref/", "xmlrpc/", "ipaddress.py", "smtpd.py"],
-  "numbers": ["_pydecimal.py", "decimal.py", "statistics.py", "fractions.py", "numbers.py",
-              "random.py", "datetime.py", "calendar.py", "_strptime.py", "colorsys.py",
-              "heapq.py", "bisect.py", "_pydatetime.py", "zoneinfo/"],
-  "files": ["os.py", "pathlib.py", "shutil.py", "tarfile.py", "zipfile.py", "zipfile/", "_pyio.py",
-            "io.py", "tempfile.py", "gzip.py", "bz2.py", "lzma.py", "fileinput.py", "glob.py",
-            "fnmatch.py", "filecmp.py", "posixpath.py", "genericpath.py", "ntpath.py", "stat.py",
-            "shelve.py", "dbm/", "zipimport.py", "_compression.py"],
-  "concurrency": ["threading.py", "multiprocessing/", "concurrent/", "asyncio/", "queue.py",
-                  "sched.py", "subprocess.py", "selectors.py", "_threading_local.py"],
+    "net": [
+        "email/",
+        "http/",
+        "urllib/",
+        "smtplib.py",
+        "imaplib.py",
+        "poplib.py",
+        "ftplib.py",
+        "nntplib.py",
+        "telnetlib.py",
+        "socket.py",
+        "socketserver.py",
+        "ssl.py",
+        "mailbox.py",
+        "mimetypes.py",
+        "cgi.py",
+        "wsgiref/",
+        "xmlrpc/",
+        "ipaddress.py",
+        "smtpd.py",
+    ],
+    "numbers": [
+        "_pydecimal.py",
+        "decimal.py",
+        "statistics.py",
+        "fractions.py",
+        "numbers.py",
+        "random.py",
+        "datetime.py",
+        "calendar.py",
+        "_strptime.py",
+        "colorsys.py",
+        "heapq.py",
+        "bisect.py",
+        "_pydatetime.py",
+        "zoneinfo/",
+    ],
+    "files": [
+        "os.py",
+        "pathlib.py",
+        "shutil.py",
+        "tarfile.py",
+        "zipfile.py",
+        "zipfile/",
+        "_pyio.py",
+        "io.py",
+        "tempfile.py",
+        "gzip.py",
+        "bz2.py",
+        "lzma.py",
+        "fileinput.py",
+        "glob.py",
+        "fnmatch.py",
+        "filecmp.py",
+        "posixpath.py",
+        "genericpath.py",
+        "ntpath.py",
+        "stat.py",
+        "shelve.py",
+        "dbm/",
+        "zipimport.py",
+        "_compression.py",
+    ],
+    "concurrency": [
+        "threading.py",
+        "multiprocessing/",
+        "concurrent/",
+        "asyncio/",
+        "queue.py",
+        "sched.py",
+        "subprocess.py",
+        "selectors.py",
+        "_threading_local.py",
+    ],
 }
 CAP_PER_FILE = 300  # keeps one big file (e.g. _pydecimal) from dominating its class
 TRAIN_CAP = 700
 ALIASES = {"decimal", "io", "tar", "zip", "dbm", "futures", "concurrent", "datetime", "zoneinfo"}
+
 
 def group_of(rel):
   for label, prefixes in GROUPS.items():
@@ -57,6 +121,7 @@ def group_of(rel):
         return label
   return None
 
+
 def stems():
   out = set(ALIASES)
   for prefixes in GROUPS.values():
@@ -64,7 +129,9 @@ def stems():
       out.add(p.split("/")[0].removesuffix(".py").lstrip("_"))
   return out
 
+
 STEMS = stems()
+
 
 def clean(sentence):
   kept = []
@@ -74,6 +141,7 @@ def clean(sentence):
       continue
     kept.append(w)
   return " ".join(kept)
+
 
 def main(out):
   os.makedirs(out, exist_ok=True)
@@ -110,17 +178,23 @@ def main(out):
     rng.shuffle(keys)
     total = sum(len(by_file[k]) for k in keys)
     for k in keys:  # dev gets whole files until it holds ~25% of the class
-      split = dev if sum(len(x) for x in dev[label]) < 0.25 * total and len(by_file[k]) < 0.15 * total else train
+      split = (
+          dev
+          if sum(len(x) for x in dev[label]) < 0.25 * total and len(by_file[k]) < 0.15 * total
+          else train
+      )
       split[label].append(by_file[k])
       files[label].setdefault("dev" if split is dev else "train", []).append(k[1])
   train = {l: [s for f in v for s in f] for l, v in train.items()}
   dev = {l: [s for f in v for s in f] for l, v in dev.items()}
   n_train = min(len(v) for v in train.values())
   n_dev = min(len(v) for v in dev.values())
+
   def write(name, rows):
     rng.shuffle(rows)
     with open(f"{out}/{name}.jsonl", "w") as f:
       f.writelines(json.dumps({"sentence": s, "label": l}) + "\n" for s, l in rows)
+
   # Train: up to TRAIN_CAP per class (mildly imbalanced; the smallest class has fewer); dev balanced.
   train_rows = [(s, l) for l, v in train.items() for s in rng.sample(v, min(len(v), TRAIN_CAP))]
   dev_rows = [(s, l) for l, v in dev.items() for s in rng.sample(v, n_dev)]
@@ -128,11 +202,19 @@ def main(out):
   write("dev", dev_rows)
   small = [(s, l) for l in GROUPS for s in rng.sample([s for s, ll in train_rows if ll == l], 100)]
   write("train400", small)
-  stats = {l: {"train_avail": len(train[l]), "dev_avail": len(dev[l]), "dev_files": files[l]["dev"],
-               "n_train_files": len(files[l]["train"])} for l in GROUPS}
+  stats = {
+      l: {
+          "train_avail": len(train[l]),
+          "dev_avail": len(dev[l]),
+          "dev_files": files[l]["dev"],
+          "n_train_files": len(files[l]["train"]),
+      }
+      for l in GROUPS
+  }
   stats.update(train_counts=collections.Counter(l for _, l in train_rows), n_dev_per_class=n_dev)
   json.dump(stats, open(f"{out}/task_stats.json", "w"), indent=1)
   print(json.dumps(stats, indent=1))
+
 
 if __name__ == "__main__":
   main(sys.argv[1])

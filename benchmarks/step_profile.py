@@ -52,14 +52,16 @@ def main(argv):
   objective = setup.objective
   with partitioning.activate(mesh):
     state = train.fresh_state(setup, 0)
-    batch = partitioning.global_batch_from_local(data.get_batch(corpus, 0, config.train.batch_size, 0), mesh,
-                                                   keys=train.batch_keys(config))
+    batch = partitioning.global_batch_from_local(
+        data.get_batch(corpus, 0, config.train.batch_size, 0), mesh, keys=train.batch_keys(config)
+    )
     step_fn = train.compile_train_step(setup, config, mesh)
     rng = jax.random.key(1)
     masked = objectives.mask_tokens(rng, batch["input_ids"], batch["attention_mask"], objective)
     keys = jax.random.split(rng, batch["input_ids"].shape[0])
     normalizers = objectives.Normalizers.of(
-        masked, batch["attention_mask"],
+        masked,
+        batch["attention_mask"],
         objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective),
     )
 
@@ -103,12 +105,19 @@ def main(argv):
         jax.block_until_ready(metrics)
       kernels = _top_kernels(_TRACE.value, _STEPS.value)
 
-  print(json.dumps({
-      "device": jax.devices()[0].device_kind, "batch": config.train.batch_size,
-      "seq": config.data.max_seq_len, "dtype": config.train.dtype,
-      "ms_per_call": {k: round(v, 3) for k, v in parts.items()},
-      "top_kernels_ms_per_step": kernels,
-  }, indent=1))
+  print(
+      json.dumps(
+          {
+              "device": jax.devices()[0].device_kind,
+              "batch": config.train.batch_size,
+              "seq": config.data.max_seq_len,
+              "dtype": config.train.dtype,
+              "ms_per_call": {k: round(v, 3) for k, v in parts.items()},
+              "top_kernels_ms_per_step": kernels,
+          },
+          indent=1,
+      )
+  )
 
 
 def _top_kernels(directory, steps):
@@ -120,17 +129,32 @@ def _top_kernels(directory, steps):
     trace = json.load(f)
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   # Device rows are the processes whose name mentions the GPU / TPU stream.
-  names = {e["pid"]: e["args"].get("name", "") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-  device_pids = {pid for pid, name in names.items() if "/device:" in name or "GPU" in name or "TPU" in name}
+  names = {
+      e["pid"]: e["args"].get("name", "")
+      for e in events
+      if e.get("ph") == "M" and e.get("name") == "process_name"
+  }
+  device_pids = {
+      pid for pid, name in names.items() if "/device:" in name or "GPU" in name or "TPU" in name
+  }
   total, count = collections.Counter(), collections.Counter()
   for e in events:
     if e.get("ph") == "X" and (not device_pids or e.get("pid") in device_pids):
       total[e["name"]] += e.get("dur", 0) / 1000
       count[e["name"]] += 1
   busy = sum(total.values())
-  rows = [["(all device events; processes: " + "; ".join(sorted(names[p] for p in device_pids))[:200] + ")",
-           round(busy / steps, 3), sum(count.values()) / steps]]
-  rows += [[n[:90], round(t / steps, 3), count[n] / steps] for n, t in total.most_common(_TOP.value)]
+  rows = [
+      [
+          "(all device events; processes: "
+          + "; ".join(sorted(names[p] for p in device_pids))[:200]
+          + ")",
+          round(busy / steps, 3),
+          sum(count.values()) / steps,
+      ]
+  ]
+  rows += [
+      [n[:90], round(t / steps, 3), count[n] / steps] for n, t in total.most_common(_TOP.value)
+  ]
   return rows
 
 

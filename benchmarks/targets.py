@@ -70,24 +70,36 @@ def devices(target: Target, topology: str = "") -> list:
       if topology:
         raise SystemExit(f"--topology is for TPU slices; {target.name} compiles for one GPU.")
       desc = topologies.get_topology_desc(
-          "audit", "cuda", target_config=_GPU_TARGET.format(**dataclasses.asdict(target)), topology="1x1x1")
+          "audit",
+          "cuda",
+          target_config=_GPU_TARGET.format(**dataclasses.asdict(target)),
+          topology="1x1x1",
+      )
     else:
       shape = topology or target.single_chip
       dims = [int(d) for d in shape.split("x")]
       # A slice of at most one host's four chips is that host (libtpu's default host is 2x2x1).
-      one_host = dict(chips_per_host_bounds=tuple(dims + [1] * (3 - len(dims)))) if math.prod(dims) <= 4 else {}
-      desc = topologies.get_topology_desc(topology_name=f"{target.topology}:{shape}", platform="tpu", **one_host)
+      one_host = (
+          dict(chips_per_host_bounds=tuple(dims + [1] * (3 - len(dims))))
+          if math.prod(dims) <= 4
+          else {}
+      )
+      desc = topologies.get_topology_desc(
+          topology_name=f"{target.topology}:{shape}", platform="tpu", **one_host
+      )
   except SystemExit:
     raise
   except Exception as e:  # no plugin, one too old for deviceless compiles, or a bad topology
     if "lockfile" in str(e):  # libtpu admits one process per host
       raise SystemExit(
           f"libtpu is in use by another process on this host (its lock: /tmp/libtpu_lockfile), and it "
-          f"serves one at a time: wait for that one to end, then compile for {target.name}.") from None
+          f"serves one at a time: wait for that one to end, then compile for {target.name}."
+      ) from None
     extra = "cuda12" if target.platform == "cuda" else "tpu"
     raise SystemExit(
         f"Could not set up a deviceless compile for {target.name}{' ' + topology if topology else ''} "
         f"({type(e).__name__}: "
         f"{str(e).splitlines()[0][:300]}). Install the plugin for this jax, no accelerator needed: "
-        f"pip install \"jax[{extra}]=={jax.__version__}\"") from None
+        f'pip install "jax[{extra}]=={jax.__version__}"'
+    ) from None
   return list(desc.devices)

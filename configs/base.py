@@ -47,7 +47,9 @@ def get_config():
   # non-default one has no Hugging Face ElectraModel form, so --mode=export_hf refuses it.
   model.norm = "post"  # "post": BERT's LN(x + f(x)); "pre": x + f(LN(x)) and a final LayerNorm
   model.ffn = "gelu"  # "gelu": dense + GELU + dense; "geglu": gelu(gate) * value, gate/value from one dense(H->2I)
-  model.use_bias = True  # False: no bias in the encoder's dense layers (heads and LayerNorms keep theirs)
+  model.use_bias = (
+      True  # False: no bias in the encoder's dense layers (heads and LayerNorms keep theirs)
+  )
   # Primer's multi-dconv-head attention: a depthwise convolution of this odd width along the
   # sequence after each of the query, key and value projections (0: none), so every position
   # sees its neighbours before attention has learned to find them (docs/small_budget.md).

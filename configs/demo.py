@@ -25,9 +25,16 @@ base = config_lib.sibling(__file__, "base")
 def get_config(variant=""):
   config = base.get_config()
   config.model.update(
-      hidden_size=128, num_layers=2, num_heads=2, intermediate_size=512, embedding_size=128,
-      vocab_size=8192, generator_fraction=0.25, max_position_embeddings=128,
-      dropout_rate=0.0, attention_dropout_rate=0.0,
+      hidden_size=128,
+      num_layers=2,
+      num_heads=2,
+      intermediate_size=512,
+      embedding_size=128,
+      vocab_size=8192,
+      generator_fraction=0.25,
+      max_position_embeddings=128,
+      dropout_rate=0.0,
+      attention_dropout_rate=0.0,
   )
   config.objective.temperature = 2.0
   config.data.update(max_seq_len=128, spm_vocab_size=8192)
@@ -37,9 +44,17 @@ def get_config(variant=""):
   config.eval.every_steps = 200
   if variant == "t1":
     config.objective.temperature = 1.0
-    config.model.update(norm="pre", ffn="geglu", use_bias=False, ngram_buckets=262_139,
-                        attention_conv=3, generator_attention_conv=0)
+    config.model.update(
+        norm="pre",
+        ffn="geglu",
+        use_bias=False,
+        ngram_buckets=262_139,
+        attention_conv=3,
+        generator_attention_conv=0,
+    )
   elif variant:
-    raise config_lib.ConfigError(f"configs/demo.py has no variant {variant!r}: use configs/demo.py or "
-                                 "configs/demo.py:t1 (the demo at sampling temperature 1).")
+    raise config_lib.ConfigError(
+        f"configs/demo.py has no variant {variant!r}: use configs/demo.py or "
+        "configs/demo.py:t1 (the demo at sampling temperature 1)."
+    )
   return config

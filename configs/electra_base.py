@@ -1,6 +1,6 @@
 """ELECTRA-Base with the paper's hyperparameters (110M-parameter discriminator, generator 1/3).
 
-  python -m electra_jax.main --config=configs/electra_base.py --workdir=gs://bucket/base
+python -m electra_jax.main --config=configs/electra_base.py --workdir=gs://bucket/base
 """
 
 from electra_jax import config_lib
@@ -11,7 +11,11 @@ base = config_lib.sibling(__file__, "base")
 def get_config():
   config = base.get_config()
   config.model.update(
-      hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072, embedding_size=768,
+      hidden_size=768,
+      num_layers=12,
+      num_heads=12,
+      intermediate_size=3072,
+      embedding_size=768,
       generator_fraction=1 / 3,
   )
   config.objective.mask_prob = 0.15

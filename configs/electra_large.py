@@ -12,7 +12,11 @@ base = config_lib.sibling(__file__, "base")
 def get_config():
   config = base.get_config()
   config.model.update(
-      hidden_size=1024, num_layers=24, num_heads=16, intermediate_size=4096, embedding_size=1024,
+      hidden_size=1024,
+      num_layers=24,
+      num_heads=16,
+      intermediate_size=4096,
+      embedding_size=1024,
       generator_fraction=0.25,
   )
   config.objective.mask_prob = 0.25

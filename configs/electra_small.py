@@ -1,6 +1,6 @@
 """ELECTRA-Small with the paper's hyperparameters (14M-parameter discriminator, generator 1/4).
 
-  python -m electra_jax.main --config=configs/electra_small.py --workdir=gs://bucket/small
+python -m electra_jax.main --config=configs/electra_small.py --workdir=gs://bucket/small
 """
 
 from electra_jax import config_lib
@@ -11,7 +11,11 @@ base = config_lib.sibling(__file__, "base")
 def get_config():
   config = base.get_config()
   config.model.update(
-      hidden_size=256, num_layers=12, num_heads=4, intermediate_size=1024, embedding_size=128,
+      hidden_size=256,
+      num_layers=12,
+      num_heads=4,
+      intermediate_size=1024,
+      embedding_size=128,
       generator_fraction=0.25,
   )
   config.objective.mask_prob = 0.15

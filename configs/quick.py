@@ -17,13 +17,22 @@ base = config_lib.sibling(__file__, "base")
 def get_config():
   config = base.get_config()
   config.model.update(
-      hidden_size=128, num_layers=4, num_heads=2, intermediate_size=512, embedding_size=128,
-      vocab_size=8192, generator_fraction=0.25, max_position_embeddings=128,
+      hidden_size=128,
+      num_layers=4,
+      num_heads=2,
+      intermediate_size=512,
+      embedding_size=128,
+      vocab_size=8192,
+      generator_fraction=0.25,
+      max_position_embeddings=128,
       # A short run sees each example about once: dropout only slows it down (Cramming).
-      dropout_rate=0.0, attention_dropout_rate=0.0,
+      dropout_rate=0.0,
+      attention_dropout_rate=0.0,
       # Pre-LayerNorm trains stably at a higher learning rate; gated FFN and no biases as in
       # Cramming and ModernBERT. Not exportable to Hugging Face's ElectraModel.
-      norm="pre", ffn="geglu", use_bias=False,
+      norm="pre",
+      ffn="geglu",
+      use_bias=False,
       # Each position sees its neighbours from the first step, before attention has learned to
       # find them: without it neither tower gets past word frequencies in minutes (Primer).
       attention_conv=3,

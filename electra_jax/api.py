@@ -9,11 +9,22 @@ from absl import logging
 from electra_jax import config_lib, sweep, train
 
 
-def load_config(recipe: str, overrides: Mapping[str, object] | None = None) -> ml_collections.ConfigDict:
+def load_config(
+    recipe: str, overrides: Mapping[str, object] | None = None
+) -> ml_collections.ConfigDict:
   """A recipe by name or path (as sweep.load_recipe) with `{"group.key": value}` overrides, each checked as
   `--config.group.key=value` is."""
-  written = [(key, value if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else repr(value))
-             for key, value in (overrides or {}).items()]
+  written = [
+      (
+          key,
+          value
+          if isinstance(value, str)
+          else str(value).lower()
+          if isinstance(value, bool)
+          else repr(value),
+      )
+      for key, value in (overrides or {}).items()
+  ]
   return sweep.load_recipe(recipe, written)
 
 

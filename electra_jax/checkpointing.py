@@ -1,5 +1,6 @@
 """The one wrapper around orbax: train state plus a JSON side-car (parameter shapes, data fingerprint, a checksum
-of every array) under <workdir>/checkpoints/<step>/; a restore refuses arrays that differ (DamagedCheckpoint)."""
+of every array) under <workdir>/checkpoints/<step>/; a restore refuses arrays that differ (DamagedCheckpoint).
+"""
 
 import os
 from typing import Any, Optional
@@ -40,7 +41,9 @@ def checksums(tree: Any) -> dict[str, int]:
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   values = jax.device_get(_checksums([leaf for _, leaf in flat]))
   # The same names for a train state and the plain dicts orbax returns.
-  name = lambda path: "/".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
+  name = lambda path: "/".join(
+      str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path
+  )
   return {name(path): int(value) for (path, _), value in zip(flat, values)}
 
 
@@ -72,7 +75,9 @@ class Checkpointer:
     try:
       return read()
     except Exception as error:  # noqa: BLE001 -- whatever orbax raises on a missing or broken file
-      raise self._damaged(step, f"its {what} cannot be read ({type(error).__name__}: {str(error)[:300]})") from error
+      raise self._damaged(
+          step, f"its {what} cannot be read ({type(error).__name__}: {str(error)[:300]})"
+      ) from error
 
   def _damaged(self, step: int, why: str) -> DamagedCheckpoint:
     others = [s for s in self.all_steps() if s != step]
@@ -88,10 +93,17 @@ class Checkpointer:
   def state_difference(self, step: int, abstract_state: Any) -> tuple[list[str], list[str]]:
     """(paths the checkpoint at `step` lacks, paths only it has) against `abstract_state`, from its tree
     metadata alone (orbax's restore would fail with a traceback)."""
-    saved = self._read(step, "tree metadata", lambda: ocp.StandardCheckpointHandler().metadata(
-        epath.Path(self.directory) / str(step) / "state"))
+    saved = self._read(
+        step,
+        "tree metadata",
+        lambda: ocp.StandardCheckpointHandler().metadata(
+            epath.Path(self.directory) / str(step) / "state"
+        ),
+    )
     saved_paths = set(ocp.tree.to_flat_dict(dict(saved)))
-    wanted = set(ocp.tree.to_flat_dict(ocp.tree.serialize_tree(abstract_state, keep_empty_nodes=True)))
+    wanted = set(
+        ocp.tree.to_flat_dict(ocp.tree.serialize_tree(abstract_state, keep_empty_nodes=True))
+    )
     name = lambda path: "/".join(map(str, path))
     return sorted(map(name, wanted - saved_paths)), sorted(map(name, saved_paths - wanted))
 
@@ -101,12 +113,20 @@ class Checkpointer:
     recorded = (meta if meta is not None else self.read_meta(step)).get("checksums")
     args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
     state = self._read(step, "arrays", lambda: self._manager.restore(step, args=args)["state"])
-    differ = [] if recorded is None else [n for n, value in checksums(state).items() if recorded.get(n) != value]
+    differ = (
+        []
+        if recorded is None
+        else [n for n, value in checksums(state).items() if recorded.get(n) != value]
+    )
     if differ:
-      raise self._damaged(step, f"{len(differ)} arrays differ from what was saved (first: {differ[:3]})")
+      raise self._damaged(
+          step, f"{len(differ)} arrays differ from what was saved (first: {differ[:3]})"
+      )
     return state
 
-  def restore_newest_intact(self, abstract_state: Any, at_most: int, check=None) -> tuple[int, Any, dict]:
+  def restore_newest_intact(
+      self, abstract_state: Any, at_most: int, check=None
+  ) -> tuple[int, Any, dict]:
     """(step, state, meta) of the newest step up to `at_most` that restores intact, each damaged one
     skipped with a warning; `check(step, meta)` may refuse a step before its arrays are read."""
     damaged = []
@@ -121,10 +141,14 @@ class Checkpointer:
         damaged.append(step)
         continue
       if damaged:
-        logging.warning("Using the checkpoint at step %d, the newest intact one (damaged: %s).", step, damaged)
+        logging.warning(
+            "Using the checkpoint at step %d, the newest intact one (damaged: %s).", step, damaged
+        )
       return step, state, meta
-    raise DamagedCheckpoint(f"No intact checkpoint in {self.directory}: steps {damaged} are damaged (the warnings "
-                            "above say how). Restore them from a copy, or move them away to start over.")
+    raise DamagedCheckpoint(
+        f"No intact checkpoint in {self.directory}: steps {damaged} are damaged (the warnings "
+        "above say how). Restore them from a copy, or move them away to start over."
+    )
 
   def set_aside_after(self, step: int, rename: bool = True) -> None:
     """Renames every step after `step` (a resume from `step` would save over it) to <step>.damaged;
@@ -136,7 +160,11 @@ class Checkpointer:
       while target.exists():
         target, n = source.parent / f"{s}.damaged{n}", n + 1
       source.rename(target)
-      logging.warning("Moved the damaged checkpoint at step %d to %s; the run trains those steps again.", s, target)
+      logging.warning(
+          "Moved the damaged checkpoint at step %d to %s; the run trains those steps again.",
+          s,
+          target,
+      )
     if later:
       self._manager.reload()
 

@@ -50,19 +50,30 @@ def flags_parser(program: str):
       if refused is not None:
         sys.exit(f"{program}: error: {refused}")
       if isinstance(error, flags.UnrecognizedFlagError) and error.flagname.startswith("config."):
-        sys.exit(f"{program}: error: --{error.flagname} changes a recipe, but no --config was given. To change a "
-                 "workdir's config.json, pass --config=configs/workdir.py:DIR (DIR = the workdir) with the overrides.")
-      sys.stderr.write(f"FATAL Flags parsing error: {error}\nPass --helpshort or --helpfull to see help on flags.\n")
+        sys.exit(
+            f"{program}: error: --{error.flagname} changes a recipe, but no --config was given. To change a "
+            "workdir's config.json, pass --config=configs/workdir.py:DIR (DIR = the workdir) with the overrides."
+        )
+      sys.stderr.write(
+          f"FATAL Flags parsing error: {error}\nPass --helpshort or --helpfull to see help on flags.\n"
+      )
       sys.exit(1)
-    except (AttributeError, KeyError) as error:  # ml_collections: an override of a key the config lacks
+    except (
+        AttributeError,
+        KeyError,
+    ) as error:  # ml_collections: an override of a key the config lacks
       key, hint = missing_key(error)
       overrides = [arg.split("=")[0] for arg in argv[1:] if arg.startswith("--config.")]
       named = [flag for flag in overrides if key in flag.split(".")[1:]]
       if not named:
         raise
-      listing = getattr(flags.FLAGS["config"].parser, "listing", "configs/base.py")  # main's parser sets it
-      sys.exit(f"{program}: error: {named[0]}: the config has no key {key!r}. {hint + ' ' if hint else ''}"
-               f"{listing} lists every key with its default.")
+      listing = getattr(
+          flags.FLAGS["config"].parser, "listing", "configs/base.py"
+      )  # main's parser sets it
+      sys.exit(
+          f"{program}: error: {named[0]}: the config has no key {key!r}. {hint + ' ' if hint else ''}"
+          f"{listing} lists every key with its default."
+      )
 
   return parse
 
@@ -82,8 +93,11 @@ def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
 # The recipes: electra_jax/configs in an installed wheel, configs/ beside the package in a checkout.
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _PACKAGED_RECIPES = os.path.join(_PACKAGE_DIR, "configs")
-RECIPES_DIR = (_PACKAGED_RECIPES if os.path.isdir(_PACKAGED_RECIPES)
-               else os.path.join(os.path.dirname(_PACKAGE_DIR), "configs"))
+RECIPES_DIR = (
+    _PACKAGED_RECIPES
+    if os.path.isdir(_PACKAGED_RECIPES)
+    else os.path.join(os.path.dirname(_PACKAGE_DIR), "configs")
+)
 _BASE_RECIPE = os.path.join(RECIPES_DIR, "base.py")
 
 
@@ -100,6 +114,7 @@ def resolve_recipe(value: str) -> str:
 
 def with_defaults(saved: dict) -> ml_collections.ConfigDict:
   """A saved config (a config.json's dict) completed at any depth with configs/base.py's defaults, if any."""
+
   def merged_over(defaults: dict, saved: dict) -> dict:
     merged = dict(defaults)
     for key, value in saved.items():
@@ -118,19 +133,27 @@ def saved_config(workdir: str) -> dict | None:
 
   def groups(saved) -> dict:  # the config groups, less the version that wrote them
     names = ("model", "train", "data", "objective", "optimizer")
-    if not isinstance(saved, dict) or any(not isinstance(saved[g], dict) for g in names if g in saved):
+    if not isinstance(saved, dict) or any(
+        not isinstance(saved[g], dict) for g in names if g in saved
+    ):
       raise ValueError(f"a config is an object whose groups {', '.join(names)} are objects")
     return {key: value for key, value in saved.items() if key != VERSION_KEY}
 
   path = workdir_files.path(workdir, "config.json")
-  return with_defaults(workdir_files.read_json(path, groups)).to_dict() if workdir_files.exists(path) else None
+  return (
+      with_defaults(workdir_files.read_json(path, groups)).to_dict()
+      if workdir_files.exists(path)
+      else None
+  )
 
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
   """The config a training run saved as <workdir>/config.json (see saved_config)."""
   if (saved := saved_config(workdir)) is None:
-    raise ConfigError(f"{workdir} has no config.json, so it is not a pre-training workdir; pass the --workdir a "
-                      "training run wrote (or give --config).")
+    raise ConfigError(
+        f"{workdir} has no config.json, so it is not a pre-training workdir; pass the --workdir a "
+        "training run wrote (or give --config)."
+    )
   return ml_collections.ConfigDict(saved)
 
 
@@ -141,16 +164,20 @@ def parse_duration(text: str, key: str = "train.time_budget") -> float:
   """Seconds in a duration such as "90s", "12m", "4h", "1h30m" or "1.5h"; else ConfigError naming `key`."""
   match = _DURATION.fullmatch(text.strip().lower())
   if not text.strip() or match is None:
-    raise ConfigError(f"{key}={text!r} is not a duration: write hours, minutes and seconds in that order, "
-                      'e.g. "90s", "12m", "4h" or "1h30m" ("" = no budget).')
+    raise ConfigError(
+        f"{key}={text!r} is not a duration: write hours, minutes and seconds in that order, "
+        'e.g. "90s", "12m", "4h" or "1h30m" ("" = no budget).'
+    )
   hours, minutes, seconds = (float(part or 0) for part in match.groups())
   if (total := 3600 * hours + 60 * minutes + seconds) <= 0:
-    raise ConfigError(f"{key}={text!r} is no time at all: give a positive duration, or \"\" for no budget.")
+    raise ConfigError(
+        f'{key}={text!r} is no time at all: give a positive duration, or "" for no budget.'
+    )
   return total
 
 
 def format_duration(seconds: float) -> str:
-  """"1h05m" or "3m07s": how progress lines and ETAs show a duration."""
+  """ "1h05m" or "3m07s": how progress lines and ETAs show a duration."""
   minutes, secs = divmod(int(max(0, seconds)), 60)
   hours, minutes = divmod(minutes, 60)
   return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
@@ -177,7 +204,11 @@ def as_saved(config: ml_collections.ConfigDict) -> dict:
 
 
 # Bounds as the messages state them, and their tests.
-_AT_LEAST_1, _AT_LEAST_0, _POSITIVE = (">= 1", lambda v: v >= 1), (">= 0", lambda v: v >= 0), ("> 0", lambda v: v > 0)
+_AT_LEAST_1, _AT_LEAST_0, _POSITIVE = (
+    (">= 1", lambda v: v >= 1),
+    (">= 0", lambda v: v >= 0),
+    ("> 0", lambda v: v > 0),
+)
 _BELOW_1, _FRACTION = ("in [0, 1)", lambda v: 0 <= v < 1), ("in [0, 1]", lambda v: 0 <= v <= 1)
 
 
@@ -193,8 +224,10 @@ def check_encoder_sizes(m, keys, prefix: str, why: str) -> None:
   """Refuses a size in `keys` of model config `m` below 1, or heads that do not divide the hidden size."""
   _check_bounds(m, [(key, *_AT_LEAST_1, why) for key in keys], prefix)
   if m.hidden_size % m.num_heads:
-    raise ConfigError(f"{prefix}hidden_size={m.hidden_size} is not divisible by {prefix}num_heads={m.num_heads}. "
-                      "Pick num_heads dividing hidden_size (ELECTRA uses hidden_size / 64 heads).")
+    raise ConfigError(
+        f"{prefix}hidden_size={m.hidden_size} is not divisible by {prefix}num_heads={m.num_heads}. "
+        "Pick num_heads dividing hidden_size (ELECTRA uses hidden_size / 64 heads)."
+    )
 
 
 def check_finite(config: ml_collections.ConfigDict, prefix: str = "") -> None:
@@ -204,19 +237,25 @@ def check_finite(config: ml_collections.ConfigDict, prefix: str = "") -> None:
     if isinstance(value, ml_collections.ConfigDict):
       check_finite(value, name + ".")
     elif isinstance(value, float) and not math.isfinite(value):
-      raise ConfigError(f"{name}={value} is not a finite number; give a finite one (configs/base.py has the default).")
+      raise ConfigError(
+          f"{name}={value} is not a finite number; give a finite one (configs/base.py has the default)."
+      )
 
 
 def check_optimizer(o: ml_collections.ConfigDict, typical_lr: str) -> None:
   """The AdamW keys pre-training and fine-tuning share; `typical_lr` goes into the message."""
-  _check_bounds(o, (
-      ("learning_rate", *_POSITIVE, f" (the schedule's peak; {typical_lr})"),
-      ("weight_decay", *_AT_LEAST_0, " (0 = none; official 0.01)"),
-      ("b1", *_BELOW_1, " (official 0.9)"),
-      ("b2", *_BELOW_1, " (official 0.999)"),
-      ("eps", *_POSITIVE, " (official 1e-6)"),
-      ("clip_norm", *_POSITIVE, " (the global gradient norm's cap; official 1.0)"),
-  ), "optimizer.")
+  _check_bounds(
+      o,
+      (
+          ("learning_rate", *_POSITIVE, f" (the schedule's peak; {typical_lr})"),
+          ("weight_decay", *_AT_LEAST_0, " (0 = none; official 0.01)"),
+          ("b1", *_BELOW_1, " (official 0.9)"),
+          ("b2", *_BELOW_1, " (official 0.999)"),
+          ("eps", *_POSITIVE, " (official 1e-6)"),
+          ("clip_norm", *_POSITIVE, " (the global gradient norm's cap; official 1.0)"),
+      ),
+      "optimizer.",
+  )
 
 
 def check_rates(group: ml_collections.ConfigDict, keys, prefix: str) -> None:
@@ -225,29 +264,63 @@ def check_rates(group: ml_collections.ConfigDict, keys, prefix: str) -> None:
 
 
 # validate's bounds on single keys: (key, bound, test, what the key means).
-_TEMPERATURE = ("finite and > 0", lambda v: math.isfinite(v) and v > 0, " (the sampling temperature; official 1.0)")
+_TEMPERATURE = (
+    "finite and > 0",
+    lambda v: math.isfinite(v) and v > 0,
+    " (the sampling temperature; official 1.0)",
+)
 _BOUNDS = (
-    ("model.generator_fraction", "in (0, 1]", lambda v: 0 < v <= 1, " (of the discriminator's width; paper: 1/4-1/2)"),
+    (
+        "model.generator_fraction",
+        "in (0, 1]",
+        lambda v: 0 < v <= 1,
+        " (of the discriminator's width; paper: 1/4-1/2)",
+    ),
     ("train.grad_accum_steps", *_AT_LEAST_1, " (micro-batches per step)"),
     ("train.steps_per_call", *_AT_LEAST_1, " (optimizer steps per compiled call)"),
     ("train.steps", *_AT_LEAST_1, " (optimizer steps in all)"),
     ("train.log_every", *_AT_LEAST_1, " (steps per logged line)"),
     ("checkpoint.every_steps", *_AT_LEAST_1, " (steps between checkpoints)"),
-    ("checkpoint.keep", *_AT_LEAST_1, " (checkpoints kept; a run that keeps none could never resume)"),
+    (
+        "checkpoint.keep",
+        *_AT_LEAST_1,
+        " (checkpoints kept; a run that keeps none could never resume)",
+    ),
     ("optimizer.warmup_steps", *_AT_LEAST_0, " (0 = no warmup; the paper uses 10000)"),
-    ("optimizer.warmup_fraction", *_BELOW_1, " (of train.steps, warming up; 0 = use optimizer.warmup_steps)"),
+    (
+        "optimizer.warmup_fraction",
+        *_BELOW_1,
+        " (of train.steps, warming up; 0 = use optimizer.warmup_steps)",
+    ),
     ("eval.every_steps", *_AT_LEAST_0, " (0 = no held-out evaluation)"),
     ("eval.num_batches", *_AT_LEAST_1, " (batches of held-out data per evaluation)"),
     ("eval.batch_size", *_AT_LEAST_0, " (0 = the training micro-batch)"),
-    ("objective.mask_prob", "in (0, 1)", lambda v: 0 < v < 1, " (the share of positions chosen; official 0.15)"),
-    ("objective.keep_original_prob", *_FRACTION, " (the share of chosen positions not [MASK]ed; official 0.15)"),
+    (
+        "objective.mask_prob",
+        "in (0, 1)",
+        lambda v: 0 < v < 1,
+        " (the share of positions chosen; official 0.15)",
+    ),
+    (
+        "objective.keep_original_prob",
+        *_FRACTION,
+        " (the share of chosen positions not [MASK]ed; official 0.15)",
+    ),
     ("objective.temperature", *_TEMPERATURE),
     ("objective.initial_temperature", *_TEMPERATURE),
-    ("objective.temperature_decay_fraction", *_FRACTION, " (of train.steps the temperature falls over; 0 = none)"),
+    (
+        "objective.temperature_decay_fraction",
+        *_FRACTION,
+        " (of train.steps the temperature falls over; 0 = none)",
+    ),
 )
 # (key, the source that reads it): set with the built-in corpus, it is a forgotten data.source.
-_SOURCE_KEYS = (("files", "text' (or 'jsonl"), ("prepared_dir", "prepared"), ("tfds_name", "tfds"),
-                ("hf_path", "hf_datasets"))
+_SOURCE_KEYS = (
+    ("files", "text' (or 'jsonl"),
+    ("prepared_dir", "prepared"),
+    ("tfds_name", "tfds"),
+    ("hf_path", "hf_datasets"),
+)
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -255,28 +328,49 @@ def validate(config: ml_collections.ConfigDict) -> None:
   from electra_jax import models, objectives, tensorboard_log  # noqa: PLC0415 (recipes need no jax)
 
   m, t, d = config.model, config.train, config.data
-  check_encoder_sizes(m, ("hidden_size", "num_heads", "intermediate_size", "embedding_size", "vocab_size",
-                          "max_position_embeddings"), "model.", " (configs/base.py gives its typical value)")
+  check_encoder_sizes(
+      m,
+      (
+          "hidden_size",
+          "num_heads",
+          "intermediate_size",
+          "embedding_size",
+          "vocab_size",
+          "max_position_embeddings",
+      ),
+      "model.",
+      " (configs/base.py gives its typical value)",
+  )
   _check_bounds(config, _BOUNDS)
   check_rates(m, ("dropout_rate", "attention_dropout_rate"), "model")
   if d.max_seq_len > m.max_position_embeddings:
-    raise ConfigError(f"data.max_seq_len={d.max_seq_len} exceeds model.max_position_embeddings="
-                      f"{m.max_position_embeddings}. Lower data.max_seq_len or raise max_position_embeddings.")
+    raise ConfigError(
+        f"data.max_seq_len={d.max_seq_len} exceeds model.max_position_embeddings="
+        f"{m.max_position_embeddings}. Lower data.max_seq_len or raise max_position_embeddings."
+    )
   for key, source in _SOURCE_KEYS:
     if d.source == "builtin" and d[key]:
-      raise ConfigError(f"data.{key}={d[key]!r} is set, but data.source='builtin' (the standard library's text) "
-                        f"does not read it. Add --config.data.source='{source}' to train on it, or drop data.{key}.")
+      raise ConfigError(
+          f"data.{key}={d[key]!r} is set, but data.source='builtin' (the standard library's text) "
+          f"does not read it. Add --config.data.source='{source}' to train on it, or drop data.{key}."
+      )
   if d.eval_fraction == 0 and config.eval.every_steps > 0 and d.source != "prepared":
-    raise ConfigError(f"data.eval_fraction=0 holds out no documents, but eval.every_steps={config.eval.every_steps} "
-                      "evaluates on them. Set --config.eval.every_steps=0, or data.eval_fraction > 0 (e.g. 0.02).")
+    raise ConfigError(
+        f"data.eval_fraction=0 holds out no documents, but eval.every_steps={config.eval.every_steps} "
+        "evaluates on them. Set --config.eval.every_steps=0, or data.eval_fraction > 0 (e.g. 0.02)."
+    )
   if t.dtype not in DTYPES:
     raise ConfigError(f"train.dtype={t.dtype!r} is not one of {DTYPES}.")
   if t.batch_size < 1 and t.batch_size != -1:
-    raise ConfigError(f"train.batch_size={t.batch_size}: give a positive global batch size, or -1 for the largest "
-                      "that fits in train.memory_fraction of a device's memory.")
+    raise ConfigError(
+        f"train.batch_size={t.batch_size}: give a positive global batch size, or -1 for the largest "
+        "that fits in train.memory_fraction of a device's memory."
+    )
   if t.batch_size != -1 and t.batch_size % t.grad_accum_steps:
-    raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps="
-                      f"{t.grad_accum_steps}: each micro-batch must have the same size.")
+    raise ConfigError(
+        f"train.batch_size={t.batch_size} is not divisible by train.grad_accum_steps="
+        f"{t.grad_accum_steps}: each micro-batch must have the same size."
+    )
   if t.time_budget:
     parse_duration(t.time_budget)
   tensorboard_log.writer_names(t.metric_writers)
@@ -290,6 +384,8 @@ def validate_for_mesh(config: ml_collections.ConfigDict, batch_shards: int) -> N
   """The global batch (and each micro-batch) must split evenly over the data axes."""
   t = config.train
   if (micro_batch := t.batch_size // t.grad_accum_steps) % batch_shards:
-    raise ConfigError(f"train.batch_size={t.batch_size} (micro-batch {micro_batch} with train.grad_accum_steps="
-                      f"{t.grad_accum_steps}) is not divisible by the {batch_shards} batch shards (mesh.data * "
-                      f"mesh.fsdp). Use a multiple of {batch_shards * t.grad_accum_steps}, or change the mesh.")
+    raise ConfigError(
+        f"train.batch_size={t.batch_size} (micro-batch {micro_batch} with train.grad_accum_steps="
+        f"{t.grad_accum_steps}) is not divisible by the {batch_shards} batch shards (mesh.data * "
+        f"mesh.fsdp). Use a multiple of {batch_shards * t.grad_accum_steps}, or change the mesh."
+    )

@@ -1,5 +1,6 @@
 """Joining a multi-process JAX job before anything touches the devices: explicit coordinator settings (flags or
-ELECTRA_JAX_* variables), or JAX's own detection on SLURM and multi-host TPU slices. One process needs nothing."""
+ELECTRA_JAX_* variables), or JAX's own detection on SLURM and multi-host TPU slices. One process needs nothing.
+"""
 
 import os
 import urllib.request
@@ -19,7 +20,9 @@ def _multi_host_environment() -> Optional[str]:
     return "ELECTRA_JAX_DISTRIBUTED=auto (JAX's own cluster detection)"
   # A task of an srun step (SLURM_NTASKS alone is also set in an salloc shell, where no peers join).
   slurm_step = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
-  if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and all(name in os.environ for name in slurm_step):
+  if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and all(
+      name in os.environ for name in slurm_step
+  ):
     return "SLURM"
   if "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
     return "a multi-host TPU slice on GKE"
@@ -27,8 +30,10 @@ def _multi_host_environment() -> Optional[str]:
   if not xla_flags.tpu_chips_present():
     return None
   host = os.environ.get("GCE_METADATA_IP", "metadata.google.internal")
-  request = urllib.request.Request(f"http://{host}/computeMetadata/v1/instance/attributes/worker-network-endpoints",
-                                   headers={"Metadata-Flavor": "Google"})
+  request = urllib.request.Request(
+      f"http://{host}/computeMetadata/v1/instance/attributes/worker-network-endpoints",
+      headers={"Metadata-Flavor": "Google"},
+  )
   try:
     with urllib.request.urlopen(request, timeout=10) as response:
       workers = [worker for worker in response.read().decode().split(",") if worker.strip()]
@@ -47,23 +52,32 @@ def _from_env(value, name: str):
     raise ConfigError(f"{name}={os.environ[name]!r} is not a whole number.") from None
 
 
-def initialize(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
-               process_id: Optional[int] = None) -> None:
+def initialize(
+    coordinator_address: Optional[str] = None,
+    num_processes: Optional[int] = None,
+    process_id: Optional[int] = None,
+) -> None:
   """Call once, first: the arguments, else the ELECTRA_JAX_* variables, else _multi_host_environment."""
-  coordinator_address = coordinator_address or os.environ.get("ELECTRA_JAX_COORDINATOR_ADDRESS") or None
+  coordinator_address = (
+      coordinator_address or os.environ.get("ELECTRA_JAX_COORDINATOR_ADDRESS") or None
+  )
   num_processes = _from_env(num_processes, "ELECTRA_JAX_NUM_PROCESSES")
   process_id = _from_env(process_id, "ELECTRA_JAX_PROCESS_ID")
   explicit = (coordinator_address, num_processes, process_id)
   if any(value is not None for value in explicit):
     if any(value is None for value in explicit):
-      raise ConfigError(f"A multi-process run needs all of coordinator_address={coordinator_address!r}, "
-                        f"num_processes={num_processes!r} and process_id={process_id!r} (flags or ELECTRA_JAX_*).")
+      raise ConfigError(
+          f"A multi-process run needs all of coordinator_address={coordinator_address!r}, "
+          f"num_processes={num_processes!r} and process_id={process_id!r} (flags or ELECTRA_JAX_*)."
+      )
     if not 0 <= process_id < num_processes:
       raise ConfigError(f"process_id={process_id} must be in [0, num_processes={num_processes}).")
     host, _, port = coordinator_address.rpartition(":")
     if not host or not port.isdigit():
-      raise ConfigError(f"coordinator_address={coordinator_address!r} must be HOST:PORT, e.g. 10.0.0.2:1234 "
-                        "(process 0's address and a free port every process can reach).")
+      raise ConfigError(
+          f"coordinator_address={coordinator_address!r} must be HOST:PORT, e.g. 10.0.0.2:1234 "
+          "(process 0's address and a free port every process can reach)."
+      )
     # The CPU backend's cross-process collectives (local runs, tests); GPU and TPU ignore it.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
@@ -72,5 +86,10 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
     jax.distributed.initialize()
   else:
     return
-  logging.info("Process %d of %d, %d local and %d global devices.", jax.process_index(),
-               jax.process_count(), jax.local_device_count(), jax.device_count())
+  logging.info(
+      "Process %d of %d, %d local and %d global devices.",
+      jax.process_index(),
+      jax.process_count(),
+      jax.local_device_count(),
+      jax.device_count(),
+  )

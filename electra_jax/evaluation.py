@@ -13,49 +13,72 @@ from electra_jax.errors import ConfigError
 
 def eval_step(state, batch, seed_key):
   """Forward pass without dropout: (additive stats, per-token arrays). Masks and samples (at the final
-  temperature) come from a key per held-out example, so the figures do not depend on the batch size."""
+  temperature) come from a key per held-out example, so the figures do not depend on the batch size.
+  """
   objective = state.objective
   example_keys = jax.vmap(lambda i: jax.random.fold_in(seed_key, i))(batch["example_index"])
   mask_keys, sample_keys = jnp.moveaxis(jax.vmap(jax.random.split)(example_keys), 1, 0)
-  masked = jax.vmap(lambda key, ids, mask: objectives.mask_tokens(key, ids[None], mask[None], objective))(
-      mask_keys, batch["input_ids"], batch["attention_mask"])
+  masked = jax.vmap(
+      lambda key, ids, mask: objectives.mask_tokens(key, ids[None], mask[None], objective)
+  )(mask_keys, batch["input_ids"], batch["attention_mask"])
   masked = jax.tree.map(lambda x: x[:, 0], masked)  # [batch, 1, ...] -> [batch, ...]
   candidates = objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective)
   normalizers = objectives.Normalizers.of(masked, batch["attention_mask"], candidates)
   # The parameters as they are (two_stage's copy is the next train step's); the stats, not the loss.
-  return objectives.electra_forward(state.model, state.params, batch, masked, sample_keys, seed_key, objective,
-                                   normalizers, deterministic=True, step=state.step)[1]
+  return objectives.electra_forward(
+      state.model,
+      state.params,
+      batch,
+      masked,
+      sample_keys,
+      seed_key,
+      objective,
+      normalizers,
+      deterministic=True,
+      step=state.step,
+  )[1]
 
 
 class HeldOutEvaluator:
   """Evaluates a train state on the first `eval.num_batches` batches of the held-out split, in order; a
-  short last batch is filled with all-padding rows (no weight), so every example counts exactly once."""
+  short last batch is filled with all-padding rows (no weight), so every example counts exactly once.
+  """
 
   def __init__(self, config, setup, mesh):
     held_out = data.load_pretraining_data(config.data, split="eval")
     batch_size = config.eval.batch_size or config.train.batch_size // config.train.grad_accum_steps
     shards, processes = partitioning.batch_shards(mesh), jax.process_count()
     if batch_size % shards or batch_size % processes:
-      raise ConfigError(f"eval.batch_size={batch_size} is not divisible by the {shards} batch shards "
-                        f"(mesh.data * mesh.fsdp) and {processes} processes; choose a multiple.")
+      raise ConfigError(
+          f"eval.batch_size={batch_size} is not divisible by the {shards} batch shards "
+          f"(mesh.data * mesh.fsdp) and {processes} processes; choose a multiple."
+      )
     num_rows = min(held_out.num_rows, config.eval.num_batches * batch_size)
     num_batches = -(-num_rows // batch_size)
-    local = slice(jax.process_index() * batch_size // processes, (jax.process_index() + 1) * batch_size // processes)
+    local = slice(
+        jax.process_index() * batch_size // processes,
+        (jax.process_index() + 1) * batch_size // processes,
+    )
     padded = {"example_index": np.arange(num_batches * batch_size, dtype=np.int32)}
     # The first rows in storage order (packed rows with data.pack_rows): the same every time.
     for name, array in data.get_rows(held_out, np.arange(num_rows)).items():
       fill = held_out.tokenizer.pad_id if name == "input_ids" else 0
       padded[name] = np.full((num_batches * batch_size, array.shape[1]), fill, np.int32)
       padded[name][:num_rows] = array
-    self._batches = [{name: rows[i * batch_size:(i + 1) * batch_size][local] for name, rows in padded.items()}
-                     for i in range(num_batches)]
+    self._batches = [
+        {name: rows[i * batch_size : (i + 1) * batch_size][local] for name, rows in padded.items()}
+        for i in range(num_batches)
+    ]
     self.num_examples = num_rows
     self._seed = config.eval.seed
     self._keys = data.batch_keys(bool(config.data.pack_rows)) + ("example_index",)
     self._mesh = mesh
     replicated = partitioning.replicated(mesh)
-    self._step = jax.jit(eval_step, in_shardings=(setup.state_shardings, partitioning.batch_sharding(mesh), replicated),
-                         out_shardings=replicated)
+    self._step = jax.jit(
+        eval_step,
+        in_shardings=(setup.state_shardings, partitioning.batch_sharding(mesh), replicated),
+        out_shardings=replicated,
+    )
 
   def __call__(self, state) -> dict[str, float]:
     outputs = []

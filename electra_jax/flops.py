@@ -8,9 +8,19 @@ from electra_jax.models import ElectraPretrainer, EncoderConfig
 # bfloat16 dense peak FLOP/s per chip (datasheets, half the sparse figure), matched in order against
 # jax.Device.device_kind: PCIe and NVL parts first, as the SXM ones' names carry no form factor.
 PEAK_FLOPS = (
-    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
-    ("A100", 312e12), ("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12), ("TPU v5p", 459e12),
-    ("TPU v5", 459e12), ("TPU v6 lite", 918e12), ("TPU v6e", 918e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H200 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("A100", 312e12),
+    ("TPU v4", 275e12),
+    ("TPU v5 lite", 197e12),
+    ("TPU v5e", 197e12),
+    ("TPU v5p", 459e12),
+    ("TPU v5", 459e12),
+    ("TPU v6 lite", 918e12),
+    ("TPU v6e", 918e12),
 )
 
 
@@ -30,16 +40,26 @@ def _attention_flops(cfg: EncoderConfig, seq_len: int) -> int:
   return 12 * cfg.num_layers * seq_len * cfg.hidden_size
 
 
-def train_flops_per_token(model: ElectraPretrainer, seq_len: int, max_predictions: int, with_generator: bool = True,
-                          all_positions_mlm: bool = False) -> float:
+def train_flops_per_token(
+    model: ElectraPretrainer,
+    seq_len: int,
+    max_predictions: int,
+    with_generator: bool = True,
+    all_positions_mlm: bool = False,
+) -> float:
   """Training FLOPs per input token of both towers (the discriminator alone without the generator), the MLM
-  heads on the max_predictions slots (the discriminator's at every position with `all_positions_mlm`)."""
+  heads on the max_predictions slots (the discriminator's at every position with `all_positions_mlm`).
+  """
   gen, disc = model.generator_config, model.discriminator_config
   gen_emb, emb = model.generator_embedding_size, model.embedding_size
   gen_head = (gen.hidden_size * gen_emb + gen_emb * model.vocab_size) * max_predictions / seq_len
   gen_params = _encoder_matmul_params(gen, gen_emb) + gen_head
   if model.cloze_generator:  # Electric: two towers, the head (from 2 H_g) at every position
-    gen_params = 2 * _encoder_matmul_params(gen, gen_emb) + 2 * gen.hidden_size * gen_emb + gen_emb * model.vocab_size
+    gen_params = (
+        2 * _encoder_matmul_params(gen, gen_emb)
+        + 2 * gen.hidden_size * gen_emb
+        + gen_emb * model.vocab_size
+    )
   disc_params = _encoder_matmul_params(disc, emb) + disc.hidden_size**2 + disc.hidden_size
   if model.discriminator_mlm_head:  # MLM-family ablations: the tower's own vocabulary head
     positions = seq_len if all_positions_mlm else max_predictions
@@ -51,8 +71,13 @@ def train_flops_per_token(model: ElectraPretrainer, seq_len: int, max_prediction
 
 def objective_flops_per_token(model: ElectraPretrainer, objective, seq_len: int) -> float:
   """train_flops_per_token for a run's objective: whether a generator runs and where the MLM heads predict."""
-  return train_flops_per_token(model, seq_len, objective.max_predictions, objective.uses_generator,
-                               all_positions_mlm=objective.name == "all_tokens_mlm")
+  return train_flops_per_token(
+      model,
+      seq_len,
+      objective.max_predictions,
+      objective.uses_generator,
+      all_positions_mlm=objective.name == "all_tokens_mlm",
+  )
 
 
 def peak_flops(device: jax.Device) -> float | None:

@@ -1,5 +1,6 @@
 """The device memory a compiled training step needs (XLA's per-device figures), and the largest batch that
-fits (`train.batch_size = -1`): a linear fit of bytes against the batch, then bracketing and bisection."""
+fits (`train.batch_size = -1`): a linear fit of bytes against the batch, then bracketing and bisection.
+"""
 
 import dataclasses
 import os
@@ -18,16 +19,27 @@ RECOMPUTE_TOLERANCE = 0.02
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
   batch_size: int
-  bytes_per_device: int | None  # arguments + outputs - donated + temporaries; None: refused as too large
-  flops: float | None = None  # XLA's cost analysis per device, which counts what it recomputes to fit
+  bytes_per_device: (
+      int | None
+  )  # arguments + outputs - donated + temporaries; None: refused as too large
+  flops: float | None = (
+      None  # XLA's cost analysis per device, which counts what it recomputes to fit
+  )
 
 
 def compiled_bytes(compiled) -> int:
   """Peak bytes one device holds for a compiled computation, as XLA's buffer assignment says."""
   m = compiled.memory_analysis()
   if m is None:
-    raise ConfigError("This backend reports no memory analysis for compiled steps; set train.batch_size.")
-  return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes)
+    raise ConfigError(
+        "This backend reports no memory analysis for compiled steps; set train.batch_size."
+    )
+  return int(
+      m.argument_size_in_bytes
+      + m.output_size_in_bytes
+      - m.alias_size_in_bytes
+      + m.temp_size_in_bytes
+  )
 
 
 def compiled_flops(compiled) -> float | None:
@@ -62,25 +74,37 @@ def step_memory(compile_step, batch_size: int) -> StepMemory:
   except Exception as e:  # noqa: BLE001 (the compiler's error types differ between jax versions)
     if "RESOURCE_EXHAUSTED" not in str(e) and "Ran out of memory" not in str(e):
       raise
-    logging.info("Batch %d: the compiler refused the step as more than a device's memory "
-                 "(%.0f s: %s).", batch_size, time.perf_counter() - start, str(e).splitlines()[0][:200])
+    logging.info(
+        "Batch %d: the compiler refused the step as more than a device's memory " "(%.0f s: %s).",
+        batch_size,
+        time.perf_counter() - start,
+        str(e).splitlines()[0][:200],
+    )
     return StepMemory(batch_size, None)
   size, flops = compiled_bytes(compiled), compiled_flops(compiled)
-  logging.info("Batch %d: %.2f GiB per device, %s (compiled in %.0f s).", batch_size, size / 2**30,
-               "no cost analysis" if flops is None else f"{flops / 1e9:,.1f} GFLOPs",
-               time.perf_counter() - start)
+  logging.info(
+      "Batch %d: %.2f GiB per device, %s (compiled in %.0f s).",
+      batch_size,
+      size / 2**30,
+      "no cost analysis" if flops is None else f"{flops / 1e9:,.1f} GFLOPs",
+      time.perf_counter() - start,
+  )
   return StepMemory(batch_size, size, flops)
 
 
 def linear_fit(small: StepMemory, large: StepMemory) -> tuple[float, float]:
   """(fixed, per_example) of bytes = fixed + per_example * batch through two measurements (per_example >= 1)."""
-  per_example = max(1.0, (large.bytes_per_device - small.bytes_per_device) / (large.batch_size - small.batch_size))
+  per_example = max(
+      1.0, (large.bytes_per_device - small.bytes_per_device) / (large.batch_size - small.batch_size)
+  )
   return small.bytes_per_device - per_example * small.batch_size, per_example
 
 
 def fit_of(measured: list[StepMemory]) -> tuple[float, float] | None:
   """The linear fit through the two smallest measured batches that compiled, or None for fewer than two."""
-  sized = sorted((m for m in measured if m.bytes_per_device is not None), key=lambda m: m.batch_size)
+  sized = sorted(
+      (m for m in measured if m.bytes_per_device is not None), key=lambda m: m.batch_size
+  )
   return linear_fit(sized[0], sized[1]) if len(sized) >= 2 else None
 
 
@@ -97,23 +121,35 @@ def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, li
     if m.bytes_per_device is None or m.bytes_per_device > limit_bytes:
       return False
     extra = 0.0  # how far m's FLOPs exceed the line through the first two compiles', as a fraction of it
-    if len(measured) > 2 and None not in (measured[0].flops, measured[1].flops, m.flops):  # refused: no FLOPs
+    if len(measured) > 2 and None not in (
+        measured[0].flops,
+        measured[1].flops,
+        m.flops,
+    ):  # refused: no FLOPs
       first, second = measured[:2]
       per_example = (second.flops - first.flops) / (second.batch_size - first.batch_size)
       predicted = first.flops + per_example * (m.batch_size - first.batch_size)
       extra = m.flops / predicted - 1 if predicted > 0 else 0.0
     if extra > RECOMPUTE_TOLERANCE:
-      logging.info("Batch %d: XLA recomputes %.0f%% more of the step than the first two compiles' "
-                   "line predicts, to fit it in memory: taken as not fitting.", batch, 100 * extra)
+      logging.info(
+          "Batch %d: XLA recomputes %.0f%% more of the step than the first two compiles' "
+          "line predicts, to fit it in memory: taken as not fitting.",
+          batch,
+          100 * extra,
+      )
       return False
     fitting.append(m)
     return True
 
   if not fits(quantum):
     needs = measured[0].bytes_per_device
-    needs = "more than a device's memory" if needs is None else f"{needs / 2**30:.2f} GiB per device"
-    raise ConfigError(f"Even a batch of {quantum} needs {needs}, more than the {limit_bytes / 2**30:.2f} GiB "
-                      "allowed: use a smaller model or max_seq_len, bfloat16, or more devices.")
+    needs = (
+        "more than a device's memory" if needs is None else f"{needs / 2**30:.2f} GiB per device"
+    )
+    raise ConfigError(
+        f"Even a batch of {quantum} needs {needs}, more than the {limit_bytes / 2**30:.2f} GiB "
+        "allowed: use a smaller model or max_seq_len, bfloat16, or more devices."
+    )
   # The largest batch known to fit, the smallest known not to.
   low, high = (4 * quantum, None) if fits(4 * quantum) else (quantum, 4 * quantum)
   fit = fit_of(measured)
@@ -123,12 +159,23 @@ def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, li
       # smallest batch, and the guess at most 8 x low.
       _, chord = linear_fit(fitting[0], fitting[-1])
       per_example = max(linear_fit(fitting[-2], fitting[-1])[1], chord / 4)
-      guess = int((limit_bytes - fitting[-1].bytes_per_device) / per_example + fitting[-1].batch_size)
+      guess = int(
+          (limit_bytes - fitting[-1].bytes_per_device) / per_example + fitting[-1].batch_size
+      )
       candidate = max(low + quantum, min(guess // quantum * quantum, 8 * low))
     else:
       candidate = min(max(low + quantum, (low + high) // 2 // quantum * quantum), high - quantum)
     low, high = (candidate, high) if fits(candidate) else (low, candidate)
-  shown = "no linear fit" if fit is None else f"{fit[0] / 2**20:.1f} MiB fixed + {fit[1] / 2**20:.3f} MiB per example"
-  logging.info("Memory per device: %s; largest batch %d (limit %.2f GiB, %d compiles).", shown, low,
-               limit_bytes / 2**30, len(measured))
+  shown = (
+      "no linear fit"
+      if fit is None
+      else f"{fit[0] / 2**20:.1f} MiB fixed + {fit[1] / 2**20:.3f} MiB per example"
+  )
+  logging.info(
+      "Memory per device: %s; largest batch %d (limit %.2f GiB, %d compiles).",
+      shown,
+      low,
+      limit_bytes / 2**30,
+      len(measured),
+  )
   return low, measured

@@ -1,5 +1,6 @@
 """ELECTRA's networks as Flax Linen modules: embeddings, the encoder, the two towers, `ElectraPretrainer` (one
-embeddings module for both) and the standalone towers. Parameters carry logical axis names (partitioning.py)."""
+embeddings module for both) and the standalone towers. Parameters carry logical axis names (partitioning.py).
+"""
 
 import dataclasses
 import functools
@@ -18,8 +19,11 @@ _param = nn.with_logical_partitioning
 
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", "splash")
 # model.remat -> what each encoder layer keeps for the backward pass: everything, the matmul outputs, its input.
-REMAT_POLICIES = {"none": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-                  "full": jax.checkpoint_policies.nothing_saveable}
+REMAT_POLICIES = {
+    "none": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
 NORMS = ("post", "pre")  # see EncoderLayer
 FFNS = ("gelu", "geglu")  # see _feed_forward
 TIE_MODES = ("embeddings", "none", "gdes", "all")  # see ElectraPretrainer
@@ -27,7 +31,8 @@ TIE_MODES = ("embeddings", "none", "gdes", "all")  # see ElectraPretrainer
 
 def segment_positions(segment_ids):
   """[batch, seq] segment ids (1, 2, ... for the examples of a packed row, 0 on padding) -> positions that
-  restart at 0 where each segment begins, so a packed example is embedded as it would be alone in its row."""
+  restart at 0 where each segment begins, so a packed example is embedded as it would be alone in its row.
+  """
   index = jnp.broadcast_to(jnp.arange(segment_ids.shape[-1], dtype=jnp.int32), segment_ids.shape)
   previous = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
   starts = jnp.where(segment_ids != previous, index, 0)
@@ -42,7 +47,9 @@ def segment_attention_mask(segment_ids):
 
 def bert_init(stddev: float = 0.02):
   """TF's truncated_normal_initializer: N(0, stddev) cut at two standard deviations, not rescaled."""
-  return lambda key, shape, dtype=jnp.float32: stddev * jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype)
+  return lambda key, shape, dtype=jnp.float32: stddev * jax.random.truncated_normal(
+      key, -2.0, 2.0, shape, dtype
+  )
 
 
 def gelu_exact(x):
@@ -54,13 +61,18 @@ def gelu_exact(x):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def tied_vocab_logits(hidden, word_table, output_bias, dtype):
   """The MLM heads' tied decoder: float32 logits [..., vocab] = hidden [..., E] @ word_table [vocab, E]^T
-  + output_bias, the product in `dtype` accumulated in float32; autodiff's gradient in the forms cheapest on a CPU."""
+  + output_bias, the product in `dtype` accumulated in float32; autodiff's gradient in the forms cheapest on a CPU.
+  """
   return _tied_vocab_logits_fwd(hidden, word_table, output_bias, dtype)[0]
 
 
 def _tied_vocab_logits_fwd(hidden, word_table, output_bias, dtype):
-  logits = jnp.einsum("...e,ve->...v", hidden.astype(dtype), word_table.astype(dtype),
-                      preferred_element_type=jnp.float32)
+  logits = jnp.einsum(
+      "...e,ve->...v",
+      hidden.astype(dtype),
+      word_table.astype(dtype),
+      preferred_element_type=jnp.float32,
+  )
   return logits + output_bias, (hidden, word_table)
 
 
@@ -83,7 +95,8 @@ tied_vocab_logits.defvjp(_tied_vocab_logits_fwd, _tied_vocab_logits_bwd)
 
 def decoder_input(hidden):
   """The MLM heads' hidden states [batch, ..., E] pinned to the batch split: left to propagation, E takes the
-  word table's fsdp split, and XLA then swaps batch shards' rows in the heads' gradient (docs/performance.md)."""
+  word table's fsdp split, and XLA then swaps batch shards' rows in the heads' gradient (docs/performance.md).
+  """
   return nn.with_logical_constraint(hidden, ("act_batch",) + (None,) * (hidden.ndim - 1))
 
 
@@ -91,36 +104,65 @@ def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_elem
   """nn.Dense's product, lhs [..., in] @ rhs [in, out], as one [rows, in] @ [in, out] matmul: the same
   numbers, but XLA:CPU computes the kernel's gradient in place, not from a transposed copy."""
   (lhs_contract, rhs_contract), batch_dims = dimension_numbers
-  if lhs_contract != (lhs.ndim - 1,) or rhs_contract != (0,) or rhs.ndim != 2 or batch_dims != ((), ()):
-    raise ValueError(f"rows_dot_general takes nn.Dense's [..., in] x [in, out] product, not {dimension_numbers}.")
-  rows = jax.lax.dot_general(lhs.reshape(-1, lhs.shape[-1]), rhs, (((1,), (0,)), ((), ())), precision=precision,
-                             preferred_element_type=preferred_element_type)
+  if (
+      lhs_contract != (lhs.ndim - 1,)
+      or rhs_contract != (0,)
+      or rhs.ndim != 2
+      or batch_dims != ((), ())
+  ):
+    raise ValueError(
+        f"rows_dot_general takes nn.Dense's [..., in] x [in, out] product, not {dimension_numbers}."
+    )
+  rows = jax.lax.dot_general(
+      lhs.reshape(-1, lhs.shape[-1]),
+      rhs,
+      (((1,), (0,)), ((), ())),
+      precision=precision,
+      preferred_element_type=preferred_element_type,
+  )
   return rows.reshape(*lhs.shape[:-1], rhs.shape[-1])
 
 
-def _dense(features, in_axis: str, out_axis: str, dtype: Dtype, name: str, use_bias=True, float32_out=False):
+def _dense(
+    features, in_axis: str, out_axis: str, dtype: Dtype, name: str, use_bias=True, float32_out=False
+):
   """nn.Dense with float32 parameters and `dtype` compute; `float32_out` keeps the product in float32 (logits)."""
   return nn.Dense(
-      features, use_bias=use_bias, dtype=dtype, param_dtype=jnp.float32, name=name,
-      dot_general=functools.partial(rows_dot_general, preferred_element_type=jnp.float32 if float32_out else None),
-      kernel_init=_param(bert_init(), (in_axis, out_axis)), bias_init=_param(nn.initializers.zeros_init(), (out_axis,)),
+      features,
+      use_bias=use_bias,
+      dtype=dtype,
+      param_dtype=jnp.float32,
+      name=name,
+      dot_general=functools.partial(
+          rows_dot_general, preferred_element_type=jnp.float32 if float32_out else None
+      ),
+      kernel_init=_param(bert_init(), (in_axis, out_axis)),
+      bias_init=_param(nn.initializers.zeros_init(), (out_axis,)),
   )
 
 
 def _layer_norm(eps: float, name: str):
   # Statistics in float32 whatever the compute dtype.
-  return nn.LayerNorm(epsilon=eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name,
-                      scale_init=_param(nn.initializers.ones_init(), ("embed",)),
-                      bias_init=_param(nn.initializers.zeros_init(), ("embed",)))
+  return nn.LayerNorm(
+      epsilon=eps,
+      dtype=jnp.float32,
+      param_dtype=jnp.float32,
+      name=name,
+      scale_init=_param(nn.initializers.ones_init(), ("embed",)),
+      bias_init=_param(nn.initializers.zeros_init(), ("embed",)),
+  )
 
 
 def vocab_head(module: nn.Module, hidden, word_table, prefix: str = ""):
   """BERT's masked-LM head inside a tower's compact call: dense(-> E) + GELU + LayerNorm (`{prefix}head_dense`,
-  `{prefix}head_layer_norm`), then the decoder tied to `word_table` [vocab, E] plus `{prefix}output_bias`."""
+  `{prefix}head_layer_norm`), then the decoder tied to `word_table` [vocab, E] plus `{prefix}output_bias`.
+  """
   vocab_size, embedding_size = word_table.shape
   hidden = _dense(embedding_size, "embed", "mlp", module.dtype, f"{prefix}head_dense")(hidden)
   hidden = _layer_norm(module.config.layer_norm_eps, f"{prefix}head_layer_norm")(gelu_exact(hidden))
-  output_bias = module.param(f"{prefix}output_bias", _param(nn.initializers.zeros_init(), ("vocab",)), (vocab_size,))
+  output_bias = module.param(
+      f"{prefix}output_bias", _param(nn.initializers.zeros_init(), ("vocab",)), (vocab_size,)
+  )
   return tied_vocab_logits(decoder_input(hidden), word_table, output_bias, module.dtype)
 
 
@@ -141,9 +183,13 @@ class EncoderConfig:
   scan_layers: bool = False
   norm: str = "post"  # see NORMS
   ffn: str = "gelu"  # see FFNS
-  use_bias: bool = True  # False: none in the encoder's dense layers (heads and LayerNorms keep theirs)
+  use_bias: bool = (
+      True  # False: none in the encoder's dense layers (heads and LayerNorms keep theirs)
+  )
   attention_conv: int = 0  # see SelfAttention
-  ngram_buckets: int = 0  # see ngram_ids: the discriminator's (and a fine-tuned encoder's) n-gram embeddings
+  ngram_buckets: int = (
+      0  # see ngram_ids: the discriminator's (and a fine-tuned encoder's) n-gram embeddings
+  )
 
   @property
   def head_dim(self) -> int:
@@ -169,15 +215,21 @@ def ngram_ids(input_ids, buckets: int, position_ids=None):
   if position_ids is not None:
     starts = position_ids == 0  # the first token of each packed example
     left = jnp.where(starts, -1, left)
-    right = jnp.where(jnp.concatenate([starts[:, 1:], jnp.ones_like(starts[:, :1])], axis=1), -1, right)
+    right = jnp.where(
+        jnp.concatenate([starts[:, 1:], jnp.ones_like(starts[:, :1])], axis=1), -1, right
+    )
 
   def bucket(first, second, salt):
     # A multiplicative hash of the pair in uint32 (wrapping), mixed, then reduced: any vocabulary size.
-    h = first.astype(jnp.uint32) * jnp.uint32(0x9E3779B1) ^ (second.astype(jnp.uint32) + jnp.uint32(salt)) * jnp.uint32(0x85EBCA77)
+    h = first.astype(jnp.uint32) * jnp.uint32(0x9E3779B1) ^ (
+        second.astype(jnp.uint32) + jnp.uint32(salt)
+    ) * jnp.uint32(0x85EBCA77)
     h = h ^ (h >> 15)
     return (h % jnp.uint32(buckets)).astype(jnp.int32)
 
-  return jnp.stack([bucket(left, input_ids, 0x27D4EB2F), bucket(input_ids, right, 0x165667B1)], axis=-1)
+  return jnp.stack(
+      [bucket(left, input_ids, 0x27D4EB2F), bucket(input_ids, right, 0x165667B1)], axis=-1
+  )
 
 
 class Embeddings(EmbeddingSizes):
@@ -191,30 +243,53 @@ class Embeddings(EmbeddingSizes):
   ngram_buckets: int = 0
 
   def setup(self):
-    def embed(num, axis, name, init=bert_init()):  # looked up in float32 whatever the compute dtype (see __call__)
-      return nn.Embed(num, self.embedding_size, dtype=jnp.float32, param_dtype=jnp.float32,
-                      embedding_init=_param(init, (axis, "embed")), name=name)
+    def embed(
+        num, axis, name, init=bert_init()
+    ):  # looked up in float32 whatever the compute dtype (see __call__)
+      return nn.Embed(
+          num,
+          self.embedding_size,
+          dtype=jnp.float32,
+          param_dtype=jnp.float32,
+          embedding_init=_param(init, (axis, "embed")),
+          name=name,
+      )
 
     self.word_embeddings = embed(self.vocab_size, "vocab", "word_embeddings")
-    self.position_embeddings = embed(self.max_position_embeddings, "position", "position_embeddings")
+    self.position_embeddings = embed(
+        self.max_position_embeddings, "position", "position_embeddings"
+    )
     self.token_type_embeddings = embed(self.type_vocab_size, "token_type", "token_type_embeddings")
     if self.ngram_buckets:
       # Zeros: a bucket no training bigram reached adds nothing, rather than noise the model never saw.
-      self.ngram_embeddings = embed(self.ngram_buckets, "vocab", "ngram_embeddings", nn.initializers.zeros_init())
+      self.ngram_embeddings = embed(
+          self.ngram_buckets, "vocab", "ngram_embeddings", nn.initializers.zeros_init()
+      )
     self.layer_norm = _layer_norm(self.layer_norm_eps, "layer_norm")
     self.dropout = random_ops.Dropout(self.dropout_rate)
 
-  def __call__(self, input_ids, token_type_ids, deterministic: bool, word_table=None, position_ids=None,
-               ngrams: bool = True):
+  def __call__(
+      self,
+      input_ids,
+      token_type_ids,
+      deterministic: bool,
+      word_table=None,
+      position_ids=None,
+      ngrams: bool = True,
+  ):
     """`word_table` [vocab, E], if given, replaces the word embeddings' own table (GDES);
-    `position_ids` [batch, seq] (packed rows) replace 0, 1, 2, ... (a slice, whose gradient is a pad)."""
+    `position_ids` [batch, seq] (packed rows) replace 0, 1, 2, ... (a slice, whose gradient is a pad).
+    """
     # Lookups and sum in float32: a lookup's gradient is a scatter-add, and on GPUs a bfloat16
     # scatter-add with repeated indices serializes. Positions and token types need no scatter.
     word_table = self.word_embeddings.embedding if word_table is None else word_table
     words = jnp.take(word_table.astype(jnp.float32), input_ids, axis=0)
     position_table = self.position_embeddings.embedding
-    positions = (position_table[None, : input_ids.shape[-1]] if position_ids is None
-                 else jnp.take(position_table, position_ids, axis=0))
+    positions = (
+        position_table[None, : input_ids.shape[-1]]
+        if position_ids is None
+        else jnp.take(position_table, position_ids, axis=0)
+    )
     # A handful of token types: a select per type, whose gradient is a masked sum.
     type_table = self.token_type_embeddings.embedding
     types = jnp.zeros((), jnp.float32)
@@ -232,13 +307,21 @@ class Embeddings(EmbeddingSizes):
     return self.word_embeddings.embedding
 
 
-def embeddings_for(owner: EmbeddingSizes, embedding_size: int, config: EncoderConfig, **kwargs) -> Embeddings:
+def embeddings_for(
+    owner: EmbeddingSizes, embedding_size: int, config: EncoderConfig, **kwargs
+) -> Embeddings:
   """The Embeddings module of `owner`'s sizes (bar `embedding_size`) and dtype, with `config`'s dropout and
   LayerNorm epsilon (`kwargs`, e.g. name=, go to the module)."""
   return Embeddings(
-      vocab_size=owner.vocab_size, embedding_size=embedding_size, max_position_embeddings=owner.max_position_embeddings,
-      type_vocab_size=owner.type_vocab_size, dropout_rate=config.dropout_rate, layer_norm_eps=config.layer_norm_eps,
-      dtype=owner.dtype, ngram_buckets=config.ngram_buckets, **kwargs,
+      vocab_size=owner.vocab_size,
+      embedding_size=embedding_size,
+      max_position_embeddings=owner.max_position_embeddings,
+      type_vocab_size=owner.type_vocab_size,
+      dropout_rate=config.dropout_rate,
+      layer_norm_eps=config.layer_norm_eps,
+      dtype=owner.dtype,
+      ngram_buckets=config.ngram_buckets,
+      **kwargs,
   )
 
 
@@ -253,7 +336,8 @@ class _Block(nn.Module):
 class SelfAttention(_Block):
   """Multi-head self-attention, [batch, seq, H] -> [batch, seq, H]. `attention_mask`: [batch, seq] real keys
   (or segment ids, for splash), or a [batch, seq, seq] query x key mask. config.attention_conv: the width of a
-  depthwise convolution along the sequence after each projection (Primer's multi-dconv-head attention)."""
+  depthwise convolution along the sequence after each projection (Primer's multi-dconv-head attention).
+  """
 
   @nn.compact
   def __call__(self, hidden, attention_mask, deterministic: bool):
@@ -265,8 +349,12 @@ class SelfAttention(_Block):
       # One [H, H] matrix per projection (heads side by side), as BERT stores it.
       projected = _dense(cfg.hidden_size, "embed", "heads", self.dtype, name, cfg.use_bias)(hidden)
       if cfg.attention_conv:
-        taps = self.param(f"{name}_conv", _param(_conv_init(cfg.attention_conv), ("unmodeled", "heads")),
-                          (cfg.attention_conv, cfg.hidden_size), jnp.float32)
+        taps = self.param(
+            f"{name}_conv",
+            _param(_conv_init(cfg.attention_conv), ("unmodeled", "heads")),
+            (cfg.attention_conv, cfg.hidden_size),
+            jnp.float32,
+        )
         projected = _sequence_conv(projected, taps.astype(projected.dtype), readable)
       return projected.reshape(*hidden.shape[:-1], cfg.num_heads, cfg.head_dim)
 
@@ -278,7 +366,9 @@ class SelfAttention(_Block):
       query, key, value = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))  # [b, h, s, d]
       scores = jnp.einsum("bhqd,bhkd->bhqk", query, key) / math.sqrt(cfg.head_dim)
       scores = jnp.where(key_is_real, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-      probs = random_ops.Dropout(cfg.attention_dropout_rate)(jax.nn.softmax(scores, axis=-1), deterministic=False)
+      probs = random_ops.Dropout(cfg.attention_dropout_rate)(
+          jax.nn.softmax(scores, axis=-1), deterministic=False
+      )
       context = jnp.swapaxes(jnp.einsum("bhqk,bhkd->bhqd", probs.astype(self.dtype), value), 1, 2)
     elif self.attention_impl == "splash" and mask.ndim == 2:
       # The kernel takes 0/1 masks, or packed rows' ids as ElectraPretrainer passes them, as segment ids.
@@ -287,11 +377,19 @@ class SelfAttention(_Block):
       # Right-padded rows' lengths; an all-padding row (evaluation's last batch) gets 1, as cuDNN before
       # 9.25 returns NaN for 0.
       lengths = jnp.maximum(mask.sum(-1, dtype=jnp.int32), 1)
-      context = jax.nn.dot_product_attention(query, key, value, query_seq_lengths=lengths,
-                                             key_value_seq_lengths=lengths, implementation="cudnn")
+      context = jax.nn.dot_product_attention(
+          query,
+          key,
+          value,
+          query_seq_lengths=lengths,
+          key_value_seq_lengths=lengths,
+          implementation="cudnn",
+      )
     else:  # splash cannot take a [batch, q, k] mask (packed rows, the cloze towers' causal ones)
       implementation = "xla" if self.attention_impl == "splash" else self.attention_impl
-      context = jax.nn.dot_product_attention(query, key, value, mask=key_is_real, implementation=implementation)
+      context = jax.nn.dot_product_attention(
+          query, key, value, mask=key_is_real, implementation=implementation
+      )
     context = context.reshape(*hidden.shape[:-1], cfg.hidden_size)
     return _dense(cfg.hidden_size, "heads", "embed", self.dtype, "output", cfg.use_bias)(context)
 
@@ -305,8 +403,13 @@ def _readable_neighbours(mask, radius: int):
     target = jnp.arange(seq) + offset
     inside = (target >= 0) & (target < seq)
     target = jnp.clip(target, 0, seq - 1)
-    allowed = mask[:, target] if mask.ndim == 2 else jnp.take_along_axis(
-        mask, jnp.broadcast_to(target[None, :, None], (mask.shape[0], seq, 1)), 2)[..., 0]
+    allowed = (
+        mask[:, target]
+        if mask.ndim == 2
+        else jnp.take_along_axis(
+            mask, jnp.broadcast_to(target[None, :, None], (mask.shape[0], seq, 1)), 2
+        )[..., 0]
+    )
     rows.append(allowed & inside)
   return jnp.stack(rows)
 
@@ -324,7 +427,11 @@ def _sequence_conv(x, taps, readable):
 
 def _conv_init(width: int, stddev: float = 0.5):
   """The identity (centre tap 1) plus N(0, stddev) on every tap (stddev: docs/small_budget.md)."""
-  return lambda key, shape, dtype=jnp.float32: (stddev * jax.random.normal(key, shape, dtype)).at[width // 2].add(1.0)
+  return (
+      lambda key, shape, dtype=jnp.float32: (stddev * jax.random.normal(key, shape, dtype))
+      .at[width // 2]
+      .add(1.0)
+  )
 
 
 class EncoderLayer(_Block):
@@ -335,15 +442,30 @@ class EncoderLayer(_Block):
   def __call__(self, hidden, attention_mask, deterministic: bool):
     cfg = self.config
     attention = SelfAttention(cfg, self.dtype, self.attention_impl, name="attention")
-    blocks = ((functools.partial(attention, attention_mask=attention_mask, deterministic=deterministic),
-               _layer_norm(cfg.layer_norm_eps, "attention_layer_norm")),
-              (functools.partial(_feed_forward, cfg, self.dtype), _layer_norm(cfg.layer_norm_eps, "output_layer_norm")))
+    blocks = (
+        (
+            functools.partial(
+                attention, attention_mask=attention_mask, deterministic=deterministic
+            ),
+            _layer_norm(cfg.layer_norm_eps, "attention_layer_norm"),
+        ),
+        (
+            functools.partial(_feed_forward, cfg, self.dtype),
+            _layer_norm(cfg.layer_norm_eps, "output_layer_norm"),
+        ),
+    )
     for block, norm in blocks:
       dropout = random_ops.Dropout(cfg.dropout_rate)
-      if cfg.norm == "pre":  # the residual stream is never normalized; each block reads a normalized copy
-        hidden = hidden + dropout(block(norm(hidden).astype(self.dtype)), deterministic=deterministic)
+      if (
+          cfg.norm == "pre"
+      ):  # the residual stream is never normalized; each block reads a normalized copy
+        hidden = hidden + dropout(
+            block(norm(hidden).astype(self.dtype)), deterministic=deterministic
+        )
       else:
-        hidden = norm(hidden + dropout(block(hidden), deterministic=deterministic)).astype(self.dtype)
+        hidden = norm(hidden + dropout(block(hidden), deterministic=deterministic)).astype(
+            self.dtype
+        )
     return nn.with_logical_constraint(hidden, ("act_batch", "act_len", "act_embed"))
 
 
@@ -377,20 +499,35 @@ class Encoder(_EncoderFields):
     cfg = self.config
     hidden = embedded
     if self.embedding_size != cfg.hidden_size:
-      hidden = _dense(cfg.hidden_size, "embed", "mlp", self.dtype, "embeddings_project", cfg.use_bias)(hidden)
+      hidden = _dense(
+          cfg.hidden_size, "embed", "mlp", self.dtype, "embeddings_project", cfg.use_bias
+      )(hidden)
     layer = EncoderLayer
     if cfg.remat != "none":
       # Argument 3 of __call__ (self, hidden, attention_mask, deterministic) is a Python bool. A scan keeps the
       # recomputation apart by itself, where CSE barriers would only stop fusion.
-      layer = nn.remat(layer, policy=REMAT_POLICIES[cfg.remat], static_argnums=(3,), prevent_cse=not cfg.scan_layers)
+      layer = nn.remat(
+          layer,
+          policy=REMAT_POLICIES[cfg.remat],
+          static_argnums=(3,),
+          prevent_cse=not cfg.scan_layers,
+      )
     if cfg.scan_layers:
-      scanned = nn.scan(_ScanBody, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-                        in_axes=(nn.broadcast,), length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+      scanned = nn.scan(
+          _ScanBody,
+          variable_axes={"params": 0},
+          split_rngs={"params": True, "dropout": True},
+          in_axes=(nn.broadcast,),
+          length=cfg.num_layers,
+          metadata_params={nn.PARTITION_NAME: "layers"},
+      )
       body = scanned(cfg, self.dtype, self.attention_impl, layer, deterministic, name="layers")
       hidden, _ = body(hidden, attention_mask)
     else:
       for i in range(cfg.num_layers):
-        hidden = layer(cfg, self.dtype, self.attention_impl, name=f"layer_{i}")(hidden, attention_mask, deterministic)
+        hidden = layer(cfg, self.dtype, self.attention_impl, name=f"layer_{i}")(
+            hidden, attention_mask, deterministic
+        )
     if cfg.norm == "pre":
       hidden = _layer_norm(cfg.layer_norm_eps, "final_layer_norm")(hidden).astype(self.dtype)
     return hidden  # [batch, seq, hidden]
@@ -428,10 +565,14 @@ def scan_layers(tree):
   """The inverse of unscan_layers, for trees imported from unscanned models."""
   if not isinstance(tree, dict):
     return tree
-  layer_keys = sorted((k for k in tree if k.startswith("layer_") and k[6:].isdigit()), key=lambda k: int(k[6:]))
+  layer_keys = sorted(
+      (k for k in tree if k.startswith("layer_") and k[6:].isdigit()), key=lambda k: int(k[6:])
+  )
   out = {k: scan_layers(v) for k, v in tree.items() if k not in layer_keys}
   if layer_keys:
-    out["layers"] = {"layer": jax.tree.map(lambda *xs: jnp.stack(xs), *(tree[k] for k in layer_keys))}
+    out["layers"] = {
+        "layer": jax.tree.map(lambda *xs: jnp.stack(xs), *(tree[k] for k in layer_keys))
+    }
   return out
 
 
@@ -442,44 +583,62 @@ class _Tower(_EncoderFields):
 
   def _encode(self, embedded, attention_mask, deterministic: bool, name: str = "encoder"):
     """The tower's own encoder, or the shared one, over `embedded` (called inside the compact call)."""
-    encoder = self.shared_encoder or Encoder(self.config, self.embedding_size, self.dtype, self.attention_impl,
-                                             name=name)
+    encoder = self.shared_encoder or Encoder(
+        self.config, self.embedding_size, self.dtype, self.attention_impl, name=name
+    )
     return encoder(embedded, attention_mask, deterministic)
 
 
 class Generator(_Tower):
   """Masked LM tower: encoder, then vocab_head at `masked_positions` (every position when None). cloze=True:
   Electric's generator (the official two-tower cloze model), a left-to-right and a right-to-left encoder over the
-  UNMASKED input; position t reads the first at t - 1 and the second at t + 1, so it sees every token but its own."""
+  UNMASKED input; position t reads the first at t - 1 and the second at t + 1, so it sees every token but its own.
+  """
 
   cloze: bool = False
 
   @nn.compact
-  def __call__(self, embedded, attention_mask, deterministic: bool, word_table, masked_positions=None):
+  def __call__(
+      self, embedded, attention_mask, deterministic: bool, word_table, masked_positions=None
+  ):
     if self.cloze:
       keys = attention_mask.astype(bool)[:, None, :]  # [batch, 1, seq]
       left_to_right = jnp.tril(jnp.ones((keys.shape[-1],) * 2, bool))[None]
       ltr = self._encode(embedded, keys & left_to_right, deterministic, "encoder_ltr")
-      rtl = self._encode(embedded, keys & jnp.swapaxes(left_to_right, 1, 2), deterministic, "encoder_rtl")
+      rtl = self._encode(
+          embedded, keys & jnp.swapaxes(left_to_right, 1, 2), deterministic, "encoder_rtl"
+      )
       # Shift: t takes ltr[t - 1] and rtl[t + 1] (wrapping at the ends, as the official roll).
       hidden = jnp.concatenate([jnp.roll(ltr, 1, axis=1), jnp.roll(rtl, -1, axis=1)], axis=-1)
     else:
       hidden = self._encode(embedded, attention_mask, deterministic)
     if masked_positions is not None:
       # Only the masked positions reach the head, the costliest matmul of a small generator.
-      hidden = jnp.take_along_axis(hidden, masked_positions[..., None], axis=1)  # [batch, n_pred, H_g]
+      hidden = jnp.take_along_axis(
+          hidden, masked_positions[..., None], axis=1
+      )  # [batch, n_pred, H_g]
     return vocab_head(self, hidden, word_table)  # [batch, n_pred or seq, vocab]
 
 
 class Discriminator(_Tower):
   """Replaced-token detector: encoder, then dense(H->H) + GELU + dense(H->1) per token. `with_mlm=True` also
-  returns the logits of its MLM head (vocab_head, prefix mlm_) at `mlm_positions` (all when None)."""
+  returns the logits of its MLM head (vocab_head, prefix mlm_) at `mlm_positions` (all when None).
+  """
 
   @nn.compact
-  def __call__(self, embedded, attention_mask, deterministic: bool, word_table=None, mlm_positions=None,
-               with_mlm: bool = False):
+  def __call__(
+      self,
+      embedded,
+      attention_mask,
+      deterministic: bool,
+      word_table=None,
+      mlm_positions=None,
+      with_mlm: bool = False,
+  ):
     encoded = self._encode(embedded, attention_mask, deterministic)
-    hidden = gelu_exact(_dense(self.config.hidden_size, "embed", "mlp", self.dtype, "head_dense")(encoded))
+    hidden = gelu_exact(
+        _dense(self.config.hidden_size, "embed", "mlp", self.dtype, "head_dense")(encoded)
+    )
     logits = _dense(1, "mlp", "unmodeled", self.dtype, "head_out", float32_out=True)(hidden)
     logits = logits[..., 0].astype(jnp.float32)  # [batch, seq]
     if not with_mlm:
@@ -493,15 +652,20 @@ class ElectraPretrainer(EmbeddingSizes):
   """Generator and discriminator over ONE embeddings module: with the default tie="embeddings" the tree's top
   level is exactly {embeddings, generator, discriminator}. tie="none" adds the generator's own
   `generator_embeddings` (of its hidden size); tie="gdes" (DeBERTa-v3) `discriminator_word_delta`, which the
-  discriminator adds to stop_gradient(shared word table); tie="all" runs one `shared_encoder` in both towers."""
+  discriminator adds to stop_gradient(shared word table); tie="all" runs one `shared_encoder` in both towers.
+  """
 
   generator_config: EncoderConfig
   discriminator_config: EncoderConfig
   dtype: Dtype = jnp.float32
   attention_impl: str = "xla"
   tie: str = "embeddings"  # see TIE_MODES
-  has_generator: bool = True  # False for objectives without one (mlm, uniform): no generator parameters
-  discriminator_mlm_head: bool = False  # the MLM-family objectives: the discriminator gets a masked-LM head
+  has_generator: bool = (
+      True  # False for objectives without one (mlm, uniform): no generator parameters
+  )
+  discriminator_mlm_head: bool = (
+      False  # the MLM-family objectives: the discriminator gets a masked-LM head
+  )
   cloze_generator: bool = False  # Electric: the generator is the two-tower cloze Generator
   # Packed rows: every method's `attention_mask` is the segment ids (see segment_positions); a 0/1 mask is
   # one segment per row, so unpacked batches give the same results.
@@ -514,75 +678,130 @@ class ElectraPretrainer(EmbeddingSizes):
   def setup(self):
     self.embeddings = embeddings_for(self, self.embedding_size, self.discriminator_config)
     if self.tie == "none" and self.has_generator:
-      self.generator_embeddings = embeddings_for(self, self.generator_embedding_size, self.generator_config)
+      self.generator_embeddings = embeddings_for(
+          self, self.generator_embedding_size, self.generator_config
+      )
     if self.tie == "gdes":
       self.discriminator_word_delta = self.param(
-          "discriminator_word_delta", _param(nn.initializers.zeros_init(), ("vocab", "embed")),
+          "discriminator_word_delta",
+          _param(nn.initializers.zeros_init(), ("vocab", "embed")),
           (self.vocab_size, self.embedding_size),
       )
     shared = None
     if self.tie == "all":  # config_lib.validate refuses towers of different sizes
-      shared = self.shared_encoder = Encoder(self.discriminator_config, self.embedding_size, self.dtype,
-                                             self.attention_impl)
+      shared = self.shared_encoder = Encoder(
+          self.discriminator_config, self.embedding_size, self.dtype, self.attention_impl
+      )
     if self.has_generator:  # the cloze generator runs encoders of its own
-      self.generator = Generator(self.generator_config, self.generator_embedding_size, self.dtype,
-                                 self.attention_impl, None if self.cloze_generator else shared, self.cloze_generator)
-    self.discriminator = Discriminator(self.discriminator_config, self.embedding_size, self.dtype,
-                                       self.attention_impl, shared)
+      self.generator = Generator(
+          self.generator_config,
+          self.generator_embedding_size,
+          self.dtype,
+          self.attention_impl,
+          None if self.cloze_generator else shared,
+          self.cloze_generator,
+      )
+    self.discriminator = Discriminator(
+        self.discriminator_config, self.embedding_size, self.dtype, self.attention_impl, shared
+    )
 
-  def _embed(self, embeddings: Embeddings, word_table, input_ids, token_type_ids, attention_mask, deterministic,
-             ngrams: bool = True):
+  def _embed(
+      self,
+      embeddings: Embeddings,
+      word_table,
+      input_ids,
+      token_type_ids,
+      attention_mask,
+      deterministic,
+      ngrams: bool = True,
+  ):
     """(the inputs embedded over `word_table`, the mask the towers read): packed rows' segment ids give positions
-    that restart at each segment and a query x key mask (the splash kernel reads segment ids itself)."""
+    that restart at each segment and a query x key mask (the splash kernel reads segment ids itself).
+    """
     positions, mask = None, attention_mask
     if self.packed:
       positions = segment_positions(attention_mask)
-      mask = attention_mask if self.attention_impl == "splash" else segment_attention_mask(attention_mask)
+      mask = (
+          attention_mask
+          if self.attention_impl == "splash"
+          else segment_attention_mask(attention_mask)
+      )
     return embeddings(input_ids, token_type_ids, deterministic, word_table, positions, ngrams), mask
 
-  def generator_logits(self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic: bool = True):
+  def generator_logits(
+      self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic: bool = True
+  ):
     """Vocabulary logits at `masked_positions` [batch, n_pred] -> [batch, n_pred, vocab], float32 (every
     position, [batch, seq, vocab], for the cloze generator and None)."""
     embeddings = self.generator_embeddings if self.tie == "none" else self.embeddings
     word_table = embeddings.word_table()
     # The n-gram embeddings are the discriminator's: the generator stays the weaker tower (ELECTRA's premise).
-    embedded, mask = self._embed(embeddings, word_table, input_ids, token_type_ids, attention_mask, deterministic,
-                                 ngrams=False)
+    embedded, mask = self._embed(
+        embeddings,
+        word_table,
+        input_ids,
+        token_type_ids,
+        attention_mask,
+        deterministic,
+        ngrams=False,
+    )
     return self.generator(embedded, mask, deterministic, word_table, masked_positions)
 
   def cloze_logits(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
     """Electric's generator: [batch, seq] -> vocabulary logits at every position, float32."""
     return self.generator_logits(input_ids, token_type_ids, attention_mask, None, deterministic)
 
-  def discriminator_logits(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True, **head):
+  def discriminator_logits(
+      self, input_ids, token_type_ids, attention_mask, deterministic: bool = True, **head
+  ):
     """One "replaced" logit per token: [batch, seq] -> [batch, seq], float32; the discriminator reads the shared
     word table, or for GDES stop_gradient(shared) + delta."""
     word_table = self.embeddings.word_table()
     if self.tie == "gdes":
       word_table = jax.lax.stop_gradient(word_table) + self.discriminator_word_delta
-    embedded, mask = self._embed(self.embeddings, word_table, input_ids, token_type_ids, attention_mask, deterministic)
+    embedded, mask = self._embed(
+        self.embeddings, word_table, input_ids, token_type_ids, attention_mask, deterministic
+    )
     return self.discriminator(embedded, mask, deterministic, word_table, **head)
 
-  def discriminator_mlm_logits(self, input_ids, token_type_ids, attention_mask, mlm_positions=None,
-                               deterministic: bool = True):
+  def discriminator_mlm_logits(
+      self,
+      input_ids,
+      token_type_ids,
+      attention_mask,
+      mlm_positions=None,
+      deterministic: bool = True,
+  ):
     """(per-token logits [batch, seq], the discriminator tower's MLM logits [batch, n, vocab] at
     `mlm_positions`, or [batch, seq, vocab] when None); needs discriminator_mlm_head."""
-    return self.discriminator_logits(input_ids, token_type_ids, attention_mask, deterministic, with_mlm=True,
-                                     mlm_positions=mlm_positions)
+    return self.discriminator_logits(
+        input_ids,
+        token_type_ids,
+        attention_mask,
+        deterministic,
+        with_mlm=True,
+        mlm_positions=mlm_positions,
+    )
 
-  def __call__(self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic: bool = True):
+  def __call__(
+      self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic: bool = True
+  ):
     """Both towers on the same input, which creates every parameter at init: (generator's logits or None,
     discriminator's, a pair with an MLM head)."""
     inputs = (input_ids, token_type_ids, attention_mask)
     generator = None
     if self.has_generator:
-      generator = self.generator_logits(*inputs, None if self.cloze_generator else masked_positions, deterministic)
+      generator = self.generator_logits(
+          *inputs, None if self.cloze_generator else masked_positions, deterministic
+      )
     if self.discriminator_mlm_head:
       return generator, self.discriminator_mlm_logits(*inputs, masked_positions, deterministic)
     return generator, self.discriminator_logits(*inputs, deterministic)
 
 
-def generator_encoder_config(discriminator: EncoderConfig, fraction: float, attention_conv: int = -1) -> EncoderConfig:
+def generator_encoder_config(
+    discriminator: EncoderConfig, fraction: float, attention_conv: int = -1
+) -> EncoderConfig:
   """The generator `fraction` as wide as the discriminator (same depth and head size, FFN scaled alike), as
   the official code sizes it, with at least one head, no n-gram embeddings, and a convolution of width
   `attention_conv` (-1: the discriminator's)."""
@@ -596,22 +815,36 @@ def generator_encoder_config(discriminator: EncoderConfig, fraction: float, atte
     )
   intermediate = int(round(discriminator.intermediate_size * fraction))
   conv = discriminator.attention_conv if attention_conv == -1 else attention_conv
-  return dataclasses.replace(discriminator, hidden_size=hidden, num_heads=num_heads, intermediate_size=intermediate,
-                             ngram_buckets=0, attention_conv=conv)
+  return dataclasses.replace(
+      discriminator,
+      hidden_size=hidden,
+      num_heads=num_heads,
+      intermediate_size=intermediate,
+      ngram_buckets=0,
+      attention_conv=conv,
+  )
 
 
 def _check_attention(config, towers: dict[str, EncoderConfig], cloze: bool) -> None:
   """Refuses, before compiling, what the chosen attention kernel cannot take."""
-  impl, dropout, seq_len = config.model.attention_impl, config.model.attention_dropout_rate, config.data.max_seq_len
+  impl, dropout, seq_len = (
+      config.model.attention_impl,
+      config.model.attention_dropout_rate,
+      config.data.max_seq_len,
+  )
   if impl == "splash":
     splash_attention.check_seq_len(seq_len)
   if impl == "cudnn" and config.train.dtype != "bfloat16":
-    raise ConfigError(f"model.attention_impl='cudnn' takes bfloat16 inputs only, but train.dtype="
-                      f"{config.train.dtype!r}: set --config.train.dtype=bfloat16 or model.attention_impl='xla'.")
+    raise ConfigError(
+        f"model.attention_impl='cudnn' takes bfloat16 inputs only, but train.dtype="
+        f"{config.train.dtype!r}: set --config.train.dtype=bfloat16 or model.attention_impl='xla'."
+    )
   if impl in ("cudnn", "splash") and dropout > 0:
-    raise ConfigError(f"model.attention_impl={impl!r} runs a fused kernel without dropout on the attention "
-                      f"probabilities, but model.attention_dropout_rate={dropout}: set "
-                      "--config.model.attention_dropout_rate=0.0, or model.attention_impl='xla' to keep it.")
+    raise ConfigError(
+        f"model.attention_impl={impl!r} runs a fused kernel without dropout on the attention "
+        f"probabilities, but model.attention_dropout_rate={dropout}: set "
+        "--config.model.attention_dropout_rate=0.0, or model.attention_impl='xla' to keep it."
+    )
   if impl != "cudnn":
     return
   for tower, cfg in towers.items():
@@ -619,10 +852,13 @@ def _check_attention(config, towers: dict[str, EncoderConfig], cloze: bool) -> N
       raise ConfigError(
           f"model.attention_impl='cudnn' needs a head size that is a multiple of 8 and at most 256 (128 before "
           f"Hopper GPUs), but the {tower}'s is {cfg.head_dim} (hidden {cfg.hidden_size} over {cfg.num_heads} "
-          "heads): change model.hidden_size, num_heads or generator_fraction, or use model.attention_impl='xla'.")
+          "heads): change model.hidden_size, num_heads or generator_fraction, or use model.attention_impl='xla'."
+      )
   if (config.data.pack_rows or cloze) and seq_len % 2:
-    raise ConfigError(f"model.attention_impl='cudnn' with packed rows or Electric needs an even sequence length, "
-                      f"but data.max_seq_len={seq_len}: make it even, or use model.attention_impl='xla'.")
+    raise ConfigError(
+        f"model.attention_impl='cudnn' with packed rows or Electric needs an even sequence length, "
+        f"but data.max_seq_len={seq_len}: make it even, or use model.attention_impl='xla'."
+    )
 
 
 def build_model(config) -> ElectraPretrainer:
@@ -631,36 +867,66 @@ def build_model(config) -> ElectraPretrainer:
   objective = objectives.REGISTRY[config.objective.name]
   sizes = {field.name: m[field.name] for field in dataclasses.fields(EncoderConfig)}
   discriminator = EncoderConfig(**{**sizes, "scan_layers": bool(m.scan_layers)})
-  choices = (("tie", TIE_MODES), ("norm", NORMS), ("ffn", FFNS), ("use_bias", (True, False)),
-             ("remat", REMAT_POLICIES), ("attention_impl", ATTENTION_IMPLEMENTATIONS))
+  choices = (
+      ("tie", TIE_MODES),
+      ("norm", NORMS),
+      ("ffn", FFNS),
+      ("use_bias", (True, False)),
+      ("remat", REMAT_POLICIES),
+      ("attention_impl", ATTENTION_IMPLEMENTATIONS),
+  )
   for key, allowed in choices:
     # `in` alone would take 1 and 0 for True and False.
     if not any(m[key] == value and type(m[key]) is type(value) for value in allowed):
       raise ConfigError(f"model.{key}={m[key]!r} is not one of {list(allowed)}.")
   if m.tie == "all" and m.generator_fraction != 1.0:
-    raise ConfigError(f"model.tie='all' runs one encoder for both towers, so they must be the same size, but "
-                      f"model.generator_fraction={m.generator_fraction}: set it to 1.0.")
-  for key, extra in (("attention_conv", ""), ("generator_attention_conv", ", or -1 (model.attention_conv's)")):
+    raise ConfigError(
+        f"model.tie='all' runs one encoder for both towers, so they must be the same size, but "
+        f"model.generator_fraction={m.generator_fraction}: set it to 1.0."
+    )
+  for key, extra in (
+      ("attention_conv", ""),
+      ("generator_attention_conv", ", or -1 (model.attention_conv's)"),
+  ):
     width = m[key]
-    if not (type(width) is int and (width == 0 or width > 0 and width % 2 or extra and width == -1)):
-      raise ConfigError(f"model.{key}={width!r} must be 0 (no convolution) or an odd kernel width such as 3 (the "
-                        f"position and its two neighbours){extra}.")
+    if not (
+        type(width) is int and (width == 0 or width > 0 and width % 2 or extra and width == -1)
+    ):
+      raise ConfigError(
+          f"model.{key}={width!r} must be 0 (no convolution) or an odd kernel width such as 3 (the "
+          f"position and its two neighbours){extra}."
+      )
   if m.tie == "all" and m.generator_attention_conv not in (-1, m.attention_conv):
-    raise ConfigError(f"model.tie='all' runs one encoder for both towers, so model.generator_attention_conv="
-                      f"{m.generator_attention_conv} cannot differ from model.attention_conv={m.attention_conv}: "
-                      "set it to -1.")
+    raise ConfigError(
+        f"model.tie='all' runs one encoder for both towers, so model.generator_attention_conv="
+        f"{m.generator_attention_conv} cannot differ from model.attention_conv={m.attention_conv}: "
+        "set it to -1."
+    )
   if not (type(m.ngram_buckets) is int and m.ngram_buckets >= 0):
-    raise ConfigError(f"model.ngram_buckets={m.ngram_buckets!r} must be 0 (no n-gram embeddings) or a number of "
-                      "rows such as 262139.")
-  generator = generator_encoder_config(discriminator, m.generator_fraction, m.generator_attention_conv)
-  _check_attention(config, {"discriminator": discriminator, "generator": generator}, objective.cloze)
+    raise ConfigError(
+        f"model.ngram_buckets={m.ngram_buckets!r} must be 0 (no n-gram embeddings) or a number of "
+        "rows such as 262139."
+    )
+  generator = generator_encoder_config(
+      discriminator, m.generator_fraction, m.generator_attention_conv
+  )
+  _check_attention(
+      config, {"discriminator": discriminator, "generator": generator}, objective.cloze
+  )
   return ElectraPretrainer(
-      vocab_size=m.vocab_size, embedding_size=m.embedding_size, max_position_embeddings=m.max_position_embeddings,
-      type_vocab_size=m.type_vocab_size, generator_config=generator, discriminator_config=discriminator,
-      dtype=jnp.dtype(config.train.dtype), attention_impl=m.attention_impl, tie=m.tie,
+      vocab_size=m.vocab_size,
+      embedding_size=m.embedding_size,
+      max_position_embeddings=m.max_position_embeddings,
+      type_vocab_size=m.type_vocab_size,
+      generator_config=generator,
+      discriminator_config=discriminator,
+      dtype=jnp.dtype(config.train.dtype),
+      attention_impl=m.attention_impl,
+      tie=m.tie,
       has_generator=objective.has_generator,
       discriminator_mlm_head=objective.mlm_head or config.objective.disc_mlm_weight > 0,
-      cloze_generator=objective.cloze, packed=bool(config.data.pack_rows),
+      cloze_generator=objective.cloze,
+      packed=bool(config.data.pack_rows),
   )
 
 
@@ -677,14 +943,20 @@ class _TowerOverEmbeddings(OneTower):
   name."""
 
   @nn.compact
-  def __call__(self, input_ids, attention_mask=None, token_type_ids=None, deterministic: bool = True):
+  def __call__(
+      self, input_ids, attention_mask=None, token_type_ids=None, deterministic: bool = True
+  ):
     """Every token real and of type 0 unless `attention_mask` and `token_type_ids` say otherwise."""
     attention_mask = jnp.ones_like(input_ids) if attention_mask is None else attention_mask
     token_type_ids = jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids
     embeddings = embeddings_for(self, self.embedding_size, self.config, name="embeddings")
     embedded = embeddings(input_ids, token_type_ids, deterministic)
-    tower_class = {"discriminator": Discriminator, "generator": Generator, "encoder": Encoder}[self._tower]
-    tower = tower_class(self.config, self.embedding_size, self.dtype, self.attention_impl, name=self._tower)
+    tower_class = {"discriminator": Discriminator, "generator": Generator, "encoder": Encoder}[
+        self._tower
+    ]
+    tower = tower_class(
+        self.config, self.embedding_size, self.dtype, self.attention_impl, name=self._tower
+    )
     word_table = (embeddings.word_table(),) if self._tower == "generator" else ()
     return tower(embedded, attention_mask, deterministic, *word_table)
 
@@ -733,11 +1005,17 @@ def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
         f"The parameter tree's top level is {sorted(params)}, not an ElectraPretrainer's {{embeddings, generator, "
         "discriminator}. Pass the `params` of a pre-training state (e.g. state.params, not {'params': ...})."
     )
-  tower_config = pretrainer.discriminator_config if tower == "discriminator" else pretrainer.generator_config
+  tower_config = (
+      pretrainer.discriminator_config if tower == "discriminator" else pretrainer.generator_config
+  )
   if tower_config.scan_layers:  # standalone towers use the unscanned layout
     tower_config = dataclasses.replace(tower_config, scan_layers=False)
     params = unscan_layers(params)
-  embeddings, tower_params, embedding_size = params["embeddings"], params[tower], pretrainer.embedding_size
+  embeddings, tower_params, embedding_size = (
+      params["embeddings"],
+      params[tower],
+      pretrainer.embedding_size,
+  )
   if pretrainer.tie == "all":
     tower_params = {**tower_params, "encoder": params["shared_encoder"]}
   if tower == "discriminator" and pretrainer.discriminator_mlm_head:
@@ -745,14 +1023,20 @@ def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
     tower_params = {k: v for k, v in tower_params.items() if not k.startswith("mlm_")}
   if tower == "generator" and pretrainer.tie == "none":
     embeddings, embedding_size = params["generator_embeddings"], pretrainer.generator_embedding_size
-  if tower == "generator" and "ngram_embeddings" in embeddings:  # the n-gram table is the discriminator's alone
+  if (
+      tower == "generator" and "ngram_embeddings" in embeddings
+  ):  # the n-gram table is the discriminator's alone
     embeddings = {k: v for k, v in embeddings.items() if k != "ngram_embeddings"}
   if tower == "discriminator" and pretrainer.tie == "gdes":
     word_table = embeddings["word_embeddings"]["embedding"] + params["discriminator_word_delta"]
     embeddings = {**embeddings, "word_embeddings": {"embedding": word_table}}
   model = TOWER_MODELS[tower](
-      vocab_size=pretrainer.vocab_size, embedding_size=embedding_size,
-      max_position_embeddings=pretrainer.max_position_embeddings, type_vocab_size=pretrainer.type_vocab_size,
-      config=tower_config, dtype=pretrainer.dtype, attention_impl=pretrainer.attention_impl,
+      vocab_size=pretrainer.vocab_size,
+      embedding_size=embedding_size,
+      max_position_embeddings=pretrainer.max_position_embeddings,
+      type_vocab_size=pretrainer.type_vocab_size,
+      config=tower_config,
+      dtype=pretrainer.dtype,
+      attention_impl=pretrainer.attention_impl,
   )
   return model, {"embeddings": embeddings, tower: tower_params}

@@ -15,11 +15,20 @@ from absl import logging
 from electra_jax import random_ops
 from electra_jax.errors import ConfigError
 
-
 _STAT_KEYS = (
-    "mlm_loss_sum", "mlm_correct", "sampled_correct", "num_predictions", "disc_loss_sum",
-    "disc_true_pos", "disc_false_pos", "disc_false_neg", "disc_true_neg", "num_tokens",
-    "main_loss_sum", "main_correct", "main_count",
+    "mlm_loss_sum",
+    "mlm_correct",
+    "sampled_correct",
+    "num_predictions",
+    "disc_loss_sum",
+    "disc_true_pos",
+    "disc_false_pos",
+    "disc_false_neg",
+    "disc_true_neg",
+    "num_tokens",
+    "main_loss_sum",
+    "main_correct",
+    "main_count",
 )
 
 
@@ -38,14 +47,24 @@ class ElectraObjective:
   cls_id: int
   sep_id: int
   name: str = "electra"
-  random_token_prob: float = 0.0  # of the chosen positions, the share given a random token (BERT's 10%)
-  vocab_size: int = 0  # the tokenizer's (0: the model's rows, which may be more): softmaxes and samples keep to it
+  random_token_prob: float = (
+      0.0  # of the chosen positions, the share given a random token (BERT's 10%)
+  )
+  vocab_size: int = (
+      0  # the tokenizer's (0: the model's rows, which may be more): softmaxes and samples keep to it
+  )
   switch_step: int = 0  # two_stage: the first step of the discriminator's stage
-  adversarial_mlm_weight: float = 0.0  # adversarial: weight of the generator's L_MLM beside REINFORCE
-  disallow_correct: bool = False  # the official option: the original's logit loses 1000 before sampling
+  adversarial_mlm_weight: float = (
+      0.0  # adversarial: weight of the generator's L_MLM beside REINFORCE
+  )
+  disallow_correct: bool = (
+      False  # the official option: the original's logit loses 1000 before sampling
+  )
   # The sampling temperature at step 0 (None: `temperature`), falling linearly to `temperature`.
   initial_temperature: float | None = None
-  disc_mlm_weight: float = 0.0  # electra(_15): the discriminator's own MLM loss on the corrupted input (0: none)
+  disc_mlm_weight: float = (
+      0.0  # electra(_15): the discriminator's own MLM loss on the corrupted input (0: none)
+  )
 
   @property
   def never_masked_ids(self) -> tuple[int, ...]:
@@ -65,12 +84,15 @@ def temperature_decay_steps(config) -> int:
 
 def sampling_temperature(objective: ElectraObjective, step, decay_steps):
   """The temperature at `step` (so a resume samples as an uninterrupted run): linear from initial_temperature
-  to temperature, reached exactly at `decay_steps` (float32); without a schedule the Python float temperature."""
+  to temperature, reached exactly at `decay_steps` (float32); without a schedule the Python float temperature.
+  """
   initial, final = objective.initial_temperature, objective.temperature
   if initial is None or initial == final:
     return final
   # 0 decay steps (no schedule) stays at the initial temperature rather than divide 0 by 0.
-  progress = jnp.minimum(jnp.asarray(step, jnp.float32), decay_steps) / jnp.maximum(decay_steps, 1.0)
+  progress = jnp.minimum(jnp.asarray(step, jnp.float32), decay_steps) / jnp.maximum(
+      decay_steps, 1.0
+  )
   return initial + (final - initial) * progress
 
 
@@ -137,7 +159,8 @@ def mask_tokens(rng, input_ids, attention_mask, objective: ElectraObjective) -> 
 
 def sample_tokens(keys, logits, temperature: float, disallowed_ids=None):
   """Gumbel-max samples [batch, n_pred] of softmax(logits / temperature), no gradient, one key per example
-  (a row's draw does not depend on the batch's split); `disallowed_ids` lose 1000 (disallow_correct)."""
+  (a row's draw does not depend on the batch's split); `disallowed_ids` lose 1000 (disallow_correct).
+  """
   logits = jax.lax.stop_gradient(logits.astype(jnp.float32)) / temperature
   if disallowed_ids is not None:
     logits = logits - 1000.0 * jax.nn.one_hot(disallowed_ids, logits.shape[-1], dtype=jnp.float32)
@@ -171,7 +194,9 @@ class Normalizers(NamedTuple):
     return cls(
         jnp.maximum(masked.weights.sum(), 1.0),
         num_tokens,
-        num_tokens if candidates is None else jnp.maximum(candidates.astype(jnp.float32).sum(), 1.0),
+        num_tokens
+        if candidates is None
+        else jnp.maximum(candidates.astype(jnp.float32).sum(), 1.0),
     )
 
 
@@ -195,7 +220,9 @@ def _two_reductions(z):
   assert z.shape[-1] < 2**24, z.shape
   top = z.max(-1)
   index = jax.lax.broadcasted_iota(jnp.float32, z.shape, z.ndim - 1)
-  return top, jnp.min(jnp.where(z == top[..., None], index, float(z.shape[-1])), -1).astype(jnp.int32)
+  return top, jnp.min(jnp.where(z == top[..., None], index, float(z.shape[-1])), -1).astype(
+      jnp.int32
+  )
 
 
 @jax.custom_vjp
@@ -211,7 +238,14 @@ def _weighted_nll_sum_fwd(logits, top, target_ids, weights):
   total = shifted_exp.sum(-1)
   lse = jnp.log(total) + top
   target = jnp.take_along_axis(logits, target_ids[..., None], axis=-1)[..., 0]
-  return (((lse - target) * weights).sum(), lse), (logits, shifted_exp, total, lse, target_ids, weights)
+  return (((lse - target) * weights).sum(), lse), (
+      logits,
+      shifted_exp,
+      total,
+      lse,
+      target_ids,
+      weights,
+  )
 
 
 def _weighted_nll_sum_bwd(residuals, grads):
@@ -219,11 +253,16 @@ def _weighted_nll_sum_bwd(residuals, grads):
   # The CPU reads the forward's exponentials back (an exp costs more there than the memory);
   # elsewhere they are recomputed, so they are never written out.
   softmax = jax.lax.platform_dependent(
-      logits, shifted_exp, total, lse,
+      logits,
+      shifted_exp,
+      total,
+      lse,
       cpu=lambda _, shifted_exp, total, __: shifted_exp / total[..., None],
       default=lambda logits, _, __, lse: jnp.exp(logits - lse[..., None]),
   )
-  is_target = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == target_ids[..., None]
+  is_target = (
+      jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == target_ids[..., None]
+  )
   d_logits = (grads[0] * weights)[..., None] * (softmax - is_target.astype(jnp.float32))
   return d_logits, None, None, None
 
@@ -233,7 +272,8 @@ _weighted_nll_sum.defvjp(_weighted_nll_sum_fwd, _weighted_nll_sum_bwd)
 
 def _mlm_sums(logits, target_ids, weights, with_log_normalizer: bool = False):
   """(summed cross-entropy, summed correct argmax) against targets (and each row's logsumexp, no gradient):
-  the accuracy's argmax also finds the logsumexp's shift, so the logits are read as few times as possible."""
+  the accuracy's argmax also finds the logsumexp's shift, so the logits are read as few times as possible.
+  """
   top, predicted = _max_and_argmax(jax.lax.stop_gradient(logits))
   nll_sum, log_normalizer = _weighted_nll_sum(logits, top, target_ids, weights)
   correct = (predicted == target_ids) * weights
@@ -275,13 +315,22 @@ class _Pass:
     # Packed rows (data.pack_rows) carry segment ids, which the model reads in place of the
     # padding mask; losses and masking still weigh real tokens only.
     model_mask = self.batch.get("segment_ids", self.batch["attention_mask"])
-    return self.model.apply({"params": self.params}, ids, self.batch["token_type_ids"], model_mask, *args,
-                            self.deterministic, method=method, rngs={"dropout": rng})
+    return self.model.apply(
+        {"params": self.params},
+        ids,
+        self.batch["token_type_ids"],
+        model_mask,
+        *args,
+        self.deterministic,
+        method=method,
+        rngs={"dropout": rng},
+    )
 
 
 class _Sampled(NamedTuple):
   """The generator's step: its logits at the masked slots [batch, n_pred, vocab], its samples [batch,
-  n_pred], the corrupted input, what was replaced and the generator's probability (T=1) of it [batch, seq]."""
+  n_pred], the corrupted input, what was replaced and the generator's probability (T=1) of it [batch, seq].
+  """
 
   gen_logits: jax.Array
   sampled_ids: jax.Array
@@ -296,7 +345,9 @@ def _generator_logits(p: _Pass):
   """[batch, n_pred, vocab]: the generator at the masked slots, or without one (the official
   uniform_generator) zeros: uniform samples and a constant L_MLM."""
   if p.objective.uses_generator:
-    logits = p.tower(p.model.generator_logits, p.masked.input_ids, p.masked.positions, rng=p.gen_rng)
+    logits = p.tower(
+        p.model.generator_logits, p.masked.input_ids, p.masked.positions, rng=p.gen_rng
+    )
   else:
     # Zeros made from the batch: XLA would fold the losses and sampling over a constant array
     # at compile time, for seconds to minutes.
@@ -308,8 +359,9 @@ def _generator_logits(p: _Pass):
 def _sample(p: _Pass, gen_logits) -> _Sampled:
   """L_MLM of `gen_logits`, their samples and the corrupted input; the generator's counts go to p.stats."""
   masked, objective, input_ids = p.masked, p.objective, p.batch["input_ids"]
-  mlm_loss_sum, mlm_correct, log_normalizer = _mlm_sums(gen_logits, masked.target_ids, masked.weights,
-                                                        with_log_normalizer=True)
+  mlm_loss_sum, mlm_correct, log_normalizer = _mlm_sums(
+      gen_logits, masked.target_ids, masked.weights, with_log_normalizer=True
+  )
   disallowed = masked.target_ids if objective.disallow_correct else None
   sampled_ids = sample_tokens(p.sample_keys, gen_logits, p.temperature, disallowed)
   corrupted_ids, is_replaced = corrupt(input_ids, masked, sampled_ids)
@@ -318,21 +370,31 @@ def _sample(p: _Pass, gen_logits) -> _Sampled:
       jax.lax.stop_gradient(gen_logits).astype(jnp.float32), sampled_ids[..., None], axis=-1
   )[..., 0]
   sampled_prob = jnp.where(masked.weights > 0, jnp.exp(sampled_logit - log_normalizer), 0.0)
-  replaced_prob = jnp.zeros(input_ids.shape, jnp.float32).at[_rows(input_ids.shape[0]), masked.positions].set(
-      sampled_prob
+  replaced_prob = (
+      jnp.zeros(input_ids.shape, jnp.float32)
+      .at[_rows(input_ids.shape[0]), masked.positions]
+      .set(sampled_prob)
   )
-  p.stats.update(mlm_loss_sum=mlm_loss_sum, mlm_correct=mlm_correct,
-                 sampled_correct=((sampled_ids == masked.target_ids) * masked.weights).sum())
+  p.stats.update(
+      mlm_loss_sum=mlm_loss_sum,
+      mlm_correct=mlm_correct,
+      sampled_correct=((sampled_ids == masked.target_ids) * masked.weights).sum(),
+  )
   gen_loss = objective.gen_weight * mlm_loss_sum / p.normalizers.num_predictions
-  return _Sampled(gen_logits, sampled_ids, corrupted_ids, is_replaced, replaced_prob, mlm_loss_sum, gen_loss)
+  return _Sampled(
+      gen_logits, sampled_ids, corrupted_ids, is_replaced, replaced_prob, mlm_loss_sum, gen_loss
+  )
 
 
 def _tower_mlm(p: _Pass, input_ids, stat: str = "main"):
   """(replaced-token logits, MLM loss at the masked slots) of the discriminator tower on `input_ids`, one
   pass; the sums go to p.stats as <stat>_loss_sum and <stat>_correct (main_*: with main_count)."""
-  disc_logits, logits = p.tower(p.model.discriminator_mlm_logits, input_ids, p.masked.positions, rng=p.disc_rng)
-  loss_sum, correct = _mlm_sums(_vocabulary_only(logits, p.objective.vocab_size), p.masked.target_ids,
-                                p.masked.weights)
+  disc_logits, logits = p.tower(
+      p.model.discriminator_mlm_logits, input_ids, p.masked.positions, rng=p.disc_rng
+  )
+  loss_sum, correct = _mlm_sums(
+      _vocabulary_only(logits, p.objective.vocab_size), p.masked.target_ids, p.masked.weights
+  )
   p.stats.update({f"{stat}_loss_sum": loss_sum, f"{stat}_correct": correct})
   if stat == "main":
     p.stats["main_count"] = p.masked.weights.sum()
@@ -348,15 +410,22 @@ def _discriminator_logits(p: _Pass, corrupted_ids):
 
 
 def _per_token(disc_logits, is_replaced, token_weights, replaced_prob) -> dict:
-  return {"disc_logits": disc_logits, "is_replaced": is_replaced, "token_weights": token_weights,
-          "replaced_prob": replaced_prob}
+  return {
+      "disc_logits": disc_logits,
+      "is_replaced": is_replaced,
+      "token_weights": token_weights,
+      "replaced_prob": replaced_prob,
+  }
 
 
 def _detection_loss(p: _Pass, disc_logits, is_replaced, replaced_prob, only_masked: bool = False):
   """(disc_weight * L_Disc over the real tokens (or the used masked positions), per_token); counts to p.stats."""
   token_weights, normalizer = p.token_weights, p.normalizers.num_tokens
   if only_masked:
-    token_weights, normalizer = masked_position_weights(p.masked, is_replaced.shape), p.normalizers.num_predictions
+    token_weights, normalizer = (
+        masked_position_weights(p.masked, is_replaced.shape),
+        p.normalizers.num_predictions,
+    )
   disc_loss_sum = (_bce(disc_logits, is_replaced.astype(jnp.float32)) * token_weights).sum()
   predicted = disc_logits > 0
   p.stats.update(
@@ -375,7 +444,9 @@ def _detect(p: _Pass, only_masked: bool = False):
   """Samples, then the discriminator on them: (sampled, disc_logits, disc loss, tower MLM loss, per_token)."""
   s = _sample(p, _generator_logits(p))
   disc_logits, main_loss = _discriminator_logits(p, s.corrupted_ids)
-  disc_loss, per_token = _detection_loss(p, disc_logits, s.is_replaced, s.replaced_prob, only_masked)
+  disc_loss, per_token = _detection_loss(
+      p, disc_logits, s.is_replaced, s.replaced_prob, only_masked
+  )
   return s, disc_logits, disc_loss, main_loss, per_token
 
 
@@ -390,7 +461,10 @@ def _main_mlm_metrics(metrics, stats) -> None:
 
 
 def _rtd_metrics(metrics, stats, objective, per_token):
-  metrics["loss"] = objective.gen_weight * metrics["masked_lm_loss"] + objective.disc_weight * metrics["disc_loss"]
+  metrics["loss"] = (
+      objective.gen_weight * metrics["masked_lm_loss"]
+      + objective.disc_weight * metrics["disc_loss"]
+  )
   if objective.disc_mlm_weight > 0:
     _main_mlm_metrics(metrics, stats)
     metrics["loss"] = metrics["loss"] + objective.disc_mlm_weight * metrics["main_mlm_loss"]
@@ -407,7 +481,9 @@ class Registered:
   samples: bool = True  # replacements are sampled at a temperature
   mlm_head: bool = False  # the discriminator-sized tower has an MLM head
   disc_mlm: bool = False  # objective.disc_mlm_weight may add the tower's own MLM loss
-  cloze: bool = False  # the generator is Electric's two-tower cloze model, reading the unmasked input
+  cloze: bool = (
+      False  # the generator is Electric's two-tower cloze model, reading the unmasked input
+  )
   # (keep_original_prob, random_token_prob) in place of (objective.keep_original_prob, 0).
   masking: tuple[float, float] | None = None
   check: Callable = lambda config: None  # raises ConfigError
@@ -426,8 +502,10 @@ REGISTRY: dict[str, Registered] = {}
 
 def _check_no_generator_to_share(config):
   if config.model.tie == "all":
-    raise ConfigError(f"objective.name={config.objective.name!r} has no generator tower to share an encoder with; use "
-                      "model.tie='embeddings' (or 'none', 'gdes').")
+    raise ConfigError(
+        f"objective.name={config.objective.name!r} has no generator tower to share an encoder with; use "
+        "model.tie='embeddings' (or 'none', 'gdes')."
+    )
 
 
 def _electra(p: _Pass, only_masked: bool = False):
@@ -454,17 +532,31 @@ def _mlm(p: _Pass):
 
 
 def _mlm_metrics(metrics, stats, objective, per_token):
-  _nan_metrics(metrics, ("sampled_masked_lm_accuracy", "replaced_fraction", *BINNED_METRICS, *_DISC_METRICS))
+  _nan_metrics(
+      metrics, ("sampled_masked_lm_accuracy", "replaced_fraction", *BINNED_METRICS, *_DISC_METRICS)
+  )
   metrics["loss"] = metrics["masked_lm_loss"]
 
 
 # No generator, and of the chosen positions 80% [MASK], 10% a random token, 10% kept.
 REGISTRY["mlm"] = Registered(
-    _mlm, _mlm_metrics, has_generator=False, samples=False, mlm_head=True, masking=(0.1, 0.1),
+    _mlm,
+    _mlm_metrics,
+    has_generator=False,
+    samples=False,
+    mlm_head=True,
+    masking=(0.1, 0.1),
     check=_check_no_generator_to_share,
-    ignores=("objective.temperature", "objective.initial_temperature", "objective.temperature_decay_fraction",
-             "objective.disallow_correct", "objective.gen_weight", "objective.disc_weight",
-             "objective.keep_original_prob", "objective.disc_mlm_weight"),
+    ignores=(
+        "objective.temperature",
+        "objective.initial_temperature",
+        "objective.temperature_decay_fraction",
+        "objective.disallow_correct",
+        "objective.gen_weight",
+        "objective.disc_weight",
+        "objective.keep_original_prob",
+        "objective.disc_mlm_weight",
+    ),
 )
 
 
@@ -473,7 +565,9 @@ def _replace_mlm(p: _Pass):
   s = _sample(p, _generator_logits(p))
   _, main_loss = _tower_mlm(p, s.corrupted_ids)
   weights = p.token_weights
-  return s.gen_loss + main_loss, _per_token(jnp.zeros_like(weights), s.is_replaced, weights, s.replaced_prob)
+  return s.gen_loss + main_loss, _per_token(
+      jnp.zeros_like(weights), s.is_replaced, weights, s.replaced_prob
+  )
 
 
 def _all_tokens_mlm(p: _Pass):
@@ -481,7 +575,9 @@ def _all_tokens_mlm(p: _Pass):
   p(x_t) = D_t [x_t = input_t] + (1 - D_t) softmax(MLM)_t(x_t), D_t = sigmoid(copy logit)."""
   s = _sample(p, _generator_logits(p))
   input_ids, weights = p.batch["input_ids"], p.token_weights
-  copy_logits, main_logits = p.tower(p.model.discriminator_mlm_logits, s.corrupted_ids, None, rng=p.disc_rng)
+  copy_logits, main_logits = p.tower(
+      p.model.discriminator_mlm_logits, s.corrupted_ids, None, rng=p.disc_rng
+  )
   main_logits = _vocabulary_only(main_logits, p.objective.vocab_size)  # [batch, seq, vocab]
   log_softmax = jax.nn.log_softmax(main_logits, axis=-1)
   log_mlm = jnp.take_along_axis(log_softmax, input_ids[..., None], axis=-1)[..., 0]
@@ -493,14 +589,18 @@ def _all_tokens_mlm(p: _Pass):
   # The most probable other token: the best MLM alternative, or the (replaced) input token,
   # which also gets the copy probability.
   is_original = jnp.arange(main_logits.shape[-1]) == input_ids[..., None]
-  best_other = jnp.exp(log_no_copy + jnp.max(jnp.where(is_original, -jnp.inf, log_softmax), axis=-1))
+  best_other = jnp.exp(
+      log_no_copy + jnp.max(jnp.where(is_original, -jnp.inf, log_softmax), axis=-1)
+  )
   log_mlm_input = jnp.take_along_axis(log_softmax, s.corrupted_ids[..., None], axis=-1)[..., 0]
   p_input = jnp.exp(log_copy) + jnp.exp(log_no_copy + log_mlm_input)
   best_other = jnp.maximum(best_other, jnp.where(copied, 0.0, p_input))
   main_correct = ((p_original > best_other) * weights).sum()
   p.stats.update(main_loss_sum=main_loss_sum, main_correct=main_correct, main_count=weights.sum())
   main_loss = main_loss_sum / p.normalizers.num_tokens
-  return s.gen_loss + main_loss, _per_token(jnp.zeros_like(weights), s.is_replaced, weights, s.replaced_prob)
+  return s.gen_loss + main_loss, _per_token(
+      jnp.zeros_like(weights), s.is_replaced, weights, s.replaced_prob
+  )
 
 
 def _tower_mlm_metrics(metrics, stats, objective, per_token):
@@ -542,7 +642,9 @@ def _start_second_stage(objective, params, step):
   """At the switch step the discriminator's encoder becomes a copy of the generator's (its head stays)."""
   now = step == objective.switch_step
   encoder = jax.tree.map(
-      lambda g, d: jnp.where(now, g, d), params["generator"]["encoder"], params["discriminator"]["encoder"]
+      lambda g, d: jnp.where(now, g, d),
+      params["generator"]["encoder"],
+      params["discriminator"]["encoder"],
   )
   return {**params, "discriminator": {**params["discriminator"], "encoder": encoder}}
 
@@ -551,8 +653,11 @@ def _hold_other_stage(objective, updates, step):
   """Only the tower of the current stage moves (weight decay included)."""
   second = step >= objective.switch_step
   hold = lambda tree, keep: jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), tree)  # noqa: E731
-  return {**updates, "generator": hold(updates["generator"], ~second),
-          "discriminator": hold(updates["discriminator"], second)}
+  return {
+      **updates,
+      "generator": hold(updates["generator"], ~second),
+      "discriminator": hold(updates["discriminator"], second),
+  }
 
 
 def _keep_two_stage_switch(config, saved_config: Callable, start_step: int | None) -> None:
@@ -566,13 +671,24 @@ def _keep_two_stage_switch(config, saved_config: Callable, start_step: int | Non
   o = config.objective
   if not o.two_stage_switch:
     o.two_stage_switch = recorded or config.train.steps // 2
-    logging.info("objective.two_stage_switch: the discriminator's stage starts at step %d%s.",
-                 o.two_stage_switch, " (as this workdir recorded)" if recorded else "")
+    logging.info(
+        "objective.two_stage_switch: the discriminator's stage starts at step %d%s.",
+        o.two_stage_switch,
+        " (as this workdir recorded)" if recorded else "",
+    )
   switch = o.two_stage_switch
-  if start_step is None or recorded is None or switch == recorded or start_step <= min(switch, recorded):
+  if (
+      start_step is None
+      or recorded is None
+      or switch == recorded
+      or start_step <= min(switch, recorded)
+  ):
     return
-  harm = ("copy the generator's encoder over the trained discriminator again" if switch > recorded
-          else "start the discriminator's stage without the generator's encoder")
+  harm = (
+      "copy the generator's encoder over the trained discriminator again"
+      if switch > recorded
+      else "start the discriminator's stage without the generator's encoder"
+  )
   raise ConfigError(
       f"objective.two_stage_switch={switch}, but this workdir's run switches at step {recorded} "
       f"and its checkpoint is at step {start_step}: moving the switch now would {harm}. Leave it at "
@@ -580,9 +696,14 @@ def _keep_two_stage_switch(config, saved_config: Callable, start_step: int | Non
   )
 
 
-REGISTRY["two_stage"] = Registered(_two_stage, check=_check_two_stage, own_keys=("objective.two_stage_switch",),
-                                   before_step=_start_second_stage, updates=_hold_other_stage,
-                                   start_run=_keep_two_stage_switch)
+REGISTRY["two_stage"] = Registered(
+    _two_stage,
+    check=_check_two_stage,
+    own_keys=("objective.two_stage_switch",),
+    before_step=_start_second_stage,
+    updates=_hold_other_stage,
+    start_run=_keep_two_stage_switch,
+)
 
 
 def _adversarial(p: _Pass):
@@ -590,7 +711,9 @@ def _adversarial(p: _Pass):
   * L_MLM. A slot's baseline is the mean reward of its example's other slots (0 without any): independent of
   its own sample, so the estimate stays unbiased, and of how the batch is split."""
   s, disc_logits, disc_loss, _, per_token = _detect(p)
-  bce_at_slots = jnp.take_along_axis(_bce(disc_logits, s.is_replaced.astype(jnp.float32)), p.masked.positions, axis=1)
+  bce_at_slots = jnp.take_along_axis(
+      _bce(disc_logits, s.is_replaced.astype(jnp.float32)), p.masked.positions, axis=1
+  )
   reward = jax.lax.stop_gradient(bce_at_slots)
   weights = p.masked.weights
   slots = weights.sum(-1, keepdims=True)
@@ -598,7 +721,9 @@ def _adversarial(p: _Pass):
   baseline = jnp.where(slots > 1, others / jnp.maximum(slots - 1, 1.0), 0.0)
   log_policy = jax.nn.log_softmax(s.gen_logits / p.temperature, axis=-1)  # the policy that sampled
   sample_log_prob = jnp.take_along_axis(log_policy, s.sampled_ids[..., None], axis=-1)[..., 0]
-  reinforce = -((reward - baseline) * sample_log_prob * weights).sum() / p.normalizers.num_predictions
+  reinforce = (
+      -((reward - baseline) * sample_log_prob * weights).sum() / p.normalizers.num_predictions
+  )
   mlm = p.objective.adversarial_mlm_weight * s.mlm_loss_sum / p.normalizers.num_predictions
   p.stats.update(main_loss_sum=(reward * weights).sum(), main_count=weights.sum())
   return reinforce + mlm + disc_loss, per_token
@@ -611,15 +736,20 @@ def _adversarial_metrics(metrics, stats, objective, per_token):
   metrics["loss"] = mlm_loss + objective.disc_weight * metrics["disc_loss"]
 
 
-REGISTRY["adversarial"] = Registered(_adversarial, _adversarial_metrics, own_keys=("objective.adversarial_mlm_weight",))
+REGISTRY["adversarial"] = Registered(
+    _adversarial, _adversarial_metrics, own_keys=("objective.adversarial_mlm_weight",)
+)
 
 
 def _electric(p: _Pass):
   """The official electric_objective: the cloze model reads the unmasked input and predicts every maskable
   token from both sides (its loss); its samples replace the masked tokens, all labelled replaced, and the
-  discriminator's logit is the energy-based form: + log q(token) (no gradient) + the log prior odds of a mask."""
+  discriminator's logit is the energy-based form: + log q(token) (no gradient) + the log prior odds of a mask.
+  """
   input_ids, objective = p.batch["input_ids"], p.objective
-  cloze_logits = _vocabulary_only(p.tower(p.model.cloze_logits, input_ids, rng=p.gen_rng), objective.vocab_size)
+  cloze_logits = _vocabulary_only(
+      p.tower(p.model.cloze_logits, input_ids, rng=p.gen_rng), objective.vocab_size
+  )
   candidates = candidate_mask(input_ids, p.batch["attention_mask"], objective).astype(jnp.float32)
   cloze_loss_sum, _ = _mlm_sums(cloze_logits, input_ids, candidates)
   p.stats.update(main_loss_sum=cloze_loss_sum, main_count=candidates.sum())
@@ -627,39 +757,76 @@ def _electric(p: _Pass):
   gen_loss = objective.gen_weight * cloze_loss_sum / p.normalizers.num_candidates
   is_replaced = masked_position_weights(p.masked, input_ids.shape) > 0
   disc_logits, _ = _discriminator_logits(p, s.corrupted_ids)
-  log_q = jnp.take_along_axis(jax.nn.log_softmax(cloze_logits, axis=-1), s.corrupted_ids[..., None], axis=-1)[..., 0]
-  disc_logits = disc_logits + jax.lax.stop_gradient(log_q) + jnp.log(objective.mask_prob / (1.0 - objective.mask_prob))
+  log_q = jnp.take_along_axis(
+      jax.nn.log_softmax(cloze_logits, axis=-1), s.corrupted_ids[..., None], axis=-1
+  )[..., 0]
+  disc_logits = (
+      disc_logits
+      + jax.lax.stop_gradient(log_q)
+      + jnp.log(objective.mask_prob / (1.0 - objective.mask_prob))
+  )
   disc_loss, per_token = _detection_loss(p, disc_logits, is_replaced, s.replaced_prob)
   return gen_loss + disc_loss, per_token
 
 
 def _electric_metrics(metrics, stats, objective, per_token):
   metrics["cloze_loss"] = stats["main_loss_sum"] / jnp.maximum(stats["main_count"], 1.0)
-  metrics["loss"] = objective.gen_weight * metrics["cloze_loss"] + objective.disc_weight * metrics["disc_loss"]
+  metrics["loss"] = (
+      objective.gen_weight * metrics["cloze_loss"] + objective.disc_weight * metrics["disc_loss"]
+  )
 
 
 def _check_electric(config):
   _check_no_generator_to_share(config)
   if config.data.pack_rows:
-    raise ConfigError("Electric's cloze generator reads across the row's ends, so it cannot train on packed rows: "
-                      "set data.pack_rows=False for objective.name='electric'.")
+    raise ConfigError(
+        "Electric's cloze generator reads across the row's ends, so it cannot train on packed rows: "
+        "set data.pack_rows=False for objective.name='electric'."
+    )
 
 
 REGISTRY["electric"] = Registered(_electric, _electric_metrics, cloze=True, check=_check_electric)
 OBJECTIVES = tuple(REGISTRY)
 
 
-def electra_forward(model, params, batch, masked: MaskedInputs, sample_keys, dropout_rng,
-                    objective: ElectraObjective, normalizers: Normalizers, deterministic: bool = False,
-                    step=None, temperature=None):
+def electra_forward(
+    model,
+    params,
+    batch,
+    masked: MaskedInputs,
+    sample_keys,
+    dropout_rng,
+    objective: ElectraObjective,
+    normalizers: Normalizers,
+    deterministic: bool = False,
+    step=None,
+    temperature=None,
+):
   """The registered objective's forward on one (micro-)batch with its masking drawn: (loss, (stats, per_token)),
   the loss's sums divided by `normalizers`, stats the additive counts and per_token the arrays `summarize`
-  reads. `sample_keys` [batch]: per-example keys; `temperature` None: objective.temperature (evaluation's)."""
+  reads. `sample_keys` [batch]: per-example keys; `temperature` None: objective.temperature (evaluation's).
+  """
   gen_rng, disc_rng = jax.random.split(dropout_rng)
   stats = dict.fromkeys(_STAT_KEYS, jnp.zeros((), jnp.float32))
-  stats.update(num_predictions=masked.weights.sum(), num_tokens=batch["attention_mask"].astype(jnp.float32).sum())
-  p = _Pass(model, params, batch, masked, sample_keys, gen_rng, disc_rng, objective, normalizers, deterministic,
-            step, objective.temperature if temperature is None else temperature, stats)
+  stats.update(
+      num_predictions=masked.weights.sum(),
+      num_tokens=batch["attention_mask"].astype(jnp.float32).sum(),
+  )
+  p = _Pass(
+      model,
+      params,
+      batch,
+      masked,
+      sample_keys,
+      gen_rng,
+      disc_rng,
+      objective,
+      normalizers,
+      deterministic,
+      step,
+      objective.temperature if temperature is None else temperature,
+      stats,
+  )
   loss, per_token = REGISTRY[objective.name].forward(p)
   return loss, (stats, per_token)
 
@@ -694,14 +861,23 @@ def binary_aucs(scores, labels, weights, positive_subsets) -> list:
 # The replaced tokens by the generator's probability (at temperature 1) of the token it put
 # in, [low, high): where the discriminator's detection of hard replacements shows.
 REPLACED_BINS = (("unlikely", 0.0, 0.01), ("plausible", 0.01, 0.1), ("likely", 0.1, math.inf))
-BINNED_METRICS = tuple(f"{prefix}_{name}" for prefix in ("disc_auc", "replaced_share") for name, _, _ in REPLACED_BINS)
-_DISC_METRICS = ("disc_loss", "disc_auc", "disc_accuracy", "disc_precision", "disc_recall",
-                 *(f"disc_auc_{name}" for name, _, _ in REPLACED_BINS))
+BINNED_METRICS = tuple(
+    f"{prefix}_{name}" for prefix in ("disc_auc", "replaced_share") for name, _, _ in REPLACED_BINS
+)
+_DISC_METRICS = (
+    "disc_loss",
+    "disc_auc",
+    "disc_accuracy",
+    "disc_precision",
+    "disc_recall",
+    *(f"disc_auc_{name}" for name, _, _ in REPLACED_BINS),
+)
 
 
 def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str, jax.Array]:
   """The official metrics from summed stats, disc_auc_<bin> (a bin's replaced tokens against every original)
-  and replaced_share_<bin> by REPLACED_BINS; the registered objective adds the loss and its own keys."""
+  and replaced_share_<bin> by REPLACED_BINS; the registered objective adds the loss and its own keys.
+  """
   num_predictions = jnp.maximum(stats["num_predictions"], 1.0)
   num_tokens = jnp.maximum(stats["num_tokens"], 1.0)
   true_pos = stats["disc_true_pos"]
@@ -737,7 +913,9 @@ def ignored_keys(name: str) -> tuple[str, ...]:
   if name not in REGISTRY:
     return ()
   entry = REGISTRY[name]
-  keys = [] if entry.has_generator else ["model.generator_fraction"]  # (model.tie=gdes still adds a delta)
+  keys = (
+      [] if entry.has_generator else ["model.generator_fraction"]
+  )  # (model.tie=gdes still adds a delta)
   keys += entry.ignores
   keys += [key for other, e in REGISTRY.items() if other != name for key in e.own_keys]
   return tuple(keys)
@@ -747,11 +925,17 @@ def check_config(config) -> None:
   """objective.name and the keys whose meaning depends on it, refused by name."""
   name, disc_mlm_weight = config.objective.name, config.objective.disc_mlm_weight
   if not (math.isfinite(disc_mlm_weight) and disc_mlm_weight >= 0):
-    raise ConfigError(f"objective.disc_mlm_weight={disc_mlm_weight} must be finite and >= 0 (0 = off).")
+    raise ConfigError(
+        f"objective.disc_mlm_weight={disc_mlm_weight} must be finite and >= 0 (0 = off)."
+    )
   if name not in REGISTRY:
     raise ConfigError(f"objective.name={name!r} is not one of {list(OBJECTIVES)}.")
   entry = REGISTRY[name]
-  if disc_mlm_weight > 0 and not entry.disc_mlm and "objective.disc_mlm_weight" not in entry.ignores:
+  if (
+      disc_mlm_weight > 0
+      and not entry.disc_mlm
+      and "objective.disc_mlm_weight" not in entry.ignores
+  ):
     with_it = " or ".join(repr(n) for n, e in REGISTRY.items() if e.disc_mlm)
     raise ConfigError(
         f"objective.disc_mlm_weight={disc_mlm_weight} adds an MLM loss to the discriminator of "
@@ -768,11 +952,19 @@ def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjecti
   keep_original_prob, random_token_prob = entry.masking or (o.keep_original_prob, 0.0)
   switches = "objective.two_stage_switch" in entry.own_keys
   return ElectraObjective(
-      mask_prob=o.mask_prob, max_predictions=official_max_predictions(o.mask_prob, config.data.max_seq_len),
-      gen_weight=o.gen_weight, disc_weight=o.disc_weight, temperature=o.temperature,
-      keep_original_prob=keep_original_prob, random_token_prob=random_token_prob,
-      mask_id=special_ids["mask"], pad_id=special_ids["pad"], cls_id=special_ids["cls"], sep_id=special_ids["sep"],
-      name=o.name, vocab_size=special_ids.get("vocab_size", config.model.vocab_size),
+      mask_prob=o.mask_prob,
+      max_predictions=official_max_predictions(o.mask_prob, config.data.max_seq_len),
+      gen_weight=o.gen_weight,
+      disc_weight=o.disc_weight,
+      temperature=o.temperature,
+      keep_original_prob=keep_original_prob,
+      random_token_prob=random_token_prob,
+      mask_id=special_ids["mask"],
+      pad_id=special_ids["pad"],
+      cls_id=special_ids["cls"],
+      sep_id=special_ids["sep"],
+      name=o.name,
+      vocab_size=special_ids.get("vocab_size", config.model.vocab_size),
       switch_step=(o.two_stage_switch or config.train.steps // 2) if switches else 0,
       adversarial_mlm_weight=o.adversarial_mlm_weight,
       disallow_correct=o.disallow_correct,

@@ -18,9 +18,17 @@ BATCH_AXES = ("data", "fsdp")
 # Logical name -> mesh axis, activations (act_*) first. A mesh axis is used at most once per array: a
 # later logical axis that wants one already used stays replicated.
 LOGICAL_AXIS_RULES: tuple[tuple[str, Any], ...] = (
-    ("act_batch", BATCH_AXES), ("act_len", None), ("act_embed", None),
-    ("vocab", "tensor"), ("heads", "tensor"), ("mlp", "tensor"), ("embed", "fsdp"),
-    ("kv", None), ("position", None), ("token_type", None), ("unmodeled", None),
+    ("act_batch", BATCH_AXES),
+    ("act_len", None),
+    ("act_embed", None),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("embed", "fsdp"),
+    ("kv", None),
+    ("position", None),
+    ("token_type", None),
+    ("unmodeled", None),
     ("layers", None),  # the stacked axis of scanned layers (model.scan_layers)
 )
 
@@ -31,17 +39,23 @@ def resolve_mesh_shape(mesh_config, device_count: int) -> tuple[int, int, int]:
   shown = ", ".join(f"mesh.{n}={s}" for n, s in zip(MESH_AXES, sizes))
   fill = [i for i, s in enumerate(sizes) if s == -1]
   if len(fill) > 1 or any(s == 0 or s < -1 for s in sizes):
-    raise ConfigError(f"Mesh sizes {shown} are invalid: each must be a positive integer, and at most one may "
-                      "be -1 (meaning: all remaining devices).")
+    raise ConfigError(
+        f"Mesh sizes {shown} are invalid: each must be a positive integer, and at most one may "
+        "be -1 (meaning: all remaining devices)."
+    )
   known = math.prod(s for s in sizes if s != -1)
   if fill:
     if device_count % known:
-      raise ConfigError(f"Mesh sizes {shown} cannot fill {device_count} devices: {device_count} is not "
-                        f"divisible by {known}. Choose sizes whose product divides the device count.")
+      raise ConfigError(
+          f"Mesh sizes {shown} cannot fill {device_count} devices: {device_count} is not "
+          f"divisible by {known}. Choose sizes whose product divides the device count."
+      )
     sizes[fill[0]] = device_count // known
   if math.prod(sizes) != device_count:
-    raise ConfigError(f"Mesh sizes {shown} multiply to {math.prod(sizes)}, but there are {device_count} "
-                      f"devices. Make their product {device_count}, or set one of them to -1.")
+    raise ConfigError(
+        f"Mesh sizes {shown} multiply to {math.prod(sizes)}, but there are {device_count} "
+        f"devices. Make their product {device_count}, or set one of them to -1."
+    )
   return tuple(sizes)
 
 
@@ -49,13 +63,17 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
   devices = list(devices if devices is not None else jax.devices())
   shape = resolve_mesh_shape(mesh_config, len(devices))
   # Auto axis types: Linen's logical constraints are hints, which explicit-axis meshes reject.
-  return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+  return jax.make_mesh(
+      shape, MESH_AXES, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * len(shape)
+  )
 
 
 @contextlib.contextmanager
 def activate(mesh: Mesh):
   """The context in which model code is traced, so logical constraints reach the compiler."""
-  set_mesh = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh  # jax 0.6 (Python 3.10) has only use_mesh
+  set_mesh = (
+      getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
+  )  # jax 0.6 (Python 3.10) has only use_mesh
   with set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
     yield
 
@@ -75,33 +93,43 @@ def _undivided(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh):
 
 def partition_specs(boxed_tree, mesh):
   """Mesh PartitionSpecs for a tree from `jax.eval_shape(init)` by the rules table; a dimension its mesh
-  axes do not divide (one generator head over tensor=2), and everything unannotated, is replicated."""
+  axes do not divide (one generator head over tensor=2), and everything unannotated, is replicated.
+  """
   mesh_specs = nn.logical_to_mesh(nn.get_partition_spec(boxed_tree), LOGICAL_AXIS_RULES)
 
   def fit(spec, leaf):
     spec = tuple(spec) + (None,) * (len(leaf.shape) - len(spec))
     undivided = {dim for dim, _, _ in _undivided(spec, leaf.shape, mesh)}
-    return PartitionSpec(*(None if dim in undivided else axes or None for dim, axes in enumerate(spec)))
+    return PartitionSpec(
+        *(None if dim in undivided else axes or None for dim, axes in enumerate(spec))
+    )
 
   return jax.tree.map(fit, mesh_specs, nn.meta.unbox(boxed_tree), is_leaf=_is_spec)
 
 
 def unsharded_dimensions(boxed_tree, mesh, min_elements: int = 2**20) -> list[str]:
   """One line per array of at least `min_elements` replicated because its rules' mesh axes do not divide
-  a dimension (a 30522-word table over tensor=4: every device holds it and its optimizer moments)."""
+  a dimension (a 30522-word table over tensor=4: every device holds it and its optimizer moments).
+  """
   mesh_specs = nn.logical_to_mesh(nn.get_partition_spec(boxed_tree), LOGICAL_AXIS_RULES)
   found = []
-  for (path, spec), leaf in zip(jax.tree_util.tree_leaves_with_path(mesh_specs, is_leaf=_is_spec),
-                                jax.tree.leaves(nn.meta.unbox(boxed_tree))):
+  for (path, spec), leaf in zip(
+      jax.tree_util.tree_leaves_with_path(mesh_specs, is_leaf=_is_spec),
+      jax.tree.leaves(nn.meta.unbox(boxed_tree)),
+  ):
     if math.prod(leaf.shape) >= min_elements:
-      found += [f"{jax.tree_util.keystr(path, simple=True, separator='/')} {list(leaf.shape)}: dimension {dim} "
-                f"({leaf.shape[dim]}) is not divisible by {'*'.join(names)}={size}"
-                for dim, names, size in _undivided(spec, leaf.shape, mesh)]
+      found += [
+          f"{jax.tree_util.keystr(path, simple=True, separator='/')} {list(leaf.shape)}: dimension {dim} "
+          f"({leaf.shape[dim]}) is not divisible by {'*'.join(names)}={size}"
+          for dim, names, size in _undivided(spec, leaf.shape, mesh)
+      ]
   return found
 
 
 def shardings_for(boxed_tree, mesh: Mesh):
-  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), partition_specs(boxed_tree, mesh), is_leaf=_is_spec)
+  return jax.tree.map(
+      lambda spec: NamedSharding(mesh, spec), partition_specs(boxed_tree, mesh), is_leaf=_is_spec
+  )
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -124,14 +152,23 @@ def batch_shards(mesh: Mesh) -> int:
 def check_process_shards(mesh: Mesh, process_count: int) -> None:
   """Each process feeds its own rows, so owns whole batch shards: data * fsdp a multiple of the processes."""
   if batch_shards(mesh) % process_count:
-    raise ConfigError(f"The mesh splits each batch into {batch_shards(mesh)} shards (mesh.data * mesh.fsdp = "
-                      f"{mesh.shape['data']} * {mesh.shape['fsdp']}) over {process_count} processes, each reading its "
-                      f"own rows: make mesh.data * mesh.fsdp a multiple of {process_count} "
-                      f"(mesh.tensor={mesh.shape['tensor']} at most the devices of one host).")
+    raise ConfigError(
+        f"The mesh splits each batch into {batch_shards(mesh)} shards (mesh.data * mesh.fsdp = "
+        f"{mesh.shape['data']} * {mesh.shape['fsdp']}) over {process_count} processes, each reading its "
+        f"own rows: make mesh.data * mesh.fsdp a multiple of {process_count} "
+        f"(mesh.tensor={mesh.shape['tensor']} at most the devices of one host)."
+    )
 
 
-def global_batch_from_local(local_batch: dict[str, np.ndarray], mesh: Mesh, stacked: bool = False,
-                            keys: Sequence[str] | None = None) -> dict[str, jax.Array]:
+def global_batch_from_local(
+    local_batch: dict[str, np.ndarray],
+    mesh: Mesh,
+    stacked: bool = False,
+    keys: Sequence[str] | None = None,
+) -> dict[str, jax.Array]:
   """Global arrays (only `keys`, if given) from this process's rows; `stacked`: [steps, rows, ...]."""
   sharding = stacked_batch_sharding(mesh) if stacked else batch_sharding(mesh)
-  return {name: jax.make_array_from_process_local_data(sharding, local_batch[name]) for name in keys or local_batch}
+  return {
+      name: jax.make_array_from_process_local_data(sharding, local_batch[name])
+      for name in keys or local_batch
+  }

@@ -1,5 +1,6 @@
 """Uniform, Bernoulli and Gumbel draws equal to jax.random's bit for bit, and Dropout on them: Threefry-2x32 as
-uint32 arithmetic that fuses with its consumer (XLA:CPU's is an unfused loop); other PRNG setups use jax.random."""
+uint32 arithmetic that fuses with its consumer (XLA:CPU's is an unfused loop); other PRNG setups use jax.random.
+"""
 
 import math
 
@@ -57,7 +58,9 @@ def uniform(key, shape, minval: float = 0.0, maxval: float = 1.0) -> jax.Array:
     return jax.random.uniform(key, shape, jnp.float32, minval, maxval)
   # 23 random mantissa bits under the exponent of 1.0 give [1, 2); shift down to [0, 1).
   one = np.array(1.0, np.float32).view(np.uint32)
-  floats = lax.bitcast_convert_type((random_bits(key, shape) >> np.uint32(9)) | one, jnp.float32) - np.float32(1.0)
+  floats = lax.bitcast_convert_type(
+      (random_bits(key, shape) >> np.uint32(9)) | one, jnp.float32
+  ) - np.float32(1.0)
   lo, hi = np.float32(minval), np.float32(maxval)
   return lax.max(lo, floats * (hi - lo) + lo)
 

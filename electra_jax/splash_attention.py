@@ -1,5 +1,6 @@
 """`model.attention_impl='splash'`: Pallas's splash attention TPU kernel over segment ids, inside `jax.shard_map`
-under a mesh; compiled for another platform it runs in interpret mode, exact but slow (for tests)."""
+under a mesh; compiled for another platform it runs in interpret mode, exact but slow (for tests).
+"""
 
 import functools
 import math
@@ -21,15 +22,20 @@ def check_seq_len(seq_len: int) -> None:
   if seq_len % SEQ_MULTIPLE:
     below = seq_len - seq_len % SEQ_MULTIPLE
     choices = " or ".join(map(str, sorted({max(SEQ_MULTIPLE, below), below + SEQ_MULTIPLE})))
-    raise ConfigError(f"model.attention_impl='splash' tiles rows into blocks of {SEQ_MULTIPLE} tokens, but "
-                      f"data.max_seq_len={seq_len} is not a multiple of {SEQ_MULTIPLE}: choose e.g. {choices}, "
-                      "or model.attention_impl='xla'.")
+    raise ConfigError(
+        f"model.attention_impl='splash' tiles rows into blocks of {SEQ_MULTIPLE} tokens, but "
+        f"data.max_seq_len={seq_len} is not a multiple of {SEQ_MULTIPLE}: choose e.g. {choices}, "
+        "or model.attention_impl='xla'."
+    )
 
 
 @functools.lru_cache(maxsize=None)
 def _warn_interpret(platform: str) -> None:
-  logging.warning("model.attention_impl='splash' is a TPU kernel; on %s it runs in Pallas interpret mode, exact "
-                  "but slow (for tests). Use 'xla' (or 'cudnn' on NVIDIA GPUs) to train here.", platform)
+  logging.warning(
+      "model.attention_impl='splash' is a TPU kernel; on %s it runs in Pallas interpret mode, exact "
+      "but slow (for tests). Use 'xla' (or 'cudnn' on NVIDIA GPUs) to train here.",
+      platform,
+  )
 
 
 def _local_attention(query, key, value, segment_ids, *, interpret: bool):
@@ -39,16 +45,27 @@ def _local_attention(query, key, value, segment_ids, *, interpret: bool):
 
   _, seq_len, num_heads, head_dim = query.shape
   block = min(MAX_BLOCK, seq_len)
-  blocks = kernel_lib.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                                 block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
+  blocks = kernel_lib.BlockSizes(
+      block_q=block,
+      block_kv=block,
+      block_kv_compute=block,
+      block_q_dkv=block,
+      block_kv_dkv=block,
+      block_kv_dkv_compute=block,
+      use_fused_bwd_kernel=True,
+  )
   # No mask beyond the segment ids. Built afresh per trace: a cache would leak the tracers it holds.
   mask = mask_lib.MultiHeadMask([mask_lib.FullMask((seq_len, seq_len)) for _ in range(num_heads)])
-  kernel = kernel_lib.make_splash_mha(mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret)
+  kernel = kernel_lib.make_splash_mha(
+      mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret
+  )
   # The kernel applies no 1/sqrt(d) of its own; it takes [heads, seq, head_dim] per example.
   q = jnp.swapaxes(query * jnp.asarray(1.0 / math.sqrt(head_dim), query.dtype), 1, 2)
   k, v = jnp.swapaxes(key, 1, 2), jnp.swapaxes(value, 1, 2)
   ids = segment_ids.astype(jnp.int32)
-  per_example = jax.vmap(lambda a, b, c, ids: kernel(a, b, c, segment_ids=kernel_lib.SegmentIds(q=ids, kv=ids)))
+  per_example = jax.vmap(
+      lambda a, b, c, ids: kernel(a, b, c, segment_ids=kernel_lib.SegmentIds(q=ids, kv=ids))
+  )
   try:
     out = per_example(q, k, v, ids)
   except NotImplementedError as error:
@@ -64,7 +81,9 @@ def _local_attention(query, key, value, segment_ids, *, interpret: bool):
 def splash_attention(query, key, value, segment_ids):
   """query/key/value [batch, seq, heads, head_dim]; segment_ids [batch, seq] (0 = padding; a query sees
   only keys of its own segment) -> [batch, seq, heads, head_dim]."""
-  mesh = jax.sharding.get_abstract_mesh()  # jax.set_mesh's; empty in shape-only traces (parameter init)
+  mesh = (
+      jax.sharding.get_abstract_mesh()
+  )  # jax.set_mesh's; empty in shape-only traces (parameter init)
   if not mesh.empty:
     device = getattr(mesh, "abstract_device", None)  # jax >= 0.7
     platform = getattr(device, "platform", None) or jax.devices()[0].platform
@@ -74,8 +93,11 @@ def splash_attention(query, key, value, segment_ids):
 
   def attend(*args):
     # The kernel for the platform the program is compiled for, which need not be this process's.
-    return jax.lax.platform_dependent(*args, tpu=functools.partial(_local_attention, interpret=False),
-                                      default=functools.partial(_local_attention, interpret=True))
+    return jax.lax.platform_dependent(
+        *args,
+        tpu=functools.partial(_local_attention, interpret=False),
+        default=functools.partial(_local_attention, interpret=True),
+    )
 
   batch_axes = tuple(a for a in partitioning.BATCH_AXES if a in mesh.axis_names)
   # A mesh's batch shards may not divide a shape-only trace's one dummy row (parameter init).
@@ -84,5 +106,10 @@ def splash_attention(query, key, value, segment_ids):
   tensor = mesh.shape.get("tensor", 1)
   heads_axis = "tensor" if tensor > 1 and query.shape[2] % tensor == 0 else None
   qkv_spec = PartitionSpec(batch_axes, None, heads_axis, None)
-  return jax.shard_map(attend, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, PartitionSpec(batch_axes, None)),
-                       out_specs=qkv_spec, check_vma=False)(query, key, value, segment_ids)
+  return jax.shard_map(
+      attend,
+      mesh=mesh,
+      in_specs=(qkv_spec, qkv_spec, qkv_spec, PartitionSpec(batch_axes, None)),
+      out_specs=qkv_spec,
+      check_vma=False,
+  )(query, key, value, segment_ids)

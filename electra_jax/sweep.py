@@ -1,5 +1,6 @@
 """Sweeps: a grid or list of config overrides trained in sub-workdirs of a sweep folder (sweep.json records
-the base config and the runs), then results.csv, results.md and the curves. docs/training.md is the manual."""
+the base config and the runs), then results.csv, results.md and the curves. docs/training.md is the manual.
+"""
 
 import ast
 import contextlib
@@ -33,12 +34,38 @@ Override = tuple[str, str]  # (config key, the value as the user wrote it)
 
 # Table columns; then the metrics any run logged (METRIC_ORDER's first, the others sorted), less NOT_IN_TABLE.
 FIXED_COLUMNS = ("run", "overrides", "status", "steps", "train_tokens", "train_flops")
-METRIC_ORDER = ("loss", "masked_lm_loss", "masked_lm_accuracy", "sampled_masked_lm_accuracy", "disc_loss", "disc_auc",
-                "disc_accuracy", "disc_precision", "disc_recall", "replaced_fraction", "main_mlm_loss",
-                "main_mlm_accuracy", "cloze_loss")
-NOT_IN_TABLE = ("step", "steps_per_sec", "tokens_per_sec", "mfu", "learning_rate", "sampling_temperature")
+METRIC_ORDER = (
+    "loss",
+    "masked_lm_loss",
+    "masked_lm_accuracy",
+    "sampled_masked_lm_accuracy",
+    "disc_loss",
+    "disc_auc",
+    "disc_accuracy",
+    "disc_precision",
+    "disc_recall",
+    "replaced_fraction",
+    "main_mlm_loss",
+    "main_mlm_accuracy",
+    "cloze_loss",
+)
+NOT_IN_TABLE = (
+    "step",
+    "steps_per_sec",
+    "tokens_per_sec",
+    "mfu",
+    "learning_rate",
+    "sampling_temperature",
+)
 # results.md keeps the headline metrics (results.csv has every column).
-MARKDOWN_METRICS = ("loss", "masked_lm_accuracy", "disc_auc", "disc_accuracy", "main_mlm_accuracy", "cloze_loss")
+MARKDOWN_METRICS = (
+    "loss",
+    "masked_lm_accuracy",
+    "disc_auc",
+    "disc_accuracy",
+    "main_mlm_accuracy",
+    "cloze_loss",
+)
 DOWNSTREAM_COLUMNS = ("downstream_task", "downstream_score", "downstream_seeds")
 
 
@@ -76,13 +103,17 @@ def expand(grid: Sequence[str] = (), sweep_file: str | None = None) -> list[list
         if words:
           lines.append([_split_override(word, f"{sweep_file}:{number}") for word in words])
     if not lines:
-      raise ConfigError(f"--sweep_file={sweep_file} lists no runs (one line of key=value overrides per run).")
+      raise ConfigError(
+          f"--sweep_file={sweep_file} lists no runs (one line of key=value overrides per run)."
+      )
   axes = []
   for spec in grid:
     key, values = _split_override(spec, f"--sweep={spec}")
     axes.append([(key, v.strip()) for v in values.split(",")])
     if not all(v for _, v in axes[-1]):
-      raise ConfigError(f"--sweep={spec}: empty value; give KEY=V1,V2,... (a value with commas goes in --sweep_file).")
+      raise ConfigError(
+          f"--sweep={spec}: empty value; give KEY=V1,V2,... (a value with commas goes in --sweep_file)."
+      )
   runs = [line + list(combo) for line in lines for combo in itertools.product(*axes)]
   for overrides in runs:
     keys = [k for k, _ in overrides]
@@ -95,7 +126,11 @@ def _parse_value(key: str, raw: str, field_type) -> Any:
   """As ml_collections' config flags parse --config.KEY=raw: by the field's type."""
   if field_type is str:
     return raw
-  parser = {bool: absl_flags.BooleanParser, int: absl_flags.IntegerParser, float: absl_flags.FloatParser}
+  parser = {
+      bool: absl_flags.BooleanParser,
+      int: absl_flags.IntegerParser,
+      float: absl_flags.FloatParser,
+  }
   try:
     if field_type in parser:
       return parser[field_type]().parse(raw)
@@ -107,8 +142,9 @@ def _parse_value(key: str, raw: str, field_type) -> Any:
     return raw
 
 
-def apply_overrides(base: ml_collections.ConfigDict, overrides: Sequence[Override],
-                    what: str = "Sweep") -> ml_collections.ConfigDict:
+def apply_overrides(
+    base: ml_collections.ConfigDict, overrides: Sequence[Override], what: str = "Sweep"
+) -> ml_collections.ConfigDict:
   """A copy of `base` with `overrides` applied; a bad key or value is a ConfigError starting with `what`."""
   config = copy.deepcopy(base)
   for key, raw in overrides:
@@ -116,8 +152,10 @@ def apply_overrides(base: ml_collections.ConfigDict, overrides: Sequence[Overrid
       field_type = config_path.get_type(key, config)
     except (KeyError, AttributeError) as error:
       missing, hint = config_lib.missing_key(error)
-      raise ConfigError(f"{what} key {key!r} is not a config key: the config has no {missing!r}. "
-                        f"{hint + ' ' if hint else ''}configs/base.py lists every key.") from None
+      raise ConfigError(
+          f"{what} key {key!r} is not a config key: the config has no {missing!r}. "
+          f"{hint + ' ' if hint else ''}configs/base.py lists every key."
+      ) from None
     value = _parse_value(key, raw, field_type)
     try:
       config_path.set_value(key, config, value)
@@ -138,19 +176,26 @@ def identity(base: ml_collections.ConfigDict, overrides: Sequence[Override]) -> 
   return json.dumps(sorted(parsed))
 
 
-def merge_unread(base: ml_collections.ConfigDict, override_lists: Sequence[Sequence[Override]],
-                 existing: Sequence[Run] = ()) -> list[list[Override]]:
+def merge_unread(
+    base: ml_collections.ConfigDict,
+    override_lists: Sequence[Sequence[Override]],
+    existing: Sequence[Run] = (),
+) -> list[list[Override]]:
   """The runs to train, in first-come order: each run's overrides less the keys its objective never reads,
   runs left alike once; a recorded run (`existing`) that comes down to the same stands for them."""
   from electra_jax import objectives  # noqa: PLC0415 (jax stays out of sweep_report's import)
 
   def reduced(overrides):
     unread = set(objectives.ignored_keys(apply_overrides(base, overrides).objective.name))
-    return [tuple(o) for o in overrides if o[0] not in unread], sorted({k for k, _ in overrides if k in unread})
+    return [tuple(o) for o in overrides if o[0] not in unread], sorted(
+        {k for k, _ in overrides if k in unread}
+    )
 
   recorded = {}
   for run in existing:
-    recorded.setdefault(identity(base, reduced(run.overrides)[0]), [tuple(o) for o in run.overrides])
+    recorded.setdefault(
+        identity(base, reduced(run.overrides)[0]), [tuple(o) for o in run.overrides]
+    )
   runs, merged = {}, {}  # by identity, in first-come order
   for overrides in override_lists:
     short, unread = reduced(overrides)
@@ -159,8 +204,13 @@ def merge_unread(base: ml_collections.ConfigDict, override_lists: Sequence[Seque
       merged.setdefault(key, (short, unread, []))[2].append(overrides)
     runs.setdefault(key, recorded.get(key, short))
   for short, unread, originals in merged.values():
-    logging.info("Sweep: %s does not read %s; %d grid run(s) train as the one run %s.",
-                 _label(short), ", ".join(unread), len(originals), _label(short))
+    logging.info(
+        "Sweep: %s does not read %s; %d grid run(s) train as the one run %s.",
+        _label(short),
+        ", ".join(unread),
+        len(originals),
+        _label(short),
+    )
   return list(runs.values())
 
 
@@ -169,8 +219,10 @@ def _readable_name(overrides: Sequence[Override]) -> str:
     return "recipe"
   leaves = [k.rsplit(".", 1)[-1] for k, _ in overrides]
   # The key's last part, or the full key where two last parts are alike.
-  parts = [(leaf if leaves.count(leaf) == 1 else key) + "=" + value
-           for leaf, (key, value) in zip(leaves, overrides)]
+  parts = [
+      (leaf if leaves.count(leaf) == 1 else key) + "=" + value
+      for leaf, (key, value) in zip(leaves, overrides)
+  ]
   name = re.sub(r"[^A-Za-z0-9._=,+-]+", "-", ",".join(parts)).strip("-.") or "run"
   if len(name) > 100:
     digest = hashlib.sha1(json.dumps(overrides).encode()).hexdigest()[:8]
@@ -178,10 +230,15 @@ def _readable_name(overrides: Sequence[Override]) -> str:
   return name
 
 
-def name_runs(override_lists: Sequence[Sequence[Override]], existing: Sequence[Run] = (),
-              base: ml_collections.ConfigDict | None = None) -> list[Run]:
+def name_runs(
+    override_lists: Sequence[Sequence[Override]],
+    existing: Sequence[Run] = (),
+    base: ml_collections.ConfigDict | None = None,
+) -> list[Run]:
   """Runs for `override_lists`: the recorded one with the same overrides (by `identity`), else a new name."""
-  by_overrides = {identity(base, r.overrides): r for r in existing}  # base None: the values as written
+  by_overrides = {
+      identity(base, r.overrides): r for r in existing
+  }  # base None: the values as written
   taken = {r.name for r in existing}
   runs = []
   for overrides in override_lists:
@@ -189,7 +246,11 @@ def name_runs(override_lists: Sequence[Sequence[Override]], existing: Sequence[R
     key = identity(base, overrides)
     if key not in by_overrides:
       stem = _readable_name(overrides)
-      name = next(n for n in itertools.chain([stem], (f"{stem}-{i}" for i in itertools.count(2))) if n not in taken)
+      name = next(
+          n
+          for n in itertools.chain([stem], (f"{stem}-{i}" for i in itertools.count(2)))
+          if n not in taken
+      )
       taken.add(name)
       by_overrides[key] = Run(name, list(overrides))
     runs.append(by_overrides[key])
@@ -210,13 +271,16 @@ def run_dir(sweep_dir: str, run: Run) -> str:
   return os.fspath(workdir_files.path(sweep_dir, run.name))
 
 
-def load_recipe(recipe: str, overrides: Sequence[Override] = (), what: str = "Override",
-                flag: str = "recipe") -> ml_collections.ConfigDict:
+def load_recipe(
+    recipe: str, overrides: Sequence[Override] = (), what: str = "Override", flag: str = "recipe"
+) -> ml_collections.ConfigDict:
   """A recipe by name or path (`demo`, `finetune/tiny:ARG`) with `overrides`; errors name it as `flag`."""
   path, _, arg = config_lib.resolve_recipe(recipe).partition(":")
   if not os.path.isfile(path):
-    raise ConfigError(f"{flag}={recipe!r} is neither a file nor a recipe in {config_lib.RECIPES_DIR} "
-                      "(e.g. 'demo', 'electra_small', 'finetune/glue').")
+    raise ConfigError(
+        f"{flag}={recipe!r} is neither a file nor a recipe in {config_lib.RECIPES_DIR} "
+        "(e.g. 'demo', 'electra_small', 'finetune/glue')."
+    )
   module = config_lib.sibling(path, os.path.splitext(os.path.basename(path))[0])
   return apply_overrides(module.get_config(arg) if arg else module.get_config(), overrides, what)
 
@@ -241,18 +305,27 @@ def _finetune_results(workdir: str) -> dict | None:
   return json.loads(open(found[0]).read()) if found else None
 
 
-def run_sweep(base_config: ml_collections.ConfigDict, sweep_dir: str, grid: Sequence[str] = (),
-              sweep_file: str | None = None, finetune_config: ml_collections.ConfigDict | None = None,
-              plot: bool = True, take_over_workdir: bool = False) -> dict:
+def run_sweep(
+    base_config: ml_collections.ConfigDict,
+    sweep_dir: str,
+    grid: Sequence[str] = (),
+    sweep_file: str | None = None,
+    finetune_config: ml_collections.ConfigDict | None = None,
+    plot: bool = True,
+    take_over_workdir: bool = False,
+) -> dict:
   """Trains every unfinished run, fine-tunes each if asked, writes the tables and curves; {"runs", "failed",
-  "rows", "preempted"}. Every run is checked before anything is written; one sweep holds `sweep_dir`."""
+  "rows", "preempted"}. Every run is checked before anything is written; one sweep holds `sweep_dir`.
+  """
   override_lists = expand(grid, sweep_file)
   record = read_record(sweep_dir)
   existing = record["runs"] if record else []
   if record and record["base_config_fingerprint"] != _fingerprint(base_config):
-    raise ConfigError(f"{sweep_dir}/{SWEEP_FILE} was written for another base config (recipe or --config.* flags): "
-                      "one table must not mix recipes. Use the same --config and flags as before, or a new "
-                      "--workdir for this sweep.")
+    raise ConfigError(
+        f"{sweep_dir}/{SWEEP_FILE} was written for another base config (recipe or --config.* flags): "
+        "one table must not mix recipes. Use the same --config and flags as before, or a new "
+        "--workdir for this sweep."
+    )
   override_lists = merge_unread(base_config, override_lists, existing)
   configs = [apply_overrides(base_config, overrides) for overrides in override_lists]
   for overrides, config in zip(override_lists, configs):
@@ -272,18 +345,25 @@ def run_sweep(base_config: ml_collections.ConfigDict, sweep_dir: str, grid: Sequ
   try:
     runs = name_runs(override_lists, existing, base_config)
     all_runs = list(existing) + [r for r in runs if r not in existing]
-    record = dict(base_config_fingerprint=_fingerprint(base_config), base_config=config_lib.as_saved(base_config),
-                  runs=[dict(name=r.name, overrides=[list(o) for o in r.overrides]) for r in all_runs])
+    record = dict(
+        base_config_fingerprint=_fingerprint(base_config),
+        base_config=config_lib.as_saved(base_config),
+        runs=[dict(name=r.name, overrides=[list(o) for o in r.overrides]) for r in all_runs],
+    )
     workdir_files.makedirs(workdir_files.path(sweep_dir))
     workdir_files.write_json(workdir_files.path(sweep_dir, SWEEP_FILE), record)
-    logging.info("Sweep of %d runs in %s (%d recorded in all).", len(runs), sweep_dir, len(all_runs))
+    logging.info(
+        "Sweep of %d runs in %s (%d recorded in all).", len(runs), sweep_dir, len(all_runs)
+    )
     # A SIGTERM stops the sweep: a run saves and returns (train.py's handler); between runs it is noted here.
     train.clear_sigterm()  # one an earlier run in this process (a notebook) took is not this sweep's
     previous_handler = None
     with contextlib.suppress(ValueError):  # not the main thread: no handler
       previous_handler = signal.signal(signal.SIGTERM, train.note_sigterm)
     try:
-      failed, preempted = _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_over_workdir)
+      failed, preempted = _train_runs(
+          runs, configs, sweep_dir, finetune_config, train, lease, take_over_workdir
+      )
     finally:
       if previous_handler is not None:
         signal.signal(signal.SIGTERM, previous_handler)
@@ -302,21 +382,35 @@ def run_sweep(base_config: ml_collections.ConfigDict, sweep_dir: str, grid: Sequ
       lease.release()
 
 
-def _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_over) -> tuple[list[str], bool]:
+def _train_runs(
+    runs, configs, sweep_dir, finetune_config, train, lease, take_over
+) -> tuple[list[str], bool]:
   """Trains, resumes or skips each run; (failed run names, preempted). WorkdirInUse once another sweep holds it."""
   failed, durations = [], []
   latest_steps = [_latest_checkpoint(run_dir(sweep_dir, r)) for r in runs]
   unfinished = [(latest or 0) < c.train.steps for latest, c in zip(latest_steps, configs)]
-  for index, (run, config, latest, to_train) in enumerate(zip(runs, configs, latest_steps, unfinished), 1):
+  for index, (run, config, latest, to_train) in enumerate(
+      zip(runs, configs, latest_steps, unfinished), 1
+  ):
     if train.sigterm_received():
-      logging.warning("SIGTERM received: the sweep stops before run %d/%d %s. Run the same command "
-                      "to go on.", index, len(runs), run.name)
+      logging.warning(
+          "SIGTERM received: the sweep stops before run %d/%d %s. Run the same command "
+          "to go on.",
+          index,
+          len(runs),
+          run.name,
+      )
       return failed, True
     train._hold_workdir(lease)  # noqa: SLF001 (every process stops if another sweep took the folder)
     workdir = run_dir(sweep_dir, run)
-    eta = (f"ETA {config_lib.format_duration(sum(unfinished[index - 1:]) * sum(durations) / len(durations))}"
-           if durations else "ETA after the first trained run")
-    logging.info("Sweep run %d/%d %s (%s) | %s", index, len(runs), run.name, _label(run.overrides), eta)
+    eta = (
+        f"ETA {config_lib.format_duration(sum(unfinished[index - 1:]) * sum(durations) / len(durations))}"
+        if durations
+        else "ETA after the first trained run"
+    )
+    logging.info(
+        "Sweep run %d/%d %s (%s) | %s", index, len(runs), run.name, _label(run.overrides), eta
+    )
     error_file = workdir_files.path(workdir, ERROR_FILE)
     started = time.perf_counter()
     if not to_train:
@@ -336,9 +430,16 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, train, lease, take_ov
         workdir_files.makedirs(workdir)
         workdir_files.write_text(error_file, f"{type(error).__name__}: {error}\n")
         continue
-      if (reached := _latest_checkpoint(workdir) or 0) < config.train.steps or train.sigterm_received():  # SIGTERM
-        logging.warning("Sweep run %s stopped at step %d of %d (SIGTERM, a preemption); the sweep stops here. "
-                        "Run the same command to go on.", run.name, reached, config.train.steps)
+      if (
+          reached := _latest_checkpoint(workdir) or 0
+      ) < config.train.steps or train.sigterm_received():  # SIGTERM
+        logging.warning(
+            "Sweep run %s stopped at step %d of %d (SIGTERM, a preemption); the sweep stops here. "
+            "Run the same command to go on.",
+            run.name,
+            reached,
+            config.train.steps,
+        )
         return failed, True
     if workdir_files.exists(error_file):
       error_file.unlink()
@@ -365,22 +466,32 @@ def train_flops_per_token(config: ml_collections.ConfigDict) -> float:
 
   special_ids = dict(pad=0, cls=1, sep=2, mask=3, vocab_size=config.model.vocab_size)
   objective = objectives.objective_from_config(config, special_ids)
-  return flops.objective_flops_per_token(models.build_model(config), objective, config.data.max_seq_len)
+  return flops.objective_flops_per_token(
+      models.build_model(config), objective, config.data.max_seq_len
+  )
 
 
 def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
   """(columns, rows): one row per recorded run, from its own workdir's files."""
   record = read_record(sweep_dir)
   if record is None:
-    raise ConfigError(f"{sweep_dir} has no {SWEEP_FILE}: it is not a sweep folder (run --mode=sweep first).")
+    raise ConfigError(
+        f"{sweep_dir} has no {SWEEP_FILE}: it is not a sweep folder (run --mode=sweep first)."
+    )
   override_keys = list(dict.fromkeys(k for r in record["runs"] for k, _ in r.overrides))
   rows, logged = [], {"train": set(), "eval": set()}
   for run in record["runs"]:
     workdir = run_dir(sweep_dir, run)
     overrides = dict(run.overrides)
-    row = {"run": run.name, "overrides": _label(run.overrides), **{k: overrides.get(k, "") for k in override_keys}}
-    last = {split: workdir_files.last_record(workdir_files.path(workdir, file))
-            for split, file in (("train", "metrics.jsonl"), ("eval", "eval_metrics.jsonl"))}
+    row = {
+        "run": run.name,
+        "overrides": _label(run.overrides),
+        **{k: overrides.get(k, "") for k in override_keys},
+    }
+    last = {
+        split: workdir_files.last_record(workdir_files.path(workdir, file))
+        for split, file in (("train", "metrics.jsonl"), ("eval", "eval_metrics.jsonl"))
+    }
     steps = int(last["train"].get("step", 0))
     if workdir_files.exists(workdir_files.path(workdir, ERROR_FILE)):
       row["status"] = "failed"
@@ -389,10 +500,14 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
     else:
       config = config_lib.load_workdir_config(workdir)
       # Done once the last step is saved: one killed between logging and saving it resumes.
-      done = steps >= config.train.steps and (_latest_checkpoint(workdir) or 0) >= config.train.steps
+      done = (
+          steps >= config.train.steps and (_latest_checkpoint(workdir) or 0) >= config.train.steps
+      )
       row["status"] = "done" if done else "incomplete"
       tokens = steps * config.train.batch_size * config.data.max_seq_len
-      row.update(steps=steps, train_tokens=tokens, train_flops=train_flops_per_token(config) * tokens)
+      row.update(
+          steps=steps, train_tokens=tokens, train_flops=train_flops_per_token(config) * tokens
+      )
     for split, log in last.items():
       names = [name for name in log if name not in NOT_IN_TABLE]
       row.update((f"{split}_{name}", log[name]) for name in names)
@@ -401,7 +516,11 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
     if results is not None:
       summary = results["summary"]
       score = (summary.get(results["task"]) or next(iter(summary.values())))["score"]
-      row.update(downstream_task=results["task"], downstream_score=100 * score["mean"], downstream_seeds=score["n"])
+      row.update(
+          downstream_task=results["task"],
+          downstream_score=100 * score["mean"],
+          downstream_seeds=score["n"],
+      )
     rows.append(row)
   columns = [*FIXED_COLUMNS[:2], *override_keys, *FIXED_COLUMNS[2:]]
   for split, names in logged.items():
@@ -431,10 +550,20 @@ def write_report(sweep_dir: str) -> list[dict]:
   writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
   writer.writeheader()
   for row in rows:
-    writer.writerow({c: repr(row[c]) if isinstance(row.get(c), float) else row.get(c, "") for c in columns})
+    writer.writerow(
+        {c: repr(row[c]) if isinstance(row.get(c), float) else row.get(c, "") for c in columns}
+    )
   workdir_files.write_text(workdir_files.path(sweep_dir, "results.csv"), out.getvalue())
-  shown = [c for c in columns if c != "overrides" and (
-      c in FIXED_COLUMNS or not c.startswith(("train_", "eval_")) or c.split("_", 1)[1] in MARKDOWN_METRICS)]
+  shown = [
+      c
+      for c in columns
+      if c != "overrides"
+      and (
+          c in FIXED_COLUMNS
+          or not c.startswith(("train_", "eval_"))
+          or c.split("_", 1)[1] in MARKDOWN_METRICS
+      )
+  ]
   lines = ["| " + " | ".join(shown) + " |", "|" + "|".join("---" for _ in shown) + "|"]
   lines += ["| " + " | ".join(_markdown_cell(c, row.get(c)) for c in shown) + " |" for row in rows]
   workdir_files.write_text(workdir_files.path(sweep_dir, "results.md"), "\n".join(lines) + "\n")

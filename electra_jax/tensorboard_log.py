@@ -1,5 +1,6 @@
 """Where metrics go: the JSONL logs (the source of truth), TensorBoard events in <workdir>/tensorboard/{train,eval}
-(a resumed run purges the points past its checkpoint), and the W&B or MLflow runs train.metric_writers names."""
+(a resumed run purges the points past its checkpoint), and the W&B or MLflow runs train.metric_writers names.
+"""
 
 from __future__ import annotations
 
@@ -29,8 +30,12 @@ def _tensorboardx():
     from tensorboardX import event_file_writer, summary  # noqa: PLC0415 (optional at run time)
     from tensorboardX.proto import event_pb2  # noqa: PLC0415
   except ImportError:
-    logging.log_first_n(logging.WARNING, "tensorboardX is not installed: metrics go to the JSONL logs only "
-                        "(pip install tensorboardX for TensorBoard event files).", 1)
+    logging.log_first_n(
+        logging.WARNING,
+        "tensorboardX is not installed: metrics go to the JSONL logs only "
+        "(pip install tensorboardX for TensorBoard event files).",
+        1,
+    )
     return None
   finally:
     if hide_torch:
@@ -63,10 +68,14 @@ class ScalarWriter:
       self._writer = event_file_writer.EventsWriter(os.path.join(self.logdir, "events"), suffix)
       if self._purge_step is not None:  # what SummaryWriter(purge_step=N) writes
         start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
-        self._writer.write_event(event_pb2.Event(wall_time=time.time(), step=self._purge_step, session_log=start))
+        self._writer.write_event(
+            event_pb2.Event(wall_time=time.time(), step=self._purge_step, session_log=start)
+        )
     step, now = int(record["step"]), time.time()
     for name, value in sorted(_numbers(record).items()):
-      self._writer.write_event(event_pb2.Event(wall_time=now, step=step, summary=summary.scalar(name, value)))
+      self._writer.write_event(
+          event_pb2.Event(wall_time=now, step=step, summary=summary.scalar(name, value))
+      )
     self._writer.flush()
 
   def close(self) -> None:
@@ -80,18 +89,27 @@ def writer_names(text: str) -> list[str]:
   names = [name.strip() for name in str(text).split(",") if name.strip()]
   for name in names:
     if name not in _RUNS:
-      raise ConfigError(f"train.metric_writers: {name!r} is not one of {sorted(_RUNS)} (comma-separated, or '').")
+      raise ConfigError(
+          f"train.metric_writers: {name!r} is not one of {sorted(_RUNS)} (comma-separated, or '')."
+      )
     try:
-      importlib.import_module(name)  # each service's module, and the extra that installs it, has its name
+      importlib.import_module(
+          name
+      )  # each service's module, and the extra that installs it, has its name
     except ImportError:
-      raise ConfigError(f"train.metric_writers={text!r} needs {name}: pip install 'electra-jax[{name}]'.") from None
+      raise ConfigError(
+          f"train.metric_writers={text!r} needs {name}: pip install 'electra-jax[{name}]'."
+      ) from None
   return names
 
 
 def _numbers(record: dict, prefix: str = "") -> dict[str, float]:
   """The record's numbers (not "step", not booleans) as floats, their names under `prefix`/."""
-  return {prefix + name: float(value) for name, value in record.items()
-          if name != "step" and not isinstance(value, bool) and isinstance(value, numbers.Real)}
+  return {
+      prefix + name: float(value)
+      for name, value in record.items()
+      if name != "step" and not isinstance(value, bool) and isinstance(value, numbers.Real)
+  }
 
 
 class WandbRun:
@@ -102,8 +120,13 @@ class WandbRun:
     import wandb  # noqa: PLC0415 (the wandb extra)
 
     self.run_id = run_id or secrets.token_hex(6)  # W&B ids: letters and digits
-    self.run = wandb.init(id=self.run_id, resume="allow", name=os.path.basename(os.path.normpath(workdir)),
-                          config=config, dir=workdir if not workdir_files.is_remote(workdir) else None)
+    self.run = wandb.init(
+        id=self.run_id,
+        resume="allow",
+        name=os.path.basename(os.path.normpath(workdir)),
+        config=config,
+        dir=workdir if not workdir_files.is_remote(workdir) else None,
+    )
     self.run.define_metric("*", step_metric="step")
 
   def log(self, record: dict, prefix: str) -> None:
@@ -124,7 +147,9 @@ class MlflowRun:
     if run_id is None:
       name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "electra-jax")
       experiment = self.client.get_experiment_by_name(name)
-      experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+      experiment_id = (
+          experiment.experiment_id if experiment else self.client.create_experiment(name)
+      )
       run_name = os.path.basename(os.path.normpath(workdir))
       self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
       self.client.log_dict(self.run_id, config, "config.json")
@@ -133,7 +158,10 @@ class MlflowRun:
 
   def log(self, record: dict, prefix: str) -> None:
     now, step = int(time.time() * 1000), int(record["step"])
-    metrics = [self.entities.Metric(key, value, now, step) for key, value in _numbers(record, f"{prefix}/").items()]
+    metrics = [
+        self.entities.Metric(key, value, now, step)
+        for key, value in _numbers(record, f"{prefix}/").items()
+    ]
     self.client.log_batch(self.run_id, metrics=metrics)
 
   def close(self) -> None:
@@ -147,7 +175,14 @@ class MetricLog(workdir_files.JsonlLog):
   """A JsonlLog that also writes each record to a ScalarWriter (or None) and to `runs` under `prefix`;
   close() closes the runs too if `closes_runs`."""
 
-  def __init__(self, file, writer: ScalarWriter | None, runs=(), prefix: str = "train", closes_runs: bool = True):
+  def __init__(
+      self,
+      file,
+      writer: ScalarWriter | None,
+      runs=(),
+      prefix: str = "train",
+      closes_runs: bool = True,
+  ):
     super().__init__(file)
     self.writer, self.runs, self.prefix, self.closes_runs = writer, list(runs), prefix, closes_runs
 
@@ -171,22 +206,43 @@ class MetricLog(workdir_files.JsonlLog):
       run.close()
 
 
-def open_logs(workdir: str, metric_writers: str = "", config: dict | None = None) -> tuple[MetricLog, MetricLog]:
+def open_logs(
+    workdir: str, metric_writers: str = "", config: dict | None = None
+) -> tuple[MetricLog, MetricLog]:
   """(metrics.jsonl, eval_metrics.jsonl) of `workdir`, with TensorBoard events (local workdirs only) and the
   runs `metric_writers` names (the train log closes them)."""
   writers = {"train": None, "eval": None}
   if workdir_files.is_remote(workdir):
-    logging.log_first_n(logging.WARNING, "TensorBoard event files are written for local workdirs only; %s is a "
-                        "bucket, so its metrics go to the JSONL logs alone.", 1, workdir)
+    logging.log_first_n(
+        logging.WARNING,
+        "TensorBoard event files are written for local workdirs only; %s is a "
+        "bucket, so its metrics go to the JSONL logs alone.",
+        1,
+        workdir,
+    )
   elif _tensorboardx() is not None:
     root = workdir_files.path(workdir, SUBDIR)
     writers = {split: ScalarWriter(str(root / split)) for split in writers}
   runs = []
-  for name in writer_names(metric_writers):  # each run's id, beside config.json, reopens it on a restart
+  for name in writer_names(
+      metric_writers
+  ):  # each run's id, beside config.json, reopens it on a restart
     id_file = workdir_files.path(workdir, f"{name}_run_id")
-    runs.append(_RUNS[name](workdir, config or {}, workdir_files.read_text(id_file).strip()
-                            if workdir_files.exists(id_file) else None))
+    runs.append(
+        _RUNS[name](
+            workdir,
+            config or {},
+            workdir_files.read_text(id_file).strip() if workdir_files.exists(id_file) else None,
+        )
+    )
     workdir_files.write_text(id_file, runs[-1].run_id)
-  return (MetricLog(workdir_files.path(workdir, "metrics.jsonl"), writers["train"], runs, "train"),
-          MetricLog(workdir_files.path(workdir, "eval_metrics.jsonl"), writers["eval"], runs, "eval",
-                    closes_runs=False))
+  return (
+      MetricLog(workdir_files.path(workdir, "metrics.jsonl"), writers["train"], runs, "train"),
+      MetricLog(
+          workdir_files.path(workdir, "eval_metrics.jsonl"),
+          writers["eval"],
+          runs,
+          "eval",
+          closes_runs=False,
+      ),
+  )

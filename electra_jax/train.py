@@ -26,8 +26,17 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from electra_jax import (
-    checkpointing, config_lib, data, evaluation, flops, memory, objectives, partitioning, tensorboard_log,
-    workdir_files, workdir_lease,
+    checkpointing,
+    config_lib,
+    data,
+    evaluation,
+    flops,
+    memory,
+    objectives,
+    partitioning,
+    tensorboard_log,
+    workdir_files,
+    workdir_lease,
 )
 from electra_jax.errors import ConfigError
 from electra_jax.models import ElectraPretrainer, build_model
@@ -56,7 +65,9 @@ def scale_by_adam_without_bias_correction(b1: float, b2: float, eps: float):
   """Adam's direction m / (sqrt(v) + eps) without bias correction, as ELECTRA's AdamWeightDecayOptimizer."""
 
   def init(params):
-    return OfficialAdamState(jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, params))
+    return OfficialAdamState(
+        jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, params)
+    )
 
   def update(updates, state, params=None):
     mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, updates)
@@ -81,16 +92,24 @@ class Schedule:
 
   def __call__(self, step):
     step = jnp.asarray(step, jnp.float32)
-    return (self.peak * jnp.minimum(1.0, step / self.warmup)
-            * (jnp.maximum(0.0, self.total - step) / self.total))
+    return (
+        self.peak
+        * jnp.minimum(1.0, step / self.warmup)
+        * (jnp.maximum(0.0, self.total - step) / self.total)
+    )
 
 
-def learning_rate_schedule(base_lr: float, warmup_steps: int, total_steps: int,
-                           temperature_decay_steps: int = 0) -> Schedule:
+def learning_rate_schedule(
+    base_lr: float, warmup_steps: int, total_steps: int, temperature_decay_steps: int = 0
+) -> Schedule:
   if total_steps < 1:
     raise ValueError(f"total_steps={total_steps}: the schedule needs at least one step")
-  return Schedule(*(jnp.float32(value) for value in
-                    (base_lr, max(warmup_steps, 1), total_steps, temperature_decay_steps)))
+  return Schedule(
+      *(
+          jnp.float32(value)
+          for value in (base_lr, max(warmup_steps, 1), total_steps, temperature_decay_steps)
+      )
+  )
 
 
 def scale_by_schedule_argument() -> optax.GradientTransformationExtraArgs:
@@ -103,7 +122,8 @@ def scale_by_schedule_argument() -> optax.GradientTransformationExtraArgs:
     return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
 
   return optax.GradientTransformationExtraArgs(
-      lambda params: optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32)), update)
+      lambda params: optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32)), update
+  )
 
 
 def _decays(path, _) -> bool:
@@ -122,10 +142,12 @@ def warmup_note(config: ml_collections.ConfigDict) -> str | None:
   warmup, steps = warmup_steps(config), config.train.steps
   if warmup < steps:
     return None
-  return (f"optimizer.warmup_steps={warmup} is not shorter than train.steps={steps}: the learning rate "
-          f"reaches at most {100 * steps / (4 * warmup):.1f}% of optimizer.learning_rate="
-          f"{config.optimizer.learning_rate:g}. Lower optimizer.warmup_steps, or set "
-          "optimizer.warmup_fraction (e.g. 0.1) to tie it to the run's length.")
+  return (
+      f"optimizer.warmup_steps={warmup} is not shorter than train.steps={steps}: the learning rate "
+      f"reaches at most {100 * steps / (4 * warmup):.1f}% of optimizer.learning_rate="
+      f"{config.optimizer.learning_rate:g}. Lower optimizer.warmup_steps, or set "
+      "optimizer.warmup_fraction (e.g. 0.1) to tie it to the run's length."
+  )
 
 
 def make_optimizer(config: ml_collections.ConfigDict):
@@ -133,8 +155,12 @@ def make_optimizer(config: ml_collections.ConfigDict):
   correction), scaled by the official schedule, which tx.update takes as `schedule=`."""
   o = config.optimizer
   tx = _optimizer(o.bias_correction, o.b1, o.b2, o.eps, o.clip_norm, o.weight_decay)
-  return tx, learning_rate_schedule(o.learning_rate, warmup_steps(config), config.train.steps,
-                                    objectives.temperature_decay_steps(config))
+  return tx, learning_rate_schedule(
+      o.learning_rate,
+      warmup_steps(config),
+      config.train.steps,
+      objectives.temperature_decay_steps(config),
+  )
 
 
 @functools.cache
@@ -145,10 +171,15 @@ def _optimizer(bias_correction, b1, b2, eps, clip_norm, weight_decay):
     adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
   else:
     adam = scale_by_adam_without_bias_correction(b1, b2, eps)
-  decay_mask = functools.partial(jax.tree_util.tree_map_with_path, _decays,
-                                 is_leaf=lambda x: isinstance(x, nn.Partitioned))
-  return optax.chain(optax.clip_by_global_norm(clip_norm), adam,
-                     optax.add_decayed_weights(weight_decay, mask=decay_mask), scale_by_schedule_argument())
+  decay_mask = functools.partial(
+      jax.tree_util.tree_map_with_path, _decays, is_leaf=lambda x: isinstance(x, nn.Partitioned)
+  )
+  return optax.chain(
+      optax.clip_by_global_norm(clip_norm),
+      adam,
+      optax.add_decayed_weights(weight_decay, mask=decay_mask),
+      scale_by_schedule_argument(),
+  )
 
 
 # --- Update step
@@ -162,15 +193,24 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array, s
   masked = objectives.mask_tokens(mask_rng, batch["input_ids"], batch["attention_mask"], objective)
   sample_keys = jax.random.split(sample_rng, batch["input_ids"].shape[0])
   normalizers = objectives.Normalizers.of(
-      masked, batch["attention_mask"],
+      masked,
+      batch["attention_mask"],
       objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective),
   )
   temperature = objectives.sampling_temperature(objective, state.step, schedule.temperature_decay)
 
   def loss_fn(params, micro_batch, micro_masked, micro_sample_keys, micro_dropout_rng):
     return objectives.electra_forward(
-        state.model, params, micro_batch, micro_masked, micro_sample_keys, micro_dropout_rng,
-        objective, normalizers, step=state.step, temperature=temperature,
+        state.model,
+        params,
+        micro_batch,
+        micro_masked,
+        micro_sample_keys,
+        micro_dropout_rng,
+        objective,
+        normalizers,
+        step=state.step,
+        temperature=temperature,
     )
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -187,11 +227,15 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array, s
 
     def accumulate(carry, inputs):
       (micro_batch, micro_masked, micro_keys), micro_dropout_rng = inputs
-      (_, (stats, per_token)), grads = grad_fn(params, micro_batch, micro_masked, micro_keys, micro_dropout_rng)
+      (_, (stats, per_token)), grads = grad_fn(
+          params, micro_batch, micro_masked, micro_keys, micro_dropout_rng
+      )
       return jax.tree.map(jnp.add, carry, (grads, stats)), per_token
 
     first = jax.tree.map(lambda x: x[0], micro_inputs)
-    (_, (stats_shape, _)), grads_shape = jax.eval_shape(grad_fn, params, *first, micro_dropout_rngs[0])
+    (_, (stats_shape, _)), grads_shape = jax.eval_shape(
+        grad_fn, params, *first, micro_dropout_rngs[0]
+    )
     zeros = jax.tree.map(jnp.zeros_like, (grads_shape, stats_shape))
     (grads, stats), per_token = jax.lax.scan(accumulate, zeros, (micro_inputs, micro_dropout_rngs))
 
@@ -201,11 +245,15 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array, s
   metrics["grad_norm"] = jnp.sqrt(sum(jnp.vdot(g, g) for g in jax.tree.leaves(grads)))
   metrics["learning_rate"] = schedule(state.step)
   # NaN where nothing is sampled: mlm's step then does not depend on the temperature keys.
-  metrics["sampling_temperature"] = jnp.asarray(temperature if registered.samples else jnp.nan, jnp.float32)
+  metrics["sampling_temperature"] = jnp.asarray(
+      temperature if registered.samples else jnp.nan, jnp.float32
+  )
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def train_steps(state: TrainState, batches: dict[str, jax.Array], rngs: jax.Array, schedule: Schedule):
+def train_steps(
+    state: TrainState, batches: dict[str, jax.Array], rngs: jax.Array, schedule: Schedule
+):
   """train_step over batches and rngs stacked on a leading axis; each step's metrics stacked."""
   return jax.lax.scan(lambda s, inputs: train_step(s, *inputs, schedule), state, (batches, rngs))
 
@@ -236,13 +284,25 @@ class StateInit:
     ids = jnp.zeros((1, self.seq_len), jnp.int32)
     positions = jnp.zeros((1, self.objective.max_predictions), jnp.int32)
     params = self.model.init(rng, ids, ids, jnp.ones_like(ids), positions)["params"]
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params), model=self.model,
-                      tx=self.tx, objective=self.objective, grad_accum_steps=self.grad_accum_steps)
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=self.tx.init(params),
+        model=self.model,
+        tx=self.tx,
+        objective=self.objective,
+        grad_accum_steps=self.grad_accum_steps,
+    )
 
 
 def make_init_fn(config, model: ElectraPretrainer, objective) -> StateInit:
-  return StateInit(model, objective, make_optimizer(config)[0], config.data.max_seq_len,
-                   config.train.grad_accum_steps)
+  return StateInit(
+      model,
+      objective,
+      make_optimizer(config)[0],
+      config.data.max_seq_len,
+      config.train.grad_accum_steps,
+  )
 
 
 def _unboxed_init(init: StateInit, rng: jax.Array) -> TrainState:
@@ -285,13 +345,23 @@ def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
     logging.warning(
         "Replicated on every device because a mesh axis does not divide them (each one's "
         "optimizer moments too): %s. Make those sizes multiples of the mesh axes (e.g. "
-        "model.vocab_size), or use smaller mesh axes.", "; ".join(unsharded),
+        "model.vocab_size), or use smaller mesh axes.",
+        "; ".join(unsharded),
     )
   abstract_state = jax.tree.map(
-      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), nn.meta.unbox(boxed_shapes), state_shardings
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+      nn.meta.unbox(boxed_shapes),
+      state_shardings,
   )
-  return TrainingSetup(model, objective, init_fn, state_shardings, abstract_state, param_shapes(boxed_shapes.params),
-                       make_optimizer(config)[1])
+  return TrainingSetup(
+      model,
+      objective,
+      init_fn,
+      state_shardings,
+      abstract_state,
+      param_shapes(boxed_shapes.params),
+      make_optimizer(config)[1],
+  )
 
 
 def batch_keys(config) -> tuple[str, ...]:
@@ -301,25 +371,38 @@ def batch_keys(config) -> tuple[str, ...]:
 
 def compile_train_step(setup: TrainingSetup, config, mesh, num_steps: int | None = None):
   """train_step compiled for this config's global batch with the state donated, or with `num_steps`,
-  train_steps over that many stacked batches and keys. Call it inside `partitioning.activate(mesh)`."""
+  train_steps over that many stacked batches and keys. Call it inside `partitioning.activate(mesh)`.
+  """
   # Abstract keys: compile-only devices (benchmarks/compile_audit.py) cannot run anything.
   if num_steps is None:
     fn, batch_sharding, leading = train_step, partitioning.batch_sharding(mesh), ()
     rng = jax.eval_shape(lambda: jax.random.key(0))
   else:
-    fn, batch_sharding, leading = train_steps, partitioning.stacked_batch_sharding(mesh), (num_steps,)
+    fn, batch_sharding, leading = (
+        train_steps,
+        partitioning.stacked_batch_sharding(mesh),
+        (num_steps,),
+    )
     rng = jax.eval_shape(lambda: step_rngs(0, 0, num_steps))
   replicated = partitioning.replicated(mesh)
   shape = (*leading, config.train.batch_size, config.data.max_seq_len)
   abstract_batch = {
-      name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding) for name in batch_keys(config)
+      name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)
+      for name in batch_keys(config)
   }
   abstract_rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=replicated)
-  abstract_schedule = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated),
-                                   setup.schedule)
-  jitted = jax.jit(fn, in_shardings=(setup.state_shardings, batch_sharding, replicated, replicated),
-                   out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,))
-  return jitted.lower(setup.abstract_state, abstract_batch, abstract_rng, abstract_schedule).compile()
+  abstract_schedule = jax.tree.map(
+      lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated), setup.schedule
+  )
+  jitted = jax.jit(
+      fn,
+      in_shardings=(setup.state_shardings, batch_sharding, replicated, replicated),
+      out_shardings=(setup.state_shardings, replicated),
+      donate_argnums=(0,),
+  )
+  return jitted.lower(
+      setup.abstract_state, abstract_batch, abstract_rng, abstract_schedule
+  ).compile()
 
 
 def step_compiler(config, setup: TrainingSetup, mesh):
@@ -336,13 +419,22 @@ def step_compiler(config, setup: TrainingSetup, mesh):
 
 def special_ids(tokenizer) -> dict[str, int]:
   """The token ids build_setup needs from the corpus's tokenizer."""
-  return dict(pad=tokenizer.pad_id, cls=tokenizer.cls_id, sep=tokenizer.sep_id, mask=tokenizer.mask_id,
-              vocab_size=tokenizer.vocab_size)
+  return dict(
+      pad=tokenizer.pad_id,
+      cls=tokenizer.cls_id,
+      sep=tokenizer.sep_id,
+      mask=tokenizer.mask_id,
+      vocab_size=tokenizer.vocab_size,
+  )
 
 
 def _from_process_0(value: int) -> int:
   """`value` as process 0 has it, on every process."""
-  return int(multihost_utils.broadcast_one_to_all(np.int32(value))) if jax.process_count() > 1 else value
+  return (
+      int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+      if jax.process_count() > 1
+      else value
+  )
 
 
 def prepare(config):
@@ -392,15 +484,22 @@ def _checkpoint_check(checkpointer, setup, workdir: str, corpus=None, config=Non
       if saved.get(name) != current.get(name):
         before = config_lib.saved_config(workdir) if config is not None else None
         changes = before and config_lib.changed_keys(
-            {"model": before["model"]}, {"model": config_lib.as_saved(config)["model"]})
-        settings = f" The model settings that differ from its config.json: {'; '.join(changes)}." if changes else ""
+            {"model": before["model"]}, {"model": config_lib.as_saved(config)["model"]}
+        )
+        settings = (
+            f" The model settings that differ from its config.json: {'; '.join(changes)}."
+            if changes
+            else ""
+        )
         raise ConfigError(
             f"The workdir {workdir} holds a checkpoint of a different model: parameter {name!r} "
             f"is {saved.get(name, 'absent')} there but {current.get(name, 'absent')} in this "
             f"config.{settings} Use a new --workdir, or the config that made this checkpoint "
             f"({os.path.join(workdir, 'config.json')}). Nothing was overwritten."
         )
-    if corpus is not None and meta["data_fingerprint"] is None:  # imported weights: bound to a vocabulary alone
+    if (
+        corpus is not None and meta["data_fingerprint"] is None
+    ):  # imported weights: bound to a vocabulary alone
       if meta["tokenizer_fingerprint"] != corpus.tokenizer.fingerprint:
         raise ConfigError(
             f"The checkpoint in {workdir} holds weights imported from {meta['imported_from']} with "
@@ -417,8 +516,12 @@ def _checkpoint_check(checkpointer, setup, workdir: str, corpus=None, config=Non
     missing, extra = checkpointer.state_difference(step, setup.abstract_state)
     if missing or extra:
       optimizer = all(p.startswith("opt_state") for p in missing + extra)
-      hint = (" optimizer.bias_correction decides whether Adam keeps a step count (True: optax's Adam; "
-              "False: the official one): resume with the value in its config.json." if optimizer else "")
+      hint = (
+          " optimizer.bias_correction decides whether Adam keeps a step count (True: optax's Adam; "
+          "False: the official one): resume with the value in its config.json."
+          if optimizer
+          else ""
+      )
       raise ConfigError(
           f"The checkpoint at step {step} in {workdir} holds {'an optimizer' if optimizer else 'a train'} state "
           f"of another structure than this config's (missing from it: {missing[:3] or 'none'}; only in it: "
@@ -430,7 +533,8 @@ def _checkpoint_check(checkpointer, setup, workdir: str, corpus=None, config=Non
 
 def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpus=None):
   """(step, state): the state saved at `step` (default: the newest intact one) in `workdir`, sharded
-  for `mesh`, once the checkpoint is known to hold this setup's model (and given `corpus`, its data)."""
+  for `mesh`, once the checkpoint is known to hold this setup's model (and given `corpus`, its data).
+  """
   checkpointer = checkpointing.Checkpointer(workdir, keep=1)  # reading only: keep acts on saves
   try:
     latest = step is None
@@ -452,7 +556,9 @@ def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpu
     checkpointer.close()
 
 
-def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, step: int | None = None) -> dict:
+def evaluate_checkpoint(
+    config: ml_collections.ConfigDict, workdir: str, step: int | None = None
+) -> dict:
   """Held-out metrics of a saved checkpoint (the latest unless `step` is given), also written to
   <workdir>/eval_step_<N>.json."""
   mesh, corpus, setup = prepare(config)
@@ -468,16 +574,24 @@ def _keep_changed_config(config, workdir: str, start_step: int | None) -> None:
   """Resuming with other settings: says which, and keeps the config the checkpoint was trained with
   as config.step<N>.json before config.json takes the new one."""
   before = config_lib.saved_config(workdir) if start_step is not None else None
-  changes = config_lib.changed_keys(before, config_lib.as_saved(config)) if before is not None else None
+  changes = (
+      config_lib.changed_keys(before, config_lib.as_saved(config)) if before is not None else None
+  )
   if not changes:
     return
   kept = workdir_files.path(workdir, f"config.step{start_step}.json")
   # A second resume from the same checkpoint finds the first one's settings in config.json,
   # which never trained it: the file the first resume kept stays as it is.
   if not workdir_files.exists(kept):
-    workdir_files.write_text(kept, workdir_files.read_text(workdir_files.path(workdir, "config.json")))
-  logging.warning("Resuming at step %d with settings that differ from the workdir's config.json (kept as %s): %s",
-                  start_step, f"config.step{start_step}.json", "; ".join(changes))
+    workdir_files.write_text(
+        kept, workdir_files.read_text(workdir_files.path(workdir, "config.json"))
+    )
+  logging.warning(
+      "Resuming at step %d with settings that differ from the workdir's config.json (kept as %s): %s",
+      start_step,
+      f"config.step{start_step}.json",
+      "; ".join(changes),
+  )
 
 
 # --- train.time_budget
@@ -490,7 +604,9 @@ class StepTiming(NamedTuple):
   """What measure_step_time found, in seconds."""
 
   step: float  # one compiled training step
-  compile: float  # compiling the step and the evaluation (again only if the objective reads train.steps)
+  compile: (
+      float  # compiling the step and the evaluation (again only if the objective reads train.steps)
+  )
   evaluation: float  # one held-out evaluation (0 without eval.every_steps)
 
 
@@ -507,7 +623,9 @@ def measure_step_time(config, setup: TrainingSetup, mesh, corpus) -> StepTiming:
   seed = config.train.seed
   with partitioning.activate(mesh):
     step_fn, compile_seconds = _timed(compile_train_step, setup, config, mesh)
-    local = data.get_batch(corpus, 0, config.train.batch_size, seed, jax.process_index(), jax.process_count())
+    local = data.get_batch(
+        corpus, 0, config.train.batch_size, seed, jax.process_index(), jax.process_count()
+    )
     batch = partitioning.global_batch_from_local(local, mesh, keys=batch_keys(config))
     rng = step_rng(seed, 0)
     (state, _), _ = _timed(step_fn, fresh_state(setup, seed), batch, rng, setup.schedule)
@@ -526,8 +644,13 @@ def measure_step_time(config, setup: TrainingSetup, mesh, corpus) -> StepTiming:
   return StepTiming(seconds / _TIMED_STEPS, compile_seconds, eval_seconds)
 
 
-def budget_steps(budget_seconds: float, elapsed_seconds: float, timing: StepTiming, eval_every: int,
-                 start_step: int) -> int:
+def budget_steps(
+    budget_seconds: float,
+    elapsed_seconds: float,
+    timing: StepTiming,
+    eval_every: int,
+    start_step: int,
+) -> int:
   """train.steps for a run at `start_step`: the most new steps (at least one) for which compiling
   again, the steps and their evaluations fit in (1 - _BUDGET_MARGIN) of the budget left."""
   left = (budget_seconds - elapsed_seconds - timing.compile) * (1.0 - _BUDGET_MARGIN)
@@ -536,19 +659,26 @@ def budget_steps(budget_seconds: float, elapsed_seconds: float, timing: StepTimi
   return start_step + max(new_steps, 1)
 
 
-def resolve_time_budget(config, workdir: str, start_step: int | None, mesh, corpus, setup: TrainingSetup,
-                        started: float) -> None:
+def resolve_time_budget(
+    config, workdir: str, start_step: int | None, mesh, corpus, setup: TrainingSetup, started: float
+) -> None:
   """Sets train.steps for train.time_budget: on a resume under the same budget what config.json
   records (the interrupted run's schedule), else process 0's budget_steps since `started`."""
   t = config.train
   saved = config_lib.saved_config(workdir) if start_step is not None else None
   if saved is not None and saved["train"]["time_budget"] == t.time_budget:
     steps = int(saved["train"]["steps"])
-    logging.info("train.time_budget=%s: train.steps=%d, as this workdir's config.json records.", t.time_budget, steps)
+    logging.info(
+        "train.time_budget=%s: train.steps=%d, as this workdir's config.json records.",
+        t.time_budget,
+        steps,
+    )
   else:
     timing = measure_step_time(config, setup, mesh, corpus)
     budget, elapsed = config_lib.parse_duration(t.time_budget), _budget_clock() - started
-    steps = budget_steps(budget, elapsed, timing._replace(compile=0.0), config.eval.every_steps, start_step or 0)
+    steps = budget_steps(
+        budget, elapsed, timing._replace(compile=0.0), config.eval.every_steps, start_step or 0
+    )
     # The schedule is an argument of the compiled step: it compiles again only for an objective
     # that reads train.steps (two_stage's switch at half the run).
     sized = config.copy_and_resolve_references()
@@ -557,7 +687,11 @@ def resolve_time_budget(config, workdir: str, start_step: int | None, mesh, corp
       steps = budget_steps(budget, elapsed, timing, config.eval.every_steps, start_step or 0)
     logging.info(
         "train.time_budget=%s: measured %.4g s/step (compiling %.1f s, evaluation %.1f s), training %d steps.",
-        t.time_budget, timing.step, timing.compile, timing.evaluation, steps,
+        t.time_budget,
+        timing.step,
+        timing.compile,
+        timing.evaluation,
+        steps,
     )
   t.steps = _from_process_0(steps)
 
@@ -595,7 +729,9 @@ class _Preemption:
 
   def _install(self, signum) -> None:
     if jax.process_count() == 1 and not self._collective:
-      with contextlib.suppress(ValueError):  # not the main thread (some notebook runners): no handler then
+      with contextlib.suppress(
+          ValueError
+      ):  # not the main thread (some notebook runners): no handler then
         self._previous[signum] = signal.signal(signum, self._handle)
 
   def __enter__(self):
@@ -604,13 +740,18 @@ class _Preemption:
 
   def start_loop(self) -> None:
     self.looping = True
-    if jax.process_count() > 1 and not self._collective:  # several processes joined by the runtime alone
+    if (
+        jax.process_count() > 1 and not self._collective
+    ):  # several processes joined by the runtime alone
       logging.warning(
           "%d processes without jax.distributed: a SIGTERM stops this run without a checkpoint "
           "(it resumes from the last periodic one). Start it through electra_jax.main, which "
-          "joins the job.", jax.process_count(),
+          "joins the job.",
+          jax.process_count(),
       )
-    self._install(signal.SIGINT)  # a first Ctrl-C saves at the end of the step too; a second one stops at once
+    self._install(
+        signal.SIGINT
+    )  # a first Ctrl-C saves at the end of the step too; a second one stops at once
 
   def _handle(self, signum, frame):
     if not self.looping:
@@ -629,8 +770,11 @@ class _Preemption:
         if self.requested:
           _SIGTERM.set()
       except RuntimeError as error:  # jax_enable_preemption_service=False
-        logging.warning("No preemption handling (%s): a SIGTERM stops this run without a checkpoint; it "
-                        "resumes from the last periodic one.", error)
+        logging.warning(
+            "No preemption handling (%s): a SIGTERM stops this run without a checkpoint; it "
+            "resumes from the last periodic one.",
+            error,
+        )
         self._collective = False
     return self.requested
 
@@ -638,8 +782,10 @@ class _Preemption:
     for signum, previous in self._previous.items():
       signal.signal(signum, previous)
     if self.unwound:
-      logging.warning("SIGTERM while the run was starting: it stopped before its first step and saved "
-                      "nothing new. Run the same command to go on.")
+      logging.warning(
+          "SIGTERM while the run was starting: it stopped before its first step and saved "
+          "nothing new. Run the same command to go on."
+      )
 
 
 def _refused_everywhere(attempt: Callable[[], Any] | None) -> None:
@@ -659,7 +805,9 @@ def _hold_workdir(lease: workdir_lease.WorkdirLease | None, max_age_seconds: flo
   _refused_everywhere(None if lease is None else lambda: lease.check(max_age_seconds))
 
 
-def acquire_lease(directory: str, take_over: bool, name: str = "The workdir") -> workdir_lease.WorkdirLease | None:
+def acquire_lease(
+    directory: str, take_over: bool, name: str = "The workdir"
+) -> workdir_lease.WorkdirLease | None:
   """Process 0 takes `directory`'s lease (returned; None on the other processes), or every
   process raises WorkdirInUse with its message."""
   lease = workdir_lease.WorkdirLease(directory, name=name) if jax.process_index() == 0 else None
@@ -673,7 +821,11 @@ def _check_shared_workdir(workdir: str, lease: workdir_lease.WorkdirLease | None
   if jax.process_count() == 1:
     return
   run_id = lease.run_id if lease is not None else ""
-  ids = np.frombuffer(run_id.encode().ljust(32), np.uint8) if jax.process_index() == 0 else np.zeros(32, np.uint8)
+  ids = (
+      np.frombuffer(run_id.encode().ljust(32), np.uint8)
+      if jax.process_index() == 0
+      else np.zeros(32, np.uint8)
+  )
   expected = bytes(np.asarray(multihost_utils.broadcast_one_to_all(ids), np.uint8)).decode().strip()
   seen = (workdir_lease.read_lease(workdir) or {}).get("run_id")
   sees = np.asarray(multihost_utils.process_allgather(np.int32(seen == expected))).reshape(-1)
@@ -686,7 +838,9 @@ def _check_shared_workdir(workdir: str, lease: workdir_lease.WorkdirLease | None
     )
 
 
-def _stop_if_not_finite(what: str, value: float, step: int, checkpointer, config, first_bad_step=None) -> None:
+def _stop_if_not_finite(
+    what: str, value: float, step: int, checkpointer, config, first_bad_step=None
+) -> None:
   """Stops the run when `value` is not finite; `first_bad_step`, when known, tells whether the
   latest checkpoint already produced it."""
   if math.isfinite(value):
@@ -696,10 +850,15 @@ def _stop_if_not_finite(what: str, value: float, step: int, checkpointer, config
   dtype_hint = ", or use train.dtype=float32" if config.train.dtype != "float32" else ""
   diverged = ""
   if latest is not None and first_bad_step is not None and latest >= first_bad_step - 1:
-    diverged = (f" Its parameters are finite but already gave step {latest + 1} a non-finite loss: "
-                "resume from an earlier checkpoint (checkpoint.keep keeps more) or start over.")
-  saved = (f"The last checkpoint is step {latest}." if latest is not None else
-           "No checkpoint was saved yet: the next start begins from scratch.")
+    diverged = (
+        f" Its parameters are finite but already gave step {latest + 1} a non-finite loss: "
+        "resume from an earlier checkpoint (checkpoint.keep keeps more) or start over."
+    )
+  saved = (
+      f"The last checkpoint is step {latest}."
+      if latest is not None
+      else "No checkpoint was saved yet: the next start begins from scratch."
+  )
   raise FloatingPointError(
       f"The {what} became {value} by step {step}; stopping without saving. {saved}{diverged} "
       f"Lower optimizer.learning_rate or raise optimizer.warmup_steps{dtype_hint}."
@@ -738,7 +897,10 @@ def _mean_metrics(window: list[dict]) -> dict[str, float]:
 
 def _periods(config) -> dict[str, int]:
   """The steps between logs, checkpoints and evaluations."""
-  periods = {"train.log_every": config.train.log_every, "checkpoint.every_steps": config.checkpoint.every_steps}
+  periods = {
+      "train.log_every": config.train.log_every,
+      "checkpoint.every_steps": config.checkpoint.every_steps,
+  }
   if config.eval.every_steps:
     periods["eval.every_steps"] = config.eval.every_steps
   return periods
@@ -751,7 +913,9 @@ def _warn_single_steps(config, steps_per_call: int) -> None:
     logging.warning(
         "train.steps_per_call=%d does not divide %s: the steps before each such boundary that do not fill a "
         "call run one call each (slower). Make them multiples of %d.",
-        steps_per_call, ", ".join(f"{name}={p}" for name, p in uneven.items()), steps_per_call,
+        steps_per_call,
+        ", ".join(f"{name}={p}" for name, p in uneven.items()),
+        steps_per_call,
     )
 
 
@@ -762,16 +926,19 @@ def _summary(config, setup: TrainingSetup, corpus, flops_per_token: float) -> st
     parts[path.split("/", 1)[0]] += math.prod(shape)
   counts = ", ".join(f"{name} {count / 1e6:.2f}M" for name, count in sorted(parts.items()))
   seq_len, global_batch = config.data.max_seq_len, config.train.batch_size
-  return (f"Training {config.objective.name}: parameters {counts} ({sum(parts.values()) / 1e6:.2f}M in all); "
-          f"{flops_per_token / 1e6:.1f} model MFLOPs per token; {global_batch * seq_len:,} tokens per step "
-          f"(batch {global_batch} x {seq_len}) for {config.train.steps:,} steps; {config.train.dtype}, attention "
-          f"{config.model.attention_impl}; data {config.data.source}: {corpus.num_examples:,} train examples, "
-          f"vocabulary {corpus.tokenizer.vocab_size:,}.")
+  return (
+      f"Training {config.objective.name}: parameters {counts} ({sum(parts.values()) / 1e6:.2f}M in all); "
+      f"{flops_per_token / 1e6:.1f} model MFLOPs per token; {global_batch * seq_len:,} tokens per step "
+      f"(batch {global_batch} x {seq_len}) for {config.train.steps:,} steps; {config.train.dtype}, attention "
+      f"{config.model.attention_impl}; data {config.data.source}: {corpus.num_examples:,} train examples, "
+      f"vocabulary {corpus.tokenizer.vocab_size:,}."
+  )
 
 
 # --- The whole run
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       take_over_workdir: bool = False) -> dict[str, float]:
+def train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: str, take_over_workdir: bool = False
+) -> dict[str, float]:
   """Pre-trains per `config`, resuming from `workdir` if it holds a checkpoint; the last logged
   metrics. A workdir another live run holds is refused, unless `take_over_workdir`."""
   started = _budget_clock()
@@ -782,18 +949,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
     try:
       latest = checkpointer.latest_step()
-      start_step = _from_process_0(-1 if latest is None else latest)  # one for all, even if a save ends meanwhile
+      start_step = _from_process_0(
+          -1 if latest is None else latest
+      )  # one for all, even if a save ends meanwhile
       start_step = None if start_step < 0 else start_step
       start_meta = restored = None
       if start_step is not None:
         with partitioning.activate(mesh):
           check = _checkpoint_check(checkpointer, setup, workdir, corpus, config)
-          start_step, restored, start_meta = checkpointer.restore_newest_intact(setup.abstract_state, start_step, check)
+          start_step, restored, start_meta = checkpointer.restore_newest_intact(
+              setup.abstract_state, start_step, check
+          )
       if config.train.time_budget:
         resolve_time_budget(config, workdir, start_step, mesh, corpus, setup, started)
       # Once train.steps is final: the objective's keys a resume must keep (two_stage's switch), then
       # the setup, built again only where the objective reads train.steps (else just its schedule).
-      objectives.REGISTRY[config.objective.name].start_run(config, lambda: config_lib.saved_config(workdir), start_step)
+      objectives.REGISTRY[config.objective.name].start_run(
+          config, lambda: config_lib.saved_config(workdir), start_step
+      )
       ids = special_ids(corpus.tokenizer)
       if objectives.objective_from_config(config, ids) != setup.objective:
         setup = build_setup(config, mesh, ids)
@@ -807,9 +980,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       raise
     try:
       _check_shared_workdir(workdir, lease)
-      if start_step is not None and start_step != checkpointer.latest_step():  # newer ones were damaged
+      if (
+          start_step is not None and start_step != checkpointer.latest_step()
+      ):  # newer ones were damaged
         if jax.process_count() > 1:
-          multihost_utils.sync_global_devices("electra_jax: before setting damaged checkpoints aside")
+          multihost_utils.sync_global_devices(
+              "electra_jax: before setting damaged checkpoints aside"
+          )
         checkpointer.set_aside_after(start_step, rename=jax.process_index() == 0)
         if jax.process_count() > 1:
           multihost_utils.sync_global_devices("electra_jax: damaged checkpoints set aside")
@@ -819,38 +996,71 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       if start_step:
         stream_offset = int(start_meta["stream_position"]) - start_step * config.train.batch_size
         if stream_offset:
-          logging.info("The checkpoint at step %d read %d rows of the data stream (the batch size changed "
-                       "along the way); batches of %d go on from there.", start_step, start_meta["stream_position"],
-                       config.train.batch_size)
-      return _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, restored, lease, stream_offset,
-                    preemption)
+          logging.info(
+              "The checkpoint at step %d read %d rows of the data stream (the batch size changed "
+              "along the way); batches of %d go on from there.",
+              start_step,
+              start_meta["stream_position"],
+              config.train.batch_size,
+          )
+      return _train(
+          config,
+          workdir,
+          mesh,
+          corpus,
+          setup,
+          checkpointer,
+          start_step,
+          restored,
+          lease,
+          stream_offset,
+          preemption,
+      )
     finally:
       if lease is not None:
         lease.release()
 
 
-def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, restored, lease, stream_offset,
-           preemption: _Preemption) -> dict[str, float]:
+def _train(
+    config,
+    workdir,
+    mesh,
+    corpus,
+    setup,
+    checkpointer,
+    start_step,
+    restored,
+    lease,
+    stream_offset,
+    preemption: _Preemption,
+) -> dict[str, float]:
   """The loop, from `restored` at `start_step` (None: a fresh state); the last logged metrics."""
   is_chief = jax.process_index() == 0
   evaluator = evaluation.HeldOutEvaluator(config, setup, mesh) if config.eval.every_steps else None
   if is_chief:  # the workdir may be a bucket (gs://...): see workdir_files.py
     workdir_files.makedirs(workdir_files.path(workdir))
     _keep_changed_config(config, workdir, start_step)
-    workdir_files.write_text(workdir_files.path(workdir, "config.json"), config_lib.config_file_text(config))
+    workdir_files.write_text(
+        workdir_files.path(workdir, "config.json"), config_lib.config_file_text(config)
+    )
     data.keep_tokenizer(corpus.tokenizer, workdir)  # fine-tuning and export need no corpus then
     # metrics.jsonl and eval_metrics.jsonl, TensorBoard events, and the runs train.metric_writers names.
-    metrics_log, eval_log = tensorboard_log.open_logs(workdir, config.train.metric_writers,
-                                                      json.loads(config_lib.to_json(config)))
+    metrics_log, eval_log = tensorboard_log.open_logs(
+        workdir, config.train.metric_writers, json.loads(config_lib.to_json(config))
+    )
 
   with partitioning.activate(mesh):
     if start_step is None:
       state, start_step = fresh_state(setup, config.train.seed), 0
     else:
-      logging.info("Resuming from the checkpoint at step %d in %s.", start_step, checkpointer.directory)
+      logging.info(
+          "Resuming from the checkpoint at step %d in %s.", start_step, checkpointer.directory
+      )
       # The arrays restored under this setup's static fields (its schedule and objective may read a
       # train.steps fixed after the restore).
-      state = jax.tree.unflatten(jax.tree.structure(setup.abstract_state), jax.tree.leaves(restored))
+      state = jax.tree.unflatten(
+          jax.tree.structure(setup.abstract_state), jax.tree.leaves(restored)
+      )
     if is_chief:  # a run killed after its checkpoint logged steps this one will log again
       metrics_log.truncate_after(start_step)
       eval_log.truncate_after(start_step)
@@ -858,7 +1068,9 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
     compile_start = time.perf_counter()
     compiled_step = compile_train_step(setup, config, mesh)
     steps_per_call = config.train.steps_per_call
-    compiled_steps = compile_train_step(setup, config, mesh, steps_per_call) if steps_per_call > 1 else None
+    compiled_steps = (
+        compile_train_step(setup, config, mesh, steps_per_call) if steps_per_call > 1 else None
+    )
     logging.info("Compiled the train step in %.1f s.", time.perf_counter() - compile_start)
     _warn_single_steps(config, steps_per_call)
 
@@ -872,11 +1084,20 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
   keys, periods = batch_keys(config), tuple(_periods(config).values())
   window_start = time.perf_counter()
   if start_step >= total_steps:
-    logging.info("Nothing to do: the checkpoint at step %d reached train.steps=%d.", start_step, total_steps)
+    logging.info(
+        "Nothing to do: the checkpoint at step %d reached train.steps=%d.", start_step, total_steps
+    )
 
   def fetch(step_index):
-    return data.get_batch(corpus, step_index, global_batch, seed, jax.process_index(), jax.process_count(),
-                          stream_offset)
+    return data.get_batch(
+        corpus,
+        step_index,
+        global_batch,
+        seed,
+        jax.process_index(),
+        jax.process_count(),
+        stream_offset,
+    )
 
   try:  # whatever ends the loop (done, SIGTERM, NaN, an error), saves in flight are completed
     preemption.start_loop()
@@ -890,7 +1111,9 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
           local = [next(batches) for _ in range(num_steps)]
           stacked = {name: np.stack([b[name] for b in local]) for name in keys}
           batch = partitioning.global_batch_from_local(stacked, mesh, stacked=True)
-          state, metrics = compiled_steps(state, batch, step_rngs(seed, step, num_steps), setup.schedule)
+          state, metrics = compiled_steps(
+              state, batch, step_rngs(seed, step, num_steps), setup.schedule
+          )
         else:
           batch = partitioning.global_batch_from_local(next(batches), mesh, keys=keys)
           state, metrics = compiled_step(state, batch, step_rng(seed, step), setup.schedule)
@@ -906,7 +1129,11 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
           _hold_workdir(lease, 10.0 if workdir_files.is_remote(workdir) else 0.0)
           logged = _mean_metrics(window)
           steps_per_sec = window_steps / (time.perf_counter() - window_start)
-          logged.update(step=step, steps_per_sec=steps_per_sec, tokens_per_sec=steps_per_sec * global_batch * seq_len)
+          logged.update(
+              step=step,
+              steps_per_sec=steps_per_sec,
+              tokens_per_sec=steps_per_sec * global_batch * seq_len,
+          )
           if peak is not None:
             logged["mfu"] = logged["tokens_per_sec"] * flops_per_token / (peak * jax.device_count())
           if not math.isfinite(logged["loss"]):
@@ -916,8 +1143,13 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
             metrics_log.append(logged)
             logging.info(
                 "step %d/%d | loss %.4f | mlm_acc %.3f | disc_auc %.3f | %s tokens/s | ETA %s",
-                step, total_steps, logged["loss"], logged["masked_lm_accuracy"], logged["disc_auc"],
-                f"{logged['tokens_per_sec']:,.0f}", config_lib.format_duration((total_steps - step) / steps_per_sec),
+                step,
+                total_steps,
+                logged["loss"],
+                logged["masked_lm_accuracy"],
+                logged["disc_auc"],
+                f"{logged['tokens_per_sec']:,.0f}",
+                config_lib.format_duration((total_steps - step) / steps_per_sec),
             )
           last_logged, window, window_steps, window_start = logged, [], 0, time.perf_counter()
 
@@ -929,8 +1161,12 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
             eval_log.append(dict(held_out, step=step))
             logging.info(
                 "eval step %d (%d held-out %s) | loss %.4f | mlm_acc %.3f | disc_auc %.3f",
-                step, evaluator.num_examples, "rows" if config.data.pack_rows else "examples",
-                held_out["loss"], held_out["masked_lm_accuracy"], held_out["disc_auc"],
+                step,
+                evaluator.num_examples,
+                "rows" if config.data.pack_rows else "examples",
+                held_out["loss"],
+                held_out["masked_lm_accuracy"],
+                held_out["disc_auc"],
             )
 
         if step % config.checkpoint.every_steps == 0 or step == total_steps or stopping:
@@ -940,13 +1176,18 @@ def _train(config, workdir, mesh, corpus, setup, checkpointer, start_step, resto
           if not bool(_params_finite(state.params)):
             _stop_if_not_finite("parameters", float("nan"), step, checkpointer, config)
           _hold_workdir(lease)  # never save over the checkpoints of a run that took over
-          checkpointer.save(step, state, dict(meta, stream_position=stream_offset + step * global_batch))
+          checkpointer.save(
+              step, state, dict(meta, stream_position=stream_offset + step * global_batch)
+          )
           if is_chief:  # a bucket's logs are rewritten now and then, and at least here
             metrics_log.flush()
             eval_log.flush()
         if stopping:
-          logging.warning("%s received: saved a checkpoint at step %d; run the same command to resume.",
-                          preemption.signal_name, step)
+          logging.warning(
+              "%s received: saved a checkpoint at step %d; run the same command to resume.",
+              preemption.signal_name,
+              step,
+          )
           break
   finally:
     checkpointer.wait()

@@ -35,9 +35,13 @@ def check_usable(workdir, flag: str = "--workdir") -> None:
   while not os.path.exists(existing):
     existing = os.path.dirname(existing)
   if not os.path.isdir(existing):
-    raise ConfigError(f"{flag}={workdir} cannot be a directory: {existing} is a file. Pick another {flag}.")
+    raise ConfigError(
+        f"{flag}={workdir} cannot be a directory: {existing} is a file. Pick another {flag}."
+    )
   if not os.access(existing, os.W_OK | os.X_OK):
-    raise ConfigError(f"{flag}={workdir}: {existing} is not writable by this user. Pick another {flag}.")
+    raise ConfigError(
+        f"{flag}={workdir}: {existing} is not writable by this user. Pick another {flag}."
+    )
 
 
 def makedirs(directory) -> None:
@@ -57,8 +61,10 @@ def read_json(file, parse=lambda value: value):
   try:
     return parse(json.loads(read_text(file)))
   except (ValueError, KeyError, TypeError, AttributeError) as error:
-    raise ConfigError(f"{file} is not as electra-jax writes it ({type(error).__name__}: {error}); it was edited or "
-                      "damaged. Put back a good copy, or move its folder aside and start again.") from None
+    raise ConfigError(
+        f"{file} is not as electra-jax writes it ({type(error).__name__}: {error}); it was edited or "
+        "damaged. Put back a good copy, or move its folder aside and start again."
+    ) from None
 
 
 def read_sweep(folder) -> dict | None:
@@ -66,8 +72,13 @@ def read_sweep(folder) -> dict | None:
   file = path(folder, SWEEP_FILE)
   if not exists(file):
     return None
-  return read_json(file, lambda record: dict(
-      record, runs=[(str(r["name"]), [tuple(o) for o in r["overrides"]]) for r in record["runs"]]))
+  return read_json(
+      file,
+      lambda record: dict(
+          record,
+          runs=[(str(r["name"]), [tuple(o) for o in r["overrides"]]) for r in record["runs"]],
+      ),
+  )
 
 
 def read_jsonl(file) -> list:

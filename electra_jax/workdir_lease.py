@@ -20,15 +20,24 @@ from electra_jax.errors import WorkdirInUse
 
 LEASE_FILE = "lease.json"
 # The fields a reader uses; a hand-edited value of another type would block --take_over_workdir too.
-_FIELD_TYPES = {"run_id": str, "host": str, "pid": int, "heartbeat": (int, float), "released": bool, "started": str}
+_FIELD_TYPES = {
+    "run_id": str,
+    "host": str,
+    "pid": int,
+    "heartbeat": (int, float),
+    "released": bool,
+    "started": str,
+}
 # The leases this process holds: its own live runs, unlike a dead run with the same pid (a restarted container).
 _LIVE_RUN_IDS: set[str] = set()
 
 
 def describe(holder: dict, now: float) -> str:
   age = now - float(holder.get("heartbeat", 0.0))
-  return (f"run {holder['run_id']} on host {holder.get('host', '?')} (pid {holder.get('pid', '?')}, "
-          f"started {holder.get('started', '?')}, last heartbeat {age:.0f} s ago)")
+  return (
+      f"run {holder['run_id']} on host {holder.get('host', '?')} (pid {holder.get('pid', '?')}, "
+      f"started {holder.get('started', '?')}, last heartbeat {age:.0f} s ago)"
+  )
 
 
 def read_lease(workdir) -> dict | None:
@@ -40,8 +49,14 @@ def read_lease(workdir) -> dict | None:
     holder = json.loads(workdir_files.read_text(file))
   except (ValueError, OSError):
     holder = None
-  if not isinstance(holder, dict) or "run_id" not in holder or any(
-      key in holder and not isinstance(holder[key], types) for key, types in _FIELD_TYPES.items()):
+  if (
+      not isinstance(holder, dict)
+      or "run_id" not in holder
+      or any(
+          key in holder and not isinstance(holder[key], types)
+          for key, types in _FIELD_TYPES.items()
+      )
+  ):
     logging.warning("Ignoring %s: its fields are not those of a lease this version wrote.", file)
     return None
   return holder
@@ -51,13 +66,24 @@ class WorkdirLease:
   """Process 0's claim on a workdir: `acquire()` before writing anything, `check()` before each
   checkpoint, `release()` at the end (also after an error)."""
 
-  def __init__(self, workdir, beat_seconds: float = 30.0, stale_seconds: float = 120.0,
-               clock: Callable[[], float] = time.time, name: str = "The workdir"):
+  def __init__(
+      self,
+      workdir,
+      beat_seconds: float = 30.0,
+      stale_seconds: float = 120.0,
+      clock: Callable[[], float] = time.time,
+      name: str = "The workdir",
+  ):
     self.workdir, self.name = workdir, name  # name: how a refusal names it ("The sweep folder")
     self.file = workdir_files.path(workdir, LEASE_FILE)
     self.beat_seconds, self.stale_seconds, self._clock = beat_seconds, stale_seconds, clock
-    self.record = {"run_id": uuid.uuid4().hex[:12], "host": socket.gethostname(), "pid": os.getpid(),
-                   "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "released": False}
+    self.record = {
+        "run_id": uuid.uuid4().hex[:12],
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "released": False,
+    }
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self._lock = threading.Lock()  # the main thread's check/release against the heartbeat's write
@@ -70,7 +96,11 @@ class WorkdirLease:
 
   def holder_alive(self, holder: dict | None) -> bool:
     """Whether `holder` (another run's lease) still counts as running."""
-    if holder is None or holder.get("released") or self._clock() - holder.get("heartbeat", 0.0) > self.stale_seconds:
+    if (
+        holder is None
+        or holder.get("released")
+        or self._clock() - holder.get("heartbeat", 0.0) > self.stale_seconds
+    ):
       return False
     if holder.get("host") != self.record["host"]:
       return True
@@ -87,23 +117,34 @@ class WorkdirLease:
     return True
 
   def _write(self) -> None:
-    workdir_files.write_text(self.file, json.dumps(dict(self.record, heartbeat=self._clock()), sort_keys=True))
+    workdir_files.write_text(
+        self.file, json.dumps(dict(self.record, heartbeat=self._clock()), sort_keys=True)
+    )
 
   def acquire(self, take_over: bool = False) -> None:
     """Takes the workdir, or raises WorkdirInUse naming the run that holds it."""
     holder = read_lease(self.workdir)
     if self.holder_alive(holder):
       if not take_over:
-        this_process = " That is this very process: a run still training in another thread (a notebook cell)." if (
-            holder.get("host"), holder.get("pid")) == (self.record["host"], self.record["pid"]) else ""
+        this_process = (
+            " That is this very process: a run still training in another thread (a notebook cell)."
+            if (holder.get("host"), holder.get("pid")) == (self.record["host"], self.record["pid"])
+            else ""
+        )
         raise WorkdirInUse(
             f"{self.name} {self.workdir} is in use by {describe(holder, self._clock())}.{this_process} Wait for it "
             f"to end, or use another --workdir; if it is dead (on another host: no heartbeat for "
-            f"{self.stale_seconds:.0f} s), pass --take_over_workdir. Nothing was written.")
-      logging.warning("--take_over_workdir: taking %s from %s.", self.workdir, describe(holder, self._clock()))
+            f"{self.stale_seconds:.0f} s), pass --take_over_workdir. Nothing was written."
+        )
+      logging.warning(
+          "--take_over_workdir: taking %s from %s.", self.workdir, describe(holder, self._clock())
+      )
     elif holder is not None and not holder.get("released"):
-      logging.warning("The last run on %s ended without releasing it (%s); taking it over.",
-                      self.workdir, describe(holder, self._clock()))
+      logging.warning(
+          "The last run on %s ended without releasing it (%s); taking it over.",
+          self.workdir,
+          describe(holder, self._clock()),
+      )
     workdir_files.makedirs(workdir_files.path(self.workdir))
     self._write()
     self.check()  # another run that wrote in the same moment: the last writer keeps it
@@ -137,7 +178,8 @@ class WorkdirLease:
       if not (self.taken_by is None if fresh else self._still_held()):
         raise WorkdirInUse(
             f"Another run took over the workdir {self.workdir}: {describe(self.taken_by, self._clock())}. This run "
-            f"({self.run_id}) stopped without saving, not to overwrite its checkpoints. Run one job per workdir.")
+            f"({self.run_id}) stopped without saving, not to overwrite its checkpoints. Run one job per workdir."
+        )
 
   def release(self) -> None:
     """Marks the lease released, unless another run holds it by now. Stops the heartbeat."""

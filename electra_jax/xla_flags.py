@@ -10,8 +10,14 @@ import sys
 CPU_FLAGS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
 VERIFIED_JAXLIB = ("0.10.",)
 # Environment variables through which a user tunes glibc's malloc; any of them set, we leave it be.
-_MALLOC_ENV = ("GLIBC_TUNABLES", "MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_",
-               "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+_MALLOC_ENV = (
+    "GLIBC_TUNABLES",
+    "MALLOC_ARENA_MAX",
+    "MALLOC_MMAP_MAX_",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_TOP_PAD_",
+)
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -26,10 +32,16 @@ def cpu_defaults(jaxlib_version: str, xla_flags: str) -> str:
 
 def malloc_tunables(environ=os.environ) -> str | None:
   """GLIBC_TUNABLES for a CPU training process, whose temporaries XLA maps afresh on every call: huge pages
-  fault them in (glibc 2.35+). None if the user tunes malloc, without them, or where an accelerator computes."""
+  fault them in (glibc 2.35+). None if the user tunes malloc, without them, or where an accelerator computes.
+  """
   libc, version = platform.libc_ver()
-  if (any(name in environ for name in _MALLOC_ENV) or platform.system() != "Linux" or libc != "glibc"
-      or tuple(map(int, version.split(".")[:2])) < (2, 35) or not os.path.exists(_THP_MODE)):
+  if (
+      any(name in environ for name in _MALLOC_ENV)
+      or platform.system() != "Linux"
+      or libc != "glibc"
+      or tuple(map(int, version.split(".")[:2])) < (2, 35)
+      or not os.path.exists(_THP_MODE)
+  ):
     return None
   with open(_THP_MODE) as f:
     huge_pages_off = "[never]" in f.read()
@@ -48,7 +60,9 @@ def tpu_chips_present() -> bool:
   """Whether TPU chips sit on this machine's PCI bus, by JAX's own check loaded from its file (importing jax
   would slow every CLI start)."""
   try:
-    path = os.path.join(os.path.dirname(importlib.util.find_spec("jax").origin), "_src", "hardware_utils.py")
+    path = os.path.join(
+        os.path.dirname(importlib.util.find_spec("jax").origin), "_src", "hardware_utils.py"
+    )
     spec = importlib.util.spec_from_file_location("_jax_hardware_utils", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -38,9 +38,13 @@ def install_commands(args) -> list[list[str]]:
     # Cloned beside the old checkout, which is replaced only once the clone succeeded (so a
     # second install updates it rather than failing on an existing directory).
     staging = checkout + ".new"
-    clone = shlex.join(["git", "clone", "--depth=1", f"--branch={args.branch}", args.repo_url, staging])
-    replace = (f"set -e; rm -rf {shlex.quote(staging)}; {clone}; rm -rf {shlex.quote(checkout)}; "
-               f"mv {shlex.quote(staging)} {shlex.quote(checkout)}")
+    clone = shlex.join(
+        ["git", "clone", "--depth=1", f"--branch={args.branch}", args.repo_url, staging]
+    )
+    replace = (
+        f"set -e; rm -rf {shlex.quote(staging)}; {clone}; rm -rf {shlex.quote(checkout)}; "
+        f"mv {shlex.quote(staging)} {shlex.quote(checkout)}"
+    )
     return [["bash", "-c", replace], pip + [checkout]]
   remote_dir = shlex.quote(args.remote_dir)
   package_dir = args.remote_dir if os.path.isabs(args.remote_dir) else f"./{args.remote_dir}"
@@ -49,13 +53,29 @@ def install_commands(args) -> list[list[str]]:
   if args.local:
     # A tarball streamed over ssh into a fresh directory, as a clone would be: exactly the files
     # pack_local picks (of a git checkout, those git lists), nothing left from an older copy.
-    unpack = (f"set -e; rm -rf {staging}; mkdir -p {staging}; tar -xzf - -C {staging}; "
-              f"rm -rf {remote_dir}; mv {staging} {remote_dir}")
+    unpack = (
+        f"set -e; rm -rf {staging}; mkdir -p {staging}; tar -xzf - -C {staging}; "
+        f"rm -rf {remote_dir}; mv {staging} {remote_dir}"
+    )
     copy = f"set -o pipefail; {remote_job.pack_local(args.local, '-')} | {shlex.join(['ssh', args.host, unpack])}"
     return [["bash", "-c", copy], ["ssh", args.host, remote_pip]]
-  clone = shlex.join(["git", "clone", "--depth=1", f"--branch={args.branch}", args.repo_url, args.remote_dir + ".new"])
-  return [["ssh", args.host,
-           f"set -e; rm -rf {staging}; {clone}; rm -rf {remote_dir}; mv {staging} {remote_dir}; {remote_pip}"]]
+  clone = shlex.join(
+      [
+          "git",
+          "clone",
+          "--depth=1",
+          f"--branch={args.branch}",
+          args.repo_url,
+          args.remote_dir + ".new",
+      ]
+  )
+  return [
+      [
+          "ssh",
+          args.host,
+          f"set -e; rm -rf {staging}; {clone}; rm -rf {remote_dir}; mv {staging} {remote_dir}; {remote_pip}",
+      ]
+  ]
 
 
 def run_command(args, overrides: Sequence[str]) -> list[str]:
@@ -83,18 +103,25 @@ def run_command(args, overrides: Sequence[str]) -> list[str]:
 def _parser() -> argparse.ArgumentParser:
   common = argparse.ArgumentParser(add_help=False)
   common.add_argument("--host", help="ssh destination (USER@HOST); default: this machine")
-  common.add_argument("--job-dir", default=".", help="local runs: where the log, pid and exit files go")
+  common.add_argument(
+      "--job-dir", default=".", help="local runs: where the log, pid and exit files go"
+  )
   common.add_argument("--python", default="python3")
-  common.add_argument("--remote-dir", default="electra-jax", help="the checkout (on --host: in its $HOME)")
+  common.add_argument(
+      "--remote-dir", default="electra-jax", help="the checkout (on --host: in its $HOME)"
+  )
   common.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
 
-  parser = argparse.ArgumentParser(prog="gpu.py", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+      prog="gpu.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   sub = parser.add_subparsers(dest="command", required=True)
   install = sub.add_parser("install", parents=[common], help="install electra-jax with CUDA JAX")
   install.add_argument("--repo-url")
   install.add_argument("--branch", default="main")
-  install.add_argument("--local", help="a local checkout (copied to --host: of a git checkout, the files git lists)")
+  install.add_argument(
+      "--local", help="a local checkout (copied to --host: of a git checkout, the files git lists)"
+  )
   install.add_argument("--jax-package", default="jax[cuda12]")
   run = sub.add_parser("run", parents=[common], help="start the run, detached")
   run.add_argument("--workdir", required=True)
@@ -119,8 +146,10 @@ def main(argv: Optional[Sequence[str]] = None, execute: Optional[remote_job.Exec
     parser.error(problem)
   gpus = getattr(args, "gpus", None)
   if gpus is not None and not re.fullmatch(r"[A-Za-z0-9-]+(,[A-Za-z0-9-]+)*", gpus):
-    parser.error(f"--gpus={gpus!r}: give GPU indices (or UUIDs) separated by commas and no spaces, "
-                 "e.g. --gpus=0,1,2,3; leave it out to use every GPU.")
+    parser.error(
+        f"--gpus={gpus!r}: give GPU indices (or UUIDs) separated by commas and no spaces, "
+        "e.g. --gpus=0,1,2,3; leave it out to use every GPU."
+    )
   execute = execute or remote_job.make_executor(args.dry_run)
   try:
     if args.command == "install":

@@ -13,7 +13,9 @@ import os
 COLAB_ONLY = "# colab-only"
 
 CELLS = [
-    ("markdown", """\
+    (
+        "markdown",
+        """\
 # ELECTRA pre-training on a Colab TPU with electra-jax
 
 Pre-trains a small ELECTRA (a generator and a discriminator sharing one embedding) with
@@ -23,8 +25,11 @@ evaluates it on held-out text.
 1. *Runtime > Change runtime type > TPU* (a GPU or the CPU works too, slower).
 2. Set `REPO_URL` in the first cell to the repository to install from, then *Run all*.
 
-The demo recipe trains 600 steps; change `OVERRIDES` below for longer or larger runs."""),
-    ("code", f"""\
+The demo recipe trains 600 steps; change `OVERRIDES` below for longer or larger runs.""",
+    ),
+    (
+        "code",
+        f"""\
 {COLAB_ONLY}: clones electra-jax and installs it (the recipes come with the package), with
 # JAX's TPU build on a TPU runtime.
 import glob
@@ -32,8 +37,11 @@ REPO_URL = "https://github.com/OWNER/electra-jax"  # <- the repository to instal
 BRANCH = "main"
 ON_TPU = bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 !git clone --quiet --depth=1 --branch={{BRANCH}} {{REPO_URL}} electra-jax
-%pip install --quiet ./electra-jax {{'"jax[tpu]"' if ON_TPU else ''}}"""),
-    ("code", """\
+%pip install --quiet ./electra-jax {{'"jax[tpu]"' if ON_TPU else ''}}""",
+    ),
+    (
+        "code",
+        """\
 # The devices JAX sees: 8 TPU cores on a v2-8/v3-8 runtime, 1 chip on v5e-1/v6e-1.
 import json
 import os
@@ -43,8 +51,11 @@ import jax
 
 print(f"JAX {jax.__version__} on {jax.default_backend()}: {jax.device_count()} device(s)")
 for device in jax.devices():
-  print(" ", device)"""),
-    ("code", """\
+  print(" ", device)""",
+    ),
+    (
+        "code",
+        """\
 # The run: the demo recipe plus OVERRIDES ("group.key": value, as --config.group.key=value
 # on the command line). Re-running the notebook resumes from WORKDIR's latest checkpoint; a
 # WORKDIR on a mounted Google Drive (/content/drive/MyDrive/...) outlives the Colab session.
@@ -60,8 +71,11 @@ OVERRIDES.update(json.loads(os.environ.get("ELECTRA_JAX_NOTEBOOK_OVERRIDES", "{}
 config = api.load_config("demo", OVERRIDES)  # a mistyped key is refused, with the nearest name
 m, t = config.model, config.train
 print(f"hidden {m.hidden_size}, {m.num_layers} layers, generator {m.generator_fraction:g}x; "
-      f"{t.steps} steps of {t.batch_size} x {config.data.max_seq_len} tokens -> {WORKDIR}")"""),
-    ("code", """\
+      f"{t.steps} steps of {t.batch_size} x {config.data.max_seq_len} tokens -> {WORKDIR}")""",
+    ),
+    (
+        "code",
+        """\
 # Pre-training, with live metrics: the run goes in a background thread while this cell
 # reads WORKDIR/metrics.jsonl as it grows (a plot where matplotlib is at hand).
 LIVE_PLOT = os.environ.get("ELECTRA_JAX_NOTEBOOK_PLOT", "1") == "1"
@@ -129,20 +143,27 @@ while True:
   pretrain_thread.join(timeout=2.0)
 if "error" in outcome:
   raise outcome["error"]
-print(f"Done: checkpoints in {WORKDIR}/checkpoints, metrics in {metrics_path}")"""),
-    ("code", """\
+print(f"Done: checkpoints in {WORKDIR}/checkpoints, metrics in {metrics_path}")""",
+    ),
+    (
+        "code",
+        """\
 # Held-out evaluation of the latest checkpoint: documents the run never trained on, with
 # fixed masks, so the figures compare across checkpoints and runs.
 held_out = api.evaluate(WORKDIR)
 print(f"held-out metrics of the checkpoint at step {held_out['step']}:")
 for name, value in sorted(held_out.items()):
   if name != "step":
-    print(f"  {name:28s} {value:.4f}")"""),
-    ("markdown", """\
+    print(f"  {name:28s} {value:.4f}")""",
+    ),
+    (
+        "markdown",
+        """\
 Next: `api.export_hf(WORKDIR, "hf_model")` writes the discriminator and its tokenizer in Hugging
 Face format (`transformers.ElectraForPreTraining` and `AutoTokenizer.from_pretrained`), and
 `api.finetune(api.load_config("finetune/custom", {...}), "finetuned")` fine-tunes it.
-For TPU pods, GPU hosts and SLURM clusters see `launch/README.md` in the repository."""),
+For TPU pods, GPU hosts and SLURM clusters see `launch/README.md` in the repository.""",
+    ),
 ]
 
 
@@ -174,8 +195,14 @@ def render() -> str:
 if __name__ == "__main__":
   import argparse
 
-  parser = argparse.ArgumentParser(description="Writes launch/colab_tpu.ipynb from this file's cells.")
-  parser.add_argument("--check", action="store_true", help="only say whether the notebook is current (exit 1 if not)")
+  parser = argparse.ArgumentParser(
+      description="Writes launch/colab_tpu.ipynb from this file's cells."
+  )
+  parser.add_argument(
+      "--check",
+      action="store_true",
+      help="only say whether the notebook is current (exit 1 if not)",
+  )
   args = parser.parse_args()
   path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "colab_tpu.ipynb")
   if args.check:

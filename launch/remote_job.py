@@ -18,7 +18,8 @@ from typing import Callable, Optional, Sequence
 # else ssh prints around them (banners, gcloud's worker prefixes).
 STATUS_MARK = "ELECTRA_JAX_STATUS"
 _STATUS_LINE = re.compile(
-    STATUS_MARK + r" host=(?P<host>\S+) run=(?P<run>\S+) done=(?P<done>[01]) installed=(?P<installed>[01])"
+    STATUS_MARK
+    + r" host=(?P<host>\S+) run=(?P<run>\S+) done=(?P<done>[01]) installed=(?P<installed>[01])"
 )
 # What train.py logs on process 0 when train.steps is reached (now, or by an earlier run).
 _DONE_PATTERNS = ("Done: step", "Nothing to do: the checkpoint")
@@ -58,10 +59,12 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
   if "--" not in argv:
     return argv, []
   cut = argv.index("--")
-  return argv[:cut], argv[cut + 1:]
+  return argv[:cut], argv[cut + 1 :]
 
 
-BASE_RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.py")
+BASE_RECIPE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.py"
+)
 
 
 def recipe_keys(base_file: str = BASE_RECIPE) -> set[str]:
@@ -99,13 +102,17 @@ def check_overrides(overrides: Sequence[str], base_file: str = BASE_RECIPE) -> O
   keys = recipe_keys(base_file) if os.path.isfile(base_file) else None
   for override in overrides:
     if not re.fullmatch(r"--config\.[A-Za-z_][\w.]*=.*", override, flags=re.DOTALL):
-      return (f"{override!r} is not a config override; after `--` give only --config.GROUP.KEY=VALUE "
-              "arguments (e.g. --config.train.batch_size=256).")
-    key = override[len("--config."):].split("=", 1)[0]
+      return (
+          f"{override!r} is not a config override; after `--` give only --config.GROUP.KEY=VALUE "
+          "arguments (e.g. --config.train.batch_size=256)."
+      )
+    key = override[len("--config.") :].split("=", 1)[0]
     if keys is not None and key not in keys:
       close = difflib.get_close_matches(key, sorted(k for k in keys if "." in k), n=1)
-      return (f"--config.{key}: the config has no key {key!r}.{f' Did you mean {close[0]!r}?' if close else ''} "
-              f"{os.path.relpath(base_file)} lists every key.")
+      return (
+          f"--config.{key}: the config has no key {key!r}.{f' Did you mean {close[0]!r}?' if close else ''} "
+          f"{os.path.relpath(base_file)} lists every key."
+      )
   return None
 
 
@@ -119,9 +126,11 @@ def missing_config(config: str, root: str, where: str) -> Optional[str]:
   path = os.path.join(root, config.split(":", 1)[0])
   if os.path.isfile(path):
     return None
-  return (f"--config={config}: there is no file {os.path.abspath(path)}"
-          f"{'' if os.path.isabs(config) else f' ({where})'}. Check the recipe's name (they are in configs/), "
-          "or give its full path.")
+  return (
+      f"--config={config}: there is no file {os.path.abspath(path)}"
+      f"{'' if os.path.isabs(config) else f' ({where})'}. Check the recipe's name (they are in configs/), "
+      "or give its full path."
+  )
 
 
 def parse_env(pairs: Sequence[str]) -> dict[str, str]:
@@ -129,14 +138,23 @@ def parse_env(pairs: Sequence[str]) -> dict[str, str]:
   for pair in pairs:
     key, sep, value = pair.partition("=")
     if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-      raise ValueError(f"--env {pair!r} is not NAME=VALUE (e.g. --env XLA_FLAGS=--xla_dump_to=/tmp/dump).")
+      raise ValueError(
+          f"--env {pair!r} is not NAME=VALUE (e.g. --env XLA_FLAGS=--xla_dump_to=/tmp/dump)."
+      )
     env[key] = value
   return env
 
 
 def train_argv(python: str, config: str, workdir: str, overrides: Sequence[str]) -> list[str]:
   """The training command every process runs; it resumes from `workdir` by itself."""
-  return [python, "-m", "electra_jax.main", f"--config={config}", f"--workdir={workdir}", *overrides]
+  return [
+      python,
+      "-m",
+      "electra_jax.main",
+      f"--config={config}",
+      f"--workdir={workdir}",
+      *overrides,
+  ]
 
 
 # What install --local leaves out of a directory that is not a git checkout. A git checkout
@@ -147,18 +165,23 @@ FALLBACK_EXCLUDES = (".git", "workdirs", "__pycache__", "*.egg-info")
 def check_install_source(repo_url: Optional[str], local: Optional[str]) -> None:
   """install takes exactly one of --repo-url and --local, and --local must be a directory."""
   if bool(repo_url) == bool(local):
-    raise ValueError("install needs exactly one of --repo-url=URL (with --branch) or --local=CHECKOUT.")
+    raise ValueError(
+        "install needs exactly one of --repo-url=URL (with --branch) or --local=CHECKOUT."
+    )
   if local and not os.path.isdir(local):
-    raise ValueError(f"--local={local} is not a directory here; give the electra-jax checkout to install "
-                     "(e.g. --local=.).")
+    raise ValueError(
+        f"--local={local} is not a directory here; give the electra-jax checkout to install "
+        "(e.g. --local=.)."
+    )
 
 
 def is_git_checkout(directory: str) -> bool:
   """Whether `directory` is the top of a git work tree. Somewhere inside a bigger repository
   (a home directory kept in git) that repository's ignore rules would pick what is shipped."""
   try:
-    done = subprocess.run(["git", "-C", directory, "rev-parse", "--show-toplevel"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["git", "-C", directory, "rev-parse", "--show-toplevel"], capture_output=True, text=True
+    )
   except OSError:  # no git on this machine
     return False
   top = done.stdout.strip()
@@ -173,11 +196,29 @@ def pack_local(directory: str, tarball: str) -> str:
     # Tracked files plus untracked ones git does not ignore: uncommitted work travels, while a
     # virtualenv, sweeps, prepared data or anything else .gitignore names stays here.
     # --no-recursion: a listed directory (a submodule) does not bring all of its contents.
-    listing = ["git", "-C", directory, "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    listing = [
+        "git",
+        "-C",
+        directory,
+        "ls-files",
+        "-z",
+        "--cached",
+        "--others",
+        "--exclude-standard",
+    ]
     tar = ["tar", "-czf", tarball, "-C", directory, "--null", "--no-recursion", "-T", "-"]
     return f"{shlex.join(listing)} | {shlex.join(tar)}"
-  return shlex.join(["tar", "-czf", tarball, *(f"--exclude={pattern}" for pattern in FALLBACK_EXCLUDES),
-                     "-C", directory, "."])
+  return shlex.join(
+      [
+          "tar",
+          "-czf",
+          tarball,
+          *(f"--exclude={pattern}" for pattern in FALLBACK_EXCLUDES),
+          "-C",
+          directory,
+          ".",
+      ]
+  )
 
 
 def local_contents(directory: str) -> str:
@@ -185,8 +226,10 @@ def local_contents(directory: str) -> str:
   directory = os.path.abspath(directory)
   if is_git_checkout(directory):
     return f"{directory} is a git checkout: shipping the files git lists (tracked, and untracked but not ignored)."
-  return (f"{directory} is not a git checkout: shipping all of it but {', '.join(FALLBACK_EXCLUDES)} "
-          "(a virtualenv or data inside it goes too).")
+  return (
+      f"{directory} is not a git checkout: shipping all of it but {', '.join(FALLBACK_EXCLUDES)} "
+      "(a virtualenv or data inside it goes too)."
+  )
 
 
 def note(line: str, dry_run: bool) -> None:
@@ -203,9 +246,11 @@ def start_script(argv: Sequence[str], env: dict[str, str], files: JobFiles = Job
   outlives the Python process (which saves a checkpoint on SIGTERM) to write that status; a
   trapped signal, unlike an ignored one, is back to its default in the child.
   """
-  log, pid, exit_file, stopped = (shlex.quote(name) for name in (files.log, files.pid, files.exit, files.stopped))
+  log, pid, exit_file, stopped = (
+      shlex.quote(name) for name in (files.log, files.pid, files.exit, files.stopped)
+  )
   command = shlex.join(["env", *(f"{k}={v}" for k, v in env.items()), *argv] if env else list(argv))
-  job = f'trap : TERM; echo $$ > {pid}; {command}; echo $? > {exit_file}'
+  job = f"trap : TERM; echo $$ > {pid}; {command}; echo $? > {exit_file}"
   return (
       f'if kill -0 "$(cat {pid} 2>/dev/null)" 2>/dev/null; then '
       f'echo "$(hostname): a run started here is still going (pid $(cat {pid})); not starting another."; '
@@ -219,7 +264,9 @@ def start_script(argv: Sequence[str], env: dict[str, str], files: JobFiles = Job
 def status_script(python: str, files: JobFiles = JobFiles()) -> str:
   """Prints one STATUS_MARK line: is the run alive, how did it end, did it reach
   train.steps, is electra-jax installed for `python`."""
-  log, pid, exit_file, stopped = (shlex.quote(name) for name in (files.log, files.pid, files.exit, files.stopped))
+  log, pid, exit_file, stopped = (
+      shlex.quote(name) for name in (files.log, files.pid, files.exit, files.stopped)
+  )
   done_test = " ".join(f"-e {shlex.quote(p)}" for p in _DONE_PATTERNS)
   return (
       # The exit file is the job's last act (start_script removes an old one), so it wins.
@@ -240,7 +287,7 @@ def stop_script(grace_seconds: int = 120, files: JobFiles = JobFiles()) -> str:
   pid, stopped = shlex.quote(files.pid), shlex.quote(files.stopped)
   return (
       # The mark first: a `restart` supervising this run sees it and leaves the run stopped.
-      f'touch {stopped}; '
+      f"touch {stopped}; "
       f'p="$(cat {pid} 2>/dev/null)"; '
       f'if [ -n "$p" ] && kill -0 -- "-$p" 2>/dev/null; then '
       f'kill -TERM -- "-$p"; '
@@ -294,6 +341,9 @@ def run_all(execute: Execute, commands: Sequence[Sequence[str]]) -> int:
   for argv in commands:
     result = execute(argv)
     if result.returncode:
-      print(f"Command failed with exit status {result.returncode}: {shlex.join(argv)}", file=sys.stderr)
+      print(
+          f"Command failed with exit status {result.returncode}: {shlex.join(argv)}",
+          file=sys.stderr,
+      )
       return result.returncode
   return 0

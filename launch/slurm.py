@@ -46,16 +46,22 @@ def sbatch_script(args, overrides: Sequence[str]) -> str:
   for directive in directives:  # sbatch splits #SBATCH lines at whitespace; a newline would end one
     _, equals, value = directive.partition("=")
     if (equals and not value) or any(c.isspace() or not c.isprintable() for c in directive):
-      raise ValueError(f"#SBATCH {directive!r}: each directive's value must be non-empty and have no spaces "
-                       "or control characters: sbatch reads #SBATCH lines word by word.")
+      raise ValueError(
+          f"#SBATCH {directive!r}: each directive's value must be non-empty and have no spaces "
+          "or control characters: sbatch reads #SBATCH lines word by word."
+      )
   workdir = args.workdir if "://" in args.workdir else os.path.abspath(args.workdir)
   config = args.config if "://" in args.config else os.path.abspath(args.config)
   train = remote_job.train_argv(args.python, config, workdir, overrides)
   env = remote_job.parse_env(args.env)
-  lines = ["#!/bin/bash"] + [f"#SBATCH {d}" for d in directives] + [
-      "# Written by launch/slurm.py. Submitting it again resumes from the workdir.",
-      "set -eo pipefail",
-  ]
+  lines = (
+      ["#!/bin/bash"]
+      + [f"#SBATCH {d}" for d in directives]
+      + [
+          "# Written by launch/slurm.py. Submitting it again resumes from the workdir.",
+          "set -eo pipefail",
+      ]
+  )
   lines += list(args.setup)  # e.g. `source ~/venvs/electra/bin/activate`, `module load cuda`
   lines += [f"export {key}={shlex.quote(value)}" for key, value in env.items()]
   lines += [
@@ -71,13 +77,16 @@ def sbatch_script(args, overrides: Sequence[str]) -> str:
 def submit_commands(script_path: str, chain: int) -> list[str]:
   """Shell lines: the first submission, then `chain` more, each after the previous one ends."""
   lines = [f"jobid=$(sbatch --parsable {shlex.quote(script_path)})"]
-  lines += [f"jobid=$(sbatch --parsable --dependency=afterany:$jobid {shlex.quote(script_path)})"] * chain
+  lines += [
+      f"jobid=$(sbatch --parsable --dependency=afterany:$jobid {shlex.quote(script_path)})"
+  ] * chain
   return lines
 
 
 def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="slurm.py", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+      prog="slurm.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("--workdir", required=True, help="on a filesystem every node sees (or gs://)")
   parser.add_argument("--config", default="configs/electra_small.py")
   parser.add_argument("--nodes", type=int, default=1)
@@ -88,7 +97,9 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--account")
   parser.add_argument("--job-name", default="electra-jax")
   parser.add_argument("--log-dir", default="slurm-logs")
-  parser.add_argument("--signal-seconds", type=int, default=300, help="SIGTERM this long before the limit")
+  parser.add_argument(
+      "--signal-seconds", type=int, default=300, help="SIGTERM this long before the limit"
+  )
   parser.add_argument("--python", default="python3")
   parser.add_argument("--setup", action="append", default=[], help="a shell line run before srun")
   parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
@@ -111,15 +122,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   # The job writes its log there from the directory it is submitted from: make it absolute now.
   args.log_dir = os.path.abspath(args.log_dir)
   if args.nodes < 1 or args.gpus_per_node < 1 or args.chain < 0:
-    parser.error(f"--nodes={args.nodes} and --gpus-per-node={args.gpus_per_node} must be >= 1, "
-                 f"--chain={args.chain} >= 0.")
+    parser.error(
+        f"--nodes={args.nodes} and --gpus-per-node={args.gpus_per_node} must be >= 1, "
+        f"--chain={args.chain} >= 0."
+    )
   # The script names the recipe by its absolute path from here; refuse one that is not there
   # now rather than let every task of a queued job fail on it later.
   where = f"taken from the current directory, {os.getcwd()}"
   if (problem := remote_job.missing_config(args.config, ".", where)) is not None:
     own = os.path.join(_CHECKOUT, args.config)
     if not os.path.isabs(args.config) and os.path.isfile(own):  # run from outside the checkout
-      problem += f" slurm.py's checkout has {own}: run slurm.py from {_CHECKOUT}, or pass --config={own}."
+      problem += (
+          f" slurm.py's checkout has {own}: run slurm.py from {_CHECKOUT}, or pass --config={own}."
+      )
     parser.error(problem)
   try:
     script = sbatch_script(args, overrides)
@@ -141,7 +156,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if not args.submit:
     print("Submit it with:\n" + "\n".join(submit))
     return 0
-  return subprocess.run(["bash", "-c", "set -e; " + "; ".join(submit) + '; echo "last job: $jobid"']).returncode
+  return subprocess.run(
+      ["bash", "-c", "set -e; " + "; ".join(submit) + '; echo "last job: $jobid"']
+  ).returncode
 
 
 if __name__ == "__main__":

@@ -74,33 +74,63 @@ class Slice:
       raise ValueError("create needs --accelerator-type (e.g. v4-32, v5litepod-16).")
     version = self.version or default_runtime_version(self.accelerator_type)
     if self.queued:
-      argv = self._tpus("queued-resources", "create", self.queued_resource, f"--node-id={self.name}",
-                        *self._scope(), f"--accelerator-type={self.accelerator_type}",
-                        f"--runtime-version={version}")
+      argv = self._tpus(
+          "queued-resources",
+          "create",
+          self.queued_resource,
+          f"--node-id={self.name}",
+          *self._scope(),
+          f"--accelerator-type={self.accelerator_type}",
+          f"--runtime-version={version}",
+      )
       if self.valid_until_duration:
         argv.append(f"--valid-until-duration={self.valid_until_duration}")
     else:
-      argv = self._tpus("tpu-vm", "create", self.name, *self._scope(),
-                        f"--accelerator-type={self.accelerator_type}", f"--version={version}")
+      argv = self._tpus(
+          "tpu-vm",
+          "create",
+          self.name,
+          *self._scope(),
+          f"--accelerator-type={self.accelerator_type}",
+          f"--version={version}",
+      )
     return [argv + (["--spot"] if self.spot else [])]
 
   def delete(self) -> list[list[str]]:
     if self.queued:  # --force also deletes the node the queued resource holds
-      return [self._tpus("queued-resources", "delete", self.queued_resource, *self._scope(), "--force", "--quiet")]
+      return [
+          self._tpus(
+              "queued-resources",
+              "delete",
+              self.queued_resource,
+              *self._scope(),
+              "--force",
+              "--quiet",
+          )
+      ]
     return [self._tpus("tpu-vm", "delete", self.name, *self._scope(), "--quiet")]
 
   def describe_node(self) -> list[str]:
     return self._tpus("tpu-vm", "describe", self.name, *self._scope(), "--format=value(state)")
 
   def describe_queued(self) -> list[str]:
-    return self._tpus("queued-resources", "describe", self.queued_resource, *self._scope(),
-                      "--format=value(state.state)")
+    return self._tpus(
+        "queued-resources",
+        "describe",
+        self.queued_resource,
+        *self._scope(),
+        "--format=value(state.state)",
+    )
 
   def ssh(self, command: str, worker: str = "all") -> list[str]:
-    return self._tpus("tpu-vm", "ssh", self.name, *self._scope(), f"--worker={worker}", f"--command={command}")
+    return self._tpus(
+        "tpu-vm", "ssh", self.name, *self._scope(), f"--worker={worker}", f"--command={command}"
+    )
 
   def scp(self, source: str, destination: str, worker: str = "all") -> list[str]:
-    return self._tpus("tpu-vm", "scp", source, f"{self.name}:{destination}", *self._scope(), f"--worker={worker}")
+    return self._tpus(
+        "tpu-vm", "scp", source, f"{self.name}:{destination}", *self._scope(), f"--worker={worker}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,16 +152,29 @@ class Install:
     # pip needs a path, not a bare name, to install a directory.
     package_dir = self.remote_dir if os.path.isabs(self.remote_dir) else f"./{self.remote_dir}"
     # The gcs extra (gcsfs, google-cloud-storage): workdirs on a slice live in a gs:// bucket.
-    pip = shlex.join([self.python, "-m", "pip", "install", "--upgrade", self.jax_package, f"{package_dir}[gcs]"])
+    pip = shlex.join(
+        [self.python, "-m", "pip", "install", "--upgrade", self.jax_package, f"{package_dir}[gcs]"]
+    )
     if self.repo_url:
-      fetch = shlex.join(["git", "clone", "--depth=1", f"--branch={self.branch}", self.repo_url, self.remote_dir + ".new"])
+      fetch = shlex.join(
+          [
+              "git",
+              "clone",
+              "--depth=1",
+              f"--branch={self.branch}",
+              self.repo_url,
+              self.remote_dir + ".new",
+          ]
+      )
       script = f"set -e; rm -rf {staging}; {fetch}; rm -rf {remote_dir}; mv {staging} {remote_dir}; {pip}"
       return [tpu.ssh(script)]
     tarball = f"electra-jax-src-{tpu.name}.tar.gz"
     local_tarball = os.path.join("/tmp", tarball)
     pack = ["bash", "-c", "set -o pipefail; " + remote_job.pack_local(self.local, local_tarball)]
-    unpack = (f"set -e; rm -rf {staging}; mkdir -p {staging}; tar -xzf {shlex.quote(tarball)} -C {staging}; "
-              f"rm -rf {remote_dir}; mv {staging} {remote_dir}; {pip}")
+    unpack = (
+        f"set -e; rm -rf {staging}; mkdir -p {staging}; tar -xzf {shlex.quote(tarball)} -C {staging}; "
+        f"rm -rf {remote_dir}; mv {staging} {remote_dir}; {pip}"
+    )
     return [pack, tpu.scp(local_tarball, tarball), tpu.ssh(unpack)]
 
 
@@ -182,7 +225,8 @@ def slice_state(tpu: Slice, execute: remote_job.Execute) -> str:
 
 def decide(state: str, workers: Optional[list[remote_job.WorkerStatus]], queued: bool) -> str:
   """What the supervisor does next, from the slice's state and each worker's run:
-  recreate | wait | stopped | stopped_run | failed | install_and_run | run | stop_and_run | finished."""
+  recreate | wait | stopped | stopped_run | failed | install_and_run | run | stop_and_run | finished.
+  """
   if queued and state == QUEUED_FAILED:
     return "failed"
   if state in (QUEUED_GONE if queued else set()) | NODE_GONE:
@@ -226,29 +270,39 @@ def supervise(
     state = slice_state(tpu, execute)
     workers = None
     if state == "READY":
-      workers = remote_job.parse_status(execute(tpu.ssh(remote_job.status_script(run.python)), capture=True).output)
+      workers = remote_job.parse_status(
+          execute(tpu.ssh(remote_job.status_script(run.python)), capture=True).output
+      )
     action = decide(state, workers, tpu.queued)
     if action == "stopped_run" and not watched:
       action = "run"  # stopped before this restart began: restarting it is what was asked
     watched = watched or any(w.running for w in workers or [])
     summary = ", ".join(f"{w.host}={w.run}" for w in workers or [])
-    log(f"[{time.strftime('%H:%M:%S')}] slice {tpu.name}: {state}{' | ' + summary if summary else ''} -> {action}")
+    log(
+        f"[{time.strftime('%H:%M:%S')}] slice {tpu.name}: {state}{' | ' + summary if summary else ''} -> {action}"
+    )
 
     if action == "finished":
       log("The run reached train.steps.")
       return 0
     if action == "failed":
-      log(f"The queued resource {tpu.name} FAILED (refused, or --valid-until-duration ran out): "
+      log(
+          f"The queued resource {tpu.name} FAILED (refused, or --valid-until-duration ran out): "
           f"`gcloud compute tpus queued-resources describe {tpu.name} --zone={tpu.zone}` says why. "
-          "Delete it, then create it or run restart again.")
+          "Delete it, then create it or run restart again."
+      )
       return 1
     if action == "stopped_run":
-      log(f"The run on {tpu.name} was stopped with `stop` (it saved a checkpoint): leaving it stopped. "
-          "`run` or `restart` starts it again from its workdir.")
+      log(
+          f"The run on {tpu.name} was stopped with `stop` (it saved a checkpoint): leaving it stopped. "
+          "`run` or `restart` starts it again from its workdir."
+      )
       return 0
     if action == "stopped":
-      log(f"{tpu.name} is {state}: someone stopped it. Start it (gcloud compute tpus tpu-vm start) or "
-          "delete it, then run restart again.")
+      log(
+          f"{tpu.name} is {state}: someone stopped it. Start it (gcloud compute tpus tpu-vm start) or "
+          "delete it, then run restart again."
+      )
       return 1
     if action == "recreate":
       if state != "MISSING":
@@ -258,13 +312,17 @@ def supervise(
       else:  # capacity may be short: retried at the next poll, a bounded number of times
         failed_creates += 1
         if failed_creates > max_restarts:
-          log(f"Gave up after {failed_creates} failed creates in a row; the gcloud errors above say why.")
+          log(
+              f"Gave up after {failed_creates} failed creates in a row; the gcloud errors above say why."
+          )
           return 1
     elif action in ("install_and_run", "run", "stop_and_run"):
       if action != "install_and_run" and any(w.crashed for w in workers):  # on a slice still there
         failures += 1
         if failures > max_restarts:
-          log(f"Gave up after {max_restarts} restarts; read the worker logs (follow) for the cause.")
+          log(
+              f"Gave up after {max_restarts} restarts; read the worker logs (follow) for the cause."
+          )
           return 1
       if any(w.running for w in workers):
         # A dead peer (stop_and_run), or a reimaged worker that lost electra-jax while the
@@ -288,7 +346,9 @@ def supervise_dry_run(tpu: Slice, install: Install, run: Run, execute: remote_jo
   print("# when the slice is preempted (or missing), it recreates it, installs and starts the run:")
   for argv in tpu.delete() + tpu.create() + install.commands(tpu) + run.start(tpu):
     execute(argv)
-  print("# when a worker's run died while others still run, it stops them and starts the run again:")
+  print(
+      "# when a worker's run died while others still run, it stops them and starts the run again:"
+  )
   execute(tpu.ssh(remote_job.stop_script()))
   for argv in run.start(tpu):
     execute(argv)
@@ -302,18 +362,26 @@ def _parser() -> argparse.ArgumentParser:
   common.add_argument("--name", required=True, help="the TPU VM (node) name")
   common.add_argument("--zone", required=True, help="e.g. us-central2-b (v4), us-west4-a (v5e)")
   common.add_argument("--project", help="Google Cloud project (default: gcloud's configured one)")
-  common.add_argument("--queued", action="store_true", help="the slice comes from a queued resource")
+  common.add_argument(
+      "--queued", action="store_true", help="the slice comes from a queued resource"
+  )
   common.add_argument("--queued-id", help="the queued resource's id (default: --name)")
   common.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
 
   create = argparse.ArgumentParser(add_help=False)
   create.add_argument("--accelerator-type", help="e.g. v4-32, v5litepod-16, v5p-64, v6e-16")
-  create.add_argument("--version", help="TPU software version (default: Google's JAX choice for the type)")
+  create.add_argument(
+      "--version", help="TPU software version (default: Google's JAX choice for the type)"
+  )
   create.add_argument("--spot", action="store_true", help="Spot capacity: cheaper, preemptible")
-  create.add_argument("--valid-until-duration", help="queued: give up waiting after this long, e.g. 6h")
+  create.add_argument(
+      "--valid-until-duration", help="queued: give up waiting after this long, e.g. 6h"
+  )
 
   software = argparse.ArgumentParser(add_help=False)
-  software.add_argument("--remote-dir", default="electra-jax", help="the checkout on each worker (in $HOME)")
+  software.add_argument(
+      "--remote-dir", default="electra-jax", help="the checkout on each worker (in $HOME)"
+  )
   software.add_argument("--python", default="python3", help="the workers' Python")
 
   install = argparse.ArgumentParser(add_help=False)
@@ -324,29 +392,48 @@ def _parser() -> argparse.ArgumentParser:
 
   run = argparse.ArgumentParser(add_help=False)
   run.add_argument("--workdir", help="where checkpoints and metrics go, typically gs://BUCKET/RUN")
-  run.add_argument("--config", default="configs/electra_small.py", help="recipe, relative to the checkout")
-  run.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="environment of the run")
+  run.add_argument(
+      "--config", default="configs/electra_small.py", help="recipe, relative to the checkout"
+  )
+  run.add_argument(
+      "--env", action="append", default=[], metavar="NAME=VALUE", help="environment of the run"
+  )
 
   parser = argparse.ArgumentParser(
-      prog="tpu_vm.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+      prog="tpu_vm.py",
+      description=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog="Config overrides follow a `--`: ... run --workdir=gs://b/r -- --config.train.steps=1000",
   )
   sub = parser.add_subparsers(dest="command", required=True)
   sub.add_parser("create", parents=[common, create], help="create the slice")
-  sub.add_parser("install", parents=[common, software, install], help="install electra-jax on every worker")
-  sub.add_parser("run", parents=[common, software, run], help="start the run on every worker, detached")
+  sub.add_parser(
+      "install", parents=[common, software, install], help="install electra-jax on every worker"
+  )
+  sub.add_parser(
+      "run", parents=[common, software, run], help="start the run on every worker, detached"
+  )
   follow = sub.add_parser("follow", parents=[common], help="tail a worker's log")
   follow.add_argument("--worker", default="0")
   follow.add_argument("--lines", type=int, default=200)
   sub.add_parser("status", parents=[common, software], help="slice state and each worker's run")
-  stop = sub.add_parser("stop", parents=[common], help="stop the run on every worker (it saves first)")
+  stop = sub.add_parser(
+      "stop", parents=[common], help="stop the run on every worker (it saves first)"
+  )
   stop.add_argument("--grace-seconds", type=int, default=120)
   sub.add_parser("delete", parents=[common], help="delete the slice (or its queued resource)")
-  restart = sub.add_parser("restart", parents=[common, create, software, install, run],
-                           help="supervise: recreate, reinstall and resume until train.steps")
+  restart = sub.add_parser(
+      "restart",
+      parents=[common, create, software, install, run],
+      help="supervise: recreate, reinstall and resume until train.steps",
+  )
   restart.add_argument("--poll-seconds", type=float, default=120.0)
-  restart.add_argument("--max-restarts", type=int, default=20,
-                       help="give up after this many restarts of a crashed run (preemptions do not count)")
+  restart.add_argument(
+      "--max-restarts",
+      type=int,
+      default=20,
+      help="give up after this many restarts of a crashed run (preemptions do not count)",
+  )
   return parser
 
 
@@ -361,13 +448,18 @@ def main(argv: Optional[Sequence[str]] = None, execute: Optional[remote_job.Exec
   if getattr(args, "valid_until_duration", None) and not args.queued:
     parser.error("--valid-until-duration only applies to --queued slices.")
   if args.queued_id and not args.queued:
-    parser.error(f"--queued-id={args.queued_id} names a queued resource: add --queued (without it the "
-                 "commands act on a plain TPU VM node).")
+    parser.error(
+        f"--queued-id={args.queued_id} names a queued resource: add --queued (without it the "
+        "commands act on a plain TPU VM node)."
+    )
   if not args.zone.strip() or not args.name.strip():
     parser.error(f"--zone={args.zone!r} and --name={args.name!r} must not be empty.")
-  for flag, value, least in (("--poll-seconds", getattr(args, "poll_seconds", 1), 1), ("--grace-seconds",
-                             getattr(args, "grace_seconds", 0), 0), ("--max-restarts", getattr(args, "max_restarts", 0), 0),
-                             ("--lines", getattr(args, "lines", 1), 1)):
+  for flag, value, least in (
+      ("--poll-seconds", getattr(args, "poll_seconds", 1), 1),
+      ("--grace-seconds", getattr(args, "grace_seconds", 0), 0),
+      ("--max-restarts", getattr(args, "max_restarts", 0), 0),
+      ("--lines", getattr(args, "lines", 1), 1),
+  ):
     if value < least:
       parser.error(f"{flag}={value} must be >= {least}.")
   if args.command in ("run", "restart") and not args.workdir:
@@ -378,13 +470,35 @@ def main(argv: Optional[Sequence[str]] = None, execute: Optional[remote_job.Exec
     parser.error(str(error))
   execute = execute or remote_job.make_executor(args.dry_run)
 
-  tpu = Slice(args.name, args.zone, args.project, getattr(args, "accelerator_type", None),
-              getattr(args, "version", None), getattr(args, "spot", False), args.queued, args.queued_id,
-              getattr(args, "valid_until_duration", None))
-  software = dict(remote_dir=getattr(args, "remote_dir", "electra-jax"), python=getattr(args, "python", "python3"))
-  install = Install(getattr(args, "repo_url", None), getattr(args, "branch", "main"), getattr(args, "local", None),
-                    jax_package=getattr(args, "jax_package", "jax[tpu]"), **software)
-  run = Run(getattr(args, "workdir", None) or "", getattr(args, "config", ""), tuple(overrides), env, **software)
+  tpu = Slice(
+      args.name,
+      args.zone,
+      args.project,
+      getattr(args, "accelerator_type", None),
+      getattr(args, "version", None),
+      getattr(args, "spot", False),
+      args.queued,
+      args.queued_id,
+      getattr(args, "valid_until_duration", None),
+  )
+  software = dict(
+      remote_dir=getattr(args, "remote_dir", "electra-jax"),
+      python=getattr(args, "python", "python3"),
+  )
+  install = Install(
+      getattr(args, "repo_url", None),
+      getattr(args, "branch", "main"),
+      getattr(args, "local", None),
+      jax_package=getattr(args, "jax_package", "jax[tpu]"),
+      **software,
+  )
+  run = Run(
+      getattr(args, "workdir", None) or "",
+      getattr(args, "config", ""),
+      tuple(overrides),
+      env,
+      **software,
+  )
 
   try:
     if args.command == "create":
@@ -397,7 +511,9 @@ def main(argv: Optional[Sequence[str]] = None, execute: Optional[remote_job.Exec
     if args.command == "run":
       return remote_job.run_all(execute, run.start(tpu))
     if args.command == "follow":
-      return remote_job.run_all(execute, [tpu.ssh(remote_job.follow_script(args.lines), worker=args.worker)])
+      return remote_job.run_all(
+          execute, [tpu.ssh(remote_job.follow_script(args.lines), worker=args.worker)]
+      )
     if args.command == "status":
       commands = ([tpu.describe_queued()] if tpu.queued else []) + [tpu.describe_node()]
       return remote_job.run_all(execute, commands + [tpu.ssh(remote_job.status_script(run.python))])

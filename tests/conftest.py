@@ -32,7 +32,10 @@ xla_flags.apply_cpu_defaults()
 
 def with_devices(count: int) -> dict:
   """Environment entries that give a subprocess `count` CPU devices (keeping $XLA_FLAGS)."""
-  return {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}".strip()}
+  return {
+      "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}".strip()
+  }
+
 
 from electra_jax import config_lib  # noqa: E402
 
@@ -67,15 +70,30 @@ TINY_OVERRIDES = {
 # order, and a long file collected last (test_train.py, by name) keeps one worker busy minutes
 # after the other has run out of work. The files that load torch or pyarrow come last (their
 # process compiles without its cache from then on: see _NativePeerWatch).
-LONGEST_FILES = ("test_train.py", "test_distributed.py", "test_ablations.py", "test_sweep.py", "test_finetune.py")
-PEER_FILES = ("test_squad.py", "test_plots.py", "test_finetune_metrics.py", "test_hf_datasets_source.py",
-              "test_hf_peer.py", "test_interop.py", "test_interop_import.py")
+LONGEST_FILES = (
+    "test_train.py",
+    "test_distributed.py",
+    "test_ablations.py",
+    "test_sweep.py",
+    "test_finetune.py",
+)
+PEER_FILES = (
+    "test_squad.py",
+    "test_plots.py",
+    "test_finetune_metrics.py",
+    "test_hf_datasets_source.py",
+    "test_hf_peer.py",
+    "test_interop.py",
+    "test_interop_import.py",
+)
 
 
 def pytest_collection_modifyitems(items):
   rank = {name: i for i, name in enumerate(LONGEST_FILES)}
   rank.update({name: len(LONGEST_FILES) + 1 + i for i, name in enumerate(PEER_FILES)})
-  items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # stable: files keep their order
+  items.sort(
+      key=lambda item: rank.get(item.path.name, len(LONGEST_FILES))
+  )  # stable: files keep their order
 
 
 def tiny_config(**overrides):
@@ -93,7 +111,13 @@ def deep_tiny_config(**overrides):
 
 def cli_args(workdir, **overrides):
   """Arguments of `python -m electra_jax.main` for the tiny config."""
-  args = [sys.executable, "-m", "electra_jax.main", f"--config={REPO}/configs/base.py", f"--workdir={workdir}"]
+  args = [
+      sys.executable,
+      "-m",
+      "electra_jax.main",
+      f"--config={REPO}/configs/base.py",
+      f"--workdir={workdir}",
+  ]
   args += [f"--config.{k}={v}" for k, v in {**TINY_OVERRIDES, **overrides}.items()]
   return args
 
@@ -113,7 +137,10 @@ def data_cache(tmp_path_factory):
   import jax  # noqa: PLC0415
 
   xla_cache = tmp_path_factory.mktemp("xla_cache")
-  os.environ.update(JAX_COMPILATION_CACHE_DIR=str(xla_cache / "cli"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  os.environ.update(
+      JAX_COMPILATION_CACHE_DIR=str(xla_cache / "cli"),
+      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+  )
   jax.config.update("jax_compilation_cache_dir", str(xla_cache / "tests"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   return cache
@@ -124,6 +151,7 @@ def data_cache(tmp_path_factory):
 # without them ever did. So a test process stops using its cache the moment it first imports
 # either (the tests import them inside the tests that need them, and their files run last).
 class _NativePeerWatch(importlib.abc.MetaPathFinder):
+
   def find_spec(self, name, path=None, target=None):
     if name in ("torch", "pyarrow"):
       import jax  # noqa: PLC0415
@@ -142,7 +170,9 @@ if not any(name in sys.modules for name in ("torch", "pyarrow")):
 def run_cli(args, env_extra=None, timeout=600, **kwargs):
   """`args` in a subprocess: for what only a process of its own shows (its start, signals, devices)."""
   env = dict(os.environ, **(env_extra or {}))
-  return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **kwargs)
+  return subprocess.run(
+      args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **kwargs
+  )
 
 
 def cli(args, cwd=REPO) -> subprocess.CompletedProcess:
@@ -155,7 +185,11 @@ def cli(args, cwd=REPO) -> subprocess.CompletedProcess:
 
   from electra_jax import main  # noqa: PLC0415
 
-  assert [os.path.basename(args[0]).startswith("python"), *args[1:3]] == [True, "-m", "electra_jax.main"], args
+  assert [os.path.basename(args[0]).startswith("python"), *args[1:3]] == [
+      True,
+      "-m",
+      "electra_jax.main",
+  ], args
   argv = ["electra-jax", *map(str, args[3:])]
   flags.FLAGS.unparse_flags()  # every flag back to its default, and no override of the last recipe
   for name in [name for name in flags.FLAGS if name.startswith("config.")]:
@@ -190,14 +224,22 @@ def cli(args, cwd=REPO) -> subprocess.CompletedProcess:
 # that are exactly zero in exact arithmetic; a small learning rate keeps five steps of that
 # drift below the tests' tolerance. One layer: every kind of parameter is still sharded, and it
 # compiles faster.
-EIGHT_DEVICE_OVERRIDES = {"train.steps": 5, "checkpoint.every_steps": 5, "optimizer.learning_rate": 1e-4, "model.num_layers": 1,
-                          "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
+EIGHT_DEVICE_OVERRIDES = {
+    "train.steps": 5,
+    "checkpoint.every_steps": 5,
+    "optimizer.learning_rate": 1e-4,
+    "model.num_layers": 1,
+    "mesh.data": 2,
+    "mesh.fsdp": 2,
+    "mesh.tensor": 2,
+}
 
 
 @contextlib.contextmanager
 def logged_messages(name=None, level=logging.INFO):
   """The messages that logger `name` (the root for None) gets at `level` or above inside the block,
-  as a list filled while it runs; the logger's own level is lowered to `level` meanwhile if needed."""
+  as a list filled while it runs; the logger's own level is lowered to `level` meanwhile if needed.
+  """
   messages = []
   handler = logging.Handler(level)
   handler.emit = lambda record: messages.append(record.getMessage())

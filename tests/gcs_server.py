@@ -51,9 +51,26 @@ class GcsServer:
     storage = os.path.join(self._root.name, "objects")
     with open(self.log, "w") as log:  # a file, not a pipe: a full pipe would stall the server
       self._process = subprocess.Popen(
-          [_binary(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url,
-           "-backend", "filesystem", "-filesystem-root", storage, "-log-level", "warn"],
-          stdout=subprocess.DEVNULL, stderr=log)
+          [
+              _binary(),
+              "-scheme",
+              "http",
+              "-host",
+              "127.0.0.1",
+              "-port",
+              str(self.port),
+              "-external-url",
+              self.url,
+              "-backend",
+              "filesystem",
+              "-filesystem-root",
+              storage,
+              "-log-level",
+              "warn",
+          ],
+          stdout=subprocess.DEVNULL,
+          stderr=log,
+      )
     deadline = time.monotonic() + 30
     while True:
       try:
@@ -61,22 +78,34 @@ class GcsServer:
         break
       except (urllib.error.URLError, ConnectionError):
         if self._process.poll() is not None or time.monotonic() > deadline:
-          raise RuntimeError(f"fake-gcs-server did not start: {open(self.log).read()[-2000:]}") from None
+          raise RuntimeError(
+              f"fake-gcs-server did not start: {open(self.log).read()[-2000:]}"
+          ) from None
         time.sleep(0.05)
 
   @property
   def env(self) -> dict[str, str]:
     """The settings that send every client here (see the module's docstring)."""
-    return {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
-            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-            "NO_GCE_CHECK": "True", "GCE_METADATA_HOST": "127.0.0.1:9", "GCE_METADATA_IP": "127.0.0.1:9",
-            "GOOGLE_CLOUD_PROJECT": "electra-jax-tests"}
+    return {
+        "STORAGE_EMULATOR_HOST": self.url,
+        "TENSORSTORE_GCS_HTTP_URL": self.url,
+        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+        "NO_GCE_CHECK": "True",
+        "GCE_METADATA_HOST": "127.0.0.1:9",
+        "GCE_METADATA_IP": "127.0.0.1:9",
+        "GOOGLE_CLOUD_PROJECT": "electra-jax-tests",
+    }
 
   def create_bucket(self, name: str | None = None) -> str:
     """A new empty bucket; returns its gs:// URL."""
     name = name or f"electra-{uuid.uuid4().hex[:12]}"
-    request = urllib.request.Request(f"{self.url}/storage/v1/b?project=test", data=json.dumps({"name": name}).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+    request = urllib.request.Request(
+        f"{self.url}/storage/v1/b?project=test",
+        data=json.dumps({"name": name}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     urllib.request.urlopen(request, timeout=10).read()
     return f"gs://{name}"
 
@@ -86,7 +115,9 @@ class GcsServer:
     names, token = [], ""
     while True:
       query = f"prefix={urllib.request.quote(prefix)}" + (f"&pageToken={token}" if token else "")
-      page = json.loads(urllib.request.urlopen(f"{self.url}/storage/v1/b/{bucket}/o?{query}", timeout=10).read())
+      page = json.loads(
+          urllib.request.urlopen(f"{self.url}/storage/v1/b/{bucket}/o?{query}", timeout=10).read()
+      )
       names += [item["name"] for item in page.get("items", [])]
       token = page.get("nextPageToken")
       if not token:

@@ -25,8 +25,16 @@ VOCAB = 97
 
 def _objective(**changes):
   base = objectives.ElectraObjective(
-      mask_prob=0.15, max_predictions=6, gen_weight=1.0, disc_weight=50.0, temperature=1.0,
-      keep_original_prob=0.15, mask_id=MASK, pad_id=PAD, cls_id=CLS, sep_id=SEP,
+      mask_prob=0.15,
+      max_predictions=6,
+      gen_weight=1.0,
+      disc_weight=50.0,
+      temperature=1.0,
+      keep_original_prob=0.15,
+      mask_id=MASK,
+      pad_id=PAD,
+      cls_id=CLS,
+      sep_id=SEP,
   )
   return dataclasses.replace(base, **changes)
 
@@ -39,42 +47,75 @@ def _batch(seed=0, batch=4, seq=24):
   ids[:, 0] = CLS
   ids[np.arange(batch), lengths - 1] = SEP
   ids = np.where(mask > 0, ids, PAD)
-  return {"input_ids": jnp.asarray(ids), "token_type_ids": jnp.zeros_like(ids), "attention_mask": jnp.asarray(mask)}
+  return {
+      "input_ids": jnp.asarray(ids),
+      "token_type_ids": jnp.zeros_like(ids),
+      "attention_mask": jnp.asarray(mask),
+  }
 
 
 def _model_and_params(tie="embeddings", objective="electra"):
-  config = tiny_config(**{"model.vocab_size": VOCAB, "model.tie": tie, "model.dropout_rate": 0.0,
-                          "model.attention_dropout_rate": 0.0, "objective.name": objective})
+  config = tiny_config(
+      **{
+          "model.vocab_size": VOCAB,
+          "model.tie": tie,
+          "model.dropout_rate": 0.0,
+          "model.attention_dropout_rate": 0.0,
+          "objective.name": objective,
+      }
+  )
   model = models.build_model(config)
   ids = jnp.zeros((1, 8), jnp.int32)
   params = nn.meta.unbox(
-      jax.jit(model.init)(jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32))["params"])
+      jax.jit(model.init)(
+          jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32)
+      )["params"]
+  )
   return model, params
 
 
 def _forward(model, params, objective, batch, seed=1):
-  masked = objectives.mask_tokens(jax.random.key(seed), batch["input_ids"], batch["attention_mask"], objective)
+  masked = objectives.mask_tokens(
+      jax.random.key(seed), batch["input_ids"], batch["attention_mask"], objective
+  )
   keys = jax.random.split(jax.random.key(seed + 1), batch["input_ids"].shape[0])
   normalizers = objectives.Normalizers.of(
-      masked, batch["attention_mask"], objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective)
+      masked,
+      batch["attention_mask"],
+      objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective),
   )
   # Compiled: op by op, each of the forward's few hundred ops would compile on its own.
-  loss, (stats, per_token) = jax.jit(lambda p: objectives.electra_forward(
-      model, p, batch, masked, keys, jax.random.key(3), objective, normalizers, deterministic=True
-  ))(params)
+  loss, (stats, per_token) = jax.jit(
+      lambda p: objectives.electra_forward(
+          model,
+          p,
+          batch,
+          masked,
+          keys,
+          jax.random.key(3),
+          objective,
+          normalizers,
+          deterministic=True,
+      )
+  )(params)
   return masked, loss, stats, per_token
 
 
 def _grads(model, params, objective, batch):
-  masked = objectives.mask_tokens(jax.random.key(1), batch["input_ids"], batch["attention_mask"], objective)
+  masked = objectives.mask_tokens(
+      jax.random.key(1), batch["input_ids"], batch["attention_mask"], objective
+  )
   keys = jax.random.split(jax.random.key(2), batch["input_ids"].shape[0])
   normalizers = objectives.Normalizers.of(
-      masked, batch["attention_mask"], objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective)
+      masked,
+      batch["attention_mask"],
+      objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective),
   )
 
   def loss_fn(p):
-    return objectives.electra_forward(model, p, batch, masked, keys, jax.random.key(3), objective,
-                                      normalizers, deterministic=True)[0]
+    return objectives.electra_forward(
+        model, p, batch, masked, keys, jax.random.key(3), objective, normalizers, deterministic=True
+    )[0]
 
   return jax.jit(jax.grad(loss_fn))(params)
 
@@ -98,18 +139,24 @@ def test_electra_15_puts_the_discriminator_loss_only_on_masked_positions():
   weights = np.asarray(per_token["token_weights"])
   # Exactly the used masked positions carry weight.
   expected = np.zeros_like(weights)
-  for row, (positions, used) in enumerate(zip(np.asarray(masked.positions), np.asarray(masked.weights))):
+  for row, (positions, used) in enumerate(
+      zip(np.asarray(masked.positions), np.asarray(masked.weights))
+  ):
     expected[row, positions[used > 0]] = 1.0
   np.testing.assert_array_equal(weights, expected)
   assert float(stats["num_tokens"]) == float(masked.weights.sum())
   # The loss by hand: mean BCE over those positions, times 50, plus L_MLM.
-  logits, labels = np.asarray(per_token["disc_logits"]), np.asarray(per_token["is_replaced"], np.float32)
+  logits, labels = np.asarray(per_token["disc_logits"]), np.asarray(
+      per_token["is_replaced"], np.float32
+  )
   disc = (_bce(logits, labels) * expected).sum() / expected.sum()
   mlm = float(stats["mlm_loss_sum"]) / float(masked.weights.sum())
   assert math.isclose(float(loss), mlm + 50.0 * disc, rel_tol=1e-5)
   # And the plain objective on the same draw weights every real token instead.
   _, _, _, all_tokens = _forward(model, params, _objective(), batch)
-  np.testing.assert_array_equal(np.asarray(all_tokens["token_weights"]), np.asarray(batch["attention_mask"], np.float32))
+  np.testing.assert_array_equal(
+      np.asarray(all_tokens["token_weights"]), np.asarray(batch["attention_mask"], np.float32)
+  )
 
 
 def test_uniform_replacements_run_no_generator_and_cover_the_vocabulary():
@@ -121,10 +168,14 @@ def test_uniform_replacements_run_no_generator_and_cover_the_vocabulary():
   assert _norm(grads["discriminator"]) > 0.0
   masked, _, stats, _ = _forward(model, params, objective, batch)
   # All-zero logits: L_MLM is log(V) at every prediction.
-  assert math.isclose(float(stats["mlm_loss_sum"]) / float(masked.weights.sum()), math.log(VOCAB), rel_tol=1e-6)
+  assert math.isclose(
+      float(stats["mlm_loss_sum"]) / float(masked.weights.sum()), math.log(VOCAB), rel_tol=1e-6
+  )
   # Samples are uniform over the vocabulary: 4000 draws hit nearly all 97 ids, evenly.
   logits = jnp.zeros((4000, 1, VOCAB))
-  samples = np.asarray(objectives.sample_tokens(jax.random.split(jax.random.key(0), 4000), logits, 1.0))
+  samples = np.asarray(
+      objectives.sample_tokens(jax.random.split(jax.random.key(0), 4000), logits, 1.0)
+  )
   counts = np.bincount(samples.ravel(), minlength=VOCAB)
   expected = 4000 / VOCAB
   chi_square = ((counts - expected) ** 2 / expected).sum()
@@ -150,7 +201,9 @@ def test_disallow_correct_never_samples_the_original():
   batch = _batch()
   masked, _, stats, per_token = _forward(model, params, _objective(disallow_correct=True), batch)
   replaced = np.asarray(per_token["is_replaced"])
-  for row, (positions, used) in enumerate(zip(np.asarray(masked.positions), np.asarray(masked.weights))):
+  for row, (positions, used) in enumerate(
+      zip(np.asarray(masked.positions), np.asarray(masked.weights))
+  ):
     assert replaced[row, positions[used > 0]].all()
   assert float(stats["disc_true_pos"] + stats["disc_false_neg"]) == float(masked.weights.sum())
 
@@ -162,19 +215,27 @@ def test_unknown_objectives_and_tie_modes_are_refused_by_name():
     config_lib.validate(tiny_config(**{"objective.name": "bert"}))
   with pytest.raises(ConfigError, match="model.tie='decoder' is not one of"):
     config_lib.validate(tiny_config(**{"model.tie": "decoder"}))
-  with pytest.raises(ConfigError, match="model.tie='all' .* model.generator_fraction=0.5: set it to 1.0"):
+  with pytest.raises(
+      ConfigError, match="model.tie='all' .* model.generator_fraction=0.5: set it to 1.0"
+  ):
     config_lib.validate(tiny_config(**{"model.tie": "all"}))
 
 
 def _mlm_objective(name):
-  config = tiny_config(**{"model.vocab_size": VOCAB, "objective.name": name, "data.max_seq_len": 24})
+  config = tiny_config(
+      **{"model.vocab_size": VOCAB, "objective.name": name, "data.max_seq_len": 24}
+  )
   special = dict(pad=PAD, cls=CLS, sep=SEP, mask=MASK, vocab_size=VOCAB)
   return dataclasses.replace(objectives.objective_from_config(config, special), max_predictions=6)
 
 
 def _log_softmax(x):
   x = np.asarray(x, np.float64)
-  return x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+  return (
+      x
+      - x.max(-1, keepdims=True)
+      - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+  )
 
 
 def test_mlm_is_bert_80_10_10_on_the_discriminator_tower_alone():
@@ -183,37 +244,61 @@ def test_mlm_is_bert_80_10_10_on_the_discriminator_tower_alone():
   # Masking statistics over many rows: 80% [MASK], 10% random tokens, 10% kept.
   big = _batch(seed=5, batch=4, seq=24)
   big = jax.tree.map(lambda x: jnp.tile(x, (500, 1)), big)
-  masked = objectives.mask_tokens(jax.random.key(0), big["input_ids"], big["attention_mask"],
-                                  dataclasses.replace(objective, max_predictions=6))
+  masked = objectives.mask_tokens(
+      jax.random.key(0),
+      big["input_ids"],
+      big["attention_mask"],
+      dataclasses.replace(objective, max_predictions=6),
+  )
   used = np.asarray(masked.weights) > 0
   put = np.take_along_axis(np.asarray(masked.input_ids), np.asarray(masked.positions), axis=1)[used]
   original = np.asarray(masked.target_ids)[used]
   as_mask, kept = np.mean(put == MASK), np.mean(put == original)
   assert abs(as_mask - 0.8) < 0.02 and abs(kept - (0.1 + 0.1 / VOCAB)) < 0.02, (as_mask, kept)
-  assert len(np.unique(put[(put != MASK) & (put != original)])) > 0.9 * VOCAB  # random over the vocab
+  assert (
+      len(np.unique(put[(put != MASK) & (put != original)])) > 0.9 * VOCAB
+  )  # random over the vocab
 
   model, params = _model_and_params(objective="mlm")
   assert "generator" not in params and "mlm_output_bias" in params["discriminator"]
   batch = _batch()
   masked, loss, stats, _ = _forward(model, params, objective, batch)
-  _, logits = model.apply({"params": params}, masked.input_ids, batch["token_type_ids"], batch["attention_mask"],
-                          masked.positions, method=model.discriminator_mlm_logits)
-  log_p = np.take_along_axis(_log_softmax(logits), np.asarray(masked.target_ids)[..., None], -1)[..., 0]
+  _, logits = model.apply(
+      {"params": params},
+      masked.input_ids,
+      batch["token_type_ids"],
+      batch["attention_mask"],
+      masked.positions,
+      method=model.discriminator_mlm_logits,
+  )
+  log_p = np.take_along_axis(_log_softmax(logits), np.asarray(masked.target_ids)[..., None], -1)[
+      ..., 0
+  ]
   weights = np.asarray(masked.weights)
   assert math.isclose(float(loss), -(log_p * weights).sum() / weights.sum(), rel_tol=1e-5)
   metrics = objectives.summarize(stats, _forward(model, params, objective, batch)[3], objective)
-  assert np.isnan(float(metrics["disc_auc"])) and float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-6)
+  assert np.isnan(float(metrics["disc_auc"])) and float(metrics["loss"]) == pytest.approx(
+      float(loss), rel=1e-6
+  )
   grads = _grads(model, params, objective, batch)
   assert _norm(grads["discriminator"]["head_out"]) == 0.0  # the RTD head is not trained
   assert _norm(grads["discriminator"]["mlm_head_dense"]) > 0.0
 
 
 def _generator_corruption(model, params, objective, batch, masked, keys):
-  gen_logits = model.apply({"params": params}, masked.input_ids, batch["token_type_ids"], batch["attention_mask"],
-                           masked.positions, method=model.generator_logits)
+  gen_logits = model.apply(
+      {"params": params},
+      masked.input_ids,
+      batch["token_type_ids"],
+      batch["attention_mask"],
+      masked.positions,
+      method=model.generator_logits,
+  )
   sampled = objectives.sample_tokens(keys, gen_logits, objective.temperature)
   corrupted, replaced = objectives.corrupt(batch["input_ids"], masked, sampled)
-  log_p = np.take_along_axis(_log_softmax(gen_logits), np.asarray(masked.target_ids)[..., None], -1)[..., 0]
+  log_p = np.take_along_axis(
+      _log_softmax(gen_logits), np.asarray(masked.target_ids)[..., None], -1
+  )[..., 0]
   weights = np.asarray(masked.weights)
   return corrupted, np.asarray(replaced), -(log_p * weights).sum() / weights.sum()
 
@@ -226,11 +311,21 @@ def test_replace_mlm_predicts_originals_from_the_generator_corrupted_input():
   keys = jax.random.split(jax.random.key(2), batch["input_ids"].shape[0])
   corrupted, _, gen_loss = _generator_corruption(model, params, objective, batch, masked, keys)
   assert not np.any(np.asarray(corrupted) == MASK)  # the tower never sees [MASK]
-  _, logits = model.apply({"params": params}, corrupted, batch["token_type_ids"], batch["attention_mask"],
-                          masked.positions, method=model.discriminator_mlm_logits)
-  log_p = np.take_along_axis(_log_softmax(logits), np.asarray(masked.target_ids)[..., None], -1)[..., 0]
+  _, logits = model.apply(
+      {"params": params},
+      corrupted,
+      batch["token_type_ids"],
+      batch["attention_mask"],
+      masked.positions,
+      method=model.discriminator_mlm_logits,
+  )
+  log_p = np.take_along_axis(_log_softmax(logits), np.asarray(masked.target_ids)[..., None], -1)[
+      ..., 0
+  ]
   weights = np.asarray(masked.weights)
-  assert math.isclose(float(loss), gen_loss + -(log_p * weights).sum() / weights.sum(), rel_tol=1e-5)
+  assert math.isclose(
+      float(loss), gen_loss + -(log_p * weights).sum() / weights.sum(), rel_tol=1e-5
+  )
   assert float(stats["main_count"]) == weights.sum()
 
 
@@ -239,24 +334,41 @@ def test_all_tokens_mlm_uses_the_copy_mechanism_at_every_token():
   model, params = _model_and_params(objective="all_tokens_mlm")
   # A non-zero copy head, so both terms of the mixture matter.
   params = jax.tree.map(lambda x: x, params)
-  params["discriminator"]["head_out"]["bias"] = jnp.full_like(params["discriminator"]["head_out"]["bias"], 0.7)
+  params["discriminator"]["head_out"]["bias"] = jnp.full_like(
+      params["discriminator"]["head_out"]["bias"], 0.7
+  )
   batch = _batch()
   masked, loss, stats, per_token = _forward(model, params, objective, batch)
   keys = jax.random.split(jax.random.key(2), batch["input_ids"].shape[0])
-  corrupted, replaced, gen_loss = _generator_corruption(model, params, objective, batch, masked, keys)
-  copy_logits, logits = model.apply({"params": params}, corrupted, batch["token_type_ids"], batch["attention_mask"],
-                                    None, method=model.discriminator_mlm_logits)
+  corrupted, replaced, gen_loss = _generator_corruption(
+      model, params, objective, batch, masked, keys
+  )
+  copy_logits, logits = model.apply(
+      {"params": params},
+      corrupted,
+      batch["token_type_ids"],
+      batch["attention_mask"],
+      None,
+      method=model.discriminator_mlm_logits,
+  )
   d = 1 / (1 + np.exp(-np.asarray(copy_logits, np.float64)))
   softmax = np.exp(_log_softmax(logits))
   original = np.asarray(batch["input_ids"])
-  p_original = np.take_along_axis(softmax, original[..., None], -1)[..., 0] * (1 - d) + d * ~replaced
+  p_original = (
+      np.take_along_axis(softmax, original[..., None], -1)[..., 0] * (1 - d) + d * ~replaced
+  )
   real = np.asarray(batch["attention_mask"], bool)
   assert replaced.any() and (~replaced & real).any()
   want = gen_loss + -np.log(p_original[real]).mean()
   assert math.isclose(float(loss), want, rel_tol=1e-5)
   # Accuracy: the original is the argmax of the mixture.
   mixture = softmax * (1 - d)[..., None]
-  np.put_along_axis(mixture, np.asarray(corrupted)[..., None], np.take_along_axis(mixture, np.asarray(corrupted)[..., None], -1) + d[..., None], -1)
+  np.put_along_axis(
+      mixture,
+      np.asarray(corrupted)[..., None],
+      np.take_along_axis(mixture, np.asarray(corrupted)[..., None], -1) + d[..., None],
+      -1,
+  )
   correct = (mixture.argmax(-1) == original)[real].sum()
   assert float(stats["main_correct"]) == correct and float(stats["main_count"]) == real.sum()
 
@@ -281,27 +393,49 @@ def test_tie_none_gives_the_generator_its_own_embeddings():
 
 
 def test_tie_all_runs_one_encoder_for_both_towers():
-  config = tiny_config(**{"model.vocab_size": VOCAB, "model.tie": "all", "model.generator_fraction": 1.0,
-                          "model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0})
+  config = tiny_config(
+      **{
+          "model.vocab_size": VOCAB,
+          "model.tie": "all",
+          "model.generator_fraction": 1.0,
+          "model.dropout_rate": 0.0,
+          "model.attention_dropout_rate": 0.0,
+      }
+  )
   model = models.build_model(config)
   ids = jnp.zeros((1, 8), jnp.int32)
-  params = nn.meta.unbox(model.init(jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32))["params"])
+  params = nn.meta.unbox(
+      model.init(jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32))[
+          "params"
+      ]
+  )
   assert sorted(params) == ["discriminator", "embeddings", "generator", "shared_encoder"]
   assert "encoder" not in params["generator"] and "encoder" not in params["discriminator"]
   batch = _batch()
   only_mlm = _grads(model, params, _objective(disc_weight=0.0), batch)
   only_disc = _grads(model, params, _objective(gen_weight=0.0), batch)
-  assert _norm(only_mlm["shared_encoder"]) > 0 and _norm(only_disc["shared_encoder"]) > 0  # both train it
+  assert (
+      _norm(only_mlm["shared_encoder"]) > 0 and _norm(only_disc["shared_encoder"]) > 0
+  )  # both train it
   # Each exported tower carries the one encoder.
   gen_model, gen_params = models.tower_from_pretrainer(model, params, "generator")
   _, disc_params = models.tower_from_pretrainer(model, params, "discriminator")
-  assert gen_params["generator"]["encoder"] is disc_params["discriminator"]["encoder"] is params["shared_encoder"]
+  assert (
+      gen_params["generator"]["encoder"]
+      is disc_params["discriminator"]["encoder"]
+      is params["shared_encoder"]
+  )
   args = (batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
   positions = jnp.tile(jnp.arange(4)[None], (4, 1))
   np.testing.assert_allclose(  # the standalone generator computes what the pre-trainer's does
-      gen_model.apply({"params": gen_params}, batch["input_ids"], attention_mask=batch["attention_mask"],
-                      token_type_ids=batch["token_type_ids"])[np.arange(4)[:, None], positions],
-      model.apply({"params": params}, *args, positions, method=model.generator_logits), atol=1e-5,
+      gen_model.apply(
+          {"params": gen_params},
+          batch["input_ids"],
+          attention_mask=batch["attention_mask"],
+          token_type_ids=batch["token_type_ids"],
+      )[np.arange(4)[:, None], positions],
+      model.apply({"params": params}, *args, positions, method=model.generator_logits),
+      atol=1e-5,
   )
 
 
@@ -335,14 +469,23 @@ def test_gdes_keeps_the_discriminator_loss_off_the_shared_table():
 
 @pytest.mark.parametrize("name", ["mlm", "replace_mlm", "all_tokens_mlm"])
 def test_mlm_family_trains_and_exports_the_discriminator(tmp_path, name):
-  config = tiny_config(**{"objective.name": name, "train.steps": 2, "checkpoint.every_steps": 2,
-                          "eval.every_steps": 2, "eval.num_batches": 1})
+  config = tiny_config(
+      **{
+          "objective.name": name,
+          "train.steps": 2,
+          "checkpoint.every_steps": 2,
+          "eval.every_steps": 2,
+          "eval.num_batches": 1,
+      }
+  )
   metrics = train.train_and_evaluate(config, str(tmp_path))
   assert np.isfinite(metrics["loss"]) and np.isnan(metrics["disc_auc"])
   if name != "mlm":
     assert 0 <= metrics["main_mlm_accuracy"] <= 1 and np.isfinite(metrics["main_mlm_loss"])
   else:  # no generator to export: refused before anything is written, so the export below can go on
-    with pytest.raises(ConfigError, match="--export_generator: This pre-trainer has no generator .* Nothing was"):
+    with pytest.raises(
+        ConfigError, match="--export_generator: This pre-trainer has no generator .* Nothing was"
+    ):
       interop.export_workdir(str(tmp_path), str(tmp_path / "hf"), export_generator=True)
     assert not (tmp_path / "hf").exists()
   exported = interop.export_workdir(str(tmp_path), str(tmp_path / "hf"))
@@ -350,7 +493,10 @@ def test_mlm_family_trains_and_exports_the_discriminator(tmp_path, name):
   assert "mlm_head_dense" not in params["discriminator"]
 
 
-@pytest.mark.parametrize("name, why", [("uniform", "has no generator"), ("electric", "cloze generator has no standalone")])
+@pytest.mark.parametrize(
+    "name, why",
+    [("uniform", "has no generator"), ("electric", "cloze generator has no standalone")],
+)
 def test_a_generator_without_a_standalone_form_is_refused_before_the_restore(tmp_path, name, why):
   config = tiny_config(**{"objective.name": name, "model.generator_fraction": 1.0})
   (tmp_path / "checkpoints").mkdir()  # no checkpoint in it: the refusal must come first
@@ -361,14 +507,22 @@ def test_a_generator_without_a_standalone_form_is_refused_before_the_restore(tmp
 
 
 def test_variants_train_through_the_usual_loop(tmp_path):
-  config = tiny_config(**{
-      "objective.name": "electra_15", "model.tie": "gdes", "objective.disallow_correct": True,
-      "train.steps": 3, "checkpoint.every_steps": 3, "eval.every_steps": 0,
-  })
+  config = tiny_config(
+      **{
+          "objective.name": "electra_15",
+          "model.tie": "gdes",
+          "objective.disallow_correct": True,
+          "train.steps": 3,
+          "checkpoint.every_steps": 3,
+          "eval.every_steps": 0,
+      }
+  )
   metrics = train.train_and_evaluate(config, str(tmp_path))
   assert np.isfinite(metrics["loss"]) and metrics["step"] == 3
   # disallow_correct: every prediction slot is a replacement, so recall's denominator is them all.
-  assert metrics["replaced_fraction"] == pytest.approx(1.0)  # electra_15: only masked positions count
+  assert metrics["replaced_fraction"] == pytest.approx(
+      1.0
+  )  # electra_15: only masked positions count
   mesh = partitioning.make_mesh(config.mesh)
   setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4))
   checkpointer = checkpointing.Checkpointer(str(tmp_path), keep=1)
@@ -381,8 +535,14 @@ def test_variants_train_through_the_usual_loop(tmp_path):
 
 
 def test_two_stage_trains_the_generator_then_a_discriminator_started_from_it():
-  config = tiny_config(**{"objective.name": "two_stage", "objective.two_stage_switch": 2,
-                          "model.generator_fraction": 1.0, "train.steps": 4})
+  config = tiny_config(
+      **{
+          "objective.name": "two_stage",
+          "objective.two_stage_switch": 2,
+          "model.generator_fraction": 1.0,
+          "train.steps": 4,
+      }
+  )
   mesh, corpus, setup = train.prepare(config)
   with partitioning.activate(mesh):
     state = train.fresh_state(setup, 0)
@@ -415,15 +575,27 @@ def test_two_stage_needs_towers_of_one_size():
 def test_two_stage_refuses_untied_embeddings_it_could_not_start_the_discriminator_from():
   # The generator's own embeddings (tie=none) are not the discriminator's; with an embedding
   # size below the hidden size the copy at the switch failed on the tree's structure.
-  with pytest.raises(ConfigError, match="two_stage' .* model.tie='none' .* use model.tie='embeddings'"):
-    config_lib.validate(tiny_config(**{"objective.name": "two_stage", "model.generator_fraction": 1.0,
-                                       "model.tie": "none"}))
+  with pytest.raises(
+      ConfigError, match="two_stage' .* model.tie='none' .* use model.tie='embeddings'"
+  ):
+    config_lib.validate(
+        tiny_config(
+            **{"objective.name": "two_stage", "model.generator_fraction": 1.0, "model.tie": "none"}
+        )
+    )
 
 
 # One two-stage run of 4 steps at the default switch (half of them), evaluated at 2 and 4 and
 # checkpointed at every step, for the two tests below (the resume trains on a copy).
-TWO_STAGE = {"objective.name": "two_stage", "model.generator_fraction": 1.0, "train.steps": 4,
-             "checkpoint.every_steps": 1, "checkpoint.keep": 10, "eval.every_steps": 2, "eval.num_batches": 1}
+TWO_STAGE = {
+    "objective.name": "two_stage",
+    "model.generator_fraction": 1.0,
+    "train.steps": 4,
+    "checkpoint.every_steps": 1,
+    "checkpoint.keep": 10,
+    "eval.every_steps": 2,
+    "eval.num_batches": 1,
+}
 
 
 @pytest.fixture(scope="module")
@@ -440,8 +612,9 @@ def test_two_stage_resumed_with_more_steps_keeps_its_switch(tmp_path, two_stage_
   shutil.copytree(two_stage_run, tmp_path, dirs_exist_ok=True)  # trained with tiny_config(**first)
   assert json.loads((tmp_path / "config.json").read_text())["objective"]["two_stage_switch"] == 2
   # Resumed to 8 steps at a learning rate too small to move anything visibly.
-  train.train_and_evaluate(tiny_config(**{**first, "train.steps": 8, "optimizer.learning_rate": 1e-9}),
-                           str(tmp_path))
+  train.train_and_evaluate(
+      tiny_config(**{**first, "train.steps": 8, "optimizer.learning_rate": 1e-9}), str(tmp_path)
+  )
   assert json.loads((tmp_path / "config.json").read_text())["objective"]["two_stage_switch"] == 2
   config = tiny_config(**{**first, "train.steps": 8, "objective.two_stage_switch": 2})
   mesh = partitioning.make_mesh(config.mesh)
@@ -450,24 +623,37 @@ def test_two_stage_resumed_with_more_steps_keeps_its_switch(tmp_path, two_stage_
   def encoders_apart(step):
     _, state = train.restore_checkpoint(str(tmp_path), setup, mesh, step=step)
     params = jax.device_get(state.params)
-    return max(float(np.max(np.abs(g - d))) for g, d in zip(
-        jax.tree.leaves(params["generator"]["encoder"]), jax.tree.leaves(params["discriminator"]["encoder"])))
+    return max(
+        float(np.max(np.abs(g - d)))
+        for g, d in zip(
+            jax.tree.leaves(params["generator"]["encoder"]),
+            jax.tree.leaves(params["discriminator"]["encoder"]),
+        )
+    )
 
   # Two stage-two steps at 1e-3 set the discriminator apart from the generator; a second copy
   # at step 4 would have brought them back to a 1e-9 step apart.
   assert encoders_apart(4) > 1e-4
   assert encoders_apart(5) == pytest.approx(encoders_apart(4), rel=1e-3)
   # Moving the switch explicitly once the checkpoint is past it is refused.
-  with pytest.raises(ConfigError, match="two_stage_switch=6, but this workdir's run switches at step 2 and its "
-                                        "checkpoint is at step 8: .* over the trained discriminator again"):
-    train.train_and_evaluate(tiny_config(**{**first, "train.steps": 10, "objective.two_stage_switch": 6}),
-                             str(tmp_path))
+  with pytest.raises(
+      ConfigError,
+      match="two_stage_switch=6, but this workdir's run switches at step 2 and its "
+      "checkpoint is at step 8: .* over the trained discriminator again",
+  ):
+    train.train_and_evaluate(
+        tiny_config(**{**first, "train.steps": 10, "objective.two_stage_switch": 6}), str(tmp_path)
+    )
 
 
 def test_two_stage_evaluates_held_out_data_on_both_sides_of_the_switch(two_stage_run):
   # Evaluation used to hand electra_forward no stage, which two_stage's loss cannot do without.
-  assert json.loads((two_stage_run / "config.json").read_text())["objective"]["two_stage_switch"] == 2
-  lines = [json.loads(line) for line in (two_stage_run / "eval_metrics.jsonl").read_text().splitlines()]
+  assert (
+      json.loads((two_stage_run / "config.json").read_text())["objective"]["two_stage_switch"] == 2
+  )
+  lines = [
+      json.loads(line) for line in (two_stage_run / "eval_metrics.jsonl").read_text().splitlines()
+  ]
   assert [m["step"] for m in lines] == [2, 4]
   for m in lines:
     assert all(np.isfinite(m[k]) for k in ("masked_lm_loss", "disc_loss", "disc_auc")), m
@@ -495,25 +681,43 @@ def test_adversarial_generator_learns_from_the_discriminators_reward():
   # The REINFORCE loss by hand.
   masked, loss, stats, per_token = _forward(model, params, objective, batch)
   keys = jax.random.split(jax.random.key(2), batch["input_ids"].shape[0])
-  gen_logits = model.apply({"params": params}, masked.input_ids, batch["token_type_ids"], batch["attention_mask"],
-                           masked.positions, method=model.generator_logits)
+  gen_logits = model.apply(
+      {"params": params},
+      masked.input_ids,
+      batch["token_type_ids"],
+      batch["attention_mask"],
+      masked.positions,
+      method=model.generator_logits,
+  )
   sampled = np.asarray(objectives.sample_tokens(keys, gen_logits, 1.0))
-  logits, replaced = np.asarray(per_token["disc_logits"], np.float64), np.asarray(per_token["is_replaced"], np.float64)
+  logits, replaced = np.asarray(per_token["disc_logits"], np.float64), np.asarray(
+      per_token["is_replaced"], np.float64
+  )
   positions, weights = np.asarray(masked.positions), np.asarray(masked.weights)
   reward = np.take_along_axis(_bce(logits, replaced), positions, 1)
   slots = weights.sum(1, keepdims=True)
   assert slots.min() > 1
-  baseline = ((reward * weights).sum(1, keepdims=True) - reward * weights) / (slots - 1)  # the other slots' mean
+  baseline = ((reward * weights).sum(1, keepdims=True) - reward * weights) / (
+      slots - 1
+  )  # the other slots' mean
   log_p = np.take_along_axis(_log_softmax(gen_logits), sampled[..., None], -1)[..., 0]
   want = -((reward - baseline) * log_p * weights).sum() / weights.sum()
   assert math.isclose(float(loss), want, rel_tol=1e-4, abs_tol=1e-6)
   metrics = objectives.summarize(stats, per_token, objective)
-  assert float(metrics["generator_reward"]) == pytest.approx((reward * weights).sum() / weights.sum(), rel=1e-5)
+  assert float(metrics["generator_reward"]) == pytest.approx(
+      (reward * weights).sum() / weights.sum(), rel=1e-5
+  )
 
 
 def test_electric_cloze_generator_and_energy_based_discriminator():
   model, params = _model_and_params(objective="electric")
-  assert sorted(params["generator"]) == ["encoder_ltr", "encoder_rtl", "head_dense", "head_layer_norm", "output_bias"]
+  assert sorted(params["generator"]) == [
+      "encoder_ltr",
+      "encoder_rtl",
+      "head_dense",
+      "head_layer_norm",
+      "output_bias",
+  ]
   batch = _batch()
   ids, types, mask = batch["input_ids"], batch["token_type_ids"], batch["attention_mask"]
   cloze = model.apply({"params": params}, ids, types, mask, method=model.cloze_logits)
@@ -531,13 +735,20 @@ def test_electric_cloze_generator_and_energy_based_discriminator():
   corrupted, _ = objectives.corrupt(ids, masked, sampled)
   # Labels: every used masked slot is "replaced".
   np.testing.assert_array_equal(
-      np.asarray(per_token["is_replaced"]), np.asarray(objectives.masked_position_weights(masked, mask.shape)) > 0
+      np.asarray(per_token["is_replaced"]),
+      np.asarray(objectives.masked_position_weights(masked, mask.shape)) > 0,
   )
   # The loss by hand: cloze CE over the maskable tokens + 50 x BCE of (D + log q + log prior odds).
   log_softmax = _log_softmax(cloze)
   candidates = np.asarray(objectives.candidate_mask(ids, mask, objective), np.float64)
-  cloze_ce = -(np.take_along_axis(log_softmax, np.asarray(ids)[..., None], -1)[..., 0] * candidates).sum() / candidates.sum()
-  raw = np.asarray(model.apply({"params": params}, corrupted, types, mask, method=model.discriminator_logits), np.float64)
+  cloze_ce = (
+      -(np.take_along_axis(log_softmax, np.asarray(ids)[..., None], -1)[..., 0] * candidates).sum()
+      / candidates.sum()
+  )
+  raw = np.asarray(
+      model.apply({"params": params}, corrupted, types, mask, method=model.discriminator_logits),
+      np.float64,
+  )
   log_q = np.take_along_axis(log_softmax, np.asarray(corrupted)[..., None], -1)[..., 0]
   logits = raw + log_q + np.log(0.15 / 0.85)
   np.testing.assert_allclose(np.asarray(per_token["disc_logits"]), logits, atol=1e-4)
@@ -556,41 +767,69 @@ def test_disc_mlm_weight_adds_the_discriminators_own_mlm_at_the_masked_slots():
   no MLM head at all."""
   weight = 0.5
   objective = _objective(disc_mlm_weight=weight)
-  config = tiny_config(**{"model.vocab_size": VOCAB, "model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0,
-                          "objective.disc_mlm_weight": weight})
+  config = tiny_config(
+      **{
+          "model.vocab_size": VOCAB,
+          "model.dropout_rate": 0.0,
+          "model.attention_dropout_rate": 0.0,
+          "objective.disc_mlm_weight": weight,
+      }
+  )
   model = models.build_model(config)
   ids = jnp.zeros((1, 8), jnp.int32)
-  params = nn.meta.unbox(model.init(jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32))["params"])
+  params = nn.meta.unbox(
+      model.init(jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32))[
+          "params"
+      ]
+  )
   assert "mlm_output_bias" in params["discriminator"] and "generator" in params
   batch = _batch()
   masked, loss, stats, per_token = _forward(model, params, objective, batch)
   keys = jax.random.split(jax.random.key(2), batch["input_ids"].shape[0])
-  corrupted, replaced, gen_loss = _generator_corruption(model, params, objective, batch, masked, keys)
-  disc_logits, logits = model.apply({"params": params}, corrupted, batch["token_type_ids"], batch["attention_mask"],
-                                    masked.positions, method=model.discriminator_mlm_logits)
+  corrupted, replaced, gen_loss = _generator_corruption(
+      model, params, objective, batch, masked, keys
+  )
+  disc_logits, logits = model.apply(
+      {"params": params},
+      corrupted,
+      batch["token_type_ids"],
+      batch["attention_mask"],
+      masked.positions,
+      method=model.discriminator_mlm_logits,
+  )
   z, real = np.asarray(disc_logits, np.float64), np.asarray(batch["attention_mask"], bool)
   bce = np.maximum(z, 0) - z * replaced + np.log1p(np.exp(-np.abs(z)))
-  log_p = np.take_along_axis(_log_softmax(logits), np.asarray(masked.target_ids)[..., None], -1)[..., 0]
+  log_p = np.take_along_axis(_log_softmax(logits), np.asarray(masked.target_ids)[..., None], -1)[
+      ..., 0
+  ]
   weights = np.asarray(masked.weights)
   disc_mlm = -(log_p * weights).sum() / weights.sum()
-  assert math.isclose(float(loss), gen_loss + 50.0 * bce[real].mean() + weight * disc_mlm, rel_tol=1e-5)
+  assert math.isclose(
+      float(loss), gen_loss + 50.0 * bce[real].mean() + weight * disc_mlm, rel_tol=1e-5
+  )
   metrics = objectives.summarize(stats, per_token, objective)
   assert float(metrics["main_mlm_loss"]) == pytest.approx(disc_mlm, rel=1e-5)
   assert float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-5)
   assert 0.0 <= float(metrics["disc_auc"]) <= 1.0
   # Both heads of the discriminator learn.
   grads = _grads(model, params, objective, batch)
-  assert _norm(grads["discriminator"]["head_out"]) > 0.0 and _norm(grads["discriminator"]["mlm_head_dense"]) > 0.0
+  assert (
+      _norm(grads["discriminator"]["head_out"]) > 0.0
+      and _norm(grads["discriminator"]["mlm_head_dense"]) > 0.0
+  )
   # Off: no head, and the plain ELECTRA tree.
   plain, _ = _model_and_params()
   assert not plain.discriminator_mlm_head
 
 
-@pytest.mark.parametrize("overrides, named", [
-    ({"objective.disc_mlm_weight": -1.0}, "objective.disc_mlm_weight=-1.0"),
-    ({"objective.disc_mlm_weight": float("nan")}, "objective.disc_mlm_weight=nan"),
-    ({"objective.disc_mlm_weight": 1.0, "objective.name": "uniform"}, "not 'uniform'"),
-])
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        ({"objective.disc_mlm_weight": -1.0}, "objective.disc_mlm_weight=-1.0"),
+        ({"objective.disc_mlm_weight": float("nan")}, "objective.disc_mlm_weight=nan"),
+        ({"objective.disc_mlm_weight": 1.0, "objective.name": "uniform"}, "not 'uniform'"),
+    ],
+)
 def test_disc_mlm_weight_is_refused_by_name(overrides, named):
   with pytest.raises(ConfigError, match=named):
     config_lib.validate(tiny_config(**overrides))

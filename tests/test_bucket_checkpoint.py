@@ -14,7 +14,9 @@ def test_a_checkpoint_saved_into_a_bucket_restores_exactly_and_lives_there(bucke
   checkpointer.save(3, state, {"note": "x"})
   checkpointer.wait()
   names = gcs_server.objects(bucket, "run/checkpoints/3/")
-  assert any(name.startswith("run/checkpoints/3/state/") for name in names), names  # the arrays, via tensorstore
+  assert any(
+      name.startswith("run/checkpoints/3/state/") for name in names
+  ), names  # the arrays, via tensorstore
   assert checkpointer.all_steps() == [3]
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
   restored = checkpointer.restore(3, abstract)

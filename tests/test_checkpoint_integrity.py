@@ -56,7 +56,10 @@ def _rewrite_step(workdir, step, change, keep_meta=True, drop_checksums=False):
   manager.close()
   shutil.rmtree(os.path.join(workdir, "checkpoints", str(step)))
   manager = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"))
-  manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+  manager.save(
+      step,
+      args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+  )
   manager.wait_until_finished()
   manager.close()
 
@@ -73,7 +76,9 @@ def _truncate(workdir, step, what="arrays"):
   state = os.path.join(workdir, "checkpoints", str(step), "state")
   if what == "arrays":
     directory = os.path.join(state, "ocdbt.process_0", "d")
-    path = max((os.path.join(directory, name) for name in os.listdir(directory)), key=os.path.getsize)
+    path = max(
+        (os.path.join(directory, name) for name in os.listdir(directory)), key=os.path.getsize
+    )
   else:
     path = os.path.join(state, "_METADATA")
   with open(path, "r+b") as f:
@@ -81,8 +86,12 @@ def _truncate(workdir, step, what="arrays"):
 
 
 def test_checksums_see_one_changed_or_moved_value_and_nothing_else():
-  tree = {"a": jnp.arange(12, dtype=jnp.float32).reshape(3, 4), "b": jnp.array(7, jnp.int32),
-          "c": jnp.ones((2, 3), jnp.bfloat16), "k": jax.random.key(0)}
+  tree = {
+      "a": jnp.arange(12, dtype=jnp.float32).reshape(3, 4),
+      "b": jnp.array(7, jnp.int32),
+      "c": jnp.ones((2, 3), jnp.bfloat16),
+      "k": jax.random.key(0),
+  }
   base = checkpointing.checksums(tree)
   assert set(base) == {"a", "b", "c", "k"}
   assert checkpointing.checksums(jax.tree.map(lambda x: x, tree)) == base
@@ -97,7 +106,9 @@ def test_checksums_see_one_changed_or_moved_value_and_nothing_else():
 
 
 @pytest.mark.parametrize("damage", ["changed values", "arrays", "metadata"])
-def test_resume_skips_a_damaged_latest_step_and_is_bit_exact_from_the_one_before(trained, workdir, damage, caplog):
+def test_resume_skips_a_damaged_latest_step_and_is_bit_exact_from_the_one_before(
+    trained, workdir, damage, caplog
+):
   if damage == "changed values":
     _rewrite_step(workdir, 6, _bump_a_weight)
   else:
@@ -105,9 +116,17 @@ def test_resume_skips_a_damaged_latest_step_and_is_bit_exact_from_the_one_before
   with caplog.at_level("WARNING"):
     train.train_and_evaluate(tiny_config(**STEPS), workdir)
   assert "The checkpoint at step 6 in" in caplog.text and "is damaged" in caplog.text
-  assert "arrays differ from what was saved" in caplog.text if damage == "changed values" else "cannot be read" in caplog.text
+  assert (
+      "arrays differ from what was saved" in caplog.text
+      if damage == "changed values"
+      else "cannot be read" in caplog.text
+  )
   assert "Using the checkpoint at step 3, the newest intact one (damaged: [6])" in caplog.text
-  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3", "6", "6.damaged"]  # kept aside
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == [
+      "3",
+      "6",
+      "6.damaged",
+  ]  # kept aside
   want, got = _metrics(trained), _metrics(workdir)
   assert [m["step"] for m in got] == [1, 2, 3, 4, 5, 6]
   for a, b in zip(want, got):
@@ -117,7 +136,10 @@ def test_resume_skips_a_damaged_latest_step_and_is_bit_exact_from_the_one_before
 def test_a_damaged_step_asked_for_by_number_is_refused_and_the_latest_falls_back(workdir):
   _rewrite_step(workdir, 6, _bump_a_weight)
   config = tiny_config(**STEPS)
-  with pytest.raises(DamagedCheckpoint, match=r"step 6 .* is damaged: 1 arrays differ .*word_embeddings.*Other steps there: \[3\]"):
+  with pytest.raises(
+      DamagedCheckpoint,
+      match=r"step 6 .* is damaged: 1 arrays differ .*word_embeddings.*Other steps there: \[3\]",
+  ):
     train.evaluate_checkpoint(config, workdir, step=6)
   assert train.evaluate_checkpoint(config, workdir)["step"] == 3
 
@@ -127,15 +149,22 @@ def test_a_checkpoint_saved_without_checksums_restores_as_it_is(workdir):
   want = train.evaluate_checkpoint(config, workdir, step=6)
   _rewrite_step(workdir, 6, lambda state: state, drop_checksums=True)
   got = train.evaluate_checkpoint(config, workdir, step=6)
-  assert json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)  # to the last bit (NaNs too)
+  assert json.dumps(got, sort_keys=True) == json.dumps(
+      want, sort_keys=True
+  )  # to the last bit (NaNs too)
 
 
 def test_no_intact_step_is_one_clear_error(workdir):
   for step in (3, 6):
     _truncate(workdir, step)
-  with pytest.raises(DamagedCheckpoint, match=r"No intact checkpoint in .*steps \[6, 3\] are damaged"):
+  with pytest.raises(
+      DamagedCheckpoint, match=r"No intact checkpoint in .*steps \[6, 3\] are damaged"
+  ):
     train.train_and_evaluate(tiny_config(**STEPS), workdir)
-  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3", "6"], "nothing may be deleted"
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == [
+      "3",
+      "6",
+  ], "nothing may be deleted"
 
 
 def test_export_refuses_non_finite_weights_and_writes_nothing(workdir, tmp_path):
@@ -146,6 +175,8 @@ def test_export_refuses_non_finite_weights_and_writes_nothing(workdir, tmp_path)
 
   _rewrite_step(workdir, 6, nan_weight, keep_meta=False)  # saved as it is: the checksums agree
   out = tmp_path / "export"
-  with pytest.raises(ConfigError, match=r"the checkpoint at step 6 .*word_embeddings.* holds 1 NaN or infinite"):
+  with pytest.raises(
+      ConfigError, match=r"the checkpoint at step 6 .*word_embeddings.* holds 1 NaN or infinite"
+  ):
     export.export_workdir(workdir, str(out))
   assert not out.exists() or not any(out.iterdir())

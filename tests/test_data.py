@@ -32,7 +32,9 @@ CLS, SEP, PAD = 2, 3, 0
 
 
 def _pack(documents, max_seq_len, seed=0, **kwargs):
-  return pack_documents(documents, max_seq_len, cls_id=CLS, sep_id=SEP, pad_id=PAD, seed=seed, **kwargs)
+  return pack_documents(
+      documents, max_seq_len, cls_id=CLS, sep_id=SEP, pad_id=PAD, seed=seed, **kwargs
+  )
 
 
 def _random_documents(rng, num_documents=40):
@@ -115,7 +117,9 @@ def test_pack_invariants_on_random_documents(seed):
     assert len({t // 1000 for t in tokens}) == 1, "an example mixes two documents"
     assert len(tokens) == len(set(tokens)), "a token appears once"
     segment_a, segment_b = tokens[: first_sep - 1], tokens[first_sep - 1 :]
-    assert segment_a == sorted(segment_a) and segment_b == sorted(segment_b), "segments keep text order"
+    assert segment_a == sorted(segment_a) and segment_b == sorted(
+        segment_b
+    ), "segments keep text order"
 
 
 def test_pack_rechecks_every_sentence_like_the_official_builder():
@@ -125,7 +129,9 @@ def test_pack_rechecks_every_sentence_like_the_official_builder():
     packed = _pack([[s1, s2, s3]], 40, seed=seed, single_segment_prob=0.0, short_seq_prob=0.0)
     row, types = packed["input_ids"][0], packed["token_type_ids"][0]
     real = row != PAD
-    segment_a = tuple(t for t, ty, r in zip(row, types, real) if r and ty == 0 and t not in (CLS, SEP))
+    segment_a = tuple(
+        t for t, ty, r in zip(row, types, real) if r and ty == 0 and t not in (CLS, SEP)
+    )
     segment_b = tuple(t for t, ty, r in zip(row, types, real) if r and ty == 1 and t != SEP)
     outcomes.add((segment_a, segment_b))
   # A's target is (40 - 3) // 2 = 18. s2 would overfill A: it joins on a coin flip (then s3,
@@ -138,7 +144,10 @@ def test_pack_keeps_every_token_when_nothing_needs_truncation(seed):
   rng = random.Random(seed)
   max_seq_len = 64
   documents = [
-      [list(range(1000 * (d + 1) + 10 * s, 1000 * (d + 1) + 10 * s + rng.randint(0, 6))) for s in range(8)]
+      [
+          list(range(1000 * (d + 1) + 10 * s, 1000 * (d + 1) + 10 * s + rng.randint(0, 6)))
+          for s in range(8)
+      ]
       for d in range(30)
   ]
   # Each document holds at most 48 <= 64 - 3 tokens, so it becomes one untruncated example.
@@ -222,7 +231,7 @@ def test_builtin_corpus_is_large_deterministic_and_clean():
       assert not sentence.startswith(">>>")
   all_text = " ".join(s for document in documents for s in document)
   # Help topics are part of the corpus, not only docstrings.
-  assert "The \"if\" statement is used for conditional execution" in all_text
+  assert 'The "if" statement is used for conditional execution' in all_text
 
 
 def test_a_spurious_ast_depth_error_does_not_drop_a_file(monkeypatch):
@@ -269,8 +278,18 @@ def test_tokenizer_special_ids_and_round_trip(train_data):
   tokenizer = train_data.tokenizer
   assert tokenizer.vocab_size == 400
   assert [tokenizer.id_to_piece(i) for i in range(5)] == list(SPECIAL_TOKENS)
-  assert (tokenizer.pad_id, tokenizer.unk_id, tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id) == (
-      0, 1, 2, 3, 4,
+  assert (
+      tokenizer.pad_id,
+      tokenizer.unk_id,
+      tokenizer.cls_id,
+      tokenizer.sep_id,
+      tokenizer.mask_id,
+  ) == (
+      0,
+      1,
+      2,
+      3,
+      4,
   )
   text = "Return the number of items in the list, and raise an error if it is empty."
   ids = tokenizer.encode(text)
@@ -293,7 +312,12 @@ def test_tokenizer_refuses_model_without_special_tokens(tmp_path):
 def test_tokenizer_refuses_misplaced_special_token(tmp_path):
   path = _train_plain_spm(
       tmp_path / "swapped.model",
-      pad_id=0, pad_piece="[PAD]", unk_id=1, unk_piece="[UNK]", bos_id=-1, eos_id=-1,
+      pad_id=0,
+      pad_piece="[PAD]",
+      unk_id=1,
+      unk_piece="[UNK]",
+      bos_id=-1,
+      eos_id=-1,
       user_defined_symbols=["[SEP]", "[CLS]", "[MASK]"],
   )
   with pytest.raises(ValueError, match=r"\[CLS\] has id 3"):
@@ -324,8 +348,12 @@ def test_lines_over_sentencepieces_limit_are_trained_on_in_pieces(tmp_path):
   pieces = list(_within_limit(lines[0]))
   assert len(pieces) > 1 and all(len(p.encode()) <= _MAX_SENTENCE_BYTES for p in pieces)
   assert " ".join(pieces).split() == lines[0].split()  # cut only between words
-  assert list(_within_limit("".join(["é"] * 20000)))[0] == "é" * (_MAX_SENTENCE_BYTES // 4)  # no space: cut anyway
-  tokenizer = SentencePieceTokenizer(train_sentencepiece(lines, str(tmp_path / "long.model"), vocab_size=50))
+  assert list(_within_limit("".join(["é"] * 20000)))[0] == "é" * (
+      _MAX_SENTENCE_BYTES // 4
+  )  # no space: cut anyway
+  tokenizer = SentencePieceTokenizer(
+      train_sentencepiece(lines, str(tmp_path / "long.model"), vocab_size=50)
+  )
   ids = tokenizer.encode(" ".join(words))
   assert UNK_ID not in ids and tokenizer.decode(ids) == " ".join(words)
 
@@ -349,7 +377,10 @@ def test_sentencepiece_on_a_corpus_over_the_sentence_cap_is_the_same_in_every_pr
   for run in range(2):
     result = subprocess.run(
         [sys.executable, "-c", _TRAIN_CAPPED, str(tmp_path / f"{run}.model")],
-        capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
     )
     assert result.returncode == 0, result.stderr[-2000:]
     digests.add(result.stdout.split()[-1])
@@ -358,7 +389,9 @@ def test_sentencepiece_on_a_corpus_over_the_sentence_cap_is_the_same_in_every_pr
 
 def test_train_sentencepiece_bpe_writes_only_the_model(tmp_path):
   sentences = [s for document in builtin_documents(20) for s in document]
-  out = train_sentencepiece(sentences, str(tmp_path / "bpe.model"), vocab_size=300, model_type="bpe")
+  out = train_sentencepiece(
+      sentences, str(tmp_path / "bpe.model"), vocab_size=300, model_type="bpe"
+  )
   assert os.listdir(tmp_path) == ["bpe.model"], "no temporary files may be left behind"
   tokenizer = SentencePieceTokenizer(out)
   assert tokenizer.vocab_size == 300
@@ -412,13 +445,17 @@ def test_load_pretraining_data_shapes_and_content(train_data):
   assert "max_seq_len:64" in train_data.fingerprint
   assert train_data.tokenizer.fingerprint in train_data.fingerprint
   text = train_data.tokenizer.decode(train_data.input_ids[0])
-  assert sum(ch.isalpha() for ch in text) > 0.5 * len(text), f"decoded example is not prose: {text!r}"
+  assert sum(ch.isalpha() for ch in text) > 0.5 * len(
+      text
+  ), f"decoded example is not prose: {text!r}"
 
 
 def test_load_pretraining_data_second_call_uses_cache(cache_dir, train_data, monkeypatch):
   files_before = _cache_files(cache_dir)
   for builder in ("prepare_config", "train_corpus_tokenizer"):
-    monkeypatch.setattr(prepare, builder, lambda *a, name=builder, **k: pytest.fail(f"{name} ran again"))
+    monkeypatch.setattr(
+        prepare, builder, lambda *a, name=builder, **k: pytest.fail(f"{name} ran again")
+    )
   again = load_pretraining_data(_config(cache_dir), "train")
   assert _cache_files(cache_dir) == files_before, "a cached load must not rebuild anything"
   np.testing.assert_array_equal(again.input_ids, train_data.input_ids)
@@ -429,8 +466,13 @@ def test_load_pretraining_data_second_call_uses_cache(cache_dir, train_data, mon
 
 
 def test_damaged_cache_is_rebuilt_identically(cache_dir, train_data):
-  [array_path] = [f for f in _cache_files(cache_dir) if f.startswith(os.path.join("builtin", "")) and
-                  os.path.basename(f) == "train-00000.npy" and "len64" in f]
+  [array_path] = [
+      f
+      for f in _cache_files(cache_dir)
+      if f.startswith(os.path.join("builtin", ""))
+      and os.path.basename(f) == "train-00000.npy"
+      and "len64" in f
+  ]
   os.remove(os.path.join(cache_dir, array_path))
   rebuilt = load_pretraining_data(_config(cache_dir), "train")
   np.testing.assert_array_equal(rebuilt.input_ids, train_data.input_ids)
@@ -463,7 +505,9 @@ def test_other_max_seq_len_reuses_the_tokenizer(cache_dir, train_data):
 
 
 def test_unknown_source_lists_supported_sources(tmp_path):
-  with pytest.raises(ValueError, match=r"'c4'.*\['builtin', 'text', 'jsonl', 'tfds', 'hf_datasets', 'prepared'\]"):
+  with pytest.raises(
+      ValueError, match=r"'c4'.*\['builtin', 'text', 'jsonl', 'tfds', 'hf_datasets', 'prepared'\]"
+  ):
     load_pretraining_data(_config(tmp_path, source="c4"))
 
 
@@ -517,8 +561,10 @@ def test_get_batch_process_slices_partition_the_global_batch(train_data):
   for step in (0, 3, 12):
     whole = get_batch(data, step, 16, seed=0)
     for process_count in (2, 4):
-      parts = [get_batch(data, step, 16, seed=0, process_index=p, process_count=process_count)
-               for p in range(process_count)]
+      parts = [
+          get_batch(data, step, 16, seed=0, process_index=p, process_count=process_count)
+          for p in range(process_count)
+      ]
       for part in parts:
         assert part["input_ids"].shape == (16 // process_count, 6)
       for key in whole:

@@ -41,10 +41,51 @@ def _write(path, text, mode="w"):
 # Words of the oracle vocab: English, accented and stripped forms, cased forms, CJK
 # characters, punctuation and a few continuation pieces.
 _ORACLE_WORDS = [
-    "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world", "run",
-    "The", "Hello", "World", "Café", "café", "cafe", "déjà", "deja", "vu", "naïve", "naive",
-    "Über", "über", "uber", "résumé", "resume", "我", "爱", "北", "京", "中", "文",
-    ",", ".", "!", "?", "'", "-", "##s", "##ning", "##ing", "##n", "jump", "##é",
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "hello",
+    "world",
+    "run",
+    "The",
+    "Hello",
+    "World",
+    "Café",
+    "café",
+    "cafe",
+    "déjà",
+    "deja",
+    "vu",
+    "naïve",
+    "naive",
+    "Über",
+    "über",
+    "uber",
+    "résumé",
+    "resume",
+    "我",
+    "爱",
+    "北",
+    "京",
+    "中",
+    "文",
+    ",",
+    ".",
+    "!",
+    "?",
+    "'",
+    "-",
+    "##s",
+    "##ning",
+    "##ing",
+    "##n",
+    "jump",
+    "##é",
 ]
 
 
@@ -81,13 +122,19 @@ def _config(tmp_path, **overrides):
 
 def test_text_source_globs_and_blank_line_documents(tmp_path):
   _write(tmp_path / "corpus" / "b.txt", "Second file, first line.\nStill the same document.\n")
-  _write(tmp_path / "corpus" / "a.txt", "  One sentence.  \nTwo sentence.\n\n\n\nA new document.\r\n")
+  _write(
+      tmp_path / "corpus" / "a.txt", "  One sentence.  \nTwo sentence.\n\n\n\nA new document.\r\n"
+  )
   _write(tmp_path / "extra" / "c.txt", "Third file.")
   _write(tmp_path / "corpus" / "skip.md", "not matched")
   files = f"{tmp_path}/corpus/*.txt, {tmp_path}/extra/c.txt,{tmp_path}/corpus/a.txt"
   paths = resolve_files(files)
   # Each glob's matches sorted, patterns in order, a file named twice read once.
-  assert [os.path.relpath(p, tmp_path) for p in paths] == ["corpus/a.txt", "corpus/b.txt", "extra/c.txt"]
+  assert [os.path.relpath(p, tmp_path) for p in paths] == [
+      "corpus/a.txt",
+      "corpus/b.txt",
+      "extra/c.txt",
+  ]
   documents, stats = read_documents("text", paths)
   assert documents == [
       ["One sentence.", "Two sentence."],
@@ -122,11 +169,20 @@ def test_jsonl_source_documents_and_text_field(tmp_path):
 def test_jsonl_records_holding_unicode_line_separators_are_kept(tmp_path):
   # JSON strings may hold U+2028, U+2029 and U+0085 unescaped (json.dumps(ensure_ascii=False)
   # writes them so); only "\n" ends a JSON Lines record. Inside the text they end sentences.
-  rows = [{"text": "One.\u2028Two."}, {"text": "Three\u2029four."}, {"text": "Five\x85six."}, {"text": "Seven."}]
+  rows = [
+      {"text": "One.\u2028Two."},
+      {"text": "Three\u2029four."},
+      {"text": "Five\x85six."},
+      {"text": "Seven."},
+  ]
   lines = [json.dumps(r, ensure_ascii=False) for r in rows]
   path = _write(tmp_path / "sep.jsonl", "\n".join(lines) + "\n")
   # The same records after a line with a byte that is not UTF-8 (read line by line).
-  bad = _write(tmp_path / "sep_bad.jsonl", b'{"text": "Caf\xe9."}\n' + "\n".join(lines).encode() + b"\r\n", "wb")
+  bad = _write(
+      tmp_path / "sep_bad.jsonl",
+      b'{"text": "Caf\xe9."}\n' + "\n".join(lines).encode() + b"\r\n",
+      "wb",
+  )
   expected = [["One.", "Two."], ["Three", "four."], ["Five", "six."], ["Seven."]]
   documents, stats = read_documents("jsonl", [path])
   assert documents == expected and stats.skipped_lines == 0
@@ -154,7 +210,9 @@ def test_jsonl_bad_lines_are_skipped_counted_and_located(tmp_path, caplog):
 
 def test_jsonl_without_usable_lines_is_refused(tmp_path):
   path = _write(tmp_path / "none.jsonl", '{"title": "x"}\n{"title": "y"}\n')
-  with pytest.raises(ConfigError, match=r"no usable text.*none\.jsonl.*2 JSONL lines skipped.*'text'"):
+  with pytest.raises(
+      ConfigError, match=r"no usable text.*none\.jsonl.*2 JSONL lines skipped.*'text'"
+  ):
     read_documents("jsonl", [path])
 
 
@@ -234,7 +292,9 @@ def oracle_vocab(tmp_path):
 @pytest.mark.parametrize("strip_accents", [None, True, False])
 def test_wordpiece_equals_bert_reference(oracle_vocab, lowercase, strip_accents):
   legacy = pytest.importorskip("transformers.models.bert.tokenization_bert_legacy")
-  reference = legacy.BertTokenizerLegacy(oracle_vocab, do_lower_case=lowercase, strip_accents=strip_accents)
+  reference = legacy.BertTokenizerLegacy(
+      oracle_vocab, do_lower_case=lowercase, strip_accents=strip_accents
+  )
   tokenizer = WordPieceTokenizer(oracle_vocab, lowercase=lowercase, strip_accents=strip_accents)
   expected = [reference.encode(text, add_special_tokens=False) for text in ORACLE_TEXTS]
   assert [tokenizer.encode(text) for text in ORACLE_TEXTS] == expected
@@ -261,12 +321,29 @@ def test_wordpiece_normalization_options(oracle_vocab):
 
 def test_wordpiece_special_ids_come_from_the_vocab(oracle_vocab):
   tokenizer = WordPieceTokenizer(oracle_vocab)
-  assert (tokenizer.pad_id, tokenizer.unk_id, tokenizer.cls_id, tokenizer.sep_id, tokenizer.mask_id) == (
-      0, 100, 101, 102, 103,
+  assert (
+      tokenizer.pad_id,
+      tokenizer.unk_id,
+      tokenizer.cls_id,
+      tokenizer.sep_id,
+      tokenizer.mask_id,
+  ) == (
+      0,
+      100,
+      101,
+      102,
+      103,
   )
   assert tokenizer.vocab_size == 104 + len(_ORACLE_WORDS)
-  assert tokenizer.encode("the [MASK] dog") == [tokenizer.encode("the")[0], 103, tokenizer.encode("dog")[0]]
-  assert tokenizer.decode([101, *tokenizer.encode("hello world"), 102, 0, 0]) == "[CLS] hello world [SEP]"
+  assert tokenizer.encode("the [MASK] dog") == [
+      tokenizer.encode("the")[0],
+      103,
+      tokenizer.encode("dog")[0],
+  ]
+  assert (
+      tokenizer.decode([101, *tokenizer.encode("hello world"), 102, 0, 0])
+      == "[CLS] hello world [SEP]"
+  )
   assert len(tokenizer.fingerprint) == 16
 
 
@@ -289,15 +366,24 @@ def test_a_workdir_keeps_a_wordpiece_vocabulary_with_its_case_settings(oracle_vo
   data settings' case rules (the same fingerprint), the original file gone."""
   source = tmp_path / "gone" / "vocab.txt"
   _write(source, open(oracle_vocab, "rb").read(), mode="wb")
-  settings = _config(tmp_path, tokenizer="wordpiece", vocab_file=str(source), lowercase=False, strip_accents=True)
+  settings = _config(
+      tmp_path, tokenizer="wordpiece", vocab_file=str(source), lowercase=False, strip_accents=True
+  )
   original = WordPieceTokenizer(str(source), lowercase=False, strip_accents=True)
   pipeline.keep_tokenizer(original, tmp_path / "workdir")
   os.remove(source)
   kept = pipeline.workdir_tokenizer(tmp_path / "workdir", settings)
   assert kept.vocab_file == str(tmp_path / "workdir" / "vocab.txt")
-  assert (kept.fingerprint, kept.lowercase, kept.strip_accents) == (original.fingerprint, False, True)
-  assert kept.encode("Café Über") == original.encode("Café Über") != WordPieceTokenizer(kept.vocab_file).encode(
-      "Café Über")  # the default rules (lowercase) would tokenize otherwise
+  assert (kept.fingerprint, kept.lowercase, kept.strip_accents) == (
+      original.fingerprint,
+      False,
+      True,
+  )
+  assert (
+      kept.encode("Café Über")
+      == original.encode("Café Über")
+      != WordPieceTokenizer(kept.vocab_file).encode("Café Über")
+  )  # the default rules (lowercase) would tokenize otherwise
 
 
 def test_wordpiece_config_errors(tmp_path):
@@ -306,7 +392,9 @@ def test_wordpiece_config_errors(tmp_path):
     load_pretraining_data(_config(tmp_path, files=corpus, tokenizer="wordpiece"))
   with pytest.raises(ConfigError, match="is not a file"):
     missing = str(tmp_path / "nope")
-    load_pretraining_data(_config(tmp_path, files=corpus, tokenizer="wordpiece", vocab_file=missing))
+    load_pretraining_data(
+        _config(tmp_path, files=corpus, tokenizer="wordpiece", vocab_file=missing)
+    )
   with pytest.raises(ConfigError, match=r"Unknown data.tokenizer 'bpe'"):
     load_pretraining_data(_config(tmp_path, files=corpus, tokenizer="bpe"))
 
@@ -352,7 +440,9 @@ def _packing_corpus(tmp_path):
   half = text.index("d4w0")
   _write(tmp_path / "docs" / "part1.txt", text[:half])
   _write(tmp_path / "docs" / "part2.txt", text[half:])
-  vocab = _bert_like_vocab(tmp_path / "docs_vocab.txt", [w for words in _DOCUMENT_WORDS for w in words])
+  vocab = _bert_like_vocab(
+      tmp_path / "docs_vocab.txt", [w for words in _DOCUMENT_WORDS for w in words]
+  )
   return f"{tmp_path}/docs/*.txt", vocab
 
 
@@ -387,19 +477,27 @@ def test_wordpiece_text_pipeline_decodes_back_to_the_text(tmp_path, monkeypatch)
     _write(tmp_path / "tiny" / f"{copy}.txt", text)
   vocab = _bert_like_vocab(tmp_path / "vocab.txt", _ORACLE_WORDS)
   config = _config(
-      tmp_path, files=f"{tmp_path}/tiny/*.txt", tokenizer="wordpiece", vocab_file=vocab, eval_fraction=0.25
+      tmp_path,
+      files=f"{tmp_path}/tiny/*.txt",
+      tokenizer="wordpiece",
+      vocab_file=vocab,
+      eval_fraction=0.25,
   )
   train = load_pretraining_data(config, "train")
   held_out = load_pretraining_data(config, "eval")
   tokenizer = train.tokenizer
-  assert isinstance(tokenizer, WordPieceTokenizer) and tokenizer.pad_id == 0 and tokenizer.cls_id == 101
+  assert (
+      isinstance(tokenizer, WordPieceTokenizer)
+      and tokenizer.pad_id == 0
+      and tokenizer.cls_id == 101
+  )
   assert train.input_ids.dtype == np.int32 and train.input_ids.shape[1] == 32
   assert held_out.num_examples > 0 and "|wp:" in train.fingerprint
   # Every document fits in one example, so the rows hold exactly the corpus' words (A and B
   # may swap sentences), lowercased and without accents.
   words = []
   for row in np.concatenate([train.input_ids, held_out.input_ids]):
-    assert row[0] == 101 and np.all(row[np.count_nonzero(row):] == 0)
+    assert row[0] == 101 and np.all(row[np.count_nonzero(row) :] == 0)
     decoded = tokenizer.decode(row)
     assert decoded.startswith("[CLS] ") and decoded.endswith(" [SEP]")
     words += [w for w in decoded.split() if w not in ("[CLS]", "[SEP]")]
@@ -425,26 +523,38 @@ def test_pad_written_in_the_text_never_becomes_padding_inside_an_example(tmp_pat
   text = "the quick [PAD] fox\njumps over the [PAD]\n\nhello [PAD] world\n"
   for copy in range(3):
     _write(tmp_path / "pads" / f"{copy}.txt", text)
-  config = _config(tmp_path, files=f"{tmp_path}/pads/*.txt", tokenizer="wordpiece", vocab_file=vocab)
+  config = _config(
+      tmp_path, files=f"{tmp_path}/pads/*.txt", tokenizer="wordpiece", vocab_file=vocab
+  )
   data = load_pretraining_data(config)
-  for row, mask in zip(data.input_ids, get_rows(data, np.arange(data.num_examples))["attention_mask"]):
+  for row, mask in zip(
+      data.input_ids, get_rows(data, np.arange(data.num_examples))["attention_mask"]
+  ):
     length = int(np.count_nonzero(row != tokenizer.pad_id))
     assert np.all(row[length:] == tokenizer.pad_id), f"padding inside an example: {row.tolist()}"
     assert mask.tolist() == [1] * length + [0] * (len(row) - length)
 
 
 def test_jsonl_source_with_sentencepiece_builds(tmp_path):
-  rows = [{"text": f"Document number {i}.\nIt has two lines about the lazy dog."} for i in range(30)]
+  rows = [
+      {"text": f"Document number {i}.\nIt has two lines about the lazy dog."} for i in range(30)
+  ]
   _write(tmp_path / "c.jsonl", "\n".join(json.dumps(r) for r in rows))
   config = _config(
-      tmp_path, source="jsonl", files=str(tmp_path / "c.jsonl"), spm_vocab_size=40, max_documents=20,
+      tmp_path,
+      source="jsonl",
+      files=str(tmp_path / "c.jsonl"),
+      spm_vocab_size=40,
+      max_documents=20,
       max_seq_len=128,
   )
   data = load_pretraining_data(config)
   assert data.tokenizer.vocab_size == 40 and "|spm:" in data.fingerprint
   decoded = [data.tokenizer.decode(row) for row in data.input_ids]
   assert any("Document number 3." in text for text in decoded)
-  assert not any("Document number 25." in text for text in decoded), "max_documents keeps the first 20"
+  assert not any(
+      "Document number 25." in text for text in decoded
+  ), "max_documents keeps the first 20"
 
 
 def test_load_tokenizer_matches_the_data(tmp_path, oracle_vocab):

@@ -28,12 +28,27 @@ def _start_two(command_of, devices: int) -> list[subprocess.Popen]:
   """Two processes, `command_of(i)` each, joined through a fresh local coordinator. Each has its
   own XLA cache directory: JAX writes a cache entry in place, so a process could otherwise read
   one that its twin, compiling the same program at the same moment, is still writing."""
-  env = dict(os.environ, **with_devices(devices),
-             ELECTRA_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", ELECTRA_JAX_NUM_PROCESSES="2")
+  env = dict(
+      os.environ,
+      **with_devices(devices),
+      ELECTRA_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}",
+      ELECTRA_JAX_NUM_PROCESSES="2",
+  )
   return [
-      subprocess.Popen(command_of(i), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                       env=dict(env, ELECTRA_JAX_PROCESS_ID=str(i),
-                                JAX_COMPILATION_CACHE_DIR=os.path.join(env["JAX_COMPILATION_CACHE_DIR"], f"process{i}")))
+      subprocess.Popen(
+          command_of(i),
+          cwd=REPO,
+          stdout=subprocess.PIPE,
+          stderr=subprocess.PIPE,
+          text=True,
+          env=dict(
+              env,
+              ELECTRA_JAX_PROCESS_ID=str(i),
+              JAX_COMPILATION_CACHE_DIR=os.path.join(
+                  env["JAX_COMPILATION_CACHE_DIR"], f"process{i}"
+              ),
+          ),
+      )
       for i in range(2)
   ]
 
@@ -51,10 +66,13 @@ def test_one_device_eight_devices_and_two_processes_of_four_train_alike(tmp_path
   # Sharded reductions sum in another order, and Adam's first updates are about lr * sign(g):
   # see conftest.EIGHT_DEVICE_OVERRIDES for the small learning rate that keeps this in bounds.
   overrides = EIGHT_DEVICE_OVERRIDES
-  one = cli(cli_args(tmp_path / "one", **{k: v for k, v in overrides.items() if not k.startswith("mesh.")}))
+  one = cli(
+      cli_args(
+          tmp_path / "one", **{k: v for k, v in overrides.items() if not k.startswith("mesh.")}
+      )
+  )
   assert one.returncode == 0, one.stderr[-3000:]
-  eight = run_cli(cli_args(tmp_path / "eight", **overrides),
-                  env_extra=with_devices(8))
+  eight = run_cli(cli_args(tmp_path / "eight", **overrides), env_extra=with_devices(8))
   assert eight.returncode == 0, eight.stderr[-3000:]
   assert "over 8 cpu devices" in eight.stderr
 
@@ -64,7 +82,13 @@ def test_one_device_eight_devices_and_two_processes_of_four_train_alike(tmp_path
     assert proc.returncode == 0, stderr[-3000:]
   assert "Process 1 of 2, 4 local and 8 global devices" in outputs[1][1]
   assert "step 5/5" in outputs[0][1] and "step 5/5" not in outputs[1][1]  # only process 0 logs
-  assert [m["step"] for m in _metrics(tmp_path / "two")] == [1, 2, 3, 4, 5]  # written once, by process 0
+  assert [m["step"] for m in _metrics(tmp_path / "two")] == [
+      1,
+      2,
+      3,
+      4,
+      5,
+  ]  # written once, by process 0
   assert (tmp_path / "two" / "checkpoints" / "5").is_dir()
 
   for name in ("eight", "two"):
@@ -74,7 +98,12 @@ def test_one_device_eight_devices_and_two_processes_of_four_train_alike(tmp_path
       # The gradients too: XLA once swapped two batch shards' rows in the MLM head's gradient
       # on this mesh (models.decoder_input), which left the losses of 5 small steps within
       # 1e-4 but the gradient norm 3e-4 off from the first step on (now ~1e-7).
-      assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-5), (name, a["step"], a["grad_norm"], b["grad_norm"])
+      assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-5), (
+          name,
+          a["step"],
+          a["grad_norm"],
+          b["grad_norm"],
+      )
 
 
 def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes(tmp_path):
@@ -88,7 +117,9 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes(tmp_path):
   metrics_file = workdir / "metrics.jsonl"
   try:
     deadline = time.time() + 300
-    while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 5):
+    while time.time() < deadline and not (
+        metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 5
+    ):
       assert all(p.poll() is None for p in procs), [p.communicate()[1][-3000:] for p in procs]
       time.sleep(0.02)
     procs[1].send_signal(signal.SIGTERM)  # the non-chief only
@@ -131,9 +162,13 @@ def test_a_workdir_the_processes_do_not_share_is_refused_before_training(tmp_pat
   """A local --workdir on each host of a slice (here: another path per process) used to train
   and then hang at the first checkpoint, which orbax saves from every process together."""
   overrides = dict(EIGHT_DEVICE_OVERRIDES, **{"train.steps": 4, "checkpoint.every_steps": 2})
-  for returncode, stderr in _run_two(lambda i: cli_args(tmp_path / f"host{i}", **overrides), devices=4):
+  for returncode, stderr in _run_two(
+      lambda i: cli_args(tmp_path / f"host{i}", **overrides), devices=4
+  ):
     assert returncode != 0
-    assert "is not one directory every process sees: process(es) [1] cannot read" in stderr, stderr[-3000:]
+    assert "is not one directory every process sees: process(es) [1] cannot read" in stderr, stderr[
+        -3000:
+    ]
   assert not (tmp_path / "host0" / "metrics.jsonl").exists()
 
 
@@ -153,10 +188,19 @@ def test_incomplete_coordinator_settings_are_refused(monkeypatch):
 def test_single_process_modes_are_refused_in_a_multi_process_job(tmp_path):
   """Fine-tuning, export and import restore onto one device: process 1 cannot address process
   0's, so it used to crash while process 0 hung in the restore for minutes."""
-  command = ["python", "-m", "electra_jax.main", "--mode=export_hf", f"--workdir={tmp_path}/run", f"--out={tmp_path}/hf"]
+  command = [
+      "python",
+      "-m",
+      "electra_jax.main",
+      "--mode=export_hf",
+      f"--workdir={tmp_path}/run",
+      f"--out={tmp_path}/hf",
+  ]
   for i, (returncode, stderr) in enumerate(_run_two(lambda i: command, devices=1)):
     assert returncode != 0
-    assert f"--mode=export_hf runs in one process, but this is process {i} of 2" in stderr, stderr[-2000:]
+    assert f"--mode=export_hf runs in one process, but this is process {i} of 2" in stderr, stderr[
+        -2000:
+    ]
   assert not (tmp_path / "hf").exists()
 
 
@@ -165,10 +209,20 @@ def test_a_sigterm_before_the_loop_stops_a_single_process_distributed_run(tmp_pa
   then catches SIGTERM from initialize on. One that arrived while the data loaded or the step
   compiled was swallowed and the run trained to the end (the VM would be gone by then)."""
   workdir = tmp_path / "run"
-  env = dict(os.environ, ELECTRA_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}",
-             ELECTRA_JAX_NUM_PROCESSES="1", ELECTRA_JAX_PROCESS_ID="0")
-  proc = subprocess.Popen(cli_args(workdir, **{"train.steps": 300, "checkpoint.every_steps": 1000}), cwd=REPO,
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  env = dict(
+      os.environ,
+      ELECTRA_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}",
+      ELECTRA_JAX_NUM_PROCESSES="1",
+      ELECTRA_JAX_PROCESS_ID="0",
+  )
+  proc = subprocess.Popen(
+      cli_args(workdir, **{"train.steps": 300, "checkpoint.every_steps": 1000}),
+      cwd=REPO,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+  )
   lines = []
   try:
     for line in proc.stderr:
@@ -184,22 +238,45 @@ def test_a_sigterm_before_the_loop_stops_a_single_process_distributed_run(tmp_pa
   stderr = "".join(lines)
   assert proc.returncode == 0, stderr[-3000:]
   saved = [int(d) for d in os.listdir(workdir / "checkpoints")]
-  assert len(saved) == 1 and saved[0] < 300 and "SIGTERM received" in stderr, (saved, stderr[-2000:])
+  assert len(saved) == 1 and saved[0] < 300 and "SIGTERM received" in stderr, (
+      saved,
+      stderr[-2000:],
+  )
 
 
-@pytest.mark.parametrize("env, joins", [
-    ({"ELECTRA_JAX_DISTRIBUTED": "auto"}, True),  # what launch/tpu_vm.py sets on every worker
-    ({"SLURM_NTASKS": "4", "SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "1",
-      "SLURM_LOCALID": "1"}, True),  # a task of `srun`
-    ({"SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}, False),  # an salloc shell: no peers will join
-    ({"TPU_WORKER_HOSTNAMES": "w0,w1"}, True),  # GKE
-    ({"SLURM_NTASKS": "1"}, False),
-    ({}, False),
-])
+@pytest.mark.parametrize(
+    "env, joins",
+    [
+        ({"ELECTRA_JAX_DISTRIBUTED": "auto"}, True),  # what launch/tpu_vm.py sets on every worker
+        (
+            {
+                "SLURM_NTASKS": "4",
+                "SLURM_JOB_ID": "7",
+                "SLURM_STEP_NODELIST": "n[1-2]",
+                "SLURM_PROCID": "1",
+                "SLURM_LOCALID": "1",
+            },
+            True,
+        ),  # a task of `srun`
+        ({"SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}, False),  # an salloc shell: no peers will join
+        ({"TPU_WORKER_HOSTNAMES": "w0,w1"}, True),  # GKE
+        ({"SLURM_NTASKS": "1"}, False),
+        ({}, False),
+    ],
+)
 def test_schedulers_are_joined_through_jax_detection(monkeypatch, env, joins):
-  for name in ("ELECTRA_JAX_DISTRIBUTED", "SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID",
-               "SLURM_LOCALID", "TPU_WORKER_HOSTNAMES",
-               "ELECTRA_JAX_COORDINATOR_ADDRESS", "ELECTRA_JAX_NUM_PROCESSES", "ELECTRA_JAX_PROCESS_ID"):
+  for name in (
+      "ELECTRA_JAX_DISTRIBUTED",
+      "SLURM_NTASKS",
+      "SLURM_JOB_ID",
+      "SLURM_STEP_NODELIST",
+      "SLURM_PROCID",
+      "SLURM_LOCALID",
+      "TPU_WORKER_HOSTNAMES",
+      "ELECTRA_JAX_COORDINATOR_ADDRESS",
+      "ELECTRA_JAX_NUM_PROCESSES",
+      "ELECTRA_JAX_PROCESS_ID",
+  ):
     monkeypatch.delenv(name, raising=False)
   for name, value in env.items():
     monkeypatch.setenv(name, value)
@@ -209,17 +286,21 @@ def test_schedulers_are_joined_through_jax_detection(monkeypatch, env, joins):
   assert calls == ([()] if joins else [])  # no arguments: JAX reads the cluster itself
 
 
-@pytest.mark.parametrize("chips, endpoints, joins", [
-    (True, "t1v-w-0,t1v-w-1,t1v-w-2,t1v-w-3", True),  # a v4-32 slice: four workers
-    (True, "t1v-w-0", False),  # one host (v4-8): nothing to join
-    (False, "t1v-w-0,t1v-w-1", False),  # no TPU chips here: the metadata server is not asked
-])
+@pytest.mark.parametrize(
+    "chips, endpoints, joins",
+    [
+        (True, "t1v-w-0,t1v-w-1,t1v-w-2,t1v-w-3", True),  # a v4-32 slice: four workers
+        (True, "t1v-w-0", False),  # one host (v4-8): nothing to join
+        (False, "t1v-w-0,t1v-w-1", False),  # no TPU chips here: the metadata server is not asked
+    ],
+)
 def test_tpu_vm_slices_are_detected_from_the_metadata_server(monkeypatch, chips, endpoints, joins):
   # The same command started on every worker of a gcloud-made slice, without launch/tpu_vm.py's
   # ELECTRA_JAX_DISTRIBUTED=auto: the workers must still join one job.
   asked = []
 
   class Metadata(http.server.BaseHTTPRequestHandler):
+
     def do_GET(self):  # noqa: N802
       asked.append((self.path, self.headers.get("Metadata-Flavor")))
       body = endpoints.encode()

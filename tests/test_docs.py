@@ -12,8 +12,11 @@ DOCS = os.path.join(ROOT, "docs")
 def _pages():
   """The README, docs/ and the measurements in benchmarks/ that docs/ cites."""
   return [os.path.join(ROOT, "README.md")] + sorted(
-      os.path.join(folder, name) for folder in (DOCS, os.path.join(ROOT, "benchmarks"))
-      for name in os.listdir(folder) if name.endswith(".md"))
+      os.path.join(folder, name)
+      for folder in (DOCS, os.path.join(ROOT, "benchmarks"))
+      for name in os.listdir(folder)
+      if name.endswith(".md")
+  )
 
 
 def test_relative_links_resolve():
@@ -62,7 +65,9 @@ def _console_script(*args):
   import sys  # noqa: PLC0415
 
   stub = "import sys; sys.argv[0] = 'electra-jax-stub'; from electra_jax.main import run; run()"
-  return subprocess.run([sys.executable, "-c", stub, *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+  return subprocess.run(
+      [sys.executable, "-c", stub, *args], capture_output=True, text=True, timeout=120, cwd=ROOT
+  )
 
 
 def test_help_lists_every_mode_and_the_main_flags_and_version_names_the_release():
@@ -77,7 +82,9 @@ def test_help_lists_every_mode_and_the_main_flags_and_version_names_the_release(
   for flag in ("config", "workdir", "mode", "out", "version"):
     assert re.search(rf"^  --(\[no\])?{flag}:", shown, re.M), (flag, shown)
   version = _console_script("--version")
-  assert version.returncode == 0 and version.stdout.startswith(f"electra-jax {electra_jax.__version__} (jax ")
+  assert version.returncode == 0 and version.stdout.startswith(
+      f"electra-jax {electra_jax.__version__} (jax "
+  )
 
 
 def _documented_commands():
@@ -102,13 +109,16 @@ def _documented_commands():
           variables[assignment.group(1)] = assignment.group(2)
           continue
         lines.append(re.sub(r"\$([A-Z_]+)", lambda m: variables.get(m.group(1), m.group(0)), line))
-    lines += [span.replace("\n", " ") for span in re.findall(r"`((?:electra-jax|python -m electra_jax\.main) [^`]+)`", text)]
+    lines += [
+        span.replace("\n", " ")
+        for span in re.findall(r"`((?:electra-jax|python -m electra_jax\.main) [^`]+)`", text)
+    ]
     for line in lines:
       for part in line.split("&&"):
         if not re.match(r"\s*(electra-jax|python -m electra_jax\.main) ", part):
           continue
         words = shlex.split(part.replace("[", " ").replace("]", " "))
-        argv = [w for w in words[1 if words[0] == "electra-jax" else 3:] if w != "..."]
+        argv = [w for w in words[1 if words[0] == "electra-jax" else 3 :] if w != "..."]
         commands.append((os.path.relpath(page, ROOT), argv))
   return commands
 
@@ -132,7 +142,9 @@ def test_every_documented_command_names_real_modes_flags_recipes_and_config_keys
         recipe = config_lib.resolve_recipe(value)
       elif name == "mode" and value not in modes:
         wrong.append(f"{page}: --mode={value}")
-      elif name not in flags.FLAGS and name.removeprefix("no") not in flags.FLAGS and name != "help":  # app.run's
+      elif (
+          name not in flags.FLAGS and name.removeprefix("no") not in flags.FLAGS and name != "help"
+      ):  # app.run's
         wrong.append(f"{page}: --{name}")
     if recipe is None:
       wrong += [f"{page}: --config.{key} without --config" for key in keys]
@@ -159,7 +171,15 @@ def test_the_config_reference_names_every_key_of_the_base_config():
 
   config = config_lib.sibling(os.path.join(ROOT, "configs", "base.py"), "base").get_config()
   reference = open(os.path.join(DOCS, "config.md"), encoding="utf-8").read()
-  rows = {line.split("|")[1].strip(" `"): line for line in reference.splitlines() if line.startswith("| `")}
-  missing = [f"{group}.{key}" for group, keys in config.items() for key in keys
-             if f"`{key}`" not in rows.get(group, "")]
+  rows = {
+      line.split("|")[1].strip(" `"): line
+      for line in reference.splitlines()
+      if line.startswith("| `")
+  }
+  missing = [
+      f"{group}.{key}"
+      for group, keys in config.items()
+      for key in keys
+      if f"`{key}`" not in rows.get(group, "")
+  ]
   assert missing == [], f"docs/config.md does not describe {missing}"

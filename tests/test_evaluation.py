@@ -14,7 +14,9 @@ def _setup_and_state(**overrides):
   config = tiny_config(**overrides)
   mesh = partitioning.make_mesh(config.mesh)
   tok = data.load_pretraining_data(config.data).tokenizer
-  setup = train.build_setup(config, mesh, dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id))
+  setup = train.build_setup(
+      config, mesh, dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id)
+  )
   state = train.fresh_state(setup, 0)
   return setup, mesh, state
 
@@ -40,12 +42,23 @@ def test_held_out_figures_sample_at_the_final_temperature():
   """A temperature schedule changes training's samples, not evaluation's: it samples at
   objective.temperature at every step, so figures compare across checkpoints."""
   setup, mesh, state = _setup_and_state()
-  scheduled, _, scheduled_state = _setup_and_state(**{"objective.initial_temperature": 5.0,
-                                                      "objective.temperature_decay_fraction": 1.0})
-  assert scheduled.objective.initial_temperature == 5.0 and float(scheduled.schedule.temperature_decay) == 6
-  plain, hot = _evaluator(setup, mesh, 4, 2)(state), _evaluator(scheduled, mesh, 4, 2)(scheduled_state)
+  scheduled, _, scheduled_state = _setup_and_state(
+      **{"objective.initial_temperature": 5.0, "objective.temperature_decay_fraction": 1.0}
+  )
+  assert (
+      scheduled.objective.initial_temperature == 5.0
+      and float(scheduled.schedule.temperature_decay) == 6
+  )
+  plain, hot = _evaluator(setup, mesh, 4, 2)(state), _evaluator(scheduled, mesh, 4, 2)(
+      scheduled_state
+  )
   assert plain == pytest.approx(hot, nan_ok=True)
-  assert {"disc_auc_unlikely", "disc_auc_plausible", "disc_auc_likely", "replaced_share_likely"} <= set(plain)
+  assert {
+      "disc_auc_unlikely",
+      "disc_auc_plausible",
+      "disc_auc_likely",
+      "replaced_share_likely",
+  } <= set(plain)
 
 
 def test_eval_num_batches_limits_the_examples():
@@ -56,11 +69,21 @@ def test_eval_num_batches_limits_the_examples():
 def test_training_writes_held_out_metrics(tmp_path):
   workdir = tmp_path / "run"
   with logged_messages() as logged:
-    train.train_and_evaluate(tiny_config(**{"eval.every_steps": 2, "data.eval_fraction": 0.1}), str(workdir))
+    train.train_and_evaluate(
+        tiny_config(**{"eval.every_steps": 2, "data.eval_fraction": 0.1}), str(workdir)
+    )
   lines = [json.loads(line) for line in (workdir / "eval_metrics.jsonl").read_text().splitlines()]
   assert [m["step"] for m in lines] == [2, 4, 6]
-  official = {"masked_lm_accuracy", "masked_lm_loss", "sampled_masked_lm_accuracy", "disc_loss",
-              "disc_auc", "disc_accuracy", "disc_precision", "disc_recall"}
+  official = {
+      "masked_lm_accuracy",
+      "masked_lm_loss",
+      "sampled_masked_lm_accuracy",
+      "disc_loss",
+      "disc_auc",
+      "disc_accuracy",
+      "disc_precision",
+      "disc_recall",
+  }
   assert all(official <= set(m) for m in lines)
   assert any(message.startswith("eval step 6 (") for message in logged)
 
@@ -71,10 +94,17 @@ def test_training_writes_held_out_metrics(tmp_path):
   assert from_checkpoint["step"] == 6
   for name in official:
     assert from_checkpoint[name] == pytest.approx(lines[-1][name], rel=1e-6), name
-  assert json.loads((workdir / "eval_step_6.json").read_text())["disc_auc"] == from_checkpoint["disc_auc"]
+  assert (
+      json.loads((workdir / "eval_step_6.json").read_text())["disc_auc"]
+      == from_checkpoint["disc_auc"]
+  )
   # A step with no checkpoint is named with the ones there are (checkpoint.every_steps=3).
-  with pytest.raises(ValueError, match=r"no checkpoint of step 5; its checkpoints are of steps \[3, 6\]"):
-    train.evaluate_checkpoint(tiny_config(**{"eval.every_steps": 2, "data.eval_fraction": 0.1}), str(workdir), step=5)
+  with pytest.raises(
+      ValueError, match=r"no checkpoint of step 5; its checkpoints are of steps \[3, 6\]"
+  ):
+    train.evaluate_checkpoint(
+        tiny_config(**{"eval.every_steps": 2, "data.eval_fraction": 0.1}), str(workdir), step=5
+    )
 
 
 def test_evaluating_an_empty_workdir_is_a_clear_error(tmp_path):

@@ -35,12 +35,21 @@ WORDS = [f"w{i}" for i in range(40)]
 def three_layer_params(**options):
   """A classifier tree with 3 layers and the E->H projection, leaves = zeros; `options` go to
   the EncoderConfig (norm=, ffn=, use_bias=)."""
-  model = models.EncoderConfig(hidden_size=8, num_layers=3, num_heads=2, intermediate_size=16, **options)
+  model = models.EncoderConfig(
+      hidden_size=8, num_layers=3, num_heads=2, intermediate_size=16, **options
+  )
   classifier = model_lib.ElectraClassifier(
-      vocab_size=20, embedding_size=4, max_position_embeddings=8, type_vocab_size=2, config=model, num_outputs=3
+      vocab_size=20,
+      embedding_size=4,
+      max_position_embeddings=8,
+      type_vocab_size=2,
+      config=model,
+      num_outputs=3,
   )
   ids = jnp.zeros((1, 8), jnp.int32)
-  shapes = jax.eval_shape(lambda: classifier.init(jax.random.key(0), ids, ids, jnp.ones_like(ids))["params"])
+  shapes = jax.eval_shape(
+      lambda: classifier.init(jax.random.key(0), ids, ids, jnp.ones_like(ids))["params"]
+  )
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), flax.linen.meta.unbox(shapes))
 
 
@@ -53,7 +62,9 @@ def test_layerwise_learning_rates_both_rules():
       "official": dict(emb=0.5**5, l0=0.5**4, l1=0.5**3, l2=0.5**2, head=1.0),
   }
   for rule, want in expected.items():
-    scales = flax.traverse_util.flatten_dict(optim.layerwise_lr_scales(params, 3, 0.5, rule), sep="/")
+    scales = flax.traverse_util.flatten_dict(
+        optim.layerwise_lr_scales(params, 3, 0.5, rule), sep="/"
+    )
     assert scales["embeddings/word_embeddings/embedding"] == want["emb"]
     assert scales["embeddings/layer_norm/scale"] == want["emb"]
     assert scales["encoder/embeddings_project/kernel"] == want["emb"]
@@ -69,14 +80,29 @@ def test_layerwise_learning_rates_both_rules():
 
 def test_pre_layer_norm_final_layer_norm_learns_at_the_top_layers_rate():
   # It normalizes the top layer's output: pre-trained encoder weights, not the new head.
-  scales = flax.traverse_util.flatten_dict(optim.layerwise_lr_scales(three_layer_params(norm="pre"), 3, 0.5), sep="/")
+  scales = flax.traverse_util.flatten_dict(
+      optim.layerwise_lr_scales(three_layer_params(norm="pre"), 3, 0.5), sep="/"
+  )
   assert scales["encoder/final_layer_norm/scale"] == scales["encoder/final_layer_norm/bias"] == 0.5
-  assert scales["encoder/layer_2/output_layer_norm/scale"] == 0.5 and scales["classifier/kernel"] == 1.0
+  assert (
+      scales["encoder/layer_2/output_layer_norm/scale"] == 0.5
+      and scales["classifier/kernel"] == 1.0
+  )
 
 
 def optimizer_config(**overrides):
-  fields = dict(learning_rate=0.1, warmup_fraction=0.0, weight_decay=0.1, layerwise_lr_decay=0.5,
-                layerwise_lr_decay_rule="correct", b1=0.9, b2=0.999, eps=1e-6, clip_norm=1e9, bias_correction=True)
+  fields = dict(
+      learning_rate=0.1,
+      warmup_fraction=0.0,
+      weight_decay=0.1,
+      layerwise_lr_decay=0.5,
+      layerwise_lr_decay_rule="correct",
+      b1=0.9,
+      b2=0.999,
+      eps=1e-6,
+      clip_norm=1e9,
+      bias_correction=True,
+  )
   return ml_collections.ConfigDict(dict(optimizer={**fields, **overrides}))
 
 
@@ -85,23 +111,37 @@ def test_optimizer_update_uses_layer_rates_and_decay_mask(rule, top_layer_scale)
   params = jax.tree.map(jnp.ones_like, three_layer_params())
   grads = jax.tree.map(jnp.ones_like, params)
   config = optimizer_config(layerwise_lr_decay_rule=rule)
-  tx, schedule = optim.make_optimizer(config, params, 3, optim.schedule_args(config, total_steps=10))
+  tx, schedule = optim.make_optimizer(
+      config, params, 3, optim.schedule_args(config, total_steps=10)
+  )
   updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
   updates = flax.traverse_util.flatten_dict(updates, sep="/")
   lr = 0.1 * (1 - 0 / 10)  # step 0, no warmup
   adam = 1 / (1 + 1e-6)  # first bias-corrected Adam step: g / (|g| + eps)
   np.testing.assert_allclose(updates["classifier/kernel"], -lr * (adam + 0.1), rtol=2e-5)
-  np.testing.assert_allclose(updates["classifier/bias"], -lr * adam, rtol=2e-5)  # no decay on biases
-  np.testing.assert_allclose(updates["encoder/layer_2/output/kernel"], -lr * top_layer_scale * (adam + 0.1), rtol=2e-5)
-  np.testing.assert_allclose(updates["encoder/layer_2/output_layer_norm/scale"], -lr * top_layer_scale * adam, rtol=2e-5)
+  np.testing.assert_allclose(
+      updates["classifier/bias"], -lr * adam, rtol=2e-5
+  )  # no decay on biases
+  np.testing.assert_allclose(
+      updates["encoder/layer_2/output/kernel"], -lr * top_layer_scale * (adam + 0.1), rtol=2e-5
+  )
+  np.testing.assert_allclose(
+      updates["encoder/layer_2/output_layer_norm/scale"], -lr * top_layer_scale * adam, rtol=2e-5
+  )
   emb_scale = top_layer_scale * 0.5**3
-  np.testing.assert_allclose(updates["embeddings/word_embeddings/embedding"], -lr * emb_scale * (adam + 0.1), rtol=2e-5)
+  np.testing.assert_allclose(
+      updates["embeddings/word_embeddings/embedding"], -lr * emb_scale * (adam + 0.1), rtol=2e-5
+  )
 
 
 def test_schedule_warmup_then_linear_decay():
   schedule = optim.linear_warmup_decay(1e-3, warmup_steps=10, total_steps=100)
-  np.testing.assert_allclose([schedule(s) for s in (0, 5, 10, 55, 100, 120)],
-                             [0.0, 0.5e-3 * 0.95, 1e-3 * 0.9, 1e-3 * 0.45, 0.0, 0.0], rtol=1e-6, atol=1e-12)
+  np.testing.assert_allclose(
+      [schedule(s) for s in (0, 5, 10, 55, 100, 120)],
+      [0.0, 0.5e-3 * 0.95, 1e-3 * 0.9, 1e-3 * 0.45, 0.0, 0.0],
+      rtol=1e-6,
+      atol=1e-12,
+  )
 
 
 def write_synthetic(directory, n_train, n_dev, n_test, seed=0):
@@ -115,11 +155,17 @@ def write_synthetic(directory, n_train, n_dev, n_test, seed=0):
       label = int(rng.random() < 0.5)
       if label:
         tokens.insert(int(rng.integers(0, len(tokens) + 1)), "magic")
-      rows.append({"sentence": " ".join(tokens), **({"label": label} if labelled else {}), "truth": label})
+      rows.append(
+          {"sentence": " ".join(tokens), **({"label": label} if labelled else {}), "truth": label}
+      )
     return rows
 
   paths = {}
-  for split, n, labelled in (("train", n_train, True), ("dev", n_dev, True), ("test", n_test, False)):
+  for split, n, labelled in (
+      ("train", n_train, True),
+      ("dev", n_dev, True),
+      ("test", n_test, False),
+  ):
     paths[split] = os.path.join(directory, f"{split}.jsonl")
     with open(paths[split], "w") as f:
       f.writelines(json.dumps(row) + "\n" for row in make(n, labelled))
@@ -129,7 +175,9 @@ def write_synthetic(directory, n_train, n_dev, n_test, seed=0):
 def synthetic_config(tmp_path, n_train=400, n_dev=200, **overrides):
   paths = write_synthetic(tmp_path, n_train, n_dev, 50)
   vocab = tmp_path / "vocab.txt"
-  vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "magic", *WORDS]) + "\n")
+  vocab.write_text(
+      "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "magic", *WORDS]) + "\n"
+  )
   config = finetune_tiny.get_config()
   config.custom.update(train_file=paths["train"], dev_file=paths["dev"], test_file=paths["test"])
   config.tokenizer = str(vocab)
@@ -147,12 +195,16 @@ def test_random_init_model_learns_synthetic_task(tmp_path):
   seed_dir = workdir / "custom" / "seed_0"
   metrics = json.loads((seed_dir / "metrics.json").read_text())
   assert len(metrics["history"]) == config.epochs
-  assert metrics["dev"]["custom"]["accuracy"] == max(h["dev"]["custom"]["accuracy"] for h in metrics["history"])
+  assert metrics["dev"]["custom"]["accuracy"] == max(
+      h["dev"]["custom"]["accuracy"] for h in metrics["history"]
+  )
   assert os.listdir(seed_dir / "checkpoints") == [str(metrics["kept_step"])]  # only the best kept
   from test_plots import read_scalars  # noqa: PLC0415 (TensorBoard gets each epoch's figures too)
 
   scalars = read_scalars(str(seed_dir / "tensorboard"))
-  assert scalars["custom/accuracy"] == {h["step"]: pytest.approx(h["dev"]["custom"]["accuracy"]) for h in metrics["history"]}
+  assert scalars["custom/accuracy"] == {
+      h["step"]: pytest.approx(h["dev"]["custom"]["accuracy"]) for h in metrics["history"]
+  }
   assert set(scalars["train_loss"]) == {h["step"] for h in metrics["history"]}
   # Test predictions follow the rule on unseen sentences, in the submission format.
   lines = (seed_dir / "predictions" / "custom_test.tsv").read_text().splitlines()
@@ -175,10 +227,19 @@ def test_random_init_model_learns_synthetic_task(tmp_path):
   hf_model = transformers.AutoModelForSequenceClassification.from_pretrained(hf_dir).eval()
   assert hf_model.config.id2label == {0: "0", 1: "1"}
   texts = [json.loads(line)["sentence"] for line in open(config.custom.test_file)]
-  inputs = transformers.AutoTokenizer.from_pretrained(hf_dir)(texts, padding=True, return_tensors="np")
+  inputs = transformers.AutoTokenizer.from_pretrained(hf_dir)(
+      texts, padding=True, return_tensors="np"
+  )
   model = export.load_task_model(str(workdir), "custom").model
   params = export.restore_seed(str(workdir), "custom", 0, model)
-  ours = np.asarray(model.apply({"params": params}, inputs["input_ids"], inputs["token_type_ids"], inputs["attention_mask"]))
+  ours = np.asarray(
+      model.apply(
+          {"params": params},
+          inputs["input_ids"],
+          inputs["token_type_ids"],
+          inputs["attention_mask"],
+      )
+  )
   with torch.no_grad():
     theirs = hf_model(**{k: torch.tensor(v) for k, v in inputs.items()}).logits.numpy()
   np.testing.assert_allclose(theirs, ours, atol=1e-4)
@@ -215,11 +276,17 @@ def test_interrupted_multi_seed_run_goes_on_with_the_missing_seeds(tmp_path):
   for run in (whole, resumed):
     for seed in ("0", "1", "2"):
       assert run["seeds"][seed]["kept_epoch"] == 2  # the last epoch, not the best one
-  assert {s: r["dev"] for s, r in resumed["seeds"].items()} == {s: r["dev"] for s, r in whole["seeds"].items()}
-  assert resumed["summary"] == whole["summary"] and resumed["summary"]["custom"]["accuracy"]["n"] == 3
+  assert {s: r["dev"] for s, r in resumed["seeds"].items()} == {
+      s: r["dev"] for s, r in whole["seeds"].items()
+  }
+  assert (
+      resumed["summary"] == whole["summary"] and resumed["summary"]["custom"]["accuracy"]["n"] == 3
+  )
   seed1 = json.loads((tmp_path / "cut" / "custom" / "seed_1" / "metrics.json").read_text())
   assert seed1["dev"] == seed1["history"][-1]["dev"]
-  assert os.listdir(tmp_path / "cut" / "custom" / "seed_1" / "checkpoints") == [str(seed1["history"][-1]["step"])]
+  assert os.listdir(tmp_path / "cut" / "custom" / "seed_1" / "checkpoints") == [
+      str(seed1["history"][-1]["step"])
+  ]
 
 
 def test_bad_config_fails_before_training(tmp_path):
@@ -230,8 +297,10 @@ def test_bad_config_fails_before_training(tmp_path):
   config = synthetic_config(tmp_path, task="colaa")
   with pytest.raises(ConfigError, match="Unknown task 'colaa'"):
     trainer.run_finetune(config, str(tmp_path / "w"))
-  for key, value, named in (("learning_rate", -1.0, "optimizer.learning_rate=-1.0 must be > 0"),
-                            ("weight_decay", -3.0, "optimizer.weight_decay=-3.0 must be >= 0")):
+  for key, value, named in (
+      ("learning_rate", -1.0, "optimizer.learning_rate=-1.0 must be > 0"),
+      ("weight_decay", -3.0, "optimizer.weight_decay=-3.0 must be >= 0"),
+  ):
     config = synthetic_config(tmp_path)
     config.optimizer[key] = value
     with pytest.raises(ConfigError, match=named):
@@ -259,24 +328,36 @@ def pretrained_workdir(tmp_path_factory):
 
 def test_init_from_pretraining_workdir(tmp_path, pretrained_workdir):
   workdir, pretrain_config = pretrained_workdir
-  config = synthetic_config(tmp_path, n_train=64, n_dev=32, init_from=workdir, tokenizer="", num_seeds=2, epochs=1)
+  config = synthetic_config(
+      tmp_path, n_train=64, n_dev=32, init_from=workdir, tokenizer="", num_seeds=2, epochs=1
+  )
   backbone = model_lib.load_backbone(config)
   classifier = backbone.classifier(2, config)
   params = model_lib.init_params(backbone, classifier, jax.random.key(0), config.max_seq_len)
 
   # What the checkpoint holds, read independently of the fine-tuning code.
-  mesh = partitioning.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)), devices=jax.devices()[:1])
+  mesh = partitioning.make_mesh(
+      ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)), devices=jax.devices()[:1]
+  )
   tok = backbone.tokenizer
-  setup = train.build_setup(pretrain_config, mesh, dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id))
+  setup = train.build_setup(
+      pretrain_config, mesh, dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id)
+  )
   _, state = train.restore_checkpoint(workdir, setup, mesh)
   jax.tree.map(np.testing.assert_array_equal, params["embeddings"], state.params["embeddings"])
-  jax.tree.map(np.testing.assert_array_equal, params["encoder"], state.params["discriminator"]["encoder"])
+  jax.tree.map(
+      np.testing.assert_array_equal, params["encoder"], state.params["discriminator"]["encoder"]
+  )
   assert backbone.encoder_config.hidden_size == pretrain_config.model.hidden_size
 
   config.random_init = True
-  fresh = model_lib.init_params(model_lib.load_backbone(config), classifier, jax.random.key(0), config.max_seq_len)
-  assert not np.allclose(fresh["encoder"]["layer_0"]["attention"]["query"]["kernel"],
-                         params["encoder"]["layer_0"]["attention"]["query"]["kernel"])
+  fresh = model_lib.init_params(
+      model_lib.load_backbone(config), classifier, jax.random.key(0), config.max_seq_len
+  )
+  assert not np.allclose(
+      fresh["encoder"]["layer_0"]["attention"]["query"]["kernel"],
+      params["encoder"]["layer_0"]["attention"]["query"]["kernel"],
+  )
   config.random_init = False
 
   results = trainer.run_finetune(config, str(tmp_path / "ft"))
@@ -292,15 +373,29 @@ def test_init_from_pretraining_workdir(tmp_path, pretrained_workdir):
     model_lib.load_backbone(config)  # run_finetune's first step after validating the config
 
 
-def test_a_moved_workdir_fine_tunes_and_exports_without_the_corpus_that_trained_its_tokenizer(tmp_path):
+def test_a_moved_workdir_fine_tunes_and_exports_without_the_corpus_that_trained_its_tokenizer(
+    tmp_path,
+):
   """Pre-training keeps its tokenizer in the workdir (spm.model, byte for byte), so a workdir moved
-  to another folder or machine, its corpus left behind, gives fine-tuning and export that tokenizer."""
+  to another folder or machine, its corpus left behind, gives fine-tuning and export that tokenizer.
+  """
   corpus = tmp_path / "corpus.txt"
-  corpus.write_text("\n\n".join("\n".join(document) for document in data.builtin_documents(120)) + "\n")
-  config = tiny_config(**{"data.source": "text", "data.files": str(corpus), "train.steps": 1,
-                          "checkpoint.every_steps": 1, "eval.every_steps": 0})
+  corpus.write_text(
+      "\n\n".join("\n".join(document) for document in data.builtin_documents(120)) + "\n"
+  )
+  config = tiny_config(
+      **{
+          "data.source": "text",
+          "data.files": str(corpus),
+          "train.steps": 1,
+          "checkpoint.every_steps": 1,
+          "eval.every_steps": 0,
+      }
+  )
   train.train_and_evaluate(config, str(tmp_path / "pretrain"))
-  trained = data.load_tokenizer(config.data)  # the one the cache trained on the corpus, which the run used
+  trained = data.load_tokenizer(
+      config.data
+  )  # the one the cache trained on the corpus, which the run used
   with open(trained.model_path, "rb") as f:
     assert (tmp_path / "pretrain" / "spm.model").read_bytes() == f.read()
 
@@ -309,36 +404,62 @@ def test_a_moved_workdir_fine_tunes_and_exports_without_the_corpus_that_trained_
   shutil.move(tmp_path / "pretrain", moved)
   with pytest.raises(ConfigError, match="matches no file"):
     data.load_tokenizer(config.data)  # what reading the workdir needed before it kept its tokenizer
-  backbone = model_lib.load_backbone(synthetic_config(tmp_path, n_train=16, n_dev=8, init_from=str(moved),
-                                                      tokenizer=""))
+  backbone = model_lib.load_backbone(
+      synthetic_config(tmp_path, n_train=16, n_dev=8, init_from=str(moved), tokenizer="")
+  )
   assert backbone.tokenizer.fingerprint == trained.fingerprint and backbone.params is not None
   written = export.export_workdir(str(moved), str(tmp_path / "hf"))
-  assert (tmp_path / "hf" / "discriminator" / "spm.model").read_bytes() == (moved / "spm.model").read_bytes()
+  assert (tmp_path / "hf" / "discriminator" / "spm.model").read_bytes() == (
+      moved / "spm.model"
+  ).read_bytes()
   assert set(written) == {"discriminator"}
 
 
 def test_init_from_a_workdir_with_encoder_options_keeps_them(tmp_path):
   """A pre-LN, GEGLU, bias-free pre-training run fine-tunes with that very encoder: its saved
   config builds it and the checkpoint's encoder (final LayerNorm included) fills it."""
-  options = {"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False, "model.attention_conv": 3,
-             "model.ngram_buckets": 31}
+  options = {
+      "model.norm": "pre",
+      "model.ffn": "geglu",
+      "model.use_bias": False,
+      "model.attention_conv": 3,
+      "model.ngram_buckets": 31,
+  }
   workdir = str(tmp_path / "pretrain")
-  pretrain_config = tiny_config(**options, **{"train.steps": 1, "checkpoint.every_steps": 1, "eval.every_steps": 0})
+  pretrain_config = tiny_config(
+      **options, **{"train.steps": 1, "checkpoint.every_steps": 1, "eval.every_steps": 0}
+  )
   train.train_and_evaluate(pretrain_config, workdir)
   config = synthetic_config(tmp_path, n_train=16, n_dev=8, init_from=workdir, tokenizer="")
   backbone = model_lib.load_backbone(config)
   classifier = backbone.classifier(2, config)
-  assert (classifier.config.norm, classifier.config.ffn, classifier.config.use_bias,
-          classifier.config.attention_conv, classifier.config.ngram_buckets) == ("pre", "geglu", False, 3, 31)
+  assert (
+      classifier.config.norm,
+      classifier.config.ffn,
+      classifier.config.use_bias,
+      classifier.config.attention_conv,
+      classifier.config.ngram_buckets,
+  ) == ("pre", "geglu", False, 3, 31)
   params = model_lib.init_params(backbone, classifier, jax.random.key(0), config.max_seq_len)
-  mesh = partitioning.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)), devices=jax.devices()[:1])
+  mesh = partitioning.make_mesh(
+      ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)), devices=jax.devices()[:1]
+  )
   tok = backbone.tokenizer
-  setup = train.build_setup(pretrain_config, mesh, dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id))
+  setup = train.build_setup(
+      pretrain_config, mesh, dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id)
+  )
   _, state = train.restore_checkpoint(workdir, setup, mesh)
-  jax.tree.map(np.testing.assert_array_equal, params["encoder"], state.params["discriminator"]["encoder"])
-  np.testing.assert_array_equal(params["embeddings"]["ngram_embeddings"]["embedding"],
-                                state.params["embeddings"]["ngram_embeddings"]["embedding"])
-  assert "final_layer_norm" in params["encoder"] and "bias" not in params["encoder"]["layer_0"]["intermediate"]
+  jax.tree.map(
+      np.testing.assert_array_equal, params["encoder"], state.params["discriminator"]["encoder"]
+  )
+  np.testing.assert_array_equal(
+      params["embeddings"]["ngram_embeddings"]["embedding"],
+      state.params["embeddings"]["ngram_embeddings"]["embedding"],
+  )
+  assert (
+      "final_layer_norm" in params["encoder"]
+      and "bias" not in params["encoder"]["layer_0"]["intermediate"]
+  )
   ids = jnp.full((2, config.max_seq_len), tok.cls_id, jnp.int32)
   logits = classifier.apply({"params": params}, ids, jnp.zeros_like(ids), jnp.ones_like(ids))
   assert logits.shape == (2, 2) and np.isfinite(np.asarray(logits)).all()
@@ -346,11 +467,14 @@ def test_init_from_a_workdir_with_encoder_options_keeps_them(tmp_path):
   # reinit_layers=1: the top layer and the final LayerNorm are the fresh draw of the same key
   # (what random_init gives), everything below them the checkpoint's (shifted by 1 here, so no
   # leaf of it can equal a fresh one by chance).
-  fresh = model_lib.init_params(dataclasses.replace(backbone, params=None), classifier, jax.random.key(0),
-                                config.max_seq_len)
+  fresh = model_lib.init_params(
+      dataclasses.replace(backbone, params=None), classifier, jax.random.key(0), config.max_seq_len
+  )
   shifted = dataclasses.replace(backbone, params=jax.tree.map(lambda x: x + 1.0, backbone.params))
   pretrained = model_lib.init_params(shifted, classifier, jax.random.key(0), config.max_seq_len)
-  reinit = model_lib.init_params(shifted, classifier, jax.random.key(0), config.max_seq_len, reinit_layers=1)
+  reinit = model_lib.init_params(
+      shifted, classifier, jax.random.key(0), config.max_seq_len, reinit_layers=1
+  )
   top = f"layer_{pretrain_config.model.num_layers - 1}"
   assert {top, "final_layer_norm", "layer_0"} <= set(reinit["encoder"])
   for name, tree in reinit["encoder"].items():
@@ -358,8 +482,11 @@ def test_init_from_a_workdir_with_encoder_options_keeps_them(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, tree, source["encoder"][name])
   jax.tree.map(np.testing.assert_array_equal, reinit["embeddings"], pretrained["embeddings"])
   config.reinit_layers = pretrain_config.model.num_layers + 1
-  with pytest.raises(ConfigError, match=f"config.reinit_layers={config.reinit_layers} exceeds the encoder's "
-                                        f"{pretrain_config.model.num_layers} layers"):
+  with pytest.raises(
+      ConfigError,
+      match=f"config.reinit_layers={config.reinit_layers} exceeds the encoder's "
+      f"{pretrain_config.model.num_layers} layers",
+  ):
     trainer.run_finetune(config, str(tmp_path / "ft"))
   assert not (tmp_path / "ft" / "custom").exists()
 
@@ -373,7 +500,10 @@ def test_glue_run_writes_submission_files(tmp_path):
   mnli = tmp_path / "glue" / "MNLI"
   (mnli / "test_mismatched.tsv").write_text((mnli / "test_matched.tsv").read_text())
   vocab = tmp_path / "vocab.txt"
-  vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a", "dog", "cat", "sat"]) + "\n")
+  vocab.write_text(
+      "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a", "dog", "cat", "sat"])
+      + "\n"
+  )
   config = finetune_tiny.get_config()
   config.update(task="mnli", data_dir=str(tmp_path / "glue"), tokenizer=str(vocab), epochs=1)
   results = trainer.run_finetune(config, str(tmp_path / "work"))
@@ -402,11 +532,20 @@ def test_finetune_from_the_command_line(tmp_path, pretrained_workdir):
   workdir, _ = pretrained_workdir
   paths = write_synthetic(tmp_path, 64, 32, 8)
   out = tmp_path / "ft"
-  result = cli([
-      sys.executable, "-m", "electra_jax.main", "--mode=finetune", f"--config={REPO}/configs/finetune/tiny.py",
-      f"--config.custom.train_file={paths['train']}", f"--config.custom.dev_file={paths['dev']}",
-      f"--config.init_from={workdir}", "--config.epochs=1", f"--workdir={out}",
-  ])
+  result = cli(
+      [
+          sys.executable,
+          "-m",
+          "electra_jax.main",
+          "--mode=finetune",
+          f"--config={REPO}/configs/finetune/tiny.py",
+          f"--config.custom.train_file={paths['train']}",
+          f"--config.custom.dev_file={paths['dev']}",
+          f"--config.init_from={workdir}",
+          "--config.epochs=1",
+          f"--workdir={out}",
+      ]
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   assert f"Results: {out}/custom/results.json" in result.stdout
   saved = json.loads((out / "custom" / "results.json").read_text())
@@ -425,16 +564,22 @@ def test_stsb_regression_trains_on_targets_scaled_as_the_official_code(tmp_path)
   data = tasks.load_glue_from_dir("stsb", str(tmp_path / "glue"))
   data.test = {"STS-B": data.dev["stsb"]}
   vocab = tmp_path / "vocab.txt"
-  vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "dog", "ran"]) + "\n")
+  vocab.write_text(
+      "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "dog", "ran"]) + "\n"
+  )
   config = finetune_tiny.get_config()
   config.update(task="stsb", tokenizer=str(vocab))
   backbone = model_lib.load_backbone(config)
   adapter = trainer.classification_adapter(config, data, backbone)
   labels = jnp.array([4.5, 0.75, 2.0])
   outputs = jnp.array([[0.9], [0.15], [0.0]])
-  np.testing.assert_allclose(adapter.loss_fn(outputs, {"labels": labels}), [0.0, 0.0, 0.16], atol=1e-6)
-  written = adapter.write_test(lambda features: np.full((len(features["input_ids"]), 1), 0.5, np.float32),
-                               str(tmp_path / "predictions"))
+  np.testing.assert_allclose(
+      adapter.loss_fn(outputs, {"labels": labels}), [0.0, 0.0, 0.16], atol=1e-6
+  )
+  written = adapter.write_test(
+      lambda features: np.full((len(features["input_ids"]), 1), 0.5, np.float32),
+      str(tmp_path / "predictions"),
+  )
   lines = open(written[0]).read().splitlines()
   assert lines[1].split("\t")[1] == "2.500"  # 0.5 on the [0, 1] scale the model learned
 
@@ -444,7 +589,9 @@ def _assert_glorot_uniform(kernel, fan_in, fan_out):
   kernel = np.asarray(kernel)
   limit = np.sqrt(6.0 / (fan_in + fan_out))
   assert np.abs(kernel).max() <= limit
-  assert np.abs(kernel).max() > 0.8 * limit  # bert_init's N(0, 0.02) cut at 2 sigma stays below 0.04
+  assert (
+      np.abs(kernel).max() > 0.8 * limit
+  )  # bert_init's N(0, 0.02) cut at 2 sigma stays below 0.04
   np.testing.assert_allclose(kernel.std(), limit / np.sqrt(3.0), rtol=0.2)
 
 
@@ -454,16 +601,28 @@ def test_task_heads_start_from_the_official_glorot_uniform_init():
   from electra_jax.finetune import squad
 
   hidden_size = 64
-  encoder = models.EncoderConfig(hidden_size=hidden_size, num_layers=1, num_heads=2, intermediate_size=32)
+  encoder = models.EncoderConfig(
+      hidden_size=hidden_size, num_layers=1, num_heads=2, intermediate_size=32
+  )
   ids = jnp.zeros((1, 8), jnp.int32)
-  classifier = model_lib.ElectraClassifier(vocab_size=20, embedding_size=hidden_size, max_position_embeddings=8,
-                                           type_vocab_size=2, config=encoder, num_outputs=3)
-  params = flax.linen.meta.unbox(classifier.init(jax.random.key(0), ids, ids, jnp.ones_like(ids))["params"])
+  classifier = model_lib.ElectraClassifier(
+      vocab_size=20,
+      embedding_size=hidden_size,
+      max_position_embeddings=8,
+      type_vocab_size=2,
+      config=encoder,
+      num_outputs=3,
+  )
+  params = flax.linen.meta.unbox(
+      classifier.init(jax.random.key(0), ids, ids, jnp.ones_like(ids))["params"]
+  )
   _assert_glorot_uniform(params["classifier"]["kernel"], hidden_size, 3)
 
   head = squad.SpanHead(answerable=True)
   hidden = jnp.zeros((1, 8, hidden_size))
-  head_params = flax.linen.meta.unbox(head.init(jax.random.key(1), hidden, ids, jnp.ones_like(ids))["params"])
+  head_params = flax.linen.meta.unbox(
+      head.init(jax.random.key(1), hidden, ids, jnp.ones_like(ids))["params"]
+  )
   # Official: separate dense(H -> 1) layers for the start and the end logits.
   for column in range(2):
     _assert_glorot_uniform(head_params["span_logits"]["kernel"][:, column], hidden_size, 1)
@@ -486,14 +645,23 @@ def test_another_config_does_not_replace_the_results_of_the_first(tmp_path):
   assert not (tmp_path / "work" / "custom" / "seed_5").exists()
   # The same config with more seeds still goes on in that workdir.
   more = synthetic_config(tmp_path, n_train=48, n_dev=24, epochs=1, num_seeds=2)
-  assert trainer.run_finetune(more, str(tmp_path / "work"))["summary"]["custom"]["accuracy"]["n"] == 2
+  assert (
+      trainer.run_finetune(more, str(tmp_path / "work"))["summary"]["custom"]["accuracy"]["n"] == 2
+  )
 
 
-@pytest.mark.parametrize("key, value, named", [
-    ("num_heads", 0, "config.model.num_heads=0 must be >= 1"),  # was a ZeroDivisionError
-    ("hidden_size", 33, "config.model.hidden_size=33 is not divisible by config.model.num_heads=2"),
-    ("intermediate_size", 0, "config.model.intermediate_size=0 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "key, value, named",
+    [
+        ("num_heads", 0, "config.model.num_heads=0 must be >= 1"),  # was a ZeroDivisionError
+        (
+            "hidden_size",
+            33,
+            "config.model.hidden_size=33 is not divisible by config.model.num_heads=2",
+        ),
+        ("intermediate_size", 0, "config.model.intermediate_size=0 must be >= 1"),
+    ],
+)
 def test_random_init_sizes_are_refused_by_name_before_training(tmp_path, key, value, named):
   config = synthetic_config(tmp_path, n_train=48, n_dev=24, epochs=1)
   config.model[key] = value
@@ -506,16 +674,27 @@ def test_a_workdir_that_cannot_be_made_is_refused_before_anything_loads(tmp_path
   """A --workdir under a file (or an unwritable directory) was an OSError traceback from
   os.makedirs, after the data and the backbone were loaded."""
   config = synthetic_config(tmp_path, n_train=48, n_dev=24, epochs=1)
-  monkeypatch.setattr(trainer.model_lib, "load_backbone", lambda *a, **k: pytest.fail("backbone loaded"))
+  monkeypatch.setattr(
+      trainer.model_lib, "load_backbone", lambda *a, **k: pytest.fail("backbone loaded")
+  )
   (tmp_path / "a_file").write_text("not a directory")
   with pytest.raises(ConfigError, match=f"{tmp_path / 'a_file'} is a file"):
     trainer.run_finetune(config, str(tmp_path / "a_file" / "work"))
 
 
 def tiny_classifier(pooling):
-  encoder = models.EncoderConfig(hidden_size=8, num_layers=2, num_heads=2, intermediate_size=16, attention_conv=3)
-  return model_lib.ElectraClassifier(vocab_size=20, embedding_size=8, max_position_embeddings=8, type_vocab_size=2,
-                                     config=encoder, num_outputs=3, pooling=pooling)
+  encoder = models.EncoderConfig(
+      hidden_size=8, num_layers=2, num_heads=2, intermediate_size=16, attention_conv=3
+  )
+  return model_lib.ElectraClassifier(
+      vocab_size=20,
+      embedding_size=8,
+      max_position_embeddings=8,
+      type_vocab_size=2,
+      config=encoder,
+      num_outputs=3,
+      pooling=pooling,
+  )
 
 
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
@@ -530,19 +709,32 @@ def test_head_pooling_by_hand_and_blind_to_padding(pooling):
   params = flax.linen.meta.unbox(model.init(jax.random.key(0), ids, types, mask)["params"])
   logits = model.apply({"params": params}, ids, types, mask)
 
-  hidden = np.asarray(model.apply({"params": params}, ids, types, mask,
-                                  method=lambda m, i, t, a: m.encoder(m.embeddings(i, t, True), a, True)))
+  hidden = np.asarray(
+      model.apply(
+          {"params": params},
+          ids,
+          types,
+          mask,
+          method=lambda m, i, t, a: m.encoder(m.embeddings(i, t, True), a, True),
+      )
+  )
   m = np.asarray(mask, np.float32)[..., None]
   pooled = (hidden * m).sum(1) / m.sum(1) if pooling == "mean" else hidden[:, 0]
-  expected = pooled @ np.asarray(params["classifier"]["kernel"]) + np.asarray(params["classifier"]["bias"])
+  expected = pooled @ np.asarray(params["classifier"]["kernel"]) + np.asarray(
+      params["classifier"]["bias"]
+  )
   np.testing.assert_allclose(logits, expected, atol=1e-5)
 
   other_padding = jnp.where(mask == 1, ids, 11)
-  np.testing.assert_allclose(model.apply({"params": params}, other_padding, types, mask), logits, atol=1e-6)
+  np.testing.assert_allclose(
+      model.apply({"params": params}, other_padding, types, mask), logits, atol=1e-6
+  )
   trimmed = [x[:, :5] for x in (ids, types, mask)]
   np.testing.assert_allclose(model.apply({"params": params}, *trimmed), logits, atol=1e-5)
   if pooling == "mean":  # the same weights under the first-token head read something else
-    assert not np.allclose(tiny_classifier("cls").apply({"params": params}, ids, types, mask), logits, atol=1e-3)
+    assert not np.allclose(
+        tiny_classifier("cls").apply({"params": params}, ids, types, mask), logits, atol=1e-3
+    )
   assert model_lib.ElectraClassifier.pooling == "cls"  # the official head unless asked
 
 
@@ -585,8 +777,18 @@ def test_head_and_min_steps_refused_by_name():
       ("custom", "min_steps", -5, "config.min_steps=-5 must be an int >= 0"),
       ("custom", "reinit_layers", -1, "config.reinit_layers=-1 must be an int >= 0"),
       ("custom", "reinit_layers", True, "config.reinit_layers=True must be an int >= 0"),
-      ("custom", "optimizer.learning_rate", float("inf"), "config.optimizer.learning_rate=inf is not a finite number"),
-      ("custom", "optimizer.layerwise_lr_decay", float("nan"), "config.optimizer.layerwise_lr_decay=nan is not a finite"),
+      (
+          "custom",
+          "optimizer.learning_rate",
+          float("inf"),
+          "config.optimizer.learning_rate=inf is not a finite number",
+      ),
+      (
+          "custom",
+          "optimizer.layerwise_lr_decay",
+          float("nan"),
+          "config.optimizer.layerwise_lr_decay=nan is not a finite",
+      ),
   ):
     config = finetune_tiny.get_config()
     config.task = task
@@ -630,14 +832,26 @@ def test_a_second_run_on_the_same_task_folder_is_refused_before_it_deletes_anyth
   task_dir = tmp_path / "w" / "custom"
   kept = task_dir / "seed_0" / "checkpoints" / "7"
   kept.mkdir(parents=True)
-  holder = dict(run_id="otherrun1234", host="elsewhere", pid=1, started="now", heartbeat=time.time(), released=False)
+  holder = dict(
+      run_id="otherrun1234",
+      host="elsewhere",
+      pid=1,
+      started="now",
+      heartbeat=time.time(),
+      released=False,
+  )
   (task_dir / workdir_lease.LEASE_FILE).write_text(json.dumps(holder))
-  with pytest.raises(workdir_lease.WorkdirInUse, match="in use by run otherrun1234 on host elsewhere"):
+  with pytest.raises(
+      workdir_lease.WorkdirInUse, match="in use by run otherrun1234 on host elsewhere"
+  ):
     trainer.run_finetune(config, str(tmp_path / "w"))
   assert kept.exists()
   (task_dir / workdir_lease.LEASE_FILE).write_text(json.dumps(dict(holder, released=True)))
   trainer.run_finetune(config, str(tmp_path / "w"))  # the other run has ended: this one goes
-  assert not kept.exists() and json.loads((task_dir / workdir_lease.LEASE_FILE).read_text())["released"]
+  assert (
+      not kept.exists()
+      and json.loads((task_dir / workdir_lease.LEASE_FILE).read_text())["released"]
+  )
 
 
 _API_SCRIPT = """
@@ -665,15 +879,42 @@ def test_the_python_api_pretrains_evaluates_finetunes_and_exports_the_demo(tmp_p
   # In a process of its own, as a notebook's: the API turns on absl's logging process-wide.
   from conftest import TINY_OVERRIDES, run_cli  # noqa: PLC0415
 
-  overrides = {**TINY_OVERRIDES, "train.steps": 4, "checkpoint.every_steps": 4, "eval.every_steps": 4,
-               "objective.temperature": 1.5, "train.log_every": 2, "train.metric_writers": "mlflow"}
+  overrides = {
+      **TINY_OVERRIDES,
+      "train.steps": 4,
+      "checkpoint.every_steps": 4,
+      "eval.every_steps": 4,
+      "objective.temperature": 1.5,
+      "train.log_every": 2,
+      "train.metric_writers": "mlflow",
+  }
   paths = write_synthetic(tmp_path, 64, 32, 8)
   workdir, finetuned, hf = tmp_path / "pretrained", tmp_path / "finetuned", tmp_path / "hf"
-  mlflow_env = {"MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(), "MLFLOW_ALLOW_FILE_STORE": "true"}
-  done = run_cli([sys.executable, "-c", _API_SCRIPT, str(workdir), str(finetuned), str(hf), json.dumps(overrides),
-                  paths["train"], paths["dev"]], env_extra=mlflow_env)
+  mlflow_env = {
+      "MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(),
+      "MLFLOW_ALLOW_FILE_STORE": "true",
+  }
+  done = run_cli(
+      [
+          sys.executable,
+          "-c",
+          _API_SCRIPT,
+          str(workdir),
+          str(finetuned),
+          str(hf),
+          json.dumps(overrides),
+          paths["train"],
+          paths["dev"],
+      ],
+      env_extra=mlflow_env,
+  )
   assert done.returncode == 0, done.stderr[-3000:]
-  out = {key: value for line in done.stdout.splitlines() if line.startswith("{") for key, value in json.loads(line).items()}
+  out = {
+      key: value
+      for line in done.stdout.splitlines()
+      if line.startswith("{")
+      for key, value in json.loads(line).items()
+  }
   assert "Override key 'train.stpes' is not a config key" in out["typo"]
   assert out["sizes"] == [1.5, 4, 32]
   assert out["pretrain"]["step"] == 4 and np.isfinite(out["pretrain"]["loss"])
@@ -681,8 +922,13 @@ def test_the_python_api_pretrains_evaluates_finetunes_and_exports_the_demo(tmp_p
   assert out["evaluate"]["step"] == 4 and 0.0 <= out["evaluate"]["disc_auc"] <= 1.0
   assert 0.0 <= out["finetune"]["custom"]["accuracy"]["mean"] <= 1.0
   assert (finetuned / "custom" / "results.json").exists()
-  assert sorted(out["export"]) == ["discriminator"] and (hf / "discriminator" / "tokenizer.json").exists()
-  assert out["export_finetuned"] == {"custom/seed_0": str(tmp_path / "hf_finetuned" / "custom" / "seed_0")}
+  assert (
+      sorted(out["export"]) == ["discriminator"]
+      and (hf / "discriminator" / "tokenizer.json").exists()
+  )
+  assert out["export_finetuned"] == {
+      "custom/seed_0": str(tmp_path / "hf_finetuned" / "custom" / "seed_0")
+  }
   # train.metric_writers reaches the run: MLflow got the logged steps and the held-out metrics.
   import mlflow  # noqa: PLC0415
 
@@ -707,22 +953,31 @@ def test_the_exported_head_is_ours_at_the_layer_norms_bounds():
   scale, bias = rng.normal(size=size).astype(np.float32), rng.normal(size=size).astype(np.float32)
   encoder = models.EncoderConfig(hidden_size=size, num_layers=1, num_heads=2, intermediate_size=32)
   bound = np.abs(scale) * np.sqrt(size) + np.abs(bias)
-  pooled = np.concatenate([-bound[None], bound[None], rng.normal(size=(6, size)) * 3]).astype(np.float32)
+  pooled = np.concatenate([-bound[None], bound[None], rng.normal(size=(6, size)) * 3]).astype(
+      np.float32
+  )
   for kind, outputs in (("classification", 3), ("regression", 1)):
     kernel = rng.normal(size=(size, outputs)).astype(np.float32)
     head_bias = rng.normal(size=outputs).astype(np.float32)
-    params = {"encoder": {"layer_0": {"output_layer_norm": {"scale": scale, "bias": bias}}},
-              "classifier": {"kernel": kernel, "bias": head_bias}}
+    params = {
+        "encoder": {"layer_0": {"output_layer_norm": {"scale": scale, "bias": bias}}},
+        "classifier": {"kernel": kernel, "bias": head_bias},
+    }
     head = dict(kind=kind, target_range=[0.0, 5.0] if kind == "regression" else None)
     tensors = export._classification_head(params, head, encoder)
     hf_head = transformers.models.electra.modeling_electra.ElectraClassificationHead(
-        transformers.ElectraConfig(hidden_size=size, num_labels=outputs)).eval()
-    hf_head.load_state_dict({name.removeprefix("classifier."): torch.tensor(v) for name, v in tensors.items()})
+        transformers.ElectraConfig(hidden_size=size, num_labels=outputs)
+    ).eval()
+    hf_head.load_state_dict(
+        {name.removeprefix("classifier."): torch.tensor(v) for name, v in tensors.items()}
+    )
     with torch.no_grad():
       theirs = hf_head(torch.tensor(pooled)[:, None, :]).numpy()
     ours = pooled @ kernel + head_bias
     # float32 rounding of x + c only (c ~ 20 here): a GELU off its identity would be off by O(1).
-    np.testing.assert_allclose(theirs, ours * 5.0 if kind == "regression" else ours, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(
+        theirs, ours * 5.0 if kind == "regression" else ours, rtol=1e-5, atol=1e-4
+    )
 
 
 def test_exports_hugging_face_cannot_hold_are_refused_by_name(tmp_path):
@@ -734,8 +989,12 @@ def test_exports_hugging_face_cannot_hold_are_refused_by_name(tmp_path):
   (task / "results.json").write_text(json.dumps(results))
   with pytest.raises(ConfigError, match="predates exports"):
     export.export_hf(str(tmp_path / "work"), str(tmp_path / "out"))
-  (task / "results.json").write_text(json.dumps(dict(results, head={"kind": "classification", "labels": ["a", "b"]})))
-  with pytest.raises(ConfigError, match=r"head.pooling='mean', and Hugging Face's ElectraForSequenceClassification"):
+  (task / "results.json").write_text(
+      json.dumps(dict(results, head={"kind": "classification", "labels": ["a", "b"]}))
+  )
+  with pytest.raises(
+      ConfigError, match=r"head.pooling='mean', and Hugging Face's ElectraForSequenceClassification"
+  ):
     export.export_hf(str(tmp_path / "work"), str(tmp_path / "out"))
   with pytest.raises(ConfigError, match="--export_generator: .* is a fine-tuning workdir"):
     export.export_hf(str(tmp_path / "work"), str(tmp_path / "out"), export_generator=True)
@@ -749,11 +1008,17 @@ def test_the_learning_rate_is_chosen_on_train_never_dev_and_kept_on_a_rerun(tmp_
   workdir = tmp_path / "work"
   results = trainer.run_finetune(config, str(workdir))
   scores = results["selection"]["held_out_scores"]
-  assert results["selection"]["learning_rate"] == 3e-3 and scores["0.003"] > scores["1e-07"], results["selection"]
-  assert results["summary"]["custom"]["accuracy"]["mean"] >= 0.8  # trained at the choice (1e-7 stays at chance)
+  assert (
+      results["selection"]["learning_rate"] == 3e-3 and scores["0.003"] > scores["1e-07"]
+  ), results["selection"]
+  assert (
+      results["summary"]["custom"]["accuracy"]["mean"] >= 0.8
+  )  # trained at the choice (1e-7 stays at chance)
   trial = workdir / "custom" / "select" / "lr_0.003" / "seed_0" / "metrics.json"
   history = json.loads(trial.read_text())["history"]
-  assert all(list(epoch["dev"]) == ["held_out"] for epoch in history)  # scored on held-out train rows only
+  assert all(
+      list(epoch["dev"]) == ["held_out"] for epoch in history
+  )  # scored on held-out train rows only
   assert history[-1]["step"] == 4 * math.ceil(192 / config.batch_size)  # 240 - 48 held out
 
   # More seeds later: the trials are read back, not trained again, and choose the same rate.
@@ -769,9 +1034,20 @@ def test_the_learning_rate_is_chosen_on_train_never_dev_and_kept_on_a_rerun(tmp_
   for rate in ("1e-07", "0.003"):
     fold_scores = []
     for k in (1, 2):
-      trial = json.loads((tmp_path / "folds" / "custom" / "select" / f"lr_{rate}_fold{k}of2" / "seed_0" /
-                          "metrics.json").read_text())
-      assert trial["history"][-1]["step"] == 4 * math.ceil(120 / config.batch_size)  # half of 240 held out
+      trial = json.loads(
+          (
+              tmp_path
+              / "folds"
+              / "custom"
+              / "select"
+              / f"lr_{rate}_fold{k}of2"
+              / "seed_0"
+              / "metrics.json"
+          ).read_text()
+      )
+      assert trial["history"][-1]["step"] == 4 * math.ceil(
+          120 / config.batch_size
+      )  # half of 240 held out
       fold_scores.append(trial["dev"]["held_out"]["score"])
     assert folded["selection"]["held_out_scores"][rate] == pytest.approx(np.mean(fold_scores))
   assert folded["selection"]["learning_rate"] == 3e-3
@@ -790,7 +1066,10 @@ def test_the_held_out_share_takes_whole_groups():
   assert trainer.held_out_rows(groups, 0.2, seed=4)[0][0].tolist() != held.tolist()
   [ungrouped] = trainer.held_out_rows([None] * 500, 0.2, seed=3)
   order = np.random.default_rng([3, 7]).permutation(500)  # the rows' draw, unchanged
-  assert ungrouped[0].tolist() == order[:100].tolist() and ungrouped[1].tolist() == order[100:].tolist()
+  assert (
+      ungrouped[0].tolist() == order[:100].tolist()
+      and ungrouped[1].tolist() == order[100:].tolist()
+  )
   with pytest.raises(ConfigError, match="holds out all 2 groups"):
     trainer.held_out_rows(["a", "b", "b"], 0.9, seed=0)
 
@@ -801,14 +1080,18 @@ def test_folds_hold_out_every_row_once(grouped):
   groups = [f"page{g}" for g in rng.integers(0, 40, 500)] if grouped else [None] * 500
   splits = trainer.held_out_rows(groups, 0.2, seed=3, folds=3)
   assert len(splits) == 3
-  assert sorted(np.concatenate([held for held, _ in splits]).tolist()) == list(range(500))  # each row once
+  assert sorted(np.concatenate([held for held, _ in splits]).tolist()) == list(
+      range(500)
+  )  # each row once
   for held, fit in splits:
     assert sorted(np.concatenate([held, fit]).tolist()) == list(range(500))
     assert abs(len(held) - 500 / 3) <= (max(collections.Counter(groups).values()) if grouped else 1)
     if grouped:
       assert not {groups[i] for i in held} & {groups[i] for i in fit}
-  with pytest.raises(ConfigError, match="config.select.folds=3 leaves a held-out share empty: the training set "
-                                        "has 2 groups"):
+  with pytest.raises(
+      ConfigError,
+      match="config.select.folds=3 leaves a held-out share empty: the training set " "has 2 groups",
+  ):
     trainer.held_out_rows(["a", "b", "b"], 0.2, seed=0, folds=3)
 
 
@@ -821,8 +1104,17 @@ def test_seeds_finished_before_select_folds_existed_still_match(tmp_path, monkey
   today = trainer.seed_fingerprint(config)
   older = json.loads(config_lib.to_json(config))
   del older["select"]["folds"]
-  monkeypatch.setattr(trainer, "_ADDED_KEYS", {"min_steps": 0, "head": {"pooling": "cls"}, "select": {
-      "learning_rates": "", "fraction": 0.2}, "custom.group_column": "", "reinit_layers": 0})
+  monkeypatch.setattr(
+      trainer,
+      "_ADDED_KEYS",
+      {
+          "min_steps": 0,
+          "head": {"pooling": "cls"},
+          "select": {"learning_rates": "", "fraction": 0.2},
+          "custom.group_column": "",
+          "reinit_layers": 0,
+      },
+  )
   assert trainer.seed_fingerprint(ml_collections.ConfigDict(older)) == today
   config.select.folds = 2
   monkeypatch.undo()
@@ -843,13 +1135,20 @@ def test_a_custom_task_reads_its_group_column(tmp_path):
     tasks.load_custom(config.custom)
 
 
-@pytest.mark.parametrize("task, rates, named", [
-    ("custom", "3e-4,abc", "config.select.learning_rates='3e-4,abc': give distinct positive rates"),
-    ("custom", "1e-3,1e-3", "give distinct positive rates"),
-    ("custom", "0", "give distinct positive rates"),
-    ("squad1.1", "1e-3", "SQuAD's windows cannot be split by rows"),
-    ("custom", "1e-3 folds=0", "config.select.folds=0 must be a whole number >= 1"),
-])
+@pytest.mark.parametrize(
+    "task, rates, named",
+    [
+        (
+            "custom",
+            "3e-4,abc",
+            "config.select.learning_rates='3e-4,abc': give distinct positive rates",
+        ),
+        ("custom", "1e-3,1e-3", "give distinct positive rates"),
+        ("custom", "0", "give distinct positive rates"),
+        ("squad1.1", "1e-3", "SQuAD's windows cannot be split by rows"),
+        ("custom", "1e-3 folds=0", "config.select.folds=0 must be a whole number >= 1"),
+    ],
+)
 def test_learning_rate_choices_are_refused_by_name(tmp_path, task, rates, named):
   config = synthetic_config(tmp_path, n_train=16, n_dev=8)
   rates, _, folds = rates.partition(" folds=")

@@ -12,7 +12,9 @@ def test_hand_computed_binary_values():
   # TP=3, FN=1, FP=1, TN=3.
   assert metrics.accuracy(labels, predictions) == pytest.approx(6 / 8)
   assert metrics.f1(labels, predictions) == pytest.approx(2 * 3 / (2 * 3 + 1 + 1))
-  assert metrics.matthews_corrcoef(labels, predictions) == pytest.approx((3 * 3 - 1 * 1) / np.sqrt(4 * 4 * 4 * 4))
+  assert metrics.matthews_corrcoef(labels, predictions) == pytest.approx(
+      (3 * 3 - 1 * 1) / np.sqrt(4 * 4 * 4 * 4)
+  )
 
 
 def test_constant_predictions_give_zero_not_nan():
@@ -33,7 +35,9 @@ def test_perfect_and_inverted():
 
 
 def test_average_ranks_with_ties():
-  np.testing.assert_allclose(metrics.average_ranks([10, 20, 10, 30, 20, 20]), [1.5, 4, 1.5, 6, 4, 4])
+  np.testing.assert_allclose(
+      metrics.average_ranks([10, 20, 10, 30, 20, 20]), [1.5, 4, 1.5, 6, 4, 4]
+  )
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -45,7 +49,9 @@ def test_against_sklearn_and_scipy(seed):
   n = int(rng.integers(5, 60))
   labels = rng.integers(0, 2, n)
   predictions = np.where(rng.random(n) < 0.7, labels, 1 - labels)
-  assert metrics.accuracy(labels, predictions) == pytest.approx(sklearn.metrics.accuracy_score(labels, predictions))
+  assert metrics.accuracy(labels, predictions) == pytest.approx(
+      sklearn.metrics.accuracy_score(labels, predictions)
+  )
   assert metrics.f1(labels, predictions) == pytest.approx(
       sklearn.metrics.f1_score(labels, predictions, zero_division=0)
   )
@@ -61,7 +67,9 @@ def test_against_sklearn_and_scipy(seed):
   targets = rng.integers(0, 11, n) / 2.0
   scores = np.round(targets + rng.normal(0, 1.0, n))
   assert metrics.pearson(targets, scores) == pytest.approx(scipy.stats.pearsonr(targets, scores)[0])
-  assert metrics.spearman(targets, scores) == pytest.approx(scipy.stats.spearmanr(targets, scores)[0])
+  assert metrics.spearman(targets, scores) == pytest.approx(
+      scipy.stats.spearmanr(targets, scores)[0]
+  )
 
 
 def test_glue_table_and_score():
@@ -89,10 +97,18 @@ def test_results_table_columns_line_up_for_long_metric_names():
   from electra_jax.finetune.trainer import format_table  # noqa: PLC0415
 
   stats = dict(mean=0.5, median=0.5, best=0.625, n=3)
-  table = format_table({"squad2.0": {"exact_match": stats, "HasAns_exact_match": stats, "score": stats},
-                        "rte": {"accuracy": dict(stats, mean=0.7), "score": dict(stats, mean=0.7)}})
+  table = format_table(
+      {
+          "squad2.0": {"exact_match": stats, "HasAns_exact_match": stats, "score": stats},
+          "rte": {"accuracy": dict(stats, mean=0.7), "score": dict(stats, mean=0.7)},
+      }
+  )
   lines = table.splitlines()
   assert len({len(line) for line in lines}) == 1, table  # every row as wide as the header
   assert [line.split()[:2] for line in lines[1:]] == [
-      ["squad2.0", "exact_match"], ["squad2.0", "HasAns_exact_match"], ["squad2.0", "score"], ["rte", "accuracy"]]
+      ["squad2.0", "exact_match"],
+      ["squad2.0", "HasAns_exact_match"],
+      ["squad2.0", "score"],
+      ["rte", "accuracy"],
+  ]
   assert lines[4].split()[2:] == ["70.00", "50.00", "62.50", "3"]

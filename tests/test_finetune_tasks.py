@@ -33,31 +33,83 @@ def _write(path, lines):
 
 def write_glue(root):
   """Tiny files in GLUE's layout: CoLA (no header in train/dev), STS-B, MNLI, MRPC."""
-  _write(f"{root}/CoLA/train.tsv", ["gj04\t1\t\tThe dog barked.", "gj04\t0\t*\tDog the \"barked.", "cj99\t1\t\tA cat sat."])
+  _write(
+      f"{root}/CoLA/train.tsv",
+      ["gj04\t1\t\tThe dog barked.", 'gj04\t0\t*\tDog the "barked.', "cj99\t1\t\tA cat sat."],
+  )
   _write(f"{root}/CoLA/dev.tsv", ["gj04\t0\t*\tSat cat a.", "gj04\t1\t\tThe cat sat."])
   _write(f"{root}/CoLA/test.tsv", ["index\tsentence", "0\tThe big dog.", "1\tDog big the."])
   sts_header = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2"
-  _write(f"{root}/STS-B/train.tsv", [sts_header + "\tscore", "0\tmain\tf\t2012\t1\tnone\tnone\tA dog ran.\tThe dog ran.\t4.500",
-                                      "1\tmain\tf\t2012\t2\tnone\tnone\tA cat.\tA mat.\t0.750"])
-  _write(f"{root}/STS-B/dev.tsv", [sts_header + "\tscore", "0\tmain\tf\t2012\t1\tnone\tnone\tRed cat.\tBlue cat.\t2.000"])
-  mnli_header = ("index\tpromptID\tpairID\tgenre\tsentence1_binary_parse\tsentence2_binary_parse\t"
-                 "sentence1_parse\tsentence2_parse\tsentence1\tsentence2")
+  _write(
+      f"{root}/STS-B/train.tsv",
+      [
+          sts_header + "\tscore",
+          "0\tmain\tf\t2012\t1\tnone\tnone\tA dog ran.\tThe dog ran.\t4.500",
+          "1\tmain\tf\t2012\t2\tnone\tnone\tA cat.\tA mat.\t0.750",
+      ],
+  )
+  _write(
+      f"{root}/STS-B/dev.tsv",
+      [sts_header + "\tscore", "0\tmain\tf\t2012\t1\tnone\tnone\tRed cat.\tBlue cat.\t2.000"],
+  )
+  mnli_header = (
+      "index\tpromptID\tpairID\tgenre\tsentence1_binary_parse\tsentence2_binary_parse\t"
+      "sentence1_parse\tsentence2_parse\tsentence1\tsentence2"
+  )
   parses = "\t(x)\t(y)\t(X)\t(Y)\t"
-  _write(f"{root}/MNLI/train.tsv", [mnli_header + "\tlabel1\tgold_label",
-                                     "0\t1\t1n\tfiction" + parses + "The dog sat.\tA dog is on a mat.\tneutral\tneutral",
-                                     "1\t2\t2e\tfiction" + parses + "The cat sat.\tA cat sat.\tentailment\tentailment",
-                                     "2\t3\t3c\tfiction" + parses + "The cat ran.\tThe cat sat.\tcontradiction\tcontradiction"])
+  _write(
+      f"{root}/MNLI/train.tsv",
+      [
+          mnli_header + "\tlabel1\tgold_label",
+          "0\t1\t1n\tfiction" + parses + "The dog sat.\tA dog is on a mat.\tneutral\tneutral",
+          "1\t2\t2e\tfiction" + parses + "The cat sat.\tA cat sat.\tentailment\tentailment",
+          "2\t3\t3c\tfiction" + parses + "The cat ran.\tThe cat sat.\tcontradiction\tcontradiction",
+      ],
+  )
   dev_header = mnli_header + "\tlabel1\tlabel2\tlabel3\tlabel4\tlabel5\tgold_label"
-  _write(f"{root}/MNLI/dev_matched.tsv", [dev_header, "0\t1\t1e\tfiction" + parses + "A dog.\tA dog.\tentailment" + "\tentailment" * 4 + "\tentailment"])
-  _write(f"{root}/MNLI/dev_mismatched.tsv", [dev_header, "0\t1\t1c\tletters" + parses + "A dog.\tA cat.\tcontradiction" + "\tcontradiction" * 4 + "\tcontradiction"])
-  _write(f"{root}/MNLI/test_matched.tsv", [mnli_header, "0\t1\t1\tfiction" + parses + "Cats sat.\tCats ran."])
+  _write(
+      f"{root}/MNLI/dev_matched.tsv",
+      [
+          dev_header,
+          "0\t1\t1e\tfiction"
+          + parses
+          + "A dog.\tA dog.\tentailment"
+          + "\tentailment" * 4
+          + "\tentailment",
+      ],
+  )
+  _write(
+      f"{root}/MNLI/dev_mismatched.tsv",
+      [
+          dev_header,
+          "0\t1\t1c\tletters"
+          + parses
+          + "A dog.\tA cat.\tcontradiction"
+          + "\tcontradiction" * 4
+          + "\tcontradiction",
+      ],
+  )
+  _write(
+      f"{root}/MNLI/test_matched.tsv",
+      [mnli_header, "0\t1\t1\tfiction" + parses + "Cats sat.\tCats ran."],
+  )
   mrpc_header = "Quality\t#1 ID\t#2 ID\t#1 String\t#2 String"
-  _write(f"{root}/MRPC/train.tsv", [mrpc_header, "1\t1\t2\tThe dog sat.\tA dog sat.", "0\t3\t4\tThe cat.\tThe mat."])
+  _write(
+      f"{root}/MRPC/train.tsv",
+      [mrpc_header, "1\t1\t2\tThe dog sat.\tA dog sat.", "0\t3\t4\tThe cat.\tThe mat."],
+  )
   _write(f"{root}/MRPC/dev.tsv", [mrpc_header, "1\t5\t6\tA red cat.\tThe red cat."])
 
 
 def glue_config(task, data_dir, **kwargs):
-  fields = dict(task=task, source="dir", data_dir=str(data_dir), tfds_data_dir="", double_unordered=False, custom={})
+  fields = dict(
+      task=task,
+      source="dir",
+      data_dir=str(data_dir),
+      tfds_data_dir="",
+      double_unordered=False,
+      custom={},
+  )
   return ml_collections.ConfigDict({**fields, **kwargs})
 
 
@@ -66,25 +118,41 @@ def test_glue_dir_layouts(tmp_path):
   cola = tasks.load_task(glue_config("CoLA", tmp_path))
   assert cola.kind == "classification" and cola.metric_names == ("mcc",)
   assert [(e.text_a, e.label) for e in cola.train] == [
-      ("The dog barked.", "1"), ('Dog the "barked.', "0"), ("A cat sat.", "1")]  # quotes are text
+      ("The dog barked.", "1"),
+      ('Dog the "barked.', "0"),
+      ("A cat sat.", "1"),
+  ]  # quotes are text
   assert [e.label for e in cola.dev["cola"]] == ["0", "1"]
-  assert [(e.index, e.text_a, e.label) for e in cola.test["CoLA"]] == [(0, "The big dog.", None), (1, "Dog big the.", None)]
+  assert [(e.index, e.text_a, e.label) for e in cola.test["CoLA"]] == [
+      (0, "The big dog.", None),
+      (1, "Dog big the.", None),
+  ]
 
   sts = tasks.load_task(glue_config("sts-b", tmp_path))
   assert sts.kind == "regression" and sts.metric_names == ("pearson", "spearman")
-  assert [(e.text_a, e.text_b, e.label) for e in sts.train] == [("A dog ran.", "The dog ran.", 4.5), ("A cat.", "A mat.", 0.75)]
+  assert [(e.text_a, e.text_b, e.label) for e in sts.train] == [
+      ("A dog ran.", "The dog ran.", 4.5),
+      ("A cat.", "A mat.", 0.75),
+  ]
   assert sts.test == {}  # test files are optional
 
   mnli = tasks.load_task(glue_config("mnli", tmp_path))
   assert [e.label for e in mnli.train] == ["neutral", "entailment", "contradiction"]
-  assert mnli.dev["mnli-m"][0].label == "entailment" and mnli.dev["mnli-mm"][0].label == "contradiction"
+  assert (
+      mnli.dev["mnli-m"][0].label == "entailment"
+      and mnli.dev["mnli-mm"][0].label == "contradiction"
+  )
   assert mnli.dev["mnli-mm"][0].text_b == "A cat."
   assert list(mnli.test) == ["MNLI-m"] and mnli.test["MNLI-m"][0].text_b == "Cats ran."
 
   # MRPC: official double_unordered adds both sentence orders to training only.
   mrpc = tasks.load_task(glue_config("mrpc", tmp_path / "MRPC", double_unordered=True))
   assert [(e.text_a, e.text_b) for e in mrpc.train] == [
-      ("The dog sat.", "A dog sat."), ("The cat.", "The mat."), ("A dog sat.", "The dog sat."), ("The mat.", "The cat.")]
+      ("The dog sat.", "A dog sat."),
+      ("The cat.", "The mat."),
+      ("A dog sat.", "The dog sat."),
+      ("The mat.", "The cat."),
+  ]
   assert len(mrpc.dev["mrpc"]) == 1
 
 
@@ -97,12 +165,19 @@ def test_glue_tfds_reader_matches_dir_reader(tmp_path):
   write_glue(tmp_path / "glue")
   tfds_dir = tmp_path / "tfds"
   (tmp_path / "glue" / "MNLI" / "test_mismatched.tsv").write_text(
-      (tmp_path / "glue" / "MNLI" / "test_matched.tsv").read_text())
-  with mock.patch.object(tfds.download.DownloadManager, "download_and_extract", lambda self, url: str(tmp_path / "glue")):
+      (tmp_path / "glue" / "MNLI" / "test_matched.tsv").read_text()
+  )
+  with mock.patch.object(
+      tfds.download.DownloadManager,
+      "download_and_extract",
+      lambda self, url: str(tmp_path / "glue"),
+  ):
     for name in ("cola", "mnli"):
       builder = tfds.builder(f"glue/{name}", data_dir=str(tfds_dir), file_format="array_record")
       builder.download_and_prepare(
-          download_config=tfds.download.DownloadConfig(compute_stats=tfds.download.ComputeStatsMode.SKIP)
+          download_config=tfds.download.DownloadConfig(
+              compute_stats=tfds.download.ComputeStatsMode.SKIP
+          )
       )
   for name in ("cola", "mnli"):
     from_tfds = tasks.load_task(glue_config(name, "", source="tfds", tfds_data_dir=str(tfds_dir)))
@@ -112,7 +187,9 @@ def test_glue_tfds_reader_matches_dir_reader(tmp_path):
     for dev_name in from_dir.dev:
       assert list(map(key, from_tfds.dev[dev_name])) == list(map(key, from_dir.dev[dev_name]))
     for submission, examples in from_dir.test.items():
-      assert [(e.index, e.text_a) for e in from_tfds.test[submission]] == [(e.index, e.text_a) for e in examples]
+      assert [(e.index, e.text_a) for e in from_tfds.test[submission]] == [
+          (e.index, e.text_a) for e in examples
+      ]
   with pytest.raises(ConfigError, match="glue/rte"):
     tasks.load_task(glue_config("rte", "", source="tfds", tfds_data_dir=str(tfds_dir)))
 
@@ -125,48 +202,76 @@ def custom_config(tmp_path, fmt, rows_train, rows_dev, **custom):
     else:
       sep = "\t" if fmt == "tsv" else ","
       columns = list(rows[0])
-      path.write_text(sep.join(columns) + "\n" + "".join(sep.join(str(r[c]) for c in columns) + "\n" for r in rows))
+      path.write_text(
+          sep.join(columns)
+          + "\n"
+          + "".join(sep.join(str(r[c]) for c in columns) + "\n" for r in rows)
+      )
     return str(path)
 
   # configs/finetune/base.py's custom block, so that a key added there is here too.
   fields = api.load_config("finetune/base").custom.to_dict()
-  fields.update(train_file=write("train", rows_train), dev_file=write("dev", rows_dev), text_a_column="text")
+  fields.update(
+      train_file=write("train", rows_train), dev_file=write("dev", rows_dev), text_a_column="text"
+  )
   fields.update(custom)
   return ml_collections.ConfigDict(dict(task="custom", source="dir", data_dir="", custom=fields))
 
 
 @pytest.mark.parametrize("fmt", ["tsv", "csv", "jsonl"])
 def test_custom_formats(tmp_path, fmt):
-  train = [{"text": "the dog", "other": "a cat", "label": "pos"}, {"text": "a cat", "other": "the dog", "label": "neg"}]
+  train = [
+      {"text": "the dog", "other": "a cat", "label": "pos"},
+      {"text": "a cat", "other": "the dog", "label": "neg"},
+  ]
   dev = [{"text": "big dog", "other": "red cat", "label": "neg"}]
   config = custom_config(tmp_path, fmt, train, dev, text_b_column="other")
   data = tasks.load_task(config)
   assert data.label_list == ("neg", "pos") and data.metric_names == ("accuracy",)
-  assert [(e.text_a, e.text_b, e.label) for e in data.train] == [("the dog", "a cat", "pos"), ("a cat", "the dog", "neg")]
+  assert [(e.text_a, e.text_b, e.label) for e in data.train] == [
+      ("the dog", "a cat", "pos"),
+      ("a cat", "the dog", "neg"),
+  ]
   assert data.dev["custom"][0].label == "neg"
 
 
 def test_custom_regression(tmp_path):
-  config = custom_config(tmp_path, "jsonl", [{"text": "a", "label": 1.5}, {"text": "b", "label": 3}],
-                         [{"text": "c", "label": 0.25}], kind="regression")
+  config = custom_config(
+      tmp_path,
+      "jsonl",
+      [{"text": "a", "label": 1.5}, {"text": "b", "label": 3}],
+      [{"text": "c", "label": 0.25}],
+      kind="regression",
+  )
   data = tasks.load_task(config)
-  assert data.kind == "regression" and data.label_list is None and data.metric_names == ("pearson", "spearman")
+  assert (
+      data.kind == "regression"
+      and data.label_list is None
+      and data.metric_names == ("pearson", "spearman")
+  )
   assert [e.label for e in data.train] == [1.5, 3.0]
 
 
 def test_custom_files_are_read_as_written_or_refused_by_row(tmp_path):
   # A quote that opens a TSV field is text: CSV's rules would merge the rows up to the next quote.
-  train = [{"text": '"quoted" start', "label": "pos"}, {"text": "plain", "label": "neg"},
-           {"text": 'an "inner" one', "label": "pos"}]
+  train = [
+      {"text": '"quoted" start', "label": "pos"},
+      {"text": "plain", "label": "neg"},
+      {"text": 'an "inner" one', "label": "pos"},
+  ]
   data = tasks.load_task(custom_config(tmp_path, "tsv", train, train))
   assert [(e.text_a, e.label) for e in data.train] == [(r["text"], r["label"]) for r in train]
   with pytest.raises(ConfigError, match=r"row 2 has 3 fields, its header 2: a tab inside a text"):
-    tasks.load_task(custom_config(tmp_path, "tsv", [train[0], {"text": "a\tb", "label": "neg"}], train))
+    tasks.load_task(
+        custom_config(tmp_path, "tsv", [train[0], {"text": "a\tb", "label": "neg"}], train)
+    )
   with pytest.raises(ConfigError, match=r"train.csv: row 2: the label \('label'\) is empty"):
     tasks.load_task(custom_config(tmp_path, "csv", [train[0], {"text": "x", "label": " "}], train))
   for bad in ("nan", "inf", "-Infinity"):
     rows = [{"text": "a", "label": 1.0}, {"text": "b", "label": bad}]
-    with pytest.raises(ConfigError, match=f"row 2: regression label '{bad}' is not a finite number"):
+    with pytest.raises(
+        ConfigError, match=f"row 2: regression label '{bad}' is not a finite number"
+    ):
       tasks.load_task(custom_config(tmp_path, "tsv", rows, rows[:1], kind="regression"))
 
 
@@ -185,8 +290,14 @@ def test_bad_input_errors(tmp_path):
   with pytest.raises(ConfigError, match="not a number"):
     tasks.load_task(custom_config(tmp_path, "tsv", train, train, kind="regression"))
   write_glue(tmp_path / "glue")
-  _write(f"{tmp_path}/glue/RTE/train.tsv", ["index\tsentence1\tsentence2\tlabel", "0\ta\tb\tentailment"])
-  _write(f"{tmp_path}/glue/RTE/dev.tsv", ["index\tsentence1\tsentence2\tlabel", "0\ta\tb\tnot_entailment"])
+  _write(
+      f"{tmp_path}/glue/RTE/train.tsv",
+      ["index\tsentence1\tsentence2\tlabel", "0\ta\tb\tentailment"],
+  )
+  _write(
+      f"{tmp_path}/glue/RTE/dev.tsv",
+      ["index\tsentence1\tsentence2\tlabel", "0\ta\tb\tnot_entailment"],
+  )
   with pytest.raises(ConfigError, match="never occur in the train split"):
     tasks.load_task(glue_config("rte", tmp_path / "glue"))
   _write(f"{tmp_path}/glue/RTE/train.tsv", ["index\tsentence1\tsentence2\tlabel", "0\ta\tb\tmaybe"])
@@ -206,20 +317,28 @@ def test_truncation_drops_from_the_longer_segment():
 
 def test_encode_examples(tokenizer):
   data = tasks.TaskData("custom", "classification", ("neg", "pos"), ("accuracy",), [], {}, {})
-  examples = [tasks.Example("the dog sat", "a cat", "pos", 7), tasks.Example("big red dog ran on the mat", None, "neg", 8)]
+  examples = [
+      tasks.Example("the dog sat", "a cat", "pos", 7),
+      tasks.Example("big red dog ran on the mat", None, "neg", 8),
+  ]
   features = tasks.encode_examples(examples, tokenizer, 8, data)
   ids = {w: tokenizer.encode(w)[0] for w in WORDS}
   cls, sep, pad = tokenizer.cls_id, tokenizer.sep_id, tokenizer.pad_id
   np.testing.assert_array_equal(
       features["input_ids"],
-      [[cls, ids["the"], ids["dog"], ids["sat"], sep, ids["a"], ids["cat"], sep],
-       [cls, ids["big"], ids["red"], ids["dog"], ids["ran"], ids["on"], ids["the"], sep]])
+      [
+          [cls, ids["the"], ids["dog"], ids["sat"], sep, ids["a"], ids["cat"], sep],
+          [cls, ids["big"], ids["red"], ids["dog"], ids["ran"], ids["on"], ids["the"], sep],
+      ],
+  )
   np.testing.assert_array_equal(features["token_type_ids"], [[0, 0, 0, 0, 0, 1, 1, 1], [0] * 8])
   np.testing.assert_array_equal(features["attention_mask"], [[1] * 8, [1] * 8])
   np.testing.assert_array_equal(features["labels"], [1, 0])
   np.testing.assert_array_equal(features["index"], [7, 8])
   short = tasks.encode_examples([tasks.Example("dog", "cat", "pos", 0)], tokenizer, 8, data)
-  np.testing.assert_array_equal(short["input_ids"][0], [cls, ids["dog"], sep, ids["cat"], sep, pad, pad, pad])
+  np.testing.assert_array_equal(
+      short["input_ids"][0], [cls, ids["dog"], sep, ids["cat"], sep, pad, pad, pad]
+  )
   np.testing.assert_array_equal(short["token_type_ids"][0], [0, 0, 0, 1, 1, 0, 0, 0])
   np.testing.assert_array_equal(short["attention_mask"][0], [1, 1, 1, 1, 1, 0, 0, 0])
   # A longer max_seq_len pads only to the longest row, rounded up to a multiple of 8.
@@ -227,14 +346,25 @@ def test_encode_examples(tokenizer):
   assert wide["input_ids"].shape == wide["attention_mask"].shape == (2, 16)
   np.testing.assert_array_equal(wide["input_ids"][0, :8], features["input_ids"][0])
   assert wide["attention_mask"].sum(1).tolist() == [8, 9]
-  long = tasks.encode_examples([tasks.Example(" ".join(WORDS[:4] * 3), None, "pos", 0)], tokenizer, 64, data)
+  long = tasks.encode_examples(
+      [tasks.Example(" ".join(WORDS[:4] * 3), None, "pos", 0)], tokenizer, 64, data
+  )
   assert long["input_ids"].shape == (1, 16) and long["attention_mask"].sum() == 14
 
 
 def test_glue_submission_file(tmp_path):
-  data = tasks.TaskData("mnli", "classification", ("contradiction", "entailment", "neutral"), ("accuracy",), [], {}, {})
-  path = tasks.write_predictions(str(tmp_path / "MNLI-m.tsv"), [0, 1, 2],
-                                 tasks.prediction_strings(data, np.array([2, 0, 1])))
+  data = tasks.TaskData(
+      "mnli",
+      "classification",
+      ("contradiction", "entailment", "neutral"),
+      ("accuracy",),
+      [],
+      {},
+      {},
+  )
+  path = tasks.write_predictions(
+      str(tmp_path / "MNLI-m.tsv"), [0, 1, 2], tasks.prediction_strings(data, np.array([2, 0, 1]))
+  )
   assert open(path).read() == "index\tprediction\n0\tneutral\n1\tcontradiction\n2\tentailment\n"
   sts = tasks.TaskData("stsb", "regression", None, ("pearson",), [], {}, {})
   assert tasks.prediction_strings(sts, np.array([1.23456, 4.0])) == ["1.235", "4.000"]

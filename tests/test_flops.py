@@ -18,6 +18,7 @@ def test_flops_per_token_match_the_reference(recipe, want):
 
 
 class _Device:
+
   def __init__(self, kind):
     self.device_kind = kind
 
@@ -43,16 +44,29 @@ def test_the_throughput_benchmark_counts_the_objectives_flops(tmp_path, objectiv
 
   settings = {**TINY_OVERRIDES, "objective.name": objective, "model.generator_fraction": 1.0}
   result = subprocess.run(
-      [sys.executable, "benchmarks/pretrain_throughput.py", "--config=configs/base.py", "--steps=1", "--windows=1",
-       "--warmup=0", *(f"--config.{key}={value}" for key, value in settings.items())],
-      cwd=REPO, capture_output=True, text=True, timeout=600)
+      [
+          sys.executable,
+          "benchmarks/pretrain_throughput.py",
+          "--config=configs/base.py",
+          "--steps=1",
+          "--windows=1",
+          "--warmup=0",
+          *(f"--config.{key}={value}" for key, value in settings.items()),
+      ],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
-  printed = json.loads(result.stdout[result.stdout.index("{"):])
+  printed = json.loads(result.stdout[result.stdout.index("{") :])
   config = tiny_config(**settings)
   want = sweep.train_flops_per_token(config)
   slots = objectives.official_max_predictions(config.objective.mask_prob, config.data.max_seq_len)
   electra = flops.train_flops_per_token(models.build_model(config), config.data.max_seq_len, slots)
-  assert printed["model_flops_per_token"] == pytest.approx(want, rel=1e-9) and want != pytest.approx(electra, rel=0.05)
+  assert printed["model_flops_per_token"] == pytest.approx(
+      want, rel=1e-9
+  ) and want != pytest.approx(electra, rel=0.05)
 
 
 @pytest.mark.parametrize("script", ["pretrain_throughput", "step_profile", "compile_audit"])
@@ -63,12 +77,22 @@ def test_the_benchmarks_name_a_misspelt_config_key_in_one_line(script):
   import sys
 
   result = subprocess.run(
-      [sys.executable, f"benchmarks/{script}.py", "--config=configs/demo.py", "--config.train.batchsize=4"],
-      cwd=REPO, capture_output=True, text=True, timeout=300)
+      [
+          sys.executable,
+          f"benchmarks/{script}.py",
+          "--config=configs/demo.py",
+          "--config.train.batchsize=4",
+      ],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert result.returncode != 0
   assert result.stderr.strip().splitlines()[-1] == (
       f"{script}: error: --config.train.batchsize: the config has no key 'batchsize'. Did you mean "
-      '"batch_size" instead of "batchsize"? configs/base.py lists every key with its default.')
+      '"batch_size" instead of "batchsize"? configs/base.py lists every key with its default.'
+  )
   assert "Traceback" not in result.stderr
 
 

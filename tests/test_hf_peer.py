@@ -20,12 +20,31 @@ def test_the_peer_samples_and_scores_only_the_tokenizers_vocabulary(gather_maske
   import hf_peer  # noqa: PLC0415 (it and torch are kept out of collection: see conftest._NativePeerWatch)
   import torch  # noqa: PLC0415
 
-  config = tiny_config(**{"model.vocab_size": 64, "model.hidden_size": 32, "model.num_layers": 1,
-                          "model.num_heads": 2, "model.intermediate_size": 64, "model.embedding_size": 32,
-                          "model.generator_fraction": 0.5, "data.max_seq_len": 16})
+  config = tiny_config(
+      **{
+          "model.vocab_size": 64,
+          "model.hidden_size": 32,
+          "model.num_layers": 1,
+          "model.num_heads": 2,
+          "model.intermediate_size": 64,
+          "model.embedding_size": 32,
+          "model.generator_fraction": 0.5,
+          "data.max_seq_len": 16,
+      }
+  )
   objective = objectives.ElectraObjective(
-      mask_prob=0.5, max_predictions=8, gen_weight=1.0, disc_weight=50.0, temperature=1.0,
-      keep_original_prob=0.15, mask_id=4, pad_id=0, cls_id=2, sep_id=3, vocab_size=12)
+      mask_prob=0.5,
+      max_predictions=8,
+      gen_weight=1.0,
+      disc_weight=50.0,
+      temperature=1.0,
+      keep_original_prob=0.15,
+      mask_id=4,
+      pad_id=0,
+      cls_id=2,
+      sep_id=3,
+      vocab_size=12,
+  )
   peer = hf_peer.HfElectraPretraining(config, objective, gather_masked=gather_masked)
   with torch.no_grad():  # a generator that favours the rows past the vocabulary
     peer.generator.generator_lm_head.bias[12:] = 5.0
@@ -34,12 +53,26 @@ def test_the_peer_samples_and_scores_only_the_tokenizers_vocabulary(gather_maske
   batch = dict(input_ids=ids, token_type_ids=np.zeros_like(ids), attention_mask=np.ones_like(ids))
   seen = []  # what the discriminator reads: the originals (all below 12) with the samples put in
   forward = peer.discriminator.forward
-  peer.discriminator.forward = lambda input_ids, **kwargs: seen.append(input_ids.clone()) or forward(input_ids, **kwargs)
+  peer.discriminator.forward = lambda input_ids, **kwargs: seen.append(
+      input_ids.clone()
+  ) or forward(input_ids, **kwargs)
   peer.step(batch)
-  assert len(seen) == 1 and int(seen[0].max()) < 12 and bool((seen[0] != torch.as_tensor(ids)).any())
-  if gather_masked:  # our loss's softmax leaves the extra rows out; the typical script's is HF's own
-    masked_ids, positions, is_used, target_ids = peer._mask(torch.as_tensor(ids), torch.ones(4, 16, dtype=torch.long))
+  assert (
+      len(seen) == 1 and int(seen[0].max()) < 12 and bool((seen[0] != torch.as_tensor(ids)).any())
+  )
+  if (
+      gather_masked
+  ):  # our loss's softmax leaves the extra rows out; the typical script's is HF's own
+    masked_ids, positions, is_used, target_ids = peer._mask(
+        torch.as_tensor(ids), torch.ones(4, 16, dtype=torch.long)
+    )
     with torch.no_grad():
-      loss, _ = peer._generator_loss_and_logits(masked_ids, torch.zeros_like(masked_ids), torch.ones_like(masked_ids),
-                                                positions, is_used, target_ids)
+      loss, _ = peer._generator_loss_and_logits(
+          masked_ids,
+          torch.zeros_like(masked_ids),
+          torch.ones_like(masked_ids),
+          positions,
+          is_used,
+          target_ids,
+      )
     assert float(loss) < math.log(12) + 0.5  # with the 52 rows at +5 it would be above log(52 e^5)

@@ -10,7 +10,9 @@ import pytest
 
 from conftest import REPO
 
-_spec = importlib.util.spec_from_file_location("hlo_audit", os.path.join(REPO, "benchmarks", "hlo_audit.py"))
+_spec = importlib.util.spec_from_file_location(
+    "hlo_audit", os.path.join(REPO, "benchmarks", "hlo_audit.py")
+)
 hlo_audit = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(hlo_audit)
 
@@ -18,6 +20,7 @@ _spec.loader.exec_module(hlo_audit)
 def _looped_matmul(trips):
   def f(x, w):
     return jax.lax.fori_loop(0, trips, lambda i, x: jnp.tanh(x @ w), x)
+
   args = (jax.ShapeDtypeStruct((64, 32), jnp.float32), jax.ShapeDtypeStruct((32, 32), jnp.float32))
   return hlo_audit.Audit(jax.jit(f).lower(*args).compile().as_text(), peak=1e12, bandwidth=1e11)
 
@@ -37,7 +40,9 @@ def test_loops_count_by_trip_count_and_matmuls_by_hand():
   bound, launches, dot, moved = matmul[0]
   assert (launches, dot, moved) == (7, 7 * 2 * 64 * 32 * 32, 7 * 4 * (64 * 32 * 2 + 32 * 32))
   assert bound == pytest.approx(moved / 1e11)
-  assert "test_hlo_audit.py" not in "".join(where for where, _ in seven.by_source)  # electra_jax frames only
+  assert "test_hlo_audit.py" not in "".join(
+      where for where, _ in seven.by_source
+  )  # electra_jax frames only
 
 
 def test_shapes_and_tuples_in_bytes():

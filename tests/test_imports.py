@@ -16,7 +16,9 @@ def _modules() -> dict[str, str]:
     for name in files:
       if name.endswith(".py"):
         parts = os.path.relpath(os.path.join(directory, name), REPO)[:-3].split(os.sep)
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = os.path.join(directory, name)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = os.path.join(
+            directory, name
+        )
   return modules
 
 
@@ -31,8 +33,10 @@ def import_graph() -> dict[str, set[str]]:
       if isinstance(node, ast.Import):
         named.update(alias.name for alias in node.names)
       elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-        named.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                     for a in node.names)
+        named.update(
+            f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+            for a in node.names
+        )
     graph[module] = {n for n in named if n in modules and n != module}
   return graph
 
@@ -45,7 +49,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state[node] = 1
     for child in sorted(graph.get(node, ())):
       if state.get(child) == 1:
-        return path[path.index(child):] + [child]
+        return path[path.index(child) :] + [child]
       if child not in state:
         cycle = visit(child, path + [child])
         if cycle:
@@ -68,7 +72,9 @@ def test_find_cycle_finds_one():
 
 def test_the_graph_sees_function_level_and_submodule_imports():
   graph = import_graph()
-  assert "electra_jax.errors" in graph["electra_jax.config_lib"]  # from electra_jax.errors import ...
+  assert (
+      "electra_jax.errors" in graph["electra_jax.config_lib"]
+  )  # from electra_jax.errors import ...
   assert "electra_jax.data.prepare" in graph["electra_jax.data.pipeline"]  # a submodule by name
   assert "electra_jax.plots" in graph["electra_jax.sweep"]  # imported inside a function
 
@@ -84,9 +90,13 @@ def test_a_recipe_loads_without_jax():
   import subprocess  # noqa: PLC0415
   import sys  # noqa: PLC0415
 
-  code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('quick', 'configs/quick.py'); "
-          "recipe = importlib.util.module_from_spec(spec); spec.loader.exec_module(recipe); recipe.get_config(); "
-          "print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))")
-  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+  code = (
+      "import importlib.util, sys; spec = importlib.util.spec_from_file_location('quick', 'configs/quick.py'); "
+      "recipe = importlib.util.module_from_spec(spec); spec.loader.exec_module(recipe); recipe.get_config(); "
+      "print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))"
+  )
+  out = subprocess.run(
+      [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+  )
   assert out.returncode == 0, out.stderr
   assert out.stdout.strip() == "[]"

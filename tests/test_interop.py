@@ -24,14 +24,23 @@ from electra_jax.interop import hf
 
 transformers.utils.logging.disable_progress_bar()
 
-HF_CLASSES = {"discriminator": "ElectraForPreTraining", "generator": "ElectraForMaskedLM", "encoder": "ElectraModel"}
+HF_CLASSES = {
+    "discriminator": "ElectraForPreTraining",
+    "generator": "ElectraForMaskedLM",
+    "encoder": "ElectraModel",
+}
+
 
 # Embedding size equal to, smaller than and larger than the hidden size (ELECTRA-Small's
 # generator has H=64 < E=128), an odd vocabulary, one to three layers.
 def _sizes(embedding, hidden, layers, heads, ffn, **extra):
   return dict(
-      embedding_size=embedding, hidden_size=hidden, num_hidden_layers=layers,
-      num_attention_heads=heads, intermediate_size=ffn, **extra,
+      embedding_size=embedding,
+      hidden_size=hidden,
+      num_hidden_layers=layers,
+      num_attention_heads=heads,
+      intermediate_size=ffn,
+      **extra,
   )
 
 
@@ -50,6 +59,7 @@ def _hf_config(**sizes):
 def _random_hf_model(kind, seed=0, **sizes):
   """A transformers model whose every tensor (LayerNorms and biases included) is random."""
   import torch  # noqa: PLC0415 (kept out of collection: see conftest._NativePeerWatch)
+
   torch.manual_seed(seed)
   model = getattr(transformers, HF_CLASSES[kind])(_hf_config(**sizes)).eval()
   with torch.no_grad():
@@ -74,6 +84,7 @@ def _inputs(seed=0, batch=3, seq=10):
 
 def _hf_outputs(hf_model, input_ids, attention_mask, token_type_ids):
   import torch  # noqa: PLC0415 (kept out of collection: see conftest._NativePeerWatch)
+
   with torch.no_grad():
     out = hf_model(
         input_ids=torch.tensor(input_ids),
@@ -88,6 +99,7 @@ def _random_params(init, *init_args, seed=1):
   shows (and no slow eager init)."""
   shapes = jax.eval_shape(init, jax.random.key(0), *init_args)["params"]
   rng = np.random.default_rng(seed)
+
   def draw(path, leaf):
     centre = 1.0 if path[-1].key == "scale" else 0.0
     return centre + 0.1 * rng.standard_normal(leaf.shape, np.float32)
@@ -116,7 +128,9 @@ def _assert_same_outputs(model, params, hf_model, seed=0):
 def _from_pretrained_cleanly(kind, directory):
   # Every warning transformers logs (missing/unexpected weights among them).
   with logged_messages("transformers", logging.WARNING) as warnings:
-    hf_model, info = getattr(transformers, HF_CLASSES[kind]).from_pretrained(directory, output_loading_info=True)
+    hf_model, info = getattr(transformers, HF_CLASSES[kind]).from_pretrained(
+        directory, output_loading_info=True
+    )
   assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
   assert warnings == [], warnings
   return hf_model.eval()
@@ -149,8 +163,11 @@ def test_save_hf_loads_cleanly_and_matches(tmp_path, kind, shape):
       layer_norm_eps=sizes.get("layer_norm_eps", 1e-12),
   )
   model = hf.MODEL_CLASSES[kind](
-      vocab_size=VOCAB, embedding_size=sizes["embedding_size"], max_position_embeddings=24,
-      type_vocab_size=2, config=tower,
+      vocab_size=VOCAB,
+      embedding_size=sizes["embedding_size"],
+      max_position_embeddings=24,
+      type_vocab_size=2,
+      config=tower,
   )
   params = _random_params(model.init, jnp.zeros((1, 4), jnp.int32))
 
@@ -166,6 +183,7 @@ def test_save_hf_loads_cleanly_and_matches(tmp_path, kind, shape):
 @pytest.mark.parametrize("kind", ["discriminator", "generator", "encoder"])
 def test_round_trip_through_ours_is_bit_identical(tmp_path, kind):
   import torch  # noqa: PLC0415 (kept out of collection: see conftest._NativePeerWatch)
+
   hf_model = _random_hf_model(kind, seed=4, **SHAPES["E<H,3layers"])
   hf_model.save_pretrained(tmp_path / "original")
   model, params = interop.load_hf(str(tmp_path / "original"))
@@ -187,7 +205,9 @@ def test_pretrainer_towers_export_to_transformers(tmp_path):
   config = tiny_config(**{"model.vocab_size": VOCAB, "model.embedding_size": 24})
   pretrainer = models.build_model(config)
   ids = jnp.zeros((1, 8), jnp.int32)
-  params = _random_params(pretrainer.init, ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32))
+  params = _random_params(
+      pretrainer.init, ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32)
+  )
   input_ids, attention_mask, token_type_ids = _inputs(seed=5)
   every_position = np.broadcast_to(np.arange(input_ids.shape[1]), input_ids.shape)
   # Both towers' logits from the pre-trainer itself, at every position.
@@ -219,6 +239,7 @@ def _save_hf_discriminator(directory):
 
 def test_pytorch_bin_state_dict_loads_and_torch_load_is_weights_only(tmp_path, monkeypatch):
   import torch  # noqa: PLC0415 (kept out of collection: see conftest._NativePeerWatch)
+
   hf_model = _save_hf_discriminator(tmp_path)
   os.remove(tmp_path / "model.safetensors")
   # As older transformers versions saved it: with the position_ids buffer.
@@ -253,8 +274,13 @@ def test_pytorch_bin_state_dict_loads_and_torch_load_is_weights_only(tmp_path, m
 
 @pytest.mark.parametrize(
     "key, value",
-    [("hidden_act", "relu"), ("hidden_act", "gelu_new"), ("position_embedding_type", "relative_key"),
-     ("architectures", ["ElectraForSequenceClassification"]), ("model_type", "bert")],
+    [
+        ("hidden_act", "relu"),
+        ("hidden_act", "gelu_new"),
+        ("position_embedding_type", "relative_key"),
+        ("architectures", ["ElectraForSequenceClassification"]),
+        ("model_type", "bert"),
+    ],
 )
 def test_unsupported_config_is_refused_by_name(tmp_path, key, value):
   _save_hf_discriminator(tmp_path)
@@ -316,7 +342,13 @@ def test_cli_exports_a_pretraining_workdir(tmp_path, pretrained):
   shutil.copytree(pretrained, workdir)
   python_m_main = cli_args(workdir)[:3]
   result = cli(
-      [*python_m_main, "--mode=export_hf", f"--workdir={workdir}", f"--out={out}", "--export_generator"]
+      [
+          *python_m_main,
+          "--mode=export_hf",
+          f"--workdir={workdir}",
+          f"--out={out}",
+          "--export_generator",
+      ]
   )
   assert result.returncode == 0, result.stderr[-3000:]
 
@@ -330,7 +362,9 @@ def test_cli_exports_a_pretraining_workdir(tmp_path, pretrained):
   checkpointer.close()
   for kind in ("discriminator", "generator"):
     model, params = interop.load_hf(str(out / kind))
-    reference_model, reference_params = models.tower_from_pretrainer(setup.model, state.params, kind)
+    reference_model, reference_params = models.tower_from_pretrainer(
+        setup.model, state.params, kind
+    )
     flat = flax.traverse_util.flatten_dict(params)
     reference = flax.traverse_util.flatten_dict(jax.device_get(reference_params))
     assert sorted(flat) == sorted(reference)
@@ -342,26 +376,45 @@ def test_cli_exports_a_pretraining_workdir(tmp_path, pretrained):
   pair = interop.pair_from_hf(str(out / "discriminator"), str(out / "generator"))
   imported = tmp_path / "imported"
   # A recipe asking for encoder options ELECTRA checkpoints lack gets the pair's (the defaults).
-  recipe = tiny_config(**{"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False,
-                          "model.attention_conv": 3, "model.ngram_buckets": 64})
+  recipe = tiny_config(
+      **{
+          "model.norm": "pre",
+          "model.ffn": "geglu",
+          "model.use_bias": False,
+          "model.attention_conv": 3,
+          "model.ngram_buckets": 64,
+      }
+  )
   interop.write_pretraining_workdir(pair, recipe, str(imported))
   model_config = train.config_lib.load_workdir_config(str(imported)).model
-  assert (model_config.norm, model_config.ffn, model_config.use_bias, model_config.attention_conv,
-          model_config.ngram_buckets) == ("post", "gelu", True, 0, 0)
+  assert (
+      model_config.norm,
+      model_config.ffn,
+      model_config.use_bias,
+      model_config.attention_conv,
+      model_config.ngram_buckets,
+  ) == ("post", "gelu", True, 0, 0)
   data_config = train.config_lib.load_workdir_config(str(imported)).data
-  assert data_config.tokenizer == "sentencepiece" and data_config.spm_model_file == str(imported / "spm.model")
+  assert data_config.tokenizer == "sentencepiece" and data_config.spm_model_file == str(
+      imported / "spm.model"
+  )
   assert (imported / "spm.model").read_bytes() == (out / "discriminator" / "spm.model").read_bytes()
 
 
 def _listing(directory):
   """Every file under `directory` with its bytes: what "untouched" compares."""
   return {
-      os.path.relpath(os.path.join(root, name), directory): open(os.path.join(root, name), "rb").read()
-      for root, _, names in os.walk(directory) for name in names
+      os.path.relpath(os.path.join(root, name), directory): open(
+          os.path.join(root, name), "rb"
+      ).read()
+      for root, _, names in os.walk(directory)
+      for name in names
   }
 
 
-def test_export_refuses_an_out_holding_another_export_and_leaves_it_untouched(tmp_path, monkeypatch, pretrained):
+def test_export_refuses_an_out_holding_another_export_and_leaves_it_untouched(
+    tmp_path, monkeypatch, pretrained
+):
   workdir, out = tmp_path / "run", tmp_path / "hf"
   shutil.copytree(pretrained, workdir)
   first = interop.export_workdir(str(workdir), str(out), export_generator=True)
@@ -374,13 +427,17 @@ def test_export_refuses_an_out_holding_another_export_and_leaves_it_untouched(tm
 
   monkeypatch.setattr(train, "restore_checkpoint", no_restore)
   # Written over, discriminator/ would mix two exports' files (another tokenizer's vocab, say).
-  with pytest.raises(ConfigError, match=r"hf/discriminator is not an empty directory.*pick a new --out, or remove"):
+  with pytest.raises(
+      ConfigError, match=r"hf/discriminator is not an empty directory.*pick a new --out, or remove"
+  ):
     interop.export_workdir(str(workdir), str(out))
   assert _listing(out) == before
   # With discriminator/ gone, the old generator/ would still pose as the new model's generator.
   os.rename(out / "discriminator", tmp_path / "old_discriminator")
   before = _listing(out)
-  with pytest.raises(ConfigError, match=r"hf/generator holds an earlier export's generator.*without --export_gen"):
+  with pytest.raises(
+      ConfigError, match=r"hf/generator holds an earlier export's generator.*without --export_gen"
+  ):
     interop.export_workdir(str(workdir), str(out))
   assert _listing(out) == before and not (out / "discriminator").exists()
   (tmp_path / "a_file").write_text("")
@@ -397,7 +454,9 @@ def test_export_refuses_an_out_holding_another_export_and_leaves_it_untouched(tm
   fresh = tmp_path / "fresh"
   os.makedirs(fresh / "discriminator")
   written = interop.export_workdir(str(workdir), str(fresh))
-  assert sorted(os.listdir(written["discriminator"])) == sorted(os.listdir(tmp_path / "old_discriminator"))
+  assert sorted(os.listdir(written["discriminator"])) == sorted(
+      os.listdir(tmp_path / "old_discriminator")
+  )
 
 
 def test_cli_asks_for_what_each_mode_needs(tmp_path):
@@ -406,7 +465,9 @@ def test_cli_asks_for_what_each_mode_needs(tmp_path):
   assert no_out.returncode != 0 and "--mode=export_hf needs --out" in no_out.stderr
   no_config = cli([*python_m_main, f"--workdir={tmp_path}"])
   assert no_config.returncode != 0 and "--mode=train needs --config" in no_config.stderr
-  not_a_workdir = cli([*python_m_main, "--mode=export_hf", f"--workdir={tmp_path}", f"--out={tmp_path}/hf"])
+  not_a_workdir = cli(
+      [*python_m_main, "--mode=export_hf", f"--workdir={tmp_path}", f"--out={tmp_path}/hf"]
+  )
   assert not_a_workdir.returncode != 0 and "has no config.json" in not_a_workdir.stderr
 
 
@@ -425,18 +486,43 @@ def test_export_to_an_out_that_cannot_be_made_is_refused_before_the_restore(tmp_
     export.export_workdir(str(workdir), str(tmp_path / "a_file" / "hf"))
 
 
-@pytest.mark.parametrize("options, named", [
-    ({"model.norm": "pre"}, [r"model.norm='pre' has no Hugging Face ElectraModel form \(it is post-LayerNorm only\); "
-                             r"fine-tune or evaluate it in electra-jax instead."]),
-    ({"model.ffn": "geglu"}, [r"model.ffn='geglu' has no Hugging Face ElectraModel form"]),
-    ({"model.use_bias": False}, [r"model.use_bias=False has no Hugging Face ElectraModel form"]),
-    ({"model.attention_conv": 3}, [r"model.attention_conv=3 has no Hugging Face ElectraModel form \(its attention has no convolution\)"]),
-    ({"model.ngram_buckets": 64}, [r"model.ngram_buckets=64 has no Hugging Face ElectraModel form \(its embeddings are "
-                                   r"words, positions and token types only\)"]),
-    ({"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False},
-     [r"model.norm='pre'", r"model.ffn='geglu'", r"model.use_bias=False"]),
-])
-def test_export_refuses_encoder_options_hugging_face_cannot_hold(tmp_path, monkeypatch, options, named):
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        (
+            {"model.norm": "pre"},
+            [
+                r"model.norm='pre' has no Hugging Face ElectraModel form \(it is post-LayerNorm only\); "
+                r"fine-tune or evaluate it in electra-jax instead."
+            ],
+        ),
+        ({"model.ffn": "geglu"}, [r"model.ffn='geglu' has no Hugging Face ElectraModel form"]),
+        (
+            {"model.use_bias": False},
+            [r"model.use_bias=False has no Hugging Face ElectraModel form"],
+        ),
+        (
+            {"model.attention_conv": 3},
+            [
+                r"model.attention_conv=3 has no Hugging Face ElectraModel form \(its attention has no convolution\)"
+            ],
+        ),
+        (
+            {"model.ngram_buckets": 64},
+            [
+                r"model.ngram_buckets=64 has no Hugging Face ElectraModel form \(its embeddings are "
+                r"words, positions and token types only\)"
+            ],
+        ),
+        (
+            {"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False},
+            [r"model.norm='pre'", r"model.ffn='geglu'", r"model.use_bias=False"],
+        ),
+    ],
+)
+def test_export_refuses_encoder_options_hugging_face_cannot_hold(
+    tmp_path, monkeypatch, options, named
+):
   """Pre-LN, GEGLU, bias-free, convolved and n-gram encoders have no ElectraModel form: the export says which
   option, one line each, before restoring or writing anything."""
   config = tiny_config(**options)
@@ -447,13 +533,18 @@ def test_export_refuses_encoder_options_hugging_face_cannot_hold(tmp_path, monke
   with pytest.raises(ConfigError) as refused:
     interop.export_workdir(str(workdir), str(out), export_generator=True)
   lines = str(refused.value).split("\n")
-  assert len(lines) == len(named) and all(re.fullmatch(f"{want}.*", line) for want, line in zip(named, lines))
+  assert len(lines) == len(named) and all(
+      re.fullmatch(f"{want}.*", line) for want, line in zip(named, lines)
+  )
   assert not out.exists()
   # save_hf itself refuses too (a pre-training state or a standalone tower alike).
   pretrainer = models.build_model(config)
   ids = jnp.zeros((1, 8), jnp.int32)
   params = flax.linen.meta.unbox(
-      pretrainer.init(jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32))["params"])
+      pretrainer.init(
+          jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32)
+      )["params"]
+  )
   # The generator never reads the n-gram table: its tower alone has a Hugging Face form.
   kinds = ("discriminator",) if "model.ngram_buckets" in options else ("discriminator", "generator")
   for kind in kinds:
@@ -490,10 +581,18 @@ def _trained_tokenizers(tmp_path):
     wordpiece = tokenizers.Tokenizer(tokenizers.models.WordPiece(unk_token="[UNK]"))
     wordpiece.normalizer = tokenizers.normalizers.BertNormalizer(lowercase=lowercase)
     wordpiece.pre_tokenizer = tokenizers.pre_tokenizers.BertPreTokenizer()
-    wordpiece.train_from_iterator(corpus, tokenizers.trainers.WordPieceTrainer(
-        vocab_size=1200, special_tokens=list(data.SPECIAL_TOKENS)))
+    wordpiece.train_from_iterator(
+        corpus,
+        tokenizers.trainers.WordPieceTrainer(
+            vocab_size=1200, special_tokens=list(data.SPECIAL_TOKENS)
+        ),
+    )
     vocab = tmp_path / f"vocab_{lowercase}.txt"
-    vocab.write_text("".join(f"{token}\n" for token, _ in sorted(wordpiece.get_vocab().items(), key=lambda t: t[1])))
+    vocab.write_text(
+        "".join(
+            f"{token}\n" for token, _ in sorted(wordpiece.get_vocab().items(), key=lambda t: t[1])
+        )
+    )
     yield f"wordpiece lowercase={lowercase}", data.WordPieceTokenizer(str(vocab), lowercase)
 
 
@@ -503,10 +602,16 @@ def test_exported_tokenizers_give_autotokenizer_the_training_ids(tmp_path):
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps({"model_type": "electra"}))
     interop.export.write_tokenizer_files(tok, str(directory), max_length=128)
-    assert (directory / "tokenizer.json").exists() and (directory / "tokenizer_config.json").exists()
+    assert (directory / "tokenizer.json").exists() and (
+        directory / "tokenizer_config.json"
+    ).exists()
     loaded = transformers.AutoTokenizer.from_pretrained(str(directory))
-    assert (loaded.pad_token_id, loaded.cls_token_id, loaded.sep_token_id, loaded.mask_token_id) == (
-        tok.pad_id, tok.cls_id, tok.sep_id, tok.mask_id), name
+    assert (
+        loaded.pad_token_id,
+        loaded.cls_token_id,
+        loaded.sep_token_id,
+        loaded.mask_token_id,
+    ) == (tok.pad_id, tok.cls_id, tok.sep_id, tok.mask_id), name
     for text in TOKENIZER_TEXTS:
       assert loaded(text)["input_ids"] == [tok.cls_id, *tok.encode(text), tok.sep_id], (name, text)
     pair = loaded(TOKENIZER_TEXTS[0], TOKENIZER_TEXTS[1])

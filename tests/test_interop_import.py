@@ -28,8 +28,13 @@ VOCAB = 61  # the fixture's vocabulary: [PAD] [UNK] [CLS] [SEP] [MASK] w0 .. w55
 PYTHON_M_MAIN = ["python", "-m", "electra_jax.main"]
 # Sizes a run over the fixture's model can use (20 positions, 61 ids).
 RUN_OVERRIDES = {
-    "data.max_seq_len": 16, "data.max_documents": 60, "train.batch_size": 4, "train.steps": 2,
-    "train.log_every": 1, "checkpoint.every_steps": 2, "optimizer.warmup_steps": 1,
+    "data.max_seq_len": 16,
+    "data.max_documents": 60,
+    "train.batch_size": 4,
+    "train.steps": 2,
+    "train.log_every": 1,
+    "checkpoint.every_steps": 2,
+    "optimizer.warmup_steps": 1,
     "eval.every_steps": 0,
 }
 
@@ -49,10 +54,14 @@ def _inputs(seed=0, batch=3, seq=12):
 
 def _hf_logits(hf_class, directory, inputs):
   import torch  # noqa: PLC0415 (kept out of collection: see conftest._NativePeerWatch)
+
   model = hf_class.from_pretrained(directory).eval()
   with torch.no_grad():
-    return model(*(torch.tensor(x) for x in inputs[:1]), attention_mask=torch.tensor(inputs[1]),
-                 token_type_ids=torch.tensor(inputs[2])).logits.numpy()
+    return model(
+        *(torch.tensor(x) for x in inputs[:1]),
+        attention_mask=torch.tensor(inputs[1]),
+        token_type_ids=torch.tensor(inputs[2]),
+    ).logits.numpy()
 
 
 def _assert_logits_match(model, params, hf_class, hf_dir, seed=0):
@@ -65,7 +74,11 @@ def _assert_logits_match(model, params, hf_class, hf_dir, seed=0):
 
 
 def _cli(*args, **overrides):
-  return PYTHON_M_MAIN + list(args) + [f"--config.{k}={v}" for k, v in {**RUN_OVERRIDES, **overrides}.items()]
+  return (
+      PYTHON_M_MAIN
+      + list(args)
+      + [f"--config.{k}={v}" for k, v in {**RUN_OVERRIDES, **overrides}.items()]
+  )
 
 
 # ---------------------------------------------------------------------------------------
@@ -92,7 +105,8 @@ def test_reader_reads_what_tensorflow_wrote():
   # Values: the same tensors transformers saved from the same torch model.
   disc = safetensors.numpy.load_file(os.path.join(FIXTURE, "hf_discriminator", "model.safetensors"))
   np.testing.assert_array_equal(
-      ckpt.read("electra/embeddings/word_embeddings"), disc["electra.embeddings.word_embeddings.weight"]
+      ckpt.read("electra/embeddings/word_embeddings"),
+      disc["electra.embeddings.word_embeddings.weight"],
   )
   np.testing.assert_array_equal(  # a dense kernel: [in, out] in TF, [out, in] in torch
       ckpt.read("electra/encoder/layer_1/intermediate/dense/kernel"),
@@ -122,19 +136,23 @@ def test_prefix_resolution_and_bad_paths(tmp_path):
   with open(tmp_path / "model.ckpt-3.data-00000-of-00001", "r+b") as f:
     f.seek(entry.offset)
     f.write(np.array([np.nan], np.float32).tobytes())
-  with pytest.raises(ConfigError, match="'generator_predictions/output_bias' holds 1 NaN or infinite values"):
+  with pytest.raises(
+      ConfigError, match="'generator_predictions/output_bias' holds 1 NaN or infinite values"
+  ):
     nan_ckpt.read("generator_predictions/output_bias")
   # A truncated data file is named, not read as garbage.
   data = tmp_path / "model.ckpt-12.data-00000-of-00001"
   data.write_bytes(data.read_bytes()[:1000])
   with pytest.raises(ConfigError, match="truncated"):
-    tf_checkpoint.TFCheckpoint(str(tmp_path / "model.ckpt-12")).read("generator_predictions/output_bias")
+    tf_checkpoint.TFCheckpoint(str(tmp_path / "model.ckpt-12")).read(
+        "generator_predictions/output_bias"
+    )
 
 
 def test_official_names_of_every_weight():
-  assert tf_checkpoint.official_name("encoder.layer.11.attention.self.query.weight", "generator") == (
-      "generator/encoder/layer_11/attention/self/query/kernel"
-  )
+  assert tf_checkpoint.official_name(
+      "encoder.layer.11.attention.self.query.weight", "generator"
+  ) == ("generator/encoder/layer_11/attention/self/query/kernel")
   assert tf_checkpoint.official_name("embeddings.position_embeddings.weight", "generator") == (
       "electra/embeddings/position_embeddings"  # both towers read the discriminator's scope
   )
@@ -150,10 +168,19 @@ def test_tf_towers_compute_what_transformers_computes():
   pair = interop.pair_from_tf(FIXTURE)
   assert pair.vocab_file == os.path.join(FIXTURE, "vocab.txt")  # found beside the checkpoint
   assert pair.discriminator.config.num_heads == 1  # official: max(1, 32 // 64)
-  _assert_logits_match(pair.discriminator, pair.discriminator_params, transformers.ElectraForPreTraining,
-                       os.path.join(FIXTURE, "hf_discriminator"))
-  _assert_logits_match(pair.generator, pair.generator_params, transformers.ElectraForMaskedLM,
-                       os.path.join(FIXTURE, "hf_generator"), seed=1)
+  _assert_logits_match(
+      pair.discriminator,
+      pair.discriminator_params,
+      transformers.ElectraForPreTraining,
+      os.path.join(FIXTURE, "hf_discriminator"),
+  )
+  _assert_logits_match(
+      pair.generator,
+      pair.generator_params,
+      transformers.ElectraForMaskedLM,
+      os.path.join(FIXTURE, "hf_generator"),
+      seed=1,
+  )
 
 
 # ---------------------------------------------------------------------------------------
@@ -186,10 +213,15 @@ def _restore_params(workdir, step):
 def test_import_hf_pair_continue_pretraining_and_export(tmp_path):
   dirs = _hf_pair_with_vocab(tmp_path, lowercase=False)
   workdir, out = tmp_path / "run", tmp_path / "exported"
-  imported = cli(_cli(
-      "--mode=import_hf", f"--hf_discriminator={dirs['discriminator']}",
-      f"--hf_generator={dirs['generator']}", f"--config={REPO}/configs/base.py", f"--workdir={workdir}",
-  ))
+  imported = cli(
+      _cli(
+          "--mode=import_hf",
+          f"--hf_discriminator={dirs['discriminator']}",
+          f"--hf_generator={dirs['generator']}",
+          f"--config={REPO}/configs/base.py",
+          f"--workdir={workdir}",
+      )
+  )
   assert imported.returncode == 0, imported.stderr[-3000:]
   config = json.loads((workdir / "config.json").read_text())
   # Sizes and vocabulary come from the weights, whatever the recipe said.
@@ -201,8 +233,10 @@ def test_import_hf_pair_continue_pretraining_and_export(tmp_path):
   # Step 0 holds exactly the Hugging Face weights, both towers over one embedding tree.
   pretrainer, params = _restore_params(workdir, 0)
   assert sorted(params) == ["discriminator", "embeddings", "generator"]
-  for tower, hf_class in (("discriminator", transformers.ElectraForPreTraining),
-                          ("generator", transformers.ElectraForMaskedLM)):
+  for tower, hf_class in (
+      ("discriminator", transformers.ElectraForPreTraining),
+      ("generator", transformers.ElectraForMaskedLM),
+  ):
     model, tower_params = models.tower_from_pretrainer(pretrainer, params, tower)
     _assert_logits_match(model, tower_params, hf_class, dirs[tower])
 
@@ -218,36 +252,61 @@ def test_import_hf_pair_continue_pretraining_and_export(tmp_path):
   assert changed["embeddings"]["word_embeddings"]["embedding"]
   assert sorted(after) == ["discriminator", "embeddings", "generator"]
   for tower in ("discriminator", "generator"):
-    assert not any(k.endswith("/embedding") for k in flax.traverse_util.flatten_dict(after[tower], sep="/"))
+    assert not any(
+        k.endswith("/embedding") for k in flax.traverse_util.flatten_dict(after[tower], sep="/")
+    )
 
   # Export: the vocabulary and its settings travel, and tokenize as the original did.
   exported = cli(PYTHON_M_MAIN + ["--mode=export_hf", f"--workdir={workdir}", f"--out={out}"])
   assert exported.returncode == 0, exported.stderr[-3000:]
   tokenizer = transformers.AutoTokenizer.from_pretrained(str(out / "discriminator"))
-  original = transformers.BertTokenizer(os.path.join(dirs["discriminator"], "vocab.txt"), do_lower_case=False)
+  original = transformers.BertTokenizer(
+      os.path.join(dirs["discriminator"], "vocab.txt"), do_lower_case=False
+  )
   text = "w1 w22 W3 unknown w55w4 [MASK] w0"
   assert tokenizer(text)["input_ids"] == original(text)["input_ids"]
-  assert original.convert_ids_to_tokens(original(text)["input_ids"])[3] == "[UNK]"  # cased: W3 unknown
+  assert (
+      original.convert_ids_to_tokens(original(text)["input_ids"])[3] == "[UNK]"
+  )  # cased: W3 unknown
 
 
 def test_import_tf_via_the_cli(tmp_path):
   workdir = tmp_path / "run"
-  result = cli(_cli("--mode=import_tf", f"--tf_checkpoint={FIXTURE}", f"--config={REPO}/configs/base.py",
-                        f"--workdir={workdir}"))
+  result = cli(
+      _cli(
+          "--mode=import_tf",
+          f"--tf_checkpoint={FIXTURE}",
+          f"--config={REPO}/configs/base.py",
+          f"--workdir={workdir}",
+      )
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   assert "Continue pre-training with: electra-jax --workdir=" in result.stdout
   pretrainer, params = _restore_params(workdir, 0)
   model, tower_params = models.tower_from_pretrainer(pretrainer, params, "discriminator")
-  _assert_logits_match(model, tower_params, transformers.ElectraForPreTraining,
-                       os.path.join(FIXTURE, "hf_discriminator"), seed=2)
+  _assert_logits_match(
+      model,
+      tower_params,
+      transformers.ElectraForPreTraining,
+      os.path.join(FIXTURE, "hf_discriminator"),
+      seed=2,
+  )
   # Importing again into the same workdir changes nothing and says why.
-  again = cli(_cli("--mode=import_tf", f"--tf_checkpoint={FIXTURE}", f"--config={REPO}/configs/base.py",
-                       f"--workdir={workdir}"))
+  again = cli(
+      _cli(
+          "--mode=import_tf",
+          f"--tf_checkpoint={FIXTURE}",
+          f"--config={REPO}/configs/base.py",
+          f"--workdir={workdir}",
+      )
+  )
   assert again.returncode != 0 and "already holds checkpoints" in again.stderr
 
 
 def _import(pair, workdir, **kwargs):
-  return interop.write_pretraining_workdir(pair, tiny_config(**RUN_OVERRIDES), str(workdir), **kwargs)
+  return interop.write_pretraining_workdir(
+      pair, tiny_config(**RUN_OVERRIDES), str(workdir), **kwargs
+  )
 
 
 def test_unequal_embeddings_are_refused_unless_one_side_is_chosen(tmp_path):
@@ -257,7 +316,10 @@ def test_unequal_embeddings_are_refused_unless_one_side_is_chosen(tmp_path):
   weights["electra.embeddings.position_embeddings.weight"][3, 1] += 0.5
   safetensors.numpy.save_file(weights, weights_path, metadata={"format": "pt"})
   pair = interop.pair_from_hf(dirs["discriminator"], dirs["generator"])
-  with pytest.raises(ConfigError, match=r"embeddings differ \(position_embeddings/embedding: max \|difference\| 0.5"):
+  with pytest.raises(
+      ConfigError,
+      match=r"embeddings differ \(position_embeddings/embedding: max \|difference\| 0.5",
+  ):
     _import(pair, tmp_path / "refused")
   assert not os.path.exists(tmp_path / "refused" / "checkpoints")
 
@@ -275,7 +337,9 @@ def test_nan_weights_and_a_broken_shard_index_are_refused_by_name(tmp_path):
   weights = safetensors.numpy.load_file(weights_path)
   weights["discriminator_predictions.dense.weight"][0, :3] = [np.nan, np.inf, -np.inf]
   safetensors.numpy.save_file(weights, weights_path, metadata={"format": "pt"})
-  with pytest.raises(ConfigError, match=r"discriminator_predictions.dense.weight' holds 3 NaN or infinite values"):
+  with pytest.raises(
+      ConfigError, match=r"discriminator_predictions.dense.weight' holds 3 NaN or infinite values"
+  ):
     interop.pair_from_hf(dirs["discriminator"], dirs["generator"])
   # A sharded checkpoint whose index is not one is named, not a KeyError.
   os.remove(weights_path)
@@ -303,17 +367,27 @@ def test_a_vocab_linked_from_outside_or_without_specials_is_refused_before_the_c
   pair = interop.pair_from_hf(dirs["discriminator"], dirs["generator"])
   with pytest.raises(ConfigError, match=r"lacks the special token \[MASK\]"):
     _import(pair, tmp_path / "work")
-  assert not os.path.exists(tmp_path / "work" / "vocab.txt") and not os.path.exists(tmp_path / "work" / "checkpoints")
+  assert not os.path.exists(tmp_path / "work" / "vocab.txt") and not os.path.exists(
+      tmp_path / "work" / "checkpoints"
+  )
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"num_hidden_layers": 1000}, "num_hidden_layers=1000, but the weight files hold 2"),
-    ({"hidden_size": 64}, "hidden_size=64, but the weight files hold 32"),
-    ({"num_attention_heads": 0}, "num_attention_heads=0 must be a positive whole number"),
-    ({"max_position_embeddings": "512"}, "max_position_embeddings='512' must be a positive whole number"),
-    ({"hidden_dropout_prob": None}, r"hidden_dropout_prob=None must be a number in \[0, 1\)"),
-])
-def test_a_config_json_the_weights_contradict_or_with_bad_values_is_refused_by_key(tmp_path, change, message):
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_hidden_layers": 1000}, "num_hidden_layers=1000, but the weight files hold 2"),
+        ({"hidden_size": 64}, "hidden_size=64, but the weight files hold 32"),
+        ({"num_attention_heads": 0}, "num_attention_heads=0 must be a positive whole number"),
+        (
+            {"max_position_embeddings": "512"},
+            "max_position_embeddings='512' must be a positive whole number",
+        ),
+        ({"hidden_dropout_prob": None}, r"hidden_dropout_prob=None must be a number in \[0, 1\)"),
+    ],
+)
+def test_a_config_json_the_weights_contradict_or_with_bad_values_is_refused_by_key(
+    tmp_path, change, message
+):
   directory = tmp_path / "hf"
   shutil.copytree(os.path.join(FIXTURE, "hf_discriminator"), directory)
   config = json.loads((directory / "config.json").read_text())
@@ -327,11 +401,14 @@ def test_a_config_json_the_weights_contradict_or_with_bad_values_is_refused_by_k
 
 def test_pairs_electra_jax_cannot_represent_are_refused(tmp_path):
   import torch  # noqa: PLC0415 (kept out of collection: see conftest._NativePeerWatch)
+
   dirs = _hf_pair_with_vocab(tmp_path)
   config = json.loads(open(os.path.join(dirs["generator"], "config.json")).read())
   config["intermediate_size"] = 48  # the official generator's FFN is 4 x hidden = 64
   torch.manual_seed(0)
-  transformers.ElectraForMaskedLM(transformers.ElectraConfig(**config)).save_pretrained(tmp_path / "odd_generator")
+  transformers.ElectraForMaskedLM(transformers.ElectraConfig(**config)).save_pretrained(
+      tmp_path / "odd_generator"
+  )
   shutil.copy(os.path.join(FIXTURE, "vocab.txt"), tmp_path / "odd_generator" / "vocab.txt")
   pair = interop.pair_from_hf(dirs["discriminator"], str(tmp_path / "odd_generator"))
   with pytest.raises(ConfigError, match=r"intermediate_size=48 \(derived: 64\)"):
@@ -341,26 +418,41 @@ def test_pairs_electra_jax_cannot_represent_are_refused(tmp_path):
     interop.pair_from_hf(dirs["discriminator"], dirs["discriminator"])
 
   os.remove(os.path.join(dirs["generator"], "vocab.txt"))
-  (tmp_path / "other_vocab.txt").write_text(open(os.path.join(FIXTURE, "vocab.txt")).read() + "extra\n")
+  (tmp_path / "other_vocab.txt").write_text(
+      open(os.path.join(FIXTURE, "vocab.txt")).read() + "extra\n"
+  )
   shutil.copy(tmp_path / "other_vocab.txt", os.path.join(dirs["generator"], "vocab.txt"))
   with pytest.raises(ConfigError, match="trained with different vocabularies"):
     interop.pair_from_hf(dirs["discriminator"], dirs["generator"])
 
 
-@pytest.mark.parametrize("overrides, named", [
-    ({"model.tie": "gdes"}, "fills: parameter 'discriminator_word_delta' is .* but absent in the pair .*tie='gdes'"),
-    ({"objective.name": "mlm"}, "fills: .*objective.name='mlm'"),
-])
-def test_a_recipe_the_pair_cannot_fill_is_refused_before_anything_is_written(tmp_path, overrides, named):
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (
+            {"model.tie": "gdes"},
+            "fills: parameter 'discriminator_word_delta' is .* but absent in the pair .*tie='gdes'",
+        ),
+        ({"objective.name": "mlm"}, "fills: .*objective.name='mlm'"),
+    ],
+)
+def test_a_recipe_the_pair_cannot_fill_is_refused_before_anything_is_written(
+    tmp_path, overrides, named
+):
   workdir = tmp_path / "w"
-  with pytest.raises(ConfigError, match=f"not the one an imported pair {named}.* Nothing was written"):
-    interop.write_pretraining_workdir(interop.pair_from_tf(FIXTURE), tiny_config(**RUN_OVERRIDES, **overrides),
-                                      str(workdir))
+  with pytest.raises(
+      ConfigError, match=f"not the one an imported pair {named}.* Nothing was written"
+  ):
+    interop.write_pretraining_workdir(
+        interop.pair_from_tf(FIXTURE), tiny_config(**RUN_OVERRIDES, **overrides), str(workdir)
+    )
   assert not workdir.exists()
 
 
 def test_a_pair_without_vocabulary_is_refused(tmp_path):
-  pair = interop.pair_from_hf(os.path.join(FIXTURE, "hf_discriminator"), os.path.join(FIXTURE, "hf_generator"))
+  pair = interop.pair_from_hf(
+      os.path.join(FIXTURE, "hf_discriminator"), os.path.join(FIXTURE, "hf_generator")
+  )
   assert pair.vocab_file is None
   with pytest.raises(ConfigError, match=r"no vocab.txt \(or spm.model\) beside the weights"):
     _import(pair, tmp_path / "w")
@@ -374,7 +466,9 @@ def test_training_refuses_another_tokenizer_on_imported_weights(tmp_path):
   (tmp_path / "reordered.txt").write_text("\n".join(lines[:5] + lines[5:][::-1]) + "\n")
   config = train.config_lib.load_workdir_config(str(workdir))
   config.data.vocab_file = str(tmp_path / "reordered.txt")
-  with pytest.raises(ConfigError, match="imported from TensorFlow checkpoint .* with their own vocabulary"):
+  with pytest.raises(
+      ConfigError, match="imported from TensorFlow checkpoint .* with their own vocabulary"
+  ):
     train.train_and_evaluate(config, str(workdir))
 
 
@@ -384,12 +478,18 @@ def test_fine_tuning_starts_from_imported_weights_and_checks_their_vocabulary(tm
 
   workdir = tmp_path / "run"
   _import(interop.pair_from_tf(FIXTURE), workdir)
-  config = train.config_lib.sibling(os.path.join(REPO, "configs", "finetune", "tiny.py"), "tiny").get_config()
+  config = train.config_lib.sibling(
+      os.path.join(REPO, "configs", "finetune", "tiny.py"), "tiny"
+  ).get_config()
   config.init_from, config.max_seq_len = str(workdir), 16  # the fixture's 20 positions
   backbone = model_lib.load_backbone(config)
-  params = model_lib.init_params(backbone, backbone.classifier(2, config), jax.random.key(0), config.max_seq_len)
+  params = model_lib.init_params(
+      backbone, backbone.classifier(2, config), jax.random.key(0), config.max_seq_len
+  )
   _, imported = _restore_params(workdir, 0)
-  jax.tree.map(np.testing.assert_array_equal, params["encoder"], imported["discriminator"]["encoder"])
+  jax.tree.map(
+      np.testing.assert_array_equal, params["encoder"], imported["discriminator"]["encoder"]
+  )
   # Another vocabulary of the same size is still refused, by the imported one's fingerprint.
   lines = open(os.path.join(FIXTURE, "vocab.txt")).read().splitlines()
   (tmp_path / "reordered.txt").write_text("\n".join(lines[:5] + lines[5:][::-1]) + "\n")
@@ -403,10 +503,18 @@ def test_fine_tuning_from_a_hugging_face_directory_normalizes_as_it_records(tmp_
   cased ids; an uncased one lowercases; config.lowercase overrides what is recorded."""
   from electra_jax.finetune import model as model_lib  # noqa: PLC0415
 
-  config = train.config_lib.sibling(os.path.join(REPO, "configs", "finetune", "tiny.py"), "tiny").get_config()
+  config = train.config_lib.sibling(
+      os.path.join(REPO, "configs", "finetune", "tiny.py"), "tiny"
+  ).get_config()
   config.max_seq_len = 16  # the fixture's 20 positions
-  for recorded, override, expected in ((False, None, False), (True, None, True), (False, True, True)):
-    directory = _hf_pair_with_vocab(tmp_path / f"{recorded}_{override}", lowercase=recorded)["discriminator"]
+  for recorded, override, expected in (
+      (False, None, False),
+      (True, None, True),
+      (False, True, True),
+  ):
+    directory = _hf_pair_with_vocab(tmp_path / f"{recorded}_{override}", lowercase=recorded)[
+        "discriminator"
+    ]
     config.init_from, config.lowercase = directory, override
     tokenizer = model_lib.load_backbone(config).tokenizer
     assert tokenizer.lowercase is expected
@@ -424,15 +532,22 @@ def test_an_import_killed_mid_save_does_not_block_the_next_one(tmp_path):
   checkpoints ("already holds checkpoints") although the workdir holds none."""
   workdir = tmp_path / "w"
   (workdir / "checkpoints" / "0.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
-  interop.write_pretraining_workdir(interop.pair_from_tf(FIXTURE), tiny_config(**RUN_OVERRIDES), str(workdir))
+  interop.write_pretraining_workdir(
+      interop.pair_from_tf(FIXTURE), tiny_config(**RUN_OVERRIDES), str(workdir)
+  )
   assert checkpointing.Checkpointer(str(workdir), keep=1).all_steps() == [0]
-  with pytest.raises(ConfigError, match="already holds checkpoints"):  # a complete one is still refused
-    interop.write_pretraining_workdir(interop.pair_from_tf(FIXTURE), tiny_config(**RUN_OVERRIDES), str(workdir))
+  with pytest.raises(
+      ConfigError, match="already holds checkpoints"
+  ):  # a complete one is still refused
+    interop.write_pretraining_workdir(
+        interop.pair_from_tf(FIXTURE), tiny_config(**RUN_OVERRIDES), str(workdir)
+    )
 
 
 def test_an_import_into_a_workdir_that_cannot_be_made_is_refused_by_name(tmp_path):
   """Was a NotADirectoryError traceback from os.makedirs, after the pair was checked."""
   (tmp_path / "a_file").write_text("not a directory")
   with pytest.raises(ConfigError, match=f"{tmp_path / 'a_file'} is a file"):
-    interop.write_pretraining_workdir(interop.pair_from_tf(FIXTURE), tiny_config(**RUN_OVERRIDES),
-                                      str(tmp_path / "a_file" / "w"))
+    interop.write_pretraining_workdir(
+        interop.pair_from_tf(FIXTURE), tiny_config(**RUN_OVERRIDES), str(tmp_path / "a_file" / "w")
+    )

@@ -22,7 +22,10 @@ def tiny_setup():
 
 def test_step_memory_grows_linearly_with_the_batch(tiny_setup):
   config, mesh, setup = tiny_setup
-  b8, b16, b32 = (memory.step_memory(train.step_compiler(config, setup, mesh), b).bytes_per_device for b in (8, 16, 32))
+  b8, b16, b32 = (
+      memory.step_memory(train.step_compiler(config, setup, mesh), b).bytes_per_device
+      for b in (8, 16, 32)
+  )
   assert b8 < b16 < b32
   assert (b32 - b16) == pytest.approx(2 * (b16 - b8), rel=0.1)  # activations, per example
   # The fixed part holds at least the train state (parameters and Adam's two moments, float32).
@@ -51,9 +54,13 @@ CURVES = {  # bytes per device of a batch, the answer the search must find, the 
     # Sub-linear, as XLA's TPU memory is where the compiler starts rematerializing (1,592
     # electra_small examples took 14.37 GiB where the first two compiles' line said 22.7): each
     # fit lands short, and is re-aimed from the two largest batches that fit.
-    "concave": (lambda b: 50_000 + 60_000 * b ** 0.5, 300, 10),  # noqa: E731
+    "concave": (lambda b: 50_000 + 60_000 * b**0.5, 300, 10),  # noqa: E731
     # A flat pair (88, 96) must not send the next guess to 16 x 96 and bisect back from there.
-    "uneven": (lambda b: int(np.interp(b, list(_V5E_BASE), list(_V5E_BASE.values())) * 2**20), 122, 9),
+    "uneven": (
+        lambda b: int(np.interp(b, list(_V5E_BASE), list(_V5E_BASE.values())) * 2**20),
+        122,
+        9,
+    ),
 }
 
 
@@ -66,7 +73,9 @@ def test_largest_batch_is_the_last_that_fits(monkeypatch, quantum, curve):
   limit = bytes_of(answer) + 1
   batch, measured = memory.largest_batch(None, limit, quantum)
   assert batch == answer // quantum * quantum  # the largest multiple of quantum that fits
-  assert all(b % quantum == 0 for b in asked) and len(asked) <= most_compiles  # a handful of compiles
+  assert (
+      all(b % quantum == 0 for b in asked) and len(asked) <= most_compiles
+  )  # a handful of compiles
   assert bytes_of(batch + quantum) > limit
   with pytest.raises(ConfigError, match=f"Even a batch of {quantum} needs"):
     memory.largest_batch(None, limit_bytes=1000, quantum=quantum)
@@ -85,9 +94,14 @@ def _compiler_with_memory(monkeypatch, bytes_of, device_bytes, flops_of=None):
     if bytes_of(batch) > device_bytes:
       raise RuntimeError(
           f"RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
-          f"temporaries ({bytes_of(batch)}) exceeds available HBM ({device_bytes}).")
-    analysis = types.SimpleNamespace(argument_size_in_bytes=bytes_of(batch), output_size_in_bytes=0,
-                                     alias_size_in_bytes=0, temp_size_in_bytes=0)
+          f"temporaries ({bytes_of(batch)}) exceeds available HBM ({device_bytes})."
+      )
+    analysis = types.SimpleNamespace(
+        argument_size_in_bytes=bytes_of(batch),
+        output_size_in_bytes=0,
+        alias_size_in_bytes=0,
+        temp_size_in_bytes=0,
+    )
     cost = {} if flops_of is None else {"flops": float(flops_of(batch))}
     return types.SimpleNamespace(memory_analysis=lambda: analysis, cost_analysis=lambda: cost)
 
@@ -110,11 +124,19 @@ def test_a_batch_the_compiler_refuses_does_not_fit(monkeypatch, tiny_setup, quan
   # 4 x quantum refused outright: no line to extrapolate, the answer bisected below it.
   small = lambda b: 50_000 + 1_000 * b  # noqa: E731
   _compiler_with_memory(monkeypatch, small, device_bytes=small(4 * quantum) - 1)
-  batch, measured = memory.largest_batch(train.step_compiler(config, setup, mesh), small(3 * quantum) + 1, quantum)
-  assert batch == 3 * quantum and measured[1].batch_size == 4 * quantum and measured[1].bytes_per_device is None
+  batch, measured = memory.largest_batch(
+      train.step_compiler(config, setup, mesh), small(3 * quantum) + 1, quantum
+  )
+  assert (
+      batch == 3 * quantum
+      and measured[1].batch_size == 4 * quantum
+      and measured[1].bytes_per_device is None
+  )
   # Not even one quantum compiles: the message says so instead of showing the compiler's error.
   _compiler_with_memory(monkeypatch, small, device_bytes=small(quantum) - 1)
-  with pytest.raises(ConfigError, match=f"Even a batch of {quantum} needs more than a device's memory"):
+  with pytest.raises(
+      ConfigError, match=f"Even a batch of {quantum} needs more than a device's memory"
+  ):
     memory.largest_batch(train.step_compiler(config, setup, mesh), small(quantum), quantum)
 
 
@@ -126,13 +148,22 @@ def test_a_batch_fitted_by_recomputing_does_not_fit(monkeypatch, tiny_setup, qua
   # search go to ~2,000.
   bytes_of = lambda b: 50_000 + 1_000 * min(b, 200) + 10 * max(0, b - 200)  # noqa: E731
   flops_of = lambda b: (1e6 + 1e4 * b) * (1.2 if b > 200 else 1.0)  # noqa: E731
-  asked = _compiler_with_memory(monkeypatch, bytes_of, device_bytes=bytes_of(5000), flops_of=flops_of)
-  batch, measured = memory.largest_batch(train.step_compiler(config, setup, mesh), bytes_of(2000), quantum)
+  asked = _compiler_with_memory(
+      monkeypatch, bytes_of, device_bytes=bytes_of(5000), flops_of=flops_of
+  )
+  batch, measured = memory.largest_batch(
+      train.step_compiler(config, setup, mesh), bytes_of(2000), quantum
+  )
   assert batch == 200
   assert len(asked) <= 14 and all(b % quantum == 0 for b in asked)
   # The same step without recomputation (flops linear in the batch) goes on to 2,000.
-  _compiler_with_memory(monkeypatch, bytes_of, device_bytes=bytes_of(5000), flops_of=lambda b: 1e6 + 1e4 * b)
-  assert memory.largest_batch(train.step_compiler(config, setup, mesh), bytes_of(2000), quantum)[0] == 2000
+  _compiler_with_memory(
+      monkeypatch, bytes_of, device_bytes=bytes_of(5000), flops_of=lambda b: 1e6 + 1e4 * b
+  )
+  assert (
+      memory.largest_batch(train.step_compiler(config, setup, mesh), bytes_of(2000), quantum)[0]
+      == 2000
+  )
 
 
 def test_other_compile_errors_are_not_taken_for_memory(monkeypatch, tiny_setup):
@@ -159,19 +190,29 @@ def test_batch_size_minus_one_resolves_before_training(monkeypatch):
 
 
 def test_non_positive_batch_sizes_are_refused():
-  with pytest.raises(ConfigError, match="train.batch_size=0: give a positive global batch size, or -1"):
+  with pytest.raises(
+      ConfigError, match="train.batch_size=0: give a positive global batch size, or -1"
+  ):
     config_lib.validate(tiny_config(**{"train.batch_size": 0}))
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--configs=nope"], "no recipe configs/nope.py"),
-    (["--seq_lens=abc"], "--seq_lens='abc': give positive whole numbers"),
-    (["--step=-8"], "--step=-8 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--configs=nope"], "no recipe configs/nope.py"),
+        (["--seq_lens=abc"], "--seq_lens='abc': give positive whole numbers"),
+        (["--step=-8"], "--step=-8 must be >= 0"),
+    ],
+)
 def test_max_batch_refuses_bad_flags_before_compiling(args, message):
   import subprocess  # noqa: PLC0415
   import sys  # noqa: PLC0415
 
-  result = subprocess.run([sys.executable, "benchmarks/max_batch.py", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+  result = subprocess.run(
+      [sys.executable, "benchmarks/max_batch.py", *args],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
   assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr

@@ -26,7 +26,9 @@ def _init(config, batch=2, seq=12, n_pred=3):
   model = models.build_model(config)
   ids = jnp.zeros((batch, seq), jnp.int32)
   positions = jnp.zeros((batch, n_pred), jnp.int32)
-  params = nn.meta.unbox(model.init(jax.random.key(0), ids, ids, jnp.ones_like(ids), positions)["params"])
+  params = nn.meta.unbox(
+      model.init(jax.random.key(0), ids, ids, jnp.ones_like(ids), positions)["params"]
+  )
   return model, params
 
 
@@ -49,8 +51,11 @@ def test_param_tree_has_three_parts_and_one_word_table():
   vocab, emb = config.model.vocab_size, config.model.embedding_size
   tables = [name for name, leaf in flat.items() if leaf.shape == (vocab, emb)]
   assert tables == ["embeddings/word_embeddings/embedding"]
-  assert not any("embed" in name for name in flat if not name.startswith("embeddings/")
-                 and "embeddings_project" not in name)
+  assert not any(
+      "embed" in name
+      for name in flat
+      if not name.startswith("embeddings/") and "embeddings_project" not in name
+  )
 
 
 def test_generator_decoder_is_tied_to_the_shared_table():
@@ -120,13 +125,22 @@ def test_bert_truncated_normal_init():
 
 @pytest.mark.parametrize(
     "hidden, heads, fraction, want_hidden, want_heads",
-    [(256, 4, 0.25, 64, 1), (768, 12, 1 / 3, 256, 4), (1024, 16, 0.25, 256, 4), (32, 2, 0.5, 16, 1)],
+    [
+        (256, 4, 0.25, 64, 1),
+        (768, 12, 1 / 3, 256, 4),
+        (1024, 16, 0.25, 256, 4),
+        (32, 2, 0.5, 16, 1),
+    ],
 )
 def test_generator_sizes_follow_the_official_rule(hidden, heads, fraction, want_hidden, want_heads):
   disc = models.EncoderConfig(hidden, 12, heads, 4 * hidden)
   gen = models.generator_encoder_config(disc, fraction)
   assert (gen.hidden_size, gen.num_heads, gen.intermediate_size, gen.num_layers) == (
-      want_hidden, want_heads, 4 * want_hidden, 12)
+      want_hidden,
+      want_heads,
+      4 * want_hidden,
+      12,
+  )
 
 
 def test_bfloat16_compute_keeps_float32_params():
@@ -136,12 +150,18 @@ def test_bfloat16_compute_keeps_float32_params():
   ids, types, mask = _inputs()
   logits = model.apply({"params": params}, ids, types, mask, method=model.discriminator_logits)
   f32_model = models.build_model(tiny_config())
-  reference = f32_model.apply({"params": params}, ids, types, mask, method=f32_model.discriminator_logits)
+  reference = f32_model.apply(
+      {"params": params}, ids, types, mask, method=f32_model.discriminator_logits
+  )
   assert logits.dtype == jnp.float32
   # The scalar head's product (rows x hidden @ hidden x 1) is returned in float32, not rounded.
-  program = jax.jit(
-      lambda p: model.apply({"params": p}, ids, types, mask, method=model.discriminator_logits)
-  ).lower(params).as_text()
+  program = (
+      jax.jit(
+          lambda p: model.apply({"params": p}, ids, types, mask, method=model.discriminator_logits)
+      )
+      .lower(params)
+      .as_text()
+  )
   assert "tensor<32x1xbf16>) -> tensor<24x1xf32>" in program
   np.testing.assert_allclose(logits, reference, atol=0.1)
   assert not np.array_equal(np.asarray(logits), np.asarray(reference))
@@ -155,20 +175,33 @@ def test_tied_vocab_logits_gradients_are_autodiffs(dtype):
   dtype, so the backward matmuls run in it) for all three inputs."""
   rng = np.random.default_rng(0)
   hidden, table = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in [(3, 5, 16), (40, 16)])
-  bias, grad = jnp.asarray(rng.normal(size=(40,)), jnp.float32), jnp.asarray(rng.normal(size=(3, 5, 40)), jnp.float32)
+  bias, grad = jnp.asarray(rng.normal(size=(40,)), jnp.float32), jnp.asarray(
+      rng.normal(size=(3, 5, 40)), jnp.float32
+  )
 
   def forward(h, t, b):
-    return jnp.einsum("bne,ve->bnv", h.astype(dtype), t.astype(dtype), preferred_element_type=jnp.float32) + b
+    return (
+        jnp.einsum(
+            "bne,ve->bnv", h.astype(dtype), t.astype(dtype), preferred_element_type=jnp.float32
+        )
+        + b
+    )
 
   def in_compute_dtype(h, t, b):
     return jnp.einsum("bne,ve->bnv", h.astype(dtype), t.astype(dtype)).astype(jnp.float32) + b
 
-  got_out, got_vjp = jax.vjp(lambda h, t, b: models.tied_vocab_logits(h, t, b, dtype), hidden, table, bias)
+  got_out, got_vjp = jax.vjp(
+      lambda h, t, b: models.tied_vocab_logits(h, t, b, dtype), hidden, table, bias
+  )
   np.testing.assert_array_equal(got_out, forward(hidden, table, bias))
   # The product is asked for in float32 (compute-dtype operands, float32 result), not
   # rounded to the compute dtype first. (XLA:CPU rounds bfloat16 products anyway; GPUs and
   # TPUs accumulate and return float32, so the check is on the program.)
-  program = jax.jit(lambda h, t, b: models.tied_vocab_logits(h, t, b, dtype)).lower(hidden, table, bias).as_text()
+  program = (
+      jax.jit(lambda h, t, b: models.tied_vocab_logits(h, t, b, dtype))
+      .lower(hidden, table, bias)
+      .as_text()
+  )
   name = jnp.dtype(dtype).name.replace("float", "f")
   assert f"tensor<40x16x{name}>) -> tensor<3x5x40xf32>" in program, program
   _, want_vjp = jax.vjp(in_compute_dtype, hidden, table, bias)
@@ -183,13 +216,17 @@ def test_tied_vocab_bias_gradient_is_a_product_on_cpu_only(platform, matmuls):
   product with a ones vector (its column reduction is slow there), elsewhere as a plain sum,
   which a GPU fuses with the pass that makes the logits' gradient (a product made it write
   that gradient out once more). The backward pass has two matmuls besides, table and hidden."""
-  hidden, table, bias = (jax.ShapeDtypeStruct(s, jnp.float32) for s in [(4, 19, 16), (30522, 16), (30522,)])
+  hidden, table, bias = (
+      jax.ShapeDtypeStruct(s, jnp.float32) for s in [(4, 19, 16), (30522, 16), (30522,)]
+  )
 
   def backward(h, t, b):
     _, vjp = jax.vjp(lambda h, t, b: models.tied_vocab_logits(h, t, b, jnp.bfloat16), h, t, b)
     return vjp(jnp.ones((4, 19, 30522), jnp.float32))
 
-  module = jax.export.export(jax.jit(backward), platforms=[platform])(hidden, table, bias).mlir_module()
+  module = jax.export.export(jax.jit(backward), platforms=[platform])(
+      hidden, table, bias
+  ).mlir_module()
   assert module.count("stablehlo.dot_general") == matmuls, module  # (the forward's is not needed)
   sums_over_rows = [l for l in module.split("\n") if "stablehlo.reduce" in l and "x30522xf32>" in l]
   assert len(sums_over_rows) == (0 if platform == "cpu" else 1), sums_over_rows
@@ -220,19 +257,28 @@ def test_cudnn_path_gets_lengths_of_at_least_one(monkeypatch):
   call is recorded and answered by the masked XLA attention."""
   seen, xla_attention = [], jax.nn.dot_product_attention
 
-  def fake_attention(query, key, value, *, query_seq_lengths, key_value_seq_lengths, implementation):
+  def fake_attention(
+      query, key, value, *, query_seq_lengths, key_value_seq_lengths, implementation
+  ):
     assert implementation == "cudnn"
     seen.append(np.asarray(query_seq_lengths))
     real = jnp.arange(key.shape[1])[None, :] < key_value_seq_lengths[:, None]
     return xla_attention(query, key, value, mask=real[:, None, None, :], implementation="xla")
 
-  config = tiny_config(**{"model.attention_impl": "cudnn", "train.dtype": "bfloat16",
-                          "model.attention_dropout_rate": 0.0})
+  config = tiny_config(
+      **{
+          "model.attention_impl": "cudnn",
+          "train.dtype": "bfloat16",
+          "model.attention_dropout_rate": 0.0,
+      }
+  )
   monkeypatch.setattr(jax.nn, "dot_product_attention", fake_attention)
   model, params = _init(config)
   seen.clear()
   ids, types, mask = _inputs()
-  ids, types, mask = (jnp.concatenate([x, jnp.zeros_like(x[:1])]) for x in (ids, types, mask))  # + a padding row
+  ids, types, mask = (
+      jnp.concatenate([x, jnp.zeros_like(x[:1])]) for x in (ids, types, mask)
+  )  # + a padding row
   logits = model.apply({"params": params}, ids, types, mask, method=model.discriminator_logits)
   assert len(seen) == config.model.num_layers
   np.testing.assert_array_equal(seen[0], [12, 8, 1])
@@ -240,12 +286,28 @@ def test_cudnn_path_gets_lengths_of_at_least_one(monkeypatch):
 
 
 def test_cudnn_shapes_are_refused_before_compiling():
-  with pytest.raises(ConfigError, match=r"head size that is a multiple of 8.*discriminator's is 12"):
-    models.build_model(tiny_config(**{"model.attention_impl": "cudnn", "train.dtype": "bfloat16",
-                                      "model.attention_dropout_rate": 0.0, "model.hidden_size": 36,
-                                      "model.num_heads": 3}))
-  config = tiny_config(**{"model.attention_impl": "cudnn", "train.dtype": "bfloat16",
-                          "model.attention_dropout_rate": 0.0, "data.max_seq_len": 31})
+  with pytest.raises(
+      ConfigError, match=r"head size that is a multiple of 8.*discriminator's is 12"
+  ):
+    models.build_model(
+        tiny_config(
+            **{
+                "model.attention_impl": "cudnn",
+                "train.dtype": "bfloat16",
+                "model.attention_dropout_rate": 0.0,
+                "model.hidden_size": 36,
+                "model.num_heads": 3,
+            }
+        )
+    )
+  config = tiny_config(
+      **{
+          "model.attention_impl": "cudnn",
+          "train.dtype": "bfloat16",
+          "model.attention_dropout_rate": 0.0,
+          "data.max_seq_len": 31,
+      }
+  )
   models.build_model(config)  # padded rows: cuDNN reads lengths, any length goes
   config.data.pack_rows = True
   with pytest.raises(ConfigError, match="data.max_seq_len=31: make it even"):
@@ -260,13 +322,17 @@ def _random_params(params, seed=0):
   from 1 and 0, so a swapped or skipped LayerNorm or bias changes the output."""
   leaves, treedef = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.key(seed), len(leaves))
-  return jax.tree.unflatten(treedef, [0.5 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+  return jax.tree.unflatten(
+      treedef, [0.5 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)]
+  )
 
 
 def _ln_by_hand(x, p, eps=1e-12):
   mean = x.mean(-1, keepdims=True)
   var = ((x - mean) ** 2).mean(-1, keepdims=True)
-  return (x - mean) / np.sqrt(var + eps) * np.asarray(p["scale"], np.float64) + np.asarray(p["bias"], np.float64)
+  return (x - mean) / np.sqrt(var + eps) * np.asarray(p["scale"], np.float64) + np.asarray(
+      p["bias"], np.float64
+  )
 
 
 def _dense_by_hand(x, p):
@@ -316,7 +382,9 @@ def _layer_by_hand(p, x, mask, cfg):
   def ffn(h):
     inner = _dense_by_hand(h, p["intermediate"])
     if cfg.ffn == "geglu":  # the first I columns gate, the last I are the value
-      inner = _gelu_by_hand(inner[..., :cfg.intermediate_size]) * inner[..., cfg.intermediate_size:]
+      inner = (
+          _gelu_by_hand(inner[..., : cfg.intermediate_size]) * inner[..., cfg.intermediate_size :]
+      )
     else:
       inner = _gelu_by_hand(inner)
     return _dense_by_hand(inner, p["output"])
@@ -360,15 +428,29 @@ def test_pre_layer_norm_encoder_by_hand():
 
 
 def test_geglu_ffn_by_hand():
-  cfg = models.EncoderConfig(32, 1, 2, 48, dropout_rate=0.0, attention_dropout_rate=0.0, ffn="geglu")
+  cfg = models.EncoderConfig(
+      32, 1, 2, 48, dropout_rate=0.0, attention_dropout_rate=0.0, ffn="geglu"
+  )
   params = _encoder_against_hand(cfg)
   ffn = params["layer_0"]
-  assert ffn["intermediate"]["kernel"].shape == (32, 2 * 48) and ffn["output"]["kernel"].shape == (48, 32)
+  assert ffn["intermediate"]["kernel"].shape == (32, 2 * 48) and ffn["output"]["kernel"].shape == (
+      48,
+      32,
+  )
 
 
 def test_all_three_options_by_hand_with_a_projection():
-  cfg = models.EncoderConfig(32, 2, 2, 48, dropout_rate=0.0, attention_dropout_rate=0.0, norm="pre",
-                             ffn="geglu", use_bias=False)
+  cfg = models.EncoderConfig(
+      32,
+      2,
+      2,
+      48,
+      dropout_rate=0.0,
+      attention_dropout_rate=0.0,
+      norm="pre",
+      ffn="geglu",
+      use_bias=False,
+  )
   params = _encoder_against_hand(cfg, embedding_size=16)
   assert set(params["embeddings_project"]) == {"kernel"}
 
@@ -376,10 +458,13 @@ def test_all_three_options_by_hand_with_a_projection():
 def test_attention_conv_encoder_by_hand():
   """Primer's depthwise convolution after q, k and v (model.attention_conv), over padded rows."""
   for width in (3, 5):
-    cfg = models.EncoderConfig(32, 1, 2, 48, dropout_rate=0.0, attention_dropout_rate=0.0, attention_conv=width)
+    cfg = models.EncoderConfig(
+        32, 1, 2, 48, dropout_rate=0.0, attention_dropout_rate=0.0, attention_conv=width
+    )
     params = _encoder_against_hand(cfg)
-    assert {n: params["layer_0"]["attention"][f"{n}_conv"].shape for n in ("query", "key", "value")} == dict.fromkeys(
-        ("query", "key", "value"), (width, 32))
+    assert {
+        n: params["layer_0"]["attention"][f"{n}_conv"].shape for n in ("query", "key", "value")
+    } == dict.fromkeys(("query", "key", "value"), (width, 32))
 
 
 @pytest.mark.parametrize("mask_kind", ["segments", "causal"])
@@ -395,8 +480,12 @@ def test_attention_conv_reads_only_what_attention_may(mask_kind):
   x = jax.random.normal(jax.random.key(0), (2, 8, 6))
   taps = jax.random.normal(jax.random.key(1), (3, 6))
   got = models._sequence_conv(x, taps, models._readable_neighbours(mask, 1))
-  np.testing.assert_allclose(got, _conv_by_hand(np.asarray(x, np.float64), np.asarray(taps, np.float64), np.asarray(mask)),
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+      got,
+      _conv_by_hand(np.asarray(x, np.float64), np.asarray(taps, np.float64), np.asarray(mask)),
+      rtol=1e-5,
+      atol=1e-6,
+  )
   # Position 5 (the third example; for causal masks, 4's right neighbour) reaches no output
   # before it, and its own output does move.
   moved = models._sequence_conv(x.at[0, 5].add(10.0), taps, models._readable_neighbours(mask, 1))
@@ -416,15 +505,32 @@ def test_attention_conv_with_identity_taps_is_the_plain_encoder():
   taps = params["layer_0"]["attention"]["query_conv"]
   assert abs(float(taps[1].mean()) - 1.0) < 0.2 and 0.3 < float(taps[0].std()) < 0.7
   identity = jax.tree_util.tree_map_with_path(
-      lambda path, leaf: jnp.zeros_like(leaf).at[1].set(1.0) if str(path[-1].key).endswith("_conv") else leaf, params)
-  plain = jax.tree_util.tree_map_with_path(lambda path, leaf: leaf, {
-      layer: {**tree, "attention": {k: v for k, v in tree["attention"].items() if not k.endswith("_conv")}}
-      for layer, tree in params.items()})
-  real = np.asarray(mask) > 0  # padded positions read nothing, themselves included, under a convolution
+      lambda path, leaf: jnp.zeros_like(leaf).at[1].set(1.0)
+      if str(path[-1].key).endswith("_conv")
+      else leaf,
+      params,
+  )
+  plain = jax.tree_util.tree_map_with_path(
+      lambda path, leaf: leaf,
+      {
+          layer: {
+              **tree,
+              "attention": {k: v for k, v in tree["attention"].items() if not k.endswith("_conv")},
+          }
+          for layer, tree in params.items()
+      },
+  )
+  real = (
+      np.asarray(mask) > 0
+  )  # padded positions read nothing, themselves included, under a convolution
   np.testing.assert_allclose(
       np.asarray(conv.apply({"params": identity}, x, mask, True))[real],
-      np.asarray(models.Encoder(plain_cfg, 32, jnp.float32).apply({"params": plain}, x, mask, True))[real],
-      rtol=1e-5, atol=1e-5)
+      np.asarray(
+          models.Encoder(plain_cfg, 32, jnp.float32).apply({"params": plain}, x, mask, True)
+      )[real],
+      rtol=1e-5,
+      atol=1e-5,
+  )
 
 
 def _flat(params):
@@ -435,33 +541,58 @@ def test_use_bias_false_drops_only_the_encoder_dense_biases():
   config = tiny_config(**{"model.use_bias": False})
   model, params = _init(config)
   flat = _flat(params)
-  encoder_biases = [n for n in flat if "/encoder/" in n and n.endswith("/bias") and "layer_norm" not in n]
+  encoder_biases = [
+      n for n in flat if "/encoder/" in n and n.endswith("/bias") and "layer_norm" not in n
+  ]
   assert not encoder_biases
   # Every Dense inside the encoders lost its bias, and only those: the biased tree differs by them.
   _, biased = _init(tiny_config())
   dropped = set(_flat(biased)) - set(flat)
-  assert dropped and all("/encoder/" in n and n.endswith("/bias") and "layer_norm" not in n for n in dropped)
+  assert dropped and all(
+      "/encoder/" in n and n.endswith("/bias") and "layer_norm" not in n for n in dropped
+  )
   assert {n.rsplit("/", 2)[-2] for n in dropped} == {
-      "query", "key", "value", "output", "intermediate", "embeddings_project"}
-  for head in ("generator/head_dense/bias", "generator/output_bias", "discriminator/head_dense/bias",
-               "discriminator/head_out/bias", "generator/head_layer_norm/bias",
-               "discriminator/encoder/layer_0/output_layer_norm/bias", "embeddings/layer_norm/bias"):
+      "query",
+      "key",
+      "value",
+      "output",
+      "intermediate",
+      "embeddings_project",
+  }
+  for head in (
+      "generator/head_dense/bias",
+      "generator/output_bias",
+      "discriminator/head_dense/bias",
+      "discriminator/head_out/bias",
+      "generator/head_layer_norm/bias",
+      "discriminator/encoder/layer_0/output_layer_norm/bias",
+      "embeddings/layer_norm/bias",
+  ):
     assert head in flat, head
   # The same model as the biased one whose encoder dense biases are zero.
   zeroed = flax.traverse_util.unflatten_dict(
-      {n: jnp.zeros_like(x) if n in dropped else x for n, x in _flat(biased).items()}, sep="/")
-  unbiased = flax.traverse_util.unflatten_dict({n: x for n, x in _flat(biased).items() if n not in dropped}, sep="/")
+      {n: jnp.zeros_like(x) if n in dropped else x for n, x in _flat(biased).items()}, sep="/"
+  )
+  unbiased = flax.traverse_util.unflatten_dict(
+      {n: x for n, x in _flat(biased).items() if n not in dropped}, sep="/"
+  )
   ids, types, mask = _inputs()
   biased_model = models.build_model(tiny_config())
   for method in ("discriminator_logits",):
-    want = biased_model.apply({"params": zeroed}, ids, types, mask, method=getattr(biased_model, method))
+    want = biased_model.apply(
+        {"params": zeroed}, ids, types, mask, method=getattr(biased_model, method)
+    )
     got = model.apply({"params": unbiased}, ids, types, mask, method=getattr(model, method))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
   positions = jnp.array([[1, 2, 3], [1, 2, 3]])
   np.testing.assert_allclose(
       model.apply({"params": unbiased}, ids, types, mask, positions, method=model.generator_logits),
-      biased_model.apply({"params": zeroed}, ids, types, mask, positions, method=biased_model.generator_logits),
-      rtol=1e-6, atol=1e-6)
+      biased_model.apply(
+          {"params": zeroed}, ids, types, mask, positions, method=biased_model.generator_logits
+      ),
+      rtol=1e-6,
+      atol=1e-6,
+  )
 
 
 # electra_small's pre-training tree before the encoder options existed: its leaf count,
@@ -471,10 +602,16 @@ ELECTRA_SMALL_TREE = (402, 14_196_219, "067aa7cee54b6cfd")
 
 def _tree_fingerprint(model, seq=128, n_pred=19):
   ids = jnp.zeros((1, seq), jnp.int32)
-  shapes = jax.eval_shape(model.init, jax.random.key(0), ids, ids, ids, jnp.zeros((1, n_pred), jnp.int32))
+  shapes = jax.eval_shape(
+      model.init, jax.random.key(0), ids, ids, ids, jnp.zeros((1, n_pred), jnp.int32)
+  )
   flat = _flat(nn.meta.unbox(shapes["params"]))
   listing = "\n".join(f"{name}:{tuple(leaf.shape)}" for name, leaf in sorted(flat.items()))
-  return len(flat), sum(leaf.size for leaf in flat.values()), hashlib.sha256(listing.encode()).hexdigest()[:16]
+  return (
+      len(flat),
+      sum(leaf.size for leaf in flat.values()),
+      hashlib.sha256(listing.encode()).hexdigest()[:16],
+  )
 
 
 def test_defaults_keep_the_electra_small_model(tmp_path):
@@ -495,41 +632,69 @@ def test_defaults_keep_the_electra_small_model(tmp_path):
 
 
 def test_options_agree_under_scan_layers_and_remat():
-  options = {"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False, "model.attention_conv": 3,
-             "model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0}
+  options = {
+      "model.norm": "pre",
+      "model.ffn": "geglu",
+      "model.use_bias": False,
+      "model.attention_conv": 3,
+      "model.dropout_rate": 0.0,
+      "model.attention_dropout_rate": 0.0,
+  }
   model, params = _init(tiny_config(**options))
   ids, types, mask = _inputs()
 
   def loss(model, params):
-    return model.apply({"params": params}, ids, types, mask, method=model.discriminator_logits).sum()
+    return model.apply(
+        {"params": params}, ids, types, mask, method=model.discriminator_logits
+    ).sum()
 
   want, want_grads = jax.value_and_grad(functools.partial(loss, model))(params)
   scanned = models.build_model(tiny_config(**options, **{"model.scan_layers": True}))
   got, got_grads = jax.value_and_grad(functools.partial(loss, scanned))(models.scan_layers(params))
   np.testing.assert_allclose(got, want, rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-               models.unscan_layers(got_grads), want_grads)
+  jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+      models.unscan_layers(got_grads),
+      want_grads,
+  )
   for remat in ("full", "dots"):
     for scan in (False, True):
-      rematted = models.build_model(tiny_config(**options, **{"model.remat": remat, "model.scan_layers": scan}))
+      rematted = models.build_model(
+          tiny_config(**options, **{"model.remat": remat, "model.scan_layers": scan})
+      )
       p = models.scan_layers(params) if scan else params
       np.testing.assert_allclose(loss(rematted, p), want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("key, value, named", [
-    ("norm", "middle", r"model.norm='middle' is not one of \['post', 'pre'\]"),
-    ("ffn", "swiglu", r"model.ffn='swiglu' is not one of \['gelu', 'geglu'\]"),
-    ("use_bias", "False", r"model.use_bias='False' is not one of \[True, False\]"),
-    ("use_bias", 0, r"model.use_bias=0 is not one of \[True, False\]"),
-    ("attention_conv", 2, r"model.attention_conv=2 must be 0 \(no convolution\) or an odd kernel width"),
-    ("attention_conv", -3, r"model.attention_conv=-3 must be 0"),
-    ("attention_conv", "3", r"model.attention_conv='3' must be 0"),
-    ("generator_attention_conv", -2, r"model.generator_attention_conv=-2 must be 0 \(no convolution\) or an odd "
-                                     r"kernel width such as 3 .*, or -1 \(model.attention_conv's\)"),
-    ("generator_attention_conv", 4, r"model.generator_attention_conv=4 must be 0"),
-    ("ngram_buckets", -1, r"model.ngram_buckets=-1 must be 0 \(no n-gram embeddings\) or a number of rows"),
-    ("ngram_buckets", "64", r"model.ngram_buckets='64' must be 0"),
-])
+@pytest.mark.parametrize(
+    "key, value, named",
+    [
+        ("norm", "middle", r"model.norm='middle' is not one of \['post', 'pre'\]"),
+        ("ffn", "swiglu", r"model.ffn='swiglu' is not one of \['gelu', 'geglu'\]"),
+        ("use_bias", "False", r"model.use_bias='False' is not one of \[True, False\]"),
+        ("use_bias", 0, r"model.use_bias=0 is not one of \[True, False\]"),
+        (
+            "attention_conv",
+            2,
+            r"model.attention_conv=2 must be 0 \(no convolution\) or an odd kernel width",
+        ),
+        ("attention_conv", -3, r"model.attention_conv=-3 must be 0"),
+        ("attention_conv", "3", r"model.attention_conv='3' must be 0"),
+        (
+            "generator_attention_conv",
+            -2,
+            r"model.generator_attention_conv=-2 must be 0 \(no convolution\) or an odd "
+            r"kernel width such as 3 .*, or -1 \(model.attention_conv's\)",
+        ),
+        ("generator_attention_conv", 4, r"model.generator_attention_conv=4 must be 0"),
+        (
+            "ngram_buckets",
+            -1,
+            r"model.ngram_buckets=-1 must be 0 \(no n-gram embeddings\) or a number of rows",
+        ),
+        ("ngram_buckets", "64", r"model.ngram_buckets='64' must be 0"),
+    ],
+)
 def test_bad_encoder_options_are_refused_by_name(key, value, named):
   # As a hand-edited config.json would give them (ml_collections' typed fields refuse some on
   # assignment already).
@@ -543,9 +708,17 @@ def test_a_pretraining_step_with_all_options_on():
   """Pre-LN, GEGLU, no encoder biases, the convolution and n-gram embeddings together: one train_step gives a
   finite loss and moves the parameters only these options have (both towers' final LayerNorms, the taps, the
   n-gram table)."""
-  config = tiny_config(**{"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False,
-                          "model.attention_conv": 3, "model.ngram_buckets": 64, "data.max_seq_len": 16,
-                          "train.batch_size": 4})
+  config = tiny_config(
+      **{
+          "model.norm": "pre",
+          "model.ffn": "geglu",
+          "model.use_bias": False,
+          "model.attention_conv": 3,
+          "model.ngram_buckets": 64,
+          "data.max_seq_len": 16,
+          "train.batch_size": 4,
+      }
+  )
   model = models.build_model(config)
   objective = objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4))
   state = nn.meta.unbox(train.make_init_fn(config, model, objective)(jax.random.key(0)))
@@ -555,13 +728,17 @@ def test_a_pretraining_step_with_all_options_on():
   schedule = train.make_optimizer(config)[1]
   state_after, metrics = step(state, batch, train.step_rng(0, 0), schedule)
   assert np.isfinite(float(metrics["loss"])) and float(metrics["loss"]) > 0
-  state_after, metrics = step(state_after, batch, train.step_rng(0, 1), schedule)  # step 0's learning rate is 0
+  state_after, metrics = step(
+      state_after, batch, train.step_rng(0, 1), schedule
+  )  # step 0's learning rate is 0
   assert np.isfinite(float(metrics["loss"]))
   for tower in ("generator", "discriminator"):
     before = state.params[tower]["encoder"]["final_layer_norm"]["scale"]
     after = state_after.params[tower]["encoder"]["final_layer_norm"]["scale"]
     assert not np.array_equal(before, after), tower
-    taps = [s.params[tower]["encoder"]["layer_0"]["attention"]["key_conv"] for s in (state, state_after)]
+    taps = [
+        s.params[tower]["encoder"]["layer_0"]["attention"]["key_conv"] for s in (state, state_after)
+    ]
     assert not np.array_equal(*taps), tower
   tables = [s.params["embeddings"]["ngram_embeddings"]["embedding"] for s in (state, state_after)]
   assert not np.array_equal(*tables)
@@ -573,7 +750,9 @@ def _ngram_buckets_by_hand(ids, buckets, positions=None):
   mask32 = 0xFFFFFFFF
 
   def bucket(a, b, salt):
-    h = ((a & mask32) * 0x9E3779B1 & mask32) ^ (((b & mask32) + salt & mask32) * 0x85EBCA77 & mask32)
+    h = ((a & mask32) * 0x9E3779B1 & mask32) ^ (
+        ((b & mask32) + salt & mask32) * 0x85EBCA77 & mask32
+    )
     h ^= h >> 15
     return h % buckets
 
@@ -584,67 +763,111 @@ def _ngram_buckets_by_hand(ids, buckets, positions=None):
       left = -1 if i == 0 or starts else int(ids[r, i - 1])
       last = i == ids.shape[1] - 1 or (positions is not None and positions[r, i + 1] == 0)
       right = -1 if last else int(ids[r, i + 1])
-      out[r, i] = bucket(left, int(ids[r, i]), 0x27D4EB2F), bucket(int(ids[r, i]), right, 0x165667B1)
+      out[r, i] = bucket(left, int(ids[r, i]), 0x27D4EB2F), bucket(
+          int(ids[r, i]), right, 0x165667B1
+      )
   return out
 
 
 def test_ngram_ids_by_hand_in_rows_and_packed_examples():
   ids, _, _ = _inputs(vocab=50_000)
-  np.testing.assert_array_equal(models.ngram_ids(ids, 65521), _ngram_buckets_by_hand(np.asarray(ids), 65521))
+  np.testing.assert_array_equal(
+      models.ngram_ids(ids, 65521), _ngram_buckets_by_hand(np.asarray(ids), 65521)
+  )
   segments = jnp.array([[1, 1, 1, 2, 2, 3, 0, 0, 0, 0, 0, 0], [1] * 12])
   positions = models.segment_positions(segments)
   got = models.ngram_ids(ids, 1000, positions)
-  np.testing.assert_array_equal(got, _ngram_buckets_by_hand(np.asarray(ids), 1000, np.asarray(positions)))
+  np.testing.assert_array_equal(
+      got, _ngram_buckets_by_hand(np.asarray(ids), 1000, np.asarray(positions))
+  )
   # The second example's first token (position 3) sees a boundary on its left, not the first example's last token.
-  assert got[0, 3, 0] == _ngram_buckets_by_hand(np.array([[7, int(ids[0, 3])]]), 1000, np.array([[0, 0]]))[0, 1, 0]
+  assert (
+      got[0, 3, 0]
+      == _ngram_buckets_by_hand(np.array([[7, int(ids[0, 3])]]), 1000, np.array([[0, 0]]))[0, 1, 0]
+  )
   assert int(got.max()) < 1000 and int(got.min()) >= 0
 
 
 def test_ngram_embeddings_by_hand_and_only_in_the_discriminator():
   """model.ngram_buckets: each token's embedding adds the table's rows at its two bigram buckets, before the
   LayerNorm; the discriminator reads them, the generator (same embeddings module) does not."""
-  emb = models.Embeddings(vocab_size=512, embedding_size=16, max_position_embeddings=32, type_vocab_size=2,
-                          dropout_rate=0.0, layer_norm_eps=1e-12, ngram_buckets=97)
+  emb = models.Embeddings(
+      vocab_size=512,
+      embedding_size=16,
+      max_position_embeddings=32,
+      type_vocab_size=2,
+      dropout_rate=0.0,
+      layer_norm_eps=1e-12,
+      ngram_buckets=97,
+  )
   ids, types, _ = _inputs()
   params = _random_params(nn.meta.unbox(emb.init(jax.random.key(0), ids, types, True))["params"])
   assert params["ngram_embeddings"]["embedding"].shape == (97, 16)
   p = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
-  summed = (p["word_embeddings"]["embedding"][np.asarray(ids)] + p["position_embeddings"]["embedding"][None, :12]
-            + p["token_type_embeddings"]["embedding"][np.asarray(types)])
-  with_ngrams = summed + p["ngram_embeddings"]["embedding"][_ngram_buckets_by_hand(np.asarray(ids), 97)].sum(-2)
-  np.testing.assert_allclose(emb.apply({"params": params}, ids, types, True),
-                             _ln_by_hand(with_ngrams, p["layer_norm"]), rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(emb.apply({"params": params}, ids, types, True, ngrams=False),
-                             _ln_by_hand(summed, p["layer_norm"]), rtol=1e-5, atol=1e-5)
+  summed = (
+      p["word_embeddings"]["embedding"][np.asarray(ids)]
+      + p["position_embeddings"]["embedding"][None, :12]
+      + p["token_type_embeddings"]["embedding"][np.asarray(types)]
+  )
+  with_ngrams = summed + p["ngram_embeddings"]["embedding"][
+      _ngram_buckets_by_hand(np.asarray(ids), 97)
+  ].sum(-2)
+  np.testing.assert_allclose(
+      emb.apply({"params": params}, ids, types, True),
+      _ln_by_hand(with_ngrams, p["layer_norm"]),
+      rtol=1e-5,
+      atol=1e-5,
+  )
+  np.testing.assert_allclose(
+      emb.apply({"params": params}, ids, types, True, ngrams=False),
+      _ln_by_hand(summed, p["layer_norm"]),
+      rtol=1e-5,
+      atol=1e-5,
+  )
 
   config = tiny_config(**{"model.ngram_buckets": 97})
   model, params = _init(config)
   ids, types, mask = _inputs(vocab=config.model.vocab_size)
   positions = jnp.array([[1, 2, 3], [1, 2, 3]])
   table = params["embeddings"]["ngram_embeddings"]["embedding"]
-  assert table.shape == (97, config.model.embedding_size) and not table.any()  # zeros: an unseen bigram adds nothing
+  assert (
+      table.shape == (97, config.model.embedding_size) and not table.any()
+  )  # zeros: an unseen bigram adds nothing
   params = _random_params(params)
   zeroed = jax.tree_util.tree_map_with_path(
-      lambda path, x: jnp.zeros_like(x) if "ngram_embeddings" in jax.tree_util.keystr(path) else x, params)
-  run = lambda method, ps, *args: model.apply({"params": ps}, ids, types, mask, *args, method=method)
-  np.testing.assert_array_equal(run(model.generator_logits, params, positions),
-                                run(model.generator_logits, zeroed, positions))
-  assert not np.allclose(run(model.discriminator_logits, params), run(model.discriminator_logits, zeroed))
+      lambda path, x: jnp.zeros_like(x) if "ngram_embeddings" in jax.tree_util.keystr(path) else x,
+      params,
+  )
+  run = lambda method, ps, *args: model.apply(
+      {"params": ps}, ids, types, mask, *args, method=method
+  )
+  np.testing.assert_array_equal(
+      run(model.generator_logits, params, positions), run(model.generator_logits, zeroed, positions)
+  )
+  assert not np.allclose(
+      run(model.discriminator_logits, params), run(model.discriminator_logits, zeroed)
+  )
   # The standalone generator has no n-gram table; the discriminator and a fine-tuned encoder keep it.
   _, gen_params = models.tower_from_pretrainer(model, params, "generator")
   _, disc_params = models.tower_from_pretrainer(model, params, "discriminator")
-  assert "ngram_embeddings" not in gen_params["embeddings"] and "ngram_embeddings" in disc_params["embeddings"]
+  assert (
+      "ngram_embeddings" not in gen_params["embeddings"]
+      and "ngram_embeddings" in disc_params["embeddings"]
+  )
 
 
 def test_the_generator_takes_its_own_convolution_width():
   """model.generator_attention_conv: -1 gives the generator the discriminator's convolution; 0 gives it none
   (its tree, and so its samples, those of a model without the convolution) while the discriminator keeps its
   taps; one shared encoder (tie='all') cannot hold two widths."""
+
   def convs(**options):
     model, params = _init(tiny_config(**{"model.attention_conv": 3, **options}))
     attention = lambda tower: params[tower]["encoder"]["layer_0"]["attention"]
-    return model, {tower: sorted(k for k in attention(tower) if k.endswith("_conv"))
-                   for tower in ("generator", "discriminator")}
+    return model, {
+        tower: sorted(k for k in attention(tower) if k.endswith("_conv"))
+        for tower in ("generator", "discriminator")
+    }
 
   _, both = convs()
   assert both["generator"] == both["discriminator"] == ["key_conv", "query_conv", "value_conv"]
@@ -653,25 +876,50 @@ def test_the_generator_takes_its_own_convolution_width():
   plain = models.build_model(tiny_config())
   assert model.generator_config == plain.generator_config
   assert model.discriminator_config.attention_conv == 3
-  with pytest.raises(ConfigError, match=r"model.tie='all' runs one encoder for both towers, so "
-                                        r"model.generator_attention_conv=0 cannot differ from model.attention_conv=3"):
-    models.build_model(tiny_config(**{"model.tie": "all", "model.generator_fraction": 1.0,
-                                      "model.attention_conv": 3, "model.generator_attention_conv": 0}))
+  with pytest.raises(
+      ConfigError,
+      match=r"model.tie='all' runs one encoder for both towers, so "
+      r"model.generator_attention_conv=0 cannot differ from model.attention_conv=3",
+  ):
+    models.build_model(
+        tiny_config(
+            **{
+                "model.tie": "all",
+                "model.generator_fraction": 1.0,
+                "model.attention_conv": 3,
+                "model.generator_attention_conv": 0,
+            }
+        )
+    )
 
 
 def test_the_demo_at_temperature_1_is_a_variant_of_the_demo():
   """configs/demo.py:t1: the demo's sizes and schedule at sampling temperature 1, with n-grams and the
-  convolution in the discriminator only; the plain demo keeps the paper's (Hugging Face exportable) encoder."""
+  convolution in the discriminator only; the plain demo keeps the paper's (Hugging Face exportable) encoder.
+  """
   from electra_jax import api  # noqa: PLC0415
 
   demo, t1 = api.load_config("demo"), api.load_config("demo:t1")
   assert demo.objective.temperature == 2.0 and t1.objective.temperature == 1.0
   assert (demo.model.ngram_buckets, demo.model.attention_conv, demo.model.norm) == (0, 0, "post")
-  changed = [line.split(":")[0] for line in config_lib.changed_keys(config_lib.as_saved(demo), config_lib.as_saved(t1))]
-  assert changed == ["model.attention_conv", "model.ffn", "model.generator_attention_conv", "model.ngram_buckets",
-                     "model.norm", "model.use_bias", "objective.temperature"], changed
+  changed = [
+      line.split(":")[0]
+      for line in config_lib.changed_keys(config_lib.as_saved(demo), config_lib.as_saved(t1))
+  ]
+  assert changed == [
+      "model.attention_conv",
+      "model.ffn",
+      "model.generator_attention_conv",
+      "model.ngram_buckets",
+      "model.norm",
+      "model.use_bias",
+      "objective.temperature",
+  ], changed
   model = models.build_model(t1)
-  assert (model.discriminator_config.attention_conv, model.discriminator_config.ngram_buckets) == (3, 262_139)
+  assert (model.discriminator_config.attention_conv, model.discriminator_config.ngram_buckets) == (
+      3,
+      262_139,
+  )
   assert (model.generator_config.attention_conv, model.generator_config.ngram_buckets) == (0, 0)
   with pytest.raises(ConfigError, match=r"configs/demo.py has no variant 't2'"):
     api.load_config("demo:t2")

@@ -18,8 +18,16 @@ PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
 
 def _objective(**changes):
   base = objectives.ElectraObjective(
-      mask_prob=0.15, max_predictions=19, gen_weight=1.0, disc_weight=50.0, temperature=1.0,
-      keep_original_prob=0.15, mask_id=MASK, pad_id=PAD, cls_id=CLS, sep_id=SEP,
+      mask_prob=0.15,
+      max_predictions=19,
+      gen_weight=1.0,
+      disc_weight=50.0,
+      temperature=1.0,
+      keep_original_prob=0.15,
+      mask_id=MASK,
+      pad_id=PAD,
+      cls_id=CLS,
+      sep_id=SEP,
   )
   return dataclasses.replace(base, **changes)
 
@@ -33,7 +41,9 @@ def _random_batch(seed, batch=64, seq=128, vocab=300):
   ids[:, 0] = CLS
   ids[np.arange(batch), lengths - 1] = SEP
   middle = seq // 3
-  ids[:, middle] = np.where(lengths > middle + 1, SEP, ids[:, middle])  # a second [SEP] in long rows
+  ids[:, middle] = np.where(
+      lengths > middle + 1, SEP, ids[:, middle]
+  )  # a second [SEP] in long rows
   ids = np.where(mask > 0, ids, PAD)
   return ids, mask
 
@@ -51,7 +61,9 @@ def test_mask_count_rule_and_candidates():
   positions, weights = np.asarray(masked.positions), np.asarray(masked.weights)
   for row in range(ids.shape[0]):
     n = mask[row].sum()
-    candidates = {t for t in range(ids.shape[1]) if mask[row, t] and ids[row, t] not in (CLS, SEP, PAD, MASK)}
+    candidates = {
+        t for t in range(ids.shape[1]) if mask[row, t] and ids[row, t] not in (CLS, SEP, PAD, MASK)
+    }
     # float32 arithmetic and round-half-to-even, as the official TF code computes it
     want = int(np.clip(np.round(np.float32(n) * np.float32(0.15)), 1, 19))
     want = min(want, len(candidates))
@@ -69,7 +81,9 @@ def test_mask_count_rule_and_candidates():
 
 def test_eighty_five_percent_become_mask():
   ids, mask = _random_batch(1, batch=1024)
-  masked = objectives.mask_tokens(jax.random.key(2), jnp.asarray(ids), jnp.asarray(mask), _objective())
+  masked = objectives.mask_tokens(
+      jax.random.key(2), jnp.asarray(ids), jnp.asarray(mask), _objective()
+  )
   weights = np.asarray(masked.weights) > 0
   at_positions = np.take_along_axis(np.asarray(masked.input_ids), np.asarray(masked.positions), 1)
   share = (at_positions[weights] == MASK).mean()
@@ -132,12 +146,22 @@ def test_hand_computed_loss_and_metrics():
   gen_logits[0, 1, 6], gen_logits[0, 1, 7] = 40.0, 1.5
   disc_logits = np.array([[0.5, -1.0, 2.0, 0.3, -0.2, 9.0]], np.float32)
   model = _FixedLogits(jnp.asarray(gen_logits), jnp.asarray(disc_logits))
-  batch = {"input_ids": ids, "token_type_ids": jnp.zeros_like(ids), "attention_mask": attention_mask}
+  batch = {
+      "input_ids": ids,
+      "token_type_ids": jnp.zeros_like(ids),
+      "attention_mask": attention_mask,
+  }
   objective = _objective(max_predictions=3)
   normalizers = objectives.Normalizers.of(masked, attention_mask)
   loss, (stats, per_token) = objectives.electra_forward(
-      model, None, batch, masked, jax.random.split(jax.random.key(0), 1), jax.random.key(1),
-      objective, normalizers,
+      model,
+      None,
+      batch,
+      masked,
+      jax.random.split(jax.random.key(0), 1),
+      jax.random.key(1),
+      objective,
+      normalizers,
   )
 
   def nll(row, target):
@@ -160,7 +184,10 @@ def test_hand_computed_loss_and_metrics():
   # the positive (0.3) outranks 2 of the 4 negatives (-1.0, -0.2)
   assert float(metrics["disc_auc"]) == pytest.approx(0.5)
   # The one replacement (token 6 at logit 40) was near certain for the generator: "likely".
-  assert float(metrics["disc_auc_likely"]) == pytest.approx(0.5) and float(metrics["replaced_share_likely"]) == 1.0
+  assert (
+      float(metrics["disc_auc_likely"]) == pytest.approx(0.5)
+      and float(metrics["replaced_share_likely"]) == 1.0
+  )
   assert np.isnan(metrics["disc_auc_unlikely"]) and float(metrics["replaced_share_unlikely"]) == 0.0
   # At each used masked slot (an original sampled back too), 0 elsewhere.
   np.testing.assert_allclose(per_token["replaced_prob"], [[0, 1, 0, 1, 0, 0]], atol=1e-6)
@@ -173,8 +200,12 @@ def test_disc_auc_by_how_likely_the_generator_found_the_replacement():
   replaced = np.array([[1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 1]], bool)
   prob = np.array([[0.001, 0.005, 0.05, 0.1, 0.5, 0.9, 0.0, 0.0, 0.0, 0.0, 0.001]], np.float32)
   weights = np.array([[1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0]], np.float32)
-  per_token = {"disc_logits": jnp.asarray(scores), "is_replaced": jnp.asarray(replaced),
-               "token_weights": jnp.asarray(weights), "replaced_prob": jnp.asarray(prob)}
+  per_token = {
+      "disc_logits": jnp.asarray(scores),
+      "is_replaced": jnp.asarray(replaced),
+      "token_weights": jnp.asarray(weights),
+      "replaced_prob": jnp.asarray(prob),
+  }
   stats = {key: jnp.float32(1.0) for key in objectives._STAT_KEYS}
   metrics = objectives.summarize(stats, per_token, _objective())
   # Negatives 0.2, -0.5, 1.5, 0.8. Unlikely: 0.5 beats 2 of them, 3.0 all 4: (2 + 4) / 8.
@@ -200,41 +231,74 @@ def test_sampling_temperature_falls_linearly_then_stays():
   # The final temperature is reached exactly at the last decay step, whatever its count (a step
   # times float32(1 / 49) falls short of 1 at step 49).
   for steps in (49, 427, 1003):
-    decay = train.learning_rate_schedule(1e-3, 1, 2 * steps, temperature_decay_steps=steps).temperature_decay
+    decay = train.learning_rate_schedule(
+        1e-3, 1, 2 * steps, temperature_decay_steps=steps
+    ).temperature_decay
     assert float(objectives.sampling_temperature(objective, jnp.int32(steps), decay)) == 1.0, steps
   # No schedule: the constant itself, a Python float, so nothing is traced.
   for constant in (_objective(temperature=2.0), _objective(initial_temperature=1.0)):
     assert objectives.sampling_temperature(constant, jnp.int32(3), decay) is constant.temperature
   # From the config: the decay ends at round(fraction * train.steps), and none is no schedule.
-  config = tiny_config(**{"train.steps": 30, "objective.initial_temperature": 2.0,
-                          "objective.temperature_decay_fraction": 0.25})
+  config = tiny_config(
+      **{
+          "train.steps": 30,
+          "objective.initial_temperature": 2.0,
+          "objective.temperature_decay_fraction": 0.25,
+      }
+  )
   objective = objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4))
   assert objective.initial_temperature == 2.0 and objectives.temperature_decay_steps(config) == 8
   assert float(train.make_optimizer(config)[1].temperature_decay) == 8
   config.objective.temperature_decay_fraction = 0.01  # round(0.3) = 0 steps to fall over
-  assert objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4)).initial_temperature is None
+  assert (
+      objectives.objective_from_config(
+          config, dict(pad=0, cls=2, sep=3, mask=4)
+      ).initial_temperature
+      is None
+  )
 
 
 def test_the_default_temperature_compiles_the_constant_step():
   """initial_temperature equal to temperature traces the very step a constant one does; a
   schedule traces another, and the default step's loss is the explicitly constant one's."""
   reference = _traced_step()
-  assert _traced_step(**{"objective.initial_temperature": 1.0, "objective.temperature_decay_fraction": 0.5}) == reference
-  assert _traced_step(**{"objective.initial_temperature": 2.0, "objective.temperature_decay_fraction": 0.5})[0] != reference[0]
+  assert (
+      _traced_step(
+          **{"objective.initial_temperature": 1.0, "objective.temperature_decay_fraction": 0.5}
+      )
+      == reference
+  )
+  assert (
+      _traced_step(
+          **{"objective.initial_temperature": 2.0, "objective.temperature_decay_fraction": 0.5}
+      )[0]
+      != reference[0]
+  )
   losses = []
-  for overrides in ({}, {"objective.initial_temperature": 1.0, "objective.temperature_decay_fraction": 1.0}):
+  for overrides in (
+      {},
+      {"objective.initial_temperature": 1.0, "objective.temperature_decay_fraction": 1.0},
+  ):
     state, batch, schedule = _tiny_state_and_batch(**overrides)
-    losses.append(float(jax.jit(train.train_step)(state, batch, train.step_rng(0, 0), schedule)[1]["loss"]))
+    losses.append(
+        float(jax.jit(train.train_step)(state, batch, train.step_rng(0, 0), schedule)[1]["loss"])
+    )
   assert losses[0] == losses[1]
 
 
 def _tiny_state_and_batch(**overrides):
   config = tiny_config(**overrides)
   model = models.build_model(config)
-  objective = objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4, vocab_size=300))
+  objective = objectives.objective_from_config(
+      config, dict(pad=0, cls=2, sep=3, mask=4, vocab_size=300)
+  )
   state = nn.meta.unbox(train.make_init_fn(config, model, objective)(jax.random.key(0)))
   ids, mask = _random_batch(0, batch=config.train.batch_size, seq=config.data.max_seq_len)
-  batch = {"input_ids": jnp.asarray(ids), "token_type_ids": jnp.zeros_like(ids), "attention_mask": jnp.asarray(mask)}
+  batch = {
+      "input_ids": jnp.asarray(ids),
+      "token_type_ids": jnp.zeros_like(ids),
+      "attention_mask": jnp.asarray(mask),
+  }
   return state, batch, train.make_optimizer(config)[1]
 
 
@@ -259,7 +323,9 @@ class _RecordingModel:
       return jnp.zeros((*args[2].shape, self.vocab_size), jnp.float32)  # [batch, n_pred, rows]
     if method == self.discriminator_mlm_logits:  # (copy logits, MLM logits at positions or all)
       rows = input_ids.shape if args[2] is None else args[2].shape
-      return jnp.zeros(input_ids.shape, jnp.float32), jnp.zeros((*rows, self.vocab_size), jnp.float32)
+      return jnp.zeros(input_ids.shape, jnp.float32), jnp.zeros(
+          (*rows, self.vocab_size), jnp.float32
+      )
     self.discriminator_inputs.append(np.asarray(input_ids))
     return jnp.zeros(input_ids.shape, jnp.float32)
 
@@ -278,8 +344,14 @@ def test_replacements_and_mlm_softmax_cover_the_tokenizers_vocabulary_only(name)
   model = _RecordingModel(model_rows)
   batch = {"input_ids": ids, "token_type_ids": jnp.zeros_like(ids), "attention_mask": mask}
   _, (stats, _) = objectives.electra_forward(
-      model, None, batch, masked, jax.random.split(jax.random.key(2), 64), jax.random.key(3),
-      objective, objectives.Normalizers.of(masked, mask),
+      model,
+      None,
+      batch,
+      masked,
+      jax.random.split(jax.random.key(2), 64),
+      jax.random.key(3),
+      objective,
+      objectives.Normalizers.of(masked, mask),
   )
   (corrupted,) = model.discriminator_inputs
   assert int(corrupted.max()) < tokenizer_vocab  # every sample is a token of the vocabulary
@@ -300,14 +372,24 @@ def test_the_discriminators_mlm_heads_score_the_tokenizers_vocabulary_only(name)
   masked = objectives.mask_tokens(jax.random.key(1), ids, mask, objective)
   batch = {"input_ids": ids, "token_type_ids": jnp.zeros_like(ids), "attention_mask": mask}
   _, (stats, per_token) = objectives.electra_forward(
-      _RecordingModel(model_rows), None, batch, masked, jax.random.split(jax.random.key(2), 16),
-      jax.random.key(3), objective, objectives.Normalizers.of(masked, mask),
+      _RecordingModel(model_rows),
+      None,
+      batch,
+      masked,
+      jax.random.split(jax.random.key(2), 16),
+      jax.random.key(3),
+      objective,
+      objectives.Normalizers.of(masked, mask),
   )
   v = tokenizer_vocab
   if name == "mlm":
-    assert float(stats["mlm_loss_sum"]) / float(masked.weights.sum()) == pytest.approx(math.log(v), rel=1e-6)
+    assert float(stats["mlm_loss_sum"]) / float(masked.weights.sum()) == pytest.approx(
+        math.log(v), rel=1e-6
+    )
   elif name == "replace_mlm":
-    assert float(stats["main_loss_sum"]) / float(stats["main_count"]) == pytest.approx(math.log(v), rel=1e-6)
+    assert float(stats["main_loss_sum"]) / float(stats["main_count"]) == pytest.approx(
+        math.log(v), rel=1e-6
+    )
   else:  # zero logits: copy probability 1/2; -log(1/2 + 1/(2V)) for a kept token, -log(1/(2V)) for a replaced one
     replaced = np.asarray(per_token["is_replaced"]) & (np.asarray(mask) > 0)
     kept = (np.asarray(mask) > 0) & ~replaced
@@ -341,9 +423,13 @@ def test_binary_auc_of_a_large_batch_and_of_nan_scores():
   got = objectives.binary_auc(jnp.asarray(scores), jnp.asarray(labels), jnp.asarray(weights))
   assert float(got) == pytest.approx(want, abs=1e-4) and 0.7 < want < 0.8
   scores[7] = np.nan  # a diverged model: no AUC rather than a number
-  assert np.isnan(objectives.binary_auc(jnp.asarray(scores), jnp.asarray(labels), jnp.asarray(weights)))
+  assert np.isnan(
+      objectives.binary_auc(jnp.asarray(scores), jnp.asarray(labels), jnp.asarray(weights))
+  )
   weights[7] = 0.0  # unless the NaN is at a position the metric does not count
-  assert float(objectives.binary_auc(jnp.asarray(scores), jnp.asarray(labels), jnp.asarray(weights))) == pytest.approx(want, abs=1e-4)
+  assert float(
+      objectives.binary_auc(jnp.asarray(scores), jnp.asarray(labels), jnp.asarray(weights))
+  ) == pytest.approx(want, abs=1e-4)
 
 
 def _grads(objective):
@@ -353,7 +439,9 @@ def _grads(objective):
   ids, mask = jnp.asarray(ids), jnp.asarray(mask)
   objective = dataclasses.replace(objective, max_predictions=4)
   positions = jnp.zeros((1, 4), jnp.int32)
-  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), ids[:1], ids[:1], mask[:1], positions)["params"])
+  params = nn.meta.unbox(
+      jax.jit(model.init)(jax.random.key(0), ids[:1], ids[:1], mask[:1], positions)["params"]
+  )
   masked = objectives.mask_tokens(jax.random.key(1), ids, mask, objective)
   batch = {"input_ids": ids, "token_type_ids": jnp.zeros_like(ids), "attention_mask": mask}
   normalizers = objectives.Normalizers.of(masked, mask)
@@ -394,7 +482,9 @@ def test_argmax_takes_one_reduction_off_the_cpu(platform, reductions):
   """On GPUs and TPUs the argmax is one (value, index) reduction, which XLA fuses with the
   Gumbel noise it reads; the CPU keeps its two faster plain ones."""
   z = jax.ShapeDtypeStruct((4, 19, 30522), jnp.float32)
-  module = jax.export.export(jax.jit(objectives._argmax_first), platforms=[platform])(z).mlir_module()
+  module = jax.export.export(jax.jit(objectives._argmax_first), platforms=[platform])(
+      z
+  ).mlir_module()
   assert module.count("stablehlo.reduce") == reductions, module
 
 
@@ -422,7 +512,9 @@ def test_mlm_sums_equal_autodiffs_loss_gradient_and_accuracy():
   np.testing.assert_allclose(grad, jax.grad(reference)(logits), rtol=1e-5, atol=1e-7)
   assert not np.any(np.asarray(grad)[np.asarray(weights) == 0])  # unweighted rows send nothing
   want_correct = ((jnp.argmax(logits, -1) == targets) * weights).sum()
-  assert float(correct) == float(want_correct) and float(correct) >= 1.0  # row (0, 1) is right, (0, 0) is not
+  assert (
+      float(correct) == float(want_correct) and float(correct) >= 1.0
+  )  # row (0, 1) is right, (0, 0) is not
 
 
 @pytest.mark.parametrize("platform, passes", [("cpu", 3), ("cuda", 2), ("tpu", 2)])
@@ -431,20 +523,33 @@ def test_mlm_sums_read_the_vocabulary_logits_in_few_passes(platform, passes):
   (value, index) reduction serves the accuracy and the logsumexp's shift, then the
   exponentials; on the CPU the maximum, the index search and the exponentials. The target
   logit is gathered, not found by a pass over the vocabulary."""
-  z, ids, w = (jax.ShapeDtypeStruct(s, d) for s, d in [((4, 19, 30522), jnp.float32), ((4, 19), jnp.int32),
-                                                      ((4, 19), jnp.float32)])
-  module = jax.export.export(jax.jit(objectives._mlm_sums), platforms=[platform])(z, ids, w).mlir_module()
-  over_vocab = [line for line in module.split("\n") if "stablehlo.reduce" in line and "4x19x30522x" in line]
+  z, ids, w = (
+      jax.ShapeDtypeStruct(s, d)
+      for s, d in [((4, 19, 30522), jnp.float32), ((4, 19), jnp.int32), ((4, 19), jnp.float32)]
+  )
+  module = jax.export.export(jax.jit(objectives._mlm_sums), platforms=[platform])(
+      z, ids, w
+  ).mlir_module()
+  over_vocab = [
+      line for line in module.split("\n") if "stablehlo.reduce" in line and "4x19x30522x" in line
+  ]
   assert len(over_vocab) == passes, "\n".join(over_vocab)
 
 
 # Values each key is changed to when checking that an objective ignores it (all valid).
 _OTHER_VALUES = {
-    "model.generator_fraction": [1.0], "model.tie": ["none", "gdes"], "objective.temperature": [0.5],
-    "objective.disallow_correct": [True], "objective.gen_weight": [2.0], "objective.disc_weight": [7.0],
-    "objective.keep_original_prob": [0.3], "objective.two_stage_switch": [1],
-    "objective.adversarial_mlm_weight": [0.5], "objective.initial_temperature": [2.0],
-    "objective.temperature_decay_fraction": [0.5], "objective.disc_mlm_weight": [1.0],
+    "model.generator_fraction": [1.0],
+    "model.tie": ["none", "gdes"],
+    "objective.temperature": [0.5],
+    "objective.disallow_correct": [True],
+    "objective.gen_weight": [2.0],
+    "objective.disc_weight": [7.0],
+    "objective.keep_original_prob": [0.3],
+    "objective.two_stage_switch": [1],
+    "objective.adversarial_mlm_weight": [0.5],
+    "objective.initial_temperature": [2.0],
+    "objective.temperature_decay_fraction": [0.5],
+    "objective.disc_mlm_weight": [1.0],
 }
 
 
@@ -453,12 +558,16 @@ def _traced_step(**overrides):
   config = tiny_config(**overrides)
   config_lib.validate(config)
   mesh = partitioning.make_mesh(config.mesh, devices=jax.devices()[:1])
-  setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4, vocab_size=config.model.vocab_size))
+  setup = train.build_setup(
+      config, mesh, dict(pad=0, cls=2, sep=3, mask=4, vocab_size=config.model.vocab_size)
+  )
   state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), setup.abstract_state)
   shape = (config.train.batch_size, config.data.max_seq_len)
   batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in train.batch_keys(config)}
   with partitioning.activate(mesh):
-    jaxpr = jax.make_jaxpr(train.train_step)(state, batch, jax.eval_shape(lambda: jax.random.key(0)), setup.schedule)
+    jaxpr = jax.make_jaxpr(train.train_step)(
+        state, batch, jax.eval_shape(lambda: jax.random.key(0)), setup.schedule
+    )
   return str(jaxpr), setup.param_shapes
 
 
@@ -477,14 +586,20 @@ def test_the_keys_an_objective_ignores_change_nothing_it_trains(name):
 def test_the_check_of_ignored_keys_sees_a_key_that_is_read():
   # The same comparison tells apart what ELECTRA does read: its generator's width and sampling.
   reference = _traced_step(**{"objective.name": "electra"})
-  assert _traced_step(**{"objective.name": "electra", "model.generator_fraction": 1.0})[1] != reference[1]
-  assert _traced_step(**{"objective.name": "electra", "objective.temperature": 0.5})[0] != reference[0]
+  assert (
+      _traced_step(**{"objective.name": "electra", "model.generator_fraction": 1.0})[1]
+      != reference[1]
+  )
+  assert (
+      _traced_step(**{"objective.name": "electra", "objective.temperature": 0.5})[0] != reference[0]
+  )
   assert "objective.temperature" not in objectives.ignored_keys("electra")
 
 
 def test_a_registered_objective_trains_through_the_step_with_its_hooks(monkeypatch):
   """The step reads the registry, not objective names: a new entry whose update hook freezes
   the generator trains its discriminator alone, and its config check runs in validate."""
+
   def freeze_generator(objective, updates, step):
     return {**updates, "generator": jax.tree.map(jnp.zeros_like, updates["generator"])}
 
@@ -492,15 +607,25 @@ def test_a_registered_objective_trains_through_the_step_with_its_hooks(monkeypat
     if config.objective.temperature != 1.0:
       raise config_lib.ConfigError("frozen_generator samples at temperature 1.0")
 
-  entry = dataclasses.replace(objectives.REGISTRY["electra"], updates=freeze_generator, check=refuse_temperature)
+  entry = dataclasses.replace(
+      objectives.REGISTRY["electra"], updates=freeze_generator, check=refuse_temperature
+  )
   monkeypatch.setitem(objectives.REGISTRY, "frozen_generator", entry)
   monkeypatch.setattr(objectives, "OBJECTIVES", (*objectives.OBJECTIVES, "frozen_generator"))
   config_lib.validate(tiny_config(**{"objective.name": "frozen_generator"}))
   with pytest.raises(config_lib.ConfigError, match="samples at temperature 1.0"):
-    config_lib.validate(tiny_config(**{"objective.name": "frozen_generator", "objective.temperature": 2.0}))
+    config_lib.validate(
+        tiny_config(**{"objective.name": "frozen_generator", "objective.temperature": 2.0})
+    )
   state, batch, schedule = _tiny_state_and_batch(**{"objective.name": "frozen_generator"})
   step = jax.jit(train.train_step)
-  after, metrics = step(step(state, batch, train.step_rng(0, 0), schedule)[0], batch, train.step_rng(0, 1), schedule)  # lr(0) = 0
+  after, metrics = step(
+      step(state, batch, train.step_rng(0, 0), schedule)[0], batch, train.step_rng(0, 1), schedule
+  )  # lr(0) = 0
   moved = lambda part: any(  # noqa: E731
-      not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.params[part]), jax.tree.leaves(after.params[part])))
-  assert not moved("generator") and moved("discriminator") and np.isfinite(float(metrics["disc_auc"]))
+      not np.array_equal(a, b)
+      for a, b in zip(jax.tree.leaves(state.params[part]), jax.tree.leaves(after.params[part]))
+  )
+  assert (
+      not moved("generator") and moved("discriminator") and np.isfinite(float(metrics["disc_auc"]))
+  )

@@ -28,11 +28,15 @@ def test_segment_attention_mask_keeps_queries_in_their_example():
 
 
 def _model_and_params(**overrides):
-  config = tiny_config(**{"model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0, **overrides})
+  config = tiny_config(
+      **{"model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0, **overrides}
+  )
   config.data.pack_rows = True
   model = models.build_model(config)
   ids = jnp.zeros((1, 32), jnp.int32)
-  params = jax.jit(model.init)(jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 4), jnp.int32))["params"]
+  params = jax.jit(model.init)(
+      jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 4), jnp.int32)
+  )["params"]
   return model, params
 
 
@@ -41,7 +45,7 @@ def _example(rng, length, vocab=500):
   tokens = rng.integers(5, vocab, size=length)
   tokens[0], tokens[length // 2], tokens[-1] = 2, 3, 3
   types = np.zeros(length, np.int32)
-  types[length // 2 + 1:] = 1
+  types[length // 2 + 1 :] = 1
   return tokens.astype(np.int32), types
 
 
@@ -57,36 +61,42 @@ def test_packed_examples_equal_the_same_examples_alone():
   for row, (tokens, types) in enumerate(examples):
     n = len(tokens)
     starts.append(offset)
-    packed_ids[0, offset:offset + n], packed_types[0, offset:offset + n] = tokens, types
-    segments[0, offset:offset + n] = row + 1
+    packed_ids[0, offset : offset + n], packed_types[0, offset : offset + n] = tokens, types
+    segments[0, offset : offset + n] = row + 1
     alone_ids[row, :n], alone_types[row, :n], alone_mask[row, :n] = tokens, types, 1
     offset += n
 
   # Compiled: run op by op, each of the forward's few hundred ops would compile on its own.
-  apply = lambda *args, method: jax.jit(lambda p, *a: model.apply({"params": p}, *a, method=method))(params, *args)
+  apply = lambda *args, method: jax.jit(
+      lambda p, *a: model.apply({"params": p}, *a, method=method)
+  )(params, *args)
   packed_disc = apply(packed_ids, packed_types, segments, method=model.discriminator_logits)
   alone_disc = apply(alone_ids, alone_types, alone_mask, method=model.discriminator_logits)
   # The generator at two slots of each example (positions inside the row / inside the example).
   slots = [(1, 4), (2, 7), (1, 3)]
   packed_slots = jnp.array([[starts[r] + p for r, pair in enumerate(slots) for p in pair]])
   alone_slots = jnp.array(slots)
-  packed_gen = apply(packed_ids, packed_types, segments, packed_slots, method=model.generator_logits)
+  packed_gen = apply(
+      packed_ids, packed_types, segments, packed_slots, method=model.generator_logits
+  )
   alone_gen = apply(alone_ids, alone_types, alone_mask, alone_slots, method=model.generator_logits)
 
   labels = rng.integers(0, 2, size=(3, seq)).astype(np.float32)
   for row, (tokens, _) in enumerate(examples):
     n, start = len(tokens), starts[row]
     # Relative errors: at initialization the logits are small (about 1e-2).
-    assert rel_err(packed_disc[0, start:start + n], alone_disc[row, :n]) < 1e-5
+    assert rel_err(packed_disc[0, start : start + n], alone_disc[row, :n]) < 1e-5
     # Per-token L_Disc on the same labels: equal, so packing changes no token's loss.
-    packed_bce = optax_bce(packed_disc[0, start:start + n], labels[row, :n])
+    packed_bce = optax_bce(packed_disc[0, start : start + n], labels[row, :n])
     alone_bce = optax_bce(alone_disc[row, :n], labels[row, :n])
     np.testing.assert_allclose(packed_bce, alone_bce, rtol=1e-6)
-    assert rel_err(packed_gen[0, 2 * row:2 * row + 2], alone_gen[row]) < 1e-5
+    assert rel_err(packed_gen[0, 2 * row : 2 * row + 2], alone_gen[row]) < 1e-5
   # Without segment ids (or with positions that do not restart) the examples read each other
   # and shift: the checks above would fail.
-  leaky = apply(packed_ids, packed_types, (segments > 0).astype(np.int32), method=model.discriminator_logits)
-  assert rel_err(leaky[0, starts[1]:starts[1] + 12], alone_disc[1, :12]) > 1e-3
+  leaky = apply(
+      packed_ids, packed_types, (segments > 0).astype(np.int32), method=model.discriminator_logits
+  )
+  assert rel_err(leaky[0, starts[1] : starts[1] + 12], alone_disc[1, :12]) > 1e-3
 
 
 def rel_err(got, want):
@@ -110,21 +120,34 @@ def test_packed_model_on_unpacked_rows_equals_the_unpacked_model():
   type_ids = np.zeros_like(ids)
   type_ids[0, :20] = types
   mask = (ids != 0).astype(np.int32)
-  got = packed_model.apply({"params": params}, ids, type_ids, mask, method=packed_model.discriminator_logits)
-  want = plain_model.apply({"params": params}, ids, type_ids, mask, method=plain_model.discriminator_logits)
+  got = packed_model.apply(
+      {"params": params}, ids, type_ids, mask, method=packed_model.discriminator_logits
+  )
+  want = plain_model.apply(
+      {"params": params}, ids, type_ids, mask, method=plain_model.discriminator_logits
+  )
   np.testing.assert_allclose(got[0, :20], want[0, :20], atol=1e-6)
 
 
 def test_electric_refuses_packed_rows():
   # Before any data: config_lib.validate is what train.prepare and sweeps check first.
   with pytest.raises(ConfigError, match="set data.pack_rows=False for objective.name='electric'"):
-    config_lib.validate(tiny_config(**{"objective.name": "electric", "model.generator_fraction": 1.0,
-                                       "data.pack_rows": True}))
+    config_lib.validate(
+        tiny_config(
+            **{
+                "objective.name": "electric",
+                "model.generator_fraction": 1.0,
+                "data.pack_rows": True,
+            }
+        )
+    )
 
 
 def _loss_and_grads(remat, params=None):
   """(loss, grads) of the tiny pretrainer under `remat`, and the parameters (drawn if None)."""
-  config = tiny_config(**{"model.remat": remat, "model.dropout_rate": 0.1, "model.attention_dropout_rate": 0.1})
+  config = tiny_config(
+      **{"model.remat": remat, "model.dropout_rate": 0.1, "model.attention_dropout_rate": 0.1}
+  )
   model = models.build_model(config)
   rng = np.random.default_rng(2)
   ids = jnp.asarray(rng.integers(5, 500, size=(2, 32)), jnp.int32)
@@ -135,9 +158,15 @@ def _loss_and_grads(remat, params=None):
 
   def loss(p):
     gen, disc = model.apply(
-        {"params": p}, ids, ids * 0, mask, positions, deterministic=False, rngs={"dropout": jax.random.key(3)}
+        {"params": p},
+        ids,
+        ids * 0,
+        mask,
+        positions,
+        deterministic=False,
+        rngs={"dropout": jax.random.key(3)},
     )
-    return (gen ** 2).mean() + (disc ** 2).mean()
+    return (gen**2).mean() + (disc**2).mean()
 
   return jax.jit(jax.value_and_grad(loss))(params), params
 
@@ -162,7 +191,7 @@ def _count_barriers(scan_layers):
 
   def loss(p):
     gen, disc = model.apply({"params": p}, ids, ids * 0, ids, positions)
-    return (gen ** 2).mean() + (disc ** 2).mean()
+    return (gen**2).mean() + (disc**2).mean()
 
   return jax.jit(jax.grad(loss)).lower(params).as_text().count("optimization_barrier")
 
@@ -177,7 +206,9 @@ def test_remat_inside_scanned_layers_leaves_xla_free_to_fuse():
 def test_unknown_remat_and_attention_are_refused_by_name():
   with pytest.raises(ConfigError, match="model.remat='some'"):
     models.build_model(tiny_config(**{"model.remat": "some"}))
-  with pytest.raises(ConfigError, match="model.remat='fulll'"):  # before any data, so a sweep refuses it up front
+  with pytest.raises(
+      ConfigError, match="model.remat='fulll'"
+  ):  # before any data, so a sweep refuses it up front
     config_lib.validate(tiny_config(**{"model.remat": "fulll"}))
   with pytest.raises(ConfigError, match="model.attention_impl='flash'"):
     models.build_model(tiny_config(**{"model.attention_impl": "flash"}))
@@ -188,7 +219,12 @@ def test_unknown_remat_and_attention_are_refused_by_name():
 def test_packed_training_runs_evaluates_and_refuses_an_unpacked_resume(tmp_path):
   from electra_jax import train  # noqa: PLC0415
 
-  overrides = {"train.steps": 3, "eval.every_steps": 3, "eval.num_batches": 2, "checkpoint.every_steps": 3}
+  overrides = {
+      "train.steps": 3,
+      "eval.every_steps": 3,
+      "eval.num_batches": 2,
+      "checkpoint.every_steps": 3,
+  }
   config = tiny_config(**overrides)
   config.data.pack_rows = True
   metrics = train.train_and_evaluate(config, str(tmp_path))
@@ -220,8 +256,9 @@ def test_scanned_layers_compute_the_same_function_in_the_stacked_layout():
   plain_params = _unbox(plain_params)
   scanned, boxed = _init(tiny_config(**no_dropout, **{"model.scan_layers": True}), ids, positions)
   # The stacked axis is named "layers" for the sharding rules (replicated).
-  assert boxed["discriminator"]["encoder"]["layers"]["layer"]["attention"]["query"]["kernel"].names == (
-      "layers", "embed", "heads")
+  assert boxed["discriminator"]["encoder"]["layers"]["layer"]["attention"]["query"][
+      "kernel"
+  ].names == ("layers", "embed", "heads")
   scanned_params = _unbox(boxed)
   # encoder/layers/layer holds each layer's parameters stacked on a leading axis of length L.
   stacked = scanned_params["discriminator"]["encoder"]["layers"]["layer"]
@@ -241,14 +278,18 @@ def test_scanned_layers_compute_the_same_function_in_the_stacked_layout():
   # The standalone discriminator of a scanned pre-trainer is the usual one, same outputs.
   tower, tower_params = models.tower_from_pretrainer(scanned, converted, "discriminator")
   assert "layer_1" in tower_params["discriminator"]["encoder"]
-  np.testing.assert_allclose(tower.apply({"params": tower_params}, ids, mask), want[1], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+      tower.apply({"params": tower_params}, ids, mask), want[1], rtol=1e-5, atol=1e-6
+  )
 
 
 def test_scanned_training_exports_to_hugging_face(tmp_path):
   from electra_jax import train  # noqa: PLC0415
   from electra_jax.interop import hf  # noqa: PLC0415
 
-  config = tiny_config(**{"model.scan_layers": True, "model.remat": "dots", "train.steps": 2, "eval.every_steps": 0})
+  config = tiny_config(
+      **{"model.scan_layers": True, "model.remat": "dots", "train.steps": 2, "eval.every_steps": 0}
+  )
   metrics = train.train_and_evaluate(config, str(tmp_path / "run"))
   assert np.isfinite(metrics["loss"])
   mesh, corpus, setup = train.prepare(config)

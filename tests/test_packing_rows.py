@@ -52,7 +52,9 @@ def _segments(batch):
     for number in np.unique(numbers):
       columns = np.flatnonzero(segment_row == number)
       positions = batch["position_ids"][r, columns]
-      np.testing.assert_array_equal(positions, np.arange(columns.size), "positions restart at each example")
+      np.testing.assert_array_equal(
+          positions, np.arange(columns.size), "positions restart at each example"
+      )
       tokens = tuple(batch["input_ids"][r, columns].tolist())
       found.append((r, int(number), tokens, tuple(batch["token_type_ids"][r, columns].tolist())))
   return found
@@ -92,13 +94,19 @@ def test_assemble_hand_worked_row():
   input_ids, token_type_ids = _examples([5, 3, 8, 2, 6], 8)
   plan = plan_rows(np.array([5, 3, 8, 2, 6]), 8, window=100)
   batch = assemble_rows(plan, np.array([1, 2]), input_ids, token_type_ids, PAD)
-  assert set(batch) == PACKED_KEYS and all(a.dtype == np.int32 and a.shape == (2, 8) for a in batch.values())
+  assert set(batch) == PACKED_KEYS and all(
+      a.dtype == np.int32 and a.shape == (2, 8) for a in batch.values()
+  )
   # Row 1 = example 3 (2 tokens) then example 4 (6 tokens); row 2 = example 0 then example 1.
-  np.testing.assert_array_equal(batch["input_ids"][0], [4000, 4001, 5000, 5001, 5002, 5003, 5004, 5005])
+  np.testing.assert_array_equal(
+      batch["input_ids"][0], [4000, 4001, 5000, 5001, 5002, 5003, 5004, 5005]
+  )
   np.testing.assert_array_equal(batch["token_type_ids"][0], [0, 1, 0, 0, 0, 1, 1, 1])
   np.testing.assert_array_equal(batch["segment_ids"][0], [1, 1, 2, 2, 2, 2, 2, 2])
   np.testing.assert_array_equal(batch["position_ids"][0], [0, 1, 0, 1, 2, 3, 4, 5])
-  np.testing.assert_array_equal(batch["input_ids"][1], [1000, 1001, 1002, 1003, 1004, 2000, 2001, 2002])
+  np.testing.assert_array_equal(
+      batch["input_ids"][1], [1000, 1001, 1002, 1003, 1004, 2000, 2001, 2002]
+  )
   np.testing.assert_array_equal(batch["segment_ids"][1], [1, 1, 1, 1, 1, 2, 2, 2])
   np.testing.assert_array_equal(batch["position_ids"][1], [0, 1, 2, 3, 4, 0, 1, 2])
   np.testing.assert_array_equal(batch["attention_mask"], np.ones((2, 8)))
@@ -122,7 +130,8 @@ def test_random_plans_hold_every_example_once_unchanged(window):
   segments = _segments(batch)
   assert len(segments) == 300
   want = {
-      e: (tuple(input_ids[e, :n].tolist()), tuple(token_type_ids[e, :n].tolist())) for e, n in enumerate(lengths)
+      e: (tuple(input_ids[e, :n].tolist()), tuple(token_type_ids[e, :n].tolist()))
+      for e, n in enumerate(lengths)
   }
   for r, number, tokens, types in segments:
     example = tokens[0] // 1000 - 1
@@ -206,24 +215,32 @@ def test_unpacked_batches_keep_their_keys_and_processes_split_packed_batches():
     parts = [get_batch(packed, step, 8, seed=1, process_index=p, process_count=2) for p in range(2)]
     for key in whole:
       np.testing.assert_array_equal(np.concatenate([part[key] for part in parts]), whole[key])
-    np.testing.assert_array_equal(get_batch(packed, step, 8, seed=1)["input_ids"], whole["input_ids"])
+    np.testing.assert_array_equal(
+        get_batch(packed, step, 8, seed=1)["input_ids"], whole["input_ids"]
+    )
 
 
 def test_prepared_shards_give_the_cached_packed_batches(tmp_path):
   # Both paths share one tokenizer, as a prepared directory and a cache of the same config do.
   model = load_tokenizer(tiny_config().data).model_path
   overrides = {
-      "data.spm_model_file": model, "data.shard_documents": 25, "data.prepared_dir": str(tmp_path / "prepared")
+      "data.spm_model_file": model,
+      "data.shard_documents": 25,
+      "data.prepared_dir": str(tmp_path / "prepared"),
   }
   prepare_data(_config(True, **overrides).data, num_workers=0)
   for split in ("train", "eval"):
     cached = load_pretraining_data(_config(True, **overrides).data, split)
-    prepared = load_pretraining_data(_config(True, **overrides, **{"data.source": "prepared"}).data, split)
+    prepared = load_pretraining_data(
+        _config(True, **overrides, **{"data.source": "prepared"}).data, split
+    )
     assert isinstance(prepared, PretrainingData) and len(prepared.input_ids._shards) > 1
     if split == "train":
       cached_train = cached
     assert prepared.fingerprint == cached.fingerprint
-    unpacked = load_pretraining_data(_config(False, **overrides, **{"data.source": "prepared"}).data, split)
+    unpacked = load_pretraining_data(
+        _config(False, **overrides, **{"data.source": "prepared"}).data, split
+    )
     assert unpacked.fingerprint != prepared.fingerprint
     np.testing.assert_array_equal(prepared.packing.row_splits, cached.packing.row_splits)
     np.testing.assert_array_equal(prepared.packing.examples, cached.packing.examples)
@@ -256,7 +273,11 @@ def test_prepared_shards_give_the_cached_packed_batches(tmp_path):
 
 def test_prepare_rebuilds_a_damaged_lengths_file(tmp_path):
   model = load_tokenizer(tiny_config().data).model_path
-  overrides = {"data.spm_model_file": model, "data.shard_documents": 40, "data.prepared_dir": str(tmp_path)}
+  overrides = {
+      "data.spm_model_file": model,
+      "data.shard_documents": 40,
+      "data.prepared_dir": str(tmp_path),
+  }
   config = _config(True, **overrides).data
   first = prepare_data(config, num_workers=0)
   damaged = tmp_path / first["shards"][1]["splits"]["train"]["lengths_file"]

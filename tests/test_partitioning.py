@@ -48,21 +48,38 @@ def test_tables_that_a_mesh_axis_does_not_divide_are_named():
   model = models.build_model(config)
   objective = objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4))
   boxed = jax.eval_shape(train.make_init_fn(config, model, objective), jax.random.key(0))
-  found = partitioning.unsharded_dimensions(boxed.params, jax.sharding.AbstractMesh((1, 1, 4), partitioning.MESH_AXES), 0)
+  found = partitioning.unsharded_dimensions(
+      boxed.params, jax.sharding.AbstractMesh((1, 1, 4), partitioning.MESH_AXES), 0
+  )
   assert found == [
       "embeddings/word_embeddings/embedding [510, 16]: dimension 0 (510) is not divisible by tensor=4",
       "generator/output_bias [510]: dimension 0 (510) is not divisible by tensor=4",
   ]
   # Over tensor=2 everything divides; small arrays are not reported by default.
-  assert partitioning.unsharded_dimensions(boxed.params, jax.sharding.AbstractMesh((2, 2, 2), partitioning.MESH_AXES), 0) == []
-  assert partitioning.unsharded_dimensions(boxed.params, jax.sharding.AbstractMesh((1, 1, 4), partitioning.MESH_AXES)) == []
+  assert (
+      partitioning.unsharded_dimensions(
+          boxed.params, jax.sharding.AbstractMesh((2, 2, 2), partitioning.MESH_AXES), 0
+      )
+      == []
+  )
+  assert (
+      partitioning.unsharded_dimensions(
+          boxed.params, jax.sharding.AbstractMesh((1, 1, 4), partitioning.MESH_AXES)
+      )
+      == []
+  )
 
 
 def test_processes_must_own_whole_batch_shards():
   mesh = jax.sharding.AbstractMesh((1, 2, 4), partitioning.MESH_AXES)
   partitioning.check_process_shards(mesh, 2)  # two hosts of four devices: tensor within a host
-  with pytest.raises(ValueError, match=r"4 shards \(mesh.data \* mesh.fsdp = 2 \* 2\) over 8 processes.*multiple of 8"):
-    partitioning.check_process_shards(jax.sharding.AbstractMesh((2, 2, 2), partitioning.MESH_AXES), 8)
+  with pytest.raises(
+      ValueError,
+      match=r"4 shards \(mesh.data \* mesh.fsdp = 2 \* 2\) over 8 processes.*multiple of 8",
+  ):
+    partitioning.check_process_shards(
+        jax.sharding.AbstractMesh((2, 2, 2), partitioning.MESH_AXES), 8
+    )
 
 
 def test_batch_not_divisible_by_data_axes_is_refused(tmp_path):

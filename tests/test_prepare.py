@@ -53,7 +53,9 @@ def _write_corpus(directory, num_files=3, docs_per_file=12, seed=0):
   rng = random.Random(seed)
   os.makedirs(directory, exist_ok=True)
   for f in range(num_files):
-    documents = ["\n".join(_sentence(rng) for _ in range(rng.randint(1, 8))) for _ in range(docs_per_file)]
+    documents = [
+        "\n".join(_sentence(rng) for _ in range(rng.randint(1, 8))) for _ in range(docs_per_file)
+    ]
     with open(os.path.join(directory, f"part{f}.txt"), "w", encoding="utf-8") as out:
       out.write("\n\n".join(documents) + "\n")
   return os.path.join(str(directory), "*.txt")
@@ -104,21 +106,33 @@ def _all_rows(data):
 
 
 @pytest.mark.parametrize("model_type", ["unigram", "bpe"])
-def test_train_tokenizer_model_has_special_tokens_and_serves_the_pipeline(tmp_path, corpus_files, model_type):
+def test_train_tokenizer_model_has_special_tokens_and_serves_the_pipeline(
+    tmp_path, corpus_files, model_type
+):
   out = str(tmp_path / "tok" / "spm.model")
   info = train_tokenizer(
-      _config(tmp_path, corpus_files, spm_model_type=model_type, spm_vocab_size=100), out, num_threads=1
+      _config(tmp_path, corpus_files, spm_model_type=model_type, spm_vocab_size=100),
+      out,
+      num_threads=1,
   )
   tokenizer = SentencePieceTokenizer(out)
   assert info["vocab_size"] == tokenizer.vocab_size == 100
   assert info["fingerprint"] == tokenizer.fingerprint
-  assert [tokenizer.id_to_piece(i) for i in range(5)] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+  assert [tokenizer.id_to_piece(i) for i in range(5)] == [
+      "[PAD]",
+      "[UNK]",
+      "[CLS]",
+      "[SEP]",
+      "[MASK]",
+  ]
   assert tokenizer.decode(tokenizer.encode("the old bridge")) == "the old bridge"
   # data.spm_model_file makes the cache use exactly this model.
   config = _config(tmp_path, corpus_files, spm_model_file=out)
   assert load_pretraining_data(config).tokenizer.fingerprint == tokenizer.fingerprint
   assert load_tokenizer(config).fingerprint == tokenizer.fingerprint
-  assert not any(name.endswith(".model") for _, _, names in os.walk(tmp_path / "cache") for name in names)
+  assert not any(
+      name.endswith(".model") for _, _, names in os.walk(tmp_path / "cache") for name in names
+  )
 
 
 def test_train_tokenizer_errors(tmp_path, corpus_files):
@@ -129,10 +143,11 @@ def test_train_tokenizer_errors(tmp_path, corpus_files):
   with pytest.raises(ConfigError, match="no usable text"):
     train_tokenizer(_config(tmp_path, str(empty)), str(tmp_path / "x.model"))
   with pytest.raises(ConfigError, match=r"spm_model_file=.*is not a file"):
-    load_pretraining_data(_config(tmp_path, corpus_files, spm_model_file=str(tmp_path / "none.model")))
+    load_pretraining_data(
+        _config(tmp_path, corpus_files, spm_model_file=str(tmp_path / "none.model"))
+    )
   with pytest.raises(ConfigError, match="has none"):
     train_tokenizer(_config(tmp_path, corpus_files, source="prepared"), str(tmp_path / "x.model"))
-
 
 
 def test_train_tokenizer_does_not_replace_an_existing_model(tmp_path, corpus_files, spm_model):
@@ -150,7 +165,9 @@ def test_train_tokenizer_does_not_replace_an_existing_model(tmp_path, corpus_fil
 # ---------------------------------------------------------------- prepare_data
 
 
-def test_prepared_shards_on_two_workers_hold_the_caches_examples_in_order(tmp_path, corpus_files, spm_model):
+def test_prepared_shards_on_two_workers_hold_the_caches_examples_in_order(
+    tmp_path, corpus_files, spm_model
+):
   num_workers = 2
   config = _config(tmp_path, corpus_files, spm_model_file=spm_model)
   manifest = prepare_data(config, num_workers=num_workers)
@@ -177,7 +194,10 @@ def test_manifest_records_counts_checksums_and_tokenizer(tmp_path, corpus_files,
   manifest = prepare_data(config, num_workers=0)
   on_disk = json.loads((tmp_path / "prepared" / "manifest.json").read_text())
   assert on_disk == json.loads(json.dumps(manifest))
-  assert manifest["max_seq_len"] == 24 and manifest["format_version"] == prepare.PREPARED_FORMAT_VERSION
+  assert (
+      manifest["max_seq_len"] == 24
+      and manifest["format_version"] == prepare.PREPARED_FORMAT_VERSION
+  )
   assert manifest["tokenizer"]["kind"] == "sentencepiece"
   assert manifest["tokenizer"]["fingerprint"] == SentencePieceTokenizer(spm_model).fingerprint
   assert manifest["source"]["source"] == "text" and manifest["source"]["num_files"] == 3
@@ -211,14 +231,20 @@ def test_prepare_logs_progress_with_eta(tmp_path, corpus_files, spm_model, monke
   assert "100.0% of the input" in progress[-1]
 
 
-def test_rerun_skips_finished_shards_and_rebuilds_damaged_ones(tmp_path, corpus_files, spm_model, monkeypatch):
+def test_rerun_skips_finished_shards_and_rebuilds_damaged_ones(
+    tmp_path, corpus_files, spm_model, monkeypatch
+):
   config = _config(tmp_path, corpus_files, spm_model_file=spm_model)
   first = prepare_data(config, num_workers=0)
   directory = tmp_path / "prepared"
   stamps = {name: os.stat(directory / name).st_mtime_ns for name in os.listdir(directory)}
   packed = []
   original_pack_shard = prepare.pack_shard
-  monkeypatch.setattr(prepare, "pack_shard", lambda task, tok=None: packed.append(task["index"]) or original_pack_shard(task, tok))
+  monkeypatch.setattr(
+      prepare,
+      "pack_shard",
+      lambda task, tok=None: packed.append(task["index"]) or original_pack_shard(task, tok),
+  )
   again = prepare_data(config, num_workers=0)
   assert packed == [] and again == first
   assert {name: os.stat(directory / name).st_mtime_ns for name in os.listdir(directory)} == stamps
@@ -234,7 +260,9 @@ def test_rerun_skips_finished_shards_and_rebuilds_damaged_ones(tmp_path, corpus_
   assert repaired["shards"] == first["shards"]
 
 
-def test_a_failed_shard_is_named_and_the_finished_ones_are_kept(tmp_path, corpus_files, spm_model, monkeypatch):
+def test_a_failed_shard_is_named_and_the_finished_ones_are_kept(
+    tmp_path, corpus_files, spm_model, monkeypatch
+):
   config = _config(tmp_path, corpus_files, spm_model_file=spm_model)
   original_pack_shard = prepare.pack_shard
 
@@ -244,7 +272,10 @@ def test_a_failed_shard_is_named_and_the_finished_ones_are_kept(tmp_path, corpus
     return original_pack_shard(task, tokenizer)
 
   monkeypatch.setattr(prepare, "pack_shard", failing)
-  with pytest.raises(RuntimeError, match="shard 2 failed .OSError: .Errno 28. No space left.*run prepare_data again"):
+  with pytest.raises(
+      RuntimeError,
+      match="shard 2 failed .OSError: .Errno 28. No space left.*run prepare_data again",
+  ):
     prepare_data(config, num_workers=0)
   manifest = json.loads((tmp_path / "prepared" / "manifest.json").read_text())
   assert [entry["index"] for entry in manifest["shards"]] == [0, 1] and not manifest["complete"]
@@ -252,7 +283,9 @@ def test_a_failed_shard_is_named_and_the_finished_ones_are_kept(tmp_path, corpus
   assert prepare_data(config, num_workers=0)["complete"]
 
 
-def test_a_stop_while_a_finished_shard_is_read_back_still_lists_it(tmp_path, corpus_files, spm_model, monkeypatch):
+def test_a_stop_while_a_finished_shard_is_read_back_still_lists_it(
+    tmp_path, corpus_files, spm_model, monkeypatch
+):
   """SIGTERM raises SystemExit wherever the main thread is; here it lands as the second finished
   shard's result is read. That shard's file is on disk, so the manifest must list it (a result
   taken off the pending list before it was recorded used to be lost)."""
@@ -270,7 +303,11 @@ def test_a_stop_while_a_finished_shard_is_read_back_still_lists_it(tmp_path, cor
     prepare_data(config, num_workers=0)
   directory = tmp_path / "prepared"
   manifest = json.loads((directory / "manifest.json").read_text())
-  listed = {entry["splits"]["train"]["file"] for entry in manifest["shards"] if entry["splits"]["train"]["rows"]}
+  listed = {
+      entry["splits"]["train"]["file"]
+      for entry in manifest["shards"]
+      if entry["splits"]["train"]["rows"]
+  }
   assert len(listed) >= 2 and listed == {p.name for p in directory.glob("train-?????.npy")}
 
 
@@ -291,8 +328,12 @@ prepare_data(ml_collections.ConfigDict({config}), num_workers=0)
 """
 
 
-def test_kill_mid_way_leaves_no_half_shard_and_resume_equals_uninterrupted(tmp_path, corpus_files, spm_model):
-  reference = prepare_data(_config(tmp_path / "ref", corpus_files, spm_model_file=spm_model), num_workers=0)
+def test_kill_mid_way_leaves_no_half_shard_and_resume_equals_uninterrupted(
+    tmp_path, corpus_files, spm_model
+):
+  reference = prepare_data(
+      _config(tmp_path / "ref", corpus_files, spm_model_file=spm_model), num_workers=0
+  )
   reference_dir = tmp_path / "ref" / "prepared"
   config = _config(tmp_path, corpus_files, spm_model_file=spm_model)
   directory = tmp_path / "prepared"
@@ -314,7 +355,9 @@ def test_kill_mid_way_leaves_no_half_shard_and_resume_equals_uninterrupted(tmp_p
   manifest = json.loads((directory / "manifest.json").read_text())
   assert not manifest["complete"]
   with pytest.raises(ConfigError, match="did not finish.*resumes"):
-    load_pretraining_data(_config(tmp_path, corpus_files, spm_model_file=spm_model, source="prepared"))
+    load_pretraining_data(
+        _config(tmp_path, corpus_files, spm_model_file=spm_model, source="prepared")
+    )
 
   resumed = prepare_data(config, num_workers=0)
   assert resumed["shards"] == reference["shards"] and resumed["totals"] == reference["totals"]
@@ -349,7 +392,9 @@ def _marked_processes(mark: str) -> list[int]:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
-def test_a_killed_prepare_leaves_no_workers_and_a_sigterm_keeps_the_manifest(tmp_path, spm_model, signum):
+def test_a_killed_prepare_leaves_no_workers_and_a_sigterm_keeps_the_manifest(
+    tmp_path, spm_model, signum
+):
   """Its spawned workers used to wait on their task queue forever after the parent died (one
   per core, each holding a tokenizer); on SIGTERM the manifest also missed the shards on disk."""
   files = _write_corpus(tmp_path / "corpus", num_files=30, docs_per_file=150, seed=3)
@@ -357,8 +402,12 @@ def test_a_killed_prepare_leaves_no_workers_and_a_sigterm_keeps_the_manifest(tmp
   script = tmp_path / "run.py"
   script.write_text(_WORKER_RUN.format(repo=REPO, config=repr(config.to_dict())))
   mark = f"ELECTRA_JAX_TEST_MARK_{os.getpid()}_{signum}"
-  process = subprocess.Popen([sys.executable, str(script)], env=dict(os.environ, **{mark: "1"}),
-                             stderr=subprocess.PIPE, text=True)
+  process = subprocess.Popen(
+      [sys.executable, str(script)],
+      env=dict(os.environ, **{mark: "1"}),
+      stderr=subprocess.PIPE,
+      text=True,
+  )
   directory = tmp_path / "prepared"
   try:
     deadline = time.time() + 120
@@ -379,40 +428,65 @@ def test_a_killed_prepare_leaves_no_workers_and_a_sigterm_keeps_the_manifest(tmp
     assert process.returncode != 0 and "prepare_data stopped by SIGTERM" in stderr, stderr[-2000:]
     manifest = json.loads((directory / "manifest.json").read_text())
     assert manifest["shards"] and not manifest["complete"]
-    listed = {entry["splits"]["train"]["file"] for entry in manifest["shards"] if entry["splits"]["train"]["rows"]}
-    assert listed == {p.name for p in directory.glob("train-?????.npy")}  # every finished shard, no more
+    listed = {
+        entry["splits"]["train"]["file"]
+        for entry in manifest["shards"]
+        if entry["splits"]["train"]["rows"]
+    }
+    assert listed == {
+        p.name for p in directory.glob("train-?????.npy")
+    }  # every finished shard, no more
 
 
 def test_a_worker_whose_parent_died_while_it_started_exits():
   """A worker that read its parent's pid itself, after a SIGKILL had already orphaned it, saw
   the reaper's pid and waited forever (found as a leftover process after a CI run)."""
-  script = ("import sys, time; sys.path.insert(0, %r)\n"
-            "from electra_jax.data import prepare\n"
-            "prepare._exit_with_parent(2 ** 22 + 7)  # not this process's parent: it is gone\n"
-            "time.sleep(30); print('still here')" % REPO)
+  script = (
+      "import sys, time; sys.path.insert(0, %r)\n"
+      "from electra_jax.data import prepare\n"
+      "prepare._exit_with_parent(2 ** 22 + 7)  # not this process's parent: it is gone\n"
+      "time.sleep(30); print('still here')" % REPO
+  )
   started = time.time()
-  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+  result = subprocess.run(
+      [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+  )
   assert result.returncode == 1 and "still here" not in result.stdout and time.time() - started < 20
 
 
-def test_a_prepared_dir_that_is_a_file_or_someone_elses_files_is_refused(tmp_path, corpus_files, spm_model):
+def test_a_prepared_dir_that_is_a_file_or_someone_elses_files_is_refused(
+    tmp_path, corpus_files, spm_model
+):
   (tmp_path / "afile").write_text("x")
   with pytest.raises(ConfigError, match="is a file; give a directory"):
-    prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model, prepared_dir=str(tmp_path / "afile")), num_workers=0)
+    prepare_data(
+        _config(
+            tmp_path, corpus_files, spm_model_file=spm_model, prepared_dir=str(tmp_path / "afile")
+        ),
+        num_workers=0,
+    )
   other = tmp_path / "photos"
   other.mkdir()
   (other / "cat.jpg").write_bytes(b"\xff\xd8")
   (other / ".tmp-keep").write_bytes(b"someone's")
   with pytest.raises(ConfigError, match="holds files but no manifest.json"):
-    prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model, prepared_dir=str(other)), num_workers=0)
+    prepare_data(
+        _config(tmp_path, corpus_files, spm_model_file=spm_model, prepared_dir=str(other)),
+        num_workers=0,
+    )
   assert sorted(p.name for p in other.iterdir()) == [".tmp-keep", "cat.jpg"]
 
 
-def test_training_on_prepared_shards_names_the_settings_they_override(tmp_path, corpus_files, spm_model, caplog):
+def test_training_on_prepared_shards_names_the_settings_they_override(
+    tmp_path, corpus_files, spm_model, caplog
+):
   prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model), num_workers=0)
   with caplog.at_level("WARNING"):
-    load_pretraining_data(_config(tmp_path, corpus_files, spm_model_file=spm_model, source="prepared",
-                                  eval_fraction=0.5))
+    load_pretraining_data(
+        _config(
+            tmp_path, corpus_files, spm_model_file=spm_model, source="prepared", eval_fraction=0.5
+        )
+    )
   assert "data.eval_fraction=0.5 (the shards' 0.1)" in caplog.text
   assert "shard_documents" not in caplog.text  # the same value: nothing to say
 
@@ -421,7 +495,9 @@ def test_prepared_dir_of_another_config_is_refused_untouched(tmp_path, corpus_fi
   prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model), num_workers=0)
   before = {p: p.read_bytes() for p in (tmp_path / "prepared").iterdir()}
   with pytest.raises(ConfigError, match=r"another config.*'max_seq_len': \(32, 48\)"):
-    prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model, max_seq_len=48), num_workers=0)
+    prepare_data(
+        _config(tmp_path, corpus_files, spm_model_file=spm_model, max_seq_len=48), num_workers=0
+    )
   assert {p: p.read_bytes() for p in (tmp_path / "prepared").iterdir()} == before
   with pytest.raises(ConfigError, match="prepare_data reads documents"):
     prepare_data(_config(tmp_path, corpus_files, source="prepared"), num_workers=0)
@@ -432,29 +508,42 @@ def test_prepared_dir_of_another_config_is_refused_untouched(tmp_path, corpus_fi
 def _listing(directory):
   """Every file under `directory` (hidden ones too) with its bytes: what "untouched" compares."""
   return {
-      os.path.relpath(os.path.join(root, name), directory): open(os.path.join(root, name), "rb").read()
-      for root, _, names in os.walk(directory) for name in names
+      os.path.relpath(os.path.join(root, name), directory): open(
+          os.path.join(root, name), "rb"
+      ).read()
+      for root, _, names in os.walk(directory)
+      for name in names
   }
 
 
-def test_another_config_is_refused_before_training_a_tokenizer(tmp_path, corpus_files, spm_model, monkeypatch):
+def test_another_config_is_refused_before_training_a_tokenizer(
+    tmp_path, corpus_files, spm_model, monkeypatch
+):
   # Prepared with a given model; re-run without data.spm_model_file, which would train one.
   prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model), num_workers=0)
   directory = tmp_path / "prepared"
   before = _listing(directory)
   trained = []
   original_train = prepare.train_sentencepiece
-  monkeypatch.setattr(prepare, "train_sentencepiece", lambda *a, **k: trained.append(a) or original_train(*a, **k))
-  with pytest.raises(ConfigError, match=r"another config.*'spm_trained_here': \(None, .*Nothing was changed"):
+  monkeypatch.setattr(
+      prepare, "train_sentencepiece", lambda *a, **k: trained.append(a) or original_train(*a, **k)
+  )
+  with pytest.raises(
+      ConfigError, match=r"another config.*'spm_trained_here': \(None, .*Nothing was changed"
+  ):
     prepare_data(_config(tmp_path, corpus_files), num_workers=0)
   assert trained == [], "the settings alone decide the refusal: no tokenizer training before it"
   assert _listing(directory) == before, "a refused run must leave no spm.model (nor anything else)"
   # The directory still serves training exactly as before.
-  data = load_pretraining_data(_config(tmp_path, corpus_files, spm_model_file=spm_model, source="prepared"))
+  data = load_pretraining_data(
+      _config(tmp_path, corpus_files, spm_model_file=spm_model, source="prepared")
+  )
   assert data.tokenizer.fingerprint == SentencePieceTokenizer(spm_model).fingerprint
 
 
-def test_a_retrained_tokenizer_of_another_fingerprint_is_refused_and_not_kept(tmp_path, corpus_files, monkeypatch):
+def test_a_retrained_tokenizer_of_another_fingerprint_is_refused_and_not_kept(
+    tmp_path, corpus_files, monkeypatch
+):
   config = _config(tmp_path, corpus_files, spm_vocab_size=100)
   prepare_data(config, num_workers=0)
   directory = tmp_path / "prepared"
@@ -466,11 +555,17 @@ def test_a_retrained_tokenizer_of_another_fingerprint_is_refused_and_not_kept(tm
   def another_model(sentences, out_path, **kwargs):
     # Training happens outside the directory, so a kill here would leave nothing in it.
     out_paths.append(out_path)
-    assert not os.path.abspath(out_path).startswith(str(directory)) and _listing(directory) == before
-    return original_train(sentences, out_path, **dict(kwargs, model_type="bpe"))  # same size, other pieces
+    assert (
+        not os.path.abspath(out_path).startswith(str(directory)) and _listing(directory) == before
+    )
+    return original_train(
+        sentences, out_path, **dict(kwargs, model_type="bpe")
+    )  # same size, other pieces
 
   monkeypatch.setattr(prepare, "train_sentencepiece", another_model)
-  with pytest.raises(ConfigError, match=r"another config.*'tokenizer_fingerprint'.*spm.model.*is missing.*put that"):
+  with pytest.raises(
+      ConfigError, match=r"another config.*'tokenizer_fingerprint'.*spm.model.*is missing.*put that"
+  ):
     prepare_data(config, num_workers=0)
   assert len(out_paths) == 1 and not os.path.exists(out_paths[0]), "the scratch model is removed"
   assert _listing(directory) == before
@@ -479,15 +574,22 @@ def test_a_retrained_tokenizer_of_another_fingerprint_is_refused_and_not_kept(tm
 def test_training_refuses_shards_of_another_tokenizer_or_length(tmp_path, corpus_files, spm_model):
   prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model), num_workers=0)
   with pytest.raises(ConfigError, match=r"max_seq_len=32, but data.max_seq_len=64"):
-    load_pretraining_data(_config(tmp_path, corpus_files, source="prepared", spm_model_file=spm_model, max_seq_len=64))
+    load_pretraining_data(
+        _config(tmp_path, corpus_files, source="prepared", spm_model_file=spm_model, max_seq_len=64)
+    )
   other = str(tmp_path / "other.model")
   train_tokenizer(_config(tmp_path, corpus_files, spm_vocab_size=90), other, num_threads=1)
   expected = SentencePieceTokenizer(spm_model).fingerprint
   got = SentencePieceTokenizer(other).fingerprint
-  with pytest.raises(ConfigError, match=f"fingerprint {expected}.*this config gives sentencepiece .*other.model .fingerprint {got}"):
+  with pytest.raises(
+      ConfigError,
+      match=f"fingerprint {expected}.*this config gives sentencepiece .*other.model .fingerprint {got}",
+  ):
     load_pretraining_data(_config(tmp_path, corpus_files, source="prepared", spm_model_file=other))
   with pytest.raises(ConfigError, match="has no manifest.json.*--mode=prepare_data"):
-    load_pretraining_data(_config(tmp_path, corpus_files, source="prepared", prepared_dir=str(tmp_path / "none")))
+    load_pretraining_data(
+        _config(tmp_path, corpus_files, source="prepared", prepared_dir=str(tmp_path / "none"))
+    )
 
 
 def _shard_path(tmp_path, index=0):
@@ -510,14 +612,19 @@ def _rewrite_shard(path, change, update_manifest=False):
 
 
 @pytest.mark.parametrize("fault", ["edited", "ids outside the vocabulary", "truncated"])
-def test_training_reads_shards_that_differ_from_the_manifest_never(tmp_path, corpus_files, spm_model, fault):
+def test_training_reads_shards_that_differ_from_the_manifest_never(
+    tmp_path, corpus_files, spm_model, fault
+):
   prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model), num_workers=0)
   prepared = _config(tmp_path, corpus_files, source="prepared", spm_model_file=spm_model)
   path = _shard_path(tmp_path, 1)
   originals = {f: f.read_bytes() for f in (path, path.parent / "manifest.json")}
   if fault == "truncated":  # the cheap checks at load time see it
     path.write_bytes(path.read_bytes()[:-64])
-    with pytest.raises(ConfigError, match=rf"(Cannot read shard .*{path.name}|{path.name} has \d+ bytes, the manifest says)"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"(Cannot read shard .*{path.name}|{path.name} has \d+ bytes, the manifest says)",
+    ):
       load_pretraining_data(prepared)
     return
   if fault == "edited":
@@ -528,7 +635,9 @@ def test_training_reads_shards_that_differ_from_the_manifest_never(tmp_path, cor
     message = "holds token id 126, outside the tokenizer's 120 ids"
   data = load_pretraining_data(prepared)  # the run starts at once; the check runs beside it
   data.verification.wait()
-  with pytest.raises(ConfigError, match=rf"Shard .*{path.name} {message}.*--mode=prepare_data again"):
+  with pytest.raises(
+      ConfigError, match=rf"Shard .*{path.name} {message}.*--mode=prepare_data again"
+  ):
     get_batch(data, 0, 4, seed=0)
   # The files as prepare_data wrote them pass the same check.
   for f, content in originals.items():
@@ -542,11 +651,16 @@ def test_sentencepiece_trained_by_prepare_serves_training(tmp_path, corpus_files
   config = _config(tmp_path, corpus_files, spm_vocab_size=100)
   manifest = prepare_data(config, num_workers=0)
   assert manifest["tokenizer"]["model_file"] == "spm.model"
-  data = load_pretraining_data(_config(tmp_path, corpus_files, spm_vocab_size=100, source="prepared"))
+  data = load_pretraining_data(
+      _config(tmp_path, corpus_files, spm_vocab_size=100, source="prepared")
+  )
   assert data.tokenizer.fingerprint == manifest["tokenizer"]["fingerprint"]
   assert data.tokenizer.vocab_size == 100
   assert np.asarray(data.input_ids).max() < 100
-  assert load_tokenizer(_config(tmp_path, corpus_files, source="prepared")).fingerprint == data.tokenizer.fingerprint
+  assert (
+      load_tokenizer(_config(tmp_path, corpus_files, source="prepared")).fingerprint
+      == data.tokenizer.fingerprint
+  )
   with pytest.raises(ConfigError, match=r"has 100 pieces, but data.spm_vocab_size=80"):
     prepare_data(_config(tmp_path, corpus_files, spm_vocab_size=80), num_workers=0)
 
@@ -561,7 +675,9 @@ def test_a_tokenizer_trained_by_prepare_equals_the_caches_on_any_core_count(
   cached = load_pretraining_data(config)
   monkeypatch.setattr(prepare, "_default_workers", lambda: 5)  # a machine of another size
   prepare_data(config, num_workers=0)
-  prepared = load_pretraining_data(_config(tmp_path, corpus_files, spm_vocab_size=100, source="prepared"))
+  prepared = load_pretraining_data(
+      _config(tmp_path, corpus_files, spm_vocab_size=100, source="prepared")
+  )
   assert prepared.tokenizer.fingerprint == cached.tokenizer.fingerprint
   assert prepared.fingerprint == cached.fingerprint
   np.testing.assert_array_equal(np.asarray(prepared.input_ids), cached.input_ids)
@@ -573,21 +689,32 @@ def test_a_tokenizer_trained_by_prepare_equals_the_caches_on_any_core_count(
 def test_bad_files_are_counted_skips_and_the_rest_is_prepared(tmp_path, spm_model):
   corpus = tmp_path / "messy"
   corpus.mkdir()
-  (corpus / "a_good.txt").write_text("The old bridge.\nA quiet city.\n\nMusic played.\n", encoding="utf-8")
+  (corpus / "a_good.txt").write_text(
+      "The old bridge.\nA quiet city.\n\nMusic played.\n", encoding="utf-8"
+  )
   (corpus / "b_latin1.txt").write_bytes("Caf\xe9 au lait.\n".encode("latin-1"))
-  (corpus / "c_binary.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)) * 4)
+  (corpus / "c_binary.txt").write_bytes(
+      b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)) * 4
+  )
   (corpus / "d_empty.txt").write_bytes(b"")
   (corpus / "e_long.txt").write_text("x" * (3 << 20) + "\nShort line after it.\n", encoding="utf-8")
   config = _config(tmp_path, str(corpus / "*.txt"), spm_model_file=spm_model, eval_fraction=0.0)
   manifest = prepare_data(config, num_workers=0)
   assert manifest["source_stats"] == {
-      "files": 5, "empty_files": 1, "binary_files": 1, "replaced_lines": 1, "skipped_lines": 0,
-      "long_sentences": 1, "documents": 4,
+      "files": 5,
+      "empty_files": 1,
+      "binary_files": 1,
+      "replaced_lines": 1,
+      "skipped_lines": 0,
+      "long_sentences": 1,
+      "documents": 4,
   }
   tokenizer = SentencePieceTokenizer(spm_model)
   data = load_pretraining_data(_config(tmp_path, "", spm_model_file=spm_model, source="prepared"))
   texts = [tokenizer.decode(row) for row in np.asarray(data.input_ids)]
-  assert any("bridge" in text for text in texts) and any("Short line after it." in text for text in texts)
+  assert any("bridge" in text for text in texts) and any(
+      "Short line after it." in text for text in texts
+  )
   assert not any("xxxx" in text for text in texts), "the megabyte line must be skipped, not packed"
   assert any("\ufffd" in text or "⁇" in text for text in texts)  # the latin-1 byte, replaced
 
@@ -625,7 +752,9 @@ def test_no_usable_text_is_refused_before_any_shard(tmp_path, spm_model):
   (corpus / "blob.bin").write_bytes(b"\x00\x01\x02" * 1000)
   (corpus / "long.txt").write_text("y" * (1 << 20))
   config = _config(tmp_path, f"{corpus}/*", spm_model_file=spm_model)
-  with pytest.raises(ConfigError, match=r"no usable text.*1 binary files skipped.*1 lines over 65536 characters"):
+  with pytest.raises(
+      ConfigError, match=r"no usable text.*1 binary files skipped.*1 lines over 65536 characters"
+  ):
     prepare_data(config, num_workers=0)
   assert not any(name.endswith(".npy") for name in os.listdir(tmp_path / "prepared"))
 
@@ -662,17 +791,23 @@ def test_worker_counts_a_document_it_cannot_tokenize_and_packs_the_rest(tmp_path
   task = dict(index=0, first_document=0, eval_fraction=0.0, max_seq_len=32, dtype="uint16")
   bad = [list(d) for d in documents]
   bad[2][1] = "A BAD sentence."
-  result = prepare.pack_shard(dict(task, documents=bad, out_dir=str(tmp_path / "bad")), _FailingTokenizer(tokenizer))
+  result = prepare.pack_shard(
+      dict(task, documents=bad, out_dir=str(tmp_path / "bad")), _FailingTokenizer(tokenizer)
+  )
   assert "error" not in result, result
   assert result["skipped_documents"] == 1 and "cannot tokenize this" in result["first_skip"]
   without = [list(d) for d in documents]
   without[2] = []
-  expected = prepare.pack_shard(dict(task, documents=without, out_dir=str(tmp_path / "good")), tokenizer)
+  expected = prepare.pack_shard(
+      dict(task, documents=without, out_dir=str(tmp_path / "good")), tokenizer
+  )
   assert result["splits"]["train"]["sha256"] == expected["splits"]["train"]["sha256"]
   # A failure outside any document (here: an unwritable directory) names the shard, not a traceback.
   blocker = tmp_path / "file"
   blocker.write_text("")
-  failed = prepare.pack_shard(dict(task, documents=documents, out_dir=str(blocker / "sub")), tokenizer)
+  failed = prepare.pack_shard(
+      dict(task, documents=documents, out_dir=str(blocker / "sub")), tokenizer
+  )
   assert failed["index"] == 0 and "Error" in failed["error"]
 
 
@@ -696,10 +831,20 @@ def test_sharded_rows_index_like_the_concatenated_array():
   rows = ShardedRows(shards, 0, 4)
   reference = np.concatenate([shard[:, 0] for shard in shards]).astype(np.int32)
   assert rows.shape == (11, 4) and len(rows) == 11
-  for index in ([10, 0, 3, 3, 9, 4], np.array([[1, 2], [8, 5]]), slice(2, 9, 3), slice(None), 7, -1, -11):
+  for index in (
+      [10, 0, 3, 3, 9, 4],
+      np.array([[1, 2], [8, 5]]),
+      slice(2, 9, 3),
+      slice(None),
+      7,
+      -1,
+      -11,
+  ):
     np.testing.assert_array_equal(rows[index], reference[index])
   np.testing.assert_array_equal(rows[[4, 1], 1:3], reference[[4, 1], 1:3])
-  np.testing.assert_array_equal(np.asarray(ShardedRows(shards, 1, 4)), np.concatenate([s[:, 1] for s in shards]))
+  np.testing.assert_array_equal(
+      np.asarray(ShardedRows(shards, 1, 4)), np.concatenate([s[:, 1] for s in shards])
+  )
   assert rows[[0]].dtype == np.int32
   with pytest.raises(IndexError):
     rows[np.array([11])]
@@ -708,12 +853,16 @@ def test_sharded_rows_index_like_the_concatenated_array():
 def test_two_hosts_read_disjoint_rows_that_cover_each_epoch(spm_model):
   tokenizer = SentencePieceTokenizer(spm_model)
   shards = _indexed_shards([7, 13, 4, 9])
-  data = PretrainingData(tokenizer, ShardedRows(shards, 0, 4), ShardedRows(shards, 1, 4), "test", token_count=0)
+  data = PretrainingData(
+      tokenizer, ShardedRows(shards, 0, 4), ShardedRows(shards, 1, 4), "test", token_count=0
+  )
   num_examples, batch = 33, 6
   epoch_rows = {0: [], 1: []}
   for step in range(11):  # 66 positions: exactly two epochs
     whole = get_batch(data, step, batch, seed=4)
-    parts = [get_batch(data, step, batch, seed=4, process_index=p, process_count=2) for p in range(2)]
+    parts = [
+        get_batch(data, step, batch, seed=4, process_index=p, process_count=2) for p in range(2)
+    ]
     host_rows = [(part["input_ids"][:, 1] - 10).tolist() for part in parts]
     assert not set(host_rows[0]) & set(host_rows[1]), "hosts must read disjoint rows"
     for key in whole:
@@ -811,25 +960,47 @@ def test_bring_your_corpus_from_the_command_line(tmp_path, corpus_files):
   from conftest import cli, cli_args  # noqa: PLC0415
 
   data_flags = [
-      "--config.data.source=text", f"--config.data.files={corpus_files}", "--config.data.spm_vocab_size=120",
-      "--config.data.eval_fraction=0.1", f"--config.data.prepared_dir={tmp_path / 'prepared'}",
+      "--config.data.source=text",
+      f"--config.data.files={corpus_files}",
+      "--config.data.spm_vocab_size=120",
+      "--config.data.eval_fraction=0.1",
+      f"--config.data.prepared_dir={tmp_path / 'prepared'}",
   ]
-  python_m_main = [sys.executable, "-m", "electra_jax.main", f"--config={REPO}/configs/base.py",
-                   "--config.data.max_seq_len=32"]
+  python_m_main = [
+      sys.executable,
+      "-m",
+      "electra_jax.main",
+      f"--config={REPO}/configs/base.py",
+      "--config.data.max_seq_len=32",
+  ]
   model = str(tmp_path / "spm.model")
   trained = cli(python_m_main + ["--mode=train_tokenizer", f"--out={model}", *data_flags])
   assert trained.returncode == 0, trained.stderr[-2000:]
   assert SentencePieceTokenizer(model).vocab_size == 120 and "spm_model_file=" in trained.stdout
-  prepared = cli(python_m_main + ["--mode=prepare_data", "--workers=2", f"--config.data.spm_model_file={model}",
-                                      *data_flags])
+  prepared = cli(
+      python_m_main
+      + ["--mode=prepare_data", "--workers=2", f"--config.data.spm_model_file={model}", *data_flags]
+  )
   assert prepared.returncode == 0, prepared.stderr[-2000:]
   manifest = json.loads((tmp_path / "prepared" / "manifest.json").read_text())
-  assert manifest["totals"]["train_examples"] > 0 and "Train with --config.data.source=prepared" in prepared.stdout
+  assert (
+      manifest["totals"]["train_examples"] > 0
+      and "Train with --config.data.source=prepared" in prepared.stdout
+  )
 
   workdir = tmp_path / "run"
-  args = cli_args(workdir, **{"data.source": "prepared", "data.prepared_dir": tmp_path / "prepared",
-                              "data.spm_model_file": model, "data.spm_vocab_size": 120, "train.steps": 2,
-                              "checkpoint.every_steps": 2, "eval.every_steps": 2})
+  args = cli_args(
+      workdir,
+      **{
+          "data.source": "prepared",
+          "data.prepared_dir": tmp_path / "prepared",
+          "data.spm_model_file": model,
+          "data.spm_vocab_size": 120,
+          "train.steps": 2,
+          "checkpoint.every_steps": 2,
+          "eval.every_steps": 2,
+      },
+  )
   run = cli(args)
   assert run.returncode == 0, run.stderr[-2000:]
   logged = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]

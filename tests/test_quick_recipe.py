@@ -21,18 +21,42 @@ def test_the_quick_recipe_trains_to_its_time_budget(tmp_path, objective):
   and temperature schedule train, train.steps is what the budget gave (recorded in config.json),
   and the schedule ends at that step. `objective.name=mlm` is the same recipe's baseline."""
   workdir = tmp_path / objective
-  shrink = {"model.hidden_size": 32, "model.num_layers": 1, "model.num_heads": 2, "model.intermediate_size": 64, "model.embedding_size": 16,
-            "model.vocab_size": 512, "model.max_position_embeddings": 64, "data.max_seq_len": 32,
-            "data.spm_vocab_size": 500, "data.max_documents": 120, "train.batch_size": 8,
-            "train.time_budget": "4s", "train.log_every": 1, "eval.every_steps": 0, "objective.name": objective}
-  args = [sys.executable, "-m", "electra_jax.main", f"--config={REPO}/configs/quick.py", f"--workdir={workdir}"]
+  shrink = {
+      "model.hidden_size": 32,
+      "model.num_layers": 1,
+      "model.num_heads": 2,
+      "model.intermediate_size": 64,
+      "model.embedding_size": 16,
+      "model.vocab_size": 512,
+      "model.max_position_embeddings": 64,
+      "data.max_seq_len": 32,
+      "data.spm_vocab_size": 500,
+      "data.max_documents": 120,
+      "train.batch_size": 8,
+      "train.time_budget": "4s",
+      "train.log_every": 1,
+      "eval.every_steps": 0,
+      "objective.name": objective,
+  }
+  args = [
+      sys.executable,
+      "-m",
+      "electra_jax.main",
+      f"--config={REPO}/configs/quick.py",
+      f"--workdir={workdir}",
+  ]
   result = cli(args + [f"--config.{k}={v}" for k, v in shrink.items()])
   assert result.returncode == 0, result.stderr[-3000:]
   saved = json.loads((workdir / "config.json").read_text())
   steps = saved["train"]["steps"]
   assert 1 <= steps < 1_000_000 and f"training {steps} steps" in result.stderr
   model = saved["model"]
-  assert (model["norm"], model["ffn"], model["use_bias"], saved["data"]["pack_rows"]) == ("pre", "geglu", False, True)
+  assert (model["norm"], model["ffn"], model["use_bias"], saved["data"]["pack_rows"]) == (
+      "pre",
+      "geglu",
+      False,
+      True,
+  )
   lines = _metrics(workdir)
   assert lines[-1]["step"] == steps and all(np.isfinite(m["loss"]) for m in lines)
   warmup = train.warmup_steps(config_lib.with_defaults(saved))
@@ -42,7 +66,9 @@ def test_the_quick_recipe_trains_to_its_time_budget(tmp_path, objective):
     # The temperature falls linearly from 3 at the first step to 1 at train.steps, whatever the
     # budget gave (the last step, index steps - 1, samples at 3 - 2 (steps - 1) / steps).
     assert lines[0]["sampling_temperature"] == 3.0
-    assert lines[-1]["sampling_temperature"] == pytest.approx(3.0 - 2.0 * (steps - 1) / steps, rel=1e-6)
+    assert lines[-1]["sampling_temperature"] == pytest.approx(
+        3.0 - 2.0 * (steps - 1) / steps, rel=1e-6
+    )
     # The discriminator's own MLM trains beside replaced-token detection; MLM ignores the key.
     assert np.isfinite(lines[-1]["main_mlm_loss"]) and lines[-1]["main_mlm_loss"] > 0
   else:

@@ -16,12 +16,17 @@ SHAPES = [(7,), (3, 5), (4, 19, 1000), (2, 3, 4, 5)]
 def test_bits_uniform_and_bernoulli_equal_jax_random(shape):
   for seed in (0, 1234567):
     key = jax.random.key(seed)
-    np.testing.assert_array_equal(random_ops.random_bits(key, shape), jax.random.bits(key, shape, jnp.uint32))
+    np.testing.assert_array_equal(
+        random_ops.random_bits(key, shape), jax.random.bits(key, shape, jnp.uint32)
+    )
     np.testing.assert_array_equal(random_ops.uniform(key, shape), jax.random.uniform(key, shape))
     np.testing.assert_array_equal(
-        random_ops.uniform(key, shape, 2.0, 5.0), jax.random.uniform(key, shape, minval=2.0, maxval=5.0)
+        random_ops.uniform(key, shape, 2.0, 5.0),
+        jax.random.uniform(key, shape, minval=2.0, maxval=5.0),
     )
-    np.testing.assert_array_equal(random_ops.bernoulli(key, 0.9, shape), jax.random.bernoulli(key, 0.9, shape))
+    np.testing.assert_array_equal(
+        random_ops.bernoulli(key, 0.9, shape), jax.random.bernoulli(key, 0.9, shape)
+    )
 
 
 def test_threefry_matches_the_published_known_answers():
@@ -55,7 +60,9 @@ def test_gumbel_equals_jax_random_under_vmap_and_jit():
 def test_other_prng_implementations_fall_back_to_jax_random():
   key = jax.random.key(5, impl="rbg")
   np.testing.assert_array_equal(random_ops.uniform(key, (3, 4)), jax.random.uniform(key, (3, 4)))
-  np.testing.assert_array_equal(random_ops.bernoulli(key, 0.5, (8,)), jax.random.bernoulli(key, 0.5, (8,)))
+  np.testing.assert_array_equal(
+      random_ops.bernoulli(key, 0.5, (8,)), jax.random.bernoulli(key, 0.5, (8,))
+  )
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.5])

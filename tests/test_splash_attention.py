@@ -51,7 +51,9 @@ def test_kernel_matches_masked_softmax_on_real_tokens(kind):
   out = splash_attention.splash_attention(query, key, value, segments)
   want = _reference(query, key, value, segments)
   np.testing.assert_allclose(np.where(real, out, 0), np.where(real, want, 0), atol=2e-6, rtol=1e-5)
-  got_grads = jax.grad(lambda *a: loss(splash_attention.splash_attention, *a), argnums=(0, 1, 2))(query, key, value)
+  got_grads = jax.grad(lambda *a: loss(splash_attention.splash_attention, *a), argnums=(0, 1, 2))(
+      query, key, value
+  )
   want_grads = jax.grad(lambda *a: loss(_reference, *a), argnums=(0, 1, 2))(query, key, value)
   for got, want in zip(got_grads, want_grads):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
@@ -61,22 +63,31 @@ def test_kernel_matches_masked_softmax_on_real_tokens(kind):
 
 
 def _splash_config(impl, **overrides):
-  return tiny_config(**{
-      "model.attention_impl": impl, "model.attention_dropout_rate": 0.0, "model.dropout_rate": 0.0,
-      "data.max_seq_len": SEQ, "model.max_position_embeddings": SEQ, **overrides,
-  })
+  return tiny_config(
+      **{
+          "model.attention_impl": impl,
+          "model.attention_dropout_rate": 0.0,
+          "model.dropout_rate": 0.0,
+          "data.max_seq_len": SEQ,
+          "model.max_position_embeddings": SEQ,
+          **overrides,
+      }
+  )
 
 
 # Electric's cloze towers attend under causal masks, which the kernel does not take: they
 # run through XLA while its discriminator runs the kernel.
-@pytest.mark.parametrize("packed,objective_name", [(False, "electra"), (True, "electra"), (False, "electric")])
+@pytest.mark.parametrize(
+    "packed,objective_name", [(False, "electra"), (True, "electra"), (False, "electric")]
+)
 def test_pretrainer_loss_and_gradients_equal_xla(packed, objective_name):
   rng = np.random.default_rng(0)
   ids = rng.integers(5, 500, size=(2, SEQ)).astype(np.int32)
   segments = np.asarray(_segments("packed" if packed else "padded"))
   ids[segments == 0] = 0
   batch = {
-      "input_ids": jnp.asarray(ids), "token_type_ids": jnp.zeros_like(ids),
+      "input_ids": jnp.asarray(ids),
+      "token_type_ids": jnp.zeros_like(ids),
       "attention_mask": jnp.asarray((segments > 0).astype(np.int32)),
   }
   if packed:
@@ -87,16 +98,34 @@ def test_pretrainer_loss_and_gradients_equal_xla(packed, objective_name):
     config.data.pack_rows = packed
     model = models.build_model(config)
     objective = objectives.objective_from_config(config, {"pad": 0, "cls": 2, "sep": 3, "mask": 4})
-    params = model.init(jax.random.key(0), batch["input_ids"], batch["token_type_ids"],
-                        batch["attention_mask"], jnp.zeros((2, 4), jnp.int32))["params"]
-    masked = objectives.mask_tokens(jax.random.key(1), batch["input_ids"], batch["attention_mask"], objective)
+    params = model.init(
+        jax.random.key(0),
+        batch["input_ids"],
+        batch["token_type_ids"],
+        batch["attention_mask"],
+        jnp.zeros((2, 4), jnp.int32),
+    )["params"]
+    masked = objectives.mask_tokens(
+        jax.random.key(1), batch["input_ids"], batch["attention_mask"], objective
+    )
     normalizers = objectives.Normalizers.of(
-        masked, batch["attention_mask"],
-        objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective))
+        masked,
+        batch["attention_mask"],
+        objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective),
+    )
 
     def loss(p, model=model, objective=objective):
-      return objectives.electra_forward(model, p, batch, masked, jax.random.split(jax.random.key(2), 2), jax.random.key(3),
-                                        objective, normalizers, deterministic=False)[0]
+      return objectives.electra_forward(
+          model,
+          p,
+          batch,
+          masked,
+          jax.random.split(jax.random.key(2), 2),
+          jax.random.key(3),
+          objective,
+          normalizers,
+          deterministic=False,
+      )[0]
 
     results[impl] = jax.jit(jax.value_and_grad(loss))(params)
   (xla_loss, xla_grads), (splash_loss, splash_grads) = results["xla"], results["splash"]
@@ -108,14 +137,24 @@ def test_pretrainer_loss_and_gradients_equal_xla(packed, objective_name):
 
 def test_sharded_training_matches_xla_on_one_device(tmp_path):
   # The kernel runs inside shard_map over data x fsdp x tensor = 2 x 2 x 2 CPU devices.
-  common = {"train.steps": 2, "checkpoint.every_steps": 2, "optimizer.learning_rate": 1e-4, "eval.every_steps": 0,
-            "model.attention_dropout_rate": 0.0, "model.dropout_rate": 0.0,
-            "data.max_seq_len": SEQ, "model.max_position_embeddings": SEQ}
+  common = {
+      "train.steps": 2,
+      "checkpoint.every_steps": 2,
+      "optimizer.learning_rate": 1e-4,
+      "eval.every_steps": 0,
+      "model.attention_dropout_rate": 0.0,
+      "model.dropout_rate": 0.0,
+      "data.max_seq_len": SEQ,
+      "model.max_position_embeddings": SEQ,
+  }
   one = cli(cli_args(tmp_path / "xla", **common))
   assert one.returncode == 0, one.stderr[-3000:]
   eight = run_cli(
-      cli_args(tmp_path / "splash", **common, **{"model.attention_impl": "splash",
-                                                  "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}),
+      cli_args(
+          tmp_path / "splash",
+          **common,
+          **{"model.attention_impl": "splash", "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
+      ),
       env_extra=with_devices(8),
   )
   assert eight.returncode == 0, eight.stderr[-3000:]
@@ -148,11 +187,23 @@ def test_a_program_for_tpu_carries_the_kernel_whatever_the_host():
 
 
 def test_refusals_name_the_setting_and_the_fix():
-  with pytest.raises(ConfigError, match=r"data.max_seq_len=100 is not a multiple of 128: choose e.g. 128, or"):
+  with pytest.raises(
+      ConfigError, match=r"data.max_seq_len=100 is not a multiple of 128: choose e.g. 128, or"
+  ):
     models.build_model(_splash_config("splash", **{"data.max_seq_len": 100}))
-  with pytest.raises(ConfigError, match=r"data.max_seq_len=300 is not a multiple of 128: choose e.g. 256 or 384, or"):
-    models.build_model(_splash_config("splash", **{"data.max_seq_len": 300, "model.max_position_embeddings": 512}))
+  with pytest.raises(
+      ConfigError,
+      match=r"data.max_seq_len=300 is not a multiple of 128: choose e.g. 256 or 384, or",
+  ):
+    models.build_model(
+        _splash_config("splash", **{"data.max_seq_len": 300, "model.max_position_embeddings": 512})
+    )
   for impl in ("splash", "cudnn"):
-    config = _splash_config(impl, **{"model.attention_dropout_rate": 0.1, "train.dtype": "bfloat16"})
-    with pytest.raises(ConfigError, match="attention_dropout_rate=0.1: set --config.model.attention_dropout_rate=0.0"):
+    config = _splash_config(
+        impl, **{"model.attention_dropout_rate": 0.1, "train.dtype": "bfloat16"}
+    )
+    with pytest.raises(
+        ConfigError,
+        match="attention_dropout_rate=0.1: set --config.model.attention_dropout_rate=0.0",
+    ):
       models.build_model(config)

@@ -42,7 +42,12 @@ QUESTIONS = [
 def _write_vocab(path, texts):
   words = sorted({w for t in texts for w in re.findall(r"[a-z]+", t.lower())})
   chars = list(string.ascii_lowercase + string.digits + string.punctuation)
-  tokens = list(SPECIAL_TOKENS) + words + chars + ["##" + c for c in string.ascii_lowercase + string.digits]
+  tokens = (
+      list(SPECIAL_TOKENS)
+      + words
+      + chars
+      + ["##" + c for c in string.ascii_lowercase + string.digits]
+  )
   path.write_text("\n".join(dict.fromkeys(tokens)) + "\n")
   return str(path)
 
@@ -139,7 +144,9 @@ def test_v2_metrics_threshold_breakdown_and_best_threshold_by_hand():
   assert metrics["NoAns_exact"] == pytest.approx(50.0)
   # ... and at -1.0 the answerable q2 says "no answer" (scores 0).
   metrics = squad.squad_metrics(examples, predictions, null_odds, null_threshold=-1.0)
-  assert metrics["HasAns_exact"] == pytest.approx(50.0) and metrics["HasAns_f1"] == pytest.approx(50.0)
+  assert metrics["HasAns_exact"] == pytest.approx(50.0) and metrics["HasAns_f1"] == pytest.approx(
+      50.0
+  )
 
   # The v2 script drops gold answers that normalize to nothing, so "" cannot match "the";
   # the v1 script keeps them.
@@ -165,17 +172,32 @@ def test_write_predictions_is_official_json(tmp_path):
 # Readers.
 # ---------------------------------------------------------------------------------------
 def _squad_json(qas, context="Paris is the capital of France."):
-  return {"version": "v2.0", "data": [{"title": "T", "paragraphs": [{"context": context, "qas": qas}]}]}
+  return {
+      "version": "v2.0",
+      "data": [{"title": "T", "paragraphs": [{"context": context, "qas": qas}]}],
+  }
 
 
 V2_QAS = [
-    {"id": "a", "question": "Capital?", "answers": [{"text": "Paris", "answer_start": 0},
-                                                     {"text": "Paris is", "answer_start": 0}],
-     "is_impossible": False},
-    {"id": "b", "question": "Of what?", "answers": [{"text": "France", "answer_start": 24}],
-     "is_impossible": False},
-    {"id": "c", "question": "Who?", "answers": [], "is_impossible": True,
-     "plausible_answers": [{"text": "capital", "answer_start": 13}]},
+    {
+        "id": "a",
+        "question": "Capital?",
+        "answers": [{"text": "Paris", "answer_start": 0}, {"text": "Paris is", "answer_start": 0}],
+        "is_impossible": False,
+    },
+    {
+        "id": "b",
+        "question": "Of what?",
+        "answers": [{"text": "France", "answer_start": 24}],
+        "is_impossible": False,
+    },
+    {
+        "id": "c",
+        "question": "Who?",
+        "answers": [],
+        "is_impossible": True,
+        "plausible_answers": [{"text": "capital", "answer_start": 13}],
+    },
 ]
 
 
@@ -197,11 +219,24 @@ def test_read_squad_json(tmp_path):
         ("", "is empty"),
         ("{not json", "not an official SQuAD JSON"),
         (json.dumps({"data": [{"title": "T"}]}), "paragraphs"),
-        (json.dumps(_squad_json([{"id": "x", "question": "q",
-                                  "answers": [{"text": "France", "answer_start": 3}]}])),
-         r"answer_start=3 does not point at the answer text 'France'"),
-        (json.dumps(_squad_json([{"id": "x", "question": "q", "answers": []}])),
-         "has no answers and is not marked is_impossible"),
+        (
+            json.dumps(
+                _squad_json(
+                    [
+                        {
+                            "id": "x",
+                            "question": "q",
+                            "answers": [{"text": "France", "answer_start": 3}],
+                        }
+                    ]
+                )
+            ),
+            r"answer_start=3 does not point at the answer text 'France'",
+        ),
+        (
+            json.dumps(_squad_json([{"id": "x", "question": "q", "answers": []}])),
+            "has no answers and is not marked is_impossible",
+        ),
         (json.dumps(_squad_json([{"id": "x", "answers": []}])), "lacks the field 'question'"),
         (json.dumps(_squad_json([V2_QAS[0], V2_QAS[0]])), "more than once"),
         (json.dumps({"data": []}), "holds no SQuAD questions"),
@@ -218,6 +253,7 @@ def test_read_squad_tfds_from_array_record(tmp_path, monkeypatch):
   """Prepares the real TFDS squad builders from tiny local JSON files (the download is
   replaced by those files), then reads them back through read_squad_tfds."""
   import ml_collections
+
   tfds = tfds_source.import_tfds()  # with its glue and squad builders registered
   v1_qas = [{k: v for k, v in qa.items() if k != "is_impossible"} for qa in V2_QAS[:2]]
   files = {}
@@ -229,13 +265,17 @@ def test_read_squad_tfds_from_array_record(tmp_path, monkeypatch):
 
   for version, name in (("1.1", "v1"), ("2.0", "v2")):
     monkeypatch.setattr(
-        tfds.download.DownloadManager, "download_and_extract",
+        tfds.download.DownloadManager,
+        "download_and_extract",
         lambda self, urls, name=name: {split: files[name, split] for split in urls},
     )
-    builder = tfds.builder(f"squad/v{version}", data_dir=str(tmp_path / "tfds"),
-                           file_format="array_record")
+    builder = tfds.builder(
+        f"squad/v{version}", data_dir=str(tmp_path / "tfds"), file_format="array_record"
+    )
     builder.download_and_prepare()
-    from_tfds = squad.read_squad_tfds(f"squad/v{version}", "validation", data_dir=str(tmp_path / "tfds"))
+    from_tfds = squad.read_squad_tfds(
+        f"squad/v{version}", "validation", data_dir=str(tmp_path / "tfds")
+    )
     from_json = squad.read_squad_json(files[name, "dev"], version)
     assert sorted(from_tfds, key=lambda e: e.qas_id) == from_json
     config = ml_collections.ConfigDict(dict(source="tfds", tfds_data_dir=str(tmp_path / "tfds")))
@@ -271,24 +311,26 @@ def test_features_slide_windows_and_mark_answers(tokenizer):
     offset = len(question_ids) + 2
     window_len = max_seq_len - len(question_ids) - 3
     starts = [int(metadata.window_start[r]) for r in rows[index]]
-    assert starts == list(range(0, len(context_ids) - window_len + stride, stride))[:len(starts)]
+    assert starts == list(range(0, len(context_ids) - window_len + stride, stride))[: len(starts)]
     assert starts[-1] + int(metadata.window_length[rows[index][-1]]) == len(context_ids)
     answer_ids = tokenizer.encode(example.answers[0][0])
     found = 0
     for row in rows[index]:
-      ids, types, mask = (features[k][row] for k in ("input_ids", "token_type_ids", "attention_mask"))
+      ids, types, mask = (
+          features[k][row] for k in ("input_ids", "token_type_ids", "attention_mask")
+      )
       start, length = int(metadata.window_start[row]), int(metadata.window_length[row])
       assert list(ids[:offset]) == [tokenizer.cls_id, *question_ids, tokenizer.sep_id]
-      assert list(ids[offset:offset + length]) == context_ids[start:start + length]
+      assert list(ids[offset : offset + length]) == context_ids[start : start + length]
       assert ids[offset + length] == tokenizer.sep_id and mask.sum() == offset + length + 1
-      assert list(types[:offset + length + 1]) == [0] * offset + [1] * (length + 1)
+      assert list(types[: offset + length + 1]) == [0] * offset + [1] * (length + 1)
       s, e = int(features["start_positions"][row]), int(features["end_positions"][row])
       assert features["is_impossible"][row] == 0  # the question's label, in every window
       if s == 0:
         assert e == 0
         continue
       found += 1
-      assert list(ids[s:e + 1]) == answer_ids  # "1887" inside "(1887-1889)." is exact
+      assert list(ids[s : e + 1]) == answer_ids  # "1887" inside "(1887-1889)." is exact
     assert found >= 1
 
 
@@ -299,7 +341,12 @@ def test_answer_positions_by_hand(tokenizer):
   # start at 0, 3, 6, 9. The answer is tokens 6..7: window 0 (0..6) cuts it, windows 1
   # (3..9) and 2 (6..12) hold it at sequence positions 4 + 3..4 and 4 + 0..1, window 3 misses it.
   features, metadata = squad.make_features([example], tokenizer, 12, 3, 8, is_training=True)
-  assert list(metadata.window_start) == [0, 3, 6, 9] and list(metadata.window_length) == [7, 7, 7, 5]
+  assert list(metadata.window_start) == [0, 3, 6, 9] and list(metadata.window_length) == [
+      7,
+      7,
+      7,
+      5,
+  ]
   assert list(features["start_positions"]) == [0, 7, 4, 0]
   assert list(features["end_positions"]) == [0, 8, 5, 0]
   assert list(features["is_impossible"]) == [0, 0, 0, 0]  # per question, as the official code
@@ -353,18 +400,24 @@ def test_postprocess_on_oracle_logits_recovers_the_exact_answer_text(kind, reque
     assert owned[position] == wins
     biased_start, biased_end = start_logits.copy(), end_logits.copy()
     biased_start[row, position] = biased_end[row, position] = 12.0
-    biased, _ = squad.postprocess(examples, features, metadata, biased_start, biased_end,
-                                  version="1.1")
+    biased, _ = squad.postprocess(
+        examples, features, metadata, biased_start, biased_end, version="1.1"
+    )
     assert (biased["q2"] != "Paris") == wins
 
   # max_answer_len counts tokens: one less than "the Champ de Mars" needs drops only the
   # answers at least that long.
   labelled = np.flatnonzero(features["start_positions"] > 0)
-  lengths = {examples[metadata.example_index[r]].qas_id:
-             features["end_positions"][r] - features["start_positions"][r] + 1 for r in labelled}
+  lengths = {
+      examples[metadata.example_index[r]].qas_id: features["end_positions"][r]
+      - features["start_positions"][r]
+      + 1
+      for r in labelled
+  }
   limit = lengths["q5"] - 1
-  short, _ = squad.postprocess(examples, features, metadata, start_logits, end_logits,
-                               max_answer_len=limit, version="1.1")
+  short, _ = squad.postprocess(
+      examples, features, metadata, start_logits, end_logits, max_answer_len=limit, version="1.1"
+  )
   assert short["q5"] != "the Champ de Mars"
   assert all((short[q] == predictions[q]) == (n <= limit) for q, n in lengths.items())
 
@@ -382,16 +435,25 @@ def test_postprocess_v2_no_answer_scores(tokenizer):
   )
   assert null_odds["impossible"] == 1.0 and predictions["impossible"] == ""
   assert null_odds["q0"] == -4.0 and predictions["q0"] == "1887"
-  kept, _ = squad.postprocess(examples, features, metadata, start_logits, end_logits, answerable,
-                              null_threshold=None, version="2.0")
+  kept, _ = squad.postprocess(
+      examples,
+      features,
+      metadata,
+      start_logits,
+      end_logits,
+      answerable,
+      null_threshold=None,
+      version="2.0",
+  )
   assert kept["impossible"] != ""  # the best span, left for the threshold search
 
   # Without it: min over windows of start[CLS] + end[CLS], minus the best span's score.
   rows = np.flatnonzero(metadata.example_index == 0)
   start_logits[rows, 0], end_logits[rows, 0] = 3.0, 3.0
   start_logits[rows[1], 0], end_logits[rows[1], 0] = 1.0, 1.0
-  _, null_odds = squad.postprocess(examples, features, metadata, start_logits, end_logits,
-                                   version="2.0")
+  _, null_odds = squad.postprocess(
+      examples, features, metadata, start_logits, end_logits, version="2.0"
+  )
   assert null_odds["q0"] == pytest.approx(2.0 - 20.0)
 
 
@@ -411,7 +473,9 @@ def test_span_head_masks_and_loss_by_hand():
   params = head.init(jax.random.PRNGKey(1), hidden, token_type_ids, attention_mask)
   start, end, answerable = head.apply(params, hidden, token_type_ids, attention_mask)
   allowed = np.array([True, False, False, True, True, True, False, False])
-  assert (np.asarray(start)[0, ~allowed] == -10000.0).all() and (np.asarray(end)[0, ~allowed] == -10000.0).all()
+  assert (np.asarray(start)[0, ~allowed] == -10000.0).all() and (
+      np.asarray(end)[0, ~allowed] == -10000.0
+  ).all()
   assert (np.asarray(start)[0, allowed] > -100).all() and answerable.shape == (1,)
 
   start_logits = jnp.array([[2.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
@@ -421,13 +485,28 @@ def test_span_head_masks_and_loss_by_hand():
   def ce(logits, label):
     return np.log(np.exp(logits).sum()) - logits[label]
 
-  row0 = 0.5 * (ce(np.array([2.0, 0, 1]), 2) + ce(np.array([0, 3.0, 0]), 1)) + 0.5 * np.log1p(np.exp(-1.5))
+  row0 = 0.5 * (ce(np.array([2.0, 0, 1]), 2) + ce(np.array([0, 3.0, 0]), 1)) + 0.5 * np.log1p(
+      np.exp(-1.5)
+  )
   row1 = 0.5 * (ce(np.zeros(3), 0) + ce(np.array([1.0, 0, 0]), 0)) + 0.5 * np.log1p(np.exp(-0.5))
-  loss = squad.span_loss(start_logits, end_logits, jnp.array([2, 0]), jnp.array([1, 0]),
-                         answerable_logits, jnp.array([0, 1]))
+  loss = squad.span_loss(
+      start_logits,
+      end_logits,
+      jnp.array([2, 0]),
+      jnp.array([1, 0]),
+      answerable_logits,
+      jnp.array([0, 1]),
+  )
   assert float(loss) == pytest.approx((row0 + row1) / 2, rel=1e-5)
-  masked = squad.span_loss(start_logits, end_logits, jnp.array([2, 0]), jnp.array([1, 0]),
-                           answerable_logits, jnp.array([0, 1]), weights=jnp.array([1.0, 0.0]))
+  masked = squad.span_loss(
+      start_logits,
+      end_logits,
+      jnp.array([2, 0]),
+      jnp.array([1, 0]),
+      answerable_logits,
+      jnp.array([0, 1]),
+      weights=jnp.array([1.0, 0.0]),
+  )
   assert float(masked) == pytest.approx(row0, rel=1e-5)
 
 
@@ -446,10 +525,13 @@ def test_span_head_learns_a_synthetic_span_task(tokenizer):
       where = int(rng.integers(0, 13))
       context_words[where] = "zz"
       context = " ".join(context_words)
-      answer_start = len(" ".join(context_words[:where + 1])) + 1
+      answer_start = len(" ".join(context_words[: where + 1])) + 1
       answer = context_words[where + 1]
-      examples.append(squad.SquadExample(f"{prefix}{i}", "what follows the marker zz", context,
-                                         [(answer, answer_start)]))
+      examples.append(
+          squad.SquadExample(
+              f"{prefix}{i}", "what follows the marker zz", context, [(answer, answer_start)]
+          )
+      )
     return examples
 
   train_examples, dev_examples = make(384, "t"), make(64, "d")
@@ -458,8 +540,11 @@ def test_span_head_learns_a_synthetic_span_task(tokenizer):
   assert len(train["input_ids"]) == 384  # one window each: every answer is learnable
 
   model = squad.SquadModel(
-      vocab_size=tokenizer.vocab_size, embedding_size=32, max_position_embeddings=64,
-      type_vocab_size=2, config=EncoderConfig(32, 1, 2, 64, 0.0, 0.0),
+      vocab_size=tokenizer.vocab_size,
+      embedding_size=32,
+      max_position_embeddings=64,
+      type_vocab_size=2,
+      config=EncoderConfig(32, 1, 2, 64, 0.0, 0.0),
   )
   inputs = ("input_ids", "token_type_ids", "attention_mask")
   params = model.init(jax.random.PRNGKey(0), *(train[k][:2] for k in inputs))
@@ -471,6 +556,7 @@ def test_span_head_learns_a_synthetic_span_task(tokenizer):
     def loss_fn(p):
       start, end, _ = squad.split_outputs(model.apply(p, *(batch[k] for k in inputs)))
       return squad.span_loss(start, end, batch["start_positions"], batch["end_positions"])
+
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = optimizer.update(grads, opt_state)
     return optax.apply_updates(params, updates), opt_state, loss
@@ -500,8 +586,10 @@ def _marker_squad_json(n, prefix, rng, impossible_every=0):
     else:
       where = int(rng.integers(0, 13))
       context_words[where] = "zz"
-      start = len(" ".join(context_words[:where + 1])) + 1
-      qa.update(answers=[{"text": context_words[where + 1], "answer_start": start}], is_impossible=False)
+      start = len(" ".join(context_words[: where + 1])) + 1
+      qa.update(
+          answers=[{"text": context_words[where + 1], "answer_start": start}], is_impossible=False
+      )
     paragraphs.append({"context": " ".join(context_words), "qas": [qa]})
   return {"data": [{"title": "synthetic", "paragraphs": paragraphs}]}
 
@@ -518,16 +606,35 @@ def test_adapter_through_the_trainer_writes_predictions_that_score_as_reported(t
   base = config_lib.sibling(os.path.join(REPO, "configs", "finetune", "base.py"), "base")
   config = base.get_config()
   config.task, config.data_dir, config.tokenizer = "squad2.0", str(tmp_path), tokenizer.vocab_file
-  config.model.update(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
-                      embedding_size=32, max_position_embeddings=64)
+  config.model.update(
+      hidden_size=32,
+      num_layers=1,
+      num_heads=2,
+      intermediate_size=64,
+      embedding_size=32,
+      max_position_embeddings=64,
+  )
   config.squad = ml_collections.ConfigDict(dict(max_query_len=8, doc_stride=16, null_threshold=0.5))
   config.update(max_seq_len=64, batch_size=16, epochs=1, log_every=100)
   results = trainer.run_finetune(config, str(tmp_path / "work"))
 
   dev = results["seeds"]["0"]["dev"]["squad2.0"]
-  assert set(dev) == {"exact", "f1", "HasAns_exact", "HasAns_f1", "NoAns_exact", "NoAns_f1",
-                      "best_exact", "best_f1", "best_exact_thresh", "best_f1_thresh", "score"}
-  assert dev["score"] == dev["f1"] and all(0.0 <= v <= 1.0 for k, v in dev.items() if not k.endswith("_thresh"))
+  assert set(dev) == {
+      "exact",
+      "f1",
+      "HasAns_exact",
+      "HasAns_f1",
+      "NoAns_exact",
+      "NoAns_f1",
+      "best_exact",
+      "best_f1",
+      "best_exact_thresh",
+      "best_f1_thresh",
+      "score",
+  }
+  assert dev["score"] == dev["f1"] and all(
+      0.0 <= v <= 1.0 for k, v in dev.items() if not k.endswith("_thresh")
+  )
   predictions_path, null_odds_path = results["seeds"]["0"]["test_predictions"]
   with open(predictions_path) as f:
     predictions = json.load(f)
@@ -562,7 +669,11 @@ def test_adapter_through_the_trainer_writes_predictions_that_score_as_reported(t
   mask = (np.arange(64) < np.array([[64], [40], [20]])).astype(np.int32)
   start, end, _ = squad.split_outputs(np.asarray(model.apply({"params": params}, ids, types, mask)))
   with torch.no_grad():
-    theirs = hf_model(input_ids=torch.tensor(ids), token_type_ids=torch.tensor(types), attention_mask=torch.tensor(mask))
+    theirs = hf_model(
+        input_ids=torch.tensor(ids),
+        token_type_ids=torch.tensor(types),
+        attention_mask=torch.tensor(mask),
+    )
   where = np.asarray(squad.answer_mask(types, mask))
   assert where.sum() > 50
   np.testing.assert_allclose(theirs.start_logits.numpy()[where], start[where], atol=1e-4)
@@ -592,7 +703,9 @@ def test_squad2_dev_scores_use_the_official_null_threshold():
   predictions with: a question whose null odds exceed -2.75 is answered ""."""
   from electra_jax import config_lib
 
-  recipe = config_lib.sibling(os.path.join(os.path.dirname(__file__), "..", "configs", "finetune", "squad.py"), "squad")
+  recipe = config_lib.sibling(
+      os.path.join(os.path.dirname(__file__), "..", "configs", "finetune", "squad.py"), "squad"
+  )
   assert squad.squad_settings(recipe.get_config()).null_threshold == -2.75
   assert squad.SquadSettings("2.0").null_threshold == -2.75
 
@@ -614,7 +727,11 @@ def test_postprocess_takes_the_n_best_over_the_whole_row_before_filtering(tokeni
   end[0, p(1)], end[0, p(5)] = 8.0, 1.0
   # n_best=2 -> starts {[CLS], "Champ"} and ends {"stands", "de"}: the only valid pair is
   # "Champ de" (6.0); "It stands" (12.0) starts at the third-ranked start, outside the n-best.
-  predictions, _ = squad.postprocess([example], features, metadata, start, end, n_best=2, version="1.1")
+  predictions, _ = squad.postprocess(
+      [example], features, metadata, start, end, n_best=2, version="1.1"
+  )
   assert predictions == {"q": "Champ de"}
-  predictions, _ = squad.postprocess([example], features, metadata, start, end, n_best=3, version="1.1")
+  predictions, _ = squad.postprocess(
+      [example], features, metadata, start, end, n_best=3, version="1.1"
+  )
   assert predictions == {"q": "It stands"}

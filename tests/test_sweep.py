@@ -25,7 +25,14 @@ STEPS = 3
 
 
 def base_config():
-  return tiny_config(**{"train.steps": STEPS, "checkpoint.every_steps": 2, "eval.every_steps": 2, "eval.num_batches": 1})
+  return tiny_config(
+      **{
+          "train.steps": STEPS,
+          "checkpoint.every_steps": 2,
+          "eval.every_steps": 2,
+          "eval.num_batches": 1,
+      }
+  )
 
 
 def write_task(directory, seed=0):
@@ -72,18 +79,35 @@ def swept(tmp_path_factory):
   task = write_task(str(root))
   finetune_config = sweep.load_finetune_config(
       os.path.join(REPO, "configs", "finetune", "tiny.py"),
-      [f"custom.train_file={task['train']}", f"custom.dev_file={task['dev']}", "epochs=1", "num_seeds=2"],
+      [
+          f"custom.train_file={task['train']}",
+          f"custom.dev_file={task['dev']}",
+          "epochs=1",
+          "num_seeds=2",
+      ],
   )
-  first = sweep.run_sweep(base_config(), sweep_dir, sweep_file=str(runs_file), finetune_config=finetune_config)
+  first = sweep.run_sweep(
+      base_config(), sweep_dir, sweep_file=str(runs_file), finetune_config=finetune_config
+  )
   names = first["runs"]
   dirs = {name: os.path.join(sweep_dir, name) for name in names}
   before = {name: tree_snapshot(d) for name, d in dirs.items()}
   mlm_lines = open(os.path.join(dirs[names[1]], "metrics.jsonl")).read().splitlines()
   # Interrupt the MLM run after its step-2 checkpoint: its step-3 checkpoint is gone.
   shutil.rmtree(os.path.join(dirs[names[1]], "checkpoints", "3"))
-  second = sweep.run_sweep(base_config(), sweep_dir, sweep_file=str(runs_file), finetune_config=finetune_config)
-  return dict(sweep_dir=sweep_dir, names=names, dirs=dirs, first=first, second=second, before=before,
-              mlm_lines=mlm_lines, runs_file=str(runs_file))
+  second = sweep.run_sweep(
+      base_config(), sweep_dir, sweep_file=str(runs_file), finetune_config=finetune_config
+  )
+  return dict(
+      sweep_dir=sweep_dir,
+      names=names,
+      dirs=dirs,
+      first=first,
+      second=second,
+      before=before,
+      mlm_lines=mlm_lines,
+      runs_file=str(runs_file),
+  )
 
 
 def test_sweep_table_matches_each_runs_logs(swept):
@@ -93,7 +117,8 @@ def test_sweep_table_matches_each_runs_logs(swept):
   assert swept["first"]["failed"] == [failing] and swept["second"]["failed"] == [failing]
   record = json.load(open(os.path.join(swept["sweep_dir"], "sweep.json")))
   assert [(r["name"], r["overrides"]) for r in record["runs"]] == [
-      (electra, [["objective.name", "electra"]]), (mlm, [["objective.name", "mlm"]]),
+      (electra, [["objective.name", "electra"]]),
+      (mlm, [["objective.name", "mlm"]]),
       (failing, [["objective.name", "electra"], ["model.vocab_size", "100"]]),
   ]
 
@@ -112,7 +137,11 @@ def test_sweep_table_matches_each_runs_logs(swept):
     for prefix, last in (("train_", last_train), ("eval_", last_eval)):
       for name in ("loss", "masked_lm_accuracy", "disc_auc"):
         value = float(row[prefix + name])
-        assert (math.isnan(value) and math.isnan(last[name])) or value == last[name], (row["run"], prefix, name)
+        assert (math.isnan(value) and math.isnan(last[name])) or value == last[name], (
+            row["run"],
+            prefix,
+            name,
+        )
     assert "train_tokens_per_sec" not in row and "eval_step" not in row
 
     # FLOPs as train.py computes them, from the real training setup of the run's config.
@@ -132,8 +161,16 @@ def test_sweep_table_matches_each_runs_logs(swept):
 
   # Downstream: the mean over the two seeds of each seed's own dev score.
   for row in rows[:2]:
-    seeds = [json.load(open(os.path.join(swept["dirs"][row["run"]], "finetune", "custom", f"seed_{s}", "metrics.json")))
-             for s in (0, 1)]
+    seeds = [
+        json.load(
+            open(
+                os.path.join(
+                    swept["dirs"][row["run"]], "finetune", "custom", f"seed_{s}", "metrics.json"
+                )
+            )
+        )
+        for s in (0, 1)
+    ]
     expected = 100 * np.mean([s["dev"]["custom"]["accuracy"] for s in seeds])
     assert row["downstream_task"] == "custom" and int(row["downstream_seeds"]) == 2
     assert float(row["downstream_score"]) == pytest.approx(expected)
@@ -144,11 +181,20 @@ def test_sweep_table_matches_each_runs_logs(swept):
   header = [c.strip() for c in lines[0].strip("|").split("|")]
   cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
   assert len(lines) == 2 + 3 and set(lines[1].strip("|").split("|")) == {"---"}
-  assert header[:6] == ["run", "objective.name", "model.vocab_size", "status", "steps", "train_tokens"]
+  assert header[:6] == [
+      "run",
+      "objective.name",
+      "model.vocab_size",
+      "status",
+      "steps",
+      "train_tokens",
+  ]
   mlm_cells = dict(zip(header, cells[1]))
   assert mlm_cells["train_disc_auc"] == "–" and mlm_cells["model.vocab_size"] == "–"
   assert float(mlm_cells["train_loss"]) == pytest.approx(float(rows[1]["train_loss"]), rel=1e-3)
-  assert float(mlm_cells["downstream_score"]) == pytest.approx(float(rows[1]["downstream_score"]), abs=0.005)
+  assert float(mlm_cells["downstream_score"]) == pytest.approx(
+      float(rows[1]["downstream_score"]), abs=0.005
+  )
   assert dict(zip(header, cells[2]))["status"] == "failed"
   assert png_size(os.path.join(swept["sweep_dir"], "curves.png")) == (3 * 500, 350)
 
@@ -167,14 +213,20 @@ def test_rerun_skips_finished_and_resumes_interrupted(swept):
   lines = open(os.path.join(swept["dirs"][mlm], "metrics.jsonl")).read().splitlines()
   assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
   assert lines[:2] == swept["mlm_lines"][:2]
-  assert [r["step"] for r in read_jsonl(os.path.join(swept["dirs"][mlm], "eval_metrics.jsonl"))] == [2, 3]
+  assert [
+      r["step"] for r in read_jsonl(os.path.join(swept["dirs"][mlm], "eval_metrics.jsonl"))
+  ] == [2, 3]
 
 
 def test_tensorboard_events_of_real_runs(swept):
   for name in swept["names"][:2]:  # the MLM run's second event file purges its first's step 3
     workdir = swept["dirs"][name]
-    assert_events_match_jsonl(os.path.join(workdir, "tensorboard", "train"), os.path.join(workdir, "metrics.jsonl"))
-    assert_events_match_jsonl(os.path.join(workdir, "tensorboard", "eval"), os.path.join(workdir, "eval_metrics.jsonl"))
+    assert_events_match_jsonl(
+        os.path.join(workdir, "tensorboard", "train"), os.path.join(workdir, "metrics.jsonl")
+    )
+    assert_events_match_jsonl(
+        os.path.join(workdir, "tensorboard", "eval"), os.path.join(workdir, "eval_metrics.jsonl")
+    )
 
 
 def test_bad_sweeps_are_refused_before_anything_is_written(tmp_path, swept):
@@ -183,7 +235,10 @@ def test_bad_sweeps_are_refused_before_anything_is_written(tmp_path, swept):
       (["objective.nam=electra,mlm"], "Sweep key 'objective.nam' is not a config key"),
       (["train.steps=3,3.5"], r"train.steps='3.5': not a valid int"),
       (["train.use_remat=yes"], "Sweep key 'train.use_remat'"),
-      (["objective.name=electra,bogus"], "objective.name=bogus: objective.name='bogus' is not one of"),
+      (
+          ["objective.name=electra,bogus"],
+          "objective.name=bogus: objective.name='bogus' is not one of",
+      ),
       (["model.tie=all"], "Sweep run model.tie=all: model.tie=.all. runs one encoder"),
       (["objective.name"], "is not key=value"),
       (["objective.name=electra,"], "empty value"),
@@ -205,19 +260,35 @@ def test_bad_sweeps_are_refused_before_anything_is_written(tmp_path, swept):
 
 def test_grid_expansion_and_run_names(tmp_path):
   runs_file = tmp_path / "runs.txt"
-  runs_file.write_text("# comment\nmodel.tie=none 'data.text_dir=/a b'\n\nobjective.temperature=2\n")
-  runs = sweep.expand(["objective.name=electra,mlm", "model.generator_fraction=0.25,0.5"], str(runs_file))
+  runs_file.write_text(
+      "# comment\nmodel.tie=none 'data.text_dir=/a b'\n\nobjective.temperature=2\n"
+  )
+  runs = sweep.expand(
+      ["objective.name=electra,mlm", "model.generator_fraction=0.25,0.5"], str(runs_file)
+  )
   assert len(runs) == 2 * 2 * 2
-  assert runs[0] == [("model.tie", "none"), ("data.text_dir", "/a b"), ("objective.name", "electra"),
-                     ("model.generator_fraction", "0.25")]
-  assert runs[-1] == [("objective.temperature", "2"), ("objective.name", "mlm"), ("model.generator_fraction", "0.5")]
-  named = sweep.name_runs([[("a.name", "x/y z")], [("a.size", "1"), ("b.size", "2")], [("a.name", "x y/z")]])
+  assert runs[0] == [
+      ("model.tie", "none"),
+      ("data.text_dir", "/a b"),
+      ("objective.name", "electra"),
+      ("model.generator_fraction", "0.25"),
+  ]
+  assert runs[-1] == [
+      ("objective.temperature", "2"),
+      ("objective.name", "mlm"),
+      ("model.generator_fraction", "0.5"),
+  ]
+  named = sweep.name_runs(
+      [[("a.name", "x/y z")], [("a.size", "1"), ("b.size", "2")], [("a.name", "x y/z")]]
+  )
   assert [r.name for r in named] == ["name=x-y-z", "a.size=1,b.size=2", "name=x-y-z-2"]
   # A recorded run keeps its name; a new one avoids the recorded names.
   again = sweep.name_runs([[("a.name", "x y/z")], [("a.name", "x?y?z")]], named)
   assert [r.name for r in again] == ["name=x-y-z-2", "name=x-y-z-3"]
-  config = sweep.apply_overrides(base_config(), [("optimizer.learning_rate", "1"), ("data.lowercase", "false"),
-                                                 ("objective.name", "mlm")])
+  config = sweep.apply_overrides(
+      base_config(),
+      [("optimizer.learning_rate", "1"), ("data.lowercase", "false"), ("objective.name", "mlm")],
+  )
   assert config.optimizer.learning_rate == 1.0 and isinstance(config.optimizer.learning_rate, float)
   assert config.data.lowercase is False and config.objective.name == "mlm"
 
@@ -228,22 +299,33 @@ def test_runs_that_differ_only_in_keys_their_objective_never_reads_train_once(ca
   with caplog.at_level("INFO"):
     runs = sweep.merge_unread(base_config(), grid)
   # MLM has no generator: its two grid runs would train the same program from the same start.
-  assert runs == [electra + [("model.generator_fraction", "0.25")], electra + [("model.generator_fraction", "0.5")],
-                  [("objective.name", "mlm")]]
-  assert ("objective.name=mlm does not read model.generator_fraction; 2 grid run(s) train as the one run "
-          "objective.name=mlm") in caplog.text
+  assert runs == [
+      electra + [("model.generator_fraction", "0.25")],
+      electra + [("model.generator_fraction", "0.5")],
+      [("objective.name", "mlm")],
+  ]
+  assert (
+      "objective.name=mlm does not read model.generator_fraction; 2 grid run(s) train as the one run "
+      "objective.name=mlm"
+  ) in caplog.text
   # A run an earlier sweep recorded with the unread key stands for the merged ones (no retraining).
-  recorded = sweep.Run("name=mlm,generator_fraction=0.5",
-                       [("objective.name", "mlm"), ("model.generator_fraction", "0.5")])
+  recorded = sweep.Run(
+      "name=mlm,generator_fraction=0.5",
+      [("objective.name", "mlm"), ("model.generator_fraction", "0.5")],
+  )
   runs = sweep.merge_unread(base_config(), grid, [recorded])
   assert runs[2] == recorded.overrides and sweep.name_runs(runs, [recorded])[2] is recorded
   # The objective may come from the recipe rather than the grid.
   mlm_recipe = base_config()
   mlm_recipe.objective.name = "mlm"
   assert sweep.merge_unread(mlm_recipe, sweep.expand(["model.generator_fraction=0.25,0.5"])) == [[]]
-  assert sweep.merge_unread(mlm_recipe, sweep.expand(["objective.temperature=1,2", "objective.name=mlm,electra"])) == [
-      [("objective.name", "mlm")], [("objective.temperature", "1"), ("objective.name", "electra")],
-      [("objective.temperature", "2"), ("objective.name", "electra")]]
+  assert sweep.merge_unread(
+      mlm_recipe, sweep.expand(["objective.temperature=1,2", "objective.name=mlm,electra"])
+  ) == [
+      [("objective.name", "mlm")],
+      [("objective.temperature", "1"), ("objective.name", "electra")],
+      [("objective.temperature", "2"), ("objective.name", "electra")],
+  ]
 
 
 def test_a_run_whose_last_step_was_logged_but_not_saved_is_incomplete(swept, tmp_path):
@@ -286,35 +368,65 @@ def test_a_sigterm_in_a_runs_last_step_stops_the_sweep_after_it(tmp_path, monkey
 def test_a_recorded_run_is_found_whatever_the_flag_order_or_spelling():
   """The same sweep with its --sweep flags in another order, or 0.5 written .5, trained its
   runs a second time under new names."""
-  first = sweep.name_runs(sweep.merge_unread(base_config(), sweep.expand(
-      ["model.generator_fraction=0.5", "optimizer.learning_rate=0.001"])), base=base_config())
+  first = sweep.name_runs(
+      sweep.merge_unread(
+          base_config(),
+          sweep.expand(["model.generator_fraction=0.5", "optimizer.learning_rate=0.001"]),
+      ),
+      base=base_config(),
+  )
   again = sweep.expand(["optimizer.learning_rate=1e-3,2e-3", "model.generator_fraction=.5"])
   runs = sweep.name_runs(sweep.merge_unread(base_config(), again, first), first, base_config())
   assert runs[0] is first[0] and runs[1].name not in {r.name for r in first}
   # Values that differ stay different runs.
   assert sweep.identity(base_config(), [("optimizer.learning_rate", "1e-3")]) != sweep.identity(
-      base_config(), [("optimizer.learning_rate", "1e-4")])
+      base_config(), [("optimizer.learning_rate", "1e-4")]
+  )
 
 
 def test_cli_sweep_report_and_plot(swept, tmp_path):
   sweep_dir = swept["sweep_dir"]
   table = open(os.path.join(sweep_dir, "results.md")).read()
   os.remove(os.path.join(sweep_dir, "results.md"))
-  result = cli([sys.executable, "-m", "electra_jax.main", "--mode=sweep_report", f"--workdir={sweep_dir}"])
+  result = cli(
+      [sys.executable, "-m", "electra_jax.main", "--mode=sweep_report", f"--workdir={sweep_dir}"]
+  )
   assert result.returncode == 0, result.stderr
   assert open(os.path.join(sweep_dir, "results.md")).read() == table
   out = str(tmp_path / "curves.png")
-  result = cli([sys.executable, "-m", "electra_jax.main", "--mode=plot", f"--workdir={sweep_dir}", f"--out={out}",
-                    "--plot_metrics=loss,disc_auc,masked_lm_accuracy,disc_accuracy"])
+  result = cli(
+      [
+          sys.executable,
+          "-m",
+          "electra_jax.main",
+          "--mode=plot",
+          f"--workdir={sweep_dir}",
+          f"--out={out}",
+          "--plot_metrics=loss,disc_auc,masked_lm_accuracy,disc_accuracy",
+      ]
+  )
   assert result.returncode == 0, result.stderr
   assert png_size(out) == (3 * 500, 2 * 350)
   # A bad sweep key is one line on stderr, before any training.
   bad_dir = str(tmp_path / "bad")
-  result = cli([sys.executable, "-m", "electra_jax.main", "--mode=sweep", f"--config={REPO}/configs/demo.py",
-                    f"--workdir={bad_dir}", "--sweep=objective.name=electra,mlm", "--sweep=model.generator_frac=0.5"])
+  result = cli(
+      [
+          sys.executable,
+          "-m",
+          "electra_jax.main",
+          "--mode=sweep",
+          f"--config={REPO}/configs/demo.py",
+          f"--workdir={bad_dir}",
+          "--sweep=objective.name=electra,mlm",
+          "--sweep=model.generator_frac=0.5",
+      ]
+  )
   assert result.returncode == 1
-  assert result.stderr.strip().splitlines()[-1].startswith(
-      "electra-jax: error: Sweep key 'model.generator_frac' is not a config key")
+  assert (
+      result.stderr.strip()
+      .splitlines()[-1]
+      .startswith("electra-jax: error: Sweep key 'model.generator_frac' is not a config key")
+  )
   assert not os.path.exists(bad_dir)
 
 
@@ -330,7 +442,9 @@ def test_one_sweep_at_a_time_holds_a_sweep_folder(tmp_path, monkeypatch):
   other = workdir_lease.WorkdirLease(str(sweep_dir))
   other.acquire()  # a live sweep (this process's own lease counts as live)
   try:
-    with pytest.raises(workdir_lease.WorkdirInUse, match="The sweep folder .* is in use by run " + other.run_id):
+    with pytest.raises(
+        workdir_lease.WorkdirInUse, match="The sweep folder .* is in use by run " + other.run_id
+    ):
       sweep.run_sweep(base_config(), str(sweep_dir), grid)
   finally:
     other.release()
@@ -374,7 +488,9 @@ def test_a_sweep_taken_over_during_a_run_writes_nothing_more_into_the_folder(tmp
 
   monkeypatch.setattr(train, "train_and_evaluate", taken_over_while_training)
   try:
-    with pytest.raises(workdir_lease.WorkdirInUse, match="Another run took over the workdir .*sweep:"):
+    with pytest.raises(
+        workdir_lease.WorkdirInUse, match="Another run took over the workdir .*sweep:"
+    ):
       sweep.run_sweep(base_config(), str(sweep_dir), ["optimizer.learning_rate=1e-3"])
   finally:
     taker["lease"].release()

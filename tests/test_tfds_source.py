@@ -20,7 +20,10 @@ _WORDS = "river stone bridge lantern orchard harbor meadow violin ember cedar qu
 
 def _article(i):
   rng = random.Random(i)
-  paragraphs = [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12))) for _ in range(rng.randint(1, 5))]
+  paragraphs = [
+      " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12)))
+      for _ in range(rng.randint(1, 5))
+  ]
   # Blank lines and surrounding spaces, as real articles have; one record has no text at all.
   return "" if i == 7 else f"Article {i}.\n\n" + "\n  ".join(paragraphs) + "\n"
 
@@ -33,7 +36,9 @@ class TinyElectraCorpus(tfds.core.GeneratorBasedBuilder):
   def _info(self):
     return tfds.core.DatasetInfo(
         builder=self,
-        features=tfds.features.FeaturesDict({"text": tfds.features.Text(), "title": tfds.features.Text()}),
+        features=tfds.features.FeaturesDict(
+            {"text": tfds.features.Text(), "title": tfds.features.Text()}
+        ),
     )
 
   def _split_generators(self, dl_manager):
@@ -87,7 +92,9 @@ def test_tfds_records_become_documents_of_lines(tfds_dir):
       expected.append([line for line in lines if line])
   assert documents == expected
   assert len(documents) == 39 and stats.num_documents == 39  # the empty article is no document
-  assert sorted(int(d[0].split()[1].rstrip(".")) for d in documents) == [i for i in range(40) if i != 7]
+  assert sorted(int(d[0].split()[1].rstrip(".")) for d in documents) == [
+      i for i in range(40) if i != 7
+  ]
   assert corpus.description["num_records"] == 40
 
 
@@ -101,7 +108,9 @@ def test_tfds_source_trains_packs_and_prepares_identically(tmp_path, tfds_dir):
   manifest = prepare_data(config, num_workers=0)
   assert manifest["source"]["tfds_name"] == "tiny_electra_corpus/1.0.0"
   assert manifest["totals"]["documents"] == 39 and len(manifest["shards"]) == 5
-  prepared = load_pretraining_data(_config(tmp_path, tfds_dir, spm_model_file=model, source="prepared"), "train")
+  prepared = load_pretraining_data(
+      _config(tmp_path, tfds_dir, spm_model_file=model, source="prepared"), "train"
+  )
   np.testing.assert_array_equal(np.asarray(prepared.input_ids), in_memory.input_ids)
   np.testing.assert_array_equal(np.asarray(prepared.token_type_ids), in_memory.token_type_ids)
   assert prepared.fingerprint == in_memory.fingerprint
@@ -109,9 +118,15 @@ def test_tfds_source_trains_packs_and_prepares_identically(tmp_path, tfds_dir):
 
 def test_tfds_dataset_not_prepared_says_how_to_prepare_it(tmp_path):
   empty_dir = str(tmp_path / "nothing_here")
-  with pytest.raises(ConfigError, match=r"'tiny_electra_corpus' is not prepared in .*download_and_prepare.*array_record"):
+  with pytest.raises(
+      ConfigError,
+      match=r"'tiny_electra_corpus' is not prepared in .*download_and_prepare.*array_record",
+  ):
     load_pretraining_data(_config(tmp_path, empty_dir))
-  with pytest.raises(ConfigError, match=r"'wikipedia/20230601.en' is not prepared.*tfds build wikipedia/20230601.en"):
+  with pytest.raises(
+      ConfigError,
+      match=r"'wikipedia/20230601.en' is not prepared.*tfds build wikipedia/20230601.en",
+  ):
     load_pretraining_data(_config(tmp_path, empty_dir, tfds_name="wikipedia/20230601.en"))
   with pytest.raises(ConfigError, match="'no_such_corpus_xyz' is not a TFDS dataset"):
     load_pretraining_data(_config(tmp_path, empty_dir, tfds_name="no_such_corpus_xyz"))
@@ -121,12 +136,18 @@ def test_tfds_dataset_not_prepared_says_how_to_prepare_it(tmp_path):
   # --mode=train_tokenizer (the README's first TFDS command) says the same, not "no usable text".
   from electra_jax.data import prepare  # noqa: PLC0415
 
-  with pytest.raises(ConfigError, match=r"'tiny_electra_corpus' is not prepared in .*download_and_prepare"):
-    prepare.train_tokenizer(_config(tmp_path, empty_dir), str(tmp_path / "spm.model"), num_threads=1)
+  with pytest.raises(
+      ConfigError, match=r"'tiny_electra_corpus' is not prepared in .*download_and_prepare"
+  ):
+    prepare.train_tokenizer(
+        _config(tmp_path, empty_dir), str(tmp_path / "spm.model"), num_threads=1
+    )
 
 
 def test_tfds_wrong_split_or_field_names_the_choices(tmp_path, tfds_dir):
   with pytest.raises(ConfigError, match=r"tfds_split='test' is not a split.*\['train'\]"):
     load_pretraining_data(_config(tmp_path, tfds_dir, tfds_split="test"))
-  with pytest.raises(ConfigError, match=r"tfds_text_field='body' is not a feature.*\['text', 'title'\]"):
+  with pytest.raises(
+      ConfigError, match=r"tfds_text_field='body' is not a feature.*\['text', 'title'\]"
+  ):
     load_pretraining_data(_config(tmp_path, tfds_dir, tfds_text_field="body"))

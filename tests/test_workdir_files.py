@@ -54,7 +54,9 @@ def test_paths_keep_bucket_uris_and_make_local_ones_absolute(tmp_path, monkeypat
 
 
 def test_bucket_log_is_rewritten_whole_and_only_now_and_then(bucket):
-  log = workdir_files.JsonlLog(workdir_files.path("gs://b/run", "metrics.jsonl"), remote_flush_seconds=3600)
+  log = workdir_files.JsonlLog(
+      workdir_files.path("gs://b/run", "metrics.jsonl"), remote_flush_seconds=3600
+  )
   for step in (1, 2, 3):
     log.append({"step": step, "loss": 1.0 / step})
   assert not workdir_files.exists("gs://b/run/metrics.jsonl")  # buffered: no rewrite per step
@@ -66,7 +68,9 @@ def test_bucket_log_is_rewritten_whole_and_only_now_and_then(bucket):
   assert len(bucket.writes) == 2
 
   # A resumed run (a new process) cuts the log back to its checkpoint and goes on from there.
-  resumed = workdir_files.JsonlLog(workdir_files.path("gs://b/run", "metrics.jsonl"), remote_flush_seconds=0)
+  resumed = workdir_files.JsonlLog(
+      workdir_files.path("gs://b/run", "metrics.jsonl"), remote_flush_seconds=0
+  )
   resumed.truncate_after(2)
   assert [r["step"] for r in _lines("gs://b/run/metrics.jsonl")] == [1, 2]
   resumed.append({"step": 3, "loss": 0.3})  # flush interval 0: written at once
@@ -88,7 +92,9 @@ def test_local_log_appends_at_once_and_truncates_atomically(tmp_path):
 
 def test_config_and_checkpoint_directory_in_a_bucket(bucket):
   workdir_files.makedirs(workdir_files.path("gs://b/run"))
-  workdir_files.write_text(workdir_files.path("gs://b/run", "config.json"), json.dumps({"train": {"steps": 7}}))
+  workdir_files.write_text(
+      workdir_files.path("gs://b/run", "config.json"), json.dumps({"train": {"steps": 7}})
+  )
   assert config_lib.load_workdir_config("gs://b/run").train.steps == 7
   with pytest.raises(errors.ConfigError, match="gs://b/other has no config.json"):
     config_lib.load_workdir_config("gs://b/other")
@@ -106,7 +112,9 @@ def test_our_json_files_damaged_are_refused_naming_the_file(tmp_path):
     with pytest.raises(errors.ConfigError, match=f"{config} is not as electra-jax writes it"):
       config_lib.saved_config(str(tmp_path))
   config.write_text(json.dumps({"model": {}, "train": {"steps": 7}, "data": {}}))
-  assert config_lib.saved_config(str(tmp_path))["train"]["steps"] == 7  # completed with the defaults
+  assert (
+      config_lib.saved_config(str(tmp_path))["train"]["steps"] == 7
+  )  # completed with the defaults
   record = tmp_path / sweep.SWEEP_FILE
   for text in ("{", '{"runs": [{"name": "a"}]}', '{"runs": 5}'):
     record.write_text(text)

@@ -16,6 +16,7 @@ from electra_jax.workdir_lease import WorkdirInUse, WorkdirLease
 
 
 class Clock:
+
   def __init__(self):
     self.now = 1_000_000.0
 
@@ -29,8 +30,14 @@ def _lease_file(workdir):
 
 def _write_holder(workdir, clock_now, **fields):
   """A lease as another run would have written it."""
-  holder = dict(run_id="othersrun123", host="elsewhere", pid=12345, started="earlier",
-                heartbeat=clock_now, released=False)
+  holder = dict(
+      run_id="othersrun123",
+      host="elsewhere",
+      pid=12345,
+      started="earlier",
+      heartbeat=clock_now,
+      released=False,
+  )
   holder.update(fields)
   workdir.mkdir(parents=True, exist_ok=True)
   (workdir / workdir_lease.LEASE_FILE).write_text(json.dumps(holder))
@@ -66,7 +73,14 @@ def test_a_live_holder_on_another_host_is_refused_until_its_heartbeat_is_stale(t
   with pytest.raises(WorkdirInUse) as refused:
     lease.acquire()
   message = str(refused.value)
-  for named in ("othersrun123", "host elsewhere", "pid 12345", "30 s ago", "--take_over_workdir", "Nothing was written"):
+  for named in (
+      "othersrun123",
+      "host elsewhere",
+      "pid 12345",
+      "30 s ago",
+      "--take_over_workdir",
+      "Nothing was written",
+  ):
     assert named in message, (named, message)
   assert (tmp_path / workdir_lease.LEASE_FILE).read_text() == before
   clock.now += 91  # the last heartbeat is now 121 s old: the holder counts as dead
@@ -83,7 +97,9 @@ def test_same_host_holder_counts_as_dead_when_its_pid_is_gone(tmp_path):
   with pytest.raises(WorkdirInUse, match=f"is in use by run {first.run_id}.*this very process"):
     lease.acquire()
   first.release()
-  _write_holder(tmp_path, clock.now, host=lease.record["host"], pid=_dead_pid())  # kill -9, fresh heartbeat
+  _write_holder(
+      tmp_path, clock.now, host=lease.record["host"], pid=_dead_pid()
+  )  # kill -9, fresh heartbeat
   lease.acquire()
   assert _lease_file(tmp_path)["run_id"] == lease.run_id
   lease.release()
@@ -105,7 +121,9 @@ def test_take_over_takes_a_live_lease_and_the_old_holder_is_fenced_off(tmp_path)
   with pytest.raises(WorkdirInUse):
     new.acquire()
   new.acquire(take_over=True)
-  with pytest.raises(WorkdirInUse, match=f"Another run took over .*run {new.run_id}.*stopped without saving"):
+  with pytest.raises(
+      WorkdirInUse, match=f"Another run took over .*run {new.run_id}.*stopped without saving"
+  ):
     old.check()
   old.release()  # must not mark the new holder's lease released
   held = _lease_file(tmp_path)
@@ -137,7 +155,9 @@ def test_training_refuses_a_held_workdir_before_writing_anything(tmp_path):
   config = tiny_config()
   with pytest.raises(WorkdirInUse, match="is in use by run othersrun123"):
     train.train_and_evaluate(config, str(workdir))
-  assert sorted(p.name for p in workdir.iterdir()) == sorted([workdir_lease.LEASE_FILE, "checkpoints"])
+  assert sorted(p.name for p in workdir.iterdir()) == sorted(
+      [workdir_lease.LEASE_FILE, "checkpoints"]
+  )
   assert not os.listdir(workdir / "checkpoints")
   metrics = train.train_and_evaluate(config, str(workdir), take_over_workdir=True)
   assert metrics["step"] == 6 and sorted(os.listdir(workdir / "checkpoints")) == ["3", "6"]
@@ -159,7 +179,9 @@ def test_a_run_taken_over_mid_way_stops_before_its_next_checkpoint(tmp_path, mon
     train.train_and_evaluate(config, str(workdir))
   assert os.listdir(workdir / "checkpoints") == ["3"]  # steps 6 and 9 were not saved
   # Nor logged: the new run writes the logs from step 3 on (it used to find steps 4-6 there).
-  logged = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  logged = [
+      json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()
+  ]
   assert logged == [1, 2, 3]
   held = _lease_file(workdir)
   assert held["run_id"] == "newerrun4567" and not held["released"]
@@ -171,7 +193,10 @@ def test_cli_names_the_holder_and_exits_without_a_traceback(tmp_path):
   _write_holder(workdir, time.time(), host=socket.gethostname(), pid=os.getpid())
   result = run_cli(cli_args(workdir))
   assert result.returncode != 0 and "Traceback" not in result.stderr
-  assert "electra-jax: error: The workdir" in result.stderr and "in use by run othersrun123" in result.stderr
+  assert (
+      "electra-jax: error: The workdir" in result.stderr
+      and "in use by run othersrun123" in result.stderr
+  )
   assert not (workdir / "config.json").exists()
   result = run_cli(cli_args(workdir) + ["--take_over_workdir"])
   assert result.returncode == 0, result.stderr[-3000:]
@@ -179,8 +204,16 @@ def test_cli_names_the_holder_and_exits_without_a_traceback(tmp_path):
   assert sorted(os.listdir(workdir / "checkpoints")) == ["3", "6"]
 
 
-@pytest.mark.parametrize("garbage", [dict(heartbeat="yesterday"), dict(pid="12345"), dict(run_id=7),
-                                     dict(released="no"), dict(host=["a"])])
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        dict(heartbeat="yesterday"),
+        dict(pid="12345"),
+        dict(run_id=7),
+        dict(released="no"),
+        dict(host=["a"]),
+    ],
+)
 def test_a_lease_with_fields_of_other_types_is_ignored_with_a_warning(tmp_path, garbage, caplog):
   """A hand-edited lease used to fail inside the check (float('yesterday')), which blocked
   --take_over_workdir too; it now counts as no lease, as an unparseable file already did."""

@@ -26,14 +26,22 @@ def test_defaults_respect_the_version_and_the_users_flags():
 def test_the_cli_module_sets_them_and_xla_accepts_them():
   code = "import os, electra_jax.main, jax; print(jax.devices()[0].platform); print(os.environ['XLA_FLAGS'])"
   env = {"PATH": "/usr/bin:/bin", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  out = subprocess.run(
+      [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   platform, flags = out.stdout.split("\n")[:2]
   assert platform == "cpu"
   assert "--xla_force_host_platform_device_count=2" in flags
   assert (f"{FLAG}=" in flags) == jaxlib.__version__.startswith(xla_flags.VERIFIED_JAXLIB)
-  off = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, "ELECTRA_JAX_XLA_DEFAULTS": "0"},
-                       capture_output=True, text=True, timeout=300)
+  off = subprocess.run(
+      [sys.executable, "-c", code],
+      cwd=REPO,
+      env={**env, "ELECTRA_JAX_XLA_DEFAULTS": "0"},
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert off.returncode == 0 and FLAG not in off.stdout
 
 
@@ -55,7 +63,14 @@ print(os.environ.get("GLIBC_TUNABLES"), (resource.getrusage(resource.RUSAGE_SELF
 
 def _run_faults(**env):
   env = {"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", **env}
-  out = subprocess.run([sys.executable, "-c", _FAULTS], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  out = subprocess.run(
+      [sys.executable, "-c", _FAULTS],
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   tunables, faults = out.stdout.split()[-2:]
   return tunables, int(faults)
@@ -65,7 +80,9 @@ def test_a_cpu_process_restarts_with_huge_pages_and_faults_its_temporaries_in_by
   # 128 MiB of temporaries is 32,768 pages of 4 KiB, which each call maps and faults in again;
   # with transparent huge pages, 64 of 2 MiB.
   assert _run_faults(ELECTRA_JAX_XLA_DEFAULTS="0") == ("None", pytest.approx(32_768, rel=0.1))
-  assert _run_faults(GLIBC_TUNABLES="glibc.malloc.check=0")[0] == "glibc.malloc.check=0"  # the user's own
+  assert (
+      _run_faults(GLIBC_TUNABLES="glibc.malloc.check=0")[0] == "glibc.malloc.check=0"
+  )  # the user's own
   tunables, faults = _run_faults()
   if xla_flags.malloc_tunables({"JAX_PLATFORMS": "cpu"}) is None:  # not glibc 2.35+, or THP off
     assert tunables == "None"
@@ -86,9 +103,13 @@ def test_the_allocator_is_left_alone_where_an_accelerator_computes_or_the_user_c
 def test_the_accelerator_check_does_not_import_jax_and_agrees_with_jax():
   """The CLI asks before it may start itself again; importing jax for the answer cost every CPU
   run a second of startup, twice over."""
-  probe = ("import sys; from electra_jax import xla_flags; visible = xla_flags.accelerator_visible({}); "
-           "print(visible, xla_flags.tpu_chips_present(), 'jax' in sys.modules)")
-  out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO)
+  probe = (
+      "import sys; from electra_jax import xla_flags; visible = xla_flags.accelerator_visible({}); "
+      "print(visible, xla_flags.tpu_chips_present(), 'jax' in sys.modules)"
+  )
+  out = subprocess.run(
+      [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO
+  )
   visible, chips, imported = out.stdout.split()
   assert imported == "False"
   from jax._src import hardware_utils  # noqa: PLC0415

@@ -27,9 +27,9 @@ def get_config():
   custom.label_column = "label"
   custom.kind = "classification"  # or "regression" (one output, MSE loss)
   custom.labels = ""  # label order, comma-separated; "" = the sorted labels seen in train. F1's
-                      # positive class is the second label.
+  # positive class is the second label.
   custom.metrics = ""  # comma-separated from accuracy,f1,mcc,pearson,spearman; "" = accuracy
-                       # (classification) or pearson,spearman (regression)
+  # (classification) or pearson,spearman (regression)
   # The train file's column naming each example's group (its document, page or source): the
   # learning rate's held-out share (config.select) then takes whole groups, so it scores on
   # unseen groups as dev does, not on siblings of the examples it trained on. "" = rows.

@@ -14,11 +14,23 @@ from collections.abc import Iterator
 from electra_jax.errors import ConfigError
 
 # Directories of no representative prose (tests, vendored code, demos) or outside the stdlib proper.
-_SKIPPED_DIRS = frozenset({"test", "tests", "site-packages", "idlelib", "__pycache__", "lib2to3", "turtledemo",
-                           "ensurepip"})
+_SKIPPED_DIRS = frozenset(
+    {
+        "test",
+        "tests",
+        "site-packages",
+        "idlelib",
+        "__pycache__",
+        "lib2to3",
+        "turtledemo",
+        "ensurepip",
+    }
+)
 
 _HELP_TOPICS_RELPATH = os.path.join("pydoc_data", "topics.py")
-EXTRACTION_VERSION = 1  # bump when the extraction rules change: caches keyed on the sources are rebuilt
+EXTRACTION_VERSION = (
+    1  # bump when the extraction rules change: caches keyed on the sources are rebuilt
+)
 # A paragraph is prose when this share of its characters are letters or spaces (not code or tables).
 _MIN_PROSE_FRACTION = 0.75
 
@@ -34,8 +46,14 @@ def _stdlib_source_files() -> list[str]:
   root = stdlib_root()
   paths = []
   for dirpath, dirnames, filenames in os.walk(root):
-    dirnames[:] = sorted(d for d in dirnames if d not in _SKIPPED_DIRS)  # in place: os.walk skips the rest
-    paths += [os.path.relpath(os.path.join(dirpath, name), root) for name in sorted(filenames) if name.endswith(".py")]
+    dirnames[:] = sorted(
+        d for d in dirnames if d not in _SKIPPED_DIRS
+    )  # in place: os.walk skips the rest
+    paths += [
+        os.path.relpath(os.path.join(dirpath, name), root)
+        for name in sorted(filenames)
+        if name.endswith(".py")
+    ]
   return paths
 
 
@@ -74,7 +92,9 @@ def split_sentences(text: str) -> list[str]:
       continue
     paragraph = " ".join(" ".join(paragraph_lines).split())
     paragraph_lines = []
-    if paragraph and sum(ch.isalpha() or ch == " " for ch in paragraph) >= _MIN_PROSE_FRACTION * len(paragraph):
+    if paragraph and sum(
+        ch.isalpha() or ch == " " for ch in paragraph
+    ) >= _MIN_PROSE_FRACTION * len(paragraph):
       sentences.append(paragraph)
   return sentences
 
@@ -106,8 +126,12 @@ def _iter_documents() -> Iterator[list[str]]:
   tree = _parse(os.path.join(root, _HELP_TOPICS_RELPATH))
   topics = None
   for statement in tree.body if tree is not None else ():
-    if (isinstance(statement, ast.Assign) and len(statement.targets) == 1
-        and isinstance(statement.targets[0], ast.Name) and statement.targets[0].id == "topics"):
+    if (
+        isinstance(statement, ast.Assign)
+        and len(statement.targets) == 1
+        and isinstance(statement.targets[0], ast.Name)
+        and statement.targets[0].id == "topics"
+    ):
       topics = ast.literal_eval(statement.value)
   for name in sorted(topics) if isinstance(topics, dict) else ():
     document = split_sentences(topics[name])
@@ -138,7 +162,9 @@ def document_bytes(document) -> bytes:
 
 def documents_fingerprint(documents: list[list[str]]) -> str:
   """Short sha256 hex of the text of `documents` (order and boundaries included)."""
-  return hashlib.sha256(b"".join(document_bytes(document) for document in documents)).hexdigest()[:16]
+  return hashlib.sha256(b"".join(document_bytes(document) for document in documents)).hexdigest()[
+      :16
+  ]
 
 
 def builtin_corpus_fingerprint() -> str:

@@ -17,7 +17,9 @@ from electra_jax.errors import ConfigError
 MIN_SEQ_LEN = 5
 
 
-def _document_examples(document, rng, max_seq_len, cls_id, sep_id, single_segment_prob, short_seq_prob):
+def _document_examples(
+    document, rng, max_seq_len, cls_id, sep_id, single_segment_prob, short_seq_prob
+):
   """(tokens, number of [CLS] A [SEP] tokens) of each example of one document (see pack_documents)."""
 
   def draw_target_length() -> int:
@@ -37,8 +39,12 @@ def _document_examples(document, rng, max_seq_len, cls_id, sep_id, single_segmen
     for buffered_sentence in buffered:
       # The official builder's rule, per sentence: a short sentence can still join A after a longer
       # one went to B; one that would overfill A joins it on a coin flip only while B is empty.
-      goes_to_a = (a_target is None or not segment_a or len(segment_a) + len(buffered_sentence) < a_target
-                   or (not segment_b and len(segment_a) < a_target and rng.random() < 0.5))
+      goes_to_a = (
+          a_target is None
+          or not segment_a
+          or len(segment_a) + len(buffered_sentence) < a_target
+          or (not segment_b and len(segment_a) < a_target and rng.random() < 0.5)
+      )
       (segment_a if goes_to_a else segment_b).extend(buffered_sentence)
     segment_a = segment_a[: max_seq_len - 2]
     segment_b = segment_b[: max(0, max_seq_len - len(segment_a) - 3)]
@@ -48,29 +54,47 @@ def _document_examples(document, rng, max_seq_len, cls_id, sep_id, single_segmen
   return examples
 
 
-def pack_documents(documents: Sequence[Sequence[Sequence[int]]], max_seq_len: int, *, cls_id: int, sep_id: int,
-                   pad_id: int, seed: int, single_segment_prob: float = 0.1, short_seq_prob: float = 0.05,
-                   document_indices: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+def pack_documents(
+    documents: Sequence[Sequence[Sequence[int]]],
+    max_seq_len: int,
+    *,
+    cls_id: int,
+    sep_id: int,
+    pad_id: int,
+    seed: int,
+    single_segment_prob: float = 0.1,
+    short_seq_prob: float = 0.05,
+    document_indices: Sequence[int] | None = None,
+) -> dict[str, np.ndarray]:
   """Pack tokenized documents (lists of token-id sentences) into int32 [num_examples, max_seq_len]
   `input_ids` and `token_type_ids` (1 on B [SEP]); examples never mix documents. Each document draws from a
   generator seeded by `seed` and its corpus index (`document_indices`, default 0, 1, ...), so any slice of a
   corpus packs, in any process, into exactly the rows the whole corpus gives for it."""
   if max_seq_len < MIN_SEQ_LEN:
-    raise ConfigError(f"max_seq_len must be at least {MIN_SEQ_LEN} to fit [CLS] A [SEP] B [SEP], got {max_seq_len}.")
-  for name, prob in (("single_segment_prob", single_segment_prob), ("short_seq_prob", short_seq_prob)):
+    raise ConfigError(
+        f"max_seq_len must be at least {MIN_SEQ_LEN} to fit [CLS] A [SEP] B [SEP], got {max_seq_len}."
+    )
+  for name, prob in (
+      ("single_segment_prob", single_segment_prob),
+      ("short_seq_prob", short_seq_prob),
+  ):
     if not 0.0 <= prob <= 1.0:
       raise ConfigError(f"{name} must be a probability in [0, 1], got {prob}.")
 
   if document_indices is None:
     document_indices = range(len(documents))
   elif len(document_indices) != len(documents):
-    raise ValueError(f"pack_documents: {len(document_indices)} document_indices for {len(documents)} documents.")
+    raise ValueError(
+        f"pack_documents: {len(document_indices)} document_indices for {len(documents)} documents."
+    )
   # Each document's generator: a string seed goes through SHA-512, so nearby (seed, index) pairs give
   # unrelated streams.
   examples = []
   for index, document in zip(document_indices, documents):
     rng = random.Random(f"electra-pack:{int(seed)}:{int(index)}")
-    examples += _document_examples(document, rng, max_seq_len, cls_id, sep_id, single_segment_prob, short_seq_prob)
+    examples += _document_examples(
+        document, rng, max_seq_len, cls_id, sep_id, single_segment_prob, short_seq_prob
+    )
   input_ids = np.full((len(examples), max_seq_len), pad_id, dtype=np.int32)
   token_type_ids = np.zeros((len(examples), max_seq_len), dtype=np.int32)
   for row, (tokens, num_segment_a_tokens) in enumerate(examples):
@@ -140,14 +164,18 @@ def _best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
   return bins
 
 
-def plan_rows(lengths: np.ndarray, max_seq_len: int, window: int = ROW_PACKING_WINDOW) -> RowPacking:
+def plan_rows(
+    lengths: np.ndarray, max_seq_len: int, window: int = ROW_PACKING_WINDOW
+) -> RowPacking:
   """Pack examples of the given lengths, whole, into rows of `max_seq_len`: in each window of `window`
   consecutive examples, those too long to share a row with the window's shortest get their own row (first),
   the rest are packed by best-fit decreasing. A pure function of its arguments."""
   lengths = np.asarray(lengths, dtype=np.int32)
   if lengths.size and (lengths.min() < 1 or lengths.max() > max_seq_len):
-    raise ValueError(f"plan_rows: example lengths must be in [1, {max_seq_len}], got [{lengths.min()}, "
-                     f"{lengths.max()}].")
+    raise ValueError(
+        f"plan_rows: example lengths must be in [1, {max_seq_len}], got [{lengths.min()}, "
+        f"{lengths.max()}]."
+    )
   row_sizes, examples = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]  # per window
   for start in range(0, lengths.size, window):
     chunk = lengths[start : start + window]
@@ -161,14 +189,18 @@ def plan_rows(lengths: np.ndarray, max_seq_len: int, window: int = ROW_PACKING_W
       row_sizes.append(np.array([len(b) for b in bins], np.int64))
       examples.append(np.concatenate([np.sort(shared[b]) for b in bins]) + start)
   row_splits = np.concatenate([[0], np.cumsum(np.concatenate(row_sizes))]).astype(np.int64)
-  return RowPacking(row_splits, np.concatenate(examples).astype(np.int64), lengths, int(max_seq_len))
+  return RowPacking(
+      row_splits, np.concatenate(examples).astype(np.int64), lengths, int(max_seq_len)
+  )
 
 
-def assemble_rows(packing: RowPacking, rows: np.ndarray, input_ids, token_type_ids,
-                  pad_id: int) -> dict[str, np.ndarray]:
+def assemble_rows(
+    packing: RowPacking, rows: np.ndarray, input_ids, token_type_ids, pad_id: int
+) -> dict[str, np.ndarray]:
   """The packed rows `rows` as int32 [len(rows), max_seq_len] arrays: input_ids / token_type_ids (the
   examples side by side, pad_id / 0 after), attention_mask (1 on tokens), segment_ids (1, 2, ... for the
-  row's examples, 0 on padding) and position_ids (0 .. length - 1 within each example, 0 on padding)."""
+  row's examples, 0 on padding) and position_ids (0 .. length - 1 within each example, 0 on padding).
+  """
   rows = np.asarray(rows, dtype=np.int64)
   batch, seq = rows.shape[0], packing.max_seq_len
   first = packing.row_splits[rows]
@@ -183,9 +215,13 @@ def assemble_rows(packing: RowPacking, rows: np.ndarray, input_ids, token_type_i
   source = np.arange(input_ids.shape[1]) < lengths[:, None]
   row_tokens = np.add.reduceat(lengths, row_start) if batch else np.zeros(0, np.int32)
   target = np.arange(seq) < row_tokens[:, None]
-  out = {"input_ids": np.full((batch, seq), pad_id, np.int32), "token_type_ids": np.zeros((batch, seq), np.int32),
-         "attention_mask": target.astype(np.int32), "segment_ids": np.zeros((batch, seq), np.int32),
-         "position_ids": np.zeros((batch, seq), np.int32)}
+  out = {
+      "input_ids": np.full((batch, seq), pad_id, np.int32),
+      "token_type_ids": np.zeros((batch, seq), np.int32),
+      "attention_mask": target.astype(np.int32),
+      "segment_ids": np.zeros((batch, seq), np.int32),
+      "position_ids": np.zeros((batch, seq), np.int32),
+  }
   out["input_ids"][target] = np.asarray(input_ids[examples])[source]
   out["token_type_ids"][target] = np.asarray(token_type_ids[examples])[source]
   out["segment_ids"][target] = np.repeat(segment + 1, lengths)

@@ -63,15 +63,23 @@ class PretrainingData:
 
 def _corpus_cache_dir(config) -> str:
   """The cache directory of one corpus and tokenizer (any max_seq_len)."""
-  key_fields = {"format": PACKING_FORMAT_VERSION, "max_documents": config["max_documents"],
-                "eval_fraction": config["eval_fraction"], **prepare.describe_source(config)[0]}
+  key_fields = {
+      "format": PACKING_FORMAT_VERSION,
+      "max_documents": config["max_documents"],
+      "eval_fraction": config["eval_fraction"],
+      **prepare.describe_source(config)[0],
+  }
   # Only keys that change the tokenizer enter the key.
   if prepare.trains_spm(config):
-    key_fields.update(spm_vocab_size=config["spm_vocab_size"], spm_model_type=config["spm_model_type"])
+    key_fields.update(
+        spm_vocab_size=config["spm_vocab_size"], spm_model_type=config["spm_model_type"]
+    )
   elif config["spm_model_file"]:
     key_fields["spm_model"] = prepare.configured_tokenizer(config).fingerprint
   else:
-    key_fields.update(tokenizer=config["tokenizer"], wordpiece=prepare.configured_tokenizer(config).fingerprint)
+    key_fields.update(
+        tokenizer=config["tokenizer"], wordpiece=prepare.configured_tokenizer(config).fingerprint
+    )
   return os.path.join(config["cache_dir"], config["source"], prepare.config_key(key_fields))
 
 
@@ -84,8 +92,10 @@ def _loadable(data_config, split: str | None = None) -> dict:
   if config["source"] == "prepared":
     return config
   if split == "eval" and config["eval_fraction"] == 0:
-    raise ConfigError("The eval split is empty because data.eval_fraction is 0; set it above 0 (e.g. 0.02) to hold "
-                      "out documents for evaluation, or set eval.every_steps=0 to train without held-out evaluation.")
+    raise ConfigError(
+        "The eval split is empty because data.eval_fraction is 0; set it above 0 (e.g. 0.02) to hold "
+        "out documents for evaluation, or set eval.every_steps=0 to train without held-out evaluation."
+    )
   if split is None and not prepare.trains_spm(config):
     return config  # nothing to train
   corpus_dir = _corpus_cache_dir(config)
@@ -102,8 +112,14 @@ def _loadable(data_config, split: str | None = None) -> dict:
     if split is None:
       return config
     manifest = shards.read_manifest(directory)
-    if manifest is None or not manifest.get("complete") or not all(
-        shards.shard_is_intact(directory, entry, checksums=False) for entry in manifest["shards"]):
+    if (
+        manifest is None
+        or not manifest.get("complete")
+        or not all(
+            shards.shard_is_intact(directory, entry, checksums=False)
+            for entry in manifest["shards"]
+        )
+    ):
       logging.info("no cached data in %s; preparing it", directory)
       prepare.prepare_config(config, num_workers=0)
   return config
@@ -119,9 +135,17 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
   start = time.time()
   packing = plan_rows(data.lengths, data.max_seq_len)
   unpacked = packing.lengths.sum(dtype=np.int64) / max(1, data.num_examples * data.max_seq_len)
-  logging.info("packed %s rows: %d examples into %d rows of %d; real tokens %.1f%% -> %.1f%% of positions, "
-               "in %.1f s", split, data.num_examples, packing.num_rows, data.max_seq_len, 100 * unpacked,
-               100 * packing.real_token_fraction(), time.time() - start)
+  logging.info(
+      "packed %s rows: %d examples into %d rows of %d; real tokens %.1f%% -> %.1f%% of positions, "
+      "in %.1f s",
+      split,
+      data.num_examples,
+      packing.num_rows,
+      data.max_seq_len,
+      100 * unpacked,
+      100 * packing.real_token_fraction(),
+      time.time() - start,
+  )
   return dataclasses.replace(data, packing=packing)
 
 
@@ -141,20 +165,25 @@ def keep_tokenizer(tokenizer, workdir) -> None:
   """Copies `tokenizer`'s file into `workdir`, so that fine-tuning and export read the workdir
   without the corpus, the cache or the relative paths that gave the tokenizer."""
   wordpiece = isinstance(tokenizer, WordPieceTokenizer)
-  source, name = (tokenizer.vocab_file, WORDPIECE_VOCAB) if wordpiece else (tokenizer.model_path, SPM_MODEL)
+  source, name = (
+      (tokenizer.vocab_file, WORDPIECE_VOCAB) if wordpiece else (tokenizer.model_path, SPM_MODEL)
+  )
   with open(source, "rb") as f:
     workdir_files.write_bytes(workdir_files.path(workdir, name), f.read())
 
 
 def workdir_tokenizer(workdir, data_config) -> SentencePieceTokenizer | WordPieceTokenizer:
   """The tokenizer the pre-training run in `workdir` used: the copy keep_tokenizer wrote there, else
-  (a workdir in a bucket, or from before the copy) the one `data_config`, its data settings, names."""
+  (a workdir in a bucket, or from before the copy) the one `data_config`, its data settings, names.
+  """
   wordpiece = data_config.get("tokenizer", "sentencepiece") == "wordpiece"
   kept = os.path.join(os.fspath(workdir), WORDPIECE_VOCAB if wordpiece else SPM_MODEL)
   if workdir_files.is_remote(workdir) or not os.path.isfile(kept):
     return load_tokenizer(data_config)
   if wordpiece:
-    return WordPieceTokenizer(kept, data_config.get("lowercase", True), data_config.get("strip_accents", None))
+    return WordPieceTokenizer(
+        kept, data_config.get("lowercase", True), data_config.get("strip_accents", None)
+    )
   return SentencePieceTokenizer(kept)
 
 
@@ -166,8 +195,15 @@ def _epoch_permutation(seed: int, epoch: int, num_examples: int) -> np.ndarray:
   return permutation
 
 
-def get_batch(data: PretrainingData, step: int, global_batch_size: int, seed: int, process_index: int = 0,
-              process_count: int = 1, stream_offset: int = 0) -> dict[str, np.ndarray]:
+def get_batch(
+    data: PretrainingData,
+    step: int,
+    global_batch_size: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    stream_offset: int = 0,
+) -> dict[str, np.ndarray]:
   """This process's rows of global batch `step` (see get_rows); a pure function of its arguments.
 
   The row stream is epoch 0, epoch 1, ... each a permutation of all rows seeded by (seed, epoch); global
@@ -177,12 +213,21 @@ def get_batch(data: PretrainingData, step: int, global_batch_size: int, seed: in
   for wrong, message in (
       (data.num_rows == 0, "get_batch: the dataset has no examples; check the data config."),
       (global_batch_size <= 0, f"global_batch_size must be positive, got {global_batch_size}."),
-      (process_count <= 0 or not 0 <= process_index < process_count, "process_index must be in [0, process_count), "
-       f"got process_index={process_index}, process_count={process_count}."),
-      (process_count > 0 and global_batch_size % process_count, f"global_batch_size {global_batch_size} is not "
-       f"divisible by process_count {process_count}; choose a batch size that is a multiple of the process count."),
-      (step < 0 or stream_offset + step * global_batch_size < 0, "step must be >= 0 and start a batch at a stream "
-       f"position >= 0, got step {step} with stream_offset {stream_offset}."),
+      (
+          process_count <= 0 or not 0 <= process_index < process_count,
+          "process_index must be in [0, process_count), "
+          f"got process_index={process_index}, process_count={process_count}.",
+      ),
+      (
+          process_count > 0 and global_batch_size % process_count,
+          f"global_batch_size {global_batch_size} is not "
+          f"divisible by process_count {process_count}; choose a batch size that is a multiple of the process count.",
+      ),
+      (
+          step < 0 or stream_offset + step * global_batch_size < 0,
+          "step must be >= 0 and start a batch at a stream "
+          f"position >= 0, got step {step} with stream_offset {stream_offset}.",
+      ),
   ):
     if wrong:
       raise ConfigError(message)
@@ -209,30 +254,44 @@ def get_rows(data: PretrainingData, rows: np.ndarray) -> dict[str, np.ndarray]:
     data.verification.raise_if_failed()
   rows = np.asarray(rows, dtype=np.int64)
   if data.packing is not None:
-    return assemble_rows(data.packing, rows, data.input_ids, data.token_type_ids, data.tokenizer.pad_id)
+    return assemble_rows(
+        data.packing, rows, data.input_ids, data.token_type_ids, data.tokenizer.pad_id
+    )
   input_ids = data.input_ids[rows]
-  return {"input_ids": input_ids, "token_type_ids": data.token_type_ids[rows],
-          "attention_mask": (input_ids != data.tokenizer.pad_id).astype(np.int32)}
+  return {
+      "input_ids": input_ids,
+      "token_type_ids": data.token_type_ids[rows],
+      "attention_mask": (input_ids != data.tokenizer.pad_id).astype(np.int32),
+  }
 
 
 def prepared_tokenizer(config, manifest: dict):
   """The configured tokenizer, refused unless it is the one the shards were made with."""
   directory = config["prepared_dir"]
   recorded = manifest["tokenizer"]
-  made_with = (f"were made with the {recorded['kind']} tokenizer "
-               f"{recorded.get('model_file') or recorded.get('vocab_file')} (fingerprint {recorded['fingerprint']})")
+  made_with = (
+      f"were made with the {recorded['kind']} tokenizer "
+      f"{recorded.get('model_file') or recorded.get('vocab_file')} (fingerprint {recorded['fingerprint']})"
+  )
   tokenizer = prepare.configured_tokenizer(config, directory)
   if tokenizer is None:
-    raise ConfigError(f"data.tokenizer='sentencepiece' without data.spm_model_file reads "
-                      f"{os.path.join(directory, SPM_MODEL)}, which does not exist: the shards in {directory} "
-                      f"{made_with}. Configure that tokenizer.")
+    raise ConfigError(
+        f"data.tokenizer='sentencepiece' without data.spm_model_file reads "
+        f"{os.path.join(directory, SPM_MODEL)}, which does not exist: the shards in {directory} "
+        f"{made_with}. Configure that tokenizer."
+    )
   if recorded["kind"] != config["tokenizer"] or tokenizer.fingerprint != recorded["fingerprint"]:
-    described = (f"wordpiece {config['vocab_file']} (lowercase={config['lowercase']}, strip_accents="
-                 f"{config['strip_accents']})" if config["tokenizer"] == "wordpiece"
-                 else f"sentencepiece {tokenizer.model_path}")
-    raise ConfigError(f"The shards in {directory} {made_with}, but this config gives {described} (fingerprint "
-                      f"{tokenizer.fingerprint}). Configure the tokenizer the shards were made with, or prepare the "
-                      "corpus again with this one into another data.prepared_dir.")
+    described = (
+        f"wordpiece {config['vocab_file']} (lowercase={config['lowercase']}, strip_accents="
+        f"{config['strip_accents']})"
+        if config["tokenizer"] == "wordpiece"
+        else f"sentencepiece {tokenizer.model_path}"
+    )
+    raise ConfigError(
+        f"The shards in {directory} {made_with}, but this config gives {described} (fingerprint "
+        f"{tokenizer.fingerprint}). Configure the tokenizer the shards were made with, or prepare the "
+        "corpus again with this one into another data.prepared_dir."
+    )
   return tokenizer
 
 
@@ -241,35 +300,68 @@ def load_prepared(config, split: str) -> PretrainingData:
   directory = config["prepared_dir"]
   manifest = shards.open_manifest(directory)
   if manifest["max_seq_len"] != config["max_seq_len"]:
-    raise ConfigError(f"The shards in {directory} hold examples of max_seq_len={manifest['max_seq_len']}, but "
-                      f"data.max_seq_len={config['max_seq_len']}. Set data.max_seq_len={manifest['max_seq_len']}, or "
-                      f"prepare the corpus again with max_seq_len={config['max_seq_len']} into another "
-                      "data.prepared_dir.")
+    raise ConfigError(
+        f"The shards in {directory} hold examples of max_seq_len={manifest['max_seq_len']}, but "
+        f"data.max_seq_len={config['max_seq_len']}. Set data.max_seq_len={manifest['max_seq_len']}, or "
+        f"prepare the corpus again with max_seq_len={config['max_seq_len']} into another "
+        "data.prepared_dir."
+    )
   if split == "train":  # once per run
-    ignored = [f"data.{key}={config[key]!r} (the shards' {manifest['settings'][key]!r})"
-               for key in ("eval_fraction", "max_documents", "shard_documents")
-               if config[key] != manifest["settings"][key]]
+    ignored = [
+        f"data.{key}={config[key]!r} (the shards' {manifest['settings'][key]!r})"
+        for key in ("eval_fraction", "max_documents", "shard_documents")
+        if config[key] != manifest["settings"][key]
+    ]
     if ignored:
-      logging.warning("data.source=prepared: the shards in %s decide these, so the config's values "
-                      "are not used: %s.", directory, "; ".join(ignored))
+      logging.warning(
+          "data.source=prepared: the shards in %s decide these, so the config's values "
+          "are not used: %s.",
+          directory,
+          "; ".join(ignored),
+      )
   tokenizer = prepared_tokenizer(config, manifest)
-  arrays, entries, lengths = shards.load_split(directory, manifest, split, tokenizer.pad_id, config["pack_rows"])
+  arrays, entries, lengths = shards.load_split(
+      directory, manifest, split, tokenizer.pad_id, config["pack_rows"]
+  )
   if not arrays:
-    fix = ("prepare it with data.eval_fraction > 0, or set eval.every_steps=0 to train without held-out evaluation."
-           if split == "eval" else "prepare more documents.")
-    raise ConfigError(f"The {split} split of {directory} has no examples (eval_fraction="
-                      f"{manifest['settings']['eval_fraction']} when it was prepared); {fix}")
+    fix = (
+        "prepare it with data.eval_fraction > 0, or set eval.every_steps=0 to train without held-out evaluation."
+        if split == "eval"
+        else "prepare more documents."
+    )
+    raise ConfigError(
+        f"The {split} split of {directory} has no examples (eval_fraction="
+        f"{manifest['settings']['eval_fraction']} when it was prepared); {fix}"
+    )
   # The cache and a prepared directory of the same config give the same string (and examples), so a
   # checkpoint resumes on either; packed rows differ.
-  max_seq_len, kind = config["max_seq_len"], "spm" if config["tokenizer"] == "sentencepiece" else "wp"
-  fingerprint = (f"format:{PACKING_FORMAT_VERSION}|{kind}:{tokenizer.fingerprint}|max_seq_len:{max_seq_len}|"
-                 f"{split}_documents:{manifest['documents_fingerprint'][split]}"
-                 + (f"|pack_rows:{ROW_PACKING_VERSION}" if config["pack_rows"] else ""))
-  data = PretrainingData(tokenizer, ShardedRows(arrays, 0, max_seq_len), ShardedRows(arrays, 1, max_seq_len),
-                         fingerprint, token_count=int(manifest["totals"][f"{split}_tokens"]), lengths=lengths,
-                         verification=ShardVerification(directory, entries, tokenizer.vocab_size, split))
-  logging.info("loaded prepared %s data: %d examples of length %d in %d shards, %d tokens, from %s",
-               split, data.num_examples, max_seq_len, len(arrays), data.num_tokens, directory)
+  max_seq_len, kind = (
+      config["max_seq_len"],
+      "spm" if config["tokenizer"] == "sentencepiece" else "wp",
+  )
+  fingerprint = (
+      f"format:{PACKING_FORMAT_VERSION}|{kind}:{tokenizer.fingerprint}|max_seq_len:{max_seq_len}|"
+      f"{split}_documents:{manifest['documents_fingerprint'][split]}"
+      + (f"|pack_rows:{ROW_PACKING_VERSION}" if config["pack_rows"] else "")
+  )
+  data = PretrainingData(
+      tokenizer,
+      ShardedRows(arrays, 0, max_seq_len),
+      ShardedRows(arrays, 1, max_seq_len),
+      fingerprint,
+      token_count=int(manifest["totals"][f"{split}_tokens"]),
+      lengths=lengths,
+      verification=ShardVerification(directory, entries, tokenizer.vocab_size, split),
+  )
+  logging.info(
+      "loaded prepared %s data: %d examples of length %d in %d shards, %d tokens, from %s",
+      split,
+      data.num_examples,
+      max_seq_len,
+      len(arrays),
+      data.num_tokens,
+      directory,
+  )
   return data
 
 
@@ -279,7 +371,13 @@ class Prefetcher:
   re-raised (as itself) in its step, which ends the iteration. Its thread ends with the iteration or
   close()."""
 
-  def __init__(self, fetch_fn: Callable[[int], Any], start_step: int, depth: int = 2, stop_step: int | None = None):
+  def __init__(
+      self,
+      fetch_fn: Callable[[int], Any],
+      start_step: int,
+      depth: int = 2,
+      stop_step: int | None = None,
+  ):
     if depth < 1:
       raise ValueError(f"Prefetcher depth must be >= 1, got {depth}.")
     self.next_step = start_step  # the step whose batch the next iteration returns

@@ -35,7 +35,9 @@ def token_dtype(vocab_size: int) -> str:
   return "uint16" if vocab_size <= np.iinfo(np.uint16).max + 1 else "int32"
 
 
-def write_split(out_dir: str, split: str, index: int, input_ids, token_type_ids, pad_id: int, dtype: str) -> dict:
+def write_split(
+    out_dir: str, split: str, index: int, input_ids, token_type_ids, pad_id: int, dtype: str
+) -> dict:
   """Writes shard `index` of `split` (rows and lengths files); returns their manifest fields."""
   lengths_dtype = np.uint16 if input_ids.shape[1] <= np.iinfo(np.uint16).max else np.int32
   entry = {}
@@ -62,15 +64,21 @@ def open_manifest(directory: str) -> dict:
   """The manifest of a finished preparation, or a ConfigError saying what to run."""
   manifest = read_manifest(directory)
   if manifest is None:
-    raise ConfigError(f"data.prepared_dir={directory!r} has no {MANIFEST}; create it with "
-                      "`python -m electra_jax.main --mode=prepare_data --config=...` (same data config, with "
-                      "data.source set to the corpus), then train with data.source='prepared'.")
+    raise ConfigError(
+        f"data.prepared_dir={directory!r} has no {MANIFEST}; create it with "
+        "`python -m electra_jax.main --mode=prepare_data --config=...` (same data config, with "
+        "data.source set to the corpus), then train with data.source='prepared'."
+    )
   if manifest["format_version"] != PREPARED_FORMAT_VERSION:
-    raise ConfigError(f"{directory} was prepared in format {manifest['format_version']}, this version reads "
-                      f"format {PREPARED_FORMAT_VERSION}; prepare the corpus again into a new data.prepared_dir.")
+    raise ConfigError(
+        f"{directory} was prepared in format {manifest['format_version']}, this version reads "
+        f"format {PREPARED_FORMAT_VERSION}; prepare the corpus again into a new data.prepared_dir."
+    )
   if not manifest["complete"]:
-    raise ConfigError(f"The preparation of {directory} did not finish ({len(manifest['shards'])} shards "
-                      "so far); run --mode=prepare_data again with the same config: it resumes.")
+    raise ConfigError(
+        f"The preparation of {directory} did not finish ({len(manifest['shards'])} shards "
+        "so far); run --mode=prepare_data again with the same config: it resumes."
+    )
   return manifest
 
 
@@ -86,7 +94,9 @@ def shard_is_intact(out_dir: str, entry: dict, checksums: bool = True) -> bool:
   """Whether a manifest's shard `entry` has its files, of their sizes (and `checksums`, sha256)."""
   for split_entry in entry["splits"].values():
     for prefix in ("", "lengths_") if split_entry["rows"] else ():
-      if f"{prefix}file" not in split_entry:  # shards prepared before data.pack_rows have no lengths file
+      if (
+          f"{prefix}file" not in split_entry
+      ):  # shards prepared before data.pack_rows have no lengths file
         continue
       path = os.path.join(out_dir, split_entry[f"{prefix}file"])
       if not os.path.exists(path) or os.path.getsize(path) != split_entry[f"{prefix}bytes"]:
@@ -116,11 +126,15 @@ def load_split(directory: str, manifest: dict, split: str, pad_id: int, with_len
     path = os.path.join(directory, split_entry["file"])
     array = _load(path, mmap_mode="r")
     if array.shape != (rows, 2, max_seq_len) or array.dtype != np.dtype(manifest["dtype"]):
-      raise ConfigError(f"Shard {path} has shape {array.shape} and dtype {array.dtype}; the manifest says "
-                        f"({rows}, 2, {max_seq_len}) {manifest['dtype']}; {REDO}.")
+      raise ConfigError(
+          f"Shard {path} has shape {array.shape} and dtype {array.dtype}; the manifest says "
+          f"({rows}, 2, {max_seq_len}) {manifest['dtype']}; {REDO}."
+      )
     if os.path.getsize(path) != split_entry["bytes"]:
-      raise ConfigError(f"Shard {path} has {os.path.getsize(path)} bytes, the manifest says {split_entry['bytes']}; "
-                        f"{REDO}.")
+      raise ConfigError(
+          f"Shard {path} has {os.path.getsize(path)} bytes, the manifest says {split_entry['bytes']}; "
+          f"{REDO}."
+      )
     shards.append(array)
     entries.append(split_entry)
     if not with_lengths:
@@ -130,16 +144,22 @@ def load_split(directory: str, manifest: dict, split: str, pad_id: int, with_len
       continue
     path = os.path.join(directory, split_entry["lengths_file"])
     found = _load(path)
-    if found.shape != (rows,) or found.dtype.kind not in "iu" or (
-        found.size and not 1 <= found.min() <= found.max() <= max_seq_len):
-      raise ConfigError(f"{path} does not hold {rows} example lengths in [1, {max_seq_len}]; {REDO}.")
+    if (
+        found.shape != (rows,)
+        or found.dtype.kind not in "iu"
+        or (found.size and not 1 <= found.min() <= found.max() <= max_seq_len)
+    ):
+      raise ConfigError(
+          f"{path} does not hold {rows} example lengths in [1, {max_seq_len}]; {REDO}."
+      )
     lengths.append(found.astype(np.int32))
   return shards, entries, np.concatenate(lengths) if with_lengths and shards else None
 
 
 class ShardedRows:
   """The rows of several memory-mapped [rows, 2, L] shards as one read-only int32 [N, L] array, indexed by
-  an integer array, a slice or an int (a fresh ndarray). `channel` 0 selects input ids, 1 token type ids."""
+  an integer array, a slice or an int (a fresh ndarray). `channel` 0 selects input ids, 1 token type ids.
+  """
 
   def __init__(self, shards: list[np.ndarray], channel: int, max_seq_len: int):
     self._shards, self._channel = shards, channel
@@ -180,7 +200,12 @@ class ShardVerification(threading.Thread):
   def __init__(self, directory: str, entries: list[dict], vocab_size: int, split: str):
     super().__init__(name="electra-verify-shards", daemon=True)
     self.error: ConfigError | None = None
-    self._directory, self._entries, self._vocab_size, self._split = directory, entries, vocab_size, split
+    self._directory, self._entries, self._vocab_size, self._split = (
+        directory,
+        entries,
+        vocab_size,
+        split,
+    )
     self.start()
 
   def run(self) -> None:
@@ -199,8 +224,13 @@ class ShardVerification(threading.Thread):
       except ConfigError as error:
         self.error = error
       return
-    logging.info("verified the %d %s shards of %s against %s", len(self._entries), self._split, self._directory,
-                 MANIFEST)
+    logging.info(
+        "verified the %d %s shards of %s against %s",
+        len(self._entries),
+        self._split,
+        self._directory,
+        MANIFEST,
+    )
 
   wait = threading.Thread.join
 

@@ -29,7 +29,9 @@ class SourceStats:
 
   files: list[str] = dataclasses.field(default_factory=list)
   empty_files: list[str] = dataclasses.field(default_factory=list)
-  binary_files: list[str] = dataclasses.field(default_factory=list)  # NUL bytes in the first block: skipped
+  binary_files: list[str] = dataclasses.field(
+      default_factory=list
+  )  # NUL bytes in the first block: skipped
   replaced_lines: int = 0  # lines with bytes that are not UTF-8: kept, with U+FFFD in their place
   first_replaced_line: str = ""
   skipped_lines: int = 0  # records skipped: not JSON, not an object, or without a string text field
@@ -41,9 +43,15 @@ class SourceStats:
   total_bytes: int = 0
 
   def counts(self) -> dict:
-    return {"files": len(self.files), "empty_files": len(self.empty_files), "binary_files": len(self.binary_files),
-            "replaced_lines": self.replaced_lines, "skipped_lines": self.skipped_lines,
-            "long_sentences": self.long_sentences, "documents": self.num_documents}
+    return {
+        "files": len(self.files),
+        "empty_files": len(self.empty_files),
+        "binary_files": len(self.binary_files),
+        "replaced_lines": self.replaced_lines,
+        "skipped_lines": self.skipped_lines,
+        "long_sentences": self.long_sentences,
+        "documents": self.num_documents,
+    }
 
   def skip(self, count: str, place: str) -> None:
     """One more of `count` (replaced_lines, skipped_lines, long_sentences), the first's place kept."""
@@ -58,7 +66,11 @@ MAX_SENTENCE_CHARS = 1 << 16
 _SNIFF_BYTES = 8192  # a NUL in a file's first block marks it binary
 _BLOCK_BYTES = 8 << 20  # files are decoded this many bytes (rounded to whole lines) at a time
 _HF_READ_BLOCK = 1024  # rows fetched per column read
-_SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # what save_to_disk writes
+_SAVED_MARKERS = (
+    "dataset_info.json",
+    "state.json",
+    "dataset_dict.json",
+)  # what save_to_disk writes
 
 
 def decode_utf8(raw: bytes, where, stats: SourceStats) -> str:
@@ -83,18 +95,24 @@ def resolve_files(files: str) -> list[str]:
   a file named twice read once."""
   patterns = [pattern.strip() for pattern in str(files or "").split(",") if pattern.strip()]
   if not patterns:
-    raise ConfigError("data.files is empty; give the corpus as a comma-separated list of paths or globs, "
-                      "e.g. --config.data.files='corpus/*.txt'.")
+    raise ConfigError(
+        "data.files is empty; give the corpus as a comma-separated list of paths or globs, "
+        "e.g. --config.data.files='corpus/*.txt'."
+    )
   paths: dict[str, None] = {}  # ordered, each path once
   for pattern in patterns:
     matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
     if not matches:
-      raise ConfigError(f"data.files pattern {pattern!r} matches no file; check the path (relative paths "
-                        f"start from {os.getcwd()}) or remove it from data.files.")
+      raise ConfigError(
+          f"data.files pattern {pattern!r} matches no file; check the path (relative paths "
+          f"start from {os.getcwd()}) or remove it from data.files."
+      )
     for match in matches:
       if os.path.isdir(match):
-        raise ConfigError(f"data.files entry {pattern!r} matches the directory {match!r}; name the files, "
-                          f"e.g. {os.path.join(match, '*.txt')!r}.")
+        raise ConfigError(
+            f"data.files entry {pattern!r} matches the directory {match!r}; name the files, "
+            f"e.g. {os.path.join(match, '*.txt')!r}."
+        )
       paths[os.path.abspath(match)] = None
   return list(paths)
 
@@ -114,7 +132,8 @@ def files_fingerprint(paths: list[str]) -> str:
 
 def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
   """(line number, text) of `path`, streamed, split as str.splitlines splits the whole file; nothing for
-  a binary file. `newline_only` (JSON Lines): JSON strings may hold U+2028, U+2029, U+0085 unescaped."""
+  a binary file. `newline_only` (JSON Lines): JSON strings may hold U+2028, U+2029, U+0085 unescaped.
+  """
   with open(path, "rb") as f:
     if b"\0" in f.read(_SNIFF_BYTES):
       stats.binary_files.append(path)
@@ -183,7 +202,9 @@ def split_text(text: str, where, stats: SourceStats) -> list[str]:
   return [sentence for sentence in sentences if sentence and keep_sentence(sentence, where, stats)]
 
 
-def record_documents(name: str, num_records: int, read_texts, text_field: str, stats: SourceStats, block: int):
+def record_documents(
+    name: str, num_records: int, read_texts, text_field: str, stats: SourceStats, block: int
+):
   """The documents of a dataset's records, read `block` at a time by `read_texts(start, stop)`; a value
   neither str nor bytes is skipped and counted. Progress counts records."""
   stats.total_bytes = stats.total_bytes or num_records
@@ -202,23 +223,31 @@ def record_documents(name: str, num_records: int, read_texts, text_field: str, s
         yield document
 
 
-def iter_documents(source: str, paths: list[str], text_field: str = "text", stats: SourceStats | None = None):
+def iter_documents(
+    source: str, paths: list[str], text_field: str = "text", stats: SourceStats | None = None
+):
   """The documents of `paths` read as `source`, streamed (see read_documents)."""
   if source not in FILE_SOURCES:
     raise ConfigError(f"read_documents: source must be one of {FILE_SOURCES}, got {source!r}.")
   stats = stats if stats is not None else SourceStats()
   stats.files = list(paths)
   stats.total_bytes = sum(os.path.getsize(path) for path in paths)
+
   def progress():
     return stats.num_documents, len(stats.binary_files), stats.skipped_lines, stats.long_sentences
 
   for path in paths:
     before = progress()
-    for document in (_text_file_documents(path, stats) if source == "text"
-                     else _jsonl_file_documents(path, text_field, stats)):
+    for document in (
+        _text_file_documents(path, stats)
+        if source == "text"
+        else _jsonl_file_documents(path, text_field, stats)
+    ):
       stats.num_documents += 1
       yield document
-    if progress() == before:  # nothing came out of the file and nothing in it was skipped for a reason
+    if (
+        progress() == before
+    ):  # nothing came out of the file and nothing in it was skipped for a reason
       stats.empty_files.append(path)
 
 
@@ -227,44 +256,78 @@ def read_documents(
 ) -> tuple[list[list[str]], SourceStats]:
   """The first `max_documents` documents (lists of sentences) of `paths`, and stats. "text": a sentence per
   line, blank lines and file ends separate documents; "jsonl": a document per line, the string under
-  `text_field`. What cannot be read as text is skipped and counted; raises ConfigError if nothing is left."""
+  `text_field`. What cannot be read as text is skipped and counted; raises ConfigError if nothing is left.
+  """
   stats = SourceStats()
-  documents = list(itertools.islice(iter_documents(source, paths, text_field, stats), max_documents))
+  documents = list(
+      itertools.islice(iter_documents(source, paths, text_field, stats), max_documents)
+  )
   log_stats(source, stats)
   if not documents:
     raise no_usable_text_error(source, paths, text_field, stats)
   return documents, stats
 
 
-def no_usable_text_error(source: str, paths: list[str], text_field: str, stats: SourceStats) -> ConfigError:
+def no_usable_text_error(
+    source: str, paths: list[str], text_field: str, stats: SourceStats
+) -> ConfigError:
   reasons = []
   if stats.skipped_lines:
-    reasons.append(f"{stats.skipped_lines} JSONL lines skipped, first at {stats.first_skipped_line}")
+    reasons.append(
+        f"{stats.skipped_lines} JSONL lines skipped, first at {stats.first_skipped_line}"
+    )
   if stats.binary_files:
     reasons.append(f"{len(stats.binary_files)} binary files skipped: {stats.binary_files[:3]}")
   if stats.long_sentences:
-    reasons.append(f"{stats.long_sentences} lines over {MAX_SENTENCE_CHARS} characters skipped, first at "
-                   f"{stats.first_long_sentence}")
+    reasons.append(
+        f"{stats.long_sentences} lines over {MAX_SENTENCE_CHARS} characters skipped, first at "
+        f"{stats.first_long_sentence}"
+    )
   why = f" ({'; '.join(reasons)})" if reasons else ""
-  wanted = (f"files whose JSON lines hold a string field {text_field!r} (data.text_field)." if source == "jsonl"
-            else "files with one sentence or paragraph per line.")
-  return ConfigError(f"data.source={source!r}: no usable text in data.files {paths}{why}. Point data.files at "
-                     f"non-empty UTF-8 {wanted}")
+  wanted = (
+      f"files whose JSON lines hold a string field {text_field!r} (data.text_field)."
+      if source == "jsonl"
+      else "files with one sentence or paragraph per line."
+  )
+  return ConfigError(
+      f"data.source={source!r}: no usable text in data.files {paths}{why}. Point data.files at "
+      f"non-empty UTF-8 {wanted}"
+  )
 
 
 def log_stats(source: str, stats: SourceStats) -> None:
-  logging.info("read %d documents from %d %s files (%d empty)", stats.num_documents, len(stats.files), source,
-               len(stats.empty_files))
+  logging.info(
+      "read %d documents from %d %s files (%d empty)",
+      stats.num_documents,
+      len(stats.files),
+      source,
+      len(stats.empty_files),
+  )
   for count, message, first in (
       (len(stats.empty_files), "skipped %d empty files: %s", ", ".join(stats.empty_files)),
-      (stats.replaced_lines, "%d lines held bytes that are not UTF-8 and were kept with U+FFFD in their place; "
-       "the first is %s", stats.first_replaced_line),
-      (len(stats.binary_files), "skipped %d binary files (NUL bytes; not text): %s",
-       ", ".join(stats.binary_files[:10])),
-      (stats.long_sentences, f"skipped %d lines longer than {MAX_SENTENCE_CHARS} characters (not prose); the first "
-       "is %s", stats.first_long_sentence),
-      (stats.skipped_lines, "skipped %d JSONL lines that are not a JSON object with a string text field; the first "
-       "is %s", stats.first_skipped_line),
+      (
+          stats.replaced_lines,
+          "%d lines held bytes that are not UTF-8 and were kept with U+FFFD in their place; "
+          "the first is %s",
+          stats.first_replaced_line,
+      ),
+      (
+          len(stats.binary_files),
+          "skipped %d binary files (NUL bytes; not text): %s",
+          ", ".join(stats.binary_files[:10]),
+      ),
+      (
+          stats.long_sentences,
+          f"skipped %d lines longer than {MAX_SENTENCE_CHARS} characters (not prose); the first "
+          "is %s",
+          stats.first_long_sentence,
+      ),
+      (
+          stats.skipped_lines,
+          "skipped %d JSONL lines that are not a JSON object with a string text field; the first "
+          "is %s",
+          stats.first_skipped_line,
+      ),
   ):
     if count:
       logging.warning(message, count, first)
@@ -275,38 +338,58 @@ class HfDatasetCorpus:
 
   def __init__(self, path: str, split: str, text_field: str):
     if not path:
-      raise ConfigError("data.source='hf_datasets' needs data.hf_path, a local dataset directory "
-                        "(save_to_disk's output, or data files load_dataset reads).")
+      raise ConfigError(
+          "data.source='hf_datasets' needs data.hf_path, a local dataset directory "
+          "(save_to_disk's output, or data files load_dataset reads)."
+      )
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(path):
       raise ConfigError(f"data.hf_path={path!r} is not a directory; give a local dataset's folder.")
     try:
       import datasets  # noqa: PLC0415 (optional: the hf_datasets extra)
     except ImportError as error:
-      raise ConfigError(f"data.source='hf_datasets' needs the datasets package ({error}); "
-                        "pip install 'electra-jax[hf_datasets]'.") from None
+      raise ConfigError(
+          f"data.source='hf_datasets' needs the datasets package ({error}); "
+          "pip install 'electra-jax[hf_datasets]'."
+      ) from None
     try:
       if any(os.path.exists(os.path.join(path, marker)) for marker in _SAVED_MARKERS):
         loaded = datasets.load_from_disk(path)
       else:
         loaded = datasets.load_dataset(path, split=split)
     except Exception as error:  # noqa: BLE001 -- whatever datasets raises on a folder it cannot read
-      raise ConfigError(f"data.hf_path={path!r} is not a dataset datasets can read locally "
-                        f"({type(error).__name__}: {str(error)[:300]}).") from None
+      raise ConfigError(
+          f"data.hf_path={path!r} is not a dataset datasets can read locally "
+          f"({type(error).__name__}: {str(error)[:300]})."
+      ) from None
     if isinstance(loaded, datasets.DatasetDict):
       if split not in loaded:
-        raise ConfigError(f"data.hf_split={split!r} is not a split of {path}; it has {sorted(loaded)}.")
+        raise ConfigError(
+            f"data.hf_split={split!r} is not a split of {path}; it has {sorted(loaded)}."
+        )
       loaded = loaded[split]
     if text_field not in loaded.column_names:
-      raise ConfigError(f"data.text_field={text_field!r} is not a column of {path}; its columns are "
-                        f"{loaded.column_names}. Name the one holding the document text.")
+      raise ConfigError(
+          f"data.text_field={text_field!r} is not a column of {path}; its columns are "
+          f"{loaded.column_names}. Name the one holding the document text."
+      )
     self._dataset, self.path, self.split, self.text_field = loaded, path, split, text_field
-    self.description = {"source": "hf_datasets", "hf_path": path, "hf_split": split, "text_field": text_field,
-                        "num_rows": loaded.num_rows}
+    self.description = {
+        "source": "hf_datasets",
+        "hf_path": path,
+        "hf_split": split,
+        "text_field": text_field,
+        "num_rows": loaded.num_rows,
+    }
     # datasets' own hash of the rows (new data, new key), with the split and column read.
     self.fingerprint = f"{loaded._fingerprint}|{split}|{text_field}|{loaded.num_rows}"
 
   def iter_documents(self, stats: SourceStats):
-    yield from record_documents(f"{self.path}[{self.split}]", self._dataset.num_rows,
-                                lambda start, stop: self._dataset[start:stop][self.text_field], self.text_field,
-                                stats, _HF_READ_BLOCK)
+    yield from record_documents(
+        f"{self.path}[{self.split}]",
+        self._dataset.num_rows,
+        lambda start, stop: self._dataset[start:stop][self.text_field],
+        self.text_field,
+        stats,
+        _HF_READ_BLOCK,
+    )

@@ -17,10 +17,28 @@ _RANDOM_ACCESS_FORMATS = ("array_record", "parquet")
 # TFDS registers its builder groups in one loop that stops at the first missing an optional dependency
 # (h5py), leaving later ones (`text`: glue, wikipedia, c4) unregistered; import_tfds imports each.
 _BUILDER_GROUPS = (
-    "audio", "graphs", "image", "image_classification", "object_detection", "nearest_neighbors",
-    "question_answering", "d4rl", "ranking", "recommendation", "rl_unplugged", "rlds.datasets",
-    "robotics", "robomimic", "structured", "summarization", "text", "text_simplification",
-    "time_series", "translate", "video", "vision_language",
+    "audio",
+    "graphs",
+    "image",
+    "image_classification",
+    "object_detection",
+    "nearest_neighbors",
+    "question_answering",
+    "d4rl",
+    "ranking",
+    "recommendation",
+    "rl_unplugged",
+    "rlds.datasets",
+    "robotics",
+    "robomimic",
+    "structured",
+    "summarization",
+    "text",
+    "text_simplification",
+    "time_series",
+    "translate",
+    "video",
+    "vision_language",
 )
 
 
@@ -40,12 +58,14 @@ def import_tfds():
 def _prepare_hint(name: str, data_dir: str) -> str:
   where = f", data_dir={data_dir!r}" if data_dir else ""
   cli_dir = f" --data_dir={data_dir}" if data_dir else ""
-  return ("Prepare it once, where the internet is reachable (it downloads the source data), with: python -c "
-          f"\"from electra_jax.data.tfds_source import import_tfds; import_tfds().builder({name!r}{where}, "
-          f"file_format='array_record').download_and_prepare()\" (or: tfds build {name} --file_format=array_record"
-          f"{cli_dir}), then set data.tfds_data_dir to that directory (default: $TFDS_DATA_DIR or "
-          "~/tensorflow_datasets). Datasets built with Apache Beam (wikipedia, c4) also need `pip install "
-          "apache-beam` where they are prepared.")
+  return (
+      "Prepare it once, where the internet is reachable (it downloads the source data), with: python -c "
+      f'"from electra_jax.data.tfds_source import import_tfds; import_tfds().builder({name!r}{where}, '
+      f"file_format='array_record').download_and_prepare()\" (or: tfds build {name} --file_format=array_record"
+      f"{cli_dir}), then set data.tfds_data_dir to that directory (default: $TFDS_DATA_DIR or "
+      "~/tensorflow_datasets). Datasets built with Apache Beam (wikipedia, c4) also need `pip install "
+      "apache-beam` where they are prepared."
+  )
 
 
 class TfdsCorpus:
@@ -53,50 +73,77 @@ class TfdsCorpus:
 
   def __init__(self, name: str, split: str, text_field: str, data_dir: str = ""):
     if not name:
-      raise ConfigError("data.source='tfds' needs data.tfds_name, e.g. --config.data.tfds_name=wikipedia/20230601.en.")
+      raise ConfigError(
+          "data.source='tfds' needs data.tfds_name, e.g. --config.data.tfds_name=wikipedia/20230601.en."
+      )
     try:
       tfds = import_tfds()
     except ImportError as e:
-      raise ConfigError(f"data.source='tfds' needs tensorflow-datasets ({e}); `pip install tensorflow-datasets` "
-                        f"(TensorFlow itself is not needed).") from e
+      raise ConfigError(
+          f"data.source='tfds' needs tensorflow-datasets ({e}); `pip install tensorflow-datasets` "
+          f"(TensorFlow itself is not needed)."
+      ) from e
     self.name, self.split, self.text_field = name, split, text_field
     data_dir = os.path.expanduser(data_dir) if data_dir else None
     try:
       builder = tfds.builder(name, data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError as e:
-      raise ConfigError(f"data.tfds_name={name!r} is not a TFDS dataset ({str(e).splitlines()[0]}); see "
-                        "https://www.tensorflow.org/datasets/catalog for names such as 'wikipedia/20230601.en'.") from e
+      raise ConfigError(
+          f"data.tfds_name={name!r} is not a TFDS dataset ({str(e).splitlines()[0]}); see "
+          "https://www.tensorflow.org/datasets/catalog for names such as 'wikipedia/20230601.en'."
+      ) from e
     if not builder.is_prepared():
-      raise ConfigError(f"TFDS dataset {name!r} is not prepared in {builder.data_dir} (data.tfds_data_dir="
-                        f"{data_dir or ''!r}); nothing is downloaded during training. "
-                        + _prepare_hint(name, data_dir or ""))
+      raise ConfigError(
+          f"TFDS dataset {name!r} is not prepared in {builder.data_dir} (data.tfds_data_dir="
+          f"{data_dir or ''!r}); nothing is downloaded during training. "
+          + _prepare_hint(name, data_dir or "")
+      )
     file_format = str(getattr(builder.info.file_format, "value", builder.info.file_format))
     if file_format not in _RANDOM_ACCESS_FORMATS:
-      raise ConfigError(f"TFDS dataset {name!r} in {builder.data_dir} is stored as {file_format}, which only "
-                        f"TensorFlow can read; electra-jax reads {list(_RANDOM_ACCESS_FORMATS)}. Prepare it again "
-                        "into another data_dir with file_format='array_record'. " + _prepare_hint(name, ""))
+      raise ConfigError(
+          f"TFDS dataset {name!r} in {builder.data_dir} is stored as {file_format}, which only "
+          f"TensorFlow can read; electra-jax reads {list(_RANDOM_ACCESS_FORMATS)}. Prepare it again "
+          "into another data_dir with file_format='array_record'. " + _prepare_hint(name, "")
+      )
     if split not in builder.info.splits:
-      raise ConfigError(f"data.tfds_split={split!r} is not a split of {name!r}; it has "
-                        f"{list(builder.info.splits.keys())}.")
+      raise ConfigError(
+          f"data.tfds_split={split!r} is not a split of {name!r}; it has "
+          f"{list(builder.info.splits.keys())}."
+      )
     features = list(builder.info.features.keys()) if hasattr(builder.info.features, "keys") else []
     if text_field not in features:
-      raise ConfigError(f"data.tfds_text_field={text_field!r} is not a feature of {name!r}; its features are "
-                        f"{features}. Name the one holding the document text.")
+      raise ConfigError(
+          f"data.tfds_text_field={text_field!r} is not a feature of {name!r}; its features are "
+          f"{features}. Name the one holding the document text."
+      )
     self._builder, split_info = builder, builder.info.splits[split]
     self.num_records = int(split_info.num_examples)
-    self.description = {"source": "tfds", "tfds_name": builder.info.full_name, "tfds_split": split,
-                        "tfds_text_field": text_field, "tfds_data_dir": str(builder.data_dir),
-                        "num_records": self.num_records, "num_bytes": int(split_info.num_bytes)}
-    self.fingerprint = "|".join(str(self.description[key]) for key in (
-        "tfds_name", "tfds_split", "tfds_text_field", "num_records", "num_bytes"))
+    self.description = {
+        "source": "tfds",
+        "tfds_name": builder.info.full_name,
+        "tfds_split": split,
+        "tfds_text_field": text_field,
+        "tfds_data_dir": str(builder.data_dir),
+        "num_records": self.num_records,
+        "num_bytes": int(split_info.num_bytes),
+    }
+    self.fingerprint = "|".join(
+        str(self.description[key])
+        for key in ("tfds_name", "tfds_split", "tfds_text_field", "num_records", "num_bytes")
+    )
 
   def iter_documents(self, stats: SourceStats):
     source = self._builder.as_data_source(split=self.split)
 
     def read_texts(start: int, stop: int) -> list:
       keys = list(range(start, stop))
-      records = source.__getitems__(keys) if hasattr(source, "__getitems__") else [source[k] for k in keys]
+      records = (
+          source.__getitems__(keys)
+          if hasattr(source, "__getitems__")
+          else [source[k] for k in keys]
+      )
       return [record[self.text_field] for record in records]
 
-    yield from record_documents(f"{self.name}[{self.split}]", len(source), read_texts, self.text_field, stats,
-                                _READ_BLOCK)
+    yield from record_documents(
+        f"{self.name}[{self.split}]", len(source), read_texts, self.text_field, stats, _READ_BLOCK
+    )

@@ -67,34 +67,63 @@ class NoSentencesError(ConfigError):
   """train_sentencepiece was given no text (callers turn it into a message about their source)."""
 
 
-def train_sentencepiece(sentences: Iterable[str], out_path: str, vocab_size: int, model_type: str = "unigram",
-                        num_threads: int = TRAINING_THREADS) -> str:
+def train_sentencepiece(
+    sentences: Iterable[str],
+    out_path: str,
+    vocab_size: int,
+    model_type: str = "unigram",
+    num_threads: int = TRAINING_THREADS,
+) -> str:
   """Train a sentencepiece model on `sentences` into `out_path` (returned), atomically: ids 0..4 are
   SPECIAL_TOKENS, and there are no BOS/EOS pieces."""
   if model_type not in SUPPORTED_MODEL_TYPES:
-    raise ConfigError(f"Unsupported sentencepiece model_type {model_type!r}; use one of {SUPPORTED_MODEL_TYPES}.")
+    raise ConfigError(
+        f"Unsupported sentencepiece model_type {model_type!r}; use one of {SUPPORTED_MODEL_TYPES}."
+    )
   if vocab_size <= len(SPECIAL_TOKENS):
-    raise ConfigError(f"vocab_size must be larger than the {len(SPECIAL_TOKENS)} special tokens {SPECIAL_TOKENS}, "
-                      f"got {vocab_size}.")
+    raise ConfigError(
+        f"vocab_size must be larger than the {len(SPECIAL_TOKENS)} special tokens {SPECIAL_TOKENS}, "
+        f"got {vocab_size}."
+    )
   model_bytes = io.BytesIO()
-  sample = _sample_sentences((piece for sentence in sentences for piece in _within_limit(sentence)),
-                             _MAX_TRAINING_SENTENCES)
+  sample = _sample_sentences(
+      (piece for sentence in sentences for piece in _within_limit(sentence)),
+      _MAX_TRAINING_SENTENCES,
+  )
   if not sample:
-    raise NoSentencesError("train_sentencepiece got no sentences to train on; pass a non-empty iterable of strings.")
+    raise NoSentencesError(
+        "train_sentencepiece got no sentences to train on; pass a non-empty iterable of strings."
+    )
   try:
     spm.SentencePieceTrainer.train(  # minloglevel=2: errors only (the trainer logs every EM step to stderr)
-        sentence_iterator=iter(sample), model_writer=model_bytes, vocab_size=vocab_size, model_type=model_type,
-        pad_id=PAD_ID, pad_piece="[PAD]", unk_id=UNK_ID, unk_piece="[UNK]", bos_id=-1, eos_id=-1,
-        user_defined_symbols=list(SPECIAL_TOKENS[CLS_ID:]), num_threads=num_threads,
-        input_sentence_size=_MAX_TRAINING_SENTENCES, shuffle_input_sentence=True,
-        max_sentence_length=_MAX_SENTENCE_BYTES, minloglevel=2)
+        sentence_iterator=iter(sample),
+        model_writer=model_bytes,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        pad_id=PAD_ID,
+        pad_piece="[PAD]",
+        unk_id=UNK_ID,
+        unk_piece="[UNK]",
+        bos_id=-1,
+        eos_id=-1,
+        user_defined_symbols=list(SPECIAL_TOKENS[CLS_ID:]),
+        num_threads=num_threads,
+        input_sentence_size=_MAX_TRAINING_SENTENCES,
+        shuffle_input_sentence=True,
+        max_sentence_length=_MAX_SENTENCE_BYTES,
+        minloglevel=2,
+    )
   except RuntimeError as e:
     if "Vocabulary size too high" in str(e):
-      raise ConfigError(f"The training text is too small for a sentencepiece vocabulary of {vocab_size} pieces "
-                        f"({e}). Lower the vocab size (spm_vocab_size) or train on more text.") from e
+      raise ConfigError(
+          f"The training text is too small for a sentencepiece vocabulary of {vocab_size} pieces "
+          f"({e}). Lower the vocab size (spm_vocab_size) or train on more text."
+      ) from e
     if "Vocabulary size is smaller" in str(e):
-      raise ConfigError(f"A sentencepiece vocabulary of {vocab_size} pieces cannot hold every character the "
-                        f"training text needs ({e}). Raise the vocab size (spm_vocab_size).") from e
+      raise ConfigError(
+          f"A sentencepiece vocabulary of {vocab_size} pieces cannot hold every character the "
+          f"training text needs ({e}). Raise the vocab size (spm_vocab_size)."
+      ) from e
     raise
   workdir_files.write_bytes(out_path, model_bytes.getvalue())
   return out_path
@@ -115,8 +144,10 @@ class SentencePieceTokenizer:
     try:
       self._processor.LoadFromSerializedProto(model_bytes)
     except RuntimeError as e:
-      raise ConfigError(f"{model_path} is not a valid sentencepiece model ({e}). Delete it and "
-                        f"train a new one with train_sentencepiece.") from e
+      raise ConfigError(
+          f"{model_path} is not a valid sentencepiece model ({e}). Delete it and "
+          f"train a new one with train_sentencepiece."
+      ) from e
     size = self._processor.get_piece_size()
     for expected_id, token in enumerate(SPECIAL_TOKENS):
       piece_at_id = self._processor.id_to_piece(expected_id) if expected_id < size else None
@@ -124,10 +155,14 @@ class SentencePieceTokenizer:
         continue
       # piece_to_id answers the unknown id for a missing piece: an id is real if it maps back to the token.
       found_id = self._processor.piece_to_id(token)
-      problem = "is missing" if self._processor.id_to_piece(found_id) != token else f"has id {found_id}"
-      raise ConfigError(f"Sentencepiece model {self.model_path}: special token {token} {problem}, but ELECTRA needs "
-                        f"{list(SPECIAL_TOKENS)} at ids 0..{len(SPECIAL_TOKENS) - 1} (id {expected_id} is "
-                        f"{piece_at_id!r}). Train the model with electra_jax.data.train_sentencepiece.")
+      problem = (
+          "is missing" if self._processor.id_to_piece(found_id) != token else f"has id {found_id}"
+      )
+      raise ConfigError(
+          f"Sentencepiece model {self.model_path}: special token {token} {problem}, but ELECTRA needs "
+          f"{list(SPECIAL_TOKENS)} at ids 0..{len(SPECIAL_TOKENS) - 1} (id {expected_id} is "
+          f"{piece_at_id!r}). Train the model with electra_jax.data.train_sentencepiece."
+      )
 
   @property
   def vocab_size(self) -> int:
@@ -147,5 +182,7 @@ class SentencePieceTokenizer:
     return self._processor.id_to_piece(int(i))
 
   def __repr__(self) -> str:
-    return (f"SentencePieceTokenizer({self.model_path!r}, vocab_size={self.vocab_size}, "
-            f"fingerprint={self.fingerprint!r})")
+    return (
+        f"SentencePieceTokenizer({self.model_path!r}, vocab_size={self.vocab_size}, "
+        f"fingerprint={self.fingerprint!r})"
+    )

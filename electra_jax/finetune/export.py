@@ -24,21 +24,31 @@ _GELU_FLOOR = 8.0
 
 def export_hf(workdir: str, out_dir: str, export_generator: bool = False) -> dict[str, str]:
   """`--mode=export_hf`: a pre-training workdir's towers, or each finished seed of a fine-tuning workdir as
-  <out_dir>/<task>/seed_<s> (HF config, weights and tokenizer; logits match ours). Returns {what: directory}."""
+  <out_dir>/<task>/seed_<s> (HF config, weights and tokenizer; logits match ours). Returns {what: directory}.
+  """
   names = os.listdir(workdir) if os.path.isdir(workdir) else []
-  tasks = sorted(name for name in names if os.path.isfile(os.path.join(workdir, name, "results.json")))
+  tasks = sorted(
+      name for name in names if os.path.isfile(os.path.join(workdir, name, "results.json"))
+  )
   if not tasks:
     return export.export_workdir(workdir, out_dir, export_generator)
   if export_generator:
-    raise ConfigError(f"--export_generator: {workdir} is a fine-tuning workdir, which has no generator.")
-  loaded = {task: load_task_model(workdir, task) for task in tasks}  # every refusal before anything is written
+    raise ConfigError(
+        f"--export_generator: {workdir} is a fine-tuning workdir, which has no generator."
+    )
+  loaded = {
+      task: load_task_model(workdir, task) for task in tasks
+  }  # every refusal before anything is written
   for task in tasks:
     export.check_export_out(os.path.join(out_dir, task))
   written = {}
   for task, (head, backbone, model, seeds) in loaded.items():
     if head.get("answerable"):
-      logging.warning("%s: SQuAD 2.0's answerability head has no ElectraForQuestionAnswering form and is "
-                      "left out; the export's no-answer score is the [CLS] span's, as Hugging Face's.", task)
+      logging.warning(
+          "%s: SQuAD 2.0's answerability head has no ElectraForQuestionAnswering form and is "
+          "left out; the export's no-answer score is the [CLS] span's, as Hugging Face's.",
+          task,
+      )
     for seed in seeds:
       written[f"{task}/seed_{seed}"] = directory = os.path.join(out_dir, task, f"seed_{seed}")
       _write(directory, backbone, head, restore_seed(workdir, task, seed, model))
@@ -49,9 +59,15 @@ def _classification_head(params, head: dict, encoder: models.EncoderConfig):
   """HF's ElectraClassificationHead (dense -> GELU -> out_proj) holding our one dense layer exactly: dense is
   the identity shifted by c, which puts every GELU input (bounded by the final LayerNorm: |scale| sqrt(H) + |bias|)
   at or above _GELU_FLOOR, and out_proj takes c back off. Regression folds (lo, hi) in."""
-  norm = params["encoder"][f"layer_{encoder.num_layers - 1}"]["output_layer_norm"]  # post-LN: HF's only form
+  norm = params["encoder"][f"layer_{encoder.num_layers - 1}"][
+      "output_layer_norm"
+  ]  # post-LN: HF's only form
   size = encoder.hidden_size
-  shift = np.abs(np.asarray(norm["scale"])) * np.sqrt(size) + np.abs(np.asarray(norm["bias"])) + _GELU_FLOOR
+  shift = (
+      np.abs(np.asarray(norm["scale"])) * np.sqrt(size)
+      + np.abs(np.asarray(norm["bias"]))
+      + _GELU_FLOOR
+  )
   kernel = np.asarray(params["classifier"]["kernel"], np.float64)
   bias = np.asarray(params["classifier"]["bias"], np.float64)
   if head["kind"] == "regression":
@@ -60,7 +76,9 @@ def _classification_head(params, head: dict, encoder: models.EncoderConfig):
   return {
       "classifier.dense.weight": np.eye(size, dtype=np.float32),
       "classifier.dense.bias": shift.astype(np.float32),
-      "classifier.out_proj.weight": np.ascontiguousarray(kernel.T, np.float32),  # safetensors ignores strides
+      "classifier.out_proj.weight": np.ascontiguousarray(
+          kernel.T, np.float32
+      ),  # safetensors ignores strides
       "classifier.out_proj.bias": (bias - shift.astype(np.float64) @ kernel).astype(np.float32),
   }
 
@@ -70,11 +88,20 @@ def _hf_config(backbone, head: dict) -> dict:
   if head["kind"] == "span":
     return dict(settings, architectures=["ElectraForQuestionAnswering"], num_labels=2)
   if head["kind"] == "regression":
-    return dict(settings, architectures=["ElectraForSequenceClassification"], num_labels=1, problem_type="regression")
+    return dict(
+        settings,
+        architectures=["ElectraForSequenceClassification"],
+        num_labels=1,
+        problem_type="regression",
+    )
   labels = head["labels"]
-  return dict(settings, architectures=["ElectraForSequenceClassification"], problem_type="single_label_classification",
-              id2label={str(i): label for i, label in enumerate(labels)},
-              label2id={label: i for i, label in enumerate(labels)})
+  return dict(
+      settings,
+      architectures=["ElectraForSequenceClassification"],
+      problem_type="single_label_classification",
+      id2label={str(i): label for i, label in enumerate(labels)},
+      label2id={label: i for i, label in enumerate(labels)},
+  )
 
 
 class TaskModel(NamedTuple):
@@ -89,12 +116,18 @@ def load_task_model(workdir: str, task: str) -> TaskModel:
   results = workdir_files.read_json(os.path.join(workdir, task, "results.json"))
   head = results.get("head")
   if head is None:
-    raise ConfigError(f"{workdir}/{task}/results.json predates exports (no 'head' entry); fine-tune it again.")
+    raise ConfigError(
+        f"{workdir}/{task}/results.json predates exports (no 'head' entry); fine-tune it again."
+    )
   config = ml_collections.ConfigDict(results["config"])
   if head["kind"] != "span" and config.head.pooling != "cls":
-    raise ConfigError(f"{workdir}/{task} was fine-tuned with head.pooling={config.head.pooling!r}, and Hugging "
-                      "Face's ElectraForSequenceClassification reads [CLS] only; fine-tune with head.pooling=cls.")
-  config.random_init = True  # sizes and tokenizer only: the weights come from the fine-tuned checkpoint
+    raise ConfigError(
+        f"{workdir}/{task} was fine-tuned with head.pooling={config.head.pooling!r}, and Hugging "
+        "Face's ElectraForSequenceClassification reads [CLS] only; fine-tune with head.pooling=cls."
+    )
+  config.random_init = (
+      True  # sizes and tokenizer only: the weights come from the fine-tuned checkpoint
+  )
   backbone = model_lib.load_backbone(config)
   hf.check_hf_form(backbone.encoder_config)
   if head["kind"] == "span":
@@ -107,20 +140,32 @@ def load_task_model(workdir: str, task: str) -> TaskModel:
 def restore_seed(workdir: str, task: str, seed: int, model):
   """The parameters (numpy) of one seed's kept checkpoint, for the task `model`."""
   ids = np.zeros((1, 8), np.int32)
-  abstract = jax.eval_shape(lambda: nn.meta.unbox(model.init(jax.random.key(0), ids, ids, ids + 1)["params"]))
+  abstract = jax.eval_shape(
+      lambda: nn.meta.unbox(model.init(jax.random.key(0), ids, ids, ids + 1)["params"])
+  )
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract
+  )
   seed_dir = os.path.join(workdir, task, f"seed_{seed}")
   with contextlib.closing(checkpointing.Checkpointer(seed_dir, keep=1)) as checkpointer:
     step = checkpointer.latest_step()
     if step is None:
-      raise ConfigError(f"{checkpointer.directory} holds no checkpoint; fine-tune seed {seed} again to export it.")
+      raise ConfigError(
+          f"{checkpointer.directory} holds no checkpoint; fine-tune seed {seed} again to export it."
+      )
     return jax.device_get(checkpointer.restore(step, {"params": abstract})["params"])
 
 
 def _write(directory: str, backbone, head: dict, params) -> None:
-  tensors = {"electra." + name: value for name, value in hf.hf_weights_from_params(
-      backbone.model, "encoder", {"embeddings": params["embeddings"], "encoder": params["encoder"]}).items()}
+  tensors = {
+      "electra." + name: value
+      for name, value in hf.hf_weights_from_params(
+          backbone.model,
+          "encoder",
+          {"embeddings": params["embeddings"], "encoder": params["encoder"]},
+      ).items()
+  }
   if head["kind"] == "span":
     span = params["span_head"]["span_logits"]
     tensors["qa_outputs.weight"] = np.ascontiguousarray(np.asarray(span["kernel"], np.float32).T)
@@ -129,5 +174,9 @@ def _write(directory: str, backbone, head: dict, params) -> None:
     tensors.update(_classification_head(params, head, backbone.encoder_config))
   os.makedirs(directory, exist_ok=True)
   workdir_files.write_json(os.path.join(directory, "config.json"), _hf_config(backbone, head))
-  safetensors.numpy.save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-  export.write_tokenizer_files(backbone.tokenizer, directory, backbone.model.max_position_embeddings)
+  safetensors.numpy.save_file(
+      tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"}
+  )
+  export.write_tokenizer_files(
+      backbone.tokenizer, directory, backbone.model.max_position_embeddings
+  )

@@ -9,7 +9,9 @@ import numpy as np
 def _pair(a: Sequence, b: Sequence, dtype=None) -> tuple[np.ndarray, np.ndarray]:
   a, b = np.asarray(a, dtype), np.asarray(b, dtype)
   if a.shape != b.shape or a.ndim != 1:
-    raise ValueError(f"Metrics need two 1-D arrays of one length, got shapes {a.shape} and {b.shape}.")
+    raise ValueError(
+        f"Metrics need two 1-D arrays of one length, got shapes {a.shape} and {b.shape}."
+    )
   if a.size == 0:
     raise ValueError("Metrics of an empty split are undefined; the split has no examples.")
   return a, b
@@ -65,12 +67,24 @@ def spearman(targets: Sequence[float], predictions: Sequence[float]) -> float:
   return pearson(average_ranks(targets), average_ranks(predictions))
 
 
-METRIC_FNS = {"accuracy": accuracy, "f1": f1, "mcc": matthews_corrcoef, "pearson": pearson, "spearman": spearman}
+METRIC_FNS = {
+    "accuracy": accuracy,
+    "f1": f1,
+    "mcc": matthews_corrcoef,
+    "pearson": pearson,
+    "spearman": spearman,
+}
 
 # What GLUE's leaderboard reports for each task (MNLI: on matched and mismatched alike).
 GLUE_METRICS = {
-    "cola": ("mcc",), "sst2": ("accuracy",), "mrpc": ("accuracy", "f1"), "stsb": ("pearson", "spearman"),
-    "qqp": ("accuracy", "f1"), "mnli": ("accuracy",), "qnli": ("accuracy",), "rte": ("accuracy",),
+    "cola": ("mcc",),
+    "sst2": ("accuracy",),
+    "mrpc": ("accuracy", "f1"),
+    "stsb": ("pearson", "spearman"),
+    "qqp": ("accuracy", "f1"),
+    "mnli": ("accuracy",),
+    "qnli": ("accuracy",),
+    "rte": ("accuracy",),
     "wnli": ("accuracy",),
 }
 

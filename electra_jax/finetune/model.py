@@ -15,8 +15,15 @@ import jax.numpy as jnp
 
 from electra_jax import checkpointing, config_lib, data, random_ops, train
 from electra_jax.errors import ConfigError
-from electra_jax.models import (Encoder, EncoderConfig, ElectraEncoderModel, OneTower, build_model, embeddings_for,
-                                tower_from_pretrainer)
+from electra_jax.models import (
+    Encoder,
+    EncoderConfig,
+    ElectraEncoderModel,
+    OneTower,
+    build_model,
+    embeddings_for,
+    tower_from_pretrainer,
+)
 
 # How the classifier reduces the final hidden states to one vector per example (head.pooling).
 POOLINGS = ("cls", "mean")
@@ -24,10 +31,15 @@ POOLINGS = ("cls", "mean")
 
 def sizes_of(model) -> dict[str, int]:
   """The embedding sizes a task model shares with its backbone."""
-  return {k: getattr(model, k) for k in ("vocab_size", "embedding_size", "max_position_embeddings", "type_vocab_size")}
+  return {
+      k: getattr(model, k)
+      for k in ("vocab_size", "embedding_size", "max_position_embeddings", "type_vocab_size")
+  }
 
 
-def head_dense(features: int, dtype, name: str | None = None, fan_out: int | None = None) -> nn.Dense:
+def head_dense(
+    features: int, dtype, name: str | None = None, fan_out: int | None = None
+) -> nn.Dense:
   """A head's dense layer as the official tf.layers.dense: zero bias, TF1's glorot_uniform kernel with fan-out
   `fan_out` if given (each column initialized as its own layer)."""
 
@@ -36,7 +48,10 @@ def head_dense(features: int, dtype, name: str | None = None, fan_out: int | Non
     return jax.random.uniform(key, shape, dtype, -limit, limit)
 
   return nn.Dense(
-      features, dtype=dtype, param_dtype=jnp.float32, name=name,
+      features,
+      dtype=dtype,
+      param_dtype=jnp.float32,
+      name=name,
       kernel_init=nn.with_logical_partitioning(kernel_init, ("embed", "unmodeled")),
       bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("unmodeled",)),
   )
@@ -50,7 +65,9 @@ def pool(hidden: jax.Array, attention_mask: jax.Array, pooling: str) -> jax.Arra
   if pooling == "mean":
     mask = (attention_mask > 0).astype(jnp.float32)[..., None]
     total = jnp.sum(hidden.astype(jnp.float32) * mask, axis=1)
-    return (total / jnp.maximum(jnp.sum(mask, axis=1), 1.0)).astype(hidden.dtype)  # all padding: 0, not NaN
+    return (total / jnp.maximum(jnp.sum(mask, axis=1), 1.0)).astype(
+        hidden.dtype
+    )  # all padding: 0, not NaN
   raise ConfigError(f"head.pooling={pooling!r}: use one of {list(POOLINGS)}.")
 
 
@@ -62,7 +79,9 @@ class EncoderWithHead(OneTower):
     self.encoder = Encoder(self.config, self.embedding_size, self.dtype, self.attention_impl)
 
   def __call__(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
-    hidden = self.encoder(self.embeddings(input_ids, token_type_ids, deterministic), attention_mask, deterministic)
+    hidden = self.encoder(
+        self.embeddings(input_ids, token_type_ids, deterministic), attention_mask, deterministic
+    )
     return self.head(hidden, token_type_ids, attention_mask, deterministic)
 
 
@@ -80,7 +99,9 @@ class ElectraClassifier(EncoderWithHead, kw_only=True):
     self.classifier = head_dense(self.num_outputs, self.dtype)
 
   def head(self, hidden, token_type_ids, attention_mask, deterministic):
-    pooled = self.head_dropout(pool(hidden, attention_mask, self.pooling), deterministic=deterministic)
+    pooled = self.head_dropout(
+        pool(hidden, attention_mask, self.pooling), deterministic=deterministic
+    )
     return self.classifier(pooled).astype(jnp.float32)
 
 
@@ -99,19 +120,31 @@ class Backbone:
 
   def task_model(self, module_class, config, **head_fields):
     """`module_class` (ElectraClassifier, squad.SquadModel) over this encoder, with config's dropout and dtype."""
-    encoder_config = dataclasses.replace(self.encoder_config, dropout_rate=config.dropout_rate,
-                                         attention_dropout_rate=config.attention_dropout_rate)
-    return module_class(**sizes_of(self.model), config=encoder_config, dtype=jnp.dtype(config.dtype), **head_fields)
+    encoder_config = dataclasses.replace(
+        self.encoder_config,
+        dropout_rate=config.dropout_rate,
+        attention_dropout_rate=config.attention_dropout_rate,
+    )
+    return module_class(
+        **sizes_of(self.model), config=encoder_config, dtype=jnp.dtype(config.dtype), **head_fields
+    )
 
   def classifier(self, num_outputs: int, config) -> ElectraClassifier:
-    return self.task_model(ElectraClassifier, config, num_outputs=num_outputs,
-                           head_dropout_rate=config.head_dropout_rate, pooling=config.head.pooling)
+    return self.task_model(
+        ElectraClassifier,
+        config,
+        num_outputs=num_outputs,
+        head_dropout_rate=config.head_dropout_rate,
+        pooling=config.head.pooling,
+    )
 
 
 def _tokenizer_from_file(path: str, lowercase: bool | None, strip_accents: bool | None = None):
   """A sentencepiece .model, or a BERT vocab.txt (lowercase None: True, BERT's uncased default)."""
   if not os.path.isfile(path):
-    raise ConfigError(f"config.tokenizer={path!r} is not a file; give a sentencepiece .model or a BERT vocab.txt.")
+    raise ConfigError(
+        f"config.tokenizer={path!r} is not a file; give a sentencepiece .model or a BERT vocab.txt."
+    )
   if path.endswith(".model"):
     return data.SentencePieceTokenizer(path)
   return data.WordPieceTokenizer(path, True if lowercase is None else lowercase, strip_accents)
@@ -134,20 +167,28 @@ def _from_workdir(config, workdir: str) -> Backbone:
     parts = [part.partition(":") for part in meta["data_fingerprint"].split("|")]
     recorded = next((value for kind, _, value in parts if kind in ("spm", "wp")), None)
   if recorded is not None and recorded != tokenizer.fingerprint:
-    raise ConfigError(f"The tokenizer {tokenizer!r} differs from the one the checkpoint in {workdir} was pre-trained "
-                      f"with (fingerprint {recorded}); leave config.tokenizer empty to use that one.")
+    raise ConfigError(
+        f"The tokenizer {tokenizer!r} differs from the one the checkpoint in {workdir} was pre-trained "
+        f"with (fingerprint {recorded}); leave config.tokenizer empty to use that one."
+    )
   pretrainer = build_model(pretrain_config)
   source = f"random init (sizes of {workdir})" if config.random_init else f"{workdir} step {step}"
   params = None
   if not config.random_init:
     from electra_jax.interop.export import one_device_setup  # interop only where it is needed
+
     mesh, setup = one_device_setup(pretrain_config, tokenizer)
     _, state = train.restore_checkpoint(workdir, setup, mesh, step)
     # The standalone discriminator, every model.tie mode resolved; the RTD head and generator stay behind.
     _, tower_params = tower_from_pretrainer(setup.model, state.params, "discriminator")
-    params = {"embeddings": tower_params["embeddings"], "encoder": tower_params["discriminator"]["encoder"]}
+    params = {
+        "embeddings": tower_params["embeddings"],
+        "encoder": tower_params["discriminator"]["encoder"],
+    }
   encoder_config = dataclasses.replace(pretrainer.discriminator_config, scan_layers=False)
-  return Backbone(ElectraEncoderModel(**sizes_of(pretrainer), config=encoder_config), params, tokenizer, source)
+  return Backbone(
+      ElectraEncoderModel(**sizes_of(pretrainer), config=encoder_config), params, tokenizer, source
+  )
 
 
 def _from_hf(config, path: str) -> Backbone:
@@ -155,30 +196,61 @@ def _from_hf(config, path: str) -> Backbone:
   from electra_jax.interop import pretraining as pairing
 
   hf_model, hf_params = interop.load_hf(path)
-  tower = next((hf_params[name] for name in ("discriminator", "generator") if name in hf_params), hf_params)
-  candidates = [os.path.join(path, name) for name in ("vocab.txt", "spm.model")]  # BERT's, or our export's
+  tower = next(
+      (hf_params[name] for name in ("discriminator", "generator") if name in hf_params), hf_params
+  )
+  candidates = [
+      os.path.join(path, name) for name in ("vocab.txt", "spm.model")
+  ]  # BERT's, or our export's
   tokenizer_path = config.tokenizer or next((c for c in candidates if os.path.isfile(c)), "")
   if not tokenizer_path:
-    raise ConfigError(f"{path} has neither vocab.txt nor spm.model; set config.tokenizer to the model's vocabulary.")
+    raise ConfigError(
+        f"{path} has neither vocab.txt nor spm.model; set config.tokenizer to the model's vocabulary."
+    )
   # How tokenizer_config.json says the text was normalized, unless config.lowercase is set.
   lowercase, strip_accents = pairing.read_tokenizer_settings(path)
   lowercase = lowercase if config.lowercase is None else config.lowercase
-  params = None if config.random_init else {"embeddings": hf_params["embeddings"], "encoder": tower["encoder"]}
-  return Backbone(ElectraEncoderModel(**sizes_of(hf_model), config=hf_model.config), params,
-                  _tokenizer_from_file(tokenizer_path, lowercase, strip_accents),
-                  f"random init (sizes of {path})" if config.random_init else f"Hugging Face {path}")
+  params = (
+      None
+      if config.random_init
+      else {"embeddings": hf_params["embeddings"], "encoder": tower["encoder"]}
+  )
+  return Backbone(
+      ElectraEncoderModel(**sizes_of(hf_model), config=hf_model.config),
+      params,
+      _tokenizer_from_file(tokenizer_path, lowercase, strip_accents),
+      f"random init (sizes of {path})" if config.random_init else f"Hugging Face {path}",
+  )
 
 
 def _from_config(config) -> Backbone:
   if not config.tokenizer:
-    raise ConfigError("config.init_from is empty, so the model starts from scratch and needs config.tokenizer (a "
-                      "sentencepiece .model or a BERT vocab.txt), or set config.init_from to a pre-trained model.")
+    raise ConfigError(
+        "config.init_from is empty, so the model starts from scratch and needs config.tokenizer (a "
+        "sentencepiece .model or a BERT vocab.txt), or set config.init_from to a pre-trained model."
+    )
   m = config.model
-  config_lib.check_encoder_sizes(m, ("hidden_size", "num_layers", "num_heads", "intermediate_size", "embedding_size",
-                                     "max_position_embeddings"), "config.model.", " (the random-init model's sizes)")
+  config_lib.check_encoder_sizes(
+      m,
+      (
+          "hidden_size",
+          "num_layers",
+          "num_heads",
+          "intermediate_size",
+          "embedding_size",
+          "max_position_embeddings",
+      ),
+      "config.model.",
+      " (the random-init model's sizes)",
+  )
   tokenizer = _tokenizer_from_file(config.tokenizer, config.lowercase)
-  model = ElectraEncoderModel(m.vocab_size or tokenizer.vocab_size, m.embedding_size, m.max_position_embeddings, 2,
-                              EncoderConfig(m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size))
+  model = ElectraEncoderModel(
+      m.vocab_size or tokenizer.vocab_size,
+      m.embedding_size,
+      m.max_position_embeddings,
+      2,
+      EncoderConfig(m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size),
+  )
   return Backbone(model, None, tokenizer, "random init (config.model)")
 
 
@@ -193,14 +265,20 @@ def load_backbone(config) -> Backbone:
   elif os.path.isfile(os.path.join(init_from, "config.json")):
     backbone = _from_hf(config, init_from)
   else:
-    raise ConfigError(f"config.init_from={init_from!r} is neither a pre-training workdir (with checkpoints/) nor a "
-                      "Hugging Face directory (with config.json).")
+    raise ConfigError(
+        f"config.init_from={init_from!r} is neither a pre-training workdir (with checkpoints/) nor a "
+        "Hugging Face directory (with config.json)."
+    )
   if backbone.tokenizer.vocab_size > backbone.model.vocab_size:
-    raise ConfigError(f"The tokenizer has {backbone.tokenizer.vocab_size} tokens but the model's vocabulary only "
-                      f"{backbone.model.vocab_size}; use the tokenizer the model was trained with.")
+    raise ConfigError(
+        f"The tokenizer has {backbone.tokenizer.vocab_size} tokens but the model's vocabulary only "
+        f"{backbone.model.vocab_size}; use the tokenizer the model was trained with."
+    )
   if config.max_seq_len > backbone.model.max_position_embeddings:
-    raise ConfigError(f"config.max_seq_len={config.max_seq_len} exceeds the model's max_position_embeddings="
-                      f"{backbone.model.max_position_embeddings}; lower max_seq_len.")
+    raise ConfigError(
+        f"config.max_seq_len={config.max_seq_len} exceeds the model's max_position_embeddings="
+        f"{backbone.model.max_position_embeddings}; lower max_seq_len."
+    )
   return backbone
 
 
@@ -210,7 +288,13 @@ def _compiled_init(model: nn.Module):
   return jax.jit(model.init)
 
 
-def init_params(backbone: Backbone, model: ElectraClassifier, rng: jax.Array, seq_len: int, reinit_layers: int = 0):
+def init_params(
+    backbone: Backbone,
+    model: ElectraClassifier,
+    rng: jax.Array,
+    seq_len: int,
+    reinit_layers: int = 0,
+):
   """Fresh parameters for `model`, the backbone's weights (if any) in the embeddings and encoder but for the top
   `reinit_layers` layers (and a pre-LN final LayerNorm with them)."""
   ids = jnp.zeros((1, seq_len), jnp.int32)
@@ -219,13 +303,17 @@ def init_params(backbone: Backbone, model: ElectraClassifier, rng: jax.Array, se
     # Copies: the training step donates its parameters, and the next seed starts from these.
     pretrained = jax.tree.map(lambda x: jnp.array(x, copy=True), nn.meta.unbox(backbone.params))
     for name in ("embeddings", "encoder"):
-      expected, got = jax.tree.map(jnp.shape, params[name]), jax.tree.map(jnp.shape, pretrained[name])
+      expected, got = jax.tree.map(jnp.shape, params[name]), jax.tree.map(
+          jnp.shape, pretrained[name]
+      )
       if expected != got:
         raise ConfigError(f"The pre-trained {name} do not fit the classifier: {got} vs {expected}.")
     num_layers = backbone.encoder_config.num_layers
     fresh = {f"layer_{i}" for i in range(num_layers - reinit_layers, num_layers)}
     fresh |= {"final_layer_norm"} if reinit_layers else set()
     params["embeddings"] = pretrained["embeddings"]
-    params["encoder"] = {key: params["encoder"][key] if key in fresh else value
-                         for key, value in pretrained["encoder"].items()}
+    params["encoder"] = {
+        key: params["encoder"][key] if key in fresh else value
+        for key, value in pretrained["encoder"].items()
+    }
   return params

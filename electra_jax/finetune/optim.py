@@ -1,5 +1,6 @@
 """The fine-tuning optimizer over {embeddings, encoder, <head>}: clipping, AdamW (no decay on
-LayerNorm or biases), linear warmup and decay, and layer-wise decay (smaller steps nearer the input)."""
+LayerNorm or biases), linear warmup and decay, and layer-wise decay (smaller steps nearer the input).
+"""
 
 import re
 
@@ -16,14 +17,19 @@ LAYERWISE_RULES = ("correct", "official")
 
 def check_layerwise(decay: float, rule: str) -> None:
   if rule not in LAYERWISE_RULES:
-    raise ConfigError(f"optimizer.layerwise_lr_decay_rule={rule!r}: use one of {list(LAYERWISE_RULES)}.")
+    raise ConfigError(
+        f"optimizer.layerwise_lr_decay_rule={rule!r}: use one of {list(LAYERWISE_RULES)}."
+    )
   if not 0.0 < decay <= 1.0:
-    raise ConfigError(f"optimizer.layerwise_lr_decay={decay} must be in (0, 1] (1 = no layer-wise decay).")
+    raise ConfigError(
+        f"optimizer.layerwise_lr_decay={decay} must be in (0, 1] (1 = no layer-wise decay)."
+    )
 
 
 def layerwise_lr_scales(params, num_layers: int, decay: float, rule: str = "correct"):
   """A tree like `params` of learning-rate multipliers: the head 1, depth d (embeddings 0) decay ** (L + 1 - d);
-  "official" (its `_get_layer_lrs`) one factor of decay more below the head. final_layer_norm is the top layer's."""
+  "official" (its `_get_layer_lrs`) one factor of decay more below the head. final_layer_norm is the top layer's.
+  """
   check_layerwise(decay, rule)
   head_depth = num_layers + 1
   top = head_depth + (1 if rule == "official" else 0)
@@ -71,8 +77,12 @@ def make_optimizer(config, params, num_layers: int, args):
   tx = optax.chain(
       optax.clip_by_global_norm(o.clip_norm),
       adam(o.b1, o.b2, o.eps),
-      optax.add_decayed_weights(o.weight_decay, mask=lambda p: jax.tree_util.tree_map_with_path(_decays, p)),
-      optax.stateless(lambda updates, _: jax.tree.map(lambda u, s: u * jnp.asarray(s, u.dtype), updates, scales)),
+      optax.add_decayed_weights(
+          o.weight_decay, mask=lambda p: jax.tree_util.tree_map_with_path(_decays, p)
+      ),
+      optax.stateless(
+          lambda updates, _: jax.tree.map(lambda u, s: u * jnp.asarray(s, u.dtype), updates, scales)
+      ),
       optax.scale_by_learning_rate(schedule),
   )
   return tx, schedule

@@ -27,8 +27,17 @@ from electra_jax.finetune import tasks
 from electra_jax.finetune.model import EncoderWithHead, head_dense
 
 VERSIONS = ("1.1", "2.0")
-_VERSION_NAMES = {name: version for version in VERSIONS for name in (version, version[0], "v" + version)}
-FEATURE_KEYS = ("input_ids", "token_type_ids", "attention_mask", "start_positions", "end_positions", "is_impossible")
+_VERSION_NAMES = {
+    name: version for version in VERSIONS for name in (version, version[0], "v" + version)
+}
+FEATURE_KEYS = (
+    "input_ids",
+    "token_type_ids",
+    "attention_mask",
+    "start_positions",
+    "end_positions",
+    "is_impossible",
+)
 # The logit of positions that cannot start or end an answer (question, padding): no softmax mass.
 _MASKED_LOGIT = -10000.0
 
@@ -43,8 +52,14 @@ def _check_version(version) -> str:
 def _log_progress(what: str, done: int, total: int, started: float) -> None:
   if done % 5000 == 0 or done == total:
     elapsed = time.time() - started
-    logging.info("%s: %d/%d (%.0f s elapsed, ETA %.0f s)", what, done, total, elapsed,
-                 elapsed / max(done, 1) * (total - done))
+    logging.info(
+        "%s: %d/%d (%.0f s elapsed, ETA %.0f s)",
+        what,
+        done,
+        total,
+        elapsed,
+        elapsed / max(done, 1) * (total - done),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,23 +73,39 @@ class SquadExample:
   is_impossible: bool = False
 
 
-def _make_example(qas_id, question, context, answers, is_impossible, version, where) -> SquadExample:
-  if not (qas_id and isinstance(qas_id, str) and isinstance(question, str) and isinstance(context, str)):
-    raise ConfigError(f"{where}: question {qas_id!r} needs a non-empty string 'id', string 'question' and 'context'.")
+def _make_example(
+    qas_id, question, context, answers, is_impossible, version, where
+) -> SquadExample:
+  if not (
+      qas_id and isinstance(qas_id, str) and isinstance(question, str) and isinstance(context, str)
+  ):
+    raise ConfigError(
+        f"{where}: question {qas_id!r} needs a non-empty string 'id', string 'question' and 'context'."
+    )
   checked = []
   for text, start in answers:
-    if not isinstance(text, str) or isinstance(start, bool) or not isinstance(start, (int, np.integer)):
-      raise ConfigError(f"{where}: question {qas_id!r} has an answer {(text, start)!r}; each needs a string "
-                        "'text' and an integer 'answer_start'.")
+    if (
+        not isinstance(text, str)
+        or isinstance(start, bool)
+        or not isinstance(start, (int, np.integer))
+    ):
+      raise ConfigError(
+          f"{where}: question {qas_id!r} has an answer {(text, start)!r}; each needs a string "
+          "'text' and an integer 'answer_start'."
+      )
     start = int(start)
-    found = context[start:start + len(text)] if start >= 0 else None
+    found = context[start : start + len(text)] if start >= 0 else None
     if found != text:
-      raise ConfigError(f"{where}: question {qas_id!r}: answer_start={start} does not point at the answer text "
-                        f"{text!r} (the context there reads {found!r}); fix the file.")
+      raise ConfigError(
+          f"{where}: question {qas_id!r}: answer_start={start} does not point at the answer text "
+          f"{text!r} (the context there reads {found!r}); fix the file."
+      )
     checked.append((text, start))
-  for bad, why in ((version == "1.1" and is_impossible, "is marked is_impossible, which only SQuAD 2.0 has"),
-                   (is_impossible and checked, f"is marked is_impossible but has answers {checked}"),
-                   (not is_impossible and not checked, "has no answers and is not marked is_impossible")):
+  for bad, why in (
+      (version == "1.1" and is_impossible, "is marked is_impossible, which only SQuAD 2.0 has"),
+      (is_impossible and checked, f"is marked is_impossible but has answers {checked}"),
+      (not is_impossible and not checked, "has no answers and is not marked is_impossible"),
+  ):
     if bad:
       raise ConfigError(f"{where}: question {qas_id!r} {why}.")
   return SquadExample(qas_id, question, context, checked, bool(is_impossible))
@@ -85,7 +116,9 @@ def _check_examples(examples: list[SquadExample], where: str) -> list[SquadExamp
     raise ConfigError(f"{where} holds no SQuAD questions; give a non-empty file or split.")
   repeated = [qid for qid, n in collections.Counter(e.qas_id for e in examples).items() if n > 1]
   if repeated:
-    raise ConfigError(f"{where}: question ids {repeated[:5]} occur more than once; give each question its own.")
+    raise ConfigError(
+        f"{where}: question ids {repeated[:5]} occur more than once; give each question its own."
+    )
   return examples
 
 
@@ -103,16 +136,22 @@ def read_squad_json(path: str, version) -> list[SquadExample]:
     data = json.loads(raw)["data"]
     questions = [(p["context"], qa) for a in data for p in a["paragraphs"] for qa in p["qas"]]
   except (json.JSONDecodeError, KeyError, TypeError) as e:
-    raise ConfigError(f"{path!r} is not an official SQuAD JSON file ({type(e).__name__}: {e}); it needs "
-                      '{"data": [{"paragraphs": [{"context": ..., "qas": [...]}]}]}.') from e
+    raise ConfigError(
+        f"{path!r} is not an official SQuAD JSON file ({type(e).__name__}: {e}); it needs "
+        '{"data": [{"paragraphs": [{"context": ..., "qas": [...]}]}]}.'
+    ) from e
   examples = []
   for context, qa in questions:
     try:
       answers = [(a["text"], a["answer_start"]) for a in qa["answers"]]
       qas_id, question, is_impossible = qa["id"], qa["question"], qa.get("is_impossible", False)
     except (KeyError, TypeError, AttributeError) as e:
-      raise ConfigError(f"{path!r}: a question lacks the field {e} (see the official files).") from e
-    examples.append(_make_example(qas_id, question, context, answers, is_impossible, version, repr(path)))
+      raise ConfigError(
+          f"{path!r}: a question lacks the field {e} (see the official files)."
+      ) from e
+    examples.append(
+        _make_example(qas_id, question, context, answers, is_impossible, version, repr(path))
+    )
   return _check_examples(examples, repr(path))
 
 
@@ -121,15 +160,32 @@ def read_squad_tfds(name: str, split: str, data_dir: str | None = None):
   match = re.search(r"v(1\.1|2\.0)$", name)
   if not match:
     raise ConfigError(f"TFDS name {name!r} is not 'squad/v1.1' or 'squad/v2.0'.")
-  source = tasks.open_tfds_split(name, split, data_dir, "read the official JSON files with read_squad_json",
-                                 builder_kwargs={"file_format": "array_record"})
+  source = tasks.open_tfds_split(
+      name,
+      split,
+      data_dir,
+      "read the official JSON files with read_squad_json",
+      builder_kwargs={"file_format": "array_record"},
+  )
   where, text = f"TFDS {name} {split}", tasks.decode_text
   examples, started = [], time.time()
   for i in range(len(source)):
     record = source[i]
-    pairs = [(text(t), int(s)) for t, s in zip(record["answers"]["text"], record["answers"]["answer_start"])]
-    examples.append(_make_example(text(record["id"]), text(record["question"]), text(record["context"]), pairs,
-                                  bool(record.get("is_impossible", False)), match.group(1), where))
+    pairs = [
+        (text(t), int(s))
+        for t, s in zip(record["answers"]["text"], record["answers"]["answer_start"])
+    ]
+    examples.append(
+        _make_example(
+            text(record["id"]),
+            text(record["question"]),
+            text(record["context"]),
+            pairs,
+            bool(record.get("is_impossible", False)),
+            match.group(1),
+            where,
+        )
+    )
     _log_progress(f"Reading {where}", i + 1, len(source), started)
   return _check_examples(examples, where)
 
@@ -142,17 +198,24 @@ def _fold(text: str) -> str:
 
 def _word_tokenizer(tokenizer):
   """word -> (its token ids, each token's [start, end) characters in it), cached; where the pieces do not align
-  through _fold (an [UNK], another normalization) each spans the whole word, as in the official code."""
+  through _fold (an [UNK], another normalization) each spans the whole word, as in the official code.
+  """
   unk_id = getattr(tokenizer, "unk_id", None)
   hashes = "##" if getattr(tokenizer, "kind", None) == "wordpiece" else ""
 
   @functools.cache
   def tokenize(word: str):
     ids = list(tokenizer.encode(word))
-    owner = [i for i, char in enumerate(word) for _ in _fold(char)]  # folded character -> word character
+    owner = [
+        i for i, char in enumerate(word) for _ in _fold(char)
+    ]  # folded character -> word character
     pieces = [None if token == unk_id else tokenizer.id_to_piece(token) for token in ids]
     # Each piece's text without wordpiece's "##" and sentencepiece's word-boundary "▁".
-    folded = None if None in pieces else [_fold(p.removeprefix(hashes).replace("\u2581", "")) for p in pieces]
+    folded = (
+        None
+        if None in pieces
+        else [_fold(p.removeprefix(hashes).replace("\u2581", "")) for p in pieces]
+    )
     if folded is None or "".join(folded) != "".join(_fold(char) for char in word):
       return ids, [(0, len(word))] * len(ids)
     spans, position = [], 0
@@ -206,7 +269,8 @@ def max_context_owner(windows: Sequence[tuple[int, int]], num_tokens: int) -> np
 @dataclasses.dataclass
 class SquadMetadata:
   """What decoding needs besides the logits. Per row: its example, window, the window's first position and
-  bool [seq_len] max_context flags; per example: each context token's [start, end) characters, int32 [n, 2]."""
+  bool [seq_len] max_context flags; per example: each context token's [start, end) characters, int32 [n, 2].
+  """
 
   example_index: np.ndarray
   window_start: np.ndarray
@@ -222,18 +286,31 @@ class SquadMetadata:
     return rows
 
 
-def make_features(examples: Sequence[SquadExample], tokenizer, max_seq_len: int = 512, doc_stride: int = 128,
-                  max_query_len: int = 64, *, is_training: bool) -> tuple[dict[str, np.ndarray], SquadMetadata]:
+def make_features(
+    examples: Sequence[SquadExample],
+    tokenizer,
+    max_seq_len: int = 512,
+    doc_stride: int = 128,
+    max_query_len: int = 64,
+    *,
+    is_training: bool,
+) -> tuple[dict[str, np.ndarray], SquadMetadata]:
   """(int32 FEATURE_KEYS arrays, SquadMetadata), a row [CLS] question [SEP] window [SEP] per window; positions:
-  the first answer's tokens, or 0 ([CLS]) where the window misses it. Training drops answers covering no token."""
+  the first answer's tokens, or 0 ([CLS]) where the window misses it. Training drops answers covering no token.
+  """
   if max_query_len < 1 or doc_stride < 1:
     raise ConfigError(f"max_query_len={max_query_len} and doc_stride={doc_stride} must be >= 1.")
   if max_seq_len - max_query_len - 3 < 1:
-    raise ConfigError(f"max_seq_len={max_seq_len} leaves no room for the context after max_query_len="
-                      f"{max_query_len} and [CLS] [SEP] [SEP]; raise max_seq_len or lower max_query_len.")
+    raise ConfigError(
+        f"max_seq_len={max_seq_len} leaves no room for the context after max_query_len="
+        f"{max_query_len} and [CLS] [SEP] [SEP]; raise max_seq_len or lower max_query_len."
+    )
   word_tokenizer = _word_tokenizer(tokenizer)
   contexts: dict[str, tuple[list[int], np.ndarray]] = {}
-  rows, meta = [], []  # per row: FEATURE_KEYS' values; (example, window_start, window_length, context_offset)
+  rows, meta = (
+      [],
+      [],
+  )  # per row: FEATURE_KEYS' values; (example, window_start, window_length, context_offset)
   token_char_spans, max_context, skipped, started = [], [], 0, time.time()
   for index, example in enumerate(examples):
     if example.context not in contexts:
@@ -254,20 +331,34 @@ def make_features(examples: Sequence[SquadExample], tokenizer, max_seq_len: int 
     owner = max_context_owner(windows, len(context_ids))
     for window, (start, length) in enumerate(windows):
       inside = answer is not None and start <= answer[0] and answer[1] < start + length
-      rows.append((*tasks.pack_pair(tokenizer, query_ids, context_ids[start:start + length], max_seq_len),
-                   answer[0] - start + offset if inside else 0, answer[1] - start + offset if inside else 0,
-                   int(example.is_impossible or not example.answers)))
+      rows.append(
+          (
+              *tasks.pack_pair(
+                  tokenizer, query_ids, context_ids[start : start + length], max_seq_len
+              ),
+              answer[0] - start + offset if inside else 0,
+              answer[1] - start + offset if inside else 0,
+              int(example.is_impossible or not example.answers),
+          )
+      )
       meta.append((index, start, length, offset))
       max_context.append(np.zeros(max_seq_len, bool))
-      max_context[-1][offset:offset + length] = owner[start:start + length] == window
+      max_context[-1][offset : offset + length] = owner[start : start + length] == window
     _log_progress("SQuAD features", index + 1, len(examples), started)
   if skipped:
-    logging.warning("make_features left out %d training questions whose answer covers no token.", skipped)
+    logging.warning(
+        "make_features left out %d training questions whose answer covers no token.", skipped
+    )
   if not rows:
     raise ConfigError("make_features got no usable SQuAD questions; check the examples given.")
-  features = {key: np.asarray(column, dtype=np.int32) for key, column in zip(FEATURE_KEYS, zip(*rows))}
-  metadata = SquadMetadata(*(np.asarray(column, dtype=np.int32) for column in zip(*meta)), token_char_spans,
-                           np.stack(max_context))
+  features = {
+      key: np.asarray(column, dtype=np.int32) for key, column in zip(FEATURE_KEYS, zip(*rows))
+  }
+  metadata = SquadMetadata(
+      *(np.asarray(column, dtype=np.int32) for column in zip(*meta)),
+      token_char_spans,
+      np.stack(max_context),
+  )
   return features, metadata
 
 
@@ -290,7 +381,9 @@ class SpanHead(nn.Module):
   def __call__(self, hidden, token_type_ids, attention_mask):
     mask = answer_mask(token_type_ids, attention_mask)
     # One kernel for the official two dense(H -> 1) layers, each column initialized as one.
-    logits = head_dense(2, self.dtype, "span_logits", fan_out=1)(hidden).astype(jnp.float32)  # [B, T, 2]
+    logits = head_dense(2, self.dtype, "span_logits", fan_out=1)(hidden).astype(
+        jnp.float32
+    )  # [B, T, 2]
     start_logits = jnp.where(mask, logits[..., 0], _MASKED_LOGIT)
     end_logits = jnp.where(mask, logits[..., 1], _MASKED_LOGIT)
     if not self.answerable:
@@ -298,22 +391,35 @@ class SpanHead(nn.Module):
     start_probs = jax.nn.softmax(start_logits, axis=-1)  # [B, T]
     start_summary = jnp.einsum("bt,bth->bh", start_probs.astype(hidden.dtype), hidden)
     summary = jnp.concatenate([hidden[:, 0], start_summary], axis=-1)  # [B, 2H]
-    summary = nn.gelu(head_dense(self.answerable_hidden_size, self.dtype, "answerable_hidden")(summary),
-                      approximate=False)
+    summary = nn.gelu(
+        head_dense(self.answerable_hidden_size, self.dtype, "answerable_hidden")(summary),
+        approximate=False,
+    )
     answerable_logits = head_dense(1, self.dtype, "answerable_logit")(summary)[..., 0]
     return start_logits, end_logits, answerable_logits.astype(jnp.float32)
 
 
-def span_losses(start_logits, end_logits, start_positions, end_positions,
-                answerable_logits=None, is_impossible=None, answerable_weight: float = 0.5):
+def span_losses(
+    start_logits,
+    end_logits,
+    start_positions,
+    end_positions,
+    answerable_logits=None,
+    is_impossible=None,
+    answerable_weight: float = 0.5,
+):
   """Per row [B]: (CE(start) + CE(end)) / 2, plus answerable_weight times the sigmoid cross-entropy of
   answerable_logits (when given) against 1 - is_impossible."""
-  per_row = 0.5 * (optax.softmax_cross_entropy_with_integer_labels(start_logits, start_positions)
-                   + optax.softmax_cross_entropy_with_integer_labels(end_logits, end_positions))
+  per_row = 0.5 * (
+      optax.softmax_cross_entropy_with_integer_labels(start_logits, start_positions)
+      + optax.softmax_cross_entropy_with_integer_labels(end_logits, end_positions)
+  )
   if answerable_logits is None:
     return per_row
   answerable = 1.0 - jnp.asarray(is_impossible, jnp.float32)
-  return per_row + answerable_weight * optax.sigmoid_binary_cross_entropy(answerable_logits, answerable)
+  return per_row + answerable_weight * optax.sigmoid_binary_cross_entropy(
+      answerable_logits, answerable
+  )
 
 
 def span_loss(*args, weights=None, **kwargs):
@@ -325,31 +431,55 @@ def span_loss(*args, weights=None, **kwargs):
 
 def apply_null_threshold(predictions: dict, null_odds: dict, null_threshold: float) -> dict:
   """Final answers: "" (no answer) where null_odds > null_threshold, else the span text."""
-  return {qid: "" if null_odds.get(qid, -np.inf) > null_threshold else text for qid, text in predictions.items()}
+  return {
+      qid: "" if null_odds.get(qid, -np.inf) > null_threshold else text
+      for qid, text in predictions.items()
+  }
 
 
-def postprocess(examples: Sequence[SquadExample], features: dict[str, np.ndarray], metadata: SquadMetadata,
-                start_logits, end_logits, answerable_logits=None, n_best: int = 20, max_answer_len: int = 30,
-                null_threshold: float | None = -2.75, *, version) -> tuple[dict[str, str], dict[str, float]]:
+def postprocess(
+    examples: Sequence[SquadExample],
+    features: dict[str, np.ndarray],
+    metadata: SquadMetadata,
+    start_logits,
+    end_logits,
+    answerable_logits=None,
+    n_best: int = 20,
+    max_answer_len: int = 30,
+    null_threshold: float | None = -2.75,
+    *,
+    version,
+) -> tuple[dict[str, str], dict[str, float]]:
   """(predictions {qas_id: text}, null_odds {qas_id: float}): per question the valid span (of each row's n_best
   starts and ends) with the highest start + end logit. 2.0's null_odds: min -answerable_logit over the rows, or
-  min(start[CLS] + end[CLS]) - the best span's; "" where above null_threshold (None: keep the spans)."""
+  min(start[CLS] + end[CLS]) - the best span's; "" where above null_threshold (None: keep the spans).
+  """
   version = _check_version(version)
-  start_logits, end_logits = np.asarray(start_logits, np.float32), np.asarray(end_logits, np.float32)
+  start_logits, end_logits = np.asarray(start_logits, np.float32), np.asarray(
+      end_logits, np.float32
+  )
   if start_logits.shape != metadata.max_context.shape or end_logits.shape != start_logits.shape:
-    raise ValueError(f"postprocess got logits of shapes {start_logits.shape} and {end_logits.shape}; the features "
-                     f"have shape {metadata.max_context.shape} ({features['input_ids'].shape}).")
+    raise ValueError(
+        f"postprocess got logits of shapes {start_logits.shape} and {end_logits.shape}; the features "
+        f"have shape {metadata.max_context.shape} ({features['input_ids'].shape})."
+    )
   if answerable_logits is not None:
     answerable_logits = np.asarray(answerable_logits, np.float32).reshape(len(start_logits))
   predictions, null_odds = {}, {}
-  for index, rows in sorted(metadata.rows_of_example().items()):  # examples left out of training have none
+  for index, rows in sorted(
+      metadata.rows_of_example().items()
+  ):  # examples left out of training have none
     example, spans = examples[index], metadata.token_char_spans[index]
     candidates, score_null = [], np.inf
     for row in rows:
       start, length = int(metadata.window_start[row]), int(metadata.window_length[row])
       offset, owned = int(metadata.context_offset[row]), metadata.max_context[row]
       row_start, row_end = start_logits[row], end_logits[row]
-      null = float(row_start[0] + row_end[0]) if answerable_logits is None else -float(answerable_logits[row])
+      null = (
+          float(row_start[0] + row_end[0])
+          if answerable_logits is None
+          else -float(answerable_logits[row])
+      )
       score_null = min(score_null, null)
       # As the official decoding: the n_best starts and ends over the whole row (ties to the lower position),
       # then the invalid dropped: [CLS], question, padding, last [SEP], starts owned by another window.
@@ -359,13 +489,20 @@ def postprocess(examples: Sequence[SquadExample], features: dict[str, np.ndarray
       ends = ends[(ends >= offset) & (ends < offset + length)]
       for s in starts:
         for e in ends[(ends >= s) & (ends - s < max_answer_len)]:
-          candidates.append((float(row_start[s] + row_end[e]), start + s - offset, start + e - offset))
+          candidates.append(
+              (float(row_start[s] + row_end[e]), start + s - offset, start + e - offset)
+          )
     candidates.sort(key=lambda c: -c[0])
-    texts = ((example.context[spans[first, 0]:spans[last, 1]].strip(), score) for score, first, last in candidates)
+    texts = (
+        (example.context[spans[first, 0] : spans[last, 1]].strip(), score)
+        for score, first, last in candidates
+    )
     best_text, best_score = next(((text, score) for text, score in texts if text), ("", 0.0))
     predictions[example.qas_id] = best_text
     if version == "2.0":
-      null_odds[example.qas_id] = float(score_null if answerable_logits is not None else score_null - best_score)
+      null_odds[example.qas_id] = float(
+          score_null if answerable_logits is not None else score_null - best_score
+      )
   if version == "2.0" and null_threshold is not None:
     predictions = apply_null_threshold(predictions, null_odds, null_threshold)
   return predictions, null_odds
@@ -413,8 +550,13 @@ def _best_threshold(predictions, scores, null_odds, has_answer) -> tuple[float, 
   return 100.0 * best / len(scores), float(best_threshold)
 
 
-def squad_metrics(examples: Sequence[SquadExample], predictions: dict[str, str], null_odds: dict | None = None,
-                  null_threshold: float = -2.75, version=None) -> dict[str, float]:
+def squad_metrics(
+    examples: Sequence[SquadExample],
+    predictions: dict[str, str],
+    null_odds: dict | None = None,
+    null_threshold: float = -2.75,
+    version=None,
+) -> dict[str, float]:
   """EM and F1 in percent ("exact", "f1", "total"), the max over each question's gold answers; version None: 2.0
   where a question is impossible or null_odds given. 2.0 as the official v2 script with --na-prob-thresh, adding
   HasAns_* / NoAns_* and, with null_odds, best_exact / best_f1 and their cuts."""
@@ -424,26 +566,41 @@ def squad_metrics(examples: Sequence[SquadExample], predictions: dict[str, str],
   exact, f1, has_answer = {}, {}, {}
   missing = [e.qas_id for e in examples if e.qas_id not in predictions]
   if missing:
-    logging.warning("%d questions have no prediction (scored 0), e.g. %s", len(missing), missing[:3])
+    logging.warning(
+        "%d questions have no prediction (scored 0), e.g. %s", len(missing), missing[:3]
+    )
   for example in examples:
     golds = [text for text, _ in example.answers]
     if version == "2.0":  # the v2 script drops gold answers that normalize to nothing
       golds = [g for g in golds if normalize_answer(g)] or [""]
     has_answer[example.qas_id] = not example.is_impossible
     prediction = predictions.get(example.qas_id)
-    exact[example.qas_id] = 0.0 if prediction is None else float(max(exact_match(g, prediction) for g in golds))
-    f1[example.qas_id] = 0.0 if prediction is None else max(f1_score(g, prediction, version) for g in golds)
+    exact[example.qas_id] = (
+        0.0 if prediction is None else float(max(exact_match(g, prediction) for g in golds))
+    )
+    f1[example.qas_id] = (
+        0.0 if prediction is None else max(f1_score(g, prediction, version) for g in golds)
+    )
   if not exact:
     raise ConfigError("squad_metrics got no questions to score.")
   scores = {"exact": exact, "f1": f1}
   odds = null_odds or {}
-  if version == "2.0":  # a question whose null odds pass the threshold is answered "": right when it has none
-    scores = {name: {q: float(not has_answer[q]) if odds.get(q, -np.inf) > null_threshold else s
-                     for q, s in by_question.items()} for name, by_question in scores.items()}
+  if (
+      version == "2.0"
+  ):  # a question whose null odds pass the threshold is answered "": right when it has none
+    scores = {
+        name: {
+            q: float(not has_answer[q]) if odds.get(q, -np.inf) > null_threshold else s
+            for q, s in by_question.items()
+        }
+        for name, by_question in scores.items()
+    }
 
   def summary(qids, prefix=""):
-    result = {prefix + name: 100.0 * sum(by_question[q] for q in qids) / len(qids)
-              for name, by_question in scores.items()}
+    result = {
+        prefix + name: 100.0 * sum(by_question[q] for q in qids) / len(qids)
+        for name, by_question in scores.items()
+    }
     return dict(result, **{f"{prefix}total": len(qids)})
 
   result = summary(list(exact))
@@ -454,7 +611,9 @@ def squad_metrics(examples: Sequence[SquadExample], predictions: dict[str, str],
     if qids:
       result.update(summary(qids, prefix))
   if null_odds is not None:
-    result["best_exact"], result["best_exact_thresh"] = _best_threshold(predictions, exact, odds, has_answer)
+    result["best_exact"], result["best_exact_thresh"] = _best_threshold(
+        predictions, exact, odds, has_answer
+    )
     result["best_f1"], result["best_f1_thresh"] = _best_threshold(predictions, f1, odds, has_answer)
   return result
 
@@ -529,8 +688,10 @@ def load_squad(config, version: str) -> tuple[list[SquadExample], list[SquadExam
   paths = [os.path.join(config.data_dir, f"{split}-v{version}.json") for split in ("train", "dev")]
   for path in paths:
     if not os.path.isfile(path):
-      raise ConfigError(f"SQuAD {version}: {path} does not exist; set config.data_dir to the folder of the official "
-                        "files, or use config.source=tfds.")
+      raise ConfigError(
+          f"SQuAD {version}: {path} does not exist; set config.data_dir to the folder of the official "
+          "files, or use config.source=tfds."
+      )
   return tuple(read_squad_json(path, version) for path in paths)
 
 
@@ -540,43 +701,89 @@ def make_adapter(config, backbone):
   version, tokenizer = settings.version, backbone.tokenizer
   train_examples, dev_examples = load_squad(config, version)
   build = lambda examples, is_training: make_features(
-      examples, tokenizer, config.max_seq_len, settings.doc_stride, settings.max_query_len, is_training=is_training)
+      examples,
+      tokenizer,
+      config.max_seq_len,
+      settings.doc_stride,
+      settings.max_query_len,
+      is_training=is_training,
+  )
   train_features, _ = build(train_examples, True)
   dev_features, dev_metadata = build(dev_examples, False)
-  logging.info("SQuAD %s: %d train questions -> %d rows, %d dev questions -> %d rows.", version,
-               len(train_examples), len(train_features["input_ids"]), len(dev_examples),
-               len(dev_features["input_ids"]))
+  logging.info(
+      "SQuAD %s: %d train questions -> %d rows, %d dev questions -> %d rows.",
+      version,
+      len(train_examples),
+      len(train_features["input_ids"]),
+      len(dev_examples),
+      len(dev_features["input_ids"]),
+  )
   answerable = version == "2.0" and settings.answerable_classifier
   model = backbone.task_model(SquadModel, config, answerable=answerable)
 
   def loss_fn(outputs, batch):
     start, end, answerable_logits = split_outputs(outputs)
-    return span_losses(start, end, batch["start_positions"], batch["end_positions"],
-                       answerable_logits if answerable else None, batch["is_impossible"],
-                       settings.answerable_weight)
+    return span_losses(
+        start,
+        end,
+        batch["start_positions"],
+        batch["end_positions"],
+        answerable_logits if answerable else None,
+        batch["is_impossible"],
+        settings.answerable_weight,
+    )
 
   def decode(predict):
     start, end, answerable_logits = split_outputs(np.asarray(predict(dev_features)))
-    return postprocess(dev_examples, dev_features, dev_metadata, start, end, answerable_logits if answerable else None,
-                       settings.n_best, settings.max_answer_len, null_threshold=None, version=version)
+    return postprocess(
+        dev_examples,
+        dev_features,
+        dev_metadata,
+        start,
+        end,
+        answerable_logits if answerable else None,
+        settings.n_best,
+        settings.max_answer_len,
+        null_threshold=None,
+        version=version,
+    )
 
   def evaluate(predict):
     predictions, null_odds = decode(predict)
-    scores = squad_metrics(dev_examples, predictions, null_odds if version == "2.0" else None,
-                           settings.null_threshold, version)
+    scores = squad_metrics(
+        dev_examples,
+        predictions,
+        null_odds if version == "2.0" else None,
+        settings.null_threshold,
+        version,
+    )
     # Percentages become fractions; the null-odds cuts (*_thresh) stay as they are; the counts stay out.
-    result = {key: value / (1.0 if key.endswith("_thresh") else 100.0) for key, value in scores.items()
-              if not key.endswith("total")}
+    result = {
+        key: value / (1.0 if key.endswith("_thresh") else 100.0)
+        for key, value in scores.items()
+        if not key.endswith("total")
+    }
     return {f"squad{version}": dict(result, score=result["f1"])}
 
   def write_test(predict, directory):
     predictions, null_odds = decode(predict)
-    files = {"dev_predictions.json": apply_null_threshold(predictions, null_odds, settings.null_threshold)}
+    files = {
+        "dev_predictions.json": apply_null_threshold(
+            predictions, null_odds, settings.null_threshold
+        )
+    }
     if version == "2.0":
       files["dev_null_odds.json"] = null_odds
     for name, values in files.items():
       write_predictions(os.path.join(directory, name), values)
     return [os.path.join(directory, name) for name in files]
 
-  return tasks.TaskAdapter(f"squad{version}", model, train_features, loss_fn, evaluate, write_test,
-                           dict(kind="span", answerable=answerable))
+  return tasks.TaskAdapter(
+      f"squad{version}",
+      model,
+      train_features,
+      loss_fn,
+      evaluate,
+      write_test,
+      dict(kind="span", answerable=answerable),
+  )

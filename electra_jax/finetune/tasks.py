@@ -34,7 +34,9 @@ class TaskAdapter:
   loss_fn: Callable[[Any, dict], Any]  # (outputs, batch) -> per-example losses [batch]
   # predict (features -> numpy outputs) -> {eval name: {metric: value}}, each with a "score".
   evaluate: Callable[[Callable[[dict], np.ndarray]], dict[str, dict[str, float]]]
-  write_test: Callable[[Callable[[dict], np.ndarray], str], list[str]]  # (predict, directory) -> paths written
+  write_test: Callable[
+      [Callable[[dict], np.ndarray], str], list[str]
+  ]  # (predict, directory) -> paths written
   head: dict  # for exports: {"kind": "classification"|"regression"|"span", and "labels"|"target_range"|"answerable"}
   # (fraction, seed, folds) -> per held-out share (trainer.held_out_rows) this adapter on the rest of train,
   # scoring the share as "held_out"; None: cannot be split.
@@ -61,7 +63,9 @@ class TaskData:
   train: list[Example]
   dev: dict[str, list[Example]]  # evaluation name (e.g. "mnli-m") -> examples
   test: dict[str, list[Example]]  # submission name (e.g. "MNLI-m") -> unlabelled examples
-  target_range: tuple[float, float] | None = None  # regression: the model learns (label - lo) / hi; None: raw
+  target_range: tuple[float, float] | None = (
+      None  # regression: the model learns (label - lo) / hi; None: raw
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +73,9 @@ class GlueTask:
   """Where one GLUE task's data lives, in GLUE's TSVs and in TFDS."""
 
   directory: str  # GLUE's folder, e.g. "CoLA"
-  label_list: tuple[str, ...] | None  # label strings as GLUE's TSVs and submissions write them; None: regression
+  label_list: (
+      tuple[str, ...] | None
+  )  # label strings as GLUE's TSVs and submissions write them; None: regression
   text_columns: tuple[str, str | None]  # header names of text_a, text_b
   label_column: str = "label"
   tfds_text: tuple[str, str | None] | None = None  # TFDS's feature names; None: text_columns
@@ -77,9 +83,15 @@ class GlueTask:
   # Evaluation / submission name -> file stem; None: {<task>: "dev"} and {<directory>: "test"}.
   dev_files: dict[str, str] | None = None
   test_files: dict[str, str] | None = None
-  symmetric: bool = False  # sentence order carries no meaning: the official code trains on both orders
-  headerless_columns: tuple[int, int] | None = None  # CoLA's train and dev: (text, label) column by position
-  target_range: tuple[float, float] | None = None  # regression: the official label range (TaskData.target_range)
+  symmetric: bool = (
+      False  # sentence order carries no meaning: the official code trains on both orders
+  )
+  headerless_columns: tuple[int, int] | None = (
+      None  # CoLA's train and dev: (text, label) column by position
+  )
+  target_range: tuple[float, float] | None = (
+      None  # regression: the official label range (TaskData.target_range)
+  )
 
 
 _BINARY = ("0", "1")
@@ -91,13 +103,21 @@ GLUE_TASKS = {
     "mrpc": GlueTask("MRPC", _BINARY, ("#1 String", "#2 String"), "Quality", _PAIR, symmetric=True),
     "stsb": GlueTask("STS-B", None, _PAIR, "score", symmetric=True, target_range=(0.0, 5.0)),
     "qqp": GlueTask("QQP", _BINARY, ("question1", "question2"), "is_duplicate"),
-    "mnli": GlueTask("MNLI", ("contradiction", "entailment", "neutral"), _PAIR, "gold_label",
-                     ("premise", "hypothesis"), ("entailment", "neutral", "contradiction"),
-                     {"mnli-m": "dev_matched", "mnli-mm": "dev_mismatched"},
-                     {"MNLI-m": "test_matched", "MNLI-mm": "test_mismatched"}),
+    "mnli": GlueTask(
+        "MNLI",
+        ("contradiction", "entailment", "neutral"),
+        _PAIR,
+        "gold_label",
+        ("premise", "hypothesis"),
+        ("entailment", "neutral", "contradiction"),
+        {"mnli-m": "dev_matched", "mnli-mm": "dev_mismatched"},
+        {"MNLI-m": "test_matched", "MNLI-mm": "test_mismatched"},
+    ),
     "qnli": GlueTask("QNLI", _ENTAILMENT, ("question", "sentence")),
     "rte": GlueTask("RTE", _ENTAILMENT, _PAIR),
-    "wnli": GlueTask("WNLI", _BINARY, _PAIR),  # GLUE writes its labels 0/1 (1 = entailment), as TFDS
+    "wnli": GlueTask(
+        "WNLI", _BINARY, _PAIR
+    ),  # GLUE writes its labels 0/1 (1 = entailment), as TFDS
 }
 TASK_NAMES = tuple(GLUE_TASKS) + ("custom",)
 
@@ -113,27 +133,42 @@ def _glue_examples(task: GlueTask, path: str, labelled: bool) -> list[Example]:
     rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
   if labelled and task.headerless_columns is not None:
     text_at, label_at = task.headerless_columns
-    return [Example(row[text_at], None, row[label_at], i)
-            for i, row in enumerate(rows) if len(row) > max(text_at, label_at)]
+    return [
+        Example(row[text_at], None, row[label_at], i)
+        for i, row in enumerate(rows)
+        if len(row) > max(text_at, label_at)
+    ]
   if not rows:
     raise ConfigError(f"{path} is empty; GLUE files start with a header line.")
   header = rows[0]
-  wanted = [c for c in (*task.text_columns, task.label_column if labelled else None) if c is not None]
+  wanted = [
+      c for c in (*task.text_columns, task.label_column if labelled else None) if c is not None
+  ]
   missing = [c for c in wanted if c not in header]
   if missing:
-    raise ConfigError(f"{path} has no column {missing[0]!r} (its header: {header}); is it the right GLUE file?")
+    raise ConfigError(
+        f"{path} has no column {missing[0]!r} (its header: {header}); is it the right GLUE file?"
+    )
   where = {name: header.index(name) for name in wanted}
-  index_position = header.index("index") if "index" in header else header.index("id") if "id" in header else None
+  index_position = (
+      header.index("index") if "index" in header else header.index("id") if "id" in header else None
+  )
   (text_a, text_b), examples, skipped = task.text_columns, [], 0
   for row_number, row in enumerate(rows[1:]):
     if len(row) < len(header):
       skipped += 1  # QQP's train.tsv has a few broken lines; TFDS and the official code skip them
       continue
-    index = int(row[index_position]) if index_position is not None and row[index_position].isdigit() else row_number
+    index = (
+        int(row[index_position])
+        if index_position is not None and row[index_position].isdigit()
+        else row_number
+    )
     label = row[where[task.label_column]] if labelled else None
     if labelled and task.label_list is None:
       label = _regression_label(label, path)
-    examples.append(Example(row[where[text_a]], row[where[text_b]] if text_b else None, label, index))
+    examples.append(
+        Example(row[where[text_a]], row[where[text_b]] if text_b else None, label, index)
+    )
   if skipped:
     logging.warning("Skipped %d malformed line(s) of %s.", skipped, path)
   return examples
@@ -150,14 +185,25 @@ def _glue_task_data(name: str, read) -> TaskData:
   """GLUE task `name` from `read(file stem, what for errors, labelled)` -> examples (None: no test split)."""
   task = GLUE_TASKS[name]
   train = read("train", f"GLUE {name} train split", True)
-  dev = {dev_name: read(stem, f"GLUE {name} dev split {dev_name}", True)
-         for dev_name, stem in (task.dev_files or {name: "dev"}).items()}
-  test = {submission: read(stem, f"GLUE {name} test split {submission}", False)
-          for submission, stem in (task.test_files or {task.directory: "test"}).items()}
+  dev = {
+      dev_name: read(stem, f"GLUE {name} dev split {dev_name}", True)
+      for dev_name, stem in (task.dev_files or {name: "dev"}).items()
+  }
+  test = {
+      submission: read(stem, f"GLUE {name} test split {submission}", False)
+      for submission, stem in (task.test_files or {task.directory: "test"}).items()
+  }
   kind = "regression" if task.label_list is None else "classification"
-  return TaskData(name, kind, task.label_list, metrics_lib.GLUE_METRICS[name], train, dev,
-                  {submission: examples for submission, examples in test.items() if examples is not None},
-                  target_range=task.target_range)
+  return TaskData(
+      name,
+      kind,
+      task.label_list,
+      metrics_lib.GLUE_METRICS[name],
+      train,
+      dev,
+      {submission: examples for submission, examples in test.items() if examples is not None},
+      target_range=task.target_range,
+  )
 
 
 def load_glue_from_dir(name: str, data_dir: str) -> TaskData:
@@ -165,12 +211,16 @@ def load_glue_from_dir(name: str, data_dir: str) -> TaskData:
   test files are optional."""
   task = GLUE_TASKS[name]
   if not data_dir:
-    raise ConfigError("config.data_dir is empty: give GLUE's directory (holding CoLA/, ...), or use source=tfds.")
+    raise ConfigError(
+        "config.data_dir is empty: give GLUE's directory (holding CoLA/, ...), or use source=tfds."
+    )
   task_dir = os.path.join(data_dir, task.directory)
   if not os.path.isdir(task_dir):
     if not os.path.isfile(os.path.join(data_dir, "train.tsv")):
-      raise ConfigError(f"config.data_dir={data_dir!r} has neither a {task.directory}/ folder nor a train.tsv; give "
-                        "GLUE's root directory or the task's own folder.")
+      raise ConfigError(
+          f"config.data_dir={data_dir!r} has neither a {task.directory}/ folder nor a train.tsv; give "
+          "GLUE's root directory or the task's own folder."
+      )
     task_dir = data_dir  # the task's own folder works as well as GLUE's root
 
   def read(stem: str, what: str, labelled: bool):
@@ -192,9 +242,11 @@ def open_tfds_split(name: str, split: str, data_dir: str | None, other_source: s
   try:
     return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False, **kwargs)
   except Exception as error:  # tfds raises several types for "not prepared here" / "no such split"
-    raise ConfigError(f"Cannot open TFDS {name!r} split {split!r} in {data_dir or 'the default data dir'} "
-                      f"({type(error).__name__}: {error}); run `tfds build --file_format=array_record {name}`, set "
-                      f"config.tfds_data_dir, or {other_source}.") from error
+    raise ConfigError(
+        f"Cannot open TFDS {name!r} split {split!r} in {data_dir or 'the default data dir'} "
+        f"({type(error).__name__}: {error}); run `tfds build --file_format=array_record {name}`, set "
+        f"config.tfds_data_dir, or {other_source}."
+    ) from error
 
 
 def load_glue_from_tfds(name: str, tfds_data_dir: str = "") -> TaskData:
@@ -204,13 +256,29 @@ def load_glue_from_tfds(name: str, tfds_data_dir: str = "") -> TaskData:
   labels = task.tfds_labels or task.label_list
 
   def read(stem: str, what: str, labelled: bool):
-    source = open_tfds_split(f"glue/{name}", stem.replace("dev", "validation"), tfds_data_dir,
-                             "use --config.source=dir with GLUE's TSV files")
+    source = open_tfds_split(
+        f"glue/{name}",
+        stem.replace("dev", "validation"),
+        tfds_data_dir,
+        "use --config.source=dir with GLUE's TSV files",
+    )
     examples = []
     for record in (source[i] for i in range(len(source))):
-      label = None if not labelled else float(record["label"]) if labels is None else labels[int(record["label"])]
-      examples.append(Example(decode_text(record[text_a]), decode_text(record[text_b]) if text_b else None, label,
-                              int(record["idx"])))
+      label = (
+          None
+          if not labelled
+          else float(record["label"])
+          if labels is None
+          else labels[int(record["label"])]
+      )
+      examples.append(
+          Example(
+              decode_text(record[text_a]),
+              decode_text(record[text_b]) if text_b else None,
+              label,
+              int(record["idx"]),
+          )
+      )
     return sorted(examples, key=lambda example: example.index)  # TFDS shuffles; idx is GLUE's row
 
   return _glue_task_data(name, read)
@@ -236,30 +304,42 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
   with open(path, encoding="utf-8-sig", newline="") as f:
     # TSV has no quoting: a '"' opening a field is text (as in GLUE's), not the start of a multi-row field.
     tsv = file_format == "tsv"
-    reader = csv.DictReader(f, delimiter="\t" if tsv else ",", quoting=csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL)
+    reader = csv.DictReader(
+        f, delimiter="\t" if tsv else ",", quoting=csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL
+    )
     records = list(reader)
     for row_number, record in enumerate(records, 1):
       if None in record:  # DictReader's key for fields past the header's
-        raise ConfigError(f"{path}: row {row_number} has {len(reader.fieldnames) + len(record[None])} fields, its "
-                          f"header {len(reader.fieldnames)}: a {'tab' if tsv else 'comma'} inside a text? "
-                          f"{'Remove it, or use CSV or JSONL' if tsv else 'Quote that field'}.")
+        raise ConfigError(
+            f"{path}: row {row_number} has {len(reader.fieldnames) + len(record[None])} fields, its "
+            f"header {len(reader.fieldnames)}: a {'tab' if tsv else 'comma'} inside a text? "
+            f"{'Remove it, or use CSV or JSONL' if tsv else 'Quote that field'}."
+        )
     return records
 
 
 def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example]:
   file_format = custom.format or CUSTOM_FORMATS.get(os.path.splitext(path)[1].lower())
   if file_format not in CUSTOM_FORMATS.values():
-    raise ConfigError(f"Cannot tell the format of {path}: set config.custom.format to tsv, csv or jsonl.")
+    raise ConfigError(
+        f"Cannot tell the format of {path}: set config.custom.format to tsv, csv or jsonl."
+    )
   _require_file(path, f"custom task {split} split")
   grouped = split == "train" and bool(custom.group_column)
-  columns = [custom.text_a_column, custom.text_b_column, labelled and custom.label_column,
-             grouped and custom.group_column]
+  columns = [
+      custom.text_a_column,
+      custom.text_b_column,
+      labelled and custom.label_column,
+      grouped and custom.group_column,
+  ]
   examples = []
   for row_number, record in enumerate(_custom_records(path, file_format), 1):
     where = f"{path}: row {row_number}"
     for column in filter(None, columns):
       if record.get(column) is None:
-        raise ConfigError(f"{where} has no column {column!r} (it has {sorted(record)}); set config.custom.*_column.")
+        raise ConfigError(
+            f"{where} has no column {column!r} (it has {sorted(record)}); set config.custom.*_column."
+        )
     label, raw = None, record.get(custom.label_column)
     if labelled and custom.kind == "regression":
       label = _regression_label(raw, where)
@@ -268,10 +348,14 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
     elif labelled:
       label = str(raw).lower() if isinstance(raw, bool) else str(raw)
       if not label.strip():
-        raise ConfigError(f"{where}: the label ({custom.label_column!r}) is empty; give it or leave the row out.")
+        raise ConfigError(
+            f"{where}: the label ({custom.label_column!r}) is empty; give it or leave the row out."
+        )
     text_b = str(record[custom.text_b_column]) if custom.text_b_column else None
     group = str(record[custom.group_column]) if grouped else None
-    examples.append(Example(str(record[custom.text_a_column]), text_b, label, row_number - 1, group))
+    examples.append(
+        Example(str(record[custom.text_a_column]), text_b, label, row_number - 1, group)
+    )
   return examples
 
 
@@ -284,50 +368,75 @@ def load_custom(custom) -> TaskData:
       raise ConfigError(f"config.custom.{key} is empty: custom tasks need a train and a dev file.")
   train = _custom_split(custom, custom.train_file, "train", True)
   dev = {"custom": _custom_split(custom, custom.dev_file, "dev", True)}
-  test = {"custom_test": _custom_split(custom, custom.test_file, "test", False)} if custom.test_file else {}
+  test = (
+      {"custom_test": _custom_split(custom, custom.test_file, "test", False)}
+      if custom.test_file
+      else {}
+  )
   label_list = None
   if custom.kind == "classification":
-    label_list = (tuple(label.strip() for label in custom.labels.split(",")) if custom.labels
-                  else tuple(sorted({example.label for example in train})))
+    label_list = (
+        tuple(label.strip() for label in custom.labels.split(","))
+        if custom.labels
+        else tuple(sorted({example.label for example in train}))
+    )
   default_metrics = "accuracy" if custom.kind == "classification" else "pearson,spearman"
   metric_names = tuple(m.strip() for m in (custom.metrics or default_metrics).split(","))
   unknown = [m for m in metric_names if m not in metrics_lib.METRIC_FNS]
   if unknown:
-    raise ConfigError(f"config.custom.metrics has unknown {unknown}; use {sorted(metrics_lib.METRIC_FNS)}.")
+    raise ConfigError(
+        f"config.custom.metrics has unknown {unknown}; use {sorted(metrics_lib.METRIC_FNS)}."
+    )
   if "f1" in metric_names and (label_list is None or len(label_list) != 2):
-    raise ConfigError("config.custom.metrics has f1, which needs a classification task with two labels.")
+    raise ConfigError(
+        "config.custom.metrics has f1, which needs a classification task with two labels."
+    )
   if "f1" in metric_names:
-    logging.info("F1 counts %r as the positive class (the second of config.custom.labels%s).", label_list[1],
-                 "" if custom.labels else ", here the sorted labels seen in train; set it to choose")
+    logging.info(
+        "F1 counts %r as the positive class (the second of config.custom.labels%s).",
+        label_list[1],
+        "" if custom.labels else ", here the sorted labels seen in train; set it to choose",
+    )
   return TaskData("custom", custom.kind, label_list, metric_names, train, dev, test)
 
 
 def check_task_data(data: TaskData) -> None:
   """Refuses an empty split and a label outside the task's labels or never seen in training."""
-  splits = {"train": data.train, **{f"dev ({k})": v for k, v in data.dev.items()},
-            **{f"test ({k})": v for k, v in data.test.items()}}
+  splits = {
+      "train": data.train,
+      **{f"dev ({k})": v for k, v in data.dev.items()},
+      **{f"test ({k})": v for k, v in data.test.items()},
+  }
   for split_name, examples in splits.items():
     if not examples:
-      raise ConfigError(f"Task {data.name}: the {split_name} split has no examples; check its file.")
+      raise ConfigError(
+          f"Task {data.name}: the {split_name} split has no examples; check its file."
+      )
   if data.kind != "classification":
     return
   train_labels = {example.label for example in data.train}
   outside = sorted(train_labels - set(data.label_list))
   if outside:
-    raise ConfigError(f"Task {data.name}: training label(s) {outside} are not among the task's labels "
-                      f"{list(data.label_list)}; fix the data or config.custom.labels.")
+    raise ConfigError(
+        f"Task {data.name}: training label(s) {outside} are not among the task's labels "
+        f"{list(data.label_list)}; fix the data or config.custom.labels."
+    )
   for dev_name, examples in data.dev.items():
     unseen = sorted({example.label for example in examples} - train_labels)
     if unseen:
-      raise ConfigError(f"Task {data.name}: dev split {dev_name} has label(s) {unseen} that never occur in the train "
-                        f"split (train labels: {sorted(train_labels)}); fix the label column or the split.")
+      raise ConfigError(
+          f"Task {data.name}: dev split {dev_name} has label(s) {unseen} that never occur in the train "
+          f"split (train labels: {sorted(train_labels)}); fix the label column or the split."
+      )
 
 
 def load_task(config) -> TaskData:
   """The fine-tuning config's task ('SST-2', 'sst_2' ... name GLUE's sst2), read from its source and checked."""
   name = str(config.task).lower().replace("-", "").replace("_", "")
   if name not in TASK_NAMES:
-    raise ConfigError(f"Unknown task {config.task!r}. Use one of {list(TASK_NAMES)} or squad1.1, squad2.0.")
+    raise ConfigError(
+        f"Unknown task {config.task!r}. Use one of {list(TASK_NAMES)} or squad1.1, squad2.0."
+    )
   if name == "custom":
     data = load_custom(config.custom)
   elif config.source == "tfds":
@@ -339,31 +448,44 @@ def load_task(config) -> TaskData:
   check_task_data(data)
   if config.get("double_unordered", False) and name in GLUE_TASKS and GLUE_TASKS[name].symmetric:
     # Both sentence orders, as the official code trains MRPC and STS-B.
-    data.train = data.train + [dataclasses.replace(e, text_a=e.text_b, text_b=e.text_a) for e in data.train]
+    data.train = data.train + [
+        dataclasses.replace(e, text_a=e.text_b, text_b=e.text_a) for e in data.train
+    ]
   return data
 
 
-def truncate_pair(tokens_a: list[int], tokens_b: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
+def truncate_pair(
+    tokens_a: list[int], tokens_b: list[int], max_tokens: int
+) -> tuple[list[int], list[int]]:
   """What BERT's loop (drop the longer segment's last token, b's on ties, until both fit) ends with, in one step."""
   len_a = min(len(tokens_a), max(max_tokens - len(tokens_b), (max_tokens + 1) // 2))
-  return tokens_a[:len_a], tokens_b[:max_tokens - len_a]
+  return tokens_a[:len_a], tokens_b[: max_tokens - len_a]
 
 
-def pack_pair(tokenizer, tokens_a: list[int], tokens_b: list[int] | None, width: int) -> list[np.ndarray]:
+def pack_pair(
+    tokenizer, tokens_a: list[int], tokens_b: list[int] | None, width: int
+) -> list[np.ndarray]:
   """[CLS] a [SEP] (b [SEP]) as int32 [width] input_ids, token_type_ids (1 from b on) and attention_mask."""
-  ids = [tokenizer.cls_id, *tokens_a, tokenizer.sep_id] + ([] if tokens_b is None else [*tokens_b, tokenizer.sep_id])
+  ids = [tokenizer.cls_id, *tokens_a, tokenizer.sep_id] + (
+      [] if tokens_b is None else [*tokens_b, tokenizer.sep_id]
+  )
   positions = np.arange(width)
   input_ids = np.full(width, tokenizer.pad_id, np.int32)
-  input_ids[:len(ids)] = ids
-  return [input_ids, ((positions >= len(tokens_a) + 2) & (positions < len(ids))).astype(np.int32),
-          (positions < len(ids)).astype(np.int32)]
+  input_ids[: len(ids)] = ids
+  return [
+      input_ids,
+      ((positions >= len(tokens_a) + 2) & (positions < len(ids))).astype(np.int32),
+      (positions < len(ids)).astype(np.int32),
+  ]
 
 
 # Rows are padded to a multiple of this (one compiled shape per split, even lengths for kernels).
 PAD_MULTIPLE = 8
 
 
-def encode_examples(examples: Sequence[Example], tokenizer, max_seq_len: int, data: TaskData) -> dict[str, np.ndarray]:
+def encode_examples(
+    examples: Sequence[Example], tokenizer, max_seq_len: int, data: TaskData
+) -> dict[str, np.ndarray]:
   """pack_pair's rows truncated to max_seq_len and cut to the longest (rounded up to PAD_MULTIPLE), labels [n]
   (int32 ids or float32 targets, 0 where unlabelled) and index [n]."""
   if max_seq_len < 3:
@@ -373,20 +495,32 @@ def encode_examples(examples: Sequence[Example], tokenizer, max_seq_len: int, da
   rows = []
   for tokens_a, example in zip(tokenizer.encode_batch([e.text_a for e in examples]), examples):
     if example.text_b is None:
-      rows.append(pack_pair(tokenizer, tokens_a[:max_seq_len - 2], None, max_seq_len))
+      rows.append(pack_pair(tokenizer, tokens_a[: max_seq_len - 2], None, max_seq_len))
     else:
-      rows.append(pack_pair(tokenizer, *truncate_pair(tokens_a, next(ids_b), max_seq_len - 3), max_seq_len))
+      rows.append(
+          pack_pair(tokenizer, *truncate_pair(tokens_a, next(ids_b), max_seq_len - 3), max_seq_len)
+      )
   # [n, 3, max_seq_len] -> three [n, max_seq_len] (reshape keeps the shape when there are no rows)
-  input_ids, token_type_ids, attention_mask = np.array(rows, np.int32).reshape(-1, 3, max_seq_len).transpose(1, 0, 2)
-  width = min(max_seq_len, -(-int(attention_mask.sum(1).max(initial=1)) // PAD_MULTIPLE) * PAD_MULTIPLE)
+  input_ids, token_type_ids, attention_mask = (
+      np.array(rows, np.int32).reshape(-1, 3, max_seq_len).transpose(1, 0, 2)
+  )
+  width = min(
+      max_seq_len, -(-int(attention_mask.sum(1).max(initial=1)) // PAD_MULTIPLE) * PAD_MULTIPLE
+  )
   if data.kind == "classification":
     label_to_id = {label: i for i, label in enumerate(data.label_list)}
-    labels = np.array([label_to_id[e.label] if e.label is not None else 0 for e in examples], np.int32)
+    labels = np.array(
+        [label_to_id[e.label] if e.label is not None else 0 for e in examples], np.int32
+    )
   else:
     labels = np.array([e.label if e.label is not None else 0.0 for e in examples], np.float32)
-  return dict(input_ids=input_ids[:, :width], token_type_ids=token_type_ids[:, :width],
-              attention_mask=attention_mask[:, :width], labels=labels,
-              index=np.array([e.index for e in examples], np.int64))
+  return dict(
+      input_ids=input_ids[:, :width],
+      token_type_ids=token_type_ids[:, :width],
+      attention_mask=attention_mask[:, :width],
+      labels=labels,
+      index=np.array([e.index for e in examples], np.int64),
+  )
 
 
 def prediction_strings(data: TaskData, predictions: np.ndarray) -> list[str]:

@@ -20,29 +20,44 @@ def one_device_setup(config, tokenizer=None):
   """(mesh, train.build_setup) on one device, whatever mesh trained (orbax re-shards on restore). Without
   `tokenizer` the special ids are placeholders: no shape depends on them."""
   mesh = partitioning.make_mesh(dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
-  special_ids = dict(pad=0, cls=2, sep=3, mask=4) if tokenizer is None else train.special_ids(tokenizer)
+  special_ids = (
+      dict(pad=0, cls=2, sep=3, mask=4) if tokenizer is None else train.special_ids(tokenizer)
+  )
   return mesh, train.build_setup(config, mesh, special_ids)
 
 
 def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -> dict[str, str]:
   """Writes <out_dir>/discriminator (and generator) from `workdir`'s latest checkpoint; returns {tower: directory}.
-  An `out_dir` holding another export, or a model no ElectraModel holds, is refused before the restore."""
+  An `out_dir` holding another export, or a model no ElectraModel holds, is refused before the restore.
+  """
   config = config_lib.load_workdir_config(workdir)
   if not workdir_files.exists(workdir_files.path(workdir, "checkpoints")):
     raise ConfigError(f"{workdir} has no checkpoints/ directory: nothing to export yet.")
   pretrainer = models.build_model(config)
-  check_hf_form(pretrainer.discriminator_config)  # the generator's derives from it (it never has n-grams)
+  check_hf_form(
+      pretrainer.discriminator_config
+  )  # the generator's derives from it (it never has n-grams)
   why_not = models.no_standalone_generator(pretrainer) if export_generator else None
   if why_not:
-    raise ConfigError(f"--export_generator: {why_not} (objective.name={config.objective.name!r}). "
-                      "Nothing was written; export without --export_generator.")
+    raise ConfigError(
+        f"--export_generator: {why_not} (objective.name={config.objective.name!r}). "
+        "Nothing was written; export without --export_generator."
+    )
   check_export_out(out_dir, export_generator)
 
-  tok = data.workdir_tokenizer(workdir, config.data)  # the objective, built with the state, needs its special ids
+  tok = data.workdir_tokenizer(
+      workdir, config.data
+  )  # the objective, built with the state, needs its special ids
   mesh, setup = one_device_setup(config, tok)
   step, state = train.restore_checkpoint(workdir, setup, mesh)
-  for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:  # before anything is written
-    finite_tensor(jax.tree_util.keystr(path), jax.device_get(leaf), f"the checkpoint at step {step} in {workdir}")
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[
+      0
+  ]:  # before anything is written
+    finite_tensor(
+        jax.tree_util.keystr(path),
+        jax.device_get(leaf),
+        f"the checkpoint at step {step} in {workdir}",
+    )
 
   towers = ("discriminator", "generator") if export_generator else ("discriminator",)
   written = {tower: os.path.join(out_dir, tower) for tower in towers}
@@ -60,42 +75,54 @@ def check_export_out(out_dir: str, export_generator: bool = False) -> None:
     directory = os.path.join(out_dir, tower)
     if not os.path.lexists(directory) or (os.path.isdir(directory) and not os.listdir(directory)):
       continue  # nothing there to mix up
-    why = ("is not an empty directory, and an export writes into it without clearing it"
-           if tower == "discriminator" or export_generator else
-           "holds an earlier export's generator, which this export (without --export_generator) "
-           "would leave beside a discriminator it does not belong to")
-    raise ConfigError(f"--out={out_dir!r}: {directory} {why}. Nothing was written; pick a new --out, or remove "
-                      f"{directory} first.")
+    why = (
+        "is not an empty directory, and an export writes into it without clearing it"
+        if tower == "discriminator" or export_generator
+        else "holds an earlier export's generator, which this export (without --export_generator) "
+        "would leave beside a discriminator it does not belong to"
+    )
+    raise ConfigError(
+        f"--out={out_dir!r}: {directory} {why}. Nothing was written; pick a new --out, or remove "
+        f"{directory} first."
+    )
 
 
 def write_tokenizer_files(tok, directory: str, max_length: int) -> None:
   """tokenizer.json (adding [CLS] ... [SEP] as training does), tokenizer_config.json and vocab.txt or spm.model
   beside the weights: AutoTokenizer.from_pretrained(directory) gives the ids training used."""
   settings = {
-      "model_max_length": max_length, "model_input_names": ["input_ids", "token_type_ids", "attention_mask"],
+      "model_max_length": max_length,
+      "model_input_names": ["input_ids", "token_type_ids", "attention_mask"],
       **{f"{name}_token": f"[{name.upper()}]" for name in ("unk", "sep", "pad", "cls", "mask")},
   }
   if isinstance(tok, WordPieceTokenizer):
     shutil.copyfile(tok.vocab_file, os.path.join(directory, "vocab.txt"))
     pipeline = tokenizers.Tokenizer.from_str(tok.backend.to_str())
     # strip_accents None: follow do_lower_case, as BERT's tokenizer (and ours) does.
-    settings.update(tokenizer_class="ElectraTokenizer", do_lower_case=tok.lowercase, strip_accents=tok.strip_accents,
-                    tokenize_chinese_chars=True)
+    settings.update(
+        tokenizer_class="ElectraTokenizer",
+        do_lower_case=tok.lowercase,
+        strip_accents=tok.strip_accents,
+        tokenize_chinese_chars=True,
+    )
   else:
     shutil.copyfile(tok.model_path, os.path.join(directory, "spm.model"))
     pipeline = _sentencepiece_pipeline(tok.model_path)
     pipeline.add_special_tokens(list(SPECIAL_TOKENS))
     settings.update(tokenizer_class="PreTrainedTokenizerFast")
   pipeline.post_processor = tokenizers.processors.TemplateProcessing(
-      single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-      special_tokens=[("[CLS]", tok.cls_id), ("[SEP]", tok.sep_id)])
+      single="[CLS] $A [SEP]",
+      pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+      special_tokens=[("[CLS]", tok.cls_id), ("[SEP]", tok.sep_id)],
+  )
   pipeline.save(os.path.join(directory, "tokenizer.json"))
   workdir_files.write_json(os.path.join(directory, "tokenizer_config.json"), settings)
 
 
 def _sentencepiece_pipeline(model_path: str) -> tokenizers.Tokenizer:
   """sentencepiece's segmentation as a `tokenizers` pipeline: pieces and scores (unigram) or merges (BPE, read off
-  the vocabulary), its normalization table, and its spaces (trimmed, runs made one, "\u2581" before each word)."""
+  the vocabulary), its normalization table, and its spaces (trimmed, runs made one, "\u2581" before each word).
+  """
   proto = sentencepiece_model_pb2.ModelProto()
   proto.ParseFromString(pathlib.Path(model_path).read_bytes())
   spec = proto.trainer_spec
@@ -105,16 +132,28 @@ def _sentencepiece_pipeline(model_path: str) -> tokenizers.Tokenizer:
   else:
     vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
     # One merge per way to cut a piece in two pieces, ranked by the merged piece's id.
-    merges = sorted((i, vocab[piece[:cut]], vocab[piece[cut:]], piece[:cut], piece[cut:])
-                    for piece, i in vocab.items() for cut in range(1, len(piece))
-                    if piece[:cut] in vocab and piece[cut:] in vocab)
-    model = tokenizers.models.BPE(vocab, [merge[3:] for merge in merges], unk_token=pieces[spec.unk_id][0],
-                                  fuse_unk=True, byte_fallback=spec.byte_fallback)
+    merges = sorted(
+        (i, vocab[piece[:cut]], vocab[piece[cut:]], piece[:cut], piece[cut:])
+        for piece, i in vocab.items()
+        for cut in range(1, len(piece))
+        if piece[:cut] in vocab and piece[cut:] in vocab
+    )
+    model = tokenizers.models.BPE(
+        vocab,
+        [merge[3:] for merge in merges],
+        unk_token=pieces[spec.unk_id][0],
+        fuse_unk=True,
+        byte_fallback=spec.byte_fallback,
+    )
   pipeline = tokenizers.Tokenizer(model)
   charsmap = proto.normalizer_spec.precompiled_charsmap
   pipeline.normalizer = tokenizers.normalizers.Sequence(
       [tokenizers.normalizers.Precompiled(charsmap)] * bool(charsmap)
-      + [tokenizers.normalizers.Strip(), tokenizers.normalizers.Replace(tokenizers.Regex(" {2,}"), " ")])
+      + [
+          tokenizers.normalizers.Strip(),
+          tokenizers.normalizers.Replace(tokenizers.Regex(" {2,}"), " "),
+      ]
+  )
   pipeline.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(prepend_scheme="always")
   pipeline.decoder = tokenizers.decoders.Metaspace(prepend_scheme="always")
   return pipeline

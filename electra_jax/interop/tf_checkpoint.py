@@ -17,8 +17,19 @@ _TABLE_MAGIC = 0xDB4775248B80FB57
 _FOOTER_SIZE = 48
 # tensorflow/core/framework/types.proto values of the dtypes a checkpoint of weights holds.
 _DTYPES = {
-    1: np.float32, 2: np.float64, 3: np.int32, 4: np.uint8, 5: np.int16, 6: np.int8,
-    9: np.int64, 10: np.bool_, 14: jnp.bfloat16, 17: np.uint16, 19: np.float16, 22: np.uint32, 23: np.uint64,
+    1: np.float32,
+    2: np.float64,
+    3: np.int32,
+    4: np.uint8,
+    5: np.int16,
+    6: np.int8,
+    9: np.int64,
+    10: np.bool_,
+    14: jnp.bfloat16,
+    17: np.uint16,
+    19: np.float16,
+    22: np.uint32,
+    23: np.uint64,
 }
 _OPTIMIZER_SLOT = re.compile(r"(/adam_[mv]|/Adam(_1)?|/Momentum|^global_step)$")
 # Variables of the official code's other objectives, which electra-jax's pre-trainer lacks.
@@ -83,8 +94,10 @@ def _read_block(data: bytes, handle: bytes, source: str) -> bytes:
   offset, pos = _varint(handle, 0)
   size, _ = _varint(handle, pos)
   if data[offset + size] != 0:
-    raise ConfigError(f"{source}: a compressed index block (type {data[offset + size]}); TensorFlow writes "
-                      "checkpoint indexes uncompressed, so this file is not a TF checkpoint index.")
+    raise ConfigError(
+        f"{source}: a compressed index block (type {data[offset + size]}); TensorFlow writes "
+        "checkpoint indexes uncompressed, so this file is not a TF checkpoint index."
+    )
   return data[offset : offset + size]
 
 
@@ -106,7 +119,9 @@ def _tensor_entry(value: bytes) -> TensorEntry:
   # BundleEntryProto: 1 dtype, 2 shape, 3 shard, 4 offset, 5 size, 7 slices.
   fields = dict(_proto_fields(value))
   if 7 in fields:
-    raise ConfigError("The checkpoint stores a partitioned (sliced) variable, which this reader does not read.")
+    raise ConfigError(
+        "The checkpoint stores a partitioned (sliced) variable, which this reader does not read."
+    )
   # TensorShapeProto: repeated Dim (field 2) of {size: 1}.
   dims = [dim for f, dim in _proto_fields(fields.get(2, b"")) if f == 2]
   shape = tuple(next((size for f, size in _proto_fields(dim) if f == 1), 0) for dim in dims)
@@ -137,10 +152,14 @@ class TFCheckpoint:
   def read(self, name: str) -> np.ndarray:
     entry = self.entries[name]
     if entry.dtype not in _DTYPES:
-      raise ConfigError(f"{self.prefix}: {name} has TensorFlow dtype {entry.dtype}, which is not a numeric tensor.")
+      raise ConfigError(
+          f"{self.prefix}: {name} has TensorFlow dtype {entry.dtype}, which is not a numeric tensor."
+      )
     dtype = np.dtype(_DTYPES[entry.dtype])
     if int(np.prod(entry.shape, dtype=np.int64)) * dtype.itemsize != entry.size:
-      raise ConfigError(f"{self.prefix}: {name} claims shape {entry.shape} of {dtype} but {entry.size} bytes.")
+      raise ConfigError(
+          f"{self.prefix}: {name} claims shape {entry.shape} of {dtype} but {entry.size} bytes."
+      )
     path = f"{self.prefix}.data-{entry.shard:05d}-of-{self.num_shards:05d}"
     try:
       with open(path, "rb") as f:
@@ -149,7 +168,9 @@ class TFCheckpoint:
     except OSError as e:
       raise ConfigError(f"Cannot read the checkpoint data file {path} ({e}).") from e
     if len(raw) != entry.size:
-      raise ConfigError(f"{path} is truncated: {name} needs bytes {entry.offset}..{entry.offset + entry.size}.")
+      raise ConfigError(
+          f"{path} is truncated: {name} needs bytes {entry.offset}..{entry.offset + entry.size}."
+      )
     return hf.finite_tensor(name, np.frombuffer(raw, dtype=dtype).reshape(entry.shape).copy(), path)
 
 
@@ -166,12 +187,17 @@ def resolve_prefix(path: str) -> str:
         match = re.search(r'^model_checkpoint_path:\s*"([^"]+)"', f.read(), re.MULTILINE)
       if match and os.path.isfile(os.path.join(path, match.group(1)) + ".index"):
         return os.path.join(path, match.group(1))  # relative to `path`, or absolute
-    steps = [(int(m.group(1)), name.removesuffix(".index"))
-             for name in os.listdir(path) if (m := re.fullmatch(r"model\.ckpt-(\d+)\.index", name))]
+    steps = [
+        (int(m.group(1)), name.removesuffix(".index"))
+        for name in os.listdir(path)
+        if (m := re.fullmatch(r"model\.ckpt-(\d+)\.index", name))
+    ]
     if steps:
       return os.path.join(path, max(steps)[1])
-  raise ConfigError(f"{path} is not a TensorFlow checkpoint: give the prefix (e.g. "
-                    "electra_small/model.ckpt-1000000), its .index file, or the directory holding it.")
+  raise ConfigError(
+      f"{path} is not a TensorFlow checkpoint: give the prefix (e.g. "
+      "electra_small/model.ckpt-1000000), its .index file, or the directory holding it."
+  )
 
 
 # transformers' weight names -> the official code's, one substitution after another.
@@ -181,7 +207,10 @@ _OFFICIAL_RENAMES = (
     (r"encoder\.layer\.(\d+)", r"encoder.layer_\1"),
     (r"LayerNorm\.weight$", "LayerNorm.gamma"),
     (r"LayerNorm\.bias$", "LayerNorm.beta"),
-    (r"_embeddings\.weight$", "_embeddings"),  # a table is a bare variable: electra/embeddings/word_embeddings
+    (
+        r"_embeddings\.weight$",
+        "_embeddings",
+    ),  # a table is a bare variable: electra/embeddings/word_embeddings
     (r"\.weight$", ".kernel"),
 )
 
@@ -200,19 +229,26 @@ def official_name(hf_name: str, tower: str) -> str:
 
 def read_towers(prefix: str, num_heads: int | None = None):
   """{tower: (model, params)} of an official checkpoint's two towers, through hf.py's checks. The shapes hold no
-  head count: the discriminator has `num_heads` (default max(1, hidden // 64)), the generator its head size."""
+  head count: the discriminator has `num_heads` (default max(1, hidden // 64)), the generator its head size.
+  """
   ckpt = TFCheckpoint(prefix)
   for scope, what in _UNSUPPORTED_SCOPES.items():
     if any(name.startswith(scope + "/") for name in ckpt.entries):
       raise ConfigError(f"{prefix} holds {what}; electra-jax cannot represent it.")
   used, towers = set(), {}
   for kind, scope in (("discriminator", "electra"), ("generator", "generator")):
-    layers = {m.group(1) for n in ckpt.entries if (m := re.match(rf"{scope}/encoder/layer_(\d+)/", n))}
+    layers = {
+        m.group(1) for n in ckpt.entries if (m := re.match(rf"{scope}/encoder/layer_(\d+)/", n))
+    }
     if not layers:
-      raise ConfigError(f"{prefix} has no {scope}/encoder/layer_* variables: only an official pre-training "
-                        "checkpoint (both towers, not a fine-tuned or discriminator-only one) continues pre-training.")
+      raise ConfigError(
+          f"{prefix} has no {scope}/encoder/layer_* variables: only an official pre-training "
+          "checkpoint (both towers, not a fine-tuned or discriminator-only one) continues pre-training."
+      )
     weights = {}
-    for w in hf.weight_names(kind, len(layers), f"{scope}/embeddings_project/kernel" in ckpt.entries):
+    for w in hf.weight_names(
+        kind, len(layers), f"{scope}/embeddings_project/kernel" in ckpt.entries
+    ):
       name = official_name(w.hf_name, kind)
       if name not in ckpt.entries:
         raise ConfigError(f"{prefix} lacks {name}, which an official {kind} of these sizes has.")
@@ -222,12 +258,17 @@ def read_towers(prefix: str, num_heads: int | None = None):
     sizes = hf.sizes_held(weights)
     if kind == "generator":
       num_heads = max(1, sizes["hidden_size"] // towers["discriminator"][0].config.head_dim)
-    hf_config = {"architectures": [hf.ARCHITECTURE_OF_KIND[kind]], **sizes,
-                 "num_attention_heads": num_heads or max(1, sizes["hidden_size"] // 64)}
+    hf_config = {
+        "architectures": [hf.ARCHITECTURE_OF_KIND[kind]],
+        **sizes,
+        "num_attention_heads": num_heads or max(1, sizes["hidden_size"] // 64),
+    }
     model = hf.model_from_hf_config(hf_config, prefix)[1]
     towers[kind] = (model, hf.params_from_hf_weights(model, kind, weights, prefix))
   leftover = sorted(n for n in ckpt.entries if n not in used and not _OPTIMIZER_SLOT.search(n))
   if leftover:
-    raise ConfigError(f"{prefix} holds variables electra-jax has no place for: {leftover[:8]}"
-                      f"{' ...' if len(leftover) > 8 else ''}. It may come from another objective or model.")
+    raise ConfigError(
+        f"{prefix} holds variables electra-jax has no place for: {leftover[:8]}"
+        f"{' ...' if len(leftover) > 8 else ''}. It may come from another objective or model."
+    )
   return towers
