@@ -51,17 +51,10 @@ def get_config():
       True  # False: no bias in the encoder's dense layers (heads and LayerNorms keep theirs)
   )
   # Primer's multi-dconv-head attention: a depthwise convolution of this odd width along the
-  # sequence after each of the query, key and value projections (0: none), so every position
-  # sees its neighbours before attention has learned to find them (docs/small_budget.md).
+  # sequence after each of the query, key and value projections, in both towers (0: none), so
+  # every position sees its neighbours before attention has learned to find them
+  # (docs/small_budget.md).
   model.attention_conv = 0
-  # The generator's own width (-1: attention_conv's). 0 with attention_conv > 0 keeps the
-  # generator, and so its replacements, as they are without it (docs/small_budget.md).
-  model.generator_attention_conv = -1
-  # Hashed bigram embeddings for the discriminator: rows of a table of this many (0: none), one
-  # for each token's pair with its left and one with its right neighbour, added to its word
-  # embedding, so replaced-token detection can read a token's fit with its neighbours from the
-  # first step (docs/small_budget.md). The generator never reads them.
-  model.ngram_buckets = 0
 
   # Replaced-token detection: loss = gen_weight * L_MLM + disc_weight * L_Disc.
   config.objective = objective = ml_collections.ConfigDict()

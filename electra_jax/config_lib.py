@@ -127,6 +127,26 @@ def with_defaults(saved: dict) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(saved)
 
 
+# Keys this version no longer has: (the value that means what it does now, the last commit with the key).
+# A config.json holding that value loads without the key; any other value is refused.
+REMOVED_KEYS = {
+    "model.ngram_buckets": (0, "f1a0b9b"),
+    "model.generator_attention_conv": (-1, "f1a0b9b"),
+}
+
+
+def without_removed_keys(saved: dict, file) -> dict:
+  for key, (same, commit) in REMOVED_KEYS.items():
+    group, _, name = key.partition(".")
+    if (value := saved.get(group, {}).pop(name, same)) != same:
+      raise ConfigError(
+          f"{file} sets {key}={value!r}, a key this electra-jax no longer has (CHANGELOG.md says "
+          f"why). Use electra-jax at commit {commit}, the last with it, for this workdir, or start "
+          "a new --workdir."
+      )
+  return saved
+
+
 def saved_config(workdir: str) -> dict | None:
   """<workdir>/config.json as a dict completed with_defaults; None if there is none."""
   from electra_jax import workdir_files  # noqa: PLC0415 (keeps recipes' imports light)
@@ -140,11 +160,9 @@ def saved_config(workdir: str) -> dict | None:
     return {key: value for key, value in saved.items() if key != VERSION_KEY}
 
   path = workdir_files.path(workdir, "config.json")
-  return (
-      with_defaults(workdir_files.read_json(path, groups)).to_dict()
-      if workdir_files.exists(path)
-      else None
-  )
+  if not workdir_files.exists(path):
+    return None
+  return with_defaults(without_removed_keys(workdir_files.read_json(path, groups), path)).to_dict()
 
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:

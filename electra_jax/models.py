@@ -187,9 +187,6 @@ class EncoderConfig:
       True  # False: none in the encoder's dense layers (heads and LayerNorms keep theirs)
   )
   attention_conv: int = 0  # see SelfAttention
-  ngram_buckets: int = (
-      0  # see ngram_ids: the discriminator's (and a fine-tuned encoder's) n-gram embeddings
-  )
 
   @property
   def head_dim(self) -> int:
@@ -205,53 +202,21 @@ class EmbeddingSizes(nn.Module):
   type_vocab_size: int
 
 
-def ngram_ids(input_ids, buckets: int, position_ids=None):
-  """[batch, seq] -> [batch, seq, 2] int32: the buckets of each token's bigram with its left and with its
-  right neighbour, hashed into `buckets`. A neighbour beyond the row, or (with packed rows' `position_ids`,
-  which restart at 0 in each example) in another example, is a boundary marker."""
-  boundary = jnp.full_like(input_ids[:, :1], -1)
-  left = jnp.concatenate([boundary, input_ids[:, :-1]], axis=1)
-  right = jnp.concatenate([input_ids[:, 1:], boundary], axis=1)
-  if position_ids is not None:
-    starts = position_ids == 0  # the first token of each packed example
-    left = jnp.where(starts, -1, left)
-    right = jnp.where(
-        jnp.concatenate([starts[:, 1:], jnp.ones_like(starts[:, :1])], axis=1), -1, right
-    )
-
-  def bucket(first, second, salt):
-    # A multiplicative hash of the pair in uint32 (wrapping), mixed, then reduced: any vocabulary size.
-    h = first.astype(jnp.uint32) * jnp.uint32(0x9E3779B1) ^ (
-        second.astype(jnp.uint32) + jnp.uint32(salt)
-    ) * jnp.uint32(0x85EBCA77)
-    h = h ^ (h >> 15)
-    return (h % jnp.uint32(buckets)).astype(jnp.int32)
-
-  return jnp.stack(
-      [bucket(left, input_ids, 0x27D4EB2F), bucket(input_ids, right, 0x165667B1)], axis=-1
-  )
-
-
 class Embeddings(EmbeddingSizes):
-  """Word + position + token-type (+ hashed bigram) embeddings, LayerNorm and dropout: [batch, seq] -> [batch,
-  seq, E]. ngram_buckets > 0: the rows at ngram_ids of a table that large are added to each token's (as in
-  N-grammer); a call with ngrams=False (the generator) leaves them out."""
+  """Word + position + token-type embeddings, LayerNorm and dropout: [batch, seq] -> [batch, seq, E]."""
 
   dropout_rate: float
   layer_norm_eps: float
   dtype: Dtype = jnp.float32
-  ngram_buckets: int = 0
 
   def setup(self):
-    def embed(
-        num, axis, name, init=bert_init()
-    ):  # looked up in float32 whatever the compute dtype (see __call__)
+    def embed(num, axis, name):  # looked up in float32 whatever the compute dtype (see __call__)
       return nn.Embed(
           num,
           self.embedding_size,
           dtype=jnp.float32,
           param_dtype=jnp.float32,
-          embedding_init=_param(init, (axis, "embed")),
+          embedding_init=_param(bert_init(), (axis, "embed")),
           name=name,
       )
 
@@ -260,11 +225,6 @@ class Embeddings(EmbeddingSizes):
         self.max_position_embeddings, "position", "position_embeddings"
     )
     self.token_type_embeddings = embed(self.type_vocab_size, "token_type", "token_type_embeddings")
-    if self.ngram_buckets:
-      # Zeros: a bucket no training bigram reached adds nothing, rather than noise the model never saw.
-      self.ngram_embeddings = embed(
-          self.ngram_buckets, "vocab", "ngram_embeddings", nn.initializers.zeros_init()
-      )
     self.layer_norm = _layer_norm(self.layer_norm_eps, "layer_norm")
     self.dropout = random_ops.Dropout(self.dropout_rate)
 
@@ -275,7 +235,6 @@ class Embeddings(EmbeddingSizes):
       deterministic: bool,
       word_table=None,
       position_ids=None,
-      ngrams: bool = True,
   ):
     """`word_table` [vocab, E], if given, replaces the word embeddings' own table (GDES);
     `position_ids` [batch, seq] (packed rows) replace 0, 1, 2, ... (a slice, whose gradient is a pad).
@@ -295,9 +254,6 @@ class Embeddings(EmbeddingSizes):
     types = jnp.zeros((), jnp.float32)
     for type_id in range(self.type_vocab_size):
       types = types + jnp.where((token_type_ids == type_id)[..., None], type_table[type_id], 0.0)
-    if self.ngram_buckets and ngrams:
-      buckets = ngram_ids(input_ids, self.ngram_buckets, position_ids)
-      words = words + jnp.take(self.ngram_embeddings.embedding, buckets, axis=0).sum(axis=-2)
     embedded = self.layer_norm(words + positions + types).astype(self.dtype)
     embedded = self.dropout(embedded, deterministic=deterministic)
     return nn.with_logical_constraint(embedded, ("act_batch", "act_len", "act_embed"))
@@ -320,7 +276,6 @@ def embeddings_for(
       dropout_rate=config.dropout_rate,
       layer_norm_eps=config.layer_norm_eps,
       dtype=owner.dtype,
-      ngram_buckets=config.ngram_buckets,
       **kwargs,
   )
 
@@ -713,7 +668,6 @@ class ElectraPretrainer(EmbeddingSizes):
       token_type_ids,
       attention_mask,
       deterministic,
-      ngrams: bool = True,
   ):
     """(the inputs embedded over `word_table`, the mask the towers read): packed rows' segment ids give positions
     that restart at each segment and a query x key mask (the splash kernel reads segment ids itself).
@@ -726,7 +680,7 @@ class ElectraPretrainer(EmbeddingSizes):
           if self.attention_impl == "splash"
           else segment_attention_mask(attention_mask)
       )
-    return embeddings(input_ids, token_type_ids, deterministic, word_table, positions, ngrams), mask
+    return embeddings(input_ids, token_type_ids, deterministic, word_table, positions), mask
 
   def generator_logits(
       self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic: bool = True
@@ -735,15 +689,8 @@ class ElectraPretrainer(EmbeddingSizes):
     position, [batch, seq, vocab], for the cloze generator and None)."""
     embeddings = self.generator_embeddings if self.tie == "none" else self.embeddings
     word_table = embeddings.word_table()
-    # The n-gram embeddings are the discriminator's: the generator stays the weaker tower (ELECTRA's premise).
     embedded, mask = self._embed(
-        embeddings,
-        word_table,
-        input_ids,
-        token_type_ids,
-        attention_mask,
-        deterministic,
-        ngrams=False,
+        embeddings, word_table, input_ids, token_type_ids, attention_mask, deterministic
     )
     return self.generator(embedded, mask, deterministic, word_table, masked_positions)
 
@@ -799,12 +746,10 @@ class ElectraPretrainer(EmbeddingSizes):
     return generator, self.discriminator_logits(*inputs, deterministic)
 
 
-def generator_encoder_config(
-    discriminator: EncoderConfig, fraction: float, attention_conv: int = -1
-) -> EncoderConfig:
+def generator_encoder_config(discriminator: EncoderConfig, fraction: float) -> EncoderConfig:
   """The generator `fraction` as wide as the discriminator (same depth and head size, FFN scaled alike), as
-  the official code sizes it, with at least one head, no n-gram embeddings, and a convolution of width
-  `attention_conv` (-1: the discriminator's)."""
+  the official code sizes it, with at least one head; its other options (norm, convolution, ...) are the
+  discriminator's."""
   hidden = int(round(discriminator.hidden_size * fraction))
   num_heads = max(1, hidden // discriminator.head_dim)
   if hidden < 1 or hidden % num_heads:
@@ -814,14 +759,8 @@ def generator_encoder_config(
         f"so hidden_size * fraction is a multiple of {discriminator.head_dim} (or smaller than it)."
     )
   intermediate = int(round(discriminator.intermediate_size * fraction))
-  conv = discriminator.attention_conv if attention_conv == -1 else attention_conv
   return dataclasses.replace(
-      discriminator,
-      hidden_size=hidden,
-      num_heads=num_heads,
-      intermediate_size=intermediate,
-      ngram_buckets=0,
-      attention_conv=conv,
+      discriminator, hidden_size=hidden, num_heads=num_heads, intermediate_size=intermediate
   )
 
 
@@ -884,32 +823,13 @@ def build_model(config) -> ElectraPretrainer:
         f"model.tie='all' runs one encoder for both towers, so they must be the same size, but "
         f"model.generator_fraction={m.generator_fraction}: set it to 1.0."
     )
-  for key, extra in (
-      ("attention_conv", ""),
-      ("generator_attention_conv", ", or -1 (model.attention_conv's)"),
-  ):
-    width = m[key]
-    if not (
-        type(width) is int and (width == 0 or width > 0 and width % 2 or extra and width == -1)
-    ):
-      raise ConfigError(
-          f"model.{key}={width!r} must be 0 (no convolution) or an odd kernel width such as 3 (the "
-          f"position and its two neighbours){extra}."
-      )
-  if m.tie == "all" and m.generator_attention_conv not in (-1, m.attention_conv):
+  width = m.attention_conv
+  if not (type(width) is int and (width == 0 or width > 0 and width % 2)):
     raise ConfigError(
-        f"model.tie='all' runs one encoder for both towers, so model.generator_attention_conv="
-        f"{m.generator_attention_conv} cannot differ from model.attention_conv={m.attention_conv}: "
-        "set it to -1."
+        f"model.attention_conv={width!r} must be 0 (no convolution) or an odd kernel width such as 3 "
+        "(the position and its two neighbours)."
     )
-  if not (type(m.ngram_buckets) is int and m.ngram_buckets >= 0):
-    raise ConfigError(
-        f"model.ngram_buckets={m.ngram_buckets!r} must be 0 (no n-gram embeddings) or a number of "
-        "rows such as 262139."
-    )
-  generator = generator_encoder_config(
-      discriminator, m.generator_fraction, m.generator_attention_conv
-  )
+  generator = generator_encoder_config(discriminator, m.generator_fraction)
   _check_attention(
       config, {"discriminator": discriminator, "generator": generator}, objective.cloze
   )
@@ -1023,10 +943,6 @@ def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
     tower_params = {k: v for k, v in tower_params.items() if not k.startswith("mlm_")}
   if tower == "generator" and pretrainer.tie == "none":
     embeddings, embedding_size = params["generator_embeddings"], pretrainer.generator_embedding_size
-  if (
-      tower == "generator" and "ngram_embeddings" in embeddings
-  ):  # the n-gram table is the discriminator's alone
-    embeddings = {k: v for k, v in embeddings.items() if k != "ngram_embeddings"}
   if tower == "discriminator" and pretrainer.tie == "gdes":
     word_table = embeddings["word_embeddings"]["embedding"] + params["discriminator_word_delta"]
     embeddings = {**embeddings, "word_embeddings": {"embedding": word_table}}

@@ -382,7 +382,6 @@ def test_cli_exports_a_pretraining_workdir(tmp_path, pretrained):
           "model.ffn": "geglu",
           "model.use_bias": False,
           "model.attention_conv": 3,
-          "model.ngram_buckets": 64,
       }
   )
   interop.write_pretraining_workdir(pair, recipe, str(imported))
@@ -392,8 +391,7 @@ def test_cli_exports_a_pretraining_workdir(tmp_path, pretrained):
       model_config.ffn,
       model_config.use_bias,
       model_config.attention_conv,
-      model_config.ngram_buckets,
-  ) == ("post", "gelu", True, 0, 0)
+  ) == ("post", "gelu", True, 0)
   data_config = train.config_lib.load_workdir_config(str(imported)).data
   assert data_config.tokenizer == "sentencepiece" and data_config.spm_model_file == str(
       imported / "spm.model"
@@ -508,13 +506,6 @@ def test_export_to_an_out_that_cannot_be_made_is_refused_before_the_restore(tmp_
             ],
         ),
         (
-            {"model.ngram_buckets": 64},
-            [
-                r"model.ngram_buckets=64 has no Hugging Face ElectraModel form \(its embeddings are "
-                r"words, positions and token types only\)"
-            ],
-        ),
-        (
             {"model.norm": "pre", "model.ffn": "geglu", "model.use_bias": False},
             [r"model.norm='pre'", r"model.ffn='geglu'", r"model.use_bias=False"],
         ),
@@ -523,7 +514,7 @@ def test_export_to_an_out_that_cannot_be_made_is_refused_before_the_restore(tmp_
 def test_export_refuses_encoder_options_hugging_face_cannot_hold(
     tmp_path, monkeypatch, options, named
 ):
-  """Pre-LN, GEGLU, bias-free, convolved and n-gram encoders have no ElectraModel form: the export says which
+  """Pre-LN, GEGLU, bias-free and convolved encoders have no ElectraModel form: the export says which
   option, one line each, before restoring or writing anything."""
   config = tiny_config(**options)
   workdir, out = tmp_path / "run", tmp_path / "hf"
@@ -545,9 +536,7 @@ def test_export_refuses_encoder_options_hugging_face_cannot_hold(
           jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32)
       )["params"]
   )
-  # The generator never reads the n-gram table: its tower alone has a Hugging Face form.
-  kinds = ("discriminator",) if "model.ngram_buckets" in options else ("discriminator", "generator")
-  for kind in kinds:
+  for kind in ("discriminator", "generator"):
     with pytest.raises(ConfigError, match=named[0]):
       interop.save_hf(pretrainer, params, str(out / kind), kind=kind)
   assert not out.exists()

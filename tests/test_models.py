@@ -6,6 +6,8 @@ import functools
 import hashlib
 import json
 import math
+import re
+import sys
 
 import flax
 import flax.linen as nn
@@ -16,7 +18,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, cli
 from conftest import deep_tiny_config as tiny_config
 from electra_jax import config_lib, models, objectives, train
 from electra_jax.errors import ConfigError
@@ -680,19 +682,6 @@ def test_options_agree_under_scan_layers_and_remat():
         ),
         ("attention_conv", -3, r"model.attention_conv=-3 must be 0"),
         ("attention_conv", "3", r"model.attention_conv='3' must be 0"),
-        (
-            "generator_attention_conv",
-            -2,
-            r"model.generator_attention_conv=-2 must be 0 \(no convolution\) or an odd "
-            r"kernel width such as 3 .*, or -1 \(model.attention_conv's\)",
-        ),
-        ("generator_attention_conv", 4, r"model.generator_attention_conv=4 must be 0"),
-        (
-            "ngram_buckets",
-            -1,
-            r"model.ngram_buckets=-1 must be 0 \(no n-gram embeddings\) or a number of rows",
-        ),
-        ("ngram_buckets", "64", r"model.ngram_buckets='64' must be 0"),
     ],
 )
 def test_bad_encoder_options_are_refused_by_name(key, value, named):
@@ -705,16 +694,14 @@ def test_bad_encoder_options_are_refused_by_name(key, value, named):
 
 
 def test_a_pretraining_step_with_all_options_on():
-  """Pre-LN, GEGLU, no encoder biases, the convolution and n-gram embeddings together: one train_step gives a
-  finite loss and moves the parameters only these options have (both towers' final LayerNorms, the taps, the
-  n-gram table)."""
+  """Pre-LN, GEGLU, no encoder biases and the convolution together: one train_step gives a finite loss
+  and moves the parameters only these options have (both towers' final LayerNorms and taps)."""
   config = tiny_config(
       **{
           "model.norm": "pre",
           "model.ffn": "geglu",
           "model.use_bias": False,
           "model.attention_conv": 3,
-          "model.ngram_buckets": 64,
           "data.max_seq_len": 16,
           "train.batch_size": 4,
       }
@@ -740,168 +727,17 @@ def test_a_pretraining_step_with_all_options_on():
         s.params[tower]["encoder"]["layer_0"]["attention"]["key_conv"] for s in (state, state_after)
     ]
     assert not np.array_equal(*taps), tower
-  tables = [s.params["embeddings"]["ngram_embeddings"]["embedding"] for s in (state, state_after)]
-  assert not np.array_equal(*tables)
-
-
-def _ngram_buckets_by_hand(ids, buckets, positions=None):
-  """ngram_ids in Python integers: the bigram hash of (left, token) and (token, right), -1 (as uint32) at a row's
-  ends and, with packed positions, where the neighbour belongs to another example."""
-  mask32 = 0xFFFFFFFF
-
-  def bucket(a, b, salt):
-    h = ((a & mask32) * 0x9E3779B1 & mask32) ^ (
-        ((b & mask32) + salt & mask32) * 0x85EBCA77 & mask32
-    )
-    h ^= h >> 15
-    return h % buckets
-
-  out = np.zeros((*ids.shape, 2), np.int64)
-  for r in range(ids.shape[0]):
-    for i in range(ids.shape[1]):
-      starts = positions is not None and positions[r, i] == 0
-      left = -1 if i == 0 or starts else int(ids[r, i - 1])
-      last = i == ids.shape[1] - 1 or (positions is not None and positions[r, i + 1] == 0)
-      right = -1 if last else int(ids[r, i + 1])
-      out[r, i] = bucket(left, int(ids[r, i]), 0x27D4EB2F), bucket(
-          int(ids[r, i]), right, 0x165667B1
-      )
-  return out
-
-
-def test_ngram_ids_by_hand_in_rows_and_packed_examples():
-  ids, _, _ = _inputs(vocab=50_000)
-  np.testing.assert_array_equal(
-      models.ngram_ids(ids, 65521), _ngram_buckets_by_hand(np.asarray(ids), 65521)
-  )
-  segments = jnp.array([[1, 1, 1, 2, 2, 3, 0, 0, 0, 0, 0, 0], [1] * 12])
-  positions = models.segment_positions(segments)
-  got = models.ngram_ids(ids, 1000, positions)
-  np.testing.assert_array_equal(
-      got, _ngram_buckets_by_hand(np.asarray(ids), 1000, np.asarray(positions))
-  )
-  # The second example's first token (position 3) sees a boundary on its left, not the first example's last token.
-  assert (
-      got[0, 3, 0]
-      == _ngram_buckets_by_hand(np.array([[7, int(ids[0, 3])]]), 1000, np.array([[0, 0]]))[0, 1, 0]
-  )
-  assert int(got.max()) < 1000 and int(got.min()) >= 0
-
-
-def test_ngram_embeddings_by_hand_and_only_in_the_discriminator():
-  """model.ngram_buckets: each token's embedding adds the table's rows at its two bigram buckets, before the
-  LayerNorm; the discriminator reads them, the generator (same embeddings module) does not."""
-  emb = models.Embeddings(
-      vocab_size=512,
-      embedding_size=16,
-      max_position_embeddings=32,
-      type_vocab_size=2,
-      dropout_rate=0.0,
-      layer_norm_eps=1e-12,
-      ngram_buckets=97,
-  )
-  ids, types, _ = _inputs()
-  params = _random_params(nn.meta.unbox(emb.init(jax.random.key(0), ids, types, True))["params"])
-  assert params["ngram_embeddings"]["embedding"].shape == (97, 16)
-  p = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
-  summed = (
-      p["word_embeddings"]["embedding"][np.asarray(ids)]
-      + p["position_embeddings"]["embedding"][None, :12]
-      + p["token_type_embeddings"]["embedding"][np.asarray(types)]
-  )
-  with_ngrams = summed + p["ngram_embeddings"]["embedding"][
-      _ngram_buckets_by_hand(np.asarray(ids), 97)
-  ].sum(-2)
-  np.testing.assert_allclose(
-      emb.apply({"params": params}, ids, types, True),
-      _ln_by_hand(with_ngrams, p["layer_norm"]),
-      rtol=1e-5,
-      atol=1e-5,
-  )
-  np.testing.assert_allclose(
-      emb.apply({"params": params}, ids, types, True, ngrams=False),
-      _ln_by_hand(summed, p["layer_norm"]),
-      rtol=1e-5,
-      atol=1e-5,
-  )
-
-  config = tiny_config(**{"model.ngram_buckets": 97})
-  model, params = _init(config)
-  ids, types, mask = _inputs(vocab=config.model.vocab_size)
-  positions = jnp.array([[1, 2, 3], [1, 2, 3]])
-  table = params["embeddings"]["ngram_embeddings"]["embedding"]
-  assert (
-      table.shape == (97, config.model.embedding_size) and not table.any()
-  )  # zeros: an unseen bigram adds nothing
-  params = _random_params(params)
-  zeroed = jax.tree_util.tree_map_with_path(
-      lambda path, x: jnp.zeros_like(x) if "ngram_embeddings" in jax.tree_util.keystr(path) else x,
-      params,
-  )
-  run = lambda method, ps, *args: model.apply(
-      {"params": ps}, ids, types, mask, *args, method=method
-  )
-  np.testing.assert_array_equal(
-      run(model.generator_logits, params, positions), run(model.generator_logits, zeroed, positions)
-  )
-  assert not np.allclose(
-      run(model.discriminator_logits, params), run(model.discriminator_logits, zeroed)
-  )
-  # The standalone generator has no n-gram table; the discriminator and a fine-tuned encoder keep it.
-  _, gen_params = models.tower_from_pretrainer(model, params, "generator")
-  _, disc_params = models.tower_from_pretrainer(model, params, "discriminator")
-  assert (
-      "ngram_embeddings" not in gen_params["embeddings"]
-      and "ngram_embeddings" in disc_params["embeddings"]
-  )
-
-
-def test_the_generator_takes_its_own_convolution_width():
-  """model.generator_attention_conv: -1 gives the generator the discriminator's convolution; 0 gives it none
-  (its tree, and so its samples, those of a model without the convolution) while the discriminator keeps its
-  taps; one shared encoder (tie='all') cannot hold two widths."""
-
-  def convs(**options):
-    model, params = _init(tiny_config(**{"model.attention_conv": 3, **options}))
-    attention = lambda tower: params[tower]["encoder"]["layer_0"]["attention"]
-    return model, {
-        tower: sorted(k for k in attention(tower) if k.endswith("_conv"))
-        for tower in ("generator", "discriminator")
-    }
-
-  _, both = convs()
-  assert both["generator"] == both["discriminator"] == ["key_conv", "query_conv", "value_conv"]
-  model, own = convs(**{"model.generator_attention_conv": 0})
-  assert own == {"generator": [], "discriminator": ["key_conv", "query_conv", "value_conv"]}
-  plain = models.build_model(tiny_config())
-  assert model.generator_config == plain.generator_config
-  assert model.discriminator_config.attention_conv == 3
-  with pytest.raises(
-      ConfigError,
-      match=r"model.tie='all' runs one encoder for both towers, so "
-      r"model.generator_attention_conv=0 cannot differ from model.attention_conv=3",
-  ):
-    models.build_model(
-        tiny_config(
-            **{
-                "model.tie": "all",
-                "model.generator_fraction": 1.0,
-                "model.attention_conv": 3,
-                "model.generator_attention_conv": 0,
-            }
-        )
-    )
 
 
 def test_the_demo_at_temperature_1_is_a_variant_of_the_demo():
-  """configs/demo.py:t1: the demo's sizes and schedule at sampling temperature 1, with n-grams and the
-  convolution in the discriminator only; the plain demo keeps the paper's (Hugging Face exportable) encoder.
-  """
+  """configs/demo.py:t1: the demo's sizes and schedule at sampling temperature 1, with the convolution
+  in both towers, pre-LN, GEGLU and no biases; the plain demo keeps the paper's (Hugging Face
+  exportable) encoder."""
   from electra_jax import api  # noqa: PLC0415
 
   demo, t1 = api.load_config("demo"), api.load_config("demo:t1")
   assert demo.objective.temperature == 2.0 and t1.objective.temperature == 1.0
-  assert (demo.model.ngram_buckets, demo.model.attention_conv, demo.model.norm) == (0, 0, "post")
+  assert (demo.model.attention_conv, demo.model.norm) == (0, "post")
   changed = [
       line.split(":")[0]
       for line in config_lib.changed_keys(config_lib.as_saved(demo), config_lib.as_saved(t1))
@@ -909,17 +745,36 @@ def test_the_demo_at_temperature_1_is_a_variant_of_the_demo():
   assert changed == [
       "model.attention_conv",
       "model.ffn",
-      "model.generator_attention_conv",
-      "model.ngram_buckets",
       "model.norm",
       "model.use_bias",
       "objective.temperature",
   ], changed
   model = models.build_model(t1)
-  assert (model.discriminator_config.attention_conv, model.discriminator_config.ngram_buckets) == (
-      3,
-      262_139,
-  )
-  assert (model.generator_config.attention_conv, model.generator_config.ngram_buckets) == (0, 0)
+  assert model.discriminator_config.attention_conv == model.generator_config.attention_conv == 3
   with pytest.raises(ConfigError, match=r"configs/demo.py has no variant 't2'"):
     api.load_config("demo:t2")
+
+
+@pytest.mark.parametrize("key", ["model.ngram_buckets", "model.generator_attention_conv"])
+def test_a_workdir_of_a_removed_model_key_is_refused_by_name(tmp_path, key):
+  """A config.json written before a key was removed: at the value that means what this version does,
+  it loads without the key; at any other, the error names the key, its value and the last commit
+  with it."""
+  same, commit = config_lib.REMOVED_KEYS[key]
+  group, name = key.split(".")
+  saved = config_lib.as_saved(tiny_config())
+  saved[group][name] = same
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  loaded = config_lib.load_workdir_config(str(tmp_path))
+  assert name not in loaded[group] and config_lib.as_saved(loaded) == config_lib.as_saved(
+      tiny_config()
+  )
+  saved[group][name] = 5
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  with pytest.raises(ConfigError, match=rf"sets {re.escape(key)}=5, .* commit {commit}, the last"):
+    config_lib.load_workdir_config(str(tmp_path))
+  # Continuing such a workdir from the command line: one line, no traceback.
+  args = [f"--config=configs/workdir.py:{tmp_path}", f"--workdir={tmp_path}"]
+  result = cli([sys.executable, "-m", "electra_jax.main", *args])
+  assert result.returncode != 0 and "Traceback" not in result.stderr
+  assert f"sets {key}=5" in result.stderr.strip().splitlines()[-1]

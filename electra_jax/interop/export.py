@@ -34,9 +34,7 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
   if not workdir_files.exists(workdir_files.path(workdir, "checkpoints")):
     raise ConfigError(f"{workdir} has no checkpoints/ directory: nothing to export yet.")
   pretrainer = models.build_model(config)
-  check_hf_form(
-      pretrainer.discriminator_config
-  )  # the generator's derives from it (it never has n-grams)
+  check_hf_form(pretrainer.discriminator_config)  # the generator's options are the same
   why_not = models.no_standalone_generator(pretrainer) if export_generator else None
   if why_not:
     raise ConfigError(

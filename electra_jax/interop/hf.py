@@ -78,7 +78,6 @@ HF_ENCODER_FORM = (
     ("ffn", "gelu", "its feed-forward is dense + GELU + dense, without a gate"),
     ("use_bias", True, "every dense layer of its encoder has a bias"),
     ("attention_conv", 0, "its attention has no convolution"),
-    ("ngram_buckets", 0, "its embeddings are words, positions and token types only"),
 )
 
 
