@@ -487,8 +487,6 @@ class Registered:
   # (keep_original_prob, random_token_prob) in place of (objective.keep_original_prob, 0).
   masking: tuple[float, float] | None = None
   check: Callable = lambda config: None  # raises ConfigError
-  own_keys: tuple[str, ...] = ()  # keys only this objective reads (the others ignore them)
-  ignores: tuple[str, ...] = ()
   # (objective, tree, step) -> tree: the parameters the step trains from, the updates it applies.
   before_step: Callable = lambda objective, params, step: params
   updates: Callable = lambda objective, updates, step: updates
@@ -547,16 +545,6 @@ REGISTRY["mlm"] = Registered(
     mlm_head=True,
     masking=(0.1, 0.1),
     check=_check_no_generator_to_share,
-    ignores=(
-        "objective.temperature",
-        "objective.initial_temperature",
-        "objective.temperature_decay_fraction",
-        "objective.disallow_correct",
-        "objective.gen_weight",
-        "objective.disc_weight",
-        "objective.keep_original_prob",
-        "objective.disc_mlm_weight",
-    ),
 )
 
 
@@ -699,7 +687,6 @@ def _keep_two_stage_switch(config, saved_config: Callable, start_step: int | Non
 REGISTRY["two_stage"] = Registered(
     _two_stage,
     check=_check_two_stage,
-    own_keys=("objective.two_stage_switch",),
     before_step=_start_second_stage,
     updates=_hold_other_stage,
     start_run=_keep_two_stage_switch,
@@ -736,9 +723,7 @@ def _adversarial_metrics(metrics, stats, objective, per_token):
   metrics["loss"] = mlm_loss + objective.disc_weight * metrics["disc_loss"]
 
 
-REGISTRY["adversarial"] = Registered(
-    _adversarial, _adversarial_metrics, own_keys=("objective.adversarial_mlm_weight",)
-)
+REGISTRY["adversarial"] = Registered(_adversarial, _adversarial_metrics)
 
 
 def _electric(p: _Pass):
@@ -907,20 +892,6 @@ def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str,
 
 
 # --- From the config
-def ignored_keys(name: str) -> tuple[str, ...]:
-  """Config keys objective `name` never reads (its traced step and parameters stay the same), so a sweep
-  trains runs that differ only there once; () for a name not registered."""
-  if name not in REGISTRY:
-    return ()
-  entry = REGISTRY[name]
-  keys = (
-      [] if entry.has_generator else ["model.generator_fraction"]
-  )  # (model.tie=gdes still adds a delta)
-  keys += entry.ignores
-  keys += [key for other, e in REGISTRY.items() if other != name for key in e.own_keys]
-  return tuple(keys)
-
-
 def check_config(config) -> None:
   """objective.name and the keys whose meaning depends on it, refused by name."""
   name, disc_mlm_weight = config.objective.name, config.objective.disc_mlm_weight
@@ -931,11 +902,9 @@ def check_config(config) -> None:
   if name not in REGISTRY:
     raise ConfigError(f"objective.name={name!r} is not one of {list(OBJECTIVES)}.")
   entry = REGISTRY[name]
-  if (
-      disc_mlm_weight > 0
-      and not entry.disc_mlm
-      and "objective.disc_mlm_weight" not in entry.ignores
-  ):
+  # mlm trains the tower by MLM alone and ignores the key: the MLM baseline of a recipe that sets it
+  # is one override away.
+  if disc_mlm_weight > 0 and not entry.disc_mlm and name != "mlm":
     with_it = " or ".join(repr(n) for n, e in REGISTRY.items() if e.disc_mlm)
     raise ConfigError(
         f"objective.disc_mlm_weight={disc_mlm_weight} adds an MLM loss to the discriminator of "
@@ -950,7 +919,6 @@ def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjecti
   its compiled step does not depend on them."""
   o, entry = config.objective, REGISTRY[config.objective.name]
   keep_original_prob, random_token_prob = entry.masking or (o.keep_original_prob, 0.0)
-  switches = "objective.two_stage_switch" in entry.own_keys
   return ElectraObjective(
       mask_prob=o.mask_prob,
       max_predictions=official_max_predictions(o.mask_prob, config.data.max_seq_len),
@@ -965,7 +933,7 @@ def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjecti
       sep_id=special_ids["sep"],
       name=o.name,
       vocab_size=special_ids.get("vocab_size", config.model.vocab_size),
-      switch_step=(o.two_stage_switch or config.train.steps // 2) if switches else 0,
+      switch_step=(o.two_stage_switch or config.train.steps // 2) if o.name == "two_stage" else 0,
       adversarial_mlm_weight=o.adversarial_mlm_weight,
       disallow_correct=o.disallow_correct,
       initial_temperature=o.initial_temperature if temperature_decay_steps(config) > 0 else None,

@@ -2,10 +2,10 @@
 the base config and the runs), then results.csv, results.md and the curves. docs/training.md is the manual.
 """
 
-import ast
 import contextlib
 import copy
 import csv
+import difflib
 import glob
 import hashlib
 import io
@@ -17,11 +17,12 @@ import re
 import signal
 import shlex
 import time
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import ml_collections
 from absl import flags as absl_flags
 from absl import logging
+from ml_collections import config_flags
 from ml_collections.config_flags import config_path
 
 from electra_jax import config_lib, plots, workdir_files
@@ -122,96 +123,54 @@ def expand(grid: Sequence[str] = (), sweep_file: str | None = None) -> list[list
   return runs
 
 
-def _parse_value(key: str, raw: str, field_type) -> Any:
-  """As ml_collections' config flags parse --config.KEY=raw: by the field's type."""
-  if field_type is str:
-    return raw
-  parser = {
-      bool: absl_flags.BooleanParser,
-      int: absl_flags.IntegerParser,
-      float: absl_flags.FloatParser,
-  }
-  try:
-    if field_type in parser:
-      return parser[field_type]().parse(raw)
-  except ValueError as error:
-    raise ConfigError(f"{key}={raw!r}: not a valid {field_type.__name__} ({error}).") from None
-  try:  # tuples, None-typed fields, ...: a Python literal, else the string itself
-    return ast.literal_eval({"true": "True", "false": "False"}.get(raw, raw))
-  except (SyntaxError, ValueError):
-    return raw
+def _check_key(config: ml_collections.ConfigDict, key: str, what: str) -> None:
+  group = config
+  for depth, name in enumerate(names := key.split(".")):
+    if not isinstance(group, ml_collections.ConfigDict) or name not in group:
+      known = list(group) if isinstance(group, ml_collections.ConfigDict) else []
+      hint = "".join(f" Did you mean {m!r}?" for m in difflib.get_close_matches(name, known, 1))
+      if key in config_lib.REMOVED_KEYS:
+        last = config_lib.REMOVED_KEYS[key][1]
+        hint = f" It was removed: {last} is the last commit with it (CHANGELOG.md)."
+      raise ConfigError(
+          f"{what} key {key!r} is not a config key: {'.'.join(names[:depth]) or 'the config'} has "
+          f"no {name!r}.{hint} configs/base.py lists every key."
+      )
+    group = group[name]
 
 
 def apply_overrides(
     base: ml_collections.ConfigDict, overrides: Sequence[Override], what: str = "Sweep"
 ) -> ml_collections.ConfigDict:
-  """A copy of `base` with `overrides` applied; a bad key or value is a ConfigError starting with `what`."""
-  config = copy.deepcopy(base)
-  for key, raw in overrides:
-    try:
-      field_type = config_path.get_type(key, config)
-    except (KeyError, AttributeError) as error:
-      missing, hint = config_lib.missing_key(error)
-      raise ConfigError(
-          f"{what} key {key!r} is not a config key: the config has no {missing!r}. "
-          f"{hint + ' ' if hint else ''}configs/base.py lists every key."
-      ) from None
-    value = _parse_value(key, raw, field_type)
-    try:
-      config_path.set_value(key, config, value)
-    except (TypeError, ValueError, KeyError, AttributeError) as error:
-      raise ConfigError(f"{what} value {key}={raw!r} does not fit the config: {error}") from None
-  return config
-
-
-def identity(base: ml_collections.ConfigDict, overrides: Sequence[Override]) -> str:
-  """What makes runs the same: the parsed overrides in key order (`b=.5 a=1e-3` is `a=0.001 b=0.5`)."""
-  parsed = []
-  for key, raw in overrides:
-    try:
-      value = _parse_value(key, raw, config_path.get_type(key, base))
-    except (KeyError, AttributeError):
-      value = raw  # a key apply_overrides names as unknown; here it is compared as written
-    parsed.append((key, repr(value)))
-  return json.dumps(sorted(parsed))
-
-
-def merge_unread(
-    base: ml_collections.ConfigDict,
-    override_lists: Sequence[Sequence[Override]],
-    existing: Sequence[Run] = (),
-) -> list[list[Override]]:
-  """The runs to train, in first-come order: each run's overrides less the keys its objective never reads,
-  runs left alike once; a recorded run (`existing`) that comes down to the same stands for them."""
-  from electra_jax import objectives  # noqa: PLC0415 (jax stays out of sweep_report's import)
-
-  def reduced(overrides):
-    unread = set(objectives.ignored_keys(apply_overrides(base, overrides).objective.name))
-    return [tuple(o) for o in overrides if o[0] not in unread], sorted(
-        {k for k, _ in overrides if k in unread}
+  """A copy of `base` with `overrides` applied as `--config.KEY=VALUE` flags are, by ml_collections'
+  own parser; a bad key or value is a ConfigError starting with `what`."""
+  for key, _ in overrides:
+    _check_key(base, key, what)
+  argv = ["sweep", *(f"--config.{key}={raw}" for key, raw in overrides)]
+  flag_values = absl_flags.FlagValues()
+  try:
+    config_flags.DEFINE_config_dict(
+        "config", copy.deepcopy(base), flag_values=flag_values, lock_config=False, sys_argv=argv
     )
+    flag_values(argv)
+  except absl_flags.Error as error:  # it names the flag and the value
+    raise ConfigError(
+        f"{what} override refused ({error}); give a value of the key's type, as "
+        "--config.KEY=VALUE takes it."
+    ) from None
+  return flag_values.config
 
-  recorded = {}
-  for run in existing:
-    recorded.setdefault(
-        identity(base, reduced(run.overrides)[0]), [tuple(o) for o in run.overrides]
-    )
-  runs, merged = {}, {}  # by identity, in first-come order
-  for overrides in override_lists:
-    short, unread = reduced(overrides)
-    key = identity(base, short)
-    if unread:
-      merged.setdefault(key, (short, unread, []))[2].append(overrides)
-    runs.setdefault(key, recorded.get(key, short))
-  for short, unread, originals in merged.values():
-    logging.info(
-        "Sweep: %s does not read %s; %d grid run(s) train as the one run %s.",
-        _label(short),
-        ", ".join(unread),
-        len(originals),
-        _label(short),
-    )
-  return list(runs.values())
+
+def identity(base: ml_collections.ConfigDict | None, overrides: Sequence[Override]) -> str:
+  """What makes runs the same: the values the overrides give over `base`, in key order (`b=.5 a=1e-3`
+  is `a=0.001 b=0.5`); as written for `base` None or a key it lacks (a run an older version recorded).
+  """
+  values = [tuple(o) for o in overrides]
+  if base is not None:
+    with contextlib.suppress(ConfigError):
+      config = apply_overrides(base, overrides)
+      values = [(key, repr(config_path.get_value(key, config))) for key, _ in overrides]
+  return json.dumps(sorted(values))
 
 
 def _readable_name(overrides: Sequence[Override]) -> str:
@@ -255,10 +214,6 @@ def name_runs(
       by_overrides[key] = Run(name, list(overrides))
     runs.append(by_overrides[key])
   return runs
-
-
-def _fingerprint(config: ml_collections.ConfigDict) -> str:
-  return hashlib.sha256(config_lib.to_json(config).encode()).hexdigest()[:16]
 
 
 def read_record(sweep_dir: str) -> dict | None:
@@ -320,19 +275,25 @@ def run_sweep(
   override_lists = expand(grid, sweep_file)
   record = read_record(sweep_dir)
   existing = record["runs"] if record else []
-  if record and record["base_config_fingerprint"] != _fingerprint(base_config):
+  if record and (
+      changes := config_lib.changed_keys(
+          config_lib.without_removed_keys(record["base_config"], f"{sweep_dir}/{SWEEP_FILE}"),
+          config_lib.as_saved(base_config),
+      )
+  ):
     raise ConfigError(
-        f"{sweep_dir}/{SWEEP_FILE} was written for another base config (recipe or --config.* flags): "
-        "one table must not mix recipes. Use the same --config and flags as before, or a new "
-        "--workdir for this sweep."
+        f"{sweep_dir}/{SWEEP_FILE} was written for another base config (recipe or --config.* flags: "
+        f"{'; '.join(changes)}): one table must not mix recipes. Use the same --config and flags "
+        "as before, or a new --workdir for this sweep."
     )
-  override_lists = merge_unread(base_config, override_lists, existing)
-  configs = [apply_overrides(base_config, overrides) for overrides in override_lists]
-  for overrides, config in zip(override_lists, configs):
+  # A run listed twice (or recorded already) is one run.
+  runs = list({run.name: run for run in name_runs(override_lists, existing, base_config)}.values())
+  configs = [apply_overrides(base_config, run.overrides) for run in runs]
+  for run, config in zip(runs, configs):
     try:
       config_lib.validate(config)
     except ConfigError as error:
-      raise ConfigError(f"Sweep run {_label(overrides)}: {error}") from None
+      raise ConfigError(f"Sweep run {_label(run.overrides)}: {error}") from None
   if finetune_config is not None:
     from electra_jax.finetune import trainer as finetune  # noqa: PLC0415
 
@@ -343,10 +304,8 @@ def run_sweep(
   # Two sweeps on one folder would each rewrite sweep.json and fail the runs the other trains.
   lease = train.acquire_lease(sweep_dir, take_over_workdir, "The sweep folder")
   try:
-    runs = name_runs(override_lists, existing, base_config)
     all_runs = list(existing) + [r for r in runs if r not in existing]
     record = dict(
-        base_config_fingerprint=_fingerprint(base_config),
         base_config=config_lib.as_saved(base_config),
         runs=[dict(name=r.name, overrides=[list(o) for o in r.overrides]) for r in all_runs],
     )

@@ -233,7 +233,8 @@ def test_bad_sweeps_are_refused_before_anything_is_written(tmp_path, swept):
   sweep_dir = str(tmp_path / "s")
   cases = [
       (["objective.nam=electra,mlm"], "Sweep key 'objective.nam' is not a config key"),
-      (["train.steps=3,3.5"], r"train.steps='3.5': not a valid int"),
+      (["train.steps=3,3.5"], r"train.steps=3.5: invalid literal for int"),
+      (["model.ngram_buckets=0,64"], "It was removed: f1a0b9b is the last commit with it"),
       (["train.use_remat=yes"], "Sweep key 'train.use_remat'"),
       (
           ["objective.name=electra,bogus"],
@@ -254,8 +255,27 @@ def test_bad_sweeps_are_refused_before_anything_is_written(tmp_path, swept):
   # A sweep folder belongs to one base config.
   other = base_config()
   other.train.steps = 5
-  with pytest.raises(ConfigError, match="another base config"):
+  with pytest.raises(ConfigError, match=r"another base config \(.*train.steps: 3 -> 5\)"):
     sweep.run_sweep(other, swept["sweep_dir"], ["objective.name=electra"])
+
+
+def test_a_sweep_recorded_with_a_removed_key_goes_on_at_its_neutral_value(swept, tmp_path):
+  """sweep.json's base config from before model.ngram_buckets was removed: at 0 (what this version
+  does) the sweep goes on and leaves its finished run as it was; at another value it is refused by
+  name."""
+  folder = tmp_path / "sweep"
+  shutil.copytree(swept["sweep_dir"], folder)
+  record = json.load(open(folder / "sweep.json"))
+  record["base_config"]["model"].update(ngram_buckets=0, generator_attention_conv=-1)
+  (folder / "sweep.json").write_text(json.dumps(record))
+  electra = swept["names"][0]
+  before = tree_snapshot(folder / electra)
+  result = sweep.run_sweep(base_config(), str(folder), ["objective.name=electra"], plot=False)
+  assert result["runs"] == [electra] and tree_snapshot(folder / electra) == before
+  record["base_config"]["model"]["ngram_buckets"] = 64
+  (folder / "sweep.json").write_text(json.dumps(record))
+  with pytest.raises(ConfigError, match=r"sets model.ngram_buckets=64, .* commit f1a0b9b"):
+    sweep.run_sweep(base_config(), str(folder), ["objective.name=electra"], plot=False)
 
 
 def test_grid_expansion_and_run_names(tmp_path):
@@ -287,45 +307,35 @@ def test_grid_expansion_and_run_names(tmp_path):
   assert [r.name for r in again] == ["name=x-y-z-2", "name=x-y-z-3"]
   config = sweep.apply_overrides(
       base_config(),
-      [("optimizer.learning_rate", "1"), ("data.lowercase", "false"), ("objective.name", "mlm")],
+      [
+          ("optimizer.learning_rate", "1"),
+          ("data.lowercase", "false"),
+          ("objective.name", "mlm"),
+          ("data.strip_accents", "true"),  # a bool-typed None
+      ],
   )
   assert config.optimizer.learning_rate == 1.0 and isinstance(config.optimizer.learning_rate, float)
   assert config.data.lowercase is False and config.objective.name == "mlm"
+  assert config.data.strip_accents is True and base_config().data.strip_accents is None
 
 
-def test_runs_that_differ_only_in_keys_their_objective_never_reads_train_once(caplog):
-  electra = [("objective.name", "electra")]
-  grid = sweep.expand(["objective.name=electra,mlm", "model.generator_fraction=0.25,0.5"])
-  with caplog.at_level("INFO"):
-    runs = sweep.merge_unread(base_config(), grid)
-  # MLM has no generator: its two grid runs would train the same program from the same start.
-  assert runs == [
-      electra + [("model.generator_fraction", "0.25")],
-      electra + [("model.generator_fraction", "0.5")],
-      [("objective.name", "mlm")],
-  ]
-  assert (
-      "objective.name=mlm does not read model.generator_fraction; 2 grid run(s) train as the one run "
-      "objective.name=mlm"
-  ) in caplog.text
-  # A run an earlier sweep recorded with the unread key stands for the merged ones (no retraining).
-  recorded = sweep.Run(
-      "name=mlm,generator_fraction=0.5",
-      [("objective.name", "mlm"), ("model.generator_fraction", "0.5")],
-  )
-  runs = sweep.merge_unread(base_config(), grid, [recorded])
-  assert runs[2] == recorded.overrides and sweep.name_runs(runs, [recorded])[2] is recorded
-  # The objective may come from the recipe rather than the grid.
-  mlm_recipe = base_config()
-  mlm_recipe.objective.name = "mlm"
-  assert sweep.merge_unread(mlm_recipe, sweep.expand(["model.generator_fraction=0.25,0.5"])) == [[]]
-  assert sweep.merge_unread(
-      mlm_recipe, sweep.expand(["objective.temperature=1,2", "objective.name=mlm,electra"])
-  ) == [
-      [("objective.name", "mlm")],
-      [("objective.temperature", "1"), ("objective.name", "electra")],
-      [("objective.temperature", "2"), ("objective.name", "electra")],
-  ]
+def test_every_run_given_trains_and_a_run_listed_twice_trains_once(tmp_path):
+  """MLM has no generator, yet its runs at two generator fractions are two runs (two configs, two
+  workdirs); the same run written 1e-3 and 0.001 is one."""
+  runs_file = tmp_path / "runs.txt"
+  runs_file.write_text("optimizer.learning_rate=1e-3\noptimizer.learning_rate=0.001\n")
+  sweep_dir = tmp_path / "sweep"
+  grid = ["objective.name=mlm", "model.generator_fraction=0.25,0.5"]
+  result = sweep.run_sweep(base_config(), str(sweep_dir), grid, str(runs_file), plot=False)
+  assert result["failed"] == [] and len(result["runs"]) == 2
+  record = json.load(open(sweep_dir / "sweep.json"))
+  assert [r["name"] for r in record["runs"]] == result["runs"]
+  fractions = []
+  for name in result["runs"]:
+    saved = json.load(open(sweep_dir / name / "config.json"))
+    fractions.append(saved["model"]["generator_fraction"])
+    assert (sweep_dir / name / "checkpoints" / str(STEPS)).is_dir()
+  assert fractions == [0.25, 0.5]
 
 
 def test_a_run_whose_last_step_was_logged_but_not_saved_is_incomplete(swept, tmp_path):
@@ -369,14 +379,11 @@ def test_a_recorded_run_is_found_whatever_the_flag_order_or_spelling():
   """The same sweep with its --sweep flags in another order, or 0.5 written .5, trained its
   runs a second time under new names."""
   first = sweep.name_runs(
-      sweep.merge_unread(
-          base_config(),
-          sweep.expand(["model.generator_fraction=0.5", "optimizer.learning_rate=0.001"]),
-      ),
+      sweep.expand(["model.generator_fraction=0.5", "optimizer.learning_rate=0.001"]),
       base=base_config(),
   )
   again = sweep.expand(["optimizer.learning_rate=1e-3,2e-3", "model.generator_fraction=.5"])
-  runs = sweep.name_runs(sweep.merge_unread(base_config(), again, first), first, base_config())
+  runs = sweep.name_runs(again, first, base_config())
   assert runs[0] is first[0] and runs[1].name not in {r.name for r in first}
   # Values that differ stay different runs.
   assert sweep.identity(base_config(), [("optimizer.learning_rate", "1e-3")]) != sweep.identity(
