@@ -1,8 +1,9 @@
-"""Shell snippets that start, inspect and stop one detached electra-jax run on a host (a TPU VM
+"""Shell snippets that start, inspect and stop a detached electra-jax job on a host (a TPU VM
 worker, a GPU machine), shared by tpu_vm.py and gpu.py, plus the command-line pieces the
 launchers need (overrides, --env, --config checks, packing a local checkout).
-A run leaves three files in the directory the snippets run in (the login directory over ssh):
-its log, the pid of its process group and, once it ends by itself, its exit status."""
+A job leaves three files in the directory the snippets run in (the login directory over ssh):
+its log, the pid of its process group and, once it ends by itself, its exit status. Each kind
+of job (a training run, a data preparation) has its own files, so one of each can run."""
 
 import ast
 import dataclasses
@@ -21,18 +22,32 @@ _STATUS_LINE = re.compile(
     STATUS_MARK
     + r" host=(?P<host>\S+) run=(?P<run>\S+) done=(?P<done>[01]) installed=(?P<installed>[01])"
 )
-# What train.py logs on process 0 when train.steps is reached (now, or by an earlier run).
-_DONE_PATTERNS = ("Done: step", "Nothing to do: the checkpoint")
 # Exits non-zero unless the electra-jax distribution is installed (much faster than pip show).
 _INSTALLED_CHECK = "import importlib.metadata as m; m.version('electra-jax')"
 
 
 @dataclasses.dataclass(frozen=True)
 class JobFiles:
+  """The files of one kind of job, and what its log says once the job's work is all done (grep
+  patterns: a job that exits 0 short of that stopped at a SIGTERM)."""
+
   log: str = "electra-jax.log"
   pid: str = "electra-jax.pid"
   exit: str = "electra-jax.exit"
   stopped: str = "electra-jax.stopped"  # written by `stop`: a supervisor leaves the run stopped
+  # What train.py logs on process 0 when train.steps is reached (now, or by an earlier run).
+  done: tuple[str, ...] = ("Done: step", "Nothing to do: the checkpoint")
+
+
+TRAIN_JOB = JobFiles()
+# --mode=prepare_data, which prints this line when every shard is written and checked.
+PREPARE_JOB = JobFiles(
+    "electra-jax-prepare.log",
+    "electra-jax-prepare.pid",
+    "electra-jax-prepare.exit",
+    "electra-jax-prepare.stopped",
+    done=("Prepared [0-9][0-9]* shards in ",),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +129,13 @@ def check_overrides(overrides: Sequence[str], base_file: str = BASE_RECIPE) -> O
           f"{os.path.relpath(base_file)} lists every key."
       )
   return None
+
+
+def override_value(overrides: Sequence[str], key: str) -> Optional[str]:
+  """The value the last `--config.KEY=VALUE` of `overrides` gives KEY (as ml_collections takes
+  it: the last one wins); None when none does."""
+  values = [o.split("=", 1)[1] for o in overrides if o.startswith(f"--config.{key}=")]
+  return values[-1] if values else None
 
 
 def missing_config(config: str, root: str, where: str) -> Optional[str]:
@@ -237,9 +259,20 @@ def note(line: str, dry_run: bool) -> None:
   print(f"# {line}", file=sys.stdout if dry_run else sys.stderr, flush=True)
 
 
-def start_script(argv: Sequence[str], env: dict[str, str], files: JobFiles = JobFiles()) -> str:
-  """Starts `argv` detached (setsid + nohup, stdin from /dev/null), so that ssh can hang up,
-  unless a run started here is still alive. The previous log is kept with a time suffix.
+def env_command(argv: Sequence[str], env: dict[str, str]) -> str:
+  """`argv` as one shell command, run with `env` added to the environment."""
+  return shlex.join(["env", *(f"{k}={v}" for k, v in env.items()), *argv] if env else list(argv))
+
+
+def start_script(argv: Sequence[str], env: dict[str, str], files: JobFiles = TRAIN_JOB) -> str:
+  """Starts `argv` detached (start_job_script)."""
+  return start_job_script(env_command(argv, env), files)
+
+
+def start_job_script(command: str, files: JobFiles = TRAIN_JOB) -> str:
+  """Starts the shell `command` detached (setsid + nohup, stdin from /dev/null), so that ssh can
+  hang up, unless a job of its kind started here is still alive. The previous log is kept with a
+  time suffix.
 
   The job is `bash -c` around the command: bash records its pid (its process group, which
   stop_script signals) and the command's exit status. Its SIGTERM trap is a no-op so that it
@@ -249,11 +282,11 @@ def start_script(argv: Sequence[str], env: dict[str, str], files: JobFiles = Job
   log, pid, exit_file, stopped = (
       shlex.quote(name) for name in (files.log, files.pid, files.exit, files.stopped)
   )
-  command = shlex.join(["env", *(f"{k}={v}" for k, v in env.items()), *argv] if env else list(argv))
   job = f"trap : TERM; echo $$ > {pid}; {command}; echo $? > {exit_file}"
   return (
       f'if kill -0 "$(cat {pid} 2>/dev/null)" 2>/dev/null; then '
-      f'echo "$(hostname): a run started here is still going (pid $(cat {pid})); not starting another."; '
+      f'echo "$(hostname): the job started here with {files.log} is still going (pid $(cat {pid})); '
+      'not starting another."; '
       f"else rm -f {exit_file} {pid} {stopped}; "
       f'if [ -f {log} ]; then mv {log} {log}."$(date +%Y%m%d-%H%M%S)"; fi; '
       f"setsid nohup bash -c {shlex.quote(job)} > {log} 2>&1 < /dev/null & "
@@ -261,13 +294,13 @@ def start_script(argv: Sequence[str], env: dict[str, str], files: JobFiles = Job
   )
 
 
-def status_script(python: str, files: JobFiles = JobFiles()) -> str:
-  """Prints one STATUS_MARK line: is the run alive, how did it end, did it reach
-  train.steps, is electra-jax installed for `python`."""
+def status_script(python: str, files: JobFiles = TRAIN_JOB) -> str:
+  """Prints one STATUS_MARK line: is the job alive, how did it end, did its log say its work is
+  done (`files.done`), is electra-jax installed for `python`."""
   log, pid, exit_file, stopped = (
       shlex.quote(name) for name in (files.log, files.pid, files.exit, files.stopped)
   )
-  done_test = " ".join(f"-e {shlex.quote(p)}" for p in _DONE_PATTERNS)
+  done_test = " ".join(f"-e {shlex.quote(p)}" for p in files.done)
   return (
       # The exit file is the job's last act (start_script removes an old one), so it wins.
       f'if [ -f {exit_file} ]; then run="exited:$(cat {exit_file})"; '
@@ -281,7 +314,7 @@ def status_script(python: str, files: JobFiles = JobFiles()) -> str:
   )
 
 
-def stop_script(grace_seconds: int = 120, files: JobFiles = JobFiles()) -> str:
+def stop_script(grace_seconds: int = 120, files: JobFiles = TRAIN_JOB) -> str:
   """SIGTERM to the run's process group (the run saves a checkpoint and exits), then SIGKILL
   whatever is left after `grace_seconds` (a process stuck in a collective with a dead peer)."""
   pid, stopped = shlex.quote(files.pid), shlex.quote(files.stopped)
@@ -297,7 +330,7 @@ def stop_script(grace_seconds: int = 120, files: JobFiles = JobFiles()) -> str:
   )
 
 
-def follow_script(lines: int = 200, files: JobFiles = JobFiles()) -> str:
+def follow_script(lines: int = 200, files: JobFiles = TRAIN_JOB) -> str:
   return f"tail -n {int(lines)} -F {shlex.quote(files.log)}"
 
 

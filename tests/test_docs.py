@@ -1,6 +1,7 @@
-"""The README, docs/ and benchmarks/*.md stay a map that works: every relative link resolves,
-every command in them names real modes, flags, recipes and config keys, every mode of the CLI has
-its row in the README's table, and the README stays short."""
+"""The README, docs/, launch/README.md and benchmarks/*.md stay a map that works: every relative
+link resolves, every command in them names real modes, flags, recipes and config keys, every
+launcher command in them is one the launcher takes, every mode of the CLI has its row in the
+README's table, and the README stays short."""
 
 import os
 import re
@@ -10,8 +11,8 @@ DOCS = os.path.join(ROOT, "docs")
 
 
 def _pages():
-  """The README, docs/ and the measurements in benchmarks/ that docs/ cites."""
-  return [os.path.join(ROOT, "README.md")] + sorted(
+  """The README, docs/, the launchers' guide and the measurements in benchmarks/ that docs/ cites."""
+  return [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "launch", "README.md")] + sorted(
       os.path.join(folder, name)
       for folder in (DOCS, os.path.join(ROOT, "benchmarks"))
       for name in os.listdir(folder)
@@ -87,29 +88,34 @@ def test_help_lists_every_mode_and_the_main_flags_and_version_names_the_release(
   )
 
 
+def _block_lines(text):
+  """The lines of the fenced shell blocks of `text`: continuations joined, comments dropped,
+  and VAR="..." expanded in the lines after it (in later blocks too, as in the reader's shell)."""
+  lines, variables = [], {}
+  # Odd pieces between fences are the blocks; a block's first line names its language.
+  for block in re.split(r"^```", text, flags=re.M)[1::2]:
+    language, _, block = block.partition("\n")
+    if language not in ("", "bash", "sh"):
+      continue
+    for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+      line = line.split(" #")[0].strip()
+      assignment = re.match(r'([A-Z_]+)="(.*)"$', line)
+      if assignment:
+        variables[assignment.group(1)] = assignment.group(2)
+        continue
+      lines.append(re.sub(r"\$([A-Z_]+)", lambda m: variables.get(m.group(1), m.group(0)), line))
+  return lines
+
+
 def _documented_commands():
-  """(page, argv) of every electra-jax command in the README and docs/: the lines of fenced shell
-  blocks (continuations joined, a block's VAR="..." expanded) and inline code spans."""
+  """(page, argv) of every electra-jax command in the pages: the lines of fenced shell blocks
+  and inline code spans."""
   import shlex  # noqa: PLC0415
 
   commands = []
   for page in _pages():
     text = open(page, encoding="utf-8").read()
-    lines = []
-    # Odd pieces between fences are the blocks; a block's first line names its language.
-    for block in re.split(r"^```", text, flags=re.M)[1::2]:
-      language, _, block = block.partition("\n")
-      if language not in ("", "bash", "sh"):
-        continue
-      variables = {}
-      for line in re.sub(r"\\\n\s*", " ", block).splitlines():
-        line = line.split(" #")[0].strip()
-        assignment = re.match(r'([A-Z_]+)="(.*)"$', line)
-        if assignment:
-          variables[assignment.group(1)] = assignment.group(2)
-          continue
-        lines.append(re.sub(r"\$([A-Z_]+)", lambda m: variables.get(m.group(1), m.group(0)), line))
-    lines += [
+    lines = _block_lines(text) + [
         span.replace("\n", " ")
         for span in re.findall(r"`((?:electra-jax|python -m electra_jax\.main) [^`]+)`", text)
     ]
@@ -121,6 +127,50 @@ def _documented_commands():
         argv = [w for w in words[1 if words[0] == "electra-jax" else 3 :] if w != "..."]
         commands.append((os.path.relpath(page, ROOT), argv))
   return commands
+
+
+def _documented_launcher_commands():
+  """(page, script, argv) of every `python launch/{tpu_vm,gpu,slurm}.py ...` line of the pages'
+  shell blocks, up to a redirection or `&` (`nohup ... > log 2>&1 &`)."""
+  import shlex  # noqa: PLC0415
+
+  commands = []
+  for page in _pages():
+    for line in _block_lines(open(page, encoding="utf-8").read()):
+      found = re.search(r"python launch/(tpu_vm|gpu|slurm)\.py (.*)", line)
+      if found:
+        words = shlex.split(found.group(2))
+        ends = [i for i, w in enumerate(words) if w in ("&", "|", ";") or w.startswith((">", "2>"))]
+        argv = words[: min(ends, default=len(words))]
+        commands.append((os.path.relpath(page, ROOT), f"{found.group(1)}.py", argv))
+  return commands
+
+
+def test_every_documented_launcher_command_is_one_the_launcher_takes():
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  commands = _documented_launcher_commands()
+  walkthrough = {
+      argv[0] for page, script, argv in commands if page == os.path.join("launch", "README.md")
+  }
+  # The pod walkthrough shows every step, and each one is printed by its dry run.
+  steps = {"fit", "create", "install", "prepare", "run", "follow", "status", "restart", "stop"}
+  assert steps | {"delete"} <= walkthrough, walkthrough
+  wrong = []
+  for page, script, argv in commands:
+    cut = argv.index("--") if "--" in argv else len(argv)
+    done = subprocess.run(
+        [sys.executable, os.path.join("launch", script), *argv[:cut], "--dry-run", *argv[cut:]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    printed = [line for line in done.stdout.splitlines() if line and not line.startswith("#")]
+    if done.returncode or not printed:
+      wrong.append(f"{page}: {script} {' '.join(argv)}: {done.stderr.strip()[-300:]}")
+  assert not wrong, wrong
 
 
 def test_every_documented_command_names_real_modes_flags_recipes_and_config_keys():
