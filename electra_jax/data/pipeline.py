@@ -112,11 +112,12 @@ def _loadable(data_config, split: str | None = None) -> dict:
     if split is None:
       return config
     manifest = shards.read_manifest(directory)
+    files = workdir_files.list_files(directory)
     if (
         manifest is None
         or not manifest.get("complete")
         or not all(
-            shards.shard_is_intact(directory, entry, checksums=False)
+            shards.shard_is_intact(directory, entry, files, checksums=False)
             for entry in manifest["shards"]
         )
     ):
@@ -320,10 +321,10 @@ def load_prepared(config, split: str) -> PretrainingData:
           "; ".join(ignored),
       )
   tokenizer = prepared_tokenizer(config, manifest)
-  arrays, entries, lengths = shards.load_split(
-      directory, manifest, split, tokenizer.pad_id, config["pack_rows"]
+  rows, entries, lengths = shards.load_split(
+      directory, manifest, split, tokenizer.pad_id, config["pack_rows"], tokenizer.vocab_size
   )
-  if not arrays:
+  if not entries:
     fix = (
         "prepare it with data.eval_fraction > 0, or set eval.every_steps=0 to train without held-out evaluation."
         if split == "eval"
@@ -346,8 +347,8 @@ def load_prepared(config, split: str) -> PretrainingData:
   )
   data = PretrainingData(
       tokenizer,
-      ShardedRows(arrays, 0, max_seq_len),
-      ShardedRows(arrays, 1, max_seq_len),
+      ShardedRows(rows, 0, max_seq_len),
+      ShardedRows(rows, 1, max_seq_len),
       fingerprint,
       token_count=int(manifest["totals"][f"{split}_tokens"]),
       lengths=lengths,
@@ -358,7 +359,7 @@ def load_prepared(config, split: str) -> PretrainingData:
       split,
       data.num_examples,
       max_seq_len,
-      len(arrays),
+      len(entries),
       data.num_tokens,
       directory,
   )
