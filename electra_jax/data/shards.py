@@ -105,13 +105,12 @@ def sha256_file(path: str) -> str:
   return digest.hexdigest()
 
 
-def _matches(path: str, split_entry: dict, prefix: str, crc32c: str | None) -> bool:
-  """Whether file `path` holds what the manifest recorded. In a bucket the object's own crc32c,
-  computed by the bucket as the bytes arrived, is compared: no byte is downloaded. Elsewhere (and
-  for manifests written before crc32c was recorded) the file is read and hashed (sha256)."""
-  if crc32c is not None and f"{prefix}crc32c" in split_entry:
-    return crc32c == split_entry[f"{prefix}crc32c"]
-  return sha256_file(path) == split_entry[f"{prefix}sha256"]
+def _crc32c_agrees(split_entry: dict, prefix: str, crc32c: str | None) -> bool | None:
+  """Whether a bucket's own crc32c of a file (computed by the bucket as the bytes arrived) is the
+  one the manifest recorded; None where either is unknown (local files, older manifests)."""
+  if crc32c is None or f"{prefix}crc32c" not in split_entry:
+    return None
+  return crc32c == split_entry[f"{prefix}crc32c"]
 
 
 def shard_is_intact(out_dir: str, entry: dict, files: dict, checksums: bool = True) -> bool:
@@ -127,7 +126,12 @@ def shard_is_intact(out_dir: str, entry: dict, files: dict, checksums: bool = Tr
       size, crc32c = files.get(name, (None, None))
       if size != split_entry[f"{prefix}bytes"]:
         return False
-      if checksums and not _matches(os.path.join(out_dir, name), split_entry, prefix, crc32c):
+      if not checksums:
+        continue
+      agrees = _crc32c_agrees(split_entry, prefix, crc32c)  # a bucket's: nothing is downloaded
+      if agrees is None:
+        agrees = sha256_file(os.path.join(out_dir, name)) == split_entry[f"{prefix}sha256"]
+      if not agrees:
         return False
   return True
 
@@ -162,7 +166,7 @@ def load_split(
       raise ConfigError(
           f"Shard {path} has {size} bytes, the manifest says {split_entry['bytes']}; {REDO}."
       )
-    if remote and not _matches(path, split_entry, "", crc32c):
+    if _crc32c_agrees(split_entry, "", crc32c) is False:
       raise ConfigError(
           f"Shard {path} is not the file prepare_data wrote (its crc32c, {crc32c}, differs from "
           f"{MANIFEST}'s); {REDO}."
@@ -193,7 +197,7 @@ def load_split(
       continue
     path = os.path.join(directory, split_entry["lengths_file"])
     size, crc32c = files.get(split_entry["lengths_file"], (None, None))
-    if remote and size is not None and not _matches(path, split_entry, "lengths_", crc32c):
+    if _crc32c_agrees(split_entry, "lengths_", crc32c) is False:
       raise ConfigError(
           f"{path} is not the file prepare_data wrote (its crc32c differs from {MANIFEST}'s); "
           f"{REDO}."
@@ -250,8 +254,10 @@ def _read_ranges(paths: list[str], starts: list[int], ends: list[int]) -> list[b
     return fs.cat_ranges(
         [fs._strip_protocol(path) for path in paths], starts, ends, on_error="raise"
     )
-  except OSError as e:
-    raise ConfigError(f"Cannot read shards of {paths[0].rsplit('/', 1)[0]} ({e}); {REDO}.") from e
+  except FileNotFoundError as e:  # other errors (the network, permissions) pass as they are
+    raise ConfigError(
+        f"A shard of {paths[0].rsplit('/', 1)[0]} is gone from the bucket ({e}); {REDO}."
+    ) from e
 
 
 class MappedShards:
@@ -287,7 +293,7 @@ class BucketShards:
 
   def read(self, parts: list[tuple[int, np.ndarray]], channel: int) -> list[np.ndarray]:
     """Channel `channel` [len(rows), L] of each (shard, its row indices) of `parts`."""
-    key = b"".join(np.int64(shard).tobytes() + rows.tobytes() + b"|" for shard, rows in parts)
+    key = b"".join(np.int64([shard, rows.size]).tobytes() + rows.tobytes() for shard, rows in parts)
     with self._lock:
       if self._last[0] != key:
         self._last = (key, self._fetch(parts))
