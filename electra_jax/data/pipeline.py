@@ -367,10 +367,11 @@ def load_prepared(config, split: str) -> PretrainingData:
 
 
 class Prefetcher:
-  """Iterates over fetch_fn(start_step), fetch_fn(start_step + 1), ... up to `stop_step` (exclusive; None:
-  endless), computed in order by one thread, at most `depth` steps ahead; an exception of fetch_fn is
-  re-raised (as itself) in its step, which ends the iteration. Its thread ends with the iteration or
-  close()."""
+  """Iterates over fetch_fn(start_step), fetch_fn(start_step + 1), ... up to `stop_step`
+  (exclusive; None: endless), at most `depth` steps ahead, each step on one of `depth` threads (so
+  reads that wait on a bucket overlap); fetch_fn must be safe to call from several threads. An
+  exception of fetch_fn is re-raised (as itself) in its step, which ends the iteration. Its
+  threads end with the iteration or close()."""
 
   def __init__(
       self,
@@ -383,7 +384,7 @@ class Prefetcher:
       raise ValueError(f"Prefetcher depth must be >= 1, got {depth}.")
     self.next_step = start_step  # the step whose batch the next iteration returns
     self._fetch, self._stop_step, self._submitted = fetch_fn, stop_step, start_step
-    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="electra-prefetch")
+    self._pool = concurrent.futures.ThreadPoolExecutor(depth, thread_name_prefix="electra-prefetch")
     self._ahead: collections.deque[concurrent.futures.Future] = collections.deque()
     for _ in range(depth):
       self._submit()

@@ -279,14 +279,14 @@ class BucketShards:
   """The bucket reader of ShardedRows: [rows, 2, L] .npy objects read by byte ranges. Row r of a
   shard, both channels, is the 2 * L * itemsize bytes at header + r * that; one read fetches each
   run of consecutive rows of its parts as one range, all at once, and keeps them for the other
-  channel's read of the same rows. Every token id read is checked against the vocabulary."""
+  channel's read of the same rows on the same thread. Every token id read is checked against the
+  vocabulary."""
 
   def __init__(self, paths, header_bytes, num_rows, max_seq_len: int, dtype, vocab_size: int):
     self.paths, self._header_bytes, self.num_rows = paths, header_bytes, num_rows
     self._dtype, self._max_seq_len, self._vocab_size = np.dtype(dtype), max_seq_len, vocab_size
     self._row_bytes = 2 * max_seq_len * self._dtype.itemsize
-    self._lock = threading.Lock()  # the last read, kept for the other channel
-    self._last: tuple[bytes, list[np.ndarray]] = (b"", [])
+    self._last = threading.local()  # each thread's last read, kept for the other channel
 
   def __len__(self) -> int:
     return len(self.paths)
@@ -294,10 +294,9 @@ class BucketShards:
   def read(self, parts: list[tuple[int, np.ndarray]], channel: int) -> list[np.ndarray]:
     """Channel `channel` [len(rows), L] of each (shard, its row indices) of `parts`."""
     key = b"".join(np.int64([shard, rows.size]).tobytes() + rows.tobytes() for shard, rows in parts)
-    with self._lock:
-      if self._last[0] != key:
-        self._last = (key, self._fetch(parts))
-      return [rows[:, channel] for rows in self._last[1]]
+    if getattr(self._last, "key", None) != key:
+      self._last.rows, self._last.key = self._fetch(parts), key
+    return [rows[:, channel] for rows in self._last.rows]
 
   def _fetch(self, parts) -> list[np.ndarray]:
     """Both channels [len(rows), 2, L] of each part, in its rows' order."""
