@@ -2,6 +2,7 @@
 writes there from the command line, training and evaluation read each process's rows by ranged
 reads, and what they read is what a local preparation of the same config gives, bit for bit."""
 
+import hashlib
 import json
 import os
 import threading
@@ -12,7 +13,7 @@ from conftest import TINY_OVERRIDES, cli, cli_args, tiny_config
 from etils import epath
 
 from electra_jax import workdir_files
-from electra_jax.data import get_batch, load_pretraining_data, shards
+from electra_jax.data import get_batch, load_pretraining_data, load_tokenizer, shards
 from electra_jax.errors import ConfigError
 
 # Four shards of 30 documents (the tiny corpus is 120), both splits; the tokenizer is trained by
@@ -134,6 +135,19 @@ def test_training_from_a_bucket_reads_the_local_batches_and_gives_the_same_loss(
   ), threads
 
 
+def test_a_tokenizer_in_a_bucket_is_read_from_a_local_copy_named_by_its_content(prepared):
+  _, remote = prepared
+  config = _data_config(remote)
+  config.spm_model_file = f"{remote}/{shards.SPM_MODEL}"  # given, as a file in a bucket
+  tokenizer = load_tokenizer(config)  # refused unless it is the one the shards were made with
+  model = epath.Path(config.spm_model_file).read_bytes()
+  assert tokenizer.fingerprint == hashlib.sha256(model).hexdigest()[:16]
+  cache = os.environ["ELECTRA_JAX_CACHE"]
+  assert tokenizer.model_path.startswith(cache) and tokenizer.fingerprint in tokenizer.model_path
+  with open(tokenizer.model_path, "rb") as f:
+    assert f.read() == model
+
+
 def test_a_process_fetches_only_its_rows_in_one_concurrent_read(prepared, monkeypatch):
   _, remote = prepared
   data = load_pretraining_data(_data_config(remote))
@@ -233,7 +247,6 @@ def test_a_prepared_dir_in_a_bucket_that_does_not_exist_is_refused_by_name(gcs_s
   train = cli(cli_args(tmp_path / "b", **{"data.source": "prepared", "data.prepared_dir": missing}))
   for run in (prepare, train):
     assert run.returncode != 0
-    assert (
-        "data.prepared_dir=gs://no-such-bucket-electra/corpus: the bucket gs://no-such-bucket-electra"
-        " does not exist" in run.stderr
-    ), run.stderr[-2000:]
+    refused = f"data.prepared_dir={missing}: the bucket gs://no-such-bucket-electra does not exist"
+    assert refused in run.stderr, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr  # one line, before any work

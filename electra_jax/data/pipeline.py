@@ -297,7 +297,8 @@ def prepared_tokenizer(config, manifest: dict):
 
 
 def load_prepared(config, split: str) -> PretrainingData:
-  """`split` of the prepared directory config["prepared_dir"], memory-mapped, after checks."""
+  """`split` of the prepared directory config["prepared_dir"] after checks, memory-mapped (or read
+  by ranges from a bucket)."""
   directory = config["prepared_dir"]
   manifest = shards.open_manifest(directory)
   if manifest["max_seq_len"] != config["max_seq_len"]:
