@@ -228,15 +228,11 @@ def list_files(directory) -> dict[str, tuple[int, str | None]]:
     listed = fs.ls(prefix, detail=True, refresh=True)
   except FileNotFoundError:
     return {}
-  return {
-      info["name"]
-      .rstrip("/")
-      .rsplit("/", 1)[-1]: (
-          int(info["size"]),
-          base64.b64decode(info["crc32c"]).hex() if info.get("crc32c") else None,
-      )
-      for info in listed
-  }
+  files = {}
+  for info in listed:  # gcsfs's copy of each object's resource: crc32c is base64, big-endian
+    name, checksum = info["name"].rstrip("/").rsplit("/", 1)[-1], info.get("crc32c")
+    files[name] = (int(info["size"]), base64.b64decode(checksum).hex() if checksum else None)
+  return files
 
 
 def crc32c(data: bytes) -> str:

@@ -196,7 +196,7 @@ def load_split(
       lengths.append(example_lengths(input_ids[start : start + split_entry["rows"]], pad_id))
       continue
     path = os.path.join(directory, split_entry["lengths_file"])
-    size, crc32c = files.get(split_entry["lengths_file"], (None, None))
+    _, crc32c = files.get(split_entry["lengths_file"], (None, None))
     if _crc32c_agrees(split_entry, "lengths_", crc32c) is False:
       raise ConfigError(
           f"{path} is not the file prepare_data wrote (its crc32c differs from {MANIFEST}'s); "
