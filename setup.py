@@ -34,6 +34,8 @@ setup(
         "tokenizers>=0.20",
         # TensorBoard event files without TensorFlow (pure Python + protobuf).
         "tensorboardX>=2.6",
+        # The manifest's crc32c of each shard, the checksum a bucket reports for every object.
+        "google-crc32c>=1.5",
     ],
     extras_require={
         # The PyTorch peer for parity tests. The <2.14 bound keeps pip on torch 2.13's CPU

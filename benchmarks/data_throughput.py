@@ -12,9 +12,19 @@ and training tokens/s count batch_size x max_seq_len positions per step, as trai
 
   python benchmarks/data_throughput.py --workers=0,1,2 --rounds=3 --loader_steps=300 --train_steps=3
 
+--bucket=emulator (or a gs:// folder) adds the same preparation written into a bucket and the
+rows/s one host reads from it (ranged reads, per-host batches of --host_batch rows), beside the
+local memory map's rows/s and the rows/s per host that an electra_base step on v5e chips consumes
+(model FLOPs per token from flops.py at --v5e_mfu of the chip's peak). "emulator" starts the local
+GCS API of the tests (fake-gcs-server on 127.0.0.1; loopback latency, not a real bucket's):
+
+  python benchmarks/data_throughput.py --workers=2 --rounds=1 --max_seq_len=512 --train_steps=0 \
+      --bucket=emulator
+
 Figures and the commands that produced them are kept in benchmarks/RESULTS.md.
 """
 
+import copy
 import json
 import os
 import platform
@@ -25,6 +35,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,6 +71,21 @@ _SPM_MODEL = flags.DEFINE_string(
     "spm_model", "", "A sentencepiece model to use instead of training one."
 )
 _WORKDIR = flags.DEFINE_string("workdir", "", "Where corpus and shards go ('' = a temporary dir).")
+_BUCKET = flags.DEFINE_string(
+    "bucket",
+    "",
+    "Also prepare into and read from a bucket: 'emulator' (a local GCS API started here) or a "
+    "gs:// folder ('' = no bucket).",
+)
+_HOST_BATCH = flags.DEFINE_list(
+    "host_batch", ["64", "256"], "Rows one host reads per step in the bucket measurement."
+)
+_V5E_MFU = flags.DEFINE_float(
+    "v5e_mfu",
+    0.5,
+    "Share of a v5e chip's bf16 peak that the electra_base step is assumed to reach.",
+)
+_CHIPS_PER_HOST = flags.DEFINE_integer("chips_per_host", 4, "v5e chips per host (v5e-16: 4).")
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -97,6 +123,104 @@ def _time_loader(loaded, steps, batch_size, seed=0, prefetch=False):
     for step in range(steps):
       data.get_batch(loaded, step, batch_size, seed)
   return steps * batch_size * loaded.max_seq_len / (time.perf_counter() - start)
+
+
+def _rows_per_sec(loaded, steps, batch_size, prefetch):
+  """Rows/s of get_batch (one host's share of every batch), read straight or through Prefetcher."""
+  return _time_loader(loaded, steps, batch_size, prefetch=prefetch) / loaded.max_seq_len
+
+
+def _electra_base_rows_per_host(seq_len):
+  """Rows/s one v5e host's chips consume in electra_base train steps at --v5e_mfu of their peak."""
+  from electra_jax import flops, models, objectives  # noqa: PLC0415
+
+  config = config_lib.sibling(
+      os.path.join(_REPO, "configs", "electra_base.py"), "electra_base"
+  ).get_config()
+  config.data.max_seq_len = seq_len
+  max_predictions = objectives.official_max_predictions(config.objective.mask_prob, seq_len)
+  per_token = flops.train_flops_per_token(models.build_model(config), seq_len, max_predictions)
+  peak = dict(flops.PEAK_FLOPS)["TPU v5e"]
+  rows_per_chip = peak * _V5E_MFU.value / per_token / seq_len
+  return {
+      "model_flops_per_token": round(per_token),
+      "mfu": _V5E_MFU.value,
+      "rows_per_sec_per_chip": round(rows_per_chip, 1),
+      "chips_per_host": _CHIPS_PER_HOST.value,
+      "rows_per_sec_per_host": round(rows_per_chip * _CHIPS_PER_HOST.value, 1),
+  }
+
+
+def _shards_touched(shard_rows, batch, samples=100):
+  """The mean number of shards that `batch` rows drawn at random (as an epoch's permutation
+  draws them) fall in: what downloading whole shards would fetch for one step."""
+  rng, offsets = np.random.default_rng(0), np.cumsum(shard_rows)
+  return statistics.mean(
+      len(
+          np.unique(
+              np.searchsorted(offsets, rng.choice(offsets[-1], batch, replace=False), "right")
+          )
+      )
+      for _ in range(samples)
+  )
+
+
+def _bucket_figures(data_config, workers, local_loaded):
+  """Preparation into a bucket, and rows/s read from it against the local memory map's."""
+  server = None
+  if _BUCKET.value == "emulator":
+    sys.path.insert(0, os.path.join(_REPO, "tests"))
+    from gcs_server import GcsServer  # noqa: PLC0415 (the tests' local GCS API)
+
+    server = GcsServer()
+    os.environ.update(server.env)  # before gcsfs is first imported (GcsServer.env says why)
+    url = f"{server.create_bucket()}/prepared"
+  else:
+    url = _BUCKET.value.rstrip("/") + f"/electra_data_throughput_{int(time.time())}"
+  try:
+    data_config.source, data_config.prepared_dir = "text", url
+    start = time.perf_counter()
+    manifest = data.prepare_data(data_config, num_workers=workers)
+    prepare_seconds = time.perf_counter() - start
+    tokens = manifest["totals"]["train_tokens"] + manifest["totals"]["eval_tokens"]
+    data_config.source = "prepared"
+    start = time.perf_counter()
+    loaded = data.load_pretraining_data(data_config, "train")
+    load_seconds = time.perf_counter() - start
+    for step in range(3):  # the same rows as the local copy's
+      ours, theirs = (data.get_batch(d, step, 64, 0) for d in (loaded, local_loaded))
+      assert all((ours[k] == theirs[k]).all() for k in ours), "bucket and local batches differ"
+    row_bytes = 2 * loaded.max_seq_len * np.dtype(manifest["dtype"]).itemsize
+    shard_rows = [e["splits"]["train"]["rows"] for e in manifest["shards"]]
+    shard_bytes = statistics.mean(e["splits"]["train"]["bytes"] for e in manifest["shards"])
+    result = {
+        "where": "fake-gcs-server on 127.0.0.1 (loopback)" if server else url,
+        "prepare": {
+            "workers": workers,
+            "seconds": round(prepare_seconds, 2),
+            "tokens_per_sec": round(tokens / prepare_seconds),
+        },
+        "load_seconds": round(load_seconds, 2),
+        "shards": len(manifest["shards"]),
+        "reads": {},
+    }
+    for batch in (int(b) for b in _HOST_BATCH.value):
+      steps = max(20, _LOADER_STEPS.value * 64 // batch // 4)
+      cpu_start = time.process_time()
+      rows_per_sec = _rows_per_sec(loaded, steps, batch, False)
+      cpu_per_row = (time.process_time() - cpu_start) / (steps * batch)
+      result["reads"][f"host_batch_{batch}"] = {
+          "bucket_rows_per_sec": round(rows_per_sec),
+          "bucket_cpu_ms_per_row": round(1e3 * cpu_per_row, 3),  # this process, all its threads
+          "bucket_rows_per_sec_prefetched": round(_rows_per_sec(loaded, steps, batch, True)),
+          "local_rows_per_sec": round(_rows_per_sec(local_loaded, steps, batch, False)),
+          "bytes_per_step_ranged": batch * row_bytes,
+          "bytes_per_step_whole_shards": round(_shards_touched(shard_rows, batch) * shard_bytes),
+      }
+    return result
+  finally:
+    if server is not None:
+      server.stop()
 
 
 def _time_training(config, steps):
@@ -201,6 +325,9 @@ def main(argv):
           _time_loader(loaded, _LOADER_STEPS.value, _BATCH.value, prefetch=True)
       ),
   }
+  if _BUCKET.value:
+    result["bucket"] = _bucket_figures(copy.deepcopy(data_config), max(worker_counts), loaded)
+    result["electra_base_v5e"] = _electra_base_rows_per_host(_SEQ_LEN.value)
   if _TRAIN_STEPS.value:
     print(json.dumps(result, indent=1), flush=True)  # the data figures, before the slow part
     if "tie" not in config.model:

@@ -4,6 +4,8 @@ bucket (`gs://...`, through etils.epath). Writes replace a file whole, atomicall
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import tempfile
@@ -178,3 +180,76 @@ class JsonlLog:
         f.write(_text(self._pending))
     self._pending = []
     self._last_flush = time.monotonic()
+
+
+# Prepared data in a bucket (data/shards.py): listings that carry the bucket's own checksums,
+# concurrent ranged reads, and local copies of the files a library must open by path.
+
+
+def filesystem(url):
+  """(the fsspec filesystem of bucket `url`, the path it takes): gcsfs for gs://, which reads
+  STORAGE_EMULATOR_HOST at each request, so a cached instance follows the environment."""
+  import fsspec  # noqa: PLC0415 (only buckets need it)
+
+  return fsspec.core.url_to_fs(os.fspath(url))
+
+
+def check_bucket(url, flag: str) -> None:
+  """Refuses, naming `flag`, a bucket URL whose bucket does not exist or is out of reach."""
+  fs, target = filesystem(url)
+  bucket = target.split("/")[0]
+  scheme = os.fspath(url).split("://")[0]
+  try:
+    found = fs.exists(bucket)
+  except OSError as error:
+    raise ConfigError(
+        f"{flag}={url}: the bucket {scheme}://{bucket} cannot be reached ({error}); check the "
+        "name and this machine's credentials."
+    ) from error
+  if not found:
+    raise ConfigError(
+        f"{flag}={url}: the bucket {scheme}://{bucket} does not exist (or these credentials "
+        f"cannot see it); create it (gcloud storage buckets create {scheme}://{bucket}) or fix "
+        "the name."
+    )
+
+
+def list_files(directory) -> dict[str, tuple[int, str | None]]:
+  """What `directory` holds: name -> (bytes, crc32c as 8 hex digits where a bucket reports its
+  own, else None), read fresh; {} when it does not exist."""
+  root = os.fspath(directory)
+  if not is_remote(root):
+    try:
+      return {entry.name: (entry.stat().st_size, None) for entry in os.scandir(root)}
+    except FileNotFoundError:
+      return {}
+  fs, prefix = filesystem(root)
+  try:
+    listed = fs.ls(prefix, detail=True, refresh=True)
+  except FileNotFoundError:
+    return {}
+  files = {}
+  for info in listed:  # gcsfs's copy of each object's resource: crc32c is base64, big-endian
+    name, checksum = info["name"].rstrip("/").rsplit("/", 1)[-1], info.get("crc32c")
+    files[name] = (int(info["size"]), base64.b64decode(checksum).hex() if checksum else None)
+  return files
+
+
+def crc32c(data: bytes) -> str:
+  """CRC32C of `data` as 8 hex digits, the checksum a bucket reports for every object."""
+  import google_crc32c  # noqa: PLC0415
+
+  return f"{google_crc32c.value(data):08x}"
+
+
+def local_copy(file, cache_dir) -> str:
+  """A local path holding `file`'s bytes: `file` itself on local disk; for a bucket object, a copy
+  in `cache_dir` named by its content, so a replaced object never reuses a stale copy."""
+  if not is_remote(file):
+    return os.fspath(file)
+  data = epath.Path(file).read_bytes()
+  name = os.fspath(file).rstrip("/").rsplit("/", 1)[-1]
+  copy = os.path.join(cache_dir, "objects", f"{hashlib.sha256(data).hexdigest()[:16]}-{name}")
+  if not os.path.exists(copy):
+    write_bytes(copy, data)
+  return copy

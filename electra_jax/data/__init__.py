@@ -1,6 +1,6 @@
 """Pre-training data: every source (corpus.py, sources.py, tfds_source.py) is tokenized and packed
 (prepare.py) into shards (shards.py), offline by prepare_data or into the cache on first use; training
-reads the shards, memory-mapped (pipeline.py)."""
+reads the shards, memory-mapped or by ranged reads from a bucket (pipeline.py)."""
 
 from electra_jax.data.corpus import builtin_corpus_fingerprint, builtin_documents
 from electra_jax.data.packing import pack_documents

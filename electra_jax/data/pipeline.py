@@ -112,11 +112,12 @@ def _loadable(data_config, split: str | None = None) -> dict:
     if split is None:
       return config
     manifest = shards.read_manifest(directory)
+    files = workdir_files.list_files(directory)
     if (
         manifest is None
         or not manifest.get("complete")
         or not all(
-            shards.shard_is_intact(directory, entry, checksums=False)
+            shards.shard_is_intact(directory, entry, files, checksums=False)
             for entry in manifest["shards"]
         )
     ):
@@ -296,7 +297,8 @@ def prepared_tokenizer(config, manifest: dict):
 
 
 def load_prepared(config, split: str) -> PretrainingData:
-  """`split` of the prepared directory config["prepared_dir"], memory-mapped, after checks."""
+  """`split` of the prepared directory config["prepared_dir"] after checks, memory-mapped (or read
+  by ranges from a bucket)."""
   directory = config["prepared_dir"]
   manifest = shards.open_manifest(directory)
   if manifest["max_seq_len"] != config["max_seq_len"]:
@@ -320,10 +322,10 @@ def load_prepared(config, split: str) -> PretrainingData:
           "; ".join(ignored),
       )
   tokenizer = prepared_tokenizer(config, manifest)
-  arrays, entries, lengths = shards.load_split(
-      directory, manifest, split, tokenizer.pad_id, config["pack_rows"]
+  rows, entries, lengths = shards.load_split(
+      directory, manifest, split, tokenizer.pad_id, config["pack_rows"], tokenizer.vocab_size
   )
-  if not arrays:
+  if not entries:
     fix = (
         "prepare it with data.eval_fraction > 0, or set eval.every_steps=0 to train without held-out evaluation."
         if split == "eval"
@@ -346,8 +348,8 @@ def load_prepared(config, split: str) -> PretrainingData:
   )
   data = PretrainingData(
       tokenizer,
-      ShardedRows(arrays, 0, max_seq_len),
-      ShardedRows(arrays, 1, max_seq_len),
+      ShardedRows(rows, 0, max_seq_len),
+      ShardedRows(rows, 1, max_seq_len),
       fingerprint,
       token_count=int(manifest["totals"][f"{split}_tokens"]),
       lengths=lengths,
@@ -358,7 +360,7 @@ def load_prepared(config, split: str) -> PretrainingData:
       split,
       data.num_examples,
       max_seq_len,
-      len(arrays),
+      len(entries),
       data.num_tokens,
       directory,
   )
@@ -366,10 +368,11 @@ def load_prepared(config, split: str) -> PretrainingData:
 
 
 class Prefetcher:
-  """Iterates over fetch_fn(start_step), fetch_fn(start_step + 1), ... up to `stop_step` (exclusive; None:
-  endless), computed in order by one thread, at most `depth` steps ahead; an exception of fetch_fn is
-  re-raised (as itself) in its step, which ends the iteration. Its thread ends with the iteration or
-  close()."""
+  """Iterates over fetch_fn(start_step), fetch_fn(start_step + 1), ... up to `stop_step`
+  (exclusive; None: endless), at most `depth` steps ahead, each step on one of `depth` threads (so
+  reads that wait on a bucket overlap); fetch_fn must be safe to call from several threads. An
+  exception of fetch_fn is re-raised (as itself) in its step, which ends the iteration. Its
+  threads end with the iteration or close()."""
 
   def __init__(
       self,
@@ -382,7 +385,7 @@ class Prefetcher:
       raise ValueError(f"Prefetcher depth must be >= 1, got {depth}.")
     self.next_step = start_step  # the step whose batch the next iteration returns
     self._fetch, self._stop_step, self._submitted = fetch_fn, stop_step, start_step
-    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="electra-prefetch")
+    self._pool = concurrent.futures.ThreadPoolExecutor(depth, thread_name_prefix="electra-prefetch")
     self._ahead: collections.deque[concurrent.futures.Future] = collections.deque()
     for _ in range(depth):
       self._submit()

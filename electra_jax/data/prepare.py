@@ -84,7 +84,10 @@ def read_config(data_config) -> dict:
   )
   for key in ("vocab_file", "spm_model_file", "prepared_dir"):
     value = str(data_config.get(key, "") or "")
-    config[key] = os.path.abspath(os.path.expanduser(value)) if value else ""
+    if workdir_files.is_remote(value):  # a bucket: gs://bucket/path
+      config[key] = value.rstrip("/")
+    else:
+      config[key] = os.path.abspath(os.path.expanduser(value)) if value else ""
   tokenizer, vocab_file, spm_model_file = (
       config["tokenizer"],
       config["vocab_file"],
@@ -120,7 +123,12 @@ def read_config(data_config) -> dict:
           "data.spm_model_file.",
       ),
       (
-          spm_model_file and not os.path.isfile(spm_model_file),
+          spm_model_file
+          and not (
+              workdir_files.exists(spm_model_file)
+              if workdir_files.is_remote(spm_model_file)
+              else os.path.isfile(spm_model_file)
+          ),
           f"data.spm_model_file={spm_model_file!r} is not a "
           "file; give a model written by --mode=train_tokenizer (or clear it to train one in the cache).",
       ),
@@ -299,9 +307,17 @@ def configured_tokenizer(config, directory: str = ""):
   if config["tokenizer"] == "wordpiece":
     return WordPieceTokenizer(config["vocab_file"], config["lowercase"], config["strip_accents"])
   if config["spm_model_file"]:
-    return SentencePieceTokenizer(config["spm_model_file"])
+    return _sentencepiece(config["spm_model_file"], config)
   model_path = os.path.join(directory, SPM_MODEL)
-  return SentencePieceTokenizer(model_path) if directory and os.path.exists(model_path) else None
+  return (
+      _sentencepiece(model_path, config) if directory and workdir_files.exists(model_path) else None
+  )
+
+
+def _sentencepiece(model_path: str, config) -> SentencePieceTokenizer:
+  """The model at `model_path`; one in a bucket is read from a local copy in the cache named by
+  its content (export and the workdir's copy need a local file)."""
+  return SentencePieceTokenizer(workdir_files.local_copy(model_path, config["cache_dir"]))
 
 
 def trains_spm(config) -> bool:
@@ -540,7 +556,7 @@ def _accepted_tokenizer(config, out_dir: str, existing: dict | None, source_key:
     )
     with open(trained.model_path, "rb") as f:
       workdir_files.write_bytes(model_path, f.read())
-  return SentencePieceTokenizer(model_path), settings
+  return _sentencepiece(model_path, config), settings
 
 
 def prepare_config(config: dict, num_workers: int | None = None) -> dict:
@@ -551,18 +567,16 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
         "prepare_data needs data.prepared_dir, the directory the shards go to, e.g. "
         "--config.data.prepared_dir=/data/electra_prepared."
     )
-  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+  remote = workdir_files.is_remote(out_dir)
+  if not remote and os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise ConfigError(
         f"data.prepared_dir={out_dir!r} is a file; give a directory (new, or one "
         "prepare_data wrote) for the shards."
     )
-  existing = shards.read_manifest(out_dir)
+  existing = shards.read_manifest(out_dir)  # (a bucket that does not exist is refused here)
+  files = workdir_files.list_files(out_dir)
   # (A run killed before its first manifest leaves at most its tokenizer and temporary files.)
-  if (
-      os.path.isdir(out_dir)
-      and existing is None
-      and any(not name.startswith(".tmp-") and name != SPM_MODEL for name in os.listdir(out_dir))
-  ):
+  if existing is None and any(not name.startswith(".tmp-") and name != SPM_MODEL for name in files):
     raise ConfigError(
         f"data.prepared_dir={out_dir!r} holds files but no manifest.json: it is not a "
         "directory prepare_data wrote. Give an empty or new directory."
@@ -577,11 +591,13 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
   source_key, description = describe_source(config)
   tokenizer, settings = _accepted_tokenizer(config, out_dir, existing, source_key)
 
-  # Accepted: the directory is ours. A killed run's half-written files have temporary names; clear them.
-  os.makedirs(out_dir, exist_ok=True)
-  for name in os.listdir(out_dir):
-    if name.startswith(".tmp-"):
-      os.remove(os.path.join(out_dir, name))
+  # Accepted: the directory is ours. A killed run's half-written local files have temporary names;
+  # clear them. (An object in a bucket exists only once its upload completed.)
+  if not remote:
+    os.makedirs(out_dir, exist_ok=True)
+    for name in files:
+      if name.startswith(".tmp-"):
+        os.remove(os.path.join(out_dir, name))
   # A model in out_dir is recorded by a relative path: the directory can move.
   spec = {
       "kind": config["tokenizer"],
@@ -595,12 +611,13 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
         strip_accents=tokenizer.strip_accents,
     )
   else:
+    model_file = config["spm_model_file"]
     spec["model_file"] = (
-        SPM_MODEL if os.path.dirname(tokenizer.model_path) == out_dir else tokenizer.model_path
+        SPM_MODEL if model_file in ("", os.path.join(out_dir, SPM_MODEL)) else model_file
     )
   done: dict[int, dict] = {}
   for entry in existing["shards"] if existing is not None else ():
-    if shards.shard_is_intact(out_dir, entry):
+    if shards.shard_is_intact(out_dir, entry, files):
       done[entry["index"]] = entry
     else:
       logging.warning(
