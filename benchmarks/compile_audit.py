@@ -41,7 +41,7 @@ targets.compile_on_this_host()
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from electra_jax import config_lib, flops, memory, partitioning, train  # noqa: E402
+from electra_jax import config_lib, flops, memory, partitioning, train_state  # noqa: E402
 from electra_jax.errors import ConfigError  # noqa: E402
 from hlo_audit import Audit  # noqa: E402
 
@@ -71,11 +71,11 @@ def main(argv):
   except ConfigError as e:
     sys.exit(f"{e} ({len(devices)} devices in {target.name} {_TOPOLOGY.value or 'one chip'})")
   # Special ids shape the masking, not the program; the vocabulary is the recipe's.
-  setup = train.build_setup(
+  setup = train_state.build_setup(
       config, mesh, dict(pad=0, cls=2, sep=3, mask=4, vocab_size=config.model.vocab_size)
   )
   with partitioning.activate(mesh):
-    compiled = train.compile_train_step(setup, config, mesh)
+    compiled = train_state.compile_train_step(setup, config, mesh)
   hlo = compiled.as_text()
   if _HLO.value:
     with open(_HLO.value, "w") as f:

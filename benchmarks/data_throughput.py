@@ -227,23 +227,24 @@ def _time_training(config, steps):
   """Tokens/s of electra_small train steps on the prepared shards (compile excluded)."""
   import jax  # noqa: PLC0415
 
-  from electra_jax import partitioning, train  # noqa: PLC0415
+  from electra_jax import partitioning, resolve, train_state  # noqa: PLC0415
 
-  mesh, corpus, setup = train.prepare(config)
+  run = resolve.run(config)
+  mesh, corpus, setup = run.mesh, run.corpus, run.setup
   batch_size = config.train.batch_size
   with partitioning.activate(mesh):
-    state = train.fresh_state(setup, 0)
-    step_fn = train.compile_train_step(setup, config, mesh)
+    state = train_state.fresh_state(setup, 0)
+    step_fn = train_state.compile_train_step(setup, config, mesh)
   batches = [
       partitioning.global_batch_from_local(data.get_batch(corpus, i, batch_size, 0), mesh)
       for i in range(steps + 1)
   ]
-  state, metrics = step_fn(state, batches[0], train.step_rng(0, 0), setup.schedule)  # warm-up
+  state, metrics = step_fn(state, batches[0], train_state.step_rng(0, 0), run.schedule)  # warm-up
   jax.block_until_ready(metrics)
   seconds = []
   for i in range(steps):
     start = time.perf_counter()
-    state, metrics = step_fn(state, batches[i + 1], train.step_rng(0, i + 1), setup.schedule)
+    state, metrics = step_fn(state, batches[i + 1], train_state.step_rng(0, i + 1), run.schedule)
     jax.block_until_ready(metrics)
     seconds.append(time.perf_counter() - start)
   return batch_size * config.data.max_seq_len / statistics.median(seconds), seconds

@@ -79,7 +79,7 @@ def main():
   from absl import logging  # noqa: PLC0415
 
   logging.set_verbosity(logging.INFO)  # a line per compile: on a CPU host each takes minutes
-  from electra_jax import config_lib, memory, partitioning, sweep, train  # noqa: PLC0415
+  from electra_jax import config_lib, memory, partitioning, resolve, sweep, train_state  # noqa: PLC0415
   from electra_jax.errors import ConfigError  # noqa: PLC0415
 
   if args.device:
@@ -112,7 +112,7 @@ def main():
         sys.exit(f"--set {' '.join(args.set)}: {e}")
       mesh = partitioning.make_mesh(config.mesh, devices=devices)
       # Special ids only shape the masking, not the memory; the vocabulary size is the recipe's.
-      setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4))
+      setup = train_state.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4))
       quantum = partitioning.batch_shards(mesh) * config.train.grad_accum_steps
       if args.step % quantum:
         sys.exit(
@@ -122,7 +122,7 @@ def main():
       start = time.perf_counter()
       try:
         batch, measured = memory.largest_batch(
-            train.step_compiler(config, setup, mesh), limit, quantum
+            resolve.step_compiler(config, setup, mesh), limit, quantum
         )
       except ConfigError as e:  # not even one quantum fits: say so, go on to the next
         print(f"| `{name}` | {seq_len} | - | - | none | - | - | {e} |", flush=True)

@@ -34,7 +34,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from electra_jax import config_lib, data, flops, partitioning, train
+from electra_jax import config_lib, data, flops, partitioning, resolve, train_state
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/demo.py", "Recipe to measure.", lock_config=True
@@ -60,19 +60,20 @@ def main(argv):
         f"--steps={_STEPS.value} and --windows={_WINDOWS.value} must be >= 1, --warmup={_WARMUP.value} >= 0."
     )
   config = _CONFIG.value
-  mesh, corpus, setup = train.prepare(config)
+  run = resolve.run(config)
+  mesh, corpus, setup = run.mesh, run.corpus, run.setup
   batch_size, seq_len = config.train.batch_size, config.data.max_seq_len
 
   with partitioning.activate(mesh):
-    state = train.fresh_state(setup, 0)
+    state = train_state.fresh_state(setup, 0)
     compile_start = time.perf_counter()
-    step_fn = train.compile_train_step(setup, config, mesh)
+    step_fn = train_state.compile_train_step(setup, config, mesh)
     per_call = config.train.get("steps_per_call", 1)
     if per_call > 1:  # train.steps_per_call: k steps per compiled call (lax.scan)
-      steps_fn = train.compile_train_step(setup, config, mesh, per_call)
+      steps_fn = train_state.compile_train_step(setup, config, mesh, per_call)
     compile_seconds = time.perf_counter() - compile_start
 
-  keys = train.batch_keys(config)
+  keys = train_state.batch_keys(config)
   batches = [
       partitioning.global_batch_from_local(
           data.get_batch(corpus, i, batch_size, 0), mesh, keys=keys
@@ -99,12 +100,12 @@ def main(argv):
     while i < num_steps:
       if first_loss is None or per_call == 1 or num_steps - i < per_call:
         state, metrics = step_fn(
-            state, batches[i % len(batches)], train.step_rng(0, offset + i), setup.schedule
+            state, batches[i % len(batches)], train_state.step_rng(0, offset + i), run.schedule
         )
         i += 1
       else:
         state, metrics = steps_fn(
-            state, stacked[0], train.step_rngs(0, offset + i, per_call), setup.schedule
+            state, stacked[0], train_state.step_rngs(0, offset + i, per_call), run.schedule
         )
         i += per_call
       if first_loss is None:  # the freshly initialized model on batch 0

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from ml_collections import config_flags
 
-from electra_jax import config_lib, data, objectives, partitioning, train
+from electra_jax import config_lib, data, objectives, partitioning, resolve, train_state
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py", "Recipe.", lock_config=False)
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed calls per part.")
@@ -48,14 +48,17 @@ def _time(fn, *args):
 def main(argv):
   del argv
   config = _CONFIG.value
-  mesh, corpus, setup = train.prepare(config)
+  run = resolve.run(config)
+  mesh, corpus, setup = run.mesh, run.corpus, run.setup
   objective = setup.objective
   with partitioning.activate(mesh):
-    state = train.fresh_state(setup, 0)
+    state = train_state.fresh_state(setup, 0)
     batch = partitioning.global_batch_from_local(
-        data.get_batch(corpus, 0, config.train.batch_size, 0), mesh, keys=train.batch_keys(config)
+        data.get_batch(corpus, 0, config.train.batch_size, 0),
+        mesh,
+        keys=train_state.batch_keys(config),
     )
-    step_fn = train.compile_train_step(setup, config, mesh)
+    step_fn = train_state.compile_train_step(setup, config, mesh)
     rng = jax.random.key(1)
     masked = objectives.mask_tokens(rng, batch["input_ids"], batch["attention_mask"], objective)
     keys = jax.random.split(rng, batch["input_ids"].shape[0])
@@ -73,7 +76,7 @@ def main(argv):
     forward = jax.jit(loss)
     backward = jax.jit(jax.grad(loss))
     grads = backward(state.params) if _PARTS.value else None
-    update = jax.jit(lambda g, o, p: state.tx.update(g, o, p, schedule=setup.schedule))
+    update = jax.jit(lambda g, o, p: state.tx.update(g, o, p, schedule=run.schedule))
     gen_logits = jnp.zeros((*masked.positions.shape, state.model.vocab_size), jnp.float32)
     sample = jax.jit(lambda k, l: objectives.sample_tokens(k, l, objective.temperature, None))
 
@@ -88,7 +91,7 @@ def main(argv):
 
     def whole(s):
       for i in range(_STEPS.value):
-        s, metrics = step_fn(s, batch, train.step_rng(0, i), setup.schedule)
+        s, metrics = step_fn(s, batch, train_state.step_rng(0, i), run.schedule)
       return s, metrics
 
     state, metrics = whole(state)  # warm (the step donates its input state)

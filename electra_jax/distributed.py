@@ -7,7 +7,9 @@ import urllib.request
 from typing import Optional
 
 import jax
+import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from electra_jax import xla_flags
 from electra_jax.errors import ConfigError
@@ -93,3 +95,10 @@ def initialize(
       jax.local_device_count(),
       jax.device_count(),
   )
+
+
+def from_process_0(value: int) -> int:
+  """`value` as process 0 has it, on every process (one process: `value`)."""
+  if jax.process_count() == 1:
+    return value
+  return int(multihost_utils.broadcast_one_to_all(np.int32(value)))

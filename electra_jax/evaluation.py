@@ -11,7 +11,7 @@ from electra_jax import data, objectives, partitioning
 from electra_jax.errors import ConfigError
 
 
-def eval_step(state, batch, seed_key):
+def eval_step(state, batch, seed_key, schedule):
   """Forward pass without dropout: (additive stats, per-token arrays). Masks and samples (at the final
   temperature) come from a key per held-out example, so the figures do not depend on the batch size.
   """
@@ -36,6 +36,7 @@ def eval_step(state, batch, seed_key):
       normalizers,
       deterministic=True,
       step=state.step,
+      schedule=schedule,
   )[1]
 
 
@@ -44,7 +45,7 @@ class HeldOutEvaluator:
   short last batch is filled with all-padding rows (no weight), so every example counts exactly once.
   """
 
-  def __init__(self, config, setup, mesh):
+  def __init__(self, config, setup, mesh, schedule):
     held_out = data.load_pretraining_data(config.data, split="eval")
     batch_size = config.eval.batch_size or config.train.batch_size // config.train.grad_accum_steps
     shards, processes = partitioning.batch_shards(mesh), jax.process_count()
@@ -72,11 +73,16 @@ class HeldOutEvaluator:
     self.num_examples = num_rows
     self._seed = config.eval.seed
     self._keys = data.batch_keys(bool(config.data.pack_rows)) + ("example_index",)
-    self._mesh = mesh
+    self._mesh, self._schedule = mesh, schedule
     replicated = partitioning.replicated(mesh)
     self._step = jax.jit(
         eval_step,
-        in_shardings=(setup.state_shardings, partitioning.batch_sharding(mesh), replicated),
+        in_shardings=(
+            setup.state_shardings,
+            partitioning.batch_sharding(mesh),
+            replicated,
+            replicated,
+        ),
         out_shardings=replicated,
     )
 
@@ -85,7 +91,7 @@ class HeldOutEvaluator:
     with partitioning.activate(self._mesh):
       for local_batch in self._batches:
         batch = partitioning.global_batch_from_local(local_batch, self._mesh, keys=self._keys)
-        outputs.append(self._step(state, batch, jax.random.key(self._seed)))
+        outputs.append(self._step(state, batch, jax.random.key(self._seed), self._schedule))
     metrics = _summarize(outputs, state.objective)
     return {name: float(value) for name, value in jax.device_get(metrics).items()}
 

@@ -53,7 +53,6 @@ class ElectraObjective:
   vocab_size: int = (
       0  # the tokenizer's (0: the model's rows, which may be more): softmaxes and samples keep to it
   )
-  switch_step: int = 0  # two_stage: the first step of the discriminator's stage
   adversarial_mlm_weight: float = (
       0.0  # adversarial: weight of the generator's L_MLM beside REINFORCE
   )
@@ -75,11 +74,18 @@ class ElectraObjective:
     return REGISTRY[self.name].has_generator
 
 
+def _temperature_falls(o) -> bool:
+  return o.temperature_decay_fraction > 0 and o.initial_temperature != o.temperature
+
+
 def temperature_decay_steps(config) -> int:
   """The steps over which the sampling temperature falls to objective.temperature (0: no schedule)."""
   o = config.objective
-  decay_steps = round(o.temperature_decay_fraction * config.train.steps)
-  return decay_steps if decay_steps > 0 and o.initial_temperature != o.temperature else 0
+  return (
+      max(1, round(o.temperature_decay_fraction * config.train.steps))
+      if _temperature_falls(o)
+      else 0
+  )
 
 
 def sampling_temperature(objective: ElectraObjective, step, decay_steps):
@@ -305,6 +311,7 @@ class _Pass:
   deterministic: bool
   step: object
   temperature: object
+  schedule: object  # the optimizer's Schedule (two_stage reads its switch)
   stats: dict
 
   @property
@@ -487,12 +494,12 @@ class Registered:
   # (keep_original_prob, random_token_prob) in place of (objective.keep_original_prob, 0).
   masking: tuple[float, float] | None = None
   check: Callable = lambda config: None  # raises ConfigError
-  # (objective, tree, step) -> tree: the parameters the step trains from, the updates it applies.
-  before_step: Callable = lambda objective, params, step: params
-  updates: Callable = lambda objective, updates, step: updates
-  # (config, saved_config() -> the workdir's config.json or None, the checkpoint's step or None), once
-  # per run before the setup is final: fixes the keys a resume must keep, refuses one that moved them.
-  start_run: Callable = lambda config, saved_config, start_step: None
+  # (objective, tree, step, schedule) -> tree: the parameters the step trains from, the updates it applies.
+  before_step: Callable = lambda objective, params, step, schedule: params
+  updates: Callable = lambda objective, updates, step, schedule: updates
+  # (config, the workdir's saved config.json or None, the checkpoint's step or None) -> {key: value}:
+  # the keys a run fixes at its start (a resume must keep them); refuses a resume that moved them.
+  fixed_at_start: Callable = lambda config, saved, start_step: {}
 
 
 REGISTRY: dict[str, Registered] = {}
@@ -607,7 +614,7 @@ REGISTRY["all_tokens_mlm"] = Registered(_all_tokens_mlm, _tower_mlm_metrics, mlm
 def _two_stage(p: _Pass):
   """gen_weight * L_MLM before the switch, disc_weight * L_Disc from it on (both computed, for the metrics)."""
   s, _, disc_loss, _, per_token = _detect(p)
-  return jnp.where(p.step >= p.objective.switch_step, disc_loss, s.gen_loss), per_token
+  return jnp.where(p.step >= p.schedule.switch, disc_loss, s.gen_loss), per_token
 
 
 def _check_two_stage(config):
@@ -626,9 +633,9 @@ def _check_two_stage(config):
     )
 
 
-def _start_second_stage(objective, params, step):
+def _start_second_stage(objective, params, step, schedule):
   """At the switch step the discriminator's encoder becomes a copy of the generator's (its head stays)."""
-  now = step == objective.switch_step
+  now = step == schedule.switch
   encoder = jax.tree.map(
       lambda g, d: jnp.where(now, g, d),
       params["generator"]["encoder"],
@@ -637,9 +644,9 @@ def _start_second_stage(objective, params, step):
   return {**params, "discriminator": {**params["discriminator"], "encoder": encoder}}
 
 
-def _hold_other_stage(objective, updates, step):
+def _hold_other_stage(objective, updates, step, schedule):
   """Only the tower of the current stage moves (weight decay included)."""
-  second = step >= objective.switch_step
+  second = step >= schedule.switch
   hold = lambda tree, keep: jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), tree)  # noqa: E731
   return {
       **updates,
@@ -648,30 +655,30 @@ def _hold_other_stage(objective, updates, step):
   }
 
 
-def _keep_two_stage_switch(config, saved_config: Callable, start_step: int | None) -> None:
+def _keep_two_stage_switch(config, saved: dict | None, start_step: int | None) -> dict:
   """The switch is fixed at a run's first start and written to config.json: left at 0 it is half of
   train.steps, which a resume with more steps would move, copying the generator's encoder over the
   trained discriminator again. A switch moved past the checkpoint is refused."""
-  saved, recorded = saved_config(), None
+  recorded = None
   if saved is not None and saved["objective"]["name"] == "two_stage":
     # config.json before the switch was fixed kept 0: the default then was its own train.steps // 2.
     recorded = saved["objective"]["two_stage_switch"] or saved["train"]["steps"] // 2
-  o = config.objective
-  if not o.two_stage_switch:
-    o.two_stage_switch = recorded or config.train.steps // 2
+  switch = config.objective.two_stage_switch
+  if not switch:
+    switch = recorded or config.train.steps // 2
     logging.info(
         "objective.two_stage_switch: the discriminator's stage starts at step %d%s.",
-        o.two_stage_switch,
+        switch,
         " (as this workdir recorded)" if recorded else "",
     )
-  switch = o.two_stage_switch
+  fixed = {"objective.two_stage_switch": switch}
   if (
       start_step is None
       or recorded is None
       or switch == recorded
       or start_step <= min(switch, recorded)
   ):
-    return
+    return fixed
   harm = (
       "copy the generator's encoder over the trained discriminator again"
       if switch > recorded
@@ -689,7 +696,7 @@ REGISTRY["two_stage"] = Registered(
     check=_check_two_stage,
     before_step=_start_second_stage,
     updates=_hold_other_stage,
-    start_run=_keep_two_stage_switch,
+    fixed_at_start=_keep_two_stage_switch,
 )
 
 
@@ -786,6 +793,7 @@ def electra_forward(
     deterministic: bool = False,
     step=None,
     temperature=None,
+    schedule=None,
 ):
   """The registered objective's forward on one (micro-)batch with its masking drawn: (loss, (stats, per_token)),
   the loss's sums divided by `normalizers`, stats the additive counts and per_token the arrays `summarize`
@@ -810,6 +818,7 @@ def electra_forward(
       deterministic,
       step,
       objective.temperature if temperature is None else temperature,
+      schedule,
       stats,
   )
   loss, per_token = REGISTRY[objective.name].forward(p)
@@ -914,9 +923,10 @@ def check_config(config) -> None:
 
 
 def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjective:
-  """`special_ids` maps pad/cls/sep/mask (and vocab_size) to the tokenizer's. Settings an objective
-  does not read (no temperature schedule, another objective's switch) are left at their defaults, so
-  its compiled step does not depend on them."""
+  """`special_ids` maps pad/cls/sep/mask (and vocab_size) to the tokenizer's. Nothing here depends on
+  train.steps (the run's length enters through the Schedule), and a setting the objective does not
+  read (an initial temperature that never falls) is left at its default, so its step does not
+  depend on it."""
   o, entry = config.objective, REGISTRY[config.objective.name]
   keep_original_prob, random_token_prob = entry.masking or (o.keep_original_prob, 0.0)
   return ElectraObjective(
@@ -933,9 +943,8 @@ def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjecti
       sep_id=special_ids["sep"],
       name=o.name,
       vocab_size=special_ids.get("vocab_size", config.model.vocab_size),
-      switch_step=(o.two_stage_switch or config.train.steps // 2) if o.name == "two_stage" else 0,
       adversarial_mlm_weight=o.adversarial_mlm_weight,
       disallow_correct=o.disallow_correct,
-      initial_temperature=o.initial_temperature if temperature_decay_steps(config) > 0 else None,
+      initial_temperature=o.initial_temperature if _temperature_falls(o) else None,
       disc_mlm_weight=o.disc_mlm_weight,
   )

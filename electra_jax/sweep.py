@@ -25,7 +25,7 @@ from absl import logging
 from ml_collections import config_flags
 from ml_collections.config_flags import config_path
 
-from electra_jax import config_lib, plots, workdir_files
+from electra_jax import config_lib, plots, preemption, train, workdir_files, workdir_lease
 from electra_jax.errors import ConfigError
 
 SWEEP_FILE = workdir_files.SWEEP_FILE
@@ -299,10 +299,8 @@ def run_sweep(
 
     finetune.validate(finetune_config)
 
-  from electra_jax import train  # noqa: PLC0415 (jax stays out of sweep_report)
-
   # Two sweeps on one folder would each rewrite sweep.json and fail the runs the other trains.
-  lease = train.acquire_lease(sweep_dir, take_over_workdir, "The sweep folder")
+  lease = workdir_lease.acquire(sweep_dir, take_over_workdir, "The sweep folder")
   try:
     all_runs = list(existing) + [r for r in runs if r not in existing]
     record = dict(
@@ -315,10 +313,10 @@ def run_sweep(
         "Sweep of %d runs in %s (%d recorded in all).", len(runs), sweep_dir, len(all_runs)
     )
     # A SIGTERM stops the sweep: a run saves and returns (train.py's handler); between runs it is noted here.
-    train.clear_sigterm()  # one an earlier run in this process (a notebook) took is not this sweep's
+    preemption.clear_sigterm()  # one an earlier run in this process (a notebook) took is not this sweep's
     previous_handler = None
     with contextlib.suppress(ValueError):  # not the main thread: no handler
-      previous_handler = signal.signal(signal.SIGTERM, train.note_sigterm)
+      previous_handler = signal.signal(signal.SIGTERM, preemption.note_sigterm)
     try:
       failed, preempted = _train_runs(
           runs, configs, sweep_dir, finetune_config, train, lease, take_over_workdir
@@ -326,7 +324,7 @@ def run_sweep(
     finally:
       if previous_handler is not None:
         signal.signal(signal.SIGTERM, previous_handler)
-    train._hold_workdir(lease)  # noqa: SLF001 (the tables and curves are the holder's to write)
+    workdir_lease.hold(lease)  # noqa: SLF001 (the tables and curves are the holder's to write)
     rows = write_report(sweep_dir)
     if plot:
       try:
@@ -351,7 +349,7 @@ def _train_runs(
   for index, (run, config, latest, to_train) in enumerate(
       zip(runs, configs, latest_steps, unfinished), 1
   ):
-    if train.sigterm_received():
+    if preemption.sigterm_received():
       logging.warning(
           "SIGTERM received: the sweep stops before run %d/%d %s. Run the same command "
           "to go on.",
@@ -360,7 +358,7 @@ def _train_runs(
           run.name,
       )
       return failed, True
-    train._hold_workdir(lease)  # noqa: SLF001 (every process stops if another sweep took the folder)
+    workdir_lease.hold(lease)  # noqa: SLF001 (every process stops if another sweep took the folder)
     workdir = run_dir(sweep_dir, run)
     eta = (
         f"ETA {config_lib.format_duration(sum(unfinished[index - 1:]) * sum(durations) / len(durations))}"
@@ -380,7 +378,7 @@ def _train_runs(
       try:
         train.train_and_evaluate(config, workdir, take_over_workdir=take_over)
       except Exception as error:  # noqa: BLE001 (the sweep goes on; the error is kept and reported)
-        train._hold_workdir(lease)  # noqa: SLF001 (a sweep that took the folder over owns this run: stop)
+        workdir_lease.hold(lease)  # noqa: SLF001 (a sweep that took the folder over owns this run: stop)
         if isinstance(error, ConfigError):  # the user's input: the message says it all
           logging.error("Sweep run %s failed: %s Going on with the next one.", run.name, error)
         else:
@@ -391,7 +389,7 @@ def _train_runs(
         continue
       if (
           reached := _latest_checkpoint(workdir) or 0
-      ) < config.train.steps or train.sigterm_received():  # SIGTERM
+      ) < config.train.steps or preemption.sigterm_received():  # SIGTERM
         logging.warning(
             "Sweep run %s stopped at step %d of %d (SIGTERM, a preemption); the sweep stops here. "
             "Run the same command to go on.",

@@ -5,18 +5,22 @@ on every beat, and stops once another run's id is there (the newest run keeps th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import threading
 import time
 import uuid
-from typing import Callable
+from typing import Any, Callable
 
+import jax
+import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
-from electra_jax import workdir_files
-from electra_jax.errors import WorkdirInUse
+from electra_jax import distributed, workdir_files
+from electra_jax.errors import ConfigError, WorkdirInUse
 
 LEASE_FILE = "lease.json"
 # The fields a reader uses; a hand-edited value of another type would block --take_over_workdir too.
@@ -191,3 +195,65 @@ class WorkdirLease:
       if self._thread is not None and self._still_held():
         self.record["released"] = True
         self._write()
+
+
+# --- A run of several processes
+def _refused_everywhere(attempt: Callable[[], Any] | None) -> None:
+  """Runs process 0's `attempt` (None on the others); a WorkdirInUse it raises is raised on every process."""
+  problem = None
+  if attempt is not None:
+    try:
+      attempt()
+    except WorkdirInUse as error:
+      problem = str(error)
+  if distributed.from_process_0(problem is not None):
+    raise WorkdirInUse(problem or "Process 0 stopped the run; its log says why.")
+
+
+def hold(lease: WorkdirLease | None, max_age_seconds: float = 0.0) -> None:
+  """Raises WorkdirInUse on every process once another run has taken the workdir over."""
+  _refused_everywhere(None if lease is None else lambda: lease.check(max_age_seconds))
+
+
+def acquire(directory: str, take_over: bool, name: str = "The workdir") -> WorkdirLease | None:
+  """Process 0 takes `directory`'s lease (returned; None on the other processes), or every
+  process raises WorkdirInUse with its message."""
+  lease = WorkdirLease(directory, name=name) if jax.process_index() == 0 else None
+  _refused_everywhere(None if lease is None else lambda: lease.acquire(take_over=take_over))
+  return lease
+
+
+def check_shared(workdir: str, lease: WorkdirLease | None) -> None:
+  """Every process must see the lease process 0 just wrote: checkpoints are saved by all together,
+  and a workdir local to each host would leave orbax waiting forever."""
+  if jax.process_count() == 1:
+    return
+  run_id = lease.run_id if lease is not None else ""
+  ids = (
+      np.frombuffer(run_id.encode().ljust(32), np.uint8)
+      if jax.process_index() == 0
+      else np.zeros(32, np.uint8)
+  )
+  expected = bytes(np.asarray(multihost_utils.broadcast_one_to_all(ids), np.uint8)).decode().strip()
+  seen = (read_lease(workdir) or {}).get("run_id")
+  sees = np.asarray(multihost_utils.process_allgather(np.int32(seen == expected))).reshape(-1)
+  blind = [int(i) for i in np.flatnonzero(sees == 0)]
+  if blind:
+    raise ConfigError(
+        f"--workdir={workdir} is not one directory every process sees: process(es) {blind} cannot "
+        f"read the {LEASE_FILE} process 0 wrote there, and checkpoints are saved by "
+        "all processes together. On a multi-host slice use a bucket (gs://...) or a shared mount."
+    )
+
+
+@contextlib.contextmanager
+def held(workdir, take_over: bool):
+  """The workdir's lease for a run of every process (process 0 holds it; the others get None),
+  once every process sees it; released at the end."""
+  lease = acquire(workdir, take_over)
+  try:
+    check_shared(workdir, lease)
+    yield lease
+  finally:
+    if lease is not None:
+      lease.release()

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from electra_jax import checkpointing, config_lib, data, interop, models, objectives, partitioning, train
+from electra_jax import checkpointing, config_lib, data, interop, models, objectives, partitioning, resolve, train, train_state
 from electra_jax.errors import ConfigError
 
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
@@ -524,7 +524,7 @@ def test_variants_train_through_the_usual_loop(tmp_path):
       1.0
   )  # electra_15: only masked positions count
   mesh = partitioning.make_mesh(config.mesh)
-  setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4))
+  setup = train_state.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4))
   checkpointer = checkpointing.Checkpointer(str(tmp_path), keep=1)
   with partitioning.activate(mesh):
     state = checkpointer.restore(3, setup.abstract_state)
@@ -543,14 +543,15 @@ def test_two_stage_trains_the_generator_then_a_discriminator_started_from_it():
           "train.steps": 4,
       }
   )
-  mesh, corpus, setup = train.prepare(config)
+  run = resolve.run(config)
+  mesh, corpus, setup = run.mesh, run.corpus, run.setup
   with partitioning.activate(mesh):
-    state = train.fresh_state(setup, 0)
-    step_fn = train.compile_train_step(setup, config, mesh)
+    state = train_state.fresh_state(setup, 0)
+    step_fn = train_state.compile_train_step(setup, config, mesh)
     history = [jax.device_get(state.params)]
     for step in range(4):
       batch = partitioning.global_batch_from_local(data.get_batch(corpus, step, 8, 0), mesh)
-      state, _ = step_fn(state, batch, train.step_rng(0, step), setup.schedule)
+      state, _ = step_fn(state, batch, train_state.step_rng(0, step), run.schedule)
       history.append(jax.device_get(state.params))
   changed = lambda a, b: any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))  # noqa: E731
   # Stage one (steps 0, 1): only the generator (and the shared embeddings) move.
@@ -618,10 +619,10 @@ def test_two_stage_resumed_with_more_steps_keeps_its_switch(tmp_path, two_stage_
   assert json.loads((tmp_path / "config.json").read_text())["objective"]["two_stage_switch"] == 2
   config = tiny_config(**{**first, "train.steps": 8, "objective.two_stage_switch": 2})
   mesh = partitioning.make_mesh(config.mesh)
-  setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4))
+  setup = train_state.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4))
 
   def encoders_apart(step):
-    _, state = train.restore_checkpoint(str(tmp_path), setup, mesh, step=step)
+    _, state = resolve.restore_checkpoint(str(tmp_path), setup, mesh, step=step)
     params = jax.device_get(state.params)
     return max(
         float(np.max(np.abs(g - d)))

@@ -7,23 +7,23 @@ import numpy as np
 import pytest
 
 from conftest import logged_messages, tiny_config
-from electra_jax import data, evaluation, partitioning, train
+from electra_jax import data, evaluation, optimizer, partitioning, train, train_state
 
 
 def _setup_and_state(**overrides):
   config = tiny_config(**overrides)
   mesh = partitioning.make_mesh(config.mesh)
   tok = data.load_pretraining_data(config.data).tokenizer
-  setup = train.build_setup(
+  setup = train_state.build_setup(
       config, mesh, dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id)
   )
-  state = train.fresh_state(setup, 0)
+  state = train_state.fresh_state(setup, 0)
   return setup, mesh, state
 
 
 def _evaluator(setup, mesh, batch_size, num_batches=10_000):
   config = tiny_config(**{"eval.batch_size": batch_size, "eval.num_batches": num_batches})
-  return evaluation.HeldOutEvaluator(config, setup, mesh)
+  return evaluation.HeldOutEvaluator(config, setup, mesh, optimizer.make_schedule(config))
 
 
 def test_held_out_figures_are_fixed_and_independent_of_eval_batch_size():
@@ -45,10 +45,9 @@ def test_held_out_figures_sample_at_the_final_temperature():
   scheduled, _, scheduled_state = _setup_and_state(
       **{"objective.initial_temperature": 5.0, "objective.temperature_decay_fraction": 1.0}
   )
-  assert (
-      scheduled.objective.initial_temperature == 5.0
-      and float(scheduled.schedule.temperature_decay) == 6
-  )
+  hot_config = {"objective.initial_temperature": 5.0, "objective.temperature_decay_fraction": 1.0}
+  decay = optimizer.make_schedule(tiny_config(**hot_config))
+  assert scheduled.objective.initial_temperature == 5.0 and float(decay.temperature_decay) == 6
   plain, hot = _evaluator(setup, mesh, 4, 2)(state), _evaluator(scheduled, mesh, 4, 2)(
       scheduled_state
   )

@@ -22,7 +22,7 @@ import pytest
 from conftest import REPO
 from conftest import deep_tiny_config as tiny_config
 import electra_jax
-from electra_jax import config_lib, data, models, partitioning, train, workdir_files, workdir_lease
+from electra_jax import config_lib, data, models, partitioning, resolve, train, train_state, workdir_files, workdir_lease
 from electra_jax.errors import ConfigError
 from electra_jax.finetune import model as model_lib
 from electra_jax.finetune import optim, tasks, trainer
@@ -340,10 +340,10 @@ def test_init_from_pretraining_workdir(tmp_path, pretrained_workdir):
       ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)), devices=jax.devices()[:1]
   )
   tok = backbone.tokenizer
-  setup = train.build_setup(
+  setup = train_state.build_setup(
       pretrain_config, mesh, dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id)
   )
-  _, state = train.restore_checkpoint(workdir, setup, mesh)
+  _, state = resolve.restore_checkpoint(workdir, setup, mesh)
   jax.tree.map(np.testing.assert_array_equal, params["embeddings"], state.params["embeddings"])
   jax.tree.map(
       np.testing.assert_array_equal, params["encoder"], state.params["discriminator"]["encoder"]
@@ -443,10 +443,10 @@ def test_init_from_a_workdir_with_encoder_options_keeps_them(tmp_path):
       ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)), devices=jax.devices()[:1]
   )
   tok = backbone.tokenizer
-  setup = train.build_setup(
+  setup = train_state.build_setup(
       pretrain_config, mesh, dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id)
   )
-  _, state = train.restore_checkpoint(workdir, setup, mesh)
+  _, state = resolve.restore_checkpoint(workdir, setup, mesh)
   jax.tree.map(
       np.testing.assert_array_equal, params["encoder"], state.params["discriminator"]["encoder"]
   )

@@ -18,7 +18,7 @@ import transformers
 
 from conftest import cli, cli_args, logged_messages
 from conftest import deep_tiny_config as tiny_config
-from electra_jax import checkpointing, data, interop, models, partitioning, train
+from electra_jax import checkpointing, data, interop, models, partitioning, resolve, train, train_state
 from electra_jax.errors import ConfigError
 from electra_jax.interop import hf
 
@@ -355,7 +355,7 @@ def test_cli_exports_a_pretraining_workdir(tmp_path, pretrained):
   # Each exported tower holds exactly the arrays of the checkpoint's tower, under the same sizes.
   config = tiny_config()
   mesh = partitioning.make_mesh(config.mesh)
-  setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4))
+  setup = train_state.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4))
   checkpointer = checkpointing.Checkpointer(str(workdir), keep=1)
   with partitioning.activate(mesh):
     state = checkpointer.restore(checkpointer.latest_step(), setup.abstract_state)
@@ -423,7 +423,7 @@ def test_export_refuses_an_out_holding_another_export_and_leaves_it_untouched(
   def no_restore(*args, **kwargs):
     raise AssertionError("restored a checkpoint for an export that is refused")
 
-  monkeypatch.setattr(train, "restore_checkpoint", no_restore)
+  monkeypatch.setattr(resolve, "restore_checkpoint", no_restore)
   # Written over, discriminator/ would mix two exports' files (another tokenizer's vocab, say).
   with pytest.raises(
       ConfigError, match=r"hf/discriminator is not an empty directory.*pick a new --out, or remove"
@@ -472,13 +472,12 @@ def test_cli_asks_for_what_each_mode_needs(tmp_path):
 def test_export_to_an_out_that_cannot_be_made_is_refused_before_the_restore(tmp_path, monkeypatch):
   """An --out under a file (or an unwritable directory) was an OSError traceback from
   os.makedirs, after the checkpoint was restored."""
-  from electra_jax import train  # noqa: PLC0415
   from electra_jax.interop import export  # noqa: PLC0415
 
   workdir = tmp_path / "run"
   (workdir / "checkpoints").mkdir(parents=True)
   (workdir / "config.json").write_text(json.dumps(tiny_config().to_dict()))
-  monkeypatch.setattr(train, "restore_checkpoint", lambda *a, **k: pytest.fail("restored"))
+  monkeypatch.setattr(resolve, "restore_checkpoint", lambda *a, **k: pytest.fail("restored"))
   (tmp_path / "a_file").write_text("not a directory")
   with pytest.raises(ConfigError, match=f"{tmp_path / 'a_file'} is a file"):
     export.export_workdir(str(workdir), str(tmp_path / "a_file" / "hf"))
@@ -520,7 +519,7 @@ def test_export_refuses_encoder_options_hugging_face_cannot_hold(
   workdir, out = tmp_path / "run", tmp_path / "hf"
   (workdir / "checkpoints").mkdir(parents=True)
   (workdir / "config.json").write_text(json.dumps(config.to_dict()))
-  monkeypatch.setattr(train, "restore_checkpoint", lambda *a, **k: pytest.fail("restored"))
+  monkeypatch.setattr(resolve, "restore_checkpoint", lambda *a, **k: pytest.fail("restored"))
   with pytest.raises(ConfigError) as refused:
     interop.export_workdir(str(workdir), str(out), export_generator=True)
   lines = str(refused.value).split("\n")

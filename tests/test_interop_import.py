@@ -19,7 +19,7 @@ import safetensors.numpy
 import transformers
 
 from conftest import REPO, cli, tiny_config
-from electra_jax import checkpointing, interop, models, partitioning, train
+from electra_jax import checkpointing, interop, models, partitioning, train, train_state
 from electra_jax.errors import ConfigError
 from electra_jax.interop import tf_checkpoint
 
@@ -201,7 +201,7 @@ def _hf_pair_with_vocab(tmp_path, lowercase=False):
 def _restore_params(workdir, step):
   config = train.config_lib.load_workdir_config(str(workdir))
   mesh = partitioning.make_mesh(tiny_config().mesh)
-  setup = train.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4))
+  setup = train_state.build_setup(config, mesh, dict(pad=0, cls=2, sep=3, mask=4))
   checkpointer = checkpointing.Checkpointer(str(workdir), keep=1)
   try:
     with partitioning.activate(mesh):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, tiny_config
-from electra_jax import config_lib, memory, partitioning, train
+from electra_jax import config_lib, memory, partitioning, resolve, train_state
 from electra_jax.errors import ConfigError
 
 SPECIAL = dict(pad=0, cls=2, sep=3, mask=4)
@@ -17,13 +17,13 @@ SPECIAL = dict(pad=0, cls=2, sep=3, mask=4)
 def tiny_setup():
   config = tiny_config()
   mesh = partitioning.make_mesh(config.mesh)
-  return config, mesh, train.build_setup(config, mesh, SPECIAL)
+  return config, mesh, train_state.build_setup(config, mesh, SPECIAL)
 
 
 def test_step_memory_grows_linearly_with_the_batch(tiny_setup):
   config, mesh, setup = tiny_setup
   b8, b16, b32 = (
-      memory.step_memory(train.step_compiler(config, setup, mesh), b).bytes_per_device
+      memory.step_memory(resolve.step_compiler(config, setup, mesh), b).bytes_per_device
       for b in (8, 16, 32)
   )
   assert b8 < b16 < b32
@@ -105,7 +105,7 @@ def _compiler_with_memory(monkeypatch, bytes_of, device_bytes, flops_of=None):
     cost = {} if flops_of is None else {"flops": float(flops_of(batch))}
     return types.SimpleNamespace(memory_analysis=lambda: analysis, cost_analysis=lambda: cost)
 
-  monkeypatch.setattr(train, "compile_train_step", compile_train_step)
+  monkeypatch.setattr(train_state, "compile_train_step", compile_train_step)
   return asked
 
 
@@ -116,7 +116,7 @@ def test_a_batch_the_compiler_refuses_does_not_fit(monkeypatch, tiny_setup, quan
   limit = bytes_of(300) + 1  # memory_fraction's share of the chip
   hbm = bytes_of(310)
   asked = _compiler_with_memory(monkeypatch, bytes_of, hbm)
-  batch, measured = memory.largest_batch(train.step_compiler(config, setup, mesh), limit, quantum)
+  batch, measured = memory.largest_batch(resolve.step_compiler(config, setup, mesh), limit, quantum)
   assert batch == 300 // quantum * quantum
   assert any(m.bytes_per_device is None for m in measured)  # the search went past the chip
   assert len(asked) <= 16 and all(b % quantum == 0 for b in asked)
@@ -125,7 +125,7 @@ def test_a_batch_the_compiler_refuses_does_not_fit(monkeypatch, tiny_setup, quan
   small = lambda b: 50_000 + 1_000 * b  # noqa: E731
   _compiler_with_memory(monkeypatch, small, device_bytes=small(4 * quantum) - 1)
   batch, measured = memory.largest_batch(
-      train.step_compiler(config, setup, mesh), small(3 * quantum) + 1, quantum
+      resolve.step_compiler(config, setup, mesh), small(3 * quantum) + 1, quantum
   )
   assert (
       batch == 3 * quantum
@@ -137,7 +137,7 @@ def test_a_batch_the_compiler_refuses_does_not_fit(monkeypatch, tiny_setup, quan
   with pytest.raises(
       ConfigError, match=f"Even a batch of {quantum} needs more than a device's memory"
   ):
-    memory.largest_batch(train.step_compiler(config, setup, mesh), small(quantum), quantum)
+    memory.largest_batch(resolve.step_compiler(config, setup, mesh), small(quantum), quantum)
 
 
 @pytest.mark.parametrize("quantum", [1, 8])
@@ -152,7 +152,7 @@ def test_a_batch_fitted_by_recomputing_does_not_fit(monkeypatch, tiny_setup, qua
       monkeypatch, bytes_of, device_bytes=bytes_of(5000), flops_of=flops_of
   )
   batch, measured = memory.largest_batch(
-      train.step_compiler(config, setup, mesh), bytes_of(2000), quantum
+      resolve.step_compiler(config, setup, mesh), bytes_of(2000), quantum
   )
   assert batch == 200
   assert len(asked) <= 14 and all(b % quantum == 0 for b in asked)
@@ -161,7 +161,7 @@ def test_a_batch_fitted_by_recomputing_does_not_fit(monkeypatch, tiny_setup, qua
       monkeypatch, bytes_of, device_bytes=bytes_of(5000), flops_of=lambda b: 1e6 + 1e4 * b
   )
   assert (
-      memory.largest_batch(train.step_compiler(config, setup, mesh), bytes_of(2000), quantum)[0]
+      memory.largest_batch(resolve.step_compiler(config, setup, mesh), bytes_of(2000), quantum)[0]
       == 2000
   )
 
@@ -172,9 +172,9 @@ def test_other_compile_errors_are_not_taken_for_memory(monkeypatch, tiny_setup):
   def broken(setup, config, mesh):
     raise RuntimeError("INVALID_ARGUMENT: a sharding that does not divide the batch")
 
-  monkeypatch.setattr(train, "compile_train_step", broken)
+  monkeypatch.setattr(train_state, "compile_train_step", broken)
   with pytest.raises(RuntimeError, match="INVALID_ARGUMENT"):
-    memory.step_memory(train.step_compiler(config, setup, mesh), 8)
+    memory.step_memory(resolve.step_compiler(config, setup, mesh), 8)
 
 
 def test_batch_size_minus_one_resolves_before_training(monkeypatch):
@@ -182,11 +182,12 @@ def test_batch_size_minus_one_resolves_before_training(monkeypatch):
   monkeypatch.setattr(memory, "step_memory", fake)
   monkeypatch.setattr(memory, "device_memory_bytes", lambda device=None: 1_000_000 + 10_000 * 37)
   auto = tiny_config(**{"train.batch_size": -1, "train.memory_fraction": 1.0})
-  train.prepare(auto)
-  assert auto.train.batch_size == 37  # resolved in place, so config.json records the number
+  run = resolve.run(auto)
+  assert run.config.train.batch_size == 37  # in the resolved config, which config.json records
+  assert auto.train.batch_size == -1  # the config given is left as it was
   # Half of that memory does not hold even the fixed part: refused before anything runs.
   with pytest.raises(ConfigError, match="Even a batch of 1 needs"):
-    train.prepare(tiny_config(**{"train.batch_size": -1, "train.memory_fraction": 0.5}))
+    resolve.run(tiny_config(**{"train.batch_size": -1, "train.memory_fraction": 0.5}))
 
 
 def test_non_positive_batch_sizes_are_refused():

@@ -20,7 +20,7 @@ import pytest
 
 from conftest import REPO, cli
 from conftest import deep_tiny_config as tiny_config
-from electra_jax import config_lib, models, objectives, train
+from electra_jax import config_lib, models, objectives, optimizer, train_state
 from electra_jax.errors import ConfigError
 
 
@@ -708,15 +708,15 @@ def test_a_pretraining_step_with_all_options_on():
   )
   model = models.build_model(config)
   objective = objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4))
-  state = nn.meta.unbox(train.make_init_fn(config, model, objective)(jax.random.key(0)))
+  state = nn.meta.unbox(train_state.make_init_fn(config, model, objective)(jax.random.key(0)))
   ids, types, mask = _inputs(batch=4, seq=16)
   batch = dict(input_ids=ids, token_type_ids=types, attention_mask=mask)
-  step = jax.jit(train.train_step)
-  schedule = train.make_optimizer(config)[1]
-  state_after, metrics = step(state, batch, train.step_rng(0, 0), schedule)
+  step = jax.jit(train_state.train_step)
+  schedule = optimizer.make_schedule(config)
+  state_after, metrics = step(state, batch, train_state.step_rng(0, 0), schedule)
   assert np.isfinite(float(metrics["loss"])) and float(metrics["loss"]) > 0
   state_after, metrics = step(
-      state_after, batch, train.step_rng(0, 1), schedule
+      state_after, batch, train_state.step_rng(0, 1), schedule
   )  # step 0's learning rate is 0
   assert np.isfinite(float(metrics["loss"]))
   for tower in ("generator", "discriminator"):

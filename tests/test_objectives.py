@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from electra_jax import config_lib, models, objectives, partitioning, train
+from electra_jax import config_lib, models, objectives, optimizer, partitioning, train_state
 
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
 
@@ -225,13 +225,15 @@ def test_disc_auc_by_how_likely_the_generator_found_the_replacement():
 
 def test_sampling_temperature_falls_linearly_then_stays():
   objective = _objective(temperature=1.0, initial_temperature=3.0)
-  decay = train.learning_rate_schedule(1e-3, 1, 100, temperature_decay_steps=10).temperature_decay
+  decay = optimizer.learning_rate_schedule(
+      1e-3, 1, 100, temperature_decay_steps=10
+  ).temperature_decay
   for step, want in [(0, 3.0), (5, 2.0), (10, 1.0), (25, 1.0)]:
     assert float(objectives.sampling_temperature(objective, jnp.int32(step), decay)) == want, step
   # The final temperature is reached exactly at the last decay step, whatever its count (a step
   # times float32(1 / 49) falls short of 1 at step 49).
   for steps in (49, 427, 1003):
-    decay = train.learning_rate_schedule(
+    decay = optimizer.learning_rate_schedule(
         1e-3, 1, 2 * steps, temperature_decay_steps=steps
     ).temperature_decay
     assert float(objectives.sampling_temperature(objective, jnp.int32(steps), decay)) == 1.0, steps
@@ -248,8 +250,18 @@ def test_sampling_temperature_falls_linearly_then_stays():
   )
   objective = objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4))
   assert objective.initial_temperature == 2.0 and objectives.temperature_decay_steps(config) == 8
-  assert float(train.make_optimizer(config)[1].temperature_decay) == 8
-  config.objective.temperature_decay_fraction = 0.01  # round(0.3) = 0 steps to fall over
+  assert float(optimizer.make_schedule(config).temperature_decay) == 8
+  # A fall shorter than a step takes one (round(0.3) = 0): step 0 samples at the initial
+  # temperature, every later one at the final. The objective does not depend on train.steps.
+  config.objective.temperature_decay_fraction = 0.01
+  assert objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4)) == objective
+  decay = optimizer.make_schedule(config).temperature_decay
+  assert float(decay) == 1
+  temperatures = [
+      objectives.sampling_temperature(objective, jnp.int32(s), decay) for s in (0, 1, 5)
+  ]
+  assert [float(t) for t in temperatures] == [2.0, 1.0, 1.0]
+  config.objective.temperature_decay_fraction = 0.0  # none: the constant
   assert (
       objectives.objective_from_config(
           config, dict(pad=0, cls=2, sep=3, mask=4)
@@ -281,7 +293,11 @@ def test_the_default_temperature_compiles_the_constant_step():
   ):
     state, batch, schedule = _tiny_state_and_batch(**overrides)
     losses.append(
-        float(jax.jit(train.train_step)(state, batch, train.step_rng(0, 0), schedule)[1]["loss"])
+        float(
+            jax.jit(train_state.train_step)(state, batch, train_state.step_rng(0, 0), schedule)[1][
+                "loss"
+            ]
+        )
     )
   assert losses[0] == losses[1]
 
@@ -292,14 +308,14 @@ def _tiny_state_and_batch(**overrides):
   objective = objectives.objective_from_config(
       config, dict(pad=0, cls=2, sep=3, mask=4, vocab_size=300)
   )
-  state = nn.meta.unbox(train.make_init_fn(config, model, objective)(jax.random.key(0)))
+  state = nn.meta.unbox(train_state.make_init_fn(config, model, objective)(jax.random.key(0)))
   ids, mask = _random_batch(0, batch=config.train.batch_size, seq=config.data.max_seq_len)
   batch = {
       "input_ids": jnp.asarray(ids),
       "token_type_ids": jnp.zeros_like(ids),
       "attention_mask": jnp.asarray(mask),
   }
-  return state, batch, train.make_optimizer(config)[1]
+  return state, batch, optimizer.make_schedule(config)
 
 
 class _RecordingModel:
@@ -541,37 +557,49 @@ def _traced_step(**overrides):
   config = tiny_config(**overrides)
   config_lib.validate(config)
   mesh = partitioning.make_mesh(config.mesh, devices=jax.devices()[:1])
-  setup = train.build_setup(
+  setup = train_state.build_setup(
       config, mesh, dict(pad=0, cls=2, sep=3, mask=4, vocab_size=config.model.vocab_size)
   )
   state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), setup.abstract_state)
   shape = (config.train.batch_size, config.data.max_seq_len)
-  batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in train.batch_keys(config)}
+  batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in train_state.batch_keys(config)}
   with partitioning.activate(mesh):
-    jaxpr = jax.make_jaxpr(train.train_step)(
-        state, batch, jax.eval_shape(lambda: jax.random.key(0)), setup.schedule
+    jaxpr = jax.make_jaxpr(train_state.train_step)(
+        state, batch, jax.eval_shape(lambda: jax.random.key(0)), optimizer.make_schedule(config)
     )
   return str(jaxpr), setup.param_shapes
 
 
-def test_only_two_stage_takes_a_switch_step():
-  """The other objectives' step does not depend on objective.two_stage_switch or train.steps, so a
-  time budget's step count compiles it once."""
+def test_no_objective_depends_on_the_run_length_or_the_switch_which_the_schedule_carries():
+  """objective.two_stage_switch and train.steps enter the step through the Schedule, an argument:
+  every objective (two_stage too) is the same for any of them, so a time budget's step count, a
+  resume with more steps and the switch reuse one compiled step."""
   special_ids = dict(pad=0, cls=2, sep=3, mask=4)
   for name in objectives.OBJECTIVES:
-    for switch, steps in ((0, 10), (3, 10), (0, 20)):
-      config = tiny_config(
-          **{"objective.name": name, "objective.two_stage_switch": switch, "train.steps": steps}
-      )
-      got = objectives.objective_from_config(config, special_ids).switch_step
-      assert got == ((switch or steps // 2) if name == "two_stage" else 0), (name, switch, steps)
+    made = {
+        objectives.objective_from_config(
+            tiny_config(
+                **{
+                    "objective.name": name,
+                    "objective.two_stage_switch": switch,
+                    "train.steps": steps,
+                }
+            ),
+            special_ids,
+        )
+        for switch, steps in ((0, 10), (3, 10), (0, 20))
+    }
+    assert len(made) == 1, name
+  assert (
+      float(optimizer.make_schedule(tiny_config(**{"objective.two_stage_switch": 3})).switch) == 3
+  )
 
 
 def test_a_registered_objective_trains_through_the_step_with_its_hooks(monkeypatch):
   """The step reads the registry, not objective names: a new entry whose update hook freezes
   the generator trains its discriminator alone, and its config check runs in validate."""
 
-  def freeze_generator(objective, updates, step):
+  def freeze_generator(objective, updates, step, schedule):
     return {**updates, "generator": jax.tree.map(jnp.zeros_like, updates["generator"])}
 
   def refuse_temperature(config):
@@ -589,9 +617,12 @@ def test_a_registered_objective_trains_through_the_step_with_its_hooks(monkeypat
         tiny_config(**{"objective.name": "frozen_generator", "objective.temperature": 2.0})
     )
   state, batch, schedule = _tiny_state_and_batch(**{"objective.name": "frozen_generator"})
-  step = jax.jit(train.train_step)
+  step = jax.jit(train_state.train_step)
   after, metrics = step(
-      step(state, batch, train.step_rng(0, 0), schedule)[0], batch, train.step_rng(0, 1), schedule
+      step(state, batch, train_state.step_rng(0, 0), schedule)[0],
+      batch,
+      train_state.step_rng(0, 1),
+      schedule,
   )  # lr(0) = 0
   moved = lambda part: any(  # noqa: E731
       not np.array_equal(a, b)

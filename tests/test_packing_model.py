@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import deep_tiny_config as tiny_config
-from electra_jax import config_lib, models
+from electra_jax import config_lib, models, resolve, train
 from electra_jax.errors import ConfigError
 
 
@@ -217,7 +217,6 @@ def test_unknown_remat_and_attention_are_refused_by_name():
 
 
 def test_packed_training_runs_evaluates_and_refuses_an_unpacked_resume(tmp_path):
-  from electra_jax import train  # noqa: PLC0415
 
   overrides = {
       "train.steps": 3,
@@ -284,7 +283,6 @@ def test_scanned_layers_compute_the_same_function_in_the_stacked_layout():
 
 
 def test_scanned_training_exports_to_hugging_face(tmp_path):
-  from electra_jax import train  # noqa: PLC0415
   from electra_jax.interop import hf  # noqa: PLC0415
 
   config = tiny_config(
@@ -292,8 +290,9 @@ def test_scanned_training_exports_to_hugging_face(tmp_path):
   )
   metrics = train.train_and_evaluate(config, str(tmp_path / "run"))
   assert np.isfinite(metrics["loss"])
-  mesh, corpus, setup = train.prepare(config)
-  _, state = train.restore_checkpoint(str(tmp_path / "run"), setup, mesh, None, corpus)
+  run = resolve.run(config)
+  mesh, corpus, setup = run.mesh, run.corpus, run.setup
+  _, state = resolve.restore_checkpoint(str(tmp_path / "run"), setup, mesh, None, corpus)
   hf.save_hf(setup.model, state.params, str(tmp_path / "hf"), kind="discriminator")
   model, params = hf.load_hf(str(tmp_path / "hf"))
   unscanned = models.unscan_layers(state.params)

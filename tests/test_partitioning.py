@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import cli_args, run_cli, tiny_config, with_devices
-from electra_jax import models, objectives, partitioning, train
+from electra_jax import models, objectives, partitioning, train_state
 
 
 def _mesh(data, fsdp, tensor):
@@ -29,7 +29,7 @@ def test_rules_shard_parameters_and_replicate_what_does_not_divide():
   config = tiny_config()
   model = models.build_model(config)
   objective = objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4))
-  boxed = jax.eval_shape(train.make_init_fn(config, model, objective), jax.random.key(0))
+  boxed = jax.eval_shape(train_state.make_init_fn(config, model, objective), jax.random.key(0))
   mesh = jax.sharding.AbstractMesh((2, 2, 2), partitioning.MESH_AXES)
   fitted = partitioning.partition_specs(boxed.params, mesh)
   assert fitted["embeddings"]["word_embeddings"]["embedding"] == P("tensor", "fsdp")
@@ -47,7 +47,7 @@ def test_tables_that_a_mesh_axis_does_not_divide_are_named():
   config = tiny_config(**{"model.vocab_size": 510})
   model = models.build_model(config)
   objective = objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4))
-  boxed = jax.eval_shape(train.make_init_fn(config, model, objective), jax.random.key(0))
+  boxed = jax.eval_shape(train_state.make_init_fn(config, model, objective), jax.random.key(0))
   found = partitioning.unsharded_dimensions(
       boxed.params, jax.sharding.AbstractMesh((1, 1, 4), partitioning.MESH_AXES), 0
   )

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, cli
-from electra_jax import config_lib, train
+from electra_jax import config_lib, optimizer
 
 
 def _metrics(workdir):
@@ -59,9 +59,9 @@ def test_the_quick_recipe_trains_to_its_time_budget(tmp_path, objective):
   )
   lines = _metrics(workdir)
   assert lines[-1]["step"] == steps and all(np.isfinite(m["loss"]) for m in lines)
-  warmup = train.warmup_steps(config_lib.with_defaults(saved))
+  warmup = optimizer.warmup_steps(config_lib.with_defaults(saved))
   assert warmup == round(0.1 * steps)
-  assert float(train.learning_rate_schedule(1e-3, warmup, steps)(steps)) == 0.0
+  assert float(optimizer.learning_rate_schedule(1e-3, warmup, steps)(steps)) == 0.0
   if objective == "electra":
     # The temperature falls linearly from 3 at the first step to 1 at train.steps, whatever the
     # budget gave (the last step, index steps - 1, samples at 3 - 2 (steps - 1) / steps).

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, cli, tiny_config
-from electra_jax import flops, sweep, train
+from electra_jax import flops, preemption, resolve, sweep, train, workdir_lease
 from electra_jax.errors import ConfigError
 from test_plots import assert_events_match_jsonl, png_size
 
@@ -147,7 +147,7 @@ def test_sweep_table_matches_each_runs_logs(swept):
     # FLOPs as train.py computes them, from the real training setup of the run's config.
     config = base_config()
     config.objective.name = row["objective.name"]
-    _, _, setup = train.prepare(config)
+    _, _, setup = resolve.run(config)
     per_token = flops.train_flops_per_token(
         setup.model, 32, setup.objective.max_predictions, setup.objective.uses_generator
     )
@@ -358,10 +358,10 @@ def test_a_sigterm_in_a_runs_last_step_stops_the_sweep_after_it(tmp_path, monkey
 
   def finish_then_sigterm(config, workdir, **kwargs):
     result = real(config, workdir, **kwargs)
-    train.note_sigterm()  # what the handler does when the signal comes now
+    preemption.note_sigterm()  # what the handler does when the signal comes now
     return result
 
-  monkeypatch.setattr(train, "_SIGTERM", threading.Event())
+  monkeypatch.setattr(preemption, "_SIGTERM", threading.Event())
   monkeypatch.setattr(train, "train_and_evaluate", finish_then_sigterm)
   sweep_dir = tmp_path / "sweep"
   result = sweep.run_sweep(base_config(), str(sweep_dir), ["optimizer.learning_rate=1e-3,2e-3"])
@@ -369,7 +369,7 @@ def test_a_sigterm_in_a_runs_last_step_stops_the_sweep_after_it(tmp_path, monkey
   assert result["preempted"] and result["failed"] == []
   assert (sweep_dir / first / "checkpoints" / str(STEPS)).exists()
   assert not (sweep_dir / second / "config.json").exists()  # not started
-  monkeypatch.setattr(train, "_SIGTERM", threading.Event())
+  monkeypatch.setattr(preemption, "_SIGTERM", threading.Event())
   monkeypatch.setattr(train, "train_and_evaluate", real)
   again = sweep.run_sweep(base_config(), str(sweep_dir), ["optimizer.learning_rate=1e-3,2e-3"])
   assert not again["preempted"] and (sweep_dir / second / "checkpoints" / str(STEPS)).exists()
@@ -442,7 +442,6 @@ def test_one_sweep_at_a_time_holds_a_sweep_folder(tmp_path, monkeypatch):
   training as failed (its workdir held) and left an error file in it. A second sweep is now
   refused before it writes anything, and a sweep whose folder was taken over stops before its
   next run."""
-  from electra_jax import workdir_lease  # noqa: PLC0415
 
   sweep_dir = tmp_path / "sweep"
   grid = ["optimizer.learning_rate=1e-3,2e-3"]
@@ -483,7 +482,6 @@ def test_a_sweep_taken_over_during_a_run_writes_nothing_more_into_the_folder(tmp
   """The run of a sweep whose folder another sweep took over stops with WorkdirInUse (the new
   sweep took its workdir too). The old sweep counted that as a failed run, wrote sweep_error.txt
   into the run the new sweep now trains, and, being at its last run, rewrote the tables."""
-  from electra_jax import workdir_lease  # noqa: PLC0415
 
   sweep_dir = tmp_path / "sweep"
   taker = {}

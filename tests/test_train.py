@@ -19,7 +19,20 @@ import pytest
 
 import electra_jax
 from conftest import REPO, cli, cli_args, logged_messages, run_cli, tiny_config
-from electra_jax import checkpointing, config_lib, data, flops, models, objectives, partitioning, train
+from electra_jax import (
+    checkpointing,
+    config_lib,
+    data,
+    flops,
+    models,
+    objectives,
+    optimizer,
+    partitioning,
+    preemption,
+    resolve,
+    train,
+    train_state,
+)
 
 REQUIRED_METRICS = {
     "step",
@@ -160,7 +173,7 @@ def test_a_workdir_that_cannot_be_made_is_refused_before_the_data_is_built(tmp_p
 
 
 def test_learning_rate_schedule_is_the_official_one():
-  schedule = train.learning_rate_schedule(1e-3, warmup_steps=10, total_steps=100)
+  schedule = optimizer.learning_rate_schedule(1e-3, warmup_steps=10, total_steps=100)
   for step, want in [
       (0, 0.0),
       (5, 1e-3 * 0.5 * 0.95),
@@ -172,24 +185,24 @@ def test_learning_rate_schedule_is_the_official_one():
   # The rate is exactly 0 at the last step and the peak exactly at the warmup's end, whatever the
   # counts (1 - 427 * float32(1 / 427) is 6e-8, not 0).
   for total in (49, 427, 1003, 9973):
-    schedule = train.learning_rate_schedule(1e-3, total // 10, total)
+    schedule = optimizer.learning_rate_schedule(1e-3, total // 10, total)
     assert float(schedule(total)) == 0.0 and float(schedule(total + 5)) == 0.0, total
     assert float(schedule(total // 10)) == np.float32(1e-3) * (
         (np.float32(total) - total // 10) / np.float32(total)
     )
   with pytest.raises(ValueError, match="total_steps=0"):
-    train.learning_rate_schedule(1e-3, 1, 0)
+    optimizer.learning_rate_schedule(1e-3, 1, 0)
 
 
 def test_warmup_fraction_takes_its_share_of_the_steps():
   config = tiny_config(
       **{"train.steps": 30, "optimizer.warmup_steps": 2, "optimizer.warmup_fraction": 0.25}
   )
-  assert train.warmup_steps(config) == 8  # round(7.5) = 8 (half to even), over warmup_steps=2
-  _, schedule = train.make_optimizer(config)
+  assert optimizer.warmup_steps(config) == 8  # round(7.5) = 8 (half to even), over warmup_steps=2
+  schedule = optimizer.make_schedule(config)
   assert float(schedule(4)) == pytest.approx(1e-3 * 0.5 * (1 - 4 / 30), rel=1e-6)
   config.optimizer.warmup_fraction = 0.0
-  assert train.warmup_steps(config) == 2
+  assert optimizer.warmup_steps(config) == 2
 
 
 def test_a_config_built_again_has_the_same_state_structure_so_its_traced_step_is_reused():
@@ -200,7 +213,7 @@ def test_a_config_built_again_has_the_same_state_structure_so_its_traced_step_is
   setting that changes the step gives another structure."""
   mesh = partitioning.make_mesh(tiny_config().mesh)
   ids = dict(pad=0, cls=2, sep=3, mask=4)
-  first = train.build_setup(tiny_config(), mesh, ids)
+  first = train_state.build_setup(tiny_config(), mesh, ids)
 
   def traced(setup):
     state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), setup.abstract_state)
@@ -210,7 +223,8 @@ def test_a_config_built_again_has_the_same_state_structure_so_its_traced_step_is
     }
     with partitioning.activate(mesh):
       rng = jax.eval_shape(lambda: jax.random.key(0))
-      return str(jax.make_jaxpr(train.train_step)(state, batch, rng, setup.schedule))
+      schedule = optimizer.make_schedule(tiny_config())
+      return str(jax.make_jaxpr(train_state.train_step)(state, batch, rng, schedule))
 
   for change in (
       {},
@@ -218,19 +232,21 @@ def test_a_config_built_again_has_the_same_state_structure_so_its_traced_step_is
       {"optimizer.learning_rate": 2e-3},
       {"optimizer.warmup_steps": 5},
   ):
-    again = train.build_setup(tiny_config(**change), mesh, ids)
+    again = train_state.build_setup(tiny_config(**change), mesh, ids)
     assert jax.tree.structure(again.abstract_state) == jax.tree.structure(
         first.abstract_state
     ), change
     assert again.init_fn == first.init_fn and hash(again.init_fn) == hash(first.init_fn), change
-    rates = lambda setup: (float(setup.schedule(1)), float(setup.schedule(6)))  # noqa: E731
-    assert (rates(again) != rates(first)) == bool(change), change
-  assert traced(train.build_setup(tiny_config(**{"train.steps": 7}), mesh, ids)) == traced(first)
+    rates = lambda config: tuple(float(optimizer.make_schedule(config)(s)) for s in (1, 6))  # noqa: E731
+    assert (rates(tiny_config(**change)) != rates(tiny_config())) == bool(change), change
+  assert traced(train_state.build_setup(tiny_config(**{"train.steps": 7}), mesh, ids)) == traced(
+      first
+  )
   for change in (
       {"optimizer.bias_correction": False},
       {"objective.initial_temperature": 2.0, "objective.temperature_decay_fraction": 0.5},
   ):
-    other = train.build_setup(tiny_config(**change), mesh, ids)
+    other = train_state.build_setup(tiny_config(**change), mesh, ids)
     assert jax.tree.structure(other.abstract_state) != jax.tree.structure(
         first.abstract_state
     ), change
@@ -265,7 +281,7 @@ def test_a_saved_config_gets_the_defaults_of_keys_it_predates(tmp_path):
 def test_official_adam_step_by_hand():
   """BERT's AdamWeightDecayOptimizer: no bias correction, decay added to the direction."""
   config = tiny_config(**{"optimizer.bias_correction": False, "optimizer.clip_norm": 1e9})
-  tx, schedule = train.make_optimizer(config)
+  tx, schedule = optimizer.make_optimizer(config.optimizer), optimizer.make_schedule(config)
   params = {"dense": {"kernel": jnp.array([[1.0, -2.0]]), "bias": jnp.array([0.5])}}
   grads = {"dense": {"kernel": jnp.array([[0.3, -0.1]]), "bias": jnp.array([0.2])}}
   state = tx.init(params)
@@ -298,7 +314,7 @@ def test_weight_decay_skips_layer_norm_and_biases():
       ]
   )
   mask = flax.traverse_util.flatten_dict(
-      jax.tree_util.tree_map_with_path(train._decays, params), sep="/"
+      jax.tree_util.tree_map_with_path(optimizer._decays, params), sep="/"
   )
   decayed = {name for name, on in mask.items() if on}
   assert decayed == {name for name in mask if name.endswith(("/kernel", "/embedding"))}
@@ -313,11 +329,11 @@ def _state_and_batch(config):
   objective = objectives.objective_from_config(
       config, dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id)
   )
-  state = nn.meta.unbox(train.make_init_fn(config, model, objective)(jax.random.key(0)))
+  state = nn.meta.unbox(train_state.make_init_fn(config, model, objective)(jax.random.key(0)))
   batch = {
       k: jnp.asarray(v) for k, v in data.get_batch(corpus, 0, config.train.batch_size, 0).items()
   }
-  return state, batch, train.make_optimizer(config)[1]
+  return state, batch, optimizer.make_schedule(config)
 
 
 def test_gradient_accumulation_equals_the_full_batch():
@@ -328,9 +344,9 @@ def test_gradient_accumulation_equals_the_full_batch():
   }
   full_state, batch, schedule = _state_and_batch(tiny_config(**no_dropout))
   accum_state = full_state.replace(grad_accum_steps=4)
-  rng = train.step_rng(0, 3)
-  full_state, full_metrics = jax.jit(train.train_step)(full_state, batch, rng, schedule)
-  accum_state, accum_metrics = jax.jit(train.train_step)(accum_state, batch, rng, schedule)
+  rng = train_state.step_rng(0, 3)
+  full_state, full_metrics = jax.jit(train_state.train_step)(full_state, batch, rng, schedule)
+  accum_state, accum_metrics = jax.jit(train_state.train_step)(accum_state, batch, rng, schedule)
   for name in ("loss", "masked_lm_loss", "disc_loss", "disc_auc", "grad_norm"):
     assert float(accum_metrics[name]) == pytest.approx(float(full_metrics[name]), rel=1e-5), name
   for a, b in zip(jax.tree.leaves(full_state.params), jax.tree.leaves(accum_state.params)):
@@ -526,7 +542,7 @@ def test_cudnn_attention_off_a_gpu_is_refused_before_any_data(tmp_path, monkeypa
       ConfigError,
       match="attention_impl='cudnn' is NVIDIA's fused attention, but the devices here are cpu",
   ):
-    train.prepare(config)
+    resolve.run(config)
 
 
 def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -576,10 +592,10 @@ def test_bfloat16_step_keeps_float32_master_weights_and_learns():
       **{"train.dtype": "bfloat16", "model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0}
   )
   state, batch, schedule = _state_and_batch(config)
-  step = jax.jit(train.train_step)
+  step = jax.jit(train_state.train_step)
   losses = []
   for i in range(8):
-    state, metrics = step(state, batch, train.step_rng(0, i), schedule)
+    state, metrics = step(state, batch, train_state.step_rng(0, i), schedule)
     losses.append(float(metrics["loss"]))
   assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.dtype("float32")}
   assert {
@@ -611,9 +627,10 @@ def test_steps_per_call_trains_exactly_like_single_steps(tmp_path):
         auc, rel=1e-5
     ), step
   assert multi["loss"] == pytest.approx(single["loss"], rel=1e-5)
-  mesh, corpus, setup = train.prepare(tiny_config(**overrides))
-  _, single_state = train.restore_checkpoint(str(tmp_path / "single"), setup, mesh, None, corpus)
-  _, multi_state = train.restore_checkpoint(str(tmp_path / "multi"), setup, mesh, None, corpus)
+  run = resolve.run(tiny_config(**overrides))
+  mesh, corpus, setup = run.mesh, run.corpus, run.setup
+  _, single_state = resolve.restore_checkpoint(str(tmp_path / "single"), setup, mesh, None, corpus)
+  _, multi_state = resolve.restore_checkpoint(str(tmp_path / "multi"), setup, mesh, None, corpus)
   for a, b in zip(jax.tree.leaves(single_state.params), jax.tree.leaves(multi_state.params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
@@ -795,13 +812,13 @@ def test_a_resume_whose_optimizer_state_differs_is_refused_before_anything_is_wr
 # ---------------------------------------------------------------------------------------
 # train.time_budget
 # ---------------------------------------------------------------------------------------
-_FAKE_TIMING = train.StepTiming(step=0.5, compile=0.0, evaluation=0.0)
+_FAKE_TIMING = resolve.StepTiming(step=0.5, compile=0.0, evaluation=0.0)
 
 
 def _fake_budget_clock(monkeypatch, measured=None):
   """A budget clock standing still and a step timing of 0.5 s, so the step count is known:
   floor(budget * 0.97 / 0.5). `measured`, a list, records each timing the run asks for."""
-  real = train.measure_step_time
+  real = resolve.measure_step_time
 
   def measure(*args):
     if measured is None:
@@ -809,8 +826,8 @@ def _fake_budget_clock(monkeypatch, measured=None):
     measured.append(real(*args))  # the real timing runs too; its figures are not used
     return _FAKE_TIMING
 
-  monkeypatch.setattr(train, "_budget_clock", lambda: 0.0)
-  monkeypatch.setattr(train, "measure_step_time", measure)
+  monkeypatch.setattr(resolve, "_budget_clock", lambda: 0.0)
+  monkeypatch.setattr(resolve, "measure_step_time", measure)
 
 
 # A fresh run's budget is timed (the step, compiling, a held-out evaluation: eval.every_steps is
@@ -853,39 +870,38 @@ def test_the_time_budget_fixes_train_steps_so_the_schedule_ends_with_it(budget_r
   assert lines[-1]["step"] == 9
   # The last update (from step 8) takes lr / 9; the schedule reaches 0 at step 9.
   assert lines[-1]["learning_rate"] == pytest.approx(1e-3 / 9, rel=1e-5)
-  assert float(train.learning_rate_schedule(1e-3, 2, saved["train"]["steps"])(9)) == 0.0
+  assert float(optimizer.learning_rate_schedule(1e-3, 2, saved["train"]["steps"])(9)) == 0.0
   # The count: compiling again, the steps and their evaluations in 97% of what is left.
-  timing = train.StepTiming(step=1.0, compile=10.0, evaluation=4.0)
+  timing = resolve.StepTiming(step=1.0, compile=10.0, evaluation=4.0)
   assert (
-      train.budget_steps(100.0, 20.0, timing, eval_every=10, start_step=0) == 45
+      resolve.budget_steps(100.0, 20.0, timing, eval_every=10, start_step=0) == 45
   )  # (67.9 - 4) / 1.4
-  assert train.budget_steps(100.0, 20.0, timing, eval_every=0, start_step=5) == 5 + 67
-  assert train.budget_steps(10.0, 20.0, timing, eval_every=0, start_step=5) == 6  # spent: one step
+  assert resolve.budget_steps(100.0, 20.0, timing, eval_every=0, start_step=5) == 5 + 67
+  assert (
+      resolve.budget_steps(10.0, 20.0, timing, eval_every=0, start_step=5) == 6
+  )  # spent: one step
 
 
-def test_the_time_budget_counts_compiling_again_only_for_an_objective_that_reads_train_steps(
+def test_the_time_budget_fixes_train_steps_in_the_resolved_run_without_compiling_again(
     tmp_path, monkeypatch
 ):
-  """The schedule (rate and temperature) is an argument of the compiled step, so fixing train.steps
-  reuses the step timed; two_stage's switch (half the run) changes the objective, which compiles again.
-  """
+  """The schedule (rate, temperature, two_stage's switch) is an argument of the compiled step, so
+  fixing train.steps reuses the step timed, for two_stage too; the steps go into the resolved
+  config, and the config given stays as it was."""
   monkeypatch.setattr(
-      train,
+      resolve,
       "measure_step_time",
-      lambda *args: train.StepTiming(step=0.5, compile=2.0, evaluation=0.0),
+      lambda *args: resolve.StepTiming(step=0.5, compile=2.0, evaluation=0.0),
   )
-  for overrides, want in (
-      ({}, 9),
-      ({"objective.name": "two_stage", "model.generator_fraction": 1.0}, 5),
-  ):
-    config = tiny_config(
-        **_BUDGET, **overrides
-    )  # floor(5 * 0.97 / 0.5) = 9; floor((5 - 2) * 0.97 / 0.5) = 5
-    mesh, corpus, setup = train.prepare(config)
-    train.resolve_time_budget(
-        config, str(tmp_path), None, mesh, corpus, setup, train._budget_clock()
-    )
-    assert config.train.steps == want, overrides
+  for overrides in ({}, {"objective.name": "two_stage", "model.generator_fraction": 1.0}):
+    config = tiny_config(**_BUDGET, **overrides)
+    given = config.train.steps
+    run = resolve.run(config, str(tmp_path))
+    assert run.config.train.steps == 9, overrides  # floor(5 * 0.97 / 0.5): no compile counted
+    assert config.train.steps == given
+    assert not (tmp_path / "config.json").exists()  # resolving writes nothing
+  assert run.config.objective.two_stage_switch == 4  # half the resolved steps
+  assert float(run.schedule.switch) == 4.0
 
 
 def test_a_resume_with_the_same_time_budget_keeps_its_steps_and_is_bit_exact(
@@ -911,7 +927,7 @@ def test_a_resume_with_the_same_time_budget_keeps_its_steps_and_is_bit_exact(
 
   # Preempted after its fifth step (a checkpoint there), then resumed without a new timing.
   _fake_budget_clock(monkeypatch, [])
-  monkeypatch.setattr(train._Preemption, "stop_after", lambda self, call: call == 4)
+  monkeypatch.setattr(preemption.Preemption, "stop_after", lambda self, call: call == 4)
   train.train_and_evaluate(tiny_config(**_BUDGET), str(tmp_path / "interrupted"))
   assert os.listdir(tmp_path / "interrupted" / "checkpoints") == ["5"]
   monkeypatch.undo()
@@ -930,20 +946,22 @@ def test_a_warmup_as_long_as_the_run_is_named_with_the_peak_it_leaves(
   config = tiny_config(
       **{"train.steps": 30, "optimizer.warmup_steps": 60, "optimizer.learning_rate": 1e-3}
   )
-  note = train.warmup_note(config)
+  note = optimizer.warmup_note(config)
   # The schedule's own highest value over the run, against the share the note states.
-  schedule = train.learning_rate_schedule(1.0, 60, 30)
+  schedule = optimizer.learning_rate_schedule(1.0, 60, 30)
   assert f"at most {100 * max(float(schedule(s)) for s in range(31)):.1f}% of" in note
   assert "optimizer.warmup_steps=60 is not shorter than train.steps=30" in note and "12.5%" in note
-  assert train.warmup_note(tiny_config(**{"train.steps": 30, "optimizer.warmup_steps": 29})) is None
   assert (
-      train.warmup_note(tiny_config(**{"train.steps": 30, "optimizer.warmup_fraction": 0.1}))
+      optimizer.warmup_note(tiny_config(**{"train.steps": 30, "optimizer.warmup_steps": 29}))
       is None
   )
-  # The run logs it before training (nothing is trained here).
-  monkeypatch.setattr(train, "_train", lambda config, *args: {})
+  assert (
+      optimizer.warmup_note(tiny_config(**{"train.steps": 30, "optimizer.warmup_fraction": 0.1}))
+      is None
+  )
+  # The run logs it while it is resolved, before anything trains.
   with caplog.at_level("WARNING"):
-    train.train_and_evaluate(config, str(tmp_path / "run"))
+    resolve.run(config, str(tmp_path / "run"))
   assert note in caplog.text
 
 
@@ -962,7 +980,7 @@ def test_a_run_starts_with_a_summary_of_what_it_trains(tmp_path, three_steps):
     assert f"{tower} " in summary
   model = models.build_model(config)
   objective = objectives.objective_from_config(
-      config, train.special_ids(data.load_tokenizer(config.data))
+      config, train_state.special_ids(data.load_tokenizer(config.data))
   )
   per_token = flops.objective_flops_per_token(model, objective, config.data.max_seq_len)
   assert f"{per_token / 1e6:.1f} model MFLOPs per token" in summary

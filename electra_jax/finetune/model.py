@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from electra_jax import checkpointing, config_lib, data, random_ops, train
+from electra_jax import checkpointing, config_lib, data, random_ops, resolve
 from electra_jax.errors import ConfigError
 from electra_jax.models import (
     Encoder,
@@ -178,7 +178,7 @@ def _from_workdir(config, workdir: str) -> Backbone:
     from electra_jax.interop.export import one_device_setup  # interop only where it is needed
 
     mesh, setup = one_device_setup(pretrain_config, tokenizer)
-    _, state = train.restore_checkpoint(workdir, setup, mesh, step)
+    _, state = resolve.restore_checkpoint(workdir, setup, mesh, step)
     # The standalone discriminator, every model.tie mode resolved; the RTD head and generator stay behind.
     _, tower_params = tower_from_pretrainer(setup.model, state.params, "discriminator")
     params = {

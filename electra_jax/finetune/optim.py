@@ -10,7 +10,7 @@ import numpy as np
 import optax
 
 from electra_jax.errors import ConfigError
-from electra_jax.train import _decays, scale_by_adam_without_bias_correction
+from electra_jax.optimizer import _decays, scale_by_adam_without_bias_correction
 
 LAYERWISE_RULES = ("correct", "official")
 

@@ -9,7 +9,7 @@ import jax
 import tokenizers
 from sentencepiece import sentencepiece_model_pb2
 
-from electra_jax import config_lib, data, models, partitioning, train, workdir_files
+from electra_jax import config_lib, data, models, partitioning, resolve, train_state, workdir_files
 from electra_jax.errors import ConfigError
 from electra_jax.data.tokenizer import SPECIAL_TOKENS
 from electra_jax.data.wordpiece import WordPieceTokenizer
@@ -17,13 +17,13 @@ from electra_jax.interop.hf import check_hf_form, finite_tensor, save_hf
 
 
 def one_device_setup(config, tokenizer=None):
-  """(mesh, train.build_setup) on one device, whatever mesh trained (orbax re-shards on restore). Without
+  """(mesh, train_state.build_setup) on one device, whatever mesh trained (orbax re-shards on restore). Without
   `tokenizer` the special ids are placeholders: no shape depends on them."""
   mesh = partitioning.make_mesh(dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
   special_ids = (
-      dict(pad=0, cls=2, sep=3, mask=4) if tokenizer is None else train.special_ids(tokenizer)
+      dict(pad=0, cls=2, sep=3, mask=4) if tokenizer is None else train_state.special_ids(tokenizer)
   )
-  return mesh, train.build_setup(config, mesh, special_ids)
+  return mesh, train_state.build_setup(config, mesh, special_ids)
 
 
 def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -> dict[str, str]:
@@ -47,7 +47,7 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
       workdir, config.data
   )  # the objective, built with the state, needs its special ids
   mesh, setup = one_device_setup(config, tok)
-  step, state = train.restore_checkpoint(workdir, setup, mesh)
+  step, state = resolve.restore_checkpoint(workdir, setup, mesh)
   for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[
       0
   ]:  # before anything is written

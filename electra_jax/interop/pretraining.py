@@ -15,7 +15,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from electra_jax import checkpointing, config_lib, data, models, partitioning, train, workdir_files
+from electra_jax import checkpointing, config_lib, data, models, partitioning, train_state, workdir_files
 from electra_jax.errors import ConfigError
 from electra_jax.interop import hf, tf_checkpoint
 from electra_jax.interop.export import one_device_setup
@@ -253,7 +253,7 @@ def write_pretraining_workdir(
   if config.model.scan_layers:  # the recipe trains scanned layers
     params = models.scan_layers(params)
   # The recipe's model must have exactly the pair's parameters (no GDES delta, MLM head...) before any write.
-  imported, wanted = train.param_shapes(params), one_device_setup(config)[1].param_shapes
+  imported, wanted = train_state.param_shapes(params), one_device_setup(config)[1].param_shapes
   if imported != wanted:
     name = next(n for n in sorted(set(imported) | set(wanted)) if imported.get(n) != wanted.get(n))
     raise ConfigError(
@@ -273,7 +273,7 @@ def write_pretraining_workdir(
 
   mesh, setup = one_device_setup(config, tokenizer)
   with partitioning.activate(mesh):
-    fresh = train.fresh_state(setup, config.train.seed)
+    fresh = train_state.fresh_state(setup, config.train.seed)
     params = jax.device_put(params, setup.state_shardings.params)
     state = fresh.replace(params=params, opt_state=fresh.tx.init(params))
 

@@ -1,0 +1,100 @@
+"""Stopping a run cleanly: SIGTERM (a preempted VM), SIGHUP (a closed terminal) and a first Ctrl-C end
+the training loop after a step, with a checkpoint; `sigterm_received` lets loops around several runs
+(the sweep) stop too."""
+
+import contextlib
+import signal
+import threading
+
+import jax
+from absl import logging
+from jax.experimental import multihost_utils
+
+# Set by any SIGTERM this process took, a run's handler or a sweep's (sweep.py asks after each
+# run, so one that came during a run's last step, or between runs, still stops the sweep).
+_SIGTERM = threading.Event()
+
+
+def sigterm_received() -> bool:
+  return _SIGTERM.is_set()
+
+
+def clear_sigterm() -> None:
+  _SIGTERM.clear()
+
+
+def note_sigterm(signum=None, frame=None) -> None:
+  """A SIGTERM handler that only records the signal (for loops around several runs)."""
+  _SIGTERM.set()
+
+
+class Preemption:
+  """SIGTERM (or SIGHUP, a closed terminal) for a whole run: while it starts it unwinds at once
+  (SystemExit(0), the lease released); once the loop runs, it or a first Ctrl-C ends the run after a
+  step, with a checkpoint. Under jax.distributed the save is collective: JAX's preemption service,
+  which catches SIGTERM from initialize on, picks a loop call every process reaches; no Python
+  handler then."""
+
+  def __init__(self):
+    self.requested = self.unwound = self.looping = False
+    self.signal_name = "SIGTERM"
+    self._previous = {}
+    self._collective = jax.distributed.is_initialized()
+
+  def _install(self, signum) -> None:
+    if jax.process_count() == 1 and not self._collective:
+      # ValueError: not the main thread (some notebook runners); no handler then.
+      with contextlib.suppress(ValueError):
+        self._previous[signum] = signal.signal(signum, self._handle)
+
+  def __enter__(self):
+    self._install(signal.SIGTERM)
+    self._install(signal.SIGHUP)
+    return self
+
+  def start_loop(self) -> None:
+    self.looping = True
+    if jax.process_count() > 1 and not self._collective:  # joined by the runtime alone
+      logging.warning(
+          "%d processes without jax.distributed: a SIGTERM stops this run without a checkpoint "
+          "(it resumes from the last periodic one). Start it through electra_jax.main, which "
+          "joins the job.",
+          jax.process_count(),
+      )
+    # A first Ctrl-C saves at the end of the step too; a second one stops at once.
+    self._install(signal.SIGINT)
+
+  def _handle(self, signum, frame):
+    self.signal_name = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
+    if not self.looping:
+      self.unwound = True
+      raise SystemExit(0)
+    self.requested = True
+    _SIGTERM.set()
+    if signum == signal.SIGINT:
+      signal.signal(signal.SIGINT, self._previous.pop(signal.SIGINT))
+
+  def stop_after(self, call: int) -> bool:
+    if self._collective and not self.requested:
+      try:
+        self.requested = multihost_utils.reached_preemption_sync_point(call)
+        if self.requested:
+          _SIGTERM.set()
+      except RuntimeError as error:  # jax_enable_preemption_service=False
+        logging.warning(
+            "No preemption handling (%s): a SIGTERM stops this run without a checkpoint; it "
+            "resumes from the last periodic one.",
+            error,
+        )
+        self._collective = False
+    return self.requested
+
+  def __exit__(self, *exc):
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous)
+    if self.unwound:
+      logging.warning(
+          "%s while the run was starting: it stopped before its first step and saved "
+          "nothing new. Run the same command to go on.",
+          self.signal_name,
+      )

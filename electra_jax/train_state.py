@@ -1,0 +1,262 @@
+"""The train state and its update: `train_step(state, batch, rng, schedule)` as a pure function, the
+state's sharded setup (`build_setup`: model, objective, optimizer and shardings, independent of the
+batch size and the run's length) and the step compiled for a global batch."""
+
+import dataclasses
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from absl import logging
+
+from electra_jax import data, objectives, optimizer, partitioning
+from electra_jax.models import ElectraPretrainer, build_model
+from electra_jax.optimizer import Schedule
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a step changes (step, params, opt_state) plus, as static fields, what it uses."""
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  model: ElectraPretrainer = flax.struct.field(pytree_node=False)
+  tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+  objective: objectives.ElectraObjective = flax.struct.field(pytree_node=False)
+  grad_accum_steps: int = flax.struct.field(pytree_node=False, default=1)
+
+
+def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array, schedule: Schedule):
+  """One optimizer update on `batch` ([batch, seq] arrays). Masks are drawn for the whole batch first, so
+  micro-batch losses share whole-batch denominators and their gradients sum to the full one."""
+  objective = state.objective
+  registered = objectives.REGISTRY[objective.name]
+  params = registered.before_step(objective, state.params, state.step, schedule)
+  mask_rng, sample_rng, dropout_rng = jax.random.split(rng, 3)
+  masked = objectives.mask_tokens(mask_rng, batch["input_ids"], batch["attention_mask"], objective)
+  sample_keys = jax.random.split(sample_rng, batch["input_ids"].shape[0])
+  normalizers = objectives.Normalizers.of(
+      masked,
+      batch["attention_mask"],
+      objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective),
+  )
+  temperature = objectives.sampling_temperature(objective, state.step, schedule.temperature_decay)
+
+  def loss_fn(params, micro_batch, micro_masked, micro_sample_keys, micro_dropout_rng):
+    return objectives.electra_forward(
+        state.model,
+        params,
+        micro_batch,
+        micro_masked,
+        micro_sample_keys,
+        micro_dropout_rng,
+        objective,
+        normalizers,
+        step=state.step,
+        temperature=temperature,
+        schedule=schedule,
+    )
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  num_micro = state.grad_accum_steps
+  if num_micro == 1:
+    (_, (stats, per_token)), grads = grad_fn(params, batch, masked, sample_keys, dropout_rng)
+  else:
+    # Micro-batch i takes rows i, i + k, i + 2k, ...: each stays spread over every data shard.
+    def split(x):
+      return x.reshape(x.shape[0] // num_micro, num_micro, *x.shape[1:]).swapaxes(0, 1)
+
+    micro_inputs = jax.tree.map(split, (batch, masked, sample_keys))
+    micro_dropout_rngs = jax.random.split(dropout_rng, num_micro)
+
+    def accumulate(carry, inputs):
+      (micro_batch, micro_masked, micro_keys), micro_dropout_rng = inputs
+      (_, (stats, per_token)), grads = grad_fn(
+          params, micro_batch, micro_masked, micro_keys, micro_dropout_rng
+      )
+      return jax.tree.map(jnp.add, carry, (grads, stats)), per_token
+
+    first = jax.tree.map(lambda x: x[0], micro_inputs)
+    (_, (stats_shape, _)), grads_shape = jax.eval_shape(
+        grad_fn, params, *first, micro_dropout_rngs[0]
+    )
+    zeros = jax.tree.map(jnp.zeros_like, (grads_shape, stats_shape))
+    (grads, stats), per_token = jax.lax.scan(accumulate, zeros, (micro_inputs, micro_dropout_rngs))
+
+  updates, opt_state = state.tx.update(grads, state.opt_state, params, schedule=schedule)
+  params = optax.apply_updates(params, registered.updates(objective, updates, state.step, schedule))
+  metrics = objectives.summarize(stats, per_token, objective)
+  metrics["grad_norm"] = jnp.sqrt(sum(jnp.vdot(g, g) for g in jax.tree.leaves(grads)))
+  metrics["learning_rate"] = schedule(state.step)
+  # NaN where nothing is sampled: mlm's step then does not depend on the temperature keys.
+  metrics["sampling_temperature"] = jnp.asarray(
+      temperature if registered.samples else jnp.nan, jnp.float32
+  )
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def train_steps(
+    state: TrainState, batches: dict[str, jax.Array], rngs: jax.Array, schedule: Schedule
+):
+  """train_step over batches and rngs stacked on a leading axis; each step's metrics stacked."""
+  return jax.lax.scan(lambda s, inputs: train_step(s, *inputs, schedule), state, (batches, rngs))
+
+
+def step_rng(seed: int, step: int) -> jax.Array:
+  """The step's randomness depends only on (seed, step), so a resumed run draws the same."""
+  return jax.random.fold_in(jax.random.key(seed), step)
+
+
+def step_rngs(seed: int, first_step: int, num_steps: int) -> jax.Array:
+  """step_rng(seed, s) for s in first_step .. first_step + num_steps - 1, stacked."""
+  return jax.vmap(lambda s: step_rng(seed, s))(jnp.arange(first_step, first_step + num_steps))
+
+
+@dataclasses.dataclass(frozen=True)
+class StateInit:
+  """rng -> a fresh state, its parameters still boxed (nn.Partitioned) for the shardings. Equal settings
+  make equal (hashable) inits, so a state is initialized by one traced function per setting."""
+
+  model: ElectraPretrainer
+  objective: objectives.ElectraObjective
+  tx: optax.GradientTransformation
+  seq_len: int
+  grad_accum_steps: int
+
+  def __call__(self, rng: jax.Array) -> TrainState:
+    ids = jnp.zeros((1, self.seq_len), jnp.int32)
+    positions = jnp.zeros((1, self.objective.max_predictions), jnp.int32)
+    params = self.model.init(rng, ids, ids, jnp.ones_like(ids), positions)["params"]
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=self.tx.init(params),
+        model=self.model,
+        tx=self.tx,
+        objective=self.objective,
+        grad_accum_steps=self.grad_accum_steps,
+    )
+
+
+def make_init_fn(config, model: ElectraPretrainer, objective) -> StateInit:
+  return StateInit(
+      model,
+      objective,
+      optimizer.make_optimizer(config.optimizer),
+      config.data.max_seq_len,
+      config.train.grad_accum_steps,
+  )
+
+
+def _unboxed_init(init: StateInit, rng: jax.Array) -> TrainState:
+  return nn.meta.unbox(init(rng))
+
+
+def fresh_state(setup, seed: int) -> TrainState:
+  """The state a run starts from: `setup.init_fn` at key(seed), each device initializing its own shards."""
+  init = jax.jit(_unboxed_init, static_argnums=0, out_shardings=setup.state_shardings)
+  return init(setup.init_fn, jax.random.key(seed))
+
+
+def param_shapes(params) -> dict[str, list[int]]:
+  """{'generator/encoder/layer_0/...': shape}, stored with each checkpoint."""
+  flat = flax.traverse_util.flatten_dict(nn.meta.unbox(params), sep="/")
+  return {name: list(leaf.shape) for name, leaf in flat.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSetup:
+  """What the loop, the benchmarks and the tests need to build and step a sharded state."""
+
+  model: ElectraPretrainer
+  objective: objectives.ElectraObjective
+  init_fn: StateInit
+  state_shardings: TrainState  # NamedSharding leaves
+  abstract_state: TrainState  # ShapeDtypeStruct leaves carrying those shardings
+  param_shapes: dict[str, list[int]]
+
+
+def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
+  model = build_model(config)
+  objective = objectives.objective_from_config(config, special_ids)
+  init_fn = make_init_fn(config, model, objective)
+  boxed_shapes = jax.eval_shape(init_fn, jax.random.key(0))
+  state_shardings = partitioning.shardings_for(boxed_shapes, mesh)
+  unsharded = partitioning.unsharded_dimensions(boxed_shapes.params, mesh)
+  if unsharded:
+    logging.warning(
+        "Replicated on every device because a mesh axis does not divide them (each one's "
+        "optimizer moments too): %s. Make those sizes multiples of the mesh axes (e.g. "
+        "model.vocab_size), or use smaller mesh axes.",
+        "; ".join(unsharded),
+    )
+  abstract_state = jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+      nn.meta.unbox(boxed_shapes),
+      state_shardings,
+  )
+  return TrainingSetup(
+      model,
+      objective,
+      init_fn,
+      state_shardings,
+      abstract_state,
+      param_shapes(boxed_shapes.params),
+  )
+
+
+def batch_keys(config) -> tuple[str, ...]:
+  """The arrays of a training batch that go to the devices (`data.batch_keys`)."""
+  return data.batch_keys(bool(config.data.pack_rows))
+
+
+def compile_train_step(setup: TrainingSetup, config, mesh, num_steps: int | None = None):
+  """train_step compiled for this config's global batch with the state donated, or with `num_steps`,
+  train_steps over that many stacked batches and keys. Call it inside `partitioning.activate(mesh)`.
+  """
+  # Abstract keys: compile-only devices (benchmarks/compile_audit.py) cannot run anything.
+  if num_steps is None:
+    fn, batch_sharding, leading = train_step, partitioning.batch_sharding(mesh), ()
+    rng = jax.eval_shape(lambda: jax.random.key(0))
+  else:
+    fn, batch_sharding, leading = (
+        train_steps,
+        partitioning.stacked_batch_sharding(mesh),
+        (num_steps,),
+    )
+    rng = jax.eval_shape(lambda: step_rngs(0, 0, num_steps))
+  replicated = partitioning.replicated(mesh)
+  shape = (*leading, config.train.batch_size, config.data.max_seq_len)
+  abstract_batch = {
+      name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)
+      for name in batch_keys(config)
+  }
+  abstract_rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=replicated)
+  abstract_schedule = jax.tree.map(
+      lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated),
+      jax.eval_shape(lambda: optimizer.learning_rate_schedule(1.0, 1, 1)),
+  )
+  jitted = jax.jit(
+      fn,
+      in_shardings=(setup.state_shardings, batch_sharding, replicated, replicated),
+      out_shardings=(setup.state_shardings, replicated),
+      donate_argnums=(0,),
+  )
+  return jitted.lower(
+      setup.abstract_state, abstract_batch, abstract_rng, abstract_schedule
+  ).compile()
+
+
+def special_ids(tokenizer) -> dict[str, int]:
+  """The token ids build_setup needs from the corpus's tokenizer."""
+  return dict(
+      pad=tokenizer.pad_id,
+      cls=tokenizer.cls_id,
+      sep=tokenizer.sep_id,
+      mask=tokenizer.mask_id,
+      vocab_size=tokenizer.vocab_size,
+  )
