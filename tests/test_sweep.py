@@ -147,7 +147,7 @@ def test_sweep_table_matches_each_runs_logs(swept):
     # FLOPs as train.py computes them, from the real training setup of the run's config.
     config = base_config()
     config.objective.name = row["objective.name"]
-    _, _, setup = resolve.run(config)
+    setup = resolve.run(config).setup
     per_token = flops.train_flops_per_token(
         setup.model, 32, setup.objective.max_predictions, setup.objective.uses_generator
     )
