@@ -59,7 +59,7 @@ def _batch(args, packed):
 
 
 def _run(args, impl, dtype, packed):
-  model = models.build_model(_config(args, impl, dtype, packed))
+  model = models.build_model(_config(args, impl, dtype, packed), models.Towers())
   ids, mask, positions = _batch(args, packed)
   types = jnp.zeros_like(ids)
   params = model.init(jax.random.key(0), ids, types, mask, positions)["params"]

@@ -139,7 +139,9 @@ def _electra_base_rows_per_host(seq_len):
   ).get_config()
   config.data.max_seq_len = seq_len
   max_predictions = objectives.official_max_predictions(config.objective.mask_prob, seq_len)
-  per_token = flops.train_flops_per_token(models.build_model(config), seq_len, max_predictions)
+  per_token = flops.train_flops_per_token(
+      models.build_model(config, objectives.towers(config)), seq_len, max_predictions
+  )
   peak = dict(flops.PEAK_FLOPS)["TPU v5e"]
   rows_per_chip = peak * _V5E_MFU.value / per_token / seq_len
   return {

@@ -60,8 +60,8 @@ def main(argv):
         f"--steps={_STEPS.value} and --windows={_WINDOWS.value} must be >= 1, --warmup={_WARMUP.value} >= 0."
     )
   config = _CONFIG.value
-  run = resolve.run(config)
-  mesh, corpus, setup = run.mesh, run.corpus, run.setup
+  resolved = resolve.run(config)
+  mesh, corpus, setup, schedule = resolved.mesh, resolved.corpus, resolved.setup, resolved.schedule
   batch_size, seq_len = config.train.batch_size, config.data.max_seq_len
 
   with partitioning.activate(mesh):
@@ -100,12 +100,12 @@ def main(argv):
     while i < num_steps:
       if first_loss is None or per_call == 1 or num_steps - i < per_call:
         state, metrics = step_fn(
-            state, batches[i % len(batches)], train_state.step_rng(0, offset + i), run.schedule
+            state, batches[i % len(batches)], train_state.step_rng(0, offset + i), schedule
         )
         i += 1
       else:
         state, metrics = steps_fn(
-            state, stacked[0], train_state.step_rngs(0, offset + i, per_call), run.schedule
+            state, stacked[0], train_state.step_rngs(0, offset + i, per_call), schedule
         )
         i += per_call
       if first_loss is None:  # the freshly initialized model on batch 0

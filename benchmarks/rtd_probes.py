@@ -166,7 +166,7 @@ def unigram(args, overrides) -> None:
 
   train, _ = _prepared(args.cache)
   log_unigram = jnp.asarray(np.log(_unigram(train, args.vocab)), jnp.float32)
-  generator_logits = objectives._generator_logits
+  generator_logits = objectives.pieces.generator_logits
 
   def from_unigram(p):
     logits = generator_logits(
@@ -174,7 +174,7 @@ def unigram(args, overrides) -> None:
     )  # kept in the graph (times 0): the generator's parameters get zero gradients
     return jnp.broadcast_to(log_unigram[: logits.shape[-1]], logits.shape) + 0.0 * logits
 
-  objectives._generator_logits = from_unigram
+  objectives.pieces.generator_logits = from_unigram  # what pieces.detect calls
   sys.argv = [sys.argv[0], "--config=configs/demo.py", f"--workdir={args.workdir}", *overrides]
   main.run()
 

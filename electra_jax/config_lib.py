@@ -395,7 +395,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   check_optimizer(config.optimizer, "ELECTRA-Small uses 5e-4, Base 2e-4")
   objectives.check_config(config)
   check_finite(config)  # after the checks above, whose messages say more where they apply
-  models.build_model(config)  # the model's own refusals; nothing is initialized
+  models.build_model(
+      config, objectives.towers(config)
+  )  # the model's own refusals; nothing is initialized
 
 
 def validate_for_mesh(config: ml_collections.ConfigDict, batch_shards: int) -> None:

@@ -5,13 +5,13 @@ embeddings module for both) and the standalone towers. Parameters carry logical 
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from electra_jax import objectives, random_ops, splash_attention
+from electra_jax import random_ops, splash_attention
 from electra_jax.errors import ConfigError
 
 Dtype = Any
@@ -800,10 +800,17 @@ def _check_attention(config, towers: dict[str, EncoderConfig], cloze: bool) -> N
     )
 
 
-def build_model(config) -> ElectraPretrainer:
-  """The pre-training model described by a full electra-jax config (see configs/base.py)."""
+class Towers(NamedTuple):
+  """What an objective needs built beside the discriminator (objectives.towers(config) says)."""
+
+  has_generator: bool = True  # a generator tower
+  mlm_head: bool = False  # an MLM head on the discriminator-sized tower
+  cloze: bool = False  # the generator is Electric's two-tower cloze model
+
+
+def build_model(config, towers: Towers) -> ElectraPretrainer:
+  """The pre-training model a full electra-jax config (configs/base.py) describes, with `towers`."""
   m = config.model
-  objective = objectives.REGISTRY[config.objective.name]
   sizes = {field.name: m[field.name] for field in dataclasses.fields(EncoderConfig)}
   discriminator = EncoderConfig(**{**sizes, "scan_layers": bool(m.scan_layers)})
   choices = (
@@ -830,9 +837,7 @@ def build_model(config) -> ElectraPretrainer:
         "(the position and its two neighbours)."
     )
   generator = generator_encoder_config(discriminator, m.generator_fraction)
-  _check_attention(
-      config, {"discriminator": discriminator, "generator": generator}, objective.cloze
-  )
+  _check_attention(config, {"discriminator": discriminator, "generator": generator}, towers.cloze)
   return ElectraPretrainer(
       vocab_size=m.vocab_size,
       embedding_size=m.embedding_size,
@@ -843,9 +848,9 @@ def build_model(config) -> ElectraPretrainer:
       dtype=jnp.dtype(config.train.dtype),
       attention_impl=m.attention_impl,
       tie=m.tie,
-      has_generator=objective.has_generator,
-      discriminator_mlm_head=objective.mlm_head or config.objective.disc_mlm_weight > 0,
-      cloze_generator=objective.cloze,
+      has_generator=towers.has_generator,
+      discriminator_mlm_head=towers.mlm_head,
+      cloze_generator=towers.cloze,
       packed=bool(config.data.pack_rows),
   )
 

@@ -424,7 +424,7 @@ def train_flops_per_token(config: ml_collections.ConfigDict) -> float:
   special_ids = dict(pad=0, cls=1, sep=2, mask=3, vocab_size=config.model.vocab_size)
   objective = objectives.objective_from_config(config, special_ids)
   return flops.objective_flops_per_token(
-      models.build_model(config), objective, config.data.max_seq_len
+      models.build_model(config, objectives.towers(config)), objective, config.data.max_seq_len
   )
 
 

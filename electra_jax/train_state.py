@@ -181,7 +181,7 @@ class TrainingSetup:
 
 
 def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
-  model = build_model(config)
+  model = build_model(config, objectives.towers(config))
   objective = objectives.objective_from_config(config, special_ids)
   init_fn = make_init_fn(config, model, objective)
   boxed_shapes = jax.eval_shape(init_fn, jax.random.key(0))

@@ -11,7 +11,7 @@ from conftest import REPO, TINY_OVERRIDES, tiny_config
 @pytest.mark.parametrize("recipe, want", [("electra_small", 70.4e6), ("electra_base", 668.6e6)])
 def test_flops_per_token_match_the_reference(recipe, want):
   config = config_lib.sibling(f"{REPO}/configs/base.py", recipe).get_config()
-  model = models.build_model(config)
+  model = models.build_model(config, objectives.towers(config))
   slots = objectives.official_max_predictions(config.objective.mask_prob, config.data.max_seq_len)
   got = flops.train_flops_per_token(model, config.data.max_seq_len, slots)
   assert got == pytest.approx(want, rel=5e-3)
@@ -63,7 +63,9 @@ def test_the_throughput_benchmark_counts_the_objectives_flops(tmp_path, objectiv
   config = tiny_config(**settings)
   want = sweep.train_flops_per_token(config)
   slots = objectives.official_max_predictions(config.objective.mask_prob, config.data.max_seq_len)
-  electra = flops.train_flops_per_token(models.build_model(config), config.data.max_seq_len, slots)
+  electra = flops.train_flops_per_token(
+      models.build_model(config, objectives.towers(config)), config.data.max_seq_len, slots
+  )
   assert printed["model_flops_per_token"] == pytest.approx(
       want, rel=1e-9
   ) and want != pytest.approx(electra, rel=0.05)
@@ -104,10 +106,12 @@ def test_geglu_counts_its_gate_and_bias_free_layers_count_the_same():
 
   def count(**model_options):
     config.model.update(model_options)
-    return flops.train_flops_per_token(models.build_model(config), config.data.max_seq_len, slots)
+    return flops.train_flops_per_token(
+        models.build_model(config, objectives.towers(config)), config.data.max_seq_len, slots
+    )
 
   default = count(norm="post", ffn="gelu", use_bias=True)
-  disc = models.build_model(config).discriminator_config
+  disc = models.build_model(config, objectives.towers(config)).discriminator_config
   gen = models.generator_encoder_config(disc, config.model.generator_fraction)
   gates = 6 * sum(t.num_layers * t.hidden_size * t.intermediate_size for t in (disc, gen))
   assert count(ffn="geglu") == pytest.approx(default + gates, rel=1e-12)

@@ -18,7 +18,7 @@ import transformers
 
 from conftest import cli, cli_args, logged_messages
 from conftest import deep_tiny_config as tiny_config
-from electra_jax import checkpointing, data, interop, models, partitioning, resolve, train, train_state
+from electra_jax import checkpointing, data, interop, models, objectives, partitioning, resolve, train, train_state
 from electra_jax.errors import ConfigError
 from electra_jax.interop import hf
 
@@ -203,7 +203,7 @@ def test_round_trip_through_ours_is_bit_identical(tmp_path, kind):
 
 def test_pretrainer_towers_export_to_transformers(tmp_path):
   config = tiny_config(**{"model.vocab_size": VOCAB, "model.embedding_size": 24})
-  pretrainer = models.build_model(config)
+  pretrainer = models.build_model(config, objectives.towers(config))
   ids = jnp.zeros((1, 8), jnp.int32)
   params = _random_params(
       pretrainer.init, ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32)
@@ -528,7 +528,7 @@ def test_export_refuses_encoder_options_hugging_face_cannot_hold(
   )
   assert not out.exists()
   # save_hf itself refuses too (a pre-training state or a standalone tower alike).
-  pretrainer = models.build_model(config)
+  pretrainer = models.build_model(config, objectives.towers(config))
   ids = jnp.zeros((1, 8), jnp.int32)
   params = flax.linen.meta.unbox(
       pretrainer.init(

@@ -25,7 +25,7 @@ from electra_jax.errors import ConfigError
 
 
 def _init(config, batch=2, seq=12, n_pred=3):
-  model = models.build_model(config)
+  model = models.build_model(config, objectives.towers(config))
   ids = jnp.zeros((batch, seq), jnp.int32)
   positions = jnp.zeros((batch, n_pred), jnp.int32)
   params = nn.meta.unbox(
@@ -151,7 +151,7 @@ def test_bfloat16_compute_keeps_float32_params():
   assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {jnp.dtype("float32")}
   ids, types, mask = _inputs()
   logits = model.apply({"params": params}, ids, types, mask, method=model.discriminator_logits)
-  f32_model = models.build_model(tiny_config())
+  f32_model = models.build_model(tiny_config(), models.Towers())
   reference = f32_model.apply(
       {"params": params}, ids, types, mask, method=f32_model.discriminator_logits
   )
@@ -300,7 +300,8 @@ def test_cudnn_shapes_are_refused_before_compiling():
                 "model.hidden_size": 36,
                 "model.num_heads": 3,
             }
-        )
+        ),
+        models.Towers(),
     )
   config = tiny_config(
       **{
@@ -310,10 +311,12 @@ def test_cudnn_shapes_are_refused_before_compiling():
           "data.max_seq_len": 31,
       }
   )
-  models.build_model(config)  # padded rows: cuDNN reads lengths, any length goes
+  models.build_model(
+      config, objectives.towers(config)
+  )  # padded rows: cuDNN reads lengths, any length goes
   config.data.pack_rows = True
   with pytest.raises(ConfigError, match="data.max_seq_len=31: make it even"):
-    models.build_model(config)
+    models.build_model(config, objectives.towers(config))
 
 
 # ---------------------------------------------------------------------------------------
@@ -579,7 +582,7 @@ def test_use_bias_false_drops_only_the_encoder_dense_biases():
       {n: x for n, x in _flat(biased).items() if n not in dropped}, sep="/"
   )
   ids, types, mask = _inputs()
-  biased_model = models.build_model(tiny_config())
+  biased_model = models.build_model(tiny_config(), models.Towers())
   for method in ("discriminator_logits",):
     want = biased_model.apply(
         {"params": zeroed}, ids, types, mask, method=getattr(biased_model, method)
@@ -618,18 +621,18 @@ def _tree_fingerprint(model, seq=128, n_pred=19):
 
 def test_defaults_keep_the_electra_small_model(tmp_path):
   recipe = config_lib.sibling(f"{REPO}/configs/base.py", "electra_small").get_config()
-  model = models.build_model(recipe)
+  model = models.build_model(recipe, objectives.towers(recipe))
   assert _tree_fingerprint(model) == ELECTRA_SMALL_TREE
   explicit = config_lib.sibling(f"{REPO}/configs/base.py", "electra_small").get_config()
   explicit.model.update(norm="post", ffn="gelu", use_bias=True, attention_conv=0)
-  assert models.build_model(explicit) == model
+  assert models.build_model(explicit, objectives.towers(explicit)) == model
   # A workdir saved before these keys existed loads (one place fills them) into the same model.
   saved = recipe.to_dict()
   for key in ("norm", "ffn", "use_bias", "attention_conv"):
     del saved["model"][key]
   (tmp_path / "config.json").write_text(json.dumps(saved))
   old = config_lib.load_workdir_config(str(tmp_path))
-  assert models.build_model(old) == model
+  assert models.build_model(old, objectives.towers(old)) == model
   assert config_lib.saved_config(str(tmp_path))["model"] == config_lib.as_saved(recipe)["model"]
 
 
@@ -651,7 +654,9 @@ def test_options_agree_under_scan_layers_and_remat():
     ).sum()
 
   want, want_grads = jax.value_and_grad(functools.partial(loss, model))(params)
-  scanned = models.build_model(tiny_config(**options, **{"model.scan_layers": True}))
+  scanned = models.build_model(
+      tiny_config(**options, **{"model.scan_layers": True}), models.Towers()
+  )
   got, got_grads = jax.value_and_grad(functools.partial(loss, scanned))(models.scan_layers(params))
   np.testing.assert_allclose(got, want, rtol=1e-5)
   jax.tree.map(
@@ -662,7 +667,8 @@ def test_options_agree_under_scan_layers_and_remat():
   for remat in ("full", "dots"):
     for scan in (False, True):
       rematted = models.build_model(
-          tiny_config(**options, **{"model.remat": remat, "model.scan_layers": scan})
+          tiny_config(**options, **{"model.remat": remat, "model.scan_layers": scan}),
+          models.Towers(),
       )
       p = models.scan_layers(params) if scan else params
       np.testing.assert_allclose(loss(rematted, p), want, rtol=1e-5)
@@ -706,7 +712,7 @@ def test_a_pretraining_step_with_all_options_on():
           "train.batch_size": 4,
       }
   )
-  model = models.build_model(config)
+  model = models.build_model(config, objectives.towers(config))
   objective = objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4))
   state = nn.meta.unbox(train_state.make_init_fn(config, model, objective)(jax.random.key(0)))
   ids, types, mask = _inputs(batch=4, seq=16)
@@ -749,7 +755,7 @@ def test_the_demo_at_temperature_1_is_a_variant_of_the_demo():
       "model.use_bias",
       "objective.temperature",
   ], changed
-  model = models.build_model(t1)
+  model = models.build_model(t1, objectives.towers(t1))
   assert model.discriminator_config.attention_conv == model.generator_config.attention_conv == 3
   with pytest.raises(ConfigError, match=r"configs/demo.py has no variant 't2'"):
     api.load_config("demo:t2")

@@ -206,7 +206,7 @@ def test_disc_auc_by_how_likely_the_generator_found_the_replacement():
       "token_weights": jnp.asarray(weights),
       "replaced_prob": jnp.asarray(prob),
   }
-  stats = {key: jnp.float32(1.0) for key in objectives._STAT_KEYS}
+  stats = {key: jnp.float32(1.0) for key in objectives.STAT_KEYS}
   metrics = objectives.summarize(stats, per_token, _objective())
   # Negatives 0.2, -0.5, 1.5, 0.8. Unlikely: 0.5 beats 2 of them, 3.0 all 4: (2 + 4) / 8.
   # Plausible: 1.0 beats 3: 3 / 4. Likely: -1.0 none, 2.0 all 4, 0.0 beats 1: 5 / 12.
@@ -304,7 +304,7 @@ def test_the_default_temperature_compiles_the_constant_step():
 
 def _tiny_state_and_batch(**overrides):
   config = tiny_config(**overrides)
-  model = models.build_model(config)
+  model = models.build_model(config, objectives.towers(config))
   objective = objectives.objective_from_config(
       config, dict(pad=0, cls=2, sep=3, mask=4, vocab_size=300)
   )
@@ -450,7 +450,7 @@ def test_binary_auc_of_a_large_batch_and_of_nan_scores():
 
 def _grads(objective):
   config = tiny_config()
-  model = models.build_model(config)
+  model = models.build_model(config, objectives.towers(config))
   ids, mask = _random_batch(3, batch=4, seq=32, vocab=config.model.vocab_size)
   ids, mask = jnp.asarray(ids), jnp.asarray(mask)
   objective = dataclasses.replace(objective, max_predictions=4)
@@ -489,8 +489,8 @@ def test_argmax_first_is_jnp_argmax_ties_included():
   for shape in [(5, 7), (3, 4, 30522)]:
     for z in (rng.integers(-2, 3, size=shape), rng.normal(size=shape)):
       z = jnp.asarray(z, jnp.float32)
-      np.testing.assert_array_equal(objectives._two_reductions(z)[1], jnp.argmax(z, axis=-1))
-      np.testing.assert_array_equal(objectives._argmax_first(z), jnp.argmax(z, axis=-1))
+      np.testing.assert_array_equal(objectives.pieces._two_reductions(z)[1], jnp.argmax(z, axis=-1))
+      np.testing.assert_array_equal(objectives.pieces._argmax_first(z), jnp.argmax(z, axis=-1))
 
 
 @pytest.mark.parametrize("platform, reductions", [("cpu", 2), ("cuda", 1), ("tpu", 1)])
@@ -498,7 +498,7 @@ def test_argmax_takes_one_reduction_off_the_cpu(platform, reductions):
   """On GPUs and TPUs the argmax is one (value, index) reduction, which XLA fuses with the
   Gumbel noise it reads; the CPU keeps its two faster plain ones."""
   z = jax.ShapeDtypeStruct((4, 19, 30522), jnp.float32)
-  module = jax.export.export(jax.jit(objectives._argmax_first), platforms=[platform])(
+  module = jax.export.export(jax.jit(objectives.pieces._argmax_first), platforms=[platform])(
       z
   ).mlir_module()
   assert module.count("stablehlo.reduce") == reductions, module
@@ -522,8 +522,8 @@ def test_mlm_sums_equal_autodiffs_loss_gradient_and_accuracy():
     target = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
     return ((jax.nn.logsumexp(z, axis=-1) - target) * weights).sum()
 
-  loss, correct = objectives._mlm_sums(logits, targets, weights)
-  grad = jax.grad(lambda z: objectives._mlm_sums(z, targets, weights)[0])(logits)
+  loss, correct = objectives.pieces.mlm_sums(logits, targets, weights)
+  grad = jax.grad(lambda z: objectives.pieces.mlm_sums(z, targets, weights)[0])(logits)
   assert float(loss) == float(reference(logits))
   np.testing.assert_allclose(grad, jax.grad(reference)(logits), rtol=1e-5, atol=1e-7)
   assert not np.any(np.asarray(grad)[np.asarray(weights) == 0])  # unweighted rows send nothing
@@ -543,7 +543,7 @@ def test_mlm_sums_read_the_vocabulary_logits_in_few_passes(platform, passes):
       jax.ShapeDtypeStruct(s, d)
       for s, d in [((4, 19, 30522), jnp.float32), ((4, 19), jnp.int32), ((4, 19), jnp.float32)]
   )
-  module = jax.export.export(jax.jit(objectives._mlm_sums), platforms=[platform])(
+  module = jax.export.export(jax.jit(objectives.pieces.mlm_sums), platforms=[platform])(
       z, ids, w
   ).mlir_module()
   over_vocab = [
@@ -599,16 +599,16 @@ def test_a_registered_objective_trains_through_the_step_with_its_hooks(monkeypat
   """The step reads the registry, not objective names: a new entry whose update hook freezes
   the generator trains its discriminator alone, and its config check runs in validate."""
 
-  def freeze_generator(objective, updates, step, schedule):
-    return {**updates, "generator": jax.tree.map(jnp.zeros_like, updates["generator"])}
+  class FrozenGenerator(objectives.Objective):
+
+    def updates(self, objective, updates, step, schedule):
+      return {**updates, "generator": jax.tree.map(jnp.zeros_like, updates["generator"])}
 
   def refuse_temperature(config):
     if config.objective.temperature != 1.0:
       raise config_lib.ConfigError("frozen_generator samples at temperature 1.0")
 
-  entry = dataclasses.replace(
-      objectives.REGISTRY["electra"], updates=freeze_generator, check=refuse_temperature
-  )
+  entry = FrozenGenerator(objectives.REGISTRY["electra"].forward, check=refuse_temperature)
   monkeypatch.setitem(objectives.REGISTRY, "frozen_generator", entry)
   monkeypatch.setattr(objectives, "OBJECTIVES", (*objectives.OBJECTIVES, "frozen_generator"))
   config_lib.validate(tiny_config(**{"objective.name": "frozen_generator"}))

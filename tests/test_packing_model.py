@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import deep_tiny_config as tiny_config
-from electra_jax import config_lib, models, resolve, train
+from electra_jax import config_lib, models, objectives, resolve, train
 from electra_jax.errors import ConfigError
 
 
@@ -32,7 +32,7 @@ def _model_and_params(**overrides):
       **{"model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0, **overrides}
   )
   config.data.pack_rows = True
-  model = models.build_model(config)
+  model = models.build_model(config, objectives.towers(config))
   ids = jnp.zeros((1, 32), jnp.int32)
   params = jax.jit(model.init)(
       jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 4), jnp.int32)
@@ -111,7 +111,7 @@ def optax_bce(logits, labels):
 def test_packed_model_on_unpacked_rows_equals_the_unpacked_model():
   packed_model, params = _model_and_params()
   config = tiny_config(**{"model.dropout_rate": 0.0, "model.attention_dropout_rate": 0.0})
-  plain_model = models.build_model(config)
+  plain_model = models.build_model(config, objectives.towers(config))
   assert not plain_model.packed
   rng = np.random.default_rng(1)
   tokens, types = _example(rng, 20)
@@ -148,7 +148,7 @@ def _loss_and_grads(remat, params=None):
   config = tiny_config(
       **{"model.remat": remat, "model.dropout_rate": 0.1, "model.attention_dropout_rate": 0.1}
   )
-  model = models.build_model(config)
+  model = models.build_model(config, objectives.towers(config))
   rng = np.random.default_rng(2)
   ids = jnp.asarray(rng.integers(5, 500, size=(2, 32)), jnp.int32)
   mask = jnp.ones_like(ids)
@@ -184,7 +184,7 @@ def test_remat_policies_change_nothing_but_memory():
 def _count_barriers(scan_layers):
   """optimization_barrier ops in the lowered gradient of the tiny model under model.remat=full."""
   config = tiny_config(**{"model.remat": "full", "model.scan_layers": scan_layers})
-  model = models.build_model(config)
+  model = models.build_model(config, objectives.towers(config))
   ids = jnp.ones((2, 32), jnp.int32)
   positions = jnp.array([[1, 5, 9], [2, 3, 30]])
   params = model.init(jax.random.key(0), ids, ids * 0, ids, positions)["params"]
@@ -205,15 +205,15 @@ def test_remat_inside_scanned_layers_leaves_xla_free_to_fuse():
 
 def test_unknown_remat_and_attention_are_refused_by_name():
   with pytest.raises(ConfigError, match="model.remat='some'"):
-    models.build_model(tiny_config(**{"model.remat": "some"}))
+    models.build_model(tiny_config(**{"model.remat": "some"}), models.Towers())
   with pytest.raises(
       ConfigError, match="model.remat='fulll'"
   ):  # before any data, so a sweep refuses it up front
     config_lib.validate(tiny_config(**{"model.remat": "fulll"}))
   with pytest.raises(ConfigError, match="model.attention_impl='flash'"):
-    models.build_model(tiny_config(**{"model.attention_impl": "flash"}))
+    models.build_model(tiny_config(**{"model.attention_impl": "flash"}), models.Towers())
   with pytest.raises(ConfigError, match="train.dtype=bfloat16"):
-    models.build_model(tiny_config(**{"model.attention_impl": "cudnn"}))
+    models.build_model(tiny_config(**{"model.attention_impl": "cudnn"}), models.Towers())
 
 
 def test_packed_training_runs_evaluates_and_refuses_an_unpacked_resume(tmp_path):
@@ -235,7 +235,7 @@ def test_packed_training_runs_evaluates_and_refuses_an_unpacked_resume(tmp_path)
 
 
 def _init(config, ids, positions):
-  model = models.build_model(config)
+  model = models.build_model(config, objectives.towers(config))
   boxed = model.init(jax.random.key(0), ids, ids * 0, jnp.ones_like(ids), positions)["params"]
   return model, boxed
 

@@ -27,7 +27,7 @@ def test_mesh_sizes_fill_and_validate():
 
 def test_rules_shard_parameters_and_replicate_what_does_not_divide():
   config = tiny_config()
-  model = models.build_model(config)
+  model = models.build_model(config, objectives.towers(config))
   objective = objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4))
   boxed = jax.eval_shape(train_state.make_init_fn(config, model, objective), jax.random.key(0))
   mesh = jax.sharding.AbstractMesh((2, 2, 2), partitioning.MESH_AXES)
@@ -45,7 +45,7 @@ def test_tables_that_a_mesh_axis_does_not_divide_are_named():
   # 510 words over tensor=4: the word table and the generator's output bias stay whole on
   # every device, which build_setup reports (official recipes: 30522 over tensor=4 or 8).
   config = tiny_config(**{"model.vocab_size": 510})
-  model = models.build_model(config)
+  model = models.build_model(config, objectives.towers(config))
   objective = objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4))
   boxed = jax.eval_shape(train_state.make_init_fn(config, model, objective), jax.random.key(0))
   found = partitioning.unsharded_dimensions(

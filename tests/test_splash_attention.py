@@ -96,7 +96,7 @@ def test_pretrainer_loss_and_gradients_equal_xla(packed, objective_name):
   for impl in ("xla", "splash"):
     config = _splash_config(impl, **{"objective.name": objective_name})
     config.data.pack_rows = packed
-    model = models.build_model(config)
+    model = models.build_model(config, objectives.towers(config))
     objective = objectives.objective_from_config(config, {"pad": 0, "cls": 2, "sep": 3, "mask": 4})
     params = model.init(
         jax.random.key(0),
@@ -190,13 +190,14 @@ def test_refusals_name_the_setting_and_the_fix():
   with pytest.raises(
       ConfigError, match=r"data.max_seq_len=100 is not a multiple of 128: choose e.g. 128, or"
   ):
-    models.build_model(_splash_config("splash", **{"data.max_seq_len": 100}))
+    models.build_model(_splash_config("splash", **{"data.max_seq_len": 100}), models.Towers())
   with pytest.raises(
       ConfigError,
       match=r"data.max_seq_len=300 is not a multiple of 128: choose e.g. 256 or 384, or",
   ):
     models.build_model(
-        _splash_config("splash", **{"data.max_seq_len": 300, "model.max_position_embeddings": 512})
+        _splash_config("splash", **{"data.max_seq_len": 300, "model.max_position_embeddings": 512}),
+        models.Towers(),
     )
   for impl in ("splash", "cudnn"):
     config = _splash_config(
@@ -206,4 +207,4 @@ def test_refusals_name_the_setting_and_the_fix():
         ConfigError,
         match="attention_dropout_rate=0.1: set --config.model.attention_dropout_rate=0.0",
     ):
-      models.build_model(config)
+      models.build_model(config, objectives.towers(config))

@@ -306,7 +306,7 @@ def test_official_adam_step_by_hand():
 
 def test_weight_decay_skips_layer_norm_and_biases():
   config = tiny_config()
-  model = models.build_model(config)
+  model = models.build_model(config, objectives.towers(config))
   ids = jnp.zeros((1, 8), jnp.int32)
   params = nn.meta.unbox(
       model.init(jax.random.key(0), ids, ids, jnp.ones_like(ids), jnp.zeros((1, 2), jnp.int32))[
@@ -325,7 +325,7 @@ def test_weight_decay_skips_layer_norm_and_biases():
 def _state_and_batch(config):
   corpus = data.load_pretraining_data(config.data)
   tok = corpus.tokenizer
-  model = models.build_model(config)
+  model = models.build_model(config, objectives.towers(config))
   objective = objectives.objective_from_config(
       config, dict(pad=tok.pad_id, cls=tok.cls_id, sep=tok.sep_id, mask=tok.mask_id)
   )
@@ -978,7 +978,7 @@ def test_a_run_starts_with_a_summary_of_what_it_trains(tmp_path, three_steps):
   assert f"({total / 1e6:.2f}M in all)" in summary
   for tower in ("discriminator", "generator", "embeddings"):
     assert f"{tower} " in summary
-  model = models.build_model(config)
+  model = models.build_model(config, objectives.towers(config))
   objective = objectives.objective_from_config(
       config, train_state.special_ids(data.load_tokenizer(config.data))
   )

@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from electra_jax import checkpointing, config_lib, data, random_ops, resolve
+from electra_jax import checkpointing, config_lib, data, objectives, random_ops, resolve
 from electra_jax.errors import ConfigError
 from electra_jax.models import (
     Encoder,
@@ -171,7 +171,7 @@ def _from_workdir(config, workdir: str) -> Backbone:
         f"The tokenizer {tokenizer!r} differs from the one the checkpoint in {workdir} was pre-trained "
         f"with (fingerprint {recorded}); leave config.tokenizer empty to use that one."
     )
-  pretrainer = build_model(pretrain_config)
+  pretrainer = build_model(pretrain_config, objectives.towers(pretrain_config))
   source = f"random init (sizes of {workdir})" if config.random_init else f"{workdir} step {step}"
   params = None
   if not config.random_init:

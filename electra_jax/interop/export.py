@@ -9,7 +9,7 @@ import jax
 import tokenizers
 from sentencepiece import sentencepiece_model_pb2
 
-from electra_jax import config_lib, data, models, partitioning, resolve, train_state, workdir_files
+from electra_jax import config_lib, data, models, objectives, partitioning, resolve, train_state, workdir_files
 from electra_jax.errors import ConfigError
 from electra_jax.data.tokenizer import SPECIAL_TOKENS
 from electra_jax.data.wordpiece import WordPieceTokenizer
@@ -33,7 +33,7 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
   config = config_lib.load_workdir_config(workdir)
   if not workdir_files.exists(workdir_files.path(workdir, "checkpoints")):
     raise ConfigError(f"{workdir} has no checkpoints/ directory: nothing to export yet.")
-  pretrainer = models.build_model(config)
+  pretrainer = models.build_model(config, objectives.towers(config))
   check_hf_form(pretrainer.discriminator_config)  # the generator's options are the same
   why_not = models.no_standalone_generator(pretrainer) if export_generator else None
   if why_not:

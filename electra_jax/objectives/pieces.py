@@ -1,21 +1,19 @@
-"""Pre-training objectives as pure functions: masking, Gumbel sampling, corruption, the losses and the
-official metrics, and REGISTRY, which maps objective.name to its forward pass, metrics, checks and hooks.
-The model enters only through `ElectraPretrainer.apply`."""
+"""What the objectives share: masking, Gumbel sampling, corruption, the losses, the pieces of a
+forward pass (`Pass`: one micro-batch through the towers), the official metrics, and `Objective`,
+the registry entry each objective file fills in. The model enters only through `model.apply`."""
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from absl import logging
 
 from electra_jax import random_ops
 from electra_jax.errors import ConfigError
 
-_STAT_KEYS = (
+STAT_KEYS = (
     "mlm_loss_sum",
     "mlm_correct",
     "sampled_correct",
@@ -65,16 +63,14 @@ class ElectraObjective:
       0.0  # electra(_15): the discriminator's own MLM loss on the corrupted input (0: none)
   )
 
+  uses_generator: bool = True  # False: replacements are drawn uniformly (no generator tower)
+
   @property
   def never_masked_ids(self) -> tuple[int, ...]:
     return (self.pad_id, self.cls_id, self.sep_id, self.mask_id)
 
-  @property
-  def uses_generator(self) -> bool:
-    return REGISTRY[self.name].has_generator
 
-
-def _temperature_falls(o) -> bool:
+def temperature_falls(o) -> bool:
   return o.temperature_decay_fraction > 0 and o.initial_temperature != o.temperature
 
 
@@ -83,7 +79,7 @@ def temperature_decay_steps(config) -> int:
   o = config.objective
   return (
       max(1, round(o.temperature_decay_fraction * config.train.steps))
-      if _temperature_falls(o)
+      if temperature_falls(o)
       else 0
   )
 
@@ -114,7 +110,7 @@ class MaskedInputs(NamedTuple):
   target_ids: jax.Array  # [batch, n_pred] the original tokens at `positions`
 
 
-def _vocabulary_only(logits, vocab_size: int):
+def vocabulary_only(logits, vocab_size: int):
   """Logits [..., rows] with the rows past the tokenizer's `vocab_size` (model.vocab_size may be
   rounded up for sharding) at -1e9: they are no tokens."""
   if not 0 < vocab_size < logits.shape[-1]:
@@ -276,7 +272,7 @@ def _weighted_nll_sum_bwd(residuals, grads):
 _weighted_nll_sum.defvjp(_weighted_nll_sum_fwd, _weighted_nll_sum_bwd)
 
 
-def _mlm_sums(logits, target_ids, weights, with_log_normalizer: bool = False):
+def mlm_sums(logits, target_ids, weights, with_log_normalizer: bool = False):
   """(summed cross-entropy, summed correct argmax) against targets (and each row's logsumexp, no gradient):
   the accuracy's argmax also finds the logsumexp's shift, so the logits are read as few times as possible.
   """
@@ -288,14 +284,14 @@ def _mlm_sums(logits, target_ids, weights, with_log_normalizer: bool = False):
   return nll_sum, correct.sum()
 
 
-def _bce(logits, labels):
+def bce(logits, labels):
   # Sigmoid cross-entropy in its overflow-free form: max(z, 0) - z * y + log(1 + exp(-|z|)).
   return jnp.maximum(logits, 0.0) - logits * labels + jnp.log1p(jnp.exp(-jnp.abs(logits)))
 
 
-# --- The forward pass: shared pieces, then the objectives built from them
+# --- The forward pass: the pieces the objectives are built from
 @dataclasses.dataclass
-class _Pass:
+class Pass:
   """What an objective's forward reads: the model, one (micro-)batch and its masking, the step, and the
   `stats` it adds its counts to."""
 
@@ -334,7 +330,7 @@ class _Pass:
     )
 
 
-class _Sampled(NamedTuple):
+class Sampled(NamedTuple):
   """The generator's step: its logits at the masked slots [batch, n_pred, vocab], its samples [batch,
   n_pred], the corrupted input, what was replaced and the generator's probability (T=1) of it [batch, seq].
   """
@@ -348,7 +344,7 @@ class _Sampled(NamedTuple):
   gen_loss: jax.Array  # gen_weight * L_MLM
 
 
-def _generator_logits(p: _Pass):
+def generator_logits(p: Pass):
   """[batch, n_pred, vocab]: the generator at the masked slots, or without one (the official
   uniform_generator) zeros: uniform samples and a constant L_MLM."""
   if p.objective.uses_generator:
@@ -360,13 +356,13 @@ def _generator_logits(p: _Pass):
     # at compile time, for seconds to minutes.
     zeros = (p.masked.weights * 0.0)[..., None]
     logits = jnp.broadcast_to(zeros, (*p.masked.positions.shape, p.model.vocab_size))
-  return _vocabulary_only(logits, p.objective.vocab_size)
+  return vocabulary_only(logits, p.objective.vocab_size)
 
 
-def _sample(p: _Pass, gen_logits) -> _Sampled:
+def sample(p: Pass, gen_logits) -> Sampled:
   """L_MLM of `gen_logits`, their samples and the corrupted input; the generator's counts go to p.stats."""
   masked, objective, input_ids = p.masked, p.objective, p.batch["input_ids"]
-  mlm_loss_sum, mlm_correct, log_normalizer = _mlm_sums(
+  mlm_loss_sum, mlm_correct, log_normalizer = mlm_sums(
       gen_logits, masked.target_ids, masked.weights, with_log_normalizer=True
   )
   disallowed = masked.target_ids if objective.disallow_correct else None
@@ -388,19 +384,19 @@ def _sample(p: _Pass, gen_logits) -> _Sampled:
       sampled_correct=((sampled_ids == masked.target_ids) * masked.weights).sum(),
   )
   gen_loss = objective.gen_weight * mlm_loss_sum / p.normalizers.num_predictions
-  return _Sampled(
+  return Sampled(
       gen_logits, sampled_ids, corrupted_ids, is_replaced, replaced_prob, mlm_loss_sum, gen_loss
   )
 
 
-def _tower_mlm(p: _Pass, input_ids, stat: str = "main"):
+def tower_mlm(p: Pass, input_ids, stat: str = "main"):
   """(replaced-token logits, MLM loss at the masked slots) of the discriminator tower on `input_ids`, one
   pass; the sums go to p.stats as <stat>_loss_sum and <stat>_correct (main_*: with main_count)."""
   disc_logits, logits = p.tower(
       p.model.discriminator_mlm_logits, input_ids, p.masked.positions, rng=p.disc_rng
   )
-  loss_sum, correct = _mlm_sums(
-      _vocabulary_only(logits, p.objective.vocab_size), p.masked.target_ids, p.masked.weights
+  loss_sum, correct = mlm_sums(
+      vocabulary_only(logits, p.objective.vocab_size), p.masked.target_ids, p.masked.weights
   )
   p.stats.update({f"{stat}_loss_sum": loss_sum, f"{stat}_correct": correct})
   if stat == "main":
@@ -408,15 +404,15 @@ def _tower_mlm(p: _Pass, input_ids, stat: str = "main"):
   return disc_logits, loss_sum / p.normalizers.num_predictions
 
 
-def _discriminator_logits(p: _Pass, corrupted_ids):
+def discriminator_logits(p: Pass, corrupted_ids):
   """(replaced-token logits, the tower's own MLM loss times disc_mlm_weight, or None without)."""
   if p.objective.disc_mlm_weight > 0:
-    disc_logits, disc_mlm_loss = _tower_mlm(p, corrupted_ids)
+    disc_logits, disc_mlm_loss = tower_mlm(p, corrupted_ids)
     return disc_logits, p.objective.disc_mlm_weight * disc_mlm_loss
   return p.tower(p.model.discriminator_logits, corrupted_ids, rng=p.disc_rng), None
 
 
-def _per_token(disc_logits, is_replaced, token_weights, replaced_prob) -> dict:
+def token_arrays(disc_logits, is_replaced, token_weights, replaced_prob) -> dict:
   return {
       "disc_logits": disc_logits,
       "is_replaced": is_replaced,
@@ -425,7 +421,7 @@ def _per_token(disc_logits, is_replaced, token_weights, replaced_prob) -> dict:
   }
 
 
-def _detection_loss(p: _Pass, disc_logits, is_replaced, replaced_prob, only_masked: bool = False):
+def detection_loss(p: Pass, disc_logits, is_replaced, replaced_prob, only_masked: bool = False):
   """(disc_weight * L_Disc over the real tokens (or the used masked positions), per_token); counts to p.stats."""
   token_weights, normalizer = p.token_weights, p.normalizers.num_tokens
   if only_masked:
@@ -433,7 +429,7 @@ def _detection_loss(p: _Pass, disc_logits, is_replaced, replaced_prob, only_mask
         masked_position_weights(p.masked, is_replaced.shape),
         p.normalizers.num_predictions,
     )
-  disc_loss_sum = (_bce(disc_logits, is_replaced.astype(jnp.float32)) * token_weights).sum()
+  disc_loss_sum = (bce(disc_logits, is_replaced.astype(jnp.float32)) * token_weights).sum()
   predicted = disc_logits > 0
   p.stats.update(
       disc_loss_sum=disc_loss_sum,
@@ -444,46 +440,45 @@ def _detection_loss(p: _Pass, disc_logits, is_replaced, replaced_prob, only_mask
       num_tokens=token_weights.sum(),
   )
   loss = p.objective.disc_weight * disc_loss_sum / normalizer
-  return loss, _per_token(disc_logits, is_replaced, token_weights, replaced_prob)
+  return loss, token_arrays(disc_logits, is_replaced, token_weights, replaced_prob)
 
 
-def _detect(p: _Pass, only_masked: bool = False):
+def detect(p: Pass, only_masked: bool = False):
   """Samples, then the discriminator on them: (sampled, disc_logits, disc loss, tower MLM loss, per_token)."""
-  s = _sample(p, _generator_logits(p))
-  disc_logits, main_loss = _discriminator_logits(p, s.corrupted_ids)
-  disc_loss, per_token = _detection_loss(
-      p, disc_logits, s.is_replaced, s.replaced_prob, only_masked
-  )
+  s = sample(p, generator_logits(p))
+  disc_logits, main_loss = discriminator_logits(p, s.corrupted_ids)
+  disc_loss, per_token = detection_loss(p, disc_logits, s.is_replaced, s.replaced_prob, only_masked)
   return s, disc_logits, disc_loss, main_loss, per_token
 
 
-def _nan_metrics(metrics, names) -> None:
+def nan_metrics(metrics, names) -> None:
   metrics.update(dict.fromkeys(names, jnp.full((), jnp.nan, jnp.float32)))
 
 
-def _main_mlm_metrics(metrics, stats) -> None:
+def main_mlm_metrics(metrics, stats) -> None:
   main_count = jnp.maximum(stats["main_count"], 1.0)
   metrics["main_mlm_loss"] = stats["main_loss_sum"] / main_count
   metrics["main_mlm_accuracy"] = stats["main_correct"] / main_count
 
 
-def _rtd_metrics(metrics, stats, objective, per_token):
+def rtd_metrics(metrics, stats, objective, per_token):
   metrics["loss"] = (
       objective.gen_weight * metrics["masked_lm_loss"]
       + objective.disc_weight * metrics["disc_loss"]
   )
   if objective.disc_mlm_weight > 0:
-    _main_mlm_metrics(metrics, stats)
+    main_mlm_metrics(metrics, stats)
     metrics["loss"] = metrics["loss"] + objective.disc_mlm_weight * metrics["main_mlm_loss"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Registered:
-  """One objective: `forward(_Pass) -> (loss, per_token)`, `metrics(metrics, stats, objective,
-  per_token)` setting "loss" and its own keys, what it needs built, and its config checks."""
+class Objective:
+  """A registry entry: `forward(Pass) -> (loss, per_token)`, `metrics(metrics, stats, objective,
+  per_token)` setting "loss" and its own keys, the towers it needs built, and its config check. An
+  objective with hooks into the step or the run's start overrides them (two_stage.py)."""
 
   forward: Callable
-  metrics: Callable = _rtd_metrics
+  metrics: Callable = rtd_metrics
   has_generator: bool = True  # a generator tower is built and samples the replacements
   samples: bool = True  # replacements are sampled at a temperature
   mlm_head: bool = False  # the discriminator-sized tower has an MLM head
@@ -494,335 +489,27 @@ class Registered:
   # (keep_original_prob, random_token_prob) in place of (objective.keep_original_prob, 0).
   masking: tuple[float, float] | None = None
   check: Callable = lambda config: None  # raises ConfigError
-  # (objective, tree, step, schedule) -> tree: the parameters the step trains from, the updates it applies.
-  before_step: Callable = lambda objective, params, step, schedule: params
-  updates: Callable = lambda objective, updates, step, schedule: updates
-  # (config, the workdir's saved config.json or None, the checkpoint's step or None) -> {key: value}:
-  # the keys a run fixes at its start (a resume must keep them); refuses a resume that moved them.
-  fixed_at_start: Callable = lambda config, saved, start_step: {}
+
+  def before_step(self, objective, params, step, schedule):
+    """The parameters the step at `step` trains from."""
+    return params
+
+  def updates(self, objective, updates, step, schedule):
+    """The updates the step at `step` applies."""
+    return updates
+
+  def fixed_at_start(self, config, saved: dict | None, start_step: int | None) -> dict:
+    """{dotted key: value} a run fixes at its start from its config, the workdir's saved config.json
+    and the checkpoint's step; refuses a resume that would move them."""
+    return {}
 
 
-REGISTRY: dict[str, Registered] = {}
-
-
-def _check_no_generator_to_share(config):
+def check_no_generator_to_share(config):
   if config.model.tie == "all":
     raise ConfigError(
         f"objective.name={config.objective.name!r} has no generator tower to share an encoder with; use "
         "model.tie='embeddings' (or 'none', 'gdes')."
     )
-
-
-def _electra(p: _Pass, only_masked: bool = False):
-  """gen_weight * L_MLM + disc_weight * L_Disc (+ the tower's MLM under disc_mlm_weight); with
-  `only_masked`, L_Disc and its metrics only where the generator could have replaced a token."""
-  s, _, disc_loss, main_loss, per_token = _detect(p, only_masked)
-  loss = s.gen_loss + disc_loss
-  return (loss if main_loss is None else loss + main_loss), per_token
-
-
-# Replaced-token detection with a generator, L_Disc on every token (the default); only on the masked
-# positions (the paper's "ELECTRA 15%"); with replacements drawn uniformly from the vocabulary, no generator.
-REGISTRY["electra"] = Registered(_electra, disc_mlm=True)
-REGISTRY["electra_15"] = Registered(functools.partial(_electra, only_masked=True), disc_mlm=True)
-REGISTRY["uniform"] = Registered(_electra, has_generator=False, check=_check_no_generator_to_share)
-
-
-def _mlm(p: _Pass):
-  """BERT: the discriminator-sized tower predicts the originals of its [MASK]ed input."""
-  _, loss = _tower_mlm(p, p.masked.input_ids, stat="mlm")
-  weights = p.token_weights
-  zeros = jnp.zeros_like(weights)
-  return loss, _per_token(zeros, jnp.zeros_like(p.batch["attention_mask"], bool), weights, zeros)
-
-
-def _mlm_metrics(metrics, stats, objective, per_token):
-  _nan_metrics(
-      metrics, ("sampled_masked_lm_accuracy", "replaced_fraction", *BINNED_METRICS, *_DISC_METRICS)
-  )
-  metrics["loss"] = metrics["masked_lm_loss"]
-
-
-# No generator, and of the chosen positions 80% [MASK], 10% a random token, 10% kept.
-REGISTRY["mlm"] = Registered(
-    _mlm,
-    _mlm_metrics,
-    has_generator=False,
-    samples=False,
-    mlm_head=True,
-    masking=(0.1, 0.1),
-    check=_check_no_generator_to_share,
-)
-
-
-def _replace_mlm(p: _Pass):
-  """The generator's samples replace the masked tokens; the tower predicts the originals there."""
-  s = _sample(p, _generator_logits(p))
-  _, main_loss = _tower_mlm(p, s.corrupted_ids)
-  weights = p.token_weights
-  return s.gen_loss + main_loss, _per_token(
-      jnp.zeros_like(weights), s.is_replaced, weights, s.replaced_prob
-  )
-
-
-def _all_tokens_mlm(p: _Pass):
-  """The tower predicts every token of the corrupted input, with the paper's copy mechanism:
-  p(x_t) = D_t [x_t = input_t] + (1 - D_t) softmax(MLM)_t(x_t), D_t = sigmoid(copy logit)."""
-  s = _sample(p, _generator_logits(p))
-  input_ids, weights = p.batch["input_ids"], p.token_weights
-  copy_logits, main_logits = p.tower(
-      p.model.discriminator_mlm_logits, s.corrupted_ids, None, rng=p.disc_rng
-  )
-  main_logits = _vocabulary_only(main_logits, p.objective.vocab_size)  # [batch, seq, vocab]
-  log_softmax = jax.nn.log_softmax(main_logits, axis=-1)
-  log_mlm = jnp.take_along_axis(log_softmax, input_ids[..., None], axis=-1)[..., 0]
-  log_copy, log_no_copy = jax.nn.log_sigmoid(copy_logits), jax.nn.log_sigmoid(-copy_logits)
-  copied = ~s.is_replaced  # the input token is the original one
-  log_p = jnp.where(copied, jnp.logaddexp(log_copy, log_no_copy + log_mlm), log_no_copy + log_mlm)
-  main_loss_sum = -(log_p * weights).sum()
-  p_original = jnp.where(copied, jnp.exp(log_copy), 0.0) + jnp.exp(log_no_copy + log_mlm)
-  # The most probable other token: the best MLM alternative, or the (replaced) input token,
-  # which also gets the copy probability.
-  is_original = jnp.arange(main_logits.shape[-1]) == input_ids[..., None]
-  best_other = jnp.exp(
-      log_no_copy + jnp.max(jnp.where(is_original, -jnp.inf, log_softmax), axis=-1)
-  )
-  log_mlm_input = jnp.take_along_axis(log_softmax, s.corrupted_ids[..., None], axis=-1)[..., 0]
-  p_input = jnp.exp(log_copy) + jnp.exp(log_no_copy + log_mlm_input)
-  best_other = jnp.maximum(best_other, jnp.where(copied, 0.0, p_input))
-  main_correct = ((p_original > best_other) * weights).sum()
-  p.stats.update(main_loss_sum=main_loss_sum, main_correct=main_correct, main_count=weights.sum())
-  main_loss = main_loss_sum / p.normalizers.num_tokens
-  return s.gen_loss + main_loss, _per_token(
-      jnp.zeros_like(weights), s.is_replaced, weights, s.replaced_prob
-  )
-
-
-def _tower_mlm_metrics(metrics, stats, objective, per_token):
-  # No discriminator: no AUCs, but the replacements' shares by likelihood stand.
-  _nan_metrics(metrics, _DISC_METRICS)
-  replaced = per_token["is_replaced"].astype(jnp.float32) * per_token["token_weights"]
-  metrics["replaced_fraction"] = replaced.sum() / jnp.maximum(stats["num_tokens"], 1.0)
-  _main_mlm_metrics(metrics, stats)
-  metrics["loss"] = objective.gen_weight * metrics["masked_lm_loss"] + metrics["main_mlm_loss"]
-
-
-REGISTRY["replace_mlm"] = Registered(_replace_mlm, _tower_mlm_metrics, mlm_head=True)
-REGISTRY["all_tokens_mlm"] = Registered(_all_tokens_mlm, _tower_mlm_metrics, mlm_head=True)
-
-
-def _two_stage(p: _Pass):
-  """gen_weight * L_MLM before the switch, disc_weight * L_Disc from it on (both computed, for the metrics)."""
-  s, _, disc_loss, _, per_token = _detect(p)
-  return jnp.where(p.step >= p.schedule.switch, disc_loss, s.gen_loss), per_token
-
-
-def _check_two_stage(config):
-  m = config.model
-  if m.generator_fraction != 1.0 or m.tie == "all":
-    raise ConfigError(
-        "objective.name='two_stage' starts the discriminator from the generator's weights, so the "
-        f"towers must be the same size and separate: model.generator_fraction=1.0 (is "
-        f"{m.generator_fraction}) and model.tie other than 'all' (is {m.tie!r})."
-    )
-  if m.tie == "none":
-    raise ConfigError(
-        "objective.name='two_stage' starts the discriminator from the generator's weights, but with "
-        "model.tie='none' the generator's embeddings are its own, so the discriminator would enter its "
-        "stage with embeddings nothing trained: use model.tie='embeddings' (the paper's) or 'gdes'."
-    )
-
-
-def _start_second_stage(objective, params, step, schedule):
-  """At the switch step the discriminator's encoder becomes a copy of the generator's (its head stays)."""
-  now = step == schedule.switch
-  encoder = jax.tree.map(
-      lambda g, d: jnp.where(now, g, d),
-      params["generator"]["encoder"],
-      params["discriminator"]["encoder"],
-  )
-  return {**params, "discriminator": {**params["discriminator"], "encoder": encoder}}
-
-
-def _hold_other_stage(objective, updates, step, schedule):
-  """Only the tower of the current stage moves (weight decay included)."""
-  second = step >= schedule.switch
-  hold = lambda tree, keep: jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), tree)  # noqa: E731
-  return {
-      **updates,
-      "generator": hold(updates["generator"], ~second),
-      "discriminator": hold(updates["discriminator"], second),
-  }
-
-
-def _keep_two_stage_switch(config, saved: dict | None, start_step: int | None) -> dict:
-  """The switch is fixed at a run's first start and written to config.json: left at 0 it is half of
-  train.steps, which a resume with more steps would move, copying the generator's encoder over the
-  trained discriminator again. A switch moved past the checkpoint is refused."""
-  recorded = None
-  if saved is not None and saved["objective"]["name"] == "two_stage":
-    # config.json before the switch was fixed kept 0: the default then was its own train.steps // 2.
-    recorded = saved["objective"]["two_stage_switch"] or saved["train"]["steps"] // 2
-  switch = config.objective.two_stage_switch
-  if not switch:
-    switch = recorded or config.train.steps // 2
-    logging.info(
-        "objective.two_stage_switch: the discriminator's stage starts at step %d%s.",
-        switch,
-        " (as this workdir recorded)" if recorded else "",
-    )
-  fixed = {"objective.two_stage_switch": switch}
-  if (
-      start_step is None
-      or recorded is None
-      or switch == recorded
-      or start_step <= min(switch, recorded)
-  ):
-    return fixed
-  harm = (
-      "copy the generator's encoder over the trained discriminator again"
-      if switch > recorded
-      else "start the discriminator's stage without the generator's encoder"
-  )
-  raise ConfigError(
-      f"objective.two_stage_switch={switch}, but this workdir's run switches at step {recorded} "
-      f"and its checkpoint is at step {start_step}: moving the switch now would {harm}. Leave it at "
-      f"{recorded} (or 0), or use a new --workdir."
-  )
-
-
-REGISTRY["two_stage"] = Registered(
-    _two_stage,
-    check=_check_two_stage,
-    before_step=_start_second_stage,
-    updates=_hold_other_stage,
-    fixed_at_start=_keep_two_stage_switch,
-)
-
-
-def _adversarial(p: _Pass):
-  """REINFORCE, rewarding a masked slot's sample with the discriminator's loss on it, plus adversarial_mlm_weight
-  * L_MLM. A slot's baseline is the mean reward of its example's other slots (0 without any): independent of
-  its own sample, so the estimate stays unbiased, and of how the batch is split."""
-  s, disc_logits, disc_loss, _, per_token = _detect(p)
-  bce_at_slots = jnp.take_along_axis(
-      _bce(disc_logits, s.is_replaced.astype(jnp.float32)), p.masked.positions, axis=1
-  )
-  reward = jax.lax.stop_gradient(bce_at_slots)
-  weights = p.masked.weights
-  slots = weights.sum(-1, keepdims=True)
-  others = (reward * weights).sum(-1, keepdims=True) - reward * weights
-  baseline = jnp.where(slots > 1, others / jnp.maximum(slots - 1, 1.0), 0.0)
-  log_policy = jax.nn.log_softmax(s.gen_logits / p.temperature, axis=-1)  # the policy that sampled
-  sample_log_prob = jnp.take_along_axis(log_policy, s.sampled_ids[..., None], axis=-1)[..., 0]
-  reinforce = (
-      -((reward - baseline) * sample_log_prob * weights).sum() / p.normalizers.num_predictions
-  )
-  mlm = p.objective.adversarial_mlm_weight * s.mlm_loss_sum / p.normalizers.num_predictions
-  p.stats.update(main_loss_sum=(reward * weights).sum(), main_count=weights.sum())
-  return reinforce + mlm + disc_loss, per_token
-
-
-def _adversarial_metrics(metrics, stats, objective, per_token):
-  # The REINFORCE surrogate is no quantity to watch; the generator's mean reward is.
-  metrics["generator_reward"] = stats["main_loss_sum"] / jnp.maximum(stats["main_count"], 1.0)
-  mlm_loss = objective.adversarial_mlm_weight * metrics["masked_lm_loss"]
-  metrics["loss"] = mlm_loss + objective.disc_weight * metrics["disc_loss"]
-
-
-REGISTRY["adversarial"] = Registered(_adversarial, _adversarial_metrics)
-
-
-def _electric(p: _Pass):
-  """The official electric_objective: the cloze model reads the unmasked input and predicts every maskable
-  token from both sides (its loss); its samples replace the masked tokens, all labelled replaced, and the
-  discriminator's logit is the energy-based form: + log q(token) (no gradient) + the log prior odds of a mask.
-  """
-  input_ids, objective = p.batch["input_ids"], p.objective
-  cloze_logits = _vocabulary_only(
-      p.tower(p.model.cloze_logits, input_ids, rng=p.gen_rng), objective.vocab_size
-  )
-  candidates = candidate_mask(input_ids, p.batch["attention_mask"], objective).astype(jnp.float32)
-  cloze_loss_sum, _ = _mlm_sums(cloze_logits, input_ids, candidates)
-  p.stats.update(main_loss_sum=cloze_loss_sum, main_count=candidates.sum())
-  s = _sample(p, jnp.take_along_axis(cloze_logits, p.masked.positions[..., None], axis=1))
-  gen_loss = objective.gen_weight * cloze_loss_sum / p.normalizers.num_candidates
-  is_replaced = masked_position_weights(p.masked, input_ids.shape) > 0
-  disc_logits, _ = _discriminator_logits(p, s.corrupted_ids)
-  log_q = jnp.take_along_axis(
-      jax.nn.log_softmax(cloze_logits, axis=-1), s.corrupted_ids[..., None], axis=-1
-  )[..., 0]
-  disc_logits = (
-      disc_logits
-      + jax.lax.stop_gradient(log_q)
-      + jnp.log(objective.mask_prob / (1.0 - objective.mask_prob))
-  )
-  disc_loss, per_token = _detection_loss(p, disc_logits, is_replaced, s.replaced_prob)
-  return gen_loss + disc_loss, per_token
-
-
-def _electric_metrics(metrics, stats, objective, per_token):
-  metrics["cloze_loss"] = stats["main_loss_sum"] / jnp.maximum(stats["main_count"], 1.0)
-  metrics["loss"] = (
-      objective.gen_weight * metrics["cloze_loss"] + objective.disc_weight * metrics["disc_loss"]
-  )
-
-
-def _check_electric(config):
-  _check_no_generator_to_share(config)
-  if config.data.pack_rows:
-    raise ConfigError(
-        "Electric's cloze generator reads across the row's ends, so it cannot train on packed rows: "
-        "set data.pack_rows=False for objective.name='electric'."
-    )
-
-
-REGISTRY["electric"] = Registered(_electric, _electric_metrics, cloze=True, check=_check_electric)
-OBJECTIVES = tuple(REGISTRY)
-
-
-def electra_forward(
-    model,
-    params,
-    batch,
-    masked: MaskedInputs,
-    sample_keys,
-    dropout_rng,
-    objective: ElectraObjective,
-    normalizers: Normalizers,
-    deterministic: bool = False,
-    step=None,
-    temperature=None,
-    schedule=None,
-):
-  """The registered objective's forward on one (micro-)batch with its masking drawn: (loss, (stats, per_token)),
-  the loss's sums divided by `normalizers`, stats the additive counts and per_token the arrays `summarize`
-  reads. `sample_keys` [batch]: per-example keys; `temperature` None: objective.temperature (evaluation's).
-  """
-  gen_rng, disc_rng = jax.random.split(dropout_rng)
-  stats = dict.fromkeys(_STAT_KEYS, jnp.zeros((), jnp.float32))
-  stats.update(
-      num_predictions=masked.weights.sum(),
-      num_tokens=batch["attention_mask"].astype(jnp.float32).sum(),
-  )
-  p = _Pass(
-      model,
-      params,
-      batch,
-      masked,
-      sample_keys,
-      gen_rng,
-      disc_rng,
-      objective,
-      normalizers,
-      deterministic,
-      step,
-      objective.temperature if temperature is None else temperature,
-      schedule,
-      stats,
-  )
-  loss, per_token = REGISTRY[objective.name].forward(p)
-  return loss, (stats, per_token)
 
 
 # --- Metrics
@@ -858,7 +545,7 @@ REPLACED_BINS = (("unlikely", 0.0, 0.01), ("plausible", 0.01, 0.1), ("likely", 0
 BINNED_METRICS = tuple(
     f"{prefix}_{name}" for prefix in ("disc_auc", "replaced_share") for name, _, _ in REPLACED_BINS
 )
-_DISC_METRICS = (
+DISC_METRICS = (
     "disc_loss",
     "disc_auc",
     "disc_accuracy",
@@ -868,9 +555,9 @@ _DISC_METRICS = (
 )
 
 
-def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str, jax.Array]:
-  """The official metrics from summed stats, disc_auc_<bin> (a bin's replaced tokens against every original)
-  and replaced_share_<bin> by REPLACED_BINS; the registered objective adds the loss and its own keys.
+def official_metrics(stats, per_token_arrays) -> dict[str, jax.Array]:
+  """The official metrics from summed stats, disc_auc_<bin> (a bin's replaced tokens against every
+  original) and replaced_share_<bin> by REPLACED_BINS; each objective adds the loss and its own keys.
   """
   num_predictions = jnp.maximum(stats["num_predictions"], 1.0)
   num_tokens = jnp.maximum(stats["num_tokens"], 1.0)
@@ -896,55 +583,4 @@ def summarize(stats, per_token_arrays, objective: ElectraObjective) -> dict[str,
       disc_recall=true_pos / jnp.maximum(true_pos + stats["disc_false_neg"], 1.0),
       replaced_fraction=(true_pos + stats["disc_false_neg"]) / num_tokens,
   )
-  REGISTRY[objective.name].metrics(metrics, stats, objective, per_token_arrays)
   return metrics
-
-
-# --- From the config
-def check_config(config) -> None:
-  """objective.name and the keys whose meaning depends on it, refused by name."""
-  name, disc_mlm_weight = config.objective.name, config.objective.disc_mlm_weight
-  if not (math.isfinite(disc_mlm_weight) and disc_mlm_weight >= 0):
-    raise ConfigError(
-        f"objective.disc_mlm_weight={disc_mlm_weight} must be finite and >= 0 (0 = off)."
-    )
-  if name not in REGISTRY:
-    raise ConfigError(f"objective.name={name!r} is not one of {list(OBJECTIVES)}.")
-  entry = REGISTRY[name]
-  # mlm trains the tower by MLM alone and ignores the key: the MLM baseline of a recipe that sets it
-  # is one override away.
-  if disc_mlm_weight > 0 and not entry.disc_mlm and name != "mlm":
-    with_it = " or ".join(repr(n) for n, e in REGISTRY.items() if e.disc_mlm)
-    raise ConfigError(
-        f"objective.disc_mlm_weight={disc_mlm_weight} adds an MLM loss to the discriminator of "
-        f"objective.name {with_it}, not {name!r}: set it to 0 or change the objective."
-    )
-  entry.check(config)
-
-
-def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjective:
-  """`special_ids` maps pad/cls/sep/mask (and vocab_size) to the tokenizer's. Nothing here depends on
-  train.steps (the run's length enters through the Schedule), and a setting the objective does not
-  read (an initial temperature that never falls) is left at its default, so its step does not
-  depend on it."""
-  o, entry = config.objective, REGISTRY[config.objective.name]
-  keep_original_prob, random_token_prob = entry.masking or (o.keep_original_prob, 0.0)
-  return ElectraObjective(
-      mask_prob=o.mask_prob,
-      max_predictions=official_max_predictions(o.mask_prob, config.data.max_seq_len),
-      gen_weight=o.gen_weight,
-      disc_weight=o.disc_weight,
-      temperature=o.temperature,
-      keep_original_prob=keep_original_prob,
-      random_token_prob=random_token_prob,
-      mask_id=special_ids["mask"],
-      pad_id=special_ids["pad"],
-      cls_id=special_ids["cls"],
-      sep_id=special_ids["sep"],
-      name=o.name,
-      vocab_size=special_ids.get("vocab_size", config.model.vocab_size),
-      adversarial_mlm_weight=o.adversarial_mlm_weight,
-      disallow_correct=o.disallow_correct,
-      initial_temperature=o.initial_temperature if _temperature_falls(o) else None,
-      disc_mlm_weight=o.disc_mlm_weight,
-  )

@@ -1,0 +1,24 @@
+"""Replaced-token detection, the paper's objective: gen_weight * L_MLM + disc_weight * L_Disc over
+every token ("electra"), over the masked positions only ("electra_15"), or with replacements drawn
+uniformly from the vocabulary and no generator ("uniform")."""
+
+import functools
+
+from electra_jax.objectives.pieces import Objective, Pass, check_no_generator_to_share, detect
+
+ENTRIES = {}
+
+
+def _electra(p: Pass, only_masked: bool = False):
+  """gen_weight * L_MLM + disc_weight * L_Disc (+ the tower's MLM under disc_mlm_weight); with
+  `only_masked`, L_Disc and its metrics only where the generator could have replaced a token."""
+  s, _, disc_loss, main_loss, per_token = detect(p, only_masked)
+  loss = s.gen_loss + disc_loss
+  return (loss if main_loss is None else loss + main_loss), per_token
+
+
+# Replaced-token detection with a generator, L_Disc on every token (the default); only on the masked
+# positions (the paper's "ELECTRA 15%"); with replacements drawn uniformly from the vocabulary, no generator.
+ENTRIES["electra"] = Objective(_electra, disc_mlm=True)
+ENTRIES["electra_15"] = Objective(functools.partial(_electra, only_masked=True), disc_mlm=True)
+ENTRIES["uniform"] = Objective(_electra, has_generator=False, check=check_no_generator_to_share)

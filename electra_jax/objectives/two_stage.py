@@ -1,0 +1,95 @@
+"""Two-stage training (the paper's section 3.2 ablation): the generator alone by L_MLM until
+objective.two_stage_switch (half the run when 0), then the discriminator, started from the
+generator's encoder, by L_Disc alone. Its hooks copy the encoder at the switch, hold the other
+stage's tower still, and fix the switch at a run's start so a resume with more steps keeps it."""
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+
+from electra_jax.errors import ConfigError
+from electra_jax.objectives.pieces import Objective, Pass, detect
+
+
+def _two_stage(p: Pass):
+  """gen_weight * L_MLM before the switch, disc_weight * L_Disc from it on (both computed, for the metrics)."""
+  s, _, disc_loss, _, per_token = detect(p)
+  return jnp.where(p.step >= p.schedule.switch, disc_loss, s.gen_loss), per_token
+
+
+def _check_two_stage(config):
+  m = config.model
+  if m.generator_fraction != 1.0 or m.tie == "all":
+    raise ConfigError(
+        "objective.name='two_stage' starts the discriminator from the generator's weights, so the "
+        f"towers must be the same size and separate: model.generator_fraction=1.0 (is "
+        f"{m.generator_fraction}) and model.tie other than 'all' (is {m.tie!r})."
+    )
+  if m.tie == "none":
+    raise ConfigError(
+        "objective.name='two_stage' starts the discriminator from the generator's weights, but with "
+        "model.tie='none' the generator's embeddings are its own, so the discriminator would enter its "
+        "stage with embeddings nothing trained: use model.tie='embeddings' (the paper's) or 'gdes'."
+    )
+
+
+class TwoStage(Objective):
+  """The entry with its hooks."""
+
+  def before_step(self, objective, params, step, schedule):
+    """At the switch step the discriminator's encoder becomes a copy of the generator's (its head stays)."""
+    now = step == schedule.switch
+    encoder = jax.tree.map(
+        lambda g, d: jnp.where(now, g, d),
+        params["generator"]["encoder"],
+        params["discriminator"]["encoder"],
+    )
+    return {**params, "discriminator": {**params["discriminator"], "encoder": encoder}}
+
+  def updates(self, objective, updates, step, schedule):
+    """Only the tower of the current stage moves (weight decay included)."""
+    second = step >= schedule.switch
+    hold = lambda tree, keep: jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), tree)  # noqa: E731
+    return {
+        **updates,
+        "generator": hold(updates["generator"], ~second),
+        "discriminator": hold(updates["discriminator"], second),
+    }
+
+  def fixed_at_start(self, config, saved: dict | None, start_step: int | None) -> dict:
+    """The switch is fixed at a run's first start and written to config.json: left at 0 it is half of
+    train.steps, which a resume with more steps would move, copying the generator's encoder over the
+    trained discriminator again. A switch moved past the checkpoint is refused."""
+    recorded = None
+    if saved is not None and saved["objective"]["name"] == "two_stage":
+      # config.json before the switch was fixed kept 0: the default then was its own train.steps // 2.
+      recorded = saved["objective"]["two_stage_switch"] or saved["train"]["steps"] // 2
+    switch = config.objective.two_stage_switch
+    if not switch:
+      switch = recorded or config.train.steps // 2
+      logging.info(
+          "objective.two_stage_switch: the discriminator's stage starts at step %d%s.",
+          switch,
+          " (as this workdir recorded)" if recorded else "",
+      )
+    fixed = {"objective.two_stage_switch": switch}
+    if (
+        start_step is None
+        or recorded is None
+        or switch == recorded
+        or start_step <= min(switch, recorded)
+    ):
+      return fixed
+    harm = (
+        "copy the generator's encoder over the trained discriminator again"
+        if switch > recorded
+        else "start the discriminator's stage without the generator's encoder"
+    )
+    raise ConfigError(
+        f"objective.two_stage_switch={switch}, but this workdir's run switches at step {recorded} "
+        f"and its checkpoint is at step {start_step}: moving the switch now would {harm}. Leave it at "
+        f"{recorded} (or 0), or use a new --workdir."
+    )
+
+
+ENTRIES = {"two_stage": TwoStage(_two_stage, check=_check_two_stage)}
