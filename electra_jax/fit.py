@@ -328,7 +328,7 @@ def describe(fit: Fit, config) -> str:
       f"attention {config.model.attention_impl}, mesh {mesh}.",
   ]
   if step.bytes_per_device is None:
-    lines.append(f"Memory per chip: more than its HBM (XLA's compiler refused the step).")
+    lines.append("Memory per chip: more than its HBM.")
   else:
     lines.append("Memory per chip (XLA's memory analysis):")
     lines += [f"  {name:<15}{_size(size):>12}" for name, size in step.parts.items()]
@@ -336,10 +336,15 @@ def describe(fit: Fit, config) -> str:
         f"  {'total':<15}{_size(step.bytes_per_device):>12} of {_size(t.chip.hbm)} HBM "
         f"({step.bytes_per_device / t.chip.hbm:.0%})"
     )
-  lines.append(
-      f"{'Fits' if fit.fits else 'Does not fit'}: a step may hold train.memory_fraction="
-      f"{config.train.memory_fraction:g} of a chip's HBM, {_size(fit.limit)}."
-  )
+  allowed = f"train.memory_fraction={config.train.memory_fraction:g} of HBM, {_size(fit.limit)}"
+  if step.bytes_per_device is None:
+    lines.append("Does not fit: XLA's compiler refused the step as more than a chip's HBM.")
+  else:
+    within = "within" if fit.fits else "over"
+    lines.append(
+        f"{'Fits' if fit.fits else 'Does not fit'}: {_size(step.bytes_per_device)} per chip is "
+        f"{within} {allowed}."
+    )
   share = fit.model_flops / t.chips
   if step.flops is not None:
     looped = "; a loop's body counted once" if fit.loops else ""

@@ -112,7 +112,10 @@ def test_a_small_batch_fits_with_flops_py_s_count_and_an_absurd_one_does_not():
   assert "Compiled for v5e-4: 4 chips on 1 host" in report and "mesh data 4 x fsdp 1" in report
   total = re.search(r"total +([\d.]+) MiB of 16.00 GiB HBM", report)
   assert total and 0 < float(total.group(1)) < 1024, report  # a tiny model: MiBs of 16 GiB
-  assert "\nFits: a step may hold train.memory_fraction=0.9 of a chip's HBM, 14.40 GiB." in report
+  assert (
+      f"\nFits: {total.group(1)} MiB per chip is within train.memory_fraction=0.9 of HBM, 14.40 GiB."
+      in report
+  )
   # FLOPs per chip: a quarter of the step's, each chip computing two of the eight rows.
   xla, share = re.search(
       r"cost analysis\): ([\d.]+) M against .* share ([\d.]+) M", report
@@ -120,7 +123,7 @@ def test_a_small_batch_fits_with_flops_py_s_count_and_an_absurd_one_does_not():
   assert float(xla) == pytest.approx(float(share), rel=FLOPS_TOLERANCE), report
   absurd = _compile_cli("v5e-4", **{**WIDE, "train.batch_size": 2**20})
   assert absurd.returncode == 1 and "\nDoes not fit: " in absurd.stdout, absurd.stdout
-  assert "more than its HBM (XLA's compiler refused the step)" in absurd.stdout
+  assert "refused the step as more than a chip's HBM" in absurd.stdout
 
 
 def test_the_largest_batch_fits_and_the_next_one_up_does_not():
