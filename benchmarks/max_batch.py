@@ -82,7 +82,7 @@ def main():
       target = fit.resolve(args.topology)
       devices = fit.devices(target)
     except ConfigError as e:
-      sys.exit(f"--topology: {e}")
+      sys.exit(str(e))
     kind, limit = str(target), int(args.memory_fraction * target.chip.hbm)
   else:
     devices = jax.devices()
