@@ -1,16 +1,16 @@
 """The train step as XLA compiles it for a GPU or a TPU slice, on a machine without either.
 
-  pip install "jax[cuda12]==$(python -c 'import jax; print(jax.__version__)')"   # GPU targets
-  pip install "jax[tpu]==$(python -c 'import jax; print(jax.__version__)')"      # TPU targets
-  python benchmarks/compile_audit.py --device=h100 --config=configs/electra_small.py \
+  pip install 'electra-jax[gpu-compile]'   # GPU targets (the CUDA plugin of jax)
+  pip install 'electra-jax[tpu-compile]'   # TPU targets (libtpu)
+  python benchmarks/compile_audit.py --topology=h100 --config=configs/electra_small.py \
       --config.train.dtype=bfloat16 --config.train.batch_size=128
-  python benchmarks/compile_audit.py --device=tpu_v5e --topology=4x4 --config=configs/electra_base.py \
+  python benchmarks/compile_audit.py --topology=v5e-16 --config=configs/electra_base.py \
       --config.train.dtype=bfloat16 --config.train.batch_size=256 --config.data.max_seq_len=512 \
       --config.model.attention_impl=splash --config.model.attention_dropout_rate=0 --config.mesh.fsdp=4
 
 XLA's compiler runs here against a description of the device (jax's deviceless ahead-of-time
-compilation, benchmarks/targets.py), and nothing runs: these are facts about the compiled
-program, not timings.
+compilation, electra_jax/fit.py: the same targets and checks as `electra-jax --mode=compile`),
+and nothing runs: these are facts about the compiled program, not timings.
 
 For a GPU it reads the optimized program: how many kernels one step launches (while loops
 counted by their trip counts), the matmul FLOPs in them (a check on electra_jax/flops.py), the
@@ -20,13 +20,11 @@ autotune, so matmul tilings differ from a real device's; fusion decisions, kerne
 bytes do not depend on that. Use it to find launch- or memory-bound parts of a step before
 spending GPU time.
 
-For a TPU slice (every chip of it, over as many hosts as the topology has) it shows that the
-step compiles with the mesh asked for, Pallas kernels included (model.attention_impl=splash
-compiles the real Mosaic kernel, not the interpreter), and reports per chip: the memory XLA
-assigns (against the chip's HBM), the FLOPs of XLA's cost analysis against flops.py's share,
-and the Mosaic kernel calls. It gives no roofline: a TPU program's traffic goes through
-on-chip memory the compiler manages (its own "bytes accessed" counts that too), so a bound
-from it would mislead.
+For a TPU slice (every chip of it, over its hosts) it reports per chip the memory XLA assigns
+against the chip's HBM (`--mode=compile` shows its parts and searches the largest batch), XLA's
+FLOPs against flops.py's share, and the Mosaic (Pallas) kernel calls in the program (model.attention_impl=splash compiles the real Mosaic kernel, not the interpreter). It
+gives no roofline: a TPU program's traffic goes through on-chip memory the compiler manages
+(its own "bytes accessed" counts that too), so a bound from it would mislead.
 """
 
 import os
@@ -35,24 +33,18 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a clone
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import targets  # noqa: E402
-
-targets.compile_on_this_host()
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from electra_jax import config_lib, flops, memory, partitioning, train_state  # noqa: E402
+from electra_jax import config_lib, fit, flops, memory, partitioning, train_state  # noqa: E402
 from electra_jax.errors import ConfigError  # noqa: E402
 from hlo_audit import Audit  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/electra_small.py", "Recipe.", lock_config=False
 )
-_DEVICE = flags.DEFINE_enum(
-    "device", "h100", list(targets.TARGETS), "What to compile for (GPUs: SXM parts)."
-)
 _TOPOLOGY = flags.DEFINE_string(
-    "topology", "", "TPU slice shape, e.g. 2x2 or 4x4 (v5e, v6e), 2x2x2 (v5p); default one chip."
+    "topology", "h100", "What to compile for: a TPU slice (v5e-16, v4-32, ...) or GPUs (h100, ...)."
 )
 _TOP = flags.DEFINE_integer("top", 25, "GPU: source operations listed, by roofline bound.")
 _HLO = flags.DEFINE_string("hlo_out", "", "Also write the optimized HLO text here.")
@@ -60,16 +52,16 @@ _HLO = flags.DEFINE_string("hlo_out", "", "Also write the optimized HLO text her
 
 def main(argv):
   del argv
-  config, target = _CONFIG.value, targets.TARGETS[_DEVICE.value]
+  fit.compile_here()
+  config = _CONFIG.value
   try:
+    target = fit.lookup(_TOPOLOGY.value)
     config_lib.validate(config)  # a bad override is named here, not by the compiler
+    fit.check_mesh(config.mesh, target)
+    devices = fit.devices(target)
   except ConfigError as e:
     sys.exit(str(e))
-  devices = targets.devices(target, _TOPOLOGY.value)
-  try:
-    mesh = partitioning.make_mesh(config.mesh, devices=devices)
-  except ConfigError as e:
-    sys.exit(f"{e} ({len(devices)} devices in {target.name} {_TOPOLOGY.value or 'one chip'})")
+  mesh = partitioning.make_mesh(config.mesh, devices=devices)
   # Special ids shape the masking, not the program; the vocabulary is the recipe's.
   setup = train_state.build_setup(
       config, mesh, dict(pad=0, cls=2, sep=3, mask=4, vocab_size=config.model.vocab_size)
@@ -83,24 +75,17 @@ def main(argv):
   batch, seq = config.train.batch_size, config.data.max_seq_len
   model_flops = flops.objective_flops_per_token(setup.model, setup.objective, seq) * batch * seq
   print(
-      f"{target.name} x {len(devices)} (compiled, not run): batch {batch} x seq {seq}, {config.train.dtype}, "
+      f"{target} (compiled, not run): batch {batch} x seq {seq}, {config.train.dtype}, "
       f"attention {config.model.attention_impl}, mesh {dict(mesh.shape)}"
   )
   if target.platform == "cuda":
-    _report_gpu(hlo, target, model_flops)
+    _report_gpu(hlo, target, flops.peak_flops(devices[0]), model_flops / target.chips)
   else:
-    _report_tpu(
-        compiled,
-        hlo,
-        target,
-        model_flops / len(devices),
-        len({d.process_index for d in devices}),
-        config.model.scan_layers,
-    )
+    _report_tpu(compiled, hlo, target, model_flops / target.chips, config.model.scan_layers)
 
 
-def _report_gpu(hlo, target, model_flops):
-  audit = Audit(hlo, target.peak, target.bandwidth)
+def _report_gpu(hlo, target, peak, model_flops):
+  audit = Audit(hlo, peak, target.chip.bandwidth)
   t = audit.totals()
   print(f"kernel launches per step: {t['launches']}")
   print(
@@ -110,7 +95,7 @@ def _report_gpu(hlo, target, model_flops):
   print(f"bytes read and written by kernels: {t['bytes'] / 1e9:.2f} GB")
   print(
       f"roofline bound: {t['bound_s'] * 1e3:.2f} ms (no launch or latency cost), so MFU at most "
-      f"{model_flops / t['bound_s'] / target.peak:.0%}"
+      f"{model_flops / t['bound_s'] / peak:.0%}"
   )
   if _TOP.value:
     print("\n| bound (ms) | kernels | GFLOP | MB | source | operation |\n|---|---|---|---|---|---|")
@@ -122,13 +107,11 @@ def _report_gpu(hlo, target, model_flops):
     )
 
 
-def _report_tpu(compiled, hlo, target, model_flops_per_chip, hosts, scanned):
-  m, held = compiled.memory_analysis(), memory.compiled_bytes(compiled)
-  print(f"hosts: {hosts}")
+def _report_tpu(compiled, hlo, target, model_flops_per_chip, scanned):
+  held = memory.compiled_bytes(compiled)
   print(
-      f"memory per chip: {held / 2**30:.2f} GiB of {target.memory / 2**30:.0f} GiB HBM "
-      f"({held / target.memory:.0%}): state and batch {m.argument_size_in_bytes / 2**30:.2f} GiB, "
-      f"temporaries {m.temp_size_in_bytes / 2**30:.2f} GiB"
+      f"memory per chip: {held / 2**30:.2f} GiB of {target.chip.hbm / 2**30:.0f} GiB HBM "
+      f"({held / target.chip.hbm:.0%}; `electra-jax --mode=compile` shows its parts)"
   )
   # XLA's cost analysis and a count of the program's text both see a loop's body once.
   looped = " (the scanned layers' loop body counted once)" if scanned else ""

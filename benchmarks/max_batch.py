@@ -9,9 +9,10 @@ analysis, then the answer is bracketed and bisected down to --step examples. Pri
 table: fixed and per-example memory, the largest batch, its bytes and the compiles it took.
 Nothing runs a step; on a CPU, whose compiles are slow, a coarser --step saves compiles.
 
---device=tpu_v5e (tpu_v5p, tpu_v6e, h100, h200) answers for one chip of that kind without one:
-the step is compiled for it ahead of time (benchmarks/targets.py, which needs jax's TPU or CUDA
-plugin installed) and held against its HBM. A data-parallel slice needs the same per chip.
+--topology=v5e-1 (v4-8, v5p-8, v6e-1, h100, h200, a100, ...) answers for that target without
+one: the step is compiled for it ahead of time (electra_jax/fit.py, as `electra-jax
+--mode=compile --max_batch` does for one recipe; it needs the `tpu-compile` or `gpu-compile`
+extra) and held against its chips' HBM. A data-parallel slice needs the same per chip.
 """
 
 import argparse
@@ -20,10 +21,6 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a clone
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import targets  # noqa: E402
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -42,10 +39,9 @@ def main():
       help="Resolution of the search in examples (default: the batch shards, as at start).",
   )
   parser.add_argument(
-      "--device",
+      "--topology",
       default="",
-      choices=["", *targets.TARGETS],
-      help="Compile for one device of this kind instead of this machine's (no device needed).",
+      help="Compile for this TPU slice or GPU instead of this machine's devices (e.g. v5e-1, h100).",
   )
   parser.add_argument(
       "--set",
@@ -73,26 +69,28 @@ def main():
         f"--step={args.step} must be >= 0 (0 = the batch shards) and --memory_fraction="
         f"{args.memory_fraction} in (0, 1]."
     )
-  if args.device:
-    targets.compile_on_this_host()  # before JAX starts
   import jax  # noqa: PLC0415
   from absl import logging  # noqa: PLC0415
 
   logging.set_verbosity(logging.INFO)  # a line per compile: on a CPU host each takes minutes
-  from electra_jax import config_lib, memory, partitioning, resolve, sweep, train_state  # noqa: PLC0415
+  from electra_jax import config_lib, fit, memory, partitioning, resolve, sweep, train_state  # noqa: PLC0415
   from electra_jax.errors import ConfigError  # noqa: PLC0415
 
-  if args.device:
-    target = targets.TARGETS[args.device]
-    devices = targets.devices(target)
-    kind, limit = target.name, int(args.memory_fraction * target.memory)
+  if args.topology:
+    fit.compile_here()  # before JAX starts a backend
+    try:
+      target = fit.lookup(args.topology)
+      devices = fit.devices(target)
+    except ConfigError as e:
+      sys.exit(str(e))
+    kind, limit = str(target), int(args.memory_fraction * target.chip.hbm)
   else:
     devices = jax.devices()
     kind, limit = devices[0].device_kind, int(
         args.memory_fraction * memory.device_memory_bytes(devices[0])
     )
   print(
-      f"device: {kind} x {len(devices)}{' (compiled for, not present)' if args.device else ''}, "
+      f"device: {kind} x {len(devices)}{' (compiled for, not present)' if args.topology else ''}, "
       f"{limit / 2**30:.1f} GiB allowed per device ({args.memory_fraction:.0%}), dtype {args.dtype}\n"
   )
   print(

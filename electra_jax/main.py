@@ -1,28 +1,23 @@
 """The command line (the `electra-jax` console script, or `python -m electra_jax.main`): one absl
 program whose --mode picks the job. USAGE below is what `--help` prints; docs/ has the manual."""
 
+import dataclasses
 import logging as std_logging
 import math
 import os
 import sys
 import time
+from typing import Callable
 
-from electra_jax import xla_flags
+import flax
+import jax
+from absl import app, flags, logging
+from ml_collections import config_flags
+from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
-# Before JAX starts; run as the program, it may restart the process with glibc's settings for CPU training.
-xla_flags.apply_cpu_defaults(
-    restart=__name__ == "__main__" or os.path.basename(sys.argv[0]) == "electra-jax"
-)
-
-import flax  # noqa: E402
-import jax  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-from ml_collections.config_flags.config_flags import ConfigFileFlagParser  # noqa: E402
-
-import electra_jax  # noqa: E402
-from electra_jax import config_lib, data, distributed, interop, train, workdir_files  # noqa: E402
-from electra_jax.errors import ConfigError  # noqa: E402
+import electra_jax
+from electra_jax import config_lib, data, distributed, fit, interop, train, workdir_files, xla_flags
+from electra_jax.errors import ConfigError
 
 
 class _RecipeParser(ConfigFileFlagParser):
@@ -56,35 +51,6 @@ config_flags.DEFINE_config_file(
 )
 FLAGS["config"].parser = _RecipeParser("config")
 flags.DEFINE_string("workdir", None, "Directory for config.json, metrics.jsonl and checkpoints.")
-# One line each: `electra-jax --help` lists them (USAGE below).
-_MODES = {
-    "train": "pre-train, or resume, in --workdir (the default mode)",
-    "eval": "held-out metrics of --workdir's latest checkpoint (or --step)",
-    "finetune": "a task head on a pre-trained discriminator (configs/finetune/*.py), results in --workdir",
-    "export_hf": "write --workdir (pre-training or fine-tuning) as Hugging Face directories in --out",
-    "import_hf": "start --workdir from a released Hugging Face pair (--hf_discriminator, --hf_generator)",
-    "import_tf": "start --workdir from an official TF1 checkpoint (--tf_checkpoint)",
-    "train_tokenizer": "train a sentencepiece model on the config's corpus into --out",
-    "prepare_data": "tokenize and pack the config's corpus into shards in data.prepared_dir",
-    "sweep": "train the --sweep/--sweep_file runs of --config in sub-workdirs of --workdir and tabulate them",
-    "sweep_report": "rewrite a sweep folder's results.csv/results.md without training",
-    "plot": "curves of --workdir=W1,W2,... (sweep folders expand to their runs) into --out (PNG)",
-}
-USAGE = "\n".join(
-    [
-        "electra-jax: ELECTRA pre-training and fine-tuning in JAX.",
-        "",
-        "  electra-jax [--mode=MODE] --config=RECIPE --workdir=DIR [--config.group.key=value ...]",
-        "  electra-jax --config=configs/demo.py --workdir=workdirs/demo    # the demo, on a CPU",
-        "",
-        "Modes:",
-        *(f"  {mode:<16}{line}" for mode, line in _MODES.items()),
-        "",
-        "Recipes: configs/*.py (configs/base.py lists every key); docs/ has the manual.",
-        "--helpfull lists every flag, those of the libraries too.",
-    ]
-)
-flags.DEFINE_enum("mode", "train", list(_MODES), "What to do; one of the modes above.")
 flags.DEFINE_bool("version", False, "Print the version of electra-jax and of JAX, then exit.")
 # The other flags, by mode (their help starts with the modes that read them).
 for define, name, default, help_text in (
@@ -130,6 +96,18 @@ for define, name, default, help_text in (
         "take_over_workdir",
         False,
         "train and sweep: start though another run's lease holds --workdir (you know that run is dead).",
+    ),
+    (
+        flags.DEFINE_string,
+        "topology",
+        None,
+        "compile: the TPU slice or GPUs to compile for, e.g. v5e-16, v4-32, v5p-64, h100-8.",
+    ),
+    (
+        flags.DEFINE_bool,
+        "max_batch",
+        False,
+        "compile: also search the largest batch that fits (a compile per candidate).",
     ),
     (
         flags.DEFINE_string,
@@ -194,32 +172,6 @@ flags.DEFINE_enum(
     ["discriminator", "generator"],
     "import_hf: whose embeddings both towers keep where the two differ (by default refused).",
 )
-_DATA_CONFIG = "--config (a recipe with the data.* settings of the corpus)."
-_IMPORT_CONFIG = "--config: the recipe whose training, data and mesh settings the workdir will use."
-_HF_PAIR = "--hf_discriminator=DIR and --hf_generator=DIR."
-# The flags a mode needs beyond --workdir: (flag names, any one of which will do; what "--mode=M needs").
-_NEEDS = {
-    "prepare_data": (("config", _DATA_CONFIG),),
-    "train_tokenizer": (("config", _DATA_CONFIG), ("out", "--out=PATH (the model file to write).")),
-    "export_hf": (("out", "--out=DIR (where the model directories go)."),),
-    "plot": (("out", "--out=FILE.png."),),
-    "sweep": (
-        ("config", "--config (the recipe every run starts from)."),
-        ("sweep sweep_file", "--sweep=KEY=V1,V2 (repeatable) and/or --sweep_file=FILE."),
-    ),
-    "finetune": (
-        ("config", "--config (configs/finetune/glue.py, squad.py, custom.py or tiny.py)."),
-    ),
-    "import_hf": (
-        ("config", _IMPORT_CONFIG),
-        ("hf_discriminator", _HF_PAIR),
-        ("hf_generator", _HF_PAIR),
-    ),
-    "import_tf": (
-        ("config", _IMPORT_CONFIG),
-        ("tf_checkpoint", "--tf_checkpoint=PATH (model.ckpt-N or its folder)."),
-    ),
-}
 _SUMMARY_METRICS = ("loss", "masked_lm_accuracy", "disc_auc", "disc_precision", "disc_recall")
 
 
@@ -251,6 +203,241 @@ def end_summary(config, metrics: dict, workdir: str, seconds: float) -> str:
   )
 
 
+# --- The modes: each takes (config, workdir), reads its own flags, and prints what it made.
+def _train(config, workdir):
+  if config is None and not workdir_files.exists(workdir_files.path(workdir, "config.json")):
+    raise ConfigError(
+        "--mode=train needs --config (a recipe, e.g. configs/demo.py), unless --workdir already "
+        "holds a config.json to continue with."
+    )
+  config = config or config_lib.load_workdir_config(workdir)
+  started = time.perf_counter()
+  metrics = train.train_and_evaluate(config, workdir, take_over_workdir=FLAGS.take_over_workdir)
+  if metrics and jax.process_index() == 0:  # one summary per job, not per host
+    print(end_summary(config, metrics, workdir, time.perf_counter() - started))
+
+
+def _eval(config, workdir):
+  held_out = train.evaluate_checkpoint(
+      config or config_lib.load_workdir_config(workdir), workdir, FLAGS.step
+  )
+  summary = ", ".join(f"{k}={v:.4g}" for k, v in sorted(held_out.items()))
+  print(f"Held-out metrics (checkpoint {held_out['step']}): {summary}")
+  print(f"Written to {workdir}/eval_step_{held_out['step']}.json")
+
+
+def _compile(config, workdir):
+  del workdir  # nothing is written
+  found = fit.check(config, fit.lookup(FLAGS.topology), FLAGS.max_batch)
+  print(fit.describe(found, config))
+  if not found.fits:
+    sys.exit(1)  # the report says why; a script can test the exit status
+
+
+def _finetune(config, workdir):
+  from electra_jax.finetune import trainer  # noqa: PLC0415 (tfds/squad stay out of other modes)
+
+  results = trainer.run_finetune(config, workdir)  # prints its table itself
+  print(f"Results: {workdir}/{results['task']}/results.json")
+
+
+def _export_hf(config, workdir):
+  from electra_jax.finetune import export  # noqa: PLC0415 (as finetune)
+
+  for name, directory in export.export_hf(workdir, FLAGS.out, FLAGS.export_generator).items():
+    print(f"Wrote the {name} (Hugging Face format) to {directory}")
+
+
+def _write_imported(pair, config, workdir):
+  summary = interop.write_pretraining_workdir(pair, config, workdir, FLAGS.hf_embeddings_from)
+  print(
+      f"Imported {pair.source} ({summary['num_params']:,} parameters, generator_fraction="
+      f"{summary['generator_fraction']:.4g}) as step 0 of {summary['workdir']}; vocabulary "
+      f"{summary['vocab_file']}.\nContinue pre-training with: electra-jax --workdir={summary['workdir']}"
+  )
+
+
+def _import_hf(config, workdir):
+  _write_imported(interop.pair_from_hf(FLAGS.hf_discriminator, FLAGS.hf_generator), config, workdir)
+
+
+def _import_tf(config, workdir):
+  pair = interop.pair_from_tf(FLAGS.tf_checkpoint, FLAGS.vocab_file, FLAGS.tf_num_heads)
+  _write_imported(pair, config, workdir)
+
+
+def _train_tokenizer(config, workdir):
+  info = data.train_tokenizer(config.data, FLAGS.out)
+  print(
+      f"Wrote {info['path']} ({info['vocab_size']} pieces, fingerprint {info['fingerprint']}); "
+      f"use it with --config.data.spm_model_file={info['path']}"
+  )
+
+
+def _prepare_data(config, workdir):
+  manifest = data.prepare_data(config.data, num_workers=FLAGS.workers)
+  totals = manifest["totals"]
+  print(
+      f"Prepared {len(manifest['shards'])} shards in {config.data.prepared_dir}: {totals['train_examples']} "
+      f"train / {totals['eval_examples']} eval examples, {totals['train_tokens']} train tokens. Train with "
+      "--config.data.source=prepared."
+  )
+
+
+def _sweep(config, workdir):
+  from electra_jax import sweep  # noqa: PLC0415
+
+  finetune_config = (
+      sweep.load_finetune_config(FLAGS.sweep_finetune, FLAGS.sweep_finetune_override)
+      if FLAGS.sweep_finetune
+      else None
+  )
+  result = sweep.run_sweep(
+      config,
+      workdir,
+      FLAGS.sweep,
+      FLAGS.sweep_file,
+      finetune_config,
+      take_over_workdir=FLAGS.take_over_workdir,
+  )
+  print(workdir_files.read_text(workdir_files.path(workdir, "results.md")))
+  curves = workdir_files.exists(workdir_files.path(workdir, "curves.png"))
+  print(
+      f"Tables: {workdir}/results.md, {workdir}/results.csv"
+      + (f"  Curves: {workdir}/curves.png" if curves else "")
+  )
+  if result["preempted"]:
+    print("The sweep stopped at a SIGTERM; run the same command to go on where it stopped.")
+  if result["failed"]:
+    sys.exit(
+        f"electra-jax: {len(result['failed'])} sweep run(s) failed: {', '.join(result['failed'])} "
+        "(see the log; re-run the same command to retry them)."
+    )
+
+
+def _sweep_report(config, workdir):
+  from electra_jax import sweep  # noqa: PLC0415
+
+  sweep.write_report(workdir)
+  print(f"Wrote {workdir}/results.md and {workdir}/results.csv")
+
+
+def _plot(config, workdir):
+  from electra_jax import plots  # noqa: PLC0415 (matplotlib: the `plots` extra)
+
+  plots.plot_curves(workdir.split(","), FLAGS.out, FLAGS.plot_metrics)
+  print(f"Wrote {FLAGS.out}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+  help: str  # one line of `electra-jax --help`
+  run: Callable  # (config, workdir) -> None
+  # Flags beyond --workdir: (names any one of which will do, what "--mode=M needs" when none is set).
+  needs: tuple[tuple[str, str], ...] = ()
+  workdir: bool = True  # needs --workdir
+  recipe: str | None = "pretraining"  # the kind of --config it reads: also "finetuning", or None
+  one_process: bool = False  # refused as one process of several
+  here: bool = False  # joins no multi-process job and computes on this machine's CPU
+
+
+_DATA_CONFIG = ("config", "--config (a recipe with the data.* settings of the corpus).")
+_IMPORT_CONFIG = (
+    "config",
+    "--config: the recipe whose training, data and mesh settings the workdir will use.",
+)
+_HF_PAIR = "--hf_discriminator=DIR and --hf_generator=DIR."
+MODES = {
+    "train": Mode("pre-train, or resume, in --workdir (the default mode)", _train),
+    "eval": Mode("held-out metrics of --workdir's latest checkpoint (or --step)", _eval),
+    "compile": Mode(
+        "compile the train step for a --topology without one (v5e-16, v4-32, h100-8, ...): "
+        "memory per chip, fits or not",
+        _compile,
+        needs=(
+            ("config", "--config (the recipe to compile)."),
+            ("topology", "--topology (e.g. v5e-16, v4-32, v5p-64, v6e-8, h100)."),
+        ),
+        workdir=False,
+        here=True,
+    ),
+    "finetune": Mode(
+        "a task head on a pre-trained discriminator (configs/finetune/*.py), results in --workdir",
+        _finetune,
+        needs=(("config", "--config (configs/finetune/glue.py, squad.py, custom.py or tiny.py)."),),
+        recipe="finetuning",
+        one_process=True,
+    ),
+    "export_hf": Mode(
+        "write --workdir (pre-training or fine-tuning) as Hugging Face directories in --out",
+        _export_hf,
+        needs=(("out", "--out=DIR (where the model directories go)."),),
+        one_process=True,
+    ),
+    "import_hf": Mode(
+        "start --workdir from a released Hugging Face pair (--hf_discriminator, --hf_generator)",
+        _import_hf,
+        needs=(_IMPORT_CONFIG, ("hf_discriminator", _HF_PAIR), ("hf_generator", _HF_PAIR)),
+        one_process=True,
+    ),
+    "import_tf": Mode(
+        "start --workdir from an official TF1 checkpoint (--tf_checkpoint)",
+        _import_tf,
+        needs=(
+            _IMPORT_CONFIG,
+            ("tf_checkpoint", "--tf_checkpoint=PATH (model.ckpt-N or its folder)."),
+        ),
+        one_process=True,
+    ),
+    "train_tokenizer": Mode(
+        "train a sentencepiece model on the config's corpus into --out",
+        _train_tokenizer,
+        needs=(_DATA_CONFIG, ("out", "--out=PATH (the model file to write).")),
+        workdir=False,
+    ),
+    "prepare_data": Mode(
+        "tokenize and pack the config's corpus into shards in data.prepared_dir",
+        _prepare_data,
+        needs=(_DATA_CONFIG,),
+        workdir=False,
+    ),
+    "sweep": Mode(
+        "train the --sweep/--sweep_file runs of --config in sub-workdirs of --workdir and tabulate them",
+        _sweep,
+        needs=(
+            ("config", "--config (the recipe every run starts from)."),
+            ("sweep sweep_file", "--sweep=KEY=V1,V2 (repeatable) and/or --sweep_file=FILE."),
+        ),
+    ),
+    "sweep_report": Mode(
+        "rewrite a sweep folder's results.csv/results.md without training",
+        _sweep_report,
+        recipe=None,
+    ),
+    "plot": Mode(
+        "curves of --workdir=W1,W2,... (sweep folders expand to their runs) into --out (PNG)",
+        _plot,
+        needs=(("out", "--out=FILE.png."),),
+        recipe=None,
+    ),
+}
+USAGE = "\n".join(
+    [
+        "electra-jax: ELECTRA pre-training and fine-tuning in JAX.",
+        "",
+        "  electra-jax [--mode=MODE] --config=RECIPE --workdir=DIR [--config.group.key=value ...]",
+        "  electra-jax --config=configs/demo.py --workdir=workdirs/demo    # the demo, on a CPU",
+        "",
+        "Modes:",
+        *(f"  {name:<16}{mode.help}" for name, mode in MODES.items()),
+        "",
+        "Recipes: configs/*.py (configs/base.py lists every key); docs/ has the manual.",
+        "--helpfull lists every flag, those of the libraries too.",
+    ]
+)
+flags.DEFINE_enum("mode", "train", list(MODES), "What to do; one of the modes above.")
+
+
 def _quiet_libraries(record) -> bool:
   # orbax logs every save at INFO through absl; JAX says at INFO that it found no TPU.
   return record.levelno >= std_logging.WARNING or (
@@ -258,30 +445,30 @@ def _quiet_libraries(record) -> bool:
   )
 
 
-def _check_flags(mode: str, config) -> None:
+def _check_flags(name: str, mode: Mode, config) -> None:
   """The flags `mode` needs, and a recipe of its kind (fine-tuning ones have init_from)."""
-  if config is not None and mode not in ("plot", "sweep_report"):
-    if "init_from" in config and mode != "finetune":
+  if config is not None and mode.recipe is not None:
+    if "init_from" in config and mode.recipe != "finetuning":
       raise ConfigError(
-          f"--config is a fine-tuning recipe (configs/finetune/), but --mode={mode} takes a pre-training "
+          f"--config is a fine-tuning recipe (configs/finetune/), but --mode={name} takes a pre-training "
           "one (configs/demo.py, configs/electra_small.py, ...). To fine-tune, add --mode=finetune."
       )
-    if mode == "finetune" and "init_from" not in config:
+    if mode.recipe == "finetuning" and "init_from" not in config:
       raise ConfigError(
-          "--mode=finetune takes a fine-tuning recipe (configs/finetune/*.py; the pre-training workdir "
+          f"--mode={name} takes a fine-tuning recipe (configs/finetune/*.py; the pre-training workdir "
           "goes in --config.init_from), but --config is a pre-training one."
       )
-  if mode in ("finetune", "export_hf", "import_hf", "import_tf") and jax.process_count() > 1:
+  if mode.one_process and jax.process_count() > 1:
     raise ConfigError(
-        f"--mode={mode} runs in one process, but this is process {jax.process_index()} of "
+        f"--mode={name} runs in one process, but this is process {jax.process_index()} of "
         f"{jax.process_count()}. Start it once, without the multi-process settings "
         "(--coordinator_address/--num_processes/--process_id, ELECTRA_JAX_* variables, or srun)."
     )
-  if mode not in ("prepare_data", "train_tokenizer") and FLAGS.workdir is None:
-    raise ConfigError(f"--mode={mode} needs --workdir.")
-  for names, what in _NEEDS.get(mode, ()):
-    if all(FLAGS[name].value in (None, "", []) for name in names.split()):
-      raise ConfigError(f"--mode={mode} needs {what}")
+  if mode.workdir and FLAGS.workdir is None:
+    raise ConfigError(f"--mode={name} needs --workdir.")
+  for names, what in mode.needs:
+    if all(FLAGS[flag].value in (None, "", []) for flag in names.split()):
+      raise ConfigError(f"--mode={name} needs {what}")
 
 
 def main(argv):
@@ -293,115 +480,30 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   logging.get_absl_handler().addFilter(_quiet_libraries)
   if os.environ.get("GLIBC_TUNABLES") == xla_flags.HUGE_PAGES:
-    logging.vlog(
-        1,
-        "CPU: glibc allocates large buffers on huge pages (GLIBC_TUNABLES=%s; "
-        "ELECTRA_JAX_XLA_DEFAULTS=0 turns it off).",
+    logging.info(
+        "CPU: glibc puts large allocations on huge pages (GLIBC_TUNABLES=%s, set at start; "
+        "ELECTRA_JAX_XLA_DEFAULTS=0 leaves malloc alone).",
         xla_flags.HUGE_PAGES,
     )
-  mode, config, workdir, out = FLAGS.mode, FLAGS.config, FLAGS.workdir, FLAGS.out
+  mode = MODES[FLAGS.mode]
   try:
-    distributed.initialize(
-        FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id
-    )  # before any device
-    _check_flags(mode, config)
-    if mode == "train":
-      if config is None and not workdir_files.exists(workdir_files.path(workdir, "config.json")):
-        raise ConfigError(
-            "--mode=train needs --config (a recipe, e.g. configs/demo.py), unless --workdir already "
-            "holds a config.json to continue with."
-        )
-      config = config or config_lib.load_workdir_config(workdir)
-      started = time.perf_counter()
-      metrics = train.train_and_evaluate(config, workdir, take_over_workdir=FLAGS.take_over_workdir)
-      if metrics and jax.process_index() == 0:  # one summary per job, not per host
-        print(end_summary(config, metrics, workdir, time.perf_counter() - started))
-    elif mode == "eval":
-      held_out = train.evaluate_checkpoint(
-          config or config_lib.load_workdir_config(workdir), workdir, FLAGS.step
-      )
-      summary = ", ".join(f"{k}={v:.4g}" for k, v in sorted(held_out.items()))
-      print(f"Held-out metrics (checkpoint {held_out['step']}): {summary}")
-      print(f"Written to {workdir}/eval_step_{held_out['step']}.json")
-    elif mode == "finetune":
-      from electra_jax.finetune import trainer  # noqa: PLC0415 (tfds/squad stay out of other modes)
-
-      results = trainer.run_finetune(config, workdir)  # prints its table itself
-      print(f"Results: {workdir}/{results['task']}/results.json")
-    elif mode == "export_hf":
-      from electra_jax.finetune import export  # noqa: PLC0415 (as finetune)
-
-      for name, directory in export.export_hf(workdir, out, FLAGS.export_generator).items():
-        print(f"Wrote the {name} (Hugging Face format) to {directory}")
-    elif mode in ("import_hf", "import_tf"):
-      pair = (
-          interop.pair_from_hf(FLAGS.hf_discriminator, FLAGS.hf_generator)
-          if mode == "import_hf"
-          else interop.pair_from_tf(FLAGS.tf_checkpoint, FLAGS.vocab_file, FLAGS.tf_num_heads)
-      )
-      summary = interop.write_pretraining_workdir(pair, config, workdir, FLAGS.hf_embeddings_from)
-      print(
-          f"Imported {pair.source} ({summary['num_params']:,} parameters, generator_fraction="
-          f"{summary['generator_fraction']:.4g}) as step 0 of {summary['workdir']}; vocabulary "
-          f"{summary['vocab_file']}.\nContinue pre-training with: electra-jax --workdir={summary['workdir']}"
-      )
-    elif mode == "prepare_data":
-      manifest = data.prepare_data(config.data, num_workers=FLAGS.workers)
-      totals = manifest["totals"]
-      print(
-          f"Prepared {len(manifest['shards'])} shards in {config.data.prepared_dir}: {totals['train_examples']} "
-          f"train / {totals['eval_examples']} eval examples, {totals['train_tokens']} train tokens. Train with "
-          "--config.data.source=prepared."
-      )
-    elif mode == "train_tokenizer":
-      info = data.train_tokenizer(config.data, out)
-      print(
-          f"Wrote {info['path']} ({info['vocab_size']} pieces, fingerprint {info['fingerprint']}); "
-          f"use it with --config.data.spm_model_file={info['path']}"
-      )
-    elif mode == "plot":
-      from electra_jax import plots  # noqa: PLC0415 (matplotlib: the `plots` extra)
-
-      plots.plot_curves(workdir.split(","), out, FLAGS.plot_metrics)
-      print(f"Wrote {out}")
+    if mode.here:
+      fit.compile_here()
     else:
-      from electra_jax import sweep  # noqa: PLC0415
-
-      if mode == "sweep_report":
-        sweep.write_report(workdir)
-        print(f"Wrote {workdir}/results.md and {workdir}/results.csv")
-        return
-      finetune_config = (
-          sweep.load_finetune_config(FLAGS.sweep_finetune, FLAGS.sweep_finetune_override)
-          if FLAGS.sweep_finetune
-          else None
+      distributed.initialize(  # before any device
+          FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id
       )
-      result = sweep.run_sweep(
-          config,
-          workdir,
-          FLAGS.sweep,
-          FLAGS.sweep_file,
-          finetune_config,
-          take_over_workdir=FLAGS.take_over_workdir,
-      )
-      print(workdir_files.read_text(workdir_files.path(workdir, "results.md")))
-      curves = workdir_files.exists(workdir_files.path(workdir, "curves.png"))
-      print(
-          f"Tables: {workdir}/results.md, {workdir}/results.csv"
-          + (f"  Curves: {workdir}/curves.png" if curves else "")
-      )
-      if result["preempted"]:
-        print("The sweep stopped at a SIGTERM; run the same command to go on where it stopped.")
-      if result["failed"]:
-        sys.exit(
-            f"electra-jax: {len(result['failed'])} sweep run(s) failed: {', '.join(result['failed'])} "
-            "(see the log; re-run the same command to retry them)."
-        )
+    _check_flags(FLAGS.mode, mode, FLAGS.config)
+    mode.run(FLAGS.config, FLAGS.workdir)
   except (ConfigError, FloatingPointError) as error:  # a mistake, or a diverged run
     sys.exit(f"electra-jax: error: {error}")
 
 
 def run():
+  """The console script: the CPU settings that must precede JAX's start, then absl."""
+  if xla_flags.apply_cpu_defaults():
+    jax.config.update("jax_platforms", "cpu")  # jax read $JAX_PLATFORMS when imported, before it
+  xla_flags.restart_with_huge_pages()  # at most once: the process it starts has them set
   sys.modules["__main__"].__doc__ = USAGE  # what absl's --help prints first
   for name in (
       "mode",

@@ -19,27 +19,31 @@ RECOMPUTE_TOLERANCE = 0.02
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
   batch_size: int
-  bytes_per_device: (
-      int | None
-  )  # arguments + outputs - donated + temporaries; None: refused as too large
-  flops: float | None = (
-      None  # XLA's cost analysis per device, which counts what it recomputes to fit
-  )
+  bytes_per_device: int | None  # the sum of `parts`; None: the compiler refused it as too large
+  flops: float | None = None  # XLA's cost analysis per device, which counts what it recomputes
+  parts: dict[str, int] = dataclasses.field(default_factory=dict)  # memory_parts of the step
 
 
-def compiled_bytes(compiled) -> int:
-  """Peak bytes one device holds for a compiled computation, as XLA's buffer assignment says."""
+def memory_parts(compiled) -> dict[str, int]:
+  """Bytes one device holds for a compiled computation by kind, as XLA's buffer assignment says;
+  the donated inputs that outputs reuse count negative."""
   m = compiled.memory_analysis()
   if m is None:
     raise ConfigError(
         "This backend reports no memory analysis for compiled steps; set train.batch_size."
     )
-  return int(
-      m.argument_size_in_bytes
-      + m.output_size_in_bytes
-      - m.alias_size_in_bytes
-      + m.temp_size_in_bytes
-  )
+  return {
+      "arguments": int(m.argument_size_in_bytes),
+      "outputs": int(m.output_size_in_bytes),
+      "donated": -int(m.alias_size_in_bytes),
+      "temporaries": int(m.temp_size_in_bytes),
+      "generated code": int(m.generated_code_size_in_bytes),
+  }
+
+
+def compiled_bytes(compiled) -> int:
+  """Peak bytes one device holds for a compiled computation (the sum of its memory_parts)."""
+  return sum(memory_parts(compiled).values())
 
 
 def compiled_flops(compiled) -> float | None:
@@ -81,7 +85,8 @@ def step_memory(compile_step, batch_size: int) -> StepMemory:
         str(e).splitlines()[0][:200],
     )
     return StepMemory(batch_size, None)
-  size, flops = compiled_bytes(compiled), compiled_flops(compiled)
+  parts, flops = memory_parts(compiled), compiled_flops(compiled)
+  size = sum(parts.values())
   logging.info(
       "Batch %d: %.2f GiB per device, %s (compiled in %.0f s).",
       batch_size,
@@ -89,7 +94,7 @@ def step_memory(compile_step, batch_size: int) -> StepMemory:
       "no cost analysis" if flops is None else f"{flops / 1e9:,.1f} GFLOPs",
       time.perf_counter() - start,
   )
-  return StepMemory(batch_size, size, flops)
+  return StepMemory(batch_size, size, flops, parts)
 
 
 def linear_fit(small: StepMemory, large: StepMemory) -> tuple[float, float]:

@@ -1,5 +1,6 @@
-"""CPU settings the CLI applies before JAX starts: XLA flags that keep YNNPACK for reductions only, and,
-without an accelerator, huge pages for glibc's large allocations. The user's own settings win."""
+"""CPU settings the CLI applies when it starts, before JAX starts a backend: XLA flags that keep
+YNNPACK for reductions only and, on a Linux machine without a GPU or TPU, JAX on its CPU backend
+alone and huge pages for glibc's large allocations. The user's own settings win."""
 
 import importlib.util
 import os
@@ -71,20 +72,34 @@ def tpu_chips_present() -> bool:
     return False
 
 
-def apply_cpu_defaults(restart: bool = False) -> None:
-  """Sets $XLA_FLAGS before JAX starts; with `restart`, a process that gains from malloc_tunables
-  starts again with them (glibc reads them only at start). ELECTRA_JAX_XLA_DEFAULTS=0: neither."""
-  if os.environ.get("ELECTRA_JAX_XLA_DEFAULTS", "1") == "0":
-    return
+def apply_cpu_defaults(environ=os.environ) -> bool:
+  """Adds our CPU flags to $XLA_FLAGS and, where no accelerator is visible on Linux, sets
+  JAX_PLATFORMS=cpu, so that JAX starts no accelerator plugin (libtpu installed to compile for
+  TPUs would print its search for one). Returns whether it set JAX_PLATFORMS; the user's own
+  value stays. ELECTRA_JAX_XLA_DEFAULTS=0: nothing is set."""
+  if environ.get("ELECTRA_JAX_XLA_DEFAULTS", "1") == "0":
+    return False
   import jaxlib  # noqa: PLC0415 (imported only to read its version)
 
-  os.environ["XLA_FLAGS"] = cpu_defaults(jaxlib.__version__, os.environ.get("XLA_FLAGS", ""))
-  tunables = malloc_tunables() if restart and sys.executable else None
+  environ["XLA_FLAGS"] = cpu_defaults(jaxlib.__version__, environ.get("XLA_FLAGS", ""))
+  if "JAX_PLATFORMS" in environ or platform.system() != "Linux" or accelerator_visible(environ):
+    return False
+  environ["JAX_PLATFORMS"] = "cpu"
+  return True
+
+
+def restart_with_huge_pages() -> None:
+  """Starts this process again (the same process id, arguments and environment) with
+  malloc_tunables() when they apply and are not set yet: glibc reads them only at start. Returns
+  without restarting otherwise, or if it cannot. ELECTRA_JAX_XLA_DEFAULTS=0: never restarts."""
+  if os.environ.get("ELECTRA_JAX_XLA_DEFAULTS", "1") == "0" or not sys.executable:
+    return
+  tunables = malloc_tunables()
   if tunables:
     os.environ["GLIBC_TUNABLES"] = tunables  # also what stops a second restart
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-      os.execv(sys.executable, sys.orig_argv)  # the same process id, arguments and environment
+      os.execv(sys.executable, sys.orig_argv)
     except OSError:  # could not start again: carry on as we are, without the tunables
       del os.environ["GLIBC_TUNABLES"]

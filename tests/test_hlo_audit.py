@@ -122,21 +122,3 @@ def test_gpu_kernels_by_hand():
   gather = 4 * 8 + 4 * 8 * 2 + 4 * 8  # 8 logits taken, the ids, the result
   rows = 4 * 10 * 8 + 4 * 64 + 4 * 64 * 8  # 64 rows taken from 10: the table read once at most
   assert totals["bytes"] == matmul + sliced_add + forward + backward + gather + rows
-
-
-def test_compile_targets_give_devices_or_say_what_to_install(monkeypatch):
-  """benchmarks/targets.py: a GPU or TPU target gives compile-only devices where jax's plugin
-  for it is installed, and otherwise stops with the pip line for this jax; a topology is for
-  TPU slices only."""
-  monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))
-  targets = importlib.import_module("targets")
-  for name, extra in [("h100", "cuda12"), ("tpu_v5e", "tpu")]:
-    target = targets.TARGETS[name]
-    try:
-      devices = targets.devices(target)
-    except SystemExit as e:
-      assert f'pip install "jax[{extra}]=={jax.__version__}"' in str(e), str(e)
-    else:
-      assert len(devices) == 1 and devices[0].platform == target.platform
-  with pytest.raises(SystemExit, match="--topology is for TPU slices"):
-    targets.devices(targets.TARGETS["h100"], "2x2")

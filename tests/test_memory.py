@@ -101,6 +101,7 @@ def _compiler_with_memory(monkeypatch, bytes_of, device_bytes, flops_of=None):
         output_size_in_bytes=0,
         alias_size_in_bytes=0,
         temp_size_in_bytes=0,
+        generated_code_size_in_bytes=0,
     )
     cost = {} if flops_of is None else {"flops": float(flops_of(batch))}
     return types.SimpleNamespace(memory_analysis=lambda: analysis, cost_analysis=lambda: cost)

@@ -1,5 +1,7 @@
-"""The CLI's XLA:CPU defaults: added only where verified, never over the user's own setting,
-and accepted by this machine's XLA (which aborts on a flag it does not know)."""
+"""The CLI's start-up settings: XLA:CPU flags added only where verified, never over the user's
+own setting, and accepted by this machine's XLA (which aborts on a flag it does not know); JAX
+kept to its CPU backend where no accelerator is; glibc's huge pages, applied by a restart when the
+CLI starts (never when a module is imported) and said in its log."""
 
 import subprocess
 import sys
@@ -23,19 +25,48 @@ def test_defaults_respect_the_version_and_the_users_flags():
   assert xla_flags.cpu_defaults("0.99.0", "--a=1") == "--a=1"
 
 
-def test_the_cli_module_sets_them_and_xla_accepts_them():
-  code = "import os, electra_jax.main, jax; print(jax.devices()[0].platform); print(os.environ['XLA_FLAGS'])"
+_STARTS = """
+import os, sys
+print("started", flush=True)
+before = os.environ.get("XLA_FLAGS")
+from electra_jax import main
+print("imported", before == os.environ.get("XLA_FLAGS"), flush=True)
+sys.argv = ["electra-jax", "--version"]
+try:
+  main.run()
+except SystemExit:
+  pass
+import jax
+print(jax.devices()[0].platform, os.environ["XLA_FLAGS"], os.environ.get("JAX_PLATFORMS"), sep="\\n")
+"""
+
+
+def test_the_cli_sets_them_when_it_starts_not_when_imported_and_xla_accepts_them():
   env = {"PATH": "/usr/bin:/bin", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
   out = subprocess.run(
-      [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+      [sys.executable, "-c", _STARTS],
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
   )
   assert out.returncode == 0, out.stderr[-2000:]
-  platform, flags = out.stdout.split("\n")[:2]
+  lines = out.stdout.split("\n")
+  # Importing main changed nothing and started nothing again; run() did, once, if huge pages apply.
+  starts = [line for line in lines if line.startswith(("started", "imported"))]
+  restarts = xla_flags.malloc_tunables({"JAX_PLATFORMS": "cpu"}) is not None
+  assert starts == ["started", "imported True"] * (2 if restarts else 1)
+  platform, flags, platforms = lines[-4:-1]
   assert platform == "cpu"
   assert "--xla_force_host_platform_device_count=2" in flags
   assert (f"{FLAG}=" in flags) == jaxlib.__version__.startswith(xla_flags.VERIFIED_JAXLIB)
+  # No accelerator here: JAX starts no plugin (libtpu, installed for the fit check, would look for
+  # a TPU and say so on stderr).
+  assert platforms == ("None" if xla_flags.accelerator_visible({}) else "cpu")
+  assert "libtpu" not in out.stderr and "TPU" not in out.stderr
   off = subprocess.run(
-      [sys.executable, "-c", code],
+      [sys.executable, "-c", _STARTS],
       cwd=REPO,
       env={**env, "ELECTRA_JAX_XLA_DEFAULTS": "0"},
       capture_output=True,
@@ -43,12 +74,28 @@ def test_the_cli_module_sets_them_and_xla_accepts_them():
       timeout=300,
   )
   assert off.returncode == 0 and FLAG not in off.stdout
+  assert off.stdout.split("\n")[-2] == "None" and off.stdout.count("started") == 1
+
+
+def test_the_cli_says_in_its_log_that_it_set_huge_pages():
+  result = subprocess.run(
+      [sys.executable, "-m", "electra_jax.main", "--mode=compile", "--config=demo", "--topology=x"],
+      cwd=REPO,
+      env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert result.returncode == 1 and "--topology='x' is not a TPU slice" in result.stderr
+  said = result.stderr.count(f"huge pages (GLIBC_TUNABLES={xla_flags.HUGE_PAGES}, set at start")
+  assert said == (xla_flags.malloc_tunables({"JAX_PLATFORMS": "cpu"}) is not None)
 
 
 _FAULTS = """
 import os, resource
 from electra_jax import xla_flags
-xla_flags.apply_cpu_defaults(restart=True)
+xla_flags.apply_cpu_defaults()
+xla_flags.restart_with_huge_pages()
 import jax, jax.numpy as jnp
 # cos(x) is a 128 MiB temporary of the compiled call (XLA:CPU does not fuse it into the dot).
 step = jax.jit(lambda x, w: jnp.cos(x) @ w)

@@ -1,0 +1,375 @@
+"""The fit check (`--mode=compile`): the train step compiled ahead of time for a TPU slice or GPUs
+that this machine does not have (jax's compile-only devices, from libtpu or the CUDA plugin), with
+XLA's memory per chip against the chip's HBM, its FLOPs against flops.py, and the largest batch."""
+
+import dataclasses
+import importlib.util
+import itertools
+import math
+import os
+
+import jax
+from jax.experimental import topologies
+
+from electra_jax import config_lib, flops, memory, partitioning, resolve, train_state
+from electra_jax.errors import ConfigError
+
+INSTALL = {
+    "tpu": "pip install 'electra-jax[tpu-compile]'",
+    "cuda": "pip install 'electra-jax[gpu-compile]'",
+}
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  kind: str  # jax's device_kind
+  hbm: int  # bytes of HBM per chip
+  bandwidth: float  # HBM bytes/s per chip (datasheets; flops.py has the peak FLOP/s)
+  cores: int = 1  # TensorCores per chip, which the slice names of v4 and v5p count
+  sm: (
+      tuple
+  ) = ()  # GPU: (SMs, shared memory per SM, per block opt-in, L2 bytes, GHz, FP32 lanes, cc)
+
+
+CHIPS = {
+    # Google Cloud TPU docs, "System architecture" (cloud.google.com/tpu/docs/v4): 32 GiB HBM2.
+    "v4": Chip("TPU v4", 32 * GiB, 1200e9, cores=2),
+    # cloud.google.com/tpu/docs/v5e: 16 GiB HBM2 (XLA refuses a step over 15.75 GiB of it).
+    "v5e": Chip("TPU v5 lite", 16 * GiB, 819e9),
+    # cloud.google.com/tpu/docs/v5p: 95 GiB HBM2e.
+    "v5p": Chip("TPU v5", 95 * GiB, 2765e9, cores=2),
+    # cloud.google.com/tpu/docs/v6e (Trillium): 32 GiB HBM.
+    "v6e": Chip("TPU v6 lite", 32 * GiB, 1640e9),
+    # nvidia-smi's memory.total on the H100 SXM of benchmarks/RESULTS.md (81,559 MiB).
+    "h100": Chip(
+        "NVIDIA H100 80GB HBM3",
+        85_520_809_984,
+        3.35e12,
+        sm=(132, 233472, 232448, 52428800, 1.98, 128, (9, 0)),
+    ),
+    # nvidia-smi's memory.total on the H200 of benchmarks/RESULTS.md (143,771 MiB).
+    "h200": Chip(
+        "NVIDIA H200",
+        150_754_820_096,
+        4.8e12,
+        sm=(132, 233472, 232448, 52428800, 1.98, 128, (9, 0)),
+    ),
+    # NVIDIA's A100 datasheet (SXM4, 80 GB HBM2e), which nvidia-smi counts as 81,920 MiB.
+    "a100": Chip(
+        "NVIDIA A100-SXM4-80GB",
+        81_920 * 2**20,
+        2.039e12,
+        sm=(108, 167936, 166912, 41943040, 1.41, 64, (8, 0)),
+    ),
+}
+# The slice shapes Cloud TPU offers. v5e and v6e are 2-D and their names count chips; v4 and v5p
+# are 3-D and their names count TensorCores, two a chip (v4-32 is 2x2x4 = 16 chips).
+_SHAPES = {
+    2: ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
+    3: (
+        "2x2x1",
+        "2x2x2",
+        "2x2x4",
+        "2x4x4",
+        "4x4x4",
+        "4x4x8",
+        "4x8x8",
+        "8x8x8",
+        "8x8x16",
+        "8x16x16",
+    ),
+}
+_TPU_DIMS = {"v4": 3, "v5p": 3, "v5e": 2, "v6e": 2}
+_ALIASES = {"v5litepod": "v5e"}  # the accelerator type gcloud names a v5e slice by
+_GPUS_PER_HOST = 8
+
+# What XLA's GPU compiler is told of a GPU it compiles for without one.
+_GPU_DESCRIPTION = """gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: {smem} threads_per_core_limit: 2048 core_count: {sms}
+  fpus_per_core: {fpus} block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: {bandwidth:.0f} l2_cache_size: {l2}
+  clock_rate_ghz: {ghz} device_memory_size: {hbm} shared_memory_per_block_optin: {optin}
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}}
+runtime_version {{ major: 12 minor: 8 }}
+dnn_version_info {{ major: 9 minor: 8 }}
+platform_name: "CUDA"
+device_description_str: "{kind}"
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A TPU slice or a group of GPUs, by the name a user gives it (`v4-32`, `v5e-16`, `h100-8`)."""
+
+  name: str
+  family: str  # a key of CHIPS
+  chips: int
+  hosts: int
+  shape: str  # TPU: the slice's chip grid, e.g. "2x2x4"; GPU: ""
+
+  @property
+  def chip(self) -> Chip:
+    return CHIPS[self.family]
+
+  @property
+  def platform(self) -> str:
+    return "cuda" if self.chip.sm else "tpu"
+
+  def __str__(self) -> str:
+    hosts = f"{self.hosts} host{'s' if self.hosts > 1 else ''}"
+    counted = " (its name counts TensorCores, two a chip)" if self.chip.cores > 1 else ""
+    unit = "GPU" if self.platform == "cuda" else "chip"
+    return (
+        f"{self.name}: {self.chips} {unit}{'s' if self.chips > 1 else ''} on {hosts}{counted}, "
+        f"{self.chip.kind} with {self.chip.hbm / GiB:.1f} GiB of HBM each"
+    )
+
+
+def _tpu_targets() -> dict[str, Target]:
+  known = {}
+  for family, dims in _TPU_DIMS.items():
+    one_vm = 8 if dims == 2 else 4  # a 2-D slice of up to 8 chips is one VM; larger ones, 4 a VM
+    for shape in _SHAPES[dims]:
+      chips = math.prod(int(d) for d in shape.split("x"))
+      name = f"{family}-{chips * CHIPS[family].cores}"
+      known[name] = Target(name, family, chips, chips // 4 if chips > one_vm else 1, shape)
+  return known
+
+
+TPU_TARGETS = _tpu_targets()
+
+
+def known_targets() -> str:
+  """The names --topology takes, for a message."""
+  tpus = "; ".join(
+      ", ".join(names) for _, names in itertools.groupby(TPU_TARGETS, lambda n: n.split("-")[0])
+  )
+  gpus = ", ".join(name for name, chip in CHIPS.items() if chip.sm)
+  return (
+      f"TPU slices: {tpus} (v4 and v5p names count TensorCores, two a chip; v5e and v6e names "
+      f"count chips; v5litepod-N is v5e-N); GPUs: {gpus}, one GPU, or NAME-N for N of them "
+      f"(1, 2, 4, or a multiple of {_GPUS_PER_HOST}, {_GPUS_PER_HOST} a host), e.g. h100-8"
+  )
+
+
+def lookup(name: str) -> Target:
+  """The target `name` describes; ConfigError listing the known ones if it is none of them."""
+  family, _, count = name.strip().lower().partition("-")
+  family = _ALIASES.get(family, family)
+  if f"{family}-{count}" in TPU_TARGETS:
+    return dataclasses.replace(TPU_TARGETS[f"{family}-{count}"], name=name)
+  if family in CHIPS and CHIPS[family].sm and (count == "" or count.isdigit()):
+    gpus = int(count or 1)
+    if gpus in (1, 2, 4) or (gpus > 0 and gpus % _GPUS_PER_HOST == 0):
+      return Target(name, family, gpus, max(1, gpus // _GPUS_PER_HOST), "")
+  raise ConfigError(
+      f"--topology={name!r} is not a TPU slice or GPU this check knows. {known_targets()}."
+  )
+
+
+def check_mesh(mesh_config, target: Target) -> tuple[int, int, int]:
+  """The mesh's (data, fsdp, tensor) on `target`'s chips, by the same check training makes."""
+  try:
+    return partitioning.resolve_mesh_shape(mesh_config, target.chips)
+  except ConfigError as e:
+    raise ConfigError(f"The mesh does not fit --topology={target}. {e}") from None
+
+
+def _plugin_installed(platform: str) -> bool:
+  if platform == "tpu":
+    return (
+        bool(os.environ.get("TPU_LIBRARY_PATH")) or importlib.util.find_spec("libtpu") is not None
+    )
+  try:
+    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
+  except ModuleNotFoundError:  # no jax_plugins package: no plugin at all
+    return False
+
+
+def compile_here() -> None:
+  """JAX's own computations stay on this machine's CPU: the compiler runs here for devices that are
+  not, and no accelerator here (nor a plugin's search for one) is started. Call before JAX starts
+  a backend; later it changes nothing."""
+  jax.config.update("jax_platforms", "cpu")
+
+
+def devices(target: Target) -> list:
+  """Compile-only devices for every chip of `target`, over its hosts; ConfigError, before anything
+  compiles, naming the extra to install when the plugin is missing."""
+  if not _plugin_installed(target.platform):
+    what = "libtpu" if target.platform == "tpu" else "the CUDA plugin of jax"
+    raise ConfigError(
+        f"--topology={target.name} compiles with {what}, which is not installed. No accelerator is "
+        f"needed: {INSTALL[target.platform]}"
+    )
+  if target.platform == "tpu":
+    # This process only compiles: it opens no TPU, so another process holding this host's chips
+    # (libtpu's lock file) is no reason to stop, and libtpu need not look for a TPU VM's hosts.
+    for name, value in (
+        ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
+        ("TPU_WORKER_HOSTNAMES", "localhost"),
+        ("TPU_HOST_BOUNDS", "1,1,1"),
+    ):
+      os.environ.setdefault(name, value)
+    dims = [int(d) for d in target.shape.split("x")]
+    kwargs = dict(
+        chips_per_host_bounds=tuple(dims + [1] * (3 - len(dims)))
+        if target.hosts == 1
+        else (2, 2, 1),
+        # Full 3-D slices from 4x4x4 up, and 2-D sides of 16, close into a torus.
+        wrap=tuple(
+            [len(dims) == 3 and min(dims) >= 4 or d == 16 for d in dims] + [False] * (3 - len(dims))
+        ),
+    )
+    if target.chip.cores > 1:
+      kwargs["chip_config_name"] = "megacore"  # one JAX device per chip, its two cores as one
+    name, platform = f"{target.family}:{target.shape}", "tpu"
+  else:
+    sms, smem, optin, l2, ghz, fpus, (major, minor) = target.chip.sm
+    description = _GPU_DESCRIPTION.format(
+        smem=smem,
+        sms=sms,
+        fpus=fpus,
+        bandwidth=target.chip.bandwidth,
+        l2=l2,
+        ghz=ghz,
+        hbm=target.chip.hbm,
+        optin=optin,
+        major=major,
+        minor=minor,
+        kind=target.chip.kind,
+    )
+    per_host = target.chips // target.hosts
+    name, platform = "fit", "cuda"
+    kwargs = dict(target_config=description, topology=f"1x{target.hosts}x{per_host}")
+  try:
+    found = list(topologies.get_topology_desc(name, platform, **kwargs).devices)
+  except Exception as e:  # noqa: BLE001 (a plugin too old or too new for this jax)
+    raise ConfigError(
+        f"--topology={target.name}: the plugin installed could not describe it ({type(e).__name__}: "
+        f"{str(e).splitlines()[0][:300]}). Install the one this jax was built with: "
+        f"{INSTALL[target.platform]}"
+    ) from None
+  if len(found) != target.chips:  # a plugin that counts cores where we count chips
+    raise ConfigError(
+        f"--topology={target.name}: the plugin describes {len(found)} devices, not {target.chips} "
+        f"chips. Install the one this jax was built with: {INSTALL[target.platform]}"
+    )
+  return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+  """What the fit check found for one config on one target."""
+
+  target: Target
+  mesh: dict[str, int]
+  step: memory.StepMemory  # the config's own batch
+  limit: int  # bytes per chip a step may hold: train.memory_fraction of HBM
+  model_flops: float  # flops.py's count for one step of the config's batch, all chips together
+  loops: bool  # the step scans (layers or micro-batches): XLA counts a loop's FLOPs once
+  largest: tuple[int, list[memory.StepMemory]] | None = None  # memory.largest_batch's answer
+
+  @property
+  def fits(self) -> bool:
+    return self.step.bytes_per_device is not None and self.step.bytes_per_device <= self.limit
+
+
+def check(config, target: Target, max_batch: bool = False) -> Fit:
+  """Compiles the train step of `config` for `target` (and, with `max_batch` or
+  train.batch_size=-1, searches the largest batch that fits). Every refusal comes before a compile.
+  """
+  config_lib.validate(config)
+  shape = check_mesh(config.mesh, target)
+  mesh = partitioning.make_mesh(config.mesh, devices=devices(target))
+  partitioning.check_process_shards(mesh, target.hosts)
+  search = max_batch or config.train.batch_size == -1
+  if config.train.batch_size != -1:
+    config_lib.validate_for_mesh(config, partitioning.batch_shards(mesh))
+  # The tokenizer's special ids shape the masking, not the program; the vocabulary is the recipe's.
+  special = dict(pad=0, cls=2, sep=3, mask=4, vocab_size=config.model.vocab_size)
+  setup = train_state.build_setup(config, mesh, special)
+  compile_step = resolve.step_compiler(config, setup, mesh)
+  limit = int(config.train.memory_fraction * target.chip.hbm)
+  largest = None
+  if search:
+    quantum = partitioning.batch_shards(mesh) * config.train.grad_accum_steps
+    largest = memory.largest_batch(compile_step, limit, quantum)
+  batch = config.train.batch_size if config.train.batch_size != -1 else largest[0]
+  step = next((m for m in (largest or (None, []))[1] if m.batch_size == batch), None)
+  step = step or memory.step_memory(compile_step, batch)
+  seq = config.data.max_seq_len
+  model_flops = flops.objective_flops_per_token(setup.model, setup.objective, seq) * batch * seq
+  loops = bool(config.model.scan_layers) or config.train.grad_accum_steps > 1
+  return Fit(
+      target, dict(zip(partitioning.MESH_AXES, shape)), step, limit, model_flops, loops, largest
+  )
+
+
+def _size(n: int) -> str:
+  return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2**20:.1f} MiB"
+
+
+def _flops(n: float) -> str:
+  return f"{n / 1e9:,.1f} G" if n >= 1e9 else f"{n / 1e6:,.1f} M"
+
+
+def describe(fit: Fit, config) -> str:
+  """The fit check's report, as `--mode=compile` prints it."""
+  t, step = fit.target, fit.step
+  mesh = " x ".join(f"{axis} {size}" for axis, size in fit.mesh.items())
+  lines = [
+      f"Compiled for {t}; nothing ran.",
+      f"Step: batch {step.batch_size} x seq {config.data.max_seq_len}, {config.train.dtype}, "
+      f"attention {config.model.attention_impl}, mesh {mesh}.",
+  ]
+  if step.bytes_per_device is None:
+    lines.append("Memory per chip: more than its HBM.")
+  else:
+    lines.append("Memory per chip (XLA's memory analysis):")
+    lines += [f"  {name:<15}{_size(size):>12}" for name, size in step.parts.items()]
+    lines.append(
+        f"  {'total':<15}{_size(step.bytes_per_device):>12} of {_size(t.chip.hbm)} HBM "
+        f"({step.bytes_per_device / t.chip.hbm:.0%})"
+    )
+  allowed = f"train.memory_fraction={config.train.memory_fraction:g} of HBM, {_size(fit.limit)}"
+  if step.bytes_per_device is None:
+    lines.append("Does not fit: XLA's compiler refused the step as more than a chip's HBM.")
+  else:
+    within = "within" if fit.fits else "over"
+    lines.append(
+        f"{'Fits' if fit.fits else 'Does not fit'}: {_size(step.bytes_per_device)} per chip is "
+        f"{within} {allowed}."
+    )
+  share = fit.model_flops / t.chips
+  if step.flops is not None:
+    looped = "; a loop's body counted once" if fit.loops else ""
+    lines.append(
+        f"FLOPs per chip (XLA's cost analysis{looped}): {_flops(step.flops)} against "
+        f"electra_jax/flops.py's share {_flops(share)} ({step.flops / share - 1:+.1%})."
+    )
+  elif step.bytes_per_device is not None:
+    lines.append(
+        f"FLOPs per chip: XLA gives no cost analysis here; flops.py's share {_flops(share)}."
+    )
+  if fit.largest is not None:
+    batch, measured = fit.largest
+    shards = fit.mesh["data"] * fit.mesh["fsdp"]
+    by_batch = {m.batch_size: m for m in measured}
+    above = min(b for b in by_batch if b > batch)
+    held = by_batch[above].bytes_per_device
+    why = (
+        "refused by the compiler"
+        if held is None
+        else _size(held) + (", fitted only by recomputing" if held <= fit.limit else "")
+    )
+    lines.append(
+        f"Largest batch that fits: {batch} ({batch // shards} per batch shard of {shards}), "
+        f"{_size(by_batch[batch].bytes_per_device)} per chip; {above} does not ({why}). "
+        f"{len(measured)} compiles."
+    )
+  return "\n".join(lines)
