@@ -285,10 +285,6 @@ class GcsProxy:
     self._holds.append(hold)
     return hold
 
-  def writes(self) -> list[str]:
-    """The names of the objects written through the proxy, in order."""
-    return [name for method, _, name in self.seen if method in _WRITES]
-
   def stop(self) -> None:
     for hold in self._holds:
       hold.drop()

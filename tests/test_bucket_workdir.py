@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -95,21 +96,19 @@ def test_a_bucket_run_stopped_and_resumed_is_bit_exact(reference, resumed_in_buc
   assert any(n.startswith("run/checkpoints/6/state/ocdbt") for n in names)  # tensorstore's arrays
 
 
-def test_a_checkpoint_in_a_bucket_restores_exactly(resumed_in_bucket, reference):
-  """Every array read back from the bucket is the one the local run saved (checksums checked)."""
-  workdir = resumed_in_bucket[0]
-  checkpointer = checkpointing.Checkpointer(workdir, keep=1)
-  local = checkpointing.Checkpointer(str(reference["workdir"]), keep=1)
-  try:
-    meta = local.read_meta(6)
-    abstract = local._manager.item_metadata(6)["state"]
-    abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), abstract)
-    got, want = checkpointer.restore(6, abstract), local.restore(6, abstract, meta)
-  finally:
-    checkpointer.close()
-    local.close()
-  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+def test_a_checkpoint_saved_into_a_bucket_restores_exactly_and_lives_there(bucket, gcs_server):
+  state = {"w": jnp.arange(12.0).reshape(3, 4), "step": jnp.int32(7)}
+  checkpointer = checkpointing.Checkpointer(f"{bucket}/run", keep=2)
+  checkpointer.save(3, state, {"note": "x"})
+  checkpointer.wait()
+  names = gcs_server.objects(bucket, "run/checkpoints/3/")
+  assert any(n.startswith("run/checkpoints/3/state/ocdbt") for n in names), names  # tensorstore's
+  assert "run/checkpoints/3/commit_success.txt" in names and checkpointer.all_steps() == [3]
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  restored = checkpointer.restore(3, abstract)
+  np.testing.assert_array_equal(restored["w"], state["w"])
+  assert int(restored["step"]) == 7 and checkpointer.read_meta(3)["note"] == "x"
+  checkpointer.close()
 
 
 @pytest.fixture
@@ -119,33 +118,34 @@ def proxy(gcs_server):
   proxy.stop()
 
 
-def _start_cli(args, env) -> subprocess.Popen:
-  return subprocess.Popen(
-      args,
-      cwd=REPO,
-      env=dict(os.environ, **env),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
-  )
+def _start_cli(args, env, log) -> subprocess.Popen:
+  """The CLI in a process of its own, its output going to the file `log` (a pipe that nobody reads
+  while the test waits would fill and stop it)."""
+  with open(log, "w") as output:
+    return subprocess.Popen(
+        args, cwd=REPO, env=dict(os.environ, **env), stdout=output, stderr=subprocess.STDOUT
+    )
 
 
 @pytest.mark.slow
 def test_kill_9_in_the_middle_of_a_checkpoint_write_resumes_from_the_newest_intact_step(
-    reference, gcs_server, bucket, proxy
+    reference, gcs_server, bucket, proxy, tmp_path
 ):
   workdir = f"{bucket}/run"
-  # The CLI's clients reach the bucket through the proxy, which keeps step 6's first array write
-  # waiting: the process is killed with the step's first objects in the bucket, not its last.
+  # The CLI's clients reach the bucket through the proxy, which keeps waiting the first write of
+  # step 6 made once the step has an object in the bucket: the process is killed half-way.
   in_flight = proxy.hold(
-      lambda method, _, name: method == "POST" and name.startswith("run/checkpoints/6/state/")
+      lambda method, _, name: method == "POST"
+      and name.startswith("run/checkpoints/6/")
+      and gcs_server.objects(bucket, "run/checkpoints/6/")
   )
-  process = _start_cli(cli_args(workdir), proxy.env)
+  log = tmp_path / "killed.log"
+  process = _start_cli(cli_args(workdir), proxy.env, log)
   try:
-    assert in_flight.reached.wait(300), process.communicate(timeout=60)[1][-3000:]
+    assert in_flight.reached.wait(300), log.read_text()[-3000:]
   finally:
     process.send_signal(signal.SIGKILL)
-    process.communicate(timeout=60)
+    process.wait(timeout=60)
     in_flight.drop()
   step_6 = gcs_server.objects(bucket, "run/checkpoints/6/")
   assert step_6 and "run/checkpoints/6/commit_success.txt" not in step_6, step_6  # half-written
@@ -185,8 +185,9 @@ def test_a_damaged_step_in_a_bucket_is_set_aside_whole_and_trained_again(
   assert gcs_server.read(f"{bucket}/{damaged.replace('/6/', '/6.damaged/')}") != content
 
 
-@pytest.mark.slow
-def test_a_second_run_is_refused_and_a_take_over_fences_the_first_off(gcs_server, bucket, proxy):
+def test_a_second_run_is_refused_and_a_take_over_fences_the_first_off(
+    gcs_server, bucket, proxy, tmp_path
+):
   workdir = f"{bucket}/run"
   # The first run's reads of the lease wait, once it wrote config.json (it is then training,
   # before its first checkpoint), until the other runs are done.
@@ -194,9 +195,10 @@ def test_a_second_run_is_refused_and_a_take_over_fences_the_first_off(gcs_server
   paused = proxy.hold(
       lambda method, _, name: method == "GET" and name == "run/lease.json" and started()
   )
-  first = _start_cli(cli_args(workdir), proxy.env)
+  log = tmp_path / "first.log"
+  first = _start_cli(cli_args(workdir), proxy.env, log)
   try:
-    assert paused.reached.wait(300), first.communicate(timeout=60)[1][-3000:]
+    assert paused.reached.wait(300), log.read_text()[-3000:]
     holder = json.loads(gcs_server.read(f"{workdir}/lease.json"))
     assert holder["pid"] == first.pid and not holder["released"]
     before = gcs_server.generations(bucket)
@@ -217,7 +219,8 @@ def test_a_second_run_is_refused_and_a_take_over_fences_the_first_off(gcs_server
     )
   finally:
     paused.release()
-    _, stderr = first.communicate(timeout=300)
+    first.wait(timeout=300)
+  stderr = log.read_text()
   assert first.returncode == 1
   assert f"Another run took over the workdir {workdir}" in stderr, stderr[-3000:]
   assert "stopped without saving" in stderr

@@ -103,3 +103,13 @@ def test_our_json_files_damaged_are_refused_naming_the_file(tmp_path):
       sweep.read_record(str(tmp_path))
   record.write_text(json.dumps({"runs": [{"name": "a", "overrides": [["k", "1"]]}]}))
   assert sweep.read_record(str(tmp_path))["runs"][0].overrides == [("k", "1")]
+
+
+def test_a_bucket_workdir_without_the_gcs_extra_is_refused_naming_it(monkeypatch):
+  import sys  # noqa: PLC0415
+
+  monkeypatch.setitem(sys.modules, "gcsfs", None)  # what `import gcsfs` finds when not installed
+  with pytest.raises(errors.ConfigError, match=r"--workdir=gs://b/run needs gcsfs .*\[gcs\]"):
+    workdir_files.check_usable("gs://b/run")
+  with pytest.raises(errors.ConfigError, match="a remote workdir must be a gs:// path"):
+    workdir_files.check_usable("s3://b/run")

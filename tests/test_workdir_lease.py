@@ -40,7 +40,9 @@ def _write_holder(workdir, clock_now, **fields):
   )
   holder.update(fields)
   workdir.mkdir(parents=True, exist_ok=True)
-  (workdir / workdir_lease.LEASE_FILE).write_text(json.dumps(holder))
+  # Whole at once, as a run writes it (a reader never sees the file half-written).
+  (workdir / "lease.tmp").write_text(json.dumps(holder))
+  os.replace(workdir / "lease.tmp", workdir / workdir_lease.LEASE_FILE)
   return holder
 
 
