@@ -18,7 +18,7 @@ import pytest
 from conftest import REPO, cli, cli_args
 from gcs_server import GcsProxy
 from test_train import REQUIRED_METRICS
-from electra_jax import checkpointing, train
+from electra_jax import checkpointing, preemption
 
 EXACT_METRICS = REQUIRED_METRICS - {"tokens_per_sec", "steps_per_sec"}
 
@@ -71,7 +71,7 @@ def resumed_in_bucket(reference, gcs_server):
   (workdir, the two runs' stderr)."""
   workdir = f"{gcs_server.create_bucket()}/run"
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(train._Preemption, "stop_after", lambda self, call: call == 3)  # step 4
+    patch.setattr(preemption.Preemption, "stop_after", lambda self, call: call == 3)  # step 4
     stopped = cli(cli_args(workdir))
   assert stopped.returncode == 0, stopped.stderr[-3000:]
   resumed = cli(cli_args(workdir))
