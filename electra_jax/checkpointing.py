@@ -47,8 +47,25 @@ def checksums(tree: Any) -> dict[str, int]:
   return {name(path): int(value) for (path, _), value in zip(flat, values)}
 
 
+# What orbax writes last into a step it saves to a bucket (which has no atomic rename).
+COMMIT_MARKER = ocp.path.atomicity_types.COMMIT_SUCCESS_FILE
+
+
 def checkpoints_directory(workdir: str) -> str:
   return os.fspath(workdir_files.path(workdir, "checkpoints"))
+
+
+def _move_in_bucket(source: epath.Path, target: epath.Path) -> None:
+  """Copies every object of `source` to `target`, then deletes them, its commit marker first: a
+  move cut short leaves `source` whole, or unfinished to orbax (which skips it). Through
+  etils.epath, whose listings orbax reads (another client would leave them stale here)."""
+  top = os.fspath(source).removeprefix("gs://")
+  for folder, _, files in source.walk():  # folders named without gs://
+    inside = os.fspath(folder).removeprefix("gs://").removeprefix(top).strip("/")
+    for name in files:
+      (source / inside / name).copy(target / inside / name)
+  (source / COMMIT_MARKER).unlink()
+  source.rmtree()
 
 
 class Checkpointer:
@@ -152,14 +169,18 @@ class Checkpointer:
 
   def set_aside_after(self, step: int, rename: bool = True) -> None:
     """Renames every step after `step` (a resume from `step` would save over it) to <step>.damaged;
-    `rename=False` (the other processes) only forgets them."""
+    `rename=False` (the other processes) only forgets them. A bucket has no rename: the step's
+    objects are copied, then deleted, its commit marker first (orbax skips a step without one)."""
     later = [s for s in self.all_steps() if s > step]
     for s in later if rename else ():
       source = epath.Path(self.directory) / str(s)
       target, n = source.parent / f"{s}.damaged", 1
       while target.exists():
         target, n = source.parent / f"{s}.damaged{n}", n + 1
-      source.rename(target)
+      if workdir_files.is_remote(source):
+        _move_in_bucket(source, target)
+      else:
+        source.rename(target)
       logging.warning(
           "Moved the damaged checkpoint at step %d to %s; the run trains those steps again.",
           s,

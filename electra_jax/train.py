@@ -58,7 +58,7 @@ def train_and_evaluate(
       try:
         if start is not None and start.newer_damaged:
           _set_aside_newer(checkpointer, step)
-        logs = _open_workdir_files(run) if is_chief else None
+        logs = _open_workdir_files(run, lease) if is_chief else None
 
         # --- State and compiled step
         with partitioning.activate(mesh):
@@ -98,10 +98,11 @@ def _set_aside_newer(checkpointer, step: int) -> None:
     multihost_utils.sync_global_devices("electra_jax: damaged checkpoints set aside")
 
 
-def _open_workdir_files(run: resolve.Run):
+def _open_workdir_files(run: resolve.Run, lease):
   """Process 0 writes config.json and the tokenizer (fine-tuning and export need no corpus then),
-  and opens metrics.jsonl and eval_metrics.jsonl (cut back to the checkpoint), TensorBoard events
-  and the runs train.metric_writers names. The workdir may be a bucket (see workdir_files.py)."""
+  and opens metrics.jsonl and eval_metrics.jsonl (cut back to the checkpoint; a bucket's, not
+  rewritten once `lease` is lost), TensorBoard events and the runs train.metric_writers names.
+  The workdir may be a bucket (see workdir_files.py)."""
   config, workdir = run.config, run.workdir
   workdir_files.makedirs(workdir_files.path(workdir))
   if run.start is not None:
@@ -113,6 +114,7 @@ def _open_workdir_files(run: resolve.Run):
   metrics_log, eval_log = tensorboard_log.open_logs(
       workdir, config.train.metric_writers, json.loads(config_lib.to_json(config))
   )
+  metrics_log.holds = eval_log.holds = lease.holds
   step = run.start.step if run.start is not None else 0
   metrics_log.truncate_after(
       step

@@ -11,8 +11,10 @@ import os
 import tempfile
 import time
 
+from absl import logging
 from etils import epath
 
+from electra_jax import gcs
 from electra_jax.errors import ConfigError
 
 SWEEP_FILE = "sweep.json"  # a sweep folder's record of its base config and runs
@@ -29,9 +31,18 @@ def path(workdir, *parts) -> epath.Path:
 
 
 def check_usable(workdir, flag: str = "--workdir") -> None:
-  """Refuses, naming `flag`, a local workdir that cannot be made (a file on its path, a parent this
-  user may not write to). A bucket is not checked."""
+  """Refuses, naming `flag`, a workdir that cannot be made (a file on its path, a parent this user
+  may not write to), or a bucket that is missing or refuses this account's writes."""
   if is_remote(workdir):
+    if not os.fspath(workdir).startswith("gs://"):
+      raise ConfigError(f"{flag}={workdir}: a remote workdir must be a gs:// path.")
+    try:
+      import gcsfs  # noqa: F401, PLC0415 (etils.epath reaches buckets through it)
+    except ImportError:
+      raise ConfigError(
+          f"{flag}={workdir} needs gcsfs and google-cloud-storage: pip install 'electra-jax[gcs]'."
+      ) from None
+    gcs.check_writable(workdir, flag)
     return
   existing = os.path.abspath(os.fspath(workdir))
   while not os.path.exists(existing):
@@ -140,12 +151,14 @@ def _text(lines: list[str]) -> str:
 
 
 class JsonlLog:
-  """One JSON object per line; appended as the run goes, cut back on resume."""
+  """One JSON object per line; appended as the run goes, cut back on resume. A bucket's log is
+  rewritten only while `holds()` (if set: the run's lease, read afresh) says the run owns it."""
 
   def __init__(self, file, remote_flush_seconds: float = 60.0):
     self.file = epath.Path(file)
     self._remote = is_remote(self.file)
     self._flush_every = remote_flush_seconds
+    self.holds = None
     self._lines: list[str] | None = None  # a bucket object's content, once read
     self._pending: list[str] = []
     self._last_flush = time.monotonic()
@@ -172,7 +185,13 @@ class JsonlLog:
   def flush(self) -> None:
     if not self._pending:
       return
-    if self._remote:
+    if self._remote and self.holds is not None and not self.holds():
+      logging.warning(
+          "Not writing the last %d lines of %s: another run took the workdir over and logs there.",
+          len(self._pending),
+          self.file,
+      )
+    elif self._remote:
       self._content().extend(self._pending)
       write_text(self.file, _text(self._lines))
     else:

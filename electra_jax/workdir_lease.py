@@ -1,11 +1,14 @@
 """One training run per workdir: <workdir>/lease.json names the holder (run id, host, pid, start, heartbeat). A run
 takes a lease that is absent, released or dead (pid gone on this host, or no heartbeat for `stale_seconds`), else
-refuses unless `take_over`. A bucket has no atomic create: the holder re-reads the lease before each checkpoint and
-on every beat, and stops once another run's id is there (the newest run keeps the workdir)."""
+refuses unless `take_over`. Every write of the lease is conditional: created only where there is none, replaced only
+if it is still the version read (a bucket object's generation; a local file renamed away by one run alone), so two
+runs never both take it. The holder re-reads it before each checkpoint and on every beat, and stops once another
+run's id is there (the newest run keeps the workdir)."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -19,7 +22,7 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from electra_jax import distributed, workdir_files
+from electra_jax import distributed, gcs, workdir_files
 from electra_jax.errors import ConfigError, WorkdirInUse
 
 LEASE_FILE = "lease.json"
@@ -34,24 +37,106 @@ _FIELD_TYPES = {
 }
 # The leases this process holds: its own live runs, unlike a dead run with the same pid (a restarted container).
 _LIVE_RUN_IDS: set[str] = set()
+_TRIES = 20  # reads and conditional writes before acquire() gives up on a lease that keeps changing
 
 
-def describe(holder: dict, now: float) -> str:
-  age = now - float(holder.get("heartbeat", 0.0))
-  return (
-      f"run {holder['run_id']} on host {holder.get('host', '?')} (pid {holder.get('pid', '?')}, "
-      f"started {holder.get('started', '?')}, last heartbeat {age:.0f} s ago)"
-  )
+class LocalLeaseFile:
+  """lease.json on a disk. A new one appears whole and only once: it is written under a name of its
+  own, then hard-linked to lease.json, which fails if that exists (O_EXCL's rule). Replacing the
+  version read renames lease.json to a name of this writer's own, which one writer alone can do,
+  and puts it back if it turns out to be another version."""
+
+  def __init__(self, file):
+    self.file = os.fspath(file)
+
+  def read(self) -> tuple[bytes | None, Any]:
+    """(content, version): None for both when there is none."""
+    try:
+      with open(self.file, "rb") as f:
+        data = f.read()
+    except FileNotFoundError:
+      return None, None
+    return data, data
+
+  def _private(self, kind: str) -> str:
+    return os.path.join(os.path.dirname(self.file), f".{LEASE_FILE}.{kind}-{uuid.uuid4().hex[:12]}")
+
+  def _create(self, data: bytes) -> bool:
+    new = self._private("new")
+    try:
+      with open(new, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+      os.chmod(new, 0o644)
+      try:
+        os.link(new, self.file)
+      except OSError as error:
+        if error.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP):
+          raise
+        return self._create_in_place(data)  # a filesystem without hard links
+      return True
+    except FileExistsError:
+      return False
+    finally:
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(new)
+
+  def _create_in_place(self, data: bytes) -> bool:
+    """O_CREAT|O_EXCL: exclusive too, though a reader may see the file before its content."""
+    descriptor = os.open(self.file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(descriptor, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    return True
+
+  def write(self, data: bytes, version) -> bool:
+    """Writes `data` if the lease is still `version` (None: if there is none); False if not."""
+    if version is None:
+      return self._create(data)
+    claim = self._private("old")
+    try:
+      os.rename(self.file, claim)
+    except FileNotFoundError:
+      return False
+    try:
+      with open(claim, "rb") as f:
+        if f.read() != version:  # another writer's, come in between: put it back
+          with contextlib.suppress(FileExistsError):
+            os.link(claim, self.file)
+          return False
+      return self._create(data)
+    finally:
+      os.remove(claim)
 
 
-def read_lease(workdir) -> dict | None:
-  """The lease file's content; None when there is none or it is not a lease this version wrote (a hand edit)."""
+class BucketLeaseFile:
+  """lease.json in a bucket, written with GCS's preconditions: a new object only if there is none
+  (ifGenerationMatch=0), a replacement only of the generation read."""
+
+  def __init__(self, file):
+    self.file = os.fspath(file)
+
+  def read(self) -> tuple[bytes | None, Any]:
+    return gcs.read(self.file)
+
+  def write(self, data: bytes, version) -> bool:
+    return gcs.write(self.file, data, version)
+
+
+def lease_file(workdir) -> LocalLeaseFile | BucketLeaseFile:
   file = workdir_files.path(workdir, LEASE_FILE)
-  if not workdir_files.exists(file):
+  return BucketLeaseFile(file) if workdir_files.is_remote(file) else LocalLeaseFile(file)
+
+
+def _parse(data: bytes | None, file) -> dict | None:
+  """The lease in `data`; None when there is none or it is not a lease this version wrote (a hand edit)."""
+  if data is None:
     return None
   try:
-    holder = json.loads(workdir_files.read_text(file))
-  except (ValueError, OSError):
+    holder = json.loads(data)
+  except ValueError:
     holder = None
   if (
       not isinstance(holder, dict)
@@ -64,6 +149,20 @@ def read_lease(workdir) -> dict | None:
     logging.warning("Ignoring %s: its fields are not those of a lease this version wrote.", file)
     return None
   return holder
+
+
+def describe(holder: dict, now: float) -> str:
+  age = now - float(holder.get("heartbeat", 0.0))
+  return (
+      f"run {holder['run_id']} on host {holder.get('host', '?')} (pid {holder.get('pid', '?')}, "
+      f"started {holder.get('started', '?')}, last heartbeat {age:.0f} s ago)"
+  )
+
+
+def read_lease(workdir) -> dict | None:
+  """The lease file's content; None when there is none or it is not a lease this version wrote (a hand edit)."""
+  store = lease_file(workdir)
+  return _parse(store.read()[0], store.file)
 
 
 class WorkdirLease:
@@ -79,7 +178,8 @@ class WorkdirLease:
       name: str = "The workdir",
   ):
     self.workdir, self.name = workdir, name  # name: how a refusal names it ("The sweep folder")
-    self.file = workdir_files.path(workdir, LEASE_FILE)
+    self.store = lease_file(workdir)  # read() and conditional write()
+    self.file = self.store.file
     self.beat_seconds, self.stale_seconds, self._clock = beat_seconds, stale_seconds, clock
     self.record = {
         "run_id": uuid.uuid4().hex[:12],
@@ -93,6 +193,7 @@ class WorkdirLease:
     self._lock = threading.Lock()  # the main thread's check/release against the heartbeat's write
     self.taken_by: dict | None = None  # set once another run's id is found in the file
     self._last_read = -float("inf")  # time.monotonic() of the last read of the file
+    self._version = None  # of the file as last read: what the next write replaces
 
   @property
   def run_id(self) -> str:
@@ -120,38 +221,53 @@ class WorkdirLease:
       pass  # someone else's process, or a pid this system cannot have: assume alive
     return True
 
-  def _write(self) -> None:
-    workdir_files.write_text(
-        self.file, json.dumps(dict(self.record, heartbeat=self._clock()), sort_keys=True)
-    )
+  def _read(self) -> tuple[dict | None, Any]:
+    """(the lease, its version), noted as read now."""
+    data, version = self.store.read()
+    self._last_read = time.monotonic()
+    return _parse(data, self.file), version
+
+  def _write(self, version, **fields) -> bool:
+    """This run's lease with a fresh heartbeat, written if the file is still `version`."""
+    record = dict(self.record, heartbeat=self._clock(), **fields)
+    return self.store.write(json.dumps(record, sort_keys=True).encode(), version)
 
   def acquire(self, take_over: bool = False) -> None:
     """Takes the workdir, or raises WorkdirInUse naming the run that holds it."""
-    holder = read_lease(self.workdir)
-    if self.holder_alive(holder):
-      if not take_over:
-        this_process = (
-            " That is this very process: a run still training in another thread (a notebook cell)."
-            if (holder.get("host"), holder.get("pid")) == (self.record["host"], self.record["pid"])
-            else ""
-        )
-        raise WorkdirInUse(
-            f"{self.name} {self.workdir} is in use by {describe(holder, self._clock())}.{this_process} Wait for it "
-            f"to end, or use another --workdir; if it is dead (on another host: no heartbeat for "
-            f"{self.stale_seconds:.0f} s), pass --take_over_workdir. Nothing was written."
-        )
-      logging.warning(
-          "--take_over_workdir: taking %s from %s.", self.workdir, describe(holder, self._clock())
-      )
-    elif holder is not None and not holder.get("released"):
-      logging.warning(
-          "The last run on %s ended without releasing it (%s); taking it over.",
-          self.workdir,
-          describe(holder, self._clock()),
-      )
     workdir_files.makedirs(workdir_files.path(self.workdir))
-    self._write()
-    self.check()  # another run that wrote in the same moment: the last writer keeps it
+    for _ in range(_TRIES):
+      holder, version = self._read()
+      if holder is not None and holder["run_id"] == self.run_id:
+        break  # this run's own write, which a retried request reported as failed
+      if self.holder_alive(holder):
+        if not take_over:
+          this_process = (
+              " That is this very process: a run still training in another thread (a notebook cell)."
+              if (holder.get("host"), holder.get("pid"))
+              == (self.record["host"], self.record["pid"])
+              else ""
+          )
+          raise WorkdirInUse(
+              f"{self.name} {self.workdir} is in use by {describe(holder, self._clock())}.{this_process} Wait for it "
+              f"to end, or use another --workdir; if it is dead (on another host: no heartbeat for "
+              f"{self.stale_seconds:.0f} s), pass --take_over_workdir. Nothing was written."
+          )
+        logging.warning(
+            "--take_over_workdir: taking %s from %s.", self.workdir, describe(holder, self._clock())
+        )
+      elif holder is not None and not holder.get("released"):
+        logging.warning(
+            "The last run on %s ended without releasing it (%s); taking it over.",
+            self.workdir,
+            describe(holder, self._clock()),
+        )
+      if self._write(version):
+        break
+    else:
+      raise WorkdirInUse(
+          f"{self.name} {self.workdir}: its {LEASE_FILE} changed under each of {_TRIES} tries to "
+          "take it; other runs are starting there. Run one job per workdir. Nothing was written."
+      )
     _LIVE_RUN_IDS.add(self.run_id)
     self._thread = threading.Thread(target=self._beat, name="workdir-lease", daemon=True)
     self._thread.start()
@@ -160,19 +276,29 @@ class WorkdirLease:
     while not self._stop.wait(self.beat_seconds):
       try:
         with self._lock:
-          if self._stop.is_set() or not self._still_held():
-            return
-          self._write()
-      except OSError as error:  # a bucket that did not answer: the next beat tries again
-        logging.warning("Could not renew the lease on %s: %s", self.workdir, error)
+          if not self._stop.is_set():
+            self._renew()
+      except Exception as error:  # noqa: BLE001 -- a bucket that did not answer: the next beat tries again
+        logging.warning("Could not renew the lease on %s: %r", self.workdir, error)
+
+  def _renew(self, **fields) -> None:
+    """Writes this run's lease again (with `fields`) while it is this run's; notes a taker."""
+    for _ in range(_TRIES):
+      if not self._still_held() or self._write(self._version, **fields):
+        return
 
   def _still_held(self) -> bool:
+    """Whether the file still names this run (read afresh until another run is found there)."""
     if self.taken_by is None:
-      holder = read_lease(self.workdir)
-      self._last_read = time.monotonic()
+      holder, self._version = self._read()
       if holder is not None and holder["run_id"] != self.run_id:
         self.taken_by = holder
     return self.taken_by is None
+
+  def holds(self) -> bool:
+    """Whether this run still holds the workdir, the file read afresh."""
+    with self._lock:
+      return self._still_held()
 
   def check(self, max_age_seconds: float = 0.0) -> None:
     """Raises WorkdirInUse if another run's lease replaced this one's. The file is read unless
@@ -192,9 +318,8 @@ class WorkdirLease:
       self._thread.join()
     _LIVE_RUN_IDS.discard(self.run_id)
     with self._lock:
-      if self._thread is not None and self._still_held():
-        self.record["released"] = True
-        self._write()
+      if self._thread is not None:
+        self._renew(released=True)
 
 
 # --- A run of several processes

@@ -1,46 +1,12 @@
-"""Workdir files on local disk and in a bucket. The bucket is an in-memory fsspec filesystem
-registered for gs:// that, like GCS, refuses to append; etils.epath (which orbax uses for
-gs:// too) reaches it exactly as it would reach gcsfs."""
+"""Workdir files on local disk and in a bucket (the local GCS API of tests/gcs_server.py, reached
+through etils.epath and gcsfs as a run reaches it)."""
 
 import json
 import os
 
-import fsspec
 import pytest
-from fsspec.implementations.memory import MemoryFileSystem
 
 from electra_jax import checkpointing, config_lib, errors, workdir_files
-
-
-class FakeBucket(MemoryFileSystem):
-  protocol = ("gs", "gcs")
-  store: dict = {}
-  pseudo_dirs = [""]
-  writes: list = []
-
-  def __init__(self, *args, finalize_on_close=None, **kwargs):  # gcsfs's extra argument
-    super().__init__(*args, **kwargs)
-
-  def _open(self, path, mode="rb", **kwargs):
-    if "a" in mode:
-      raise OSError("GCS objects cannot be appended to")
-    if "w" in mode:
-      FakeBucket.writes.append(path)
-    return super()._open(path, mode, **kwargs)
-
-
-@pytest.fixture
-def bucket(monkeypatch):
-  monkeypatch.setattr(FakeBucket, "store", {})
-  monkeypatch.setattr(FakeBucket, "pseudo_dirs", [""])
-  monkeypatch.setattr(FakeBucket, "writes", [])
-  for name in ("gs", "gcs"):
-    fsspec.register_implementation(name, FakeBucket, clobber=True)
-  from etils.epath import backend  # noqa: PLC0415
-
-  backend.fsspec_backend._get_filesystem.cache_clear()
-  yield FakeBucket
-  backend.fsspec_backend._get_filesystem.cache_clear()
 
 
 def _lines(path):
@@ -53,28 +19,43 @@ def test_paths_keep_bucket_uris_and_make_local_ones_absolute(tmp_path, monkeypat
   assert os.fspath(workdir_files.path("run", "x")) == str(tmp_path / "run" / "x")
 
 
-def test_bucket_log_is_rewritten_whole_and_only_now_and_then(bucket):
-  log = workdir_files.JsonlLog(
-      workdir_files.path("gs://b/run", "metrics.jsonl"), remote_flush_seconds=3600
-  )
+def test_bucket_log_is_rewritten_whole_and_only_now_and_then(bucket, gcs_server):
+  url = f"{bucket}/run/metrics.jsonl"
+  log = workdir_files.JsonlLog(url, remote_flush_seconds=3600)
   for step in (1, 2, 3):
     log.append({"step": step, "loss": 1.0 / step})
-  assert not workdir_files.exists("gs://b/run/metrics.jsonl")  # buffered: no rewrite per step
+  assert gcs_server.objects(bucket) == []  # buffered: no rewrite per step
   log.flush()
-  assert [r["step"] for r in _lines("gs://b/run/metrics.jsonl")] == [1, 2, 3]
+  assert [r["step"] for r in _lines(url)] == [1, 2, 3]
+  first = gcs_server.generations(bucket)["run/metrics.jsonl"]
   log.append({"step": 4, "loss": 0.25})
+  assert gcs_server.generations(bucket)["run/metrics.jsonl"] == first  # not yet
   log.flush()
-  assert [r["step"] for r in _lines("gs://b/run/metrics.jsonl")] == [1, 2, 3, 4]
-  assert len(bucket.writes) == 2
+  assert [r["step"] for r in _lines(url)] == [1, 2, 3, 4]  # one new object, the whole log
+  assert gcs_server.generations(bucket)["run/metrics.jsonl"] != first
 
   # A resumed run (a new process) cuts the log back to its checkpoint and goes on from there.
-  resumed = workdir_files.JsonlLog(
-      workdir_files.path("gs://b/run", "metrics.jsonl"), remote_flush_seconds=0
-  )
+  resumed = workdir_files.JsonlLog(url, remote_flush_seconds=0)
   resumed.truncate_after(2)
-  assert [r["step"] for r in _lines("gs://b/run/metrics.jsonl")] == [1, 2]
+  assert [r["step"] for r in _lines(url)] == [1, 2]
   resumed.append({"step": 3, "loss": 0.3})  # flush interval 0: written at once
-  assert [r["step"] for r in _lines("gs://b/run/metrics.jsonl")] == [1, 2, 3]
+  assert [r["step"] for r in _lines(url)] == [1, 2, 3]
+
+
+def test_a_bucket_log_is_not_written_once_the_run_lost_the_workdir(bucket, gcs_server):
+  url = f"{bucket}/run/metrics.jsonl"
+  log = workdir_files.JsonlLog(url, remote_flush_seconds=3600)
+  held = [True]
+  log.holds = lambda: held[0]
+  log.append({"step": 1})
+  log.flush()
+  written = gcs_server.generations(bucket)
+  log.append({"step": 2})
+  held[0] = False  # another run took the workdir over: the log is its own from now on
+  log.flush()
+  log.append({"step": 3})
+  log.flush()
+  assert gcs_server.generations(bucket) == written and [r["step"] for r in _lines(url)] == [1]
 
 
 def test_local_log_appends_at_once_and_truncates_atomically(tmp_path):
@@ -91,16 +72,16 @@ def test_local_log_appends_at_once_and_truncates_atomically(tmp_path):
 
 
 def test_config_and_checkpoint_directory_in_a_bucket(bucket):
-  workdir_files.makedirs(workdir_files.path("gs://b/run"))
+  workdir = f"{bucket}/run"
+  workdir_files.makedirs(workdir_files.path(workdir))
   workdir_files.write_text(
-      workdir_files.path("gs://b/run", "config.json"), json.dumps({"train": {"steps": 7}})
+      workdir_files.path(workdir, "config.json"), json.dumps({"train": {"steps": 7}})
   )
-  assert config_lib.load_workdir_config("gs://b/run").train.steps == 7
-  with pytest.raises(errors.ConfigError, match="gs://b/other has no config.json"):
-    config_lib.load_workdir_config("gs://b/other")
-  # Orbax gets the bucket path itself, not /cwd/gs:/b/run/... (it needs google-cloud-storage
-  # for buckets, which this machine lacks, so the manager itself is not built here).
-  assert checkpointing.checkpoints_directory("gs://b/run") == "gs://b/run/checkpoints"
+  assert config_lib.load_workdir_config(workdir).train.steps == 7
+  with pytest.raises(errors.ConfigError, match=f"{bucket}/other has no config.json"):
+    config_lib.load_workdir_config(f"{bucket}/other")
+  # Orbax gets the bucket path itself, not /cwd/gs:/b/run/...
+  assert checkpointing.checkpoints_directory(workdir) == f"{workdir}/checkpoints"
 
 
 def test_our_json_files_damaged_are_refused_naming_the_file(tmp_path):
@@ -122,3 +103,13 @@ def test_our_json_files_damaged_are_refused_naming_the_file(tmp_path):
       sweep.read_record(str(tmp_path))
   record.write_text(json.dumps({"runs": [{"name": "a", "overrides": [["k", "1"]]}]}))
   assert sweep.read_record(str(tmp_path))["runs"][0].overrides == [("k", "1")]
+
+
+def test_a_bucket_workdir_without_the_gcs_extra_is_refused_naming_it(monkeypatch):
+  import sys  # noqa: PLC0415
+
+  monkeypatch.setitem(sys.modules, "gcsfs", None)  # what `import gcsfs` finds when not installed
+  with pytest.raises(errors.ConfigError, match=r"--workdir=gs://b/run needs gcsfs .*\[gcs\]"):
+    workdir_files.check_usable("gs://b/run")
+  with pytest.raises(errors.ConfigError, match="a remote workdir must be a gs:// path"):
+    workdir_files.check_usable("s3://b/run")

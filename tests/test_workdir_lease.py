@@ -40,7 +40,9 @@ def _write_holder(workdir, clock_now, **fields):
   )
   holder.update(fields)
   workdir.mkdir(parents=True, exist_ok=True)
-  (workdir / workdir_lease.LEASE_FILE).write_text(json.dumps(holder))
+  # Whole at once, as a run writes it (a reader never sees the file half-written).
+  (workdir / "lease.tmp").write_text(json.dumps(holder))
+  os.replace(workdir / "lease.tmp", workdir / workdir_lease.LEASE_FILE)
   return holder
 
 
@@ -246,3 +248,65 @@ def test_a_sigterm_while_the_run_starts_releases_the_lease(tmp_path, monkeypatch
   assert stopped.value.code == 0
   assert json.loads((tmp_path / workdir_lease.LEASE_FILE).read_text())["released"] is True
   assert signal.getsignal(signal.SIGTERM) is before  # put back for whatever runs next
+
+
+# A run taking the lease, made to read it and then wait for its rival to have read it too: the
+# moment two runs started at once both decide that the lease is theirs to take.
+_CONTENDER = """
+import json, os, sys, time
+from electra_jax import workdir_lease
+workdir, ready, rival_ready = sys.argv[1:]
+lease = workdir_lease.WorkdirLease(workdir, beat_seconds=3600)
+read = lease.store.read
+def read_then_wait_for_the_rival():
+  lease.store.read = read
+  found = read()
+  open(ready, "w").close()
+  while not os.path.exists(rival_ready):
+    time.sleep(0.01)
+  return found
+lease.store.read = read_then_wait_for_the_rival
+try:
+  lease.acquire()
+  print(json.dumps({"took": lease.run_id}), flush=True)
+except workdir_lease.WorkdirInUse as error:
+  print(json.dumps({"refused": str(error)}), flush=True)
+sys.stdin.read()  # alive (a live holder) until the test has both answers
+"""
+
+
+@pytest.mark.parametrize("before", ["no lease", "a released lease"])
+@pytest.mark.parametrize("where", ["local", "bucket"])
+def test_two_runs_taking_the_lease_at_the_same_instant_do_not_both_get_it(
+    tmp_path, request, where, before
+):
+  workdir = f"{request.getfixturevalue('bucket')}/run" if where == "bucket" else str(tmp_path)
+  if before == "a released lease":
+    released = WorkdirLease(workdir, beat_seconds=3600)
+    released.acquire()
+    released.release()
+  ready = [str(tmp_path / f"ready{i}") for i in range(2)]
+  contenders = [
+      subprocess.Popen(
+          [sys.executable, "-c", _CONTENDER, workdir, ready[i], ready[1 - i]],
+          stdin=subprocess.PIPE,
+          stdout=subprocess.PIPE,
+          stderr=subprocess.PIPE,
+          text=True,
+      )
+      for i in range(2)
+  ]
+  try:
+    answers = [json.loads(contender.stdout.readline() or "{}") for contender in contenders]
+  finally:
+    for contender in contenders:
+      contender.stdin.close()
+      contender.wait(timeout=60)
+  took = [answer["took"] for answer in answers if "took" in answer]
+  refused = [answer["refused"] for answer in answers if "refused" in answer]
+  assert len(took) == 1 and len(refused) == 1, (
+      answers,
+      [c.stderr.read()[-2000:] for c in contenders],
+  )
+  assert f"is in use by run {took[0]}" in refused[0]
+  assert workdir_lease.read_lease(workdir)["run_id"] == took[0]
