@@ -3,7 +3,8 @@ into MFU. The counting rules: docs/training.md, "Metrics"."""
 
 import jax
 
-from electra_jax.models import ElectraPretrainer, EncoderConfig
+from electra_jax.encoder import EncoderConfig
+from electra_jax.models import ElectraPretrainer
 
 # bfloat16 dense peak FLOP/s per chip (datasheets, half the sparse figure), matched in order against
 # jax.Device.device_kind: PCIe and NVL parts first, as the SXM ones' names carry no form factor.
@@ -54,17 +55,17 @@ def train_flops_per_token(
   gen_emb, emb = model.generator_embedding_size, model.embedding_size
   gen_head = (gen.hidden_size * gen_emb + gen_emb * model.vocab_size) * max_predictions / seq_len
   gen_params = _encoder_matmul_params(gen, gen_emb) + gen_head
-  if model.cloze_generator:  # Electric: two towers, the head (from 2 H_g) at every position
+  if model.towers.cloze:  # Electric: two towers, the head (from 2 H_g) at every position
     gen_params = (
         2 * _encoder_matmul_params(gen, gen_emb)
         + 2 * gen.hidden_size * gen_emb
         + gen_emb * model.vocab_size
     )
   disc_params = _encoder_matmul_params(disc, emb) + disc.hidden_size**2 + disc.hidden_size
-  if model.discriminator_mlm_head:  # MLM-family ablations: the tower's own vocabulary head
+  if model.towers.mlm_head:  # MLM-family ablations: the tower's own vocabulary head
     positions = seq_len if all_positions_mlm else max_predictions
     disc_params += (disc.hidden_size * emb + emb * model.vocab_size) * positions / seq_len
-  towers = 2 if model.cloze_generator else 1
+  towers = 2 if model.towers.cloze else 1
   generator = 6 * gen_params + towers * _attention_flops(gen, seq_len) if with_generator else 0
   return generator + 6 * disc_params + _attention_flops(disc, seq_len)
 

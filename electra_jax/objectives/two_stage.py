@@ -19,17 +19,12 @@ def _two_stage(p: Pass):
 
 def _check_two_stage(config):
   m = config.model
-  if m.generator_fraction != 1.0 or m.tie == "all":
+  if m.generator_fraction != 1.0 or m.tie in ("all", "none"):
     raise ConfigError(
-        "objective.name='two_stage' starts the discriminator from the generator's weights, so the "
-        f"towers must be the same size and separate: model.generator_fraction=1.0 (is "
-        f"{m.generator_fraction}) and model.tie other than 'all' (is {m.tie!r})."
-    )
-  if m.tie == "none":
-    raise ConfigError(
-        "objective.name='two_stage' starts the discriminator from the generator's weights, but with "
-        "model.tie='none' the generator's embeddings are its own, so the discriminator would enter its "
-        "stage with embeddings nothing trained: use model.tie='embeddings' (the paper's) or 'gdes'."
+        "objective.name='two_stage' starts the discriminator from the generator's encoder, so the "
+        "towers must be the same size, separate and over shared embeddings: set "
+        f"model.generator_fraction=1.0 (is {m.generator_fraction}) and model.tie='embeddings' or "
+        f"'gdes' (is {m.tie!r})."
     )
 
 
@@ -73,12 +68,7 @@ class TwoStage(Objective):
           " (as this workdir recorded)" if recorded else "",
       )
     fixed = {"objective.two_stage_switch": switch}
-    if (
-        start_step is None
-        or recorded is None
-        or switch == recorded
-        or start_step <= min(switch, recorded)
-    ):
+    if start_step is None or recorded in (None, switch) or start_step <= min(switch, recorded):
       return fixed
     harm = (
         "copy the generator's encoder over the trained discriminator again"
