@@ -144,14 +144,15 @@ def test_electra_15_puts_the_discriminator_loss_only_on_masked_positions():
   ):
     expected[row, positions[used > 0]] = 1.0
   np.testing.assert_array_equal(weights, expected)
-  assert float(stats["num_tokens"]) == float(masked.weights.sum())
-  # The loss by hand: mean BCE over those positions, times 50, plus L_MLM.
+  # The loss by hand: mean BCE over those positions, times 50, plus L_MLM; the metric reports it.
   logits, labels = np.asarray(per_token["disc_logits"]), np.asarray(
       per_token["is_replaced"], np.float32
   )
   disc = (_bce(logits, labels) * expected).sum() / expected.sum()
   mlm = float(stats["mlm_loss_sum"]) / float(masked.weights.sum())
   assert math.isclose(float(loss), mlm + 50.0 * disc, rel_tol=1e-5)
+  metrics = objectives.summarize(stats, per_token, objective)
+  assert float(metrics["disc_loss"]) == pytest.approx(disc, rel=1e-5)
   # And the plain objective on the same draw weights every real token instead.
   _, _, _, all_tokens = _forward(model, params, _objective(), batch)
   np.testing.assert_array_equal(
@@ -205,7 +206,9 @@ def test_disallow_correct_never_samples_the_original():
       zip(np.asarray(masked.positions), np.asarray(masked.weights))
   ):
     assert replaced[row, positions[used > 0]].all()
-  assert float(stats["disc_true_pos"] + stats["disc_false_neg"]) == float(masked.weights.sum())
+  metrics = objectives.summarize(stats, per_token, _objective(disallow_correct=True))
+  num_tokens = float(batch["attention_mask"].sum())
+  assert float(metrics["replaced_fraction"]) * num_tokens == pytest.approx(masked.weights.sum())
 
 
 def test_unknown_objectives_and_tie_modes_are_refused_by_name():

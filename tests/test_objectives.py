@@ -322,8 +322,8 @@ class _RecordingModel:
   """Stands in for ElectraPretrainer: all-zero generator logits over `vocab_size` rows, and a
   discriminator that records the (corrupted) ids it is given."""
 
-  def __init__(self, vocab_size):
-    self.vocab_size, self.discriminator_inputs = vocab_size, []
+  def __init__(self, vocab_size, mlm_head=False):
+    self.vocab_size, self.mlm_head, self.discriminator_inputs = vocab_size, mlm_head, []
 
   def generator_logits(self):
     raise NotImplementedError
@@ -331,11 +331,11 @@ class _RecordingModel:
   def discriminator_logits(self):
     raise NotImplementedError
 
-  def apply(self, variables, input_ids, types, mask, *positions, deterministic, method, rngs):
+  def apply(self, variables, input_ids, types, mask, positions, deterministic, method, rngs):
     if method == self.generator_logits:
-      return jnp.zeros((*positions[0].shape, self.vocab_size), jnp.float32)  # [batch, n_pred, rows]
-    if positions:  # the tower's MLM head: (copy logits, MLM logits at the positions or all)
-      rows = input_ids.shape if positions[0] is None else positions[0].shape
+      return jnp.zeros((*positions.shape, self.vocab_size), jnp.float32)  # [batch, n_pred, rows]
+    if self.mlm_head:  # (copy logits, MLM logits at the positions or all)
+      rows = input_ids.shape if positions is None else positions.shape
       return jnp.zeros(input_ids.shape, jnp.float32), jnp.zeros(
           (*rows, self.vocab_size), jnp.float32
       )
@@ -385,7 +385,7 @@ def test_the_discriminators_mlm_heads_score_the_tokenizers_vocabulary_only(name)
   masked = objectives.mask_tokens(jax.random.key(1), ids, mask, objective)
   batch = {"input_ids": ids, "token_type_ids": jnp.zeros_like(ids), "attention_mask": mask}
   _, (stats, per_token) = objectives.electra_forward(
-      _RecordingModel(model_rows),
+      _RecordingModel(model_rows, mlm_head=True),
       None,
       batch,
       masked,

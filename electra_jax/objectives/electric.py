@@ -26,8 +26,7 @@ def _electric(p: Pass):
   discriminator's logit is the energy-based form: + log q(token) (no gradient) + the log prior odds of a mask.
   """
   input_ids, objective = p.batch["input_ids"], p.objective
-  cloze_logits = p.tower(p.model.generator_logits, input_ids, rng=p.gen_rng)  # every position
-  cloze_logits = vocabulary_only(cloze_logits, objective.vocab_size)
+  cloze_logits = vocabulary_only(p.generator(input_ids), objective.vocab_size)  # every position
   candidates = candidate_mask(input_ids, p.batch["attention_mask"], objective).astype(jnp.float32)
   cloze_loss_sum = mlm_sums(cloze_logits, input_ids, candidates)[0]
   p.stats.update(main_loss_sum=cloze_loss_sum, main_count=candidates.sum())

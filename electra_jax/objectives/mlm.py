@@ -54,10 +54,7 @@ def _all_tokens_mlm(p: Pass):
   p(x_t) = D_t [x_t = input_t] + (1 - D_t) softmax(MLM)_t(x_t), D_t = sigmoid(copy logit)."""
   s = sample(p, generator_logits(p))
   input_ids, weights = p.batch["input_ids"], p.token_weights
-  # The tower's MLM head at every position.
-  copy_logits, main_logits = p.tower(
-      p.model.discriminator_logits, s.corrupted_ids, None, rng=p.disc_rng
-  )
+  copy_logits, main_logits = p.discriminator(s.corrupted_ids)  # the MLM head at every position
   main_logits = vocabulary_only(main_logits, p.objective.vocab_size)  # [batch, seq, vocab]
   log_softmax = jax.nn.log_softmax(main_logits, axis=-1)
   log_mlm = jnp.take_along_axis(log_softmax, input_ids[..., None], axis=-1)[..., 0]
@@ -84,8 +81,6 @@ def _all_tokens_mlm(p: Pass):
 def _tower_mlm_metrics(metrics, stats, objective, per_token):
   # No discriminator: no AUCs, but the replacements' shares by likelihood stand.
   _nan(metrics, DISC_METRICS)
-  replaced = per_token["is_replaced"].astype(jnp.float32) * per_token["token_weights"]
-  metrics["replaced_fraction"] = replaced.sum() / jnp.maximum(stats["num_tokens"], 1.0)
   main_mlm_metrics(metrics, stats)
   metrics["loss"] = objective.gen_weight * metrics["masked_lm_loss"] + metrics["main_mlm_loss"]
 

@@ -15,18 +15,13 @@ from electra_jax import random_ops
 from electra_jax.errors import ConfigError
 from electra_jax.models import Towers
 
-# The additive counts of a forward: each starts at zero, so every objective reports them all.
+# The additive counts of a forward: each starts at zero, so every objective reports them all (the
+# detector's counts come from the per-token arrays, see official_metrics).
 STAT_KEYS = (
     "mlm_loss_sum",
     "mlm_correct",
     "sampled_correct",
     "num_predictions",
-    "disc_loss_sum",
-    "disc_true_pos",
-    "disc_false_pos",
-    "disc_false_neg",
-    "disc_true_neg",
-    "num_tokens",
     "main_loss_sum",
     "main_correct",
     "main_count",
@@ -283,26 +278,23 @@ class Pass:
       self.temperature = self.objective.temperature
     self.token_weights = self.batch["attention_mask"].astype(jnp.float32)
     self.stats = dict.fromkeys(STAT_KEYS, jnp.zeros((), jnp.float32))
-    self.stats.update(
-        num_predictions=self.masked.weights.sum(), num_tokens=self.token_weights.sum()
-    )
+    self.stats["num_predictions"] = self.masked.weights.sum()
 
-  def tower(self, method, ids, *args, rng):
+  def generator(self, ids, positions=None):
+    """The generator's logits on `ids` at `positions` (every position when None)."""
+    return self._apply(self.model.generator_logits, ids, positions, self.gen_rng)
+
+  def discriminator(self, ids, positions=None):
+    """The discriminator's logits on `ids`; with its MLM head, a pair (see ElectraPretrainer)."""
+    return self._apply(self.model.discriminator_logits, ids, positions, self.disc_rng)
+
+  def _apply(self, method, ids, positions, rng):
     # Packed rows (data.pack_rows) carry segment ids, which the model reads in place of the
     # padding mask; losses and masking still weigh real tokens only.
-    model_mask = self.batch.get("segment_ids", self.batch["attention_mask"])
-    types = self.batch["token_type_ids"]
-    variables, rngs = {"params": self.params}, {"dropout": rng}
-    return self.model.apply(
-        variables,
-        ids,
-        types,
-        model_mask,
-        *args,
-        deterministic=self.deterministic,
-        method=method,
-        rngs=rngs,
-    )
+    mask = self.batch.get("segment_ids", self.batch["attention_mask"])
+    inputs = (ids, self.batch["token_type_ids"], mask, positions)
+    kwargs = dict(deterministic=self.deterministic, method=method, rngs={"dropout": rng})
+    return self.model.apply({"params": self.params}, *inputs, **kwargs)
 
 
 class Sampled(NamedTuple):
@@ -323,9 +315,7 @@ def generator_logits(p: Pass):
   """[batch, n_pred, vocab]: the generator at the masked slots, or without one (the official
   uniform_generator) zeros: uniform samples and a constant L_MLM."""
   if p.objective.uses_generator:
-    logits = p.tower(
-        p.model.generator_logits, p.masked.input_ids, p.masked.positions, rng=p.gen_rng
-    )
+    logits = p.generator(p.masked.input_ids, p.masked.positions)
   else:
     # Zeros made from the batch: XLA would fold the losses and sampling over a constant array
     # at compile time, for seconds to minutes.
@@ -364,7 +354,7 @@ def tower_mlm(p: Pass, input_ids, stat: str = "main"):
   """(replaced-token logits, MLM loss at the masked slots) of the discriminator tower on `input_ids`, one
   pass; the sums go to p.stats as <stat>_loss_sum and <stat>_correct (main_*: with main_count)."""
   positions, targets, weights = p.masked.positions, p.masked.target_ids, p.masked.weights
-  disc_logits, logits = p.tower(p.model.discriminator_logits, input_ids, positions, rng=p.disc_rng)
+  disc_logits, logits = p.discriminator(input_ids, positions)
   loss_sum, correct, _ = mlm_sums(vocabulary_only(logits, p.objective.vocab_size), targets, weights)
   p.stats.update({f"{stat}_loss_sum": loss_sum, f"{stat}_correct": correct})
   if stat == "main":
@@ -377,7 +367,7 @@ def discriminator_logits(p: Pass, corrupted_ids):
   if p.objective.disc_mlm_weight > 0:
     disc_logits, disc_mlm_loss = tower_mlm(p, corrupted_ids)
     return disc_logits, p.objective.disc_mlm_weight * disc_mlm_loss
-  return p.tower(p.model.discriminator_logits, corrupted_ids, rng=p.disc_rng), None
+  return p.discriminator(corrupted_ids), None
 
 
 def token_arrays(disc_logits, is_replaced, token_weights, replaced_prob) -> dict:
@@ -391,21 +381,12 @@ def token_arrays(disc_logits, is_replaced, token_weights, replaced_prob) -> dict
 
 
 def detection_loss(p: Pass, disc_logits, is_replaced, replaced_prob, only_masked: bool = False):
-  """(disc_weight * L_Disc over the real tokens (or the used masked positions), per_token); counts to p.stats."""
+  """(disc_weight * L_Disc over the real tokens (or the used masked positions), per_token)."""
   token_weights, normalizer = p.token_weights, p.normalizers.num_tokens
   if only_masked:
     token_weights = at_slots(is_replaced.shape, p.masked, p.masked.weights)
     normalizer = p.normalizers.num_predictions
   disc_loss_sum = (bce(disc_logits, is_replaced.astype(jnp.float32)) * token_weights).sum()
-  predicted = disc_logits > 0
-  p.stats.update(
-      disc_loss_sum=disc_loss_sum,
-      disc_true_pos=((predicted & is_replaced) * token_weights).sum(),
-      disc_false_pos=((predicted & ~is_replaced) * token_weights).sum(),
-      disc_false_neg=((~predicted & is_replaced) * token_weights).sum(),
-      disc_true_neg=((~predicted & ~is_replaced) * token_weights).sum(),
-      num_tokens=token_weights.sum(),
-  )
   loss = p.objective.disc_weight * disc_loss_sum / normalizer
   return loss, token_arrays(disc_logits, is_replaced, token_weights, replaced_prob)
 
@@ -505,31 +486,30 @@ DISC_METRICS = ("disc_loss", "disc_auc", "disc_accuracy", "disc_precision", "dis
 
 
 def official_metrics(stats, per_token_arrays) -> dict[str, jax.Array]:
-  """The official metrics from summed stats, disc_auc_<bin> (a bin's replaced tokens against every
-  original) and replaced_share_<bin> by REPLACED_BINS; each objective adds the loss and its own keys.
-  """
+  """The official metrics from summed stats and the detector's per-token arrays, disc_auc_<bin> (a
+  bin's replaced tokens against every original) and replaced_share_<bin> by REPLACED_BINS; each
+  objective adds the loss and its own keys."""
   num_predictions = jnp.maximum(stats["num_predictions"], 1.0)
-  num_tokens = jnp.maximum(stats["num_tokens"], 1.0)
-  true_pos = stats["disc_true_pos"]
+  logits, weights = per_token_arrays["disc_logits"], per_token_arrays["token_weights"]
   is_replaced = per_token_arrays["is_replaced"].astype(bool)
-  weights, prob = per_token_arrays["token_weights"], per_token_arrays["replaced_prob"]
+  prob, predicted = per_token_arrays["replaced_prob"], logits > 0
   in_bins = [(prob >= low) & (prob < high) for _, low, high in REPLACED_BINS]
-  aucs = binary_aucs(per_token_arrays["disc_logits"], is_replaced, weights, [is_replaced] + in_bins)
-  replaced = (is_replaced * weights).sum()
+  aucs = binary_aucs(logits, is_replaced, weights, [is_replaced] + in_bins)
+  count = lambda where: (where * weights).sum()  # noqa: E731
+  num_tokens, replaced = jnp.maximum(weights.sum(), 1.0), count(is_replaced)
+  true_pos = count(predicted & is_replaced)
   metrics = {
       "masked_lm_loss": stats["mlm_loss_sum"] / num_predictions,
       "masked_lm_accuracy": stats["mlm_correct"] / num_predictions,
       "sampled_masked_lm_accuracy": stats["sampled_correct"] / num_predictions,
-      "disc_loss": stats["disc_loss_sum"] / num_tokens,
+      "disc_loss": count(bce(logits, is_replaced.astype(jnp.float32))) / num_tokens,
       "disc_auc": aucs[0],
+      "disc_accuracy": count(predicted == is_replaced) / num_tokens,
+      "disc_precision": true_pos / jnp.maximum(count(predicted), 1.0),
+      "disc_recall": true_pos / jnp.maximum(replaced, 1.0),
+      "replaced_fraction": replaced / num_tokens,
   }
   for (name, _, _), auc, in_bin in zip(REPLACED_BINS, aucs[1:], in_bins):
     metrics[f"disc_auc_{name}"] = auc
-    metrics[f"replaced_share_{name}"] = ((is_replaced & in_bin) * weights).sum() / replaced
-  metrics.update(
-      disc_accuracy=(true_pos + stats["disc_true_neg"]) / num_tokens,
-      disc_precision=true_pos / jnp.maximum(true_pos + stats["disc_false_pos"], 1.0),
-      disc_recall=true_pos / jnp.maximum(true_pos + stats["disc_false_neg"], 1.0),
-      replaced_fraction=(true_pos + stats["disc_false_neg"]) / num_tokens,
-  )
+    metrics[f"replaced_share_{name}"] = count(is_replaced & in_bin) / replaced
   return metrics
