@@ -27,11 +27,9 @@ NORMS = ("post", "pre")  # see EncoderLayer
 FFNS = ("gelu", "geglu")  # see _feed_forward
 
 
-def bert_init(stddev: float = 0.02):
-  """TF's truncated_normal_initializer: N(0, stddev) cut at two standard deviations, not rescaled."""
-  return lambda key, shape, dtype=jnp.float32: stddev * jax.random.truncated_normal(
-      key, -2.0, 2.0, shape, dtype
-  )
+def bert_init(key, shape, dtype=jnp.float32):
+  """TF's truncated_normal_initializer(stddev=0.02): N(0, 0.02) cut at two standard deviations."""
+  return 0.02 * jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype)
 
 
 def gelu_exact(x):
@@ -52,16 +50,15 @@ def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_elem
 
 def dense(features, in_axis, out_axis, dtype, name, use_bias=True, float32_out=False):
   """nn.Dense with float32 parameters and `dtype` compute; `float32_out` keeps the product in float32."""
+  out_type = jnp.float32 if float32_out else None
   return nn.Dense(
       features,
       use_bias=use_bias,
       dtype=dtype,
       param_dtype=jnp.float32,
       name=name,
-      dot_general=functools.partial(
-          rows_dot_general, preferred_element_type=jnp.float32 if float32_out else None
-      ),
-      kernel_init=_param(bert_init(), (in_axis, out_axis)),
+      dot_general=functools.partial(rows_dot_general, preferred_element_type=out_type),
+      kernel_init=_param(bert_init, (in_axis, out_axis)),
       bias_init=_param(nn.initializers.zeros_init(), (out_axis,)),
   )
 
@@ -95,9 +92,8 @@ class EncoderConfig:
   scan_layers: bool = False
   norm: str = "post"  # see NORMS
   ffn: str = "gelu"  # see FFNS
-  use_bias: bool = (
-      True  # False: none in the encoder's dense layers (heads and LayerNorms keep theirs)
-  )
+  # False: no bias in the encoder's dense layers (heads and LayerNorms keep theirs).
+  use_bias: bool = True
   attention_conv: int = 0  # see SelfAttention
 
   @property
@@ -123,7 +119,7 @@ class Embeddings(EmbeddingSizes):
 
   def setup(self):
     def embed(num, axis, name):  # looked up in float32 whatever the compute dtype (see __call__)
-      init = _param(bert_init(), (axis, "embed"))
+      init = _param(bert_init, (axis, "embed"))
       return nn.Embed(num, self.embedding_size, jnp.float32, jnp.float32, init, name=name)
 
     self.word_embeddings = embed(self.vocab_size, "vocab", "word_embeddings")
@@ -164,16 +160,8 @@ class Embeddings(EmbeddingSizes):
 def embeddings_for(owner: EmbeddingSizes, embedding_size: int, config: EncoderConfig, **kwargs):
   """The Embeddings of `owner`'s sizes (bar `embedding_size`) and dtype, with `config`'s dropout and
   LayerNorm epsilon (`kwargs`, e.g. name=, go to the module)."""
-  return Embeddings(
-      vocab_size=owner.vocab_size,
-      embedding_size=embedding_size,
-      max_position_embeddings=owner.max_position_embeddings,
-      type_vocab_size=owner.type_vocab_size,
-      dropout_rate=config.dropout_rate,
-      layer_norm_eps=config.layer_norm_eps,
-      dtype=owner.dtype,
-      **kwargs,
-  )
+  sizes = (owner.vocab_size, embedding_size, owner.max_position_embeddings, owner.type_vocab_size)
+  return Embeddings(*sizes, config.dropout_rate, config.layer_norm_eps, owner.dtype, **kwargs)
 
 
 class _Block(nn.Module):
@@ -213,9 +201,8 @@ class SelfAttention(_Block):
       query, key, value = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))  # [b, h, s, d]
       scores = jnp.einsum("bhqd,bhkd->bhqk", query, key) / math.sqrt(cfg.head_dim)
       scores = jnp.where(key_is_real, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-      probs = random_ops.Dropout(cfg.attention_dropout_rate)(
-          jax.nn.softmax(scores, axis=-1), deterministic=False
-      )
+      probs = jax.nn.softmax(scores, axis=-1)
+      probs = random_ops.Dropout(cfg.attention_dropout_rate)(probs, deterministic=False)
       context = jnp.swapaxes(jnp.einsum("bhqk,bhkd->bhqd", probs.astype(self.dtype), value), 1, 2)
     elif self.attention_impl == "splash" and mask.ndim == 2:
       # The kernel takes 0/1 masks, or packed rows' ids as ElectraPretrainer passes them, as segment ids.
@@ -224,18 +211,14 @@ class SelfAttention(_Block):
       # Right-padded rows' lengths; an all-padding row (evaluation's last batch) gets 1, as cuDNN before
       # 9.25 returns NaN for 0.
       lengths = jnp.maximum(mask.sum(-1, dtype=jnp.int32), 1)
-      context = jax.nn.dot_product_attention(
-          query,
-          key,
-          value,
-          query_seq_lengths=lengths,
-          key_value_seq_lengths=lengths,
-          implementation="cudnn",
+      kernel = dict(
+          query_seq_lengths=lengths, key_value_seq_lengths=lengths, implementation="cudnn"
       )
+      context = jax.nn.dot_product_attention(query, key, value, **kernel)
     else:  # splash cannot take a [batch, q, k] mask (packed rows, the cloze towers' causal ones)
-      implementation = "xla" if self.attention_impl == "splash" else self.attention_impl
+      impl = "xla" if self.attention_impl == "splash" else self.attention_impl
       context = jax.nn.dot_product_attention(
-          query, key, value, mask=key_is_real, implementation=implementation
+          query, key, value, mask=key_is_real, implementation=impl
       )
     context = context.reshape(*hidden.shape[:-1], cfg.hidden_size)
     return dense(cfg.hidden_size, "heads", "embed", self.dtype, "output", cfg.use_bias)(context)
@@ -323,10 +306,8 @@ class Encoder(EncoderFields):
     cfg = self.config
     hidden = embedded
     if self.embedding_size != cfg.hidden_size:
-      project = dense(
-          cfg.hidden_size, "embed", "mlp", self.dtype, "embeddings_project", cfg.use_bias
-      )
-      hidden = project(hidden)
+      name = "embeddings_project"
+      hidden = dense(cfg.hidden_size, "embed", "mlp", self.dtype, name, cfg.use_bias)(hidden)
     layer = EncoderLayer
     if cfg.remat != "none":
       # Argument 3 of __call__ (self, hidden, attention_mask, deterministic) is a Python bool. A scan keeps the
@@ -346,9 +327,8 @@ class Encoder(EncoderFields):
       hidden, _ = body(hidden, attention_mask)
     else:
       for i in range(cfg.num_layers):
-        hidden = layer(cfg, self.dtype, self.attention_impl, name=f"layer_{i}")(
-            hidden, attention_mask, deterministic
-        )
+        block = layer(cfg, self.dtype, self.attention_impl, name=f"layer_{i}")
+        hidden = block(hidden, attention_mask, deterministic)
     if cfg.norm == "pre":
       hidden = layer_norm(cfg.layer_norm_eps, "final_layer_norm")(hidden).astype(self.dtype)
     return hidden  # [batch, seq, hidden]

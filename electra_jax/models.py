@@ -27,7 +27,7 @@ def segment_positions(segment_ids):
 
 
 def segment_attention_mask(segment_ids):
-  """[batch, seq] segment ids -> [batch, seq, seq]: a query attends to the real keys of its own segment only."""
+  """[batch, seq] segment ids -> [batch, seq, seq]: a query sees the real keys of its segment only."""
   same = segment_ids[:, :, None] == segment_ids[:, None, :]
   return same & (segment_ids[:, None, :] > 0)
 
@@ -41,12 +41,8 @@ def tied_vocab_logits(hidden, word_table, output_bias, dtype):
 
 
 def _tied_vocab_logits_fwd(hidden, word_table, output_bias, dtype):
-  logits = jnp.einsum(
-      "...e,ve->...v",
-      hidden.astype(dtype),
-      word_table.astype(dtype),
-      preferred_element_type=jnp.float32,
-  )
+  hidden_c, table_c = hidden.astype(dtype), word_table.astype(dtype)
+  logits = jnp.einsum("...e,ve->...v", hidden_c, table_c, preferred_element_type=jnp.float32)
   return logits + output_bias, (hidden, word_table)
 
 
@@ -72,11 +68,9 @@ def vocab_head(module: nn.Module, hidden, word_table, prefix: str = ""):
   `{prefix}head_layer_norm`), then the decoder tied to `word_table` [vocab, E] plus `{prefix}output_bias`.
   """
   vocab_size, embedding_size = word_table.shape
-  hidden = encoder.dense(embedding_size, "embed", "mlp", module.dtype, f"{prefix}head_dense")(
-      hidden
-  )
+  dense = encoder.dense(embedding_size, "embed", "mlp", module.dtype, f"{prefix}head_dense")
   norm = encoder.layer_norm(module.config.layer_norm_eps, f"{prefix}head_layer_norm")
-  hidden = norm(encoder.gelu_exact(hidden))
+  hidden = norm(encoder.gelu_exact(dense(hidden)))
   zeros = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab",))
   output_bias = module.param(f"{prefix}output_bias", zeros, (vocab_size,))
   # Pinned to the batch split: left to propagation, E takes the word table's fsdp split, and XLA then
@@ -174,77 +168,55 @@ class ElectraPretrainer(EmbeddingSizes):
     return self.generator_config.hidden_size if self.tie == "none" else self.embedding_size
 
   def setup(self):
-    self.embeddings = encoder.embeddings_for(self, self.embedding_size, self.discriminator_config)
-    if self.tie == "none" and self.towers.has_generator:
-      self.generator_embeddings = encoder.embeddings_for(
-          self, self.generator_embedding_size, self.generator_config
-      )
+    disc, gen, towers = self.discriminator_config, self.generator_config, self.towers
+    fields = (self.dtype, self.attention_impl)
+    self.embeddings = encoder.embeddings_for(self, self.embedding_size, disc)
+    if self.tie == "none" and towers.has_generator:
+      self.generator_embeddings = encoder.embeddings_for(self, self.generator_embedding_size, gen)
     if self.tie == "gdes":
-      self.discriminator_word_delta = self.param(
-          "discriminator_word_delta",
-          nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab", "embed")),
-          (self.vocab_size, self.embedding_size),
-      )
+      zeros = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab", "embed"))
+      shape = (self.vocab_size, self.embedding_size)
+      self.discriminator_word_delta = self.param("discriminator_word_delta", zeros, shape)
     shared = None
     if self.tie == "all":  # build_model refuses towers of different sizes
-      shared = self.shared_encoder = Encoder(
-          self.discriminator_config, self.embedding_size, self.dtype, self.attention_impl
-      )
-    if self.towers.has_generator:  # the cloze generator runs encoders of its own
-      cloze = self.towers.cloze
-      self.generator = Generator(
-          self.generator_config,
-          self.generator_embedding_size,
-          self.dtype,
-          self.attention_impl,
-          None if cloze else shared,
-          cloze,
-      )
-    self.discriminator = Discriminator(
-        self.discriminator_config,
-        self.embedding_size,
-        self.dtype,
-        self.attention_impl,
-        shared,
-        self.towers.mlm_head,
-    )
+      shared = self.shared_encoder = Encoder(disc, self.embedding_size, *fields)
+    if towers.has_generator:  # the cloze generator runs encoders of its own
+      gen_fields = (self.generator_embedding_size, *fields, None if towers.cloze else shared)
+      self.generator = Generator(gen, *gen_fields, towers.cloze)
+    self.discriminator = Discriminator(disc, self.embedding_size, *fields, shared, towers.mlm_head)
 
-  def _embed(
-      self, embeddings, word_table, input_ids, token_type_ids, attention_mask, deterministic
+  def _run(
+      self, tower, embeddings, word_table, ids, token_type_ids, mask, positions, deterministic
   ):
-    """(the inputs embedded over `word_table`, the mask the towers read): packed rows' segment ids give positions
-    that restart at each segment and a query x key mask (the splash kernel reads segment ids itself).
-    """
-    positions, mask = None, attention_mask
+    """`tower` over the inputs embedded with `word_table`: packed rows' segment ids give positions that
+    restart at each segment and a query x key mask (the splash kernel reads segment ids itself)."""
+    position_ids = None
     if self.packed:
-      positions = segment_positions(attention_mask)
-      if self.attention_impl != "splash":
-        mask = segment_attention_mask(attention_mask)
-    return embeddings(input_ids, token_type_ids, deterministic, word_table, positions), mask
+      position_ids = segment_positions(mask)
+      mask = mask if self.attention_impl == "splash" else segment_attention_mask(mask)
+    embedded = embeddings(ids, token_type_ids, deterministic, word_table, position_ids)
+    return tower(embedded, mask, deterministic, word_table, positions)
 
   def generator_logits(
-      self, input_ids, token_type_ids, attention_mask, masked_positions=None, deterministic=True
+      self, ids, token_type_ids, attention_mask, positions=None, deterministic=True
   ):
-    """Vocabulary logits at `masked_positions` [batch, n_pred] -> [batch, n_pred, vocab], float32 (every
+    """Vocabulary logits at `positions` [batch, n_pred] -> [batch, n_pred, vocab], float32 (at every
     position, [batch, seq, vocab], when None: the cloze generator's)."""
     embeddings = self.generator_embeddings if self.tie == "none" else self.embeddings
-    word_table = embeddings.word_table()
-    inputs = (input_ids, token_type_ids, attention_mask, deterministic)
-    embedded, mask = self._embed(embeddings, word_table, *inputs)
-    return self.generator(embedded, mask, deterministic, word_table, masked_positions)
+    inputs = (ids, token_type_ids, attention_mask, positions, deterministic)
+    return self._run(self.generator, embeddings, embeddings.word_table(), *inputs)
 
   def discriminator_logits(
-      self, input_ids, token_type_ids, attention_mask, mlm_positions=None, deterministic=True
+      self, ids, token_type_ids, attention_mask, positions=None, deterministic=True
   ):
-    """One "replaced" logit per token: [batch, seq] -> [batch, seq], float32; with the MLM head, a pair with
-    its logits at `mlm_positions` [batch, n] (every position when None). The discriminator reads the
+    """One "replaced" logit per token, [batch, seq] -> [batch, seq] float32; with the MLM head a pair,
+    its logits at `positions` second (at every position when None). The discriminator reads the
     shared word table, or for GDES stop_gradient(shared) + delta."""
     word_table = self.embeddings.word_table()
     if self.tie == "gdes":
       word_table = jax.lax.stop_gradient(word_table) + self.discriminator_word_delta
-    inputs = (input_ids, token_type_ids, attention_mask, deterministic)
-    embedded, mask = self._embed(self.embeddings, word_table, *inputs)
-    return self.discriminator(embedded, mask, deterministic, word_table, mlm_positions)
+    inputs = (ids, token_type_ids, attention_mask, positions, deterministic)
+    return self._run(self.discriminator, self.embeddings, word_table, *inputs)
 
   def __call__(
       self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic=True

@@ -119,7 +119,7 @@ def test_attention_dropout_path_equals_fused_path_at_rate_zero():
 
 
 def test_bert_truncated_normal_init():
-  values = encoder.bert_init(0.02)(jax.random.key(0), (400, 400))
+  values = encoder.bert_init(jax.random.key(0), (400, 400))
   assert float(jnp.abs(values).max()) <= 0.04 + 1e-7
   # TF's truncated normal keeps the N(0, 0.02) scale before cutting: std = 0.02 * 0.8796.
   assert abs(float(values.std()) - 0.02 * 0.87962566) < 2e-4
