@@ -17,7 +17,7 @@ Dtype = Any
 _param = nn.with_logical_partitioning
 
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn", "splash")
-# model.remat -> what each layer keeps for the backward pass: everything, the matmul outputs, its input.
+# model.remat -> what a layer keeps for the backward pass: all, the matmul outputs, or its input.
 REMAT_POLICIES = {
     "none": None,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -49,7 +49,7 @@ def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_elem
 
 
 def dense(features, in_axis, out_axis, dtype, name, use_bias=True, float32_out=False):
-  """nn.Dense with float32 parameters and `dtype` compute; `float32_out` keeps the product in float32."""
+  """nn.Dense with float32 parameters and `dtype` compute (a float32 product with `float32_out`)."""
   out_type = jnp.float32 if float32_out else None
   return nn.Dense(
       features,

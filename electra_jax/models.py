@@ -1,5 +1,6 @@
-"""ELECTRA's two towers over encoder.py's encoder: the generator, the discriminator, `ElectraPretrainer`
-(one embeddings module for both) built by `build_model`, and the standalone tower models."""
+"""ELECTRA's two towers over encoder.py's encoder: the generator, the discriminator,
+`ElectraPretrainer` (one embeddings module for both) built by `build_model`, and the standalone
+tower models."""
 
 import dataclasses
 import functools
@@ -27,7 +28,7 @@ def segment_positions(segment_ids):
 
 
 def segment_attention_mask(segment_ids):
-  """[batch, seq] segment ids -> [batch, seq, seq]: a query sees the real keys of its segment only."""
+  """[batch, seq] segment ids -> [batch, seq, seq]: a query sees its segment's real keys only."""
   same = segment_ids[:, :, None] == segment_ids[:, None, :]
   return same & (segment_ids[:, None, :] > 0)
 
@@ -73,8 +74,8 @@ def vocab_head(module: nn.Module, hidden, word_table, prefix: str = ""):
   hidden = norm(encoder.gelu_exact(dense(hidden)))
   zeros = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("vocab",))
   output_bias = module.param(f"{prefix}output_bias", zeros, (vocab_size,))
-  # Pinned to the batch split: left to propagation, E takes the word table's fsdp split, and XLA then
-  # swaps batch shards' rows in the head's gradient (docs/performance.md).
+  # Pinned to the batch split: left to propagation, E takes the word table's fsdp split, and XLA
+  # then swaps batch shards' rows in the head's gradient (docs/performance.md).
   hidden = nn.with_logical_constraint(hidden, ("act_batch",) + (None,) * (hidden.ndim - 1))
   return tied_vocab_logits(hidden, word_table, output_bias, module.dtype)
 
@@ -120,8 +121,9 @@ class Generator(_Tower):
 
 
 class Discriminator(_Tower):
-  """Replaced-token detector: encoder, then dense(H->H) + GELU + dense(H->1) per token. With `mlm_head`
-  also the logits of its MLM head (vocab_head, prefix mlm_) at `mlm_positions` (all when None)."""
+  """Replaced-token detector: encoder, then dense(H->H) + GELU + dense(H->1) per token. With
+  `mlm_head` also the logits of its MLM head (vocab_head, prefix mlm_) at `mlm_positions` (all
+  when None)."""
 
   mlm_head: bool = False
 
@@ -151,8 +153,8 @@ class ElectraPretrainer(EmbeddingSizes):
   level is exactly {embeddings, generator, discriminator}. tie="none" adds the generator's own
   `generator_embeddings` (of its hidden size); tie="gdes" (DeBERTa-v3) `discriminator_word_delta`, which the
   discriminator adds to stop_gradient(shared word table); tie="all" runs one `shared_encoder` in both towers.
-  Packed rows: every method's `attention_mask` is the segment ids (see segment_positions); a 0/1 mask is one
-  segment per row, so unpacked batches give the same results.
+  Packed rows: every method's `attention_mask` is the segment ids (see segment_positions); a 0/1
+  mask is one segment per row, so unpacked batches give the same results.
   """
 
   generator_config: EncoderConfig
@@ -188,8 +190,8 @@ class ElectraPretrainer(EmbeddingSizes):
   def _run(
       self, tower, embeddings, word_table, ids, token_type_ids, mask, positions, deterministic
   ):
-    """`tower` over the inputs embedded with `word_table`: packed rows' segment ids give positions that
-    restart at each segment and a query x key mask (the splash kernel reads segment ids itself)."""
+    """`tower` over the inputs embedded with `word_table`: packed rows' segment ids give positions
+    that restart at each segment and a query x key mask (the splash kernel reads segment ids)."""
     position_ids = None
     if self.packed:
       position_ids = segment_positions(mask)
@@ -209,9 +211,9 @@ class ElectraPretrainer(EmbeddingSizes):
   def discriminator_logits(
       self, ids, token_type_ids, attention_mask, positions=None, deterministic=True
   ):
-    """One "replaced" logit per token, [batch, seq] -> [batch, seq] float32; with the MLM head a pair,
-    its logits at `positions` second (at every position when None). The discriminator reads the
-    shared word table, or for GDES stop_gradient(shared) + delta."""
+    """One "replaced" logit per token, [batch, seq] -> [batch, seq] float32; with the MLM head a
+    pair, its logits at `positions` second (at every position when None). The discriminator reads
+    the shared word table, or for GDES stop_gradient(shared) + delta."""
     word_table = self.embeddings.word_table()
     if self.tie == "gdes":
       word_table = jax.lax.stop_gradient(word_table) + self.discriminator_word_delta
@@ -239,8 +241,9 @@ def generator_encoder_config(discriminator: EncoderConfig, fraction: float) -> E
   num_heads = max(1, hidden // discriminator.head_dim)
   if hidden < 1 or hidden % num_heads:
     raise ConfigError(
-        f"model.generator_fraction={fraction} gives a generator hidden size of {hidden}, not a multiple "
-        f"of the discriminator's head size {discriminator.head_dim} (nor below it): change the fraction."
+        f"model.generator_fraction={fraction} gives a generator hidden size of {hidden}, not a "
+        f"multiple of the discriminator's head size {discriminator.head_dim} (nor below it): "
+        "change the fraction."
     )
   intermediate = int(round(discriminator.intermediate_size * fraction))
   return dataclasses.replace(
@@ -269,9 +272,10 @@ def _check_attention(config, towers: dict[str, EncoderConfig], cloze: bool) -> N
   for tower, cfg in towers.items():
     if cfg.head_dim % 8 or cfg.head_dim > 256:
       raise ConfigError(
-          f"model.attention_impl='cudnn' needs a head size that is a multiple of 8 and at most 256 "
-          f"(128 before Hopper GPUs), but the {tower}'s is {cfg.head_dim} (hidden {cfg.hidden_size} over "
-          f"{cfg.num_heads} heads): change hidden_size, num_heads or generator_fraction {xla}."
+          "model.attention_impl='cudnn' needs a head size that is a multiple of 8 and at most 256 "
+          f"(128 before Hopper GPUs), but the {tower}'s is {cfg.head_dim} (hidden "
+          f"{cfg.hidden_size} over {cfg.num_heads} heads): change hidden_size, num_heads or "
+          f"generator_fraction {xla}."
       )
   if (config.data.pack_rows or cloze) and seq_len % 2:
     raise ConfigError(

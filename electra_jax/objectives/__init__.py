@@ -23,13 +23,8 @@ from electra_jax.objectives.pieces import (  # noqa: F401
     temperature_decay_steps,
 )
 
-REGISTRY: dict[str, Objective] = {
-    **electra.ENTRIES,
-    **mlm.ENTRIES,
-    **two_stage.ENTRIES,
-    **adversarial.ENTRIES,
-    **electric.ENTRIES,
-}
+_FILES = (electra, mlm, two_stage, adversarial, electric)
+REGISTRY: dict[str, Objective] = {name: e for f in _FILES for name, e in f.ENTRIES.items()}
 
 
 def electra_forward(*pass_fields, **named_pass_fields):

@@ -6,24 +6,15 @@ import jax
 import jax.numpy as jnp
 
 from electra_jax.models import Towers
-from electra_jax.objectives.pieces import (
-    BINNED_METRICS,
-    DISC_METRICS,
-    Objective,
-    Pass,
-    check_no_generator_to_share,
-    generator_logits,
-    main_mlm_metrics,
-    sample,
-    token_arrays,
-    tower_mlm,
-    vocabulary_only,
-)
+from electra_jax.objectives import pieces
+from electra_jax.objectives.pieces import Objective, Pass
 
 
 def _no_detector(p: Pass, is_replaced, replaced_prob):
   """The per-token arrays of a tower that detects nothing: zero logits beside what was replaced."""
-  return token_arrays(jnp.zeros_like(p.token_weights), is_replaced, p.token_weights, replaced_prob)
+  return pieces.token_arrays(
+      jnp.zeros_like(p.token_weights), is_replaced, p.token_weights, replaced_prob
+  )
 
 
 def _nan(metrics, names) -> None:
@@ -32,30 +23,38 @@ def _nan(metrics, names) -> None:
 
 def _mlm(p: Pass):
   """BERT: the discriminator-sized tower predicts the originals of its [MASK]ed input."""
-  _, loss = tower_mlm(p, p.masked.input_ids, stat="mlm")
+  _, loss = pieces.tower_mlm(p, p.masked.input_ids, stat="mlm")
   zeros = jnp.zeros_like(p.token_weights)
   return loss, _no_detector(p, zeros > 0, zeros)
 
 
 def _mlm_metrics(metrics, stats, objective, per_token):
-  _nan(metrics, ("sampled_masked_lm_accuracy", "replaced_fraction", *BINNED_METRICS, *DISC_METRICS))
+  _nan(
+      metrics,
+      (
+          "sampled_masked_lm_accuracy",
+          "replaced_fraction",
+          *pieces.BINNED_METRICS,
+          *pieces.DISC_METRICS,
+      ),
+  )
   metrics["loss"] = metrics["masked_lm_loss"]
 
 
 def _replace_mlm(p: Pass):
   """The generator's samples replace the masked tokens; the tower predicts the originals there."""
-  s = sample(p, generator_logits(p))
-  _, main_loss = tower_mlm(p, s.corrupted_ids)
+  s = pieces.sample(p, pieces.generator_logits(p))
+  _, main_loss = pieces.tower_mlm(p, s.corrupted_ids)
   return s.gen_loss + main_loss, _no_detector(p, s.is_replaced, s.replaced_prob)
 
 
 def _all_tokens_mlm(p: Pass):
   """The tower predicts every token of the corrupted input, with the paper's copy mechanism:
   p(x_t) = D_t [x_t = input_t] + (1 - D_t) softmax(MLM)_t(x_t), D_t = sigmoid(copy logit)."""
-  s = sample(p, generator_logits(p))
+  s = pieces.sample(p, pieces.generator_logits(p))
   input_ids, weights = p.batch["input_ids"], p.token_weights
   copy_logits, main_logits = p.discriminator(s.corrupted_ids)  # the MLM head at every position
-  main_logits = vocabulary_only(main_logits, p.objective.vocab_size)  # [batch, seq, vocab]
+  main_logits = pieces.vocabulary_only(main_logits, p.objective.vocab_size)  # [batch, seq, vocab]
   log_softmax = jax.nn.log_softmax(main_logits, axis=-1)
   log_mlm = jnp.take_along_axis(log_softmax, input_ids[..., None], axis=-1)[..., 0]
   log_copy, log_no_copy = jax.nn.log_sigmoid(copy_logits), jax.nn.log_sigmoid(-copy_logits)
@@ -80,8 +79,8 @@ def _all_tokens_mlm(p: Pass):
 
 def _tower_mlm_metrics(metrics, stats, objective, per_token):
   # No discriminator: no AUCs, but the replacements' shares by likelihood stand.
-  _nan(metrics, DISC_METRICS)
-  main_mlm_metrics(metrics, stats)
+  _nan(metrics, pieces.DISC_METRICS)
+  pieces.main_mlm_metrics(metrics, stats)
   metrics["loss"] = objective.gen_weight * metrics["masked_lm_loss"] + metrics["main_mlm_loss"]
 
 
@@ -93,7 +92,7 @@ ENTRIES = {
         towers=Towers(has_generator=False, mlm_head=True),
         samples=False,
         masking=(0.1, 0.1),
-        check=check_no_generator_to_share,
+        check=pieces.check_no_generator_to_share,
     ),
     "replace_mlm": Objective(_replace_mlm, _tower_mlm_metrics, towers=Towers(mlm_head=True)),
     "all_tokens_mlm": Objective(_all_tokens_mlm, _tower_mlm_metrics, towers=Towers(mlm_head=True)),

@@ -238,9 +238,9 @@ _weighted_nll_sum.defvjp(_weighted_nll_sum_fwd, _weighted_nll_sum_bwd)
 
 
 def mlm_sums(logits, target_ids, weights):
-  """(summed cross-entropy, summed correct argmax, each row's logsumexp without gradient) against the
-  targets: the accuracy's argmax also finds the logsumexp's shift, so the logits are read few times.
-  """
+  """(summed cross-entropy, summed correct argmax, each row's logsumexp without gradient) against
+  the targets: the accuracy's argmax also finds the logsumexp's shift, so the logits are read few
+  times."""
   top, predicted = _max_and_argmax(jax.lax.stop_gradient(logits))
   nll_sum, log_normalizer = _weighted_nll_sum(logits, top, target_ids, weights)
   correct = ((predicted == target_ids) * weights).sum()
@@ -255,9 +255,9 @@ def bce(logits, labels):
 # --- The forward pass: the pieces the objectives are built from
 @dataclasses.dataclass
 class Pass:
-  """One (micro-)batch through the towers with its masking drawn: what an objective's forward reads,
-  and the `stats` it adds its counts to. `sample_keys` [batch]: per-example keys; `temperature` None:
-  objective.temperature (evaluation's); `schedule`: the optimizer's (two_stage reads its switch)."""
+  """One (micro-)batch through the towers with its masking drawn: what an objective's forward
+  reads, and the `stats` it adds its counts to. `sample_keys` [batch]: per-example keys;
+  `temperature` None: objective.temperature (evaluation's); `schedule`: the optimizer's."""
 
   model: Any
   params: Any
@@ -406,7 +406,7 @@ def main_mlm_metrics(metrics, stats) -> None:
 
 
 def rtd_metrics(metrics, stats, objective, per_token):
-  """The loss the paper's objective reports: gen_weight * L_MLM + disc_weight * L_Disc (+ the tower's MLM)."""
+  """The reported loss: gen_weight * L_MLM + disc_weight * L_Disc (+ the tower's own MLM)."""
   metrics["loss"] = objective.gen_weight * metrics["masked_lm_loss"]
   metrics["loss"] += objective.disc_weight * metrics["disc_loss"]
   if objective.disc_mlm_weight > 0:
@@ -446,16 +446,16 @@ class Objective:
 def check_no_generator_to_share(config):
   if config.model.tie == "all":
     raise ConfigError(
-        f"objective.name={config.objective.name!r} has no generator tower to share an encoder with; "
-        "use model.tie='embeddings' (or 'none', 'gdes')."
+        f"objective.name={config.objective.name!r} has no generator tower to share an encoder "
+        "with: use model.tie='embeddings' (or 'none', 'gdes')."
     )
 
 
 # --- Metrics
 def binary_aucs(scores, labels, weights, positive_subsets) -> list:
-  """Exact ROC AUC (Mann-Whitney U with ties counted half) of each subset of the positives (a mask like
-  `labels`) against all negatives, over entries with weight > 0; NaN without a positive or a negative
-  in them, or with a NaN score."""
+  """Exact ROC AUC (Mann-Whitney U, ties counted half) of each subset of the positives (a mask like
+  `labels`) against all negatives, over entries with weight > 0; NaN without a positive or a
+  negative in them, or with a NaN score."""
   scores, labels = scores.reshape(-1), labels.reshape(-1).astype(bool)
   valid = weights.reshape(-1) > 0
   is_neg = valid & ~labels

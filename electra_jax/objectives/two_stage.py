@@ -34,22 +34,18 @@ class TwoStage(Objective):
   def before_step(self, objective, params, step, schedule):
     """At the switch step the discriminator's encoder becomes a copy of the generator's (its head stays)."""
     now = step == schedule.switch
-    encoder = jax.tree.map(
-        lambda g, d: jnp.where(now, g, d),
-        params["generator"]["encoder"],
-        params["discriminator"]["encoder"],
-    )
+    gen, disc = params["generator"]["encoder"], params["discriminator"]["encoder"]
+    encoder = jax.tree.map(lambda g, d: jnp.where(now, g, d), gen, disc)
     return {**params, "discriminator": {**params["discriminator"], "encoder": encoder}}
 
   def updates(self, objective, updates, step, schedule):
     """Only the tower of the current stage moves (weight decay included)."""
     second = step >= schedule.switch
-    hold = lambda tree, keep: jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), tree)  # noqa: E731
-    return {
-        **updates,
-        "generator": hold(updates["generator"], ~second),
-        "discriminator": hold(updates["discriminator"], second),
+    moving = {"generator": ~second, "discriminator": second}
+    held = {
+        k: jax.tree.map(lambda u, m=m: jnp.where(m, u, 0.0), updates[k]) for k, m in moving.items()
     }
+    return {**updates, **held}
 
   def fixed_at_start(self, config, saved: dict | None, start_step: int | None) -> dict:
     """The switch is fixed at a run's first start and written to config.json: left at 0 it is half of
