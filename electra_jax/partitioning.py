@@ -46,8 +46,8 @@ def resolve_mesh_shape(mesh_config, device_count: int) -> tuple[int, int, int]:
   if fill:
     if device_count % known:
       raise ConfigError(
-          f"Mesh sizes {shown} cannot fill {device_count} devices, not divisible by {known}: "
-          "choose sizes whose product divides the device count."
+          f"Mesh sizes {shown} cannot fill {device_count} devices ({device_count} is not divisible "
+          f"by {known}): choose sizes whose product divides the device count."
       )
     sizes[fill[0]] = device_count // known
   if math.prod(sizes) != device_count:

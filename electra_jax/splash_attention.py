@@ -82,7 +82,6 @@ def splash_attention(query, key, value, segment_ids):
     platform = getattr(device, "platform", None) or jax.devices()[0].platform
     if platform != "tpu":  # a step traced for a mesh of another platform
       _warn_interpret(platform)
-  check_seq_len(query.shape[1])
 
   def attend(*args):
     # The kernel for the platform the program is compiled for, which need not be this process's.
