@@ -332,18 +332,12 @@ _BOUNDS = (
         " (of train.steps the temperature falls over; 0 = none)",
     ),
 )
-# (key, the source that reads it): set with the built-in corpus, it is a forgotten data.source.
-_SOURCE_KEYS = (
-    ("files", "text' (or 'jsonl"),
-    ("prepared_dir", "prepared"),
-    ("tfds_name", "tfds"),
-    ("hf_path", "hf_datasets"),
-)
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """The checks that need no devices and no data; ConfigError naming the key and the fix."""
   from electra_jax import models, objectives, tensorboard_log  # noqa: PLC0415 (recipes need no jax)
+  from electra_jax.data.config import check_config as check_data_config  # noqa: PLC0415
 
   m, t, d = config.model, config.train, config.data
   check_encoder_sizes(
@@ -366,17 +360,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"data.max_seq_len={d.max_seq_len} exceeds model.max_position_embeddings="
         f"{m.max_position_embeddings}. Lower data.max_seq_len or raise max_position_embeddings."
     )
-  for key, source in _SOURCE_KEYS:
-    if d.source == "builtin" and d[key]:
-      raise ConfigError(
-          f"data.{key}={d[key]!r} is set, but data.source='builtin' (the standard library's text) "
-          f"does not read it. Add --config.data.source='{source}' to train on it, or drop data.{key}."
-      )
-  if d.eval_fraction == 0 and config.eval.every_steps > 0 and d.source != "prepared":
-    raise ConfigError(
-        f"data.eval_fraction=0 holds out no documents, but eval.every_steps={config.eval.every_steps} "
-        "evaluates on them. Set --config.eval.every_steps=0, or data.eval_fraction > 0 (e.g. 0.02)."
-    )
+  check_data_config(d, config.eval.every_steps)
   if t.dtype not in DTYPES:
     raise ConfigError(f"train.dtype={t.dtype!r} is not one of {DTYPES}.")
   if t.batch_size < 1 and t.batch_size != -1:

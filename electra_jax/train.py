@@ -160,7 +160,7 @@ def _loop(run: resolve.Run, state, compiled: dict, checkpointer, lease, logs, si
 
   signals.start_loop()
   # Batches are read and gathered on a background thread, a step or two ahead.
-  with data.Prefetcher(fetch, step, stop_step=total_steps) as batches:
+  with data.prefetch(fetch, step, stop_step=total_steps) as batches:
     while step < total_steps:
       to_boundary = min([*(p - step % p for p in periods), total_steps - step])
       num_steps = steps_per_call if to_boundary >= steps_per_call else 1

@@ -10,23 +10,23 @@ import random
 import subprocess
 import sys
 
-import ml_collections
 import numpy as np
 import pytest
 import sentencepiece as spm
 
+from conftest import base
 from electra_jax.data import (
     SPECIAL_TOKENS,
     PretrainingData,
     SentencePieceTokenizer,
-    builtin_corpus_fingerprint,
     builtin_documents,
     get_batch,
     load_pretraining_data,
-    pack_documents,
     train_sentencepiece,
 )
 from electra_jax.data import corpus, pipeline, prepare
+from electra_jax.data.config import check_config
+from electra_jax.data.packing import pack_documents
 
 CLS, SEP, PAD = 2, 3, 0
 
@@ -185,9 +185,9 @@ def test_pack_is_deterministic_for_a_seed():
   )
 
 
-def test_pack_rejects_too_short_max_seq_len():
+def test_a_max_seq_len_too_short_to_pack_is_refused():
   with pytest.raises(ValueError, match="max_seq_len must be at least 5.*got 4"):
-    _pack([[[7, 8]]], 4)
+    check_config(_config("cache", max_seq_len=4))
 
 
 def test_pack_empty_input_gives_empty_arrays():
@@ -222,8 +222,8 @@ def test_builtin_corpus_is_large_deterministic_and_clean():
   assert num_bytes > 1_000_000
   # The truncated path parses afresh, so equality also shows parsing is deterministic.
   assert builtin_documents(50) == documents[:50]
-  assert builtin_corpus_fingerprint() == corpus.documents_fingerprint(documents)
-  assert len(builtin_corpus_fingerprint()) == 16
+  assert corpus.builtin_corpus_fingerprint() == corpus.documents_fingerprint(documents)
+  assert len(corpus.builtin_corpus_fingerprint()) == 16
   for document in documents:
     assert document
     for sentence in document:
@@ -402,17 +402,13 @@ def test_train_sentencepiece_bpe_writes_only_the_model(tmp_path):
 
 
 def _config(cache_dir, **overrides):
-  values = dict(
-      source="builtin",
-      max_seq_len=64,
-      cache_dir=str(cache_dir),
-      spm_vocab_size=400,
-      spm_model_type="unigram",
-      max_documents=120,
-      eval_fraction=0.1,
-  )
-  values.update(overrides)
-  return ml_collections.ConfigDict(values)
+  """configs/base.py's data group (every config is completed with it) for a slice of the built-in
+  corpus."""
+  config = base.get_config().data
+  config.update(max_seq_len=64, cache_dir=str(cache_dir), spm_vocab_size=400, max_documents=120)
+  config.update(eval_fraction=0.1)
+  config.update(overrides)
+  return config
 
 
 @pytest.fixture(scope="module")
@@ -512,7 +508,12 @@ def test_unknown_source_lists_supported_sources(tmp_path):
 
 
 def test_eval_split_with_zero_eval_fraction_is_refused(tmp_path):
-  with pytest.raises(ValueError, match="eval_fraction is 0"):
+  with pytest.raises(
+      ValueError, match=r"data.eval_fraction=0 holds out no documents.*every_steps=0"
+  ):
+    check_config(_config(tmp_path, eval_fraction=0.0), eval_every_steps=100)
+  check_config(_config(tmp_path, eval_fraction=0.0), eval_every_steps=0)
+  with pytest.raises(ValueError, match=r"eval split .* has no examples \(eval_fraction=0.0"):
     load_pretraining_data(_config(tmp_path, eval_fraction=0.0), "eval")
 
 

@@ -8,21 +8,23 @@ import json
 import os
 import re
 
-import ml_collections
 import numpy as np
 import pytest
 
+from conftest import base
 from electra_jax.errors import ConfigError
 from electra_jax.data import (
     WordPieceTokenizer,
     get_rows,
+    keep_tokenizer,
     load_pretraining_data,
     load_tokenizer,
     pipeline,
     prepare,
-    read_documents,
-    resolve_files,
+    workdir_tokenizer,
 )
+from electra_jax.data.config import read_config
+from electra_jax.data.sources import read_documents, resolve_files
 
 # ---------------------------------------------------------------- fixtures
 
@@ -98,23 +100,12 @@ def _bert_like_vocab(path, words, drop=()):
 
 
 def _config(tmp_path, **overrides):
-  values = dict(
-      source="text",
-      files="",
-      text_field="text",
-      max_seq_len=32,
-      cache_dir=str(tmp_path / "cache"),
-      tokenizer="sentencepiece",
-      spm_vocab_size=60,
-      spm_model_type="unigram",
-      vocab_file="",
-      lowercase=True,
-      strip_accents=None,
-      max_documents=0,
-      eval_fraction=0.0,
-  )
-  values.update(overrides)
-  return ml_collections.ConfigDict(values)
+  """configs/base.py's data group (every config is completed with it) for a tiny corpus."""
+  config = base.get_config().data
+  config.update(source="text", max_seq_len=32, cache_dir=str(tmp_path / "cache"))
+  config.update(spm_vocab_size=60, max_documents=0, eval_fraction=0.0)
+  config.update(overrides)
+  return config
 
 
 # ---------------------------------------------------------------- text source
@@ -370,9 +361,9 @@ def test_a_workdir_keeps_a_wordpiece_vocabulary_with_its_case_settings(oracle_vo
       tmp_path, tokenizer="wordpiece", vocab_file=str(source), lowercase=False, strip_accents=True
   )
   original = WordPieceTokenizer(str(source), lowercase=False, strip_accents=True)
-  pipeline.keep_tokenizer(original, tmp_path / "workdir")
+  keep_tokenizer(original, tmp_path / "workdir")
   os.remove(source)
-  kept = pipeline.workdir_tokenizer(tmp_path / "workdir", settings)
+  kept = workdir_tokenizer(tmp_path / "workdir", settings)
   assert kept.vocab_file == str(tmp_path / "workdir" / "vocab.txt")
   assert (kept.fingerprint, kept.lowercase, kept.strip_accents) == (
       original.fingerprint,
@@ -403,7 +394,7 @@ def test_wordpiece_config_errors(tmp_path):
 
 
 def _cache_key_directory(config):
-  return pipeline._corpus_cache_dir(prepare.read_config(config))
+  return pipeline._corpus_cache_dir(read_config(config))
 
 
 def test_changed_input_file_changes_the_cache_key(tmp_path, oracle_vocab):

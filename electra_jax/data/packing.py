@@ -11,8 +11,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from electra_jax.errors import ConfigError
-
 # Smallest max_seq_len with room for [CLS], [SEP], [SEP] and some text; the shortest random target length.
 MIN_SEQ_LEN = 5
 
@@ -70,23 +68,8 @@ def pack_documents(
   `input_ids` and `token_type_ids` (1 on B [SEP]); examples never mix documents. Each document draws from a
   generator seeded by `seed` and its corpus index (`document_indices`, default 0, 1, ...), so any slice of a
   corpus packs, in any process, into exactly the rows the whole corpus gives for it."""
-  if max_seq_len < MIN_SEQ_LEN:
-    raise ConfigError(
-        f"max_seq_len must be at least {MIN_SEQ_LEN} to fit [CLS] A [SEP] B [SEP], got {max_seq_len}."
-    )
-  for name, prob in (
-      ("single_segment_prob", single_segment_prob),
-      ("short_seq_prob", short_seq_prob),
-  ):
-    if not 0.0 <= prob <= 1.0:
-      raise ConfigError(f"{name} must be a probability in [0, 1], got {prob}.")
-
   if document_indices is None:
     document_indices = range(len(documents))
-  elif len(document_indices) != len(documents):
-    raise ValueError(
-        f"pack_documents: {len(document_indices)} document_indices for {len(documents)} documents."
-    )
   # Each document's generator: a string seed goes through SHA-512, so nearby (seed, index) pairs give
   # unrelated streams.
   examples = []

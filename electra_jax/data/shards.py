@@ -13,6 +13,7 @@ shards, or ranged reads of bucket objects.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import io
 import os
@@ -39,28 +40,23 @@ def token_dtype(vocab_size: int) -> str:
   return "uint16" if vocab_size <= np.iinfo(np.uint16).max + 1 else "int32"
 
 
-def write_split(
-    out_dir: str, split: str, index: int, input_ids, token_type_ids, pad_id: int, dtype: str
-) -> dict:
-  """Writes shard `index` of `split` (rows and lengths files); returns their manifest fields."""
-  lengths_dtype = np.uint16 if input_ids.shape[1] <= np.iinfo(np.uint16).max else np.int32
+def write_split(task: dict, split: str, rows: np.ndarray, pad_id: int) -> dict:
+  """Writes `split` of shard task["index"] into task["out_dir"]: its [rows, 2, L] ids and types in
+  task["dtype"], and their lengths; returns the files' manifest fields."""
+  lengths = example_lengths(rows[:, 0], pad_id)
+  lengths_dtype = np.uint16 if rows.shape[2] <= np.iinfo(np.uint16).max else np.int32
   entry = {}
   for prefix, suffix, array in (
-      ("", ".npy", np.stack([input_ids, token_type_ids], axis=1).astype(dtype)),
-      ("lengths_", ".lengths.npy", example_lengths(input_ids, pad_id).astype(lengths_dtype)),
+      ("", ".npy", rows.astype(task["dtype"])),
+      ("lengths_", ".lengths.npy", lengths.astype(lengths_dtype)),
   ):
     buffer = io.BytesIO()
     np.save(buffer, array, allow_pickle=False)
-    data, name = buffer.getvalue(), f"{split}-{index:05d}{suffix}"
-    workdir_files.write_bytes(os.path.join(out_dir, name), data)
-    entry.update(
-        {
-            f"{prefix}file": name,
-            f"{prefix}bytes": len(data),
-            f"{prefix}sha256": hashlib.sha256(data).hexdigest(),
-            f"{prefix}crc32c": workdir_files.crc32c(data),
-        }
-    )
+    data, name = buffer.getvalue(), f"{split}-{task['index']:05d}{suffix}"
+    workdir_files.write_bytes(os.path.join(task["out_dir"], name), data)
+    entry[f"{prefix}file"], entry[f"{prefix}bytes"] = name, len(data)
+    entry[f"{prefix}sha256"] = hashlib.sha256(data).hexdigest()
+    entry[f"{prefix}crc32c"] = workdir_files.crc32c(data)
   return entry
 
 
@@ -368,51 +364,39 @@ class ShardedRows:
     return array if dtype is None else array.astype(dtype)
 
 
-class ShardVerification(threading.Thread):
-  """Checks a split's shard files (sha256, every id below the vocabulary size) on a background
-  thread, so a run starts at once; raise_if_failed raises the first failure. In a bucket, shards
-  whose crc32c the manifest records were checked at load; older ones are hashed here."""
+def verify_in_background(directory: str, entries: list[dict], vocab_size: int, split: str):
+  """Checks a split's shard files (sha256, every id below the vocabulary size) on a daemon thread,
+  so a run starts at once: a future of the first failure (a ConfigError), or None. In a bucket,
+  shards whose crc32c the manifest records were checked at load; older ones are hashed here."""
+  remote = workdir_files.is_remote(directory)
 
-  def __init__(self, directory: str, entries: list[dict], vocab_size: int, split: str):
-    super().__init__(name="electra-verify-shards", daemon=True)
-    self.error: ConfigError | None = None
-    self._directory, self._entries, self._vocab_size, self._split = (
-        directory,
-        entries,
-        vocab_size,
-        split,
-    )
-    self.start()
-
-  def run(self) -> None:
-    remote = workdir_files.is_remote(self._directory)
-    for entry in self._entries:
-      path = os.path.join(self._directory, entry["file"])
+  def first_failure() -> ConfigError | None:
+    for entry in entries:
+      path = os.path.join(directory, entry["file"])
       if remote and "crc32c" in entry:
         continue  # load_split compared the bucket's crc32c; BucketShards checks the ids it reads
       try:
         if sha256_file(path) != entry["sha256"]:
           problem = f"is not the file prepare_data wrote (its sha256 differs from {MANIFEST}'s)"
-        elif not remote and (largest := int(np.max(_load(path, "r")[:, 0]))) >= self._vocab_size:
-          problem = f"holds token id {largest}, outside the tokenizer's {self._vocab_size} ids"
+        elif not remote and (largest := int(np.max(_load(path, "r")[:, 0]))) >= vocab_size:
+          problem = f"holds token id {largest}, outside the tokenizer's {vocab_size} ids"
         else:
           continue
-        self.error = ConfigError(f"Shard {path} {problem}; {REDO}.")
+        return ConfigError(f"Shard {path} {problem}; {REDO}.")
       except OSError as error:
-        self.error = ConfigError(f"Cannot read shard {path} ({error}); {REDO}.")
+        return ConfigError(f"Cannot read shard {path} ({error}); {REDO}.")
       except ConfigError as error:
-        self.error = error
-      return
+        return error
     logging.info(
-        "verified the %d %s shards of %s against %s",
-        len(self._entries),
-        self._split,
-        self._directory,
-        MANIFEST,
+        "verified the %d %s shards of %s against %s", len(entries), split, directory, MANIFEST
     )
+    return None
 
-  wait = threading.Thread.join
-
-  def raise_if_failed(self) -> None:
-    if self.error is not None:
-      raise self.error
+  verification = concurrent.futures.Future()
+  thread = threading.Thread(
+      target=lambda: verification.set_result(first_failure()),
+      name="electra-verify-shards",
+      daemon=True,
+  )
+  thread.start()
+  return verification

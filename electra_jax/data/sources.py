@@ -17,6 +17,8 @@ from absl import logging
 from electra_jax.errors import ConfigError
 
 FILE_SOURCES = ("text", "jsonl")
+RECORD_SOURCES = ("tfds", "hf_datasets")
+DOCUMENT_SOURCES = ("builtin", *FILE_SOURCES, *RECORD_SOURCES)
 
 # A corpus up to this size enters the fingerprint with its content hash (an edit may keep size and
 # mtime); a bigger one by paths, sizes and mtimes only, to keep a warm start fast.
@@ -29,9 +31,8 @@ class SourceStats:
 
   files: list[str] = dataclasses.field(default_factory=list)
   empty_files: list[str] = dataclasses.field(default_factory=list)
-  binary_files: list[str] = dataclasses.field(
-      default_factory=list
-  )  # NUL bytes in the first block: skipped
+  # NUL bytes in the first block: skipped
+  binary_files: list[str] = dataclasses.field(default_factory=list)
   replaced_lines: int = 0  # lines with bytes that are not UTF-8: kept, with U+FFFD in their place
   first_replaced_line: str = ""
   skipped_lines: int = 0  # records skipped: not JSON, not an object, or without a string text field
@@ -66,11 +67,7 @@ MAX_SENTENCE_CHARS = 1 << 16
 _SNIFF_BYTES = 8192  # a NUL in a file's first block marks it binary
 _BLOCK_BYTES = 8 << 20  # files are decoded this many bytes (rounded to whole lines) at a time
 _HF_READ_BLOCK = 1024  # rows fetched per column read
-_SAVED_MARKERS = (
-    "dataset_info.json",
-    "state.json",
-    "dataset_dict.json",
-)  # what save_to_disk writes
+_SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # save_to_disk's files
 
 
 def decode_utf8(raw: bytes, where, stats: SourceStats) -> str:

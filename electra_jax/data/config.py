@@ -1,0 +1,132 @@
+"""The `data` config group: its one check (its keys and defaults are configs/base.py's, which
+complete every config) and its read into the checked, absolute values the data package takes."""
+
+from __future__ import annotations
+
+import os
+
+from etils import epath
+
+from electra_jax import workdir_files
+from electra_jax.data import sources
+from electra_jax.data.packing import MIN_SEQ_LEN
+from electra_jax.errors import ConfigError
+
+SOURCES = (*sources.DOCUMENT_SOURCES, "prepared")
+# The file each tokenizer is read from, under this name in a prepared directory and a workdir.
+TOKENIZER_FILES = {"sentencepiece": "spm.model", "wordpiece": "vocab.txt"}
+# (key, the source that reads it): set with the built-in corpus, it is a forgotten data.source.
+_SOURCE_KEYS = (
+    ("files", "text' (or 'jsonl"),
+    ("prepared_dir", "prepared"),
+    ("tfds_name", "tfds"),
+    ("hf_path", "hf_datasets"),
+)
+
+
+def check_config(data, eval_every_steps: int | None = None) -> None:
+  """Refuses the first bad value of the data group `data`, naming it and the fix; reads no file.
+  `eval_every_steps` is a training run's eval.every_steps; None where the data is not trained on
+  (prepare_data writes into data.prepared_dir, whatever the source)."""
+  source, tokenizer, strip_accents = data.source, data.tokenizer, data.strip_accents
+  training = eval_every_steps is not None
+  problems = (  # (whether it is wrong, what to say): the first wrong one is raised
+      (
+          source not in SOURCES,
+          f"Unknown data.source {source!r}; use one of {list(SOURCES)} (text and jsonl read "
+          "data.files, tfds data.tfds_name, hf_datasets data.hf_path, prepared data.prepared_dir).",
+      ),
+      *(
+          (
+              source == "builtin" and data[key] and (training or key != "prepared_dir"),
+              f"data.{key}={data[key]!r} is set, but data.source='builtin' does not read it; add "
+              f"--config.data.source='{wanted}' to train on it, or drop data.{key}.",
+          )
+          for key, wanted in _SOURCE_KEYS
+      ),
+      (
+          source == "prepared" and not data.prepared_dir,
+          "data.source='prepared' needs data.prepared_dir, the directory --mode=prepare_data wrote.",
+      ),
+      (
+          tokenizer not in TOKENIZER_FILES,
+          f"Unknown data.tokenizer {tokenizer!r}; use one of {list(TOKENIZER_FILES)} (wordpiece "
+          "reads a BERT vocab.txt given by data.vocab_file).",
+      ),
+      (  # prepared shards carry their vocab.txt
+          tokenizer == "wordpiece" and not data.vocab_file and source != "prepared",
+          "data.tokenizer='wordpiece' needs data.vocab_file, the path of a BERT vocab.txt (one "
+          "token per line), e.g. --config.data.vocab_file=uncased_L-12_H-768_A-12/vocab.txt.",
+      ),
+      (
+          data.spm_model_file and tokenizer != "sentencepiece",
+          f"data.spm_model_file={data.spm_model_file!r} is set but data.tokenizer={tokenizer!r}; "
+          "set data.tokenizer='sentencepiece' to use that model, or clear data.spm_model_file.",
+      ),
+      (
+          strip_accents is not None and not isinstance(strip_accents, bool),
+          f"data.strip_accents must be None (follow data.lowercase, as BERT does), True or False, "
+          f"got {strip_accents!r}.",
+      ),
+      (
+          source in ("jsonl", "hf_datasets") and not data.text_field,
+          "data.text_field is empty; name the JSON field holding each document's text.",
+      ),
+      (
+          data.max_seq_len < MIN_SEQ_LEN,
+          f"data.max_seq_len must be at least {MIN_SEQ_LEN} to fit [CLS] A [SEP] B [SEP], got "
+          f"{data.max_seq_len}.",
+      ),
+      (
+          data.shard_documents < 1,
+          f"data.shard_documents must be >= 1, got {data.shard_documents}.",
+      ),
+      (
+          data.max_documents < 0,
+          f"data.max_documents must be >= 0 (0 means all), got {data.max_documents}.",
+      ),
+      (
+          not 0.0 <= data.eval_fraction < 1.0,
+          f"data.eval_fraction must be in [0, 1) (e.g. 0.02 holds out 2% of documents), got "
+          f"{data.eval_fraction}.",
+      ),
+      (
+          data.eval_fraction == 0 and training and eval_every_steps > 0 and source != "prepared",
+          f"data.eval_fraction=0 holds out no documents, but eval.every_steps={eval_every_steps} "
+          "evaluates on them; set --config.eval.every_steps=0, or data.eval_fraction > 0.",
+      ),
+      (
+          not isinstance(data.pack_rows, bool),
+          "data.pack_rows must be True (several whole examples per row) or False (one per row), "
+          f"got {data.pack_rows!r}.",
+      ),
+  )
+  for wrong, message in problems:
+    if wrong:
+      raise ConfigError(message)
+
+
+def read_config(data) -> dict:
+  """The data group `data`, checked, as a dict: paths absolute (a bucket's as given), data.files
+  resolved, the cache directory found; a tokenizer file it names must exist."""
+  check_config(data)
+  config = data.to_dict()
+  for key in ("vocab_file", "spm_model_file", "prepared_dir"):
+    if workdir_files.is_remote(config[key]):
+      config[key] = config[key].rstrip("/")
+    elif config[key]:
+      config[key] = os.path.abspath(os.path.expanduser(config[key]))
+  for key, what in (
+      ("vocab_file", "the path of a BERT vocab.txt"),
+      ("spm_model_file", "a model --mode=train_tokenizer wrote, or clear it to train one"),
+  ):
+    if config[key] and not epath.Path(config[key]).is_file():
+      raise ConfigError(f"data.{key}={config[key]!r} is not a file; give {what}.")
+  config["cache_dir"] = (
+      os.path.expanduser(config["cache_dir"])
+      or os.environ.get("ELECTRA_JAX_CACHE")
+      or os.path.join(os.path.expanduser("~"), ".cache", "electra_jax")
+  )
+  files = config["source"] in sources.FILE_SOURCES
+  config["files"] = sources.resolve_files(config["files"]) if files else []
+  return config
