@@ -7,7 +7,6 @@ corpus (conftest), and on prepared shards of it.
 """
 
 import collections
-import json
 import os
 
 import ml_collections
@@ -235,8 +234,6 @@ def test_prepared_shards_give_the_cached_packed_batches(tmp_path):
         _config(True, **overrides, **{"data.source": "prepared"}).data, split
     )
     assert isinstance(prepared, PretrainingData) and len(prepared.input_ids._shards) > 1
-    if split == "train":
-      cached_train = cached
     assert prepared.fingerprint == cached.fingerprint
     unpacked = load_pretraining_data(
         _config(False, **overrides, **{"data.source": "prepared"}).data, split
@@ -254,21 +251,6 @@ def test_prepared_shards_give_the_cached_packed_batches(tmp_path):
     # The plan came from the shards' lengths files, which hold what scanning the rows gives.
     np.testing.assert_array_equal(prepared.lengths, example_lengths(cached.input_ids, PAD))
     assert unpacked.lengths is None, "unpacked training reads no lengths files"
-
-  # Shards prepared before lengths files existed: the rows are scanned, to the same plan.
-  manifest_path = tmp_path / "prepared" / "manifest.json"
-  manifest = json.loads(manifest_path.read_text())
-  for entry in manifest["shards"]:
-    for split_entry in entry["splits"].values():
-      for key in ("lengths_file", "lengths_bytes", "lengths_sha256"):
-        split_entry.pop(key, None)
-  manifest_path.write_text(json.dumps(manifest))
-  for entry in manifest["shards"]:  # and without the files, nothing can read them
-    os.remove(tmp_path / "prepared" / f"train-{entry['index']:05d}.lengths.npy")
-  old = load_pretraining_data(_config(True, **overrides, **{"data.source": "prepared"}).data)
-  np.testing.assert_array_equal(old.lengths, cached_train.packing.lengths)
-  np.testing.assert_array_equal(old.packing.examples, cached_train.packing.examples)
-  np.testing.assert_array_equal(old.packing.row_splits, cached_train.packing.row_splits)
 
 
 def test_prepare_rebuilds_a_damaged_lengths_file(tmp_path):

@@ -288,7 +288,7 @@ def load_prepared(config, split: str) -> PretrainingData:
     )
   tokenizer = prepared_tokenizer(config, manifest)
   rows, entries, lengths = shards.load_split(
-      directory, manifest, split, tokenizer.pad_id, config["pack_rows"], tokenizer.vocab_size
+      directory, manifest, split, config["pack_rows"], tokenizer.vocab_size
   )
   if not entries:
     raise ConfigError(

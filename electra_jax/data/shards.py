@@ -2,8 +2,8 @@
 
 A prepared directory (`data.prepared_dir`: local, or a bucket such as gs://; or a cache's len<L>/)
 holds manifest.json (counts, per-file rows/bytes/sha256/crc32c, tokenizer, max_seq_len, format
-version, source; "complete" once all shards exist), spm.model when prepare_data trained it, and
-for shard k of each split (documents [k*S, (k+1)*S), S = data.shard_documents)
+version, source; "complete" once all shards exist), a copy of the tokenizer (spm.model or
+vocab.txt), and for shard k of each split (documents [k*S, (k+1)*S), S = data.shard_documents)
 <split>-<k:05d>.npy, uint16 (int32 beyond 65536 ids) [rows, 2, max_seq_len] of input ids ([:, 0])
 and token type ids ([:, 1]), and <split>-<k:05d>.lengths.npy, each example's length. Local files
 are written under temporary names (".tmp-*") and renamed, bucket objects appear whole; a shard is
@@ -30,7 +30,6 @@ from electra_jax.errors import ConfigError
 # Bump when the shard layout or the manifest's meaning changes.
 PREPARED_FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-SPM_MODEL = "spm.model"
 SPLITS = ("train", "eval")
 # How a missing or damaged file of a prepared directory is mended.
 REDO = "run --mode=prepare_data again with the same config to re-create it"
@@ -76,9 +75,9 @@ def open_manifest(directory: str) -> dict:
   manifest = read_manifest(directory)
   if manifest is None:
     raise ConfigError(
-        f"data.prepared_dir={directory!r} has no {MANIFEST}; create it with "
-        "`python -m electra_jax.main --mode=prepare_data --config=...` (same data config, with "
-        "data.source set to the corpus), then train with data.source='prepared'."
+        f"data.prepared_dir={directory!r} has no {MANIFEST}; create it with --mode=prepare_data "
+        "(the same data config, data.source set to the corpus), then train with "
+        "data.source='prepared'."
     )
   if manifest["format_version"] != PREPARED_FORMAT_VERSION:
     raise ConfigError(
@@ -87,8 +86,8 @@ def open_manifest(directory: str) -> dict:
     )
   if not manifest["complete"]:
     raise ConfigError(
-        f"The preparation of {directory} did not finish ({len(manifest['shards'])} shards "
-        "so far); run --mode=prepare_data again with the same config: it resumes."
+        f"The preparation of {directory} did not finish ({len(manifest['shards'])} shards so far); "
+        "run --mode=prepare_data again with the same config: it resumes."
     )
   return manifest
 
@@ -101,34 +100,36 @@ def sha256_file(path: str) -> str:
   return digest.hexdigest()
 
 
-def _crc32c_agrees(split_entry: dict, prefix: str, crc32c: str | None) -> bool | None:
-  """Whether a bucket's own crc32c of a file (computed by the bucket as the bytes arrived) is the
-  one the manifest recorded; None where either is unknown (local files, older manifests)."""
-  if crc32c is None or f"{prefix}crc32c" not in split_entry:
-    return None
-  return crc32c == split_entry[f"{prefix}crc32c"]
+def _problem(entry: dict, prefix: str, files: dict) -> str | None:
+  """What the cheap checks find wrong with the file `entry[prefix + "file"]` of `files`
+  (workdir_files.list_files): its size, and a bucket's own crc32c against the manifest's (0.1.0's
+  manifests have none); None when they pass."""
+  size, crc32c = files.get(entry[f"{prefix}file"], (None, None))
+  recorded = entry.get(f"{prefix}crc32c")
+  if size != entry[f"{prefix}bytes"]:
+    return (
+        "is missing"
+        if size is None
+        else f"has {size} bytes, the manifest says {entry[f'{prefix}bytes']}"
+    )
+  if None not in (crc32c, recorded) and crc32c != recorded:
+    return f"is not the file prepare_data wrote (its crc32c, {crc32c}, differs from {MANIFEST}'s)"
+  return None
 
 
 def shard_is_intact(out_dir: str, entry: dict, files: dict, checksums: bool = True) -> bool:
   """Whether a manifest's shard `entry` has its files in `files` (workdir_files.list_files of
-  `out_dir`), of their sizes (and, with `checksums`, their recorded contents)."""
+  `out_dir`) of their sizes and, with `checksums`, contents (sha256 where no crc32c was compared).
+  """
   for split_entry in entry["splits"].values():
     for prefix in ("", "lengths_") if split_entry["rows"] else ():
-      if (
-          f"{prefix}file" not in split_entry
-      ):  # shards prepared before data.pack_rows have no lengths file
-        continue
       name = split_entry[f"{prefix}file"]
-      size, crc32c = files.get(name, (None, None))
-      if size != split_entry[f"{prefix}bytes"]:
+      if _problem(split_entry, prefix, files) is not None:
         return False
-      if not checksums:
-        continue
-      agrees = _crc32c_agrees(split_entry, prefix, crc32c)  # a bucket's: nothing is downloaded
-      if agrees is None:
-        agrees = sha256_file(os.path.join(out_dir, name)) == split_entry[f"{prefix}sha256"]
-      if not agrees:
-        return False
+      compared = files[name][1] is not None and f"{prefix}crc32c" in split_entry
+      if checksums and not compared:
+        if sha256_file(os.path.join(out_dir, name)) != split_entry[f"{prefix}sha256"]:
+          return False
   return True
 
 
@@ -141,104 +142,46 @@ def _load(path: str, mmap_mode=None) -> np.ndarray:
     raise ConfigError(f"Cannot read shard {path} ({e}); {REDO}.") from e
 
 
-def load_split(
-    directory: str, manifest: dict, split: str, pad_id: int, with_lengths: bool, vocab_size: int
-):
-  """The non-empty shards of `split` after the cheap checks (size, shape, dtype; in a bucket also
-  the bucket's crc32c): (their rows, memory-mapped or read by ranges from a bucket, as a
-  MappedShards or BucketShards; their manifest entries; the examples' int32 lengths or None).
-  Shards prepared before lengths files existed have their rows scanned instead."""
+def load_split(directory: str, manifest: dict, split: str, with_lengths: bool, vocab_size: int):
+  """The non-empty shards of `split` after the cheap checks (sizes; a bucket's crc32c; on disk,
+  shapes and dtypes): (their rows, memory-mapped or read by ranges from a bucket; their manifest
+  entries; with `with_lengths`, the examples' int32 lengths, else None)."""
   max_seq_len, dtype = manifest["max_seq_len"], np.dtype(manifest["dtype"])
-  remote = workdir_files.is_remote(directory)
   files = workdir_files.list_files(directory)
   entries = [entry["splits"][split] for entry in manifest["shards"]]
-  entries = [split_entry for split_entry in entries if split_entry["rows"]]
-  paths = [os.path.join(directory, split_entry["file"]) for split_entry in entries]
-  for path, split_entry in zip(paths, entries):
-    size, crc32c = files.get(split_entry["file"], (None, None))
-    if size is None:
-      raise ConfigError(f"Shard {path} is missing; {REDO}.")
-    if size != split_entry["bytes"]:
-      raise ConfigError(
-          f"Shard {path} has {size} bytes, the manifest says {split_entry['bytes']}; {REDO}."
-      )
-    if _crc32c_agrees(split_entry, "", crc32c) is False:
-      raise ConfigError(
-          f"Shard {path} is not the file prepare_data wrote (its crc32c, {crc32c}, differs from "
-          f"{MANIFEST}'s); {REDO}."
-      )
-  if remote:
-    headers = _bucket_headers(paths, [split_entry["bytes"] for split_entry in entries])
-    shapes = [(shape, found_dtype) for _, shape, found_dtype in headers]
+  entries = [entry for entry in entries if entry["rows"]]
+  for entry in entries:
+    for prefix in ("", "lengths_") if with_lengths else ("",):
+      if (problem := _problem(entry, prefix, files)) is not None:
+        path = os.path.join(directory, entry[f"{prefix}file"])
+        raise ConfigError(f"Shard {path} {problem}; {REDO}.")
+  paths = [os.path.join(directory, entry["file"]) for entry in entries]
+  if workdir_files.is_remote(directory):
+    rows = BucketShards(paths, entries, max_seq_len, dtype, vocab_size)
   else:
     arrays = [_load(path, mmap_mode="r") for path in paths]
-    shapes = [(array.shape, array.dtype) for array in arrays]
-  for path, split_entry, (shape, found_dtype) in zip(paths, entries, shapes):
-    if shape != (split_entry["rows"], 2, max_seq_len) or found_dtype != dtype:
-      raise ConfigError(
-          f"Shard {path} has shape {shape} and dtype {found_dtype}; the manifest says "
-          f"({split_entry['rows']}, 2, {max_seq_len}) {manifest['dtype']}; {REDO}."
-      )
-  if remote:
-    num_rows = [split_entry["rows"] for split_entry in entries]
-    rows = BucketShards(paths, [h[0] for h in headers], num_rows, max_seq_len, dtype, vocab_size)
-  else:
+    for path, entry, array in zip(paths, entries, arrays):
+      if array.shape != (entry["rows"], 2, max_seq_len) or array.dtype != dtype:
+        raise ConfigError(
+            f"Shard {path} has shape {array.shape} and dtype {array.dtype}; the manifest says "
+            f"({entry['rows']}, 2, {max_seq_len}) {dtype}; {REDO}."
+        )
     rows = MappedShards(arrays)
-  if not with_lengths or not entries:
-    return rows, entries, None
-  lengths, input_ids = [], ShardedRows(rows, 0, max_seq_len)
-  for start, split_entry in zip(np.cumsum([0] + [e["rows"] for e in entries]), entries):
-    if "lengths_file" not in split_entry:
-      lengths.append(example_lengths(input_ids[start : start + split_entry["rows"]], pad_id))
-      continue
-    path = os.path.join(directory, split_entry["lengths_file"])
-    _, crc32c = files.get(split_entry["lengths_file"], (None, None))
-    if _crc32c_agrees(split_entry, "lengths_", crc32c) is False:
-      raise ConfigError(
-          f"{path} is not the file prepare_data wrote (its crc32c differs from {MANIFEST}'s); "
-          f"{REDO}."
-      )
-    found, rows_in_shard = _load(path), split_entry["rows"]
+  lengths = []
+  for entry in entries if with_lengths else ():
+    path = os.path.join(directory, entry["lengths_file"])
+    found = _load(path)
     if (
-        found.shape != (rows_in_shard,)
+        found.shape != (entry["rows"],)
         or found.dtype.kind not in "iu"
-        or (found.size and not 1 <= found.min() <= found.max() <= max_seq_len)
+        or not 1 <= found.min() <= found.max() <= max_seq_len
     ):
       raise ConfigError(
-          f"{path} does not hold {rows_in_shard} example lengths in [1, {max_seq_len}]; {REDO}."
+          f"Shard {path} does not hold {entry['rows']} example lengths in [1, {max_seq_len}]; "
+          f"{REDO}."
       )
     lengths.append(found.astype(np.int32))
-  return rows, entries, np.concatenate(lengths)
-
-
-def _bucket_headers(paths: list[str], sizes: list[int]) -> list[tuple[int, tuple, np.dtype]]:
-  """(bytes before the rows, shape, dtype) of each .npy object, read by one concurrent ranged read
-  of every object's first bytes (and a second for headers longer than that)."""
-  heads = _read_ranges(paths, [0] * len(paths), [min(size, 256) for size in sizes])
-  headers = []
-  for path, size, head in zip(paths, sizes, heads):
-    try:
-      stream = io.BytesIO(head)
-      version = np.lib.format.read_magic(stream)
-      length_bytes = 2 if version == (1, 0) else 4
-      header_end = 8 + length_bytes + int.from_bytes(head[8 : 8 + length_bytes], "little")
-      if header_end > len(head):
-        (head,) = _read_ranges([path], [0], [min(size, header_end)])
-        stream = io.BytesIO(head)
-        np.lib.format.read_magic(stream)
-      read_header = {
-          (1, 0): np.lib.format.read_array_header_1_0,
-          (2, 0): np.lib.format.read_array_header_2_0,
-      }.get(version)
-      if read_header is None:
-        raise ValueError(f".npy format version {version}, which prepare_data does not write")
-      shape, fortran_order, dtype = read_header(stream)
-      if fortran_order:
-        raise ValueError("its rows are stored in Fortran order")
-    except ValueError as e:
-      raise ConfigError(f"Cannot read shard {path} ({e}); {REDO}.") from e
-    headers.append((stream.tell(), shape, dtype))
-  return headers
+  return rows, entries, np.concatenate(lengths) if lengths else None
 
 
 def _read_ranges(paths: list[str], starts: list[int], ends: list[int]) -> list[bytes]:
@@ -278,10 +221,12 @@ class BucketShards:
   channel's read of the same rows on the same thread. Every token id read is checked against the
   vocabulary."""
 
-  def __init__(self, paths, header_bytes, num_rows, max_seq_len: int, dtype, vocab_size: int):
-    self.paths, self._header_bytes, self.num_rows = paths, header_bytes, num_rows
+  def __init__(self, paths, entries: list[dict], max_seq_len: int, dtype, vocab_size: int):
+    self.paths, self.num_rows = paths, [entry["rows"] for entry in entries]
     self._dtype, self._max_seq_len, self._vocab_size = np.dtype(dtype), max_seq_len, vocab_size
     self._row_bytes = 2 * max_seq_len * self._dtype.itemsize
+    # A .npy file is its header, then the rows: the file's size gives the header's.
+    self._header_bytes = [entry["bytes"] - entry["rows"] * self._row_bytes for entry in entries]
     self._last = threading.local()  # each thread's last read, kept for the other channel
 
   def __len__(self) -> int:
