@@ -133,7 +133,7 @@ def test_text_source_globs_and_blank_line_documents(tmp_path):
       ["Second file, first line.", "Still the same document."],
       ["Third file."],
   ]
-  assert stats.num_documents == 4 and stats.empty_files == [] and stats.replaced_lines == 0
+  assert stats.num_documents == 4 and stats.problems == {}
   assert read_documents("text", paths, max_documents=2)[0] == documents[:2]
 
 
@@ -154,7 +154,7 @@ def test_jsonl_source_documents_and_text_field(tmp_path):
   path = _write(tmp_path / "d.jsonl", "\n".join(json.dumps(r) for r in rows) + "\n\n")
   documents, stats = read_documents("jsonl", [path], text_field="body")
   assert documents == [["First paragraph.", "Second paragraph.", "Third."], ["Another document."]]
-  assert stats.skipped_lines == 0
+  assert "skipped_lines" not in stats.problems
 
 
 def test_jsonl_records_holding_unicode_line_separators_are_kept(tmp_path):
@@ -176,9 +176,9 @@ def test_jsonl_records_holding_unicode_line_separators_are_kept(tmp_path):
   )
   expected = [["One.", "Two."], ["Three", "four."], ["Five", "six."], ["Seven."]]
   documents, stats = read_documents("jsonl", [path])
-  assert documents == expected and stats.skipped_lines == 0
+  assert documents == expected and "skipped_lines" not in stats.problems
   documents, stats = read_documents("jsonl", [bad])
-  assert documents == [["Caf\ufffd."]] + expected and stats.skipped_lines == 0
+  assert documents == [["Caf\ufffd."]] + expected and "skipped_lines" not in stats.problems
 
 
 def test_jsonl_bad_lines_are_skipped_counted_and_located(tmp_path, caplog):
@@ -194,9 +194,9 @@ def test_jsonl_bad_lines_are_skipped_counted_and_located(tmp_path, caplog):
   with caplog.at_level("WARNING"):
     documents, stats = read_documents("jsonl", [path])
   assert documents == [["Good one."], ["Good two."]]
-  assert stats.skipped_lines == 4
-  assert stats.first_skipped_line == f"{path}:2: not valid JSON"
-  assert "skipped 4 JSONL lines" in caplog.text and f"{path}:2" in caplog.text
+  assert stats.problems["skipped_lines"] == 4
+  assert stats.first_problems["skipped_lines"] == f"{path}:2: not valid JSON"
+  assert "4 JSONL lines skipped" in caplog.text and f"{path}:2" in caplog.text
 
 
 def test_jsonl_without_usable_lines_is_refused(tmp_path):
@@ -216,8 +216,11 @@ def test_non_utf8_bytes_are_replaced_and_counted(tmp_path, caplog):
   with caplog.at_level("WARNING"):
     documents, stats = read_documents("text", [path])
   assert documents == [["Good line.", "Caf\ufffd au lait."], ["na\ufffdve \ufffd."]]
-  assert stats.replaced_lines == 2 and stats.first_replaced_line == f"{path}:2"
-  assert "2 lines held bytes that are not UTF-8" in caplog.text
+  assert (
+      stats.problems["replaced_lines"] == 2
+      and stats.first_problems["replaced_lines"] == f"{path}:2"
+  )
+  assert "2 lines with bytes that are not UTF-8" in caplog.text
 
 
 def test_empty_files_are_skipped_and_reported(tmp_path, caplog):
@@ -227,8 +230,8 @@ def test_empty_files_are_skipped_and_reported(tmp_path, caplog):
   with caplog.at_level("WARNING"):
     documents, stats = read_documents("text", [empty, blank, full])
   assert documents == [["Some text."]]
-  assert stats.empty_files == [empty, blank]
-  assert "skipped 2 empty files" in caplog.text and empty in caplog.text
+  assert stats.problems["empty_files"] == 2 and stats.first_problems["empty_files"] == empty
+  assert "2 empty files skipped" in caplog.text and empty in caplog.text
 
 
 def test_no_usable_text_names_the_files(tmp_path):

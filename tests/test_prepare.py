@@ -740,7 +740,10 @@ def test_block_reader_splits_lines_like_decoding_the_whole_file(tmp_path, monkey
   monkeypatch.setattr(sources, "_BLOCK_BYTES", block_bytes)
   stats = sources.SourceStats()
   assert list(sources.iter_documents("text", [str(path)], stats=stats)) == expected
-  assert stats.replaced_lines == 2 and stats.first_replaced_line == f"{path}:9"
+  assert (
+      stats.problems["replaced_lines"] == 2
+      and stats.first_problems["replaced_lines"] == f"{path}:9"
+  )
   assert stats.bytes_read == len(raw)
 
 

@@ -23,44 +23,6 @@ DOCUMENT_SOURCES = ("builtin", *FILE_SOURCES, *RECORD_SOURCES)
 # A corpus up to this size enters the fingerprint with its content hash (an edit may keep size and
 # mtime); a bigger one by paths, sizes and mtimes only, to keep a warm start fast.
 _HASHED_CORPUS_BYTES = 64 << 20
-
-
-@dataclasses.dataclass
-class SourceStats:
-  """What reading a source found (each count with the place of its first case)."""
-
-  files: list[str] = dataclasses.field(default_factory=list)
-  empty_files: list[str] = dataclasses.field(default_factory=list)
-  # NUL bytes in the first block: skipped
-  binary_files: list[str] = dataclasses.field(default_factory=list)
-  replaced_lines: int = 0  # lines with bytes that are not UTF-8: kept, with U+FFFD in their place
-  first_replaced_line: str = ""
-  skipped_lines: int = 0  # records skipped: not JSON, not an object, or without a string text field
-  first_skipped_line: str = ""
-  long_sentences: int = 0  # sentences over MAX_SENTENCE_CHARS: skipped
-  first_long_sentence: str = ""
-  num_documents: int = 0
-  bytes_read: int = 0  # progress of a streaming read, of total_bytes
-  total_bytes: int = 0
-
-  def counts(self) -> dict:
-    return {
-        "files": len(self.files),
-        "empty_files": len(self.empty_files),
-        "binary_files": len(self.binary_files),
-        "replaced_lines": self.replaced_lines,
-        "skipped_lines": self.skipped_lines,
-        "long_sentences": self.long_sentences,
-        "documents": self.num_documents,
-    }
-
-  def skip(self, count: str, place: str) -> None:
-    """One more of `count` (replaced_lines, skipped_lines, long_sentences), the first's place kept."""
-    setattr(self, count, getattr(self, count) + 1)
-    first = "first_" + count.removesuffix("s")
-    setattr(self, first, getattr(self, first) or place)
-
-
 # A longer "sentence" (line) is almost always junk (minified code, base64, a table on one line): it is
 # skipped and counted, so it can neither stall a tokenizer worker nor hide in a shard.
 MAX_SENTENCE_CHARS = 1 << 16
@@ -68,6 +30,43 @@ _SNIFF_BYTES = 8192  # a NUL in a file's first block marks it binary
 _BLOCK_BYTES = 8 << 20  # files are decoded this many bytes (rounded to whole lines) at a time
 _HF_READ_BLOCK = 1024  # rows fetched per column read
 _SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # save_to_disk's files
+# What can go wrong reading a source, as the log and the errors name it.
+PROBLEMS = {
+    "empty_files": "empty files skipped",
+    "binary_files": f"binary files skipped (NUL bytes in the first {_SNIFF_BYTES} bytes)",
+    "replaced_lines": "lines with bytes that are not UTF-8 kept with U+FFFD in their place",
+    "skipped_lines": "JSONL lines skipped (not a JSON object with a string text field)",
+    "long_sentences": f"lines over {MAX_SENTENCE_CHARS} characters skipped (not prose)",
+}
+
+
+@dataclasses.dataclass
+class SourceStats:
+  """What reading a source found: its files and documents, its progress (bytes_read of
+  total_bytes; records for a dataset), and how often each of PROBLEMS happened, and where first."""
+
+  files: list[str] = dataclasses.field(default_factory=list)
+  num_documents: int = 0
+  bytes_read: int = 0
+  total_bytes: int = 0
+  problems: dict[str, int] = dataclasses.field(default_factory=dict)
+  first_problems: dict[str, str] = dataclasses.field(default_factory=dict)
+
+  def counts(self) -> dict:
+    counts = {problem: self.problems.get(problem, 0) for problem in PROBLEMS}
+    return {"files": len(self.files), **counts, "documents": self.num_documents}
+
+  def skip(self, problem: str, place: str) -> None:
+    """One more of `problem` (a key of PROBLEMS), the first's place kept."""
+    self.problems[problem] = self.problems.get(problem, 0) + 1
+    self.first_problems.setdefault(problem, place)
+
+  def summary(self) -> str:
+    return "; ".join(
+        f"{self.problems[problem]} {what}, the first {self.first_problems[problem]}"
+        for problem, what in PROBLEMS.items()
+        if problem in self.problems
+    )
 
 
 def decode_utf8(raw: bytes, where, stats: SourceStats) -> str:
@@ -133,7 +132,7 @@ def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
   """
   with open(path, "rb") as f:
     if b"\0" in f.read(_SNIFF_BYTES):
-      stats.binary_files.append(path)
+      stats.skip("binary_files", path)
       stats.bytes_read += os.fstat(f.fileno()).st_size
       return
     f.seek(0)
@@ -154,8 +153,9 @@ def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
           yield number, line
 
 
-def _text_file_documents(path: str, stats: SourceStats):
+def _text_file_documents(path: str, text_field: str, stats: SourceStats):
   """One document per run of non-blank lines; each stripped line is one sentence."""
+  del text_field  # (jsonl's)
   document = []
   for number, line in _iter_lines(path, stats):
     line = line.strip()
@@ -224,28 +224,18 @@ def iter_documents(
     source: str, paths: list[str], text_field: str = "text", stats: SourceStats | None = None
 ):
   """The documents of `paths` read as `source`, streamed (see read_documents)."""
-  if source not in FILE_SOURCES:
-    raise ConfigError(f"read_documents: source must be one of {FILE_SOURCES}, got {source!r}.")
   stats = stats if stats is not None else SourceStats()
   stats.files = list(paths)
   stats.total_bytes = sum(os.path.getsize(path) for path in paths)
-
-  def progress():
-    return stats.num_documents, len(stats.binary_files), stats.skipped_lines, stats.long_sentences
-
   for path in paths:
-    before = progress()
-    for document in (
-        _text_file_documents(path, stats)
-        if source == "text"
-        else _jsonl_file_documents(path, text_field, stats)
-    ):
+    # A file is empty when nothing came out of it and nothing in it was skipped for a reason.
+    before = stats.num_documents + sum(stats.problems.values())
+    read = _text_file_documents if source == "text" else _jsonl_file_documents
+    for document in read(path, text_field, stats):
       stats.num_documents += 1
       yield document
-    if (
-        progress() == before
-    ):  # nothing came out of the file and nothing in it was skipped for a reason
-      stats.empty_files.append(path)
+    if stats.num_documents + sum(stats.problems.values()) == before:
+      stats.skip("empty_files", path)
 
 
 def read_documents(
@@ -268,19 +258,7 @@ def read_documents(
 def no_usable_text_error(
     source: str, paths: list[str], text_field: str, stats: SourceStats
 ) -> ConfigError:
-  reasons = []
-  if stats.skipped_lines:
-    reasons.append(
-        f"{stats.skipped_lines} JSONL lines skipped, first at {stats.first_skipped_line}"
-    )
-  if stats.binary_files:
-    reasons.append(f"{len(stats.binary_files)} binary files skipped: {stats.binary_files[:3]}")
-  if stats.long_sentences:
-    reasons.append(
-        f"{stats.long_sentences} lines over {MAX_SENTENCE_CHARS} characters skipped, first at "
-        f"{stats.first_long_sentence}"
-    )
-  why = f" ({'; '.join(reasons)})" if reasons else ""
+  why = f" ({stats.summary()})" if stats.problems else ""
   wanted = (
       f"files whose JSON lines hold a string field {text_field!r} (data.text_field)."
       if source == "jsonl"
@@ -293,41 +271,9 @@ def no_usable_text_error(
 
 
 def log_stats(source: str, stats: SourceStats) -> None:
-  logging.info(
-      "read %d documents from %d %s files (%d empty)",
-      stats.num_documents,
-      len(stats.files),
-      source,
-      len(stats.empty_files),
-  )
-  for count, message, first in (
-      (len(stats.empty_files), "skipped %d empty files: %s", ", ".join(stats.empty_files)),
-      (
-          stats.replaced_lines,
-          "%d lines held bytes that are not UTF-8 and were kept with U+FFFD in their place; "
-          "the first is %s",
-          stats.first_replaced_line,
-      ),
-      (
-          len(stats.binary_files),
-          "skipped %d binary files (NUL bytes; not text): %s",
-          ", ".join(stats.binary_files[:10]),
-      ),
-      (
-          stats.long_sentences,
-          f"skipped %d lines longer than {MAX_SENTENCE_CHARS} characters (not prose); the first "
-          "is %s",
-          stats.first_long_sentence,
-      ),
-      (
-          stats.skipped_lines,
-          "skipped %d JSONL lines that are not a JSON object with a string text field; the first "
-          "is %s",
-          stats.first_skipped_line,
-      ),
-  ):
-    if count:
-      logging.warning(message, count, first)
+  logging.info("read %d documents from %d %s files", stats.num_documents, len(stats.files), source)
+  if stats.problems:
+    logging.warning("reading the %s files: %s", source, stats.summary())
 
 
 class HfDatasetCorpus:

@@ -14,40 +14,18 @@ _READ_BLOCK = 256  # records fetched by one `__getitems__` call
 _RANDOM_ACCESS_FORMATS = ("array_record", "parquet")
 
 
-# TFDS registers its builder groups in one loop that stops at the first missing an optional dependency
-# (h5py), leaving later ones (`text`: glue, wikipedia, c4) unregistered; import_tfds imports each.
-_BUILDER_GROUPS = (
-    "audio",
-    "graphs",
-    "image",
-    "image_classification",
-    "object_detection",
-    "nearest_neighbors",
-    "question_answering",
-    "d4rl",
-    "ranking",
-    "recommendation",
-    "rl_unplugged",
-    "rlds.datasets",
-    "robotics",
-    "robomimic",
-    "structured",
-    "summarization",
-    "text",
-    "text_simplification",
-    "time_series",
-    "translate",
-    "video",
-    "vision_language",
-)
+# TFDS registers its builder groups in one loop that stops at the first missing an optional
+# dependency (h5py), leaving later ones (`text`: glue, wikipedia, c4) unregistered; import_tfds
+# imports the groups that hold text datasets itself.
+_TEXT_GROUPS = ("question_answering", "summarization", "text", "text_simplification", "translate")
 
 
 @functools.cache
 def import_tfds():
-  """The tensorflow_datasets module with every builder group that imports here registered."""
+  """The tensorflow_datasets module with its text builder groups registered."""
   import tensorflow_datasets as tfds  # noqa: PLC0415  (heavy; only TFDS sources need it)
 
-  for group in _BUILDER_GROUPS:
+  for group in _TEXT_GROUPS:
     try:
       importlib.import_module(f"tensorflow_datasets.{group}")
     except ImportError:
