@@ -389,7 +389,7 @@ def test_wordpiece_config_errors(tmp_path):
     load_pretraining_data(
         _config(tmp_path, files=corpus, tokenizer="wordpiece", vocab_file=missing)
     )
-  with pytest.raises(ConfigError, match=r"Unknown data.tokenizer 'bpe'"):
+  with pytest.raises(ConfigError, match=r"data.tokenizer='bpe' is not one of"):
     load_pretraining_data(_config(tmp_path, files=corpus, tokenizer="bpe"))
 
 

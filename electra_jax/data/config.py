@@ -10,6 +10,7 @@ from etils import epath
 from electra_jax import workdir_files
 from electra_jax.data import sources
 from electra_jax.data.packing import MIN_SEQ_LEN
+from electra_jax.data.tokenizer import SPECIAL_TOKENS, SPM_MODEL_TYPES
 from electra_jax.errors import ConfigError
 
 SOURCES = (*sources.DOCUMENT_SOURCES, "prepared")
@@ -24,18 +25,34 @@ _SOURCE_KEYS = (
 )
 
 
+_CHOICES = (  # (key, the values it may take; configs/base.py says what they mean)
+    ("source", SOURCES),
+    ("tokenizer", tuple(TOKENIZER_FILES)),
+    ("spm_model_type", SPM_MODEL_TYPES),
+    ("strip_accents", (None, True, False)),
+    ("pack_rows", (False, True)),
+)
+_BOUNDS = (  # (key, its bound as the message states it, the bound's test)
+    ("max_seq_len", f">= {MIN_SEQ_LEN} (to fit [CLS] A [SEP] B [SEP])", lambda v: v >= MIN_SEQ_LEN),
+    ("spm_vocab_size", "> 5 (the special tokens, and more)", lambda v: v > len(SPECIAL_TOKENS)),
+    ("shard_documents", ">= 1", lambda v: v >= 1),
+    ("max_documents", ">= 0 (0 means all)", lambda v: v >= 0),
+    ("eval_fraction", "in [0, 1) (0.02 holds out 2% of the documents)", lambda v: 0 <= v < 1),
+)
+
+
 def check_config(data, eval_every_steps: int | None = None) -> None:
   """Refuses the first bad value of the data group `data`, naming it and the fix; reads no file.
   `eval_every_steps` is a training run's eval.every_steps; None where the data is not trained on
   (prepare_data writes into data.prepared_dir, whatever the source)."""
-  source, tokenizer, strip_accents = data.source, data.tokenizer, data.strip_accents
-  training = eval_every_steps is not None
+  for key, allowed in _CHOICES:  # (by repr: 1 is not True)
+    if repr(data[key]) not in map(repr, allowed):
+      raise ConfigError(f"data.{key}={data[key]!r} is not one of {list(allowed)}.")
+  for key, bound, within in _BOUNDS:
+    if not within(data[key]):
+      raise ConfigError(f"data.{key}={data[key]} must be {bound}.")
+  source, tokenizer, training = data.source, data.tokenizer, eval_every_steps is not None
   problems = (  # (whether it is wrong, what to say): the first wrong one is raised
-      (
-          source not in SOURCES,
-          f"Unknown data.source {source!r}; use one of {list(SOURCES)} (text and jsonl read "
-          "data.files, tfds data.tfds_name, hf_datasets data.hf_path, prepared data.prepared_dir).",
-      ),
       *(
           (
               source == "builtin" and data[key] and (training or key != "prepared_dir"),
@@ -48,11 +65,6 @@ def check_config(data, eval_every_steps: int | None = None) -> None:
           source == "prepared" and not data.prepared_dir,
           "data.source='prepared' needs data.prepared_dir, the directory --mode=prepare_data wrote.",
       ),
-      (
-          tokenizer not in TOKENIZER_FILES,
-          f"Unknown data.tokenizer {tokenizer!r}; use one of {list(TOKENIZER_FILES)} (wordpiece "
-          "reads a BERT vocab.txt given by data.vocab_file).",
-      ),
       (  # prepared shards carry their vocab.txt
           tokenizer == "wordpiece" and not data.vocab_file and source != "prepared",
           "data.tokenizer='wordpiece' needs data.vocab_file, the path of a BERT vocab.txt (one "
@@ -64,41 +76,13 @@ def check_config(data, eval_every_steps: int | None = None) -> None:
           "set data.tokenizer='sentencepiece' to use that model, or clear data.spm_model_file.",
       ),
       (
-          strip_accents is not None and not isinstance(strip_accents, bool),
-          f"data.strip_accents must be None (follow data.lowercase, as BERT does), True or False, "
-          f"got {strip_accents!r}.",
-      ),
-      (
           source in ("jsonl", "hf_datasets") and not data.text_field,
           "data.text_field is empty; name the JSON field holding each document's text.",
-      ),
-      (
-          data.max_seq_len < MIN_SEQ_LEN,
-          f"data.max_seq_len must be at least {MIN_SEQ_LEN} to fit [CLS] A [SEP] B [SEP], got "
-          f"{data.max_seq_len}.",
-      ),
-      (
-          data.shard_documents < 1,
-          f"data.shard_documents must be >= 1, got {data.shard_documents}.",
-      ),
-      (
-          data.max_documents < 0,
-          f"data.max_documents must be >= 0 (0 means all), got {data.max_documents}.",
-      ),
-      (
-          not 0.0 <= data.eval_fraction < 1.0,
-          f"data.eval_fraction must be in [0, 1) (e.g. 0.02 holds out 2% of documents), got "
-          f"{data.eval_fraction}.",
       ),
       (
           data.eval_fraction == 0 and training and eval_every_steps > 0 and source != "prepared",
           f"data.eval_fraction=0 holds out no documents, but eval.every_steps={eval_every_steps} "
           "evaluates on them; set --config.eval.every_steps=0, or data.eval_fraction > 0.",
-      ),
-      (
-          not isinstance(data.pack_rows, bool),
-          "data.pack_rows must be True (several whole examples per row) or False (one per row), "
-          f"got {data.pack_rows!r}.",
       ),
   )
   for wrong, message in problems:

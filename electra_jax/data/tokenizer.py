@@ -18,7 +18,7 @@ from electra_jax.errors import ConfigError
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(len(SPECIAL_TOKENS))
 
-SUPPORTED_MODEL_TYPES = ("unigram", "bpe")
+SPM_MODEL_TYPES = ("unigram", "bpe")
 _MAX_TRAINING_SENTENCES = 1_000_000  # at most this many sentences train a model
 # Threads of the trainer where a model is part of the data (the cache, prepare_data): the model depends
 # on the count, so a fixed one makes it a function of the config alone.
@@ -76,15 +76,6 @@ def train_sentencepiece(
 ) -> str:
   """Train a sentencepiece model on `sentences` into `out_path` (returned), atomically: ids 0..4 are
   SPECIAL_TOKENS, and there are no BOS/EOS pieces."""
-  if model_type not in SUPPORTED_MODEL_TYPES:
-    raise ConfigError(
-        f"Unsupported sentencepiece model_type {model_type!r}; use one of {SUPPORTED_MODEL_TYPES}."
-    )
-  if vocab_size <= len(SPECIAL_TOKENS):
-    raise ConfigError(
-        f"vocab_size must be larger than the {len(SPECIAL_TOKENS)} special tokens {SPECIAL_TOKENS}, "
-        f"got {vocab_size}."
-    )
   model_bytes = io.BytesIO()
   sample = _sample_sentences(
       (piece for sentence in sentences for piece in _within_limit(sentence)),
@@ -113,18 +104,11 @@ def train_sentencepiece(
         max_sentence_length=_MAX_SENTENCE_BYTES,
         minloglevel=2,
     )
-  except RuntimeError as e:
-    if "Vocabulary size too high" in str(e):
-      raise ConfigError(
-          f"The training text is too small for a sentencepiece vocabulary of {vocab_size} pieces "
-          f"({e}). Lower the vocab size (spm_vocab_size) or train on more text."
-      ) from e
-    if "Vocabulary size is smaller" in str(e):
-      raise ConfigError(
-          f"A sentencepiece vocabulary of {vocab_size} pieces cannot hold every character the "
-          f"training text needs ({e}). Raise the vocab size (spm_vocab_size)."
-      ) from e
-    raise
+  except RuntimeError as e:  # what sentencepiece says: too little text, or too many characters
+    raise ConfigError(
+        f"sentencepiece cannot train a vocabulary of {vocab_size} pieces on this text ({e}). Lower "
+        "the vocab size (data.spm_vocab_size) for a small text, or raise it above its characters."
+    ) from e
   workdir_files.write_bytes(out_path, model_bytes.getvalue())
   return out_path
 
