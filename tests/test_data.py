@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -32,9 +33,8 @@ CLS, SEP, PAD = 2, 3, 0
 
 
 def _pack(documents, max_seq_len, seed=0, **kwargs):
-  return pack_documents(
-      documents, max_seq_len, cls_id=CLS, sep_id=SEP, pad_id=PAD, seed=seed, **kwargs
-  )
+  special = types.SimpleNamespace(cls_id=CLS, sep_id=SEP, pad_id=PAD)
+  return pack_documents(documents, max_seq_len, special, seed, **kwargs)
 
 
 def _random_documents(rng, num_documents=40):

@@ -24,9 +24,21 @@ from electra_jax.data import (
     workdir_tokenizer,
 )
 from electra_jax.data.config import read_config
-from electra_jax.data.sources import read_documents, resolve_files
+from electra_jax.data import sources
+from electra_jax.data.sources import resolve_files
 
 # ---------------------------------------------------------------- fixtures
+
+
+def read_documents(source, paths, text_field="text", max_documents=None):
+  """The first documents of `paths` and their stats, logged as prepare_data logs them; the error
+  it raises when none is left."""
+  stats = sources.SourceStats()
+  documents = list(sources.iter_documents(source, paths, text_field, stats))[:max_documents]
+  sources.log_stats(source, stats)
+  if not documents:
+    raise sources.no_usable_text_error(source, paths, text_field, stats)
+  return documents, stats
 
 
 def _write(path, text, mode="w"):
@@ -563,8 +575,6 @@ def test_load_tokenizer_matches_the_data(tmp_path, oracle_vocab):
 
 
 def test_large_corpus_cache_key_uses_sizes_and_mtimes(tmp_path, monkeypatch):
-  from electra_jax.data import sources
-
   monkeypatch.setattr(sources, "_HASHED_CORPUS_BYTES", 0)  # every corpus counts as large
   path = _write(tmp_path / "big.txt", "the lazy dog\n")
   config = _config(tmp_path, files=path)

@@ -137,7 +137,7 @@ def test_train_tokenizer_model_has_special_tokens_and_serves_the_pipeline(
 
 
 def test_train_tokenizer_errors(tmp_path, corpus_files):
-  with pytest.raises(ConfigError, match="is a directory"):
+  with pytest.raises(ConfigError, match="already exists"):  # a directory too
     train_tokenizer(_config(tmp_path, corpus_files), str(tmp_path))
   empty = tmp_path / "empty.txt"
   empty.write_text("\n\n")
@@ -158,7 +158,7 @@ def test_train_tokenizer_does_not_replace_an_existing_model(tmp_path, corpus_fil
   out = tmp_path / "spm.model"
   shutil.copy(spm_model, out)
   before = out.read_bytes()
-  with pytest.raises(ConfigError, match=r"already exists.*Nothing was written"):
+  with pytest.raises(ConfigError, match=r"already exists.*nothing was written"):
     train_tokenizer(_config(tmp_path, corpus_files, spm_vocab_size=90), str(out), num_threads=1)
   assert out.read_bytes() == before
 

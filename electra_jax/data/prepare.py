@@ -125,34 +125,25 @@ def _default_workers() -> int:
 
 
 def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) -> dict:
-  """Train a sentencepiece model on the train documents of data.source into `out_path` (for
-  data.spm_model_file); returns what was trained."""
+  """Train a sentencepiece model on the train documents of data.source into the new file
+  `out_path` (for data.spm_model_file); returns its path, vocab_size and fingerprint."""
   config = read_config(data_config)
   _require_documents(config, "train_tokenizer")
-  if not out_path:
-    raise ConfigError("train_tokenizer needs an output path (--out=PATH/spm.model).")
   out_path = os.path.abspath(os.path.expanduser(out_path))
-  if os.path.isdir(out_path):
-    raise ConfigError(f"--out={out_path!r} is a directory; give a file name such as spm.model.")
   if os.path.exists(out_path):
     raise ConfigError(
-        f"--out={out_path!r} already exists, and prepared data or a workdir may use that model: "
-        "Nothing was written; give a new path, or delete the file first to replace it."
+        f"--out={out_path!r} already exists (prepared data or a workdir may use a model there); "
+        "nothing was written: give a new file path, or delete that one first to replace it."
     )
-  start, stats = time.time(), sources.SourceStats()
+  stats = sources.SourceStats()
   tokenizer = train_corpus_tokenizer(config, out_path, num_threads or _default_workers(), stats)
   if config["source"] != "builtin":
     sources.log_stats(config["source"], stats)
-  info = {
+  return {
       "path": out_path,
-      "fingerprint": tokenizer.fingerprint,
       "vocab_size": tokenizer.vocab_size,
-      "model_type": config["spm_model_type"],
-      "documents_read": stats.num_documents,
-      "seconds": round(time.time() - start, 1),
+      "fingerprint": tokenizer.fingerprint,
   }
-  logging.info("wrote %s: %s", out_path, info)
-  return info
 
 
 def open_tokenizer(path: str, config):
@@ -266,14 +257,9 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
       indices.append(document_index)
     result["splits"] = {}
     for split, (documents, indices) in by_split.items():
+      tokenized = _tokenize_documents(tokenizer, documents, skipped)
       packed = pack_documents(
-          _tokenize_documents(tokenizer, documents, skipped),
-          task["max_seq_len"],
-          cls_id=tokenizer.cls_id,
-          sep_id=tokenizer.sep_id,
-          pad_id=tokenizer.pad_id,
-          seed=PACKING_SEEDS[split],
-          document_indices=indices,
+          tokenized, task["max_seq_len"], tokenizer, PACKING_SEEDS[split], indices
       )
       input_ids = packed["input_ids"]
       entry = {
@@ -464,9 +450,6 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
     sources.log_stats(config["source"], stats)
   if not done:
     raise no_documents_error(config, stats)
-  if sorted(done) != list(range(len(done))):
-    missing = sorted(set(range(len(done))) - set(done))
-    raise RuntimeError(f"prepare_data: shards {missing} are missing; run it again.")
   entries = manifest["shards"]
   totals = {
       "documents": stats.num_documents,

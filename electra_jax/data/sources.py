@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import glob
 import hashlib
-import itertools
 import json
 import os
 
@@ -223,7 +222,9 @@ def record_documents(
 def iter_documents(
     source: str, paths: list[str], text_field: str = "text", stats: SourceStats | None = None
 ):
-  """The documents of `paths` read as `source`, streamed (see read_documents)."""
+  """The documents (lists of sentences) of `paths`, streamed. "text": a sentence per line, blank
+  lines and file ends separate documents; "jsonl": a document per line, the string under
+  `text_field`. What cannot be read as text is skipped and counted in `stats`."""
   stats = stats if stats is not None else SourceStats()
   stats.files = list(paths)
   stats.total_bytes = sum(os.path.getsize(path) for path in paths)
@@ -236,23 +237,6 @@ def iter_documents(
       yield document
     if stats.num_documents + sum(stats.problems.values()) == before:
       stats.skip("empty_files", path)
-
-
-def read_documents(
-    source: str, paths: list[str], text_field: str = "text", max_documents: int | None = None
-) -> tuple[list[list[str]], SourceStats]:
-  """The first `max_documents` documents (lists of sentences) of `paths`, and stats. "text": a sentence per
-  line, blank lines and file ends separate documents; "jsonl": a document per line, the string under
-  `text_field`. What cannot be read as text is skipped and counted; raises ConfigError if nothing is left.
-  """
-  stats = SourceStats()
-  documents = list(
-      itertools.islice(iter_documents(source, paths, text_field, stats), max_documents)
-  )
-  log_stats(source, stats)
-  if not documents:
-    raise no_usable_text_error(source, paths, text_field, stats)
-  return documents, stats
 
 
 def no_usable_text_error(
