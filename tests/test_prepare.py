@@ -660,8 +660,19 @@ def test_sentencepiece_trained_by_prepare_serves_training(tmp_path, corpus_files
       load_tokenizer(_config(tmp_path, corpus_files, source="prepared")).fingerprint
       == data.tokenizer.fingerprint
   )
-  with pytest.raises(ConfigError, match=r"has 100 pieces, but data.spm_vocab_size=80"):
+  with pytest.raises(ConfigError, match=r"another config.*spm_trained_here.*100.*80"):
     prepare_data(_config(tmp_path, corpus_files, spm_vocab_size=80), num_workers=0)
+
+
+def test_a_model_left_by_a_run_killed_before_its_manifest_is_trained_again(
+    tmp_path, corpus_files, spm_model
+):
+  directory = tmp_path / "prepared"
+  directory.mkdir()
+  shutil.copy(spm_model, directory / "spm.model")  # 120 pieces, of another config
+  manifest = prepare_data(_config(tmp_path, corpus_files, spm_vocab_size=100), num_workers=0)
+  kept = SentencePieceTokenizer(str(directory / "spm.model"))
+  assert kept.vocab_size == 100 and manifest["tokenizer"]["fingerprint"] == kept.fingerprint
 
 
 @pytest.mark.parametrize("model_type", ["unigram", "bpe"])

@@ -336,18 +336,10 @@ def prepare_data(data_config, num_workers: int | None = None) -> dict:
 def _accepted_tokenizer(config, out_dir: str, existing: dict | None, source_key: dict):
   """(tokenizer, settings) once out_dir is accepted, checked before training a tokenizer where
   possible; the tokenizer's file is then copied into out_dir (a model trained here too)."""
-  tokenizer = configured_tokenizer(config, out_dir)  # given, or one an earlier run trained
+  # The given tokenizer, or the model an earlier run trained (a run killed before its first
+  # manifest may have left another: it is trained again).
+  tokenizer = configured_tokenizer(config, out_dir if existing is not None else "")
   kept = os.path.join(out_dir, TOKENIZER_FILES[config["tokenizer"]])
-  if (
-      tokenizer is not None
-      and trains_spm(config)
-      and tokenizer.vocab_size != config["spm_vocab_size"]
-  ):
-    raise ConfigError(
-        f"{kept} (trained by an earlier prepare_data) has {tokenizer.vocab_size} pieces, but "
-        f"data.spm_vocab_size={config['spm_vocab_size']}. Nothing was changed; choose another "
-        "data.prepared_dir, or delete that directory to prepare it again."
-    )
   _refuse_another_config(out_dir, existing, _settings(config, source_key, tokenizer))
   if tokenizer is None:
     with tempfile.TemporaryDirectory(prefix="electra_jax_spm-") as scratch:
@@ -363,7 +355,7 @@ def _accepted_tokenizer(config, out_dir: str, existing: dict | None, source_key:
       _refuse_another_config(out_dir, existing, _settings(config, source_key, tokenizer), hint)
       keep_tokenizer(tokenizer, out_dir)
     tokenizer = open_tokenizer(kept, config)
-  elif not workdir_files.exists(kept):
+  elif existing is None or not workdir_files.exists(kept):
     keep_tokenizer(tokenizer, out_dir)
   return tokenizer, _settings(config, source_key, tokenizer)
 
@@ -471,15 +463,8 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
       documents_fingerprint=documents_fingerprint,
   )
   save_manifest()
-  logging.info(
-      "prepared %s: %d shards, %d train / %d eval examples, %d train tokens, in %s",
-      out_dir,
-      len(entries),
-      totals["train_examples"],
-      totals["eval_examples"],
-      totals["train_tokens"],
-      config_lib.format_duration(time.time() - start),
-  )
+  duration = config_lib.format_duration(time.time() - start)
+  logging.info("prepared %d shards in %s, in %s: %s", len(entries), out_dir, duration, totals)
   return manifest
 
 
@@ -488,7 +473,8 @@ def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest
   finished shard whenever this returns or raises. Returns the source's stats and each split's fingerprint.
   """
   out_dir, stats = config["prepared_dir"], sources.SourceStats()
-  dtype = shards.token_dtype(tokenizer.vocab_size)
+  common = {key: config[key] for key in ("max_seq_len", "eval_fraction")}  # every shard's task
+  common.update(out_dir=out_dir, dtype=shards.token_dtype(tokenizer.vocab_size))
   hashers = {split: hashlib.sha256() for split in SPLITS}
   start = last_log = last_manifest_write = time.time()
   packed_documents = packed_tokens = 0  # in this run
@@ -515,15 +501,13 @@ def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest
         result = future.result()
       except concurrent.futures.BrokenExecutor as e:  # (BrokenProcessPool's base)
         raise RuntimeError(
-            f"prepare_data: a worker process died (killed, or out of memory) ({e}). The finished "
-            f"shards are kept in {out_dir}; run prepare_data again to resume (fewer workers use "
-            "less memory)."
+            f"prepare_data: a worker died, killed or out of memory ({e}); the finished shards are "
+            f"kept in {out_dir}: run it again to resume (fewer workers use less memory)."
         ) from e
       if "error" in result:
         raise RuntimeError(
-            f"prepare_data: shard {result['index']} failed ({result['error']}). The {len(done)} "
-            f"finished shards are kept in {out_dir}; fix the cause and run prepare_data again to "
-            "resume."
+            f"prepare_data: shard {result['index']} failed ({result['error']}); the {len(done)} "
+            f"finished are kept in {out_dir}: fix the cause and run prepare_data again to resume."
         )
       done[result["index"]] = result
       done_position = max(done_position, pending.pop(future))
@@ -531,21 +515,13 @@ def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest
       packed_tokens += sum(entry["tokens"] for entry in result["splits"].values())
       now = time.time()
       if now - last_log >= _LOG_EVERY_S:  # an ETA from the share of the input consumed
-        last_log = now
-        total, worked, elapsed = stats.total_bytes, done_position - skipped_position, now - start
-        eta = (
-            config_lib.format_duration(elapsed * (total - done_position) / worked)
-            if worked > 0 and total
-            else "?"
-        )
+        last_log, total, elapsed = now, stats.total_bytes, max(now - start, 1e-9)
+        rate = (done_position - skipped_position) / elapsed  # of the input, in this run
+        eta = config_lib.format_duration((total - done_position) / rate) if rate and total else "?"
+        share = f"{100 * done_position / total:.1f}%" if total else "?"
         logging.info(
-            "prepare_data: %d shards, %d documents, %d tokens, %.0f tokens/s, %s of the input, ETA %s",
-            len(done),
-            packed_documents,
-            packed_tokens,
-            packed_tokens / max(elapsed, 1e-9),
-            f"{100 * done_position / total:.1f}%" if total else "?",
-            eta,
+            f"prepare_data: {len(done)} shards, {packed_documents} documents, {packed_tokens} "
+            f"tokens, {packed_tokens / elapsed:.0f} tokens/s, {share} of the input, ETA {eta}"
         )
       if now - last_manifest_write > _MANIFEST_EVERY_S:
         save_manifest()
@@ -579,15 +555,7 @@ def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest
       if index in done:
         skipped_position = stats.bytes_read
         continue
-      task = {
-          "out_dir": out_dir,
-          "max_seq_len": config["max_seq_len"],
-          "eval_fraction": config["eval_fraction"],
-          "dtype": dtype,
-          "index": index,
-          "first_document": first,
-          "documents": documents,
-      }
+      task = dict(common, index=index, first_document=first, documents=documents)
       submitting[0] = True
       pending[executor.submit(pack_shard, task, None if num_workers else tokenizer)] = (
           stats.bytes_read
