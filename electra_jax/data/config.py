@@ -32,6 +32,19 @@ _CHOICES = (  # (key, the values it may take; configs/base.py says what they mea
     ("strip_accents", (None, True, False)),
     ("pack_rows", (False, True)),
 )
+_NEEDS = (  # (source, a key it reads, what to give there)
+    ("text", "files", "comma-separated paths or globs, e.g. --config.data.files='corpus/*.txt'"),
+    ("jsonl", "files", "comma-separated paths or globs, e.g. --config.data.files='c/*.jsonl'"),
+    ("jsonl", "text_field", "the JSON field holding each document's text"),
+    ("tfds", "tfds_name", "a prepared TFDS dataset, e.g. wikipedia/20230601.en"),
+    (
+        "hf_datasets",
+        "hf_path",
+        "a local dataset's folder (save_to_disk's, or files load_dataset reads)",
+    ),
+    ("hf_datasets", "text_field", "the column holding each document's text"),
+    ("prepared", "prepared_dir", "the directory --mode=prepare_data wrote"),
+)
 _BOUNDS = (  # (key, its bound as the message states it, the bound's test)
     ("max_seq_len", f">= {MIN_SEQ_LEN} (to fit [CLS] A [SEP] B [SEP])", lambda v: v >= MIN_SEQ_LEN),
     ("spm_vocab_size", "> 5 (the special tokens, and more)", lambda v: v > len(SPECIAL_TOKENS)),
@@ -51,6 +64,9 @@ def check_config(data, eval_every_steps: int | None = None) -> None:
   for key, bound, within in _BOUNDS:
     if not within(data[key]):
       raise ConfigError(f"data.{key}={data[key]} must be {bound}.")
+  for needer, key, what in _NEEDS:  # (a list of only commas and spaces is none)
+    if data.source == needer and not data[key].strip(" ,"):
+      raise ConfigError(f"data.source={needer!r} needs data.{key}: {what}.")
   source, tokenizer, training = data.source, data.tokenizer, eval_every_steps is not None
   problems = (  # (whether it is wrong, what to say): the first wrong one is raised
       *(
@@ -61,10 +77,6 @@ def check_config(data, eval_every_steps: int | None = None) -> None:
           )
           for key, wanted in _SOURCE_KEYS
       ),
-      (
-          source == "prepared" and not data.prepared_dir,
-          "data.source='prepared' needs data.prepared_dir, the directory --mode=prepare_data wrote.",
-      ),
       (  # prepared shards carry their vocab.txt
           tokenizer == "wordpiece" and not data.vocab_file and source != "prepared",
           "data.tokenizer='wordpiece' needs data.vocab_file, the path of a BERT vocab.txt (one "
@@ -74,10 +86,6 @@ def check_config(data, eval_every_steps: int | None = None) -> None:
           data.spm_model_file and tokenizer != "sentencepiece",
           f"data.spm_model_file={data.spm_model_file!r} is set but data.tokenizer={tokenizer!r}; "
           "set data.tokenizer='sentencepiece' to use that model, or clear data.spm_model_file.",
-      ),
-      (
-          source in ("jsonl", "hf_datasets") and not data.text_field,
-          "data.text_field is empty; name the JSON field holding each document's text.",
       ),
       (
           data.eval_fraction == 0 and training and eval_every_steps > 0 and source != "prepared",

@@ -88,12 +88,7 @@ def keep_sentence(sentence: str, where, stats: SourceStats) -> bool:
 def resolve_files(files: str) -> list[str]:
   """The files of `files`, comma-separated paths and globs (`~`, `**`) in order, each glob's matches sorted,
   a file named twice read once."""
-  patterns = [pattern.strip() for pattern in str(files or "").split(",") if pattern.strip()]
-  if not patterns:
-    raise ConfigError(
-        "data.files is empty; give the corpus as a comma-separated list of paths or globs, "
-        "e.g. --config.data.files='corpus/*.txt'."
-    )
+  patterns = [pattern.strip() for pattern in files.split(",") if pattern.strip()]
   paths: dict[str, None] = {}  # ordered, each path once
   for pattern in patterns:
     matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
@@ -264,11 +259,6 @@ class HfDatasetCorpus:
   """One split of a local Hugging Face dataset, each row's `text_field` a document."""
 
   def __init__(self, path: str, split: str, text_field: str):
-    if not path:
-      raise ConfigError(
-          "data.source='hf_datasets' needs data.hf_path, a local dataset directory "
-          "(save_to_disk's output, or data files load_dataset reads)."
-      )
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(path):
       raise ConfigError(f"data.hf_path={path!r} is not a directory; give a local dataset's folder.")

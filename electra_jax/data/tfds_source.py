@@ -50,10 +50,6 @@ class TfdsCorpus:
   """One split of a prepared TFDS dataset, as documents of sentences."""
 
   def __init__(self, name: str, split: str, text_field: str, data_dir: str = ""):
-    if not name:
-      raise ConfigError(
-          "data.source='tfds' needs data.tfds_name, e.g. --config.data.tfds_name=wikipedia/20230601.en."
-      )
     try:
       tfds = import_tfds()
     except ImportError as e:
