@@ -233,7 +233,7 @@ def test_prepared_shards_give_the_cached_packed_batches(tmp_path):
     prepared = load_pretraining_data(
         _config(True, **overrides, **{"data.source": "prepared"}).data, split
     )
-    assert isinstance(prepared, PretrainingData) and len(prepared.input_ids._shards) > 1
+    assert isinstance(prepared, PretrainingData) and len(prepared.input_ids._shards.num_rows) > 1
     assert prepared.fingerprint == cached.fingerprint
     unpacked = load_pretraining_data(
         _config(False, **overrides, **{"data.source": "prepared"}).data, split

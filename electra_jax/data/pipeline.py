@@ -1,7 +1,6 @@
-"""Pre-training batches from prepared shards: data.prepared_dir, or the cache a document source is prepared
-into on first use (<cache_dir>/<source>/<key>/ holds its tokenizer, len<L>/ its shards).
-`get_batch(data, step, ...)` is a pure function of the step, so resuming needs no loader state (and
-prefetch computes batches ahead without changing any)."""
+"""Pre-training batches from prepared shards: data.prepared_dir's, or those of the cache a document
+source is prepared into on first use. get_batch is a pure function of the step, so resuming needs no
+loader state."""
 
 from __future__ import annotations
 

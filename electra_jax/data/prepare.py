@@ -520,8 +520,14 @@ def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest
         eta = config_lib.format_duration((total - done_position) / rate) if rate and total else "?"
         share = f"{100 * done_position / total:.1f}%" if total else "?"
         logging.info(
-            f"prepare_data: {len(done)} shards, {packed_documents} documents, {packed_tokens} "
-            f"tokens, {packed_tokens / elapsed:.0f} tokens/s, {share} of the input, ETA {eta}"
+            "prepare_data: %d shards, %d documents, %d tokens, %.0f tokens/s, %s of the input, "
+            "ETA %s",
+            len(done),
+            packed_documents,
+            packed_tokens,
+            packed_tokens / elapsed,
+            share,
+            eta,
         )
       if now - last_manifest_write > _MANIFEST_EVERY_S:
         save_manifest()

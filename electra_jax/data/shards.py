@@ -1,14 +1,5 @@
-"""The prepared-directory format: every source becomes these shards, and training reads only them.
-
-A prepared directory (`data.prepared_dir`: local, or a bucket such as gs://; or a cache's len<L>/)
-holds manifest.json (counts, per-file rows/bytes/sha256/crc32c, tokenizer, max_seq_len, format
-version, source; "complete" once all shards exist), a copy of the tokenizer (spm.model or
-vocab.txt), and for shard k of each split (documents [k*S, (k+1)*S), S = data.shard_documents)
-<split>-<k:05d>.npy, uint16 (int32 beyond 65536 ids) [rows, 2, max_seq_len] of input ids ([:, 0])
-and token type ids ([:, 1]), and <split>-<k:05d>.lengths.npy, each example's length. Local files
-are written under temporary names (".tmp-*") and renamed, bucket objects appear whole; a shard is
-done once the manifest lists it. Training reads rows through ShardedRows: memory maps of local
-shards, or ranged reads of bucket objects.
+"""The prepared-directory format (docs/data.md describes it): writing and checking its files, and
+ShardedRows, which reads rows from them (memory maps of local shards, ranged reads of a bucket's).
 """
 
 from __future__ import annotations
@@ -206,9 +197,6 @@ class MappedShards:
     self.arrays = arrays
     self.num_rows = [array.shape[0] for array in arrays]
 
-  def __len__(self) -> int:
-    return len(self.arrays)
-
   def read(self, parts: list[tuple[int, np.ndarray]], channel: int) -> list[np.ndarray]:
     """Channel `channel` [len(rows), L] of each (shard, its row indices) of `parts`."""
     return [self.arrays[shard][rows, channel] for shard, rows in parts]
@@ -228,9 +216,6 @@ class BucketShards:
     # A .npy file is its header, then the rows: the file's size gives the header's.
     self._header_bytes = [entry["bytes"] - entry["rows"] * self._row_bytes for entry in entries]
     self._last = threading.local()  # each thread's last read, kept for the other channel
-
-  def __len__(self) -> int:
-    return len(self.paths)
 
   def read(self, parts: list[tuple[int, np.ndarray]], channel: int) -> list[np.ndarray]:
     """Channel `channel` [len(rows), L] of each (shard, its row indices) of `parts`."""
@@ -281,7 +266,6 @@ class ShardedRows:
     self._offsets = np.cumsum([0] + self._shards.num_rows)
     self.shape = (int(self._offsets[-1]), max_seq_len)
     self.dtype = np.dtype(np.int32)
-    self.ndim = 2
 
   def __len__(self) -> int:
     return self.shape[0]
@@ -338,10 +322,6 @@ def verify_in_background(directory: str, entries: list[dict], vocab_size: int, s
     return None
 
   verification = concurrent.futures.Future()
-  thread = threading.Thread(
-      target=lambda: verification.set_result(first_failure()),
-      name="electra-verify-shards",
-      daemon=True,
-  )
-  thread.start()
+  verify = lambda: verification.set_result(first_failure())  # noqa: E731
+  threading.Thread(target=verify, name="electra-verify-shards", daemon=True).start()
   return verification
