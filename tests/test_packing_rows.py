@@ -249,8 +249,10 @@ def test_prepared_shards_give_the_cached_packed_batches(tmp_path):
     every_row = pipeline.get_rows(prepared, np.arange(prepared.num_rows))
     assert sum(len(t) for _, _, t, _ in _segments(every_row)) == prepared.num_tokens
     # The plan came from the shards' lengths files, which hold what scanning the rows gives.
-    np.testing.assert_array_equal(prepared.lengths, example_lengths(cached.input_ids, PAD))
-    assert unpacked.lengths is None, "unpacked training reads no lengths files"
+    np.testing.assert_array_equal(prepared.packing.lengths, example_lengths(cached.input_ids, PAD))
+  for lengths_file in (tmp_path / "prepared").glob("*.lengths.npy"):
+    os.remove(lengths_file)  # unpacked training reads no lengths files
+  load_pretraining_data(_config(False, **overrides, **{"data.source": "prepared"}).data)
 
 
 def test_prepare_rebuilds_a_damaged_lengths_file(tmp_path):

@@ -1,5 +1,5 @@
-"""The built-in English corpus: docstrings and help topics of the running Python's stdlib, extracted
-with `ast` (never imported) and split into documents of sentences; and document fingerprints."""
+"""The built-in English corpus: the running Python's stdlib docstrings (extracted with `ast`, never
+imported) and pydoc's help topics, split into documents of sentences."""
 
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ _SKIPPED_DIRS = frozenset(
     }
 )
 
-_HELP_TOPICS_RELPATH = os.path.join("pydoc_data", "topics.py")
 # Bump when the extraction rules change: caches keyed on the sources are rebuilt.
 EXTRACTION_VERSION = 1
 # A paragraph is prose when this share of its characters are letters or spaces (not code or tables).
@@ -118,17 +117,11 @@ def _iter_documents() -> Iterator[list[str]]:
     document = [sentence for docstring in docstrings for sentence in split_sentences(docstring)]
     if document:
       yield document
-  tree = _parse(os.path.join(root, _HELP_TOPICS_RELPATH))
-  topics = None
-  for statement in tree.body if tree is not None else ():
-    if (
-        isinstance(statement, ast.Assign)
-        and len(statement.targets) == 1
-        and isinstance(statement.targets[0], ast.Name)
-        and statement.targets[0].id == "topics"
-    ):
-      topics = ast.literal_eval(statement.value)
-  for name in sorted(topics) if isinstance(topics, dict) else ():
+  try:
+    from pydoc_data.topics import topics  # noqa: PLC0415 (data: a dict of help texts)
+  except ImportError:  # a Python packaged without it
+    topics = {}
+  for name in sorted(topics):
     document = split_sentences(topics[name])
     if document:
       yield document

@@ -12,7 +12,6 @@ import fcntl
 import functools
 import itertools
 import os
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,7 +40,6 @@ class PretrainingData:
   fingerprint: str
   packing: RowPacking | None = None  # data.pack_rows: the examples each row holds
   num_tokens: int = 0  # non-padding tokens, as the manifest counted them
-  lengths: np.ndarray | None = None  # data.pack_rows: each example's token count
   # The background check of the shards' files: its result is the first failure, or None.
   verification: concurrent.futures.Future | None = None
 
@@ -116,30 +114,6 @@ def _loadable(data_config, split: str | None = None) -> dict:
       logging.info("no cached data in %s; preparing it", directory)
       prepare.prepare_config(config, num_workers=0)
   return config
-
-
-def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
-  """Packed pre-training examples of `split` ("train" or "eval"); with data.pack_rows, also the plan that
-  packs several examples per row (from the stored lengths: the same shards serve both)."""
-  config = _loadable(data_config, split)
-  data = load_prepared(config, split)
-  if not config["pack_rows"]:
-    return data
-  start = time.time()
-  packing = plan_rows(data.lengths, data.max_seq_len)
-  unpacked = packing.lengths.sum(dtype=np.int64) / max(1, data.num_examples * data.max_seq_len)
-  logging.info(
-      "packed %s rows: %d examples into %d rows of %d; real tokens %.1f%% -> %.1f%% of positions, "
-      "in %.1f s",
-      split,
-      data.num_examples,
-      packing.num_rows,
-      data.max_seq_len,
-      100 * unpacked,
-      100 * packing.real_token_fraction(),
-      time.time() - start,
-  )
-  return dataclasses.replace(data, packing=packing)
 
 
 def load_tokenizer(data_config) -> SentencePieceTokenizer | WordPieceTokenizer:
@@ -261,9 +235,11 @@ def prepared_tokenizer(config, manifest: dict):
   return tokenizer
 
 
-def load_prepared(config, split: str) -> PretrainingData:
-  """`split` of the prepared directory config["prepared_dir"] after checks, memory-mapped (or read
-  by ranges from a bucket)."""
+def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
+  """Packed pre-training examples of `split` ("train" or "eval") from their shards, checked and
+  memory-mapped (or read by ranges from a bucket); with data.pack_rows, also the plan that packs
+  several examples per row (from the stored lengths: the same shards serve both)."""
+  config = _loadable(data_config, split)
   directory, max_seq_len = config["prepared_dir"], config["max_seq_len"]
   manifest = shards.open_manifest(directory)
   if manifest["max_seq_len"] != max_seq_len:
@@ -312,18 +288,19 @@ def load_prepared(config, split: str) -> PretrainingData:
       ShardedRows(rows, 0, max_seq_len),
       ShardedRows(rows, 1, max_seq_len),
       fingerprint,
-      num_tokens=int(manifest["totals"][f"{split}_tokens"]),
-      lengths=lengths,
-      verification=shards.verify_in_background(directory, entries, tokenizer.vocab_size, split),
+      plan_rows(lengths, max_seq_len) if config["pack_rows"] else None,
+      int(manifest["totals"][f"{split}_tokens"]),
+      shards.verify_in_background(directory, entries, tokenizer.vocab_size, split),
   )
   logging.info(
-      "loaded prepared %s data: %d examples of length %d in %d shards, %d tokens, from %s",
+      "loaded %s data from %s: %d examples in %d shards, %d tokens, %d rows (%.1f%% tokens)",
       split,
+      directory,
       data.num_examples,
-      max_seq_len,
       len(entries),
       data.num_tokens,
-      directory,
+      data.num_rows,
+      100 * data.num_tokens / (data.num_rows * max_seq_len),
   )
   return data
 

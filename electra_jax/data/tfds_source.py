@@ -34,15 +34,11 @@ def import_tfds():
 
 
 def _prepare_hint(name: str, data_dir: str) -> str:
-  where = f", data_dir={data_dir!r}" if data_dir else ""
-  cli_dir = f" --data_dir={data_dir}" if data_dir else ""
   return (
-      "Prepare it once, where the internet is reachable (it downloads the source data), with: python -c "
-      f'"from electra_jax.data.tfds_source import import_tfds; import_tfds().builder({name!r}{where}, '
-      f"file_format='array_record').download_and_prepare()\" (or: tfds build {name} --file_format=array_record"
-      f"{cli_dir}), then set data.tfds_data_dir to that directory (default: $TFDS_DATA_DIR or "
-      "~/tensorflow_datasets). Datasets built with Apache Beam (wikipedia, c4) also need `pip install "
-      "apache-beam` where they are prepared."
+      f"Prepare it once where the internet is reachable: `tfds build {name} --file_format="
+      f"array_record{f' --data_dir={data_dir}' if data_dir else ''}` (or its builder's "
+      "download_and_prepare(file_format='array_record'), as docs/data.md shows; wikipedia and c4 "
+      "also need apache-beam), then set data.tfds_data_dir to that directory."
   )
 
 
