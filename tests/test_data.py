@@ -580,10 +580,12 @@ def test_get_batch_keys_shapes_and_attention_mask(train_data):
 
 
 def test_get_batch_errors(train_data):
-  with pytest.raises(ValueError, match="global_batch_size 10 is not divisible by process_count 4"):
+  with pytest.raises(ValueError, match="a global batch of 10 rows from .* over 4 processes"):
     get_batch(train_data, 0, 10, seed=0, process_index=0, process_count=4)
   empty = PretrainingData(
       train_data.tokenizer, np.zeros((0, 8), np.int32), np.zeros((0, 8), np.int32), "empty"
   )
-  with pytest.raises(ValueError, match="no examples"):
+  with pytest.raises(ValueError, match="a global batch of 8 rows from 0 over 1 processes"):
     get_batch(empty, 0, 8, seed=0)
+  with pytest.raises(ValueError, match="process 2 of 2, step -1"):
+    get_batch(train_data, -1, 8, seed=0, process_index=2, process_count=2)

@@ -156,26 +156,19 @@ def get_batch(
   batch `step` is stream positions [stream_offset + step * B, stream_offset + (step + 1) * B), and process
   p takes the p-th contiguous slice of it (stream_offset: where a checkpoint saw the batch size change).
   """
-  for wrong, message in (
-      (data.num_rows == 0, "get_batch: the dataset has no examples; check the data config."),
-      (global_batch_size <= 0, f"global_batch_size must be positive, got {global_batch_size}."),
-      (
-          process_count <= 0 or not 0 <= process_index < process_count,
-          f"process_index must be in [0, process_count), got {process_index} of {process_count}.",
-      ),
-      (
-          process_count > 0 and global_batch_size % process_count,
-          f"global_batch_size {global_batch_size} is not divisible by process_count "
-          f"{process_count}; choose a multiple of the process count.",
-      ),
-      (
-          step < 0 or stream_offset + step * global_batch_size < 0,
-          f"step must be >= 0 and start a batch at a stream position >= 0, got step {step} with "
-          f"stream_offset {stream_offset}.",
-      ),
+  if data.num_rows == 0 or global_batch_size <= 0 or global_batch_size % max(process_count, 1):
+    raise ConfigError(
+        f"get_batch: a global batch of {global_batch_size} rows from {data.num_rows} over "
+        f"{process_count} processes; give a positive multiple of the process count, and data."
+    )
+  if (
+      not 0 <= process_index < process_count
+      or min(step, stream_offset + step * global_batch_size) < 0
   ):
-    if wrong:
-      raise ConfigError(message)
+    raise ConfigError(
+        f"get_batch: process {process_index} of {process_count}, step {step}, stream_offset "
+        f"{stream_offset}; the process must be one of them, and the batch start at 0 or later."
+    )
   per_process = global_batch_size // process_count
   start = stream_offset + step * global_batch_size + process_index * per_process
   positions = np.arange(start, start + per_process, dtype=np.int64)
