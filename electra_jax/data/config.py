@@ -16,14 +16,6 @@ from electra_jax.errors import ConfigError
 SOURCES = (*sources.DOCUMENT_SOURCES, "prepared")
 # The file each tokenizer is read from, under this name in a prepared directory and a workdir.
 TOKENIZER_FILES = {"sentencepiece": "spm.model", "wordpiece": "vocab.txt"}
-# (key, the source that reads it): set with the built-in corpus, it is a forgotten data.source.
-_SOURCE_KEYS = (
-    ("files", "text' (or 'jsonl"),
-    ("prepared_dir", "prepared"),
-    ("tfds_name", "tfds"),
-    ("hf_path", "hf_datasets"),
-)
-
 
 _CHOICES = (  # (key, the values it may take; configs/base.py says what they mean)
     ("source", SOURCES),
@@ -68,15 +60,15 @@ def check_config(data, eval_every_steps: int | None = None) -> None:
     if data.source == needer and not data[key].strip(" ,"):
       raise ConfigError(f"data.source={needer!r} needs data.{key}: {what}.")
   source, tokenizer, training = data.source, data.tokenizer, eval_every_steps is not None
+  # A key only other sources read, set with the built-in corpus: a forgotten data.source.
+  for key in dict.fromkeys(key for _, key, _ in _NEEDS if key != "text_field"):
+    if source == "builtin" and data[key] and (training or key != "prepared_dir"):
+      wanted = " or ".join(f"--config.data.source='{s}'" for s, k, _ in _NEEDS if k == key)
+      raise ConfigError(
+          f"data.{key}={data[key]!r} is set, but data.source='builtin' does not read it; add "
+          f"{wanted} to use it, or drop data.{key}."
+      )
   problems = (  # (whether it is wrong, what to say): the first wrong one is raised
-      *(
-          (
-              source == "builtin" and data[key] and (training or key != "prepared_dir"),
-              f"data.{key}={data[key]!r} is set, but data.source='builtin' does not read it; add "
-              f"--config.data.source='{wanted}' to train on it, or drop data.{key}.",
-          )
-          for key, wanted in _SOURCE_KEYS
-      ),
       (  # prepared shards carry their vocab.txt
           tokenizer == "wordpiece" and not data.vocab_file and source != "prepared",
           "data.tokenizer='wordpiece' needs data.vocab_file, the path of a BERT vocab.txt (one "
