@@ -14,8 +14,8 @@ import pytest
 
 from electra_jax.errors import ConfigError
 from electra_jax.data import tfds_source
-from electra_jax.data.tokenizer import SPECIAL_TOKENS, SentencePieceTokenizer, train_sentencepiece
-from electra_jax.data.wordpiece import WordPieceTokenizer
+from electra_jax.data.tokenizer import SPECIAL_TOKENS, SentencePieceTokenizer, WordPieceTokenizer
+from electra_jax.data.tokenizer import train_sentencepiece
 from electra_jax.finetune import squad
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,6 +6,6 @@ data config group."""
 from electra_jax.data.corpus import builtin_documents
 from electra_jax.data.pipeline import PretrainingData, batch_keys, get_batch, get_rows, prefetch
 from electra_jax.data.pipeline import load_pretraining_data, load_tokenizer, workdir_tokenizer
-from electra_jax.data.prepare import keep_tokenizer, prepare_data, train_tokenizer
-from electra_jax.data.tokenizer import SPECIAL_TOKENS, SentencePieceTokenizer, train_sentencepiece
-from electra_jax.data.wordpiece import WordPieceTokenizer
+from electra_jax.data.prepare import prepare_data, train_tokenizer
+from electra_jax.data.tokenizer import SPECIAL_TOKENS, SentencePieceTokenizer, WordPieceTokenizer
+from electra_jax.data.tokenizer import keep_tokenizer, train_sentencepiece

@@ -10,12 +10,10 @@ from etils import epath
 from electra_jax import workdir_files
 from electra_jax.data import sources
 from electra_jax.data.packing import MIN_SEQ_LEN
-from electra_jax.data.tokenizer import SPECIAL_TOKENS, SPM_MODEL_TYPES
+from electra_jax.data.tokenizer import SPECIAL_TOKENS, SPM_MODEL_TYPES, TOKENIZER_FILES
 from electra_jax.errors import ConfigError
 
 SOURCES = (*sources.DOCUMENT_SOURCES, "prepared")
-# The file each tokenizer is read from, under this name in a prepared directory and a workdir.
-TOKENIZER_FILES = {"sentencepiece": "spm.model", "wordpiece": "vocab.txt"}
 
 _CHOICES = (  # (key, the values it may take; configs/base.py says what they mean)
     ("source", SOURCES),

@@ -20,12 +20,12 @@ from absl import logging
 
 from electra_jax import workdir_files
 from electra_jax.data import prepare, shards
-from electra_jax.data.config import TOKENIZER_FILES, read_config
+from electra_jax.data.config import read_config
 from electra_jax.data.packing import ROW_PACKING_VERSION, RowPacking, assemble_rows, plan_rows
 from electra_jax.data.prepare import PACKING_FORMAT_VERSION
 from electra_jax.data.shards import SPLITS, ShardedRows
-from electra_jax.data.tokenizer import SentencePieceTokenizer
-from electra_jax.data.wordpiece import WordPieceTokenizer
+from electra_jax.data.tokenizer import TOKENIZER_FILES, SentencePieceTokenizer, WordPieceTokenizer
+from electra_jax.data.tokenizer import configured_tokenizer, open_tokenizer
 from electra_jax.errors import ConfigError
 
 
@@ -70,10 +70,10 @@ def _corpus_cache_dir(config) -> str:
         spm_vocab_size=config["spm_vocab_size"], spm_model_type=config["spm_model_type"]
     )
   elif config["spm_model_file"]:
-    key_fields["spm_model"] = prepare.configured_tokenizer(config).fingerprint
+    key_fields["spm_model"] = configured_tokenizer(config).fingerprint
   else:
     key_fields.update(
-        tokenizer=config["tokenizer"], wordpiece=prepare.configured_tokenizer(config).fingerprint
+        tokenizer=config["tokenizer"], wordpiece=configured_tokenizer(config).fingerprint
     )
   return os.path.join(config["cache_dir"], config["source"], prepare.config_key(key_fields))
 
@@ -121,7 +121,7 @@ def load_tokenizer(data_config) -> SentencePieceTokenizer | WordPieceTokenizer:
   config = _loadable(data_config)
   if config["source"] == "prepared":
     return prepared_tokenizer(config, shards.open_manifest(config["prepared_dir"]))
-  return prepare.configured_tokenizer(config)
+  return configured_tokenizer(config)
 
 
 def workdir_tokenizer(workdir, data_config) -> SentencePieceTokenizer | WordPieceTokenizer:
@@ -130,7 +130,7 @@ def workdir_tokenizer(workdir, data_config) -> SentencePieceTokenizer | WordPiec
   kept = os.path.join(os.fspath(workdir), TOKENIZER_FILES[data_config.tokenizer])
   if workdir_files.is_remote(workdir) or not os.path.isfile(kept):
     return load_tokenizer(data_config)
-  return prepare.open_tokenizer(kept, data_config)
+  return open_tokenizer(kept, data_config)
 
 
 @functools.lru_cache(maxsize=4)
@@ -212,7 +212,7 @@ def prepared_tokenizer(config, manifest: dict):
       f"{recorded.get('model_file') or recorded.get('vocab_file')} (fingerprint "
       f"{recorded['fingerprint']})"
   )
-  tokenizer = prepare.configured_tokenizer(config, directory)
+  tokenizer = configured_tokenizer(config, directory)
   if tokenizer is None:
     name = TOKENIZER_FILES[config["tokenizer"]]
     raise ConfigError(

@@ -20,13 +20,13 @@ from absl import logging
 
 from electra_jax import config_lib, workdir_files
 from electra_jax.data import corpus, shards, sources
-from electra_jax.data.config import TOKENIZER_FILES, read_config
+from electra_jax.data.config import read_config
 from electra_jax.data.sources import DOCUMENT_SOURCES, RECORD_SOURCES
 from electra_jax.data.packing import pack_documents
 from electra_jax.data.shards import PREPARED_FORMAT_VERSION, SPLITS
-from electra_jax.data.tokenizer import TRAINING_THREADS, NoSentencesError, SentencePieceTokenizer
-from electra_jax.data.tokenizer import train_sentencepiece
-from electra_jax.data.wordpiece import WordPieceTokenizer
+from electra_jax.data.tokenizer import TOKENIZER_FILES, TRAINING_THREADS, NoSentencesError
+from electra_jax.data.tokenizer import SentencePieceTokenizer, configured_tokenizer, keep_tokenizer
+from electra_jax.data.tokenizer import open_tokenizer, train_sentencepiece
 from electra_jax.errors import ConfigError
 
 _LOG_EVERY_S = 10.0
@@ -144,33 +144,6 @@ def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) 
       "vocab_size": tokenizer.vocab_size,
       "fingerprint": tokenizer.fingerprint,
   }
-
-
-def open_tokenizer(path: str, config):
-  """The tokenizer in file `path` of the config's kind (a bucket's is read from a local copy in
-  the cache, named by its content)."""
-  local = workdir_files.local_copy(path, config["cache_dir"])
-  if config["tokenizer"] == "wordpiece":
-    return WordPieceTokenizer(local, config["lowercase"], config["strip_accents"])
-  return SentencePieceTokenizer(local)
-
-
-def configured_tokenizer(config, directory: str = ""):
-  """The tokenizer a read config names (data.vocab_file or data.spm_model_file), else the copy
-  in `directory`; None while there is none."""
-  path = config["vocab_file" if config["tokenizer"] == "wordpiece" else "spm_model_file"]
-  if not path and directory:
-    path = os.path.join(directory, TOKENIZER_FILES[config["tokenizer"]])
-  return open_tokenizer(path, config) if path and workdir_files.exists(path) else None
-
-
-def keep_tokenizer(tokenizer, directory) -> None:
-  """Copies `tokenizer`'s file into `directory` (a workdir, prepared shards) under the name its
-  readers look for, so they need neither the corpus nor the path that gave it."""
-  wordpiece = isinstance(tokenizer, WordPieceTokenizer)
-  name = TOKENIZER_FILES["wordpiece" if wordpiece else "sentencepiece"]
-  with open(tokenizer.vocab_file if wordpiece else tokenizer.model_path, "rb") as f:
-    workdir_files.write_bytes(workdir_files.path(directory, name), f.read())
 
 
 def trains_spm(config) -> bool:

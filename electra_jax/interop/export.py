@@ -11,8 +11,7 @@ from sentencepiece import sentencepiece_model_pb2
 
 from electra_jax import config_lib, data, models, objectives, partitioning, resolve, train_state, workdir_files
 from electra_jax.errors import ConfigError
-from electra_jax.data.tokenizer import SPECIAL_TOKENS
-from electra_jax.data.wordpiece import WordPieceTokenizer
+from electra_jax.data.tokenizer import SPECIAL_TOKENS, WordPieceTokenizer
 from electra_jax.interop.hf import check_hf_form, finite_tensor, save_hf
 
 
