@@ -221,9 +221,8 @@ def prepared_tokenizer(config, manifest: dict):
     )
   if recorded["kind"] != config["tokenizer"] or tokenizer.fingerprint != recorded["fingerprint"]:
     raise ConfigError(
-        f"The shards in {directory} {made_with}, but this config gives {tokenizer!r}. Configure "
-        "the tokenizer the shards were made with, or prepare the corpus again with this one into "
-        "another data.prepared_dir."
+        f"The shards in {directory} {made_with}, but this config gives {tokenizer!r}; configure "
+        "theirs, or prepare the corpus again with this one into another data.prepared_dir."
     )
   return tokenizer
 
@@ -237,9 +236,8 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
   manifest = shards.open_manifest(directory)
   if manifest["max_seq_len"] != max_seq_len:
     raise ConfigError(
-        f"The shards in {directory} hold examples of max_seq_len={manifest['max_seq_len']}, but "
-        f"data.max_seq_len={max_seq_len}; set data.max_seq_len={manifest['max_seq_len']}, or "
-        f"prepare the corpus again with max_seq_len={max_seq_len} into another data.prepared_dir."
+        f"The shards in {directory} hold max_seq_len={manifest['max_seq_len']}, but data.max_seq_len="
+        f"{max_seq_len}; set theirs, or prepare the corpus again into another data.prepared_dir."
     )
   settings = manifest["settings"]
   ignored = [
@@ -259,14 +257,14 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
       directory, manifest, split, config["pack_rows"], tokenizer.vocab_size
   )
   if not entries:
+    fix = (
+        "set eval.every_steps=0, or prepare it with data.eval_fraction > 0"
+        if split == "eval"
+        else "prepare more documents"
+    )
     raise ConfigError(
         f"The {split} split of {directory} has no examples (eval_fraction="
-        f"{settings['eval_fraction']} when it was prepared); "
-        + (
-            "prepare it with data.eval_fraction > 0, or set eval.every_steps=0."
-            if split == "eval"
-            else "prepare more documents."
-        )
+        f"{settings['eval_fraction']} when it was prepared); {fix}."
     )
   # The cache and a prepared directory of the same config give the same string (and examples), so a
   # checkpoint resumes on either; packed rows differ.

@@ -67,8 +67,7 @@ def open_manifest(directory: str) -> dict:
   if manifest is None:
     raise ConfigError(
         f"data.prepared_dir={directory!r} has no {MANIFEST}; create it with --mode=prepare_data "
-        "(the same data config, data.source set to the corpus), then train with "
-        "data.source='prepared'."
+        "(data.source set to the corpus), then train with data.source='prepared'."
     )
   if manifest["format_version"] != PREPARED_FORMAT_VERSION:
     raise ConfigError(

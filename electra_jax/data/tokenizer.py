@@ -148,9 +148,9 @@ class SentencePieceTokenizer:
           "is missing" if self._processor.id_to_piece(found_id) != token else f"has id {found_id}"
       )
       raise ConfigError(
-          f"Sentencepiece model {self.model_path}: special token {token} {problem}, but ELECTRA needs "
-          f"{list(SPECIAL_TOKENS)} at ids 0..{len(SPECIAL_TOKENS) - 1} (id {expected_id} is "
-          f"{piece_at_id!r}). Train the model with electra_jax.data.train_sentencepiece."
+          f"Sentencepiece model {self.model_path}: {token} {problem} (id {expected_id} is "
+          f"{piece_at_id!r}), but ELECTRA needs {list(SPECIAL_TOKENS)} at ids 0..4; train one "
+          "with --mode=train_tokenizer."
       )
 
   @property
