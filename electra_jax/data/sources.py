@@ -27,7 +27,6 @@ _HASHED_CORPUS_BYTES = 64 << 20
 MAX_SENTENCE_CHARS = 1 << 16
 _SNIFF_BYTES = 8192  # a NUL in a file's first block marks it binary
 _BLOCK_BYTES = 8 << 20  # files are decoded this many bytes (rounded to whole lines) at a time
-_HF_READ_BLOCK = 1024  # rows fetched per column read
 _SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # save_to_disk's files
 # What can go wrong reading a source, as the log and the errors name it.
 PROBLEMS = {
@@ -193,25 +192,31 @@ def split_text(text: str, where, stats: SourceStats) -> list[str]:
   return [sentence for sentence in sentences if sentence and keep_sentence(sentence, where, stats)]
 
 
-def record_documents(
-    name: str, num_records: int, read_texts, text_field: str, stats: SourceStats, block: int
-):
-  """The documents of a dataset's records, read `block` at a time by `read_texts(start, stop)`; a value
-  neither str nor bytes is skipped and counted. Progress counts records."""
-  stats.total_bytes = stats.total_bytes or num_records
-  for start in range(0, num_records, block):
-    for key, text in enumerate(read_texts(start, min(start + block, num_records)), start):
-      stats.bytes_read += 1
-      where = lambda key=key: f"{name}[{key}]"  # noqa: E731
-      if isinstance(text, bytes):
-        text = decode_utf8(text, where, stats)
-      elif not isinstance(text, str):
-        stats.skip("skipped_lines", f"{where()}: {text_field!r} is not text")
-        continue
-      document = split_text(text, where, stats)
-      if document:
-        stats.num_documents += 1
-        yield document
+class RecordCorpus:
+  """One split of a dataset whose records' `text_field` hold documents. A subclass sets `name` (how
+  a record's place reads), `num_records`, `text_field`, `description` (for manifests) and
+  `fingerprint` (for cache keys), and reads texts [start, stop) with read_texts."""
+
+  read_block = 256  # records per read_texts
+
+  def iter_documents(self, stats: SourceStats):
+    """The records' documents; a value neither str nor bytes is skipped and counted. Progress
+    counts records."""
+    stats.total_bytes = stats.total_bytes or self.num_records
+    for start in range(0, self.num_records, self.read_block):
+      stop = min(start + self.read_block, self.num_records)
+      for key, text in enumerate(self.read_texts(start, stop), start):
+        stats.bytes_read += 1
+        where = lambda key=key: f"{self.name}[{key}]"  # noqa: E731
+        if isinstance(text, bytes):
+          text = decode_utf8(text, where, stats)
+        elif not isinstance(text, str):
+          stats.skip("skipped_lines", f"{where()}: {self.text_field!r} is not text")
+          continue
+        document = split_text(text, where, stats)
+        if document:
+          stats.num_documents += 1
+          yield document
 
 
 def iter_documents(
@@ -255,8 +260,10 @@ def log_stats(source: str, stats: SourceStats) -> None:
     logging.warning("reading the %s files: %s", source, stats.summary())
 
 
-class HfDatasetCorpus:
+class HfDatasetCorpus(RecordCorpus):
   """One split of a local Hugging Face dataset, each row's `text_field` a document."""
+
+  read_block = 1024  # rows per column read
 
   def __init__(self, path: str, split: str, text_field: str):
     path = os.path.abspath(os.path.expanduser(path))
@@ -290,7 +297,8 @@ class HfDatasetCorpus:
           f"data.text_field={text_field!r} is not a column of {path}; its columns are "
           f"{loaded.column_names}. Name the one holding the document text."
       )
-    self._dataset, self.path, self.split, self.text_field = loaded, path, split, text_field
+    self._dataset, self.name, self.text_field = loaded, f"{path}[{split}]", text_field
+    self.num_records = loaded.num_rows
     self.description = {
         "source": "hf_datasets",
         "hf_path": path,
@@ -301,12 +309,5 @@ class HfDatasetCorpus:
     # datasets' own hash of the rows (new data, new key), with the split and column read.
     self.fingerprint = f"{loaded._fingerprint}|{split}|{text_field}|{loaded.num_rows}"
 
-  def iter_documents(self, stats: SourceStats):
-    yield from record_documents(
-        f"{self.path}[{self.split}]",
-        self._dataset.num_rows,
-        lambda start, stop: self._dataset[start:stop][self.text_field],
-        self.text_field,
-        stats,
-        _HF_READ_BLOCK,
-    )
+  def read_texts(self, start: int, stop: int) -> list:
+    return self._dataset[start:stop][self.text_field]

@@ -8,9 +8,8 @@ import importlib
 import os
 
 from electra_jax.errors import ConfigError
-from electra_jax.data.sources import SourceStats, record_documents
+from electra_jax.data.sources import RecordCorpus
 
-_READ_BLOCK = 256  # records fetched by one `__getitems__` call
 _RANDOM_ACCESS_FORMATS = ("array_record", "parquet")
 
 
@@ -42,7 +41,7 @@ def _prepare_hint(name: str, data_dir: str) -> str:
   )
 
 
-class TfdsCorpus:
+class TfdsCorpus(RecordCorpus):
   """One split of a prepared TFDS dataset, as documents of sentences."""
 
   def __init__(self, name: str, split: str, text_field: str, data_dir: str = ""):
@@ -53,7 +52,7 @@ class TfdsCorpus:
           f"data.source='tfds' needs tensorflow-datasets ({e}); `pip install tensorflow-datasets` "
           f"(TensorFlow itself is not needed)."
       ) from e
-    self.name, self.split, self.text_field = name, split, text_field
+    self.name, self.split, self.text_field = f"{name}[{split}]", split, text_field
     data_dir = os.path.expanduser(data_dir) if data_dir else None
     try:
       builder = tfds.builder(name, data_dir=data_dir)
@@ -102,18 +101,12 @@ class TfdsCorpus:
         for key in ("tfds_name", "tfds_split", "tfds_text_field", "num_records", "num_bytes")
     )
 
-  def iter_documents(self, stats: SourceStats):
-    source = self._builder.as_data_source(split=self.split)
+  @functools.cached_property
+  def _source(self):
+    return self._builder.as_data_source(split=self.split)
 
-    def read_texts(start: int, stop: int) -> list:
-      keys = list(range(start, stop))
-      records = (
-          source.__getitems__(keys)
-          if hasattr(source, "__getitems__")
-          else [source[k] for k in keys]
-      )
-      return [record[self.text_field] for record in records]
-
-    yield from record_documents(
-        f"{self.name}[{self.split}]", len(source), read_texts, self.text_field, stats, _READ_BLOCK
-    )
+  def read_texts(self, start: int, stop: int) -> list:
+    keys = list(range(start, stop))
+    if hasattr(self._source, "__getitems__"):
+      return [record[self.text_field] for record in self._source.__getitems__(keys)]
+    return [self._source[key][self.text_field] for key in keys]
