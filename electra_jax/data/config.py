@@ -66,26 +66,21 @@ def check_config(data, eval_every_steps: int | None = None) -> None:
           f"data.{key}={data[key]!r} is set, but data.source='builtin' does not read it; add "
           f"{wanted} to use it, or drop data.{key}."
       )
-  problems = (  # (whether it is wrong, what to say): the first wrong one is raised
-      (  # prepared shards carry their vocab.txt
-          tokenizer == "wordpiece" and not data.vocab_file and source != "prepared",
-          "data.tokenizer='wordpiece' needs data.vocab_file, the path of a BERT vocab.txt (one "
-          "token per line), e.g. --config.data.vocab_file=uncased_L-12_H-768_A-12/vocab.txt.",
-      ),
-      (
-          data.spm_model_file and tokenizer != "sentencepiece",
-          f"data.spm_model_file={data.spm_model_file!r} is set but data.tokenizer={tokenizer!r}; "
-          "set data.tokenizer='sentencepiece' to use that model, or clear data.spm_model_file.",
-      ),
-      (
-          data.eval_fraction == 0 and training and eval_every_steps > 0 and source != "prepared",
-          f"data.eval_fraction=0 holds out no documents, but eval.every_steps={eval_every_steps} "
-          "evaluates on them; set --config.eval.every_steps=0, or data.eval_fraction > 0.",
-      ),
-  )
-  for wrong, message in problems:
-    if wrong:
-      raise ConfigError(message)
+  if tokenizer == "wordpiece" and not data.vocab_file and source != "prepared":  # (theirs)
+    raise ConfigError(
+        "data.tokenizer='wordpiece' needs data.vocab_file, the path of a BERT vocab.txt (one "
+        "token per line), e.g. --config.data.vocab_file=uncased_L-12_H-768_A-12/vocab.txt."
+    )
+  if data.spm_model_file and tokenizer != "sentencepiece":
+    raise ConfigError(
+        f"data.spm_model_file={data.spm_model_file!r} is set but data.tokenizer={tokenizer!r}; "
+        "set data.tokenizer='sentencepiece' to use that model, or clear data.spm_model_file."
+    )
+  if data.eval_fraction == 0 and training and eval_every_steps > 0 and source != "prepared":
+    raise ConfigError(
+        f"data.eval_fraction=0 holds out no documents, but eval.every_steps={eval_every_steps} "
+        "evaluates on them; set --config.eval.every_steps=0, or data.eval_fraction > 0."
+    )
 
 
 def read_config(data) -> dict:

@@ -78,9 +78,7 @@ def iter_source_documents(config, stats: sources.SourceStats):
   if config["source"] == "builtin":
     documents = corpus.builtin_documents(limit)
     stats.total_bytes = len(documents)
-    for document in documents:
-      stats.bytes_read += 1
-      stats.num_documents += 1
+    for stats.bytes_read, document in enumerate(documents, 1):  # progress counts documents
       yield document
     return
   if config["source"] in RECORD_SOURCES:
