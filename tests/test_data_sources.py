@@ -20,6 +20,7 @@ from electra_jax.data import (
     load_pretraining_data,
     load_tokenizer,
     pipeline,
+    prepare_data,
     prepare,
     workdir_tokenizer,
 )
@@ -390,6 +391,21 @@ def test_a_workdir_keeps_a_wordpiece_vocabulary_with_its_case_settings(oracle_vo
       == original.encode("Café Über")
       != WordPieceTokenizer(kept.vocab_file).encode("Café Über")
   )  # the default rules (lowercase) would tokenize otherwise
+
+
+def test_prepared_wordpiece_shards_carry_their_vocab(oracle_vocab, tmp_path):
+  corpus = _write(tmp_path / "c.txt", "The quick brown fox.\n\nHello world.\n")
+  wordpiece = dict(tokenizer="wordpiece", lowercase=False, prepared_dir=str(tmp_path / "prep"))
+  manifest = prepare_data(
+      _config(tmp_path, files=corpus, vocab_file=oracle_vocab, **wordpiece), num_workers=0
+  )
+  with open(oracle_vocab, "rb") as f:
+    assert (tmp_path / "prep" / "vocab.txt").read_bytes() == f.read()
+  # Trained on without data.vocab_file: the shards' copy, with the config's case rules.
+  loaded = load_tokenizer(_config(tmp_path, source="prepared", **wordpiece))
+  assert loaded.fingerprint == manifest["tokenizer"]["fingerprint"]
+  with pytest.raises(ConfigError, match="were made with the wordpiece tokenizer vocab.txt"):
+    load_tokenizer(_config(tmp_path, source="prepared", **dict(wordpiece, lowercase=True)))
 
 
 def test_wordpiece_config_errors(tmp_path):

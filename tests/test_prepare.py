@@ -664,6 +664,17 @@ def test_sentencepiece_trained_by_prepare_serves_training(tmp_path, corpus_files
     prepare_data(_config(tmp_path, corpus_files, spm_vocab_size=80), num_workers=0)
 
 
+def test_a_given_tokenizer_travels_with_the_shards(tmp_path, corpus_files, spm_model):
+  manifest = prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model), num_workers=0)
+  with open(spm_model, "rb") as f:
+    assert (tmp_path / "prepared" / "spm.model").read_bytes() == f.read()
+  assert manifest["tokenizer"]["model_file"] == "spm.model"
+  shutil.move(tmp_path / "prepared", tmp_path / "moved")  # to a machine without the given file
+  moved = _config(tmp_path, corpus_files, source="prepared", prepared_dir=str(tmp_path / "moved"))
+  data = load_pretraining_data(moved)
+  assert data.tokenizer.fingerprint == manifest["tokenizer"]["fingerprint"]
+
+
 def test_a_model_left_by_a_run_killed_before_its_manifest_is_trained_again(
     tmp_path, corpus_files, spm_model
 ):
