@@ -185,20 +185,12 @@ class WordPieceTokenizer:
   """A BERT vocabulary with BERT's basic tokenization; the interface of SentencePieceTokenizer.
   `strip_accents` None strips accents when lowercasing, as BERT does."""
 
-  kind = "wordpiece"
-
   def __init__(self, vocab_file: str, lowercase: bool = True, strip_accents: bool | None = None):
     self.vocab_file = vocab_file
     self.lowercase = bool(lowercase)
     self.strip_accents = None if strip_accents is None else bool(strip_accents)
-    try:
-      with open(vocab_file, "rb") as f:
-        vocab_bytes = f.read()
-    except OSError as e:
-      raise ConfigError(
-          f"Cannot read the WordPiece vocabulary data.vocab_file={vocab_file!r} ({e}); give the "
-          f"path of a BERT vocab.txt (one token per line)."
-      ) from e
+    with open(vocab_file, "rb") as f:
+      vocab_bytes = f.read()
     try:
       # -sig: a BOM would hide [PAD]; the final newline ends the last line, it does not start an empty token.
       tokens = [
