@@ -9,7 +9,7 @@ import os
 import random
 import subprocess
 import sys
-import types
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -25,7 +25,7 @@ from electra_jax.data import (
     load_pretraining_data,
     train_sentencepiece,
 )
-from electra_jax.data import corpus, pipeline, prepare
+from electra_jax.data import corpus, prepare
 from electra_jax.data.config import check_config
 from electra_jax.data.packing import pack_documents
 
@@ -33,7 +33,7 @@ CLS, SEP, PAD = 2, 3, 0
 
 
 def _pack(documents, max_seq_len, seed=0, **kwargs):
-  special = types.SimpleNamespace(cls_id=CLS, sep_id=SEP, pad_id=PAD)
+  special = SimpleNamespace(cls_id=CLS, sep_id=SEP, pad_id=PAD)
   return pack_documents(documents, max_seq_len, special, seed, **kwargs)
 
 

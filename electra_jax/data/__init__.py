@@ -3,9 +3,12 @@
 reads the shards, memory-mapped or by ranged reads from a bucket (pipeline.py). config.py checks the
 data config group."""
 
-from electra_jax.data.corpus import builtin_documents
-from electra_jax.data.pipeline import PretrainingData, batch_keys, get_batch, get_rows, prefetch
-from electra_jax.data.pipeline import load_pretraining_data, load_tokenizer, workdir_tokenizer
-from electra_jax.data.prepare import prepare_data, train_tokenizer
-from electra_jax.data.tokenizer import SPECIAL_TOKENS, SentencePieceTokenizer, WordPieceTokenizer
-from electra_jax.data.tokenizer import keep_tokenizer, train_sentencepiece
+# The package's face: what callers use as data.<name>.
+from electra_jax.data.corpus import builtin_documents  # noqa: F401
+from electra_jax.data.pipeline import PretrainingData, batch_keys, get_batch, get_rows  # noqa: F401
+from electra_jax.data.pipeline import load_pretraining_data, load_tokenizer, prefetch  # noqa: F401
+from electra_jax.data.pipeline import workdir_tokenizer  # noqa: F401
+from electra_jax.data.prepare import prepare_data, train_tokenizer  # noqa: F401
+from electra_jax.data.tokenizer import SPECIAL_TOKENS, SentencePieceTokenizer  # noqa: F401
+from electra_jax.data.tokenizer import WordPieceTokenizer, keep_tokenizer  # noqa: F401
+from electra_jax.data.tokenizer import train_sentencepiece  # noqa: F401

@@ -27,11 +27,7 @@ _NEEDS = (  # (source, a key it reads, what to give there)
     ("jsonl", "files", "comma-separated paths or globs, e.g. --config.data.files='c/*.jsonl'"),
     ("jsonl", "text_field", "the JSON field holding each document's text"),
     ("tfds", "tfds_name", "a prepared TFDS dataset, e.g. wikipedia/20230601.en"),
-    (
-        "hf_datasets",
-        "hf_path",
-        "a local dataset's folder (save_to_disk's, or files load_dataset reads)",
-    ),
+    ("hf_datasets", "hf_path", "a local dataset's folder (save_to_disk's, or load_dataset's)"),
     ("hf_datasets", "text_field", "the column holding each document's text"),
     ("prepared", "prepared_dir", "the directory --mode=prepare_data wrote"),
 )
@@ -66,7 +62,8 @@ def check_config(data, eval_every_steps: int | None = None) -> None:
           f"data.{key}={data[key]!r} is set, but data.source='builtin' does not read it; add "
           f"{wanted} to use it, or drop data.{key}."
       )
-  if tokenizer == "wordpiece" and not data.vocab_file and source != "prepared":  # (theirs)
+  # (Prepared shards carry their vocab.txt.)
+  if tokenizer == "wordpiece" and not data.vocab_file and source != "prepared":
     raise ConfigError(
         "data.tokenizer='wordpiece' needs data.vocab_file, the path of a BERT vocab.txt (one "
         "token per line), e.g. --config.data.vocab_file=uncased_L-12_H-768_A-12/vocab.txt."
