@@ -34,15 +34,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
 from electra_jax import config_lib, fit, flops, memory, partitioning, train_state  # noqa: E402
 from electra_jax.errors import ConfigError  # noqa: E402
 from hlo_audit import Audit  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/electra_small.py", "Recipe.", lock_config=False
-)
+_CONFIG = config_lib.define_config_flag("configs/electra_small.py", "Recipe.", lock_config=False)
 _TOPOLOGY = flags.DEFINE_string(
     "topology", "h100", "What to compile for: a TPU slice (v5e-16, v4-32, ...) or GPUs (h100, ...)."
 )

@@ -1,6 +1,7 @@
 """Loading recipe files from configs/ and checking a config before anything is compiled:
 every error names the offending value and what to do about it."""
 
+import difflib
 import functools
 import importlib.util
 import json
@@ -10,6 +11,9 @@ import re
 import sys
 
 import ml_collections
+from absl import flags
+from ml_collections import config_flags
+from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
 from electra_jax.errors import ConfigError
 
@@ -18,37 +22,87 @@ DTYPES = ("float32", "bfloat16")
 
 def sibling(config_file: str, name: str):
   """Imports <name>.py beside `config_file`, wherever the command runs from (no sys.path needed)."""
-  path = os.path.join(os.path.dirname(os.path.abspath(config_file)), f"{name}.py")
+  return _load(os.path.join(os.path.dirname(os.path.abspath(config_file)), f"{name}.py"))
+
+
+def _load(path: str):
+  name = os.path.splitext(os.path.basename(path))[0]
   spec = importlib.util.spec_from_file_location(f"electra_jax_configs_{name}", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
 
 
-def missing_key(error: BaseException) -> tuple[str, str]:
-  """(key, hint) from ml_collections' error for an absent key ("'key'\nDid you mean ...", nested)."""
-  message = error
-  while isinstance(message, BaseException) and message.args:
-    message = message.args[0]
-  key, _, hint = str(message).partition("\n")
-  return key.strip("'\""), hint.strip()
+def define_config_flag(
+    default=None, help_text="Path to a recipe in configs/ (e.g. configs/demo.py).", lock_config=True
+):
+  """--config for an absl program (the CLI, the benchmarks): a recipe file, or a recipe's name."""
+  holder = config_flags.DEFINE_config_file("config", default, help_text)
+  flags.FLAGS["config"].parser = RecipeParser("config", lock_config)
+  return holder
+
+
+class RecipeParser(ConfigFileFlagParser):
+  """--config's parser: a recipe's file, or its name (`demo`, `finetune/glue`) from any directory.
+  It keeps the recipe's config before any override (`loaded`) and the ConfigError its file raised
+  (`refused`): flags_parser reports a mistake from these, not from another library's message."""
+
+  listing = "configs/base.py"  # the file that lists every key of the loaded recipe
+  loaded = refused = None
+
+  def parse(self, path):
+    try:  # the recipe's get_config is called here: ml_collections would turn its error into text
+      recipe, colon, arg = _checked_recipe(path).partition(":")
+      config = _load(recipe).get_config(*([arg] if colon else []))
+    except ConfigError as error:
+      self.refused = error
+      raise
+    if self._lock_config:
+      config.lock()
+    self.loaded = config.copy_and_resolve_references()  # overrides go into `config` after this
+    if "init_from" in config:
+      self.listing = "configs/finetune/base.py"
+    return config
+
+
+def _checked_recipe(value: str) -> str:
+  path = resolve_recipe(value)
+  recipe = path.split(":", 1)[0]
+  if recipe.endswith(".json"):
+    raise ConfigError(
+        f"--config={path} is a JSON file; --config takes a recipe (a .py file with get_config()). "
+        "To continue a workdir, pass --workdir=DIR alone, or --config=configs/workdir.py:DIR."
+    )
+  if not os.path.isfile(recipe):
+    raise ConfigError(
+        f"--config={path}: {recipe} is {'a directory' if os.path.isdir(recipe) else 'not a file'}, "
+        "and no recipe has that name. Give a recipe file or a recipe's name, e.g. demo or "
+        f"finetune/glue ({RECIPES_DIR} lists them)."
+    )
+  return path
+
+
+def unknown_key(config, dotted: str) -> tuple[str, list[str]] | None:
+  """(the first part of `dotted` that `config` lacks, the keys there), or None when it has it all."""
+  group = config
+  for part in dotted.split("."):
+    if not isinstance(group, ml_collections.ConfigDict) or part not in group:
+      return part, sorted(group.keys()) if isinstance(group, ml_collections.ConfigDict) else []
+    group = group[part]
+  return None
 
 
 def flags_parser(program: str):
-  """For `app.run(main, flags_parser=...)`: absl's parsing, a mistake in the config flags ending in one line."""
-  from absl import flags  # noqa: PLC0415 (recipes import this module and need no absl)
+  """For `app.run(main, flags_parser=...)`: absl's parsing, a mistake in the config flags ending in
+  one line."""
 
   def parse(argv: list[str]) -> list[str]:
+    parser = flags.FLAGS["config"].parser if "config" in flags.FLAGS else None
     try:
       return flags.FLAGS(argv)
     except flags.Error as error:
-      # absl and ml_collections re-raise a recipe's ConfigError: the innermost one of the chain.
-      refused, cause = None, error
-      while cause is not None:
-        refused = cause if isinstance(cause, ConfigError) else refused
-        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
-      if refused is not None:
-        sys.exit(f"{program}: error: {refused}")
+      if getattr(parser, "refused", None) is not None:  # the recipe's own refusal
+        sys.exit(f"{program}: error: {parser.refused}")
       if isinstance(error, flags.UnrecognizedFlagError) and error.flagname.startswith("config."):
         sys.exit(
             f"{program}: error: --{error.flagname} changes a recipe, but no --config was given. To change a "
@@ -58,22 +112,19 @@ def flags_parser(program: str):
           f"FATAL Flags parsing error: {error}\nPass --helpshort or --helpfull to see help on flags.\n"
       )
       sys.exit(1)
-    except (
-        AttributeError,
-        KeyError,
-    ) as error:  # ml_collections: an override of a key the config lacks
-      key, hint = missing_key(error)
-      overrides = [arg.split("=")[0] for arg in argv[1:] if arg.startswith("--config.")]
-      named = [flag for flag in overrides if key in flag.split(".")[1:]]
-      if not named:
-        raise
-      listing = getattr(
-          flags.FLAGS["config"].parser, "listing", "configs/base.py"
-      )  # main's parser sets it
-      sys.exit(
-          f"{program}: error: {named[0]}: the config has no key {key!r}. {hint + ' ' if hint else ''}"
-          f"{listing} lists every key with its default."
-      )
+    except (AttributeError, KeyError):  # ml_collections: an override of a key the recipe lacks
+      loaded = getattr(parser, "loaded", None)
+      for arg in argv[1:] if loaded is not None else ():
+        flag = arg.split("=")[0]
+        if flag.startswith("--config.") and (found := unknown_key(loaded, flag[9:])):
+          key, keys = found
+          close = difflib.get_close_matches(key, keys, n=1)
+          hint = f"Did you mean {close[0]!r}? " if close else ""
+          sys.exit(
+              f"{program}: error: {flag}: the config has no key {key!r}. {hint}{parser.listing} "
+              "lists every key with its default."
+          )
+      raise
 
   return parse
 

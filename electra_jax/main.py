@@ -12,44 +12,13 @@ from typing import Callable
 import flax
 import jax
 from absl import app, flags, logging
-from ml_collections import config_flags
-from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
 import electra_jax
 from electra_jax import config_lib, data, distributed, fit, interop, train, workdir_files, xla_flags
 from electra_jax.errors import ConfigError
 
-
-class _RecipeParser(ConfigFileFlagParser):
-  """--config's parser: a recipe's file, or its name (`demo`, `finetune/glue`) from any directory."""
-
-  listing = "configs/base.py"  # the file that lists every key of the loaded recipe
-
-  def parse(self, path):
-    path = config_lib.resolve_recipe(path)
-    recipe = path.split(":", 1)[0]
-    if recipe.endswith(".json"):
-      raise ConfigError(
-          f"--config={path} is a JSON file; --config takes a recipe (a .py file with get_config()). "
-          "To continue a workdir, pass --workdir=DIR alone, or --config=configs/workdir.py:DIR."
-      )
-    if not os.path.isfile(recipe):
-      raise ConfigError(
-          f"--config={path}: {recipe} is {'a directory' if os.path.isdir(recipe) else 'not a file'}, "
-          "and no recipe has that name. Give a recipe file or a recipe's name, e.g. demo or "
-          f"finetune/glue ({config_lib.RECIPES_DIR} lists them)."
-      )
-    config = super().parse(path)
-    if "init_from" in config:
-      self.listing = "configs/finetune/base.py"
-    return config
-
-
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file(
-    "config", None, "Path to a recipe in configs/ (e.g. configs/demo.py)."
-)
-FLAGS["config"].parser = _RecipeParser("config")
+config_lib.define_config_flag()
 flags.DEFINE_string("workdir", None, "Directory for config.json, metrics.jsonl and checkpoints.")
 flags.DEFINE_bool("version", False, "Print the version of electra-jax and of JAX, then exit.")
 # The other flags, by mode (their help starts with the modes that read them).

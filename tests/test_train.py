@@ -502,8 +502,8 @@ def test_mistyped_override_names_the_close_match(tmp_path):
   result = cli(cli_args(tmp_path / "run") + ["--config.train.stpes=5"])
   assert result.returncode != 0
   assert result.stderr.strip().splitlines()[-1] == (
-      "electra-jax: error: --config.train.stpes: the config has no key 'stpes'. Did you mean \"steps\" "
-      'instead of "stpes"? configs/base.py lists every key with its default.'
+      "electra-jax: error: --config.train.stpes: the config has no key 'stpes'. Did you mean 'steps'? "
+      "configs/base.py lists every key with its default."
   )
   assert "Traceback" not in result.stderr
   result = cli(cli_args(tmp_path / "run") + ["--config.train.num_steps=5"])  # no close match
