@@ -11,7 +11,7 @@ import re
 import sys
 
 import ml_collections
-from absl import flags
+from absl import flags, logging
 from ml_collections import config_flags
 from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
@@ -270,6 +270,31 @@ def config_file_text(config: ml_collections.ConfigDict) -> str:
 def as_saved(config: ml_collections.ConfigDict) -> dict:
   """The config as its config.json reads back (tuples become lists), to compare with one."""
   return json.loads(to_json(config))
+
+
+def save_config(workdir: str, config, before: dict | None, start_step: int | None) -> None:
+  """Writes <workdir>/config.json (the folder made). A resume (from `start_step`) with settings
+  other than `before` (the config.json it found) says which, and first keeps that file as
+  config.step<N>.json."""
+  from electra_jax import workdir_files  # noqa: PLC0415 (keeps recipes' imports light)
+
+  file = workdir_files.path(workdir, "config.json")
+  workdir_files.makedirs(file.parent)
+  changes = before is not None and start_step is not None and changed_keys(before, as_saved(config))
+  kept = workdir_files.path(workdir, f"config.step{start_step}.json")
+  # A second resume from the same checkpoint finds the first one's settings in config.json,
+  # which never trained it: the file the first resume kept stays as it is.
+  if changes and not workdir_files.exists(kept):
+    workdir_files.write_text(kept, workdir_files.read_text(file))
+  if changes:
+    logging.warning(
+        "Resuming at step %d with settings that differ from the workdir's config.json (kept as "
+        "%s): %s",
+        start_step,
+        kept.name,
+        "; ".join(changes),
+    )
+  workdir_files.write_text(file, config_file_text(config))
 
 
 # Bounds as the messages state them, and their tests.
