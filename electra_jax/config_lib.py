@@ -164,18 +164,43 @@ def resolve_recipe(value: str) -> str:
 
 
 def with_defaults(saved: dict) -> ml_collections.ConfigDict:
-  """A saved config (a config.json's dict) completed at any depth with configs/base.py's defaults, if any."""
+  """A saved config (a config.json's dict) completed at any depth with configs/base.py's defaults,
+  each saved value checked against its default's type as an override is: a key the defaults lack,
+  or a value of another type (a bool for a number, 7.9 for an integer), raises ValueError naming it.
+  """
 
-  def merged_over(defaults: dict, saved: dict) -> dict:
+  def merged_over(defaults: dict, saved: dict, prefix: str = "") -> dict:
     merged = dict(defaults)
     for key, value in saved.items():
-      both = isinstance(defaults.get(key), dict) and isinstance(value, dict)
-      merged[key] = merged_over(defaults[key], value) if both else value
+      name, default = prefix + key, defaults.get(key)
+      if key not in defaults:
+        raise ValueError(
+            f"{name} is no key of this electra-jax's config (configs/base.py lists them)"
+        )
+      if isinstance(default, dict) and isinstance(value, dict):
+        merged[key] = merged_over(default, value, name + ".")
+      elif default is None or _same_kind(default, value):
+        merged[key] = value
+      else:
+        raise ValueError(
+            f"{name}={value!r} is of type {type(value).__name__}, but the key's type is "
+            f"{type(default).__name__} (its default: {default!r})"
+        )
     return merged
 
-  if os.path.exists(_BASE_RECIPE):
-    saved = merged_over(sibling(_BASE_RECIPE, "base").get_config().to_dict(), saved)
-  return ml_collections.ConfigDict(saved)
+  return ml_collections.ConfigDict(
+      merged_over(sibling(_BASE_RECIPE, "base").get_config().to_dict(), saved)
+  )
+
+
+def _same_kind(default, value) -> bool:
+  if isinstance(default, bool) or isinstance(value, bool):
+    return isinstance(default, bool) and isinstance(value, bool)
+  if isinstance(default, float):
+    return isinstance(value, (int, float))
+  if isinstance(default, (list, tuple)):
+    return isinstance(value, (list, tuple))
+  return type(value) is type(default)
 
 
 # Keys this version no longer has: (the value that means what it does now, the last commit with the key).
@@ -213,7 +238,8 @@ def saved_config(workdir: str) -> dict | None:
   path = workdir_files.path(workdir, "config.json")
   if not workdir_files.exists(path):
     return None
-  return with_defaults(without_removed_keys(workdir_files.read_json(path, groups), path)).to_dict()
+  parse = lambda saved: with_defaults(without_removed_keys(groups(saved), path))  # noqa: E731
+  return workdir_files.read_json(path, parse).to_dict()
 
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:

@@ -73,6 +73,8 @@ def read_json(file, parse=lambda value: value):
   """parse(the JSON of `file`), refused by name when it is not JSON or `parse` raises (an edited or damaged file)."""
   try:
     return parse(json.loads(read_text(file)))
+  except ConfigError:  # `parse`'s own refusal, which names the file itself
+    raise
   except (ValueError, KeyError, TypeError, AttributeError) as error:
     raise ConfigError(
         f"{file} is not as electra-jax writes it ({type(error).__name__}: {error}); it was edited or "

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from electra_jax.errors import ConfigError
+
 from conftest import REPO, cli, cli_args, run_cli, tiny_config
 from electra_jax import (
     config_lib,
@@ -40,6 +42,57 @@ def test_a_saved_config_gets_the_defaults_of_keys_it_predates(tmp_path):
   assert config.objective.initial_temperature == 1.0 and config.train.time_budget == ""
   assert config.model.scan_layers is False
   assert config.objective.temperature == 2.0 and config.model.hidden_size == 32  # saved values stay
+
+
+@pytest.mark.parametrize(
+    "group, key, value, named",
+    [
+        (
+            "model",
+            "num_layers",
+            True,
+            "model.num_layers=True is of type bool, but the key's type is int",
+        ),
+        ("train", "steps", 7.9, "train.steps=7.9 is of type float, but the key's type is int"),
+        (
+            "model",
+            "hidden_size",
+            "32",
+            "model.hidden_size='32' is of type str, but the key's type is int",
+        ),
+        (
+            "data",
+            "files",
+            ["a.txt"],
+            "data.files=['a.txt'] is of type list, but the key's type is str",
+        ),
+        ("model", "colour", "blue", "model.colour is no key of this electra-jax's config"),
+    ],
+)
+def test_an_edited_config_json_is_refused_naming_the_file_and_key(
+    tmp_path, group, key, value, named
+):
+  """config.json was merged without checks: `"num_layers": true` trained a one-layer model and
+  exited 0. Its values are now checked as an override's are, and the file and key are named."""
+  saved = train.config_lib.as_saved(tiny_config())
+  saved[group][key] = value
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  with pytest.raises(ConfigError) as refused:
+    train.config_lib.load_workdir_config(str(tmp_path))
+  assert str(tmp_path / "config.json") in str(refused.value) and named in str(refused.value)
+
+
+def test_an_edited_config_json_ends_the_cli_in_one_line_and_a_number_may_be_an_int(tmp_path):
+  saved = train.config_lib.as_saved(tiny_config())
+  saved["optimizer"]["learning_rate"] = 1  # an integer where a float is taken: a number still
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  assert train.config_lib.load_workdir_config(str(tmp_path)).optimizer.learning_rate == 1
+  saved["train"]["steps"] = "many"
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  result = cli(["python", "-m", "electra_jax.main", f"--workdir={tmp_path}"])
+  assert result.returncode != 0 and "Traceback" not in result.stderr
+  assert "config.json is not as electra-jax writes it" in result.stderr.strip().splitlines()[-1]
+  assert not (tmp_path / "checkpoints").exists()
 
 
 def test_mistyped_override_names_the_close_match(tmp_path):
