@@ -80,6 +80,11 @@ def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
     config_lib.validate_for_mesh(config, partitioning.batch_shards(mesh))
   logging.info("Mesh %s over %d %s devices.", dict(mesh.shape), mesh.size, platform)
   corpus = data.load_pretraining_data(config.data, split="train")
+  if config.train.batch_size > corpus.num_rows:
+    raise ConfigError(
+        f"train.batch_size={config.train.batch_size} is more than the {corpus.num_rows} training "
+        "rows of this data: every batch would repeat rows. Lower train.batch_size, or add data."
+    )
   if config.model.vocab_size < corpus.tokenizer.vocab_size:
     raise ConfigError(
         f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's vocabulary "

@@ -27,6 +27,10 @@ from run_helpers import REQUIRED_METRICS, _metrics  # noqa: F401
         ({"mesh.data": 2}, "mesh.data=2"),
         ({"train.grad_accum_steps": 3}, "train.grad_accum_steps=3"),
         ({"model.vocab_size": 100}, "model.vocab_size=100"),
+        (
+            {"train.batch_size": 100_000},
+            "train.batch_size=100000 is more than the 3187 training rows",
+        ),
     ],
 )
 def test_bad_config_is_refused_before_any_work(tmp_path, overrides, named):

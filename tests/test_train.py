@@ -325,3 +325,14 @@ def test_a_resume_whose_optimizer_state_differs_is_refused_before_anything_is_wr
     )
   after = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file() and "lease" not in p.name}
   assert after == before
+
+
+def test_a_resume_with_fewer_steps_than_done_changes_nothing(tmp_path, three_steps, caplog):
+  """It compiled, then wrote config.json with the smaller count; now it says so and stops there."""
+  workdir = _copy_of(three_steps, tmp_path)
+  before = (workdir / "config.json").read_text()
+  with caplog.at_level("INFO"):
+    assert train.train_and_evaluate(tiny_config(**{"train.steps": 2}), str(workdir)) == {}
+  assert "Nothing to do: the checkpoint at step 3 reached train.steps=2" in caplog.text
+  assert "Compiled the train step" not in caplog.text
+  assert (workdir / "config.json").read_text() == before
