@@ -493,10 +493,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     )
   if t.time_budget:
     parse_duration(t.time_budget)
-  tensorboard_log.writer_names(t.metric_writers)
   check_optimizer(config.optimizer, "ELECTRA-Small uses 5e-4, Base 2e-4")
-  objectives.check_config(config)
   check_finite(config)  # after the checks above, whose messages say more where they apply
+  tensorboard_log.writer_names(t.metric_writers)
+  objectives.check_config(config)
   models.build_model(
       config, objectives.towers(config)
   )  # the model's own refusals; nothing is initialized
