@@ -92,10 +92,7 @@ def expand(grid: Sequence[str] = (), sweep_file: str | None = None) -> list[list
     key, values = _split_override(spec, f"--sweep={spec}")
     axes.append([(key, v.strip()) for v in values.split(",")])
     if not all(v for _, v in axes[-1]):
-      raise ConfigError(
-          f"--sweep={spec}: empty value; give KEY=V1,V2,... (a value with commas goes in "
-          "--sweep_file)."
-      )
+      raise ConfigError(f"--sweep={spec}: an empty value; put a value with commas in --sweep_file.")
   runs = [line + list(combo) for line in lines for combo in itertools.product(*axes)]
   for overrides in runs:
     keys = [k for k, _ in overrides]
@@ -226,7 +223,7 @@ def _latest_checkpoint(workdir: str) -> int | None:
 
 def _finetune_results(workdir: str) -> dict | None:
   found = sorted(glob.glob(os.path.join(workdir, "finetune", "*", "results.json")))
-  return json.loads(open(found[0]).read()) if found else None
+  return workdir_files.read_json(found[0]) if found else None
 
 
 def run_sweep(
@@ -313,7 +310,7 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
   for index, (run, config, latest) in enumerate(zip(runs, configs, latest_steps)):
     where = f"run {index + 1}/{len(runs)} {run.name}"
     if preemption.sigterm_received():
-      logging.warning("SIGTERM: the sweep stops before %s. Run the same command to go on.", where)
+      logging.warning("SIGTERM: the sweep stops before %s; the same command goes on.", where)
       return failed, True
     workdir_lease.hold(lease)  # every process stops if another sweep took the folder
     workdir, started = run_dir(sweep_dir, run), time.perf_counter()
@@ -342,13 +339,8 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
         continue
       reached = _latest_checkpoint(workdir) or 0
       if reached < config.train.steps or preemption.sigterm_received():
-        logging.warning(
-            "Sweep run %s stopped at step %d of %d (SIGTERM, a preemption); the sweep stops "
-            "here. Run the same command to go on.",
-            run.name,
-            reached,
-            config.train.steps,
-        )
+        message = "Run %s stopped at step %d (SIGTERM): the sweep stops; the same command goes on."
+        logging.warning(message, run.name, reached)
         return failed, True
     if workdir_files.exists(error_file):
       error_file.unlink()

@@ -185,13 +185,8 @@ def open_logs(workdir: str, metric_writers: str = "", config: dict | None = None
   (local workdirs only) and the runs `metric_writers` names (the train log closes them)."""
   remote = workdir_files.is_remote(workdir)
   if remote:
-    logging.log_first_n(
-        logging.WARNING,
-        "TensorBoard event files are written for local workdirs only; %s is a bucket, so its "
-        "metrics go to the JSONL logs alone.",
-        1,
-        workdir,
-    )
+    message = "%s is a bucket: its metrics go to the JSONL logs only (TensorBoard events: local)."
+    logging.log_first_n(logging.WARNING, message, 1, workdir)
   runs = []
   for name in writer_names(metric_writers):  # its run id, kept in the workdir, reopens it
     id_file = workdir_files.path(workdir, f"{name}_run_id")

@@ -45,14 +45,11 @@ ENCODER_FIELDS = {key: field for key, (_, field, _) in CONFIG_KEYS.items() if fi
 
 # Config values electra-jax computes only one way: that value, and why any other is refused.
 SUPPORTED_CONFIG_VALUES = {
-    "hidden_act": (
-        "gelu",
-        'the encoder\'s GELU is the exact (erf) one, transformers\' "gelu" ("gelu_new" and '
-        '"gelu_pytorch_tanh" are the tanh approximation)',
-    ),
-    "position_embedding_type": ("absolute", "positions are learned absolute ones only"),
-    "is_decoder": (False, "the encoder attends in both directions"),
-    "add_cross_attention": (False, "the encoder has no cross-attention"),
+    "model_type": ("electra", "only ELECTRA checkpoints can be read"),
+    "hidden_act": ("gelu", "electra-jax's GELU is the exact (erf) one, not a tanh approximation"),
+    "position_embedding_type": ("absolute", "electra-jax learns absolute positions only"),
+    "is_decoder": (False, "electra-jax's encoder attends in both directions"),
+    "add_cross_attention": (False, "electra-jax's encoder has no cross-attention"),
 }
 
 # Encoder options ElectraModel cannot hold: (EncoderConfig field, its only Hugging Face value, why).
@@ -119,11 +116,6 @@ def weight_names(kind: str, num_layers: int, projected: bool) -> list[WeightName
   return names
 
 
-def _model_weight_names(kind: str, model) -> list[WeightName]:
-  projected = model.embedding_size != model.config.hidden_size
-  return weight_names(kind, model.config.num_layers, projected)
-
-
 def kind_of(model) -> str:
   for kind, (_, model_class) in KINDS.items():
     if isinstance(model, model_class):
@@ -134,10 +126,13 @@ def kind_of(model) -> str:
   )
 
 
-def _param_shapes(model) -> dict[tuple[str, ...], tuple[int, ...]]:
+def _layout(kind: str, model):
+  """(weight_names, {path: shape}) of a standalone model's parameters."""
   abstract = jax.eval_shape(model.init, jax.random.key(0), np.zeros((1, 1), np.int32))["params"]
   flat = flax.traverse_util.flatten_dict(nn.meta.unbox(abstract))
-  return {path: tuple(leaf.shape) for path, leaf in flat.items()}
+  projected = model.embedding_size != model.config.hidden_size
+  names = weight_names(kind, model.config.num_layers, projected)
+  return names, {path: tuple(leaf.shape) for path, leaf in flat.items()}
 
 
 def sizes_held(weights: dict[str, np.ndarray]) -> dict[str, int]:
@@ -169,11 +164,12 @@ def _mismatch(expected: dict[str, tuple[int, ...]], given: dict[str, Any]) -> st
 def model_from_hf_config(hf_config: dict[str, Any], source: str = "config.json"):
   """(kind, model) for a transformers ELECTRA config dict; refuses, naming the key (and `source`),
   whatever the model could not compute exactly."""
-  if hf_config.get("model_type", "electra") != "electra":
-    raise ConfigError(
-        f"{source}: model_type={hf_config['model_type']!r} is not \"electra\"; only ELECTRA "
-        "checkpoints can be read."
-    )
+  for key, (supported, why) in SUPPORTED_CONFIG_VALUES.items():
+    if hf_config.get(key, supported) != supported:
+      raise ConfigError(
+          f"{source}: {key}={hf_config[key]!r} cannot be converted exactly, only {key}="
+          f"{supported!r}: {why}."
+      )
   architectures = hf_config.get("architectures")
   kind = next((kind for kind, (name, _) in KINDS.items() if architectures == [name]), None)
   if kind is None:
@@ -182,12 +178,6 @@ def model_from_hf_config(hf_config: dict[str, Any], source: str = "config.json")
         f"{sorted(name for name, _ in KINDS.values())}. To keep only the encoder of a fine-tuned "
         "model, save_pretrained its `.electra` submodule."
     )
-  for key, (supported, why) in SUPPORTED_CONFIG_VALUES.items():
-    if hf_config.get(key, supported) != supported:
-      raise ConfigError(
-          f"{source}: {key}={hf_config[key]!r} cannot be converted exactly, only {key}="
-          f"{supported!r}: in electra-jax {why}."
-      )
   value = {key: hf_config.get(key, default) for key, (default, _, _) in CONFIG_KEYS.items()}
   for key, (default, _, _) in CONFIG_KEYS.items():
     number = value[key]
@@ -209,9 +199,8 @@ def hf_config_of(model, kind: str, pad_token_id: int) -> dict[str, Any]:
   return {
       **{key: getattr(model, key) for key in MODEL_KEYS},
       **{key: getattr(model.config, field) for key, field in ENCODER_FIELDS.items()},
+      **{key: value for key, (value, _) in SUPPORTED_CONFIG_VALUES.items()},
       "architectures": [KINDS[kind][0]],
-      "model_type": "electra",
-      "hidden_act": "gelu",
       "initializer_range": 0.02,
       "pad_token_id": pad_token_id,
       "tie_word_embeddings": True,
@@ -232,7 +221,7 @@ def params_from_hf_weights(model, kind: str, weights: dict, source: str, decoder
     by_name.pop(buffer, None)
   decoder = by_name.pop("generator_lm_head.weight", None) if kind == "generator" else None
 
-  names, shapes = _model_weight_names(kind, model), _param_shapes(model)
+  names, shapes = _layout(kind, model)
   mismatch = _mismatch(
       {w.hf_name: shapes[w.path][::-1] if w.transposed else shapes[w.path] for w in names}, by_name
   )
@@ -260,8 +249,9 @@ def params_from_hf_weights(model, kind: str, weights: dict, source: str, decoder
 def hf_weights_from_params(model, kind: str, params) -> dict[str, np.ndarray]:
   """transformers' tensors (float32, contiguous, full names) from our parameter tree."""
   flat = flax.traverse_util.flatten_dict(jax.device_get(nn.meta.unbox(params)))
+  names, shapes = _layout(kind, model)
   mismatch = _mismatch(
-      {"/".join(p): shape for p, shape in _param_shapes(model).items()},
+      {"/".join(p): shape for p, shape in shapes.items()},
       {"/".join(p): array for p, array in flat.items()},
   )
   if mismatch:
@@ -271,7 +261,7 @@ def hf_weights_from_params(model, kind: str, params) -> dict[str, np.ndarray]:
         "pre-training state pass the ElectraPretrainer and kind='discriminator' or 'generator'."
     )
   tensors = {}
-  for w in _model_weight_names(kind, model):
+  for w in names:
     array = np.asarray(flat[w.path], dtype=np.float32)
     heads = ("discriminator_predictions.", "generator_predictions.", "generator_lm_head.")
     prefix = "" if kind == "encoder" or w.hf_name.startswith(heads) else "electra."

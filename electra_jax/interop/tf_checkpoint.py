@@ -19,13 +19,8 @@ _FOOTER_SIZE = 48
 # tensorflow/core/framework/types.proto's numbers of the dtypes weights (and global_step) have.
 _DTYPES = {1: np.float32, 2: np.float64, 3: np.int32, 9: np.int64, 14: jnp.bfloat16, 19: np.float16}
 _OPTIMIZER_SLOT = re.compile(r"(/adam_[mv]|/Adam(_1)?|/Momentum|^global_step)$")
-# Variables of the official code's other objectives, which electra-jax's pre-trainer lacks.
-_UNSUPPORTED_SCOPES = {
-    "generator_ltr": "Electric's two-tower generator (electric_objective)",
-    "generator_rtl": "Electric's two-tower generator (electric_objective)",
-    "cloze_predictions": "Electric's cloze head (electric_objective)",
-    "generator/embeddings": "a generator with its own embeddings (untied_generator_embeddings)",
-}
+# The official pre-trainer's variable scopes; other objectives (Electric's) have more.
+_SCOPES = {"electra", "generator", "discriminator_predictions", "generator_predictions"}
 
 
 # Protocol buffers and LevelDB tables: just what a tensor bundle index uses.
@@ -217,9 +212,12 @@ def read_towers(prefix: str, num_heads: int | None = None):
   shapes hold no head count: the discriminator has `num_heads` (default max(1, hidden // 64)), the
   generator its head size."""
   ckpt = TFCheckpoint(prefix)
-  for scope, what in _UNSUPPORTED_SCOPES.items():
-    if any(name.startswith(scope + "/") for name in ckpt.entries):
-      raise ConfigError(f"{prefix} holds {what}; electra-jax cannot represent it.")
+  scopes = {name.split("/")[0] for name in ckpt.entries if not _OPTIMIZER_SLOT.search(name)}
+  if unknown := sorted(scopes - _SCOPES):
+    raise ConfigError(
+        f"{prefix} holds {unknown}, which ELECTRA's pre-trainer lacks (another objective of the "
+        "official code, such as Electric's); electra-jax cannot represent it."
+    )
   used, towers = set(), {}
   for kind, scope in (("discriminator", "electra"), ("generator", "generator")):
     layers = {
