@@ -58,13 +58,9 @@ def pair_from_hf(discriminator_dir: str, generator_dir: str) -> ImportedPair:
     towers += [model, params]
   vocabulary = {}
   if vocab_file := _vocabulary_beside(directories, "vocab.txt"):
-    lowercase, strip_accents = read_tokenizer_settings(discriminator_dir)
-    recorded = {"lowercase": lowercase, "strip_accents": strip_accents}
-    vocabulary = {
-        "tokenizer": "wordpiece",
-        "vocab_file": vocab_file,
-        **{key: bool(value) for key, value in recorded.items() if value is not None},
-    }
+    recorded = zip(("lowercase", "strip_accents"), read_tokenizer_settings(discriminator_dir))
+    vocabulary = {key: bool(value) for key, value in recorded if value is not None}
+    vocabulary.update(tokenizer="wordpiece", vocab_file=vocab_file)
   elif spm_model_file := _vocabulary_beside(directories, "spm.model"):
     vocabulary = {"tokenizer": "sentencepiece", "spm_model_file": spm_model_file}
   source = f"Hugging Face: discriminator {discriminator_dir}, generator {generator_dir}"
@@ -262,7 +258,6 @@ def write_pretraining_workdir(
   workdir_files.write_text(config_path, config_lib.config_file_text(config))
   return {
       "workdir": workdir,
-      "config": config_path,
       "vocab_file": config.data.vocab_file or config.data.spm_model_file,
       "num_params": int(sum(np.prod(s) for s in setup.param_shapes.values())),
       "generator_fraction": config.model.generator_fraction,
