@@ -139,21 +139,18 @@ def apply_overrides(
   return flag_values.config
 
 
-def identity(base: ml_collections.ConfigDict | None, overrides: Sequence[Override]) -> str:
+def identity(base: ml_collections.ConfigDict, overrides: Sequence[Override]) -> str:
   """What makes runs the same: the values the overrides give over `base`, in key order (`b=.5
-  a=1e-3` is `a=0.001 b=0.5`); as written for `base` None or a key it lacks (an older record)."""
+  a=1e-3` is `a=0.001 b=0.5`); as written for a key `base` lacks (an older record's)."""
   values = [tuple(o) for o in overrides]
-  if base is not None:
-    with contextlib.suppress(ConfigError):
-      config = apply_overrides(base, overrides)
-      values = [(key, repr(config_path.get_value(key, config))) for key, _ in overrides]
+  with contextlib.suppress(ConfigError):
+    config = apply_overrides(base, overrides)
+    values = [(key, repr(config_path.get_value(key, config))) for key, _ in overrides]
   return json.dumps(sorted(values))
 
 
 def name_runs(
-    override_lists: Sequence[Sequence[Override]],
-    existing: Sequence[Run] = (),
-    base: ml_collections.ConfigDict | None = None,
+    override_lists, existing: Sequence[Run], base: ml_collections.ConfigDict
 ) -> list[Run]:
   """Runs for `override_lists`: the recorded one with the same overrides (by `identity`), else a
   new readable name: the keys' last parts (whole keys where two are alike) and values."""

@@ -161,7 +161,7 @@ def _mismatch(expected: dict[str, tuple[int, ...]], given: dict[str, Any]) -> st
   )
 
 
-def model_from_hf_config(hf_config: dict[str, Any], source: str = "config.json"):
+def model_from_hf_config(hf_config: dict[str, Any], source: str):
   """(kind, model) for a transformers ELECTRA config dict; refuses, naming the key (and `source`),
   whatever the model could not compute exactly."""
   for key, (supported, why) in SUPPORTED_CONFIG_VALUES.items():
