@@ -101,29 +101,22 @@ def expand(grid: Sequence[str] = (), sweep_file: str | None = None) -> list[list
   return runs
 
 
-def _check_key(config: ml_collections.ConfigDict, key: str, what: str) -> None:
-  group = config
-  for depth, name in enumerate(names := key.split(".")):
-    if not isinstance(group, ml_collections.ConfigDict) or name not in group:
-      known = list(group) if isinstance(group, ml_collections.ConfigDict) else []
-      hint = "".join(f" Did you mean {m!r}?" for m in difflib.get_close_matches(name, known, 1))
-      if key in config_lib.REMOVED_KEYS:
-        last = config_lib.REMOVED_KEYS[key][1]
-        hint = f" It was removed: {last} is the last commit with it (CHANGELOG.md)."
-      raise ConfigError(
-          f"{what} key {key!r} is not a config key: {'.'.join(names[:depth]) or 'the config'} has "
-          f"no {name!r}.{hint} configs/base.py lists every key."
-      )
-    group = group[name]
-
-
 def apply_overrides(
     base: ml_collections.ConfigDict, overrides: Sequence[Override], what: str = "Sweep"
 ) -> ml_collections.ConfigDict:
   """A copy of `base` with `overrides` applied as `--config.KEY=VALUE` flags are, by ml_collections'
   own parser; a bad key or value is a ConfigError starting with `what`."""
   for key, _ in overrides:
-    _check_key(base, key, what)
+    if found := config_lib.unknown_key(base, key):
+      name, known = found
+      hint = "".join(f" Did you mean {m!r}?" for m in difflib.get_close_matches(name, known, 1))
+      if key in config_lib.REMOVED_KEYS:
+        last = config_lib.REMOVED_KEYS[key][1]
+        hint = f" It was removed: {last} is the last commit with it (CHANGELOG.md)."
+      raise ConfigError(
+          f"{what} key {key!r} is not a config key (no {name!r} there).{hint} configs/base.py "
+          "lists every key."
+      )
   argv = ["sweep", *(f"--config.{key}={raw}" for key, raw in overrides)]
   flag_values = absl_flags.FlagValues()
   try:
