@@ -82,12 +82,19 @@ def _checked_recipe(value: str) -> str:
   return path
 
 
-def unknown_key(config, dotted: str) -> tuple[str, list[str]] | None:
-  """(the first part of `dotted` that `config` lacks, the keys there), or None when it has it all."""
+def unknown_key(config, dotted: str) -> tuple[str, str] | None:
+  """(the first part of `dotted` that `config` lacks, a hint: its close match, or the commit that
+  removed the key), or None when `config` has the whole key."""
   group = config
   for part in dotted.split("."):
     if not isinstance(group, ml_collections.ConfigDict) or part not in group:
-      return part, sorted(group.keys()) if isinstance(group, ml_collections.ConfigDict) else []
+      keys = list(group.keys()) if isinstance(group, ml_collections.ConfigDict) else []
+      hint = "".join(f"Did you mean {m!r}?" for m in difflib.get_close_matches(part, keys, n=1))
+      if dotted in REMOVED_KEYS:
+        hint = (
+            f"It was removed: {REMOVED_KEYS[dotted][1]} is the last commit with it (CHANGELOG.md)."
+        )
+      return part, hint
     group = group[part]
   return None
 
@@ -117,12 +124,10 @@ def flags_parser(program: str):
       for arg in argv[1:] if loaded is not None else ():
         flag = arg.split("=")[0]
         if flag.startswith("--config.") and (found := unknown_key(loaded, flag[9:])):
-          key, keys = found
-          close = difflib.get_close_matches(key, keys, n=1)
-          hint = f"Did you mean {close[0]!r}? " if close else ""
+          key, hint = found
           sys.exit(
-              f"{program}: error: {flag}: the config has no key {key!r}. {hint}{parser.listing} "
-              "lists every key with its default."
+              f"{program}: error: {flag}: the config has no key {key!r}. {hint + ' ' if hint else ''}"
+              f"{parser.listing} lists every key with its default."
           )
       raise
 

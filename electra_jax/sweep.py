@@ -5,7 +5,6 @@ docs/training.md is the manual."""
 import contextlib
 import copy
 import csv
-import difflib
 import glob
 import hashlib
 import io
@@ -108,14 +107,10 @@ def apply_overrides(
   own parser; a bad key or value is a ConfigError starting with `what`."""
   for key, _ in overrides:
     if found := config_lib.unknown_key(base, key):
-      name, known = found
-      hint = "".join(f" Did you mean {m!r}?" for m in difflib.get_close_matches(name, known, 1))
-      if key in config_lib.REMOVED_KEYS:
-        last = config_lib.REMOVED_KEYS[key][1]
-        hint = f" It was removed: {last} is the last commit with it (CHANGELOG.md)."
+      name, hint = found
       raise ConfigError(
-          f"{what} key {key!r} is not a config key (no {name!r} there).{hint} configs/base.py "
-          "lists every key."
+          f"{what} key {key!r} is not a config key (no {name!r} there).{' ' + hint if hint else ''} "
+          "configs/base.py lists every key."
       )
   argv = ["sweep", *(f"--config.{key}={raw}" for key, raw in overrides)]
   flag_values = absl_flags.FlagValues()
