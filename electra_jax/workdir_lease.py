@@ -1,28 +1,26 @@
-"""One training run per workdir: <workdir>/lease.json names the holder (run id, host, pid, start, heartbeat). A run
-takes a lease that is absent, released or dead (pid gone on this host, or no heartbeat for `stale_seconds`), else
-refuses unless `take_over`. Every write of the lease is conditional: created only where there is none, replaced only
-if it is still the version read (a bucket object's generation; a local file renamed away by one run alone), so two
-runs never both take it. The holder re-reads it before each checkpoint and on every beat, and stops once another
-run's id is there (the newest run keeps the workdir)."""
+"""One run per workdir: <workdir>/lease.json names the holder (run id, host, pid, heartbeat). A run
+takes a lease that is absent, released or dead (pid gone on this host, or no heartbeat for
+`stale_seconds`), else refuses unless `take_over`. Every write is conditional
+(workdir_files.write_if), so two runs never both take it; the holder re-reads it before each
+checkpoint and on every beat, and stops once another run's id is there (the newest run wins)."""
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from electra_jax import distributed, gcs, workdir_files
+from electra_jax import distributed, workdir_files
 from electra_jax.errors import ConfigError, WorkdirInUse
 
 LEASE_FILE = "lease.json"
@@ -38,96 +36,6 @@ _FIELD_TYPES = {
 # The leases this process holds: its own live runs, unlike a dead run with the same pid (a restarted container).
 _LIVE_RUN_IDS: set[str] = set()
 _TRIES = 20  # reads and conditional writes before acquire() gives up on a lease that keeps changing
-
-
-class LocalLeaseFile:
-  """lease.json on a disk. A new one appears whole and only once: it is written under a name of its
-  own, then hard-linked to lease.json, which fails if that exists (O_EXCL's rule). Replacing the
-  version read renames lease.json to a name of this writer's own, which one writer alone can do,
-  and puts it back if it turns out to be another version."""
-
-  def __init__(self, file):
-    self.file = os.fspath(file)
-
-  def read(self) -> tuple[bytes | None, Any]:
-    """(content, version): None for both when there is none."""
-    try:
-      with open(self.file, "rb") as f:
-        data = f.read()
-    except FileNotFoundError:
-      return None, None
-    return data, data
-
-  def _private(self, kind: str) -> str:
-    return os.path.join(os.path.dirname(self.file), f".{LEASE_FILE}.{kind}-{uuid.uuid4().hex[:12]}")
-
-  def _create(self, data: bytes) -> bool:
-    new = self._private("new")
-    try:
-      with open(new, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-      os.chmod(new, 0o644)
-      try:
-        os.link(new, self.file)
-      except OSError as error:
-        if error.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP):
-          raise
-        return self._create_in_place(data)  # a filesystem without hard links
-      return True
-    except FileExistsError:
-      return False
-    finally:
-      with contextlib.suppress(FileNotFoundError):
-        os.remove(new)
-
-  def _create_in_place(self, data: bytes) -> bool:
-    """O_CREAT|O_EXCL: exclusive too, though a reader may see the file before its content."""
-    descriptor = os.open(self.file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    with os.fdopen(descriptor, "wb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    return True
-
-  def write(self, data: bytes, version) -> bool:
-    """Writes `data` if the lease is still `version` (None: if there is none); False if not."""
-    if version is None:
-      return self._create(data)
-    claim = self._private("old")
-    try:
-      os.rename(self.file, claim)
-    except FileNotFoundError:
-      return False
-    try:
-      with open(claim, "rb") as f:
-        if f.read() != version:  # another writer's, come in between: put it back
-          with contextlib.suppress(FileExistsError):
-            os.link(claim, self.file)
-          return False
-      return self._create(data)
-    finally:
-      os.remove(claim)
-
-
-class BucketLeaseFile:
-  """lease.json in a bucket, written with GCS's preconditions: a new object only if there is none
-  (ifGenerationMatch=0), a replacement only of the generation read."""
-
-  def __init__(self, file):
-    self.file = os.fspath(file)
-
-  def read(self) -> tuple[bytes | None, Any]:
-    return gcs.read(self.file)
-
-  def write(self, data: bytes, version) -> bool:
-    return gcs.write(self.file, data, version)
-
-
-def lease_file(workdir) -> LocalLeaseFile | BucketLeaseFile:
-  file = workdir_files.path(workdir, LEASE_FILE)
-  return BucketLeaseFile(file) if workdir_files.is_remote(file) else LocalLeaseFile(file)
 
 
 def _parse(data: bytes | None, file) -> dict | None:
@@ -161,8 +69,8 @@ def describe(holder: dict, now: float) -> str:
 
 def read_lease(workdir) -> dict | None:
   """The lease file's content; None when there is none or it is not a lease this version wrote (a hand edit)."""
-  store = lease_file(workdir)
-  return _parse(store.read()[0], store.file)
+  file = workdir_files.path(workdir, LEASE_FILE)
+  return _parse(workdir_files.read_versioned(file)[0], file)
 
 
 class WorkdirLease:
@@ -178,8 +86,7 @@ class WorkdirLease:
       name: str = "The workdir",
   ):
     self.workdir, self.name = workdir, name  # name: how a refusal names it ("The sweep folder")
-    self.store = lease_file(workdir)  # read() and conditional write()
-    self.file = self.store.file
+    self.file = workdir_files.path(workdir, LEASE_FILE)
     self.beat_seconds, self.stale_seconds, self._clock = beat_seconds, stale_seconds, clock
     self.record = {
         "run_id": uuid.uuid4().hex[:12],
@@ -221,16 +128,16 @@ class WorkdirLease:
       pass  # someone else's process, or a pid this system cannot have: assume alive
     return True
 
-  def _read(self) -> tuple[dict | None, Any]:
+  def _read(self) -> tuple[dict | None, object]:
     """(the lease, its version), noted as read now."""
-    data, version = self.store.read()
+    data, version = workdir_files.read_versioned(self.file)
     self._last_read = time.monotonic()
     return _parse(data, self.file), version
 
   def _write(self, version, **fields) -> bool:
     """This run's lease with a fresh heartbeat, written if the file is still `version`."""
     record = dict(self.record, heartbeat=self._clock(), **fields)
-    return self.store.write(json.dumps(record, sort_keys=True).encode(), version)
+    return workdir_files.write_if(self.file, json.dumps(record, sort_keys=True).encode(), version)
 
   def acquire(self, take_over: bool = False) -> None:
     """Takes the workdir, or raises WorkdirInUse naming the run that holds it."""
@@ -240,17 +147,14 @@ class WorkdirLease:
       if holder is not None and holder["run_id"] == self.run_id:
         break  # this run's own write, which a retried request reported as failed
       if self.holder_alive(holder):
+        held_here = (holder.get("host"), holder.get("pid")) == (self.record["host"], os.getpid())
         if not take_over:
-          this_process = (
-              " That is this very process: a run still training in another thread (a notebook cell)."
-              if (holder.get("host"), holder.get("pid"))
-              == (self.record["host"], self.record["pid"])
-              else ""
-          )
           raise WorkdirInUse(
-              f"{self.name} {self.workdir} is in use by {describe(holder, self._clock())}.{this_process} Wait for it "
-              f"to end, or use another --workdir; if it is dead (on another host: no heartbeat for "
-              f"{self.stale_seconds:.0f} s), pass --take_over_workdir. Nothing was written."
+              f"{self.name} {self.workdir} is in use by {describe(holder, self._clock())}."
+              + (" That is this very process (a notebook cell's run)." if held_here else "")
+              + f" Wait for it to end, or use another --workdir; if it is dead (on another host: "
+              f"no heartbeat for {self.stale_seconds:.0f} s), pass --take_over_workdir. Nothing "
+              "was written."
           )
         logging.warning(
             "--take_over_workdir: taking %s from %s.", self.workdir, describe(holder, self._clock())
@@ -323,7 +227,7 @@ class WorkdirLease:
 
 
 # --- A run of several processes
-def _refused_everywhere(attempt: Callable[[], Any] | None) -> None:
+def _refused_everywhere(attempt: Callable[[], None] | None) -> None:
   """Runs process 0's `attempt` (None on the others); a WorkdirInUse it raises is raised on every process."""
   problem = None
   if attempt is not None:
