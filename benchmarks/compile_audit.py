@@ -33,6 +33,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a clone
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
@@ -52,7 +53,7 @@ _HLO = flags.DEFINE_string("hlo_out", "", "Also write the optimized HLO text her
 
 def main(argv):
   del argv
-  fit.compile_here()
+  jax.config.update("jax_platforms", "cpu")  # compile here: take no accelerator of this machine
   config = _CONFIG.value
   try:
     target = fit.lookup(_TOPOLOGY.value)
