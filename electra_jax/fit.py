@@ -53,19 +53,8 @@ CHIPS = {
 # The slice shapes Cloud TPU offers. v5e and v6e are 2-D and their names count chips; v4 and v5p
 # are 3-D and their names count TensorCores, two a chip (v4-32 is 2x2x4 = 16 chips).
 _SHAPES = {
-    2: ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
-    3: (
-        "2x2x1",
-        "2x2x2",
-        "2x2x4",
-        "2x4x4",
-        "4x4x4",
-        "4x4x8",
-        "4x8x8",
-        "8x8x8",
-        "8x8x16",
-        "8x16x16",
-    ),
+    2: "1x1 2x2 2x4 4x4 4x8 8x8 8x16 16x16".split(),
+    3: "2x2x1 2x2x2 2x2x4 2x4x4 4x4x4 4x4x8 4x8x8 8x8x8 8x8x16 8x16x16".split(),
 }
 _TPU_DIMS = {"v4": 3, "v5p": 3, "v5e": 2, "v6e": 2}
 _ALIASES = {"v5litepod": "v5e"}  # the accelerator type gcloud names a v5e slice by
@@ -202,25 +191,21 @@ def devices(target: Target) -> list:
       kwargs["chip_config_name"] = "megacore"  # one JAX device per chip, its two cores as one
     name, platform = f"{target.family}:{target.shape}", "tpu"
   else:
-    chip = target.chip
+    chip, per_host = target.chip, target.chips // target.hosts
     description = _GPU_DESCRIPTION.format(
         **chip.gpu, bandwidth=chip.bandwidth, hbm=chip.hbm, kind=chip.kind
     )
-    per_host = target.chips // target.hosts
     name, platform = "fit", "cuda"
     kwargs = dict(target_config=description, topology=f"1x{target.hosts}x{per_host}")
   try:
     found = list(topologies.get_topology_desc(name, platform, **kwargs).devices)
+    wrong = len(found) != target.chips and f"describes {len(found)} devices, not {target.chips}"
   except Exception as e:  # noqa: BLE001 (a plugin too old or too new for this jax)
+    wrong = f"could not describe it ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
+  if wrong:  # a plugin that counts cores where we count chips, or not the one jax expects
     raise ConfigError(
-        f"--topology={target.name}: the plugin installed could not describe it ({type(e).__name__}: "
-        f"{str(e).splitlines()[0][:300]}). Install the one this jax was built with: "
-        f"{INSTALL[target.platform]}"
-    ) from None
-  if len(found) != target.chips:  # a plugin that counts cores where we count chips
-    raise ConfigError(
-        f"--topology={target.name}: the plugin describes {len(found)} devices, not {target.chips} "
-        f"chips. Install the one this jax was built with: {INSTALL[target.platform]}"
+        f"--topology={target.name}: the plugin installed {wrong}. Install the one this jax was "
+        f"built with: {INSTALL[target.platform]}"
     )
   return found
 

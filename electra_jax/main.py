@@ -249,69 +249,38 @@ def _plot(config, workdir):
 @dataclasses.dataclass(frozen=True)
 class Mode:
   run: Callable  # (config, workdir) -> None; its docstring is its line of --help
-  # Flags beyond --workdir: (names any one of which will do, what "--mode=M needs" if none is set).
-  needs: tuple[tuple[str, str], ...] = ()
+  needs: tuple[str, ...] = ()  # flags beyond --workdir ("a b": either will do)
   workdir: bool = True  # needs --workdir
   recipe: str | None = "pretraining"  # the kind of --config it reads: also "finetuning", or None
   one_process: bool = False  # refused as one process of several
   local: bool = False  # joins no multi-process job, and JAX computes on this machine's CPU
 
 
-_DATA = ("config", "--config (a recipe with the data.* settings of the corpus).")
-_IMPORT = (
-    "config",
-    "--config: the recipe whose training, data and mesh settings the workdir uses.",
-)
-_HF_PAIR = "--hf_discriminator=DIR and --hf_generator=DIR."
 MODES = {
     "train": Mode(_train),
     "eval": Mode(_eval),
-    "compile": Mode(
-        _compile,
-        needs=(
-            ("config", "--config (the recipe to compile)."),
-            ("topology", "--topology (e.g. v5e-16, v4-32, v5p-64, v6e-8, h100)."),
-        ),
-        workdir=False,
-        local=True,
-    ),
-    "finetune": Mode(
-        _finetune,
-        needs=(("config", "--config (configs/finetune/glue.py, squad.py, custom.py or tiny.py)."),),
-        recipe="finetuning",
-        one_process=True,
-    ),
-    "export_hf": Mode(
-        _export_hf,
-        needs=(("out", "--out=DIR (where the model directories go)."),),
-        one_process=True,
-    ),
-    "import_hf": Mode(
-        _import_hf,
-        needs=(_IMPORT, ("hf_discriminator", _HF_PAIR), ("hf_generator", _HF_PAIR)),
-        one_process=True,
-    ),
-    "import_tf": Mode(
-        _import_tf,
-        needs=(_IMPORT, ("tf_checkpoint", "--tf_checkpoint=PATH (model.ckpt-N or its folder).")),
-        one_process=True,
-    ),
-    "train_tokenizer": Mode(
-        _train_tokenizer,
-        needs=(_DATA, ("out", "--out=PATH (the model file to write).")),
-        workdir=False,
-        local=True,
-    ),
-    "prepare_data": Mode(_prepare_data, needs=(_DATA,), workdir=False, local=True),
-    "sweep": Mode(
-        _sweep,
-        needs=(
-            ("config", "--config (the recipe every run starts from)."),
-            ("sweep sweep_file", "--sweep=KEY=V1,V2 (repeatable) and/or --sweep_file=FILE."),
-        ),
-    ),
+    "compile": Mode(_compile, ("config", "topology"), workdir=False, local=True),
+    "finetune": Mode(_finetune, ("config",), recipe="finetuning", one_process=True),
+    "export_hf": Mode(_export_hf, ("out",), one_process=True),
+    "import_hf": Mode(_import_hf, ("config", "hf_discriminator", "hf_generator"), one_process=True),
+    "import_tf": Mode(_import_tf, ("config", "tf_checkpoint"), one_process=True),
+    "train_tokenizer": Mode(_train_tokenizer, ("config", "out"), workdir=False, local=True),
+    "prepare_data": Mode(_prepare_data, ("config",), workdir=False, local=True),
+    "sweep": Mode(_sweep, ("config", "sweep sweep_file")),
     "sweep_report": Mode(_sweep_report, recipe=None),
-    "plot": Mode(_plot, needs=(("out", "--out=FILE.png."),), recipe=None),
+    "plot": Mode(_plot, ("out",), recipe=None),
+}
+_RECIPES = {  # what --config is, by the kind of recipe a mode reads
+    "pretraining": "a pre-training recipe (configs/demo.py, configs/electra_small.py, ...)",
+    "finetuning": "a fine-tuning recipe (configs/finetune/)",
+}
+_NEEDED = {  # what a mode says of a flag it needs and lacks
+    "topology": "--topology (e.g. v5e-16, v4-32, v5p-64, v6e-8, h100)",
+    "out": "--out=PATH (where the output goes)",
+    "hf_discriminator": "--hf_discriminator=DIR and --hf_generator=DIR",
+    "hf_generator": "--hf_discriminator=DIR and --hf_generator=DIR",
+    "tf_checkpoint": "--tf_checkpoint=PATH (model.ckpt-N or its folder)",
+    "sweep sweep_file": "--sweep=KEY=V1,V2 (repeatable) and/or --sweep_file=FILE",
 }
 USAGE = "\n".join(
     [
@@ -339,17 +308,16 @@ def _quiet_libraries(record) -> bool:
 
 def _check_flags(name: str, mode: Mode, config) -> None:
   """The flags `mode` needs, and a recipe of its kind (fine-tuning ones have init_from)."""
-  if config is not None and mode.recipe is not None:
-    if "init_from" in config and mode.recipe != "finetuning":
-      raise ConfigError(
-          f"--config is a fine-tuning recipe (configs/finetune/), but --mode={name} takes a "
-          "pre-training one (configs/demo.py, ...). To fine-tune, add --mode=finetune."
-      )
-    if mode.recipe == "finetuning" and "init_from" not in config:
-      raise ConfigError(
-          f"--mode={name} takes a fine-tuning recipe (configs/finetune/*.py; the pre-training "
-          "workdir goes in --config.init_from), but --config is a pre-training one."
-      )
+  kind = config is not None and ("finetuning" if "init_from" in config else "pretraining")
+  if kind and mode.recipe not in (None, kind):
+    raise ConfigError(
+        f"--config is {_RECIPES[kind]}, but --mode={name} takes {_RECIPES[mode.recipe]}. "
+        + (
+            "To fine-tune, add --mode=finetune."
+            if kind == "finetuning"
+            else "Its init_from names the pre-training workdir."
+        )
+    )
   if mode.one_process and jax.process_count() > 1:
     raise ConfigError(
         f"--mode={name} runs in one process, but this is process {jax.process_index()} of "
@@ -358,9 +326,10 @@ def _check_flags(name: str, mode: Mode, config) -> None:
     )
   if mode.workdir and FLAGS.workdir is None:
     raise ConfigError(f"--mode={name} needs --workdir.")
-  for names, what in mode.needs:
+  for names in mode.needs:
     if all(FLAGS[flag].value in (None, "", []) for flag in names.split()):
-      raise ConfigError(f"--mode={name} needs {what}")
+      what = f"--config: {_RECIPES[mode.recipe]}" if names == "config" else _NEEDED[names]
+      raise ConfigError(f"--mode={name} needs {what}.")
 
 
 def main(argv):

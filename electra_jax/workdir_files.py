@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import errno
+import fcntl
 import functools
 import hashlib
 import json
@@ -97,10 +97,12 @@ def last_record(file) -> dict:
   return (read_jsonl(file) or [{}])[-1]
 
 
-@contextlib.contextmanager
-def _staged(file, data: bytes):
-  """A fsynced, world-readable file of `data` beside `file` under a temporary name (its folder
-  made), removed at the end unless it was renamed."""
+def write_bytes(file, data: bytes) -> None:
+  """Replaces `file` with `data` atomically: a local one (its folder made) through a fsynced
+  temporary file, renamed; a bucket object appears only once uploaded whole."""
+  if is_remote(file):
+    epath.Path(file).write_bytes(data)
+    return
   directory = os.path.dirname(os.path.abspath(file))
   os.makedirs(directory, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(file))
@@ -110,19 +112,10 @@ def _staged(file, data: bytes):
       f.flush()
       os.fsync(f.fileno())
     os.chmod(tmp, 0o644)  # mkstemp makes owner-only files; a shared cache is read by others
-    yield tmp
+    os.replace(tmp, file)
   finally:
     with contextlib.suppress(FileNotFoundError):
       os.remove(tmp)
-
-
-def write_bytes(file, data: bytes) -> None:
-  """Replaces `file` with `data` atomically (a bucket object appears only once uploaded whole)."""
-  if is_remote(file):
-    epath.Path(file).write_bytes(data)
-    return
-  with _staged(file, data) as tmp:
-    os.replace(tmp, file)
 
 
 def write_text(file, text: str) -> None:
@@ -217,8 +210,8 @@ def read_versioned(file) -> tuple[bytes | None, object]:
 
 def write_if(file, data: bytes, version) -> bool:
   """Writes `data` at `file` only if it is still `version` (None: only if there is none); False if
-  another write came first. In a bucket by GCS's preconditions; on disk a new file is linked into
-  place (O_EXCL's rule) and one replaced is first renamed away, which one writer alone can do."""
+  another write came first. In a bucket by GCS's preconditions; on disk the comparison and the
+  atomic replace hold an exclusive lock on a `.lock` file beside it (freed if the process dies)."""
   if is_remote(file):
     with _answers(file, f"writing {file}"):
       try:
@@ -226,45 +219,11 @@ def write_if(file, data: bytes, version) -> bool:
       except _google()[1].PreconditionFailed:
         return False
     return True
-  if version is None:
-    return _create(file, data)
-  claim = os.path.join(
-      os.path.dirname(file), f".tmp-{uuid.uuid4().hex[:12]}-{os.path.basename(file)}"
-  )
-  try:
-    os.rename(file, claim)
-  except FileNotFoundError:
-    return False
-  try:
-    with open(claim, "rb") as f:
-      if f.read() != version:  # another writer's, come in between: put it back
-        with contextlib.suppress(FileExistsError):
-          os.link(claim, file)
-        return False
-    return _create(file, data)
-  finally:
-    os.remove(claim)
-
-
-def _create(file, data: bytes) -> bool:
-  """Writes `file` whole if there is none (False if there is)."""
-  with _staged(file, data) as tmp:
-    try:
-      os.link(tmp, file)
-      return True
-    except FileExistsError:
+  with open(os.path.join(os.path.dirname(file), f".{os.path.basename(file)}.lock"), "a") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if read_versioned(file)[1] != version:
       return False
-    except OSError as error:
-      if error.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP):
-        raise
-  try:  # a filesystem without hard links: exclusive too, though read before its content
-    descriptor = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-  except FileExistsError:
-    return False
-  with os.fdopen(descriptor, "wb") as f:
-    f.write(data)
-    f.flush()
-    os.fsync(f.fileno())
+    write_bytes(file, data)
   return True
 
 

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 import uuid
+import zlib
 from typing import Callable
 
 import jax
@@ -25,50 +26,32 @@ from electra_jax.errors import ConfigError, WorkdirInUse
 
 LEASE_FILE = "lease.json"
 # The fields a reader uses; a hand-edited value of another type would block --take_over_workdir too.
-_FIELD_TYPES = {
-    "run_id": str,
-    "host": str,
-    "pid": int,
-    "heartbeat": (int, float),
-    "released": bool,
-    "started": str,
-}
-# The leases this process holds: its own live runs, unlike a dead run with the same pid (a restarted container).
+_FIELD_TYPES = dict(
+    run_id=str, host=str, pid=int, heartbeat=(int, float), released=bool, started=str
+)
+# The runs this process holds: alive, unlike a dead run with the same pid (a restarted container).
 _LIVE_RUN_IDS: set[str] = set()
 _TRIES = 20  # reads and conditional writes before acquire() gives up on a lease that keeps changing
 
 
 def _parse(data: bytes | None, file) -> dict | None:
-  """The lease in `data`; None when there is none or it is not a lease this version wrote (a hand edit)."""
+  """The lease in `data`; None when there is none or it is not one this version wrote (an edit)."""
   if data is None:
     return None
   try:
     holder = json.loads(data)
   except ValueError:
     holder = None
-  if (
-      not isinstance(holder, dict)
-      or "run_id" not in holder
-      or any(
-          key in holder and not isinstance(holder[key], types)
-          for key, types in _FIELD_TYPES.items()
-      )
+  if not (isinstance(holder, dict) and "run_id" in holder) or any(
+      key in holder and not isinstance(holder[key], types) for key, types in _FIELD_TYPES.items()
   ):
     logging.warning("Ignoring %s: its fields are not those of a lease this version wrote.", file)
     return None
   return holder
 
 
-def describe(holder: dict, now: float) -> str:
-  age = now - float(holder.get("heartbeat", 0.0))
-  return (
-      f"run {holder['run_id']} on host {holder.get('host', '?')} (pid {holder.get('pid', '?')}, "
-      f"started {holder.get('started', '?')}, last heartbeat {age:.0f} s ago)"
-  )
-
-
 def read_lease(workdir) -> dict | None:
-  """The lease file's content; None when there is none or it is not a lease this version wrote (a hand edit)."""
+  """The lease of `workdir`; None when there is none or it is not one this version wrote."""
   file = workdir_files.path(workdir, LEASE_FILE)
   return _parse(workdir_files.read_versioned(file)[0], file)
 
@@ -106,19 +89,23 @@ class WorkdirLease:
   def run_id(self) -> str:
     return self.record["run_id"]
 
-  def holder_alive(self, holder: dict | None) -> bool:
+  def _who(self, holder: dict) -> str:
+    age = self._clock() - float(holder.get("heartbeat", 0.0))
+    return (
+        f"run {holder['run_id']} on host {holder.get('host', '?')} (pid {holder.get('pid', '?')}, "
+        f"started {holder.get('started', '?')}, last heartbeat {age:.0f} s ago)"
+    )
+
+  def _alive(self, holder: dict | None) -> bool:
     """Whether `holder` (another run's lease) still counts as running."""
-    if (
-        holder is None
-        or holder.get("released")
-        or self._clock() - holder.get("heartbeat", 0.0) > self.stale_seconds
-    ):
+    if holder is None or holder.get("released"):
+      return False
+    if self._clock() - holder.get("heartbeat", 0.0) > self.stale_seconds:
       return False
     if holder.get("host") != self.record["host"]:
       return True
     pid = holder.get("pid", -1)
-    if pid == os.getpid():
-      # Alive only if this process holds it (a notebook's training thread), not a restarted container's dead run.
+    if pid == os.getpid():  # alive if this process runs it (a notebook's thread), not if restarted
       return holder["run_id"] in _LIVE_RUN_IDS
     try:
       os.kill(pid, 0)
@@ -146,24 +133,22 @@ class WorkdirLease:
       holder, version = self._read()
       if holder is not None and holder["run_id"] == self.run_id:
         break  # this run's own write, which a retried request reported as failed
-      if self.holder_alive(holder):
+      if self._alive(holder):
         held_here = (holder.get("host"), holder.get("pid")) == (self.record["host"], os.getpid())
         if not take_over:
           raise WorkdirInUse(
-              f"{self.name} {self.workdir} is in use by {describe(holder, self._clock())}."
+              f"{self.name} {self.workdir} is in use by {self._who(holder)}."
               + (" That is this very process (a notebook cell's run)." if held_here else "")
               + f" Wait for it to end, or use another --workdir; if it is dead (on another host: "
               f"no heartbeat for {self.stale_seconds:.0f} s), pass --take_over_workdir. Nothing "
               "was written."
           )
-        logging.warning(
-            "--take_over_workdir: taking %s from %s.", self.workdir, describe(holder, self._clock())
-        )
+        logging.warning("--take_over_workdir: taking %s from %s.", self.workdir, self._who(holder))
       elif holder is not None and not holder.get("released"):
         logging.warning(
             "The last run on %s ended without releasing it (%s); taking it over.",
             self.workdir,
-            describe(holder, self._clock()),
+            self._who(holder),
         )
       if self._write(version):
         break
@@ -182,7 +167,7 @@ class WorkdirLease:
         with self._lock:
           if not self._stop.is_set():
             self._renew()
-      except Exception as error:  # noqa: BLE001 -- a bucket that did not answer: the next beat tries again
+      except Exception as error:  # noqa: BLE001 (a bucket that did not answer: the next beat tries)
         logging.warning("Could not renew the lease on %s: %r", self.workdir, error)
 
   def _renew(self, **fields) -> None:
@@ -211,8 +196,9 @@ class WorkdirLease:
       fresh = time.monotonic() - self._last_read < max_age_seconds
       if not (self.taken_by is None if fresh else self._still_held()):
         raise WorkdirInUse(
-            f"Another run took over the workdir {self.workdir}: {describe(self.taken_by, self._clock())}. This run "
-            f"({self.run_id}) stopped without saving, not to overwrite its checkpoints. Run one job per workdir."
+            f"Another run took over the workdir {self.workdir}: {self._who(self.taken_by)}. This "
+            f"run ({self.run_id}) stopped without saving, not to overwrite its checkpoints. Run "
+            "one job per workdir."
         )
 
   def release(self) -> None:
@@ -228,7 +214,8 @@ class WorkdirLease:
 
 # --- A run of several processes
 def _refused_everywhere(attempt: Callable[[], None] | None) -> None:
-  """Runs process 0's `attempt` (None on the others); a WorkdirInUse it raises is raised on every process."""
+  """Runs process 0's `attempt` (None on the others); a WorkdirInUse it raises, every process
+  raises."""
   problem = None
   if attempt is not None:
     try:
@@ -252,26 +239,19 @@ def acquire(directory: str, take_over: bool, name: str = "The workdir") -> Workd
   return lease
 
 
-def check_shared(workdir: str, lease: WorkdirLease | None) -> None:
+def check_shared(workdir: str) -> None:
   """Every process must see the lease process 0 just wrote: checkpoints are saved by all together,
   and a workdir local to each host would leave orbax waiting forever."""
   if jax.process_count() == 1:
     return
-  run_id = lease.run_id if lease is not None else ""
-  ids = (
-      np.frombuffer(run_id.encode().ljust(32), np.uint8)
-      if jax.process_index() == 0
-      else np.zeros(32, np.uint8)
-  )
-  expected = bytes(np.asarray(multihost_utils.broadcast_one_to_all(ids), np.uint8)).decode().strip()
-  seen = (read_lease(workdir) or {}).get("run_id")
-  sees = np.asarray(multihost_utils.process_allgather(np.int32(seen == expected))).reshape(-1)
-  blind = [int(i) for i in np.flatnonzero(sees == 0)]
+  seen = zlib.crc32((read_lease(workdir) or {}).get("run_id", "").encode())
+  views = np.asarray(multihost_utils.process_allgather(np.int64(seen))).reshape(-1)
+  blind = [i for i, view in enumerate(views) if view != views[0]]
   if blind:
     raise ConfigError(
         f"--workdir={workdir} is not one directory every process sees: process(es) {blind} cannot "
-        f"read the {LEASE_FILE} process 0 wrote there, and checkpoints are saved by "
-        "all processes together. On a multi-host slice use a bucket (gs://...) or a shared mount."
+        f"read the {LEASE_FILE} process 0 wrote there, and checkpoints are saved by all processes "
+        "together. On a multi-host slice use a bucket (gs://...) or a shared mount."
     )
 
 
@@ -281,7 +261,7 @@ def held(workdir, take_over: bool):
   once every process sees it; released at the end."""
   lease = acquire(workdir, take_over)
   try:
-    check_shared(workdir, lease)
+    check_shared(workdir)
     yield lease
   finally:
     if lease is not None:
