@@ -109,7 +109,7 @@ def _report_gpu(hlo, target, peak, model_flops):
 
 
 def _report_tpu(compiled, hlo, target, model_flops_per_chip, scanned):
-  held = memory.compiled_bytes(compiled)
+  held = sum(memory.memory_parts(compiled).values())
   print(
       f"memory per chip: {held / 2**30:.2f} GiB of {target.chip.hbm / 2**30:.0f} GiB HBM "
       f"({held / target.chip.hbm:.0%}; `electra-jax --mode=compile` shows its parts)"

@@ -57,7 +57,6 @@ _SHAPES = {
     3: "2x2x1 2x2x2 2x2x4 2x4x4 4x4x4 4x4x8 4x8x8 8x8x8 8x8x16 8x16x16".split(),
 }
 _TPU_DIMS = {"v4": 3, "v5p": 3, "v5e": 2, "v6e": 2}
-_ALIASES = {"v5litepod": "v5e"}  # the accelerator type gcloud names a v5e slice by
 _GPUS_PER_HOST = 8
 
 # What XLA's GPU compiler is told of a GPU it compiles for without one (a Chip's `gpu`).
@@ -135,7 +134,7 @@ def known_targets() -> str:
 def lookup(name: str) -> Target:
   """The target `name` describes; ConfigError listing the known ones if it is none of them."""
   family, _, count = name.strip().lower().partition("-")
-  family = _ALIASES.get(family, family)
+  family = "v5e" if family == "v5litepod" else family  # gcloud's name for a v5e slice
   if f"{family}-{count}" in TPU_TARGETS:
     return dataclasses.replace(TPU_TARGETS[f"{family}-{count}"], name=name)
   if family in CHIPS and CHIPS[family].gpu and (count == "" or count.isdigit()):

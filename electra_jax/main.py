@@ -53,35 +53,25 @@ flags.DEFINE_string("workdir", None, "Directory for config.json, metrics.jsonl a
 flags.DEFINE_bool("version", False, "Print the version of electra-jax and of JAX, then exit.")
 # The other flags, by mode (their help starts with the modes that read them).
 flags.DEFINE_multi_string("sweep", [], "sweep: KEY=V1,V2,... (repeatable; runs all combinations).")
-flags.DEFINE_string(
-    "sweep_file", None, "sweep: a file of runs, a line of key=value overrides each."
-)
+flags.DEFINE_string("sweep_file", None, "sweep: a file of runs, one line of overrides each.")
 flags.DEFINE_string("sweep_finetune", None, "sweep: a fine-tuning recipe run on each finished run.")
 flags.DEFINE_multi_string("sweep_finetune_override", [], "sweep: key=value for --sweep_finetune.")
-flags.DEFINE_list(
-    "plot_metrics", None, "plot: metrics (default: loss, masked_lm_accuracy, disc_auc)."
-)
+flags.DEFINE_list("plot_metrics", None, "plot: metrics (default loss,masked_lm_accuracy,...).")
 flags.DEFINE_integer("workers", None, "prepare_data: processes (default: every core; 0: this one).")
 flags.DEFINE_integer("step", None, "eval: the checkpoint step (default: the latest).")
-flags.DEFINE_bool(
-    "take_over_workdir", False, "train, sweep: start though a dead run holds the lease."
-)
+flags.DEFINE_bool("take_over_workdir", False, "train, sweep: take it from a dead run's lease.")
 flags.DEFINE_string("topology", None, "compile: a TPU slice or GPUs, e.g. v5e-16, v4-32, h100-8.")
 flags.DEFINE_bool("max_batch", False, "compile: also search the largest batch that fits.")
 flags.DEFINE_string("coordinator_address", None, "Multi-process: host:port of process 0.")
 flags.DEFINE_integer("num_processes", None, "Multi-process: how many (or ELECTRA_JAX_*).")
 flags.DEFINE_integer("process_id", None, "Multi-process: this one's id (or ELECTRA_JAX_*).")
 flags.DEFINE_string("out", None, "export_hf: the output folder; train_tokenizer, plot: the file.")
-flags.DEFINE_bool(
-    "export_generator", False, "export_hf: write the generator too (<out>/generator)."
-)
+flags.DEFINE_bool("export_generator", False, "export_hf: write the generator too, in <out>.")
 flags.DEFINE_string("hf_discriminator", None, "import_hf: an ElectraForPreTraining directory.")
 flags.DEFINE_string("hf_generator", None, "import_hf: an ElectraForMaskedLM directory.")
 flags.DEFINE_string("tf_checkpoint", None, "import_tf: an official checkpoint (or its folder).")
 flags.DEFINE_string("vocab_file", None, "import_tf: the vocab.txt (default: the checkpoint's).")
-flags.DEFINE_integer(
-    "tf_num_heads", None, "import_tf: the discriminator's heads (default: hidden/64)."
-)
+flags.DEFINE_integer("tf_num_heads", None, "import_tf: the discriminator's heads (hidden/64).")
 flags.DEFINE_enum(
     "hf_embeddings_from",
     None,
@@ -310,13 +300,13 @@ def _check_flags(name: str, mode: Mode, config) -> None:
   """The flags `mode` needs, and a recipe of its kind (fine-tuning ones have init_from)."""
   kind = config is not None and ("finetuning" if "init_from" in config else "pretraining")
   if kind and mode.recipe not in (None, kind):
+    fix = (
+        "add --mode=finetune"
+        if kind == "finetuning"
+        else "give one whose init_from is the pre-training workdir"
+    )
     raise ConfigError(
-        f"--config is {_RECIPES[kind]}, but --mode={name} takes {_RECIPES[mode.recipe]}. "
-        + (
-            "To fine-tune, add --mode=finetune."
-            if kind == "finetuning"
-            else "Its init_from names the pre-training workdir."
-        )
+        f"--config is {_RECIPES[kind]}, but --mode={name} takes {_RECIPES[mode.recipe]}: {fix}."
     )
   if mode.one_process and jax.process_count() > 1:
     raise ConfigError(

@@ -40,11 +40,6 @@ def memory_parts(compiled) -> dict[str, int]:
   }
 
 
-def compiled_bytes(compiled) -> int:
-  """Peak bytes one device holds for a compiled computation (the sum of its memory_parts)."""
-  return sum(memory_parts(compiled).values())
-
-
 def compiled_flops(compiled) -> float | None:
   """FLOPs of a compiled computation per device from XLA's cost analysis, None if not reported."""
   try:

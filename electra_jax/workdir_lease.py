@@ -212,30 +212,28 @@ class WorkdirLease:
         self._renew(released=True)
 
 
-# --- A run of several processes
+# --- A run of several processes: process 0 holds the lease, and its refusals stop them all.
 def _refused_everywhere(attempt: Callable[[], None] | None) -> None:
-  """Runs process 0's `attempt` (None on the others); a WorkdirInUse it raises, every process
-  raises."""
+  """Runs `attempt` (None off process 0); a WorkdirInUse it raises, every process raises."""
   problem = None
-  if attempt is not None:
-    try:
+  try:
+    if attempt is not None:
       attempt()
-    except WorkdirInUse as error:
-      problem = str(error)
+  except WorkdirInUse as error:
+    problem = str(error)
   if distributed.from_process_0(problem is not None):
     raise WorkdirInUse(problem or "Process 0 stopped the run; its log says why.")
 
 
 def hold(lease: WorkdirLease | None, max_age_seconds: float = 0.0) -> None:
   """Raises WorkdirInUse on every process once another run has taken the workdir over."""
-  _refused_everywhere(None if lease is None else lambda: lease.check(max_age_seconds))
+  _refused_everywhere(lease and (lambda: lease.check(max_age_seconds)))
 
 
 def acquire(directory: str, take_over: bool, name: str = "The workdir") -> WorkdirLease | None:
-  """Process 0 takes `directory`'s lease (returned; None on the other processes), or every
-  process raises WorkdirInUse with its message."""
+  """Process 0 takes `directory`'s lease (returned; None on the others), or all raise."""
   lease = WorkdirLease(directory, name=name) if jax.process_index() == 0 else None
-  _refused_everywhere(None if lease is None else lambda: lease.acquire(take_over=take_over))
+  _refused_everywhere(lease and (lambda: lease.acquire(take_over=take_over)))
   return lease
 
 

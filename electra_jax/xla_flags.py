@@ -7,7 +7,7 @@ import os
 import platform
 import sys
 
-# flag -> value, added only for the jaxlib versions where they exist (XLA aborts on an unknown flag).
+# flag -> value, added only for jaxlib versions that have them (XLA aborts on an unknown flag).
 CPU_FLAGS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
 VERIFIED_JAXLIB = ("0.10.",)
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
