@@ -457,7 +457,8 @@ def test_one_sweep_at_a_time_holds_a_sweep_folder(tmp_path, monkeypatch):
       sweep.run_sweep(base_config(), str(sweep_dir), grid)
   finally:
     other.release()
-  assert sorted(os.listdir(sweep_dir)) == ["lease.json"]  # no sweep.json, no run
+  # No sweep.json, no run: only the lease (and its hidden lock file).
+  assert [n for n in os.listdir(sweep_dir) if n[0] != "."] == ["lease.json"]
 
   real = train.train_and_evaluate
   taker = {}
