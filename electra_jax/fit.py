@@ -8,7 +8,6 @@ import itertools
 import math
 import os
 
-import jax
 from jax.experimental import topologies
 
 from electra_jax import config_lib, flops, memory, partitioning, resolve, train_state
