@@ -341,6 +341,8 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
         "--config.data.prepared_dir=/data/electra_prepared."
     )
   remote = workdir_files.is_remote(out_dir)
+  if remote:  # before any work: the bucket exists, and takes this account's writes
+    workdir_files.check_bucket(out_dir, "data.prepared_dir", write=True)
   if not remote and os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise ConfigError(
         f"data.prepared_dir={out_dir!r} is a file; give a directory (new, or one prepare_data "
