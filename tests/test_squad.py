@@ -66,6 +66,28 @@ def sentencepiece(tmp_path_factory):
   return SentencePieceTokenizer(train_sentencepiece(sentences, str(path), vocab_size=60))
 
 
+V1 = squad.SquadSettings("1.1")
+
+
+def _rows_of_example(metadata):
+  return {
+      int(i): list(np.flatnonzero(metadata.example_index == i)) for i in set(metadata.example_index)
+  }
+
+
+def _outputs(start_logits, end_logits, answerable_logits=None):
+  """SquadModel's [rows, T, 3] from its parts (answerable: zeros where not given)."""
+  answerable = np.zeros(len(start_logits)) if answerable_logits is None else answerable_logits
+  return np.stack(
+      [
+          start_logits,
+          end_logits,
+          np.broadcast_to(np.asarray(answerable)[:, None], np.shape(start_logits)),
+      ],
+      -1,
+  )
+
+
 def _examples(version="1.1"):
   examples = []
   for i, (question, answer) in enumerate(QUESTIONS):
@@ -161,13 +183,6 @@ def test_v2_metrics_threshold_breakdown_and_best_threshold_by_hand():
   assert plain["exact"] == pytest.approx(75.0) and "best_f1" not in plain
 
 
-def test_write_predictions_is_official_json(tmp_path):
-  path = tmp_path / "predictions.json"
-  squad.write_predictions(str(path), {"q1": "Paris", "q2": ""})
-  assert json.loads(path.read_text()) == {"q1": "Paris", "q2": ""}
-  assert [p.name for p in tmp_path.iterdir()] == ["predictions.json"]  # no temp file left
-
-
 # ---------------------------------------------------------------------------------------
 # Readers.
 # ---------------------------------------------------------------------------------------
@@ -216,7 +231,7 @@ def test_read_squad_json(tmp_path):
 @pytest.mark.parametrize(
     "content, message",
     [
-        ("", "is empty"),
+        ("", "not an official SQuAD JSON"),
         ("{not json", "not an official SQuAD JSON"),
         (json.dumps({"data": [{"title": "T"}]}), "paragraphs"),
         (
@@ -237,7 +252,10 @@ def test_read_squad_json(tmp_path):
             json.dumps(_squad_json([{"id": "x", "question": "q", "answers": []}])),
             "has no answers and is not marked is_impossible",
         ),
-        (json.dumps(_squad_json([{"id": "x", "answers": []}])), "lacks the field 'question'"),
+        (
+            json.dumps(_squad_json([{"id": "x", "answers": []}])),
+            "not an official SQuAD JSON file .KeyError: 'question'",
+        ),
         (json.dumps(_squad_json([V2_QAS[0], V2_QAS[0]])), "more than once"),
         (json.dumps({"data": []}), "holds no SQuAD questions"),
     ],
@@ -273,9 +291,7 @@ def test_read_squad_tfds_from_array_record(tmp_path, monkeypatch):
         f"squad/v{version}", data_dir=str(tmp_path / "tfds"), file_format="array_record"
     )
     builder.download_and_prepare()
-    from_tfds = squad.read_squad_tfds(
-        f"squad/v{version}", "validation", data_dir=str(tmp_path / "tfds")
-    )
+    from_tfds = squad.read_squad_tfds(version, "validation", data_dir=str(tmp_path / "tfds"))
     from_json = squad.read_squad_json(files[name, "dev"], version)
     assert sorted(from_tfds, key=lambda e: e.qas_id) == from_json
     config = ml_collections.ConfigDict(dict(source="tfds", tfds_data_dir=str(tmp_path / "tfds")))
@@ -283,7 +299,7 @@ def test_read_squad_tfds_from_array_record(tmp_path, monkeypatch):
     assert len(train) == len(dev) == len(from_json)
 
   with pytest.raises(ConfigError, match="Cannot open TFDS"):
-    squad.read_squad_tfds("squad/v1.1", "validation", data_dir=str(tmp_path / "nothing"))
+    squad.read_squad_tfds("1.1", "validation", data_dir=str(tmp_path / "nothing"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -304,7 +320,7 @@ def test_features_slide_windows_and_mark_answers(tokenizer):
       examples, tokenizer, max_seq_len, stride, max_query, is_training=True
   )
   context_ids = [t for w in CONTEXT.split() for t in tokenizer.encode(w)]
-  rows = metadata.rows_of_example()
+  rows = _rows_of_example(metadata)
   assert len(rows[0]) >= 4  # the context needs several windows
   for index, example in enumerate(examples):
     question_ids = tokenizer.encode(example.question)[:max_query]
@@ -372,7 +388,7 @@ def test_postprocess_on_oracle_logits_recovers_the_exact_answer_text(kind, reque
   features, metadata = squad.make_features(examples, tokenizer, 40, 10, 8, is_training=False)
   start_logits, end_logits = _oracle_logits(features)
   predictions, null_odds = squad.postprocess(
-      examples, features, metadata, start_logits, end_logits, version="1.1"
+      examples, metadata, _outputs(start_logits, end_logits), V1
   )
   # Exact strings from the context: the original case, "1887" without "(...-1889).",
   # "Gustave Eiffel" without "'s company".
@@ -380,7 +396,7 @@ def test_postprocess_on_oracle_logits_recovers_the_exact_answer_text(kind, reque
   assert squad.squad_metrics(examples, predictions)["exact"] == 100.0
 
   # The max-context rule: for each token exactly one row of its example flags it.
-  for index, example_rows in metadata.rows_of_example().items():
+  for index, example_rows in _rows_of_example(metadata).items():
     flags = np.zeros(len(metadata.token_char_spans[index]), int)
     for row in example_rows:
       start, offset = int(metadata.window_start[row]), int(metadata.context_offset[row])
@@ -390,7 +406,7 @@ def test_postprocess_on_oracle_logits_recovers_the_exact_answer_text(kind, reque
 
   # A stronger one-token span at a position whose max-context window is another row is
   # ignored; the same logits at a position this row owns win.
-  row = metadata.rows_of_example()[2][1]
+  row = _rows_of_example(metadata)[2][1]
   owned = metadata.max_context[row]
   context = np.flatnonzero(features["token_type_ids"][row] * features["attention_mask"][row])[:-1]
   spans = metadata.token_char_spans[2]
@@ -400,9 +416,7 @@ def test_postprocess_on_oracle_logits_recovers_the_exact_answer_text(kind, reque
     assert owned[position] == wins
     biased_start, biased_end = start_logits.copy(), end_logits.copy()
     biased_start[row, position] = biased_end[row, position] = 12.0
-    biased, _ = squad.postprocess(
-        examples, features, metadata, biased_start, biased_end, version="1.1"
-    )
+    biased, _ = squad.postprocess(examples, metadata, _outputs(biased_start, biased_end), V1)
     assert (biased["q2"] != "Paris") == wins
 
   # max_answer_len counts tokens: one less than "the Champ de Mars" needs drops only the
@@ -416,7 +430,10 @@ def test_postprocess_on_oracle_logits_recovers_the_exact_answer_text(kind, reque
   }
   limit = lengths["q5"] - 1
   short, _ = squad.postprocess(
-      examples, features, metadata, start_logits, end_logits, max_answer_len=limit, version="1.1"
+      examples,
+      metadata,
+      _outputs(start_logits, end_logits),
+      squad.SquadSettings("1.1", max_answer_len=limit),
   )
   assert short["q5"] != "the Champ de Mars"
   assert all((short[q] == predictions[q]) == (n <= limit) for q, n in lengths.items())
@@ -431,35 +448,33 @@ def test_postprocess_v2_no_answer_scores(tokenizer):
   answerable = np.where(features["is_impossible"] == 1, -3.0, 4.0).astype(np.float32)
   answerable[np.flatnonzero(impossible)[1]] = -1.0
   predictions, null_odds = squad.postprocess(
-      examples, features, metadata, start_logits, end_logits, answerable, version="2.0"
+      examples, metadata, _outputs(start_logits, end_logits, answerable), squad.SquadSettings("2.0")
   )
-  assert null_odds["impossible"] == 1.0 and predictions["impossible"] == ""
-  assert null_odds["q0"] == -4.0 and predictions["q0"] == "1887"
-  kept, _ = squad.postprocess(
-      examples,
-      features,
-      metadata,
-      start_logits,
-      end_logits,
-      answerable,
-      null_threshold=None,
-      version="2.0",
-  )
-  assert kept["impossible"] != ""  # the best span, left for the threshold search
+  answers = squad.apply_null_threshold(predictions, null_odds, -2.75)
+  assert null_odds["impossible"] == 1.0 and answers["impossible"] == ""
+  assert null_odds["q0"] == -4.0 and answers["q0"] == predictions["q0"] == "1887"
+  assert predictions["impossible"] != ""  # the best span, left for the threshold search
 
   # Without it: min over windows of start[CLS] + end[CLS], minus the best span's score.
   rows = np.flatnonzero(metadata.example_index == 0)
   start_logits[rows, 0], end_logits[rows, 0] = 3.0, 3.0
   start_logits[rows[1], 0], end_logits[rows[1], 0] = 1.0, 1.0
+  without = squad.SquadSettings("2.0", answerable_classifier=False)
   _, null_odds = squad.postprocess(
-      examples, features, metadata, start_logits, end_logits, version="2.0"
+      examples, metadata, _outputs(start_logits, end_logits, answerable), without
   )
   assert null_odds["q0"] == pytest.approx(2.0 - 20.0)
 
 
-def test_features_reject_sizes_without_room_for_context(tokenizer):
-  with pytest.raises(ConfigError, match="max_seq_len=16"):
-    squad.make_features(_examples(), tokenizer, 16, 8, 14, is_training=True)
+def test_settings_reject_sizes_without_room_for_context():
+  import ml_collections
+
+  config = ml_collections.ConfigDict(dict(task="squad", max_seq_len=16))
+  config.squad = ml_collections.ConfigDict(dict(max_query_len=14))
+  with pytest.raises(ConfigError, match="max_seq_len=16 leaves no room"):
+    squad.squad_settings(config)
+  config.max_seq_len = 18
+  assert squad.squad_settings(config).max_query_len == 14
 
 
 # ---------------------------------------------------------------------------------------
@@ -489,25 +504,15 @@ def test_span_head_masks_and_loss_by_hand():
       np.exp(-1.5)
   )
   row1 = 0.5 * (ce(np.zeros(3), 0) + ce(np.array([1.0, 0, 0]), 0)) + 0.5 * np.log1p(np.exp(-0.5))
-  loss = squad.span_loss(
-      start_logits,
-      end_logits,
-      jnp.array([2, 0]),
-      jnp.array([1, 0]),
-      answerable_logits,
-      jnp.array([0, 1]),
+  batch = dict(
+      start_positions=jnp.array([2, 0]), end_positions=jnp.array([1, 0]), is_impossible=[0, 1]
   )
-  assert float(loss) == pytest.approx((row0 + row1) / 2, rel=1e-5)
-  masked = squad.span_loss(
-      start_logits,
-      end_logits,
-      jnp.array([2, 0]),
-      jnp.array([1, 0]),
-      answerable_logits,
-      jnp.array([0, 1]),
-      weights=jnp.array([1.0, 0.0]),
+  outputs = _outputs(start_logits, end_logits, answerable_logits)
+  np.testing.assert_allclose(squad.span_losses(outputs, batch, 0.5), [row0, row1], rtol=1e-5)
+  without = 0.5 * np.log1p(np.exp(-1.5)), 0.5 * np.log1p(np.exp(-0.5))
+  np.testing.assert_allclose(
+      squad.span_losses(outputs, batch), [row0 - without[0], row1 - without[1]], rtol=1e-5
   )
-  assert float(masked) == pytest.approx(row0, rel=1e-5)
 
 
 def test_span_head_learns_a_synthetic_span_task(tokenizer):
@@ -554,8 +559,7 @@ def test_span_head_learns_a_synthetic_span_task(tokenizer):
   @jax.jit
   def step(params, opt_state, batch):
     def loss_fn(p):
-      start, end, _ = squad.split_outputs(model.apply(p, *(batch[k] for k in inputs)))
-      return squad.span_loss(start, end, batch["start_positions"], batch["end_positions"])
+      return squad.span_losses(model.apply(p, *(batch[k] for k in inputs)), batch).mean()
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = optimizer.update(grads, opt_state)
@@ -564,8 +568,8 @@ def test_span_head_learns_a_synthetic_span_task(tokenizer):
   for i in range(400):
     rows = rng.choice(len(train["input_ids"]), 32, replace=False)
     params, opt_state, loss = step(params, opt_state, {k: v[rows] for k, v in train.items()})
-  start, end, _ = squad.split_outputs(jax.jit(model.apply)(params, *(dev[k] for k in inputs)))
-  predictions, _ = squad.postprocess(dev_examples, dev, dev_meta, start, end, version="1.1")
+  outputs = jax.jit(model.apply)(params, *(dev[k] for k in inputs))
+  predictions, _ = squad.postprocess(dev_examples, dev_meta, outputs, V1)
   metrics = squad.squad_metrics(dev_examples, predictions)
   assert metrics["exact"] > 60.0, (metrics, float(loss))
 
@@ -683,7 +687,9 @@ def test_adapter_through_the_trainer_writes_predictions_that_score_as_reported(t
 def test_squad_settings_and_missing_files(tmp_path):
   import ml_collections
 
-  config = ml_collections.ConfigDict(dict(task="squad", source="dir", data_dir=str(tmp_path)))
+  config = ml_collections.ConfigDict(
+      dict(task="squad", source="dir", data_dir=str(tmp_path), max_seq_len=128)
+  )
   assert squad.squad_settings(config).version == "2.0"
   config.task = "squad_v1.1"
   assert squad.squad_settings(config) == squad.SquadSettings("1.1")
@@ -727,11 +733,12 @@ def test_postprocess_takes_the_n_best_over_the_whole_row_before_filtering(tokeni
   end[0, p(1)], end[0, p(5)] = 8.0, 1.0
   # n_best=2 -> starts {[CLS], "Champ"} and ends {"stands", "de"}: the only valid pair is
   # "Champ de" (6.0); "It stands" (12.0) starts at the third-ranked start, outside the n-best.
+  outputs = _outputs(start, end)
   predictions, _ = squad.postprocess(
-      [example], features, metadata, start, end, n_best=2, version="1.1"
+      [example], metadata, outputs, squad.SquadSettings("1.1", n_best=2)
   )
   assert predictions == {"q": "Champ de"}
   predictions, _ = squad.postprocess(
-      [example], features, metadata, start, end, n_best=3, version="1.1"
+      [example], metadata, outputs, squad.SquadSettings("1.1", n_best=3)
   )
   assert predictions == {"q": "It stands"}

@@ -9,28 +9,33 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from electra_jax import config_lib
 from electra_jax.errors import ConfigError
 from electra_jax.optimizer import _decays, scale_by_adam_without_bias_correction
 
 LAYERWISE_RULES = ("correct", "official")
 
 
-def check_layerwise(decay: float, rule: str) -> None:
-  if rule not in LAYERWISE_RULES:
+def check(o) -> None:
+  """Refuses config.optimizer's values that cannot train."""
+  config_lib.check_optimizer(o, "the official 1e-4 for Small and Base, 5e-5 for Large")
+  if o.layerwise_lr_decay_rule not in LAYERWISE_RULES:
     raise ConfigError(
-        f"optimizer.layerwise_lr_decay_rule={rule!r}: use one of {list(LAYERWISE_RULES)}."
+        f"optimizer.layerwise_lr_decay_rule={o.layerwise_lr_decay_rule!r}: use one of "
+        f"{list(LAYERWISE_RULES)}."
     )
-  if not 0.0 < decay <= 1.0:
+  if not 0.0 < o.layerwise_lr_decay <= 1.0:
     raise ConfigError(
-        f"optimizer.layerwise_lr_decay={decay} must be in (0, 1] (1 = no layer-wise decay)."
+        f"optimizer.layerwise_lr_decay={o.layerwise_lr_decay} must be in (0, 1] (1: none)."
     )
+  if not 0.0 <= o.warmup_fraction < 1.0:
+    raise ConfigError(f"optimizer.warmup_fraction={o.warmup_fraction} must be in [0, 1).")
 
 
 def layerwise_lr_scales(params, num_layers: int, decay: float, rule: str = "correct"):
   """A tree like `params` of learning-rate multipliers: the head 1, depth d (embeddings 0) decay ** (L + 1 - d);
   "official" (its `_get_layer_lrs`) one factor of decay more below the head. final_layer_norm is the top layer's.
   """
-  check_layerwise(decay, rule)
   head_depth = num_layers + 1
   top = head_depth + (1 if rule == "official" else 0)
 
@@ -62,8 +67,6 @@ def linear_warmup_decay(base_lr, warmup_steps, total_steps):
 def schedule_args(config, total_steps: int, learning_rate: float | None = None) -> np.ndarray:
   """float32 [peak (None: optimizer.learning_rate), warmup steps, total steps], an argument of the compiled step."""
   o = config.optimizer
-  if not 0.0 <= o.warmup_fraction < 1.0:
-    raise ConfigError(f"optimizer.warmup_fraction={o.warmup_fraction} must be in [0, 1).")
   peak = o.learning_rate if learning_rate is None else learning_rate
   return np.array([peak, round(o.warmup_fraction * total_steps), total_steps], np.float32)
 
