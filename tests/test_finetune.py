@@ -1139,7 +1139,7 @@ def test_a_custom_task_reads_its_group_column(tmp_path):
         ("custom", "1e-3,1e-3", "give distinct positive rates"),
         ("custom", "0", "give distinct positive rates"),
         ("squad1.1", "1e-3", "SQuAD's windows cannot be split by rows"),
-        ("custom", "1e-3 folds=0", "config.select.folds=0 must be a whole number >= 1"),
+        ("custom", "1e-3 folds=0", "config.select.folds=0 must be an int >= 1"),
     ],
 )
 def test_learning_rate_choices_are_refused_by_name(tmp_path, task, rates, named):

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 
+from electra_jax import config_lib
 from electra_jax.errors import ConfigError
 from electra_jax.data import tfds_source
 from electra_jax.data.tokenizer import SPECIAL_TOKENS, SentencePieceTokenizer, train_sentencepiece
@@ -66,7 +67,17 @@ def sentencepiece(tmp_path_factory):
   return SentencePieceTokenizer(train_sentencepiece(sentences, str(path), vocab_size=60))
 
 
-V1 = squad.SquadSettings("1.1")
+BASE = config_lib.sibling(os.path.join(REPO, "configs", "finetune", "base.py"), "base")
+
+
+def _settings(task="squad1.1", **squad_overrides):
+  config = BASE.get_config()
+  config.task = task
+  config.squad.update(squad_overrides)
+  return squad.squad_settings(config)
+
+
+V1 = _settings()
 
 
 def _rows_of_example(metadata):
@@ -428,12 +439,12 @@ def test_postprocess_on_oracle_logits_recovers_the_exact_answer_text(kind, reque
       + 1
       for r in labelled
   }
-  limit = lengths["q5"] - 1
+  limit = int(lengths["q5"] - 1)
   short, _ = squad.postprocess(
       examples,
       metadata,
       _outputs(start_logits, end_logits),
-      squad.SquadSettings("1.1", max_answer_len=limit),
+      _settings(max_answer_len=limit),
   )
   assert short["q5"] != "the Champ de Mars"
   assert all((short[q] == predictions[q]) == (n <= limit) for q, n in lengths.items())
@@ -448,7 +459,7 @@ def test_postprocess_v2_no_answer_scores(tokenizer):
   answerable = np.where(features["is_impossible"] == 1, -3.0, 4.0).astype(np.float32)
   answerable[np.flatnonzero(impossible)[1]] = -1.0
   predictions, null_odds = squad.postprocess(
-      examples, metadata, _outputs(start_logits, end_logits, answerable), squad.SquadSettings("2.0")
+      examples, metadata, _outputs(start_logits, end_logits, answerable), _settings("squad2.0")
   )
   answers = squad.apply_null_threshold(predictions, null_odds, -2.75)
   assert null_odds["impossible"] == 1.0 and answers["impossible"] == ""
@@ -459,7 +470,7 @@ def test_postprocess_v2_no_answer_scores(tokenizer):
   rows = np.flatnonzero(metadata.example_index == 0)
   start_logits[rows, 0], end_logits[rows, 0] = 3.0, 3.0
   start_logits[rows[1], 0], end_logits[rows[1], 0] = 1.0, 1.0
-  without = squad.SquadSettings("2.0", answerable_classifier=False)
+  without = _settings("squad2.0", answerable_classifier=False)
   _, null_odds = squad.postprocess(
       examples, metadata, _outputs(start_logits, end_logits, answerable), without
   )
@@ -467,10 +478,9 @@ def test_postprocess_v2_no_answer_scores(tokenizer):
 
 
 def test_settings_reject_sizes_without_room_for_context():
-  import ml_collections
-
-  config = ml_collections.ConfigDict(dict(task="squad", max_seq_len=16))
-  config.squad = ml_collections.ConfigDict(dict(max_query_len=14))
+  config = BASE.get_config()
+  config.update(task="squad", max_seq_len=16)
+  config.squad.max_query_len = 14
   with pytest.raises(ConfigError, match="max_seq_len=16 leaves no room"):
     squad.squad_settings(config)
   config.max_seq_len = 18
@@ -618,7 +628,7 @@ def test_adapter_through_the_trainer_writes_predictions_that_score_as_reported(t
       embedding_size=32,
       max_position_embeddings=64,
   )
-  config.squad = ml_collections.ConfigDict(dict(max_query_len=8, doc_stride=16, null_threshold=0.5))
+  config.squad.update(max_query_len=8, doc_stride=16, null_threshold=0.5)
   config.update(max_seq_len=64, batch_size=16, epochs=1, log_every=100)
   results = trainer.run_finetune(config, str(tmp_path / "work"))
 
@@ -685,21 +695,18 @@ def test_adapter_through_the_trainer_writes_predictions_that_score_as_reported(t
 
 
 def test_squad_settings_and_missing_files(tmp_path):
-  import ml_collections
-
-  config = ml_collections.ConfigDict(
-      dict(task="squad", source="dir", data_dir=str(tmp_path), max_seq_len=128)
-  )
-  assert squad.squad_settings(config).version == "2.0"
+  config = BASE.get_config()
+  config.update(task="squad", data_dir=str(tmp_path))
+  settings = squad.squad_settings(config)
+  assert (settings.version, settings.answerable) == ("2.0", True)
   config.task = "squad_v1.1"
-  assert squad.squad_settings(config) == squad.SquadSettings("1.1")
-  config.squad = ml_collections.ConfigDict(dict(doc_stride=0))
+  settings = squad.squad_settings(config)
+  assert (settings.version, settings.answerable, settings.doc_stride) == ("1.1", False, 128)
+  assert "version" not in config.squad  # the config stays as it was checked
+  config.squad.doc_stride = 0
   with pytest.raises(ConfigError, match="doc_stride=0"):
     squad.squad_settings(config)
-  config.squad = ml_collections.ConfigDict(dict(stride=64))
-  with pytest.raises(ConfigError, match="unknown keys"):
-    squad.squad_settings(config)
-  with pytest.raises(ConfigError, match="train-v1.1.json does not exist"):
+  with pytest.raises(ConfigError, match="Cannot read the SQuAD file .*train-v1.1.json.*data_dir"):
     squad.load_squad(config, "1.1")
 
 
@@ -713,7 +720,7 @@ def test_squad2_dev_scores_use_the_official_null_threshold():
       os.path.join(os.path.dirname(__file__), "..", "configs", "finetune", "squad.py"), "squad"
   )
   assert squad.squad_settings(recipe.get_config()).null_threshold == -2.75
-  assert squad.SquadSettings("2.0").null_threshold == -2.75
+  assert _settings("squad2.0").null_threshold == -2.75
 
 
 def test_postprocess_takes_the_n_best_over_the_whole_row_before_filtering(tokenizer):
@@ -734,11 +741,7 @@ def test_postprocess_takes_the_n_best_over_the_whole_row_before_filtering(tokeni
   # n_best=2 -> starts {[CLS], "Champ"} and ends {"stands", "de"}: the only valid pair is
   # "Champ de" (6.0); "It stands" (12.0) starts at the third-ranked start, outside the n-best.
   outputs = _outputs(start, end)
-  predictions, _ = squad.postprocess(
-      [example], metadata, outputs, squad.SquadSettings("1.1", n_best=2)
-  )
+  predictions, _ = squad.postprocess([example], metadata, outputs, _settings(n_best=2))
   assert predictions == {"q": "Champ de"}
-  predictions, _ = squad.postprocess(
-      [example], metadata, outputs, squad.SquadSettings("1.1", n_best=3)
-  )
+  predictions, _ = squad.postprocess([example], metadata, outputs, _settings(n_best=3))
   assert predictions == {"q": "It stands"}

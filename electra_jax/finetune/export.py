@@ -72,20 +72,6 @@ def _classification_head(params, head: dict, encoder: models.EncoderConfig):
   }
 
 
-def _hf_config(backbone, head: dict) -> dict:
-  settings = hf.hf_config_of(backbone.model, "encoder", backbone.tokenizer.pad_id)
-  if head["kind"] == "span":
-    return dict(settings, architectures=["ElectraForQuestionAnswering"], num_labels=2)
-  settings["architectures"] = ["ElectraForSequenceClassification"]
-  if head["kind"] == "regression":
-    return dict(settings, num_labels=1, problem_type="regression")
-  labels = dict(enumerate(head["labels"]))
-  label2id = {label: i for i, label in labels.items()}
-  return dict(
-      settings, problem_type="single_label_classification", id2label=labels, label2id=label2id
-  )
-
-
 class TaskModel(NamedTuple):
   head: dict
   backbone: model_lib.Backbone  # without weights
@@ -138,16 +124,25 @@ def _write(directory: str, backbone, head: dict, params) -> None:
   encoder = {"embeddings": params["embeddings"], "encoder": params["encoder"]}
   weights = hf.hf_weights_from_params(backbone.model, "encoder", encoder)
   tensors = {"electra." + name: value for name, value in weights.items()}
+  settings = hf.hf_config_of(backbone.model, "encoder", backbone.tokenizer.pad_id)
   if head["kind"] == "span":
     span = params["span_head"]["span_logits"]
     tensors["qa_outputs.weight"] = np.ascontiguousarray(np.asarray(span["kernel"], np.float32).T)
     tensors["qa_outputs.bias"] = np.asarray(span["bias"], np.float32)
+    settings.update(architectures=["ElectraForQuestionAnswering"], num_labels=2)
   else:
     tensors.update(_classification_head(params, head, backbone.encoder_config))
-  os.makedirs(directory, exist_ok=True)
-  workdir_files.write_json(os.path.join(directory, "config.json"), _hf_config(backbone, head))
+    settings["architectures"] = ["ElectraForSequenceClassification"]
+    if head["kind"] == "regression":
+      settings.update(num_labels=1, problem_type="regression")
+    else:
+      labels = dict(enumerate(head["labels"]))
+      label2id = {label: i for i, label in labels.items()}
+      settings.update(
+          problem_type="single_label_classification", id2label=labels, label2id=label2id
+      )
+  workdir_files.write_json(os.path.join(directory, "config.json"), settings)
   path = os.path.join(directory, "model.safetensors")
   safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
-  export.write_tokenizer_files(
-      backbone.tokenizer, directory, backbone.model.max_position_embeddings
-  )
+  max_length = backbone.model.max_position_embeddings
+  export.write_tokenizer_files(backbone.tokenizer, directory, max_length)

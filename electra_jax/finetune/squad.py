@@ -10,13 +10,13 @@ import json
 import os
 import re
 import string
-import time
 import unicodedata
 from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 from absl import logging
@@ -26,24 +26,9 @@ from electra_jax.errors import ConfigError
 from electra_jax.finetune import tasks
 from electra_jax.finetune.model import EncoderWithHead, head_dense
 
-VERSIONS = ("1.1", "2.0")
 FEATURE_KEYS = (*tasks.MODEL_INPUTS, "start_positions", "end_positions", "is_impossible")
 # The logit of positions that cannot start or end an answer (question, padding): no softmax mass.
 _MASKED_LOGIT = -10000.0
-
-
-def _check_version(version: str) -> str:
-  if version not in VERSIONS:
-    raise ConfigError(f"SQuAD version={version!r} is not one of {VERSIONS}.")
-  return version
-
-
-def _log_progress(what: str, done: int, total: int, started: float) -> None:
-  if done % 5000 == 0 or done == total:
-    elapsed = time.time() - started
-    logging.info(
-        "%s: %d/%d, %.0f s, ETA %.0f s", what, done, total, elapsed, elapsed * (total / done - 1)
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,18 +95,21 @@ def read_squad_json(path: str, version: str) -> list[SquadExample]:
         for qa in p["qas"]
     ]
   except OSError as e:
-    raise ConfigError(f"Cannot read the SQuAD file {path!r} ({e}).") from e
+    raise ConfigError(
+        f"Cannot read the SQuAD file {path!r} ({e}); set config.data_dir to the folder of the "
+        "official files, or use config.source=tfds."
+    ) from e
   except (ValueError, KeyError, TypeError, AttributeError) as e:
     raise ConfigError(
         f"{path!r} is not an official SQuAD JSON file ({type(e).__name__}: {e}); it needs "
         '{"data": [{"paragraphs": [{"context", "qas": [{"id", "question", "answers"}]}]}]}.'
     ) from e
-  return _checked_examples(rows, _check_version(version), repr(path))
+  return _checked_examples(rows, version, repr(path))
 
 
 def read_squad_tfds(version: str, split: str, data_dir: str | None = None) -> list[SquadExample]:
   """Questions of a prepared TFDS squad/v<version> (array_record), split "train" or "validation"."""
-  name, text, started = f"squad/v{_check_version(version)}", tasks.decode_text, time.time()
+  name, text = f"squad/v{version}", tasks.decode_text
   source = tasks.open_tfds_split(
       name, split, data_dir, "use config.source=dir", builder_kwargs={"file_format": "array_record"}
   )
@@ -137,7 +125,6 @@ def read_squad_tfds(version: str, split: str, data_dir: str | None = None) -> li
           pairs,
           bool(record.get("is_impossible", False)),
       )
-      _log_progress(f"Reading {name} {split}", i + 1, len(source), started)
 
   return _checked_examples(rows(), version, f"TFDS {name} {split}")
 
@@ -148,25 +135,21 @@ def _fold(text: str) -> str:
   return "".join(c for c in decomposed if not unicodedata.combining(c))
 
 
-def _word_tokenizer(tokenizer):
-  """word -> (its token ids, each token's [start, end) characters in it), cached; where the pieces
-  do not align through _fold (an [UNK], another normalization) each spans the whole word, as in the
-  official code."""
+def _context_tokenizer(tokenizer):
+  """context -> (token ids, int32 [n, 2] [start, end) characters of each), its whitespace words
+  tokenized one by one (cached); where a word's pieces do not align through _fold (an [UNK],
+  another normalization) each spans the whole word, as in the official code."""
   unk_id = getattr(tokenizer, "unk_id", None)
   hashes = "##" if getattr(tokenizer, "kind", None) == "wordpiece" else ""
 
   @functools.cache
-  def tokenize(word: str):
+  def word_tokens(word: str):
     ids = list(tokenizer.encode(word))
     owner = [i for i, char in enumerate(word) for _ in _fold(char)]  # folded char -> word char
-    pieces = [None if token == unk_id else tokenizer.id_to_piece(token) for token in ids]
     # Each piece's text without wordpiece's "##" and sentencepiece's word-boundary "▁".
-    folded = (
-        None
-        if None in pieces
-        else [_fold(p.removeprefix(hashes).replace("\u2581", "")) for p in pieces]
-    )
-    if folded is None or "".join(folded) != "".join(_fold(char) for char in word):
+    pieces = [tokenizer.id_to_piece(t).removeprefix(hashes).replace("\u2581", "") for t in ids]
+    folded = [_fold(piece) for piece in pieces]
+    if unk_id in ids or "".join(folded) != "".join(_fold(char) for char in word):
       return ids, [(0, len(word))] * len(ids)
     spans, position = [], 0
     for piece in folded:
@@ -178,17 +161,16 @@ def _word_tokenizer(tokenizer):
         position += len(piece)
     return ids, spans
 
+  @functools.cache
+  def tokenize(context: str):
+    ids, spans = [], []
+    for match in re.finditer(r"\S+", context):
+      word_ids, word_spans = word_tokens(match.group())
+      ids.extend(word_ids)
+      spans.extend((match.start() + s, match.start() + e) for s, e in word_spans)
+    return ids, np.asarray(spans, dtype=np.int32).reshape(-1, 2)
+
   return tokenize
-
-
-def _tokenize_context(context: str, word_tokenizer):
-  """Context token ids and their [start, end) characters in the context, int32 [n, 2]."""
-  ids, spans = [], []
-  for match in re.finditer(r"\S+", context):
-    word_ids, word_spans = word_tokenizer(match.group())
-    ids.extend(word_ids)
-    spans.extend((match.start() + s, match.start() + e) for s, e in word_spans)
-  return ids, np.asarray(spans, dtype=np.int32).reshape(-1, 2)
 
 
 def _windows(num_tokens: int, max_tokens: int, doc_stride: int) -> list[tuple[int, int]]:
@@ -236,12 +218,10 @@ def make_features(
   """(int32 FEATURE_KEYS arrays, SquadMetadata): a row [CLS] question [SEP] window [SEP] per window;
   positions: the first answer's tokens, or 0 ([CLS]) where the window misses it. Training drops
   answers covering no token."""
-  word_tokenizer, contexts, started = _word_tokenizer(tokenizer), {}, time.time()
+  tokenize_context = _context_tokenizer(tokenizer)
   rows, meta, token_char_spans, max_context, skipped = [], [], [], [], 0
   for index, example in enumerate(examples):
-    if example.context not in contexts:
-      contexts[example.context] = _tokenize_context(example.context, word_tokenizer)
-    context_ids, spans = contexts[example.context]
+    context_ids, spans = tokenize_context(example.context)
     token_char_spans.append(spans)
     answer = None
     if example.answers and not example.is_impossible:
@@ -264,7 +244,8 @@ def make_features(
       meta.append((index, start, length, offset))
       max_context.append(np.zeros(max_seq_len, bool))
       max_context[-1][offset : offset + length] = owner[start : start + length] == window
-    _log_progress("SQuAD questions to features", index + 1, len(examples), started)
+    if (index + 1) % 5000 == 0:
+      logging.info("SQuAD features: %d of %d questions.", index + 1, len(examples))
   if skipped:
     logging.warning("Left out %d training questions whose answer covers no token.", skipped)
   if not rows:
@@ -350,35 +331,15 @@ def apply_null_threshold(predictions: dict, null_odds: dict, null_threshold: flo
   }
 
 
-@dataclasses.dataclass(frozen=True)
-class SquadSettings:
-  """SQuAD's fine-tuning settings (the official values), from config.task and config.squad."""
-
-  version: str
-  doc_stride: int = 128
-  max_query_len: int = 64
-  n_best: int = 20
-  max_answer_len: int = 30
-  null_threshold: float = -2.75  # the official qa_na_threshold, for dev scores and test predictions
-  answerable_classifier: bool = True  # 2.0 only
-  answerable_weight: float = 0.5
-
-  @property
-  def answerable(self) -> bool:
-    return self.version == "2.0" and self.answerable_classifier
-
-
 def postprocess(
-    examples: Sequence[SquadExample], metadata: SquadMetadata, outputs, settings: SquadSettings
+    examples: Sequence[SquadExample], metadata: SquadMetadata, outputs, settings
 ) -> tuple[dict[str, str], dict[str, float]]:
-  """(predictions {qas_id: text}, null_odds {qas_id: float}) from SquadModel's outputs: per question
+  """(predictions {qas_id: text}, null_odds {qas_id: float}) from SquadModel's outputs and
+  squad_settings: per question
   the valid span (of each row's n_best starts and ends) with the highest start + end logit. 2.0's
   null_odds: min -answerable_logit over the rows, or min(start[CLS] + end[CLS]) - the best span's.
   """
-  outputs = np.asarray(outputs, np.float32)
-  if outputs.shape[:2] != metadata.max_context.shape:
-    raise ValueError(f"outputs {outputs.shape} do not fit the rows {metadata.max_context.shape}.")
-  start_logits, end_logits, answerable_logits = split_outputs(outputs)
+  start_logits, end_logits, answerable_logits = split_outputs(np.asarray(outputs, np.float32))
   rows_of_example = collections.defaultdict(list)  # examples left out of training have none
   for row, example in enumerate(metadata.example_index):
     rows_of_example[int(example)].append(row)
@@ -470,7 +431,6 @@ def squad_metrics(
   best_f1 and their cuts."""
   if version is None:
     version = "2.0" if null_odds is not None or any(e.is_impossible for e in examples) else "1.1"
-  _check_version(version)
   missing = [e.qas_id for e in examples if e.qas_id not in predictions]
   if missing:
     logging.warning(
@@ -517,20 +477,18 @@ def squad_metrics(
   return result
 
 
-def squad_settings(config) -> SquadSettings:
-  """The checked settings: the version from config.task ("squad1.1", "squadv1", ...: 1.1; "squad",
-  "squad2.0", ...: 2.0), the rest from config.squad, with room for context in config.max_seq_len."""
+def squad_settings(config) -> ml_collections.ConfigDict:
+  """A checked copy of config.squad with `version` from config.task ("squad1.1", "squadv1", ...: 1.1;
+  "squad", "squad2.0", ...: 2.0) and `answerable` (2.0 with its answerability classifier)."""
   task = re.fullmatch(r"squad(v?(1|11|2|20))?", re.sub(r"[^a-z0-9]", "", str(config.task).lower()))
   if not task:
     raise ConfigError(f"config.task={config.task!r}: for SQuAD use 'squad1.1' or 'squad2.0'.")
-  overrides = config.squad.to_dict() if "squad" in config else {}
-  known = {f.name for f in dataclasses.fields(SquadSettings)} - {"version"}
-  if unknown := sorted(set(overrides) - known):
-    raise ConfigError(f"config.squad has unknown keys {unknown}; known: {sorted(known)}.")
-  settings = SquadSettings("1.1" if (task.group(2) or "2").startswith("1") else "2.0", **overrides)
+  settings = ml_collections.ConfigDict(config.squad.to_dict())
+  settings.version = "1.1" if (task.group(2) or "2").startswith("1") else "2.0"
+  settings.answerable = settings.version == "2.0" and settings.answerable_classifier
   for key in ("doc_stride", "max_query_len", "n_best", "max_answer_len"):
-    if getattr(settings, key) < 1:
-      raise ConfigError(f"config.squad.{key}={getattr(settings, key)} must be >= 1.")
+    if settings[key] < 1:
+      raise ConfigError(f"config.squad.{key}={settings[key]} must be >= 1.")
   if config.max_seq_len - settings.max_query_len - 3 < 1:
     raise ConfigError(
         f"config.max_seq_len={config.max_seq_len} leaves no room for the context after "
@@ -548,12 +506,6 @@ def load_squad(config, version: str) -> tuple[list[SquadExample], list[SquadExam
   if config.source != "dir":
     raise ConfigError(f"config.source={config.source!r}: use 'dir' (official JSON) or 'tfds'.")
   paths = [os.path.join(config.data_dir, f"{split}-v{version}.json") for split in ("train", "dev")]
-  for path in paths:
-    if not os.path.isfile(path):
-      raise ConfigError(
-          f"SQuAD {version}: {path} does not exist; set config.data_dir to the folder of the "
-          "official files, or use config.source=tfds."
-      )
   return tuple(read_squad_json(path, version) for path in paths)
 
 

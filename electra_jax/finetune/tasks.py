@@ -191,8 +191,6 @@ def load_glue(name: str, config) -> TaskData:
   if config.source not in ("dir", "tfds"):
     raise ConfigError(f"config.source={config.source!r}: use 'dir' (GLUE's TSV files) or 'tfds'.")
   if config.source == "dir":
-    if not data_dir:
-      raise ConfigError("config.data_dir is empty: give GLUE's directory, or use source=tfds.")
     task_dir = os.path.join(data_dir, task.directory)
     if not os.path.isdir(task_dir):  # the task's own folder works as well as GLUE's root
       task_dir = data_dir
@@ -410,8 +408,6 @@ def encode_examples(
 ) -> dict[str, np.ndarray]:
   """pack_pair's rows truncated to max_seq_len and cut to the longest (rounded up to PAD_MULTIPLE),
   labels [n] (int32 ids or float32 targets, 0 where unlabelled) and index [n]."""
-  if max_seq_len < 3:
-    raise ConfigError(f"config.max_seq_len={max_seq_len} leaves no room for text; use at least 3.")
   texts_b = [e.text_b for e in examples if e.text_b is not None]
   ids_b = iter(tokenizer.encode_batch(texts_b) if texts_b else [])
   rows = []

@@ -52,9 +52,9 @@ def _is_squad(config) -> bool:
 def validate(config) -> None:
   """Refuses a fine-tuning config whose values cannot run, before anything is read or compiled."""
   config_lib.check_finite(config, "config.")
-  counts = (("batch_size", 1), ("num_seeds", 1), ("log_every", 1), ("epochs", 0))
-  counts += (("eval_batch_size", 0), ("min_steps", 0), ("reinit_layers", 0))
-  for key, least in counts:
+  counts = dict(batch_size=1, num_seeds=1, log_every=1, max_seq_len=3, epochs=0, eval_batch_size=0)
+  counts.update(min_steps=0, reinit_layers=0)
+  for key, least in counts.items():
     if type(config[key]) is not int or config[key] < least:  # not a bool either: True is no count
       raise ConfigError(f"config.{key}={config[key]!r} must be an int >= {least}.")
   rates = ("dropout_rate", "attention_dropout_rate", "head_dropout_rate")
@@ -95,13 +95,9 @@ def select_rates(config) -> list[float]:
         "cannot be split by rows; set it to ''."
     )
   if rates and not 0.0 < select.fraction < 1.0:
-    raise ConfigError(
-        f"config.select.fraction={select.fraction} must be in (0, 1): the share held out."
-    )
+    raise ConfigError(f"config.select.fraction={select.fraction} must be in (0, 1).")
   if rates and (type(select.folds) is not int or select.folds < 1):
-    raise ConfigError(
-        f"config.select.folds={select.folds!r} must be a whole number >= 1 (the shares held out)."
-    )
+    raise ConfigError(f"config.select.folds={select.folds!r} must be an int >= 1.")
   return rates
 
 
@@ -113,14 +109,8 @@ def resolve_epochs(config, num_train: int) -> int:
   steps_per_epoch = math.ceil(num_train / config.batch_size)
   if config.min_steps and steps_per_epoch and epochs * steps_per_epoch < config.min_steps:
     raised = math.ceil(config.min_steps / steps_per_epoch)
-    logging.info(
-        "%d epochs give %d steps (%d examples), fewer than min_steps=%d: training %d epochs.",
-        epochs,
-        epochs * steps_per_epoch,
-        num_train,
-        config.min_steps,
-        raised,
-    )
+    line = "%d epochs give %d steps, fewer than min_steps=%d: training %d epochs."
+    logging.info(line, epochs, epochs * steps_per_epoch, config.min_steps, raised)
     return raised
   return epochs
 
@@ -393,15 +383,8 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if rates:
       selection = _select_learning_rate(config, adapter, backbone, steps, task_dir, rates)
     steps_per_seed = math.ceil(num_train / config.batch_size) * epochs
-    logging.info(
-        "Fine-tuning %s from %s: %d train examples, %d epochs, %d steps per seed, seeds %s.",
-        adapter.name,
-        backbone.source,
-        num_train,
-        epochs,
-        steps_per_seed,
-        seeds,
-    )
+    line = "Fine-tuning %s from %s, seeds %s: %d examples, %d epochs, %d steps each."
+    logging.info(line, adapter.name, backbone.source, seeds, num_train, epochs, steps_per_seed)
     if finished:
       logging.info("Seeds %s finished in an earlier run with this config: kept.", sorted(finished))
     pending = [seed for seed in seeds if seed not in finished]
