@@ -609,9 +609,6 @@ def _marker_squad_json(n, prefix, rng, impossible_every=0):
 
 
 def test_adapter_through_the_trainer_writes_predictions_that_score_as_reported(tokenizer, tmp_path):
-  import ml_collections
-
-  from electra_jax import config_lib
   from electra_jax.finetune import trainer
 
   rng = np.random.default_rng(0)
