@@ -74,8 +74,10 @@ def test_layerwise_learning_rates_both_rules():
     assert scales["classifier/kernel"] == scales["classifier/bias"] == want["head"]
     values = {name: value for name, value in scales.items()}
     assert set(values.values()) == set(want.values())  # every parameter got one of the five
-  with pytest.raises(ConfigError, match="layerwise_lr_decay_rule='bert'"):
-    optim.check(optimizer_config(layerwise_lr_decay_rule="bert").optimizer)
+  config = finetune_tiny.get_config()
+  config.optimizer.layerwise_lr_decay_rule = "bert"
+  with pytest.raises(ConfigError, match="layerwise_lr_decay_rule='bert': use one of"):
+    trainer.validate(config)
 
 
 def test_pre_layer_norm_final_layer_norm_learns_at_the_top_layers_rate():

@@ -31,9 +31,7 @@ def export_hf(workdir: str, out_dir: str, export_generator: bool = False) -> dic
   if not tasks:
     return export.export_workdir(workdir, out_dir, export_generator)
   if export_generator:
-    raise ConfigError(
-        f"--export_generator: {workdir} is a fine-tuning workdir, which has no generator."
-    )
+    raise ConfigError(f"--export_generator: {workdir} is a fine-tuning workdir (no generator).")
   loaded = {task: load_task_model(workdir, task) for task in tasks}  # refusals before any write
   for task in tasks:
     export.check_export_out(os.path.join(out_dir, task))
@@ -85,9 +83,7 @@ def load_task_model(workdir: str, task: str) -> TaskModel:
   results = workdir_files.read_json(os.path.join(workdir, task, "results.json"))
   head = results.get("head")
   if head is None:
-    raise ConfigError(
-        f"{workdir}/{task}/results.json predates exports (no 'head' entry); fine-tune it again."
-    )
+    raise ConfigError(f"{workdir}/{task}/results.json predates exports; fine-tune it again.")
   config = ml_collections.ConfigDict(results["config"])
   if head["kind"] != "span" and config.head.pooling != "cls":
     raise ConfigError(
@@ -115,7 +111,7 @@ def restore_seed(workdir: str, task: str, seed: int, model):
     step = checkpointer.latest_step()
     if step is None:
       raise ConfigError(
-          f"{checkpointer.directory} holds no checkpoint; fine-tune seed {seed} again to export it."
+          f"{checkpointer.directory} holds no checkpoint; fine-tune seed {seed} again."
       )
     return jax.device_get(checkpointer.restore(step, abstract)["params"])
 

@@ -9,9 +9,7 @@ import numpy as np
 def _pair(a: Sequence, b: Sequence, dtype=None) -> tuple[np.ndarray, np.ndarray]:
   a, b = np.asarray(a, dtype), np.asarray(b, dtype)
   if a.shape != b.shape or a.ndim != 1:
-    raise ValueError(
-        f"Metrics need two 1-D arrays of one length, got shapes {a.shape} and {b.shape}."
-    )
+    raise ValueError(f"Metrics need two 1-D arrays of one length, not {a.shape} and {b.shape}.")
   if a.size == 0:
     raise ValueError("Metrics of an empty split are undefined; the split has no examples.")
   return a, b

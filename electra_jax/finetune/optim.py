@@ -1,6 +1,6 @@
 """The fine-tuning optimizer over {embeddings, encoder, <head>}: clipping, AdamW (no decay on
-LayerNorm or biases), linear warmup and decay, and layer-wise decay (smaller steps nearer the input).
-"""
+LayerNorm or biases), linear warmup and decay, and layer-wise decay (smaller steps nearer the
+input)."""
 
 import re
 
@@ -17,25 +17,18 @@ LAYERWISE_RULES = ("correct", "official")
 
 
 def check(o) -> None:
-  """Refuses config.optimizer's values that cannot train."""
+  """Refuses config.optimizer's values that cannot train (its layer-wise rule: trainer.validate)."""
   config_lib.check_optimizer(o, "the official 1e-4 for Small and Base, 5e-5 for Large")
-  if o.layerwise_lr_decay_rule not in LAYERWISE_RULES:
-    raise ConfigError(
-        f"optimizer.layerwise_lr_decay_rule={o.layerwise_lr_decay_rule!r}: use one of "
-        f"{list(LAYERWISE_RULES)}."
-    )
   if not 0.0 < o.layerwise_lr_decay <= 1.0:
-    raise ConfigError(
-        f"optimizer.layerwise_lr_decay={o.layerwise_lr_decay} must be in (0, 1] (1: none)."
-    )
+    raise ConfigError(f"optimizer.layerwise_lr_decay={o.layerwise_lr_decay} must be in (0, 1].")
   if not 0.0 <= o.warmup_fraction < 1.0:
     raise ConfigError(f"optimizer.warmup_fraction={o.warmup_fraction} must be in [0, 1).")
 
 
 def layerwise_lr_scales(params, num_layers: int, decay: float, rule: str = "correct"):
-  """A tree like `params` of learning-rate multipliers: the head 1, depth d (embeddings 0) decay ** (L + 1 - d);
-  "official" (its `_get_layer_lrs`) one factor of decay more below the head. final_layer_norm is the top layer's.
-  """
+  """A tree like `params` of learning-rate multipliers: the head 1, depth d (embeddings 0) decay **
+  (L + 1 - d); "official" (its `_get_layer_lrs`) one factor of decay more below the head.
+  final_layer_norm is the top layer's."""
   head_depth = num_layers + 1
   top = head_depth + (1 if rule == "official" else 0)
 

@@ -48,9 +48,7 @@ def _checked_examples(rows, version: str, where: str) -> list[SquadExample]:
   examples = []
   for qas_id, question, context, answers, is_impossible in rows:
     if not (qas_id and all(isinstance(value, str) for value in (qas_id, question, context))):
-      raise ConfigError(
-          f"{where}: question {qas_id!r} needs a string 'id', 'question' and 'context'."
-      )
+      raise ConfigError(f"{where}: question {qas_id!r} needs string 'id', 'question', 'context'.")
     for text, start in answers:
       valid = isinstance(text, str) and type(start) is int and start >= 0
       if not valid or (found := context[start : start + len(text)]) != text:
@@ -71,9 +69,7 @@ def _checked_examples(rows, version: str, where: str) -> list[SquadExample]:
     raise ConfigError(f"{where} holds no SQuAD questions; give a non-empty file or split.")
   repeated = [qid for qid, n in collections.Counter(e.qas_id for e in examples).items() if n > 1]
   if repeated:
-    raise ConfigError(
-        f"{where}: question ids {repeated[:5]} occur more than once; give each its own."
-    )
+    raise ConfigError(f"{where}: ids {repeated[:5]} occur more than once; give each its own.")
   return examples
 
 
@@ -491,9 +487,8 @@ def squad_settings(config) -> ml_collections.ConfigDict:
       raise ConfigError(f"config.squad.{key}={settings[key]} must be >= 1.")
   if config.max_seq_len - settings.max_query_len - 3 < 1:
     raise ConfigError(
-        f"config.max_seq_len={config.max_seq_len} leaves no room for the context after "
-        f"squad.max_query_len={settings.max_query_len} and [CLS] [SEP] [SEP]; raise max_seq_len or "
-        "lower max_query_len."
+        f"config.max_seq_len={config.max_seq_len} leaves no room for the context after squad."
+        f"max_query_len={settings.max_query_len} + 3; raise max_seq_len or lower max_query_len."
     )
   return settings
 

@@ -268,7 +268,7 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
   file_format = custom.format or CUSTOM_FORMATS.get(os.path.splitext(path)[1].lower())
   if file_format not in CUSTOM_FORMATS.values():
     raise ConfigError(
-        f"Cannot tell the format of {path}: set config.custom.format to tsv, csv or jsonl."
+        f"Cannot tell the format of {path}: set config.custom.format (tsv, csv, jsonl)."
     )
   _require_file(path, f"custom task {split} split")
   grouped = split == "train" and bool(custom.group_column)
@@ -329,9 +329,7 @@ def load_custom(custom) -> TaskData:
     )
   if "f1" in metric_names:
     if label_list is None or len(label_list) != 2:
-      raise ConfigError(
-          "config.custom.metrics has f1, which needs a classification task with two labels."
-      )
+      raise ConfigError("config.custom.metrics has f1: it needs a classification with two labels.")
     logging.info(
         "F1 counts %r as the positive class (the second of config.custom.labels%s).",
         label_list[1],

@@ -60,10 +60,12 @@ def validate(config) -> None:
   rates = ("dropout_rate", "attention_dropout_rate", "head_dropout_rate")
   config_lib.check_rates(config, rates, "config")
   optim.check(config.optimizer)
+  rule = config.optimizer.layerwise_lr_decay_rule
   for key, value, allowed in (
       ("dtype", config.dtype, config_lib.DTYPES),
       ("keep_epoch", config.keep_epoch, KEEP_EPOCH),
       ("head.pooling", config.head.pooling, model_lib.POOLINGS),
+      ("optimizer.layerwise_lr_decay_rule", rule, optim.LAYERWISE_RULES),
   ):
     if value not in allowed:
       raise ConfigError(f"config.{key}={value!r}: use one of {list(allowed)}.")
