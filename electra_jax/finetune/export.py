@@ -50,10 +50,10 @@ def export_hf(workdir: str, out_dir: str, export_generator: bool = False) -> dic
 
 
 def _classification_head(params, head: dict, encoder: models.EncoderConfig):
-  """HF's ElectraClassificationHead (dense -> GELU -> out_proj) holding our one dense layer exactly:
-  dense is the identity shifted by c, which puts every GELU input (bounded by the final LayerNorm:
-  |scale| sqrt(H) + |bias|) at or above _GELU_FLOOR, and out_proj takes c back off. Regression
-  folds (lo, hi) in."""
+  """HF's ElectraClassificationHead (dense -> GELU -> out_proj) holding our one dense layer: dense
+  adds c to lift every GELU input (at most |scale| sqrt(H) + |bias| after the final LayerNorm) to
+  _GELU_FLOOR or above, where GELU is the identity, and out_proj takes c off; regression: (lo, hi).
+  """
   top = params["encoder"][f"layer_{encoder.num_layers - 1}"]
   norm = jax.tree.map(np.abs, top["output_layer_norm"])  # post-LN: HF's only form
   shift = norm["scale"] * np.sqrt(encoder.hidden_size) + norm["bias"] + _GELU_FLOOR

@@ -1,4 +1,4 @@
-"""Fine-tuning metrics in numpy, as GLUE's scorer computes them, and the ones each GLUE task reports.
+"""Fine-tuning metrics in numpy as GLUE's scorer computes them, and those each GLUE task reports.
 Undefined correlations (a constant side) are 0, not NaN, so the best-epoch choice still works."""
 
 from collections.abc import Sequence
@@ -21,7 +21,7 @@ def accuracy(labels: Sequence, predictions: Sequence) -> float:
 
 
 def f1(labels: Sequence[int], predictions: Sequence[int], positive: int = 1) -> float:
-  """Binary F1 of class `positive`; 0 when neither side has a positive (scikit-learn's zero_division=0)."""
+  """Binary F1 of class `positive`; 0 when neither side has one (scikit-learn's zero_division=0)."""
   labels, predictions = _pair(labels, predictions)
   true_positives = np.sum((predictions == positive) & (labels == positive))
   denominator = np.sum(predictions == positive) + np.sum(labels == positive)
@@ -29,7 +29,7 @@ def f1(labels: Sequence[int], predictions: Sequence[int], positive: int = 1) -> 
 
 
 def matthews_corrcoef(labels: Sequence[int], predictions: Sequence[int]) -> float:
-  """Matthews correlation (the multi-class form of Gorodkin 2004); 0 when a side has a single class."""
+  """Matthews correlation (Gorodkin 2004's multi-class form); 0 when a side has one class only."""
   labels, predictions = _pair(labels, predictions)
   classes = np.union1d(labels, predictions)
   true_counts = np.sum(labels[:, None] == classes, axis=0, dtype=np.float64)

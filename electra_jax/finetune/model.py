@@ -259,7 +259,7 @@ def load_backbone(config) -> Backbone:
 
 @functools.lru_cache(maxsize=4)
 def _compiled_init(model: nn.Module):
-  """One compiled init per model (modules compare by their fields): all seeds and trials share it."""
+  """One compiled init per model (modules compare by fields), shared by all seeds and trials."""
   return jax.jit(model.init)
 
 

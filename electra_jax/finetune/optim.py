@@ -1,6 +1,5 @@
-"""The fine-tuning optimizer over {embeddings, encoder, <head>}: clipping, AdamW (no decay on
-LayerNorm or biases), linear warmup and decay, and layer-wise decay (smaller steps nearer the
-input)."""
+"""The fine-tuning optimizer: clipping, AdamW (no decay on LayerNorm or biases), linear warmup and
+decay, and layer-wise learning rates (smaller steps nearer the input)."""
 
 import re
 
@@ -47,7 +46,7 @@ def layerwise_lr_scales(params, num_layers: int, decay: float, rule: str = "corr
 
 
 def linear_warmup_decay(base_lr, warmup_steps, total_steps):
-  """base_lr * min(1, step / warmup) * max(0, 1 - step / total) (warmup_steps=0: none); the arguments may be traced."""
+  """base_lr * min(1, step / warmup) * max(0, 1 - step / total) (warmup 0: none); args traceable."""
 
   def schedule(step):
     step = jnp.asarray(step, jnp.float32)
@@ -58,14 +57,14 @@ def linear_warmup_decay(base_lr, warmup_steps, total_steps):
 
 
 def schedule_args(config, total_steps: int, learning_rate: float | None = None) -> np.ndarray:
-  """float32 [peak (None: optimizer.learning_rate), warmup steps, total steps], an argument of the compiled step."""
+  """float32 [peak (None: optimizer.learning_rate), warmup steps, total steps]: the step's input."""
   o = config.optimizer
   peak = o.learning_rate if learning_rate is None else learning_rate
   return np.array([peak, round(o.warmup_fraction * total_steps), total_steps], np.float32)
 
 
 def make_optimizer(config, params, num_layers: int, args):
-  """(tx, schedule): clip, Adam, decoupled weight decay, the layer-wise multipliers, then the schedule of `args`."""
+  """(tx, schedule): clip, Adam, decoupled weight decay, layer-wise multipliers, then `args`."""
   o = config.optimizer
   schedule = linear_warmup_decay(args[0], args[1], args[2])
   adam = optax.scale_by_adam if o.bias_correction else scale_by_adam_without_bias_correction

@@ -330,11 +330,9 @@ def apply_null_threshold(predictions: dict, null_odds: dict, null_threshold: flo
 def postprocess(
     examples: Sequence[SquadExample], metadata: SquadMetadata, outputs, settings
 ) -> tuple[dict[str, str], dict[str, float]]:
-  """(predictions {qas_id: text}, null_odds {qas_id: float}) from SquadModel's outputs and
-  squad_settings: per question
-  the valid span (of each row's n_best starts and ends) with the highest start + end logit. 2.0's
-  null_odds: min -answerable_logit over the rows, or min(start[CLS] + end[CLS]) - the best span's.
-  """
+  """({qas_id: text}, 2.0's {qas_id: null odds}): the valid span of each row's n_best starts and
+  ends with the highest start + end logit; null odds: min -answerable_logit over the rows, or
+  min(start[CLS] + end[CLS]) less the best span's."""
   start_logits, end_logits, answerable_logits = split_outputs(np.asarray(outputs, np.float32))
   rows_of_example = collections.defaultdict(list)  # examples left out of training have none
   for row, example in enumerate(metadata.example_index):
@@ -421,10 +419,9 @@ def squad_metrics(
     null_threshold: float = -2.75,
     version=None,
 ) -> dict[str, float]:
-  """EM and F1 in percent ("exact", "f1", "total"), the max over each question's gold answers;
-  version None: 2.0 where a question is impossible or null_odds given. 2.0 as the official v2
-  script with --na-prob-thresh, adding HasAns_* / NoAns_* and, with null_odds, best_exact /
-  best_f1 and their cuts."""
+  """EM and F1 in percent, the best over each question's gold answers, as the official scripts (v2
+  with --na-prob-thresh: HasAns_*, NoAns_* and, given null_odds, best_* and their cuts); version
+  None: 2.0 where a question is impossible or null_odds are given."""
   if version is None:
     version = "2.0" if null_odds is not None or any(e.is_impossible for e in examples) else "1.1"
   missing = [e.qas_id for e in examples if e.qas_id not in predictions]
@@ -474,8 +471,8 @@ def squad_metrics(
 
 
 def squad_settings(config) -> ml_collections.ConfigDict:
-  """A checked copy of config.squad with `version` from config.task ("squad1.1", "squadv1", ...: 1.1;
-  "squad", "squad2.0", ...: 2.0) and `answerable` (2.0 with its answerability classifier)."""
+  """A checked copy of config.squad with `version` from config.task ("squad1.1", "squadv1", ...:
+  1.1; "squad", "squad2.0", ...: 2.0) and `answerable` (2.0 with its answerability classifier)."""
   task = re.fullmatch(r"squad(v?(1|11|2|20))?", re.sub(r"[^a-z0-9]", "", str(config.task).lower()))
   if not task:
     raise ConfigError(f"config.task={config.task!r}: for SQuAD use 'squad1.1' or 'squad2.0'.")

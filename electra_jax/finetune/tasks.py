@@ -72,10 +72,9 @@ class TaskData:
 
 @dataclasses.dataclass(frozen=True)
 class GlueTask:
-  """Where one GLUE task's data lives, in GLUE's TSVs and in TFDS. label_list: the labels as GLUE
-  writes them (None: regression); tfds_*: TFDS's feature names and class order where they differ;
-  *_files: evaluation or submission name -> file stem where there are several; symmetric: the
-  official code trains on both sentence orders; headerless_columns: CoLA's (text, label) columns."""
+  """One GLUE task in GLUE's TSVs and in TFDS: label_list as GLUE writes them (None: regression),
+  TFDS's names and class order where they differ, {eval or submission name: file stem} where there
+  are several, symmetric: trained on both sentence orders, CoLA's (text, label) columns."""
 
   directory: str
   label_list: tuple[str, ...] | None

@@ -1,6 +1,5 @@
-"""`run_finetune(config, workdir)`: per seed, train from the backbone, evaluate on dev each epoch,
-keep the last (or best) epoch's checkpoint, write metrics and test predictions, tabulate the seeds.
-"""
+"""`run_finetune(config, workdir)`: per seed, train from the backbone and score dev each epoch,
+keep the last (or best) epoch's checkpoint and test predictions, and tabulate the seeds."""
 
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ from electra_jax.finetune import optim, squad, tasks
 
 # The official epochs by task when config.epochs = 0 (any other task: 3).
 OFFICIAL_EPOCHS = {"rte": 10, "stsb": 10, "squad": 2}
-# Which epoch a seed keeps: "last" (the official code), or "best" on dev (chosen on dev: optimistic).
+# The epoch a seed keeps: "last" (the official code) or "best" on dev (chosen on dev: optimistic).
 KEEP_EPOCH = ("last", "best")
 # Keys a finished seed's results do not depend on: a re-run that differs only in them keeps it.
 _NOT_SEED_KEYS = ("seed", "num_seeds", "log_every")
@@ -118,7 +117,7 @@ def resolve_epochs(config, num_train: int) -> int:
 
 
 def _added_key_slots(settings: dict):
-  """(its holder dict, name, value when added) for each of _ADDED_KEYS whose group `settings` has."""
+  """(holder dict, name, value when added) of each of _ADDED_KEYS whose group `settings` has."""
   for name, value in _ADDED_KEYS.items():
     group, _, key = name.rpartition(".")
     holder = settings.get(group) if group else settings
@@ -158,7 +157,7 @@ def _check_results_of_same_config(config, task_dir: str) -> None:
 
 
 def _finished_seeds(config, task_dir: str, task: str, seeds: list[int]) -> dict[int, dict]:
-  """The seeds this config already finished here (seed_<s>/metrics.json); another config's are refused."""
+  """The seeds this config finished here (seed_<s>/metrics.json); another config's are refused."""
   finished, fingerprint = {}, seed_fingerprint(config)
   for seed in seeds:
     path = os.path.join(task_dir, f"seed_{seed}", "metrics.json")
@@ -215,15 +214,15 @@ def _compiled_steps(config, adapter, backbone):
 
 
 def _predictor(predict_step, params, batch_size: int):
-  """features -> the model's outputs for their rows; every batch is dispatched before any is read."""
+  """features -> the model's outputs for their rows; all batches dispatched before any is read."""
   return lambda features: np.concatenate(
       jax.device_get([predict_step(params, batch) for batch in batches(features, batch_size)])
   )[: _num_examples(features)]
 
 
 def _run_seed(config, adapter, backbone, steps, seed, task_dir, epochs, rate=None, seeds_after=0):
-  """Trains `seed` at `rate` (None: optimizer.learning_rate), scoring dev after each epoch; keeps the
-  last (or best) epoch's checkpoint and test predictions; returns seed_<seed>/metrics.json's results.
+  """Trains `seed` at `rate` (None: optimizer.learning_rate), scoring dev after each epoch; keeps
+  the last (or best) epoch's checkpoint and test predictions; returns seed_<seed>/metrics.json.
   The progress lines' ETA counts `seeds_after` more seeds."""
   train_step, predict_step = steps
   seed_dir = os.path.join(task_dir, f"seed_{seed}")
@@ -343,7 +342,7 @@ def summarize(per_seed: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
 
 
 def format_table(summary) -> str:
-  # A one-metric task's score is that metric; thresholds (SQuAD 2.0's null-odds cuts) are no fractions.
+  # A one-metric task's score is that metric; SQuAD 2.0's null-odds cuts are not fractions.
   rows = [("task", "metric", "mean", "median", "best", "seeds")] + [
       (name, metric, *(f"{100 * s[key]:.2f}" for key in ("mean", "median", "best")), str(s["n"]))
       for name, by_metric in summary.items()
@@ -358,9 +357,8 @@ def format_table(summary) -> str:
 
 
 def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Fine-tunes config.task for config.num_seeds seeds under <workdir>/<task>/, every input checked
-  first; returns (and writes to <task>/results.json) the config, each seed's kept-epoch dev metrics
-  and their summary."""
+  """Fine-tunes config.task for config.num_seeds seeds in <workdir>/<task>/, every input checked
+  first; returns <task>/results.json: the config, each seed's kept dev metrics and their summary."""
   validate(config)
   workdir_files.check_usable(workdir)  # before the data and the backbone load
   backbone = model_lib.load_backbone(config)
