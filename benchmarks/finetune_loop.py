@@ -78,7 +78,7 @@ def main(argv):
     config.update(tokenizer=spm_model, min_steps=_STEPS.value, log_every=10**9)
     config.select.learning_rates = ""
     backbone = model_lib.load_backbone(config)
-    adapter = tasks.make_adapter(config, tasks.load_task(config), backbone)
+    adapter = tasks.make_adapter(config, backbone)
     num_train = len(adapter.train_features["input_ids"])
     epochs = trainer.resolve_epochs(config, num_train)
     total = -(-num_train // config.batch_size) * epochs

@@ -567,7 +567,7 @@ def test_stsb_regression_trains_on_targets_scaled_as_the_official_code(tmp_path)
   config = finetune_tiny.get_config()
   config.update(task="stsb", tokenizer=str(vocab))
   backbone = model_lib.load_backbone(config)
-  adapter = tasks.make_adapter(config, data, backbone)
+  adapter = tasks.make_adapter(config, backbone, data)
   labels = jnp.array([4.5, 0.75, 2.0])
   outputs = jnp.array([[0.9], [0.15], [0.0]])
   np.testing.assert_allclose(

@@ -287,6 +287,8 @@ def test_bad_input_errors(tmp_path):
     tasks.load_task(config)
   with pytest.raises(ConfigError, match="Unknown task 'glu'"):
     tasks.load_task(glue_config("glu", tmp_path))
+  with pytest.raises(ConfigError, match=r"config.custom.metrics has unknown \['auc'\]; use \["):
+    tasks.load_task(custom_config(tmp_path, "tsv", train, train, metrics="accuracy, auc"))
   with pytest.raises(ConfigError, match="regression label .pos. is not a finite number"):
     tasks.load_task(custom_config(tmp_path, "tsv", train, train, kind="regression"))
   write_glue(tmp_path / "glue")
@@ -362,10 +364,10 @@ def test_glue_submission_file(tmp_path, tokenizer):
   rows = [tasks.Example("a dog", "a cat", None, index) for index in (4, 0, 9)]
   labels = ("contradiction", "entailment", "neutral")
   mnli = tasks.TaskData("mnli", "classification", labels, ("accuracy",), [], {}, {"MNLI-m": rows})
-  adapter = tasks.make_adapter(config, mnli, backbone)
+  adapter = tasks.make_adapter(config, backbone, mnli)
   [path] = adapter.write_test(lambda features: np.eye(3)[[2, 0, 1]], str(tmp_path / "a"))
   assert open(path).read() == "index\tprediction\n4\tneutral\n0\tcontradiction\n9\tentailment\n"
   sts = tasks.TaskData("stsb", "regression", None, ("pearson",), [], {}, {"STS-B": rows[:2]})
-  adapter = tasks.make_adapter(config, sts, backbone)
+  adapter = tasks.make_adapter(config, backbone, sts)
   [path] = adapter.write_test(lambda features: np.array([[1.23456], [4.0]]), str(tmp_path / "b"))
   assert open(path).read().splitlines()[1:] == ["4\t1.235", "0\t4.000"]

@@ -52,8 +52,7 @@ def export_hf(workdir: str, out_dir: str, export_generator: bool = False) -> dic
 def _classification_head(params, head: dict, encoder: models.EncoderConfig):
   """HF's ElectraClassificationHead (dense -> GELU -> out_proj) holding our one dense layer: dense
   adds c to lift every GELU input (at most |scale| sqrt(H) + |bias| after the final LayerNorm) to
-  _GELU_FLOOR or above, where GELU is the identity, and out_proj takes c off; regression: (lo, hi).
-  """
+  _GELU_FLOOR or above, where GELU is the identity, and out_proj takes c off; regression: lo, hi."""
   top = params["encoder"][f"layer_{encoder.num_layers - 1}"]
   norm = jax.tree.map(np.abs, top["output_layer_norm"])  # post-LN: HF's only form
   shift = norm["scale"] * np.sqrt(encoder.hidden_size) + norm["bias"] + _GELU_FLOOR
@@ -110,9 +109,7 @@ def restore_seed(workdir: str, task: str, seed: int, model):
   with contextlib.closing(checkpointing.Checkpointer(seed_dir, keep=1)) as checkpointer:
     step = checkpointer.latest_step()
     if step is None:
-      raise ConfigError(
-          f"{checkpointer.directory} holds no checkpoint; fine-tune seed {seed} again."
-      )
+      raise ConfigError(f"{checkpointer.directory} has no checkpoint; fine-tune seed {seed} again.")
     return jax.device_get(checkpointer.restore(step, abstract)["params"])
 
 

@@ -64,7 +64,7 @@ def schedule_args(config, total_steps: int, learning_rate: float | None = None) 
 
 
 def make_optimizer(config, params, num_layers: int, args):
-  """(tx, schedule): clip, Adam, decoupled weight decay, layer-wise multipliers, then `args`."""
+  """(tx, schedule): clip, Adam, decoupled weight decay, layer-wise scales, `args`' schedule."""
   o = config.optimizer
   schedule = linear_warmup_decay(args[0], args[1], args[2])
   adam = optax.scale_by_adam if o.bias_correction else scale_by_adam_without_bias_correction

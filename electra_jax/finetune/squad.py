@@ -78,18 +78,11 @@ def read_squad_json(path: str, version: str) -> list[SquadExample]:
   try:
     with open(path, encoding="utf-8") as f:
       data = json.load(f)["data"]
-    rows = [
-        (
-            qa["id"],
-            qa["question"],
-            p["context"],
-            [(a["text"], a["answer_start"]) for a in qa["answers"]],
-            qa.get("is_impossible", False),
-        )
-        for article in data
-        for p in article["paragraphs"]
-        for qa in p["qas"]
-    ]
+    qas = [(p["context"], qa) for article in data for p in article["paragraphs"] for qa in p["qas"]]
+    rows = []
+    for context, qa in qas:
+      answers = [(a["text"], a["answer_start"]) for a in qa["answers"]]
+      rows.append((qa["id"], qa["question"], context, answers, qa.get("is_impossible", False)))
   except OSError as e:
     raise ConfigError(
         f"Cannot read the SQuAD file {path!r} ({e}); set config.data_dir to the folder of the "
@@ -114,13 +107,8 @@ def read_squad_tfds(version: str, split: str, data_dir: str | None = None) -> li
     for i in range(len(source)):
       record, answers = source[i], source[i]["answers"]
       pairs = [(text(t), int(s)) for t, s in zip(answers["text"], answers["answer_start"])]
-      yield (
-          text(record["id"]),
-          text(record["question"]),
-          text(record["context"]),
-          pairs,
-          bool(record.get("is_impossible", False)),
-      )
+      fields = [text(record[key]) for key in ("id", "question", "context")]
+      yield (*fields, pairs, bool(record.get("is_impossible", False)))
 
   return _checked_examples(rows(), version, f"TFDS {name} {split}")
 

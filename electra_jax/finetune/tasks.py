@@ -463,9 +463,10 @@ def held_out_rows(groups: list, fraction: float, seed: int, folds: int = 1):
   return [(np.flatnonzero(held), np.flatnonzero(~held)) for held in held_rows]
 
 
-def make_adapter(config, data: TaskData, backbone) -> TaskAdapter:
-  """The trainer's TaskAdapter: dev metrics as the task reports them, test predictions as GLUE
-  submission files (`index<TAB>prediction`), and splits of train (held_out_rows)."""
+def make_adapter(config, backbone, data: TaskData | None = None) -> TaskAdapter:
+  """The trainer's TaskAdapter for `data` (None: load_task(config)): dev metrics as the task reports
+  them, test predictions as GLUE submission files (`index<TAB>prediction`), splits of train."""
+  data = load_task(config) if data is None else data
   start = time.time()
   encode = lambda examples: encode_examples(examples, backbone.tokenizer, config.max_seq_len, data)
   train_features = encode(data.train)

@@ -116,30 +116,26 @@ def resolve_epochs(config, num_train: int) -> int:
   return epochs
 
 
-def _added_key_slots(settings: dict):
-  """(holder dict, name, value when added) of each of _ADDED_KEYS whose group `settings` has."""
+def _seed_settings(settings: dict, as_before: bool = False) -> dict:
+  """What a seed's results depend on: a saved config less _NOT_SEED_KEYS, with each of _ADDED_KEYS
+  it lacks at its value when added; as_before: the added keys at that value left out."""
+  settings = copy.deepcopy({k: v for k, v in settings.items() if k not in _NOT_SEED_KEYS})
+  added = []  # (holder dict, key, value when added) of each added key whose group settings have
   for name, value in _ADDED_KEYS.items():
     group, _, key = name.rpartition(".")
     holder = settings.get(group) if group else settings
     if isinstance(holder, dict):
-      yield holder, key, value
-
-
-def _seed_settings(settings: dict) -> dict:
-  """What a seed's results depend on: a saved config less _NOT_SEED_KEYS, with _ADDED_KEYS'
-  values where it lacks them."""
-  settings = copy.deepcopy({k: v for k, v in settings.items() if k not in _NOT_SEED_KEYS})
-  for holder, key, value in _added_key_slots(settings):
-    holder.setdefault(key, copy.deepcopy(value))
+      holder.setdefault(key, copy.deepcopy(value))
+      added.append((holder, key, value))
+  for holder, key, value in added if as_before else []:
+    if holder[key] == value:
+      del holder[key]
   return settings
 
 
 def seed_fingerprint(config) -> str:
-  """_seed_settings as a short hash, less added keys at their _ADDED_KEYS values (as before)."""
-  settings = _seed_settings(config_lib.as_saved(config))
-  for holder, key, value in list(_added_key_slots(settings)):
-    if holder[key] == value:
-      del holder[key]
+  """A short hash of the config's _seed_settings as they read before the added keys existed."""
+  settings = _seed_settings(config_lib.as_saved(config), as_before=True)
   return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -362,10 +358,7 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   validate(config)
   workdir_files.check_usable(workdir)  # before the data and the backbone load
   backbone = model_lib.load_backbone(config)
-  if _is_squad(config):
-    adapter = squad.make_adapter(config, backbone)
-  else:
-    adapter = tasks.make_adapter(config, tasks.load_task(config), backbone)
+  adapter = (squad if _is_squad(config) else tasks).make_adapter(config, backbone)
   num_train = _num_examples(adapter.train_features)
   epochs = resolve_epochs(config, num_train)
   task_dir = os.path.join(workdir, adapter.name)
