@@ -248,7 +248,7 @@ def answer_mask(token_type_ids, attention_mask):
 class SpanHead(nn.Module):
   """ELECTRA's official span head: float32 start and end logits [B, T] (_MASKED_LOGIT outside
   answer_mask) and, with `answerable`, an answerability logit [B] from dense([CLS] ++ the
-  start-probability-weighted hidden) -> GELU -> dense (else None)."""
+  start-probability-weighted hidden) -> GELU -> dense (else zeros)."""
 
   answerable: bool = False
   answerable_hidden_size: int = 512
@@ -262,7 +262,7 @@ class SpanHead(nn.Module):
     start_logits = jnp.where(mask, logits[..., 0], _MASKED_LOGIT)  # [B, T]
     end_logits = jnp.where(mask, logits[..., 1], _MASKED_LOGIT)
     if not self.answerable:
-      return start_logits, end_logits, None
+      return start_logits, end_logits, jnp.zeros(start_logits.shape[:1], jnp.float32)
     start_probs = jax.nn.softmax(start_logits, axis=-1).astype(hidden.dtype)
     start_summary = jnp.einsum("bt,bth->bh", start_probs, hidden)
     summary = jnp.concatenate([hidden[:, 0], start_summary], axis=-1)  # [B, 2H]
@@ -283,8 +283,6 @@ class SquadModel(EncoderWithHead):
 
   def head(self, hidden, token_type_ids, attention_mask, deterministic):
     start, end, answerable = self.span_head(hidden, token_type_ids, attention_mask)
-    if answerable is None:
-      answerable = jnp.zeros(start.shape[:1], jnp.float32)
     return jnp.stack([start, end, jnp.broadcast_to(answerable[:, None], start.shape)], axis=-1)
 
 
@@ -503,9 +501,7 @@ def make_adapter(config, backbone) -> tasks.TaskAdapter:
 
   def evaluate(predict):
     predictions, null_odds = decode(predict)
-    scores = squad_metrics(
-        dev_examples, predictions, null_odds or None, settings.null_threshold, version
-    )
+    scores = squad_metrics(dev_examples, predictions, null_odds, settings.null_threshold, version)
     # Percentages become fractions; the null-odds cuts (*_thresh) stay as they are; counts stay out.
     result = {
         key: value / (1.0 if key.endswith("_thresh") else 100.0)

@@ -266,9 +266,7 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
 def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example]:
   file_format = custom.format or CUSTOM_FORMATS.get(os.path.splitext(path)[1].lower())
   if file_format not in CUSTOM_FORMATS.values():
-    raise ConfigError(
-        f"Cannot tell the format of {path}: set config.custom.format (tsv, csv, jsonl)."
-    )
+    raise ConfigError(f"Unknown format of {path}: set config.custom.format (tsv, csv, jsonl).")
   _require_file(path, f"custom task {split} split")
   grouped = split == "train" and bool(custom.group_column)
   columns = [
@@ -329,11 +327,8 @@ def load_custom(custom) -> TaskData:
   if "f1" in metric_names:
     if label_list is None or len(label_list) != 2:
       raise ConfigError("config.custom.metrics has f1: it needs a classification with two labels.")
-    logging.info(
-        "F1 counts %r as the positive class (the second of config.custom.labels%s).",
-        label_list[1],
-        "" if custom.labels else ", here the sorted labels seen in train; set it to choose",
-    )
+    line = "F1's positive class: %r, the second of config.custom.labels (or of the labels seen)."
+    logging.info(line, label_list[1])
   return TaskData("custom", custom.kind, label_list, metric_names, train, dev, test)
 
 

@@ -168,13 +168,9 @@ def _finished_seeds(config, task_dir: str, task: str, seeds: list[int]) -> dict[
   return finished
 
 
-def _num_examples(features) -> int:
-  return len(features["input_ids"])
-
-
 def batches(features: dict[str, np.ndarray], batch_size: int, order: np.ndarray | None = None):
   """Fixed-size batches (one compiled shape): the last is padded with row 0 at weight 0."""
-  n = _num_examples(features)
+  n = len(features["input_ids"])
   order = np.arange(n) if order is None else order
   for start in range(0, n, batch_size):
     rows = order[start : start + batch_size]
@@ -213,7 +209,7 @@ def _predictor(predict_step, params, batch_size: int):
   """features -> the model's outputs for their rows; all batches dispatched before any is read."""
   return lambda features: np.concatenate(
       jax.device_get([predict_step(params, batch) for batch in batches(features, batch_size)])
-  )[: _num_examples(features)]
+  )[: len(features["input_ids"])]
 
 
 def _run_seed(config, adapter, backbone, steps, seed, task_dir, epochs, rate=None, seeds_after=0):
@@ -223,7 +219,7 @@ def _run_seed(config, adapter, backbone, steps, seed, task_dir, epochs, rate=Non
   train_step, predict_step = steps
   seed_dir = os.path.join(task_dir, f"seed_{seed}")
   eval_batch_size = config.eval_batch_size or config.batch_size
-  num_train = _num_examples(adapter.train_features)
+  num_train = len(adapter.train_features["input_ids"])
   total_steps = math.ceil(num_train / config.batch_size) * epochs
   args = optim.schedule_args(config, total_steps, rate)
   seed_key = jax.random.key(seed)  # draws the head and, folded with each step, its dropout
@@ -310,10 +306,8 @@ def _select_learning_rate(config, adapter, backbone, steps, task_dir: str, rates
       directory = os.path.join(task_dir, "select", name)
       result = _finished_seeds(trial, directory, adapter.name, [seed]).get(seed)
       if result is None:
-        num_fit = _num_examples(fit.train_features)
-        held = _num_examples(adapter.train_features) - num_fit
-        line = "Choosing the learning rate on train: %s, %d examples, %d held out."
-        logging.info(line, name, num_fit, held)
+        num_fit = len(fit.train_features["input_ids"])
+        logging.info("Choosing the learning rate on train: %s on %d examples.", name, num_fit)
         epochs = resolve_epochs(config, num_fit)
         result = _run_seed(trial, fit, backbone, steps, seed, directory, epochs)
       fold_scores.append(result["dev"]["held_out"]["score"])
@@ -359,7 +353,7 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   workdir_files.check_usable(workdir)  # before the data and the backbone load
   backbone = model_lib.load_backbone(config)
   adapter = (squad if _is_squad(config) else tasks).make_adapter(config, backbone)
-  num_train = _num_examples(adapter.train_features)
+  num_train = len(adapter.train_features["input_ids"])
   epochs = resolve_epochs(config, num_train)
   task_dir = os.path.join(workdir, adapter.name)
   seeds = [config.seed + i for i in range(config.num_seeds)]
