@@ -38,11 +38,8 @@ def export_hf(workdir: str, out_dir: str, export_generator: bool = False) -> dic
   written = {}
   for task, (head, backbone, model, seeds) in loaded.items():
     if head.get("answerable"):
-      logging.warning(
-          "%s: SQuAD 2.0's answerability head has no ElectraForQuestionAnswering form and is "
-          "left out; the export's no-answer score is the [CLS] span's, as Hugging Face's.",
-          task,
-      )
+      line = "%s: the answerability head has no Hugging Face form and stays out (no-answer: [CLS])."
+      logging.warning(line, task)
     for seed in seeds:
       written[f"{task}/seed_{seed}"] = directory = os.path.join(out_dir, task, f"seed_{seed}")
       _write(directory, backbone, head, restore_seed(workdir, task, seed, model))

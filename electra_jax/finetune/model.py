@@ -122,13 +122,9 @@ class Backbone:
     return module_class(**sizes_of(self.model), config=encoder_config, dtype=dtype, **head_fields)
 
   def classifier(self, num_outputs: int, config) -> ElectraClassifier:
-    return self.task_model(
-        ElectraClassifier,
-        config,
-        num_outputs=num_outputs,
-        head_dropout_rate=config.head_dropout_rate,
-        pooling=config.head.pooling,
-    )
+    """ElectraClassifier on this encoder, with config's dropout, dtype and head."""
+    head = dict(head_dropout_rate=config.head_dropout_rate, pooling=config.head.pooling)
+    return self.task_model(ElectraClassifier, config, num_outputs=num_outputs, **head)
 
 
 def _tokenizer_from_file(path: str, lowercase: bool | None, strip_accents: bool | None = None):

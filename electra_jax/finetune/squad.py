@@ -184,9 +184,8 @@ def max_context_owner(windows: Sequence[tuple[int, int]], num_tokens: int) -> np
 
 @dataclasses.dataclass
 class SquadMetadata:
-  """What decoding needs besides the logits. Per row: its example, window start and length, the
-  window's first position and bool [seq_len] max-context flags; per example: its context tokens'
-  [start, end) characters, int32 [n, 2]."""
+  """What decoding needs besides the logits: per row its example, window start and length, first
+  context position and bool [seq_len] max-context flags; per example int32 [n, 2] token spans."""
 
   example_index: np.ndarray
   window_start: np.ndarray
@@ -199,9 +198,8 @@ class SquadMetadata:
 def make_features(
     examples, tokenizer, max_seq_len: int, doc_stride: int, max_query_len: int, *, is_training: bool
 ) -> tuple[dict[str, np.ndarray], SquadMetadata]:
-  """(int32 FEATURE_KEYS arrays, SquadMetadata): a row [CLS] question [SEP] window [SEP] per window;
-  positions: the first answer's tokens, or 0 ([CLS]) where the window misses it. Training drops
-  answers covering no token."""
+  """(int32 FEATURE_KEYS, SquadMetadata): per window a row [CLS] question [SEP] window [SEP], at the
+  first answer's tokens or 0 ([CLS]) if it misses it; training drops answers covering no token."""
   tokenize_context = _context_tokenizer(tokenizer)
   rows, meta, token_char_spans, max_context, skipped = [], [], [], [], 0
   for index, example in enumerate(examples):
@@ -376,10 +374,7 @@ def f1_score(gold: str, prediction: str, version="2.0") -> float:
   if version == "2.0" and (not gold_tokens or not pred_tokens):
     return float(gold_tokens == pred_tokens)
   shared = sum((collections.Counter(gold_tokens) & collections.Counter(pred_tokens)).values())
-  if shared == 0:
-    return 0.0
-  precision, recall = shared / len(pred_tokens), shared / len(gold_tokens)
-  return 2 * precision * recall / (precision + recall)
+  return 2 * shared / (len(gold_tokens) + len(pred_tokens)) if shared else 0.0  # 2PR / (P + R)
 
 
 def _best_threshold(predictions, scores, null_odds, has_answer) -> tuple[float, float]:

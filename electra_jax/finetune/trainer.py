@@ -292,9 +292,8 @@ def _run_seed(config, adapter, backbone, steps, seed, task_dir, epochs, rate=Non
 
 
 def _select_learning_rate(config, adapter, backbone, steps, task_dir: str, rates) -> dict:
-  """Fine-tunes seed config.seed at each rate on the rest of train, scored on the held-out share
-  (the mean over select.folds shares), trials kept under <task_dir>/select/:
-  {"learning_rate", "held_out_scores": {rate: score}}."""
+  """Trains seed config.seed at each rate on the rest of train, scored on the held-out share (mean
+  over select.folds), trials in <task_dir>/select/: {"learning_rate", "held_out_scores"}."""
   folds, seed, scores = config.select.folds, config.seed, {}
   fits = adapter.split(config.select.fraction, seed, folds)
   for rate in rates:
@@ -380,6 +379,7 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
       args = (steps, seed, task_dir, epochs, rate, len(pending) - 1 - i)
       finished[seed] = _run_seed(config, adapter, backbone, *args)
     per_seed = [finished[seed] for seed in seeds]
+    kept = ("kept_epoch", "dev", "test_predictions")  # of each seed, in results.json
     summary = summarize(per_seed)
     results = dict(
         task=adapter.name,
@@ -390,10 +390,7 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
         selection=selection,
         electra_jax_version=electra_jax.__version__,
         config=config_lib.as_saved(config),
-        seeds={
-            str(run["seed"]): {k: run[k] for k in ("kept_epoch", "dev", "test_predictions")}
-            for run in per_seed
-        },
+        seeds={str(run["seed"]): {k: run[k] for k in kept} for run in per_seed},
         summary=summary,
     )
     path = os.path.join(task_dir, "results.json")
