@@ -198,7 +198,7 @@ def load_glue(name: str, config) -> TaskData:
     if config.source == "dir":
       path = os.path.join(task_dir, stem + ".tsv")
       if labelled:
-        _require_file(path, f"GLUE {name} {stem}")
+        _require_file(path, f"GLUE's {task.directory}/{stem}.tsv")
       return _glue_tsv(task, path, labelled) if os.path.isfile(path) else None
     split = stem.replace("dev", "validation")
     source = open_tfds_split(f"glue/{name}", split, config.tfds_data_dir, "use config.source=dir")
