@@ -187,7 +187,9 @@ def _from_hf(config, path: str) -> Backbone:
   candidates = [os.path.join(path, name) for name in ("vocab.txt", "spm.model")]  # BERT's, ours
   tokenizer_path = config.tokenizer or next((c for c in candidates if os.path.isfile(c)), "")
   if not tokenizer_path:
-    raise ConfigError(f"{path} has no vocab.txt or spm.model; set config.tokenizer to its own.")
+    raise ConfigError(
+        f"{path} has neither vocab.txt nor spm.model; set config.tokenizer to its vocabulary."
+    )
   # How tokenizer_config.json says the text was normalized, unless config.lowercase is set.
   lowercase, strip_accents = pairing.read_tokenizer_settings(path)
   lowercase = lowercase if config.lowercase is None else config.lowercase

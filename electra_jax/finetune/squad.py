@@ -405,8 +405,7 @@ def squad_metrics(
   None: 2.0 where a question is impossible or null_odds are given."""
   if version is None:
     version = "2.0" if null_odds is not None or any(e.is_impossible for e in examples) else "1.1"
-  missing = [e.qas_id for e in examples if e.qas_id not in predictions]
-  if missing:
+  if missing := [e.qas_id for e in examples if e.qas_id not in predictions]:
     logging.warning(
         "%d questions have no prediction (scored 0), e.g. %s", len(missing), missing[:3]
     )
