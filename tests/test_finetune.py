@@ -188,6 +188,38 @@ def synthetic_config(tmp_path, n_train=400, n_dev=200, **overrides):
   return config
 
 
+def test_the_last_batch_is_padded_with_rows_that_do_not_count(tmp_path):
+  """One compiled shape: the last batch repeats a row at weight 0, and the step's loss is the
+  mean over the real rows only (the same as a batch of those rows alone)."""
+  features = {"input_ids": np.arange(6)[:, None], "index": np.arange(6)}
+  padded = [
+      (b["input_ids"][:, 0].tolist(), b["weights"].tolist()) for b in trainer.batches(features, 4)
+  ]
+  assert padded == [([0, 1, 2, 3], [1, 1, 1, 1]), ([4, 5, 4, 4], [1, 1, 0, 0])]
+  config = synthetic_config(tmp_path, n_train=6, n_dev=4, dropout_rate=0.0, head_dropout_rate=0.0)
+  config.attention_dropout_rate = 0.0
+  backbone = model_lib.load_backbone(config)
+  adapter = tasks.make_adapter(config, backbone)
+  train_step, _ = trainer._compiled_steps(config, adapter, backbone)
+  params = model_lib.init_params(backbone, adapter.model, jax.random.key(0), config.max_seq_len)
+  args = optim.schedule_args(config, 10)
+  tx, _ = optim.make_optimizer(config, params, backbone.encoder_config.num_layers, args)
+
+  def loss(batch):
+    fresh = jax.tree.map(jnp.copy, params)  # the step donates what it is given
+    return float(train_step(fresh, tx.init(fresh), batch, jax.random.key(1), 0, args)[2])
+
+  rows = adapter.train_features
+  a, b = (int(np.flatnonzero(rows["labels"] == label)[0]) for label in (0, 1))
+  order = np.array([r for r in range(6) if r not in (a, b)] + [a, b])
+  [_, last] = trainer.batches(rows, 4, order)  # rows a and b, then row a twice at weight 0
+  take = lambda chosen: next(trainer.batches({k: v[chosen] for k, v in rows.items()}, 2))
+  per_row = [loss(take([r])) for r in (a, b)]  # each padded with itself at weight 0
+  assert per_row[0] != pytest.approx(per_row[1], rel=1e-2)  # else the weights would not show
+  assert loss(last) == pytest.approx(loss(take([a, b])), rel=1e-5)
+  assert loss(last) == pytest.approx(np.mean(per_row), rel=1e-5)
+
+
 def test_random_init_model_learns_synthetic_task(tmp_path):
   config = synthetic_config(tmp_path, keep_epoch="best")
   workdir = tmp_path / "work"
