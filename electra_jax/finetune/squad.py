@@ -22,6 +22,7 @@ import optax
 from absl import logging
 
 from electra_jax import workdir_files
+from electra_jax.data.tokenizer import WordPieceTokenizer
 from electra_jax.errors import ConfigError
 from electra_jax.finetune import tasks
 from electra_jax.finetune.model import EncoderWithHead, head_dense
@@ -124,7 +125,7 @@ def _context_tokenizer(tokenizer):
   tokenized one by one (cached); where a word's pieces do not align through _fold (an [UNK],
   another normalization) each spans the whole word, as in the official code."""
   unk_id = getattr(tokenizer, "unk_id", None)
-  hashes = "##" if getattr(tokenizer, "kind", None) == "wordpiece" else ""
+  hashes = "##" if isinstance(tokenizer, WordPieceTokenizer) else ""  # its continuation pieces
 
   @functools.cache
   def word_tokens(word: str):
