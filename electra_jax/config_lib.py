@@ -105,6 +105,8 @@ def flags_parser(program: str):
 
   def parse(argv: list[str]) -> list[str]:
     parser = flags.FLAGS["config"].parser if "config" in flags.FLAGS else None
+    if isinstance(parser, RecipeParser):  # absl shares one parser among equal flags: start clean
+      parser.loaded = parser.refused = None
     try:
       return flags.FLAGS(argv)
     except flags.Error as error:
