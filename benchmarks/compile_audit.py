@@ -33,16 +33,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a clone
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 
 from electra_jax import config_lib, fit, flops, memory, partitioning, train_state  # noqa: E402
 from electra_jax.errors import ConfigError  # noqa: E402
 from hlo_audit import Audit  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/electra_small.py", "Recipe.", lock_config=False
-)
+_CONFIG = config_lib.define_config_flag("configs/electra_small.py", "Recipe.", lock_config=False)
 _TOPOLOGY = flags.DEFINE_string(
     "topology", "h100", "What to compile for: a TPU slice (v5e-16, v4-32, ...) or GPUs (h100, ...)."
 )
@@ -52,7 +50,7 @@ _HLO = flags.DEFINE_string("hlo_out", "", "Also write the optimized HLO text her
 
 def main(argv):
   del argv
-  fit.compile_here()
+  jax.config.update("jax_platforms", "cpu")  # compile here: take no accelerator of this machine
   config = _CONFIG.value
   try:
     target = fit.lookup(_TOPOLOGY.value)
@@ -108,7 +106,7 @@ def _report_gpu(hlo, target, peak, model_flops):
 
 
 def _report_tpu(compiled, hlo, target, model_flops_per_chip, scanned):
-  held = memory.compiled_bytes(compiled)
+  held = sum(memory.memory_parts(compiled).values())
   print(
       f"memory per chip: {held / 2**30:.2f} GiB of {target.chip.hbm / 2**30:.0f} GiB HBM "
       f"({held / target.chip.hbm:.0%}; `electra-jax --mode=compile` shows its parts)"

@@ -114,7 +114,7 @@ def _cpu_seconds():
 def _time_loader(loaded, steps, batch_size, seed=0, prefetch=False):
   start = time.perf_counter()
   if prefetch:
-    with data.Prefetcher(
+    with data.prefetch(
         lambda step: data.get_batch(loaded, step, batch_size, seed), 0, depth=2
     ) as batches:
       for _ in range(steps):
@@ -126,7 +126,7 @@ def _time_loader(loaded, steps, batch_size, seed=0, prefetch=False):
 
 
 def _rows_per_sec(loaded, steps, batch_size, prefetch):
-  """Rows/s of get_batch (one host's share of every batch), read straight or through Prefetcher."""
+  """Rows/s of get_batch (one host's share of every batch), read straight or through prefetch."""
   return _time_loader(loaded, steps, batch_size, prefetch=prefetch) / loaded.max_seq_len
 
 

@@ -78,11 +78,11 @@ def main(argv):
     config.update(tokenizer=spm_model, min_steps=_STEPS.value, log_every=10**9)
     config.select.learning_rates = ""
     backbone = model_lib.load_backbone(config)
-    adapter = trainer.classification_adapter(config, tasks.load_task(config), backbone)
-    epochs = trainer.resolve_epochs(config, trainer._num_examples(adapter.train_features))
-    total = trainer._steps_per_seed(config, adapter.train_features, epochs)
+    adapter = tasks.make_adapter(config, backbone)
+    num_train = len(adapter.train_features["input_ids"])
+    epochs = trainer.resolve_epochs(config, num_train)
+    total = -(-num_train // config.batch_size) * epochs
     steps = trainer._compiled_steps(config, adapter, backbone)
-    quiet = lambda *args: None
     train_step, _ = steps
     args = optim.schedule_args(config, total)
     feed = list(trainer.batches(adapter.train_features, config.batch_size))
@@ -90,9 +90,8 @@ def main(argv):
 
     def seed_loop(round_, params, opt_state):
       del params, opt_state  # a seed draws its own: its init is part of what it costs
-      trainer._run_seed(
-          config, adapter, backbone, 0, os.path.join(workdir, f"run_{round_}"), epochs, steps, quiet
-      )
+      run_dir = os.path.join(workdir, f"run_{round_}")
+      trainer._run_seed(config, adapter, backbone, steps, 0, run_dir, epochs)
 
     def step_alone(round_, params, opt_state):
       del round_

@@ -77,7 +77,7 @@ def main():
   from electra_jax.errors import ConfigError  # noqa: PLC0415
 
   if args.topology:
-    fit.compile_here()  # before JAX starts a backend
+    jax.config.update("jax_platforms", "cpu")  # compile here, before JAX starts a backend
     try:
       target = fit.lookup(args.topology)
       devices = fit.devices(target)

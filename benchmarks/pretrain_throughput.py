@@ -33,13 +33,10 @@ xla_flags.restart_with_huge_pages()
 import jax
 import numpy as np
 from absl import app, flags
-from ml_collections import config_flags
 
 from electra_jax import config_lib, data, flops, partitioning, resolve, train_state
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/demo.py", "Recipe to measure.", lock_config=True
-)
+_CONFIG = config_lib.define_config_flag("configs/demo.py", "Recipe to measure.")
 _STEPS = flags.DEFINE_integer("steps", 20, "Train steps per timed window.")
 _WINDOWS = flags.DEFINE_integer("windows", 3, "Timed windows; the median is reported.")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps after compiling.")

@@ -274,7 +274,7 @@ def split_check(args) -> None:
   rows, by whole groups (custom.group_column=group) and by whole groups in 3 folds
   (select.folds=3: the mean over the shares): TF-IDF fit on the rest of train, scored on the
   share and on dev, for the held-out draws of seeds 0 to --seeds - 1."""
-  from electra_jax.finetune.trainer import held_out_rows  # noqa: PLC0415 (the split fine-tuning uses)
+  from electra_jax.finetune.tasks import held_out_rows  # noqa: PLC0415 (the split fine-tuning uses)
 
   for task in args.tasks.split(","):
     task_dir = small_budget_tasks.build(args.out, task)

@@ -25,11 +25,10 @@ xla_flags.restart_with_huge_pages()
 import jax
 import jax.numpy as jnp
 from absl import app, flags
-from ml_collections import config_flags
 
 from electra_jax import config_lib, data, objectives, partitioning, resolve, train_state
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/demo.py", "Recipe.", lock_config=False)
+_CONFIG = config_lib.define_config_flag("configs/demo.py", "Recipe.", lock_config=False)
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed calls per part.")
 _TRACE = flags.DEFINE_string("trace", "", "Directory for a jax.profiler trace of a few steps.")
 _TOP = flags.DEFINE_integer("top", 25, "Kernels listed from the trace.")

@@ -1,5 +1,6 @@
-"""The Python API, for notebooks and scripts: a recipe with overrides, then pre-training, evaluation,
-fine-tuning and export, each logging its progress to stderr and returning what the CLI prints."""
+"""The Python API, for notebooks and scripts: a recipe with overrides, then pre-training,
+evaluation, fine-tuning and export, each logging its progress to stderr and returning what the CLI
+prints."""
 
 from collections.abc import Mapping
 
@@ -9,23 +10,16 @@ from absl import logging
 from electra_jax import config_lib, sweep, train
 
 
-def load_config(
-    recipe: str, overrides: Mapping[str, object] | None = None
-) -> ml_collections.ConfigDict:
-  """A recipe by name or path (as sweep.load_recipe) with `{"group.key": value}` overrides, each checked as
-  `--config.group.key=value` is."""
-  written = [
-      (
-          key,
-          value
-          if isinstance(value, str)
-          else str(value).lower()
-          if isinstance(value, bool)
-          else repr(value),
-      )
-      for key, value in (overrides or {}).items()
-  ]
-  return sweep.load_recipe(recipe, written)
+def load_config(recipe: str, overrides: Mapping[str, object] | None = None):
+  """A recipe by name or path (as sweep.load_recipe) with `{"group.key": value}` overrides, each
+  checked as `--config.group.key=value` is."""
+
+  def as_typed(value) -> str:  # what the flag would say
+    if isinstance(value, str):
+      return value
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+  return sweep.load_recipe(recipe, [(key, as_typed(v)) for key, v in (overrides or {}).items()])
 
 
 def _log_progress() -> None:

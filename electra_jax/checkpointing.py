@@ -1,9 +1,9 @@
-"""The one wrapper around orbax: train state plus a JSON side-car (parameter shapes, data fingerprint, a checksum
-of every array) under <workdir>/checkpoints/<step>/; a restore refuses arrays that differ (DamagedCheckpoint).
-"""
+"""The one wrapper around orbax: train state plus a JSON side-car (parameter shapes, data
+fingerprint, a checksum of every array) under <workdir>/checkpoints/<step>/; a restore refuses
+arrays that differ (DamagedCheckpoint)."""
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,8 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
     x = x.astype(jnp.uint8)
   width = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize, jnp.uint32)
   bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)  # 64-bit values: two words
-  # Each element weighted by an odd multiple of its flat index, without a reshape (it would move sharded data).
+  # Each element weighted by an odd multiple of its flat index, without a reshape (which would
+  # move sharded data).
   index, stride = jnp.zeros(bits.shape, jnp.uint32), 1
   for dim in reversed(range(bits.ndim)):
     index += jax.lax.broadcasted_iota(jnp.uint32, bits.shape, dim) * jnp.uint32(stride % 2**32)
@@ -36,8 +37,8 @@ def _checksums(leaves):
 
 
 def checksums(tree: Any) -> dict[str, int]:
-  """Per array of `tree` ('params/embeddings/...'): the sum of its bits weighted by position, modulo 2**32,
-  exact in any order, so independent of sharding and device count."""
+  """Per array of `tree` ('params/embeddings/...'): the sum of its bits weighted by position,
+  modulo 2**32, exact in any order, so independent of sharding and device count."""
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   values = jax.device_get(_checksums([leaf for _, leaf in flat]))
   # The same names for a train state and the plain dicts orbax returns.
@@ -75,7 +76,7 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
-  def latest_step(self) -> Optional[int]:
+  def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
   def all_steps(self) -> list[int]:
@@ -108,21 +109,16 @@ class Checkpointer:
     return self._read(step, "meta", lambda: self._manager.restore(step, args=meta)["meta"])
 
   def state_difference(self, step: int, abstract_state: Any) -> tuple[list[str], list[str]]:
-    """(paths the checkpoint at `step` lacks, paths only it has) against `abstract_state`, from its tree
-    metadata alone (orbax's restore would fail with a traceback)."""
+    """(paths the checkpoint at `step` lacks, paths only it has) against `abstract_state`, from
+    its tree metadata alone (orbax's restore would fail with a traceback)."""
+    folder = epath.Path(self.directory) / str(step) / "state"
     saved = self._read(
-        step,
-        "tree metadata",
-        lambda: ocp.StandardCheckpointHandler().metadata(
-            epath.Path(self.directory) / str(step) / "state"
-        ),
+        step, "tree metadata", lambda: ocp.StandardCheckpointHandler().metadata(folder)
     )
-    saved_paths = set(ocp.tree.to_flat_dict(dict(saved)))
-    wanted = set(
-        ocp.tree.to_flat_dict(ocp.tree.serialize_tree(abstract_state, keep_empty_nodes=True))
-    )
-    name = lambda path: "/".join(map(str, path))
-    return sorted(map(name, wanted - saved_paths)), sorted(map(name, saved_paths - wanted))
+    paths = lambda tree: {"/".join(map(str, path)) for path in ocp.tree.to_flat_dict(tree)}
+    saved = paths(dict(saved))
+    wanted = paths(ocp.tree.serialize_tree(abstract_state, keep_empty_nodes=True))
+    return sorted(wanted - saved), sorted(saved - wanted)
 
   def restore(self, step: int, abstract_state: Any, meta: dict | None = None) -> Any:
     """`abstract_state`: ShapeDtypeStructs with the target shardings. DamagedCheckpoint when a file
@@ -130,15 +126,12 @@ class Checkpointer:
     recorded = (meta if meta is not None else self.read_meta(step)).get("checksums")
     args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
     state = self._read(step, "arrays", lambda: self._manager.restore(step, args=args)["state"])
-    differ = (
-        []
-        if recorded is None
-        else [n for n, value in checksums(state).items() if recorded.get(n) != value]
-    )
-    if differ:
-      raise self._damaged(
-          step, f"{len(differ)} arrays differ from what was saved (first: {differ[:3]})"
-      )
+    if recorded is not None:
+      differ = [n for n, value in checksums(state).items() if recorded.get(n) != value]
+      if differ:
+        raise self._damaged(
+            step, f"{len(differ)} arrays differ from what was saved (first: {differ[:3]})"
+        )
     return state
 
   def restore_newest_intact(

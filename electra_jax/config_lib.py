@@ -1,6 +1,7 @@
 """Loading recipe files from configs/ and checking a config before anything is compiled:
 every error names the offending value and what to do about it."""
 
+import difflib
 import functools
 import importlib.util
 import json
@@ -10,6 +11,9 @@ import re
 import sys
 
 import ml_collections
+from absl import flags, logging
+from ml_collections import config_flags
+from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
 from electra_jax.errors import ConfigError
 
@@ -18,37 +22,96 @@ DTYPES = ("float32", "bfloat16")
 
 def sibling(config_file: str, name: str):
   """Imports <name>.py beside `config_file`, wherever the command runs from (no sys.path needed)."""
-  path = os.path.join(os.path.dirname(os.path.abspath(config_file)), f"{name}.py")
+  return _load(os.path.join(os.path.dirname(os.path.abspath(config_file)), f"{name}.py"))
+
+
+def _load(path: str):
+  name = os.path.splitext(os.path.basename(path))[0]
   spec = importlib.util.spec_from_file_location(f"electra_jax_configs_{name}", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
 
 
-def missing_key(error: BaseException) -> tuple[str, str]:
-  """(key, hint) from ml_collections' error for an absent key ("'key'\nDid you mean ...", nested)."""
-  message = error
-  while isinstance(message, BaseException) and message.args:
-    message = message.args[0]
-  key, _, hint = str(message).partition("\n")
-  return key.strip("'\""), hint.strip()
+def define_config_flag(
+    default=None, help_text="Path to a recipe in configs/ (e.g. configs/demo.py).", lock_config=True
+):
+  """--config for an absl program (the CLI, the benchmarks): a recipe file, or a recipe's name."""
+  holder = config_flags.DEFINE_config_file("config", default, help_text)
+  flags.FLAGS["config"].parser = RecipeParser("config", lock_config)
+  return holder
+
+
+class RecipeParser(ConfigFileFlagParser):
+  """--config's parser: a recipe's file, or its name (`demo`, `finetune/glue`) from any directory.
+  It keeps the recipe's config before any override (`loaded`) and the ConfigError its file raised
+  (`refused`): flags_parser reports a mistake from these, not from another library's message."""
+
+  listing = "configs/base.py"  # the file that lists every key of the loaded recipe
+  loaded = refused = None
+
+  def parse(self, path):
+    try:  # the recipe's get_config is called here: ml_collections would turn its error into text
+      recipe, colon, arg = _checked_recipe(path).partition(":")
+      config = _load(recipe).get_config(*([arg] if colon else []))
+    except ConfigError as error:
+      self.refused = error
+      raise
+    if self._lock_config:
+      config.lock()
+    self.loaded = config.copy_and_resolve_references()  # overrides go into `config` after this
+    if "init_from" in config:
+      self.listing = "configs/finetune/base.py"
+    return config
+
+
+def _checked_recipe(value: str) -> str:
+  path = resolve_recipe(value)
+  recipe = path.split(":", 1)[0]
+  if recipe.endswith(".json"):
+    raise ConfigError(
+        f"--config={path} is a JSON file; --config takes a recipe (a .py file with get_config()). "
+        "To continue a workdir, pass --workdir=DIR alone, or --config=configs/workdir.py:DIR."
+    )
+  if not os.path.isfile(recipe):
+    raise ConfigError(
+        f"--config={path}: {recipe} is {'a directory' if os.path.isdir(recipe) else 'not a file'}, "
+        "and no recipe has that name. Give a recipe file or a recipe's name, e.g. demo or "
+        f"finetune/glue ({RECIPES_DIR} lists them)."
+    )
+  return path
+
+
+def unknown_key(config, dotted: str) -> tuple[str, str] | None:
+  """(the first part of `dotted` that `config` lacks, a hint: its close match, or the commit that
+  removed the key), or None when `config` has the whole key."""
+  group = config
+  for part in dotted.split("."):
+    if not isinstance(group, ml_collections.ConfigDict) or part not in group:
+      keys = list(group.keys()) if isinstance(group, ml_collections.ConfigDict) else []
+      hint = "".join(f"Did you mean {m!r}?" for m in difflib.get_close_matches(part, keys, n=1))
+      if dotted in REMOVED_KEYS:
+        hint = (
+            f"It was removed: {REMOVED_KEYS[dotted][1]} is the last commit with it (CHANGELOG.md)."
+        )
+      return part, hint
+    group = group[part]
+  return None
 
 
 def flags_parser(program: str):
-  """For `app.run(main, flags_parser=...)`: absl's parsing, a mistake in the config flags ending in one line."""
-  from absl import flags  # noqa: PLC0415 (recipes import this module and need no absl)
+  """For `app.run(main, flags_parser=...)`: absl's parsing, a mistake in the config flags ending in
+  one line."""
 
   def parse(argv: list[str]) -> list[str]:
+    parser = flags.FLAGS["config"].parser if "config" in flags.FLAGS else None
+    if isinstance(parser, RecipeParser):  # absl shares one parser among equal flags: start clean
+      parser.loaded = parser.refused = None
     try:
       return flags.FLAGS(argv)
     except flags.Error as error:
-      # absl and ml_collections re-raise a recipe's ConfigError: the innermost one of the chain.
-      refused, cause = None, error
-      while cause is not None:
-        refused = cause if isinstance(cause, ConfigError) else refused
-        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
-      if refused is not None:
-        sys.exit(f"{program}: error: {refused}")
+      if getattr(parser, "refused", None) is not None:  # the recipe's own refusal
+        sys.exit(f"{program}: error: {parser.refused}")
       if isinstance(error, flags.UnrecognizedFlagError) and error.flagname.startswith("config."):
         sys.exit(
             f"{program}: error: --{error.flagname} changes a recipe, but no --config was given. To change a "
@@ -58,22 +121,17 @@ def flags_parser(program: str):
           f"FATAL Flags parsing error: {error}\nPass --helpshort or --helpfull to see help on flags.\n"
       )
       sys.exit(1)
-    except (
-        AttributeError,
-        KeyError,
-    ) as error:  # ml_collections: an override of a key the config lacks
-      key, hint = missing_key(error)
-      overrides = [arg.split("=")[0] for arg in argv[1:] if arg.startswith("--config.")]
-      named = [flag for flag in overrides if key in flag.split(".")[1:]]
-      if not named:
-        raise
-      listing = getattr(
-          flags.FLAGS["config"].parser, "listing", "configs/base.py"
-      )  # main's parser sets it
-      sys.exit(
-          f"{program}: error: {named[0]}: the config has no key {key!r}. {hint + ' ' if hint else ''}"
-          f"{listing} lists every key with its default."
-      )
+    except (AttributeError, KeyError):  # ml_collections: an override of a key the recipe lacks
+      loaded = getattr(parser, "loaded", None)
+      for arg in argv[1:] if loaded is not None else ():
+        flag = arg.split("=")[0]
+        if flag.startswith("--config.") and (found := unknown_key(loaded, flag[9:])):
+          key, hint = found
+          sys.exit(
+              f"{program}: error: {flag}: the config has no key {key!r}. {hint + ' ' if hint else ''}"
+              f"{parser.listing} lists every key with its default."
+          )
+      raise
 
   return parse
 
@@ -113,18 +171,43 @@ def resolve_recipe(value: str) -> str:
 
 
 def with_defaults(saved: dict) -> ml_collections.ConfigDict:
-  """A saved config (a config.json's dict) completed at any depth with configs/base.py's defaults, if any."""
+  """A saved config (a config.json's dict) completed at any depth with configs/base.py's defaults,
+  each saved value checked against its default's type as an override is: a key the defaults lack,
+  or a value of another type (a bool for a number, 7.9 for an integer), raises ValueError naming it.
+  """
 
-  def merged_over(defaults: dict, saved: dict) -> dict:
+  def merged_over(defaults: dict, saved: dict, prefix: str = "") -> dict:
     merged = dict(defaults)
     for key, value in saved.items():
-      both = isinstance(defaults.get(key), dict) and isinstance(value, dict)
-      merged[key] = merged_over(defaults[key], value) if both else value
+      name, default = prefix + key, defaults.get(key)
+      if key not in defaults:
+        raise ValueError(
+            f"{name} is no key of this electra-jax's config (configs/base.py lists them)"
+        )
+      if isinstance(default, dict) and isinstance(value, dict):
+        merged[key] = merged_over(default, value, name + ".")
+      elif default is None or _same_kind(default, value):
+        merged[key] = value
+      else:
+        raise ValueError(
+            f"{name}={value!r} is of type {type(value).__name__}, but the key's type is "
+            f"{type(default).__name__} (its default: {default!r})"
+        )
     return merged
 
-  if os.path.exists(_BASE_RECIPE):
-    saved = merged_over(sibling(_BASE_RECIPE, "base").get_config().to_dict(), saved)
-  return ml_collections.ConfigDict(saved)
+  return ml_collections.ConfigDict(
+      merged_over(sibling(_BASE_RECIPE, "base").get_config().to_dict(), saved)
+  )
+
+
+def _same_kind(default, value) -> bool:
+  if isinstance(default, bool) or isinstance(value, bool):
+    return isinstance(default, bool) and isinstance(value, bool)
+  if isinstance(default, float):
+    return isinstance(value, (int, float))
+  if isinstance(default, (list, tuple)):
+    return isinstance(value, (list, tuple))
+  return type(value) is type(default)
 
 
 # Keys this version no longer has: (the value that means what it does now, the last commit with the key).
@@ -162,7 +245,8 @@ def saved_config(workdir: str) -> dict | None:
   path = workdir_files.path(workdir, "config.json")
   if not workdir_files.exists(path):
     return None
-  return with_defaults(without_removed_keys(workdir_files.read_json(path, groups), path)).to_dict()
+  parse = lambda saved: with_defaults(without_removed_keys(groups(saved), path))  # noqa: E731
+  return workdir_files.read_json(path, parse).to_dict()
 
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
@@ -219,6 +303,31 @@ def config_file_text(config: ml_collections.ConfigDict) -> str:
 def as_saved(config: ml_collections.ConfigDict) -> dict:
   """The config as its config.json reads back (tuples become lists), to compare with one."""
   return json.loads(to_json(config))
+
+
+def save_config(workdir: str, config, before: dict | None, start_step: int | None) -> None:
+  """Writes <workdir>/config.json (the folder made). A resume (from `start_step`) with settings
+  other than `before` (the config.json it found) says which, and first keeps that file as
+  config.step<N>.json."""
+  from electra_jax import workdir_files  # noqa: PLC0415 (keeps recipes' imports light)
+
+  file = workdir_files.path(workdir, "config.json")
+  workdir_files.makedirs(file.parent)
+  changes = before is not None and start_step is not None and changed_keys(before, as_saved(config))
+  kept = workdir_files.path(workdir, f"config.step{start_step}.json")
+  # A second resume from the same checkpoint finds the first one's settings in config.json,
+  # which never trained it: the file the first resume kept stays as it is.
+  if changes and not workdir_files.exists(kept):
+    workdir_files.write_text(kept, workdir_files.read_text(file))
+  if changes:
+    logging.warning(
+        "Resuming at step %d with settings that differ from the workdir's config.json (kept as "
+        "%s): %s",
+        start_step,
+        kept.name,
+        "; ".join(changes),
+    )
+  workdir_files.write_text(file, config_file_text(config))
 
 
 # Bounds as the messages state them, and their tests.
@@ -332,18 +441,12 @@ _BOUNDS = (
         " (of train.steps the temperature falls over; 0 = none)",
     ),
 )
-# (key, the source that reads it): set with the built-in corpus, it is a forgotten data.source.
-_SOURCE_KEYS = (
-    ("files", "text' (or 'jsonl"),
-    ("prepared_dir", "prepared"),
-    ("tfds_name", "tfds"),
-    ("hf_path", "hf_datasets"),
-)
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """The checks that need no devices and no data; ConfigError naming the key and the fix."""
   from electra_jax import models, objectives, tensorboard_log  # noqa: PLC0415 (recipes need no jax)
+  from electra_jax.data.config import check_config as check_data_config  # noqa: PLC0415
 
   m, t, d = config.model, config.train, config.data
   check_encoder_sizes(
@@ -366,17 +469,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
         f"data.max_seq_len={d.max_seq_len} exceeds model.max_position_embeddings="
         f"{m.max_position_embeddings}. Lower data.max_seq_len or raise max_position_embeddings."
     )
-  for key, source in _SOURCE_KEYS:
-    if d.source == "builtin" and d[key]:
-      raise ConfigError(
-          f"data.{key}={d[key]!r} is set, but data.source='builtin' (the standard library's text) "
-          f"does not read it. Add --config.data.source='{source}' to train on it, or drop data.{key}."
-      )
-  if d.eval_fraction == 0 and config.eval.every_steps > 0 and d.source != "prepared":
-    raise ConfigError(
-        f"data.eval_fraction=0 holds out no documents, but eval.every_steps={config.eval.every_steps} "
-        "evaluates on them. Set --config.eval.every_steps=0, or data.eval_fraction > 0 (e.g. 0.02)."
-    )
+  check_data_config(d, config.eval.every_steps)
   if t.dtype not in DTYPES:
     raise ConfigError(f"train.dtype={t.dtype!r} is not one of {DTYPES}.")
   if t.batch_size < 1 and t.batch_size != -1:
@@ -391,10 +484,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     )
   if t.time_budget:
     parse_duration(t.time_budget)
-  tensorboard_log.writer_names(t.metric_writers)
   check_optimizer(config.optimizer, "ELECTRA-Small uses 5e-4, Base 2e-4")
-  objectives.check_config(config)
   check_finite(config)  # after the checks above, whose messages say more where they apply
+  tensorboard_log.writer_names(t.metric_writers)
+  objectives.check_config(config)
   models.build_model(
       config, objectives.towers(config)
   )  # the model's own refusals; nothing is initialized

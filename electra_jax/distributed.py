@@ -1,10 +1,9 @@
-"""Joining a multi-process JAX job before anything touches the devices: explicit coordinator settings (flags or
-ELECTRA_JAX_* variables), or JAX's own detection on SLURM and multi-host TPU slices. One process needs nothing.
-"""
+"""Joining a multi-process JAX job before anything touches the devices: explicit coordinator
+settings (flags or ELECTRA_JAX_* variables), or JAX's own detection on SLURM and multi-host TPU
+slices. One process needs nothing."""
 
 import os
 import urllib.request
-from typing import Optional
 
 import jax
 import numpy as np
@@ -15,20 +14,18 @@ from electra_jax import xla_flags
 from electra_jax.errors import ConfigError
 
 
-def _multi_host_environment() -> Optional[str]:
-  """The scheduler JAX reads its coordinator from, when this is one of several processes (launch/tpu_vm.py sets
-  ELECTRA_JAX_DISTRIBUTED=auto; GKE sets TPU_WORKER_HOSTNAMES); else None."""
+def _multi_host_environment() -> str | None:
+  """The scheduler JAX reads its coordinator from, when this is one of several processes
+  (launch/tpu_vm.py sets ELECTRA_JAX_DISTRIBUTED=auto; GKE sets TPU_WORKER_HOSTNAMES); else None."""
   if os.environ.get("ELECTRA_JAX_DISTRIBUTED", "").lower() == "auto":
     return "ELECTRA_JAX_DISTRIBUTED=auto (JAX's own cluster detection)"
   # A task of an srun step (SLURM_NTASKS alone is also set in an salloc shell, where no peers join).
   slurm_step = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
-  if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and all(
-      name in os.environ for name in slurm_step
-  ):
+  if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and set(slurm_step) <= set(os.environ):
     return "SLURM"
   if "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):
     return "a multi-host TPU slice on GKE"
-  # A TPU VM slice's workers: only the metadata server's worker-network-endpoints (which JAX reads too) tells.
+  # A TPU VM slice's workers: only the metadata server's worker-network-endpoints (as JAX reads).
   if not xla_flags.tpu_chips_present():
     return None
   host = os.environ.get("GCE_METADATA_IP", "metadata.google.internal")
@@ -54,12 +51,9 @@ def _from_env(value, name: str):
     raise ConfigError(f"{name}={os.environ[name]!r} is not a whole number.") from None
 
 
-def initialize(
-    coordinator_address: Optional[str] = None,
-    num_processes: Optional[int] = None,
-    process_id: Optional[int] = None,
-) -> None:
-  """Call once, first: the arguments, else the ELECTRA_JAX_* variables, else _multi_host_environment."""
+def initialize(coordinator_address=None, num_processes=None, process_id=None) -> None:
+  """Call once, before anything touches the devices: the arguments, else the ELECTRA_JAX_*
+  variables, else the scheduler _multi_host_environment finds."""
   coordinator_address = (
       coordinator_address or os.environ.get("ELECTRA_JAX_COORDINATOR_ADDRESS") or None
   )
@@ -88,13 +82,8 @@ def initialize(
     jax.distributed.initialize()
   else:
     return
-  logging.info(
-      "Process %d of %d, %d local and %d global devices.",
-      jax.process_index(),
-      jax.process_count(),
-      jax.local_device_count(),
-      jax.device_count(),
-  )
+  counts = (jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count())
+  logging.info("Process %d of %d, %d local and %d global devices.", *counts)
 
 
 def from_process_0(value: int) -> int:

@@ -8,7 +8,6 @@ import itertools
 import math
 import os
 
-import jax
 from jax.experimental import topologies
 
 from electra_jax import config_lib, flops, memory, partitioning, resolve, train_state
@@ -27,11 +26,14 @@ class Chip:
   hbm: int  # bytes of HBM per chip
   bandwidth: float  # HBM bytes/s per chip (datasheets; flops.py has the peak FLOP/s)
   cores: int = 1  # TensorCores per chip, which the slice names of v4 and v5p count
-  sm: (
-      tuple
-  ) = ()  # GPU: (SMs, shared memory per SM, per block opt-in, L2 bytes, GHz, FP32 lanes, cc)
+  gpu: dict | None = None  # what XLA's GPU compiler is told of the GPU (_GPU_DESCRIPTION)
 
 
+# NVIDIA's datasheets: SMs, shared memory per SM and per block (opt-in), L2, clock, FP32 lanes.
+_HOPPER = dict(
+    sms=132, smem=233472, optin=232448, l2=52428800, ghz=1.98, fpus=128, major=9, minor=0
+)
+_AMPERE = dict(sms=108, smem=167936, optin=166912, l2=41943040, ghz=1.41, fpus=64, major=8, minor=0)
 CHIPS = {
     # Google Cloud TPU docs, "System architecture" (cloud.google.com/tpu/docs/v4): 32 GiB HBM2.
     "v4": Chip("TPU v4", 32 * GiB, 1200e9, cores=2),
@@ -41,50 +43,22 @@ CHIPS = {
     "v5p": Chip("TPU v5", 95 * GiB, 2765e9, cores=2),
     # cloud.google.com/tpu/docs/v6e (Trillium): 32 GiB HBM.
     "v6e": Chip("TPU v6 lite", 32 * GiB, 1640e9),
-    # nvidia-smi's memory.total on the H100 SXM of benchmarks/RESULTS.md (81,559 MiB).
-    "h100": Chip(
-        "NVIDIA H100 80GB HBM3",
-        85_520_809_984,
-        3.35e12,
-        sm=(132, 233472, 232448, 52428800, 1.98, 128, (9, 0)),
-    ),
-    # nvidia-smi's memory.total on the H200 of benchmarks/RESULTS.md (143,771 MiB).
-    "h200": Chip(
-        "NVIDIA H200",
-        150_754_820_096,
-        4.8e12,
-        sm=(132, 233472, 232448, 52428800, 1.98, 128, (9, 0)),
-    ),
+    # nvidia-smi's memory.total on the H100 SXM and the H200 of benchmarks/RESULTS.md.
+    "h100": Chip("NVIDIA H100 80GB HBM3", 85_520_809_984, 3.35e12, gpu=_HOPPER),
+    "h200": Chip("NVIDIA H200", 150_754_820_096, 4.8e12, gpu=_HOPPER),
     # NVIDIA's A100 datasheet (SXM4, 80 GB HBM2e), which nvidia-smi counts as 81,920 MiB.
-    "a100": Chip(
-        "NVIDIA A100-SXM4-80GB",
-        81_920 * 2**20,
-        2.039e12,
-        sm=(108, 167936, 166912, 41943040, 1.41, 64, (8, 0)),
-    ),
+    "a100": Chip("NVIDIA A100-SXM4-80GB", 81_920 * 2**20, 2.039e12, gpu=_AMPERE),
 }
 # The slice shapes Cloud TPU offers. v5e and v6e are 2-D and their names count chips; v4 and v5p
 # are 3-D and their names count TensorCores, two a chip (v4-32 is 2x2x4 = 16 chips).
 _SHAPES = {
-    2: ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16"),
-    3: (
-        "2x2x1",
-        "2x2x2",
-        "2x2x4",
-        "2x4x4",
-        "4x4x4",
-        "4x4x8",
-        "4x8x8",
-        "8x8x8",
-        "8x8x16",
-        "8x16x16",
-    ),
+    2: "1x1 2x2 2x4 4x4 4x8 8x8 8x16 16x16".split(),
+    3: "2x2x1 2x2x2 2x2x4 2x4x4 4x4x4 4x4x8 4x8x8 8x8x8 8x8x16 8x16x16".split(),
 }
 _TPU_DIMS = {"v4": 3, "v5p": 3, "v5e": 2, "v6e": 2}
-_ALIASES = {"v5litepod": "v5e"}  # the accelerator type gcloud names a v5e slice by
 _GPUS_PER_HOST = 8
 
-# What XLA's GPU compiler is told of a GPU it compiles for without one.
+# What XLA's GPU compiler is told of a GPU it compiles for without one (a Chip's `gpu`).
 _GPU_DESCRIPTION = """gpu_device_info {{
   threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
   shared_memory_per_core: {smem} threads_per_core_limit: 2048 core_count: {sms}
@@ -117,7 +91,7 @@ class Target:
 
   @property
   def platform(self) -> str:
-    return "cuda" if self.chip.sm else "tpu"
+    return "cuda" if self.chip.gpu else "tpu"
 
   def __str__(self) -> str:
     hosts = f"{self.hosts} host{'s' if self.hosts > 1 else ''}"
@@ -148,7 +122,7 @@ def known_targets() -> str:
   tpus = "; ".join(
       ", ".join(names) for _, names in itertools.groupby(TPU_TARGETS, lambda n: n.split("-")[0])
   )
-  gpus = ", ".join(name for name, chip in CHIPS.items() if chip.sm)
+  gpus = ", ".join(name for name, chip in CHIPS.items() if chip.gpu)
   return (
       f"TPU slices: {tpus} (v4 and v5p names count TensorCores, two a chip; v5e and v6e names "
       f"count chips; v5litepod-N is v5e-N); GPUs: {gpus}, one GPU, or NAME-N for N of them "
@@ -159,10 +133,10 @@ def known_targets() -> str:
 def lookup(name: str) -> Target:
   """The target `name` describes; ConfigError listing the known ones if it is none of them."""
   family, _, count = name.strip().lower().partition("-")
-  family = _ALIASES.get(family, family)
+  family = "v5e" if family == "v5litepod" else family  # gcloud's name for a v5e slice
   if f"{family}-{count}" in TPU_TARGETS:
     return dataclasses.replace(TPU_TARGETS[f"{family}-{count}"], name=name)
-  if family in CHIPS and CHIPS[family].sm and (count == "" or count.isdigit()):
+  if family in CHIPS and CHIPS[family].gpu and (count == "" or count.isdigit()):
     gpus = int(count or 1)
     if gpus in (1, 2, 4) or (gpus > 0 and gpus % _GPUS_PER_HOST == 0):
       return Target(name, family, gpus, max(1, gpus // _GPUS_PER_HOST), "")
@@ -190,13 +164,6 @@ def _plugin_installed(platform: str) -> bool:
     return False
 
 
-def compile_here() -> None:
-  """JAX's own computations stay on this machine's CPU: the compiler runs here for devices that are
-  not, and no accelerator here (nor a plugin's search for one) is started. Call before JAX starts
-  a backend; later it changes nothing."""
-  jax.config.update("jax_platforms", "cpu")
-
-
 def devices(target: Target) -> list:
   """Compile-only devices for every chip of `target`, over its hosts; ConfigError, before anything
   compiles, naming the extra to install when the plugin is missing."""
@@ -209,55 +176,34 @@ def devices(target: Target) -> list:
   if target.platform == "tpu":
     # This process only compiles: it opens no TPU, so another process holding this host's chips
     # (libtpu's lock file) is no reason to stop, and libtpu need not look for a TPU VM's hosts.
-    for name, value in (
-        ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
-        ("TPU_WORKER_HOSTNAMES", "localhost"),
-        ("TPU_HOST_BOUNDS", "1,1,1"),
-    ):
-      os.environ.setdefault(name, value)
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
     dims = [int(d) for d in target.shape.split("x")]
+    torus = len(dims) == 3 and min(dims) >= 4  # full 3-D slices from 4x4x4 up; 2-D sides of 16
     kwargs = dict(
-        chips_per_host_bounds=tuple(dims + [1] * (3 - len(dims)))
-        if target.hosts == 1
-        else (2, 2, 1),
-        # Full 3-D slices from 4x4x4 up, and 2-D sides of 16, close into a torus.
-        wrap=tuple(
-            [len(dims) == 3 and min(dims) >= 4 or d == 16 for d in dims] + [False] * (3 - len(dims))
-        ),
+        chips_per_host_bounds=tuple((dims + [1])[:3]) if target.hosts == 1 else (2, 2, 1),
+        wrap=tuple(([torus or d == 16 for d in dims] + [False])[:3]),
     )
     if target.chip.cores > 1:
       kwargs["chip_config_name"] = "megacore"  # one JAX device per chip, its two cores as one
     name, platform = f"{target.family}:{target.shape}", "tpu"
   else:
-    sms, smem, optin, l2, ghz, fpus, (major, minor) = target.chip.sm
+    chip, per_host = target.chip, target.chips // target.hosts
     description = _GPU_DESCRIPTION.format(
-        smem=smem,
-        sms=sms,
-        fpus=fpus,
-        bandwidth=target.chip.bandwidth,
-        l2=l2,
-        ghz=ghz,
-        hbm=target.chip.hbm,
-        optin=optin,
-        major=major,
-        minor=minor,
-        kind=target.chip.kind,
+        **chip.gpu, bandwidth=chip.bandwidth, hbm=chip.hbm, kind=chip.kind
     )
-    per_host = target.chips // target.hosts
     name, platform = "fit", "cuda"
     kwargs = dict(target_config=description, topology=f"1x{target.hosts}x{per_host}")
   try:
     found = list(topologies.get_topology_desc(name, platform, **kwargs).devices)
+    wrong = len(found) != target.chips and f"describes {len(found)} devices, not {target.chips}"
   except Exception as e:  # noqa: BLE001 (a plugin too old or too new for this jax)
+    wrong = f"could not describe it ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
+  if wrong:  # a plugin that counts cores where we count chips, or not the one jax expects
     raise ConfigError(
-        f"--topology={target.name}: the plugin installed could not describe it ({type(e).__name__}: "
-        f"{str(e).splitlines()[0][:300]}). Install the one this jax was built with: "
-        f"{INSTALL[target.platform]}"
-    ) from None
-  if len(found) != target.chips:  # a plugin that counts cores where we count chips
-    raise ConfigError(
-        f"--topology={target.name}: the plugin describes {len(found)} devices, not {target.chips} "
-        f"chips. Install the one this jax was built with: {INSTALL[target.platform]}"
+        f"--topology={target.name}: the plugin installed {wrong}. Install the one this jax was "
+        f"built with: {INSTALL[target.platform]}"
     )
   return found
 
@@ -327,35 +273,24 @@ def describe(fit: Fit, config) -> str:
       f"Step: batch {step.batch_size} x seq {config.data.max_seq_len}, {config.train.dtype}, "
       f"attention {config.model.attention_impl}, mesh {mesh}.",
   ]
-  if step.bytes_per_device is None:
-    lines.append("Memory per chip: more than its HBM.")
-  else:
-    lines.append("Memory per chip (XLA's memory analysis):")
-    lines += [f"  {name:<15}{_size(size):>12}" for name, size in step.parts.items()]
-    lines.append(
-        f"  {'total':<15}{_size(step.bytes_per_device):>12} of {_size(t.chip.hbm)} HBM "
-        f"({step.bytes_per_device / t.chip.hbm:.0%})"
-    )
-  allowed = f"train.memory_fraction={config.train.memory_fraction:g} of HBM, {_size(fit.limit)}"
-  if step.bytes_per_device is None:
+  held = step.bytes_per_device
+  if held is None:
     lines.append("Does not fit: XLA's compiler refused the step as more than a chip's HBM.")
   else:
-    within = "within" if fit.fits else "over"
-    lines.append(
-        f"{'Fits' if fit.fits else 'Does not fit'}: {_size(step.bytes_per_device)} per chip is "
-        f"{within} {allowed}."
-    )
-  share = fit.model_flops / t.chips
-  if step.flops is not None:
+    share = fit.model_flops / t.chips
     looped = "; a loop's body counted once" if fit.loops else ""
-    lines.append(
-        f"FLOPs per chip (XLA's cost analysis{looped}): {_flops(step.flops)} against "
-        f"electra_jax/flops.py's share {_flops(share)} ({step.flops / share - 1:+.1%})."
-    )
-  elif step.bytes_per_device is not None:
-    lines.append(
+    lines += [
+        "Memory per chip (XLA's memory analysis):",
+        *(f"  {name:<15}{_size(size):>12}" for name, size in step.parts.items()),
+        f"  {'total':<15}{_size(held):>12} of {_size(t.chip.hbm)} HBM ({held / t.chip.hbm:.0%})",
+        f"{'Fits' if fit.fits else 'Does not fit'}: {_size(held)} per chip is "
+        f"{'within' if fit.fits else 'over'} train.memory_fraction="
+        f"{config.train.memory_fraction:g} of HBM, {_size(fit.limit)}.",
         f"FLOPs per chip: XLA gives no cost analysis here; flops.py's share {_flops(share)}."
-    )
+        if step.flops is None
+        else f"FLOPs per chip (XLA's cost analysis{looped}): {_flops(step.flops)} against "
+        f"electra_jax/flops.py's share {_flops(share)} ({step.flops / share - 1:+.1%}).",
+    ]
   if fit.largest is not None:
     batch, measured = fit.largest
     shards = fit.mesh["data"] * fit.mesh["fsdp"]

@@ -12,160 +12,36 @@ from typing import Callable
 import flax
 import jax
 from absl import app, flags, logging
-from ml_collections import config_flags
-from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
 import electra_jax
 from electra_jax import config_lib, data, distributed, fit, interop, train, workdir_files, xla_flags
 from electra_jax.errors import ConfigError
 
-
-class _RecipeParser(ConfigFileFlagParser):
-  """--config's parser: a recipe's file, or its name (`demo`, `finetune/glue`) from any directory."""
-
-  listing = "configs/base.py"  # the file that lists every key of the loaded recipe
-
-  def parse(self, path):
-    path = config_lib.resolve_recipe(path)
-    recipe = path.split(":", 1)[0]
-    if recipe.endswith(".json"):
-      raise ConfigError(
-          f"--config={path} is a JSON file; --config takes a recipe (a .py file with get_config()). "
-          "To continue a workdir, pass --workdir=DIR alone, or --config=configs/workdir.py:DIR."
-      )
-    if not os.path.isfile(recipe):
-      raise ConfigError(
-          f"--config={path}: {recipe} is {'a directory' if os.path.isdir(recipe) else 'not a file'}, "
-          "and no recipe has that name. Give a recipe file or a recipe's name, e.g. demo or "
-          f"finetune/glue ({config_lib.RECIPES_DIR} lists them)."
-      )
-    config = super().parse(path)
-    if "init_from" in config:
-      self.listing = "configs/finetune/base.py"
-    return config
-
-
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file(
-    "config", None, "Path to a recipe in configs/ (e.g. configs/demo.py)."
-)
-FLAGS["config"].parser = _RecipeParser("config")
+config_lib.define_config_flag()
 flags.DEFINE_string("workdir", None, "Directory for config.json, metrics.jsonl and checkpoints.")
 flags.DEFINE_bool("version", False, "Print the version of electra-jax and of JAX, then exit.")
 # The other flags, by mode (their help starts with the modes that read them).
-for define, name, default, help_text in (
-    (
-        flags.DEFINE_multi_string,
-        "sweep",
-        [],
-        "sweep: KEY=V1,V2,... (repeatable; the runs are the product of all).",
-    ),
-    (
-        flags.DEFINE_string,
-        "sweep_file",
-        None,
-        "sweep: a file of runs, one line of key=value overrides each.",
-    ),
-    (
-        flags.DEFINE_string,
-        "sweep_finetune",
-        None,
-        "sweep: a fine-tuning recipe run on each finished run.",
-    ),
-    (
-        flags.DEFINE_multi_string,
-        "sweep_finetune_override",
-        [],
-        "sweep: key=value for --sweep_finetune (repeatable).",
-    ),
-    (
-        flags.DEFINE_list,
-        "plot_metrics",
-        None,
-        "plot: metrics to draw (default: loss, masked_lm_accuracy, disc_auc).",
-    ),
-    (
-        flags.DEFINE_integer,
-        "workers",
-        None,
-        "prepare_data: worker processes (default: every core; 0 = this one).",
-    ),
-    (flags.DEFINE_integer, "step", None, "eval: the checkpoint step (default: the latest)."),
-    (
-        flags.DEFINE_bool,
-        "take_over_workdir",
-        False,
-        "train and sweep: start though another run's lease holds --workdir (you know that run is dead).",
-    ),
-    (
-        flags.DEFINE_string,
-        "topology",
-        None,
-        "compile: the TPU slice or GPUs to compile for, e.g. v5e-16, v4-32, v5p-64, h100-8.",
-    ),
-    (
-        flags.DEFINE_bool,
-        "max_batch",
-        False,
-        "compile: also search the largest batch that fits (a compile per candidate).",
-    ),
-    (
-        flags.DEFINE_string,
-        "coordinator_address",
-        None,
-        "Multi-process: host:port of process 0 (or ELECTRA_JAX_*).",
-    ),
-    (
-        flags.DEFINE_integer,
-        "num_processes",
-        None,
-        "Multi-process: how many (or ELECTRA_JAX_NUM_PROCESSES).",
-    ),
-    (
-        flags.DEFINE_integer,
-        "process_id",
-        None,
-        "Multi-process: this one's id (or ELECTRA_JAX_PROCESS_ID).",
-    ),
-    (
-        flags.DEFINE_string,
-        "out",
-        None,
-        "export_hf: the output directory; train_tokenizer, plot: the file to write.",
-    ),
-    (
-        flags.DEFINE_bool,
-        "export_generator",
-        False,
-        "export_hf: write the generator too (<out>/generator).",
-    ),
-    (
-        flags.DEFINE_string,
-        "hf_discriminator",
-        None,
-        "import_hf: an ElectraForPreTraining directory.",
-    ),
-    (flags.DEFINE_string, "hf_generator", None, "import_hf: an ElectraForMaskedLM directory."),
-    (
-        flags.DEFINE_string,
-        "tf_checkpoint",
-        None,
-        "import_tf: an official checkpoint (model.ckpt-N or its directory).",
-    ),
-    (
-        flags.DEFINE_string,
-        "vocab_file",
-        None,
-        "import_tf: the vocab.txt (default: the one beside the checkpoint).",
-    ),
-    (
-        flags.DEFINE_integer,
-        "tf_num_heads",
-        None,
-        "import_tf: the discriminator's heads (default: hidden // 64).",
-    ),
-):
-  define(name, default, help_text)
+flags.DEFINE_multi_string("sweep", [], "sweep: KEY=V1,V2,... (repeatable; runs all combinations).")
+flags.DEFINE_string("sweep_file", None, "sweep: a file of runs, one line of overrides each.")
+flags.DEFINE_string("sweep_finetune", None, "sweep: a fine-tuning recipe run on each finished run.")
+flags.DEFINE_multi_string("sweep_finetune_override", [], "sweep: key=value for --sweep_finetune.")
+flags.DEFINE_list("plot_metrics", None, "plot: metrics (default loss,masked_lm_accuracy,...).")
+flags.DEFINE_integer("workers", None, "prepare_data: processes (default: every core; 0: this one).")
+flags.DEFINE_integer("step", None, "eval: the checkpoint step (default: the latest).")
+flags.DEFINE_bool("take_over_workdir", False, "train, sweep: take it from a dead run's lease.")
+flags.DEFINE_string("topology", None, "compile: a TPU slice or GPUs, e.g. v5e-16, v4-32, h100-8.")
+flags.DEFINE_bool("max_batch", False, "compile: also search the largest batch that fits.")
+flags.DEFINE_string("coordinator_address", None, "Multi-process: host:port of process 0.")
+flags.DEFINE_integer("num_processes", None, "Multi-process: how many (or ELECTRA_JAX_*).")
+flags.DEFINE_integer("process_id", None, "Multi-process: this one's id (or ELECTRA_JAX_*).")
+flags.DEFINE_string("out", None, "export_hf: the output folder; train_tokenizer, plot: the file.")
+flags.DEFINE_bool("export_generator", False, "export_hf: write the generator too, in <out>.")
+flags.DEFINE_string("hf_discriminator", None, "import_hf: an ElectraForPreTraining directory.")
+flags.DEFINE_string("hf_generator", None, "import_hf: an ElectraForMaskedLM directory.")
+flags.DEFINE_string("tf_checkpoint", None, "import_tf: an official checkpoint (or its folder).")
+flags.DEFINE_string("vocab_file", None, "import_tf: the vocab.txt (default: the checkpoint's).")
+flags.DEFINE_integer("tf_num_heads", None, "import_tf: the discriminator's heads (hidden/64).")
 flags.DEFINE_enum(
     "hf_embeddings_from",
     None,
@@ -176,35 +52,35 @@ _SUMMARY_METRICS = ("loss", "masked_lm_accuracy", "disc_auc", "disc_precision", 
 
 
 def end_summary(config, metrics: dict, workdir: str, seconds: float) -> str:
-  """The end of a training run: wall time, tokens, the last train and held-out metrics, the files."""
+  """The end of a training run: wall time, tokens, the last train and held-out metrics, files."""
   step = int(metrics["step"])
   rows = [("train (last log window)", metrics)]
   if held_out := workdir_files.last_record(workdir_files.path(workdir, "eval_metrics.jsonl")):
     rows.append((f"held-out (step {held_out['step']})", held_out))
-  cell = (
-      lambda row, key: f"{row[key]:.4f}"
-      if isinstance(row.get(key), float) and math.isfinite(row[key])
-      else "-"
-  )
+  cell = lambda value: f"{value:.4f}" if isinstance(value, float) and math.isfinite(value) else "-"
   width = max(len(name) for name, _ in rows)
   table = [" " * width + "".join(f"  {key}" for key in _SUMMARY_METRICS)]
-  table += [
-      f"{name:<{width}}" + "".join(f"  {cell(row, key):>{len(key)}}" for key in _SUMMARY_METRICS)
-      for name, row in rows
-  ]
+  for name, row in rows:
+    table.append(
+        name.ljust(width) + "".join(f"  {cell(row.get(k)):>{len(k)}}" for k in _SUMMARY_METRICS)
+    )
   tokens = step * config.train.batch_size * config.data.max_seq_len
   return "\n".join(
       [
-          f"{'Done' if step >= config.train.steps else 'Stopped'}: step {step} of {config.train.steps}, "
-          f"{tokens:,} tokens in all (padding included); this command ran {config_lib.format_duration(seconds)}.",
+          f"{'Done' if step >= config.train.steps else 'Stopped'}: step {step} of "
+          f"{config.train.steps}, {tokens:,} tokens in all (padding included); this command ran "
+          f"{config_lib.format_duration(seconds)}.",
           *table,
-          f"Files: {workdir}/checkpoints, {workdir}/metrics.jsonl, {workdir}/eval_metrics.jsonl, {workdir}/config.json",
+          f"Files: {workdir}/checkpoints, {workdir}/metrics.jsonl, {workdir}/eval_metrics.jsonl, "
+          f"{workdir}/config.json",
       ]
   )
 
 
-# --- The modes: each takes (config, workdir), reads its own flags, and prints what it made.
+# --- The modes: each takes (config, workdir), reads its own flags and prints what it made; its
+# docstring is its line of --help.
 def _train(config, workdir):
+  """pre-train, or resume, in --workdir (the default mode)"""
   if config is None and not workdir_files.exists(workdir_files.path(workdir, "config.json")):
     raise ConfigError(
         "--mode=train needs --config (a recipe, e.g. configs/demo.py), unless --workdir already "
@@ -218,16 +94,17 @@ def _train(config, workdir):
 
 
 def _eval(config, workdir):
-  held_out = train.evaluate_checkpoint(
-      config or config_lib.load_workdir_config(workdir), workdir, FLAGS.step
-  )
+  """held-out metrics of --workdir's latest checkpoint (or --step)"""
+  config = config or config_lib.load_workdir_config(workdir)
+  held_out = train.evaluate_checkpoint(config, workdir, FLAGS.step)
   summary = ", ".join(f"{k}={v:.4g}" for k, v in sorted(held_out.items()))
   print(f"Held-out metrics (checkpoint {held_out['step']}): {summary}")
   print(f"Written to {workdir}/eval_step_{held_out['step']}.json")
 
 
 def _compile(config, workdir):
-  del workdir  # nothing is written
+  """compile the train step for a --topology without one (v5e-16, v4-32, h100-8, ...): memory per
+  chip, fits or not"""
   found = fit.check(config, fit.lookup(FLAGS.topology), FLAGS.max_batch)
   print(fit.describe(found, config))
   if not found.fits:
@@ -235,6 +112,7 @@ def _compile(config, workdir):
 
 
 def _finetune(config, workdir):
+  """a task head on a pre-trained discriminator (configs/finetune/*.py), results in --workdir"""
   from electra_jax.finetune import trainer  # noqa: PLC0415 (tfds/squad stay out of other modes)
 
   results = trainer.run_finetune(config, workdir)  # prints its table itself
@@ -242,6 +120,7 @@ def _finetune(config, workdir):
 
 
 def _export_hf(config, workdir):
+  """write --workdir (pre-training or fine-tuning) as Hugging Face directories in --out"""
   from electra_jax.finetune import export  # noqa: PLC0415 (as finetune)
 
   for name, directory in export.export_hf(workdir, FLAGS.out, FLAGS.export_generator).items():
@@ -253,20 +132,24 @@ def _write_imported(pair, config, workdir):
   print(
       f"Imported {pair.source} ({summary['num_params']:,} parameters, generator_fraction="
       f"{summary['generator_fraction']:.4g}) as step 0 of {summary['workdir']}; vocabulary "
-      f"{summary['vocab_file']}.\nContinue pre-training with: electra-jax --workdir={summary['workdir']}"
+      f"{summary['vocab_file']}.\nContinue pre-training with: "
+      f"electra-jax --workdir={summary['workdir']}"
   )
 
 
 def _import_hf(config, workdir):
+  """start --workdir from a released Hugging Face pair (--hf_discriminator, --hf_generator)"""
   _write_imported(interop.pair_from_hf(FLAGS.hf_discriminator, FLAGS.hf_generator), config, workdir)
 
 
 def _import_tf(config, workdir):
+  """start --workdir from an official TF1 checkpoint (--tf_checkpoint)"""
   pair = interop.pair_from_tf(FLAGS.tf_checkpoint, FLAGS.vocab_file, FLAGS.tf_num_heads)
   _write_imported(pair, config, workdir)
 
 
 def _train_tokenizer(config, workdir):
+  """train a sentencepiece model on the config's corpus into --out"""
   info = data.train_tokenizer(config.data, FLAGS.out)
   print(
       f"Wrote {info['path']} ({info['vocab_size']} pieces, fingerprint {info['fingerprint']}); "
@@ -275,37 +158,29 @@ def _train_tokenizer(config, workdir):
 
 
 def _prepare_data(config, workdir):
+  """tokenize and pack the config's corpus into shards in data.prepared_dir"""
   manifest = data.prepare_data(config.data, num_workers=FLAGS.workers)
   totals = manifest["totals"]
   print(
-      f"Prepared {len(manifest['shards'])} shards in {config.data.prepared_dir}: {totals['train_examples']} "
-      f"train / {totals['eval_examples']} eval examples, {totals['train_tokens']} train tokens. Train with "
-      "--config.data.source=prepared."
+      f"Prepared {len(manifest['shards'])} shards in {config.data.prepared_dir}: "
+      f"{totals['train_examples']} train / {totals['eval_examples']} eval examples, "
+      f"{totals['train_tokens']} train tokens. Train with --config.data.source=prepared."
   )
 
 
 def _sweep(config, workdir):
+  """train the --sweep/--sweep_file runs of --config in sub-workdirs of --workdir and tabulate
+  them"""
   from electra_jax import sweep  # noqa: PLC0415
 
-  finetune_config = (
-      sweep.load_finetune_config(FLAGS.sweep_finetune, FLAGS.sweep_finetune_override)
-      if FLAGS.sweep_finetune
-      else None
-  )
-  result = sweep.run_sweep(
-      config,
-      workdir,
-      FLAGS.sweep,
-      FLAGS.sweep_file,
-      finetune_config,
-      take_over_workdir=FLAGS.take_over_workdir,
-  )
+  finetune = FLAGS.sweep_finetune
+  finetune = finetune and sweep.load_finetune_config(finetune, FLAGS.sweep_finetune_override)
+  runs = (FLAGS.sweep, FLAGS.sweep_file, finetune or None)
+  result = sweep.run_sweep(config, workdir, *runs, take_over_workdir=FLAGS.take_over_workdir)
   print(workdir_files.read_text(workdir_files.path(workdir, "results.md")))
   curves = workdir_files.exists(workdir_files.path(workdir, "curves.png"))
-  print(
-      f"Tables: {workdir}/results.md, {workdir}/results.csv"
-      + (f"  Curves: {workdir}/curves.png" if curves else "")
-  )
+  print(f"Tables: {workdir}/results.md, {workdir}/results.csv", end="")
+  print(f"  Curves: {workdir}/curves.png" if curves else "")
   if result["preempted"]:
     print("The sweep stopped at a SIGTERM; run the same command to go on where it stopped.")
   if result["failed"]:
@@ -316,6 +191,7 @@ def _sweep(config, workdir):
 
 
 def _sweep_report(config, workdir):
+  """rewrite a sweep folder's results.csv/results.md without training"""
   from electra_jax import sweep  # noqa: PLC0415
 
   sweep.write_report(workdir)
@@ -323,6 +199,7 @@ def _sweep_report(config, workdir):
 
 
 def _plot(config, workdir):
+  """curves of --workdir=W1,W2,... (sweep folders expand to their runs) into --out (PNG)"""
   from electra_jax import plots  # noqa: PLC0415 (matplotlib: the `plots` extra)
 
   plots.plot_curves(workdir.split(","), FLAGS.out, FLAGS.plot_metrics)
@@ -331,95 +208,39 @@ def _plot(config, workdir):
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-  help: str  # one line of `electra-jax --help`
-  run: Callable  # (config, workdir) -> None
-  # Flags beyond --workdir: (names any one of which will do, what "--mode=M needs" when none is set).
-  needs: tuple[tuple[str, str], ...] = ()
+  run: Callable  # (config, workdir) -> None; its docstring is its line of --help
+  needs: tuple[str, ...] = ()  # flags beyond --workdir ("a b": either will do)
   workdir: bool = True  # needs --workdir
   recipe: str | None = "pretraining"  # the kind of --config it reads: also "finetuning", or None
   one_process: bool = False  # refused as one process of several
-  here: bool = False  # joins no multi-process job and computes on this machine's CPU
+  local: bool = False  # joins no multi-process job, and JAX computes on this machine's CPU
 
 
-_DATA_CONFIG = ("config", "--config (a recipe with the data.* settings of the corpus).")
-_IMPORT_CONFIG = (
-    "config",
-    "--config: the recipe whose training, data and mesh settings the workdir will use.",
-)
-_HF_PAIR = "--hf_discriminator=DIR and --hf_generator=DIR."
 MODES = {
-    "train": Mode("pre-train, or resume, in --workdir (the default mode)", _train),
-    "eval": Mode("held-out metrics of --workdir's latest checkpoint (or --step)", _eval),
-    "compile": Mode(
-        "compile the train step for a --topology without one (v5e-16, v4-32, h100-8, ...): "
-        "memory per chip, fits or not",
-        _compile,
-        needs=(
-            ("config", "--config (the recipe to compile)."),
-            ("topology", "--topology (e.g. v5e-16, v4-32, v5p-64, v6e-8, h100)."),
-        ),
-        workdir=False,
-        here=True,
-    ),
-    "finetune": Mode(
-        "a task head on a pre-trained discriminator (configs/finetune/*.py), results in --workdir",
-        _finetune,
-        needs=(("config", "--config (configs/finetune/glue.py, squad.py, custom.py or tiny.py)."),),
-        recipe="finetuning",
-        one_process=True,
-    ),
-    "export_hf": Mode(
-        "write --workdir (pre-training or fine-tuning) as Hugging Face directories in --out",
-        _export_hf,
-        needs=(("out", "--out=DIR (where the model directories go)."),),
-        one_process=True,
-    ),
-    "import_hf": Mode(
-        "start --workdir from a released Hugging Face pair (--hf_discriminator, --hf_generator)",
-        _import_hf,
-        needs=(_IMPORT_CONFIG, ("hf_discriminator", _HF_PAIR), ("hf_generator", _HF_PAIR)),
-        one_process=True,
-    ),
-    "import_tf": Mode(
-        "start --workdir from an official TF1 checkpoint (--tf_checkpoint)",
-        _import_tf,
-        needs=(
-            _IMPORT_CONFIG,
-            ("tf_checkpoint", "--tf_checkpoint=PATH (model.ckpt-N or its folder)."),
-        ),
-        one_process=True,
-    ),
-    "train_tokenizer": Mode(
-        "train a sentencepiece model on the config's corpus into --out",
-        _train_tokenizer,
-        needs=(_DATA_CONFIG, ("out", "--out=PATH (the model file to write).")),
-        workdir=False,
-    ),
-    "prepare_data": Mode(
-        "tokenize and pack the config's corpus into shards in data.prepared_dir",
-        _prepare_data,
-        needs=(_DATA_CONFIG,),
-        workdir=False,
-    ),
-    "sweep": Mode(
-        "train the --sweep/--sweep_file runs of --config in sub-workdirs of --workdir and tabulate them",
-        _sweep,
-        needs=(
-            ("config", "--config (the recipe every run starts from)."),
-            ("sweep sweep_file", "--sweep=KEY=V1,V2 (repeatable) and/or --sweep_file=FILE."),
-        ),
-    ),
-    "sweep_report": Mode(
-        "rewrite a sweep folder's results.csv/results.md without training",
-        _sweep_report,
-        recipe=None,
-    ),
-    "plot": Mode(
-        "curves of --workdir=W1,W2,... (sweep folders expand to their runs) into --out (PNG)",
-        _plot,
-        needs=(("out", "--out=FILE.png."),),
-        recipe=None,
-    ),
+    "train": Mode(_train),
+    "eval": Mode(_eval),
+    "compile": Mode(_compile, ("config", "topology"), workdir=False, local=True),
+    "finetune": Mode(_finetune, ("config",), recipe="finetuning", one_process=True),
+    "export_hf": Mode(_export_hf, ("out",), one_process=True),
+    "import_hf": Mode(_import_hf, ("config", "hf_discriminator", "hf_generator"), one_process=True),
+    "import_tf": Mode(_import_tf, ("config", "tf_checkpoint"), one_process=True),
+    "train_tokenizer": Mode(_train_tokenizer, ("config", "out"), workdir=False, local=True),
+    "prepare_data": Mode(_prepare_data, ("config",), workdir=False, local=True),
+    "sweep": Mode(_sweep, ("config", "sweep sweep_file")),
+    "sweep_report": Mode(_sweep_report, recipe=None),
+    "plot": Mode(_plot, ("out",), recipe=None),
+}
+_RECIPES = {  # what --config is, by the kind of recipe a mode reads
+    "pretraining": "a pre-training recipe (configs/demo.py, configs/electra_small.py, ...)",
+    "finetuning": "a fine-tuning recipe (configs/finetune/)",
+}
+_NEEDED = {  # what a mode says of a flag it needs and lacks
+    "topology": "--topology (e.g. v5e-16, v4-32, v5p-64, v6e-8, h100)",
+    "out": "--out=PATH (where the output goes)",
+    "hf_discriminator": "--hf_discriminator=DIR and --hf_generator=DIR",
+    "hf_generator": "--hf_discriminator=DIR and --hf_generator=DIR",
+    "tf_checkpoint": "--tf_checkpoint=PATH (model.ckpt-N or its folder)",
+    "sweep sweep_file": "--sweep=KEY=V1,V2 (repeatable) and/or --sweep_file=FILE",
 }
 USAGE = "\n".join(
     [
@@ -429,7 +250,7 @@ USAGE = "\n".join(
         "  electra-jax --config=configs/demo.py --workdir=workdirs/demo    # the demo, on a CPU",
         "",
         "Modes:",
-        *(f"  {name:<16}{mode.help}" for name, mode in MODES.items()),
+        *(f"  {name:<16}{' '.join(mode.run.__doc__.split())}" for name, mode in MODES.items()),
         "",
         "Recipes: configs/*.py (configs/base.py lists every key); docs/ has the manual.",
         "--helpfull lists every flag, those of the libraries too.",
@@ -447,17 +268,16 @@ def _quiet_libraries(record) -> bool:
 
 def _check_flags(name: str, mode: Mode, config) -> None:
   """The flags `mode` needs, and a recipe of its kind (fine-tuning ones have init_from)."""
-  if config is not None and mode.recipe is not None:
-    if "init_from" in config and mode.recipe != "finetuning":
-      raise ConfigError(
-          f"--config is a fine-tuning recipe (configs/finetune/), but --mode={name} takes a pre-training "
-          "one (configs/demo.py, configs/electra_small.py, ...). To fine-tune, add --mode=finetune."
-      )
-    if mode.recipe == "finetuning" and "init_from" not in config:
-      raise ConfigError(
-          f"--mode={name} takes a fine-tuning recipe (configs/finetune/*.py; the pre-training workdir "
-          "goes in --config.init_from), but --config is a pre-training one."
-      )
+  kind = config is not None and ("finetuning" if "init_from" in config else "pretraining")
+  if kind and mode.recipe not in (None, kind):
+    fix = (
+        "add --mode=finetune"
+        if kind == "finetuning"
+        else "give one whose init_from is the pre-training workdir"
+    )
+    raise ConfigError(
+        f"--config is {_RECIPES[kind]}, but --mode={name} takes {_RECIPES[mode.recipe]}: {fix}."
+    )
   if mode.one_process and jax.process_count() > 1:
     raise ConfigError(
         f"--mode={name} runs in one process, but this is process {jax.process_index()} of "
@@ -466,9 +286,10 @@ def _check_flags(name: str, mode: Mode, config) -> None:
     )
   if mode.workdir and FLAGS.workdir is None:
     raise ConfigError(f"--mode={name} needs --workdir.")
-  for names, what in mode.needs:
+  for names in mode.needs:
     if all(FLAGS[flag].value in (None, "", []) for flag in names.split()):
-      raise ConfigError(f"--mode={name} needs {what}")
+      what = f"--config: {_RECIPES[mode.recipe]}" if names == "config" else _NEEDED[names]
+      raise ConfigError(f"--mode={name} needs {what}.")
 
 
 def main(argv):
@@ -487,12 +308,10 @@ def main(argv):
     )
   mode = MODES[FLAGS.mode]
   try:
-    if mode.here:
-      fit.compile_here()
+    if mode.local:  # before JAX starts a backend: no accelerator here is taken, nor a job joined
+      jax.config.update("jax_platforms", "cpu")
     else:
-      distributed.initialize(  # before any device
-          FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id
-      )
+      distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     _check_flags(FLAGS.mode, mode, FLAGS.config)
     mode.run(FLAGS.config, FLAGS.workdir)
   except (ConfigError, FloatingPointError) as error:  # a mistake, or a diverged run
@@ -505,16 +324,8 @@ def run():
     jax.config.update("jax_platforms", "cpu")  # jax read $JAX_PLATFORMS when imported, before it
   xla_flags.restart_with_huge_pages()  # at most once: the process it starts has them set
   sys.modules["__main__"].__doc__ = USAGE  # what absl's --help prints first
-  for name in (
-      "mode",
-      "config",
-      "workdir",
-      "out",
-      "step",
-      "take_over_workdir",
-      "version",
-  ):  # what --help shows
-    FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
+  for name in ("mode", "config", "workdir", "out", "step", "take_over_workdir", "version"):
+    FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])  # what --help shows
   app.run(main, flags_parser=config_lib.flags_parser("electra-jax"))
 
 

@@ -1,6 +1,5 @@
-"""The device memory a compiled training step needs (XLA's per-device figures), and the largest batch that
-fits (`train.batch_size = -1`): a linear fit of bytes against the batch, then bracketing and bisection.
-"""
+"""The device memory a compiled training step needs (XLA's per-device figures), and the largest
+batch that fits (`train.batch_size = -1`): a line of bytes against the batch, then bisection."""
 
 import dataclasses
 import os
@@ -11,8 +10,8 @@ from absl import logging
 
 from electra_jax.errors import ConfigError
 
-# A batch fits only if its step does no more work per example than the first two measured (XLA's TPU compiler
-# rematerializes activations to squeeze a larger batch into HBM).
+# A batch fits only if its step does no more work per example than the first two measured (XLA's
+# TPU compiler rematerializes activations to squeeze a larger batch into HBM).
 RECOMPUTE_TOLERANCE = 0.02
 
 
@@ -41,11 +40,6 @@ def memory_parts(compiled) -> dict[str, int]:
   }
 
 
-def compiled_bytes(compiled) -> int:
-  """Peak bytes one device holds for a compiled computation (the sum of its memory_parts)."""
-  return sum(memory_parts(compiled).values())
-
-
 def compiled_flops(compiled) -> float | None:
   """FLOPs of a compiled computation per device from XLA's cost analysis, None if not reported."""
   try:
@@ -58,7 +52,7 @@ def compiled_flops(compiled) -> float | None:
 
 
 def device_memory_bytes(device: jax.Device | None = None) -> int:
-  """Memory of one device: the allocator's limit on GPU/TPU; on CPU its share of the host's available memory."""
+  """Memory of one device: the allocator's limit on GPU/TPU; on CPU its share of the host's."""
   stats = (device or jax.local_devices()[0]).memory_stats()  # None on CPU
   if stats and stats.get("bytes_limit"):
     return int(stats["bytes_limit"])
@@ -71,7 +65,7 @@ def device_memory_bytes(device: jax.Device | None = None) -> int:
 
 
 def step_memory(compile_step, batch_size: int) -> StepMemory:
-  """The per-device bytes of the train step compiled by `compile_step(batch_size)` (global batch)."""
+  """The per-device bytes of the step `compile_step(batch_size)` compiles (a global batch)."""
   start = time.perf_counter()
   try:
     compiled = compile_step(batch_size)
@@ -79,7 +73,7 @@ def step_memory(compile_step, batch_size: int) -> StepMemory:
     if "RESOURCE_EXHAUSTED" not in str(e) and "Ran out of memory" not in str(e):
       raise
     logging.info(
-        "Batch %d: the compiler refused the step as more than a device's memory " "(%.0f s: %s).",
+        "Batch %d: the compiler refused the step as more than a device's memory (%.0f s: %s).",
         batch_size,
         time.perf_counter() - start,
         str(e).splitlines()[0][:200],
@@ -98,7 +92,7 @@ def step_memory(compile_step, batch_size: int) -> StepMemory:
 
 
 def linear_fit(small: StepMemory, large: StepMemory) -> tuple[float, float]:
-  """(fixed, per_example) of bytes = fixed + per_example * batch through two measurements (per_example >= 1)."""
+  """(fixed, per_example >= 1) of bytes = fixed + per_example * batch through two measurements."""
   per_example = max(
       1.0, (large.bytes_per_device - small.bytes_per_device) / (large.batch_size - small.batch_size)
   )
@@ -106,7 +100,7 @@ def linear_fit(small: StepMemory, large: StepMemory) -> tuple[float, float]:
 
 
 def fit_of(measured: list[StepMemory]) -> tuple[float, float] | None:
-  """The linear fit through the two smallest measured batches that compiled, or None for fewer than two."""
+  """The linear fit through the two smallest measured batches that compiled (None: fewer)."""
   sized = sorted(
       (m for m in measured if m.bytes_per_device is not None), key=lambda m: m.batch_size
   )
@@ -114,9 +108,10 @@ def fit_of(measured: list[StepMemory]) -> tuple[float, float] | None:
 
 
 def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, list[StepMemory]]:
-  """(the largest multiple of `quantum` whose step fits in `limit_bytes` per device, the measurements): guesses
-  follow the line through the largest fitting batches until one does not fit, then the bracket is bisected. A step
-  XLA fits only by recomputing does not fit; ConfigError when not even `quantum` fits."""
+  """(the largest multiple of `quantum` whose step fits in `limit_bytes` per device, the
+  measurements): guesses follow the line through the largest fitting batches until one does not
+  fit, then bisection. A step XLA fits only by recomputing does not fit; ConfigError when not even
+  `quantum` fits."""
   measured: list[StepMemory] = []
   fitting: list[StepMemory] = []
 
@@ -125,32 +120,25 @@ def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, li
     measured.append(m)
     if m.bytes_per_device is None or m.bytes_per_device > limit_bytes:
       return False
-    extra = 0.0  # how far m's FLOPs exceed the line through the first two compiles', as a fraction of it
-    if len(measured) > 2 and None not in (
-        measured[0].flops,
-        measured[1].flops,
-        m.flops,
-    ):  # refused: no FLOPs
+    if len(measured) > 2 and None not in (measured[0].flops, measured[1].flops, m.flops):
+      # How far m's FLOPs exceed the line through the first two compiles', as a fraction of it.
       first, second = measured[:2]
       per_example = (second.flops - first.flops) / (second.batch_size - first.batch_size)
       predicted = first.flops + per_example * (m.batch_size - first.batch_size)
-      extra = m.flops / predicted - 1 if predicted > 0 else 0.0
-    if extra > RECOMPUTE_TOLERANCE:
-      logging.info(
-          "Batch %d: XLA recomputes %.0f%% more of the step than the first two compiles' "
-          "line predicts, to fit it in memory: taken as not fitting.",
-          batch,
-          100 * extra,
-      )
-      return False
+      if predicted > 0 and m.flops / predicted - 1 > RECOMPUTE_TOLERANCE:
+        logging.info(
+            "Batch %d: XLA recomputes %.0f%% more of the step than the first two compiles' line "
+            "predicts, to fit it in memory: taken as not fitting.",
+            batch,
+            100 * (m.flops / predicted - 1),
+        )
+        return False
     fitting.append(m)
     return True
 
   if not fits(quantum):
     needs = measured[0].bytes_per_device
-    needs = (
-        "more than a device's memory" if needs is None else f"{needs / 2**30:.2f} GiB per device"
-    )
+    needs = "more than a device's memory" if needs is None else f"{needs / 2**30:.2f} GiB a device"
     raise ConfigError(
         f"Even a batch of {quantum} needs {needs}, more than the {limit_bytes / 2**30:.2f} GiB "
         "allowed: use a smaller model or max_seq_len, bfloat16, or more devices."
@@ -160,8 +148,8 @@ def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, li
   fit = fit_of(measured)
   while high is None or high - low > quantum:
     if high is None:
-      # XLA's layout is not even monotonic in the batch: the slope is at least a quarter of the chord from the
-      # smallest batch, and the guess at most 8 x low.
+      # XLA's layout is not even monotonic in the batch: the slope is at least a quarter of the
+      # chord from the smallest batch, and the guess at most 8 x low.
       _, chord = linear_fit(fitting[0], fitting[-1])
       per_example = max(linear_fit(fitting[-2], fitting[-1])[1], chord / 4)
       guess = int(
@@ -171,16 +159,9 @@ def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, li
     else:
       candidate = min(max(low + quantum, (low + high) // 2 // quantum * quantum), high - quantum)
     low, high = (candidate, high) if fits(candidate) else (low, candidate)
-  shown = (
-      "no linear fit"
-      if fit is None
-      else f"{fit[0] / 2**20:.1f} MiB fixed + {fit[1] / 2**20:.3f} MiB per example"
-  )
+  if fit is not None:
+    logging.info("Memory per device: %.1f MiB + %.3f MiB per example.", *(f / 2**20 for f in fit))
   logging.info(
-      "Memory per device: %s; largest batch %d (limit %.2f GiB, %d compiles).",
-      shown,
-      low,
-      limit_bytes / 2**30,
-      len(measured),
+      "Largest batch %d (limit %.2f GiB, %d compiles).", low, limit_bytes / 2**30, len(measured)
   )
   return low, measured

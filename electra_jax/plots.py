@@ -1,6 +1,6 @@
-"""Curves of workdirs (a sweep folder stands for its runs) as one PNG: a panel per metric, a line per workdir
-(metrics.jsonl solid, eval_metrics.jsonl dashed). No pyplot: no display needed, a notebook's backend kept.
-"""
+"""Curves of workdirs (a sweep folder stands for its runs) as one PNG: a panel per metric, a line
+per workdir (metrics.jsonl solid, eval_metrics.jsonl dashed). No pyplot: no display needed, a
+notebook's backend kept."""
 
 import io
 import math
@@ -11,9 +11,6 @@ from electra_jax import workdir_files
 from electra_jax.errors import ConfigError
 
 DEFAULT_METRICS = ("loss", "masked_lm_accuracy", "disc_auc")
-PANEL_SIZE = (5.0, 3.5)  # inches; at DPI, one panel is 500 x 350 pixels
-DPI = 100
-MAX_COLUMNS = 3
 
 
 def expand_workdirs(workdirs: Sequence[str]) -> list[tuple[str, str]]:
@@ -21,75 +18,57 @@ def expand_workdirs(workdirs: Sequence[str]) -> list[tuple[str, str]]:
   expanded = []
   for workdir in workdirs:
     name = os.path.basename(os.path.normpath(workdir))
-    record = workdir_files.read_sweep(workdir) or {"runs": ()}
-    runs = [
-        (f"{name}/{run}", os.fspath(workdir_files.path(workdir, run))) for run, _ in record["runs"]
-    ]
-    expanded += runs or [(name or workdir, workdir)]
+    runs = (workdir_files.read_sweep(workdir) or {"runs": ()})["runs"]
+    paths = [(f"{name}/{run}", os.fspath(workdir_files.path(workdir, run))) for run, _ in runs]
+    expanded += paths or [(name or workdir, workdir)]
   return expanded
 
 
 def plot_curves(
     workdirs: Sequence[str], out: str | None = None, metrics: Sequence[str] | None = None
 ):
-  """The matplotlib Figure of `workdirs`' curves, also written to `out` (PNG) if given; `metrics`: by default
-  those of DEFAULT_METRICS logged."""
+  """The matplotlib Figure of `workdirs`' curves, also written to `out` (PNG) if given; `metrics`:
+  by default those of DEFAULT_METRICS logged."""
   try:
     from matplotlib.figure import Figure  # noqa: PLC0415 (optional extra)
   except ImportError as error:
-    raise ConfigError(
-        "Plots need matplotlib: pip install matplotlib (the `plots` extra)."
-    ) from error
+    raise ConfigError("Plots need matplotlib (pip install matplotlib, the plots extra).") from error
 
   runs = expand_workdirs(workdirs)
-  logs = [
-      (
-          label,
-          *(
-              workdir_files.read_jsonl(workdir_files.path(workdir, file))
-              for file in ("metrics.jsonl", "eval_metrics.jsonl")
-          ),
-      )
-      for label, workdir in runs
-  ]
-  logs = [
-      (label, train_log, eval_log) for label, train_log, eval_log in logs if train_log or eval_log
-  ]
+  logs = []  # (label, {"train": records, "eval": records}) of the workdirs that logged
+  for label, workdir in runs:
+    split_logs = {}
+    for split, file in (("train", "metrics.jsonl"), ("eval", "eval_metrics.jsonl")):
+      records = workdir_files.read_jsonl(workdir_files.path(workdir, file))
+      split_logs[split] = [record for record in records if "step" in record]
+    if any(split_logs.values()):
+      logs.append((label, split_logs))
   if not logs:
     raise ConfigError(
         f"No metrics.jsonl or eval_metrics.jsonl in {', '.join(w for _, w in runs)}: pass training "
         "workdirs (or sweep folders) whose runs have logged."
     )
-  logged = {k for _, t, e in logs for r in t + e for k in r if k != "step"}
+  logged = {k for _, split_logs in logs for log in split_logs.values() for r in log for k in r}
+  logged.discard("step")
   metrics = metrics or [m for m in DEFAULT_METRICS if m in logged] or sorted(logged)
   if unknown := [m for m in metrics if m not in logged]:
     raise ConfigError(
-        f"--plot_metrics {', '.join(unknown)}: not logged by these runs; they logged {sorted(logged)}."
+        f"--plot_metrics {', '.join(unknown)}: not logged by these runs; they logged "
+        f"{sorted(logged)}."
     )
 
-  columns = min(MAX_COLUMNS, len(metrics))
+  columns = min(3, len(metrics))
   rows = math.ceil(len(metrics) / columns)
-  figure = Figure(
-      figsize=(PANEL_SIZE[0] * columns, PANEL_SIZE[1] * rows), dpi=DPI, layout="constrained"
-  )
+  # 500 x 350 pixels a panel.
+  figure = Figure(figsize=(5.0 * columns, 3.5 * rows), dpi=100, layout="constrained")
   axes = figure.subplots(rows, columns, squeeze=False).ravel()
   for ax, metric in zip(axes, metrics):
-    for i, (label, train_log, eval_log) in enumerate(
-        logs
-    ):  # a workdir's train and eval lines share a colour
-      for split, log, linestyle, marker in (
-          ("train", train_log, "-", None),
-          ("eval", eval_log, "--", "."),
-      ):
-        points = [(int(r["step"]), float(r[metric])) for r in log if metric in r and "step" in r]
+    for i, (label, split_logs) in enumerate(logs):  # a workdir's two lines share a colour
+      for split, linestyle, marker in (("train", "-", None), ("eval", "--", ".")):
+        points = [(int(r["step"]), float(r[metric])) for r in split_logs[split] if metric in r]
         if points:  # NaN values leave gaps in the line
-          ax.plot(
-              *zip(*points),
-              color=f"C{i % 10}",
-              linestyle=linestyle,
-              marker=marker,
-              label=f"{label} ({split})",
-          )
+          color, name = f"C{i % 10}", f"{label} ({split})"
+          ax.plot(*zip(*points), color=color, linestyle=linestyle, marker=marker, label=name)
     ax.set_title(metric)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)

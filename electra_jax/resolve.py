@@ -80,6 +80,11 @@ def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
     config_lib.validate_for_mesh(config, partitioning.batch_shards(mesh))
   logging.info("Mesh %s over %d %s devices.", dict(mesh.shape), mesh.size, platform)
   corpus = data.load_pretraining_data(config.data, split="train")
+  if config.train.batch_size > corpus.num_rows:
+    raise ConfigError(
+        f"train.batch_size={config.train.batch_size} is more than the {corpus.num_rows} training "
+        "rows of this data: every batch would repeat rows. Lower train.batch_size, or add data."
+    )
   if config.model.vocab_size < corpus.tokenizer.vocab_size:
     raise ConfigError(
         f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's vocabulary "
@@ -88,23 +93,19 @@ def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
   # The setup depends on neither the batch size nor the run's length.
   setup = train_state.build_setup(config, mesh, train_state.special_ids(corpus.tokenizer))
 
-  # --- What the run decides at its start
-  fixed = {}
-  if auto_batch:
-    fixed["train.batch_size"] = _largest_batch(config, setup, mesh)
+  # --- What the run decides at its start (a batch the search finds is a multiple of the shards)
   saved = config_lib.saved_config(workdir) if workdir is not None else None
-  start = None
-  if workdir is not None:
-    start = _start(_with(config, fixed), workdir, setup, mesh, corpus)
-  if config.train.time_budget:
-    fixed["train.steps"] = _budget_steps(
-        _with(config, fixed), saved, start, mesh, corpus, setup, started
-    )
-  registered = objectives.REGISTRY[config.objective.name]
-  fixed.update(registered.fixed_at_start(_with(config, fixed), saved, start and start.step))
+  with partitioning.activate(mesh):
+    if auto_batch:
+      config = _with(config, {"train.batch_size": _largest_batch(config, setup, mesh)})
+    start = _start(config, workdir, setup, corpus) if workdir is not None else None
+    if config.train.time_budget:
+      steps = _budget_steps(config, saved, start, mesh, corpus, setup, started)
+      config = _with(config, {"train.steps": steps})
+  fixed = objectives.REGISTRY[config.objective.name].fixed_at_start(
+      config, saved, start and start.step
+  )
   resolved = _with(config, fixed)
-  if auto_batch:
-    config_lib.validate_for_mesh(resolved, partitioning.batch_shards(mesh))
   if (note := optimizer.warmup_note(resolved)) is not None:
     logging.warning("%s", note)
   return Run(
@@ -153,7 +154,7 @@ def step_compiler(config, setup: TrainingSetup, mesh):
 
 
 # --- The checkpoint to go on from
-def _start(config, workdir: str, setup: TrainingSetup, mesh, corpus) -> Start | None:
+def _start(config, workdir: str, setup: TrainingSetup, corpus) -> Start | None:
   """The newest intact checkpoint in `workdir` that holds this setup's model and this data, or None."""
   checkpointer = latest = None
   if workdir_files.exists(checkpointing.checkpoints_directory(workdir)):  # else none is made here
@@ -173,8 +174,7 @@ def _start(config, workdir: str, setup: TrainingSetup, mesh, corpus) -> Start | 
     return None
   try:
     check = _checkpoint_check(checkpointer, setup, workdir, corpus, config)
-    with partitioning.activate(mesh):
-      step, state, meta = checkpointer.restore_newest_intact(setup.abstract_state, latest, check)
+    step, state, meta = checkpointer.restore_newest_intact(setup.abstract_state, latest, check)
   finally:
     checkpointer.close()
   # A checkpoint records the stream position it reached, so a run resumed with another batch size
@@ -298,23 +298,23 @@ def _timed(fn, *args):
 
 def measure_step_time(config, setup: TrainingSetup, mesh, corpus) -> StepTiming:
   """Times the train step on a throwaway state and batch 0 (after a warm-up step) and one held-out
-  evaluation (after a first that compiles); nothing of the run is advanced."""
+  evaluation (after a first that compiles), inside partitioning.activate(mesh); nothing of the run
+  is advanced."""
   seed, schedule = config.train.seed, optimizer.make_schedule(config)
-  with partitioning.activate(mesh):
-    step_fn, compile_seconds = _timed(train_state.compile_train_step, setup, config, mesh)
-    local = data.get_batch(
-        corpus, 0, config.train.batch_size, seed, jax.process_index(), jax.process_count()
-    )
-    batch = partitioning.global_batch_from_local(local, mesh, keys=train_state.batch_keys(config))
-    rng = train_state.step_rng(seed, 0)
-    (state, _), _ = _timed(step_fn, train_state.fresh_state(setup, seed), batch, rng, schedule)
+  step_fn, compile_seconds = _timed(train_state.compile_train_step, setup, config, mesh)
+  local = data.get_batch(
+      corpus, 0, config.train.batch_size, seed, jax.process_index(), jax.process_count()
+  )
+  batch = partitioning.global_batch_from_local(local, mesh, keys=train_state.batch_keys(config))
+  rng = train_state.step_rng(seed, 0)
+  (state, _), _ = _timed(step_fn, train_state.fresh_state(setup, seed), batch, rng, schedule)
 
-    def timed_steps(state):
-      for _ in range(_TIMED_STEPS):
-        state, metrics = step_fn(state, batch, rng, schedule)
-      return state, metrics
+  def timed_steps(state):
+    for _ in range(_TIMED_STEPS):
+      state, metrics = step_fn(state, batch, rng, schedule)
+    return state, metrics
 
-    (state, _), seconds = _timed(timed_steps, state)
+  (state, _), seconds = _timed(timed_steps, state)
   eval_seconds = 0.0
   if config.eval.every_steps:
     evaluator = evaluation.HeldOutEvaluator(config, setup, mesh, schedule)

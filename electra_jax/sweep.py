@@ -1,11 +1,10 @@
-"""Sweeps: a grid or list of config overrides trained in sub-workdirs of a sweep folder (sweep.json records
-the base config and the runs), then results.csv, results.md and the curves. docs/training.md is the manual.
-"""
+"""Sweeps: a grid or list of config overrides trained in sub-workdirs of a sweep folder (sweep.json
+records the base config and the runs), then results.csv, results.md and the curves.
+docs/training.md is the manual."""
 
 import contextlib
 import copy
 import csv
-import difflib
 import glob
 import hashlib
 import io
@@ -14,8 +13,8 @@ import json
 import math
 import os
 import re
-import signal
 import shlex
+import signal
 import time
 from typing import NamedTuple, Sequence
 
@@ -30,23 +29,14 @@ from electra_jax.errors import ConfigError
 
 SWEEP_FILE = workdir_files.SWEEP_FILE
 ERROR_FILE = "sweep_error.txt"
-FINETUNE_SUBDIR = "finetune"
 Override = tuple[str, str]  # (config key, the value as the user wrote it)
 
-# Table columns; then the metrics any run logged (METRIC_ORDER's first, the others sorted), less NOT_IN_TABLE.
-FIXED_COLUMNS = ("run", "overrides", "status", "steps", "train_tokens", "train_flops")
-METRIC_ORDER = (
+# The tables' metric columns: these first (and only these in results.md), then the others sorted.
+HEADLINE_METRICS = (
     "loss",
-    "masked_lm_loss",
     "masked_lm_accuracy",
-    "sampled_masked_lm_accuracy",
-    "disc_loss",
     "disc_auc",
     "disc_accuracy",
-    "disc_precision",
-    "disc_recall",
-    "replaced_fraction",
-    "main_mlm_loss",
     "main_mlm_accuracy",
     "cloze_loss",
 )
@@ -58,16 +48,7 @@ NOT_IN_TABLE = (
     "learning_rate",
     "sampling_temperature",
 )
-# results.md keeps the headline metrics (results.csv has every column).
-MARKDOWN_METRICS = (
-    "loss",
-    "masked_lm_accuracy",
-    "disc_auc",
-    "disc_accuracy",
-    "main_mlm_accuracy",
-    "cloze_loss",
-)
-DOWNSTREAM_COLUMNS = ("downstream_task", "downstream_score", "downstream_seeds")
+FIXED_COLUMNS = ("run", "overrides", "status", "steps", "train_tokens", "train_flops")
 
 
 class Run(NamedTuple):
@@ -88,8 +69,8 @@ def _split_override(text: str, where: str) -> Override:
 
 
 def expand(grid: Sequence[str] = (), sweep_file: str | None = None) -> list[list[Override]]:
-  """The runs: each line of `sweep_file` (key=value overrides, shell quoting, # comments) crossed with the
-  product of the --sweep=KEY=V1,V2 `grid` (either alone works too)."""
+  """The runs: each line of `sweep_file` (key=value overrides, shell quoting, # comments) crossed
+  with the product of the --sweep=KEY=V1,V2 `grid` (either alone works too)."""
   lines = [[]]
   if sweep_file:
     if not os.path.exists(sweep_file):
@@ -104,17 +85,13 @@ def expand(grid: Sequence[str] = (), sweep_file: str | None = None) -> list[list
         if words:
           lines.append([_split_override(word, f"{sweep_file}:{number}") for word in words])
     if not lines:
-      raise ConfigError(
-          f"--sweep_file={sweep_file} lists no runs (one line of key=value overrides per run)."
-      )
+      raise ConfigError(f"--sweep_file={sweep_file} lists no runs (one line of overrides per run).")
   axes = []
   for spec in grid:
     key, values = _split_override(spec, f"--sweep={spec}")
     axes.append([(key, v.strip()) for v in values.split(",")])
     if not all(v for _, v in axes[-1]):
-      raise ConfigError(
-          f"--sweep={spec}: empty value; give KEY=V1,V2,... (a value with commas goes in --sweep_file)."
-      )
+      raise ConfigError(f"--sweep={spec}: an empty value; put a value with commas in --sweep_file.")
   runs = [line + list(combo) for line in lines for combo in itertools.product(*axes)]
   for overrides in runs:
     keys = [k for k, _ in overrides]
@@ -123,29 +100,18 @@ def expand(grid: Sequence[str] = (), sweep_file: str | None = None) -> list[list
   return runs
 
 
-def _check_key(config: ml_collections.ConfigDict, key: str, what: str) -> None:
-  group = config
-  for depth, name in enumerate(names := key.split(".")):
-    if not isinstance(group, ml_collections.ConfigDict) or name not in group:
-      known = list(group) if isinstance(group, ml_collections.ConfigDict) else []
-      hint = "".join(f" Did you mean {m!r}?" for m in difflib.get_close_matches(name, known, 1))
-      if key in config_lib.REMOVED_KEYS:
-        last = config_lib.REMOVED_KEYS[key][1]
-        hint = f" It was removed: {last} is the last commit with it (CHANGELOG.md)."
-      raise ConfigError(
-          f"{what} key {key!r} is not a config key: {'.'.join(names[:depth]) or 'the config'} has "
-          f"no {name!r}.{hint} configs/base.py lists every key."
-      )
-    group = group[name]
-
-
 def apply_overrides(
     base: ml_collections.ConfigDict, overrides: Sequence[Override], what: str = "Sweep"
 ) -> ml_collections.ConfigDict:
   """A copy of `base` with `overrides` applied as `--config.KEY=VALUE` flags are, by ml_collections'
   own parser; a bad key or value is a ConfigError starting with `what`."""
   for key, _ in overrides:
-    _check_key(base, key, what)
+    if found := config_lib.unknown_key(base, key):
+      name, hint = found
+      raise ConfigError(
+          f"{what} key {key!r} is not a config key (no {name!r} there).{' ' + hint if hint else ''} "
+          "configs/base.py lists every key."
+      )
   argv = ["sweep", *(f"--config.{key}={raw}" for key, raw in overrides)]
   flag_values = absl_flags.FlagValues()
   try:
@@ -161,58 +127,42 @@ def apply_overrides(
   return flag_values.config
 
 
-def identity(base: ml_collections.ConfigDict | None, overrides: Sequence[Override]) -> str:
-  """What makes runs the same: the values the overrides give over `base`, in key order (`b=.5 a=1e-3`
-  is `a=0.001 b=0.5`); as written for `base` None or a key it lacks (a run an older version recorded).
-  """
+def identity(base: ml_collections.ConfigDict, overrides: Sequence[Override]) -> str:
+  """What makes runs the same: the values the overrides give over `base`, in key order (`b=.5
+  a=1e-3` is `a=0.001 b=0.5`); as written for a key `base` lacks (an older record's)."""
   values = [tuple(o) for o in overrides]
-  if base is not None:
-    with contextlib.suppress(ConfigError):
-      config = apply_overrides(base, overrides)
-      values = [(key, repr(config_path.get_value(key, config))) for key, _ in overrides]
+  with contextlib.suppress(ConfigError):
+    config = apply_overrides(base, overrides)
+    values = [(key, repr(config_path.get_value(key, config))) for key, _ in overrides]
   return json.dumps(sorted(values))
 
 
-def _readable_name(overrides: Sequence[Override]) -> str:
-  if not overrides:
-    return "recipe"
-  leaves = [k.rsplit(".", 1)[-1] for k, _ in overrides]
-  # The key's last part, or the full key where two last parts are alike.
-  parts = [
-      (leaf if leaves.count(leaf) == 1 else key) + "=" + value
-      for leaf, (key, value) in zip(leaves, overrides)
-  ]
-  name = re.sub(r"[^A-Za-z0-9._=,+-]+", "-", ",".join(parts)).strip("-.") or "run"
-  if len(name) > 100:
-    digest = hashlib.sha1(json.dumps(overrides).encode()).hexdigest()[:8]
-    name = name[:90].rstrip("-.,=") + "-" + digest
-  return name
-
-
 def name_runs(
-    override_lists: Sequence[Sequence[Override]],
-    existing: Sequence[Run] = (),
-    base: ml_collections.ConfigDict | None = None,
+    override_lists, existing: Sequence[Run], base: ml_collections.ConfigDict
 ) -> list[Run]:
-  """Runs for `override_lists`: the recorded one with the same overrides (by `identity`), else a new name."""
-  by_overrides = {
-      identity(base, r.overrides): r for r in existing
-  }  # base None: the values as written
+  """Runs for `override_lists`: the recorded one with the same overrides (by `identity`), else a
+  new readable name: the keys' last parts (whole keys where two are alike) and values."""
+  by_identity = {identity(base, r.overrides): r for r in existing}
   taken = {r.name for r in existing}
   runs = []
   for overrides in override_lists:
     overrides = [tuple(o) for o in overrides]
-    key = identity(base, overrides)
-    if key not in by_overrides:
-      stem = _readable_name(overrides)
-      name = next(
-          n
-          for n in itertools.chain([stem], (f"{stem}-{i}" for i in itertools.count(2)))
-          if n not in taken
-      )
+    if (key := identity(base, overrides)) not in by_identity:
+      leaves = [k.rsplit(".", 1)[-1] for k, _ in overrides]
+      parts = [
+          (leaf if leaves.count(leaf) == 1 else k) + "=" + v
+          for leaf, (k, v) in zip(leaves, overrides)
+      ]
+      stem = re.sub(r"[^A-Za-z0-9._=,+-]+", "-", ",".join(parts)).strip("-.") or "run"
+      stem = stem if overrides else "recipe"
+      if len(stem) > 100:
+        digest = hashlib.sha1(json.dumps(overrides).encode()).hexdigest()[:8]
+        stem = stem[:90].rstrip("-.,=") + "-" + digest
+      names = itertools.chain([stem], (f"{stem}-{i}" for i in itertools.count(2)))
+      name = next(n for n in names if n not in taken)
       taken.add(name)
-      by_overrides[key] = Run(name, list(overrides))
-    runs.append(by_overrides[key])
+      by_identity[key] = Run(name, overrides)
+    runs.append(by_identity[key])
   return runs
 
 
@@ -229,7 +179,8 @@ def run_dir(sweep_dir: str, run: Run) -> str:
 def load_recipe(
     recipe: str, overrides: Sequence[Override] = (), what: str = "Override", flag: str = "recipe"
 ) -> ml_collections.ConfigDict:
-  """A recipe by name or path (`demo`, `finetune/tiny:ARG`) with `overrides`; errors name it as `flag`."""
+  """A recipe by name or path (`demo`, `finetune/tiny:ARG`) with `overrides`; errors name it as
+  `flag`."""
   path, _, arg = config_lib.resolve_recipe(recipe).partition(":")
   if not os.path.isfile(path):
     raise ConfigError(
@@ -256,8 +207,8 @@ def _latest_checkpoint(workdir: str) -> int | None:
 
 
 def _finetune_results(workdir: str) -> dict | None:
-  found = sorted(glob.glob(os.path.join(workdir, FINETUNE_SUBDIR, "*", "results.json")))
-  return json.loads(open(found[0]).read()) if found else None
+  found = sorted(glob.glob(os.path.join(workdir, "finetune", "*", "results.json")))
+  return workdir_files.read_json(found[0]) if found else None
 
 
 def run_sweep(
@@ -269,9 +220,9 @@ def run_sweep(
     plot: bool = True,
     take_over_workdir: bool = False,
 ) -> dict:
-  """Trains every unfinished run, fine-tunes each if asked, writes the tables and curves; {"runs", "failed",
-  "rows", "preempted"}. Every run is checked before anything is written; one sweep holds `sweep_dir`.
-  """
+  """Trains every unfinished run, fine-tunes each if asked, writes the tables and curves; {"runs",
+  "failed", "rows", "preempted"}. Every run is checked before anything is written; one sweep at a
+  time holds `sweep_dir`."""
   override_lists = expand(grid, sweep_file)
   record = read_record(sweep_dir)
   existing = record["runs"] if record else []
@@ -282,9 +233,9 @@ def run_sweep(
       )
   ):
     raise ConfigError(
-        f"{sweep_dir}/{SWEEP_FILE} was written for another base config (recipe or --config.* flags: "
-        f"{'; '.join(changes)}): one table must not mix recipes. Use the same --config and flags "
-        "as before, or a new --workdir for this sweep."
+        f"{sweep_dir}/{SWEEP_FILE} was written for another base config (recipe or --config.* "
+        f"flags: {'; '.join(changes)}): one table must not mix recipes. Use the same --config and "
+        "flags as before, or a new --workdir for this sweep."
     )
   # A run listed twice (or recorded already) is one run.
   runs = list({run.name: run for run in name_runs(override_lists, existing, base_config)}.values())
@@ -301,30 +252,24 @@ def run_sweep(
 
   # Two sweeps on one folder would each rewrite sweep.json and fail the runs the other trains.
   lease = workdir_lease.acquire(sweep_dir, take_over_workdir, "The sweep folder")
+  previous_handler = None
   try:
     all_runs = list(existing) + [r for r in runs if r not in existing]
     record = dict(
-        base_config=config_lib.as_saved(base_config),
-        runs=[dict(name=r.name, overrides=[list(o) for o in r.overrides]) for r in all_runs],
+        base_config=config_lib.as_saved(base_config), runs=[r._asdict() for r in all_runs]
     )
     workdir_files.makedirs(workdir_files.path(sweep_dir))
     workdir_files.write_json(workdir_files.path(sweep_dir, SWEEP_FILE), record)
-    logging.info(
-        "Sweep of %d runs in %s (%d recorded in all).", len(runs), sweep_dir, len(all_runs)
-    )
-    # A SIGTERM stops the sweep: a run saves and returns (train.py's handler); between runs it is noted here.
-    preemption.clear_sigterm()  # one an earlier run in this process (a notebook) took is not this sweep's
-    previous_handler = None
+    logging.info("Sweep of %d runs in %s (%d recorded).", len(runs), sweep_dir, len(all_runs))
+    # A SIGTERM stops the sweep: a run saves and returns (its own handler); between runs it is
+    # noted here. One an earlier run in this process (a notebook) took is not this sweep's.
+    preemption.clear_sigterm()
     with contextlib.suppress(ValueError):  # not the main thread: no handler
       previous_handler = signal.signal(signal.SIGTERM, preemption.note_sigterm)
-    try:
-      failed, preempted = _train_runs(
-          runs, configs, sweep_dir, finetune_config, train, lease, take_over_workdir
-      )
-    finally:
-      if previous_handler is not None:
-        signal.signal(signal.SIGTERM, previous_handler)
-    workdir_lease.hold(lease)  # noqa: SLF001 (the tables and curves are the holder's to write)
+    failed, preempted = _train_runs(
+        runs, configs, sweep_dir, finetune_config, lease, take_over_workdir
+    )
+    workdir_lease.hold(lease)  # the tables and curves are the holder's to write
     rows = write_report(sweep_dir)
     if plot:
       try:
@@ -335,42 +280,32 @@ def run_sweep(
       logging.error("Sweep finished with %d failed run(s): %s", len(failed), ", ".join(failed))
     return dict(runs=[r.name for r in runs], failed=failed, rows=rows, preempted=preempted)
   finally:
+    if previous_handler is not None:
+      signal.signal(signal.SIGTERM, previous_handler)
     if lease is not None:
       lease.release()
 
 
-def _train_runs(
-    runs, configs, sweep_dir, finetune_config, train, lease, take_over
-) -> tuple[list[str], bool]:
-  """Trains, resumes or skips each run; (failed run names, preempted). WorkdirInUse once another sweep holds it."""
+def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
+  """Trains, resumes or skips each run, then fine-tunes it if asked; (failed run names,
+  preempted). WorkdirInUse once another sweep holds the folder."""
   failed, durations = [], []
   latest_steps = [_latest_checkpoint(run_dir(sweep_dir, r)) for r in runs]
-  unfinished = [(latest or 0) < c.train.steps for latest, c in zip(latest_steps, configs)]
-  for index, (run, config, latest, to_train) in enumerate(
-      zip(runs, configs, latest_steps, unfinished), 1
-  ):
+  to_train = [(latest or 0) < c.train.steps for latest, c in zip(latest_steps, configs)]
+  for index, (run, config, latest) in enumerate(zip(runs, configs, latest_steps)):
+    where = f"run {index + 1}/{len(runs)} {run.name}"
     if preemption.sigterm_received():
-      logging.warning(
-          "SIGTERM received: the sweep stops before run %d/%d %s. Run the same command "
-          "to go on.",
-          index,
-          len(runs),
-          run.name,
-      )
+      logging.warning("SIGTERM: the sweep stops before %s; the same command goes on.", where)
       return failed, True
-    workdir_lease.hold(lease)  # noqa: SLF001 (every process stops if another sweep took the folder)
-    workdir = run_dir(sweep_dir, run)
-    eta = (
-        f"ETA {config_lib.format_duration(sum(unfinished[index - 1:]) * sum(durations) / len(durations))}"
-        if durations
-        else "ETA after the first trained run"
-    )
-    logging.info(
-        "Sweep run %d/%d %s (%s) | %s", index, len(runs), run.name, _label(run.overrides), eta
-    )
+    workdir_lease.hold(lease)  # every process stops if another sweep took the folder
+    workdir, started = run_dir(sweep_dir, run), time.perf_counter()
+    eta = "ETA after the first trained run"
+    if durations:
+      left = sum(to_train[index:]) * sum(durations) / len(durations)
+      eta = f"ETA {config_lib.format_duration(left)}"
+    logging.info("Sweep %s (%s) | %s", where, _label(run.overrides), eta)
     error_file = workdir_files.path(workdir, ERROR_FILE)
-    started = time.perf_counter()
-    if not to_train:
+    if not to_train[index]:
       logging.info("Run %s is finished (checkpoint %d): skipped.", run.name, latest)
     else:
       if latest is not None:
@@ -378,7 +313,7 @@ def _train_runs(
       try:
         train.train_and_evaluate(config, workdir, take_over_workdir=take_over)
       except Exception as error:  # noqa: BLE001 (the sweep goes on; the error is kept and reported)
-        workdir_lease.hold(lease)  # noqa: SLF001 (a sweep that took the folder over owns this run: stop)
+        workdir_lease.hold(lease)  # a sweep that took the folder over owns this run: stop
         if isinstance(error, ConfigError):  # the user's input: the message says it all
           logging.error("Sweep run %s failed: %s Going on with the next one.", run.name, error)
         else:
@@ -387,16 +322,10 @@ def _train_runs(
         workdir_files.makedirs(workdir)
         workdir_files.write_text(error_file, f"{type(error).__name__}: {error}\n")
         continue
-      if (
-          reached := _latest_checkpoint(workdir) or 0
-      ) < config.train.steps or preemption.sigterm_received():  # SIGTERM
-        logging.warning(
-            "Sweep run %s stopped at step %d of %d (SIGTERM, a preemption); the sweep stops here. "
-            "Run the same command to go on.",
-            run.name,
-            reached,
-            config.train.steps,
-        )
+      reached = _latest_checkpoint(workdir) or 0
+      if reached < config.train.steps or preemption.sigterm_received():
+        message = "Run %s stopped at step %d (SIGTERM): the sweep stops; the same command goes on."
+        logging.warning(message, run.name, reached)
         return failed, True
     if workdir_files.exists(error_file):
       error_file.unlink()
@@ -408,11 +337,11 @@ def _train_runs(
       run_finetune_config = copy.deepcopy(finetune_config)
       run_finetune_config.init_from = workdir
       try:
-        finetune.run_finetune(run_finetune_config, os.path.join(workdir, FINETUNE_SUBDIR))
+        finetune.run_finetune(run_finetune_config, os.path.join(workdir, "finetune"))
       except Exception:  # noqa: BLE001
         logging.exception("Fine-tuning run %s failed; going on with the next one.", run.name)
         failed.append(run.name)
-    if to_train:  # training (and fine-tuning) time of the runs trained here
+    if to_train[index]:  # training (and fine-tuning) time of the runs trained here
       durations.append(time.perf_counter() - started)
   return failed, False
 
@@ -423,9 +352,8 @@ def train_flops_per_token(config: ml_collections.ConfigDict) -> float:
 
   special_ids = dict(pad=0, cls=1, sep=2, mask=3, vocab_size=config.model.vocab_size)
   objective = objectives.objective_from_config(config, special_ids)
-  return flops.objective_flops_per_token(
-      models.build_model(config, objectives.towers(config)), objective, config.data.max_seq_len
-  )
+  model = models.build_model(config, objectives.towers(config))
+  return flops.objective_flops_per_token(model, objective, config.data.max_seq_len)
 
 
 def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
@@ -439,12 +367,8 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
   rows, logged = [], {"train": set(), "eval": set()}
   for run in record["runs"]:
     workdir = run_dir(sweep_dir, run)
-    overrides = dict(run.overrides)
-    row = {
-        "run": run.name,
-        "overrides": _label(run.overrides),
-        **{k: overrides.get(k, "") for k in override_keys},
-    }
+    row = {"run": run.name, "overrides": _label(run.overrides)}
+    row.update((k, dict(run.overrides).get(k, "")) for k in override_keys)
     last = {
         split: workdir_files.last_record(workdir_files.path(workdir, file))
         for split, file in (("train", "metrics.jsonl"), ("eval", "eval_metrics.jsonl"))
@@ -457,20 +381,20 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
     else:
       config = config_lib.load_workdir_config(workdir)
       # Done once the last step is saved: one killed between logging and saving it resumes.
-      done = (
-          steps >= config.train.steps and (_latest_checkpoint(workdir) or 0) >= config.train.steps
-      )
-      row["status"] = "done" if done else "incomplete"
+      saved = _latest_checkpoint(workdir) or 0
+      done = min(steps, saved) >= config.train.steps
       tokens = steps * config.train.batch_size * config.data.max_seq_len
       row.update(
-          steps=steps, train_tokens=tokens, train_flops=train_flops_per_token(config) * tokens
+          status="done" if done else "incomplete",
+          steps=steps,
+          train_tokens=tokens,
+          train_flops=train_flops_per_token(config) * tokens,
       )
     for split, log in last.items():
       names = [name for name in log if name not in NOT_IN_TABLE]
       row.update((f"{split}_{name}", log[name]) for name in names)
       logged[split].update(names)
-    results = _finetune_results(workdir)
-    if results is not None:
+    if (results := _finetune_results(workdir)) is not None:
       summary = results["summary"]
       score = (summary.get(results["task"]) or next(iter(summary.values())))["score"]
       row.update(
@@ -481,10 +405,10 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
     rows.append(row)
   columns = [*FIXED_COLUMNS[:2], *override_keys, *FIXED_COLUMNS[2:]]
   for split, names in logged.items():
-    ordered = [n for n in METRIC_ORDER if n in names] + sorted(names - set(METRIC_ORDER))
+    ordered = [n for n in HEADLINE_METRICS if n in names] + sorted(names - set(HEADLINE_METRICS))
     columns += [f"{split}_{n}" for n in ordered]
   if any("downstream_task" in row for row in rows):
-    columns += list(DOWNSTREAM_COLUMNS)
+    columns += ["downstream_task", "downstream_score", "downstream_seeds"]
   return columns, rows
 
 
@@ -501,24 +425,23 @@ def _markdown_cell(column: str, value) -> str:
 
 
 def write_report(sweep_dir: str) -> list[dict]:
-  """Rewrites results.csv (every column) and results.md (the headline metrics) from the runs; the rows."""
+  """Rewrites results.csv (every column) and results.md (the headline metrics) from the runs'
+  workdirs; the rows."""
   columns, rows = collect_rows(sweep_dir)
   out = io.StringIO()
   writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
   writer.writeheader()
   for row in rows:
-    writer.writerow(
-        {c: repr(row[c]) if isinstance(row.get(c), float) else row.get(c, "") for c in columns}
-    )
+    writer.writerow({c: repr(v) if isinstance(v := row.get(c, ""), float) else v for c in columns})
   workdir_files.write_text(workdir_files.path(sweep_dir, "results.csv"), out.getvalue())
   shown = [
       c
       for c in columns
       if c != "overrides"
       and (
-          c in FIXED_COLUMNS
-          or not c.startswith(("train_", "eval_"))
-          or c.split("_", 1)[1] in MARKDOWN_METRICS
+          not c.startswith(("train_", "eval_"))
+          or c in FIXED_COLUMNS
+          or c.split("_", 1)[1] in HEADLINE_METRICS
       )
   ]
   lines = ["| " + " | ".join(shown) + " |", "|" + "|".join("---" for _ in shown) + "|"]

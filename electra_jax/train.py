@@ -3,7 +3,6 @@ data, setup, the checkpoint to go on from), takes the workdir, compiles the step
 its logs, held-out evaluations, checkpoints, preemption and non-finite checks."""
 
 import collections
-import json
 import math
 import time
 import warnings
@@ -104,22 +103,16 @@ def _open_workdir_files(run: resolve.Run, lease):
   rewritten once `lease` is lost), TensorBoard events and the runs train.metric_writers names.
   The workdir may be a bucket (see workdir_files.py)."""
   config, workdir = run.config, run.workdir
-  workdir_files.makedirs(workdir_files.path(workdir))
-  if run.start is not None:
-    _keep_changed_config(run.saved_config, config, workdir, run.start.step)
-  workdir_files.write_text(
-      workdir_files.path(workdir, "config.json"), config_lib.config_file_text(config)
-  )
+  step = run.start.step if run.start is not None else None
+  config_lib.save_config(workdir, config, run.saved_config, step)
   data.keep_tokenizer(run.corpus.tokenizer, workdir)
   metrics_log, eval_log = tensorboard_log.open_logs(
-      workdir, config.train.metric_writers, json.loads(config_lib.to_json(config))
+      workdir, config.train.metric_writers, config_lib.as_saved(config)
   )
   metrics_log.holds = eval_log.holds = lease.holds
-  step = run.start.step if run.start is not None else 0
-  metrics_log.truncate_after(
-      step
-  )  # a run killed after its checkpoint logged steps it will log again
-  eval_log.truncate_after(step)
+  # A run killed after its checkpoint logged steps this one will log again.
+  metrics_log.truncate_after(step or 0)
+  eval_log.truncate_after(step or 0)
   return metrics_log, eval_log
 
 
@@ -160,7 +153,7 @@ def _loop(run: resolve.Run, state, compiled: dict, checkpointer, lease, logs, si
 
   signals.start_loop()
   # Batches are read and gathered on a background thread, a step or two ahead.
-  with data.Prefetcher(fetch, step, stop_step=total_steps) as batches:
+  with data.prefetch(fetch, step, stop_step=total_steps) as batches:
     while step < total_steps:
       to_boundary = min([*(p - step % p for p in periods), total_steps - step])
       num_steps = steps_per_call if to_boundary >= steps_per_call else 1
@@ -262,27 +255,6 @@ def evaluate_checkpoint(
   if jax.process_index() == 0:
     workdir_files.write_json(workdir_files.path(workdir, f"eval_step_{step}.json"), held_out)
   return held_out
-
-
-def _keep_changed_config(before: dict | None, config, workdir: str, start_step: int) -> None:
-  """Resuming with other settings: says which, and keeps the config the checkpoint was trained with
-  (`before`) as config.step<N>.json before config.json takes the new one."""
-  changes = before is not None and config_lib.changed_keys(before, config_lib.as_saved(config))
-  if not changes:
-    return
-  kept = workdir_files.path(workdir, f"config.step{start_step}.json")
-  # A second resume from the same checkpoint finds the first one's settings in config.json,
-  # which never trained it: the file the first resume kept stays as it is.
-  if not workdir_files.exists(kept):
-    workdir_files.write_text(
-        kept, workdir_files.read_text(workdir_files.path(workdir, "config.json"))
-    )
-  logging.warning(
-      "Resuming at step %d with settings that differ from the workdir's config.json (kept as %s): %s",
-      start_step,
-      f"config.step{start_step}.json",
-      "; ".join(changes),
-  )
 
 
 def _stop_if_not_finite(

@@ -181,9 +181,12 @@ class TrainingSetup:
 
 
 def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
-  model = build_model(config, objectives.towers(config))
-  objective = objectives.objective_from_config(config, special_ids)
-  init_fn = make_init_fn(config, model, objective)
+  """Model, objective, optimizer and shardings: independent of the batch size and the run's length."""
+  towers, objective = objectives.towers(config), objectives.objective_from_config(
+      config, special_ids
+  )
+  init_fn = make_init_fn(config, build_model(config, towers), objective)
+  model = init_fn.model
   boxed_shapes = jax.eval_shape(init_fn, jax.random.key(0))
   state_shardings = partitioning.shardings_for(boxed_shapes, mesh)
   unsharded = partitioning.unsharded_dimensions(boxed_shapes.params, mesh)

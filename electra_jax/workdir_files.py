@@ -1,20 +1,23 @@
-"""The workdir's small files (config.json, metrics.jsonl, eval results) on local disk or in a
-bucket (`gs://...`, through etils.epath). Writes replace a file whole, atomically; a bucket's
-`JsonlLog` is rewritten at most every `remote_flush_seconds` and on `flush()`."""
+"""Files on local disk or in a bucket (`gs://`): the workdir's (config.json, logs, results), the
+lease's conditional writes and prepared shards. check_bucket refuses an unusable bucket before any
+work. Writes replace a file whole, atomically; a bucket's `JsonlLog` is rewritten now and then."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import fcntl
+import functools
 import hashlib
 import json
 import os
 import tempfile
 import time
+import uuid
 
 from absl import logging
 from etils import epath
 
-from electra_jax import gcs
 from electra_jax.errors import ConfigError
 
 SWEEP_FILE = "sweep.json"  # a sweep folder's record of its base config and runs
@@ -31,30 +34,19 @@ def path(workdir, *parts) -> epath.Path:
 
 
 def check_usable(workdir, flag: str = "--workdir") -> None:
-  """Refuses, naming `flag`, a workdir that cannot be made (a file on its path, a parent this user
-  may not write to), or a bucket that is missing or refuses this account's writes."""
+  """Refuses, naming `flag`, a directory that cannot be made (a file on its path, a parent this
+  user may not write to), or a bucket that check_bucket(write=True) refuses."""
   if is_remote(workdir):
-    if not os.fspath(workdir).startswith("gs://"):
-      raise ConfigError(f"{flag}={workdir}: a remote workdir must be a gs:// path.")
-    try:
-      import gcsfs  # noqa: F401, PLC0415 (etils.epath reaches buckets through it)
-    except ImportError:
-      raise ConfigError(
-          f"{flag}={workdir} needs gcsfs and google-cloud-storage: pip install 'electra-jax[gcs]'."
-      ) from None
-    gcs.check_writable(workdir, flag)
-    return
+    return check_bucket(workdir, flag, write=True)
   existing = os.path.abspath(os.fspath(workdir))
   while not os.path.exists(existing):
     existing = os.path.dirname(existing)
   if not os.path.isdir(existing):
     raise ConfigError(
-        f"{flag}={workdir} cannot be a directory: {existing} is a file. Pick another {flag}."
+        f"{flag}={workdir} cannot be a directory: {existing} is a file. Pick another."
     )
   if not os.access(existing, os.W_OK | os.X_OK):
-    raise ConfigError(
-        f"{flag}={workdir}: {existing} is not writable by this user. Pick another {flag}."
-    )
+    raise ConfigError(f"{flag}={workdir}: {existing} is not writable by this user. Pick another.")
 
 
 def makedirs(directory) -> None:
@@ -70,13 +62,15 @@ def read_text(file) -> str:
 
 
 def read_json(file, parse=lambda value: value):
-  """parse(the JSON of `file`), refused by name when it is not JSON or `parse` raises (an edited or damaged file)."""
+  """parse(the JSON of `file`), refused by name when it is not JSON or `parse` raises."""
   try:
     return parse(json.loads(read_text(file)))
+  except ConfigError:  # `parse`'s own refusal, which names the file itself
+    raise
   except (ValueError, KeyError, TypeError, AttributeError) as error:
     raise ConfigError(
-        f"{file} is not as electra-jax writes it ({type(error).__name__}: {error}); it was edited or "
-        "damaged. Put back a good copy, or move its folder aside and start again."
+        f"{file} is not as electra-jax writes it ({type(error).__name__}: {error}); it was edited "
+        "or damaged. Put back a good copy, or move its folder aside and start again."
     ) from None
 
 
@@ -85,13 +79,8 @@ def read_sweep(folder) -> dict | None:
   file = path(folder, SWEEP_FILE)
   if not exists(file):
     return None
-  return read_json(
-      file,
-      lambda record: dict(
-          record,
-          runs=[(str(r["name"]), [tuple(o) for o in r["overrides"]]) for r in record["runs"]],
-      ),
-  )
+  runs = lambda record: [(str(r["name"]), [tuple(o) for o in r["overrides"]]) for r in record]
+  return read_json(file, lambda record: dict(record, runs=runs(record["runs"])))
 
 
 def read_jsonl(file) -> list:
@@ -111,7 +100,8 @@ def last_record(file) -> dict:
 
 
 def write_bytes(file, data: bytes) -> None:
-  """Replaces `file` with `data` atomically: a local one (its folder made) via a fsynced `.tmp-` file, renamed."""
+  """Replaces `file` with `data` atomically: a local one (its folder made) through a fsynced
+  temporary file, renamed; a bucket object appears only once uploaded whole."""
   if is_remote(file):
     epath.Path(file).write_bytes(data)
     return
@@ -125,10 +115,9 @@ def write_bytes(file, data: bytes) -> None:
       os.fsync(f.fileno())
     os.chmod(tmp, 0o644)  # mkstemp makes owner-only files; a shared cache is read by others
     os.replace(tmp, file)
-  except BaseException:
-    if os.path.exists(tmp):
+  finally:
+    with contextlib.suppress(FileNotFoundError):
       os.remove(tmp)
-    raise
 
 
 def write_text(file, text: str) -> None:
@@ -152,7 +141,7 @@ def _text(lines: list[str]) -> str:
 
 class JsonlLog:
   """One JSON object per line; appended as the run goes, cut back on resume. A bucket's log is
-  rewritten only while `holds()` (if set: the run's lease, read afresh) says the run owns it."""
+  rewritten every `remote_flush_seconds` and on flush(), only while `holds()` (if set) is true."""
 
   def __init__(self, file, remote_flush_seconds: float = 60.0):
     self.file = epath.Path(file)
@@ -201,41 +190,131 @@ class JsonlLog:
     self._last_flush = time.monotonic()
 
 
-# Prepared data in a bucket (data/shards.py): listings that carry the bucket's own checksums,
-# concurrent ranged reads, and local copies of the files a library must open by path.
+# --- Conditional writes (the lease): a file replaced only if it is still the version read.
+def read_versioned(file) -> tuple[bytes | None, object]:
+  """(content, version) of `file`, (None, None) when there is none. The version is a bucket
+  object's generation, a local file's content."""
+  if is_remote(file):
+    with _answers(file, f"reading {file}", missing_bucket=False):
+      blob = _blob(file)
+      try:
+        data = blob.download_as_bytes()
+      except _google()[1].NotFound:
+        return None, None
+    return data, blob.generation
+  try:
+    with open(file, "rb") as f:
+      data = f.read()
+  except FileNotFoundError:
+    return None, None
+  return data, data
+
+
+def write_if(file, data: bytes, version) -> bool:
+  """Writes `data` at `file` only if it is still `version` (None: only if there is none); False if
+  another write came first. In a bucket by GCS's preconditions; on disk the comparison and the
+  atomic replace hold an exclusive lock on a `.lock` file beside it (freed if the process dies)."""
+  if is_remote(file):
+    with _answers(file, f"writing {file}"):
+      try:
+        _blob(file).upload_from_string(data, if_generation_match=version or 0)
+      except _google()[1].PreconditionFailed:
+        return False
+    return True
+  with open(os.path.join(os.path.dirname(file), f".{os.path.basename(file)}.lock"), "a") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if read_versioned(file)[1] != version:
+      return False
+    write_bytes(file, data)
+  return True
+
+
+# --- Buckets: google-cloud-storage for our own calls, gcsfs (etils.epath's) for files and ranges.
+def _google(what: str = "A gs:// path"):
+  """(google.cloud.storage, google.api_core.exceptions, google.auth.exceptions)."""
+  try:
+    import gcsfs  # noqa: F401, PLC0415 (etils.epath reaches buckets through it)
+    from google.api_core import exceptions  # noqa: PLC0415
+    from google.auth import exceptions as auth_exceptions  # noqa: PLC0415
+    from google.cloud import storage  # noqa: PLC0415
+  except ImportError:
+    raise ConfigError(
+        f"{what} needs gcsfs and google-cloud-storage: pip install 'electra-jax[gcs]'."
+    ) from None
+  return storage, exceptions, auth_exceptions
+
+
+@functools.cache
+def _client(endpoint: str | None):
+  del endpoint  # the cache key: a client is bound to the address it was made for
+  return _google()[0].Client(project=None)  # no project: an existing bucket's objects need none
+
+
+def _bucket(url):
+  """(the bucket of gs:// `url`, the object name in it)."""
+  bucket, _, name = os.fspath(url).removeprefix("gs://").partition("/")
+  return _client(os.environ.get("STORAGE_EMULATOR_HOST")).bucket(bucket), name.strip("/")
+
+
+def _blob(url):
+  bucket, name = _bucket(url)
+  return bucket.blob(name)
+
+
+@contextlib.contextmanager
+def _answers(url, what: str, missing_bucket: bool = True):
+  """Turns the API's refusals of `what` on `url` into a ConfigError naming the bucket and the fix.
+  `missing_bucket`: whether a NotFound can only mean the bucket (not so for reading an object)."""
+  _, exceptions, auth_exceptions = _google()
+  bucket = "gs://" + os.fspath(url).removeprefix("gs://").split("/")[0]
+  try:
+    yield
+  except (exceptions.Forbidden, exceptions.Unauthorized) as error:
+    raise ConfigError(
+        f"{what}: {bucket} refuses this account ({error.code} {type(error).__name__}). Give it "
+        f"roles/storage.objectUser on {bucket} (read, write, delete), or use another bucket."
+    ) from None
+  except exceptions.NotFound:
+    if not missing_bucket:
+      raise
+    raise ConfigError(
+        f"{what}: the bucket {bucket} does not exist. Create it in the region of the machines "
+        f"that train (gcloud storage buckets create {bucket} --location=REGION), or fix the path."
+    ) from None
+  except (auth_exceptions.DefaultCredentialsError, auth_exceptions.RefreshError) as error:
+    raise ConfigError(
+        f"{what}: no usable Google Cloud credentials to reach {bucket} ({type(error).__name__}). "
+        "Run `gcloud auth application-default login`, or use a VM whose service account may."
+    ) from None
+
+
+def check_bucket(url, flag: str, write: bool = False) -> None:
+  """Refuses in one line, naming `flag` and the fix, a bucket path that is not gs://, a bucket that
+  is missing or out of these credentials' reach, or (`write`) one that refuses their writes: it
+  lists `url`, and writes and deletes an empty object beside it."""
+  if not os.fspath(url).startswith("gs://"):
+    raise ConfigError(f"{flag}={url}: a remote path must be a gs:// path.")
+  _google(f"{flag}={url}")
+  with _answers(url, f"{flag}={url}"):
+    bucket, prefix = _bucket(url)
+    list(bucket.list_blobs(prefix=prefix, max_results=1))
+    if write:
+      probe = bucket.blob(f"{prefix}/.electra-jax-write-check-{uuid.uuid4().hex[:12]}".lstrip("/"))
+      probe.upload_from_string(b"", if_generation_match=0)
+      probe.delete()
 
 
 def filesystem(url):
-  """(the fsspec filesystem of bucket `url`, the path it takes): gcsfs for gs://, which reads
+  """(the fsspec filesystem of bucket `url`, the path it takes): gcsfs, which reads
   STORAGE_EMULATOR_HOST at each request, so a cached instance follows the environment."""
   import fsspec  # noqa: PLC0415 (only buckets need it)
 
   return fsspec.core.url_to_fs(os.fspath(url))
 
 
-def check_bucket(url, flag: str) -> None:
-  """Refuses, naming `flag`, a bucket URL whose bucket does not exist or is out of reach."""
-  fs, target = filesystem(url)
-  bucket = target.split("/")[0]
-  scheme = os.fspath(url).split("://")[0]
-  try:
-    found = fs.exists(bucket)
-  except OSError as error:
-    raise ConfigError(
-        f"{flag}={url}: the bucket {scheme}://{bucket} cannot be reached ({error}); check the "
-        "name and this machine's credentials."
-    ) from error
-  if not found:
-    raise ConfigError(
-        f"{flag}={url}: the bucket {scheme}://{bucket} does not exist (or these credentials "
-        f"cannot see it); create it (gcloud storage buckets create {scheme}://{bucket}) or fix "
-        "the name."
-    )
-
-
 def list_files(directory) -> dict[str, tuple[int, str | None]]:
-  """What `directory` holds: name -> (bytes, crc32c as 8 hex digits where a bucket reports its
-  own, else None), read fresh; {} when it does not exist."""
+  """What `directory` holds, read fresh: name -> (bytes, crc32c as 8 hex digits where a bucket
+  reports its own, else None); {} when it does not exist."""
   root = os.fspath(directory)
   if not is_remote(root):
     try:

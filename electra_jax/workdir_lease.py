@@ -1,168 +1,59 @@
-"""One training run per workdir: <workdir>/lease.json names the holder (run id, host, pid, start, heartbeat). A run
-takes a lease that is absent, released or dead (pid gone on this host, or no heartbeat for `stale_seconds`), else
-refuses unless `take_over`. Every write of the lease is conditional: created only where there is none, replaced only
-if it is still the version read (a bucket object's generation; a local file renamed away by one run alone), so two
-runs never both take it. The holder re-reads it before each checkpoint and on every beat, and stops once another
-run's id is there (the newest run keeps the workdir)."""
+"""One run per workdir: <workdir>/lease.json names the holder (run id, host, pid, heartbeat). A run
+takes a lease that is absent, released or dead (pid gone on this host, or no heartbeat for
+`stale_seconds`), else refuses unless `take_over`. Every write is conditional
+(workdir_files.write_if), so two runs never both take it; the holder re-reads it before each
+checkpoint and on every beat, and stops once another run's id is there (the newest run wins)."""
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable
+import zlib
+from typing import Callable
 
 import jax
 import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from electra_jax import distributed, gcs, workdir_files
+from electra_jax import distributed, workdir_files
 from electra_jax.errors import ConfigError, WorkdirInUse
 
 LEASE_FILE = "lease.json"
 # The fields a reader uses; a hand-edited value of another type would block --take_over_workdir too.
-_FIELD_TYPES = {
-    "run_id": str,
-    "host": str,
-    "pid": int,
-    "heartbeat": (int, float),
-    "released": bool,
-    "started": str,
-}
-# The leases this process holds: its own live runs, unlike a dead run with the same pid (a restarted container).
+_FIELD_TYPES = dict(
+    run_id=str, host=str, pid=int, heartbeat=(int, float), released=bool, started=str
+)
+# The runs this process holds: alive, unlike a dead run with the same pid (a restarted container).
 _LIVE_RUN_IDS: set[str] = set()
 _TRIES = 20  # reads and conditional writes before acquire() gives up on a lease that keeps changing
 
 
-class LocalLeaseFile:
-  """lease.json on a disk. A new one appears whole and only once: it is written under a name of its
-  own, then hard-linked to lease.json, which fails if that exists (O_EXCL's rule). Replacing the
-  version read renames lease.json to a name of this writer's own, which one writer alone can do,
-  and puts it back if it turns out to be another version."""
-
-  def __init__(self, file):
-    self.file = os.fspath(file)
-
-  def read(self) -> tuple[bytes | None, Any]:
-    """(content, version): None for both when there is none."""
-    try:
-      with open(self.file, "rb") as f:
-        data = f.read()
-    except FileNotFoundError:
-      return None, None
-    return data, data
-
-  def _private(self, kind: str) -> str:
-    return os.path.join(os.path.dirname(self.file), f".{LEASE_FILE}.{kind}-{uuid.uuid4().hex[:12]}")
-
-  def _create(self, data: bytes) -> bool:
-    new = self._private("new")
-    try:
-      with open(new, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-      os.chmod(new, 0o644)
-      try:
-        os.link(new, self.file)
-      except OSError as error:
-        if error.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP):
-          raise
-        return self._create_in_place(data)  # a filesystem without hard links
-      return True
-    except FileExistsError:
-      return False
-    finally:
-      with contextlib.suppress(FileNotFoundError):
-        os.remove(new)
-
-  def _create_in_place(self, data: bytes) -> bool:
-    """O_CREAT|O_EXCL: exclusive too, though a reader may see the file before its content."""
-    descriptor = os.open(self.file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    with os.fdopen(descriptor, "wb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    return True
-
-  def write(self, data: bytes, version) -> bool:
-    """Writes `data` if the lease is still `version` (None: if there is none); False if not."""
-    if version is None:
-      return self._create(data)
-    claim = self._private("old")
-    try:
-      os.rename(self.file, claim)
-    except FileNotFoundError:
-      return False
-    try:
-      with open(claim, "rb") as f:
-        if f.read() != version:  # another writer's, come in between: put it back
-          with contextlib.suppress(FileExistsError):
-            os.link(claim, self.file)
-          return False
-      return self._create(data)
-    finally:
-      os.remove(claim)
-
-
-class BucketLeaseFile:
-  """lease.json in a bucket, written with GCS's preconditions: a new object only if there is none
-  (ifGenerationMatch=0), a replacement only of the generation read."""
-
-  def __init__(self, file):
-    self.file = os.fspath(file)
-
-  def read(self) -> tuple[bytes | None, Any]:
-    return gcs.read(self.file)
-
-  def write(self, data: bytes, version) -> bool:
-    return gcs.write(self.file, data, version)
-
-
-def lease_file(workdir) -> LocalLeaseFile | BucketLeaseFile:
-  file = workdir_files.path(workdir, LEASE_FILE)
-  return BucketLeaseFile(file) if workdir_files.is_remote(file) else LocalLeaseFile(file)
-
-
 def _parse(data: bytes | None, file) -> dict | None:
-  """The lease in `data`; None when there is none or it is not a lease this version wrote (a hand edit)."""
+  """The lease in `data`; None when there is none or it is not one this version wrote (an edit)."""
   if data is None:
     return None
   try:
     holder = json.loads(data)
   except ValueError:
     holder = None
-  if (
-      not isinstance(holder, dict)
-      or "run_id" not in holder
-      or any(
-          key in holder and not isinstance(holder[key], types)
-          for key, types in _FIELD_TYPES.items()
-      )
+  if not (isinstance(holder, dict) and "run_id" in holder) or any(
+      key in holder and not isinstance(holder[key], types) for key, types in _FIELD_TYPES.items()
   ):
     logging.warning("Ignoring %s: its fields are not those of a lease this version wrote.", file)
     return None
   return holder
 
 
-def describe(holder: dict, now: float) -> str:
-  age = now - float(holder.get("heartbeat", 0.0))
-  return (
-      f"run {holder['run_id']} on host {holder.get('host', '?')} (pid {holder.get('pid', '?')}, "
-      f"started {holder.get('started', '?')}, last heartbeat {age:.0f} s ago)"
-  )
-
-
 def read_lease(workdir) -> dict | None:
-  """The lease file's content; None when there is none or it is not a lease this version wrote (a hand edit)."""
-  store = lease_file(workdir)
-  return _parse(store.read()[0], store.file)
+  """The lease of `workdir`; None when there is none or it is not one this version wrote."""
+  file = workdir_files.path(workdir, LEASE_FILE)
+  return _parse(workdir_files.read_versioned(file)[0], file)
 
 
 class WorkdirLease:
@@ -178,8 +69,7 @@ class WorkdirLease:
       name: str = "The workdir",
   ):
     self.workdir, self.name = workdir, name  # name: how a refusal names it ("The sweep folder")
-    self.store = lease_file(workdir)  # read() and conditional write()
-    self.file = self.store.file
+    self.file = workdir_files.path(workdir, LEASE_FILE)
     self.beat_seconds, self.stale_seconds, self._clock = beat_seconds, stale_seconds, clock
     self.record = {
         "run_id": uuid.uuid4().hex[:12],
@@ -199,19 +89,23 @@ class WorkdirLease:
   def run_id(self) -> str:
     return self.record["run_id"]
 
-  def holder_alive(self, holder: dict | None) -> bool:
+  def _who(self, holder: dict) -> str:
+    age = self._clock() - float(holder.get("heartbeat", 0.0))
+    return (
+        f"run {holder['run_id']} on host {holder.get('host', '?')} (pid {holder.get('pid', '?')}, "
+        f"started {holder.get('started', '?')}, last heartbeat {age:.0f} s ago)"
+    )
+
+  def _alive(self, holder: dict | None) -> bool:
     """Whether `holder` (another run's lease) still counts as running."""
-    if (
-        holder is None
-        or holder.get("released")
-        or self._clock() - holder.get("heartbeat", 0.0) > self.stale_seconds
-    ):
+    if holder is None or holder.get("released"):
+      return False
+    if self._clock() - holder.get("heartbeat", 0.0) > self.stale_seconds:
       return False
     if holder.get("host") != self.record["host"]:
       return True
     pid = holder.get("pid", -1)
-    if pid == os.getpid():
-      # Alive only if this process holds it (a notebook's training thread), not a restarted container's dead run.
+    if pid == os.getpid():  # alive if this process runs it (a notebook's thread), not if restarted
       return holder["run_id"] in _LIVE_RUN_IDS
     try:
       os.kill(pid, 0)
@@ -221,16 +115,16 @@ class WorkdirLease:
       pass  # someone else's process, or a pid this system cannot have: assume alive
     return True
 
-  def _read(self) -> tuple[dict | None, Any]:
+  def _read(self) -> tuple[dict | None, object]:
     """(the lease, its version), noted as read now."""
-    data, version = self.store.read()
+    data, version = workdir_files.read_versioned(self.file)
     self._last_read = time.monotonic()
     return _parse(data, self.file), version
 
   def _write(self, version, **fields) -> bool:
     """This run's lease with a fresh heartbeat, written if the file is still `version`."""
     record = dict(self.record, heartbeat=self._clock(), **fields)
-    return self.store.write(json.dumps(record, sort_keys=True).encode(), version)
+    return workdir_files.write_if(self.file, json.dumps(record, sort_keys=True).encode(), version)
 
   def acquire(self, take_over: bool = False) -> None:
     """Takes the workdir, or raises WorkdirInUse naming the run that holds it."""
@@ -239,27 +133,22 @@ class WorkdirLease:
       holder, version = self._read()
       if holder is not None and holder["run_id"] == self.run_id:
         break  # this run's own write, which a retried request reported as failed
-      if self.holder_alive(holder):
+      if self._alive(holder):
+        held_here = (holder.get("host"), holder.get("pid")) == (self.record["host"], os.getpid())
         if not take_over:
-          this_process = (
-              " That is this very process: a run still training in another thread (a notebook cell)."
-              if (holder.get("host"), holder.get("pid"))
-              == (self.record["host"], self.record["pid"])
-              else ""
-          )
           raise WorkdirInUse(
-              f"{self.name} {self.workdir} is in use by {describe(holder, self._clock())}.{this_process} Wait for it "
-              f"to end, or use another --workdir; if it is dead (on another host: no heartbeat for "
-              f"{self.stale_seconds:.0f} s), pass --take_over_workdir. Nothing was written."
+              f"{self.name} {self.workdir} is in use by {self._who(holder)}."
+              + (" That is this very process (a notebook cell's run)." if held_here else "")
+              + f" Wait for it to end, or use another --workdir; if it is dead (on another host: "
+              f"no heartbeat for {self.stale_seconds:.0f} s), pass --take_over_workdir. Nothing "
+              "was written."
           )
-        logging.warning(
-            "--take_over_workdir: taking %s from %s.", self.workdir, describe(holder, self._clock())
-        )
+        logging.warning("--take_over_workdir: taking %s from %s.", self.workdir, self._who(holder))
       elif holder is not None and not holder.get("released"):
         logging.warning(
             "The last run on %s ended without releasing it (%s); taking it over.",
             self.workdir,
-            describe(holder, self._clock()),
+            self._who(holder),
         )
       if self._write(version):
         break
@@ -278,7 +167,7 @@ class WorkdirLease:
         with self._lock:
           if not self._stop.is_set():
             self._renew()
-      except Exception as error:  # noqa: BLE001 -- a bucket that did not answer: the next beat tries again
+      except Exception as error:  # noqa: BLE001 (a bucket that did not answer: the next beat tries)
         logging.warning("Could not renew the lease on %s: %r", self.workdir, error)
 
   def _renew(self, **fields) -> None:
@@ -307,8 +196,9 @@ class WorkdirLease:
       fresh = time.monotonic() - self._last_read < max_age_seconds
       if not (self.taken_by is None if fresh else self._still_held()):
         raise WorkdirInUse(
-            f"Another run took over the workdir {self.workdir}: {describe(self.taken_by, self._clock())}. This run "
-            f"({self.run_id}) stopped without saving, not to overwrite its checkpoints. Run one job per workdir."
+            f"Another run took over the workdir {self.workdir}: {self._who(self.taken_by)}. This "
+            f"run ({self.run_id}) stopped without saving, not to overwrite its checkpoints. Run "
+            "one job per workdir."
         )
 
   def release(self) -> None:
@@ -322,52 +212,44 @@ class WorkdirLease:
         self._renew(released=True)
 
 
-# --- A run of several processes
-def _refused_everywhere(attempt: Callable[[], Any] | None) -> None:
-  """Runs process 0's `attempt` (None on the others); a WorkdirInUse it raises is raised on every process."""
+# --- A run of several processes: process 0 holds the lease, and its refusals stop them all.
+def _refused_everywhere(attempt: Callable[[], None] | None) -> None:
+  """Runs `attempt` (None off process 0); a WorkdirInUse it raises, every process raises."""
   problem = None
-  if attempt is not None:
-    try:
+  try:
+    if attempt is not None:
       attempt()
-    except WorkdirInUse as error:
-      problem = str(error)
+  except WorkdirInUse as error:
+    problem = str(error)
   if distributed.from_process_0(problem is not None):
     raise WorkdirInUse(problem or "Process 0 stopped the run; its log says why.")
 
 
 def hold(lease: WorkdirLease | None, max_age_seconds: float = 0.0) -> None:
   """Raises WorkdirInUse on every process once another run has taken the workdir over."""
-  _refused_everywhere(None if lease is None else lambda: lease.check(max_age_seconds))
+  _refused_everywhere(lease and (lambda: lease.check(max_age_seconds)))
 
 
 def acquire(directory: str, take_over: bool, name: str = "The workdir") -> WorkdirLease | None:
-  """Process 0 takes `directory`'s lease (returned; None on the other processes), or every
-  process raises WorkdirInUse with its message."""
+  """Process 0 takes `directory`'s lease (returned; None on the others), or all raise."""
   lease = WorkdirLease(directory, name=name) if jax.process_index() == 0 else None
-  _refused_everywhere(None if lease is None else lambda: lease.acquire(take_over=take_over))
+  _refused_everywhere(lease and (lambda: lease.acquire(take_over=take_over)))
   return lease
 
 
-def check_shared(workdir: str, lease: WorkdirLease | None) -> None:
+def check_shared(workdir: str) -> None:
   """Every process must see the lease process 0 just wrote: checkpoints are saved by all together,
   and a workdir local to each host would leave orbax waiting forever."""
   if jax.process_count() == 1:
     return
-  run_id = lease.run_id if lease is not None else ""
-  ids = (
-      np.frombuffer(run_id.encode().ljust(32), np.uint8)
-      if jax.process_index() == 0
-      else np.zeros(32, np.uint8)
-  )
-  expected = bytes(np.asarray(multihost_utils.broadcast_one_to_all(ids), np.uint8)).decode().strip()
-  seen = (read_lease(workdir) or {}).get("run_id")
-  sees = np.asarray(multihost_utils.process_allgather(np.int32(seen == expected))).reshape(-1)
-  blind = [int(i) for i in np.flatnonzero(sees == 0)]
+  seen = zlib.crc32((read_lease(workdir) or {}).get("run_id", "").encode())
+  views = np.asarray(multihost_utils.process_allgather(np.int64(seen))).reshape(-1)
+  blind = [i for i, view in enumerate(views) if view != views[0]]
   if blind:
     raise ConfigError(
         f"--workdir={workdir} is not one directory every process sees: process(es) {blind} cannot "
-        f"read the {LEASE_FILE} process 0 wrote there, and checkpoints are saved by "
-        "all processes together. On a multi-host slice use a bucket (gs://...) or a shared mount."
+        f"read the {LEASE_FILE} process 0 wrote there, and checkpoints are saved by all processes "
+        "together. On a multi-host slice use a bucket (gs://...) or a shared mount."
     )
 
 
@@ -377,7 +259,7 @@ def held(workdir, take_over: bool):
   once every process sees it; released at the end."""
   lease = acquire(workdir, take_over)
   try:
-    check_shared(workdir, lease)
+    check_shared(workdir)
     yield lease
   finally:
     if lease is not None:

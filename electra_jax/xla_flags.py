@@ -7,18 +7,9 @@ import os
 import platform
 import sys
 
-# flag -> value, added only for the jaxlib versions where they exist (XLA aborts on an unknown flag).
+# flag -> value, added only for jaxlib versions that have them (XLA aborts on an unknown flag).
 CPU_FLAGS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
 VERIFIED_JAXLIB = ("0.10.",)
-# Environment variables through which a user tunes glibc's malloc; any of them set, we leave it be.
-_MALLOC_ENV = (
-    "GLIBC_TUNABLES",
-    "MALLOC_ARENA_MAX",
-    "MALLOC_MMAP_MAX_",
-    "MALLOC_MMAP_THRESHOLD_",
-    "MALLOC_TRIM_THRESHOLD_",
-    "MALLOC_TOP_PAD_",
-)
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -32,12 +23,12 @@ def cpu_defaults(jaxlib_version: str, xla_flags: str) -> str:
 
 
 def malloc_tunables(environ=os.environ) -> str | None:
-  """GLIBC_TUNABLES for a CPU training process, whose temporaries XLA maps afresh on every call: huge pages
-  fault them in (glibc 2.35+). None if the user tunes malloc, without them, or where an accelerator computes.
-  """
+  """GLIBC_TUNABLES for a CPU training process, whose temporaries XLA maps afresh on every call:
+  huge pages fault them in (glibc 2.35+). None if the user tunes malloc (GLIBC_TUNABLES, MALLOC_*),
+  where they are off, or where an accelerator computes."""
   libc, version = platform.libc_ver()
   if (
-      any(name in environ for name in _MALLOC_ENV)
+      any(name == "GLIBC_TUNABLES" or name.startswith("MALLOC_") for name in environ)
       or platform.system() != "Linux"
       or libc != "glibc"
       or tuple(map(int, version.split(".")[:2])) < (2, 35)
@@ -50,7 +41,8 @@ def malloc_tunables(environ=os.environ) -> str | None:
 
 
 def accelerator_visible(environ=os.environ) -> bool:
-  """Whether this process will compute on a GPU or TPU ($JAX_PLATFORMS, else the machine's devices); no JAX."""
+  """Whether this process will compute on a GPU or TPU ($JAX_PLATFORMS, else the machine's
+  devices), without importing JAX."""
   platforms = environ.get("JAX_PLATFORMS", "").strip()
   if platforms:
     return platforms.split(",")[0].strip().lower() != "cpu"
@@ -58,8 +50,8 @@ def accelerator_visible(environ=os.environ) -> bool:
 
 
 def tpu_chips_present() -> bool:
-  """Whether TPU chips sit on this machine's PCI bus, by JAX's own check loaded from its file (importing jax
-  would slow every CLI start)."""
+  """Whether TPU chips sit on this machine's PCI bus, by JAX's own check loaded from its file
+  (importing jax would slow every CLI start)."""
   try:
     path = os.path.join(
         os.path.dirname(importlib.util.find_spec("jax").origin), "_src", "hardware_utils.py"

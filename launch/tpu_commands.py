@@ -19,17 +19,6 @@ _RUNTIME_VERSIONS = (
 )
 _DEFAULT_RUNTIME = "tpu-ubuntu2204-base"  # v4 and older
 
-# The preparation is one process on one VM. It must not take the TPU (a run on the same worker
-# may hold it), nor join the slice's JAX job: on a worker of a multi-host slice electra-jax
-# finds the slice through the metadata server, waits for the other workers, and fails. These
-# settings say "process 0 of 1" instead (its coordinator on a port of the VM itself).
-_ONE_PROCESS = {
-    "JAX_PLATFORMS": "cpu",
-    "ELECTRA_JAX_COORDINATOR_ADDRESS": "127.0.0.1:47617",
-    "ELECTRA_JAX_NUM_PROCESSES": "1",
-    "ELECTRA_JAX_PROCESS_ID": "0",
-}
-
 
 def default_runtime_version(accelerator_type: str) -> str:
   for prefix, version in _RUNTIME_VERSIONS:
@@ -288,7 +277,8 @@ class Prepare:
     ]
     # nproc on the VM: the cores this job may use there.
     workers = '--workers="$(nproc)"' if self.workers is None else f"--workers={int(self.workers)}"
-    command = f"{remote_job.env_command(argv, {**_ONE_PROCESS, **dict(self.env)})} {workers}"
+    # One process on the VM's CPU: --mode=prepare_data joins no JAX job and takes no TPU.
+    command = f"{remote_job.env_command(argv, dict(self.env))} {workers}"
     if self.copy_corpus:
       # rsync copies only what the VM lacks: a re-run after a preemption resumes the copy too.
       copy = ["gcloud", "storage", "rsync", "--recursive", self.copy_corpus, self.corpus_dir]

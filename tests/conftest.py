@@ -194,7 +194,7 @@ def cli(args, cwd=REPO) -> subprocess.CompletedProcess:
   flags.FLAGS.unparse_flags()  # every flag back to its default, and no override of the last recipe
   for name in [name for name in flags.FLAGS if name.startswith("config.")]:
     delattr(flags.FLAGS, name)
-  flags.FLAGS["config"].parser = main._RecipeParser("config")
+  flags.FLAGS["config"].parser = config_lib.RecipeParser("config")
   stdout, stderr = io.StringIO(), io.StringIO()
   handler = absl_logging.get_absl_handler().python_handler
   saved = sys.argv, handler.stream, os.getcwd()  # put back after the run

@@ -55,8 +55,8 @@ def prepared(gcs_server, tmp_path_factory):
   local = str(tmp_path_factory.mktemp("prepared"))
   remote = f"{gcs_server.create_bucket()}/corpus/prepared"
   _prepare(remote, workers=1, workdir=tmp_path_factory.mktemp("unused"))
-  with open(os.path.join(local, shards.SPM_MODEL), "wb") as f:
-    f.write(epath.Path(remote, shards.SPM_MODEL).read_bytes())
+  with open(os.path.join(local, "spm.model"), "wb") as f:
+    f.write(epath.Path(remote, "spm.model").read_bytes())
   _prepare(local, workers=0, workdir=tmp_path_factory.mktemp("unused"))
   return local, remote
 
@@ -138,7 +138,7 @@ def test_training_from_a_bucket_reads_the_local_batches_and_gives_the_same_loss(
 def test_a_tokenizer_in_a_bucket_is_read_from_a_local_copy_named_by_its_content(prepared):
   _, remote = prepared
   config = _data_config(remote)
-  config.spm_model_file = f"{remote}/{shards.SPM_MODEL}"  # given, as a file in a bucket
+  config.spm_model_file = f"{remote}/spm.model"  # given, as a file in a bucket
   tokenizer = load_tokenizer(config)  # refused unless it is the one the shards were made with
   model = epath.Path(config.spm_model_file).read_bytes()
   assert tokenizer.fingerprint == hashlib.sha256(model).hexdigest()[:16]

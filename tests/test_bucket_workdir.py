@@ -314,6 +314,25 @@ def test_a_bucket_that_refuses_writes_is_refused_in_one_line_with_nothing_writte
   assert gcs_server.objects(bucket) == []
 
 
+def test_prepare_data_into_a_bucket_that_refuses_writes_is_refused_before_any_work(
+    gcs_server, bucket, proxy, monkeypatch, tmp_path
+):
+  # The workdir's check guards prepared data too: before the corpus is read or a tokenizer trained.
+  proxy.refuse_writes = True
+  for name, value in proxy.env.items():
+    monkeypatch.setenv(name, value)
+  prepared = f"{bucket}/prepared"
+  args = cli_args(tmp_path / "unused", **{"data.prepared_dir": prepared})
+  result = cli(args + ["--mode=prepare_data", "--workers=0"])
+  assert result.returncode == 1 and "Traceback" not in result.stderr
+  error = result.stderr.strip().splitlines()[-1]
+  assert error.startswith(
+      f"electra-jax: error: data.prepared_dir={prepared}: {bucket} refuses this account (403"
+  ), error
+  assert f"roles/storage.objectUser on {bucket}" in error
+  assert gcs_server.objects(bucket) == []
+
+
 def test_a_bucket_without_credentials_is_refused_in_one_line(gcs_server, tmp_path, monkeypatch):
   # Google's own endpoint in place of the local API: no credentials here (and no request sent).
   monkeypatch.delenv("STORAGE_EMULATOR_HOST")

@@ -9,32 +9,32 @@ import os
 import random
 import subprocess
 import sys
+from types import SimpleNamespace
 
-import ml_collections
 import numpy as np
 import pytest
 import sentencepiece as spm
 
+from conftest import base
 from electra_jax.data import (
     SPECIAL_TOKENS,
     PretrainingData,
     SentencePieceTokenizer,
-    builtin_corpus_fingerprint,
     builtin_documents,
     get_batch,
     load_pretraining_data,
-    pack_documents,
     train_sentencepiece,
 )
-from electra_jax.data import corpus, pipeline, prepare
+from electra_jax.data import corpus, prepare
+from electra_jax.data.config import check_config
+from electra_jax.data.packing import pack_documents
 
 CLS, SEP, PAD = 2, 3, 0
 
 
 def _pack(documents, max_seq_len, seed=0, **kwargs):
-  return pack_documents(
-      documents, max_seq_len, cls_id=CLS, sep_id=SEP, pad_id=PAD, seed=seed, **kwargs
-  )
+  special = SimpleNamespace(cls_id=CLS, sep_id=SEP, pad_id=PAD)
+  return pack_documents(documents, max_seq_len, special, seed, **kwargs)
 
 
 def _random_documents(rng, num_documents=40):
@@ -185,9 +185,9 @@ def test_pack_is_deterministic_for_a_seed():
   )
 
 
-def test_pack_rejects_too_short_max_seq_len():
-  with pytest.raises(ValueError, match="max_seq_len must be at least 5.*got 4"):
-    _pack([[[7, 8]]], 4)
+def test_a_max_seq_len_too_short_to_pack_is_refused():
+  with pytest.raises(ValueError, match="data.max_seq_len=4 must be >= 5"):
+    check_config(_config("cache", max_seq_len=4))
 
 
 def test_pack_empty_input_gives_empty_arrays():
@@ -222,8 +222,6 @@ def test_builtin_corpus_is_large_deterministic_and_clean():
   assert num_bytes > 1_000_000
   # The truncated path parses afresh, so equality also shows parsing is deterministic.
   assert builtin_documents(50) == documents[:50]
-  assert builtin_corpus_fingerprint() == corpus.documents_fingerprint(documents)
-  assert len(builtin_corpus_fingerprint()) == 16
   for document in documents:
     assert document
     for sentence in document:
@@ -254,9 +252,9 @@ def test_a_spurious_ast_depth_error_does_not_drop_a_file(monkeypatch):
     corpus._parse(path)
 
 
-def test_builtin_documents_rejects_negative_max_documents():
+def test_a_negative_max_documents_is_refused():
   with pytest.raises(ValueError, match="max_documents.*-1"):
-    builtin_documents(-1)
+    check_config(_config("cache", max_documents=-1))
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -328,11 +326,11 @@ def test_train_sentencepiece_errors_are_actionable(tmp_path):
   sentences = ["a tiny corpus", "with few pieces"]
   with pytest.raises(ValueError, match="vocabulary of 500 pieces.*Lower the vocab size"):
     train_sentencepiece(sentences, str(tmp_path / "big.model"), vocab_size=500)
-  with pytest.raises(ValueError, match="model_type 'word'"):
-    train_sentencepiece(sentences, str(tmp_path / "w.model"), vocab_size=50, model_type="word")
-  with pytest.raises(ValueError, match="vocab_size.*got 5"):
-    train_sentencepiece(sentences, str(tmp_path / "s.model"), vocab_size=5)
   assert os.listdir(tmp_path) == [], "a failed training run must leave no files behind"
+  with pytest.raises(ValueError, match="data.spm_model_type='word' is not one of"):
+    check_config(_config(tmp_path, spm_model_type="word"))
+  with pytest.raises(ValueError, match="data.spm_vocab_size=5 must be > 5"):
+    check_config(_config(tmp_path, spm_vocab_size=5))
 
 
 def test_lines_over_sentencepieces_limit_are_trained_on_in_pieces(tmp_path):
@@ -402,17 +400,13 @@ def test_train_sentencepiece_bpe_writes_only_the_model(tmp_path):
 
 
 def _config(cache_dir, **overrides):
-  values = dict(
-      source="builtin",
-      max_seq_len=64,
-      cache_dir=str(cache_dir),
-      spm_vocab_size=400,
-      spm_model_type="unigram",
-      max_documents=120,
-      eval_fraction=0.1,
-  )
-  values.update(overrides)
-  return ml_collections.ConfigDict(values)
+  """configs/base.py's data group (every config is completed with it) for a slice of the built-in
+  corpus."""
+  config = base.get_config().data
+  config.update(max_seq_len=64, cache_dir=str(cache_dir), spm_vocab_size=400, max_documents=120)
+  config.update(eval_fraction=0.1)
+  config.update(overrides)
+  return config
 
 
 @pytest.fixture(scope="module")
@@ -512,7 +506,12 @@ def test_unknown_source_lists_supported_sources(tmp_path):
 
 
 def test_eval_split_with_zero_eval_fraction_is_refused(tmp_path):
-  with pytest.raises(ValueError, match="eval_fraction is 0"):
+  with pytest.raises(
+      ValueError, match=r"data.eval_fraction=0 holds out no documents.*every_steps=0"
+  ):
+    check_config(_config(tmp_path, eval_fraction=0.0), eval_every_steps=100)
+  check_config(_config(tmp_path, eval_fraction=0.0), eval_every_steps=0)
+  with pytest.raises(ValueError, match=r"eval split .* has no examples \(eval_fraction=0.0"):
     load_pretraining_data(_config(tmp_path, eval_fraction=0.0), "eval")
 
 
@@ -581,10 +580,12 @@ def test_get_batch_keys_shapes_and_attention_mask(train_data):
 
 
 def test_get_batch_errors(train_data):
-  with pytest.raises(ValueError, match="global_batch_size 10 is not divisible by process_count 4"):
+  with pytest.raises(ValueError, match="a global batch of 10 rows from .* over 4 processes"):
     get_batch(train_data, 0, 10, seed=0, process_index=0, process_count=4)
   empty = PretrainingData(
       train_data.tokenizer, np.zeros((0, 8), np.int32), np.zeros((0, 8), np.int32), "empty"
   )
-  with pytest.raises(ValueError, match="no examples"):
+  with pytest.raises(ValueError, match="a global batch of 8 rows from 0 over 1 processes"):
     get_batch(empty, 0, 8, seed=0)
+  with pytest.raises(ValueError, match="process 2 of 2, step -1"):
+    get_batch(train_data, -1, 8, seed=0, process_index=2, process_count=2)

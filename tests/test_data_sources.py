@@ -8,23 +8,38 @@ import json
 import os
 import re
 
-import ml_collections
 import numpy as np
 import pytest
 
+from conftest import base
 from electra_jax.errors import ConfigError
 from electra_jax.data import (
     WordPieceTokenizer,
     get_rows,
+    keep_tokenizer,
     load_pretraining_data,
     load_tokenizer,
     pipeline,
+    prepare_data,
     prepare,
-    read_documents,
-    resolve_files,
+    workdir_tokenizer,
 )
+from electra_jax.data.config import read_config
+from electra_jax.data import sources
+from electra_jax.data.sources import resolve_files
 
 # ---------------------------------------------------------------- fixtures
+
+
+def read_documents(source, paths, text_field="text", max_documents=None):
+  """The first documents of `paths` and their stats, logged as prepare_data logs them; the error
+  it raises when none is left."""
+  stats = sources.SourceStats()
+  documents = list(sources.iter_documents(source, paths, text_field, stats))[:max_documents]
+  sources.log_stats(source, stats)
+  if not documents:
+    raise sources.no_usable_text_error(source, paths, text_field, stats)
+  return documents, stats
 
 
 def _write(path, text, mode="w"):
@@ -98,23 +113,12 @@ def _bert_like_vocab(path, words, drop=()):
 
 
 def _config(tmp_path, **overrides):
-  values = dict(
-      source="text",
-      files="",
-      text_field="text",
-      max_seq_len=32,
-      cache_dir=str(tmp_path / "cache"),
-      tokenizer="sentencepiece",
-      spm_vocab_size=60,
-      spm_model_type="unigram",
-      vocab_file="",
-      lowercase=True,
-      strip_accents=None,
-      max_documents=0,
-      eval_fraction=0.0,
-  )
-  values.update(overrides)
-  return ml_collections.ConfigDict(values)
+  """configs/base.py's data group (every config is completed with it) for a tiny corpus."""
+  config = base.get_config().data
+  config.update(source="text", max_seq_len=32, cache_dir=str(tmp_path / "cache"))
+  config.update(spm_vocab_size=60, max_documents=0, eval_fraction=0.0)
+  config.update(overrides)
+  return config
 
 
 # ---------------------------------------------------------------- text source
@@ -142,7 +146,7 @@ def test_text_source_globs_and_blank_line_documents(tmp_path):
       ["Second file, first line.", "Still the same document."],
       ["Third file."],
   ]
-  assert stats.num_documents == 4 and stats.empty_files == [] and stats.replaced_lines == 0
+  assert stats.num_documents == 4 and stats.problems == {}
   assert read_documents("text", paths, max_documents=2)[0] == documents[:2]
 
 
@@ -163,7 +167,7 @@ def test_jsonl_source_documents_and_text_field(tmp_path):
   path = _write(tmp_path / "d.jsonl", "\n".join(json.dumps(r) for r in rows) + "\n\n")
   documents, stats = read_documents("jsonl", [path], text_field="body")
   assert documents == [["First paragraph.", "Second paragraph.", "Third."], ["Another document."]]
-  assert stats.skipped_lines == 0
+  assert "skipped_lines" not in stats.problems
 
 
 def test_jsonl_records_holding_unicode_line_separators_are_kept(tmp_path):
@@ -185,9 +189,9 @@ def test_jsonl_records_holding_unicode_line_separators_are_kept(tmp_path):
   )
   expected = [["One.", "Two."], ["Three", "four."], ["Five", "six."], ["Seven."]]
   documents, stats = read_documents("jsonl", [path])
-  assert documents == expected and stats.skipped_lines == 0
+  assert documents == expected and "skipped_lines" not in stats.problems
   documents, stats = read_documents("jsonl", [bad])
-  assert documents == [["Caf\ufffd."]] + expected and stats.skipped_lines == 0
+  assert documents == [["Caf\ufffd."]] + expected and "skipped_lines" not in stats.problems
 
 
 def test_jsonl_bad_lines_are_skipped_counted_and_located(tmp_path, caplog):
@@ -203,9 +207,9 @@ def test_jsonl_bad_lines_are_skipped_counted_and_located(tmp_path, caplog):
   with caplog.at_level("WARNING"):
     documents, stats = read_documents("jsonl", [path])
   assert documents == [["Good one."], ["Good two."]]
-  assert stats.skipped_lines == 4
-  assert stats.first_skipped_line == f"{path}:2: not valid JSON"
-  assert "skipped 4 JSONL lines" in caplog.text and f"{path}:2" in caplog.text
+  assert stats.problems["skipped_lines"] == 4
+  assert stats.first_problems["skipped_lines"] == f"{path}:2: not valid JSON"
+  assert "4 JSONL lines skipped" in caplog.text and f"{path}:2" in caplog.text
 
 
 def test_jsonl_without_usable_lines_is_refused(tmp_path):
@@ -225,8 +229,11 @@ def test_non_utf8_bytes_are_replaced_and_counted(tmp_path, caplog):
   with caplog.at_level("WARNING"):
     documents, stats = read_documents("text", [path])
   assert documents == [["Good line.", "Caf\ufffd au lait."], ["na\ufffdve \ufffd."]]
-  assert stats.replaced_lines == 2 and stats.first_replaced_line == f"{path}:2"
-  assert "2 lines held bytes that are not UTF-8" in caplog.text
+  assert (
+      stats.problems["replaced_lines"] == 2
+      and stats.first_problems["replaced_lines"] == f"{path}:2"
+  )
+  assert "2 lines with bytes that are not UTF-8" in caplog.text
 
 
 def test_empty_files_are_skipped_and_reported(tmp_path, caplog):
@@ -236,8 +243,8 @@ def test_empty_files_are_skipped_and_reported(tmp_path, caplog):
   with caplog.at_level("WARNING"):
     documents, stats = read_documents("text", [empty, blank, full])
   assert documents == [["Some text."]]
-  assert stats.empty_files == [empty, blank]
-  assert "skipped 2 empty files" in caplog.text and empty in caplog.text
+  assert stats.problems["empty_files"] == 2 and stats.first_problems["empty_files"] == empty
+  assert "2 empty files skipped" in caplog.text and empty in caplog.text
 
 
 def test_no_usable_text_names_the_files(tmp_path):
@@ -261,7 +268,7 @@ def test_glob_matching_nothing_names_the_pattern(tmp_path):
 
 
 def test_missing_or_bad_files_setting_is_refused(tmp_path):
-  with pytest.raises(ConfigError, match="data.files is empty"):
+  with pytest.raises(ConfigError, match="data.source='text' needs data.files"):
     load_pretraining_data(_config(tmp_path, files=" , "))
   with pytest.raises(ConfigError, match="matches the directory"):
     resolve_files(str(tmp_path))
@@ -370,9 +377,9 @@ def test_a_workdir_keeps_a_wordpiece_vocabulary_with_its_case_settings(oracle_vo
       tmp_path, tokenizer="wordpiece", vocab_file=str(source), lowercase=False, strip_accents=True
   )
   original = WordPieceTokenizer(str(source), lowercase=False, strip_accents=True)
-  pipeline.keep_tokenizer(original, tmp_path / "workdir")
+  keep_tokenizer(original, tmp_path / "workdir")
   os.remove(source)
-  kept = pipeline.workdir_tokenizer(tmp_path / "workdir", settings)
+  kept = workdir_tokenizer(tmp_path / "workdir", settings)
   assert kept.vocab_file == str(tmp_path / "workdir" / "vocab.txt")
   assert (kept.fingerprint, kept.lowercase, kept.strip_accents) == (
       original.fingerprint,
@@ -386,6 +393,21 @@ def test_a_workdir_keeps_a_wordpiece_vocabulary_with_its_case_settings(oracle_vo
   )  # the default rules (lowercase) would tokenize otherwise
 
 
+def test_prepared_wordpiece_shards_carry_their_vocab(oracle_vocab, tmp_path):
+  corpus = _write(tmp_path / "c.txt", "The quick brown fox.\n\nHello world.\n")
+  wordpiece = dict(tokenizer="wordpiece", lowercase=False, prepared_dir=str(tmp_path / "prep"))
+  manifest = prepare_data(
+      _config(tmp_path, files=corpus, vocab_file=oracle_vocab, **wordpiece), num_workers=0
+  )
+  with open(oracle_vocab, "rb") as f:
+    assert (tmp_path / "prep" / "vocab.txt").read_bytes() == f.read()
+  # Trained on without data.vocab_file: the shards' copy, with the config's case rules.
+  loaded = load_tokenizer(_config(tmp_path, source="prepared", **wordpiece))
+  assert loaded.fingerprint == manifest["tokenizer"]["fingerprint"]
+  with pytest.raises(ConfigError, match="were made with the wordpiece tokenizer vocab.txt"):
+    load_tokenizer(_config(tmp_path, source="prepared", **dict(wordpiece, lowercase=True)))
+
+
 def test_wordpiece_config_errors(tmp_path):
   corpus = _write(tmp_path / "c.txt", "the dog")
   with pytest.raises(ConfigError, match="needs data.vocab_file"):
@@ -395,7 +417,7 @@ def test_wordpiece_config_errors(tmp_path):
     load_pretraining_data(
         _config(tmp_path, files=corpus, tokenizer="wordpiece", vocab_file=missing)
     )
-  with pytest.raises(ConfigError, match=r"Unknown data.tokenizer 'bpe'"):
+  with pytest.raises(ConfigError, match=r"data.tokenizer='bpe' is not one of"):
     load_pretraining_data(_config(tmp_path, files=corpus, tokenizer="bpe"))
 
 
@@ -403,7 +425,7 @@ def test_wordpiece_config_errors(tmp_path):
 
 
 def _cache_key_directory(config):
-  return pipeline._corpus_cache_dir(prepare.read_config(config))
+  return pipeline._corpus_cache_dir(read_config(config))
 
 
 def test_changed_input_file_changes_the_cache_key(tmp_path, oracle_vocab):
@@ -569,8 +591,6 @@ def test_load_tokenizer_matches_the_data(tmp_path, oracle_vocab):
 
 
 def test_large_corpus_cache_key_uses_sizes_and_mtimes(tmp_path, monkeypatch):
-  from electra_jax.data import sources
-
   monkeypatch.setattr(sources, "_HASHED_CORPUS_BYTES", 0)  # every corpus counts as large
   path = _write(tmp_path / "big.txt", "the lazy dog\n")
   config = _config(tmp_path, files=path)

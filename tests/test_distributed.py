@@ -204,6 +204,30 @@ def test_single_process_modes_are_refused_in_a_multi_process_job(tmp_path):
   assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.parametrize(
+    "mode, made", [("prepare_data", "prepared/manifest.json"), ("train_tokenizer", "spm.model")]
+)
+def test_modes_that_run_locally_join_no_multi_process_job(tmp_path, mode, made):
+  """On worker 0 of a multi-host slice, prepare_data used to join the slice's job and wait for
+  workers that never came: main.MODES marks it, train_tokenizer and compile as local."""
+  from electra_jax import main  # noqa: PLC0415
+
+  local = [name for name, entry in main.MODES.items() if entry.local]
+  assert local == ["compile", "train_tokenizer", "prepare_data"]
+  args = cli_args(tmp_path / "unused", **{"data.prepared_dir": tmp_path / "prepared"})
+  args += [f"--mode={mode}", f"--out={tmp_path}/spm.model", "--workers=0"]
+  # Process 0 of 2: joining would wait for a process 1 that is never started.
+  env = dict(
+      os.environ,
+      ELECTRA_JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}",
+      ELECTRA_JAX_NUM_PROCESSES="2",
+      ELECTRA_JAX_PROCESS_ID="0",
+  )
+  done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0 and "Process 0 of 2" not in done.stderr, done.stderr[-3000:]
+  assert (tmp_path / made).is_file()
+
+
 def test_a_sigterm_before_the_loop_stops_a_single_process_distributed_run(tmp_path):
   """launch/tpu_vm.py joins jax.distributed on single-host slices too; JAX's preemption notifier
   then catches SIGTERM from initialize on. One that arrived while the data loaded or the step

@@ -287,7 +287,9 @@ def test_bad_input_errors(tmp_path):
     tasks.load_task(config)
   with pytest.raises(ConfigError, match="Unknown task 'glu'"):
     tasks.load_task(glue_config("glu", tmp_path))
-  with pytest.raises(ConfigError, match="not a number"):
+  with pytest.raises(ConfigError, match=r"config.custom.metrics has unknown \['auc'\]; use \["):
+    tasks.load_task(custom_config(tmp_path, "tsv", train, train, metrics="accuracy, auc"))
+  with pytest.raises(ConfigError, match="regression label .pos. is not a finite number"):
     tasks.load_task(custom_config(tmp_path, "tsv", train, train, kind="regression"))
   write_glue(tmp_path / "glue")
   _write(
@@ -352,19 +354,20 @@ def test_encode_examples(tokenizer):
   assert long["input_ids"].shape == (1, 16) and long["attention_mask"].sum() == 14
 
 
-def test_glue_submission_file(tmp_path):
-  data = tasks.TaskData(
-      "mnli",
-      "classification",
-      ("contradiction", "entailment", "neutral"),
-      ("accuracy",),
-      [],
-      {},
-      {},
-  )
-  path = tasks.write_predictions(
-      str(tmp_path / "MNLI-m.tsv"), [0, 1, 2], tasks.prediction_strings(data, np.array([2, 0, 1]))
-  )
-  assert open(path).read() == "index\tprediction\n0\tneutral\n1\tcontradiction\n2\tentailment\n"
-  sts = tasks.TaskData("stsb", "regression", None, ("pearson",), [], {}, {})
-  assert tasks.prediction_strings(sts, np.array([1.23456, 4.0])) == ["1.235", "4.000"]
+def test_glue_submission_file(tmp_path, tokenizer):
+  """Test predictions as the GLUE server reads them: `index<TAB>prediction` after a header, by
+  each row's own index; labels as GLUE writes them, regression scores to three decimals."""
+  from electra_jax.finetune import model as model_lib  # noqa: PLC0415
+
+  config = api.load_config("finetune/tiny", {"tokenizer": tokenizer.vocab_file})
+  backbone = model_lib.load_backbone(config)
+  rows = [tasks.Example("a dog", "a cat", None, index) for index in (4, 0, 9)]
+  labels = ("contradiction", "entailment", "neutral")
+  mnli = tasks.TaskData("mnli", "classification", labels, ("accuracy",), [], {}, {"MNLI-m": rows})
+  adapter = tasks.make_adapter(config, backbone, mnli)
+  [path] = adapter.write_test(lambda features: np.eye(3)[[2, 0, 1]], str(tmp_path / "a"))
+  assert open(path).read() == "index\tprediction\n4\tneutral\n0\tcontradiction\n9\tentailment\n"
+  sts = tasks.TaskData("stsb", "regression", None, ("pearson",), [], {}, {"STS-B": rows[:2]})
+  adapter = tasks.make_adapter(config, backbone, sts)
+  [path] = adapter.write_test(lambda features: np.array([[1.23456], [4.0]]), str(tmp_path / "b"))
+  assert open(path).read().splitlines()[1:] == ["4\t1.235", "0\t4.000"]

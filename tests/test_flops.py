@@ -93,7 +93,7 @@ def test_the_benchmarks_name_a_misspelt_config_key_in_one_line(script):
   assert result.returncode != 0
   assert result.stderr.strip().splitlines()[-1] == (
       f"{script}: error: --config.train.batchsize: the config has no key 'batchsize'. Did you mean "
-      '"batch_size" instead of "batchsize"? configs/base.py lists every key with its default.'
+      "'batch_size'? configs/base.py lists every key with its default."
   )
   assert "Traceback" not in result.stderr
 

@@ -28,7 +28,8 @@ def _script_flags(script):
       r'add_argument\(\s*"--([\w-]+)"', text
   )
   booleans = re.findall(r'DEFINE_boolean\(\s*"([\w-]+)"', text)
-  return set(names) | {f"no{b}" for b in booleans}
+  recipe = ["config"] if "config_lib.define_config_flag(" in text else []
+  return set(names + recipe) | {f"no{b}" for b in booleans}
 
 
 @pytest.mark.parametrize("run", ALL_RUNS, ids=lambda run: run.name)

@@ -66,7 +66,7 @@ def test_choices_that_do_not_exist_are_named(saved, tmp_path):
   with pytest.raises(ConfigError, match="is not a directory"):
     HfDatasetCorpus(str(tmp_path / "missing"), "train", "text")
   with pytest.raises(ConfigError, match="needs data.hf_path"):
-    HfDatasetCorpus("", "train", "text")
+    load_pretraining_data(tiny_config(**{"data.source": "hf_datasets"}).data)
 
 
 def test_a_local_dataset_prepares_like_in_memory_and_trains(saved, tmp_path):

@@ -142,7 +142,7 @@ def test_load_hf_matches_transformers(tmp_path, kind, shape):
   hf_model = _random_hf_model(kind, **SHAPES[shape])
   hf_model.save_pretrained(tmp_path)
   model, params = interop.load_hf(str(tmp_path))
-  assert isinstance(model, hf.MODEL_CLASSES[kind])
+  assert isinstance(model, hf.KINDS[kind][1])
 
   ours = _assert_same_outputs(model, params, hf_model)
   last_dim = {"discriminator": (), "generator": (VOCAB,), "encoder": (hf_model.config.hidden_size,)}
@@ -162,7 +162,7 @@ def test_save_hf_loads_cleanly_and_matches(tmp_path, kind, shape):
       intermediate_size=sizes["intermediate_size"],
       layer_norm_eps=sizes.get("layer_norm_eps", 1e-12),
   )
-  model = hf.MODEL_CLASSES[kind](
+  model = hf.KINDS[kind][1](
       vocab_size=VOCAB,
       embedding_size=sizes["embedding_size"],
       max_position_embeddings=24,
@@ -173,7 +173,7 @@ def test_save_hf_loads_cleanly_and_matches(tmp_path, kind, shape):
 
   interop.save_hf(model, params, str(tmp_path))
   config = json.loads((tmp_path / "config.json").read_text())
-  assert config["architectures"] == [hf.ARCHITECTURE_OF_KIND[kind]]
+  assert config["architectures"] == [hf.KINDS[kind][0]]
   assert config["model_type"] == "electra"
   hf_model = _from_pretrained_cleanly(kind, str(tmp_path))
 
@@ -223,7 +223,9 @@ def test_pretrainer_towers_export_to_transformers(tmp_path):
   generator_config = transformers.ElectraConfig.from_pretrained(tmp_path / "generator")
   assert generator_config.hidden_size == 16 and generator_config.embedding_size == 24  # E > H_g
 
-  with pytest.raises(ConfigError, match="kind="):
+  with pytest.raises(
+      ConfigError, match=r"tower=None is not one of \['discriminator', 'generator'\]"
+  ):
     interop.save_hf(pretrainer, params, str(tmp_path / "neither"))
 
 
@@ -259,7 +261,10 @@ def test_pytorch_bin_state_dict_loads_and_torch_load_is_weights_only(tmp_path, m
   state_dict = hf_model.state_dict()
   refusals = [
       # torch.load reads it, but "step" is not a tensor
-      ({**state_dict, "step": 3}, r"entry 'step' is not a torch.Tensor \(its type is int\)"),
+      (
+          {**state_dict, "step": 3},
+          r"entry 'step' is not a str -> torch.Tensor \(its types are str, int\)",
+      ),
       # torch.load(weights_only=True) refuses to unpickle it
       ({**state_dict, "extra": Payload()}, "weights_only=True"),
       (list(state_dict.values()), "holds a 'list' object"),

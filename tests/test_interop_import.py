@@ -166,7 +166,10 @@ def test_official_names_of_every_weight():
 
 def test_tf_towers_compute_what_transformers_computes():
   pair = interop.pair_from_tf(FIXTURE)
-  assert pair.vocab_file == os.path.join(FIXTURE, "vocab.txt")  # found beside the checkpoint
+  assert pair.vocabulary == {
+      "tokenizer": "wordpiece",
+      "vocab_file": os.path.join(FIXTURE, "vocab.txt"),
+  }
   assert pair.discriminator.config.num_heads == 1  # official: max(1, 32 // 64)
   _assert_logits_match(
       pair.discriminator,
@@ -453,7 +456,7 @@ def test_a_pair_without_vocabulary_is_refused(tmp_path):
   pair = interop.pair_from_hf(
       os.path.join(FIXTURE, "hf_discriminator"), os.path.join(FIXTURE, "hf_generator")
   )
-  assert pair.vocab_file is None
+  assert pair.vocabulary == {}
   with pytest.raises(ConfigError, match=r"no vocab.txt \(or spm.model\) beside the weights"):
     _import(pair, tmp_path / "w")
 

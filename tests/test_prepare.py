@@ -17,22 +17,23 @@ import sys
 import threading
 import time
 
-import ml_collections
 import numpy as np
 import pytest
 
+from conftest import base
 from electra_jax.errors import ConfigError
 from electra_jax.data import (
-    Prefetcher,
     SentencePieceTokenizer,
     get_batch,
     load_pretraining_data,
     load_tokenizer,
+    prefetch,
     prepare,
     prepare_data,
     train_tokenizer,
 )
-from electra_jax.data.pipeline import PretrainingData, ShardedRows
+from electra_jax.data.pipeline import PretrainingData
+from electra_jax.data.shards import ShardedRows
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,26 +63,21 @@ def _write_corpus(directory, num_files=3, docs_per_file=12, seed=0):
 
 
 def _config(tmp_path, files, **overrides):
-  values = dict(
+  """configs/base.py's data group (every config is completed with it) for a tiny text corpus."""
+  config = base.get_config().data
+  config.update(
       source="text",
       files=files,
-      text_field="text",
       max_seq_len=32,
       cache_dir=str(tmp_path / "cache"),
-      tokenizer="sentencepiece",
       spm_vocab_size=120,
-      spm_model_type="unigram",
-      spm_model_file="",
-      vocab_file="",
-      lowercase=True,
-      strip_accents=None,
       max_documents=0,
       eval_fraction=0.1,
       prepared_dir=str(tmp_path / "prepared"),
       shard_documents=7,
   )
-  values.update(overrides)
-  return ml_collections.ConfigDict(values)
+  config.update(overrides)
+  return config
 
 
 @pytest.fixture(scope="module")
@@ -130,13 +126,13 @@ def test_train_tokenizer_model_has_special_tokens_and_serves_the_pipeline(
   config = _config(tmp_path, corpus_files, spm_model_file=out)
   assert load_pretraining_data(config).tokenizer.fingerprint == tokenizer.fingerprint
   assert load_tokenizer(config).fingerprint == tokenizer.fingerprint
-  assert not any(
-      name.endswith(".model") for _, _, names in os.walk(tmp_path / "cache") for name in names
-  )
+  # None trained: at most the prepared shards' copy of this one.
+  given = (tmp_path / "tok" / "spm.model").read_bytes()
+  assert all(path.read_bytes() == given for path in (tmp_path / "cache").rglob("*.model"))
 
 
 def test_train_tokenizer_errors(tmp_path, corpus_files):
-  with pytest.raises(ConfigError, match="is a directory"):
+  with pytest.raises(ConfigError, match="already exists"):  # a directory too
     train_tokenizer(_config(tmp_path, corpus_files), str(tmp_path))
   empty = tmp_path / "empty.txt"
   empty.write_text("\n\n")
@@ -157,7 +153,7 @@ def test_train_tokenizer_does_not_replace_an_existing_model(tmp_path, corpus_fil
   out = tmp_path / "spm.model"
   shutil.copy(spm_model, out)
   before = out.read_bytes()
-  with pytest.raises(ConfigError, match=r"already exists.*Nothing was written"):
+  with pytest.raises(ConfigError, match=r"already exists.*nothing was written"):
     train_tokenizer(_config(tmp_path, corpus_files, spm_vocab_size=90), str(out), num_threads=1)
   assert out.read_bytes() == before
 
@@ -337,8 +333,8 @@ def test_kill_mid_way_leaves_no_half_shard_and_resume_equals_uninterrupted(
   reference_dir = tmp_path / "ref" / "prepared"
   config = _config(tmp_path, corpus_files, spm_model_file=spm_model)
   directory = tmp_path / "prepared"
-  # fsync calls: 1 for the first manifest, then one per shard file (train, eval if any).
-  script = _KILLED_RUN.format(repo=REPO, kill_at=6, config=repr(config.to_dict()))
+  # fsync calls: the tokenizer's copy, the first manifest, then one per shard file.
+  script = _KILLED_RUN.format(repo=REPO, kill_at=7, config=repr(config.to_dict()))
   process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
   try:
     assert process.stdout.readline().strip() == "WRITING"
@@ -552,15 +548,13 @@ def test_a_retrained_tokenizer_of_another_fingerprint_is_refused_and_not_kept(
   original_train = prepare.train_sentencepiece
   out_paths = []
 
-  def another_model(sentences, out_path, **kwargs):
+  def another_model(sentences, out_path, vocab_size, model_type, num_threads):
     # Training happens outside the directory, so a kill here would leave nothing in it.
     out_paths.append(out_path)
     assert (
         not os.path.abspath(out_path).startswith(str(directory)) and _listing(directory) == before
     )
-    return original_train(
-        sentences, out_path, **dict(kwargs, model_type="bpe")
-    )  # same size, other pieces
+    return original_train(sentences, out_path, vocab_size, "bpe", num_threads)  # other pieces
 
   monkeypatch.setattr(prepare, "train_sentencepiece", another_model)
   with pytest.raises(
@@ -583,7 +577,7 @@ def test_training_refuses_shards_of_another_tokenizer_or_length(tmp_path, corpus
   got = SentencePieceTokenizer(other).fingerprint
   with pytest.raises(
       ConfigError,
-      match=f"fingerprint {expected}.*this config gives sentencepiece .*other.model .fingerprint {got}",
+      match=f"fingerprint {expected}.*this config gives SentencePieceTokenizer.*other.model.*{got}",
   ):
     load_pretraining_data(_config(tmp_path, corpus_files, source="prepared", spm_model_file=other))
   with pytest.raises(ConfigError, match="has no manifest.json.*--mode=prepare_data"):
@@ -634,7 +628,7 @@ def test_training_reads_shards_that_differ_from_the_manifest_never(
     _rewrite_shard(path, lambda rows: rows.__setitem__((0, 0, 1), 119 + 7), update_manifest=True)
     message = "holds token id 126, outside the tokenizer's 120 ids"
   data = load_pretraining_data(prepared)  # the run starts at once; the check runs beside it
-  data.verification.wait()
+  data.verification.result()
   with pytest.raises(
       ConfigError, match=rf"Shard .*{path.name} {message}.*--mode=prepare_data again"
   ):
@@ -643,7 +637,7 @@ def test_training_reads_shards_that_differ_from_the_manifest_never(
   for f, content in originals.items():
     f.write_bytes(content)
   data = load_pretraining_data(prepared)
-  data.verification.wait()
+  data.verification.result()
   assert get_batch(data, 0, 4, seed=0)["input_ids"].shape == (4, 32)
 
 
@@ -661,8 +655,30 @@ def test_sentencepiece_trained_by_prepare_serves_training(tmp_path, corpus_files
       load_tokenizer(_config(tmp_path, corpus_files, source="prepared")).fingerprint
       == data.tokenizer.fingerprint
   )
-  with pytest.raises(ConfigError, match=r"has 100 pieces, but data.spm_vocab_size=80"):
+  with pytest.raises(ConfigError, match=r"another config.*spm_trained_here.*100.*80"):
     prepare_data(_config(tmp_path, corpus_files, spm_vocab_size=80), num_workers=0)
+
+
+def test_a_given_tokenizer_travels_with_the_shards(tmp_path, corpus_files, spm_model):
+  manifest = prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model), num_workers=0)
+  with open(spm_model, "rb") as f:
+    assert (tmp_path / "prepared" / "spm.model").read_bytes() == f.read()
+  assert manifest["tokenizer"]["model_file"] == "spm.model"
+  shutil.move(tmp_path / "prepared", tmp_path / "moved")  # to a machine without the given file
+  moved = _config(tmp_path, corpus_files, source="prepared", prepared_dir=str(tmp_path / "moved"))
+  data = load_pretraining_data(moved)
+  assert data.tokenizer.fingerprint == manifest["tokenizer"]["fingerprint"]
+
+
+def test_a_model_left_by_a_run_killed_before_its_manifest_is_trained_again(
+    tmp_path, corpus_files, spm_model
+):
+  directory = tmp_path / "prepared"
+  directory.mkdir()
+  shutil.copy(spm_model, directory / "spm.model")  # 120 pieces, of another config
+  manifest = prepare_data(_config(tmp_path, corpus_files, spm_vocab_size=100), num_workers=0)
+  kept = SentencePieceTokenizer(str(directory / "spm.model"))
+  assert kept.vocab_size == 100 and manifest["tokenizer"]["fingerprint"] == kept.fingerprint
 
 
 @pytest.mark.parametrize("model_type", ["unigram", "bpe"])
@@ -741,7 +757,10 @@ def test_block_reader_splits_lines_like_decoding_the_whole_file(tmp_path, monkey
   monkeypatch.setattr(sources, "_BLOCK_BYTES", block_bytes)
   stats = sources.SourceStats()
   assert list(sources.iter_documents("text", [str(path)], stats=stats)) == expected
-  assert stats.replaced_lines == 2 and stats.first_replaced_line == f"{path}:9"
+  assert (
+      stats.problems["replaced_lines"] == 2
+      and stats.first_problems["replaced_lines"] == f"{path}:9"
+  )
   assert stats.bytes_read == len(raw)
 
 
@@ -853,9 +872,7 @@ def test_sharded_rows_index_like_the_concatenated_array():
 def test_two_hosts_read_disjoint_rows_that_cover_each_epoch(spm_model):
   tokenizer = SentencePieceTokenizer(spm_model)
   shards = _indexed_shards([7, 13, 4, 9])
-  data = PretrainingData(
-      tokenizer, ShardedRows(shards, 0, 4), ShardedRows(shards, 1, 4), "test", token_count=0
-  )
+  data = PretrainingData(tokenizer, ShardedRows(shards, 0, 4), ShardedRows(shards, 1, 4), "test")
   num_examples, batch = 33, 6
   epoch_rows = {0: [], 1: []}
   for step in range(11):  # 66 positions: exactly two epochs
@@ -891,7 +908,7 @@ def test_resume_mid_epoch_gives_the_uninterrupted_batches(tmp_path, corpus_files
 # ---------------------------------------------------------------- prefetcher
 
 
-def test_prefetcher_yields_consecutive_steps_and_runs_at_most_depth_ahead():
+def test_prefetch_yields_consecutive_steps_and_runs_at_most_depth_ahead():
   calls = []
   lock = threading.Lock()
 
@@ -900,18 +917,18 @@ def test_prefetcher_yields_consecutive_steps_and_runs_at_most_depth_ahead():
       calls.append(step)
     return {"step": step, "data": np.full(3, step)}
 
-  with Prefetcher(fetch, start_step=5, depth=2) as batches:
+  with prefetch(fetch, start_step=5, depth=2) as batches:
     first = next(batches)
     assert first["step"] == 5
     time.sleep(0.3)
     # Consumed 1; the queue holds at most 2; a third fetch may be waiting to be queued.
     assert sorted(calls) == [5, 6, 7, 8][: len(calls)] and len(calls) <= 4
     rest = [next(batches)["step"] for _ in range(10)]
-    assert rest == list(range(6, 16)) and batches.next_step == 16
+    assert rest == list(range(6, 16))
   assert sorted(calls) == list(range(5, len(calls) + 5))
 
 
-def test_prefetcher_overlaps_depth_fetches_that_wait():
+def test_prefetch_overlaps_depth_fetches_that_wait():
   """Reads that wait (on a bucket) run side by side: two fetches meet at a barrier of two."""
   meeting = threading.Barrier(2, timeout=10)
 
@@ -919,7 +936,7 @@ def test_prefetcher_overlaps_depth_fetches_that_wait():
     meeting.wait()
     return step
 
-  with Prefetcher(fetch, start_step=0, depth=2, stop_step=6) as batches:
+  with prefetch(fetch, start_step=0, depth=2, stop_step=6) as batches:
     assert list(batches) == list(range(6))
 
 
@@ -927,40 +944,38 @@ def _prefetch_threads():
   return [t for t in threading.enumerate() if t.name.startswith("electra-prefetch")]
 
 
-def test_prefetcher_raises_the_fetch_error_at_its_step_and_stops():
+def test_prefetch_raises_the_fetch_error_at_its_step_and_stops():
   def fetch(step):
     if step == 3:
       raise ConfigError("bad step 3")
     return step
 
   calls = []
-  prefetcher = Prefetcher(lambda step: calls.append(step) or fetch(step), start_step=0, depth=2)
-  assert [next(prefetcher) for _ in range(3)] == [0, 1, 2]
-  with pytest.raises(ConfigError, match="bad step 3"):
-    next(prefetcher)
-  with pytest.raises(StopIteration):
-    next(prefetcher)
+  with prefetch(lambda step: calls.append(step) or fetch(step), 0, depth=2) as batches:
+    assert [next(batches) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(ConfigError, match="bad step 3"):
+      next(batches)
+    with pytest.raises(StopIteration):
+      next(batches)
   fetched = len(calls)
   time.sleep(0.2)
   assert len(calls) == fetched <= 6  # fetching stopped with the error: at most depth steps past it
   assert not _prefetch_threads()
 
 
-def test_prefetcher_stop_step_and_close():
-  assert list(Prefetcher(lambda step: step * 2, start_step=2, stop_step=6)) == [4, 6, 8, 10]
-  assert not _prefetch_threads()  # the iteration's end ends the thread
+def test_prefetch_stop_step_and_leaving_early():
+  with prefetch(lambda step: step * 2, start_step=2, stop_step=6) as batches:
+    assert list(batches) == [4, 6, 8, 10]
+  assert not _prefetch_threads()  # the context's end ends the threads
   calls = []
-  prefetcher = Prefetcher(lambda step: calls.append(step) or step, start_step=0, depth=1)
-  next(prefetcher)
-  prefetcher.close()
+  with prefetch(lambda step: calls.append(step) or step, start_step=0, depth=1) as batches:
+    next(batches)
   fetched = len(calls)
   time.sleep(0.2)
-  assert calls == [0, 1][:fetched] and len(calls) == fetched  # nothing fetched after close
+  assert calls == [0, 1][:fetched] and len(calls) == fetched  # nothing fetched after leaving
   assert not _prefetch_threads()
-  with pytest.raises(StopIteration):
-    next(prefetcher)
-  with pytest.raises(ValueError, match="depth"):
-    Prefetcher(lambda step: step, 0, depth=0)
+  with pytest.raises(ValueError), prefetch(lambda step: step, 0, depth=0):
+    pass
 
 
 # ---------------------------------------------------------------- the README's CLI flow

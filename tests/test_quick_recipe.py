@@ -59,7 +59,7 @@ def test_the_quick_recipe_trains_to_its_time_budget(tmp_path, objective):
   )
   lines = _metrics(workdir)
   assert lines[-1]["step"] == steps and all(np.isfinite(m["loss"]) for m in lines)
-  warmup = optimizer.warmup_steps(config_lib.with_defaults(saved))
+  warmup = optimizer.warmup_steps(config_lib.load_workdir_config(str(workdir)))
   assert warmup == round(0.1 * steps)
   assert float(optimizer.learning_rate_schedule(1e-3, warmup, steps)(steps)) == 0.0
   if objective == "electra":

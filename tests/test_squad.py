@@ -12,10 +12,11 @@ import numpy as np
 import optax
 import pytest
 
+from electra_jax import config_lib
 from electra_jax.errors import ConfigError
 from electra_jax.data import tfds_source
-from electra_jax.data.tokenizer import SPECIAL_TOKENS, SentencePieceTokenizer, train_sentencepiece
-from electra_jax.data.wordpiece import WordPieceTokenizer
+from electra_jax.data.tokenizer import SPECIAL_TOKENS, SentencePieceTokenizer, WordPieceTokenizer
+from electra_jax.data.tokenizer import train_sentencepiece
 from electra_jax.finetune import squad
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,6 +65,38 @@ def sentencepiece(tmp_path_factory):
   sentences = ([CONTEXT] + [q for q, _ in QUESTIONS] + CONTEXT.split(". ")) * 5
   path = tmp_path_factory.mktemp("spm") / "spm.model"
   return SentencePieceTokenizer(train_sentencepiece(sentences, str(path), vocab_size=60))
+
+
+BASE = config_lib.sibling(os.path.join(REPO, "configs", "finetune", "base.py"), "base")
+
+
+def _settings(task="squad1.1", **squad_overrides):
+  config = BASE.get_config()
+  config.task = task
+  config.squad.update(squad_overrides)
+  return squad.squad_settings(config)
+
+
+V1 = _settings()
+
+
+def _rows_of_example(metadata):
+  return {
+      int(i): list(np.flatnonzero(metadata.example_index == i)) for i in set(metadata.example_index)
+  }
+
+
+def _outputs(start_logits, end_logits, answerable_logits=None):
+  """SquadModel's [rows, T, 3] from its parts (answerable: zeros where not given)."""
+  answerable = np.zeros(len(start_logits)) if answerable_logits is None else answerable_logits
+  return np.stack(
+      [
+          start_logits,
+          end_logits,
+          np.broadcast_to(np.asarray(answerable)[:, None], np.shape(start_logits)),
+      ],
+      -1,
+  )
 
 
 def _examples(version="1.1"):
@@ -161,13 +194,6 @@ def test_v2_metrics_threshold_breakdown_and_best_threshold_by_hand():
   assert plain["exact"] == pytest.approx(75.0) and "best_f1" not in plain
 
 
-def test_write_predictions_is_official_json(tmp_path):
-  path = tmp_path / "predictions.json"
-  squad.write_predictions(str(path), {"q1": "Paris", "q2": ""})
-  assert json.loads(path.read_text()) == {"q1": "Paris", "q2": ""}
-  assert [p.name for p in tmp_path.iterdir()] == ["predictions.json"]  # no temp file left
-
-
 # ---------------------------------------------------------------------------------------
 # Readers.
 # ---------------------------------------------------------------------------------------
@@ -216,7 +242,7 @@ def test_read_squad_json(tmp_path):
 @pytest.mark.parametrize(
     "content, message",
     [
-        ("", "is empty"),
+        ("", "not an official SQuAD JSON"),
         ("{not json", "not an official SQuAD JSON"),
         (json.dumps({"data": [{"title": "T"}]}), "paragraphs"),
         (
@@ -237,7 +263,10 @@ def test_read_squad_json(tmp_path):
             json.dumps(_squad_json([{"id": "x", "question": "q", "answers": []}])),
             "has no answers and is not marked is_impossible",
         ),
-        (json.dumps(_squad_json([{"id": "x", "answers": []}])), "lacks the field 'question'"),
+        (
+            json.dumps(_squad_json([{"id": "x", "answers": []}])),
+            "not an official SQuAD JSON file .KeyError: 'question'",
+        ),
         (json.dumps(_squad_json([V2_QAS[0], V2_QAS[0]])), "more than once"),
         (json.dumps({"data": []}), "holds no SQuAD questions"),
     ],
@@ -273,9 +302,7 @@ def test_read_squad_tfds_from_array_record(tmp_path, monkeypatch):
         f"squad/v{version}", data_dir=str(tmp_path / "tfds"), file_format="array_record"
     )
     builder.download_and_prepare()
-    from_tfds = squad.read_squad_tfds(
-        f"squad/v{version}", "validation", data_dir=str(tmp_path / "tfds")
-    )
+    from_tfds = squad.read_squad_tfds(version, "validation", data_dir=str(tmp_path / "tfds"))
     from_json = squad.read_squad_json(files[name, "dev"], version)
     assert sorted(from_tfds, key=lambda e: e.qas_id) == from_json
     config = ml_collections.ConfigDict(dict(source="tfds", tfds_data_dir=str(tmp_path / "tfds")))
@@ -283,7 +310,7 @@ def test_read_squad_tfds_from_array_record(tmp_path, monkeypatch):
     assert len(train) == len(dev) == len(from_json)
 
   with pytest.raises(ConfigError, match="Cannot open TFDS"):
-    squad.read_squad_tfds("squad/v1.1", "validation", data_dir=str(tmp_path / "nothing"))
+    squad.read_squad_tfds("1.1", "validation", data_dir=str(tmp_path / "nothing"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -304,7 +331,7 @@ def test_features_slide_windows_and_mark_answers(tokenizer):
       examples, tokenizer, max_seq_len, stride, max_query, is_training=True
   )
   context_ids = [t for w in CONTEXT.split() for t in tokenizer.encode(w)]
-  rows = metadata.rows_of_example()
+  rows = _rows_of_example(metadata)
   assert len(rows[0]) >= 4  # the context needs several windows
   for index, example in enumerate(examples):
     question_ids = tokenizer.encode(example.question)[:max_query]
@@ -372,7 +399,7 @@ def test_postprocess_on_oracle_logits_recovers_the_exact_answer_text(kind, reque
   features, metadata = squad.make_features(examples, tokenizer, 40, 10, 8, is_training=False)
   start_logits, end_logits = _oracle_logits(features)
   predictions, null_odds = squad.postprocess(
-      examples, features, metadata, start_logits, end_logits, version="1.1"
+      examples, metadata, _outputs(start_logits, end_logits), V1
   )
   # Exact strings from the context: the original case, "1887" without "(...-1889).",
   # "Gustave Eiffel" without "'s company".
@@ -380,7 +407,7 @@ def test_postprocess_on_oracle_logits_recovers_the_exact_answer_text(kind, reque
   assert squad.squad_metrics(examples, predictions)["exact"] == 100.0
 
   # The max-context rule: for each token exactly one row of its example flags it.
-  for index, example_rows in metadata.rows_of_example().items():
+  for index, example_rows in _rows_of_example(metadata).items():
     flags = np.zeros(len(metadata.token_char_spans[index]), int)
     for row in example_rows:
       start, offset = int(metadata.window_start[row]), int(metadata.context_offset[row])
@@ -390,7 +417,7 @@ def test_postprocess_on_oracle_logits_recovers_the_exact_answer_text(kind, reque
 
   # A stronger one-token span at a position whose max-context window is another row is
   # ignored; the same logits at a position this row owns win.
-  row = metadata.rows_of_example()[2][1]
+  row = _rows_of_example(metadata)[2][1]
   owned = metadata.max_context[row]
   context = np.flatnonzero(features["token_type_ids"][row] * features["attention_mask"][row])[:-1]
   spans = metadata.token_char_spans[2]
@@ -400,9 +427,7 @@ def test_postprocess_on_oracle_logits_recovers_the_exact_answer_text(kind, reque
     assert owned[position] == wins
     biased_start, biased_end = start_logits.copy(), end_logits.copy()
     biased_start[row, position] = biased_end[row, position] = 12.0
-    biased, _ = squad.postprocess(
-        examples, features, metadata, biased_start, biased_end, version="1.1"
-    )
+    biased, _ = squad.postprocess(examples, metadata, _outputs(biased_start, biased_end), V1)
     assert (biased["q2"] != "Paris") == wins
 
   # max_answer_len counts tokens: one less than "the Champ de Mars" needs drops only the
@@ -414,9 +439,12 @@ def test_postprocess_on_oracle_logits_recovers_the_exact_answer_text(kind, reque
       + 1
       for r in labelled
   }
-  limit = lengths["q5"] - 1
+  limit = int(lengths["q5"] - 1)
   short, _ = squad.postprocess(
-      examples, features, metadata, start_logits, end_logits, max_answer_len=limit, version="1.1"
+      examples,
+      metadata,
+      _outputs(start_logits, end_logits),
+      _settings(max_answer_len=limit),
   )
   assert short["q5"] != "the Champ de Mars"
   assert all((short[q] == predictions[q]) == (n <= limit) for q, n in lengths.items())
@@ -431,35 +459,32 @@ def test_postprocess_v2_no_answer_scores(tokenizer):
   answerable = np.where(features["is_impossible"] == 1, -3.0, 4.0).astype(np.float32)
   answerable[np.flatnonzero(impossible)[1]] = -1.0
   predictions, null_odds = squad.postprocess(
-      examples, features, metadata, start_logits, end_logits, answerable, version="2.0"
+      examples, metadata, _outputs(start_logits, end_logits, answerable), _settings("squad2.0")
   )
-  assert null_odds["impossible"] == 1.0 and predictions["impossible"] == ""
-  assert null_odds["q0"] == -4.0 and predictions["q0"] == "1887"
-  kept, _ = squad.postprocess(
-      examples,
-      features,
-      metadata,
-      start_logits,
-      end_logits,
-      answerable,
-      null_threshold=None,
-      version="2.0",
-  )
-  assert kept["impossible"] != ""  # the best span, left for the threshold search
+  answers = squad.apply_null_threshold(predictions, null_odds, -2.75)
+  assert null_odds["impossible"] == 1.0 and answers["impossible"] == ""
+  assert null_odds["q0"] == -4.0 and answers["q0"] == predictions["q0"] == "1887"
+  assert predictions["impossible"] != ""  # the best span, left for the threshold search
 
   # Without it: min over windows of start[CLS] + end[CLS], minus the best span's score.
   rows = np.flatnonzero(metadata.example_index == 0)
   start_logits[rows, 0], end_logits[rows, 0] = 3.0, 3.0
   start_logits[rows[1], 0], end_logits[rows[1], 0] = 1.0, 1.0
+  without = _settings("squad2.0", answerable_classifier=False)
   _, null_odds = squad.postprocess(
-      examples, features, metadata, start_logits, end_logits, version="2.0"
+      examples, metadata, _outputs(start_logits, end_logits, answerable), without
   )
   assert null_odds["q0"] == pytest.approx(2.0 - 20.0)
 
 
-def test_features_reject_sizes_without_room_for_context(tokenizer):
-  with pytest.raises(ConfigError, match="max_seq_len=16"):
-    squad.make_features(_examples(), tokenizer, 16, 8, 14, is_training=True)
+def test_settings_reject_sizes_without_room_for_context():
+  config = BASE.get_config()
+  config.update(task="squad", max_seq_len=16)
+  config.squad.max_query_len = 14
+  with pytest.raises(ConfigError, match="max_seq_len=16 leaves no room"):
+    squad.squad_settings(config)
+  config.max_seq_len = 18
+  assert squad.squad_settings(config).max_query_len == 14
 
 
 # ---------------------------------------------------------------------------------------
@@ -489,25 +514,15 @@ def test_span_head_masks_and_loss_by_hand():
       np.exp(-1.5)
   )
   row1 = 0.5 * (ce(np.zeros(3), 0) + ce(np.array([1.0, 0, 0]), 0)) + 0.5 * np.log1p(np.exp(-0.5))
-  loss = squad.span_loss(
-      start_logits,
-      end_logits,
-      jnp.array([2, 0]),
-      jnp.array([1, 0]),
-      answerable_logits,
-      jnp.array([0, 1]),
+  batch = dict(
+      start_positions=jnp.array([2, 0]), end_positions=jnp.array([1, 0]), is_impossible=[0, 1]
   )
-  assert float(loss) == pytest.approx((row0 + row1) / 2, rel=1e-5)
-  masked = squad.span_loss(
-      start_logits,
-      end_logits,
-      jnp.array([2, 0]),
-      jnp.array([1, 0]),
-      answerable_logits,
-      jnp.array([0, 1]),
-      weights=jnp.array([1.0, 0.0]),
+  outputs = _outputs(start_logits, end_logits, answerable_logits)
+  np.testing.assert_allclose(squad.span_losses(outputs, batch, 0.5), [row0, row1], rtol=1e-5)
+  without = 0.5 * np.log1p(np.exp(-1.5)), 0.5 * np.log1p(np.exp(-0.5))
+  np.testing.assert_allclose(
+      squad.span_losses(outputs, batch), [row0 - without[0], row1 - without[1]], rtol=1e-5
   )
-  assert float(masked) == pytest.approx(row0, rel=1e-5)
 
 
 def test_span_head_learns_a_synthetic_span_task(tokenizer):
@@ -554,8 +569,7 @@ def test_span_head_learns_a_synthetic_span_task(tokenizer):
   @jax.jit
   def step(params, opt_state, batch):
     def loss_fn(p):
-      start, end, _ = squad.split_outputs(model.apply(p, *(batch[k] for k in inputs)))
-      return squad.span_loss(start, end, batch["start_positions"], batch["end_positions"])
+      return squad.span_losses(model.apply(p, *(batch[k] for k in inputs)), batch).mean()
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = optimizer.update(grads, opt_state)
@@ -564,8 +578,8 @@ def test_span_head_learns_a_synthetic_span_task(tokenizer):
   for i in range(400):
     rows = rng.choice(len(train["input_ids"]), 32, replace=False)
     params, opt_state, loss = step(params, opt_state, {k: v[rows] for k, v in train.items()})
-  start, end, _ = squad.split_outputs(jax.jit(model.apply)(params, *(dev[k] for k in inputs)))
-  predictions, _ = squad.postprocess(dev_examples, dev, dev_meta, start, end, version="1.1")
+  outputs = jax.jit(model.apply)(params, *(dev[k] for k in inputs))
+  predictions, _ = squad.postprocess(dev_examples, dev_meta, outputs, V1)
   metrics = squad.squad_metrics(dev_examples, predictions)
   assert metrics["exact"] > 60.0, (metrics, float(loss))
 
@@ -595,9 +609,6 @@ def _marker_squad_json(n, prefix, rng, impossible_every=0):
 
 
 def test_adapter_through_the_trainer_writes_predictions_that_score_as_reported(tokenizer, tmp_path):
-  import ml_collections
-
-  from electra_jax import config_lib
   from electra_jax.finetune import trainer
 
   rng = np.random.default_rng(0)
@@ -614,7 +625,7 @@ def test_adapter_through_the_trainer_writes_predictions_that_score_as_reported(t
       embedding_size=32,
       max_position_embeddings=64,
   )
-  config.squad = ml_collections.ConfigDict(dict(max_query_len=8, doc_stride=16, null_threshold=0.5))
+  config.squad.update(max_query_len=8, doc_stride=16, null_threshold=0.5)
   config.update(max_seq_len=64, batch_size=16, epochs=1, log_every=100)
   results = trainer.run_finetune(config, str(tmp_path / "work"))
 
@@ -681,19 +692,18 @@ def test_adapter_through_the_trainer_writes_predictions_that_score_as_reported(t
 
 
 def test_squad_settings_and_missing_files(tmp_path):
-  import ml_collections
-
-  config = ml_collections.ConfigDict(dict(task="squad", source="dir", data_dir=str(tmp_path)))
-  assert squad.squad_settings(config).version == "2.0"
+  config = BASE.get_config()
+  config.update(task="squad", data_dir=str(tmp_path))
+  settings = squad.squad_settings(config)
+  assert (settings.version, settings.answerable) == ("2.0", True)
   config.task = "squad_v1.1"
-  assert squad.squad_settings(config) == squad.SquadSettings("1.1")
-  config.squad = ml_collections.ConfigDict(dict(doc_stride=0))
+  settings = squad.squad_settings(config)
+  assert (settings.version, settings.answerable, settings.doc_stride) == ("1.1", False, 128)
+  assert "version" not in config.squad  # the config stays as it was checked
+  config.squad.doc_stride = 0
   with pytest.raises(ConfigError, match="doc_stride=0"):
     squad.squad_settings(config)
-  config.squad = ml_collections.ConfigDict(dict(stride=64))
-  with pytest.raises(ConfigError, match="unknown keys"):
-    squad.squad_settings(config)
-  with pytest.raises(ConfigError, match="train-v1.1.json does not exist"):
+  with pytest.raises(ConfigError, match="Cannot read the SQuAD file .*train-v1.1.json.*data_dir"):
     squad.load_squad(config, "1.1")
 
 
@@ -707,7 +717,7 @@ def test_squad2_dev_scores_use_the_official_null_threshold():
       os.path.join(os.path.dirname(__file__), "..", "configs", "finetune", "squad.py"), "squad"
   )
   assert squad.squad_settings(recipe.get_config()).null_threshold == -2.75
-  assert squad.SquadSettings("2.0").null_threshold == -2.75
+  assert _settings("squad2.0").null_threshold == -2.75
 
 
 def test_postprocess_takes_the_n_best_over_the_whole_row_before_filtering(tokenizer):
@@ -727,11 +737,8 @@ def test_postprocess_takes_the_n_best_over_the_whole_row_before_filtering(tokeni
   end[0, p(1)], end[0, p(5)] = 8.0, 1.0
   # n_best=2 -> starts {[CLS], "Champ"} and ends {"stands", "de"}: the only valid pair is
   # "Champ de" (6.0); "It stands" (12.0) starts at the third-ranked start, outside the n-best.
-  predictions, _ = squad.postprocess(
-      [example], features, metadata, start, end, n_best=2, version="1.1"
-  )
+  outputs = _outputs(start, end)
+  predictions, _ = squad.postprocess([example], metadata, outputs, _settings(n_best=2))
   assert predictions == {"q": "Champ de"}
-  predictions, _ = squad.postprocess(
-      [example], features, metadata, start, end, n_best=3, version="1.1"
-  )
+  predictions, _ = squad.postprocess([example], metadata, outputs, _settings(n_best=3))
   assert predictions == {"q": "It stands"}

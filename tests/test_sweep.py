@@ -299,11 +299,13 @@ def test_grid_expansion_and_run_names(tmp_path):
       ("model.generator_fraction", "0.5"),
   ]
   named = sweep.name_runs(
-      [[("a.name", "x/y z")], [("a.size", "1"), ("b.size", "2")], [("a.name", "x y/z")]]
+      [[("a.name", "x/y z")], [("a.size", "1"), ("b.size", "2")], [("a.name", "x y/z")]],
+      [],
+      base_config(),
   )
   assert [r.name for r in named] == ["name=x-y-z", "a.size=1,b.size=2", "name=x-y-z-2"]
   # A recorded run keeps its name; a new one avoids the recorded names.
-  again = sweep.name_runs([[("a.name", "x y/z")], [("a.name", "x?y?z")]], named)
+  again = sweep.name_runs([[("a.name", "x y/z")], [("a.name", "x?y?z")]], named, base_config())
   assert [r.name for r in again] == ["name=x-y-z-2", "name=x-y-z-3"]
   config = sweep.apply_overrides(
       base_config(),
@@ -380,7 +382,8 @@ def test_a_recorded_run_is_found_whatever_the_flag_order_or_spelling():
   runs a second time under new names."""
   first = sweep.name_runs(
       sweep.expand(["model.generator_fraction=0.5", "optimizer.learning_rate=0.001"]),
-      base=base_config(),
+      [],
+      base_config(),
   )
   again = sweep.expand(["optimizer.learning_rate=1e-3,2e-3", "model.generator_fraction=.5"])
   runs = sweep.name_runs(again, first, base_config())
@@ -454,7 +457,8 @@ def test_one_sweep_at_a_time_holds_a_sweep_folder(tmp_path, monkeypatch):
       sweep.run_sweep(base_config(), str(sweep_dir), grid)
   finally:
     other.release()
-  assert sorted(os.listdir(sweep_dir)) == ["lease.json"]  # no sweep.json, no run
+  # No sweep.json, no run: only the lease (and its hidden lock file).
+  assert [n for n in os.listdir(sweep_dir) if n[0] != "."] == ["lease.json"]
 
   real = train.train_and_evaluate
   taker = {}

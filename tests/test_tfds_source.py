@@ -4,10 +4,10 @@ and read back through tfds' random-access data source, without TensorFlow."""
 import os
 import random
 
-import ml_collections
 import numpy as np
 import pytest
 
+from conftest import base
 from electra_jax.errors import ConfigError
 from electra_jax.data import load_pretraining_data, prepare_data, train_tokenizer
 from electra_jax.data.sources import SourceStats
@@ -58,25 +58,14 @@ def tfds_dir(tmp_path_factory):
 
 
 def _config(tmp_path, tfds_dir, **overrides):
-  values = dict(
-      source="tfds",
-      tfds_name="tiny_electra_corpus",
-      tfds_split="train",
-      tfds_text_field="text",
-      tfds_data_dir=tfds_dir,
-      max_seq_len=32,
-      cache_dir=str(tmp_path / "cache"),
-      tokenizer="sentencepiece",
-      spm_vocab_size=45,
-      spm_model_type="unigram",
-      spm_model_file="",
-      max_documents=0,
-      eval_fraction=0.1,
-      prepared_dir=str(tmp_path / "prepared"),
-      shard_documents=8,
-  )
-  values.update(overrides)
-  return ml_collections.ConfigDict(values)
+  """configs/base.py's data group (every config is completed with it) for the tiny TFDS corpus."""
+  config = base.get_config().data
+  config.update(source="tfds", tfds_name="tiny_electra_corpus", tfds_data_dir=tfds_dir)
+  config.update(max_seq_len=32, cache_dir=str(tmp_path / "cache"), spm_vocab_size=45)
+  config.update(max_documents=0, eval_fraction=0.1, prepared_dir=str(tmp_path / "prepared"))
+  config.update(shard_documents=8)
+  config.update(overrides)
+  return config
 
 
 def test_tfds_records_become_documents_of_lines(tfds_dir):

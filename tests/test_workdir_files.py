@@ -111,5 +111,7 @@ def test_a_bucket_workdir_without_the_gcs_extra_is_refused_naming_it(monkeypatch
   monkeypatch.setitem(sys.modules, "gcsfs", None)  # what `import gcsfs` finds when not installed
   with pytest.raises(errors.ConfigError, match=r"--workdir=gs://b/run needs gcsfs .*\[gcs\]"):
     workdir_files.check_usable("gs://b/run")
-  with pytest.raises(errors.ConfigError, match="a remote workdir must be a gs:// path"):
+  with pytest.raises(
+      errors.ConfigError, match="--workdir=s3://b/run: a remote path must be a gs:// path"
+  ):
     workdir_files.check_usable("s3://b/run")

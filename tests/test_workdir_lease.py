@@ -257,15 +257,15 @@ import json, os, sys, time
 from electra_jax import workdir_lease
 workdir, ready, rival_ready = sys.argv[1:]
 lease = workdir_lease.WorkdirLease(workdir, beat_seconds=3600)
-read = lease.store.read
+read = lease._read
 def read_then_wait_for_the_rival():
-  lease.store.read = read
+  lease._read = read
   found = read()
   open(ready, "w").close()
   while not os.path.exists(rival_ready):
     time.sleep(0.01)
   return found
-lease.store.read = read_then_wait_for_the_rival
+lease._read = read_then_wait_for_the_rival
 try:
   lease.acquire()
   print(json.dumps({"took": lease.run_id}), flush=True)

@@ -1,5 +1,5 @@
-"""The built-in English corpus: docstrings and help topics of the running Python's stdlib, extracted
-with `ast` (never imported) and split into documents of sentences; and document fingerprints."""
+"""The built-in English corpus: the running Python's stdlib docstrings (extracted with `ast`, never
+imported) and pydoc's help topics, split into documents of sentences."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import itertools
 import os
 import sysconfig
 from collections.abc import Iterator
-
-from electra_jax.errors import ConfigError
 
 # Directories of no representative prose (tests, vendored code, demos) or outside the stdlib proper.
 _SKIPPED_DIRS = frozenset(
@@ -27,10 +25,8 @@ _SKIPPED_DIRS = frozenset(
     }
 )
 
-_HELP_TOPICS_RELPATH = os.path.join("pydoc_data", "topics.py")
-EXTRACTION_VERSION = (
-    1  # bump when the extraction rules change: caches keyed on the sources are rebuilt
-)
+# Bump when the extraction rules change: caches keyed on the sources are rebuilt.
+EXTRACTION_VERSION = 1
 # A paragraph is prose when this share of its characters are letters or spaces (not code or tables).
 _MIN_PROSE_FRACTION = 0.75
 
@@ -46,9 +42,7 @@ def _stdlib_source_files() -> list[str]:
   root = stdlib_root()
   paths = []
   for dirpath, dirnames, filenames in os.walk(root):
-    dirnames[:] = sorted(
-        d for d in dirnames if d not in _SKIPPED_DIRS
-    )  # in place: os.walk skips the rest
+    dirnames[:] = sorted(d for d in dirnames if d not in _SKIPPED_DIRS)  # os.walk skips the rest
     paths += [
         os.path.relpath(os.path.join(dirpath, name), root)
         for name in sorted(filenames)
@@ -123,17 +117,11 @@ def _iter_documents() -> Iterator[list[str]]:
     document = [sentence for docstring in docstrings for sentence in split_sentences(docstring)]
     if document:
       yield document
-  tree = _parse(os.path.join(root, _HELP_TOPICS_RELPATH))
-  topics = None
-  for statement in tree.body if tree is not None else ():
-    if (
-        isinstance(statement, ast.Assign)
-        and len(statement.targets) == 1
-        and isinstance(statement.targets[0], ast.Name)
-        and statement.targets[0].id == "topics"
-    ):
-      topics = ast.literal_eval(statement.value)
-  for name in sorted(topics) if isinstance(topics, dict) else ():
+  try:
+    from pydoc_data.topics import topics  # noqa: PLC0415 (data: a dict of help texts)
+  except ImportError:  # a Python packaged without it
+    topics = {}
+  for name in sorted(topics):
     document = split_sentences(topics[name])
     if document:
       yield document
@@ -147,8 +135,6 @@ def _all_documents() -> tuple[tuple[str, ...], ...]:
 def builtin_documents(max_documents: int | None = None) -> list[list[str]]:
   """The built-in corpus: documents (lists of one-line paragraphs) in a fixed order, the first
   `max_documents` of them (parsing stops early)."""
-  if max_documents is not None and max_documents < 0:
-    raise ConfigError(f"max_documents must be None (all documents) or >= 0, got {max_documents}.")
   if max_documents is None:
     return [list(document) for document in _all_documents()]
   return list(itertools.islice(_iter_documents(), max_documents))
@@ -158,14 +144,3 @@ def document_bytes(document) -> bytes:
   """A document's text as fingerprints hash it: each sentence and a newline, then a separator marking the
   document boundary (packing depends on it)."""
   return ("".join(sentence + "\n" for sentence in document) + "\x00\n").encode("utf-8")
-
-
-def documents_fingerprint(documents: list[list[str]]) -> str:
-  """Short sha256 hex of the text of `documents` (order and boundaries included)."""
-  return hashlib.sha256(b"".join(document_bytes(document) for document in documents)).hexdigest()[
-      :16
-  ]
-
-
-def builtin_corpus_fingerprint() -> str:
-  return documents_fingerprint(builtin_documents())

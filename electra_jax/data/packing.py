@@ -11,91 +11,57 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from electra_jax.errors import ConfigError
-
 # Smallest max_seq_len with room for [CLS], [SEP], [SEP] and some text; the shortest random target length.
 MIN_SEQ_LEN = 5
-
-
-def _document_examples(
-    document, rng, max_seq_len, cls_id, sep_id, single_segment_prob, short_seq_prob
-):
-  """(tokens, number of [CLS] A [SEP] tokens) of each example of one document (see pack_documents)."""
-
-  def draw_target_length() -> int:
-    # Occasional short examples show the model the short inputs of fine-tuning.
-    return rng.randint(MIN_SEQ_LEN, max_seq_len) if rng.random() < short_seq_prob else max_seq_len
-
-  examples = []
-  target_length, buffered, num_buffered_tokens = draw_target_length(), [], 0
-  sentences = [sentence for sentence in document if len(sentence)]
-  for i, sentence in enumerate(sentences):
-    buffered.append(sentence)
-    num_buffered_tokens += len(sentence)
-    if num_buffered_tokens < target_length and i + 1 < len(sentences):
-      continue
-    a_target = None if rng.random() < single_segment_prob else (target_length - 3) // 2
-    segment_a, segment_b = [], []
-    for buffered_sentence in buffered:
-      # The official builder's rule, per sentence: a short sentence can still join A after a longer
-      # one went to B; one that would overfill A joins it on a coin flip only while B is empty.
-      goes_to_a = (
-          a_target is None
-          or not segment_a
-          or len(segment_a) + len(buffered_sentence) < a_target
-          or (not segment_b and len(segment_a) < a_target and rng.random() < 0.5)
-      )
-      (segment_a if goes_to_a else segment_b).extend(buffered_sentence)
-    segment_a = segment_a[: max_seq_len - 2]
-    segment_b = segment_b[: max(0, max_seq_len - len(segment_a) - 3)]
-    tokens = [cls_id, *segment_a, sep_id]
-    examples.append((tokens + [*segment_b, sep_id] if segment_b else tokens, len(tokens)))
-    target_length, buffered, num_buffered_tokens = draw_target_length(), [], 0
-  return examples
 
 
 def pack_documents(
     documents: Sequence[Sequence[Sequence[int]]],
     max_seq_len: int,
-    *,
-    cls_id: int,
-    sep_id: int,
-    pad_id: int,
+    special,
     seed: int,
+    document_indices: Sequence[int] | None = None,
     single_segment_prob: float = 0.1,
     short_seq_prob: float = 0.05,
-    document_indices: Sequence[int] | None = None,
 ) -> dict[str, np.ndarray]:
   """Pack tokenized documents (lists of token-id sentences) into int32 [num_examples, max_seq_len]
-  `input_ids` and `token_type_ids` (1 on B [SEP]); examples never mix documents. Each document draws from a
-  generator seeded by `seed` and its corpus index (`document_indices`, default 0, 1, ...), so any slice of a
-  corpus packs, in any process, into exactly the rows the whole corpus gives for it."""
-  if max_seq_len < MIN_SEQ_LEN:
-    raise ConfigError(
-        f"max_seq_len must be at least {MIN_SEQ_LEN} to fit [CLS] A [SEP] B [SEP], got {max_seq_len}."
-    )
-  for name, prob in (
-      ("single_segment_prob", single_segment_prob),
-      ("short_seq_prob", short_seq_prob),
-  ):
-    if not 0.0 <= prob <= 1.0:
-      raise ConfigError(f"{name} must be a probability in [0, 1], got {prob}.")
-
-  if document_indices is None:
-    document_indices = range(len(documents))
-  elif len(document_indices) != len(documents):
-    raise ValueError(
-        f"pack_documents: {len(document_indices)} document_indices for {len(documents)} documents."
-    )
-  # Each document's generator: a string seed goes through SHA-512, so nearby (seed, index) pairs give
-  # unrelated streams.
-  examples = []
-  for index, document in zip(document_indices, documents):
+  `input_ids` and `token_type_ids` (1 on B [SEP]), with the cls_id, sep_id and pad_id of `special`
+  (a tokenizer); examples never mix documents. Each document draws from a generator seeded by `seed`
+  and its corpus index (`document_indices`, default 0, 1, ...), so any slice of a corpus packs, in
+  any process, into exactly the rows the whole corpus gives for it."""
+  examples = []  # (tokens, how many of them are [CLS] A [SEP])
+  for index, document in zip(document_indices or range(len(documents)), documents):
+    # A string seed goes through SHA-512: nearby (seed, index) pairs give unrelated streams.
     rng = random.Random(f"electra-pack:{int(seed)}:{int(index)}")
-    examples += _document_examples(
-        document, rng, max_seq_len, cls_id, sep_id, single_segment_prob, short_seq_prob
-    )
-  input_ids = np.full((len(examples), max_seq_len), pad_id, dtype=np.int32)
+    sentences = [sentence for sentence in document if len(sentence)]
+    target_length, buffered, num_buffered_tokens = None, [], 0
+    for i, sentence in enumerate(sentences):
+      if target_length is None:  # occasional short examples, as fine-tuning's inputs are
+        short = rng.random() < short_seq_prob
+        target_length = rng.randint(MIN_SEQ_LEN, max_seq_len) if short else max_seq_len
+      buffered.append(sentence)
+      num_buffered_tokens += len(sentence)
+      if num_buffered_tokens < target_length and i + 1 < len(sentences):
+        continue
+      a_target = None if rng.random() < single_segment_prob else (target_length - 3) // 2
+      segment_a, segment_b = [], []
+      for buffered_sentence in buffered:
+        # The official builder's rule, per sentence: a short sentence can still join A after a
+        # longer one went to B; one that would overfill A joins it on a coin flip only while B is
+        # empty.
+        goes_to_a = (
+            a_target is None
+            or not segment_a
+            or len(segment_a) + len(buffered_sentence) < a_target
+            or (not segment_b and len(segment_a) < a_target and rng.random() < 0.5)
+        )
+        (segment_a if goes_to_a else segment_b).extend(buffered_sentence)
+      segment_a = segment_a[: max_seq_len - 2]
+      segment_b = segment_b[: max(0, max_seq_len - len(segment_a) - 3)]
+      tokens = [special.cls_id, *segment_a, special.sep_id]
+      examples.append((tokens + [*segment_b, special.sep_id] if segment_b else tokens, len(tokens)))
+      target_length, buffered, num_buffered_tokens = None, [], 0
+  input_ids = np.full((len(examples), max_seq_len), special.pad_id, dtype=np.int32)
   token_type_ids = np.zeros((len(examples), max_seq_len), dtype=np.int32)
   for row, (tokens, num_segment_a_tokens) in enumerate(examples):
     input_ids[row, : len(tokens)] = tokens

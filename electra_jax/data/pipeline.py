@@ -1,17 +1,17 @@
-"""Pre-training batches from prepared shards: data.prepared_dir, or the cache a document source is prepared
-into on first use (<cache_dir>/<source>/<key>/ holds its tokenizer, len<L>/ its shards).
-`get_batch(data, step, ...)` is a pure function of the step, so resuming needs no loader state (and
-Prefetcher computes batches ahead without changing any)."""
+"""Pre-training batches from prepared shards: data.prepared_dir's, or those of the cache a document
+source is prepared into on first use. get_batch is a pure function of the step, so resuming needs no
+loader state."""
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import fcntl
 import functools
+import itertools
 import os
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,11 +20,12 @@ from absl import logging
 
 from electra_jax import workdir_files
 from electra_jax.data import prepare, shards
+from electra_jax.data.config import read_config
 from electra_jax.data.packing import ROW_PACKING_VERSION, RowPacking, assemble_rows, plan_rows
 from electra_jax.data.prepare import PACKING_FORMAT_VERSION
-from electra_jax.data.shards import SPLITS, SPM_MODEL, ShardedRows, ShardVerification
-from electra_jax.data.tokenizer import SentencePieceTokenizer
-from electra_jax.data.wordpiece import WordPieceTokenizer
+from electra_jax.data.shards import SPLITS, ShardedRows
+from electra_jax.data.tokenizer import TOKENIZER_FILES, SentencePieceTokenizer, WordPieceTokenizer
+from electra_jax.data.tokenizer import configured_tokenizer, open_tokenizer
 from electra_jax.errors import ConfigError
 
 
@@ -38,9 +39,9 @@ class PretrainingData:
   # Identifies tokenizer, max_seq_len and the split's documents: a checkpoint refuses other data.
   fingerprint: str
   packing: RowPacking | None = None  # data.pack_rows: the examples each row holds
-  token_count: int | None = None  # non-padding tokens, when the manifest counted them
-  lengths: np.ndarray | None = None  # data.pack_rows: each example's token count
-  verification: ShardVerification | None = None  # the background check of the shards
+  num_tokens: int = 0  # non-padding tokens, as the manifest counted them
+  # The background check of the shards' files: its result is the first failure, or None.
+  verification: concurrent.futures.Future | None = None
 
   @property
   def num_examples(self) -> int:
@@ -53,12 +54,6 @@ class PretrainingData:
   @property
   def max_seq_len(self) -> int:
     return int(self.input_ids.shape[1])
-
-  @property
-  def num_tokens(self) -> int:
-    if self.token_count is None:
-      return int(np.count_nonzero(np.asarray(self.input_ids) != self.tokenizer.pad_id))
-    return self.token_count
 
 
 def _corpus_cache_dir(config) -> str:
@@ -75,10 +70,10 @@ def _corpus_cache_dir(config) -> str:
         spm_vocab_size=config["spm_vocab_size"], spm_model_type=config["spm_model_type"]
     )
   elif config["spm_model_file"]:
-    key_fields["spm_model"] = prepare.configured_tokenizer(config).fingerprint
+    key_fields["spm_model"] = configured_tokenizer(config).fingerprint
   else:
     key_fields.update(
-        tokenizer=config["tokenizer"], wordpiece=prepare.configured_tokenizer(config).fingerprint
+        tokenizer=config["tokenizer"], wordpiece=configured_tokenizer(config).fingerprint
     )
   return os.path.join(config["cache_dir"], config["source"], prepare.config_key(key_fields))
 
@@ -88,14 +83,9 @@ def _loadable(data_config, split: str | None = None) -> dict:
   missing or damaged. Without a split only the tokenizer is readied (trained once per corpus)."""
   if split is not None and split not in SPLITS:
     raise ConfigError(f"Unknown split {split!r}; use one of {list(SPLITS)}.")
-  config = prepare.read_config(data_config)
+  config = read_config(data_config)
   if config["source"] == "prepared":
     return config
-  if split == "eval" and config["eval_fraction"] == 0:
-    raise ConfigError(
-        "The eval split is empty because data.eval_fraction is 0; set it above 0 (e.g. 0.02) to hold "
-        "out documents for evaluation, or set eval.every_steps=0 to train without held-out evaluation."
-    )
   if split is None and not prepare.trains_spm(config):
     return config  # nothing to train
   corpus_dir = _corpus_cache_dir(config)
@@ -104,7 +94,7 @@ def _loadable(data_config, split: str | None = None) -> dict:
   with open(os.path.join(corpus_dir, ".lock"), "a") as lock:  # one process fills a cache at a time
     fcntl.flock(lock, fcntl.LOCK_EX)
     if prepare.trains_spm(config):
-      model = os.path.join(corpus_dir, SPM_MODEL)
+      model = os.path.join(corpus_dir, TOKENIZER_FILES["sentencepiece"])
       if not os.path.exists(model):  # written atomically: a killed run leaves no model behind
         prepare.train_corpus_tokenizer(config, model)
       config = dict(config, spm_model_file=model)
@@ -126,66 +116,21 @@ def _loadable(data_config, split: str | None = None) -> dict:
   return config
 
 
-def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
-  """Packed pre-training examples of `split` ("train" or "eval"); with data.pack_rows, also the plan that
-  packs several examples per row (from the stored lengths: the same shards serve both)."""
-  config = _loadable(data_config, split)
-  data = load_prepared(config, split)
-  if not config["pack_rows"]:
-    return data
-  start = time.time()
-  packing = plan_rows(data.lengths, data.max_seq_len)
-  unpacked = packing.lengths.sum(dtype=np.int64) / max(1, data.num_examples * data.max_seq_len)
-  logging.info(
-      "packed %s rows: %d examples into %d rows of %d; real tokens %.1f%% -> %.1f%% of positions, "
-      "in %.1f s",
-      split,
-      data.num_examples,
-      packing.num_rows,
-      data.max_seq_len,
-      100 * unpacked,
-      100 * packing.real_token_fraction(),
-      time.time() - start,
-  )
-  return dataclasses.replace(data, packing=packing)
-
-
 def load_tokenizer(data_config) -> SentencePieceTokenizer | WordPieceTokenizer:
   """The tokenizer `load_pretraining_data(data_config)` uses (a model the cache lacks is trained first)."""
   config = _loadable(data_config)
   if config["source"] == "prepared":
     return prepared_tokenizer(config, shards.open_manifest(config["prepared_dir"]))
-  return prepare.configured_tokenizer(config)
-
-
-# A pre-training workdir keeps a copy of its tokenizer, named as the Hugging Face export names it.
-WORDPIECE_VOCAB = "vocab.txt"
-
-
-def keep_tokenizer(tokenizer, workdir) -> None:
-  """Copies `tokenizer`'s file into `workdir`, so that fine-tuning and export read the workdir
-  without the corpus, the cache or the relative paths that gave the tokenizer."""
-  wordpiece = isinstance(tokenizer, WordPieceTokenizer)
-  source, name = (
-      (tokenizer.vocab_file, WORDPIECE_VOCAB) if wordpiece else (tokenizer.model_path, SPM_MODEL)
-  )
-  with open(source, "rb") as f:
-    workdir_files.write_bytes(workdir_files.path(workdir, name), f.read())
+  return configured_tokenizer(config)
 
 
 def workdir_tokenizer(workdir, data_config) -> SentencePieceTokenizer | WordPieceTokenizer:
   """The tokenizer the pre-training run in `workdir` used: the copy keep_tokenizer wrote there, else
-  (a workdir in a bucket, or from before the copy) the one `data_config`, its data settings, names.
-  """
-  wordpiece = data_config.get("tokenizer", "sentencepiece") == "wordpiece"
-  kept = os.path.join(os.fspath(workdir), WORDPIECE_VOCAB if wordpiece else SPM_MODEL)
+  (a workdir in a bucket, or from before the copy) the one its data group `data_config` names."""
+  kept = os.path.join(os.fspath(workdir), TOKENIZER_FILES[data_config.tokenizer])
   if workdir_files.is_remote(workdir) or not os.path.isfile(kept):
     return load_tokenizer(data_config)
-  if wordpiece:
-    return WordPieceTokenizer(
-        kept, data_config.get("lowercase", True), data_config.get("strip_accents", None)
-    )
-  return SentencePieceTokenizer(kept)
+  return open_tokenizer(kept, data_config)
 
 
 @functools.lru_cache(maxsize=4)
@@ -211,27 +156,19 @@ def get_batch(
   batch `step` is stream positions [stream_offset + step * B, stream_offset + (step + 1) * B), and process
   p takes the p-th contiguous slice of it (stream_offset: where a checkpoint saw the batch size change).
   """
-  for wrong, message in (
-      (data.num_rows == 0, "get_batch: the dataset has no examples; check the data config."),
-      (global_batch_size <= 0, f"global_batch_size must be positive, got {global_batch_size}."),
-      (
-          process_count <= 0 or not 0 <= process_index < process_count,
-          "process_index must be in [0, process_count), "
-          f"got process_index={process_index}, process_count={process_count}.",
-      ),
-      (
-          process_count > 0 and global_batch_size % process_count,
-          f"global_batch_size {global_batch_size} is not "
-          f"divisible by process_count {process_count}; choose a batch size that is a multiple of the process count.",
-      ),
-      (
-          step < 0 or stream_offset + step * global_batch_size < 0,
-          "step must be >= 0 and start a batch at a stream "
-          f"position >= 0, got step {step} with stream_offset {stream_offset}.",
-      ),
+  if data.num_rows == 0 or global_batch_size <= 0 or global_batch_size % max(process_count, 1):
+    raise ConfigError(
+        f"get_batch: a global batch of {global_batch_size} rows from {data.num_rows} over "
+        f"{process_count} processes; give a positive multiple of the process count, and data."
+    )
+  if (
+      not 0 <= process_index < process_count
+      or min(step, stream_offset + step * global_batch_size) < 0
   ):
-    if wrong:
-      raise ConfigError(message)
+    raise ConfigError(
+        f"get_batch: process {process_index} of {process_count}, step {step}, stream_offset "
+        f"{stream_offset}; the process must be one of them, and the batch start at 0 or later."
+    )
   per_process = global_batch_size // process_count
   start = stream_offset + step * global_batch_size + process_index * per_process
   positions = np.arange(start, start + per_process, dtype=np.int64)
@@ -251,8 +188,8 @@ def batch_keys(pack_rows: bool) -> tuple[str, ...]:
 
 def get_rows(data: PretrainingData, rows: np.ndarray) -> dict[str, np.ndarray]:
   """Rows `rows` (in [0, data.num_rows)) as a batch, in that order (packed rows: packing.assemble_rows)."""
-  if data.verification is not None:
-    data.verification.raise_if_failed()
+  if data.verification is not None and data.verification.done() and data.verification.result():
+    raise data.verification.result()
   rows = np.asarray(rows, dtype=np.int64)
   if data.packing is not None:
     return assemble_rows(
@@ -267,80 +204,71 @@ def get_rows(data: PretrainingData, rows: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def prepared_tokenizer(config, manifest: dict):
-  """The configured tokenizer, refused unless it is the one the shards were made with."""
-  directory = config["prepared_dir"]
-  recorded = manifest["tokenizer"]
+  """The tokenizer configured, else the prepared directory's copy; refused unless it is the one
+  the shards were made with."""
+  directory, recorded = config["prepared_dir"], manifest["tokenizer"]
   made_with = (
       f"were made with the {recorded['kind']} tokenizer "
-      f"{recorded.get('model_file') or recorded.get('vocab_file')} (fingerprint {recorded['fingerprint']})"
+      f"{recorded.get('model_file') or recorded.get('vocab_file')} (fingerprint "
+      f"{recorded['fingerprint']})"
   )
-  tokenizer = prepare.configured_tokenizer(config, directory)
+  tokenizer = configured_tokenizer(config, directory)
   if tokenizer is None:
+    name = TOKENIZER_FILES[config["tokenizer"]]
     raise ConfigError(
-        f"data.tokenizer='sentencepiece' without data.spm_model_file reads "
-        f"{os.path.join(directory, SPM_MODEL)}, which does not exist: the shards in {directory} "
-        f"{made_with}. Configure that tokenizer."
+        f"{os.path.join(directory, name)} does not exist, and the config names no tokenizer: the "
+        f"shards in {directory} {made_with}. Configure that tokenizer."
     )
   if recorded["kind"] != config["tokenizer"] or tokenizer.fingerprint != recorded["fingerprint"]:
-    described = (
-        f"wordpiece {config['vocab_file']} (lowercase={config['lowercase']}, strip_accents="
-        f"{config['strip_accents']})"
-        if config["tokenizer"] == "wordpiece"
-        else f"sentencepiece {tokenizer.model_path}"
-    )
     raise ConfigError(
-        f"The shards in {directory} {made_with}, but this config gives {described} (fingerprint "
-        f"{tokenizer.fingerprint}). Configure the tokenizer the shards were made with, or prepare the "
-        "corpus again with this one into another data.prepared_dir."
+        f"The shards in {directory} {made_with}, but this config gives {tokenizer!r}; configure "
+        "theirs, or prepare the corpus again with this one into another data.prepared_dir."
     )
   return tokenizer
 
 
-def load_prepared(config, split: str) -> PretrainingData:
-  """`split` of the prepared directory config["prepared_dir"] after checks, memory-mapped (or read
-  by ranges from a bucket)."""
-  directory = config["prepared_dir"]
+def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
+  """Packed pre-training examples of `split` ("train" or "eval") from their shards, checked and
+  memory-mapped (or read by ranges from a bucket); with data.pack_rows, also the plan that packs
+  several examples per row (from the stored lengths: the same shards serve both)."""
+  config = _loadable(data_config, split)
+  directory, max_seq_len = config["prepared_dir"], config["max_seq_len"]
   manifest = shards.open_manifest(directory)
-  if manifest["max_seq_len"] != config["max_seq_len"]:
+  if manifest["max_seq_len"] != max_seq_len:
     raise ConfigError(
-        f"The shards in {directory} hold examples of max_seq_len={manifest['max_seq_len']}, but "
-        f"data.max_seq_len={config['max_seq_len']}. Set data.max_seq_len={manifest['max_seq_len']}, or "
-        f"prepare the corpus again with max_seq_len={config['max_seq_len']} into another "
-        "data.prepared_dir."
+        f"The shards in {directory} hold max_seq_len={manifest['max_seq_len']}, but data.max_seq_len="
+        f"{max_seq_len}; set theirs, or prepare the corpus again into another data.prepared_dir."
     )
-  if split == "train":  # once per run
-    ignored = [
-        f"data.{key}={config[key]!r} (the shards' {manifest['settings'][key]!r})"
-        for key in ("eval_fraction", "max_documents", "shard_documents")
-        if config[key] != manifest["settings"][key]
-    ]
-    if ignored:
-      logging.warning(
-          "data.source=prepared: the shards in %s decide these, so the config's values "
-          "are not used: %s.",
-          directory,
-          "; ".join(ignored),
-      )
+  settings = manifest["settings"]
+  ignored = [
+      f"data.{key}={config[key]!r} (the shards' {settings[key]!r})"
+      for key in ("eval_fraction", "max_documents", "shard_documents")
+      if config[key] != settings[key]
+  ]
+  if ignored and split == "train":  # once per run
+    logging.warning(
+        "data.source=prepared: the shards in %s decide these, so the config's values are not "
+        "used: %s.",
+        directory,
+        "; ".join(ignored),
+    )
   tokenizer = prepared_tokenizer(config, manifest)
   rows, entries, lengths = shards.load_split(
-      directory, manifest, split, tokenizer.pad_id, config["pack_rows"], tokenizer.vocab_size
+      directory, manifest, split, config["pack_rows"], tokenizer.vocab_size
   )
   if not entries:
     fix = (
-        "prepare it with data.eval_fraction > 0, or set eval.every_steps=0 to train without held-out evaluation."
+        "set eval.every_steps=0, or prepare it with data.eval_fraction > 0"
         if split == "eval"
-        else "prepare more documents."
+        else "prepare more documents"
     )
     raise ConfigError(
         f"The {split} split of {directory} has no examples (eval_fraction="
-        f"{manifest['settings']['eval_fraction']} when it was prepared); {fix}"
+        f"{settings['eval_fraction']} when it was prepared); {fix}."
     )
   # The cache and a prepared directory of the same config give the same string (and examples), so a
   # checkpoint resumes on either; packed rows differ.
-  max_seq_len, kind = (
-      config["max_seq_len"],
-      "spm" if config["tokenizer"] == "sentencepiece" else "wp",
-  )
+  kind = "spm" if config["tokenizer"] == "sentencepiece" else "wp"
   fingerprint = (
       f"format:{PACKING_FORMAT_VERSION}|{kind}:{tokenizer.fingerprint}|max_seq_len:{max_seq_len}|"
       f"{split}_documents:{manifest['documents_fingerprint'][split]}"
@@ -351,74 +279,44 @@ def load_prepared(config, split: str) -> PretrainingData:
       ShardedRows(rows, 0, max_seq_len),
       ShardedRows(rows, 1, max_seq_len),
       fingerprint,
-      token_count=int(manifest["totals"][f"{split}_tokens"]),
-      lengths=lengths,
-      verification=ShardVerification(directory, entries, tokenizer.vocab_size, split),
+      plan_rows(lengths, max_seq_len) if config["pack_rows"] else None,
+      int(manifest["totals"][f"{split}_tokens"]),
+      shards.verify_in_background(directory, entries, tokenizer.vocab_size, split),
   )
   logging.info(
-      "loaded prepared %s data: %d examples of length %d in %d shards, %d tokens, from %s",
+      "loaded %s data from %s: %d examples in %d shards, %d tokens, %d rows (%.1f%% tokens)",
       split,
+      directory,
       data.num_examples,
-      max_seq_len,
       len(entries),
       data.num_tokens,
-      directory,
+      data.num_rows,
+      100 * data.num_tokens / (data.num_rows * max_seq_len),
   )
   return data
 
 
-class Prefetcher:
-  """Iterates over fetch_fn(start_step), fetch_fn(start_step + 1), ... up to `stop_step`
-  (exclusive; None: endless), at most `depth` steps ahead, each step on one of `depth` threads (so
-  reads that wait on a bucket overlap); fetch_fn must be safe to call from several threads. An
-  exception of fetch_fn is re-raised (as itself) in its step, which ends the iteration. Its
-  threads end with the iteration or close()."""
+@contextlib.contextmanager
+def prefetch(fetch_fn: Callable[[int], Any], start_step: int, stop_step=None, depth: int = 2):
+  """An iterator over fetch_fn(start_step), fetch_fn(start_step + 1), ... up to `stop_step`
+  (exclusive; None: endless), each step fetched on one of `depth` threads at most `depth` steps
+  ahead (so reads that wait on a bucket overlap). A fetch_fn error is raised at its step and ends
+  the iteration; leaving the context drops the fetches not started."""
+  steps = itertools.count(start_step) if stop_step is None else iter(range(start_step, stop_step))
+  with concurrent.futures.ThreadPoolExecutor(depth, thread_name_prefix="electra-prefetch") as pool:
+    ahead = collections.deque(
+        pool.submit(fetch_fn, step) for step in itertools.islice(steps, depth)
+    )
 
-  def __init__(
-      self,
-      fetch_fn: Callable[[int], Any],
-      start_step: int,
-      depth: int = 2,
-      stop_step: int | None = None,
-  ):
-    if depth < 1:
-      raise ValueError(f"Prefetcher depth must be >= 1, got {depth}.")
-    self.next_step = start_step  # the step whose batch the next iteration returns
-    self._fetch, self._stop_step, self._submitted = fetch_fn, stop_step, start_step
-    self._pool = concurrent.futures.ThreadPoolExecutor(depth, thread_name_prefix="electra-prefetch")
-    self._ahead: collections.deque[concurrent.futures.Future] = collections.deque()
-    for _ in range(depth):
-      self._submit()
+    def batches() -> Iterator[Any]:
+      while ahead:
+        batch = ahead[0].result()
+        ahead.popleft()
+        ahead.extend(pool.submit(fetch_fn, step) for step in itertools.islice(steps, 1))
+        yield batch
 
-  def _submit(self) -> None:
-    if self._stop_step is None or self._submitted < self._stop_step:
-      self._ahead.append(self._pool.submit(self._fetch, self._submitted))
-      self._submitted += 1
-
-  def __iter__(self) -> Iterator[Any]:
-    return self
-
-  def __next__(self):
-    if not self._ahead:
-      self.close()
-      raise StopIteration
     try:
-      batch = self._ahead.popleft().result()
-    except BaseException:
-      self.close()
-      raise
-    self._submit()
-    self.next_step += 1
-    return batch
-
-  def close(self) -> None:
-    """Stop fetching: what has not started is dropped, the fetch in progress finishes."""
-    while self._ahead:
-      self._ahead.popleft().cancel()
-    self._pool.shutdown(wait=True)
-
-  def __enter__(self) -> Prefetcher:
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.close()
+      yield batches()
+    finally:
+      for future in ahead:
+        future.cancel()

@@ -1,4 +1,4 @@
-"""From a data config to shards (shards.py): its checks, source, train/eval split, tokenizer, and the
+"""From a read data config to shards (shards.py): the train/eval split, the tokenizer, and the
 tokenize-and-pack workers. Shards depend on the config alone; a re-run packs only what is missing.
 """
 
@@ -19,165 +19,28 @@ import numpy as np
 from absl import logging
 
 from electra_jax import config_lib, workdir_files
-from electra_jax.errors import ConfigError
 from electra_jax.data import corpus, shards, sources
-from electra_jax.data.packing import MIN_SEQ_LEN, pack_documents
-from electra_jax.data.shards import PREPARED_FORMAT_VERSION, SPLITS, SPM_MODEL
-from electra_jax.data.tokenizer import TRAINING_THREADS, NoSentencesError, SentencePieceTokenizer, train_sentencepiece
-from electra_jax.data.wordpiece import WordPieceTokenizer
+from electra_jax.data.config import read_config
+from electra_jax.data.sources import DOCUMENT_SOURCES, RECORD_SOURCES
+from electra_jax.data.packing import pack_documents
+from electra_jax.data.shards import PREPARED_FORMAT_VERSION, SPLITS
+from electra_jax.data.tokenizer import TOKENIZER_FILES, TRAINING_THREADS, NoSentencesError
+from electra_jax.data.tokenizer import SentencePieceTokenizer, configured_tokenizer, keep_tokenizer
+from electra_jax.data.tokenizer import open_tokenizer, train_sentencepiece
+from electra_jax.errors import ConfigError
 
 _LOG_EVERY_S = 10.0
 _MANIFEST_EVERY_S = 2.0
-
-RECORD_SOURCES = ("tfds", "hf_datasets")
-DOCUMENT_SOURCES = ("builtin",) + sources.FILE_SOURCES + RECORD_SOURCES
-SUPPORTED_SOURCES = DOCUMENT_SOURCES + ("prepared",)
-SUPPORTED_TOKENIZERS = ("sentencepiece", "wordpiece")
 # Bump whenever extraction or packing would produce different arrays: it keys the cache and
 # enters the data fingerprint, so stale arrays are rebuilt and checkpoints refuse changed data.
 PACKING_FORMAT_VERSION = 3
 PACKING_SEEDS = {"train": 0, "eval": 1}
-_CACHE_ENV_VAR = "ELECTRA_JAX_CACHE"
-# The data keys a config may leave out, with their defaults (each value is cast to its default's type).
-_DEFAULTS = {
-    "tokenizer": "sentencepiece",
-    "text_field": "text",
-    "lowercase": True,
-    "spm_vocab_size": 8192,
-    "spm_model_type": "unigram",
-    "max_documents": 0,
-    "eval_fraction": 0.02,
-    "shard_documents": 10_000,
-}
-# An empty value of these means the default too.
-_RECORD_SOURCE_KEYS = {
-    "tfds_name": "",
-    "tfds_split": "train",
-    "tfds_text_field": "text",
-    "tfds_data_dir": "",
-    "hf_path": "",
-    "hf_split": "train",
-}
 
 
 def is_eval_document(index: int, eval_fraction: float) -> bool:
   # Document i is held out when floor((i + 1) * f) steps past floor(i * f): this spreads
   # exactly floor(n * f) held-out documents evenly over the corpus, for any fraction.
   return int((index + 1) * eval_fraction) > int(index * eval_fraction)
-
-
-def read_config(data_config) -> dict:
-  """The data config as a dict of checked values, paths absolute; raises ConfigError naming a bad one."""
-  source = data_config.source
-  if source not in SUPPORTED_SOURCES:
-    raise ConfigError(
-        f"Unknown data.source {source!r}; supported sources are {list(SUPPORTED_SOURCES)} (text "
-        "and jsonl read the files named by data.files, tfds the dataset data.tfds_name, hf_datasets "
-        "the local dataset data.hf_path, prepared the shards in data.prepared_dir)."
-    )
-  config = {key: type(default)(data_config.get(key, default)) for key, default in _DEFAULTS.items()}
-  config.update(
-      {
-          key: str(data_config.get(key, default) or default)
-          for key, default in _RECORD_SOURCE_KEYS.items()
-      }
-  )
-  for key in ("vocab_file", "spm_model_file", "prepared_dir"):
-    value = str(data_config.get(key, "") or "")
-    if workdir_files.is_remote(value):  # a bucket: gs://bucket/path
-      config[key] = value.rstrip("/")
-    else:
-      config[key] = os.path.abspath(os.path.expanduser(value)) if value else ""
-  tokenizer, vocab_file, spm_model_file = (
-      config["tokenizer"],
-      config["vocab_file"],
-      config["spm_model_file"],
-  )
-  strip_accents, pack_rows = data_config.get("strip_accents", None), data_config.get(
-      "pack_rows", False
-  )
-  problems = (  # (whether it is wrong, what to say), the first wrong one is raised
-      (
-          tokenizer not in SUPPORTED_TOKENIZERS,
-          f"Unknown data.tokenizer {tokenizer!r}; use one of "
-          f"{list(SUPPORTED_TOKENIZERS)} (wordpiece reads a BERT vocab.txt given by data.vocab_file).",
-      ),
-      (
-          tokenizer == "wordpiece" and not vocab_file,
-          "data.tokenizer='wordpiece' needs data.vocab_file, the path of a "
-          "BERT vocab.txt (one token per line), e.g. --config.data.vocab_file=uncased_L-12_H-768_A-12/vocab.txt.",
-      ),
-      (
-          tokenizer == "wordpiece" and not os.path.isfile(vocab_file),
-          f"data.vocab_file={vocab_file!r} is not a file; give the path of a BERT vocab.txt.",
-      ),
-      (
-          strip_accents is not None and not isinstance(strip_accents, bool),
-          "data.strip_accents must be None (follow "
-          f"data.lowercase, as BERT does), True or False, got {strip_accents!r}.",
-      ),
-      (
-          spm_model_file and tokenizer != "sentencepiece",
-          f"data.spm_model_file={spm_model_file!r} is set but "
-          f"data.tokenizer={tokenizer!r}; set data.tokenizer='sentencepiece' to use that model, or clear "
-          "data.spm_model_file.",
-      ),
-      (
-          spm_model_file
-          and not (
-              workdir_files.exists(spm_model_file)
-              if workdir_files.is_remote(spm_model_file)
-              else os.path.isfile(spm_model_file)
-          ),
-          f"data.spm_model_file={spm_model_file!r} is not a "
-          "file; give a model written by --mode=train_tokenizer (or clear it to train one in the cache).",
-      ),
-      (
-          source == "prepared" and not config["prepared_dir"],
-          "data.source='prepared' needs data.prepared_dir, the directory --mode=prepare_data wrote.",
-      ),
-      (
-          config["shard_documents"] < 1,
-          f"data.shard_documents must be >= 1, got {config['shard_documents']}.",
-      ),
-      (
-          source in ("jsonl", "hf_datasets") and not config["text_field"],
-          "data.text_field is empty; name the JSON field holding each document's text.",
-      ),
-      (
-          config["max_documents"] < 0,
-          f"data.max_documents must be >= 0 (0 means all), got {config['max_documents']}.",
-      ),
-      (
-          not 0.0 <= config["eval_fraction"] < 1.0,
-          "data.eval_fraction must be in [0, 1) (e.g. 0.02 holds out 2% of "
-          f"documents), got {config['eval_fraction']}.",
-      ),
-      (
-          not isinstance(pack_rows, (bool, np.bool_)),
-          "data.pack_rows must be True (several whole examples per row) "
-          f"or False (one per row), got {pack_rows!r}.",
-      ),
-  )
-  for wrong, message in problems:
-    if wrong:
-      raise ConfigError(message)
-  cache_dir = (
-      os.path.expanduser(str(data_config.get("cache_dir", "")))
-      or os.environ.get(_CACHE_ENV_VAR)
-      or (os.path.join(os.path.expanduser("~"), ".cache", "electra_jax"))
-  )
-  config.update(
-      source=source,
-      strip_accents=strip_accents,
-      pack_rows=bool(pack_rows),
-      cache_dir=cache_dir,
-      max_seq_len=int(data_config.max_seq_len),
-      files=sources.resolve_files(data_config.get("files", ""))
-      if source in sources.FILE_SOURCES
-      else [],
-  )
-  return config
 
 
 def _record_corpus(config):
@@ -195,23 +58,16 @@ def describe_source(config) -> tuple[dict, dict]:
   source = config["source"]
   if source == "builtin":
     # The source bytes, cheap to hash unlike the extracted text: a warm cache needs no parsing.
-    return {"sources": corpus.builtin_sources_fingerprint()}, {
-        "source": "builtin",
-        "stdlib": corpus.stdlib_root(),
-    }
+    fingerprint = {"sources": corpus.builtin_sources_fingerprint()}
+    return fingerprint, {"source": "builtin", "stdlib": corpus.stdlib_root()}
   if source in RECORD_SOURCES:
     record_corpus = _record_corpus(config)
     return {source: record_corpus.fingerprint}, record_corpus.description
-  fingerprint = {"files": sources.files_fingerprint(config["files"])}
-  description = {
-      "source": source,
-      "files": config["files"][:100],
-      "num_files": len(config["files"]),
-  }
-  if source == "jsonl":
-    fingerprint.update(
-        text_field=config["text_field"], jsonl_lines="newline"
-    )  # records end at "\n" only
+  files = config["files"]
+  fingerprint = {"files": sources.files_fingerprint(files)}
+  description = {"source": source, "files": files[:100], "num_files": len(files)}
+  if source == "jsonl":  # records end at "\n" only
+    fingerprint.update(text_field=config["text_field"], jsonl_lines="newline")
     description["text_field"] = config["text_field"]
   return fingerprint, description
 
@@ -222,9 +78,7 @@ def iter_source_documents(config, stats: sources.SourceStats):
   if config["source"] == "builtin":
     documents = corpus.builtin_documents(limit)
     stats.total_bytes = len(documents)
-    for document in documents:
-      stats.bytes_read += 1
-      stats.num_documents += 1
+    for stats.bytes_read, document in enumerate(documents, 1):  # progress counts documents
       yield document
     return
   if config["source"] in RECORD_SOURCES:
@@ -257,8 +111,8 @@ def no_documents_error(config, stats: sources.SourceStats) -> ConfigError:
 def _require_documents(config, mode: str) -> None:
   if config["source"] not in DOCUMENT_SOURCES:
     raise ConfigError(
-        f"{mode} reads documents; data.source={config['source']!r} has none. Set data.source to the "
-        f"corpus, one of {list(DOCUMENT_SOURCES)}."
+        f"{mode} reads documents; data.source={config['source']!r} has none. Set data.source to "
+        f"the corpus, one of {list(DOCUMENT_SOURCES)}."
     )
 
 
@@ -269,55 +123,25 @@ def _default_workers() -> int:
 
 
 def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) -> dict:
-  """Train a sentencepiece model on the train documents of data.source into `out_path` (for
-  data.spm_model_file); returns what was trained."""
+  """Train a sentencepiece model on the train documents of data.source into the new file
+  `out_path` (for data.spm_model_file); returns its path, vocab_size and fingerprint."""
   config = read_config(data_config)
   _require_documents(config, "train_tokenizer")
-  if not out_path:
-    raise ConfigError("train_tokenizer needs an output path (--out=PATH/spm.model).")
   out_path = os.path.abspath(os.path.expanduser(out_path))
-  if os.path.isdir(out_path):
-    raise ConfigError(
-        f"--out={out_path!r} is a directory; give a file name such as {out_path}/spm.model."
-    )
   if os.path.exists(out_path):
     raise ConfigError(
-        f"--out={out_path!r} already exists: prepared data or a workdir may use that model. "
-        "Nothing was written; give a new path, or delete the file first to replace it."
+        f"--out={out_path!r} already exists (prepared data or a workdir may use a model there); "
+        "nothing was written: give a new file path, or delete that one first to replace it."
     )
-  start, stats = time.time(), sources.SourceStats()
+  stats = sources.SourceStats()
   tokenizer = train_corpus_tokenizer(config, out_path, num_threads or _default_workers(), stats)
   if config["source"] != "builtin":
     sources.log_stats(config["source"], stats)
-  info = {
+  return {
       "path": out_path,
-      "fingerprint": tokenizer.fingerprint,
       "vocab_size": tokenizer.vocab_size,
-      "model_type": config["spm_model_type"],
-      "documents_read": stats.num_documents,
-      "seconds": round(time.time() - start, 1),
+      "fingerprint": tokenizer.fingerprint,
   }
-  logging.info("wrote %s: %s", out_path, info)
-  return info
-
-
-def configured_tokenizer(config, directory: str = ""):
-  """The tokenizer a read config names: WordPiece, data.spm_model_file, or else the sentencepiece
-  model trained into `directory`; None while that model does not exist."""
-  if config["tokenizer"] == "wordpiece":
-    return WordPieceTokenizer(config["vocab_file"], config["lowercase"], config["strip_accents"])
-  if config["spm_model_file"]:
-    return _sentencepiece(config["spm_model_file"], config)
-  model_path = os.path.join(directory, SPM_MODEL)
-  return (
-      _sentencepiece(model_path, config) if directory and workdir_files.exists(model_path) else None
-  )
-
-
-def _sentencepiece(model_path: str, config) -> SentencePieceTokenizer:
-  """The model at `model_path`; one in a bucket is read from a local copy in the cache named by
-  its content (export and the workdir's copy need a local file)."""
-  return SentencePieceTokenizer(workdir_files.local_copy(model_path, config["cache_dir"]))
 
 
 def trains_spm(config) -> bool:
@@ -342,15 +166,9 @@ def train_corpus_tokenizer(config, path: str, num_threads: int = TRAINING_THREAD
   )
   try:
     train_sentencepiece(
-        sentences,
-        path,
-        vocab_size=config["spm_vocab_size"],
-        model_type=config["spm_model_type"],
-        num_threads=num_threads,
+        sentences, path, config["spm_vocab_size"], config["spm_model_type"], num_threads
     )
-  except (
-      NoSentencesError
-  ) as e:  # the source's own errors (a TFDS dataset not prepared) pass as they are
+  except NoSentencesError as e:  # the source's own errors (a TFDS dataset not prepared) pass
     raise no_documents_error(config, stats) from e
   return SentencePieceTokenizer(path)
 
@@ -358,15 +176,10 @@ def train_corpus_tokenizer(config, path: str, num_threads: int = TRAINING_THREAD
 _WORKER_TOKENIZER = None
 
 
-def _init_worker(config: dict, out_dir: str, fingerprint: str, parent: int) -> None:
+def _init_worker(tokenizer, parent: int) -> None:
   global _WORKER_TOKENIZER
-  os.environ["RAYON_NUM_THREADS"] = "1"
-  _WORKER_TOKENIZER = configured_tokenizer(config, out_dir)
-  if (found := _WORKER_TOKENIZER and _WORKER_TOKENIZER.fingerprint) != fingerprint:
-    raise ConfigError(
-        f"The tokenizer file changed during preparation (fingerprint {found}, "
-        f"expected {fingerprint}); leave it alone and run prepare_data again."
-    )
+  os.environ["RAYON_NUM_THREADS"] = "1"  # the workers are the parallelism
+  _WORKER_TOKENIZER = tokenizer
   _exit_with_parent(parent)
 
 
@@ -403,31 +216,21 @@ def _tokenize_documents(tokenizer, documents, skipped: dict):
 
 def pack_shard(task: dict, tokenizer=None) -> dict:
   """Tokenize and pack one shard's documents into a file per split; a failure comes back as {"error": ...}."""
-  index = task["index"]
+  index, first = task["index"], task["first_document"]
   try:
     tokenizer, skipped = tokenizer or _WORKER_TOKENIZER, {"documents": 0}
-    result = {
-        "index": index,
-        "first_document": task["first_document"],
-        "num_documents": len(task["documents"]),
-        "splits": {},
-    }
-    by_split = {split: ([], []) for split in SPLITS}
-    for document_index, document in enumerate(task["documents"], task["first_document"]):
-      documents, indices = by_split[
-          "eval" if is_eval_document(document_index, task["eval_fraction"]) else "train"
-      ]
+    result = {"index": index, "first_document": first, "num_documents": len(task["documents"])}
+    by_split = {split: ([], []) for split in SPLITS}  # (documents, their indices in the corpus)
+    for document_index, document in enumerate(task["documents"], first):
+      eval_document = is_eval_document(document_index, task["eval_fraction"])
+      documents, indices = by_split["eval" if eval_document else "train"]
       documents.append(document)
       indices.append(document_index)
+    result["splits"] = {}
     for split, (documents, indices) in by_split.items():
+      tokenized = _tokenize_documents(tokenizer, documents, skipped)
       packed = pack_documents(
-          _tokenize_documents(tokenizer, documents, skipped),
-          task["max_seq_len"],
-          cls_id=tokenizer.cls_id,
-          sep_id=tokenizer.sep_id,
-          pad_id=tokenizer.pad_id,
-          seed=PACKING_SEEDS[split],
-          document_indices=indices,
+          tokenized, task["max_seq_len"], tokenizer, PACKING_SEEDS[split], indices
       )
       input_ids = packed["input_ids"]
       entry = {
@@ -436,21 +239,12 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
           "tokens": int(np.count_nonzero(input_ids != tokenizer.pad_id)),
       }
       if entry["rows"]:
-        entry.update(
-            shards.write_split(
-                task["out_dir"],
-                split,
-                index,
-                input_ids,
-                packed["token_type_ids"],
-                tokenizer.pad_id,
-                task["dtype"],
-            )
-        )
+        rows = np.stack([input_ids, packed["token_type_ids"]], axis=1)
+        entry.update(shards.write_split(task, split, rows, tokenizer.pad_id))
       result["splits"][split] = entry
     result["skipped_documents"] = skipped["documents"]
     if "first" in skipped:
-      result["first_skip"] = f"document {task['first_document']}+: {skipped['first']}"
+      result["first_skip"] = f"document {first}+: {skipped['first']}"
     return result
   except BaseException as e:  # noqa: BLE001 -- reported by the main process, naming the shard
     return {"index": index, "error": f"{type(e).__name__}: {e}"}
@@ -462,26 +256,17 @@ _TOKENIZER_FILE_SETTINGS = ("tokenizer_fingerprint", "dtype")
 
 def _settings(config, source_key: dict, tokenizer) -> dict:
   """What the shards depend on; a directory is only resumed by a run with equal settings."""
+  keys = ("tokenizer", "max_seq_len", "eval_fraction", "max_documents", "shard_documents")
   settings = {
       "prepared_format": PREPARED_FORMAT_VERSION,
       "packing_format": PACKING_FORMAT_VERSION,
       "source": config["source"],
       "source_key": source_key,
-      **{
-          key: config[key]
-          for key in (
-              "tokenizer",
-              "max_seq_len",
-              "eval_fraction",
-              "max_documents",
-              "shard_documents",
-          )
-      },
+      **{key: config[key] for key in keys},
   }
   if tokenizer is not None:
-    settings.update(
-        tokenizer_fingerprint=tokenizer.fingerprint, dtype=shards.token_dtype(tokenizer.vocab_size)
-    )
+    settings["tokenizer_fingerprint"] = tokenizer.fingerprint
+    settings["dtype"] = shards.token_dtype(tokenizer.vocab_size)
   if trains_spm(config):
     settings["spm_trained_here"] = {
         "vocab_size": config["spm_vocab_size"],
@@ -495,9 +280,7 @@ def config_key(settings: dict) -> str:
   return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _refuse_another_config(
-    out_dir: str, existing: dict | None, settings: dict, hint: str = ""
-) -> None:
+def _refuse_another_config(out_dir: str, existing: dict | None, settings: dict, hint="") -> None:
   """Raises unless out_dir is new or its manifest `existing` was written with `settings`."""
   if existing is None:
     return
@@ -522,44 +305,34 @@ def prepare_data(data_config, num_workers: int | None = None) -> dict:
 
 
 def _accepted_tokenizer(config, out_dir: str, existing: dict | None, source_key: dict):
-  """(tokenizer, settings) once out_dir is accepted, before training a tokenizer where possible; a model
-  trained here is written into out_dir."""
-  tokenizer = configured_tokenizer(
-      config, out_dir
-  )  # the configured one, or one an earlier run trained
-  model_path = os.path.join(out_dir, SPM_MODEL)
-  if (
-      tokenizer is not None
-      and trains_spm(config)
-      and tokenizer.vocab_size != config["spm_vocab_size"]
-  ):
-    raise ConfigError(
-        f"{model_path} (trained by an earlier prepare_data) has {tokenizer.vocab_size} pieces, but "
-        f"data.spm_vocab_size={config['spm_vocab_size']}. Nothing was changed; choose another "
-        "data.prepared_dir, or delete that directory to prepare it again."
-    )
-  settings = _settings(config, source_key, tokenizer)
-  _refuse_another_config(out_dir, existing, settings)
-  if tokenizer is not None:
-    return tokenizer, settings
-  with tempfile.TemporaryDirectory(prefix="electra_jax_spm-") as scratch:
-    # Trained outside the directory, moved in only once it is accepted: a refused or killed run
-    # leaves no model there that training would later pick up.
-    trained = train_corpus_tokenizer(config, os.path.join(scratch, SPM_MODEL))
-    settings = _settings(config, source_key, trained)
-    _refuse_another_config(
-        out_dir,
-        existing,
-        settings,
-        hint=f" ({model_path}, which the shards were made with, is "
-        "missing, and training it again gave another model; put that file back to resume)",
-    )
-    with open(trained.model_path, "rb") as f:
-      workdir_files.write_bytes(model_path, f.read())
-  return _sentencepiece(model_path, config), settings
+  """(tokenizer, settings) once out_dir is accepted, checked before training a tokenizer where
+  possible; the tokenizer's file is then copied into out_dir (a model trained here too)."""
+  # The given tokenizer, or the model an earlier run trained (a run killed before its first
+  # manifest may have left another: it is trained again).
+  tokenizer = configured_tokenizer(config, out_dir if existing is not None else "")
+  kept = os.path.join(out_dir, TOKENIZER_FILES[config["tokenizer"]])
+  _refuse_another_config(out_dir, existing, _settings(config, source_key, tokenizer))
+  if tokenizer is None:
+    with tempfile.TemporaryDirectory(prefix="electra_jax_spm-") as scratch:
+      # Trained outside the directory, moved in only once it is accepted: a refused or killed run
+      # leaves no model there that training would later pick up.
+      tokenizer = train_corpus_tokenizer(
+          config, os.path.join(scratch, TOKENIZER_FILES["sentencepiece"])
+      )
+      hint = (
+          f" ({kept}, which the shards were made with, is missing, and training it again gave "
+          "another model; put that file back to resume)"
+      )
+      _refuse_another_config(out_dir, existing, _settings(config, source_key, tokenizer), hint)
+      keep_tokenizer(tokenizer, out_dir)
+    tokenizer = open_tokenizer(kept, config)
+  elif existing is None or not workdir_files.exists(kept):
+    keep_tokenizer(tokenizer, out_dir)
+  return tokenizer, _settings(config, source_key, tokenizer)
 
 
 def prepare_config(config: dict, num_workers: int | None = None) -> dict:
+  """prepare_data of a read config."""
   _require_documents(config, "prepare_data")
   out_dir = config["prepared_dir"]
   if not out_dir:
@@ -568,26 +341,25 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
         "--config.data.prepared_dir=/data/electra_prepared."
     )
   remote = workdir_files.is_remote(out_dir)
+  if remote:  # before any work: the bucket exists, and takes this account's writes
+    workdir_files.check_bucket(out_dir, "data.prepared_dir", write=True)
   if not remote and os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise ConfigError(
-        f"data.prepared_dir={out_dir!r} is a file; give a directory (new, or one "
-        "prepare_data wrote) for the shards."
+        f"data.prepared_dir={out_dir!r} is a file; give a directory (new, or one prepare_data "
+        "wrote) for the shards."
     )
   existing = shards.read_manifest(out_dir)  # (a bucket that does not exist is refused here)
   files = workdir_files.list_files(out_dir)
-  # (A run killed before its first manifest leaves at most its tokenizer and temporary files.)
-  if existing is None and any(not name.startswith(".tmp-") and name != SPM_MODEL for name in files):
+  # A run killed before its first manifest leaves at most its tokenizer and temporary files.
+  ours = set(TOKENIZER_FILES.values())
+  if existing is None and any(not n.startswith(".tmp-") and n not in ours for n in files):
     raise ConfigError(
-        f"data.prepared_dir={out_dir!r} holds files but no manifest.json: it is not a "
-        "directory prepare_data wrote. Give an empty or new directory."
+        f"data.prepared_dir={out_dir!r} holds files but no manifest.json: it is not a directory "
+        "prepare_data wrote. Give an empty or new directory."
     )
   num_workers = _default_workers() if num_workers is None else num_workers
   if num_workers < 0:
     raise ConfigError(f"num_workers must be >= 0 (0 = in this process), got {num_workers}.")
-  if config["max_seq_len"] < MIN_SEQ_LEN:
-    raise ConfigError(
-        f"data.max_seq_len must be at least {MIN_SEQ_LEN}, got {config['max_seq_len']}."
-    )
   source_key, description = describe_source(config)
   tokenizer, settings = _accepted_tokenizer(config, out_dir, existing, source_key)
 
@@ -598,23 +370,6 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
     for name in files:
       if name.startswith(".tmp-"):
         os.remove(os.path.join(out_dir, name))
-  # A model in out_dir is recorded by a relative path: the directory can move.
-  spec = {
-      "kind": config["tokenizer"],
-      "fingerprint": tokenizer.fingerprint,
-      "vocab_size": tokenizer.vocab_size,
-  }
-  if config["tokenizer"] == "wordpiece":
-    spec.update(
-        vocab_file=tokenizer.vocab_file,
-        lowercase=tokenizer.lowercase,
-        strip_accents=tokenizer.strip_accents,
-    )
-  else:
-    model_file = config["spm_model_file"]
-    spec["model_file"] = (
-        SPM_MODEL if model_file in ("", os.path.join(out_dir, SPM_MODEL)) else model_file
-    )
   done: dict[int, dict] = {}
   for entry in existing["shards"] if existing is not None else ():
     if shards.shard_is_intact(out_dir, entry, files):
@@ -627,6 +382,16 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
     logging.info("%s is already prepared (%d shards verified); nothing to do", out_dir, len(done))
     return existing
 
+  # The tokenizer is recorded by the name of its copy in out_dir: the directory can move.
+  wordpiece = config["tokenizer"] == "wordpiece"
+  spec = {
+      "kind": config["tokenizer"],
+      "fingerprint": tokenizer.fingerprint,
+      "vocab_size": tokenizer.vocab_size,
+      "vocab_file" if wordpiece else "model_file": TOKENIZER_FILES[config["tokenizer"]],
+  }
+  if wordpiece:
+    spec.update(lowercase=tokenizer.lowercase, strip_accents=tokenizer.strip_accents)
   manifest = {
       "format_version": PREPARED_FORMAT_VERSION,
       "config_key": config_key(settings),
@@ -644,18 +409,12 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
 
   save_manifest()
   start = time.time()
-  stats, documents_fingerprint = _pack_missing(
-      config, tokenizer, settings["dtype"], num_workers, done, save_manifest
-  )
+  stats, documents_fingerprint = _pack_missing(config, tokenizer, num_workers, done, save_manifest)
   stats.num_documents = sum(entry["num_documents"] for entry in done.values())
   if config["source"] != "builtin":
     sources.log_stats(config["source"], stats)
   if not done:
     raise no_documents_error(config, stats)
-  if sorted(done) != list(range(len(done))):
-    raise RuntimeError(
-        f"prepare_data: shards {sorted(set(range(len(done))) - set(done))} are missing; run it again."
-    )
   entries = manifest["shards"]
   totals = {
       "documents": stats.num_documents,
@@ -677,23 +436,18 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
       documents_fingerprint=documents_fingerprint,
   )
   save_manifest()
-  logging.info(
-      "prepared %s: %d shards, %d train / %d eval examples, %d train tokens, in %s",
-      out_dir,
-      len(entries),
-      totals["train_examples"],
-      totals["eval_examples"],
-      totals["train_tokens"],
-      config_lib.format_duration(time.time() - start),
-  )
+  duration = config_lib.format_duration(time.time() - start)
+  logging.info("prepared %d shards in %s, in %s: %s", len(entries), out_dir, duration, totals)
   return manifest
 
 
-def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, save_manifest):
+def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest):
   """Packs the shards not in `done` into it (on `num_workers` processes, 0: here); the manifest lists every
   finished shard whenever this returns or raises. Returns the source's stats and each split's fingerprint.
   """
   out_dir, stats = config["prepared_dir"], sources.SourceStats()
+  common = {key: config[key] for key in ("max_seq_len", "eval_fraction")}  # every shard's task
+  common.update(out_dir=out_dir, dtype=shards.token_dtype(tokenizer.vocab_size))
   hashers = {split: hashlib.sha256() for split in SPLITS}
   start = last_log = last_manifest_write = time.time()
   packed_documents = packed_tokens = 0  # in this run
@@ -703,7 +457,7 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
         num_workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_init_worker,
-        initargs=(config, out_dir, tokenizer.fingerprint, os.getpid()),
+        initargs=(tokenizer, os.getpid()),
     )
   else:  # a thread of this process, with this tokenizer (SIGTERM stops the main thread's loop)
     executor = concurrent.futures.ThreadPoolExecutor(1)
@@ -714,24 +468,19 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
     finished, _ = concurrent.futures.wait(
         list(pending), return_when=concurrent.futures.FIRST_COMPLETED
     )
-    for (
-        future
-    ) in finished:  # each stays in `pending` until `done` has it (a SIGTERM may stop this loop)
+    # Each stays in `pending` until `done` has it (a SIGTERM may stop this loop).
+    for future in finished:
       try:
         result = future.result()
-      except (
-          concurrent.futures.BrokenExecutor
-      ) as e:  # (BrokenProcessPool, importable without the process pool)
+      except concurrent.futures.BrokenExecutor as e:  # (BrokenProcessPool's base)
         raise RuntimeError(
-            f"prepare_data: a worker process died (killed, or out of memory) ({e}). The finished "
-            f"shards are kept in {out_dir}; run prepare_data again to resume (fewer workers use "
-            "less memory)."
+            f"prepare_data: a worker died, killed or out of memory ({e}); the finished shards are "
+            f"kept in {out_dir}: run it again to resume (fewer workers use less memory)."
         ) from e
       if "error" in result:
         raise RuntimeError(
-            f"prepare_data: shard {result['index']} failed ({result['error']}). The {len(done)} "
-            f"finished shards are kept in {out_dir}; fix the cause and run prepare_data again to "
-            "resume."
+            f"prepare_data: shard {result['index']} failed ({result['error']}); the {len(done)} "
+            f"finished are kept in {out_dir}: fix the cause and run prepare_data again to resume."
         )
       done[result["index"]] = result
       done_position = max(done_position, pending.pop(future))
@@ -739,31 +488,35 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
       packed_tokens += sum(entry["tokens"] for entry in result["splits"].values())
       now = time.time()
       if now - last_log >= _LOG_EVERY_S:  # an ETA from the share of the input consumed
-        last_log = now
-        total, worked, elapsed = stats.total_bytes, done_position - skipped_position, now - start
-        eta = (
-            config_lib.format_duration(elapsed * (total - done_position) / worked)
-            if worked > 0 and total
-            else "?"
-        )
+        last_log, total, elapsed = now, stats.total_bytes, max(now - start, 1e-9)
+        rate = (done_position - skipped_position) / elapsed  # of the input, in this run
+        eta = config_lib.format_duration((total - done_position) / rate) if rate and total else "?"
+        share = f"{100 * done_position / total:.1f}%" if total else "?"
         logging.info(
-            "prepare_data: %d shards, %d documents, %d tokens, %.0f tokens/s, %s of the input, ETA %s",
+            "prepare_data: %d shards, %d documents, %d tokens, %.0f tokens/s, %s of the input, "
+            "ETA %s",
             len(done),
             packed_documents,
             packed_tokens,
-            packed_tokens / max(elapsed, 1e-9),
-            f"{100 * done_position / total:.1f}%" if total else "?",
+            packed_tokens / elapsed,
+            share,
             eta,
         )
       if now - last_manifest_write > _MANIFEST_EVERY_S:
         save_manifest()
         last_manifest_write = now
 
-  def stop(signum, frame):  # raised in the loop below, so its cleanup (workers, manifest) runs
-    raise SystemExit(
-        f"prepare_data stopped by SIGTERM: the finished shards are kept and listed in "
-        f"{os.path.join(out_dir, shards.MANIFEST)}; run the same command to resume."
-    )
+  # A SIGTERM raises in the loop below, so its cleanup (workers, manifest) runs; one that lands in
+  # a submit (which may spawn a worker) is raised after it, or the submitted shard would be lost.
+  stopped, submitting = [], [False]
+
+  def stop(signum=None, frame=None):
+    stopped.append(signum)
+    if not submitting[0]:
+      raise SystemExit(
+          f"prepare_data stopped by SIGTERM: the finished shards are kept and listed in "
+          f"{os.path.join(out_dir, shards.MANIFEST)}; run the same command to resume."
+      )
 
   try:
     previous_handler = signal.signal(signal.SIGTERM, stop)
@@ -781,18 +534,14 @@ def _pack_missing(config, tokenizer, dtype: str, num_workers: int, done: dict, s
       if index in done:
         skipped_position = stats.bytes_read
         continue
-      task = {
-          "out_dir": out_dir,
-          "max_seq_len": config["max_seq_len"],
-          "eval_fraction": config["eval_fraction"],
-          "dtype": dtype,
-          "index": index,
-          "first_document": first,
-          "documents": documents,
-      }
+      task = dict(common, index=index, first_document=first, documents=documents)
+      submitting[0] = True
       pending[executor.submit(pack_shard, task, None if num_workers else tokenizer)] = (
           stats.bytes_read
       )
+      submitting[0] = False
+      if stopped:
+        stop()
       if len(pending) >= 2 * num_workers:
         drain()
     while pending:

@@ -1,18 +1,10 @@
-"""The prepared-directory format: every source becomes these shards, and training reads only them.
-
-A prepared directory (`data.prepared_dir`: local, or a bucket such as gs://; or a cache's len<L>/)
-holds manifest.json (counts, per-file rows/bytes/sha256/crc32c, tokenizer, max_seq_len, format
-version, source; "complete" once all shards exist), spm.model when prepare_data trained it, and
-for shard k of each split (documents [k*S, (k+1)*S), S = data.shard_documents)
-<split>-<k:05d>.npy, uint16 (int32 beyond 65536 ids) [rows, 2, max_seq_len] of input ids ([:, 0])
-and token type ids ([:, 1]), and <split>-<k:05d>.lengths.npy, each example's length. Local files
-are written under temporary names (".tmp-*") and renamed, bucket objects appear whole; a shard is
-done once the manifest lists it. Training reads rows through ShardedRows: memory maps of local
-shards, or ranged reads of bucket objects.
+"""The prepared-directory format (docs/data.md describes it): writing and checking its files, and
+ShardedRows, which reads rows from them (memory maps of local shards, ranged reads of a bucket's).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import io
 import os
@@ -29,7 +21,6 @@ from electra_jax.errors import ConfigError
 # Bump when the shard layout or the manifest's meaning changes.
 PREPARED_FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-SPM_MODEL = "spm.model"
 SPLITS = ("train", "eval")
 # How a missing or damaged file of a prepared directory is mended.
 REDO = "run --mode=prepare_data again with the same config to re-create it"
@@ -39,28 +30,23 @@ def token_dtype(vocab_size: int) -> str:
   return "uint16" if vocab_size <= np.iinfo(np.uint16).max + 1 else "int32"
 
 
-def write_split(
-    out_dir: str, split: str, index: int, input_ids, token_type_ids, pad_id: int, dtype: str
-) -> dict:
-  """Writes shard `index` of `split` (rows and lengths files); returns their manifest fields."""
-  lengths_dtype = np.uint16 if input_ids.shape[1] <= np.iinfo(np.uint16).max else np.int32
+def write_split(task: dict, split: str, rows: np.ndarray, pad_id: int) -> dict:
+  """Writes `split` of shard task["index"] into task["out_dir"]: its [rows, 2, L] ids and types in
+  task["dtype"], and their lengths; returns the files' manifest fields."""
+  lengths = example_lengths(rows[:, 0], pad_id)
+  lengths_dtype = np.uint16 if rows.shape[2] <= np.iinfo(np.uint16).max else np.int32
   entry = {}
   for prefix, suffix, array in (
-      ("", ".npy", np.stack([input_ids, token_type_ids], axis=1).astype(dtype)),
-      ("lengths_", ".lengths.npy", example_lengths(input_ids, pad_id).astype(lengths_dtype)),
+      ("", ".npy", rows.astype(task["dtype"])),
+      ("lengths_", ".lengths.npy", lengths.astype(lengths_dtype)),
   ):
     buffer = io.BytesIO()
     np.save(buffer, array, allow_pickle=False)
-    data, name = buffer.getvalue(), f"{split}-{index:05d}{suffix}"
-    workdir_files.write_bytes(os.path.join(out_dir, name), data)
-    entry.update(
-        {
-            f"{prefix}file": name,
-            f"{prefix}bytes": len(data),
-            f"{prefix}sha256": hashlib.sha256(data).hexdigest(),
-            f"{prefix}crc32c": workdir_files.crc32c(data),
-        }
-    )
+    data, name = buffer.getvalue(), f"{split}-{task['index']:05d}{suffix}"
+    workdir_files.write_bytes(os.path.join(task["out_dir"], name), data)
+    entry[f"{prefix}file"], entry[f"{prefix}bytes"] = name, len(data)
+    entry[f"{prefix}sha256"] = hashlib.sha256(data).hexdigest()
+    entry[f"{prefix}crc32c"] = workdir_files.crc32c(data)
   return entry
 
 
@@ -80,9 +66,8 @@ def open_manifest(directory: str) -> dict:
   manifest = read_manifest(directory)
   if manifest is None:
     raise ConfigError(
-        f"data.prepared_dir={directory!r} has no {MANIFEST}; create it with "
-        "`python -m electra_jax.main --mode=prepare_data --config=...` (same data config, with "
-        "data.source set to the corpus), then train with data.source='prepared'."
+        f"data.prepared_dir={directory!r} has no {MANIFEST}; create it with --mode=prepare_data "
+        "(data.source set to the corpus), then train with data.source='prepared'."
     )
   if manifest["format_version"] != PREPARED_FORMAT_VERSION:
     raise ConfigError(
@@ -91,8 +76,8 @@ def open_manifest(directory: str) -> dict:
     )
   if not manifest["complete"]:
     raise ConfigError(
-        f"The preparation of {directory} did not finish ({len(manifest['shards'])} shards "
-        "so far); run --mode=prepare_data again with the same config: it resumes."
+        f"The preparation of {directory} did not finish ({len(manifest['shards'])} shards so far); "
+        "run --mode=prepare_data again with the same config: it resumes."
     )
   return manifest
 
@@ -105,34 +90,36 @@ def sha256_file(path: str) -> str:
   return digest.hexdigest()
 
 
-def _crc32c_agrees(split_entry: dict, prefix: str, crc32c: str | None) -> bool | None:
-  """Whether a bucket's own crc32c of a file (computed by the bucket as the bytes arrived) is the
-  one the manifest recorded; None where either is unknown (local files, older manifests)."""
-  if crc32c is None or f"{prefix}crc32c" not in split_entry:
-    return None
-  return crc32c == split_entry[f"{prefix}crc32c"]
+def _problem(entry: dict, prefix: str, files: dict) -> str | None:
+  """What the cheap checks find wrong with the file `entry[prefix + "file"]` of `files`
+  (workdir_files.list_files): its size, and a bucket's own crc32c against the manifest's (0.1.0's
+  manifests have none); None when they pass."""
+  size, crc32c = files.get(entry[f"{prefix}file"], (None, None))
+  recorded = entry.get(f"{prefix}crc32c")
+  if size != entry[f"{prefix}bytes"]:
+    return (
+        "is missing"
+        if size is None
+        else f"has {size} bytes, the manifest says {entry[f'{prefix}bytes']}"
+    )
+  if None not in (crc32c, recorded) and crc32c != recorded:
+    return f"is not the file prepare_data wrote (its crc32c, {crc32c}, differs from {MANIFEST}'s)"
+  return None
 
 
 def shard_is_intact(out_dir: str, entry: dict, files: dict, checksums: bool = True) -> bool:
   """Whether a manifest's shard `entry` has its files in `files` (workdir_files.list_files of
-  `out_dir`), of their sizes (and, with `checksums`, their recorded contents)."""
+  `out_dir`) of their sizes and, with `checksums`, contents (sha256 where no crc32c was compared).
+  """
   for split_entry in entry["splits"].values():
     for prefix in ("", "lengths_") if split_entry["rows"] else ():
-      if (
-          f"{prefix}file" not in split_entry
-      ):  # shards prepared before data.pack_rows have no lengths file
-        continue
       name = split_entry[f"{prefix}file"]
-      size, crc32c = files.get(name, (None, None))
-      if size != split_entry[f"{prefix}bytes"]:
+      if _problem(split_entry, prefix, files) is not None:
         return False
-      if not checksums:
-        continue
-      agrees = _crc32c_agrees(split_entry, prefix, crc32c)  # a bucket's: nothing is downloaded
-      if agrees is None:
-        agrees = sha256_file(os.path.join(out_dir, name)) == split_entry[f"{prefix}sha256"]
-      if not agrees:
-        return False
+      compared = files[name][1] is not None and f"{prefix}crc32c" in split_entry
+      if checksums and not compared:
+        if sha256_file(os.path.join(out_dir, name)) != split_entry[f"{prefix}sha256"]:
+          return False
   return True
 
 
@@ -145,104 +132,46 @@ def _load(path: str, mmap_mode=None) -> np.ndarray:
     raise ConfigError(f"Cannot read shard {path} ({e}); {REDO}.") from e
 
 
-def load_split(
-    directory: str, manifest: dict, split: str, pad_id: int, with_lengths: bool, vocab_size: int
-):
-  """The non-empty shards of `split` after the cheap checks (size, shape, dtype; in a bucket also
-  the bucket's crc32c): (their rows, memory-mapped or read by ranges from a bucket, as a
-  MappedShards or BucketShards; their manifest entries; the examples' int32 lengths or None).
-  Shards prepared before lengths files existed have their rows scanned instead."""
+def load_split(directory: str, manifest: dict, split: str, with_lengths: bool, vocab_size: int):
+  """The non-empty shards of `split` after the cheap checks (sizes; a bucket's crc32c; on disk,
+  shapes and dtypes): (their rows, memory-mapped or read by ranges from a bucket; their manifest
+  entries; with `with_lengths`, the examples' int32 lengths, else None)."""
   max_seq_len, dtype = manifest["max_seq_len"], np.dtype(manifest["dtype"])
-  remote = workdir_files.is_remote(directory)
   files = workdir_files.list_files(directory)
   entries = [entry["splits"][split] for entry in manifest["shards"]]
-  entries = [split_entry for split_entry in entries if split_entry["rows"]]
-  paths = [os.path.join(directory, split_entry["file"]) for split_entry in entries]
-  for path, split_entry in zip(paths, entries):
-    size, crc32c = files.get(split_entry["file"], (None, None))
-    if size is None:
-      raise ConfigError(f"Shard {path} is missing; {REDO}.")
-    if size != split_entry["bytes"]:
-      raise ConfigError(
-          f"Shard {path} has {size} bytes, the manifest says {split_entry['bytes']}; {REDO}."
-      )
-    if _crc32c_agrees(split_entry, "", crc32c) is False:
-      raise ConfigError(
-          f"Shard {path} is not the file prepare_data wrote (its crc32c, {crc32c}, differs from "
-          f"{MANIFEST}'s); {REDO}."
-      )
-  if remote:
-    headers = _bucket_headers(paths, [split_entry["bytes"] for split_entry in entries])
-    shapes = [(shape, found_dtype) for _, shape, found_dtype in headers]
+  entries = [entry for entry in entries if entry["rows"]]
+  for entry in entries:
+    for prefix in ("", "lengths_") if with_lengths else ("",):
+      if (problem := _problem(entry, prefix, files)) is not None:
+        path = os.path.join(directory, entry[f"{prefix}file"])
+        raise ConfigError(f"Shard {path} {problem}; {REDO}.")
+  paths = [os.path.join(directory, entry["file"]) for entry in entries]
+  if workdir_files.is_remote(directory):
+    rows = BucketShards(paths, entries, max_seq_len, dtype, vocab_size)
   else:
     arrays = [_load(path, mmap_mode="r") for path in paths]
-    shapes = [(array.shape, array.dtype) for array in arrays]
-  for path, split_entry, (shape, found_dtype) in zip(paths, entries, shapes):
-    if shape != (split_entry["rows"], 2, max_seq_len) or found_dtype != dtype:
-      raise ConfigError(
-          f"Shard {path} has shape {shape} and dtype {found_dtype}; the manifest says "
-          f"({split_entry['rows']}, 2, {max_seq_len}) {manifest['dtype']}; {REDO}."
-      )
-  if remote:
-    num_rows = [split_entry["rows"] for split_entry in entries]
-    rows = BucketShards(paths, [h[0] for h in headers], num_rows, max_seq_len, dtype, vocab_size)
-  else:
+    for path, entry, array in zip(paths, entries, arrays):
+      if array.shape != (entry["rows"], 2, max_seq_len) or array.dtype != dtype:
+        raise ConfigError(
+            f"Shard {path} has shape {array.shape} and dtype {array.dtype}; the manifest says "
+            f"({entry['rows']}, 2, {max_seq_len}) {dtype}; {REDO}."
+        )
     rows = MappedShards(arrays)
-  if not with_lengths or not entries:
-    return rows, entries, None
-  lengths, input_ids = [], ShardedRows(rows, 0, max_seq_len)
-  for start, split_entry in zip(np.cumsum([0] + [e["rows"] for e in entries]), entries):
-    if "lengths_file" not in split_entry:
-      lengths.append(example_lengths(input_ids[start : start + split_entry["rows"]], pad_id))
-      continue
-    path = os.path.join(directory, split_entry["lengths_file"])
-    _, crc32c = files.get(split_entry["lengths_file"], (None, None))
-    if _crc32c_agrees(split_entry, "lengths_", crc32c) is False:
-      raise ConfigError(
-          f"{path} is not the file prepare_data wrote (its crc32c differs from {MANIFEST}'s); "
-          f"{REDO}."
-      )
-    found, rows_in_shard = _load(path), split_entry["rows"]
+  lengths = []
+  for entry in entries if with_lengths else ():
+    path = os.path.join(directory, entry["lengths_file"])
+    found = _load(path)
     if (
-        found.shape != (rows_in_shard,)
+        found.shape != (entry["rows"],)
         or found.dtype.kind not in "iu"
-        or (found.size and not 1 <= found.min() <= found.max() <= max_seq_len)
+        or not 1 <= found.min() <= found.max() <= max_seq_len
     ):
       raise ConfigError(
-          f"{path} does not hold {rows_in_shard} example lengths in [1, {max_seq_len}]; {REDO}."
+          f"Shard {path} does not hold {entry['rows']} example lengths in [1, {max_seq_len}]; "
+          f"{REDO}."
       )
     lengths.append(found.astype(np.int32))
-  return rows, entries, np.concatenate(lengths)
-
-
-def _bucket_headers(paths: list[str], sizes: list[int]) -> list[tuple[int, tuple, np.dtype]]:
-  """(bytes before the rows, shape, dtype) of each .npy object, read by one concurrent ranged read
-  of every object's first bytes (and a second for headers longer than that)."""
-  heads = _read_ranges(paths, [0] * len(paths), [min(size, 256) for size in sizes])
-  headers = []
-  for path, size, head in zip(paths, sizes, heads):
-    try:
-      stream = io.BytesIO(head)
-      version = np.lib.format.read_magic(stream)
-      length_bytes = 2 if version == (1, 0) else 4
-      header_end = 8 + length_bytes + int.from_bytes(head[8 : 8 + length_bytes], "little")
-      if header_end > len(head):
-        (head,) = _read_ranges([path], [0], [min(size, header_end)])
-        stream = io.BytesIO(head)
-        np.lib.format.read_magic(stream)
-      read_header = {
-          (1, 0): np.lib.format.read_array_header_1_0,
-          (2, 0): np.lib.format.read_array_header_2_0,
-      }.get(version)
-      if read_header is None:
-        raise ValueError(f".npy format version {version}, which prepare_data does not write")
-      shape, fortran_order, dtype = read_header(stream)
-      if fortran_order:
-        raise ValueError("its rows are stored in Fortran order")
-    except ValueError as e:
-      raise ConfigError(f"Cannot read shard {path} ({e}); {REDO}.") from e
-    headers.append((stream.tell(), shape, dtype))
-  return headers
+  return rows, entries, np.concatenate(lengths) if lengths else None
 
 
 def _read_ranges(paths: list[str], starts: list[int], ends: list[int]) -> list[bytes]:
@@ -267,9 +196,6 @@ class MappedShards:
     self.arrays = arrays
     self.num_rows = [array.shape[0] for array in arrays]
 
-  def __len__(self) -> int:
-    return len(self.arrays)
-
   def read(self, parts: list[tuple[int, np.ndarray]], channel: int) -> list[np.ndarray]:
     """Channel `channel` [len(rows), L] of each (shard, its row indices) of `parts`."""
     return [self.arrays[shard][rows, channel] for shard, rows in parts]
@@ -282,14 +208,13 @@ class BucketShards:
   channel's read of the same rows on the same thread. Every token id read is checked against the
   vocabulary."""
 
-  def __init__(self, paths, header_bytes, num_rows, max_seq_len: int, dtype, vocab_size: int):
-    self.paths, self._header_bytes, self.num_rows = paths, header_bytes, num_rows
+  def __init__(self, paths, entries: list[dict], max_seq_len: int, dtype, vocab_size: int):
+    self.paths, self.num_rows = paths, [entry["rows"] for entry in entries]
     self._dtype, self._max_seq_len, self._vocab_size = np.dtype(dtype), max_seq_len, vocab_size
     self._row_bytes = 2 * max_seq_len * self._dtype.itemsize
+    # A .npy file is its header, then the rows: the file's size gives the header's.
+    self._header_bytes = [entry["bytes"] - entry["rows"] * self._row_bytes for entry in entries]
     self._last = threading.local()  # each thread's last read, kept for the other channel
-
-  def __len__(self) -> int:
-    return len(self.paths)
 
   def read(self, parts: list[tuple[int, np.ndarray]], channel: int) -> list[np.ndarray]:
     """Channel `channel` [len(rows), L] of each (shard, its row indices) of `parts`."""
@@ -340,7 +265,6 @@ class ShardedRows:
     self._offsets = np.cumsum([0] + self._shards.num_rows)
     self.shape = (int(self._offsets[-1]), max_seq_len)
     self.dtype = np.dtype(np.int32)
-    self.ndim = 2
 
   def __len__(self) -> int:
     return self.shape[0]
@@ -368,51 +292,35 @@ class ShardedRows:
     return array if dtype is None else array.astype(dtype)
 
 
-class ShardVerification(threading.Thread):
-  """Checks a split's shard files (sha256, every id below the vocabulary size) on a background
-  thread, so a run starts at once; raise_if_failed raises the first failure. In a bucket, shards
-  whose crc32c the manifest records were checked at load; older ones are hashed here."""
+def verify_in_background(directory: str, entries: list[dict], vocab_size: int, split: str):
+  """Checks a split's shard files (sha256, every id below the vocabulary size) on a daemon thread,
+  so a run starts at once: a future of the first failure (a ConfigError), or None. In a bucket,
+  shards whose crc32c the manifest records were checked at load; older ones are hashed here."""
+  remote = workdir_files.is_remote(directory)
 
-  def __init__(self, directory: str, entries: list[dict], vocab_size: int, split: str):
-    super().__init__(name="electra-verify-shards", daemon=True)
-    self.error: ConfigError | None = None
-    self._directory, self._entries, self._vocab_size, self._split = (
-        directory,
-        entries,
-        vocab_size,
-        split,
-    )
-    self.start()
-
-  def run(self) -> None:
-    remote = workdir_files.is_remote(self._directory)
-    for entry in self._entries:
-      path = os.path.join(self._directory, entry["file"])
+  def first_failure() -> ConfigError | None:
+    for entry in entries:
+      path = os.path.join(directory, entry["file"])
       if remote and "crc32c" in entry:
         continue  # load_split compared the bucket's crc32c; BucketShards checks the ids it reads
       try:
         if sha256_file(path) != entry["sha256"]:
           problem = f"is not the file prepare_data wrote (its sha256 differs from {MANIFEST}'s)"
-        elif not remote and (largest := int(np.max(_load(path, "r")[:, 0]))) >= self._vocab_size:
-          problem = f"holds token id {largest}, outside the tokenizer's {self._vocab_size} ids"
+        elif not remote and (largest := int(np.max(_load(path, "r")[:, 0]))) >= vocab_size:
+          problem = f"holds token id {largest}, outside the tokenizer's {vocab_size} ids"
         else:
           continue
-        self.error = ConfigError(f"Shard {path} {problem}; {REDO}.")
+        return ConfigError(f"Shard {path} {problem}; {REDO}.")
       except OSError as error:
-        self.error = ConfigError(f"Cannot read shard {path} ({error}); {REDO}.")
+        return ConfigError(f"Cannot read shard {path} ({error}); {REDO}.")
       except ConfigError as error:
-        self.error = error
-      return
+        return error
     logging.info(
-        "verified the %d %s shards of %s against %s",
-        len(self._entries),
-        self._split,
-        self._directory,
-        MANIFEST,
+        "verified the %d %s shards of %s against %s", len(entries), split, directory, MANIFEST
     )
+    return None
 
-  wait = threading.Thread.join
-
-  def raise_if_failed(self) -> None:
-    if self.error is not None:
-      raise self.error
+  verification = concurrent.futures.Future()
+  verify = lambda: verification.set_result(first_failure())  # noqa: E731
+  threading.Thread(target=verify, name="electra-verify-shards", daemon=True).start()
+  return verification

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import glob
 import hashlib
-import itertools
 import json
 import os
 
@@ -17,60 +16,55 @@ from absl import logging
 from electra_jax.errors import ConfigError
 
 FILE_SOURCES = ("text", "jsonl")
+RECORD_SOURCES = ("tfds", "hf_datasets")
+DOCUMENT_SOURCES = ("builtin", *FILE_SOURCES, *RECORD_SOURCES)
 
 # A corpus up to this size enters the fingerprint with its content hash (an edit may keep size and
 # mtime); a bigger one by paths, sizes and mtimes only, to keep a warm start fast.
 _HASHED_CORPUS_BYTES = 64 << 20
-
-
-@dataclasses.dataclass
-class SourceStats:
-  """What reading a source found (each count with the place of its first case)."""
-
-  files: list[str] = dataclasses.field(default_factory=list)
-  empty_files: list[str] = dataclasses.field(default_factory=list)
-  binary_files: list[str] = dataclasses.field(
-      default_factory=list
-  )  # NUL bytes in the first block: skipped
-  replaced_lines: int = 0  # lines with bytes that are not UTF-8: kept, with U+FFFD in their place
-  first_replaced_line: str = ""
-  skipped_lines: int = 0  # records skipped: not JSON, not an object, or without a string text field
-  first_skipped_line: str = ""
-  long_sentences: int = 0  # sentences over MAX_SENTENCE_CHARS: skipped
-  first_long_sentence: str = ""
-  num_documents: int = 0
-  bytes_read: int = 0  # progress of a streaming read, of total_bytes
-  total_bytes: int = 0
-
-  def counts(self) -> dict:
-    return {
-        "files": len(self.files),
-        "empty_files": len(self.empty_files),
-        "binary_files": len(self.binary_files),
-        "replaced_lines": self.replaced_lines,
-        "skipped_lines": self.skipped_lines,
-        "long_sentences": self.long_sentences,
-        "documents": self.num_documents,
-    }
-
-  def skip(self, count: str, place: str) -> None:
-    """One more of `count` (replaced_lines, skipped_lines, long_sentences), the first's place kept."""
-    setattr(self, count, getattr(self, count) + 1)
-    first = "first_" + count.removesuffix("s")
-    setattr(self, first, getattr(self, first) or place)
-
-
 # A longer "sentence" (line) is almost always junk (minified code, base64, a table on one line): it is
 # skipped and counted, so it can neither stall a tokenizer worker nor hide in a shard.
 MAX_SENTENCE_CHARS = 1 << 16
 _SNIFF_BYTES = 8192  # a NUL in a file's first block marks it binary
 _BLOCK_BYTES = 8 << 20  # files are decoded this many bytes (rounded to whole lines) at a time
-_HF_READ_BLOCK = 1024  # rows fetched per column read
-_SAVED_MARKERS = (
-    "dataset_info.json",
-    "state.json",
-    "dataset_dict.json",
-)  # what save_to_disk writes
+_SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # save_to_disk's files
+# What can go wrong reading a source, as the log and the errors name it.
+PROBLEMS = {
+    "empty_files": "empty files skipped",
+    "binary_files": f"binary files skipped (NUL bytes in the first {_SNIFF_BYTES} bytes)",
+    "replaced_lines": "lines with bytes that are not UTF-8 kept with U+FFFD in their place",
+    "skipped_lines": "JSONL lines skipped (not a JSON object with a string text field)",
+    "long_sentences": f"lines over {MAX_SENTENCE_CHARS} characters skipped (not prose)",
+}
+
+
+@dataclasses.dataclass
+class SourceStats:
+  """What reading a source found: its files and documents, its progress (bytes_read of
+  total_bytes; records for a dataset), and how often each of PROBLEMS happened, and where first."""
+
+  files: list[str] = dataclasses.field(default_factory=list)
+  num_documents: int = 0
+  bytes_read: int = 0
+  total_bytes: int = 0
+  problems: dict[str, int] = dataclasses.field(default_factory=dict)
+  first_problems: dict[str, str] = dataclasses.field(default_factory=dict)
+
+  def counts(self) -> dict:
+    counts = {problem: self.problems.get(problem, 0) for problem in PROBLEMS}
+    return {"files": len(self.files), **counts, "documents": self.num_documents}
+
+  def skip(self, problem: str, place: str) -> None:
+    """One more of `problem` (a key of PROBLEMS), the first's place kept."""
+    self.problems[problem] = self.problems.get(problem, 0) + 1
+    self.first_problems.setdefault(problem, place)
+
+  def summary(self) -> str:
+    return "; ".join(
+        f"{self.problems[problem]} {what}, the first {self.first_problems[problem]}"
+        for problem, what in PROBLEMS.items()
+        if problem in self.problems
+    )
 
 
 def decode_utf8(raw: bytes, where, stats: SourceStats) -> str:
@@ -93,12 +87,7 @@ def keep_sentence(sentence: str, where, stats: SourceStats) -> bool:
 def resolve_files(files: str) -> list[str]:
   """The files of `files`, comma-separated paths and globs (`~`, `**`) in order, each glob's matches sorted,
   a file named twice read once."""
-  patterns = [pattern.strip() for pattern in str(files or "").split(",") if pattern.strip()]
-  if not patterns:
-    raise ConfigError(
-        "data.files is empty; give the corpus as a comma-separated list of paths or globs, "
-        "e.g. --config.data.files='corpus/*.txt'."
-    )
+  patterns = [pattern.strip() for pattern in files.split(",") if pattern.strip()]
   paths: dict[str, None] = {}  # ordered, each path once
   for pattern in patterns:
     matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
@@ -136,7 +125,7 @@ def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
   """
   with open(path, "rb") as f:
     if b"\0" in f.read(_SNIFF_BYTES):
-      stats.binary_files.append(path)
+      stats.skip("binary_files", path)
       stats.bytes_read += os.fstat(f.fileno()).st_size
       return
     f.seek(0)
@@ -157,8 +146,9 @@ def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
           yield number, line
 
 
-def _text_file_documents(path: str, stats: SourceStats):
+def _text_file_documents(path: str, text_field: str, stats: SourceStats):
   """One document per run of non-blank lines; each stripped line is one sentence."""
+  del text_field  # (jsonl's)
   document = []
   for number, line in _iter_lines(path, stats):
     line = line.strip()
@@ -202,88 +192,57 @@ def split_text(text: str, where, stats: SourceStats) -> list[str]:
   return [sentence for sentence in sentences if sentence and keep_sentence(sentence, where, stats)]
 
 
-def record_documents(
-    name: str, num_records: int, read_texts, text_field: str, stats: SourceStats, block: int
-):
-  """The documents of a dataset's records, read `block` at a time by `read_texts(start, stop)`; a value
-  neither str nor bytes is skipped and counted. Progress counts records."""
-  stats.total_bytes = stats.total_bytes or num_records
-  for start in range(0, num_records, block):
-    for key, text in enumerate(read_texts(start, min(start + block, num_records)), start):
-      stats.bytes_read += 1
-      where = lambda key=key: f"{name}[{key}]"  # noqa: E731
-      if isinstance(text, bytes):
-        text = decode_utf8(text, where, stats)
-      elif not isinstance(text, str):
-        stats.skip("skipped_lines", f"{where()}: {text_field!r} is not text")
-        continue
-      document = split_text(text, where, stats)
-      if document:
-        stats.num_documents += 1
-        yield document
+class RecordCorpus:
+  """One split of a dataset whose records' `text_field` hold documents. A subclass sets `name` (how
+  a record's place reads), `num_records`, `text_field`, `description` (for manifests) and
+  `fingerprint` (for cache keys), and reads texts [start, stop) with read_texts."""
+
+  read_block = 256  # records per read_texts
+
+  def iter_documents(self, stats: SourceStats):
+    """The records' documents; a value neither str nor bytes is skipped and counted. Progress
+    counts records."""
+    stats.total_bytes = stats.total_bytes or self.num_records
+    for start in range(0, self.num_records, self.read_block):
+      stop = min(start + self.read_block, self.num_records)
+      for key, text in enumerate(self.read_texts(start, stop), start):
+        stats.bytes_read += 1
+        where = lambda key=key: f"{self.name}[{key}]"  # noqa: E731
+        if isinstance(text, bytes):
+          text = decode_utf8(text, where, stats)
+        elif not isinstance(text, str):
+          stats.skip("skipped_lines", f"{where()}: {self.text_field!r} is not text")
+          continue
+        document = split_text(text, where, stats)
+        if document:
+          stats.num_documents += 1
+          yield document
 
 
 def iter_documents(
     source: str, paths: list[str], text_field: str = "text", stats: SourceStats | None = None
 ):
-  """The documents of `paths` read as `source`, streamed (see read_documents)."""
-  if source not in FILE_SOURCES:
-    raise ConfigError(f"read_documents: source must be one of {FILE_SOURCES}, got {source!r}.")
+  """The documents (lists of sentences) of `paths`, streamed. "text": a sentence per line, blank
+  lines and file ends separate documents; "jsonl": a document per line, the string under
+  `text_field`. What cannot be read as text is skipped and counted in `stats`."""
   stats = stats if stats is not None else SourceStats()
   stats.files = list(paths)
   stats.total_bytes = sum(os.path.getsize(path) for path in paths)
-
-  def progress():
-    return stats.num_documents, len(stats.binary_files), stats.skipped_lines, stats.long_sentences
-
   for path in paths:
-    before = progress()
-    for document in (
-        _text_file_documents(path, stats)
-        if source == "text"
-        else _jsonl_file_documents(path, text_field, stats)
-    ):
+    # A file is empty when nothing came out of it and nothing in it was skipped for a reason.
+    before = stats.num_documents + sum(stats.problems.values())
+    read = _text_file_documents if source == "text" else _jsonl_file_documents
+    for document in read(path, text_field, stats):
       stats.num_documents += 1
       yield document
-    if (
-        progress() == before
-    ):  # nothing came out of the file and nothing in it was skipped for a reason
-      stats.empty_files.append(path)
-
-
-def read_documents(
-    source: str, paths: list[str], text_field: str = "text", max_documents: int | None = None
-) -> tuple[list[list[str]], SourceStats]:
-  """The first `max_documents` documents (lists of sentences) of `paths`, and stats. "text": a sentence per
-  line, blank lines and file ends separate documents; "jsonl": a document per line, the string under
-  `text_field`. What cannot be read as text is skipped and counted; raises ConfigError if nothing is left.
-  """
-  stats = SourceStats()
-  documents = list(
-      itertools.islice(iter_documents(source, paths, text_field, stats), max_documents)
-  )
-  log_stats(source, stats)
-  if not documents:
-    raise no_usable_text_error(source, paths, text_field, stats)
-  return documents, stats
+    if stats.num_documents + sum(stats.problems.values()) == before:
+      stats.skip("empty_files", path)
 
 
 def no_usable_text_error(
     source: str, paths: list[str], text_field: str, stats: SourceStats
 ) -> ConfigError:
-  reasons = []
-  if stats.skipped_lines:
-    reasons.append(
-        f"{stats.skipped_lines} JSONL lines skipped, first at {stats.first_skipped_line}"
-    )
-  if stats.binary_files:
-    reasons.append(f"{len(stats.binary_files)} binary files skipped: {stats.binary_files[:3]}")
-  if stats.long_sentences:
-    reasons.append(
-        f"{stats.long_sentences} lines over {MAX_SENTENCE_CHARS} characters skipped, first at "
-        f"{stats.first_long_sentence}"
-    )
-  why = f" ({'; '.join(reasons)})" if reasons else ""
+  why = f" ({stats.summary()})" if stats.problems else ""
   wanted = (
       f"files whose JSON lines hold a string field {text_field!r} (data.text_field)."
       if source == "jsonl"
@@ -296,52 +255,17 @@ def no_usable_text_error(
 
 
 def log_stats(source: str, stats: SourceStats) -> None:
-  logging.info(
-      "read %d documents from %d %s files (%d empty)",
-      stats.num_documents,
-      len(stats.files),
-      source,
-      len(stats.empty_files),
-  )
-  for count, message, first in (
-      (len(stats.empty_files), "skipped %d empty files: %s", ", ".join(stats.empty_files)),
-      (
-          stats.replaced_lines,
-          "%d lines held bytes that are not UTF-8 and were kept with U+FFFD in their place; "
-          "the first is %s",
-          stats.first_replaced_line,
-      ),
-      (
-          len(stats.binary_files),
-          "skipped %d binary files (NUL bytes; not text): %s",
-          ", ".join(stats.binary_files[:10]),
-      ),
-      (
-          stats.long_sentences,
-          f"skipped %d lines longer than {MAX_SENTENCE_CHARS} characters (not prose); the first "
-          "is %s",
-          stats.first_long_sentence,
-      ),
-      (
-          stats.skipped_lines,
-          "skipped %d JSONL lines that are not a JSON object with a string text field; the first "
-          "is %s",
-          stats.first_skipped_line,
-      ),
-  ):
-    if count:
-      logging.warning(message, count, first)
+  logging.info("read %d documents from %d %s files", stats.num_documents, len(stats.files), source)
+  if stats.problems:
+    logging.warning("reading the %s files: %s", source, stats.summary())
 
 
-class HfDatasetCorpus:
+class HfDatasetCorpus(RecordCorpus):
   """One split of a local Hugging Face dataset, each row's `text_field` a document."""
 
+  read_block = 1024  # rows per column read
+
   def __init__(self, path: str, split: str, text_field: str):
-    if not path:
-      raise ConfigError(
-          "data.source='hf_datasets' needs data.hf_path, a local dataset directory "
-          "(save_to_disk's output, or data files load_dataset reads)."
-      )
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(path):
       raise ConfigError(f"data.hf_path={path!r} is not a directory; give a local dataset's folder.")
@@ -373,7 +297,8 @@ class HfDatasetCorpus:
           f"data.text_field={text_field!r} is not a column of {path}; its columns are "
           f"{loaded.column_names}. Name the one holding the document text."
       )
-    self._dataset, self.path, self.split, self.text_field = loaded, path, split, text_field
+    self._dataset, self.name, self.text_field = loaded, f"{path}[{split}]", text_field
+    self.num_records = loaded.num_rows
     self.description = {
         "source": "hf_datasets",
         "hf_path": path,
@@ -384,12 +309,5 @@ class HfDatasetCorpus:
     # datasets' own hash of the rows (new data, new key), with the split and column read.
     self.fingerprint = f"{loaded._fingerprint}|{split}|{text_field}|{loaded.num_rows}"
 
-  def iter_documents(self, stats: SourceStats):
-    yield from record_documents(
-        f"{self.path}[{self.split}]",
-        self._dataset.num_rows,
-        lambda start, stop: self._dataset[start:stop][self.text_field],
-        self.text_field,
-        stats,
-        _HF_READ_BLOCK,
-    )
+  def read_texts(self, start: int, stop: int) -> list:
+    return self._dataset[start:stop][self.text_field]

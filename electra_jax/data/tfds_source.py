@@ -8,46 +8,23 @@ import importlib
 import os
 
 from electra_jax.errors import ConfigError
-from electra_jax.data.sources import SourceStats, record_documents
+from electra_jax.data.sources import RecordCorpus
 
-_READ_BLOCK = 256  # records fetched by one `__getitems__` call
 _RANDOM_ACCESS_FORMATS = ("array_record", "parquet")
 
 
-# TFDS registers its builder groups in one loop that stops at the first missing an optional dependency
-# (h5py), leaving later ones (`text`: glue, wikipedia, c4) unregistered; import_tfds imports each.
-_BUILDER_GROUPS = (
-    "audio",
-    "graphs",
-    "image",
-    "image_classification",
-    "object_detection",
-    "nearest_neighbors",
-    "question_answering",
-    "d4rl",
-    "ranking",
-    "recommendation",
-    "rl_unplugged",
-    "rlds.datasets",
-    "robotics",
-    "robomimic",
-    "structured",
-    "summarization",
-    "text",
-    "text_simplification",
-    "time_series",
-    "translate",
-    "video",
-    "vision_language",
-)
+# TFDS registers its builder groups in one loop that stops at the first missing an optional
+# dependency (h5py), leaving later ones (`text`: glue, wikipedia, c4) unregistered; import_tfds
+# imports the groups that hold text datasets itself.
+_TEXT_GROUPS = ("question_answering", "summarization", "text", "text_simplification", "translate")
 
 
 @functools.cache
 def import_tfds():
-  """The tensorflow_datasets module with every builder group that imports here registered."""
+  """The tensorflow_datasets module with its text builder groups registered."""
   import tensorflow_datasets as tfds  # noqa: PLC0415  (heavy; only TFDS sources need it)
 
-  for group in _BUILDER_GROUPS:
+  for group in _TEXT_GROUPS:
     try:
       importlib.import_module(f"tensorflow_datasets.{group}")
     except ImportError:
@@ -56,26 +33,18 @@ def import_tfds():
 
 
 def _prepare_hint(name: str, data_dir: str) -> str:
-  where = f", data_dir={data_dir!r}" if data_dir else ""
-  cli_dir = f" --data_dir={data_dir}" if data_dir else ""
   return (
-      "Prepare it once, where the internet is reachable (it downloads the source data), with: python -c "
-      f'"from electra_jax.data.tfds_source import import_tfds; import_tfds().builder({name!r}{where}, '
-      f"file_format='array_record').download_and_prepare()\" (or: tfds build {name} --file_format=array_record"
-      f"{cli_dir}), then set data.tfds_data_dir to that directory (default: $TFDS_DATA_DIR or "
-      "~/tensorflow_datasets). Datasets built with Apache Beam (wikipedia, c4) also need `pip install "
-      "apache-beam` where they are prepared."
+      f"Prepare it once where the internet is reachable: `tfds build {name} --file_format="
+      f"array_record{f' --data_dir={data_dir}' if data_dir else ''}` (or its builder's "
+      "download_and_prepare(file_format='array_record'), as docs/data.md shows; wikipedia and c4 "
+      "also need apache-beam), then set data.tfds_data_dir to that directory."
   )
 
 
-class TfdsCorpus:
+class TfdsCorpus(RecordCorpus):
   """One split of a prepared TFDS dataset, as documents of sentences."""
 
   def __init__(self, name: str, split: str, text_field: str, data_dir: str = ""):
-    if not name:
-      raise ConfigError(
-          "data.source='tfds' needs data.tfds_name, e.g. --config.data.tfds_name=wikipedia/20230601.en."
-      )
     try:
       tfds = import_tfds()
     except ImportError as e:
@@ -83,7 +52,7 @@ class TfdsCorpus:
           f"data.source='tfds' needs tensorflow-datasets ({e}); `pip install tensorflow-datasets` "
           f"(TensorFlow itself is not needed)."
       ) from e
-    self.name, self.split, self.text_field = name, split, text_field
+    self.name, self.split, self.text_field = f"{name}[{split}]", split, text_field
     data_dir = os.path.expanduser(data_dir) if data_dir else None
     try:
       builder = tfds.builder(name, data_dir=data_dir)
@@ -132,18 +101,12 @@ class TfdsCorpus:
         for key in ("tfds_name", "tfds_split", "tfds_text_field", "num_records", "num_bytes")
     )
 
-  def iter_documents(self, stats: SourceStats):
-    source = self._builder.as_data_source(split=self.split)
+  @functools.cached_property
+  def _source(self):
+    return self._builder.as_data_source(split=self.split)
 
-    def read_texts(start: int, stop: int) -> list:
-      keys = list(range(start, stop))
-      records = (
-          source.__getitems__(keys)
-          if hasattr(source, "__getitems__")
-          else [source[k] for k in keys]
-      )
-      return [record[self.text_field] for record in records]
-
-    yield from record_documents(
-        f"{self.name}[{self.split}]", len(source), read_texts, self.text_field, stats, _READ_BLOCK
-    )
+  def read_texts(self, start: int, stop: int) -> list:
+    keys = list(range(start, stop))
+    if hasattr(self._source, "__getitems__"):
+      return [record[self.text_field] for record in self._source.__getitems__(keys)]
+    return [self._source[key][self.text_field] for key in keys]

@@ -1,5 +1,6 @@
-"""SentencePiece tokenizers for ELECTRA, trained and loaded with the special-token layout the framework relies
-on ([PAD] [UNK] [CLS] [SEP] [MASK] at ids 0..4); model files that do not follow it are refused."""
+"""The tokenizers ELECTRA trains with, both with [PAD] [UNK] [CLS] [SEP] [MASK]: SentencePiece
+models (ids 0..4 are those), trained here, and BERT's WordPiece vocab.txt with BERT's normalization
+(through the `tokenizers` library); and the tokenizer a data config names."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import hashlib
 import io
 import itertools
 import math
+import os
 import random
 from collections.abc import Iterable, Iterator, Sequence
 
 import sentencepiece as spm
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from electra_jax import workdir_files
 from electra_jax.errors import ConfigError
@@ -18,7 +21,9 @@ from electra_jax.errors import ConfigError
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(len(SPECIAL_TOKENS))
 
-SUPPORTED_MODEL_TYPES = ("unigram", "bpe")
+SPM_MODEL_TYPES = ("unigram", "bpe")
+# The file each tokenizer is read from, under this name in a prepared directory and a workdir.
+TOKENIZER_FILES = {"sentencepiece": "spm.model", "wordpiece": "vocab.txt"}
 _MAX_TRAINING_SENTENCES = 1_000_000  # at most this many sentences train a model
 # Threads of the trainer where a model is part of the data (the cache, prepare_data): the model depends
 # on the count, so a fixed one makes it a function of the config alone.
@@ -76,15 +81,6 @@ def train_sentencepiece(
 ) -> str:
   """Train a sentencepiece model on `sentences` into `out_path` (returned), atomically: ids 0..4 are
   SPECIAL_TOKENS, and there are no BOS/EOS pieces."""
-  if model_type not in SUPPORTED_MODEL_TYPES:
-    raise ConfigError(
-        f"Unsupported sentencepiece model_type {model_type!r}; use one of {SUPPORTED_MODEL_TYPES}."
-    )
-  if vocab_size <= len(SPECIAL_TOKENS):
-    raise ConfigError(
-        f"vocab_size must be larger than the {len(SPECIAL_TOKENS)} special tokens {SPECIAL_TOKENS}, "
-        f"got {vocab_size}."
-    )
   model_bytes = io.BytesIO()
   sample = _sample_sentences(
       (piece for sentence in sentences for piece in _within_limit(sentence)),
@@ -113,18 +109,11 @@ def train_sentencepiece(
         max_sentence_length=_MAX_SENTENCE_BYTES,
         minloglevel=2,
     )
-  except RuntimeError as e:
-    if "Vocabulary size too high" in str(e):
-      raise ConfigError(
-          f"The training text is too small for a sentencepiece vocabulary of {vocab_size} pieces "
-          f"({e}). Lower the vocab size (spm_vocab_size) or train on more text."
-      ) from e
-    if "Vocabulary size is smaller" in str(e):
-      raise ConfigError(
-          f"A sentencepiece vocabulary of {vocab_size} pieces cannot hold every character the "
-          f"training text needs ({e}). Raise the vocab size (spm_vocab_size)."
-      ) from e
-    raise
+  except RuntimeError as e:  # what sentencepiece says: too little text, or too many characters
+    raise ConfigError(
+        f"sentencepiece cannot train a vocabulary of {vocab_size} pieces on this text ({e}). Lower "
+        "the vocab size (data.spm_vocab_size) for a small text, or raise it above its characters."
+    ) from e
   workdir_files.write_bytes(out_path, model_bytes.getvalue())
   return out_path
 
@@ -159,9 +148,9 @@ class SentencePieceTokenizer:
           "is missing" if self._processor.id_to_piece(found_id) != token else f"has id {found_id}"
       )
       raise ConfigError(
-          f"Sentencepiece model {self.model_path}: special token {token} {problem}, but ELECTRA needs "
-          f"{list(SPECIAL_TOKENS)} at ids 0..{len(SPECIAL_TOKENS) - 1} (id {expected_id} is "
-          f"{piece_at_id!r}). Train the model with electra_jax.data.train_sentencepiece."
+          f"Sentencepiece model {self.model_path}: {token} {problem} (id {expected_id} is "
+          f"{piece_at_id!r}), but ELECTRA needs {list(SPECIAL_TOKENS)} at ids 0..4; train one "
+          "with --mode=train_tokenizer."
       )
 
   @property
@@ -186,3 +175,115 @@ class SentencePieceTokenizer:
         f"SentencePieceTokenizer({self.model_path!r}, vocab_size={self.vocab_size}, "
         f"fingerprint={self.fingerprint!r})"
     )
+
+
+# As BERT's: longer "words" (usually junk such as URLs or base64) become one [UNK].
+_MAX_INPUT_CHARS_PER_WORD = 100
+
+
+class WordPieceTokenizer:
+  """A BERT vocabulary with BERT's basic tokenization; the interface of SentencePieceTokenizer.
+  `strip_accents` None strips accents when lowercasing, as BERT does."""
+
+  def __init__(self, vocab_file: str, lowercase: bool = True, strip_accents: bool | None = None):
+    self.vocab_file = vocab_file
+    self.lowercase = bool(lowercase)
+    self.strip_accents = None if strip_accents is None else bool(strip_accents)
+    with open(vocab_file, "rb") as f:
+      vocab_bytes = f.read()
+    try:
+      # -sig: a BOM would hide [PAD]; the final newline ends the last line, it does not start an empty token.
+      tokens = [
+          token.rstrip("\r")
+          for token in vocab_bytes.decode("utf-8-sig").removesuffix("\n").split("\n")
+      ]
+    except UnicodeDecodeError as e:
+      raise ConfigError(
+          f"data.vocab_file={vocab_file!r} is not UTF-8 text ({e}); give a BERT vocab.txt."
+      ) from e
+    # As BERT reads it: the token on line i has id i (a repeated token keeps its last line).
+    self._vocab = {token: index for index, token in enumerate(tokens)}
+    self.vocab_size = len(tokens)
+    for token in SPECIAL_TOKENS:
+      if token not in self._vocab:
+        raise ConfigError(
+            f"WordPiece vocabulary {vocab_file} lacks the special token {token}; ELECTRA needs all of "
+            f"{list(SPECIAL_TOKENS)}. Add the missing line(s) to the vocab (BERT's vocab.txt has them)."
+        )
+    self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (
+        self._vocab[t] for t in SPECIAL_TOKENS
+    )
+    # pad_text=1: "[PAD]" in the text is tokenized as text, unlike in a tokenizer that made it the padding id.
+    settings = (
+        f"lowercase={self.lowercase}|strip_accents={self.strip_accents}|pad_text=1\n".encode()
+    )
+    self.fingerprint = hashlib.sha256(settings + vocab_bytes).hexdigest()[:16]
+
+    tokenizer = Tokenizer(
+        models.WordPiece(
+            self._vocab, unk_token="[UNK]", max_input_chars_per_word=_MAX_INPUT_CHARS_PER_WORD
+        )
+    )
+    tokenizer.normalizer = normalizers.BertNormalizer(
+        clean_text=True,
+        handle_chinese_chars=True,
+        strip_accents=self.strip_accents,
+        lowercase=self.lowercase,
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")
+    # The special tokens written in the text stay one token, as in BERT's transformers tokenizer,
+    # except "[PAD]": its id mid-example would be read as padding, so it is tokenized as text.
+    tokenizer.add_special_tokens([token for token in SPECIAL_TOKENS if token != "[PAD]"])
+    self.backend = tokenizer
+    self._id_to_token = {index: token for token, index in self._vocab.items()}
+
+  def encode(self, text: str) -> list[int]:
+    return self.backend.encode(text, add_special_tokens=False).ids
+
+  def encode_batch(self, texts: Sequence[str], num_threads: int = -1) -> list[list[int]]:
+    del num_threads  # `tokenizers` has its own pool: RAYON_NUM_THREADS bounds it
+    encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
+    return [encoding.ids for encoding in encodings]
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """The text of `ids` with "##" pieces joined; [PAD] is dropped, other special tokens kept."""
+    return self.backend.decode(
+        [int(i) for i in ids if int(i) != self.pad_id], skip_special_tokens=False
+    )
+
+  def id_to_piece(self, i: int) -> str:
+    return self._id_to_token.get(int(i), "[UNK]")
+
+  def __repr__(self) -> str:
+    return (
+        f"WordPieceTokenizer({self.vocab_file!r}, lowercase={self.lowercase}, strip_accents={self.strip_accents}, "
+        f"vocab_size={self.vocab_size}, fingerprint={self.fingerprint!r})"
+    )
+
+
+def open_tokenizer(path: str, config):
+  """The tokenizer in file `path` of the config's kind (a bucket's is read from a local copy in
+  the cache, named by its content)."""
+  local = workdir_files.local_copy(path, config["cache_dir"])
+  if config["tokenizer"] == "wordpiece":
+    return WordPieceTokenizer(local, config["lowercase"], config["strip_accents"])
+  return SentencePieceTokenizer(local)
+
+
+def configured_tokenizer(config, directory: str = ""):
+  """The tokenizer a read config names (data.vocab_file or data.spm_model_file), else the copy
+  in `directory`; None while there is none."""
+  path = config["vocab_file" if config["tokenizer"] == "wordpiece" else "spm_model_file"]
+  if not path and directory:
+    path = os.path.join(directory, TOKENIZER_FILES[config["tokenizer"]])
+  return open_tokenizer(path, config) if path and workdir_files.exists(path) else None
+
+
+def keep_tokenizer(tokenizer, directory) -> None:
+  """Copies `tokenizer`'s file into `directory` (a workdir, prepared shards) under the name its
+  readers look for, so they need neither the corpus nor the path that gave it."""
+  wordpiece = isinstance(tokenizer, WordPieceTokenizer)
+  name = TOKENIZER_FILES["wordpiece" if wordpiece else "sentencepiece"]
+  with open(tokenizer.vocab_file if wordpiece else tokenizer.model_path, "rb") as f:
+    workdir_files.write_bytes(workdir_files.path(directory, name), f.read())

@@ -24,32 +24,23 @@ _GELU_FLOOR = 8.0
 
 
 def export_hf(workdir: str, out_dir: str, export_generator: bool = False) -> dict[str, str]:
-  """`--mode=export_hf`: a pre-training workdir's towers, or each finished seed of a fine-tuning workdir as
-  <out_dir>/<task>/seed_<s> (HF config, weights and tokenizer; logits match ours). Returns {what: directory}.
-  """
+  """`--mode=export_hf`: a pre-training workdir's towers, or each finished seed of a fine-tuning
+  workdir as <out_dir>/<task>/seed_<s> (HF config, weights and tokenizer; logits match ours).
+  Returns {what: directory}."""
   names = os.listdir(workdir) if os.path.isdir(workdir) else []
-  tasks = sorted(
-      name for name in names if os.path.isfile(os.path.join(workdir, name, "results.json"))
-  )
+  tasks = sorted(n for n in names if os.path.isfile(os.path.join(workdir, n, "results.json")))
   if not tasks:
     return export.export_workdir(workdir, out_dir, export_generator)
   if export_generator:
-    raise ConfigError(
-        f"--export_generator: {workdir} is a fine-tuning workdir, which has no generator."
-    )
-  loaded = {
-      task: load_task_model(workdir, task) for task in tasks
-  }  # every refusal before anything is written
+    raise ConfigError(f"--export_generator: {workdir} is a fine-tuning workdir (no generator).")
+  loaded = {task: load_task_model(workdir, task) for task in tasks}  # refusals before any write
   for task in tasks:
     export.check_export_out(os.path.join(out_dir, task))
   written = {}
   for task, (head, backbone, model, seeds) in loaded.items():
     if head.get("answerable"):
-      logging.warning(
-          "%s: SQuAD 2.0's answerability head has no ElectraForQuestionAnswering form and is "
-          "left out; the export's no-answer score is the [CLS] span's, as Hugging Face's.",
-          task,
-      )
+      line = "%s: the answerability head has no Hugging Face form and stays out (no-answer: [CLS])."
+      logging.warning(line, task)
     for seed in seeds:
       written[f"{task}/seed_{seed}"] = directory = os.path.join(out_dir, task, f"seed_{seed}")
       _write(directory, backbone, head, restore_seed(workdir, task, seed, model))
@@ -57,52 +48,23 @@ def export_hf(workdir: str, out_dir: str, export_generator: bool = False) -> dic
 
 
 def _classification_head(params, head: dict, encoder: EncoderConfig):
-  """HF's ElectraClassificationHead (dense -> GELU -> out_proj) holding our one dense layer exactly: dense is
-  the identity shifted by c, which puts every GELU input (bounded by the final LayerNorm: |scale| sqrt(H) + |bias|)
-  at or above _GELU_FLOOR, and out_proj takes c back off. Regression folds (lo, hi) in."""
-  norm = params["encoder"][f"layer_{encoder.num_layers - 1}"][
-      "output_layer_norm"
-  ]  # post-LN: HF's only form
-  size = encoder.hidden_size
-  shift = (
-      np.abs(np.asarray(norm["scale"])) * np.sqrt(size)
-      + np.abs(np.asarray(norm["bias"]))
-      + _GELU_FLOOR
-  )
+  """HF's ElectraClassificationHead (dense -> GELU -> out_proj) holding our one dense layer: dense
+  adds c to lift every GELU input (at most |scale| sqrt(H) + |bias| after the final LayerNorm) to
+  _GELU_FLOOR or above, where GELU is the identity, and out_proj takes c off; regression: lo, hi."""
+  top = params["encoder"][f"layer_{encoder.num_layers - 1}"]
+  norm = jax.tree.map(np.abs, top["output_layer_norm"])  # post-LN: HF's only form
+  shift = norm["scale"] * np.sqrt(encoder.hidden_size) + norm["bias"] + _GELU_FLOOR
   kernel = np.asarray(params["classifier"]["kernel"], np.float64)
   bias = np.asarray(params["classifier"]["bias"], np.float64)
   if head["kind"] == "regression":
     lo, hi = head["target_range"] or (0.0, 1.0)
     kernel, bias = kernel * hi, bias * hi + lo
   return {
-      "classifier.dense.weight": np.eye(size, dtype=np.float32),
+      "classifier.dense.weight": np.eye(encoder.hidden_size, dtype=np.float32),
       "classifier.dense.bias": shift.astype(np.float32),
-      "classifier.out_proj.weight": np.ascontiguousarray(
-          kernel.T, np.float32
-      ),  # safetensors ignores strides
+      "classifier.out_proj.weight": np.ascontiguousarray(kernel.T, np.float32),  # no strides
       "classifier.out_proj.bias": (bias - shift.astype(np.float64) @ kernel).astype(np.float32),
   }
-
-
-def _hf_config(backbone, head: dict) -> dict:
-  settings = hf.hf_config_of(backbone.model, "encoder", backbone.tokenizer.pad_id)
-  if head["kind"] == "span":
-    return dict(settings, architectures=["ElectraForQuestionAnswering"], num_labels=2)
-  if head["kind"] == "regression":
-    return dict(
-        settings,
-        architectures=["ElectraForSequenceClassification"],
-        num_labels=1,
-        problem_type="regression",
-    )
-  labels = head["labels"]
-  return dict(
-      settings,
-      architectures=["ElectraForSequenceClassification"],
-      problem_type="single_label_classification",
-      id2label={str(i): label for i, label in enumerate(labels)},
-      label2id={label: i for i, label in enumerate(labels)},
-  )
 
 
 class TaskModel(NamedTuple):
@@ -113,22 +75,19 @@ class TaskModel(NamedTuple):
 
 
 def load_task_model(workdir: str, task: str) -> TaskModel:
-  """A fine-tuned task from its results.json, refused before any checkpoint is read where HF has no class."""
+  """A fine-tuned task from its results.json, refused before any checkpoint is read where Hugging
+  Face has no class for it."""
   results = workdir_files.read_json(os.path.join(workdir, task, "results.json"))
   head = results.get("head")
   if head is None:
-    raise ConfigError(
-        f"{workdir}/{task}/results.json predates exports (no 'head' entry); fine-tune it again."
-    )
+    raise ConfigError(f"{workdir}/{task}/results.json predates exports; fine-tune it again.")
   config = ml_collections.ConfigDict(results["config"])
   if head["kind"] != "span" and config.head.pooling != "cls":
     raise ConfigError(
         f"{workdir}/{task} was fine-tuned with head.pooling={config.head.pooling!r}, and Hugging "
         "Face's ElectraForSequenceClassification reads [CLS] only; fine-tune with head.pooling=cls."
     )
-  config.random_init = (
-      True  # sizes and tokenizer only: the weights come from the fine-tuned checkpoint
-  )
+  config.random_init = True  # sizes and tokenizer: the weights come from the task's checkpoint
   backbone = model_lib.load_backbone(config)
   hf.check_hf_form(backbone.encoder_config)
   if head["kind"] == "span":
@@ -141,43 +100,40 @@ def load_task_model(workdir: str, task: str) -> TaskModel:
 def restore_seed(workdir: str, task: str, seed: int, model):
   """The parameters (numpy) of one seed's kept checkpoint, for the task `model`."""
   ids = np.zeros((1, 8), np.int32)
-  abstract = jax.eval_shape(
-      lambda: nn.meta.unbox(model.init(jax.random.key(0), ids, ids, ids + 1)["params"])
-  )
+  shapes = jax.eval_shape(lambda: nn.meta.unbox(model.init(jax.random.key(0), ids, ids, ids)))
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  abstract = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract
-  )
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), shapes)
   seed_dir = os.path.join(workdir, task, f"seed_{seed}")
   with contextlib.closing(checkpointing.Checkpointer(seed_dir, keep=1)) as checkpointer:
     step = checkpointer.latest_step()
     if step is None:
-      raise ConfigError(
-          f"{checkpointer.directory} holds no checkpoint; fine-tune seed {seed} again to export it."
-      )
-    return jax.device_get(checkpointer.restore(step, {"params": abstract})["params"])
+      raise ConfigError(f"{checkpointer.directory} has no checkpoint; fine-tune seed {seed} again.")
+    return jax.device_get(checkpointer.restore(step, abstract)["params"])
 
 
 def _write(directory: str, backbone, head: dict, params) -> None:
-  tensors = {
-      "electra." + name: value
-      for name, value in hf.hf_weights_from_params(
-          backbone.model,
-          "encoder",
-          {"embeddings": params["embeddings"], "encoder": params["encoder"]},
-      ).items()
-  }
+  encoder = {"embeddings": params["embeddings"], "encoder": params["encoder"]}
+  weights = hf.hf_weights_from_params(backbone.model, "encoder", encoder)
+  tensors = {"electra." + name: value for name, value in weights.items()}
+  settings = hf.hf_config_of(backbone.model, "encoder", backbone.tokenizer.pad_id)
   if head["kind"] == "span":
     span = params["span_head"]["span_logits"]
     tensors["qa_outputs.weight"] = np.ascontiguousarray(np.asarray(span["kernel"], np.float32).T)
     tensors["qa_outputs.bias"] = np.asarray(span["bias"], np.float32)
+    settings.update(architectures=["ElectraForQuestionAnswering"], num_labels=2)
   else:
     tensors.update(_classification_head(params, head, backbone.encoder_config))
-  os.makedirs(directory, exist_ok=True)
-  workdir_files.write_json(os.path.join(directory, "config.json"), _hf_config(backbone, head))
-  safetensors.numpy.save_file(
-      tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"}
-  )
-  export.write_tokenizer_files(
-      backbone.tokenizer, directory, backbone.model.max_position_embeddings
-  )
+    settings["architectures"] = ["ElectraForSequenceClassification"]
+    if head["kind"] == "regression":
+      settings.update(num_labels=1, problem_type="regression")
+    else:
+      labels = dict(enumerate(head["labels"]))
+      label2id = {label: i for i, label in labels.items()}
+      settings.update(
+          problem_type="single_label_classification", id2label=labels, label2id=label2id
+      )
+  workdir_files.write_json(os.path.join(directory, "config.json"), settings)
+  path = os.path.join(directory, "model.safetensors")
+  safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
+  max_length = backbone.model.max_position_embeddings
+  export.write_tokenizer_files(backbone.tokenizer, directory, max_length)

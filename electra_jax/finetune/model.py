@@ -1,5 +1,5 @@
-"""The fine-tuning classifier (encoder, pooled -> dropout -> dense) and the backbone it starts from (a
-pre-training workdir, a Hugging Face directory or random init) with its tokenizer."""
+"""The fine-tuning classifier (encoder, pooled -> dropout -> dense) and the backbone it starts from
+(a pre-training workdir, a Hugging Face directory or random init) with its tokenizer."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def sizes_of(model) -> dict[str, int]:
 def head_dense(
     features: int, dtype, name: str | None = None, fan_out: int | None = None
 ) -> nn.Dense:
-  """A head's dense layer as the official tf.layers.dense: zero bias, TF1's glorot_uniform kernel with fan-out
-  `fan_out` if given (each column initialized as its own layer)."""
+  """A head's dense layer as the official tf.layers.dense: zero bias, TF1's glorot_uniform kernel
+  with fan-out `fan_out` if given (each column initialized as its own layer)."""
 
   def kernel_init(key, shape, dtype=jnp.float32):
     limit = (6.0 / (shape[-2] + (shape[-1] if fan_out is None else fan_out))) ** 0.5
@@ -51,36 +51,31 @@ def head_dense(
 
 
 def pool(hidden: jax.Array, attention_mask: jax.Array, pooling: str) -> jax.Array:
-  """[batch, seq, hidden] -> [batch, hidden]: the first token's state ("cls"), or the float32 mean over the
-  positions where attention_mask is 1 ("mean")."""
+  """[batch, seq, hidden] -> [batch, hidden]: the first token's state ("cls"), or the float32 mean
+  over the positions where attention_mask is 1 ("mean"; all padding: 0, not NaN)."""
   if pooling == "cls":
     return hidden[:, 0]
-  if pooling == "mean":
-    mask = (attention_mask > 0).astype(jnp.float32)[..., None]
-    total = jnp.sum(hidden.astype(jnp.float32) * mask, axis=1)
-    return (total / jnp.maximum(jnp.sum(mask, axis=1), 1.0)).astype(
-        hidden.dtype
-    )  # all padding: 0, not NaN
-  raise ConfigError(f"head.pooling={pooling!r}: use one of {list(POOLINGS)}.")
+  mask = (attention_mask > 0).astype(jnp.float32)[..., None]
+  total = jnp.sum(hidden.astype(jnp.float32) * mask, axis=1)
+  return (total / jnp.maximum(jnp.sum(mask, axis=1), 1.0)).astype(hidden.dtype)
 
 
 class EncoderWithHead(OneTower):
-  """The discriminator's {embeddings, encoder} and a subclass's `head` on the final hidden states."""
+  """The discriminator's {embeddings, encoder}, a subclass's `head` on the final hidden states."""
 
   def setup(self):
     self.embeddings = embeddings_for(self, self.embedding_size, self.config)
     self.encoder = Encoder(self.config, self.embedding_size, self.dtype, self.attention_impl)
 
   def __call__(self, input_ids, token_type_ids, attention_mask, deterministic: bool = True):
-    hidden = self.encoder(
-        self.embeddings(input_ids, token_type_ids, deterministic), attention_mask, deterministic
-    )
+    embedded = self.embeddings(input_ids, token_type_ids, deterministic)
+    hidden = self.encoder(embedded, attention_mask, deterministic)
     return self.head(hidden, token_type_ids, attention_mask, deterministic)
 
 
 class ElectraClassifier(EncoderWithHead, kw_only=True):
-  """Parameters {embeddings, encoder, classifier}. [batch, seq] -> float32 [batch, num_outputs]: class logits
-  or one regression score (pooled -> dropout -> dense)."""
+  """Parameters {embeddings, encoder, classifier}. [batch, seq] -> float32 [batch, num_outputs]:
+  class logits or one regression score (pooled -> dropout -> dense)."""
 
   num_outputs: int
   head_dropout_rate: float = 0.1
@@ -92,9 +87,7 @@ class ElectraClassifier(EncoderWithHead, kw_only=True):
     self.classifier = head_dense(self.num_outputs, self.dtype)
 
   def head(self, hidden, token_type_ids, attention_mask, deterministic):
-    pooled = self.head_dropout(
-        pool(hidden, attention_mask, self.pooling), deterministic=deterministic
-    )
+    pooled = self.head_dropout(pool(hidden, attention_mask, self.pooling), deterministic)
     return self.classifier(pooled).astype(jnp.float32)
 
 
@@ -112,24 +105,19 @@ class Backbone:
     return self.model.config
 
   def task_model(self, module_class, config, **head_fields):
-    """`module_class` (ElectraClassifier, squad.SquadModel) over this encoder, with config's dropout and dtype."""
-    encoder_config = dataclasses.replace(
-        self.encoder_config,
-        dropout_rate=config.dropout_rate,
-        attention_dropout_rate=config.attention_dropout_rate,
+    """`module_class` (ElectraClassifier, squad.SquadModel) on this encoder, with config's dropout
+    and dtype."""
+    dropout = dict(
+        dropout_rate=config.dropout_rate, attention_dropout_rate=config.attention_dropout_rate
     )
-    return module_class(
-        **sizes_of(self.model), config=encoder_config, dtype=jnp.dtype(config.dtype), **head_fields
-    )
+    encoder_config = dataclasses.replace(self.encoder_config, **dropout)
+    dtype = jnp.dtype(config.dtype)
+    return module_class(**sizes_of(self.model), config=encoder_config, dtype=dtype, **head_fields)
 
   def classifier(self, num_outputs: int, config) -> ElectraClassifier:
-    return self.task_model(
-        ElectraClassifier,
-        config,
-        num_outputs=num_outputs,
-        head_dropout_rate=config.head_dropout_rate,
-        pooling=config.head.pooling,
-    )
+    """ElectraClassifier on this encoder, with config's dropout, dtype and head."""
+    head = dict(head_dropout_rate=config.head_dropout_rate, pooling=config.head.pooling)
+    return self.task_model(ElectraClassifier, config, num_outputs=num_outputs, **head)
 
 
 def _tokenizer_from_file(path: str, lowercase: bool | None, strip_accents: bool | None = None):
@@ -154,15 +142,16 @@ def _from_workdir(config, workdir: str) -> Backbone:
     tokenizer = _tokenizer_from_file(config.tokenizer, config.lowercase)
   else:
     tokenizer = data.workdir_tokenizer(workdir, pretrain_config.data)
-  # An imported checkpoint has only its vocabulary's fingerprint; a data fingerprint's is its 'spm:'/'wp:' part.
+  # An imported checkpoint has only its vocabulary's fingerprint; a data fingerprint's is its
+  # 'spm:'/'wp:' part.
   recorded = meta.get("tokenizer_fingerprint")
   if meta.get("data_fingerprint"):
     parts = [part.partition(":") for part in meta["data_fingerprint"].split("|")]
     recorded = next((value for kind, _, value in parts if kind in ("spm", "wp")), None)
   if recorded is not None and recorded != tokenizer.fingerprint:
     raise ConfigError(
-        f"The tokenizer {tokenizer!r} differs from the one the checkpoint in {workdir} was pre-trained "
-        f"with (fingerprint {recorded}); leave config.tokenizer empty to use that one."
+        f"The tokenizer {tokenizer!r} differs from the one the checkpoint in {workdir} was "
+        f"pre-trained with (fingerprint {recorded}); leave config.tokenizer empty to use that one."
     )
   pretrainer = build_model(pretrain_config, objectives.towers(pretrain_config))
   source = f"random init (sizes of {workdir})" if config.random_init else f"{workdir} step {step}"
@@ -172,12 +161,10 @@ def _from_workdir(config, workdir: str) -> Backbone:
 
     mesh, setup = one_device_setup(pretrain_config, tokenizer)
     _, state = resolve.restore_checkpoint(workdir, setup, mesh, step)
-    # The standalone discriminator, every model.tie mode resolved; the RTD head and generator stay behind.
-    _, tower_params = tower_from_pretrainer(setup.model, state.params, "discriminator")
-    params = {
-        "embeddings": tower_params["embeddings"],
-        "encoder": tower_params["discriminator"]["encoder"],
-    }
+    # The standalone discriminator, every model.tie mode resolved; the RTD head and generator
+    # stay behind.
+    _, tower = tower_from_pretrainer(setup.model, state.params, "discriminator")
+    params = {"embeddings": tower["embeddings"], "encoder": tower["discriminator"]["encoder"]}
   encoder_config = dataclasses.replace(pretrainer.discriminator_config, scan_layers=False)
   return Backbone(
       ElectraEncoderModel(**sizes_of(pretrainer), config=encoder_config), params, tokenizer, source
@@ -189,28 +176,20 @@ def _from_hf(config, path: str) -> Backbone:
   from electra_jax.interop import pretraining as pairing
 
   hf_model, hf_params = interop.load_hf(path)
-  tower = next(
-      (hf_params[name] for name in ("discriminator", "generator") if name in hf_params), hf_params
-  )
-  candidates = [
-      os.path.join(path, name) for name in ("vocab.txt", "spm.model")
-  ]  # BERT's, or our export's
+  tower = hf_params.get("discriminator", hf_params.get("generator", hf_params))
+  candidates = [os.path.join(path, name) for name in ("vocab.txt", "spm.model")]  # BERT's, ours
   tokenizer_path = config.tokenizer or next((c for c in candidates if os.path.isfile(c)), "")
   if not tokenizer_path:
     raise ConfigError(
-        f"{path} has neither vocab.txt nor spm.model; set config.tokenizer to the model's vocabulary."
+        f"{path} has neither vocab.txt nor spm.model; set config.tokenizer to its vocabulary."
     )
   # How tokenizer_config.json says the text was normalized, unless config.lowercase is set.
   lowercase, strip_accents = pairing.read_tokenizer_settings(path)
   lowercase = lowercase if config.lowercase is None else config.lowercase
-  params = (
-      None
-      if config.random_init
-      else {"embeddings": hf_params["embeddings"], "encoder": tower["encoder"]}
-  )
+  params = {"embeddings": hf_params["embeddings"], "encoder": tower["encoder"]}
   return Backbone(
       ElectraEncoderModel(**sizes_of(hf_model), config=hf_model.config),
-      params,
+      None if config.random_init else params,
       _tokenizer_from_file(tokenizer_path, lowercase, strip_accents),
       f"random init (sizes of {path})" if config.random_init else f"Hugging Face {path}",
   )
@@ -223,19 +202,8 @@ def _from_config(config) -> Backbone:
         "sentencepiece .model or a BERT vocab.txt), or set config.init_from to a pre-trained model."
     )
   m = config.model
-  config_lib.check_encoder_sizes(
-      m,
-      (
-          "hidden_size",
-          "num_layers",
-          "num_heads",
-          "intermediate_size",
-          "embedding_size",
-          "max_position_embeddings",
-      ),
-      "config.model.",
-      " (the random-init model's sizes)",
-  )
+  sizes = [key for key in m if key != "vocab_size"]  # vocab_size 0: the tokenizer's
+  config_lib.check_encoder_sizes(m, sizes, "config.model.", " (the random-init model's sizes)")
   tokenizer = _tokenizer_from_file(config.tokenizer, config.lowercase)
   model = ElectraEncoderModel(
       m.vocab_size or tokenizer.vocab_size,
@@ -259,8 +227,8 @@ def load_backbone(config) -> Backbone:
     backbone = _from_hf(config, init_from)
   else:
     raise ConfigError(
-        f"config.init_from={init_from!r} is neither a pre-training workdir (with checkpoints/) nor a "
-        "Hugging Face directory (with config.json)."
+        f"config.init_from={init_from!r} is neither a pre-training workdir (with checkpoints/) nor "
+        "a Hugging Face directory (with config.json)."
     )
   if backbone.tokenizer.vocab_size > backbone.model.vocab_size:
     raise ConfigError(
@@ -272,35 +240,28 @@ def load_backbone(config) -> Backbone:
         f"config.max_seq_len={config.max_seq_len} exceeds the model's max_position_embeddings="
         f"{backbone.model.max_position_embeddings}; lower max_seq_len."
     )
+  if config.reinit_layers > backbone.encoder_config.num_layers:
+    raise ConfigError(
+        f"config.reinit_layers={config.reinit_layers} exceeds the encoder's "
+        f"{backbone.encoder_config.num_layers} layers; use at most that many."
+    )
   return backbone
 
 
 @functools.lru_cache(maxsize=4)
 def _compiled_init(model: nn.Module):
-  """One compiled init per model (modules compare by their fields) for all seeds and trials of a run."""
+  """One compiled init per model (modules compare by fields), shared by all seeds and trials."""
   return jax.jit(model.init)
 
 
-def init_params(
-    backbone: Backbone,
-    model: ElectraClassifier,
-    rng: jax.Array,
-    seq_len: int,
-    reinit_layers: int = 0,
-):
-  """Fresh parameters for `model`, the backbone's weights (if any) in the embeddings and encoder but for the top
-  `reinit_layers` layers (and a pre-LN final LayerNorm with them)."""
+def init_params(backbone: Backbone, model, rng: jax.Array, seq_len: int, reinit_layers: int = 0):
+  """Fresh parameters for `model`, the backbone's weights (if any) in the embeddings and encoder
+  but for the top `reinit_layers` layers (and a pre-LN final LayerNorm with them)."""
   ids = jnp.zeros((1, seq_len), jnp.int32)
   params = nn.meta.unbox(_compiled_init(model)(rng, ids, ids, jnp.ones_like(ids))["params"])
   if backbone.params is not None:
     # Copies: the training step donates its parameters, and the next seed starts from these.
     pretrained = jax.tree.map(lambda x: jnp.array(x, copy=True), nn.meta.unbox(backbone.params))
-    for name in ("embeddings", "encoder"):
-      expected, got = jax.tree.map(jnp.shape, params[name]), jax.tree.map(
-          jnp.shape, pretrained[name]
-      )
-      if expected != got:
-        raise ConfigError(f"The pre-trained {name} do not fit the classifier: {got} vs {expected}.")
     num_layers = backbone.encoder_config.num_layers
     fresh = {f"layer_{i}" for i in range(num_layers - reinit_layers, num_layers)}
     fresh |= {"final_layer_norm"} if reinit_layers else set()

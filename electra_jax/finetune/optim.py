@@ -1,6 +1,5 @@
-"""The fine-tuning optimizer over {embeddings, encoder, <head>}: clipping, AdamW (no decay on
-LayerNorm or biases), linear warmup and decay, and layer-wise decay (smaller steps nearer the input).
-"""
+"""The fine-tuning optimizer: clipping, AdamW (no decay on LayerNorm or biases), linear warmup and
+decay, and layer-wise learning rates (smaller steps nearer the input)."""
 
 import re
 
@@ -9,28 +8,26 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from electra_jax import config_lib
 from electra_jax.errors import ConfigError
 from electra_jax.optimizer import _decays, scale_by_adam_without_bias_correction
 
 LAYERWISE_RULES = ("correct", "official")
 
 
-def check_layerwise(decay: float, rule: str) -> None:
-  if rule not in LAYERWISE_RULES:
-    raise ConfigError(
-        f"optimizer.layerwise_lr_decay_rule={rule!r}: use one of {list(LAYERWISE_RULES)}."
-    )
-  if not 0.0 < decay <= 1.0:
-    raise ConfigError(
-        f"optimizer.layerwise_lr_decay={decay} must be in (0, 1] (1 = no layer-wise decay)."
-    )
+def check(o) -> None:
+  """Refuses config.optimizer's values that cannot train (its layer-wise rule: trainer.validate)."""
+  config_lib.check_optimizer(o, "the official 1e-4 for Small and Base, 5e-5 for Large")
+  if not 0.0 < o.layerwise_lr_decay <= 1.0:
+    raise ConfigError(f"optimizer.layerwise_lr_decay={o.layerwise_lr_decay} must be in (0, 1].")
+  if not 0.0 <= o.warmup_fraction < 1.0:
+    raise ConfigError(f"optimizer.warmup_fraction={o.warmup_fraction} must be in [0, 1).")
 
 
 def layerwise_lr_scales(params, num_layers: int, decay: float, rule: str = "correct"):
-  """A tree like `params` of learning-rate multipliers: the head 1, depth d (embeddings 0) decay ** (L + 1 - d);
-  "official" (its `_get_layer_lrs`) one factor of decay more below the head. final_layer_norm is the top layer's.
-  """
-  check_layerwise(decay, rule)
+  """A tree like `params` of learning-rate multipliers: the head 1, depth d (embeddings 0) decay **
+  (L + 1 - d); "official" (its `_get_layer_lrs`) one factor of decay more below the head.
+  final_layer_norm is the top layer's."""
   head_depth = num_layers + 1
   top = head_depth + (1 if rule == "official" else 0)
 
@@ -49,7 +46,7 @@ def layerwise_lr_scales(params, num_layers: int, decay: float, rule: str = "corr
 
 
 def linear_warmup_decay(base_lr, warmup_steps, total_steps):
-  """base_lr * min(1, step / warmup) * max(0, 1 - step / total) (warmup_steps=0: none); the arguments may be traced."""
+  """base_lr * min(1, step / warmup) * max(0, 1 - step / total) (warmup 0: none); args traceable."""
 
   def schedule(step):
     step = jnp.asarray(step, jnp.float32)
@@ -60,16 +57,14 @@ def linear_warmup_decay(base_lr, warmup_steps, total_steps):
 
 
 def schedule_args(config, total_steps: int, learning_rate: float | None = None) -> np.ndarray:
-  """float32 [peak (None: optimizer.learning_rate), warmup steps, total steps], an argument of the compiled step."""
+  """float32 [peak (None: optimizer.learning_rate), warmup steps, total steps]: the step's input."""
   o = config.optimizer
-  if not 0.0 <= o.warmup_fraction < 1.0:
-    raise ConfigError(f"optimizer.warmup_fraction={o.warmup_fraction} must be in [0, 1).")
   peak = o.learning_rate if learning_rate is None else learning_rate
   return np.array([peak, round(o.warmup_fraction * total_steps), total_steps], np.float32)
 
 
 def make_optimizer(config, params, num_layers: int, args):
-  """(tx, schedule): clip, Adam, decoupled weight decay, the layer-wise multipliers, then the schedule of `args`."""
+  """(tx, schedule): clip, Adam, decoupled weight decay, layer-wise scales, `args`' schedule."""
   o = config.optimizer
   schedule = linear_warmup_decay(args[0], args[1], args[2])
   adam = optax.scale_by_adam if o.bias_correction else scale_by_adam_without_bias_correction

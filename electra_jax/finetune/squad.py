@@ -1,5 +1,5 @@
-"""SQuAD 1.1 and 2.0 as the official code runs them: reading (JSON or TFDS), windowed features, the span head
-and its loss, n-best decoding, the official EM/F1, and the trainer's adapter."""
+"""SQuAD 1.1 and 2.0 as the official code runs them: reading (JSON or TFDS), windowed features, the
+span head and its loss, n-best decoding, the official EM/F1, and the trainer's adapter."""
 
 from __future__ import annotations
 
@@ -10,61 +10,31 @@ import json
 import os
 import re
 import string
-import time
 import unicodedata
 from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 from absl import logging
 
 from electra_jax import workdir_files
+from electra_jax.data.tokenizer import WordPieceTokenizer
 from electra_jax.errors import ConfigError
 from electra_jax.finetune import tasks
 from electra_jax.finetune.model import EncoderWithHead, head_dense
 
-VERSIONS = ("1.1", "2.0")
-_VERSION_NAMES = {
-    name: version for version in VERSIONS for name in (version, version[0], "v" + version)
-}
-FEATURE_KEYS = (
-    "input_ids",
-    "token_type_ids",
-    "attention_mask",
-    "start_positions",
-    "end_positions",
-    "is_impossible",
-)
+FEATURE_KEYS = (*tasks.MODEL_INPUTS, "start_positions", "end_positions", "is_impossible")
 # The logit of positions that cannot start or end an answer (question, padding): no softmax mass.
 _MASKED_LOGIT = -10000.0
 
 
-def _check_version(version) -> str:
-  key = str(version).strip().lower()
-  if key not in _VERSION_NAMES:
-    raise ConfigError(f"SQuAD version={version!r} is not one of {VERSIONS}.")
-  return _VERSION_NAMES[key]
-
-
-def _log_progress(what: str, done: int, total: int, started: float) -> None:
-  if done % 5000 == 0 or done == total:
-    elapsed = time.time() - started
-    logging.info(
-        "%s: %d/%d (%.0f s elapsed, ETA %.0f s)",
-        what,
-        done,
-        total,
-        elapsed,
-        elapsed / max(done, 1) * (total - done),
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class SquadExample:
-  """`answers`: (text, character offset in `context`) pairs; training uses the first, evaluation the best of all."""
+  """`answers`: (text, character offset in `context`); training uses the first, scoring the best."""
 
   qas_id: str
   question: str
@@ -73,121 +43,75 @@ class SquadExample:
   is_impossible: bool = False
 
 
-def _make_example(
-    qas_id, question, context, answers, is_impossible, version, where
-) -> SquadExample:
-  if not (
-      qas_id and isinstance(qas_id, str) and isinstance(question, str) and isinstance(context, str)
-  ):
-    raise ConfigError(
-        f"{where}: question {qas_id!r} needs a non-empty string 'id', string 'question' and 'context'."
-    )
-  checked = []
-  for text, start in answers:
-    if (
-        not isinstance(text, str)
-        or isinstance(start, bool)
-        or not isinstance(start, (int, np.integer))
+def _checked_examples(rows, version: str, where: str) -> list[SquadExample]:
+  """SquadExamples of (id, question, context, [(text, answer_start)], is_impossible) rows, each
+  refused by its id where a field is missing or an answer is not at its offset."""
+  examples = []
+  for qas_id, question, context, answers, is_impossible in rows:
+    if not (qas_id and all(isinstance(value, str) for value in (qas_id, question, context))):
+      raise ConfigError(f"{where}: question {qas_id!r} needs string 'id', 'question', 'context'.")
+    for text, start in answers:
+      valid = isinstance(text, str) and type(start) is int and start >= 0
+      if not valid or (found := context[start : start + len(text)]) != text:
+        raise ConfigError(
+            f"{where}: question {qas_id!r}: answer_start={start!r} does not point at the answer "
+            f"text {text!r} (the context there reads {found if valid else None!r}); give a string "
+            "'text' at its integer 'answer_start'."
+        )
+    for bad, why in (
+        (version == "1.1" and is_impossible, "is marked is_impossible, which only SQuAD 2.0 has"),
+        (is_impossible and answers, f"is marked is_impossible but has answers {answers}"),
+        (not is_impossible and not answers, "has no answers and is not marked is_impossible"),
     ):
-      raise ConfigError(
-          f"{where}: question {qas_id!r} has an answer {(text, start)!r}; each needs a string "
-          "'text' and an integer 'answer_start'."
-      )
-    start = int(start)
-    found = context[start : start + len(text)] if start >= 0 else None
-    if found != text:
-      raise ConfigError(
-          f"{where}: question {qas_id!r}: answer_start={start} does not point at the answer text "
-          f"{text!r} (the context there reads {found!r}); fix the file."
-      )
-    checked.append((text, start))
-  for bad, why in (
-      (version == "1.1" and is_impossible, "is marked is_impossible, which only SQuAD 2.0 has"),
-      (is_impossible and checked, f"is marked is_impossible but has answers {checked}"),
-      (not is_impossible and not checked, "has no answers and is not marked is_impossible"),
-  ):
-    if bad:
-      raise ConfigError(f"{where}: question {qas_id!r} {why}.")
-  return SquadExample(qas_id, question, context, checked, bool(is_impossible))
-
-
-def _check_examples(examples: list[SquadExample], where: str) -> list[SquadExample]:
+      if bad:
+        raise ConfigError(f"{where}: question {qas_id!r} {why}.")
+    examples.append(SquadExample(qas_id, question, context, answers, bool(is_impossible)))
   if not examples:
     raise ConfigError(f"{where} holds no SQuAD questions; give a non-empty file or split.")
   repeated = [qid for qid, n in collections.Counter(e.qas_id for e in examples).items() if n > 1]
   if repeated:
-    raise ConfigError(
-        f"{where}: question ids {repeated[:5]} occur more than once; give each question its own."
-    )
+    raise ConfigError(f"{where}: ids {repeated[:5]} occur more than once; give each its own.")
   return examples
 
 
-def read_squad_json(path: str, version) -> list[SquadExample]:
-  """Questions of an official SQuAD JSON file, `version` "1.1" or "2.0" (`plausible_answers` are ignored)."""
-  version = _check_version(version)
+def read_squad_json(path: str, version: str) -> list[SquadExample]:
+  """Questions of an official SQuAD JSON file of `version` (`plausible_answers` are ignored)."""
   try:
     with open(path, encoding="utf-8") as f:
-      raw = f.read()
+      data = json.load(f)["data"]
+    qas = [(p["context"], qa) for article in data for p in article["paragraphs"] for qa in p["qas"]]
+    rows = []
+    for context, qa in qas:
+      answers = [(a["text"], a["answer_start"]) for a in qa["answers"]]
+      rows.append((qa["id"], qa["question"], context, answers, qa.get("is_impossible", False)))
   except OSError as e:
-    raise ConfigError(f"Cannot read the SQuAD file {path!r} ({e}).") from e
-  if not raw.strip():
-    raise ConfigError(f"The SQuAD file {path!r} is empty; give an official train/dev JSON file.")
-  try:
-    data = json.loads(raw)["data"]
-    questions = [(p["context"], qa) for a in data for p in a["paragraphs"] for qa in p["qas"]]
-  except (json.JSONDecodeError, KeyError, TypeError) as e:
+    raise ConfigError(
+        f"Cannot read the SQuAD file {path!r} ({e}); set config.data_dir to the folder of the "
+        "official files, or use config.source=tfds."
+    ) from e
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
     raise ConfigError(
         f"{path!r} is not an official SQuAD JSON file ({type(e).__name__}: {e}); it needs "
-        '{"data": [{"paragraphs": [{"context": ..., "qas": [...]}]}]}.'
+        '{"data": [{"paragraphs": [{"context", "qas": [{"id", "question", "answers"}]}]}]}.'
     ) from e
-  examples = []
-  for context, qa in questions:
-    try:
-      answers = [(a["text"], a["answer_start"]) for a in qa["answers"]]
-      qas_id, question, is_impossible = qa["id"], qa["question"], qa.get("is_impossible", False)
-    except (KeyError, TypeError, AttributeError) as e:
-      raise ConfigError(
-          f"{path!r}: a question lacks the field {e} (see the official files)."
-      ) from e
-    examples.append(
-        _make_example(qas_id, question, context, answers, is_impossible, version, repr(path))
-    )
-  return _check_examples(examples, repr(path))
+  return _checked_examples(rows, version, repr(path))
 
 
-def read_squad_tfds(name: str, split: str, data_dir: str | None = None):
-  """Questions of a prepared TFDS `squad/v1.1` or `squad/v2.0` (array_record), split "train" or "validation"."""
-  match = re.search(r"v(1\.1|2\.0)$", name)
-  if not match:
-    raise ConfigError(f"TFDS name {name!r} is not 'squad/v1.1' or 'squad/v2.0'.")
+def read_squad_tfds(version: str, split: str, data_dir: str | None = None) -> list[SquadExample]:
+  """Questions of a prepared TFDS squad/v<version> (array_record), split "train" or "validation"."""
+  name, text = f"squad/v{version}", tasks.decode_text
   source = tasks.open_tfds_split(
-      name,
-      split,
-      data_dir,
-      "read the official JSON files with read_squad_json",
-      builder_kwargs={"file_format": "array_record"},
+      name, split, data_dir, "use config.source=dir", builder_kwargs={"file_format": "array_record"}
   )
-  where, text = f"TFDS {name} {split}", tasks.decode_text
-  examples, started = [], time.time()
-  for i in range(len(source)):
-    record = source[i]
-    pairs = [
-        (text(t), int(s))
-        for t, s in zip(record["answers"]["text"], record["answers"]["answer_start"])
-    ]
-    examples.append(
-        _make_example(
-            text(record["id"]),
-            text(record["question"]),
-            text(record["context"]),
-            pairs,
-            bool(record.get("is_impossible", False)),
-            match.group(1),
-            where,
-        )
-    )
-    _log_progress(f"Reading {where}", i + 1, len(source), started)
-  return _check_examples(examples, where)
+
+  def rows():
+    for i in range(len(source)):
+      record, answers = source[i], source[i]["answers"]
+      pairs = [(text(t), int(s)) for t, s in zip(answers["text"], answers["answer_start"])]
+      fields = [text(record[key]) for key in ("id", "question", "context")]
+      yield (*fields, pairs, bool(record.get("is_impossible", False)))
+
+  return _checked_examples(rows(), version, f"TFDS {name} {split}")
 
 
 def _fold(text: str) -> str:
@@ -196,27 +120,21 @@ def _fold(text: str) -> str:
   return "".join(c for c in decomposed if not unicodedata.combining(c))
 
 
-def _word_tokenizer(tokenizer):
-  """word -> (its token ids, each token's [start, end) characters in it), cached; where the pieces do not align
-  through _fold (an [UNK], another normalization) each spans the whole word, as in the official code.
-  """
+def _context_tokenizer(tokenizer):
+  """context -> (token ids, int32 [n, 2] [start, end) characters of each), its whitespace words
+  tokenized one by one (cached); where a word's pieces do not align through _fold (an [UNK],
+  another normalization) each spans the whole word, as in the official code."""
   unk_id = getattr(tokenizer, "unk_id", None)
-  hashes = "##" if getattr(tokenizer, "kind", None) == "wordpiece" else ""
+  hashes = "##" if isinstance(tokenizer, WordPieceTokenizer) else ""  # its continuation pieces
 
   @functools.cache
-  def tokenize(word: str):
+  def word_tokens(word: str):
     ids = list(tokenizer.encode(word))
-    owner = [
-        i for i, char in enumerate(word) for _ in _fold(char)
-    ]  # folded character -> word character
-    pieces = [None if token == unk_id else tokenizer.id_to_piece(token) for token in ids]
+    owner = [i for i, char in enumerate(word) for _ in _fold(char)]  # folded char -> word char
     # Each piece's text without wordpiece's "##" and sentencepiece's word-boundary "▁".
-    folded = (
-        None
-        if None in pieces
-        else [_fold(p.removeprefix(hashes).replace("\u2581", "")) for p in pieces]
-    )
-    if folded is None or "".join(folded) != "".join(_fold(char) for char in word):
+    pieces = [tokenizer.id_to_piece(t).removeprefix(hashes).replace("\u2581", "") for t in ids]
+    folded = [_fold(piece) for piece in pieces]
+    if unk_id in ids or "".join(folded) != "".join(_fold(char) for char in word):
       return ids, [(0, len(word))] * len(ids)
     spans, position = [], 0
     for piece in folded:
@@ -228,21 +146,20 @@ def _word_tokenizer(tokenizer):
         position += len(piece)
     return ids, spans
 
+  @functools.cache
+  def tokenize(context: str):
+    ids, spans = [], []
+    for match in re.finditer(r"\S+", context):
+      word_ids, word_spans = word_tokens(match.group())
+      ids.extend(word_ids)
+      spans.extend((match.start() + s, match.start() + e) for s, e in word_spans)
+    return ids, np.asarray(spans, dtype=np.int32).reshape(-1, 2)
+
   return tokenize
 
 
-def _tokenize_context(context: str, word_tokenizer):
-  """Context token ids and their [start, end) characters in the context, int32 [n, 2]."""
-  ids, spans = [], []
-  for match in re.finditer(r"\S+", context):
-    word_ids, word_spans = word_tokenizer(match.group())
-    ids.extend(word_ids)
-    spans.extend((match.start() + s, match.start() + e) for s, e in word_spans)
-  return ids, np.asarray(spans, dtype=np.int32).reshape(-1, 2)
-
-
 def _windows(num_tokens: int, max_tokens: int, doc_stride: int) -> list[tuple[int, int]]:
-  """(start, length) of each window over the context tokens, each min(length, doc_stride) after the previous."""
+  """(start, length) of each window over the context tokens, each min(length, doc_stride) on."""
   windows, start = [], 0
   while True:
     length = min(num_tokens - start, max_tokens)
@@ -253,8 +170,8 @@ def _windows(num_tokens: int, max_tokens: int, doc_stride: int) -> list[tuple[in
 
 
 def max_context_owner(windows: Sequence[tuple[int, int]], num_tokens: int) -> np.ndarray:
-  """For each context token, the window giving it the most context: the largest min(left, right) + 0.01 * length,
-  the first on ties (the official rule); an answer may only start in its token's owner window."""
+  """For each context token, the window giving it the most context: the largest min(left, right) +
+  0.01 * length, the first on ties (the official rule); an answer may only start in its owner."""
   best_score = np.full(num_tokens, -np.inf)
   owner = np.full(num_tokens, -1, dtype=np.int32)
   for index, (start, length) in enumerate(windows):
@@ -268,9 +185,8 @@ def max_context_owner(windows: Sequence[tuple[int, int]], num_tokens: int) -> np
 
 @dataclasses.dataclass
 class SquadMetadata:
-  """What decoding needs besides the logits. Per row: its example, window, the window's first position and
-  bool [seq_len] max_context flags; per example: each context token's [start, end) characters, int32 [n, 2].
-  """
+  """What decoding needs besides the logits: per row its example, window start and length, first
+  context position and bool [seq_len] max-context flags; per example int32 [n, 2] token spans."""
 
   example_index: np.ndarray
   window_start: np.ndarray
@@ -279,43 +195,16 @@ class SquadMetadata:
   token_char_spans: list[np.ndarray]
   max_context: np.ndarray
 
-  def rows_of_example(self) -> dict[int, list[int]]:
-    rows = collections.defaultdict(list)
-    for row, example in enumerate(self.example_index):
-      rows[int(example)].append(row)
-    return rows
-
 
 def make_features(
-    examples: Sequence[SquadExample],
-    tokenizer,
-    max_seq_len: int = 512,
-    doc_stride: int = 128,
-    max_query_len: int = 64,
-    *,
-    is_training: bool,
+    examples, tokenizer, max_seq_len: int, doc_stride: int, max_query_len: int, *, is_training: bool
 ) -> tuple[dict[str, np.ndarray], SquadMetadata]:
-  """(int32 FEATURE_KEYS arrays, SquadMetadata), a row [CLS] question [SEP] window [SEP] per window; positions:
-  the first answer's tokens, or 0 ([CLS]) where the window misses it. Training drops answers covering no token.
-  """
-  if max_query_len < 1 or doc_stride < 1:
-    raise ConfigError(f"max_query_len={max_query_len} and doc_stride={doc_stride} must be >= 1.")
-  if max_seq_len - max_query_len - 3 < 1:
-    raise ConfigError(
-        f"max_seq_len={max_seq_len} leaves no room for the context after max_query_len="
-        f"{max_query_len} and [CLS] [SEP] [SEP]; raise max_seq_len or lower max_query_len."
-    )
-  word_tokenizer = _word_tokenizer(tokenizer)
-  contexts: dict[str, tuple[list[int], np.ndarray]] = {}
-  rows, meta = (
-      [],
-      [],
-  )  # per row: FEATURE_KEYS' values; (example, window_start, window_length, context_offset)
-  token_char_spans, max_context, skipped, started = [], [], 0, time.time()
+  """(int32 FEATURE_KEYS, SquadMetadata): per window a row [CLS] question [SEP] window [SEP], at the
+  first answer's tokens or 0 ([CLS]) if it misses it; training drops answers covering no token."""
+  tokenize_context = _context_tokenizer(tokenizer)
+  rows, meta, token_char_spans, max_context, skipped = [], [], [], [], 0
   for index, example in enumerate(examples):
-    if example.context not in contexts:
-      contexts[example.context] = _tokenize_context(example.context, word_tokenizer)
-    context_ids, spans = contexts[example.context]
+    context_ids, spans = tokenize_context(example.context)
     token_char_spans.append(spans)
     answer = None
     if example.answers and not example.is_impossible:
@@ -331,47 +220,34 @@ def make_features(
     owner = max_context_owner(windows, len(context_ids))
     for window, (start, length) in enumerate(windows):
       inside = answer is not None and start <= answer[0] and answer[1] < start + length
-      rows.append(
-          (
-              *tasks.pack_pair(
-                  tokenizer, query_ids, context_ids[start : start + length], max_seq_len
-              ),
-              answer[0] - start + offset if inside else 0,
-              answer[1] - start + offset if inside else 0,
-              int(example.is_impossible or not example.answers),
-          )
-      )
+      window_ids = context_ids[start : start + length]
+      packed = tasks.pack_pair(tokenizer, query_ids, window_ids, max_seq_len)
+      positions = (answer[0] - start + offset, answer[1] - start + offset) if inside else (0, 0)
+      rows.append((*packed, *positions, int(example.is_impossible or not example.answers)))
       meta.append((index, start, length, offset))
       max_context.append(np.zeros(max_seq_len, bool))
       max_context[-1][offset : offset + length] = owner[start : start + length] == window
-    _log_progress("SQuAD features", index + 1, len(examples), started)
+    if (index + 1) % 5000 == 0:
+      logging.info("SQuAD features: %d of %d questions.", index + 1, len(examples))
   if skipped:
-    logging.warning(
-        "make_features left out %d training questions whose answer covers no token.", skipped
-    )
+    logging.warning("Left out %d training questions whose answer covers no token.", skipped)
   if not rows:
     raise ConfigError("make_features got no usable SQuAD questions; check the examples given.")
-  features = {
-      key: np.asarray(column, dtype=np.int32) for key, column in zip(FEATURE_KEYS, zip(*rows))
-  }
-  metadata = SquadMetadata(
-      *(np.asarray(column, dtype=np.int32) for column in zip(*meta)),
-      token_char_spans,
-      np.stack(max_context),
-  )
-  return features, metadata
+  logging.info("%d SQuAD questions -> %d rows of features.", len(examples), len(rows))
+  features = {key: np.asarray(column, np.int32) for key, column in zip(FEATURE_KEYS, zip(*rows))}
+  columns = (np.asarray(column, np.int32) for column in zip(*meta))
+  return features, SquadMetadata(*columns, token_char_spans, np.stack(max_context))
 
 
 def answer_mask(token_type_ids, attention_mask):
-  """bool [batch, seq]: where an answer may start or end: the context (segment 1) and [CLS] (no answer here)."""
-  mask = jnp.asarray(token_type_ids * attention_mask).astype(bool)
-  return mask.at[:, 0].set(True)
+  """bool [batch, seq]: where an answer may start or end: the context (segment 1) and [CLS]."""
+  return jnp.asarray(token_type_ids * attention_mask).astype(bool).at[:, 0].set(True)
 
 
 class SpanHead(nn.Module):
-  """ELECTRA's official span head: float32 start and end logits [B, T] (_MASKED_LOGIT outside answer_mask) and,
-  with `answerable`, an answerability logit [B] from dense([CLS] ++ start-probability-weighted hidden) -> GELU ->
-  dense (else None)."""
+  """ELECTRA's official span head: float32 start and end logits [B, T] (_MASKED_LOGIT outside
+  answer_mask) and, with `answerable`, an answerability logit [B] from dense([CLS] ++ the
+  start-probability-weighted hidden) -> GELU -> dense (else zeros)."""
 
   answerable: bool = False
   answerable_hidden_size: int = 512
@@ -381,52 +257,51 @@ class SpanHead(nn.Module):
   def __call__(self, hidden, token_type_ids, attention_mask):
     mask = answer_mask(token_type_ids, attention_mask)
     # One kernel for the official two dense(H -> 1) layers, each column initialized as one.
-    logits = head_dense(2, self.dtype, "span_logits", fan_out=1)(hidden).astype(
-        jnp.float32
-    )  # [B, T, 2]
-    start_logits = jnp.where(mask, logits[..., 0], _MASKED_LOGIT)
+    logits = head_dense(2, self.dtype, "span_logits", fan_out=1)(hidden).astype(jnp.float32)
+    start_logits = jnp.where(mask, logits[..., 0], _MASKED_LOGIT)  # [B, T]
     end_logits = jnp.where(mask, logits[..., 1], _MASKED_LOGIT)
     if not self.answerable:
-      return start_logits, end_logits, None
-    start_probs = jax.nn.softmax(start_logits, axis=-1)  # [B, T]
-    start_summary = jnp.einsum("bt,bth->bh", start_probs.astype(hidden.dtype), hidden)
+      return start_logits, end_logits, jnp.zeros(start_logits.shape[:1], jnp.float32)
+    start_probs = jax.nn.softmax(start_logits, axis=-1).astype(hidden.dtype)
+    start_summary = jnp.einsum("bt,bth->bh", start_probs, hidden)
     summary = jnp.concatenate([hidden[:, 0], start_summary], axis=-1)  # [B, 2H]
-    summary = nn.gelu(
-        head_dense(self.answerable_hidden_size, self.dtype, "answerable_hidden")(summary),
-        approximate=False,
-    )
-    answerable_logits = head_dense(1, self.dtype, "answerable_logit")(summary)[..., 0]
-    return start_logits, end_logits, answerable_logits.astype(jnp.float32)
+    summary = head_dense(self.answerable_hidden_size, self.dtype, "answerable_hidden")(summary)
+    answerable_logits = head_dense(1, self.dtype, "answerable_logit")(nn.gelu(summary, False))
+    return start_logits, end_logits, answerable_logits[..., 0].astype(jnp.float32)
 
 
-def span_losses(
-    start_logits,
-    end_logits,
-    start_positions,
-    end_positions,
-    answerable_logits=None,
-    is_impossible=None,
-    answerable_weight: float = 0.5,
-):
-  """Per row [B]: (CE(start) + CE(end)) / 2, plus answerable_weight times the sigmoid cross-entropy of
-  answerable_logits (when given) against 1 - is_impossible."""
+class SquadModel(EncoderWithHead):
+  """Parameters {embeddings, encoder, span_head}. [B, T] -> float32 [B, T, 3]: start, end and the
+  answerability logit along T (zeros without it), one array to batch (see split_outputs)."""
+
+  answerable: bool = False
+
+  def setup(self):
+    super().setup()
+    self.span_head = SpanHead(self.answerable, dtype=self.dtype)
+
+  def head(self, hidden, token_type_ids, attention_mask, deterministic):
+    start, end, answerable = self.span_head(hidden, token_type_ids, attention_mask)
+    return jnp.stack([start, end, jnp.broadcast_to(answerable[:, None], start.shape)], axis=-1)
+
+
+def split_outputs(outputs):
+  """SquadModel's [B, T, 3] -> (start_logits [B, T], end_logits [B, T], answerable_logits [B])."""
+  return outputs[..., 0], outputs[..., 1], outputs[:, 0, 2]
+
+
+def span_losses(outputs, batch: dict, answerable_weight: float | None = None):
+  """Per row [B] of SquadModel's outputs: (CE(start) + CE(end)) / 2, plus, given answerable_weight,
+  that times the sigmoid cross-entropy of the answerability logit against 1 - is_impossible."""
+  start, end, answerable = split_outputs(outputs)
+  cross_entropy = optax.softmax_cross_entropy_with_integer_labels
   per_row = 0.5 * (
-      optax.softmax_cross_entropy_with_integer_labels(start_logits, start_positions)
-      + optax.softmax_cross_entropy_with_integer_labels(end_logits, end_positions)
+      cross_entropy(start, batch["start_positions"]) + cross_entropy(end, batch["end_positions"])
   )
-  if answerable_logits is None:
+  if answerable_weight is None:
     return per_row
-  answerable = 1.0 - jnp.asarray(is_impossible, jnp.float32)
-  return per_row + answerable_weight * optax.sigmoid_binary_cross_entropy(
-      answerable_logits, answerable
-  )
-
-
-def span_loss(*args, weights=None, **kwargs):
-  """The mean of span_losses(*args, **kwargs) over the rows whose `weights` [B] are 1 (None: all)."""
-  per_row = span_losses(*args, **kwargs)
-  weights = jnp.ones_like(per_row) if weights is None else jnp.asarray(weights, jnp.float32)
-  return jnp.sum(per_row * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+  has_answer = 1.0 - jnp.asarray(batch["is_impossible"], jnp.float32)
+  return per_row + answerable_weight * optax.sigmoid_binary_cross_entropy(answerable, has_answer)
 
 
 def apply_null_threshold(predictions: dict, null_odds: dict, null_threshold: float) -> dict:
@@ -438,73 +313,44 @@ def apply_null_threshold(predictions: dict, null_odds: dict, null_threshold: flo
 
 
 def postprocess(
-    examples: Sequence[SquadExample],
-    features: dict[str, np.ndarray],
-    metadata: SquadMetadata,
-    start_logits,
-    end_logits,
-    answerable_logits=None,
-    n_best: int = 20,
-    max_answer_len: int = 30,
-    null_threshold: float | None = -2.75,
-    *,
-    version,
+    examples: Sequence[SquadExample], metadata: SquadMetadata, outputs, settings
 ) -> tuple[dict[str, str], dict[str, float]]:
-  """(predictions {qas_id: text}, null_odds {qas_id: float}): per question the valid span (of each row's n_best
-  starts and ends) with the highest start + end logit. 2.0's null_odds: min -answerable_logit over the rows, or
-  min(start[CLS] + end[CLS]) - the best span's; "" where above null_threshold (None: keep the spans).
-  """
-  version = _check_version(version)
-  start_logits, end_logits = np.asarray(start_logits, np.float32), np.asarray(
-      end_logits, np.float32
-  )
-  if start_logits.shape != metadata.max_context.shape or end_logits.shape != start_logits.shape:
-    raise ValueError(
-        f"postprocess got logits of shapes {start_logits.shape} and {end_logits.shape}; the features "
-        f"have shape {metadata.max_context.shape} ({features['input_ids'].shape})."
-    )
-  if answerable_logits is not None:
-    answerable_logits = np.asarray(answerable_logits, np.float32).reshape(len(start_logits))
+  """({qas_id: text}, 2.0's {qas_id: null odds}): the valid span of each row's n_best starts and
+  ends with the highest start + end logit; null odds: min -answerable_logit over the rows, or
+  min(start[CLS] + end[CLS]) less the best span's."""
+  start_logits, end_logits, answerable_logits = split_outputs(np.asarray(outputs, np.float32))
+  rows_of_example = collections.defaultdict(list)  # examples left out of training have none
+  for row, example in enumerate(metadata.example_index):
+    rows_of_example[int(example)].append(row)
   predictions, null_odds = {}, {}
-  for index, rows in sorted(
-      metadata.rows_of_example().items()
-  ):  # examples left out of training have none
+  for index, rows in sorted(rows_of_example.items()):
     example, spans = examples[index], metadata.token_char_spans[index]
     candidates, score_null = [], np.inf
     for row in rows:
       start, length = int(metadata.window_start[row]), int(metadata.window_length[row])
       offset, owned = int(metadata.context_offset[row]), metadata.max_context[row]
       row_start, row_end = start_logits[row], end_logits[row]
-      null = (
-          float(row_start[0] + row_end[0])
-          if answerable_logits is None
-          else -float(answerable_logits[row])
-      )
-      score_null = min(score_null, null)
-      # As the official decoding: the n_best starts and ends over the whole row (ties to the lower position),
-      # then the invalid dropped: [CLS], question, padding, last [SEP], starts owned by another window.
-      starts = np.argsort(-row_start, kind="stable")[:n_best]
+      null = -answerable_logits[row] if settings.answerable else row_start[0] + row_end[0]
+      score_null = min(score_null, float(null))
+      # As the official decoding: the n_best starts and ends over the whole row (ties to the lower
+      # position), then the invalid dropped: [CLS], question, padding, last [SEP], starts owned by
+      # another window.
+      starts = np.argsort(-row_start, kind="stable")[: settings.n_best]
       starts = starts[owned[starts]]
-      ends = np.argsort(-row_end, kind="stable")[:n_best]
+      ends = np.argsort(-row_end, kind="stable")[: settings.n_best]
       ends = ends[(ends >= offset) & (ends < offset + length)]
       for s in starts:
-        for e in ends[(ends >= s) & (ends - s < max_answer_len)]:
-          candidates.append(
-              (float(row_start[s] + row_end[e]), start + s - offset, start + e - offset)
-          )
+        for e in ends[(ends >= s) & (ends - s < settings.max_answer_len)]:
+          score = float(row_start[s] + row_end[e])
+          candidates.append((score, start + s - offset, start + e - offset))
     candidates.sort(key=lambda c: -c[0])
     texts = (
-        (example.context[spans[first, 0] : spans[last, 1]].strip(), score)
-        for score, first, last in candidates
+        (example.context[spans[a, 0] : spans[b, 1]].strip(), score) for score, a, b in candidates
     )
     best_text, best_score = next(((text, score) for text, score in texts if text), ("", 0.0))
     predictions[example.qas_id] = best_text
-    if version == "2.0":
-      null_odds[example.qas_id] = float(
-          score_null if answerable_logits is not None else score_null - best_score
-      )
-  if version == "2.0" and null_threshold is not None:
-    predictions = apply_null_threshold(predictions, null_odds, null_threshold)
+    if settings.version == "2.0":
+      null_odds[example.qas_id] = score_null - (0.0 if settings.answerable else best_score)
   return predictions, null_odds
 
 
@@ -523,19 +369,17 @@ def exact_match(gold: str, prediction: str) -> int:
 
 
 def f1_score(gold: str, prediction: str, version="2.0") -> float:
-  """Token F1 of the normalized texts; 2.0 (not 1.1's script) scores an empty side 1 if both are empty, else 0."""
+  """Token F1 of the normalized texts; 2.0 (not 1.1's script) scores an empty side 1 if both are
+  empty, else 0."""
   gold_tokens, pred_tokens = normalize_answer(gold).split(), normalize_answer(prediction).split()
-  if _check_version(version) == "2.0" and (not gold_tokens or not pred_tokens):
+  if version == "2.0" and (not gold_tokens or not pred_tokens):
     return float(gold_tokens == pred_tokens)
   shared = sum((collections.Counter(gold_tokens) & collections.Counter(pred_tokens)).values())
-  if shared == 0:
-    return 0.0
-  precision, recall = shared / len(pred_tokens), shared / len(gold_tokens)
-  return 2 * precision * recall / (precision + recall)
+  return 2 * shared / (len(gold_tokens) + len(pred_tokens)) if shared else 0.0  # 2PR / (P + R)
 
 
 def _best_threshold(predictions, scores, null_odds, has_answer) -> tuple[float, float]:
-  """The official search, answering questions in increasing null_odds: (best score in %, its null_odds cut)."""
+  """The official search, answering in increasing null_odds: (best score %, its null_odds cut)."""
   current = best = sum(1 for qid in scores if not has_answer[qid])
   best_threshold = 0.0
   for qid in sorted(null_odds, key=lambda k: null_odds[k]):
@@ -557,37 +401,29 @@ def squad_metrics(
     null_threshold: float = -2.75,
     version=None,
 ) -> dict[str, float]:
-  """EM and F1 in percent ("exact", "f1", "total"), the max over each question's gold answers; version None: 2.0
-  where a question is impossible or null_odds given. 2.0 as the official v2 script with --na-prob-thresh, adding
-  HasAns_* / NoAns_* and, with null_odds, best_exact / best_f1 and their cuts."""
+  """EM and F1 in percent, the best over each question's gold answers, as the official scripts (v2
+  with --na-prob-thresh: HasAns_*, NoAns_* and, given null_odds, best_* and their cuts); version
+  None: 2.0 where a question is impossible or null_odds are given."""
   if version is None:
     version = "2.0" if null_odds is not None or any(e.is_impossible for e in examples) else "1.1"
-  version = _check_version(version)
-  exact, f1, has_answer = {}, {}, {}
-  missing = [e.qas_id for e in examples if e.qas_id not in predictions]
-  if missing:
+  if missing := [e.qas_id for e in examples if e.qas_id not in predictions]:
     logging.warning(
         "%d questions have no prediction (scored 0), e.g. %s", len(missing), missing[:3]
     )
+  if not examples:
+    raise ConfigError("squad_metrics got no questions to score.")
+  exact, f1, has_answer, odds = {}, {}, {}, null_odds or {}
   for example in examples:
-    golds = [text for text, _ in example.answers]
+    qid, golds = example.qas_id, [text for text, _ in example.answers]
     if version == "2.0":  # the v2 script drops gold answers that normalize to nothing
       golds = [g for g in golds if normalize_answer(g)] or [""]
-    has_answer[example.qas_id] = not example.is_impossible
-    prediction = predictions.get(example.qas_id)
-    exact[example.qas_id] = (
+    has_answer[qid], prediction = not example.is_impossible, predictions.get(qid)
+    exact[qid] = (
         0.0 if prediction is None else float(max(exact_match(g, prediction) for g in golds))
     )
-    f1[example.qas_id] = (
-        0.0 if prediction is None else max(f1_score(g, prediction, version) for g in golds)
-    )
-  if not exact:
-    raise ConfigError("squad_metrics got no questions to score.")
+    f1[qid] = 0.0 if prediction is None else max(f1_score(g, prediction, version) for g in golds)
   scores = {"exact": exact, "f1": f1}
-  odds = null_odds or {}
-  if (
-      version == "2.0"
-  ):  # a question whose null odds pass the threshold is answered "": right when it has none
+  if version == "2.0":  # null odds past the threshold answer "": right where there is no answer
     scores = {
         name: {
             q: float(not has_answer[q]) if odds.get(q, -np.inf) > null_threshold else s
@@ -598,8 +434,7 @@ def squad_metrics(
 
   def summary(qids, prefix=""):
     result = {
-        prefix + name: 100.0 * sum(by_question[q] for q in qids) / len(qids)
-        for name, by_question in scores.items()
+        prefix + name: 100.0 * sum(s[q] for q in qids) / len(qids) for name, s in scores.items()
     }
     return dict(result, **{f"{prefix}total": len(qids)})
 
@@ -607,157 +442,62 @@ def squad_metrics(
   if version == "1.1":
     return result
   for prefix, answerable in (("HasAns_", True), ("NoAns_", False)):
-    qids = [q for q in exact if has_answer[q] == answerable]
-    if qids:
+    if qids := [q for q in exact if has_answer[q] == answerable]:
       result.update(summary(qids, prefix))
   if null_odds is not None:
-    result["best_exact"], result["best_exact_thresh"] = _best_threshold(
-        predictions, exact, odds, has_answer
-    )
-    result["best_f1"], result["best_f1_thresh"] = _best_threshold(predictions, f1, odds, has_answer)
+    for name, by_question in (("exact", exact), ("f1", f1)):
+      best = _best_threshold(predictions, by_question, odds, has_answer)
+      result[f"best_{name}"], result[f"best_{name}_thresh"] = best
   return result
 
 
-def write_predictions(path: str, predictions: dict) -> None:
-  """The official predictions JSON {qas_id: text}, or null_odds as the v2 script's --na-prob-file, atomically."""
-  payload = {str(k): (v if isinstance(v, str) else float(v)) for k, v in predictions.items()}
-  workdir_files.write_text(path, json.dumps(payload, ensure_ascii=False, indent=1))
-
-
-class SquadModel(EncoderWithHead):
-  """Parameters {embeddings, encoder, span_head}. [B, T] -> float32 [B, T, 3]: start, end and the answerability
-  logit along T (zeros without it), one array the trainer can batch (see split_outputs)."""
-
-  answerable: bool = False
-
-  def setup(self):
-    super().setup()
-    self.span_head = SpanHead(self.answerable, dtype=self.dtype)
-
-  def head(self, hidden, token_type_ids, attention_mask, deterministic):
-    start, end, answerable = self.span_head(hidden, token_type_ids, attention_mask)
-    if answerable is None:
-      answerable = jnp.zeros(start.shape[:1], jnp.float32)
-    return jnp.stack([start, end, jnp.broadcast_to(answerable[:, None], start.shape)], axis=-1)
-
-
-def split_outputs(outputs):
-  """SquadModel's [B, T, 3] -> (start_logits [B, T], end_logits [B, T], answerable_logits [B])."""
-  return outputs[..., 0], outputs[..., 1], outputs[:, 0, 2]
-
-
-@dataclasses.dataclass(frozen=True)
-class SquadSettings:
-  """SQuAD's fine-tuning settings (the official values), from config.task and config.squad."""
-
-  version: str
-  doc_stride: int = 128
-  max_query_len: int = 64
-  n_best: int = 20
-  max_answer_len: int = 30
-  null_threshold: float = -2.75  # the official qa_na_threshold, for dev scores and test predictions
-  answerable_classifier: bool = True  # 2.0 only
-  answerable_weight: float = 0.5
-
-
-def squad_settings(config) -> SquadSettings:
-  """Version from config.task ("squad1.1", "squadv1", ...: 1.1; "squad", "squad2.0", ...: 2.0), the rest from
-  config.squad."""
+def squad_settings(config) -> ml_collections.ConfigDict:
+  """A checked copy of config.squad with `version` from config.task ("squad1.1", "squadv1", ...:
+  1.1; "squad", "squad2.0", ...: 2.0) and `answerable` (2.0 with its answerability classifier)."""
   task = re.fullmatch(r"squad(v?(1|11|2|20))?", re.sub(r"[^a-z0-9]", "", str(config.task).lower()))
   if not task:
     raise ConfigError(f"config.task={config.task!r}: for SQuAD use 'squad1.1' or 'squad2.0'.")
-  overrides = config.squad.to_dict() if "squad" in config else {}
-  known = {f.name for f in dataclasses.fields(SquadSettings)} - {"version"}
-  unknown = sorted(set(overrides) - known)
-  if unknown:
-    raise ConfigError(f"config.squad has unknown keys {unknown}; known: {sorted(known)}.")
-  settings = SquadSettings("1.1" if (task.group(2) or "2").startswith("1") else "2.0", **overrides)
+  settings = ml_collections.ConfigDict(config.squad.to_dict())
+  settings.version = "1.1" if (task.group(2) or "2").startswith("1") else "2.0"
+  settings.answerable = settings.version == "2.0" and settings.answerable_classifier
   for key in ("doc_stride", "max_query_len", "n_best", "max_answer_len"):
-    if getattr(settings, key) < 1:
-      raise ConfigError(f"config.squad.{key}={getattr(settings, key)} must be >= 1.")
+    if settings[key] < 1:
+      raise ConfigError(f"config.squad.{key}={settings[key]} must be >= 1.")
+  if config.max_seq_len - settings.max_query_len - 3 < 1:
+    raise ConfigError(
+        f"config.max_seq_len={config.max_seq_len} leaves no room for the context after squad."
+        f"max_query_len={settings.max_query_len} + 3; raise max_seq_len or lower max_query_len."
+    )
   return settings
 
 
 def load_squad(config, version: str) -> tuple[list[SquadExample], list[SquadExample]]:
-  """(train, dev) questions: {train,dev}-v<version>.json in config.data_dir, or TFDS squad/v<version>."""
+  """(train, dev): {train,dev}-v<version>.json in config.data_dir, or TFDS squad/v<version>."""
   if config.source == "tfds":
-    name, data_dir = f"squad/v{version}", config.tfds_data_dir or None
-    return read_squad_tfds(name, "train", data_dir), read_squad_tfds(name, "validation", data_dir)
+    data_dir = config.tfds_data_dir or None
+    return tuple(read_squad_tfds(version, split, data_dir) for split in ("train", "validation"))
   if config.source != "dir":
     raise ConfigError(f"config.source={config.source!r}: use 'dir' (official JSON) or 'tfds'.")
   paths = [os.path.join(config.data_dir, f"{split}-v{version}.json") for split in ("train", "dev")]
-  for path in paths:
-    if not os.path.isfile(path):
-      raise ConfigError(
-          f"SQuAD {version}: {path} does not exist; set config.data_dir to the folder of the official "
-          "files, or use config.source=tfds."
-      )
   return tuple(read_squad_json(path, version) for path in paths)
 
 
-def make_adapter(config, backbone):
-  """The trainer's TaskAdapter: dev EM/F1 as fractions ("score" = F1), dev predictions as its test files."""
+def make_adapter(config, backbone) -> tasks.TaskAdapter:
+  """The trainer's TaskAdapter: dev EM/F1 as fractions ("score" = F1), dev predictions as its test
+  files."""
   settings = squad_settings(config)
-  version, tokenizer = settings.version, backbone.tokenizer
+  version = settings.version
   train_examples, dev_examples = load_squad(config, version)
-  build = lambda examples, is_training: make_features(
-      examples,
-      tokenizer,
-      config.max_seq_len,
-      settings.doc_stride,
-      settings.max_query_len,
-      is_training=is_training,
-  )
-  train_features, _ = build(train_examples, True)
-  dev_features, dev_metadata = build(dev_examples, False)
-  logging.info(
-      "SQuAD %s: %d train questions -> %d rows, %d dev questions -> %d rows.",
-      version,
-      len(train_examples),
-      len(train_features["input_ids"]),
-      len(dev_examples),
-      len(dev_features["input_ids"]),
-  )
-  answerable = version == "2.0" and settings.answerable_classifier
-  model = backbone.task_model(SquadModel, config, answerable=answerable)
-
-  def loss_fn(outputs, batch):
-    start, end, answerable_logits = split_outputs(outputs)
-    return span_losses(
-        start,
-        end,
-        batch["start_positions"],
-        batch["end_positions"],
-        answerable_logits if answerable else None,
-        batch["is_impossible"],
-        settings.answerable_weight,
-    )
-
-  def decode(predict):
-    start, end, answerable_logits = split_outputs(np.asarray(predict(dev_features)))
-    return postprocess(
-        dev_examples,
-        dev_features,
-        dev_metadata,
-        start,
-        end,
-        answerable_logits if answerable else None,
-        settings.n_best,
-        settings.max_answer_len,
-        null_threshold=None,
-        version=version,
-    )
+  sizes = (backbone.tokenizer, config.max_seq_len, settings.doc_stride, settings.max_query_len)
+  train_features, _ = make_features(train_examples, *sizes, is_training=True)
+  dev_features, dev_metadata = make_features(dev_examples, *sizes, is_training=False)
+  weight = settings.answerable_weight if settings.answerable else None
+  decode = lambda predict: postprocess(dev_examples, dev_metadata, predict(dev_features), settings)
 
   def evaluate(predict):
     predictions, null_odds = decode(predict)
-    scores = squad_metrics(
-        dev_examples,
-        predictions,
-        null_odds if version == "2.0" else None,
-        settings.null_threshold,
-        version,
-    )
-    # Percentages become fractions; the null-odds cuts (*_thresh) stay as they are; the counts stay out.
+    scores = squad_metrics(dev_examples, predictions, null_odds, settings.null_threshold, version)
+    # Percentages become fractions; the null-odds cuts (*_thresh) stay as they are; counts stay out.
     result = {
         key: value / (1.0 if key.endswith("_thresh") else 100.0)
         for key, value in scores.items()
@@ -767,23 +507,20 @@ def make_adapter(config, backbone):
 
   def write_test(predict, directory):
     predictions, null_odds = decode(predict)
-    files = {
-        "dev_predictions.json": apply_null_threshold(
-            predictions, null_odds, settings.null_threshold
-        )
-    }
+    answers = apply_null_threshold(predictions, null_odds, settings.null_threshold)
+    files = {"dev_predictions.json": answers}
     if version == "2.0":
-      files["dev_null_odds.json"] = null_odds
+      files["dev_null_odds.json"] = null_odds  # the official v2 script's --na-prob-file
     for name, values in files.items():
-      write_predictions(os.path.join(directory, name), values)
+      workdir_files.write_json(os.path.join(directory, name), values)
     return [os.path.join(directory, name) for name in files]
 
   return tasks.TaskAdapter(
       f"squad{version}",
-      model,
+      backbone.task_model(SquadModel, config, answerable=settings.answerable),
       train_features,
-      loss_fn,
+      lambda outputs, batch: span_losses(outputs, batch, weight),
       evaluate,
       write_test,
-      dict(kind="span", answerable=answerable),
+      dict(kind="span", answerable=settings.answerable),
   )

@@ -1,5 +1,5 @@
-"""Sentence(-pair) classification and regression: the nine GLUE tasks (GLUE's TSVs or TFDS `glue/<config>`) and
-custom TSV/CSV/JSONL files, their checks, features and GLUE submission files."""
+"""Sentence(-pair) classification and regression: the nine GLUE tasks (GLUE's TSVs or TFDS
+`glue/<config>`) and custom TSV/CSV/JSONL files, their checks and features, and their adapter."""
 
 from __future__ import annotations
 
@@ -9,38 +9,42 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
+import optax
 from absl import logging
 
 from electra_jax import workdir_files
-from electra_jax.errors import ConfigError
 from electra_jax.data import tfds_source
+from electra_jax.errors import ConfigError
 from electra_jax.finetune import metrics as metrics_lib
 
 csv.field_size_limit(sys.maxsize)  # QQP's longest fields pass csv's default limit
+MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")  # a task model's, in order
+# Rows are padded to a multiple of this (one compiled shape per split, even lengths for kernels).
+PAD_MULTIPLE = 8
 
 
 @dataclasses.dataclass
 class TaskAdapter:
-  """What the loop needs from a task. Features: numpy arrays with a leading example axis, holding at least the
-  trainer's MODEL_INPUTS, which `model.apply` takes in that order."""
+  """What the trainer needs from a task. Features: numpy arrays with a leading example axis,
+  holding at least MODEL_INPUTS."""
 
   name: str
   model: Any  # a flax.linen.Module
   train_features: dict[str, np.ndarray]
-  loss_fn: Callable[[Any, dict], Any]  # (outputs, batch) -> per-example losses [batch]
+  loss_fn: Callable  # (outputs, batch) -> per-example losses [batch]
   # predict (features -> numpy outputs) -> {eval name: {metric: value}}, each with a "score".
-  evaluate: Callable[[Callable[[dict], np.ndarray]], dict[str, dict[str, float]]]
-  write_test: Callable[
-      [Callable[[dict], np.ndarray], str], list[str]
-  ]  # (predict, directory) -> paths written
-  head: dict  # for exports: {"kind": "classification"|"regression"|"span", and "labels"|"target_range"|"answerable"}
-  # (fraction, seed, folds) -> per held-out share (trainer.held_out_rows) this adapter on the rest of train,
+  evaluate: Callable
+  write_test: Callable  # (predict, directory) -> paths written
+  head: dict  # for exports: its "kind" and "labels", "target_range" or "answerable"
+  # (fraction, seed, folds) -> per held-out share of train (held_out_rows) this adapter on the rest,
   # scoring the share as "held_out"; None: cannot be split.
-  split: Callable[[float, int, int], list["TaskAdapter"]] | None = None
+  split: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,38 +67,29 @@ class TaskData:
   train: list[Example]
   dev: dict[str, list[Example]]  # evaluation name (e.g. "mnli-m") -> examples
   test: dict[str, list[Example]]  # submission name (e.g. "MNLI-m") -> unlabelled examples
-  target_range: tuple[float, float] | None = (
-      None  # regression: the model learns (label - lo) / hi; None: raw
-  )
+  target_range: tuple[float, float] | None = None  # regression: learns (label - lo) / hi
 
 
 @dataclasses.dataclass(frozen=True)
 class GlueTask:
-  """Where one GLUE task's data lives, in GLUE's TSVs and in TFDS."""
+  """One GLUE task in GLUE's TSVs and in TFDS: label_list as GLUE writes them (None: regression),
+  TFDS's names and class order where they differ, {eval or submission name: file stem} where there
+  are several, symmetric: trained on both sentence orders, CoLA's (text, label) columns."""
 
-  directory: str  # GLUE's folder, e.g. "CoLA"
-  label_list: (
-      tuple[str, ...] | None
-  )  # label strings as GLUE's TSVs and submissions write them; None: regression
-  text_columns: tuple[str, str | None]  # header names of text_a, text_b
+  directory: str
+  label_list: tuple[str, ...] | None
+  text_columns: tuple[str, str | None]
   label_column: str = "label"
-  tfds_text: tuple[str, str | None] | None = None  # TFDS's feature names; None: text_columns
-  tfds_labels: tuple[str, ...] | None = None  # TFDS's class index -> label string; None: label_list
-  # Evaluation / submission name -> file stem; None: {<task>: "dev"} and {<directory>: "test"}.
+  tfds_text: tuple[str, str | None] | None = None
+  tfds_labels: tuple[str, ...] | None = None
   dev_files: dict[str, str] | None = None
   test_files: dict[str, str] | None = None
-  symmetric: bool = (
-      False  # sentence order carries no meaning: the official code trains on both orders
-  )
-  headerless_columns: tuple[int, int] | None = (
-      None  # CoLA's train and dev: (text, label) column by position
-  )
-  target_range: tuple[float, float] | None = (
-      None  # regression: the official label range (TaskData.target_range)
-  )
+  symmetric: bool = False
+  headerless_columns: tuple[int, int] | None = None
+  target_range: tuple[float, float] | None = None
 
 
-_BINARY = ("0", "1")
+_BINARY = ("0", "1")  # WNLI's too: GLUE writes its labels 0/1 (1 = entailment), as TFDS
 _ENTAILMENT = ("entailment", "not_entailment")
 _PAIR = ("sentence1", "sentence2")
 GLUE_TASKS = {
@@ -115,9 +110,7 @@ GLUE_TASKS = {
     ),
     "qnli": GlueTask("QNLI", _ENTAILMENT, ("question", "sentence")),
     "rte": GlueTask("RTE", _ENTAILMENT, _PAIR),
-    "wnli": GlueTask(
-        "WNLI", _BINARY, _PAIR
-    ),  # GLUE writes its labels 0/1 (1 = entailment), as TFDS
+    "wnli": GlueTask("WNLI", _BINARY, _PAIR),
 }
 TASK_NAMES = tuple(GLUE_TASKS) + ("custom",)
 
@@ -127,8 +120,18 @@ def _require_file(path: str, what: str) -> None:
     raise ConfigError(f"{what}: {path} does not exist. Check config.data_dir and the task name.")
 
 
-def _glue_examples(task: GlueTask, path: str, labelled: bool) -> list[Example]:
-  """The examples of a GLUE TSV, by its header's column names (CoLA's train and dev: by position)."""
+def _regression_label(raw, where: str) -> float:
+  try:
+    label = float(raw)
+  except (TypeError, ValueError):
+    label = math.nan
+  if not math.isfinite(label):
+    raise ConfigError(f"{where}: regression label {raw!r} is not a finite number.")
+  return label
+
+
+def _glue_tsv(task: GlueTask, path: str, labelled: bool) -> list[Example]:
+  """The examples of a GLUE TSV by its header's column names (CoLA's train and dev: by position)."""
   with open(path, encoding="utf-8-sig", newline="") as f:
     rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
   if labelled and task.headerless_columns is not None:
@@ -140,96 +143,25 @@ def _glue_examples(task: GlueTask, path: str, labelled: bool) -> list[Example]:
     ]
   if not rows:
     raise ConfigError(f"{path} is empty; GLUE files start with a header line.")
-  header = rows[0]
-  wanted = [
-      c for c in (*task.text_columns, task.label_column if labelled else None) if c is not None
-  ]
-  missing = [c for c in wanted if c not in header]
-  if missing:
-    raise ConfigError(
-        f"{path} has no column {missing[0]!r} (its header: {header}); is it the right GLUE file?"
-    )
-  where = {name: header.index(name) for name in wanted}
-  index_position = (
-      header.index("index") if "index" in header else header.index("id") if "id" in header else None
-  )
-  (text_a, text_b), examples, skipped = task.text_columns, [], 0
+  header, (text_a, text_b) = rows[0], task.text_columns
+  wanted = [c for c in (text_a, text_b, task.label_column if labelled else None) if c is not None]
+  if missing := [c for c in wanted if c not in header]:
+    raise ConfigError(f"{path} has no column {missing[0]!r} (its header: {header}); wrong file?")
+  at = {name: header.index(name) for name in wanted}
+  index_at = next((header.index(name) for name in ("index", "id") if name in header), None)
+  examples, skipped = [], 0
   for row_number, row in enumerate(rows[1:]):
     if len(row) < len(header):
       skipped += 1  # QQP's train.tsv has a few broken lines; TFDS and the official code skip them
       continue
-    index = (
-        int(row[index_position])
-        if index_position is not None and row[index_position].isdigit()
-        else row_number
-    )
-    label = row[where[task.label_column]] if labelled else None
+    index = int(row[index_at]) if index_at is not None and row[index_at].isdigit() else row_number
+    label = row[at[task.label_column]] if labelled else None
     if labelled and task.label_list is None:
       label = _regression_label(label, path)
-    examples.append(
-        Example(row[where[text_a]], row[where[text_b]] if text_b else None, label, index)
-    )
+    examples.append(Example(row[at[text_a]], row[at[text_b]] if text_b else None, label, index))
   if skipped:
     logging.warning("Skipped %d malformed line(s) of %s.", skipped, path)
   return examples
-
-
-def _regression_label(raw, where: str) -> float:
-  try:
-    return float(raw)
-  except (TypeError, ValueError):
-    raise ConfigError(f"{where}: regression label {raw!r} is not a number.") from None
-
-
-def _glue_task_data(name: str, read) -> TaskData:
-  """GLUE task `name` from `read(file stem, what for errors, labelled)` -> examples (None: no test split)."""
-  task = GLUE_TASKS[name]
-  train = read("train", f"GLUE {name} train split", True)
-  dev = {
-      dev_name: read(stem, f"GLUE {name} dev split {dev_name}", True)
-      for dev_name, stem in (task.dev_files or {name: "dev"}).items()
-  }
-  test = {
-      submission: read(stem, f"GLUE {name} test split {submission}", False)
-      for submission, stem in (task.test_files or {task.directory: "test"}).items()
-  }
-  kind = "regression" if task.label_list is None else "classification"
-  return TaskData(
-      name,
-      kind,
-      task.label_list,
-      metrics_lib.GLUE_METRICS[name],
-      train,
-      dev,
-      {submission: examples for submission, examples in test.items() if examples is not None},
-      target_range=task.target_range,
-  )
-
-
-def load_glue_from_dir(name: str, data_dir: str) -> TaskData:
-  """GLUE as its download script lays it out: <data_dir>/<Task>/{train,dev,test}.tsv (MNLI: dev_matched, ...);
-  test files are optional."""
-  task = GLUE_TASKS[name]
-  if not data_dir:
-    raise ConfigError(
-        "config.data_dir is empty: give GLUE's directory (holding CoLA/, ...), or use source=tfds."
-    )
-  task_dir = os.path.join(data_dir, task.directory)
-  if not os.path.isdir(task_dir):
-    if not os.path.isfile(os.path.join(data_dir, "train.tsv")):
-      raise ConfigError(
-          f"config.data_dir={data_dir!r} has neither a {task.directory}/ folder nor a train.tsv; give "
-          "GLUE's root directory or the task's own folder."
-      )
-    task_dir = data_dir  # the task's own folder works as well as GLUE's root
-
-  def read(stem: str, what: str, labelled: bool):
-    path = os.path.join(task_dir, stem + ".tsv")
-    if labelled:
-      _require_file(path, what)
-    return _glue_examples(task, path, labelled) if os.path.isfile(path) else None
-
-  return _glue_task_data(name, read)
 
 
 def decode_text(value) -> str:
@@ -237,51 +169,63 @@ def decode_text(value) -> str:
 
 
 def open_tfds_split(name: str, split: str, data_dir: str | None, other_source: str, **kwargs):
-  """`tfds.data_source` over a prepared split; a ConfigError suggesting `other_source` when it cannot be opened."""
+  """`tfds.data_source` over a prepared split; where it cannot be opened, a ConfigError suggesting
+  `other_source`."""
   tfds = tfds_source.import_tfds()  # a heavy import, only when this source is used
   try:
     return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False, **kwargs)
   except Exception as error:  # tfds raises several types for "not prepared here" / "no such split"
     raise ConfigError(
         f"Cannot open TFDS {name!r} split {split!r} in {data_dir or 'the default data dir'} "
-        f"({type(error).__name__}: {error}); run `tfds build --file_format=array_record {name}`, set "
-        f"config.tfds_data_dir, or {other_source}."
+        f"({type(error).__name__}: {error}); run `tfds build --file_format=array_record {name}`, "
+        f"set config.tfds_data_dir, or {other_source}."
     ) from error
 
 
-def load_glue_from_tfds(name: str, tfds_data_dir: str = "") -> TaskData:
-  """GLUE from a prepared TFDS `glue/<name>` (array_record); labels become GLUE's label strings."""
-  task = GLUE_TASKS[name]
-  text_a, text_b = task.tfds_text or task.text_columns
-  labels = task.tfds_labels or task.label_list
+def load_glue(name: str, config) -> TaskData:
+  """GLUE task `name` from config.source: "dir", GLUE's download layout (<data_dir>/<Task>/{train,
+  dev,test}.tsv, MNLI's dev_matched ..., test optional), or "tfds", a prepared glue/<name>
+  (array_record), its labels turned into GLUE's."""
+  task, data_dir = GLUE_TASKS[name], config.data_dir
+  if config.source not in ("dir", "tfds"):
+    raise ConfigError(f"config.source={config.source!r}: use 'dir' (GLUE's TSV files) or 'tfds'.")
+  if config.source == "dir":
+    task_dir = os.path.join(data_dir, task.directory)
+    if not os.path.isdir(task_dir):  # the task's own folder works as well as GLUE's root
+      task_dir = data_dir
 
-  def read(stem: str, what: str, labelled: bool):
-    source = open_tfds_split(
-        f"glue/{name}",
-        stem.replace("dev", "validation"),
-        tfds_data_dir,
-        "use --config.source=dir with GLUE's TSV files",
-    )
+  def read(stem: str, labelled: bool) -> list[Example] | None:
+    if config.source == "dir":
+      path = os.path.join(task_dir, stem + ".tsv")
+      if labelled:
+        _require_file(path, f"GLUE's {task.directory}/{stem}.tsv")
+      return _glue_tsv(task, path, labelled) if os.path.isfile(path) else None
+    split = stem.replace("dev", "validation")
+    source = open_tfds_split(f"glue/{name}", split, config.tfds_data_dir, "use config.source=dir")
+    text_a, text_b = task.tfds_text or task.text_columns
+    labels = task.tfds_labels or task.label_list
     examples = []
     for record in (source[i] for i in range(len(source))):
-      label = (
-          None
-          if not labelled
-          else float(record["label"])
-          if labels is None
-          else labels[int(record["label"])]
-      )
-      examples.append(
-          Example(
-              decode_text(record[text_a]),
-              decode_text(record[text_b]) if text_b else None,
-              label,
-              int(record["idx"]),
-          )
-      )
+      label = record["label"] if labelled else None
+      label = label if label is None else float(label) if labels is None else labels[int(label)]
+      text = decode_text(record[text_b]) if text_b else None
+      examples.append(Example(decode_text(record[text_a]), text, label, int(record["idx"])))
     return sorted(examples, key=lambda example: example.index)  # TFDS shuffles; idx is GLUE's row
 
-  return _glue_task_data(name, read)
+  tests = {
+      submission: read(stem, False)
+      for submission, stem in (task.test_files or {task.directory: "test"}).items()
+  }
+  return TaskData(
+      name,
+      "regression" if task.label_list is None else "classification",
+      task.label_list,
+      metrics_lib.GLUE_METRICS[name],
+      read("train", True),
+      {dev_name: read(stem, True) for dev_name, stem in (task.dev_files or {name: "dev"}).items()},
+      {submission: examples for submission, examples in tests.items() if examples is not None},
+      task.target_range,
+  )
 
 
 CUSTOM_FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
@@ -302,28 +246,26 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
           raise ConfigError(f"{path}:{line_number} is not a JSON object.")
     return records
   with open(path, encoding="utf-8-sig", newline="") as f:
-    # TSV has no quoting: a '"' opening a field is text (as in GLUE's), not the start of a multi-row field.
+    # TSV has no quoting: a '"' opening a field is text (as in GLUE's), not a multi-row field.
     tsv = file_format == "tsv"
     reader = csv.DictReader(
         f, delimiter="\t" if tsv else ",", quoting=csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL
     )
     records = list(reader)
-    for row_number, record in enumerate(records, 1):
-      if None in record:  # DictReader's key for fields past the header's
-        raise ConfigError(
-            f"{path}: row {row_number} has {len(reader.fieldnames) + len(record[None])} fields, its "
-            f"header {len(reader.fieldnames)}: a {'tab' if tsv else 'comma'} inside a text? "
-            f"{'Remove it, or use CSV or JSONL' if tsv else 'Quote that field'}."
-        )
-    return records
+  for row_number, record in enumerate(records, 1):
+    if None in record:  # DictReader's key for fields past the header's
+      raise ConfigError(
+          f"{path}: row {row_number} has {len(reader.fieldnames) + len(record[None])} fields, its "
+          f"header {len(reader.fieldnames)}: a {'tab' if tsv else 'comma'} inside a text? "
+          f"{'Remove it, or use CSV or JSONL' if tsv else 'Quote that field'}."
+      )
+  return records
 
 
 def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example]:
   file_format = custom.format or CUSTOM_FORMATS.get(os.path.splitext(path)[1].lower())
   if file_format not in CUSTOM_FORMATS.values():
-    raise ConfigError(
-        f"Cannot tell the format of {path}: set config.custom.format to tsv, csv or jsonl."
-    )
+    raise ConfigError(f"Unknown format of {path}: set config.custom.format (tsv, csv, jsonl).")
   _require_file(path, f"custom task {split} split")
   grouped = split == "train" and bool(custom.group_column)
   columns = [
@@ -338,13 +280,12 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
     for column in filter(None, columns):
       if record.get(column) is None:
         raise ConfigError(
-            f"{where} has no column {column!r} (it has {sorted(record)}); set config.custom.*_column."
+            f"{where} has no column {column!r} (it has {sorted(record)}); set "
+            "config.custom.*_column."
         )
     label, raw = None, record.get(custom.label_column)
     if labelled and custom.kind == "regression":
       label = _regression_label(raw, where)
-      if not math.isfinite(label):
-        raise ConfigError(f"{where}: regression label {raw!r} is not a finite number.")
     elif labelled:
       label = str(raw).lower() if isinstance(raw, bool) else str(raw)
       if not label.strip():
@@ -360,7 +301,7 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
 
 
 def load_custom(custom) -> TaskData:
-  """A task from config.custom: its files (test_file optional), column names, kind, metrics and label order."""
+  """A task from config.custom: its files (test_file optional), columns, kind, metrics, labels."""
   if custom.kind not in ("classification", "regression"):
     raise ConfigError(f"config.custom.kind={custom.kind!r}: use 'classification' or 'regression'.")
   for key in ("train_file", "dev_file"):
@@ -368,35 +309,25 @@ def load_custom(custom) -> TaskData:
       raise ConfigError(f"config.custom.{key} is empty: custom tasks need a train and a dev file.")
   train = _custom_split(custom, custom.train_file, "train", True)
   dev = {"custom": _custom_split(custom, custom.dev_file, "dev", True)}
-  test = (
-      {"custom_test": _custom_split(custom, custom.test_file, "test", False)}
-      if custom.test_file
-      else {}
-  )
+  test = {}
+  if custom.test_file:
+    test["custom_test"] = _custom_split(custom, custom.test_file, "test", False)
   label_list = None
-  if custom.kind == "classification":
-    label_list = (
-        tuple(label.strip() for label in custom.labels.split(","))
-        if custom.labels
-        else tuple(sorted({example.label for example in train}))
-    )
+  if custom.kind == "classification" and custom.labels:
+    label_list = tuple(label.strip() for label in custom.labels.split(","))
+  elif custom.kind == "classification":
+    label_list = tuple(sorted({example.label for example in train}))
   default_metrics = "accuracy" if custom.kind == "classification" else "pearson,spearman"
   metric_names = tuple(m.strip() for m in (custom.metrics or default_metrics).split(","))
-  unknown = [m for m in metric_names if m not in metrics_lib.METRIC_FNS]
-  if unknown:
+  if unknown := [m for m in metric_names if m not in metrics_lib.METRIC_FNS]:
     raise ConfigError(
         f"config.custom.metrics has unknown {unknown}; use {sorted(metrics_lib.METRIC_FNS)}."
     )
-  if "f1" in metric_names and (label_list is None or len(label_list) != 2):
-    raise ConfigError(
-        "config.custom.metrics has f1, which needs a classification task with two labels."
-    )
   if "f1" in metric_names:
-    logging.info(
-        "F1 counts %r as the positive class (the second of config.custom.labels%s).",
-        label_list[1],
-        "" if custom.labels else ", here the sorted labels seen in train; set it to choose",
-    )
+    if label_list is None or len(label_list) != 2:
+      raise ConfigError("config.custom.metrics has f1: it needs a classification with two labels.")
+    line = "F1's positive class: %r, the second of config.custom.labels (or of the labels seen)."
+    logging.info(line, label_list[1])
   return TaskData("custom", custom.kind, label_list, metric_names, train, dev, test)
 
 
@@ -415,123 +346,181 @@ def check_task_data(data: TaskData) -> None:
   if data.kind != "classification":
     return
   train_labels = {example.label for example in data.train}
-  outside = sorted(train_labels - set(data.label_list))
-  if outside:
+  if outside := sorted(train_labels - set(data.label_list)):
     raise ConfigError(
         f"Task {data.name}: training label(s) {outside} are not among the task's labels "
         f"{list(data.label_list)}; fix the data or config.custom.labels."
     )
   for dev_name, examples in data.dev.items():
-    unseen = sorted({example.label for example in examples} - train_labels)
-    if unseen:
+    if unseen := sorted({example.label for example in examples} - train_labels):
       raise ConfigError(
-          f"Task {data.name}: dev split {dev_name} has label(s) {unseen} that never occur in the train "
-          f"split (train labels: {sorted(train_labels)}); fix the label column or the split."
+          f"Task {data.name}: dev split {dev_name} has label(s) {unseen} that never occur in the "
+          f"train split (train labels: {sorted(train_labels)}); fix the label column or the split."
       )
 
 
 def load_task(config) -> TaskData:
-  """The fine-tuning config's task ('SST-2', 'sst_2' ... name GLUE's sst2), read from its source and checked."""
+  """config.task's data ('SST-2', 'sst_2' ... name GLUE's sst2) from its source, checked."""
   name = str(config.task).lower().replace("-", "").replace("_", "")
   if name not in TASK_NAMES:
     raise ConfigError(
         f"Unknown task {config.task!r}. Use one of {list(TASK_NAMES)} or squad1.1, squad2.0."
     )
-  if name == "custom":
-    data = load_custom(config.custom)
-  elif config.source == "tfds":
-    data = load_glue_from_tfds(name, config.tfds_data_dir)
-  elif config.source == "dir":
-    data = load_glue_from_dir(name, config.data_dir)
-  else:
-    raise ConfigError(f"config.source={config.source!r}: use 'dir' (GLUE's TSV files) or 'tfds'.")
+  data = load_custom(config.custom) if name == "custom" else load_glue(name, config)
   check_task_data(data)
-  if config.get("double_unordered", False) and name in GLUE_TASKS and GLUE_TASKS[name].symmetric:
+  if name != "custom" and GLUE_TASKS[name].symmetric and config.double_unordered:
     # Both sentence orders, as the official code trains MRPC and STS-B.
-    data.train = data.train + [
-        dataclasses.replace(e, text_a=e.text_b, text_b=e.text_a) for e in data.train
-    ]
+    swapped = [dataclasses.replace(e, text_a=e.text_b, text_b=e.text_a) for e in data.train]
+    data.train = data.train + swapped
   return data
 
 
-def truncate_pair(
-    tokens_a: list[int], tokens_b: list[int], max_tokens: int
-) -> tuple[list[int], list[int]]:
-  """What BERT's loop (drop the longer segment's last token, b's on ties, until both fit) ends with, in one step."""
+def truncate_pair(tokens_a: list[int], tokens_b: list[int], max_tokens: int):
+  """What BERT's loop (drop the longer segment's last token, b's on ties, until both fit) ends
+  with, in one step."""
   len_a = min(len(tokens_a), max(max_tokens - len(tokens_b), (max_tokens + 1) // 2))
   return tokens_a[:len_a], tokens_b[: max_tokens - len_a]
 
 
-def pack_pair(
-    tokenizer, tokens_a: list[int], tokens_b: list[int] | None, width: int
-) -> list[np.ndarray]:
-  """[CLS] a [SEP] (b [SEP]) as int32 [width] input_ids, token_type_ids (1 from b on) and attention_mask."""
-  ids = [tokenizer.cls_id, *tokens_a, tokenizer.sep_id] + (
-      [] if tokens_b is None else [*tokens_b, tokenizer.sep_id]
-  )
+def pack_pair(tokenizer, tokens_a: list[int], tokens_b: list[int] | None, width: int):
+  """[CLS] a [SEP] (b [SEP]) as int32 [width] input_ids, token_type_ids (1 from b on) and
+  attention_mask."""
+  ids = [tokenizer.cls_id, *tokens_a, tokenizer.sep_id]
+  ids += [] if tokens_b is None else [*tokens_b, tokenizer.sep_id]
   positions = np.arange(width)
   input_ids = np.full(width, tokenizer.pad_id, np.int32)
   input_ids[: len(ids)] = ids
-  return [
-      input_ids,
-      ((positions >= len(tokens_a) + 2) & (positions < len(ids))).astype(np.int32),
-      (positions < len(ids)).astype(np.int32),
-  ]
-
-
-# Rows are padded to a multiple of this (one compiled shape per split, even lengths for kernels).
-PAD_MULTIPLE = 8
+  token_type_ids = (positions >= len(tokens_a) + 2) & (positions < len(ids))
+  return [input_ids, token_type_ids.astype(np.int32), (positions < len(ids)).astype(np.int32)]
 
 
 def encode_examples(
     examples: Sequence[Example], tokenizer, max_seq_len: int, data: TaskData
 ) -> dict[str, np.ndarray]:
-  """pack_pair's rows truncated to max_seq_len and cut to the longest (rounded up to PAD_MULTIPLE), labels [n]
-  (int32 ids or float32 targets, 0 where unlabelled) and index [n]."""
-  if max_seq_len < 3:
-    raise ConfigError(f"config.max_seq_len={max_seq_len} leaves no room for text; use at least 3.")
+  """pack_pair's rows truncated to max_seq_len and cut to the longest (rounded up to PAD_MULTIPLE),
+  labels [n] (int32 ids or float32 targets, 0 where unlabelled) and index [n]."""
   texts_b = [e.text_b for e in examples if e.text_b is not None]
   ids_b = iter(tokenizer.encode_batch(texts_b) if texts_b else [])
   rows = []
   for tokens_a, example in zip(tokenizer.encode_batch([e.text_a for e in examples]), examples):
     if example.text_b is None:
-      rows.append(pack_pair(tokenizer, tokens_a[: max_seq_len - 2], None, max_seq_len))
+      pair = tokens_a[: max_seq_len - 2], None
     else:
-      rows.append(
-          pack_pair(tokenizer, *truncate_pair(tokens_a, next(ids_b), max_seq_len - 3), max_seq_len)
-      )
+      pair = truncate_pair(tokens_a, next(ids_b), max_seq_len - 3)
+    rows.append(pack_pair(tokenizer, *pair, max_seq_len))
   # [n, 3, max_seq_len] -> three [n, max_seq_len] (reshape keeps the shape when there are no rows)
-  input_ids, token_type_ids, attention_mask = (
-      np.array(rows, np.int32).reshape(-1, 3, max_seq_len).transpose(1, 0, 2)
-  )
-  width = min(
-      max_seq_len, -(-int(attention_mask.sum(1).max(initial=1)) // PAD_MULTIPLE) * PAD_MULTIPLE
-  )
+  inputs = np.array(rows, np.int32).reshape(-1, 3, max_seq_len).transpose(1, 0, 2)
+  longest = int(inputs[2].sum(1).max(initial=1))
+  width = min(max_seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
   if data.kind == "classification":
     label_to_id = {label: i for i, label in enumerate(data.label_list)}
-    labels = np.array(
-        [label_to_id[e.label] if e.label is not None else 0 for e in examples], np.int32
-    )
+    labels = np.array([0 if e.label is None else label_to_id[e.label] for e in examples], np.int32)
   else:
     labels = np.array([e.label if e.label is not None else 0.0 for e in examples], np.float32)
-  return dict(
-      input_ids=input_ids[:, :width],
-      token_type_ids=token_type_ids[:, :width],
-      attention_mask=attention_mask[:, :width],
-      labels=labels,
-      index=np.array([e.index for e in examples], np.int64),
+  index = np.array([e.index for e in examples], np.int64)
+  return dict(zip(MODEL_INPUTS, inputs[:, :, :width]), labels=labels, index=index)
+
+
+def held_out_rows(groups: list, fraction: float, seed: int, folds: int = 1):
+  """[(held-out rows, the rest)]: folds=1, one random share of about `fraction` of the rows (at
+  least one); folds=K, K disjoint shares of about 1/K. With groups (none None) each share takes
+  whole groups."""
+  rng = np.random.default_rng([seed, 7])
+  grouped = all(group is not None for group in groups)
+  if grouped:
+    _, group_of_row = np.unique(np.array(groups, dtype=str), return_inverse=True)
+    sizes = np.bincount(group_of_row)
+  else:
+    sizes = np.ones(len(groups), int)
+  order = rng.permutation(len(sizes))  # the units (groups, or rows) in random order
+  ends = np.cumsum(sizes[order])  # rows in the first 1, 2, ... units
+  if folds == 1:  # units until `fraction` of the rows are held out, the one reaching it included
+    cut = np.searchsorted(ends, max(1, round(fraction * len(groups))))
+    share = (np.arange(len(order)) > cut).astype(int)
+  else:  # each unit to the share its rows' midpoint falls in
+    share = np.minimum(((ends - sizes[order] / 2) * folds / len(groups)).astype(int), folds - 1)
+  units = "groups of config.custom.group_column" if grouped else "rows"
+  if folds == 1 and (share == 0).all():
+    raise ConfigError(
+        f"config.select.fraction={fraction} holds out all {len(order)} {units}; lower it, or give "
+        "the training set more."
+    )
+  if len(np.unique(share)) < folds:
+    raise ConfigError(
+        f"config.select.folds={folds} leaves a held-out share empty: the training set has "
+        f"{len(order)} {units}; lower it, or give the training set more."
+    )
+  held_units = [order[share == k] for k in range(folds)]
+  if not grouped:  # rows in the order drawn
+    return [(held, order[share != k]) for k, held in enumerate(held_units)]
+  held_rows = [np.isin(group_of_row, units) for units in held_units]
+  return [(np.flatnonzero(held), np.flatnonzero(~held)) for held in held_rows]
+
+
+def make_adapter(config, backbone, data: TaskData | None = None) -> TaskAdapter:
+  """The trainer's TaskAdapter for `data` (None: load_task(config)): dev metrics as the task reports
+  them, test predictions as GLUE submission files (`index<TAB>prediction`), splits of train."""
+  data = load_task(config) if data is None else data
+  start = time.time()
+  encode = lambda examples: encode_examples(examples, backbone.tokenizer, config.max_seq_len, data)
+  train_features = encode(data.train)
+  dev_features = {name: encode(examples) for name, examples in data.dev.items()}
+  test_features = {name: encode(examples) for name, examples in data.test.items()}
+  logging.info("Tokenized %s in %.1f s.", data.name, time.time() - start)
+  regression = data.kind == "regression"
+  # Regression learns (label - lo) / hi, as the official code.
+  lo, hi = data.target_range or (0.0, 1.0)
+
+  def loss_fn(outputs, batch):
+    if regression:
+      return jnp.square(outputs[:, 0] - (batch["labels"] - lo) / hi)
+    return optax.softmax_cross_entropy_with_integer_labels(outputs, batch["labels"])
+
+  def predictions(predict, features):
+    outputs = predict(features)
+    return outputs[:, 0] * hi + lo if regression else outputs.argmax(-1)
+
+  def score(predict, features):
+    return metrics_lib.compute_metrics(
+        data.metric_names, features["labels"], predictions(predict, features)
+    )
+
+  def write_test(predict, directory):
+    paths = []
+    for name, features in test_features.items():
+      values = predictions(predict, features)
+      texts = [f"{v:.3f}" for v in values] if regression else [data.label_list[v] for v in values]
+      lines = [f"{i}\t{text}\n" for i, text in zip(features["index"], texts)]
+      paths.append(os.path.join(directory, f"{name}.tsv"))
+      workdir_files.write_text(paths[-1], "".join(["index\tprediction\n", *lines]))
+    return paths
+
+  def split(fraction, seed, folds):
+    take = lambda rows: {name: array[rows] for name, array in train_features.items()}
+    shares = held_out_rows([example.group for example in data.train], fraction, seed, folds)
+    return [
+        dataclasses.replace(
+            adapter,
+            train_features=take(fit),
+            evaluate=lambda predict, held=take(held): {"held_out": score(predict, held)},
+            write_test=lambda predict, directory: [],
+            split=None,
+        )
+        for held, fit in shares
+    ]
+
+  adapter = TaskAdapter(
+      data.name,
+      backbone.classifier(1 if regression else len(data.label_list), config),
+      train_features,
+      loss_fn,
+      lambda predict: {name: score(predict, features) for name, features in dev_features.items()},
+      write_test,
+      (
+          dict(kind="regression", target_range=data.target_range and list(data.target_range))
+          if regression
+          else dict(kind="classification", labels=list(data.label_list))
+      ),
+      split,
   )
-
-
-def prediction_strings(data: TaskData, predictions: np.ndarray) -> list[str]:
-  """Class ids -> label strings; regression scores -> '%.3f'."""
-  if data.kind == "classification":
-    return [data.label_list[int(p)] for p in predictions]
-  return [f"{float(p):.3f}" for p in predictions]
-
-
-def write_predictions(path: str, indices: Sequence[int], predictions: Sequence[str]) -> str:
-  """A GLUE submission file <Task>.tsv (`index<TAB>prediction` after a header), written atomically."""
-  lines = ["index\tprediction"] + [f"{int(i)}\t{p}" for i, p in zip(indices, predictions)]
-  workdir_files.write_text(path, "\n".join(lines) + "\n")
-  return path
+  return adapter

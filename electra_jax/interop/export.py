@@ -1,5 +1,5 @@
-"""Exporting a pre-training workdir: restores its latest checkpoint on one device and writes
-the discriminator (and, if asked, the generator) as Hugging Face directories."""
+"""Exporting a pre-training workdir: restores its latest checkpoint on one device and writes the
+discriminator (and, if asked, the generator) as Hugging Face directories with their tokenizer."""
 
 import os
 import pathlib
@@ -7,56 +7,44 @@ import shutil
 
 import jax
 import tokenizers
+from tokenizers import normalizers
 from sentencepiece import sentencepiece_model_pb2
 
 from electra_jax import config_lib, data, models, objectives, partitioning, resolve, train_state, workdir_files
+from electra_jax.data.tokenizer import SPECIAL_TOKENS, WordPieceTokenizer
 from electra_jax.errors import ConfigError
-from electra_jax.data.tokenizer import SPECIAL_TOKENS
-from electra_jax.data.wordpiece import WordPieceTokenizer
 from electra_jax.interop.hf import check_hf_form, finite_tensor, save_hf
 
 
-def one_device_setup(config, tokenizer=None):
-  """(mesh, train_state.build_setup) on one device, whatever mesh trained (orbax re-shards on restore). Without
-  `tokenizer` the special ids are placeholders: no shape depends on them."""
+def one_device_setup(config, tokenizer):
+  """(mesh, train_state.build_setup) on one device, whatever mesh trained (orbax re-shards on
+  restore)."""
   mesh = partitioning.make_mesh(dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
-  special_ids = (
-      dict(pad=0, cls=2, sep=3, mask=4) if tokenizer is None else train_state.special_ids(tokenizer)
-  )
-  return mesh, train_state.build_setup(config, mesh, special_ids)
+  return mesh, train_state.build_setup(config, mesh, train_state.special_ids(tokenizer))
 
 
 def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -> dict[str, str]:
-  """Writes <out_dir>/discriminator (and generator) from `workdir`'s latest checkpoint; returns {tower: directory}.
-  An `out_dir` holding another export, or a model no ElectraModel holds, is refused before the restore.
-  """
+  """Writes <out_dir>/discriminator (and generator) from `workdir`'s latest checkpoint; returns
+  {tower: directory}. An `out_dir` holding another export, or a model no ElectraModel holds, is
+  refused before the restore."""
   config = config_lib.load_workdir_config(workdir)
   if not workdir_files.exists(workdir_files.path(workdir, "checkpoints")):
     raise ConfigError(f"{workdir} has no checkpoints/ directory: nothing to export yet.")
   pretrainer = models.build_model(config, objectives.towers(config))
   check_hf_form(pretrainer.discriminator_config)  # the generator's options are the same
-  why_not = models.no_standalone_generator(pretrainer) if export_generator else None
-  if why_not:
+  if export_generator and (why_not := models.no_standalone_generator(pretrainer)):
     raise ConfigError(
         f"--export_generator: {why_not} (objective.name={config.objective.name!r}). "
         "Nothing was written; export without --export_generator."
     )
   check_export_out(out_dir, export_generator)
 
-  tok = data.workdir_tokenizer(
-      workdir, config.data
-  )  # the objective, built with the state, needs its special ids
+  tok = data.workdir_tokenizer(workdir, config.data)  # build_setup needs its special ids
   mesh, setup = one_device_setup(config, tok)
   step, state = resolve.restore_checkpoint(workdir, setup, mesh)
-  for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[
-      0
-  ]:  # before anything is written
-    finite_tensor(
-        jax.tree_util.keystr(path),
-        jax.device_get(leaf),
-        f"the checkpoint at step {step} in {workdir}",
-    )
-
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:  # before any write
+    source = f"the checkpoint at step {step} in {workdir}"
+    finite_tensor(jax.tree_util.keystr(path), jax.device_get(leaf), source)
   towers = ("discriminator", "generator") if export_generator else ("discriminator",)
   written = {tower: os.path.join(out_dir, tower) for tower in towers}
   for tower, directory in written.items():
@@ -66,8 +54,8 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
 
 
 def check_export_out(out_dir: str, export_generator: bool = False) -> None:
-  """Refuses an `out_dir` where an export would mix with another model: a non-empty tower directory, or an old
-  generator/ this export would leave beside its discriminator."""
+  """Refuses an `out_dir` where an export would mix with another model: a non-empty tower
+  directory, or an old generator/ this export would leave beside its discriminator."""
   workdir_files.check_usable(out_dir, "--out")
   for tower in ("discriminator", "generator"):
     directory = os.path.join(out_dir, tower)
@@ -86,8 +74,8 @@ def check_export_out(out_dir: str, export_generator: bool = False) -> None:
 
 
 def write_tokenizer_files(tok, directory: str, max_length: int) -> None:
-  """tokenizer.json (adding [CLS] ... [SEP] as training does), tokenizer_config.json and vocab.txt or spm.model
-  beside the weights: AutoTokenizer.from_pretrained(directory) gives the ids training used."""
+  """tokenizer.json (adding [CLS] ... [SEP] as training does), tokenizer_config.json and vocab.txt
+  or spm.model beside the weights: AutoTokenizer.from_pretrained(directory) gives training's ids."""
   settings = {
       "model_max_length": max_length,
       "model_input_names": ["input_ids", "token_type_ids", "attention_mask"],
@@ -118,9 +106,9 @@ def write_tokenizer_files(tok, directory: str, max_length: int) -> None:
 
 
 def _sentencepiece_pipeline(model_path: str) -> tokenizers.Tokenizer:
-  """sentencepiece's segmentation as a `tokenizers` pipeline: pieces and scores (unigram) or merges (BPE, read off
-  the vocabulary), its normalization table, and its spaces (trimmed, runs made one, "\u2581" before each word).
-  """
+  """sentencepiece's segmentation as a `tokenizers` pipeline: pieces and scores (unigram) or merges
+  (BPE, read off the vocabulary), its normalization table, and its spaces (trimmed, runs made one,
+  "\u2581" before each word)."""
   proto = sentencepiece_model_pb2.ModelProto()
   proto.ParseFromString(pathlib.Path(model_path).read_bytes())
   spec = proto.trainer_spec
@@ -145,12 +133,9 @@ def _sentencepiece_pipeline(model_path: str) -> tokenizers.Tokenizer:
     )
   pipeline = tokenizers.Tokenizer(model)
   charsmap = proto.normalizer_spec.precompiled_charsmap
-  pipeline.normalizer = tokenizers.normalizers.Sequence(
-      [tokenizers.normalizers.Precompiled(charsmap)] * bool(charsmap)
-      + [
-          tokenizers.normalizers.Strip(),
-          tokenizers.normalizers.Replace(tokenizers.Regex(" {2,}"), " "),
-      ]
+  spaces = [normalizers.Strip(), normalizers.Replace(tokenizers.Regex(" {2,}"), " ")]
+  pipeline.normalizer = normalizers.Sequence(
+      [normalizers.Precompiled(charsmap)] * bool(charsmap) + spaces
   )
   pipeline.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace(prepend_scheme="always")
   pipeline.decoder = tokenizers.decoders.Metaspace(prepend_scheme="always")

@@ -1,15 +1,12 @@
-"""Hugging Face `transformers` ELECTRA directories (config.json plus model.safetensors, or pytorch_model.bin
-through torch.load(weights_only=True)) read as, and written from, electra-jax's standalone models.
-"""
+"""Hugging Face `transformers` ELECTRA directories (config.json plus model.safetensors, or
+pytorch_model.bin through torch.load(weights_only=True)) read as, and written from, electra-jax's
+standalone models."""
 
-import collections
 import json
-import math
 import os
 import pathlib
 import re
-import shutil
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax
 import flax.linen as nn
@@ -22,53 +19,36 @@ from electra_jax import models, workdir_files
 from electra_jax.encoder import EncoderConfig
 from electra_jax.errors import ConfigError
 
-# The transformers classes we read and write, and what each is here (ElectraModel has no head).
-ARCHITECTURES = {
-    "ElectraForPreTraining": "discriminator",
-    "ElectraForMaskedLM": "generator",
-    "ElectraModel": "encoder",
-}
-ARCHITECTURE_OF_KIND = {kind: architecture for architecture, kind in ARCHITECTURES.items()}
-MODEL_CLASSES = {
-    "discriminator": models.ElectraDiscriminatorModel,
-    "generator": models.ElectraGeneratorModel,
-    "encoder": models.ElectraEncoderModel,
+# Each kind of standalone model: its transformers class and ours (ElectraModel has no head).
+KINDS = {
+    "discriminator": ("ElectraForPreTraining", models.ElectraDiscriminatorModel),
+    "generator": ("ElectraForMaskedLM", models.ElectraGeneratorModel),
+    "encoder": ("ElectraModel", models.ElectraEncoderModel),
 }
 
-# transformers.ElectraConfig's defaults (ELECTRA-Small's sizes), for keys a config.json omits.
-HF_CONFIG_DEFAULTS = {
-    "vocab_size": 30522,
-    "embedding_size": 128,
-    "hidden_size": 256,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 4,
-    "intermediate_size": 1024,
-    "max_position_embeddings": 512,
-    "type_vocab_size": 2,
-    "hidden_dropout_prob": 0.1,
-    "attention_probs_dropout_prob": 0.1,
-    "layer_norm_eps": 1e-12,
+# config.json's keys: transformers.ElectraConfig's default (ELECTRA-Small's sizes), the EncoderConfig
+# field it fills (None: the model's own), and the (tensor, axis) whose size it is, if one is.
+CONFIG_KEYS = {
+    "vocab_size": (30522, None, ("embeddings.word_embeddings.weight", 0)),
+    "embedding_size": (128, None, ("embeddings.word_embeddings.weight", 1)),
+    "hidden_size": (256, "hidden_size", ("encoder.layer.0.attention.self.query.weight", 0)),
+    "num_hidden_layers": (12, "num_layers", None),
+    "num_attention_heads": (4, "num_heads", None),
+    "intermediate_size": (1024, "intermediate_size", ("encoder.layer.0.output.dense.weight", 1)),
+    "max_position_embeddings": (512, None, ("embeddings.position_embeddings.weight", 0)),
+    "type_vocab_size": (2, None, ("embeddings.token_type_embeddings.weight", 0)),
+    "hidden_dropout_prob": (0.1, "dropout_rate", None),
+    "attention_probs_dropout_prob": (0.1, "attention_dropout_rate", None),
+    "layer_norm_eps": (1e-12, "layer_norm_eps", None),
 }
-# The keys that fill the EncoderConfig, with its field for each; the other keys are the model's own.
-ENCODER_FIELDS = {
-    "hidden_size": "hidden_size",
-    "num_hidden_layers": "num_layers",
-    "num_attention_heads": "num_heads",
-    "intermediate_size": "intermediate_size",
-    "hidden_dropout_prob": "dropout_rate",
-    "attention_probs_dropout_prob": "attention_dropout_rate",
-    "layer_norm_eps": "layer_norm_eps",
-}
-MODEL_KEYS = [key for key in HF_CONFIG_DEFAULTS if key not in ENCODER_FIELDS]
+MODEL_KEYS = [key for key, (_, field, _) in CONFIG_KEYS.items() if field is None]
+ENCODER_FIELDS = {key: field for key, (_, field, _) in CONFIG_KEYS.items() if field}
 
 # Config values electra-jax computes only one way: that value, and why any other is refused.
 SUPPORTED_CONFIG_VALUES = {
-    "hidden_act": (
-        "gelu",
-        'electra-jax\'s encoder uses the exact (erf) GELU, which transformers calls "gelu" '
-        '("gelu_new" and "gelu_pytorch_tanh" are the tanh approximation)',
-    ),
-    "position_embedding_type": ("absolute", "electra-jax has learned absolute positions only"),
+    "model_type": ("electra", "only ELECTRA checkpoints can be read"),
+    "hidden_act": ("gelu", "electra-jax's GELU is the exact (erf) one, not a tanh approximation"),
+    "position_embedding_type": ("absolute", "electra-jax learns absolute positions only"),
     "is_decoder": (False, "electra-jax's encoder attends in both directions"),
     "add_cross_attention": (False, "electra-jax's encoder has no cross-attention"),
 }
@@ -94,20 +74,15 @@ def check_hf_form(tower: EncoderConfig) -> None:
     raise ConfigError("\n".join(lines))
 
 
-# Buffers older transformers saved with the weights: arange(seq) and zeros, here as there.
-_IGNORED_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
-_BACKBONE_PREFIX = "electra."
-_HEAD_PREFIXES = ("discriminator_predictions.", "generator_predictions.", "generator_lm_head.")
-_TIED_DECODER = "generator_lm_head.weight"
-_PAD_ID = 0  # [PAD] is id 0 in every electra-jax tokenizer
-
-
-# transformers' name (without "electra."), our path, and whether it is a kernel ([in, out] here, [out, in] there).
-WeightName = collections.namedtuple("WeightName", "hf_name path transposed")
+class WeightName(NamedTuple):
+  hf_name: str  # transformers' name, without "electra."
+  path: tuple[str, ...]  # ours
+  transposed: bool  # a kernel: [in, out] here, [out, in] there
 
 
 def weight_names(kind: str, num_layers: int, projected: bool) -> list[WeightName]:
-  """Every tensor of a standalone `kind` tower, in transformers' order; `projected`: embedding_size != hidden_size."""
+  """Every tensor of a standalone `kind` tower, in transformers' order; `projected`:
+  embedding_size != hidden_size."""
   names = []
 
   def dense(hf_name, path, weight="kernel"):  # weight="scale": a LayerNorm
@@ -142,51 +117,40 @@ def weight_names(kind: str, num_layers: int, projected: bool) -> list[WeightName
   return names
 
 
-def _model_weight_names(kind: str, model) -> list[WeightName]:
-  return weight_names(
-      kind, model.config.num_layers, model.embedding_size != model.config.hidden_size
-  )
-
-
 def kind_of(model) -> str:
-  kind = next(
-      (kind for kind, model_class in MODEL_CLASSES.items() if isinstance(model, model_class)), None
-  )
-  if kind:
-    return kind
+  for kind, (_, model_class) in KINDS.items():
+    if isinstance(model, model_class):
+      return kind
   raise ConfigError(
       f"{type(model).__name__} has no Hugging Face counterpart; pass an ElectraDiscriminatorModel, "
       "ElectraGeneratorModel, ElectraEncoderModel or ElectraPretrainer."
   )
 
 
-def _param_shapes(model) -> dict[tuple[str, ...], tuple[int, ...]]:
+def _layout(kind: str, model):
+  """(weight_names, {path: shape}) of a standalone model's parameters."""
   abstract = jax.eval_shape(model.init, jax.random.key(0), np.zeros((1, 1), np.int32))["params"]
   flat = flax.traverse_util.flatten_dict(nn.meta.unbox(abstract))
-  return {path: tuple(leaf.shape) for path, leaf in flat.items()}
-
-
-# The config.json sizes a tensor's shape (transformers' layout) shows: (tensor, axis).
-_SIZES_HELD = {
-    "vocab_size": ("embeddings.word_embeddings.weight", 0),
-    "embedding_size": ("embeddings.word_embeddings.weight", 1),
-    "hidden_size": ("encoder.layer.0.attention.self.query.weight", 0),
-    "intermediate_size": ("encoder.layer.0.intermediate.dense.weight", 0),
-    "max_position_embeddings": ("embeddings.position_embeddings.weight", 0),
-    "type_vocab_size": ("embeddings.token_type_embeddings.weight", 0),
-}
+  projected = model.embedding_size != model.config.hidden_size
+  names = weight_names(kind, model.config.num_layers, projected)
+  return names, {path: tuple(leaf.shape) for path, leaf in flat.items()}
 
 
 def sizes_held(weights: dict[str, np.ndarray]) -> dict[str, int]:
   """The config.json sizes that transformers-layout `weights` show (those they hold tensors for)."""
-  shapes = {name.removeprefix(_BACKBONE_PREFIX): np.shape(array) for name, array in weights.items()}
-  held = {key: shapes[name][axis] for key, (name, axis) in _SIZES_HELD.items() if name in shapes}
+  shapes = {name.removeprefix("electra."): np.shape(array) for name, array in weights.items()}
+  held = {
+      key: shapes[held[0]][held[1]]
+      for key, (_, _, held) in CONFIG_KEYS.items()
+      if held and held[0] in shapes
+  }
   layers = {int(m.group(1)) for name in shapes if (m := re.match(r"encoder\.layer\.(\d+)\.", name))}
   return {**held, "num_hidden_layers": len(layers)} if layers else held
 
 
 def _mismatch(expected: dict[str, tuple[int, ...]], given: dict[str, Any]) -> str:
-  """ "missing: [...]; unexpected: [...]" between names with their shapes (`given` holds arrays), "" when equal."""
+  """'missing: [...]; unexpected: [...]' between names with their shapes (`given` holds arrays),
+  '' when equal."""
   want = {f"{name} {tuple(shape)}" for name, shape in expected.items()}
   have = {f"{name} {tuple(np.shape(array))}" for name, array in given.items()}
   missing, unexpected = sorted(want - have), sorted(have - want)
@@ -198,57 +162,46 @@ def _mismatch(expected: dict[str, tuple[int, ...]], given: dict[str, Any]) -> st
   )
 
 
-def model_from_hf_config(hf_config: dict[str, Any], source: str = "config.json"):
-  """(kind, model) for a transformers ELECTRA config dict; refuses, naming the key (and `source`), whatever
-  the model could not compute exactly."""
-  if hf_config.get("model_type", "electra") != "electra":
-    raise ConfigError(
-        f"{source}: model_type={hf_config['model_type']!r} is not \"electra\"; only ELECTRA "
-        "checkpoints can be read."
-    )
-  architectures = hf_config.get("architectures")
-  if (
-      not isinstance(architectures, list)
-      or len(architectures) != 1
-      or architectures[0] not in ARCHITECTURES
-  ):
-    raise ConfigError(
-        f"{source}: architectures={architectures!r} must name exactly one of {sorted(ARCHITECTURES)}. "
-        "To keep only the encoder of a fine-tuned model, save_pretrained its `.electra` submodule."
-    )
-  kind = ARCHITECTURES[architectures[0]]
+def model_from_hf_config(hf_config: dict[str, Any], source: str):
+  """(kind, model) for a transformers ELECTRA config dict; refuses, naming the key (and `source`),
+  whatever the model could not compute exactly."""
   for key, (supported, why) in SUPPORTED_CONFIG_VALUES.items():
-    if key in hf_config and hf_config[key] != supported:
+    if hf_config.get(key, supported) != supported:
       raise ConfigError(
-          f"{source}: {key}={hf_config[key]!r} is not supported, only {key}={supported!r}: "
-          f"{why}. This checkpoint cannot be converted exactly."
+          f"{source}: {key}={hf_config[key]!r} cannot be converted exactly, only {key}="
+          f"{supported!r}: {why}."
       )
-  value = {key: hf_config.get(key, default) for key, default in HF_CONFIG_DEFAULTS.items()}
-  for key, default in HF_CONFIG_DEFAULTS.items():
+  architectures = hf_config.get("architectures")
+  kind = next((kind for kind, (name, _) in KINDS.items() if architectures == [name]), None)
+  if kind is None:
+    raise ConfigError(
+        f"{source}: architectures={architectures!r} must name exactly one of "
+        f"{sorted(name for name, _ in KINDS.values())}. To keep only the encoder of a fine-tuned "
+        "model, save_pretrained its `.electra` submodule."
+    )
+  value = {key: hf_config.get(key, default) for key, (default, _, _) in CONFIG_KEYS.items()}
+  for key, (default, _, _) in CONFIG_KEYS.items():
     number = value[key]
     if type(default) is int and (type(number) is not int or number < 1):
       raise ConfigError(f"{source}: {key}={number!r} must be a positive whole number.")
-    if type(default) is float and (
-        type(number) not in (int, float) or not (math.isfinite(number) and 0 <= number < 1)
-    ):
+    if type(default) is float and not (type(number) in (int, float) and 0 <= number < 1):
       raise ConfigError(f"{source}: {key}={number!r} must be a number in [0, 1).")
   if value["hidden_size"] % value["num_attention_heads"]:
     raise ConfigError(
         f"{source}: hidden_size={value['hidden_size']} is not divisible by "
         f"num_attention_heads={value['num_attention_heads']}."
     )
-  encoder_config = EncoderConfig(**{field: value[key] for key, field in ENCODER_FIELDS.items()})
-  return kind, MODEL_CLASSES[kind](**{key: value[key] for key in MODEL_KEYS}, config=encoder_config)
+  encoder = EncoderConfig(**{field: value[key] for key, field in ENCODER_FIELDS.items()})
+  return kind, KINDS[kind][1](**{key: value[key] for key in MODEL_KEYS}, config=encoder)
 
 
-def hf_config_of(model, kind: str, pad_token_id: int = _PAD_ID) -> dict[str, Any]:
+def hf_config_of(model, kind: str, pad_token_id: int) -> dict[str, Any]:
   """The config.json of a standalone model, as transformers.ElectraConfig reads it."""
   return {
       **{key: getattr(model, key) for key in MODEL_KEYS},
       **{key: getattr(model.config, field) for key, field in ENCODER_FIELDS.items()},
-      "architectures": [ARCHITECTURE_OF_KIND[kind]],
-      "model_type": "electra",
-      "hidden_act": "gelu",
+      **{key: value for key, (value, _) in SUPPORTED_CONFIG_VALUES.items()},
+      "architectures": [KINDS[kind][0]],
       "initializer_range": 0.02,
       "pad_token_id": pad_token_id,
       "tie_word_embeddings": True,
@@ -256,50 +209,40 @@ def hf_config_of(model, kind: str, pad_token_id: int = _PAD_ID) -> dict[str, Any
   }
 
 
-def params_from_hf_weights(
-    model, kind: str, weights: dict[str, np.ndarray], source: str, decoder_tied: bool = True
-):
-  """Our parameter tree (float32 numpy leaves) from transformers tensors, every name and shape checked.
-  `decoder_tied`: config.json's tie_word_embeddings (false: the decoder must be stored); a stored decoder must
-  equal the word table."""
+def params_from_hf_weights(model, kind: str, weights: dict, source: str, decoder_tied=True):
+  """Our parameter tree (float32 numpy leaves) from transformers tensors, every name and shape
+  checked. `decoder_tied` is config.json's tie_word_embeddings; a stored decoder (required when it
+  is false) must equal the word table."""
   by_name = {}
   for key, array in weights.items():
-    name = key.removeprefix(_BACKBONE_PREFIX)
-    if name in by_name:
-      raise ConfigError(
-          f"{source}: {name!r} is stored twice, with and without {_BACKBONE_PREFIX!r}."
-      )
+    if (name := key.removeprefix("electra.")) in by_name:
+      raise ConfigError(f"{source}: {name!r} is stored twice, with and without 'electra.'.")
     by_name[name] = array
-  for buffer in _IGNORED_BUFFERS:
+  for buffer in ("embeddings.position_ids", "embeddings.token_type_ids"):  # older transformers'
     by_name.pop(buffer, None)
-  tied_decoder = by_name.pop(_TIED_DECODER, None) if kind == "generator" else None
+  decoder = by_name.pop("generator_lm_head.weight", None) if kind == "generator" else None
 
-  names, shapes = _model_weight_names(kind, model), _param_shapes(model)
+  names, shapes = _layout(kind, model)
   mismatch = _mismatch(
       {w.hf_name: shapes[w.path][::-1] if w.transposed else shapes[w.path] for w in names}, by_name
   )
   if mismatch:
     raise ConfigError(
-        f"{source}: the weights do not match an {ARCHITECTURE_OF_KIND[kind]} with this config.json "
+        f"{source}: the weights do not match an {KINDS[kind][0]} with this config.json "
         f'({mismatch}). Check that "architectures" and num_hidden_layers describe these weights.'
     )
-  flat = {
-      w.path: np.ascontiguousarray(
-          by_name[w.hf_name].T if w.transposed else by_name[w.hf_name], dtype=np.float32
-      )
-      for w in names
-  }
-  if kind == "generator":
+  flat = {}
+  for w in names:
+    array = by_name[w.hf_name]
+    flat[w.path] = np.ascontiguousarray(array.T if w.transposed else array, np.float32)
+  if kind == "generator" and (decoder is not None or not decoder_tied):
     word_table = flat[("embeddings", "word_embeddings", "embedding")]
-    if tied_decoder is None and not decoder_tied:
+    if decoder is None or not np.array_equal(decoder.astype(np.float32), word_table):
       raise ConfigError(
-          f"{source}: tie_word_embeddings=false but the weights hold no {_TIED_DECODER}; "
-          "electra-jax's generator needs its decoder tied to the word embeddings."
-      )
-    if tied_decoder is not None and not np.array_equal(tied_decoder.astype(np.float32), word_table):
-      raise ConfigError(
-          f"{source}: {_TIED_DECODER} differs from electra.embeddings.word_embeddings.weight; "
-          "electra-jax's generator ties them, as ELECTRA does, and cannot hold an untied decoder."
+          f"{source}: generator_lm_head.weight "
+          f"{'is absent (tie_word_embeddings=false)' if decoder is None else 'differs'}; "
+          "electra-jax's generator ties it to electra.embeddings.word_embeddings.weight, as ELECTRA "
+          "does, and cannot hold an untied decoder."
       )
   return flax.traverse_util.unflatten_dict(flat)
 
@@ -307,20 +250,22 @@ def params_from_hf_weights(
 def hf_weights_from_params(model, kind: str, params) -> dict[str, np.ndarray]:
   """transformers' tensors (float32, contiguous, full names) from our parameter tree."""
   flat = flax.traverse_util.flatten_dict(jax.device_get(nn.meta.unbox(params)))
+  names, shapes = _layout(kind, model)
   mismatch = _mismatch(
-      {"/".join(p): shape for p, shape in _param_shapes(model).items()},
+      {"/".join(p): shape for p, shape in shapes.items()},
       {"/".join(p): array for p, array in flat.items()},
   )
   if mismatch:
     hint = " Pass variables['params'], not the variables dict." if "params" in params else ""
     raise ConfigError(
-        f"The parameters do not match the {type(model).__name__} ({mismatch}).{hint} For a pre-training "
-        "state pass the ElectraPretrainer and kind='discriminator' or 'generator'."
+        f"The parameters do not match the {type(model).__name__} ({mismatch}).{hint} For a "
+        "pre-training state pass the ElectraPretrainer and kind='discriminator' or 'generator'."
     )
   tensors = {}
-  for w in _model_weight_names(kind, model):
+  for w in names:
     array = np.asarray(flat[w.path], dtype=np.float32)
-    prefix = "" if kind == "encoder" or w.hf_name.startswith(_HEAD_PREFIXES) else _BACKBONE_PREFIX
+    heads = ("discriminator_predictions.", "generator_predictions.", "generator_lm_head.")
+    prefix = "" if kind == "encoder" or w.hf_name.startswith(heads) else "electra."
     tensors[prefix + w.hf_name] = np.ascontiguousarray(array.T if w.transposed else array)
   return tensors
 
@@ -338,40 +283,30 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
 def _read_torch_state_dict(path: str) -> dict[str, np.ndarray]:
   """Only a flat dict of str -> tensor, read with weights_only=True: no pickled code runs."""
   try:
-    import torch  # pylint: disable=import-outside-toplevel
+    import torch  # noqa: PLC0415 (only pytorch_model.bin needs it)
   except ImportError as error:
     raise ConfigError(
         f"{path} is a PyTorch file and reading it needs torch (pip install torch); or save the "
         "model again with safe_serialization (model.safetensors), which needs no torch."
     ) from error
+  fix = "Save model.state_dict() or use safetensors."
   try:
     state_dict = torch.load(path, map_location="cpu", weights_only=True)
   except Exception as error:  # pickle.UnpicklingError for anything but tensors, or a bad file
     raise ConfigError(
         f"Refusing {path}: torch.load(weights_only=True) cannot read it as plain tensors "
-        f"({type(error).__name__}: {(str(error).splitlines() or [''])[0]}). Save model.state_dict() "
-        "or use safetensors."
+        f"({type(error).__name__}: {(str(error).splitlines() or [''])[0]}). {fix}"
     ) from error
   if not isinstance(state_dict, dict):
-    raise ConfigError(
-        f"Refusing {path}: it holds a {type(state_dict).__name__!r} object, not a state dict "
-        "(str -> torch.Tensor). Save model.state_dict() or use safetensors."
-    )
+    raise ConfigError(f"Refusing {path}: it holds a {type(state_dict).__name__!r} object. {fix}")
   for name, tensor in state_dict.items():
     if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-      wrong = (
-          f"key {name!r} is not a str"
-          if not isinstance(name, str)
-          else (f"entry {name!r} is not a torch.Tensor (its type is {type(tensor).__name__})")
-      )
       raise ConfigError(
-          f"Refusing {path}: {wrong}; only a state dict (str -> torch.Tensor) is accepted. "
-          "Save model.state_dict() or use safetensors."
+          f"Refusing {path}: entry {name!r} is not a str -> torch.Tensor (its types are "
+          f"{type(name).__name__}, {type(tensor).__name__}). {fix}"
       )
   return {
-      name: tensor.detach().to(torch.float32).numpy()
-      if tensor.is_floating_point()
-      else tensor.numpy()
+      name: (tensor.detach().to(torch.float32) if tensor.is_floating_point() else tensor).numpy()
       for name, tensor in state_dict.items()
   }
 
@@ -389,8 +324,8 @@ def finite_tensor(name: str, array: np.ndarray, source: str) -> np.ndarray:
 
 
 def read_hf_weights(directory: str) -> dict[str, np.ndarray]:
-  """Every tensor of a transformers directory: model.safetensors (preferred) or pytorch_model.bin, either
-  possibly sharded (*.index.json). Refuses NaN and infinite weights."""
+  """Every tensor of a transformers directory: model.safetensors (preferred) or pytorch_model.bin,
+  either possibly sharded (*.index.json). Refuses NaN and infinite weights."""
   for file_name, reader in (
       ("model.safetensors", _read_safetensors),
       ("pytorch_model.bin", _read_torch_state_dict),
@@ -401,21 +336,17 @@ def read_hf_weights(directory: str) -> dict[str, np.ndarray]:
     index_path = path + ".index.json"
     if os.path.exists(index_path):
       try:
-        shard_names = sorted(
-            set(json.loads(pathlib.Path(index_path).read_text())["weight_map"].values())
-        )
+        index = json.loads(pathlib.Path(index_path).read_text())
+        shard_names = sorted(set(index["weight_map"].values()))
       except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise ConfigError(
             f"Refusing {index_path}: not a sharded-checkpoint index ({type(error).__name__}: "
             f'{error}); it needs a "weight_map" of tensor name -> shard file.'
         ) from None
-      bad = [name for name in shard_names if os.path.basename(name) != name]
-      if bad:
-        raise ConfigError(
-            f"Refusing {index_path}: shard {bad[0]!r} is not a file name in {directory}."
-        )
       weights = {}
       for shard_name in shard_names:
+        if os.path.basename(shard_name) != shard_name:
+          raise ConfigError(f"Refusing {index_path}: shard {shard_name!r} is not a file name.")
         weights.update(reader(os.path.join(directory, shard_name)))
       return {name: finite_tensor(name, array, index_path) for name, array in weights.items()}
   raise ConfigError(
@@ -425,27 +356,21 @@ def read_hf_weights(directory: str) -> dict[str, np.ndarray]:
 
 
 def load_hf(path: str):
-  """(model, params) from a transformers ELECTRA directory: the MODEL_CLASSES model of its architecture
-  (ElectraForPreTraining: discriminator, ElectraForMaskedLM: generator, ElectraModel: encoder), float32.
-  """
+  """(model, params) from a transformers ELECTRA directory, float32: the KINDS model of its
+  architecture (ElectraForPreTraining, ElectraForMaskedLM or ElectraModel)."""
   config_path = os.path.join(path, "config.json")
   if not os.path.isfile(config_path):
-    raise ConfigError(
-        f"{path} has no config.json; point load_hf at a directory written by save_pretrained "
-        "(or save_hf)."
-    )
+    raise ConfigError(f"{path} has no config.json; point load_hf at what save_pretrained wrote.")
   try:
     hf_config = json.loads(pathlib.Path(config_path).read_text(encoding="utf-8-sig"))
   except (ValueError, OSError) as error:
     raise ConfigError(f"{config_path} is not a readable JSON file ({error}).") from None
   if not isinstance(hf_config, dict):
-    raise ConfigError(
-        f"{config_path} holds a JSON {type(hf_config).__name__}, not the object of a model config."
-    )
+    raise ConfigError(f"{config_path} holds a JSON {type(hf_config).__name__}, not an object.")
   weights = read_hf_weights(path)
   kind, model = model_from_hf_config(hf_config, config_path)
   for key, actual in sizes_held(weights).items():  # named by the key, before any tensor is matched
-    if (stated := hf_config.get(key, HF_CONFIG_DEFAULTS[key])) != actual:
+    if (stated := hf_config.get(key, CONFIG_KEYS[key][0])) != actual:
       raise ConfigError(
           f"{config_path}: {key}={stated!r}, but the weight files hold {actual}; the config.json is "
           "not the one these weights were saved with."
@@ -454,44 +379,23 @@ def load_hf(path: str):
   return model, params_from_hf_weights(model, kind, weights, path, decoder_tied)
 
 
-def save_hf(
-    model,
-    params,
-    out_dir: str,
-    kind: str | None = None,
-    vocab_file: str | None = None,
-    pad_token_id: int = _PAD_ID,
-) -> str:
-  """Writes config.json, model.safetensors (and a copy of `vocab_file`) to `out_dir` for from_pretrained;
-  `model` is a standalone model, or an ElectraPretrainer whose tower `kind` picks. Returns `out_dir`.
-  """
+def save_hf(model, params, out_dir: str, kind: str | None = None, pad_token_id: int = 0) -> str:
+  """Writes config.json and model.safetensors to `out_dir` for from_pretrained; `model` is a
+  standalone model, or an ElectraPretrainer whose tower `kind` picks. Returns `out_dir`."""
   if isinstance(model, models.ElectraPretrainer):
-    if kind not in models.TOWER_MODELS:
-      raise ConfigError(
-          f"kind={kind!r}: exporting an ElectraPretrainer needs kind='discriminator' or "
-          "'generator' (the tower to write)."
-      )
     model, params = models.tower_from_pretrainer(model, params, kind)
   model_kind = kind_of(model)
   check_hf_form(model.config)
-  if kind is not None and kind != model_kind:
+  if kind not in (None, model_kind):
     raise ConfigError(
         f"kind={kind!r} does not match the {type(model).__name__} (a {model_kind}); leave kind "
         "out or pass the matching model."
     )
   tensors = hf_weights_from_params(model, model_kind, params)
-  if vocab_file is not None and not os.path.isfile(vocab_file):
-    raise ConfigError(
-        f"vocab_file={vocab_file!r} does not exist; pass the vocabulary's path or None."
-    )
   os.makedirs(out_dir, exist_ok=True)
-  workdir_files.write_json(
-      os.path.join(out_dir, "config.json"), hf_config_of(model, model_kind, pad_token_id)
-  )
+  config = hf_config_of(model, model_kind, pad_token_id)
+  workdir_files.write_json(os.path.join(out_dir, "config.json"), config)
   # The metadata save_pretrained writes; transformers 4.x checks it when loading.
-  safetensors.numpy.save_file(
-      tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"}
-  )
-  if vocab_file is not None:
-    shutil.copyfile(vocab_file, os.path.join(out_dir, os.path.basename(vocab_file)))
+  path = os.path.join(out_dir, "model.safetensors")
+  safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
   return out_dir

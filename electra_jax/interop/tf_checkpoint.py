@@ -1,5 +1,6 @@
-"""Official ELECTRA TF1 checkpoints (`model.ckpt-N`, both towers) read without TensorFlow: the V2 bundle's
-`<prefix>.index` (a LevelDB table of name -> protobuf entry) and raw `<prefix>.data-*` files."""
+"""Official ELECTRA TF1 checkpoints (`model.ckpt-N`, both towers) read without TensorFlow: the V2
+bundle's `<prefix>.index` (a LevelDB table of name -> protobuf entry) and raw `<prefix>.data-*`
+files."""
 
 import collections
 import os
@@ -15,30 +16,11 @@ from electra_jax.interop import hf
 
 _TABLE_MAGIC = 0xDB4775248B80FB57
 _FOOTER_SIZE = 48
-# tensorflow/core/framework/types.proto values of the dtypes a checkpoint of weights holds.
-_DTYPES = {
-    1: np.float32,
-    2: np.float64,
-    3: np.int32,
-    4: np.uint8,
-    5: np.int16,
-    6: np.int8,
-    9: np.int64,
-    10: np.bool_,
-    14: jnp.bfloat16,
-    17: np.uint16,
-    19: np.float16,
-    22: np.uint32,
-    23: np.uint64,
-}
+# tensorflow/core/framework/types.proto's numbers of the dtypes weights (and global_step) have.
+_DTYPES = {1: np.float32, 2: np.float64, 3: np.int32, 9: np.int64, 14: jnp.bfloat16, 19: np.float16}
 _OPTIMIZER_SLOT = re.compile(r"(/adam_[mv]|/Adam(_1)?|/Momentum|^global_step)$")
-# Variables of the official code's other objectives, which electra-jax's pre-trainer lacks.
-_UNSUPPORTED_SCOPES = {
-    "generator_ltr": "Electric's two-tower generator (electric_objective)",
-    "generator_rtl": "Electric's two-tower generator (electric_objective)",
-    "cloze_predictions": "Electric's cloze head (electric_objective)",
-    "generator/embeddings": "a generator with its own embeddings (untied_generator_embeddings)",
-}
+# The official pre-trainer's variable scopes; other objectives (Electric's) have more.
+_SCOPES = {"electra", "generator", "discriminator_predictions", "generator_predictions"}
 
 
 # Protocol buffers and LevelDB tables: just what a tensor bundle index uses.
@@ -56,15 +38,14 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
 
 
 def _proto_fields(buf: bytes):
-  """(field number, value) pairs of a serialized protobuf message: ints, or bytes for length-delimited fields."""
+  """(field number, value) pairs of a serialized protobuf message: ints, or bytes for
+  length-delimited fields (a bundle's messages have no 64-bit fixed fields)."""
   pos = 0
   while pos < len(buf):
     key, pos = _varint(buf, pos)
     field, wire_type = key >> 3, key & 7
     if wire_type == 0:
       value, pos = _varint(buf, pos)
-    elif wire_type == 1:
-      value, pos = struct.unpack_from("<Q", buf, pos)[0], pos + 8
     elif wire_type == 2:
       length, pos = _varint(buf, pos)
       value, pos = buf[pos : pos + length], pos + length
@@ -129,7 +110,8 @@ def _tensor_entry(value: bytes) -> TensorEntry:
 
 
 class TFCheckpoint:
-  """A TF V2 checkpoint, read lazily: `.entries` maps names to TensorEntry, `.read(name)` gives one array."""
+  """A TF V2 checkpoint, read lazily: `.entries` maps names to TensorEntry, `.read(name)` gives one
+  array."""
 
   def __init__(self, prefix: str):
     self.prefix = prefix
@@ -175,8 +157,8 @@ class TFCheckpoint:
 
 
 def resolve_prefix(path: str) -> str:
-  """`model.ckpt-N` from a prefix, its .index file, or a directory (its `checkpoint` file's entry, else the
-  highest-numbered model.ckpt-N there)."""
+  """`model.ckpt-N` from a prefix, its .index file, or a directory (its `checkpoint` file's entry,
+  else the highest-numbered model.ckpt-N there)."""
   path = path.removesuffix(".index")
   if os.path.isfile(path + ".index"):
     return path
@@ -200,24 +182,22 @@ def resolve_prefix(path: str) -> str:
   )
 
 
-# transformers' weight names -> the official code's, one substitution after another.
+# transformers' weight names -> the official code's, one substitution after another (a table is a
+# bare variable: electra/embeddings/word_embeddings).
 _OFFICIAL_RENAMES = (
     (r"^generator_lm_head\.bias$", "generator_predictions.output_bias"),
     (r"\.dense_prediction\.", ".dense_1."),
     (r"encoder\.layer\.(\d+)", r"encoder.layer_\1"),
     (r"LayerNorm\.weight$", "LayerNorm.gamma"),
     (r"LayerNorm\.bias$", "LayerNorm.beta"),
-    (
-        r"_embeddings\.weight$",
-        "_embeddings",
-    ),  # a table is a bare variable: electra/embeddings/word_embeddings
+    (r"_embeddings\.weight$", "_embeddings"),
     (r"\.weight$", ".kernel"),
 )
 
 
 def official_name(hf_name: str, tower: str) -> str:
-  """The official TF variable of `tower`'s transformers weight name (without "electra."): under "electra"
-  (discriminator) or "generator", but the shared embeddings under "electra/embeddings"."""
+  """The official TF variable of `tower`'s transformers weight name (without "electra."): under
+  "electra" (discriminator) or "generator", but the shared embeddings under "electra/embeddings"."""
   for pattern, replacement in _OFFICIAL_RENAMES:
     hf_name = re.sub(pattern, replacement, hf_name)
   name = hf_name.replace(".", "/")
@@ -228,13 +208,16 @@ def official_name(hf_name: str, tower: str) -> str:
 
 
 def read_towers(prefix: str, num_heads: int | None = None):
-  """{tower: (model, params)} of an official checkpoint's two towers, through hf.py's checks. The shapes hold no
-  head count: the discriminator has `num_heads` (default max(1, hidden // 64)), the generator its head size.
-  """
+  """{tower: (model, params)} of an official checkpoint's two towers, through hf.py's checks. The
+  shapes hold no head count: the discriminator has `num_heads` (default max(1, hidden // 64)), the
+  generator its head size."""
   ckpt = TFCheckpoint(prefix)
-  for scope, what in _UNSUPPORTED_SCOPES.items():
-    if any(name.startswith(scope + "/") for name in ckpt.entries):
-      raise ConfigError(f"{prefix} holds {what}; electra-jax cannot represent it.")
+  scopes = {name.split("/")[0] for name in ckpt.entries if not _OPTIMIZER_SLOT.search(name)}
+  if unknown := sorted(scopes - _SCOPES):
+    raise ConfigError(
+        f"{prefix} holds {unknown}, which ELECTRA's pre-trainer lacks (another objective of the "
+        "official code, such as Electric's); electra-jax cannot represent it."
+    )
   used, towers = set(), {}
   for kind, scope in (("discriminator", "electra"), ("generator", "generator")):
     layers = {
@@ -245,10 +228,8 @@ def read_towers(prefix: str, num_heads: int | None = None):
           f"{prefix} has no {scope}/encoder/layer_* variables: only an official pre-training "
           "checkpoint (both towers, not a fine-tuned or discriminator-only one) continues pre-training."
       )
-    weights = {}
-    for w in hf.weight_names(
-        kind, len(layers), f"{scope}/embeddings_project/kernel" in ckpt.entries
-    ):
+    weights, projected = {}, f"{scope}/embeddings_project/kernel" in ckpt.entries
+    for w in hf.weight_names(kind, len(layers), projected):
       name = official_name(w.hf_name, kind)
       if name not in ckpt.entries:
         raise ConfigError(f"{prefix} lacks {name}, which an official {kind} of these sizes has.")
@@ -258,11 +239,8 @@ def read_towers(prefix: str, num_heads: int | None = None):
     sizes = hf.sizes_held(weights)
     if kind == "generator":
       num_heads = max(1, sizes["hidden_size"] // towers["discriminator"][0].config.head_dim)
-    hf_config = {
-        "architectures": [hf.ARCHITECTURE_OF_KIND[kind]],
-        **sizes,
-        "num_attention_heads": num_heads or max(1, sizes["hidden_size"] // 64),
-    }
+    heads = num_heads or max(1, sizes["hidden_size"] // 64)
+    hf_config = {"architectures": [hf.KINDS[kind][0]], **sizes, "num_attention_heads": heads}
     model = hf.model_from_hf_config(hf_config, prefix)[1]
     towers[kind] = (model, hf.params_from_hf_weights(model, kind, weights, prefix))
   leftover = sorted(n for n in ckpt.entries if n not in used and not _OPTIMIZER_SLOT.search(n))
