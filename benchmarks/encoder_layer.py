@@ -1,6 +1,6 @@
 """One encoder layer, forward and backward with dropout, timed alternately in one process:
-electra-jax's `models.EncoderLayer`, the same layer with flax's N-D dense product instead of
-`models.rows_dot_general` (--flax_dense), the layer with Primer's convolution of width K after
+electra-jax's `encoder.EncoderLayer`, the same layer with flax's N-D dense product instead of
+`encoder.rows_dot_general` (--flax_dense), the layer with Primer's convolution of width K after
 q, k and v (--attention_conv=K; its cost is that variant against the first), and, with --torch,
 Hugging Face's PyTorch `ElectraLayer` (sdpa) at the same sizes. Reports min and median per
 variant.
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from electra_jax import models
+from electra_jax import encoder
 
 _HIDDEN = flags.DEFINE_integer("hidden", 256, "Hidden size.")
 _HEADS = flags.DEFINE_integer("heads", 4, "Attention heads.")
@@ -53,10 +53,10 @@ _DTYPE = flags.DEFINE_enum(
 
 
 def _jax_layer(x, mask, attention_conv=0):
-  config = models.EncoderConfig(
+  config = encoder.EncoderConfig(
       _HIDDEN.value, 1, _HEADS.value, _FFN.value, attention_conv=attention_conv
   )
-  layer = models.EncoderLayer(config, jnp.dtype(_DTYPE.value))
+  layer = encoder.EncoderLayer(config, jnp.dtype(_DTYPE.value))
   params = nn.meta.unbox(
       layer.init({"params": jax.random.key(1), "dropout": jax.random.key(2)}, x, mask, False)
   )
@@ -113,10 +113,10 @@ def main(argv):
   mask = jnp.ones((_BATCH.value, _SEQ.value), jnp.int32).at[:, _SEQ.value * 3 // 4 :].set(0)
   variants = {"electra-jax": _jax_layer(x, mask)}
   if _FLAX_DENSE.value:
-    rows_dot_general = models.rows_dot_general
-    models.rows_dot_general = jax.lax.dot_general  # what nn.Dense uses by default
+    rows_dot_general = encoder.rows_dot_general
+    encoder.rows_dot_general = jax.lax.dot_general  # what nn.Dense uses by default
     variants["electra-jax, flax N-D dense"] = _jax_layer(x, mask)
-    models.rows_dot_general = rows_dot_general
+    encoder.rows_dot_general = rows_dot_general
   if _CONV.value:
     variants[f"electra-jax, attention_conv={_CONV.value}"] = _jax_layer(x, mask, _CONV.value)
   if _TORCH.value:

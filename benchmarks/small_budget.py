@@ -325,7 +325,8 @@ def probe(args) -> None:
   from sklearn.pipeline import make_pipeline  # noqa: PLC0415
   from sklearn.preprocessing import StandardScaler  # noqa: PLC0415
 
-  from electra_jax import api, models  # noqa: PLC0415
+  from electra_jax import api  # noqa: PLC0415
+  from electra_jax import encoder as encoder_lib  # noqa: PLC0415
   from electra_jax.finetune import model as model_lib, tasks  # noqa: PLC0415
 
   if not args.workdirs:
@@ -333,7 +334,7 @@ def probe(args) -> None:
         "probe: name the pre-training workdirs, e.g. --workdirs=pretrain_electra_60m,pretrain_mlm_60m"
     )
   warnings.filterwarnings("ignore", category=FutureWarning, module="sklearn")  # its coming defaults
-  probed = (models.Embeddings, models.EncoderLayer, models.Encoder)
+  probed = (encoder_lib.Embeddings, encoder_lib.EncoderLayer, encoder_lib.Encoder)
   for task in args.tasks.split(","):
     task_dir = small_budget_tasks.build(args.out, task)
     workdirs = args.workdirs.split(",")

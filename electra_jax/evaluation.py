@@ -25,19 +25,11 @@ def eval_step(state, batch, seed_key, schedule):
   candidates = objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective)
   normalizers = objectives.Normalizers.of(masked, batch["attention_mask"], candidates)
   # The parameters as they are (two_stage's copy is the next train step's); the stats, not the loss.
-  return objectives.electra_forward(
-      state.model,
-      state.params,
-      batch,
-      masked,
-      sample_keys,
-      seed_key,
-      objective,
-      normalizers,
-      deterministic=True,
-      step=state.step,
-      schedule=schedule,
-  )[1]
+  args = (state.model, state.params, batch, masked, sample_keys, seed_key, objective, normalizers)
+  _, stats_and_arrays = objectives.electra_forward(
+      *args, deterministic=True, step=state.step, schedule=schedule
+  )
+  return stats_and_arrays
 
 
 class HeldOutEvaluator:
@@ -56,10 +48,8 @@ class HeldOutEvaluator:
       )
     num_rows = min(held_out.num_rows, config.eval.num_batches * batch_size)
     num_batches = -(-num_rows // batch_size)
-    local = slice(
-        jax.process_index() * batch_size // processes,
-        (jax.process_index() + 1) * batch_size // processes,
-    )
+    rows = batch_size // processes
+    local = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
     padded = {"example_index": np.arange(num_batches * batch_size, dtype=np.int32)}
     # The first rows in storage order (packed rows with data.pack_rows): the same every time.
     for name, array in data.get_rows(held_out, np.arange(num_rows)).items():
@@ -75,16 +65,8 @@ class HeldOutEvaluator:
     self._keys = data.batch_keys(bool(config.data.pack_rows)) + ("example_index",)
     self._mesh, self._schedule = mesh, schedule
     replicated = partitioning.replicated(mesh)
-    self._step = jax.jit(
-        eval_step,
-        in_shardings=(
-            setup.state_shardings,
-            partitioning.batch_sharding(mesh),
-            replicated,
-            replicated,
-        ),
-        out_shardings=replicated,
-    )
+    shardings = (setup.state_shardings, partitioning.batch_sharding(mesh), replicated, replicated)
+    self._step = jax.jit(eval_step, in_shardings=shardings, out_shardings=replicated)
 
   def __call__(self, state) -> dict[str, float]:
     outputs = []

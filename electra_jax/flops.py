@@ -3,7 +3,8 @@ into MFU. The counting rules: docs/training.md, "Metrics"."""
 
 import jax
 
-from electra_jax.models import ElectraPretrainer, EncoderConfig
+from electra_jax.encoder import EncoderConfig
+from electra_jax.models import ElectraPretrainer
 
 # bfloat16 dense peak FLOP/s per chip (datasheets, half the sparse figure), matched in order against
 # jax.Device.device_kind: PCIe and NVL parts first, as the SXM ones' names carry no form factor.
@@ -41,11 +42,7 @@ def _attention_flops(cfg: EncoderConfig, seq_len: int) -> int:
 
 
 def train_flops_per_token(
-    model: ElectraPretrainer,
-    seq_len: int,
-    max_predictions: int,
-    with_generator: bool = True,
-    all_positions_mlm: bool = False,
+    model: ElectraPretrainer, seq_len, max_predictions, with_generator=True, all_positions_mlm=False
 ) -> float:
   """Training FLOPs per input token of both towers (the discriminator alone without the generator), the MLM
   heads on the max_predictions slots (the discriminator's at every position with `all_positions_mlm`).
@@ -54,30 +51,22 @@ def train_flops_per_token(
   gen_emb, emb = model.generator_embedding_size, model.embedding_size
   gen_head = (gen.hidden_size * gen_emb + gen_emb * model.vocab_size) * max_predictions / seq_len
   gen_params = _encoder_matmul_params(gen, gen_emb) + gen_head
-  if model.cloze_generator:  # Electric: two towers, the head (from 2 H_g) at every position
-    gen_params = (
-        2 * _encoder_matmul_params(gen, gen_emb)
-        + 2 * gen.hidden_size * gen_emb
-        + gen_emb * model.vocab_size
-    )
+  if model.towers.cloze:  # Electric: two towers, the head (from 2 H_g) at every position
+    head = 2 * gen.hidden_size * gen_emb + gen_emb * model.vocab_size
+    gen_params = 2 * _encoder_matmul_params(gen, gen_emb) + head
   disc_params = _encoder_matmul_params(disc, emb) + disc.hidden_size**2 + disc.hidden_size
-  if model.discriminator_mlm_head:  # MLM-family ablations: the tower's own vocabulary head
+  if model.towers.mlm_head:  # MLM-family ablations: the tower's own vocabulary head
     positions = seq_len if all_positions_mlm else max_predictions
     disc_params += (disc.hidden_size * emb + emb * model.vocab_size) * positions / seq_len
-  towers = 2 if model.cloze_generator else 1
+  towers = 2 if model.towers.cloze else 1
   generator = 6 * gen_params + towers * _attention_flops(gen, seq_len) if with_generator else 0
   return generator + 6 * disc_params + _attention_flops(disc, seq_len)
 
 
 def objective_flops_per_token(model: ElectraPretrainer, objective, seq_len: int) -> float:
   """train_flops_per_token for a run's objective: whether a generator runs and where the MLM heads predict."""
-  return train_flops_per_token(
-      model,
-      seq_len,
-      objective.max_predictions,
-      objective.uses_generator,
-      all_positions_mlm=objective.name == "all_tokens_mlm",
-  )
+  o, all_positions = objective, objective.name == "all_tokens_mlm"
+  return train_flops_per_token(model, seq_len, o.max_predictions, o.uses_generator, all_positions)
 
 
 def peak_flops(device: jax.Device) -> float | None:

@@ -7,7 +7,6 @@ from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from electra_jax.errors import ConfigError
@@ -47,20 +46,20 @@ def resolve_mesh_shape(mesh_config, device_count: int) -> tuple[int, int, int]:
   if fill:
     if device_count % known:
       raise ConfigError(
-          f"Mesh sizes {shown} cannot fill {device_count} devices: {device_count} is not "
-          f"divisible by {known}. Choose sizes whose product divides the device count."
+          f"Mesh sizes {shown} cannot fill {device_count} devices ({device_count} is not divisible "
+          f"by {known}): choose sizes whose product divides the device count."
       )
     sizes[fill[0]] = device_count // known
   if math.prod(sizes) != device_count:
     raise ConfigError(
-        f"Mesh sizes {shown} multiply to {math.prod(sizes)}, but there are {device_count} "
-        f"devices. Make their product {device_count}, or set one of them to -1."
+        f"Mesh sizes {shown} multiply to {math.prod(sizes)}, but there are {device_count} devices: "
+        f"make their product {device_count}, or set one of them to -1."
     )
   return tuple(sizes)
 
 
 def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  devices = list(devices if devices is not None else jax.devices())
+  devices = list(jax.devices() if devices is None else devices)
   shape = resolve_mesh_shape(mesh_config, len(devices))
   # Auto axis types: Linen's logical constraints are hints, which explicit-axis meshes reject.
   return jax.make_mesh(
@@ -71,9 +70,8 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
 @contextlib.contextmanager
 def activate(mesh: Mesh):
   """The context in which model code is traced, so logical constraints reach the compiler."""
-  set_mesh = (
-      getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
-  )  # jax 0.6 (Python 3.10) has only use_mesh
+  # jax 0.6 (Python 3.10) has only use_mesh.
+  set_mesh = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
   with set_mesh(mesh), nn.logical_axis_rules(LOGICAL_AXIS_RULES):
     yield
 
@@ -154,21 +152,13 @@ def check_process_shards(mesh: Mesh, process_count: int) -> None:
   if batch_shards(mesh) % process_count:
     raise ConfigError(
         f"The mesh splits each batch into {batch_shards(mesh)} shards (mesh.data * mesh.fsdp = "
-        f"{mesh.shape['data']} * {mesh.shape['fsdp']}) over {process_count} processes, each reading its "
-        f"own rows: make mesh.data * mesh.fsdp a multiple of {process_count} "
-        f"(mesh.tensor={mesh.shape['tensor']} at most the devices of one host)."
+        f"{mesh.shape['data']} * {mesh.shape['fsdp']}) over {process_count} processes: make it a "
+        f"multiple of {process_count} (mesh.tensor={mesh.shape['tensor']} within one host)."
     )
 
 
-def global_batch_from_local(
-    local_batch: dict[str, np.ndarray],
-    mesh: Mesh,
-    stacked: bool = False,
-    keys: Sequence[str] | None = None,
-) -> dict[str, jax.Array]:
+def global_batch_from_local(local_batch: dict, mesh: Mesh, stacked=False, keys=None) -> dict:
   """Global arrays (only `keys`, if given) from this process's rows; `stacked`: [steps, rows, ...]."""
   sharding = stacked_batch_sharding(mesh) if stacked else batch_sharding(mesh)
-  return {
-      name: jax.make_array_from_process_local_data(sharding, local_batch[name])
-      for name in keys or local_batch
-  }
+  make = jax.make_array_from_process_local_data
+  return {name: make(sharding, local_batch[name]) for name in keys or local_batch}

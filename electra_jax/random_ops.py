@@ -1,4 +1,4 @@
-"""Uniform, Bernoulli and Gumbel draws equal to jax.random's bit for bit, and Dropout on them: Threefry-2x32 as
+"""Uniform and Gumbel draws equal to jax.random's bit for bit, and Dropout on them: Threefry-2x32 as
 uint32 arithmetic that fuses with its consumer (XLA:CPU's is an unfused loop); other PRNG setups use jax.random.
 """
 
@@ -65,13 +65,6 @@ def uniform(key, shape, minval: float = 0.0, maxval: float = 1.0) -> jax.Array:
   return lax.max(lo, floats * (hi - lo) + lo)
 
 
-def bernoulli(key, p: float, shape) -> jax.Array:
-  """bool draws with P(True) = p, equal to jax.random.bernoulli(key, p, shape) for float p."""
-  if not _is_fast_path(key):
-    return jax.random.bernoulli(key, p, shape)
-  return uniform(key, shape) < np.float32(p)
-
-
 def gumbel(key, shape) -> jax.Array:
   """Standard Gumbel float32 draws, equal to jax.random.gumbel(key, shape, jnp.float32)."""
   if not _is_fast_path(key) or jax.config.jax_high_dynamic_range_gumbel:
@@ -89,5 +82,6 @@ class Dropout(nn.Module):
     if self.rate == 0.0 or deterministic:
       return inputs
     keep_prob = 1.0 - self.rate
-    keep = bernoulli(self.make_rng("dropout"), keep_prob, inputs.shape)
+    # jax.random.bernoulli's draw: a uniform below the probability.
+    keep = uniform(self.make_rng("dropout"), inputs.shape) < np.float32(keep_prob)
     return lax.select(keep, inputs / keep_prob, jnp.zeros_like(inputs))

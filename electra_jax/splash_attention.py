@@ -66,30 +66,22 @@ def _local_attention(query, key, value, segment_ids, *, interpret: bool):
   per_example = jax.vmap(
       lambda a, b, c, ids: kernel(a, b, c, segment_ids=kernel_lib.SegmentIds(q=ids, kv=ids))
   )
-  try:
-    out = per_example(q, k, v, ids)
-  except NotImplementedError as error:
-    if "multiple of 128" not in str(error):
-      raise
-    # jax < 0.7 (Python 3.10's newest) takes head_dim only in whole 128-lane tiles. Zero columns change
-    # no score, and the extra output columns are dropped.
-    widths = [(0, 0)] * 3 + [(0, -head_dim % 128)]
-    out = per_example(*(jnp.pad(x, widths) for x in (q, k, v)), ids)[..., :head_dim]
+  # jax < 0.7 (Python 3.10's newest) takes head_dim only in whole 128-lane tiles: zero columns
+  # change no score, and the extra output columns are dropped.
+  widths = [(0, 0)] * 3 + [(0, -head_dim % 128 if jax.__version_info__ < (0, 7) else 0)]
+  out = per_example(*(jnp.pad(x, widths) for x in (q, k, v)), ids)[..., :head_dim]
   return jnp.swapaxes(out, 1, 2)
 
 
 def splash_attention(query, key, value, segment_ids):
   """query/key/value [batch, seq, heads, head_dim]; segment_ids [batch, seq] (0 = padding; a query sees
   only keys of its own segment) -> [batch, seq, heads, head_dim]."""
-  mesh = (
-      jax.sharding.get_abstract_mesh()
-  )  # jax.set_mesh's; empty in shape-only traces (parameter init)
+  mesh = jax.sharding.get_abstract_mesh()  # jax.set_mesh's; empty when tracing parameter init
   if not mesh.empty:
     device = getattr(mesh, "abstract_device", None)  # jax >= 0.7
     platform = getattr(device, "platform", None) or jax.devices()[0].platform
     if platform != "tpu":  # a step traced for a mesh of another platform
       _warn_interpret(platform)
-  check_seq_len(query.shape[1])
 
   def attend(*args):
     # The kernel for the platform the program is compiled for, which need not be this process's.

@@ -144,14 +144,15 @@ def test_electra_15_puts_the_discriminator_loss_only_on_masked_positions():
   ):
     expected[row, positions[used > 0]] = 1.0
   np.testing.assert_array_equal(weights, expected)
-  assert float(stats["num_tokens"]) == float(masked.weights.sum())
-  # The loss by hand: mean BCE over those positions, times 50, plus L_MLM.
+  # The loss by hand: mean BCE over those positions, times 50, plus L_MLM; the metric reports it.
   logits, labels = np.asarray(per_token["disc_logits"]), np.asarray(
       per_token["is_replaced"], np.float32
   )
   disc = (_bce(logits, labels) * expected).sum() / expected.sum()
   mlm = float(stats["mlm_loss_sum"]) / float(masked.weights.sum())
   assert math.isclose(float(loss), mlm + 50.0 * disc, rel_tol=1e-5)
+  metrics = objectives.summarize(stats, per_token, objective)
+  assert float(metrics["disc_loss"]) == pytest.approx(disc, rel=1e-5)
   # And the plain objective on the same draw weights every real token instead.
   _, _, _, all_tokens = _forward(model, params, _objective(), batch)
   np.testing.assert_array_equal(
@@ -205,7 +206,9 @@ def test_disallow_correct_never_samples_the_original():
       zip(np.asarray(masked.positions), np.asarray(masked.weights))
   ):
     assert replaced[row, positions[used > 0]].all()
-  assert float(stats["disc_true_pos"] + stats["disc_false_neg"]) == float(masked.weights.sum())
+  metrics = objectives.summarize(stats, per_token, _objective(disallow_correct=True))
+  num_tokens = float(batch["attention_mask"].sum())
+  assert float(metrics["replaced_fraction"]) * num_tokens == pytest.approx(masked.weights.sum())
 
 
 def test_unknown_objectives_and_tie_modes_are_refused_by_name():
@@ -269,7 +272,7 @@ def test_mlm_is_bert_80_10_10_on_the_discriminator_tower_alone():
       batch["token_type_ids"],
       batch["attention_mask"],
       masked.positions,
-      method=model.discriminator_mlm_logits,
+      method=model.discriminator_logits,
   )
   log_p = np.take_along_axis(_log_softmax(logits), np.asarray(masked.target_ids)[..., None], -1)[
       ..., 0
@@ -295,7 +298,7 @@ def _generator_corruption(model, params, objective, batch, masked, keys):
       method=model.generator_logits,
   )
   sampled = objectives.sample_tokens(keys, gen_logits, objective.temperature)
-  corrupted, replaced = objectives.corrupt(batch["input_ids"], masked, sampled)
+  corrupted, replaced = objectives.pieces.corrupt(batch["input_ids"], masked, sampled)
   log_p = np.take_along_axis(
       _log_softmax(gen_logits), np.asarray(masked.target_ids)[..., None], -1
   )[..., 0]
@@ -317,7 +320,7 @@ def test_replace_mlm_predicts_originals_from_the_generator_corrupted_input():
       batch["token_type_ids"],
       batch["attention_mask"],
       masked.positions,
-      method=model.discriminator_mlm_logits,
+      method=model.discriminator_logits,
   )
   log_p = np.take_along_axis(_log_softmax(logits), np.asarray(masked.target_ids)[..., None], -1)[
       ..., 0
@@ -349,7 +352,7 @@ def test_all_tokens_mlm_uses_the_copy_mechanism_at_every_token():
       batch["token_type_ids"],
       batch["attention_mask"],
       None,
-      method=model.discriminator_mlm_logits,
+      method=model.discriminator_logits,
   )
   d = 1 / (1 + np.exp(-np.asarray(copy_logits, np.float64)))
   softmax = np.exp(_log_softmax(logits))
@@ -577,7 +580,7 @@ def test_two_stage_refuses_untied_embeddings_it_could_not_start_the_discriminato
   # The generator's own embeddings (tie=none) are not the discriminator's; with an embedding
   # size below the hidden size the copy at the switch failed on the tree's structure.
   with pytest.raises(
-      ConfigError, match="two_stage' .* model.tie='none' .* use model.tie='embeddings'"
+      ConfigError, match="two_stage' .* model.tie='embeddings' or 'gdes' \\(is 'none'\\)"
   ):
     config_lib.validate(
         tiny_config(
@@ -721,10 +724,12 @@ def test_electric_cloze_generator_and_energy_based_discriminator():
   ]
   batch = _batch()
   ids, types, mask = batch["input_ids"], batch["token_type_ids"], batch["attention_mask"]
-  cloze = model.apply({"params": params}, ids, types, mask, method=model.cloze_logits)
+  cloze = model.apply({"params": params}, ids, types, mask, method=model.generator_logits)
   # Position t's prediction never depends on token t itself (nor on padding).
   changed = ids.at[0, 5].set(7 if int(ids[0, 5]) != 7 else 8)
-  cloze_changed = model.apply({"params": params}, changed, types, mask, method=model.cloze_logits)
+  cloze_changed = model.apply(
+      {"params": params}, changed, types, mask, method=model.generator_logits
+  )
   np.testing.assert_allclose(cloze_changed[0, 5], cloze[0, 5], atol=1e-5)
   assert not np.allclose(cloze_changed[0, 6], cloze[0, 6], atol=1e-5)  # its neighbours see it
 
@@ -733,11 +738,11 @@ def test_electric_cloze_generator_and_energy_based_discriminator():
   keys = jax.random.split(jax.random.key(2), ids.shape[0])
   gen_logits = np.take_along_axis(np.asarray(cloze), np.asarray(masked.positions)[..., None], 1)
   sampled = objectives.sample_tokens(keys, jnp.asarray(gen_logits), 1.0)
-  corrupted, _ = objectives.corrupt(ids, masked, sampled)
+  corrupted, _ = objectives.pieces.corrupt(ids, masked, sampled)
   # Labels: every used masked slot is "replaced".
   np.testing.assert_array_equal(
       np.asarray(per_token["is_replaced"]),
-      np.asarray(objectives.masked_position_weights(masked, mask.shape)) > 0,
+      np.asarray(objectives.pieces.at_slots(mask.shape, masked, masked.weights)) > 0,
   )
   # The loss by hand: cloze CE over the maskable tokens + 50 x BCE of (D + log q + log prior odds).
   log_softmax = _log_softmax(cloze)
@@ -796,7 +801,7 @@ def test_disc_mlm_weight_adds_the_discriminators_own_mlm_at_the_masked_slots():
       batch["token_type_ids"],
       batch["attention_mask"],
       masked.positions,
-      method=model.discriminator_mlm_logits,
+      method=model.discriminator_logits,
   )
   z, real = np.asarray(disc_logits, np.float64), np.asarray(batch["attention_mask"], bool)
   bce = np.maximum(z, 0) - z * replaced + np.log1p(np.exp(-np.abs(z)))
@@ -820,7 +825,7 @@ def test_disc_mlm_weight_adds_the_discriminators_own_mlm_at_the_masked_slots():
   )
   # Off: no head, and the plain ELECTRA tree.
   plain, _ = _model_and_params()
-  assert not plain.discriminator_mlm_head
+  assert not plain.towers.mlm_head
 
 
 @pytest.mark.parametrize(

@@ -96,7 +96,7 @@ def test_one_device_eight_devices_and_two_processes_of_four_train_alike(tmp_path
       for metric in ("loss", "masked_lm_loss", "disc_loss"):
         assert abs(a[metric] - b[metric]) < 1e-4, (name, a["step"], metric, a[metric], b[metric])
       # The gradients too: XLA once swapped two batch shards' rows in the MLM head's gradient
-      # on this mesh (models.decoder_input), which left the losses of 5 small steps within
+      # on this mesh (models.vocab_head), which left the losses of 5 small steps within
       # 1e-4 but the gradient norm 3e-4 off from the first step on (now ~1e-7).
       assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-5), (
           name,

@@ -20,7 +20,7 @@ import pytest
 
 from conftest import REPO, cli
 from conftest import deep_tiny_config as tiny_config
-from electra_jax import config_lib, models, objectives, optimizer, train_state
+from electra_jax import config_lib, encoder, models, objectives, optimizer, train_state
 from electra_jax.errors import ConfigError
 
 
@@ -96,8 +96,8 @@ def test_padding_does_not_change_real_token_outputs():
 def test_attention_dropout_path_equals_fused_path_at_rate_zero():
   """With attention dropout 0 in training mode both code paths must agree; the explicit one
   (used when attention dropout is on) is a plain softmax(QK^T / sqrt(d)) V with the mask."""
-  cfg = models.EncoderConfig(32, 1, 2, 64, dropout_rate=0.0, attention_dropout_rate=0.0)
-  attn = models.SelfAttention(cfg, jnp.float32)
+  cfg = encoder.EncoderConfig(32, 1, 2, 64, dropout_rate=0.0, attention_dropout_rate=0.0)
+  attn = encoder.SelfAttention(cfg, jnp.float32)
   hidden = jax.random.normal(jax.random.key(1), (2, 12, 32))
   _, _, mask = _inputs()
   params = attn.init(jax.random.key(0), hidden, mask, True)
@@ -111,15 +111,15 @@ def test_attention_dropout_path_equals_fused_path_at_rate_zero():
   context = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), v).reshape(2, 12, 32)
   expected = context @ p["output"]["kernel"] + p["output"]["bias"]
   np.testing.assert_allclose(fused, expected, atol=1e-5)
-  with_dropout = models.SelfAttention(
-      models.EncoderConfig(32, 1, 2, 64, dropout_rate=0.0, attention_dropout_rate=0.5), jnp.float32
+  with_dropout = encoder.SelfAttention(
+      encoder.EncoderConfig(32, 1, 2, 64, dropout_rate=0.0, attention_dropout_rate=0.5), jnp.float32
   )
   dropped = with_dropout.apply(params, hidden, mask, False, rngs={"dropout": jax.random.key(3)})
   assert not np.allclose(dropped, expected, atol=1e-3)
 
 
 def test_bert_truncated_normal_init():
-  values = models.bert_init(0.02)(jax.random.key(0), (400, 400))
+  values = encoder.bert_init(jax.random.key(0), (400, 400))
   assert float(jnp.abs(values).max()) <= 0.04 + 1e-7
   # TF's truncated normal keeps the N(0, 0.02) scale before cutting: std = 0.02 * 0.8796.
   assert abs(float(values.std()) - 0.02 * 0.87962566) < 2e-4
@@ -135,7 +135,7 @@ def test_bert_truncated_normal_init():
     ],
 )
 def test_generator_sizes_follow_the_official_rule(hidden, heads, fraction, want_hidden, want_heads):
-  disc = models.EncoderConfig(hidden, 12, heads, 4 * hidden)
+  disc = encoder.EncoderConfig(hidden, 12, heads, 4 * hidden)
   gen = models.generator_encoder_config(disc, fraction)
   assert (gen.hidden_size, gen.num_heads, gen.intermediate_size, gen.num_layers) == (
       want_hidden,
@@ -239,7 +239,7 @@ def test_rows_dot_general_is_nn_dense_with_its_gradients():
   outputs and gradients (inputs, kernel, bias) as flax's own N-D dot_general."""
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(size=(3, 5, 16)), jnp.float32)
-  plain, rows = nn.Dense(8), nn.Dense(8, dot_general=models.rows_dot_general)
+  plain, rows = nn.Dense(8), nn.Dense(8, dot_general=encoder.rows_dot_general)
   params = plain.init(jax.random.key(0), x)
   grad = jnp.asarray(rng.normal(size=(3, 5, 8)), jnp.float32)
   want, want_vjp = jax.vjp(lambda p, x: plain.apply(p, x), params, x)
@@ -249,7 +249,7 @@ def test_rows_dot_general_is_nn_dense_with_its_gradients():
   for g, w in zip(jax.tree.leaves(got_vjp(grad)), jax.tree.leaves(want_vjp(grad))):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="rows_dot_general"):
-    models.rows_dot_general(x, jnp.ones((5, 8)), (((1,), (0,)), ((), ())))
+    encoder.rows_dot_general(x, jnp.ones((5, 8)), (((1,), (0,)), ((), ())))
 
 
 def test_cudnn_path_gets_lengths_of_at_least_one(monkeypatch):
@@ -411,11 +411,11 @@ def _encoder_by_hand(p, x, mask, cfg):
 
 
 def _encoder_against_hand(cfg, embedding_size=32):
-  encoder = models.Encoder(cfg, embedding_size, jnp.float32)
+  module = encoder.Encoder(cfg, embedding_size, jnp.float32)
   x = jax.random.normal(jax.random.key(1), (2, 12, embedding_size))
   _, _, mask = _inputs()
-  params = _random_params(nn.meta.unbox(encoder.init(jax.random.key(0), x, mask, True))["params"])
-  got = encoder.apply({"params": params}, x, mask, True)
+  params = _random_params(nn.meta.unbox(module.init(jax.random.key(0), x, mask, True))["params"])
+  got = module.apply({"params": params}, x, mask, True)
   want = _encoder_by_hand(params, x, mask, cfg)
   # Padded query rows are computed too (they attend to the real keys): compare everything.
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -423,17 +423,19 @@ def _encoder_against_hand(cfg, embedding_size=32):
 
 
 def test_pre_layer_norm_encoder_by_hand():
-  cfg = models.EncoderConfig(32, 1, 2, 64, dropout_rate=0.0, attention_dropout_rate=0.0, norm="pre")
+  cfg = encoder.EncoderConfig(
+      32, 1, 2, 64, dropout_rate=0.0, attention_dropout_rate=0.0, norm="pre"
+  )
   params = _encoder_against_hand(cfg)
   assert set(params) == {"layer_0", "final_layer_norm"}
   # Post-LN (the default) has no final LayerNorm, and the hand formula for it differs.
-  post = models.Encoder(models.EncoderConfig(32, 1, 2, 64), 32, jnp.float32)
+  post = encoder.Encoder(encoder.EncoderConfig(32, 1, 2, 64), 32, jnp.float32)
   x = jnp.ones((1, 4, 32))
   assert "final_layer_norm" not in post.init(jax.random.key(0), x, jnp.ones((1, 4)), True)["params"]
 
 
 def test_geglu_ffn_by_hand():
-  cfg = models.EncoderConfig(
+  cfg = encoder.EncoderConfig(
       32, 1, 2, 48, dropout_rate=0.0, attention_dropout_rate=0.0, ffn="geglu"
   )
   params = _encoder_against_hand(cfg)
@@ -445,7 +447,7 @@ def test_geglu_ffn_by_hand():
 
 
 def test_all_three_options_by_hand_with_a_projection():
-  cfg = models.EncoderConfig(
+  cfg = encoder.EncoderConfig(
       32,
       2,
       2,
@@ -463,7 +465,7 @@ def test_all_three_options_by_hand_with_a_projection():
 def test_attention_conv_encoder_by_hand():
   """Primer's depthwise convolution after q, k and v (model.attention_conv), over padded rows."""
   for width in (3, 5):
-    cfg = models.EncoderConfig(
+    cfg = encoder.EncoderConfig(
         32, 1, 2, 48, dropout_rate=0.0, attention_dropout_rate=0.0, attention_conv=width
     )
     params = _encoder_against_hand(cfg)
@@ -484,7 +486,7 @@ def test_attention_conv_reads_only_what_attention_may(mask_kind):
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((8, 8), bool)), (2, 8, 8))
   x = jax.random.normal(jax.random.key(0), (2, 8, 6))
   taps = jax.random.normal(jax.random.key(1), (3, 6))
-  got = models._sequence_conv(x, taps, models._readable_neighbours(mask, 1))
+  got = encoder._sequence_conv(x, taps, encoder._readable_neighbours(mask, 1))
   np.testing.assert_allclose(
       got,
       _conv_by_hand(np.asarray(x, np.float64), np.asarray(taps, np.float64), np.asarray(mask)),
@@ -493,7 +495,7 @@ def test_attention_conv_reads_only_what_attention_may(mask_kind):
   )
   # Position 5 (the third example; for causal masks, 4's right neighbour) reaches no output
   # before it, and its own output does move.
-  moved = models._sequence_conv(x.at[0, 5].add(10.0), taps, models._readable_neighbours(mask, 1))
+  moved = encoder._sequence_conv(x.at[0, 5].add(10.0), taps, encoder._readable_neighbours(mask, 1))
   np.testing.assert_array_equal(moved[0, :5], got[0, :5])
   assert not np.allclose(moved[0, 5], got[0, 5])
 
@@ -501,11 +503,11 @@ def test_attention_conv_reads_only_what_attention_may(mask_kind):
 def test_attention_conv_with_identity_taps_is_the_plain_encoder():
   """Taps [0, 1, 0] make the convolution the identity: the same outputs as attention_conv=0
   with the rest of the parameters equal; the initial taps are the identity plus noise."""
-  plain_cfg = models.EncoderConfig(32, 2, 2, 48, dropout_rate=0.0, attention_dropout_rate=0.0)
+  plain_cfg = encoder.EncoderConfig(32, 2, 2, 48, dropout_rate=0.0, attention_dropout_rate=0.0)
   conv_cfg = dataclasses.replace(plain_cfg, attention_conv=3)
   x = jax.random.normal(jax.random.key(1), (2, 12, 32))
   _, _, mask = _inputs()
-  conv = models.Encoder(conv_cfg, 32, jnp.float32)
+  conv = encoder.Encoder(conv_cfg, 32, jnp.float32)
   params = nn.meta.unbox(conv.init(jax.random.key(0), x, mask, True))["params"]
   taps = params["layer_0"]["attention"]["query_conv"]
   assert abs(float(taps[1].mean()) - 1.0) < 0.2 and 0.3 < float(taps[0].std()) < 0.7
@@ -531,7 +533,7 @@ def test_attention_conv_with_identity_taps_is_the_plain_encoder():
   np.testing.assert_allclose(
       np.asarray(conv.apply({"params": identity}, x, mask, True))[real],
       np.asarray(
-          models.Encoder(plain_cfg, 32, jnp.float32).apply({"params": plain}, x, mask, True)
+          encoder.Encoder(plain_cfg, 32, jnp.float32).apply({"params": plain}, x, mask, True)
       )[real],
       rtol=1e-5,
       atol=1e-5,
@@ -657,11 +659,11 @@ def test_options_agree_under_scan_layers_and_remat():
   scanned = models.build_model(
       tiny_config(**options, **{"model.scan_layers": True}), models.Towers()
   )
-  got, got_grads = jax.value_and_grad(functools.partial(loss, scanned))(models.scan_layers(params))
+  got, got_grads = jax.value_and_grad(functools.partial(loss, scanned))(encoder.scan_layers(params))
   np.testing.assert_allclose(got, want, rtol=1e-5)
   jax.tree.map(
       lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-      models.unscan_layers(got_grads),
+      encoder.unscan_layers(got_grads),
       want_grads,
   )
   for remat in ("full", "dots"):
@@ -670,7 +672,7 @@ def test_options_agree_under_scan_layers_and_remat():
           tiny_config(**options, **{"model.remat": remat, "model.scan_layers": scan}),
           models.Towers(),
       )
-      p = models.scan_layers(params) if scan else params
+      p = encoder.scan_layers(params) if scan else params
       np.testing.assert_allclose(loss(rematted, p), want, rtol=1e-5)
 
 

@@ -102,13 +102,13 @@ def test_gumbel_sampling_matches_softmax(temperature):
 
 def test_sample_equal_to_original_is_labelled_original():
   ids = jnp.array([[CLS, 10, 11, 12, SEP]])
-  masked = objectives.MaskedInputs(
+  masked = objectives.pieces.MaskedInputs(
       input_ids=jnp.array([[CLS, MASK, 11, MASK, SEP]]),
       positions=jnp.array([[1, 3, 2]]),
       weights=jnp.array([[1.0, 1.0, 0.0]]),
       target_ids=jnp.array([[10, 12, 11]]),
   )
-  corrupted, is_replaced = objectives.corrupt(ids, masked, jnp.array([[10, 99, 55]]))
+  corrupted, is_replaced = objectives.pieces.corrupt(ids, masked, jnp.array([[10, 99, 55]]))
   np.testing.assert_array_equal(corrupted, [[CLS, 10, 11, 99, SEP]])  # unused slot ignored
   np.testing.assert_array_equal(is_replaced, [[False, False, False, True, False]])
 
@@ -125,7 +125,7 @@ class _FixedLogits:
   def discriminator_logits(self):
     raise NotImplementedError
 
-  def apply(self, variables, *args, method, rngs):
+  def apply(self, variables, *args, deterministic, method, rngs):
     return self.gen_logits if method == self.generator_logits else self.disc_logits
 
 
@@ -133,7 +133,7 @@ def test_hand_computed_loss_and_metrics():
   vocab = 8
   ids = jnp.array([[CLS, 5, 6, 7, SEP, PAD]])
   attention_mask = jnp.array([[1, 1, 1, 1, 1, 0]])
-  masked = objectives.MaskedInputs(
+  masked = objectives.pieces.MaskedInputs(
       input_ids=jnp.array([[CLS, MASK, 6, 7, SEP, PAD]]),
       positions=jnp.array([[1, 3, 2]]),
       weights=jnp.array([[1.0, 1.0, 0.0]]),
@@ -206,7 +206,7 @@ def test_disc_auc_by_how_likely_the_generator_found_the_replacement():
       "token_weights": jnp.asarray(weights),
       "replaced_prob": jnp.asarray(prob),
   }
-  stats = {key: jnp.float32(1.0) for key in objectives.STAT_KEYS}
+  stats = {key: jnp.float32(1.0) for key in objectives.pieces.STAT_KEYS}
   metrics = objectives.summarize(stats, per_token, _objective())
   # Negatives 0.2, -0.5, 1.5, 0.8. Unlikely: 0.5 beats 2 of them, 3.0 all 4: (2 + 4) / 8.
   # Plausible: 1.0 beats 3: 3 / 4. Likely: -1.0 none, 2.0 all 4, 0.0 beats 1: 5 / 12.
@@ -322,8 +322,8 @@ class _RecordingModel:
   """Stands in for ElectraPretrainer: all-zero generator logits over `vocab_size` rows, and a
   discriminator that records the (corrupted) ids it is given."""
 
-  def __init__(self, vocab_size):
-    self.vocab_size, self.discriminator_inputs = vocab_size, []
+  def __init__(self, vocab_size, mlm_head=False):
+    self.vocab_size, self.mlm_head, self.discriminator_inputs = vocab_size, mlm_head, []
 
   def generator_logits(self):
     raise NotImplementedError
@@ -331,14 +331,11 @@ class _RecordingModel:
   def discriminator_logits(self):
     raise NotImplementedError
 
-  def discriminator_mlm_logits(self):
-    raise NotImplementedError
-
-  def apply(self, variables, input_ids, *args, method, rngs):
+  def apply(self, variables, input_ids, types, mask, positions, deterministic, method, rngs):
     if method == self.generator_logits:
-      return jnp.zeros((*args[2].shape, self.vocab_size), jnp.float32)  # [batch, n_pred, rows]
-    if method == self.discriminator_mlm_logits:  # (copy logits, MLM logits at positions or all)
-      rows = input_ids.shape if args[2] is None else args[2].shape
+      return jnp.zeros((*positions.shape, self.vocab_size), jnp.float32)  # [batch, n_pred, rows]
+    if self.mlm_head:  # (copy logits, MLM logits at the positions or all)
+      rows = input_ids.shape if positions is None else positions.shape
       return jnp.zeros(input_ids.shape, jnp.float32), jnp.zeros(
           (*rows, self.vocab_size), jnp.float32
       )
@@ -388,7 +385,7 @@ def test_the_discriminators_mlm_heads_score_the_tokenizers_vocabulary_only(name)
   masked = objectives.mask_tokens(jax.random.key(1), ids, mask, objective)
   batch = {"input_ids": ids, "token_type_ids": jnp.zeros_like(ids), "attention_mask": mask}
   _, (stats, per_token) = objectives.electra_forward(
-      _RecordingModel(model_rows),
+      _RecordingModel(model_rows, mlm_head=True),
       None,
       batch,
       masked,
@@ -414,6 +411,14 @@ def test_the_discriminators_mlm_heads_score_the_tokenizers_vocabulary_only(name)
     assert float(stats["main_loss_sum"]) == pytest.approx(want, rel=1e-5)
 
 
+def _auc(scores, labels, weights):
+  """The AUC of every positive against every negative."""
+  labels = jnp.asarray(labels)
+  return objectives.pieces.binary_aucs(jnp.asarray(scores), labels, jnp.asarray(weights), [labels])[
+      0
+  ]
+
+
 def test_binary_auc_matches_pairwise_count_with_ties():
   rng = np.random.default_rng(0)
   scores = np.round(rng.normal(size=300), 1).astype(np.float32)  # rounding makes ties
@@ -421,7 +426,7 @@ def test_binary_auc_matches_pairwise_count_with_ties():
   weights = (rng.random(300) < 0.9).astype(np.float32)
   pos, neg = scores[labels & (weights > 0)], scores[~labels & (weights > 0)]
   pairwise = ((pos[:, None] > neg[None]) + 0.5 * (pos[:, None] == neg[None])).mean()
-  got = objectives.binary_auc(jnp.asarray(scores), jnp.asarray(labels), jnp.asarray(weights))
+  got = _auc(scores, labels, weights)
   assert float(got) == pytest.approx(pairwise, abs=1e-6)
 
 
@@ -436,16 +441,12 @@ def test_binary_auc_of_a_large_batch_and_of_nan_scores():
   pos = scores[labels].astype(np.float64)
   below, up_to = np.searchsorted(neg, pos, "left"), np.searchsorted(neg, pos, "right")
   want = (below + 0.5 * (up_to - below)).sum() / (float(pos.size) * float(neg.size))
-  got = objectives.binary_auc(jnp.asarray(scores), jnp.asarray(labels), jnp.asarray(weights))
+  got = _auc(scores, labels, weights)
   assert float(got) == pytest.approx(want, abs=1e-4) and 0.7 < want < 0.8
   scores[7] = np.nan  # a diverged model: no AUC rather than a number
-  assert np.isnan(
-      objectives.binary_auc(jnp.asarray(scores), jnp.asarray(labels), jnp.asarray(weights))
-  )
+  assert np.isnan(_auc(scores, labels, weights))
   weights[7] = 0.0  # unless the NaN is at a position the metric does not count
-  assert float(
-      objectives.binary_auc(jnp.asarray(scores), jnp.asarray(labels), jnp.asarray(weights))
-  ) == pytest.approx(want, abs=1e-4)
+  assert float(_auc(scores, labels, weights)) == pytest.approx(want, abs=1e-4)
 
 
 def _grads(objective):
@@ -490,7 +491,7 @@ def test_argmax_first_is_jnp_argmax_ties_included():
     for z in (rng.integers(-2, 3, size=shape), rng.normal(size=shape)):
       z = jnp.asarray(z, jnp.float32)
       np.testing.assert_array_equal(objectives.pieces._two_reductions(z)[1], jnp.argmax(z, axis=-1))
-      np.testing.assert_array_equal(objectives.pieces._argmax_first(z), jnp.argmax(z, axis=-1))
+      np.testing.assert_array_equal(objectives.pieces._max_and_argmax(z)[1], jnp.argmax(z, axis=-1))
 
 
 @pytest.mark.parametrize("platform, reductions", [("cpu", 2), ("cuda", 1), ("tpu", 1)])
@@ -498,9 +499,9 @@ def test_argmax_takes_one_reduction_off_the_cpu(platform, reductions):
   """On GPUs and TPUs the argmax is one (value, index) reduction, which XLA fuses with the
   Gumbel noise it reads; the CPU keeps its two faster plain ones."""
   z = jax.ShapeDtypeStruct((4, 19, 30522), jnp.float32)
-  module = jax.export.export(jax.jit(objectives.pieces._argmax_first), platforms=[platform])(
-      z
-  ).mlir_module()
+  module = jax.export.export(
+      jax.jit(lambda z: objectives.pieces._max_and_argmax(z)[1]), platforms=[platform]
+  )(z).mlir_module()
   assert module.count("stablehlo.reduce") == reductions, module
 
 
@@ -522,7 +523,7 @@ def test_mlm_sums_equal_autodiffs_loss_gradient_and_accuracy():
     target = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
     return ((jax.nn.logsumexp(z, axis=-1) - target) * weights).sum()
 
-  loss, correct = objectives.pieces.mlm_sums(logits, targets, weights)
+  loss, correct, _ = objectives.pieces.mlm_sums(logits, targets, weights)
   grad = jax.grad(lambda z: objectives.pieces.mlm_sums(z, targets, weights)[0])(logits)
   assert float(loss) == float(reference(logits))
   np.testing.assert_allclose(grad, jax.grad(reference)(logits), rtol=1e-5, atol=1e-7)
@@ -575,7 +576,7 @@ def test_no_objective_depends_on_the_run_length_or_the_switch_which_the_schedule
   every objective (two_stage too) is the same for any of them, so a time budget's step count, a
   resume with more steps and the switch reuse one compiled step."""
   special_ids = dict(pad=0, cls=2, sep=3, mask=4)
-  for name in objectives.OBJECTIVES:
+  for name in objectives.REGISTRY:
     made = {
         objectives.objective_from_config(
             tiny_config(
@@ -610,7 +611,6 @@ def test_a_registered_objective_trains_through_the_step_with_its_hooks(monkeypat
 
   entry = FrozenGenerator(objectives.REGISTRY["electra"].forward, check=refuse_temperature)
   monkeypatch.setitem(objectives.REGISTRY, "frozen_generator", entry)
-  monkeypatch.setattr(objectives, "OBJECTIVES", (*objectives.OBJECTIVES, "frozen_generator"))
   config_lib.validate(tiny_config(**{"objective.name": "frozen_generator"}))
   with pytest.raises(config_lib.ConfigError, match="samples at temperature 1.0"):
     config_lib.validate(

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import deep_tiny_config as tiny_config
-from electra_jax import config_lib, models, objectives, resolve, train
+from electra_jax import config_lib, encoder, models, objectives, resolve, train
 from electra_jax.errors import ConfigError
 
 
@@ -263,10 +263,10 @@ def test_scanned_layers_compute_the_same_function_in_the_stacked_layout():
   stacked = scanned_params["discriminator"]["encoder"]["layers"]["layer"]
   assert "layer_0" not in scanned_params["discriminator"]["encoder"]
   assert stacked["attention"]["query"]["kernel"].shape == (2, 32, 32)
-  converted = models.scan_layers(plain_params)
+  converted = encoder.scan_layers(plain_params)
   assert jax.tree.structure(converted) == jax.tree.structure(scanned_params)
   assert jax.tree.map(jnp.shape, converted) == jax.tree.map(jnp.shape, scanned_params)
-  back = models.unscan_layers(converted)
+  back = encoder.unscan_layers(converted)
   for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(plain_params)):
     np.testing.assert_array_equal(a, b)
   mask = jnp.ones_like(ids)
@@ -295,7 +295,7 @@ def test_scanned_training_exports_to_hugging_face(tmp_path):
   _, state = resolve.restore_checkpoint(str(tmp_path / "run"), setup, mesh, None, corpus)
   hf.save_hf(setup.model, state.params, str(tmp_path / "hf"), kind="discriminator")
   model, params = hf.load_hf(str(tmp_path / "hf"))
-  unscanned = models.unscan_layers(state.params)
+  unscanned = encoder.unscan_layers(state.params)
   np.testing.assert_array_equal(
       params["discriminator"]["encoder"]["layer_1"]["attention"]["query"]["kernel"],
       unscanned["discriminator"]["encoder"]["layer_1"]["attention"]["query"]["kernel"],

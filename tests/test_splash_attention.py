@@ -205,6 +205,6 @@ def test_refusals_name_the_setting_and_the_fix():
     )
     with pytest.raises(
         ConfigError,
-        match="attention_dropout_rate=0.1: set --config.model.attention_dropout_rate=0.0",
+        match="attention_dropout_rate=0.1: set it to 0.0",
     ):
       models.build_model(config, objectives.towers(config))

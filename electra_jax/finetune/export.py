@@ -12,7 +12,8 @@ import numpy as np
 import safetensors.numpy
 from absl import logging
 
-from electra_jax import checkpointing, models, workdir_files
+from electra_jax import checkpointing, workdir_files
+from electra_jax.encoder import EncoderConfig
 from electra_jax.errors import ConfigError
 from electra_jax.finetune import model as model_lib
 from electra_jax.finetune import squad
@@ -46,7 +47,7 @@ def export_hf(workdir: str, out_dir: str, export_generator: bool = False) -> dic
   return written
 
 
-def _classification_head(params, head: dict, encoder: models.EncoderConfig):
+def _classification_head(params, head: dict, encoder: EncoderConfig):
   """HF's ElectraClassificationHead (dense -> GELU -> out_proj) holding our one dense layer: dense
   adds c to lift every GELU input (at most |scale| sqrt(H) + |bias| after the final LayerNorm) to
   _GELU_FLOOR or above, where GELU is the identity, and out_proj takes c off; regression: lo, hi."""

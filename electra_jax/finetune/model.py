@@ -15,15 +15,8 @@ import jax.numpy as jnp
 
 from electra_jax import checkpointing, config_lib, data, objectives, random_ops, resolve
 from electra_jax.errors import ConfigError
-from electra_jax.models import (
-    Encoder,
-    EncoderConfig,
-    ElectraEncoderModel,
-    OneTower,
-    build_model,
-    embeddings_for,
-    tower_from_pretrainer,
-)
+from electra_jax.encoder import Encoder, EncoderConfig, embeddings_for
+from electra_jax.models import ElectraEncoderModel, OneTower, build_model, tower_from_pretrainer
 
 # How the classifier reduces the final hidden states to one vector per example (head.pooling).
 POOLINGS = ("cls", "mean")

@@ -16,6 +16,7 @@ import safetensors
 import safetensors.numpy
 
 from electra_jax import models, workdir_files
+from electra_jax.encoder import EncoderConfig
 from electra_jax.errors import ConfigError
 
 # Each kind of standalone model: its transformers class and ours (ElectraModel has no head).
@@ -61,7 +62,7 @@ HF_ENCODER_FORM = (
 )
 
 
-def check_hf_form(tower: models.EncoderConfig) -> None:
+def check_hf_form(tower: EncoderConfig) -> None:
   """Refuses, one line per option, each HF_ENCODER_FORM option that no ElectraModel can hold."""
   lines = [
       f"model.{field}={getattr(tower, field)!r} has no Hugging Face ElectraModel form ({why}); "
@@ -190,7 +191,7 @@ def model_from_hf_config(hf_config: dict[str, Any], source: str):
         f"{source}: hidden_size={value['hidden_size']} is not divisible by "
         f"num_attention_heads={value['num_attention_heads']}."
     )
-  encoder = models.EncoderConfig(**{field: value[key] for key, field in ENCODER_FIELDS.items()})
+  encoder = EncoderConfig(**{field: value[key] for key, field in ENCODER_FIELDS.items()})
   return kind, KINDS[kind][1](**{key: value[key] for key in MODEL_KEYS}, config=encoder)
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from absl import logging
 
 from electra_jax import checkpointing, config_lib, data, models, partitioning, train_state, workdir_files
+from electra_jax.encoder import scan_layers
 from electra_jax.errors import ConfigError
 from electra_jax.interop import hf, tf_checkpoint
 from electra_jax.interop.export import one_device_setup
@@ -218,7 +219,7 @@ def write_pretraining_workdir(
       "discriminator": pair.discriminator_params["discriminator"],
   }
   if config.model.scan_layers:  # the recipe trains scanned layers
-    params = models.scan_layers(params)
+    params = scan_layers(params)
   # The recipe's model must have exactly the pair's parameters (no GDES delta, MLM head...).
   mesh, setup = one_device_setup(config, tokenizer)
   imported, wanted = train_state.param_shapes(params), setup.param_shapes

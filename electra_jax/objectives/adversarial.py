@@ -6,8 +6,6 @@ import jax.numpy as jnp
 
 from electra_jax.objectives.pieces import Objective, Pass, bce, detect
 
-ENTRIES = {}
-
 
 def _adversarial(p: Pass):
   """REINFORCE, rewarding a masked slot's sample with the discriminator's loss on it, plus adversarial_mlm_weight
@@ -24,10 +22,9 @@ def _adversarial(p: Pass):
   baseline = jnp.where(slots > 1, others / jnp.maximum(slots - 1, 1.0), 0.0)
   log_policy = jax.nn.log_softmax(s.gen_logits / p.temperature, axis=-1)  # the policy that sampled
   sample_log_prob = jnp.take_along_axis(log_policy, s.sampled_ids[..., None], axis=-1)[..., 0]
-  reinforce = (
-      -((reward - baseline) * sample_log_prob * weights).sum() / p.normalizers.num_predictions
-  )
-  mlm = p.objective.adversarial_mlm_weight * s.mlm_loss_sum / p.normalizers.num_predictions
+  num_predictions = p.normalizers.num_predictions
+  reinforce = -((reward - baseline) * sample_log_prob * weights).sum() / num_predictions
+  mlm = p.objective.adversarial_mlm_weight * s.mlm_loss_sum / num_predictions
   p.stats.update(main_loss_sum=(reward * weights).sum(), main_count=weights.sum())
   return reinforce + mlm + disc_loss, per_token
 
@@ -39,4 +36,4 @@ def _adversarial_metrics(metrics, stats, objective, per_token):
   metrics["loss"] = mlm_loss + objective.disc_weight * metrics["disc_loss"]
 
 
-ENTRIES["adversarial"] = Objective(_adversarial, _adversarial_metrics)
+ENTRIES = {"adversarial": Objective(_adversarial, _adversarial_metrics)}

@@ -4,9 +4,8 @@ uniformly from the vocabulary and no generator ("uniform")."""
 
 import functools
 
+from electra_jax.models import Towers
 from electra_jax.objectives.pieces import Objective, Pass, check_no_generator_to_share, detect
-
-ENTRIES = {}
 
 
 def _electra(p: Pass, only_masked: bool = False):
@@ -17,8 +16,10 @@ def _electra(p: Pass, only_masked: bool = False):
   return (loss if main_loss is None else loss + main_loss), per_token
 
 
-# Replaced-token detection with a generator, L_Disc on every token (the default); only on the masked
-# positions (the paper's "ELECTRA 15%"); with replacements drawn uniformly from the vocabulary, no generator.
-ENTRIES["electra"] = Objective(_electra, disc_mlm=True)
-ENTRIES["electra_15"] = Objective(functools.partial(_electra, only_masked=True), disc_mlm=True)
-ENTRIES["uniform"] = Objective(_electra, has_generator=False, check=check_no_generator_to_share)
+ENTRIES = {
+    "electra": Objective(_electra, disc_mlm=True),
+    "electra_15": Objective(functools.partial(_electra, only_masked=True), disc_mlm=True),
+    "uniform": Objective(
+        _electra, towers=Towers(has_generator=False), check=check_no_generator_to_share
+    ),
+}

@@ -5,20 +5,9 @@ import jax
 import jax.numpy as jnp
 
 from electra_jax.errors import ConfigError
-from electra_jax.objectives.pieces import (
-    Objective,
-    Pass,
-    candidate_mask,
-    check_no_generator_to_share,
-    detection_loss,
-    discriminator_logits,
-    masked_position_weights,
-    mlm_sums,
-    sample,
-    vocabulary_only,
-)
-
-ENTRIES = {}
+from electra_jax.models import Towers
+from electra_jax.objectives import pieces
+from electra_jax.objectives.pieces import Objective, Pass
 
 
 def _electric(p: Pass):
@@ -27,37 +16,35 @@ def _electric(p: Pass):
   discriminator's logit is the energy-based form: + log q(token) (no gradient) + the log prior odds of a mask.
   """
   input_ids, objective = p.batch["input_ids"], p.objective
-  cloze_logits = vocabulary_only(
-      p.tower(p.model.cloze_logits, input_ids, rng=p.gen_rng), objective.vocab_size
+  cloze_logits = pieces.vocabulary_only(
+      p.generator(input_ids), objective.vocab_size
+  )  # every position
+  candidates = pieces.candidate_mask(input_ids, p.batch["attention_mask"], objective).astype(
+      jnp.float32
   )
-  candidates = candidate_mask(input_ids, p.batch["attention_mask"], objective).astype(jnp.float32)
-  cloze_loss_sum, _ = mlm_sums(cloze_logits, input_ids, candidates)
+  cloze_loss_sum = pieces.mlm_sums(cloze_logits, input_ids, candidates)[0]
   p.stats.update(main_loss_sum=cloze_loss_sum, main_count=candidates.sum())
-  s = sample(p, jnp.take_along_axis(cloze_logits, p.masked.positions[..., None], axis=1))
+  s = pieces.sample(p, jnp.take_along_axis(cloze_logits, p.masked.positions[..., None], axis=1))
   gen_loss = objective.gen_weight * cloze_loss_sum / p.normalizers.num_candidates
-  is_replaced = masked_position_weights(p.masked, input_ids.shape) > 0
-  disc_logits, _ = discriminator_logits(p, s.corrupted_ids)
+  is_replaced = pieces.at_slots(input_ids.shape, p.masked, p.masked.weights) > 0
+  disc_logits, _ = pieces.discriminator_logits(p, s.corrupted_ids)
   log_q = jnp.take_along_axis(
       jax.nn.log_softmax(cloze_logits, axis=-1), s.corrupted_ids[..., None], axis=-1
   )[..., 0]
-  disc_logits = (
-      disc_logits
-      + jax.lax.stop_gradient(log_q)
-      + jnp.log(objective.mask_prob / (1.0 - objective.mask_prob))
-  )
-  disc_loss, per_token = detection_loss(p, disc_logits, is_replaced, s.replaced_prob)
+  prior = jnp.log(objective.mask_prob / (1.0 - objective.mask_prob))
+  disc_logits = disc_logits + jax.lax.stop_gradient(log_q) + prior
+  disc_loss, per_token = pieces.detection_loss(p, disc_logits, is_replaced, s.replaced_prob)
   return gen_loss + disc_loss, per_token
 
 
 def _electric_metrics(metrics, stats, objective, per_token):
   metrics["cloze_loss"] = stats["main_loss_sum"] / jnp.maximum(stats["main_count"], 1.0)
-  metrics["loss"] = (
-      objective.gen_weight * metrics["cloze_loss"] + objective.disc_weight * metrics["disc_loss"]
-  )
+  metrics["loss"] = objective.gen_weight * metrics["cloze_loss"]
+  metrics["loss"] += objective.disc_weight * metrics["disc_loss"]
 
 
 def _check_electric(config):
-  check_no_generator_to_share(config)
+  pieces.check_no_generator_to_share(config)
   if config.data.pack_rows:
     raise ConfigError(
         "Electric's cloze generator reads across the row's ends, so it cannot train on packed rows: "
@@ -65,4 +52,8 @@ def _check_electric(config):
     )
 
 
-ENTRIES["electric"] = Objective(_electric, _electric_metrics, cloze=True, check=_check_electric)
+ENTRIES = {
+    "electric": Objective(
+        _electric, _electric_metrics, towers=Towers(cloze=True), check=_check_electric
+    )
+}

@@ -5,70 +5,56 @@
 import jax
 import jax.numpy as jnp
 
-from electra_jax.objectives.pieces import (
-    BINNED_METRICS,
-    DISC_METRICS,
-    Objective,
-    Pass,
-    check_no_generator_to_share,
-    generator_logits,
-    main_mlm_metrics,
-    nan_metrics,
-    sample,
-    token_arrays,
-    tower_mlm,
-    vocabulary_only,
-)
+from electra_jax.models import Towers
+from electra_jax.objectives import pieces
+from electra_jax.objectives.pieces import Objective, Pass
 
-ENTRIES = {}
+
+def _no_detector(p: Pass, is_replaced, replaced_prob):
+  """The per-token arrays of a tower that detects nothing: zero logits beside what was replaced."""
+  return pieces.token_arrays(
+      jnp.zeros_like(p.token_weights), is_replaced, p.token_weights, replaced_prob
+  )
+
+
+def _nan(metrics, names) -> None:
+  metrics.update(dict.fromkeys(names, jnp.full((), jnp.nan, jnp.float32)))
 
 
 def _mlm(p: Pass):
   """BERT: the discriminator-sized tower predicts the originals of its [MASK]ed input."""
-  _, loss = tower_mlm(p, p.masked.input_ids, stat="mlm")
-  weights = p.token_weights
-  zeros = jnp.zeros_like(weights)
-  return loss, token_arrays(zeros, jnp.zeros_like(p.batch["attention_mask"], bool), weights, zeros)
+  _, loss = pieces.tower_mlm(p, p.masked.input_ids, stat="mlm")
+  zeros = jnp.zeros_like(p.token_weights)
+  return loss, _no_detector(p, zeros > 0, zeros)
 
 
 def _mlm_metrics(metrics, stats, objective, per_token):
-  nan_metrics(
-      metrics, ("sampled_masked_lm_accuracy", "replaced_fraction", *BINNED_METRICS, *DISC_METRICS)
+  _nan(
+      metrics,
+      (
+          "sampled_masked_lm_accuracy",
+          "replaced_fraction",
+          *pieces.BINNED_METRICS,
+          *pieces.DISC_METRICS,
+      ),
   )
   metrics["loss"] = metrics["masked_lm_loss"]
 
 
-# No generator, and of the chosen positions 80% [MASK], 10% a random token, 10% kept.
-ENTRIES["mlm"] = Objective(
-    _mlm,
-    _mlm_metrics,
-    has_generator=False,
-    samples=False,
-    mlm_head=True,
-    masking=(0.1, 0.1),
-    check=check_no_generator_to_share,
-)
-
-
 def _replace_mlm(p: Pass):
   """The generator's samples replace the masked tokens; the tower predicts the originals there."""
-  s = sample(p, generator_logits(p))
-  _, main_loss = tower_mlm(p, s.corrupted_ids)
-  weights = p.token_weights
-  return s.gen_loss + main_loss, token_arrays(
-      jnp.zeros_like(weights), s.is_replaced, weights, s.replaced_prob
-  )
+  s = pieces.sample(p, pieces.generator_logits(p))
+  _, main_loss = pieces.tower_mlm(p, s.corrupted_ids)
+  return s.gen_loss + main_loss, _no_detector(p, s.is_replaced, s.replaced_prob)
 
 
 def _all_tokens_mlm(p: Pass):
   """The tower predicts every token of the corrupted input, with the paper's copy mechanism:
   p(x_t) = D_t [x_t = input_t] + (1 - D_t) softmax(MLM)_t(x_t), D_t = sigmoid(copy logit)."""
-  s = sample(p, generator_logits(p))
+  s = pieces.sample(p, pieces.generator_logits(p))
   input_ids, weights = p.batch["input_ids"], p.token_weights
-  copy_logits, main_logits = p.tower(
-      p.model.discriminator_mlm_logits, s.corrupted_ids, None, rng=p.disc_rng
-  )
-  main_logits = vocabulary_only(main_logits, p.objective.vocab_size)  # [batch, seq, vocab]
+  copy_logits, main_logits = p.discriminator(s.corrupted_ids)  # the MLM head at every position
+  main_logits = pieces.vocabulary_only(main_logits, p.objective.vocab_size)  # [batch, seq, vocab]
   log_softmax = jax.nn.log_softmax(main_logits, axis=-1)
   log_mlm = jnp.take_along_axis(log_softmax, input_ids[..., None], axis=-1)[..., 0]
   log_copy, log_no_copy = jax.nn.log_sigmoid(copy_logits), jax.nn.log_sigmoid(-copy_logits)
@@ -88,19 +74,26 @@ def _all_tokens_mlm(p: Pass):
   main_correct = ((p_original > best_other) * weights).sum()
   p.stats.update(main_loss_sum=main_loss_sum, main_correct=main_correct, main_count=weights.sum())
   main_loss = main_loss_sum / p.normalizers.num_tokens
-  return s.gen_loss + main_loss, token_arrays(
-      jnp.zeros_like(weights), s.is_replaced, weights, s.replaced_prob
-  )
+  return s.gen_loss + main_loss, _no_detector(p, s.is_replaced, s.replaced_prob)
 
 
 def _tower_mlm_metrics(metrics, stats, objective, per_token):
   # No discriminator: no AUCs, but the replacements' shares by likelihood stand.
-  nan_metrics(metrics, DISC_METRICS)
-  replaced = per_token["is_replaced"].astype(jnp.float32) * per_token["token_weights"]
-  metrics["replaced_fraction"] = replaced.sum() / jnp.maximum(stats["num_tokens"], 1.0)
-  main_mlm_metrics(metrics, stats)
+  _nan(metrics, pieces.DISC_METRICS)
+  pieces.main_mlm_metrics(metrics, stats)
   metrics["loss"] = objective.gen_weight * metrics["masked_lm_loss"] + metrics["main_mlm_loss"]
 
 
-ENTRIES["replace_mlm"] = Objective(_replace_mlm, _tower_mlm_metrics, mlm_head=True)
-ENTRIES["all_tokens_mlm"] = Objective(_all_tokens_mlm, _tower_mlm_metrics, mlm_head=True)
+ENTRIES = {
+    # No generator, and of the chosen positions 80% [MASK], 10% a random token, 10% kept.
+    "mlm": Objective(
+        _mlm,
+        _mlm_metrics,
+        towers=Towers(has_generator=False, mlm_head=True),
+        samples=False,
+        masking=(0.1, 0.1),
+        check=pieces.check_no_generator_to_share,
+    ),
+    "replace_mlm": Objective(_replace_mlm, _tower_mlm_metrics, towers=Towers(mlm_head=True)),
+    "all_tokens_mlm": Objective(_all_tokens_mlm, _tower_mlm_metrics, towers=Towers(mlm_head=True)),
+}

@@ -1,29 +1,27 @@
-"""What the objectives share: masking, Gumbel sampling, corruption, the losses, the pieces of a
-forward pass (`Pass`: one micro-batch through the towers), the official metrics, and `Objective`,
-the registry entry each objective file fills in. The model enters only through `model.apply`."""
+"""What the objectives share: masking, Gumbel sampling, corruption, the losses, `Pass` (one
+micro-batch through the towers) and the steps of a forward built on it, the official metrics, and
+`Objective`, the registry entry each objective file fills in. The model enters only through
+`model.apply`."""
 
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from electra_jax import random_ops
 from electra_jax.errors import ConfigError
+from electra_jax.models import Towers
 
+# The additive counts of a forward: each starts at zero, so every objective reports them all (the
+# detector's counts come from the per-token arrays, see official_metrics).
 STAT_KEYS = (
     "mlm_loss_sum",
     "mlm_correct",
     "sampled_correct",
     "num_predictions",
-    "disc_loss_sum",
-    "disc_true_pos",
-    "disc_false_pos",
-    "disc_false_neg",
-    "disc_true_neg",
-    "num_tokens",
     "main_loss_sum",
     "main_correct",
     "main_count",
@@ -45,24 +43,14 @@ class ElectraObjective:
   cls_id: int
   sep_id: int
   name: str = "electra"
-  random_token_prob: float = (
-      0.0  # of the chosen positions, the share given a random token (BERT's 10%)
-  )
-  vocab_size: int = (
-      0  # the tokenizer's (0: the model's rows, which may be more): softmaxes and samples keep to it
-  )
-  adversarial_mlm_weight: float = (
-      0.0  # adversarial: weight of the generator's L_MLM beside REINFORCE
-  )
-  disallow_correct: bool = (
-      False  # the official option: the original's logit loses 1000 before sampling
-  )
+  random_token_prob: float = 0.0  # of the chosen positions, the share given a random token
+  # The tokenizer's (0: the model's rows, which may be more): softmaxes and samples keep to it.
+  vocab_size: int = 0
+  adversarial_mlm_weight: float = 0.0  # adversarial: the weight of L_MLM beside REINFORCE
+  disallow_correct: bool = False  # the official option: the original's logit loses 1000
   # The sampling temperature at step 0 (None: `temperature`), falling linearly to `temperature`.
   initial_temperature: float | None = None
-  disc_mlm_weight: float = (
-      0.0  # electra(_15): the discriminator's own MLM loss on the corrupted input (0: none)
-  )
-
+  disc_mlm_weight: float = 0.0  # electra(_15): the discriminator's own MLM loss (0: none)
   uses_generator: bool = True  # False: replacements are drawn uniformly (no generator tower)
 
   @property
@@ -77,11 +65,9 @@ def temperature_falls(o) -> bool:
 def temperature_decay_steps(config) -> int:
   """The steps over which the sampling temperature falls to objective.temperature (0: no schedule)."""
   o = config.objective
-  return (
-      max(1, round(o.temperature_decay_fraction * config.train.steps))
-      if temperature_falls(o)
-      else 0
-  )
+  if not temperature_falls(o):
+    return 0
+  return max(1, round(o.temperature_decay_fraction * config.train.steps))
 
 
 def sampling_temperature(objective: ElectraObjective, step, decay_steps):
@@ -92,10 +78,8 @@ def sampling_temperature(objective: ElectraObjective, step, decay_steps):
   if initial is None or initial == final:
     return final
   # 0 decay steps (no schedule) stays at the initial temperature rather than divide 0 by 0.
-  progress = jnp.minimum(jnp.asarray(step, jnp.float32), decay_steps) / jnp.maximum(
-      decay_steps, 1.0
-  )
-  return initial + (final - initial) * progress
+  step = jnp.minimum(jnp.asarray(step, jnp.float32), decay_steps)
+  return initial + (final - initial) * (step / jnp.maximum(decay_steps, 1.0))
 
 
 def official_max_predictions(mask_prob: float, max_seq_len: int) -> int:
@@ -119,8 +103,10 @@ def vocabulary_only(logits, vocab_size: int):
   return jnp.where(in_vocabulary, logits, jnp.float32(-1e9))
 
 
-def _rows(batch_size: int) -> jax.Array:
-  return jnp.arange(batch_size)[:, None]
+def at_slots(shape, masked: MaskedInputs, values) -> jax.Array:
+  """[batch, seq] float32: `values` [batch, n_pred] at the masked positions, 0 elsewhere."""
+  rows = jnp.arange(shape[0])[:, None]
+  return jnp.zeros(shape, jnp.float32).at[rows, masked.positions].max(values)
 
 
 def candidate_mask(input_ids, attention_mask, objective: ElectraObjective):
@@ -142,8 +128,7 @@ def mask_tokens(rng, input_ids, attention_mask, objective: ElectraObjective) -> 
 
   # A uniform score per candidate and top-k gives a uniform draw without replacement.
   scores = jnp.where(is_candidate, jax.random.uniform(choose_rng, (batch_size, seq_len)), -1.0)
-  _, positions = jax.lax.top_k(scores, num_slots)
-  positions = positions.astype(jnp.int32)
+  positions = jax.lax.top_k(scores, num_slots)[1].astype(jnp.int32)
   is_used = jnp.arange(num_slots)[None, :] < num_to_predict[:, None]  # [batch, n_pred]
 
   target_ids = jnp.take_along_axis(input_ids, positions, axis=1)
@@ -155,7 +140,7 @@ def mask_tokens(rng, input_ids, attention_mask, objective: ElectraObjective) -> 
     random_rng = jax.random.fold_in(replace_rng, 1)  # leaves the default draws as they were
     random_ids = jax.random.randint(random_rng, (batch_size, num_slots), 0, objective.vocab_size)
     new_ids = jnp.where(put_random, random_ids, new_ids)
-  masked_ids = input_ids.at[_rows(batch_size), positions].set(new_ids)
+  masked_ids = input_ids.at[jnp.arange(batch_size)[:, None], positions].set(new_ids)
   return MaskedInputs(masked_ids, positions, is_used.astype(jnp.float32), target_ids)
 
 
@@ -167,20 +152,16 @@ def sample_tokens(keys, logits, temperature: float, disallowed_ids=None):
   if disallowed_ids is not None:
     logits = logits - 1000.0 * jax.nn.one_hot(disallowed_ids, logits.shape[-1], dtype=jnp.float32)
   gumbel = jax.vmap(lambda key: random_ops.gumbel(key, logits.shape[1:]))(keys)
-  return jax.lax.stop_gradient(_argmax_first(logits + gumbel).astype(jnp.int32))
+  return jax.lax.stop_gradient(_max_and_argmax(logits + gumbel)[1])
 
 
 def corrupt(input_ids, masked: MaskedInputs, sampled_ids):
   """(corrupted_ids, is_replaced): the ORIGINAL input with the samples at the used masked positions; a
   sample equal to the original token is labelled original."""
   new_tokens = jnp.where(masked.weights > 0, sampled_ids, masked.target_ids)
-  corrupted_ids = input_ids.at[_rows(input_ids.shape[0]), masked.positions].set(new_tokens)
+  rows = jnp.arange(input_ids.shape[0])[:, None]
+  corrupted_ids = input_ids.at[rows, masked.positions].set(new_tokens)
   return corrupted_ids, corrupted_ids != input_ids
-
-
-def masked_position_weights(masked: MaskedInputs, shape) -> jax.Array:
-  """[batch, seq] float32: 1 at the used masked positions, 0 elsewhere."""
-  return jnp.zeros(shape, jnp.float32).at[_rows(shape[0]), masked.positions].max(masked.weights)
 
 
 class Normalizers(NamedTuple):
@@ -192,14 +173,9 @@ class Normalizers(NamedTuple):
 
   @classmethod
   def of(cls, masked: MaskedInputs, attention_mask, candidates=None):
-    num_tokens = jnp.maximum(attention_mask.astype(jnp.float32).sum(), 1.0)
-    return cls(
-        jnp.maximum(masked.weights.sum(), 1.0),
-        num_tokens,
-        num_tokens
-        if candidates is None
-        else jnp.maximum(candidates.astype(jnp.float32).sum(), 1.0),
-    )
+    count = lambda x: jnp.maximum(x.astype(jnp.float32).sum(), 1.0)  # noqa: E731
+    candidates = attention_mask if candidates is None else candidates
+    return cls(count(masked.weights), count(attention_mask), count(candidates))
 
 
 def _max_and_argmax(z):
@@ -213,18 +189,13 @@ def _max_and_argmax(z):
   return jax.lax.platform_dependent(z, cpu=_two_reductions, default=one_reduction)
 
 
-def _argmax_first(z):
-  return _max_and_argmax(z)[1]
-
-
 def _two_reductions(z):
   """(maximum, its first index) along the last axis, the index searched in float32 (exact below 2**24)."""
   assert z.shape[-1] < 2**24, z.shape
   top = z.max(-1)
   index = jax.lax.broadcasted_iota(jnp.float32, z.shape, z.ndim - 1)
-  return top, jnp.min(jnp.where(z == top[..., None], index, float(z.shape[-1])), -1).astype(
-      jnp.int32
-  )
+  first = jnp.min(jnp.where(z == top[..., None], index, float(z.shape[-1])), -1)
+  return top, first.astype(jnp.int32)
 
 
 @jax.custom_vjp
@@ -240,14 +211,8 @@ def _weighted_nll_sum_fwd(logits, top, target_ids, weights):
   total = shifted_exp.sum(-1)
   lse = jnp.log(total) + top
   target = jnp.take_along_axis(logits, target_ids[..., None], axis=-1)[..., 0]
-  return (((lse - target) * weights).sum(), lse), (
-      logits,
-      shifted_exp,
-      total,
-      lse,
-      target_ids,
-      weights,
-  )
+  nll_sum = ((lse - target) * weights).sum()
+  return (nll_sum, lse), (logits, shifted_exp, total, lse, target_ids, weights)
 
 
 def _weighted_nll_sum_bwd(residuals, grads):
@@ -272,16 +237,14 @@ def _weighted_nll_sum_bwd(residuals, grads):
 _weighted_nll_sum.defvjp(_weighted_nll_sum_fwd, _weighted_nll_sum_bwd)
 
 
-def mlm_sums(logits, target_ids, weights, with_log_normalizer: bool = False):
-  """(summed cross-entropy, summed correct argmax) against targets (and each row's logsumexp, no gradient):
-  the accuracy's argmax also finds the logsumexp's shift, so the logits are read as few times as possible.
-  """
+def mlm_sums(logits, target_ids, weights):
+  """(summed cross-entropy, summed correct argmax, each row's logsumexp without gradient) against
+  the targets: the accuracy's argmax also finds the logsumexp's shift, so the logits are read few
+  times."""
   top, predicted = _max_and_argmax(jax.lax.stop_gradient(logits))
   nll_sum, log_normalizer = _weighted_nll_sum(logits, top, target_ids, weights)
-  correct = (predicted == target_ids) * weights
-  if with_log_normalizer:
-    return nll_sum, correct.sum(), jax.lax.stop_gradient(log_normalizer)
-  return nll_sum, correct.sum()
+  correct = ((predicted == target_ids) * weights).sum()
+  return nll_sum, correct, jax.lax.stop_gradient(log_normalizer)
 
 
 def bce(logits, labels):
@@ -292,42 +255,46 @@ def bce(logits, labels):
 # --- The forward pass: the pieces the objectives are built from
 @dataclasses.dataclass
 class Pass:
-  """What an objective's forward reads: the model, one (micro-)batch and its masking, the step, and the
-  `stats` it adds its counts to."""
+  """One (micro-)batch through the towers with its masking drawn: what an objective's forward
+  reads, and the `stats` it adds its counts to. `sample_keys` [batch]: per-example keys;
+  `temperature` None: objective.temperature (evaluation's); `schedule`: the optimizer's."""
 
-  model: object
-  params: object
+  model: Any
+  params: Any
   batch: dict
   masked: MaskedInputs
   sample_keys: jax.Array
-  gen_rng: jax.Array
-  disc_rng: jax.Array
+  dropout_rng: jax.Array
   objective: ElectraObjective
   normalizers: Normalizers
-  deterministic: bool
-  step: object
-  temperature: object
-  schedule: object  # the optimizer's Schedule (two_stage reads its switch)
-  stats: dict
+  deterministic: bool = False
+  step: Any = None
+  temperature: Any = None
+  schedule: Any = None
 
-  @property
-  def token_weights(self):
-    return self.batch["attention_mask"].astype(jnp.float32)
+  def __post_init__(self):
+    self.gen_rng, self.disc_rng = jax.random.split(self.dropout_rng)
+    if self.temperature is None:
+      self.temperature = self.objective.temperature
+    self.token_weights = self.batch["attention_mask"].astype(jnp.float32)
+    self.stats = dict.fromkeys(STAT_KEYS, jnp.zeros((), jnp.float32))
+    self.stats["num_predictions"] = self.masked.weights.sum()
 
-  def tower(self, method, ids, *args, rng):
+  def generator(self, ids, positions=None):
+    """The generator's logits on `ids` at `positions` (every position when None)."""
+    return self._apply(self.model.generator_logits, ids, positions, self.gen_rng)
+
+  def discriminator(self, ids, positions=None):
+    """The discriminator's logits on `ids`; with its MLM head, a pair (see ElectraPretrainer)."""
+    return self._apply(self.model.discriminator_logits, ids, positions, self.disc_rng)
+
+  def _apply(self, method, ids, positions, rng):
     # Packed rows (data.pack_rows) carry segment ids, which the model reads in place of the
     # padding mask; losses and masking still weigh real tokens only.
-    model_mask = self.batch.get("segment_ids", self.batch["attention_mask"])
-    return self.model.apply(
-        {"params": self.params},
-        ids,
-        self.batch["token_type_ids"],
-        model_mask,
-        *args,
-        self.deterministic,
-        method=method,
-        rngs={"dropout": rng},
-    )
+    mask = self.batch.get("segment_ids", self.batch["attention_mask"])
+    inputs = (ids, self.batch["token_type_ids"], mask, positions)
+    kwargs = dict(deterministic=self.deterministic, method=method, rngs={"dropout": rng})
+    return self.model.apply({"params": self.params}, *inputs, **kwargs)
 
 
 class Sampled(NamedTuple):
@@ -348,9 +315,7 @@ def generator_logits(p: Pass):
   """[batch, n_pred, vocab]: the generator at the masked slots, or without one (the official
   uniform_generator) zeros: uniform samples and a constant L_MLM."""
   if p.objective.uses_generator:
-    logits = p.tower(
-        p.model.generator_logits, p.masked.input_ids, p.masked.positions, rng=p.gen_rng
-    )
+    logits = p.generator(p.masked.input_ids, p.masked.positions)
   else:
     # Zeros made from the batch: XLA would fold the losses and sampling over a constant array
     # at compile time, for seconds to minutes.
@@ -361,29 +326,25 @@ def generator_logits(p: Pass):
 
 def sample(p: Pass, gen_logits) -> Sampled:
   """L_MLM of `gen_logits`, their samples and the corrupted input; the generator's counts go to p.stats."""
-  masked, objective, input_ids = p.masked, p.objective, p.batch["input_ids"]
+  masked, objective = p.masked, p.objective
   mlm_loss_sum, mlm_correct, log_normalizer = mlm_sums(
-      gen_logits, masked.target_ids, masked.weights, with_log_normalizer=True
+      gen_logits, masked.target_ids, masked.weights
   )
   disallowed = masked.target_ids if objective.disallow_correct else None
   sampled_ids = sample_tokens(p.sample_keys, gen_logits, p.temperature, disallowed)
-  corrupted_ids, is_replaced = corrupt(input_ids, masked, sampled_ids)
+  corrupted_ids, is_replaced = corrupt(p.batch["input_ids"], masked, sampled_ids)
   # The generator's probability (T=1) of each token it put in, for `summarize`'s AUCs by difficulty.
   sampled_logit = jnp.take_along_axis(
       jax.lax.stop_gradient(gen_logits).astype(jnp.float32), sampled_ids[..., None], axis=-1
   )[..., 0]
   sampled_prob = jnp.where(masked.weights > 0, jnp.exp(sampled_logit - log_normalizer), 0.0)
-  replaced_prob = (
-      jnp.zeros(input_ids.shape, jnp.float32)
-      .at[_rows(input_ids.shape[0]), masked.positions]
-      .set(sampled_prob)
-  )
   p.stats.update(
       mlm_loss_sum=mlm_loss_sum,
       mlm_correct=mlm_correct,
       sampled_correct=((sampled_ids == masked.target_ids) * masked.weights).sum(),
   )
   gen_loss = objective.gen_weight * mlm_loss_sum / p.normalizers.num_predictions
+  replaced_prob = at_slots(is_replaced.shape, masked, sampled_prob)
   return Sampled(
       gen_logits, sampled_ids, corrupted_ids, is_replaced, replaced_prob, mlm_loss_sum, gen_loss
   )
@@ -392,15 +353,12 @@ def sample(p: Pass, gen_logits) -> Sampled:
 def tower_mlm(p: Pass, input_ids, stat: str = "main"):
   """(replaced-token logits, MLM loss at the masked slots) of the discriminator tower on `input_ids`, one
   pass; the sums go to p.stats as <stat>_loss_sum and <stat>_correct (main_*: with main_count)."""
-  disc_logits, logits = p.tower(
-      p.model.discriminator_mlm_logits, input_ids, p.masked.positions, rng=p.disc_rng
-  )
-  loss_sum, correct = mlm_sums(
-      vocabulary_only(logits, p.objective.vocab_size), p.masked.target_ids, p.masked.weights
-  )
+  positions, targets, weights = p.masked.positions, p.masked.target_ids, p.masked.weights
+  disc_logits, logits = p.discriminator(input_ids, positions)
+  loss_sum, correct, _ = mlm_sums(vocabulary_only(logits, p.objective.vocab_size), targets, weights)
   p.stats.update({f"{stat}_loss_sum": loss_sum, f"{stat}_correct": correct})
   if stat == "main":
-    p.stats["main_count"] = p.masked.weights.sum()
+    p.stats["main_count"] = weights.sum()
   return disc_logits, loss_sum / p.normalizers.num_predictions
 
 
@@ -409,10 +367,11 @@ def discriminator_logits(p: Pass, corrupted_ids):
   if p.objective.disc_mlm_weight > 0:
     disc_logits, disc_mlm_loss = tower_mlm(p, corrupted_ids)
     return disc_logits, p.objective.disc_mlm_weight * disc_mlm_loss
-  return p.tower(p.model.discriminator_logits, corrupted_ids, rng=p.disc_rng), None
+  return p.discriminator(corrupted_ids), None
 
 
 def token_arrays(disc_logits, is_replaced, token_weights, replaced_prob) -> dict:
+  """The per-token arrays `summarize` reads, [batch, seq] each."""
   return {
       "disc_logits": disc_logits,
       "is_replaced": is_replaced,
@@ -422,23 +381,12 @@ def token_arrays(disc_logits, is_replaced, token_weights, replaced_prob) -> dict
 
 
 def detection_loss(p: Pass, disc_logits, is_replaced, replaced_prob, only_masked: bool = False):
-  """(disc_weight * L_Disc over the real tokens (or the used masked positions), per_token); counts to p.stats."""
+  """(disc_weight * L_Disc over the real tokens (or the used masked positions), per_token)."""
   token_weights, normalizer = p.token_weights, p.normalizers.num_tokens
   if only_masked:
-    token_weights, normalizer = (
-        masked_position_weights(p.masked, is_replaced.shape),
-        p.normalizers.num_predictions,
-    )
+    token_weights = at_slots(is_replaced.shape, p.masked, p.masked.weights)
+    normalizer = p.normalizers.num_predictions
   disc_loss_sum = (bce(disc_logits, is_replaced.astype(jnp.float32)) * token_weights).sum()
-  predicted = disc_logits > 0
-  p.stats.update(
-      disc_loss_sum=disc_loss_sum,
-      disc_true_pos=((predicted & is_replaced) * token_weights).sum(),
-      disc_false_pos=((predicted & ~is_replaced) * token_weights).sum(),
-      disc_false_neg=((~predicted & is_replaced) * token_weights).sum(),
-      disc_true_neg=((~predicted & ~is_replaced) * token_weights).sum(),
-      num_tokens=token_weights.sum(),
-  )
   loss = p.objective.disc_weight * disc_loss_sum / normalizer
   return loss, token_arrays(disc_logits, is_replaced, token_weights, replaced_prob)
 
@@ -451,10 +399,6 @@ def detect(p: Pass, only_masked: bool = False):
   return s, disc_logits, disc_loss, main_loss, per_token
 
 
-def nan_metrics(metrics, names) -> None:
-  metrics.update(dict.fromkeys(names, jnp.full((), jnp.nan, jnp.float32)))
-
-
 def main_mlm_metrics(metrics, stats) -> None:
   main_count = jnp.maximum(stats["main_count"], 1.0)
   metrics["main_mlm_loss"] = stats["main_loss_sum"] / main_count
@@ -462,13 +406,12 @@ def main_mlm_metrics(metrics, stats) -> None:
 
 
 def rtd_metrics(metrics, stats, objective, per_token):
-  metrics["loss"] = (
-      objective.gen_weight * metrics["masked_lm_loss"]
-      + objective.disc_weight * metrics["disc_loss"]
-  )
+  """The reported loss: gen_weight * L_MLM + disc_weight * L_Disc (+ the tower's own MLM)."""
+  metrics["loss"] = objective.gen_weight * metrics["masked_lm_loss"]
+  metrics["loss"] += objective.disc_weight * metrics["disc_loss"]
   if objective.disc_mlm_weight > 0:
     main_mlm_metrics(metrics, stats)
-    metrics["loss"] = metrics["loss"] + objective.disc_mlm_weight * metrics["main_mlm_loss"]
+    metrics["loss"] += objective.disc_mlm_weight * metrics["main_mlm_loss"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -479,13 +422,9 @@ class Objective:
 
   forward: Callable
   metrics: Callable = rtd_metrics
-  has_generator: bool = True  # a generator tower is built and samples the replacements
+  towers: Towers = Towers()
   samples: bool = True  # replacements are sampled at a temperature
-  mlm_head: bool = False  # the discriminator-sized tower has an MLM head
   disc_mlm: bool = False  # objective.disc_mlm_weight may add the tower's own MLM loss
-  cloze: bool = (
-      False  # the generator is Electric's two-tower cloze model, reading the unmasked input
-  )
   # (keep_original_prob, random_token_prob) in place of (objective.keep_original_prob, 0).
   masking: tuple[float, float] | None = None
   check: Callable = lambda config: None  # raises ConfigError
@@ -507,20 +446,16 @@ class Objective:
 def check_no_generator_to_share(config):
   if config.model.tie == "all":
     raise ConfigError(
-        f"objective.name={config.objective.name!r} has no generator tower to share an encoder with; use "
-        "model.tie='embeddings' (or 'none', 'gdes')."
+        f"objective.name={config.objective.name!r} has no generator tower to share an encoder "
+        "with: use model.tie='embeddings' (or 'none', 'gdes')."
     )
 
 
 # --- Metrics
-def binary_auc(scores, labels, weights):
-  """Exact ROC AUC (Mann-Whitney U with ties counted half) over entries with weight > 0; NaN when
-  they hold no positive or no negative, or a NaN score."""
-  return binary_aucs(scores, labels, weights, [labels])[0]
-
-
 def binary_aucs(scores, labels, weights, positive_subsets) -> list:
-  """binary_auc of each subset of the positives (a mask like `labels`) against all negatives, sorted once."""
+  """Exact ROC AUC (Mann-Whitney U, ties counted half) of each subset of the positives (a mask like
+  `labels`) against all negatives, over entries with weight > 0; NaN without a positive or a
+  negative in them, or with a NaN score."""
   scores, labels = scores.reshape(-1), labels.reshape(-1).astype(bool)
   valid = weights.reshape(-1) > 0
   is_neg = valid & ~labels
@@ -545,42 +480,36 @@ REPLACED_BINS = (("unlikely", 0.0, 0.01), ("plausible", 0.01, 0.1), ("likely", 0
 BINNED_METRICS = tuple(
     f"{prefix}_{name}" for prefix in ("disc_auc", "replaced_share") for name, _, _ in REPLACED_BINS
 )
-DISC_METRICS = (
-    "disc_loss",
-    "disc_auc",
-    "disc_accuracy",
-    "disc_precision",
-    "disc_recall",
-    *(f"disc_auc_{name}" for name, _, _ in REPLACED_BINS),
+DISC_METRICS = ("disc_loss", "disc_auc", "disc_accuracy", "disc_precision", "disc_recall") + tuple(
+    f"disc_auc_{name}" for name, _, _ in REPLACED_BINS
 )
 
 
 def official_metrics(stats, per_token_arrays) -> dict[str, jax.Array]:
-  """The official metrics from summed stats, disc_auc_<bin> (a bin's replaced tokens against every
-  original) and replaced_share_<bin> by REPLACED_BINS; each objective adds the loss and its own keys.
-  """
+  """The official metrics from summed stats and the detector's per-token arrays, disc_auc_<bin> (a
+  bin's replaced tokens against every original) and replaced_share_<bin> by REPLACED_BINS; each
+  objective adds the loss and its own keys."""
   num_predictions = jnp.maximum(stats["num_predictions"], 1.0)
-  num_tokens = jnp.maximum(stats["num_tokens"], 1.0)
-  true_pos = stats["disc_true_pos"]
+  logits, weights = per_token_arrays["disc_logits"], per_token_arrays["token_weights"]
   is_replaced = per_token_arrays["is_replaced"].astype(bool)
-  weights, prob = per_token_arrays["token_weights"], per_token_arrays["replaced_prob"]
+  prob, predicted = per_token_arrays["replaced_prob"], logits > 0
   in_bins = [(prob >= low) & (prob < high) for _, low, high in REPLACED_BINS]
-  aucs = binary_aucs(per_token_arrays["disc_logits"], is_replaced, weights, [is_replaced] + in_bins)
-  replaced = (is_replaced * weights).sum()
+  aucs = binary_aucs(logits, is_replaced, weights, [is_replaced] + in_bins)
+  count = lambda where: (where * weights).sum()  # noqa: E731
+  num_tokens, replaced = jnp.maximum(weights.sum(), 1.0), count(is_replaced)
+  true_pos = count(predicted & is_replaced)
   metrics = {
       "masked_lm_loss": stats["mlm_loss_sum"] / num_predictions,
       "masked_lm_accuracy": stats["mlm_correct"] / num_predictions,
       "sampled_masked_lm_accuracy": stats["sampled_correct"] / num_predictions,
-      "disc_loss": stats["disc_loss_sum"] / num_tokens,
+      "disc_loss": count(bce(logits, is_replaced.astype(jnp.float32))) / num_tokens,
       "disc_auc": aucs[0],
+      "disc_accuracy": count(predicted == is_replaced) / num_tokens,
+      "disc_precision": true_pos / jnp.maximum(count(predicted), 1.0),
+      "disc_recall": true_pos / jnp.maximum(replaced, 1.0),
+      "replaced_fraction": replaced / num_tokens,
   }
   for (name, _, _), auc, in_bin in zip(REPLACED_BINS, aucs[1:], in_bins):
     metrics[f"disc_auc_{name}"] = auc
-    metrics[f"replaced_share_{name}"] = ((is_replaced & in_bin) * weights).sum() / replaced
-  metrics.update(
-      disc_accuracy=(true_pos + stats["disc_true_neg"]) / num_tokens,
-      disc_precision=true_pos / jnp.maximum(true_pos + stats["disc_false_pos"], 1.0),
-      disc_recall=true_pos / jnp.maximum(true_pos + stats["disc_false_neg"], 1.0),
-      replaced_fraction=(true_pos + stats["disc_false_neg"]) / num_tokens,
-  )
+    metrics[f"replaced_share_{name}"] = count(is_replaced & in_bin) / replaced
   return metrics

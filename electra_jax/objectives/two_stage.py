@@ -19,17 +19,12 @@ def _two_stage(p: Pass):
 
 def _check_two_stage(config):
   m = config.model
-  if m.generator_fraction != 1.0 or m.tie == "all":
+  if m.generator_fraction != 1.0 or m.tie in ("all", "none"):
     raise ConfigError(
-        "objective.name='two_stage' starts the discriminator from the generator's weights, so the "
-        f"towers must be the same size and separate: model.generator_fraction=1.0 (is "
-        f"{m.generator_fraction}) and model.tie other than 'all' (is {m.tie!r})."
-    )
-  if m.tie == "none":
-    raise ConfigError(
-        "objective.name='two_stage' starts the discriminator from the generator's weights, but with "
-        "model.tie='none' the generator's embeddings are its own, so the discriminator would enter its "
-        "stage with embeddings nothing trained: use model.tie='embeddings' (the paper's) or 'gdes'."
+        "objective.name='two_stage' starts the discriminator from the generator's encoder, so the "
+        "towers must be the same size, separate and over shared embeddings: set "
+        f"model.generator_fraction=1.0 (is {m.generator_fraction}) and model.tie='embeddings' or "
+        f"'gdes' (is {m.tie!r})."
     )
 
 
@@ -39,22 +34,18 @@ class TwoStage(Objective):
   def before_step(self, objective, params, step, schedule):
     """At the switch step the discriminator's encoder becomes a copy of the generator's (its head stays)."""
     now = step == schedule.switch
-    encoder = jax.tree.map(
-        lambda g, d: jnp.where(now, g, d),
-        params["generator"]["encoder"],
-        params["discriminator"]["encoder"],
-    )
+    gen, disc = params["generator"]["encoder"], params["discriminator"]["encoder"]
+    encoder = jax.tree.map(lambda g, d: jnp.where(now, g, d), gen, disc)
     return {**params, "discriminator": {**params["discriminator"], "encoder": encoder}}
 
   def updates(self, objective, updates, step, schedule):
     """Only the tower of the current stage moves (weight decay included)."""
     second = step >= schedule.switch
-    hold = lambda tree, keep: jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), tree)  # noqa: E731
-    return {
-        **updates,
-        "generator": hold(updates["generator"], ~second),
-        "discriminator": hold(updates["discriminator"], second),
+    moving = {"generator": ~second, "discriminator": second}
+    held = {
+        k: jax.tree.map(lambda u, m=m: jnp.where(m, u, 0.0), updates[k]) for k, m in moving.items()
     }
+    return {**updates, **held}
 
   def fixed_at_start(self, config, saved: dict | None, start_step: int | None) -> dict:
     """The switch is fixed at a run's first start and written to config.json: left at 0 it is half of
@@ -73,12 +64,7 @@ class TwoStage(Objective):
           " (as this workdir recorded)" if recorded else "",
       )
     fixed = {"objective.two_stage_switch": switch}
-    if (
-        start_step is None
-        or recorded is None
-        or switch == recorded
-        or start_step <= min(switch, recorded)
-    ):
+    if start_step is None or recorded in (None, switch) or start_step <= min(switch, recorded):
       return fixed
     harm = (
         "copy the generator's encoder over the trained discriminator again"
