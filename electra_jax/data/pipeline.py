@@ -253,7 +253,7 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
         "; ".join(ignored),
     )
   tokenizer = prepared_tokenizer(config, manifest)
-  rows, entries, lengths = shards.load_split(
+  rows, entries, lengths, verification = shards.load_split(
       directory, manifest, split, config["pack_rows"], tokenizer.vocab_size
   )
   if not entries:
@@ -281,7 +281,7 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
       fingerprint,
       plan_rows(lengths, max_seq_len) if config["pack_rows"] else None,
       int(manifest["totals"][f"{split}_tokens"]),
-      shards.verify_in_background(directory, entries, tokenizer.vocab_size, split),
+      verification,
   )
   logging.info(
       "loaded %s data from %s: %d examples in %d shards, %d tokens, %d rows (%.1f%% tokens)",
