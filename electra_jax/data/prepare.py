@@ -22,6 +22,7 @@ from electra_jax import config_lib, workdir_files
 from electra_jax.data import corpus, shards, sources
 from electra_jax.data.config import read_config
 from electra_jax.data.sources import DOCUMENT_SOURCES, RECORD_SOURCES
+from electra_jax.data.tfds_source import TfdsCorpus
 from electra_jax.data.packing import pack_documents
 from electra_jax.data.shards import PREPARED_FORMAT_VERSION, SPLITS
 from electra_jax.data.tokenizer import TOKENIZER_FILES, TRAINING_THREADS, NoSentencesError
@@ -49,9 +50,7 @@ def is_eval_document(index: int, eval_fraction: float) -> bool:
 def _record_corpus(config):
   if config["source"] == "hf_datasets":
     return sources.HfDatasetCorpus(config["hf_path"], config["hf_split"], config["text_field"])
-  from electra_jax.data.tfds_source import TfdsCorpus  # noqa: PLC0415  (imports tfds, which is heavy)
-
-  return TfdsCorpus(
+  return TfdsCorpus(  # (tensorflow_datasets is imported only here)
       config["tfds_name"], config["tfds_split"], config["tfds_text_field"], config["tfds_data_dir"]
   )
 
