@@ -38,7 +38,8 @@ def read_documents(source, paths, text_field="text", max_documents=None):
   documents = list(sources.iter_documents(source, paths, text_field, stats))[:max_documents]
   sources.log_stats(source, stats)
   if not documents:
-    raise sources.no_usable_text_error(source, paths, text_field, stats)
+    config = {"source": source, "files": paths, "text_field": text_field}
+    raise prepare.no_documents_error(config, stats)
   return documents, stats
 
 

@@ -13,16 +13,7 @@ from collections.abc import Iterator
 
 # Directories of no representative prose (tests, vendored code, demos) or outside the stdlib proper.
 _SKIPPED_DIRS = frozenset(
-    {
-        "test",
-        "tests",
-        "site-packages",
-        "idlelib",
-        "__pycache__",
-        "lib2to3",
-        "turtledemo",
-        "ensurepip",
-    }
+    "test tests site-packages idlelib __pycache__ lib2to3 turtledemo ensurepip".split()
 )
 
 # Bump when the extraction rules change: caches keyed on the sources are rebuilt.

@@ -89,10 +89,6 @@ class RowPacking:
   def num_rows(self) -> int:
     return int(self.row_splits.shape[0] - 1)
 
-  def real_token_fraction(self) -> float:
-    """Share of the packed rows' positions that hold tokens (1 - the padding share)."""
-    return float(self.lengths.sum(dtype=np.int64)) / max(1, self.num_rows * self.max_seq_len)
-
 
 def example_lengths(input_ids, pad_id: int, block_rows: int = 1 << 16) -> np.ndarray:
   """int32 [num_examples]: each right-padded example's length (its last non-pad token + 1), read in blocks

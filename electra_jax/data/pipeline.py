@@ -69,12 +69,10 @@ def _corpus_cache_dir(config) -> str:
     key_fields.update(
         spm_vocab_size=config["spm_vocab_size"], spm_model_type=config["spm_model_type"]
     )
-  elif config["spm_model_file"]:
-    key_fields["spm_model"] = configured_tokenizer(config).fingerprint
-  else:
-    key_fields.update(
-        tokenizer=config["tokenizer"], wordpiece=configured_tokenizer(config).fingerprint
-    )
+  else:  # a given model or vocab.txt
+    fingerprint = configured_tokenizer(config).fingerprint
+    wordpiece = {"tokenizer": config["tokenizer"], "wordpiece": fingerprint}
+    key_fields.update({"spm_model": fingerprint} if config["spm_model_file"] else wordpiece)
   return os.path.join(config["cache_dir"], config["source"], prepare.config_key(key_fields))
 
 
@@ -101,16 +99,9 @@ def _loadable(data_config, split: str | None = None) -> dict:
     config = dict(config, prepared_dir=directory)
     if split is None:
       return config
-    manifest = shards.read_manifest(directory)
-    files = workdir_files.list_files(directory)
-    if (
-        manifest is None
-        or not manifest.get("complete")
-        or not all(
-            shards.shard_is_intact(directory, entry, files, checksums=False)
-            for entry in manifest["shards"]
-        )
-    ):
+    manifest, files = shards.read_manifest(directory), workdir_files.list_files(directory)
+    intact = lambda entry: shards.shard_is_intact(directory, entry, files, checksums=False)
+    if manifest is None or not manifest.get("complete") or not all(map(intact, manifest["shards"])):
       logging.info("no cached data in %s; preparing it", directory)
       prepare.prepare_config(config, num_workers=0)
   return config
@@ -253,7 +244,7 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
         "; ".join(ignored),
     )
   tokenizer = prepared_tokenizer(config, manifest)
-  rows, entries, lengths = shards.load_split(
+  rows, entries, lengths, verification = shards.load_split(
       directory, manifest, split, config["pack_rows"], tokenizer.vocab_size
   )
   if not entries:
@@ -281,7 +272,7 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
       fingerprint,
       plan_rows(lengths, max_seq_len) if config["pack_rows"] else None,
       int(manifest["totals"][f"{split}_tokens"]),
-      shards.verify_in_background(directory, entries, tokenizer.vocab_size, split),
+      verification,
   )
   logging.info(
       "loaded %s data from %s: %d examples in %d shards, %d tokens, %d rows (%.1f%% tokens)",

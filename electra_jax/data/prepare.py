@@ -22,6 +22,7 @@ from electra_jax import config_lib, workdir_files
 from electra_jax.data import corpus, shards, sources
 from electra_jax.data.config import read_config
 from electra_jax.data.sources import DOCUMENT_SOURCES, RECORD_SOURCES
+from electra_jax.data.tfds_source import TfdsCorpus
 from electra_jax.data.packing import pack_documents
 from electra_jax.data.shards import PREPARED_FORMAT_VERSION, SPLITS
 from electra_jax.data.tokenizer import TOKENIZER_FILES, TRAINING_THREADS, NoSentencesError
@@ -31,6 +32,9 @@ from electra_jax.errors import ConfigError
 
 _LOG_EVERY_S = 10.0
 _MANIFEST_EVERY_S = 2.0
+_PROGRESS = (
+    "prepare_data: %d shards, %d documents, %d tokens, %.0f tokens/s, %s of the input, ETA %s"
+)
 # Bump whenever extraction or packing would produce different arrays: it keys the cache and
 # enters the data fingerprint, so stale arrays are rebuilt and checkpoints refuse changed data.
 PACKING_FORMAT_VERSION = 3
@@ -46,9 +50,7 @@ def is_eval_document(index: int, eval_fraction: float) -> bool:
 def _record_corpus(config):
   if config["source"] == "hf_datasets":
     return sources.HfDatasetCorpus(config["hf_path"], config["hf_split"], config["text_field"])
-  from electra_jax.data.tfds_source import TfdsCorpus  # noqa: PLC0415  (imports tfds, which is heavy)
-
-  return TfdsCorpus(
+  return TfdsCorpus(  # (tensorflow_datasets is imported only here)
       config["tfds_name"], config["tfds_split"], config["tfds_text_field"], config["tfds_data_dir"]
   )
 
@@ -91,9 +93,18 @@ def iter_source_documents(config, stats: sources.SourceStats):
 
 
 def no_documents_error(config, stats: sources.SourceStats) -> ConfigError:
-  source = config["source"]
+  source, text_field = config["source"], config["text_field"]
   if source in sources.FILE_SOURCES:
-    return sources.no_usable_text_error(source, config["files"], config["text_field"], stats)
+    why = f" ({stats.summary()})" if stats.problems else ""
+    wanted = (
+        f"files whose JSON lines hold a string field {text_field!r} (data.text_field)."
+        if source == "jsonl"
+        else "files with one sentence or paragraph per line."
+    )
+    return ConfigError(
+        f"data.source={source!r}: no usable text in data.files {config['files']}{why}. Point "
+        f"data.files at non-empty UTF-8 {wanted}"
+    )
   if source == "builtin":
     return ConfigError(
         f"The built-in corpus gave no documents (max_documents={config['max_documents']})."
@@ -117,9 +128,7 @@ def _require_documents(config, mode: str) -> None:
 
 
 def _default_workers() -> int:
-  if hasattr(os, "sched_getaffinity"):  # Linux
-    return len(os.sched_getaffinity(0))
-  return os.cpu_count() or 1
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) -> dict:
@@ -177,15 +186,11 @@ _WORKER_TOKENIZER = None
 
 
 def _init_worker(tokenizer, parent: int) -> None:
+  """Sets this worker's tokenizer; ends the worker once `parent` is gone (it would wait on its task
+  queue forever): the parent passes its pid, as one dead before this ran shows another here."""
   global _WORKER_TOKENIZER
   os.environ["RAYON_NUM_THREADS"] = "1"  # the workers are the parallelism
   _WORKER_TOKENIZER = tokenizer
-  _exit_with_parent(parent)
-
-
-def _exit_with_parent(parent: int) -> None:
-  """Ends this worker once `parent` is gone (it would wait on its task queue forever); the parent passes
-  its pid, as a parent dead before this ran shows another one here."""
 
   def watch():
     while os.getppid() == parent:
@@ -442,16 +447,15 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
 
 
 def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest):
-  """Packs the shards not in `done` into it (on `num_workers` processes, 0: here); the manifest lists every
-  finished shard whenever this returns or raises. Returns the source's stats and each split's fingerprint.
-  """
+  """Packs the shards not in `done` into it (on `num_workers` processes, 0: here); the manifest lists
+  every finished shard whenever this returns or raises. Returns the source's stats and each split's
+  fingerprint."""
   out_dir, stats = config["prepared_dir"], sources.SourceStats()
   common = {key: config[key] for key in ("max_seq_len", "eval_fraction")}  # every shard's task
   common.update(out_dir=out_dir, dtype=shards.token_dtype(tokenizer.vocab_size))
   hashers = {split: hashlib.sha256() for split in SPLITS}
-  start = last_log = last_manifest_write = time.time()
-  packed_documents = packed_tokens = 0  # in this run
-  skipped_position = done_position = 0  # input consumed by shards done before / in this run
+  start = last_log = last_save = time.time()
+  packed_documents = packed_tokens = skipped_bytes = 0  # in this run; input of shards done before
   if num_workers:
     executor = concurrent.futures.ProcessPoolExecutor(
         num_workers,
@@ -461,14 +465,11 @@ def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest
     )
   else:  # a thread of this process, with this tokenizer (SIGTERM stops the main thread's loop)
     executor = concurrent.futures.ThreadPoolExecutor(1)
-  pending: dict[concurrent.futures.Future, int] = {}  # each task's position in the input
+  pending: set[concurrent.futures.Future] = set()  # each stays until `done` has its shard
 
   def drain() -> None:
-    nonlocal last_log, last_manifest_write, packed_documents, packed_tokens, done_position
-    finished, _ = concurrent.futures.wait(
-        list(pending), return_when=concurrent.futures.FIRST_COMPLETED
-    )
-    # Each stays in `pending` until `done` has it (a SIGTERM may stop this loop).
+    nonlocal last_log, last_save, packed_documents, packed_tokens
+    finished, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
     for future in finished:
       try:
         result = future.result()
@@ -483,28 +484,20 @@ def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest
             f"finished are kept in {out_dir}: fix the cause and run prepare_data again to resume."
         )
       done[result["index"]] = result
-      done_position = max(done_position, pending.pop(future))
+      pending.remove(future)
       packed_documents += result["num_documents"]
       packed_tokens += sum(entry["tokens"] for entry in result["splits"].values())
-      now = time.time()
-      if now - last_log >= _LOG_EVERY_S:  # an ETA from the share of the input consumed
-        last_log, total, elapsed = now, stats.total_bytes, max(now - start, 1e-9)
-        rate = (done_position - skipped_position) / elapsed  # of the input, in this run
-        eta = config_lib.format_duration((total - done_position) / rate) if rate and total else "?"
-        share = f"{100 * done_position / total:.1f}%" if total else "?"
-        logging.info(
-            "prepare_data: %d shards, %d documents, %d tokens, %.0f tokens/s, %s of the input, "
-            "ETA %s",
-            len(done),
-            packed_documents,
-            packed_tokens,
-            packed_tokens / elapsed,
-            share,
-            eta,
-        )
-      if now - last_manifest_write > _MANIFEST_EVERY_S:
+      now, read, total = time.time(), stats.bytes_read, stats.total_bytes
+      if now - last_log >= _LOG_EVERY_S:  # an ETA from the share of the input read in this run
+        last_log, elapsed = now, max(now - start, 1e-9)
+        rate = (read - skipped_bytes) / elapsed
+        eta = config_lib.format_duration((total - read) / rate) if rate and total else "?"
+        share = f"{100 * read / total:.1f}%" if total else "?"
+        counts = (len(done), packed_documents, packed_tokens, packed_tokens / elapsed)
+        logging.info(_PROGRESS, *counts, share, eta)
+      if now - last_save > _MANIFEST_EVERY_S:
         save_manifest()
-        last_manifest_write = now
+        last_save = now
 
   # A SIGTERM raises in the loop below, so its cleanup (workers, manifest) runs; one that lands in
   # a submit (which may spawn a worker) is raised after it, or the submitted shard would be lost.
@@ -525,6 +518,7 @@ def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest
   try:
     source_documents, size = iter_source_documents(config, stats), config["shard_documents"]
     for index in itertools.count():
+      before = stats.bytes_read
       documents, first = list(itertools.islice(source_documents, size)), index * size
       if not documents:
         break
@@ -532,13 +526,11 @@ def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest
         split = "eval" if is_eval_document(document_index, config["eval_fraction"]) else "train"
         hashers[split].update(corpus.document_bytes(document))
       if index in done:
-        skipped_position = stats.bytes_read
+        skipped_bytes += stats.bytes_read - before
         continue
       task = dict(common, index=index, first_document=first, documents=documents)
       submitting[0] = True
-      pending[executor.submit(pack_shard, task, None if num_workers else tokenizer)] = (
-          stats.bytes_read
-      )
+      pending.add(executor.submit(pack_shard, task, None if num_workers else tokenizer))
       submitting[0] = False
       if stopped:
         stop()

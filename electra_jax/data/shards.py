@@ -90,37 +90,31 @@ def sha256_file(path: str) -> str:
   return digest.hexdigest()
 
 
-def _problem(entry: dict, prefix: str, files: dict) -> str | None:
-  """What the cheap checks find wrong with the file `entry[prefix + "file"]` of `files`
-  (workdir_files.list_files): its size, and a bucket's own crc32c against the manifest's (0.1.0's
-  manifests have none); None when they pass."""
-  size, crc32c = files.get(entry[f"{prefix}file"], (None, None))
+def _problem(directory: str, entry: dict, prefix: str, files: dict, hashed: bool = False):
+  """What is wrong with the file `entry[prefix + "file"]` of `files` (workdir_files.list_files of
+  `directory`): its size, a bucket's own crc32c against the manifest's (0.1.0's have none) and,
+  `hashed`, its sha256 where no crc32c was compared; None when nothing is."""
+  name, wanted = entry[f"{prefix}file"], entry[f"{prefix}bytes"]
+  size, crc32c = files.get(name, (None, None))
   recorded = entry.get(f"{prefix}crc32c")
-  if size != entry[f"{prefix}bytes"]:
-    return (
-        "is missing"
-        if size is None
-        else f"has {size} bytes, the manifest says {entry[f'{prefix}bytes']}"
-    )
-  if None not in (crc32c, recorded) and crc32c != recorded:
+  if size != wanted:
+    return "is missing" if size is None else f"has {size} bytes, the manifest says {wanted}"
+  if None in (crc32c, recorded):
+    if hashed and sha256_file(os.path.join(directory, name)) != entry[f"{prefix}sha256"]:
+      return f"is not the file prepare_data wrote (its sha256 differs from {MANIFEST}'s)"
+  elif crc32c != recorded:
     return f"is not the file prepare_data wrote (its crc32c, {crc32c}, differs from {MANIFEST}'s)"
   return None
 
 
 def shard_is_intact(out_dir: str, entry: dict, files: dict, checksums: bool = True) -> bool:
-  """Whether a manifest's shard `entry` has its files in `files` (workdir_files.list_files of
-  `out_dir`) of their sizes and, with `checksums`, contents (sha256 where no crc32c was compared).
-  """
-  for split_entry in entry["splits"].values():
-    for prefix in ("", "lengths_") if split_entry["rows"] else ():
-      name = split_entry[f"{prefix}file"]
-      if _problem(split_entry, prefix, files) is not None:
-        return False
-      compared = files[name][1] is not None and f"{prefix}crc32c" in split_entry
-      if checksums and not compared:
-        if sha256_file(os.path.join(out_dir, name)) != split_entry[f"{prefix}sha256"]:
-          return False
-  return True
+  """Whether a manifest's shard `entry` passes _problem's checks (`checksums`: `hashed`)."""
+  splits = [split_entry for split_entry in entry["splits"].values() if split_entry["rows"]]
+  return all(
+      _problem(out_dir, split_entry, prefix, files, checksums) is None
+      for split_entry in splits
+      for prefix in ("", "lengths_")
+  )
 
 
 def _load(path: str, mmap_mode=None) -> np.ndarray:
@@ -134,15 +128,15 @@ def _load(path: str, mmap_mode=None) -> np.ndarray:
 
 def load_split(directory: str, manifest: dict, split: str, with_lengths: bool, vocab_size: int):
   """The non-empty shards of `split` after the cheap checks (sizes; a bucket's crc32c; on disk,
-  shapes and dtypes): (their rows, memory-mapped or read by ranges from a bucket; their manifest
-  entries; with `with_lengths`, the examples' int32 lengths, else None)."""
+  shapes and dtypes): (their rows, memory maps or a BucketShards; their manifest entries; with
+  `with_lengths`, the examples' int32 lengths, else None; verify_in_background's future)."""
   max_seq_len, dtype = manifest["max_seq_len"], np.dtype(manifest["dtype"])
   files = workdir_files.list_files(directory)
   entries = [entry["splits"][split] for entry in manifest["shards"]]
   entries = [entry for entry in entries if entry["rows"]]
   for entry in entries:
     for prefix in ("", "lengths_") if with_lengths else ("",):
-      if (problem := _problem(entry, prefix, files)) is not None:
+      if (problem := _problem(directory, entry, prefix, files)) is not None:
         path = os.path.join(directory, entry[f"{prefix}file"])
         raise ConfigError(f"Shard {path} {problem}; {REDO}.")
   paths = [os.path.join(directory, entry["file"]) for entry in entries]
@@ -156,7 +150,7 @@ def load_split(directory: str, manifest: dict, split: str, with_lengths: bool, v
             f"Shard {path} has shape {array.shape} and dtype {array.dtype}; the manifest says "
             f"({entry['rows']}, 2, {max_seq_len}) {dtype}; {REDO}."
         )
-    rows = MappedShards(arrays)
+    rows = arrays
   lengths = []
   for entry in entries if with_lengths else ():
     path = os.path.join(directory, entry["lengths_file"])
@@ -171,7 +165,8 @@ def load_split(directory: str, manifest: dict, split: str, with_lengths: bool, v
           f"{REDO}."
       )
     lengths.append(found.astype(np.int32))
-  return rows, entries, np.concatenate(lengths) if lengths else None
+  lengths = np.concatenate(lengths) if lengths else None
+  return rows, entries, lengths, verify_in_background(directory, entries, files, vocab_size, split)
 
 
 def _read_ranges(paths: list[str], starts: list[int], ends: list[int]) -> list[bytes]:
@@ -187,18 +182,6 @@ def _read_ranges(paths: list[str], starts: list[int], ends: list[int]) -> list[b
     raise ConfigError(
         f"A shard of {paths[0].rsplit('/', 1)[0]} is gone from the bucket ({e}); {REDO}."
     ) from e
-
-
-class MappedShards:
-  """The local reader of ShardedRows: the shards' [rows, 2, L] memory maps (or any arrays)."""
-
-  def __init__(self, arrays: list[np.ndarray]):
-    self.arrays = arrays
-    self.num_rows = [array.shape[0] for array in arrays]
-
-  def read(self, parts: list[tuple[int, np.ndarray]], channel: int) -> list[np.ndarray]:
-    """Channel `channel` [len(rows), L] of each (shard, its row indices) of `parts`."""
-    return [self.arrays[shard][rows, channel] for shard, rows in parts]
 
 
 class BucketShards:
@@ -256,13 +239,13 @@ class BucketShards:
 class ShardedRows:
   """The rows of several [rows, 2, L] shards as one read-only int32 [N, L] array, indexed by an
   integer array, a slice or an int (a fresh ndarray). `channel` 0 selects input ids, 1 token type
-  ids. `shards` is a reader (MappedShards or BucketShards) or a list of arrays.
+  ids. `shards` is a list of arrays (memory maps) or a BucketShards.
   """
 
   def __init__(self, shards, channel: int, max_seq_len: int):
-    self._shards = MappedShards(shards) if isinstance(shards, list) else shards
-    self._channel = channel
-    self._offsets = np.cumsum([0] + self._shards.num_rows)
+    self._shards, self._channel = shards, channel
+    bucket = isinstance(shards, BucketShards)
+    self._offsets = np.cumsum([0] + (shards.num_rows if bucket else [a.shape[0] for a in shards]))
     self.shape = (int(self._offsets[-1]), max_seq_len)
     self.dtype = np.dtype(np.int32)
 
@@ -283,7 +266,11 @@ class ShardedRows:
     shard_of_row = np.searchsorted(self._offsets, flat, side="right") - 1
     selections = [(int(shard), shard_of_row == shard) for shard in np.unique(shard_of_row)]
     parts = [(shard, flat[selected] - self._offsets[shard]) for shard, selected in selections]
-    for (_, selected), values in zip(selections, self._shards.read(parts, self._channel)):
+    if isinstance(self._shards, BucketShards):
+      values = self._shards.read(parts, self._channel)
+    else:
+      values = [self._shards[shard][rows, self._channel] for shard, rows in parts]
+    for (_, selected), values in zip(selections, values):
       out[selected] = values
     return out.reshape(rows.shape + (self.shape[1],))[..., columns]
 
@@ -292,29 +279,26 @@ class ShardedRows:
     return array if dtype is None else array.astype(dtype)
 
 
-def verify_in_background(directory: str, entries: list[dict], vocab_size: int, split: str):
-  """Checks a split's shard files (sha256, every id below the vocabulary size) on a daemon thread,
-  so a run starts at once: a future of the first failure (a ConfigError), or None. In a bucket,
-  shards whose crc32c the manifest records were checked at load; older ones are hashed here."""
+def verify_in_background(directory: str, entries: list[dict], files: dict, vocab_size: int, split):
+  """Checks a split's shard files (_problem's, hashed; on disk, every id below the vocabulary size)
+  on a daemon thread, so a run starts at once: a future of the first failure (a ConfigError), or
+  None. A bucket's ids are checked as BucketShards reads them."""
   remote = workdir_files.is_remote(directory)
 
   def first_failure() -> ConfigError | None:
     for entry in entries:
       path = os.path.join(directory, entry["file"])
-      if remote and "crc32c" in entry:
-        continue  # load_split compared the bucket's crc32c; BucketShards checks the ids it reads
       try:
-        if sha256_file(path) != entry["sha256"]:
-          problem = f"is not the file prepare_data wrote (its sha256 differs from {MANIFEST}'s)"
-        elif not remote and (largest := int(np.max(_load(path, "r")[:, 0]))) >= vocab_size:
-          problem = f"holds token id {largest}, outside the tokenizer's {vocab_size} ids"
-        else:
-          continue
-        return ConfigError(f"Shard {path} {problem}; {REDO}.")
+        problem = _problem(directory, entry, "", files, hashed=True)
+        if problem is None and not remote:
+          if (largest := int(np.max(_load(path, "r")[:, 0]))) >= vocab_size:
+            problem = f"holds token id {largest}, outside the tokenizer's {vocab_size} ids"
       except OSError as error:
         return ConfigError(f"Cannot read shard {path} ({error}); {REDO}.")
       except ConfigError as error:
         return error
+      if problem is not None:
+        return ConfigError(f"Shard {path} {problem}; {REDO}.")
     logging.info(
         "verified the %d %s shards of %s against %s", len(entries), split, directory, MANIFEST
     )

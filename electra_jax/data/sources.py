@@ -239,21 +239,6 @@ def iter_documents(
       stats.skip("empty_files", path)
 
 
-def no_usable_text_error(
-    source: str, paths: list[str], text_field: str, stats: SourceStats
-) -> ConfigError:
-  why = f" ({stats.summary()})" if stats.problems else ""
-  wanted = (
-      f"files whose JSON lines hold a string field {text_field!r} (data.text_field)."
-      if source == "jsonl"
-      else "files with one sentence or paragraph per line."
-  )
-  return ConfigError(
-      f"data.source={source!r}: no usable text in data.files {paths}{why}. Point data.files at "
-      f"non-empty UTF-8 {wanted}"
-  )
-
-
 def log_stats(source: str, stats: SourceStats) -> None:
   logging.info("read %d documents from %d %s files", stats.num_documents, len(stats.files), source)
   if stats.problems:

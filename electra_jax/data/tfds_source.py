@@ -63,16 +63,15 @@ class TfdsCorpus(RecordCorpus):
       ) from e
     if not builder.is_prepared():
       raise ConfigError(
-          f"TFDS dataset {name!r} is not prepared in {builder.data_dir} (data.tfds_data_dir="
-          f"{data_dir or ''!r}); nothing is downloaded during training. "
-          + _prepare_hint(name, data_dir or "")
+          f"TFDS dataset {name!r} is not prepared in {builder.data_dir}; nothing is downloaded "
+          "during training. " + _prepare_hint(name, data_dir or "")
       )
     file_format = str(getattr(builder.info.file_format, "value", builder.info.file_format))
     if file_format not in _RANDOM_ACCESS_FORMATS:
       raise ConfigError(
-          f"TFDS dataset {name!r} in {builder.data_dir} is stored as {file_format}, which only "
-          f"TensorFlow can read; electra-jax reads {list(_RANDOM_ACCESS_FORMATS)}. Prepare it again "
-          "into another data_dir with file_format='array_record'. " + _prepare_hint(name, "")
+          f"TFDS dataset {name!r} in {builder.data_dir} is {file_format}, which only TensorFlow "
+          f"reads (we read {list(_RANDOM_ACCESS_FORMATS)}): use another data_dir. "
+          + _prepare_hint(name, "")
       )
     if split not in builder.info.splits:
       raise ConfigError(

@@ -236,7 +236,6 @@ class WordPieceTokenizer:
     # except "[PAD]": its id mid-example would be read as padding, so it is tokenized as text.
     tokenizer.add_special_tokens([token for token in SPECIAL_TOKENS if token != "[PAD]"])
     self.backend = tokenizer
-    self._id_to_token = {index: token for token, index in self._vocab.items()}
 
   def encode(self, text: str) -> list[int]:
     return self.backend.encode(text, add_special_tokens=False).ids
@@ -253,7 +252,7 @@ class WordPieceTokenizer:
     )
 
   def id_to_piece(self, i: int) -> str:
-    return self._id_to_token.get(int(i), "[UNK]")
+    return self.backend.id_to_token(int(i)) or "[UNK]"
 
   def __repr__(self) -> str:
     return (

@@ -101,7 +101,7 @@ def read_squad_tfds(version: str, split: str, data_dir: str | None = None) -> li
   """Questions of a prepared TFDS squad/v<version> (array_record), split "train" or "validation"."""
   name, text = f"squad/v{version}", tasks.decode_text
   source = tasks.open_tfds_split(
-      name, split, data_dir, "use config.source=dir", builder_kwargs={"file_format": "array_record"}
+      name, split, data_dir, builder_kwargs={"file_format": "array_record"}
   )
 
   def rows():
@@ -476,8 +476,6 @@ def load_squad(config, version: str) -> tuple[list[SquadExample], list[SquadExam
   if config.source == "tfds":
     data_dir = config.tfds_data_dir or None
     return tuple(read_squad_tfds(version, split, data_dir) for split in ("train", "validation"))
-  if config.source != "dir":
-    raise ConfigError(f"config.source={config.source!r}: use 'dir' (official JSON) or 'tfds'.")
   paths = [os.path.join(config.data_dir, f"{split}-v{version}.json") for split in ("train", "dev")]
   return tuple(read_squad_json(path, version) for path in paths)
 

@@ -58,7 +58,7 @@ class Example:
 
 @dataclasses.dataclass
 class TaskData:
-  """A task's examples and what they mean, checked by `check_task_data`."""
+  """A task's examples and what they mean, checked by `load_task`."""
 
   name: str
   kind: str  # "classification" or "regression" ("span" tasks come from squad.py)
@@ -168,9 +168,8 @@ def decode_text(value) -> str:
   return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-def open_tfds_split(name: str, split: str, data_dir: str | None, other_source: str, **kwargs):
-  """`tfds.data_source` over a prepared split; where it cannot be opened, a ConfigError suggesting
-  `other_source`."""
+def open_tfds_split(name: str, split: str, data_dir: str | None, **kwargs):
+  """`tfds.data_source` over a prepared split, or a ConfigError saying how to prepare it."""
   tfds = tfds_source.import_tfds()  # a heavy import, only when this source is used
   try:
     return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False, **kwargs)
@@ -178,7 +177,7 @@ def open_tfds_split(name: str, split: str, data_dir: str | None, other_source: s
     raise ConfigError(
         f"Cannot open TFDS {name!r} split {split!r} in {data_dir or 'the default data dir'} "
         f"({type(error).__name__}: {error}); run `tfds build --file_format=array_record {name}`, "
-        f"set config.tfds_data_dir, or {other_source}."
+        "set config.tfds_data_dir, or use config.source=dir."
     ) from error
 
 
@@ -187,8 +186,6 @@ def load_glue(name: str, config) -> TaskData:
   dev,test}.tsv, MNLI's dev_matched ..., test optional), or "tfds", a prepared glue/<name>
   (array_record), its labels turned into GLUE's."""
   task, data_dir = GLUE_TASKS[name], config.data_dir
-  if config.source not in ("dir", "tfds"):
-    raise ConfigError(f"config.source={config.source!r}: use 'dir' (GLUE's TSV files) or 'tfds'.")
   if config.source == "dir":
     task_dir = os.path.join(data_dir, task.directory)
     if not os.path.isdir(task_dir):  # the task's own folder works as well as GLUE's root
@@ -201,7 +198,7 @@ def load_glue(name: str, config) -> TaskData:
         _require_file(path, f"GLUE's {task.directory}/{stem}.tsv")
       return _glue_tsv(task, path, labelled) if os.path.isfile(path) else None
     split = stem.replace("dev", "validation")
-    source = open_tfds_split(f"glue/{name}", split, config.tfds_data_dir, "use config.source=dir")
+    source = open_tfds_split(f"glue/{name}", split, config.tfds_data_dir)
     text_a, text_b = task.tfds_text or task.text_columns
     labels = task.tfds_labels or task.label_list
     examples = []
@@ -302,8 +299,6 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
 
 def load_custom(custom) -> TaskData:
   """A task from config.custom: its files (test_file optional), columns, kind, metrics, labels."""
-  if custom.kind not in ("classification", "regression"):
-    raise ConfigError(f"config.custom.kind={custom.kind!r}: use 'classification' or 'regression'.")
   for key in ("train_file", "dev_file"):
     if not custom[key]:
       raise ConfigError(f"config.custom.{key} is empty: custom tasks need a train and a dev file.")
@@ -331,34 +326,6 @@ def load_custom(custom) -> TaskData:
   return TaskData("custom", custom.kind, label_list, metric_names, train, dev, test)
 
 
-def check_task_data(data: TaskData) -> None:
-  """Refuses an empty split and a label outside the task's labels or never seen in training."""
-  splits = {
-      "train": data.train,
-      **{f"dev ({k})": v for k, v in data.dev.items()},
-      **{f"test ({k})": v for k, v in data.test.items()},
-  }
-  for split_name, examples in splits.items():
-    if not examples:
-      raise ConfigError(
-          f"Task {data.name}: the {split_name} split has no examples; check its file."
-      )
-  if data.kind != "classification":
-    return
-  train_labels = {example.label for example in data.train}
-  if outside := sorted(train_labels - set(data.label_list)):
-    raise ConfigError(
-        f"Task {data.name}: training label(s) {outside} are not among the task's labels "
-        f"{list(data.label_list)}; fix the data or config.custom.labels."
-    )
-  for dev_name, examples in data.dev.items():
-    if unseen := sorted({example.label for example in examples} - train_labels):
-      raise ConfigError(
-          f"Task {data.name}: dev split {dev_name} has label(s) {unseen} that never occur in the "
-          f"train split (train labels: {sorted(train_labels)}); fix the label column or the split."
-      )
-
-
 def load_task(config) -> TaskData:
   """config.task's data ('SST-2', 'sst_2' ... name GLUE's sst2) from its source, checked."""
   name = str(config.task).lower().replace("-", "").replace("_", "")
@@ -367,7 +334,26 @@ def load_task(config) -> TaskData:
         f"Unknown task {config.task!r}. Use one of {list(TASK_NAMES)} or squad1.1, squad2.0."
     )
   data = load_custom(config.custom) if name == "custom" else load_glue(name, config)
-  check_task_data(data)
+  # Refused: an empty split, and a label outside the task's labels or never seen in training.
+  splits = {
+      "train": data.train,
+      **{f"dev ({k})": v for k, v in data.dev.items()},
+      **{f"test ({k})": v for k, v in data.test.items()},
+  }
+  if empty := [split_name for split_name, examples in splits.items() if not examples]:
+    raise ConfigError(f"Task {data.name}: the {empty[0]} split has no examples; check its file.")
+  train_labels = {example.label for example in data.train}
+  if data.kind == "classification" and (outside := sorted(train_labels - set(data.label_list))):
+    raise ConfigError(
+        f"Task {data.name}: training label(s) {outside} are not among the task's labels "
+        f"{list(data.label_list)}; fix the data or config.custom.labels."
+    )
+  for dev_name, examples in data.dev.items() if data.kind == "classification" else ():
+    if unseen := sorted({example.label for example in examples} - train_labels):
+      raise ConfigError(
+          f"Task {data.name}: dev split {dev_name} has label(s) {unseen} that never occur in the "
+          f"train split (train labels: {sorted(train_labels)}); fix the label column or the split."
+      )
   if name != "custom" and GLUE_TASKS[name].symmetric and config.double_unordered:
     # Both sentence orders, as the official code trains MRPC and STS-B.
     swapped = [dataclasses.replace(e, text_a=e.text_b, text_b=e.text_a) for e in data.train]

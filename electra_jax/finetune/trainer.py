@@ -62,6 +62,8 @@ def validate(config) -> None:
   rule = config.optimizer.layerwise_lr_decay_rule
   for key, value, allowed in (
       ("dtype", config.dtype, config_lib.DTYPES),
+      ("source", config.source, ("dir", "tfds")),  # GLUE's TSVs or SQuAD's JSON, or TFDS's
+      ("custom.kind", config.custom.kind, ("classification", "regression")),
       ("keep_epoch", config.keep_epoch, KEEP_EPOCH),
       ("head.pooling", config.head.pooling, model_lib.POOLINGS),
       ("optimizer.layerwise_lr_decay_rule", rule, optim.LAYERWISE_RULES),
