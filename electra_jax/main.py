@@ -281,8 +281,8 @@ def _check_flags(name: str, mode: Mode, config) -> None:
   if mode.one_process and jax.process_count() > 1:
     raise ConfigError(
         f"--mode={name} runs in one process, but this is process {jax.process_index()} of "
-        f"{jax.process_count()}. Start it once, without the multi-process settings "
-        "(--coordinator_address/--num_processes/--process_id, ELECTRA_JAX_* variables, or srun)."
+        f"{jax.process_count()}: start it once, without --coordinator_address/--num_processes/"
+        "--process_id, ELECTRA_JAX_* variables or srun."
     )
   if mode.workdir and FLAGS.workdir is None:
     raise ConfigError(f"--mode={name} needs --workdir.")
@@ -301,11 +301,8 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   logging.get_absl_handler().addFilter(_quiet_libraries)
   if os.environ.get("GLIBC_TUNABLES") == xla_flags.HUGE_PAGES:
-    logging.info(
-        "CPU: glibc puts large allocations on huge pages (GLIBC_TUNABLES=%s, set at start; "
-        "ELECTRA_JAX_XLA_DEFAULTS=0 leaves malloc alone).",
-        xla_flags.HUGE_PAGES,
-    )
+    pages = f"huge pages (GLIBC_TUNABLES={xla_flags.HUGE_PAGES}, set at start"
+    logging.info("CPU: large allocations on %s; ELECTRA_JAX_XLA_DEFAULTS=0 leaves malloc).", pages)
   mode = MODES[FLAGS.mode]
   try:
     if mode.local:  # before JAX starts a backend: no accelerator here is taken, nor a job joined

@@ -175,9 +175,8 @@ def model_from_hf_config(hf_config: dict[str, Any], source: str):
   kind = next((kind for kind, (name, _) in KINDS.items() if architectures == [name]), None)
   if kind is None:
     raise ConfigError(
-        f"{source}: architectures={architectures!r} must name exactly one of "
-        f"{sorted(name for name, _ in KINDS.values())}. To keep only the encoder of a fine-tuned "
-        "model, save_pretrained its `.electra` submodule."
+        f"{source}: architectures={architectures!r} must be one of {[n for n, _ in KINDS.values()]}"
+        "; of a fine-tuned model, save_pretrained its `.electra` submodule (the encoder)."
     )
   value = {key: hf_config.get(key, default) for key, (default, _, _) in CONFIG_KEYS.items()}
   for key, (default, _, _) in CONFIG_KEYS.items():
@@ -239,10 +238,8 @@ def params_from_hf_weights(model, kind: str, weights: dict, source: str, decoder
     word_table = flat[("embeddings", "word_embeddings", "embedding")]
     if decoder is None or not np.array_equal(decoder.astype(np.float32), word_table):
       raise ConfigError(
-          f"{source}: generator_lm_head.weight "
-          f"{'is absent (tie_word_embeddings=false)' if decoder is None else 'differs'}; "
-          "electra-jax's generator ties it to electra.embeddings.word_embeddings.weight, as ELECTRA "
-          "does, and cannot hold an untied decoder."
+          f"{source}: generator_lm_head.weight {'is absent' if decoder is None else 'differs'}: "
+          "electra-jax's generator ties it to the word embeddings (as ELECTRA), never untied."
       )
   return flax.traverse_util.unflatten_dict(flat)
 

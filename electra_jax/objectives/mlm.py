@@ -1,5 +1,5 @@
-"""The MLM family: BERT ("mlm": no generator, 80/10/10 masking), the generator's samples in place of
-[MASK] ("replace_mlm"), and every token predicted with the paper's copy mechanism ("all_tokens_mlm").
+"""The MLM family: BERT ("mlm": no generator, 80/10/10 masking), the generator's samples in place
+of [MASK] ("replace_mlm"), every token predicted with the paper's copy mechanism ("all_tokens_mlm").
 """
 
 import jax
