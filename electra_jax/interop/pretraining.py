@@ -1,6 +1,5 @@
-"""A released (discriminator, generator) pair, from two Hugging Face directories or one official TF1
-checkpoint, checked and written as step 0 of a pre-training workdir with its vocabulary and
-config.json."""
+"""A released (discriminator, generator) pair, from two Hugging Face directories or an official TF1
+checkpoint, written as step 0 of a pre-training workdir with its vocabulary and config.json."""
 
 import contextlib
 import copy
@@ -167,12 +166,11 @@ def write_pretraining_workdir(
     workdir: str,
     embeddings_from: str | None = None,
 ) -> dict:
-  """Writes <workdir>/config.json (`config` with the pair's model sizes and vocabulary) and a step-0
-  checkpoint of both towers over one embedding tree, fresh optimizer state. Everything is checked
-  before the first write; a workdir with checkpoints is refused."""
+  """Writes <workdir>/config.json (`config` with the pair's sizes and vocabulary) and a step-0
+  checkpoint, fresh optimizer state, all checked first; a workdir with checkpoints is refused."""
   workdir_files.check_usable(workdir)
   checkpoints_dir = os.path.join(workdir, "checkpoints")
-  # Steps are numbered directories; "<step>.orbax-checkpoint-tmp" is an unfinished save orbax removes.
+  # Steps are numbered directories ("<step>.orbax-checkpoint-tmp": a save orbax will remove).
   if os.path.isdir(checkpoints_dir) and any(name.isdigit() for name in os.listdir(checkpoints_dir)):
     raise ConfigError(
         f"{workdir} already holds checkpoints; import into a new --workdir (nothing was changed)."
