@@ -254,7 +254,6 @@ def run_sweep(
     record = dict(
         base_config=config_lib.as_saved(base_config), runs=[r._asdict() for r in all_runs]
     )
-    workdir_files.makedirs(workdir_files.path(sweep_dir))
     workdir_files.write_json(workdir_files.path(sweep_dir, SWEEP_FILE), record)
     logging.info("Sweep of %d runs in %s (%d recorded).", len(runs), sweep_dir, len(all_runs))
     # A SIGTERM stops the sweep: a run saves and returns (its own handler); between runs it is
@@ -314,7 +313,6 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
         else:
           logging.exception("Sweep run %s failed; going on with the next one.", run.name)
         failed.append(run.name)
-        workdir_files.makedirs(workdir)
         workdir_files.write_text(error_file, f"{type(error).__name__}: {error}\n")
         continue
       reached = _latest_checkpoint(workdir) or 0
