@@ -388,9 +388,8 @@ def save_hf(model, params, out_dir: str, kind: str | None = None, pad_token_id: 
         "out or pass the matching model."
     )
   tensors = hf_weights_from_params(model, model_kind, params)
-  os.makedirs(out_dir, exist_ok=True)
   config = hf_config_of(model, model_kind, pad_token_id)
-  workdir_files.write_json(os.path.join(out_dir, "config.json"), config)
+  workdir_files.write_json(os.path.join(out_dir, "config.json"), config)  # makes out_dir
   # The metadata save_pretrained writes; transformers 4.x checks it when loading.
   path = os.path.join(out_dir, "model.safetensors")
   safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
