@@ -305,16 +305,12 @@ def build_model(config, towers: Towers) -> ElectraPretrainer:
   discriminator = EncoderConfig(**{**sizes, "scan_layers": bool(m.scan_layers)})
   generator = generator_encoder_config(discriminator, m.generator_fraction)
   _check_attention(config, {"discriminator": discriminator, "generator": generator}, towers.cloze)
+  same = "vocab_size embedding_size max_position_embeddings type_vocab_size tie attention_impl"
   return ElectraPretrainer(
-      vocab_size=m.vocab_size,
-      embedding_size=m.embedding_size,
-      max_position_embeddings=m.max_position_embeddings,
-      type_vocab_size=m.type_vocab_size,
+      **{key: m[key] for key in same.split()},  # model.* keys named as the fields
       generator_config=generator,
       discriminator_config=discriminator,
       dtype=jnp.dtype(config.train.dtype),
-      attention_impl=m.attention_impl,
-      tie=m.tie,
       towers=towers,
       packed=bool(config.data.pack_rows),
   )

@@ -29,15 +29,9 @@ def _mlm(p: Pass):
 
 
 def _mlm_metrics(metrics, stats, objective, per_token):
-  _nan(
-      metrics,
-      (
-          "sampled_masked_lm_accuracy",
-          "replaced_fraction",
-          *pieces.BINNED_METRICS,
-          *pieces.DISC_METRICS,
-      ),
-  )
+  # No detector, and no samples: nothing replaced to count.
+  of_samples = ("sampled_masked_lm_accuracy", "replaced_fraction", *pieces.BINNED_METRICS)
+  _nan(metrics, (*of_samples, *pieces.DISC_METRICS))
   metrics["loss"] = metrics["masked_lm_loss"]
 
 
