@@ -1,6 +1,5 @@
-"""The Python API, for notebooks and scripts: a recipe with overrides, then pre-training,
-evaluation, fine-tuning and export, each logging its progress to stderr and returning what the CLI
-prints."""
+"""The Python API for notebooks and scripts: a recipe with overrides, then pre-training, evaluation,
+fine-tuning and export, each logging to stderr and returning what the CLI prints."""
 
 from collections.abc import Mapping
 
@@ -35,7 +34,7 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float
 
 
 def evaluate(workdir: str, step: int | None = None) -> dict[str, float]:
-  """Held-out metrics of `workdir`'s checkpoint at `step` (default: the latest), as `--mode=eval`."""
+  """Held-out metrics of `workdir`'s checkpoint at `step` (None: the latest), as `--mode=eval`."""
   _log_progress()
   return train.evaluate_checkpoint(config_lib.load_workdir_config(workdir), workdir, step)
 

@@ -1,6 +1,5 @@
-"""Joining a multi-process JAX job before anything touches the devices: explicit coordinator
-settings (flags or ELECTRA_JAX_* variables), or JAX's own detection on SLURM and multi-host TPU
-slices. One process needs nothing."""
+"""Joining a multi-process JAX job before anything touches the devices: by explicit settings (flags,
+ELECTRA_JAX_*), or JAX's own detection on SLURM and multi-host TPU slices."""
 
 import os
 import urllib.request

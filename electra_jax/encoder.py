@@ -33,14 +33,13 @@ def bert_init(key, shape, dtype=jnp.float32):
 
 
 def gelu_exact(x):
-  """The exact GELU written with erf: jax.nn.gelu(approximate=False) goes through erfc, which XLA:CPU
-  lowers to a costlier exp-and-select."""
+  """The exact GELU by erf (jax.nn.gelu goes through erfc: a costlier exp-and-select on XLA:CPU)."""
   return 0.5 * x * (1.0 + jax.lax.erf(x * jnp.asarray(math.sqrt(0.5), x.dtype)))
 
 
 def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-  """nn.Dense's product, lhs [..., in] @ rhs [in, out], as one [rows, in] @ [in, out] matmul: the same
-  numbers, but XLA:CPU computes the kernel's gradient in place, not from a transposed copy."""
+  """nn.Dense's product as one [rows, in] @ [in, out] matmul: the same numbers, but XLA:CPU takes
+  the kernel's gradient in place, not from a transposed copy."""
   if dimension_numbers != (((lhs.ndim - 1,), (0,)), ((), ())) or rhs.ndim != 2:
     raise ValueError(f"rows_dot_general takes nn.Dense's product, not {dimension_numbers}.")
   rows = lhs.reshape(-1, lhs.shape[-1])
@@ -87,8 +86,8 @@ class EncoderConfig:
   attention_dropout_rate: float = 0.1
   layer_norm_eps: float = 1e-12
   remat: str = "none"  # see REMAT_POLICIES
-  # One scanned layer (params stacked on a leading "layers" axis, under encoder/layers/layer) instead of
-  # layer_0 .. layer_{L-1}; standalone towers, export and fine-tuning see the unscanned layout.
+  # One scanned layer (params stacked on a leading axis, encoder/layers/layer), not layer_0 ...;
+  # standalone towers, export and fine-tuning see the unscanned layout.
   scan_layers: bool = False
   norm: str = "post"  # see NORMS
   ffn: str = "gelu"  # see FFNS
@@ -111,7 +110,7 @@ class EmbeddingSizes(nn.Module):
 
 
 class Embeddings(EmbeddingSizes):
-  """Word + position + token-type embeddings, LayerNorm and dropout: [batch, seq] -> [batch, seq, E]."""
+  """Word + position + token-type embeddings, LayerNorm, dropout: [batch, seq] -> [..., E]."""
 
   dropout_rate: float
   layer_norm_eps: float
@@ -131,9 +130,8 @@ class Embeddings(EmbeddingSizes):
     self.dropout = random_ops.Dropout(self.dropout_rate)
 
   def __call__(self, input_ids, token_type_ids, deterministic, word_table=None, position_ids=None):
-    """`word_table` [vocab, E], if given, replaces the word embeddings' own table (GDES);
-    `position_ids` [batch, seq] (packed rows) replace 0, 1, 2, ... (a slice, whose gradient is a pad).
-    """
+    """`word_table` [vocab, E] replaces the word embeddings' own (GDES); `position_ids` [batch, seq]
+    (packed rows) replace 0, 1, 2, ... (a slice, whose gradient is a pad)."""
     # Lookups and sum in float32: a lookup's gradient is a scatter-add, and on GPUs a bfloat16
     # scatter-add with repeated indices serializes. Positions and token types need no scatter.
     word_table = self.word_table() if word_table is None else word_table
@@ -158,8 +156,7 @@ class Embeddings(EmbeddingSizes):
 
 
 def embeddings_for(owner: EmbeddingSizes, embedding_size: int, config: EncoderConfig, **kwargs):
-  """The Embeddings of `owner`'s sizes (bar `embedding_size`) and dtype, with `config`'s dropout and
-  LayerNorm epsilon (`kwargs`, e.g. name=, go to the module)."""
+  """Embeddings of `owner`'s sizes (but `embedding_size`) and dtype, `config`'s dropout, epsilon."""
   sizes = (owner.vocab_size, embedding_size, owner.max_position_embeddings, owner.type_vocab_size)
   return Embeddings(*sizes, config.dropout_rate, config.layer_norm_eps, owner.dtype, **kwargs)
 
@@ -173,10 +170,9 @@ class _Block(nn.Module):
 
 
 class SelfAttention(_Block):
-  """Multi-head self-attention, [batch, seq, H] -> [batch, seq, H]. `attention_mask`: [batch, seq] real keys
-  (or segment ids, for splash), or a [batch, seq, seq] query x key mask. config.attention_conv: the width of a
-  depthwise convolution along the sequence after each projection (Primer's multi-dconv-head attention).
-  """
+  """[batch, seq, H] -> [batch, seq, H]; `attention_mask` [batch, seq] (real keys, or splash's
+  segment ids) or [batch, seq, seq]. attention_conv: a depthwise convolution along the sequence
+  after each projection (Primer's multi-dconv-head attention)."""
 
   @nn.compact
   def __call__(self, hidden, attention_mask, deterministic: bool):
@@ -194,10 +190,10 @@ class SelfAttention(_Block):
       return projected.reshape(*hidden.shape[:-1], cfg.num_heads, cfg.head_dim)
 
     query, key, value = project("query"), project("key"), project("value")
-    # Real keys [batch, seq] or a query x key mask [batch, seq, seq] -> [batch, 1, q or 1, seq] for every head.
+    # [batch, seq] or [batch, seq, seq] -> [batch, 1, q or 1, seq] for every head.
     key_is_real = mask[:, None, None, :] if mask.ndim == 2 else mask[:, None, :, :]
     if not deterministic and cfg.attention_dropout_rate > 0.0:
-      # BERT's dropout on the probabilities, which dot_product_attention lacks; heads next to the batch.
+      # BERT's dropout on the probabilities, which dot_product_attention lacks.
       query, key, value = (jnp.swapaxes(x, 1, 2) for x in (query, key, value))  # [b, h, s, d]
       scores = jnp.einsum("bhqd,bhkd->bhqk", query, key) / math.sqrt(cfg.head_dim)
       scores = jnp.where(key_is_real, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
@@ -205,11 +201,10 @@ class SelfAttention(_Block):
       probs = random_ops.Dropout(cfg.attention_dropout_rate)(probs, deterministic=False)
       context = jnp.swapaxes(jnp.einsum("bhqk,bhkd->bhqd", probs.astype(self.dtype), value), 1, 2)
     elif self.attention_impl == "splash" and mask.ndim == 2:
-      # The kernel takes 0/1 masks, or packed rows' ids as ElectraPretrainer passes them, as segment ids.
+      # The kernel reads 0/1 masks, or packed rows' ids, as segment ids.
       context = splash_attention.splash_attention(query, key, value, attention_mask)
     elif self.attention_impl == "cudnn" and mask.ndim == 2:
-      # Right-padded rows' lengths; an all-padding row (evaluation's last batch) gets 1, as cuDNN before
-      # 9.25 returns NaN for 0.
+      # Right-padded rows' lengths; an all-padding row gets 1 (cuDNN before 9.25 gives NaN for 0).
       lengths = jnp.maximum(mask.sum(-1, dtype=jnp.int32), 1)
       kernel = dict(
           query_seq_lengths=lengths, key_value_seq_lengths=lengths, implementation="cudnn"
@@ -225,8 +220,8 @@ class SelfAttention(_Block):
 
 
 def _readable_neighbours(mask, radius: int):
-  """[2 * radius + 1, batch, seq] bool: whether position i may read i + offset (offsets -radius..radius), by
-  attention's `mask` ([batch, seq] or [batch, seq, seq]) and never across the row's ends."""
+  """[2 * radius + 1, batch, seq] bool: whether position i may read i + offset by attention's `mask`
+  ([batch, seq] or [batch, seq, seq]), never across the row's ends."""
   seq = mask.shape[-1]
   rows = []
   for offset in range(-radius, radius + 1):
@@ -239,8 +234,7 @@ def _readable_neighbours(mask, radius: int):
 
 
 def _sequence_conv(x, taps, readable):
-  """Depthwise convolution along the sequence: out[b, i, c] = sum_k taps[k, c] * x[b, i + k - r, c] over the
-  neighbours `readable` allows."""
+  """out[b, i, c] = sum_k taps[k, c] * x[b, i + k - r, c] over the neighbours `readable` allows."""
   radius = taps.shape[0] // 2
   out = jnp.zeros_like(x)
   for k in range(taps.shape[0]):
@@ -277,8 +271,8 @@ class EncoderLayer(_Block):
 
 
 def _feed_forward(cfg: EncoderConfig, dtype: Dtype, hidden):
-  """ffn="gelu": BERT's dense(H->I) + GELU + dense(I->H) (`intermediate`, `output`); "geglu": gelu(gate) *
-  value of the first's [H, 2I] kernel, gate columns first, so a GELU tree never loads into it."""
+  """ffn="gelu": BERT's dense(H->I) + GELU + dense(I->H); "geglu": gelu(gate) * value of an [H, 2I]
+  kernel, gate columns first, so a GELU tree never loads into it."""
   width = 2 * cfg.intermediate_size if cfg.ffn == "geglu" else cfg.intermediate_size
   inner = dense(width, "embed", "mlp", dtype, "intermediate", cfg.use_bias)(hidden)
   if cfg.ffn == "geglu":
@@ -299,7 +293,7 @@ class EncoderFields(nn.Module):
 
 
 class Encoder(EncoderFields):
-  """The E->H projection (only when sizes differ), the encoder layers and, for norm="pre", `final_layer_norm`."""
+  """The E->H projection (when sizes differ), the layers and, for norm="pre", `final_layer_norm`."""
 
   @nn.compact
   def __call__(self, embedded, attention_mask, deterministic: bool):
@@ -310,8 +304,8 @@ class Encoder(EncoderFields):
       hidden = dense(cfg.hidden_size, "embed", "mlp", self.dtype, name, cfg.use_bias)(hidden)
     layer = EncoderLayer
     if cfg.remat != "none":
-      # Argument 3 of __call__ (self, hidden, attention_mask, deterministic) is a Python bool. A scan keeps the
-      # recomputation apart by itself, where CSE barriers would only stop fusion.
+      # Argument 3 (deterministic) is a Python bool. A scan keeps the recomputation apart by itself,
+      # where CSE barriers would only stop fusion.
       policy, prevent_cse = REMAT_POLICIES[cfg.remat], not cfg.scan_layers
       layer = nn.remat(layer, policy=policy, static_argnums=(3,), prevent_cse=prevent_cse)
     if cfg.scan_layers:
@@ -335,8 +329,8 @@ class Encoder(EncoderFields):
 
 
 class _ScanBody(_Block):
-  """`layer` (EncoderLayer or its remat) as nn.scan's body: (hidden, mask) -> (hidden, None); `deterministic`
-  is a field, as scan would trace a Python bool argument."""
+  """`layer` as nn.scan's body, (hidden, mask) -> (hidden, None); `deterministic` is a field, as
+  scan would trace a Python bool argument."""
 
   layer: type = None
   deterministic: bool = True
@@ -348,8 +342,7 @@ class _ScanBody(_Block):
 
 
 def unscan_layers(tree):
-  """A parameter (or gradient, optimizer-moment) tree with every scanned encoder ({"layers": {"layer":
-  stacked}}) rewritten as layer_0 .. layer_{L-1}; other trees as they are."""
+  """A parameter (or gradient, moment) tree with each scanned encoder rewritten as layer_0 ...."""
   if not isinstance(tree, dict):
     return tree
   out = {}

@@ -12,9 +12,8 @@ from electra_jax.errors import ConfigError
 
 
 def eval_step(state, batch, seed_key, schedule):
-  """Forward pass without dropout: (additive stats, per-token arrays). Masks and samples (at the final
-  temperature) come from a key per held-out example, so the figures do not depend on the batch size.
-  """
+  """Forward pass without dropout: (additive stats, per-token arrays). Masks and samples (at the
+  final temperature) come from a key per example: the figures do not depend on the batch size."""
   objective = state.objective
   example_keys = jax.vmap(lambda i: jax.random.fold_in(seed_key, i))(batch["example_index"])
   mask_keys, sample_keys = jnp.moveaxis(jax.vmap(jax.random.split)(example_keys), 1, 0)
@@ -33,9 +32,8 @@ def eval_step(state, batch, seed_key, schedule):
 
 
 class HeldOutEvaluator:
-  """Evaluates a train state on the first `eval.num_batches` batches of the held-out split, in order; a
-  short last batch is filled with all-padding rows (no weight), so every example counts exactly once.
-  """
+  """A train state's metrics on the first `eval.num_batches` held-out batches, in order; a short
+  last batch is filled with all-padding rows (no weight): each example counts once."""
 
   def __init__(self, config, setup, mesh, schedule):
     held_out = data.load_pretraining_data(config.data, split="eval")

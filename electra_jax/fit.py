@@ -1,7 +1,8 @@
-"""The fit check (`--mode=compile`): the train step compiled ahead of time for a TPU slice or GPUs
-that this machine does not have (jax's compile-only devices, from libtpu or the CUDA plugin), with
-XLA's memory per chip against the chip's HBM, its FLOPs against flops.py, and the largest batch."""
+"""The fit check (`--mode=compile`): the train step compiled for TPUs or GPUs this machine lacks
+(jax's compile-only devices), XLA's memory and FLOPs per chip against HBM and flops.py, and the
+largest batch."""
 
+import contextlib
 import dataclasses
 import importlib.util
 import itertools
@@ -153,21 +154,16 @@ def check_mesh(mesh_config, target: Target) -> tuple[int, int, int]:
     raise ConfigError(f"The mesh does not fit --topology={target}. {e}") from None
 
 
-def _plugin_installed(platform: str) -> bool:
-  if platform == "tpu":
-    return (
-        bool(os.environ.get("TPU_LIBRARY_PATH")) or importlib.util.find_spec("libtpu") is not None
-    )
-  try:
-    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
-  except ModuleNotFoundError:  # no jax_plugins package: no plugin at all
-    return False
-
-
 def devices(target: Target) -> list:
   """Compile-only devices for every chip of `target`, over its hosts; ConfigError, before anything
   compiles, naming the extra to install when the plugin is missing."""
-  if not _plugin_installed(target.platform):
+  if target.platform == "tpu":
+    installed = os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu")
+  else:
+    installed = False
+    with contextlib.suppress(ModuleNotFoundError):  # no jax_plugins package: no plugin at all
+      installed = any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
+  if not installed:
     what = "libtpu" if target.platform == "tpu" else "the CUDA plugin of jax"
     raise ConfigError(
         f"--topology={target.name} compiles with {what}, which is not installed. No accelerator is "
@@ -226,9 +222,8 @@ class Fit:
 
 
 def check(config, target: Target, max_batch: bool = False) -> Fit:
-  """Compiles the train step of `config` for `target` (and, with `max_batch` or
-  train.batch_size=-1, searches the largest batch that fits). Every refusal comes before a compile.
-  """
+  """Compiles `config`'s train step for `target` (with `max_batch` or train.batch_size=-1, also
+  searches the largest batch that fits); every refusal comes before a compile."""
   config_lib.validate(config)
   shape = check_mesh(config.mesh, target)
   mesh = partitioning.make_mesh(config.mesh, devices=devices(target))

@@ -1,5 +1,5 @@
-"""Model FLOPs per token (6N plus attention for each tower) and the accelerator peaks that turn throughput
-into MFU. The counting rules: docs/training.md, "Metrics"."""
+"""Model FLOPs per token (6N plus attention for each tower) and the accelerator peaks that turn
+throughput into MFU (the rules: docs/training.md, "Metrics")."""
 
 import jax
 
@@ -44,9 +44,8 @@ def _attention_flops(cfg: EncoderConfig, seq_len: int) -> int:
 def train_flops_per_token(
     model: ElectraPretrainer, seq_len, max_predictions, with_generator=True, all_positions_mlm=False
 ) -> float:
-  """Training FLOPs per input token of both towers (the discriminator alone without the generator), the MLM
-  heads on the max_predictions slots (the discriminator's at every position with `all_positions_mlm`).
-  """
+  """Training FLOPs per input token of both towers (or the discriminator alone), the MLM heads on
+  the max_predictions slots (the discriminator's at every position with `all_positions_mlm`)."""
   gen, disc = model.generator_config, model.discriminator_config
   gen_emb, emb = model.generator_embedding_size, model.embedding_size
   gen_head = (gen.hidden_size * gen_emb + gen_emb * model.vocab_size) * max_predictions / seq_len
@@ -64,7 +63,7 @@ def train_flops_per_token(
 
 
 def objective_flops_per_token(model: ElectraPretrainer, objective, seq_len: int) -> float:
-  """train_flops_per_token for a run's objective: whether a generator runs and where the MLM heads predict."""
+  """train_flops_per_token for an objective: whether a generator runs, where MLM heads predict."""
   o, all_positions = objective, objective.name == "all_tokens_mlm"
   return train_flops_per_token(model, seq_len, o.max_predictions, o.uses_generator, all_positions)
 

@@ -14,7 +14,7 @@ import jax
 from absl import app, flags, logging
 
 import electra_jax
-from electra_jax import config_lib, data, distributed, fit, interop, train, workdir_files, xla_flags
+from electra_jax import api, config_lib, data, distributed, fit, interop, plots, sweep, train, workdir_files, xla_flags
 from electra_jax.errors import ConfigError
 
 FLAGS = flags.FLAGS
@@ -113,17 +113,13 @@ def _compile(config, workdir):
 
 def _finetune(config, workdir):
   """a task head on a pre-trained discriminator (configs/finetune/*.py), results in --workdir"""
-  from electra_jax.finetune import trainer  # noqa: PLC0415 (tfds/squad stay out of other modes)
-
-  results = trainer.run_finetune(config, workdir)  # prints its table itself
+  results = api.finetune(config, workdir)  # prints its table itself
   print(f"Results: {workdir}/{results['task']}/results.json")
 
 
 def _export_hf(config, workdir):
   """write --workdir (pre-training or fine-tuning) as Hugging Face directories in --out"""
-  from electra_jax.finetune import export  # noqa: PLC0415 (as finetune)
-
-  for name, directory in export.export_hf(workdir, FLAGS.out, FLAGS.export_generator).items():
+  for name, directory in api.export_hf(workdir, FLAGS.out, FLAGS.export_generator).items():
     print(f"Wrote the {name} (Hugging Face format) to {directory}")
 
 
@@ -171,8 +167,6 @@ def _prepare_data(config, workdir):
 def _sweep(config, workdir):
   """train the --sweep/--sweep_file runs of --config in sub-workdirs of --workdir and tabulate
   them"""
-  from electra_jax import sweep  # noqa: PLC0415
-
   finetune = FLAGS.sweep_finetune
   finetune = finetune and sweep.load_finetune_config(finetune, FLAGS.sweep_finetune_override)
   runs = (FLAGS.sweep, FLAGS.sweep_file, finetune or None)
@@ -192,16 +186,12 @@ def _sweep(config, workdir):
 
 def _sweep_report(config, workdir):
   """rewrite a sweep folder's results.csv/results.md without training"""
-  from electra_jax import sweep  # noqa: PLC0415
-
   sweep.write_report(workdir)
   print(f"Wrote {workdir}/results.md and {workdir}/results.csv")
 
 
 def _plot(config, workdir):
   """curves of --workdir=W1,W2,... (sweep folders expand to their runs) into --out (PNG)"""
-  from electra_jax import plots  # noqa: PLC0415 (matplotlib: the `plots` extra)
-
   plots.plot_curves(workdir.split(","), FLAGS.out, FLAGS.plot_metrics)
   print(f"Wrote {FLAGS.out}")
 
@@ -281,8 +271,8 @@ def _check_flags(name: str, mode: Mode, config) -> None:
   if mode.one_process and jax.process_count() > 1:
     raise ConfigError(
         f"--mode={name} runs in one process, but this is process {jax.process_index()} of "
-        f"{jax.process_count()}. Start it once, without the multi-process settings "
-        "(--coordinator_address/--num_processes/--process_id, ELECTRA_JAX_* variables, or srun)."
+        f"{jax.process_count()}: start it once, without --coordinator_address/--num_processes/"
+        "--process_id, ELECTRA_JAX_* variables or srun."
     )
   if mode.workdir and FLAGS.workdir is None:
     raise ConfigError(f"--mode={name} needs --workdir.")

@@ -18,9 +18,8 @@ TIE_MODES = ("embeddings", "none", "gdes", "all")  # see ElectraPretrainer
 
 
 def segment_positions(segment_ids):
-  """[batch, seq] segment ids (1, 2, ... for the examples of a packed row, 0 on padding) -> positions that
-  restart at 0 where each segment begins, so a packed example is embedded as it would be alone in its row.
-  """
+  """[batch, seq] segment ids (1, 2, ... per packed example, 0 on padding) -> positions restarting
+  at 0 at each segment, so a packed example is embedded as it would be alone in its row."""
   index = jnp.broadcast_to(jnp.arange(segment_ids.shape[-1], dtype=jnp.int32), segment_ids.shape)
   previous = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
   starts = jnp.where(segment_ids != previous, index, 0)
@@ -35,9 +34,8 @@ def segment_attention_mask(segment_ids):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def tied_vocab_logits(hidden, word_table, output_bias, dtype):
-  """The MLM heads' tied decoder: float32 logits [..., vocab] = hidden [..., E] @ word_table [vocab, E]^T
-  + output_bias, the product in `dtype` accumulated in float32; autodiff's gradient in the forms cheapest on a CPU.
-  """
+  """float32 logits [..., vocab] = hidden [..., E] @ word_table [vocab, E]^T + output_bias, the
+  product in `dtype` accumulated in float32, with a backward in the forms cheapest on a CPU."""
   return _tied_vocab_logits_fwd(hidden, word_table, output_bias, dtype)[0]
 
 
@@ -48,8 +46,8 @@ def _tied_vocab_logits_fwd(hidden, word_table, output_bias, dtype):
 
 
 def _tied_vocab_logits_bwd(dtype, residuals, grad):
-  # The table's gradient via [E, vocab] (the logits' gradient read in place, not transposed into a copy); the
-  # bias's on the CPU a product with ones (XLA:CPU's column reduction is slow), elsewhere a sum a GPU fuses.
+  # The table's gradient via [E, vocab] (the logits' gradient read in place, not copied transposed);
+  # the bias's on the CPU a product with ones (XLA:CPU's column reduction is slow), else a sum.
   hidden, word_table = residuals
   grad_rows = grad.reshape(-1, grad.shape[-1])  # [n, vocab] float32
   grad_c, hidden_rows = grad_rows.astype(dtype), hidden.reshape(-1, hidden.shape[-1]).astype(dtype)
@@ -65,9 +63,8 @@ tied_vocab_logits.defvjp(_tied_vocab_logits_fwd, _tied_vocab_logits_bwd)
 
 
 def vocab_head(module: nn.Module, hidden, word_table, prefix: str = ""):
-  """BERT's masked-LM head inside a tower's compact call: dense(-> E) + GELU + LayerNorm (`{prefix}head_dense`,
-  `{prefix}head_layer_norm`), then the decoder tied to `word_table` [vocab, E] plus `{prefix}output_bias`.
-  """
+  """BERT's MLM head in a tower's compact call: dense(-> E) + GELU + LayerNorm, then the decoder
+  tied to `word_table` [vocab, E] plus an output bias; parameter names start with `prefix`."""
   vocab_size, embedding_size = word_table.shape
   dense = encoder.dense(embedding_size, "embed", "mlp", module.dtype, f"{prefix}head_dense")
   norm = encoder.layer_norm(module.config.layer_norm_eps, f"{prefix}head_layer_norm")
@@ -86,7 +83,6 @@ class _Tower(EncoderFields):
   shared_encoder: nn.Module | None = None
 
   def _encode(self, embedded, attention_mask, deterministic: bool, name: str = "encoder"):
-    """The tower's own encoder, or the shared one, over `embedded` (called inside the compact call)."""
     tower_encoder = self.shared_encoder or Encoder(
         self.config, self.embedding_size, self.dtype, self.attention_impl, name=name
     )
@@ -94,10 +90,9 @@ class _Tower(EncoderFields):
 
 
 class Generator(_Tower):
-  """Masked LM tower: encoder, then vocab_head at `masked_positions` (every position when None). cloze=True:
-  Electric's generator (the official two-tower cloze model), a left-to-right and a right-to-left encoder over the
-  UNMASKED input; position t reads the first at t - 1 and the second at t + 1, so it sees every token but its own.
-  """
+  """Masked LM: encoder, then vocab_head at `masked_positions` (all when None). cloze=True:
+  Electric's two-tower cloze model, a left-to-right and a right-to-left encoder over the UNMASKED
+  input whose position t reads the first at t - 1 and the second at t + 1: all but its own token."""
 
   cloze: bool = False
 
@@ -149,13 +144,10 @@ class Towers(NamedTuple):
 
 
 class ElectraPretrainer(EmbeddingSizes):
-  """Generator and discriminator over ONE embeddings module: with the default tie="embeddings" the tree's top
-  level is exactly {embeddings, generator, discriminator}. tie="none" adds the generator's own
-  `generator_embeddings` (of its hidden size); tie="gdes" (DeBERTa-v3) `discriminator_word_delta`, which the
-  discriminator adds to stop_gradient(shared word table); tie="all" runs one `shared_encoder` in both towers.
-  Packed rows: every method's `attention_mask` is the segment ids (see segment_positions); a 0/1
-  mask is one segment per row, so unpacked batches give the same results.
-  """
+  """Both towers over ONE embeddings module: {embeddings, generator, discriminator}, plus under
+  tie="none" `generator_embeddings`, under "gdes" (DeBERTa-v3) a `discriminator_word_delta` added to
+  stop_gradient(word table), under "all" one `shared_encoder`. Packed rows: `attention_mask` holds
+  segment ids (a 0/1 mask is one segment per row)."""
 
   generator_config: EncoderConfig
   discriminator_config: EncoderConfig
@@ -223,8 +215,8 @@ class ElectraPretrainer(EmbeddingSizes):
   def __call__(
       self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic=True
   ):
-    """Both towers on the same input, which creates every parameter at init: (generator's logits or None,
-    discriminator's, a pair with an MLM head)."""
+    """Both towers on one input (creates every parameter at init): (generator logits or None,
+    discriminator logits, or a pair with an MLM head)."""
     inputs = (input_ids, token_type_ids, attention_mask)
     generator = None
     if self.towers.has_generator:
@@ -234,9 +226,8 @@ class ElectraPretrainer(EmbeddingSizes):
 
 
 def generator_encoder_config(discriminator: EncoderConfig, fraction: float) -> EncoderConfig:
-  """The generator `fraction` as wide as the discriminator (same depth and head size, FFN scaled alike), as
-  the official code sizes it, with at least one head; its other options (norm, convolution, ...) are the
-  discriminator's."""
+  """The official generator sizing: `fraction` as wide as the discriminator (FFN alike), same depth,
+  head size and options, at least one head."""
   hidden = int(round(discriminator.hidden_size * fraction))
   num_heads = max(1, hidden // discriminator.head_dim)
   if hidden < 1 or hidden % num_heads:
@@ -314,16 +305,12 @@ def build_model(config, towers: Towers) -> ElectraPretrainer:
   discriminator = EncoderConfig(**{**sizes, "scan_layers": bool(m.scan_layers)})
   generator = generator_encoder_config(discriminator, m.generator_fraction)
   _check_attention(config, {"discriminator": discriminator, "generator": generator}, towers.cloze)
+  same = "vocab_size embedding_size max_position_embeddings type_vocab_size tie attention_impl"
   return ElectraPretrainer(
-      vocab_size=m.vocab_size,
-      embedding_size=m.embedding_size,
-      max_position_embeddings=m.max_position_embeddings,
-      type_vocab_size=m.type_vocab_size,
+      **{key: m[key] for key in same.split()},  # model.* keys named as the fields
       generator_config=generator,
       discriminator_config=discriminator,
       dtype=jnp.dtype(config.train.dtype),
-      attention_impl=m.attention_impl,
-      tie=m.tie,
       towers=towers,
       packed=bool(config.data.pack_rows),
   )
@@ -338,8 +325,7 @@ class OneTower(EmbeddingSizes):
 
 
 class _TowerOverEmbeddings(OneTower):
-  """The subclass's `_tower` over its own embeddings; its parameter tree is the pre-trainer's subtree, name for
-  name."""
+  """The subclass's `_tower` over its own embeddings: the pre-trainer's subtree, name for name."""
 
   @nn.compact
   def __call__(self, input_ids, attention_mask=None, token_type_ids=None, deterministic=True):
@@ -356,19 +342,19 @@ class _TowerOverEmbeddings(OneTower):
 
 
 class ElectraDiscriminatorModel(_TowerOverEmbeddings):
-  """Parameters {embeddings, discriminator}: [batch, seq] -> "replaced" logits [batch, seq] float32."""
+  """Parameters {embeddings, discriminator}: [batch, seq] -> float32 "replaced" logits."""
 
   _tower = "discriminator"
 
 
 class ElectraGeneratorModel(_TowerOverEmbeddings):
-  """Parameters {embeddings, generator}: [batch, seq] -> vocabulary logits [batch, seq, vocab] float32."""
+  """Parameters {embeddings, generator}: [batch, seq] -> float32 logits [batch, seq, vocab]."""
 
   _tower = "generator"
 
 
 class ElectraEncoderModel(_TowerOverEmbeddings):
-  """No head; parameters {embeddings, encoder} (either tower's `encoder`): [batch, seq] -> [batch, seq, hidden]."""
+  """No head; {embeddings, encoder} (either tower's): [batch, seq] -> [batch, seq, hidden]."""
 
   _tower = "encoder"
 
@@ -386,9 +372,9 @@ def no_standalone_generator(pretrainer: ElectraPretrainer) -> str | None:
 
 
 def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
-  """(model, params) of one tower of a pre-trainer: `params` is an ElectraPretrainer tree; the result's is
-  {embeddings, <tower>}, the same arrays, but the discriminator's word table under tie="gdes" is the sum it
-  reads (shared + delta), and the generator's embeddings under tie="none" its own."""
+  """(model, {embeddings, <tower>}) of one tower of an ElectraPretrainer tree: the same arrays, but
+  under tie="gdes" the discriminator's word table is shared + delta; under "none" the generator's
+  embeddings are its own."""
   if tower not in TOWER_MODELS:
     raise ConfigError(f"tower={tower!r} is not one of {sorted(TOWER_MODELS)}.")
   why_not = no_standalone_generator(pretrainer) if tower == "generator" else None
@@ -415,13 +401,7 @@ def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
   if tower == "discriminator" and pretrainer.tie == "gdes":
     word_table = embeddings["word_embeddings"]["embedding"] + params["discriminator_word_delta"]
     embeddings = {**embeddings, "word_embeddings": {"embedding": word_table}}
-  model = TOWER_MODELS[tower](
-      vocab_size=pretrainer.vocab_size,
-      embedding_size=embedding_size,
-      max_position_embeddings=pretrainer.max_position_embeddings,
-      type_vocab_size=pretrainer.type_vocab_size,
-      config=tower_config,
-      dtype=pretrainer.dtype,
-      attention_impl=pretrainer.attention_impl,
-  )
+  shared = ("vocab_size", "max_position_embeddings", "type_vocab_size", "dtype", "attention_impl")
+  fields = {name: getattr(pretrainer, name) for name in shared}
+  model = TOWER_MODELS[tower](**fields, embedding_size=embedding_size, config=tower_config)
   return model, {"embeddings": embeddings, tower: tower_params}

@@ -1,6 +1,5 @@
 """Curves of workdirs (a sweep folder stands for its runs) as one PNG: a panel per metric, a line
-per workdir (metrics.jsonl solid, eval_metrics.jsonl dashed). No pyplot: no display needed, a
-notebook's backend kept."""
+per workdir (eval dashed); no pyplot, so no display is needed and a notebook's backend is kept."""
 
 import io
 import math

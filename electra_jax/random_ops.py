@@ -1,6 +1,5 @@
-"""Uniform and Gumbel draws equal to jax.random's bit for bit, and Dropout on them: Threefry-2x32 as
-uint32 arithmetic that fuses with its consumer (XLA:CPU's is an unfused loop); other PRNG setups use jax.random.
-"""
+"""Uniform and Gumbel draws equal to jax.random's bit for bit, and Dropout on them: Threefry-2x32
+as uint32 arithmetic that fuses with its consumer (XLA:CPU's is an unfused loop)."""
 
 import math
 
@@ -10,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-# Threefry-2x32's rotation constants (Salmon et al., SC 2011), in groups of four rounds, alternating.
+# Threefry-2x32's rotations (Salmon et al., SC 2011), in groups of four rounds, alternating.
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _KEY_PARITY = np.uint32(0x1BD11BDA)
 
 
 def threefry2x32(k1, k2, x1, x2):
-  """Threefry-2x32 (20 rounds) of counter words (x1, x2) under key (k1, k2), elementwise on uint32 arrays."""
+  """Threefry-2x32 (20 rounds) of counters (x1, x2) under key (k1, k2), elementwise on uint32."""
   ks = (k1, k2, k1 ^ k2 ^ _KEY_PARITY)
   x1, x2 = x1 + ks[0], x2 + ks[1]
   for group in range(5):
@@ -73,7 +72,7 @@ def gumbel(key, shape) -> jax.Array:
 
 
 class Dropout(nn.Module):
-  """flax.linen.Dropout with these draws: the same masks from the same "dropout" keys, cheaper on CPU."""
+  """flax.linen.Dropout by these draws: the same masks from the same keys, cheaper on a CPU."""
 
   rate: float
 

@@ -1,5 +1,5 @@
-"""`model.attention_impl='splash'`: Pallas's splash attention TPU kernel over segment ids, inside `jax.shard_map`
-under a mesh; compiled for another platform it runs in interpret mode, exact but slow (for tests).
+"""`model.attention_impl='splash'`: Pallas's splash attention TPU kernel over segment ids, in
+`jax.shard_map` under a mesh; compiled for another platform it runs in interpret mode (for tests).
 """
 
 import functools
@@ -32,8 +32,8 @@ def check_seq_len(seq_len: int) -> None:
 @functools.lru_cache(maxsize=None)
 def _warn_interpret(platform: str) -> None:
   logging.warning(
-      "model.attention_impl='splash' is a TPU kernel; on %s it runs in Pallas interpret mode, exact "
-      "but slow (for tests). Use 'xla' (or 'cudnn' on NVIDIA GPUs) to train here.",
+      "model.attention_impl='splash' is a TPU kernel; on %s it runs in Pallas interpret mode, "
+      "exact but slow (for tests). Use 'xla' (or 'cudnn' on NVIDIA GPUs) to train here.",
       platform,
   )
 
@@ -45,15 +45,8 @@ def _local_attention(query, key, value, segment_ids, *, interpret: bool):
 
   _, seq_len, num_heads, head_dim = query.shape
   block = min(MAX_BLOCK, seq_len)
-  blocks = kernel_lib.BlockSizes(
-      block_q=block,
-      block_kv=block,
-      block_kv_compute=block,
-      block_q_dkv=block,
-      block_kv_dkv=block,
-      block_kv_dkv_compute=block,
-      use_fused_bwd_kernel=True,
-  )
+  sizes = ("q", "kv", "kv_compute", "q_dkv", "kv_dkv", "kv_dkv_compute")  # one block size for all
+  blocks = kernel_lib.BlockSizes(**{f"block_{s}": block for s in sizes}, use_fused_bwd_kernel=True)
   # No mask beyond the segment ids. Built afresh per trace: a cache would leak the tracers it holds.
   mask = mask_lib.MultiHeadMask([mask_lib.FullMask((seq_len, seq_len)) for _ in range(num_heads)])
   kernel = kernel_lib.make_splash_mha(
@@ -74,8 +67,8 @@ def _local_attention(query, key, value, segment_ids, *, interpret: bool):
 
 
 def splash_attention(query, key, value, segment_ids):
-  """query/key/value [batch, seq, heads, head_dim]; segment_ids [batch, seq] (0 = padding; a query sees
-  only keys of its own segment) -> [batch, seq, heads, head_dim]."""
+  """query/key/value [batch, seq, heads, head_dim], segment_ids [batch, seq] (0: padding; a query
+  sees its own segment's keys only) -> [batch, seq, heads, head_dim]."""
   mesh = jax.sharding.get_abstract_mesh()  # jax.set_mesh's; empty when tracing parameter init
   if not mesh.empty:
     device = getattr(mesh, "abstract_device", None)  # jax >= 0.7

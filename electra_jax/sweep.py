@@ -1,6 +1,5 @@
-"""Sweeps: a grid or list of config overrides trained in sub-workdirs of a sweep folder (sweep.json
-records the base config and the runs), then results.csv, results.md and the curves.
-docs/training.md is the manual."""
+"""Sweeps (docs/training.md): a grid or list of overrides trained in sub-workdirs of a sweep folder,
+whose sweep.json records the base config and the runs, then results.csv, results.md and curves."""
 
 import contextlib
 import copy
@@ -24,7 +23,7 @@ from absl import logging
 from ml_collections import config_flags
 from ml_collections.config_flags import config_path
 
-from electra_jax import config_lib, plots, preemption, train, workdir_files, workdir_lease
+from electra_jax import checkpointing, config_lib, flops, models, objectives, plots, preemption, train, workdir_files, workdir_lease
 from electra_jax.errors import ConfigError
 
 SWEEP_FILE = workdir_files.SWEEP_FILE
@@ -103,13 +102,14 @@ def expand(grid: Sequence[str] = (), sweep_file: str | None = None) -> list[list
 def apply_overrides(
     base: ml_collections.ConfigDict, overrides: Sequence[Override], what: str = "Sweep"
 ) -> ml_collections.ConfigDict:
-  """A copy of `base` with `overrides` applied as `--config.KEY=VALUE` flags are, by ml_collections'
-  own parser; a bad key or value is a ConfigError starting with `what`."""
+  """A copy of `base` with `overrides` applied by ml_collections' own --config.KEY=VALUE parser; a
+  bad key or value is a ConfigError starting with `what`."""
   for key, _ in overrides:
     if found := config_lib.unknown_key(base, key):
       name, hint = found
+      hint = hint and f" {hint}"
       raise ConfigError(
-          f"{what} key {key!r} is not a config key (no {name!r} there).{' ' + hint if hint else ''} "
+          f"{what} key {key!r} is not a config key (no {name!r} there).{hint} "
           "configs/base.py lists every key."
       )
   argv = ["sweep", *(f"--config.{key}={raw}" for key, raw in overrides)]
@@ -198,8 +198,6 @@ def load_finetune_config(recipe: str, overrides: Sequence[str]) -> ml_collection
 
 
 def _latest_checkpoint(workdir: str) -> int | None:
-  from electra_jax import checkpointing  # noqa: PLC0415 (orbax stays out of sweep_report's import)
-
   if not workdir_files.exists(checkpointing.checkpoints_directory(workdir)):
     return None
   with contextlib.closing(checkpointing.Checkpointer(workdir, keep=1)) as checkpointer:
@@ -220,9 +218,8 @@ def run_sweep(
     plot: bool = True,
     take_over_workdir: bool = False,
 ) -> dict:
-  """Trains every unfinished run, fine-tunes each if asked, writes the tables and curves; {"runs",
-  "failed", "rows", "preempted"}. Every run is checked before anything is written; one sweep at a
-  time holds `sweep_dir`."""
+  """Trains every unfinished run (all checked before anything is written), fine-tunes each if
+  asked, writes the tables and curves; {"runs", "failed", "rows", "preempted"}."""
   override_lists = expand(grid, sweep_file)
   record = read_record(sweep_dir)
   existing = record["runs"] if record else []
@@ -233,9 +230,8 @@ def run_sweep(
       )
   ):
     raise ConfigError(
-        f"{sweep_dir}/{SWEEP_FILE} was written for another base config (recipe or --config.* "
-        f"flags: {'; '.join(changes)}): one table must not mix recipes. Use the same --config and "
-        "flags as before, or a new --workdir for this sweep."
+        f"{sweep_dir}/{SWEEP_FILE} was written for another base config ({'; '.join(changes)}): "
+        "one table must not mix recipes. Use the same --config and flags, or a new --workdir."
     )
   # A run listed twice (or recorded already) is one run.
   runs = list({run.name: run for run in name_runs(override_lists, existing, base_config)}.values())
@@ -258,7 +254,6 @@ def run_sweep(
     record = dict(
         base_config=config_lib.as_saved(base_config), runs=[r._asdict() for r in all_runs]
     )
-    workdir_files.makedirs(workdir_files.path(sweep_dir))
     workdir_files.write_json(workdir_files.path(sweep_dir, SWEEP_FILE), record)
     logging.info("Sweep of %d runs in %s (%d recorded).", len(runs), sweep_dir, len(all_runs))
     # A SIGTERM stops the sweep: a run saves and returns (its own handler); between runs it is
@@ -287,8 +282,7 @@ def run_sweep(
 
 
 def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
-  """Trains, resumes or skips each run, then fine-tunes it if asked; (failed run names,
-  preempted). WorkdirInUse once another sweep holds the folder."""
+  """Trains, resumes or skips each run, then fine-tunes it if asked; (failed names, preempted)."""
   failed, durations = [], []
   latest_steps = [_latest_checkpoint(run_dir(sweep_dir, r)) for r in runs]
   to_train = [(latest or 0) < c.train.steps for latest, c in zip(latest_steps, configs)]
@@ -319,7 +313,6 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
         else:
           logging.exception("Sweep run %s failed; going on with the next one.", run.name)
         failed.append(run.name)
-        workdir_files.makedirs(workdir)
         workdir_files.write_text(error_file, f"{type(error).__name__}: {error}\n")
         continue
       reached = _latest_checkpoint(workdir) or 0
@@ -348,8 +341,6 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
 
 def train_flops_per_token(config: ml_collections.ConfigDict) -> float:
   """The figure train.py uses for MFU, from a run's config alone (no data, no devices)."""
-  from electra_jax import flops, models, objectives  # noqa: PLC0415
-
   special_ids = dict(pad=0, cls=1, sep=2, mask=3, vocab_size=config.model.vocab_size)
   objective = objectives.objective_from_config(config, special_ids)
   model = models.build_model(config, objectives.towers(config))
@@ -357,7 +348,7 @@ def train_flops_per_token(config: ml_collections.ConfigDict) -> float:
 
 
 def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
-  """(columns, rows): one row per recorded run, from its own workdir's files."""
+  """(columns, rows): a row per recorded run, from its workdir's files."""
   record = read_record(sweep_dir)
   if record is None:
     raise ConfigError(
@@ -425,8 +416,7 @@ def _markdown_cell(column: str, value) -> str:
 
 
 def write_report(sweep_dir: str) -> list[dict]:
-  """Rewrites results.csv (every column) and results.md (the headline metrics) from the runs'
-  workdirs; the rows."""
+  """Rewrites results.csv (every column) and results.md (the headline metrics); the rows."""
   columns, rows = collect_rows(sweep_dir)
   out = io.StringIO()
   writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore", lineterminator="\n")

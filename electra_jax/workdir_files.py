@@ -1,6 +1,6 @@
-"""Files on local disk or in a bucket (`gs://`): the workdir's (config.json, logs, results), the
-lease's conditional writes and prepared shards. check_bucket refuses an unusable bucket before any
-work. Writes replace a file whole, atomically; a bucket's `JsonlLog` is rewritten now and then."""
+"""Files on local disk or in a bucket (`gs://`): the workdir's, the lease's conditional writes and
+prepared shards. Writes replace a file whole, atomically; check_bucket refuses a bad bucket early.
+"""
 
 from __future__ import annotations
 
@@ -289,9 +289,9 @@ def _answers(url, what: str, missing_bucket: bool = True):
 
 
 def check_bucket(url, flag: str, write: bool = False) -> None:
-  """Refuses in one line, naming `flag` and the fix, a bucket path that is not gs://, a bucket that
-  is missing or out of these credentials' reach, or (`write`) one that refuses their writes: it
-  lists `url`, and writes and deletes an empty object beside it."""
+  """Refuses, naming `flag` and the fix, a path that is not gs://, a bucket missing or out of reach,
+  or (`write`) one that refuses writes: it lists `url`, then writes and deletes an object beside it.
+  """
   if not os.fspath(url).startswith("gs://"):
     raise ConfigError(f"{flag}={url}: a remote path must be a gs:// path.")
   _google(f"{flag}={url}")

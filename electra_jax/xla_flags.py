@@ -1,6 +1,5 @@
-"""CPU settings the CLI applies when it starts, before JAX starts a backend: XLA flags that keep
-YNNPACK for reductions only and, on a Linux machine without a GPU or TPU, JAX on its CPU backend
-alone and huge pages for glibc's large allocations. The user's own settings win."""
+"""CPU settings the CLI applies at its start, before JAX's backend: XLA flags, and on Linux without
+a GPU or TPU, JAX on its CPU alone and glibc's huge pages. The user's own settings win."""
 
 import importlib.util
 import os
@@ -65,10 +64,9 @@ def tpu_chips_present() -> bool:
 
 
 def apply_cpu_defaults(environ=os.environ) -> bool:
-  """Adds our CPU flags to $XLA_FLAGS and, where no accelerator is visible on Linux, sets
-  JAX_PLATFORMS=cpu, so that JAX starts no accelerator plugin (libtpu installed to compile for
-  TPUs would print its search for one). Returns whether it set JAX_PLATFORMS; the user's own
-  value stays. ELECTRA_JAX_XLA_DEFAULTS=0: nothing is set."""
+  """Adds our flags to $XLA_FLAGS and, on Linux with no accelerator visible, sets JAX_PLATFORMS=cpu
+  (no plugin starts: libtpu would print its search for a TPU); whether it set it. The user's values
+  stay; ELECTRA_JAX_XLA_DEFAULTS=0 sets nothing."""
   if environ.get("ELECTRA_JAX_XLA_DEFAULTS", "1") == "0":
     return False
   import jaxlib  # noqa: PLC0415 (imported only to read its version)
@@ -81,9 +79,8 @@ def apply_cpu_defaults(environ=os.environ) -> bool:
 
 
 def restart_with_huge_pages() -> None:
-  """Starts this process again (the same process id, arguments and environment) with
-  malloc_tunables() when they apply and are not set yet: glibc reads them only at start. Returns
-  without restarting otherwise, or if it cannot. ELECTRA_JAX_XLA_DEFAULTS=0: never restarts."""
+  """Starts this process again (same id, arguments, environment) with malloc_tunables() when they
+  apply and are unset (glibc reads them at start); ELECTRA_JAX_XLA_DEFAULTS=0: never."""
   if os.environ.get("ELECTRA_JAX_XLA_DEFAULTS", "1") == "0" or not sys.executable:
     return
   tunables = malloc_tunables()

@@ -24,9 +24,8 @@ def one_device_setup(config, tokenizer):
 
 
 def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -> dict[str, str]:
-  """Writes <out_dir>/discriminator (and generator) from `workdir`'s latest checkpoint; returns
-  {tower: directory}. An `out_dir` holding another export, or a model no ElectraModel holds, is
-  refused before the restore."""
+  """Writes <out_dir>/discriminator (and generator) from `workdir`'s latest checkpoint: {tower:
+  directory}. A used `out_dir`, or a model no ElectraModel holds, is refused before the restore."""
   config = config_lib.load_workdir_config(workdir)
   if not workdir_files.exists(workdir_files.path(workdir, "checkpoints")):
     raise ConfigError(f"{workdir} has no checkpoints/ directory: nothing to export yet.")
@@ -107,8 +106,7 @@ def write_tokenizer_files(tok, directory: str, max_length: int) -> None:
 
 def _sentencepiece_pipeline(model_path: str) -> tokenizers.Tokenizer:
   """sentencepiece's segmentation as a `tokenizers` pipeline: pieces and scores (unigram) or merges
-  (BPE, read off the vocabulary), its normalization table, and its spaces (trimmed, runs made one,
-  "\u2581" before each word)."""
+  (BPE), its normalization table, and its spaces (trimmed, runs made one, "\u2581" before words)."""
   proto = sentencepiece_model_pb2.ModelProto()
   proto.ParseFromString(pathlib.Path(model_path).read_bytes())
   spec = proto.trainer_spec

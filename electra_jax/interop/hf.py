@@ -1,6 +1,5 @@
-"""Hugging Face `transformers` ELECTRA directories (config.json plus model.safetensors, or
-pytorch_model.bin through torch.load(weights_only=True)) read as, and written from, electra-jax's
-standalone models."""
+"""Hugging Face ELECTRA directories (config.json, model.safetensors or pytorch_model.bin read with
+weights_only=True) read as, and written from, electra-jax's standalone models."""
 
 import json
 import os
@@ -26,7 +25,7 @@ KINDS = {
     "encoder": ("ElectraModel", models.ElectraEncoderModel),
 }
 
-# config.json's keys: transformers.ElectraConfig's default (ELECTRA-Small's sizes), the EncoderConfig
+# config.json's keys: transformers.ElectraConfig's default (ELECTRA-Small's), the EncoderConfig
 # field it fills (None: the model's own), and the (tensor, axis) whose size it is, if one is.
 CONFIG_KEYS = {
     "vocab_size": (30522, None, ("embeddings.word_embeddings.weight", 0)),
@@ -175,9 +174,8 @@ def model_from_hf_config(hf_config: dict[str, Any], source: str):
   kind = next((kind for kind, (name, _) in KINDS.items() if architectures == [name]), None)
   if kind is None:
     raise ConfigError(
-        f"{source}: architectures={architectures!r} must name exactly one of "
-        f"{sorted(name for name, _ in KINDS.values())}. To keep only the encoder of a fine-tuned "
-        "model, save_pretrained its `.electra` submodule."
+        f"{source}: architectures={architectures!r} must be one of {[n for n, _ in KINDS.values()]}"
+        "; of a fine-tuned model, save_pretrained its `.electra` submodule (the encoder)."
     )
   value = {key: hf_config.get(key, default) for key, (default, _, _) in CONFIG_KEYS.items()}
   for key, (default, _, _) in CONFIG_KEYS.items():
@@ -210,9 +208,8 @@ def hf_config_of(model, kind: str, pad_token_id: int) -> dict[str, Any]:
 
 
 def params_from_hf_weights(model, kind: str, weights: dict, source: str, decoder_tied=True):
-  """Our parameter tree (float32 numpy leaves) from transformers tensors, every name and shape
-  checked. `decoder_tied` is config.json's tie_word_embeddings; a stored decoder (required when it
-  is false) must equal the word table."""
+  """Our float32 parameter tree from transformers tensors, every name and shape checked; a stored
+  decoder (needed when `decoder_tied`, tie_word_embeddings, is false) must equal the word table."""
   by_name = {}
   for key, array in weights.items():
     if (name := key.removeprefix("electra.")) in by_name:
@@ -238,11 +235,10 @@ def params_from_hf_weights(model, kind: str, weights: dict, source: str, decoder
   if kind == "generator" and (decoder is not None or not decoder_tied):
     word_table = flat[("embeddings", "word_embeddings", "embedding")]
     if decoder is None or not np.array_equal(decoder.astype(np.float32), word_table):
+      why = "is absent (tie_word_embeddings=false)" if decoder is None else "differs"
       raise ConfigError(
-          f"{source}: generator_lm_head.weight "
-          f"{'is absent (tie_word_embeddings=false)' if decoder is None else 'differs'}; "
-          "electra-jax's generator ties it to electra.embeddings.word_embeddings.weight, as ELECTRA "
-          "does, and cannot hold an untied decoder."
+          f"{source}: generator_lm_head.weight {why}: electra-jax's generator ties it to the "
+          "word embeddings, as ELECTRA does, and cannot hold an untied decoder."
       )
   return flax.traverse_util.unflatten_dict(flat)
 
@@ -372,8 +368,8 @@ def load_hf(path: str):
   for key, actual in sizes_held(weights).items():  # named by the key, before any tensor is matched
     if (stated := hf_config.get(key, CONFIG_KEYS[key][0])) != actual:
       raise ConfigError(
-          f"{config_path}: {key}={stated!r}, but the weight files hold {actual}; the config.json is "
-          "not the one these weights were saved with."
+          f"{config_path}: {key}={stated!r}, but the weight files hold {actual}; this config.json "
+          "is not the one these weights were saved with."
       )
   decoder_tied = hf_config.get("tie_word_embeddings", True) is not False
   return model, params_from_hf_weights(model, kind, weights, path, decoder_tied)
@@ -392,9 +388,8 @@ def save_hf(model, params, out_dir: str, kind: str | None = None, pad_token_id: 
         "out or pass the matching model."
     )
   tensors = hf_weights_from_params(model, model_kind, params)
-  os.makedirs(out_dir, exist_ok=True)
   config = hf_config_of(model, model_kind, pad_token_id)
-  workdir_files.write_json(os.path.join(out_dir, "config.json"), config)
+  workdir_files.write_json(os.path.join(out_dir, "config.json"), config)  # makes out_dir
   # The metadata save_pretrained writes; transformers 4.x checks it when loading.
   path = os.path.join(out_dir, "model.safetensors")
   safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})

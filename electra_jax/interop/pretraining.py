@@ -1,6 +1,5 @@
-"""A released (discriminator, generator) pair, from two Hugging Face directories or one official TF1
-checkpoint, checked and written as step 0 of a pre-training workdir with its vocabulary and
-config.json."""
+"""A released (discriminator, generator) pair, from two Hugging Face directories or an official TF1
+checkpoint, written as step 0 of a pre-training workdir with its vocabulary and config.json."""
 
 import contextlib
 import copy
@@ -20,9 +19,6 @@ from electra_jax.encoder import scan_layers
 from electra_jax.errors import ConfigError
 from electra_jax.interop import hf, tf_checkpoint
 from electra_jax.interop.export import one_device_setup
-
-# Where an import copies the vocabulary file each tokenizer reads.
-_VOCABULARY_COPIES = {"vocab_file": "vocab.txt", "spm_model_file": "spm.model"}
 
 
 @dataclasses.dataclass
@@ -119,9 +115,8 @@ def _shared_embeddings(pair: ImportedPair, embeddings_from: str | None) -> dict:
     return pair.discriminator_params["embeddings"]
   if embeddings_from not in ("discriminator", "generator"):
     raise ConfigError(
-        f"The discriminator's and generator's embeddings differ ({differences}), but the towers "
-        "share ONE embedding tree: pass --hf_embeddings_from=discriminator or generator (given: "
-        f"{embeddings_from!r})."
+        f"The towers' embeddings differ ({differences}), but they share ONE embedding tree: pass "
+        f"--hf_embeddings_from=discriminator or generator (given: {embeddings_from!r})."
     )
   logging.warning(
       "The towers' embeddings differ (%s); both keep the %s's.", differences, embeddings_from
@@ -171,12 +166,11 @@ def write_pretraining_workdir(
     workdir: str,
     embeddings_from: str | None = None,
 ) -> dict:
-  """Writes <workdir>/config.json (`config` with the pair's model sizes and vocabulary) and a step-0
-  checkpoint of both towers over one embedding tree, fresh optimizer state. Everything is checked
-  before the first write; a workdir with checkpoints is refused."""
+  """Writes <workdir>/config.json (`config` with the pair's sizes and vocabulary) and a step-0
+  checkpoint, fresh optimizer state, all checked first; a workdir with checkpoints is refused."""
   workdir_files.check_usable(workdir)
   checkpoints_dir = os.path.join(workdir, "checkpoints")
-  # Steps are numbered directories; "<step>.orbax-checkpoint-tmp" is an unfinished save orbax removes.
+  # Steps are numbered directories ("<step>.orbax-checkpoint-tmp": a save orbax will remove).
   if os.path.isdir(checkpoints_dir) and any(name.isdigit() for name in os.listdir(checkpoints_dir)):
     raise ConfigError(
         f"{workdir} already holds checkpoints; import into a new --workdir (nothing was changed)."
@@ -199,12 +193,8 @@ def write_pretraining_workdir(
           "meaning. Put it there, or pass --config.data.tokenizer=wordpiece "
           "--config.data.vocab_file=PATH."
       )
-    logging.warning(
-        "%s has no vocab.txt; using data.vocab_file=%s. The ids must mean what they meant in "
-        "pre-training.",
-        pair.source,
-        config.data.vocab_file,
-    )
+    vocab = config.data.vocab_file
+    logging.warning("%s has no vocab.txt: data.vocab_file=%s must be its own.", pair.source, vocab)
   config.data.update(pair.vocabulary)
   config_lib.validate(config)
   tokenizer = data.load_tokenizer(config.data)  # refuses a vocabulary without ELECTRA's specials
@@ -228,14 +218,14 @@ def write_pretraining_workdir(
     raise ConfigError(
         f"The recipe's model is not the one an imported pair fills: parameter {name!r} is "
         f"{wanted.get(name, 'absent')} in it but {imported.get(name, 'absent')} in the pair "
-        f"(objective.name={config.objective.name!r}, model.tie={config.model.tie!r}). Import with "
-        "objective.name electra, electra_15, two_stage or adversarial and model.tie='embeddings' "
-        "(the defaults). Nothing was written."
+        f"(objective.name={config.objective.name!r}, model.tie={config.model.tie!r}). Nothing was "
+        "written; import with model.tie='embeddings' and objective.name electra, electra_15, "
+        "two_stage or adversarial."
     )
 
   # The vocabulary goes into the workdir, which then stands on its own.
   os.makedirs(workdir, exist_ok=True)
-  for key, name in _VOCABULARY_COPIES.items():
+  for key, name in (("vocab_file", "vocab.txt"), ("spm_model_file", "spm.model")):
     if key in pair.vocabulary:
       config.data[key] = os.path.join(os.path.abspath(workdir), name)
       workdir_files.write_bytes(config.data[key], pathlib.Path(pair.vocabulary[key]).read_bytes())

@@ -1,6 +1,5 @@
-"""Official ELECTRA TF1 checkpoints (`model.ckpt-N`, both towers) read without TensorFlow: the V2
-bundle's `<prefix>.index` (a LevelDB table of name -> protobuf entry) and raw `<prefix>.data-*`
-files."""
+"""Official ELECTRA TF1 checkpoints (`model.ckpt-N`) read without TensorFlow: the V2 bundle's
+`<prefix>.index` (a LevelDB table of name -> protobuf entry) and raw `<prefix>.data-*` files."""
 
 import collections
 import os
@@ -135,7 +134,7 @@ class TFCheckpoint:
     entry = self.entries[name]
     if entry.dtype not in _DTYPES:
       raise ConfigError(
-          f"{self.prefix}: {name} has TensorFlow dtype {entry.dtype}, which is not a numeric tensor."
+          f"{self.prefix}: {name} has TensorFlow dtype {entry.dtype}: not a numeric tensor."
       )
     dtype = np.dtype(_DTYPES[entry.dtype])
     if int(np.prod(entry.shape, dtype=np.int64)) * dtype.itemsize != entry.size:
@@ -208,9 +207,8 @@ def official_name(hf_name: str, tower: str) -> str:
 
 
 def read_towers(prefix: str, num_heads: int | None = None):
-  """{tower: (model, params)} of an official checkpoint's two towers, through hf.py's checks. The
-  shapes hold no head count: the discriminator has `num_heads` (default max(1, hidden // 64)), the
-  generator its head size."""
+  """{tower: (model, params)} of an official checkpoint, through hf.py's checks. Shapes hold no
+  head count: the discriminator has `num_heads` (default hidden // 64), the generator its head's."""
   ckpt = TFCheckpoint(prefix)
   scopes = {name.split("/")[0] for name in ckpt.entries if not _OPTIMIZER_SLOT.search(name)}
   if unknown := sorted(scopes - _SCOPES):
@@ -226,7 +224,7 @@ def read_towers(prefix: str, num_heads: int | None = None):
     if not layers:
       raise ConfigError(
           f"{prefix} has no {scope}/encoder/layer_* variables: only an official pre-training "
-          "checkpoint (both towers, not a fine-tuned or discriminator-only one) continues pre-training."
+          "checkpoint (both towers, not fine-tuned or discriminator-only) continues pre-training."
       )
     weights, projected = {}, f"{scope}/embeddings_project/kernel" in ckpt.entries
     for w in hf.weight_names(kind, len(layers), projected):

@@ -2,8 +2,6 @@
 forward pass, its metrics, the towers it needs, its config check and, for two_stage, its hooks.
 pieces.py holds what they share; each other file is one objective (or a family) that reads alone."""
 
-import math
-
 from electra_jax import models
 from electra_jax.errors import ConfigError
 from electra_jax.objectives import adversarial, electra, electric, mlm, pieces, two_stage
@@ -51,12 +49,11 @@ def towers(config) -> models.Towers:
 
 
 def check_config(config) -> None:
-  """objective.name and the keys whose meaning depends on it, refused by name."""
+  """objective.name and the keys whose meaning depends on it, refused by name (config_lib.validate
+  has refused every value that is not finite)."""
   name, disc_mlm_weight = config.objective.name, config.objective.disc_mlm_weight
-  if not (math.isfinite(disc_mlm_weight) and disc_mlm_weight >= 0):
-    raise ConfigError(
-        f"objective.disc_mlm_weight={disc_mlm_weight} must be finite and >= 0 (0: off)."
-    )
+  if disc_mlm_weight < 0:
+    raise ConfigError(f"objective.disc_mlm_weight={disc_mlm_weight} must be >= 0 (0: off).")
   if name not in REGISTRY:
     raise ConfigError(f"objective.name={name!r} is not one of {list(REGISTRY)}.")
   # mlm trains the tower by MLM alone and ignores the key: the MLM baseline of a recipe that sets it
@@ -71,29 +68,19 @@ def check_config(config) -> None:
 
 
 def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjective:
-  """`special_ids` maps pad/cls/sep/mask (and vocab_size) to the tokenizer's. Nothing here depends on
-  train.steps (the run's length enters through the Schedule), and a setting the objective does not
-  read (an initial temperature that never falls) is left at its default, so its step does not
-  depend on it."""
+  """`special_ids` maps pad/cls/sep/mask (and vocab_size) to the tokenizer's. Nothing here depends
+  on train.steps, nor on a setting the objective does not read (an initial temperature that never
+  falls stays at its default), so the step does not either."""
   o, entry = config.objective, REGISTRY[config.objective.name]
   keep_original_prob, random_token_prob = entry.masking or (o.keep_original_prob, 0.0)
+  same = "name mask_prob gen_weight disc_weight temperature disallow_correct adversarial_mlm_weight"
   return ElectraObjective(
-      mask_prob=o.mask_prob,
+      **{key: o[key] for key in (*same.split(), "disc_mlm_weight")},
+      **{f"{token}_id": special_ids[token] for token in ("mask", "pad", "cls", "sep")},
       max_predictions=official_max_predictions(o.mask_prob, config.data.max_seq_len),
-      gen_weight=o.gen_weight,
-      disc_weight=o.disc_weight,
-      temperature=o.temperature,
       keep_original_prob=keep_original_prob,
       random_token_prob=random_token_prob,
-      mask_id=special_ids["mask"],
-      pad_id=special_ids["pad"],
-      cls_id=special_ids["cls"],
-      sep_id=special_ids["sep"],
-      name=o.name,
       vocab_size=special_ids.get("vocab_size", config.model.vocab_size),
-      adversarial_mlm_weight=o.adversarial_mlm_weight,
-      disallow_correct=o.disallow_correct,
       initial_temperature=o.initial_temperature if pieces.temperature_falls(o) else None,
-      disc_mlm_weight=o.disc_mlm_weight,
       uses_generator=entry.towers.has_generator,
   )

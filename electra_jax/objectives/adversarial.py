@@ -8,9 +8,9 @@ from electra_jax.objectives.pieces import Objective, Pass, bce, detect
 
 
 def _adversarial(p: Pass):
-  """REINFORCE, rewarding a masked slot's sample with the discriminator's loss on it, plus adversarial_mlm_weight
-  * L_MLM. A slot's baseline is the mean reward of its example's other slots (0 without any): independent of
-  its own sample, so the estimate stays unbiased, and of how the batch is split."""
+  """REINFORCE (reward: the discriminator's loss on a slot's sample) + adversarial_mlm_weight *
+  L_MLM. A slot's baseline, the mean reward of its example's other slots (0 without), depends on
+  neither its own sample (the estimate stays unbiased) nor the batch's split."""
   s, disc_logits, disc_loss, _, per_token = detect(p)
   bce_at_slots = jnp.take_along_axis(
       bce(disc_logits, s.is_replaced.astype(jnp.float32)), p.masked.positions, axis=1

@@ -11,17 +11,13 @@ from electra_jax.objectives.pieces import Objective, Pass
 
 
 def _electric(p: Pass):
-  """The official electric_objective: the cloze model reads the unmasked input and predicts every maskable
-  token from both sides (its loss); its samples replace the masked tokens, all labelled replaced, and the
-  discriminator's logit is the energy-based form: + log q(token) (no gradient) + the log prior odds of a mask.
-  """
+  """The cloze model predicts every maskable token of the unmasked input (its loss); its samples
+  replace the masked tokens, all labelled replaced; the discriminator's logit gets the energy-based
+  + log q(token) (no gradient) + the log prior odds of a mask."""
   input_ids, objective = p.batch["input_ids"], p.objective
-  cloze_logits = pieces.vocabulary_only(
-      p.generator(input_ids), objective.vocab_size
-  )  # every position
-  candidates = pieces.candidate_mask(input_ids, p.batch["attention_mask"], objective).astype(
-      jnp.float32
-  )
+  cloze_logits = pieces.vocabulary_only(p.generator(input_ids), objective.vocab_size)
+  is_candidate = pieces.candidate_mask(input_ids, p.batch["attention_mask"], objective)
+  candidates = is_candidate.astype(jnp.float32)
   cloze_loss_sum = pieces.mlm_sums(cloze_logits, input_ids, candidates)[0]
   p.stats.update(main_loss_sum=cloze_loss_sum, main_count=candidates.sum())
   s = pieces.sample(p, jnp.take_along_axis(cloze_logits, p.masked.positions[..., None], axis=1))
@@ -47,8 +43,8 @@ def _check_electric(config):
   pieces.check_no_generator_to_share(config)
   if config.data.pack_rows:
     raise ConfigError(
-        "Electric's cloze generator reads across the row's ends, so it cannot train on packed rows: "
-        "set data.pack_rows=False for objective.name='electric'."
+        "Electric's cloze generator reads across the row's ends, so it cannot train on packed "
+        "rows: set data.pack_rows=False for objective.name='electric'."
     )
 
 

@@ -1,5 +1,5 @@
-"""The MLM family: BERT ("mlm": no generator, 80/10/10 masking), the generator's samples in place of
-[MASK] ("replace_mlm"), and every token predicted with the paper's copy mechanism ("all_tokens_mlm").
+"""The MLM family: BERT ("mlm": no generator, 80/10/10 masking), the generator's samples in place
+of [MASK] ("replace_mlm"), every token predicted with the paper's copy mechanism ("all_tokens_mlm").
 """
 
 import jax
@@ -29,15 +29,9 @@ def _mlm(p: Pass):
 
 
 def _mlm_metrics(metrics, stats, objective, per_token):
-  _nan(
-      metrics,
-      (
-          "sampled_masked_lm_accuracy",
-          "replaced_fraction",
-          *pieces.BINNED_METRICS,
-          *pieces.DISC_METRICS,
-      ),
-  )
+  # No detector, and no samples: nothing replaced to count.
+  of_samples = ("sampled_masked_lm_accuracy", "replaced_fraction", *pieces.BINNED_METRICS)
+  _nan(metrics, (*of_samples, *pieces.DISC_METRICS))
   metrics["loss"] = metrics["masked_lm_loss"]
 
 

@@ -1,7 +1,6 @@
-"""What the objectives share: masking, Gumbel sampling, corruption, the losses, `Pass` (one
-micro-batch through the towers) and the steps of a forward built on it, the official metrics, and
-`Objective`, the registry entry each objective file fills in. The model enters only through
-`model.apply`."""
+"""What the objectives share: masking, sampling, corruption, the losses, `Pass` (one micro-batch
+through the towers, via `model.apply`) and the forward's steps on it, the official metrics, and
+`Objective`, the registry entry each objective file fills in."""
 
 import dataclasses
 import math
@@ -63,7 +62,7 @@ def temperature_falls(o) -> bool:
 
 
 def temperature_decay_steps(config) -> int:
-  """The steps over which the sampling temperature falls to objective.temperature (0: no schedule)."""
+  """The steps over which the sampling temperature falls to its final value (0: no schedule)."""
   o = config.objective
   if not temperature_falls(o):
     return 0
@@ -71,9 +70,8 @@ def temperature_decay_steps(config) -> int:
 
 
 def sampling_temperature(objective: ElectraObjective, step, decay_steps):
-  """The temperature at `step` (so a resume samples as an uninterrupted run): linear from initial_temperature
-  to temperature, reached exactly at `decay_steps` (float32); without a schedule the Python float temperature.
-  """
+  """The temperature at `step` (a resume samples as an uninterrupted run): float32, linear from the
+  initial to the final one, reached at `decay_steps`; without a schedule the Python float."""
   initial, final = objective.initial_temperature, objective.temperature
   if initial is None or initial == final:
     return final
@@ -115,8 +113,8 @@ def candidate_mask(input_ids, attention_mask, objective: ElectraObjective):
 
 
 def mask_tokens(rng, input_ids, attention_mask, objective: ElectraObjective) -> MaskedInputs:
-  """Chooses clip(round(n * mask_prob), 1, N) distinct candidates per row (n: its real tokens) and puts
-  [MASK] at each with probability 1 - keep_original_prob (a random token with random_token_prob)."""
+  """Chooses clip(round(n * mask_prob), 1, N) distinct candidates per row of n real tokens and puts
+  [MASK] at each with probability 1 - keep_original_prob (a random token: random_token_prob)."""
   batch_size, seq_len = input_ids.shape
   num_slots = objective.max_predictions
   choose_rng, replace_rng = jax.random.split(rng)
@@ -145,9 +143,8 @@ def mask_tokens(rng, input_ids, attention_mask, objective: ElectraObjective) -> 
 
 
 def sample_tokens(keys, logits, temperature: float, disallowed_ids=None):
-  """Gumbel-max samples [batch, n_pred] of softmax(logits / temperature), no gradient, one key per example
-  (a row's draw does not depend on the batch's split); `disallowed_ids` lose 1000 (disallow_correct).
-  """
+  """Gumbel-max samples [batch, n_pred] of softmax(logits / temperature), one key per example (the
+  batch's split changes no draw); `disallowed_ids` lose 1000 (disallow_correct)."""
   logits = jax.lax.stop_gradient(logits.astype(jnp.float32)) / temperature
   if disallowed_ids is not None:
     logits = logits - 1000.0 * jax.nn.one_hot(disallowed_ids, logits.shape[-1], dtype=jnp.float32)
@@ -156,8 +153,8 @@ def sample_tokens(keys, logits, temperature: float, disallowed_ids=None):
 
 
 def corrupt(input_ids, masked: MaskedInputs, sampled_ids):
-  """(corrupted_ids, is_replaced): the ORIGINAL input with the samples at the used masked positions; a
-  sample equal to the original token is labelled original."""
+  """(corrupted_ids, is_replaced): the ORIGINAL input with the samples at the used masked
+  positions; a sample equal to the original token is labelled original."""
   new_tokens = jnp.where(masked.weights > 0, sampled_ids, masked.target_ids)
   rows = jnp.arange(input_ids.shape[0])[:, None]
   corrupted_ids = input_ids.at[rows, masked.positions].set(new_tokens)
@@ -165,7 +162,7 @@ def corrupt(input_ids, masked: MaskedInputs, sampled_ids):
 
 
 class Normalizers(NamedTuple):
-  """The losses' denominators over the WHOLE batch: accumulated micro-batches add up to the full-batch loss."""
+  """The losses' denominators over the WHOLE batch: micro-batches add up to the full-batch loss."""
 
   num_predictions: jax.Array  # sum of MaskedInputs.weights
   num_tokens: jax.Array  # sum of attention_mask
@@ -179,8 +176,8 @@ class Normalizers(NamedTuple):
 
 
 def _max_and_argmax(z):
-  """(maximum, first maximal index) over the last axis: one (value, index) reduction, except on the CPU,
-  whose variadic reduce runs unvectorised: there the maximum, then a search for its first index."""
+  """(maximum, first maximal index) over the last axis: one reduction, but on the CPU (whose
+  variadic reduce runs unvectorised) the maximum, then a search for its first index."""
 
   def one_reduction(z):
     index = jnp.argmax(z, axis=-1).astype(jnp.int32)
@@ -190,7 +187,6 @@ def _max_and_argmax(z):
 
 
 def _two_reductions(z):
-  """(maximum, its first index) along the last axis, the index searched in float32 (exact below 2**24)."""
   assert z.shape[-1] < 2**24, z.shape
   top = z.max(-1)
   index = jax.lax.broadcasted_iota(jnp.float32, z.shape, z.ndim - 1)
@@ -200,13 +196,13 @@ def _two_reductions(z):
 
 @jax.custom_vjp
 def _weighted_nll_sum(logits, top, target_ids, weights):
-  """(sum(weights * (logsumexp(logits) - logits[target_ids])), logsumexp), `top` each row's maximum; only
-  the sum has a gradient, written as one elementwise pass: weights * (softmax - one_hot(target))."""
+  """(sum(weights * (logsumexp(logits) - logits[target_ids])), logsumexp), `top` the rows' maxima;
+  only the sum has a gradient, one elementwise pass: weights * (softmax - one_hot(target))."""
   return _weighted_nll_sum_fwd(logits, top, target_ids, weights)[0]
 
 
 def _weighted_nll_sum_fwd(logits, top, target_ids, weights):
-  # logsumexp as jax.nn.logsumexp computes it (shift by the maximum), so the loss is the same number.
+  # logsumexp as jax.nn.logsumexp computes it (shifted by the maximum): the same number.
   shifted_exp = jnp.exp(logits - top[..., None])
   total = shifted_exp.sum(-1)
   lse = jnp.log(total) + top
@@ -298,9 +294,8 @@ class Pass:
 
 
 class Sampled(NamedTuple):
-  """The generator's step: its logits at the masked slots [batch, n_pred, vocab], its samples [batch,
-  n_pred], the corrupted input, what was replaced and the generator's probability (T=1) of it [batch, seq].
-  """
+  """The generator's step: logits at the masked slots, samples, the corrupted input, what was
+  replaced and the generator's probability (T=1) of it, its L_MLM sum and weighted loss."""
 
   gen_logits: jax.Array
   sampled_ids: jax.Array
@@ -325,7 +320,7 @@ def generator_logits(p: Pass):
 
 
 def sample(p: Pass, gen_logits) -> Sampled:
-  """L_MLM of `gen_logits`, their samples and the corrupted input; the generator's counts go to p.stats."""
+  """L_MLM of `gen_logits`, samples, the corrupted input; the generator's counts go to p.stats."""
   masked, objective = p.masked, p.objective
   mlm_loss_sum, mlm_correct, log_normalizer = mlm_sums(
       gen_logits, masked.target_ids, masked.weights
@@ -351,8 +346,8 @@ def sample(p: Pass, gen_logits) -> Sampled:
 
 
 def tower_mlm(p: Pass, input_ids, stat: str = "main"):
-  """(replaced-token logits, MLM loss at the masked slots) of the discriminator tower on `input_ids`, one
-  pass; the sums go to p.stats as <stat>_loss_sum and <stat>_correct (main_*: with main_count)."""
+  """(replaced-token logits, MLM loss at the masked slots) of the discriminator tower in one pass;
+  the sums go to p.stats as <stat>_loss_sum and <stat>_correct (main_*: with main_count)."""
   positions, targets, weights = p.masked.positions, p.masked.target_ids, p.masked.weights
   disc_logits, logits = p.discriminator(input_ids, positions)
   loss_sum, correct, _ = mlm_sums(vocabulary_only(logits, p.objective.vocab_size), targets, weights)
@@ -392,7 +387,7 @@ def detection_loss(p: Pass, disc_logits, is_replaced, replaced_prob, only_masked
 
 
 def detect(p: Pass, only_masked: bool = False):
-  """Samples, then the discriminator on them: (sampled, disc_logits, disc loss, tower MLM loss, per_token)."""
+  """Samples, then the discriminator: (sampled, disc_logits, L_Disc, tower MLM loss, per_token)."""
   s = sample(p, generator_logits(p))
   disc_logits, main_loss = discriminator_logits(p, s.corrupted_ids)
   disc_loss, per_token = detection_loss(p, disc_logits, s.is_replaced, s.replaced_prob, only_masked)
@@ -467,7 +462,7 @@ def binary_aucs(scores, labels, weights, positive_subsets) -> list:
   aucs = []
   for subset in positive_subsets:
     is_pos = valid & labels & subset.reshape(-1).astype(bool)
-    # The pair count in float32: as int32 it wraps past 2**31 pairs (ELECTRA-Base's 256 x 512 batch).
+    # The pair count in float32: int32 wraps past 2**31 pairs (ELECTRA-Base's 256 x 512 batch).
     num_pairs = is_pos.sum().astype(jnp.float32) * is_neg.sum().astype(jnp.float32)
     auc = jnp.where(is_pos, credit, 0.0).sum() / num_pairs
     aucs.append(jnp.where(has_nan, jnp.nan, auc))

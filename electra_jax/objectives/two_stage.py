@@ -12,7 +12,7 @@ from electra_jax.objectives.pieces import Objective, Pass, detect
 
 
 def _two_stage(p: Pass):
-  """gen_weight * L_MLM before the switch, disc_weight * L_Disc from it on (both computed, for the metrics)."""
+  """gen_weight * L_MLM before the switch, disc_weight * L_Disc from it (both computed: metrics)."""
   s, _, disc_loss, _, per_token = detect(p)
   return jnp.where(p.step >= p.schedule.switch, disc_loss, s.gen_loss), per_token
 
@@ -32,7 +32,7 @@ class TwoStage(Objective):
   """The entry with its hooks."""
 
   def before_step(self, objective, params, step, schedule):
-    """At the switch step the discriminator's encoder becomes a copy of the generator's (its head stays)."""
+    """At the switch the discriminator's encoder becomes the generator's copy (not its head)."""
     now = step == schedule.switch
     gen, disc = params["generator"]["encoder"], params["discriminator"]["encoder"]
     encoder = jax.tree.map(lambda g, d: jnp.where(now, g, d), gen, disc)
@@ -48,12 +48,11 @@ class TwoStage(Objective):
     return {**updates, **held}
 
   def fixed_at_start(self, config, saved: dict | None, start_step: int | None) -> dict:
-    """The switch is fixed at a run's first start and written to config.json: left at 0 it is half of
-    train.steps, which a resume with more steps would move, copying the generator's encoder over the
-    trained discriminator again. A switch moved past the checkpoint is refused."""
+    """The switch, fixed at a run's first start into config.json: at 0 it is half of train.steps,
+    which a resume with more steps would move. A switch moved past the checkpoint is refused."""
     recorded = None
     if saved is not None and saved["objective"]["name"] == "two_stage":
-      # config.json before the switch was fixed kept 0: the default then was its own train.steps // 2.
+      # An older config.json kept 0: the default then was its own train.steps // 2.
       recorded = saved["objective"]["two_stage_switch"] or saved["train"]["steps"] // 2
     switch = config.objective.two_stage_switch
     if not switch:
@@ -73,8 +72,8 @@ class TwoStage(Objective):
     )
     raise ConfigError(
         f"objective.two_stage_switch={switch}, but this workdir's run switches at step {recorded} "
-        f"and its checkpoint is at step {start_step}: moving the switch now would {harm}. Leave it at "
-        f"{recorded} (or 0), or use a new --workdir."
+        f"and its checkpoint is at step {start_step}: moving the switch now would {harm}. Leave it "
+        f"at {recorded} (or 0), or use a new --workdir."
     )
 
 
