@@ -11,3 +11,7 @@ class DamagedCheckpoint(ConfigError):
 
 class WorkdirInUse(ConfigError):
   """Another run holds the workdir, or took it over from this one."""
+
+
+class OutOfSpace(ConfigError):
+  """A write refused for want of space: a full disk or quota, or a file-size limit (ulimit -f)."""

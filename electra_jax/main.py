@@ -303,7 +303,8 @@ def main(argv):
     else:
       distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     _check_flags(FLAGS.mode, mode, FLAGS.config)
-    mode.run(FLAGS.config, FLAGS.workdir)
+    with workdir_files.out_of_space_named():  # a full disk met by any writer, named
+      mode.run(FLAGS.config, FLAGS.workdir)
   except (ConfigError, FloatingPointError) as error:  # a mistake, or a diverged run
     sys.exit(f"electra-jax: error: {error}")
 

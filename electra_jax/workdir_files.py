@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
@@ -18,9 +19,10 @@ import uuid
 from absl import logging
 from etils import epath
 
-from electra_jax.errors import ConfigError
+from electra_jax.errors import ConfigError, OutOfSpace
 
 SWEEP_FILE = "sweep.json"  # a sweep folder's record of its base config and runs
+FILE_MODE = 0o644  # of every local file we write (mkstemp's are owner-only; others read caches)
 
 
 def is_remote(path) -> bool:
@@ -99,25 +101,53 @@ def last_record(file) -> dict:
   return (read_jsonl(file) or [{}])[-1]
 
 
+_EXHAUSTED = {  # what a write's errno says, and what to do
+    errno.ENOSPC: "the disk is full; free space there",
+    errno.EDQUOT: "this user's disk quota is used up; free space there or raise the quota",
+    errno.EFBIG: "the file would pass this process's size limit (`ulimit -f`); raise the limit",
+}
+
+
+@contextlib.contextmanager
+def out_of_space_named(file=None):
+  """Turns a write refused for want of space (a full disk or quota, `ulimit -f`) into OutOfSpace,
+  one line naming the file (`file`, else the error's own) and what to do."""
+  try:
+    yield
+  except OSError as error:
+    if error.errno not in _EXHAUSTED:
+      raise
+    name = file or error.filename or "a file"
+    raise OutOfSpace(
+        f"Writing {name}: {_EXHAUSTED[error.errno]}, then run the same command again (what was "
+        "written before is kept)."
+    ) from None
+
+
 def write_bytes(file, data: bytes) -> None:
   """Replaces `file` with `data` atomically: a local one (its folder made) through a fsynced
-  temporary file, renamed; a bucket object appears only once uploaded whole."""
+  temporary file, renamed; a bucket object appears only once uploaded whole. A full disk or a
+  size limit is OutOfSpace, the file as it was."""
   if is_remote(file):
     epath.Path(file).write_bytes(data)
     return
   directory = os.path.dirname(os.path.abspath(file))
-  os.makedirs(directory, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(file))
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    os.chmod(tmp, 0o644)  # mkstemp makes owner-only files; a shared cache is read by others
-    os.replace(tmp, file)
-  finally:
-    with contextlib.suppress(FileNotFoundError):
-      os.remove(tmp)
+  with out_of_space_named(file):
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(file))
+    try:
+      try:
+        view = memoryview(data)
+        while view:
+          view = view[os.write(fd, view) :]
+        os.fsync(fd)
+      finally:
+        os.close(fd)
+      os.chmod(tmp, FILE_MODE)
+      os.replace(tmp, file)
+    finally:
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)
 
 
 def write_text(file, text: str) -> None:
@@ -184,8 +214,8 @@ class JsonlLog:
       self._content().extend(self._pending)
       write_text(self.file, _text(self._lines))
     else:
-      with open(self.file, "a") as f:
-        f.write(_text(self._pending))
+      with out_of_space_named(self.file), open(self.file, "a") as f:
+        f.write(_text(self._pending))  # a line cut short here is skipped when read
     self._pending = []
     self._last_flush = time.monotonic()
 

@@ -1,0 +1,129 @@
+"""Faults around the files we write and read (issue 78): a full disk and a file-size limit end in
+one line naming the file, the previous version kept; Ctrl-C stops an eval; a live workdir's
+rotating checkpoint is never called damaged; one mode for every file we write."""
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import REPO, cli
+
+from electra_jax import errors, workdir_files
+
+
+def _fail_writes_under(monkeypatch, folder, code=errno.ENOSPC):
+  """os.write, the lowest write call, refuses (as a full disk does) every write to a file under
+  `folder`; writes elsewhere (pytest's, the log's) go through."""
+  real_write = os.write
+
+  def write(fd, data):
+    if os.readlink(f"/proc/self/fd/{fd}").startswith(os.fspath(folder)):
+      raise OSError(code, os.strerror(code))
+    return real_write(fd, data)
+
+  monkeypatch.setattr(os, "write", write)
+
+
+def _leftovers(folder):
+  return [name for name in os.listdir(folder) if name.startswith(".tmp-")]
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_full_disk_is_one_error_naming_the_file_and_keeps_its_last_version(
+    tmp_path, monkeypatch, code
+):
+  file = tmp_path / "config.json"
+  workdir_files.write_json(file, {"steps": 6})
+  _fail_writes_under(monkeypatch, tmp_path, code)
+  with pytest.raises(errors.OutOfSpace, match="free space") as refusal:
+    workdir_files.write_json(file, {"steps": 7})
+  assert str(file) in str(refusal.value)
+  assert json.loads(file.read_text()) == {"steps": 6}
+  assert _leftovers(tmp_path) == []
+
+
+def _limited_child(script: str, limit_bytes: int) -> subprocess.CompletedProcess:
+  """`script` in a Python process whose files may not grow past `limit_bytes` (`ulimit -f`)."""
+  prologue = (
+      "import resource\n"
+      f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit_bytes}, resource.RLIM_INFINITY))\n"
+  )
+  env = dict(os.environ, PYTHONPATH=REPO, PYTHONDONTWRITEBYTECODE="1")
+  return subprocess.run(
+      [sys.executable, "-c", prologue + textwrap.dedent(script)],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+
+
+def test_file_size_limit_is_one_error_naming_the_file_and_keeps_its_last_version(tmp_path):
+  file, log = tmp_path / "big.bin", tmp_path / "metrics.jsonl"
+  file.write_bytes(b"old")
+  log.write_text('{"step": 1}\n')
+  child = _limited_child(
+      f"""
+      from electra_jax import errors, workdir_files
+      for write in (
+          lambda: workdir_files.write_bytes({str(file)!r}, b"x" * 200_000),
+          lambda: workdir_files.JsonlLog({str(log)!r}).append({{"step": 2, "pad": "y" * 200_000}}),
+      ):
+        try:
+          write()
+        except errors.OutOfSpace as error:
+          print("refused:", error)
+      """,
+      limit_bytes=64 * 1024,
+  )
+  refusals = [line for line in child.stdout.splitlines() if line.startswith("refused:")]
+  assert child.returncode == 0, child.stderr
+  assert len(refusals) == 2 and "Traceback" not in child.stderr, (child.stdout, child.stderr)
+  assert str(file) in refusals[0] and str(log) in refusals[1]
+  assert all("ulimit -f" in line for line in refusals)
+  assert file.read_bytes() == b"old"
+  assert _leftovers(tmp_path) == []
+  assert [json.loads(line)["step"] for line in log.read_text().splitlines()[:1]] == [1]
+
+
+def _logged_workdir(folder):
+  folder.mkdir()
+  lines = [json.dumps({"step": s, "loss": 5.0 / s}) for s in range(1, 6)]
+  (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+  return folder
+
+
+def test_cli_prints_a_full_disk_in_one_line(tmp_path, monkeypatch):
+  workdir, out = _logged_workdir(tmp_path / "run"), tmp_path / "out"
+  out.mkdir()
+  _fail_writes_under(monkeypatch, out)
+  args = [sys.executable, "-m", "electra_jax.main", "--mode=plot", f"--workdir={workdir}"]
+  result = cli([*args, f"--out={out}/curves.png"])
+  assert result.returncode == 1
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("electra-jax: error: ") and f"{out}/curves.png" in last, result.stderr
+  assert "Traceback" not in result.stderr
+  assert os.listdir(out) == []
+
+
+def test_cli_under_a_file_size_limit_ends_in_one_line(tmp_path):
+  workdir = _logged_workdir(tmp_path / "run")
+  out = tmp_path / "curves.png"
+  child = _limited_child(
+      f"""
+      import sys
+      from electra_jax import main
+      sys.argv = ["electra-jax", "--mode=plot", "--workdir={workdir}", "--out={out}"]
+      main.run()
+      """,
+      limit_bytes=8 * 1024,  # the PNG is larger
+  )
+  assert child.returncode == 1, child.stderr
+  assert "Traceback" not in child.stderr
+  last = child.stderr.strip().splitlines()[-1]
+  assert last.startswith("electra-jax: error: ") and str(out) in last and "ulimit -f" in last
+  assert not out.exists() and _leftovers(tmp_path) == []
