@@ -1,11 +1,15 @@
 """The command line (the `electra-jax` console script, or `python -m electra_jax.main`): one absl
 program whose --mode picks the job. USAGE below is what `--help` prints; docs/ has the manual."""
 
+import _thread
+import contextlib
 import dataclasses
 import logging as std_logging
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -282,6 +286,49 @@ def _check_flags(name: str, mode: Mode, config) -> None:
       raise ConfigError(f"--mode={name} needs {what}.")
 
 
+def _ctrl_c(signum, frame):
+  """SIGINT as KeyboardInterrupt, raised again every half second until the command stops: Python
+  drops one raised inside a gc callback (JAX runs one at every collection) or a finalizer."""
+  if not _STOPPING.is_set():
+    _STOPPING.set()
+    threading.Thread(target=_ctrl_c_again, daemon=True).start()
+  raise KeyboardInterrupt
+
+
+def _ctrl_c_again():
+  while time.sleep(0.5) or signal.getsignal(signal.SIGINT) is _ctrl_c:  # training may take it
+    _thread.interrupt_main()
+
+
+_STOPPING = threading.Event()
+
+
+@contextlib.contextmanager
+def _ctrl_c_stops():
+  """A Ctrl-C stops the command in one line, exit code 130; training's loop takes it itself."""
+  try:
+    previous = signal.signal(signal.SIGINT, _ctrl_c), sys.unraisablehook
+  except ValueError:  # not the main thread (a notebook runner's): Python's own handling
+    yield
+    return
+  # What a gc callback or finalizer dropped is raised again: no traceback for it.
+  sys.unraisablehook = lambda dropped: dropped.exc_type is KeyboardInterrupt or previous[1](dropped)
+  try:
+    yield
+  except KeyboardInterrupt:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # one is enough
+    print(
+        f"electra-jax: stopped by Ctrl-C (--mode={FLAGS.mode}); what it finished is kept. Run "
+        "the same command to do it again.",
+        file=sys.stderr,
+    )
+    sys.exit(130)
+  finally:
+    sys.unraisablehook = previous[1]
+    if signal.getsignal(signal.SIGINT) is _ctrl_c:  # not stopping: the caller's handler again
+      signal.signal(signal.SIGINT, previous[0])
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
@@ -298,13 +345,14 @@ def main(argv):
     )
   mode = MODES[FLAGS.mode]
   try:
-    if mode.local:  # before JAX starts a backend: no accelerator here is taken, nor a job joined
-      jax.config.update("jax_platforms", "cpu")
-    else:
-      distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-    _check_flags(FLAGS.mode, mode, FLAGS.config)
-    with workdir_files.out_of_space_named():  # a full disk met by any writer, named
-      mode.run(FLAGS.config, FLAGS.workdir)
+    with _ctrl_c_stops():
+      if mode.local:  # before JAX starts a backend: no accelerator here is taken, nor a job joined
+        jax.config.update("jax_platforms", "cpu")
+      else:
+        distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+      _check_flags(FLAGS.mode, mode, FLAGS.config)
+      with workdir_files.out_of_space_named():  # a full disk met by any writer, named
+        mode.run(FLAGS.config, FLAGS.workdir)
   except (ConfigError, FloatingPointError) as error:  # a mistake, or a diverged run
     sys.exit(f"electra-jax: error: {error}")
 

@@ -5,12 +5,14 @@ rotating checkpoint is never called damaged; one mode for every file we write.""
 import errno
 import json
 import os
+import resource
+import signal
 import subprocess
 import sys
 import textwrap
 
 import pytest
-from conftest import REPO, cli
+from conftest import REPO, cli, cli_args
 
 from electra_jax import errors, workdir_files
 
@@ -127,3 +129,80 @@ def test_cli_under_a_file_size_limit_ends_in_one_line(tmp_path):
   last = child.stderr.strip().splitlines()[-1]
   assert last.startswith("electra-jax: error: ") and str(out) in last and "ulimit -f" in last
   assert not out.exists() and _leftovers(tmp_path) == []
+
+
+@pytest.fixture(scope="module")
+def trained_workdir(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("trained") / "run"
+  result = cli(cli_args(workdir))
+  assert result.returncode == 0, result.stderr
+  return workdir
+
+
+def _assert_stopped_by_ctrl_c(child):
+  assert child.returncode == 130, child.stderr[-3000:]
+  assert "Traceback" not in child.stderr and "Held-out" not in child.stdout, child.stderr[-3000:]
+  assert child.stderr.strip().splitlines()[-1].startswith("electra-jax: stopped by Ctrl-C")
+
+
+def test_eval_stops_at_a_ctrl_c_that_lands_in_a_gc_callback(trained_workdir):
+  # Python drops a KeyboardInterrupt raised inside a gc callback (JAX has one at every
+  # collection): here the first collection once the eval started takes the Ctrl-C.
+  child = _limited_child(
+      f"""
+      import gc, signal, sys
+      from electra_jax import main, train
+      armed, evaluate = [], train.evaluate_checkpoint
+      def arm_then_evaluate(*args):
+        armed.append(True)
+        return evaluate(*args)
+      def ctrl_c_inside(phase, info):
+        if armed and phase == "start":
+          armed.clear()
+          signal.raise_signal(signal.SIGINT)
+      train.evaluate_checkpoint = arm_then_evaluate
+      gc.callbacks.append(ctrl_c_inside)
+      sys.argv = ["electra-jax", "--mode=eval", "--workdir={trained_workdir}"]
+      main.run()
+      """,
+      limit_bytes=resource.RLIM_INFINITY,
+  )
+  _assert_stopped_by_ctrl_c(child)
+
+
+def test_eval_stops_at_the_first_ctrl_c(trained_workdir):
+  args = [sys.executable, "-m", "electra_jax.main", "--mode=eval", f"--workdir={trained_workdir}"]
+  env = dict(os.environ, PYTHONPATH=REPO)
+  process = subprocess.Popen(
+      args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  )
+  seen = []
+  for line in process.stderr:  # the Ctrl-C once the held-out data is loaded
+    seen.append(line)
+    if "loaded eval data" in line:
+      process.send_signal(signal.SIGINT)
+      break
+  stdout, rest = process.communicate(timeout=300)
+  _assert_stopped_by_ctrl_c(
+      subprocess.CompletedProcess(args, process.returncode, stdout, "".join(seen) + rest)
+  )
+
+
+def test_every_exported_file_has_the_mode_of_the_files_we_write(tmp_path, trained_workdir):
+  out = tmp_path / "hf"
+  result = cli(
+      [
+          *cli_args(trained_workdir)[:3],
+          "--mode=export_hf",
+          f"--workdir={trained_workdir}",
+          f"--out={out}",
+      ]
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  modes = {
+      name: oct(os.stat(os.path.join(root, name)).st_mode & 0o777)
+      for root, _, names in os.walk(out)
+      for name in names
+  }
+  assert "model.safetensors" in modes and "tokenizer.json" in modes
+  assert set(modes.values()) == {oct(workdir_files.FILE_MODE)}, modes

@@ -3,7 +3,6 @@ discriminator (and, if asked, the generator) as Hugging Face directories with th
 
 import os
 import pathlib
-import shutil
 
 import jax
 import tokenizers
@@ -81,7 +80,9 @@ def write_tokenizer_files(tok, directory: str, max_length: int) -> None:
       **{f"{name}_token": f"[{name.upper()}]" for name in ("unk", "sep", "pad", "cls", "mask")},
   }
   if isinstance(tok, WordPieceTokenizer):
-    shutil.copyfile(tok.vocab_file, os.path.join(directory, "vocab.txt"))
+    workdir_files.write_bytes(
+        os.path.join(directory, "vocab.txt"), pathlib.Path(tok.vocab_file).read_bytes()
+    )
     pipeline = tokenizers.Tokenizer.from_str(tok.backend.to_str())
     # strip_accents None: follow do_lower_case, as BERT's tokenizer (and ours) does.
     settings.update(
@@ -91,7 +92,9 @@ def write_tokenizer_files(tok, directory: str, max_length: int) -> None:
         tokenize_chinese_chars=True,
     )
   else:
-    shutil.copyfile(tok.model_path, os.path.join(directory, "spm.model"))
+    workdir_files.write_bytes(
+        os.path.join(directory, "spm.model"), pathlib.Path(tok.model_path).read_bytes()
+    )
     pipeline = _sentencepiece_pipeline(tok.model_path)
     pipeline.add_special_tokens(list(SPECIAL_TOKENS))
     settings.update(tokenizer_class="PreTrainedTokenizerFast")
@@ -100,7 +103,7 @@ def write_tokenizer_files(tok, directory: str, max_length: int) -> None:
       pair="[CLS] $A [SEP] $B:1 [SEP]:1",
       special_tokens=[("[CLS]", tok.cls_id), ("[SEP]", tok.sep_id)],
   )
-  pipeline.save(os.path.join(directory, "tokenizer.json"))
+  workdir_files.write_text(os.path.join(directory, "tokenizer.json"), pipeline.to_str(pretty=True))
   workdir_files.write_json(os.path.join(directory, "tokenizer_config.json"), settings)
 
 
