@@ -69,14 +69,15 @@ def end_summary(config, metrics: dict, workdir: str, seconds: float) -> str:
         name.ljust(width) + "".join(f"  {cell(row.get(k)):>{len(k)}}" for k in _SUMMARY_METRICS)
     )
   tokens = step * config.train.batch_size * config.data.max_seq_len
+  names = ("checkpoints", "metrics.jsonl", "eval_metrics.jsonl", "config.json")
+  written = [name for name in names if workdir_files.exists(workdir_files.path(workdir, name))]
   return "\n".join(
       [
           f"{'Done' if step >= config.train.steps else 'Stopped'}: step {step} of "
           f"{config.train.steps}, {tokens:,} tokens in all (padding included); this command ran "
           f"{config_lib.format_duration(seconds)}.",
           *table,
-          f"Files: {workdir}/checkpoints, {workdir}/metrics.jsonl, {workdir}/eval_metrics.jsonl, "
-          f"{workdir}/config.json",
+          "Files: " + ", ".join(f"{workdir}/{name}" for name in written),
       ]
   )
 

@@ -29,10 +29,17 @@ def is_remote(path) -> bool:
   return "://" in os.fspath(path)
 
 
+def _epath(file) -> epath.Path:
+  """`file` as etils.epath reaches it; a bucket's only with the gcs extra installed."""
+  if is_remote(file):
+    _google(os.fspath(file))
+  return epath.Path(file)
+
+
 def path(workdir, *parts) -> epath.Path:
   """`workdir`/parts; a local workdir is made absolute."""
   root = os.fspath(workdir)
-  return epath.Path(root if is_remote(root) else os.path.abspath(root)).joinpath(*parts)
+  return _epath(root if is_remote(root) else os.path.abspath(root)).joinpath(*parts)
 
 
 def check_usable(workdir, flag: str = "--workdir") -> None:
@@ -52,15 +59,15 @@ def check_usable(workdir, flag: str = "--workdir") -> None:
 
 
 def makedirs(directory) -> None:
-  epath.Path(directory).mkdir(parents=True, exist_ok=True)
+  _epath(directory).mkdir(parents=True, exist_ok=True)
 
 
 def exists(file) -> bool:
-  return epath.Path(file).exists()
+  return _epath(file).exists()
 
 
 def read_text(file) -> str:
-  return epath.Path(file).read_text()
+  return _epath(file).read_text()
 
 
 def read_json(file, parse=lambda value: value):
@@ -129,7 +136,7 @@ def write_bytes(file, data: bytes) -> None:
   temporary file, renamed; a bucket object appears only once uploaded whole. A full disk or a
   size limit is OutOfSpace, the file as it was."""
   if is_remote(file):
-    epath.Path(file).write_bytes(data)
+    _epath(file).write_bytes(data)
     return
   directory = os.path.dirname(os.path.abspath(file))
   with out_of_space_named(file):
@@ -174,7 +181,7 @@ class JsonlLog:
   rewritten every `remote_flush_seconds` and on flush(), only while `holds()` (if set) is true."""
 
   def __init__(self, file, remote_flush_seconds: float = 60.0):
-    self.file = epath.Path(file)
+    self.file = _epath(file)
     self._remote = is_remote(self.file)
     self._flush_every = remote_flush_seconds
     self.holds = None
@@ -375,7 +382,7 @@ def local_copy(file, cache_dir) -> str:
   in `cache_dir` named by its content, so a replaced object never reuses a stale copy."""
   if not is_remote(file):
     return os.fspath(file)
-  data = epath.Path(file).read_bytes()
+  data = _epath(file).read_bytes()
   name = os.fspath(file).rstrip("/").rsplit("/", 1)[-1]
   copy = os.path.join(cache_dir, "objects", f"{hashlib.sha256(data).hexdigest()[:16]}-{name}")
   if not os.path.exists(copy):

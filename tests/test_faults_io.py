@@ -206,3 +206,60 @@ def test_every_exported_file_has_the_mode_of_the_files_we_write(tmp_path, traine
   }
   assert "model.safetensors" in modes and "tokenizer.json" in modes
   assert set(modes.values()) == {oct(workdir_files.FILE_MODE)}, modes
+
+
+@pytest.mark.parametrize("mode", ["train", "eval", "export_hf"])
+def test_a_bucket_workdir_without_gcsfs_is_one_line_naming_the_extra(tmp_path, monkeypatch, mode):
+  monkeypatch.setitem(sys.modules, "gcsfs", None)  # as when it is not installed
+  args = cli_args("gs://some-bucket/run") + [f"--mode={mode}", f"--out={tmp_path}/hf"]
+  result = cli(args if mode == "train" else [a for a in args if not a.startswith("--config")])
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("electra-jax: error: ") and "pip install 'electra-jax[gcs]'" in last
+
+
+def test_api_load_config_takes_a_list_as_the_cli_takes_a_comma_separated_value(tmp_path):
+  from electra_jax import api  # noqa: PLC0415
+
+  files = [tmp_path / "a.txt", tmp_path / "b.txt"]
+  for file in files:
+    file.write_text("One sentence.\n")
+  config = api.load_config("demo", {"data.source": "text", "data.files": [str(f) for f in files]})
+  from_cli = api.load_config(
+      "demo", {"data.source": "text", "data.files": ",".join(map(str, files))}
+  )
+  assert config.data.files == from_cli.data.files
+  from electra_jax.data import sources  # noqa: PLC0415
+
+  assert sources.resolve_files(config.data.files) == [str(f) for f in files]
+
+
+@pytest.mark.parametrize("where", ["ELECTRA_JAX_CACHE", "data.cache_dir"])
+def test_a_cache_that_is_a_file_is_one_line_naming_it(tmp_path, monkeypatch, where):
+  file = tmp_path / "not-a-folder"
+  file.write_text("")
+  overrides = {}
+  if where == "ELECTRA_JAX_CACHE":
+    monkeypatch.setenv("ELECTRA_JAX_CACHE", str(file))
+  else:
+    overrides["data.cache_dir"] = file
+  result = cli(cli_args(tmp_path / "run", **overrides))
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("electra-jax: error: ") and f"{where}={file}" in last, last
+
+
+def test_the_end_summary_lists_only_files_that_exist(tmp_path):
+  from conftest import tiny_config  # noqa: PLC0415
+
+  from electra_jax import main  # noqa: PLC0415
+
+  workdir = _logged_workdir(tmp_path / "run")
+  (workdir / "checkpoints").mkdir()
+  (workdir / "config.json").write_text("{}")
+  summary = main.end_summary(tiny_config(), {"step": 6, "loss": 1.0}, str(workdir), 3.0)
+  files = summary.splitlines()[-1]
+  assert files.startswith("Files: ")
+  for name in ("checkpoints", "metrics.jsonl", "config.json"):
+    assert f"{workdir}/{name}" in files
+  assert "eval_metrics.jsonl" not in files
