@@ -292,6 +292,11 @@ def _ctrl_c(signum, frame):
   drops one raised inside a gc callback (JAX runs one at every collection) or a finalizer."""
   if not _STOPPING.is_set():
     _STOPPING.set()
+    # What the work stopped mid-way prints from here on (orbax's and tensorstore's threads when a
+    # read is cut short) is not news: stderr goes to /dev/null, and main() says why it stopped.
+    sys.stderr.flush()
+    _terminal.append(os.dup(2))
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
     threading.Thread(target=_ctrl_c_again, daemon=True).start()
   raise KeyboardInterrupt
 
@@ -302,32 +307,31 @@ def _ctrl_c_again():
 
 
 _STOPPING = threading.Event()
+_terminal = []  # stderr as it was before a Ctrl-C
 
 
 @contextlib.contextmanager
 def _ctrl_c_stops():
   """A Ctrl-C stops the command in one line, exit code 130; training's loop takes it itself."""
   try:
-    previous = signal.signal(signal.SIGINT, _ctrl_c), sys.unraisablehook
+    previous = signal.signal(signal.SIGINT, _ctrl_c)
   except ValueError:  # not the main thread (a notebook runner's): Python's own handling
     yield
     return
-  # What a gc callback or finalizer dropped is raised again: no traceback for it.
-  sys.unraisablehook = lambda dropped: dropped.exc_type is KeyboardInterrupt or previous[1](dropped)
   try:
     yield
   except KeyboardInterrupt:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # one is enough
-    print(
+    sys.stdout.flush()
+    os.write(
+        (_terminal or [2])[0],
         f"electra-jax: stopped by Ctrl-C (--mode={FLAGS.mode}); what it finished is kept. Run "
-        "the same command to do it again.",
-        file=sys.stderr,
+        "the same command to do it again.\n".encode(),
     )
-    sys.exit(130)
+    os._exit(130)  # every `finally` ran; XLA's threads, stopped mid-work, can crash Python's exit
   finally:
-    sys.unraisablehook = previous[1]
     if signal.getsignal(signal.SIGINT) is _ctrl_c:  # not stopping: the caller's handler again
-      signal.signal(signal.SIGINT, previous[0])
+      signal.signal(signal.SIGINT, previous)
 
 
 def main(argv):
