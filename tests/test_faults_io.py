@@ -5,6 +5,8 @@ rotating checkpoint is never called damaged; one mode for every file we write.""
 import errno
 import json
 import os
+import re
+import shutil
 import resource
 import signal
 import subprocess
@@ -263,3 +265,53 @@ def test_the_end_summary_lists_only_files_that_exist(tmp_path):
   for name in ("checkpoints", "metrics.jsonl", "config.json"):
     assert f"{workdir}/{name}" in files
   assert "eval_metrics.jsonl" not in files
+
+
+def _live_run_rotates(monkeypatch, workdir, times):
+  """While export reads a checkpoint's arrays, a run holding `workdir` saves a newer step (a copy
+  of its newest) and rotates the older ones away, `times` times."""
+  from electra_jax import checkpointing  # noqa: PLC0415
+
+  folder, real_restore, left = workdir / "checkpoints", checkpointing.Checkpointer.restore, [times]
+
+  def read_while_the_run_saves(self, step, *args):
+    if left[0]:
+      left[0] -= 1
+      steps = sorted(int(name) for name in os.listdir(folder) if name.isdigit())
+      shutil.copytree(folder / str(steps[-1]), folder / str(steps[-1] + 3))
+      for old in steps:
+        shutil.rmtree(folder / str(old))
+    return real_restore(self, step, *args)
+
+  monkeypatch.setattr(checkpointing.Checkpointer, "restore", read_while_the_run_saves)
+
+
+def _assert_no_damage_said(stderr):
+  said = [line for line in stderr.splitlines() if re.search(r"\b(damaged|move)\b", line, re.I)]
+  assert not said, said
+
+
+def test_export_of_a_live_workdir_reads_the_newest_step_again(
+    tmp_path, monkeypatch, trained_workdir
+):
+  workdir, out = tmp_path / "run", tmp_path / "hf"
+  shutil.copytree(trained_workdir, workdir)
+  _live_run_rotates(monkeypatch, workdir, times=1)
+  result = cli([*cli_args(workdir)[:3], "--mode=export_hf", f"--workdir={workdir}", f"--out={out}"])
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert (out / "discriminator" / "model.safetensors").exists()
+  _assert_no_damage_said(result.stderr)
+
+
+def test_export_of_a_workdir_that_keeps_rotating_says_the_run_is_live(
+    tmp_path, monkeypatch, trained_workdir
+):
+  workdir, out = tmp_path / "run", tmp_path / "hf"
+  shutil.copytree(trained_workdir, workdir)
+  _live_run_rotates(monkeypatch, workdir, times=100)
+  result = cli([*cli_args(workdir)[:3], "--mode=export_hf", f"--workdir={workdir}", f"--out={out}"])
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("electra-jax: error: ") and "live run" in last, last
+  _assert_no_damage_said(result.stderr)
+  assert sorted(os.listdir(workdir / "checkpoints"))  # the run's newest step is still there
