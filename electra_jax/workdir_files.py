@@ -76,20 +76,33 @@ def read_json(file, parse=lambda value: value):
     return parse(json.loads(read_text(file)))
   except ConfigError:  # `parse`'s own refusal, which names the file itself
     raise
-  except (ValueError, KeyError, TypeError, AttributeError) as error:
+  except (ValueError, LookupError, TypeError, AttributeError) as error:
     raise ConfigError(
         f"{file} is not as electra-jax writes it ({type(error).__name__}: {error}); it was edited "
         "or damaged. Put back a good copy, or move its folder aside and start again."
     ) from None
 
 
-def read_sweep(folder) -> dict | None:
-  """A sweep folder's sweep.json, its runs as (name, overrides) pairs; None for another folder."""
+def _sweep_run(record: dict) -> tuple[str, list[tuple[str, str]]]:
+  """(name, overrides) of a run in sweep.json; the name is a folder inside the sweep folder."""
+  name, overrides = record["name"], [tuple(o) for o in record["overrides"]]
+  if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or os.sep in name:
+    raise ValueError(f"runs: {name!r} is not the name of a folder inside the sweep folder")
+  if not all(len(o) == 2 and all(isinstance(v, str) for v in o) for o in overrides):
+    raise ValueError(f"runs: {name}'s overrides are not [key, value] pairs of strings")
+  return name, overrides
+
+
+def read_sweep(folder, check_base=lambda base_config: None) -> dict | None:
+  """A sweep folder's sweep.json, its runs as (name, overrides) pairs, its base config passed to
+  `check_base` (which raises ValueError on a bad one); None for another folder."""
   file = path(folder, SWEEP_FILE)
   if not exists(file):
     return None
-  runs = lambda record: [(str(r["name"]), [tuple(o) for o in r["overrides"]]) for r in record]
-  return read_json(file, lambda record: dict(record, runs=runs(record["runs"])))
+  parse = lambda record: check_base(record["base_config"]) or dict(
+      record, runs=[_sweep_run(run) for run in record["runs"]]
+  )
+  return read_json(file, parse)
 
 
 def read_jsonl(file) -> list:

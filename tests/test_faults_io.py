@@ -315,3 +315,54 @@ def test_export_of_a_workdir_that_keeps_rotating_says_the_run_is_live(
   assert last.startswith("electra-jax: error: ") and "live run" in last, last
   _assert_no_damage_said(result.stderr)
   assert sorted(os.listdir(workdir / "checkpoints"))  # the run's newest step is still there
+
+
+def _sweep_folder(folder, edit=lambda record: None):
+  """A sweep folder of one run, not started, whose sweep.json `edit` changed as a person might."""
+  from conftest import tiny_config  # noqa: PLC0415
+
+  from electra_jax import config_lib  # noqa: PLC0415
+
+  run = {"name": "learning_rate=0.001", "overrides": [["optimizer.learning_rate", "0.001"]]}
+  record = {"base_config": config_lib.as_saved(tiny_config()), "runs": [run]}
+  edit(record)
+  folder.mkdir()
+  (folder / "sweep.json").write_text(json.dumps(record))
+  return folder
+
+
+def _sweep_report(folder):
+  return cli(
+      [sys.executable, "-m", "electra_jax.main", "--mode=sweep_report", f"--workdir={folder}"]
+  )
+
+
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        (lambda r: r["runs"][0].update(name="../outside"), "'../outside'"),
+        (lambda r: r["runs"][0].update(name="/tmp"), "'/tmp'"),
+        (lambda r: r["runs"][0].update(overrides=[["optimizer.learning_rate"]]), "overrides"),
+        (lambda r: r["base_config"]["train"].update(steps="many"), "train.steps='many'"),
+        (lambda r: r["base_config"]["model"].update(depth=3), "model.depth"),
+        (lambda r: r.update(base_config=[]), "base_config"),
+    ],
+)
+def test_an_edited_sweep_file_is_refused_naming_it_and_the_key(tmp_path, edit, named):
+  folder = _sweep_folder(tmp_path / "sweep", edit)
+  result = _sweep_report(folder)
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("electra-jax: error: ") and f"{folder}/sweep.json" in last, last
+  assert named in last, last
+  assert not (folder / "results.csv").exists() and not (tmp_path / "outside").exists()
+
+
+def test_an_edited_finetune_result_in_a_sweep_is_refused_naming_it(tmp_path):
+  folder = _sweep_folder(tmp_path / "sweep")
+  results = folder / "learning_rate=0.001" / "finetune" / "glue" / "results.json"
+  results.parent.mkdir(parents=True)
+  results.write_text(json.dumps({"task": "sst2"}))  # no summary
+  result = _sweep_report(folder)
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert str(results) in result.stderr.strip().splitlines()[-1]
