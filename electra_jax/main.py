@@ -288,25 +288,15 @@ def _check_flags(name: str, mode: Mode, config) -> None:
 
 
 def _ctrl_c(signum, frame):
-  """SIGINT as KeyboardInterrupt, raised again every half second until the command stops: Python
-  drops one raised inside a gc callback (JAX runs one at every collection) or a finalizer."""
-  if not _STOPPING.is_set():
-    _STOPPING.set()
-    # What the work stopped mid-way prints from here on (orbax's and tensorstore's threads when a
-    # read is cut short) is not news: stderr goes to /dev/null, and main() says why it stopped.
+  """SIGINT as KeyboardInterrupt. What the interrupted work prints from its threads next (orbax's
+  and tensorstore's, a read cut short) is not news: stderr goes to /dev/null; main() says why."""
+  if not _terminal:
     sys.stderr.flush()
     _terminal.append(os.dup(2))
     os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
-    threading.Thread(target=_ctrl_c_again, daemon=True).start()
   raise KeyboardInterrupt
 
 
-def _ctrl_c_again():
-  while time.sleep(0.5) or signal.getsignal(signal.SIGINT) is _ctrl_c:  # training may take it
-    _thread.interrupt_main()
-
-
-_STOPPING = threading.Event()
 _terminal = []  # stderr as it was before a Ctrl-C
 
 
@@ -314,10 +304,16 @@ _terminal = []  # stderr as it was before a Ctrl-C
 def _ctrl_c_stops():
   """A Ctrl-C stops the command in one line, exit code 130; training's loop takes it itself."""
   try:
-    previous = signal.signal(signal.SIGINT, _ctrl_c)
+    previous = signal.signal(signal.SIGINT, _ctrl_c), sys.unraisablehook
   except ValueError:  # not the main thread (a notebook runner's): Python's own handling
     yield
     return
+  # Python drops an exception raised in a gc callback (JAX runs one at every collection) or a
+  # finalizer: a Ctrl-C dropped there is raised again, from outside it.
+  again = lambda: threading.Timer(0.1, _thread.interrupt_main).start()  # noqa: E731
+  sys.unraisablehook = lambda dropped: (
+      again() if dropped.exc_type is KeyboardInterrupt else previous[1](dropped)
+  )
   try:
     yield
   except KeyboardInterrupt:
@@ -330,8 +326,9 @@ def _ctrl_c_stops():
     )
     os._exit(130)  # every `finally` ran; XLA's threads, stopped mid-work, can crash Python's exit
   finally:
+    sys.unraisablehook = previous[1]
     if signal.getsignal(signal.SIGINT) is _ctrl_c:  # not stopping: the caller's handler again
-      signal.signal(signal.SIGINT, previous)
+      signal.signal(signal.SIGINT, previous[0])
 
 
 def main(argv):
