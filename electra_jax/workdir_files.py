@@ -93,15 +93,18 @@ def _sweep_run(record: dict) -> tuple[str, list[tuple[str, str]]]:
   return name, overrides
 
 
-def read_sweep(folder, check_base=lambda base_config: None) -> dict | None:
+def read_sweep(folder, check_base=None) -> dict | None:
   """A sweep folder's sweep.json, its runs as (name, overrides) pairs, its base config passed to
   `check_base` (which raises ValueError on a bad one); None for another folder."""
   file = path(folder, SWEEP_FILE)
   if not exists(file):
     return None
-  parse = lambda record: check_base(record["base_config"]) or dict(
-      record, runs=[_sweep_run(run) for run in record["runs"]]
-  )
+
+  def parse(record: dict) -> dict:
+    if check_base is not None:
+      check_base(record["base_config"])
+    return dict(record, runs=[_sweep_run(run) for run in record["runs"]])
+
   return read_json(file, parse)
 
 
