@@ -2,6 +2,7 @@
 fingerprint, a checksum of every array) under <workdir>/checkpoints/<step>/; a restore refuses
 arrays that differ (DamagedCheckpoint)."""
 
+import dataclasses
 import os
 from typing import Any
 
@@ -11,8 +12,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
-from electra_jax import workdir_files
-from electra_jax.errors import DamagedCheckpoint
+from electra_jax import distributed, workdir_files
+from electra_jax.errors import ConfigError, DamagedCheckpoint
 
 
 def _leaf_checksum(x: jax.Array) -> jax.Array:
@@ -187,3 +188,94 @@ class Checkpointer:
 
   def close(self) -> None:
     self._manager.close()
+
+
+# --- The checkpoint a run goes on from, checked against its setup and data
+@dataclasses.dataclass(frozen=True)
+class Start:
+  """The checkpoint a run goes on from."""
+
+  step: int
+  state: Any  # its arrays, sharded for the run's mesh
+  stream_position: int  # the rows of the data stream its run had read (batch sizes may differ)
+  newer_damaged: bool  # newer steps did not restore: they are set aside before the run saves
+
+
+def newest_start(workdir: str, setup, corpus, keep: int, changes=None) -> Start | None:
+  """The newest intact checkpoint in `workdir` that holds this setup's model and this data, or None
+  (`keep`: checkpoint.keep; `changes`: as `fits` takes them)."""
+  checkpointer = latest = None
+  if workdir_files.exists(checkpoints_directory(workdir)):  # else none is made here
+    checkpointer = Checkpointer(workdir, keep=keep)
+    latest = checkpointer.latest_step()
+  # One answer for every process, even if a save ends meanwhile.
+  latest = distributed.from_process_0(-1 if latest is None else latest)
+  if latest < 0 or checkpointer is None:
+    if checkpointer is not None:
+      checkpointer.close()
+    if latest >= 0:
+      raise ConfigError(
+          f"--workdir={workdir} is not one directory every process sees: process 0 finds the "
+          f"checkpoint at step {latest} there, process {jax.process_index()} finds none. On a "
+          "multi-host slice use a bucket (gs://...) or a shared mount."
+      )
+    return None
+  try:
+    check = fits(checkpointer, setup, workdir, corpus, changes)
+    step, state, meta = checkpointer.restore_newest_intact(setup.abstract_state, latest, check)
+  finally:
+    checkpointer.close()
+  return Start(step, state, int(meta["stream_position"]), newer_damaged=step != latest)
+
+
+def fits(checkpointer, setup, workdir: str, corpus=None, changes=None):
+  """(step, meta) -> None, refusing a checkpoint of another model, data (given `corpus`) or state
+  structure; `changes` names the model settings that differ from the workdir's config.json."""
+
+  def check(step: int, meta: dict) -> None:
+    theirs, ours = meta["param_shapes"], setup.param_shapes
+    for name in sorted(set(theirs) | set(ours)):
+      if theirs.get(name) != ours.get(name):
+        settings = (
+            f" The model settings that differ from its config.json: {'; '.join(changes)}."
+            if changes
+            else ""
+        )
+        raise ConfigError(
+            f"The workdir {workdir} holds a checkpoint of a different model: parameter {name!r} "
+            f"is {theirs.get(name, 'absent')} there but {ours.get(name, 'absent')} in this "
+            f"config.{settings} Use a new --workdir, or the config that made this checkpoint "
+            f"({os.path.join(workdir, 'config.json')}). Nothing was overwritten."
+        )
+    if (
+        corpus is not None and meta["data_fingerprint"] is None
+    ):  # imported weights: bound to a vocabulary alone
+      if meta["tokenizer_fingerprint"] != corpus.tokenizer.fingerprint:
+        raise ConfigError(
+            f"The checkpoint in {workdir} holds weights imported from {meta['imported_from']} with "
+            f"their own vocabulary (tokenizer {meta['tokenizer_fingerprint']}), but this config "
+            f"tokenizes with {corpus.tokenizer.fingerprint}. Train with the workdir's config.json "
+            "(which names that vocabulary), e.g. leave out --config."
+        )
+    elif corpus is not None and meta["data_fingerprint"] != corpus.fingerprint:
+      raise ConfigError(
+          f"The checkpoint in {workdir} was trained on data {meta['data_fingerprint']} but this "
+          f"config gives {corpus.fingerprint} (a different tokenizer, corpus, max_seq_len or data.pack_rows). "
+          "Use a new --workdir, or the data settings of its config.json."
+      )
+    missing, extra = checkpointer.state_difference(step, setup.abstract_state)
+    if missing or extra:
+      optimizer = all(p.startswith("opt_state") for p in missing + extra)
+      hint = (
+          " optimizer.bias_correction decides whether Adam keeps a step count (True: optax's Adam; "
+          "False: the official one): resume with the value in its config.json."
+          if optimizer
+          else ""
+      )
+      raise ConfigError(
+          f"The checkpoint at step {step} in {workdir} holds {'an optimizer' if optimizer else 'a train'} state "
+          f"of another structure than this config's (missing from it: {missing[:3] or 'none'}; only in it: "
+          f"{extra[:3] or 'none'}).{hint} Or use a new --workdir. Nothing was overwritten."
+      )
+
+  return check

@@ -492,14 +492,3 @@ def validate(config: ml_collections.ConfigDict) -> None:
   models.build_model(
       config, objectives.towers(config)
   )  # the model's own refusals; nothing is initialized
-
-
-def validate_for_mesh(config: ml_collections.ConfigDict, batch_shards: int) -> None:
-  """The global batch (and each micro-batch) must split evenly over the data axes."""
-  t = config.train
-  if (micro_batch := t.batch_size // t.grad_accum_steps) % batch_shards:
-    raise ConfigError(
-        f"train.batch_size={t.batch_size} (micro-batch {micro_batch} with train.grad_accum_steps="
-        f"{t.grad_accum_steps}) is not divisible by the {batch_shards} batch shards (mesh.data * "
-        f"mesh.fsdp). Use a multiple of {batch_shards * t.grad_accum_steps}, or change the mesh."
-    )

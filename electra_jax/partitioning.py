@@ -147,13 +147,21 @@ def batch_shards(mesh: Mesh) -> int:
   return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def check_process_shards(mesh: Mesh, process_count: int) -> None:
-  """Each process feeds its own rows, so owns whole batch shards: data * fsdp a multiple of the processes."""
-  if batch_shards(mesh) % process_count:
+def check_shards(mesh: Mesh, train, process_count: int) -> None:
+  """Each process feeds whole batch shards (data * fsdp a multiple of the processes), and the global
+  batch and each micro-batch of the `train` group split evenly over them (unless searched: -1)."""
+  shards = batch_shards(mesh)
+  if shards % process_count:
     raise ConfigError(
-        f"The mesh splits each batch into {batch_shards(mesh)} shards (mesh.data * mesh.fsdp = "
+        f"The mesh splits each batch into {shards} shards (mesh.data * mesh.fsdp = "
         f"{mesh.shape['data']} * {mesh.shape['fsdp']}) over {process_count} processes: make it a "
         f"multiple of {process_count} (mesh.tensor={mesh.shape['tensor']} within one host)."
+    )
+  if train.batch_size != -1 and (micro := train.batch_size // train.grad_accum_steps) % shards:
+    raise ConfigError(
+        f"train.batch_size={train.batch_size} (micro-batch {micro} with train.grad_accum_steps="
+        f"{train.grad_accum_steps}) is not divisible by the {shards} batch shards (mesh.data * "
+        f"mesh.fsdp). Use a multiple of {shards * train.grad_accum_steps}, or change the mesh."
     )
 
 

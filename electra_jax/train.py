@@ -116,8 +116,18 @@ def _loop(run: resolve.Run, state, compiled: dict, checkpointer, lease, logs, si
   metrics_log, eval_log = logs if is_chief else (None, None)
   total_steps, seed = config.train.steps, config.train.seed
   seq_len, global_batch = config.data.max_seq_len, config.train.batch_size
-  stream_offset = run.start.stream_offset if run.start is not None else 0
-  step = run.start.step if run.start is not None else 0
+  step, stream_offset = 0, 0
+  if run.start is not None:  # the stream goes on where the checkpoint's run stopped reading
+    step, position = run.start.step, run.start.stream_position
+    stream_offset = position - step * global_batch if step else 0
+  if stream_offset:
+    logging.info(
+        "The checkpoint at step %d read %d rows of the data stream (the batch size changed along "
+        "the way); batches of %d go on from there.",
+        step,
+        position,
+        global_batch,
+    )
   evaluator = (
       evaluation.HeldOutEvaluator(config, setup, mesh, schedule)
       if config.eval.every_steps
