@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
+from jax.experimental import multihost_utils
 
 from electra_jax import distributed, workdir_files
 from electra_jax.errors import ConfigError, DamagedCheckpoint
@@ -161,12 +162,15 @@ class Checkpointer:
         "above say how). Restore them from a copy, or move them away to start over."
     )
 
-  def set_aside_after(self, step: int, rename: bool = True) -> None:
-    """Renames every step after `step` (a resume from `step` would save over it) to <step>.damaged;
-    `rename=False` (the other processes) only forgets them. A bucket has no rename: the step's
-    objects are copied, then deleted, its commit marker first (orbax skips a step without one)."""
+  def set_aside_after(self, step: int) -> None:
+    """Process 0 renames every step after `step` (a resume from `step` would save over it) to
+    <step>.damaged while the other processes wait, then forget them. A bucket has no rename: the
+    step's objects are copied, then deleted, its commit marker first (orbax skips a step without one).
+    """
     later = [s for s in self.all_steps() if s > step]
-    for s in later if rename else ():
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("electra_jax: before setting damaged checkpoints aside")
+    for s in later if jax.process_index() == 0 else ():
       source = epath.Path(self.directory) / str(s)
       target, n = source.parent / f"{s}.damaged", 1
       while target.exists():
@@ -180,6 +184,8 @@ class Checkpointer:
           s,
           target,
       )
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("electra_jax: damaged checkpoints set aside")
     if later:
       self._manager.reload()
 

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
-from jax.experimental import multihost_utils
 
 from electra_jax import (
     checkpointing,
@@ -56,7 +55,7 @@ def train_and_evaluate(
       is_chief, logs = jax.process_index() == 0, None
       try:
         if start is not None and start.newer_damaged:
-          _set_aside_newer(checkpointer, step)
+          checkpointer.set_aside_after(step)
 
         # --- State and compiled step
         with partitioning.activate(mesh):
@@ -99,15 +98,6 @@ def train_and_evaluate(
           log.close()
 
 
-def _set_aside_newer(checkpointer, step: int) -> None:
-  """Renames the damaged steps after `step` (process 0), which this run would save over."""
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices("electra_jax: before setting damaged checkpoints aside")
-  checkpointer.set_aside_after(step, rename=jax.process_index() == 0)
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices("electra_jax: damaged checkpoints set aside")
-
-
 def _loop(run: resolve.Run, state, compiled: dict, checkpointer, lease, logs, signals) -> dict:
   """From `state` at the run's first step to train.steps: several steps a call where they fit before
   the next log, evaluation or checkpoint; the last logged metrics."""
@@ -116,16 +106,16 @@ def _loop(run: resolve.Run, state, compiled: dict, checkpointer, lease, logs, si
   metrics_log, eval_log = logs if is_chief else (None, None)
   total_steps, seed = config.train.steps, config.train.seed
   seq_len, global_batch = config.data.max_seq_len, config.train.batch_size
-  step, stream_offset = 0, 0
-  if run.start is not None:  # the stream goes on where the checkpoint's run stopped reading
-    step, position = run.start.step, run.start.stream_position
-    stream_offset = position - step * global_batch if step else 0
+  start = run.start
+  step = start.step if start is not None else 0
+  # The data stream goes on where the checkpoint's run stopped reading (its batch size may differ).
+  stream_offset = start.stream_position - step * global_batch if step else 0
   if stream_offset:
     logging.info(
         "The checkpoint at step %d read %d rows of the data stream (the batch size changed along "
         "the way); batches of %d go on from there.",
         step,
-        position,
+        start.stream_position,
         global_batch,
     )
   evaluator = (
