@@ -210,10 +210,9 @@ class Start:
 def newest_start(workdir: str, setup, corpus, keep: int, changes=None) -> Start | None:
   """The newest intact checkpoint in `workdir` that holds this setup's model and this data, or None
   (`keep`: checkpoint.keep; `changes`: as `fits` takes them)."""
-  checkpointer = latest = None
-  if workdir_files.exists(checkpoints_directory(workdir)):  # else none is made here
-    checkpointer = Checkpointer(workdir, keep=keep)
-    latest = checkpointer.latest_step()
+  found = workdir_files.exists(checkpoints_directory(workdir))  # else none is made here
+  checkpointer = Checkpointer(workdir, keep=keep) if found else None
+  latest = checkpointer and checkpointer.latest_step()
   # One answer for every process, even if a save ends meanwhile.
   latest = distributed.from_process_0(-1 if latest is None else latest)
   if latest < 0 or checkpointer is None:
@@ -253,17 +252,17 @@ def fits(checkpointer, setup, workdir: str, corpus=None, changes=None):
             f"config.{settings} Use a new --workdir, or the config that made this checkpoint "
             f"({os.path.join(workdir, 'config.json')}). Nothing was overwritten."
         )
-    if (
-        corpus is not None and meta["data_fingerprint"] is None
-    ):  # imported weights: bound to a vocabulary alone
-      if meta["tokenizer_fingerprint"] != corpus.tokenizer.fingerprint:
-        raise ConfigError(
-            f"The checkpoint in {workdir} holds weights imported from {meta['imported_from']} with "
-            f"their own vocabulary (tokenizer {meta['tokenizer_fingerprint']}), but this config "
-            f"tokenizes with {corpus.tokenizer.fingerprint}. Train with the workdir's config.json "
-            "(which names that vocabulary), e.g. leave out --config."
-        )
-    elif corpus is not None and meta["data_fingerprint"] != corpus.fingerprint:
+    imported = meta["data_fingerprint"] is None  # imported weights: bound to a vocabulary alone
+    if corpus is None:
+      pass
+    elif imported and meta["tokenizer_fingerprint"] != corpus.tokenizer.fingerprint:
+      raise ConfigError(
+          f"The checkpoint in {workdir} holds weights imported from {meta['imported_from']} with "
+          f"their own vocabulary (tokenizer {meta['tokenizer_fingerprint']}), but this config "
+          f"tokenizes with {corpus.tokenizer.fingerprint}. Train with the workdir's config.json "
+          "(which names that vocabulary), e.g. leave out --config."
+      )
+    elif not imported and meta["data_fingerprint"] != corpus.fingerprint:
       raise ConfigError(
           f"The checkpoint in {workdir} was trained on data {meta['data_fingerprint']} but this "
           f"config gives {corpus.fingerprint} (a different tokenizer, corpus, max_seq_len or data.pack_rows). "

@@ -130,13 +130,9 @@ def shardings_for(boxed_tree, mesh: Mesh):
   )
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-  return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
-
-
-def stacked_batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Several batches stacked on a leading (step) axis: each split like one batch."""
-  return NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))
+def batch_sharding(mesh: Mesh, stacked: bool = False) -> NamedSharding:
+  """Batches split over BATCH_AXES; `stacked` ones (a leading step axis): each alike."""
+  return NamedSharding(mesh, PartitionSpec(*(None,) * stacked, BATCH_AXES))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -167,6 +163,5 @@ def check_shards(mesh: Mesh, train, process_count: int) -> None:
 
 def global_batch_from_local(local_batch: dict, mesh: Mesh, stacked=False, keys=None) -> dict:
   """Global arrays (only `keys`, if given) from this process's rows; `stacked`: [steps, rows, ...]."""
-  sharding = stacked_batch_sharding(mesh) if stacked else batch_sharding(mesh)
-  make = jax.make_array_from_process_local_data
+  make, sharding = jax.make_array_from_process_local_data, batch_sharding(mesh, stacked)
   return {name: make(sharding, local_batch[name]) for name in keys or local_batch}
