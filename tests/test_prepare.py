@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import signal
 import shutil
 import subprocess
@@ -639,6 +640,39 @@ def test_training_reads_shards_that_differ_from_the_manifest_never(
   data = load_pretraining_data(prepared)
   data.verification.result()
   assert get_batch(data, 0, 4, seed=0)["input_ids"].shape == (4, 32)
+
+
+@pytest.mark.parametrize("edit", ["../", "absolute", "symlink"])
+def test_a_shard_leading_outside_the_prepared_dir_is_refused_by_name(
+    tmp_path, corpus_files, spm_model, edit
+):
+  config = _config(tmp_path, corpus_files, spm_model_file=spm_model)
+  prepare_data(config, num_workers=0)
+  prepared = _config(tmp_path, corpus_files, source="prepared", spm_model_file=spm_model)
+  path, outside = _shard_path(tmp_path, 1), tmp_path / "outside"
+  outside.mkdir()
+  copy = outside / path.name  # the same bytes: only where the file lies is wrong
+  shutil.copy(path, copy)
+  manifest_path = path.parent / "manifest.json"
+  if edit == "symlink":
+    path.unlink()
+    path.symlink_to(copy)
+    expected = rf"Shard {path} links to {os.path.realpath(copy)}, outside {path.parent}"
+  else:
+    name = f"../outside/{path.name}" if edit == "../" else str(copy)
+    manifest = json.loads(manifest_path.read_text())
+    manifest["shards"][1]["splits"]["train"]["file"] = name
+    manifest_path.write_text(json.dumps(manifest))
+    expected = rf"{manifest_path}: shards\[1\]\.splits\.train\.file={re.escape(repr(name))}"
+  with pytest.raises(ConfigError, match=expected + ".*--mode=prepare_data"):
+    load_pretraining_data(prepared)
+  if edit != "symlink":  # a re-run of prepare_data reads the same manifest
+    with pytest.raises(ConfigError, match=expected + ".*--mode=prepare_data"):
+      prepare_data(config, num_workers=0)
+  if edit == "symlink":  # prepare_data packs that shard again: the link goes, its target stays
+    prepare_data(config, num_workers=0)
+    assert not path.is_symlink() and path.read_bytes() == copy.read_bytes()
+    assert load_pretraining_data(prepared).num_examples > 0
 
 
 def test_sentencepiece_trained_by_prepare_serves_training(tmp_path, corpus_files):
