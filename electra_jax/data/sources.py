@@ -10,6 +10,7 @@ import glob
 import hashlib
 import json
 import os
+import stat
 
 from absl import logging
 
@@ -84,6 +85,22 @@ def keep_sentence(sentence: str, where, stats: SourceStats) -> bool:
   return False
 
 
+def not_a_regular_file(path: str) -> str | None:
+  """Why `path` is no file to read, seen without opening it (a device reads without end, a FIFO
+  waits for a writer): "does not exist", "is a directory", "is a FIFO, ..."; None for a regular
+  file (or a link to one)."""
+  try:
+    mode = os.stat(path).st_mode
+  except FileNotFoundError:
+    return "does not exist"
+  if stat.S_ISREG(mode):
+    return None
+  if stat.S_ISDIR(mode):
+    return "is a directory"
+  kind = "FIFO" if stat.S_ISFIFO(mode) else "socket" if stat.S_ISSOCK(mode) else "device"
+  return f"is a {kind}, not a regular file"
+
+
 def resolve_files(files: str) -> list[str]:
   """The files of `files`, comma-separated paths and globs (`~`, `**`) in order, each glob's matches sorted,
   a file named twice read once."""
@@ -97,10 +114,10 @@ def resolve_files(files: str) -> list[str]:
           f"start from {os.getcwd()}) or remove it from data.files."
       )
     for match in matches:
-      if os.path.isdir(match):
+      if problem := not_a_regular_file(match):
         raise ConfigError(
-            f"data.files entry {pattern!r} matches the directory {match!r}; name the files, "
-            f"e.g. {os.path.join(match, '*.txt')!r}."
+            f"data.files entry {pattern!r} matches {match!r}, which {problem}; name regular "
+            f"files, e.g. {os.path.join(os.path.dirname(match), '*.txt')!r}."
         )
       paths[os.path.abspath(match)] = None
   return list(paths)

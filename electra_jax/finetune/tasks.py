@@ -19,7 +19,7 @@ import optax
 from absl import logging
 
 from electra_jax import workdir_files
-from electra_jax.data import tfds_source
+from electra_jax.data import sources, tfds_source
 from electra_jax.errors import ConfigError
 from electra_jax.finetune import metrics as metrics_lib
 
@@ -116,8 +116,9 @@ TASK_NAMES = tuple(GLUE_TASKS) + ("custom",)
 
 
 def _require_file(path: str, what: str) -> None:
-  if not os.path.isfile(path):
-    raise ConfigError(f"{what}: {path} does not exist. Check config.data_dir and the task name.")
+  """Refuses, before it is opened, a `path` that is not a regular file (sources.not_a_regular_file)."""
+  if problem := sources.not_a_regular_file(path):
+    raise ConfigError(f"{what}: {path} {problem}. Check config.data_dir and the task name.")
 
 
 def _regression_label(raw, where: str) -> float:
@@ -194,9 +195,10 @@ def load_glue(name: str, config) -> TaskData:
   def read(stem: str, labelled: bool) -> list[Example] | None:
     if config.source == "dir":
       path = os.path.join(task_dir, stem + ".tsv")
-      if labelled:
-        _require_file(path, f"GLUE's {task.directory}/{stem}.tsv")
-      return _glue_tsv(task, path, labelled) if os.path.isfile(path) else None
+      if not labelled and not os.path.lexists(path):
+        return None  # (a test split is optional)
+      _require_file(path, f"GLUE's {task.directory}/{stem}.tsv")
+      return _glue_tsv(task, path, labelled)
     split = stem.replace("dev", "validation")
     source = open_tfds_split(f"glue/{name}", split, config.tfds_data_dir)
     text_a, text_b = task.tfds_text or task.text_columns
