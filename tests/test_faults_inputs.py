@@ -11,7 +11,7 @@ import pytest
 
 from conftest import base
 from electra_jax import api
-from electra_jax.data import load_pretraining_data
+from electra_jax.data import load_pretraining_data, sources
 from electra_jax.data.config import read_config
 from electra_jax.errors import ConfigError
 from electra_jax.finetune import squad, tasks
@@ -88,3 +88,21 @@ def test_a_task_file_that_is_not_a_regular_file_is_refused_before_it_is_read(tmp
       squad_file = stack.enter_context(fifo(tmp_path / "train-v1.1.json"))
       with pytest.raises(ConfigError, match=rf"SQuAD file '{squad_file}': it is a FIFO"):
         squad.read_squad_json(squad_file, "1.1")
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_record_in_any_reader(tmp_path):
+  bom = "\ufeff"
+  jsonl, text = tmp_path / "corpus.jsonl", tmp_path / "corpus.txt"
+  jsonl.write_text(bom + '{"text": "First one."}\n{"text": "Second one."}\n', encoding="utf-8")
+  text.write_text(bom + "First one.\n\nSecond one.\n", encoding="utf-8")
+  for source, path in (("jsonl", jsonl), ("text", text)):
+    stats = sources.SourceStats()
+    documents = list(sources.iter_documents(source, [str(path)], "text", stats))
+    assert documents == [["First one."], ["Second one."]] and not stats.problems, source
+    assert stats.bytes_read == path.stat().st_size  # the progress counts the mark too
+  # Fine-tuning's JSONL reader (its TSV and CSV readers drop the mark as well).
+  train = tmp_path / "train.jsonl"
+  train.write_text(bom + '{"text": "a dog", "label": "pos"}\n{"text": "a", "label": "neg"}\n')
+  config = _custom_config(tmp_path, str(train))
+  config.custom.format = ""  # each file's by its extension
+  assert [e.text_a for e in tasks.load_task(config).train] == ["a dog", "a"]

@@ -5,6 +5,7 @@ reads locally; nothing is downloaded)."""
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import glob
 import hashlib
@@ -141,11 +142,14 @@ def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
   a binary file. `newline_only` (JSON Lines): JSON strings may hold U+2028, U+2029, U+0085 unescaped.
   """
   with open(path, "rb") as f:
-    if b"\0" in f.read(_SNIFF_BYTES):
+    head = f.read(_SNIFF_BYTES)
+    if b"\0" in head:
       stats.skip("binary_files", path)
       stats.bytes_read += os.fstat(f.fileno()).st_size
       return
-    f.seek(0)
+    # A byte-order mark is not text: dropped, as fine-tuning's readers do (utf-8-sig).
+    f.seek(len(codecs.BOM_UTF8) if head.startswith(codecs.BOM_UTF8) else 0)
+    stats.bytes_read += f.tell()
     number = 0
     # Blocks of whole lines: in UTF-8 the byte b"\n" only ever means a newline.
     for raw_lines in iter(lambda: f.readlines(_BLOCK_BYTES), []):

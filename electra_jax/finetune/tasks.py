@@ -252,7 +252,7 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
       _refuse_repeated(f"{path}:{line_number}", [key for key, _ in pairs])
       return dict(pairs)
 
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is not text)
       for line_number, line in enumerate(f, 1):
         if not line.strip():
           continue
