@@ -325,9 +325,9 @@ def test_interrupted_multi_seed_run_goes_on_with_the_missing_seeds(tmp_path):
   ]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_a_signal_keeps_the_finished_seeds_releases_the_lease_and_says_so(tmp_path, signum):
-  """SIGTERM (a preempted VM) or Ctrl-C once a seed has finished: that seed's results stay as
+  """SIGTERM (a preempted VM), SIGHUP (a closed terminal) or Ctrl-C once a seed has finished: that seed's results stay as
   written, the lease is released, one line says what happened, and the exit code is not 0."""
   paths = write_synthetic(tmp_path, 400, 100, 8)
   vocab = tmp_path / "vocab.txt"
@@ -346,7 +346,7 @@ def test_a_signal_keeps_the_finished_seeds_releases_the_lease_and_says_so(tmp_pa
   run.send_signal(signum)
   _, stderr = run.communicate(timeout=300)
   assert run.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
-  name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+  name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
   line = stderr.strip().splitlines()[-1]
   assert line.startswith(f"Fine-tuning stopped by {name}") and str(out / "custom") in line, line
   assert "seed_5" not in os.listdir(out / "custom") and seed0.read_text() == finished
