@@ -117,8 +117,8 @@ def resolve_files(files: str) -> list[str]:
     for match in matches:
       if problem := not_a_regular_file(match):
         raise ConfigError(
-            f"data.files entry {pattern!r} matches {match!r}, which {problem}; name regular "
-            f"files, e.g. {os.path.join(os.path.dirname(match), '*.txt')!r}."
+            f"data.files entry {pattern!r} matches {match!r}, which {problem}; name regular files"
+            + (f", e.g. {os.path.join(match, '*.txt')!r}." if os.path.isdir(match) else ".")
         )
       paths[os.path.abspath(match)] = None
   return list(paths)
