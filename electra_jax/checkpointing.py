@@ -230,7 +230,8 @@ def newest_start(workdir: str, setup, corpus, keep: int, changes=None) -> Start 
     step, state, meta = checkpointer.restore_newest_intact(setup.abstract_state, latest, check)
   finally:
     checkpointer.close()
-  return Start(step, state, int(meta["stream_position"]), newer_damaged=step != latest)
+  position = int(meta["stream_position"]) if step else 0  # an imported pair's step 0 has none
+  return Start(step, state, position, newer_damaged=step != latest)
 
 
 def fits(checkpointer, setup, workdir: str, corpus=None, changes=None):
