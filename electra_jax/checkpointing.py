@@ -2,6 +2,7 @@
 fingerprint, a checksum of every array) under <workdir>/checkpoints/<step>/; a restore refuses
 arrays that differ (DamagedCheckpoint)."""
 
+import dataclasses
 import os
 from typing import Any
 
@@ -10,9 +11,10 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
+from jax.experimental import multihost_utils
 
-from electra_jax import workdir_files
-from electra_jax.errors import CheckpointRotated, DamagedCheckpoint
+from electra_jax import distributed, workdir_files
+from electra_jax.errors import CheckpointRotated, ConfigError, DamagedCheckpoint
 
 
 def _leaf_checksum(x: jax.Array) -> jax.Array:
@@ -165,12 +167,15 @@ class Checkpointer:
         "above say how). Restore them from a copy, or move them away to start over."
     )
 
-  def set_aside_after(self, step: int, rename: bool = True) -> None:
-    """Renames every step after `step` (a resume from `step` would save over it) to <step>.damaged;
-    `rename=False` (the other processes) only forgets them. A bucket has no rename: the step's
-    objects are copied, then deleted, its commit marker first (orbax skips a step without one)."""
+  def set_aside_after(self, step: int) -> None:
+    """Process 0 renames every step after `step` (a resume from `step` would save over it) to
+    <step>.damaged while the other processes wait, then forget them. A bucket has no rename: the
+    step's objects are copied, then deleted, its commit marker first (orbax skips a step without one).
+    """
     later = [s for s in self.all_steps() if s > step]
-    for s in later if rename else ():
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("electra_jax: before setting damaged checkpoints aside")
+    for s in later if jax.process_index() == 0 else ():
       source = epath.Path(self.directory) / str(s)
       target, n = source.parent / f"{s}.damaged", 1
       while target.exists():
@@ -184,6 +189,8 @@ class Checkpointer:
           s,
           target,
       )
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("electra_jax: damaged checkpoints set aside")
     if later:
       self._manager.reload()
 
@@ -192,3 +199,94 @@ class Checkpointer:
 
   def close(self) -> None:
     self._manager.close()
+
+
+# --- The checkpoint a run goes on from, checked against its setup and data
+@dataclasses.dataclass(frozen=True)
+class Start:
+  """The checkpoint a run goes on from."""
+
+  step: int
+  state: Any  # its arrays, sharded for the run's mesh
+  stream_position: int  # the rows of the data stream its run had read (batch sizes may differ)
+  newer_damaged: bool  # newer steps did not restore: they are set aside before the run saves
+
+
+def newest_start(workdir: str, setup, corpus, keep: int, changes=None) -> Start | None:
+  """The newest intact checkpoint in `workdir` that holds this setup's model and this data, or None
+  (`keep`: checkpoint.keep; `changes`: as `fits` takes them)."""
+  found = workdir_files.exists(checkpoints_directory(workdir))  # else none is made here
+  checkpointer = Checkpointer(workdir, keep=keep) if found else None
+  latest = checkpointer and checkpointer.latest_step()
+  # One answer for every process, even if a save ends meanwhile.
+  latest = distributed.from_process_0(-1 if latest is None else latest)
+  if latest < 0 or checkpointer is None:
+    if checkpointer is not None:
+      checkpointer.close()
+    if latest >= 0:
+      raise ConfigError(
+          f"--workdir={workdir} is not one directory every process sees: process 0 finds the "
+          f"checkpoint at step {latest} there, process {jax.process_index()} finds none. On a "
+          "multi-host slice use a bucket (gs://...) or a shared mount."
+      )
+    return None
+  try:
+    check = fits(checkpointer, setup, workdir, corpus, changes)
+    step, state, meta = checkpointer.restore_newest_intact(setup.abstract_state, latest, check)
+  finally:
+    checkpointer.close()
+  position = int(meta["stream_position"]) if step else 0  # an imported pair's step 0 has none
+  return Start(step, state, position, newer_damaged=step != latest)
+
+
+def fits(checkpointer, setup, workdir: str, corpus=None, changes=None):
+  """(step, meta) -> None, refusing a checkpoint of another model, data (given `corpus`) or state
+  structure; `changes` names the model settings that differ from the workdir's config.json."""
+
+  def check(step: int, meta: dict) -> None:
+    theirs, ours = meta["param_shapes"], setup.param_shapes
+    for name in sorted(set(theirs) | set(ours)):
+      if theirs.get(name) != ours.get(name):
+        settings = (
+            f" The model settings that differ from its config.json: {'; '.join(changes)}."
+            if changes
+            else ""
+        )
+        raise ConfigError(
+            f"The workdir {workdir} holds a checkpoint of a different model: parameter {name!r} "
+            f"is {theirs.get(name, 'absent')} there but {ours.get(name, 'absent')} in this "
+            f"config.{settings} Use a new --workdir, or the config that made this checkpoint "
+            f"({os.path.join(workdir, 'config.json')}). Nothing was overwritten."
+        )
+    imported = meta["data_fingerprint"] is None  # imported weights: bound to a vocabulary alone
+    if corpus is None:
+      pass
+    elif imported and meta["tokenizer_fingerprint"] != corpus.tokenizer.fingerprint:
+      raise ConfigError(
+          f"The checkpoint in {workdir} holds weights imported from {meta['imported_from']} with "
+          f"their own vocabulary (tokenizer {meta['tokenizer_fingerprint']}), but this config "
+          f"tokenizes with {corpus.tokenizer.fingerprint}. Train with the workdir's config.json "
+          "(which names that vocabulary), e.g. leave out --config."
+      )
+    elif not imported and meta["data_fingerprint"] != corpus.fingerprint:
+      raise ConfigError(
+          f"The checkpoint in {workdir} was trained on data {meta['data_fingerprint']} but this "
+          f"config gives {corpus.fingerprint} (a different tokenizer, corpus, max_seq_len or data.pack_rows). "
+          "Use a new --workdir, or the data settings of its config.json."
+      )
+    missing, extra = checkpointer.state_difference(step, setup.abstract_state)
+    if missing or extra:
+      optimizer = all(p.startswith("opt_state") for p in missing + extra)
+      hint = (
+          " optimizer.bias_correction decides whether Adam keeps a step count (True: optax's Adam; "
+          "False: the official one): resume with the value in its config.json."
+          if optimizer
+          else ""
+      )
+      raise ConfigError(
+          f"The checkpoint at step {step} in {workdir} holds {'an optimizer' if optimizer else 'a train'} state "
+          f"of another structure than this config's (missing from it: {missing[:3] or 'none'}; only in it: "
+          f"{extra[:3] or 'none'}).{hint} Or use a new --workdir. Nothing was overwritten."
+      )
+
+  return check

@@ -311,9 +311,10 @@ def save_config(workdir: str, config, before: dict | None, start_step: int | Non
   config.step<N>.json."""
   from electra_jax import workdir_files  # noqa: PLC0415 (keeps recipes' imports light)
 
+  text = config_file_text(config)
+  changes = before is not None and start_step is not None and changed_keys(before, as_saved(config))
   file = workdir_files.path(workdir, "config.json")
   workdir_files.makedirs(file.parent)
-  changes = before is not None and start_step is not None and changed_keys(before, as_saved(config))
   kept = workdir_files.path(workdir, f"config.step{start_step}.json")
   # A second resume from the same checkpoint finds the first one's settings in config.json,
   # which never trained it: the file the first resume kept stays as it is.
@@ -327,7 +328,7 @@ def save_config(workdir: str, config, before: dict | None, start_step: int | Non
         kept.name,
         "; ".join(changes),
     )
-  workdir_files.write_text(file, config_file_text(config))
+  workdir_files.write_text(file, text)
 
 
 # Bounds as the messages state them, and their tests.
@@ -491,14 +492,3 @@ def validate(config: ml_collections.ConfigDict) -> None:
   models.build_model(
       config, objectives.towers(config)
   )  # the model's own refusals; nothing is initialized
-
-
-def validate_for_mesh(config: ml_collections.ConfigDict, batch_shards: int) -> None:
-  """The global batch (and each micro-batch) must split evenly over the data axes."""
-  t = config.train
-  if (micro_batch := t.batch_size // t.grad_accum_steps) % batch_shards:
-    raise ConfigError(
-        f"train.batch_size={t.batch_size} (micro-batch {micro_batch} with train.grad_accum_steps="
-        f"{t.grad_accum_steps}) is not divisible by the {batch_shards} batch shards (mesh.data * "
-        f"mesh.fsdp). Use a multiple of {batch_shards * t.grad_accum_steps}, or change the mesh."
-    )

@@ -227,10 +227,8 @@ def check(config, target: Target, max_batch: bool = False) -> Fit:
   config_lib.validate(config)
   shape = check_mesh(config.mesh, target)
   mesh = partitioning.make_mesh(config.mesh, devices=devices(target))
-  partitioning.check_process_shards(mesh, target.hosts)
+  partitioning.check_shards(mesh, config.train, target.hosts)
   search = max_batch or config.train.batch_size == -1
-  if config.train.batch_size != -1:
-    config_lib.validate_for_mesh(config, partitioning.batch_shards(mesh))
   # The tokenizer's special ids shape the masking, not the program; the vocabulary is the recipe's.
   special = dict(pad=0, cls=2, sep=3, mask=4, vocab_size=config.model.vocab_size)
   setup = train_state.build_setup(config, mesh, special)

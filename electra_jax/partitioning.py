@@ -130,13 +130,9 @@ def shardings_for(boxed_tree, mesh: Mesh):
   )
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-  return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
-
-
-def stacked_batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Several batches stacked on a leading (step) axis: each split like one batch."""
-  return NamedSharding(mesh, PartitionSpec(None, BATCH_AXES))
+def batch_sharding(mesh: Mesh, stacked: bool = False) -> NamedSharding:
+  """Batches split over BATCH_AXES; `stacked` ones (a leading step axis): each alike."""
+  return NamedSharding(mesh, PartitionSpec(*(None,) * stacked, BATCH_AXES))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -147,18 +143,25 @@ def batch_shards(mesh: Mesh) -> int:
   return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def check_process_shards(mesh: Mesh, process_count: int) -> None:
-  """Each process feeds its own rows, so owns whole batch shards: data * fsdp a multiple of the processes."""
-  if batch_shards(mesh) % process_count:
+def check_shards(mesh: Mesh, train, process_count: int) -> None:
+  """Each process feeds whole batch shards (data * fsdp a multiple of the processes), and the global
+  batch and each micro-batch of the `train` group split evenly over them (unless searched: -1)."""
+  shards = batch_shards(mesh)
+  if shards % process_count:
     raise ConfigError(
-        f"The mesh splits each batch into {batch_shards(mesh)} shards (mesh.data * mesh.fsdp = "
+        f"The mesh splits each batch into {shards} shards (mesh.data * mesh.fsdp = "
         f"{mesh.shape['data']} * {mesh.shape['fsdp']}) over {process_count} processes: make it a "
         f"multiple of {process_count} (mesh.tensor={mesh.shape['tensor']} within one host)."
+    )
+  if train.batch_size != -1 and (micro := train.batch_size // train.grad_accum_steps) % shards:
+    raise ConfigError(
+        f"train.batch_size={train.batch_size} (micro-batch {micro} with train.grad_accum_steps="
+        f"{train.grad_accum_steps}) is not divisible by the {shards} batch shards (mesh.data * "
+        f"mesh.fsdp). Use a multiple of {shards * train.grad_accum_steps}, or change the mesh."
     )
 
 
 def global_batch_from_local(local_batch: dict, mesh: Mesh, stacked=False, keys=None) -> dict:
   """Global arrays (only `keys`, if given) from this process's rows; `stacked`: [steps, rows, ...]."""
-  sharding = stacked_batch_sharding(mesh) if stacked else batch_sharding(mesh)
-  make = jax.make_array_from_process_local_data
+  make, sharding = jax.make_array_from_process_local_data, batch_sharding(mesh, stacked)
   return {name: make(sharding, local_batch[name]) for name in keys or local_batch}

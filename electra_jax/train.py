@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
-from jax.experimental import multihost_utils
 
 from electra_jax import (
     checkpointing,
@@ -53,11 +52,10 @@ def train_and_evaluate(
     # --- The workdir: its lease, its checkpoints, its files
     with workdir_lease.held(workdir, take_over_workdir) as lease:
       checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
-      is_chief = jax.process_index() == 0
+      is_chief, logs = jax.process_index() == 0, None
       try:
         if start is not None and start.newer_damaged:
-          _set_aside_newer(checkpointer, step)
-        logs = _open_workdir_files(run, lease) if is_chief else None
+          checkpointer.set_aside_after(step)
 
         # --- State and compiled step
         with partitioning.activate(mesh):
@@ -76,44 +74,28 @@ def train_and_evaluate(
                 setup, config, mesh, steps_per_call
             )
           logging.info("Compiled the train step in %.1f s.", time.perf_counter() - compile_start)
-        _warn_single_steps(config, steps_per_call)
+
+        # --- Process 0 writes config.json and the tokenizer (fine-tuning and export need no
+        # corpus then), and opens the logs, cut back to the checkpoint (a bucket's are not
+        # rewritten once the lease is lost). The workdir may be a bucket (see workdir_files.py).
+        if is_chief:
+          config_lib.save_config(workdir, config, run.saved_config, step if start else None)
+          data.keep_tokenizer(corpus.tokenizer, workdir)
+          logs = tensorboard_log.open_logs(
+              workdir, config.train.metric_writers, config_lib.as_saved(config)
+          )
+          for log in logs:  # a run killed after its checkpoint logged steps this one logs again
+            log.holds = lease.holds
+            log.truncate_after(step)
 
         # --- The loop
+        _warn_single_steps(config, steps_per_call)
         return _loop(run, state, compiled, checkpointer, lease, logs, signals)
       finally:  # whatever ends the run (done, a signal, NaN, an error), saves in flight complete
         checkpointer.wait()
         checkpointer.close()
-        if logs is not None:
-          for log in logs:
-            log.close()
-
-
-def _set_aside_newer(checkpointer, step: int) -> None:
-  """Renames the damaged steps after `step` (process 0), which this run would save over."""
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices("electra_jax: before setting damaged checkpoints aside")
-  checkpointer.set_aside_after(step, rename=jax.process_index() == 0)
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices("electra_jax: damaged checkpoints set aside")
-
-
-def _open_workdir_files(run: resolve.Run, lease):
-  """Process 0 writes config.json and the tokenizer (fine-tuning and export need no corpus then),
-  and opens metrics.jsonl and eval_metrics.jsonl (cut back to the checkpoint; a bucket's, not
-  rewritten once `lease` is lost), TensorBoard events and the runs train.metric_writers names.
-  The workdir may be a bucket (see workdir_files.py)."""
-  config, workdir = run.config, run.workdir
-  step = run.start.step if run.start is not None else None
-  config_lib.save_config(workdir, config, run.saved_config, step)
-  data.keep_tokenizer(run.corpus.tokenizer, workdir)
-  metrics_log, eval_log = tensorboard_log.open_logs(
-      workdir, config.train.metric_writers, config_lib.as_saved(config)
-  )
-  metrics_log.holds = eval_log.holds = lease.holds
-  # A run killed after its checkpoint logged steps this one will log again.
-  metrics_log.truncate_after(step or 0)
-  eval_log.truncate_after(step or 0)
-  return metrics_log, eval_log
+        for log in logs or ():
+          log.close()
 
 
 def _loop(run: resolve.Run, state, compiled: dict, checkpointer, lease, logs, signals) -> dict:
@@ -124,8 +106,18 @@ def _loop(run: resolve.Run, state, compiled: dict, checkpointer, lease, logs, si
   metrics_log, eval_log = logs if is_chief else (None, None)
   total_steps, seed = config.train.steps, config.train.seed
   seq_len, global_batch = config.data.max_seq_len, config.train.batch_size
-  stream_offset = run.start.stream_offset if run.start is not None else 0
-  step = run.start.step if run.start is not None else 0
+  start = run.start
+  step = start.step if start is not None else 0
+  # The data stream goes on where the checkpoint's run stopped reading (its batch size may differ).
+  stream_offset = start.stream_position - step * global_batch if step else 0
+  if stream_offset:
+    logging.info(
+        "The checkpoint at step %d read %d rows of the data stream (the batch size changed along "
+        "the way); batches of %d go on from there.",
+        step,
+        start.stream_position,
+        global_batch,
+    )
   evaluator = (
       evaluation.HeldOutEvaluator(config, setup, mesh, schedule)
       if config.eval.every_steps
@@ -137,7 +129,7 @@ def _loop(run: resolve.Run, state, compiled: dict, checkpointer, lease, logs, si
   meta = {"param_shapes": setup.param_shapes, "data_fingerprint": run.corpus.fingerprint}
   window, window_steps, last_logged, call = [], 0, {}, 0
   keys, periods = train_state.batch_keys(config), tuple(_periods(config).values())
-  steps_per_call = max(compiled)
+  steps_per_call, remote = max(compiled), workdir_files.is_remote(run.workdir)
   window_start = time.perf_counter()
 
   def fetch(step_index):
@@ -171,11 +163,15 @@ def _loop(run: resolve.Run, state, compiled: dict, checkpointer, lease, logs, si
       window.append(metrics)
       stopping = signals.stop_after(call)
       call += 1
+      at_log = step % config.train.log_every == 0 or step == total_steps or stopping
+      at_save = step % config.checkpoint.every_steps == 0 or step == total_steps or stopping
+      at_eval = evaluator and (step % config.eval.every_steps == 0 or step == total_steps)
+      if not (at_log or at_save or at_eval):
+        continue
 
-      if step % config.train.log_every == 0 or step == total_steps or stopping:
-        # The lease file (local: at each log step; a bucket: every 10 s at most): a run that took
-        # the workdir over owns its logs from its checkpoint on.
-        workdir_lease.hold(lease, 10.0 if workdir_files.is_remote(run.workdir) else 0.0)
+      if at_log or at_save:  # never log or save after a step that was not finite
+        _stop_if_not_finite(window, state.params if at_save else None, step, checkpointer, config)
+      if at_log:
         logged = _mean_metrics(window)
         steps_per_sec = window_steps / (time.perf_counter() - window_start)
         logged.update(
@@ -185,46 +181,40 @@ def _loop(run: resolve.Run, state, compiled: dict, checkpointer, lease, logs, si
         )
         if peak is not None:
           logged["mfu"] = logged["tokens_per_sec"] * flops_per_token / (peak * jax.device_count())
-        if not math.isfinite(logged["loss"]):
-          first_bad = _first_non_finite_step(window, step)
-          _stop_if_not_finite("loss", logged["loss"], step, checkpointer, config, first_bad)
-        if is_chief:
-          metrics_log.append(logged)
-          logging.info(
-              "step %d/%d | loss %.4f | mlm_acc %.3f | disc_auc %.3f | %s tokens/s | ETA %s",
-              step,
-              total_steps,
-              logged["loss"],
-              logged["masked_lm_accuracy"],
-              logged["disc_auc"],
-              f"{logged['tokens_per_sec']:,.0f}",
-              config_lib.format_duration((total_steps - step) / steps_per_sec),
-          )
+        eta = config_lib.format_duration((total_steps - step) / steps_per_sec)
         last_logged, window, window_steps, window_start = logged, [], 0, time.perf_counter()
-
-      if evaluator and (step % config.eval.every_steps == 0 or step == total_steps):
+      if at_eval:
         eval_start = time.perf_counter()
         held_out = evaluator(state)
         window_start += time.perf_counter() - eval_start  # keep eval out of tokens/s
-        if is_chief:
-          eval_log.append(dict(held_out, step=step))
-          logging.info(
-              "eval step %d (%d held-out %s) | loss %.4f | mlm_acc %.3f | disc_auc %.3f",
-              step,
-              evaluator.num_examples,
-              "rows" if config.data.pack_rows else "examples",
-              held_out["loss"],
-              held_out["masked_lm_accuracy"],
-              held_out["disc_auc"],
-          )
-
-      if step % config.checkpoint.every_steps == 0 or step == total_steps or stopping:
-        last_loss = float(np.ravel(jax.device_get(metrics["loss"]))[-1])
-        _stop_if_not_finite("loss", last_loss, step, checkpointer, config, step)
-        # Never save a state that is not finite: the loss above predates the last update.
-        if not bool(_params_finite(state.params)):
-          _stop_if_not_finite("parameters", float("nan"), step, checkpointer, config)
-        workdir_lease.hold(lease)  # never save over the checkpoints of a run that took over
+      if at_log or at_save:
+        # The lease file (a bucket's read at most every 10 s between saves): a run that took the
+        # workdir over owns its logs and checkpoints from its checkpoint on.
+        workdir_lease.hold(lease, 10.0 if remote and not at_save else 0.0)
+      if is_chief and at_log:
+        metrics_log.append(logged)
+        logging.info(
+            "step %d/%d | loss %.4f | mlm_acc %.3f | disc_auc %.3f | %s tokens/s | ETA %s",
+            step,
+            total_steps,
+            logged["loss"],
+            logged["masked_lm_accuracy"],
+            logged["disc_auc"],
+            f"{logged['tokens_per_sec']:,.0f}",
+            eta,
+        )
+      if is_chief and at_eval:
+        eval_log.append(dict(held_out, step=step))
+        logging.info(
+            "eval step %d (%d held-out %s) | loss %.4f | mlm_acc %.3f | disc_auc %.3f",
+            step,
+            evaluator.num_examples,
+            "rows" if config.data.pack_rows else "examples",
+            held_out["loss"],
+            held_out["masked_lm_accuracy"],
+            held_out["disc_auc"],
+        )
+      if at_save:
         checkpointer.save(
             step, state, dict(meta, stream_position=stream_offset + step * global_batch)
         )
@@ -257,18 +247,18 @@ def evaluate_checkpoint(
   return held_out
 
 
-def _stop_if_not_finite(
-    what: str, value: float, step: int, checkpointer, config, first_bad_step=None
-) -> None:
-  """Stops the run when `value` is not finite; `first_bad_step`, when known, tells whether the
-  latest checkpoint already produced it."""
-  if math.isfinite(value):
+def _stop_if_not_finite(window: list, params, step: int, checkpointer, config) -> None:
+  """Stops the run when a loss of the log window (ending at `step`) or, given `params` (before a
+  save: a step's loss predates its update), a parameter is not finite; says whether the latest
+  checkpoint already produced it."""
+  first_bad = _first_non_finite_step(window, step)
+  if first_bad is None and (params is None or bool(_params_finite(params))):
     return
   checkpointer.wait()  # the last good checkpoint may still be being written
   latest = checkpointer.latest_step()
   dtype_hint = ", or use train.dtype=float32" if config.train.dtype != "float32" else ""
   diverged = ""
-  if latest is not None and first_bad_step is not None and latest >= first_bad_step - 1:
+  if latest is not None and first_bad is not None and latest >= first_bad - 1:
     diverged = (
         f" Its parameters are finite but already gave step {latest + 1} a non-finite loss: "
         "resume from an earlier checkpoint (checkpoint.keep keeps more) or start over."
@@ -278,8 +268,13 @@ def _stop_if_not_finite(
       if latest is not None
       else "No checkpoint was saved yet: the next start begins from scratch."
   )
+  what = (
+      "parameters became nan"
+      if first_bad is None
+      else f"loss became {_mean_metrics(window)['loss']}"
+  )
   raise FloatingPointError(
-      f"The {what} became {value} by step {step}; stopping without saving. {saved}{diverged} "
+      f"The {what} by step {step}; stopping without saving. {saved}{diverged} "
       f"Lower optimizer.learning_rate or raise optimizer.warmup_steps{dtype_hint}."
   )
 

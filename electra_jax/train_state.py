@@ -3,7 +3,8 @@ state's sharded setup (`build_setup`: model, objective, optimizer and shardings,
 batch size and the run's length) and the step compiled for a global batch."""
 
 import dataclasses
-from typing import Any
+import time
+from typing import Any, NamedTuple
 
 import flax
 import flax.linen as nn
@@ -11,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from absl import logging
+from jax.sharding import NamedSharding, PartitionSpec
 
-from electra_jax import data, objectives, optimizer, partitioning
+from electra_jax import data, evaluation, objectives, optimizer, partitioning
 from electra_jax.models import ElectraPretrainer, build_model
 from electra_jax.optimizer import Schedule
 
@@ -182,11 +184,12 @@ class TrainingSetup:
 
 def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
   """Model, objective, optimizer and shardings: independent of the batch size and the run's length."""
-  towers, objective = objectives.towers(config), objectives.objective_from_config(
-      config, special_ids
+  init_fn = make_init_fn(
+      config,
+      build_model(config, objectives.towers(config)),
+      objectives.objective_from_config(config, special_ids),
   )
-  init_fn = make_init_fn(config, build_model(config, towers), objective)
-  model = init_fn.model
+  model, objective = init_fn.model, init_fn.objective
   boxed_shapes = jax.eval_shape(init_fn, jax.random.key(0))
   state_shardings = partitioning.shardings_for(boxed_shapes, mesh)
   unsharded = partitioning.unsharded_dimensions(boxed_shapes.params, mesh)
@@ -217,23 +220,21 @@ def batch_keys(config) -> tuple[str, ...]:
   return data.batch_keys(bool(config.data.pack_rows))
 
 
-def compile_train_step(setup: TrainingSetup, config, mesh, num_steps: int | None = None):
-  """train_step compiled for this config's global batch with the state donated, or with `num_steps`,
-  train_steps over that many stacked batches and keys. Call it inside `partitioning.activate(mesh)`.
-  """
+def compile_train_step(
+    setup: TrainingSetup, config, mesh, num_steps: int | None = None, batch_size: int | None = None
+):
+  """train_step compiled for a global batch (default train.batch_size) with the state donated, or
+  with `num_steps`, train_steps over that many stacked batches and keys. Call it inside
+  `partitioning.activate(mesh)`."""
   # Abstract keys: compile-only devices (benchmarks/compile_audit.py) cannot run anything.
-  if num_steps is None:
-    fn, batch_sharding, leading = train_step, partitioning.batch_sharding(mesh), ()
-    rng = jax.eval_shape(lambda: jax.random.key(0))
-  else:
-    fn, batch_sharding, leading = (
-        train_steps,
-        partitioning.stacked_batch_sharding(mesh),
-        (num_steps,),
-    )
-    rng = jax.eval_shape(lambda: step_rngs(0, 0, num_steps))
-  replicated = partitioning.replicated(mesh)
-  shape = (*leading, config.train.batch_size, config.data.max_seq_len)
+  leading = () if num_steps is None else (num_steps,)
+  rng = jax.eval_shape(lambda: step_rngs(0, 0, num_steps) if leading else jax.random.key(0))
+  # Batches split over the batch axes (stacked ones: each alike); the rest is replicated.
+  batch_sharding = NamedSharding(
+      mesh, PartitionSpec(*(None,) * len(leading), partitioning.BATCH_AXES)
+  )
+  replicated = NamedSharding(mesh, PartitionSpec())
+  shape = (*leading, batch_size or config.train.batch_size, config.data.max_seq_len)
   abstract_batch = {
       name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)
       for name in batch_keys(config)
@@ -244,7 +245,7 @@ def compile_train_step(setup: TrainingSetup, config, mesh, num_steps: int | None
       jax.eval_shape(lambda: optimizer.learning_rate_schedule(1.0, 1, 1)),
   )
   jitted = jax.jit(
-      fn,
+      train_steps if leading else train_step,
       in_shardings=(setup.state_shardings, batch_sharding, replicated, replicated),
       out_shardings=(setup.state_shardings, replicated),
       donate_argnums=(0,),
@@ -252,6 +253,47 @@ def compile_train_step(setup: TrainingSetup, config, mesh, num_steps: int | None
   return jitted.lower(
       setup.abstract_state, abstract_batch, abstract_rng, abstract_schedule
   ).compile()
+
+
+class StepTiming(NamedTuple):
+  """What measure_step_time found, in seconds."""
+
+  step: float  # one compiled training step
+  compile: float  # compiling the step and the held-out evaluation
+  evaluation: float  # one held-out evaluation (0 without eval.every_steps)
+
+
+_TIMED_STEPS = 3  # after one warm-up step
+
+
+def measure_step_time(config, setup: TrainingSetup, mesh, corpus) -> StepTiming:
+  """Times the train step on a throwaway state and batch 0 (after a warm-up step) and one held-out
+  evaluation (after a first that compiles), inside partitioning.activate(mesh); nothing of the run
+  is advanced."""
+  seed, keys = config.train.seed, batch_keys(config)
+  state, clock = fresh_state(setup, seed), time.perf_counter()
+  step_fn = compile_train_step(setup, config, mesh)
+  compile_seconds = time.perf_counter() - clock
+  local = data.get_batch(
+      corpus, 0, config.train.batch_size, seed, jax.process_index(), jax.process_count()
+  )
+  batch = partitioning.global_batch_from_local(local, mesh, keys=keys)
+  schedule, rng, seconds = optimizer.make_schedule(config), step_rng(seed, 0), []
+  for count in (1, _TIMED_STEPS):  # the warm-up step, then the timed ones
+    clock = time.perf_counter()
+    for _ in range(count):
+      state, _ = step_fn(state, batch, rng, schedule)
+    jax.block_until_ready(state)
+    seconds.append(time.perf_counter() - clock)
+  evaluated = []
+  if config.eval.every_steps:  # the first evaluation compiles
+    evaluator = evaluation.HeldOutEvaluator(config, setup, mesh, schedule)
+    for _ in range(2):
+      clock = time.perf_counter()
+      jax.block_until_ready(evaluator(state))
+      evaluated.append(time.perf_counter() - clock)
+    compile_seconds += max(evaluated[0] - evaluated[1], 0.0)
+  return StepTiming(seconds[1] / _TIMED_STEPS, compile_seconds, evaluated[-1] if evaluated else 0.0)
 
 
 def special_ids(tokenizer) -> dict[str, int]:

@@ -200,6 +200,20 @@ def test_a_shard_object_that_differs_from_the_manifest_is_refused_by_name(prepar
     get_batch(data, 0, data.num_rows, seed=0)  # every row of the split, checked as it is read
 
 
+@pytest.mark.parametrize("name", ["../outside/train-00001.npy", "/train-00001.npy"])
+def test_a_manifest_naming_a_shard_outside_its_bucket_folder_is_refused(prepared, bucket, name):
+  local, _ = prepared
+  remote = f"{bucket}/prepared"
+  _upload(local, remote)
+  _upload(local, f"{bucket}/outside")
+  manifest = json.loads(epath.Path(remote, shards.MANIFEST).read_text())
+  manifest["shards"][1]["splits"]["train"]["file"] = name
+  workdir_files.write_json(f"{remote}/{shards.MANIFEST}", manifest)
+  expected = rf"{remote}/{shards.MANIFEST}: shards\[1\]\.splits\.train\.file='{name}'"
+  with pytest.raises(ConfigError, match=expected + ".*--mode=prepare_data"):
+    load_pretraining_data(_data_config(remote))
+
+
 def test_prepare_data_into_a_bucket_resumes_from_the_shards_its_manifest_lists(
     prepared, bucket, tmp_path
 ):

@@ -271,7 +271,7 @@ def test_glob_matching_nothing_names_the_pattern(tmp_path):
 def test_missing_or_bad_files_setting_is_refused(tmp_path):
   with pytest.raises(ConfigError, match="data.source='text' needs data.files"):
     load_pretraining_data(_config(tmp_path, files=" , "))
-  with pytest.raises(ConfigError, match="matches the directory"):
+  with pytest.raises(ConfigError, match=f"matches '{tmp_path}', which is a directory"):
     resolve_files(str(tmp_path))
 
 

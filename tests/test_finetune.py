@@ -9,6 +9,8 @@ import math
 import os
 import re
 import shutil
+import signal
+import subprocess
 import sys
 import time
 
@@ -321,6 +323,35 @@ def test_interrupted_multi_seed_run_goes_on_with_the_missing_seeds(tmp_path):
   assert os.listdir(tmp_path / "cut" / "custom" / "seed_1" / "checkpoints") == [
       str(seed1["history"][-1]["step"])
   ]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_signal_keeps_the_finished_seeds_releases_the_lease_and_says_so(tmp_path, signum):
+  """SIGTERM (a preempted VM), SIGHUP (a closed terminal) or Ctrl-C once a seed has finished: that seed's results stay as
+  written, the lease is released, one line says what happened, and the exit code is not 0."""
+  paths = write_synthetic(tmp_path, 400, 100, 8)
+  vocab = tmp_path / "vocab.txt"
+  vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "magic", *WORDS]))
+  out = tmp_path / "ft"
+  args = [sys.executable, "-m", "electra_jax.main", "--mode=finetune"]
+  args += [f"--config={REPO}/configs/finetune/tiny.py", f"--workdir={out}"]
+  args += [f"--config.custom.{k}_file={paths[k]}" for k in ("train", "dev")]
+  args += [f"--config.tokenizer={vocab}", "--config.num_seeds=6", "--config.epochs=8"]
+  run = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  seed0 = out / "custom" / "seed_0" / "metrics.json"
+  deadline = time.time() + 300
+  while not seed0.exists() and run.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+  finished = seed0.read_text()
+  run.send_signal(signum)
+  _, stderr = run.communicate(timeout=300)
+  assert run.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+  name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+  line = stderr.strip().splitlines()[-1]
+  assert line.startswith(f"Fine-tuning stopped by {name}") and str(out / "custom") in line, line
+  assert "seed_5" not in os.listdir(out / "custom") and seed0.read_text() == finished
+  lease = json.loads((out / "custom" / workdir_lease.LEASE_FILE).read_text())
+  assert lease["released"] is True
 
 
 def test_bad_config_fails_before_training(tmp_path):

@@ -371,3 +371,41 @@ def test_glue_submission_file(tmp_path, tokenizer):
   adapter = tasks.make_adapter(config, backbone, sts)
   [path] = adapter.write_test(lambda features: np.array([[1.23456], [4.0]]), str(tmp_path / "b"))
   assert open(path).read().splitlines()[1:] == ["4\t1.235", "0\t4.000"]
+
+
+@pytest.mark.parametrize("fmt", ["tsv", "csv", "jsonl", "glue"])
+def test_a_column_named_twice_is_refused_naming_the_file_and_the_name(tmp_path, fmt):
+  rows = [("a dog", "pos", "a cat"), ("a mat", "neg", "the mat")]
+  if fmt == "jsonl":  # a JSON object with a key twice: json.loads keeps the last
+    lines = ['{"text": "%s", "label": "%s", "text": "%s"}' % row for row in rows]
+  else:
+    sep = "," if fmt == "csv" else "\t"
+    lines = [sep.join(("text", "label", "text"))] + [sep.join(row) for row in rows]
+  if fmt == "glue":  # GLUE's header names its columns too
+    lines = ["index\tsentence1\tsentence2\tsentence1\tlabel"]
+    lines += [f"{i}\ta\tb\tc\t{label}" for i, label in enumerate(("entailment", "not_entailment"))]
+    path, config = tmp_path / "RTE" / "train.tsv", glue_config("rte", tmp_path)
+    _write(path, lines)
+    _write(tmp_path / "RTE" / "dev.tsv", lines)
+    name, where = "sentence1", path
+  else:
+    config = custom_config(
+        tmp_path, fmt, [{"text": "x", "label": "pos"}] * 2, [{"text": "y", "label": "pos"}]
+    )
+    path, name = config.custom.train_file, "text"
+    _write(path, lines)
+    where = f"{path}:1" if fmt == "jsonl" else path
+  with pytest.raises(ConfigError, match=rf"{where}: column '{name}' appears more than once"):
+    tasks.load_task(config)
+
+
+def test_a_classification_whose_training_rows_have_one_label_is_refused(tmp_path):
+  train = [{"text": "the dog", "label": "pos"}]
+  config = custom_config(tmp_path, "tsv", train, train, labels="pos,neg")
+  with pytest.raises(
+      ConfigError, match=rf"{config.custom.train_file}: every training example has the label 'pos'"
+  ):
+    tasks.load_task(config)
+  # A regression has no classes: one row is a (small) task.
+  rows = [{"text": "the dog", "label": 0.5}]
+  assert len(tasks.load_task(custom_config(tmp_path, "tsv", rows, rows, kind="regression")).train)

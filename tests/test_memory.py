@@ -88,8 +88,8 @@ def _compiler_with_memory(monkeypatch, bytes_of, device_bytes, flops_of=None):
   Records the batches asked for."""
   asked = []
 
-  def compile_train_step(setup, config, mesh):
-    batch = config.train.batch_size
+  def compile_train_step(setup, config, mesh, batch_size):
+    batch = batch_size
     asked.append(batch)
     if bytes_of(batch) > device_bytes:
       raise RuntimeError(
@@ -170,7 +170,7 @@ def test_a_batch_fitted_by_recomputing_does_not_fit(monkeypatch, tiny_setup, qua
 def test_other_compile_errors_are_not_taken_for_memory(monkeypatch, tiny_setup):
   config, mesh, setup = tiny_setup
 
-  def broken(setup, config, mesh):
+  def broken(setup, config, mesh, batch_size):
     raise RuntimeError("INVALID_ARGUMENT: a sharding that does not divide the batch")
 
   monkeypatch.setattr(train_state, "compile_train_step", broken)

@@ -72,13 +72,14 @@ def test_tables_that_a_mesh_axis_does_not_divide_are_named():
 
 def test_processes_must_own_whole_batch_shards():
   mesh = jax.sharding.AbstractMesh((1, 2, 4), partitioning.MESH_AXES)
-  partitioning.check_process_shards(mesh, 2)  # two hosts of four devices: tensor within a host
+  train = tiny_config().train  # its batch of 8 splits over 4 shards
+  partitioning.check_shards(mesh, train, 2)  # two hosts of four devices: tensor within a host
   with pytest.raises(
       ValueError,
       match=r"4 shards \(mesh.data \* mesh.fsdp = 2 \* 2\) over 8 processes.*multiple of 8",
   ):
-    partitioning.check_process_shards(
-        jax.sharding.AbstractMesh((2, 2, 2), partitioning.MESH_AXES), 8
+    partitioning.check_shards(
+        jax.sharding.AbstractMesh((2, 2, 2), partitioning.MESH_AXES), train, 8
     )
 
 

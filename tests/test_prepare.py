@@ -6,21 +6,26 @@ sentencepiece model trained once per module by train_tokenizer.
 """
 
 import concurrent.futures
+import errno
 import hashlib
 import json
 import os
 import random
+import re
+import resource
 import signal
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from conftest import base
+from conftest import base, cli_args, run_cli
+from electra_jax import workdir_files
 from electra_jax.errors import ConfigError
 from electra_jax.data import (
     SentencePieceTokenizer,
@@ -450,6 +455,61 @@ def test_a_worker_whose_parent_died_while_it_started_exits():
   assert result.returncode == 1 and "still here" not in result.stdout and time.time() - started < 20
 
 
+@pytest.mark.parametrize("full", ["for every file", "for shards only"])
+def test_a_full_disk_ends_in_one_line_and_the_manifest_lists_what_is_kept(
+    tmp_path, corpus_files, spm_model, monkeypatch, full
+):
+  """The disk fills up after a few files (for shards only: a small manifest still fits)."""
+  config = _config(tmp_path, corpus_files, spm_model_file=spm_model)
+  out_dir, write, written = tmp_path / "prepared", workdir_files.write_bytes, []
+
+  def filling(file, data):
+    is_shard = os.fspath(file).endswith(".npy")
+    if len(written) >= 9 and (is_shard or full == "for every file"):
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    write(file, data)
+    written.append(file)
+
+  ours = lambda: {name for name in os.listdir(tempfile.gettempdir()) if "electra_jax" in name}
+  scratch = ours()
+  monkeypatch.setattr(workdir_files, "write_bytes", filling)
+  with pytest.raises(ConfigError) as refused:
+    prepare_data(config, num_workers=0)
+  monkeypatch.undo()
+  message = str(refused.value)
+  assert "\n" not in message and f"no space is left on the disk of {out_dir}" in message
+  kept = len(json.loads((out_dir / "manifest.json").read_text())["shards"])
+  assert kept == int(re.search(r"(\d+) finished shards are kept", message)[1])
+  if full == "for shards only":  # the last manifest's write went through: it lists them
+    assert kept > 0
+  assert not [name for name in os.listdir(out_dir) if name.startswith(".tmp-")]
+  assert ours() <= scratch  # no temporary folder left
+  assert "run the same command" in message
+  assert prepare_data(config, num_workers=0)["complete"]  # space again: it resumes
+
+
+def test_a_file_size_limit_ends_prepare_data_in_one_line_from_its_worker(tmp_path, spm_model):
+  """A real limit (ulimit -f, which a spawned worker inherits): the worker's shard is too large."""
+  files = _write_corpus(tmp_path / "corpus", num_files=2, docs_per_file=1500)
+  out = tmp_path / "prepared"
+  data = {"source": "text", "files": files, "spm_model_file": spm_model, "prepared_dir": out}
+  data.update(shard_documents=10**6, max_documents=0)
+  args = cli_args(tmp_path / "unused", **{f"data.{k}": v for k, v in data.items()})
+  limit = 2 * os.path.getsize(spm_model)  # the tokenizer's copy fits, the one shard does not
+  done = run_cli(
+      args + ["--mode=prepare_data", "--workers=1"],
+      preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+  )
+  assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+  assert done.stderr.strip().splitlines()[-1] == (
+      f"electra-jax: error: prepare_data: a file passed the size limit (ulimit -f) in {out}; 0 "
+      "finished shards are kept, as its manifest.json lists them. Raise the limit (or give "
+      "another data.prepared_dir), then run the same command: it resumes."
+  )
+  assert json.loads((out / "manifest.json").read_text())["shards"] == []
+  assert sorted(os.listdir(out)) == ["manifest.json", "spm.model"]  # no half-written file
+
+
 def test_a_prepared_dir_that_is_a_file_or_someone_elses_files_is_refused(
     tmp_path, corpus_files, spm_model
 ):
@@ -639,6 +699,39 @@ def test_training_reads_shards_that_differ_from_the_manifest_never(
   data = load_pretraining_data(prepared)
   data.verification.result()
   assert get_batch(data, 0, 4, seed=0)["input_ids"].shape == (4, 32)
+
+
+@pytest.mark.parametrize("edit", ["../", "absolute", "symlink"])
+def test_a_shard_leading_outside_the_prepared_dir_is_refused_by_name(
+    tmp_path, corpus_files, spm_model, edit
+):
+  config = _config(tmp_path, corpus_files, spm_model_file=spm_model)
+  prepare_data(config, num_workers=0)
+  prepared = _config(tmp_path, corpus_files, source="prepared", spm_model_file=spm_model)
+  path, outside = _shard_path(tmp_path, 1), tmp_path / "outside"
+  outside.mkdir()
+  copy = outside / path.name  # the same bytes: only where the file lies is wrong
+  shutil.copy(path, copy)
+  manifest_path = path.parent / "manifest.json"
+  if edit == "symlink":
+    path.unlink()
+    path.symlink_to(copy)
+    expected = rf"Shard {path} links to {os.path.realpath(copy)}, outside {path.parent}"
+  else:
+    name = f"../outside/{path.name}" if edit == "../" else str(copy)
+    manifest = json.loads(manifest_path.read_text())
+    manifest["shards"][1]["splits"]["train"]["file"] = name
+    manifest_path.write_text(json.dumps(manifest))
+    expected = rf"{manifest_path}: shards\[1\]\.splits\.train\.file={re.escape(repr(name))}"
+  with pytest.raises(ConfigError, match=expected + ".*--mode=prepare_data"):
+    load_pretraining_data(prepared)
+  if edit != "symlink":  # a re-run of prepare_data reads the same manifest
+    with pytest.raises(ConfigError, match=expected + ".*--mode=prepare_data"):
+      prepare_data(config, num_workers=0)
+  if edit == "symlink":  # prepare_data packs that shard again: the link goes, its target stays
+    prepare_data(config, num_workers=0)
+    assert not path.is_symlink() and path.read_bytes() == copy.read_bytes()
+    assert load_pretraining_data(prepared).num_examples > 0
 
 
 def test_sentencepiece_trained_by_prepare_serves_training(tmp_path, corpus_files):

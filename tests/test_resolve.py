@@ -13,6 +13,7 @@ from electra_jax import (
     preemption,
     resolve,
     train,
+    train_state,
 )
 from run_helpers import REQUIRED_METRICS, _metrics  # noqa: F401
 
@@ -168,13 +169,13 @@ def test_steps_per_call_below_one_is_refused(tmp_path):
 # ---------------------------------------------------------------------------------------
 # train.time_budget
 # ---------------------------------------------------------------------------------------
-_FAKE_TIMING = resolve.StepTiming(step=0.5, compile=0.0, evaluation=0.0)
+_FAKE_TIMING = train_state.StepTiming(step=0.5, compile=0.0, evaluation=0.0)
 
 
 def _fake_budget_clock(monkeypatch, measured=None):
   """A budget clock standing still and a step timing of 0.5 s, so the step count is known:
   floor(budget * 0.97 / 0.5). `measured`, a list, records each timing the run asks for."""
-  real = resolve.measure_step_time
+  real = train_state.measure_step_time
 
   def measure(*args):
     if measured is None:
@@ -183,7 +184,7 @@ def _fake_budget_clock(monkeypatch, measured=None):
     return _FAKE_TIMING
 
   monkeypatch.setattr(resolve, "_budget_clock", lambda: 0.0)
-  monkeypatch.setattr(resolve, "measure_step_time", measure)
+  monkeypatch.setattr(train_state, "measure_step_time", measure)
 
 
 # A fresh run's budget is timed (the step, compiling, a held-out evaluation: eval.every_steps is
@@ -227,15 +228,18 @@ def test_the_time_budget_fixes_train_steps_so_the_schedule_ends_with_it(budget_r
   # The last update (from step 8) takes lr / 9; the schedule reaches 0 at step 9.
   assert lines[-1]["learning_rate"] == pytest.approx(1e-3 / 9, rel=1e-5)
   assert float(optimizer.learning_rate_schedule(1e-3, 2, saved["train"]["steps"])(9)) == 0.0
-  # The count: compiling again, the steps and their evaluations in 97% of what is left.
-  timing = resolve.StepTiming(step=1.0, compile=10.0, evaluation=4.0)
-  assert (
-      resolve.budget_steps(100.0, 20.0, timing, eval_every=10, start_step=0) == 45
-  )  # (67.9 - 4) / 1.4
-  assert resolve.budget_steps(100.0, 20.0, timing, eval_every=0, start_step=5) == 5 + 67
-  assert (
-      resolve.budget_steps(10.0, 20.0, timing, eval_every=0, start_step=5) == 6
-  )  # spent: one step
+
+
+def test_the_budget_counts_the_steps_and_their_evaluations_not_compiling(monkeypatch):
+  # 20 s spent before the count: (100 - 20) * 0.97 = 77.6 s left. Compiling (10 s) is not
+  # counted; a step takes 1 s and, every 10 steps, an evaluation 4 s (one more at the end).
+  clock = iter([0.0, 20.0] * 3)
+  monkeypatch.setattr(resolve, "_budget_clock", lambda: next(clock))
+  timing = train_state.StepTiming(step=1.0, compile=10.0, evaluation=4.0)
+  monkeypatch.setattr(train_state, "measure_step_time", lambda *args: timing)
+  for budget, every, steps in (("100s", 10, 52), ("100s", 0, 77), ("10s", 0, 1)):
+    config = tiny_config(**{"train.time_budget": budget, "eval.every_steps": every})
+    assert resolve.run(config).config.train.steps == steps, (budget, every)  # (77.6 - 4) / 1.4
 
 
 def test_the_time_budget_fixes_train_steps_in_the_resolved_run_without_compiling_again(
@@ -245,9 +249,9 @@ def test_the_time_budget_fixes_train_steps_in_the_resolved_run_without_compiling
   fixing train.steps reuses the step timed, for two_stage too; the steps go into the resolved
   config, and the config given stays as it was."""
   monkeypatch.setattr(
-      resolve,
+      train_state,
       "measure_step_time",
-      lambda *args: resolve.StepTiming(step=0.5, compile=2.0, evaluation=0.0),
+      lambda *args: train_state.StepTiming(step=0.5, compile=2.0, evaluation=0.0),
   )
   monkeypatch.setattr(resolve, "_budget_clock", lambda: 0.0)  # no time passes: the count is known
   for overrides in ({}, {"objective.name": "two_stage", "model.generator_fraction": 1.0}):

@@ -5,6 +5,7 @@ tokenize-and-pack workers. Shards depend on the config alone; a re-run packs onl
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import hashlib
 import itertools
 import json
@@ -39,6 +40,12 @@ _PROGRESS = (
 # enters the data fingerprint, so stale arrays are rebuilt and checkpoints refuse changed data.
 PACKING_FORMAT_VERSION = 3
 PACKING_SEEDS = {"train": 0, "eval": 1}
+# The errors of a write that ran out of room, as a refusal words them (before the directory).
+_EXHAUSTED = {  # errno: (what happened to the directory, what to do)
+    errno.ENOSPC: ("no space is left on the disk of", "free space there"),
+    errno.EDQUOT: ("the disk quota is used up for", "free some of the quota"),
+    errno.EFBIG: ("a file passed the size limit (ulimit -f) in", "raise the limit"),
+}
 
 
 def is_eval_document(index: int, eval_fraction: float) -> bool:
@@ -252,7 +259,7 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
       result["first_skip"] = f"document {first}+: {skipped['first']}"
     return result
   except BaseException as e:  # noqa: BLE001 -- reported by the main process, naming the shard
-    return {"index": index, "error": f"{type(e).__name__}: {e}"}
+    return {"index": index, "error": f"{type(e).__name__}: {e}", "errno": getattr(e, "errno", 0)}
 
 
 # The settings only the tokenizer's file gives; before a model is trained the others are checked.
@@ -337,7 +344,23 @@ def _accepted_tokenizer(config, out_dir: str, existing: dict | None, source_key:
 
 
 def prepare_config(config: dict, num_workers: int | None = None) -> dict:
-  """prepare_data of a read config."""
+  """prepare_data of a read config; a disk that fills up ends it in a ConfigError saying how many
+  shards the manifest on disk keeps (a write is whole or absent: workdir_files.write_bytes)."""
+  try:
+    return _prepare(config, num_workers)
+  except OSError as error:
+    if error.errno not in _EXHAUSTED:
+      raise
+    (why, fix), out_dir = _EXHAUSTED[error.errno], config["prepared_dir"]
+    kept = shards.read_manifest(out_dir)
+    raise ConfigError(
+        f"prepare_data: {why} {out_dir}; {len(kept['shards']) if kept else 0} finished shards are "
+        f"kept, as its {shards.MANIFEST} lists them. {fix.capitalize()} (or give another "
+        "data.prepared_dir), then run the same command: it resumes."
+    ) from None
+
+
+def _prepare(config: dict, num_workers: int | None) -> dict:
   _require_documents(config, "prepare_data")
   out_dir = config["prepared_dir"]
   if not out_dir:
@@ -478,10 +501,12 @@ def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest
             f"prepare_data: a worker died, killed or out of memory ({e}); the finished shards are "
             f"kept in {out_dir}: run it again to resume (fewer workers use less memory)."
         ) from e
+      if result.get("errno") in _EXHAUSTED:  # the disk of out_dir, as a write here finds it
+        raise OSError(result["errno"], result["error"])
       if "error" in result:
         raise RuntimeError(
-            f"prepare_data: shard {result['index']} failed ({result['error']}); the {len(done)} "
-            f"finished are kept in {out_dir}: fix the cause and run prepare_data again to resume."
+            f"prepare_data: shard {result['index']} failed ({result['error']}); the finished ones "
+            f"are kept in {out_dir}: fix the cause and run prepare_data again to resume."
         )
       done[result["index"]] = result
       pending.remove(future)

@@ -50,12 +50,33 @@ def write_split(task: dict, split: str, rows: np.ndarray, pad_id: int) -> dict:
   return entry
 
 
+def leads_outside(directory: str, path: str) -> str | None:
+  """The real file a local `path` leads to (symlinks followed) when it lies outside `directory`,
+  else None: a file that one of our files names is read only inside its folder."""
+  real, inside = os.path.realpath(path), os.path.realpath(directory)
+  return real if os.path.commonpath([real, inside]) != inside else None
+
+
 def read_manifest(out_dir: str) -> dict | None:
   """`out_dir`'s manifest; None when it has none, ConfigError naming the file when it is damaged
-  (or, in a bucket, naming a bucket that does not exist)."""
+  or names a shard file outside `out_dir` (or, in a bucket, naming a bucket that does not exist)."""
   path = os.path.join(out_dir, MANIFEST)
+
+  def plain_names(manifest: dict) -> dict:
+    for index, entry in enumerate(manifest["shards"]):
+      for split, files in entry["splits"].items():
+        for key in ("file", "lengths_file"):
+          name = files.get(key, "-")  # (a split without rows has no files)
+          if not isinstance(name, str) or name in ("", ".", "..") or "/" in name:
+            raise ConfigError(
+                f"{path}: shards[{index}].splits.{split}.{key}={name!r} is not the name of a "
+                f"file in {out_dir}: the manifest was edited. Move {out_dir} aside and run "
+                "--mode=prepare_data again to prepare the corpus anew."
+            )
+    return manifest
+
   if workdir_files.exists(path):
-    return workdir_files.read_json(path, dict)
+    return workdir_files.read_json(path, plain_names)
   if workdir_files.is_remote(out_dir):
     workdir_files.check_bucket(out_dir, "data.prepared_dir")
   return None
@@ -93,10 +114,14 @@ def sha256_file(path: str) -> str:
 def _problem(directory: str, entry: dict, prefix: str, files: dict, hashed: bool = False):
   """What is wrong with the file `entry[prefix + "file"]` of `files` (workdir_files.list_files of
   `directory`): its size, a bucket's own crc32c against the manifest's (0.1.0's have none) and,
-  `hashed`, its sha256 where no crc32c was compared; None when nothing is."""
+  `hashed`, its sha256 where no crc32c was compared; a local link out of `directory`; None when
+  nothing is."""
   name, wanted = entry[f"{prefix}file"], entry[f"{prefix}bytes"]
   size, crc32c = files.get(name, (None, None))
   recorded = entry.get(f"{prefix}crc32c")
+  local = size is not None and not workdir_files.is_remote(directory)
+  if local and (real := leads_outside(directory, os.path.join(directory, name))):
+    return f"links to {real}, outside {directory}"
   if size != wanted:
     return "is missing" if size is None else f"has {size} bytes, the manifest says {wanted}"
   if None in (crc32c, recorded):

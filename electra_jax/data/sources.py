@@ -5,11 +5,13 @@ reads locally; nothing is downloaded)."""
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import glob
 import hashlib
 import json
 import os
+import stat
 
 from absl import logging
 
@@ -84,6 +86,22 @@ def keep_sentence(sentence: str, where, stats: SourceStats) -> bool:
   return False
 
 
+def not_a_regular_file(path: str) -> str | None:
+  """Why `path` is no file to read, seen without opening it (a device reads without end, a FIFO
+  waits for a writer): "does not exist", "is a directory", "is a FIFO, ..."; None for a regular
+  file (or a link to one)."""
+  try:
+    mode = os.stat(path).st_mode
+  except FileNotFoundError:
+    return "does not exist"
+  if stat.S_ISREG(mode):
+    return None
+  if stat.S_ISDIR(mode):
+    return "is a directory"
+  kind = "FIFO" if stat.S_ISFIFO(mode) else "socket" if stat.S_ISSOCK(mode) else "device"
+  return f"is a {kind}, not a regular file"
+
+
 def resolve_files(files: str) -> list[str]:
   """The files of `files`, comma-separated paths and globs (`~`, `**`) in order, each glob's matches sorted,
   a file named twice read once."""
@@ -97,10 +115,10 @@ def resolve_files(files: str) -> list[str]:
           f"start from {os.getcwd()}) or remove it from data.files."
       )
     for match in matches:
-      if os.path.isdir(match):
+      if problem := not_a_regular_file(match):
         raise ConfigError(
-            f"data.files entry {pattern!r} matches the directory {match!r}; name the files, "
-            f"e.g. {os.path.join(match, '*.txt')!r}."
+            f"data.files entry {pattern!r} matches {match!r}, which {problem}; name regular files"
+            + (f", e.g. {os.path.join(match, '*.txt')!r}." if os.path.isdir(match) else ".")
         )
       paths[os.path.abspath(match)] = None
   return list(paths)
@@ -124,11 +142,14 @@ def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
   a binary file. `newline_only` (JSON Lines): JSON strings may hold U+2028, U+2029, U+0085 unescaped.
   """
   with open(path, "rb") as f:
-    if b"\0" in f.read(_SNIFF_BYTES):
+    head = f.read(_SNIFF_BYTES)
+    if b"\0" in head:
       stats.skip("binary_files", path)
       stats.bytes_read += os.fstat(f.fileno()).st_size
       return
-    f.seek(0)
+    # A byte-order mark is not text: dropped, as fine-tuning's readers do (utf-8-sig).
+    f.seek(len(codecs.BOM_UTF8) if head.startswith(codecs.BOM_UTF8) else 0)
+    stats.bytes_read += f.tell()
     number = 0
     # Blocks of whole lines: in UTF-8 the byte b"\n" only ever means a newline.
     for raw_lines in iter(lambda: f.readlines(_BLOCK_BYTES), []):

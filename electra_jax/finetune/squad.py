@@ -22,6 +22,7 @@ import optax
 from absl import logging
 
 from electra_jax import workdir_files
+from electra_jax.data import sources
 from electra_jax.data.tokenizer import WordPieceTokenizer
 from electra_jax.errors import ConfigError
 from electra_jax.finetune import tasks
@@ -76,6 +77,9 @@ def _checked_examples(rows, version: str, where: str) -> list[SquadExample]:
 
 def read_squad_json(path: str, version: str) -> list[SquadExample]:
   """Questions of an official SQuAD JSON file of `version` (`plausible_answers` are ignored)."""
+  fix = "set config.data_dir to the folder of the official files, or use config.source=tfds"
+  if problem := sources.not_a_regular_file(path):
+    raise ConfigError(f"Cannot read the SQuAD file {path!r}: it {problem}; {fix}.")
   try:
     with open(path, encoding="utf-8") as f:
       data = json.load(f)["data"]
@@ -85,10 +89,7 @@ def read_squad_json(path: str, version: str) -> list[SquadExample]:
       answers = [(a["text"], a["answer_start"]) for a in qa["answers"]]
       rows.append((qa["id"], qa["question"], context, answers, qa.get("is_impossible", False)))
   except OSError as e:
-    raise ConfigError(
-        f"Cannot read the SQuAD file {path!r} ({e}); set config.data_dir to the folder of the "
-        "official files, or use config.source=tfds."
-    ) from e
+    raise ConfigError(f"Cannot read the SQuAD file {path!r} ({e}); {fix}.") from e
   except (ValueError, KeyError, TypeError, AttributeError) as e:
     raise ConfigError(
         f"{path!r} is not an official SQuAD JSON file ({type(e).__name__}: {e}); it needs "

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import csv
 import dataclasses
 import json
@@ -19,7 +20,7 @@ import optax
 from absl import logging
 
 from electra_jax import workdir_files
-from electra_jax.data import tfds_source
+from electra_jax.data import sources, tfds_source
 from electra_jax.errors import ConfigError
 from electra_jax.finetune import metrics as metrics_lib
 
@@ -68,6 +69,7 @@ class TaskData:
   dev: dict[str, list[Example]]  # evaluation name (e.g. "mnli-m") -> examples
   test: dict[str, list[Example]]  # submission name (e.g. "MNLI-m") -> unlabelled examples
   target_range: tuple[float, float] | None = None  # regression: learns (label - lo) / hi
+  train_file: str = ""  # where the train split was read, as errors name it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +118,19 @@ TASK_NAMES = tuple(GLUE_TASKS) + ("custom",)
 
 
 def _require_file(path: str, what: str) -> None:
-  if not os.path.isfile(path):
-    raise ConfigError(f"{what}: {path} does not exist. Check config.data_dir and the task name.")
+  """Refuses, before it is opened, a `path` that is not a regular file (sources.not_a_regular_file)."""
+  if problem := sources.not_a_regular_file(path):
+    raise ConfigError(f"{what}: {path} {problem}. Check config.data_dir and the task name.")
+
+
+def _refuse_repeated(where: str, names: list[str]) -> None:
+  """Refuses a header or JSON object naming a column twice: read by name, one copy would be used
+  silently."""
+  if repeated := [name for name, count in collections.Counter(names).items() if count > 1]:
+    raise ConfigError(
+        f"{where}: column {repeated[0]!r} appears more than once (in {names}); give each column "
+        "its own name."
+    )
 
 
 def _regression_label(raw, where: str) -> float:
@@ -144,6 +157,7 @@ def _glue_tsv(task: GlueTask, path: str, labelled: bool) -> list[Example]:
   if not rows:
     raise ConfigError(f"{path} is empty; GLUE files start with a header line.")
   header, (text_a, text_b) = rows[0], task.text_columns
+  _refuse_repeated(path, header)
   wanted = [c for c in (text_a, text_b, task.label_column if labelled else None) if c is not None]
   if missing := [c for c in wanted if c not in header]:
     raise ConfigError(f"{path} has no column {missing[0]!r} (its header: {header}); wrong file?")
@@ -194,9 +208,10 @@ def load_glue(name: str, config) -> TaskData:
   def read(stem: str, labelled: bool) -> list[Example] | None:
     if config.source == "dir":
       path = os.path.join(task_dir, stem + ".tsv")
-      if labelled:
-        _require_file(path, f"GLUE's {task.directory}/{stem}.tsv")
-      return _glue_tsv(task, path, labelled) if os.path.isfile(path) else None
+      if not labelled and not os.path.lexists(path):
+        return None  # (a test split is optional)
+      _require_file(path, f"GLUE's {task.directory}/{stem}.tsv")
+      return _glue_tsv(task, path, labelled)
     split = stem.replace("dev", "validation")
     source = open_tfds_split(f"glue/{name}", split, config.tfds_data_dir)
     text_a, text_b = task.tfds_text or task.text_columns
@@ -222,6 +237,7 @@ def load_glue(name: str, config) -> TaskData:
       {dev_name: read(stem, True) for dev_name, stem in (task.dev_files or {name: "dev"}).items()},
       {submission: examples for submission, examples in tests.items() if examples is not None},
       task.target_range,
+      os.path.join(task_dir, "train.tsv") if config.source == "dir" else f"TFDS glue/{name}",
   )
 
 
@@ -231,12 +247,17 @@ CUSTOM_FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jso
 def _custom_records(path: str, file_format: str) -> list[dict]:
   if file_format == "jsonl":
     records = []
-    with open(path, encoding="utf-8") as f:
+
+    def checked(pairs):  # (of the line being read)
+      _refuse_repeated(f"{path}:{line_number}", [key for key, _ in pairs])
+      return dict(pairs)
+
+    with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is not text)
       for line_number, line in enumerate(f, 1):
         if not line.strip():
           continue
         try:
-          records.append(json.loads(line))
+          records.append(json.loads(line, object_pairs_hook=checked))
         except json.JSONDecodeError as error:
           raise ConfigError(f"{path}:{line_number} is not JSON ({error}).") from None
         if not isinstance(records[-1], dict):
@@ -248,6 +269,7 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
     reader = csv.DictReader(
         f, delimiter="\t" if tsv else ",", quoting=csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL
     )
+    _refuse_repeated(path, reader.fieldnames or [])
     records = list(reader)
   for row_number, record in enumerate(records, 1):
     if None in record:  # DictReader's key for fields past the header's
@@ -323,7 +345,9 @@ def load_custom(custom) -> TaskData:
       raise ConfigError("config.custom.metrics has f1: it needs a classification with two labels.")
     line = "F1's positive class: %r, the second of config.custom.labels (or of the labels seen)."
     logging.info(line, label_list[1])
-  return TaskData("custom", custom.kind, label_list, metric_names, train, dev, test)
+  return TaskData(
+      "custom", custom.kind, label_list, metric_names, train, dev, test, None, custom.train_file
+  )
 
 
 def load_task(config) -> TaskData:
@@ -354,6 +378,12 @@ def load_task(config) -> TaskData:
           f"Task {data.name}: dev split {dev_name} has label(s) {unseen} that never occur in the "
           f"train split (train labels: {sorted(train_labels)}); fix the label column or the split."
       )
+  if data.kind == "classification" and len(train_labels) == 1:
+    raise ConfigError(
+        f"{data.train_file}: every training example has the label {data.train[0].label!r}: a "
+        "classifier of one class learns nothing; check the label column, or add examples of "
+        "the other labels."
+    )
   if name != "custom" and GLUE_TASKS[name].symmetric and config.double_unordered:
     # Both sentence orders, as the official code trains MRPC and STS-B.
     swapped = [dataclasses.replace(e, text_a=e.text_b, text_b=e.text_a) for e in data.train]

@@ -20,7 +20,8 @@ import optax
 from absl import logging
 
 import electra_jax
-from electra_jax import checkpointing, config_lib, tensorboard_log, workdir_files, workdir_lease
+from electra_jax import checkpointing, config_lib, preemption, tensorboard_log, workdir_files
+from electra_jax import workdir_lease
 from electra_jax.errors import ConfigError
 from electra_jax.finetune import model as model_lib
 from electra_jax.finetune import optim, squad, tasks
@@ -214,11 +215,16 @@ def _predictor(predict_step, params, batch_size: int):
   )[: len(features["input_ids"])]
 
 
+class _Stopped(Exception):
+  """A signal came: the seed in progress is dropped (it starts over when the run goes on)."""
+
+
 def _run_seed(config, adapter, backbone, steps, seed, task_dir, epochs, rate=None, seeds_after=0):
   """Trains `seed` at `rate` (None: optimizer.learning_rate), scoring dev after each epoch; keeps
   the last (or best) epoch's checkpoint and test predictions; returns seed_<seed>/metrics.json.
-  The progress lines' ETA counts `seeds_after` more seeds."""
-  train_step, predict_step = steps
+  The progress lines' ETA counts `seeds_after` more seeds. `steps`: _compiled_steps's, and the
+  run's preemption.Preemption, asked before each step (_Stopped)."""
+  train_step, predict_step, signals = steps
   seed_dir = os.path.join(task_dir, f"seed_{seed}")
   eval_batch_size = config.eval_batch_size or config.batch_size
   num_train = len(adapter.train_features["input_ids"])
@@ -241,6 +247,8 @@ def _run_seed(config, adapter, backbone, steps, seed, task_dir, epochs, rate=Non
       order = np.random.default_rng([seed, epoch]).permutation(num_train)
       losses = []
       for batch in batches(adapter.train_features, config.batch_size, order):
+        if signals.requested:
+          raise _Stopped()
         params, opt_state, loss = train_step(params, opt_state, batch, seed_key, step, args)
         losses.append(loss)
         step += 1
@@ -363,42 +371,52 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   os.makedirs(task_dir, exist_ok=True)
   # One run per task folder: each seed starts by deleting its checkpoints, under another run's feet.
   lease = workdir_lease.WorkdirLease(task_dir)
-  lease.acquire()
-  try:
-    steps = _compiled_steps(config, adapter, backbone)
-    rates = select_rates(config)  # finished trials are read back, not trained again
-    selection = None
-    if rates:
-      selection = _select_learning_rate(config, adapter, backbone, steps, task_dir, rates)
-    steps_per_seed = math.ceil(num_train / config.batch_size) * epochs
-    line = "Fine-tuning %s from %s, seeds %s: %d examples, %d epochs, %d steps each."
-    logging.info(line, adapter.name, backbone.source, seeds, num_train, epochs, steps_per_seed)
-    if finished:
-      logging.info("Seeds %s finished in an earlier run with this config: kept.", sorted(finished))
-    pending = [seed for seed in seeds if seed not in finished]
-    rate = selection and selection["learning_rate"]
-    for i, seed in enumerate(pending):
-      args = (steps, seed, task_dir, epochs, rate, len(pending) - 1 - i)
-      finished[seed] = _run_seed(config, adapter, backbone, *args)
-    per_seed = [finished[seed] for seed in seeds]
-    kept = ("kept_epoch", "dev", "test_predictions")  # of each seed, in results.json
-    summary = summarize(per_seed)
-    results = dict(
-        task=adapter.name,
-        init=backbone.source,
-        epochs=epochs,  # after min_steps, what each seed trained (config.epochs: what was asked)
-        steps_per_seed=steps_per_seed,
-        head=adapter.head,
-        selection=selection,
-        electra_jax_version=electra_jax.__version__,
-        config=config_lib.as_saved(config),
-        seeds={str(run["seed"]): {k: run[k] for k in kept} for run in per_seed},
-        summary=summary,
-    )
-    path = os.path.join(task_dir, "results.json")
-    workdir_files.write_json(path, results)
-    logging.info("Results over %d seed(s) in %s; the table:", len(seeds), path)
-    print(format_table(summary))
-    return results
-  finally:
-    lease.release()
+  with preemption.Preemption() as signals:
+    signals.start_loop()  # SIGTERM, SIGHUP or a first Ctrl-C: noted, and the next step stops
+    lease.acquire()
+    try:
+      steps = (*_compiled_steps(config, adapter, backbone), signals)
+      rates = select_rates(config)  # finished trials are read back, not trained again
+      selection = None
+      if rates:
+        selection = _select_learning_rate(config, adapter, backbone, steps, task_dir, rates)
+      steps_per_seed = math.ceil(num_train / config.batch_size) * epochs
+      line = "Fine-tuning %s from %s, seeds %s: %d examples, %d epochs, %d steps each."
+      logging.info(line, adapter.name, backbone.source, seeds, num_train, epochs, steps_per_seed)
+      if finished:
+        logging.info(
+            "Seeds %s finished in an earlier run with this config: kept.", sorted(finished)
+        )
+      pending = [seed for seed in seeds if seed not in finished]
+      rate = selection and selection["learning_rate"]
+      for i, seed in enumerate(pending):
+        args = (steps, seed, task_dir, epochs, rate, len(pending) - 1 - i)
+        finished[seed] = _run_seed(config, adapter, backbone, *args)
+      per_seed = [finished[seed] for seed in seeds]
+      kept = ("kept_epoch", "dev", "test_predictions")  # of each seed, in results.json
+      summary = summarize(per_seed)
+      results = dict(
+          task=adapter.name,
+          init=backbone.source,
+          epochs=epochs,  # after min_steps, what each seed trained (config.epochs: what was asked)
+          steps_per_seed=steps_per_seed,
+          head=adapter.head,
+          selection=selection,
+          electra_jax_version=electra_jax.__version__,
+          config=config_lib.as_saved(config),
+          seeds={str(run["seed"]): {k: run[k] for k in kept} for run in per_seed},
+          summary=summary,
+      )
+      path = os.path.join(task_dir, "results.json")
+      workdir_files.write_json(path, results)
+      logging.info("Results over %d seed(s) in %s; the table:", len(seeds), path)
+      print(format_table(summary))
+      return results
+    except _Stopped:
+      raise SystemExit(
+          f"Fine-tuning stopped by {signals.signal_name}: the finished seeds "
+          f"{sorted(finished)} are kept in {task_dir}, the lease is released; run the same "
+          "command to train the others."
+      ) from None
+    finally:
+      lease.release()

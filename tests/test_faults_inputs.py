@@ -1,0 +1,108 @@
+"""Inputs that are not what they claim, across pre-training and fine-tuning: a device or a FIFO
+where a corpus or task file goes is refused by name before it is opened."""
+
+import contextlib
+import os
+import threading
+import time
+
+import ml_collections
+import pytest
+
+from conftest import base
+from electra_jax import api
+from electra_jax.data import load_pretraining_data, sources
+from electra_jax.data.config import read_config
+from electra_jax.errors import ConfigError
+from electra_jax.finetune import squad, tasks
+
+
+@contextlib.contextmanager
+def fifo(path):
+  """A FIFO at `path`. A reader that opens it anyway is not left waiting: a writer opens it and
+  closes it at once, so the reader sees an empty file (and the test fails instead of hanging)."""
+  os.mkfifo(path)
+  stop = threading.Event()
+
+  def unblock():
+    while not stop.is_set():
+      try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO while no reader has it open
+      except OSError:
+        time.sleep(0.02)
+
+  thread = threading.Thread(target=unblock, daemon=True)
+  thread.start()
+  try:
+    yield str(path)
+  finally:
+    stop.set()
+    thread.join()
+
+
+def _corpus_config(tmp_path, files):
+  config = base.get_config().data
+  config.update(source="text", files=files, max_seq_len=32, cache_dir=str(tmp_path / "cache"))
+  config.update(spm_vocab_size=60, eval_fraction=0.0)
+  return config
+
+
+def _custom_config(tmp_path, train_file):
+  dev = tmp_path / "dev.tsv"
+  dev.write_text("text\tlabel\na dog\tpos\na cat\tneg\n")
+  fields = api.load_config("finetune/base").custom.to_dict()
+  fields.update(train_file=train_file, dev_file=str(dev), text_a_column="text", format="tsv")
+  return ml_collections.ConfigDict(dict(task="custom", source="dir", data_dir="", custom=fields))
+
+
+@pytest.mark.parametrize("kind", ["device", "FIFO"])
+def test_a_corpus_file_that_is_not_a_regular_file_is_refused_before_it_is_read(tmp_path, kind):
+  # (Read, /dev/zero would fill the memory: the config's read, which opens no file, refuses it.)
+  with contextlib.ExitStack() as stack:
+    path = "/dev/zero" if kind == "device" else stack.enter_context(fifo(tmp_path / "corpus"))
+    read = read_config if kind == "device" else load_pretraining_data
+    with pytest.raises(ConfigError, match=rf"data.files .* matches '{path}', which is a {kind}"):
+      read(_corpus_config(tmp_path, path))
+  assert not os.path.exists(tmp_path / "cache")  # nothing prepared
+
+
+@pytest.mark.parametrize("kind", ["device", "FIFO"])
+def test_a_task_file_that_is_not_a_regular_file_is_refused_before_it_is_read(tmp_path, kind):
+  with contextlib.ExitStack() as stack:
+    path = "/dev/zero" if kind == "device" else stack.enter_context(fifo(tmp_path / "train.tsv"))
+    with pytest.raises(ConfigError, match=rf"{path} is a {kind}, not a regular file"):
+      tasks.load_task(_custom_config(tmp_path, path))
+    if kind == "FIFO":  # GLUE's optional test file, and SQuAD's JSON
+      rte = tmp_path / "RTE"
+      rte.mkdir()
+      for split in ("train", "dev"):
+        (rte / f"{split}.tsv").write_text(
+            "index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n"
+        )
+      test = stack.enter_context(fifo(rte / "test.tsv"))
+      config = ml_collections.ConfigDict(
+          dict(task="rte", source="dir", data_dir=str(tmp_path), double_unordered=False)
+      )
+      with pytest.raises(ConfigError, match=rf"{test} is a FIFO, not a regular file"):
+        tasks.load_task(config)
+      squad_file = stack.enter_context(fifo(tmp_path / "train-v1.1.json"))
+      with pytest.raises(ConfigError, match=rf"SQuAD file '{squad_file}': it is a FIFO"):
+        squad.read_squad_json(squad_file, "1.1")
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_record_in_any_reader(tmp_path):
+  bom = "\ufeff"
+  jsonl, text = tmp_path / "corpus.jsonl", tmp_path / "corpus.txt"
+  jsonl.write_text(bom + '{"text": "First one."}\n{"text": "Second one."}\n', encoding="utf-8")
+  text.write_text(bom + "First one.\n\nSecond one.\n", encoding="utf-8")
+  for source, path in (("jsonl", jsonl), ("text", text)):
+    stats = sources.SourceStats()
+    documents = list(sources.iter_documents(source, [str(path)], "text", stats))
+    assert documents == [["First one."], ["Second one."]] and not stats.problems, source
+    assert stats.bytes_read == path.stat().st_size  # the progress counts the mark too
+  # Fine-tuning's JSONL reader (its TSV and CSV readers drop the mark as well).
+  train = tmp_path / "train.jsonl"
+  train.write_text(bom + '{"text": "a dog", "label": "pos"}\n{"text": "a", "label": "neg"}\n')
+  config = _custom_config(tmp_path, str(train))
+  config.custom.format = ""  # each file's by its extension
+  assert [e.text_a for e in tasks.load_task(config).train] == ["a dog", "a"]
