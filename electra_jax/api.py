@@ -11,11 +11,13 @@ from electra_jax import config_lib, sweep, train
 
 def load_config(recipe: str, overrides: Mapping[str, object] | None = None):
   """A recipe by name or path (as sweep.load_recipe) with `{"group.key": value}` overrides, each
-  checked as `--config.group.key=value` is."""
+  checked as `--config.group.key=value` is; a list is the comma-separated value the flag takes."""
 
   def as_typed(value) -> str:  # what the flag would say
     if isinstance(value, str):
       return value
+    if isinstance(value, (list, tuple)):  # data.files=a.txt,b.txt
+      return ",".join(map(as_typed, value))
     return str(value).lower() if isinstance(value, bool) else repr(value)
 
   return sweep.load_recipe(recipe, [(key, as_typed(v)) for key, v in (overrides or {}).items()])

@@ -14,7 +14,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from electra_jax import distributed, workdir_files
-from electra_jax.errors import ConfigError, DamagedCheckpoint
+from electra_jax.errors import CheckpointRotated, ConfigError, DamagedCheckpoint
 
 
 def _leaf_checksum(x: jax.Array) -> jax.Array:
@@ -95,6 +95,11 @@ class Checkpointer:
     try:
       return read()
     except Exception as error:  # noqa: BLE001 -- whatever orbax raises on a missing or broken file
+      if not (epath.Path(self.directory) / str(step)).exists():  # not damaged: rotated away
+        raise CheckpointRotated(
+            f"The checkpoint at step {step} in {self.directory} was removed while it was read: "
+            "a run writing there saved a newer one."
+        ) from error
       raise self._damaged(
           step, f"its {what} cannot be read ({type(error).__name__}: {str(error)[:300]})"
       ) from error

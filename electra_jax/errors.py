@@ -11,3 +11,11 @@ class DamagedCheckpoint(ConfigError):
 
 class WorkdirInUse(ConfigError):
   """Another run holds the workdir, or took it over from this one."""
+
+
+class OutOfSpace(ConfigError):
+  """A write refused for want of space: a full disk or quota, or a file-size limit (ulimit -f)."""
+
+
+class CheckpointRotated(WorkdirInUse):
+  """A checkpoint step removed while it was read: a live run saved a newer one and rotated it."""

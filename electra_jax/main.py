@@ -1,11 +1,15 @@
 """The command line (the `electra-jax` console script, or `python -m electra_jax.main`): one absl
 program whose --mode picks the job. USAGE below is what `--help` prints; docs/ has the manual."""
 
+import _thread
+import contextlib
 import dataclasses
 import logging as std_logging
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -65,14 +69,15 @@ def end_summary(config, metrics: dict, workdir: str, seconds: float) -> str:
         name.ljust(width) + "".join(f"  {cell(row.get(k)):>{len(k)}}" for k in _SUMMARY_METRICS)
     )
   tokens = step * config.train.batch_size * config.data.max_seq_len
+  names = ("checkpoints", "metrics.jsonl", "eval_metrics.jsonl", "config.json")
+  written = [name for name in names if workdir_files.exists(workdir_files.path(workdir, name))]
   return "\n".join(
       [
           f"{'Done' if step >= config.train.steps else 'Stopped'}: step {step} of "
           f"{config.train.steps}, {tokens:,} tokens in all (padding included); this command ran "
           f"{config_lib.format_duration(seconds)}.",
           *table,
-          f"Files: {workdir}/checkpoints, {workdir}/metrics.jsonl, {workdir}/eval_metrics.jsonl, "
-          f"{workdir}/config.json",
+          "Files: " + ", ".join(f"{workdir}/{name}" for name in written),
       ]
   )
 
@@ -282,6 +287,50 @@ def _check_flags(name: str, mode: Mode, config) -> None:
       raise ConfigError(f"--mode={name} needs {what}.")
 
 
+def _ctrl_c(signum, frame):
+  """SIGINT as KeyboardInterrupt. What the interrupted work prints from its threads next (orbax's
+  and tensorstore's, a read cut short) is not news: stderr goes to /dev/null; main() says why."""
+  if not _terminal:
+    sys.stderr.flush()
+    _terminal.append(os.dup(2))
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+  raise KeyboardInterrupt
+
+
+_terminal = []  # stderr as it was before a Ctrl-C
+
+
+@contextlib.contextmanager
+def _ctrl_c_stops():
+  """A Ctrl-C stops the command in one line, exit code 130; training's loop takes it itself."""
+  try:
+    previous = signal.signal(signal.SIGINT, _ctrl_c), sys.unraisablehook
+  except ValueError:  # not the main thread (a notebook runner's): Python's own handling
+    yield
+    return
+  # Python drops an exception raised in a gc callback (JAX runs one at every collection) or a
+  # finalizer: a Ctrl-C dropped there is raised again, from outside it.
+  again = lambda: threading.Timer(0.1, _thread.interrupt_main).start()  # noqa: E731
+  sys.unraisablehook = lambda dropped: (
+      again() if dropped.exc_type is KeyboardInterrupt else previous[1](dropped)
+  )
+  try:
+    yield
+  except KeyboardInterrupt:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # one is enough
+    sys.stdout.flush()
+    os.write(
+        (_terminal or [2])[0],
+        f"electra-jax: stopped by Ctrl-C (--mode={FLAGS.mode}); what it finished is kept. Run "
+        "the same command to do it again.\n".encode(),
+    )
+    os._exit(130)  # every `finally` ran; XLA's threads, stopped mid-work, can crash Python's exit
+  finally:
+    sys.unraisablehook = previous[1]
+    if signal.getsignal(signal.SIGINT) is _ctrl_c:  # not stopping: the caller's handler again
+      signal.signal(signal.SIGINT, previous[0])
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
@@ -298,12 +347,14 @@ def main(argv):
     )
   mode = MODES[FLAGS.mode]
   try:
-    if mode.local:  # before JAX starts a backend: no accelerator here is taken, nor a job joined
-      jax.config.update("jax_platforms", "cpu")
-    else:
-      distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-    _check_flags(FLAGS.mode, mode, FLAGS.config)
-    mode.run(FLAGS.config, FLAGS.workdir)
+    with _ctrl_c_stops():
+      if mode.local:  # before JAX starts a backend: no accelerator here is taken, nor a job joined
+        jax.config.update("jax_platforms", "cpu")
+      else:
+        distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+      _check_flags(FLAGS.mode, mode, FLAGS.config)
+      with workdir_files.out_of_space_named():  # a full disk met by any writer, named
+        mode.run(FLAGS.config, FLAGS.workdir)
   except (ConfigError, FloatingPointError) as error:  # a mistake, or a diverged run
     sys.exit(f"electra-jax: error: {error}")
 

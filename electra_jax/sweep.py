@@ -168,7 +168,15 @@ def name_runs(
 
 def read_record(sweep_dir: str) -> dict | None:
   """SWEEP_DIR/sweep.json with its runs as Runs; None for a folder that is no sweep's."""
-  record = workdir_files.read_sweep(sweep_dir)
+  file = workdir_files.path(sweep_dir, SWEEP_FILE)
+
+  def check_base(saved: dict) -> None:  # as a workdir's config.json is checked
+    if not isinstance(saved, dict):
+      raise ValueError("base_config is not an object of config groups")
+    groups = {key: value for key, value in saved.items() if key != config_lib.VERSION_KEY}
+    config_lib.with_defaults(config_lib.without_removed_keys(groups, file))
+
+  record = workdir_files.read_sweep(sweep_dir, check_base)
   return record and dict(record, runs=[Run(*run) for run in record["runs"]])
 
 
@@ -204,9 +212,20 @@ def _latest_checkpoint(workdir: str) -> int | None:
     return checkpointer.latest_step()
 
 
+def _finetune_columns(results: dict) -> dict:
+  """The table's downstream columns of a fine-tuning results.json."""
+  summary = results["summary"]
+  score = (summary.get(results["task"]) or next(iter(summary.values())))["score"]
+  return dict(
+      downstream_task=str(results["task"]),
+      downstream_score=100 * float(score["mean"]),
+      downstream_seeds=int(score["n"]),
+  )
+
+
 def _finetune_results(workdir: str) -> dict | None:
   found = sorted(glob.glob(os.path.join(workdir, "finetune", "*", "results.json")))
-  return workdir_files.read_json(found[0]) if found else None
+  return workdir_files.read_json(found[0], _finetune_columns) if found else None
 
 
 def run_sweep(
@@ -385,14 +404,7 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
       names = [name for name in log if name not in NOT_IN_TABLE]
       row.update((f"{split}_{name}", log[name]) for name in names)
       logged[split].update(names)
-    if (results := _finetune_results(workdir)) is not None:
-      summary = results["summary"]
-      score = (summary.get(results["task"]) or next(iter(summary.values())))["score"]
-      row.update(
-          downstream_task=results["task"],
-          downstream_score=100 * score["mean"],
-          downstream_seeds=score["n"],
-      )
+    row.update(_finetune_results(workdir) or {})
     rows.append(row)
   columns = [*FIXED_COLUMNS[:2], *override_keys, *FIXED_COLUMNS[2:]]
   for split, names in logged.items():

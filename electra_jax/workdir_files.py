@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
@@ -18,19 +19,27 @@ import uuid
 from absl import logging
 from etils import epath
 
-from electra_jax.errors import ConfigError
+from electra_jax.errors import ConfigError, OutOfSpace
 
 SWEEP_FILE = "sweep.json"  # a sweep folder's record of its base config and runs
+FILE_MODE = 0o644  # of every local file we write (mkstemp's are owner-only; others read caches)
 
 
 def is_remote(path) -> bool:
   return "://" in os.fspath(path)
 
 
+def _epath(file) -> epath.Path:
+  """`file` as etils.epath reaches it; a bucket's only with the gcs extra installed."""
+  if is_remote(file):
+    _google(os.fspath(file))
+  return epath.Path(file)
+
+
 def path(workdir, *parts) -> epath.Path:
   """`workdir`/parts; a local workdir is made absolute."""
   root = os.fspath(workdir)
-  return epath.Path(root if is_remote(root) else os.path.abspath(root)).joinpath(*parts)
+  return _epath(root if is_remote(root) else os.path.abspath(root)).joinpath(*parts)
 
 
 def check_usable(workdir, flag: str = "--workdir") -> None:
@@ -50,15 +59,15 @@ def check_usable(workdir, flag: str = "--workdir") -> None:
 
 
 def makedirs(directory) -> None:
-  epath.Path(directory).mkdir(parents=True, exist_ok=True)
+  _epath(directory).mkdir(parents=True, exist_ok=True)
 
 
 def exists(file) -> bool:
-  return epath.Path(file).exists()
+  return _epath(file).exists()
 
 
 def read_text(file) -> str:
-  return epath.Path(file).read_text()
+  return _epath(file).read_text()
 
 
 def read_json(file, parse=lambda value: value):
@@ -67,20 +76,36 @@ def read_json(file, parse=lambda value: value):
     return parse(json.loads(read_text(file)))
   except ConfigError:  # `parse`'s own refusal, which names the file itself
     raise
-  except (ValueError, KeyError, TypeError, AttributeError) as error:
+  except (ValueError, LookupError, TypeError, AttributeError) as error:
     raise ConfigError(
         f"{file} is not as electra-jax writes it ({type(error).__name__}: {error}); it was edited "
         "or damaged. Put back a good copy, or move its folder aside and start again."
     ) from None
 
 
-def read_sweep(folder) -> dict | None:
-  """A sweep folder's sweep.json, its runs as (name, overrides) pairs; None for another folder."""
+def _sweep_run(record: dict) -> tuple[str, list[tuple[str, str]]]:
+  """(name, overrides) of a run in sweep.json; the name is a folder inside the sweep folder."""
+  name, overrides = record["name"], [tuple(o) for o in record["overrides"]]
+  if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or os.sep in name:
+    raise ValueError(f"runs: {name!r} is not the name of a folder inside the sweep folder")
+  if not all(len(o) == 2 and all(isinstance(v, str) for v in o) for o in overrides):
+    raise ValueError(f"runs: {name}'s overrides are not [key, value] pairs of strings")
+  return name, overrides
+
+
+def read_sweep(folder, check_base=None) -> dict | None:
+  """A sweep folder's sweep.json, its runs as (name, overrides) pairs, its base config passed to
+  `check_base` (which raises ValueError on a bad one); None for another folder."""
   file = path(folder, SWEEP_FILE)
   if not exists(file):
     return None
-  runs = lambda record: [(str(r["name"]), [tuple(o) for o in r["overrides"]]) for r in record]
-  return read_json(file, lambda record: dict(record, runs=runs(record["runs"])))
+
+  def parse(record: dict) -> dict:
+    if check_base is not None:
+      check_base(record["base_config"])
+    return dict(record, runs=[_sweep_run(run) for run in record["runs"]])
+
+  return read_json(file, parse)
 
 
 def read_jsonl(file) -> list:
@@ -99,25 +124,53 @@ def last_record(file) -> dict:
   return (read_jsonl(file) or [{}])[-1]
 
 
+_EXHAUSTED = {  # what a write's errno says, and what to do
+    errno.ENOSPC: "the disk is full; free space there",
+    errno.EDQUOT: "this user's disk quota is used up; free space there or raise the quota",
+    errno.EFBIG: "the file would pass this process's size limit (`ulimit -f`); raise the limit",
+}
+
+
+@contextlib.contextmanager
+def out_of_space_named(file=None):
+  """Turns a write refused for want of space (a full disk or quota, `ulimit -f`) into OutOfSpace,
+  one line naming the file (`file`, else the error's own) and what to do."""
+  try:
+    yield
+  except OSError as error:
+    if error.errno not in _EXHAUSTED:
+      raise
+    name = file or error.filename or "a file"
+    raise OutOfSpace(
+        f"Writing {name}: {_EXHAUSTED[error.errno]}, then run the same command again (what was "
+        "written before is kept)."
+    ) from None
+
+
 def write_bytes(file, data: bytes) -> None:
   """Replaces `file` with `data` atomically: a local one (its folder made) through a fsynced
-  temporary file, renamed; a bucket object appears only once uploaded whole."""
+  temporary file, renamed; a bucket object appears only once uploaded whole. A full disk or a
+  size limit is OutOfSpace, the file as it was."""
   if is_remote(file):
-    epath.Path(file).write_bytes(data)
+    _epath(file).write_bytes(data)
     return
   directory = os.path.dirname(os.path.abspath(file))
-  os.makedirs(directory, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(file))
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    os.chmod(tmp, 0o644)  # mkstemp makes owner-only files; a shared cache is read by others
-    os.replace(tmp, file)
-  finally:
-    with contextlib.suppress(FileNotFoundError):
-      os.remove(tmp)
+  with out_of_space_named(file):
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(file))
+    try:
+      try:
+        view = memoryview(data)
+        while view:
+          view = view[os.write(fd, view) :]
+        os.fsync(fd)
+      finally:
+        os.close(fd)
+      os.chmod(tmp, FILE_MODE)
+      os.replace(tmp, file)
+    finally:
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)
 
 
 def write_text(file, text: str) -> None:
@@ -144,7 +197,7 @@ class JsonlLog:
   rewritten every `remote_flush_seconds` and on flush(), only while `holds()` (if set) is true."""
 
   def __init__(self, file, remote_flush_seconds: float = 60.0):
-    self.file = epath.Path(file)
+    self.file = _epath(file)
     self._remote = is_remote(self.file)
     self._flush_every = remote_flush_seconds
     self.holds = None
@@ -184,8 +237,8 @@ class JsonlLog:
       self._content().extend(self._pending)
       write_text(self.file, _text(self._lines))
     else:
-      with open(self.file, "a") as f:
-        f.write(_text(self._pending))
+      with out_of_space_named(self.file), open(self.file, "a") as f:
+        f.write(_text(self._pending))  # a line cut short here is skipped when read
     self._pending = []
     self._last_flush = time.monotonic()
 
@@ -345,7 +398,7 @@ def local_copy(file, cache_dir) -> str:
   in `cache_dir` named by its content, so a replaced object never reuses a stale copy."""
   if not is_remote(file):
     return os.fspath(file)
-  data = epath.Path(file).read_bytes()
+  data = _epath(file).read_bytes()
   name = os.fspath(file).rstrip("/").rsplit("/", 1)[-1]
   copy = os.path.join(cache_dir, "objects", f"{hashlib.sha256(data).hexdigest()[:16]}-{name}")
   if not os.path.exists(copy):

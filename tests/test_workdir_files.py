@@ -102,6 +102,11 @@ def test_our_json_files_damaged_are_refused_naming_the_file(tmp_path):
     with pytest.raises(errors.ConfigError, match=f"{record} is not as electra-jax writes it"):
       sweep.read_record(str(tmp_path))
   record.write_text(json.dumps({"runs": [{"name": "a", "overrides": [["k", "1"]]}]}))
+  with pytest.raises(errors.ConfigError, match="KeyError: 'base_config'"):  # run_sweep reads it
+    sweep.read_record(str(tmp_path))
+  record.write_text(
+      json.dumps({"base_config": {}, "runs": [{"name": "a", "overrides": [["k", "1"]]}]})
+  )
   assert sweep.read_record(str(tmp_path))["runs"][0].overrides == [("k", "1")]
 
 

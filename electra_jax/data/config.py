@@ -96,11 +96,15 @@ def read_config(data) -> dict:
   ):
     if config[key] and not epath.Path(config[key]).is_file():
       raise ConfigError(f"data.{key}={config[key]!r} is not a file; give {what}.")
+  from_env = not config["cache_dir"] and os.environ.get("ELECTRA_JAX_CACHE")
+  named = "ELECTRA_JAX_CACHE" if from_env else "data.cache_dir"
   config["cache_dir"] = (
       os.path.expanduser(config["cache_dir"])
       or os.environ.get("ELECTRA_JAX_CACHE")
       or os.path.join(os.path.expanduser("~"), ".cache", "electra_jax")
   )
+  if not workdir_files.is_remote(config["cache_dir"]):
+    workdir_files.check_usable(config["cache_dir"], named)
   files = config["source"] in sources.FILE_SOURCES
   config["files"] = sources.resolve_files(config["files"]) if files else []
   return config

@@ -134,6 +134,6 @@ def _write(directory: str, backbone, head: dict, params) -> None:
       )
   workdir_files.write_json(os.path.join(directory, "config.json"), settings)
   path = os.path.join(directory, "model.safetensors")
-  safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
+  workdir_files.write_bytes(path, safetensors.numpy.save(tensors, metadata={"format": "pt"}))
   max_length = backbone.model.max_position_embeddings
   export.write_tokenizer_files(backbone.tokenizer, directory, max_length)

@@ -3,16 +3,16 @@ discriminator (and, if asked, the generator) as Hugging Face directories with th
 
 import os
 import pathlib
-import shutil
 
 import jax
 import tokenizers
+from absl import logging
 from tokenizers import normalizers
 from sentencepiece import sentencepiece_model_pb2
 
 from electra_jax import config_lib, data, models, objectives, partitioning, resolve, train_state, workdir_files
 from electra_jax.data.tokenizer import SPECIAL_TOKENS, WordPieceTokenizer
-from electra_jax.errors import ConfigError
+from electra_jax.errors import CheckpointRotated, ConfigError, WorkdirInUse
 from electra_jax.interop.hf import check_hf_form, finite_tensor, save_hf
 
 
@@ -40,7 +40,7 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
 
   tok = data.workdir_tokenizer(workdir, config.data)  # build_setup needs its special ids
   mesh, setup = one_device_setup(config, tok)
-  step, state = resolve.restore_checkpoint(workdir, setup, mesh)
+  step, state = restore_newest(workdir, setup, mesh)
   for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:  # before any write
     source = f"the checkpoint at step {step} in {workdir}"
     finite_tensor(jax.tree_util.keystr(path), jax.device_get(leaf), source)
@@ -50,6 +50,21 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
     save_hf(setup.model, state.params, directory, kind=tower, pad_token_id=tok.pad_id)
     write_tokenizer_files(tok, directory, config.model.max_position_embeddings)
   return written
+
+
+def restore_newest(workdir: str, setup, mesh, tries: int = 3):
+  """(step, state) of `workdir`'s newest checkpoint, read again when a live run rotates it away
+  while it is read; a run that keeps doing so is refused as live, its checkpoints healthy."""
+  for _ in range(tries):
+    try:
+      return resolve.restore_checkpoint(workdir, setup, mesh)
+    except CheckpointRotated as error:
+      logging.info("%s Reading the newest again.", error)
+  raise WorkdirInUse(
+      f"{workdir} is written by a live run: its newest checkpoint was rotated away {tries} times "
+      "while it was read. Try again (with a larger checkpoint.every_steps it rotates less often), "
+      "or once the run stops; its checkpoints are healthy."
+  )
 
 
 def check_export_out(out_dir: str, export_generator: bool = False) -> None:
@@ -81,7 +96,9 @@ def write_tokenizer_files(tok, directory: str, max_length: int) -> None:
       **{f"{name}_token": f"[{name.upper()}]" for name in ("unk", "sep", "pad", "cls", "mask")},
   }
   if isinstance(tok, WordPieceTokenizer):
-    shutil.copyfile(tok.vocab_file, os.path.join(directory, "vocab.txt"))
+    workdir_files.write_bytes(
+        os.path.join(directory, "vocab.txt"), pathlib.Path(tok.vocab_file).read_bytes()
+    )
     pipeline = tokenizers.Tokenizer.from_str(tok.backend.to_str())
     # strip_accents None: follow do_lower_case, as BERT's tokenizer (and ours) does.
     settings.update(
@@ -91,7 +108,9 @@ def write_tokenizer_files(tok, directory: str, max_length: int) -> None:
         tokenize_chinese_chars=True,
     )
   else:
-    shutil.copyfile(tok.model_path, os.path.join(directory, "spm.model"))
+    workdir_files.write_bytes(
+        os.path.join(directory, "spm.model"), pathlib.Path(tok.model_path).read_bytes()
+    )
     pipeline = _sentencepiece_pipeline(tok.model_path)
     pipeline.add_special_tokens(list(SPECIAL_TOKENS))
     settings.update(tokenizer_class="PreTrainedTokenizerFast")
@@ -100,7 +119,7 @@ def write_tokenizer_files(tok, directory: str, max_length: int) -> None:
       pair="[CLS] $A [SEP] $B:1 [SEP]:1",
       special_tokens=[("[CLS]", tok.cls_id), ("[SEP]", tok.sep_id)],
   )
-  pipeline.save(os.path.join(directory, "tokenizer.json"))
+  workdir_files.write_text(os.path.join(directory, "tokenizer.json"), pipeline.to_str(pretty=True))
   workdir_files.write_json(os.path.join(directory, "tokenizer_config.json"), settings)
 
 

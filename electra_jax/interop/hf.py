@@ -392,5 +392,5 @@ def save_hf(model, params, out_dir: str, kind: str | None = None, pad_token_id: 
   workdir_files.write_json(os.path.join(out_dir, "config.json"), config)  # makes out_dir
   # The metadata save_pretrained writes; transformers 4.x checks it when loading.
   path = os.path.join(out_dir, "model.safetensors")
-  safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
+  workdir_files.write_bytes(path, safetensors.numpy.save(tensors, metadata={"format": "pt"}))
   return out_dir
