@@ -14,7 +14,12 @@ class WorkdirInUse(ConfigError):
 
 
 class OutOfSpace(ConfigError):
-  """A write refused for want of space: a full disk or quota, or a file-size limit (ulimit -f)."""
+  """A write refused for want of space: a full disk or quota, or a file-size limit (ulimit -f);
+  `errno` is the refusal's (ENOSPC, EDQUOT, EFBIG)."""
+
+  def __init__(self, message: str, errno: int):
+    super().__init__(message)
+    self.errno = errno
 
 
 class CheckpointRotated(WorkdirInUse):

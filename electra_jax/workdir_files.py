@@ -143,7 +143,8 @@ def out_of_space_named(file=None):
     name = file or error.filename or "a file"
     raise OutOfSpace(
         f"Writing {name}: {_EXHAUSTED[error.errno]}, then run the same command again (what was "
-        "written before is kept)."
+        "written before is kept).",
+        error.errno,
     ) from None
 
 

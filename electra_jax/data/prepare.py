@@ -29,7 +29,7 @@ from electra_jax.data.shards import PREPARED_FORMAT_VERSION, SPLITS
 from electra_jax.data.tokenizer import TOKENIZER_FILES, TRAINING_THREADS, NoSentencesError
 from electra_jax.data.tokenizer import SentencePieceTokenizer, configured_tokenizer, keep_tokenizer
 from electra_jax.data.tokenizer import open_tokenizer, train_sentencepiece
-from electra_jax.errors import ConfigError
+from electra_jax.errors import ConfigError, OutOfSpace
 
 _LOG_EVERY_S = 10.0
 _MANIFEST_EVERY_S = 2.0
@@ -348,7 +348,7 @@ def prepare_config(config: dict, num_workers: int | None = None) -> dict:
   shards the manifest on disk keeps (a write is whole or absent: workdir_files.write_bytes)."""
   try:
     return _prepare(config, num_workers)
-  except OSError as error:
+  except (OSError, OutOfSpace) as error:  # a write here, or a worker's (its errno)
     if error.errno not in _EXHAUSTED:
       raise
     (why, fix), out_dir = _EXHAUSTED[error.errno], config["prepared_dir"]
