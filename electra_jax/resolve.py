@@ -26,7 +26,7 @@ from electra_jax import (
     train_state,
     workdir_files,
 )
-from electra_jax.errors import ConfigError
+from electra_jax.errors import CheckpointRotated, ConfigError, WorkdirInUse
 from electra_jax.optimizer import Schedule
 from electra_jax.train_state import TrainingSetup
 
@@ -151,10 +151,27 @@ def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
   )
 
 
-def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpus=None):
+def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpus=None, tries=3):
   """(step, state): the state saved at `step` (default: the newest intact one) in `workdir`, sharded
   for `mesh`, once the checkpoint is known to hold this setup's model (and given `corpus`, its data).
-  """
+  The newest is read again when a live run rotates it away meanwhile; one that keeps doing so is
+  refused as live, its checkpoints healthy."""
+  for _ in range(tries - 1 if step is None else 0):
+    try:
+      return _restore(workdir, setup, mesh, step, corpus)
+    except CheckpointRotated as error:
+      logging.info("%s Reading the newest again.", error)
+  try:
+    return _restore(workdir, setup, mesh, step, corpus)
+  except CheckpointRotated as error:
+    raise WorkdirInUse(
+        f"{workdir} is written by a live run: {error} Try again (with a larger "
+        "checkpoint.every_steps it rotates less often), or once the run stops; its checkpoints are "
+        "healthy."
+    ) from None
+
+
+def _restore(workdir: str, setup, mesh, step: int | None, corpus):
   checkpointer = checkpointing.Checkpointer(workdir, keep=1)  # reading only: keep acts on saves
   try:
     latest = step is None

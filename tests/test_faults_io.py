@@ -291,15 +291,17 @@ def _assert_no_damage_said(stderr):
   assert not said, said
 
 
-def test_export_of_a_live_workdir_reads_the_newest_step_again(
-    tmp_path, monkeypatch, trained_workdir
+@pytest.mark.parametrize("mode", ["export_hf", "eval"])
+def test_a_reader_of_a_live_workdir_reads_the_newest_step_again(
+    tmp_path, monkeypatch, trained_workdir, mode
 ):
+  """Every reader of the newest checkpoint (resolve.restore_checkpoint) reads again on rotation."""
   workdir, out = tmp_path / "run", tmp_path / "hf"
   shutil.copytree(trained_workdir, workdir)
   _live_run_rotates(monkeypatch, workdir, times=1)
-  result = cli([*cli_args(workdir)[:3], "--mode=export_hf", f"--workdir={workdir}", f"--out={out}"])
+  result = cli([*cli_args(workdir)[:3], f"--mode={mode}", f"--workdir={workdir}", f"--out={out}"])
   assert result.returncode == 0, result.stderr[-3000:]
-  assert (out / "discriminator" / "model.safetensors").exists()
+  assert mode == "eval" or (out / "discriminator" / "model.safetensors").exists()
   _assert_no_damage_said(result.stderr)
 
 

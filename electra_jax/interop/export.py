@@ -6,13 +6,12 @@ import pathlib
 
 import jax
 import tokenizers
-from absl import logging
 from tokenizers import normalizers
 from sentencepiece import sentencepiece_model_pb2
 
 from electra_jax import config_lib, data, models, objectives, partitioning, resolve, train_state, workdir_files
 from electra_jax.data.tokenizer import SPECIAL_TOKENS, WordPieceTokenizer
-from electra_jax.errors import CheckpointRotated, ConfigError, WorkdirInUse
+from electra_jax.errors import ConfigError
 from electra_jax.interop.hf import check_hf_form, finite_tensor, save_hf
 
 
@@ -40,7 +39,7 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
 
   tok = data.workdir_tokenizer(workdir, config.data)  # build_setup needs its special ids
   mesh, setup = one_device_setup(config, tok)
-  step, state = restore_newest(workdir, setup, mesh)
+  step, state = resolve.restore_checkpoint(workdir, setup, mesh)
   for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:  # before any write
     source = f"the checkpoint at step {step} in {workdir}"
     finite_tensor(jax.tree_util.keystr(path), jax.device_get(leaf), source)
@@ -50,21 +49,6 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
     save_hf(setup.model, state.params, directory, kind=tower, pad_token_id=tok.pad_id)
     write_tokenizer_files(tok, directory, config.model.max_position_embeddings)
   return written
-
-
-def restore_newest(workdir: str, setup, mesh, tries: int = 3):
-  """(step, state) of `workdir`'s newest checkpoint, read again when a live run rotates it away
-  while it is read; a run that keeps doing so is refused as live, its checkpoints healthy."""
-  for _ in range(tries):
-    try:
-      return resolve.restore_checkpoint(workdir, setup, mesh)
-    except CheckpointRotated as error:
-      logging.info("%s Reading the newest again.", error)
-  raise WorkdirInUse(
-      f"{workdir} is written by a live run: its newest checkpoint was rotated away {tries} times "
-      "while it was read. Try again (with a larger checkpoint.every_steps it rotates less often), "
-      "or once the run stops; its checkpoints are healthy."
-  )
 
 
 def check_export_out(out_dir: str, export_generator: bool = False) -> None:
