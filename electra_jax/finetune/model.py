@@ -154,13 +154,13 @@ def _from_workdir(config, workdir: str) -> Backbone:
         f"pre-trained with (fingerprint {recorded}); leave config.tokenizer empty to use that one."
     )
   pretrainer = build_model(pretrain_config, objectives.towers(pretrain_config))
-  source = f"random init (sizes of {workdir})" if config.random_init else f"{workdir} step {step}"
-  params = None
+  source, params = f"random init (sizes of {workdir})", None
   if not config.random_init:
     from electra_jax.interop.export import one_device_setup  # interop only where it is needed
 
     mesh, setup = one_device_setup(pretrain_config, tokenizer)
-    _, state = resolve.restore_checkpoint(workdir, setup, mesh, step)
+    step, state = resolve.restore_checkpoint(workdir, setup, mesh)  # the newest (a live run's)
+    source = f"{workdir} step {step}"
     # The standalone discriminator, every model.tie mode resolved; the RTD head and generator
     # stay behind.
     _, tower = tower_from_pretrainer(setup.model, state.params, "discriminator")
