@@ -56,16 +56,23 @@ def test_sigterm_saves_and_resume_is_bit_exact(tmp_path):
       assert a[name] == b[name], (a["step"], name, a[name], b[name])  # to the last bit
 
 
-def test_ctrl_c_saves_where_it_stops_like_sigterm(tmp_path):
-  """Ctrl-C lost every step since the last checkpoint, with a traceback; it now ends the run
-  after the step like SIGTERM, and the end summary says where it stopped."""
-  workdir = tmp_path / "run"
+def _stopped_after_step_3_of_400(workdir, signum):
+  """`signum` once 3 steps are logged: the run ends cleanly with its one checkpoint, where it
+  stopped; returns ([that step], stdout, stderr)."""
   proc, stdout, stderr = _signal_after_logged(
-      workdir, {"train.steps": 400, "checkpoint.every_steps": 1000}, 3, signal.SIGINT
+      workdir, {"train.steps": 400, "checkpoint.every_steps": 1000}, 3, signum
   )
   assert proc.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
   saved = [int(d) for d in os.listdir(workdir / "checkpoints")]
   assert len(saved) == 1 and 3 <= saved[0] < 400, saved
+  return saved, stdout, stderr
+
+
+def test_ctrl_c_saves_where_it_stops_like_sigterm(tmp_path):
+  """Ctrl-C lost every step since the last checkpoint, with a traceback; it now ends the run
+  after the step like SIGTERM, and the end summary says where it stopped."""
+  workdir = tmp_path / "run"
+  saved, stdout, stderr = _stopped_after_step_3_of_400(workdir, signal.SIGINT)
   assert (
       f"Ctrl-C (SIGINT) received: saved a checkpoint at step {saved[0]}; run the same command"
       in stderr
@@ -78,11 +85,6 @@ def test_sighup_saves_and_releases_the_lease_like_sigterm(tmp_path):
   """A closed terminal or ssh session (SIGHUP) killed the run at once: no save, no message, the
   lease left held. It now stops after the step with a checkpoint, as SIGTERM does."""
   workdir = tmp_path / "run"
-  proc, _, stderr = _signal_after_logged(
-      workdir, {"train.steps": 400, "checkpoint.every_steps": 1000}, 3, signal.SIGHUP
-  )
-  assert proc.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
-  saved = [int(d) for d in os.listdir(workdir / "checkpoints")]
-  assert len(saved) == 1 and 3 <= saved[0] < 400, saved
+  saved, _, stderr = _stopped_after_step_3_of_400(workdir, signal.SIGHUP)
   assert f"SIGHUP received: saved a checkpoint at step {saved[0]}" in stderr
   assert json.loads((workdir / "lease.json").read_text())["released"] is True
