@@ -105,6 +105,7 @@ def test_tfds_source_trains_packs_and_prepares_identically(tmp_path, tfds_dir):
   assert prepared.fingerprint == in_memory.fingerprint
 
 
+@pytest.mark.fault
 def test_tfds_dataset_not_prepared_says_how_to_prepare_it(tmp_path):
   empty_dir = str(tmp_path / "nothing_here")
   with pytest.raises(
@@ -133,6 +134,7 @@ def test_tfds_dataset_not_prepared_says_how_to_prepare_it(tmp_path):
     )
 
 
+@pytest.mark.fault
 def test_tfds_wrong_split_or_field_names_the_choices(tmp_path, tfds_dir):
   with pytest.raises(ConfigError, match=r"tfds_split='test' is not a split.*\['train'\]"):
     load_pretraining_data(_config(tmp_path, tfds_dir, tfds_split="test"))

@@ -5,7 +5,6 @@ tokenize-and-pack workers. Shards depend on the config alone; a re-run packs onl
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import hashlib
 import itertools
 import json
@@ -40,12 +39,6 @@ _PROGRESS = (
 # enters the data fingerprint, so stale arrays are rebuilt and checkpoints refuse changed data.
 PACKING_FORMAT_VERSION = 3
 PACKING_SEEDS = {"train": 0, "eval": 1}
-# The errors of a write that ran out of room, as a refusal words them (before the directory).
-_EXHAUSTED = {  # errno: (what happened to the directory, what to do)
-    errno.ENOSPC: ("no space is left on the disk of", "free space there"),
-    errno.EDQUOT: ("the disk quota is used up for", "free some of the quota"),
-    errno.EFBIG: ("a file passed the size limit (ulimit -f) in", "raise the limit"),
-}
 
 
 def is_eval_document(index: int, eval_fraction: float) -> bool:
@@ -258,8 +251,10 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
     if "first" in skipped:
       result["first_skip"] = f"document {first}+: {skipped['first']}"
     return result
+  except OutOfSpace as e:  # raised again by the main process, as its own write would be
+    return {"index": index, "error": str(e), "errno": e.errno}
   except BaseException as e:  # noqa: BLE001 -- reported by the main process, naming the shard
-    return {"index": index, "error": f"{type(e).__name__}: {e}", "errno": getattr(e, "errno", 0)}
+    return {"index": index, "error": f"{type(e).__name__}: {e}"}
 
 
 # The settings only the tokenizer's file gives; before a model is trained the others are checked.
@@ -344,19 +339,22 @@ def _accepted_tokenizer(config, out_dir: str, existing: dict | None, source_key:
 
 
 def prepare_config(config: dict, num_workers: int | None = None) -> dict:
-  """prepare_data of a read config; a disk that fills up ends it in a ConfigError saying how many
-  shards the manifest on disk keeps (a write is whole or absent: workdir_files.write_bytes)."""
+  """prepare_data of a read config. A full disk or size limit (OutOfSpace, from any write) ends in
+  one line; the shard files the manifest on disk does not list are removed, so the two agree."""
   try:
     return _prepare(config, num_workers)
-  except (OSError, OutOfSpace) as error:  # a write here, or a worker's (its errno)
-    if error.errno not in _EXHAUSTED:
-      raise
-    (why, fix), out_dir = _EXHAUSTED[error.errno], config["prepared_dir"]
-    kept = shards.read_manifest(out_dir)
-    raise ConfigError(
-        f"prepare_data: {why} {out_dir}; {len(kept['shards']) if kept else 0} finished shards are "
-        f"kept, as its {shards.MANIFEST} lists them. {fix.capitalize()} (or give another "
-        "data.prepared_dir), then run the same command: it resumes."
+  except OutOfSpace as error:
+    out_dir = config["prepared_dir"]
+    kept = (shards.read_manifest(out_dir) or {"shards": []})["shards"]
+    splits = [split for entry in kept for split in entry["splits"].values()]
+    listed = {split.get(key) for split in splits for key in ("file", "lengths_file")}
+    for name in workdir_files.list_files(out_dir):
+      if name.endswith(".npy") and name not in listed:  # (unlisted: a resume packs it again)
+        workdir_files.path(out_dir, name).unlink()
+    raise OutOfSpace(
+        f"prepare_data: {str(error).rstrip('.')}; {out_dir} keeps the {len(kept)} finished "
+        f"shards its {shards.MANIFEST} lists.",
+        error.errno,
     ) from None
 
 
@@ -501,8 +499,8 @@ def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest
             f"prepare_data: a worker died, killed or out of memory ({e}); the finished shards are "
             f"kept in {out_dir}: run it again to resume (fewer workers use less memory)."
         ) from e
-      if result.get("errno") in _EXHAUSTED:  # the disk of out_dir, as a write here finds it
-        raise OSError(result["errno"], result["error"])
+      if "errno" in result:
+        raise OutOfSpace(result["error"], result["errno"])
       if "error" in result:
         raise RuntimeError(
             f"prepare_data: shard {result['index']} failed ({result['error']}); the finished ones "
