@@ -7,7 +7,6 @@ sentencepiece model trained once per module by train_tokenizer.
 
 import concurrent.futures
 import errno
-import hashlib
 import json
 import os
 import random
@@ -216,7 +215,7 @@ def test_manifest_records_counts_checksums_and_tokenizer(tmp_path, corpus_files,
         path = tmp_path / "prepared" / split_entry["file"]
         data = path.read_bytes()
         assert len(data) == split_entry["bytes"]
-        assert hashlib.sha256(data).hexdigest() == split_entry["sha256"]
+        assert workdir_files.crc32c(data) == split_entry["crc32c"]
         array = np.load(path)
         assert array.shape == (split_entry["rows"], 2, 24) and array.dtype == np.uint16
         assert split_entry["tokens"] == int(np.count_nonzero(array[:, 0]))
@@ -550,7 +549,7 @@ def test_a_prepared_dir_that_is_a_file_or_someone_elses_files_is_refused(
     tmp_path, corpus_files, spm_model
 ):
   (tmp_path / "afile").write_text("x")
-  with pytest.raises(ConfigError, match="is a file; give a directory"):
+  with pytest.raises(ConfigError, match="prepared_dir=.*afile cannot be a directory: .*is a file"):
     prepare_data(
         _config(
             tmp_path, corpus_files, spm_model_file=spm_model, prepared_dir=str(tmp_path / "afile")
@@ -692,7 +691,7 @@ def _shard_path(tmp_path, index=0):
 
 def _rewrite_shard(path, change, update_manifest=False):
   """Writes shard `path` again with `change(rows)`, the same size and format; the manifest's
-  sha256 of it is updated too if asked (a consistent edit, which only the id check sees)."""
+  crc32c of it is updated too if asked (a consistent edit, which only the id check sees)."""
   rows = np.load(path)
   change(rows)
   np.save(path, rows, allow_pickle=False)
@@ -701,7 +700,7 @@ def _rewrite_shard(path, change, update_manifest=False):
     manifest = json.loads(manifest_path.read_text())
     for entry in manifest["shards"]:
       if entry["splits"]["train"].get("file") == path.name:
-        entry["splits"]["train"]["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+        entry["splits"]["train"]["crc32c"] = workdir_files.crc32c(path.read_bytes())
     manifest_path.write_text(json.dumps(manifest))
 
 
@@ -980,7 +979,7 @@ def test_worker_counts_a_document_it_cannot_tokenize_and_packs_the_rest(tmp_path
   expected = prepare.pack_shard(
       dict(task, documents=without, out_dir=str(tmp_path / "good")), tokenizer
   )
-  assert result["splits"]["train"]["sha256"] == expected["splits"]["train"]["sha256"]
+  assert result["splits"]["train"]["crc32c"] == expected["splits"]["train"]["crc32c"]
   # A failure outside any document (here: an unwritable directory) names the shard, not a traceback.
   blocker = tmp_path / "file"
   blocker.write_text("")

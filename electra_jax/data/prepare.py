@@ -257,10 +257,6 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
     return {"index": index, "error": f"{type(e).__name__}: {e}"}
 
 
-# The settings only the tokenizer's file gives; before a model is trained the others are checked.
-_TOKENIZER_FILE_SETTINGS = ("tokenizer_fingerprint", "dtype")
-
-
 def _settings(config, source_key: dict, tokenizer) -> dict:
   """What the shards depend on; a directory is only resumed by a run with equal settings."""
   keys = ("tokenizer", "max_seq_len", "eval_fraction", "max_documents", "shard_documents")
@@ -288,14 +284,12 @@ def config_key(settings: dict) -> str:
 
 
 def _refuse_another_config(out_dir: str, existing: dict | None, settings: dict, hint="") -> None:
-  """Raises unless out_dir is new or its manifest `existing` was written with `settings`."""
-  if existing is None:
-    return
-  old, known = existing["settings"], "tokenizer_fingerprint" in settings
-  keys = list(settings) + [
-      k for k in old if k not in settings and (known or k not in _TOKENIZER_FILE_SETTINGS)
-  ]
-  differences = {k: (old.get(k), settings.get(k)) for k in keys if old.get(k) != settings.get(k)}
+  """Raises unless out_dir is new or its manifest `existing` agrees with each key of `settings`
+  (those a tokenizer gives are absent until it is known)."""
+  old = existing["settings"] if existing is not None else settings
+  differences = {
+      key: (old.get(key), value) for key, value in settings.items() if old.get(key) != value
+  }
   if differences:
     raise ConfigError(
         f"data.prepared_dir={out_dir!r} holds shards of another config (was -> now: {differences})"
@@ -338,22 +332,29 @@ def _accepted_tokenizer(config, out_dir: str, existing: dict | None, source_key:
   return tokenizer, _settings(config, source_key, tokenizer)
 
 
+def _drop_unlisted(out_dir: str, manifest: dict | None) -> int:
+  """Removes the shard and temporary files of out_dir that `manifest` does not list (a resume
+  would pack them again); returns how many shards it lists."""
+  entries = manifest["shards"] if manifest is not None else []
+  splits = [split for entry in entries for split in entry["splits"].values()]
+  listed = {split.get(key) for split in splits for key in ("file", "lengths_file")}
+  for name in workdir_files.list_files(out_dir):
+    if (name.endswith(".npy") or name.startswith(".tmp-")) and name not in listed:
+      workdir_files.path(out_dir, name).unlink()
+  return len(entries)
+
+
 def prepare_config(config: dict, num_workers: int | None = None) -> dict:
   """prepare_data of a read config. A full disk or size limit (OutOfSpace, from any write) ends in
-  one line; the shard files the manifest on disk does not list are removed, so the two agree."""
+  one line, the shards on disk those the manifest lists."""
   try:
     return _prepare(config, num_workers)
   except OutOfSpace as error:
     out_dir = config["prepared_dir"]
-    kept = (shards.read_manifest(out_dir) or {"shards": []})["shards"]
-    splits = [split for entry in kept for split in entry["splits"].values()]
-    listed = {split.get(key) for split in splits for key in ("file", "lengths_file")}
-    for name in workdir_files.list_files(out_dir):
-      if name.endswith(".npy") and name not in listed:  # (unlisted: a resume packs it again)
-        workdir_files.path(out_dir, name).unlink()
+    kept = _drop_unlisted(out_dir, shards.read_manifest(out_dir))
     raise OutOfSpace(
-        f"prepare_data: {str(error).rstrip('.')}; {out_dir} keeps the {len(kept)} finished "
-        f"shards its {shards.MANIFEST} lists.",
+        f"prepare_data: {str(error).rstrip('.')}; {out_dir} keeps the {kept} finished shards its "
+        f"{shards.MANIFEST} lists.",
         error.errno,
     ) from None
 
@@ -366,16 +367,8 @@ def _prepare(config: dict, num_workers: int | None) -> dict:
         "prepare_data needs data.prepared_dir, the directory the shards go to, e.g. "
         "--config.data.prepared_dir=/data/electra_prepared."
     )
-  remote = workdir_files.is_remote(out_dir)
-  if remote:  # before any work: the bucket exists, and takes this account's writes
-    workdir_files.check_bucket(out_dir, "data.prepared_dir", write=True)
-  if not remote and os.path.exists(out_dir) and not os.path.isdir(out_dir):
-    raise ConfigError(
-        f"data.prepared_dir={out_dir!r} is a file; give a directory (new, or one prepare_data "
-        "wrote) for the shards."
-    )
-  existing = shards.read_manifest(out_dir)  # (a bucket that does not exist is refused here)
-  files = workdir_files.list_files(out_dir)
+  workdir_files.check_usable(out_dir, "data.prepared_dir")  # before any work
+  existing, files = shards.read_manifest(out_dir), workdir_files.list_files(out_dir)
   # A run killed before its first manifest leaves at most its tokenizer and temporary files.
   ours = set(TOKENIZER_FILES.values())
   if existing is None and any(not n.startswith(".tmp-") and n not in ours for n in files):
@@ -388,14 +381,7 @@ def _prepare(config: dict, num_workers: int | None) -> dict:
     raise ConfigError(f"num_workers must be >= 0 (0 = in this process), got {num_workers}.")
   source_key, description = describe_source(config)
   tokenizer, settings = _accepted_tokenizer(config, out_dir, existing, source_key)
-
-  # Accepted: the directory is ours. A killed run's half-written local files have temporary names;
-  # clear them. (An object in a bucket exists only once its upload completed.)
-  if not remote:
-    os.makedirs(out_dir, exist_ok=True)
-    for name in files:
-      if name.startswith(".tmp-"):
-        os.remove(os.path.join(out_dir, name))
+  _drop_unlisted(out_dir, existing)  # accepted: the directory is ours
   done: dict[int, dict] = {}
   for entry in existing["shards"] if existing is not None else ():
     if shards.shard_is_intact(out_dir, entry, files):
@@ -413,14 +399,10 @@ def _prepare(config: dict, num_workers: int | None) -> dict:
   spec = {
       "kind": config["tokenizer"],
       "fingerprint": tokenizer.fingerprint,
-      "vocab_size": tokenizer.vocab_size,
       "vocab_file" if wordpiece else "model_file": TOKENIZER_FILES[config["tokenizer"]],
   }
-  if wordpiece:
-    spec.update(lowercase=tokenizer.lowercase, strip_accents=tokenizer.strip_accents)
   manifest = {
       "format_version": PREPARED_FORMAT_VERSION,
-      "config_key": config_key(settings),
       "settings": settings,
       "source": description,
       "tokenizer": spec,
