@@ -398,7 +398,7 @@ def _marked_processes(mark: str) -> list[int]:
 
 
 @pytest.mark.fault
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
 def test_a_killed_prepare_leaves_no_workers_and_a_sigterm_keeps_the_manifest(
     tmp_path, spm_model, signum
 ):
@@ -431,8 +431,9 @@ def test_a_killed_prepare_leaves_no_workers_and_a_sigterm_keeps_the_manifest(
   while time.time() < deadline and _marked_processes(mark):
     time.sleep(0.2)
   assert _marked_processes(mark) == []
-  if signum == signal.SIGTERM:
-    assert process.returncode != 0 and "prepare_data stopped by SIGTERM" in stderr, stderr[-2000:]
+  if signum != signal.SIGKILL:  # SIGHUP (a closed terminal) as SIGTERM
+    stopped = f"prepare_data stopped by {signal.Signals(signum).name}"
+    assert process.returncode != 0 and stopped in stderr, stderr[-2000:]
     manifest = json.loads((directory / "manifest.json").read_text())
     assert manifest["shards"] and not manifest["complete"]
     listed = {
@@ -777,20 +778,31 @@ def test_a_shard_leading_outside_the_prepared_dir_is_refused_by_name(
 
 
 @pytest.mark.fault
-@pytest.mark.parametrize("damage", ["cut short", "shards not a list"])
-def test_a_damaged_manifest_is_refused_by_name_and_nothing_is_changed(
+@pytest.mark.parametrize(
+    "damage", ["cut short", "shards not a list", "an older layout: no crc32c", "another format"]
+)
+def test_a_damaged_or_older_manifest_is_refused_by_name_and_nothing_is_changed(
     tmp_path, corpus_files, spm_model, damage
 ):
   config = _config(tmp_path, corpus_files, spm_model_file=spm_model)
   prepare_data(config, num_workers=0)
   path = tmp_path / "prepared" / "manifest.json"
-  text = path.read_text()
-  damaged = dict(json.loads(text), shards="all")
-  path.write_text(text[: len(text) // 2] if damage == "cut short" else json.dumps(damaged))
+  text, manifest = path.read_text(), json.loads(path.read_text())
+  refusal = "is not as electra-jax writes it"
+  if damage == "cut short":
+    text = text[: len(text) // 2]
+  elif damage == "shards not a list":
+    text = json.dumps(dict(manifest, shards="all"))
+  elif damage == "another format":
+    text, refusal = json.dumps(dict(manifest, format_version=0)), "is of prepared format 0"
+  else:
+    del manifest["shards"][1]["splits"]["train"]["crc32c"]
+    text, refusal = json.dumps(manifest), "is not as electra-jax writes it .KeyError: 'crc32c'"
+  path.write_text(text)
   before = _listing(path.parent)
   prepared = _config(tmp_path, corpus_files, source="prepared", spm_model_file=spm_model)
   for run in (lambda: load_pretraining_data(prepared), lambda: prepare_data(config, num_workers=0)):
-    with pytest.raises(ConfigError, match=rf"{re.escape(str(path))} is not as electra-jax writes"):
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(path))} {refusal}"):
       run()
   assert _listing(path.parent) == before
 

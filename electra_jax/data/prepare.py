@@ -1,4 +1,4 @@
-"""From a read data config to shards (shards.py): the train/eval split, the tokenizer, and the
+"""From a read data config to shards (shards.py): the train/eval split, the tokenizer and the
 tokenize-and-pack workers. Shards depend on the config alone; a re-run packs only what is missing.
 """
 
@@ -450,9 +450,8 @@ def _prepare(config: dict, num_workers: int | None) -> dict:
 
 
 def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest):
-  """Packs the shards not in `done` into it (on `num_workers` processes, 0: here); the manifest lists
-  every finished shard whenever this returns or raises. Returns the source's stats and each split's
-  fingerprint."""
+  """Packs the shards not in `done` into it (on `num_workers` processes, 0: here), saved whenever
+  this returns or raises; returns the source's stats and each split's fingerprint."""
   out_dir, stats = config["prepared_dir"], sources.SourceStats()
   common = {key: config[key] for key in ("max_seq_len", "eval_fraction")}  # every shard's task
   common.update(out_dir=out_dir, dtype=shards.token_dtype(tokenizer.vocab_size))
@@ -504,22 +503,22 @@ def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest
         save_manifest()
         last_save = now
 
-  # A SIGTERM raises in the loop below, so its cleanup (workers, manifest) runs; one that lands in
-  # a submit (which may spawn a worker) is raised after it, or the submitted shard would be lost.
+  # SIGTERM or SIGHUP raises in the loop below, so its cleanup (workers, manifest) runs; one that
+  # lands in a submit (which may spawn a worker) is raised after it, or that shard would be lost.
   stopped, submitting = [], [False]
 
-  def stop(signum=None, frame=None):
+  def stop(signum, frame=None):
     stopped.append(signum)
     if not submitting[0]:
       raise SystemExit(
-          f"prepare_data stopped by SIGTERM: the finished shards are kept and listed in "
-          f"{os.path.join(out_dir, shards.MANIFEST)}; run the same command to resume."
+          f"prepare_data stopped by {signal.Signals(signum).name}: the finished shards are kept and "
+          f"listed in {os.path.join(out_dir, shards.MANIFEST)}; run the same command to resume."
       )
 
-  try:
-    previous_handler = signal.signal(signal.SIGTERM, stop)
-  except ValueError:  # not the main thread: SIGTERM keeps its handler
-    previous_handler = None
+  main_thread = threading.current_thread() is threading.main_thread()  # (others cannot handle)
+  previous = {
+      sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP) if main_thread
+  }
   try:
     source_documents, size = iter_source_documents(config, stats), config["shard_documents"]
     for index in itertools.count():
@@ -538,14 +537,14 @@ def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest
       pending.add(executor.submit(pack_shard, task, None if num_workers else tokenizer))
       submitting[0] = False
       if stopped:
-        stop()
+        stop(stopped[0])
       if len(pending) >= 2 * num_workers:
         drain()
     while pending:
       drain()
   finally:
-    if previous_handler is not None:
-      signal.signal(signal.SIGTERM, previous_handler)
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
     executor.shutdown(wait=True, cancel_futures=True)
     # Shards the workers finished while this loop stopped are written: keep them too.
     for future in pending:

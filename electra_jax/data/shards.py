@@ -50,31 +50,35 @@ def write_split(task: dict, split: str, rows: np.ndarray, pad_id: int) -> dict:
 
 
 def leads_outside(directory: str, path: str) -> str | None:
-  """The real file a local `path` leads to (symlinks followed) when it lies outside `directory`,
-  else None: a file that one of our files names is read only inside its folder."""
+  """The real file a local `path` leads to (links followed) when outside `directory`, else None."""
   real, inside = os.path.realpath(path), os.path.realpath(directory)
   return real if os.path.commonpath([real, inside]) != inside else None
 
 
 def read_manifest(out_dir: str) -> dict | None:
-  """`out_dir`'s manifest, None without one; refused by name when damaged, naming a shard outside
-  `out_dir`, or in a bucket that does not exist."""
+  """`out_dir`'s manifest, None without one; refused by name when damaged, edited (a shard outside
+  `out_dir`), of another format, or in a bucket that does not exist."""
   path = os.path.join(out_dir, MANIFEST)
 
-  def plain_names(manifest: dict) -> dict:
+  def checked(manifest: dict) -> dict:
+    if manifest["format_version"] != PREPARED_FORMAT_VERSION:
+      raise ConfigError(
+          f"{path} is of prepared format {manifest['format_version']}, this version reads "
+          f"{PREPARED_FORMAT_VERSION}; prepare the corpus again into a new data.prepared_dir."
+      )
     for index, entry in enumerate(manifest["shards"]):
       for split, files in entry["splits"].items():
-        for key in ("file", "lengths_file"):
-          name = files.get(key, "-")  # (a split without rows has no files)
+        for prefix in ("", "lengths_") if files["rows"] else ():
+          name, _, _ = (files[prefix + key] for key in ("file", "bytes", "crc32c"))
           if not isinstance(name, str) or name in ("", ".", "..") or "/" in name:
             raise ConfigError(
-                f"{path}: shards[{index}].splits.{split}.{key}={name!r} is not a file name in "
-                f"{out_dir}, the manifest was edited; {REDO} in a new data.prepared_dir."
+                f"{path}: shards[{index}].splits.{split}.{prefix}file={name!r} is not a file name "
+                f"in {out_dir}, the manifest was edited; {REDO} in a new data.prepared_dir."
             )
     return manifest
 
   if workdir_files.exists(path):
-    return workdir_files.read_json(path, plain_names)
+    return workdir_files.read_json(path, checked)
   if workdir_files.is_remote(out_dir):
     workdir_files.check_bucket(out_dir, "data.prepared_dir")
   return None
@@ -87,11 +91,6 @@ def open_manifest(directory: str) -> dict:
     raise ConfigError(
         f"data.prepared_dir={directory!r} has no {MANIFEST}; create it with --mode=prepare_data "
         "(data.source set to the corpus), then train with data.source='prepared'."
-    )
-  if manifest["format_version"] != PREPARED_FORMAT_VERSION:
-    raise ConfigError(
-        f"{directory} is in prepared format {manifest['format_version']}, not "
-        f"{PREPARED_FORMAT_VERSION}; prepare the corpus again into a new data.prepared_dir."
     )
   if not manifest["complete"]:
     raise ConfigError(
