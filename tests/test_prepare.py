@@ -93,8 +93,8 @@ def corpus_files(tmp_path_factory):
 def spm_model(tmp_path_factory, corpus_files):
   directory = tmp_path_factory.mktemp("spm")
   out = str(directory / "spm.model")
-  info = train_tokenizer(_config(directory, corpus_files), out, num_threads=1)
-  assert info["path"] == out
+  trained = train_tokenizer(_config(directory, corpus_files), out, num_threads=1)
+  assert trained.model_path == out
   return out
 
 
@@ -110,14 +110,14 @@ def test_train_tokenizer_model_has_special_tokens_and_serves_the_pipeline(
     tmp_path, corpus_files, model_type
 ):
   out = str(tmp_path / "tok" / "spm.model")
-  info = train_tokenizer(
+  trained = train_tokenizer(
       _config(tmp_path, corpus_files, spm_model_type=model_type, spm_vocab_size=100),
       out,
       num_threads=1,
   )
   tokenizer = SentencePieceTokenizer(out)
-  assert info["vocab_size"] == tokenizer.vocab_size == 100
-  assert info["fingerprint"] == tokenizer.fingerprint
+  assert trained.vocab_size == tokenizer.vocab_size == 100
+  assert trained.fingerprint == tokenizer.fingerprint
   assert [tokenizer.id_to_piece(i) for i in range(5)] == [
       "[PAD]",
       "[UNK]",

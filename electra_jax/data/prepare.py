@@ -131,9 +131,9 @@ def _default_workers() -> int:
   return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) -> dict:
-  """Train a sentencepiece model on the train documents of data.source into the new file
-  `out_path` (for data.spm_model_file); returns its path, vocab_size and fingerprint."""
+def train_tokenizer(data_config, out_path: str, num_threads: int | None = None):
+  """The SentencePieceTokenizer trained on the train documents of data.source into the new file
+  `out_path` (for data.spm_model_file)."""
   config = read_config(data_config)
   _require_documents(config, "train_tokenizer")
   out_path = os.path.abspath(os.path.expanduser(out_path))
@@ -146,11 +146,7 @@ def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) 
   tokenizer = train_corpus_tokenizer(config, out_path, num_threads or _default_workers(), stats)
   if config["source"] != "builtin":
     sources.log_stats(config["source"], stats)
-  return {
-      "path": out_path,
-      "vocab_size": tokenizer.vocab_size,
-      "fingerprint": tokenizer.fingerprint,
-  }
+  return tokenizer
 
 
 def trains_spm(config) -> bool:
@@ -261,7 +257,6 @@ def _settings(config, source_key: dict, tokenizer) -> dict:
   """What the shards depend on; a directory is only resumed by a run with equal settings."""
   keys = ("tokenizer", "max_seq_len", "eval_fraction", "max_documents", "shard_documents")
   settings = {
-      "prepared_format": PREPARED_FORMAT_VERSION,
       "packing_format": PACKING_FORMAT_VERSION,
       "source": config["source"],
       "source_key": source_key,

@@ -18,8 +18,8 @@ from electra_jax import workdir_files
 from electra_jax.data.packing import example_lengths
 from electra_jax.errors import ConfigError
 
-# Bump when the shard layout or the manifest's meaning changes.
-PREPARED_FORMAT_VERSION = 1
+# Bump when the shard layout or the manifest's meaning changes (2: crc32c, the one checksum).
+PREPARED_FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 SPLITS = ("train", "eval")
 # How a missing or damaged file of a prepared directory is mended.
