@@ -142,21 +142,17 @@ def train_tokenizer(data_config, out_path: str, num_threads: int | None = None):
         f"--out={out_path!r} already exists (prepared data or a workdir may use a model there); "
         "nothing was written: give a new file path, or delete that one first to replace it."
     )
-  stats = sources.SourceStats()
-  tokenizer = train_corpus_tokenizer(config, out_path, num_threads or _default_workers(), stats)
-  if config["source"] != "builtin":
-    sources.log_stats(config["source"], stats)
-  return tokenizer
+  return train_corpus_tokenizer(config, out_path, num_threads or _default_workers())
 
 
 def trains_spm(config) -> bool:
   return config["tokenizer"] == "sentencepiece" and not config["spm_model_file"]
 
 
-def train_corpus_tokenizer(config, path: str, num_threads: int = TRAINING_THREADS, stats=None):
+def train_corpus_tokenizer(config, path: str, num_threads: int = TRAINING_THREADS):
   """A sentencepiece model trained on the train documents of `config` into `path`; the fixed default
   thread count makes it (and so the shards) the same on any machine."""
-  stats = stats or sources.SourceStats()
+  stats = sources.SourceStats()
   logging.info(
       "training a sentencepiece %s model of %d pieces on the train documents of %s ...",
       config["spm_model_type"],
@@ -175,6 +171,8 @@ def train_corpus_tokenizer(config, path: str, num_threads: int = TRAINING_THREAD
     )
   except NoSentencesError as e:  # the source's own errors (a TFDS dataset not prepared) pass
     raise no_documents_error(config, stats) from e
+  if config["source"] != "builtin":
+    sources.log_stats(config["source"], stats)
   return SentencePieceTokenizer(path)
 
 

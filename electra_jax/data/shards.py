@@ -49,12 +49,6 @@ def write_split(task: dict, split: str, rows: np.ndarray, pad_id: int) -> dict:
   return entry
 
 
-def leads_outside(directory: str, path: str) -> str | None:
-  """The real file a local `path` leads to (links followed) when outside `directory`, else None."""
-  real, inside = os.path.realpath(path), os.path.realpath(directory)
-  return real if os.path.commonpath([real, inside]) != inside else None
-
-
 def read_manifest(out_dir: str) -> dict | None:
   """`out_dir`'s manifest, None without one; refused by name when damaged, edited (a shard outside
   `out_dir`), of another format, or in a bucket that does not exist."""
@@ -106,7 +100,8 @@ def _problem(directory: str, entry: dict, prefix: str, files: dict, hashed: bool
   name, wanted = entry[f"{prefix}file"], entry[f"{prefix}bytes"]
   path, (size, crc32c) = os.path.join(directory, name), files.get(name, (None, None))
   local = size is not None and not workdir_files.is_remote(directory)
-  if local and (real := leads_outside(directory, path)):
+  real, inside = os.path.realpath(path), os.path.realpath(directory)
+  if local and os.path.commonpath([real, inside]) != inside:  # (a link: followed only inside)
     return f"links to {real}, outside {directory}"
   if size != wanted:
     return "is missing" if size is None else f"has {size} bytes, the manifest says {wanted}"

@@ -103,7 +103,5 @@ class TfdsCorpus(RecordCorpus):
     return self._builder.as_data_source(split=self.split)
 
   def read_texts(self, start: int, stop: int) -> list:
-    keys = list(range(start, stop))
-    if hasattr(self._source, "__getitems__"):
-      return [record[self.text_field] for record in self._source.__getitems__(keys)]
-    return [self._source[key][self.text_field] for key in keys]
+    records = self._source.__getitems__(list(range(start, stop)))
+    return [record[self.text_field] for record in records]
