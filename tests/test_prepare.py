@@ -136,19 +136,22 @@ def test_train_tokenizer_model_has_special_tokens_and_serves_the_pipeline(
 
 
 @pytest.mark.fault
-def test_train_tokenizer_errors(tmp_path, corpus_files):
-  with pytest.raises(ConfigError, match="already exists"):  # a directory too
-    train_tokenizer(_config(tmp_path, corpus_files), str(tmp_path))
-  empty = tmp_path / "empty.txt"
+@pytest.mark.parametrize("fault", ["out is a directory", "no text", "no model file", "prepared"])
+def test_train_tokenizer_errors(tmp_path, corpus_files, fault):
+  out, empty = tmp_path / "x.model", tmp_path / "empty.txt"
   empty.write_text("\n\n")
-  with pytest.raises(ConfigError, match="no usable text"):
-    train_tokenizer(_config(tmp_path, str(empty)), str(tmp_path / "x.model"))
-  with pytest.raises(ConfigError, match=r"spm_model_file=.*is not a file"):
-    load_pretraining_data(
-        _config(tmp_path, corpus_files, spm_model_file=str(tmp_path / "none.model"))
-    )
-  with pytest.raises(ConfigError, match="has none"):
-    train_tokenizer(_config(tmp_path, corpus_files, source="prepared"), str(tmp_path / "x.model"))
+  config, refusal = _config(tmp_path, corpus_files), "already exists"
+  if fault == "out is a directory":
+    out = tmp_path
+  elif fault == "no text":
+    config, refusal = _config(tmp_path, str(empty)), "no usable text"
+  elif fault == "no model file":
+    config.spm_model_file, refusal = str(tmp_path / "none.model"), "spm_model_file=.*is not a file"
+  else:
+    config.source, refusal = "prepared", "train_tokenizer reads documents.*has none"
+  with pytest.raises(ConfigError, match=refusal):
+    train_tokenizer(config, str(out))
+  assert not out.is_file()
 
 
 @pytest.mark.fault
