@@ -549,27 +549,26 @@ def test_a_file_size_limit_ends_prepare_data_in_one_line_from_its_worker(tmp_pat
 
 
 @pytest.mark.fault
+@pytest.mark.parametrize("where", ["a file", "inside a file", "someone else's files", "-1 workers"])
 def test_a_prepared_dir_that_is_a_file_or_someone_elses_files_is_refused(
-    tmp_path, corpus_files, spm_model
+    tmp_path, corpus_files, spm_model, where
 ):
   (tmp_path / "afile").write_text("x")
-  with pytest.raises(ConfigError, match="prepared_dir=.*afile cannot be a directory: .*is a file"):
-    prepare_data(
-        _config(
-            tmp_path, corpus_files, spm_model_file=spm_model, prepared_dir=str(tmp_path / "afile")
-        ),
-        num_workers=0,
-    )
   other = tmp_path / "photos"
   other.mkdir()
   (other / "cat.jpg").write_bytes(b"\xff\xd8")
   (other / ".tmp-keep").write_bytes(b"someone's")
-  with pytest.raises(ConfigError, match="holds files but no manifest.json"):
-    prepare_data(
-        _config(tmp_path, corpus_files, spm_model_file=spm_model, prepared_dir=str(other)),
-        num_workers=0,
-    )
-  assert sorted(p.name for p in other.iterdir()) == [".tmp-keep", "cat.jpg"]
+  before = _listing(tmp_path)
+  prepared_dir, refusal = {
+      "a file": (tmp_path / "afile", "prepared_dir=.*afile cannot be a directory: .*is a file"),
+      "inside a file": (tmp_path / "afile" / "sub", "afile/sub cannot be a directory: .*afile is"),
+      "someone else's files": (other, "holds files but no manifest.json"),
+      "-1 workers": (tmp_path / "new", "num_workers must be >= 0.*got -1"),
+  }[where]
+  config = _config(tmp_path, corpus_files, spm_model_file=spm_model, prepared_dir=str(prepared_dir))
+  with pytest.raises(ConfigError, match=refusal):
+    prepare_data(config, num_workers=-1 if where == "-1 workers" else 0)
+  assert _listing(tmp_path) == before
 
 
 def test_training_on_prepared_shards_names_the_settings_they_override(
