@@ -1,6 +1,5 @@
 """From a read data config to shards (shards.py): the train/eval split, the tokenizer and the
-tokenize-and-pack workers. Shards depend on the config alone; a re-run packs only what is missing.
-"""
+tokenize-and-pack workers. Shards depend on the config alone; a re-run packs what is missing."""
 
 from __future__ import annotations
 

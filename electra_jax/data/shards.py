@@ -1,6 +1,5 @@
 """The prepared-directory format (docs/data.md describes it): writing and checking its files, and
-ShardedRows, which reads rows from them (memory maps of local shards, ranged reads of a bucket's).
-"""
+ShardedRows, which reads their rows (memory maps locally, ranged reads in a bucket)."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ a prepared dataset's random-access data source (array_record or parquet files), 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -25,10 +26,8 @@ def import_tfds():
   import tensorflow_datasets as tfds  # noqa: PLC0415  (heavy; only TFDS sources need it)
 
   for group in _TEXT_GROUPS:
-    try:
+    with contextlib.suppress(ImportError):
       importlib.import_module(f"tensorflow_datasets.{group}")
-    except ImportError:
-      pass
   return tfds
 
 
