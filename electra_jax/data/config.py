@@ -13,10 +13,8 @@ from electra_jax.data.packing import MIN_SEQ_LEN
 from electra_jax.data.tokenizer import SPECIAL_TOKENS, SPM_MODEL_TYPES, TOKENIZER_FILES
 from electra_jax.errors import ConfigError
 
-SOURCES = (*sources.DOCUMENT_SOURCES, "prepared")
-
 _CHOICES = (  # (key, the values it may take; configs/base.py says what they mean)
-    ("source", SOURCES),
+    ("source", (*sources.DOCUMENT_SOURCES, "prepared")),
     ("tokenizer", tuple(TOKENIZER_FILES)),
     ("spm_model_type", SPM_MODEL_TYPES),
     ("strip_accents", (None, True, False)),
