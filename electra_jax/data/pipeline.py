@@ -23,7 +23,7 @@ from electra_jax.data import prepare, shards
 from electra_jax.data.config import read_config
 from electra_jax.data.packing import ROW_PACKING_VERSION, RowPacking, assemble_rows, plan_rows
 from electra_jax.data.prepare import PACKING_FORMAT_VERSION
-from electra_jax.data.shards import SPLITS, ShardedRows
+from electra_jax.data.shards import PREPARED_FORMAT_VERSION, SPLITS, ShardedRows
 from electra_jax.data.tokenizer import TOKENIZER_FILES, SentencePieceTokenizer, WordPieceTokenizer
 from electra_jax.data.tokenizer import configured_tokenizer, open_tokenizer
 from electra_jax.errors import ConfigError
@@ -60,6 +60,7 @@ def _corpus_cache_dir(config) -> str:
   """The cache directory of one corpus and tokenizer (any max_seq_len)."""
   key_fields = {
       "format": PACKING_FORMAT_VERSION,
+      "prepared_format": PREPARED_FORMAT_VERSION,  # a cache of another is rebuilt, not refused
       "max_documents": config["max_documents"],
       "eval_fraction": config["eval_fraction"],
       **prepare.describe_source(config)[0],
