@@ -601,3 +601,27 @@ def test_large_corpus_cache_key_uses_sizes_and_mtimes(tmp_path, monkeypatch):
   assert _cache_key_directory(config) != before
   _write(path, "the lazy dogs\n")
   assert _cache_key_directory(config) != before
+
+
+def test_a_corpus_in_a_bucket_reads_as_the_same_files_on_disk(tmp_path, bucket):
+  from electra_jax import workdir_files  # noqa: PLC0415
+
+  local = [
+      _write(tmp_path / "a.txt", "First document.\n\nSecond one.\n"),
+      _write(tmp_path / "b" / "c.txt", "In a folder.\n"),
+      _write(tmp_path / "d.bin", b"\0binary", mode="wb"),
+  ]
+  for path in local:
+    with open(path, "rb") as f:
+      workdir_files.write_bytes(f"{bucket}/corpus/{os.path.relpath(path, tmp_path)}", f.read())
+  remote = resolve_files(f"{bucket}/corpus/**")
+  assert remote == [f"{bucket}/corpus/a.txt", f"{bucket}/corpus/b/c.txt", f"{bucket}/corpus/d.bin"]
+  (documents, stats), (local_documents, local_stats) = (
+      read_documents("text", paths) for paths in (remote, local)
+  )
+  assert documents == local_documents and stats.counts() == local_stats.counts()
+  assert stats.bytes_read == stats.total_bytes == local_stats.total_bytes
+  # A replaced object (same name, same size) is another corpus: the cache key changes.
+  before = sources.files_fingerprint(remote)
+  workdir_files.write_bytes(remote[1], b"In a folder?\n")
+  assert sources.files_fingerprint(remote) != before

@@ -1,15 +1,18 @@
 """Inputs that are not what they claim, across pre-training and fine-tuning: a device or a FIFO
-where a corpus or task file goes is refused by name before it is opened."""
+where a corpus or task file goes is refused by name before it is opened; a bucket corpus without
+the gcs extra, or matching nothing, and a JSONL record naming its key twice are refused by name."""
 
 import contextlib
 import os
+import re
+import sys
 import threading
 import time
 
 import ml_collections
 import pytest
 
-from conftest import base
+from conftest import base, cli, cli_args
 from electra_jax import api
 from electra_jax.data import load_pretraining_data, sources
 from electra_jax.data.config import read_config
@@ -55,6 +58,7 @@ def _custom_config(tmp_path, train_file):
   return ml_collections.ConfigDict(dict(task="custom", source="dir", data_dir="", custom=fields))
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("kind", ["device", "FIFO"])
 def test_a_corpus_file_that_is_not_a_regular_file_is_refused_before_it_is_read(tmp_path, kind):
   # (Read, /dev/zero would fill the memory: the config's read, which opens no file, refuses it.)
@@ -66,6 +70,7 @@ def test_a_corpus_file_that_is_not_a_regular_file_is_refused_before_it_is_read(t
   assert not os.path.exists(tmp_path / "cache")  # nothing prepared
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("kind", ["device", "FIFO"])
 def test_a_task_file_that_is_not_a_regular_file_is_refused_before_it_is_read(tmp_path, kind):
   with contextlib.ExitStack() as stack:
@@ -90,6 +95,7 @@ def test_a_task_file_that_is_not_a_regular_file_is_refused_before_it_is_read(tmp
         squad.read_squad_json(squad_file, "1.1")
 
 
+@pytest.mark.fault
 def test_a_byte_order_mark_is_not_part_of_the_first_record_in_any_reader(tmp_path):
   bom = "\ufeff"
   jsonl, text = tmp_path / "corpus.jsonl", tmp_path / "corpus.txt"
@@ -106,3 +112,43 @@ def test_a_byte_order_mark_is_not_part_of_the_first_record_in_any_reader(tmp_pat
   config = _custom_config(tmp_path, str(train))
   config.custom.format = ""  # each file's by its extension
   assert [e.text_a for e in tasks.load_task(config).train] == ["a dog", "a"]
+
+
+@pytest.mark.fault
+def test_a_bucket_corpus_without_the_gcs_extra_names_the_pip_command_in_one_line(
+    tmp_path, monkeypatch
+):
+  monkeypatch.setitem(sys.modules, "gcsfs", None)  # as if not installed: its import fails
+  args = cli_args(tmp_path / "run", **{"data.source": "text", "data.files": "gs://b/c/*.txt"})
+  result = cli([*args, "--mode=prepare_data", f"--config.data.prepared_dir={tmp_path}/p"])
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("electra-jax: error: data.files=gs://b/c/*.txt needs gcsfs"), last
+  assert "pip install 'electra-jax[gcs]'" in last and not os.path.exists(tmp_path / "p")
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("pattern", ["{bucket}/corpus/*.txt", "gs://no-such-bucket-here/*.txt"])
+def test_a_bucket_pattern_matching_nothing_is_named(tmp_path, bucket, pattern):
+  pattern = pattern.format(bucket=bucket)
+  why = "the bucket gs://no-such-bucket-here does not exist" if "no-such" in pattern else ""
+  with pytest.raises(
+      ConfigError, match=why or re.escape(f"pattern '{pattern}' matches no file; check the path or")
+  ):
+    read_config(_corpus_config(tmp_path, pattern))
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize(
+    "line", ['{"text": "a", "text": "b"}', '{"text": "a", "m": {"text": 1, "text": 2}}']
+)
+def test_a_jsonl_record_naming_a_key_twice_is_refused_with_its_place(tmp_path, line):
+  # json.loads keeps a repeated key's last value: which text was meant is a guess.
+  corpus = tmp_path / "corpus.jsonl"
+  corpus.write_text('{"text": "First one."}\n' + line + "\n")
+  with pytest.raises(ConfigError, match=rf"{corpus}:2: column 'text' appears more than once"):
+    list(sources.iter_documents("jsonl", [str(corpus)], "text"))
+  config = _corpus_config(tmp_path, str(corpus))
+  config.source = "jsonl"
+  with pytest.raises(ConfigError, match=rf"{corpus}:2: column 'text'"):
+    load_pretraining_data(config)

@@ -6,15 +6,18 @@ reads locally; nothing is downloaded)."""
 from __future__ import annotations
 
 import codecs
+import collections
 import dataclasses
 import glob
 import hashlib
+import io
 import json
 import os
 import stat
 
 from absl import logging
 
+from electra_jax import workdir_files
 from electra_jax.errors import ConfigError
 
 FILE_SOURCES = ("text", "jsonl")
@@ -102,50 +105,84 @@ def not_a_regular_file(path: str) -> str | None:
   return f"is a {kind}, not a regular file"
 
 
+def refuse_repeated(where: str, names: list[str]) -> None:
+  """Refuses a header or JSON object naming a column twice: read by name, one copy would be used
+  silently."""
+  if repeated := [name for name, count in collections.Counter(names).items() if count > 1]:
+    raise ConfigError(
+        f"{where}: column {repeated[0]!r} appears more than once (in {names}); give each column "
+        "its own name."
+    )
+
+
 def resolve_files(files: str) -> list[str]:
-  """The files of `files`, comma-separated paths and globs (`~`, `**`) in order, each glob's matches sorted,
-  a file named twice read once."""
+  """The files of `files`, comma-separated paths and globs (`~`, `**`; `gs://` objects with the gcs
+  extra) in order, each glob's matches sorted, a file named twice read once."""
   patterns = [pattern.strip() for pattern in files.split(",") if pattern.strip()]
   paths: dict[str, None] = {}  # ordered, each path once
   for pattern in patterns:
-    matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+    remote = workdir_files.is_remote(pattern)
+    if remote:
+      workdir_files.check_bucket(pattern, "data.files")  # the gcs extra, the bucket, the account
+      fs, root = workdir_files.filesystem(pattern)
+      objects = fs.glob(root, detail=True).items()
+      matches = sorted(f"gs://{name}" for name, info in objects if info["type"] == "file")
+    else:
+      matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
     if not matches:
+      start = "" if remote else f" (relative paths start from {os.getcwd()})"
       raise ConfigError(
-          f"data.files pattern {pattern!r} matches no file; check the path (relative paths "
-          f"start from {os.getcwd()}) or remove it from data.files."
+          f"data.files pattern {pattern!r} matches no file; check the path{start} or remove it "
+          "from data.files."
       )
     for match in matches:
-      if problem := not_a_regular_file(match):
+      if not remote and (problem := not_a_regular_file(match)):
         raise ConfigError(
             f"data.files entry {pattern!r} matches {match!r}, which {problem}; name regular files"
             + (f", e.g. {os.path.join(match, '*.txt')!r}." if os.path.isdir(match) else ".")
         )
-      paths[os.path.abspath(match)] = None
+      paths[match if remote else os.path.abspath(match)] = None
   return list(paths)
 
 
 def files_fingerprint(paths: list[str]) -> str:
-  """Short sha256 hex of the paths, sizes and mtimes of `paths` (and their bytes, up to 64 MB)."""
-  stats = [os.stat(path) for path in paths]
-  hash_contents = sum(stat.st_size for stat in stats) <= _HASHED_CORPUS_BYTES
+  """Short sha256 hex of the paths, sizes and versions (mtime, a bucket's generation) of `paths`,
+  and of their bytes up to 64 MB in all."""
+  stats = [_size_and_version(path) for path in paths]
+  hash_contents = sum(size for size, _ in stats) <= _HASHED_CORPUS_BYTES
   digest = hashlib.sha256(f"contents={hash_contents}\n".encode())
-  for path, stat in zip(paths, stats):
-    digest.update(f"{path}\n{stat.st_size}\n{stat.st_mtime_ns}\n".encode())
+  for path, (size, version) in zip(paths, stats):
+    digest.update(f"{path}\n{size}\n{version}\n".encode())
     if hash_contents:
-      with open(path, "rb") as f:
+      with _open(path) as f:
         digest.update(hashlib.sha256(f.read()).digest())
   return digest.hexdigest()[:16]
+
+
+def _size_and_version(path: str) -> tuple[int, str]:
+  if not workdir_files.is_remote(path):
+    stat_result = os.stat(path)
+    return stat_result.st_size, str(stat_result.st_mtime_ns)
+  fs, name = workdir_files.filesystem(path)
+  info = fs.info(name)
+  return int(info["size"]), str(info.get("generation"))
+
+
+def _open(path: str) -> io.BufferedReader:
+  if not workdir_files.is_remote(path):
+    return open(path, "rb")
+  return io.BufferedReader(workdir_files.filesystem(path)[0].open(path, "rb"))  # (readlines(hint))
 
 
 def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
   """(line number, text) of `path`, streamed, split as str.splitlines splits the whole file; nothing for
   a binary file. `newline_only` (JSON Lines): JSON strings may hold U+2028, U+2029, U+0085 unescaped.
   """
-  with open(path, "rb") as f:
+  with _open(path) as f:
     head = f.read(_SNIFF_BYTES)
     if b"\0" in head:
       stats.skip("binary_files", path)
-      stats.bytes_read += os.fstat(f.fileno()).st_size
+      stats.bytes_read += f.seek(0, os.SEEK_END)
       return
     # A byte-order mark is not text: dropped, as fine-tuning's readers do (utf-8-sig).
     f.seek(len(codecs.BOM_UTF8) if head.startswith(codecs.BOM_UTF8) else 0)
@@ -189,7 +226,9 @@ def _jsonl_file_documents(path: str, text_field: str, stats: SourceStats):
       continue
     why = None
     try:
-      record = json.loads(line)
+      record = json.loads(line, object_pairs_hook=lambda pairs: _unique(pairs, path, number))
+    except ConfigError:  # (a ValueError too)
+      raise
     except ValueError:
       why = "not valid JSON"
     else:
@@ -205,6 +244,11 @@ def _jsonl_file_documents(path: str, text_field: str, stats: SourceStats):
     document = split_text(record[text_field], lambda: f"{path}:{number}", stats)
     if document:
       yield document
+
+
+def _unique(pairs: list[tuple], path: str, number: int) -> dict:
+  refuse_repeated(f"{path}:{number}", [key for key, _ in pairs])
+  return dict(pairs)
 
 
 def split_text(text: str, where, stats: SourceStats) -> list[str]:
@@ -248,7 +292,7 @@ def iter_documents(
   `text_field`. What cannot be read as text is skipped and counted in `stats`."""
   stats = stats if stats is not None else SourceStats()
   stats.files = list(paths)
-  stats.total_bytes = sum(os.path.getsize(path) for path in paths)
+  stats.total_bytes = sum(_size_and_version(path)[0] for path in paths)
   for path in paths:
     # A file is empty when nothing came out of it and nothing in it was skipped for a reason.
     before = stats.num_documents + sum(stats.problems.values())

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import collections
 import csv
 import dataclasses
 import json
@@ -123,16 +122,6 @@ def _require_file(path: str, what: str) -> None:
     raise ConfigError(f"{what}: {path} {problem}. Check config.data_dir and the task name.")
 
 
-def _refuse_repeated(where: str, names: list[str]) -> None:
-  """Refuses a header or JSON object naming a column twice: read by name, one copy would be used
-  silently."""
-  if repeated := [name for name, count in collections.Counter(names).items() if count > 1]:
-    raise ConfigError(
-        f"{where}: column {repeated[0]!r} appears more than once (in {names}); give each column "
-        "its own name."
-    )
-
-
 def _regression_label(raw, where: str) -> float:
   try:
     label = float(raw)
@@ -157,7 +146,7 @@ def _glue_tsv(task: GlueTask, path: str, labelled: bool) -> list[Example]:
   if not rows:
     raise ConfigError(f"{path} is empty; GLUE files start with a header line.")
   header, (text_a, text_b) = rows[0], task.text_columns
-  _refuse_repeated(path, header)
+  sources.refuse_repeated(path, header)
   wanted = [c for c in (text_a, text_b, task.label_column if labelled else None) if c is not None]
   if missing := [c for c in wanted if c not in header]:
     raise ConfigError(f"{path} has no column {missing[0]!r} (its header: {header}); wrong file?")
@@ -249,7 +238,7 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
     records = []
 
     def checked(pairs):  # (of the line being read)
-      _refuse_repeated(f"{path}:{line_number}", [key for key, _ in pairs])
+      sources.refuse_repeated(f"{path}:{line_number}", [key for key, _ in pairs])
       return dict(pairs)
 
     with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is not text)
@@ -269,7 +258,7 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
     reader = csv.DictReader(
         f, delimiter="\t" if tsv else ",", quoting=csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL
     )
-    _refuse_repeated(path, reader.fieldnames or [])
+    sources.refuse_repeated(path, reader.fieldnames or [])
     records = list(reader)
   for row_number, record in enumerate(records, 1):
     if None in record:  # DictReader's key for fields past the header's
