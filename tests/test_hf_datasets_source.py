@@ -54,6 +54,7 @@ def test_rows_become_documents_of_lines(saved):
   )
 
 
+@pytest.mark.fault
 def test_choices_that_do_not_exist_are_named(saved, tmp_path):
   with pytest.raises(
       ConfigError, match=r"data.hf_split='validation' is not a split of .*\['test', 'train'\]"
