@@ -148,24 +148,21 @@ def resolve_files(files: str) -> list[str]:
 def files_fingerprint(paths: list[str]) -> str:
   """Short sha256 hex of the paths, sizes and versions (mtime, a bucket's generation) of `paths`,
   and of their bytes up to 64 MB in all."""
-  stats = [_size_and_version(path) for path in paths]
-  hash_contents = sum(size for size, _ in stats) <= _HASHED_CORPUS_BYTES
+  infos = [_info(path) for path in paths]
+  hash_contents = sum(info["size"] for info in infos) <= _HASHED_CORPUS_BYTES
   digest = hashlib.sha256(f"contents={hash_contents}\n".encode())
-  for path, (size, version) in zip(paths, stats):
-    digest.update(f"{path}\n{size}\n{version}\n".encode())
+  for path, info in zip(paths, infos):
+    digest.update(f"{path}\n{info['size']}\n{info.get('generation', info['mtime'])}\n".encode())
     if hash_contents:
       with _open(path) as f:
         digest.update(hashlib.sha256(f.read()).digest())
   return digest.hexdigest()[:16]
 
 
-def _size_and_version(path: str) -> tuple[int, str]:
-  if not workdir_files.is_remote(path):
-    stat_result = os.stat(path)
-    return stat_result.st_size, str(stat_result.st_mtime_ns)
+def _info(path: str) -> dict:
+  """fsspec's facts of a file or bucket object: its size, mtime, a bucket's generation."""
   fs, name = workdir_files.filesystem(path)
-  info = fs.info(name)
-  return int(info["size"]), str(info.get("generation"))
+  return fs.info(name)
 
 
 def _open(path: str) -> io.BufferedReader:
@@ -292,7 +289,7 @@ def iter_documents(
   `text_field`. What cannot be read as text is skipped and counted in `stats`."""
   stats = stats if stats is not None else SourceStats()
   stats.files = list(paths)
-  stats.total_bytes = sum(_size_and_version(path)[0] for path in paths)
+  stats.total_bytes = sum(_info(path)["size"] for path in paths)
   for path in paths:
     # A file is empty when nothing came out of it and nothing in it was skipped for a reason.
     before = stats.num_documents + sum(stats.problems.values())

@@ -137,20 +137,11 @@ class SentencePieceTokenizer:
           f"{model_path} is not a valid sentencepiece model ({e}). Delete it and "
           f"train a new one with train_sentencepiece."
       ) from e
-    size = self._processor.get_piece_size()
-    for expected_id, token in enumerate(SPECIAL_TOKENS):
-      piece_at_id = self._processor.id_to_piece(expected_id) if expected_id < size else None
-      if piece_at_id == token:
-        continue
-      # piece_to_id answers the unknown id for a missing piece: an id is real if it maps back to the token.
-      found_id = self._processor.piece_to_id(token)
-      problem = (
-          "is missing" if self._processor.id_to_piece(found_id) != token else f"has id {found_id}"
-      )
+    pieces = [self.id_to_piece(i) for i in range(min(len(SPECIAL_TOKENS), self.vocab_size))]
+    if pieces != list(SPECIAL_TOKENS):
       raise ConfigError(
-          f"Sentencepiece model {self.model_path}: {token} {problem} (id {expected_id} is "
-          f"{piece_at_id!r}), but ELECTRA needs {list(SPECIAL_TOKENS)} at ids 0..4; train one "
-          "with --mode=train_tokenizer."
+          f"Sentencepiece model {model_path} has {pieces} at ids 0..4, but ELECTRA needs "
+          f"{list(SPECIAL_TOKENS)} there; train one with --mode=train_tokenizer."
       )
 
   @property
