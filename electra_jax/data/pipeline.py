@@ -64,15 +64,10 @@ def _corpus_cache_dir(config) -> str:
       "eval_fraction": config["eval_fraction"],
       **prepare.describe_source(config)[0],
   }
-  # Only keys that change the tokenizer enter the key.
-  if prepare.trains_spm(config):
-    key_fields.update(
-        spm_vocab_size=config["spm_vocab_size"], spm_model_type=config["spm_model_type"]
-    )
+  if prepare.trains_spm(config):  # only the keys that change the tokenizer enter the key
+    key_fields.update(spm_vocab_size=config["spm_vocab_size"], model=config["spm_model_type"])
   else:  # a given model or vocab.txt
-    fingerprint = configured_tokenizer(config).fingerprint
-    wordpiece = {"tokenizer": config["tokenizer"], "wordpiece": fingerprint}
-    key_fields.update({"spm_model": fingerprint} if config["spm_model_file"] else wordpiece)
+    key_fields.update({config["tokenizer"]: configured_tokenizer(config).fingerprint})
   return os.path.join(config["cache_dir"], config["source"], prepare.config_key(key_fields))
 
 
@@ -198,22 +193,15 @@ def prepared_tokenizer(config, manifest: dict):
   """The tokenizer configured, else the prepared directory's copy; refused unless it is the one
   the shards were made with."""
   directory, recorded = config["prepared_dir"], manifest["tokenizer"]
-  made_with = (
-      f"were made with the {recorded['kind']} tokenizer "
-      f"{recorded.get('model_file') or recorded.get('vocab_file')} (fingerprint "
-      f"{recorded['fingerprint']})"
-  )
   tokenizer = configured_tokenizer(config, directory)
-  if tokenizer is None:
-    name = TOKENIZER_FILES[config["tokenizer"]]
+  copy = os.path.join(directory, TOKENIZER_FILES[config["tokenizer"]])
+  gives = repr(tokenizer) if tokenizer else f"none ({copy} does not exist)"
+  made_with = (recorded["kind"], recorded["fingerprint"])
+  if tokenizer is None or made_with != (config["tokenizer"], tokenizer.fingerprint):
     raise ConfigError(
-        f"{os.path.join(directory, name)} does not exist, and the config names no tokenizer: the "
-        f"shards in {directory} {made_with}. Configure that tokenizer."
-    )
-  if recorded["kind"] != config["tokenizer"] or tokenizer.fingerprint != recorded["fingerprint"]:
-    raise ConfigError(
-        f"The shards in {directory} {made_with}, but this config gives {tokenizer!r}; configure "
-        "theirs, or prepare the corpus again with this one into another data.prepared_dir."
+        f"The shards in {directory} were made with the {made_with[0]} tokenizer "
+        f"{TOKENIZER_FILES.get(made_with[0])} (fingerprint {made_with[1]}), but this config gives "
+        f"{gives}; configure theirs, or prepare the corpus again into another data.prepared_dir."
     )
   return tokenizer
 
@@ -237,25 +225,17 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
       if config[key] != settings[key]
   ]
   if ignored and split == "train":  # once per run
-    logging.warning(
-        "data.source=prepared: the shards in %s decide these, so the config's values are not "
-        "used: %s.",
-        directory,
-        "; ".join(ignored),
-    )
+    logging.warning("the shards in %s decide, not the config: %s.", directory, "; ".join(ignored))
   tokenizer = prepared_tokenizer(config, manifest)
   rows, entries, lengths, verification = shards.load_split(
       directory, manifest, split, config["pack_rows"], tokenizer.vocab_size
   )
   if not entries:
-    fix = (
-        "set eval.every_steps=0, or prepare it with data.eval_fraction > 0"
-        if split == "eval"
-        else "prepare more documents"
-    )
+    eval_fix = "set eval.every_steps=0, or prepare it with data.eval_fraction > 0"
     raise ConfigError(
         f"The {split} split of {directory} has no examples (eval_fraction="
-        f"{settings['eval_fraction']} when it was prepared); {fix}."
+        f"{settings['eval_fraction']} when it was prepared); "
+        f"{eval_fix if split == 'eval' else 'prepare more documents'}."
     )
   # The cache and a prepared directory of the same config give the same string (and examples), so a
   # checkpoint resumes on either; packed rows differ.
