@@ -1,6 +1,5 @@
-"""Pre-training batches from prepared shards: data.prepared_dir's, or those of the cache a document
-source is prepared into on first use. get_batch is a pure function of the step, so resuming needs no
-loader state."""
+"""Pre-training batches from prepared shards (data.prepared_dir's, or the cache a document source is
+prepared into on first use); get_batch is a pure function of the step: resuming needs no state."""
 
 from __future__ import annotations
 
@@ -72,8 +71,8 @@ def _corpus_cache_dir(config) -> str:
 
 
 def _loadable(data_config, split: str | None = None) -> dict:
-  """The read config, pointed at prepared shards: for a document source the cache's, prepared first when
-  missing or damaged. Without a split only the tokenizer is readied (trained once per corpus)."""
+  """The read config, pointed at prepared shards (a document source's cache, prepared when missing
+  or damaged); without a split only the tokenizer is readied."""
   if split is not None and split not in SPLITS:
     raise ConfigError(f"Unknown split {split!r}; use one of {list(SPLITS)}.")
   config = read_config(data_config)
@@ -103,7 +102,7 @@ def _loadable(data_config, split: str | None = None) -> dict:
 
 
 def load_tokenizer(data_config) -> SentencePieceTokenizer | WordPieceTokenizer:
-  """The tokenizer `load_pretraining_data(data_config)` uses (a model the cache lacks is trained first)."""
+  """The tokenizer `load_pretraining_data(data_config)` uses (trained first if the cache lacks it)."""
   config = _loadable(data_config)
   if config["source"] == "prepared":
     return prepared_tokenizer(config, shards.open_manifest(config["prepared_dir"]))
@@ -136,12 +135,9 @@ def get_batch(
     process_count: int = 1,
     stream_offset: int = 0,
 ) -> dict[str, np.ndarray]:
-  """This process's rows of global batch `step` (see get_rows); a pure function of its arguments.
-
-  The row stream is epoch 0, epoch 1, ... each a permutation of all rows seeded by (seed, epoch); global
-  batch `step` is stream positions [stream_offset + step * B, stream_offset + (step + 1) * B), and process
-  p takes the p-th contiguous slice of it (stream_offset: where a checkpoint saw the batch size change).
-  """
+  """This process's rows of global batch `step`, a pure function of its arguments: the p-th slice
+  of stream positions [stream_offset + step * B, +B) of epochs 0, 1, ..., each a permutation seeded
+  by (seed, epoch) (stream_offset: where a checkpoint saw the batch size change)."""
   if data.num_rows == 0 or global_batch_size <= 0 or global_batch_size % max(process_count, 1):
     raise ConfigError(
         f"get_batch: a global batch of {global_batch_size} rows from {data.num_rows} over "
@@ -167,13 +163,12 @@ def get_batch(
 
 
 def batch_keys(pack_rows: bool) -> tuple[str, ...]:
-  """The arrays of a batch sent to the devices: packed rows add their segment ids (position_ids derive from
-  them)."""
+  """The arrays of a batch sent to the devices (position_ids derive from segment_ids)."""
   return ("input_ids", "token_type_ids", "attention_mask") + (("segment_ids",) if pack_rows else ())
 
 
 def get_rows(data: PretrainingData, rows: np.ndarray) -> dict[str, np.ndarray]:
-  """Rows `rows` (in [0, data.num_rows)) as a batch, in that order (packed rows: packing.assemble_rows)."""
+  """Rows `rows` (in [0, data.num_rows)) as a batch, in that order."""
   if data.verification is not None and data.verification.done() and data.verification.result():
     raise data.verification.result()
   rows = np.asarray(rows, dtype=np.int64)
@@ -207,9 +202,8 @@ def prepared_tokenizer(config, manifest: dict):
 
 
 def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
-  """Packed pre-training examples of `split` ("train" or "eval") from their shards, checked and
-  memory-mapped (or read by ranges from a bucket); with data.pack_rows, also the plan that packs
-  several examples per row (from the stored lengths: the same shards serve both)."""
+  """The examples of `split` ("train" or "eval") from their shards, checked and memory-mapped (a
+  bucket's read by ranges); with data.pack_rows, the plan that packs several into a row."""
   config = _loadable(data_config, split)
   directory, max_seq_len = config["prepared_dir"], config["max_seq_len"]
   manifest = shards.open_manifest(directory)
@@ -237,8 +231,7 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
         f"{settings['eval_fraction']} when it was prepared); "
         f"{eval_fix if split == 'eval' else 'prepare more documents'}."
     )
-  # The cache and a prepared directory of the same config give the same string (and examples), so a
-  # checkpoint resumes on either; packed rows differ.
+  # The same for the cache and a prepared directory of one config: a checkpoint resumes on either.
   kind = "spm" if config["tokenizer"] == "sentencepiece" else "wp"
   fingerprint = (
       f"format:{PACKING_FORMAT_VERSION}|{kind}:{tokenizer.fingerprint}|max_seq_len:{max_seq_len}|"
@@ -269,10 +262,8 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
 
 @contextlib.contextmanager
 def prefetch(fetch_fn: Callable[[int], Any], start_step: int, stop_step=None, depth: int = 2):
-  """An iterator over fetch_fn(start_step), fetch_fn(start_step + 1), ... up to `stop_step`
-  (exclusive; None: endless), each step fetched on one of `depth` threads at most `depth` steps
-  ahead (so reads that wait on a bucket overlap). A fetch_fn error is raised at its step and ends
-  the iteration; leaving the context drops the fetches not started."""
+  """An iterator over fetch_fn(step) for step in [start_step, stop_step) (None: endless), fetched on
+  `depth` threads up to `depth` steps ahead; a fetch_fn error is raised at its step."""
   steps = itertools.count(start_step) if stop_step is None else iter(range(start_step, stop_step))
   with concurrent.futures.ThreadPoolExecutor(depth, thread_name_prefix="electra-prefetch") as pool:
     ahead = collections.deque(

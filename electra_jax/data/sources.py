@@ -1,7 +1,5 @@
-"""A user's own corpus as documents: plain-text ("text") and JSON Lines ("jsonl") files, read with their
-problems counted and logged, and their fingerprint for cache keys; the record sources' shared reader, and
-data.source="hf_datasets": a local Hugging Face dataset (a `save_to_disk` directory, or one `load_dataset`
-reads locally; nothing is downloaded)."""
+"""A user's own corpus as documents: text and JSON Lines files (local or gs://), their problems
+counted, and the record sources: a local Hugging Face dataset, and the reader TFDS's shares."""
 
 from __future__ import annotations
 
@@ -24,17 +22,14 @@ FILE_SOURCES = ("text", "jsonl")
 RECORD_SOURCES = ("tfds", "hf_datasets")
 DOCUMENT_SOURCES = ("builtin", *FILE_SOURCES, *RECORD_SOURCES)
 
-# A corpus up to this size enters the fingerprint with its content hash (an edit may keep size and
-# mtime); a bigger one by paths, sizes and mtimes only, to keep a warm start fast.
+# Up to this size a corpus's bytes enter its fingerprint (an edit may keep size and mtime).
 _HASHED_CORPUS_BYTES = 64 << 20
-# A longer "sentence" (line) is almost always junk (minified code, base64, a table on one line): it is
-# skipped and counted, so it can neither stall a tokenizer worker nor hide in a shard.
+# A longer "sentence" is junk (minified code, base64): skipped, it cannot stall a tokenizer worker.
 MAX_SENTENCE_CHARS = 1 << 16
 _SNIFF_BYTES = 8192  # a NUL in a file's first block marks it binary
 _BLOCK_BYTES = 8 << 20  # files are decoded this many bytes (rounded to whole lines) at a time
 _SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # save_to_disk's files
-# What can go wrong reading a source, as the log and the errors name it.
-PROBLEMS = {
+PROBLEMS = {  # what can go wrong reading a source, as the log and the errors name it
     "empty_files": "empty files skipped",
     "binary_files": f"binary files skipped (NUL bytes in the first {_SNIFF_BYTES} bytes)",
     "replaced_lines": "lines with bytes that are not UTF-8 kept with U+FFFD in their place",
@@ -45,8 +40,8 @@ PROBLEMS = {
 
 @dataclasses.dataclass
 class SourceStats:
-  """What reading a source found: its files and documents, its progress (bytes_read of
-  total_bytes; records for a dataset), and how often each of PROBLEMS happened, and where first."""
+  """What reading a source found: files, documents, progress (bytes, or a dataset's records), and
+  how often each of PROBLEMS happened, and where first."""
 
   files: list[str] = dataclasses.field(default_factory=list)
   num_documents: int = 0
@@ -60,7 +55,6 @@ class SourceStats:
     return {"files": len(self.files), **counts, "documents": self.num_documents}
 
   def skip(self, problem: str, place: str) -> None:
-    """One more of `problem` (a key of PROBLEMS), the first's place kept."""
     self.problems[problem] = self.problems.get(problem, 0) + 1
     self.first_problems.setdefault(problem, place)
 
@@ -90,9 +84,8 @@ def keep_sentence(sentence: str, where, stats: SourceStats) -> bool:
 
 
 def not_a_regular_file(path: str) -> str | None:
-  """Why `path` is no file to read, seen without opening it (a device reads without end, a FIFO
-  waits for a writer): "does not exist", "is a directory", "is a FIFO, ..."; None for a regular
-  file (or a link to one)."""
+  """Why `path` is no file to read ("is a FIFO, ..."), seen without opening it (a device reads
+  without end, a FIFO waits for a writer); None for a regular file or a link to one."""
   try:
     mode = os.stat(path).st_mode
   except FileNotFoundError:
@@ -159,8 +152,7 @@ def files_fingerprint(paths: list[str]) -> str:
   return digest.hexdigest()[:16]
 
 
-def _info(path: str) -> dict:
-  """fsspec's facts of a file or bucket object: its size, mtime, a bucket's generation."""
+def _info(path: str) -> dict:  # size, mtime, a bucket's generation
   fs, name = workdir_files.filesystem(path)
   return fs.info(name)
 
@@ -172,9 +164,8 @@ def _open(path: str) -> io.BufferedReader:
 
 
 def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
-  """(line number, text) of `path`, streamed, split as str.splitlines splits the whole file; nothing for
-  a binary file. `newline_only` (JSON Lines): JSON strings may hold U+2028, U+2029, U+0085 unescaped.
-  """
+  """(line number, text) of `path` as str.splitlines splits it, or (`newline_only`, for JSON
+  strings that hold U+2028 unescaped) at "\\n"; nothing for a binary file."""
   with _open(path) as f:
     head = f.read(_SNIFF_BYTES)
     if b"\0" in head:
@@ -201,9 +192,8 @@ def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
           yield number, line
 
 
-def _text_file_documents(path: str, text_field: str, stats: SourceStats):
+def _text_file_documents(path: str, _: str, stats: SourceStats):
   """One document per run of non-blank lines; each stripped line is one sentence."""
-  del text_field  # (jsonl's)
   document = []
   for number, line in _iter_lines(path, stats):
     line = line.strip()
@@ -255,15 +245,13 @@ def split_text(text: str, where, stats: SourceStats) -> list[str]:
 
 
 class RecordCorpus:
-  """One split of a dataset whose records' `text_field` hold documents. A subclass sets `name` (how
-  a record's place reads), `num_records`, `text_field`, `description` (for manifests) and
-  `fingerprint` (for cache keys), and reads texts [start, stop) with read_texts."""
+  """One split of a dataset whose records' `text_field` hold documents. A subclass sets `name`,
+  `num_records`, `text_field`, `description`, `fingerprint` and read_texts(start, stop)."""
 
   read_block = 256  # records per read_texts
 
   def iter_documents(self, stats: SourceStats):
-    """The records' documents; a value neither str nor bytes is skipped and counted. Progress
-    counts records."""
+    """The records' documents; a value neither str nor bytes is skipped and counted."""
     stats.total_bytes = stats.total_bytes or self.num_records
     for start in range(0, self.num_records, self.read_block):
       stop = min(start + self.read_block, self.num_records)
@@ -284,9 +272,8 @@ class RecordCorpus:
 def iter_documents(
     source: str, paths: list[str], text_field: str = "text", stats: SourceStats | None = None
 ):
-  """The documents (lists of sentences) of `paths`, streamed. "text": a sentence per line, blank
-  lines and file ends separate documents; "jsonl": a document per line, the string under
-  `text_field`. What cannot be read as text is skipped and counted in `stats`."""
+  """The documents (lists of sentences) of `paths`, streamed, as docs/data.md describes; what
+  cannot be read as text is skipped and counted in `stats`."""
   stats = stats if stats is not None else SourceStats()
   stats.files = list(paths)
   stats.total_bytes = sum(_info(path)["size"] for path in paths)
@@ -345,7 +332,7 @@ class HfDatasetCorpus(RecordCorpus):
           f"{loaded.column_names}. Name the one holding the document text."
       )
     self._dataset, self.name, self.text_field = loaded, f"{path}[{split}]", text_field
-    self.num_records = loaded.num_rows
+    self.num_records = loaded.num_rows  # datasets' hash of the rows below: new data, new key
     self.description = {
         "source": "hf_datasets",
         "hf_path": path,
@@ -353,7 +340,6 @@ class HfDatasetCorpus(RecordCorpus):
         "text_field": text_field,
         "num_rows": loaded.num_rows,
     }
-    # datasets' own hash of the rows (new data, new key), with the split and column read.
     self.fingerprint = f"{loaded._fingerprint}|{split}|{text_field}|{loaded.num_rows}"
 
   def read_texts(self, start: int, stop: int) -> list:
