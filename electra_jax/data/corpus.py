@@ -43,8 +43,7 @@ def _stdlib_source_files() -> list[str]:
 
 
 def builtin_sources_fingerprint() -> str:
-  """Hash of the stdlib source bytes the corpus is extracted from: no parsing, and it changes whenever the
-  corpus could."""
+  """Hash of the stdlib sources the corpus comes from: it changes whenever the corpus could."""
   root = stdlib_root()
   digest = hashlib.sha256(f"extraction-v{EXTRACTION_VERSION}\n".encode())
   for relpath in _stdlib_source_files():
@@ -93,8 +92,8 @@ def _parse(path: str, attempts: int = 3) -> ast.Module | None:
     except (SyntaxError, ValueError):  # a file this interpreter cannot parse contributes nothing
       return None
     except SystemError:
-      # CPython 3.11 (gh-106905): a parse on another thread can fail this one ("AST constructor
-      # recursion depth mismatch"); the same bytes parse again, and dropping the file would change the corpus.
+      # CPython 3.11 (gh-106905): a parse on another thread can fail this one; the same bytes parse
+      # again, and dropping the file would change the corpus.
       if attempt == attempts - 1:
         raise
 
@@ -124,14 +123,12 @@ def _all_documents() -> tuple[tuple[str, ...], ...]:
 
 
 def builtin_documents(max_documents: int | None = None) -> list[list[str]]:
-  """The built-in corpus: documents (lists of one-line paragraphs) in a fixed order, the first
-  `max_documents` of them (parsing stops early)."""
+  """The first `max_documents` documents (lists of one-line paragraphs) of the built-in corpus."""
   if max_documents is None:
     return [list(document) for document in _all_documents()]
   return list(itertools.islice(_iter_documents(), max_documents))
 
 
 def document_bytes(document) -> bytes:
-  """A document's text as fingerprints hash it: each sentence and a newline, then a separator marking the
-  document boundary (packing depends on it)."""
+  """A document's text as fingerprints hash it, its boundary marked (packing depends on it)."""
   return ("".join(sentence + "\n" for sentence in document) + "\x00\n").encode("utf-8")

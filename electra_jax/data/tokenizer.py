@@ -1,6 +1,5 @@
-"""The tokenizers ELECTRA trains with, both with [PAD] [UNK] [CLS] [SEP] [MASK]: SentencePiece
-models (ids 0..4 are those), trained here, and BERT's WordPiece vocab.txt with BERT's normalization
-(through the `tokenizers` library); and the tokenizer a data config names."""
+"""The tokenizers ELECTRA trains with: SentencePiece models trained here (ids 0..4 are [PAD] [UNK]
+[CLS] [SEP] [MASK]) and BERT's WordPiece vocab.txt; and the tokenizer a data config names."""
 
 from __future__ import annotations
 
@@ -22,14 +21,11 @@ SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(len(SPECIAL_TOKENS))
 
 SPM_MODEL_TYPES = ("unigram", "bpe")
-# The file each tokenizer is read from, under this name in a prepared directory and a workdir.
 TOKENIZER_FILES = {"sentencepiece": "spm.model", "wordpiece": "vocab.txt"}
 _MAX_TRAINING_SENTENCES = 1_000_000  # at most this many sentences train a model
-# Threads of the trainer where a model is part of the data (the cache, prepare_data): the model depends
-# on the count, so a fixed one makes it a function of the config alone.
+# The model depends on the trainer's thread count: a fixed one makes it a function of the config.
 TRAINING_THREADS = 2
-# Sentencepiece silently skips sentences over max_sentence_length bytes; we raise that limit to this
-# and cut longer sentences into pieces within it.
+# Sentencepiece silently skips longer sentences: ours are cut into pieces within it.
 _MAX_SENTENCE_BYTES = 16384
 
 
@@ -52,8 +48,8 @@ def _within_limit(sentence: str, limit: int = _MAX_SENTENCE_BYTES) -> Iterator[s
 
 
 def _sample_sentences(sentences: Iterable[str], k: int) -> list[str]:
-  """All of `sentences` if at most `k`, else `k` drawn by a reservoir sampler of fixed seed (Li's algorithm L):
-  sentencepiece's own sampler is seeded at random."""
+  """`k` of `sentences` (all if fewer) by a reservoir sampler of fixed seed (Li's algorithm L):
+  sentencepiece's own is seeded at random."""
   iterator = iter(sentences)
   reservoir = list(itertools.islice(iterator, k))
   if len(reservoir) < k:
@@ -69,7 +65,7 @@ def _sample_sentences(sentences: Iterable[str], k: int) -> list[str]:
 
 
 class NoSentencesError(ConfigError):
-  """train_sentencepiece was given no text (callers turn it into a message about their source)."""
+  """train_sentencepiece was given no text (callers name their source)."""
 
 
 def train_sentencepiece(
@@ -173,8 +169,7 @@ _MAX_INPUT_CHARS_PER_WORD = 100
 
 
 class WordPieceTokenizer:
-  """A BERT vocabulary with BERT's basic tokenization; the interface of SentencePieceTokenizer.
-  `strip_accents` None strips accents when lowercasing, as BERT does."""
+  """A BERT vocabulary with BERT's normalization (`strip_accents` None: when lowercasing)."""
 
   def __init__(self, vocab_file: str, lowercase: bool = True, strip_accents: bool | None = None):
     self.vocab_file = vocab_file
@@ -253,8 +248,7 @@ class WordPieceTokenizer:
 
 
 def open_tokenizer(path: str, config):
-  """The tokenizer in file `path` of the config's kind (a bucket's is read from a local copy in
-  the cache, named by its content)."""
+  """The tokenizer in file `path` (a bucket's through a local copy) of the config's kind."""
   local = workdir_files.local_copy(path, config["cache_dir"])
   if config["tokenizer"] == "wordpiece":
     return WordPieceTokenizer(local, config["lowercase"], config["strip_accents"])
@@ -271,8 +265,8 @@ def configured_tokenizer(config, directory: str = ""):
 
 
 def keep_tokenizer(tokenizer, directory) -> None:
-  """Copies `tokenizer`'s file into `directory` (a workdir, prepared shards) under the name its
-  readers look for, so they need neither the corpus nor the path that gave it."""
+  """Copies `tokenizer`'s file into `directory` (a workdir, prepared shards): its readers need
+  neither the corpus nor the path that gave it."""
   wordpiece = isinstance(tokenizer, WordPieceTokenizer)
   name = TOKENIZER_FILES["wordpiece" if wordpiece else "sentencepiece"]
   with open(tokenizer.vocab_file if wordpiece else tokenizer.model_path, "rb") as f:
