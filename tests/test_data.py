@@ -307,7 +307,9 @@ def test_tokenizer_special_ids_and_round_trip(train_data):
 @pytest.mark.fault
 def test_tokenizer_refuses_model_without_special_tokens(tmp_path):
   path = _train_plain_spm(tmp_path / "plain.model")
-  with pytest.raises(ValueError, match=r"plain\.model has \['<unk>', '<s>', '</s>'.* ELECTRA needs \['\[PAD\]'"):
+  with pytest.raises(
+      ValueError, match=r"plain\.model has \['<unk>', '<s>', '</s>'.* ELECTRA needs \['\[PAD\]'"
+  ):
     SentencePieceTokenizer(path)
 
 
@@ -323,7 +325,9 @@ def test_tokenizer_refuses_misplaced_special_token(tmp_path):
       eos_id=-1,
       user_defined_symbols=["[SEP]", "[CLS]", "[MASK]"],
   )
-  with pytest.raises(ValueError, match=r"swapped\.model has \['\[PAD\]', '\[UNK\]', '\[SEP\]', '\[CLS\]'"):
+  with pytest.raises(
+      ValueError, match=r"swapped\.model has \['\[PAD\]', '\[UNK\]', '\[SEP\]', '\[CLS\]'"
+  ):
     SentencePieceTokenizer(path)
 
 
