@@ -5,6 +5,7 @@ the gcs extra, or matching nothing, and a JSONL record naming its key twice are 
 import contextlib
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -59,13 +60,22 @@ def _custom_config(tmp_path, train_file):
 
 
 @pytest.mark.fault
-@pytest.mark.parametrize("kind", ["device", "FIFO"])
+@pytest.mark.parametrize("kind", ["device", "FIFO", "socket", "dangling link"])
 def test_a_corpus_file_that_is_not_a_regular_file_is_refused_before_it_is_read(tmp_path, kind):
   # (Read, /dev/zero would fill the memory: the config's read, which opens no file, refuses it.)
   with contextlib.ExitStack() as stack:
-    path = "/dev/zero" if kind == "device" else stack.enter_context(fifo(tmp_path / "corpus"))
+    path = str(tmp_path / "corpus")
+    if kind == "device":
+      path = "/dev/zero"
+    elif kind == "FIFO":
+      stack.enter_context(fifo(path))
+    elif kind == "socket":
+      stack.enter_context(socket.socket(socket.AF_UNIX)).bind(path)
+    else:
+      os.symlink(tmp_path / "moved_away.txt", path)
     read = read_config if kind == "device" else load_pretraining_data
-    with pytest.raises(ConfigError, match=rf"data.files .* matches '{path}', which is a {kind}"):
+    problem = "does not exist" if kind == "dangling link" else f"is a {kind}"
+    with pytest.raises(ConfigError, match=rf"data.files .* matches '{path}', which {problem}"):
       read(_corpus_config(tmp_path, path))
   assert not os.path.exists(tmp_path / "cache")  # nothing prepared
 
@@ -152,3 +162,36 @@ def test_a_jsonl_record_naming_a_key_twice_is_refused_with_its_place(tmp_path, l
   config.source = "jsonl"
   with pytest.raises(ConfigError, match=rf"{corpus}:2: column 'text'"):
     load_pretraining_data(config)
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize(
+    "line", ["[" * 100_000 + "]" * 100_000, '{"text": ' + "1" * 5000 + "}"], ids=["deep", "digits"]
+)
+def test_a_jsonl_line_json_cannot_read_is_skipped_and_counted(tmp_path, line):
+  # Nesting deeper than Python's stack (RecursionError) and an integer over Python's digit limit
+  # (ValueError) are lines like any other that are not JSON.
+  corpus = tmp_path / "corpus.jsonl"
+  corpus.write_text('{"text": "First one."}\n' + line + '\n{"text": "Third one."}\n')
+  stats = sources.SourceStats()
+  documents = list(sources.iter_documents("jsonl", [str(corpus)], "text", stats))
+  assert documents == [["First one."], ["Third one."]]
+  assert stats.first_problems == {"skipped_lines": f"{corpus}:2: not valid JSON"}
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("kind", ["vocab.txt", "spm.model"])
+def test_a_tokenizer_file_of_other_bytes_is_refused_by_name(tmp_path, kind):
+  path = tmp_path / kind
+  path.write_bytes(b"\xff\xfe not text, not a model \x00\x81")
+  config = _corpus_config(tmp_path, str(tmp_path / "*.txt"))
+  (tmp_path / "c.txt").write_text("Some text.\n")
+  tokenizer = "wordpiece" if kind == "vocab.txt" else "sentencepiece"
+  config.update(
+      tokenizer=tokenizer,
+      **{"vocab_file" if tokenizer == "wordpiece" else "spm_model_file": str(path)},
+  )
+  why = "is not UTF-8 text" if tokenizer == "wordpiece" else "is not a valid sentencepiece model"
+  with pytest.raises(ConfigError, match=rf"{path}'? {why}"):
+    load_pretraining_data(config)
+  assert not os.path.exists(tmp_path / "cache")

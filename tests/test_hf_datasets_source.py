@@ -66,6 +66,12 @@ def test_choices_that_do_not_exist_are_named(saved, tmp_path):
     HfDatasetCorpus(saved, "train", "body")
   with pytest.raises(ConfigError, match="is not a directory"):
     HfDatasetCorpus(str(tmp_path / "missing"), "train", "text")
+  (tmp_path / "junk").mkdir()
+  (tmp_path / "junk" / "dataset_info.json").write_text("{not json")  # a damaged save_to_disk
+  with pytest.raises(
+      ConfigError, match=r"data.hf_path='.*junk' is not a dataset datasets can read"
+  ):
+    HfDatasetCorpus(str(tmp_path / "junk"), "train", "text")
   with pytest.raises(ConfigError, match="needs data.hf_path"):
     load_pretraining_data(tiny_config(**{"data.source": "hf_datasets"}).data)
 

@@ -108,6 +108,11 @@ def refuse_repeated(where: str, names: list[str]) -> None:
     )
 
 
+def unique_object(where: str):
+  """json's object_pairs_hook for the object at `where`, refusing one that names a key twice."""
+  return lambda pairs: refuse_repeated(where, [key for key, _ in pairs]) or dict(pairs)
+
+
 def resolve_files(files: str) -> list[str]:
   """The files of `files`, comma-separated paths and globs (`~`, `**`; `gs://` objects with the gcs
   extra) in order, each glob's matches sorted, a file named twice read once."""
@@ -213,10 +218,10 @@ def _jsonl_file_documents(path: str, text_field: str, stats: SourceStats):
       continue
     why = None
     try:
-      record = json.loads(line, object_pairs_hook=lambda pairs: _unique(pairs, path, number))
+      record = json.loads(line, object_pairs_hook=unique_object(f"{path}:{number}"))
     except ConfigError:  # (a ValueError too)
       raise
-    except ValueError:
+    except (ValueError, RecursionError):  # (nesting deeper than the interpreter's stack)
       why = "not valid JSON"
     else:
       if not isinstance(record, dict):
@@ -231,11 +236,6 @@ def _jsonl_file_documents(path: str, text_field: str, stats: SourceStats):
     document = split_text(record[text_field], lambda: f"{path}:{number}", stats)
     if document:
       yield document
-
-
-def _unique(pairs: list[tuple], path: str, number: int) -> dict:
-  refuse_repeated(f"{path}:{number}", [key for key, _ in pairs])
-  return dict(pairs)
 
 
 def split_text(text: str, where, stats: SourceStats) -> list[str]:

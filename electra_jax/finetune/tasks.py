@@ -236,17 +236,14 @@ CUSTOM_FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jso
 def _custom_records(path: str, file_format: str) -> list[dict]:
   if file_format == "jsonl":
     records = []
-
-    def checked(pairs):  # (of the line being read)
-      sources.refuse_repeated(f"{path}:{line_number}", [key for key, _ in pairs])
-      return dict(pairs)
-
     with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is not text)
       for line_number, line in enumerate(f, 1):
         if not line.strip():
           continue
         try:
-          records.append(json.loads(line, object_pairs_hook=checked))
+          records.append(
+              json.loads(line, object_pairs_hook=sources.unique_object(f"{path}:{line_number}"))
+          )
         except json.JSONDecodeError as error:
           raise ConfigError(f"{path}:{line_number} is not JSON ({error}).") from None
         if not isinstance(records[-1], dict):
