@@ -64,7 +64,7 @@ def _corpus_cache_dir(config) -> str:
       **prepare.describe_source(config)[0],
   }
   if prepare.trains_spm(config):  # only the keys that change the tokenizer enter the key
-    key_fields.update(spm_vocab_size=config["spm_vocab_size"], model=config["spm_model_type"])
+    key_fields.update({key: config[key] for key in ("spm_vocab_size", "spm_model_type")})
   else:  # a given model or vocab.txt
     key_fields.update({config["tokenizer"]: configured_tokenizer(config).fingerprint})
   return os.path.join(config["cache_dir"], config["source"], prepare.config_key(key_fields))
