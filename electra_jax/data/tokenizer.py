@@ -190,12 +190,11 @@ class WordPieceTokenizer:
     # As BERT reads it: the token on line i has id i (a repeated token keeps its last line).
     self._vocab = {token: index for index, token in enumerate(tokens)}
     self.vocab_size = len(tokens)
-    for token in SPECIAL_TOKENS:
-      if token not in self._vocab:
-        raise ConfigError(
-            f"WordPiece vocabulary {vocab_file} lacks the special token {token}; ELECTRA needs all of "
-            f"{list(SPECIAL_TOKENS)}. Add the missing line(s) to the vocab (BERT's vocab.txt has them)."
-        )
+    if missing := [token for token in SPECIAL_TOKENS if token not in self._vocab]:
+      raise ConfigError(
+          f"WordPiece vocabulary {vocab_file} lacks the special token {missing[0]}; ELECTRA needs "
+          f"all of {list(SPECIAL_TOKENS)}: add the missing lines (BERT's vocab.txt has them)."
+      )
     self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (
         self._vocab[t] for t in SPECIAL_TOKENS
     )
