@@ -115,3 +115,19 @@ def test_a_local_dataset_prepares_like_in_memory_and_trains(saved, tmp_path):
   data_config.source = "prepared"
   prepared = load_pretraining_data(data_config, "train")
   np.testing.assert_array_equal(np.asarray(prepared.input_ids), in_memory.input_ids)
+
+
+@pytest.mark.fault
+def test_a_column_of_numbers_named_as_the_text_is_refused_with_its_counts(saved, tmp_path):
+  stats = SourceStats()
+  assert list(HfDatasetCorpus(saved, "train", "id").iter_documents(stats)) == []
+  assert stats.problems == {"skipped_lines": 150}
+  assert stats.first_problems["skipped_lines"].endswith("[train][0]: 'id' is not text")
+  config = tiny_config(
+      **{"data.source": "hf_datasets", "data.hf_path": saved, "data.text_field": "id"}
+  ).data
+  config.cache_dir = str(tmp_path / "cache")
+  with pytest.raises(
+      ConfigError, match=r"gave no usable text in field 'id' \(.*'skipped_lines': 150"
+  ):
+    load_pretraining_data(config)
