@@ -55,10 +55,8 @@ def builtin_sources_fingerprint() -> str:
 
 
 def _iter_docstrings(node: ast.AST) -> Iterator[str]:
-  if isinstance(node, _DOCSTRING_OWNERS):
-    docstring = ast.get_docstring(node, clean=True)
-    if docstring:
-      yield docstring
+  if isinstance(node, _DOCSTRING_OWNERS) and (docstring := ast.get_docstring(node, clean=True)):
+    yield docstring
   for child in ast.iter_child_nodes(node):
     yield from _iter_docstrings(child)
 
