@@ -28,6 +28,7 @@ _HASHED_CORPUS_BYTES = 64 << 20
 MAX_SENTENCE_CHARS = 1 << 16
 _SNIFF_BYTES = 8192  # a NUL in a file's first block marks it binary
 _BLOCK_BYTES = 8 << 20  # files are decoded this many bytes (rounded to whole lines) at a time
+_READ_BLOCK = 1024  # records a RecordCorpus reads at a time
 _SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # save_to_disk's files
 PROBLEMS = {  # what can go wrong reading a source, as the log and the errors name it
     "empty_files": "empty files skipped",
@@ -248,13 +249,11 @@ class RecordCorpus:
   """One split of a dataset whose records' `text_field` hold documents. A subclass sets `name`,
   `num_records`, `text_field`, `description`, `fingerprint` and read_texts(start, stop)."""
 
-  read_block = 256  # records per read_texts
-
   def iter_documents(self, stats: SourceStats):
     """The records' documents; a value neither str nor bytes is skipped and counted."""
     stats.total_bytes = stats.total_bytes or self.num_records
-    for start in range(0, self.num_records, self.read_block):
-      stop = min(start + self.read_block, self.num_records)
+    for start in range(0, self.num_records, _READ_BLOCK):
+      stop = min(start + _READ_BLOCK, self.num_records)
       for key, text in enumerate(self.read_texts(start, stop), start):
         stats.bytes_read += 1
         where = lambda key=key: f"{self.name}[{key}]"  # noqa: E731
@@ -296,8 +295,6 @@ def log_stats(source: str, stats: SourceStats) -> None:
 
 class HfDatasetCorpus(RecordCorpus):
   """One split of a local Hugging Face dataset, each row's `text_field` a document."""
-
-  read_block = 1024  # rows per column read
 
   def __init__(self, path: str, split: str, text_field: str):
     path = os.path.abspath(os.path.expanduser(path))
