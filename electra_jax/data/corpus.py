@@ -8,6 +8,7 @@ import functools
 import hashlib
 import itertools
 import os
+import pathlib
 import sysconfig
 from collections.abc import Iterator
 
@@ -47,8 +48,7 @@ def builtin_sources_fingerprint() -> str:
   root = stdlib_root()
   digest = hashlib.sha256(f"extraction-v{EXTRACTION_VERSION}\n".encode())
   for relpath in _stdlib_source_files():
-    with open(os.path.join(root, relpath), "rb") as f:
-      data = f.read()
+    data = pathlib.Path(root, relpath).read_bytes()
     digest.update(f"{relpath}\n{len(data)}\n".encode())
     digest.update(data)
   return digest.hexdigest()[:16]
@@ -82,8 +82,7 @@ def split_sentences(text: str) -> list[str]:
 
 
 def _parse(path: str, attempts: int = 3) -> ast.Module | None:
-  with open(path, "rb") as f:
-    source = f.read()
+  source = pathlib.Path(path).read_bytes()
   for attempt in range(attempts):
     try:
       return ast.parse(source, filename=path)  # bytes: ast honours each file's coding declaration

@@ -8,6 +8,7 @@ import io
 import itertools
 import math
 import os
+import pathlib
 import random
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -121,8 +122,7 @@ class SentencePieceTokenizer:
 
   def __init__(self, model_path: str):
     self.model_path = model_path
-    with open(model_path, "rb") as f:
-      model_bytes = f.read()
+    model_bytes = pathlib.Path(model_path).read_bytes()
     # The bytes loaded are the bytes hashed, even if the file is replaced meanwhile.
     self.fingerprint = hashlib.sha256(model_bytes).hexdigest()[:16]
     self._processor = spm.SentencePieceProcessor()
@@ -175,8 +175,7 @@ class WordPieceTokenizer:
     self.vocab_file = vocab_file
     self.lowercase = bool(lowercase)
     self.strip_accents = None if strip_accents is None else bool(strip_accents)
-    with open(vocab_file, "rb") as f:
-      vocab_bytes = f.read()
+    vocab_bytes = pathlib.Path(vocab_file).read_bytes()
     try:
       # -sig: a BOM would hide [PAD]; the final newline ends the last line, it does not start an empty token.
       tokens = [
@@ -268,5 +267,5 @@ def keep_tokenizer(tokenizer, directory) -> None:
   neither the corpus nor the path that gave it."""
   wordpiece = isinstance(tokenizer, WordPieceTokenizer)
   name = TOKENIZER_FILES["wordpiece" if wordpiece else "sentencepiece"]
-  with open(tokenizer.vocab_file if wordpiece else tokenizer.model_path, "rb") as f:
-    workdir_files.write_bytes(workdir_files.path(directory, name), f.read())
+  kept = pathlib.Path(tokenizer.vocab_file if wordpiece else tokenizer.model_path).read_bytes()
+  workdir_files.write_bytes(workdir_files.path(directory, name), kept)
