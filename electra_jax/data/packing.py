@@ -44,9 +44,8 @@ def pack_documents(
       a_target = None if rng.random() < single_segment_prob else (target_length - 3) // 2
       segment_a, segment_b = [], []
       for buffered_sentence in buffered:
-        # The official builder's rule, per sentence: a short sentence can still join A after a
-        # longer one went to B; one that would overfill A joins it on a coin flip only while B is
-        # empty.
+        # The official builder's rule: a short sentence can join A after a longer one went to B;
+        # one that would overfill A joins it on a coin flip only while B is empty.
         goes_to_a = (
             a_target is None
             or not segment_a
