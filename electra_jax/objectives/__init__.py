@@ -70,6 +70,12 @@ def check_config(config) -> None:
         f"objective.disc_mlm_weight={o.disc_mlm_weight} adds an MLM loss to the discriminator of "
         f"objective.name {with_it}, not {o.name!r}: set it to 0 or change the objective."
     )
+  towers = REGISTRY[o.name].towers
+  if config.model.tie == "all" and (towers.cloze or not towers.has_generator):
+    raise ConfigError(
+        f"objective.name={o.name!r} has no generator tower to share an encoder with: use "
+        "model.tie='embeddings' (or 'none', 'gdes')."
+    )
   REGISTRY[o.name].check(config)
 
 
@@ -88,5 +94,4 @@ def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjecti
       random_token_prob=random_token_prob,
       vocab_size=special_ids.get("vocab_size", config.model.vocab_size),
       initial_temperature=o.initial_temperature if pieces.temperature_falls(o) else None,
-      uses_generator=entry.towers.has_generator,
   )
