@@ -1,7 +1,6 @@
 """Two-stage training (the paper's section 3.2 ablation): the generator alone by L_MLM until
-objective.two_stage_switch (half the run when 0), then the discriminator, started from the
-generator's encoder, by L_Disc alone. Its hooks copy the encoder at the switch, hold the other
-stage's tower still, and fix the switch at a run's start so a resume with more steps keeps it."""
+objective.two_stage_switch (0: half the run), then by L_Disc alone the discriminator, started from
+the generator's encoder. The hooks copy it at the switch, hold the other tower, fix the switch."""
 
 import jax
 import jax.numpy as jnp
