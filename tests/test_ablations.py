@@ -656,22 +656,22 @@ def test_two_stage_resumed_with_more_steps_keeps_its_switch(tmp_path, two_stage_
 
 @pytest.mark.fault
 @pytest.mark.parametrize(
-    "switch, steps, harm",
+    "switch, steps, resumed, harm",
     [
-        (6, 10, "checkpoint is at step 4: .* over the trained discriminator again"),
-        (1, 10, "checkpoint is at step 4: .* without the generator's encoder"),
-        (10, 10, "not below train.steps=10, so the discriminator's stage would never run"),
+        (6, 10, True, "checkpoint is at step 4: .* over the trained discriminator again"),
+        (1, 10, True, "checkpoint is at step 4: .* without the generator's encoder"),
+        (10, 10, False, "switch=10 leaves a stage no step of train.steps=10: give a step from 1"),
+        (0, 1, False, "switch=0 leaves a stage no step of train.steps=1: give a step from 1 to 0"),
     ],
 )
-def test_two_stage_refuses_a_switch_that_would_skip_or_repeat_a_stage(switch, steps, harm):
-  # A workdir that switched at step 2 and saved step 4, resumed with another switch (the last
-  # case: a fresh run whose switch is its end).
+def test_two_stage_refuses_a_switch_that_would_skip_or_repeat_a_stage(switch, steps, resumed, harm):
+  # Resumed: a workdir that switched at step 2 and saved step 4. Fresh: a run whose switch is its
+  # end, and a run of one step, whose half is 0.
   saved = config_lib.as_saved(tiny_config(**{**TWO_STAGE, "objective.two_stage_switch": 2}))
   config = tiny_config(**{**TWO_STAGE, "train.steps": steps, "objective.two_stage_switch": switch})
-  fresh = switch == steps
   with pytest.raises(ConfigError, match=harm):
     objectives.REGISTRY["two_stage"].fixed_at_start(
-        config, None if fresh else saved, None if fresh else 4
+        config, saved if resumed else None, 4 if resumed else None
     )
 
 

@@ -65,10 +65,10 @@ class TwoStage(Objective):
           switch,
           " (as this workdir recorded)" if recorded else "",
       )
-    if switch >= steps:
+    if not 0 < switch < steps:
       raise ConfigError(
-          f"objective.two_stage_switch={switch} is not below train.steps={steps}, so the "
-          "discriminator's stage would never run: lower it (0: half the run) or train longer."
+          f"objective.two_stage_switch={switch} leaves a stage no step of train.steps={steps}: "
+          f"give a step from 1 to {steps - 1} (0: half the run), or train longer."
       )
     fixed = {"objective.two_stage_switch": switch}
     if start_step is None or recorded in (None, switch) or start_step <= min(switch, recorded):
