@@ -2,6 +2,7 @@
 batch that fits (`train.batch_size = -1`): a line of bytes against the batch, then bisection."""
 
 import dataclasses
+import math
 import os
 import time
 
@@ -62,6 +63,18 @@ def device_memory_bytes(device: jax.Device | None = None) -> int:
   except (OSError, StopIteration):
     available_kb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 1024
   return available_kb * 1024 // max(1, jax.local_device_count())
+
+
+def floor_bytes(setup, micro_batch: int, seq_len: int, batch_shards: int) -> int:
+  """A floor under a train step's bytes per device, known before compiling: the state's shards and
+  the input of each discriminator layer, which the backward pass keeps even with model.remat='full'.
+  """
+  state = sum(
+      math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+      for leaf in jax.tree.leaves(setup.abstract_state)
+  )
+  tower, rows = setup.model.discriminator_config, -(-micro_batch // batch_shards)
+  return state + tower.num_layers * rows * seq_len * tower.hidden_size * setup.model.dtype.itemsize
 
 
 def step_memory(compile_step, batch_size: int) -> StepMemory:

@@ -87,24 +87,32 @@ def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
         f"({corpus.tokenizer.vocab_size}). Set model.vocab_size >= {corpus.tokenizer.vocab_size}."
     )
   setup = train_state.build_setup(config, mesh, train_state.special_ids(corpus.tokenizer))
+  # The same limit on every process (a host's free memory differs), so all find the same batch.
+  t, device_bytes = config.train, memory.device_memory_bytes()
+  if jax.process_count() > 1:
+    device_bytes = int(multihost_utils.process_allgather(np.int64(device_bytes)).min())
+  limit = int(t.memory_fraction * device_bytes)
+  micro, seq_len = t.batch_size // t.grad_accum_steps, config.data.max_seq_len
+  needs = memory.floor_bytes(setup, micro, seq_len, partitioning.batch_shards(mesh))
+  if t.batch_size != -1 and needs > limit:
+    cpu = " (on CPU, the host's available memory over its devices)" if platform == "cpu" else ""
+    raise ConfigError(
+        f"train.batch_size={t.batch_size} needs at least {needs / 2**30:.2f} GiB a device (the "
+        f"train state and each layer's input kept for the backward pass), more than "
+        f"train.memory_fraction={t.memory_fraction:g} of the {device_bytes / 2**30:.2f} GiB a "
+        f"device has{cpu}: lower train.batch_size, raise train.grad_accum_steps, or set "
+        "train.batch_size=-1 for the largest batch that fits."
+    )
 
   # --- What the run decides at its start: the checkpoint, the batch, the steps
-  t = config.train
   resolved = config.copy_and_resolve_references()
   with partitioning.activate(mesh):
     start = None
     if workdir is not None:
       start = checkpointing.newest_start(workdir, setup, corpus, config.checkpoint.keep, changes)
     if t.batch_size == -1:  # the largest that fits in train.memory_fraction of a device
-      limit = int(t.memory_fraction * memory.device_memory_bytes())
-      batch_size, _ = memory.largest_batch(
-          lambda b: train_state.compile_train_step(setup, config, mesh, batch_size=b),
-          limit,
-          quantum,
-      )
-      # Every process takes the smallest answer: hosts may see different free memory.
-      if jax.process_count() > 1:
-        batch_size = int(multihost_utils.process_allgather(np.int64(batch_size)).min())
+      compile_step = step_compiler(config, setup, mesh)
+      batch_size, _ = memory.largest_batch(compile_step, limit, quantum)
       logging.info("train.batch_size=-1: using %d, the largest batch that fits.", batch_size)
       resolved.update_from_flattened_dict({"train.batch_size": batch_size})
     resumed = start is not None and saved is not None

@@ -98,6 +98,7 @@ def test_training_writes_held_out_metrics(tmp_path):
     )
 
 
+@pytest.mark.fault
 def test_evaluating_an_empty_workdir_is_a_clear_error(tmp_path):
   with pytest.raises(ValueError, match="holds no checkpoint"):
     train.evaluate_checkpoint(tiny_config(), str(tmp_path))

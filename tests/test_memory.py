@@ -6,7 +6,7 @@ import types
 import numpy as np
 import pytest
 
-from conftest import REPO, tiny_config
+from conftest import REPO, cli, cli_args, tiny_config
 from electra_jax import config_lib, memory, partitioning, resolve, train_state
 from electra_jax.errors import ConfigError
 
@@ -167,6 +167,7 @@ def test_a_batch_fitted_by_recomputing_does_not_fit(monkeypatch, tiny_setup, qua
   )
 
 
+@pytest.mark.fault
 def test_other_compile_errors_are_not_taken_for_memory(monkeypatch, tiny_setup):
   config, mesh, setup = tiny_setup
 
@@ -191,6 +192,30 @@ def test_batch_size_minus_one_resolves_before_training(monkeypatch):
     resolve.run(tiny_config(**{"train.batch_size": -1, "train.memory_fraction": 0.5}))
 
 
+@pytest.mark.fault
+def test_a_batch_far_larger_than_memory_is_refused_in_one_line_before_compiling(
+    tmp_path, monkeypatch
+):
+  # 8 MiB a device: the tiny model's batch of 8 fits; 3,000 of its 3,187 rows need ~12 MiB of
+  # layer inputs alone (the 100,000 failed after a 22 s compile, with a traceback).
+  monkeypatch.setattr(memory, "device_memory_bytes", lambda device=None: 8 * 2**20)
+  monkeypatch.setattr(train_state, "compile_train_step", lambda *a, **k: pytest.fail("compiled"))
+  workdir = tmp_path / "run"
+  result = cli(cli_args(workdir, **{"train.batch_size": 3000, "train.memory_fraction": 1.0}))
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  refusal = [line for line in result.stderr.splitlines() if "train.batch_size=3000" in line]
+  assert len(refusal) == 1, result.stderr[-2000:]
+  for said in ("needs at least 0.01 GiB a device", "train.memory_fraction=1 of the 0.01 GiB"):
+    assert said in refusal[0]
+  assert "train.grad_accum_steps" in refusal[0] and "train.batch_size=-1" in refusal[0]
+  assert not workdir.exists() or not (workdir / "config.json").exists()
+  # Micro-batches of 375 fit, and so does the tiny recipe's batch; neither compiles here.
+  accumulated = {"train.batch_size": 3000, "train.grad_accum_steps": 8}
+  for fits in (accumulated, {}):
+    resolve.run(tiny_config(**{"train.memory_fraction": 1.0, **fits}))
+
+
+@pytest.mark.fault
 def test_non_positive_batch_sizes_are_refused():
   with pytest.raises(
       ConfigError, match="train.batch_size=0: give a positive global batch size, or -1"
@@ -198,6 +223,7 @@ def test_non_positive_batch_sizes_are_refused():
     config_lib.validate(tiny_config(**{"train.batch_size": 0}))
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize(
     "args, message",
     [

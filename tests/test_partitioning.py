@@ -14,6 +14,7 @@ def _mesh(data, fsdp, tensor):
   return ml_collections.ConfigDict({"data": data, "fsdp": fsdp, "tensor": tensor})
 
 
+@pytest.mark.fault
 def test_mesh_sizes_fill_and_validate():
   assert partitioning.resolve_mesh_shape(_mesh(-1, 1, 1), 8) == (8, 1, 1)
   assert partitioning.resolve_mesh_shape(_mesh(2, -1, 2), 8) == (2, 2, 2)
@@ -70,6 +71,7 @@ def test_tables_that_a_mesh_axis_does_not_divide_are_named():
   )
 
 
+@pytest.mark.fault
 def test_processes_must_own_whole_batch_shards():
   mesh = jax.sharding.AbstractMesh((1, 2, 4), partitioning.MESH_AXES)
   train = tiny_config().train  # its batch of 8 splits over 4 shards
@@ -83,6 +85,7 @@ def test_processes_must_own_whole_batch_shards():
     )
 
 
+@pytest.mark.fault
 def test_batch_not_divisible_by_data_axes_is_refused(tmp_path):
   result = run_cli(
       cli_args(tmp_path / "run", **{"train.batch_size": 6, "mesh.data": 4, "mesh.fsdp": 2}),
