@@ -1,6 +1,7 @@
 """Memory per training step from XLA's analysis, the largest batch that fits, and
 train.batch_size=-1 resolving to it before anything is written."""
 
+import functools
 import types
 
 import numpy as np
@@ -23,7 +24,9 @@ def tiny_setup():
 def test_step_memory_grows_linearly_with_the_batch(tiny_setup):
   config, mesh, setup = tiny_setup
   b8, b16, b32 = (
-      memory.step_memory(resolve.step_compiler(config, setup, mesh), b).bytes_per_device
+      memory.step_memory(
+          functools.partial(train_state.compile_train_step, setup, config, mesh), b
+      ).bytes_per_device
       for b in (8, 16, 32)
   )
   assert b8 < b16 < b32
@@ -117,7 +120,9 @@ def test_a_batch_the_compiler_refuses_does_not_fit(monkeypatch, tiny_setup, quan
   limit = bytes_of(300) + 1  # memory_fraction's share of the chip
   hbm = bytes_of(310)
   asked = _compiler_with_memory(monkeypatch, bytes_of, hbm)
-  batch, measured = memory.largest_batch(resolve.step_compiler(config, setup, mesh), limit, quantum)
+  batch, measured = memory.largest_batch(
+      functools.partial(train_state.compile_train_step, setup, config, mesh), limit, quantum
+  )
   assert batch == 300 // quantum * quantum
   assert any(m.bytes_per_device is None for m in measured)  # the search went past the chip
   assert len(asked) <= 16 and all(b % quantum == 0 for b in asked)
@@ -126,7 +131,9 @@ def test_a_batch_the_compiler_refuses_does_not_fit(monkeypatch, tiny_setup, quan
   small = lambda b: 50_000 + 1_000 * b  # noqa: E731
   _compiler_with_memory(monkeypatch, small, device_bytes=small(4 * quantum) - 1)
   batch, measured = memory.largest_batch(
-      resolve.step_compiler(config, setup, mesh), small(3 * quantum) + 1, quantum
+      functools.partial(train_state.compile_train_step, setup, config, mesh),
+      small(3 * quantum) + 1,
+      quantum,
   )
   assert (
       batch == 3 * quantum
@@ -138,7 +145,11 @@ def test_a_batch_the_compiler_refuses_does_not_fit(monkeypatch, tiny_setup, quan
   with pytest.raises(
       ConfigError, match=f"Even a batch of {quantum} needs more than a device's memory"
   ):
-    memory.largest_batch(resolve.step_compiler(config, setup, mesh), small(quantum), quantum)
+    memory.largest_batch(
+        functools.partial(train_state.compile_train_step, setup, config, mesh),
+        small(quantum),
+        quantum,
+    )
 
 
 @pytest.mark.parametrize("quantum", [1, 8])
@@ -153,7 +164,9 @@ def test_a_batch_fitted_by_recomputing_does_not_fit(monkeypatch, tiny_setup, qua
       monkeypatch, bytes_of, device_bytes=bytes_of(5000), flops_of=flops_of
   )
   batch, measured = memory.largest_batch(
-      resolve.step_compiler(config, setup, mesh), bytes_of(2000), quantum
+      functools.partial(train_state.compile_train_step, setup, config, mesh),
+      bytes_of(2000),
+      quantum,
   )
   assert batch == 200
   assert len(asked) <= 14 and all(b % quantum == 0 for b in asked)
@@ -162,7 +175,11 @@ def test_a_batch_fitted_by_recomputing_does_not_fit(monkeypatch, tiny_setup, qua
       monkeypatch, bytes_of, device_bytes=bytes_of(5000), flops_of=lambda b: 1e6 + 1e4 * b
   )
   assert (
-      memory.largest_batch(resolve.step_compiler(config, setup, mesh), bytes_of(2000), quantum)[0]
+      memory.largest_batch(
+          functools.partial(train_state.compile_train_step, setup, config, mesh),
+          bytes_of(2000),
+          quantum,
+      )[0]
       == 2000
   )
 
@@ -176,7 +193,7 @@ def test_other_compile_errors_are_not_taken_for_memory(monkeypatch, tiny_setup):
 
   monkeypatch.setattr(train_state, "compile_train_step", broken)
   with pytest.raises(RuntimeError, match="INVALID_ARGUMENT"):
-    memory.step_memory(resolve.step_compiler(config, setup, mesh), 8)
+    memory.step_memory(functools.partial(train_state.compile_train_step, setup, config, mesh), 8)
 
 
 def test_batch_size_minus_one_resolves_before_training(monkeypatch):

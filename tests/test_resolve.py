@@ -88,6 +88,7 @@ def test_bad_config_is_refused_before_any_work(tmp_path, overrides, named):
             r"objective.keep_original_prob=2.0 must be in \[0, 1\]",
         ),
         ({"optimizer.warmup_steps": -10}, "optimizer.warmup_steps=-10 must be >= 0"),
+        ({"train.steps": 0}, r"train.steps=0 must be >= 1 \(optimizer steps in all\)"),
         ({"optimizer.weight_decay": -3.0}, "optimizer.weight_decay=-3.0 must be >= 0"),
         ({"optimizer.b2": 1.0}, r"optimizer.b2=1.0 must be in \[0, 1\)"),
         ({"optimizer.clip_norm": 0.0}, "optimizer.clip_norm=0.0 must be > 0"),
