@@ -88,18 +88,16 @@ def _undivided(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh):
       yield dim, names, size
 
 
-def partition_specs(boxed_tree, mesh):
-  """Mesh PartitionSpecs for a tree from `jax.eval_shape(init)` by the rules table; a dimension its
-  mesh axes do not divide (one generator head over tensor=2), and anything unannotated, replicated.
-  """
+def shardings_for(boxed_tree, mesh: Mesh):
+  """NamedShardings for a tree from `jax.eval_shape(init)` by the rules table; a dimension its mesh
+  axes do not divide (one generator head over tensor=2), and anything unannotated, replicated."""
   mesh_specs = nn.logical_to_mesh(nn.get_partition_spec(boxed_tree), LOGICAL_AXIS_RULES)
 
   def fit(spec, leaf):
     spec = tuple(spec) + (None,) * (len(leaf.shape) - len(spec))
     undivided = {dim for dim, _, _ in _undivided(spec, leaf.shape, mesh)}
-    return PartitionSpec(
-        *(None if dim in undivided else axes or None for dim, axes in enumerate(spec))
-    )
+    kept = (None if dim in undivided else axes or None for dim, axes in enumerate(spec))
+    return NamedSharding(mesh, PartitionSpec(*kept))
 
   return jax.tree.map(fit, mesh_specs, nn.meta.unbox(boxed_tree), is_leaf=_is_spec)
 
@@ -120,12 +118,6 @@ def unsharded_dimensions(boxed_tree, mesh, min_elements: int = 2**20) -> list[st
           for dim, names, size in _undivided(spec, leaf.shape, mesh)
       ]
   return found
-
-
-def shardings_for(boxed_tree, mesh: Mesh):
-  return jax.tree.map(
-      lambda spec: NamedSharding(mesh, spec), partition_specs(boxed_tree, mesh), is_leaf=_is_spec
-  )
 
 
 def batch_sharding(mesh: Mesh, stacked: bool = False) -> NamedSharding:

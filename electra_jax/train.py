@@ -113,11 +113,8 @@ def _loop(run: resolve.Run, state, compiled: dict, evaluator, checkpointer, leas
   stream_offset = start.stream_position - step * global_batch if step else 0
   if stream_offset:
     logging.info(
-        "The checkpoint at step %d read %d rows of the data stream (the batch size changed along "
-        "the way); batches of %d go on from there.",
-        step,
-        start.stream_position,
-        global_batch,
+        f"The checkpoint at step {step} read {start.stream_position} rows of the data stream (the "
+        f"batch size changed along the way); batches of {global_batch} go on from there."
     )
   what_is_held_out = "rows" if config.data.pack_rows else "examples"
   flops_per_token = flops.objective_flops_per_token(setup.model, setup.objective, seq_len)
@@ -200,9 +197,8 @@ def _loop(run: resolve.Run, state, compiled: dict, evaluator, checkpointer, leas
           eval_log.flush()
       if stopping:
         logging.warning(
-            "%s received: saved a checkpoint at step %d; run the same command to resume.",
-            signals.signal_name,
-            step,
+            f"{signals.signal_name} received: saved a checkpoint at step {step}; run the same "
+            "command to resume."
         )
         break
   if step >= total_steps and is_chief:

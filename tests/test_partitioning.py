@@ -32,7 +32,7 @@ def test_rules_shard_parameters_and_replicate_what_does_not_divide():
   objective = objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4))
   boxed = jax.eval_shape(train_state.make_init_fn(config, model, objective), jax.random.key(0))
   mesh = jax.sharding.AbstractMesh((2, 2, 2), partitioning.MESH_AXES)
-  fitted = partitioning.partition_specs(boxed.params, mesh)
+  fitted = jax.tree.map(lambda s: s.spec, partitioning.shardings_for(boxed.params, mesh))
   assert fitted["embeddings"]["word_embeddings"]["embedding"] == P("tensor", "fsdp")
   layer = fitted["discriminator"]["encoder"]["layer_0"]
   assert layer["intermediate"]["kernel"] == P("fsdp", "tensor")

@@ -89,6 +89,8 @@ def test_bad_config_is_refused_before_any_work(tmp_path, overrides, named):
         ),
         ({"optimizer.warmup_steps": -10}, "optimizer.warmup_steps=-10 must be >= 0"),
         ({"train.steps": 0}, r"train.steps=0 must be >= 1 \(optimizer steps in all\)"),
+        ({"train.memory_fraction": 0.0}, r"train.memory_fraction=0.0 must be in \(0, 1\]"),
+        ({"train.memory_fraction": 1.5}, r"train.memory_fraction=1.5 must be in \(0, 1\]"),
         ({"optimizer.weight_decay": -3.0}, "optimizer.weight_decay=-3.0 must be >= 0"),
         ({"optimizer.b2": 1.0}, r"optimizer.b2=1.0 must be in \[0, 1\)"),
         ({"optimizer.clip_norm": 0.0}, "optimizer.clip_norm=0.0 must be > 0"),
