@@ -405,6 +405,12 @@ _BOUNDS = (
         " (of the discriminator's width; paper: 1/4-1/2)",
     ),
     ("train.grad_accum_steps", *_AT_LEAST_1, " (micro-batches per step)"),
+    (
+        "train.memory_fraction",
+        "in (0, 1]",
+        lambda v: 0 < v <= 1,
+        " (the share of a device's memory a step may use)",
+    ),
     ("train.steps_per_call", *_AT_LEAST_1, " (optimizer steps per compiled call)"),
     ("train.steps", *_AT_LEAST_1, " (optimizer steps in all)"),
     ("train.log_every", *_AT_LEAST_1, " (steps per logged line)"),
