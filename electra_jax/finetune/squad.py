@@ -60,6 +60,10 @@ def _checked_examples(rows, version: str, where: str) -> list[SquadExample]:
             "'text' at its integer 'answer_start'."
         )
     for bad, why in (
+        (
+            type(is_impossible) is not bool,
+            f"has is_impossible={is_impossible!r}, which is not true or false",
+        ),
         (version == "1.1" and is_impossible, "is marked is_impossible, which only SQuAD 2.0 has"),
         (is_impossible and answers, f"is marked is_impossible but has answers {answers}"),
         (not is_impossible and not answers, "has no answers and is not marked is_impossible"),
@@ -81,7 +85,7 @@ def read_squad_json(path: str, version: str) -> list[SquadExample]:
   if problem := sources.not_a_regular_file(path):
     raise ConfigError(f"Cannot read the SQuAD file {path!r}: it {problem}; {fix}.")
   try:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is not text)
       data = json.load(f)["data"]
     qas = [(p["context"], qa) for article in data for p in article["paragraphs"] for qa in p["qas"]]
     rows = []

@@ -124,7 +124,7 @@ def _require_file(path: str, what: str) -> None:
 
 def _regression_label(raw, where: str) -> float:
   try:
-    label = float(raw)
+    label = math.nan if isinstance(raw, bool) else float(raw)  # JSON's true is no target
   except (TypeError, ValueError):
     label = math.nan
   if not math.isfinite(label):
@@ -258,20 +258,26 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
     sources.refuse_repeated(path, reader.fieldnames or [])
     records = list(reader)
   for row_number, record in enumerate(records, 1):
-    if None in record:  # DictReader's key for fields past the header's
+    # DictReader keeps fields past the header's under None, and gives missing ones None.
+    extra, missing = len(record.get(None, [])), list(record.values()).count(None)
+    if extra or missing:
+      hint = "give each column a value"
+      if extra:
+        hint = f"a {'tab' if tsv else 'comma'} inside a text? " + (
+            "Remove it, or use CSV or JSONL" if tsv else "Quote that field"
+        )
       raise ConfigError(
-          f"{path}: row {row_number} has {len(reader.fieldnames) + len(record[None])} fields, its "
-          f"header {len(reader.fieldnames)}: a {'tab' if tsv else 'comma'} inside a text? "
-          f"{'Remove it, or use CSV or JSONL' if tsv else 'Quote that field'}."
+          f"{path}: row {row_number} has {len(reader.fieldnames) + extra - missing} fields, its "
+          f"header {len(reader.fieldnames)}: {hint}."
       )
   return records
 
 
 def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example]:
+  _require_file(path, f"custom task {split} split")
   file_format = custom.format or CUSTOM_FORMATS.get(os.path.splitext(path)[1].lower())
   if file_format not in CUSTOM_FORMATS.values():
     raise ConfigError(f"Unknown format of {path}: set config.custom.format (tsv, csv, jsonl).")
-  _require_file(path, f"custom task {split} split")
   grouped = split == "train" and bool(custom.group_column)
   columns = [
       custom.text_a_column,
@@ -283,10 +289,14 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
   for row_number, record in enumerate(_custom_records(path, file_format), 1):
     where = f"{path}: row {row_number}"
     for column in filter(None, columns):
-      if record.get(column) is None:
+      if column not in record:
         raise ConfigError(
             f"{where} has no column {column!r} (it has {sorted(record)}); set "
             "config.custom.*_column."
+        )
+      if not isinstance(record[column], (str, int, float)):  # JSON's null, objects and lists
+        raise ConfigError(
+            f"{where}: column {column!r} holds {record[column]!r}; give a string or a number."
         )
     label, raw = None, record.get(custom.label_column)
     if labelled and custom.kind == "regression":
@@ -318,6 +328,11 @@ def load_custom(custom) -> TaskData:
   label_list = None
   if custom.kind == "classification" and custom.labels:
     label_list = tuple(label.strip() for label in custom.labels.split(","))
+    if "" in label_list or len(set(label_list)) < len(label_list):
+      raise ConfigError(
+          f"config.custom.labels={custom.labels!r} names a label twice or an empty one; list each "
+          "label once, comma-separated."
+      )
   elif custom.kind == "classification":
     label_list = tuple(sorted({example.label for example in train}))
   default_metrics = "accuracy" if custom.kind == "classification" else "pearson,spearman"
