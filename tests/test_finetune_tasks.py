@@ -381,7 +381,7 @@ BAD_TASK_INPUTS = [
     (
         "a directory as the dev file",
         lambda t: custom_config(t, "tsv", TRAIN, TRAIN, dev_file=str(t)),
-        r"custom task dev split: .* is a directory",
+        r"is a directory; check config.custom.dev_file",
     ),
     (
         "a JSONL line that is no object",

@@ -22,7 +22,6 @@ import optax
 from absl import logging
 
 from electra_jax import workdir_files
-from electra_jax.data import sources
 from electra_jax.data.tokenizer import WordPieceTokenizer
 from electra_jax.errors import ConfigError
 from electra_jax.finetune import tasks
@@ -82,8 +81,7 @@ def _checked_examples(rows, version: str, where: str) -> list[SquadExample]:
 def read_squad_json(path: str, version: str) -> list[SquadExample]:
   """Questions of an official SQuAD JSON file of `version` (`plausible_answers` are ignored)."""
   fix = "set config.data_dir to the folder of the official files, or use config.source=tfds"
-  if problem := sources.not_a_regular_file(path):
-    raise ConfigError(f"Cannot read the SQuAD file {path!r}: it {problem}; {fix}.")
+  tasks.require_file(path, fix)
   try:
     with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is not text)
       data = json.load(f)["data"]
@@ -462,6 +460,10 @@ def squad_settings(config) -> ml_collections.ConfigDict:
   task = re.fullmatch(r"squad(v?(1|11|2|20))?", re.sub(r"[^a-z0-9]", "", str(config.task).lower()))
   if not task:
     raise ConfigError(f"config.task={config.task!r}: for SQuAD use 'squad1.1' or 'squad2.0'.")
+  if config.head.pooling != "cls":
+    raise ConfigError(
+        f"config.head.pooling={config.head.pooling!r}: SQuAD's span head pools nothing; use 'cls'."
+    )
   settings = ml_collections.ConfigDict(config.squad.to_dict())
   settings.version = "1.1" if (task.group(2) or "2").startswith("1") else "2.0"
   settings.answerable = settings.version == "2.0" and settings.answerable_classifier

@@ -116,10 +116,10 @@ GLUE_TASKS = {
 TASK_NAMES = tuple(GLUE_TASKS) + ("custom",)
 
 
-def _require_file(path: str, what: str) -> None:
+def require_file(path: str, fix: str) -> None:
   """Refuses, before it is opened, a `path` that is not a regular file (sources.not_a_regular_file)."""
   if problem := sources.not_a_regular_file(path):
-    raise ConfigError(f"{what}: {path} {problem}. Check config.data_dir and the task name.")
+    raise ConfigError(f"{path} {problem}; {fix}.")
 
 
 def _regression_label(raw, where: str) -> float:
@@ -199,7 +199,7 @@ def load_glue(name: str, config) -> TaskData:
       path = os.path.join(task_dir, stem + ".tsv")
       if not labelled and not os.path.lexists(path):
         return None  # (a test split is optional)
-      _require_file(path, f"GLUE's {task.directory}/{stem}.tsv")
+      require_file(path, f"give GLUE's {task.directory}/{stem}.tsv in config.data_dir")
       return _glue_tsv(task, path, labelled)
     split = stem.replace("dev", "validation")
     source = open_tfds_split(f"glue/{name}", split, config.tfds_data_dir)
@@ -274,17 +274,13 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
 
 
 def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example]:
-  _require_file(path, f"custom task {split} split")
+  require_file(path, f"check config.custom.{split}_file")
   file_format = custom.format or CUSTOM_FORMATS.get(os.path.splitext(path)[1].lower())
   if file_format not in CUSTOM_FORMATS.values():
     raise ConfigError(f"Unknown format of {path}: set config.custom.format (tsv, csv, jsonl).")
   grouped = split == "train" and bool(custom.group_column)
-  columns = [
-      custom.text_a_column,
-      custom.text_b_column,
-      labelled and custom.label_column,
-      grouped and custom.group_column,
-  ]
+  columns = [custom.text_a_column, custom.text_b_column, labelled and custom.label_column]
+  columns += [custom.group_column] if grouped else []
   examples = []
   for row_number, record in enumerate(_custom_records(path, file_format), 1):
     where = f"{path}: row {row_number}"
@@ -381,9 +377,8 @@ def load_task(config) -> TaskData:
       )
   if data.kind == "classification" and len(train_labels) == 1:
     raise ConfigError(
-        f"{data.train_file}: every training example has the label {data.train[0].label!r}: a "
-        "classifier of one class learns nothing; check the label column, or add examples of "
-        "the other labels."
+        f"{data.train_file}: every training example has the label {data.train[0].label!r}, and a "
+        "classifier of one class learns nothing; check the label column, or add other labels."
     )
   if name != "custom" and GLUE_TASKS[name].symmetric and config.double_unordered:
     # Both sentence orders, as the official code trains MRPC and STS-B.
