@@ -284,7 +284,9 @@ def test_random_init_model_learns_synthetic_task(tmp_path):
   # Running again with another config into the same workdir is refused before the finished
   # seed is touched.
   config.optimizer.learning_rate *= 2
-  with pytest.raises(ConfigError, match="already holds a finished custom run for seed 0"):
+  with pytest.raises(
+      ConfigError, match="metrics.json holds the results of another config .*learning_rate"
+  ):
     trainer.run_finetune(config, str(workdir))
   assert os.listdir(seed_dir / "checkpoints") == [str(metrics["kept_step"])]
   assert json.loads((seed_dir / "metrics.json").read_text()) == metrics
@@ -706,52 +708,53 @@ def test_another_config_does_not_replace_the_results_of_the_first(tmp_path):
   )
 
 
-# (name, file, its text given the config's seed fingerprint, what the refusal says)
+# (name, file, its text given the run's config as saved, what the refusal says)
+_SEED = dict(kept_epoch=1, test_predictions=[], dev={"custom": {"accuracy": 0.5, "score": 0.5}})
+_HEAD = {"kind": "span", "answerable": True}
 EDITED_FILES = [
-    ("results not an object", "results.json", lambda f: "[]", "TypeError: list indices"),
+    ("results not an object", "results.json", lambda c: "[]", "TypeError: list indices"),
     (
         "results config of another type",
         "results.json",
-        lambda f: '{"config": {"epochs": "x"}}',
+        lambda c: json.dumps({"config": dict(c, epochs="x"), "head": _HEAD, "seeds": {}}),
         "field 'epochs'",
     ),
     (
         "results unknown key",
         "results.json",
-        lambda f: '{"config": {"epochs": 1, "epoks": 1}}',
+        lambda c: json.dumps({"config": dict(c, epoks=1), "head": _HEAD, "seeds": {}}),
         "epoks is no key",
     ),
     (
         "results value out of range",
         "results.json",
-        lambda f: '{"config": {"epochs": -1}}',
+        lambda c: json.dumps({"config": dict(c, epochs=-1), "head": _HEAD, "seeds": {}}),
         r"config.epochs=-1 must be an int >= 0",
     ),
     (
         "results without a head",
         "results.json",
-        lambda f: '{"config": {}, "seeds": {}}',
+        lambda c: json.dumps({"config": c, "seeds": {}}),
         "KeyError: 'head'",
     ),
-    ("metrics not an object", "seed_0/metrics.json", lambda f: '"done"', "lacks"),
+    ("metrics not an object", "seed_0/metrics.json", lambda c: '"done"', "lacks"),
     (
         "metrics without dev",
         "seed_0/metrics.json",
-        lambda f: json.dumps({"config_fingerprint": f}),
+        lambda c: json.dumps({"config": c}),
         r"lacks \['dev', 'kept_epoch'",
     ),
     (
         "metrics with a text score",
         "seed_0/metrics.json",
-        lambda f: json.dumps(
-            dict(
-                config_fingerprint=f,
-                kept_epoch=1,
-                test_predictions=[],
-                dev={"custom": {"score": "high"}},
-            )
-        ),
+        lambda c: json.dumps(dict(_SEED, config=c, dev={"custom": {"score": "high"}})),
         "are not all numbers",
+    ),
+    (
+        "metrics config of another type",
+        "seed_0/metrics.json",
+        lambda c: json.dumps(dict(_SEED, config=dict(c, head={"pooling": 1}))),
+        "field 'pooling'",
     ),
 ]
 
@@ -766,7 +769,7 @@ def test_an_edited_results_or_metrics_file_is_refused_naming_it(tmp_path, file, 
   config = synthetic_config(tmp_path, n_train=16, n_dev=8, epochs=1)
   path = tmp_path / "w" / "custom" / file
   path.parent.mkdir(parents=True)
-  path.write_text(text(trainer.seed_fingerprint(config)))
+  path.write_text(text(config_lib.as_saved(config)))
   with pytest.raises(ConfigError, match=f"{path} is not as electra-jax writes it .*{named}"):
     trainer.run_finetune(config, str(tmp_path / "w"))
   assert sorted(p.name for p in (tmp_path / "w").rglob("*")) == sorted(["custom", *file.split("/")])
@@ -930,19 +933,9 @@ def test_head_and_min_steps_refused_by_name():
 
 @pytest.mark.fault
 def test_the_keys_a_seed_depends_on_make_another_config(tmp_path):
-  """results.json of min_steps=0 is another config's for min_steps=1000; head.pooling,
-  custom.group_column and select.folds change what a seed is too, its seed and log_every do not."""
+  """A finished seed or results table of min_steps=0 is another config's for min_steps=1000, and so
+  for head.pooling, custom.group_column and select.folds; its seed and log_every change nothing."""
   config = finetune_tiny.get_config()
-  workdir_files.write_json(
-      str(tmp_path / "results.json"),
-      {
-          "config": config_lib.as_saved(config),
-          "head": {"kind": "span", "answerable": True},
-          "seeds": {},
-      },
-  )
-  trainer._check_results_of_same_config(config, str(tmp_path))  # its own results: goes on
-  variants = [config]
   for key, value in (
       ("min_steps", 1000),
       ("head.pooling", "mean"),
@@ -952,15 +945,11 @@ def test_the_keys_a_seed_depends_on_make_another_config(tmp_path):
     variant = config.copy_and_resolve_references()
     group, _, name = key.rpartition(".")
     (variant[group] if group else variant)[name] = value
-    variants.append(variant)
-  with pytest.raises(ConfigError, match="another config .*min_steps: 0 -> 1000"):
-    trainer._check_results_of_same_config(variants[1], str(tmp_path))
-  with pytest.raises(ConfigError, match="custom.group_column: '' -> 'page'"):
-    trainer._check_results_of_same_config(variants[3], str(tmp_path))
-  assert len({trainer.seed_fingerprint(c) for c in variants}) == 5
+    with pytest.raises(ConfigError, match=rf"x.json holds the results of another config \({key}: "):
+      trainer._refuse_another_config("x.json", config, variant)
   same = config.copy_and_resolve_references()
   same.seed, same.num_seeds, same.log_every = 9, 4, 3
-  assert trainer.seed_fingerprint(same) == trainer.seed_fingerprint(config)
+  trainer._refuse_another_config("x.json", config, same)
 
 
 @pytest.mark.fault

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
-import json
 import math
 import os
 import shutil
@@ -101,16 +99,6 @@ def resolve_epochs(config, num_train: int) -> int:
   return epochs
 
 
-def _seed_settings(config) -> dict:
-  return {k: v for k, v in config_lib.as_saved(config).items() if k not in _NOT_SEED_KEYS}
-
-
-def seed_fingerprint(config) -> str:
-  """A short hash of what a seed's results depend on: the config less _NOT_SEED_KEYS."""
-  settings = json.dumps(_seed_settings(config), sort_keys=True)
-  return hashlib.sha256(settings.encode()).hexdigest()[:16]
-
-
 def _override(config: ml_collections.ConfigDict, saved: dict, prefix: str = "") -> None:
   """`saved`'s values into `config`; a key it lacks or a value of another type raises by name."""
   for key, value in saved.items():
@@ -122,63 +110,62 @@ def _override(config: ml_collections.ConfigDict, saved: dict, prefix: str = "") 
       config[key] = value  # ConfigDict refuses a value of another type
 
 
+def _saved_config(saved: dict) -> ml_collections.ConfigDict:
+  """A config our files hold, completed by configs/finetune/base.py and checked as a run's."""
+  config = config_lib.sibling(_BASE_RECIPE, "base").get_config()
+  _override(config, saved)
+  try:
+    validate(config)
+  except ConfigError as error:
+    raise ValueError(error) from None  # read_json names the file
+  return config
+
+
 def read_results(task_dir: str) -> dict | None:
-  """<task_dir>/results.json (None if absent), its config completed by configs/finetune/base.py and
-  checked as a run's; refused, naming the file and the key, where it was edited."""
+  """<task_dir>/results.json (None if absent), its seeds sorted; refused, naming the file and the
+  key, where it was edited."""
   path = os.path.join(task_dir, "results.json")
   if not os.path.exists(path):
     return None
 
   def parse(results: dict) -> dict:
-    config = config_lib.sibling(_BASE_RECIPE, "base").get_config()
-    _override(config, results["config"])
-    try:
-      validate(config)
-    except ConfigError as error:
-      raise ValueError(error) from None
     head = results["head"]
     field = {"classification": "labels", "regression": "target_range", "span": "answerable"}
     if field.get(head["kind"]) not in head:
       raise ValueError(f"head {head} is not a classification, regression or span head")
-    return dict(results, config=config, seeds=sorted(int(seed) for seed in results["seeds"]))
+    seeds = sorted(int(seed) for seed in results["seeds"])
+    return dict(results, config=_saved_config(results["config"]), seeds=seeds)
 
   return workdir_files.read_json(path, parse)
 
 
-def _check_results_of_same_config(config, task_dir: str) -> None:
-  """<task>/results.json holds one config's table: another config would replace it with its own."""
-  results = read_results(task_dir)
-  if results and (
-      changes := config_lib.changed_keys(_seed_settings(results["config"]), _seed_settings(config))
-  ):
-    raise ConfigError(
-        f"{task_dir}/results.json holds the results of another config ({'; '.join(changes[:5])}); "
-        "use a new --workdir, or that config to go on with more seeds. Nothing was written."
-    )
-
-
 def _seed_result(result: dict) -> dict:
   """A finished seed's metrics.json as the summary reads it."""
-  if missing := {"config_fingerprint", "kept_epoch", "dev", "test_predictions"} - set(result):
+  if missing := {"config", "kept_epoch", "dev", "test_predictions"} - set(result):
     raise KeyError(f"it lacks {sorted(missing)}")
   if not all(type(v) in (int, float) for m in result["dev"].values() for v in m.values()):
     raise ValueError(f"its dev metrics {result['dev']} are not all numbers")
-  return result
+  return dict(result, config=_saved_config(result["config"]))
 
 
-def _finished_seeds(config, task_dir: str, task: str, seeds: list[int]) -> dict[int, dict]:
+def _refuse_another_config(path: str, saved, config) -> None:
+  """A finished seed or results table is another config's unless only _NOT_SEED_KEYS differ."""
+  changes = config_lib.changed_keys(config_lib.as_saved(saved), config_lib.as_saved(config))
+  if changes := [c for c in changes if c.partition(":")[0] not in _NOT_SEED_KEYS]:
+    raise ConfigError(
+        f"{path} holds the results of another config ({'; '.join(changes[:5])}); use a new "
+        "--workdir, or that config to go on with more seeds. Nothing was written."
+    )
+
+
+def _finished_seeds(config, task_dir: str, seeds: list[int]) -> dict[int, dict]:
   """The seeds this config finished here (seed_<s>/metrics.json); another config's are refused."""
-  finished, fingerprint = {}, seed_fingerprint(config)
+  finished = {}
   for seed in seeds:
     path = os.path.join(task_dir, f"seed_{seed}", "metrics.json")
-    if not os.path.exists(path):
-      continue
-    finished[seed] = workdir_files.read_json(path, _seed_result)
-    if finished[seed]["config_fingerprint"] != fingerprint:
-      raise ConfigError(
-          f"{path} exists: this workdir already holds a finished {task} run for seed {seed}, "
-          "fine-tuned with another config; use a new --workdir, or that config."
-      )
+    if os.path.exists(path):
+      finished[seed] = workdir_files.read_json(path, _seed_result)
+      _refuse_another_config(path, finished[seed]["config"], config)
   return finished
 
 
@@ -304,7 +291,7 @@ def _run_seed(config, adapter, backbone, steps, seed, task_dir, rate=None, seeds
       history=history,
       checkpoint=os.path.join(checkpointer.directory, str(kept["step"])),
       test_predictions=written,
-      config_fingerprint=seed_fingerprint(config),
+      config=config_lib.as_saved(config),
   )
   workdir_files.write_json(os.path.join(seed_dir, "metrics.json"), result)
   return result
@@ -322,7 +309,7 @@ def _select_learning_rate(config, adapter, backbone, steps, task_dir: str, rates
     for k, fit in enumerate(fits):
       name = f"lr_{rate:g}" if folds == 1 else f"lr_{rate:g}_fold{k + 1}of{folds}"
       directory = os.path.join(task_dir, "select", name)
-      result = _finished_seeds(trial, directory, adapter.name, [seed]).get(seed)
+      result = _finished_seeds(trial, directory, [seed]).get(seed)
       if result is None:
         num_fit = len(fit.train_features["input_ids"])
         logging.info("Choosing the learning rate on train: %s on %d examples.", name, num_fit)
@@ -374,8 +361,9 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   epochs = resolve_epochs(config, num_train)
   task_dir = os.path.join(workdir, adapter.name)
   seeds = [config.seed + i for i in range(config.num_seeds)]
-  finished = _finished_seeds(config, task_dir, adapter.name, seeds)
-  _check_results_of_same_config(config, task_dir)
+  finished = _finished_seeds(config, task_dir, seeds)
+  if results := read_results(task_dir):
+    _refuse_another_config(os.path.join(task_dir, "results.json"), results["config"], config)
   os.makedirs(task_dir, exist_ok=True)
   # One run per task folder: each seed starts by deleting its checkpoints, under another run's feet.
   lease = workdir_lease.WorkdirLease(task_dir)
