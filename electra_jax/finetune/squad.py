@@ -410,21 +410,17 @@ def squad_metrics(
   if version is None:
     version = "2.0" if null_odds is not None or any(e.is_impossible for e in examples) else "1.1"
   if missing := [e.qas_id for e in examples if e.qas_id not in predictions]:
-    logging.warning(
-        "%d questions have no prediction (scored 0), e.g. %s", len(missing), missing[:3]
-    )
-  if not examples:
-    raise ConfigError("squad_metrics got no questions to score.")
+    line = "%d questions have no prediction (scored 0), e.g. %s"
+    logging.warning(line, len(missing), missing[:3])
   exact, f1, has_answer, odds = {}, {}, {}, null_odds or {}
   for example in examples:
     qid, golds = example.qas_id, [text for text, _ in example.answers]
     if version == "2.0":  # the v2 script drops gold answers that normalize to nothing
       golds = [g for g in golds if normalize_answer(g)] or [""]
     has_answer[qid], prediction = not example.is_impossible, predictions.get(qid)
-    exact[qid] = (
-        0.0 if prediction is None else float(max(exact_match(g, prediction) for g in golds))
-    )
-    f1[qid] = 0.0 if prediction is None else max(f1_score(g, prediction, version) for g in golds)
+    golds = [] if prediction is None else golds  # scored 0
+    exact[qid] = max((float(exact_match(g, prediction)) for g in golds), default=0.0)
+    f1[qid] = max((f1_score(g, prediction, version) for g in golds), default=0.0)
   scores = {"exact": exact, "f1": f1}
   if version == "2.0":  # null odds past the threshold answer "": right where there is no answer
     scores = {

@@ -231,6 +231,11 @@ def load_glue(name: str, config) -> TaskData:
 
 
 CUSTOM_FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
+# What a row with more fields than its header most likely holds, and the fix.
+_INSIDE_TEXT = {
+    "tsv": "a tab inside a text? Remove it, or use CSV or JSONL",
+    "csv": "a comma inside a text? Quote that field",
+}
 
 
 def _custom_records(path: str, file_format: str) -> list[dict]:
@@ -261,11 +266,7 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
     # DictReader keeps fields past the header's under None, and gives missing ones None.
     extra, missing = len(record.get(None, [])), list(record.values()).count(None)
     if extra or missing:
-      hint = "give each column a value"
-      if extra:
-        hint = f"a {'tab' if tsv else 'comma'} inside a text? " + (
-            "Remove it, or use CSV or JSONL" if tsv else "Quote that field"
-        )
+      hint = _INSIDE_TEXT[file_format] if extra else "give each column a value"
       raise ConfigError(
           f"{path}: row {row_number} has {len(reader.fieldnames) + extra - missing} fields, its "
           f"header {len(reader.fieldnames)}: {hint}."
