@@ -898,37 +898,50 @@ def test_resolve_epochs():
 
 
 @pytest.mark.fault
-def test_head_and_min_steps_refused_by_name():
-  for task, key, value, named in (
-      ("custom", "head.pooling", "max", r"config.head.pooling='max': use one of \['cls', 'mean'\]"),
-      (
-          "squad2.0",
-          "head.pooling",
-          "mean",
-          "config.head.pooling='mean': SQuAD's span head pools nothing",
-      ),
-      ("custom", "min_steps", -5, "config.min_steps=-5 must be an int >= 0"),
-      ("custom", "reinit_layers", -1, "config.reinit_layers=-1 must be an int >= 0"),
-      ("custom", "reinit_layers", True, "config.reinit_layers=True must be an int >= 0"),
-      (
-          "custom",
-          "optimizer.learning_rate",
-          float("inf"),
-          "config.optimizer.learning_rate=inf is not a finite number",
-      ),
-      (
-          "custom",
-          "optimizer.layerwise_lr_decay",
-          float("nan"),
-          "config.optimizer.layerwise_lr_decay=nan is not a finite",
-      ),
-  ):
-    config = finetune_tiny.get_config()
-    config.task = task
-    group, _, name = key.rpartition(".")
-    (config[group] if group else config)[name] = value
-    with pytest.raises(ConfigError, match=named):
-      trainer.validate(config)
+@pytest.mark.parametrize(
+    "task, key, value, named",
+    [
+        (
+            "custom",
+            "head.pooling",
+            "max",
+            r"config.head.pooling='max': use one of \['cls', 'mean'\]",
+        ),
+        ("squad2.0", "head.pooling", "mean", "config.head.pooling='mean': SQuAD's span head pools"),
+        ("custom", "min_steps", -5, "config.min_steps=-5 must be an int >= 0"),
+        ("custom", "reinit_layers", -1, "config.reinit_layers=-1 must be an int >= 0"),
+        ("custom", "reinit_layers", True, "config.reinit_layers=True must be an int >= 0"),
+        ("custom", "optimizer.learning_rate", float("inf"), "learning_rate=inf is not a finite"),
+        ("custom", "optimizer.layerwise_lr_decay", float("nan"), "layerwise_lr_decay=nan is not a"),
+        (
+            "custom",
+            "optimizer.layerwise_lr_decay",
+            0.0,
+            r"layerwise_lr_decay=0.0 must be in \(0, 1\]",
+        ),
+        ("custom", "optimizer.warmup_fraction", 1.0, r"warmup_fraction=1.0 must be in \[0, 1\)"),
+        ("custom", "optimizer.layerwise_lr_decay_rule", "paper", "rule='paper': use one of"),
+        ("custom", "batch_size", 0, "config.batch_size=0 must be an int >= 1"),
+        ("custom", "num_seeds", 0, "config.num_seeds=0 must be an int >= 1"),
+        ("custom", "max_seq_len", 2, "config.max_seq_len=2 must be an int >= 3"),
+        ("custom", "epochs", True, "config.epochs=True must be an int >= 0"),
+        ("custom", "source", "hub", r"config.source='hub': use one of \['dir', 'tfds'\]"),
+        ("custom", "dtype", "float8", "config.dtype='float8': use one of"),
+        ("custom", "custom.kind", "ranking", "config.custom.kind='ranking': use one of"),
+        ("custom", "select.fraction", 1.0, r"select.fraction=1.0 must be in \(0, 1\)"),
+        ("squad2.0", "squad.doc_stride", 0, "config.squad.doc_stride=0 must be >= 1"),
+        ("squad3.0", "task", "squad3.0", "config.task='squad3.0': for SQuAD use 'squad1.1' or"),
+        ("squad1.1", "max_seq_len", 40, "config.max_seq_len=40 leaves no room for the context"),
+    ],
+)
+def test_bad_fine_tuning_values_are_refused_by_name(task, key, value, named):
+  config = finetune_tiny.get_config()
+  config.task = task
+  config.select.learning_rates = "1e-3" if key == "select.fraction" else ""
+  group, _, name = key.rpartition(".")
+  (config[group] if group else config)[name] = value
+  with pytest.raises(ConfigError, match=named):
+    trainer.validate(config)
 
 
 @pytest.mark.fault
