@@ -22,6 +22,7 @@ import optax
 from absl import logging
 
 from electra_jax import workdir_files
+from electra_jax.data import sources
 from electra_jax.data.tokenizer import WordPieceTokenizer
 from electra_jax.errors import ConfigError
 from electra_jax.finetune import tasks
@@ -81,7 +82,8 @@ def _checked_examples(rows, version: str, where: str) -> list[SquadExample]:
 def read_squad_json(path: str, version: str) -> list[SquadExample]:
   """Questions of an official SQuAD JSON file of `version` (`plausible_answers` are ignored)."""
   fix = "set config.data_dir to the folder of the official files, or use config.source=tfds"
-  tasks.require_file(path, fix)
+  if problem := sources.not_a_regular_file(path):
+    raise ConfigError(f"Cannot read the SQuAD file {path!r}: it {problem}; {fix}.")
   try:
     with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is not text)
       data = json.load(f)["data"]
