@@ -32,7 +32,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from electra_jax import config_lib, data  # noqa: E402
+from electra_jax import config_lib, data, preemption  # noqa: E402
 from electra_jax.finetune import model as model_lib, optim, tasks, trainer  # noqa: E402
 
 import stdlib_topic_task  # noqa: E402  (benchmarks/, beside this script)
@@ -91,7 +91,8 @@ def main(argv):
     def seed_loop(round_, params, opt_state):
       del params, opt_state  # a seed draws its own: its init is part of what it costs
       run_dir = os.path.join(workdir, f"run_{round_}")
-      trainer._run_seed(config, adapter, backbone, steps, 0, run_dir, epochs)
+      signals = preemption.Preemption()  # never entered: no signal stops a benchmark
+      trainer._run_seed(config, adapter, backbone, (*steps, signals), 0, run_dir)
 
     def step_alone(round_, params, opt_state):
       del round_

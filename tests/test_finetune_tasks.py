@@ -252,6 +252,7 @@ def test_custom_regression(tmp_path):
   assert [e.label for e in data.train] == [1.5, 3.0]
 
 
+@pytest.mark.fault
 def test_custom_files_are_read_as_written_or_refused_by_row(tmp_path):
   # A quote that opens a TSV field is text: CSV's rules would merge the rows up to the next quote.
   train = [
@@ -275,22 +276,134 @@ def test_custom_files_are_read_as_written_or_refused_by_row(tmp_path):
       tasks.load_task(custom_config(tmp_path, "tsv", rows, rows[:1], kind="regression"))
 
 
-def test_bad_input_errors(tmp_path):
-  train = [{"text": "the dog", "label": "pos"}, {"text": "a cat", "label": "neg"}]
-  with pytest.raises(ConfigError, match="never occur in the train split"):
-    tasks.load_task(custom_config(tmp_path, "tsv", train, [{"text": "x", "label": "neutral"}]))
-  with pytest.raises(ConfigError, match="no column 'sentence'"):
-    tasks.load_task(custom_config(tmp_path, "csv", train, train, text_a_column="sentence"))
-  with pytest.raises(ConfigError, match="dev .*no examples"):
-    config = custom_config(tmp_path, "jsonl", train, train)
-    open(config.custom.dev_file, "w").close()
-    tasks.load_task(config)
-  with pytest.raises(ConfigError, match="Unknown task 'glu'"):
-    tasks.load_task(glue_config("glu", tmp_path))
-  with pytest.raises(ConfigError, match=r"config.custom.metrics has unknown \['auc'\]; use \["):
-    tasks.load_task(custom_config(tmp_path, "tsv", train, train, metrics="accuracy, auc"))
-  with pytest.raises(ConfigError, match="regression label .pos. is not a finite number"):
-    tasks.load_task(custom_config(tmp_path, "tsv", train, train, kind="regression"))
+TRAIN = [{"text": "the dog", "label": "pos"}, {"text": "a cat", "label": "neg"}]
+GOOD_JSONL = "".join(json.dumps(row) + "\n" for row in TRAIN)
+GOOD_TSV = "text\tlabel\nthe dog\tpos\na cat\tneg\n"
+
+
+def _custom_files(tmp_path, fmt, train_text, dev_text=None, **custom):
+  """A custom task's config whose train (and dev) files hold these texts as written."""
+  config = custom_config(tmp_path, fmt, TRAIN, TRAIN, **custom)
+  (tmp_path / f"train.{fmt}").write_text(train_text)
+  if dev_text is not None:
+    (tmp_path / f"dev.{fmt}").write_text(dev_text)
+  return config
+
+
+# (name, config(tmp_path), what the refusal says): each a bad input a user can give fine-tuning.
+BAD_TASK_INPUTS = [
+    (
+        "dev label never in train",
+        lambda t: custom_config(t, "tsv", TRAIN, [{"text": "x", "label": "neutral"}]),
+        "never occur in the train split",
+    ),
+    (
+        "dev label outside custom.labels",
+        lambda t: custom_config(
+            t, "tsv", TRAIN, [{"text": "x", "label": "maybe"}], labels="pos,neg"
+        ),
+        r"dev split custom has label\(s\) \['maybe'\]",
+    ),
+    (
+        "no such column",
+        lambda t: custom_config(t, "csv", TRAIN, TRAIN, text_a_column="sentence"),
+        "no column 'sentence'",
+    ),
+    (
+        "empty jsonl dev file",
+        lambda t: _custom_files(t, "jsonl", GOOD_JSONL, ""),
+        "dev .*no examples",
+    ),
+    ("empty tsv dev file", lambda t: _custom_files(t, "tsv", GOOD_TSV, ""), "dev .*no examples"),
+    (
+        "header-only csv dev file",
+        lambda t: _custom_files(t, "csv", "text,label\na,pos\nb,neg\n", "text,label\n"),
+        "dev .*no examples",
+    ),
+    ("unknown task", lambda t: glue_config("glu", t), "Unknown task 'glu'"),
+    (
+        "unknown metric",
+        lambda t: custom_config(t, "tsv", TRAIN, TRAIN, metrics="accuracy, auc"),
+        r"config.custom.metrics has unknown \['auc'\]; use \[",
+    ),
+    (
+        "class labels in a regression",
+        lambda t: custom_config(t, "tsv", TRAIN, TRAIN, kind="regression"),
+        "regression label .pos. is not a finite number",
+    ),
+    (
+        "a row short of its header",
+        lambda t: _custom_files(t, "tsv", "text\tlabel\nthe dog\tpos\na cat\n"),
+        r"train.tsv: row 2 has 1 fields, its header 2: give each column a value",
+    ),
+    (
+        "a csv row short of its header",
+        lambda t: _custom_files(t, "csv", "text,label,other\na,pos,x\nb,neg\n"),
+        r"train.csv: row 2 has 2 fields, its header 3",
+    ),
+    (
+        "a label named twice in custom.labels",
+        lambda t: custom_config(t, "tsv", TRAIN, TRAIN, labels="pos,neg,pos"),
+        r"config.custom.labels='pos,neg,pos' names a label twice or an empty one",
+    ),
+    (
+        "an empty label in custom.labels",
+        lambda t: custom_config(t, "tsv", TRAIN, TRAIN, labels="pos,,neg"),
+        r"config.custom.labels='pos,,neg' names a label twice or an empty one",
+    ),
+    (
+        "a JSON object as a text",
+        lambda t: _custom_files(t, "jsonl", '{"text": {"x": 1}, "label": "pos"}\n'),
+        r"train.jsonl: row 1: column 'text' holds \{'x': 1\}; give a string or a number",
+    ),
+    (
+        "a JSON list as a label",
+        lambda t: _custom_files(t, "jsonl", '{"text": "a", "label": ["pos"]}\n'),
+        r"row 1: column 'label' holds \['pos'\]; give a string or a number",
+    ),
+    (
+        "a JSON null as a label",
+        lambda t: _custom_files(
+            t, "jsonl", '{"text": "a", "label": "pos"}\n{"text": "b", "label": null}\n'
+        ),
+        r"row 2: column 'label' holds None; give a string or a number",
+    ),
+    (
+        "a JSON true as a regression target",
+        lambda t: _custom_files(
+            t,
+            "jsonl",
+            '{"text": "a", "label": true}\n{"text": "b", "label": 2.0}\n',
+            kind="regression",
+        ),
+        "row 1: regression label True is not a finite number",
+    ),
+    (
+        "a directory as the dev file",
+        lambda t: custom_config(t, "tsv", TRAIN, TRAIN, dev_file=str(t)),
+        r"is a directory; check config.custom.dev_file",
+    ),
+    (
+        "a JSONL line that is no object",
+        lambda t: _custom_files(t, "jsonl", '["a", "pos"]\n'),
+        r"train.jsonl:1 is not a JSON object",
+    ),
+]
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize(
+    "make_config, named",
+    [case[1:] for case in BAD_TASK_INPUTS],
+    ids=[c[0] for c in BAD_TASK_INPUTS],
+)
+def test_a_bad_task_input_is_refused_by_name(tmp_path, make_config, named):
+  with pytest.raises(ConfigError, match=named):
+    tasks.load_task(make_config(tmp_path))
+
+
+@pytest.mark.fault
+def test_bad_glue_files_are_refused_by_name(tmp_path):
   write_glue(tmp_path / "glue")
   _write(
       f"{tmp_path}/glue/RTE/train.tsv",
@@ -307,6 +420,9 @@ def test_bad_input_errors(tmp_path):
     tasks.load_task(glue_config("rte", tmp_path / "glue"))
   with pytest.raises(ConfigError, match="QNLI"):
     tasks.load_task(glue_config("qnli", tmp_path / "glue"))
+  _write(f"{tmp_path}/glue/RTE/train.tsv", [])
+  with pytest.raises(ConfigError, match="RTE/train.tsv is empty; GLUE files start with a header"):
+    tasks.load_task(glue_config("rte", tmp_path / "glue"))
 
 
 def test_truncation_drops_from_the_longer_segment():
@@ -373,6 +489,7 @@ def test_glue_submission_file(tmp_path, tokenizer):
   assert open(path).read().splitlines()[1:] == ["4\t1.235", "0\t4.000"]
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("fmt", ["tsv", "csv", "jsonl", "glue"])
 def test_a_column_named_twice_is_refused_naming_the_file_and_the_name(tmp_path, fmt):
   rows = [("a dog", "pos", "a cat"), ("a mat", "neg", "the mat")]
@@ -399,6 +516,7 @@ def test_a_column_named_twice_is_refused_naming_the_file_and_the_name(tmp_path, 
     tasks.load_task(config)
 
 
+@pytest.mark.fault
 def test_a_classification_whose_training_rows_have_one_label_is_refused(tmp_path):
   train = [{"text": "the dog", "label": "pos"}]
   config = custom_config(tmp_path, "tsv", train, train, labels="pos,neg")

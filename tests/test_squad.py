@@ -239,6 +239,7 @@ def test_read_squad_json(tmp_path):
     squad.read_squad_json(str(path), "1.1")
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize(
     "content, message",
     [
@@ -269,6 +270,23 @@ def test_read_squad_json(tmp_path):
         ),
         (json.dumps(_squad_json([V2_QAS[0], V2_QAS[0]])), "more than once"),
         (json.dumps({"data": []}), "holds no SQuAD questions"),
+        (json.dumps([{"data": []}]), "not an official SQuAD JSON file .TypeError"),
+        (json.dumps({"data": {"paragraphs": []}}), "not an official SQuAD JSON file .TypeError"),
+        (
+            json.dumps(_squad_json([dict(V2_QAS[0], answers={"text": "Paris"})])),
+            "not an official SQuAD JSON file",
+        ),
+        (
+            json.dumps(_squad_json([dict(V2_QAS[2], is_impossible="false")])),
+            "question 'c' has is_impossible='false', which is not true or false",
+        ),
+        (
+            json.dumps(
+                _squad_json([dict(V2_QAS[0], answers=[{"text": "Paris", "answer_start": 0.0}])])
+            ),
+            r"answer_start=0.0 does not point at the answer text 'Paris'",
+        ),
+        (json.dumps(_squad_json([dict(V2_QAS[0], id=7)])), "question 7 needs string 'id'"),
     ],
 )
 def test_bad_squad_json_gives_config_error(tmp_path, content, message):
@@ -276,6 +294,16 @@ def test_bad_squad_json_gives_config_error(tmp_path, content, message):
   path.write_text(content)
   with pytest.raises(ConfigError, match=message):
     squad.read_squad_json(str(path), "2.0")
+
+
+@pytest.mark.fault
+def test_a_squad_file_with_a_byte_order_mark_is_read_as_without(tmp_path):
+  """Editors on Windows save JSON with a byte-order mark; GLUE's and custom readers skip it."""
+  plain, marked = tmp_path / "plain.json", tmp_path / "marked.json"
+  plain.write_text(json.dumps(_squad_json(V2_QAS)))
+  marked.write_text(json.dumps(_squad_json(V2_QAS)), encoding="utf-8-sig")
+  assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
+  assert squad.read_squad_json(str(marked), "2.0") == squad.read_squad_json(str(plain), "2.0")
 
 
 def test_read_squad_tfds_from_array_record(tmp_path, monkeypatch):
@@ -477,6 +505,7 @@ def test_postprocess_v2_no_answer_scores(tokenizer):
   assert null_odds["q0"] == pytest.approx(2.0 - 20.0)
 
 
+@pytest.mark.fault
 def test_settings_reject_sizes_without_room_for_context():
   config = BASE.get_config()
   config.update(task="squad", max_seq_len=16)
@@ -691,6 +720,7 @@ def test_adapter_through_the_trainer_writes_predictions_that_score_as_reported(t
   np.testing.assert_allclose(theirs.end_logits.numpy()[where], end[where], atol=1e-4)
 
 
+@pytest.mark.fault
 def test_squad_settings_and_missing_files(tmp_path):
   config = BASE.get_config()
   config.update(task="squad", data_dir=str(tmp_path))

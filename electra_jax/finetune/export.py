@@ -7,7 +7,6 @@ from typing import NamedTuple
 
 import flax.linen as nn
 import jax
-import ml_collections
 import numpy as np
 import safetensors.numpy
 from absl import logging
@@ -16,7 +15,7 @@ from electra_jax import checkpointing, workdir_files
 from electra_jax.encoder import EncoderConfig
 from electra_jax.errors import ConfigError
 from electra_jax.finetune import model as model_lib
-from electra_jax.finetune import squad
+from electra_jax.finetune import squad, trainer
 from electra_jax.interop import export, hf
 
 # GELU(x) == x in float32 once x >= _GELU_FLOOR (1 - Phi(8) ~ 6e-16 is below float32's epsilon).
@@ -77,11 +76,8 @@ class TaskModel(NamedTuple):
 def load_task_model(workdir: str, task: str) -> TaskModel:
   """A fine-tuned task from its results.json, refused before any checkpoint is read where Hugging
   Face has no class for it."""
-  results = workdir_files.read_json(os.path.join(workdir, task, "results.json"))
-  head = results.get("head")
-  if head is None:
-    raise ConfigError(f"{workdir}/{task}/results.json predates exports; fine-tune it again.")
-  config = ml_collections.ConfigDict(results["config"])
+  results = trainer.read_results(os.path.join(workdir, task))
+  head, config = results["head"], results["config"]
   if head["kind"] != "span" and config.head.pooling != "cls":
     raise ConfigError(
         f"{workdir}/{task} was fine-tuned with head.pooling={config.head.pooling!r}, and Hugging "
@@ -94,7 +90,7 @@ def load_task_model(workdir: str, task: str) -> TaskModel:
     model = backbone.task_model(squad.SquadModel, config, answerable=head["answerable"])
   else:
     model = backbone.classifier(1 if head["kind"] == "regression" else len(head["labels"]), config)
-  return TaskModel(head, backbone, model, sorted(int(s) for s in results["seeds"]))
+  return TaskModel(head, backbone, model, results["seeds"])
 
 
 def restore_seed(workdir: str, task: str, seed: int, model):

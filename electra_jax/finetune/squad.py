@@ -60,6 +60,10 @@ def _checked_examples(rows, version: str, where: str) -> list[SquadExample]:
             "'text' at its integer 'answer_start'."
         )
     for bad, why in (
+        (
+            type(is_impossible) is not bool,
+            f"has is_impossible={is_impossible!r}, which is not true or false",
+        ),
         (version == "1.1" and is_impossible, "is marked is_impossible, which only SQuAD 2.0 has"),
         (is_impossible and answers, f"is marked is_impossible but has answers {answers}"),
         (not is_impossible and not answers, "has no answers and is not marked is_impossible"),
@@ -81,7 +85,7 @@ def read_squad_json(path: str, version: str) -> list[SquadExample]:
   if problem := sources.not_a_regular_file(path):
     raise ConfigError(f"Cannot read the SQuAD file {path!r}: it {problem}; {fix}.")
   try:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is not text)
       data = json.load(f)["data"]
     qas = [(p["context"], qa) for article in data for p in article["paragraphs"] for qa in p["qas"]]
     rows = []
@@ -408,21 +412,17 @@ def squad_metrics(
   if version is None:
     version = "2.0" if null_odds is not None or any(e.is_impossible for e in examples) else "1.1"
   if missing := [e.qas_id for e in examples if e.qas_id not in predictions]:
-    logging.warning(
-        "%d questions have no prediction (scored 0), e.g. %s", len(missing), missing[:3]
-    )
-  if not examples:
-    raise ConfigError("squad_metrics got no questions to score.")
+    line = "%d questions have no prediction (scored 0), e.g. %s"
+    logging.warning(line, len(missing), missing[:3])
   exact, f1, has_answer, odds = {}, {}, {}, null_odds or {}
   for example in examples:
     qid, golds = example.qas_id, [text for text, _ in example.answers]
     if version == "2.0":  # the v2 script drops gold answers that normalize to nothing
       golds = [g for g in golds if normalize_answer(g)] or [""]
     has_answer[qid], prediction = not example.is_impossible, predictions.get(qid)
-    exact[qid] = (
-        0.0 if prediction is None else float(max(exact_match(g, prediction) for g in golds))
-    )
-    f1[qid] = 0.0 if prediction is None else max(f1_score(g, prediction, version) for g in golds)
+    golds = [] if prediction is None else golds  # scored 0
+    exact[qid] = max((float(exact_match(g, prediction)) for g in golds), default=0.0)
+    f1[qid] = max((f1_score(g, prediction, version) for g in golds), default=0.0)
   scores = {"exact": exact, "f1": f1}
   if version == "2.0":  # null odds past the threshold answer "": right where there is no answer
     scores = {
@@ -458,6 +458,10 @@ def squad_settings(config) -> ml_collections.ConfigDict:
   task = re.fullmatch(r"squad(v?(1|11|2|20))?", re.sub(r"[^a-z0-9]", "", str(config.task).lower()))
   if not task:
     raise ConfigError(f"config.task={config.task!r}: for SQuAD use 'squad1.1' or 'squad2.0'.")
+  if config.head.pooling != "cls":
+    raise ConfigError(
+        f"config.head.pooling={config.head.pooling!r}: SQuAD's span head pools nothing; use 'cls'."
+    )
   settings = ml_collections.ConfigDict(config.squad.to_dict())
   settings.version = "1.1" if (task.group(2) or "2").startswith("1") else "2.0"
   settings.answerable = settings.version == "2.0" and settings.answerable_classifier

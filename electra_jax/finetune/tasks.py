@@ -116,15 +116,15 @@ GLUE_TASKS = {
 TASK_NAMES = tuple(GLUE_TASKS) + ("custom",)
 
 
-def _require_file(path: str, what: str) -> None:
+def require_file(path: str, fix: str) -> None:
   """Refuses, before it is opened, a `path` that is not a regular file (sources.not_a_regular_file)."""
   if problem := sources.not_a_regular_file(path):
-    raise ConfigError(f"{what}: {path} {problem}. Check config.data_dir and the task name.")
+    raise ConfigError(f"{path} {problem}; {fix}.")
 
 
 def _regression_label(raw, where: str) -> float:
   try:
-    label = float(raw)
+    label = math.nan if isinstance(raw, bool) else float(raw)  # JSON's true is no target
   except (TypeError, ValueError):
     label = math.nan
   if not math.isfinite(label):
@@ -199,7 +199,7 @@ def load_glue(name: str, config) -> TaskData:
       path = os.path.join(task_dir, stem + ".tsv")
       if not labelled and not os.path.lexists(path):
         return None  # (a test split is optional)
-      _require_file(path, f"GLUE's {task.directory}/{stem}.tsv")
+      require_file(path, f"give GLUE's {task.directory}/{stem}.tsv in config.data_dir")
       return _glue_tsv(task, path, labelled)
     split = stem.replace("dev", "validation")
     source = open_tfds_split(f"glue/{name}", split, config.tfds_data_dir)
@@ -231,6 +231,11 @@ def load_glue(name: str, config) -> TaskData:
 
 
 CUSTOM_FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
+# What a row with more fields than its header most likely holds, and the fix.
+_INSIDE_TEXT = {
+    "tsv": "a tab inside a text? Remove it, or use CSV or JSONL",
+    "csv": "a comma inside a text? Quote that field",
+}
 
 
 def _custom_records(path: str, file_format: str) -> list[dict]:
@@ -258,35 +263,37 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
     sources.refuse_repeated(path, reader.fieldnames or [])
     records = list(reader)
   for row_number, record in enumerate(records, 1):
-    if None in record:  # DictReader's key for fields past the header's
+    # DictReader keeps fields past the header's under None, and gives missing ones None.
+    extra, missing = len(record.get(None, [])), list(record.values()).count(None)
+    if extra or missing:
+      hint = _INSIDE_TEXT[file_format] if extra else "give each column a value"
       raise ConfigError(
-          f"{path}: row {row_number} has {len(reader.fieldnames) + len(record[None])} fields, its "
-          f"header {len(reader.fieldnames)}: a {'tab' if tsv else 'comma'} inside a text? "
-          f"{'Remove it, or use CSV or JSONL' if tsv else 'Quote that field'}."
+          f"{path}: row {row_number} has {len(reader.fieldnames) + extra - missing} fields, its "
+          f"header {len(reader.fieldnames)}: {hint}."
       )
   return records
 
 
 def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example]:
+  require_file(path, f"check config.custom.{split}_file")
   file_format = custom.format or CUSTOM_FORMATS.get(os.path.splitext(path)[1].lower())
   if file_format not in CUSTOM_FORMATS.values():
     raise ConfigError(f"Unknown format of {path}: set config.custom.format (tsv, csv, jsonl).")
-  _require_file(path, f"custom task {split} split")
   grouped = split == "train" and bool(custom.group_column)
-  columns = [
-      custom.text_a_column,
-      custom.text_b_column,
-      labelled and custom.label_column,
-      grouped and custom.group_column,
-  ]
+  columns = [custom.text_a_column, custom.text_b_column, labelled and custom.label_column]
+  columns += [custom.group_column] if grouped else []
   examples = []
   for row_number, record in enumerate(_custom_records(path, file_format), 1):
     where = f"{path}: row {row_number}"
     for column in filter(None, columns):
-      if record.get(column) is None:
+      if column not in record:
         raise ConfigError(
             f"{where} has no column {column!r} (it has {sorted(record)}); set "
             "config.custom.*_column."
+        )
+      if not isinstance(record[column], (str, int, float)):  # JSON's null, objects and lists
+        raise ConfigError(
+            f"{where}: column {column!r} holds {record[column]!r}; give a string or a number."
         )
     label, raw = None, record.get(custom.label_column)
     if labelled and custom.kind == "regression":
@@ -318,6 +325,11 @@ def load_custom(custom) -> TaskData:
   label_list = None
   if custom.kind == "classification" and custom.labels:
     label_list = tuple(label.strip() for label in custom.labels.split(","))
+    if "" in label_list or len(set(label_list)) < len(label_list):
+      raise ConfigError(
+          f"config.custom.labels={custom.labels!r} names a label twice or an empty one; list each "
+          "label once, comma-separated."
+      )
   elif custom.kind == "classification":
     label_list = tuple(sorted({example.label for example in train}))
   default_metrics = "accuracy" if custom.kind == "classification" else "pearson,spearman"
@@ -366,9 +378,8 @@ def load_task(config) -> TaskData:
       )
   if data.kind == "classification" and len(train_labels) == 1:
     raise ConfigError(
-        f"{data.train_file}: every training example has the label {data.train[0].label!r}: a "
-        "classifier of one class learns nothing; check the label column, or add examples of "
-        "the other labels."
+        f"{data.train_file}: every training example has the label {data.train[0].label!r}, and a "
+        "classifier of one class learns nothing; check the label column, or add other labels."
     )
   if name != "custom" and GLUE_TASKS[name].symmetric and config.double_unordered:
     # Both sentence orders, as the official code trains MRPC and STS-B.

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
-import json
 import math
 import os
 import shutil
@@ -28,21 +26,9 @@ from electra_jax.finetune import optim, squad, tasks
 
 # The official epochs by task when config.epochs = 0 (any other task: 3).
 OFFICIAL_EPOCHS = {"rte": 10, "stsb": 10, "squad": 2}
-# The epoch a seed keeps: "last" (the official code) or "best" on dev (chosen on dev: optimistic).
-KEEP_EPOCH = ("last", "best")
 # Keys a finished seed's results do not depend on: a re-run that differs only in them keeps it.
 _NOT_SEED_KEYS = ("seed", "num_seeds", "log_every")
-# Keys added after runs had been finished, with the values that reproduce those runs: a saved
-# config without them reads as having these, so its finished seeds still match. A dotted name: a
-# key added inside a group.
-_ADDED_KEYS = {
-    "min_steps": 0,
-    "head": {"pooling": "cls"},
-    "select": {"learning_rates": "", "fraction": 0.2, "folds": 1},
-    "custom.group_column": "",
-    "reinit_layers": 0,
-    "select.folds": 1,
-}
+_BASE_RECIPE = os.path.join(config_lib.RECIPES_DIR, "finetune", "base.py")
 
 
 def _is_squad(config) -> bool:
@@ -65,17 +51,12 @@ def validate(config) -> None:
       ("dtype", config.dtype, config_lib.DTYPES),
       ("source", config.source, ("dir", "tfds")),  # GLUE's TSVs or SQuAD's JSON, or TFDS's
       ("custom.kind", config.custom.kind, ("classification", "regression")),
-      ("keep_epoch", config.keep_epoch, KEEP_EPOCH),
+      ("keep_epoch", config.keep_epoch, ("last", "best")),
       ("head.pooling", config.head.pooling, model_lib.POOLINGS),
       ("optimizer.layerwise_lr_decay_rule", rule, optim.LAYERWISE_RULES),
   ):
     if value not in allowed:
       raise ConfigError(f"config.{key}={value!r}: use one of {list(allowed)}.")
-  if _is_squad(config) and config.head.pooling != "cls":
-    raise ConfigError(
-        f"config.head.pooling={config.head.pooling!r} with task {config.task!r}: SQuAD's span "
-        "head pools nothing; use head.pooling='cls'."
-    )
   select_rates(config)
   if _is_squad(config):
     squad.squad_settings(config)
@@ -95,8 +76,7 @@ def select_rates(config) -> list[float]:
     )
   if rates and _is_squad(config):
     raise ConfigError(
-        f"config.select.learning_rates={text!r} with task {config.task!r}: SQuAD's windows "
-        "cannot be split by rows; set it to ''."
+        f"config.select.learning_rates={text!r}: SQuAD's windows cannot be split by rows; set it to ''."
     )
   if rates and not 0.0 < select.fraction < 1.0:
     raise ConfigError(f"config.select.fraction={select.fraction} must be in (0, 1).")
@@ -119,55 +99,73 @@ def resolve_epochs(config, num_train: int) -> int:
   return epochs
 
 
-def _seed_settings(settings: dict, as_before: bool = False) -> dict:
-  """What a seed's results depend on: a saved config less _NOT_SEED_KEYS, with each of _ADDED_KEYS
-  it lacks at its value when added; as_before: the added keys at that value left out."""
-  settings = copy.deepcopy({k: v for k, v in settings.items() if k not in _NOT_SEED_KEYS})
-  added = []  # (holder dict, key, value when added) of each added key whose group settings have
-  for name, value in _ADDED_KEYS.items():
-    group, _, key = name.rpartition(".")
-    holder = settings.get(group) if group else settings
-    if isinstance(holder, dict):
-      holder.setdefault(key, copy.deepcopy(value))
-      added.append((holder, key, value))
-  for holder, key, value in added if as_before else []:
-    if holder[key] == value:
-      del holder[key]
-  return settings
+def _override(config: ml_collections.ConfigDict, saved: dict, prefix: str = "") -> None:
+  """`saved`'s values into `config`; a key it lacks or a value of another type raises by name."""
+  for key, value in saved.items():
+    if key not in config:
+      raise ValueError(f"{prefix}{key} is no key of a fine-tuning config")
+    if isinstance(config[key], ml_collections.ConfigDict):
+      _override(config[key], value, f"{prefix}{key}.")
+    else:
+      config[key] = value  # ConfigDict refuses a value of another type
 
 
-def seed_fingerprint(config) -> str:
-  """A short hash of the config's _seed_settings as they read before the added keys existed."""
-  settings = _seed_settings(config_lib.as_saved(config), as_before=True)
-  return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+def _saved_config(saved: dict) -> ml_collections.ConfigDict:
+  """A config our files hold, completed by configs/finetune/base.py and checked as a run's."""
+  config = config_lib.sibling(_BASE_RECIPE, "base").get_config()
+  _override(config, saved)
+  try:
+    validate(config)
+  except ConfigError as error:
+    raise ValueError(error) from None  # read_json names the file
+  return config
 
 
-def _check_results_of_same_config(config, task_dir: str) -> None:
-  """<task>/results.json holds one config's table: another config would replace it with its own."""
+def read_results(task_dir: str) -> dict | None:
+  """<task_dir>/results.json (None if absent), its seeds sorted; refused, naming the file and the
+  key, where it was edited."""
   path = os.path.join(task_dir, "results.json")
   if not os.path.exists(path):
-    return
-  saved = _seed_settings(workdir_files.read_json(path).get("config") or {})
-  if changes := config_lib.changed_keys(saved, _seed_settings(config_lib.as_saved(config))):
+    return None
+
+  def parse(results: dict) -> dict:
+    head = results["head"]
+    field = {"classification": "labels", "regression": "target_range", "span": "answerable"}
+    if field.get(head["kind"]) not in head:
+      raise ValueError(f"head {head} is not a classification, regression or span head")
+    seeds = sorted(int(seed) for seed in results["seeds"])
+    return dict(results, config=_saved_config(results["config"]), seeds=seeds)
+
+  return workdir_files.read_json(path, parse)
+
+
+def _seed_result(result: dict) -> dict:
+  """A finished seed's metrics.json as the summary reads it."""
+  if missing := {"config", "kept_epoch", "dev", "test_predictions"} - set(result):
+    raise KeyError(f"it lacks {sorted(missing)}")
+  if not all(type(v) in (int, float) for m in result["dev"].values() for v in m.values()):
+    raise ValueError(f"its dev metrics {result['dev']} are not all numbers")
+  return dict(result, config=_saved_config(result["config"]))
+
+
+def _refuse_another_config(path: str, saved, config) -> None:
+  """A finished seed or results table is another config's unless only _NOT_SEED_KEYS differ."""
+  changes = config_lib.changed_keys(config_lib.as_saved(saved), config_lib.as_saved(config))
+  if changes := [c for c in changes if c.partition(":")[0] not in _NOT_SEED_KEYS]:
     raise ConfigError(
         f"{path} holds the results of another config ({'; '.join(changes[:5])}); use a new "
         "--workdir, or that config to go on with more seeds. Nothing was written."
     )
 
 
-def _finished_seeds(config, task_dir: str, task: str, seeds: list[int]) -> dict[int, dict]:
+def _finished_seeds(config, task_dir: str, seeds: list[int]) -> dict[int, dict]:
   """The seeds this config finished here (seed_<s>/metrics.json); another config's are refused."""
-  finished, fingerprint = {}, seed_fingerprint(config)
+  finished = {}
   for seed in seeds:
     path = os.path.join(task_dir, f"seed_{seed}", "metrics.json")
-    if not os.path.exists(path):
-      continue
-    finished[seed] = workdir_files.read_json(path)
-    if finished[seed].get("config_fingerprint") != fingerprint:
-      raise ConfigError(
-          f"{path} exists: this workdir already holds a finished {task} run for seed {seed}, "
-          "fine-tuned with another config; use a new --workdir, or that config."
-      )
+    if os.path.exists(path):
+      finished[seed] = workdir_files.read_json(path, _seed_result)
+      _refuse_another_config(path, finished[seed]["config"], config)
   return finished
 
 
@@ -219,15 +217,14 @@ class _Stopped(Exception):
   """A signal came: the seed in progress is dropped (it starts over when the run goes on)."""
 
 
-def _run_seed(config, adapter, backbone, steps, seed, task_dir, epochs, rate=None, seeds_after=0):
-  """Trains `seed` at `rate` (None: optimizer.learning_rate), scoring dev after each epoch; keeps
-  the last (or best) epoch's checkpoint and test predictions; returns seed_<seed>/metrics.json.
-  The progress lines' ETA counts `seeds_after` more seeds. `steps`: _compiled_steps's, and the
-  run's preemption.Preemption, asked before each step (_Stopped)."""
+def _run_seed(config, adapter, backbone, steps, seed, task_dir, rate=None, seeds_after=0):
+  """Trains `seed` at `rate` (None: optimizer.learning_rate) with _compiled_steps's `steps` and the
+  run's signals; returns seed_<seed>/metrics.json. The ETA counts `seeds_after` more seeds."""
   train_step, predict_step, signals = steps
   seed_dir = os.path.join(task_dir, f"seed_{seed}")
   eval_batch_size = config.eval_batch_size or config.batch_size
   num_train = len(adapter.train_features["input_ids"])
+  epochs = resolve_epochs(config, num_train)
   total_steps = math.ceil(num_train / config.batch_size) * epochs
   args = optim.schedule_args(config, total_steps, rate)
   seed_key = jax.random.key(seed)  # draws the head and, folded with each step, its dropout
@@ -259,9 +256,8 @@ def _run_seed(config, adapter, backbone, steps, seed, task_dir, epochs, rate=Non
           eta = config_lib.format_duration((total_steps * (1 + seeds_after) - step) / speed)
           where = f"seed {seed} | epoch {epoch + 1}/{epochs} | step {step}/{total_steps}"
           recent = float(np.mean(jax.device_get(losses[-config.log_every :])))
-          lr = float(schedule(step - 1))
           line = "%s | loss %.4f | lr %.3g | %.1f steps/s | ETA %s"
-          logging.info(line, where, recent, lr, speed, eta)
+          logging.info(line, where, recent, float(schedule(step - 1)), speed, eta)
       train_loss = float(np.mean(jax.device_get(losses)))
       if not math.isfinite(train_loss):
         raise FloatingPointError(
@@ -295,7 +291,7 @@ def _run_seed(config, adapter, backbone, steps, seed, task_dir, epochs, rate=Non
       history=history,
       checkpoint=os.path.join(checkpointer.directory, str(kept["step"])),
       test_predictions=written,
-      config_fingerprint=seed_fingerprint(config),
+      config=config_lib.as_saved(config),
   )
   workdir_files.write_json(os.path.join(seed_dir, "metrics.json"), result)
   return result
@@ -313,12 +309,11 @@ def _select_learning_rate(config, adapter, backbone, steps, task_dir: str, rates
     for k, fit in enumerate(fits):
       name = f"lr_{rate:g}" if folds == 1 else f"lr_{rate:g}_fold{k + 1}of{folds}"
       directory = os.path.join(task_dir, "select", name)
-      result = _finished_seeds(trial, directory, adapter.name, [seed]).get(seed)
+      result = _finished_seeds(trial, directory, [seed]).get(seed)
       if result is None:
         num_fit = len(fit.train_features["input_ids"])
         logging.info("Choosing the learning rate on train: %s on %d examples.", name, num_fit)
-        epochs = resolve_epochs(config, num_fit)
-        result = _run_seed(trial, fit, backbone, steps, seed, directory, epochs)
+        result = _run_seed(trial, fit, backbone, steps, seed, directory)
       fold_scores.append(result["dev"]["held_out"]["score"])
     scores[f"{rate:g}"] = float(np.mean(fold_scores))
   # The first of equals: rates in the order given.
@@ -366,8 +361,9 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   epochs = resolve_epochs(config, num_train)
   task_dir = os.path.join(workdir, adapter.name)
   seeds = [config.seed + i for i in range(config.num_seeds)]
-  finished = _finished_seeds(config, task_dir, adapter.name, seeds)
-  _check_results_of_same_config(config, task_dir)
+  finished = _finished_seeds(config, task_dir, seeds)
+  if results := read_results(task_dir):
+    _refuse_another_config(os.path.join(task_dir, "results.json"), results["config"], config)
   os.makedirs(task_dir, exist_ok=True)
   # One run per task folder: each seed starts by deleting its checkpoints, under another run's feet.
   lease = workdir_lease.WorkdirLease(task_dir)
@@ -384,13 +380,11 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
       line = "Fine-tuning %s from %s, seeds %s: %d examples, %d epochs, %d steps each."
       logging.info(line, adapter.name, backbone.source, seeds, num_train, epochs, steps_per_seed)
       if finished:
-        logging.info(
-            "Seeds %s finished in an earlier run with this config: kept.", sorted(finished)
-        )
+        logging.info("Seeds %s finished earlier with this config: kept.", sorted(finished))
       pending = [seed for seed in seeds if seed not in finished]
       rate = selection and selection["learning_rate"]
       for i, seed in enumerate(pending):
-        args = (steps, seed, task_dir, epochs, rate, len(pending) - 1 - i)
+        args = (steps, seed, task_dir, rate, len(pending) - 1 - i)
         finished[seed] = _run_seed(config, adapter, backbone, *args)
       per_seed = [finished[seed] for seed in seeds]
       kept = ("kept_epoch", "dev", "test_predictions")  # of each seed, in results.json
@@ -414,9 +408,8 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
       return results
     except _Stopped:
       raise SystemExit(
-          f"Fine-tuning stopped by {signals.signal_name}: the finished seeds "
-          f"{sorted(finished)} are kept in {task_dir}, the lease is released; run the same "
-          "command to train the others."
+          f"Fine-tuning stopped by {signals.signal_name}: the finished seeds {sorted(finished)} are "
+          f"kept in {task_dir}, the lease is released; run the same command to train the others."
       ) from None
     finally:
       lease.release()
