@@ -2,6 +2,7 @@
 fingerprint, a checksum of every array) under <workdir>/checkpoints/<step>/; a restore refuses
 arrays that differ (DamagedCheckpoint)."""
 
+import contextlib
 import dataclasses
 import os
 from typing import Any
@@ -71,12 +72,22 @@ def _move_in_bucket(source: epath.Path, target: epath.Path) -> None:
   source.rmtree()
 
 
+def _without_traceback(record) -> bool:
+  """orbax's threads log a failed save with its traceback; the failure is raised again by save() or
+  wait(), named when it is a want of space."""
+  if "orbax" in record.pathname:
+    record.exc_info = record.exc_text = None
+  return True
+
+
 class Checkpointer:
 
   def __init__(self, workdir: str, keep: int):
     self.directory = checkpoints_directory(workdir)
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._size, self._failed = 0, False  # bytes of the state saved last; a save ran out of space
+    logging.get_absl_logger().addFilter(_without_traceback)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -88,7 +99,28 @@ class Checkpointer:
     """Asynchronous (device arrays are copied before this returns); the meta gets the checksums."""
     meta = dict(meta, checksums=checksums(state))
     args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-    self._manager.save(step, args=args, force=True)
+    self._saving(lambda: self._manager.save(step, args=args, force=True))
+    self._size = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+
+  def _saving(self, call) -> None:
+    """call() (a save, or the wait for one in flight); a save that found too little space is
+    OutOfSpace naming the folder, its unfinished step removed, the earlier ones kept."""
+    if self._failed:
+      return
+    try:
+      call()
+    except Exception:
+      local = not workdir_files.is_remote(self.directory)
+      code = local and workdir_files.short_of_space(self.directory, self._size)
+      if not code:
+        raise
+      self._failed = True
+      with contextlib.suppress(Exception):  # the failure again, from the threads it stops
+        self._manager.close()
+      for unfinished in epath.Path(self.directory).glob(f"*{ocp.path.atomicity.TMP_DIR_SUFFIX}*"):
+        unfinished.rmtree()
+      with workdir_files.out_of_space_named(self.directory):
+        raise OSError(code, os.strerror(code)) from None
 
   def _read(self, step: int, what: str, read):
     """read(), or DamagedCheckpoint saying `what` of `step` cannot be read."""
@@ -195,10 +227,11 @@ class Checkpointer:
       self._manager.reload()
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    self._saving(self._manager.wait_until_finished)
 
   def close(self) -> None:
-    self._manager.close()
+    if not self._failed:
+      self._manager.close()
 
 
 # --- The checkpoint a run goes on from, checked against its setup and data

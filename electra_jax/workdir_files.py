@@ -12,6 +12,7 @@ import functools
 import hashlib
 import json
 import os
+import resource
 import tempfile
 import time
 import uuid
@@ -70,16 +71,22 @@ def read_text(file) -> str:
   return _epath(file).read_text()
 
 
-def read_json(file, parse=lambda value: value):
-  """parse(the JSON of `file`), refused by name when it is not JSON or `parse` raises."""
+def read_json(
+    file,
+    parse=lambda value: value,
+    data=None,
+    fix="Put back a good copy, or move its folder aside and start again",
+):
+  """parse(the JSON of `file`, or of its `data` already read), refused naming the file and `fix`
+  when it is not JSON or `parse` raises (ValueError, LookupError, TypeError, AttributeError)."""
   try:
-    return parse(json.loads(read_text(file)))
+    return parse(json.loads(read_text(file) if data is None else data))
   except ConfigError:  # `parse`'s own refusal, which names the file itself
     raise
   except (ValueError, LookupError, TypeError, AttributeError) as error:
     raise ConfigError(
         f"{file} is not as electra-jax writes it ({type(error).__name__}: {error}); it was edited "
-        "or damaged. Put back a good copy, or move its folder aside and start again."
+        f"or damaged. {fix}."
     ) from None
 
 
@@ -146,6 +153,16 @@ def out_of_space_named(file=None):
         "written before is kept).",
         error.errno,
     ) from None
+
+
+def short_of_space(folder, size: int) -> int | None:
+  """The errno (ENOSPC, EFBIG) a write of `size` bytes into local `folder` meets today: less free
+  space there, or a file-size limit (`ulimit -f`) below it; None when neither holds."""
+  disk = os.statvfs(folder)
+  if disk.f_bavail * disk.f_frsize < size:
+    return errno.ENOSPC
+  limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+  return errno.EFBIG if limit != resource.RLIM_INFINITY and limit < size else None
 
 
 def write_bytes(file, data: bytes) -> None:
@@ -371,10 +388,12 @@ def list_files(directory) -> dict[str, tuple[int, str | None]]:
   reports its own, else None); {} when it does not exist."""
   root = os.fspath(directory)
   if not is_remote(root):
-    try:
-      return {entry.name: (entry.stat().st_size, None) for entry in os.scandir(root)}
-    except FileNotFoundError:
-      return {}
+    files = {}
+    with contextlib.suppress(FileNotFoundError):
+      for entry in os.scandir(root):
+        with contextlib.suppress(FileNotFoundError):  # a link to nothing: no file of that name
+          files[entry.name] = (entry.stat().st_size, None)
+    return files
   fs, prefix = filesystem(root)
   try:
     listed = fs.ls(prefix, detail=True, refresh=True)

@@ -25,7 +25,6 @@ from electra_jax import distributed, workdir_files
 from electra_jax.errors import ConfigError, WorkdirInUse
 
 LEASE_FILE = "lease.json"
-# The fields a reader uses; a hand-edited value of another type would block --take_over_workdir too.
 _FIELD_TYPES = dict(
     run_id=str, host=str, pid=int, heartbeat=(int, float), released=bool, started=str
 )
@@ -34,24 +33,31 @@ _LIVE_RUN_IDS: set[str] = set()
 _TRIES = 20  # reads and conditional writes before acquire() gives up on a lease that keeps changing
 
 
-def _parse(data: bytes | None, file) -> dict | None:
-  """The lease in `data`; None when there is none or it is not one this version wrote (an edit)."""
-  if data is None:
-    return None
-  try:
-    holder = json.loads(data)
-  except ValueError:
-    holder = None
-  if not (isinstance(holder, dict) and "run_id" in holder) or any(
-      key in holder and not isinstance(holder[key], types) for key, types in _FIELD_TYPES.items()
-  ):
-    logging.warning("Ignoring %s: its fields are not those of a lease this version wrote.", file)
-    return None
+def _checked(holder: dict) -> dict:
+  """A lease as this version writes it: a run_id, and only the keys of _FIELD_TYPES, typed so."""
+  for key, value in {"run_id": None, **holder}.items():
+    if not isinstance(value, _FIELD_TYPES.get(key, ())):
+      raise ValueError(f"{key}={value!r}: a lease holds {', '.join(_FIELD_TYPES)}, of their types")
   return holder
 
 
+def _parse(data: bytes | None, file, take_over: bool = False) -> dict | None:
+  """The lease in `data`, None when there is none; an edited one is refused (taken if `take_over`)."""
+  if data is None:
+    return None
+  try:
+    return workdir_files.read_json(
+        file, _checked, data, "If no run uses it, pass --take_over_workdir"
+    )
+  except ConfigError:
+    if not take_over:
+      raise
+    logging.warning("--take_over_workdir: taking over %s, which was edited.", file)
+    return None
+
+
 def read_lease(workdir) -> dict | None:
-  """The lease of `workdir`; None when there is none or it is not one this version wrote."""
+  """The lease of `workdir`, checked; None when there is none."""
   file = workdir_files.path(workdir, LEASE_FILE)
   return _parse(workdir_files.read_versioned(file)[0], file)
 
@@ -115,11 +121,11 @@ class WorkdirLease:
       pass  # someone else's process, or a pid this system cannot have: assume alive
     return True
 
-  def _read(self) -> tuple[dict | None, object]:
+  def _read(self, take_over: bool = False) -> tuple[dict | None, object]:
     """(the lease, its version), noted as read now."""
     data, version = workdir_files.read_versioned(self.file)
     self._last_read = time.monotonic()
-    return _parse(data, self.file), version
+    return _parse(data, self.file, take_over), version
 
   def _write(self, version, **fields) -> bool:
     """This run's lease with a fresh heartbeat, written if the file is still `version`."""
@@ -130,7 +136,7 @@ class WorkdirLease:
     """Takes the workdir, or raises WorkdirInUse naming the run that holds it."""
     workdir_files.makedirs(workdir_files.path(self.workdir))
     for _ in range(_TRIES):
-      holder, version = self._read()
+      holder, version = self._read(take_over)
       if holder is not None and holder["run_id"] == self.run_id:
         break  # this run's own write, which a retried request reported as failed
       if self._alive(holder):
@@ -219,10 +225,10 @@ def _refused_everywhere(attempt: Callable[[], None] | None) -> None:
   try:
     if attempt is not None:
       attempt()
-  except WorkdirInUse as error:
-    problem = str(error)
+  except ConfigError as error:  # WorkdirInUse, or an edited lease.json
+    problem = error
   if distributed.from_process_0(problem is not None):
-    raise WorkdirInUse(problem or "Process 0 stopped the run; its log says why.")
+    raise problem or WorkdirInUse("Process 0 stopped the run; its log says why.")
 
 
 def hold(lease: WorkdirLease | None, max_age_seconds: float = 0.0) -> None:

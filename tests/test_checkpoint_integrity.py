@@ -85,6 +85,7 @@ def _truncate(workdir, step, what="arrays"):
     f.truncate(os.path.getsize(path) // 2)
 
 
+@pytest.mark.fault
 def test_checksums_see_one_changed_or_moved_value_and_nothing_else():
   tree = {
       "a": jnp.arange(12, dtype=jnp.float32).reshape(3, 4),
@@ -105,6 +106,7 @@ def test_checksums_see_one_changed_or_moved_value_and_nothing_else():
   assert checkpointing.checksums(jax.device_get(tree["a"])) == checkpointing.checksums(tree["a"])
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("damage", ["changed values", "arrays", "metadata"])
 def test_resume_skips_a_damaged_latest_step_and_is_bit_exact_from_the_one_before(
     trained, workdir, damage, caplog
@@ -133,6 +135,7 @@ def test_resume_skips_a_damaged_latest_step_and_is_bit_exact_from_the_one_before
     assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], a["step"]  # to the last bit
 
 
+@pytest.mark.fault
 def test_a_damaged_step_asked_for_by_number_is_refused_and_the_latest_falls_back(workdir):
   _rewrite_step(workdir, 6, _bump_a_weight)
   config = tiny_config(**STEPS)
@@ -154,6 +157,7 @@ def test_a_checkpoint_saved_without_checksums_restores_as_it_is(workdir):
   )  # to the last bit (NaNs too)
 
 
+@pytest.mark.fault
 def test_no_intact_step_is_one_clear_error(workdir):
   for step in (3, 6):
     _truncate(workdir, step)
@@ -167,6 +171,7 @@ def test_no_intact_step_is_one_clear_error(workdir):
   ], "nothing may be deleted"
 
 
+@pytest.mark.fault
 def test_export_refuses_non_finite_weights_and_writes_nothing(workdir, tmp_path):
   def nan_weight(state):
     state = _bump_a_weight(state)
