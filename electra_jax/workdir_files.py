@@ -71,12 +71,7 @@ def read_text(file) -> str:
   return _epath(file).read_text()
 
 
-def read_json(
-    file,
-    parse=lambda value: value,
-    data=None,
-    fix="Put back a good copy, or move its folder aside and start again",
-):
+def read_json(file, parse=lambda value: value, data=None, fix: str | None = None):
   """parse(the JSON of `file`, or of its `data` already read), refused naming the file and `fix`
   when it is not JSON or `parse` raises (ValueError, LookupError, TypeError, AttributeError)."""
   try:
@@ -84,9 +79,10 @@ def read_json(
   except ConfigError:  # `parse`'s own refusal, which names the file itself
     raise
   except (ValueError, LookupError, TypeError, AttributeError) as error:
+    fix = fix or "Put back a good copy, or move its folder aside and start again"
+    why = f"{type(error).__name__}: {error}"
     raise ConfigError(
-        f"{file} is not as electra-jax writes it ({type(error).__name__}: {error}); it was edited "
-        f"or damaged. {fix}."
+        f"{file} is not as electra-jax writes it ({why}); it was edited or damaged. {fix}."
     ) from None
 
 
@@ -119,10 +115,8 @@ def read_jsonl(file) -> list:
   """The whole lines of a JSONL log (metrics.jsonl, eval_metrics.jsonl), parsed; [] if none."""
   records = []
   for line in read_text(file).splitlines() if exists(file) else []:
-    try:
+    with contextlib.suppress(json.JSONDecodeError):  # a line cut short by a crash
       records.append(json.loads(line))
-    except json.JSONDecodeError:
-      continue  # a line cut short by a crash
   return records
 
 
@@ -147,12 +141,9 @@ def out_of_space_named(file=None):
   except OSError as error:
     if error.errno not in _EXHAUSTED:
       raise
-    name = file or error.filename or "a file"
-    raise OutOfSpace(
-        f"Writing {name}: {_EXHAUSTED[error.errno]}, then run the same command again (what was "
-        "written before is kept).",
-        error.errno,
-    ) from None
+    name, fix = file or error.filename or "a file", _EXHAUSTED[error.errno]
+    message = f"Writing {name}: {fix}, then run the same command again (what was written is kept)."
+    raise OutOfSpace(message, error.errno) from None
 
 
 def short_of_space(folder, size: int) -> int | None:
@@ -200,10 +191,9 @@ def write_json(file, value) -> None:
 
 
 def _step_of(line: str) -> float:
-  try:
+  with contextlib.suppress(ValueError, KeyError, TypeError):
     return int(json.loads(line)["step"])
-  except (ValueError, KeyError, TypeError):
-    return float("inf")
+  return float("inf")
 
 
 def _text(lines: list[str]) -> str:
@@ -247,9 +237,7 @@ class JsonlLog:
       return
     if self._remote and self.holds is not None and not self.holds():
       logging.warning(
-          "Not writing the last %d lines of %s: another run took the workdir over and logs there.",
-          len(self._pending),
-          self.file,
+          "Not writing %d lines of %s: another run took it over.", len(self._pending), self.file
       )
     elif self._remote:
       self._content().extend(self._pending)
@@ -283,8 +271,7 @@ def read_versioned(file) -> tuple[bytes | None, object]:
 
 def write_if(file, data: bytes, version) -> bool:
   """Writes `data` at `file` only if it is still `version` (None: only if there is none); False if
-  another write came first. In a bucket by GCS's preconditions; on disk the comparison and the
-  atomic replace hold an exclusive lock on a `.lock` file beside it (freed if the process dies)."""
+  another write came first. In a bucket by GCS's preconditions; on disk under a flock beside it."""
   if is_remote(file):
     with _answers(file, f"writing {file}"):
       try:
@@ -361,8 +348,7 @@ def _answers(url, what: str, missing_bucket: bool = True):
 
 def check_bucket(url, flag: str, write: bool = False) -> None:
   """Refuses, naming `flag` and the fix, a path that is not gs://, a bucket missing or out of reach,
-  or (`write`) one that refuses writes: it lists `url`, then writes and deletes an object beside it.
-  """
+  or (`write`) one that refuses writes (an object written and deleted beside `url`)."""
   if not os.fspath(url).startswith("gs://"):
     raise ConfigError(f"{flag}={url}: a remote path must be a gs:// path.")
   _google(f"{flag}={url}")
