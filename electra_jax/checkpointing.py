@@ -2,6 +2,7 @@
 fingerprint, a checksum of every array) under <workdir>/checkpoints/<step>/; a restore refuses
 arrays that differ (DamagedCheckpoint)."""
 
+import contextlib
 import dataclasses
 import os
 from typing import Any
@@ -44,9 +45,7 @@ def checksums(tree: Any) -> dict[str, int]:
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   values = jax.device_get(_checksums([leaf for _, leaf in flat]))
   # The same names for a train state and the plain dicts orbax returns.
-  name = lambda path: "/".join(
-      str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path
-  )
+  name = lambda path: jax.tree_util.keystr(path, simple=True, separator="/")  # noqa: E731
   return {name(path): int(value) for (path, _), value in zip(flat, values)}
 
 
@@ -59,9 +58,9 @@ def checkpoints_directory(workdir: str) -> str:
 
 
 def _move_in_bucket(source: epath.Path, target: epath.Path) -> None:
-  """Copies every object of `source` to `target`, then deletes them, its commit marker first: a
-  move cut short leaves `source` whole, or unfinished to orbax (which skips it). Through
-  etils.epath, whose listings orbax reads (another client would leave them stale here)."""
+  """Copies `source`'s objects to `target`, then deletes them, its commit marker first: a move cut
+  short leaves `source` whole, or unfinished to orbax. Through etils.epath, whose listings orbax
+  reads."""
   top = os.fspath(source).removeprefix("gs://")
   for folder, _, files in source.walk():  # folders named without gs://
     inside = os.fspath(folder).removeprefix("gs://").removeprefix(top).strip("/")
@@ -71,12 +70,22 @@ def _move_in_bucket(source: epath.Path, target: epath.Path) -> None:
   source.rmtree()
 
 
+def _without_traceback(record) -> bool:
+  """orbax's threads log a failed save with its traceback; the failure is raised again by save() or
+  wait(), named when it is a want of space."""
+  if "orbax" in record.pathname:
+    record.exc_info = record.exc_text = None
+  return True
+
+
 class Checkpointer:
 
   def __init__(self, workdir: str, keep: int):
     self.directory = checkpoints_directory(workdir)
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._size, self._failed = 0, False  # bytes of the state saved last; a save ran out of space
+    logging.get_absl_logger().addFilter(_without_traceback)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -88,7 +97,28 @@ class Checkpointer:
     """Asynchronous (device arrays are copied before this returns); the meta gets the checksums."""
     meta = dict(meta, checksums=checksums(state))
     args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-    self._manager.save(step, args=args, force=True)
+    self._saving(lambda: self._manager.save(step, args=args, force=True))
+    self._size = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+
+  def _saving(self, call) -> None:
+    """call() (a save, or the wait for one in flight); a save that found too little space is
+    OutOfSpace naming the folder, its unfinished step removed, the earlier ones kept."""
+    if self._failed:
+      return
+    try:
+      call()
+    except Exception:
+      local = not workdir_files.is_remote(self.directory)
+      code = local and workdir_files.short_of_space(self.directory, self._size)
+      if not code:
+        raise
+      self._failed = True
+      with contextlib.suppress(Exception):  # the failure again, from the threads it stops
+        self._manager.close()
+      for unfinished in epath.Path(self.directory).glob(f"*{ocp.path.atomicity.TMP_DIR_SUFFIX}*"):
+        unfinished.rmtree()
+      with workdir_files.out_of_space_named(self.directory):
+        raise OSError(code, os.strerror(code)) from None
 
   def _read(self, step: int, what: str, read):
     """read(), or DamagedCheckpoint saying `what` of `step` cannot be read."""
@@ -97,12 +127,11 @@ class Checkpointer:
     except Exception as error:  # noqa: BLE001 -- whatever orbax raises on a missing or broken file
       if not (epath.Path(self.directory) / str(step)).exists():  # not damaged: rotated away
         raise CheckpointRotated(
-            f"The checkpoint at step {step} in {self.directory} was removed while it was read: "
-            "a run writing there saved a newer one."
+            f"The checkpoint at step {step} in {self.directory} was removed while it was read: a "
+            "run writing there saved a newer one."
         ) from error
-      raise self._damaged(
-          step, f"its {what} cannot be read ({type(error).__name__}: {str(error)[:300]})"
-      ) from error
+      why = f"its {what} cannot be read ({type(error).__name__}: {str(error)[:300]})"
+      raise self._damaged(step, why) from error
 
   def _damaged(self, step: int, why: str) -> DamagedCheckpoint:
     others = [s for s in self.all_steps() if s != step]
@@ -115,43 +144,26 @@ class Checkpointer:
     meta = ocp.args.Composite(meta=ocp.args.JsonRestore())
     return self._read(step, "meta", lambda: self._manager.restore(step, args=meta)["meta"])
 
-  def state_difference(self, step: int, abstract_state: Any) -> tuple[list[str], list[str]]:
-    """(paths the checkpoint at `step` lacks, paths only it has) against `abstract_state`, from
-    its tree metadata alone (orbax's restore would fail with a traceback)."""
-    folder = epath.Path(self.directory) / str(step) / "state"
-    saved = self._read(
-        step, "tree metadata", lambda: ocp.StandardCheckpointHandler().metadata(folder)
-    )
-    paths = lambda tree: {"/".join(map(str, path)) for path in ocp.tree.to_flat_dict(tree)}
-    saved = paths(dict(saved))
-    wanted = paths(ocp.tree.serialize_tree(abstract_state, keep_empty_nodes=True))
-    return sorted(wanted - saved), sorted(saved - wanted)
-
   def restore(self, step: int, abstract_state: Any, meta: dict | None = None) -> Any:
     """`abstract_state`: ShapeDtypeStructs with the target shardings. DamagedCheckpoint when a file
     cannot be read or an array's checksum differs from the one saved."""
-    recorded = (meta if meta is not None else self.read_meta(step)).get("checksums")
+    recorded = (meta if meta is not None else self.read_meta(step)).get("checksums", {})
     args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
     state = self._read(step, "arrays", lambda: self._manager.restore(step, args=args)["state"])
-    if recorded is not None:
-      differ = [n for n, value in checksums(state).items() if recorded.get(n) != value]
-      if differ:
-        raise self._damaged(
-            step, f"{len(differ)} arrays differ from what was saved (first: {differ[:3]})"
-        )
+    if differ := [n for n, value in checksums(state).items() if recorded.get(n) != value]:
+      why = f"{len(differ)} arrays differ from what was saved (first: {differ[:3]})"
+      raise self._damaged(step, why)
     return state
 
   def restore_newest_intact(
-      self, abstract_state: Any, at_most: int, check=None
+      self, abstract_state: Any, at_most: int, check
   ) -> tuple[int, Any, dict]:
     """(step, state, meta) of the newest step up to `at_most` that restores intact, each damaged one
     skipped with a warning; `check(step, meta)` may refuse a step before its arrays are read."""
     damaged = []
     for step in sorted((s for s in self.all_steps() if s <= at_most), reverse=True):
       try:
-        meta = self.read_meta(step)
-        if check is not None:
-          check(step, meta)
+        check(step, meta := self.read_meta(step))
         state = self.restore(step, abstract_state, meta)
       except DamagedCheckpoint as error:
         logging.warning("%s Trying the step before it.", error)
@@ -169,12 +181,10 @@ class Checkpointer:
 
   def set_aside_after(self, step: int) -> None:
     """Process 0 renames every step after `step` (a resume from `step` would save over it) to
-    <step>.damaged while the other processes wait, then forget them. A bucket has no rename: the
-    step's objects are copied, then deleted, its commit marker first (orbax skips a step without one).
+    <step>.damaged while the other processes wait (a bucket's: _move_in_bucket), then forgets them.
     """
     later = [s for s in self.all_steps() if s > step]
-    if jax.process_count() > 1:
-      multihost_utils.sync_global_devices("electra_jax: before setting damaged checkpoints aside")
+    multihost_utils.sync_global_devices("electra_jax: before setting damaged checkpoints aside")
     for s in later if jax.process_index() == 0 else ():
       source = epath.Path(self.directory) / str(s)
       target, n = source.parent / f"{s}.damaged", 1
@@ -185,20 +195,18 @@ class Checkpointer:
       else:
         source.rename(target)
       logging.warning(
-          "Moved the damaged checkpoint at step %d to %s; the run trains those steps again.",
-          s,
-          target,
+          "Moved the damaged checkpoint at step %d to %s; training on from before.", s, target
       )
-    if jax.process_count() > 1:
-      multihost_utils.sync_global_devices("electra_jax: damaged checkpoints set aside")
+    multihost_utils.sync_global_devices("electra_jax: damaged checkpoints set aside")
     if later:
       self._manager.reload()
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    self._saving(self._manager.wait_until_finished)
 
   def close(self) -> None:
-    self._manager.close()
+    if not self._failed:
+      self._manager.close()
 
 
 # --- The checkpoint a run goes on from, checked against its setup and data
@@ -217,18 +225,17 @@ def newest_start(workdir: str, setup, corpus, keep: int, changes=None) -> Start 
   (`keep`: checkpoint.keep; `changes`: as `fits` takes them)."""
   found = workdir_files.exists(checkpoints_directory(workdir))  # else none is made here
   checkpointer = Checkpointer(workdir, keep=keep) if found else None
-  latest = checkpointer and checkpointer.latest_step()
+  latest = checkpointer.latest_step() if found else None
   # One answer for every process, even if a save ends meanwhile.
   latest = distributed.from_process_0(-1 if latest is None else latest)
-  if latest < 0 or checkpointer is None:
-    if checkpointer is not None:
+  if latest >= 0 and not found:
+    raise ConfigError(
+        f"--workdir={workdir} is not one directory every process sees: process 0 finds step "
+        f"{latest} there, process {jax.process_index()} none. Use a bucket or a shared mount."
+    )
+  if latest < 0:
+    if found:
       checkpointer.close()
-    if latest >= 0:
-      raise ConfigError(
-          f"--workdir={workdir} is not one directory every process sees: process 0 finds the "
-          f"checkpoint at step {latest} there, process {jax.process_index()} finds none. On a "
-          "multi-host slice use a bucket (gs://...) or a shared mount."
-      )
     return None
   try:
     check = fits(checkpointer, setup, workdir, corpus, changes)
@@ -240,53 +247,56 @@ def newest_start(workdir: str, setup, corpus, keep: int, changes=None) -> Start 
 
 
 def fits(checkpointer, setup, workdir: str, corpus=None, changes=None):
-  """(step, meta) -> None, refusing a checkpoint of another model, data (given `corpus`) or state
-  structure; `changes` names the model settings that differ from the workdir's config.json."""
+  """(step, meta) -> None, refusing a checkpoint of another model, state structure or (given
+  `corpus`) data; `changes` names the model settings that differ from the workdir's config.json."""
+  config_json = os.path.join(workdir, "config.json")
 
   def check(step: int, meta: dict) -> None:
     theirs, ours = meta["param_shapes"], setup.param_shapes
-    for name in sorted(set(theirs) | set(ours)):
-      if theirs.get(name) != ours.get(name):
-        settings = (
-            f" The model settings that differ from its config.json: {'; '.join(changes)}."
-            if changes
-            else ""
-        )
-        raise ConfigError(
-            f"The workdir {workdir} holds a checkpoint of a different model: parameter {name!r} "
-            f"is {theirs.get(name, 'absent')} there but {ours.get(name, 'absent')} in this "
-            f"config.{settings} Use a new --workdir, or the config that made this checkpoint "
-            f"({os.path.join(workdir, 'config.json')}). Nothing was overwritten."
-        )
-    imported = meta["data_fingerprint"] is None  # imported weights: bound to a vocabulary alone
-    if corpus is None:
-      pass
-    elif imported and meta["tokenizer_fingerprint"] != corpus.tokenizer.fingerprint:
+    if differ := [n for n in sorted(set(theirs) | set(ours)) if theirs.get(n) != ours.get(n)]:
       raise ConfigError(
-          f"The checkpoint in {workdir} holds weights imported from {meta['imported_from']} with "
-          f"their own vocabulary (tokenizer {meta['tokenizer_fingerprint']}), but this config "
-          f"tokenizes with {corpus.tokenizer.fingerprint}. Train with the workdir's config.json "
-          "(which names that vocabulary), e.g. leave out --config."
+          f"The workdir {workdir} holds a checkpoint of a different model: parameter {differ[0]!r} "
+          f"is {theirs.get(differ[0], 'absent')} there, {ours.get(differ[0], 'absent')} here"
+          + (
+              f"; settings that differ from its config.json: {'; '.join(changes)}."
+              if changes
+              else "."
+          )
+          + f" Use a new --workdir, or the config in {config_json}. Nothing was overwritten."
       )
-    elif not imported and meta["data_fingerprint"] != corpus.fingerprint:
-      raise ConfigError(
-          f"The checkpoint in {workdir} was trained on data {meta['data_fingerprint']} but this "
-          f"config gives {corpus.fingerprint} (a different tokenizer, corpus, max_seq_len or data.pack_rows). "
-          "Use a new --workdir, or the data settings of its config.json."
-      )
-    missing, extra = checkpointer.state_difference(step, setup.abstract_state)
+    # From the tree metadata alone: orbax's restore would fail with a traceback.
+    folder = epath.Path(checkpointer.directory) / str(step) / "state"
+    read = lambda: dict(ocp.StandardCheckpointHandler().metadata(folder))  # noqa: E731
+    paths = lambda tree: {"/".join(map(str, path)) for path in ocp.tree.to_flat_dict(tree)}
+    saved = paths(checkpointer._read(step, "tree metadata", read))  # noqa: SLF001
+    wanted = paths(ocp.tree.serialize_tree(setup.abstract_state, keep_empty_nodes=True))
+    missing, extra = sorted(wanted - saved), sorted(saved - wanted)
     if missing or extra:
-      optimizer = all(p.startswith("opt_state") for p in missing + extra)
-      hint = (
-          " optimizer.bias_correction decides whether Adam keeps a step count (True: optax's Adam; "
-          "False: the official one): resume with the value in its config.json."
-          if optimizer
-          else ""
-      )
+      what, fix = "a train", ""
+      if all(p.startswith("opt_state") for p in missing + extra):
+        what, fix = (
+            "an optimizer",
+            "resume with its optimizer.bias_correction (True: Adam counts steps) or ",
+        )
       raise ConfigError(
-          f"The checkpoint at step {step} in {workdir} holds {'an optimizer' if optimizer else 'a train'} state "
-          f"of another structure than this config's (missing from it: {missing[:3] or 'none'}; only in it: "
-          f"{extra[:3] or 'none'}).{hint} Or use a new --workdir. Nothing was overwritten."
+          f"The checkpoint at step {step} in {workdir} holds {what} state of another structure "
+          f"(missing: {missing[:3] or 'none'}; only there: {extra[:3] or 'none'}): {fix}use a new "
+          "--workdir. Nothing was overwritten."
+      )
+    if corpus is None:
+      return
+    if meta["data_fingerprint"] is None:  # imported weights: bound to a vocabulary alone
+      if meta["tokenizer_fingerprint"] != corpus.tokenizer.fingerprint:
+        raise ConfigError(
+            f"The checkpoint in {workdir} holds weights imported from {meta['imported_from']} with "
+            f"their own vocabulary ({meta['tokenizer_fingerprint']}), not this config's "
+            f"({corpus.tokenizer.fingerprint}): train with {config_json}, e.g. leave out --config."
+        )
+    elif meta["data_fingerprint"] != corpus.fingerprint:
+      raise ConfigError(
+          f"The checkpoint in {workdir} was trained on data {meta['data_fingerprint']}, this config "
+          f"gives {corpus.fingerprint} (another tokenizer, corpus, max_seq_len or data.pack_rows): "
+          f"use a new --workdir, or the data settings of {config_json}."
       )
 
   return check

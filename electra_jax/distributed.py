@@ -53,9 +53,7 @@ def _from_env(value, name: str):
 def initialize(coordinator_address=None, num_processes=None, process_id=None) -> None:
   """Call once, before anything touches the devices: the arguments, else the ELECTRA_JAX_*
   variables, else the scheduler _multi_host_environment finds."""
-  coordinator_address = (
-      coordinator_address or os.environ.get("ELECTRA_JAX_COORDINATOR_ADDRESS") or None
-  )
+  coordinator_address = coordinator_address or os.environ.get("ELECTRA_JAX_COORDINATOR_ADDRESS")
   num_processes = _from_env(num_processes, "ELECTRA_JAX_NUM_PROCESSES")
   process_id = _from_env(process_id, "ELECTRA_JAX_PROCESS_ID")
   explicit = (coordinator_address, num_processes, process_id)
@@ -70,8 +68,8 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None) ->
     host, _, port = coordinator_address.rpartition(":")
     if not host or not port.isdigit():
       raise ConfigError(
-          f"coordinator_address={coordinator_address!r} must be HOST:PORT, e.g. 10.0.0.2:1234 "
-          "(process 0's address and a free port every process can reach)."
+          f"coordinator_address={coordinator_address!r} must be HOST:PORT (process 0's address, a "
+          "free port every process reaches), e.g. 10.0.0.2:1234."
       )
     # The CPU backend's cross-process collectives (local runs, tests); GPU and TPU ignore it.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

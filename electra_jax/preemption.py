@@ -13,14 +13,7 @@ from jax.experimental import multihost_utils
 # Set by any SIGTERM this process took, a run's handler or a sweep's (sweep.py asks after each
 # run, so one that came during a run's last step, or between runs, still stops the sweep).
 _SIGTERM = threading.Event()
-
-
-def sigterm_received() -> bool:
-  return _SIGTERM.is_set()
-
-
-def clear_sigterm() -> None:
-  _SIGTERM.clear()
+sigterm_received, clear_sigterm = _SIGTERM.is_set, _SIGTERM.clear
 
 
 def note_sigterm(signum=None, frame=None) -> None:
@@ -29,11 +22,10 @@ def note_sigterm(signum=None, frame=None) -> None:
 
 
 class Preemption:
-  """SIGTERM (or SIGHUP, a closed terminal) for a whole run: while it starts it unwinds at once
-  (SystemExit(0), the lease released); once the loop runs, it or a first Ctrl-C ends the run after a
-  step, with a checkpoint. Under jax.distributed the save is collective: JAX's preemption service,
-  which catches SIGTERM from initialize on, picks a loop call every process reaches; no Python
-  handler then."""
+  """SIGTERM or SIGHUP for a whole run: while it starts it unwinds at once (SystemExit(0)); once the
+  loop runs, it or a first Ctrl-C ends the run after a step, with a checkpoint. Under
+  jax.distributed JAX's preemption service (no Python handler) picks a step every process reaches.
+  """
 
   def __init__(self):
     self.requested = self.unwound = self.looping = False
@@ -56,13 +48,11 @@ class Preemption:
     self.looping = True
     if jax.process_count() > 1 and not self._collective:  # joined by the runtime alone
       logging.warning(
-          "%d processes without jax.distributed: a SIGTERM stops this run without a checkpoint "
-          "(it resumes from the last periodic one). Start it through electra_jax.main, which "
-          "joins the job.",
+          "%d processes without jax.distributed: a SIGTERM stops this run without a checkpoint; "
+          "start it through electra_jax.main, which joins the job.",
           jax.process_count(),
       )
-    # A first Ctrl-C saves at the end of the step too; a second one stops at once.
-    self._install(signal.SIGINT)
+    self._install(signal.SIGINT)  # a first Ctrl-C saves at the end of the step; a second stops
 
   def _handle(self, signum, frame):
     self.signal_name = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
@@ -78,15 +68,11 @@ class Preemption:
     if self._collective and not self.requested:
       try:
         self.requested = multihost_utils.reached_preemption_sync_point(call)
-        if self.requested:
-          _SIGTERM.set()
       except RuntimeError as error:  # jax_enable_preemption_service=False
-        logging.warning(
-            "No preemption handling (%s): a SIGTERM stops this run without a checkpoint; it "
-            "resumes from the last periodic one.",
-            error,
-        )
+        logging.warning("No preemption handling (%s): a SIGTERM stops this run unsaved.", error)
         self._collective = False
+      if self.requested:
+        _SIGTERM.set()
     return self.requested
 
   def __exit__(self, *exc):
@@ -94,7 +80,7 @@ class Preemption:
       signal.signal(signum, previous)
     if self.unwound:
       logging.warning(
-          "%s while the run was starting: it stopped before its first step and saved "
-          "nothing new. Run the same command to go on.",
+          "%s while the run was starting: it stopped before its first step, saving nothing new. "
+          "Run the same command to go on.",
           self.signal_name,
       )

@@ -12,6 +12,7 @@ import functools
 import hashlib
 import json
 import os
+import resource
 import tempfile
 import time
 import uuid
@@ -70,16 +71,18 @@ def read_text(file) -> str:
   return _epath(file).read_text()
 
 
-def read_json(file, parse=lambda value: value):
-  """parse(the JSON of `file`), refused by name when it is not JSON or `parse` raises."""
+def read_json(file, parse=lambda value: value, data=None, fix: str | None = None):
+  """parse(the JSON of `file`, or of its `data` already read), refused naming the file and `fix`
+  when it is not JSON or `parse` raises (ValueError, LookupError, TypeError, AttributeError)."""
   try:
-    return parse(json.loads(read_text(file)))
+    return parse(json.loads(read_text(file) if data is None else data))
   except ConfigError:  # `parse`'s own refusal, which names the file itself
     raise
   except (ValueError, LookupError, TypeError, AttributeError) as error:
+    fix = fix or "Put back a good copy, or move its folder aside and start again"
+    why = f"{type(error).__name__}: {error}"
     raise ConfigError(
-        f"{file} is not as electra-jax writes it ({type(error).__name__}: {error}); it was edited "
-        "or damaged. Put back a good copy, or move its folder aside and start again."
+        f"{file} is not as electra-jax writes it ({why}); it was edited or damaged. {fix}."
     ) from None
 
 
@@ -112,10 +115,8 @@ def read_jsonl(file) -> list:
   """The whole lines of a JSONL log (metrics.jsonl, eval_metrics.jsonl), parsed; [] if none."""
   records = []
   for line in read_text(file).splitlines() if exists(file) else []:
-    try:
+    with contextlib.suppress(json.JSONDecodeError):  # a line cut short by a crash
       records.append(json.loads(line))
-    except json.JSONDecodeError:
-      continue  # a line cut short by a crash
   return records
 
 
@@ -140,12 +141,19 @@ def out_of_space_named(file=None):
   except OSError as error:
     if error.errno not in _EXHAUSTED:
       raise
-    name = file or error.filename or "a file"
-    raise OutOfSpace(
-        f"Writing {name}: {_EXHAUSTED[error.errno]}, then run the same command again (what was "
-        "written before is kept).",
-        error.errno,
-    ) from None
+    name, fix = file or error.filename or "a file", _EXHAUSTED[error.errno]
+    message = f"Writing {name}: {fix}, then run the same command again (what was written is kept)."
+    raise OutOfSpace(message, error.errno) from None
+
+
+def short_of_space(folder, size: int) -> int | None:
+  """The errno (ENOSPC, EFBIG) a write of `size` bytes into local `folder` meets today: less free
+  space there, or a file-size limit (`ulimit -f`) below it; None when neither holds."""
+  disk = os.statvfs(folder)
+  if disk.f_bavail * disk.f_frsize < size:
+    return errno.ENOSPC
+  limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+  return errno.EFBIG if limit != resource.RLIM_INFINITY and limit < size else None
 
 
 def write_bytes(file, data: bytes) -> None:
@@ -183,10 +191,9 @@ def write_json(file, value) -> None:
 
 
 def _step_of(line: str) -> float:
-  try:
+  with contextlib.suppress(ValueError, KeyError, TypeError):
     return int(json.loads(line)["step"])
-  except (ValueError, KeyError, TypeError):
-    return float("inf")
+  return float("inf")
 
 
 def _text(lines: list[str]) -> str:
@@ -230,9 +237,7 @@ class JsonlLog:
       return
     if self._remote and self.holds is not None and not self.holds():
       logging.warning(
-          "Not writing the last %d lines of %s: another run took the workdir over and logs there.",
-          len(self._pending),
-          self.file,
+          "Not writing %d lines of %s: another run took it over.", len(self._pending), self.file
       )
     elif self._remote:
       self._content().extend(self._pending)
@@ -266,8 +271,7 @@ def read_versioned(file) -> tuple[bytes | None, object]:
 
 def write_if(file, data: bytes, version) -> bool:
   """Writes `data` at `file` only if it is still `version` (None: only if there is none); False if
-  another write came first. In a bucket by GCS's preconditions; on disk the comparison and the
-  atomic replace hold an exclusive lock on a `.lock` file beside it (freed if the process dies)."""
+  another write came first. In a bucket by GCS's preconditions; on disk under a flock beside it."""
   if is_remote(file):
     with _answers(file, f"writing {file}"):
       try:
@@ -344,8 +348,7 @@ def _answers(url, what: str, missing_bucket: bool = True):
 
 def check_bucket(url, flag: str, write: bool = False) -> None:
   """Refuses, naming `flag` and the fix, a path that is not gs://, a bucket missing or out of reach,
-  or (`write`) one that refuses writes: it lists `url`, then writes and deletes an object beside it.
-  """
+  or (`write`) one that refuses writes (an object written and deleted beside `url`)."""
   if not os.fspath(url).startswith("gs://"):
     raise ConfigError(f"{flag}={url}: a remote path must be a gs:// path.")
   _google(f"{flag}={url}")
@@ -371,10 +374,12 @@ def list_files(directory) -> dict[str, tuple[int, str | None]]:
   reports its own, else None); {} when it does not exist."""
   root = os.fspath(directory)
   if not is_remote(root):
-    try:
-      return {entry.name: (entry.stat().st_size, None) for entry in os.scandir(root)}
-    except FileNotFoundError:
-      return {}
+    files = {}
+    with contextlib.suppress(FileNotFoundError):
+      for entry in os.scandir(root):
+        with contextlib.suppress(FileNotFoundError):  # a link to nothing: no file of that name
+          files[entry.name] = (entry.stat().st_size, None)
+    return files
   fs, prefix = filesystem(root)
   try:
     listed = fs.ls(prefix, detail=True, refresh=True)

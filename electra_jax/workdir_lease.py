@@ -25,7 +25,6 @@ from electra_jax import distributed, workdir_files
 from electra_jax.errors import ConfigError, WorkdirInUse
 
 LEASE_FILE = "lease.json"
-# The fields a reader uses; a hand-edited value of another type would block --take_over_workdir too.
 _FIELD_TYPES = dict(
     run_id=str, host=str, pid=int, heartbeat=(int, float), released=bool, started=str
 )
@@ -34,26 +33,17 @@ _LIVE_RUN_IDS: set[str] = set()
 _TRIES = 20  # reads and conditional writes before acquire() gives up on a lease that keeps changing
 
 
-def _parse(data: bytes | None, file) -> dict | None:
-  """The lease in `data`; None when there is none or it is not one this version wrote (an edit)."""
-  if data is None:
-    return None
-  try:
-    holder = json.loads(data)
-  except ValueError:
-    holder = None
-  if not (isinstance(holder, dict) and "run_id" in holder) or any(
-      key in holder and not isinstance(holder[key], types) for key, types in _FIELD_TYPES.items()
-  ):
-    logging.warning("Ignoring %s: its fields are not those of a lease this version wrote.", file)
-    return None
+def _checked(holder: dict) -> dict:
+  """A lease as this version writes it: the keys of _FIELD_TYPES, each of its type, and no other."""
+  for key, value in {**dict.fromkeys(_FIELD_TYPES), **holder}.items():
+    if not isinstance(value, _FIELD_TYPES.get(key, ())):
+      raise ValueError(f"{key}={value!r}: a lease holds {', '.join(_FIELD_TYPES)}, of their types")
   return holder
 
 
 def read_lease(workdir) -> dict | None:
-  """The lease of `workdir`; None when there is none or it is not one this version wrote."""
-  file = workdir_files.path(workdir, LEASE_FILE)
-  return _parse(workdir_files.read_versioned(file)[0], file)
+  """The lease of `workdir`, checked; None when there is none."""
+  return WorkdirLease(workdir)._read()[0]  # noqa: SLF001
 
 
 class WorkdirLease:
@@ -71,55 +61,59 @@ class WorkdirLease:
     self.workdir, self.name = workdir, name  # name: how a refusal names it ("The sweep folder")
     self.file = workdir_files.path(workdir, LEASE_FILE)
     self.beat_seconds, self.stale_seconds, self._clock = beat_seconds, stale_seconds, clock
-    self.record = {
-        "run_id": uuid.uuid4().hex[:12],
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "released": False,
-    }
+    self.run_id = uuid.uuid4().hex[:12]
+    self.record = dict(
+        run_id=self.run_id,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        released=False,
+    )
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
-    self._lock = threading.Lock()  # the main thread's check/release against the heartbeat's write
+    self._lock = threading.RLock()  # the main thread's check/release against the heartbeat's write
     self.taken_by: dict | None = None  # set once another run's id is found in the file
     self._last_read = -float("inf")  # time.monotonic() of the last read of the file
     self._version = None  # of the file as last read: what the next write replaces
 
-  @property
-  def run_id(self) -> str:
-    return self.record["run_id"]
-
   def _who(self, holder: dict) -> str:
-    age = self._clock() - float(holder.get("heartbeat", 0.0))
     return (
-        f"run {holder['run_id']} on host {holder.get('host', '?')} (pid {holder.get('pid', '?')}, "
-        f"started {holder.get('started', '?')}, last heartbeat {age:.0f} s ago)"
+        f"run {holder['run_id']} on host {holder['host']} (pid {holder['pid']}, started "
+        f"{holder['started']}, last heartbeat {self._clock() - holder['heartbeat']:.0f} s ago)"
     )
 
   def _alive(self, holder: dict | None) -> bool:
     """Whether `holder` (another run's lease) still counts as running."""
-    if holder is None or holder.get("released"):
+    if holder is None or holder["released"]:
       return False
-    if self._clock() - holder.get("heartbeat", 0.0) > self.stale_seconds:
+    if self._clock() - holder["heartbeat"] > self.stale_seconds:
       return False
-    if holder.get("host") != self.record["host"]:
+    if holder["host"] != self.record["host"]:
       return True
-    pid = holder.get("pid", -1)
-    if pid == os.getpid():  # alive if this process runs it (a notebook's thread), not if restarted
+    if holder["pid"] == os.getpid():  # alive if this process runs it (a notebook's thread)
       return holder["run_id"] in _LIVE_RUN_IDS
     try:
-      os.kill(pid, 0)
+      os.kill(holder["pid"], 0)
     except ProcessLookupError:
       return False
     except (PermissionError, OverflowError, ValueError):
       pass  # someone else's process, or a pid this system cannot have: assume alive
     return True
 
-  def _read(self) -> tuple[dict | None, object]:
-    """(the lease, its version), noted as read now."""
+  def _read(self, take_over: bool = False) -> tuple[dict | None, object]:
+    """(the lease or None, its version), noted as read now; an edited lease is refused (taken over
+    with a warning if `take_over`)."""
     data, version = workdir_files.read_versioned(self.file)
     self._last_read = time.monotonic()
-    return _parse(data, self.file), version
+    fix = "If no run uses it, pass --take_over_workdir"
+    try:
+      holder = None if data is None else workdir_files.read_json(self.file, _checked, data, fix)
+      return holder, version
+    except ConfigError:
+      if not take_over:
+        raise
+      logging.warning("--take_over_workdir: taking over %s, which was edited.", self.file)
+      return None, version
 
   def _write(self, version, **fields) -> bool:
     """This run's lease with a fresh heartbeat, written if the file is still `version`."""
@@ -130,32 +124,27 @@ class WorkdirLease:
     """Takes the workdir, or raises WorkdirInUse naming the run that holds it."""
     workdir_files.makedirs(workdir_files.path(self.workdir))
     for _ in range(_TRIES):
-      holder, version = self._read()
+      holder, version = self._read(take_over)
       if holder is not None and holder["run_id"] == self.run_id:
         break  # this run's own write, which a retried request reported as failed
-      if self._alive(holder):
-        held_here = (holder.get("host"), holder.get("pid")) == (self.record["host"], os.getpid())
-        if not take_over:
-          raise WorkdirInUse(
-              f"{self.name} {self.workdir} is in use by {self._who(holder)}."
-              + (" That is this very process (a notebook cell's run)." if held_here else "")
-              + f" Wait for it to end, or use another --workdir; if it is dead (on another host: "
-              f"no heartbeat for {self.stale_seconds:.0f} s), pass --take_over_workdir. Nothing "
-              "was written."
-          )
-        logging.warning("--take_over_workdir: taking %s from %s.", self.workdir, self._who(holder))
-      elif holder is not None and not holder.get("released"):
-        logging.warning(
-            "The last run on %s ended without releasing it (%s); taking it over.",
-            self.workdir,
-            self._who(holder),
+      alive = self._alive(holder)
+      if alive and not take_over:
+        here = (holder["host"], holder["pid"]) == (self.record["host"], os.getpid())
+        raise WorkdirInUse(
+            f"{self.name} {self.workdir} is in use by {self._who(holder)}"
+            + (", this very process (a notebook cell's run)" if here else "")
+            + f": wait for it, or use another --workdir; if it is dead (no heartbeat for "
+            f"{self.stale_seconds:.0f} s), pass --take_over_workdir. Nothing was written."
         )
+      if holder is not None and not holder["released"]:
+        how = "--take_over_workdir: taking" if alive else "A run ended without releasing it; taking"
+        logging.warning("%s %s from %s.", how, self.workdir, self._who(holder))
       if self._write(version):
         break
     else:
       raise WorkdirInUse(
           f"{self.name} {self.workdir}: its {LEASE_FILE} changed under each of {_TRIES} tries to "
-          "take it; other runs are starting there. Run one job per workdir. Nothing was written."
+          "take it, as other runs start there. Run one job per workdir. Nothing was written."
       )
     _LIVE_RUN_IDS.add(self.run_id)
     self._thread = threading.Thread(target=self._beat, name="workdir-lease", daemon=True)
@@ -173,32 +162,27 @@ class WorkdirLease:
   def _renew(self, **fields) -> None:
     """Writes this run's lease again (with `fields`) while it is this run's; notes a taker."""
     for _ in range(_TRIES):
-      if not self._still_held() or self._write(self._version, **fields):
+      if not self.holds() or self._write(self._version, **fields):
         return
 
-  def _still_held(self) -> bool:
-    """Whether the file still names this run (read afresh until another run is found there)."""
-    if self.taken_by is None:
-      holder, self._version = self._read()
-      if holder is not None and holder["run_id"] != self.run_id:
-        self.taken_by = holder
-    return self.taken_by is None
-
   def holds(self) -> bool:
-    """Whether this run still holds the workdir, the file read afresh."""
+    """Whether the file still names this run (read afresh until another run is found there)."""
     with self._lock:
-      return self._still_held()
+      if self.taken_by is None:
+        holder, self._version = self._read()
+        if holder is not None and holder["run_id"] != self.run_id:
+          self.taken_by = holder
+      return self.taken_by is None
 
   def check(self, max_age_seconds: float = 0.0) -> None:
     """Raises WorkdirInUse if another run's lease replaced this one's. The file is read unless
     it was read less than `max_age_seconds` ago (a bucket's read takes tens of ms)."""
     with self._lock:
       fresh = time.monotonic() - self._last_read < max_age_seconds
-      if not (self.taken_by is None if fresh else self._still_held()):
+      if not (self.taken_by is None if fresh else self.holds()):
         raise WorkdirInUse(
             f"Another run took over the workdir {self.workdir}: {self._who(self.taken_by)}. This "
-            f"run ({self.run_id}) stopped without saving, not to overwrite its checkpoints. Run "
-            "one job per workdir."
+            f"run ({self.run_id}) stopped without saving, not to overwrite its checkpoints."
         )
 
   def release(self) -> None:
@@ -214,15 +198,15 @@ class WorkdirLease:
 
 # --- A run of several processes: process 0 holds the lease, and its refusals stop them all.
 def _refused_everywhere(attempt: Callable[[], None] | None) -> None:
-  """Runs `attempt` (None off process 0); a WorkdirInUse it raises, every process raises."""
+  """Runs `attempt` (None off process 0); a ConfigError it raises, every process raises."""
   problem = None
   try:
     if attempt is not None:
       attempt()
-  except WorkdirInUse as error:
-    problem = str(error)
+  except ConfigError as error:  # WorkdirInUse, or an edited lease.json
+    problem = error
   if distributed.from_process_0(problem is not None):
-    raise WorkdirInUse(problem or "Process 0 stopped the run; its log says why.")
+    raise problem or WorkdirInUse("Process 0 stopped the run; its log says why.")
 
 
 def hold(lease: WorkdirLease | None, max_age_seconds: float = 0.0) -> None:
@@ -237,29 +221,20 @@ def acquire(directory: str, take_over: bool, name: str = "The workdir") -> Workd
   return lease
 
 
-def check_shared(workdir: str) -> None:
-  """Every process must see the lease process 0 just wrote: checkpoints are saved by all together,
-  and a workdir local to each host would leave orbax waiting forever."""
-  if jax.process_count() == 1:
-    return
-  seen = zlib.crc32((read_lease(workdir) or {}).get("run_id", "").encode())
-  views = np.asarray(multihost_utils.process_allgather(np.int64(seen))).reshape(-1)
-  blind = [i for i, view in enumerate(views) if view != views[0]]
-  if blind:
-    raise ConfigError(
-        f"--workdir={workdir} is not one directory every process sees: process(es) {blind} cannot "
-        f"read the {LEASE_FILE} process 0 wrote there, and checkpoints are saved by all processes "
-        "together. On a multi-host slice use a bucket (gs://...) or a shared mount."
-    )
-
-
 @contextlib.contextmanager
 def held(workdir, take_over: bool):
   """The workdir's lease for a run of every process (process 0 holds it; the others get None),
-  once every process sees it; released at the end."""
+  once every process sees it (checkpoints are saved by all together); released at the end."""
   lease = acquire(workdir, take_over)
   try:
-    check_shared(workdir)
+    if jax.process_count() > 1:
+      seen = zlib.crc32((read_lease(workdir) or {}).get("run_id", "").encode())
+      views = np.asarray(multihost_utils.process_allgather(np.int64(seen))).reshape(-1)
+      if blind := [i for i, view in enumerate(views) if view != views[0]]:
+        raise ConfigError(
+            f"--workdir={workdir} is not one directory every process sees: process(es) {blind} "
+            f"cannot read the {LEASE_FILE} process 0 wrote there. Use a bucket or a shared mount."
+        )
     yield lease
   finally:
     if lease is not None:

@@ -127,6 +127,7 @@ def _start_cli(args, env, log) -> subprocess.Popen:
     )
 
 
+@pytest.mark.fault
 @pytest.mark.slow
 def test_kill_9_in_the_middle_of_a_checkpoint_write_resumes_from_the_newest_intact_step(
     reference, gcs_server, bucket, proxy, tmp_path
@@ -158,6 +159,7 @@ def test_kill_9_in_the_middle_of_a_checkpoint_write_resumes_from_the_newest_inta
   _assert_same_run(reference, workdir, gcs_server)
 
 
+@pytest.mark.fault
 def test_a_damaged_step_in_a_bucket_is_set_aside_whole_and_trained_again(
     reference, gcs_server, bucket
 ):
@@ -185,6 +187,7 @@ def test_a_damaged_step_in_a_bucket_is_set_aside_whole_and_trained_again(
   assert gcs_server.read(f"{bucket}/{damaged.replace('/6/', '/6.damaged/')}") != content
 
 
+@pytest.mark.fault
 def test_a_second_run_is_refused_and_a_take_over_fences_the_first_off(
     gcs_server, bucket, proxy, tmp_path
 ):
@@ -281,6 +284,7 @@ def test_export_from_a_bucket_workdir_is_the_export_of_the_same_run_kept_locally
   assert from_bucket == _export(reference["workdir"], tmp_path / "from_disk")  # byte for byte
 
 
+@pytest.mark.fault
 def test_a_bucket_that_does_not_exist_is_refused_in_one_line_before_anything(gcs_server):
   workdir = "gs://no-such-bucket-for-electra/run"
   result = cli(cli_args(workdir))
@@ -296,6 +300,7 @@ def test_a_bucket_that_does_not_exist_is_refused_in_one_line_before_anything(gcs
     urllib.request.urlopen(f"{gcs_server.url}/storage/v1/b/no-such-bucket-for-electra")
 
 
+@pytest.mark.fault
 def test_a_bucket_that_refuses_writes_is_refused_in_one_line_with_nothing_written(
     gcs_server, bucket, proxy, monkeypatch
 ):
@@ -314,6 +319,7 @@ def test_a_bucket_that_refuses_writes_is_refused_in_one_line_with_nothing_writte
   assert gcs_server.objects(bucket) == []
 
 
+@pytest.mark.fault
 def test_prepare_data_into_a_bucket_that_refuses_writes_is_refused_before_any_work(
     gcs_server, bucket, proxy, monkeypatch, tmp_path
 ):
@@ -333,6 +339,7 @@ def test_prepare_data_into_a_bucket_that_refuses_writes_is_refused_before_any_wo
   assert gcs_server.objects(bucket) == []
 
 
+@pytest.mark.fault
 def test_a_bucket_without_credentials_is_refused_in_one_line(gcs_server, tmp_path, monkeypatch):
   # Google's own endpoint in place of the local API: no credentials here (and no request sent).
   monkeypatch.delenv("STORAGE_EMULATOR_HOST")

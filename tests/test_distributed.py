@@ -106,6 +106,7 @@ def test_one_device_eight_devices_and_two_processes_of_four_train_alike(tmp_path
       )
 
 
+@pytest.mark.fault
 def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes(tmp_path):
   # Preemption notices reach a slice's hosts at different times. Each process stopping on its
   # own would leave the other waiting in a collective (or in orbax's save) until killed; the
@@ -158,6 +159,7 @@ def _run_two(command_of, devices: int) -> list[tuple[int, str]]:
   return [(proc.returncode, stderr) for proc, (_, stderr) in zip(procs, outputs)]
 
 
+@pytest.mark.fault
 def test_a_workdir_the_processes_do_not_share_is_refused_before_training(tmp_path):
   """A local --workdir on each host of a slice (here: another path per process) used to train
   and then hang at the first checkpoint, which orbax saves from every process together."""
@@ -172,6 +174,7 @@ def test_a_workdir_the_processes_do_not_share_is_refused_before_training(tmp_pat
   assert not (tmp_path / "host0" / "metrics.jsonl").exists()
 
 
+@pytest.mark.fault
 def test_incomplete_coordinator_settings_are_refused(monkeypatch):
   monkeypatch.delenv("ELECTRA_JAX_PROCESS_ID", raising=False)
   with pytest.raises(ValueError, match="process_id=None"):
@@ -185,6 +188,7 @@ def test_incomplete_coordinator_settings_are_refused(monkeypatch):
     distributed.initialize(coordinator_address="127.0.0.1:1", process_id=0)
 
 
+@pytest.mark.fault
 def test_single_process_modes_are_refused_in_a_multi_process_job(tmp_path):
   """Fine-tuning, export and import restore onto one device: process 1 cannot address process
   0's, so it used to crash while process 0 hung in the restore for minutes."""
@@ -228,6 +232,7 @@ def test_modes_that_run_locally_join_no_multi_process_job(tmp_path, mode, made):
   assert (tmp_path / made).is_file()
 
 
+@pytest.mark.fault
 def test_a_sigterm_before_the_loop_stops_a_single_process_distributed_run(tmp_path):
   """launch/tpu_vm.py joins jax.distributed on single-host slices too; JAX's preemption notifier
   then catches SIGTERM from initialize on. One that arrived while the data loaded or the step

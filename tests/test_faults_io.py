@@ -36,6 +36,7 @@ def _leftovers(folder):
   return [name for name in os.listdir(folder) if name.startswith(".tmp-")]
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
 def test_full_disk_is_one_error_naming_the_file_and_keeps_its_last_version(
     tmp_path, monkeypatch, code
@@ -66,6 +67,7 @@ def _limited_child(script: str, limit_bytes: int) -> subprocess.CompletedProcess
   )
 
 
+@pytest.mark.fault
 def test_file_size_limit_is_one_error_naming_the_file_and_keeps_its_last_version(tmp_path):
   file, log = tmp_path / "big.bin", tmp_path / "metrics.jsonl"
   file.write_bytes(b"old")
@@ -101,6 +103,7 @@ def _logged_workdir(folder):
   return folder
 
 
+@pytest.mark.fault
 def test_cli_prints_a_full_disk_in_one_line(tmp_path, monkeypatch):
   workdir, out = _logged_workdir(tmp_path / "run"), tmp_path / "out"
   out.mkdir()
@@ -114,6 +117,7 @@ def test_cli_prints_a_full_disk_in_one_line(tmp_path, monkeypatch):
   assert os.listdir(out) == []
 
 
+@pytest.mark.fault
 def test_cli_under_a_file_size_limit_ends_in_one_line(tmp_path):
   workdir = _logged_workdir(tmp_path / "run")
   out = tmp_path / "curves.png"
@@ -133,6 +137,34 @@ def test_cli_under_a_file_size_limit_ends_in_one_line(tmp_path):
   assert not out.exists() and _leftovers(tmp_path) == []
 
 
+@pytest.mark.fault
+@pytest.mark.slow
+def test_a_checkpoint_save_past_the_file_size_limit_ends_in_one_line_and_resumes(tmp_path):
+  # A model whose checkpoint (about 1 MB) passes the limit, and its tokenizer (250 kB) does not.
+  workdir, wider = tmp_path / "run", {"model.hidden_size": 64, "model.intermediate_size": 256}
+  overrides = {**wider, "checkpoint.every_steps": 3}
+  assert cli(cli_args(workdir, **overrides, **{"train.steps": 3})).returncode == 0
+  child = _limited_child(
+      f"""
+      import sys
+      from electra_jax import main
+      sys.argv = {cli_args(workdir, **overrides, **{"train.steps": 6})[2:]!r}
+      main.run()
+      """,
+      limit_bytes=300_000,
+  )
+  assert child.returncode == 1, child.stderr[-3000:]
+  last = child.stderr.strip().splitlines()[-1]
+  assert last.startswith("electra-jax: error: ") and f"{workdir}/checkpoints" in last, last
+  assert "ulimit -f" in last
+  assert "site-packages/orbax" not in child.stderr, child.stderr[-3000:]  # no orbax traceback
+  assert os.listdir(workdir / "checkpoints") == ["3"]  # the unfinished step 6 is gone
+  resumed = cli(cli_args(workdir, **overrides, **{"train.steps": 6}))
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "Resuming from the checkpoint at step 3" in resumed.stderr
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["3", "6"]
+
+
 @pytest.fixture(scope="module")
 def trained_workdir(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("trained") / "run"
@@ -147,6 +179,7 @@ def _assert_stopped_by_ctrl_c(child):
   assert child.stderr.strip().splitlines()[-1].startswith("electra-jax: stopped by Ctrl-C")
 
 
+@pytest.mark.fault
 def test_eval_stops_at_a_ctrl_c_that_lands_in_a_gc_callback(trained_workdir):
   # Python drops a KeyboardInterrupt raised inside a gc callback (JAX has one at every
   # collection): here the first collection once the eval started takes the Ctrl-C.
@@ -172,6 +205,7 @@ def test_eval_stops_at_a_ctrl_c_that_lands_in_a_gc_callback(trained_workdir):
   _assert_stopped_by_ctrl_c(child)
 
 
+@pytest.mark.fault
 def test_eval_stops_at_the_first_ctrl_c(trained_workdir):
   args = [sys.executable, "-m", "electra_jax.main", "--mode=eval", f"--workdir={trained_workdir}"]
   env = dict(os.environ, PYTHONPATH=REPO)
@@ -210,6 +244,7 @@ def test_every_exported_file_has_the_mode_of_the_files_we_write(tmp_path, traine
   assert set(modes.values()) == {oct(workdir_files.FILE_MODE)}, modes
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("mode", ["train", "eval", "export_hf"])
 def test_a_bucket_workdir_without_gcsfs_is_one_line_naming_the_extra(tmp_path, monkeypatch, mode):
   monkeypatch.setitem(sys.modules, "gcsfs", None)  # as when it is not installed
@@ -220,6 +255,7 @@ def test_a_bucket_workdir_without_gcsfs_is_one_line_naming_the_extra(tmp_path, m
   assert last.startswith("electra-jax: error: ") and "pip install 'electra-jax[gcs]'" in last
 
 
+@pytest.mark.fault
 def test_api_load_config_takes_a_list_as_the_cli_takes_a_comma_separated_value(tmp_path):
   from electra_jax import api  # noqa: PLC0415
 
@@ -236,6 +272,7 @@ def test_api_load_config_takes_a_list_as_the_cli_takes_a_comma_separated_value(t
   assert sources.resolve_files(config.data.files) == [str(f) for f in files]
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("where", ["ELECTRA_JAX_CACHE", "data.cache_dir"])
 def test_a_cache_that_is_a_file_is_one_line_naming_it(tmp_path, monkeypatch, where):
   file = tmp_path / "not-a-folder"
@@ -291,6 +328,7 @@ def _assert_no_damage_said(stderr):
   assert not said, said
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("mode", ["export_hf", "eval"])
 def test_a_reader_of_a_live_workdir_reads_the_newest_step_again(
     tmp_path, monkeypatch, trained_workdir, mode
@@ -305,6 +343,7 @@ def test_a_reader_of_a_live_workdir_reads_the_newest_step_again(
   _assert_no_damage_said(result.stderr)
 
 
+@pytest.mark.fault
 def test_export_of_a_workdir_that_keeps_rotating_says_the_run_is_live(
     tmp_path, monkeypatch, trained_workdir
 ):
@@ -339,6 +378,7 @@ def _sweep_report(folder):
   )
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize(
     "edit, named",
     [
@@ -360,6 +400,7 @@ def test_an_edited_sweep_file_is_refused_naming_it_and_the_key(tmp_path, edit, n
   assert not (folder / "results.csv").exists() and not (tmp_path / "outside").exists()
 
 
+@pytest.mark.fault
 def test_an_edited_finetune_result_in_a_sweep_is_refused_naming_it(tmp_path):
   folder = _sweep_folder(tmp_path / "sweep")
   results = folder / "learning_rate=0.001" / "finetune" / "glue" / "results.json"

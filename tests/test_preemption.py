@@ -7,7 +7,7 @@ import signal
 import subprocess
 import time
 
-
+import pytest
 from conftest import REPO, cli, cli_args
 from run_helpers import REQUIRED_METRICS, _metrics  # noqa: F401
 
@@ -33,6 +33,7 @@ def _signal_after_logged(workdir, overrides: dict, lines: int, signum):
   return proc, stdout, stderr
 
 
+@pytest.mark.fault
 def test_sigterm_saves_and_resume_is_bit_exact(tmp_path):
   steps = 150
   overrides = {"train.steps": steps, "checkpoint.every_steps": 1000}
@@ -68,6 +69,7 @@ def _stopped_after_step_3_of_400(workdir, signum):
   return saved, stdout, stderr
 
 
+@pytest.mark.fault
 def test_ctrl_c_saves_where_it_stops_like_sigterm(tmp_path):
   """Ctrl-C lost every step since the last checkpoint, with a traceback; it now ends the run
   after the step like SIGTERM, and the end summary says where it stopped."""
@@ -81,6 +83,7 @@ def test_ctrl_c_saves_where_it_stops_like_sigterm(tmp_path):
   assert [m["step"] for m in _metrics(workdir)][-1] == saved[0]
 
 
+@pytest.mark.fault
 def test_sighup_saves_and_releases_the_lease_like_sigterm(tmp_path):
   """A closed terminal or ssh session (SIGHUP) killed the run at once: no save, no message, the
   lease left held. It now stops after the step with a checkpoint, as SIGTERM does."""

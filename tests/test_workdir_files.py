@@ -42,6 +42,7 @@ def test_bucket_log_is_rewritten_whole_and_only_now_and_then(bucket, gcs_server)
   assert [r["step"] for r in _lines(url)] == [1, 2, 3]
 
 
+@pytest.mark.fault
 def test_a_bucket_log_is_not_written_once_the_run_lost_the_workdir(bucket, gcs_server):
   url = f"{bucket}/run/metrics.jsonl"
   log = workdir_files.JsonlLog(url, remote_flush_seconds=3600)
@@ -84,6 +85,7 @@ def test_config_and_checkpoint_directory_in_a_bucket(bucket):
   assert checkpointing.checkpoints_directory(workdir) == f"{workdir}/checkpoints"
 
 
+@pytest.mark.fault
 def test_our_json_files_damaged_are_refused_naming_the_file(tmp_path):
   from electra_jax import sweep  # noqa: PLC0415
 
@@ -110,6 +112,7 @@ def test_our_json_files_damaged_are_refused_naming_the_file(tmp_path):
   assert sweep.read_record(str(tmp_path))["runs"][0].overrides == [("k", "1")]
 
 
+@pytest.mark.fault
 def test_a_bucket_workdir_without_the_gcs_extra_is_refused_naming_it(monkeypatch):
   import sys  # noqa: PLC0415
 
@@ -120,3 +123,11 @@ def test_a_bucket_workdir_without_the_gcs_extra_is_refused_naming_it(monkeypatch
       errors.ConfigError, match="--workdir=s3://b/run: a remote path must be a gs:// path"
   ):
     workdir_files.check_usable("s3://b/run")
+
+
+@pytest.mark.fault
+def test_a_link_to_nothing_is_left_out_of_a_listing_and_the_rest_is_listed(tmp_path):
+  (tmp_path / "shard.npy").write_bytes(b"12345")
+  (tmp_path / "linked.npy").symlink_to(tmp_path / "shard.npy")
+  (tmp_path / "dangling.npy").symlink_to(tmp_path / "gone.npy")
+  assert workdir_files.list_files(tmp_path) == {"shard.npy": (5, None), "linked.npy": (5, None)}

@@ -11,7 +11,7 @@ import time
 import pytest
 from conftest import cli_args, run_cli, tiny_config
 
-from electra_jax import checkpointing, train, train_state, workdir_lease
+from electra_jax import checkpointing, errors, train, train_state, workdir_lease
 from electra_jax.workdir_lease import WorkdirInUse, WorkdirLease
 
 
@@ -67,6 +67,7 @@ def test_a_released_lease_is_taken_and_released_again(tmp_path):
   second.release()
 
 
+@pytest.mark.fault
 def test_a_live_holder_on_another_host_is_refused_until_its_heartbeat_is_stale(tmp_path):
   clock = Clock()
   _write_holder(tmp_path, clock.now - 30)
@@ -91,6 +92,7 @@ def test_a_live_holder_on_another_host_is_refused_until_its_heartbeat_is_stale(t
   lease.release()
 
 
+@pytest.mark.fault
 def test_same_host_holder_counts_as_dead_when_its_pid_is_gone(tmp_path):
   clock = Clock()
   first = WorkdirLease(tmp_path, beat_seconds=60, clock=clock)
@@ -114,6 +116,7 @@ def test_same_host_holder_counts_as_dead_when_its_pid_is_gone(tmp_path):
   restarted.release()
 
 
+@pytest.mark.fault
 def test_take_over_takes_a_live_lease_and_the_old_holder_is_fenced_off(tmp_path):
   clock = Clock()
   old = WorkdirLease(tmp_path, beat_seconds=60, clock=clock)
@@ -151,6 +154,7 @@ def test_the_heartbeat_renews_the_lease_and_stops_once_taken_over(tmp_path):
   assert _lease_file(tmp_path) == foreign
 
 
+@pytest.mark.fault
 def test_training_refuses_a_held_workdir_before_writing_anything(tmp_path):
   workdir = tmp_path / "run"
   _write_holder(workdir, time.time())  # a live run on another host (its heartbeat is fresh)
@@ -163,6 +167,7 @@ def test_training_refuses_a_held_workdir_before_writing_anything(tmp_path):
   assert _lease_file(workdir)["released"]
 
 
+@pytest.mark.fault
 def test_a_run_taken_over_mid_way_stops_before_its_next_checkpoint(tmp_path, monkeypatch):
   workdir = tmp_path / "run"
   config = tiny_config(**{"train.steps": 9, "checkpoint.every_steps": 3, "train.log_every": 1})
@@ -186,6 +191,7 @@ def test_a_run_taken_over_mid_way_stops_before_its_next_checkpoint(tmp_path, mon
   assert held["run_id"] == "newerrun4567" and not held["released"]
 
 
+@pytest.mark.fault
 def test_cli_names_the_holder_and_exits_without_a_traceback(tmp_path):
   workdir = tmp_path / "run"
   # A run on this machine that is still alive: this test process.
@@ -203,26 +209,31 @@ def test_cli_names_the_holder_and_exits_without_a_traceback(tmp_path):
   assert sorted(os.listdir(workdir / "checkpoints")) == ["3", "6"]
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize(
-    "garbage",
+    "garbage, named",
     [
-        dict(heartbeat="yesterday"),
-        dict(pid="12345"),
-        dict(run_id=7),
-        dict(released="no"),
-        dict(host=["a"]),
+        (dict(heartbeat="yesterday"), "heartbeat='yesterday'"),
+        (dict(pid="12345"), "pid='12345'"),
+        (dict(run_id=7), "run_id=7"),
+        (dict(run_id=None), "run_id=None"),
+        (dict(released="no"), "released='no'"),
+        (dict(host=["a"]), "host=['a']"),
+        (dict(expires="never"), "expires='never'"),
     ],
 )
-def test_a_lease_with_fields_of_other_types_is_ignored_with_a_warning(tmp_path, garbage, caplog):
-  """A hand-edited lease used to fail inside the check (float('yesterday')), which blocked
-  --take_over_workdir too; it now counts as no lease, as an unparseable file already did."""
+def test_an_edited_lease_is_refused_naming_the_file_and_key_unless_taken_over(
+    tmp_path, garbage, named
+):
   clock = Clock()
   _write_holder(tmp_path, clock.now, **garbage)
-  with caplog.at_level("WARNING"):
-    assert workdir_lease.read_lease(tmp_path) is None
-  assert "its fields are not those of a lease this version wrote" in caplog.text
+  file = tmp_path / workdir_lease.LEASE_FILE
+  for read in (lambda: workdir_lease.read_lease(tmp_path), WorkdirLease(tmp_path).acquire):
+    with pytest.raises(errors.ConfigError, match=f"{file} is not as electra-jax writes it") as no:
+      read()
+    assert named in str(no.value) and "--take_over_workdir" in str(no.value)
   lease = WorkdirLease(tmp_path, beat_seconds=60, clock=clock)
-  lease.acquire()
+  lease.acquire(take_over=True)
   assert _lease_file(tmp_path)["run_id"] == lease.run_id
   lease.release()
   # The same lease with well-typed fields is a live holder and is refused.
@@ -231,6 +242,19 @@ def test_a_lease_with_fields_of_other_types_is_ignored_with_a_warning(tmp_path, 
     WorkdirLease(tmp_path, beat_seconds=60, clock=clock).acquire()
 
 
+@pytest.mark.fault
+def test_a_lease_that_is_not_json_is_refused_by_the_cli_in_one_line(tmp_path):
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / workdir_lease.LEASE_FILE).write_text('{"run_id": "ab')
+  result = run_cli(cli_args(workdir))
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("electra-jax: error: ") and f"{workdir}/lease.json" in last, last
+  assert not (workdir / "config.json").exists()
+
+
+@pytest.mark.fault
 def test_a_sigterm_while_the_run_starts_releases_the_lease(tmp_path, monkeypatch):
   """Before the training loop's own handler (compile, the first state): SIGTERM unwinds with
   exit code 0, as a stop in the loop does, instead of killing the process with its lease held."""
@@ -258,9 +282,9 @@ from electra_jax import workdir_lease
 workdir, ready, rival_ready = sys.argv[1:]
 lease = workdir_lease.WorkdirLease(workdir, beat_seconds=3600)
 read = lease._read
-def read_then_wait_for_the_rival():
+def read_then_wait_for_the_rival(*args):
   lease._read = read
-  found = read()
+  found = read(*args)
   open(ready, "w").close()
   while not os.path.exists(rival_ready):
     time.sleep(0.01)
@@ -275,6 +299,7 @@ sys.stdin.read()  # alive (a live holder) until the test has both answers
 """
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("before", ["no lease", "a released lease"])
 @pytest.mark.parametrize("where", ["local", "bucket"])
 def test_two_runs_taking_the_lease_at_the_same_instant_do_not_both_get_it(
