@@ -1,5 +1,5 @@
-"""Hugging Face ELECTRA directories (config.json, model.safetensors or pytorch_model.bin read with
-weights_only=True) read as, and written from, electra-jax's standalone models."""
+"""Hugging Face ELECTRA directories (config.json and model.safetensors, possibly sharded) read as,
+and written from, electra-jax's standalone models."""
 
 import json
 import os
@@ -15,6 +15,7 @@ import safetensors
 import safetensors.numpy
 
 from electra_jax import models, workdir_files
+from electra_jax.data import sources
 from electra_jax.encoder import EncoderConfig
 from electra_jax.errors import ConfigError
 
@@ -230,7 +231,7 @@ def params_from_hf_weights(model, kind: str, weights: dict, source: str, decoder
     )
   flat = {}
   for w in names:
-    array = by_name[w.hf_name]
+    array = finite_tensor(w.hf_name, by_name[w.hf_name], source)
     flat[w.path] = np.ascontiguousarray(array.T if w.transposed else array, np.float32)
   if kind == "generator" and (decoder is not None or not decoder_tied):
     word_table = flat[("embeddings", "word_embeddings", "embedding")]
@@ -266,6 +267,14 @@ def hf_weights_from_params(model, kind: str, params) -> dict[str, np.ndarray]:
   return tensors
 
 
+def _regular_file(path: str) -> bool:
+  """Whether `path` exists; refused when it is not a regular file (a FIFO would wait forever)."""
+  problem = sources.not_a_regular_file(path)
+  if problem not in (None, "does not exist"):
+    raise ConfigError(f"Refusing {path}: it {problem}; put the file save_pretrained wrote there.")
+  return problem is None
+
+
 def _read_safetensors(path: str) -> dict[str, np.ndarray]:
   # Through jax rather than numpy, which has no bfloat16; on the host, whatever the backend.
   try:
@@ -276,79 +285,50 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
     raise ConfigError(f"{path} is not a readable safetensors file: {error}") from error
 
 
-def _read_torch_state_dict(path: str) -> dict[str, np.ndarray]:
-  """Only a flat dict of str -> tensor, read with weights_only=True: no pickled code runs."""
-  try:
-    import torch  # noqa: PLC0415 (only pytorch_model.bin needs it)
-  except ImportError as error:
-    raise ConfigError(
-        f"{path} is a PyTorch file and reading it needs torch (pip install torch); or save the "
-        "model again with safe_serialization (model.safetensors), which needs no torch."
-    ) from error
-  fix = "Save model.state_dict() or use safetensors."
-  try:
-    state_dict = torch.load(path, map_location="cpu", weights_only=True)
-  except Exception as error:  # pickle.UnpicklingError for anything but tensors, or a bad file
-    raise ConfigError(
-        f"Refusing {path}: torch.load(weights_only=True) cannot read it as plain tensors "
-        f"({type(error).__name__}: {(str(error).splitlines() or [''])[0]}). {fix}"
-    ) from error
-  if not isinstance(state_dict, dict):
-    raise ConfigError(f"Refusing {path}: it holds a {type(state_dict).__name__!r} object. {fix}")
-  for name, tensor in state_dict.items():
-    if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-      raise ConfigError(
-          f"Refusing {path}: entry {name!r} is not a str -> torch.Tensor (its types are "
-          f"{type(name).__name__}, {type(tensor).__name__}). {fix}"
-      )
-  return {
-      name: (tensor.detach().to(torch.float32) if tensor.is_floating_point() else tensor).numpy()
-      for name, tensor in state_dict.items()
-  }
-
-
 def finite_tensor(name: str, array: np.ndarray, source: str) -> np.ndarray:
-  """`array`, refused when it holds a NaN or an infinity."""
-  if array.dtype.kind in "fc" or array.dtype.name == "bfloat16":
-    finite = np.isfinite(array)
-    if not finite.all():
-      raise ConfigError(
-          f"Refusing {source}: tensor {name!r} holds {finite.size - int(finite.sum())} NaN or "
-          f"infinite values of {finite.size} (trained into NaN, or damaged); use a good checkpoint."
-      )
+  """`array`, refused unless its values are finite floating-point numbers."""
+  if not (np.issubdtype(array.dtype, np.floating) or array.dtype.name == "bfloat16"):
+    raise ConfigError(
+        f"Refusing {source}: tensor {name!r} has dtype {array.dtype}, not floating point (a "
+        "quantized or damaged checkpoint); use one saved in float32, float16 or bfloat16."
+    )
+  finite = np.isfinite(array)
+  if not finite.all():
+    raise ConfigError(
+        f"Refusing {source}: tensor {name!r} holds {finite.size - int(finite.sum())} NaN or "
+        f"infinite values of {finite.size} (trained into NaN, or damaged); use a good checkpoint."
+    )
   return array
 
 
 def read_hf_weights(directory: str) -> dict[str, np.ndarray]:
-  """Every tensor of a transformers directory: model.safetensors (preferred) or pytorch_model.bin,
-  either possibly sharded (*.index.json). Refuses NaN and infinite weights."""
-  for file_name, reader in (
-      ("model.safetensors", _read_safetensors),
-      ("pytorch_model.bin", _read_torch_state_dict),
-  ):
-    path = os.path.join(directory, file_name)
-    if os.path.exists(path):
-      return {name: finite_tensor(name, array, path) for name, array in reader(path).items()}
-    index_path = path + ".index.json"
-    if os.path.exists(index_path):
-      try:
-        index = json.loads(pathlib.Path(index_path).read_text())
-        shard_names = sorted(set(index["weight_map"].values()))
-      except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise ConfigError(
-            f"Refusing {index_path}: not a sharded-checkpoint index ({type(error).__name__}: "
-            f'{error}); it needs a "weight_map" of tensor name -> shard file.'
-        ) from None
-      weights = {}
-      for shard_name in shard_names:
-        if os.path.basename(shard_name) != shard_name:
-          raise ConfigError(f"Refusing {index_path}: shard {shard_name!r} is not a file name.")
-        weights.update(reader(os.path.join(directory, shard_name)))
-      return {name: finite_tensor(name, array, index_path) for name, array in weights.items()}
-  raise ConfigError(
-      f"{directory} has no model.safetensors or pytorch_model.bin (nor a sharded index of "
-      "either): point load_hf at a directory written by save_pretrained."
-  )
+  """Every tensor of a transformers directory: model.safetensors, or the shards its
+  model.safetensors.index.json names. Pickled files (pytorch_model.bin) are never opened."""
+  path = os.path.join(directory, "model.safetensors")
+  if _regular_file(path):
+    return _read_safetensors(path)
+  index_path = path + ".index.json"
+  if not _regular_file(index_path):
+    raise ConfigError(
+        f"{directory} has no model.safetensors (nor its sharded index); electra-jax reads no "
+        "pickled pytorch_model.bin: save the model again with transformers' save_pretrained."
+    )
+  try:
+    shard_names = sorted(
+        set(json.loads(pathlib.Path(index_path).read_text())["weight_map"].values())
+    )
+  except (ValueError, KeyError, TypeError, AttributeError) as error:
+    raise ConfigError(
+        f"Refusing {index_path}: not a sharded-checkpoint index ({type(error).__name__}: "
+        f'{error}); it needs a "weight_map" of tensor name -> shard file.'
+    ) from None
+  weights = {}
+  for shard_name in shard_names:
+    shard = os.path.join(directory, str(shard_name))
+    if os.path.basename(shard) != shard_name or not _regular_file(shard):
+      raise ConfigError(f"Refusing {index_path}: shard {shard_name!r} is not a file beside it.")
+    weights.update(_read_safetensors(shard))
+  return weights
 
 
 def load_hf(path: str):

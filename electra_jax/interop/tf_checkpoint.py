@@ -7,9 +7,11 @@ import pathlib
 import re
 import struct
 
+import google_crc32c
 import jax.numpy as jnp
 import numpy as np
 
+from electra_jax.data.sources import not_a_regular_file
 from electra_jax.errors import ConfigError
 from electra_jax.interop import hf
 
@@ -70,33 +72,38 @@ def _block_entries(block: bytes):
     pos += value_length
 
 
-def _read_block(data: bytes, handle: bytes, source: str) -> bytes:
+def _masked_crc32c(data: bytes) -> int:
+  """A crc32c in the masked form TensorFlow (and LevelDB) store it."""
+  crc = google_crc32c.value(data)
+  return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _read_block(data: bytes, handle: bytes) -> bytes:
+  """One table block, checked against the type byte (0: uncompressed, as TensorFlow writes index
+  blocks) and masked crc32c that follow it."""
   offset, pos = _varint(handle, 0)
   size, _ = _varint(handle, pos)
-  if data[offset + size] != 0:
-    raise ConfigError(
-        f"{source}: a compressed index block (type {data[offset + size]}); TensorFlow writes "
-        "checkpoint indexes uncompressed, so this file is not a TF checkpoint index."
-    )
-  return data[offset : offset + size]
+  block, crc = data[offset : offset + size + 1], data[offset + size + 1 : offset + size + 5]
+  if len(crc) != 4 or struct.unpack("<I", crc)[0] != _masked_crc32c(block) or block[-1] != 0:
+    raise ValueError(f"the block at byte {offset} fails its checksum")
+  return block[:-1]
 
 
-def _table_items(data: bytes, source: str):
+def _table_items(data: bytes):
   if len(data) < _FOOTER_SIZE or struct.unpack_from("<Q", data, len(data) - 8)[0] != _TABLE_MAGIC:
-    raise ConfigError(f"{source} is not a TensorFlow checkpoint index (no table footer).")
+    raise ValueError("no table footer")
   footer = data[-_FOOTER_SIZE:]
   _, pos = _varint(footer, 0)  # metaindex handle: offset ...
   _, pos = _varint(footer, pos)  # ... and size; nothing in it for bundles
-  index = _read_block(data, footer[pos:], source)
-  for _, handle in _block_entries(index):
-    yield from _block_entries(_read_block(data, handle, source))
+  for _, handle in _block_entries(_read_block(data, footer[pos:])):
+    yield from _block_entries(_read_block(data, handle))
 
 
-TensorEntry = collections.namedtuple("TensorEntry", "dtype shape shard offset size")
+TensorEntry = collections.namedtuple("TensorEntry", "dtype shape shard offset size crc32c")
 
 
 def _tensor_entry(value: bytes) -> TensorEntry:
-  # BundleEntryProto: 1 dtype, 2 shape, 3 shard, 4 offset, 5 size, 7 slices.
+  # BundleEntryProto: 1 dtype, 2 shape, 3 shard, 4 offset, 5 size, 6 masked crc32c, 7 slices.
   fields = dict(_proto_fields(value))
   if 7 in fields:
     raise ConfigError(
@@ -105,7 +112,7 @@ def _tensor_entry(value: bytes) -> TensorEntry:
   # TensorShapeProto: repeated Dim (field 2) of {size: 1}.
   dims = [dim for f, dim in _proto_fields(fields.get(2, b"")) if f == 2]
   shape = tuple(next((size for f, size in _proto_fields(dim) if f == 1), 0) for dim in dims)
-  return TensorEntry(fields.get(1, 0), shape, fields.get(3, 0), fields.get(4, 0), fields.get(5, 0))
+  return TensorEntry(fields.get(1, 0), shape, *(fields.get(f, 0) for f in (3, 4, 5, 6)))
 
 
 class TFCheckpoint:
@@ -121,14 +128,22 @@ class TFCheckpoint:
       raise ConfigError(f"Cannot read the checkpoint index {index_path} ({e}).") from e
     self.num_shards = 1
     self.entries: dict[str, TensorEntry] = {}
-    for key, value in _table_items(index, index_path):
-      if key == b"":  # BundleHeaderProto: 1 num_shards, 2 endianness (0: little)
-        header = dict(_proto_fields(value))
-        self.num_shards = header.get(1, 1)
-        if header.get(2, 0) != 0:
-          raise ConfigError(f"{index_path}: a big-endian checkpoint; only little-endian is read.")
-      else:
-        self.entries[key.decode("utf-8")] = _tensor_entry(value)
+    try:
+      for key, value in _table_items(index):
+        if key == b"":  # BundleHeaderProto: 1 num_shards, 2 endianness (0: little)
+          header = dict(_proto_fields(value))
+          self.num_shards = header.get(1, 1)
+          if header.get(2, 0) != 0:
+            raise ConfigError(f"{index_path}: a big-endian checkpoint; only little-endian is read.")
+        else:
+          self.entries[key.decode("utf-8")] = _tensor_entry(value)
+    except ConfigError:
+      raise
+    except (ValueError, IndexError, struct.error) as error:  # UnicodeDecodeError is a ValueError
+      raise ConfigError(
+          f"{index_path} is not a readable TensorFlow checkpoint index ({error}): damaged, or "
+          "another kind of file; copy the checkpoint again."
+      ) from None
 
   def read(self, name: str) -> np.ndarray:
     entry = self.entries[name]
@@ -142,17 +157,23 @@ class TFCheckpoint:
           f"{self.prefix}: {name} claims shape {entry.shape} of {dtype} but {entry.size} bytes."
       )
     path = f"{self.prefix}.data-{entry.shard:05d}-of-{self.num_shards:05d}"
+    if problem := not_a_regular_file(path):
+      raise ConfigError(
+          f"{path}, the data file {self.prefix}.index names for {name}, {problem}; copy every "
+          "data file of the checkpoint beside its .index."
+      )
     try:
       with open(path, "rb") as f:
         f.seek(entry.offset)
         raw = f.read(entry.size)
     except OSError as e:
       raise ConfigError(f"Cannot read the checkpoint data file {path} ({e}).") from e
-    if len(raw) != entry.size:
+    if len(raw) != entry.size or _masked_crc32c(raw) != entry.crc32c:
       raise ConfigError(
-          f"{path} is truncated: {name} needs bytes {entry.offset}..{entry.offset + entry.size}."
+          f"{path} is truncated or damaged: {name}'s bytes {entry.offset}.."
+          f"{entry.offset + entry.size} fail their checksum; copy the checkpoint again."
       )
-    return hf.finite_tensor(name, np.frombuffer(raw, dtype=dtype).reshape(entry.shape).copy(), path)
+    return np.frombuffer(raw, dtype=dtype).reshape(entry.shape).copy()
 
 
 def resolve_prefix(path: str) -> str:
@@ -164,10 +185,13 @@ def resolve_prefix(path: str) -> str:
   if os.path.isdir(path):
     state = os.path.join(path, "checkpoint")
     if os.path.isfile(state):
-      with open(state) as f:
+      with open(state, errors="replace") as f:
         match = re.search(r'^model_checkpoint_path:\s*"([^"]+)"', f.read(), re.MULTILINE)
-      if match and os.path.isfile(os.path.join(path, match.group(1)) + ".index"):
-        return os.path.join(path, match.group(1))  # relative to `path`, or absolute
+      # Only its file name: a recorded absolute path is the training machine's, and the files
+      # read stay inside `path`.
+      prefix = os.path.join(path, os.path.basename(match.group(1))) if match else ""
+      if os.path.isfile(prefix + ".index"):
+        return prefix
     steps = [
         (int(m.group(1)), name.removesuffix(".index"))
         for name in os.listdir(path)
