@@ -140,12 +140,10 @@ def _model_config(pair: ImportedPair) -> dict:
   except ConfigError:  # no whole number of discriminator-sized heads
     derived = None
   if derived != gen.config:
-    fields = ("hidden_size", "num_heads") if derived is None else dataclasses.asdict(derived)
     mismatched = ", ".join(
-        f"{field}={getattr(gen.config, field)}"
-        + (f" (derived: {getattr(derived, field)})" if derived else "")
-        for field in fields
-        if derived is None or getattr(gen.config, field) != getattr(derived, field)
+        f"{field}={getattr(gen.config, field)} (derived: {getattr(derived, field, None)})"
+        for field in (dataclasses.asdict(derived) if derived else ("hidden_size", "num_heads"))
+        if getattr(gen.config, field) != getattr(derived, field, None)
     )
     raise ConfigError(
         f"The generator's sizes are not those the official code derives from the discriminator "
@@ -178,23 +176,17 @@ def write_pretraining_workdir(
   model_values = _model_config(pair)
   embeddings = _shared_embeddings(pair, embeddings_from)
   config = copy.deepcopy(config)  # the caller's config stays as it was
-  changed = ", ".join(
-      f"model.{k}={v} (recipe: {config.model[k]})"
-      for k, v in sorted(model_values.items())
-      if config.model[k] != v
-  )
-  if changed:
-    logging.info("Model sizes taken from the imported weights: %s", changed)
-  config.model.update(model_values)
-  if not pair.vocabulary:
-    if not (config.data.tokenizer == "wordpiece" and config.data.vocab_file):
-      raise ConfigError(
-          f"{pair.source}: no vocab.txt (or spm.model) beside the weights to give the ids a "
-          "meaning. Put it there, or pass --config.data.tokenizer=wordpiece "
-          "--config.data.vocab_file=PATH."
+  for key, value in sorted(model_values.items()):
+    if config.model[key] != value:
+      logging.info(
+          "model.%s=%s, from the imported weights (recipe: %s)", key, value, config.model[key]
       )
-    vocab = config.data.vocab_file
-    logging.warning("%s has no vocab.txt: data.vocab_file=%s must be its own.", pair.source, vocab)
+  config.model.update(model_values)
+  if not pair.vocabulary and not (config.data.tokenizer == "wordpiece" and config.data.vocab_file):
+    raise ConfigError(
+        f"{pair.source}: no vocab.txt (or spm.model) beside the weights gives the ids a meaning; "
+        "put it there, or pass --config.data.tokenizer=wordpiece --config.data.vocab_file=PATH."
+    )
   config.data.update(pair.vocabulary)
   config_lib.validate(config)
   tokenizer = data.load_tokenizer(config.data)  # refuses a vocabulary without ELECTRA's specials
@@ -224,7 +216,6 @@ def write_pretraining_workdir(
     )
 
   # The vocabulary goes into the workdir, which then stands on its own.
-  os.makedirs(workdir, exist_ok=True)
   for key, name in (("vocab_file", "vocab.txt"), ("spm_model_file", "spm.model")):
     if key in pair.vocabulary:
       config.data[key] = os.path.join(os.path.abspath(workdir), name)

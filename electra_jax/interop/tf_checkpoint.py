@@ -20,8 +20,6 @@ _FOOTER_SIZE = 48
 # tensorflow/core/framework/types.proto's numbers of the dtypes weights (and global_step) have.
 _DTYPES = {1: np.float32, 2: np.float64, 3: np.int32, 9: np.int64, 14: jnp.bfloat16, 19: np.float16}
 _OPTIMIZER_SLOT = re.compile(r"(/adam_[mv]|/Adam(_1)?|/Momentum|^global_step)$")
-# The official pre-trainer's variable scopes; other objectives (Electric's) have more.
-_SCOPES = {"electra", "generator", "discriminator_predictions", "generator_predictions"}
 
 
 # Protocol buffers and LevelDB tables: just what a tensor bundle index uses.
@@ -234,30 +232,26 @@ def read_towers(prefix: str, num_heads: int | None = None):
   """{tower: (model, params)} of an official checkpoint, through hf.py's checks. Shapes hold no
   head count: the discriminator has `num_heads` (default hidden // 64), the generator its head's."""
   ckpt = TFCheckpoint(prefix)
-  scopes = {name.split("/")[0] for name in ckpt.entries if not _OPTIMIZER_SLOT.search(name)}
-  if unknown := sorted(scopes - _SCOPES):
-    raise ConfigError(
-        f"{prefix} holds {unknown}, which ELECTRA's pre-trainer lacks (another objective of the "
-        "official code, such as Electric's); electra-jax cannot represent it."
-    )
-  used, towers = set(), {}
+  towers = {}
   for kind, scope in (("discriminator", "electra"), ("generator", "generator")):
-    layers = {
-        m.group(1) for n in ckpt.entries if (m := re.match(rf"{scope}/encoder/layer_(\d+)/", n))
+    layers = {m[1] for n in ckpt.entries if (m := re.match(rf"{scope}/encoder/layer_(\d+)/", n))}
+    projected = f"{scope}/embeddings_project/kernel" in ckpt.entries
+    towers[kind] = {
+        official_name(w.hf_name, kind): w for w in hf.weight_names(kind, len(layers), projected)
     }
-    if not layers:
-      raise ConfigError(
-          f"{prefix} has no {scope}/encoder/layer_* variables: only an official pre-training "
-          "checkpoint (both towers, not fine-tuned or discriminator-only) continues pre-training."
-      )
-    weights, projected = {}, f"{scope}/embeddings_project/kernel" in ckpt.entries
-    for w in hf.weight_names(kind, len(layers), projected):
-      name = official_name(w.hf_name, kind)
-      if name not in ckpt.entries:
-        raise ConfigError(f"{prefix} lacks {name}, which an official {kind} of these sizes has.")
-      array = ckpt.read(name)
-      weights[w.hf_name] = array.T if w.transposed else array  # back to transformers' [out, in]
-      used.add(name)
+  expected = {name for names in towers.values() for name in names}
+  held = {name for name in ckpt.entries if not _OPTIMIZER_SLOT.search(name)}
+  if expected != held:
+    raise ConfigError(
+        f"{prefix} is not an official ELECTRA pre-training checkpoint (both towers; not another "
+        f"objective such as Electric, nor a fine-tuned model): it lacks {sorted(expected - held)[:8]}"
+        f" and holds {sorted(held - expected)[:8]} besides; electra-jax cannot represent it."
+    )
+  for kind, names in towers.items():
+    # Back to transformers' [out, in] kernels.
+    weights = {
+        w.hf_name: ckpt.read(n).T if w.transposed else ckpt.read(n) for n, w in names.items()
+    }
     sizes = hf.sizes_held(weights)
     if kind == "generator":
       num_heads = max(1, sizes["hidden_size"] // towers["discriminator"][0].config.head_dim)
@@ -265,10 +259,4 @@ def read_towers(prefix: str, num_heads: int | None = None):
     hf_config = {"architectures": [hf.KINDS[kind][0]], **sizes, "num_attention_heads": heads}
     model = hf.model_from_hf_config(hf_config, prefix)[1]
     towers[kind] = (model, hf.params_from_hf_weights(model, kind, weights, prefix))
-  leftover = sorted(n for n in ckpt.entries if n not in used and not _OPTIMIZER_SLOT.search(n))
-  if leftover:
-    raise ConfigError(
-        f"{prefix} holds variables electra-jax has no place for: {leftover[:8]}"
-        f"{' ...' if len(leftover) > 8 else ''}. It may come from another objective or model."
-    )
   return towers
