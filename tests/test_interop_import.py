@@ -328,6 +328,24 @@ def test_damaged_or_mismatched_safetensors_are_refused_in_one_line(
   assert "\n" not in str(refused.value)
 
 
+@pytest.mark.fault
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{not json", "tokenizer_config.json is not a readable JSON file"),
+        ("[true]", "tokenizer_config.json holds a JSON list, not an object"),
+        ('{"do_lower_case": "false"}', r"must each be true, false or null, not \('false', None\)"),
+    ],
+)
+def test_a_damaged_tokenizer_config_is_refused_by_name(tmp_path, content, message):
+  """Was a JSONDecodeError traceback, and the string "false" lowercased the text."""
+  dirs = _hf_pair_with_vocab(tmp_path)
+  with open(os.path.join(dirs["discriminator"], "tokenizer_config.json"), "w") as f:
+    f.write(content)
+  with pytest.raises(ConfigError, match=message):
+    interop.pair_from_hf(dirs["discriminator"], dirs["generator"])
+
+
 class _WritesAFile:
   """Unpickled, it creates `marker`: the code a hostile pytorch_model.bin can run."""
 
@@ -551,7 +569,7 @@ def test_nan_weights_and_a_broken_shard_index_are_refused_by_name(tmp_path):
   index = weights_path + ".index.json"
   with open(index, "w") as f:
     json.dump({"metadata": {}}, f)
-  with pytest.raises(ConfigError, match=f"Refusing {index}: not a sharded-checkpoint index"):
+  with pytest.raises(ConfigError, match=f'Refusing {index}: its "weight_map" is not'):
     interop.pair_from_hf(dirs["discriminator"], dirs["generator"])
 
 

@@ -211,11 +211,9 @@ def hf_config_of(model, kind: str, pad_token_id: int) -> dict[str, Any]:
 def params_from_hf_weights(model, kind: str, weights: dict, source: str, decoder_tied=True):
   """Our float32 parameter tree from transformers tensors, every name and shape checked; a stored
   decoder (needed when `decoder_tied`, tie_word_embeddings, is false) must equal the word table."""
-  by_name = {}
-  for key, array in weights.items():
-    if (name := key.removeprefix("electra.")) in by_name:
-      raise ConfigError(f"{source}: {name!r} is stored twice, with and without 'electra.'.")
-    by_name[name] = array
+  by_name = {key.removeprefix("electra."): array for key, array in weights.items()}
+  if len(by_name) != len(weights):
+    raise ConfigError(f"{source}: a tensor is stored twice, with and without 'electra.'.")
   for buffer in ("embeddings.position_ids", "embeddings.token_type_ids"):  # older transformers'
     by_name.pop(buffer, None)
   decoder = by_name.pop("generator_lm_head.weight", None) if kind == "generator" else None
@@ -313,22 +311,27 @@ def read_hf_weights(directory: str) -> dict[str, np.ndarray]:
         f"{directory} has no model.safetensors (nor its sharded index); electra-jax reads no "
         "pickled pytorch_model.bin: save the model again with transformers' save_pretrained."
     )
-  try:
-    shard_names = sorted(
-        set(json.loads(pathlib.Path(index_path).read_text())["weight_map"].values())
-    )
-  except (ValueError, KeyError, TypeError, AttributeError) as error:
-    raise ConfigError(
-        f"Refusing {index_path}: not a sharded-checkpoint index ({type(error).__name__}: "
-        f'{error}); it needs a "weight_map" of tensor name -> shard file.'
-    ) from None
+  weight_map = read_json_object(index_path).get("weight_map")
+  if not isinstance(weight_map, dict) or not all(type(v) is str for v in weight_map.values()):
+    raise ConfigError(f'Refusing {index_path}: its "weight_map" is not tensor name -> shard file.')
   weights = {}
-  for shard_name in shard_names:
-    shard = os.path.join(directory, str(shard_name))
+  for shard_name in sorted(set(weight_map.values())):
+    shard = os.path.join(directory, shard_name)
     if os.path.basename(shard) != shard_name or not _regular_file(shard):
       raise ConfigError(f"Refusing {index_path}: shard {shard_name!r} is not a file beside it.")
     weights.update(_read_safetensors(shard))
   return weights
+
+
+def read_json_object(path: str) -> dict:
+  """The JSON object in `path` (a UTF-8 BOM allowed), refused by name when it holds none."""
+  try:
+    value = json.loads(pathlib.Path(path).read_text(encoding="utf-8-sig"))
+  except (ValueError, OSError) as error:
+    raise ConfigError(f"{path} is not a readable JSON file ({error}).") from None
+  if not isinstance(value, dict):
+    raise ConfigError(f"{path} holds a JSON {type(value).__name__}, not an object.")
+  return value
 
 
 def load_hf(path: str):
@@ -337,12 +340,7 @@ def load_hf(path: str):
   config_path = os.path.join(path, "config.json")
   if not os.path.isfile(config_path):
     raise ConfigError(f"{path} has no config.json; point load_hf at what save_pretrained wrote.")
-  try:
-    hf_config = json.loads(pathlib.Path(config_path).read_text(encoding="utf-8-sig"))
-  except (ValueError, OSError) as error:
-    raise ConfigError(f"{config_path} is not a readable JSON file ({error}).") from None
-  if not isinstance(hf_config, dict):
-    raise ConfigError(f"{config_path} holds a JSON {type(hf_config).__name__}, not an object.")
+  hf_config = read_json_object(config_path)
   weights = read_hf_weights(path)
   kind, model = model_from_hf_config(hf_config, config_path)
   for key, actual in sizes_held(weights).items():  # named by the key, before any tensor is matched

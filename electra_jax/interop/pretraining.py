@@ -4,7 +4,6 @@ checkpoint, written as step 0 of a pre-training workdir with its vocabulary and 
 import contextlib
 import copy
 import dataclasses
-import json
 import os
 import pathlib
 
@@ -37,8 +36,13 @@ class ImportedPair:
 def read_tokenizer_settings(directory: str) -> tuple[bool | None, bool | None]:
   """(do_lower_case, strip_accents) from a Hugging Face tokenizer_config.json, if any."""
   path = os.path.join(directory, "tokenizer_config.json")
-  settings = json.loads(pathlib.Path(path).read_text()) if os.path.isfile(path) else {}
-  return settings.get("do_lower_case"), settings.get("strip_accents")
+  settings = hf.read_json_object(path) if os.path.isfile(path) else {}
+  values = settings.get("do_lower_case"), settings.get("strip_accents")
+  if any(type(value) not in (bool, type(None)) for value in values):
+    raise ConfigError(
+        f"{path}: do_lower_case and strip_accents must each be true, false or null, not {values}."
+    )
+  return values
 
 
 def pair_from_hf(discriminator_dir: str, generator_dir: str) -> ImportedPair:
@@ -56,7 +60,7 @@ def pair_from_hf(discriminator_dir: str, generator_dir: str) -> ImportedPair:
   vocabulary = {}
   if vocab_file := _vocabulary_beside(directories, "vocab.txt"):
     recorded = zip(("lowercase", "strip_accents"), read_tokenizer_settings(discriminator_dir))
-    vocabulary = {key: bool(value) for key, value in recorded if value is not None}
+    vocabulary = {key: value for key, value in recorded if value is not None}
     vocabulary.update(tokenizer="wordpiece", vocab_file=vocab_file)
   elif spm_model_file := _vocabulary_beside(directories, "spm.model"):
     vocabulary = {"tokenizer": "sentencepiece", "spm_model_file": spm_model_file}
