@@ -121,10 +121,8 @@ def kind_of(model) -> str:
   for kind, (_, model_class) in KINDS.items():
     if isinstance(model, model_class):
       return kind
-  raise ConfigError(
-      f"{type(model).__name__} has no Hugging Face counterpart; pass an ElectraDiscriminatorModel, "
-      "ElectraGeneratorModel, ElectraEncoderModel or ElectraPretrainer."
-  )
+  names = [model_class.__name__ for _, model_class in KINDS.values()]
+  raise ConfigError(f"{type(model).__name__} has no Hugging Face form; pass one of {names}.")
 
 
 def _layout(kind: str, model):
@@ -219,10 +217,8 @@ def params_from_hf_weights(model, kind: str, weights: dict, source: str, decoder
   decoder = by_name.pop("generator_lm_head.weight", None) if kind == "generator" else None
 
   names, shapes = _layout(kind, model)
-  mismatch = _mismatch(
-      {w.hf_name: shapes[w.path][::-1] if w.transposed else shapes[w.path] for w in names}, by_name
-  )
-  if mismatch:
+  expected = {w.hf_name: shapes[w.path][:: -1 if w.transposed else 1] for w in names}
+  if mismatch := _mismatch(expected, by_name):
     raise ConfigError(
         f"{source}: the weights do not match an {KINDS[kind][0]} with this config.json "
         f'({mismatch}). Check that "architectures" and num_hidden_layers describe these weights.'
@@ -246,15 +242,12 @@ def hf_weights_from_params(model, kind: str, params) -> dict[str, np.ndarray]:
   """transformers' tensors (float32, contiguous, full names) from our parameter tree."""
   flat = flax.traverse_util.flatten_dict(jax.device_get(nn.meta.unbox(params)))
   names, shapes = _layout(kind, model)
-  mismatch = _mismatch(
-      {"/".join(p): shape for p, shape in shapes.items()},
-      {"/".join(p): array for p, array in flat.items()},
-  )
-  if mismatch:
-    hint = " Pass variables['params'], not the variables dict." if "params" in params else ""
+  if mismatch := _mismatch(
+      {"/".join(p): s for p, s in shapes.items()}, {"/".join(p): a for p, a in flat.items()}
+  ):
     raise ConfigError(
-        f"The parameters do not match the {type(model).__name__} ({mismatch}).{hint} For a "
-        "pre-training state pass the ElectraPretrainer and kind='discriminator' or 'generator'."
+        f"The parameters do not match the {type(model).__name__} ({mismatch}); pass its "
+        "variables['params'], or a pre-training state's with the ElectraPretrainer and kind=."
     )
   tensors = {}
   for w in names:

@@ -175,32 +175,22 @@ class TFCheckpoint:
 
 
 def resolve_prefix(path: str) -> str:
-  """`model.ckpt-N` from a prefix, its .index file, or a directory (its `checkpoint` file's entry,
-  else the highest-numbered model.ckpt-N there)."""
+  """`model.ckpt-N` from a prefix, its .index file, or a directory (its highest-numbered
+  model.ckpt-N: files named elsewhere, as by a `checkpoint` state file, are not followed)."""
   path = path.removesuffix(".index")
   if os.path.isfile(path + ".index"):
     return path
-  if os.path.isdir(path):
-    state = os.path.join(path, "checkpoint")
-    if os.path.isfile(state):
-      with open(state, errors="replace") as f:
-        match = re.search(r'^model_checkpoint_path:\s*"([^"]+)"', f.read(), re.MULTILINE)
-      # Only its file name: a recorded absolute path is the training machine's, and the files
-      # read stay inside `path`.
-      prefix = os.path.join(path, os.path.basename(match.group(1))) if match else ""
-      if os.path.isfile(prefix + ".index"):
-        return prefix
-    steps = [
-        (int(m.group(1)), name.removesuffix(".index"))
-        for name in os.listdir(path)
-        if (m := re.fullmatch(r"model\.ckpt-(\d+)\.index", name))
-    ]
-    if steps:
-      return os.path.join(path, max(steps)[1])
-  raise ConfigError(
-      f"{path} is not a TensorFlow checkpoint: give the prefix (e.g. "
-      "electra_small/model.ckpt-1000000), its .index file, or the directory holding it."
-  )
+  steps = [
+      (int(m[1]), name.removesuffix(".index"))
+      for name in (os.listdir(path) if os.path.isdir(path) else [])
+      if (m := re.fullmatch(r"model\.ckpt-(\d+)\.index", name))
+  ]
+  if not steps:
+    raise ConfigError(
+        f"{path} is not a TensorFlow checkpoint: give the prefix (e.g. "
+        "electra_small/model.ckpt-1000000), its .index file, or the directory holding it."
+    )
+  return os.path.join(path, max(steps)[1])
 
 
 # transformers' weight names -> the official code's, one substitution after another (a table is a
