@@ -120,14 +120,10 @@ class TFCheckpoint:
   def __init__(self, prefix: str):
     self.prefix = prefix
     index_path = prefix + ".index"
-    try:
-      index = pathlib.Path(index_path).read_bytes()
-    except OSError as e:
-      raise ConfigError(f"Cannot read the checkpoint index {index_path} ({e}).") from e
     self.num_shards = 1
     self.entries: dict[str, TensorEntry] = {}
     try:
-      for key, value in _table_items(index):
+      for key, value in _table_items(pathlib.Path(index_path).read_bytes()):
         if key == b"":  # BundleHeaderProto: 1 num_shards, 2 endianness (0: little)
           header = dict(_proto_fields(value))
           self.num_shards = header.get(1, 1)
@@ -137,7 +133,7 @@ class TFCheckpoint:
           self.entries[key.decode("utf-8")] = _tensor_entry(value)
     except ConfigError:
       raise
-    except (ValueError, IndexError, struct.error) as error:  # UnicodeDecodeError is a ValueError
+    except (OSError, ValueError, IndexError, struct.error) as error:  # UnicodeDecodeError too
       raise ConfigError(
           f"{index_path} is not a readable TensorFlow checkpoint index ({error}): damaged, or "
           "another kind of file; copy the checkpoint again."
