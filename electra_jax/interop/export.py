@@ -57,18 +57,15 @@ def check_export_out(out_dir: str, export_generator: bool = False) -> None:
   workdir_files.check_usable(out_dir, "--out")
   for tower in ("discriminator", "generator"):
     directory = os.path.join(out_dir, tower)
-    if not os.path.lexists(directory) or (os.path.isdir(directory) and not os.listdir(directory)):
-      continue  # nothing there to mix up
-    why = (
-        "is not an empty directory, and an export writes into it without clearing it"
-        if tower == "discriminator" or export_generator
-        else "holds an earlier export's generator, which this export (without --export_generator) "
-        "would leave beside a discriminator it does not belong to"
-    )
-    raise ConfigError(
-        f"--out={out_dir!r}: {directory} {why}. Nothing was written; pick a new --out, or remove "
-        f"{directory} first."
-    )
+    if os.path.lexists(directory) and not (os.path.isdir(directory) and not os.listdir(directory)):
+      why = "is not an empty directory, and an export writes into it without clearing it"
+      if tower == "generator" and not export_generator:
+        why = "holds an earlier export's generator, which an export without --export_generator "
+        why += "would leave beside a discriminator it does not belong to"
+      raise ConfigError(
+          f"--out={out_dir!r}: {directory} {why}. Nothing was written; pick a new --out, or "
+          f"remove {directory} first."
+      )
 
 
 def write_tokenizer_files(tok, directory: str, max_length: int) -> None:

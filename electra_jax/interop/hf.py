@@ -1,5 +1,5 @@
-"""Hugging Face ELECTRA directories (config.json, model.safetensors or pytorch_model.bin read with
-weights_only=True) read as, and written from, electra-jax's standalone models."""
+"""Hugging Face ELECTRA directories (config.json and model.safetensors, possibly sharded) read as,
+and written from, electra-jax's standalone models."""
 
 import json
 import os
@@ -15,6 +15,7 @@ import safetensors
 import safetensors.numpy
 
 from electra_jax import models, workdir_files
+from electra_jax.data import sources
 from electra_jax.encoder import EncoderConfig
 from electra_jax.errors import ConfigError
 
@@ -120,10 +121,8 @@ def kind_of(model) -> str:
   for kind, (_, model_class) in KINDS.items():
     if isinstance(model, model_class):
       return kind
-  raise ConfigError(
-      f"{type(model).__name__} has no Hugging Face counterpart; pass an ElectraDiscriminatorModel, "
-      "ElectraGeneratorModel, ElectraEncoderModel or ElectraPretrainer."
-  )
+  names = [model_class.__name__ for _, model_class in KINDS.values()]
+  raise ConfigError(f"{type(model).__name__} has no Hugging Face form; pass one of {names}.")
 
 
 def _layout(kind: str, model):
@@ -210,27 +209,23 @@ def hf_config_of(model, kind: str, pad_token_id: int) -> dict[str, Any]:
 def params_from_hf_weights(model, kind: str, weights: dict, source: str, decoder_tied=True):
   """Our float32 parameter tree from transformers tensors, every name and shape checked; a stored
   decoder (needed when `decoder_tied`, tie_word_embeddings, is false) must equal the word table."""
-  by_name = {}
-  for key, array in weights.items():
-    if (name := key.removeprefix("electra.")) in by_name:
-      raise ConfigError(f"{source}: {name!r} is stored twice, with and without 'electra.'.")
-    by_name[name] = array
+  by_name = {key.removeprefix("electra."): array for key, array in weights.items()}
+  if len(by_name) != len(weights):
+    raise ConfigError(f"{source}: a tensor is stored twice, with and without 'electra.'.")
   for buffer in ("embeddings.position_ids", "embeddings.token_type_ids"):  # older transformers'
     by_name.pop(buffer, None)
   decoder = by_name.pop("generator_lm_head.weight", None) if kind == "generator" else None
 
   names, shapes = _layout(kind, model)
-  mismatch = _mismatch(
-      {w.hf_name: shapes[w.path][::-1] if w.transposed else shapes[w.path] for w in names}, by_name
-  )
-  if mismatch:
+  expected = {w.hf_name: shapes[w.path][:: -1 if w.transposed else 1] for w in names}
+  if mismatch := _mismatch(expected, by_name):
     raise ConfigError(
         f"{source}: the weights do not match an {KINDS[kind][0]} with this config.json "
         f'({mismatch}). Check that "architectures" and num_hidden_layers describe these weights.'
     )
   flat = {}
   for w in names:
-    array = by_name[w.hf_name]
+    array = finite_tensor(w.hf_name, by_name[w.hf_name], source)
     flat[w.path] = np.ascontiguousarray(array.T if w.transposed else array, np.float32)
   if kind == "generator" and (decoder is not None or not decoder_tied):
     word_table = flat[("embeddings", "word_embeddings", "embedding")]
@@ -247,15 +242,12 @@ def hf_weights_from_params(model, kind: str, params) -> dict[str, np.ndarray]:
   """transformers' tensors (float32, contiguous, full names) from our parameter tree."""
   flat = flax.traverse_util.flatten_dict(jax.device_get(nn.meta.unbox(params)))
   names, shapes = _layout(kind, model)
-  mismatch = _mismatch(
-      {"/".join(p): shape for p, shape in shapes.items()},
-      {"/".join(p): array for p, array in flat.items()},
-  )
-  if mismatch:
-    hint = " Pass variables['params'], not the variables dict." if "params" in params else ""
+  if mismatch := _mismatch(
+      {"/".join(p): s for p, s in shapes.items()}, {"/".join(p): a for p, a in flat.items()}
+  ):
     raise ConfigError(
-        f"The parameters do not match the {type(model).__name__} ({mismatch}).{hint} For a "
-        "pre-training state pass the ElectraPretrainer and kind='discriminator' or 'generator'."
+        f"The parameters do not match the {type(model).__name__} ({mismatch}); pass its "
+        "variables['params'], or a pre-training state's with the ElectraPretrainer and kind=."
     )
   tensors = {}
   for w in names:
@@ -264,6 +256,14 @@ def hf_weights_from_params(model, kind: str, params) -> dict[str, np.ndarray]:
     prefix = "" if kind == "encoder" or w.hf_name.startswith(heads) else "electra."
     tensors[prefix + w.hf_name] = np.ascontiguousarray(array.T if w.transposed else array)
   return tensors
+
+
+def _regular_file(path: str) -> bool:
+  """Whether `path` exists; refused when it is not a regular file (a FIFO would wait forever)."""
+  problem = sources.not_a_regular_file(path)
+  if problem not in (None, "does not exist"):
+    raise ConfigError(f"Refusing {path}: it {problem}; put the file save_pretrained wrote there.")
+  return problem is None
 
 
 def _read_safetensors(path: str) -> dict[str, np.ndarray]:
@@ -276,79 +276,55 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
     raise ConfigError(f"{path} is not a readable safetensors file: {error}") from error
 
 
-def _read_torch_state_dict(path: str) -> dict[str, np.ndarray]:
-  """Only a flat dict of str -> tensor, read with weights_only=True: no pickled code runs."""
-  try:
-    import torch  # noqa: PLC0415 (only pytorch_model.bin needs it)
-  except ImportError as error:
-    raise ConfigError(
-        f"{path} is a PyTorch file and reading it needs torch (pip install torch); or save the "
-        "model again with safe_serialization (model.safetensors), which needs no torch."
-    ) from error
-  fix = "Save model.state_dict() or use safetensors."
-  try:
-    state_dict = torch.load(path, map_location="cpu", weights_only=True)
-  except Exception as error:  # pickle.UnpicklingError for anything but tensors, or a bad file
-    raise ConfigError(
-        f"Refusing {path}: torch.load(weights_only=True) cannot read it as plain tensors "
-        f"({type(error).__name__}: {(str(error).splitlines() or [''])[0]}). {fix}"
-    ) from error
-  if not isinstance(state_dict, dict):
-    raise ConfigError(f"Refusing {path}: it holds a {type(state_dict).__name__!r} object. {fix}")
-  for name, tensor in state_dict.items():
-    if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-      raise ConfigError(
-          f"Refusing {path}: entry {name!r} is not a str -> torch.Tensor (its types are "
-          f"{type(name).__name__}, {type(tensor).__name__}). {fix}"
-      )
-  return {
-      name: (tensor.detach().to(torch.float32) if tensor.is_floating_point() else tensor).numpy()
-      for name, tensor in state_dict.items()
-  }
-
-
 def finite_tensor(name: str, array: np.ndarray, source: str) -> np.ndarray:
-  """`array`, refused when it holds a NaN or an infinity."""
-  if array.dtype.kind in "fc" or array.dtype.name == "bfloat16":
-    finite = np.isfinite(array)
-    if not finite.all():
-      raise ConfigError(
-          f"Refusing {source}: tensor {name!r} holds {finite.size - int(finite.sum())} NaN or "
-          f"infinite values of {finite.size} (trained into NaN, or damaged); use a good checkpoint."
-      )
+  """`array`, refused unless its values are finite floating-point numbers."""
+  if not (np.issubdtype(array.dtype, np.floating) or array.dtype.name == "bfloat16"):
+    raise ConfigError(
+        f"Refusing {source}: tensor {name!r} has dtype {array.dtype}, not floating point (a "
+        "quantized or damaged checkpoint); use one saved in float32, float16 or bfloat16."
+    )
+  finite = np.isfinite(array)
+  if not finite.all():
+    raise ConfigError(
+        f"Refusing {source}: tensor {name!r} holds {finite.size - int(finite.sum())} NaN or "
+        f"infinite values of {finite.size} (trained into NaN, or damaged); use a good checkpoint."
+    )
   return array
 
 
 def read_hf_weights(directory: str) -> dict[str, np.ndarray]:
-  """Every tensor of a transformers directory: model.safetensors (preferred) or pytorch_model.bin,
-  either possibly sharded (*.index.json). Refuses NaN and infinite weights."""
-  for file_name, reader in (
-      ("model.safetensors", _read_safetensors),
-      ("pytorch_model.bin", _read_torch_state_dict),
-  ):
-    path = os.path.join(directory, file_name)
-    if os.path.exists(path):
-      return {name: finite_tensor(name, array, path) for name, array in reader(path).items()}
-    index_path = path + ".index.json"
-    if os.path.exists(index_path):
-      try:
-        index = json.loads(pathlib.Path(index_path).read_text())
-        shard_names = sorted(set(index["weight_map"].values()))
-      except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise ConfigError(
-            f"Refusing {index_path}: not a sharded-checkpoint index ({type(error).__name__}: "
-            f'{error}); it needs a "weight_map" of tensor name -> shard file.'
-        ) from None
-      weights = {}
-      for shard_name in shard_names:
-        if os.path.basename(shard_name) != shard_name:
-          raise ConfigError(f"Refusing {index_path}: shard {shard_name!r} is not a file name.")
-        weights.update(reader(os.path.join(directory, shard_name)))
-      return {name: finite_tensor(name, array, index_path) for name, array in weights.items()}
-  raise ConfigError(
-      f"{directory} has no model.safetensors or pytorch_model.bin (nor a sharded index of "
-      "either): point load_hf at a directory written by save_pretrained."
-  )
+  """Every tensor of a transformers directory: model.safetensors, or the shards its
+  model.safetensors.index.json names. Pickled files (pytorch_model.bin) are never opened."""
+  path = os.path.join(directory, "model.safetensors")
+  if _regular_file(path):
+    return _read_safetensors(path)
+  index_path = path + ".index.json"
+  if not _regular_file(index_path):
+    raise ConfigError(
+        f"{directory} has no model.safetensors (nor its sharded index); electra-jax reads no "
+        "pickled pytorch_model.bin: save the model again with transformers' save_pretrained."
+    )
+  weight_map = read_json_object(index_path).get("weight_map")
+  if not isinstance(weight_map, dict) or not all(type(v) is str for v in weight_map.values()):
+    raise ConfigError(f'Refusing {index_path}: its "weight_map" is not tensor name -> shard file.')
+  weights = {}
+  for shard_name in sorted(set(weight_map.values())):
+    shard = os.path.join(directory, shard_name)
+    if os.path.basename(shard) != shard_name or not _regular_file(shard):
+      raise ConfigError(f"Refusing {index_path}: shard {shard_name!r} is not a file beside it.")
+    weights.update(_read_safetensors(shard))
+  return weights
+
+
+def read_json_object(path: str) -> dict:
+  """The JSON object in `path` (a UTF-8 BOM allowed), refused by name when it holds none."""
+  try:
+    value = json.loads(pathlib.Path(path).read_text(encoding="utf-8-sig"))
+  except (ValueError, OSError) as error:
+    raise ConfigError(f"{path} is not a readable JSON file ({error}).") from None
+  if not isinstance(value, dict):
+    raise ConfigError(f"{path} holds a JSON {type(value).__name__}, not an object.")
+  return value
 
 
 def load_hf(path: str):
@@ -357,12 +333,7 @@ def load_hf(path: str):
   config_path = os.path.join(path, "config.json")
   if not os.path.isfile(config_path):
     raise ConfigError(f"{path} has no config.json; point load_hf at what save_pretrained wrote.")
-  try:
-    hf_config = json.loads(pathlib.Path(config_path).read_text(encoding="utf-8-sig"))
-  except (ValueError, OSError) as error:
-    raise ConfigError(f"{config_path} is not a readable JSON file ({error}).") from None
-  if not isinstance(hf_config, dict):
-    raise ConfigError(f"{config_path} holds a JSON {type(hf_config).__name__}, not an object.")
+  hf_config = read_json_object(config_path)
   weights = read_hf_weights(path)
   kind, model = model_from_hf_config(hf_config, config_path)
   for key, actual in sizes_held(weights).items():  # named by the key, before any tensor is matched

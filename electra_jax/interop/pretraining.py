@@ -4,7 +4,6 @@ checkpoint, written as step 0 of a pre-training workdir with its vocabulary and 
 import contextlib
 import copy
 import dataclasses
-import json
 import os
 import pathlib
 
@@ -37,8 +36,13 @@ class ImportedPair:
 def read_tokenizer_settings(directory: str) -> tuple[bool | None, bool | None]:
   """(do_lower_case, strip_accents) from a Hugging Face tokenizer_config.json, if any."""
   path = os.path.join(directory, "tokenizer_config.json")
-  settings = json.loads(pathlib.Path(path).read_text()) if os.path.isfile(path) else {}
-  return settings.get("do_lower_case"), settings.get("strip_accents")
+  settings = hf.read_json_object(path) if os.path.isfile(path) else {}
+  values = settings.get("do_lower_case"), settings.get("strip_accents")
+  if any(type(value) not in (bool, type(None)) for value in values):
+    raise ConfigError(
+        f"{path}: do_lower_case and strip_accents must each be true, false or null, not {values}."
+    )
+  return values
 
 
 def pair_from_hf(discriminator_dir: str, generator_dir: str) -> ImportedPair:
@@ -56,7 +60,7 @@ def pair_from_hf(discriminator_dir: str, generator_dir: str) -> ImportedPair:
   vocabulary = {}
   if vocab_file := _vocabulary_beside(directories, "vocab.txt"):
     recorded = zip(("lowercase", "strip_accents"), read_tokenizer_settings(discriminator_dir))
-    vocabulary = {key: bool(value) for key, value in recorded if value is not None}
+    vocabulary = {key: value for key, value in recorded if value is not None}
     vocabulary.update(tokenizer="wordpiece", vocab_file=vocab_file)
   elif spm_model_file := _vocabulary_beside(directories, "spm.model"):
     vocabulary = {"tokenizer": "sentencepiece", "spm_model_file": spm_model_file}
@@ -140,12 +144,10 @@ def _model_config(pair: ImportedPair) -> dict:
   except ConfigError:  # no whole number of discriminator-sized heads
     derived = None
   if derived != gen.config:
-    fields = ("hidden_size", "num_heads") if derived is None else dataclasses.asdict(derived)
     mismatched = ", ".join(
-        f"{field}={getattr(gen.config, field)}"
-        + (f" (derived: {getattr(derived, field)})" if derived else "")
-        for field in fields
-        if derived is None or getattr(gen.config, field) != getattr(derived, field)
+        f"{field}={getattr(gen.config, field)} (derived: {getattr(derived, field, None)})"
+        for field in (dataclasses.asdict(derived) if derived else ("hidden_size", "num_heads"))
+        if getattr(gen.config, field) != getattr(derived, field, None)
     )
     raise ConfigError(
         f"The generator's sizes are not those the official code derives from the discriminator "
@@ -178,23 +180,17 @@ def write_pretraining_workdir(
   model_values = _model_config(pair)
   embeddings = _shared_embeddings(pair, embeddings_from)
   config = copy.deepcopy(config)  # the caller's config stays as it was
-  changed = ", ".join(
-      f"model.{k}={v} (recipe: {config.model[k]})"
-      for k, v in sorted(model_values.items())
-      if config.model[k] != v
-  )
-  if changed:
-    logging.info("Model sizes taken from the imported weights: %s", changed)
-  config.model.update(model_values)
-  if not pair.vocabulary:
-    if not (config.data.tokenizer == "wordpiece" and config.data.vocab_file):
-      raise ConfigError(
-          f"{pair.source}: no vocab.txt (or spm.model) beside the weights to give the ids a "
-          "meaning. Put it there, or pass --config.data.tokenizer=wordpiece "
-          "--config.data.vocab_file=PATH."
+  for key, value in sorted(model_values.items()):
+    if config.model[key] != value:
+      logging.info(
+          "model.%s=%s, from the imported weights (recipe: %s)", key, value, config.model[key]
       )
-    vocab = config.data.vocab_file
-    logging.warning("%s has no vocab.txt: data.vocab_file=%s must be its own.", pair.source, vocab)
+  config.model.update(model_values)
+  if not pair.vocabulary and not (config.data.tokenizer == "wordpiece" and config.data.vocab_file):
+    raise ConfigError(
+        f"{pair.source}: no vocab.txt (or spm.model) beside the weights gives the ids a meaning; "
+        "put it there, or pass --config.data.tokenizer=wordpiece --config.data.vocab_file=PATH."
+    )
   config.data.update(pair.vocabulary)
   config_lib.validate(config)
   tokenizer = data.load_tokenizer(config.data)  # refuses a vocabulary without ELECTRA's specials
@@ -224,7 +220,6 @@ def write_pretraining_workdir(
     )
 
   # The vocabulary goes into the workdir, which then stands on its own.
-  os.makedirs(workdir, exist_ok=True)
   for key, name in (("vocab_file", "vocab.txt"), ("spm_model_file", "spm.model")):
     if key in pair.vocabulary:
       config.data[key] = os.path.join(os.path.abspath(workdir), name)

@@ -7,9 +7,11 @@ import pathlib
 import re
 import struct
 
+import google_crc32c
 import jax.numpy as jnp
 import numpy as np
 
+from electra_jax.data.sources import not_a_regular_file
 from electra_jax.errors import ConfigError
 from electra_jax.interop import hf
 
@@ -18,8 +20,6 @@ _FOOTER_SIZE = 48
 # tensorflow/core/framework/types.proto's numbers of the dtypes weights (and global_step) have.
 _DTYPES = {1: np.float32, 2: np.float64, 3: np.int32, 9: np.int64, 14: jnp.bfloat16, 19: np.float16}
 _OPTIMIZER_SLOT = re.compile(r"(/adam_[mv]|/Adam(_1)?|/Momentum|^global_step)$")
-# The official pre-trainer's variable scopes; other objectives (Electric's) have more.
-_SCOPES = {"electra", "generator", "discriminator_predictions", "generator_predictions"}
 
 
 # Protocol buffers and LevelDB tables: just what a tensor bundle index uses.
@@ -70,33 +70,38 @@ def _block_entries(block: bytes):
     pos += value_length
 
 
-def _read_block(data: bytes, handle: bytes, source: str) -> bytes:
+def _masked_crc32c(data: bytes) -> int:
+  """A crc32c in the masked form TensorFlow (and LevelDB) store it."""
+  crc = google_crc32c.value(data)
+  return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _read_block(data: bytes, handle: bytes) -> bytes:
+  """One table block, checked against the type byte (0: uncompressed, as TensorFlow writes index
+  blocks) and masked crc32c that follow it."""
   offset, pos = _varint(handle, 0)
   size, _ = _varint(handle, pos)
-  if data[offset + size] != 0:
-    raise ConfigError(
-        f"{source}: a compressed index block (type {data[offset + size]}); TensorFlow writes "
-        "checkpoint indexes uncompressed, so this file is not a TF checkpoint index."
-    )
-  return data[offset : offset + size]
+  block, crc = data[offset : offset + size + 1], data[offset + size + 1 : offset + size + 5]
+  if len(crc) != 4 or struct.unpack("<I", crc)[0] != _masked_crc32c(block) or block[-1] != 0:
+    raise ValueError(f"the block at byte {offset} fails its checksum")
+  return block[:-1]
 
 
-def _table_items(data: bytes, source: str):
+def _table_items(data: bytes):
   if len(data) < _FOOTER_SIZE or struct.unpack_from("<Q", data, len(data) - 8)[0] != _TABLE_MAGIC:
-    raise ConfigError(f"{source} is not a TensorFlow checkpoint index (no table footer).")
+    raise ValueError("no table footer")
   footer = data[-_FOOTER_SIZE:]
   _, pos = _varint(footer, 0)  # metaindex handle: offset ...
   _, pos = _varint(footer, pos)  # ... and size; nothing in it for bundles
-  index = _read_block(data, footer[pos:], source)
-  for _, handle in _block_entries(index):
-    yield from _block_entries(_read_block(data, handle, source))
+  for _, handle in _block_entries(_read_block(data, footer[pos:])):
+    yield from _block_entries(_read_block(data, handle))
 
 
-TensorEntry = collections.namedtuple("TensorEntry", "dtype shape shard offset size")
+TensorEntry = collections.namedtuple("TensorEntry", "dtype shape shard offset size crc32c")
 
 
 def _tensor_entry(value: bytes) -> TensorEntry:
-  # BundleEntryProto: 1 dtype, 2 shape, 3 shard, 4 offset, 5 size, 7 slices.
+  # BundleEntryProto: 1 dtype, 2 shape, 3 shard, 4 offset, 5 size, 6 masked crc32c, 7 slices.
   fields = dict(_proto_fields(value))
   if 7 in fields:
     raise ConfigError(
@@ -105,7 +110,7 @@ def _tensor_entry(value: bytes) -> TensorEntry:
   # TensorShapeProto: repeated Dim (field 2) of {size: 1}.
   dims = [dim for f, dim in _proto_fields(fields.get(2, b"")) if f == 2]
   shape = tuple(next((size for f, size in _proto_fields(dim) if f == 1), 0) for dim in dims)
-  return TensorEntry(fields.get(1, 0), shape, fields.get(3, 0), fields.get(4, 0), fields.get(5, 0))
+  return TensorEntry(fields.get(1, 0), shape, *(fields.get(f, 0) for f in (3, 4, 5, 6)))
 
 
 class TFCheckpoint:
@@ -115,20 +120,24 @@ class TFCheckpoint:
   def __init__(self, prefix: str):
     self.prefix = prefix
     index_path = prefix + ".index"
-    try:
-      index = pathlib.Path(index_path).read_bytes()
-    except OSError as e:
-      raise ConfigError(f"Cannot read the checkpoint index {index_path} ({e}).") from e
     self.num_shards = 1
     self.entries: dict[str, TensorEntry] = {}
-    for key, value in _table_items(index, index_path):
-      if key == b"":  # BundleHeaderProto: 1 num_shards, 2 endianness (0: little)
-        header = dict(_proto_fields(value))
-        self.num_shards = header.get(1, 1)
-        if header.get(2, 0) != 0:
-          raise ConfigError(f"{index_path}: a big-endian checkpoint; only little-endian is read.")
-      else:
-        self.entries[key.decode("utf-8")] = _tensor_entry(value)
+    try:
+      for key, value in _table_items(pathlib.Path(index_path).read_bytes()):
+        if key == b"":  # BundleHeaderProto: 1 num_shards, 2 endianness (0: little)
+          header = dict(_proto_fields(value))
+          self.num_shards = header.get(1, 1)
+          if header.get(2, 0) != 0:
+            raise ConfigError(f"{index_path}: a big-endian checkpoint; only little-endian is read.")
+        else:
+          self.entries[key.decode("utf-8")] = _tensor_entry(value)
+    except ConfigError:
+      raise
+    except (OSError, ValueError, IndexError, struct.error) as error:  # UnicodeDecodeError too
+      raise ConfigError(
+          f"{index_path} is not a readable TensorFlow checkpoint index ({error}): damaged, or "
+          "another kind of file; copy the checkpoint again."
+      ) from None
 
   def read(self, name: str) -> np.ndarray:
     entry = self.entries[name]
@@ -142,43 +151,42 @@ class TFCheckpoint:
           f"{self.prefix}: {name} claims shape {entry.shape} of {dtype} but {entry.size} bytes."
       )
     path = f"{self.prefix}.data-{entry.shard:05d}-of-{self.num_shards:05d}"
+    if problem := not_a_regular_file(path):
+      raise ConfigError(
+          f"{path}, the data file {self.prefix}.index names for {name}, {problem}; copy every "
+          "data file of the checkpoint beside its .index."
+      )
     try:
       with open(path, "rb") as f:
         f.seek(entry.offset)
         raw = f.read(entry.size)
     except OSError as e:
       raise ConfigError(f"Cannot read the checkpoint data file {path} ({e}).") from e
-    if len(raw) != entry.size:
+    if len(raw) != entry.size or _masked_crc32c(raw) != entry.crc32c:
       raise ConfigError(
-          f"{path} is truncated: {name} needs bytes {entry.offset}..{entry.offset + entry.size}."
+          f"{path} is truncated or damaged: {name}'s bytes {entry.offset}.."
+          f"{entry.offset + entry.size} fail their checksum; copy the checkpoint again."
       )
-    return hf.finite_tensor(name, np.frombuffer(raw, dtype=dtype).reshape(entry.shape).copy(), path)
+    return np.frombuffer(raw, dtype=dtype).reshape(entry.shape).copy()
 
 
 def resolve_prefix(path: str) -> str:
-  """`model.ckpt-N` from a prefix, its .index file, or a directory (its `checkpoint` file's entry,
-  else the highest-numbered model.ckpt-N there)."""
+  """`model.ckpt-N` from a prefix, its .index file, or a directory (its highest-numbered
+  model.ckpt-N: files named elsewhere, as by a `checkpoint` state file, are not followed)."""
   path = path.removesuffix(".index")
   if os.path.isfile(path + ".index"):
     return path
-  if os.path.isdir(path):
-    state = os.path.join(path, "checkpoint")
-    if os.path.isfile(state):
-      with open(state) as f:
-        match = re.search(r'^model_checkpoint_path:\s*"([^"]+)"', f.read(), re.MULTILINE)
-      if match and os.path.isfile(os.path.join(path, match.group(1)) + ".index"):
-        return os.path.join(path, match.group(1))  # relative to `path`, or absolute
-    steps = [
-        (int(m.group(1)), name.removesuffix(".index"))
-        for name in os.listdir(path)
-        if (m := re.fullmatch(r"model\.ckpt-(\d+)\.index", name))
-    ]
-    if steps:
-      return os.path.join(path, max(steps)[1])
-  raise ConfigError(
-      f"{path} is not a TensorFlow checkpoint: give the prefix (e.g. "
-      "electra_small/model.ckpt-1000000), its .index file, or the directory holding it."
-  )
+  steps = [
+      (int(m[1]), name.removesuffix(".index"))
+      for name in (os.listdir(path) if os.path.isdir(path) else [])
+      if (m := re.fullmatch(r"model\.ckpt-(\d+)\.index", name))
+  ]
+  if not steps:
+    raise ConfigError(
+        f"{path} is not a TensorFlow checkpoint: give the prefix (e.g. "
+        "electra_small/model.ckpt-1000000), its .index file, or the directory holding it."
+    )
+  return os.path.join(path, max(steps)[1])
 
 
 # transformers' weight names -> the official code's, one substitution after another (a table is a
@@ -210,30 +218,26 @@ def read_towers(prefix: str, num_heads: int | None = None):
   """{tower: (model, params)} of an official checkpoint, through hf.py's checks. Shapes hold no
   head count: the discriminator has `num_heads` (default hidden // 64), the generator its head's."""
   ckpt = TFCheckpoint(prefix)
-  scopes = {name.split("/")[0] for name in ckpt.entries if not _OPTIMIZER_SLOT.search(name)}
-  if unknown := sorted(scopes - _SCOPES):
-    raise ConfigError(
-        f"{prefix} holds {unknown}, which ELECTRA's pre-trainer lacks (another objective of the "
-        "official code, such as Electric's); electra-jax cannot represent it."
-    )
-  used, towers = set(), {}
+  towers = {}
   for kind, scope in (("discriminator", "electra"), ("generator", "generator")):
-    layers = {
-        m.group(1) for n in ckpt.entries if (m := re.match(rf"{scope}/encoder/layer_(\d+)/", n))
+    layers = {m[1] for n in ckpt.entries if (m := re.match(rf"{scope}/encoder/layer_(\d+)/", n))}
+    projected = f"{scope}/embeddings_project/kernel" in ckpt.entries
+    towers[kind] = {
+        official_name(w.hf_name, kind): w for w in hf.weight_names(kind, len(layers), projected)
     }
-    if not layers:
-      raise ConfigError(
-          f"{prefix} has no {scope}/encoder/layer_* variables: only an official pre-training "
-          "checkpoint (both towers, not fine-tuned or discriminator-only) continues pre-training."
-      )
-    weights, projected = {}, f"{scope}/embeddings_project/kernel" in ckpt.entries
-    for w in hf.weight_names(kind, len(layers), projected):
-      name = official_name(w.hf_name, kind)
-      if name not in ckpt.entries:
-        raise ConfigError(f"{prefix} lacks {name}, which an official {kind} of these sizes has.")
-      array = ckpt.read(name)
-      weights[w.hf_name] = array.T if w.transposed else array  # back to transformers' [out, in]
-      used.add(name)
+  expected = {name for names in towers.values() for name in names}
+  held = {name for name in ckpt.entries if not _OPTIMIZER_SLOT.search(name)}
+  if expected != held:
+    raise ConfigError(
+        f"{prefix} is not an official ELECTRA pre-training checkpoint (both towers; not another "
+        f"objective such as Electric, nor a fine-tuned model): it lacks {sorted(expected - held)[:8]}"
+        f" and holds {sorted(held - expected)[:8]} besides; electra-jax cannot represent it."
+    )
+  for kind, names in towers.items():
+    # Back to transformers' [out, in] kernels.
+    weights = {
+        w.hf_name: ckpt.read(n).T if w.transposed else ckpt.read(n) for n, w in names.items()
+    }
     sizes = hf.sizes_held(weights)
     if kind == "generator":
       num_heads = max(1, sizes["hidden_size"] // towers["discriminator"][0].config.head_dim)
@@ -241,10 +245,4 @@ def read_towers(prefix: str, num_heads: int | None = None):
     hf_config = {"architectures": [hf.KINDS[kind][0]], **sizes, "num_attention_heads": heads}
     model = hf.model_from_hf_config(hf_config, prefix)[1]
     towers[kind] = (model, hf.params_from_hf_weights(model, kind, weights, prefix))
-  leftover = sorted(n for n in ckpt.entries if n not in used and not _OPTIMIZER_SLOT.search(n))
-  if leftover:
-    raise ConfigError(
-        f"{prefix} holds variables electra-jax has no place for: {leftover[:8]}"
-        f"{' ...' if len(leftover) > 8 else ''}. It may come from another objective or model."
-    )
   return towers
