@@ -10,6 +10,7 @@ transformers' models loaded from them are the oracle for the logits."""
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import transformers
 from conftest import REPO, cli, tiny_config
 from electra_jax import checkpointing, interop, models, partitioning, train, train_state
 from electra_jax.errors import ConfigError
-from electra_jax.interop import tf_checkpoint
+from electra_jax.interop import hf, tf_checkpoint
 
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "tf1_electra")
 VOCAB = 61  # the fixture's vocabulary: [PAD] [UNK] [CLS] [SEP] [MASK] w0 .. w55
@@ -357,13 +358,35 @@ class _WritesAFile:
 
 
 @pytest.mark.fault
-def test_a_pickled_pytorch_model_bin_is_never_opened(tmp_path):
+def test_pytorch_model_bin_is_read_with_weights_only_and_a_hostile_pickle_runs_nothing(tmp_path):
+  import torch  # noqa: PLC0415 (kept out of collection: see conftest._NativePeerWatch)
+
   directory = _hf_discriminator(tmp_path)
+  model, params = interop.load_hf(str(directory))
+  tensors = hf.read_hf_weights(str(directory))
   os.remove(directory / "model.safetensors")
+  # As older transformers versions saved it: torch tensors, with the position_ids buffer.
+  state_dict = {name: torch.from_numpy(np.array(t)) for name, t in tensors.items()}
+  torch.save(
+      {**state_dict, "electra.embeddings.position_ids": torch.arange(24)[None]},
+      directory / "pytorch_model.bin",
+  )
+  model_bin, params_bin = interop.load_hf(str(directory))
+  assert model_bin == model
+  jax.tree.map(np.testing.assert_array_equal, params_bin, params)
+
   marker = tmp_path / "pickle_ran"
-  (directory / "pytorch_model.bin").write_bytes(pickle.dumps(_WritesAFile(str(marker))))
-  with pytest.raises(ConfigError, match="reads no pickled pytorch_model.bin: save the model again"):
-    interop.load_hf(str(directory))
+  names_the_file = re.escape(f"Refusing {directory}/pytorch_model.bin")
+  for content, reason in (
+      (pickle.dumps(_WritesAFile(str(marker))), "weights_only=True"),
+      (None, r"entry 'step' is not a str -> torch.Tensor"),
+  ):
+    if content is None:
+      torch.save({**state_dict, "step": 3}, directory / "pytorch_model.bin")
+    else:
+      (directory / "pytorch_model.bin").write_bytes(content)
+    with pytest.raises(ConfigError, match=f"{names_the_file}.*{reason}"):
+      interop.load_hf(str(directory))
   assert not marker.exists()
 
 

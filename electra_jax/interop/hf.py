@@ -1,5 +1,5 @@
-"""Hugging Face ELECTRA directories (config.json and model.safetensors, possibly sharded) read as,
-and written from, electra-jax's standalone models."""
+"""Hugging Face ELECTRA directories (config.json, model.safetensors or pytorch_model.bin read with
+weights_only=True, possibly sharded) read as, and written from, electra-jax's standalone models."""
 
 import json
 import os
@@ -292,17 +292,55 @@ def finite_tensor(name: str, array: np.ndarray, source: str) -> np.ndarray:
   return array
 
 
-def read_hf_weights(directory: str) -> dict[str, np.ndarray]:
-  """Every tensor of a transformers directory: model.safetensors, or the shards its
-  model.safetensors.index.json names. Pickled files (pytorch_model.bin) are never opened."""
-  path = os.path.join(directory, "model.safetensors")
-  if _regular_file(path):
-    return _read_safetensors(path)
-  index_path = path + ".index.json"
-  if not _regular_file(index_path):
+def _read_torch_state_dict(path: str) -> dict[str, np.ndarray]:
+  """A flat dict of str -> tensor, read with weights_only=True: no pickled code runs."""
+  try:
+    import torch  # noqa: PLC0415 (only pytorch_model.bin needs it)
+  except ImportError as error:
     raise ConfigError(
-        f"{directory} has no model.safetensors (nor its sharded index); electra-jax reads no "
-        "pickled pytorch_model.bin: save the model again with transformers' save_pretrained."
+        f"{path} is a PyTorch file: reading it needs torch (pip install torch), or save the model "
+        "again with transformers' save_pretrained (model.safetensors)."
+    ) from error
+  fix = "Save model.state_dict(), or use safetensors."
+  try:
+    state_dict = torch.load(path, map_location="cpu", weights_only=True)
+  except Exception as error:  # pickle.UnpicklingError for anything but tensors, or a bad file
+    first_line = (str(error).splitlines() or [""])[0]
+    raise ConfigError(
+        f"Refusing {path}: torch.load(weights_only=True) cannot read it as plain tensors "
+        f"({type(error).__name__}: {first_line}). {fix}"
+    ) from error
+  if not isinstance(state_dict, dict):
+    raise ConfigError(f"Refusing {path}: it holds a {type(state_dict).__name__!r} object. {fix}")
+  for name, tensor in state_dict.items():
+    if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+      raise ConfigError(
+          f"Refusing {path}: entry {name!r} is not a str -> torch.Tensor (its types are "
+          f"{type(name).__name__}, {type(tensor).__name__}). {fix}"
+      )
+  return {
+      name: (tensor.detach().to(torch.float32) if tensor.is_floating_point() else tensor).numpy()
+      for name, tensor in state_dict.items()
+  }
+
+
+def read_hf_weights(directory: str) -> dict[str, np.ndarray]:
+  """Every tensor of a transformers directory: model.safetensors (preferred) or pytorch_model.bin
+  (read with weights_only=True), either possibly sharded (its .index.json names the shards)."""
+  for file_name, reader in (
+      ("model.safetensors", _read_safetensors),
+      ("pytorch_model.bin", _read_torch_state_dict),
+  ):
+    path = os.path.join(directory, file_name)
+    if _regular_file(path):
+      return reader(path)
+    index_path = path + ".index.json"
+    if _regular_file(index_path):
+      break
+  else:
+    raise ConfigError(
+        f"{directory} has no model.safetensors or pytorch_model.bin (nor a sharded index of "
+        "either); give the folder transformers' save_pretrained wrote."
     )
   weight_map = read_json_object(index_path).get("weight_map")
   if not isinstance(weight_map, dict) or not all(type(v) is str for v in weight_map.values()):
@@ -312,7 +350,7 @@ def read_hf_weights(directory: str) -> dict[str, np.ndarray]:
     shard = os.path.join(directory, shard_name)
     if os.path.basename(shard) != shard_name or not _regular_file(shard):
       raise ConfigError(f"Refusing {index_path}: shard {shard_name!r} is not a file beside it.")
-    weights.update(_read_safetensors(shard))
+    weights.update(reader(shard))
   return weights
 
 
