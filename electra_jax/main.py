@@ -13,7 +13,18 @@ import threading
 import time
 from typing import Callable
 
-import flax
+
+def _stop_outside_the_work(signum, frame):
+  os.write(2, b"electra-jax: stopped by Ctrl-C while starting or ending; what it did is kept.\n")
+  os._exit(130)
+
+
+# A Ctrl-C while JAX imports (seconds) ends in one line, not a traceback: until main() takes
+# SIGINT, nothing has started or all has ended. Only as the CLI (`python -m`, the console script).
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "electra-jax":
+  signal.signal(signal.SIGINT, _stop_outside_the_work)
+
+import flax  # noqa: E402 (the imports that take seconds come after the handler)
 import jax
 from absl import app, flags, logging
 

@@ -44,6 +44,7 @@ def test_a_saved_config_gets_the_defaults_of_keys_it_predates(tmp_path):
   assert config.objective.temperature == 2.0 and config.model.hidden_size == 32  # saved values stay
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize(
     "group, key, value, named",
     [
@@ -82,6 +83,7 @@ def test_an_edited_config_json_is_refused_naming_the_file_and_key(
   assert str(tmp_path / "config.json") in str(refused.value) and named in str(refused.value)
 
 
+@pytest.mark.fault
 def test_an_edited_config_json_ends_the_cli_in_one_line_and_a_number_may_be_an_int(tmp_path):
   saved = train.config_lib.as_saved(tiny_config())
   saved["optimizer"]["learning_rate"] = 1  # an integer where a float is taken: a number still
@@ -95,6 +97,7 @@ def test_an_edited_config_json_ends_the_cli_in_one_line_and_a_number_may_be_an_i
   assert not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.fault
 def test_mistyped_override_names_the_close_match(tmp_path):
   result = cli(cli_args(tmp_path / "run") + ["--config.train.stpes=5"])
   assert result.returncode != 0
@@ -152,6 +155,7 @@ def test_overrides_apply_to_a_workdirs_own_config(tmp_path):
   assert "--config=configs/workdir.py:DIR" in result.stderr
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize(
     "args, message",
     [

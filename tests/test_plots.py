@@ -137,6 +137,7 @@ def test_tensorboard_events_equal_jsonl_with_nan_and_resume(tmp_path):
   }
 
 
+@pytest.mark.fault
 def test_without_tensorboardx_training_logs_go_on(tmp_path, monkeypatch):
   monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import tensorboardX -> ImportError
   workdir = str(tmp_path / "w")
@@ -241,6 +242,7 @@ def test_plot_panels_lines_and_png_size(tmp_path):
   ]
 
 
+@pytest.mark.fault
 def test_plot_sweep_folder_expands_and_bad_input_is_refused(tmp_path):
   sweep_dir = tmp_path / "sweep"
   make_runs(sweep_dir)
@@ -274,6 +276,7 @@ def test_plot_sweep_folder_expands_and_bad_input_is_refused(tmp_path):
   assert workdir_files.exists(out)  # the earlier PNG is left as it was
 
 
+@pytest.mark.fault
 def test_plot_without_matplotlib_names_the_install(tmp_path, monkeypatch):
   make_runs(tmp_path / "sweep")
   for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
@@ -355,6 +358,7 @@ def test_wandb_and_mlflow_runs_receive_the_metrics_and_a_resume_logs_into_the_sa
   )
 
 
+@pytest.mark.fault
 def test_unknown_metric_writers_are_refused_by_name():
   with pytest.raises(
       ConfigError, match=r"train.metric_writers: 'neptune' is not one of \['mlflow', 'wandb'\]"

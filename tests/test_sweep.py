@@ -199,6 +199,7 @@ def test_sweep_table_matches_each_runs_logs(swept):
   assert png_size(os.path.join(swept["sweep_dir"], "curves.png")) == (3 * 500, 350)
 
 
+@pytest.mark.fault
 def test_rerun_skips_finished_and_resumes_interrupted(swept):
   electra, mlm, _ = swept["names"]
   # The finished run (and its fine-tuning) was not touched at all.
@@ -229,36 +230,47 @@ def test_tensorboard_events_of_real_runs(swept):
     )
 
 
-def test_bad_sweeps_are_refused_before_anything_is_written(tmp_path, swept):
-  sweep_dir = str(tmp_path / "s")
-  cases = [
-      (["objective.nam=electra,mlm"], "Sweep key 'objective.nam' is not a config key"),
-      (["train.steps=3,3.5"], r"train.steps=3.5: invalid literal for int"),
-      (["model.ngram_buckets=0,64"], "It was removed: f1a0b9b is the last commit with it"),
-      (["train.use_remat=yes"], "Sweep key 'train.use_remat'"),
-      (
-          ["objective.name=electra,bogus"],
-          "objective.name=bogus: objective.name='bogus' is not one of",
-      ),
-      (["model.tie=all"], "Sweep run model.tie=all: model.tie=.all. runs one encoder"),
-      (["objective.name"], "is not key=value"),
-      (["objective.name=electra,"], "empty value"),
-  ]
-  for grid, message in cases:
-    with pytest.raises(ConfigError, match=message):
-      sweep.run_sweep(base_config(), sweep_dir, grid)
+@pytest.mark.fault
+@pytest.mark.parametrize(
+    "grid, message",
+    [
+        (["objective.nam=electra,mlm"], "Sweep key 'objective.nam' is not a config key"),
+        (["train.steps=3,3.5"], r"train.steps=3.5: invalid literal for int"),
+        (["model.ngram_buckets=0,64"], "It was removed: f1a0b9b is the last commit with it"),
+        (["train.use_remat=yes"], "Sweep key 'train.use_remat'"),
+        (
+            ["objective.name=electra,bogus"],
+            "objective.name=bogus: objective.name='bogus' is not one of",
+        ),
+        (["model.tie=all"], "Sweep run model.tie=all: model.tie=.all. runs one encoder"),
+        (["objective.name"], "is not key=value"),
+        (["objective.name=electra,"], "empty value"),
+    ],
+)
+def test_a_bad_sweep_is_refused_before_anything_is_written(tmp_path, grid, message):
+  with pytest.raises(ConfigError, match=message):
+    sweep.run_sweep(base_config(), str(tmp_path / "s"), grid)
+  assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.fault
+def test_a_bad_sweep_file_line_is_refused_naming_the_line(tmp_path):
   bad_file = tmp_path / "runs.txt"
   bad_file.write_text("objective.name=mlm\n\nmodel.tie\n")
   with pytest.raises(ConfigError, match=f"{bad_file}:3: 'model.tie' is not key=value"):
-    sweep.run_sweep(base_config(), sweep_dir, sweep_file=str(bad_file))
-  assert not os.path.exists(sweep_dir)
-  # A sweep folder belongs to one base config.
+    sweep.run_sweep(base_config(), str(tmp_path / "s"), sweep_file=str(bad_file))
+  assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.fault
+def test_a_sweep_folder_of_another_base_config_is_refused(swept):
   other = base_config()
   other.train.steps = 5
   with pytest.raises(ConfigError, match=r"another base config \(.*train.steps: 3 -> 5\)"):
     sweep.run_sweep(other, swept["sweep_dir"], ["objective.name=electra"])
 
 
+@pytest.mark.fault
 def test_a_sweep_recorded_with_a_removed_key_goes_on_at_its_neutral_value(swept, tmp_path):
   """sweep.json's base config from before model.ngram_buckets was removed: at 0 (what this version
   does) the sweep goes on and leaves its finished run as it was; at another value it is refused by
@@ -340,6 +352,7 @@ def test_every_run_given_trains_and_a_run_listed_twice_trains_once(tmp_path):
   assert fractions == [0.25, 0.5]
 
 
+@pytest.mark.fault
 def test_a_run_whose_last_step_was_logged_but_not_saved_is_incomplete(swept, tmp_path):
   """Killed between logging its last step and saving it (in the final evaluation, say): the
   sweep resumes such a run, so its table must not call it done."""
@@ -351,6 +364,7 @@ def test_a_run_whose_last_step_was_logged_but_not_saved_is_incomplete(swept, tmp
   assert [r["status"] for r in rows] == ["incomplete", "done", "failed"]
 
 
+@pytest.mark.fault
 def test_a_sigterm_in_a_runs_last_step_stops_the_sweep_after_it(tmp_path, monkeypatch):
   """A preemption notice that lands while a run finishes (its last evaluation or save) used to
   be forgotten with the run's handler, and the sweep started the next run on a dying VM."""
@@ -440,6 +454,7 @@ def test_cli_sweep_report_and_plot(swept, tmp_path):
   assert not os.path.exists(bad_dir)
 
 
+@pytest.mark.fault
 def test_one_sweep_at_a_time_holds_a_sweep_folder(tmp_path, monkeypatch):
   """Two sweeps on one folder each rewrote sweep.json, and each counted the run the other was
   training as failed (its workdir held) and left an error file in it. A second sweep is now
@@ -482,6 +497,7 @@ def test_one_sweep_at_a_time_holds_a_sweep_folder(tmp_path, monkeypatch):
   assert sweep.run_sweep(base_config(), str(sweep_dir), grid, plot=False)["failed"] == []
 
 
+@pytest.mark.fault
 def test_a_sweep_taken_over_during_a_run_writes_nothing_more_into_the_folder(tmp_path, monkeypatch):
   """The run of a sweep whose folder another sweep took over stops with WorkdirInUse (the new
   sweep took its workdir too). The old sweep counted that as a failed run, wrote sweep_error.txt
