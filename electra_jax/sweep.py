@@ -168,15 +168,7 @@ def name_runs(
 
 def read_record(sweep_dir: str) -> dict | None:
   """SWEEP_DIR/sweep.json with its runs as Runs; None for a folder that is no sweep's."""
-  file = workdir_files.path(sweep_dir, SWEEP_FILE)
-
-  def check_base(saved: dict) -> None:  # as a workdir's config.json is checked
-    if not isinstance(saved, dict):
-      raise ValueError("base_config is not an object of config groups")
-    groups = {key: value for key, value in saved.items() if key != config_lib.VERSION_KEY}
-    config_lib.with_defaults(config_lib.without_removed_keys(groups, file))
-
-  record = workdir_files.read_sweep(sweep_dir, check_base)
+  record = workdir_files.read_sweep(sweep_dir, config_lib.with_defaults)
   return record and dict(record, runs=[Run(*run) for run in record["runs"]])
 
 
@@ -184,25 +176,10 @@ def run_dir(sweep_dir: str, run: Run) -> str:
   return os.fspath(workdir_files.path(sweep_dir, run.name))
 
 
-def load_recipe(
-    recipe: str, overrides: Sequence[Override] = (), what: str = "Override", flag: str = "recipe"
-) -> ml_collections.ConfigDict:
-  """A recipe by name or path (`demo`, `finetune/tiny:ARG`) with `overrides`; errors name it as
-  `flag`."""
-  path, _, arg = config_lib.resolve_recipe(recipe).partition(":")
-  if not os.path.isfile(path):
-    raise ConfigError(
-        f"{flag}={recipe!r} is neither a file nor a recipe in {config_lib.RECIPES_DIR} "
-        "(e.g. 'demo', 'electra_small', 'finetune/glue')."
-    )
-  module = config_lib.sibling(path, os.path.splitext(os.path.basename(path))[0])
-  return apply_overrides(module.get_config(arg) if arg else module.get_config(), overrides, what)
-
-
 def load_finetune_config(recipe: str, overrides: Sequence[str]) -> ml_collections.ConfigDict:
   """--sweep_finetune's recipe with --sweep_finetune_override's key=value overrides."""
   pairs = [_split_override(o, f"--sweep_finetune_override={o}") for o in overrides]
-  return load_recipe(recipe, pairs, "Sweep", "--sweep_finetune")
+  return apply_overrides(config_lib.load_recipe(recipe, "--sweep_finetune"), pairs)
 
 
 def _latest_checkpoint(workdir: str) -> int | None:
@@ -243,10 +220,7 @@ def run_sweep(
   record = read_record(sweep_dir)
   existing = record["runs"] if record else []
   if record and (
-      changes := config_lib.changed_keys(
-          config_lib.without_removed_keys(record["base_config"], f"{sweep_dir}/{SWEEP_FILE}"),
-          config_lib.as_saved(base_config),
-      )
+      changes := config_lib.changed_keys(record["base_config"], config_lib.as_saved(base_config))
   ):
     raise ConfigError(
         f"{sweep_dir}/{SWEEP_FILE} was written for another base config ({'; '.join(changes)}): "

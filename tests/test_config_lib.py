@@ -161,7 +161,7 @@ def test_overrides_apply_to_a_workdirs_own_config(tmp_path):
     [
         (
             ["--config=configs/dem.py", "--workdir=W"],
-            "--config=configs/dem.py: configs/dem.py is not a file, and no recipe has that name. Give a recipe file or a recipe's name",
+            "--config=configs/dem.py: configs/dem.py is not a file, and no recipe has that name; give a recipe's file or name",
         ),
         (["--config=W/config.json", "--workdir=W"], "is a JSON file; --config takes a recipe"),
         (

@@ -8,6 +8,7 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
 import threading
 import sys
@@ -236,7 +237,7 @@ def test_tensorboard_events_of_real_runs(swept):
     [
         (["objective.nam=electra,mlm"], "Sweep key 'objective.nam' is not a config key"),
         (["train.steps=3,3.5"], r"train.steps=3.5: invalid literal for int"),
-        (["model.ngram_buckets=0,64"], "It was removed: f1a0b9b is the last commit with it"),
+        (["model.ngram_buckets=0,64"], "Sweep key 'model.ngram_buckets' is not a config key"),
         (["train.use_remat=yes"], "Sweep key 'train.use_remat'"),
         (
             ["objective.name=electra,bogus"],
@@ -271,23 +272,29 @@ def test_a_sweep_folder_of_another_base_config_is_refused(swept):
 
 
 @pytest.mark.fault
-def test_a_sweep_recorded_with_a_removed_key_goes_on_at_its_neutral_value(swept, tmp_path):
-  """sweep.json's base config from before model.ngram_buckets was removed: at 0 (what this version
-  does) the sweep goes on and leaves its finished run as it was; at another value it is refused by
-  name."""
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        ({"ngram_buckets": 0}, "model.ngram_buckets is no key"),  # an older electra-jax's key
+        ({"num_layers": True}, "model.num_layers=True is of type bool"),
+        ({"hidden_size": "32"}, "model.hidden_size='32' is of type str"),
+    ],
+)
+def test_an_edited_or_older_sweep_json_is_refused_naming_the_file_and_key(
+    swept, tmp_path, edit, named
+):
+  """sweep.json's base config is read as config.json is; the folder is left as it was."""
   folder = tmp_path / "sweep"
   shutil.copytree(swept["sweep_dir"], folder)
   record = json.load(open(folder / "sweep.json"))
-  record["base_config"]["model"].update(ngram_buckets=0, generator_attention_conv=-1)
+  record["base_config"]["model"].update(edit)
   (folder / "sweep.json").write_text(json.dumps(record))
-  electra = swept["names"][0]
-  before = tree_snapshot(folder / electra)
-  result = sweep.run_sweep(base_config(), str(folder), ["objective.name=electra"], plot=False)
-  assert result["runs"] == [electra] and tree_snapshot(folder / electra) == before
-  record["base_config"]["model"]["ngram_buckets"] = 64
-  (folder / "sweep.json").write_text(json.dumps(record))
-  with pytest.raises(ConfigError, match=r"sets model.ngram_buckets=64, .* commit f1a0b9b"):
+  before = tree_snapshot(folder)
+  with pytest.raises(ConfigError, match=f"{folder}/sweep.json is not as electra-jax writes it"):
     sweep.run_sweep(base_config(), str(folder), ["objective.name=electra"], plot=False)
+  with pytest.raises(ConfigError, match=re.escape(named)):
+    sweep.write_report(str(folder))
+  assert tree_snapshot(folder) == before
 
 
 def test_grid_expansion_and_run_names(tmp_path):
