@@ -81,13 +81,12 @@ def flags_parser(program: str):
   one line."""
 
   def parse(argv: list[str]) -> list[str]:
-    parser = flags.FLAGS["config"].parser if "config" in flags.FLAGS else None
-    if isinstance(parser, RecipeParser):  # absl shares one parser among equal flags: start clean
-      parser.loaded = parser.refused = None
+    parser = flags.FLAGS["config"].parser  # define_config_flag's
+    parser.loaded = parser.refused = None  # absl shares one parser among equal flags: start clean
     try:
       return flags.FLAGS(argv)
     except flags.Error as error:
-      if getattr(parser, "refused", None) is not None:  # the recipe's own refusal
+      if parser.refused is not None:  # the recipe's own refusal
         sys.exit(f"{program}: error: {parser.refused}")
       if isinstance(error, flags.UnrecognizedFlagError) and error.flagname.startswith("config."):
         sys.exit(
@@ -99,10 +98,9 @@ def flags_parser(program: str):
       )
       sys.exit(1)
     except (AttributeError, KeyError):  # ml_collections: an override of a key the recipe lacks
-      loaded = getattr(parser, "loaded", None)
-      for arg in argv[1:] if loaded is not None else ():
+      for arg in argv[1:] if parser.loaded is not None else ():
         flag = arg.split("=")[0]
-        if flag.startswith("--config.") and (found := unknown_key(loaded, flag[9:])):
+        if flag.startswith("--config.") and (found := unknown_key(parser.loaded, flag[9:])):
           key, hint = found
           sys.exit(
               f"{program}: error: {flag}: the config has no key {key!r}. {hint + ' ' if hint else ''}"
@@ -126,13 +124,9 @@ def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 
 # The recipes: electra_jax/configs in an installed wheel, configs/ beside the package in a checkout.
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_PACKAGED_RECIPES = os.path.join(_PACKAGE_DIR, "configs")
-RECIPES_DIR = (
-    _PACKAGED_RECIPES
-    if os.path.isdir(_PACKAGED_RECIPES)
-    else os.path.join(os.path.dirname(_PACKAGE_DIR), "configs")
-)
+RECIPES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+if not os.path.isdir(RECIPES_DIR):
+  RECIPES_DIR = os.path.join(os.path.dirname(os.path.dirname(RECIPES_DIR)), "configs")
 _BASE_RECIPE = os.path.join(RECIPES_DIR, "base.py")
 
 

@@ -192,7 +192,9 @@ def _sweep(config, workdir):
   print(f"Tables: {workdir}/results.md, {workdir}/results.csv", end="")
   print(f"  Curves: {workdir}/curves.png" if curves else "")
   if result["preempted"]:
-    print("The sweep stopped at a SIGTERM; run the same command to go on where it stopped.")
+    print(
+        "The sweep stopped at a SIGTERM or SIGHUP; run the same command to go on where it stopped."
+    )
   if result["failed"]:
     sys.exit(
         f"electra-jax: {len(result['failed'])} sweep run(s) failed: {', '.join(result['failed'])} "
@@ -236,9 +238,12 @@ MODES = {
     "sweep_report": Mode(_sweep_report, recipe=None),
     "plot": Mode(_plot, ("out",), recipe=None),
 }
-_RECIPES = {  # what --config is, by the kind of recipe a mode reads
-    "pretraining": "a pre-training recipe (configs/demo.py, configs/electra_small.py, ...)",
-    "finetuning": "a fine-tuning recipe (configs/finetune/)",
+_RECIPES = {  # the kinds of --config a mode reads: (what it is, what to do with it in another mode)
+    "pretraining": (
+        "a pre-training recipe (configs/demo.py, configs/electra_small.py, ...)",
+        "give one whose init_from is the pre-training workdir",
+    ),
+    "finetuning": ("a fine-tuning recipe (configs/finetune/)", "add --mode=finetune"),
 }
 _NEEDED = {  # what a mode says of a flag it needs and lacks
     "topology": "--topology (e.g. v5e-16, v4-32, v5p-64, v6e-8, h100)",
@@ -276,14 +281,8 @@ def _check_flags(name: str, mode: Mode, config) -> None:
   """The flags `mode` needs, and a recipe of its kind (fine-tuning ones have init_from)."""
   kind = config is not None and ("finetuning" if "init_from" in config else "pretraining")
   if kind and mode.recipe not in (None, kind):
-    fix = (
-        "add --mode=finetune"
-        if kind == "finetuning"
-        else "give one whose init_from is the pre-training workdir"
-    )
-    raise ConfigError(
-        f"--config is {_RECIPES[kind]}, but --mode={name} takes {_RECIPES[mode.recipe]}: {fix}."
-    )
+    (seen, fix), (taken, _) = _RECIPES[kind], _RECIPES[mode.recipe]
+    raise ConfigError(f"--config is {seen}, but --mode={name} takes {taken}: {fix}.")
   if mode.one_process and jax.process_count() > 1:
     raise ConfigError(
         f"--mode={name} runs in one process, but this is process {jax.process_index()} of "
@@ -294,7 +293,7 @@ def _check_flags(name: str, mode: Mode, config) -> None:
     raise ConfigError(f"--mode={name} needs --workdir.")
   for names in mode.needs:
     if all(FLAGS[flag].value in (None, "", []) for flag in names.split()):
-      what = f"--config: {_RECIPES[mode.recipe]}" if names == "config" else _NEEDED[names]
+      what = f"--config: {_RECIPES[mode.recipe][0]}" if names == "config" else _NEEDED[names]
       raise ConfigError(f"--mode={name} needs {what}.")
 
 

@@ -241,7 +241,7 @@ def run_sweep(
 
   # Two sweeps on one folder would each rewrite sweep.json and fail the runs the other trains.
   lease = workdir_lease.acquire(sweep_dir, take_over_workdir, "The sweep folder")
-  previous_handler = None
+  previous_handlers = {}
   try:
     all_runs = list(existing) + [r for r in runs if r not in existing]
     record = dict(
@@ -249,11 +249,12 @@ def run_sweep(
     )
     workdir_files.write_json(workdir_files.path(sweep_dir, SWEEP_FILE), record)
     logging.info("Sweep of %d runs in %s (%d recorded).", len(runs), sweep_dir, len(all_runs))
-    # A SIGTERM stops the sweep: a run saves and returns (its own handler); between runs it is
-    # noted here. One an earlier run in this process (a notebook) took is not this sweep's.
+    # A SIGTERM (or SIGHUP) stops the sweep: a run saves and returns (its own handler); between
+    # runs it is noted here. One an earlier run in this process (a notebook) took is not this one's.
     preemption.clear_sigterm()
-    with contextlib.suppress(ValueError):  # not the main thread: no handler
-      previous_handler = signal.signal(signal.SIGTERM, preemption.note_sigterm)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+      with contextlib.suppress(ValueError):  # not the main thread: no handler
+        previous_handlers[signum] = signal.signal(signum, preemption.note_sigterm)
     failed, preempted = _train_runs(
         runs, configs, sweep_dir, finetune_config, lease, take_over_workdir
     )
@@ -268,8 +269,8 @@ def run_sweep(
       logging.error("Sweep finished with %d failed run(s): %s", len(failed), ", ".join(failed))
     return dict(runs=[r.name for r in runs], failed=failed, rows=rows, preempted=preempted)
   finally:
-    if previous_handler is not None:
-      signal.signal(signal.SIGTERM, previous_handler)
+    for signum, handler in previous_handlers.items():
+      signal.signal(signum, handler)
     if lease is not None:
       lease.release()
 
@@ -282,7 +283,9 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
   for index, (run, config, latest) in enumerate(zip(runs, configs, latest_steps)):
     where = f"run {index + 1}/{len(runs)} {run.name}"
     if preemption.sigterm_received():
-      logging.warning("SIGTERM: the sweep stops before %s; the same command goes on.", where)
+      logging.warning(
+          "SIGTERM or SIGHUP: the sweep stops before %s; the same command goes on.", where
+      )
       return failed, True
     workdir_lease.hold(lease)  # every process stops if another sweep took the folder
     workdir, started = run_dir(sweep_dir, run), time.perf_counter()
@@ -310,7 +313,7 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
         continue
       reached = _latest_checkpoint(workdir) or 0
       if reached < config.train.steps or preemption.sigterm_received():
-        message = "Run %s stopped at step %d (SIGTERM): the sweep stops; the same command goes on."
+        message = "Run %s stopped at step %d (a signal): the sweep stops; the same command goes on."
         logging.warning(message, run.name, reached)
         return failed, True
     if workdir_files.exists(error_file):

@@ -10,6 +10,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import threading
 import sys
 
@@ -372,22 +373,30 @@ def test_a_run_whose_last_step_was_logged_but_not_saved_is_incomplete(swept, tmp
 
 
 @pytest.mark.fault
-def test_a_sigterm_in_a_runs_last_step_stops_the_sweep_after_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_between_runs_stops_the_sweep_after_the_run(tmp_path, monkeypatch, signum):
   """A preemption notice that lands while a run finishes (its last evaluation or save) used to
-  be forgotten with the run's handler, and the sweep started the next run on a dying VM."""
+  be forgotten with the run's handler, and the sweep started the next run on a dying VM. A SIGHUP
+  (a closed terminal) there killed the sweep, its lease left held."""
   from electra_jax import train  # noqa: PLC0415
 
   real = train.train_and_evaluate
 
-  def finish_then_sigterm(config, workdir, **kwargs):
+  def finish_then_signal(config, workdir, **kwargs):
     result = real(config, workdir, **kwargs)
-    preemption.note_sigterm()  # what the handler does when the signal comes now
+    signal.raise_signal(signum)  # after the run's own handler is gone
     return result
 
   monkeypatch.setattr(preemption, "_SIGTERM", threading.Event())
-  monkeypatch.setattr(train, "train_and_evaluate", finish_then_sigterm)
+  monkeypatch.setattr(train, "train_and_evaluate", finish_then_signal)
   sweep_dir = tmp_path / "sweep"
-  result = sweep.run_sweep(base_config(), str(sweep_dir), ["optimizer.learning_rate=1e-3,2e-3"])
+  unheard = []  # this process's own handler (a SIGHUP would end pytest), where the sweep has none
+  previous = signal.signal(signum, lambda *_: unheard.append(signum))
+  try:
+    result = sweep.run_sweep(base_config(), str(sweep_dir), ["optimizer.learning_rate=1e-3,2e-3"])
+  finally:
+    signal.signal(signum, previous)
+  assert unheard == [] and workdir_lease.read_lease(str(sweep_dir))["released"]
   first, second = result["runs"]
   assert result["preempted"] and result["failed"] == []
   assert (sweep_dir / first / "checkpoints" / str(STEPS)).exists()
