@@ -85,18 +85,15 @@ def flags_parser(program: str):
     parser.loaded = parser.refused = None  # absl shares one parser among equal flags: start clean
     try:
       return flags.FLAGS(argv)
-    except flags.Error as error:
+    except flags.Error as error:  # one line, as every mistake (--helpfull lists the flags)
       if parser.refused is not None:  # the recipe's own refusal
-        sys.exit(f"{program}: error: {parser.refused}")
-      if isinstance(error, flags.UnrecognizedFlagError) and error.flagname.startswith("config."):
-        sys.exit(
-            f"{program}: error: --{error.flagname} changes a recipe, but no --config was given. To change a "
-            "workdir's config.json, pass --config=configs/workdir.py:DIR (DIR = the workdir) with the overrides."
+        error = parser.refused
+      elif isinstance(error, flags.UnrecognizedFlagError) and error.flagname.startswith("config."):
+        error = (
+            f"--{error.flagname} changes a recipe, but no --config was given: to change a workdir's "
+            "config.json, pass --config=configs/workdir.py:DIR (DIR = the workdir) with the overrides."
         )
-      sys.stderr.write(
-          f"FATAL Flags parsing error: {error}\nPass --helpshort or --helpfull to see help on flags.\n"
-      )
-      sys.exit(1)
+      sys.exit(f"{program}: error: {error}")
     except (AttributeError, KeyError):  # ml_collections: an override of a key the recipe lacks
       for arg in argv[1:] if parser.loaded is not None else ():
         flag = arg.split("=")[0]

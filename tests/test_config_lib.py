@@ -177,6 +177,8 @@ def test_overrides_apply_to_a_workdirs_own_config(tmp_path):
             "--mode=finetune takes a fine-tuning recipe",
         ),
         (["--config=configs/demo.py"], "--mode=train needs --workdir."),
+        (["--mode=bogus", "--workdir=W"], "flag --mode=bogus: value should be one of <train|"),
+        (["--mode=eval", "--step=last", "--workdir=W"], "flag --step=last: invalid literal"),
     ],
 )
 def test_cli_mistakes_end_in_one_line(tmp_path, args, message):
