@@ -31,14 +31,7 @@ ERROR_FILE = "sweep_error.txt"
 Override = tuple[str, str]  # (config key, the value as the user wrote it)
 
 # The tables' metric columns: these first (and only these in results.md), then the others sorted.
-HEADLINE_METRICS = (
-    "loss",
-    "masked_lm_accuracy",
-    "disc_auc",
-    "disc_accuracy",
-    "main_mlm_accuracy",
-    "cloze_loss",
-)
+HEADLINE_METRICS = (*plots.DEFAULT_METRICS, "disc_accuracy", "main_mlm_accuracy", "cloze_loss")
 NOT_IN_TABLE = (
     "step",
     "steps_per_sec",
@@ -413,16 +406,9 @@ def write_report(sweep_dir: str) -> list[dict]:
   for row in rows:
     writer.writerow({c: repr(v) if isinstance(v := row.get(c, ""), float) else v for c in columns})
   workdir_files.write_text(workdir_files.path(sweep_dir, "results.csv"), out.getvalue())
-  shown = [
-      c
-      for c in columns
-      if c != "overrides"
-      and (
-          not c.startswith(("train_", "eval_"))
-          or c in FIXED_COLUMNS
-          or c.split("_", 1)[1] in HEADLINE_METRICS
-      )
-  ]
+  metrics = [c for c in columns if c.startswith(("train_", "eval_")) and c not in FIXED_COLUMNS]
+  hidden = ["overrides", *(c for c in metrics if c.split("_", 1)[1] not in HEADLINE_METRICS)]
+  shown = [c for c in columns if c not in hidden]
   lines = ["| " + " | ".join(shown) + " |", "|" + "|".join("---" for _ in shown) + "|"]
   lines += ["| " + " | ".join(_markdown_cell(c, row.get(c)) for c in shown) + " |" for row in rows]
   workdir_files.write_text(workdir_files.path(sweep_dir, "results.md"), "\n".join(lines) + "\n")
