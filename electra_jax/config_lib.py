@@ -205,8 +205,8 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
   """The config a training run saved as <workdir>/config.json (see saved_config)."""
   if (saved := saved_config(workdir)) is None:
     raise ConfigError(
-        f"{workdir} has no config.json, so it is not a pre-training workdir; pass the --workdir a "
-        "training run wrote (or give --config)."
+        f"{workdir} has no config.json, so it is no pre-training workdir to go on with: give --config "
+        "(a recipe, e.g. configs/demo.py), or the --workdir a training run wrote."
     )
   return ml_collections.ConfigDict(saved)
 

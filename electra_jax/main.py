@@ -97,11 +97,6 @@ def end_summary(config, metrics: dict, workdir: str, seconds: float) -> str:
 # docstring is its line of --help.
 def _train(config, workdir):
   """pre-train, or resume, in --workdir (the default mode)"""
-  if config is None and not workdir_files.exists(workdir_files.path(workdir, "config.json")):
-    raise ConfigError(
-        "--mode=train needs --config (a recipe, e.g. configs/demo.py), unless --workdir already "
-        "holds a config.json to continue with."
-    )
   config = config or config_lib.load_workdir_config(workdir)
   started = time.perf_counter()
   metrics = train.train_and_evaluate(config, workdir, take_over_workdir=FLAGS.take_over_workdir)
@@ -192,9 +187,7 @@ def _sweep(config, workdir):
   print(f"Tables: {workdir}/results.md, {workdir}/results.csv", end="")
   print(f"  Curves: {workdir}/curves.png" if curves else "")
   if result["preempted"]:
-    print(
-        "The sweep stopped at a SIGTERM or SIGHUP; run the same command to go on where it stopped."
-    )
+    print("The sweep stopped at a SIGTERM or SIGHUP; the same command goes on where it stopped.")
   if result["failed"]:
     sys.exit(
         f"electra-jax: {len(result['failed'])} sweep run(s) failed: {', '.join(result['failed'])} "

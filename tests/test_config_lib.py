@@ -68,6 +68,14 @@ def test_a_saved_config_gets_the_defaults_of_keys_it_predates(tmp_path):
             "data.files=['a.txt'] is of type list, but the key's type is str",
         ),
         ("model", "colour", "blue", "model.colour is no key of this electra-jax's config"),
+        ("train", "steps", None, "train.steps=None is of type NoneType, but the key's type is int"),
+        ("data", "lowercase", 1, "data.lowercase=1 is of type int, but the key's type is bool"),
+        (
+            "optimizer",
+            "learning_rate",
+            "1e-3",
+            "optimizer.learning_rate='1e-3' is of type str, but the key's type is float",
+        ),
     ],
 )
 def test_an_edited_config_json_is_refused_naming_the_file_and_key(
@@ -177,6 +185,10 @@ def test_overrides_apply_to_a_workdirs_own_config(tmp_path):
             "--mode=finetune takes a fine-tuning recipe",
         ),
         (["--config=configs/demo.py"], "--mode=train needs --workdir."),
+        (
+            ["--workdir=W"],
+            "has no config.json, so it is no pre-training workdir to go on with: give",
+        ),
         (["--mode=bogus", "--workdir=W"], "flag --mode=bogus: value should be one of <train|"),
         (["--mode=eval", "--step=last", "--workdir=W"], "flag --step=last: invalid literal"),
     ],
