@@ -65,17 +65,22 @@ def expand(grid: Sequence[str] = (), sweep_file: str | None = None) -> list[list
   with the product of the --sweep=KEY=V1,V2 `grid` (either alone works too)."""
   lines = [[]]
   if sweep_file:
-    if not os.path.exists(sweep_file):
-      raise ConfigError(f"--sweep_file={sweep_file} does not exist.")
+    if not os.path.isfile(sweep_file):  # a directory fails to open, a FIFO waits forever
+      what = "is not a regular file" if os.path.exists(sweep_file) else "does not exist"
+      raise ConfigError(f"--sweep_file={sweep_file} {what}: give a text file, one run per line.")
+    try:
+      with open(sweep_file, encoding="utf-8") as f:
+        text = f.read()
+    except UnicodeDecodeError as error:
+      raise ConfigError(f"--sweep_file={sweep_file} is not UTF-8 text ({error}).") from None
     lines = []
-    with open(sweep_file) as f:
-      for number, line in enumerate(f, 1):
-        try:
-          words = shlex.split(line, comments=True)
-        except ValueError as error:
-          raise ConfigError(f"{sweep_file}:{number}: {error}") from None
-        if words:
-          lines.append([_split_override(word, f"{sweep_file}:{number}") for word in words])
+    for number, line in enumerate(text.splitlines(), 1):
+      try:
+        words = shlex.split(line, comments=True)
+      except ValueError as error:
+        raise ConfigError(f"{sweep_file}:{number}: {error}") from None
+      if words:
+        lines.append([_split_override(word, f"{sweep_file}:{number}") for word in words])
     if not lines:
       raise ConfigError(f"--sweep_file={sweep_file} lists no runs (one line of overrides per run).")
   axes = []

@@ -265,6 +265,29 @@ def test_a_bad_sweep_file_line_is_refused_naming_the_line(tmp_path):
 
 
 @pytest.mark.fault
+@pytest.mark.parametrize(
+    "kind, named",
+    [
+        ("missing", "does not exist"),
+        ("directory", "is not a regular file"),
+        ("fifo", "is not a regular file"),  # it hung, waiting for a writer
+        ("binary", "is not UTF-8 text"),
+    ],
+)
+def test_a_sweep_file_that_is_no_text_file_is_refused_by_name(tmp_path, kind, named):
+  runs_file = tmp_path / "runs.txt"
+  if kind == "directory":
+    runs_file.mkdir()
+  elif kind == "fifo":
+    os.mkfifo(runs_file)
+  elif kind == "binary":
+    runs_file.write_bytes(b"objective.name=mlm\n\xff\xfe\n")
+  with pytest.raises(ConfigError, match=f"--sweep_file={runs_file} {named}"):
+    sweep.run_sweep(base_config(), str(tmp_path / "s"), sweep_file=str(runs_file))
+  assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.fault
 def test_a_sweep_folder_of_another_base_config_is_refused(swept):
   other = base_config()
   other.train.steps = 5
