@@ -141,7 +141,15 @@ def load_recipe(value: str, flag: str = "--config") -> ml_collections.ConfigDict
         f"{flag}={value}: {recipe} is {'a directory' if os.path.isdir(recipe) else 'not a file'}, "
         f"and no recipe has that name; give a recipe's file or name ({RECIPES_DIR} lists them)."
     )
-  return _load(recipe).get_config(*([arg] if colon else []))
+  try:
+    config = _load(recipe).get_config(*([arg] if colon else []))
+  except ConfigError:
+    raise
+  except Exception as error:  # noqa: BLE001 (a recipe is the user's code: its mistake in one line)
+    raise ConfigError(f"{flag}={value}: {type(error).__name__}: {error}; fix the recipe.") from None
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigError(f"{flag}={value}: get_config() returned {config!r}, not a ConfigDict.")
+  return config
 
 
 def resolve_recipe(value: str) -> str:

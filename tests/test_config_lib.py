@@ -106,6 +106,28 @@ def test_an_edited_config_json_ends_the_cli_in_one_line_and_a_number_may_be_an_i
 
 
 @pytest.mark.fault
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ("def get_config(:\n", "SyntaxError: "),
+        ("x = 1\n", "AttributeError: module 'electra_jax_configs_mine' has no attribute 'get_con"),
+        ("def get_config():\n  return 1 / 0\n", "ZeroDivisionError: division by zero; fix the"),
+        ("def get_config():\n  return 5\n", "get_config() returned 5, not a ConfigDict."),
+    ],
+)
+def test_a_broken_recipe_ends_the_cli_in_one_line_naming_it(tmp_path, text, named):
+  recipe = tmp_path / "mine.py"
+  recipe.write_text(text)
+  result = cli(
+      [sys.executable, "-m", "electra_jax.main", f"--config={recipe}", f"--workdir={tmp_path}/w"]
+  )
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith(f"electra-jax: error: --config={recipe}: ") and named in last, last
+  assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.fault
 def test_mistyped_override_names_the_close_match(tmp_path):
   result = cli(cli_args(tmp_path / "run") + ["--config.train.stpes=5"])
   assert result.returncode != 0
