@@ -7,6 +7,7 @@ import glob
 import json
 import math
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -271,9 +272,26 @@ def test_plot_sweep_folder_expands_and_bad_input_is_refused(tmp_path):
   ]
   with pytest.raises(ConfigError, match="--plot_metrics disc_aucc: not logged"):
     plots.plot_curves([str(sweep_dir)], out, ["loss", "disc_aucc"])
+  (tmp_path / "empty").mkdir()
   with pytest.raises(ConfigError, match="No metrics.jsonl"):
     plots.plot_curves([str(tmp_path / "empty")], out)
   assert workdir_files.exists(out)  # the earlier PNG is left as it was
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize(
+    "workdir, out, named",
+    [
+        ("gone", "c.png", "{tmp}/gone does not exist: give training workdirs"),  # left out silently
+        ("a", ".", "--out={tmp} is a directory: give the PNG's path"),  # IsADirectoryError
+    ],
+)
+def test_plot_of_a_missing_workdir_or_into_a_directory_is_refused(tmp_path, workdir, out, named):
+  make_runs(tmp_path)
+  workdirs = [str(tmp_path / "a"), str(tmp_path / workdir)]
+  with pytest.raises(ConfigError, match=re.escape(named.format(tmp=tmp_path))):
+    plots.plot_curves(workdirs, os.path.normpath(tmp_path / out))
+  assert not (tmp_path / "c.png").exists()
 
 
 @pytest.mark.fault
