@@ -177,7 +177,10 @@ def run_dir(sweep_dir: str, run: Run) -> str:
 def load_finetune_config(recipe: str, overrides: Sequence[str]) -> ml_collections.ConfigDict:
   """--sweep_finetune's recipe with --sweep_finetune_override's key=value overrides."""
   pairs = [_split_override(o, f"--sweep_finetune_override={o}") for o in overrides]
-  return apply_overrides(config_lib.load_recipe(recipe, "--sweep_finetune"), pairs)
+  config = config_lib.load_recipe(recipe, "--sweep_finetune")
+  if "init_from" not in config:  # what every fine-tuning recipe has
+    raise ConfigError(f"--sweep_finetune={recipe} is no fine-tuning recipe (configs/finetune/).")
+  return apply_overrides(config, pairs)
 
 
 def _latest_checkpoint(workdir: str) -> int | None:

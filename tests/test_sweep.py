@@ -256,6 +256,28 @@ def test_a_bad_sweep_is_refused_before_anything_is_written(tmp_path, grid, messa
 
 
 @pytest.mark.fault
+def test_a_pre_training_recipe_for_sweep_finetune_is_refused_by_name(tmp_path):
+  """It ended in a KeyError traceback from the fine-tuning checks."""
+  with pytest.raises(ConfigError, match="--sweep_finetune=demo is no fine-tuning recipe"):
+    sweep.load_finetune_config("demo", ["train.steps=2"])
+  result = cli(
+      [
+          sys.executable,
+          "-m",
+          "electra_jax.main",
+          "--mode=sweep",
+          "--config=demo",
+          f"--workdir={tmp_path / 's'}",
+          "--sweep=train.steps=1",
+          "--sweep_finetune=demo",
+      ]
+  )
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert "is no fine-tuning recipe" in result.stderr.strip().splitlines()[-1]
+  assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.fault
 def test_a_bad_sweep_file_line_is_refused_naming_the_line(tmp_path):
   bad_file = tmp_path / "runs.txt"
   bad_file.write_text("objective.name=mlm\n\nmodel.tie\n")
