@@ -37,6 +37,8 @@ def plot_curves(
 
   if out and workdir_files.path(out).is_dir():
     raise ConfigError(f"--out={out} is a directory: give the PNG's path, e.g. {out}/curves.png.")
+  if out:
+    workdir_files.check_usable(os.path.dirname(out) or ".", "--out")
   runs = expand_workdirs(workdirs)
   logs = []  # (label, {"train": records, "eval": records}) of the workdirs that logged
   for label, workdir in runs:

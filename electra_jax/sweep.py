@@ -218,6 +218,7 @@ def run_sweep(
   """Trains every unfinished run (all checked before anything is written), fine-tunes each if
   asked, writes the tables and curves; {"runs", "failed", "rows", "preempted"}."""
   override_lists = expand(grid, sweep_file)
+  workdir_files.check_usable(sweep_dir)
   record = read_record(sweep_dir)
   existing = record["runs"] if record else []
   if record and (

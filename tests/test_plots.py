@@ -284,6 +284,7 @@ def test_plot_sweep_folder_expands_and_bad_input_is_refused(tmp_path):
     [
         ("gone", "c.png", "{tmp}/gone does not exist: give training workdirs"),  # left out silently
         ("a", ".", "--out={tmp} is a directory: give the PNG's path"),  # IsADirectoryError
+        ("a", "a/metrics.jsonl/c.png", "--out={tmp}/a/metrics.jsonl cannot be a directory"),
     ],
 )
 def test_plot_of_a_missing_workdir_or_into_a_directory_is_refused(tmp_path, workdir, out, named):

@@ -278,6 +278,16 @@ def test_a_pre_training_recipe_for_sweep_finetune_is_refused_by_name(tmp_path):
 
 
 @pytest.mark.fault
+def test_a_sweep_folder_that_is_a_file_is_refused_by_name(tmp_path):
+  """It ended in a FileExistsError traceback."""
+  folder = tmp_path / "s"
+  folder.write_text("x")
+  with pytest.raises(ConfigError, match=f"--workdir={folder} cannot be a directory: {folder} is"):
+    sweep.run_sweep(base_config(), str(folder), ["train.steps=1"])
+  assert folder.read_text() == "x"
+
+
+@pytest.mark.fault
 def test_a_bad_sweep_file_line_is_refused_naming_the_line(tmp_path):
   bad_file = tmp_path / "runs.txt"
   bad_file.write_text("objective.name=mlm\n\nmodel.tie\n")
