@@ -16,6 +16,7 @@ extra) and held against its chips' HBM. A data-parallel slice needs the same per
 """
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -73,7 +74,7 @@ def main():
   from absl import logging  # noqa: PLC0415
 
   logging.set_verbosity(logging.INFO)  # a line per compile: on a CPU host each takes minutes
-  from electra_jax import config_lib, fit, memory, partitioning, resolve, sweep, train_state  # noqa: PLC0415
+  from electra_jax import config_lib, fit, memory, partitioning, sweep, train_state  # noqa: PLC0415
   from electra_jax.errors import ConfigError  # noqa: PLC0415
 
   if args.topology:
@@ -120,7 +121,7 @@ def main():
       start = time.perf_counter()
       try:
         batch, measured = memory.largest_batch(
-            resolve.step_compiler(config, setup, mesh), limit, quantum
+            functools.partial(train_state.compile_train_step, setup, config, mesh), limit, quantum
         )
       except ConfigError as e:  # not even one quantum fits: say so, go on to the next
         print(f"| `{name}` | {seq_len} | - | - | none | - | - | {e} |", flush=True)

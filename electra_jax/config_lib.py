@@ -348,6 +348,7 @@ _SIZES = ("hidden_size", "num_heads", "intermediate_size", "embedding_size", "vo
 _BOUNDS = {  # validate's bounds on single keys
     "model.generator_fraction": ("in (0, 1]", "of the discriminator's width; paper: 1/4-1/2"),
     "train.grad_accum_steps": (">= 1", "micro-batches per step"),
+    "train.memory_fraction": ("in (0, 1]", "the share of a device's memory a step may use"),
     "train.steps_per_call": (">= 1", "optimizer steps per compiled call"),
     "train.steps": (">= 1", "optimizer steps in all"),
     "train.log_every": (">= 1", "steps per logged line"),

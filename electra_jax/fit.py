@@ -4,6 +4,7 @@ largest batch."""
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import itertools
 import math
@@ -11,7 +12,7 @@ import os
 
 from jax.experimental import topologies
 
-from electra_jax import config_lib, flops, memory, partitioning, resolve, train_state
+from electra_jax import config_lib, flops, memory, partitioning, train_state
 from electra_jax.errors import ConfigError
 
 INSTALL = {
@@ -118,19 +119,6 @@ def _tpu_targets() -> dict[str, Target]:
 TPU_TARGETS = _tpu_targets()
 
 
-def known_targets() -> str:
-  """The names --topology takes, for a message."""
-  tpus = "; ".join(
-      ", ".join(names) for _, names in itertools.groupby(TPU_TARGETS, lambda n: n.split("-")[0])
-  )
-  gpus = ", ".join(name for name, chip in CHIPS.items() if chip.gpu)
-  return (
-      f"TPU slices: {tpus} (v4 and v5p names count TensorCores, two a chip; v5e and v6e names "
-      f"count chips; v5litepod-N is v5e-N); GPUs: {gpus}, one GPU, or NAME-N for N of them "
-      f"(1, 2, 4, or a multiple of {_GPUS_PER_HOST}, {_GPUS_PER_HOST} a host), e.g. h100-8"
-  )
-
-
 def lookup(name: str) -> Target:
   """The target `name` describes; ConfigError listing the known ones if it is none of them."""
   family, _, count = name.strip().lower().partition("-")
@@ -141,8 +129,15 @@ def lookup(name: str) -> Target:
     gpus = int(count or 1)
     if gpus in (1, 2, 4) or (gpus > 0 and gpus % _GPUS_PER_HOST == 0):
       return Target(name, family, gpus, max(1, gpus // _GPUS_PER_HOST), "")
+  tpus = "; ".join(
+      ", ".join(names) for _, names in itertools.groupby(TPU_TARGETS, lambda n: n.split("-")[0])
+  )
+  gpus = ", ".join(name for name, chip in CHIPS.items() if chip.gpu)
   raise ConfigError(
-      f"--topology={name!r} is not a TPU slice or GPU this check knows. {known_targets()}."
+      f"--topology={name!r} is not a TPU slice or GPU this check knows. TPU slices: {tpus} (v4 and "
+      "v5p names count TensorCores, two a chip; v5e and v6e names count chips; v5litepod-N is "
+      f"v5e-N); GPUs: {gpus}, one GPU, or NAME-N for N of them (1, 2, 4, or a multiple of "
+      f"{_GPUS_PER_HOST}, {_GPUS_PER_HOST} a host), e.g. h100-8."
   )
 
 
@@ -228,14 +223,13 @@ def check(config, target: Target, max_batch: bool = False) -> Fit:
   shape = check_mesh(config.mesh, target)
   mesh = partitioning.make_mesh(config.mesh, devices=devices(target))
   partitioning.check_shards(mesh, config.train, target.hosts)
-  search = max_batch or config.train.batch_size == -1
   # The tokenizer's special ids shape the masking, not the program; the vocabulary is the recipe's.
   special = dict(pad=0, cls=2, sep=3, mask=4, vocab_size=config.model.vocab_size)
   setup = train_state.build_setup(config, mesh, special)
-  compile_step = resolve.step_compiler(config, setup, mesh)
+  compile_step = functools.partial(train_state.compile_train_step, setup, config, mesh)
   limit = int(config.train.memory_fraction * target.chip.hbm)
   largest = None
-  if search:
+  if max_batch or config.train.batch_size == -1:
     quantum = partitioning.batch_shards(mesh) * config.train.grad_accum_steps
     largest = memory.largest_batch(compile_step, limit, quantum)
   batch = config.train.batch_size if config.train.batch_size != -1 else largest[0]
@@ -290,11 +284,9 @@ def describe(fit: Fit, config) -> str:
     by_batch = {m.batch_size: m for m in measured}
     above = min(b for b in by_batch if b > batch)
     held = by_batch[above].bytes_per_device
-    why = (
-        "refused by the compiler"
-        if held is None
-        else _size(held) + (", fitted only by recomputing" if held <= fit.limit else "")
-    )
+    why = "refused by the compiler" if held is None else _size(held)
+    if held is not None and held <= fit.limit:
+      why += ", fitted only by recomputing"
     lines.append(
         f"Largest batch that fits: {batch} ({batch // shards} per batch shard of {shards}), "
         f"{_size(by_batch[batch].bytes_per_device)} per chip; {above} does not ({why}). "

@@ -42,10 +42,10 @@ def _attention_flops(cfg: EncoderConfig, seq_len: int) -> int:
 
 
 def train_flops_per_token(
-    model: ElectraPretrainer, seq_len, max_predictions, with_generator=True, all_positions_mlm=False
+    model: ElectraPretrainer, seq_len, max_predictions, all_positions_mlm=False
 ) -> float:
-  """Training FLOPs per input token of both towers (or the discriminator alone), the MLM heads on
-  the max_predictions slots (the discriminator's at every position with `all_positions_mlm`)."""
+  """Training FLOPs per input token of the model's towers, the MLM heads on the max_predictions
+  slots (the discriminator's at every position with `all_positions_mlm`)."""
   gen, disc = model.generator_config, model.discriminator_config
   gen_emb, emb = model.generator_embedding_size, model.embedding_size
   gen_head = (gen.hidden_size * gen_emb + gen_emb * model.vocab_size) * max_predictions / seq_len
@@ -58,14 +58,15 @@ def train_flops_per_token(
     positions = seq_len if all_positions_mlm else max_predictions
     disc_params += (disc.hidden_size * emb + emb * model.vocab_size) * positions / seq_len
   towers = 2 if model.towers.cloze else 1
-  generator = 6 * gen_params + towers * _attention_flops(gen, seq_len) if with_generator else 0
+  generator = 6 * gen_params + towers * _attention_flops(gen, seq_len)
+  generator = generator if model.towers.has_generator else 0
   return generator + 6 * disc_params + _attention_flops(disc, seq_len)
 
 
 def objective_flops_per_token(model: ElectraPretrainer, objective, seq_len: int) -> float:
-  """train_flops_per_token for an objective: whether a generator runs, where MLM heads predict."""
-  o, all_positions = objective, objective.name == "all_tokens_mlm"
-  return train_flops_per_token(model, seq_len, o.max_predictions, o.uses_generator, all_positions)
+  """train_flops_per_token for an objective: where its MLM heads predict."""
+  all_positions = objective.name == "all_tokens_mlm"
+  return train_flops_per_token(model, seq_len, objective.max_predictions, all_positions)
 
 
 def peak_flops(device: jax.Device) -> float | None:

@@ -157,10 +157,10 @@ def _import_tf(config, workdir):
 
 def _train_tokenizer(config, workdir):
   """train a sentencepiece model on the config's corpus into --out"""
-  info = data.train_tokenizer(config.data, FLAGS.out)
+  tokenizer = data.train_tokenizer(config.data, FLAGS.out)
   print(
-      f"Wrote {info['path']} ({info['vocab_size']} pieces, fingerprint {info['fingerprint']}); "
-      f"use it with --config.data.spm_model_file={info['path']}"
+      f"Wrote {tokenizer.model_path} ({tokenizer.vocab_size} pieces, fingerprint "
+      f"{tokenizer.fingerprint}); use it with --config.data.spm_model_file={tokenizer.model_path}"
   )
 
 

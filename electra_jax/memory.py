@@ -2,6 +2,7 @@
 batch that fits (`train.batch_size = -1`): a line of bytes against the batch, then bisection."""
 
 import dataclasses
+import math
 import os
 import time
 
@@ -46,7 +47,6 @@ def compiled_flops(compiled) -> float | None:
     cost = compiled.cost_analysis()
   except Exception:  # noqa: BLE001 (not every backend has one)
     return None
-  cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
   flops = cost.get("flops") if isinstance(cost, dict) else None
   return float(flops) if flops else None
 
@@ -64,30 +64,35 @@ def device_memory_bytes(device: jax.Device | None = None) -> int:
   return available_kb * 1024 // max(1, jax.local_device_count())
 
 
+def floor_bytes(setup, micro_batch: int, seq_len: int, batch_shards: int) -> int:
+  """A floor under a train step's bytes per device, known before compiling: the state's shards and
+  each discriminator layer's input, which the backward pass keeps even with model.remat='full'."""
+  state = sum(
+      math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+      for leaf in jax.tree.leaves(setup.abstract_state)
+  )
+  tower, rows = setup.model.discriminator_config, -(-micro_batch // batch_shards)
+  return state + tower.num_layers * rows * seq_len * tower.hidden_size * setup.model.dtype.itemsize
+
+
 def step_memory(compile_step, batch_size: int) -> StepMemory:
-  """The per-device bytes of the step `compile_step(batch_size)` compiles (a global batch)."""
+  """The per-device bytes of the step `compile_step(batch_size=...)` compiles (a global batch)."""
   start = time.perf_counter()
   try:
-    compiled = compile_step(batch_size)
+    compiled = compile_step(batch_size=batch_size)
   except Exception as e:  # noqa: BLE001 (the compiler's error types differ between jax versions)
     if "RESOURCE_EXHAUSTED" not in str(e) and "Ran out of memory" not in str(e):
       raise
+    seconds, why = time.perf_counter() - start, str(e).splitlines()[0][:200]
     logging.info(
-        "Batch %d: the compiler refused the step as more than a device's memory (%.0f s: %s).",
-        batch_size,
-        time.perf_counter() - start,
-        str(e).splitlines()[0][:200],
+        f"Batch {batch_size}: refused by the compiler as over memory ({seconds:.0f} s: {why})."
     )
     return StepMemory(batch_size, None)
   parts, flops = memory_parts(compiled), compiled_flops(compiled)
   size = sum(parts.values())
-  logging.info(
-      "Batch %d: %.2f GiB per device, %s (compiled in %.0f s).",
-      batch_size,
-      size / 2**30,
-      "no cost analysis" if flops is None else f"{flops / 1e9:,.1f} GFLOPs",
-      time.perf_counter() - start,
-  )
+  cost = "no cost analysis" if flops is None else f"{flops / 1e9:,.1f} GFLOPs"
+  seconds = time.perf_counter() - start
+  logging.info(f"Batch {batch_size}: {size / 2**30:.2f} GiB per device, {cost} ({seconds:.0f} s).")
   return StepMemory(batch_size, size, flops, parts)
 
 
@@ -125,12 +130,10 @@ def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, li
       first, second = measured[:2]
       per_example = (second.flops - first.flops) / (second.batch_size - first.batch_size)
       predicted = first.flops + per_example * (m.batch_size - first.batch_size)
-      if predicted > 0 and m.flops / predicted - 1 > RECOMPUTE_TOLERANCE:
+      if predicted > 0 and (more := m.flops / predicted - 1) > RECOMPUTE_TOLERANCE:
         logging.info(
-            "Batch %d: XLA recomputes %.0f%% more of the step than the first two compiles' line "
-            "predicts, to fit it in memory: taken as not fitting.",
-            batch,
-            100 * (m.flops / predicted - 1),
+            f"Batch {batch}: XLA recomputes {more:.0%} more of the step than the first two "
+            "compiles' line predicts, to fit it in memory: taken as not fitting."
         )
         return False
     fitting.append(m)

@@ -1,6 +1,5 @@
-"""ELECTRA's two towers over encoder.py's encoder: the generator, the discriminator,
-`ElectraPretrainer` (one embeddings module for both) built by `build_model`, and the standalone
-tower models."""
+"""ELECTRA's two towers over encoder.py's encoder: `ElectraPretrainer` (one embeddings module for
+both) built by `build_model`, and the standalone tower models."""
 
 import dataclasses
 import functools
@@ -232,47 +231,13 @@ def generator_encoder_config(discriminator: EncoderConfig, fraction: float) -> E
   num_heads = max(1, hidden // discriminator.head_dim)
   if hidden < 1 or hidden % num_heads:
     raise ConfigError(
-        f"model.generator_fraction={fraction} gives a generator hidden size of {hidden}, not a "
-        f"multiple of the discriminator's head size {discriminator.head_dim} (nor below it): "
-        "change the fraction."
+        f"model.generator_fraction={fraction} gives a generator hidden size of {hidden}, which "
+        f"splits into no whole heads of about {discriminator.head_dim}: change the fraction."
     )
   intermediate = int(round(discriminator.intermediate_size * fraction))
   return dataclasses.replace(
       discriminator, hidden_size=hidden, num_heads=num_heads, intermediate_size=intermediate
   )
-
-
-def _check_attention(config, towers: dict[str, EncoderConfig], cloze: bool) -> None:
-  """Refuses, before compiling, what the chosen attention kernel cannot take."""
-  impl, seq_len = config.model.attention_impl, config.data.max_seq_len
-  xla = "or model.attention_impl='xla'"
-  if impl == "splash":
-    splash_attention.check_seq_len(seq_len)
-  if impl == "cudnn" and config.train.dtype != "bfloat16":
-    raise ConfigError(
-        f"model.attention_impl='cudnn' takes bfloat16 inputs only, not train.dtype="
-        f"{config.train.dtype!r}: set train.dtype=bfloat16 {xla}."
-    )
-  if impl in ("cudnn", "splash") and (dropout := config.model.attention_dropout_rate) > 0:
-    raise ConfigError(
-        f"model.attention_impl={impl!r} has no dropout on the attention probabilities, but "
-        f"model.attention_dropout_rate={dropout}: set it to 0.0, {xla} to keep it."
-    )
-  if impl != "cudnn":
-    return
-  for tower, cfg in towers.items():
-    if cfg.head_dim % 8 or cfg.head_dim > 256:
-      raise ConfigError(
-          "model.attention_impl='cudnn' needs a head size that is a multiple of 8 and at most 256 "
-          f"(128 before Hopper GPUs), but the {tower}'s is {cfg.head_dim} (hidden "
-          f"{cfg.hidden_size} over {cfg.num_heads} heads): change hidden_size, num_heads or "
-          f"generator_fraction {xla}."
-      )
-  if (config.data.pack_rows or cloze) and seq_len % 2:
-    raise ConfigError(
-        f"model.attention_impl='cudnn' with packed rows or Electric needs an even sequence length, "
-        f"not data.max_seq_len={seq_len}: make it even {xla}."
-    )
 
 
 def build_model(config, towers: Towers) -> ElectraPretrainer:
@@ -298,13 +263,43 @@ def build_model(config, towers: Towers) -> ElectraPretrainer:
   width = m.attention_conv
   if not (type(width) is int and (width == 0 or width > 0 and width % 2)):
     raise ConfigError(
-        f"model.attention_conv={width!r} must be 0 (no convolution) or an odd kernel width such "
-        "as 3 (the position and its two neighbours)."
+        f"model.attention_conv={width!r} must be 0 (no convolution) or an odd kernel width, e.g. 3."
     )
   sizes = {field.name: m[field.name] for field in dataclasses.fields(EncoderConfig)}
   discriminator = EncoderConfig(**{**sizes, "scan_layers": bool(m.scan_layers)})
   generator = generator_encoder_config(discriminator, m.generator_fraction)
-  _check_attention(config, {"discriminator": discriminator, "generator": generator}, towers.cloze)
+  # What the attention kernel cannot take, refused before compiling.
+  impl, seq_len, dtype = m.attention_impl, config.data.max_seq_len, config.train.dtype
+  xla = "or model.attention_impl='xla'"
+  if impl == "splash" and seq_len % (tile := splash_attention.SEQ_MULTIPLE):
+    below = seq_len - seq_len % tile
+    choices = " or ".join(map(str, sorted({max(tile, below), below + tile})))
+    raise ConfigError(
+        f"model.attention_impl='splash' tiles rows into blocks of {tile} tokens, but "
+        f"data.max_seq_len={seq_len} is not a multiple of {tile}: choose e.g. {choices}, {xla}."
+    )
+  if impl == "cudnn" and dtype != "bfloat16":
+    raise ConfigError(
+        f"model.attention_impl='cudnn' takes bfloat16 only, not train.dtype={dtype!r}: set "
+        f"train.dtype=bfloat16 {xla}."
+    )
+  if impl in ("cudnn", "splash") and m.attention_dropout_rate > 0:
+    raise ConfigError(
+        f"model.attention_impl={impl!r} has no attention dropout, but model.attention_dropout_rate="
+        f"{m.attention_dropout_rate}: set it to 0.0, {xla} to keep it."
+    )
+  for tower, cfg in {"discriminator": discriminator, "generator": generator}.items():
+    if impl == "cudnn" and (cfg.head_dim % 8 or cfg.head_dim > 256):
+      raise ConfigError(
+          "model.attention_impl='cudnn' needs a head size that is a multiple of 8 and at most 256 "
+          f"(128 before Hopper), but the {tower}'s is {cfg.head_dim}: change hidden_size, "
+          f"num_heads or generator_fraction {xla}."
+      )
+  if impl == "cudnn" and (config.data.pack_rows or towers.cloze) and seq_len % 2:
+    raise ConfigError(
+        "model.attention_impl='cudnn' with packed rows or Electric needs an even sequence length, "
+        f"not data.max_seq_len={seq_len}: make it even {xla}."
+    )
   same = "vocab_size embedding_size max_position_embeddings type_vocab_size tie attention_impl"
   return ElectraPretrainer(
       **{key: m[key] for key in same.split()},  # model.* keys named as the fields
@@ -317,15 +312,12 @@ def build_model(config, towers: Towers) -> ElectraPretrainer:
 
 
 class OneTower(EmbeddingSizes):
-  """The fields of a model of one tower over its own embeddings (`config` is the tower's own)."""
+  """A subclass's `_tower` over its own embeddings: the pre-trainer's subtree, name for name
+  (`config` is the tower's own)."""
 
   config: EncoderConfig
   dtype: Dtype = jnp.float32
   attention_impl: str = "xla"
-
-
-class _TowerOverEmbeddings(OneTower):
-  """The subclass's `_tower` over its own embeddings: the pre-trainer's subtree, name for name."""
 
   @nn.compact
   def __call__(self, input_ids, attention_mask=None, token_type_ids=None, deterministic=True):
@@ -341,19 +333,19 @@ class _TowerOverEmbeddings(OneTower):
     return tower(embedded, attention_mask, deterministic, *word_table)
 
 
-class ElectraDiscriminatorModel(_TowerOverEmbeddings):
+class ElectraDiscriminatorModel(OneTower):
   """Parameters {embeddings, discriminator}: [batch, seq] -> float32 "replaced" logits."""
 
   _tower = "discriminator"
 
 
-class ElectraGeneratorModel(_TowerOverEmbeddings):
+class ElectraGeneratorModel(OneTower):
   """Parameters {embeddings, generator}: [batch, seq] -> float32 logits [batch, seq, vocab]."""
 
   _tower = "generator"
 
 
-class ElectraEncoderModel(_TowerOverEmbeddings):
+class ElectraEncoderModel(OneTower):
   """No head; {embeddings, encoder} (either tower's): [batch, seq] -> [batch, seq, hidden]."""
 
   _tower = "encoder"
@@ -377,13 +369,12 @@ def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
   embeddings are its own."""
   if tower not in TOWER_MODELS:
     raise ConfigError(f"tower={tower!r} is not one of {sorted(TOWER_MODELS)}.")
-  why_not = no_standalone_generator(pretrainer) if tower == "generator" else None
-  if why_not:
+  if why_not := no_standalone_generator(pretrainer) if tower == "generator" else None:
     raise ConfigError(f"{why_not}; export the discriminator.")
   if not {"embeddings", tower} <= set(params):
     raise ConfigError(
-        f"The parameter tree's top level is {sorted(params)}, not an ElectraPretrainer's: pass the "
-        "`params` of a pre-training state (e.g. state.params, not {'params': ...})."
+        f"The parameter tree's top level is {sorted(params)}, not an ElectraPretrainer's: pass "
+        "state.params, not {'params': ...}."
     )
   tower_config = getattr(pretrainer, f"{tower}_config")
   if tower_config.scan_layers:  # standalone towers use the unscanned layout

@@ -39,10 +39,9 @@ def scale_by_adam_without_bias_correction(b1: float, b2: float, eps: float):
 
 @flax.struct.dataclass
 class Schedule:
-  """The official rate peak * min(1, step / warmup) * max(0, 1 - step / total), the temperature's decay
-  steps and two_stage's switch, as float32 arrays: an argument of the compiled step, so runs that differ only there (a resume with
-  more steps, a time budget, a sweep over rates) share one program. The rate divides by the counts: 427 *
-  float32(1 / 427) is below 1, which would leave it above 0 at the last step."""
+  """The official rate peak * min(1, step / warmup) * max(0, 1 - step / total), the temperature's
+  decay steps and two_stage's switch, as float32 arrays: an argument of the compiled step, so runs
+  that differ only there (a resume, a time budget, a sweep over rates) share one program."""
 
   peak: jax.Array
   warmup: jax.Array  # at least 1
@@ -52,11 +51,9 @@ class Schedule:
 
   def __call__(self, step):
     step = jnp.asarray(step, jnp.float32)
-    return (
-        self.peak
-        * jnp.minimum(1.0, step / self.warmup)
-        * (jnp.maximum(0.0, self.total - step) / self.total)
-    )
+    # Divided by the counts: 427 * float32(1 / 427) is below 1, leaving a rate at the last step.
+    decay = jnp.maximum(0.0, self.total - step) / self.total
+    return self.peak * jnp.minimum(1.0, step / self.warmup) * decay
 
 
 def learning_rate_schedule(
@@ -66,8 +63,6 @@ def learning_rate_schedule(
     temperature_decay_steps: int = 0,
     switch: int = 0,
 ) -> Schedule:
-  if total_steps < 1:
-    raise ValueError(f"total_steps={total_steps}: the schedule needs at least one step")
   values = (base_lr, max(warmup_steps, 1), total_steps, temperature_decay_steps, switch)
   return Schedule(*(jnp.float32(value) for value in values))
 

@@ -39,15 +39,14 @@ def resolve_mesh_shape(mesh_config, device_count: int) -> tuple[int, int, int]:
   fill = [i for i, s in enumerate(sizes) if s == -1]
   if len(fill) > 1 or any(s == 0 or s < -1 for s in sizes):
     raise ConfigError(
-        f"Mesh sizes {shown} are invalid: each must be a positive integer, and at most one may "
-        "be -1 (meaning: all remaining devices)."
+        f"Mesh sizes {shown}: each must be a positive integer, and at most one may be -1 (the rest)."
     )
   known = math.prod(s for s in sizes if s != -1)
   if fill:
     if device_count % known:
       raise ConfigError(
-          f"Mesh sizes {shown} cannot fill {device_count} devices ({device_count} is not divisible "
-          f"by {known}): choose sizes whose product divides the device count."
+          f"Mesh sizes {shown} cannot fill {device_count} devices ({device_count} is not "
+          f"divisible by {known}): choose sizes whose product divides it."
       )
     sizes[fill[0]] = device_count // known
   if math.prod(sizes) != device_count:
@@ -89,26 +88,23 @@ def _undivided(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh):
       yield dim, names, size
 
 
-def partition_specs(boxed_tree, mesh):
-  """Mesh PartitionSpecs for a tree from `jax.eval_shape(init)` by the rules table; a dimension its mesh
-  axes do not divide (one generator head over tensor=2), and everything unannotated, is replicated.
-  """
+def shardings_for(boxed_tree, mesh: Mesh):
+  """NamedShardings for a tree from `jax.eval_shape(init)` by the rules table; a dimension its mesh
+  axes do not divide (one generator head over tensor=2), and anything unannotated, replicated."""
   mesh_specs = nn.logical_to_mesh(nn.get_partition_spec(boxed_tree), LOGICAL_AXIS_RULES)
 
   def fit(spec, leaf):
     spec = tuple(spec) + (None,) * (len(leaf.shape) - len(spec))
     undivided = {dim for dim, _, _ in _undivided(spec, leaf.shape, mesh)}
-    return PartitionSpec(
-        *(None if dim in undivided else axes or None for dim, axes in enumerate(spec))
-    )
+    kept = (None if dim in undivided else axes or None for dim, axes in enumerate(spec))
+    return NamedSharding(mesh, PartitionSpec(*kept))
 
   return jax.tree.map(fit, mesh_specs, nn.meta.unbox(boxed_tree), is_leaf=_is_spec)
 
 
 def unsharded_dimensions(boxed_tree, mesh, min_elements: int = 2**20) -> list[str]:
-  """One line per array of at least `min_elements` replicated because its rules' mesh axes do not divide
-  a dimension (a 30522-word table over tensor=4: every device holds it and its optimizer moments).
-  """
+  """One line per array of at least `min_elements` replicated as its rules' mesh axes do not divide a
+  dimension (a 30522-word table over tensor=4: every device holds it and its optimizer moments)."""
   mesh_specs = nn.logical_to_mesh(nn.get_partition_spec(boxed_tree), LOGICAL_AXIS_RULES)
   found = []
   for (path, spec), leaf in zip(
@@ -122,12 +118,6 @@ def unsharded_dimensions(boxed_tree, mesh, min_elements: int = 2**20) -> list[st
           for dim, names, size in _undivided(spec, leaf.shape, mesh)
       ]
   return found
-
-
-def shardings_for(boxed_tree, mesh: Mesh):
-  return jax.tree.map(
-      lambda spec: NamedSharding(mesh, spec), partition_specs(boxed_tree, mesh), is_leaf=_is_spec
-  )
 
 
 def batch_sharding(mesh: Mesh, stacked: bool = False) -> NamedSharding:

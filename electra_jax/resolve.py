@@ -1,10 +1,10 @@
-"""A run resolved before anything trains. `run(config, workdir)` checks every config group once,
-builds the mesh, the training data and the sharded setup, finds the checkpoint to resume from
-(checked against that setup and data), and fixes what a run decides at its start: the batch size a
-search finds (train.batch_size=-1), the steps a time budget gives, the keys an objective fixes. It
-writes nothing, and after it nothing changes the config."""
+"""A run resolved before anything trains (`run`): every group checked, the mesh, data, setup and
+checkpoint to resume from, and what a run decides at its start (a searched batch size, a time
+budget's steps, an objective's fixed keys). It writes nothing; after it nothing changes the config.
+"""
 
 import dataclasses
+import functools
 import math
 import time
 
@@ -87,24 +87,32 @@ def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
         f"({corpus.tokenizer.vocab_size}). Set model.vocab_size >= {corpus.tokenizer.vocab_size}."
     )
   setup = train_state.build_setup(config, mesh, train_state.special_ids(corpus.tokenizer))
+  # The same limit on every process (a host's free memory differs), so all find the same batch.
+  t, device_bytes = config.train, memory.device_memory_bytes()
+  if jax.process_count() > 1:
+    device_bytes = int(multihost_utils.process_allgather(np.int64(device_bytes)).min())
+  limit = int(t.memory_fraction * device_bytes)
+  micro, seq_len = t.batch_size // t.grad_accum_steps, config.data.max_seq_len
+  needs = memory.floor_bytes(setup, micro, seq_len, partitioning.batch_shards(mesh))
+  if t.batch_size != -1 and needs > limit:
+    cpu = " (on CPU, the host's available memory over its devices)" if platform == "cpu" else ""
+    raise ConfigError(
+        f"train.batch_size={t.batch_size} needs at least {needs / 2**30:.2f} GiB a device (the "
+        f"train state and each layer's input kept for the backward pass), more than "
+        f"train.memory_fraction={t.memory_fraction:g} of the {device_bytes / 2**30:.2f} GiB a "
+        f"device has{cpu}: lower train.batch_size, raise train.grad_accum_steps, or set "
+        "train.batch_size=-1 for the largest batch that fits."
+    )
 
   # --- What the run decides at its start: the checkpoint, the batch, the steps
-  t = config.train
   resolved = config.copy_and_resolve_references()
   with partitioning.activate(mesh):
     start = None
     if workdir is not None:
       start = checkpointing.newest_start(workdir, setup, corpus, config.checkpoint.keep, changes)
     if t.batch_size == -1:  # the largest that fits in train.memory_fraction of a device
-      limit = int(t.memory_fraction * memory.device_memory_bytes())
-      batch_size, _ = memory.largest_batch(
-          lambda b: train_state.compile_train_step(setup, config, mesh, batch_size=b),
-          limit,
-          quantum,
-      )
-      # Every process takes the smallest answer: hosts may see different free memory.
-      if jax.process_count() > 1:
-        batch_size = int(multihost_utils.process_allgather(np.int64(batch_size)).min())
+      compile_step = functools.partial(train_state.compile_train_step, setup, config, mesh)
+      batch_size, _ = memory.largest_batch(compile_step, limit, quantum)
       logging.info("train.batch_size=-1: using %d, the largest batch that fits.", batch_size)
       resolved.update_from_flattened_dict({"train.batch_size": batch_size})
     resumed = start is not None and saved is not None
@@ -123,13 +131,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
       new_steps = math.floor((left - (timing.evaluation if every else 0.0)) / per_step)
       steps = (start.step if start else 0) + max(new_steps, 1)  # at least one new step
       logging.info(
-          "train.time_budget=%s: measured %.4g s/step (compiling %.1f s, evaluation %.1f s), "
-          "training %d steps.",
-          t.time_budget,
-          timing.step,
-          timing.compile,
-          timing.evaluation,
-          steps,
+          f"train.time_budget={t.time_budget}: measured {timing.step:.4g} s/step (compiling "
+          f"{timing.compile:.1f} s, evaluation {timing.evaluation:.1f} s), training {steps} steps."
       )
     if t.time_budget:
       resolved.update_from_flattened_dict({"train.steps": distributed.from_process_0(steps)})
@@ -156,19 +159,18 @@ def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpu
   for `mesh`, once the checkpoint is known to hold this setup's model (and given `corpus`, its data).
   The newest is read again when a live run rotates it away meanwhile; one that keeps doing so is
   refused as live, its checkpoints healthy."""
-  for _ in range(tries - 1 if step is None else 0):
+  attempts = tries if step is None else 1
+  for attempt in range(attempts):
     try:
       return _restore(workdir, setup, mesh, step, corpus)
     except CheckpointRotated as error:
+      if attempt + 1 == attempts:
+        raise WorkdirInUse(
+            f"{workdir} is written by a live run: {error} Try again (with a larger "
+            "checkpoint.every_steps it rotates less often), or once the run stops; its "
+            "checkpoints are healthy."
+        ) from None
       logging.info("%s Reading the newest again.", error)
-  try:
-    return _restore(workdir, setup, mesh, step, corpus)
-  except CheckpointRotated as error:
-    raise WorkdirInUse(
-        f"{workdir} is written by a live run: {error} Try again (with a larger "
-        "checkpoint.every_steps it rotates less often), or once the run stops; its checkpoints are "
-        "healthy."
-    ) from None
 
 
 def _restore(workdir: str, setup, mesh, step: int | None, corpus):
@@ -191,13 +193,3 @@ def _restore(workdir: str, setup, mesh, step: int | None, corpus):
       return step, checkpointer.restore(step, setup.abstract_state)
   finally:
     checkpointer.close()
-
-
-def step_compiler(config, setup: TrainingSetup, mesh):
-  """batch_size -> the train step compiled for `config` at that global batch (memory's probe)."""
-
-  def compile_step(batch_size: int):
-    with partitioning.activate(mesh):
-      return train_state.compile_train_step(setup, config, mesh, batch_size=batch_size)
-
-  return compile_step

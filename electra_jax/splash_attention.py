@@ -11,31 +11,9 @@ from absl import logging
 from jax.sharding import PartitionSpec
 
 from electra_jax import partitioning
-from electra_jax.errors import ConfigError
 
 MAX_BLOCK = 512  # rows are tiled into blocks of this many tokens (or the whole row when shorter)
-SEQ_MULTIPLE = 128  # TPU tiles are 128 lanes wide
-
-
-def check_seq_len(seq_len: int) -> None:
-  """Refuses, before any tracing, a sequence length the kernel cannot tile."""
-  if seq_len % SEQ_MULTIPLE:
-    below = seq_len - seq_len % SEQ_MULTIPLE
-    choices = " or ".join(map(str, sorted({max(SEQ_MULTIPLE, below), below + SEQ_MULTIPLE})))
-    raise ConfigError(
-        f"model.attention_impl='splash' tiles rows into blocks of {SEQ_MULTIPLE} tokens, but "
-        f"data.max_seq_len={seq_len} is not a multiple of {SEQ_MULTIPLE}: choose e.g. {choices}, "
-        "or model.attention_impl='xla'."
-    )
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_interpret(platform: str) -> None:
-  logging.warning(
-      "model.attention_impl='splash' is a TPU kernel; on %s it runs in Pallas interpret mode, "
-      "exact but slow (for tests). Use 'xla' (or 'cudnn' on NVIDIA GPUs) to train here.",
-      platform,
-  )
+SEQ_MULTIPLE = 128  # TPU tiles are 128 lanes wide (models.build_model refuses other lengths)
 
 
 def _local_attention(query, key, value, segment_ids, *, interpret: bool):
@@ -74,7 +52,13 @@ def splash_attention(query, key, value, segment_ids):
     device = getattr(mesh, "abstract_device", None)  # jax >= 0.7
     platform = getattr(device, "platform", None) or jax.devices()[0].platform
     if platform != "tpu":  # a step traced for a mesh of another platform
-      _warn_interpret(platform)
+      logging.log_first_n(
+          logging.WARNING,
+          "model.attention_impl='splash' is a TPU kernel; on %s it runs in Pallas interpret mode, "
+          "exact but slow (for tests). Use 'xla' (or 'cudnn' on NVIDIA GPUs) to train here.",
+          1,
+          platform,
+      )
 
   def attend(*args):
     # The kernel for the platform the program is compiled for, which need not be this process's.

@@ -19,18 +19,14 @@ SUBDIR = "tensorboard"
 
 
 def _tensorboardx():
-  """The tensorboardX modules we write with, or None (warned once) when it is not installed."""
-  # tensorboardX would import torch, if installed (seconds and hundreds of MB): hidden meanwhile.
+  """The tensorboardX modules we write with. It would import torch, if installed (seconds and
+  hundreds of MB): hidden meanwhile."""
   hide_torch = "torch" not in sys.modules and "tensorboardX" not in sys.modules
   if hide_torch:
     sys.modules["torch"] = None
   try:
-    from tensorboardX import event_file_writer, summary  # noqa: PLC0415 (optional at run time)
+    from tensorboardX import event_file_writer, summary  # noqa: PLC0415 (torch hidden first)
     from tensorboardX.proto import event_pb2  # noqa: PLC0415
-  except ImportError:
-    message = "No tensorboardX: metrics go to the JSONL logs only (pip install tensorboardX)."
-    logging.log_first_n(logging.WARNING, message, 1)
-    return None
   finally:
     if hide_torch:
       del sys.modules["torch"]
@@ -54,15 +50,13 @@ class ScalarWriter:
 
   def __init__(self, logdir: str):
     self.logdir, self._writer, self._purge_step = logdir, None, None
-    self._modules = _tensorboardx()  # None: nothing is written
+    self._modules = _tensorboardx()
 
   def purge_after(self, last_step: int) -> None:
     """TensorBoard then drops the points earlier files logged past `last_step`."""
     self._purge_step = last_step + 1
 
   def write(self, record: dict) -> None:
-    if self._modules is None:
-      return
     event_file_writer, summary, event_pb2 = self._modules
     if self._writer is None:
       os.makedirs(self.logdir, exist_ok=True)

@@ -48,6 +48,9 @@ def train_and_evaluate(
           config.train.steps,
       )
       return {}
+    evaluator = None  # built (its batch checked, its data read) before anything is written
+    if config.eval.every_steps:
+      evaluator = evaluation.HeldOutEvaluator(config, setup, mesh, run.schedule)
 
     # --- The workdir: its lease, its checkpoints, its files
     with workdir_lease.held(workdir, take_over_workdir) as lease:
@@ -66,13 +69,11 @@ def train_and_evaluate(
                 "Resuming from the checkpoint at step %d in %s.", step, checkpointer.directory
             )
             state = start.state
-          compile_start = time.perf_counter()
-          steps_per_call = config.train.steps_per_call
-          compiled = {1: train_state.compile_train_step(setup, config, mesh)}
-          if steps_per_call > 1:
-            compiled[steps_per_call] = train_state.compile_train_step(
-                setup, config, mesh, steps_per_call
-            )
+          compile_start, steps_per_call = time.perf_counter(), config.train.steps_per_call
+          compiled = {
+              n: train_state.compile_train_step(setup, config, mesh, n if n > 1 else None)
+              for n in {1, steps_per_call}
+          }
           logging.info("Compiled the train step in %.1f s.", time.perf_counter() - compile_start)
 
         # --- Process 0 writes config.json and the tokenizer (fine-tuning and export need no
@@ -90,7 +91,7 @@ def train_and_evaluate(
 
         # --- The loop
         _warn_single_steps(config, steps_per_call)
-        return _loop(run, state, compiled, checkpointer, lease, logs, signals)
+        return _loop(run, state, compiled, evaluator, checkpointer, lease, logs, signals)
       finally:  # whatever ends the run (done, a signal, NaN, an error), saves in flight complete
         checkpointer.wait()
         checkpointer.close()
@@ -98,13 +99,13 @@ def train_and_evaluate(
           log.close()
 
 
-def _loop(run: resolve.Run, state, compiled: dict, checkpointer, lease, logs, signals) -> dict:
+def _loop(run: resolve.Run, state, compiled: dict, evaluator, checkpointer, lease, logs, signals):
   """From `state` at the run's first step to train.steps: several steps a call where they fit before
   the next log, evaluation or checkpoint; the last logged metrics."""
   config, mesh, setup, schedule = run.config, run.mesh, run.setup, run.schedule
   is_chief = jax.process_index() == 0
   metrics_log, eval_log = logs if is_chief else (None, None)
-  total_steps, seed = config.train.steps, config.train.seed
+  total_steps, seed, dtype = config.train.steps, config.train.seed, config.train.dtype
   seq_len, global_batch = config.data.max_seq_len, config.train.batch_size
   start = run.start
   step = start.step if start is not None else 0
@@ -112,17 +113,10 @@ def _loop(run: resolve.Run, state, compiled: dict, checkpointer, lease, logs, si
   stream_offset = start.stream_position - step * global_batch if step else 0
   if stream_offset:
     logging.info(
-        "The checkpoint at step %d read %d rows of the data stream (the batch size changed along "
-        "the way); batches of %d go on from there.",
-        step,
-        start.stream_position,
-        global_batch,
+        f"The checkpoint at step {step} read {start.stream_position} rows of the data stream (the "
+        f"batch size changed along the way); batches of {global_batch} go on from there."
     )
-  evaluator = (
-      evaluation.HeldOutEvaluator(config, setup, mesh, schedule)
-      if config.eval.every_steps
-      else None
-  )
+  what_is_held_out = "rows" if config.data.pack_rows else "examples"
   flops_per_token = flops.objective_flops_per_token(setup.model, setup.objective, seq_len)
   logging.info("%s", _summary(config, setup, run.corpus, flops_per_token))
   peak = flops.peak_flops(jax.devices()[0])
@@ -133,15 +127,8 @@ def _loop(run: resolve.Run, state, compiled: dict, checkpointer, lease, logs, si
   window_start = time.perf_counter()
 
   def fetch(step_index):
-    return data.get_batch(
-        run.corpus,
-        step_index,
-        global_batch,
-        seed,
-        jax.process_index(),
-        jax.process_count(),
-        stream_offset,
-    )
+    processes = jax.process_index(), jax.process_count()
+    return data.get_batch(run.corpus, step_index, global_batch, seed, *processes, stream_offset)
 
   signals.start_loop()
   # Batches are read and gathered on a background thread, a step or two ahead.
@@ -170,18 +157,14 @@ def _loop(run: resolve.Run, state, compiled: dict, checkpointer, lease, logs, si
         continue
 
       if at_log or at_save:  # never log or save after a step that was not finite
-        _stop_if_not_finite(window, state.params if at_save else None, step, checkpointer, config)
+        _stop_if_not_finite(window, state.params if at_save else None, step, checkpointer, dtype)
       if at_log:
         logged = _mean_metrics(window)
-        steps_per_sec = window_steps / (time.perf_counter() - window_start)
-        logged.update(
-            step=step,
-            steps_per_sec=steps_per_sec,
-            tokens_per_sec=steps_per_sec * global_batch * seq_len,
-        )
+        rate = window_steps / (time.perf_counter() - window_start)  # steps a second
+        logged.update(step=step, steps_per_sec=rate, tokens_per_sec=rate * global_batch * seq_len)
         if peak is not None:
           logged["mfu"] = logged["tokens_per_sec"] * flops_per_token / (peak * jax.device_count())
-        eta = config_lib.format_duration((total_steps - step) / steps_per_sec)
+        eta = config_lib.format_duration((total_steps - step) / rate)
         last_logged, window, window_steps, window_start = logged, [], 0, time.perf_counter()
       if at_eval:
         eval_start = time.perf_counter()
@@ -194,25 +177,16 @@ def _loop(run: resolve.Run, state, compiled: dict, checkpointer, lease, logs, si
       if is_chief and at_log:
         metrics_log.append(logged)
         logging.info(
-            "step %d/%d | loss %.4f | mlm_acc %.3f | disc_auc %.3f | %s tokens/s | ETA %s",
-            step,
-            total_steps,
-            logged["loss"],
-            logged["masked_lm_accuracy"],
-            logged["disc_auc"],
-            f"{logged['tokens_per_sec']:,.0f}",
-            eta,
+            "step %(step)d/%(steps)d | loss %(loss).4f | mlm_acc %(masked_lm_accuracy).3f | "
+            "disc_auc %(disc_auc).3f | %(tokens)s tokens/s | ETA %(eta)s",
+            dict(logged, steps=total_steps, tokens=f"{logged['tokens_per_sec']:,.0f}", eta=eta),
         )
       if is_chief and at_eval:
         eval_log.append(dict(held_out, step=step))
         logging.info(
-            "eval step %d (%d held-out %s) | loss %.4f | mlm_acc %.3f | disc_auc %.3f",
-            step,
-            evaluator.num_examples,
-            "rows" if config.data.pack_rows else "examples",
-            held_out["loss"],
-            held_out["masked_lm_accuracy"],
-            held_out["disc_auc"],
+            "eval step %(step)d (%(n)d held-out %(what)s) | loss %(loss).4f | mlm_acc "
+            "%(masked_lm_accuracy).3f | disc_auc %(disc_auc).3f",
+            dict(held_out, step=step, n=evaluator.num_examples, what=what_is_held_out),
         )
       if at_save:
         checkpointer.save(
@@ -223,9 +197,8 @@ def _loop(run: resolve.Run, state, compiled: dict, checkpointer, lease, logs, si
           eval_log.flush()
       if stopping:
         logging.warning(
-            "%s received: saved a checkpoint at step %d; run the same command to resume.",
-            signals.signal_name,
-            step,
+            f"{signals.signal_name} received: saved a checkpoint at step {step}; run the same "
+            "command to resume."
         )
         break
   if step >= total_steps and is_chief:
@@ -247,7 +220,7 @@ def evaluate_checkpoint(
   return held_out
 
 
-def _stop_if_not_finite(window: list, params, step: int, checkpointer, config) -> None:
+def _stop_if_not_finite(window: list, params, step: int, checkpointer, dtype: str) -> None:
   """Stops the run when a loss of the log window (ending at `step`) or, given `params` (before a
   save: a step's loss predates its update), a parameter is not finite; says whether the latest
   checkpoint already produced it."""
@@ -256,26 +229,21 @@ def _stop_if_not_finite(window: list, params, step: int, checkpointer, config) -
     return
   checkpointer.wait()  # the last good checkpoint may still be being written
   latest = checkpointer.latest_step()
-  dtype_hint = ", or use train.dtype=float32" if config.train.dtype != "float32" else ""
-  diverged = ""
+  what = "parameters became nan"
+  if first_bad is not None:
+    what = f"loss became {_mean_metrics(window)['loss']}"
+  saved = "No checkpoint was saved yet: the next start begins from scratch."
+  if latest is not None:
+    saved = f"The last checkpoint is step {latest}."
   if latest is not None and first_bad is not None and latest >= first_bad - 1:
-    diverged = (
+    saved += (
         f" Its parameters are finite but already gave step {latest + 1} a non-finite loss: "
         "resume from an earlier checkpoint (checkpoint.keep keeps more) or start over."
     )
-  saved = (
-      f"The last checkpoint is step {latest}."
-      if latest is not None
-      else "No checkpoint was saved yet: the next start begins from scratch."
-  )
-  what = (
-      "parameters became nan"
-      if first_bad is None
-      else f"loss became {_mean_metrics(window)['loss']}"
-  )
   raise FloatingPointError(
-      f"The {what} by step {step}; stopping without saving. {saved}{diverged} "
-      f"Lower optimizer.learning_rate or raise optimizer.warmup_steps{dtype_hint}."
+      f"The {what} by step {step}; stopping without saving. {saved} Lower "
+      "optimizer.learning_rate or raise optimizer.warmup_steps"
+      + (", or use train.dtype=float32." if dtype != "float32" else ".")
   )
 
 

@@ -3,6 +3,7 @@ state's sharded setup (`build_setup`: model, objective, optimizer and shardings,
 batch size and the run's length) and the step compiled for a global batch."""
 
 import dataclasses
+import functools
 import time
 from typing import Any, NamedTuple
 
@@ -12,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from absl import logging
-from jax.sharding import NamedSharding, PartitionSpec
 
 from electra_jax import data, evaluation, objectives, optimizer, partitioning
 from electra_jax.models import ElectraPretrainer, build_model
@@ -39,31 +39,23 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array, s
   registered = objectives.REGISTRY[objective.name]
   params = registered.before_step(objective, state.params, state.step, schedule)
   mask_rng, sample_rng, dropout_rng = jax.random.split(rng, 3)
-  masked = objectives.mask_tokens(mask_rng, batch["input_ids"], batch["attention_mask"], objective)
-  sample_keys = jax.random.split(sample_rng, batch["input_ids"].shape[0])
-  normalizers = objectives.Normalizers.of(
-      masked,
-      batch["attention_mask"],
-      objectives.candidate_mask(batch["input_ids"], batch["attention_mask"], objective),
-  )
+  ids, attention = batch["input_ids"], batch["attention_mask"]
+  masked = objectives.mask_tokens(mask_rng, ids, attention, objective)
+  sample_keys = jax.random.split(sample_rng, ids.shape[0])
+  candidates = objectives.candidate_mask(ids, attention, objective)
+  normalizers = objectives.Normalizers.of(masked, attention, candidates)
   temperature = objectives.sampling_temperature(objective, state.step, schedule.temperature_decay)
 
-  def loss_fn(params, micro_batch, micro_masked, micro_sample_keys, micro_dropout_rng):
-    return objectives.electra_forward(
-        state.model,
-        params,
-        micro_batch,
-        micro_masked,
-        micro_sample_keys,
-        micro_dropout_rng,
-        objective,
-        normalizers,
-        step=state.step,
-        temperature=temperature,
-        schedule=schedule,
-    )
-
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  forward = functools.partial(  # (params, batch, masked, sample keys, dropout key) of a micro-batch
+      objectives.electra_forward,
+      state.model,
+      objective=objective,
+      normalizers=normalizers,
+      step=state.step,
+      temperature=temperature,
+      schedule=schedule,
+  )
+  grad_fn = jax.value_and_grad(forward, has_aux=True)
   num_micro = state.grad_accum_steps
   if num_micro == 1:
     (_, (stats, per_token)), grads = grad_fn(params, batch, masked, sample_keys, dropout_rng)
@@ -76,10 +68,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array, s
     micro_dropout_rngs = jax.random.split(dropout_rng, num_micro)
 
     def accumulate(carry, inputs):
-      (micro_batch, micro_masked, micro_keys), micro_dropout_rng = inputs
-      (_, (stats, per_token)), grads = grad_fn(
-          params, micro_batch, micro_masked, micro_keys, micro_dropout_rng
-      )
+      micro, micro_dropout_rng = inputs  # (batch, masked, sample keys) of one micro-batch
+      (_, (stats, per_token)), grads = grad_fn(params, *micro, micro_dropout_rng)
       return jax.tree.map(jnp.add, carry, (grads, stats)), per_token
 
     first = jax.tree.map(lambda x: x[0], micro_inputs)
@@ -145,13 +135,8 @@ class StateInit:
 
 
 def make_init_fn(config, model: ElectraPretrainer, objective) -> StateInit:
-  return StateInit(
-      model,
-      objective,
-      optimizer.make_optimizer(config.optimizer),
-      config.data.max_seq_len,
-      config.train.grad_accum_steps,
-  )
+  tx = optimizer.make_optimizer(config.optimizer)
+  return StateInit(model, objective, tx, config.data.max_seq_len, config.train.grad_accum_steps)
 
 
 def _unboxed_init(init: StateInit, rng: jax.Array) -> TrainState:
@@ -184,20 +169,16 @@ class TrainingSetup:
 
 def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
   """Model, objective, optimizer and shardings: independent of the batch size and the run's length."""
-  init_fn = make_init_fn(
-      config,
-      build_model(config, objectives.towers(config)),
-      objectives.objective_from_config(config, special_ids),
-  )
-  model, objective = init_fn.model, init_fn.objective
+  model = build_model(config, objectives.towers(config))
+  init_fn = make_init_fn(config, model, objectives.objective_from_config(config, special_ids))
   boxed_shapes = jax.eval_shape(init_fn, jax.random.key(0))
   state_shardings = partitioning.shardings_for(boxed_shapes, mesh)
   unsharded = partitioning.unsharded_dimensions(boxed_shapes.params, mesh)
   if unsharded:
     logging.warning(
-        "Replicated on every device because a mesh axis does not divide them (each one's "
-        "optimizer moments too): %s. Make those sizes multiples of the mesh axes (e.g. "
-        "model.vocab_size), or use smaller mesh axes.",
+        "Replicated on every device (their optimizer moments too), as a mesh axis does not divide"
+        " them: %s. Make those sizes multiples of the mesh axes (e.g. model.vocab_size), or use "
+        "smaller mesh axes.",
         "; ".join(unsharded),
     )
   abstract_state = jax.tree.map(
@@ -205,14 +186,8 @@ def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
       nn.meta.unbox(boxed_shapes),
       state_shardings,
   )
-  return TrainingSetup(
-      model,
-      objective,
-      init_fn,
-      state_shardings,
-      abstract_state,
-      param_shapes(boxed_shapes.params),
-  )
+  shapes = param_shapes(boxed_shapes.params)
+  return TrainingSetup(model, init_fn.objective, init_fn, state_shardings, abstract_state, shapes)
 
 
 def batch_keys(config) -> tuple[str, ...]:
@@ -224,16 +199,12 @@ def compile_train_step(
     setup: TrainingSetup, config, mesh, num_steps: int | None = None, batch_size: int | None = None
 ):
   """train_step compiled for a global batch (default train.batch_size) with the state donated, or
-  with `num_steps`, train_steps over that many stacked batches and keys. Call it inside
-  `partitioning.activate(mesh)`."""
+  with `num_steps`, train_steps over that many stacked batches and keys."""
   # Abstract keys: compile-only devices (benchmarks/compile_audit.py) cannot run anything.
   leading = () if num_steps is None else (num_steps,)
   rng = jax.eval_shape(lambda: step_rngs(0, 0, num_steps) if leading else jax.random.key(0))
-  # Batches split over the batch axes (stacked ones: each alike); the rest is replicated.
-  batch_sharding = NamedSharding(
-      mesh, PartitionSpec(*(None,) * len(leading), partitioning.BATCH_AXES)
-  )
-  replicated = NamedSharding(mesh, PartitionSpec())
+  batch_sharding = partitioning.batch_sharding(mesh, stacked=bool(leading))
+  replicated = partitioning.replicated(mesh)
   shape = (*leading, batch_size or config.train.batch_size, config.data.max_seq_len)
   abstract_batch = {
       name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)
@@ -250,9 +221,9 @@ def compile_train_step(
       out_shardings=(setup.state_shardings, replicated),
       donate_argnums=(0,),
   )
-  return jitted.lower(
-      setup.abstract_state, abstract_batch, abstract_rng, abstract_schedule
-  ).compile()
+  with partitioning.activate(mesh):
+    lowered = jitted.lower(setup.abstract_state, abstract_batch, abstract_rng, abstract_schedule)
+    return lowered.compile()
 
 
 class StepTiming(NamedTuple):
@@ -298,10 +269,5 @@ def measure_step_time(config, setup: TrainingSetup, mesh, corpus) -> StepTiming:
 
 def special_ids(tokenizer) -> dict[str, int]:
   """The token ids build_setup needs from the corpus's tokenizer."""
-  return dict(
-      pad=tokenizer.pad_id,
-      cls=tokenizer.cls_id,
-      sep=tokenizer.sep_id,
-      mask=tokenizer.mask_id,
-      vocab_size=tokenizer.vocab_size,
-  )
+  ids = {name: getattr(tokenizer, f"{name}_id") for name in ("pad", "cls", "sep", "mask")}
+  return dict(ids, vocab_size=tokenizer.vocab_size)

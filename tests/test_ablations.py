@@ -161,11 +161,11 @@ def test_electra_15_puts_the_discriminator_loss_only_on_masked_positions():
 
 
 def test_uniform_replacements_run_no_generator_and_cover_the_vocabulary():
-  model, params = _model_and_params()
+  model, params = _model_and_params(objective="uniform")
   batch = _batch(batch=4, seq=24)
-  objective = _objective(name="uniform", uses_generator=False)
+  objective = _objective(name="uniform")
   grads = _grads(model, params, objective, batch)
-  assert _norm(grads["generator"]) == 0.0  # the generator is not in the computation
+  assert "generator" not in params and "generator" not in grads  # no generator tower is built
   assert _norm(grads["discriminator"]) > 0.0
   masked, _, stats, _ = _forward(model, params, objective, batch)
   # All-zero logits: L_MLM is log(V) at every prediction.
@@ -211,6 +211,7 @@ def test_disallow_correct_never_samples_the_original():
   assert float(metrics["replaced_fraction"]) * num_tokens == pytest.approx(masked.weights.sum())
 
 
+@pytest.mark.fault
 def test_unknown_objectives_and_tie_modes_are_refused_by_name():
   with pytest.raises(ConfigError, match="objective.name='electric_two' is not one of"):
     config_lib.validate(tiny_config(**{"objective.name": "electric_two"}))
@@ -485,26 +486,27 @@ def test_mlm_family_trains_and_exports_the_discriminator(tmp_path, name):
   assert np.isfinite(metrics["loss"]) and np.isnan(metrics["disc_auc"])
   if name != "mlm":
     assert 0 <= metrics["main_mlm_accuracy"] <= 1 and np.isfinite(metrics["main_mlm_loss"])
-  else:  # no generator to export: refused before anything is written, so the export below can go on
-    with pytest.raises(
-        ConfigError, match="--export_generator: This pre-trainer has no generator .* Nothing was"
-    ):
-      interop.export_workdir(str(tmp_path), str(tmp_path / "hf"), export_generator=True)
-    assert not (tmp_path / "hf").exists()
   exported = interop.export_workdir(str(tmp_path), str(tmp_path / "hf"))
   model, params = interop.load_hf(exported["discriminator"])  # no MLM head in the export
   assert "mlm_head_dense" not in params["discriminator"]
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize(
     "name, why",
-    [("uniform", "has no generator"), ("electric", "cloze generator has no standalone")],
+    [
+        ("mlm", "This pre-trainer has no generator"),
+        ("uniform", "has no generator"),
+        ("electric", "cloze generator has no standalone"),
+    ],
 )
 def test_a_generator_without_a_standalone_form_is_refused_before_the_restore(tmp_path, name, why):
   config = tiny_config(**{"objective.name": name, "model.generator_fraction": 1.0})
   (tmp_path / "checkpoints").mkdir()  # no checkpoint in it: the refusal must come first
   (tmp_path / "config.json").write_text(config_lib.to_json(config))
-  with pytest.raises(ConfigError, match=f"--export_generator: .*{why}.*objective.name='{name}'"):
+  with pytest.raises(
+      ConfigError, match=f"--export_generator: .*{why}.*objective.name='{name}'.* Nothing was"
+  ):
     interop.export_workdir(str(tmp_path), str(tmp_path / "hf"), export_generator=True)
   assert not (tmp_path / "hf").exists()
 
@@ -571,11 +573,13 @@ def test_two_stage_trains_the_generator_then_a_discriminator_started_from_it():
   assert changed(history[3]["discriminator"], history[4]["discriminator"])
 
 
+@pytest.mark.fault
 def test_two_stage_needs_towers_of_one_size():
   with pytest.raises(ConfigError, match="two_stage' .* model.generator_fraction=1.0 \\(is 0.5\\)"):
     config_lib.validate(tiny_config(**{"objective.name": "two_stage"}))
 
 
+@pytest.mark.fault
 def test_two_stage_refuses_untied_embeddings_it_could_not_start_the_discriminator_from():
   # The generator's own embeddings (tie=none) are not the discriminator's; with an embedding
   # size below the hidden size the copy at the switch failed on the tree's structure.
@@ -647,6 +651,27 @@ def test_two_stage_resumed_with_more_steps_keeps_its_switch(tmp_path, two_stage_
   ):
     train.train_and_evaluate(
         tiny_config(**{**first, "train.steps": 10, "objective.two_stage_switch": 6}), str(tmp_path)
+    )
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize(
+    "switch, steps, resumed, harm",
+    [
+        (6, 10, True, "checkpoint is at step 4: .* over the trained discriminator again"),
+        (1, 10, True, "checkpoint is at step 4: .* without the generator's encoder"),
+        (10, 10, False, "switch=10 leaves a stage no step of train.steps=10: give a step from 1"),
+        (0, 1, False, "switch=0 leaves a stage no step of train.steps=1: give a step from 1 to 0"),
+    ],
+)
+def test_two_stage_refuses_a_switch_that_would_skip_or_repeat_a_stage(switch, steps, resumed, harm):
+  # Resumed: a workdir that switched at step 2 and saved step 4. Fresh: a run whose switch is its
+  # end, and a run of one step, whose half is 0.
+  saved = config_lib.as_saved(tiny_config(**{**TWO_STAGE, "objective.two_stage_switch": 2}))
+  config = tiny_config(**{**TWO_STAGE, "train.steps": steps, "objective.two_stage_switch": switch})
+  with pytest.raises(ConfigError, match=harm):
+    objectives.REGISTRY["two_stage"].fixed_at_start(
+        config, saved if resumed else None, 4 if resumed else None
     )
 
 
@@ -828,14 +853,59 @@ def test_disc_mlm_weight_adds_the_discriminators_own_mlm_at_the_masked_slots():
   assert not plain.towers.mlm_head
 
 
+NO_GENERATOR = "has no generator tower to share an encoder with: use model.tie='embeddings'"
+CUDNN = {"model.attention_impl": "cudnn", "train.dtype": "bfloat16"}
+
+
+@pytest.mark.fault
 @pytest.mark.parametrize(
     "overrides, named",
     [
         ({"objective.disc_mlm_weight": -1.0}, "objective.disc_mlm_weight=-1.0"),
         ({"objective.disc_mlm_weight": float("nan")}, "objective.disc_mlm_weight=nan"),
         ({"objective.disc_mlm_weight": 1.0, "objective.name": "uniform"}, "not 'uniform'"),
+        ({"objective.gen_weight": -1.0}, "objective.gen_weight=-1.0 must be >= 0"),
+        ({"objective.disc_weight": -50.0}, "objective.disc_weight=-50.0 must be >= 0"),
+        (
+            {"objective.name": "adversarial", "objective.adversarial_mlm_weight": -0.5},
+            "objective.adversarial_mlm_weight=-0.5 must be >= 0",
+        ),
+        (
+            {"objective.mask_prob": 0.01},
+            r"objective.mask_prob=0.01 masks no position of a row of data.max_seq_len=32",
+        ),
+        (
+            {
+                "objective.name": "two_stage",
+                "model.generator_fraction": 1.0,
+                "objective.two_stage_switch": -3,
+            },
+            "objective.two_stage_switch=-3 is no step",
+        ),
+        *(
+            (
+                {"objective.name": name, "model.tie": "all", "model.generator_fraction": 1.0},
+                f"objective.name='{name}' {NO_GENERATOR}",
+            )
+            for name in ("uniform", "mlm", "electric")
+        ),
+        ({"model.generator_fraction": 0.01}, "generator_fraction=0.01 gives a generator hidden "),
+        (
+            {"model.hidden_size": 64, "model.num_heads": 4, "model.generator_fraction": 0.7},
+            "generator_fraction=0.7 gives a generator hidden size of 45",
+        ),
+        (
+            {
+                **CUDNN,
+                "model.attention_dropout_rate": 0.0,
+                "data.max_seq_len": 31,
+                "objective.name": "electric",
+                "model.generator_fraction": 1.0,
+            },
+            "packed rows or Electric needs an even sequence length, not data.max_seq_len=31",
+        ),
     ],
 )
-def test_disc_mlm_weight_is_refused_by_name(overrides, named):
+def test_bad_objective_and_model_settings_are_refused_by_name(overrides, named):
   with pytest.raises(ConfigError, match=named):
     config_lib.validate(tiny_config(**overrides))

@@ -171,6 +171,7 @@ def test_a_process_fetches_only_its_rows_in_one_concurrent_read(prepared, monkey
   assert batch["input_ids"].shape == (8, TINY_OVERRIDES["data.max_seq_len"])
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("change", ["bytes", "ids outside the vocabulary"])
 def test_a_shard_object_that_differs_from_the_manifest_is_refused_by_name(prepared, bucket, change):
   local, _ = prepared
@@ -200,6 +201,7 @@ def test_a_shard_object_that_differs_from_the_manifest_is_refused_by_name(prepar
     get_batch(data, 0, data.num_rows, seed=0)  # every row of the split, checked as it is read
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("name", ["../outside/train-00001.npy", "/train-00001.npy"])
 def test_a_manifest_naming_a_shard_outside_its_bucket_folder_is_refused(prepared, bucket, name):
   local, _ = prepared
@@ -214,6 +216,7 @@ def test_a_manifest_naming_a_shard_outside_its_bucket_folder_is_refused(prepared
     load_pretraining_data(_data_config(remote))
 
 
+@pytest.mark.fault
 def test_prepare_data_into_a_bucket_resumes_from_the_shards_its_manifest_lists(
     prepared, bucket, tmp_path
 ):
@@ -252,6 +255,7 @@ def test_prepare_data_into_a_bucket_resumes_from_the_shards_its_manifest_lists(
   assert "shard 1 in" in resumed.stderr and "packing it again" in resumed.stderr
 
 
+@pytest.mark.fault
 def test_a_prepared_dir_in_a_bucket_that_does_not_exist_is_refused_by_name(gcs_server, tmp_path):
   missing = "gs://no-such-bucket-electra/corpus"
   prepare = cli(

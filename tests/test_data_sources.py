@@ -195,6 +195,7 @@ def test_jsonl_records_holding_unicode_line_separators_are_kept(tmp_path):
   assert documents == [["Caf\ufffd."]] + expected and "skipped_lines" not in stats.problems
 
 
+@pytest.mark.fault
 def test_jsonl_bad_lines_are_skipped_counted_and_located(tmp_path, caplog):
   lines = [
       json.dumps({"text": "Good one."}),
@@ -213,6 +214,7 @@ def test_jsonl_bad_lines_are_skipped_counted_and_located(tmp_path, caplog):
   assert "4 JSONL lines skipped" in caplog.text and f"{path}:2" in caplog.text
 
 
+@pytest.mark.fault
 def test_jsonl_without_usable_lines_is_refused(tmp_path):
   path = _write(tmp_path / "none.jsonl", '{"title": "x"}\n{"title": "y"}\n')
   with pytest.raises(
@@ -224,6 +226,7 @@ def test_jsonl_without_usable_lines_is_refused(tmp_path):
 # ---------------------------------------------------------------- bad input
 
 
+@pytest.mark.fault
 def test_non_utf8_bytes_are_replaced_and_counted(tmp_path, caplog):
   latin1 = "Good line.\nCaf\xe9 au lait.\n\nna\xefve \xff.\n".encode("latin-1")
   path = _write(tmp_path / "latin1.txt", latin1, "wb")
@@ -237,6 +240,7 @@ def test_non_utf8_bytes_are_replaced_and_counted(tmp_path, caplog):
   assert "2 lines with bytes that are not UTF-8" in caplog.text
 
 
+@pytest.mark.fault
 def test_empty_files_are_skipped_and_reported(tmp_path, caplog):
   empty = _write(tmp_path / "a_empty.txt", "")
   blank = _write(tmp_path / "b_blank.txt", "\n  \n\t\n")
@@ -248,6 +252,7 @@ def test_empty_files_are_skipped_and_reported(tmp_path, caplog):
   assert "2 empty files skipped" in caplog.text and empty in caplog.text
 
 
+@pytest.mark.fault
 def test_no_usable_text_names_the_files(tmp_path):
   empty = _write(tmp_path / "empty.txt", "")
   blank = _write(tmp_path / "blank.txt", "\n\n")
@@ -257,6 +262,7 @@ def test_no_usable_text_names_the_files(tmp_path):
     load_pretraining_data(_config(tmp_path, files=empty))
 
 
+@pytest.mark.fault
 def test_glob_matching_nothing_names_the_pattern(tmp_path):
   _write(tmp_path / "real.txt", "Text.")
   pattern = f"{tmp_path}/missing/*.txt"
@@ -268,6 +274,7 @@ def test_glob_matching_nothing_names_the_pattern(tmp_path):
   assert not os.path.exists(tmp_path / "cache")
 
 
+@pytest.mark.fault
 def test_missing_or_bad_files_setting_is_refused(tmp_path):
   with pytest.raises(ConfigError, match="data.source='text' needs data.files"):
     load_pretraining_data(_config(tmp_path, files=" , "))
@@ -355,6 +362,7 @@ def test_wordpiece_special_ids_come_from_the_vocab(oracle_vocab):
   assert len(tokenizer.fingerprint) == 16
 
 
+@pytest.mark.fault
 def test_a_vocab_with_a_utf8_bom_reads_as_without(oracle_vocab, tmp_path):
   with_bom = tmp_path / "bom_vocab.txt"
   with_bom.write_bytes(b"\xef\xbb\xbf" + open(oracle_vocab, "rb").read())
@@ -363,6 +371,7 @@ def test_a_vocab_with_a_utf8_bom_reads_as_without(oracle_vocab, tmp_path):
   assert bom.encode("the jumping dogs [MASK]") == plain.encode("the jumping dogs [MASK]")
 
 
+@pytest.mark.fault
 def test_wordpiece_vocab_missing_mask_is_refused(tmp_path):
   path = _bert_like_vocab(tmp_path / "no_mask_vocab.txt", ["the"], drop=("[MASK]",))
   with pytest.raises(ConfigError, match=r"no_mask_vocab\.txt lacks the special token \[MASK\]"):
@@ -409,6 +418,7 @@ def test_prepared_wordpiece_shards_carry_their_vocab(oracle_vocab, tmp_path):
     load_tokenizer(_config(tmp_path, source="prepared", **dict(wordpiece, lowercase=True)))
 
 
+@pytest.mark.fault
 def test_wordpiece_config_errors(tmp_path):
   corpus = _write(tmp_path / "c.txt", "the dog")
   with pytest.raises(ConfigError, match="needs data.vocab_file"):
@@ -429,6 +439,7 @@ def _cache_key_directory(config):
   return pipeline._corpus_cache_dir(read_config(config))
 
 
+@pytest.mark.fault
 def test_changed_input_file_changes_the_cache_key(tmp_path, oracle_vocab):
   path = _write(tmp_path / "corpus.txt", "the lazy dog\n")
   for tokenizer in ("sentencepiece", "wordpiece"):
@@ -536,6 +547,7 @@ def test_wordpiece_text_pipeline_decodes_back_to_the_text(tmp_path, monkeypatch)
   assert again.fingerprint == train.fingerprint
 
 
+@pytest.mark.fault
 def test_pad_written_in_the_text_never_becomes_padding_inside_an_example(tmp_path):
   # A corpus about BERT may write "[PAD]"; its id inside an example would read as padding
   # (attention mask 0 mid-example, no loss there). Only the tail of a row is padding.
@@ -591,6 +603,7 @@ def test_load_tokenizer_matches_the_data(tmp_path, oracle_vocab):
   assert (tokenizer.pad_id, tokenizer.mask_id) == (0, 4)
 
 
+@pytest.mark.fault
 def test_large_corpus_cache_key_uses_sizes_and_mtimes(tmp_path, monkeypatch):
   monkeypatch.setattr(sources, "_HASHED_CORPUS_BYTES", 0)  # every corpus counts as large
   path = _write(tmp_path / "big.txt", "the lazy dog\n")
@@ -601,3 +614,27 @@ def test_large_corpus_cache_key_uses_sizes_and_mtimes(tmp_path, monkeypatch):
   assert _cache_key_directory(config) != before
   _write(path, "the lazy dogs\n")
   assert _cache_key_directory(config) != before
+
+
+def test_a_corpus_in_a_bucket_reads_as_the_same_files_on_disk(tmp_path, bucket):
+  from electra_jax import workdir_files  # noqa: PLC0415
+
+  local = [
+      _write(tmp_path / "a.txt", "First document.\n\nSecond one.\n"),
+      _write(tmp_path / "b" / "c.txt", "In a folder.\n"),
+      _write(tmp_path / "d.bin", b"\0binary", mode="wb"),
+  ]
+  for path in local:
+    with open(path, "rb") as f:
+      workdir_files.write_bytes(f"{bucket}/corpus/{os.path.relpath(path, tmp_path)}", f.read())
+  remote = resolve_files(f"{bucket}/corpus/**")
+  assert remote == [f"{bucket}/corpus/a.txt", f"{bucket}/corpus/b/c.txt", f"{bucket}/corpus/d.bin"]
+  (documents, stats), (local_documents, local_stats) = (
+      read_documents("text", paths) for paths in (remote, local)
+  )
+  assert documents == local_documents and stats.counts() == local_stats.counts()
+  assert stats.bytes_read == stats.total_bytes == local_stats.total_bytes
+  # A replaced object (same name, same size) is another corpus: the cache key changes.
+  before = sources.files_fingerprint(remote)
+  workdir_files.write_bytes(remote[1], b"In a folder?\n")
+  assert sources.files_fingerprint(remote) != before

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import logged_messages, tiny_config
+from conftest import cli_args, logged_messages, run_cli, tiny_config, with_devices
 from run_helpers import REQUIRED_METRICS
 from electra_jax import data, evaluation, optimizer, partitioning, train, train_state
 
@@ -98,6 +98,18 @@ def test_training_writes_held_out_metrics(tmp_path):
     )
 
 
+@pytest.mark.fault
 def test_evaluating_an_empty_workdir_is_a_clear_error(tmp_path):
   with pytest.raises(ValueError, match="holds no checkpoint"):
     train.evaluate_checkpoint(tiny_config(), str(tmp_path))
+
+
+@pytest.mark.fault
+def test_an_eval_batch_the_devices_cannot_split_is_refused_before_anything_is_written(tmp_path):
+  # It was refused after the step compiled and config.json recorded the run.
+  workdir = tmp_path / "run"
+  overrides = {"eval.every_steps": 3, "eval.batch_size": 6, "mesh.data": 8}
+  result = run_cli(cli_args(workdir, **overrides), env_extra=with_devices(8))
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert "eval.batch_size=6 is not divisible by the 8 batch shards" in result.stderr
+  assert "Compiled the train step" not in result.stderr and not (workdir / "config.json").exists()

@@ -55,6 +55,7 @@ def test_gpu_names_count_gpus_eight_a_host():
   ]
 
 
+@pytest.mark.fault
 def test_an_unknown_topology_is_refused_with_the_known_ones():
   result = _compile_cli("v5e-12")
   assert result.returncode == 1 and "Traceback" not in result.stderr
@@ -65,6 +66,7 @@ def test_an_unknown_topology_is_refused_with_the_known_ones():
     fit.lookup("h100-3")
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize(
     "topology, mesh, named",
     [
@@ -82,12 +84,14 @@ def test_a_mesh_that_does_not_match_the_slice_is_refused_before_compiling(topolo
   assert "compiled in" not in result.stderr  # memory.step_memory's line for every compile
 
 
+@pytest.mark.fault
 def test_a_slice_whose_hosts_cannot_each_feed_their_rows_is_refused():
   # v5e-16 is 4 hosts; all 16 chips on the tensor axis leave one batch shard for four readers.
   result = _compile_cli("v5e-16", **{**TINY_OVERRIDES, "mesh.data": 1, "mesh.tensor": 16})
   assert result.returncode == 1 and "over 4 processes" in result.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.fault
 def test_a_missing_plugin_names_the_extra_to_install():
   """No CUDA plugin in the test extras (it is gigabytes): a GPU target says what to install. Where
   one is installed (the GPU machine), the same command compiles."""

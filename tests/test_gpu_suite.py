@@ -101,6 +101,7 @@ def test_runs_share_one_deadline_and_what_does_not_fit_is_skipped_not_killed(bud
   )
 
 
+@pytest.mark.fault
 def test_a_failed_run_does_not_stop_the_next_and_bad_output_is_reported():
   clock = _Clock()
   outcomes = iter(
@@ -171,6 +172,7 @@ def test_a_real_cpu_result_goes_through_the_whole_suite(tmp_path, monkeypatch):
   ]  # no MFU line: a CPU has no known peak
 
 
+@pytest.mark.fault
 def test_a_missing_corpus_is_named_before_anything_runs(tmp_path, monkeypatch):
   monkeypatch.setattr(gpu_suite, "REPO", str(tmp_path))  # no .bench_data there
   monkeypatch.setattr(gpu_suite, "_launch", lambda env: pytest.fail("ran without its data"))

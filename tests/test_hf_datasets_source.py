@@ -54,6 +54,7 @@ def test_rows_become_documents_of_lines(saved):
   )
 
 
+@pytest.mark.fault
 def test_choices_that_do_not_exist_are_named(saved, tmp_path):
   with pytest.raises(
       ConfigError, match=r"data.hf_split='validation' is not a split of .*\['test', 'train'\]"
@@ -65,6 +66,12 @@ def test_choices_that_do_not_exist_are_named(saved, tmp_path):
     HfDatasetCorpus(saved, "train", "body")
   with pytest.raises(ConfigError, match="is not a directory"):
     HfDatasetCorpus(str(tmp_path / "missing"), "train", "text")
+  (tmp_path / "junk").mkdir()
+  (tmp_path / "junk" / "dataset_info.json").write_text("{not json")  # a damaged save_to_disk
+  with pytest.raises(
+      ConfigError, match=r"data.hf_path='.*junk' is not a dataset datasets can read"
+  ):
+    HfDatasetCorpus(str(tmp_path / "junk"), "train", "text")
   with pytest.raises(ConfigError, match="needs data.hf_path"):
     load_pretraining_data(tiny_config(**{"data.source": "hf_datasets"}).data)
 
@@ -108,3 +115,19 @@ def test_a_local_dataset_prepares_like_in_memory_and_trains(saved, tmp_path):
   data_config.source = "prepared"
   prepared = load_pretraining_data(data_config, "train")
   np.testing.assert_array_equal(np.asarray(prepared.input_ids), in_memory.input_ids)
+
+
+@pytest.mark.fault
+def test_a_column_of_numbers_named_as_the_text_is_refused_with_its_counts(saved, tmp_path):
+  stats = SourceStats()
+  assert list(HfDatasetCorpus(saved, "train", "id").iter_documents(stats)) == []
+  assert stats.problems == {"skipped_lines": 150}
+  assert stats.first_problems["skipped_lines"].endswith("[train][0]: 'id' is not text")
+  config = tiny_config(
+      **{"data.source": "hf_datasets", "data.hf_path": saved, "data.text_field": "id"}
+  ).data
+  config.cache_dir = str(tmp_path / "cache")
+  with pytest.raises(
+      ConfigError, match=r"gave no usable text in field 'id' \(.*'skipped_lines': 150"
+  ):
+    load_pretraining_data(config)

@@ -8,6 +8,8 @@ import shlex
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, TINY_OVERRIDES
 from launch_helpers import (
     _dry_run,
@@ -299,6 +301,7 @@ def test_slurm_script_runs_one_task_per_gpu(tmp_path):
   assert "sbatch --parsable" in written.stdout
 
 
+@pytest.mark.fault
 def test_a_recipe_that_is_not_there_is_refused_before_anything_is_written(tmp_path):
   # A typo: slurm.py would write a script whose every task fails once the job leaves the queue.
   script, logs = tmp_path / "job.sbatch", tmp_path / "logs"

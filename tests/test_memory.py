@@ -1,12 +1,13 @@
 """Memory per training step from XLA's analysis, the largest batch that fits, and
 train.batch_size=-1 resolving to it before anything is written."""
 
+import functools
 import types
 
 import numpy as np
 import pytest
 
-from conftest import REPO, tiny_config
+from conftest import REPO, cli, cli_args, tiny_config
 from electra_jax import config_lib, memory, partitioning, resolve, train_state
 from electra_jax.errors import ConfigError
 
@@ -23,7 +24,9 @@ def tiny_setup():
 def test_step_memory_grows_linearly_with_the_batch(tiny_setup):
   config, mesh, setup = tiny_setup
   b8, b16, b32 = (
-      memory.step_memory(resolve.step_compiler(config, setup, mesh), b).bytes_per_device
+      memory.step_memory(
+          functools.partial(train_state.compile_train_step, setup, config, mesh), b
+      ).bytes_per_device
       for b in (8, 16, 32)
   )
   assert b8 < b16 < b32
@@ -117,7 +120,9 @@ def test_a_batch_the_compiler_refuses_does_not_fit(monkeypatch, tiny_setup, quan
   limit = bytes_of(300) + 1  # memory_fraction's share of the chip
   hbm = bytes_of(310)
   asked = _compiler_with_memory(monkeypatch, bytes_of, hbm)
-  batch, measured = memory.largest_batch(resolve.step_compiler(config, setup, mesh), limit, quantum)
+  batch, measured = memory.largest_batch(
+      functools.partial(train_state.compile_train_step, setup, config, mesh), limit, quantum
+  )
   assert batch == 300 // quantum * quantum
   assert any(m.bytes_per_device is None for m in measured)  # the search went past the chip
   assert len(asked) <= 16 and all(b % quantum == 0 for b in asked)
@@ -126,7 +131,9 @@ def test_a_batch_the_compiler_refuses_does_not_fit(monkeypatch, tiny_setup, quan
   small = lambda b: 50_000 + 1_000 * b  # noqa: E731
   _compiler_with_memory(monkeypatch, small, device_bytes=small(4 * quantum) - 1)
   batch, measured = memory.largest_batch(
-      resolve.step_compiler(config, setup, mesh), small(3 * quantum) + 1, quantum
+      functools.partial(train_state.compile_train_step, setup, config, mesh),
+      small(3 * quantum) + 1,
+      quantum,
   )
   assert (
       batch == 3 * quantum
@@ -138,7 +145,11 @@ def test_a_batch_the_compiler_refuses_does_not_fit(monkeypatch, tiny_setup, quan
   with pytest.raises(
       ConfigError, match=f"Even a batch of {quantum} needs more than a device's memory"
   ):
-    memory.largest_batch(resolve.step_compiler(config, setup, mesh), small(quantum), quantum)
+    memory.largest_batch(
+        functools.partial(train_state.compile_train_step, setup, config, mesh),
+        small(quantum),
+        quantum,
+    )
 
 
 @pytest.mark.parametrize("quantum", [1, 8])
@@ -153,7 +164,9 @@ def test_a_batch_fitted_by_recomputing_does_not_fit(monkeypatch, tiny_setup, qua
       monkeypatch, bytes_of, device_bytes=bytes_of(5000), flops_of=flops_of
   )
   batch, measured = memory.largest_batch(
-      resolve.step_compiler(config, setup, mesh), bytes_of(2000), quantum
+      functools.partial(train_state.compile_train_step, setup, config, mesh),
+      bytes_of(2000),
+      quantum,
   )
   assert batch == 200
   assert len(asked) <= 14 and all(b % quantum == 0 for b in asked)
@@ -162,11 +175,16 @@ def test_a_batch_fitted_by_recomputing_does_not_fit(monkeypatch, tiny_setup, qua
       monkeypatch, bytes_of, device_bytes=bytes_of(5000), flops_of=lambda b: 1e6 + 1e4 * b
   )
   assert (
-      memory.largest_batch(resolve.step_compiler(config, setup, mesh), bytes_of(2000), quantum)[0]
+      memory.largest_batch(
+          functools.partial(train_state.compile_train_step, setup, config, mesh),
+          bytes_of(2000),
+          quantum,
+      )[0]
       == 2000
   )
 
 
+@pytest.mark.fault
 def test_other_compile_errors_are_not_taken_for_memory(monkeypatch, tiny_setup):
   config, mesh, setup = tiny_setup
 
@@ -175,7 +193,7 @@ def test_other_compile_errors_are_not_taken_for_memory(monkeypatch, tiny_setup):
 
   monkeypatch.setattr(train_state, "compile_train_step", broken)
   with pytest.raises(RuntimeError, match="INVALID_ARGUMENT"):
-    memory.step_memory(resolve.step_compiler(config, setup, mesh), 8)
+    memory.step_memory(functools.partial(train_state.compile_train_step, setup, config, mesh), 8)
 
 
 def test_batch_size_minus_one_resolves_before_training(monkeypatch):
@@ -191,6 +209,30 @@ def test_batch_size_minus_one_resolves_before_training(monkeypatch):
     resolve.run(tiny_config(**{"train.batch_size": -1, "train.memory_fraction": 0.5}))
 
 
+@pytest.mark.fault
+def test_a_batch_far_larger_than_memory_is_refused_in_one_line_before_compiling(
+    tmp_path, monkeypatch
+):
+  # 8 MiB a device: the tiny model's batch of 8 fits; 3,000 of its 3,187 rows need ~12 MiB of
+  # layer inputs alone (the issue's 100,000 failed after a 22 s compile, with a traceback).
+  monkeypatch.setattr(memory, "device_memory_bytes", lambda device=None: 8 * 2**20)
+  monkeypatch.setattr(train_state, "compile_train_step", lambda *a, **k: pytest.fail("compiled"))
+  workdir = tmp_path / "run"
+  result = cli(cli_args(workdir, **{"train.batch_size": 3000, "train.memory_fraction": 1.0}))
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  refusal = [line for line in result.stderr.splitlines() if "train.batch_size=3000" in line]
+  assert len(refusal) == 1, result.stderr[-2000:]
+  for said in ("needs at least 0.01 GiB a device", "train.memory_fraction=1 of the 0.01 GiB"):
+    assert said in refusal[0]
+  assert "train.grad_accum_steps" in refusal[0] and "train.batch_size=-1" in refusal[0]
+  assert not workdir.exists() or not (workdir / "config.json").exists()
+  # Micro-batches of 375 fit, and so does the tiny recipe's batch; neither compiles here.
+  accumulated = {"train.batch_size": 3000, "train.grad_accum_steps": 8}
+  for fits in (accumulated, {}):
+    resolve.run(tiny_config(**{"train.memory_fraction": 1.0, **fits}))
+
+
+@pytest.mark.fault
 def test_non_positive_batch_sizes_are_refused():
   with pytest.raises(
       ConfigError, match="train.batch_size=0: give a positive global batch size, or -1"
@@ -198,6 +240,7 @@ def test_non_positive_batch_sizes_are_refused():
     config_lib.validate(tiny_config(**{"train.batch_size": 0}))
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -252,6 +252,20 @@ def test_rows_dot_general_is_nn_dense_with_its_gradients():
     encoder.rows_dot_general(x, jnp.ones((5, 8)), (((1,), (0,)), ((), ())))
 
 
+@pytest.mark.fault
+@pytest.mark.parametrize(
+    "wrap, tower, named",
+    [
+        (False, "encoder", r"tower='encoder' is not one of \['discriminator', 'generator'\]"),
+        (True, "discriminator", r"top level is \['params'\], not an ElectraPretrainer's: pass"),
+    ],
+)
+def test_a_tower_of_a_pretrainer_is_refused_for_a_name_or_tree_it_does_not_know(wrap, tower, named):
+  model, params = _init(tiny_config())
+  with pytest.raises(ConfigError, match=named):
+    models.tower_from_pretrainer(model, {"params": params} if wrap else params, tower)
+
+
 def test_cudnn_path_gets_lengths_of_at_least_one(monkeypatch):
   """attention_impl='cudnn' passes the padding as sequence lengths. cuDNN before 9.25 returns
   NaN for a length of 0, so an all-padding row (evaluation fills its last batch with them)
@@ -287,6 +301,7 @@ def test_cudnn_path_gets_lengths_of_at_least_one(monkeypatch):
   assert np.isfinite(np.asarray(logits)).all()
 
 
+@pytest.mark.fault
 def test_cudnn_shapes_are_refused_before_compiling():
   with pytest.raises(
       ConfigError, match=r"head size that is a multiple of 8.*discriminator's is 12"
@@ -676,6 +691,7 @@ def test_options_agree_under_scan_layers_and_remat():
       np.testing.assert_allclose(loss(rematted, p), want, rtol=1e-5)
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize(
     "key, value, named",
     [

@@ -116,6 +116,8 @@ def test_sample_equal_to_original_is_labelled_original():
 class _FixedLogits:
   """Stands in for ElectraPretrainer with known outputs, so the loss can be worked by hand."""
 
+  towers = models.Towers()
+
   def __init__(self, gen_logits, disc_logits):
     self.gen_logits, self.disc_logits = gen_logits, disc_logits
 
@@ -322,8 +324,9 @@ class _RecordingModel:
   """Stands in for ElectraPretrainer: all-zero generator logits over `vocab_size` rows, and a
   discriminator that records the (corrupted) ids it is given."""
 
-  def __init__(self, vocab_size, mlm_head=False):
+  def __init__(self, vocab_size, mlm_head=False, has_generator=True):
     self.vocab_size, self.mlm_head, self.discriminator_inputs = vocab_size, mlm_head, []
+    self.towers = models.Towers(has_generator, mlm_head)
 
   def generator_logits(self):
     raise NotImplementedError
@@ -354,7 +357,7 @@ def test_replacements_and_mlm_softmax_cover_the_tokenizers_vocabulary_only(name)
   ids, mask = jnp.asarray(ids), jnp.asarray(mask)
   objective = _objective(name=name, max_predictions=4, vocab_size=tokenizer_vocab)
   masked = objectives.mask_tokens(jax.random.key(1), ids, mask, objective)
-  model = _RecordingModel(model_rows)
+  model = _RecordingModel(model_rows, has_generator=name != "uniform")
   batch = {"input_ids": ids, "token_type_ids": jnp.zeros_like(ids), "attention_mask": mask}
   _, (stats, _) = objectives.electra_forward(
       model,

@@ -129,6 +129,7 @@ def test_packed_model_on_unpacked_rows_equals_the_unpacked_model():
   np.testing.assert_allclose(got[0, :20], want[0, :20], atol=1e-6)
 
 
+@pytest.mark.fault
 def test_electric_refuses_packed_rows():
   # Before any data: config_lib.validate is what train.prepare and sweeps check first.
   with pytest.raises(ConfigError, match="set data.pack_rows=False for objective.name='electric'"):
@@ -203,6 +204,7 @@ def test_remat_inside_scanned_layers_leaves_xla_free_to_fuse():
   assert _count_barriers(scan_layers=True) == 0
 
 
+@pytest.mark.fault
 def test_unknown_remat_and_attention_are_refused_by_name():
   with pytest.raises(ConfigError, match="model.remat='some'"):
     models.build_model(tiny_config(**{"model.remat": "some"}), models.Towers())
@@ -216,6 +218,7 @@ def test_unknown_remat_and_attention_are_refused_by_name():
     models.build_model(tiny_config(**{"model.attention_impl": "cudnn"}), models.Towers())
 
 
+@pytest.mark.fault
 def test_packed_training_runs_evaluates_and_refuses_an_unpacked_resume(tmp_path):
 
   overrides = {

@@ -165,6 +165,7 @@ def _config(pack_rows, **overrides):
   return config
 
 
+@pytest.mark.fault
 def test_pack_rows_must_be_a_bool():
   # base.py types the field (ml_collections refuses "yes" there); a config of another origin
   # reaches the pipeline untyped.
@@ -260,6 +261,7 @@ def test_prepared_shards_give_the_cached_packed_batches(tmp_path):
   load_pretraining_data(_config(False, **overrides, **{"data.source": "prepared"}).data)
 
 
+@pytest.mark.fault
 def test_prepare_rebuilds_a_damaged_lengths_file(tmp_path):
   model = load_tokenizer(tiny_config().data).model_path
   overrides = {

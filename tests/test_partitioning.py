@@ -14,6 +14,7 @@ def _mesh(data, fsdp, tensor):
   return ml_collections.ConfigDict({"data": data, "fsdp": fsdp, "tensor": tensor})
 
 
+@pytest.mark.fault
 def test_mesh_sizes_fill_and_validate():
   assert partitioning.resolve_mesh_shape(_mesh(-1, 1, 1), 8) == (8, 1, 1)
   assert partitioning.resolve_mesh_shape(_mesh(2, -1, 2), 8) == (2, 2, 2)
@@ -31,7 +32,7 @@ def test_rules_shard_parameters_and_replicate_what_does_not_divide():
   objective = objectives.objective_from_config(config, dict(pad=0, cls=2, sep=3, mask=4))
   boxed = jax.eval_shape(train_state.make_init_fn(config, model, objective), jax.random.key(0))
   mesh = jax.sharding.AbstractMesh((2, 2, 2), partitioning.MESH_AXES)
-  fitted = partitioning.partition_specs(boxed.params, mesh)
+  fitted = jax.tree.map(lambda s: s.spec, partitioning.shardings_for(boxed.params, mesh))
   assert fitted["embeddings"]["word_embeddings"]["embedding"] == P("tensor", "fsdp")
   layer = fitted["discriminator"]["encoder"]["layer_0"]
   assert layer["intermediate"]["kernel"] == P("fsdp", "tensor")
@@ -70,6 +71,7 @@ def test_tables_that_a_mesh_axis_does_not_divide_are_named():
   )
 
 
+@pytest.mark.fault
 def test_processes_must_own_whole_batch_shards():
   mesh = jax.sharding.AbstractMesh((1, 2, 4), partitioning.MESH_AXES)
   train = tiny_config().train  # its batch of 8 splits over 4 shards
@@ -83,6 +85,7 @@ def test_processes_must_own_whole_batch_shards():
     )
 
 
+@pytest.mark.fault
 def test_batch_not_divisible_by_data_axes_is_refused(tmp_path):
   result = run_cli(
       cli_args(tmp_path / "run", **{"train.batch_size": 6, "mesh.data": 4, "mesh.fsdp": 2}),

@@ -7,7 +7,6 @@ sentencepiece model trained once per module by train_tokenizer.
 
 import concurrent.futures
 import errno
-import hashlib
 import json
 import os
 import random
@@ -26,7 +25,7 @@ import pytest
 
 from conftest import base, cli_args, run_cli
 from electra_jax import workdir_files
-from electra_jax.errors import ConfigError
+from electra_jax.errors import ConfigError, OutOfSpace
 from electra_jax.data import (
     SentencePieceTokenizer,
     get_batch,
@@ -94,8 +93,8 @@ def corpus_files(tmp_path_factory):
 def spm_model(tmp_path_factory, corpus_files):
   directory = tmp_path_factory.mktemp("spm")
   out = str(directory / "spm.model")
-  info = train_tokenizer(_config(directory, corpus_files), out, num_threads=1)
-  assert info["path"] == out
+  trained = train_tokenizer(_config(directory, corpus_files), out, num_threads=1)
+  assert trained.model_path == out
   return out
 
 
@@ -111,14 +110,14 @@ def test_train_tokenizer_model_has_special_tokens_and_serves_the_pipeline(
     tmp_path, corpus_files, model_type
 ):
   out = str(tmp_path / "tok" / "spm.model")
-  info = train_tokenizer(
+  trained = train_tokenizer(
       _config(tmp_path, corpus_files, spm_model_type=model_type, spm_vocab_size=100),
       out,
       num_threads=1,
   )
   tokenizer = SentencePieceTokenizer(out)
-  assert info["vocab_size"] == tokenizer.vocab_size == 100
-  assert info["fingerprint"] == tokenizer.fingerprint
+  assert trained.vocab_size == tokenizer.vocab_size == 100
+  assert trained.fingerprint == tokenizer.fingerprint
   assert [tokenizer.id_to_piece(i) for i in range(5)] == [
       "[PAD]",
       "[UNK]",
@@ -136,21 +135,26 @@ def test_train_tokenizer_model_has_special_tokens_and_serves_the_pipeline(
   assert all(path.read_bytes() == given for path in (tmp_path / "cache").rglob("*.model"))
 
 
-def test_train_tokenizer_errors(tmp_path, corpus_files):
-  with pytest.raises(ConfigError, match="already exists"):  # a directory too
-    train_tokenizer(_config(tmp_path, corpus_files), str(tmp_path))
-  empty = tmp_path / "empty.txt"
+@pytest.mark.fault
+@pytest.mark.parametrize("fault", ["out is a directory", "no text", "no model file", "prepared"])
+def test_train_tokenizer_errors(tmp_path, corpus_files, fault):
+  out, empty = tmp_path / "x.model", tmp_path / "empty.txt"
   empty.write_text("\n\n")
-  with pytest.raises(ConfigError, match="no usable text"):
-    train_tokenizer(_config(tmp_path, str(empty)), str(tmp_path / "x.model"))
-  with pytest.raises(ConfigError, match=r"spm_model_file=.*is not a file"):
-    load_pretraining_data(
-        _config(tmp_path, corpus_files, spm_model_file=str(tmp_path / "none.model"))
-    )
-  with pytest.raises(ConfigError, match="has none"):
-    train_tokenizer(_config(tmp_path, corpus_files, source="prepared"), str(tmp_path / "x.model"))
+  config, refusal = _config(tmp_path, corpus_files), "already exists"
+  if fault == "out is a directory":
+    out = tmp_path
+  elif fault == "no text":
+    config, refusal = _config(tmp_path, str(empty)), "no usable text"
+  elif fault == "no model file":
+    config.spm_model_file, refusal = str(tmp_path / "none.model"), "spm_model_file=.*is not a file"
+  else:
+    config.source, refusal = "prepared", "train_tokenizer reads documents.*has none"
+  with pytest.raises(ConfigError, match=refusal):
+    train_tokenizer(config, str(out))
+  assert not out.is_file()
 
 
+@pytest.mark.fault
 def test_train_tokenizer_does_not_replace_an_existing_model(tmp_path, corpus_files, spm_model):
   """A model file may already serve prepared shards and workdirs, which record its
   fingerprint: training another one over it (other settings, or another core count) used to
@@ -214,7 +218,7 @@ def test_manifest_records_counts_checksums_and_tokenizer(tmp_path, corpus_files,
         path = tmp_path / "prepared" / split_entry["file"]
         data = path.read_bytes()
         assert len(data) == split_entry["bytes"]
-        assert hashlib.sha256(data).hexdigest() == split_entry["sha256"]
+        assert workdir_files.crc32c(data) == split_entry["crc32c"]
         array = np.load(path)
         assert array.shape == (split_entry["rows"], 2, 24) and array.dtype == np.uint16
         assert split_entry["tokens"] == int(np.count_nonzero(array[:, 0]))
@@ -232,6 +236,7 @@ def test_prepare_logs_progress_with_eta(tmp_path, corpus_files, spm_model, monke
   assert "100.0% of the input" in progress[-1]
 
 
+@pytest.mark.fault
 def test_rerun_skips_finished_shards_and_rebuilds_damaged_ones(
     tmp_path, corpus_files, spm_model, monkeypatch
 ):
@@ -261,6 +266,7 @@ def test_rerun_skips_finished_shards_and_rebuilds_damaged_ones(
   assert repaired["shards"] == first["shards"]
 
 
+@pytest.mark.fault
 def test_a_failed_shard_is_named_and_the_finished_ones_are_kept(
     tmp_path, corpus_files, spm_model, monkeypatch
 ):
@@ -284,6 +290,7 @@ def test_a_failed_shard_is_named_and_the_finished_ones_are_kept(
   assert prepare_data(config, num_workers=0)["complete"]
 
 
+@pytest.mark.fault
 def test_a_stop_while_a_finished_shard_is_read_back_still_lists_it(
     tmp_path, corpus_files, spm_model, monkeypatch
 ):
@@ -329,6 +336,7 @@ prepare_data(ml_collections.ConfigDict({config}), num_workers=0)
 """
 
 
+@pytest.mark.fault
 def test_kill_mid_way_leaves_no_half_shard_and_resume_equals_uninterrupted(
     tmp_path, corpus_files, spm_model
 ):
@@ -392,7 +400,8 @@ def _marked_processes(mark: str) -> list[int]:
   return pids
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.fault
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
 def test_a_killed_prepare_leaves_no_workers_and_a_sigterm_keeps_the_manifest(
     tmp_path, spm_model, signum
 ):
@@ -425,8 +434,9 @@ def test_a_killed_prepare_leaves_no_workers_and_a_sigterm_keeps_the_manifest(
   while time.time() < deadline and _marked_processes(mark):
     time.sleep(0.2)
   assert _marked_processes(mark) == []
-  if signum == signal.SIGTERM:
-    assert process.returncode != 0 and "prepare_data stopped by SIGTERM" in stderr, stderr[-2000:]
+  if signum != signal.SIGKILL:  # SIGHUP (a closed terminal) as SIGTERM
+    stopped = f"prepare_data stopped by {signal.Signals(signum).name}"
+    assert process.returncode != 0 and stopped in stderr, stderr[-2000:]
     manifest = json.loads((directory / "manifest.json").read_text())
     assert manifest["shards"] and not manifest["complete"]
     listed = {
@@ -439,55 +449,83 @@ def test_a_killed_prepare_leaves_no_workers_and_a_sigterm_keeps_the_manifest(
     }  # every finished shard, no more
 
 
+@pytest.mark.fault
 def test_a_worker_whose_parent_died_while_it_started_exits():
   """A worker that read its parent's pid itself, after a SIGKILL had already orphaned it, saw
   the reaper's pid and waited forever (found as a leftover process after a CI run)."""
   script = (
       "import sys, time; sys.path.insert(0, %r)\n"
       "from electra_jax.data import prepare\n"
-      "prepare._exit_with_parent(2 ** 22 + 7)  # not this process's parent: it is gone\n"
+      "prepare._init_worker(None, 2 ** 22 + 7)  # not this process's parent: it is gone\n"
       "time.sleep(30); print('still here')" % REPO
   )
   started = time.time()
   result = subprocess.run(
       [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
   )
-  assert result.returncode == 1 and "still here" not in result.stdout and time.time() - started < 20
+  assert result.returncode == 1 and not result.stderr and "still here" not in result.stdout
+  assert time.time() - started < 20
 
 
-@pytest.mark.parametrize("full", ["for every file", "for shards only"])
+def _listed_shards(out_dir):
+  """The shards out_dir's manifest lists, none without one."""
+  manifest = out_dir / "manifest.json"
+  return json.loads(manifest.read_text())["shards"] if manifest.exists() else []
+
+
+def _listed_shard_files(out_dir):
+  splits = [split for entry in _listed_shards(out_dir) for split in entry["splits"].values()]
+  return {split[key] for split in splits for key in ("file", "lengths_file") if key in split}
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize(
+    "full, after, refusal",
+    [
+        ("for every file", 9, errno.ENOSPC),
+        ("for shards only", 9, errno.ENOSPC),
+        ("for shards only", 7, errno.ENOSPC),
+        ("for shards only", 7, errno.EDQUOT),
+        ("for every file", 0, errno.ENOSPC),
+    ],
+)
 def test_a_full_disk_ends_in_one_line_and_the_manifest_lists_what_is_kept(
-    tmp_path, corpus_files, spm_model, monkeypatch, full
+    tmp_path, corpus_files, spm_model, monkeypatch, full, after, refusal
 ):
-  """The disk fills up after a few files (for shards only: a small manifest still fits)."""
+  """The disk (or quota) fills up after `after` files (for shards only: a small manifest still
+  fits); 7 stops shard 1 between its files, whose written ones the manifest does not list; 0
+  refuses the tokenizer's copy, before any manifest."""
   config = _config(tmp_path, corpus_files, spm_model_file=spm_model)
-  out_dir, write, written = tmp_path / "prepared", workdir_files.write_bytes, []
+  out_dir, fsync, written = tmp_path / "prepared", os.fsync, []
 
-  def filling(file, data):
-    is_shard = os.fspath(file).endswith(".npy")
-    if len(written) >= 9 and (is_shard or full == "for every file"):
-      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    write(file, data)
-    written.append(file)
+  def filling(fd):  # (the write layer's own: a refused write is its OutOfSpace)
+    is_shard = os.readlink(f"/proc/self/fd/{fd}").endswith(".npy")
+    if len(written) >= after and (is_shard or full == "for every file"):
+      raise OSError(refusal, os.strerror(refusal))
+    fsync(fd)
+    written.append(fd)
 
   ours = lambda: {name for name in os.listdir(tempfile.gettempdir()) if "electra_jax" in name}
   scratch = ours()
-  monkeypatch.setattr(workdir_files, "write_bytes", filling)
-  with pytest.raises(ConfigError) as refused:
+  monkeypatch.setattr(os, "fsync", filling)
+  with pytest.raises(OutOfSpace) as refused:
     prepare_data(config, num_workers=0)
   monkeypatch.undo()
   message = str(refused.value)
-  assert "\n" not in message and f"no space is left on the disk of {out_dir}" in message
-  kept = len(json.loads((out_dir / "manifest.json").read_text())["shards"])
-  assert kept == int(re.search(r"(\d+) finished shards are kept", message)[1])
+  assert "\n" not in message and message.startswith(f"prepare_data: Writing {out_dir}/")
+  assert {errno.ENOSPC: "full", errno.EDQUOT: "quota"}[refusal] in message
+  kept = len(_listed_shards(out_dir))
+  assert f"{out_dir} keeps the {kept} finished shards its manifest.json lists" in message
   if full == "for shards only":  # the last manifest's write went through: it lists them
     assert kept > 0
+  on_disk = {name for name in os.listdir(out_dir) if name.endswith(".npy")}
+  assert on_disk == _listed_shard_files(out_dir)  # no temporary, no shard it does not list
   assert not [name for name in os.listdir(out_dir) if name.startswith(".tmp-")]
   assert ours() <= scratch  # no temporary folder left
-  assert "run the same command" in message
   assert prepare_data(config, num_workers=0)["complete"]  # space again: it resumes
 
 
+@pytest.mark.fault
 def test_a_file_size_limit_ends_prepare_data_in_one_line_from_its_worker(tmp_path, spm_model):
   """A real limit (ulimit -f, which a spawned worker inherits): the worker's shard is too large."""
   files = _write_corpus(tmp_path / "corpus", num_files=2, docs_per_file=1500)
@@ -501,36 +539,36 @@ def test_a_file_size_limit_ends_prepare_data_in_one_line_from_its_worker(tmp_pat
       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
   )
   assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
-  assert done.stderr.strip().splitlines()[-1] == (
-      f"electra-jax: error: prepare_data: a file passed the size limit (ulimit -f) in {out}; 0 "
-      "finished shards are kept, as its manifest.json lists them. Raise the limit (or give "
-      "another data.prepared_dir), then run the same command: it resumes."
+  last = done.stderr.strip().splitlines()[-1]
+  assert last.startswith(f"electra-jax: error: prepare_data: Writing {out}/train-00000.npy: ")
+  assert "ulimit -f" in last and last.endswith(
+      f"{out} keeps the 0 finished shards its manifest.json lists."
   )
   assert json.loads((out / "manifest.json").read_text())["shards"] == []
   assert sorted(os.listdir(out)) == ["manifest.json", "spm.model"]  # no half-written file
 
 
+@pytest.mark.fault
+@pytest.mark.parametrize("where", ["a file", "inside a file", "someone else's files", "-1 workers"])
 def test_a_prepared_dir_that_is_a_file_or_someone_elses_files_is_refused(
-    tmp_path, corpus_files, spm_model
+    tmp_path, corpus_files, spm_model, where
 ):
   (tmp_path / "afile").write_text("x")
-  with pytest.raises(ConfigError, match="is a file; give a directory"):
-    prepare_data(
-        _config(
-            tmp_path, corpus_files, spm_model_file=spm_model, prepared_dir=str(tmp_path / "afile")
-        ),
-        num_workers=0,
-    )
   other = tmp_path / "photos"
   other.mkdir()
   (other / "cat.jpg").write_bytes(b"\xff\xd8")
   (other / ".tmp-keep").write_bytes(b"someone's")
-  with pytest.raises(ConfigError, match="holds files but no manifest.json"):
-    prepare_data(
-        _config(tmp_path, corpus_files, spm_model_file=spm_model, prepared_dir=str(other)),
-        num_workers=0,
-    )
-  assert sorted(p.name for p in other.iterdir()) == [".tmp-keep", "cat.jpg"]
+  before = _listing(tmp_path)
+  prepared_dir, refusal = {
+      "a file": (tmp_path / "afile", "prepared_dir=.*afile cannot be a directory: .*is a file"),
+      "inside a file": (tmp_path / "afile" / "sub", "afile/sub cannot be a directory: .*afile is"),
+      "someone else's files": (other, "holds files but no manifest.json"),
+      "-1 workers": (tmp_path / "new", "num_workers must be >= 0.*got -1"),
+  }[where]
+  config = _config(tmp_path, corpus_files, spm_model_file=spm_model, prepared_dir=str(prepared_dir))
+  with pytest.raises(ConfigError, match=refusal):
+    prepare_data(config, num_workers=-1 if where == "-1 workers" else 0)
+  assert _listing(tmp_path) == before
 
 
 def test_training_on_prepared_shards_names_the_settings_they_override(
@@ -547,6 +585,7 @@ def test_training_on_prepared_shards_names_the_settings_they_override(
   assert "shard_documents" not in caplog.text  # the same value: nothing to say
 
 
+@pytest.mark.fault
 def test_prepared_dir_of_another_config_is_refused_untouched(tmp_path, corpus_files, spm_model):
   prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model), num_workers=0)
   before = {p: p.read_bytes() for p in (tmp_path / "prepared").iterdir()}
@@ -572,6 +611,7 @@ def _listing(directory):
   }
 
 
+@pytest.mark.fault
 def test_another_config_is_refused_before_training_a_tokenizer(
     tmp_path, corpus_files, spm_model, monkeypatch
 ):
@@ -597,6 +637,7 @@ def test_another_config_is_refused_before_training_a_tokenizer(
   assert data.tokenizer.fingerprint == SentencePieceTokenizer(spm_model).fingerprint
 
 
+@pytest.mark.fault
 def test_a_retrained_tokenizer_of_another_fingerprint_is_refused_and_not_kept(
     tmp_path, corpus_files, monkeypatch
 ):
@@ -625,6 +666,7 @@ def test_a_retrained_tokenizer_of_another_fingerprint_is_refused_and_not_kept(
   assert _listing(directory) == before
 
 
+@pytest.mark.fault
 def test_training_refuses_shards_of_another_tokenizer_or_length(tmp_path, corpus_files, spm_model):
   prepare_data(_config(tmp_path, corpus_files, spm_model_file=spm_model), num_workers=0)
   with pytest.raises(ConfigError, match=r"max_seq_len=32, but data.max_seq_len=64"):
@@ -652,7 +694,7 @@ def _shard_path(tmp_path, index=0):
 
 def _rewrite_shard(path, change, update_manifest=False):
   """Writes shard `path` again with `change(rows)`, the same size and format; the manifest's
-  sha256 of it is updated too if asked (a consistent edit, which only the id check sees)."""
+  crc32c of it is updated too if asked (a consistent edit, which only the id check sees)."""
   rows = np.load(path)
   change(rows)
   np.save(path, rows, allow_pickle=False)
@@ -661,10 +703,11 @@ def _rewrite_shard(path, change, update_manifest=False):
     manifest = json.loads(manifest_path.read_text())
     for entry in manifest["shards"]:
       if entry["splits"]["train"].get("file") == path.name:
-        entry["splits"]["train"]["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+        entry["splits"]["train"]["crc32c"] = workdir_files.crc32c(path.read_bytes())
     manifest_path.write_text(json.dumps(manifest))
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("fault", ["edited", "ids outside the vocabulary", "truncated"])
 def test_training_reads_shards_that_differ_from_the_manifest_never(
     tmp_path, corpus_files, spm_model, fault
@@ -701,7 +744,8 @@ def test_training_reads_shards_that_differ_from_the_manifest_never(
   assert get_batch(data, 0, 4, seed=0)["input_ids"].shape == (4, 32)
 
 
-@pytest.mark.parametrize("edit", ["../", "absolute", "symlink"])
+@pytest.mark.fault
+@pytest.mark.parametrize("edit", ["../", "absolute", "symlink", "", "..", 7])
 def test_a_shard_leading_outside_the_prepared_dir_is_refused_by_name(
     tmp_path, corpus_files, spm_model, edit
 ):
@@ -718,7 +762,8 @@ def test_a_shard_leading_outside_the_prepared_dir_is_refused_by_name(
     path.symlink_to(copy)
     expected = rf"Shard {path} links to {os.path.realpath(copy)}, outside {path.parent}"
   else:
-    name = f"../outside/{path.name}" if edit == "../" else str(copy)
+    names = {"../": f"../outside/{path.name}", "absolute": str(copy)}
+    name = names.get(edit, edit)
     manifest = json.loads(manifest_path.read_text())
     manifest["shards"][1]["splits"]["train"]["file"] = name
     manifest_path.write_text(json.dumps(manifest))
@@ -732,6 +777,36 @@ def test_a_shard_leading_outside_the_prepared_dir_is_refused_by_name(
     prepare_data(config, num_workers=0)
     assert not path.is_symlink() and path.read_bytes() == copy.read_bytes()
     assert load_pretraining_data(prepared).num_examples > 0
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize(
+    "damage", ["cut short", "shards not a list", "an older layout: no crc32c", "another format"]
+)
+def test_a_damaged_or_older_manifest_is_refused_by_name_and_nothing_is_changed(
+    tmp_path, corpus_files, spm_model, damage
+):
+  config = _config(tmp_path, corpus_files, spm_model_file=spm_model)
+  prepare_data(config, num_workers=0)
+  path = tmp_path / "prepared" / "manifest.json"
+  text, manifest = path.read_text(), json.loads(path.read_text())
+  refusal = "is not as electra-jax writes it"
+  if damage == "cut short":
+    text = text[: len(text) // 2]
+  elif damage == "shards not a list":
+    text = json.dumps(dict(manifest, shards="all"))
+  elif damage == "another format":
+    text, refusal = json.dumps(dict(manifest, format_version=0)), "is of prepared format 0"
+  else:
+    del manifest["shards"][1]["splits"]["train"]["crc32c"]
+    text, refusal = json.dumps(manifest), "is not as electra-jax writes it .KeyError: 'crc32c'"
+  path.write_text(text)
+  before = _listing(path.parent)
+  prepared = _config(tmp_path, corpus_files, source="prepared", spm_model_file=spm_model)
+  for run in (lambda: load_pretraining_data(prepared), lambda: prepare_data(config, num_workers=0)):
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(path))} {refusal}"):
+      run()
+  assert _listing(path.parent) == before
 
 
 def test_sentencepiece_trained_by_prepare_serves_training(tmp_path, corpus_files):
@@ -763,6 +838,7 @@ def test_a_given_tokenizer_travels_with_the_shards(tmp_path, corpus_files, spm_m
   assert data.tokenizer.fingerprint == manifest["tokenizer"]["fingerprint"]
 
 
+@pytest.mark.fault
 def test_a_model_left_by_a_run_killed_before_its_manifest_is_trained_again(
     tmp_path, corpus_files, spm_model
 ):
@@ -795,6 +871,7 @@ def test_a_tokenizer_trained_by_prepare_equals_the_caches_on_any_core_count(
 # ---------------------------------------------------------------- bad input
 
 
+@pytest.mark.fault
 def test_bad_files_are_counted_skips_and_the_rest_is_prepared(tmp_path, spm_model):
   corpus = tmp_path / "messy"
   corpus.mkdir()
@@ -857,6 +934,7 @@ def test_block_reader_splits_lines_like_decoding_the_whole_file(tmp_path, monkey
   assert stats.bytes_read == len(raw)
 
 
+@pytest.mark.fault
 def test_no_usable_text_is_refused_before_any_shard(tmp_path, spm_model):
   corpus = tmp_path / "useless"
   corpus.mkdir()
@@ -871,6 +949,7 @@ def test_no_usable_text_is_refused_before_any_shard(tmp_path, spm_model):
   assert not any(name.endswith(".npy") for name in os.listdir(tmp_path / "prepared"))
 
 
+@pytest.mark.fault
 def test_vocab_without_special_tokens_is_refused(tmp_path, corpus_files):
   vocab = tmp_path / "vocab.txt"
   vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "the", "old"]) + "\n")
@@ -896,6 +975,7 @@ class _FailingTokenizer:
     return [self.encode(text) for text in texts]
 
 
+@pytest.mark.fault
 def test_worker_counts_a_document_it_cannot_tokenize_and_packs_the_rest(tmp_path, spm_model):
   tokenizer = SentencePieceTokenizer(spm_model)
   rng = random.Random(3)
@@ -913,7 +993,7 @@ def test_worker_counts_a_document_it_cannot_tokenize_and_packs_the_rest(tmp_path
   expected = prepare.pack_shard(
       dict(task, documents=without, out_dir=str(tmp_path / "good")), tokenizer
   )
-  assert result["splits"]["train"]["sha256"] == expected["splits"]["train"]["sha256"]
+  assert result["splits"]["train"]["crc32c"] == expected["splits"]["train"]["crc32c"]
   # A failure outside any document (here: an unwritable directory) names the shard, not a traceback.
   blocker = tmp_path / "file"
   blocker.write_text("")
@@ -1037,6 +1117,7 @@ def _prefetch_threads():
   return [t for t in threading.enumerate() if t.name.startswith("electra-prefetch")]
 
 
+@pytest.mark.fault
 def test_prefetch_raises_the_fetch_error_at_its_step_and_stops():
   def fetch(step):
     if step == 3:

@@ -18,6 +18,7 @@ from electra_jax import (
 from run_helpers import REQUIRED_METRICS, _metrics  # noqa: F401
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize(
     "overrides, named",
     [
@@ -41,6 +42,7 @@ def test_bad_config_is_refused_before_any_work(tmp_path, overrides, named):
   assert not (workdir / "checkpoints").exists() or not any((workdir / "checkpoints").iterdir())
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize(
     "overrides, named",
     [
@@ -86,6 +88,9 @@ def test_bad_config_is_refused_before_any_work(tmp_path, overrides, named):
             r"objective.keep_original_prob=2.0 must be in \[0, 1\]",
         ),
         ({"optimizer.warmup_steps": -10}, "optimizer.warmup_steps=-10 must be >= 0"),
+        ({"train.steps": 0}, r"train.steps=0 must be >= 1 \(optimizer steps in all\)"),
+        ({"train.memory_fraction": 0.0}, r"train.memory_fraction=0.0 must be in \(0, 1\]"),
+        ({"train.memory_fraction": 1.5}, r"train.memory_fraction=1.5 must be in \(0, 1\]"),
         ({"optimizer.weight_decay": -3.0}, "optimizer.weight_decay=-3.0 must be >= 0"),
         ({"optimizer.b2": 1.0}, r"optimizer.b2=1.0 must be in \[0, 1\)"),
         ({"optimizer.clip_norm": 0.0}, "optimizer.clip_norm=0.0 must be > 0"),
@@ -134,6 +139,7 @@ def test_mistakes_are_refused_before_the_data_is_built(tmp_path, monkeypatch, ov
   assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.fault
 def test_a_workdir_that_cannot_be_made_is_refused_before_the_data_is_built(tmp_path, monkeypatch):
   monkeypatch.setattr(
       train.data, "load_pretraining_data", lambda *a, **k: pytest.fail("data was built")
@@ -143,6 +149,7 @@ def test_a_workdir_that_cannot_be_made_is_refused_before_the_data_is_built(tmp_p
     train.train_and_evaluate(tiny_config(), str(tmp_path / "a_file" / "run"))
 
 
+@pytest.mark.fault
 def test_cudnn_attention_off_a_gpu_is_refused_before_any_data(tmp_path, monkeypatch):
   config = tiny_config(
       **{
@@ -161,6 +168,7 @@ def test_cudnn_attention_off_a_gpu_is_refused_before_any_data(tmp_path, monkeypa
     resolve.run(config)
 
 
+@pytest.mark.fault
 def test_steps_per_call_below_one_is_refused(tmp_path):
   with pytest.raises(ConfigError, match="steps_per_call=0"):
     train.train_and_evaluate(tiny_config(**{"train.steps_per_call": 0}), str(tmp_path))

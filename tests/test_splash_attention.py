@@ -186,6 +186,7 @@ def test_a_program_for_tpu_carries_the_kernel_whatever_the_host():
     assert module.count("tpu_custom_call") == kernels, platform
 
 
+@pytest.mark.fault
 def test_refusals_name_the_setting_and_the_fix():
   with pytest.raises(
       ConfigError, match=r"data.max_seq_len=100 is not a multiple of 128: choose e.g. 128, or"

@@ -150,9 +150,7 @@ def test_sweep_table_matches_each_runs_logs(swept):
     config = base_config()
     config.objective.name = row["objective.name"]
     setup = resolve.run(config).setup
-    per_token = flops.train_flops_per_token(
-        setup.model, 32, setup.objective.max_predictions, setup.objective.uses_generator
-    )
+    per_token = flops.train_flops_per_token(setup.model, 32, setup.objective.max_predictions)
     assert float(row["train_flops"]) == pytest.approx(per_token * tokens, rel=1e-12)
   # By hand for MLM (one tower, PERFORMANCE.md's rules): 6 x (L layers of 4H^2 + 2HI, the E->H
   # projection, the H^2 + H head, the vocabulary head on 4 of 32 positions) + 12 L s H.

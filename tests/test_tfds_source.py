@@ -105,38 +105,40 @@ def test_tfds_source_trains_packs_and_prepares_identically(tmp_path, tfds_dir):
   assert prepared.fingerprint == in_memory.fingerprint
 
 
-def test_tfds_dataset_not_prepared_says_how_to_prepare_it(tmp_path):
-  empty_dir = str(tmp_path / "nothing_here")
-  with pytest.raises(
-      ConfigError,
-      match=r"'tiny_electra_corpus' is not prepared in .*download_and_prepare.*array_record",
-  ):
-    load_pretraining_data(_config(tmp_path, empty_dir))
-  with pytest.raises(
-      ConfigError,
-      match=r"'wikipedia/20230601.en' is not prepared.*tfds build wikipedia/20230601.en",
-  ):
-    load_pretraining_data(_config(tmp_path, empty_dir, tfds_name="wikipedia/20230601.en"))
-  with pytest.raises(ConfigError, match="'no_such_corpus_xyz' is not a TFDS dataset"):
-    load_pretraining_data(_config(tmp_path, empty_dir, tfds_name="no_such_corpus_xyz"))
-  with pytest.raises(ConfigError, match="needs data.tfds_name"):
-    load_pretraining_data(_config(tmp_path, empty_dir, tfds_name=""))
+@pytest.mark.fault
+@pytest.mark.parametrize(
+    "tfds_name, refusal",
+    [
+        (None, r"'tiny_electra_corpus' is not prepared in .*download_and_prepare.*array_record"),
+        ("wikipedia/20230601.en", r"'wikipedia/20230601.en' is not prepared.*tfds build wikipedia"),
+        ("no_such_corpus_xyz", "'no_such_corpus_xyz' is not a TFDS dataset"),
+        ("", "needs data.tfds_name"),
+    ],
+)
+def test_tfds_dataset_not_prepared_says_how_to_prepare_it(tmp_path, tfds_name, refusal):
+  named = {} if tfds_name is None else {"tfds_name": tfds_name}
+  config = _config(tmp_path, str(tmp_path / "nothing_here"), **named)
+  with pytest.raises(ConfigError, match=refusal):
+    load_pretraining_data(config)
   assert not os.path.exists(tmp_path / "cache" / "tfds")
   # --mode=train_tokenizer (the README's first TFDS command) says the same, not "no usable text".
-  from electra_jax.data import prepare  # noqa: PLC0415
-
-  with pytest.raises(
-      ConfigError, match=r"'tiny_electra_corpus' is not prepared in .*download_and_prepare"
-  ):
-    prepare.train_tokenizer(
-        _config(tmp_path, empty_dir), str(tmp_path / "spm.model"), num_threads=1
-    )
+  with pytest.raises(ConfigError, match=refusal):
+    train_tokenizer(config, str(tmp_path / "spm.model"), num_threads=1)
+  assert not os.path.exists(tmp_path / "spm.model")
 
 
-def test_tfds_wrong_split_or_field_names_the_choices(tmp_path, tfds_dir):
-  with pytest.raises(ConfigError, match=r"tfds_split='test' is not a split.*\['train'\]"):
-    load_pretraining_data(_config(tmp_path, tfds_dir, tfds_split="test"))
-  with pytest.raises(
-      ConfigError, match=r"tfds_text_field='body' is not a feature.*\['text', 'title'\]"
-  ):
-    load_pretraining_data(_config(tmp_path, tfds_dir, tfds_text_field="body"))
+@pytest.mark.fault
+@pytest.mark.parametrize(
+    "key, value, refusal",
+    [
+        ("tfds_split", "test", r"tfds_split='test' is not a split.*\['train'\]"),
+        (
+            "tfds_text_field",
+            "body",
+            r"tfds_text_field='body' is not a feature.*\['text', 'title'\]",
+        ),
+    ],
+)
+def test_tfds_wrong_split_or_field_names_the_choices(tmp_path, tfds_dir, key, value, refusal):
+  with pytest.raises(ConfigError, match=refusal):
+    load_pretraining_data(_config(tmp_path, tfds_dir, **{key: value}))

@@ -1,5 +1,7 @@
 """launch/tpu_supervisor.py: restart against a scripted sequence of slice and worker states."""
 
+import pytest
+
 from launch_helpers import _dry_run, _option, tpu_commands, tpu_supervisor, remote_job
 
 
@@ -82,6 +84,7 @@ def _supervise(fake, queued=False, max_restarts=20):
   return code, sleeps
 
 
+@pytest.mark.fault
 def test_restart_recreates_a_preempted_slice_and_resumes_the_same_run():
   fake = FakeGcloud(
       [
@@ -105,6 +108,7 @@ def test_restart_recreates_a_preempted_slice_and_resumes_the_same_run():
   )  # the same command each time
 
 
+@pytest.mark.fault
 def test_restart_with_a_queued_resource_and_a_missing_slice():
   fake = FakeGcloud(
       [("READY", ["exited:0:done"])], queued_states=["SUSPENDED", "WAITING_FOR_RESOURCES", "ACTIVE"]
@@ -119,6 +123,7 @@ def test_restart_with_a_queued_resource_and_a_missing_slice():
   assert missing.kinds() == ["tpu-vm create"]  # nothing to delete
 
 
+@pytest.mark.fault
 def test_restart_gives_up_on_a_run_that_keeps_failing_but_not_on_preemptions():
   fake = FakeGcloud([("READY", ["exited:1", "exited:1"])] * 10)
   code, _ = _supervise(fake, max_restarts=2)
@@ -136,6 +141,7 @@ def test_restart_gives_up_on_a_run_that_keeps_failing_but_not_on_preemptions():
   assert preempted_twice.kinds() == ["tpu-vm delete", "tpu-vm create", "install", "start"] * 2
 
 
+@pytest.mark.fault
 def test_restart_stops_on_a_failed_queued_resource_and_on_creates_that_keep_failing():
   # FAILED: the request was refused or its --valid-until-duration ran out; queuing it again
   # would wait forever. A create that keeps failing (wrong zone or type, no quota) is retried
@@ -147,6 +153,7 @@ def test_restart_stops_on_a_failed_queued_resource_and_on_creates_that_keep_fail
   assert code == 1 and refused.kinds() == ["tpu-vm create"] * 3 and len(sleeps) == 2
 
 
+@pytest.mark.fault
 def test_slice_state_ignores_gcloud_notices_on_stderr(tmp_path):
   # gcloud prints "Updates are available ..." to stderr; it must not be read as the state.
   gcloud = tmp_path / "gcloud"
@@ -158,6 +165,7 @@ def test_slice_state_ignores_gcloud_notices_on_stderr(tmp_path):
   assert tpu_supervisor.slice_state(tpu, real) == "READY"
 
 
+@pytest.mark.fault
 def test_restart_stops_live_workers_before_reinstalling_a_reimaged_one():
   fake = FakeGcloud(
       [("READY", ["running", "uninstalled"]), ("READY", ["exited:0:done", "exited:0"])]

@@ -10,6 +10,8 @@ import shlex
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 from launch_helpers import (
     _dry_run,
@@ -190,6 +192,7 @@ def test_install_from_git_and_from_a_local_checkout(tmp_path):
   )
 
 
+@pytest.mark.fault
 def test_bad_flags_are_refused_before_anything_runs():
   def refused(*args):
     return _refused("tpu_vm.py", *args)
@@ -421,6 +424,7 @@ def test_every_worker_trains_on_the_same_prepared_dir_and_workdir(tmp_path):
   assert starts == {_option(ssh, "command")}
 
 
+@pytest.mark.fault
 def test_paths_the_other_workers_cannot_see_are_refused_before_any_gcloud_call():
   assert "--workdir=/data/run is a path on each worker's own disk" in _refusal(
       "run", *T, "--workdir=/data/run"

@@ -91,6 +91,7 @@ def test_cli_writes_config_metrics_and_checkpoints(tmp_path):
   assert again.returncode == 0 and len(_metrics(workdir)) == 6
 
 
+@pytest.mark.fault
 def test_a_run_killed_before_its_first_checkpoint_leaves_no_lines_behind(tmp_path):
   """The steps a dead run logged past its last checkpoint are dropped on resume; with no
   checkpoint at all that is every line, or the new run's steps would follow the old ones."""
@@ -108,6 +109,7 @@ def test_a_run_killed_before_its_first_checkpoint_leaves_no_lines_behind(tmp_pat
   ] == [4]
 
 
+@pytest.mark.fault
 def test_workdir_of_another_model_is_refused_and_left_intact(tmp_path, three_steps):
   workdir = _copy_of(three_steps, tmp_path)  # what `cli_args(workdir, train.steps=3)` trains
   before = {p: p.stat().st_mtime_ns for p in workdir.rglob("*") if p.is_file()}
@@ -124,6 +126,7 @@ def test_workdir_of_another_model_is_refused_and_left_intact(tmp_path, three_ste
   assert {p: p.stat().st_mtime_ns for p in workdir.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.fault
 def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
   # An absurd learning rate drives the parameters to inf within a few steps.
   config = tiny_config(
@@ -311,6 +314,7 @@ def test_a_run_starts_with_a_summary_of_what_it_trains(tmp_path, three_steps):
   assert f"{config.train.batch_size * config.data.max_seq_len:,} tokens per step" in summary
 
 
+@pytest.mark.fault
 def test_a_resume_whose_optimizer_state_differs_is_refused_before_anything_is_written(
     tmp_path, three_steps
 ):
@@ -327,6 +331,7 @@ def test_a_resume_whose_optimizer_state_differs_is_refused_before_anything_is_wr
   assert after == before
 
 
+@pytest.mark.fault
 def test_a_resume_with_fewer_steps_than_done_changes_nothing(tmp_path, three_steps, caplog):
   """It compiled, then wrote config.json with the smaller count; now it says so and stops there."""
   workdir = _copy_of(three_steps, tmp_path)

@@ -1,9 +1,7 @@
-"""Pre-training data: every source (corpus.py, sources.py, tfds_source.py) is tokenized and packed
-(prepare.py) into shards (shards.py), offline by prepare_data or into the cache on first use; training
-reads the shards, memory-mapped or by ranged reads from a bucket (pipeline.py). config.py checks the
-data config group."""
+"""Pre-training data: each source (corpus.py, sources.py, tfds_source.py) is tokenized and packed
+(prepare.py) into shards (shards.py), by prepare_data or into the cache; training reads them
+(pipeline.py). config.py checks the data group. Below: what callers use as data.<name>."""
 
-# The package's face: what callers use as data.<name>.
 from electra_jax.data.corpus import builtin_documents  # noqa: F401
 from electra_jax.data.pipeline import PretrainingData, batch_keys, get_batch, get_rows  # noqa: F401
 from electra_jax.data.pipeline import load_pretraining_data, load_tokenizer, prefetch  # noqa: F401

@@ -13,10 +13,8 @@ from electra_jax.data.packing import MIN_SEQ_LEN
 from electra_jax.data.tokenizer import SPECIAL_TOKENS, SPM_MODEL_TYPES, TOKENIZER_FILES
 from electra_jax.errors import ConfigError
 
-SOURCES = (*sources.DOCUMENT_SOURCES, "prepared")
-
 _CHOICES = (  # (key, the values it may take; configs/base.py says what they mean)
-    ("source", SOURCES),
+    ("source", (*sources.DOCUMENT_SOURCES, "prepared")),
     ("tokenizer", tuple(TOKENIZER_FILES)),
     ("spm_model_type", SPM_MODEL_TYPES),
     ("strip_accents", (None, True, False)),
@@ -42,8 +40,7 @@ _BOUNDS = (  # (key, its bound as the message states it, the bound's test)
 
 def check_config(data, eval_every_steps: int | None = None) -> None:
   """Refuses the first bad value of the data group `data`, naming it and the fix; reads no file.
-  `eval_every_steps` is a training run's eval.every_steps; None where the data is not trained on
-  (prepare_data writes into data.prepared_dir, whatever the source)."""
+  `eval_every_steps`: a training run's eval.every_steps, None for prepare_data."""
   for key, allowed in _CHOICES:  # (by repr: 1 is not True)
     if repr(data[key]) not in map(repr, allowed):
       raise ConfigError(f"data.{key}={data[key]!r} is not one of {list(allowed)}.")
@@ -97,14 +94,10 @@ def read_config(data) -> dict:
     if config[key] and not epath.Path(config[key]).is_file():
       raise ConfigError(f"data.{key}={config[key]!r} is not a file; give {what}.")
   from_env = not config["cache_dir"] and os.environ.get("ELECTRA_JAX_CACHE")
-  named = "ELECTRA_JAX_CACHE" if from_env else "data.cache_dir"
-  config["cache_dir"] = (
-      os.path.expanduser(config["cache_dir"])
-      or os.environ.get("ELECTRA_JAX_CACHE")
-      or os.path.join(os.path.expanduser("~"), ".cache", "electra_jax")
-  )
-  if not workdir_files.is_remote(config["cache_dir"]):
-    workdir_files.check_usable(config["cache_dir"], named)
+  cache_dir = os.path.expanduser(config["cache_dir"] or from_env or "~/.cache/electra_jax")
+  if not workdir_files.is_remote(cache_dir):
+    workdir_files.check_usable(cache_dir, "ELECTRA_JAX_CACHE" if from_env else "data.cache_dir")
+  config["cache_dir"] = cache_dir
   files = config["source"] in sources.FILE_SOURCES
   config["files"] = sources.resolve_files(config["files"]) if files else []
   return config

@@ -8,6 +8,7 @@ import functools
 import hashlib
 import itertools
 import os
+import pathlib
 import sysconfig
 from collections.abc import Iterator
 
@@ -43,23 +44,19 @@ def _stdlib_source_files() -> list[str]:
 
 
 def builtin_sources_fingerprint() -> str:
-  """Hash of the stdlib source bytes the corpus is extracted from: no parsing, and it changes whenever the
-  corpus could."""
+  """Hash of the stdlib sources the corpus comes from: it changes whenever the corpus could."""
   root = stdlib_root()
   digest = hashlib.sha256(f"extraction-v{EXTRACTION_VERSION}\n".encode())
   for relpath in _stdlib_source_files():
-    with open(os.path.join(root, relpath), "rb") as f:
-      data = f.read()
+    data = pathlib.Path(root, relpath).read_bytes()
     digest.update(f"{relpath}\n{len(data)}\n".encode())
     digest.update(data)
   return digest.hexdigest()[:16]
 
 
 def _iter_docstrings(node: ast.AST) -> Iterator[str]:
-  if isinstance(node, _DOCSTRING_OWNERS):
-    docstring = ast.get_docstring(node, clean=True)
-    if docstring:
-      yield docstring
+  if isinstance(node, _DOCSTRING_OWNERS) and (docstring := ast.get_docstring(node, clean=True)):
+    yield docstring
   for child in ast.iter_child_nodes(node):
     yield from _iter_docstrings(child)
 
@@ -85,16 +82,15 @@ def split_sentences(text: str) -> list[str]:
 
 
 def _parse(path: str, attempts: int = 3) -> ast.Module | None:
-  with open(path, "rb") as f:
-    source = f.read()
+  source = pathlib.Path(path).read_bytes()
   for attempt in range(attempts):
     try:
       return ast.parse(source, filename=path)  # bytes: ast honours each file's coding declaration
     except (SyntaxError, ValueError):  # a file this interpreter cannot parse contributes nothing
       return None
     except SystemError:
-      # CPython 3.11 (gh-106905): a parse on another thread can fail this one ("AST constructor
-      # recursion depth mismatch"); the same bytes parse again, and dropping the file would change the corpus.
+      # CPython 3.11 (gh-106905): a parse on another thread can fail this one; the same bytes parse
+      # again, and dropping the file would change the corpus.
       if attempt == attempts - 1:
         raise
 
@@ -124,14 +120,12 @@ def _all_documents() -> tuple[tuple[str, ...], ...]:
 
 
 def builtin_documents(max_documents: int | None = None) -> list[list[str]]:
-  """The built-in corpus: documents (lists of one-line paragraphs) in a fixed order, the first
-  `max_documents` of them (parsing stops early)."""
+  """The first `max_documents` documents (lists of one-line paragraphs) of the built-in corpus."""
   if max_documents is None:
     return [list(document) for document in _all_documents()]
   return list(itertools.islice(_iter_documents(), max_documents))
 
 
 def document_bytes(document) -> bytes:
-  """A document's text as fingerprints hash it: each sentence and a newline, then a separator marking the
-  document boundary (packing depends on it)."""
+  """A document's text as fingerprints hash it, its boundary marked (packing depends on it)."""
   return ("".join(sentence + "\n" for sentence in document) + "\x00\n").encode("utf-8")

@@ -1,6 +1,5 @@
-"""Packing tokenized documents into fixed-length ELECTRA examples ([CLS] A [SEP] or [CLS] A [SEP] B [SEP],
-right-padded), and (data.pack_rows) several whole examples side by side into one row, with segment ids
-and per-example positions."""
+"""Packing tokenized documents into right-padded ELECTRA examples ([CLS] A [SEP] B [SEP]), and
+(data.pack_rows) several whole examples into one row, with segment ids and positions."""
 
 from __future__ import annotations
 
@@ -24,11 +23,10 @@ def pack_documents(
     single_segment_prob: float = 0.1,
     short_seq_prob: float = 0.05,
 ) -> dict[str, np.ndarray]:
-  """Pack tokenized documents (lists of token-id sentences) into int32 [num_examples, max_seq_len]
-  `input_ids` and `token_type_ids` (1 on B [SEP]), with the cls_id, sep_id and pad_id of `special`
-  (a tokenizer); examples never mix documents. Each document draws from a generator seeded by `seed`
-  and its corpus index (`document_indices`, default 0, 1, ...), so any slice of a corpus packs, in
-  any process, into exactly the rows the whole corpus gives for it."""
+  """int32 [num_examples, max_seq_len] `input_ids` and `token_type_ids` (1 on B [SEP]) of documents
+  (lists of token-id sentences), with the special ids of `special`; examples never mix documents.
+  Each document's generator is seeded by `seed` and its corpus index (`document_indices`), so any
+  slice of a corpus packs, in any process, into the rows the whole corpus gives for it."""
   examples = []  # (tokens, how many of them are [CLS] A [SEP])
   for index, document in zip(document_indices or range(len(documents)), documents):
     # A string seed goes through SHA-512: nearby (seed, index) pairs give unrelated streams.
@@ -46,9 +44,8 @@ def pack_documents(
       a_target = None if rng.random() < single_segment_prob else (target_length - 3) // 2
       segment_a, segment_b = [], []
       for buffered_sentence in buffered:
-        # The official builder's rule, per sentence: a short sentence can still join A after a
-        # longer one went to B; one that would overfill A joins it on a coin flip only while B is
-        # empty.
+        # The official builder's rule: a short sentence can join A after a longer one went to B;
+        # one that would overfill A joins it on a coin flip only while B is empty.
         goes_to_a = (
             a_target is None
             or not segment_a
@@ -77,8 +74,8 @@ ROW_PACKING_WINDOW = 4096
 
 @dataclasses.dataclass(frozen=True)
 class RowPacking:
-  """Which examples each packed row holds: row r the examples `examples[row_splits[r]:row_splits[r + 1]]`
-  (increasing), laid out in that order from column 0; `lengths[e]` is example e's token count."""
+  """Row r holds examples `examples[row_splits[r]:row_splits[r + 1]]` from column 0, in that order;
+  `lengths[e]` is example e's token count."""
 
   row_splits: np.ndarray  # int64 [num_rows + 1]
   examples: np.ndarray  # int64 [num_examples], row by row
@@ -91,8 +88,8 @@ class RowPacking:
 
 
 def example_lengths(input_ids, pad_id: int, block_rows: int = 1 << 16) -> np.ndarray:
-  """int32 [num_examples]: each right-padded example's length (its last non-pad token + 1), read in blocks
-  of rows (a memory-mapped corpus is not loaded whole)."""
+  """int32 [num_examples]: each right-padded example's length, read in blocks of rows (a
+  memory-mapped corpus is not loaded whole)."""
   num_examples, max_seq_len = int(input_ids.shape[0]), int(input_ids.shape[1])
   lengths = np.empty(num_examples, np.int32)
   for start in range(0, num_examples, block_rows):
@@ -105,8 +102,8 @@ def example_lengths(input_ids, pad_id: int, block_rows: int = 1 << 16) -> np.nda
 
 
 def _best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
-  """Bins (lists of positions into `lengths`) by best-fit decreasing: longest example first, each into the
-  open bin it fills most tightly, else a new bin; ties go to the earlier example and bin."""
+  """Bins (lists of positions into `lengths`) by best-fit decreasing; ties go to the earlier example
+  and bin."""
   order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
   shortest = min(lengths)
   bins: list[list[int]] = []
@@ -129,9 +126,9 @@ def _best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 def plan_rows(
     lengths: np.ndarray, max_seq_len: int, window: int = ROW_PACKING_WINDOW
 ) -> RowPacking:
-  """Pack examples of the given lengths, whole, into rows of `max_seq_len`: in each window of `window`
-  consecutive examples, those too long to share a row with the window's shortest get their own row (first),
-  the rest are packed by best-fit decreasing. A pure function of its arguments."""
+  """Examples of the given lengths packed whole into rows of `max_seq_len`, a pure function: in each
+  window, those too long to share a row get their own (first), the rest go by best-fit decreasing.
+  """
   lengths = np.asarray(lengths, dtype=np.int32)
   if lengths.size and (lengths.min() < 1 or lengths.max() > max_seq_len):
     raise ValueError(
@@ -159,10 +156,9 @@ def plan_rows(
 def assemble_rows(
     packing: RowPacking, rows: np.ndarray, input_ids, token_type_ids, pad_id: int
 ) -> dict[str, np.ndarray]:
-  """The packed rows `rows` as int32 [len(rows), max_seq_len] arrays: input_ids / token_type_ids (the
-  examples side by side, pad_id / 0 after), attention_mask (1 on tokens), segment_ids (1, 2, ... for the
-  row's examples, 0 on padding) and position_ids (0 .. length - 1 within each example, 0 on padding).
-  """
+  """The packed rows `rows` as int32 [len(rows), max_seq_len] arrays: input_ids, token_type_ids,
+  attention_mask, segment_ids (1, 2, ... for the row's examples) and position_ids (per example),
+  0 (pad_id) on padding."""
   rows = np.asarray(rows, dtype=np.int64)
   batch, seq = rows.shape[0], packing.max_seq_len
   first = packing.row_splits[rows]

@@ -1,6 +1,5 @@
-"""Pre-training batches from prepared shards: data.prepared_dir's, or those of the cache a document
-source is prepared into on first use. get_batch is a pure function of the step, so resuming needs no
-loader state."""
+"""Pre-training batches from prepared shards (data.prepared_dir's, or the cache a document source is
+prepared into on first use); get_batch is a pure function of the step: resuming needs no state."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ from electra_jax.data import prepare, shards
 from electra_jax.data.config import read_config
 from electra_jax.data.packing import ROW_PACKING_VERSION, RowPacking, assemble_rows, plan_rows
 from electra_jax.data.prepare import PACKING_FORMAT_VERSION
-from electra_jax.data.shards import SPLITS, ShardedRows
+from electra_jax.data.shards import PREPARED_FORMAT_VERSION, SPLITS, ShardedRows
 from electra_jax.data.tokenizer import TOKENIZER_FILES, SentencePieceTokenizer, WordPieceTokenizer
 from electra_jax.data.tokenizer import configured_tokenizer, open_tokenizer
 from electra_jax.errors import ConfigError
@@ -60,25 +59,21 @@ def _corpus_cache_dir(config) -> str:
   """The cache directory of one corpus and tokenizer (any max_seq_len)."""
   key_fields = {
       "format": PACKING_FORMAT_VERSION,
+      "prepared_format": PREPARED_FORMAT_VERSION,  # a cache of another is rebuilt, not refused
       "max_documents": config["max_documents"],
       "eval_fraction": config["eval_fraction"],
       **prepare.describe_source(config)[0],
   }
-  # Only keys that change the tokenizer enter the key.
-  if prepare.trains_spm(config):
-    key_fields.update(
-        spm_vocab_size=config["spm_vocab_size"], spm_model_type=config["spm_model_type"]
-    )
+  if prepare.trains_spm(config):  # only the keys that change the tokenizer enter the key
+    key_fields.update({key: config[key] for key in ("spm_vocab_size", "spm_model_type")})
   else:  # a given model or vocab.txt
-    fingerprint = configured_tokenizer(config).fingerprint
-    wordpiece = {"tokenizer": config["tokenizer"], "wordpiece": fingerprint}
-    key_fields.update({"spm_model": fingerprint} if config["spm_model_file"] else wordpiece)
+    key_fields.update({config["tokenizer"]: configured_tokenizer(config).fingerprint})
   return os.path.join(config["cache_dir"], config["source"], prepare.config_key(key_fields))
 
 
 def _loadable(data_config, split: str | None = None) -> dict:
-  """The read config, pointed at prepared shards: for a document source the cache's, prepared first when
-  missing or damaged. Without a split only the tokenizer is readied (trained once per corpus)."""
+  """The read config, pointed at prepared shards (a document source's cache, prepared when missing
+  or damaged); without a split only the tokenizer is readied."""
   if split is not None and split not in SPLITS:
     raise ConfigError(f"Unknown split {split!r}; use one of {list(SPLITS)}.")
   config = read_config(data_config)
@@ -108,7 +103,7 @@ def _loadable(data_config, split: str | None = None) -> dict:
 
 
 def load_tokenizer(data_config) -> SentencePieceTokenizer | WordPieceTokenizer:
-  """The tokenizer `load_pretraining_data(data_config)` uses (a model the cache lacks is trained first)."""
+  """The tokenizer `load_pretraining_data(data_config)` uses (trained first if the cache lacks it)."""
   config = _loadable(data_config)
   if config["source"] == "prepared":
     return prepared_tokenizer(config, shards.open_manifest(config["prepared_dir"]))
@@ -141,12 +136,9 @@ def get_batch(
     process_count: int = 1,
     stream_offset: int = 0,
 ) -> dict[str, np.ndarray]:
-  """This process's rows of global batch `step` (see get_rows); a pure function of its arguments.
-
-  The row stream is epoch 0, epoch 1, ... each a permutation of all rows seeded by (seed, epoch); global
-  batch `step` is stream positions [stream_offset + step * B, stream_offset + (step + 1) * B), and process
-  p takes the p-th contiguous slice of it (stream_offset: where a checkpoint saw the batch size change).
-  """
+  """This process's rows of global batch `step`, a pure function of its arguments: the p-th slice
+  of stream positions [stream_offset + step * B, +B) of epochs 0, 1, ..., each a permutation seeded
+  by (seed, epoch) (stream_offset: where a checkpoint saw the batch size change)."""
   if data.num_rows == 0 or global_batch_size <= 0 or global_batch_size % max(process_count, 1):
     raise ConfigError(
         f"get_batch: a global batch of {global_batch_size} rows from {data.num_rows} over "
@@ -172,13 +164,12 @@ def get_batch(
 
 
 def batch_keys(pack_rows: bool) -> tuple[str, ...]:
-  """The arrays of a batch sent to the devices: packed rows add their segment ids (position_ids derive from
-  them)."""
+  """The arrays of a batch sent to the devices (position_ids derive from segment_ids)."""
   return ("input_ids", "token_type_ids", "attention_mask") + (("segment_ids",) if pack_rows else ())
 
 
 def get_rows(data: PretrainingData, rows: np.ndarray) -> dict[str, np.ndarray]:
-  """Rows `rows` (in [0, data.num_rows)) as a batch, in that order (packed rows: packing.assemble_rows)."""
+  """Rows `rows` (in [0, data.num_rows)) as a batch, in that order."""
   if data.verification is not None and data.verification.done() and data.verification.result():
     raise data.verification.result()
   rows = np.asarray(rows, dtype=np.int64)
@@ -198,30 +189,22 @@ def prepared_tokenizer(config, manifest: dict):
   """The tokenizer configured, else the prepared directory's copy; refused unless it is the one
   the shards were made with."""
   directory, recorded = config["prepared_dir"], manifest["tokenizer"]
-  made_with = (
-      f"were made with the {recorded['kind']} tokenizer "
-      f"{recorded.get('model_file') or recorded.get('vocab_file')} (fingerprint "
-      f"{recorded['fingerprint']})"
-  )
   tokenizer = configured_tokenizer(config, directory)
-  if tokenizer is None:
-    name = TOKENIZER_FILES[config["tokenizer"]]
+  copy = os.path.join(directory, TOKENIZER_FILES[config["tokenizer"]])
+  gives = repr(tokenizer) if tokenizer else f"none ({copy} does not exist)"
+  made_with = (recorded["kind"], recorded["fingerprint"])
+  if tokenizer is None or made_with != (config["tokenizer"], tokenizer.fingerprint):
     raise ConfigError(
-        f"{os.path.join(directory, name)} does not exist, and the config names no tokenizer: the "
-        f"shards in {directory} {made_with}. Configure that tokenizer."
-    )
-  if recorded["kind"] != config["tokenizer"] or tokenizer.fingerprint != recorded["fingerprint"]:
-    raise ConfigError(
-        f"The shards in {directory} {made_with}, but this config gives {tokenizer!r}; configure "
-        "theirs, or prepare the corpus again with this one into another data.prepared_dir."
+        f"The shards in {directory} were made with the {made_with[0]} tokenizer "
+        f"{TOKENIZER_FILES.get(made_with[0])} (fingerprint {made_with[1]}), but this config gives "
+        f"{gives}; configure theirs, or prepare the corpus again into another data.prepared_dir."
     )
   return tokenizer
 
 
 def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
-  """Packed pre-training examples of `split` ("train" or "eval") from their shards, checked and
-  memory-mapped (or read by ranges from a bucket); with data.pack_rows, also the plan that packs
-  several examples per row (from the stored lengths: the same shards serve both)."""
+  """The examples of `split` ("train" or "eval") from their shards, checked and memory-mapped (a
+  bucket's read by ranges); with data.pack_rows, the plan that packs several into a row."""
   config = _loadable(data_config, split)
   directory, max_seq_len = config["prepared_dir"], config["max_seq_len"]
   manifest = shards.open_manifest(directory)
@@ -237,28 +220,19 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
       if config[key] != settings[key]
   ]
   if ignored and split == "train":  # once per run
-    logging.warning(
-        "data.source=prepared: the shards in %s decide these, so the config's values are not "
-        "used: %s.",
-        directory,
-        "; ".join(ignored),
-    )
+    logging.warning("the shards in %s decide, not the config: %s.", directory, "; ".join(ignored))
   tokenizer = prepared_tokenizer(config, manifest)
   rows, entries, lengths, verification = shards.load_split(
       directory, manifest, split, config["pack_rows"], tokenizer.vocab_size
   )
   if not entries:
-    fix = (
-        "set eval.every_steps=0, or prepare it with data.eval_fraction > 0"
-        if split == "eval"
-        else "prepare more documents"
-    )
+    eval_fix = "set eval.every_steps=0, or prepare it with data.eval_fraction > 0"
     raise ConfigError(
         f"The {split} split of {directory} has no examples (eval_fraction="
-        f"{settings['eval_fraction']} when it was prepared); {fix}."
+        f"{settings['eval_fraction']} when it was prepared); "
+        f"{eval_fix if split == 'eval' else 'prepare more documents'}."
     )
-  # The cache and a prepared directory of the same config give the same string (and examples), so a
-  # checkpoint resumes on either; packed rows differ.
+  # The same for the cache and a prepared directory of one config: a checkpoint resumes on either.
   kind = "spm" if config["tokenizer"] == "sentencepiece" else "wp"
   fingerprint = (
       f"format:{PACKING_FORMAT_VERSION}|{kind}:{tokenizer.fingerprint}|max_seq_len:{max_seq_len}|"
@@ -289,10 +263,8 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
 
 @contextlib.contextmanager
 def prefetch(fetch_fn: Callable[[int], Any], start_step: int, stop_step=None, depth: int = 2):
-  """An iterator over fetch_fn(start_step), fetch_fn(start_step + 1), ... up to `stop_step`
-  (exclusive; None: endless), each step fetched on one of `depth` threads at most `depth` steps
-  ahead (so reads that wait on a bucket overlap). A fetch_fn error is raised at its step and ends
-  the iteration; leaving the context drops the fetches not started."""
+  """An iterator over fetch_fn(step) for step in [start_step, stop_step) (None: endless), fetched on
+  `depth` threads up to `depth` steps ahead; a fetch_fn error is raised at its step."""
   steps = itertools.count(start_step) if stop_step is None else iter(range(start_step, stop_step))
   with concurrent.futures.ThreadPoolExecutor(depth, thread_name_prefix="electra-prefetch") as pool:
     ahead = collections.deque(

@@ -1,11 +1,9 @@
-"""From a read data config to shards (shards.py): the train/eval split, the tokenizer, and the
-tokenize-and-pack workers. Shards depend on the config alone; a re-run packs only what is missing.
-"""
+"""From a read data config to shards (shards.py): the train/eval split, the tokenizer and the
+tokenize-and-pack workers. Shards depend on the config alone; a re-run packs what is missing."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import hashlib
 import itertools
 import json
@@ -40,12 +38,6 @@ _PROGRESS = (
 # enters the data fingerprint, so stale arrays are rebuilt and checkpoints refuse changed data.
 PACKING_FORMAT_VERSION = 3
 PACKING_SEEDS = {"train": 0, "eval": 1}
-# The errors of a write that ran out of room, as a refusal words them (before the directory).
-_EXHAUSTED = {  # errno: (what happened to the directory, what to do)
-    errno.ENOSPC: ("no space is left on the disk of", "free space there"),
-    errno.EDQUOT: ("the disk quota is used up for", "free some of the quota"),
-    errno.EFBIG: ("a file passed the size limit (ulimit -f) in", "raise the limit"),
-}
 
 
 def is_eval_document(index: int, eval_fraction: float) -> bool:
@@ -138,9 +130,9 @@ def _default_workers() -> int:
   return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) -> dict:
-  """Train a sentencepiece model on the train documents of data.source into the new file
-  `out_path` (for data.spm_model_file); returns its path, vocab_size and fingerprint."""
+def train_tokenizer(data_config, out_path: str, num_threads: int | None = None):
+  """The SentencePieceTokenizer trained on the train documents of data.source into the new file
+  `out_path` (for data.spm_model_file)."""
   config = read_config(data_config)
   _require_documents(config, "train_tokenizer")
   out_path = os.path.abspath(os.path.expanduser(out_path))
@@ -149,25 +141,17 @@ def train_tokenizer(data_config, out_path: str, num_threads: int | None = None) 
         f"--out={out_path!r} already exists (prepared data or a workdir may use a model there); "
         "nothing was written: give a new file path, or delete that one first to replace it."
     )
-  stats = sources.SourceStats()
-  tokenizer = train_corpus_tokenizer(config, out_path, num_threads or _default_workers(), stats)
-  if config["source"] != "builtin":
-    sources.log_stats(config["source"], stats)
-  return {
-      "path": out_path,
-      "vocab_size": tokenizer.vocab_size,
-      "fingerprint": tokenizer.fingerprint,
-  }
+  return train_corpus_tokenizer(config, out_path, num_threads or _default_workers())
 
 
 def trains_spm(config) -> bool:
   return config["tokenizer"] == "sentencepiece" and not config["spm_model_file"]
 
 
-def train_corpus_tokenizer(config, path: str, num_threads: int = TRAINING_THREADS, stats=None):
+def train_corpus_tokenizer(config, path: str, num_threads: int = TRAINING_THREADS):
   """A sentencepiece model trained on the train documents of `config` into `path`; the fixed default
   thread count makes it (and so the shards) the same on any machine."""
-  stats = stats or sources.SourceStats()
+  stats = sources.SourceStats()
   logging.info(
       "training a sentencepiece %s model of %d pieces on the train documents of %s ...",
       config["spm_model_type"],
@@ -186,6 +170,8 @@ def train_corpus_tokenizer(config, path: str, num_threads: int = TRAINING_THREAD
     )
   except NoSentencesError as e:  # the source's own errors (a TFDS dataset not prepared) pass
     raise no_documents_error(config, stats) from e
+  if config["source"] != "builtin":
+    sources.log_stats(config["source"], stats)
   return SentencePieceTokenizer(path)
 
 
@@ -258,19 +244,16 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
     if "first" in skipped:
       result["first_skip"] = f"document {first}+: {skipped['first']}"
     return result
+  except OutOfSpace as e:  # raised again by the main process, as its own write would be
+    return {"index": index, "error": str(e), "errno": e.errno}
   except BaseException as e:  # noqa: BLE001 -- reported by the main process, naming the shard
-    return {"index": index, "error": f"{type(e).__name__}: {e}", "errno": getattr(e, "errno", 0)}
-
-
-# The settings only the tokenizer's file gives; before a model is trained the others are checked.
-_TOKENIZER_FILE_SETTINGS = ("tokenizer_fingerprint", "dtype")
+    return {"index": index, "error": f"{type(e).__name__}: {e}"}
 
 
 def _settings(config, source_key: dict, tokenizer) -> dict:
   """What the shards depend on; a directory is only resumed by a run with equal settings."""
   keys = ("tokenizer", "max_seq_len", "eval_fraction", "max_documents", "shard_documents")
   settings = {
-      "prepared_format": PREPARED_FORMAT_VERSION,
       "packing_format": PACKING_FORMAT_VERSION,
       "source": config["source"],
       "source_key": source_key,
@@ -293,14 +276,12 @@ def config_key(settings: dict) -> str:
 
 
 def _refuse_another_config(out_dir: str, existing: dict | None, settings: dict, hint="") -> None:
-  """Raises unless out_dir is new or its manifest `existing` was written with `settings`."""
-  if existing is None:
-    return
-  old, known = existing["settings"], "tokenizer_fingerprint" in settings
-  keys = list(settings) + [
-      k for k in old if k not in settings and (known or k not in _TOKENIZER_FILE_SETTINGS)
-  ]
-  differences = {k: (old.get(k), settings.get(k)) for k in keys if old.get(k) != settings.get(k)}
+  """Raises unless out_dir is new or its manifest `existing` agrees with each key of `settings`
+  (those a tokenizer gives are absent until it is known)."""
+  old = existing["settings"] if existing is not None else settings
+  differences = {
+      key: (old.get(key), value) for key, value in settings.items() if old.get(key) != value
+  }
   if differences:
     raise ConfigError(
         f"data.prepared_dir={out_dir!r} holds shards of another config (was -> now: {differences})"
@@ -343,20 +324,30 @@ def _accepted_tokenizer(config, out_dir: str, existing: dict | None, source_key:
   return tokenizer, _settings(config, source_key, tokenizer)
 
 
+def _drop_unlisted(out_dir: str, manifest: dict | None) -> int:
+  """Removes the shard and temporary files of out_dir that `manifest` does not list (a resume
+  would pack them again); returns how many shards it lists."""
+  entries = manifest["shards"] if manifest is not None else []
+  splits = [split for entry in entries for split in entry["splits"].values()]
+  listed = {split.get(key) for split in splits for key in ("file", "lengths_file")}
+  for name in workdir_files.list_files(out_dir):
+    if (name.endswith(".npy") or name.startswith(".tmp-")) and name not in listed:
+      workdir_files.path(out_dir, name).unlink()
+  return len(entries)
+
+
 def prepare_config(config: dict, num_workers: int | None = None) -> dict:
-  """prepare_data of a read config; a disk that fills up ends it in a ConfigError saying how many
-  shards the manifest on disk keeps (a write is whole or absent: workdir_files.write_bytes)."""
+  """prepare_data of a read config. A full disk or size limit (OutOfSpace, from any write) ends in
+  one line, the shards on disk those the manifest lists."""
   try:
     return _prepare(config, num_workers)
-  except (OSError, OutOfSpace) as error:  # a write here, or a worker's (its errno)
-    if error.errno not in _EXHAUSTED:
-      raise
-    (why, fix), out_dir = _EXHAUSTED[error.errno], config["prepared_dir"]
-    kept = shards.read_manifest(out_dir)
-    raise ConfigError(
-        f"prepare_data: {why} {out_dir}; {len(kept['shards']) if kept else 0} finished shards are "
-        f"kept, as its {shards.MANIFEST} lists them. {fix.capitalize()} (or give another "
-        "data.prepared_dir), then run the same command: it resumes."
+  except OutOfSpace as error:
+    out_dir = config["prepared_dir"]
+    kept = _drop_unlisted(out_dir, shards.read_manifest(out_dir))
+    raise OutOfSpace(
+        f"prepare_data: {str(error).rstrip('.')}; {out_dir} keeps the {kept} finished shards its "
+        f"{shards.MANIFEST} lists.",
+        error.errno,
     ) from None
 
 
@@ -368,16 +359,8 @@ def _prepare(config: dict, num_workers: int | None) -> dict:
         "prepare_data needs data.prepared_dir, the directory the shards go to, e.g. "
         "--config.data.prepared_dir=/data/electra_prepared."
     )
-  remote = workdir_files.is_remote(out_dir)
-  if remote:  # before any work: the bucket exists, and takes this account's writes
-    workdir_files.check_bucket(out_dir, "data.prepared_dir", write=True)
-  if not remote and os.path.exists(out_dir) and not os.path.isdir(out_dir):
-    raise ConfigError(
-        f"data.prepared_dir={out_dir!r} is a file; give a directory (new, or one prepare_data "
-        "wrote) for the shards."
-    )
-  existing = shards.read_manifest(out_dir)  # (a bucket that does not exist is refused here)
-  files = workdir_files.list_files(out_dir)
+  workdir_files.check_usable(out_dir, "data.prepared_dir")  # before any work
+  existing, files = shards.read_manifest(out_dir), workdir_files.list_files(out_dir)
   # A run killed before its first manifest leaves at most its tokenizer and temporary files.
   ours = set(TOKENIZER_FILES.values())
   if existing is None and any(not n.startswith(".tmp-") and n not in ours for n in files):
@@ -390,14 +373,7 @@ def _prepare(config: dict, num_workers: int | None) -> dict:
     raise ConfigError(f"num_workers must be >= 0 (0 = in this process), got {num_workers}.")
   source_key, description = describe_source(config)
   tokenizer, settings = _accepted_tokenizer(config, out_dir, existing, source_key)
-
-  # Accepted: the directory is ours. A killed run's half-written local files have temporary names;
-  # clear them. (An object in a bucket exists only once its upload completed.)
-  if not remote:
-    os.makedirs(out_dir, exist_ok=True)
-    for name in files:
-      if name.startswith(".tmp-"):
-        os.remove(os.path.join(out_dir, name))
+  _drop_unlisted(out_dir, existing)  # accepted: the directory is ours
   done: dict[int, dict] = {}
   for entry in existing["shards"] if existing is not None else ():
     if shards.shard_is_intact(out_dir, entry, files):
@@ -415,14 +391,10 @@ def _prepare(config: dict, num_workers: int | None) -> dict:
   spec = {
       "kind": config["tokenizer"],
       "fingerprint": tokenizer.fingerprint,
-      "vocab_size": tokenizer.vocab_size,
       "vocab_file" if wordpiece else "model_file": TOKENIZER_FILES[config["tokenizer"]],
   }
-  if wordpiece:
-    spec.update(lowercase=tokenizer.lowercase, strip_accents=tokenizer.strip_accents)
   manifest = {
       "format_version": PREPARED_FORMAT_VERSION,
-      "config_key": config_key(settings),
       "settings": settings,
       "source": description,
       "tokenizer": spec,
@@ -470,9 +442,8 @@ def _prepare(config: dict, num_workers: int | None) -> dict:
 
 
 def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest):
-  """Packs the shards not in `done` into it (on `num_workers` processes, 0: here); the manifest lists
-  every finished shard whenever this returns or raises. Returns the source's stats and each split's
-  fingerprint."""
+  """Packs the shards not in `done` into it (on `num_workers` processes, 0: here), saved whenever
+  this returns or raises; returns the source's stats and each split's fingerprint."""
   out_dir, stats = config["prepared_dir"], sources.SourceStats()
   common = {key: config[key] for key in ("max_seq_len", "eval_fraction")}  # every shard's task
   common.update(out_dir=out_dir, dtype=shards.token_dtype(tokenizer.vocab_size))
@@ -501,8 +472,8 @@ def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest
             f"prepare_data: a worker died, killed or out of memory ({e}); the finished shards are "
             f"kept in {out_dir}: run it again to resume (fewer workers use less memory)."
         ) from e
-      if result.get("errno") in _EXHAUSTED:  # the disk of out_dir, as a write here finds it
-        raise OSError(result["errno"], result["error"])
+      if "errno" in result:
+        raise OutOfSpace(result["error"], result["errno"])
       if "error" in result:
         raise RuntimeError(
             f"prepare_data: shard {result['index']} failed ({result['error']}); the finished ones "
@@ -524,22 +495,22 @@ def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest
         save_manifest()
         last_save = now
 
-  # A SIGTERM raises in the loop below, so its cleanup (workers, manifest) runs; one that lands in
-  # a submit (which may spawn a worker) is raised after it, or the submitted shard would be lost.
+  # SIGTERM or SIGHUP raises in the loop below, so its cleanup (workers, manifest) runs; one that
+  # lands in a submit (which may spawn a worker) is raised after it, or that shard would be lost.
   stopped, submitting = [], [False]
 
-  def stop(signum=None, frame=None):
+  def stop(signum, frame=None):
     stopped.append(signum)
     if not submitting[0]:
       raise SystemExit(
-          f"prepare_data stopped by SIGTERM: the finished shards are kept and listed in "
-          f"{os.path.join(out_dir, shards.MANIFEST)}; run the same command to resume."
+          f"prepare_data stopped by {signal.Signals(signum).name}: the finished shards are kept and "
+          f"listed in {os.path.join(out_dir, shards.MANIFEST)}; run the same command to resume."
       )
 
-  try:
-    previous_handler = signal.signal(signal.SIGTERM, stop)
-  except ValueError:  # not the main thread: SIGTERM keeps its handler
-    previous_handler = None
+  main_thread = threading.current_thread() is threading.main_thread()  # (others cannot handle)
+  previous = {
+      sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP) if main_thread
+  }
   try:
     source_documents, size = iter_source_documents(config, stats), config["shard_documents"]
     for index in itertools.count():
@@ -558,14 +529,14 @@ def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest
       pending.add(executor.submit(pack_shard, task, None if num_workers else tokenizer))
       submitting[0] = False
       if stopped:
-        stop()
+        stop(stopped[0])
       if len(pending) >= 2 * num_workers:
         drain()
     while pending:
       drain()
   finally:
-    if previous_handler is not None:
-      signal.signal(signal.SIGTERM, previous_handler)
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
     executor.shutdown(wait=True, cancel_futures=True)
     # Shards the workers finished while this loop stopped are written: keep them too.
     for future in pending:

@@ -1,15 +1,14 @@
 """The prepared-directory format (docs/data.md describes it): writing and checking its files, and
-ShardedRows, which reads rows from them (memory maps of local shards, ranged reads of a bucket's).
-"""
+ShardedRows, which reads their rows (memory maps locally, ranged reads in a bucket)."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import io
 import os
 import threading
 
+import google_crc32c
 import numpy as np
 from absl import logging
 from etils import epath
@@ -18,8 +17,8 @@ from electra_jax import workdir_files
 from electra_jax.data.packing import example_lengths
 from electra_jax.errors import ConfigError
 
-# Bump when the shard layout or the manifest's meaning changes.
-PREPARED_FORMAT_VERSION = 1
+# Bump when the shard layout or the manifest's meaning changes (2: crc32c, the one checksum).
+PREPARED_FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 SPLITS = ("train", "eval")
 # How a missing or damaged file of a prepared directory is mended.
@@ -45,38 +44,34 @@ def write_split(task: dict, split: str, rows: np.ndarray, pad_id: int) -> dict:
     data, name = buffer.getvalue(), f"{split}-{task['index']:05d}{suffix}"
     workdir_files.write_bytes(os.path.join(task["out_dir"], name), data)
     entry[f"{prefix}file"], entry[f"{prefix}bytes"] = name, len(data)
-    entry[f"{prefix}sha256"] = hashlib.sha256(data).hexdigest()
     entry[f"{prefix}crc32c"] = workdir_files.crc32c(data)
   return entry
 
 
-def leads_outside(directory: str, path: str) -> str | None:
-  """The real file a local `path` leads to (symlinks followed) when it lies outside `directory`,
-  else None: a file that one of our files names is read only inside its folder."""
-  real, inside = os.path.realpath(path), os.path.realpath(directory)
-  return real if os.path.commonpath([real, inside]) != inside else None
-
-
 def read_manifest(out_dir: str) -> dict | None:
-  """`out_dir`'s manifest; None when it has none, ConfigError naming the file when it is damaged
-  or names a shard file outside `out_dir` (or, in a bucket, naming a bucket that does not exist)."""
+  """`out_dir`'s manifest, None without one; refused by name when damaged, edited (a shard outside
+  `out_dir`), of another format, or in a bucket that does not exist."""
   path = os.path.join(out_dir, MANIFEST)
 
-  def plain_names(manifest: dict) -> dict:
+  def checked(manifest: dict) -> dict:
+    if manifest["format_version"] != PREPARED_FORMAT_VERSION:
+      raise ConfigError(
+          f"{path} is of prepared format {manifest['format_version']}, this version reads "
+          f"{PREPARED_FORMAT_VERSION}; prepare the corpus again into a new data.prepared_dir."
+      )
     for index, entry in enumerate(manifest["shards"]):
       for split, files in entry["splits"].items():
-        for key in ("file", "lengths_file"):
-          name = files.get(key, "-")  # (a split without rows has no files)
+        for prefix in ("", "lengths_") if files["rows"] else ():
+          name, _, _ = (files[prefix + key] for key in ("file", "bytes", "crc32c"))
           if not isinstance(name, str) or name in ("", ".", "..") or "/" in name:
             raise ConfigError(
-                f"{path}: shards[{index}].splits.{split}.{key}={name!r} is not the name of a "
-                f"file in {out_dir}: the manifest was edited. Move {out_dir} aside and run "
-                "--mode=prepare_data again to prepare the corpus anew."
+                f"{path}: shards[{index}].splits.{split}.{prefix}file={name!r} is not a file name "
+                f"in {out_dir}, the manifest was edited; {REDO} in a new data.prepared_dir."
             )
     return manifest
 
   if workdir_files.exists(path):
-    return workdir_files.read_json(path, plain_names)
+    return workdir_files.read_json(path, checked)
   if workdir_files.is_remote(out_dir):
     workdir_files.check_bucket(out_dir, "data.prepared_dir")
   return None
@@ -90,44 +85,32 @@ def open_manifest(directory: str) -> dict:
         f"data.prepared_dir={directory!r} has no {MANIFEST}; create it with --mode=prepare_data "
         "(data.source set to the corpus), then train with data.source='prepared'."
     )
-  if manifest["format_version"] != PREPARED_FORMAT_VERSION:
-    raise ConfigError(
-        f"{directory} was prepared in format {manifest['format_version']}, this version reads "
-        f"format {PREPARED_FORMAT_VERSION}; prepare the corpus again into a new data.prepared_dir."
-    )
   if not manifest["complete"]:
     raise ConfigError(
-        f"The preparation of {directory} did not finish ({len(manifest['shards'])} shards so far); "
-        "run --mode=prepare_data again with the same config: it resumes."
+        f"The preparation of {directory} did not finish; run --mode=prepare_data again: it resumes."
     )
   return manifest
 
 
-def sha256_file(path: str) -> str:
-  digest = hashlib.sha256()
-  with epath.Path(path).open("rb") as f:
-    for block in iter(lambda: f.read(1 << 22), b""):
-      digest.update(block)
-  return digest.hexdigest()
-
-
 def _problem(directory: str, entry: dict, prefix: str, files: dict, hashed: bool = False):
-  """What is wrong with the file `entry[prefix + "file"]` of `files` (workdir_files.list_files of
-  `directory`): its size, a bucket's own crc32c against the manifest's (0.1.0's have none) and,
-  `hashed`, its sha256 where no crc32c was compared; a local link out of `directory`; None when
-  nothing is."""
+  """What is wrong with the file `entry[prefix + "file"]` of `files` (list_files of `directory`),
+  else None: a local link out of `directory`, its size, its crc32c (a bucket's own; a local file's
+  only when `hashed`, as reading it costs)."""
   name, wanted = entry[f"{prefix}file"], entry[f"{prefix}bytes"]
-  size, crc32c = files.get(name, (None, None))
-  recorded = entry.get(f"{prefix}crc32c")
+  path, (size, crc32c) = os.path.join(directory, name), files.get(name, (None, None))
   local = size is not None and not workdir_files.is_remote(directory)
-  if local and (real := leads_outside(directory, os.path.join(directory, name))):
+  real, inside = os.path.realpath(path), os.path.realpath(directory)
+  if local and os.path.commonpath([real, inside]) != inside:  # (a link: followed only inside)
     return f"links to {real}, outside {directory}"
   if size != wanted:
     return "is missing" if size is None else f"has {size} bytes, the manifest says {wanted}"
-  if None in (crc32c, recorded):
-    if hashed and sha256_file(os.path.join(directory, name)) != entry[f"{prefix}sha256"]:
-      return f"is not the file prepare_data wrote (its sha256 differs from {MANIFEST}'s)"
-  elif crc32c != recorded:
+  if local and hashed:
+    with open(path, "rb") as f:
+      checksum = google_crc32c.Checksum()
+      for block in iter(lambda: f.read(1 << 22), b""):
+        checksum.update(block)
+    crc32c = checksum.hexdigest().decode()
+  if crc32c not in (None, entry[f"{prefix}crc32c"]):
     return f"is not the file prepare_data wrote (its crc32c, {crc32c}, differs from {MANIFEST}'s)"
   return None
 
@@ -168,14 +151,13 @@ def load_split(directory: str, manifest: dict, split: str, with_lengths: bool, v
   if workdir_files.is_remote(directory):
     rows = BucketShards(paths, entries, max_seq_len, dtype, vocab_size)
   else:
-    arrays = [_load(path, mmap_mode="r") for path in paths]
-    for path, entry, array in zip(paths, entries, arrays):
+    rows = [_load(path, mmap_mode="r") for path in paths]
+    for path, entry, array in zip(paths, entries, rows):
       if array.shape != (entry["rows"], 2, max_seq_len) or array.dtype != dtype:
         raise ConfigError(
             f"Shard {path} has shape {array.shape} and dtype {array.dtype}; the manifest says "
             f"({entry['rows']}, 2, {max_seq_len}) {dtype}; {REDO}."
         )
-    rows = arrays
   lengths = []
   for entry in entries if with_lengths else ():
     path = os.path.join(directory, entry["lengths_file"])
@@ -210,11 +192,8 @@ def _read_ranges(paths: list[str], starts: list[int], ends: list[int]) -> list[b
 
 
 class BucketShards:
-  """The bucket reader of ShardedRows: [rows, 2, L] .npy objects read by byte ranges. Row r of a
-  shard, both channels, is the 2 * L * itemsize bytes at header + r * that; one read fetches each
-  run of consecutive rows of its parts as one range, all at once, and keeps them for the other
-  channel's read of the same rows on the same thread. Every token id read is checked against the
-  vocabulary."""
+  """ShardedRows' reader of [rows, 2, L] .npy objects in a bucket by byte ranges (docs/data.md):
+  each run of consecutive rows is one range; a thread's last read serves the other channel."""
 
   def __init__(self, paths, entries: list[dict], max_seq_len: int, dtype, vocab_size: int):
     self.paths, self.num_rows = paths, [entry["rows"] for entry in entries]
@@ -262,10 +241,8 @@ class BucketShards:
 
 
 class ShardedRows:
-  """The rows of several [rows, 2, L] shards as one read-only int32 [N, L] array, indexed by an
-  integer array, a slice or an int (a fresh ndarray). `channel` 0 selects input ids, 1 token type
-  ids. `shards` is a list of arrays (memory maps) or a BucketShards.
-  """
+  """Channel `channel` (0: input ids, 1: token types) of several [rows, 2, L] shards (memory maps,
+  or a BucketShards) as one read-only int32 [N, L] array; an index gives a fresh ndarray."""
 
   def __init__(self, shards, channel: int, max_seq_len: int):
     self._shards, self._channel = shards, channel
@@ -305,9 +282,8 @@ class ShardedRows:
 
 
 def verify_in_background(directory: str, entries: list[dict], files: dict, vocab_size: int, split):
-  """Checks a split's shard files (_problem's, hashed; on disk, every id below the vocabulary size)
-  on a daemon thread, so a run starts at once: a future of the first failure (a ConfigError), or
-  None. A bucket's ids are checked as BucketShards reads them."""
+  """A future of the first failure (ConfigError) or None of _problem(hashed) and, on disk, the ids'
+  range, for a split's shards, on a daemon thread so a run starts at once."""
   remote = workdir_files.is_remote(directory)
 
   def first_failure() -> ConfigError | None:

@@ -1,37 +1,36 @@
-"""A user's own corpus as documents: plain-text ("text") and JSON Lines ("jsonl") files, read with their
-problems counted and logged, and their fingerprint for cache keys; the record sources' shared reader, and
-data.source="hf_datasets": a local Hugging Face dataset (a `save_to_disk` directory, or one `load_dataset`
-reads locally; nothing is downloaded)."""
+"""A user's own corpus as documents: text and JSON Lines files (local or gs://), their problems
+counted, and the record sources: a local Hugging Face dataset, and the reader TFDS's shares."""
 
 from __future__ import annotations
 
 import codecs
+import collections
 import dataclasses
 import glob
 import hashlib
+import io
 import json
 import os
 import stat
 
 from absl import logging
 
+from electra_jax import workdir_files
 from electra_jax.errors import ConfigError
 
 FILE_SOURCES = ("text", "jsonl")
 RECORD_SOURCES = ("tfds", "hf_datasets")
 DOCUMENT_SOURCES = ("builtin", *FILE_SOURCES, *RECORD_SOURCES)
 
-# A corpus up to this size enters the fingerprint with its content hash (an edit may keep size and
-# mtime); a bigger one by paths, sizes and mtimes only, to keep a warm start fast.
+# Up to this size a corpus's bytes enter its fingerprint (an edit may keep size and mtime).
 _HASHED_CORPUS_BYTES = 64 << 20
-# A longer "sentence" (line) is almost always junk (minified code, base64, a table on one line): it is
-# skipped and counted, so it can neither stall a tokenizer worker nor hide in a shard.
+# A longer "sentence" is junk (minified code, base64): skipped, it cannot stall a tokenizer worker.
 MAX_SENTENCE_CHARS = 1 << 16
 _SNIFF_BYTES = 8192  # a NUL in a file's first block marks it binary
 _BLOCK_BYTES = 8 << 20  # files are decoded this many bytes (rounded to whole lines) at a time
+_READ_BLOCK = 1024  # records a RecordCorpus reads at a time
 _SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # save_to_disk's files
-# What can go wrong reading a source, as the log and the errors name it.
-PROBLEMS = {
+PROBLEMS = {  # what can go wrong reading a source, as the log and the errors name it
     "empty_files": "empty files skipped",
     "binary_files": f"binary files skipped (NUL bytes in the first {_SNIFF_BYTES} bytes)",
     "replaced_lines": "lines with bytes that are not UTF-8 kept with U+FFFD in their place",
@@ -42,8 +41,8 @@ PROBLEMS = {
 
 @dataclasses.dataclass
 class SourceStats:
-  """What reading a source found: its files and documents, its progress (bytes_read of
-  total_bytes; records for a dataset), and how often each of PROBLEMS happened, and where first."""
+  """What reading a source found: files, documents, progress (bytes, or a dataset's records), and
+  how often each of PROBLEMS happened, and where first."""
 
   files: list[str] = dataclasses.field(default_factory=list)
   num_documents: int = 0
@@ -57,7 +56,6 @@ class SourceStats:
     return {"files": len(self.files), **counts, "documents": self.num_documents}
 
   def skip(self, problem: str, place: str) -> None:
-    """One more of `problem` (a key of PROBLEMS), the first's place kept."""
     self.problems[problem] = self.problems.get(problem, 0) + 1
     self.first_problems.setdefault(problem, place)
 
@@ -87,9 +85,8 @@ def keep_sentence(sentence: str, where, stats: SourceStats) -> bool:
 
 
 def not_a_regular_file(path: str) -> str | None:
-  """Why `path` is no file to read, seen without opening it (a device reads without end, a FIFO
-  waits for a writer): "does not exist", "is a directory", "is a FIFO, ..."; None for a regular
-  file (or a link to one)."""
+  """Why `path` is no file to read ("is a FIFO, ..."), seen without opening it (a device reads
+  without end, a FIFO waits for a writer); None for a regular file or a link to one."""
   try:
     mode = os.stat(path).st_mode
   except FileNotFoundError:
@@ -102,50 +99,84 @@ def not_a_regular_file(path: str) -> str | None:
   return f"is a {kind}, not a regular file"
 
 
+def refuse_repeated(where: str, names: list[str]) -> None:
+  """Refuses a header or JSON object naming a column twice: read by name, one copy would be used
+  silently."""
+  if repeated := [name for name, count in collections.Counter(names).items() if count > 1]:
+    raise ConfigError(
+        f"{where}: column {repeated[0]!r} appears more than once (in {names}); give each column "
+        "its own name."
+    )
+
+
+def unique_object(where: str):
+  """json's object_pairs_hook for the object at `where`, refusing one that names a key twice."""
+  return lambda pairs: refuse_repeated(where, [key for key, _ in pairs]) or dict(pairs)
+
+
 def resolve_files(files: str) -> list[str]:
-  """The files of `files`, comma-separated paths and globs (`~`, `**`) in order, each glob's matches sorted,
-  a file named twice read once."""
+  """The files of `files`, comma-separated paths and globs (`~`, `**`; `gs://` objects with the gcs
+  extra) in order, each glob's matches sorted, a file named twice read once."""
   patterns = [pattern.strip() for pattern in files.split(",") if pattern.strip()]
   paths: dict[str, None] = {}  # ordered, each path once
   for pattern in patterns:
-    matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+    remote = workdir_files.is_remote(pattern)
+    if remote:
+      workdir_files.check_bucket(pattern, "data.files")  # the gcs extra, the bucket, the account
+      fs, root = workdir_files.filesystem(pattern)
+      objects = fs.glob(root, detail=True).items()
+      matches = sorted(f"gs://{name}" for name, info in objects if info["type"] == "file")
+    else:
+      matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
     if not matches:
+      start = "" if remote else f" (relative paths start from {os.getcwd()})"
       raise ConfigError(
-          f"data.files pattern {pattern!r} matches no file; check the path (relative paths "
-          f"start from {os.getcwd()}) or remove it from data.files."
+          f"data.files pattern {pattern!r} matches no file; check the path{start} or remove it "
+          "from data.files."
       )
     for match in matches:
-      if problem := not_a_regular_file(match):
+      if not remote and (problem := not_a_regular_file(match)):
         raise ConfigError(
             f"data.files entry {pattern!r} matches {match!r}, which {problem}; name regular files"
             + (f", e.g. {os.path.join(match, '*.txt')!r}." if os.path.isdir(match) else ".")
         )
-      paths[os.path.abspath(match)] = None
+      paths[match if remote else os.path.abspath(match)] = None
   return list(paths)
 
 
 def files_fingerprint(paths: list[str]) -> str:
-  """Short sha256 hex of the paths, sizes and mtimes of `paths` (and their bytes, up to 64 MB)."""
-  stats = [os.stat(path) for path in paths]
-  hash_contents = sum(stat.st_size for stat in stats) <= _HASHED_CORPUS_BYTES
+  """Short sha256 hex of the paths, sizes and versions (mtime, a bucket's generation) of `paths`,
+  and of their bytes up to 64 MB in all."""
+  infos = [_info(path) for path in paths]
+  hash_contents = sum(info["size"] for info in infos) <= _HASHED_CORPUS_BYTES
   digest = hashlib.sha256(f"contents={hash_contents}\n".encode())
-  for path, stat in zip(paths, stats):
-    digest.update(f"{path}\n{stat.st_size}\n{stat.st_mtime_ns}\n".encode())
+  for path, info in zip(paths, infos):
+    digest.update(f"{path}\n{info['size']}\n{info.get('generation', info['mtime'])}\n".encode())
     if hash_contents:
-      with open(path, "rb") as f:
+      with _open(path) as f:
         digest.update(hashlib.sha256(f.read()).digest())
   return digest.hexdigest()[:16]
 
 
+def _info(path: str) -> dict:  # size, mtime, a bucket's generation
+  fs, name = workdir_files.filesystem(path)
+  return fs.info(name)
+
+
+def _open(path: str) -> io.BufferedReader:
+  if not workdir_files.is_remote(path):
+    return open(path, "rb")
+  return io.BufferedReader(workdir_files.filesystem(path)[0].open(path, "rb"))  # (readlines(hint))
+
+
 def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
-  """(line number, text) of `path`, streamed, split as str.splitlines splits the whole file; nothing for
-  a binary file. `newline_only` (JSON Lines): JSON strings may hold U+2028, U+2029, U+0085 unescaped.
-  """
-  with open(path, "rb") as f:
+  """(line number, text) of `path` as str.splitlines splits it, or (`newline_only`, for JSON
+  strings that hold U+2028 unescaped) at "\\n"; nothing for a binary file."""
+  with _open(path) as f:
     head = f.read(_SNIFF_BYTES)
     if b"\0" in head:
       stats.skip("binary_files", path)
-      stats.bytes_read += os.fstat(f.fileno()).st_size
+      stats.bytes_read += f.seek(0, os.SEEK_END)
       return
     # A byte-order mark is not text: dropped, as fine-tuning's readers do (utf-8-sig).
     f.seek(len(codecs.BOM_UTF8) if head.startswith(codecs.BOM_UTF8) else 0)
@@ -167,9 +198,8 @@ def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
           yield number, line
 
 
-def _text_file_documents(path: str, text_field: str, stats: SourceStats):
+def _text_file_documents(path: str, _: str, stats: SourceStats):
   """One document per run of non-blank lines; each stripped line is one sentence."""
-  del text_field  # (jsonl's)
   document = []
   for number, line in _iter_lines(path, stats):
     line = line.strip()
@@ -189,8 +219,10 @@ def _jsonl_file_documents(path: str, text_field: str, stats: SourceStats):
       continue
     why = None
     try:
-      record = json.loads(line)
-    except ValueError:
+      record = json.loads(line, object_pairs_hook=unique_object(f"{path}:{number}"))
+    except ConfigError:  # (a ValueError too)
+      raise
+    except (ValueError, RecursionError):  # (nesting deeper than the interpreter's stack)
       why = "not valid JSON"
     else:
       if not isinstance(record, dict):
@@ -214,18 +246,14 @@ def split_text(text: str, where, stats: SourceStats) -> list[str]:
 
 
 class RecordCorpus:
-  """One split of a dataset whose records' `text_field` hold documents. A subclass sets `name` (how
-  a record's place reads), `num_records`, `text_field`, `description` (for manifests) and
-  `fingerprint` (for cache keys), and reads texts [start, stop) with read_texts."""
-
-  read_block = 256  # records per read_texts
+  """One split of a dataset whose records' `text_field` hold documents. A subclass sets `name`,
+  `num_records`, `text_field`, `description`, `fingerprint` and read_texts(start, stop)."""
 
   def iter_documents(self, stats: SourceStats):
-    """The records' documents; a value neither str nor bytes is skipped and counted. Progress
-    counts records."""
+    """The records' documents; a value neither str nor bytes is skipped and counted."""
     stats.total_bytes = stats.total_bytes or self.num_records
-    for start in range(0, self.num_records, self.read_block):
-      stop = min(start + self.read_block, self.num_records)
+    for start in range(0, self.num_records, _READ_BLOCK):
+      stop = min(start + _READ_BLOCK, self.num_records)
       for key, text in enumerate(self.read_texts(start, stop), start):
         stats.bytes_read += 1
         where = lambda key=key: f"{self.name}[{key}]"  # noqa: E731
@@ -243,12 +271,11 @@ class RecordCorpus:
 def iter_documents(
     source: str, paths: list[str], text_field: str = "text", stats: SourceStats | None = None
 ):
-  """The documents (lists of sentences) of `paths`, streamed. "text": a sentence per line, blank
-  lines and file ends separate documents; "jsonl": a document per line, the string under
-  `text_field`. What cannot be read as text is skipped and counted in `stats`."""
+  """The documents (lists of sentences) of `paths`, streamed, as docs/data.md describes; what
+  cannot be read as text is skipped and counted in `stats`."""
   stats = stats if stats is not None else SourceStats()
   stats.files = list(paths)
-  stats.total_bytes = sum(os.path.getsize(path) for path in paths)
+  stats.total_bytes = sum(_info(path)["size"] for path in paths)
   for path in paths:
     # A file is empty when nothing came out of it and nothing in it was skipped for a reason.
     before = stats.num_documents + sum(stats.problems.values())
@@ -268,8 +295,6 @@ def log_stats(source: str, stats: SourceStats) -> None:
 
 class HfDatasetCorpus(RecordCorpus):
   """One split of a local Hugging Face dataset, each row's `text_field` a document."""
-
-  read_block = 1024  # rows per column read
 
   def __init__(self, path: str, split: str, text_field: str):
     path = os.path.abspath(os.path.expanduser(path))
@@ -304,7 +329,7 @@ class HfDatasetCorpus(RecordCorpus):
           f"{loaded.column_names}. Name the one holding the document text."
       )
     self._dataset, self.name, self.text_field = loaded, f"{path}[{split}]", text_field
-    self.num_records = loaded.num_rows
+    self.num_records = loaded.num_rows  # datasets' hash of the rows below: new data, new key
     self.description = {
         "source": "hf_datasets",
         "hf_path": path,
@@ -312,7 +337,6 @@ class HfDatasetCorpus(RecordCorpus):
         "text_field": text_field,
         "num_rows": loaded.num_rows,
     }
-    # datasets' own hash of the rows (new data, new key), with the split and column read.
     self.fingerprint = f"{loaded._fingerprint}|{split}|{text_field}|{loaded.num_rows}"
 
   def read_texts(self, start: int, stop: int) -> list:

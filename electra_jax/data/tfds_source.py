@@ -3,6 +3,7 @@ a prepared dataset's random-access data source (array_record or parquet files), 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -25,19 +26,16 @@ def import_tfds():
   import tensorflow_datasets as tfds  # noqa: PLC0415  (heavy; only TFDS sources need it)
 
   for group in _TEXT_GROUPS:
-    try:
+    with contextlib.suppress(ImportError):
       importlib.import_module(f"tensorflow_datasets.{group}")
-    except ImportError:
-      pass
   return tfds
 
 
 def _prepare_hint(name: str, data_dir: str) -> str:
   return (
-      f"Prepare it once where the internet is reachable: `tfds build {name} --file_format="
-      f"array_record{f' --data_dir={data_dir}' if data_dir else ''}` (or its builder's "
-      "download_and_prepare(file_format='array_record'), as docs/data.md shows; wikipedia and c4 "
-      "also need apache-beam), then set data.tfds_data_dir to that directory."
+      f"prepare it once where the internet is reachable, with `tfds build {name} --file_format="
+      f"array_record{f' --data_dir={data_dir}' if data_dir else ''}` or download_and_prepare("
+      "file_format='array_record') (docs/data.md), and set data.tfds_data_dir to that directory."
   )
 
 
@@ -63,15 +61,14 @@ class TfdsCorpus(RecordCorpus):
       ) from e
     if not builder.is_prepared():
       raise ConfigError(
-          f"TFDS dataset {name!r} is not prepared in {builder.data_dir}; nothing is downloaded "
-          "during training. " + _prepare_hint(name, data_dir or "")
+          f"TFDS dataset {name!r} is not prepared in {builder.data_dir} (training downloads "
+          "nothing); " + _prepare_hint(name, data_dir or "")
       )
     file_format = str(getattr(builder.info.file_format, "value", builder.info.file_format))
     if file_format not in _RANDOM_ACCESS_FORMATS:
       raise ConfigError(
           f"TFDS dataset {name!r} in {builder.data_dir} is {file_format}, which only TensorFlow "
-          f"reads (we read {list(_RANDOM_ACCESS_FORMATS)}): use another data_dir. "
-          + _prepare_hint(name, "")
+          f"reads (not {list(_RANDOM_ACCESS_FORMATS)}); " + _prepare_hint(name, "")
       )
     if split not in builder.info.splits:
       raise ConfigError(
@@ -95,7 +92,7 @@ class TfdsCorpus(RecordCorpus):
         "num_records": self.num_records,
         "num_bytes": int(split_info.num_bytes),
     }
-    self.fingerprint = "|".join(
+    self.fingerprint = "|".join(  # (where the dataset lies is not what it holds)
         str(self.description[key])
         for key in ("tfds_name", "tfds_split", "tfds_text_field", "num_records", "num_bytes")
     )
@@ -105,7 +102,5 @@ class TfdsCorpus(RecordCorpus):
     return self._builder.as_data_source(split=self.split)
 
   def read_texts(self, start: int, stop: int) -> list:
-    keys = list(range(start, stop))
-    if hasattr(self._source, "__getitems__"):
-      return [record[self.text_field] for record in self._source.__getitems__(keys)]
-    return [self._source[key][self.text_field] for key in keys]
+    records = self._source.__getitems__(list(range(start, stop)))
+    return [record[self.text_field] for record in records]

@@ -1,6 +1,5 @@
-"""The tokenizers ELECTRA trains with, both with [PAD] [UNK] [CLS] [SEP] [MASK]: SentencePiece
-models (ids 0..4 are those), trained here, and BERT's WordPiece vocab.txt with BERT's normalization
-(through the `tokenizers` library); and the tokenizer a data config names."""
+"""The tokenizers ELECTRA trains with: SentencePiece models trained here (ids 0..4 are [PAD] [UNK]
+[CLS] [SEP] [MASK]) and BERT's WordPiece vocab.txt; and the tokenizer a data config names."""
 
 from __future__ import annotations
 
@@ -9,6 +8,7 @@ import io
 import itertools
 import math
 import os
+import pathlib
 import random
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -22,14 +22,11 @@ SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(len(SPECIAL_TOKENS))
 
 SPM_MODEL_TYPES = ("unigram", "bpe")
-# The file each tokenizer is read from, under this name in a prepared directory and a workdir.
 TOKENIZER_FILES = {"sentencepiece": "spm.model", "wordpiece": "vocab.txt"}
 _MAX_TRAINING_SENTENCES = 1_000_000  # at most this many sentences train a model
-# Threads of the trainer where a model is part of the data (the cache, prepare_data): the model depends
-# on the count, so a fixed one makes it a function of the config alone.
+# The model depends on the trainer's thread count: a fixed one makes it a function of the config.
 TRAINING_THREADS = 2
-# Sentencepiece silently skips sentences over max_sentence_length bytes; we raise that limit to this
-# and cut longer sentences into pieces within it.
+# Sentencepiece silently skips longer sentences: ours are cut into pieces within it.
 _MAX_SENTENCE_BYTES = 16384
 
 
@@ -52,8 +49,8 @@ def _within_limit(sentence: str, limit: int = _MAX_SENTENCE_BYTES) -> Iterator[s
 
 
 def _sample_sentences(sentences: Iterable[str], k: int) -> list[str]:
-  """All of `sentences` if at most `k`, else `k` drawn by a reservoir sampler of fixed seed (Li's algorithm L):
-  sentencepiece's own sampler is seeded at random."""
+  """`k` of `sentences` (all if fewer) by a reservoir sampler of fixed seed (Li's algorithm L):
+  sentencepiece's own is seeded at random."""
   iterator = iter(sentences)
   reservoir = list(itertools.islice(iterator, k))
   if len(reservoir) < k:
@@ -69,7 +66,7 @@ def _sample_sentences(sentences: Iterable[str], k: int) -> list[str]:
 
 
 class NoSentencesError(ConfigError):
-  """train_sentencepiece was given no text (callers turn it into a message about their source)."""
+  """train_sentencepiece was given no text (callers name their source)."""
 
 
 def train_sentencepiece(
@@ -125,8 +122,7 @@ class SentencePieceTokenizer:
 
   def __init__(self, model_path: str):
     self.model_path = model_path
-    with open(model_path, "rb") as f:
-      model_bytes = f.read()
+    model_bytes = pathlib.Path(model_path).read_bytes()
     # The bytes loaded are the bytes hashed, even if the file is replaced meanwhile.
     self.fingerprint = hashlib.sha256(model_bytes).hexdigest()[:16]
     self._processor = spm.SentencePieceProcessor()
@@ -137,20 +133,11 @@ class SentencePieceTokenizer:
           f"{model_path} is not a valid sentencepiece model ({e}). Delete it and "
           f"train a new one with train_sentencepiece."
       ) from e
-    size = self._processor.get_piece_size()
-    for expected_id, token in enumerate(SPECIAL_TOKENS):
-      piece_at_id = self._processor.id_to_piece(expected_id) if expected_id < size else None
-      if piece_at_id == token:
-        continue
-      # piece_to_id answers the unknown id for a missing piece: an id is real if it maps back to the token.
-      found_id = self._processor.piece_to_id(token)
-      problem = (
-          "is missing" if self._processor.id_to_piece(found_id) != token else f"has id {found_id}"
-      )
+    pieces = [self.id_to_piece(i) for i in range(min(len(SPECIAL_TOKENS), self.vocab_size))]
+    if pieces != list(SPECIAL_TOKENS):
       raise ConfigError(
-          f"Sentencepiece model {self.model_path}: {token} {problem} (id {expected_id} is "
-          f"{piece_at_id!r}), but ELECTRA needs {list(SPECIAL_TOKENS)} at ids 0..4; train one "
-          "with --mode=train_tokenizer."
+          f"Sentencepiece model {model_path} has {pieces} at ids 0..4, but ELECTRA needs "
+          f"{list(SPECIAL_TOKENS)} there; train one with --mode=train_tokenizer."
       )
 
   @property
@@ -182,15 +169,13 @@ _MAX_INPUT_CHARS_PER_WORD = 100
 
 
 class WordPieceTokenizer:
-  """A BERT vocabulary with BERT's basic tokenization; the interface of SentencePieceTokenizer.
-  `strip_accents` None strips accents when lowercasing, as BERT does."""
+  """A BERT vocabulary with BERT's normalization (`strip_accents` None: when lowercasing)."""
 
   def __init__(self, vocab_file: str, lowercase: bool = True, strip_accents: bool | None = None):
     self.vocab_file = vocab_file
     self.lowercase = bool(lowercase)
     self.strip_accents = None if strip_accents is None else bool(strip_accents)
-    with open(vocab_file, "rb") as f:
-      vocab_bytes = f.read()
+    vocab_bytes = pathlib.Path(vocab_file).read_bytes()
     try:
       # -sig: a BOM would hide [PAD]; the final newline ends the last line, it does not start an empty token.
       tokens = [
@@ -204,12 +189,11 @@ class WordPieceTokenizer:
     # As BERT reads it: the token on line i has id i (a repeated token keeps its last line).
     self._vocab = {token: index for index, token in enumerate(tokens)}
     self.vocab_size = len(tokens)
-    for token in SPECIAL_TOKENS:
-      if token not in self._vocab:
-        raise ConfigError(
-            f"WordPiece vocabulary {vocab_file} lacks the special token {token}; ELECTRA needs all of "
-            f"{list(SPECIAL_TOKENS)}. Add the missing line(s) to the vocab (BERT's vocab.txt has them)."
-        )
+    if missing := [token for token in SPECIAL_TOKENS if token not in self._vocab]:
+      raise ConfigError(
+          f"WordPiece vocabulary {vocab_file} lacks the special token {missing[0]}; ELECTRA needs "
+          f"all of {list(SPECIAL_TOKENS)}: add the missing lines (BERT's vocab.txt has them)."
+      )
     self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (
         self._vocab[t] for t in SPECIAL_TOKENS
     )
@@ -262,8 +246,7 @@ class WordPieceTokenizer:
 
 
 def open_tokenizer(path: str, config):
-  """The tokenizer in file `path` of the config's kind (a bucket's is read from a local copy in
-  the cache, named by its content)."""
+  """The tokenizer in file `path` (a bucket's through a local copy) of the config's kind."""
   local = workdir_files.local_copy(path, config["cache_dir"])
   if config["tokenizer"] == "wordpiece":
     return WordPieceTokenizer(local, config["lowercase"], config["strip_accents"])
@@ -280,9 +263,9 @@ def configured_tokenizer(config, directory: str = ""):
 
 
 def keep_tokenizer(tokenizer, directory) -> None:
-  """Copies `tokenizer`'s file into `directory` (a workdir, prepared shards) under the name its
-  readers look for, so they need neither the corpus nor the path that gave it."""
+  """Copies `tokenizer`'s file into `directory` (a workdir, prepared shards): its readers need
+  neither the corpus nor the path that gave it."""
   wordpiece = isinstance(tokenizer, WordPieceTokenizer)
   name = TOKENIZER_FILES["wordpiece" if wordpiece else "sentencepiece"]
-  with open(tokenizer.vocab_file if wordpiece else tokenizer.model_path, "rb") as f:
-    workdir_files.write_bytes(workdir_files.path(directory, name), f.read())
+  kept = pathlib.Path(tokenizer.vocab_file if wordpiece else tokenizer.model_path).read_bytes()
+  workdir_files.write_bytes(workdir_files.path(directory, name), kept)

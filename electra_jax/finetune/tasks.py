@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import collections
 import csv
 import dataclasses
 import json
@@ -123,16 +122,6 @@ def _require_file(path: str, what: str) -> None:
     raise ConfigError(f"{what}: {path} {problem}. Check config.data_dir and the task name.")
 
 
-def _refuse_repeated(where: str, names: list[str]) -> None:
-  """Refuses a header or JSON object naming a column twice: read by name, one copy would be used
-  silently."""
-  if repeated := [name for name, count in collections.Counter(names).items() if count > 1]:
-    raise ConfigError(
-        f"{where}: column {repeated[0]!r} appears more than once (in {names}); give each column "
-        "its own name."
-    )
-
-
 def _regression_label(raw, where: str) -> float:
   try:
     label = float(raw)
@@ -157,7 +146,7 @@ def _glue_tsv(task: GlueTask, path: str, labelled: bool) -> list[Example]:
   if not rows:
     raise ConfigError(f"{path} is empty; GLUE files start with a header line.")
   header, (text_a, text_b) = rows[0], task.text_columns
-  _refuse_repeated(path, header)
+  sources.refuse_repeated(path, header)
   wanted = [c for c in (text_a, text_b, task.label_column if labelled else None) if c is not None]
   if missing := [c for c in wanted if c not in header]:
     raise ConfigError(f"{path} has no column {missing[0]!r} (its header: {header}); wrong file?")
@@ -247,17 +236,14 @@ CUSTOM_FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jso
 def _custom_records(path: str, file_format: str) -> list[dict]:
   if file_format == "jsonl":
     records = []
-
-    def checked(pairs):  # (of the line being read)
-      _refuse_repeated(f"{path}:{line_number}", [key for key, _ in pairs])
-      return dict(pairs)
-
     with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is not text)
       for line_number, line in enumerate(f, 1):
         if not line.strip():
           continue
         try:
-          records.append(json.loads(line, object_pairs_hook=checked))
+          records.append(
+              json.loads(line, object_pairs_hook=sources.unique_object(f"{path}:{line_number}"))
+          )
         except json.JSONDecodeError as error:
           raise ConfigError(f"{path}:{line_number} is not JSON ({error}).") from None
         if not isinstance(records[-1], dict):
@@ -269,7 +255,7 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
     reader = csv.DictReader(
         f, delimiter="\t" if tsv else ",", quoting=csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL
     )
-    _refuse_repeated(path, reader.fieldnames or [])
+    sources.refuse_repeated(path, reader.fieldnames or [])
     records = list(reader)
   for row_number, record in enumerate(records, 1):
     if None in record:  # DictReader's key for fields past the header's

@@ -51,20 +51,32 @@ def towers(config) -> models.Towers:
 def check_config(config) -> None:
   """objective.name and the keys whose meaning depends on it, refused by name (config_lib.validate
   has refused every value that is not finite)."""
-  name, disc_mlm_weight = config.objective.name, config.objective.disc_mlm_weight
-  if disc_mlm_weight < 0:
-    raise ConfigError(f"objective.disc_mlm_weight={disc_mlm_weight} must be >= 0 (0: off).")
-  if name not in REGISTRY:
-    raise ConfigError(f"objective.name={name!r} is not one of {list(REGISTRY)}.")
+  o, seq_len = config.objective, config.data.max_seq_len
+  for key in ("gen_weight", "disc_weight", "disc_mlm_weight", "adversarial_mlm_weight"):
+    if o[key] < 0:
+      raise ConfigError(f"objective.{key}={o[key]} must be >= 0: a negative weight trains to lose.")
+  if o.name not in REGISTRY:
+    raise ConfigError(f"objective.name={o.name!r} is not one of {list(REGISTRY)}.")
+  if official_max_predictions(o.mask_prob, seq_len) < 1:
+    raise ConfigError(
+        f"objective.mask_prob={o.mask_prob} masks no position of a row of data.max_seq_len="
+        f"{seq_len} (int((mask_prob + 0.005) * max_seq_len) slots): raise either."
+    )
   # mlm trains the tower by MLM alone and ignores the key: the MLM baseline of a recipe that sets it
   # is one override away.
-  if disc_mlm_weight > 0 and not REGISTRY[name].disc_mlm and name != "mlm":
+  if o.disc_mlm_weight > 0 and not REGISTRY[o.name].disc_mlm and o.name != "mlm":
     with_it = " or ".join(repr(n) for n, e in REGISTRY.items() if e.disc_mlm)
     raise ConfigError(
-        f"objective.disc_mlm_weight={disc_mlm_weight} adds an MLM loss to the discriminator of "
-        f"objective.name {with_it}, not {name!r}: set it to 0 or change the objective."
+        f"objective.disc_mlm_weight={o.disc_mlm_weight} adds an MLM loss to the discriminator of "
+        f"objective.name {with_it}, not {o.name!r}: set it to 0 or change the objective."
     )
-  REGISTRY[name].check(config)
+  towers = REGISTRY[o.name].towers
+  if config.model.tie == "all" and (towers.cloze or not towers.has_generator):
+    raise ConfigError(
+        f"objective.name={o.name!r} has no generator tower to share an encoder with: use "
+        "model.tie='embeddings' (or 'none', 'gdes')."
+    )
+  REGISTRY[o.name].check(config)
 
 
 def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjective:
@@ -82,5 +94,4 @@ def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjecti
       random_token_prob=random_token_prob,
       vocab_size=special_ids.get("vocab_size", config.model.vocab_size),
       initial_temperature=o.initial_temperature if pieces.temperature_falls(o) else None,
-      uses_generator=entry.towers.has_generator,
   )

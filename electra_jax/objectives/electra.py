@@ -5,7 +5,7 @@ uniformly from the vocabulary and no generator ("uniform")."""
 import functools
 
 from electra_jax.models import Towers
-from electra_jax.objectives.pieces import Objective, Pass, check_no_generator_to_share, detect
+from electra_jax.objectives.pieces import Objective, Pass, detect
 
 
 def _electra(p: Pass, only_masked: bool = False):
@@ -19,7 +19,5 @@ def _electra(p: Pass, only_masked: bool = False):
 ENTRIES = {
     "electra": Objective(_electra, disc_mlm=True),
     "electra_15": Objective(functools.partial(_electra, only_masked=True), disc_mlm=True),
-    "uniform": Objective(
-        _electra, towers=Towers(has_generator=False), check=check_no_generator_to_share
-    ),
+    "uniform": Objective(_electra, towers=Towers(has_generator=False)),
 }

@@ -40,7 +40,6 @@ def _electric_metrics(metrics, stats, objective, per_token):
 
 
 def _check_electric(config):
-  pieces.check_no_generator_to_share(config)
   if config.data.pack_rows:
     raise ConfigError(
         "Electric's cloze generator reads across the row's ends, so it cannot train on packed "

@@ -86,7 +86,6 @@ ENTRIES = {
         towers=Towers(has_generator=False, mlm_head=True),
         samples=False,
         masking=(0.1, 0.1),
-        check=pieces.check_no_generator_to_share,
     ),
     "replace_mlm": Objective(_replace_mlm, _tower_mlm_metrics, towers=Towers(mlm_head=True)),
     "all_tokens_mlm": Objective(_all_tokens_mlm, _tower_mlm_metrics, towers=Towers(mlm_head=True)),

@@ -50,7 +50,6 @@ class ElectraObjective:
   # The sampling temperature at step 0 (None: `temperature`), falling linearly to `temperature`.
   initial_temperature: float | None = None
   disc_mlm_weight: float = 0.0  # electra(_15): the discriminator's own MLM loss (0: none)
-  uses_generator: bool = True  # False: replacements are drawn uniformly (no generator tower)
 
   @property
   def never_masked_ids(self) -> tuple[int, ...]:
@@ -309,7 +308,7 @@ class Sampled(NamedTuple):
 def generator_logits(p: Pass):
   """[batch, n_pred, vocab]: the generator at the masked slots, or without one (the official
   uniform_generator) zeros: uniform samples and a constant L_MLM."""
-  if p.objective.uses_generator:
+  if p.model.towers.has_generator:
     logits = p.generator(p.masked.input_ids, p.masked.positions)
   else:
     # Zeros made from the batch: XLA would fold the losses and sampling over a constant array
@@ -436,14 +435,6 @@ class Objective:
     """{dotted key: value} a run fixes at its start from its config, the workdir's saved config.json
     and the checkpoint's step; refuses a resume that would move them."""
     return {}
-
-
-def check_no_generator_to_share(config):
-  if config.model.tie == "all":
-    raise ConfigError(
-        f"objective.name={config.objective.name!r} has no generator tower to share an encoder "
-        "with: use model.tie='embeddings' (or 'none', 'gdes')."
-    )
 
 
 # --- Metrics

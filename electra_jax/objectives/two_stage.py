@@ -1,7 +1,6 @@
 """Two-stage training (the paper's section 3.2 ablation): the generator alone by L_MLM until
-objective.two_stage_switch (half the run when 0), then the discriminator, started from the
-generator's encoder, by L_Disc alone. Its hooks copy the encoder at the switch, hold the other
-stage's tower still, and fix the switch at a run's start so a resume with more steps keeps it."""
+objective.two_stage_switch (0: half the run), then by L_Disc alone the discriminator, started from
+the generator's encoder. The hooks copy it at the switch, hold the other tower, fix the switch."""
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +17,12 @@ def _two_stage(p: Pass):
 
 
 def _check_two_stage(config):
-  m = config.model
+  m, switch = config.model, config.objective.two_stage_switch
+  if switch < 0:
+    raise ConfigError(
+        f"objective.two_stage_switch={switch} is no step: give the discriminator's first step, or 0 "
+        "for half the run."
+    )
   if m.generator_fraction != 1.0 or m.tie in ("all", "none"):
     raise ConfigError(
         "objective.name='two_stage' starts the discriminator from the generator's encoder, so the "
@@ -52,15 +56,19 @@ class TwoStage(Objective):
     which a resume with more steps would move. A switch moved past the checkpoint is refused."""
     recorded = None
     if saved is not None and saved["objective"]["name"] == "two_stage":
-      # An older config.json kept 0: the default then was its own train.steps // 2.
-      recorded = saved["objective"]["two_stage_switch"] or saved["train"]["steps"] // 2
-    switch = config.objective.two_stage_switch
+      recorded = saved["objective"]["two_stage_switch"]
+    switch, steps = config.objective.two_stage_switch, config.train.steps
     if not switch:
-      switch = recorded or config.train.steps // 2
+      switch = recorded or steps // 2
       logging.info(
           "objective.two_stage_switch: the discriminator's stage starts at step %d%s.",
           switch,
           " (as this workdir recorded)" if recorded else "",
+      )
+    if not 0 < switch < steps:
+      raise ConfigError(
+          f"objective.two_stage_switch={switch} leaves a stage no step of train.steps={steps}: "
+          f"give a step from 1 to {steps - 1} (0: half the run), or train longer."
       )
     fixed = {"objective.two_stage_switch": switch}
     if start_step is None or recorded in (None, switch) or start_step <= min(switch, recorded):
