@@ -138,20 +138,6 @@ def test_tensorboard_events_equal_jsonl_with_nan_and_resume(tmp_path):
   }
 
 
-@pytest.mark.fault
-def test_without_tensorboardx_training_logs_go_on(tmp_path, monkeypatch):
-  monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import tensorboardX -> ImportError
-  workdir = str(tmp_path / "w")
-  os.makedirs(workdir)
-  train_log, _ = tensorboard_log.open_logs(workdir)
-  train_log.append({"step": 1, "loss": 3.0})
-  train_log.close()
-  assert [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))] == [
-      {"loss": 3.0, "step": 1}
-  ]
-  assert not os.path.exists(os.path.join(workdir, "tensorboard"))
-
-
 def test_event_files_leave_torch_unloaded_and_importable(tmp_path):
   # tensorboardX would import torch (seconds and hundreds of MB in every run) when it is installed.
   code = (
