@@ -306,10 +306,8 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
         train.train_and_evaluate(config, workdir, take_over_workdir=take_over)
       except Exception as error:  # noqa: BLE001 (the sweep goes on; the error is kept and reported)
         workdir_lease.hold(lease)  # a sweep that took the folder over owns this run: stop
-        if isinstance(error, ConfigError):  # the user's input: the message says it all
-          logging.error("Sweep run %s failed: %s Going on with the next one.", run.name, error)
-        else:
-          logging.exception("Sweep run %s failed; going on with the next one.", run.name)
+        traceback = not isinstance(error, ConfigError)  # the user's input: its message says all
+        logging.error("Sweep run %s failed (%s); going on.", run.name, error, exc_info=traceback)
         failed.append(run.name)
         workdir_files.write_text(error_file, f"{type(error).__name__}: {error}\n")
         continue
