@@ -10,7 +10,7 @@ from electra_jax import config_lib, sweep, train
 
 
 def load_config(recipe: str, overrides: Mapping[str, object] | None = None):
-  """A recipe by name or path (as sweep.load_recipe) with `{"group.key": value}` overrides, each
+  """A recipe by name or path (as --config takes it) with `{"group.key": value}` overrides, each
   checked as `--config.group.key=value` is; a list is the comma-separated value the flag takes."""
 
   def as_typed(value) -> str:  # what the flag would say
@@ -20,7 +20,8 @@ def load_config(recipe: str, overrides: Mapping[str, object] | None = None):
       return ",".join(map(as_typed, value))
     return str(value).lower() if isinstance(value, bool) else repr(value)
 
-  return sweep.load_recipe(recipe, [(key, as_typed(v)) for key, v in (overrides or {}).items()])
+  pairs = [(key, as_typed(value)) for key, value in (overrides or {}).items()]
+  return sweep.apply_overrides(config_lib.load_recipe(recipe, "recipe"), pairs, "Override")
 
 
 def _log_progress() -> None:

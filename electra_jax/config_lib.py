@@ -52,8 +52,7 @@ class RecipeParser(ConfigFileFlagParser):
 
   def parse(self, path):
     try:  # the recipe's get_config is called here: ml_collections would turn its error into text
-      recipe, colon, arg = _checked_recipe(path).partition(":")
-      config = _load(recipe).get_config(*([arg] if colon else []))
+      config = load_recipe(path)
     except ConfigError as error:
       self.refused = error
       raise
@@ -65,36 +64,14 @@ class RecipeParser(ConfigFileFlagParser):
     return config
 
 
-def _checked_recipe(value: str) -> str:
-  path = resolve_recipe(value)
-  recipe = path.split(":", 1)[0]
-  if recipe.endswith(".json"):
-    raise ConfigError(
-        f"--config={path} is a JSON file; --config takes a recipe (a .py file with get_config()). "
-        "To continue a workdir, pass --workdir=DIR alone, or --config=configs/workdir.py:DIR."
-    )
-  if not os.path.isfile(recipe):
-    raise ConfigError(
-        f"--config={path}: {recipe} is {'a directory' if os.path.isdir(recipe) else 'not a file'}, "
-        "and no recipe has that name. Give a recipe file or a recipe's name, e.g. demo or "
-        f"finetune/glue ({RECIPES_DIR} lists them)."
-    )
-  return path
-
-
 def unknown_key(config, dotted: str) -> tuple[str, str] | None:
-  """(the first part of `dotted` that `config` lacks, a hint: its close match, or the commit that
-  removed the key), or None when `config` has the whole key."""
+  """(the first part of `dotted` that `config` lacks, its close match as a hint, or ""), or None
+  when `config` has the whole key."""
   group = config
   for part in dotted.split("."):
     if not isinstance(group, ml_collections.ConfigDict) or part not in group:
       keys = list(group.keys()) if isinstance(group, ml_collections.ConfigDict) else []
-      hint = "".join(f"Did you mean {m!r}?" for m in difflib.get_close_matches(part, keys, n=1))
-      if dotted in REMOVED_KEYS:
-        hint = (
-            f"It was removed: {REMOVED_KEYS[dotted][1]} is the last commit with it (CHANGELOG.md)."
-        )
-      return part, hint
+      return part, "".join(f"Did you mean {m!r}?" for m in difflib.get_close_matches(part, keys, 1))
     group = group[part]
   return None
 
@@ -104,28 +81,23 @@ def flags_parser(program: str):
   one line."""
 
   def parse(argv: list[str]) -> list[str]:
-    parser = flags.FLAGS["config"].parser if "config" in flags.FLAGS else None
-    if isinstance(parser, RecipeParser):  # absl shares one parser among equal flags: start clean
-      parser.loaded = parser.refused = None
+    parser = flags.FLAGS["config"].parser  # define_config_flag's
+    parser.loaded = parser.refused = None  # absl shares one parser among equal flags: start clean
     try:
       return flags.FLAGS(argv)
-    except flags.Error as error:
-      if getattr(parser, "refused", None) is not None:  # the recipe's own refusal
-        sys.exit(f"{program}: error: {parser.refused}")
-      if isinstance(error, flags.UnrecognizedFlagError) and error.flagname.startswith("config."):
-        sys.exit(
-            f"{program}: error: --{error.flagname} changes a recipe, but no --config was given. To change a "
-            "workdir's config.json, pass --config=configs/workdir.py:DIR (DIR = the workdir) with the overrides."
+    except flags.Error as error:  # one line, as every mistake (--helpfull lists the flags)
+      if parser.refused is not None:  # the recipe's own refusal
+        error = parser.refused
+      elif isinstance(error, flags.UnrecognizedFlagError) and error.flagname.startswith("config."):
+        error = (
+            f"--{error.flagname} changes a recipe, but no --config was given: to change a workdir's "
+            "config.json, pass --config=configs/workdir.py:DIR (DIR = the workdir) with the overrides."
         )
-      sys.stderr.write(
-          f"FATAL Flags parsing error: {error}\nPass --helpshort or --helpfull to see help on flags.\n"
-      )
-      sys.exit(1)
+      sys.exit(f"{program}: error: {error}")
     except (AttributeError, KeyError):  # ml_collections: an override of a key the recipe lacks
-      loaded = getattr(parser, "loaded", None)
-      for arg in argv[1:] if loaded is not None else ():
+      for arg in argv[1:] if parser.loaded is not None else ():
         flag = arg.split("=")[0]
-        if flag.startswith("--config.") and (found := unknown_key(loaded, flag[9:])):
+        if flag.startswith("--config.") and (found := unknown_key(parser.loaded, flag[9:])):
           key, hint = found
           sys.exit(
               f"{program}: error: {flag}: the config has no key {key!r}. {hint + ' ' if hint else ''}"
@@ -149,14 +121,35 @@ def changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 
 # The recipes: electra_jax/configs in an installed wheel, configs/ beside the package in a checkout.
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_PACKAGED_RECIPES = os.path.join(_PACKAGE_DIR, "configs")
-RECIPES_DIR = (
-    _PACKAGED_RECIPES
-    if os.path.isdir(_PACKAGED_RECIPES)
-    else os.path.join(os.path.dirname(_PACKAGE_DIR), "configs")
-)
+RECIPES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+if not os.path.isdir(RECIPES_DIR):
+  RECIPES_DIR = os.path.join(os.path.dirname(os.path.dirname(RECIPES_DIR)), "configs")
 _BASE_RECIPE = os.path.join(RECIPES_DIR, "base.py")
+
+
+def load_recipe(value: str, flag: str = "--config") -> ml_collections.ConfigDict:
+  """The config of a recipe given by its file or its name (`demo`, `finetune/glue`, any `:ARG`);
+  errors name it as `flag`."""
+  recipe, colon, arg = resolve_recipe(value).partition(":")
+  if recipe.endswith(".json"):
+    raise ConfigError(
+        f"{flag}={value} is a JSON file; {flag} takes a recipe (a .py file with get_config()): to "
+        "continue a workdir, pass --workdir=DIR alone, or --config=configs/workdir.py:DIR."
+    )
+  if not os.path.isfile(recipe):
+    raise ConfigError(
+        f"{flag}={value}: {recipe} is {'a directory' if os.path.isdir(recipe) else 'not a file'}, "
+        f"and no recipe has that name; give a recipe's file or name ({RECIPES_DIR} lists them)."
+    )
+  try:
+    config = _load(recipe).get_config(*([arg] if colon else []))
+  except ConfigError:
+    raise
+  except Exception as error:  # noqa: BLE001 (a recipe is the user's code: its mistake in one line)
+    raise ConfigError(f"{flag}={value}: {type(error).__name__}: {error}; fix the recipe.") from None
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigError(f"{flag}={value}: get_config() returned {config!r}, not a ConfigDict.")
+  return config
 
 
 def resolve_recipe(value: str) -> str:
@@ -171,19 +164,16 @@ def resolve_recipe(value: str) -> str:
 
 
 def with_defaults(saved: dict) -> ml_collections.ConfigDict:
-  """A saved config (a config.json's dict) completed at any depth with configs/base.py's defaults,
-  each saved value checked against its default's type as an override is: a key the defaults lack,
-  or a value of another type (a bool for a number, 7.9 for an integer), raises ValueError naming it.
-  """
+  """A saved config (config.json's, sweep.json's base) less the version that wrote it, completed
+  with configs/base.py's defaults; a key they lack, or a value of another type than its default's
+  (a bool for a number, 7.9 for an integer), raises ValueError naming it, as an override would."""
 
   def merged_over(defaults: dict, saved: dict, prefix: str = "") -> dict:
     merged = dict(defaults)
     for key, value in saved.items():
       name, default = prefix + key, defaults.get(key)
       if key not in defaults:
-        raise ValueError(
-            f"{name} is no key of this electra-jax's config (configs/base.py lists them)"
-        )
+        raise ValueError(f"{name} is no key of this electra-jax's config (see configs/base.py)")
       if isinstance(default, dict) and isinstance(value, dict):
         merged[key] = merged_over(default, value, name + ".")
       elif default is None or _same_kind(default, value):
@@ -191,13 +181,12 @@ def with_defaults(saved: dict) -> ml_collections.ConfigDict:
       else:
         raise ValueError(
             f"{name}={value!r} is of type {type(value).__name__}, but the key's type is "
-            f"{type(default).__name__} (its default: {default!r})"
+            f"{type(default).__name__}"
         )
     return merged
 
-  return ml_collections.ConfigDict(
-      merged_over(sibling(_BASE_RECIPE, "base").get_config().to_dict(), saved)
-  )
+  saved = {key: value for key, value in saved.items() if key != VERSION_KEY}
+  return ml_collections.ConfigDict(merged_over(_load(_BASE_RECIPE).get_config().to_dict(), saved))
 
 
 def _same_kind(default, value) -> bool:
@@ -210,51 +199,22 @@ def _same_kind(default, value) -> bool:
   return type(value) is type(default)
 
 
-# Keys this version no longer has: (the value that means what it does now, the last commit with the key).
-# A config.json holding that value loads without the key; any other value is refused.
-REMOVED_KEYS = {
-    "model.ngram_buckets": (0, "f1a0b9b"),
-    "model.generator_attention_conv": (-1, "f1a0b9b"),
-}
-
-
-def without_removed_keys(saved: dict, file) -> dict:
-  for key, (same, commit) in REMOVED_KEYS.items():
-    group, _, name = key.partition(".")
-    if (value := saved.get(group, {}).pop(name, same)) != same:
-      raise ConfigError(
-          f"{file} sets {key}={value!r}, a key this electra-jax no longer has (CHANGELOG.md says "
-          f"why). Use electra-jax at commit {commit}, the last with it, for this workdir, or start "
-          "a new --workdir."
-      )
-  return saved
-
-
 def saved_config(workdir: str) -> dict | None:
   """<workdir>/config.json as a dict completed with_defaults; None if there is none."""
   from electra_jax import workdir_files  # noqa: PLC0415 (keeps recipes' imports light)
 
-  def groups(saved) -> dict:  # the config groups, less the version that wrote them
-    names = ("model", "train", "data", "objective", "optimizer")
-    if not isinstance(saved, dict) or any(
-        not isinstance(saved[g], dict) for g in names if g in saved
-    ):
-      raise ValueError(f"a config is an object whose groups {', '.join(names)} are objects")
-    return {key: value for key, value in saved.items() if key != VERSION_KEY}
-
-  path = workdir_files.path(workdir, "config.json")
-  if not workdir_files.exists(path):
-    return None
-  parse = lambda saved: with_defaults(without_removed_keys(groups(saved), path))  # noqa: E731
-  return workdir_files.read_json(path, parse).to_dict()
+  file = workdir_files.path(workdir, "config.json")
+  if workdir_files.exists(file):
+    return workdir_files.read_json(file, with_defaults).to_dict()
+  return None
 
 
 def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
   """The config a training run saved as <workdir>/config.json (see saved_config)."""
   if (saved := saved_config(workdir)) is None:
     raise ConfigError(
-        f"{workdir} has no config.json, so it is not a pre-training workdir; pass the --workdir a "
-        "training run wrote (or give --config)."
+        f"{workdir} has no config.json, so it is no pre-training workdir to go on with: give --config "
+        "(a recipe, e.g. configs/demo.py), or the --workdir a training run wrote."
     )
   return ml_collections.ConfigDict(saved)
 
@@ -262,19 +222,17 @@ def load_workdir_config(workdir: str) -> ml_collections.ConfigDict:
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
 
 
-def parse_duration(text: str, key: str = "train.time_budget") -> float:
-  """Seconds in a duration such as "90s", "12m", "4h", "1h30m" or "1.5h"; else ConfigError naming `key`."""
+def parse_duration(text: str) -> float:
+  """Seconds in train.time_budget's duration ("90s", "12m", "4h", "1h30m", "1.5h"); else ConfigError."""
   match = _DURATION.fullmatch(text.strip().lower())
   if not text.strip() or match is None:
     raise ConfigError(
-        f"{key}={text!r} is not a duration: write hours, minutes and seconds in that order, "
-        'e.g. "90s", "12m", "4h" or "1h30m" ("" = no budget).'
+        f"train.time_budget={text!r} is not a duration: write hours, minutes and seconds in that "
+        'order, e.g. "90s", "12m", "4h" or "1h30m" ("" = no budget).'
     )
   hours, minutes, seconds = (float(part or 0) for part in match.groups())
   if (total := 3600 * hours + 60 * minutes + seconds) <= 0:
-    raise ConfigError(
-        f'{key}={text!r} is no time at all: give a positive duration, or "" for no budget.'
-    )
+    raise ConfigError(f"train.time_budget={text!r} is no time at all: give a positive duration.")
   return total
 
 
@@ -311,50 +269,50 @@ def save_config(workdir: str, config, before: dict | None, start_step: int | Non
   config.step<N>.json."""
   from electra_jax import workdir_files  # noqa: PLC0415 (keeps recipes' imports light)
 
-  text = config_file_text(config)
-  changes = before is not None and start_step is not None and changed_keys(before, as_saved(config))
   file = workdir_files.path(workdir, "config.json")
   workdir_files.makedirs(file.parent)
-  kept = workdir_files.path(workdir, f"config.step{start_step}.json")
-  # A second resume from the same checkpoint finds the first one's settings in config.json,
-  # which never trained it: the file the first resume kept stays as it is.
-  if changes and not workdir_files.exists(kept):
-    workdir_files.write_text(kept, workdir_files.read_text(file))
+  changes = before is not None and start_step is not None and changed_keys(before, as_saved(config))
   if changes:
-    logging.warning(
-        "Resuming at step %d with settings that differ from the workdir's config.json (kept as "
-        "%s): %s",
-        start_step,
-        kept.name,
-        "; ".join(changes),
+    kept = workdir_files.path(workdir, f"config.step{start_step}.json")
+    # A second resume from the same checkpoint finds the first one's settings in config.json,
+    # which never trained it: the file the first resume kept stays as it is.
+    if not workdir_files.exists(kept):
+      workdir_files.write_text(kept, workdir_files.read_text(file))
+    message = (
+        "Resuming at step %d with settings that differ from the workdir's config.json (%s): %s"
     )
-  workdir_files.write_text(file, text)
+    logging.warning(message, start_step, f"kept as {kept.name}", "; ".join(changes))
+  workdir_files.write_text(file, config_file_text(config))
 
 
-# Bounds as the messages state them, and their tests.
-_AT_LEAST_1, _AT_LEAST_0, _POSITIVE = (
-    (">= 1", lambda v: v >= 1),
-    (">= 0", lambda v: v >= 0),
-    ("> 0", lambda v: v > 0),
-)
-_BELOW_1, _FRACTION = ("in [0, 1)", lambda v: 0 <= v < 1), ("in [0, 1]", lambda v: 0 <= v <= 1)
+_WITHIN = {  # a bound as the messages state it: its test
+    ">= 1": lambda v: v >= 1,
+    ">= 0": lambda v: v >= 0,
+    "> 0": lambda v: v > 0,
+    "finite and > 0": lambda v: math.isfinite(v) and v > 0,
+    "in [0, 1)": lambda v: 0 <= v < 1,
+    "in [0, 1]": lambda v: 0 <= v <= 1,
+    "in (0, 1]": lambda v: 0 < v <= 1,
+    "in (0, 1)": lambda v: 0 < v < 1,
+}
 
 
-def _check_bounds(config, bounds, prefix: str = "") -> None:
-  """ConfigError for the first (dotted key, bound, test, meaning) whose value fails; `prefix` names the group."""
-  for key, bound, within, meaning in bounds:
-    value = functools.reduce(lambda group, name: group[name], key.split("."), config)
-    if not within(value):
-      raise ConfigError(f"{prefix}{key}={value} must be {bound}{meaning}.")
+def check_bounds(group, bounds: dict, prefix: str = "") -> None:
+  """ConfigError for the first key of `bounds` ({dotted key: (bound, what it means)}) whose value
+  in `group` is outside its bound; `prefix` names the group."""
+  for key, (bound, meaning) in bounds.items():
+    value = functools.reduce(lambda group, name: group[name], key.split("."), group)
+    if not _WITHIN[bound](value):
+      raise ConfigError(f"{prefix}{key}={value} must be {bound} ({meaning}).")
 
 
 def check_encoder_sizes(m, keys, prefix: str, why: str) -> None:
   """Refuses a size in `keys` of model config `m` below 1, or heads that do not divide the hidden size."""
-  _check_bounds(m, [(key, *_AT_LEAST_1, why) for key in keys], prefix)
+  check_bounds(m, {key: (">= 1", why) for key in keys}, prefix)
   if m.hidden_size % m.num_heads:
     raise ConfigError(
-        f"{prefix}hidden_size={m.hidden_size} is not divisible by {prefix}num_heads={m.num_heads}. "
-        "Pick num_heads dividing hidden_size (ELECTRA uses hidden_size / 64 heads)."
+        f"{prefix}hidden_size={m.hidden_size} is not divisible by {prefix}num_heads={m.num_heads}: "
+        "pick num_heads dividing hidden_size (ELECTRA uses hidden_size / 64 heads)."
     )
 
 
@@ -365,89 +323,48 @@ def check_finite(config: ml_collections.ConfigDict, prefix: str = "") -> None:
     if isinstance(value, ml_collections.ConfigDict):
       check_finite(value, name + ".")
     elif isinstance(value, float) and not math.isfinite(value):
-      raise ConfigError(
-          f"{name}={value} is not a finite number; give a finite one (configs/base.py has the default)."
-      )
+      raise ConfigError(f"{name}={value} is not a finite number; give a finite one.")
 
 
 def check_optimizer(o: ml_collections.ConfigDict, typical_lr: str) -> None:
   """The AdamW keys pre-training and fine-tuning share; `typical_lr` goes into the message."""
-  _check_bounds(
-      o,
-      (
-          ("learning_rate", *_POSITIVE, f" (the schedule's peak; {typical_lr})"),
-          ("weight_decay", *_AT_LEAST_0, " (0 = none; official 0.01)"),
-          ("b1", *_BELOW_1, " (official 0.9)"),
-          ("b2", *_BELOW_1, " (official 0.999)"),
-          ("eps", *_POSITIVE, " (official 1e-6)"),
-          ("clip_norm", *_POSITIVE, " (the global gradient norm's cap; official 1.0)"),
-      ),
-      "optimizer.",
-  )
+  bounds = {
+      "learning_rate": ("> 0", f"the schedule's peak; {typical_lr}"),
+      "weight_decay": (">= 0", "0 = none; official 0.01"),
+      "b1": ("in [0, 1)", "official 0.9"),
+      "b2": ("in [0, 1)", "official 0.999"),
+      "eps": ("> 0", "official 1e-6"),
+      "clip_norm": ("> 0", "the global gradient norm's cap; official 1.0"),
+  }
+  check_bounds(o, bounds, "optimizer.")
 
 
 def check_rates(group: ml_collections.ConfigDict, keys, prefix: str) -> None:
   """Dropout rates: in [0, 1) (a rate of 1 would drop everything)."""
-  _check_bounds(group, [(key, *_BELOW_1, " (the paper: 0.1)") for key in keys], prefix + ".")
+  check_bounds(group, {key: ("in [0, 1)", "the paper: 0.1") for key in keys}, prefix + ".")
 
 
-# validate's bounds on single keys: (key, bound, test, what the key means).
-_TEMPERATURE = (
-    "finite and > 0",
-    lambda v: math.isfinite(v) and v > 0,
-    " (the sampling temperature; official 1.0)",
-)
-_BOUNDS = (
-    (
-        "model.generator_fraction",
-        "in (0, 1]",
-        lambda v: 0 < v <= 1,
-        " (of the discriminator's width; paper: 1/4-1/2)",
-    ),
-    ("train.grad_accum_steps", *_AT_LEAST_1, " (micro-batches per step)"),
-    (
-        "train.memory_fraction",
-        "in (0, 1]",
-        lambda v: 0 < v <= 1,
-        " (the share of a device's memory a step may use)",
-    ),
-    ("train.steps_per_call", *_AT_LEAST_1, " (optimizer steps per compiled call)"),
-    ("train.steps", *_AT_LEAST_1, " (optimizer steps in all)"),
-    ("train.log_every", *_AT_LEAST_1, " (steps per logged line)"),
-    ("checkpoint.every_steps", *_AT_LEAST_1, " (steps between checkpoints)"),
-    (
-        "checkpoint.keep",
-        *_AT_LEAST_1,
-        " (checkpoints kept; a run that keeps none could never resume)",
-    ),
-    ("optimizer.warmup_steps", *_AT_LEAST_0, " (0 = no warmup; the paper uses 10000)"),
-    (
-        "optimizer.warmup_fraction",
-        *_BELOW_1,
-        " (of train.steps, warming up; 0 = use optimizer.warmup_steps)",
-    ),
-    ("eval.every_steps", *_AT_LEAST_0, " (0 = no held-out evaluation)"),
-    ("eval.num_batches", *_AT_LEAST_1, " (batches of held-out data per evaluation)"),
-    ("eval.batch_size", *_AT_LEAST_0, " (0 = the training micro-batch)"),
-    (
-        "objective.mask_prob",
-        "in (0, 1)",
-        lambda v: 0 < v < 1,
-        " (the share of positions chosen; official 0.15)",
-    ),
-    (
-        "objective.keep_original_prob",
-        *_FRACTION,
-        " (the share of chosen positions not [MASK]ed; official 0.15)",
-    ),
-    ("objective.temperature", *_TEMPERATURE),
-    ("objective.initial_temperature", *_TEMPERATURE),
-    (
-        "objective.temperature_decay_fraction",
-        *_FRACTION,
-        " (of train.steps the temperature falls over; 0 = none)",
-    ),
-)
+_SIZES = ("hidden_size", "num_heads", "intermediate_size", "embedding_size", "vocab_size")
+_BOUNDS = {  # validate's bounds on single keys
+    "model.generator_fraction": ("in (0, 1]", "of the discriminator's width; paper: 1/4-1/2"),
+    "train.grad_accum_steps": (">= 1", "micro-batches per step"),
+    "train.memory_fraction": ("in (0, 1]", "the share of a device's memory a step may use"),
+    "train.steps_per_call": (">= 1", "optimizer steps per compiled call"),
+    "train.steps": (">= 1", "optimizer steps in all"),
+    "train.log_every": (">= 1", "steps per logged line"),
+    "checkpoint.every_steps": (">= 1", "steps between checkpoints"),
+    "checkpoint.keep": (">= 1", "checkpoints kept; a run that keeps none could never resume"),
+    "optimizer.warmup_steps": (">= 0", "0 = no warmup; the paper uses 10000"),
+    "optimizer.warmup_fraction": ("in [0, 1)", "of train.steps; 0 = optimizer.warmup_steps"),
+    "eval.every_steps": (">= 0", "0 = no held-out evaluation"),
+    "eval.num_batches": (">= 1", "batches of held-out data per evaluation"),
+    "eval.batch_size": (">= 0", "0 = the training micro-batch"),
+    "objective.mask_prob": ("in (0, 1)", "the share of positions chosen; official 0.15"),
+    "objective.keep_original_prob": ("in [0, 1]", "chosen ones left un-[MASK]ed; official 0.15"),
+    "objective.temperature": ("finite and > 0", "the sampling temperature; official 1.0"),
+    "objective.initial_temperature": ("finite and > 0", "the sampling temperature at step 0"),
+    "objective.temperature_decay_fraction": ("in [0, 1]", "of train.steps it falls over; 0 = none"),
+}
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -456,20 +373,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   from electra_jax.data.config import check_config as check_data_config  # noqa: PLC0415
 
   m, t, d = config.model, config.train, config.data
-  check_encoder_sizes(
-      m,
-      (
-          "hidden_size",
-          "num_heads",
-          "intermediate_size",
-          "embedding_size",
-          "vocab_size",
-          "max_position_embeddings",
-      ),
-      "model.",
-      " (configs/base.py gives its typical value)",
-  )
-  _check_bounds(config, _BOUNDS)
+  sizes = (*_SIZES, "max_position_embeddings")
+  check_encoder_sizes(m, sizes, "model.", "configs/base.py gives its typical value")
+  check_bounds(config, _BOUNDS)
   check_rates(m, ("dropout_rate", "attention_dropout_rate"), "model")
   if d.max_seq_len > m.max_position_embeddings:
     raise ConfigError(
@@ -495,6 +401,4 @@ def validate(config: ml_collections.ConfigDict) -> None:
   check_finite(config)  # after the checks above, whose messages say more where they apply
   tensorboard_log.writer_names(t.metric_writers)
   objectives.check_config(config)
-  models.build_model(
-      config, objectives.towers(config)
-  )  # the model's own refusals; nothing is initialized
+  models.build_model(config, objectives.towers(config))  # its own refusals; nothing initialized

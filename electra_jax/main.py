@@ -13,7 +13,18 @@ import threading
 import time
 from typing import Callable
 
-import flax
+
+def _stop_outside_the_work(signum, frame):
+  os.write(2, b"electra-jax: stopped by Ctrl-C while starting or ending; what it did is kept.\n")
+  os._exit(130)
+
+
+# A Ctrl-C while JAX imports (seconds) ends in one line, not a traceback: until main() takes
+# SIGINT, nothing has started or all has ended. Only as the CLI (`python -m`, the console script).
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "electra-jax":
+  signal.signal(signal.SIGINT, _stop_outside_the_work)
+
+import flax  # noqa: E402 (the imports that take seconds come after the handler)
 import jax
 from absl import app, flags, logging
 
@@ -86,11 +97,6 @@ def end_summary(config, metrics: dict, workdir: str, seconds: float) -> str:
 # docstring is its line of --help.
 def _train(config, workdir):
   """pre-train, or resume, in --workdir (the default mode)"""
-  if config is None and not workdir_files.exists(workdir_files.path(workdir, "config.json")):
-    raise ConfigError(
-        "--mode=train needs --config (a recipe, e.g. configs/demo.py), unless --workdir already "
-        "holds a config.json to continue with."
-    )
   config = config or config_lib.load_workdir_config(workdir)
   started = time.perf_counter()
   metrics = train.train_and_evaluate(config, workdir, take_over_workdir=FLAGS.take_over_workdir)
@@ -181,7 +187,7 @@ def _sweep(config, workdir):
   print(f"Tables: {workdir}/results.md, {workdir}/results.csv", end="")
   print(f"  Curves: {workdir}/curves.png" if curves else "")
   if result["preempted"]:
-    print("The sweep stopped at a SIGTERM; run the same command to go on where it stopped.")
+    print("The sweep stopped at a SIGTERM or SIGHUP; the same command goes on where it stopped.")
   if result["failed"]:
     sys.exit(
         f"electra-jax: {len(result['failed'])} sweep run(s) failed: {', '.join(result['failed'])} "
@@ -225,9 +231,12 @@ MODES = {
     "sweep_report": Mode(_sweep_report, recipe=None),
     "plot": Mode(_plot, ("out",), recipe=None),
 }
-_RECIPES = {  # what --config is, by the kind of recipe a mode reads
-    "pretraining": "a pre-training recipe (configs/demo.py, configs/electra_small.py, ...)",
-    "finetuning": "a fine-tuning recipe (configs/finetune/)",
+_RECIPES = {  # the kinds of --config a mode reads: (what it is, what to do with it in another mode)
+    "pretraining": (
+        "a pre-training recipe (configs/demo.py, configs/electra_small.py, ...)",
+        "give one whose init_from is the pre-training workdir",
+    ),
+    "finetuning": ("a fine-tuning recipe (configs/finetune/)", "add --mode=finetune"),
 }
 _NEEDED = {  # what a mode says of a flag it needs and lacks
     "topology": "--topology (e.g. v5e-16, v4-32, v5p-64, v6e-8, h100)",
@@ -265,14 +274,8 @@ def _check_flags(name: str, mode: Mode, config) -> None:
   """The flags `mode` needs, and a recipe of its kind (fine-tuning ones have init_from)."""
   kind = config is not None and ("finetuning" if "init_from" in config else "pretraining")
   if kind and mode.recipe not in (None, kind):
-    fix = (
-        "add --mode=finetune"
-        if kind == "finetuning"
-        else "give one whose init_from is the pre-training workdir"
-    )
-    raise ConfigError(
-        f"--config is {_RECIPES[kind]}, but --mode={name} takes {_RECIPES[mode.recipe]}: {fix}."
-    )
+    (seen, fix), (taken, _) = _RECIPES[kind], _RECIPES[mode.recipe]
+    raise ConfigError(f"--config is {seen}, but --mode={name} takes {taken}: {fix}.")
   if mode.one_process and jax.process_count() > 1:
     raise ConfigError(
         f"--mode={name} runs in one process, but this is process {jax.process_index()} of "
@@ -283,7 +286,7 @@ def _check_flags(name: str, mode: Mode, config) -> None:
     raise ConfigError(f"--mode={name} needs --workdir.")
   for names in mode.needs:
     if all(FLAGS[flag].value in (None, "", []) for flag in names.split()):
-      what = f"--config: {_RECIPES[mode.recipe]}" if names == "config" else _NEEDED[names]
+      what = f"--config: {_RECIPES[mode.recipe][0]}" if names == "config" else _NEEDED[names]
       raise ConfigError(f"--mode={name} needs {what}.")
 
 

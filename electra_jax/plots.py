@@ -16,6 +16,8 @@ def expand_workdirs(workdirs: Sequence[str]) -> list[tuple[str, str]]:
   """[(label, workdir)]: a sweep folder (with sweep.json) becomes its runs."""
   expanded = []
   for workdir in workdirs:
+    if not workdir_files.exists(workdir_files.path(workdir)):
+      raise ConfigError(f"{workdir} does not exist: give training workdirs or sweep folders.")
     name = os.path.basename(os.path.normpath(workdir))
     runs = (workdir_files.read_sweep(workdir) or {"runs": ()})["runs"]
     paths = [(f"{name}/{run}", os.fspath(workdir_files.path(workdir, run))) for run, _ in runs]
@@ -33,6 +35,10 @@ def plot_curves(
   except ImportError as error:
     raise ConfigError("Plots need matplotlib (pip install matplotlib, the plots extra).") from error
 
+  if out and workdir_files.path(out).is_dir():
+    raise ConfigError(f"--out={out} is a directory: give the PNG's path, e.g. {out}/curves.png.")
+  if out:
+    workdir_files.check_usable(os.path.dirname(out) or ".", "--out")
   runs = expand_workdirs(workdirs)
   logs = []  # (label, {"train": records, "eval": records}) of the workdirs that logged
   for label, workdir in runs:

@@ -31,14 +31,7 @@ ERROR_FILE = "sweep_error.txt"
 Override = tuple[str, str]  # (config key, the value as the user wrote it)
 
 # The tables' metric columns: these first (and only these in results.md), then the others sorted.
-HEADLINE_METRICS = (
-    "loss",
-    "masked_lm_accuracy",
-    "disc_auc",
-    "disc_accuracy",
-    "main_mlm_accuracy",
-    "cloze_loss",
-)
+HEADLINE_METRICS = (*plots.DEFAULT_METRICS, "disc_accuracy", "main_mlm_accuracy", "cloze_loss")
 NOT_IN_TABLE = (
     "step",
     "steps_per_sec",
@@ -72,17 +65,22 @@ def expand(grid: Sequence[str] = (), sweep_file: str | None = None) -> list[list
   with the product of the --sweep=KEY=V1,V2 `grid` (either alone works too)."""
   lines = [[]]
   if sweep_file:
-    if not os.path.exists(sweep_file):
-      raise ConfigError(f"--sweep_file={sweep_file} does not exist.")
+    if not os.path.isfile(sweep_file):  # a directory fails to open, a FIFO waits forever
+      what = "is not a regular file" if os.path.exists(sweep_file) else "does not exist"
+      raise ConfigError(f"--sweep_file={sweep_file} {what}: give a text file, one run per line.")
+    try:
+      with open(sweep_file, encoding="utf-8") as f:
+        text = f.read()
+    except UnicodeDecodeError as error:
+      raise ConfigError(f"--sweep_file={sweep_file} is not UTF-8 text ({error}).") from None
     lines = []
-    with open(sweep_file) as f:
-      for number, line in enumerate(f, 1):
-        try:
-          words = shlex.split(line, comments=True)
-        except ValueError as error:
-          raise ConfigError(f"{sweep_file}:{number}: {error}") from None
-        if words:
-          lines.append([_split_override(word, f"{sweep_file}:{number}") for word in words])
+    for number, line in enumerate(text.splitlines(), 1):
+      try:
+        words = shlex.split(line, comments=True)
+      except ValueError as error:
+        raise ConfigError(f"{sweep_file}:{number}: {error}") from None
+      if words:
+        lines.append([_split_override(word, f"{sweep_file}:{number}") for word in words])
     if not lines:
       raise ConfigError(f"--sweep_file={sweep_file} lists no runs (one line of overrides per run).")
   axes = []
@@ -168,15 +166,7 @@ def name_runs(
 
 def read_record(sweep_dir: str) -> dict | None:
   """SWEEP_DIR/sweep.json with its runs as Runs; None for a folder that is no sweep's."""
-  file = workdir_files.path(sweep_dir, SWEEP_FILE)
-
-  def check_base(saved: dict) -> None:  # as a workdir's config.json is checked
-    if not isinstance(saved, dict):
-      raise ValueError("base_config is not an object of config groups")
-    groups = {key: value for key, value in saved.items() if key != config_lib.VERSION_KEY}
-    config_lib.with_defaults(config_lib.without_removed_keys(groups, file))
-
-  record = workdir_files.read_sweep(sweep_dir, check_base)
+  record = workdir_files.read_sweep(sweep_dir, config_lib.with_defaults)
   return record and dict(record, runs=[Run(*run) for run in record["runs"]])
 
 
@@ -184,25 +174,13 @@ def run_dir(sweep_dir: str, run: Run) -> str:
   return os.fspath(workdir_files.path(sweep_dir, run.name))
 
 
-def load_recipe(
-    recipe: str, overrides: Sequence[Override] = (), what: str = "Override", flag: str = "recipe"
-) -> ml_collections.ConfigDict:
-  """A recipe by name or path (`demo`, `finetune/tiny:ARG`) with `overrides`; errors name it as
-  `flag`."""
-  path, _, arg = config_lib.resolve_recipe(recipe).partition(":")
-  if not os.path.isfile(path):
-    raise ConfigError(
-        f"{flag}={recipe!r} is neither a file nor a recipe in {config_lib.RECIPES_DIR} "
-        "(e.g. 'demo', 'electra_small', 'finetune/glue')."
-    )
-  module = config_lib.sibling(path, os.path.splitext(os.path.basename(path))[0])
-  return apply_overrides(module.get_config(arg) if arg else module.get_config(), overrides, what)
-
-
 def load_finetune_config(recipe: str, overrides: Sequence[str]) -> ml_collections.ConfigDict:
   """--sweep_finetune's recipe with --sweep_finetune_override's key=value overrides."""
   pairs = [_split_override(o, f"--sweep_finetune_override={o}") for o in overrides]
-  return load_recipe(recipe, pairs, "Sweep", "--sweep_finetune")
+  config = config_lib.load_recipe(recipe, "--sweep_finetune")
+  if "init_from" not in config:  # what every fine-tuning recipe has
+    raise ConfigError(f"--sweep_finetune={recipe} is no fine-tuning recipe (configs/finetune/).")
+  return apply_overrides(config, pairs)
 
 
 def _latest_checkpoint(workdir: str) -> int | None:
@@ -240,13 +218,11 @@ def run_sweep(
   """Trains every unfinished run (all checked before anything is written), fine-tunes each if
   asked, writes the tables and curves; {"runs", "failed", "rows", "preempted"}."""
   override_lists = expand(grid, sweep_file)
+  workdir_files.check_usable(sweep_dir)
   record = read_record(sweep_dir)
   existing = record["runs"] if record else []
   if record and (
-      changes := config_lib.changed_keys(
-          config_lib.without_removed_keys(record["base_config"], f"{sweep_dir}/{SWEEP_FILE}"),
-          config_lib.as_saved(base_config),
-      )
+      changes := config_lib.changed_keys(record["base_config"], config_lib.as_saved(base_config))
   ):
     raise ConfigError(
         f"{sweep_dir}/{SWEEP_FILE} was written for another base config ({'; '.join(changes)}): "
@@ -267,7 +243,7 @@ def run_sweep(
 
   # Two sweeps on one folder would each rewrite sweep.json and fail the runs the other trains.
   lease = workdir_lease.acquire(sweep_dir, take_over_workdir, "The sweep folder")
-  previous_handler = None
+  previous_handlers = {}
   try:
     all_runs = list(existing) + [r for r in runs if r not in existing]
     record = dict(
@@ -275,11 +251,12 @@ def run_sweep(
     )
     workdir_files.write_json(workdir_files.path(sweep_dir, SWEEP_FILE), record)
     logging.info("Sweep of %d runs in %s (%d recorded).", len(runs), sweep_dir, len(all_runs))
-    # A SIGTERM stops the sweep: a run saves and returns (its own handler); between runs it is
-    # noted here. One an earlier run in this process (a notebook) took is not this sweep's.
+    # A SIGTERM (or SIGHUP) stops the sweep: a run saves and returns (its own handler); between
+    # runs it is noted here. One an earlier run in this process (a notebook) took is not this one's.
     preemption.clear_sigterm()
-    with contextlib.suppress(ValueError):  # not the main thread: no handler
-      previous_handler = signal.signal(signal.SIGTERM, preemption.note_sigterm)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+      with contextlib.suppress(ValueError):  # not the main thread: no handler
+        previous_handlers[signum] = signal.signal(signum, preemption.note_sigterm)
     failed, preempted = _train_runs(
         runs, configs, sweep_dir, finetune_config, lease, take_over_workdir
     )
@@ -294,8 +271,8 @@ def run_sweep(
       logging.error("Sweep finished with %d failed run(s): %s", len(failed), ", ".join(failed))
     return dict(runs=[r.name for r in runs], failed=failed, rows=rows, preempted=preempted)
   finally:
-    if previous_handler is not None:
-      signal.signal(signal.SIGTERM, previous_handler)
+    for signum, handler in previous_handlers.items():
+      signal.signal(signum, handler)
     if lease is not None:
       lease.release()
 
@@ -308,7 +285,9 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
   for index, (run, config, latest) in enumerate(zip(runs, configs, latest_steps)):
     where = f"run {index + 1}/{len(runs)} {run.name}"
     if preemption.sigterm_received():
-      logging.warning("SIGTERM: the sweep stops before %s; the same command goes on.", where)
+      logging.warning(
+          "SIGTERM or SIGHUP: the sweep stops before %s; the same command goes on.", where
+      )
       return failed, True
     workdir_lease.hold(lease)  # every process stops if another sweep took the folder
     workdir, started = run_dir(sweep_dir, run), time.perf_counter()
@@ -327,16 +306,14 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
         train.train_and_evaluate(config, workdir, take_over_workdir=take_over)
       except Exception as error:  # noqa: BLE001 (the sweep goes on; the error is kept and reported)
         workdir_lease.hold(lease)  # a sweep that took the folder over owns this run: stop
-        if isinstance(error, ConfigError):  # the user's input: the message says it all
-          logging.error("Sweep run %s failed: %s Going on with the next one.", run.name, error)
-        else:
-          logging.exception("Sweep run %s failed; going on with the next one.", run.name)
+        traceback = not isinstance(error, ConfigError)  # the user's input: its message says all
+        logging.error("Sweep run %s failed (%s); going on.", run.name, error, exc_info=traceback)
         failed.append(run.name)
         workdir_files.write_text(error_file, f"{type(error).__name__}: {error}\n")
         continue
       reached = _latest_checkpoint(workdir) or 0
       if reached < config.train.steps or preemption.sigterm_received():
-        message = "Run %s stopped at step %d (SIGTERM): the sweep stops; the same command goes on."
+        message = "Run %s stopped at step %d (a signal): the sweep stops; the same command goes on."
         logging.warning(message, run.name, reached)
         return failed, True
     if workdir_files.exists(error_file):
@@ -436,16 +413,9 @@ def write_report(sweep_dir: str) -> list[dict]:
   for row in rows:
     writer.writerow({c: repr(v) if isinstance(v := row.get(c, ""), float) else v for c in columns})
   workdir_files.write_text(workdir_files.path(sweep_dir, "results.csv"), out.getvalue())
-  shown = [
-      c
-      for c in columns
-      if c != "overrides"
-      and (
-          not c.startswith(("train_", "eval_"))
-          or c in FIXED_COLUMNS
-          or c.split("_", 1)[1] in HEADLINE_METRICS
-      )
-  ]
+  metrics = [c for c in columns if c.startswith(("train_", "eval_")) and c not in FIXED_COLUMNS]
+  hidden = ["overrides", *(c for c in metrics if c.split("_", 1)[1] not in HEADLINE_METRICS)]
+  shown = [c for c in columns if c not in hidden]
   lines = ["| " + " | ".join(shown) + " |", "|" + "|".join("---" for _ in shown) + "|"]
   lines += ["| " + " | ".join(_markdown_cell(c, row.get(c)) for c in shown) + " |" for row in rows]
   workdir_files.write_text(workdir_files.path(sweep_dir, "results.md"), "\n".join(lines) + "\n")

@@ -44,6 +44,7 @@ def test_a_saved_config_gets_the_defaults_of_keys_it_predates(tmp_path):
   assert config.objective.temperature == 2.0 and config.model.hidden_size == 32  # saved values stay
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize(
     "group, key, value, named",
     [
@@ -67,6 +68,14 @@ def test_a_saved_config_gets_the_defaults_of_keys_it_predates(tmp_path):
             "data.files=['a.txt'] is of type list, but the key's type is str",
         ),
         ("model", "colour", "blue", "model.colour is no key of this electra-jax's config"),
+        ("train", "steps", None, "train.steps=None is of type NoneType, but the key's type is int"),
+        ("data", "lowercase", 1, "data.lowercase=1 is of type int, but the key's type is bool"),
+        (
+            "optimizer",
+            "learning_rate",
+            "1e-3",
+            "optimizer.learning_rate='1e-3' is of type str, but the key's type is float",
+        ),
     ],
 )
 def test_an_edited_config_json_is_refused_naming_the_file_and_key(
@@ -82,6 +91,7 @@ def test_an_edited_config_json_is_refused_naming_the_file_and_key(
   assert str(tmp_path / "config.json") in str(refused.value) and named in str(refused.value)
 
 
+@pytest.mark.fault
 def test_an_edited_config_json_ends_the_cli_in_one_line_and_a_number_may_be_an_int(tmp_path):
   saved = train.config_lib.as_saved(tiny_config())
   saved["optimizer"]["learning_rate"] = 1  # an integer where a float is taken: a number still
@@ -95,6 +105,29 @@ def test_an_edited_config_json_ends_the_cli_in_one_line_and_a_number_may_be_an_i
   assert not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.fault
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ("def get_config(:\n", "SyntaxError: "),
+        ("x = 1\n", "AttributeError: module 'electra_jax_configs_mine' has no attribute 'get_con"),
+        ("def get_config():\n  return 1 / 0\n", "ZeroDivisionError: division by zero; fix the"),
+        ("def get_config():\n  return 5\n", "get_config() returned 5, not a ConfigDict."),
+    ],
+)
+def test_a_broken_recipe_ends_the_cli_in_one_line_naming_it(tmp_path, text, named):
+  recipe = tmp_path / "mine.py"
+  recipe.write_text(text)
+  result = cli(
+      [sys.executable, "-m", "electra_jax.main", f"--config={recipe}", f"--workdir={tmp_path}/w"]
+  )
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith(f"electra-jax: error: --config={recipe}: ") and named in last, last
+  assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.fault
 def test_mistyped_override_names_the_close_match(tmp_path):
   result = cli(cli_args(tmp_path / "run") + ["--config.train.stpes=5"])
   assert result.returncode != 0
@@ -152,12 +185,13 @@ def test_overrides_apply_to_a_workdirs_own_config(tmp_path):
   assert "--config=configs/workdir.py:DIR" in result.stderr
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize(
     "args, message",
     [
         (
             ["--config=configs/dem.py", "--workdir=W"],
-            "--config=configs/dem.py: configs/dem.py is not a file, and no recipe has that name. Give a recipe file or a recipe's name",
+            "--config=configs/dem.py: configs/dem.py is not a file, and no recipe has that name; give a recipe's file or name",
         ),
         (["--config=W/config.json", "--workdir=W"], "is a JSON file; --config takes a recipe"),
         (
@@ -173,6 +207,12 @@ def test_overrides_apply_to_a_workdirs_own_config(tmp_path):
             "--mode=finetune takes a fine-tuning recipe",
         ),
         (["--config=configs/demo.py"], "--mode=train needs --workdir."),
+        (
+            ["--workdir=W"],
+            "has no config.json, so it is no pre-training workdir to go on with: give",
+        ),
+        (["--mode=bogus", "--workdir=W"], "flag --mode=bogus: value should be one of <train|"),
+        (["--mode=eval", "--step=last", "--workdir=W"], "flag --step=last: invalid literal"),
     ],
 )
 def test_cli_mistakes_end_in_one_line(tmp_path, args, message):

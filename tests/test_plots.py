@@ -7,6 +7,7 @@ import glob
 import json
 import math
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -137,19 +138,6 @@ def test_tensorboard_events_equal_jsonl_with_nan_and_resume(tmp_path):
   }
 
 
-def test_without_tensorboardx_training_logs_go_on(tmp_path, monkeypatch):
-  monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import tensorboardX -> ImportError
-  workdir = str(tmp_path / "w")
-  os.makedirs(workdir)
-  train_log, _ = tensorboard_log.open_logs(workdir)
-  train_log.append({"step": 1, "loss": 3.0})
-  train_log.close()
-  assert [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))] == [
-      {"loss": 3.0, "step": 1}
-  ]
-  assert not os.path.exists(os.path.join(workdir, "tensorboard"))
-
-
 def test_event_files_leave_torch_unloaded_and_importable(tmp_path):
   # tensorboardX would import torch (seconds and hundreds of MB in every run) when it is installed.
   code = (
@@ -241,6 +229,7 @@ def test_plot_panels_lines_and_png_size(tmp_path):
   ]
 
 
+@pytest.mark.fault
 def test_plot_sweep_folder_expands_and_bad_input_is_refused(tmp_path):
   sweep_dir = tmp_path / "sweep"
   make_runs(sweep_dir)
@@ -269,11 +258,30 @@ def test_plot_sweep_folder_expands_and_bad_input_is_refused(tmp_path):
   ]
   with pytest.raises(ConfigError, match="--plot_metrics disc_aucc: not logged"):
     plots.plot_curves([str(sweep_dir)], out, ["loss", "disc_aucc"])
+  (tmp_path / "empty").mkdir()
   with pytest.raises(ConfigError, match="No metrics.jsonl"):
     plots.plot_curves([str(tmp_path / "empty")], out)
   assert workdir_files.exists(out)  # the earlier PNG is left as it was
 
 
+@pytest.mark.fault
+@pytest.mark.parametrize(
+    "workdir, out, named",
+    [
+        ("gone", "c.png", "{tmp}/gone does not exist: give training workdirs"),  # left out silently
+        ("a", ".", "--out={tmp} is a directory: give the PNG's path"),  # IsADirectoryError
+        ("a", "a/metrics.jsonl/c.png", "--out={tmp}/a/metrics.jsonl cannot be a directory"),
+    ],
+)
+def test_plot_of_a_missing_workdir_or_into_a_directory_is_refused(tmp_path, workdir, out, named):
+  make_runs(tmp_path)
+  workdirs = [str(tmp_path / "a"), str(tmp_path / workdir)]
+  with pytest.raises(ConfigError, match=re.escape(named.format(tmp=tmp_path))):
+    plots.plot_curves(workdirs, os.path.normpath(tmp_path / out))
+  assert not (tmp_path / "c.png").exists()
+
+
+@pytest.mark.fault
 def test_plot_without_matplotlib_names_the_install(tmp_path, monkeypatch):
   make_runs(tmp_path / "sweep")
   for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
@@ -355,6 +363,7 @@ def test_wandb_and_mlflow_runs_receive_the_metrics_and_a_resume_logs_into_the_sa
   )
 
 
+@pytest.mark.fault
 def test_unknown_metric_writers_are_refused_by_name():
   with pytest.raises(
       ConfigError, match=r"train.metric_writers: 'neptune' is not one of \['mlflow', 'wandb'\]"

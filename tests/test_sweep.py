@@ -8,7 +8,9 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
+import signal
 import threading
 import sys
 
@@ -197,6 +199,7 @@ def test_sweep_table_matches_each_runs_logs(swept):
   assert png_size(os.path.join(swept["sweep_dir"], "curves.png")) == (3 * 500, 350)
 
 
+@pytest.mark.fault
 def test_rerun_skips_finished_and_resumes_interrupted(swept):
   electra, mlm, _ = swept["names"]
   # The finished run (and its fine-tuning) was not touched at all.
@@ -227,53 +230,125 @@ def test_tensorboard_events_of_real_runs(swept):
     )
 
 
-def test_bad_sweeps_are_refused_before_anything_is_written(tmp_path, swept):
-  sweep_dir = str(tmp_path / "s")
-  cases = [
-      (["objective.nam=electra,mlm"], "Sweep key 'objective.nam' is not a config key"),
-      (["train.steps=3,3.5"], r"train.steps=3.5: invalid literal for int"),
-      (["model.ngram_buckets=0,64"], "It was removed: f1a0b9b is the last commit with it"),
-      (["train.use_remat=yes"], "Sweep key 'train.use_remat'"),
-      (
-          ["objective.name=electra,bogus"],
-          "objective.name=bogus: objective.name='bogus' is not one of",
-      ),
-      (["model.tie=all"], "Sweep run model.tie=all: model.tie=.all. runs one encoder"),
-      (["objective.name"], "is not key=value"),
-      (["objective.name=electra,"], "empty value"),
-  ]
-  for grid, message in cases:
-    with pytest.raises(ConfigError, match=message):
-      sweep.run_sweep(base_config(), sweep_dir, grid)
+@pytest.mark.fault
+@pytest.mark.parametrize(
+    "grid, message",
+    [
+        (["objective.nam=electra,mlm"], "Sweep key 'objective.nam' is not a config key"),
+        (["train.steps=3,3.5"], r"train.steps=3.5: invalid literal for int"),
+        (["model.ngram_buckets=0,64"], "Sweep key 'model.ngram_buckets' is not a config key"),
+        (["train.use_remat=yes"], "Sweep key 'train.use_remat'"),
+        (
+            ["objective.name=electra,bogus"],
+            "objective.name=bogus: objective.name='bogus' is not one of",
+        ),
+        (["model.tie=all"], "Sweep run model.tie=all: model.tie=.all. runs one encoder"),
+        (["objective.name"], "is not key=value"),
+        (["objective.name=electra,"], "empty value"),
+    ],
+)
+def test_a_bad_sweep_is_refused_before_anything_is_written(tmp_path, grid, message):
+  with pytest.raises(ConfigError, match=message):
+    sweep.run_sweep(base_config(), str(tmp_path / "s"), grid)
+  assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.fault
+def test_a_pre_training_recipe_for_sweep_finetune_is_refused_by_name(tmp_path):
+  """It ended in a KeyError traceback from the fine-tuning checks."""
+  with pytest.raises(ConfigError, match="--sweep_finetune=demo is no fine-tuning recipe"):
+    sweep.load_finetune_config("demo", ["train.steps=2"])
+  result = cli(
+      [
+          sys.executable,
+          "-m",
+          "electra_jax.main",
+          "--mode=sweep",
+          "--config=demo",
+          f"--workdir={tmp_path / 's'}",
+          "--sweep=train.steps=1",
+          "--sweep_finetune=demo",
+      ]
+  )
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+  assert "is no fine-tuning recipe" in result.stderr.strip().splitlines()[-1]
+  assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.fault
+def test_a_sweep_folder_that_is_a_file_is_refused_by_name(tmp_path):
+  """It ended in a FileExistsError traceback."""
+  folder = tmp_path / "s"
+  folder.write_text("x")
+  with pytest.raises(ConfigError, match=f"--workdir={folder} cannot be a directory: {folder} is"):
+    sweep.run_sweep(base_config(), str(folder), ["train.steps=1"])
+  assert folder.read_text() == "x"
+
+
+@pytest.mark.fault
+def test_a_bad_sweep_file_line_is_refused_naming_the_line(tmp_path):
   bad_file = tmp_path / "runs.txt"
   bad_file.write_text("objective.name=mlm\n\nmodel.tie\n")
   with pytest.raises(ConfigError, match=f"{bad_file}:3: 'model.tie' is not key=value"):
-    sweep.run_sweep(base_config(), sweep_dir, sweep_file=str(bad_file))
-  assert not os.path.exists(sweep_dir)
-  # A sweep folder belongs to one base config.
+    sweep.run_sweep(base_config(), str(tmp_path / "s"), sweep_file=str(bad_file))
+  assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize(
+    "kind, named",
+    [
+        ("missing", "does not exist"),
+        ("directory", "is not a regular file"),
+        ("fifo", "is not a regular file"),  # it hung, waiting for a writer
+        ("binary", "is not UTF-8 text"),
+    ],
+)
+def test_a_sweep_file_that_is_no_text_file_is_refused_by_name(tmp_path, kind, named):
+  runs_file = tmp_path / "runs.txt"
+  if kind == "directory":
+    runs_file.mkdir()
+  elif kind == "fifo":
+    os.mkfifo(runs_file)
+  elif kind == "binary":
+    runs_file.write_bytes(b"objective.name=mlm\n\xff\xfe\n")
+  with pytest.raises(ConfigError, match=f"--sweep_file={runs_file} {named}"):
+    sweep.run_sweep(base_config(), str(tmp_path / "s"), sweep_file=str(runs_file))
+  assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.fault
+def test_a_sweep_folder_of_another_base_config_is_refused(swept):
   other = base_config()
   other.train.steps = 5
   with pytest.raises(ConfigError, match=r"another base config \(.*train.steps: 3 -> 5\)"):
     sweep.run_sweep(other, swept["sweep_dir"], ["objective.name=electra"])
 
 
-def test_a_sweep_recorded_with_a_removed_key_goes_on_at_its_neutral_value(swept, tmp_path):
-  """sweep.json's base config from before model.ngram_buckets was removed: at 0 (what this version
-  does) the sweep goes on and leaves its finished run as it was; at another value it is refused by
-  name."""
+@pytest.mark.fault
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        ({"ngram_buckets": 0}, "model.ngram_buckets is no key"),  # an older electra-jax's key
+        ({"num_layers": True}, "model.num_layers=True is of type bool"),
+        ({"hidden_size": "32"}, "model.hidden_size='32' is of type str"),
+    ],
+)
+def test_an_edited_or_older_sweep_json_is_refused_naming_the_file_and_key(
+    swept, tmp_path, edit, named
+):
+  """sweep.json's base config is read as config.json is; the folder is left as it was."""
   folder = tmp_path / "sweep"
   shutil.copytree(swept["sweep_dir"], folder)
   record = json.load(open(folder / "sweep.json"))
-  record["base_config"]["model"].update(ngram_buckets=0, generator_attention_conv=-1)
+  record["base_config"]["model"].update(edit)
   (folder / "sweep.json").write_text(json.dumps(record))
-  electra = swept["names"][0]
-  before = tree_snapshot(folder / electra)
-  result = sweep.run_sweep(base_config(), str(folder), ["objective.name=electra"], plot=False)
-  assert result["runs"] == [electra] and tree_snapshot(folder / electra) == before
-  record["base_config"]["model"]["ngram_buckets"] = 64
-  (folder / "sweep.json").write_text(json.dumps(record))
-  with pytest.raises(ConfigError, match=r"sets model.ngram_buckets=64, .* commit f1a0b9b"):
+  before = tree_snapshot(folder)
+  with pytest.raises(ConfigError, match=f"{folder}/sweep.json is not as electra-jax writes it"):
     sweep.run_sweep(base_config(), str(folder), ["objective.name=electra"], plot=False)
+  with pytest.raises(ConfigError, match=re.escape(named)):
+    sweep.write_report(str(folder))
+  assert tree_snapshot(folder) == before
 
 
 def test_grid_expansion_and_run_names(tmp_path):
@@ -338,6 +413,7 @@ def test_every_run_given_trains_and_a_run_listed_twice_trains_once(tmp_path):
   assert fractions == [0.25, 0.5]
 
 
+@pytest.mark.fault
 def test_a_run_whose_last_step_was_logged_but_not_saved_is_incomplete(swept, tmp_path):
   """Killed between logging its last step and saving it (in the final evaluation, say): the
   sweep resumes such a run, so its table must not call it done."""
@@ -349,22 +425,31 @@ def test_a_run_whose_last_step_was_logged_but_not_saved_is_incomplete(swept, tmp
   assert [r["status"] for r in rows] == ["incomplete", "done", "failed"]
 
 
-def test_a_sigterm_in_a_runs_last_step_stops_the_sweep_after_it(tmp_path, monkeypatch):
+@pytest.mark.fault
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_between_runs_stops_the_sweep_after_the_run(tmp_path, monkeypatch, signum):
   """A preemption notice that lands while a run finishes (its last evaluation or save) used to
-  be forgotten with the run's handler, and the sweep started the next run on a dying VM."""
+  be forgotten with the run's handler, and the sweep started the next run on a dying VM. A SIGHUP
+  (a closed terminal) there killed the sweep, its lease left held."""
   from electra_jax import train  # noqa: PLC0415
 
   real = train.train_and_evaluate
 
-  def finish_then_sigterm(config, workdir, **kwargs):
+  def finish_then_signal(config, workdir, **kwargs):
     result = real(config, workdir, **kwargs)
-    preemption.note_sigterm()  # what the handler does when the signal comes now
+    signal.raise_signal(signum)  # after the run's own handler is gone
     return result
 
   monkeypatch.setattr(preemption, "_SIGTERM", threading.Event())
-  monkeypatch.setattr(train, "train_and_evaluate", finish_then_sigterm)
+  monkeypatch.setattr(train, "train_and_evaluate", finish_then_signal)
   sweep_dir = tmp_path / "sweep"
-  result = sweep.run_sweep(base_config(), str(sweep_dir), ["optimizer.learning_rate=1e-3,2e-3"])
+  unheard = []  # this process's own handler (a SIGHUP would end pytest), where the sweep has none
+  previous = signal.signal(signum, lambda *_: unheard.append(signum))
+  try:
+    result = sweep.run_sweep(base_config(), str(sweep_dir), ["optimizer.learning_rate=1e-3,2e-3"])
+  finally:
+    signal.signal(signum, previous)
+  assert unheard == [] and workdir_lease.read_lease(str(sweep_dir))["released"]
   first, second = result["runs"]
   assert result["preempted"] and result["failed"] == []
   assert (sweep_dir / first / "checkpoints" / str(STEPS)).exists()
@@ -438,6 +523,7 @@ def test_cli_sweep_report_and_plot(swept, tmp_path):
   assert not os.path.exists(bad_dir)
 
 
+@pytest.mark.fault
 def test_one_sweep_at_a_time_holds_a_sweep_folder(tmp_path, monkeypatch):
   """Two sweeps on one folder each rewrote sweep.json, and each counted the run the other was
   training as failed (its workdir held) and left an error file in it. A second sweep is now
@@ -480,6 +566,7 @@ def test_one_sweep_at_a_time_holds_a_sweep_folder(tmp_path, monkeypatch):
   assert sweep.run_sweep(base_config(), str(sweep_dir), grid, plot=False)["failed"] == []
 
 
+@pytest.mark.fault
 def test_a_sweep_taken_over_during_a_run_writes_nothing_more_into_the_folder(tmp_path, monkeypatch):
   """The run of a sweep whose folder another sweep took over stops with WorkdirInUse (the new
   sweep took its workdir too). The old sweep counted that as a failed run, wrote sweep_error.txt

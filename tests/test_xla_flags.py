@@ -3,8 +3,11 @@ own setting, and accepted by this machine's XLA (which aborts on a flag it does 
 kept to its CPU backend where no accelerator is; glibc's huge pages, applied by a restart when the
 CLI starts (never when a module is imported) and said in its log."""
 
+import os
+import signal
 import subprocess
 import sys
+import textwrap
 
 import jaxlib
 import pytest
@@ -162,3 +165,34 @@ def test_the_accelerator_check_does_not_import_jax_and_agrees_with_jax():
   from jax._src import hardware_utils  # noqa: PLC0415
 
   assert chips == str(hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0)
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("started_as", ["python -m", "console script"])
+def test_a_ctrl_c_while_jax_imports_ends_in_one_line(tmp_path, started_as):
+  """main() took SIGINT only once JAX was imported: a Ctrl-C in the seconds before ended in a
+  KeyboardInterrupt traceback."""
+  (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
+          import sys, time
+          class PauseAtJax:  # so that the Ctrl-C below lands while JAX is imported
+            def find_spec(self, name, path=None, target=None):
+              if name == "jax":
+                print("importing jax", file=sys.stderr, flush=True)
+                time.sleep(120)
+          sys.meta_path.insert(0, PauseAtJax())
+          """))
+  script = tmp_path / "electra-jax"  # as pip writes the console script
+  script.write_text("import sys\nfrom electra_jax.main import run\nsys.exit(run())\n")
+  start = ["-m", "electra_jax.main"] if started_as == "python -m" else [str(script)]
+  process = subprocess.Popen(
+      [sys.executable, *start, "--version"],
+      env=dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}"),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+  )
+  assert process.stderr.readline() == "importing jax\n"
+  process.send_signal(signal.SIGINT)
+  stdout, stderr = process.communicate(timeout=60)
+  assert (process.returncode, stdout) == (130, ""), stderr[-2000:]
+  assert stderr == "electra-jax: stopped by Ctrl-C while starting or ending; what it did is kept.\n"

@@ -203,7 +203,7 @@ def _from_config(config) -> Backbone:
     )
   m = config.model
   sizes = [key for key in m if key != "vocab_size"]  # vocab_size 0: the tokenizer's
-  config_lib.check_encoder_sizes(m, sizes, "config.model.", " (the random-init model's sizes)")
+  config_lib.check_encoder_sizes(m, sizes, "config.model.", "the random-init model's sizes")
   tokenizer = _tokenizer_from_file(config.tokenizer, config.lowercase)
   model = ElectraEncoderModel(
       m.vocab_size or tokenizer.vocab_size,
