@@ -89,8 +89,9 @@ def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
   setup = train_state.build_setup(config, mesh, train_state.special_ids(corpus.tokenizer))
   # The same limit on every process (a host's free memory differs), so all find the same batch.
   t, device_bytes = config.train, memory.device_memory_bytes()
-  if jax.process_count() > 1:
-    device_bytes = int(multihost_utils.process_allgather(np.int64(device_bytes)).min())
+  if jax.process_count() > 1:  # in MiB: without jax_enable_x64 the gather is int32
+    mib = multihost_utils.process_allgather(np.int32(device_bytes >> 20))
+    device_bytes = int(mib.min()) << 20
   limit = int(t.memory_fraction * device_bytes)
   micro, seq_len = t.batch_size // t.grad_accum_steps, config.data.max_seq_len
   needs = memory.floor_bytes(setup, micro, seq_len, partitioning.batch_shards(mesh))

@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import signal
-import threading
 import sys
 
 import numpy as np
@@ -440,7 +439,7 @@ def test_a_signal_between_runs_stops_the_sweep_after_the_run(tmp_path, monkeypat
     signal.raise_signal(signum)  # after the run's own handler is gone
     return result
 
-  monkeypatch.setattr(preemption, "_SIGTERM", threading.Event())
+  preemption.clear_sigterm()
   monkeypatch.setattr(train, "train_and_evaluate", finish_then_signal)
   sweep_dir = tmp_path / "sweep"
   unheard = []  # this process's own handler (a SIGHUP would end pytest), where the sweep has none
@@ -454,7 +453,7 @@ def test_a_signal_between_runs_stops_the_sweep_after_the_run(tmp_path, monkeypat
   assert result["preempted"] and result["failed"] == []
   assert (sweep_dir / first / "checkpoints" / str(STEPS)).exists()
   assert not (sweep_dir / second / "config.json").exists()  # not started
-  monkeypatch.setattr(preemption, "_SIGTERM", threading.Event())
+  preemption.clear_sigterm()
   monkeypatch.setattr(train, "train_and_evaluate", real)
   again = sweep.run_sweep(base_config(), str(sweep_dir), ["optimizer.learning_rate=1e-3,2e-3"])
   assert not again["preempted"] and (sweep_dir / second / "checkpoints" / str(STEPS)).exists()
