@@ -269,20 +269,24 @@ def save_config(workdir: str, config, before: dict | None, start_step: int | Non
   config.step<N>.json."""
   from electra_jax import workdir_files  # noqa: PLC0415 (keeps recipes' imports light)
 
+  text = config_file_text(config)
+  changes = before is not None and start_step is not None and changed_keys(before, as_saved(config))
   file = workdir_files.path(workdir, "config.json")
   workdir_files.makedirs(file.parent)
-  changes = before is not None and start_step is not None and changed_keys(before, as_saved(config))
   if changes:
     kept = workdir_files.path(workdir, f"config.step{start_step}.json")
     # A second resume from the same checkpoint finds the first one's settings in config.json,
     # which never trained it: the file the first resume kept stays as it is.
     if not workdir_files.exists(kept):
       workdir_files.write_text(kept, workdir_files.read_text(file))
-    message = (
-        "Resuming at step %d with settings that differ from the workdir's config.json (%s): %s"
+    logging.warning(
+        "Resuming at step %d with settings that differ from the workdir's config.json (kept as "
+        "%s): %s",
+        start_step,
+        kept.name,
+        "; ".join(changes),
     )
-    logging.warning(message, start_step, f"kept as {kept.name}", "; ".join(changes))
-  workdir_files.write_text(file, config_file_text(config))
+  workdir_files.write_text(file, text)
 
 
 _WITHIN = {  # a bound as the messages state it: its test
