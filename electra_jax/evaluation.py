@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from electra_jax import data, objectives, partitioning
+from electra_jax import data, memory, objectives, partitioning
 from electra_jax.errors import ConfigError
 
 
@@ -61,18 +61,20 @@ class HeldOutEvaluator:
     self.num_examples = num_rows
     self._seed = config.eval.seed
     self._keys = data.batch_keys(bool(config.data.pack_rows)) + ("example_index",)
-    self._mesh, self._schedule = mesh, schedule
+    self._mesh, self._schedule, self._batch_size = mesh, schedule, batch_size
     replicated = partitioning.replicated(mesh)
     shardings = (setup.state_shardings, partitioning.batch_sharding(mesh), replicated, replicated)
     self._step = jax.jit(eval_step, in_shardings=shardings, out_shardings=replicated)
 
   def __call__(self, state) -> dict[str, float]:
     outputs = []
-    with partitioning.activate(self._mesh):
+    held_out = f"a held-out batch of {self._batch_size} (eval.batch_size)"
+    out_of_memory = memory.out_of_memory_named(held_out, "set a smaller eval.batch_size")
+    with partitioning.activate(self._mesh), out_of_memory:
       for local_batch in self._batches:
         batch = partitioning.global_batch_from_local(local_batch, self._mesh, keys=self._keys)
         outputs.append(self._step(state, batch, jax.random.key(self._seed), self._schedule))
-    metrics = _summarize(outputs, state.objective)
+      metrics = _summarize(outputs, state.objective)
     return {name: float(value) for name, value in jax.device_get(metrics).items()}
 
 

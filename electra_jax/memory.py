@@ -1,6 +1,8 @@
 """The device memory a compiled training step needs (XLA's per-device figures), and the largest
-batch that fits (`train.batch_size = -1`): a line of bytes against the batch, then bisection."""
+batch that fits (`train.batch_size = -1`): a line of bytes against the batch, then bisection; and
+XLA's out of memory, compiling or running, as one line naming the batch."""
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -14,6 +16,31 @@ from electra_jax.errors import ConfigError
 # A batch fits only if its step does no more work per example than the first two measured (XLA's
 # TPU compiler rematerializes activations to squeeze a larger batch into HBM).
 RECOMPUTE_TOLERANCE = 0.02
+# The status code of XLA's out of memory (absl's RESOURCE_EXHAUSTED), at compile or run time.
+RESOURCE_EXHAUSTED = 8
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+  """Whether `error` is XLA saying a device's memory (or the host's, on CPU) ran out: by the status
+  code jaxlib's error carries (`error_code`; older jaxlib print the code first instead)."""
+  if not isinstance(error, jax.errors.JaxRuntimeError):
+    return False
+  if hasattr(error, "error_code"):
+    return error.error_code == RESOURCE_EXHAUSTED
+  return str(error).startswith("RESOURCE_EXHAUSTED:")
+
+
+@contextlib.contextmanager
+def out_of_memory_named(batch: str, fix: str):
+  """XLA's out of memory inside the block as a ConfigError, one line: the `batch` that ran out
+  (e.g. "train.batch_size=64") and what to do (`fix`)."""
+  try:
+    yield
+  except jax.errors.JaxRuntimeError as error:
+    if not is_out_of_memory(error):
+      raise
+    device = jax.devices()[0].platform.upper()
+    raise ConfigError(f"The {device} device ran out of memory with {batch}: {fix}.") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +107,8 @@ def step_memory(compile_step, batch_size: int) -> StepMemory:
   start = time.perf_counter()
   try:
     compiled = compile_step(batch_size=batch_size)
-  except Exception as e:  # noqa: BLE001 (the compiler's error types differ between jax versions)
-    if "RESOURCE_EXHAUSTED" not in str(e) and "Ran out of memory" not in str(e):
+  except jax.errors.JaxRuntimeError as e:
+    if not is_out_of_memory(e):
       raise
     seconds, why = time.perf_counter() - start, str(e).splitlines()[0][:200]
     logging.info(

@@ -19,6 +19,7 @@ from electra_jax import (
     data,
     evaluation,
     flops,
+    memory,
     objectives,
     partitioning,
     preemption,
@@ -52,8 +53,8 @@ def train_and_evaluate(
     if config.eval.every_steps:
       evaluator = evaluation.HeldOutEvaluator(config, setup, mesh, run.schedule)
 
-    # --- The workdir: its lease, its checkpoints, its files
-    with workdir_lease.held(workdir, take_over_workdir) as lease:
+    # --- The workdir: its lease, its checkpoints, its files; out of memory named in one line
+    with workdir_lease.held(workdir, take_over_workdir) as lease, _out_of_memory_named(config):
       checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
       is_chief, logs = jax.process_index() == 0, None
       try:
@@ -76,11 +77,10 @@ def train_and_evaluate(
           }
           logging.info("Compiled the train step in %.1f s.", time.perf_counter() - compile_start)
 
-        # --- Process 0 writes config.json and the tokenizer (fine-tuning and export need no
-        # corpus then), and opens the logs, cut back to the checkpoint (a bucket's are not
-        # rewritten once the lease is lost). The workdir may be a bucket (see workdir_files.py).
+        # --- Process 0 writes the tokenizer (fine-tuning and export need no corpus then) and
+        # opens the logs, cut back to the checkpoint (a bucket's are not rewritten once the lease
+        # is lost); config.json follows the first step. The workdir may be a bucket.
         if is_chief:
-          config_lib.save_config(workdir, config, run.saved_config, step if start else None)
           data.keep_tokenizer(corpus.tokenizer, workdir)
           logs = tensorboard_log.open_logs(
               workdir, config.train.metric_writers, config_lib.as_saved(config)
@@ -145,6 +145,9 @@ def _loop(run: resolve.Run, state, compiled: dict, evaluator, checkpointer, leas
         batch = partitioning.global_batch_from_local(next(batches), mesh, keys=keys)
         rngs = train_state.step_rng(seed, step)
       state, metrics = compiled[num_steps](state, batch, rngs, schedule)
+      if call == 0 and is_chief:  # config.json records a batch that ran, not one over memory
+        jax.block_until_ready(metrics)
+        config_lib.save_config(run.workdir, config, run.saved_config, start and start.step)
       step += num_steps
       window_steps += num_steps
       window.append(metrics)
@@ -204,6 +207,19 @@ def _loop(run: resolve.Run, state, compiled: dict, evaluator, checkpointer, leas
   if step >= total_steps and is_chief:
     logging.info("Done: step %d, checkpoints in %s.", step, checkpointer.directory)
   return last_logged
+
+
+def _out_of_memory_named(config):
+  """memory.out_of_memory_named for the train step's batch."""
+  t = config.train
+  micro = (
+      f" (micro-batches of {t.batch_size // t.grad_accum_steps})" if t.grad_accum_steps > 1 else ""
+  )
+  return memory.out_of_memory_named(
+      f"train.batch_size={t.batch_size}{micro}",
+      "lower it, raise train.grad_accum_steps, set model.remat=full, or set train.batch_size=-1 "
+      "for the largest batch that fits; the checkpoints saved are kept",
+  )
 
 
 def evaluate_checkpoint(

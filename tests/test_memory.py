@@ -2,16 +2,21 @@
 train.batch_size=-1 resolving to it before anything is written."""
 
 import functools
+import json
+import sys
 import types
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import REPO, cli, cli_args, tiny_config
-from electra_jax import config_lib, memory, partitioning, resolve, train_state
+from electra_jax import config_lib, evaluation, memory, partitioning, resolve, train_state
 from electra_jax.errors import ConfigError
 
 SPECIAL = dict(pad=0, cls=2, sep=3, mask=4)
+RESOURCE_EXHAUSTED = 8  # absl's status code, which XLA's out-of-memory errors carry
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +100,10 @@ def _compiler_with_memory(monkeypatch, bytes_of, device_bytes, flops_of=None):
     batch = batch_size
     asked.append(batch)
     if bytes_of(batch) > device_bytes:
-      raise RuntimeError(
+      raise jax.errors.JaxRuntimeError(
           f"RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
-          f"temporaries ({bytes_of(batch)}) exceeds available HBM ({device_bytes})."
+          f"temporaries ({bytes_of(batch)}) exceeds available HBM ({device_bytes}).",
+          RESOURCE_EXHAUSTED,
       )
     analysis = types.SimpleNamespace(
         argument_size_in_bytes=bytes_of(batch),
@@ -261,3 +267,111 @@ def test_max_batch_refuses_bad_flags_before_compiling(args, message):
       timeout=120,
   )
   assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.fault
+def test_out_of_memory_is_known_by_its_status_code():
+  # A real one: 1 EiB is more than any address space, whatever the kernel's overcommit.
+  with pytest.raises(jax.errors.JaxRuntimeError) as real:
+    jax.block_until_ready(jax.jit(lambda: jnp.ones((2**30, 2**30), jnp.uint8))())
+  assert memory.is_out_of_memory(real.value)
+  coded = jax.errors.JaxRuntimeError("allocating 42 bytes", RESOURCE_EXHAUSTED)
+  assert memory.is_out_of_memory(coded)
+  # The code decides, not the words: another code, or another error type, is not out of memory.
+  assert not memory.is_out_of_memory(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: ", 3))
+  assert not memory.is_out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory"))
+  assert not memory.is_out_of_memory(MemoryError())
+  # And memory's search takes only it for a batch over memory.
+  with pytest.raises(jax.errors.JaxRuntimeError):
+    memory.step_memory(functools.partial(_raise, jax.errors.JaxRuntimeError("ran out", 3)), 8)
+  assert memory.step_memory(functools.partial(_raise, coded), 8).bytes_per_device is None
+
+
+def _raise(error, batch_size):
+  raise error
+
+
+def _run_out_of_memory(*args, **kwargs):
+  """What a compiled step does when the device's memory runs out: XLA's error, its status code."""
+  raise jax.errors.JaxRuntimeError(
+      "RESOURCE_EXHAUSTED: Out of memory allocating 391478336 bytes.", RESOURCE_EXHAUSTED
+  )
+
+
+def _one_line_naming(result, *named) -> str:
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  lines = [line for line in result.stderr.splitlines() if "ran out of memory" in line]
+  assert len(lines) == 1 and all(name in lines[0] for name in named), result.stderr[-3000:]
+  return lines[0]
+
+
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory):
+  """A tiny run of 3 steps (batch 8), a checkpoint at 3."""
+  workdir = tmp_path_factory.mktemp("three_steps") / "run"
+  result = cli(cli_args(workdir, **{"train.steps": 3}))
+  assert result.returncode == 0, result.stderr[-3000:]
+  return workdir
+
+
+def _kept(workdir) -> dict:
+  """config.json and the checkpoints' files, with their bytes."""
+  files = [workdir / "config.json", *(workdir / "checkpoints").rglob("*")]
+  return {str(f): f.read_bytes() for f in files if f.is_file()}
+
+
+@pytest.mark.fault
+def test_out_of_memory_in_training_is_one_line_and_records_no_batch(
+    tmp_path, monkeypatch, three_steps
+):
+  compile_train_step = train_state.compile_train_step
+
+  def compile_over_memory(*args, **kwargs):
+    compile_train_step(*args, **kwargs)  # compiles; its first call finds the device full
+    return _run_out_of_memory
+
+  monkeypatch.setattr(train_state, "compile_train_step", compile_over_memory)
+  kept, fresh = _kept(three_steps), tmp_path / "fresh"
+  for workdir in (fresh, three_steps):  # a new run, and a resume with 3 more steps
+    overrides = {"train.batch_size": 16, "train.steps": 6}
+    line = _one_line_naming(cli(cli_args(workdir, **overrides)), "train.batch_size=16:")
+    for fix in ("train.grad_accum_steps", "model.remat", "train.batch_size=-1"):
+      assert fix in line
+  assert not (fresh / "config.json").exists() and not list(fresh.glob("checkpoints/[0-9]*"))
+  assert _kept(three_steps) == kept  # config.json still records the batch of 8 that trained
+  accumulated = {"train.batch_size": 16, "train.grad_accum_steps": 2}
+  _one_line_naming(cli(cli_args(fresh, **accumulated)), "16 (micro-batches of 8)")
+
+
+@pytest.mark.fault
+def test_out_of_memory_in_eval_is_one_line(monkeypatch, three_steps):
+  monkeypatch.setattr(evaluation, "eval_step", _run_out_of_memory)
+  args = [*cli_args(three_steps, **{"eval.batch_size": 4}), "--mode=eval"]
+  line = _one_line_naming(cli(args), "held-out batch of 4")
+  assert "eval.batch_size" in line
+  assert not list(three_steps.glob("eval_step_*.json"))
+
+
+@pytest.mark.fault
+def test_out_of_memory_in_fine_tuning_is_one_line(tmp_path, monkeypatch):
+  from electra_jax.finetune import trainer  # noqa: PLC0415
+
+  words = [f"w{i}" for i in range(20)]
+  vocab = tmp_path / "vocab.txt"
+  vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]))
+  for split in ("train", "dev"):
+    rows = [{"sentence": " ".join(words[i : i + 5]), "label": i % 2} for i in range(12)]
+    (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+  compiled_steps = trainer._compiled_steps
+  monkeypatch.setattr(
+      trainer, "_compiled_steps", lambda *args: (_run_out_of_memory, compiled_steps(*args)[1])
+  )
+  out = tmp_path / "ft"
+  args = [sys.executable, "-m", "electra_jax.main", "--mode=finetune", f"--workdir={out}"]
+  args += [f"--config={REPO}/configs/finetune/tiny.py", f"--config.tokenizer={vocab}"]
+  args += [f"--config.custom.{split}_file={tmp_path / split}.jsonl" for split in ("train", "dev")]
+  line = _one_line_naming(cli(args), "batch_size=16:")
+  assert "eval_batch_size" in line
+  assert not list(out.glob("custom/seed_*/metrics.json")) and not list(
+      out.glob("custom/results.json")
+  )

@@ -18,7 +18,7 @@ import optax
 from absl import logging
 
 import electra_jax
-from electra_jax import checkpointing, config_lib, preemption, tensorboard_log, workdir_files
+from electra_jax import checkpointing, config_lib, memory, preemption, tensorboard_log, workdir_files
 from electra_jax import workdir_lease
 from electra_jax.errors import ConfigError
 from electra_jax.finetune import model as model_lib
@@ -239,7 +239,12 @@ def _run_seed(config, adapter, backbone, steps, seed, task_dir, rate=None, seeds
   checkpointer = checkpointing.Checkpointer(seed_dir, keep=1)
   events = tensorboard_log.ScalarWriter(os.path.join(seed_dir, tensorboard_log.SUBDIR))
   kept, history, step = None, [], 0
-  with contextlib.closing(checkpointer), contextlib.closing(events):  # closing waits for saves
+  eval_batch = f" (eval_batch_size={config.eval_batch_size})" if config.eval_batch_size else ""
+  batch = f"batch_size={config.batch_size}{eval_batch}"
+  fix = "lower batch_size (or eval_batch_size); the seeds finished are kept"
+  out_of_memory = memory.out_of_memory_named(batch, fix)
+  # Closing waits for saves.
+  with contextlib.closing(checkpointer), contextlib.closing(events), out_of_memory:
     for epoch in range(epochs):
       order = np.random.default_rng([seed, epoch]).permutation(num_train)
       losses = []
