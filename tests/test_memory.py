@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, cli, cli_args, tiny_config
+from conftest import REPO, cli, cli_args, run_cli, tiny_config
 from electra_jax import config_lib, evaluation, memory, partitioning, resolve, train_state
 from electra_jax.errors import ConfigError
 
@@ -341,6 +341,22 @@ def test_out_of_memory_in_training_is_one_line_and_records_no_batch(
   assert _kept(three_steps) == kept  # config.json still records the batch of 8 that trained
   accumulated = {"train.batch_size": 16, "train.grad_accum_steps": 2}
   _one_line_naming(cli(cli_args(fresh, **accumulated)), "16 (micro-batches of 8)")
+
+
+@pytest.mark.fault
+def test_a_real_out_of_memory_in_training_is_one_line(tmp_path):
+  # Hidden 1,024 at a batch of 3,000 rows: its step asks for ~12 GB of temporaries in one
+  # allocation, which a 6 GiB address space (ulimit -v) refuses at once, without touching memory;
+  # the floor resolve checks before compiling is 0.4 GB. XLA reports it as RESOURCE_EXHAUSTED.
+  workdir = tmp_path / "run"
+  overrides = {"model.hidden_size": 1024, "model.intermediate_size": 4096}
+  overrides.update({"train.batch_size": 3000, "train.memory_fraction": 1.0})
+  capped = ["bash", "-c", f'ulimit -v {6 * 2**20} && exec "$@"', "bash"]
+  # Two malloc arenas: threads' arenas would reserve 64 MiB of address space each.
+  result = run_cli([*capped, *cli_args(workdir, **overrides)], {"MALLOC_ARENA_MAX": "2"})
+  line = _one_line_naming(result, "The CPU device ran out of memory with train.batch_size=3000")
+  assert "train.grad_accum_steps" in line
+  assert not (workdir / "config.json").exists() and not list(workdir.glob("checkpoints/[0-9]*"))
 
 
 @pytest.mark.fault
