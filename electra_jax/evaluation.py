@@ -68,7 +68,7 @@ class HeldOutEvaluator:
 
   def __call__(self, state) -> dict[str, float]:
     outputs = []
-    held_out = f"a held-out batch of {self._batch_size} (eval.batch_size)"
+    held_out = f"with a held-out batch of {self._batch_size} (eval.batch_size)"
     out_of_memory = memory.out_of_memory_named(held_out, "set a smaller eval.batch_size")
     with partitioning.activate(self._mesh), out_of_memory:
       for local_batch in self._batches:

@@ -29,7 +29,7 @@ import jax
 from absl import app, flags, logging
 
 import electra_jax
-from electra_jax import api, config_lib, data, distributed, fit, interop, plots, sweep, train, workdir_files, xla_flags
+from electra_jax import api, config_lib, data, distributed, fit, interop, memory, plots, sweep, train, workdir_files, xla_flags
 from electra_jax.errors import ConfigError
 
 FLAGS = flags.FLAGS
@@ -356,7 +356,9 @@ def main(argv):
       else:
         distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
       _check_flags(FLAGS.mode, mode, FLAGS.config)
-      with workdir_files.out_of_space_named():  # a full disk met by any writer, named
+      # A full disk met by any writer, named; out of memory outside a step that names its batch.
+      where, fix = f"in --mode={FLAGS.mode}", "use a smaller model or batch, or more devices"
+      with workdir_files.out_of_space_named(), memory.out_of_memory_named(where, fix):
         mode.run(FLAGS.config, FLAGS.workdir)
   except (ConfigError, FloatingPointError) as error:  # a mistake, or a diverged run
     sys.exit(f"electra-jax: error: {error}")

@@ -31,16 +31,16 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def out_of_memory_named(batch: str, fix: str):
-  """XLA's out of memory inside the block as a ConfigError, one line: the `batch` that ran out
-  (e.g. "train.batch_size=64") and what to do (`fix`)."""
+def out_of_memory_named(what: str, fix: str):
+  """XLA's out of memory inside the block as a ConfigError, one line: `what` ran out (e.g. "with
+  train.batch_size=64") and what to do (`fix`)."""
   try:
     yield
   except jax.errors.JaxRuntimeError as error:
     if not is_out_of_memory(error):
       raise
     device = jax.devices()[0].platform.upper()
-    raise ConfigError(f"The {device} device ran out of memory with {batch}: {fix}.") from None
+    raise ConfigError(f"The {device} device ran out of memory {what}: {fix}.") from None
 
 
 @dataclasses.dataclass(frozen=True)

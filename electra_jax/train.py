@@ -216,7 +216,7 @@ def _out_of_memory_named(config):
       f" (micro-batches of {t.batch_size // t.grad_accum_steps})" if t.grad_accum_steps > 1 else ""
   )
   return memory.out_of_memory_named(
-      f"train.batch_size={t.batch_size}{micro}",
+      f"with train.batch_size={t.batch_size}{micro}",
       "lower it, raise train.grad_accum_steps, set model.remat=full, or set train.batch_size=-1 "
       "for the largest batch that fits; the checkpoints saved are kept",
   )

@@ -369,6 +369,13 @@ def test_out_of_memory_in_eval_is_one_line(monkeypatch, three_steps):
 
 
 @pytest.mark.fault
+def test_out_of_memory_outside_a_step_is_one_line_naming_the_mode(monkeypatch, three_steps):
+  monkeypatch.setattr(resolve, "restore_checkpoint", _run_out_of_memory)  # a state over memory
+  line = _one_line_naming(cli([*cli_args(three_steps), "--mode=eval"]), "in --mode=eval")
+  assert "smaller model" in line
+
+
+@pytest.mark.fault
 def test_out_of_memory_in_fine_tuning_is_one_line(tmp_path, monkeypatch):
   from electra_jax.finetune import trainer  # noqa: PLC0415
 

@@ -240,7 +240,7 @@ def _run_seed(config, adapter, backbone, steps, seed, task_dir, rate=None, seeds
   events = tensorboard_log.ScalarWriter(os.path.join(seed_dir, tensorboard_log.SUBDIR))
   kept, history, step = None, [], 0
   eval_batch = f" (eval_batch_size={config.eval_batch_size})" if config.eval_batch_size else ""
-  batch = f"batch_size={config.batch_size}{eval_batch}"
+  batch = f"with batch_size={config.batch_size}{eval_batch}"
   fix = "lower batch_size (or eval_batch_size); the seeds finished are kept"
   out_of_memory = memory.out_of_memory_named(batch, fix)
   # Closing waits for saves.
