@@ -147,7 +147,7 @@ def _loop(run: resolve.Run, state, compiled: dict, evaluator, checkpointer, leas
       state, metrics = compiled[num_steps](state, batch, rngs, schedule)
       if call == 0 and is_chief:  # config.json records a batch that ran, not one over memory
         jax.block_until_ready(metrics)
-        config_lib.save_config(run.workdir, config, run.saved_config, start and start.step)
+        config_lib.save_config(run.workdir, config, run.saved_config, step if start else None)
       step += num_steps
       window_steps += num_steps
       window.append(metrics)
