@@ -3,6 +3,7 @@ data, setup, the checkpoint to go on from), takes the workdir, compiles the step
 its logs, held-out evaluations, checkpoints, preemption and non-finite checks."""
 
 import collections
+import functools
 import math
 import time
 import warnings
@@ -54,9 +55,20 @@ def train_and_evaluate(
       evaluator = evaluation.HeldOutEvaluator(config, setup, mesh, run.schedule)
 
     # --- The workdir: its lease, its checkpoints, its files; out of memory named in one line
-    with workdir_lease.held(workdir, take_over_workdir) as lease, _out_of_memory_named(config):
+    t = config.train
+    micro = (
+        f" (micro-batches of {t.batch_size // t.grad_accum_steps})"
+        if t.grad_accum_steps > 1
+        else ""
+    )
+    out_of_memory = memory.out_of_memory_named(
+        f"with train.batch_size={t.batch_size}{micro}",
+        "lower it, raise train.grad_accum_steps, set model.remat=full, or set train.batch_size=-1 "
+        "for the largest batch that fits; the checkpoints saved are kept",
+    )
+    with workdir_lease.held(workdir, take_over_workdir) as lease, out_of_memory:
       checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
-      is_chief, logs = jax.process_index() == 0, None
+      is_chief, logs, save_config = jax.process_index() == 0, None, None
       try:
         if start is not None and start.newer_damaged:
           checkpointer.set_aside_after(step)
@@ -88,10 +100,15 @@ def train_and_evaluate(
           for log in logs:  # a run killed after its checkpoint logged steps this one logs again
             log.holds = lease.holds
             log.truncate_after(step)
+          save_config = functools.partial(
+              config_lib.save_config, workdir, config, run.saved_config, start and step
+          )
 
         # --- The loop
         _warn_single_steps(config, steps_per_call)
-        return _loop(run, state, compiled, evaluator, checkpointer, lease, logs, signals)
+        return _loop(
+            run, state, compiled, evaluator, checkpointer, lease, logs, signals, save_config
+        )
       finally:  # whatever ends the run (done, a signal, NaN, an error), saves in flight complete
         checkpointer.wait()
         checkpointer.close()
@@ -99,7 +116,17 @@ def train_and_evaluate(
           log.close()
 
 
-def _loop(run: resolve.Run, state, compiled: dict, evaluator, checkpointer, lease, logs, signals):
+def _loop(
+    run: resolve.Run,
+    state,
+    compiled: dict,
+    evaluator,
+    checkpointer,
+    lease,
+    logs,
+    signals,
+    save_config,
+):
   """From `state` at the run's first step to train.steps: several steps a call where they fit before
   the next log, evaluation or checkpoint; the last logged metrics."""
   config, mesh, setup, schedule = run.config, run.mesh, run.setup, run.schedule
@@ -145,9 +172,9 @@ def _loop(run: resolve.Run, state, compiled: dict, evaluator, checkpointer, leas
         batch = partitioning.global_batch_from_local(next(batches), mesh, keys=keys)
         rngs = train_state.step_rng(seed, step)
       state, metrics = compiled[num_steps](state, batch, rngs, schedule)
-      if call == 0 and is_chief:  # config.json records a batch that ran, not one over memory
+      if call == 0 and save_config:  # config.json records a batch that ran, not one over memory
         jax.block_until_ready(metrics)
-        config_lib.save_config(run.workdir, config, run.saved_config, step if start else None)
+        save_config()
       step += num_steps
       window_steps += num_steps
       window.append(metrics)
@@ -207,19 +234,6 @@ def _loop(run: resolve.Run, state, compiled: dict, evaluator, checkpointer, leas
   if step >= total_steps and is_chief:
     logging.info("Done: step %d, checkpoints in %s.", step, checkpointer.directory)
   return last_logged
-
-
-def _out_of_memory_named(config):
-  """memory.out_of_memory_named for the train step's batch."""
-  t = config.train
-  micro = (
-      f" (micro-batches of {t.batch_size // t.grad_accum_steps})" if t.grad_accum_steps > 1 else ""
-  )
-  return memory.out_of_memory_named(
-      f"with train.batch_size={t.batch_size}{micro}",
-      "lower it, raise train.grad_accum_steps, set model.remat=full, or set train.batch_size=-1 "
-      "for the largest batch that fits; the checkpoints saved are kept",
-  )
 
 
 def evaluate_checkpoint(
