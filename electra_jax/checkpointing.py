@@ -106,13 +106,13 @@ class Checkpointer:
 
   # A save that runs out of space ends in OutOfSpace alone. Its writes still in flight print
   # tracebacks as they find orbax's event loop closed (sys.unraisablehook), or as asyncio collects
-  # their failed tasks (its logger): those are dropped while the folder is short of space.
+  # their failed tasks (its logger): those tracebacks are dropped while the folder is short of space.
   def _unraisable(self, unraisable) -> None:
     if not (_reaches_a_closed_loop(unraisable) and self._short_of_space()):
       self._unraisablehook(unraisable)
 
   def _asyncio_record(self, record) -> bool:
-    return not self._short_of_space()
+    return record.exc_info is None or not self._short_of_space()
 
   def _short_of_space(self) -> int | None:
     local = not workdir_files.is_remote(self.directory)
