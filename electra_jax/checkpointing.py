@@ -144,13 +144,11 @@ class Checkpointer:
       self._failed = True
       with contextlib.suppress(Exception):  # the failure again, from the threads it stops
         self._manager.close()
-      # Writes still in flight add and remove files there for a moment: removed until none shows.
-      for _ in range(50):
-        unfinished = glob.glob(f"{self.directory}/*{ocp.path.atomicity.TMP_DIR_SUFFIX}*")
+      for _ in range(50):  # writes in flight add and remove files there for a moment
+        if not (unfinished := glob.glob(f"{self.directory}/*{ocp.path.atomicity.TMP_DIR_SUFFIX}*")):
+          break
         for folder in unfinished:
           shutil.rmtree(folder, ignore_errors=True)
-        if not unfinished:
-          break
         time.sleep(0.1)
       with workdir_files.out_of_space_named(self.directory):
         raise OSError(code, os.strerror(code)) from None
