@@ -103,8 +103,10 @@ def read_sweep(folder, check_base=None) -> dict | None:
     return None
 
   def parse(record: dict) -> dict:
+    if not isinstance(base := record["base_config"], dict):
+      raise ValueError(f"base_config is a {type(base).__name__}, not an object")
     if check_base is not None:
-      check_base(record["base_config"])
+      check_base(base)
     return dict(record, runs=[_sweep_run(run) for run in record["runs"]])
 
   return read_json(file, parse)
@@ -118,14 +120,18 @@ def read_jsonl(file) -> list:
   records = []
   for number, line in enumerate(lines, 1):
     try:
-      records.append(json.loads(line.decode()))
-    except ValueError as error:  # UnicodeDecodeError is one
+      record = json.loads(line.decode())  # a UnicodeDecodeError is a ValueError
+      if not isinstance(record, dict):
+        raise TypeError(f"a {type(record).__name__}")
+    except (ValueError, TypeError) as error:
       if number < len(lines):
         raise ConfigError(
-            f"{file}, line {number}, is not JSON ({type(error).__name__}); it was edited or "
-            "damaged. Delete that line, or put back a good copy."
+            f"{file}, line {number}, is not a JSON object ({type(error).__name__}: {error}); it "
+            "was edited or damaged. Delete that line, or put back a good copy."
         ) from None
       logging.warning("Skipping the last line of %s: it was cut short (a crash?).", file)
+    else:
+      records.append(record)
   return records
 
 

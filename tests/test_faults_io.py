@@ -176,7 +176,9 @@ def test_a_log_with_bytes_not_utf8_is_one_line_naming_it_and_the_line(tmp_path, 
   result = cli([*args, f"--out={tmp_path}/curves.png"])
   assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
   last = result.stderr.strip().splitlines()[-1]
-  assert last.startswith("electra-jax: error: ") and f"{log}, line 1, is not JSON" in last, last
+  assert (
+      last.startswith("electra-jax: error: ") and f"{log}, line 1, is not a JSON object" in last
+  ), last
 
 
 @pytest.mark.fault

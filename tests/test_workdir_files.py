@@ -140,10 +140,10 @@ def _log(folder, *lines: bytes):
 
 
 @pytest.mark.fault
-@pytest.mark.parametrize("damage", [b"\xff\xfe", b"{'step': 2}", b'{"step": 2'])
+@pytest.mark.parametrize("damage", [b"\xff\xfe", b"{'step': 2}", b'{"step": 2', b"[2]"])
 def test_a_log_line_not_json_before_the_last_is_refused_naming_the_file_and_line(tmp_path, damage):
   log = _log(tmp_path, b'{"step": 1}\n', damage + b"\n", b'{"step": 3}\n')
-  with pytest.raises(errors.ConfigError, match=f"{log}, line 2, is not JSON"):
+  with pytest.raises(errors.ConfigError, match=f"{log}, line 2, is not a JSON object"):
     workdir_files.read_jsonl(log)
 
 
