@@ -2,9 +2,15 @@
 fingerprint, a checksum of every array) under <workdir>/checkpoints/<step>/; a restore refuses
 arrays that differ (DamagedCheckpoint)."""
 
+import asyncio
 import contextlib
 import dataclasses
+import glob
+import logging as std_logging
 import os
+import shutil
+import sys
+import time
 from typing import Any
 
 import jax
@@ -78,6 +84,15 @@ def _without_traceback(record) -> bool:
   return True
 
 
+def _reaches_a_closed_loop(unraisable) -> bool:
+  """Whether `unraisable` is a callback sent to an asyncio loop already closed, as tensorstore's
+  writes still in flight are when orbax's failed save has closed its loop."""
+  tb = unraisable.exc_traceback
+  while tb is not None and tb.tb_next is not None:
+    tb = tb.tb_next
+  return tb is not None and tb.tb_frame.f_code is asyncio.BaseEventLoop._check_closed.__code__
+
+
 class Checkpointer:
 
   def __init__(self, workdir: str, keep: int):
@@ -86,6 +101,22 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     self._size, self._failed = 0, False  # bytes of the state saved last; a save ran out of space
     logging.get_absl_logger().addFilter(_without_traceback)
+    self._unraisablehook, sys.unraisablehook = sys.unraisablehook, self._unraisable
+    std_logging.getLogger("asyncio").addFilter(self._asyncio_record)
+
+  # A save that runs out of space ends in OutOfSpace alone. Its writes still in flight print
+  # tracebacks as they find orbax's event loop closed (sys.unraisablehook), or as asyncio collects
+  # their failed tasks (its logger): those tracebacks are dropped while the folder is short of space.
+  def _unraisable(self, unraisable) -> None:
+    if not (_reaches_a_closed_loop(unraisable) and self._short_of_space()):
+      self._unraisablehook(unraisable)
+
+  def _asyncio_record(self, record) -> bool:
+    return record.exc_info is None or not self._short_of_space()
+
+  def _short_of_space(self) -> int | None:
+    local = not workdir_files.is_remote(self.directory)
+    return local and workdir_files.short_of_space(self.directory, self._size) or None
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -97,8 +128,8 @@ class Checkpointer:
     """Asynchronous (device arrays are copied before this returns); the meta gets the checksums."""
     meta = dict(meta, checksums=checksums(state))
     args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-    self._saving(lambda: self._manager.save(step, args=args, force=True))
     self._size = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+    self._saving(lambda: self._manager.save(step, args=args, force=True))
 
   def _saving(self, call) -> None:
     """call() (a save, or the wait for one in flight); a save that found too little space is
@@ -108,15 +139,17 @@ class Checkpointer:
     try:
       call()
     except Exception:
-      local = not workdir_files.is_remote(self.directory)
-      code = local and workdir_files.short_of_space(self.directory, self._size)
-      if not code:
+      if not (code := self._short_of_space()):
         raise
       self._failed = True
       with contextlib.suppress(Exception):  # the failure again, from the threads it stops
         self._manager.close()
-      for unfinished in epath.Path(self.directory).glob(f"*{ocp.path.atomicity.TMP_DIR_SUFFIX}*"):
-        unfinished.rmtree()
+      for _ in range(50):  # writes in flight add and remove files there for a moment
+        if not (unfinished := glob.glob(f"{self.directory}/*{ocp.path.atomicity.TMP_DIR_SUFFIX}*")):
+          break
+        for folder in unfinished:
+          shutil.rmtree(folder, ignore_errors=True)
+        time.sleep(0.1)
       with workdir_files.out_of_space_named(self.directory):
         raise OSError(code, os.strerror(code)) from None
 
@@ -205,8 +238,11 @@ class Checkpointer:
     self._saving(self._manager.wait_until_finished)
 
   def close(self) -> None:
-    if not self._failed:
+    if not self._failed:  # a failed save's writes may still reach the hook
       self._manager.close()
+      if sys.unraisablehook == self._unraisable:
+        sys.unraisablehook = self._unraisablehook
+      std_logging.getLogger("asyncio").removeFilter(self._asyncio_record)
 
 
 # --- The checkpoint a run goes on from, checked against its setup and data

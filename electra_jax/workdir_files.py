@@ -12,7 +12,6 @@ import functools
 import hashlib
 import json
 import os
-import resource
 import tempfile
 import time
 import uuid
@@ -104,19 +103,35 @@ def read_sweep(folder, check_base=None) -> dict | None:
     return None
 
   def parse(record: dict) -> dict:
+    if not isinstance(base := record["base_config"], dict):
+      raise ValueError(f"base_config is a {type(base).__name__}, not an object")
     if check_base is not None:
-      check_base(record["base_config"])
+      check_base(base)
     return dict(record, runs=[_sweep_run(run) for run in record["runs"]])
 
   return read_json(file, parse)
 
 
 def read_jsonl(file) -> list:
-  """The whole lines of a JSONL log (metrics.jsonl, eval_metrics.jsonl), parsed; [] if none."""
+  """The lines of a JSONL log (metrics.jsonl, eval_metrics.jsonl), parsed; [] if none. A last line
+  cut short by a crash is skipped with a warning; another line that is not JSON is refused."""
+  data = _epath(file).read_bytes() if exists(file) else b""
+  lines = [line for line in data.splitlines() if line.strip()]
   records = []
-  for line in read_text(file).splitlines() if exists(file) else []:
-    with contextlib.suppress(json.JSONDecodeError):  # a line cut short by a crash
-      records.append(json.loads(line))
+  for number, line in enumerate(lines, 1):
+    try:
+      record = json.loads(line.decode())  # a UnicodeDecodeError is a ValueError
+      if not isinstance(record, dict):
+        raise TypeError(f"a {type(record).__name__}")
+    except (ValueError, TypeError) as error:
+      if number < len(lines):
+        raise ConfigError(
+            f"{file}, line {number}, is not a JSON object ({type(error).__name__}: {error}); it "
+            "was edited or damaged. Delete that line, or put back a good copy."
+        ) from None
+      logging.warning("Skipping the last line of %s: it was cut short (a crash?).", file)
+    else:
+      records.append(record)
   return records
 
 
@@ -135,25 +150,32 @@ _EXHAUSTED = {  # what a write's errno says, and what to do
 @contextlib.contextmanager
 def out_of_space_named(file=None):
   """Turns a write refused for want of space (a full disk or quota, `ulimit -f`) into OutOfSpace,
-  one line naming the file (`file`, else the error's own) and what to do."""
+  and one to a path that is a directory into ConfigError: one line naming the file (`file`, else
+  the error's own) and what to do."""
   try:
     yield
   except OSError as error:
+    name = file or error.filename or "a file"
+    if error.errno == errno.EISDIR:
+      raise ConfigError(
+          f"Writing {name}: it is a directory. Move it aside, or name a file."
+      ) from None
     if error.errno not in _EXHAUSTED:
       raise
-    name, fix = file or error.filename or "a file", _EXHAUSTED[error.errno]
+    fix = _EXHAUSTED[error.errno]
     message = f"Writing {name}: {fix}, then run the same command again (what was written is kept)."
     raise OutOfSpace(message, error.errno) from None
 
 
 def short_of_space(folder, size: int) -> int | None:
-  """The errno (ENOSPC, EFBIG) a write of `size` bytes into local `folder` meets today: less free
-  space there, or a file-size limit (`ulimit -f`) below it; None when neither holds."""
-  disk = os.statvfs(folder)
-  if disk.f_bavail * disk.f_frsize < size:
-    return errno.ENOSPC
-  limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-  return errno.EFBIG if limit != resource.RLIM_INFINITY and limit < size else None
+  """The errno (ENOSPC, EDQUOT, EFBIG) a file of `size` bytes in local `folder` meets today, found
+  by reserving that much in an unnamed file; None when it fits."""
+  try:
+    with tempfile.TemporaryFile(dir=folder) as probe:
+      os.posix_fallocate(probe.fileno(), 0, max(size, 1))
+  except OSError as error:
+    return error.errno if error.errno in _EXHAUSTED else None
+  return None
 
 
 def write_bytes(file, data: bytes) -> None:
@@ -215,7 +237,8 @@ class JsonlLog:
 
   def _content(self) -> list[str]:
     if self._lines is None:
-      self._lines = self.file.read_text().splitlines() if self.file.exists() else []
+      data = self.file.read_bytes() if self.file.exists() else b""
+      self._lines = data.decode(errors="replace").splitlines()  # a damaged line is not JSON
     return self._lines
 
   def truncate_after(self, last_step: int) -> None:

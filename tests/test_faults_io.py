@@ -157,12 +157,39 @@ def test_a_checkpoint_save_past_the_file_size_limit_ends_in_one_line_and_resumes
   last = child.stderr.strip().splitlines()[-1]
   assert last.startswith("electra-jax: error: ") and f"{workdir}/checkpoints" in last, last
   assert "ulimit -f" in last
-  assert "site-packages/orbax" not in child.stderr, child.stderr[-3000:]  # no orbax traceback
+  assert "Traceback" not in child.stderr, child.stderr[-3000:]  # not orbax's, nor tensorstore's
   assert os.listdir(workdir / "checkpoints") == ["3"]  # the unfinished step 6 is gone
   resumed = cli(cli_args(workdir, **overrides, **{"train.steps": 6}))
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "Resuming from the checkpoint at step 3" in resumed.stderr
   assert sorted(os.listdir(workdir / "checkpoints")) == ["3", "6"]
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("mode", ["plot", "sweep_report"])
+def test_a_log_with_bytes_not_utf8_is_one_line_naming_it_and_the_line(tmp_path, mode):
+  folder = _sweep_folder(tmp_path / "sweep")
+  log = _logged_workdir(folder / "learning_rate=0.001") / "metrics.jsonl"
+  log.write_bytes(log.read_bytes().replace(b"step", b"st\xe9p", 1))
+  workdir = log.parent if mode == "plot" else folder
+  args = [sys.executable, "-m", "electra_jax.main", f"--mode={mode}", f"--workdir={workdir}"]
+  result = cli([*args, f"--out={tmp_path}/curves.png"])
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert (
+      last.startswith("electra-jax: error: ") and f"{log}, line 1, is not a JSON object" in last
+  ), last
+
+
+@pytest.mark.fault
+def test_a_report_over_a_directory_is_one_line_naming_it(tmp_path):
+  folder = _sweep_folder(tmp_path / "sweep")
+  (folder / "results.csv" / "inside").mkdir(parents=True)
+  result = _sweep_report(folder)
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("electra-jax: error: ") and f"{folder}/results.csv" in last, last
+  assert os.listdir(folder / "results.csv") == ["inside"]
 
 
 @pytest.fixture(scope="module")

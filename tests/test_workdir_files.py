@@ -1,6 +1,7 @@
 """Workdir files on local disk and in a bucket (the local GCS API of tests/gcs_server.py, reached
 through etils.epath and gcsfs as a run reaches it)."""
 
+import errno
 import json
 import os
 
@@ -131,3 +132,53 @@ def test_a_link_to_nothing_is_left_out_of_a_listing_and_the_rest_is_listed(tmp_p
   (tmp_path / "linked.npy").symlink_to(tmp_path / "shard.npy")
   (tmp_path / "dangling.npy").symlink_to(tmp_path / "gone.npy")
   assert workdir_files.list_files(tmp_path) == {"shard.npy": (5, None), "linked.npy": (5, None)}
+
+
+def _log(folder, *lines: bytes):
+  (folder / "metrics.jsonl").write_bytes(b"".join(lines))
+  return folder / "metrics.jsonl"
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("damage", [b"\xff\xfe", b"{'step': 2}", b'{"step": 2', b"[2]"])
+def test_a_log_line_not_json_before_the_last_is_refused_naming_the_file_and_line(tmp_path, damage):
+  log = _log(tmp_path, b'{"step": 1}\n', damage + b"\n", b'{"step": 3}\n')
+  with pytest.raises(errors.ConfigError, match=f"{log}, line 2, is not a JSON object"):
+    workdir_files.read_jsonl(log)
+
+
+@pytest.mark.fault
+def test_a_log_whose_last_line_a_crash_cut_in_bytes_keeps_its_whole_lines(tmp_path, caplog):
+  log = _log(tmp_path, b'{"step": 1}\n', b'{"step": 2}\n', b'{"step": 3, "lo\xe2\x82')
+  assert workdir_files.read_jsonl(log) == [{"step": 1}, {"step": 2}]
+  assert f"Skipping the last line of {log}" in caplog.text
+
+
+@pytest.mark.fault
+def test_a_write_to_a_directory_is_refused_naming_it_and_leaves_it(tmp_path):
+  folder = tmp_path / "config.json"
+  (folder / "inside").mkdir(parents=True)
+  for write in (
+      lambda: workdir_files.write_json(folder, {"steps": 7}),
+      lambda: workdir_files.JsonlLog(folder).append({"step": 1}),
+  ):
+    with pytest.raises(errors.ConfigError, match=f"Writing {folder}: it is a directory"):
+      write()
+  assert sorted(os.listdir(tmp_path)) == ["config.json"] and os.listdir(folder) == ["inside"]
+
+
+@pytest.mark.fault
+def test_a_disk_quota_is_found_as_a_full_disk_is(tmp_path, monkeypatch):
+  def over_quota(fd, offset, size):  # what a filesystem answers once this user's quota is used up
+    raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+  monkeypatch.setattr(os, "posix_fallocate", over_quota)
+  assert workdir_files.short_of_space(tmp_path, 1000) == errno.EDQUOT
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.fault
+def test_a_resumed_run_cuts_a_log_with_bytes_not_utf8_back_to_its_whole_lines(tmp_path):
+  log = _log(tmp_path, b'{"step": 1}\n', b'{"step": 2, "lo\xff\n', b'{"step": 3}\n')
+  workdir_files.JsonlLog(log).truncate_after(2)
+  assert workdir_files.read_jsonl(log) == [{"step": 1}]
