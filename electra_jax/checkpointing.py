@@ -163,7 +163,8 @@ class Checkpointer:
             f"The checkpoint at step {step} in {self.directory} was removed while it was read: a "
             "run writing there saved a newer one."
         ) from error
-      why = f"its {what} cannot be read ({type(error).__name__}: {str(error)[:300]})"
+      first_line = (str(error).splitlines() or [""])[0][:200]
+      why = f"its {what} cannot be read ({type(error).__name__}: {first_line})"
       raise self._damaged(step, why) from error
 
   def _damaged(self, step: int, why: str) -> DamagedCheckpoint:

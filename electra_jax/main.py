@@ -361,6 +361,9 @@ def main(argv):
       with workdir_files.out_of_space_named(), memory.out_of_memory_named(where, fix):
         mode.run(FLAGS.config, FLAGS.workdir)
   except (ConfigError, FloatingPointError) as error:  # a mistake, or a diverged run
+    # The line is the last word: work the error cut short (orbax's reads of a damaged step) is
+    # reported as "Exception ignored" tracebacks when it is collected, after this line.
+    sys.unraisablehook = lambda dropped: None
     sys.exit(f"electra-jax: error: {error}")
 
 

@@ -5,6 +5,8 @@ for by step, and export refuses non-finite weights before it writes anything."""
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -183,3 +185,16 @@ def test_export_refuses_non_finite_weights_and_writes_nothing(workdir, tmp_path)
   ):
     export.export_workdir(workdir, str(out))
   assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.fault
+def test_eval_of_a_damaged_step_ends_in_one_line_and_nothing_after_it(workdir):
+  """The message quoted orbax's error whole (a dozen lines of TensorStore spec), and the reads it
+  cut short printed "Exception ignored" tracebacks after it."""
+  _truncate(workdir, 6)
+  args = [sys.executable, "-m", "electra_jax.main", "--mode=eval", f"--workdir={workdir}"]
+  done = subprocess.run([*args, "--step=6"], capture_output=True, text=True, timeout=300)
+  assert done.returncode == 1, done.stderr[-2000:]
+  last = done.stderr.rstrip("\n").splitlines()[-1]
+  assert last.startswith("electra-jax: error: The checkpoint at step 6") and "[3]" in last, last
+  assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
