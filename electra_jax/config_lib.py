@@ -59,8 +59,7 @@ class RecipeParser(ConfigFileFlagParser):
     if self._lock_config:
       config.lock()
     self.loaded = config.copy_and_resolve_references()  # overrides go into `config` after this
-    if "init_from" in config:
-      self.listing = "configs/finetune/base.py"
+    self.listing = "configs/finetune/base.py" if "init_from" in config else "configs/base.py"
     return config
 
 

@@ -432,7 +432,8 @@ def test_cli_asks_for_what_each_mode_needs(tmp_path):
   no_out = cli([*python_m_main, "--mode=export_hf", f"--workdir={tmp_path}"])
   assert no_out.returncode != 0 and "--mode=export_hf needs --out" in no_out.stderr
   no_config = cli([*python_m_main, f"--workdir={tmp_path}"])
-  assert no_config.returncode != 0 and "--mode=train needs --config" in no_config.stderr
+  assert no_config.returncode != 0 and "has no config.json" in no_config.stderr
+  assert "give --config" in no_config.stderr
   not_a_workdir = cli(
       [*python_m_main, "--mode=export_hf", f"--workdir={tmp_path}", f"--out={tmp_path}/hf"]
   )

@@ -236,7 +236,7 @@ def test_plot_sweep_folder_expands_and_bad_input_is_refused(tmp_path):
   (sweep_dir / "sweep.json").write_text(
       json.dumps(
           {
-              "base_config_fingerprint": "x",
+              "base_config": {},
               "runs": [
                   {"name": "a", "overrides": [["k", "1"]]},
                   {"name": "b", "overrides": [["k", "2"]]},
