@@ -140,8 +140,11 @@ def test_cli_under_a_file_size_limit_ends_in_one_line(tmp_path):
 @pytest.mark.fault
 @pytest.mark.slow
 def test_a_checkpoint_save_past_the_file_size_limit_ends_in_one_line_and_resumes(tmp_path):
-  # A model whose checkpoint (about 1 MB) passes the limit, and its tokenizer (250 kB) does not.
-  workdir, wider = tmp_path / "run", {"model.hidden_size": 64, "model.intermediate_size": 256}
+  # A model whose checkpoint passes the limit, and its tokenizer (250 kB) does not. The word
+  # embeddings (8192 x 16 float32, 512 kB) are one array: orbax may spread a state over several
+  # data files (one per batch of writes), but no file holds less than one array.
+  workdir = tmp_path / "run"
+  wider = {"model.hidden_size": 64, "model.intermediate_size": 256, "model.vocab_size": 8192}
   overrides = {**wider, "checkpoint.every_steps": 3}
   assert cli(cli_args(workdir, **overrides, **{"train.steps": 3})).returncode == 0
   child = _limited_child(
