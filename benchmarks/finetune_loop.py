@@ -107,7 +107,7 @@ def main(argv):
       seconds = []
       for round_ in range(-1, _ROUNDS.value):  # round -1 compiles
         params = model_lib.init_params(backbone, adapter.model, key, config.max_seq_len)
-        tx, _ = optim.make_optimizer(config, params, backbone.encoder_config.num_layers, args)
+        tx, _ = optim.make_optimizer(config, params, backbone.model.config.num_layers, args)
         state = jax.block_until_ready((params, tx.init(params)))
         start = time.perf_counter()
         jax.block_until_ready(work(round_, *state))

@@ -205,7 +205,7 @@ def test_the_last_batch_is_padded_with_rows_that_do_not_count(tmp_path):
   train_step, _ = trainer._compiled_steps(config, adapter, backbone)
   params = model_lib.init_params(backbone, adapter.model, jax.random.key(0), config.max_seq_len)
   args = optim.schedule_args(config, 10)
-  tx, _ = optim.make_optimizer(config, params, backbone.encoder_config.num_layers, args)
+  tx, _ = optim.make_optimizer(config, params, backbone.model.config.num_layers, args)
 
   def loss(batch):
     fresh = jax.tree.map(jnp.copy, params)  # the step donates what it is given
@@ -410,7 +410,7 @@ def test_init_from_pretraining_workdir(tmp_path, pretrained_workdir):
   jax.tree.map(
       np.testing.assert_array_equal, params["encoder"], state.params["discriminator"]["encoder"]
   )
-  assert backbone.encoder_config.hidden_size == pretrain_config.model.hidden_size
+  assert backbone.model.config.hidden_size == pretrain_config.model.hidden_size
 
   config.random_init = True
   fresh = model_lib.init_params(

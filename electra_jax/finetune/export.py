@@ -85,7 +85,7 @@ def load_task_model(workdir: str, task: str) -> TaskModel:
     )
   config.random_init = True  # sizes and tokenizer: the weights come from the task's checkpoint
   backbone = model_lib.load_backbone(config)
-  hf.check_hf_form(backbone.encoder_config)
+  hf.check_hf_form(backbone.model.config)
   if head["kind"] == "span":
     model = backbone.task_model(squad.SquadModel, config, answerable=head["answerable"])
   else:
@@ -118,16 +118,13 @@ def _write(directory: str, backbone, head: dict, params) -> None:
     tensors["qa_outputs.bias"] = np.asarray(span["bias"], np.float32)
     settings.update(architectures=["ElectraForQuestionAnswering"], num_labels=2)
   else:
-    tensors.update(_classification_head(params, head, backbone.encoder_config))
+    tensors.update(_classification_head(params, head, backbone.model.config))
     settings["architectures"] = ["ElectraForSequenceClassification"]
     if head["kind"] == "regression":
       settings.update(num_labels=1, problem_type="regression")
     else:
-      labels = dict(enumerate(head["labels"]))
-      label2id = {label: i for i, label in labels.items()}
-      settings.update(
-          problem_type="single_label_classification", id2label=labels, label2id=label2id
-      )
+      labels = dict(enumerate(head["labels"]))  # HF infers single-label classification
+      settings.update(id2label=labels, label2id={label: i for i, label in labels.items()})
   workdir_files.write_json(os.path.join(directory, "config.json"), settings)
   path = os.path.join(directory, "model.safetensors")
   workdir_files.write_bytes(path, safetensors.numpy.save(tensors, metadata={"format": "pt"}))

@@ -24,10 +24,8 @@ POOLINGS = ("cls", "mean")
 
 def sizes_of(model) -> dict[str, int]:
   """The embedding sizes a task model shares with its backbone."""
-  return {
-      k: getattr(model, k)
-      for k in ("vocab_size", "embedding_size", "max_position_embeddings", "type_vocab_size")
-  }
+  sizes = ("vocab_size", "embedding_size", "max_position_embeddings", "type_vocab_size")
+  return {key: getattr(model, key) for key in sizes}
 
 
 def head_dense(
@@ -40,14 +38,9 @@ def head_dense(
     limit = (6.0 / (shape[-2] + (shape[-1] if fan_out is None else fan_out))) ** 0.5
     return jax.random.uniform(key, shape, dtype, -limit, limit)
 
-  return nn.Dense(
-      features,
-      dtype=dtype,
-      param_dtype=jnp.float32,
-      name=name,
-      kernel_init=nn.with_logical_partitioning(kernel_init, ("embed", "unmodeled")),
-      bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("unmodeled",)),
-  )
+  kernel = nn.with_logical_partitioning(kernel_init, ("embed", "unmodeled"))
+  bias = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("unmodeled",))
+  return nn.Dense(features, dtype=dtype, name=name, kernel_init=kernel, bias_init=bias)
 
 
 def pool(hidden: jax.Array, attention_mask: jax.Array, pooling: str) -> jax.Array:
@@ -100,17 +93,11 @@ class Backbone:
   tokenizer: Any
   source: str  # where the weights came from, for the logs and results
 
-  @property
-  def encoder_config(self) -> EncoderConfig:
-    return self.model.config
-
   def task_model(self, module_class, config, **head_fields):
     """`module_class` (ElectraClassifier, squad.SquadModel) on this encoder, with config's dropout
     and dtype."""
-    dropout = dict(
-        dropout_rate=config.dropout_rate, attention_dropout_rate=config.attention_dropout_rate
-    )
-    encoder_config = dataclasses.replace(self.encoder_config, **dropout)
+    rates = ("dropout_rate", "attention_dropout_rate")
+    encoder_config = dataclasses.replace(self.model.config, **{key: config[key] for key in rates})
     dtype = jnp.dtype(config.dtype)
     return module_class(**sizes_of(self.model), config=encoder_config, dtype=dtype, **head_fields)
 
@@ -161,8 +148,7 @@ def _from_workdir(config, workdir: str) -> Backbone:
     mesh, setup = one_device_setup(pretrain_config, tokenizer)
     step, state = resolve.restore_checkpoint(workdir, setup, mesh)  # the newest (a live run's)
     source = f"{workdir} step {step}"
-    # The standalone discriminator, every model.tie mode resolved; the RTD head and generator
-    # stay behind.
+    # The standalone discriminator (model.tie resolved), without the RTD head and generator.
     _, tower = tower_from_pretrainer(setup.model, state.params, "discriminator")
     params = {"embeddings": tower["embeddings"], "encoder": tower["discriminator"]["encoder"]}
   encoder_config = dataclasses.replace(pretrainer.discriminator_config, scan_layers=False)
@@ -240,10 +226,10 @@ def load_backbone(config) -> Backbone:
         f"config.max_seq_len={config.max_seq_len} exceeds the model's max_position_embeddings="
         f"{backbone.model.max_position_embeddings}; lower max_seq_len."
     )
-  if config.reinit_layers > backbone.encoder_config.num_layers:
+  if config.reinit_layers > backbone.model.config.num_layers:
     raise ConfigError(
         f"config.reinit_layers={config.reinit_layers} exceeds the encoder's "
-        f"{backbone.encoder_config.num_layers} layers; use at most that many."
+        f"{backbone.model.config.num_layers} layers; use at most that many."
     )
   return backbone
 
@@ -262,7 +248,7 @@ def init_params(backbone: Backbone, model, rng: jax.Array, seq_len: int, reinit_
   if backbone.params is not None:
     # Copies: the training step donates its parameters, and the next seed starts from these.
     pretrained = jax.tree.map(lambda x: jnp.array(x, copy=True), nn.meta.unbox(backbone.params))
-    num_layers = backbone.encoder_config.num_layers
+    num_layers = backbone.model.config.num_layers
     fresh = {f"layer_{i}" for i in range(num_layers - reinit_layers, num_layers)}
     fresh |= {"final_layer_norm"} if reinit_layers else set()
     params["embeddings"] = pretrained["embeddings"]

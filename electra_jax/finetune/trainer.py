@@ -192,7 +192,7 @@ def _compiled_steps(config, adapter, backbone):
 
   def train_step(params, opt_state, batch, seed_key, step, args):
     rng = jax.random.fold_in(seed_key, step)  # here, not eagerly: one host dispatch per step
-    tx, _ = optim.make_optimizer(config, params, backbone.encoder_config.num_layers, args)
+    tx, _ = optim.make_optimizer(config, params, backbone.model.config.num_layers, args)
 
     def loss(p):
       per_example = adapter.loss_fn(apply(p, batch, False, rng), batch)
@@ -231,7 +231,7 @@ def _run_seed(config, adapter, backbone, steps, seed, task_dir, rate=None, seeds
   params = model_lib.init_params(
       backbone, adapter.model, seed_key, config.max_seq_len, config.reinit_layers
   )
-  tx, schedule = optim.make_optimizer(config, params, backbone.encoder_config.num_layers, args)
+  tx, schedule = optim.make_optimizer(config, params, backbone.model.config.num_layers, args)
   opt_state = tx.init(params)
   # A seed whose earlier run was cut short starts over: its checkpoints and events may be later.
   for stale in ("checkpoints", tensorboard_log.SUBDIR):

@@ -16,8 +16,7 @@ from electra_jax.interop.hf import check_hf_form, finite_tensor, save_hf
 
 
 def one_device_setup(config, tokenizer):
-  """(mesh, train_state.build_setup) on one device, whatever mesh trained (orbax re-shards on
-  restore)."""
+  """(mesh, train_state.build_setup) on one device, whatever mesh trained (orbax re-shards)."""
   mesh = partitioning.make_mesh(dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
   return mesh, train_state.build_setup(config, mesh, train_state.special_ids(tokenizer))
 
@@ -71,30 +70,23 @@ def check_export_out(out_dir: str, export_generator: bool = False) -> None:
 def write_tokenizer_files(tok, directory: str, max_length: int) -> None:
   """tokenizer.json (adding [CLS] ... [SEP] as training does), tokenizer_config.json and vocab.txt
   or spm.model beside the weights: AutoTokenizer.from_pretrained(directory) gives training's ids."""
+  wordpiece = isinstance(tok, WordPieceTokenizer)
   settings = {
       "model_max_length": max_length,
       "model_input_names": ["input_ids", "token_type_ids", "attention_mask"],
+      "tokenizer_class": "ElectraTokenizer" if wordpiece else "PreTrainedTokenizerFast",
       **{f"{name}_token": f"[{name.upper()}]" for name in ("unk", "sep", "pad", "cls", "mask")},
   }
-  if isinstance(tok, WordPieceTokenizer):
-    workdir_files.write_bytes(
-        os.path.join(directory, "vocab.txt"), pathlib.Path(tok.vocab_file).read_bytes()
-    )
+  if wordpiece:
+    name, source = "vocab.txt", tok.vocab_file
     pipeline = tokenizers.Tokenizer.from_str(tok.backend.to_str())
     # strip_accents None: follow do_lower_case, as BERT's tokenizer (and ours) does.
-    settings.update(
-        tokenizer_class="ElectraTokenizer",
-        do_lower_case=tok.lowercase,
-        strip_accents=tok.strip_accents,
-        tokenize_chinese_chars=True,
-    )
+    settings.update(do_lower_case=tok.lowercase, strip_accents=tok.strip_accents)
   else:
-    workdir_files.write_bytes(
-        os.path.join(directory, "spm.model"), pathlib.Path(tok.model_path).read_bytes()
-    )
+    name, source = "spm.model", tok.model_path
     pipeline = _sentencepiece_pipeline(tok.model_path)
     pipeline.add_special_tokens(list(SPECIAL_TOKENS))
-    settings.update(tokenizer_class="PreTrainedTokenizerFast")
+  workdir_files.write_bytes(os.path.join(directory, name), pathlib.Path(source).read_bytes())
   pipeline.post_processor = tokenizers.processors.TemplateProcessing(
       single="[CLS] $A [SEP]",
       pair="[CLS] $A [SEP] $B:1 [SEP]:1",

@@ -139,16 +139,13 @@ def _model_config(pair: ImportedPair) -> dict:
           f"{getattr(gen, key)}; towers sharing one embedding table must agree on it."
       )
   fraction = gen.config.hidden_size / disc.config.hidden_size
-  try:
-    derived = models.generator_encoder_config(disc.config, fraction) if fraction <= 1 else None
-  except ConfigError:  # no whole number of discriminator-sized heads
-    derived = None
-  if derived != gen.config:
-    mismatched = ", ".join(
-        f"{field}={getattr(gen.config, field)} (derived: {getattr(derived, field, None)})"
-        for field in (dataclasses.asdict(derived) if derived else ("hidden_size", "num_heads"))
-        if getattr(gen.config, field) != getattr(derived, field, None)
-    )
+  derived = models.generator_encoder_config(disc.config, fraction)  # refuses no whole heads
+  mismatched = ", ".join(
+      f"{field}={value} (derived: {getattr(derived, field)})"
+      for field, value in dataclasses.asdict(gen.config).items()
+      if value != getattr(derived, field)
+  )
+  if mismatched:
     raise ConfigError(
         f"The generator's sizes are not those the official code derives from the discriminator "
         f"and generator_fraction={fraction:.6g}: {mismatched}. This pair cannot be represented."
@@ -180,11 +177,8 @@ def write_pretraining_workdir(
   model_values = _model_config(pair)
   embeddings = _shared_embeddings(pair, embeddings_from)
   config = copy.deepcopy(config)  # the caller's config stays as it was
-  for key, value in sorted(model_values.items()):
-    if config.model[key] != value:
-      logging.info(
-          "model.%s=%s, from the imported weights (recipe: %s)", key, value, config.model[key]
-      )
+  changed = {key: value for key, value in model_values.items() if config.model[key] != value}
+  logging.info("model values from the imported weights, not the recipe's: %s", changed)
   config.model.update(model_values)
   if not pair.vocabulary and not (config.data.tokenizer == "wordpiece" and config.data.vocab_file):
     raise ConfigError(
@@ -214,9 +208,8 @@ def write_pretraining_workdir(
     raise ConfigError(
         f"The recipe's model is not the one an imported pair fills: parameter {name!r} is "
         f"{wanted.get(name, 'absent')} in it but {imported.get(name, 'absent')} in the pair "
-        f"(objective.name={config.objective.name!r}, model.tie={config.model.tie!r}). Nothing was "
-        "written; import with model.tie='embeddings' and objective.name electra, electra_15, "
-        "two_stage or adversarial."
+        f"({config.objective.name=}, {config.model.tie=}). Nothing was written; import with "
+        "model.tie='embeddings' and objective.name electra, electra_15, two_stage or adversarial."
     )
 
   # The vocabulary goes into the workdir, which then stands on its own.
@@ -228,17 +221,10 @@ def write_pretraining_workdir(
     fresh = train_state.fresh_state(setup, config.train.seed)
     params = jax.device_put(params, setup.state_shardings.params)
     state = fresh.replace(params=params, opt_state=fresh.tx.init(params))
-  with contextlib.closing(
-      checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
-  ) as saver:
-    # No data fingerprint yet: the first training save binds the checkpoints to their data.
-    meta = {
-        "param_shapes": setup.param_shapes,
-        "data_fingerprint": None,
-        "tokenizer_fingerprint": tokenizer.fingerprint,
-        "imported_from": pair.source,
-    }
-    saver.save(0, state, meta)
+  # No data fingerprint yet: the first training save binds the checkpoints to their data.
+  meta = dict(param_shapes=setup.param_shapes, data_fingerprint=None, imported_from=pair.source)
+  with contextlib.closing(checkpointing.Checkpointer(workdir, keep=1)) as saver:
+    saver.save(0, state, dict(meta, tokenizer_fingerprint=tokenizer.fingerprint))
     saver.wait()
   config_path = os.path.join(workdir, "config.json")
   workdir_files.write_text(config_path, config_lib.config_file_text(config))
