@@ -1,2 +1,1 @@
-"""Fine-tuning the discriminator on downstream tasks: metrics, task readers (GLUE, custom
-files), the classifier head, the layer-wise learning-rate optimizer and the training loop."""
+"""Fine-tuning the discriminator on downstream tasks (GLUE, SQuAD, custom files)."""

@@ -3,6 +3,7 @@ ElectraForQuestionAnswering directory, with its tokenizer."""
 
 import contextlib
 import os
+import pathlib
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -24,17 +25,14 @@ _GELU_FLOOR = 8.0
 
 def export_hf(workdir: str, out_dir: str, export_generator: bool = False) -> dict[str, str]:
   """`--mode=export_hf`: a pre-training workdir's towers, or each finished seed of a fine-tuning
-  workdir as <out_dir>/<task>/seed_<s> (HF config, weights and tokenizer; logits match ours).
-  Returns {what: directory}."""
-  names = os.listdir(workdir) if os.path.isdir(workdir) else []
-  tasks = sorted(n for n in names if os.path.isfile(os.path.join(workdir, n, "results.json")))
+  workdir as <out_dir>/<task>/seed_<s> (logits match ours); returns {what: directory}."""
+  tasks = sorted(path.parent.name for path in pathlib.Path(workdir).glob("*/results.json"))
   if not tasks:
     return export.export_workdir(workdir, out_dir, export_generator)
   if export_generator:
     raise ConfigError(f"--export_generator: {workdir} is a fine-tuning workdir (no generator).")
   loaded = {task: load_task_model(workdir, task) for task in tasks}  # refusals before any write
-  for task in tasks:
-    export.check_export_out(os.path.join(out_dir, task))
+  workdir_files.check_usable(out_dir, "--out")
   written = {}
   for task, (head, backbone, model, seeds) in loaded.items():
     if head.get("answerable"):
@@ -74,8 +72,7 @@ class TaskModel(NamedTuple):
 
 
 def load_task_model(workdir: str, task: str) -> TaskModel:
-  """A fine-tuned task from its results.json, refused before any checkpoint is read where Hugging
-  Face has no class for it."""
+  """A fine-tuned task from its results.json; refused, before any read, where HF has no class."""
   results = trainer.read_results(os.path.join(workdir, task))
   head, config = results["head"], results["config"]
   if head["kind"] != "span" and config.head.pooling != "cls":

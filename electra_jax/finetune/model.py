@@ -94,8 +94,7 @@ class Backbone:
   source: str  # where the weights came from, for the logs and results
 
   def task_model(self, module_class, config, **head_fields):
-    """`module_class` (ElectraClassifier, squad.SquadModel) on this encoder, with config's dropout
-    and dtype."""
+    """`module_class` (ElectraClassifier, SquadModel) on this encoder, config's dropout, dtype."""
     rates = ("dropout_rate", "attention_dropout_rate")
     encoder_config = dataclasses.replace(self.model.config, **{key: config[key] for key in rates})
     dtype = jnp.dtype(config.dtype)
@@ -152,16 +151,14 @@ def _from_workdir(config, workdir: str) -> Backbone:
     _, tower = tower_from_pretrainer(setup.model, state.params, "discriminator")
     params = {"embeddings": tower["embeddings"], "encoder": tower["discriminator"]["encoder"]}
   encoder_config = dataclasses.replace(pretrainer.discriminator_config, scan_layers=False)
-  return Backbone(
-      ElectraEncoderModel(**sizes_of(pretrainer), config=encoder_config), params, tokenizer, source
-  )
+  model = ElectraEncoderModel(**sizes_of(pretrainer), config=encoder_config)
+  return Backbone(model, params, tokenizer, source)
 
 
 def _from_hf(config, path: str) -> Backbone:
-  from electra_jax import interop  # torch-free, but only needed here
-  from electra_jax.interop import pretraining as pairing
+  from electra_jax.interop import hf, pretraining  # torch-free, but only needed here
 
-  hf_model, hf_params = interop.load_hf(path)
+  hf_model, hf_params = hf.load_hf(path)
   tower = hf_params.get("discriminator", hf_params.get("generator", hf_params))
   candidates = [os.path.join(path, name) for name in ("vocab.txt", "spm.model")]  # BERT's, ours
   tokenizer_path = config.tokenizer or next((c for c in candidates if os.path.isfile(c)), "")
@@ -170,15 +167,14 @@ def _from_hf(config, path: str) -> Backbone:
         f"{path} has neither vocab.txt nor spm.model; set config.tokenizer to its vocabulary."
     )
   # How tokenizer_config.json says the text was normalized, unless config.lowercase is set.
-  lowercase, strip_accents = pairing.read_tokenizer_settings(path)
+  lowercase, strip_accents = pretraining.read_tokenizer_settings(path)
   lowercase = lowercase if config.lowercase is None else config.lowercase
   params = {"embeddings": hf_params["embeddings"], "encoder": tower["encoder"]}
-  return Backbone(
-      ElectraEncoderModel(**sizes_of(hf_model), config=hf_model.config),
-      None if config.random_init else params,
-      _tokenizer_from_file(tokenizer_path, lowercase, strip_accents),
-      f"random init (sizes of {path})" if config.random_init else f"Hugging Face {path}",
-  )
+  model = ElectraEncoderModel(**sizes_of(hf_model), config=hf_model.config)
+  tokenizer = _tokenizer_from_file(tokenizer_path, lowercase, strip_accents)
+  if config.random_init:
+    return Backbone(model, None, tokenizer, f"random init (sizes of {path})")
+  return Backbone(model, params, tokenizer, f"Hugging Face {path}")
 
 
 def _from_config(config) -> Backbone:
@@ -191,13 +187,9 @@ def _from_config(config) -> Backbone:
   sizes = [key for key in m if key != "vocab_size"]  # vocab_size 0: the tokenizer's
   config_lib.check_encoder_sizes(m, sizes, "config.model.", "the random-init model's sizes")
   tokenizer = _tokenizer_from_file(config.tokenizer, config.lowercase)
-  model = ElectraEncoderModel(
-      m.vocab_size or tokenizer.vocab_size,
-      m.embedding_size,
-      m.max_position_embeddings,
-      2,
-      EncoderConfig(m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size),
-  )
+  encoder = EncoderConfig(m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size)
+  vocab_size = m.vocab_size or tokenizer.vocab_size
+  model = ElectraEncoderModel(vocab_size, m.embedding_size, m.max_position_embeddings, 2, encoder)
   return Backbone(model, None, tokenizer, "random init (config.model)")
 
 

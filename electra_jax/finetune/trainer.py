@@ -4,7 +4,6 @@ keep the last (or best) epoch's checkpoint and test predictions, and tabulate th
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import os
 import shutil
@@ -28,7 +27,6 @@ from electra_jax.finetune import optim, squad, tasks
 OFFICIAL_EPOCHS = {"rte": 10, "stsb": 10, "squad": 2}
 # Keys a finished seed's results do not depend on: a re-run that differs only in them keeps it.
 _NOT_SEED_KEYS = ("seed", "num_seeds", "log_every")
-_BASE_RECIPE = os.path.join(config_lib.RECIPES_DIR, "finetune", "base.py")
 
 
 def _is_squad(config) -> bool:
@@ -46,17 +44,16 @@ def validate(config) -> None:
   rates = ("dropout_rate", "attention_dropout_rate", "head_dropout_rate")
   config_lib.check_rates(config, rates, "config")
   optim.check(config.optimizer)
-  rule = config.optimizer.layerwise_lr_decay_rule
-  for key, value, allowed in (
-      ("dtype", config.dtype, config_lib.DTYPES),
-      ("source", config.source, ("dir", "tfds")),  # GLUE's TSVs or SQuAD's JSON, or TFDS's
-      ("custom.kind", config.custom.kind, ("classification", "regression")),
-      ("keep_epoch", config.keep_epoch, ("last", "best")),
-      ("head.pooling", config.head.pooling, model_lib.POOLINGS),
-      ("optimizer.layerwise_lr_decay_rule", rule, optim.LAYERWISE_RULES),
+  for key, allowed in (
+      ("dtype", config_lib.DTYPES),
+      ("source", ("dir", "tfds")),  # GLUE's TSVs or SQuAD's JSON, or TFDS's
+      ("custom.kind", ("classification", "regression")),
+      ("keep_epoch", ("last", "best")),
+      ("head.pooling", model_lib.POOLINGS),
+      ("optimizer.layerwise_lr_decay_rule", optim.LAYERWISE_RULES),
   ):
-    if value not in allowed:
-      raise ConfigError(f"config.{key}={value!r}: use one of {list(allowed)}.")
+    if config[key] not in allowed:  # a dotted key reads the group's value
+      raise ConfigError(f"config.{key}={config[key]!r}: use one of {list(allowed)}.")
   select_rates(config)
   if _is_squad(config):
     squad.squad_settings(config)
@@ -86,8 +83,7 @@ def select_rates(config) -> list[float]:
 
 
 def resolve_epochs(config, num_train: int) -> int:
-  """config.epochs (0: the task's official count), raised to ceil(min_steps / steps per epoch)
-  where that gives fewer than config.min_steps."""
+  """config.epochs (0: the task's official count), raised to reach config.min_steps steps."""
   task = str(config.task).lower().replace("-", "").replace("_", "")
   epochs = config.epochs or OFFICIAL_EPOCHS.get("squad" if _is_squad(config) else task, 3)
   steps_per_epoch = math.ceil(num_train / config.batch_size)
@@ -112,7 +108,7 @@ def _override(config: ml_collections.ConfigDict, saved: dict, prefix: str = "") 
 
 def _saved_config(saved: dict) -> ml_collections.ConfigDict:
   """A config our files hold, completed by configs/finetune/base.py and checked as a run's."""
-  config = config_lib.sibling(_BASE_RECIPE, "base").get_config()
+  config = config_lib.load_recipe("finetune/base")
   _override(config, saved)
   try:
     validate(config)
@@ -122,8 +118,7 @@ def _saved_config(saved: dict) -> ml_collections.ConfigDict:
 
 
 def read_results(task_dir: str) -> dict | None:
-  """<task_dir>/results.json (None if absent), its seeds sorted; refused, naming the file and the
-  key, where it was edited."""
+  """<task_dir>/results.json (None if absent), seeds sorted; an edited one is refused by key."""
   path = os.path.join(task_dir, "results.json")
   if not os.path.exists(path):
     return None
@@ -182,8 +177,7 @@ def batches(features: dict[str, np.ndarray], batch_size: int, order: np.ndarray 
 
 
 def _compiled_steps(config, adapter, backbone):
-  """(train_step(params, opt_state, batch, seed_key, step, optim.schedule_args), predict_step),
-  compiled once for every seed and learning-rate trial of a run."""
+  """(train_step, predict_step), compiled once for every seed and learning-rate trial of a run."""
 
   def apply(params, batch, deterministic, rng=None):
     inputs = (batch[key] for key in tasks.MODEL_INPUTS)
@@ -239,10 +233,9 @@ def _run_seed(config, adapter, backbone, steps, seed, task_dir, rate=None, seeds
   checkpointer = checkpointing.Checkpointer(seed_dir, keep=1)
   events = tensorboard_log.ScalarWriter(os.path.join(seed_dir, tensorboard_log.SUBDIR))
   kept, history, step = None, [], 0
-  eval_batch = f" (eval_batch_size={config.eval_batch_size})" if config.eval_batch_size else ""
-  batch = f"with batch_size={config.batch_size}{eval_batch}"
+  sizes = f"with batch_size={config.batch_size} (eval_batch_size {eval_batch_size})"
   fix = "lower batch_size (or eval_batch_size); the seeds finished are kept"
-  out_of_memory = memory.out_of_memory_named(batch, fix)
+  out_of_memory = memory.out_of_memory_named(sizes, fix)
   # Closing waits for saves.
   with contextlib.closing(checkpointer), contextlib.closing(events), out_of_memory:
     for epoch in range(epochs):
@@ -302,13 +295,15 @@ def _run_seed(config, adapter, backbone, steps, seed, task_dir, rate=None, seeds
   return result
 
 
-def _select_learning_rate(config, adapter, backbone, steps, task_dir: str, rates) -> dict:
+def _select_learning_rate(config, adapter, backbone, steps, task_dir: str) -> dict | None:
   """Trains seed config.seed at each rate on the rest of train, scored on the held-out share (mean
-  over select.folds), trials in <task_dir>/select/: {"learning_rate", "held_out_scores"}."""
+  over select.folds), trials in <task_dir>/select/: {"learning_rate", "held_out_scores"} or None."""
+  if not (rates := select_rates(config)):  # finished trials are read back, not trained again
+    return None
   folds, seed, scores = config.select.folds, config.seed, {}
   fits = adapter.split(config.select.fraction, seed, folds)
   for rate in rates:
-    trial = copy.deepcopy(config)
+    trial = config.copy_and_resolve_references()
     trial.optimizer.learning_rate, trial.select.learning_rates, trial.keep_epoch = rate, "", "last"
     fold_scores = []
     for k, fit in enumerate(fits):
@@ -331,8 +326,7 @@ def summarize(per_seed: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
   """{eval name: {metric: {mean, median, best, n}}} over the seeds' kept-epoch dev metrics."""
 
   def stats(values):
-    values = np.array(values)
-    return dict(mean=values.mean(), median=np.median(values), best=values.max(), n=len(values))
+    return dict(mean=np.mean(values), median=np.median(values), best=np.max(values), n=len(values))
 
   return {
       name: {metric: stats([run["dev"][name][metric] for run in per_seed]) for metric in first}
@@ -377,10 +371,7 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
     lease.acquire()
     try:
       steps = (*_compiled_steps(config, adapter, backbone), signals)
-      rates = select_rates(config)  # finished trials are read back, not trained again
-      selection = None
-      if rates:
-        selection = _select_learning_rate(config, adapter, backbone, steps, task_dir, rates)
+      selection = _select_learning_rate(config, adapter, backbone, steps, task_dir)
       steps_per_seed = math.ceil(num_train / config.batch_size) * epochs
       line = "Fine-tuning %s from %s, seeds %s: %d examples, %d epochs, %d steps each."
       logging.info(line, adapter.name, backbone.source, seeds, num_train, epochs, steps_per_seed)
@@ -393,7 +384,6 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
         finished[seed] = _run_seed(config, adapter, backbone, *args)
       per_seed = [finished[seed] for seed in seeds]
       kept = ("kept_epoch", "dev", "test_predictions")  # of each seed, in results.json
-      summary = summarize(per_seed)
       results = dict(
           task=adapter.name,
           init=backbone.source,
@@ -404,12 +394,12 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
           electra_jax_version=electra_jax.__version__,
           config=config_lib.as_saved(config),
           seeds={str(run["seed"]): {k: run[k] for k in kept} for run in per_seed},
-          summary=summary,
+          summary=summarize(per_seed),
       )
       path = os.path.join(task_dir, "results.json")
       workdir_files.write_json(path, results)
       logging.info("Results over %d seed(s) in %s; the table:", len(seeds), path)
-      print(format_table(summary))
+      print(format_table(results["summary"]))
       return results
     except _Stopped:
       raise SystemExit(

@@ -34,7 +34,18 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
         f"--export_generator: {why_not} (objective.name={config.objective.name!r}). "
         "Nothing was written; export without --export_generator."
     )
-  check_export_out(out_dir, export_generator)
+  workdir_files.check_usable(out_dir, "--out")
+  for tower in ("discriminator", "generator"):
+    directory = os.path.join(out_dir, tower)
+    if os.path.lexists(directory) and not (os.path.isdir(directory) and not os.listdir(directory)):
+      why = "is not an empty directory, and an export writes into it without clearing it"
+      if tower == "generator" and not export_generator:
+        why = "holds an earlier export's generator, which an export without --export_generator "
+        why += "would leave beside a discriminator it does not belong to"
+      raise ConfigError(
+          f"--out={out_dir!r}: {directory} {why}. Nothing was written; pick a new --out, or "
+          f"remove {directory} first."
+      )
 
   tok = data.workdir_tokenizer(workdir, config.data)  # build_setup needs its special ids
   mesh, setup = one_device_setup(config, tok)
@@ -48,23 +59,6 @@ def export_workdir(workdir: str, out_dir: str, export_generator: bool = False) -
     save_hf(setup.model, state.params, directory, kind=tower, pad_token_id=tok.pad_id)
     write_tokenizer_files(tok, directory, config.model.max_position_embeddings)
   return written
-
-
-def check_export_out(out_dir: str, export_generator: bool = False) -> None:
-  """Refuses an `out_dir` where an export would mix with another model: a non-empty tower
-  directory, or an old generator/ this export would leave beside its discriminator."""
-  workdir_files.check_usable(out_dir, "--out")
-  for tower in ("discriminator", "generator"):
-    directory = os.path.join(out_dir, tower)
-    if os.path.lexists(directory) and not (os.path.isdir(directory) and not os.listdir(directory)):
-      why = "is not an empty directory, and an export writes into it without clearing it"
-      if tower == "generator" and not export_generator:
-        why = "holds an earlier export's generator, which an export without --export_generator "
-        why += "would leave beside a discriminator it does not belong to"
-      raise ConfigError(
-          f"--out={out_dir!r}: {directory} {why}. Nothing was written; pick a new --out, or "
-          f"remove {directory} first."
-      )
 
 
 def write_tokenizer_files(tok, directory: str, max_length: int) -> None:

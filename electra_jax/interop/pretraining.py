@@ -2,7 +2,6 @@
 checkpoint, written as step 0 of a pre-training workdir with its vocabulary and config.json."""
 
 import contextlib
-import copy
 import dataclasses
 import os
 import pathlib
@@ -129,8 +128,7 @@ def _shared_embeddings(pair: ImportedPair, embeddings_from: str | None) -> dict:
 
 
 def _model_config(pair: ImportedPair) -> dict:
-  """config.model values that build exactly these two towers; refuses a generator no
-  `generator_fraction` gives."""
+  """config.model values building exactly these towers; refuses a generator no fraction gives."""
   disc, gen = pair.discriminator, pair.generator
   for key in hf.MODEL_KEYS:
     if getattr(disc, key) != getattr(gen, key):
@@ -168,15 +166,14 @@ def write_pretraining_workdir(
   """Writes <workdir>/config.json (`config` with the pair's sizes and vocabulary) and a step-0
   checkpoint, fresh optimizer state, all checked first; a workdir with checkpoints is refused."""
   workdir_files.check_usable(workdir)
-  checkpoints_dir = os.path.join(workdir, "checkpoints")
   # Steps are numbered directories ("<step>.orbax-checkpoint-tmp": a save orbax will remove).
-  if os.path.isdir(checkpoints_dir) and any(name.isdigit() for name in os.listdir(checkpoints_dir)):
+  if any(path.name.isdigit() for path in pathlib.Path(workdir, "checkpoints").glob("*")):
     raise ConfigError(
         f"{workdir} already holds checkpoints; import into a new --workdir (nothing was changed)."
     )
   model_values = _model_config(pair)
   embeddings = _shared_embeddings(pair, embeddings_from)
-  config = copy.deepcopy(config)  # the caller's config stays as it was
+  config = config.copy_and_resolve_references()  # the caller's config stays as it was
   changed = {key: value for key, value in model_values.items() if config.model[key] != value}
   logging.info("model values from the imported weights, not the recipe's: %s", changed)
   config.model.update(model_values)
