@@ -363,7 +363,6 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   finished = _finished_seeds(config, task_dir, seeds)
   if results := read_results(task_dir):
     _refuse_another_config(os.path.join(task_dir, "results.json"), results["config"], config)
-  os.makedirs(task_dir, exist_ok=True)
   # One run per task folder: each seed starts by deleting its checkpoints, under another run's feet.
   lease = workdir_lease.WorkdirLease(task_dir)
   with preemption.Preemption() as signals:

@@ -98,9 +98,8 @@ def pair_from_tf(path: str, vocab_file: str | None = None, num_heads: int | None
   elif not os.path.isfile(vocab_file):
     raise ConfigError(f"--vocab_file={vocab_file} does not exist; give the checkpoint's vocab.txt.")
   vocabulary = {"tokenizer": "wordpiece", "vocab_file": vocab_file} if vocab_file else {}
-  return ImportedPair(
-      *towers["discriminator"], *towers["generator"], vocabulary, f"TensorFlow checkpoint {prefix}"
-  )
+  source = f"TensorFlow checkpoint {prefix}"
+  return ImportedPair(*towers["discriminator"], *towers["generator"], vocabulary, source)
 
 
 def _shared_embeddings(pair: ImportedPair, embeddings_from: str | None) -> dict:
