@@ -128,8 +128,7 @@ def _from_workdir(config, workdir: str) -> Backbone:
     tokenizer = _tokenizer_from_file(config.tokenizer, config.lowercase)
   else:
     tokenizer = data.workdir_tokenizer(workdir, pretrain_config.data)
-  # An imported checkpoint has only its vocabulary's fingerprint; a data fingerprint's is its
-  # 'spm:'/'wp:' part.
+  # An imported checkpoint records its vocabulary's fingerprint; a trained one, its data's.
   recorded = meta.get("tokenizer_fingerprint")
   if meta.get("data_fingerprint"):
     parts = [part.partition(":") for part in meta["data_fingerprint"].split("|")]

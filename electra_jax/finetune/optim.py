@@ -26,8 +26,7 @@ def check(o) -> None:
 
 def layerwise_lr_scales(params, num_layers: int, decay: float, rule: str = "correct"):
   """A tree like `params` of learning-rate multipliers: the head 1, depth d (embeddings 0, the final
-  LayerNorm L) decay ** (L + 1 - d); "official" (`_get_layer_lrs`) one factor more below the head.
-  """
+  LayerNorm L) decay ** (L + 1 - d); "official" (`_get_layer_lrs`) one more below the head."""
   head_depth = num_layers + 1
   top = head_depth + (1 if rule == "official" else 0)
 

@@ -108,7 +108,7 @@ def _override(config: ml_collections.ConfigDict, saved: dict, prefix: str = "") 
 
 def _saved_config(saved: dict) -> ml_collections.ConfigDict:
   """A config our files hold, completed by configs/finetune/base.py and checked as a run's."""
-  config = config_lib.load_recipe("finetune/base")
+  config = config_lib.load_recipe(os.path.join(config_lib.RECIPES_DIR, "finetune", "base.py"))
   _override(config, saved)
   try:
     validate(config)
