@@ -238,14 +238,6 @@ _RECIPES = {  # the kinds of --config a mode reads: (what it is, what to do with
     ),
     "finetuning": ("a fine-tuning recipe (configs/finetune/)", "add --mode=finetune"),
 }
-_NEEDED = {  # what a mode says of a flag it needs and lacks
-    "topology": "--topology (e.g. v5e-16, v4-32, v5p-64, v6e-8, h100)",
-    "out": "--out=PATH (where the output goes)",
-    "hf_discriminator": "--hf_discriminator=DIR and --hf_generator=DIR",
-    "hf_generator": "--hf_discriminator=DIR and --hf_generator=DIR",
-    "tf_checkpoint": "--tf_checkpoint=PATH (model.ckpt-N or its folder)",
-    "sweep sweep_file": "--sweep=KEY=V1,V2 (repeatable) and/or --sweep_file=FILE",
-}
 USAGE = "\n".join(
     [
         "electra-jax: ELECTRA pre-training and fine-tuning in JAX.",
@@ -284,10 +276,11 @@ def _check_flags(name: str, mode: Mode, config) -> None:
     )
   if mode.workdir and FLAGS.workdir is None:
     raise ConfigError(f"--mode={name} needs --workdir.")
-  for names in mode.needs:
+  for names in mode.needs:  # the flag's help, less the modes that read it, says what it takes
     if all(FLAGS[flag].value in (None, "", []) for flag in names.split()):
-      what = f"--config: {_RECIPES[mode.recipe][0]}" if names == "config" else _NEEDED[names]
-      raise ConfigError(f"--mode={name} needs {what}.")
+      what = FLAGS[names.split()[0]].help.splitlines()[0].split(": ", 1)[-1].rstrip(".;")
+      what = _RECIPES[mode.recipe][0] if names == "config" else what
+      raise ConfigError(f"--mode={name} needs --{' or --'.join(names.split())}: {what}.")
 
 
 def _ctrl_c(signum, frame):

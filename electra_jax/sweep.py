@@ -24,6 +24,7 @@ from ml_collections import config_flags
 from ml_collections.config_flags import config_path
 
 from electra_jax import checkpointing, config_lib, flops, models, objectives, plots, preemption, train, workdir_files, workdir_lease
+from electra_jax.data import sources
 from electra_jax.errors import ConfigError
 
 SWEEP_FILE = workdir_files.SWEEP_FILE
@@ -32,14 +33,7 @@ Override = tuple[str, str]  # (config key, the value as the user wrote it)
 
 # The tables' metric columns: these first (and only these in results.md), then the others sorted.
 HEADLINE_METRICS = (*plots.DEFAULT_METRICS, "disc_accuracy", "main_mlm_accuracy", "cloze_loss")
-NOT_IN_TABLE = (
-    "step",
-    "steps_per_sec",
-    "tokens_per_sec",
-    "mfu",
-    "learning_rate",
-    "sampling_temperature",
-)
+NOT_IN_TABLE = "step steps_per_sec tokens_per_sec mfu learning_rate sampling_temperature".split()
 FIXED_COLUMNS = ("run", "overrides", "status", "steps", "train_tokens", "train_flops")
 
 
@@ -65,9 +59,8 @@ def expand(grid: Sequence[str] = (), sweep_file: str | None = None) -> list[list
   with the product of the --sweep=KEY=V1,V2 `grid` (either alone works too)."""
   lines = [[]]
   if sweep_file:
-    if not os.path.isfile(sweep_file):  # a directory fails to open, a FIFO waits forever
-      what = "is not a regular file" if os.path.exists(sweep_file) else "does not exist"
-      raise ConfigError(f"--sweep_file={sweep_file} {what}: give a text file, one run per line.")
+    if why := sources.not_a_regular_file(sweep_file):  # a FIFO would wait forever
+      raise ConfigError(f"--sweep_file={sweep_file} {why}: give a text file, one run per line.")
     try:
       with open(sweep_file, encoding="utf-8") as f:
         text = f.read()
@@ -316,8 +309,7 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
         message = "Run %s stopped at step %d (a signal): the sweep stops; the same command goes on."
         logging.warning(message, run.name, reached)
         return failed, True
-    if workdir_files.exists(error_file):
-      error_file.unlink()
+    error_file.unlink(missing_ok=True)
     if finetune_config is not None and _finetune_results(workdir) is not None:
       logging.info("Run %s is already fine-tuned: skipped.", run.name)
     elif finetune_config is not None:
