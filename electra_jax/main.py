@@ -55,7 +55,6 @@ flags.DEFINE_bool("export_generator", False, "export_hf: write the generator too
 flags.DEFINE_string("hf_discriminator", None, "import_hf: an ElectraForPreTraining directory.")
 flags.DEFINE_string("hf_generator", None, "import_hf: an ElectraForMaskedLM directory.")
 flags.DEFINE_string("tf_checkpoint", None, "import_tf: an official checkpoint (or its folder).")
-flags.DEFINE_string("vocab_file", None, "import_tf: the vocab.txt (default: the checkpoint's).")
 flags.DEFINE_integer("tf_num_heads", None, "import_tf: the discriminator's heads (hidden/64).")
 flags.DEFINE_enum(
     "hf_embeddings_from",
@@ -75,10 +74,10 @@ def end_summary(config, metrics: dict, workdir: str, seconds: float) -> str:
   cell = lambda value: f"{value:.4f}" if isinstance(value, float) and math.isfinite(value) else "-"
   width = max(len(name) for name, _ in rows)
   table = [" " * width + "".join(f"  {key}" for key in _SUMMARY_METRICS)]
-  for name, row in rows:
-    table.append(
-        name.ljust(width) + "".join(f"  {cell(row.get(k)):>{len(k)}}" for k in _SUMMARY_METRICS)
-    )
+  table += [
+      name.ljust(width) + "".join(f"  {cell(row.get(k)):>{len(k)}}" for k in _SUMMARY_METRICS)
+      for name, row in rows
+  ]
   tokens = step * config.train.batch_size * config.data.max_seq_len
   names = ("checkpoints", "metrics.jsonl", "eval_metrics.jsonl", "config.json")
   written = [name for name in names if workdir_files.exists(workdir_files.path(workdir, name))]
@@ -114,8 +113,7 @@ def _eval(config, workdir):
 
 
 def _compile(config, workdir):
-  """compile the train step for a --topology without one (v5e-16, v4-32, h100-8, ...): memory per
-  chip, fits or not"""
+  """compile the train step for a --topology (v5e-16, h100-8, ...) without one: fits or not"""
   found = fit.check(config, fit.lookup(FLAGS.topology), FLAGS.max_batch)
   print(fit.describe(found, config))
   if not found.fits:
@@ -151,7 +149,7 @@ def _import_hf(config, workdir):
 
 def _import_tf(config, workdir):
   """start --workdir from an official TF1 checkpoint (--tf_checkpoint)"""
-  pair = interop.pair_from_tf(FLAGS.tf_checkpoint, FLAGS.vocab_file, FLAGS.tf_num_heads)
+  pair = interop.pair_from_tf(FLAGS.tf_checkpoint, num_heads=FLAGS.tf_num_heads)
   _write_imported(pair, config, workdir)
 
 
@@ -176,8 +174,7 @@ def _prepare_data(config, workdir):
 
 
 def _sweep(config, workdir):
-  """train the --sweep/--sweep_file runs of --config in sub-workdirs of --workdir and tabulate
-  them"""
+  """train the --sweep/--sweep_file runs of --config in sub-workdirs of --workdir, tabulated"""
   finetune = FLAGS.sweep_finetune
   finetune = finetune and sweep.load_finetune_config(finetune, FLAGS.sweep_finetune_override)
   runs = (FLAGS.sweep, FLAGS.sweep_file, finetune or None)

@@ -21,13 +21,10 @@ RESOURCE_EXHAUSTED = 8
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-  """Whether `error` is XLA saying a device's memory (or the host's, on CPU) ran out: by the status
-  code jaxlib's error carries (`error_code`; older jaxlib print the code first instead)."""
-  if not isinstance(error, jax.errors.JaxRuntimeError):
-    return False
-  if hasattr(error, "error_code"):
-    return error.error_code == RESOURCE_EXHAUSTED
-  return str(error).startswith("RESOURCE_EXHAUSTED:")
+  """Whether `error` is XLA saying a device's memory (or the host's, on CPU) ran out, by the status
+  code jaxlib's error carries."""
+  code = getattr(error, "error_code", None)
+  return isinstance(error, jax.errors.JaxRuntimeError) and code == RESOURCE_EXHAUSTED
 
 
 @contextlib.contextmanager
@@ -110,10 +107,8 @@ def step_memory(compile_step, batch_size: int) -> StepMemory:
   except jax.errors.JaxRuntimeError as e:
     if not is_out_of_memory(e):
       raise
-    seconds, why = time.perf_counter() - start, str(e).splitlines()[0][:200]
-    logging.info(
-        f"Batch {batch_size}: refused by the compiler as over memory ({seconds:.0f} s: {why})."
-    )
+    why = str(e).splitlines()[0][:200]
+    logging.info(f"Batch {batch_size}: refused by the compiler as over memory ({why}).")
     return StepMemory(batch_size, None)
   parts, flops = memory_parts(compiled), compiled_flops(compiled)
   size = sum(parts.values())
@@ -144,8 +139,7 @@ def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, li
   measurements): guesses follow the line through the largest fitting batches until one does not
   fit, then bisection. A step XLA fits only by recomputing does not fit; ConfigError when not even
   `quantum` fits."""
-  measured: list[StepMemory] = []
-  fitting: list[StepMemory] = []
+  measured, fitting = [], []  # every measurement; those that fit
 
   def fits(batch: int) -> bool:
     m = step_memory(compile_step, batch)
@@ -175,21 +169,19 @@ def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, li
     )
   # The largest batch known to fit, the smallest known not to.
   low, high = (4 * quantum, None) if fits(4 * quantum) else (quantum, 4 * quantum)
-  fit = fit_of(measured)
   while high is None or high - low > quantum:
     if high is None:
       # XLA's layout is not even monotonic in the batch: the slope is at least a quarter of the
       # chord from the smallest batch, and the guess at most 8 x low.
       _, chord = linear_fit(fitting[0], fitting[-1])
       per_example = max(linear_fit(fitting[-2], fitting[-1])[1], chord / 4)
-      guess = int(
-          (limit_bytes - fitting[-1].bytes_per_device) / per_example + fitting[-1].batch_size
-      )
+      last = fitting[-1]
+      guess = int((limit_bytes - last.bytes_per_device) / per_example + last.batch_size)
       candidate = max(low + quantum, min(guess // quantum * quantum, 8 * low))
     else:
       candidate = min(max(low + quantum, (low + high) // 2 // quantum * quantum), high - quantum)
     low, high = (candidate, high) if fits(candidate) else (low, candidate)
-  if fit is not None:
+  if fit := fit_of(measured):
     logging.info("Memory per device: %.1f MiB + %.3f MiB per example.", *(f / 2**20 for f in fit))
   logging.info(
       "Largest batch %d (limit %.2f GiB, %d compiles).", low, limit_bytes / 2**30, len(measured)

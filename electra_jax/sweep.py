@@ -11,6 +11,7 @@ import itertools
 import json
 import math
 import os
+import pathlib
 import re
 import shlex
 import signal
@@ -62,8 +63,7 @@ def expand(grid: Sequence[str] = (), sweep_file: str | None = None) -> list[list
     if why := sources.not_a_regular_file(sweep_file):  # a FIFO would wait forever
       raise ConfigError(f"--sweep_file={sweep_file} {why}: give a text file, one run per line.")
     try:
-      with open(sweep_file, encoding="utf-8") as f:
-        text = f.read()
+      text = pathlib.Path(sweep_file).read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
       raise ConfigError(f"--sweep_file={sweep_file} is not UTF-8 text ({error}).") from None
     lines = []
@@ -213,10 +213,8 @@ def run_sweep(
   override_lists = expand(grid, sweep_file)
   workdir_files.check_usable(sweep_dir)
   record = read_record(sweep_dir)
-  existing = record["runs"] if record else []
-  if record and (
-      changes := config_lib.changed_keys(record["base_config"], config_lib.as_saved(base_config))
-  ):
+  existing, saved = record["runs"] if record else [], config_lib.as_saved(base_config)
+  if record and (changes := config_lib.changed_keys(record["base_config"], saved)):
     raise ConfigError(
         f"{sweep_dir}/{SWEEP_FILE} was written for another base config ({'; '.join(changes)}): "
         "one table must not mix recipes. Use the same --config and flags, or a new --workdir."
@@ -239,9 +237,7 @@ def run_sweep(
   previous_handlers = {}
   try:
     all_runs = list(existing) + [r for r in runs if r not in existing]
-    record = dict(
-        base_config=config_lib.as_saved(base_config), runs=[r._asdict() for r in all_runs]
-    )
+    record = dict(base_config=saved, runs=[r._asdict() for r in all_runs])
     workdir_files.write_json(workdir_files.path(sweep_dir, SWEEP_FILE), record)
     logging.info("Sweep of %d runs in %s (%d recorded).", len(runs), sweep_dir, len(all_runs))
     # A SIGTERM (or SIGHUP) stops the sweep: a run saves and returns (its own handler); between
@@ -278,9 +274,7 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
   for index, (run, config, latest) in enumerate(zip(runs, configs, latest_steps)):
     where = f"run {index + 1}/{len(runs)} {run.name}"
     if preemption.sigterm_received():
-      logging.warning(
-          "SIGTERM or SIGHUP: the sweep stops before %s; the same command goes on.", where
-      )
+      logging.warning("SIGTERM/SIGHUP: the sweep stops before %s; the same command goes on.", where)
       return failed, True
     workdir_lease.hold(lease)  # every process stops if another sweep took the folder
     workdir, started = run_dir(sweep_dir, run), time.perf_counter()
@@ -292,9 +286,7 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
     error_file = workdir_files.path(workdir, ERROR_FILE)
     if not to_train[index]:
       logging.info("Run %s is finished (checkpoint %d): skipped.", run.name, latest)
-    else:
-      if latest is not None:
-        logging.info("Run %s resumes from its checkpoint at step %d.", run.name, latest)
+    else:  # training logs a resume itself
       try:
         train.train_and_evaluate(config, workdir, take_over_workdir=take_over)
       except Exception as error:  # noqa: BLE001 (the sweep goes on; the error is kept and reported)

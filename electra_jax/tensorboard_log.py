@@ -177,8 +177,7 @@ class MetricLog(workdir_files.JsonlLog):
 def open_logs(workdir: str, metric_writers: str = "", config: dict | None = None):
   """(metrics.jsonl, eval_metrics.jsonl) of `workdir` as MetricLogs, with TensorBoard events
   (local workdirs only) and the runs `metric_writers` names (the train log closes them)."""
-  remote = workdir_files.is_remote(workdir)
-  if remote:
+  if remote := workdir_files.is_remote(workdir):
     message = "%s is a bucket: its metrics go to the JSONL logs only (TensorBoard events: local)."
     logging.log_first_n(logging.WARNING, message, 1, workdir)
   runs = []

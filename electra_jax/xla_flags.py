@@ -3,7 +3,9 @@ a GPU or TPU, JAX on its CPU alone and glibc's huge pages. The user's own settin
 
 import importlib.util
 import os
+import pathlib
 import platform
+import runpy
 import sys
 
 # flag -> value, added only for jaxlib versions that have them (XLA aborts on an unknown flag).
@@ -26,24 +28,20 @@ def malloc_tunables(environ=os.environ) -> str | None:
   huge pages fault them in (glibc 2.35+). None if the user tunes malloc (GLIBC_TUNABLES, MALLOC_*),
   where they are off, or where an accelerator computes."""
   libc, version = platform.libc_ver()
-  if (
-      any(name == "GLIBC_TUNABLES" or name.startswith("MALLOC_") for name in environ)
-      or platform.system() != "Linux"
-      or libc != "glibc"
-      or tuple(map(int, version.split(".")[:2])) < (2, 35)
-      or not os.path.exists(_THP_MODE)
-  ):
-    return None
-  with open(_THP_MODE) as f:
-    huge_pages_off = "[never]" in f.read()
-  return None if huge_pages_off or accelerator_visible(environ) else HUGE_PAGES
+  usable = (
+      libc == "glibc"
+      and tuple(map(int, version.split(".")[:2])) >= (2, 35)
+      and os.path.exists(_THP_MODE)
+      and "[never]" not in pathlib.Path(_THP_MODE).read_text()
+  )
+  user_tunes = any(name == "GLIBC_TUNABLES" or name.startswith("MALLOC_") for name in environ)
+  return HUGE_PAGES if usable and not user_tunes and not accelerator_visible(environ) else None
 
 
 def accelerator_visible(environ=os.environ) -> bool:
   """Whether this process will compute on a GPU or TPU ($JAX_PLATFORMS, else the machine's
   devices), without importing JAX."""
-  platforms = environ.get("JAX_PLATFORMS", "").strip()
-  if platforms:
+  if platforms := environ.get("JAX_PLATFORMS", "").strip():
     return platforms.split(",")[0].strip().lower() != "cpu"
   return any(map(os.path.exists, ("/dev/nvidiactl", "/dev/kfd"))) or tpu_chips_present()
 
@@ -52,13 +50,9 @@ def tpu_chips_present() -> bool:
   """Whether TPU chips sit on this machine's PCI bus, by JAX's own check loaded from its file
   (importing jax would slow every CLI start)."""
   try:
-    path = os.path.join(
-        os.path.dirname(importlib.util.find_spec("jax").origin), "_src", "hardware_utils.py"
-    )
-    spec = importlib.util.spec_from_file_location("_jax_hardware_utils", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.num_available_tpu_chips_and_device_id()[0] > 0
+    jax_dir = os.path.dirname(importlib.util.find_spec("jax").origin)
+    found = runpy.run_path(os.path.join(jax_dir, "_src", "hardware_utils.py"))
+    return found["num_available_tpu_chips_and_device_id"]()[0] > 0
   except Exception:  # noqa: BLE001 (a private helper: its absence means "cannot tell")
     return False
 
@@ -81,14 +75,13 @@ def apply_cpu_defaults(environ=os.environ) -> bool:
 def restart_with_huge_pages() -> None:
   """Starts this process again (same id, arguments, environment) with malloc_tunables() when they
   apply and are unset (glibc reads them at start); ELECTRA_JAX_XLA_DEFAULTS=0: never."""
-  if os.environ.get("ELECTRA_JAX_XLA_DEFAULTS", "1") == "0" or not sys.executable:
+  tunables = os.environ.get("ELECTRA_JAX_XLA_DEFAULTS", "1") != "0" and malloc_tunables()
+  if not tunables or not sys.executable:
     return
-  tunables = malloc_tunables()
-  if tunables:
-    os.environ["GLIBC_TUNABLES"] = tunables  # also what stops a second restart
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-      os.execv(sys.executable, sys.orig_argv)
-    except OSError:  # could not start again: carry on as we are, without the tunables
-      del os.environ["GLIBC_TUNABLES"]
+  os.environ["GLIBC_TUNABLES"] = tunables  # also what stops a second restart
+  sys.stdout.flush()
+  sys.stderr.flush()
+  try:
+    os.execv(sys.executable, sys.orig_argv)
+  except OSError:  # could not start again: carry on as we are, without the tunables
+    del os.environ["GLIBC_TUNABLES"]
