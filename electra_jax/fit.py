@@ -1,6 +1,5 @@
-"""The fit check (`--mode=compile`): the train step compiled for TPUs or GPUs this machine lacks
-(jax's compile-only devices), XLA's memory and FLOPs per chip against HBM and flops.py, and the
-largest batch."""
+"""The fit check (`--mode=compile`): the train step compiled for TPUs or GPUs this machine lacks,
+its memory and FLOPs per chip (XLA's) against HBM and flops.py, and the largest batch."""
 
 import contextlib
 import dataclasses
@@ -214,7 +213,7 @@ def check(config, target: Target, max_batch: bool = False) -> Fit:
   """Compiles `config`'s train step for `target` (with `max_batch` or train.batch_size=-1, also
   searches the largest batch that fits); every refusal comes before a compile."""
   config_lib.validate(config)
-  shape = check_mesh(config.mesh, target)
+  check_mesh(config.mesh, target)
   mesh = partitioning.make_mesh(config.mesh, devices=devices(target))
   partitioning.check_shards(mesh, config.train, target.hosts)
   # The tokenizer's special ids shape the masking, not the program; the vocabulary is the recipe's.
@@ -232,9 +231,7 @@ def check(config, target: Target, max_batch: bool = False) -> Fit:
   seq = config.data.max_seq_len
   model_flops = flops.objective_flops_per_token(setup.model, setup.objective, seq) * batch * seq
   loops = bool(config.model.scan_layers) or config.train.grad_accum_steps > 1
-  return Fit(
-      target, dict(zip(partitioning.MESH_AXES, shape)), step, limit, model_flops, loops, largest
-  )
+  return Fit(target, dict(mesh.shape), step, limit, model_flops, loops, largest)
 
 
 def _size(n: int) -> str:

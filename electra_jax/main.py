@@ -334,9 +334,8 @@ def main(argv):
   logging.get_absl_handler().addFilter(_quiet_libraries)
   if os.environ.get("GLIBC_TUNABLES") == xla_flags.HUGE_PAGES:
     logging.info(
-        "CPU: glibc puts large allocations on huge pages (GLIBC_TUNABLES=%s, set at start; "
-        "ELECTRA_JAX_XLA_DEFAULTS=0 leaves malloc alone).",
-        xla_flags.HUGE_PAGES,
+        f"CPU: glibc puts large allocations on huge pages (GLIBC_TUNABLES={xla_flags.HUGE_PAGES}, "
+        "set at start; ELECTRA_JAX_XLA_DEFAULTS=0 leaves malloc alone)."
     )
   mode = MODES[FLAGS.mode]
   try:

@@ -1,6 +1,5 @@
-"""The device memory a compiled training step needs (XLA's per-device figures), and the largest
-batch that fits (`train.batch_size = -1`): a line of bytes against the batch, then bisection; and
-XLA's out of memory, compiling or running, as one line naming the batch."""
+"""The device memory a compiled train step needs (XLA's per-device figures), the largest batch that
+fits (`train.batch_size = -1`), and XLA's out of memory as one line naming the batch."""
 
 import contextlib
 import dataclasses
@@ -135,10 +134,9 @@ def fit_of(measured: list[StepMemory]) -> tuple[float, float] | None:
 
 
 def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, list[StepMemory]]:
-  """(the largest multiple of `quantum` whose step fits in `limit_bytes` per device, the
-  measurements): guesses follow the line through the largest fitting batches until one does not
-  fit, then bisection. A step XLA fits only by recomputing does not fit; ConfigError when not even
-  `quantum` fits."""
+  """(the largest multiple of `quantum` whose step fits in `limit_bytes` a device, the
+  measurements): guesses along the line through the largest fits, then bisection. Fitting only by
+  recomputing is not fitting; ConfigError when not even `quantum` fits."""
   measured, fitting = [], []  # every measurement; those that fit
 
   def fits(batch: int) -> bool:

@@ -96,12 +96,10 @@ def apply_overrides(
   """A copy of `base` with `overrides` applied by ml_collections' own --config.KEY=VALUE parser; a
   bad key or value is a ConfigError starting with `what`."""
   for key, _ in overrides:
-    if found := config_lib.unknown_key(base, key):
-      name, hint = found
-      hint = hint and f" {hint}"
+    if found := config_lib.unknown_key(base, key):  # (the missing part, a close match or "")
       raise ConfigError(
-          f"{what} key {key!r} is not a config key (no {name!r} there).{hint} "
-          "configs/base.py lists every key."
+          f"{what} key {key!r} is not a config key (no {found[0]!r} there; configs/base.py lists "
+          f"every key). {found[1]}".strip()
       )
   argv = ["sweep", *(f"--config.{key}={raw}" for key, raw in overrides)]
   flag_values = absl_flags.FlagValues()
@@ -121,7 +119,7 @@ def apply_overrides(
 def identity(base: ml_collections.ConfigDict, overrides: Sequence[Override]) -> str:
   """What makes runs the same: the values the overrides give over `base`, in key order (`b=.5
   a=1e-3` is `a=0.001 b=0.5`); as written for a key `base` lacks (an older record's)."""
-  values = [tuple(o) for o in overrides]
+  values = overrides
   with contextlib.suppress(ConfigError):
     config = apply_overrides(base, overrides)
     values = [(key, repr(config_path.get_value(key, config))) for key, _ in overrides]
@@ -134,10 +132,8 @@ def name_runs(
   """Runs for `override_lists`: the recorded one with the same overrides (by `identity`), else a
   new readable name: the keys' last parts (whole keys where two are alike) and values."""
   by_identity = {identity(base, r.overrides): r for r in existing}
-  taken = {r.name for r in existing}
   runs = []
   for overrides in override_lists:
-    overrides = [tuple(o) for o in overrides]
     if (key := identity(base, overrides)) not in by_identity:
       leaves = [k.rsplit(".", 1)[-1] for k, _ in overrides]
       parts = [
@@ -149,10 +145,9 @@ def name_runs(
       if len(stem) > 100:
         digest = hashlib.sha1(json.dumps(overrides).encode()).hexdigest()[:8]
         stem = stem[:90].rstrip("-.,=") + "-" + digest
+      taken = {r.name for r in by_identity.values()}
       names = itertools.chain([stem], (f"{stem}-{i}" for i in itertools.count(2)))
-      name = next(n for n in names if n not in taken)
-      taken.add(name)
-      by_identity[key] = Run(name, overrides)
+      by_identity[key] = Run(next(n for n in names if n not in taken), overrides)
     runs.append(by_identity[key])
   return runs
 
@@ -329,11 +324,8 @@ def train_flops_per_token(config: ml_collections.ConfigDict) -> float:
 
 def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
   """(columns, rows): a row per recorded run, from its workdir's files."""
-  record = read_record(sweep_dir)
-  if record is None:
-    raise ConfigError(
-        f"{sweep_dir} has no {SWEEP_FILE}: it is not a sweep folder (run --mode=sweep first)."
-    )
+  if (record := read_record(sweep_dir)) is None:
+    raise ConfigError(f"{sweep_dir} has no sweep.json: no sweep folder; run --mode=sweep first.")
   override_keys = list(dict.fromkeys(k for r in record["runs"] for k, _ in r.overrides))
   rows, logged = [], {"train": set(), "eval": set()}
   for run in record["runs"]:
@@ -352,15 +344,10 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
     else:
       config = config_lib.load_workdir_config(workdir)
       # Done once the last step is saved: one killed between logging and saving it resumes.
-      saved = _latest_checkpoint(workdir) or 0
-      done = min(steps, saved) >= config.train.steps
+      done = min(steps, _latest_checkpoint(workdir) or 0) >= config.train.steps
       tokens = steps * config.train.batch_size * config.data.max_seq_len
-      row.update(
-          status="done" if done else "incomplete",
-          steps=steps,
-          train_tokens=tokens,
-          train_flops=train_flops_per_token(config) * tokens,
-      )
+      row.update(status="done" if done else "incomplete", steps=steps, train_tokens=tokens)
+      row["train_flops"] = tokens * train_flops_per_token(config)
     for split, log in last.items():
       names = [name for name in log if name not in NOT_IN_TABLE]
       row.update((f"{split}_{name}", log[name]) for name in names)

@@ -1,6 +1,5 @@
 """Where metrics go: the JSONL logs (the source of truth), TensorBoard events in
-<workdir>/tensorboard/{train,eval} (a resumed run purges the points past its checkpoint), and the
-W&B or MLflow runs train.metric_writers names."""
+<workdir>/tensorboard/{train,eval} (a resume purges later points), W&B or MLflow runs."""
 
 import importlib
 import logging as std_logging

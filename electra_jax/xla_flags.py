@@ -1,6 +1,7 @@
 """CPU settings the CLI applies at its start, before JAX's backend: XLA flags, and on Linux without
 a GPU or TPU, JAX on its CPU alone and glibc's huge pages. The user's own settings win."""
 
+import importlib.metadata
 import importlib.util
 import os
 import pathlib
@@ -24,9 +25,8 @@ def cpu_defaults(jaxlib_version: str, xla_flags: str) -> str:
 
 
 def malloc_tunables(environ=os.environ) -> str | None:
-  """GLIBC_TUNABLES for a CPU training process, whose temporaries XLA maps afresh on every call:
-  huge pages fault them in (glibc 2.35+). None if the user tunes malloc (GLIBC_TUNABLES, MALLOC_*),
-  where they are off, or where an accelerator computes."""
+  """GLIBC_TUNABLES for a CPU process (XLA maps its temporaries afresh each call: huge pages fault
+  them in; glibc 2.35+); None where off, where an accelerator computes or the user tunes malloc."""
   libc, version = platform.libc_ver()
   usable = (
       libc == "glibc"
@@ -58,14 +58,12 @@ def tpu_chips_present() -> bool:
 
 
 def apply_cpu_defaults(environ=os.environ) -> bool:
-  """Adds our flags to $XLA_FLAGS and, on Linux with no accelerator visible, sets JAX_PLATFORMS=cpu
-  (no plugin starts: libtpu would print its search for a TPU); whether it set it. The user's values
-  stay; ELECTRA_JAX_XLA_DEFAULTS=0 sets nothing."""
+  """Adds our flags to $XLA_FLAGS and on Linux with no accelerator sets JAX_PLATFORMS=cpu (no plugin
+  starts); whether it set it. The user's values stay; ELECTRA_JAX_XLA_DEFAULTS=0 sets nothing."""
   if environ.get("ELECTRA_JAX_XLA_DEFAULTS", "1") == "0":
     return False
-  import jaxlib  # noqa: PLC0415 (imported only to read its version)
-
-  environ["XLA_FLAGS"] = cpu_defaults(jaxlib.__version__, environ.get("XLA_FLAGS", ""))
+  jaxlib = importlib.metadata.version("jaxlib")  # without importing it
+  environ["XLA_FLAGS"] = cpu_defaults(jaxlib, environ.get("XLA_FLAGS", ""))
   if "JAX_PLATFORMS" in environ or platform.system() != "Linux" or accelerator_visible(environ):
     return False
   environ["JAX_PLATFORMS"] = "cpu"
