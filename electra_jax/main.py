@@ -13,16 +13,21 @@ import threading
 import time
 from typing import Callable
 
+_terminal = []  # stderr as it was before a Ctrl-C sent it to /dev/null (_ctrl_c)
 
-def _stop_outside_the_work(signum, frame):
-  os.write(2, b"electra-jax: stopped by Ctrl-C while starting or ending; what it did is kept.\n")
+
+def _stopped(signum=None, frame=None):
+  # Not Python's exit: XLA's threads, stopped mid-work, can crash it.
+  sys.stdout.flush()
+  message = b"electra-jax: stopped by Ctrl-C; what it finished is kept (run it again to go on).\n"
+  os.write(_terminal[0] if _terminal else 2, message)
   os._exit(130)
 
 
 # A Ctrl-C while JAX imports (seconds) ends in one line, not a traceback: until main() takes
 # SIGINT, nothing has started or all has ended. Only as the CLI (`python -m`, the console script).
 if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "electra-jax":
-  signal.signal(signal.SIGINT, _stop_outside_the_work)
+  signal.signal(signal.SIGINT, _stopped)
 
 import flax  # noqa: E402 (the imports that take seconds come after the handler)
 import jax
@@ -208,22 +213,21 @@ def _plot(config, workdir):
 class Mode:
   run: Callable  # (config, workdir) -> None; its docstring is its line of --help
   needs: tuple[str, ...] = ()  # flags beyond --workdir ("a b": either will do)
-  workdir: bool = True  # needs --workdir
   recipe: str | None = "pretraining"  # the kind of --config it reads: also "finetuning", or None
   one_process: bool = False  # refused as one process of several
-  local: bool = False  # joins no multi-process job, and JAX computes on this machine's CPU
+  local: bool = False  # no --workdir, no multi-process job: JAX computes on this machine's CPU
 
 
 MODES = {
     "train": Mode(_train),
     "eval": Mode(_eval),
-    "compile": Mode(_compile, ("config", "topology"), workdir=False, local=True),
+    "compile": Mode(_compile, ("config", "topology"), local=True),
     "finetune": Mode(_finetune, ("config",), recipe="finetuning", one_process=True),
     "export_hf": Mode(_export_hf, ("out",), one_process=True),
     "import_hf": Mode(_import_hf, ("config", "hf_discriminator", "hf_generator"), one_process=True),
     "import_tf": Mode(_import_tf, ("config", "tf_checkpoint"), one_process=True),
-    "train_tokenizer": Mode(_train_tokenizer, ("config", "out"), workdir=False, local=True),
-    "prepare_data": Mode(_prepare_data, ("config",), workdir=False, local=True),
+    "train_tokenizer": Mode(_train_tokenizer, ("config", "out"), local=True),
+    "prepare_data": Mode(_prepare_data, ("config",), local=True),
     "sweep": Mode(_sweep, ("config", "sweep sweep_file")),
     "sweep_report": Mode(_sweep_report, recipe=None),
     "plot": Mode(_plot, ("out",), recipe=None),
@@ -268,10 +272,9 @@ def _check_flags(name: str, mode: Mode, config) -> None:
   if mode.one_process and jax.process_count() > 1:
     raise ConfigError(
         f"--mode={name} runs in one process, but this is process {jax.process_index()} of "
-        f"{jax.process_count()}: start it once, without --coordinator_address/--num_processes/"
-        "--process_id, ELECTRA_JAX_* variables or srun."
+        f"{jax.process_count()}: start it once, without multi-process flags, ELECTRA_JAX_* or srun."
     )
-  if mode.workdir and FLAGS.workdir is None:
+  if not mode.local and FLAGS.workdir is None:
     raise ConfigError(f"--mode={name} needs --workdir.")
   for names in mode.needs:  # the flag's help, less the modes that read it, says what it takes
     if all(FLAGS[flag].value in (None, "", []) for flag in names.split()):
@@ -288,9 +291,6 @@ def _ctrl_c(signum, frame):
     _terminal.append(os.dup(2))
     os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
   raise KeyboardInterrupt
-
-
-_terminal = []  # stderr as it was before a Ctrl-C
 
 
 @contextlib.contextmanager
@@ -311,13 +311,7 @@ def _ctrl_c_stops():
     yield
   except KeyboardInterrupt:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # one is enough
-    sys.stdout.flush()
-    os.write(
-        (_terminal or [2])[0],
-        f"electra-jax: stopped by Ctrl-C (--mode={FLAGS.mode}); what it finished is kept. Run "
-        "the same command to do it again.\n".encode(),
-    )
-    os._exit(130)  # every `finally` ran; XLA's threads, stopped mid-work, can crash Python's exit
+    _stopped()  # every `finally` ran
   finally:
     sys.unraisablehook = previous[1]
     if signal.getsignal(signal.SIGINT) is _ctrl_c:  # not stopping: the caller's handler again

@@ -50,11 +50,8 @@ class StepMemory:
 def memory_parts(compiled) -> dict[str, int]:
   """Bytes one device holds for a compiled computation by kind, as XLA's buffer assignment says;
   the donated inputs that outputs reuse count negative."""
-  m = compiled.memory_analysis()
-  if m is None:
-    raise ConfigError(
-        "This backend reports no memory analysis for compiled steps; set train.batch_size."
-    )
+  if (m := compiled.memory_analysis()) is None:
+    raise ConfigError("This backend reports no memory analysis of a step: set train.batch_size.")
   return {
       "arguments": int(m.argument_size_in_bytes),
       "outputs": int(m.output_size_in_bytes),

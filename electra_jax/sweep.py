@@ -36,6 +36,7 @@ Override = tuple[str, str]  # (config key, the value as the user wrote it)
 HEADLINE_METRICS = (*plots.DEFAULT_METRICS, "disc_accuracy", "main_mlm_accuracy", "cloze_loss")
 NOT_IN_TABLE = "step steps_per_sec tokens_per_sec mfu learning_rate sampling_temperature".split()
 FIXED_COLUMNS = ("run", "overrides", "status", "steps", "train_tokens", "train_flops")
+DOWNSTREAM = ("downstream_task", "downstream_score", "downstream_seeds")  # with --sweep_finetune
 
 
 class Run(NamedTuple):
@@ -182,11 +183,7 @@ def _finetune_columns(results: dict) -> dict:
   """The table's downstream columns of a fine-tuning results.json."""
   summary = results["summary"]
   score = (summary.get(results["task"]) or next(iter(summary.values())))["score"]
-  return dict(
-      downstream_task=str(results["task"]),
-      downstream_score=100 * float(score["mean"]),
-      downstream_seeds=int(score["n"]),
-  )
+  return dict(zip(DOWNSTREAM, (str(results["task"]), 100 * float(score["mean"]), int(score["n"]))))
 
 
 def _finetune_results(workdir: str) -> dict | None:
@@ -359,7 +356,7 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
     ordered = [n for n in HEADLINE_METRICS if n in names] + sorted(names - set(HEADLINE_METRICS))
     columns += [f"{split}_{n}" for n in ordered]
   if any("downstream_task" in row for row in rows):
-    columns += ["downstream_task", "downstream_score", "downstream_seeds"]
+    columns += DOWNSTREAM
   return columns, rows
 
 
