@@ -58,8 +58,7 @@ def plot_curves(
   metrics = metrics or [m for m in DEFAULT_METRICS if m in logged] or sorted(logged)
   if unknown := [m for m in metrics if m not in logged]:
     raise ConfigError(
-        f"--plot_metrics {', '.join(unknown)}: not logged by these runs; they logged "
-        f"{sorted(logged)}."
+        f"--plot_metrics {', '.join(unknown)}: not logged; these runs logged {sorted(logged)}."
     )
 
   columns = min(3, len(metrics))

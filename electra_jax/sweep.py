@@ -299,8 +299,7 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
     elif finetune_config is not None:
       from electra_jax.finetune import trainer as finetune  # noqa: PLC0415
 
-      run_finetune_config = copy.deepcopy(finetune_config)
-      run_finetune_config.init_from = workdir
+      run_finetune_config = apply_overrides(finetune_config, [("init_from", workdir)])
       try:
         finetune.run_finetune(run_finetune_config, os.path.join(workdir, "finetune"))
       except Exception:  # noqa: BLE001
