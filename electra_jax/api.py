@@ -14,11 +14,9 @@ def load_config(recipe: str, overrides: Mapping[str, object] | None = None):
   checked as `--config.group.key=value` is; a list is the comma-separated value the flag takes."""
 
   def as_typed(value) -> str:  # what the flag would say
-    if isinstance(value, str):
-      return value
     if isinstance(value, (list, tuple)):  # data.files=a.txt,b.txt
       return ",".join(map(as_typed, value))
-    return str(value).lower() if isinstance(value, bool) else repr(value)
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
   pairs = [(key, as_typed(value)) for key, value in (overrides or {}).items()]
   return sweep.apply_overrides(config_lib.load_recipe(recipe, "recipe"), pairs, "Override")

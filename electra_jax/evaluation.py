@@ -25,10 +25,8 @@ def eval_step(state, batch, seed_key, schedule):
   normalizers = objectives.Normalizers.of(masked, batch["attention_mask"], candidates)
   # The parameters as they are (two_stage's copy is the next train step's); the stats, not the loss.
   args = (state.model, state.params, batch, masked, sample_keys, seed_key, objective, normalizers)
-  _, stats_and_arrays = objectives.electra_forward(
-      *args, deterministic=True, step=state.step, schedule=schedule
-  )
-  return stats_and_arrays
+  options = dict(deterministic=True, step=state.step, schedule=schedule)
+  return objectives.electra_forward(*args, **options)[1]  # (loss, (stats, per-token arrays))
 
 
 class HeldOutEvaluator:

@@ -1,6 +1,5 @@
-"""The fit check (`--mode=compile`): the train step compiled for TPUs or GPUs this machine lacks
-(jax's compile-only devices), XLA's memory and FLOPs per chip against HBM and flops.py, and the
-largest batch."""
+"""The fit check (`--mode=compile`): the train step compiled for TPUs or GPUs this machine lacks,
+its memory and FLOPs per chip (XLA's) against HBM and flops.py, and the largest batch."""
 
 import contextlib
 import dataclasses
@@ -135,9 +134,8 @@ def lookup(name: str) -> Target:
   gpus = ", ".join(name for name, chip in CHIPS.items() if chip.gpu)
   raise ConfigError(
       f"--topology={name!r} is not a TPU slice or GPU this check knows. TPU slices: {tpus} (v4 and "
-      "v5p names count TensorCores, two a chip; v5e and v6e names count chips; v5litepod-N is "
-      f"v5e-N); GPUs: {gpus}, one GPU, or NAME-N for N of them (1, 2, 4, or a multiple of "
-      f"{_GPUS_PER_HOST}, {_GPUS_PER_HOST} a host), e.g. h100-8."
+      f"v5p names count TensorCores, two a chip; v5litepod-N is v5e-N); GPUs: {gpus}, or NAME-N "
+      f"for N of them (1, 2, 4 or a multiple of {_GPUS_PER_HOST}), e.g. h100-8."
   )
 
 
@@ -154,17 +152,6 @@ def devices(target: Target) -> list:
   compiles, naming the extra to install when the plugin is missing."""
   if target.platform == "tpu":
     installed = os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu")
-  else:
-    installed = False
-    with contextlib.suppress(ModuleNotFoundError):  # no jax_plugins package: no plugin at all
-      installed = any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
-  if not installed:
-    what = "libtpu" if target.platform == "tpu" else "the CUDA plugin of jax"
-    raise ConfigError(
-        f"--topology={target.name} compiles with {what}, which is not installed. No accelerator is "
-        f"needed: {INSTALL[target.platform]}"
-    )
-  if target.platform == "tpu":
     # This process only compiles: it opens no TPU, so another process holding this host's chips
     # (libtpu's lock file) is no reason to stop, and libtpu need not look for a TPU VM's hosts.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -178,16 +165,22 @@ def devices(target: Target) -> list:
     )
     if target.chip.cores > 1:
       kwargs["chip_config_name"] = "megacore"  # one JAX device per chip, its two cores as one
-    name, platform = f"{target.family}:{target.shape}", "tpu"
+    name = f"{target.family}:{target.shape}"
   else:
-    chip, per_host = target.chip, target.chips // target.hosts
-    description = _GPU_DESCRIPTION.format(
-        **chip.gpu, bandwidth=chip.bandwidth, hbm=chip.hbm, kind=chip.kind
+    installed = False
+    with contextlib.suppress(ModuleNotFoundError):  # no jax_plugins package: no plugin at all
+      installed = any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
+    gpu = _GPU_DESCRIPTION.format(**target.chip.gpu, **dataclasses.asdict(target.chip))
+    kwargs = dict(target_config=gpu, topology=f"1x{target.hosts}x{target.chips // target.hosts}")
+    name = "fit"
+  if not installed:
+    what = "libtpu" if target.platform == "tpu" else "the CUDA plugin of jax"
+    raise ConfigError(
+        f"--topology={target.name} compiles with {what}, which is not installed. No accelerator is "
+        f"needed: {INSTALL[target.platform]}"
     )
-    name, platform = "fit", "cuda"
-    kwargs = dict(target_config=description, topology=f"1x{target.hosts}x{per_host}")
   try:
-    found = list(topologies.get_topology_desc(name, platform, **kwargs).devices)
+    found = list(topologies.get_topology_desc(name, target.platform, **kwargs).devices)
     wrong = len(found) != target.chips and f"describes {len(found)} devices, not {target.chips}"
   except Exception as e:  # noqa: BLE001 (a plugin too old or too new for this jax)
     wrong = f"could not describe it ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
@@ -220,7 +213,7 @@ def check(config, target: Target, max_batch: bool = False) -> Fit:
   """Compiles `config`'s train step for `target` (with `max_batch` or train.batch_size=-1, also
   searches the largest batch that fits); every refusal comes before a compile."""
   config_lib.validate(config)
-  shape = check_mesh(config.mesh, target)
+  check_mesh(config.mesh, target)
   mesh = partitioning.make_mesh(config.mesh, devices=devices(target))
   partitioning.check_shards(mesh, config.train, target.hosts)
   # The tokenizer's special ids shape the masking, not the program; the vocabulary is the recipe's.
@@ -238,9 +231,7 @@ def check(config, target: Target, max_batch: bool = False) -> Fit:
   seq = config.data.max_seq_len
   model_flops = flops.objective_flops_per_token(setup.model, setup.objective, seq) * batch * seq
   loops = bool(config.model.scan_layers) or config.train.grad_accum_steps > 1
-  return Fit(
-      target, dict(zip(partitioning.MESH_AXES, shape)), step, limit, model_flops, loops, largest
-  )
+  return Fit(target, dict(mesh.shape), step, limit, model_flops, loops, largest)
 
 
 def _size(n: int) -> str:

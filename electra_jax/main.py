@@ -13,16 +13,21 @@ import threading
 import time
 from typing import Callable
 
+_terminal = []  # stderr as it was before a Ctrl-C sent it to /dev/null (_ctrl_c)
 
-def _stop_outside_the_work(signum, frame):
-  os.write(2, b"electra-jax: stopped by Ctrl-C while starting or ending; what it did is kept.\n")
+
+def _stopped(signum=None, frame=None):
+  # Not Python's exit: XLA's threads, stopped mid-work, can crash it.
+  sys.stdout.flush()
+  message = b"electra-jax: stopped by Ctrl-C; what it finished is kept (run it again to go on).\n"
+  os.write(_terminal[0] if _terminal else 2, message)
   os._exit(130)
 
 
 # A Ctrl-C while JAX imports (seconds) ends in one line, not a traceback: until main() takes
 # SIGINT, nothing has started or all has ended. Only as the CLI (`python -m`, the console script).
 if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "electra-jax":
-  signal.signal(signal.SIGINT, _stop_outside_the_work)
+  signal.signal(signal.SIGINT, _stopped)
 
 import flax  # noqa: E402 (the imports that take seconds come after the handler)
 import jax
@@ -55,7 +60,6 @@ flags.DEFINE_bool("export_generator", False, "export_hf: write the generator too
 flags.DEFINE_string("hf_discriminator", None, "import_hf: an ElectraForPreTraining directory.")
 flags.DEFINE_string("hf_generator", None, "import_hf: an ElectraForMaskedLM directory.")
 flags.DEFINE_string("tf_checkpoint", None, "import_tf: an official checkpoint (or its folder).")
-flags.DEFINE_string("vocab_file", None, "import_tf: the vocab.txt (default: the checkpoint's).")
 flags.DEFINE_integer("tf_num_heads", None, "import_tf: the discriminator's heads (hidden/64).")
 flags.DEFINE_enum(
     "hf_embeddings_from",
@@ -75,10 +79,10 @@ def end_summary(config, metrics: dict, workdir: str, seconds: float) -> str:
   cell = lambda value: f"{value:.4f}" if isinstance(value, float) and math.isfinite(value) else "-"
   width = max(len(name) for name, _ in rows)
   table = [" " * width + "".join(f"  {key}" for key in _SUMMARY_METRICS)]
-  for name, row in rows:
-    table.append(
-        name.ljust(width) + "".join(f"  {cell(row.get(k)):>{len(k)}}" for k in _SUMMARY_METRICS)
-    )
+  table += [
+      name.ljust(width) + "".join(f"  {cell(row.get(k)):>{len(k)}}" for k in _SUMMARY_METRICS)
+      for name, row in rows
+  ]
   tokens = step * config.train.batch_size * config.data.max_seq_len
   names = ("checkpoints", "metrics.jsonl", "eval_metrics.jsonl", "config.json")
   written = [name for name in names if workdir_files.exists(workdir_files.path(workdir, name))]
@@ -114,8 +118,7 @@ def _eval(config, workdir):
 
 
 def _compile(config, workdir):
-  """compile the train step for a --topology without one (v5e-16, v4-32, h100-8, ...): memory per
-  chip, fits or not"""
+  """compile the train step for a --topology (v5e-16, h100-8, ...) without one: fits or not"""
   found = fit.check(config, fit.lookup(FLAGS.topology), FLAGS.max_batch)
   print(fit.describe(found, config))
   if not found.fits:
@@ -151,7 +154,7 @@ def _import_hf(config, workdir):
 
 def _import_tf(config, workdir):
   """start --workdir from an official TF1 checkpoint (--tf_checkpoint)"""
-  pair = interop.pair_from_tf(FLAGS.tf_checkpoint, FLAGS.vocab_file, FLAGS.tf_num_heads)
+  pair = interop.pair_from_tf(FLAGS.tf_checkpoint, num_heads=FLAGS.tf_num_heads)
   _write_imported(pair, config, workdir)
 
 
@@ -176,8 +179,7 @@ def _prepare_data(config, workdir):
 
 
 def _sweep(config, workdir):
-  """train the --sweep/--sweep_file runs of --config in sub-workdirs of --workdir and tabulate
-  them"""
+  """train the --sweep/--sweep_file runs of --config in sub-workdirs of --workdir, tabulated"""
   finetune = FLAGS.sweep_finetune
   finetune = finetune and sweep.load_finetune_config(finetune, FLAGS.sweep_finetune_override)
   runs = (FLAGS.sweep, FLAGS.sweep_file, finetune or None)
@@ -211,22 +213,21 @@ def _plot(config, workdir):
 class Mode:
   run: Callable  # (config, workdir) -> None; its docstring is its line of --help
   needs: tuple[str, ...] = ()  # flags beyond --workdir ("a b": either will do)
-  workdir: bool = True  # needs --workdir
   recipe: str | None = "pretraining"  # the kind of --config it reads: also "finetuning", or None
   one_process: bool = False  # refused as one process of several
-  local: bool = False  # joins no multi-process job, and JAX computes on this machine's CPU
+  local: bool = False  # no --workdir, no multi-process job: JAX computes on this machine's CPU
 
 
 MODES = {
     "train": Mode(_train),
     "eval": Mode(_eval),
-    "compile": Mode(_compile, ("config", "topology"), workdir=False, local=True),
+    "compile": Mode(_compile, ("config", "topology"), local=True),
     "finetune": Mode(_finetune, ("config",), recipe="finetuning", one_process=True),
     "export_hf": Mode(_export_hf, ("out",), one_process=True),
     "import_hf": Mode(_import_hf, ("config", "hf_discriminator", "hf_generator"), one_process=True),
     "import_tf": Mode(_import_tf, ("config", "tf_checkpoint"), one_process=True),
-    "train_tokenizer": Mode(_train_tokenizer, ("config", "out"), workdir=False, local=True),
-    "prepare_data": Mode(_prepare_data, ("config",), workdir=False, local=True),
+    "train_tokenizer": Mode(_train_tokenizer, ("config", "out"), local=True),
+    "prepare_data": Mode(_prepare_data, ("config",), local=True),
     "sweep": Mode(_sweep, ("config", "sweep sweep_file")),
     "sweep_report": Mode(_sweep_report, recipe=None),
     "plot": Mode(_plot, ("out",), recipe=None),
@@ -237,14 +238,6 @@ _RECIPES = {  # the kinds of --config a mode reads: (what it is, what to do with
         "give one whose init_from is the pre-training workdir",
     ),
     "finetuning": ("a fine-tuning recipe (configs/finetune/)", "add --mode=finetune"),
-}
-_NEEDED = {  # what a mode says of a flag it needs and lacks
-    "topology": "--topology (e.g. v5e-16, v4-32, v5p-64, v6e-8, h100)",
-    "out": "--out=PATH (where the output goes)",
-    "hf_discriminator": "--hf_discriminator=DIR and --hf_generator=DIR",
-    "hf_generator": "--hf_discriminator=DIR and --hf_generator=DIR",
-    "tf_checkpoint": "--tf_checkpoint=PATH (model.ckpt-N or its folder)",
-    "sweep sweep_file": "--sweep=KEY=V1,V2 (repeatable) and/or --sweep_file=FILE",
 }
 USAGE = "\n".join(
     [
@@ -279,15 +272,15 @@ def _check_flags(name: str, mode: Mode, config) -> None:
   if mode.one_process and jax.process_count() > 1:
     raise ConfigError(
         f"--mode={name} runs in one process, but this is process {jax.process_index()} of "
-        f"{jax.process_count()}: start it once, without --coordinator_address/--num_processes/"
-        "--process_id, ELECTRA_JAX_* variables or srun."
+        f"{jax.process_count()}: start it once, without multi-process flags, ELECTRA_JAX_* or srun."
     )
-  if mode.workdir and FLAGS.workdir is None:
+  if not mode.local and FLAGS.workdir is None:
     raise ConfigError(f"--mode={name} needs --workdir.")
-  for names in mode.needs:
+  for names in mode.needs:  # the flag's help, less the modes that read it, says what it takes
     if all(FLAGS[flag].value in (None, "", []) for flag in names.split()):
-      what = f"--config: {_RECIPES[mode.recipe][0]}" if names == "config" else _NEEDED[names]
-      raise ConfigError(f"--mode={name} needs {what}.")
+      what = FLAGS[names.split()[0]].help.splitlines()[0].split(": ", 1)[-1].rstrip(".;")
+      what = _RECIPES[mode.recipe][0] if names == "config" else what
+      raise ConfigError(f"--mode={name} needs --{' or --'.join(names.split())}: {what}.")
 
 
 def _ctrl_c(signum, frame):
@@ -298,9 +291,6 @@ def _ctrl_c(signum, frame):
     _terminal.append(os.dup(2))
     os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
   raise KeyboardInterrupt
-
-
-_terminal = []  # stderr as it was before a Ctrl-C
 
 
 @contextlib.contextmanager
@@ -321,13 +311,7 @@ def _ctrl_c_stops():
     yield
   except KeyboardInterrupt:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # one is enough
-    sys.stdout.flush()
-    os.write(
-        (_terminal or [2])[0],
-        f"electra-jax: stopped by Ctrl-C (--mode={FLAGS.mode}); what it finished is kept. Run "
-        "the same command to do it again.\n".encode(),
-    )
-    os._exit(130)  # every `finally` ran; XLA's threads, stopped mid-work, can crash Python's exit
+    _stopped()  # every `finally` ran
   finally:
     sys.unraisablehook = previous[1]
     if signal.getsignal(signal.SIGINT) is _ctrl_c:  # not stopping: the caller's handler again
@@ -344,9 +328,8 @@ def main(argv):
   logging.get_absl_handler().addFilter(_quiet_libraries)
   if os.environ.get("GLIBC_TUNABLES") == xla_flags.HUGE_PAGES:
     logging.info(
-        "CPU: glibc puts large allocations on huge pages (GLIBC_TUNABLES=%s, set at start; "
-        "ELECTRA_JAX_XLA_DEFAULTS=0 leaves malloc alone).",
-        xla_flags.HUGE_PAGES,
+        f"CPU: glibc puts large allocations on huge pages (GLIBC_TUNABLES={xla_flags.HUGE_PAGES}, "
+        "set at start; ELECTRA_JAX_XLA_DEFAULTS=0 leaves malloc alone)."
     )
   mode = MODES[FLAGS.mode]
   try:

@@ -1,6 +1,5 @@
-"""The device memory a compiled training step needs (XLA's per-device figures), and the largest
-batch that fits (`train.batch_size = -1`): a line of bytes against the batch, then bisection; and
-XLA's out of memory, compiling or running, as one line naming the batch."""
+"""The device memory a compiled train step needs (XLA's per-device figures), the largest batch that
+fits (`train.batch_size = -1`), and XLA's out of memory as one line naming the batch."""
 
 import contextlib
 import dataclasses
@@ -21,13 +20,10 @@ RESOURCE_EXHAUSTED = 8
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-  """Whether `error` is XLA saying a device's memory (or the host's, on CPU) ran out: by the status
-  code jaxlib's error carries (`error_code`; older jaxlib print the code first instead)."""
-  if not isinstance(error, jax.errors.JaxRuntimeError):
-    return False
-  if hasattr(error, "error_code"):
-    return error.error_code == RESOURCE_EXHAUSTED
-  return str(error).startswith("RESOURCE_EXHAUSTED:")
+  """Whether `error` is XLA saying a device's memory (or the host's, on CPU) ran out, by the status
+  code jaxlib's error carries."""
+  code = getattr(error, "error_code", None)
+  return isinstance(error, jax.errors.JaxRuntimeError) and code == RESOURCE_EXHAUSTED
 
 
 @contextlib.contextmanager
@@ -54,11 +50,8 @@ class StepMemory:
 def memory_parts(compiled) -> dict[str, int]:
   """Bytes one device holds for a compiled computation by kind, as XLA's buffer assignment says;
   the donated inputs that outputs reuse count negative."""
-  m = compiled.memory_analysis()
-  if m is None:
-    raise ConfigError(
-        "This backend reports no memory analysis for compiled steps; set train.batch_size."
-    )
+  if (m := compiled.memory_analysis()) is None:
+    raise ConfigError("This backend reports no memory analysis of a step: set train.batch_size.")
   return {
       "arguments": int(m.argument_size_in_bytes),
       "outputs": int(m.output_size_in_bytes),
@@ -110,10 +103,8 @@ def step_memory(compile_step, batch_size: int) -> StepMemory:
   except jax.errors.JaxRuntimeError as e:
     if not is_out_of_memory(e):
       raise
-    seconds, why = time.perf_counter() - start, str(e).splitlines()[0][:200]
-    logging.info(
-        f"Batch {batch_size}: refused by the compiler as over memory ({seconds:.0f} s: {why})."
-    )
+    why = str(e).splitlines()[0][:200]
+    logging.info(f"Batch {batch_size}: refused by the compiler as over memory ({why}).")
     return StepMemory(batch_size, None)
   parts, flops = memory_parts(compiled), compiled_flops(compiled)
   size = sum(parts.values())
@@ -140,12 +131,10 @@ def fit_of(measured: list[StepMemory]) -> tuple[float, float] | None:
 
 
 def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, list[StepMemory]]:
-  """(the largest multiple of `quantum` whose step fits in `limit_bytes` per device, the
-  measurements): guesses follow the line through the largest fitting batches until one does not
-  fit, then bisection. A step XLA fits only by recomputing does not fit; ConfigError when not even
-  `quantum` fits."""
-  measured: list[StepMemory] = []
-  fitting: list[StepMemory] = []
+  """(the largest multiple of `quantum` whose step fits in `limit_bytes` a device, the
+  measurements): guesses along the line through the largest fits, then bisection. Fitting only by
+  recomputing is not fitting; ConfigError when not even `quantum` fits."""
+  measured, fitting = [], []  # every measurement; those that fit
 
   def fits(batch: int) -> bool:
     m = step_memory(compile_step, batch)
@@ -175,21 +164,19 @@ def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, li
     )
   # The largest batch known to fit, the smallest known not to.
   low, high = (4 * quantum, None) if fits(4 * quantum) else (quantum, 4 * quantum)
-  fit = fit_of(measured)
   while high is None or high - low > quantum:
     if high is None:
       # XLA's layout is not even monotonic in the batch: the slope is at least a quarter of the
       # chord from the smallest batch, and the guess at most 8 x low.
       _, chord = linear_fit(fitting[0], fitting[-1])
       per_example = max(linear_fit(fitting[-2], fitting[-1])[1], chord / 4)
-      guess = int(
-          (limit_bytes - fitting[-1].bytes_per_device) / per_example + fitting[-1].batch_size
-      )
+      last = fitting[-1]
+      guess = int((limit_bytes - last.bytes_per_device) / per_example + last.batch_size)
       candidate = max(low + quantum, min(guess // quantum * quantum, 8 * low))
     else:
       candidate = min(max(low + quantum, (low + high) // 2 // quantum * quantum), high - quantum)
     low, high = (candidate, high) if fits(candidate) else (low, candidate)
-  if fit is not None:
+  if fit := fit_of(measured):
     logging.info("Memory per device: %.1f MiB + %.3f MiB per example.", *(f / 2**20 for f in fit))
   logging.info(
       "Largest batch %d (limit %.2f GiB, %d compiles).", low, limit_bytes / 2**30, len(measured)

@@ -58,8 +58,7 @@ def plot_curves(
   metrics = metrics or [m for m in DEFAULT_METRICS if m in logged] or sorted(logged)
   if unknown := [m for m in metrics if m not in logged]:
     raise ConfigError(
-        f"--plot_metrics {', '.join(unknown)}: not logged by these runs; they logged "
-        f"{sorted(logged)}."
+        f"--plot_metrics {', '.join(unknown)}: not logged; these runs logged {sorted(logged)}."
     )
 
   columns = min(3, len(metrics))
@@ -69,13 +68,11 @@ def plot_curves(
   axes = figure.subplots(rows, columns, squeeze=False).ravel()
   for ax, metric in zip(axes, metrics):
     for i, (label, split_logs) in enumerate(logs):  # a workdir's two lines share a colour
-      for split, linestyle, marker in (("train", "-", None), ("eval", "--", ".")):
+      for split, style in (("train", "-"), ("eval", ".--")):  # eval: dots on a dashed line
         points = [(int(r["step"]), float(r[metric])) for r in split_logs[split] if metric in r]
         if points:  # NaN values leave gaps in the line
-          color, name = f"C{i % 10}", f"{label} ({split})"
-          ax.plot(*zip(*points), color=color, linestyle=linestyle, marker=marker, label=name)
-    ax.set_title(metric)
-    ax.set_xlabel("step")
+          ax.plot(*zip(*points), f"C{i % 10}{style}", label=f"{label} ({split})")
+    ax.set(title=metric, xlabel="step")
     ax.grid(alpha=0.3)
   for ax in axes[len(metrics) :]:
     ax.set_visible(False)

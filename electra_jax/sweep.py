@@ -11,6 +11,7 @@ import itertools
 import json
 import math
 import os
+import pathlib
 import re
 import shlex
 import signal
@@ -24,6 +25,7 @@ from ml_collections import config_flags
 from ml_collections.config_flags import config_path
 
 from electra_jax import checkpointing, config_lib, flops, models, objectives, plots, preemption, train, workdir_files, workdir_lease
+from electra_jax.data import sources
 from electra_jax.errors import ConfigError
 
 SWEEP_FILE = workdir_files.SWEEP_FILE
@@ -32,15 +34,9 @@ Override = tuple[str, str]  # (config key, the value as the user wrote it)
 
 # The tables' metric columns: these first (and only these in results.md), then the others sorted.
 HEADLINE_METRICS = (*plots.DEFAULT_METRICS, "disc_accuracy", "main_mlm_accuracy", "cloze_loss")
-NOT_IN_TABLE = (
-    "step",
-    "steps_per_sec",
-    "tokens_per_sec",
-    "mfu",
-    "learning_rate",
-    "sampling_temperature",
-)
+NOT_IN_TABLE = "step steps_per_sec tokens_per_sec mfu learning_rate sampling_temperature".split()
 FIXED_COLUMNS = ("run", "overrides", "status", "steps", "train_tokens", "train_flops")
+DOWNSTREAM = ("downstream_task", "downstream_score", "downstream_seeds")  # with --sweep_finetune
 
 
 class Run(NamedTuple):
@@ -65,12 +61,10 @@ def expand(grid: Sequence[str] = (), sweep_file: str | None = None) -> list[list
   with the product of the --sweep=KEY=V1,V2 `grid` (either alone works too)."""
   lines = [[]]
   if sweep_file:
-    if not os.path.isfile(sweep_file):  # a directory fails to open, a FIFO waits forever
-      what = "is not a regular file" if os.path.exists(sweep_file) else "does not exist"
-      raise ConfigError(f"--sweep_file={sweep_file} {what}: give a text file, one run per line.")
+    if why := sources.not_a_regular_file(sweep_file):  # a FIFO would wait forever
+      raise ConfigError(f"--sweep_file={sweep_file} {why}: give a text file, one run per line.")
     try:
-      with open(sweep_file, encoding="utf-8") as f:
-        text = f.read()
+      text = pathlib.Path(sweep_file).read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
       raise ConfigError(f"--sweep_file={sweep_file} is not UTF-8 text ({error}).") from None
     lines = []
@@ -103,12 +97,10 @@ def apply_overrides(
   """A copy of `base` with `overrides` applied by ml_collections' own --config.KEY=VALUE parser; a
   bad key or value is a ConfigError starting with `what`."""
   for key, _ in overrides:
-    if found := config_lib.unknown_key(base, key):
-      name, hint = found
-      hint = hint and f" {hint}"
+    if found := config_lib.unknown_key(base, key):  # (the missing part, a close match or "")
       raise ConfigError(
-          f"{what} key {key!r} is not a config key (no {name!r} there).{hint} "
-          "configs/base.py lists every key."
+          f"{what} key {key!r} is not a config key (no {found[0]!r} there; configs/base.py lists "
+          f"every key). {found[1]}".strip()
       )
   argv = ["sweep", *(f"--config.{key}={raw}" for key, raw in overrides)]
   flag_values = absl_flags.FlagValues()
@@ -128,7 +120,7 @@ def apply_overrides(
 def identity(base: ml_collections.ConfigDict, overrides: Sequence[Override]) -> str:
   """What makes runs the same: the values the overrides give over `base`, in key order (`b=.5
   a=1e-3` is `a=0.001 b=0.5`); as written for a key `base` lacks (an older record's)."""
-  values = [tuple(o) for o in overrides]
+  values = overrides
   with contextlib.suppress(ConfigError):
     config = apply_overrides(base, overrides)
     values = [(key, repr(config_path.get_value(key, config))) for key, _ in overrides]
@@ -141,10 +133,8 @@ def name_runs(
   """Runs for `override_lists`: the recorded one with the same overrides (by `identity`), else a
   new readable name: the keys' last parts (whole keys where two are alike) and values."""
   by_identity = {identity(base, r.overrides): r for r in existing}
-  taken = {r.name for r in existing}
   runs = []
   for overrides in override_lists:
-    overrides = [tuple(o) for o in overrides]
     if (key := identity(base, overrides)) not in by_identity:
       leaves = [k.rsplit(".", 1)[-1] for k, _ in overrides]
       parts = [
@@ -156,10 +146,9 @@ def name_runs(
       if len(stem) > 100:
         digest = hashlib.sha1(json.dumps(overrides).encode()).hexdigest()[:8]
         stem = stem[:90].rstrip("-.,=") + "-" + digest
+      taken = {r.name for r in by_identity.values()}
       names = itertools.chain([stem], (f"{stem}-{i}" for i in itertools.count(2)))
-      name = next(n for n in names if n not in taken)
-      taken.add(name)
-      by_identity[key] = Run(name, overrides)
+      by_identity[key] = Run(next(n for n in names if n not in taken), overrides)
     runs.append(by_identity[key])
   return runs
 
@@ -194,11 +183,7 @@ def _finetune_columns(results: dict) -> dict:
   """The table's downstream columns of a fine-tuning results.json."""
   summary = results["summary"]
   score = (summary.get(results["task"]) or next(iter(summary.values())))["score"]
-  return dict(
-      downstream_task=str(results["task"]),
-      downstream_score=100 * float(score["mean"]),
-      downstream_seeds=int(score["n"]),
-  )
+  return dict(zip(DOWNSTREAM, (str(results["task"]), 100 * float(score["mean"]), int(score["n"]))))
 
 
 def _finetune_results(workdir: str) -> dict | None:
@@ -220,10 +205,8 @@ def run_sweep(
   override_lists = expand(grid, sweep_file)
   workdir_files.check_usable(sweep_dir)
   record = read_record(sweep_dir)
-  existing = record["runs"] if record else []
-  if record and (
-      changes := config_lib.changed_keys(record["base_config"], config_lib.as_saved(base_config))
-  ):
+  existing, saved = record["runs"] if record else [], config_lib.as_saved(base_config)
+  if record and (changes := config_lib.changed_keys(record["base_config"], saved)):
     raise ConfigError(
         f"{sweep_dir}/{SWEEP_FILE} was written for another base config ({'; '.join(changes)}): "
         "one table must not mix recipes. Use the same --config and flags, or a new --workdir."
@@ -246,9 +229,7 @@ def run_sweep(
   previous_handlers = {}
   try:
     all_runs = list(existing) + [r for r in runs if r not in existing]
-    record = dict(
-        base_config=config_lib.as_saved(base_config), runs=[r._asdict() for r in all_runs]
-    )
+    record = dict(base_config=saved, runs=[r._asdict() for r in all_runs])
     workdir_files.write_json(workdir_files.path(sweep_dir, SWEEP_FILE), record)
     logging.info("Sweep of %d runs in %s (%d recorded).", len(runs), sweep_dir, len(all_runs))
     # A SIGTERM (or SIGHUP) stops the sweep: a run saves and returns (its own handler); between
@@ -285,9 +266,7 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
   for index, (run, config, latest) in enumerate(zip(runs, configs, latest_steps)):
     where = f"run {index + 1}/{len(runs)} {run.name}"
     if preemption.sigterm_received():
-      logging.warning(
-          "SIGTERM or SIGHUP: the sweep stops before %s; the same command goes on.", where
-      )
+      logging.warning("SIGTERM/SIGHUP: the sweep stops before %s; the same command goes on.", where)
       return failed, True
     workdir_lease.hold(lease)  # every process stops if another sweep took the folder
     workdir, started = run_dir(sweep_dir, run), time.perf_counter()
@@ -299,9 +278,7 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
     error_file = workdir_files.path(workdir, ERROR_FILE)
     if not to_train[index]:
       logging.info("Run %s is finished (checkpoint %d): skipped.", run.name, latest)
-    else:
-      if latest is not None:
-        logging.info("Run %s resumes from its checkpoint at step %d.", run.name, latest)
+    else:  # training logs a resume itself
       try:
         train.train_and_evaluate(config, workdir, take_over_workdir=take_over)
       except Exception as error:  # noqa: BLE001 (the sweep goes on; the error is kept and reported)
@@ -316,15 +293,13 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
         message = "Run %s stopped at step %d (a signal): the sweep stops; the same command goes on."
         logging.warning(message, run.name, reached)
         return failed, True
-    if workdir_files.exists(error_file):
-      error_file.unlink()
+    error_file.unlink(missing_ok=True)
     if finetune_config is not None and _finetune_results(workdir) is not None:
       logging.info("Run %s is already fine-tuned: skipped.", run.name)
     elif finetune_config is not None:
       from electra_jax.finetune import trainer as finetune  # noqa: PLC0415
 
-      run_finetune_config = copy.deepcopy(finetune_config)
-      run_finetune_config.init_from = workdir
+      run_finetune_config = apply_overrides(finetune_config, [("init_from", workdir)])
       try:
         finetune.run_finetune(run_finetune_config, os.path.join(workdir, "finetune"))
       except Exception:  # noqa: BLE001
@@ -345,11 +320,8 @@ def train_flops_per_token(config: ml_collections.ConfigDict) -> float:
 
 def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
   """(columns, rows): a row per recorded run, from its workdir's files."""
-  record = read_record(sweep_dir)
-  if record is None:
-    raise ConfigError(
-        f"{sweep_dir} has no {SWEEP_FILE}: it is not a sweep folder (run --mode=sweep first)."
-    )
+  if (record := read_record(sweep_dir)) is None:
+    raise ConfigError(f"{sweep_dir} has no sweep.json: no sweep folder; run --mode=sweep first.")
   override_keys = list(dict.fromkeys(k for r in record["runs"] for k, _ in r.overrides))
   rows, logged = [], {"train": set(), "eval": set()}
   for run in record["runs"]:
@@ -368,15 +340,10 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
     else:
       config = config_lib.load_workdir_config(workdir)
       # Done once the last step is saved: one killed between logging and saving it resumes.
-      saved = _latest_checkpoint(workdir) or 0
-      done = min(steps, saved) >= config.train.steps
+      done = min(steps, _latest_checkpoint(workdir) or 0) >= config.train.steps
       tokens = steps * config.train.batch_size * config.data.max_seq_len
-      row.update(
-          status="done" if done else "incomplete",
-          steps=steps,
-          train_tokens=tokens,
-          train_flops=train_flops_per_token(config) * tokens,
-      )
+      row.update(status="done" if done else "incomplete", steps=steps, train_tokens=tokens)
+      row["train_flops"] = tokens * train_flops_per_token(config)
     for split, log in last.items():
       names = [name for name in log if name not in NOT_IN_TABLE]
       row.update((f"{split}_{name}", log[name]) for name in names)
@@ -388,7 +355,7 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
     ordered = [n for n in HEADLINE_METRICS if n in names] + sorted(names - set(HEADLINE_METRICS))
     columns += [f"{split}_{n}" for n in ordered]
   if any("downstream_task" in row for row in rows):
-    columns += ["downstream_task", "downstream_score", "downstream_seeds"]
+    columns += DOWNSTREAM
   return columns, rows
 
 

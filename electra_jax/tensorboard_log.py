@@ -1,6 +1,5 @@
 """Where metrics go: the JSONL logs (the source of truth), TensorBoard events in
-<workdir>/tensorboard/{train,eval} (a resumed run purges the points past its checkpoint), and the
-W&B or MLflow runs train.metric_writers names."""
+<workdir>/tensorboard/{train,eval} (a resume purges later points), W&B or MLflow runs."""
 
 import importlib
 import logging as std_logging
@@ -21,9 +20,7 @@ SUBDIR = "tensorboard"
 def _tensorboardx():
   """The tensorboardX modules we write with. It would import torch, if installed (seconds and
   hundreds of MB): hidden meanwhile."""
-  hide_torch = "torch" not in sys.modules and "tensorboardX" not in sys.modules
-  if hide_torch:
-    sys.modules["torch"] = None
+  hide_torch = sys.modules.setdefault("torch", None) is None  # unless torch is imported already
   try:
     from tensorboardX import event_file_writer, summary  # noqa: PLC0415 (torch hidden first)
     from tensorboardX.proto import event_pb2  # noqa: PLC0415
@@ -177,8 +174,7 @@ class MetricLog(workdir_files.JsonlLog):
 def open_logs(workdir: str, metric_writers: str = "", config: dict | None = None):
   """(metrics.jsonl, eval_metrics.jsonl) of `workdir` as MetricLogs, with TensorBoard events
   (local workdirs only) and the runs `metric_writers` names (the train log closes them)."""
-  remote = workdir_files.is_remote(workdir)
-  if remote:
+  if remote := workdir_files.is_remote(workdir):
     message = "%s is a bucket: its metrics go to the JSONL logs only (TensorBoard events: local)."
     logging.log_first_n(logging.WARNING, message, 1, workdir)
   runs = []

@@ -1,9 +1,12 @@
 """CPU settings the CLI applies at its start, before JAX's backend: XLA flags, and on Linux without
 a GPU or TPU, JAX on its CPU alone and glibc's huge pages. The user's own settings win."""
 
+import importlib.metadata
 import importlib.util
 import os
+import pathlib
 import platform
+import runpy
 import sys
 
 # flag -> value, added only for jaxlib versions that have them (XLA aborts on an unknown flag).
@@ -22,28 +25,23 @@ def cpu_defaults(jaxlib_version: str, xla_flags: str) -> str:
 
 
 def malloc_tunables(environ=os.environ) -> str | None:
-  """GLIBC_TUNABLES for a CPU training process, whose temporaries XLA maps afresh on every call:
-  huge pages fault them in (glibc 2.35+). None if the user tunes malloc (GLIBC_TUNABLES, MALLOC_*),
-  where they are off, or where an accelerator computes."""
+  """GLIBC_TUNABLES for a CPU process (XLA maps its temporaries afresh each call: huge pages fault
+  them in; glibc 2.35+); None where off, where an accelerator computes or the user tunes malloc."""
   libc, version = platform.libc_ver()
-  if (
-      any(name == "GLIBC_TUNABLES" or name.startswith("MALLOC_") for name in environ)
-      or platform.system() != "Linux"
-      or libc != "glibc"
-      or tuple(map(int, version.split(".")[:2])) < (2, 35)
-      or not os.path.exists(_THP_MODE)
-  ):
-    return None
-  with open(_THP_MODE) as f:
-    huge_pages_off = "[never]" in f.read()
-  return None if huge_pages_off or accelerator_visible(environ) else HUGE_PAGES
+  usable = (
+      libc == "glibc"
+      and tuple(map(int, version.split(".")[:2])) >= (2, 35)
+      and os.path.exists(_THP_MODE)
+      and "[never]" not in pathlib.Path(_THP_MODE).read_text()
+  )
+  user_tunes = any(name == "GLIBC_TUNABLES" or name.startswith("MALLOC_") for name in environ)
+  return HUGE_PAGES if usable and not user_tunes and not accelerator_visible(environ) else None
 
 
 def accelerator_visible(environ=os.environ) -> bool:
   """Whether this process will compute on a GPU or TPU ($JAX_PLATFORMS, else the machine's
   devices), without importing JAX."""
-  platforms = environ.get("JAX_PLATFORMS", "").strip()
-  if platforms:
+  if platforms := environ.get("JAX_PLATFORMS", "").strip():
     return platforms.split(",")[0].strip().lower() != "cpu"
   return any(map(os.path.exists, ("/dev/nvidiactl", "/dev/kfd"))) or tpu_chips_present()
 
@@ -52,26 +50,20 @@ def tpu_chips_present() -> bool:
   """Whether TPU chips sit on this machine's PCI bus, by JAX's own check loaded from its file
   (importing jax would slow every CLI start)."""
   try:
-    path = os.path.join(
-        os.path.dirname(importlib.util.find_spec("jax").origin), "_src", "hardware_utils.py"
-    )
-    spec = importlib.util.spec_from_file_location("_jax_hardware_utils", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.num_available_tpu_chips_and_device_id()[0] > 0
+    jax_dir = os.path.dirname(importlib.util.find_spec("jax").origin)
+    found = runpy.run_path(os.path.join(jax_dir, "_src", "hardware_utils.py"))
+    return found["num_available_tpu_chips_and_device_id"]()[0] > 0
   except Exception:  # noqa: BLE001 (a private helper: its absence means "cannot tell")
     return False
 
 
 def apply_cpu_defaults(environ=os.environ) -> bool:
-  """Adds our flags to $XLA_FLAGS and, on Linux with no accelerator visible, sets JAX_PLATFORMS=cpu
-  (no plugin starts: libtpu would print its search for a TPU); whether it set it. The user's values
-  stay; ELECTRA_JAX_XLA_DEFAULTS=0 sets nothing."""
+  """Adds our flags to $XLA_FLAGS and on Linux with no accelerator sets JAX_PLATFORMS=cpu (no plugin
+  starts); whether it set it. The user's values stay; ELECTRA_JAX_XLA_DEFAULTS=0 sets nothing."""
   if environ.get("ELECTRA_JAX_XLA_DEFAULTS", "1") == "0":
     return False
-  import jaxlib  # noqa: PLC0415 (imported only to read its version)
-
-  environ["XLA_FLAGS"] = cpu_defaults(jaxlib.__version__, environ.get("XLA_FLAGS", ""))
+  jaxlib = importlib.metadata.version("jaxlib")  # without importing it
+  environ["XLA_FLAGS"] = cpu_defaults(jaxlib, environ.get("XLA_FLAGS", ""))
   if "JAX_PLATFORMS" in environ or platform.system() != "Linux" or accelerator_visible(environ):
     return False
   environ["JAX_PLATFORMS"] = "cpu"
@@ -81,14 +73,13 @@ def apply_cpu_defaults(environ=os.environ) -> bool:
 def restart_with_huge_pages() -> None:
   """Starts this process again (same id, arguments, environment) with malloc_tunables() when they
   apply and are unset (glibc reads them at start); ELECTRA_JAX_XLA_DEFAULTS=0: never."""
-  if os.environ.get("ELECTRA_JAX_XLA_DEFAULTS", "1") == "0" or not sys.executable:
+  tunables = os.environ.get("ELECTRA_JAX_XLA_DEFAULTS", "1") != "0" and malloc_tunables()
+  if not tunables or not sys.executable:
     return
-  tunables = malloc_tunables()
-  if tunables:
-    os.environ["GLIBC_TUNABLES"] = tunables  # also what stops a second restart
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-      os.execv(sys.executable, sys.orig_argv)
-    except OSError:  # could not start again: carry on as we are, without the tunables
-      del os.environ["GLIBC_TUNABLES"]
+  os.environ["GLIBC_TUNABLES"] = tunables  # also what stops a second restart
+  sys.stdout.flush()
+  sys.stderr.flush()
+  try:
+    os.execv(sys.executable, sys.orig_argv)
+  except OSError:  # could not start again: carry on as we are, without the tunables
+    del os.environ["GLIBC_TUNABLES"]

@@ -298,8 +298,8 @@ def test_a_bad_sweep_file_line_is_refused_naming_the_line(tmp_path):
     "kind, named",
     [
         ("missing", "does not exist"),
-        ("directory", "is not a regular file"),
-        ("fifo", "is not a regular file"),  # it hung, waiting for a writer
+        ("directory", "is a directory"),
+        ("fifo", "is a FIFO, not a regular file"),  # it hung, waiting for a writer
         ("binary", "is not UTF-8 text"),
     ],
 )

@@ -195,4 +195,7 @@ def test_a_ctrl_c_while_jax_imports_ends_in_one_line(tmp_path, started_as):
   process.send_signal(signal.SIGINT)
   stdout, stderr = process.communicate(timeout=60)
   assert (process.returncode, stdout) == (130, ""), stderr[-2000:]
-  assert stderr == "electra-jax: stopped by Ctrl-C while starting or ending; what it did is kept.\n"
+  assert (
+      stderr
+      == "electra-jax: stopped by Ctrl-C; what it finished is kept (run it again to go on).\n"
+  )
