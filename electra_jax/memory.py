@@ -21,9 +21,13 @@ RESOURCE_EXHAUSTED = 8
 
 def is_out_of_memory(error: BaseException) -> bool:
   """Whether `error` is XLA saying a device's memory (or the host's, on CPU) ran out, by the status
-  code jaxlib's error carries."""
-  code = getattr(error, "error_code", None)
-  return isinstance(error, jax.errors.JaxRuntimeError) and code == RESOURCE_EXHAUSTED
+  code jaxlib's error carries (jaxlib 0.6, Python 3.10's, has no `error_code`: it prints it first).
+  """
+  if not isinstance(error, jax.errors.JaxRuntimeError):
+    return False
+  if hasattr(error, "error_code"):
+    return error.error_code == RESOURCE_EXHAUSTED
+  return str(error).startswith("RESOURCE_EXHAUSTED:")
 
 
 @contextlib.contextmanager
