@@ -393,7 +393,7 @@ def test_out_of_memory_in_fine_tuning_is_one_line(tmp_path, monkeypatch):
   args = [sys.executable, "-m", "electra_jax.main", "--mode=finetune", f"--workdir={out}"]
   args += [f"--config={REPO}/configs/finetune/tiny.py", f"--config.tokenizer={vocab}"]
   args += [f"--config.custom.{split}_file={tmp_path / split}.jsonl" for split in ("train", "dev")]
-  line = _one_line_naming(cli(args), "batch_size=16:")
+  line = _one_line_naming(cli(args), "batch_size=16 (eval_batch_size 16):")
   assert "eval_batch_size" in line
   assert not list(out.glob("custom/seed_*/metrics.json")) and not list(
       out.glob("custom/results.json")
