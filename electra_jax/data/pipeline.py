@@ -22,7 +22,7 @@ from electra_jax.data import prepare, shards
 from electra_jax.data.config import read_config
 from electra_jax.data.packing import ROW_PACKING_VERSION, RowPacking, assemble_rows, plan_rows
 from electra_jax.data.prepare import PACKING_FORMAT_VERSION
-from electra_jax.data.shards import PREPARED_FORMAT_VERSION, SPLITS, ShardedRows
+from electra_jax.data.shards import PREPARED_FORMAT_VERSION, ShardedRows
 from electra_jax.data.tokenizer import TOKENIZER_FILES, SentencePieceTokenizer, WordPieceTokenizer
 from electra_jax.data.tokenizer import configured_tokenizer, open_tokenizer
 from electra_jax.errors import ConfigError
@@ -74,8 +74,6 @@ def _corpus_cache_dir(config) -> str:
 def _loadable(data_config, split: str | None = None) -> dict:
   """The read config, pointed at prepared shards (a document source's cache, prepared when missing
   or damaged); without a split only the tokenizer is readied."""
-  if split is not None and split not in SPLITS:
-    raise ConfigError(f"Unknown split {split!r}; use one of {list(SPLITS)}.")
   config = read_config(data_config)
   if config["source"] == "prepared":
     return config
@@ -248,15 +246,10 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
       int(manifest["totals"][f"{split}_tokens"]),
       verification,
   )
+  fill = 100 * data.num_tokens / (data.num_rows * max_seq_len)
   logging.info(
-      "loaded %s data from %s: %d examples in %d shards, %d tokens, %d rows (%.1f%% tokens)",
-      split,
-      directory,
-      data.num_examples,
-      len(entries),
-      data.num_tokens,
-      data.num_rows,
-      100 * data.num_tokens / (data.num_rows * max_seq_len),
+      f"loaded {split} data from {directory}: {data.num_examples} examples in {len(entries)} "
+      f"shards, {data.num_tokens} tokens, {data.num_rows} rows ({fill:.1f}% tokens)"
   )
   return data
 

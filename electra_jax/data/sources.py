@@ -48,15 +48,15 @@ class SourceStats:
   num_documents: int = 0
   bytes_read: int = 0
   total_bytes: int = 0
-  problems: dict[str, int] = dataclasses.field(default_factory=dict)
+  problems: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   first_problems: dict[str, str] = dataclasses.field(default_factory=dict)
 
   def counts(self) -> dict:
-    counts = {problem: self.problems.get(problem, 0) for problem in PROBLEMS}
+    counts = {problem: self.problems[problem] for problem in PROBLEMS}
     return {"files": len(self.files), **counts, "documents": self.num_documents}
 
   def skip(self, problem: str, place: str) -> None:
-    self.problems[problem] = self.problems.get(problem, 0) + 1
+    self.problems[problem] += 1
     self.first_problems.setdefault(problem, place)
 
   def summary(self) -> str:
