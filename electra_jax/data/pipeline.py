@@ -266,8 +266,7 @@ def prefetch(fetch_fn: Callable[[int], Any], start_step: int, stop_step=None, de
 
     def batches() -> Iterator[Any]:
       while ahead:
-        batch = ahead[0].result()
-        ahead.popleft()
+        batch = ahead.popleft().result()
         ahead.extend(pool.submit(fetch_fn, step) for step in itertools.islice(steps, 1))
         yield batch
 

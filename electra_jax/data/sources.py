@@ -118,9 +118,8 @@ def unique_object(where: str):
 def resolve_files(files: str) -> list[str]:
   """The files of `files`, comma-separated paths and globs (`~`, `**`; `gs://` objects with the gcs
   extra) in order, each glob's matches sorted, a file named twice read once."""
-  patterns = [pattern.strip() for pattern in files.split(",") if pattern.strip()]
   paths: dict[str, None] = {}  # ordered, each path once
-  for pattern in patterns:
+  for pattern in filter(None, map(str.strip, files.split(","))):
     remote = workdir_files.is_remote(pattern)
     if remote:
       workdir_files.check_bucket(pattern, "data.files")  # the gcs extra, the bucket, the account

@@ -172,18 +172,14 @@ class WordPieceTokenizer:
         self._vocab[t] for t in SPECIAL_TOKENS
     )
     # pad_text=1: "[PAD]" in the text is tokenized as text, unlike in a tokenizer that made it the padding id.
-    settings = (
-        f"lowercase={self.lowercase}|strip_accents={self.strip_accents}|pad_text=1\n".encode()
-    )
+    settings = f"lowercase={lowercase}|strip_accents={strip_accents}|pad_text=1\n".encode()
     self.fingerprint = hashlib.sha256(settings + vocab_bytes).hexdigest()[:16]
 
     # (its default, as BERT's: a "word" over 100 characters, junk such as base64, is one [UNK])
     tokenizer = Tokenizer(models.WordPiece(self._vocab, unk_token="[UNK]"))
+    # (cleaning the text and spacing CJK characters by default, as BERT does)
     tokenizer.normalizer = normalizers.BertNormalizer(
-        clean_text=True,
-        handle_chinese_chars=True,
-        strip_accents=self.strip_accents,
-        lowercase=self.lowercase,
+        strip_accents=self.strip_accents, lowercase=self.lowercase
     )
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tokenizer.decoder = decoders.WordPiece(prefix="##")
