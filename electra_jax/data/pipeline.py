@@ -55,36 +55,31 @@ class PretrainingData:
     return int(self.input_ids.shape[1])
 
 
-def _corpus_cache_dir(config) -> str:
-  """The cache directory of one corpus and tokenizer (any max_seq_len)."""
-  key_fields = {
-      "format": PACKING_FORMAT_VERSION,
-      "prepared_format": PREPARED_FORMAT_VERSION,  # a cache of another is rebuilt, not refused
-      "max_documents": config["max_documents"],
-      "eval_fraction": config["eval_fraction"],
-      **prepare.describe_source(config)[0],
-  }
-  if prepare.trains_spm(config):  # only the keys that change the tokenizer enter the key
-    key_fields.update({key: config[key] for key in ("spm_vocab_size", "spm_model_type")})
-  else:  # a given model or vocab.txt
-    key_fields.update({config["tokenizer"]: configured_tokenizer(config).fingerprint})
-  return os.path.join(config["cache_dir"], config["source"], prepare.config_key(key_fields))
-
-
 def _loadable(data_config, split: str | None = None) -> dict:
   """The read config, pointed at prepared shards (a document source's cache, prepared when missing
   or damaged); without a split only the tokenizer is readied."""
   config = read_config(data_config)
-  if config["source"] == "prepared":
-    return config
-  if split is None and not prepare.trains_spm(config):
-    return config  # nothing to train
-  corpus_dir = _corpus_cache_dir(config)
+  trains_spm = prepare.trains_spm(config)
+  if config["source"] == "prepared" or (split is None and not trains_spm):
+    return config  # nothing to prepare or train
+  # A cache per corpus and tokenizer (any max_seq_len); one of another format is rebuilt, not refused.
+  key_fields = {
+      "format": PACKING_FORMAT_VERSION,
+      "prepared_format": PREPARED_FORMAT_VERSION,
+      "max_documents": config["max_documents"],
+      "eval_fraction": config["eval_fraction"],
+      **prepare.describe_source(config)[0],
+  }
+  if trains_spm:  # only the keys that change the tokenizer enter the key
+    key_fields.update({key: config[key] for key in ("spm_vocab_size", "spm_model_type")})
+  else:  # a given model or vocab.txt
+    key_fields.update({config["tokenizer"]: configured_tokenizer(config).fingerprint})
+  corpus_dir = os.path.join(config["cache_dir"], config["source"], prepare.config_key(key_fields))
   os.makedirs(corpus_dir, exist_ok=True)
   directory = os.path.join(corpus_dir, f"len{config['max_seq_len']}")
   with open(os.path.join(corpus_dir, ".lock"), "a") as lock:  # one process fills a cache at a time
     fcntl.flock(lock, fcntl.LOCK_EX)
-    if prepare.trains_spm(config):
+    if trains_spm:
       model = os.path.join(corpus_dir, TOKENIZER_FILES["sentencepiece"])
       if not os.path.exists(model):  # written atomically: a killed run leaves no model behind
         prepare.train_corpus_tokenizer(config, model)
