@@ -120,7 +120,7 @@ def _best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 def plan_rows(
     lengths: np.ndarray, max_seq_len: int, window: int = ROW_PACKING_WINDOW
 ) -> RowPacking:
-  """Examples of the given lengths packed whole into rows of `max_seq_len`, a pure function: in each
+  """Examples of these lengths packed whole into rows of `max_seq_len`, a pure function: in each
   window, those too long to share a row get their own (first), the rest go by best-fit decreasing.
   """
   lengths = np.asarray(lengths, dtype=np.int32)

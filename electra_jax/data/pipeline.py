@@ -55,6 +55,22 @@ class PretrainingData:
     return int(self.input_ids.shape[1])
 
 
+def _corpus_cache_dir(config) -> str:
+  """The cache directory of one corpus and tokenizer (any max_seq_len)."""
+  key_fields = {
+      "format": PACKING_FORMAT_VERSION,
+      "prepared_format": PREPARED_FORMAT_VERSION,  # a cache of another is rebuilt, not refused
+      "max_documents": config["max_documents"],
+      "eval_fraction": config["eval_fraction"],
+      **prepare.describe_source(config)[0],
+  }
+  if prepare.trains_spm(config):  # only the keys that change the tokenizer enter the key
+    key_fields.update({key: config[key] for key in ("spm_vocab_size", "spm_model_type")})
+  else:  # a given model or vocab.txt
+    key_fields.update({config["tokenizer"]: configured_tokenizer(config).fingerprint})
+  return os.path.join(config["cache_dir"], config["source"], prepare.config_key(key_fields))
+
+
 def _loadable(data_config, split: str | None = None) -> dict:
   """The read config, pointed at prepared shards (a document source's cache, prepared when missing
   or damaged); without a split only the tokenizer is readied."""
@@ -62,19 +78,7 @@ def _loadable(data_config, split: str | None = None) -> dict:
   trains_spm = prepare.trains_spm(config)
   if config["source"] == "prepared" or (split is None and not trains_spm):
     return config  # nothing to prepare or train
-  # A cache per corpus and tokenizer (any max_seq_len); one of another format is rebuilt, not refused.
-  key_fields = {
-      "format": PACKING_FORMAT_VERSION,
-      "prepared_format": PREPARED_FORMAT_VERSION,
-      "max_documents": config["max_documents"],
-      "eval_fraction": config["eval_fraction"],
-      **prepare.describe_source(config)[0],
-  }
-  if trains_spm:  # only the keys that change the tokenizer enter the key
-    key_fields.update({key: config[key] for key in ("spm_vocab_size", "spm_model_type")})
-  else:  # a given model or vocab.txt
-    key_fields.update({config["tokenizer"]: configured_tokenizer(config).fingerprint})
-  corpus_dir = os.path.join(config["cache_dir"], config["source"], prepare.config_key(key_fields))
+  corpus_dir = _corpus_cache_dir(config)
   os.makedirs(corpus_dir, exist_ok=True)
   directory = os.path.join(corpus_dir, f"len{config['max_seq_len']}")
   with open(os.path.join(corpus_dir, ".lock"), "a") as lock:  # one process fills a cache at a time
@@ -179,8 +183,7 @@ def get_rows(data: PretrainingData, rows: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def prepared_tokenizer(config, manifest: dict):
-  """The tokenizer configured, else the prepared directory's copy; refused unless it is the one
-  the shards were made with."""
+  """The configured tokenizer, else the shards' copy; refused unless the shards were made by it."""
   directory, recorded = config["prepared_dir"], manifest["tokenizer"]
   tokenizer = configured_tokenizer(config, directory)
   copy = os.path.join(directory, TOKENIZER_FILES[config["tokenizer"]])

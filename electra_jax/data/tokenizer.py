@@ -151,15 +151,13 @@ class WordPieceTokenizer:
     self.vocab_file, self.lowercase, self.strip_accents = vocab_file, lowercase, strip_accents
     vocab_bytes = pathlib.Path(vocab_file).read_bytes()
     try:
-      # -sig: a BOM would hide [PAD]; the final newline ends the last line, it does not start an empty token.
-      tokens = [
-          token.rstrip("\r")
-          for token in vocab_bytes.decode("utf-8-sig").removesuffix("\n").split("\n")
-      ]
+      text = vocab_bytes.decode("utf-8-sig")  # (-sig: a byte-order mark would hide [PAD])
     except UnicodeDecodeError as e:
       raise ConfigError(
           f"data.vocab_file={vocab_file!r} is not UTF-8 text ({e}); give a BERT vocab.txt."
       ) from e
+    # The final newline ends the last line, it does not start an empty token.
+    tokens = [token.rstrip("\r") for token in text.removesuffix("\n").split("\n")]
     # As BERT reads it: the token on line i has id i (a repeated token keeps its last line).
     self._vocab = {token: index for index, token in enumerate(tokens)}
     self.vocab_size = len(tokens)
@@ -177,7 +175,6 @@ class WordPieceTokenizer:
 
     # (its default, as BERT's: a "word" over 100 characters, junk such as base64, is one [UNK])
     tokenizer = Tokenizer(models.WordPiece(self._vocab, unk_token="[UNK]"))
-    # (cleaning the text and spacing CJK characters by default, as BERT does)
     tokenizer.normalizer = normalizers.BertNormalizer(
         strip_accents=self.strip_accents, lowercase=self.lowercase
     )
