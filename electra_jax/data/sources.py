@@ -249,8 +249,7 @@ class RecordCorpus:
         elif not isinstance(text, str):
           stats.skip("skipped_lines", f"{where}: {self.text_field!r} is not text")
           continue
-        document = split_text(text, where, stats)
-        if document:
+        if document := split_text(text, where, stats):
           stats.num_documents += 1
           yield document
 
