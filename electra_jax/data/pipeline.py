@@ -271,5 +271,4 @@ def prefetch(fetch_fn: Callable[[int], Any], start_step: int, stop_step=None, de
     try:
       yield batches()
     finally:
-      for future in ahead:
-        future.cancel()
+      pool.shutdown(cancel_futures=True)

@@ -193,9 +193,8 @@ def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
       for text in texts:
         # A text's final "\n" ends its last line; it does not start another.
         lines = text.removesuffix("\n").split("\n") if newline_only else text.splitlines()
-        for line in lines:
-          number += 1
-          yield number, line
+        yield from enumerate(lines, number + 1)
+        number += len(lines)
 
 
 def _text_file_documents(path: str, _: str, stats: SourceStats):

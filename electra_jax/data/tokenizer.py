@@ -108,9 +108,8 @@ class SentencePieceTokenizer:
     model_bytes = pathlib.Path(model_path).read_bytes()
     # The bytes loaded are the bytes hashed, even if the file is replaced meanwhile.
     self.fingerprint = hashlib.sha256(model_bytes).hexdigest()[:16]
-    self._processor = spm.SentencePieceProcessor()
     try:
-      self._processor.LoadFromSerializedProto(model_bytes)
+      self._processor = spm.SentencePieceProcessor(model_proto=model_bytes)
     except RuntimeError as e:
       raise ConfigError(
           f"{model_path} is not a valid sentencepiece model ({e}). Delete it and "
