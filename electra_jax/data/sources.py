@@ -293,10 +293,8 @@ class HfDatasetCorpus(RecordCorpus):
           "pip install 'electra-jax[hf_datasets]'."
       ) from None
     try:
-      if any(os.path.exists(os.path.join(path, marker)) for marker in _SAVED_MARKERS):
-        loaded = datasets.load_from_disk(path)
-      else:
-        loaded = datasets.load_dataset(path, split=split)
+      saved = any(os.path.exists(os.path.join(path, marker)) for marker in _SAVED_MARKERS)
+      loaded = datasets.load_from_disk(path) if saved else datasets.load_dataset(path, split=split)
     except Exception as error:  # noqa: BLE001 -- whatever datasets raises on a folder it cannot read
       raise ConfigError(
           f"data.hf_path={path!r} is not a dataset datasets can read locally "
