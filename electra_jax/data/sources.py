@@ -61,10 +61,9 @@ class SourceStats:
     self.first_problems.setdefault(problem, place)
 
   def summary(self) -> str:
-    return "; ".join(
-        f"{self.problems[problem]} {what}, the first {self.first_problems[problem]}"
-        for problem, what in PROBLEMS.items()
-        if problem in self.problems
+    return "; ".join(  # in the order they first happened
+        f"{count} {PROBLEMS[problem]}, the first {self.first_problems[problem]}"
+        for problem, count in self.problems.items()
     )
 
 
