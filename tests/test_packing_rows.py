@@ -148,10 +148,10 @@ def test_random_plans_hold_every_example_once_unchanged(window):
     assert _real_token_fraction(plan) > lengths.sum() / (300 * max_seq_len)
 
 
-def test_example_lengths_read_blocks_and_keep_inner_padding():
+def test_example_lengths_keep_inner_padding():
   input_ids, _ = _examples([3, 1, 7, 5, 2], 7)
   input_ids[3, 2] = PAD  # a pad id inside an example keeps the example whole
-  np.testing.assert_array_equal(example_lengths(input_ids, PAD, block_rows=2), [3, 1, 7, 5, 2])
+  np.testing.assert_array_equal(example_lengths(input_ids, PAD), [3, 1, 7, 5, 2])
   with pytest.raises(ValueError, match="lengths must be in"):
     plan_rows(np.array([3, 0]), 7)
 

@@ -87,18 +87,12 @@ class RowPacking:
     return int(self.row_splits.shape[0] - 1)
 
 
-def example_lengths(input_ids, pad_id: int, block_rows: int = 1 << 16) -> np.ndarray:
-  """int32 [num_examples]: each right-padded example's length, read in blocks of rows (a
-  memory-mapped corpus is not loaded whole)."""
-  num_examples, max_seq_len = int(input_ids.shape[0]), int(input_ids.shape[1])
-  lengths = np.empty(num_examples, np.int32)
-  for start in range(0, num_examples, block_rows):
-    block = np.asarray(input_ids[start : start + block_rows])
-    real = block != pad_id
-    # argmax over the reversed row finds the last real token; an all-padding row has length 0.
-    last = max_seq_len - np.argmax(real[:, ::-1], axis=1)
-    lengths[start : start + block.shape[0]] = np.where(real.any(axis=1), last, 0)
-  return lengths
+def example_lengths(input_ids, pad_id: int) -> np.ndarray:
+  """int32 [num_examples]: each right-padded example's length (to its last token that is not pad)."""
+  real = np.asarray(input_ids) != pad_id
+  # argmax over the reversed row finds the last real token; an all-padding row has length 0.
+  last = real.shape[1] - np.argmax(real[:, ::-1], axis=1)
+  return np.where(real.any(axis=1), last, 0).astype(np.int32)
 
 
 def _best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -126,7 +120,7 @@ def _best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 def plan_rows(
     lengths: np.ndarray, max_seq_len: int, window: int = ROW_PACKING_WINDOW
 ) -> RowPacking:
-  """Examples of the given lengths packed whole into rows of `max_seq_len`, a pure function: in each
+  """Examples of these lengths packed whole into rows of `max_seq_len`, a pure function: in each
   window, those too long to share a row get their own (first), the rest go by best-fit decreasing.
   """
   lengths = np.asarray(lengths, dtype=np.int32)

@@ -22,7 +22,7 @@ from electra_jax.data import prepare, shards
 from electra_jax.data.config import read_config
 from electra_jax.data.packing import ROW_PACKING_VERSION, RowPacking, assemble_rows, plan_rows
 from electra_jax.data.prepare import PACKING_FORMAT_VERSION
-from electra_jax.data.shards import PREPARED_FORMAT_VERSION, SPLITS, ShardedRows
+from electra_jax.data.shards import PREPARED_FORMAT_VERSION, ShardedRows
 from electra_jax.data.tokenizer import TOKENIZER_FILES, SentencePieceTokenizer, WordPieceTokenizer
 from electra_jax.data.tokenizer import configured_tokenizer, open_tokenizer
 from electra_jax.errors import ConfigError
@@ -74,19 +74,16 @@ def _corpus_cache_dir(config) -> str:
 def _loadable(data_config, split: str | None = None) -> dict:
   """The read config, pointed at prepared shards (a document source's cache, prepared when missing
   or damaged); without a split only the tokenizer is readied."""
-  if split is not None and split not in SPLITS:
-    raise ConfigError(f"Unknown split {split!r}; use one of {list(SPLITS)}.")
   config = read_config(data_config)
-  if config["source"] == "prepared":
-    return config
-  if split is None and not prepare.trains_spm(config):
-    return config  # nothing to train
+  trains_spm = prepare.trains_spm(config)
+  if config["source"] == "prepared" or (split is None and not trains_spm):
+    return config  # nothing to prepare or train
   corpus_dir = _corpus_cache_dir(config)
   os.makedirs(corpus_dir, exist_ok=True)
   directory = os.path.join(corpus_dir, f"len{config['max_seq_len']}")
   with open(os.path.join(corpus_dir, ".lock"), "a") as lock:  # one process fills a cache at a time
     fcntl.flock(lock, fcntl.LOCK_EX)
-    if prepare.trains_spm(config):
+    if trains_spm:
       model = os.path.join(corpus_dir, TOKENIZER_FILES["sentencepiece"])
       if not os.path.exists(model):  # written atomically: a killed run leaves no model behind
         prepare.train_corpus_tokenizer(config, model)
@@ -186,8 +183,7 @@ def get_rows(data: PretrainingData, rows: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def prepared_tokenizer(config, manifest: dict):
-  """The tokenizer configured, else the prepared directory's copy; refused unless it is the one
-  the shards were made with."""
+  """The configured tokenizer, else the shards' copy; refused unless the shards were made by it."""
   directory, recorded = config["prepared_dir"], manifest["tokenizer"]
   tokenizer = configured_tokenizer(config, directory)
   copy = os.path.join(directory, TOKENIZER_FILES[config["tokenizer"]])
@@ -248,15 +244,10 @@ def load_pretraining_data(data_config, split: str = "train") -> PretrainingData:
       int(manifest["totals"][f"{split}_tokens"]),
       verification,
   )
+  fill = 100 * data.num_tokens / (data.num_rows * max_seq_len)
   logging.info(
-      "loaded %s data from %s: %d examples in %d shards, %d tokens, %d rows (%.1f%% tokens)",
-      split,
-      directory,
-      data.num_examples,
-      len(entries),
-      data.num_tokens,
-      data.num_rows,
-      100 * data.num_tokens / (data.num_rows * max_seq_len),
+      f"loaded {split} data from {directory}: {data.num_examples} examples in {len(entries)} "
+      f"shards, {data.num_tokens} tokens, {data.num_rows} rows ({fill:.1f}% tokens)"
   )
   return data
 
@@ -273,13 +264,11 @@ def prefetch(fetch_fn: Callable[[int], Any], start_step: int, stop_step=None, de
 
     def batches() -> Iterator[Any]:
       while ahead:
-        batch = ahead[0].result()
-        ahead.popleft()
+        batch = ahead.popleft().result()
         ahead.extend(pool.submit(fetch_fn, step) for step in itertools.islice(steps, 1))
         yield batch
 
     try:
       yield batches()
     finally:
-      for future in ahead:
-        future.cancel()
+      pool.shutdown(cancel_futures=True)

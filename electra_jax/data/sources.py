@@ -9,6 +9,7 @@ import dataclasses
 import glob
 import hashlib
 import io
+import itertools
 import json
 import os
 import stat
@@ -48,39 +49,38 @@ class SourceStats:
   num_documents: int = 0
   bytes_read: int = 0
   total_bytes: int = 0
-  problems: dict[str, int] = dataclasses.field(default_factory=dict)
+  problems: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   first_problems: dict[str, str] = dataclasses.field(default_factory=dict)
 
   def counts(self) -> dict:
-    counts = {problem: self.problems.get(problem, 0) for problem in PROBLEMS}
+    counts = {problem: self.problems[problem] for problem in PROBLEMS}
     return {"files": len(self.files), **counts, "documents": self.num_documents}
 
   def skip(self, problem: str, place: str) -> None:
-    self.problems[problem] = self.problems.get(problem, 0) + 1
+    self.problems[problem] += 1
     self.first_problems.setdefault(problem, place)
 
   def summary(self) -> str:
-    return "; ".join(
-        f"{self.problems[problem]} {what}, the first {self.first_problems[problem]}"
-        for problem, what in PROBLEMS.items()
-        if problem in self.problems
+    return "; ".join(  # in the order they first happened
+        f"{count} {PROBLEMS[problem]}, the first {self.first_problems[problem]}"
+        for problem, count in self.problems.items()
     )
 
 
-def decode_utf8(raw: bytes, where, stats: SourceStats) -> str:
-  """UTF-8 text of `raw`; other bytes become U+FFFD, counted (`where()` the place)."""
+def decode_utf8(raw: bytes, where: str, stats: SourceStats) -> str:
+  """UTF-8 text of `raw`; other bytes become U+FFFD, counted (`where` the place)."""
   try:
     return raw.decode("utf-8")
   except UnicodeDecodeError:
-    stats.skip("replaced_lines", where())
+    stats.skip("replaced_lines", where)
     return raw.decode("utf-8", errors="replace")
 
 
-def keep_sentence(sentence: str, where, stats: SourceStats) -> bool:
+def keep_sentence(sentence: str, where: str, stats: SourceStats) -> bool:
   """False (and counted) for a sentence too long to be text."""
   if len(sentence) <= MAX_SENTENCE_CHARS:
     return True
-  stats.skip("long_sentences", f"{where()}: {len(sentence)} characters")
+  stats.skip("long_sentences", f"{where}: {len(sentence)} characters")
   return False
 
 
@@ -117,9 +117,8 @@ def unique_object(where: str):
 def resolve_files(files: str) -> list[str]:
   """The files of `files`, comma-separated paths and globs (`~`, `**`; `gs://` objects with the gcs
   extra) in order, each glob's matches sorted, a file named twice read once."""
-  patterns = [pattern.strip() for pattern in files.split(",") if pattern.strip()]
   paths: dict[str, None] = {}  # ordered, each path once
-  for pattern in patterns:
+  for pattern in filter(None, map(str.strip, files.split(","))):
     remote = workdir_files.is_remote(pattern)
     if remote:
       workdir_files.check_bucket(pattern, "data.files")  # the gcs extra, the bucket, the account
@@ -189,57 +188,43 @@ def _iter_lines(path: str, stats: SourceStats, newline_only: bool = False):
       try:
         texts = [data.decode("utf-8")]  # the common case: the whole block at C speed
       except UnicodeDecodeError:  # only this block, line by line, to find the bad lines
-        texts = (decode_utf8(raw, lambda: f"{path}:{number + 1}", stats) for raw in raw_lines)
+        texts = (decode_utf8(raw, f"{path}:{number + 1}", stats) for raw in raw_lines)
       for text in texts:
         # A text's final "\n" ends its last line; it does not start another.
         lines = text.removesuffix("\n").split("\n") if newline_only else text.splitlines()
-        for line in lines:
-          number += 1
-          yield number, line
+        yield from enumerate(lines, number + 1)
+        number += len(lines)
 
 
 def _text_file_documents(path: str, _: str, stats: SourceStats):
   """One document per run of non-blank lines; each stripped line is one sentence."""
-  document = []
-  for number, line in _iter_lines(path, stats):
-    line = line.strip()
-    if line:
-      if keep_sentence(line, lambda: f"{path}:{number}", stats):
-        document.append(line)
-    elif document:
+  lines = ((f"{path}:{number}", line.strip()) for number, line in _iter_lines(path, stats))
+  for nonblank, run in itertools.groupby(lines, key=lambda placed: bool(placed[1])):
+    if nonblank and (
+        document := [line for where, line in run if keep_sentence(line, where, stats)]
+    ):
       yield document
-      document = []
-  if document:
-    yield document
 
 
 def _jsonl_file_documents(path: str, text_field: str, stats: SourceStats):
   for number, line in _iter_lines(path, stats, newline_only=True):
     if not line.strip():
       continue
-    why = None
     try:
       record = json.loads(line, object_pairs_hook=unique_object(f"{path}:{number}"))
     except ConfigError:  # (a ValueError too)
       raise
     except (ValueError, RecursionError):  # (nesting deeper than the interpreter's stack)
-      why = "not valid JSON"
-    else:
-      if not isinstance(record, dict):
-        why = "not a JSON object"
-      elif text_field not in record:
-        why = f"no {text_field!r} field"
-      elif not isinstance(record[text_field], str):
-        why = f"{text_field!r} is not a string"
-    if why:
-      stats.skip("skipped_lines", f"{path}:{number}: {why}")
+      stats.skip("skipped_lines", f"{path}:{number}: not valid JSON")
       continue
-    document = split_text(record[text_field], lambda: f"{path}:{number}", stats)
-    if document:
+    text = record.get(text_field) if isinstance(record, dict) else None
+    if not isinstance(text, str):
+      stats.skip("skipped_lines", f"{path}:{number}: no string {text_field!r} field in an object")
+    elif document := split_text(text, f"{path}:{number}", stats):
       yield document
 
 
-def split_text(text: str, where, stats: SourceStats) -> list[str]:
+def split_text(text: str, where: str, stats: SourceStats) -> list[str]:
   """A document's text as sentences: its stripped non-blank lines, too long ones skipped."""
   sentences = (line.strip() for line in text.splitlines())
   return [sentence for sentence in sentences if sentence and keep_sentence(sentence, where, stats)]
@@ -256,14 +241,13 @@ class RecordCorpus:
       stop = min(start + _READ_BLOCK, self.num_records)
       for key, text in enumerate(self.read_texts(start, stop), start):
         stats.bytes_read += 1
-        where = lambda key=key: f"{self.name}[{key}]"  # noqa: E731
+        where = f"{self.name}[{key}]"
         if isinstance(text, bytes):
           text = decode_utf8(text, where, stats)
         elif not isinstance(text, str):
-          stats.skip("skipped_lines", f"{where()}: {self.text_field!r} is not text")
+          stats.skip("skipped_lines", f"{where}: {self.text_field!r} is not text")
           continue
-        document = split_text(text, where, stats)
-        if document:
+        if document := split_text(text, where, stats):
           stats.num_documents += 1
           yield document
 
@@ -308,10 +292,8 @@ class HfDatasetCorpus(RecordCorpus):
           "pip install 'electra-jax[hf_datasets]'."
       ) from None
     try:
-      if any(os.path.exists(os.path.join(path, marker)) for marker in _SAVED_MARKERS):
-        loaded = datasets.load_from_disk(path)
-      else:
-        loaded = datasets.load_dataset(path, split=split)
+      saved = any(os.path.exists(os.path.join(path, marker)) for marker in _SAVED_MARKERS)
+      loaded = datasets.load_from_disk(path) if saved else datasets.load_dataset(path, split=split)
     except Exception as error:  # noqa: BLE001 -- whatever datasets raises on a folder it cannot read
       raise ConfigError(
           f"data.hf_path={path!r} is not a dataset datasets can read locally "

@@ -31,14 +31,6 @@ def import_tfds():
   return tfds
 
 
-def _prepare_hint(name: str, data_dir: str) -> str:
-  return (
-      f"prepare it once where the internet is reachable, with `tfds build {name} --file_format="
-      f"array_record{f' --data_dir={data_dir}' if data_dir else ''}` or download_and_prepare("
-      "file_format='array_record') (docs/data.md), and set data.tfds_data_dir to that directory."
-  )
-
-
 class TfdsCorpus(RecordCorpus):
   """One split of a prepared TFDS dataset, as documents of sentences."""
 
@@ -60,15 +52,19 @@ class TfdsCorpus(RecordCorpus):
           "https://www.tensorflow.org/datasets/catalog for names such as 'wikipedia/20230601.en'."
       ) from e
     if not builder.is_prepared():
+      at = f" --data_dir={data_dir}" if data_dir else ""
       raise ConfigError(
           f"TFDS dataset {name!r} is not prepared in {builder.data_dir} (training downloads "
-          "nothing); " + _prepare_hint(name, data_dir or "")
+          f"nothing); prepare it once where the internet is reachable, with `tfds build {name} "
+          f"--file_format=array_record{at}` or download_and_prepare(file_format='array_record') "
+          "(docs/data.md), and set data.tfds_data_dir to that directory."
       )
     file_format = str(getattr(builder.info.file_format, "value", builder.info.file_format))
     if file_format not in _RANDOM_ACCESS_FORMATS:
       raise ConfigError(
           f"TFDS dataset {name!r} in {builder.data_dir} is {file_format}, which only TensorFlow "
-          f"reads (not {list(_RANDOM_ACCESS_FORMATS)}); " + _prepare_hint(name, "")
+          f"reads; prepare it again with `tfds build {name} --file_format=array_record` (or "
+          "parquet; docs/data.md) and set data.tfds_data_dir to that directory."
       )
     if split not in builder.info.splits:
       raise ConfigError(

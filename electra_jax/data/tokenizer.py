@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import io
-import itertools
-import math
 import os
 import pathlib
 import random
-from collections.abc import Iterable, Iterator, Sequence
+import textwrap
+from collections.abc import Iterable, Sequence
 
 import sentencepiece as spm
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -30,39 +29,23 @@ TRAINING_THREADS = 2
 _MAX_SENTENCE_BYTES = 16384
 
 
-def _within_limit(sentence: str, limit: int = _MAX_SENTENCE_BYTES) -> Iterator[str]:
-  """`sentence`, or pieces of it of at most `limit` UTF-8 bytes, cut at a space where one is near."""
+def _within_limit(sentence: str, limit: int = _MAX_SENTENCE_BYTES) -> list[str]:
+  """`sentence`, or pieces of it of at most `limit` UTF-8 bytes, cut at spaces where it has any."""
   if len(sentence) * 4 <= limit or len(sentence.encode("utf-8")) <= limit:
-    yield sentence
-    return
-  chars = limit // 4  # at most 4 bytes a character
-  start = 0
-  while start < len(sentence):
-    end = min(start + chars, len(sentence))
-    if end < len(sentence):
-      space = sentence.rfind(" ", start + chars // 2, end)
-      end = space + 1 if space >= 0 else end
-    piece = sentence[start:end].strip()
-    if piece:
-      yield piece
-    start = end
+    return [sentence]
+  return textwrap.wrap(sentence, limit // 4)  # (at most 4 bytes a character)
 
 
 def _sample_sentences(sentences: Iterable[str], k: int) -> list[str]:
-  """`k` of `sentences` (all if fewer) by a reservoir sampler of fixed seed (Li's algorithm L):
-  sentencepiece's own is seeded at random."""
-  iterator = iter(sentences)
-  reservoir = list(itertools.islice(iterator, k))
-  if len(reservoir) < k:
-    return reservoir
-  rng, w = random.Random(f"electra-spm-sample:{k}"), 1.0
-  while True:
-    w *= math.exp(math.log(1.0 - rng.random()) / k)
-    skip = int(math.log(1.0 - rng.random()) / math.log(1.0 - w)) if w < 1.0 else 0
-    sentence = next(itertools.islice(iterator, skip, None), None)  # the one after `skip` more
-    if sentence is None:
-      return reservoir
-    reservoir[rng.randrange(k)] = sentence
+  """`k` of `sentences` (all if fewer) by a reservoir sampler of fixed seed: sentencepiece's own is
+  seeded at random, so each host would train another model."""
+  rng, reservoir = random.Random(f"electra-spm-sample:{k}"), []
+  for count, sentence in enumerate(sentences):
+    if count < k:
+      reservoir.append(sentence)
+    elif (slot := rng.randrange(count + 1)) < k:
+      reservoir[slot] = sentence
+  return reservoir
 
 
 class NoSentencesError(ConfigError):
@@ -125,24 +108,20 @@ class SentencePieceTokenizer:
     model_bytes = pathlib.Path(model_path).read_bytes()
     # The bytes loaded are the bytes hashed, even if the file is replaced meanwhile.
     self.fingerprint = hashlib.sha256(model_bytes).hexdigest()[:16]
-    self._processor = spm.SentencePieceProcessor()
     try:
-      self._processor.LoadFromSerializedProto(model_bytes)
+      self._processor = spm.SentencePieceProcessor(model_proto=model_bytes)
     except RuntimeError as e:
       raise ConfigError(
           f"{model_path} is not a valid sentencepiece model ({e}). Delete it and "
           f"train a new one with train_sentencepiece."
       ) from e
+    self.vocab_size = self._processor.get_piece_size()
     pieces = [self.id_to_piece(i) for i in range(min(len(SPECIAL_TOKENS), self.vocab_size))]
     if pieces != list(SPECIAL_TOKENS):
       raise ConfigError(
           f"Sentencepiece model {model_path} has {pieces} at ids 0..4, but ELECTRA needs "
           f"{list(SPECIAL_TOKENS)} there; train one with --mode=train_tokenizer."
       )
-
-  @property
-  def vocab_size(self) -> int:
-    return self._processor.get_piece_size()
 
   def encode(self, text: str) -> list[int]:
     return self._processor.encode(text, out_type=int)
@@ -164,28 +143,20 @@ class SentencePieceTokenizer:
     )
 
 
-# As BERT's: longer "words" (usually junk such as URLs or base64) become one [UNK].
-_MAX_INPUT_CHARS_PER_WORD = 100
-
-
 class WordPieceTokenizer:
   """A BERT vocabulary with BERT's normalization (`strip_accents` None: when lowercasing)."""
 
   def __init__(self, vocab_file: str, lowercase: bool = True, strip_accents: bool | None = None):
-    self.vocab_file = vocab_file
-    self.lowercase = bool(lowercase)
-    self.strip_accents = None if strip_accents is None else bool(strip_accents)
+    self.vocab_file, self.lowercase, self.strip_accents = vocab_file, lowercase, strip_accents
     vocab_bytes = pathlib.Path(vocab_file).read_bytes()
     try:
-      # -sig: a BOM would hide [PAD]; the final newline ends the last line, it does not start an empty token.
-      tokens = [
-          token.rstrip("\r")
-          for token in vocab_bytes.decode("utf-8-sig").removesuffix("\n").split("\n")
-      ]
+      text = vocab_bytes.decode("utf-8-sig")  # (-sig: a byte-order mark would hide [PAD])
     except UnicodeDecodeError as e:
       raise ConfigError(
           f"data.vocab_file={vocab_file!r} is not UTF-8 text ({e}); give a BERT vocab.txt."
       ) from e
+    # The final newline ends the last line, it does not start an empty token.
+    tokens = [token.rstrip("\r") for token in text.removesuffix("\n").split("\n")]
     # As BERT reads it: the token on line i has id i (a repeated token keeps its last line).
     self._vocab = {token: index for index, token in enumerate(tokens)}
     self.vocab_size = len(tokens)
@@ -198,21 +169,13 @@ class WordPieceTokenizer:
         self._vocab[t] for t in SPECIAL_TOKENS
     )
     # pad_text=1: "[PAD]" in the text is tokenized as text, unlike in a tokenizer that made it the padding id.
-    settings = (
-        f"lowercase={self.lowercase}|strip_accents={self.strip_accents}|pad_text=1\n".encode()
-    )
+    settings = f"lowercase={lowercase}|strip_accents={strip_accents}|pad_text=1\n".encode()
     self.fingerprint = hashlib.sha256(settings + vocab_bytes).hexdigest()[:16]
 
-    tokenizer = Tokenizer(
-        models.WordPiece(
-            self._vocab, unk_token="[UNK]", max_input_chars_per_word=_MAX_INPUT_CHARS_PER_WORD
-        )
-    )
+    # (its default, as BERT's: a "word" over 100 characters, junk such as base64, is one [UNK])
+    tokenizer = Tokenizer(models.WordPiece(self._vocab, unk_token="[UNK]"))
     tokenizer.normalizer = normalizers.BertNormalizer(
-        clean_text=True,
-        handle_chinese_chars=True,
-        strip_accents=self.strip_accents,
-        lowercase=self.lowercase,
+        strip_accents=self.strip_accents, lowercase=self.lowercase
     )
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tokenizer.decoder = decoders.WordPiece(prefix="##")
