@@ -154,8 +154,7 @@ class WorkdirLease:
     while not self._stop.wait(self.beat_seconds):
       try:
         with self._lock:
-          if not self._stop.is_set():
-            self._renew()
+          self._renew()
       except Exception as error:  # noqa: BLE001 (a bucket that did not answer: the next beat tries)
         logging.warning("Could not renew the lease on %s: %r", self.workdir, error)
 
@@ -188,12 +187,10 @@ class WorkdirLease:
   def release(self) -> None:
     """Marks the lease released, unless another run holds it by now. Stops the heartbeat."""
     self._stop.set()
-    if self._thread is not None:
-      self._thread.join()
     _LIVE_RUN_IDS.discard(self.run_id)
-    with self._lock:
-      if self._thread is not None:
-        self._renew(released=True)
+    if self._thread is not None:  # joined first: its last beat is not written after this
+      self._thread.join()
+      self._renew(released=True)
 
 
 # --- A run of several processes: process 0 holds the lease, and its refusals stop them all.

@@ -214,25 +214,22 @@ def _tokenize_documents(tokenizer, documents, skipped: dict):
 
 def pack_shard(task: dict, tokenizer=None) -> dict:
   """Tokenize and pack one shard's documents into a file per split; a failure comes back as {"error": ...}."""
-  index, first = task["index"], task["first_document"]
+  index, first, documents = task["index"], task["first_document"], task["documents"]
   try:
     tokenizer, skipped = tokenizer or _WORKER_TOKENIZER, {"documents": 0}
-    result = {"index": index, "first_document": first, "num_documents": len(task["documents"])}
-    by_split = {split: ([], []) for split in SPLITS}  # (documents, their indices in the corpus)
-    for document_index, document in enumerate(task["documents"], first):
-      eval_document = is_eval_document(document_index, task["eval_fraction"])
-      documents, indices = by_split["eval" if eval_document else "train"]
-      documents.append(document)
-      indices.append(document_index)
+    result = {"index": index, "first_document": first, "num_documents": len(documents)}
+    held_out = [is_eval_document(first + i, task["eval_fraction"]) for i in range(len(documents))]
     result["splits"] = {}
-    for split, (documents, indices) in by_split.items():
-      tokenized = _tokenize_documents(tokenizer, documents, skipped)
+    for split in SPLITS:  # each split's documents, and their indices in the corpus
+      offsets = [i for i, held in enumerate(held_out) if held == (split == "eval")]
+      tokenized = _tokenize_documents(tokenizer, [documents[i] for i in offsets], skipped)
+      indices = [first + i for i in offsets]
       packed = pack_documents(
           tokenized, task["max_seq_len"], tokenizer, PACKING_SEEDS[split], indices
       )
       input_ids = packed["input_ids"]
       entry = {
-          "documents": len(documents),
+          "documents": len(offsets),
           "rows": input_ids.shape[0],
           "tokens": int(np.count_nonzero(input_ids != tokenizer.pad_id)),
       }
