@@ -88,19 +88,13 @@ def _parse(path: str) -> ast.Module | None:
 
 def _iter_documents() -> Iterator[list[str]]:
   """One document per stdlib source file (its docstrings), then one per pydoc help topic."""
+  from pydoc_data.topics import topics  # noqa: PLC0415 (a large dict of help texts: read here only)
+
   root = stdlib_root()
-  for relpath in _stdlib_source_files():
-    tree = _parse(os.path.join(root, relpath))
-    docstrings = _iter_docstrings(tree) if tree is not None else ()
-    document = [sentence for docstring in docstrings for sentence in split_sentences(docstring)]
-    if document:
-      yield document
-  try:
-    from pydoc_data.topics import topics  # noqa: PLC0415 (data: a dict of help texts)
-  except ImportError:  # a Python packaged without it
-    topics = {}
-  for name in sorted(topics):
-    document = split_sentences(topics[name])
+  trees = (_parse(os.path.join(root, relpath)) for relpath in _stdlib_source_files())
+  docstrings = (list(_iter_docstrings(tree)) if tree is not None else [] for tree in trees)
+  for texts in itertools.chain(docstrings, ([topics[name]] for name in sorted(topics))):
+    document = [sentence for text in texts for sentence in split_sentences(text)]
     if document:
       yield document
 

@@ -104,10 +104,6 @@ def no_documents_error(config, stats: sources.SourceStats) -> ConfigError:
         f"data.source={source!r}: no usable text in data.files {config['files']}{why}. Point "
         f"data.files at non-empty UTF-8 {wanted}"
     )
-  if source == "builtin":
-    return ConfigError(
-        f"The built-in corpus gave no documents (max_documents={config['max_documents']})."
-    )
   what, field = (
       (f"TFDS dataset {config['tfds_name']!r} split {config['tfds_split']!r}", "tfds_text_field")
       if source == "tfds"
@@ -131,8 +127,7 @@ def _default_workers() -> int:
 
 
 def train_tokenizer(data_config, out_path: str, num_threads: int | None = None):
-  """The SentencePieceTokenizer trained on the train documents of data.source into the new file
-  `out_path` (for data.spm_model_file)."""
+  """A sentencepiece tokenizer trained on data.source's train documents into the new `out_path`."""
   config = read_config(data_config)
   _require_documents(config, "train_tokenizer")
   out_path = os.path.abspath(os.path.expanduser(out_path))
@@ -249,13 +244,9 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
 
 def _settings(config, source_key: dict, tokenizer) -> dict:
   """What the shards depend on; a directory is only resumed by a run with equal settings."""
-  keys = ("tokenizer", "max_seq_len", "eval_fraction", "max_documents", "shard_documents")
-  settings = {
-      "packing_format": PACKING_FORMAT_VERSION,
-      "source": config["source"],
-      "source_key": source_key,
-      **{key: config[key] for key in keys},
-  }
+  keys = ("source", "tokenizer", "max_seq_len", "eval_fraction", "max_documents", "shard_documents")
+  settings = {key: config[key] for key in keys}
+  settings.update(packing_format=PACKING_FORMAT_VERSION, source_key=source_key)
   if tokenizer is not None:
     settings["tokenizer_fingerprint"] = tokenizer.fingerprint
     settings["dtype"] = shards.token_dtype(tokenizer.vocab_size)
@@ -322,8 +313,7 @@ def _accepted_tokenizer(config, out_dir: str, existing: dict | None, source_key:
 
 
 def _drop_unlisted(out_dir: str, manifest: dict | None) -> int:
-  """Removes the shard and temporary files of out_dir that `manifest` does not list (a resume
-  would pack them again); returns how many shards it lists."""
+  """Deletes the shard and temporary files `manifest` does not list; returns how many it lists."""
   entries = manifest["shards"] if manifest is not None else []
   splits = [split for entry in entries for split in entry["splits"].values()]
   listed = {split.get(key) for split in splits for key in ("file", "lengths_file")}
@@ -353,8 +343,7 @@ def _prepare(config: dict, num_workers: int | None) -> dict:
   out_dir = config["prepared_dir"]
   if not out_dir:
     raise ConfigError(
-        "prepare_data needs data.prepared_dir, the directory the shards go to, e.g. "
-        "--config.data.prepared_dir=/data/electra_prepared."
+        "prepare_data needs data.prepared_dir, where the shards go: --config.data.prepared_dir=DIR."
     )
   workdir_files.check_usable(out_dir, "data.prepared_dir")  # before any work
   existing, files = shards.read_manifest(out_dir), workdir_files.list_files(out_dir)
@@ -371,25 +360,18 @@ def _prepare(config: dict, num_workers: int | None) -> dict:
   source_key, description = describe_source(config)
   tokenizer, settings = _accepted_tokenizer(config, out_dir, existing, source_key)
   _drop_unlisted(out_dir, existing)  # accepted: the directory is ours
-  done: dict[int, dict] = {}
-  for entry in existing["shards"] if existing is not None else ():
-    if shards.shard_is_intact(out_dir, entry, files):
-      done[entry["index"]] = entry
-    else:
-      logging.warning(
-          "shard %d in %s is missing or damaged; packing it again", entry["index"], out_dir
-      )
-  if existing is not None and existing["complete"] and len(done) == len(existing["shards"]):
+  listed = existing["shards"] if existing is not None else []
+  done = {e["index"]: e for e in listed if shards.shard_is_intact(out_dir, e, files)}
+  for index in sorted({e["index"] for e in listed} - set(done)):
+    logging.warning("shard %d in %s is missing or damaged; packing it again", index, out_dir)
+  if existing is not None and existing["complete"] and len(done) == len(listed):
     logging.info("%s is already prepared (%d shards verified); nothing to do", out_dir, len(done))
     return existing
 
   # The tokenizer is recorded by the name of its copy in out_dir: the directory can move.
-  wordpiece = config["tokenizer"] == "wordpiece"
-  spec = {
-      "kind": config["tokenizer"],
-      "fingerprint": tokenizer.fingerprint,
-      "vocab_file" if wordpiece else "model_file": TOKENIZER_FILES[config["tokenizer"]],
-  }
+  kind = config["tokenizer"]
+  spec = {"kind": kind, "fingerprint": tokenizer.fingerprint}
+  spec["vocab_file" if kind == "wordpiece" else "model_file"] = TOKENIZER_FILES[kind]
   manifest = {
       "format_version": PREPARED_FORMAT_VERSION,
       "settings": settings,
@@ -420,18 +402,11 @@ def _prepare(config: dict, num_workers: int | None) -> dict:
   for split in SPLITS:
     for total, key in (("documents", "documents"), ("examples", "rows"), ("tokens", "tokens")):
       totals[f"{split}_{total}"] = sum(e["splits"][split][key] for e in entries)
-  if totals["skipped_documents"]:
-    logging.warning(
-        "skipped %d documents the tokenizer failed on; the first: %s",
-        totals["skipped_documents"],
-        next(e["first_skip"] for e in entries if e.get("first_skip")),
-    )
-  manifest.update(
-      complete=True,
-      totals=totals,
-      source_stats=stats.counts(),
-      documents_fingerprint=documents_fingerprint,
-  )
+  if skipped := totals["skipped_documents"]:
+    first = next(e["first_skip"] for e in entries if e.get("first_skip"))
+    logging.warning("skipped %d documents the tokenizer failed on; the first: %s", skipped, first)
+  manifest.update(complete=True, totals=totals, source_stats=stats.counts())
+  manifest["documents_fingerprint"] = documents_fingerprint
   save_manifest()
   duration = config_lib.format_duration(time.time() - start)
   logging.info("prepared %d shards in %s, in %s: %s", len(entries), out_dir, duration, totals)
