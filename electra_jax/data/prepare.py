@@ -147,11 +147,9 @@ def train_corpus_tokenizer(config, path: str, num_threads: int = TRAINING_THREAD
   """A sentencepiece model trained on the train documents of `config` into `path`; the fixed default
   thread count makes it (and so the shards) the same on any machine."""
   stats = sources.SourceStats()
+  model = (config["spm_model_type"], config["spm_vocab_size"], config["source"])
   logging.info(
-      "training a sentencepiece %s model of %d pieces on the train documents of %s ...",
-      config["spm_model_type"],
-      config["spm_vocab_size"],
-      config["source"],
+      "training a sentencepiece %s model of %d pieces on the train documents of %s", *model
   )
   sentences = (
       sentence
@@ -223,11 +221,8 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
           tokenized, task["max_seq_len"], tokenizer, PACKING_SEEDS[split], indices
       )
       input_ids = packed["input_ids"]
-      entry = {
-          "documents": len(offsets),
-          "rows": input_ids.shape[0],
-          "tokens": int(np.count_nonzero(input_ids != tokenizer.pad_id)),
-      }
+      tokens = int(np.count_nonzero(input_ids != tokenizer.pad_id))
+      entry = {"documents": len(offsets), "rows": input_ids.shape[0], "tokens": tokens}
       if entry["rows"]:
         rows = np.stack([input_ids, packed["token_type_ids"]], axis=1)
         entry.update(shards.write_split(task, split, rows, tokenizer.pad_id))

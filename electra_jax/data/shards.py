@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import io
+import itertools
 import os
 import threading
 
@@ -116,12 +117,9 @@ def _problem(directory: str, entry: dict, prefix: str, files: dict, hashed: bool
 
 def shard_is_intact(out_dir: str, entry: dict, files: dict, checksums: bool = True) -> bool:
   """Whether a manifest's shard `entry` passes _problem's checks (`checksums`: `hashed`)."""
-  splits = [split_entry for split_entry in entry["splits"].values() if split_entry["rows"]]
-  return all(
-      _problem(out_dir, split_entry, prefix, files, checksums) is None
-      for split_entry in splits
-      for prefix in ("", "lengths_")
-  )
+  splits = [split for split in entry["splits"].values() if split["rows"]]
+  checks = itertools.product(splits, ("", "lengths_"))
+  return all(_problem(out_dir, split, prefix, files, checksums) is None for split, prefix in checks)
 
 
 def _load(path: str, mmap_mode=None) -> np.ndarray:
