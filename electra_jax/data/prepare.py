@@ -506,10 +506,7 @@ def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest
       signal.signal(sig, handler)
     executor.shutdown(wait=True, cancel_futures=True)
     # Shards the workers finished while this loop stopped are written: keep them too.
-    for future in pending:
-      if not future.cancelled() and future.exception() is None:
-        result = future.result()
-        if "error" not in result:
-          done[result["index"]] = result
+    results = [f.result() for f in pending if not f.cancelled() and f.exception() is None]
+    done.update((result["index"], result) for result in results if "error" not in result)
     save_manifest()
   return stats, {split: hashers[split].hexdigest()[:16] for split in SPLITS}
