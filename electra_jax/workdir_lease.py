@@ -1,8 +1,6 @@
-"""One run per workdir: <workdir>/lease.json names the holder (run id, host, pid, heartbeat). A run
-takes a lease that is absent, released or dead (pid gone on this host, or no heartbeat for
-`stale_seconds`), else refuses unless `take_over`. Every write is conditional
-(workdir_files.write_if), so two runs never both take it; the holder re-reads it before each
-checkpoint and on every beat, and stops once another run's id is there (the newest run wins)."""
+"""One run per workdir: <workdir>/lease.json names the holder. A run takes it when absent, released or
+dead (pid gone on this host, or no heartbeat for `stale_seconds`) with conditional writes only, so
+two runs never both get it; the holder stops once another run's id is there (the newest wins)."""
 
 from __future__ import annotations
 
@@ -62,13 +60,8 @@ class WorkdirLease:
     self.file = workdir_files.path(workdir, LEASE_FILE)
     self.beat_seconds, self.stale_seconds, self._clock = beat_seconds, stale_seconds, clock
     self.run_id = uuid.uuid4().hex[:12]
-    self.record = dict(
-        run_id=self.run_id,
-        host=socket.gethostname(),
-        pid=os.getpid(),
-        started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        released=False,
-    )
+    self.record = dict(run_id=self.run_id, host=socket.gethostname(), pid=os.getpid())
+    self.record.update(started=time.strftime("%Y-%m-%d %H:%M:%S %Z"), released=False)
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self._lock = threading.RLock()  # the main thread's check/release against the heartbeat's write
@@ -154,8 +147,7 @@ class WorkdirLease:
     while not self._stop.wait(self.beat_seconds):
       try:
         with self._lock:
-          if not self._stop.is_set():
-            self._renew()
+          self._renew()
       except Exception as error:  # noqa: BLE001 (a bucket that did not answer: the next beat tries)
         logging.warning("Could not renew the lease on %s: %r", self.workdir, error)
 
@@ -188,12 +180,10 @@ class WorkdirLease:
   def release(self) -> None:
     """Marks the lease released, unless another run holds it by now. Stops the heartbeat."""
     self._stop.set()
-    if self._thread is not None:
-      self._thread.join()
     _LIVE_RUN_IDS.discard(self.run_id)
-    with self._lock:
-      if self._thread is not None:
-        self._renew(released=True)
+    if self._thread is not None:  # joined first: its last beat is not written after this
+      self._thread.join()
+      self._renew(released=True)
 
 
 # --- A run of several processes: process 0 holds the lease, and its refusals stop them all.

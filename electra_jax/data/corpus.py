@@ -64,52 +64,37 @@ def _iter_docstrings(node: ast.AST) -> Iterator[str]:
 def split_sentences(text: str) -> list[str]:
   """`text`'s paragraphs, one whitespace-normalized line each; those mostly code or punctuation dropped."""
   sentences = []
-  paragraph_lines: list[str] = []
-  for line in text.splitlines() + [""]:
-    stripped = line.strip()
-    if stripped:
-      # Doctest prompts and continuations are code; a line of no letters or digits is a rule ("-----").
-      if not stripped.startswith((">>>", "...")) and any(ch.isalnum() for ch in stripped):
-        paragraph_lines.append(line)
-      continue
-    paragraph = " ".join(" ".join(paragraph_lines).split())
-    paragraph_lines = []
-    if paragraph and sum(
-        ch.isalpha() or ch == " " for ch in paragraph
-    ) >= _MIN_PROSE_FRACTION * len(paragraph):
+  for _, lines in itertools.groupby(text.splitlines(), key=lambda line: not line.strip()):
+    # Doctest prompts and continuations are code; a line of no letters or digits is a rule ("-----").
+    prose = [line for line in lines if not line.strip().startswith((">>>", "..."))]
+    paragraph = " ".join(" ".join(line for line in prose if any(map(str.isalnum, line))).split())
+    letters = sum(ch.isalpha() or ch == " " for ch in paragraph)
+    if paragraph and letters >= _MIN_PROSE_FRACTION * len(paragraph):
       sentences.append(paragraph)
   return sentences
 
 
-def _parse(path: str, attempts: int = 3) -> ast.Module | None:
+def _parse(path: str) -> ast.Module | None:
   source = pathlib.Path(path).read_bytes()
-  for attempt in range(attempts):
-    try:
-      return ast.parse(source, filename=path)  # bytes: ast honours each file's coding declaration
-    except (SyntaxError, ValueError):  # a file this interpreter cannot parse contributes nothing
-      return None
-    except SystemError:
-      # CPython 3.11 (gh-106905): a parse on another thread can fail this one; the same bytes parse
-      # again, and dropping the file would change the corpus.
-      if attempt == attempts - 1:
-        raise
+  try:
+    return ast.parse(source, filename=path)  # bytes: ast honours each file's coding declaration
+  except (SyntaxError, ValueError):  # a file this interpreter cannot parse contributes nothing
+    return None
+  except SystemError:
+    # CPython 3.11 (gh-106905): a parse on another thread can fail this one; the same bytes parse
+    # again, and dropping the file would change the corpus.
+    return ast.parse(source, filename=path)
 
 
 def _iter_documents() -> Iterator[list[str]]:
   """One document per stdlib source file (its docstrings), then one per pydoc help topic."""
+  from pydoc_data.topics import topics  # noqa: PLC0415 (a large dict of help texts: read here only)
+
   root = stdlib_root()
-  for relpath in _stdlib_source_files():
-    tree = _parse(os.path.join(root, relpath))
-    docstrings = _iter_docstrings(tree) if tree is not None else ()
-    document = [sentence for docstring in docstrings for sentence in split_sentences(docstring)]
-    if document:
-      yield document
-  try:
-    from pydoc_data.topics import topics  # noqa: PLC0415 (data: a dict of help texts)
-  except ImportError:  # a Python packaged without it
-    topics = {}
-  for name in sorted(topics):
-    document = split_sentences(topics[name])
+  trees = (_parse(os.path.join(root, relpath)) for relpath in _stdlib_source_files())
+  docstrings = (list(_iter_docstrings(tree)) if tree is not None else [] for tree in trees)
+  for texts in itertools.chain(docstrings, ([topics[name]] for name in sorted(topics))):
+    document = [sentence for text in texts for sentence in split_sentences(text)]
     if document:
       yield document
 

@@ -104,10 +104,6 @@ def no_documents_error(config, stats: sources.SourceStats) -> ConfigError:
         f"data.source={source!r}: no usable text in data.files {config['files']}{why}. Point "
         f"data.files at non-empty UTF-8 {wanted}"
     )
-  if source == "builtin":
-    return ConfigError(
-        f"The built-in corpus gave no documents (max_documents={config['max_documents']})."
-    )
   what, field = (
       (f"TFDS dataset {config['tfds_name']!r} split {config['tfds_split']!r}", "tfds_text_field")
       if source == "tfds"
@@ -131,8 +127,7 @@ def _default_workers() -> int:
 
 
 def train_tokenizer(data_config, out_path: str, num_threads: int | None = None):
-  """The SentencePieceTokenizer trained on the train documents of data.source into the new file
-  `out_path` (for data.spm_model_file)."""
+  """A sentencepiece tokenizer trained on data.source's train documents into the new `out_path`."""
   config = read_config(data_config)
   _require_documents(config, "train_tokenizer")
   out_path = os.path.abspath(os.path.expanduser(out_path))
@@ -152,11 +147,9 @@ def train_corpus_tokenizer(config, path: str, num_threads: int = TRAINING_THREAD
   """A sentencepiece model trained on the train documents of `config` into `path`; the fixed default
   thread count makes it (and so the shards) the same on any machine."""
   stats = sources.SourceStats()
+  model = (config["spm_model_type"], config["spm_vocab_size"], config["source"])
   logging.info(
-      "training a sentencepiece %s model of %d pieces on the train documents of %s ...",
-      config["spm_model_type"],
-      config["spm_vocab_size"],
-      config["source"],
+      "training a sentencepiece %s model of %d pieces on the train documents of %s", *model
   )
   sentences = (
       sentence
@@ -214,28 +207,22 @@ def _tokenize_documents(tokenizer, documents, skipped: dict):
 
 def pack_shard(task: dict, tokenizer=None) -> dict:
   """Tokenize and pack one shard's documents into a file per split; a failure comes back as {"error": ...}."""
-  index, first = task["index"], task["first_document"]
+  index, first, documents = task["index"], task["first_document"], task["documents"]
   try:
     tokenizer, skipped = tokenizer or _WORKER_TOKENIZER, {"documents": 0}
-    result = {"index": index, "first_document": first, "num_documents": len(task["documents"])}
-    by_split = {split: ([], []) for split in SPLITS}  # (documents, their indices in the corpus)
-    for document_index, document in enumerate(task["documents"], first):
-      eval_document = is_eval_document(document_index, task["eval_fraction"])
-      documents, indices = by_split["eval" if eval_document else "train"]
-      documents.append(document)
-      indices.append(document_index)
+    result = {"index": index, "first_document": first, "num_documents": len(documents)}
+    held_out = [is_eval_document(first + i, task["eval_fraction"]) for i in range(len(documents))]
     result["splits"] = {}
-    for split, (documents, indices) in by_split.items():
-      tokenized = _tokenize_documents(tokenizer, documents, skipped)
+    for split in SPLITS:  # each split's documents, and their indices in the corpus
+      offsets = [i for i, held in enumerate(held_out) if held == (split == "eval")]
+      tokenized = _tokenize_documents(tokenizer, [documents[i] for i in offsets], skipped)
+      indices = [first + i for i in offsets]
       packed = pack_documents(
           tokenized, task["max_seq_len"], tokenizer, PACKING_SEEDS[split], indices
       )
       input_ids = packed["input_ids"]
-      entry = {
-          "documents": len(documents),
-          "rows": input_ids.shape[0],
-          "tokens": int(np.count_nonzero(input_ids != tokenizer.pad_id)),
-      }
+      tokens = int(np.count_nonzero(input_ids != tokenizer.pad_id))
+      entry = {"documents": len(offsets), "rows": input_ids.shape[0], "tokens": tokens}
       if entry["rows"]:
         rows = np.stack([input_ids, packed["token_type_ids"]], axis=1)
         entry.update(shards.write_split(task, split, rows, tokenizer.pad_id))
@@ -252,13 +239,9 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
 
 def _settings(config, source_key: dict, tokenizer) -> dict:
   """What the shards depend on; a directory is only resumed by a run with equal settings."""
-  keys = ("tokenizer", "max_seq_len", "eval_fraction", "max_documents", "shard_documents")
-  settings = {
-      "packing_format": PACKING_FORMAT_VERSION,
-      "source": config["source"],
-      "source_key": source_key,
-      **{key: config[key] for key in keys},
-  }
+  keys = ("source", "tokenizer", "max_seq_len", "eval_fraction", "max_documents", "shard_documents")
+  settings = {key: config[key] for key in keys}
+  settings.update(packing_format=PACKING_FORMAT_VERSION, source_key=source_key)
   if tokenizer is not None:
     settings["tokenizer_fingerprint"] = tokenizer.fingerprint
     settings["dtype"] = shards.token_dtype(tokenizer.vocab_size)
@@ -325,8 +308,7 @@ def _accepted_tokenizer(config, out_dir: str, existing: dict | None, source_key:
 
 
 def _drop_unlisted(out_dir: str, manifest: dict | None) -> int:
-  """Removes the shard and temporary files of out_dir that `manifest` does not list (a resume
-  would pack them again); returns how many shards it lists."""
+  """Deletes the shard and temporary files `manifest` does not list; returns how many it lists."""
   entries = manifest["shards"] if manifest is not None else []
   splits = [split for entry in entries for split in entry["splits"].values()]
   listed = {split.get(key) for split in splits for key in ("file", "lengths_file")}
@@ -356,8 +338,7 @@ def _prepare(config: dict, num_workers: int | None) -> dict:
   out_dir = config["prepared_dir"]
   if not out_dir:
     raise ConfigError(
-        "prepare_data needs data.prepared_dir, the directory the shards go to, e.g. "
-        "--config.data.prepared_dir=/data/electra_prepared."
+        "prepare_data needs data.prepared_dir, where the shards go: --config.data.prepared_dir=DIR."
     )
   workdir_files.check_usable(out_dir, "data.prepared_dir")  # before any work
   existing, files = shards.read_manifest(out_dir), workdir_files.list_files(out_dir)
@@ -374,25 +355,18 @@ def _prepare(config: dict, num_workers: int | None) -> dict:
   source_key, description = describe_source(config)
   tokenizer, settings = _accepted_tokenizer(config, out_dir, existing, source_key)
   _drop_unlisted(out_dir, existing)  # accepted: the directory is ours
-  done: dict[int, dict] = {}
-  for entry in existing["shards"] if existing is not None else ():
-    if shards.shard_is_intact(out_dir, entry, files):
-      done[entry["index"]] = entry
-    else:
-      logging.warning(
-          "shard %d in %s is missing or damaged; packing it again", entry["index"], out_dir
-      )
-  if existing is not None and existing["complete"] and len(done) == len(existing["shards"]):
+  listed = existing["shards"] if existing is not None else []
+  done = {e["index"]: e for e in listed if shards.shard_is_intact(out_dir, e, files)}
+  for index in sorted({e["index"] for e in listed} - set(done)):
+    logging.warning("shard %d in %s is missing or damaged; packing it again", index, out_dir)
+  if existing is not None and existing["complete"] and len(done) == len(listed):
     logging.info("%s is already prepared (%d shards verified); nothing to do", out_dir, len(done))
     return existing
 
   # The tokenizer is recorded by the name of its copy in out_dir: the directory can move.
-  wordpiece = config["tokenizer"] == "wordpiece"
-  spec = {
-      "kind": config["tokenizer"],
-      "fingerprint": tokenizer.fingerprint,
-      "vocab_file" if wordpiece else "model_file": TOKENIZER_FILES[config["tokenizer"]],
-  }
+  kind = config["tokenizer"]
+  spec = {"kind": kind, "fingerprint": tokenizer.fingerprint}
+  spec["vocab_file" if kind == "wordpiece" else "model_file"] = TOKENIZER_FILES[kind]
   manifest = {
       "format_version": PREPARED_FORMAT_VERSION,
       "settings": settings,
@@ -423,18 +397,11 @@ def _prepare(config: dict, num_workers: int | None) -> dict:
   for split in SPLITS:
     for total, key in (("documents", "documents"), ("examples", "rows"), ("tokens", "tokens")):
       totals[f"{split}_{total}"] = sum(e["splits"][split][key] for e in entries)
-  if totals["skipped_documents"]:
-    logging.warning(
-        "skipped %d documents the tokenizer failed on; the first: %s",
-        totals["skipped_documents"],
-        next(e["first_skip"] for e in entries if e.get("first_skip")),
-    )
-  manifest.update(
-      complete=True,
-      totals=totals,
-      source_stats=stats.counts(),
-      documents_fingerprint=documents_fingerprint,
-  )
+  if skipped := totals["skipped_documents"]:
+    first = next(e["first_skip"] for e in entries if e.get("first_skip"))
+    logging.warning("skipped %d documents the tokenizer failed on; the first: %s", skipped, first)
+  manifest.update(complete=True, totals=totals, source_stats=stats.counts())
+  manifest["documents_fingerprint"] = documents_fingerprint
   save_manifest()
   duration = config_lib.format_duration(time.time() - start)
   logging.info("prepared %d shards in %s, in %s: %s", len(entries), out_dir, duration, totals)
@@ -539,10 +506,7 @@ def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest
       signal.signal(sig, handler)
     executor.shutdown(wait=True, cancel_futures=True)
     # Shards the workers finished while this loop stopped are written: keep them too.
-    for future in pending:
-      if not future.cancelled() and future.exception() is None:
-        result = future.result()
-        if "error" not in result:
-          done[result["index"]] = result
+    results = [f.result() for f in pending if not f.cancelled() and f.exception() is None]
+    done.update((result["index"], result) for result in results if "error" not in result)
     save_manifest()
   return stats, {split: hashers[split].hexdigest()[:16] for split in SPLITS}

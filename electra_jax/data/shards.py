@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import io
+import itertools
 import os
 import threading
 
@@ -94,8 +95,7 @@ def open_manifest(directory: str) -> dict:
 
 def _problem(directory: str, entry: dict, prefix: str, files: dict, hashed: bool = False):
   """What is wrong with the file `entry[prefix + "file"]` of `files` (list_files of `directory`),
-  else None: a local link out of `directory`, its size, its crc32c (a bucket's own; a local file's
-  only when `hashed`, as reading it costs)."""
+  else None: a local link out, its size, its crc32c (a bucket's own; a local file's if `hashed`)."""
   name, wanted = entry[f"{prefix}file"], entry[f"{prefix}bytes"]
   path, (size, crc32c) = os.path.join(directory, name), files.get(name, (None, None))
   local = size is not None and not workdir_files.is_remote(directory)
@@ -117,12 +117,9 @@ def _problem(directory: str, entry: dict, prefix: str, files: dict, hashed: bool
 
 def shard_is_intact(out_dir: str, entry: dict, files: dict, checksums: bool = True) -> bool:
   """Whether a manifest's shard `entry` passes _problem's checks (`checksums`: `hashed`)."""
-  splits = [split_entry for split_entry in entry["splits"].values() if split_entry["rows"]]
-  return all(
-      _problem(out_dir, split_entry, prefix, files, checksums) is None
-      for split_entry in splits
-      for prefix in ("", "lengths_")
-  )
+  splits = [split for split in entry["splits"].values() if split["rows"]]
+  checks = itertools.product(splits, ("", "lengths_"))
+  return all(_problem(out_dir, split, prefix, files, checksums) is None for split, prefix in checks)
 
 
 def _load(path: str, mmap_mode=None) -> np.ndarray:
@@ -162,14 +159,10 @@ def load_split(directory: str, manifest: dict, split: str, with_lengths: bool, v
   for entry in entries if with_lengths else ():
     path = os.path.join(directory, entry["lengths_file"])
     found = _load(path)
-    if (
-        found.shape != (entry["rows"],)
-        or found.dtype.kind not in "iu"
-        or not 1 <= found.min() <= found.max() <= max_seq_len
-    ):
+    of_rows = found.shape == (entry["rows"],) and found.dtype.kind in "iu"  # (then not empty)
+    if not (of_rows and 1 <= found.min() <= found.max() <= max_seq_len):
       raise ConfigError(
-          f"Shard {path} does not hold {entry['rows']} example lengths in [1, {max_seq_len}]; "
-          f"{REDO}."
+          f"Shard {path} lacks {entry['rows']} lengths in [1, {max_seq_len}]; {REDO}."
       )
     lengths.append(found.astype(np.int32))
   lengths = np.concatenate(lengths) if lengths else None
@@ -212,32 +205,28 @@ class BucketShards:
 
   def _fetch(self, parts) -> list[np.ndarray]:
     """Both channels [len(rows), 2, L] of each part, in its rows' order."""
-    paths, starts, ends, runs_of_part = [], [], [], []
+    paths, starts, ends, sizes, inverses = [], [], [], [], []
     for shard, rows in parts:
       unique, where = np.unique(rows, return_inverse=True)
-      runs = np.split(unique, np.flatnonzero(np.diff(unique) != 1) + 1)
       header = self._header_bytes[shard]
-      for run in runs:
+      for run in np.split(unique, np.flatnonzero(np.diff(unique) != 1) + 1):
         paths.append(self.paths[shard])
         starts.append(header + int(run[0]) * self._row_bytes)
         ends.append(header + (int(run[-1]) + 1) * self._row_bytes)
-      runs_of_part.append((len(runs), unique.size, where))
-    blobs, out, first = _read_ranges(paths, starts, ends), [], 0
-    for (shard, _), (count, size, where) in zip(parts, runs_of_part):
-      data = b"".join(blobs[first : first + count])
-      first += count
-      if len(data) != size * self._row_bytes:
+      sizes.append(unique.size)
+      inverses.append(where)
+    blobs, shape = _read_ranges(paths, starts, ends), (-1, 2, self._max_seq_len)
+    for path, blob, start, end in zip(paths, blobs, starts, ends):  # (every run has a row)
+      if len(blob) != end - start:
+        raise ConfigError(f"Shard {path} ends before its manifest's rows; {REDO}.")
+      ids = np.frombuffer(blob, self._dtype).reshape(shape)[:, 0]
+      if (largest := ids.max()) >= self._vocab_size:
         raise ConfigError(
-            f"Shard {self.paths[shard]} ended before the rows its manifest lists; {REDO}."
+            f"Shard {path} holds token id {largest}, outside the tokenizer's {self._vocab_size} ids; "
+            f"{REDO}."
         )
-      rows = np.frombuffer(data, self._dtype).reshape(size, 2, self._max_seq_len)
-      if rows.size and (largest := int(rows[:, 0].max())) >= self._vocab_size:
-        raise ConfigError(
-            f"Shard {self.paths[shard]} holds token id {largest}, outside the tokenizer's "
-            f"{self._vocab_size} ids; {REDO}."
-        )
-      out.append(rows[where])
-    return out
+    rows = np.frombuffer(b"".join(blobs), self._dtype).reshape(shape)
+    return [part[where] for part, where in zip(np.split(rows, np.cumsum(sizes)[:-1]), inverses)]
 
 
 class ShardedRows:
@@ -256,15 +245,12 @@ class ShardedRows:
 
   def __getitem__(self, index):
     index, columns = index if isinstance(index, tuple) else (index, slice(None))
-    if isinstance(index, slice):
-      rows = np.arange(*index.indices(self.shape[0]), dtype=np.int64)
-    else:
-      rows = np.asarray(index, dtype=np.int64)
-      rows = np.where(rows < 0, rows + self.shape[0], rows)
-    flat = rows.reshape(-1)
+    num_rows = self.shape[0]
+    rows = np.arange(*index.indices(num_rows)) if isinstance(index, slice) else np.asarray(index)
+    if rows.size and not -num_rows <= rows.min() <= rows.max() < num_rows:
+      raise IndexError(f"row index out of range for {num_rows} rows")
+    flat = rows.reshape(-1).astype(np.int64) % num_rows  # (negative indices count from the end)
     out = np.empty((flat.shape[0], self.shape[1]), np.int32)
-    if flat.size and (flat.min() < 0 or flat.max() >= self.shape[0]):
-      raise IndexError(f"row index out of range for {self.shape[0]} rows")
     shard_of_row = np.searchsorted(self._offsets, flat, side="right") - 1
     selections = [(int(shard), shard_of_row == shard) for shard in np.unique(shard_of_row)]
     parts = [(shard, flat[selected] - self._offsets[shard]) for shard, selected in selections]
