@@ -61,7 +61,6 @@ def average_ranks(values: Sequence[float]) -> np.ndarray:
 
 def spearman(targets: Sequence[float], predictions: Sequence[float]) -> float:
   """Spearman's rho: Pearson's r of the average ranks."""
-  _pair(targets, predictions)
   return pearson(average_ranks(targets), average_ranks(predictions))
 
 

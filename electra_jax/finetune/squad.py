@@ -22,7 +22,6 @@ import optax
 from absl import logging
 
 from electra_jax import workdir_files
-from electra_jax.data import sources
 from electra_jax.data.tokenizer import WordPieceTokenizer
 from electra_jax.errors import ConfigError
 from electra_jax.finetune import tasks
@@ -59,18 +58,15 @@ def _checked_examples(rows, version: str, where: str) -> list[SquadExample]:
             f"text {text!r} (the context there reads {found if valid else None!r}); give a string "
             "'text' at its integer 'answer_start'."
         )
-    for bad, why in (
-        (
-            type(is_impossible) is not bool,
-            f"has is_impossible={is_impossible!r}, which is not true or false",
-        ),
-        (version == "1.1" and is_impossible, "is marked is_impossible, which only SQuAD 2.0 has"),
-        (is_impossible and answers, f"is marked is_impossible but has answers {answers}"),
-        (not is_impossible and not answers, "has no answers and is not marked is_impossible"),
-    ):
-      if bad:
-        raise ConfigError(f"{where}: question {qas_id!r} {why}.")
-    examples.append(SquadExample(qas_id, question, context, answers, bool(is_impossible)))
+    problems = (
+        type(is_impossible) is not bool and f"has is_impossible={is_impossible!r}, not true/false",
+        version == "1.1" and is_impossible and "is marked is_impossible, which only SQuAD 2.0 has",
+        is_impossible and answers and f"is marked is_impossible but has answers {answers}",
+        not (is_impossible or answers) and "has no answers and is not marked is_impossible",
+    )
+    if why := next(filter(None, problems), None):
+      raise ConfigError(f"{where}: question {qas_id!r} {why}.")
+    examples.append(SquadExample(qas_id, question, context, answers, is_impossible))
   if not examples:
     raise ConfigError(f"{where} holds no SQuAD questions; give a non-empty file or split.")
   repeated = [qid for qid, n in collections.Counter(e.qas_id for e in examples).items() if n > 1]
@@ -81,9 +77,9 @@ def _checked_examples(rows, version: str, where: str) -> list[SquadExample]:
 
 def read_squad_json(path: str, version: str) -> list[SquadExample]:
   """Questions of an official SQuAD JSON file of `version` (`plausible_answers` are ignored)."""
-  fix = "set config.data_dir to the folder of the official files, or use config.source=tfds"
-  if problem := sources.not_a_regular_file(path):
-    raise ConfigError(f"Cannot read the SQuAD file {path!r}: it {problem}; {fix}.")
+  tasks.require_file(
+      path, "set config.data_dir to the official SQuAD files' folder, or source=tfds"
+  )
   try:
     with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is not text)
       data = json.load(f)["data"]
@@ -92,8 +88,6 @@ def read_squad_json(path: str, version: str) -> list[SquadExample]:
     for context, qa in qas:
       answers = [(a["text"], a["answer_start"]) for a in qa["answers"]]
       rows.append((qa["id"], qa["question"], context, answers, qa.get("is_impossible", False)))
-  except OSError as e:
-    raise ConfigError(f"Cannot read the SQuAD file {path!r} ({e}); {fix}.") from e
   except (ValueError, KeyError, TypeError, AttributeError) as e:
     raise ConfigError(
         f"{path!r} is not an official SQuAD JSON file ({type(e).__name__}: {e}); it needs "
@@ -126,9 +120,9 @@ def _fold(text: str) -> str:
 
 
 def _context_tokenizer(tokenizer):
-  """context -> (token ids, int32 [n, 2] [start, end) characters of each), its whitespace words
-  tokenized one by one (cached); where a word's pieces do not align through _fold (an [UNK],
-  another normalization) each spans the whole word, as in the official code."""
+  """context -> (token ids, int32 [n, 2] [start, end) characters of each), word by word (cached);
+  a word whose pieces do not align through _fold (an [UNK]) gives each the whole word, as official.
+  """
   unk_id = getattr(tokenizer, "unk_id", None)
   hashes = "##" if isinstance(tokenizer, WordPieceTokenizer) else ""  # its continuation pieces
 
@@ -164,14 +158,10 @@ def _context_tokenizer(tokenizer):
 
 
 def _windows(num_tokens: int, max_tokens: int, doc_stride: int) -> list[tuple[int, int]]:
-  """(start, length) of each window over the context tokens, each min(length, doc_stride) on."""
-  windows, start = [], 0
-  while True:
-    length = min(num_tokens - start, max_tokens)
-    windows.append((start, length))
-    if start + length >= num_tokens:
-      return windows
-    start += min(length, doc_stride)
+  """(start, length) of each window over the context tokens, min(max_tokens, doc_stride) apart."""
+  step = min(max_tokens, doc_stride)
+  starts = range(0, max(num_tokens - max_tokens, 0) + step, step)  # the last reaches the end
+  return [(start, min(num_tokens - start, max_tokens)) for start in starts]
 
 
 def max_context_owner(windows: Sequence[tuple[int, int]], num_tokens: int) -> np.ndarray:
@@ -250,9 +240,8 @@ def answer_mask(token_type_ids, attention_mask):
 
 
 class SpanHead(nn.Module):
-  """ELECTRA's official span head: float32 start and end logits [B, T] (_MASKED_LOGIT outside
-  answer_mask) and, with `answerable`, an answerability logit [B] from dense([CLS] ++ the
-  start-probability-weighted hidden) -> GELU -> dense (else zeros)."""
+  """ELECTRA's span head: float32 start, end logits [B, T] (_MASKED_LOGIT outside answer_mask) and
+  the answerability logit [B]: dense([CLS] ++ start-prob-weighted hidden) -> GELU -> dense, or 0."""
 
   answerable: bool = False
   answerable_hidden_size: int = 512
@@ -320,16 +309,12 @@ def apply_null_threshold(predictions: dict, null_odds: dict, null_threshold: flo
 def postprocess(
     examples: Sequence[SquadExample], metadata: SquadMetadata, outputs, settings
 ) -> tuple[dict[str, str], dict[str, float]]:
-  """({qas_id: text}, 2.0's {qas_id: null odds}): the valid span of each row's n_best starts and
-  ends with the highest start + end logit; null odds: min -answerable_logit over the rows, or
-  min(start[CLS] + end[CLS]) less the best span's."""
+  """({qas_id: text}, 2.0's {qas_id: null odds}): the best valid span of the rows' n_best starts
+  and ends; null odds: min -answerable_logit over rows, or min(start + end at [CLS]) - best's."""
   start_logits, end_logits, answerable_logits = split_outputs(np.asarray(outputs, np.float32))
-  rows_of_example = collections.defaultdict(list)  # examples left out of training have none
-  for row, example in enumerate(metadata.example_index):
-    rows_of_example[int(example)].append(row)
   predictions, null_odds = {}, {}
-  for index, rows in sorted(rows_of_example.items()):
-    example, spans = examples[index], metadata.token_char_spans[index]
+  for index, example in enumerate(examples):
+    rows, spans = np.flatnonzero(metadata.example_index == index), metadata.token_char_spans[index]
     candidates, score_null = [], np.inf
     for row in rows:
       start, length = int(metadata.window_start[row]), int(metadata.window_length[row])
@@ -337,9 +322,8 @@ def postprocess(
       row_start, row_end = start_logits[row], end_logits[row]
       null = -answerable_logits[row] if settings.answerable else row_start[0] + row_end[0]
       score_null = min(score_null, float(null))
-      # As the official decoding: the n_best starts and ends over the whole row (ties to the lower
-      # position), then the invalid dropped: [CLS], question, padding, last [SEP], starts owned by
-      # another window.
+      # As official: the n_best over the whole row (ties to the lower position), then the invalid
+      # dropped: [CLS], question, padding, last [SEP], starts owned by another window.
       starts = np.argsort(-row_start, kind="stable")[: settings.n_best]
       starts = starts[owned[starts]]
       ends = np.argsort(-row_end, kind="stable")[: settings.n_best]
@@ -374,8 +358,7 @@ def exact_match(gold: str, prediction: str) -> int:
 
 
 def f1_score(gold: str, prediction: str, version="2.0") -> float:
-  """Token F1 of the normalized texts; 2.0 (not 1.1's script) scores an empty side 1 if both are
-  empty, else 0."""
+  """Token F1 of the normalized texts; 2.0 (not 1.1) scores an empty side 1 if both are, else 0."""
   gold_tokens, pred_tokens = normalize_answer(gold).split(), normalize_answer(prediction).split()
   if version == "2.0" and (not gold_tokens or not pred_tokens):
     return float(gold_tokens == pred_tokens)
@@ -406,9 +389,8 @@ def squad_metrics(
     null_threshold: float = -2.75,
     version=None,
 ) -> dict[str, float]:
-  """EM and F1 in percent, the best over each question's gold answers, as the official scripts (v2
-  with --na-prob-thresh: HasAns_*, NoAns_* and, given null_odds, best_* and their cuts); version
-  None: 2.0 where a question is impossible or null_odds are given."""
+  """EM and F1 % over each question's best gold, as the official scripts (v2 --na-prob-thresh: also
+  HasAns_*, NoAns_*, and best_* given null_odds); version None: 2.0 if any is impossible or odds."""
   if version is None:
     version = "2.0" if null_odds is not None or any(e.is_impossible for e in examples) else "1.1"
   if missing := [e.qas_id for e in examples if e.qas_id not in predictions]:
@@ -425,19 +407,12 @@ def squad_metrics(
     f1[qid] = max((f1_score(g, prediction, version) for g in golds), default=0.0)
   scores = {"exact": exact, "f1": f1}
   if version == "2.0":  # null odds past the threshold answer "": right where there is no answer
-    scores = {
-        name: {
-            q: float(not has_answer[q]) if odds.get(q, -np.inf) > null_threshold else s
-            for q, s in by_question.items()
-        }
-        for name, by_question in scores.items()
-    }
+    blank = {q: float(not has_answer[q]) for q in exact if odds.get(q, -np.inf) > null_threshold}
+    scores = {name: {**by_question, **blank} for name, by_question in scores.items()}
 
   def summary(qids, prefix=""):
-    result = {
-        prefix + name: 100.0 * sum(s[q] for q in qids) / len(qids) for name, s in scores.items()
-    }
-    return dict(result, **{f"{prefix}total": len(qids)})
+    means = {prefix + name: 100.0 * np.mean([s[q] for q in qids]) for name, s in scores.items()}
+    return {**means, prefix + "total": len(qids)}
 
   result = summary(list(exact))
   if version == "1.1":
@@ -486,8 +461,7 @@ def load_squad(config, version: str) -> tuple[list[SquadExample], list[SquadExam
 
 
 def make_adapter(config, backbone) -> tasks.TaskAdapter:
-  """The trainer's TaskAdapter: dev EM/F1 as fractions ("score" = F1), dev predictions as its test
-  files."""
+  """The trainer's TaskAdapter: dev EM/F1 as fractions ("score" = F1), dev predictions as tests."""
   settings = squad_settings(config)
   version = settings.version
   train_examples, dev_examples = load_squad(config, version)

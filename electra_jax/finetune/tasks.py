@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import json
@@ -42,8 +43,7 @@ class TaskAdapter:
   evaluate: Callable
   write_test: Callable  # (predict, directory) -> paths written
   head: dict  # for exports: its "kind" and "labels", "target_range" or "answerable"
-  # (fraction, seed, folds) -> per held-out share of train (held_out_rows) this adapter on the rest,
-  # scoring the share as "held_out"; None: cannot be split.
+  # (fraction, seed, folds) -> per held_out_rows share, this adapter fit on the rest, scoring it.
   split: Callable | None = None
 
 
@@ -73,9 +73,8 @@ class TaskData:
 
 @dataclasses.dataclass(frozen=True)
 class GlueTask:
-  """One GLUE task in GLUE's TSVs and in TFDS: label_list as GLUE writes them (None: regression),
-  TFDS's names and class order where they differ, {eval or submission name: file stem} where there
-  are several, symmetric: trained on both sentence orders, CoLA's (text, label) columns."""
+  """A GLUE task: labels as GLUE writes them (None: regression), TFDS's names and class order where
+  they differ, {eval or submission name: file stem}, symmetric: trained on both sentence orders."""
 
   directory: str
   label_list: tuple[str, ...] | None
@@ -86,7 +85,7 @@ class GlueTask:
   dev_files: dict[str, str] | None = None
   test_files: dict[str, str] | None = None
   symmetric: bool = False
-  headerless_columns: tuple[int, int] | None = None
+  headerless_columns: tuple[int, int] | None = None  # CoLA's (text, label) positions
   target_range: tuple[float, float] | None = None
 
 
@@ -117,19 +116,16 @@ TASK_NAMES = tuple(GLUE_TASKS) + ("custom",)
 
 
 def require_file(path: str, fix: str) -> None:
-  """Refuses, before it is opened, a `path` that is not a regular file (sources.not_a_regular_file)."""
+  """Refuses, before it is opened, a `path` that is not a regular file."""
   if problem := sources.not_a_regular_file(path):
     raise ConfigError(f"{path} {problem}; {fix}.")
 
 
 def _regression_label(raw, where: str) -> float:
-  try:
-    label = math.nan if isinstance(raw, bool) else float(raw)  # JSON's true is no target
-  except (TypeError, ValueError):
-    label = math.nan
-  if not math.isfinite(label):
-    raise ConfigError(f"{where}: regression label {raw!r} is not a finite number.")
-  return label
+  with contextlib.suppress(TypeError, ValueError):
+    if not isinstance(raw, bool) and math.isfinite(label := float(raw)):  # JSON's true is no target
+      return label
+  raise ConfigError(f"{where}: regression label {raw!r} is not a finite number.")
 
 
 def _glue_tsv(task: GlueTask, path: str, labelled: bool) -> list[Example]:
@@ -185,9 +181,8 @@ def open_tfds_split(name: str, split: str, data_dir: str | None, **kwargs):
 
 
 def load_glue(name: str, config) -> TaskData:
-  """GLUE task `name` from config.source: "dir", GLUE's download layout (<data_dir>/<Task>/{train,
-  dev,test}.tsv, MNLI's dev_matched ..., test optional), or "tfds", a prepared glue/<name>
-  (array_record), its labels turned into GLUE's."""
+  """GLUE task `name` from config.source: "dir", GLUE's layout (<data_dir>/<Task>/{train,dev,test}
+  .tsv, test optional), or "tfds", a prepared glue/<name>, its labels turned into GLUE's."""
   task, data_dir = GLUE_TASKS[name], config.data_dir
   if config.source == "dir":
     task_dir = os.path.join(data_dir, task.directory)
@@ -240,19 +235,16 @@ _INSIDE_TEXT = {
 
 def _custom_records(path: str, file_format: str) -> list[dict]:
   if file_format == "jsonl":
-    records = []
     with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is not text)
-      for line_number, line in enumerate(f, 1):
-        if not line.strip():
-          continue
-        try:
-          records.append(
-              json.loads(line, object_pairs_hook=sources.unique_object(f"{path}:{line_number}"))
-          )
-        except json.JSONDecodeError as error:
-          raise ConfigError(f"{path}:{line_number} is not JSON ({error}).") from None
-        if not isinstance(records[-1], dict):
-          raise ConfigError(f"{path}:{line_number} is not a JSON object.")
+      lines = [(f"{path}:{number}", line) for number, line in enumerate(f, 1) if line.strip()]
+    records = []
+    for where, line in lines:
+      try:
+        records.append(json.loads(line, object_pairs_hook=sources.unique_object(where)))
+      except json.JSONDecodeError as error:
+        raise ConfigError(f"{where} is not JSON ({error}).") from None
+      if not isinstance(records[-1], dict):
+        raise ConfigError(f"{where} is not a JSON object.")
     return records
   with open(path, encoding="utf-8-sig", newline="") as f:
     # TSV has no quoting: a '"' opening a field is text (as in GLUE's), not a multi-row field.
@@ -389,15 +381,13 @@ def load_task(config) -> TaskData:
 
 
 def truncate_pair(tokens_a: list[int], tokens_b: list[int], max_tokens: int):
-  """What BERT's loop (drop the longer segment's last token, b's on ties, until both fit) ends
-  with, in one step."""
+  """What BERT's loop (drop the longer segment's last token, b's on ties, until both fit) gives."""
   len_a = min(len(tokens_a), max(max_tokens - len(tokens_b), (max_tokens + 1) // 2))
   return tokens_a[:len_a], tokens_b[: max_tokens - len_a]
 
 
 def pack_pair(tokenizer, tokens_a: list[int], tokens_b: list[int] | None, width: int):
-  """[CLS] a [SEP] (b [SEP]) as int32 [width] input_ids, token_type_ids (1 from b on) and
-  attention_mask."""
+  """[CLS] a [SEP] (b [SEP]): int32 [width] input_ids, token_type_ids (1 from b), attention_mask."""
   ids = [tokenizer.cls_id, *tokens_a, tokenizer.sep_id]
   ids += [] if tokens_b is None else [*tokens_b, tokenizer.sep_id]
   positions = np.arange(width)
