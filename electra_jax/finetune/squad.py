@@ -98,7 +98,7 @@ def read_squad_json(path: str, version: str) -> list[SquadExample]:
 
 def read_squad_tfds(version: str, split: str, data_dir: str | None = None) -> list[SquadExample]:
   """Questions of a prepared TFDS squad/v<version> (array_record), split "train" or "validation"."""
-  name, text = f"squad/v{version}", tasks.decode_text
+  name = f"squad/v{version}"
   source = tasks.open_tfds_split(
       name, split, data_dir, builder_kwargs={"file_format": "array_record"}
   )
@@ -106,8 +106,8 @@ def read_squad_tfds(version: str, split: str, data_dir: str | None = None) -> li
   def rows():
     for i in range(len(source)):
       record, answers = source[i], source[i]["answers"]
-      pairs = [(text(t), int(s)) for t, s in zip(answers["text"], answers["answer_start"])]
-      fields = [text(record[key]) for key in ("id", "question", "context")]
+      pairs = [(t.decode(), int(s)) for t, s in zip(answers["text"], answers["answer_start"])]
+      fields = [record[key].decode() for key in ("id", "question", "context")]  # (TFDS's bytes)
       yield (*fields, pairs, bool(record.get("is_impossible", False)))
 
   return _checked_examples(rows(), version, f"TFDS {name} {split}")
@@ -121,8 +121,7 @@ def _fold(text: str) -> str:
 
 def _context_tokenizer(tokenizer):
   """context -> (token ids, int32 [n, 2] [start, end) characters of each), word by word (cached);
-  a word whose pieces do not align through _fold (an [UNK]) gives each the whole word, as official.
-  """
+  a word whose pieces do not align through _fold (an [UNK]) gives each the whole word."""
   unk_id = getattr(tokenizer, "unk_id", None)
   hashes = "##" if isinstance(tokenizer, WordPieceTokenizer) else ""  # its continuation pieces
 
@@ -226,8 +225,6 @@ def make_features(
       logging.info("SQuAD features: %d of %d questions.", index + 1, len(examples))
   if skipped:
     logging.warning("Left out %d training questions whose answer covers no token.", skipped)
-  if not rows:
-    raise ConfigError("make_features got no usable SQuAD questions; check the examples given.")
   logging.info("%d SQuAD questions -> %d rows of features.", len(examples), len(rows))
   features = {key: np.asarray(column, np.int32) for key, column in zip(FEATURE_KEYS, zip(*rows))}
   columns = (np.asarray(column, np.int32) for column in zip(*meta))
@@ -315,13 +312,13 @@ def postprocess(
   predictions, null_odds = {}, {}
   for index, example in enumerate(examples):
     rows, spans = np.flatnonzero(metadata.example_index == index), metadata.token_char_spans[index]
-    candidates, score_null = [], np.inf
+    cls_scores = start_logits[rows, 0] + end_logits[rows, 0]
+    score_null = float(np.min(-answerable_logits[rows] if settings.answerable else cls_scores))
+    candidates = []  # (score, text) of each valid span
     for row in rows:
       start, length = int(metadata.window_start[row]), int(metadata.window_length[row])
       offset, owned = int(metadata.context_offset[row]), metadata.max_context[row]
       row_start, row_end = start_logits[row], end_logits[row]
-      null = -answerable_logits[row] if settings.answerable else row_start[0] + row_end[0]
-      score_null = min(score_null, float(null))
       # As official: the n_best over the whole row (ties to the lower position), then the invalid
       # dropped: [CLS], question, padding, last [SEP], starts owned by another window.
       starts = np.argsort(-row_start, kind="stable")[: settings.n_best]
@@ -330,14 +327,11 @@ def postprocess(
       ends = ends[(ends >= offset) & (ends < offset + length)]
       for s in starts:
         for e in ends[(ends >= s) & (ends - s < settings.max_answer_len)]:
-          score = float(row_start[s] + row_end[e])
-          candidates.append((score, start + s - offset, start + e - offset))
-    candidates.sort(key=lambda c: -c[0])
-    texts = (
-        (example.context[spans[a, 0] : spans[b, 1]].strip(), score) for score, a, b in candidates
-    )
-    best_text, best_score = next(((text, score) for text, score in texts if text), ("", 0.0))
-    predictions[example.qas_id] = best_text
+          first, last = start + s - offset, start + e - offset  # context tokens
+          if text := example.context[spans[first, 0] : spans[last, 1]].strip():
+            candidates.append((float(row_start[s] + row_end[e]), text))
+    # Of equal scores max keeps the first, as the official stable sort does.
+    best_score, predictions[example.qas_id] = max(candidates, key=lambda c: c[0], default=(0.0, ""))
     if settings.version == "2.0":
       null_odds[example.qas_id] = score_null - (0.0 if settings.answerable else best_score)
   return predictions, null_odds
@@ -371,8 +365,6 @@ def _best_threshold(predictions, scores, null_odds, has_answer) -> tuple[float, 
   current = best = sum(1 for qid in scores if not has_answer[qid])
   best_threshold = 0.0
   for qid in sorted(null_odds, key=lambda k: null_odds[k]):
-    if qid not in scores:
-      continue
     if has_answer[qid]:
       current += scores[qid]
     elif predictions.get(qid):

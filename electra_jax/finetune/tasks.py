@@ -85,7 +85,7 @@ class GlueTask:
   dev_files: dict[str, str] | None = None
   test_files: dict[str, str] | None = None
   symmetric: bool = False
-  headerless_columns: tuple[int, int] | None = None  # CoLA's (text, label) positions
+  header: tuple[str, ...] | None = None  # of labelled files without one (CoLA's train and dev)
   target_range: tuple[float, float] | None = None
 
 
@@ -93,7 +93,9 @@ _BINARY = ("0", "1")  # WNLI's too: GLUE writes its labels 0/1 (1 = entailment),
 _ENTAILMENT = ("entailment", "not_entailment")
 _PAIR = ("sentence1", "sentence2")
 GLUE_TASKS = {
-    "cola": GlueTask("CoLA", _BINARY, ("sentence", None), headerless_columns=(3, 1)),
+    "cola": GlueTask(
+        "CoLA", _BINARY, ("sentence", None), header=("source", "label", "mark", "sentence")
+    ),
     "sst2": GlueTask("SST-2", _BINARY, ("sentence", None)),
     "mrpc": GlueTask("MRPC", _BINARY, ("#1 String", "#2 String"), "Quality", _PAIR, symmetric=True),
     "stsb": GlueTask("STS-B", None, _PAIR, "score", symmetric=True, target_range=(0.0, 5.0)),
@@ -129,16 +131,11 @@ def _regression_label(raw, where: str) -> float:
 
 
 def _glue_tsv(task: GlueTask, path: str, labelled: bool) -> list[Example]:
-  """The examples of a GLUE TSV by its header's column names (CoLA's train and dev: by position)."""
+  """The examples of a GLUE TSV by its header's column names."""
   with open(path, encoding="utf-8-sig", newline="") as f:
     rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
-  if labelled and task.headerless_columns is not None:
-    text_at, label_at = task.headerless_columns
-    return [
-        Example(row[text_at], None, row[label_at], i)
-        for i, row in enumerate(rows)
-        if len(row) > max(text_at, label_at)
-    ]
+  if labelled and task.header:
+    rows.insert(0, list(task.header))
   if not rows:
     raise ConfigError(f"{path} is empty; GLUE files start with a header line.")
   header, (text_a, text_b) = rows[0], task.text_columns
@@ -161,10 +158,6 @@ def _glue_tsv(task: GlueTask, path: str, labelled: bool) -> list[Example]:
   if skipped:
     logging.warning("Skipped %d malformed line(s) of %s.", skipped, path)
   return examples
-
-
-def decode_text(value) -> str:
-  return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
 def open_tfds_split(name: str, split: str, data_dir: str | None, **kwargs):
@@ -204,8 +197,8 @@ def load_glue(name: str, config) -> TaskData:
     for record in (source[i] for i in range(len(source))):
       label = record["label"] if labelled else None
       label = label if label is None else float(label) if labels is None else labels[int(label)]
-      text = decode_text(record[text_b]) if text_b else None
-      examples.append(Example(decode_text(record[text_a]), text, label, int(record["idx"])))
+      text = record[text_b].decode() if text_b else None  # (TFDS's texts are bytes)
+      examples.append(Example(record[text_a].decode(), text, label, int(record["idx"])))
     return sorted(examples, key=lambda example: example.index)  # TFDS shuffles; idx is GLUE's row
 
   tests = {
@@ -430,11 +423,8 @@ def held_out_rows(groups: list, fraction: float, seed: int, folds: int = 1):
   whole groups."""
   rng = np.random.default_rng([seed, 7])
   grouped = all(group is not None for group in groups)
-  if grouped:
-    _, group_of_row = np.unique(np.array(groups, dtype=str), return_inverse=True)
-    sizes = np.bincount(group_of_row)
-  else:
-    sizes = np.ones(len(groups), int)
+  keys = np.array(groups, dtype=str) if grouped else np.arange(len(groups))  # each row's unit
+  _, group_of_row, sizes = np.unique(keys, return_inverse=True, return_counts=True)
   order = rng.permutation(len(sizes))  # the units (groups, or rows) in random order
   ends = np.cumsum(sizes[order])  # rows in the first 1, 2, ... units
   if folds == 1:  # units until `fraction` of the rows are held out, the one reaching it included
@@ -443,15 +433,11 @@ def held_out_rows(groups: list, fraction: float, seed: int, folds: int = 1):
   else:  # each unit to the share its rows' midpoint falls in
     share = np.minimum(((ends - sizes[order] / 2) * folds / len(groups)).astype(int), folds - 1)
   units = "groups of config.custom.group_column" if grouped else "rows"
-  if folds == 1 and (share == 0).all():
+  if len(np.unique(share)) < max(folds, 2):  # a held-out share, or (folds=1) the rest, is empty
+    setting = f"folds={folds}" if folds > 1 else f"fraction={fraction}"
     raise ConfigError(
-        f"config.select.fraction={fraction} holds out all {len(order)} {units}; lower it, or give "
-        "the training set more."
-    )
-  if len(np.unique(share)) < folds:
-    raise ConfigError(
-        f"config.select.folds={folds} leaves a held-out share empty: the training set has "
-        f"{len(order)} {units}; lower it, or give the training set more."
+        f"config.select.{setting} leaves a share of the training set's {len(order)} {units} empty; "
+        "lower it, or give the training set more."
     )
   held_units = [order[share == k] for k in range(folds)]
   if not grouped:  # rows in the order drawn
