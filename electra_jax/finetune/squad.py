@@ -98,19 +98,14 @@ def read_squad_json(path: str, version: str) -> list[SquadExample]:
 
 def read_squad_tfds(version: str, split: str, data_dir: str | None = None) -> list[SquadExample]:
   """Questions of a prepared TFDS squad/v<version> (array_record), split "train" or "validation"."""
-  name = f"squad/v{version}"
-  source = tasks.open_tfds_split(
-      name, split, data_dir, builder_kwargs={"file_format": "array_record"}
-  )
-
-  def rows():
-    for i in range(len(source)):
-      record, answers = source[i], source[i]["answers"]
-      pairs = [(t.decode(), int(s)) for t, s in zip(answers["text"], answers["answer_start"])]
-      fields = [record[key].decode() for key in ("id", "question", "context")]  # (TFDS's bytes)
-      yield (*fields, pairs, bool(record.get("is_impossible", False)))
-
-  return _checked_examples(rows(), version, f"TFDS {name} {split}")
+  name, rows = f"squad/v{version}", []
+  array_record = {"file_format": "array_record"}
+  for record in tasks.open_tfds_split(name, split, data_dir, builder_kwargs=array_record):
+    answers = record["answers"]
+    pairs = [(t.decode(), int(s)) for t, s in zip(answers["text"], answers["answer_start"])]
+    fields = [record[key].decode() for key in ("id", "question", "context")]  # (TFDS's bytes)
+    rows.append((*fields, pairs, bool(record.get("is_impossible", False))))
+  return _checked_examples(rows, version, f"TFDS {name} {split}")
 
 
 def _fold(text: str) -> str:
@@ -122,7 +117,6 @@ def _fold(text: str) -> str:
 def _context_tokenizer(tokenizer):
   """context -> (token ids, int32 [n, 2] [start, end) characters of each), word by word (cached);
   a word whose pieces do not align through _fold (an [UNK]) gives each the whole word."""
-  unk_id = getattr(tokenizer, "unk_id", None)
   hashes = "##" if isinstance(tokenizer, WordPieceTokenizer) else ""  # its continuation pieces
 
   @functools.cache
@@ -132,7 +126,7 @@ def _context_tokenizer(tokenizer):
     # Each piece's text without wordpiece's "##" and sentencepiece's word-boundary "▁".
     pieces = [tokenizer.id_to_piece(t).removeprefix(hashes).replace("\u2581", "") for t in ids]
     folded = [_fold(piece) for piece in pieces]
-    if unk_id in ids or "".join(folded) != "".join(_fold(char) for char in word):
+    if tokenizer.unk_id in ids or "".join(folded) != "".join(_fold(char) for char in word):
       return ids, [(0, len(word))] * len(ids)
     spans, position = [], 0
     for piece in folded:
@@ -377,14 +371,12 @@ def _best_threshold(predictions, scores, null_odds, has_answer) -> tuple[float, 
 def squad_metrics(
     examples: Sequence[SquadExample],
     predictions: dict[str, str],
+    version: str,
     null_odds: dict | None = None,
     null_threshold: float = -2.75,
-    version=None,
 ) -> dict[str, float]:
-  """EM and F1 % over each question's best gold, as the official scripts (v2 --na-prob-thresh: also
-  HasAns_*, NoAns_*, and best_* given null_odds); version None: 2.0 if any is impossible or odds."""
-  if version is None:
-    version = "2.0" if null_odds is not None or any(e.is_impossible for e in examples) else "1.1"
+  """EM and F1 in percent over each question's best gold answer, as the official script of `version`
+  (2.0's with --na-prob-thresh: also HasAns_*, NoAns_*, and best_* given null_odds)."""
   if missing := [e.qas_id for e in examples if e.qas_id not in predictions]:
     line = "%d questions have no prediction (scored 0), e.g. %s"
     logging.warning(line, len(missing), missing[:3])
@@ -465,7 +457,7 @@ def make_adapter(config, backbone) -> tasks.TaskAdapter:
 
   def evaluate(predict):
     predictions, null_odds = decode(predict)
-    scores = squad_metrics(dev_examples, predictions, null_odds, settings.null_threshold, version)
+    scores = squad_metrics(dev_examples, predictions, version, null_odds, settings.null_threshold)
     # Percentages become fractions; the null-odds cuts (*_thresh) stay as they are; counts stay out.
     result = {
         key: value / (1.0 if key.endswith("_thresh") else 100.0)

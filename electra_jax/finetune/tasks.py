@@ -32,15 +32,13 @@ PAD_MULTIPLE = 8
 
 @dataclasses.dataclass
 class TaskAdapter:
-  """What the trainer needs from a task. Features: numpy arrays with a leading example axis,
-  holding at least MODEL_INPUTS."""
+  """What the trainer needs from a task. Features: numpy [examples, ...], MODEL_INPUTS included."""
 
   name: str
   model: Any  # a flax.linen.Module
   train_features: dict[str, np.ndarray]
   loss_fn: Callable  # (outputs, batch) -> per-example losses [batch]
-  # predict (features -> numpy outputs) -> {eval name: {metric: value}}, each with a "score".
-  evaluate: Callable
+  evaluate: Callable  # predict (features -> outputs) -> {eval name: {metric: value, "score": ..}}
   write_test: Callable  # (predict, directory) -> paths written
   head: dict  # for exports: its "kind" and "labels", "target_range" or "answerable"
   # (fraction, seed, folds) -> per held_out_rows share, this adapter fit on the rest, scoring it.
@@ -161,16 +159,19 @@ def _glue_tsv(task: GlueTask, path: str, labelled: bool) -> list[Example]:
 
 
 def open_tfds_split(name: str, split: str, data_dir: str | None, **kwargs):
-  """`tfds.data_source` over a prepared split, or a ConfigError saying how to prepare it."""
+  """The records of a prepared TFDS split, or a ConfigError saying how to prepare it."""
   tfds = tfds_source.import_tfds()  # a heavy import, only when this source is used
   try:
-    return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False, **kwargs)
+    source = tfds.data_source(
+        name, split=split, data_dir=data_dir or None, download=False, **kwargs
+    )
   except Exception as error:  # tfds raises several types for "not prepared here" / "no such split"
     raise ConfigError(
         f"Cannot open TFDS {name!r} split {split!r} in {data_dir or 'the default data dir'} "
         f"({type(error).__name__}: {error}); run `tfds build --file_format=array_record {name}`, "
         "set config.tfds_data_dir, or use config.source=dir."
     ) from error
+  return [source[i] for i in range(len(source))]
 
 
 def load_glue(name: str, config) -> TaskData:
@@ -190,11 +191,10 @@ def load_glue(name: str, config) -> TaskData:
       require_file(path, f"give GLUE's {task.directory}/{stem}.tsv in config.data_dir")
       return _glue_tsv(task, path, labelled)
     split = stem.replace("dev", "validation")
-    source = open_tfds_split(f"glue/{name}", split, config.tfds_data_dir)
     text_a, text_b = task.tfds_text or task.text_columns
     labels = task.tfds_labels or task.label_list
     examples = []
-    for record in (source[i] for i in range(len(source))):
+    for record in open_tfds_split(f"glue/{name}", split, config.tfds_data_dir):
       label = record["label"] if labelled else None
       label = label if label is None else float(label) if labels is None else labels[int(label)]
       text = record[text_b].decode() if text_b else None  # (TFDS's texts are bytes)
@@ -273,8 +273,7 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
     for column in filter(None, columns):
       if column not in record:
         raise ConfigError(
-            f"{where} has no column {column!r} (it has {sorted(record)}); set "
-            "config.custom.*_column."
+            f"{where} has no column {column!r}, only {sorted(record)}; set config.custom.*_column."
         )
       if not isinstance(record[column], (str, int, float)):  # JSON's null, objects and lists
         raise ConfigError(
