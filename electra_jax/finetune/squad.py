@@ -354,20 +354,6 @@ def f1_score(gold: str, prediction: str, version="2.0") -> float:
   return 2 * shared / (len(gold_tokens) + len(pred_tokens)) if shared else 0.0  # 2PR / (P + R)
 
 
-def _best_threshold(predictions, scores, null_odds, has_answer) -> tuple[float, float]:
-  """The official search, answering in increasing null_odds: (best score %, its null_odds cut)."""
-  current = best = sum(1 for qid in scores if not has_answer[qid])
-  best_threshold = 0.0
-  for qid in sorted(null_odds, key=lambda k: null_odds[k]):
-    if has_answer[qid]:
-      current += scores[qid]
-    elif predictions.get(qid):
-      current -= 1
-    if current > best:
-      best, best_threshold = current, null_odds[qid]
-  return 100.0 * best / len(scores), float(best_threshold)
-
-
 def squad_metrics(
     examples: Sequence[SquadExample],
     predictions: dict[str, str],
@@ -404,10 +390,18 @@ def squad_metrics(
   for prefix, answerable in (("HasAns_", True), ("NoAns_", False)):
     if qids := [q for q in exact if has_answer[q] == answerable]:
       result.update(summary(qids, prefix))
-  if null_odds is not None:
-    for name, by_question in (("exact", exact), ("f1", f1)):
-      best = _best_threshold(predictions, by_question, odds, has_answer)
-      result[f"best_{name}"], result[f"best_{name}_thresh"] = best
+  # The official search of the best cut: answer in increasing null odds, keep the best total.
+  for name, by_question in (("exact", exact), ("f1", f1)) if null_odds is not None else ():
+    current = best = sum(1 for qid in exact if not has_answer[qid])
+    result[f"best_{name}_thresh"] = 0.0
+    for qid in sorted(null_odds, key=null_odds.get):
+      if has_answer[qid]:
+        current += by_question[qid]
+      elif predictions.get(qid):
+        current -= 1
+      if current > best:
+        best, result[f"best_{name}_thresh"] = current, float(null_odds[qid])
+    result[f"best_{name}"] = 100.0 * best / len(exact)
   return result
 
 

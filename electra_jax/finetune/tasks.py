@@ -177,11 +177,9 @@ def open_tfds_split(name: str, split: str, data_dir: str | None, **kwargs):
 def load_glue(name: str, config) -> TaskData:
   """GLUE task `name` from config.source: "dir", GLUE's layout (<data_dir>/<Task>/{train,dev,test}
   .tsv, test optional), or "tfds", a prepared glue/<name>, its labels turned into GLUE's."""
-  task, data_dir = GLUE_TASKS[name], config.data_dir
-  if config.source == "dir":
-    task_dir = os.path.join(data_dir, task.directory)
-    if not os.path.isdir(task_dir):  # the task's own folder works as well as GLUE's root
-      task_dir = data_dir
+  task, task_dir = GLUE_TASKS[name], os.path.join(config.data_dir, GLUE_TASKS[name].directory)
+  if not os.path.isdir(task_dir):  # the task's own folder works as well as GLUE's root
+    task_dir = config.data_dir
 
   def read(stem: str, labelled: bool) -> list[Example] | None:
     if config.source == "dir":
@@ -241,10 +239,8 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
     return records
   with open(path, encoding="utf-8-sig", newline="") as f:
     # TSV has no quoting: a '"' opening a field is text (as in GLUE's), not a multi-row field.
-    tsv = file_format == "tsv"
-    reader = csv.DictReader(
-        f, delimiter="\t" if tsv else ",", quoting=csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL
-    )
+    dialect = dict(delimiter="\t", quoting=csv.QUOTE_NONE) if file_format == "tsv" else {}
+    reader = csv.DictReader(f, **dialect)
     sources.refuse_repeated(path, reader.fieldnames or [])
     records = list(reader)
   for row_number, record in enumerate(records, 1):
@@ -268,8 +264,8 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
   columns = [custom.text_a_column, custom.text_b_column, labelled and custom.label_column]
   columns += [custom.group_column] if grouped else []
   examples = []
-  for row_number, record in enumerate(_custom_records(path, file_format), 1):
-    where = f"{path}: row {row_number}"
+  for index, record in enumerate(_custom_records(path, file_format)):
+    where = f"{path}: row {index + 1}"
     for column in filter(None, columns):
       if column not in record:
         raise ConfigError(
@@ -290,9 +286,7 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
         )
     text_b = str(record[custom.text_b_column]) if custom.text_b_column else None
     group = str(record[custom.group_column]) if grouped else None
-    examples.append(
-        Example(str(record[custom.text_a_column]), text_b, label, row_number - 1, group)
-    )
+    examples.append(Example(str(record[custom.text_a_column]), text_b, label, index, group))
   return examples
 
 
@@ -407,19 +401,16 @@ def encode_examples(
   inputs = np.array(rows, np.int32).reshape(-1, 3, max_seq_len).transpose(1, 0, 2)
   longest = int(inputs[2].sum(1).max(initial=1))
   width = min(max_seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
-  if data.kind == "classification":
-    label_to_id = {label: i for i, label in enumerate(data.label_list)}
-    labels = np.array([0 if e.label is None else label_to_id[e.label] for e in examples], np.int32)
-  else:
-    labels = np.array([e.label if e.label is not None else 0.0 for e in examples], np.float32)
+  label_to_id = {label: i for i, label in enumerate(data.label_list or ())}  # (regression: none)
+  values = [0 if e.label is None else label_to_id.get(e.label, e.label) for e in examples]
+  labels = np.array(values, np.int32 if data.kind == "classification" else np.float32)
   index = np.array([e.index for e in examples], np.int64)
   return dict(zip(MODEL_INPUTS, inputs[:, :, :width]), labels=labels, index=index)
 
 
 def held_out_rows(groups: list, fraction: float, seed: int, folds: int = 1):
-  """[(held-out rows, the rest)]: folds=1, one random share of about `fraction` of the rows (at
-  least one); folds=K, K disjoint shares of about 1/K. With groups (none None) each share takes
-  whole groups."""
+  """[(held-out rows, the rest)]: folds=1, one random share of about `fraction` of the rows (one at
+  least); folds=K, K disjoint shares of about 1/K; with groups (none None), whole groups each."""
   rng = np.random.default_rng([seed, 7])
   grouped = all(group is not None for group in groups)
   keys = np.array(groups, dtype=str) if grouped else np.arange(len(groups))  # each row's unit
