@@ -77,9 +77,7 @@ def _checked_examples(rows, version: str, where: str) -> list[SquadExample]:
 
 def read_squad_json(path: str, version: str) -> list[SquadExample]:
   """Questions of an official SQuAD JSON file of `version` (`plausible_answers` are ignored)."""
-  tasks.require_file(
-      path, "set config.data_dir to the official SQuAD files' folder, or source=tfds"
-  )
+  tasks.require_file(path, "set config.data_dir to the folder of SQuAD's files, or source=tfds")
   try:
     with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is not text)
       data = json.load(f)["data"]

@@ -199,10 +199,7 @@ def load_glue(name: str, config) -> TaskData:
       examples.append(Example(record[text_a].decode(), text, label, int(record["idx"])))
     return sorted(examples, key=lambda example: example.index)  # TFDS shuffles; idx is GLUE's row
 
-  tests = {
-      submission: read(stem, False)
-      for submission, stem in (task.test_files or {task.directory: "test"}).items()
-  }
+  test_stems = task.test_files or {task.directory: "test"}
   return TaskData(
       name,
       "regression" if task.label_list is None else "classification",
@@ -210,7 +207,7 @@ def load_glue(name: str, config) -> TaskData:
       metrics_lib.GLUE_METRICS[name],
       read("train", True),
       {dev_name: read(stem, True) for dev_name, stem in (task.dev_files or {name: "dev"}).items()},
-      {submission: examples for submission, examples in tests.items() if examples is not None},
+      {key: test for key, stem in test_stems.items() if (test := read(stem, False)) is not None},
       task.target_range,
       os.path.join(task_dir, "train.tsv") if config.source == "dir" else f"TFDS glue/{name}",
   )
@@ -361,8 +358,7 @@ def load_task(config) -> TaskData:
     )
   if name != "custom" and GLUE_TASKS[name].symmetric and config.double_unordered:
     # Both sentence orders, as the official code trains MRPC and STS-B.
-    swapped = [dataclasses.replace(e, text_a=e.text_b, text_b=e.text_a) for e in data.train]
-    data.train = data.train + swapped
+    data.train += [dataclasses.replace(e, text_a=e.text_b, text_b=e.text_a) for e in data.train]
   return data
 
 
@@ -447,8 +443,7 @@ def make_adapter(config, backbone, data: TaskData | None = None) -> TaskAdapter:
   test_features = {name: encode(examples) for name, examples in data.test.items()}
   logging.info("Tokenized %s in %.1f s.", data.name, time.time() - start)
   regression = data.kind == "regression"
-  # Regression learns (label - lo) / hi, as the official code.
-  lo, hi = data.target_range or (0.0, 1.0)
+  lo, hi = data.target_range or (0.0, 1.0)  # regression learns (label - lo) / hi, as official
 
   def loss_fn(outputs, batch):
     if regression:
