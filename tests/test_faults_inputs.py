@@ -101,7 +101,9 @@ def test_a_task_file_that_is_not_a_regular_file_is_refused_before_it_is_read(tmp
       with pytest.raises(ConfigError, match=rf"{test} is a FIFO, not a regular file"):
         tasks.load_task(config)
       squad_file = stack.enter_context(fifo(tmp_path / "train-v1.1.json"))
-      with pytest.raises(ConfigError, match=rf"SQuAD file '{squad_file}': it is a FIFO"):
+      with pytest.raises(
+          ConfigError, match=rf"{squad_file} is a FIFO, not a regular file; set config.data_dir"
+      ):
         squad.read_squad_json(squad_file, "1.1")
 
 

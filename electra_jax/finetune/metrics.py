@@ -6,23 +6,13 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def _pair(a: Sequence, b: Sequence, dtype=None) -> tuple[np.ndarray, np.ndarray]:
-  a, b = np.asarray(a, dtype), np.asarray(b, dtype)
-  if a.shape != b.shape or a.ndim != 1:
-    raise ValueError(f"Metrics need two 1-D arrays of one length, not {a.shape} and {b.shape}.")
-  if a.size == 0:
-    raise ValueError("Metrics of an empty split are undefined; the split has no examples.")
-  return a, b
-
-
 def accuracy(labels: Sequence, predictions: Sequence) -> float:
-  labels, predictions = _pair(labels, predictions)
-  return float(np.mean(labels == predictions))
+  return float(np.mean(np.asarray(labels) == np.asarray(predictions)))
 
 
 def f1(labels: Sequence[int], predictions: Sequence[int], positive: int = 1) -> float:
   """Binary F1 of class `positive`; 0 when neither side has one (scikit-learn's zero_division=0)."""
-  labels, predictions = _pair(labels, predictions)
+  labels, predictions = np.asarray(labels), np.asarray(predictions)
   true_positives = np.sum((predictions == positive) & (labels == positive))
   denominator = np.sum(predictions == positive) + np.sum(labels == positive)
   return float(2 * true_positives / denominator) if denominator else 0.0
@@ -30,22 +20,19 @@ def f1(labels: Sequence[int], predictions: Sequence[int], positive: int = 1) -> 
 
 def matthews_corrcoef(labels: Sequence[int], predictions: Sequence[int]) -> float:
   """Matthews correlation (Gorodkin 2004's multi-class form); 0 when a side has one class only."""
-  labels, predictions = _pair(labels, predictions)
+  labels, predictions = np.asarray(labels), np.asarray(predictions)
   classes = np.union1d(labels, predictions)
   true_counts = np.sum(labels[:, None] == classes, axis=0, dtype=np.float64)
-  predicted_counts = np.sum(predictions[:, None] == classes, axis=0, dtype=np.float64)
+  pred_counts = np.sum(predictions[:, None] == classes, axis=0, dtype=np.float64)
   total = float(labels.size)
-  covariance = float(np.sum(labels == predictions)) * total - np.dot(true_counts, predicted_counts)
-  variance_true = total**2 - np.dot(true_counts, true_counts)
-  variance_predicted = total**2 - np.dot(predicted_counts, predicted_counts)
-  if variance_true == 0 or variance_predicted == 0:
-    return 0.0
-  return float(covariance / np.sqrt(variance_true * variance_predicted))
+  covariance = float(np.sum(labels == predictions)) * total - true_counts @ pred_counts
+  norm = np.sqrt((total**2 - true_counts @ true_counts) * (total**2 - pred_counts @ pred_counts))
+  return float(covariance / norm) if norm > 0 else 0.0
 
 
 def pearson(targets: Sequence[float], predictions: Sequence[float]) -> float:
   """Pearson's r; 0 when either side is constant."""
-  targets, predictions = _pair(targets, predictions, np.float64)
+  targets, predictions = np.asarray(targets, np.float64), np.asarray(predictions, np.float64)
   centered_t, centered_p = targets - targets.mean(), predictions - predictions.mean()
   norm = np.sqrt(np.dot(centered_t, centered_t) * np.dot(centered_p, centered_p))
   return float(np.dot(centered_t, centered_p) / norm) if norm > 0 else 0.0
@@ -61,7 +48,6 @@ def average_ranks(values: Sequence[float]) -> np.ndarray:
 
 def spearman(targets: Sequence[float], predictions: Sequence[float]) -> float:
   """Spearman's rho: Pearson's r of the average ranks."""
-  _pair(targets, predictions)
   return pearson(average_ranks(targets), average_ranks(predictions))
 
 

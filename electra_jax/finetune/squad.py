@@ -22,7 +22,6 @@ import optax
 from absl import logging
 
 from electra_jax import workdir_files
-from electra_jax.data import sources
 from electra_jax.data.tokenizer import WordPieceTokenizer
 from electra_jax.errors import ConfigError
 from electra_jax.finetune import tasks
@@ -59,18 +58,15 @@ def _checked_examples(rows, version: str, where: str) -> list[SquadExample]:
             f"text {text!r} (the context there reads {found if valid else None!r}); give a string "
             "'text' at its integer 'answer_start'."
         )
-    for bad, why in (
-        (
-            type(is_impossible) is not bool,
-            f"has is_impossible={is_impossible!r}, which is not true or false",
-        ),
-        (version == "1.1" and is_impossible, "is marked is_impossible, which only SQuAD 2.0 has"),
-        (is_impossible and answers, f"is marked is_impossible but has answers {answers}"),
-        (not is_impossible and not answers, "has no answers and is not marked is_impossible"),
-    ):
-      if bad:
-        raise ConfigError(f"{where}: question {qas_id!r} {why}.")
-    examples.append(SquadExample(qas_id, question, context, answers, bool(is_impossible)))
+    problems = (
+        type(is_impossible) is not bool and f"has is_impossible={is_impossible!r}, not true/false",
+        version == "1.1" and is_impossible and "is marked is_impossible, which only SQuAD 2.0 has",
+        is_impossible and answers and f"is marked is_impossible but has answers {answers}",
+        not (is_impossible or answers) and "has no answers and is not marked is_impossible",
+    )
+    if why := next(filter(None, problems), None):
+      raise ConfigError(f"{where}: question {qas_id!r} {why}.")
+    examples.append(SquadExample(qas_id, question, context, answers, is_impossible))
   if not examples:
     raise ConfigError(f"{where} holds no SQuAD questions; give a non-empty file or split.")
   repeated = [qid for qid, n in collections.Counter(e.qas_id for e in examples).items() if n > 1]
@@ -81,9 +77,7 @@ def _checked_examples(rows, version: str, where: str) -> list[SquadExample]:
 
 def read_squad_json(path: str, version: str) -> list[SquadExample]:
   """Questions of an official SQuAD JSON file of `version` (`plausible_answers` are ignored)."""
-  fix = "set config.data_dir to the folder of the official files, or use config.source=tfds"
-  if problem := sources.not_a_regular_file(path):
-    raise ConfigError(f"Cannot read the SQuAD file {path!r}: it {problem}; {fix}.")
+  tasks.require_file(path, "set config.data_dir to the folder of SQuAD's files, or source=tfds")
   try:
     with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is not text)
       data = json.load(f)["data"]
@@ -92,8 +86,6 @@ def read_squad_json(path: str, version: str) -> list[SquadExample]:
     for context, qa in qas:
       answers = [(a["text"], a["answer_start"]) for a in qa["answers"]]
       rows.append((qa["id"], qa["question"], context, answers, qa.get("is_impossible", False)))
-  except OSError as e:
-    raise ConfigError(f"Cannot read the SQuAD file {path!r} ({e}); {fix}.") from e
   except (ValueError, KeyError, TypeError, AttributeError) as e:
     raise ConfigError(
         f"{path!r} is not an official SQuAD JSON file ({type(e).__name__}: {e}); it needs "
@@ -104,19 +96,14 @@ def read_squad_json(path: str, version: str) -> list[SquadExample]:
 
 def read_squad_tfds(version: str, split: str, data_dir: str | None = None) -> list[SquadExample]:
   """Questions of a prepared TFDS squad/v<version> (array_record), split "train" or "validation"."""
-  name, text = f"squad/v{version}", tasks.decode_text
-  source = tasks.open_tfds_split(
-      name, split, data_dir, builder_kwargs={"file_format": "array_record"}
-  )
-
-  def rows():
-    for i in range(len(source)):
-      record, answers = source[i], source[i]["answers"]
-      pairs = [(text(t), int(s)) for t, s in zip(answers["text"], answers["answer_start"])]
-      fields = [text(record[key]) for key in ("id", "question", "context")]
-      yield (*fields, pairs, bool(record.get("is_impossible", False)))
-
-  return _checked_examples(rows(), version, f"TFDS {name} {split}")
+  name, rows = f"squad/v{version}", []
+  array_record = {"file_format": "array_record"}
+  for record in tasks.open_tfds_split(name, split, data_dir, builder_kwargs=array_record):
+    answers = record["answers"]
+    pairs = [(t.decode(), int(s)) for t, s in zip(answers["text"], answers["answer_start"])]
+    fields = [record[key].decode() for key in ("id", "question", "context")]  # (TFDS's bytes)
+    rows.append((*fields, pairs, bool(record.get("is_impossible", False))))
+  return _checked_examples(rows, version, f"TFDS {name} {split}")
 
 
 def _fold(text: str) -> str:
@@ -126,10 +113,8 @@ def _fold(text: str) -> str:
 
 
 def _context_tokenizer(tokenizer):
-  """context -> (token ids, int32 [n, 2] [start, end) characters of each), its whitespace words
-  tokenized one by one (cached); where a word's pieces do not align through _fold (an [UNK],
-  another normalization) each spans the whole word, as in the official code."""
-  unk_id = getattr(tokenizer, "unk_id", None)
+  """context -> (token ids, int32 [n, 2] [start, end) characters of each), word by word (cached);
+  a word whose pieces do not align through _fold (an [UNK]) gives each the whole word."""
   hashes = "##" if isinstance(tokenizer, WordPieceTokenizer) else ""  # its continuation pieces
 
   @functools.cache
@@ -139,7 +124,7 @@ def _context_tokenizer(tokenizer):
     # Each piece's text without wordpiece's "##" and sentencepiece's word-boundary "▁".
     pieces = [tokenizer.id_to_piece(t).removeprefix(hashes).replace("\u2581", "") for t in ids]
     folded = [_fold(piece) for piece in pieces]
-    if unk_id in ids or "".join(folded) != "".join(_fold(char) for char in word):
+    if tokenizer.unk_id in ids or "".join(folded) != "".join(_fold(char) for char in word):
       return ids, [(0, len(word))] * len(ids)
     spans, position = [], 0
     for piece in folded:
@@ -164,14 +149,10 @@ def _context_tokenizer(tokenizer):
 
 
 def _windows(num_tokens: int, max_tokens: int, doc_stride: int) -> list[tuple[int, int]]:
-  """(start, length) of each window over the context tokens, each min(length, doc_stride) on."""
-  windows, start = [], 0
-  while True:
-    length = min(num_tokens - start, max_tokens)
-    windows.append((start, length))
-    if start + length >= num_tokens:
-      return windows
-    start += min(length, doc_stride)
+  """(start, length) of each window over the context tokens, min(max_tokens, doc_stride) apart."""
+  step = min(max_tokens, doc_stride)
+  starts = range(0, max(num_tokens - max_tokens, 0) + step, step)  # the last reaches the end
+  return [(start, min(num_tokens - start, max_tokens)) for start in starts]
 
 
 def max_context_owner(windows: Sequence[tuple[int, int]], num_tokens: int) -> np.ndarray:
@@ -236,8 +217,6 @@ def make_features(
       logging.info("SQuAD features: %d of %d questions.", index + 1, len(examples))
   if skipped:
     logging.warning("Left out %d training questions whose answer covers no token.", skipped)
-  if not rows:
-    raise ConfigError("make_features got no usable SQuAD questions; check the examples given.")
   logging.info("%d SQuAD questions -> %d rows of features.", len(examples), len(rows))
   features = {key: np.asarray(column, np.int32) for key, column in zip(FEATURE_KEYS, zip(*rows))}
   columns = (np.asarray(column, np.int32) for column in zip(*meta))
@@ -250,9 +229,8 @@ def answer_mask(token_type_ids, attention_mask):
 
 
 class SpanHead(nn.Module):
-  """ELECTRA's official span head: float32 start and end logits [B, T] (_MASKED_LOGIT outside
-  answer_mask) and, with `answerable`, an answerability logit [B] from dense([CLS] ++ the
-  start-probability-weighted hidden) -> GELU -> dense (else zeros)."""
+  """ELECTRA's span head: float32 start, end logits [B, T] (_MASKED_LOGIT outside answer_mask) and
+  the answerability logit [B]: dense([CLS] ++ start-prob-weighted hidden) -> GELU -> dense, or 0."""
 
   answerable: bool = False
   answerable_hidden_size: int = 512
@@ -320,40 +298,32 @@ def apply_null_threshold(predictions: dict, null_odds: dict, null_threshold: flo
 def postprocess(
     examples: Sequence[SquadExample], metadata: SquadMetadata, outputs, settings
 ) -> tuple[dict[str, str], dict[str, float]]:
-  """({qas_id: text}, 2.0's {qas_id: null odds}): the valid span of each row's n_best starts and
-  ends with the highest start + end logit; null odds: min -answerable_logit over the rows, or
-  min(start[CLS] + end[CLS]) less the best span's."""
+  """({qas_id: text}, 2.0's {qas_id: null odds}): the best valid span of the rows' n_best starts
+  and ends; null odds: min -answerable_logit over rows, or min(start + end at [CLS]) - best's."""
   start_logits, end_logits, answerable_logits = split_outputs(np.asarray(outputs, np.float32))
-  rows_of_example = collections.defaultdict(list)  # examples left out of training have none
-  for row, example in enumerate(metadata.example_index):
-    rows_of_example[int(example)].append(row)
   predictions, null_odds = {}, {}
-  for index, rows in sorted(rows_of_example.items()):
-    example, spans = examples[index], metadata.token_char_spans[index]
-    candidates, score_null = [], np.inf
+  for index, example in enumerate(examples):
+    rows, spans = np.flatnonzero(metadata.example_index == index), metadata.token_char_spans[index]
+    cls_scores = start_logits[rows, 0] + end_logits[rows, 0]
+    score_null = float(np.min(-answerable_logits[rows] if settings.answerable else cls_scores))
+    candidates = []  # (score, text) of each valid span
     for row in rows:
       start, length = int(metadata.window_start[row]), int(metadata.window_length[row])
       offset, owned = int(metadata.context_offset[row]), metadata.max_context[row]
       row_start, row_end = start_logits[row], end_logits[row]
-      null = -answerable_logits[row] if settings.answerable else row_start[0] + row_end[0]
-      score_null = min(score_null, float(null))
-      # As the official decoding: the n_best starts and ends over the whole row (ties to the lower
-      # position), then the invalid dropped: [CLS], question, padding, last [SEP], starts owned by
-      # another window.
+      # As official: the n_best over the whole row (ties to the lower position), then the invalid
+      # dropped: [CLS], question, padding, last [SEP], starts owned by another window.
       starts = np.argsort(-row_start, kind="stable")[: settings.n_best]
       starts = starts[owned[starts]]
       ends = np.argsort(-row_end, kind="stable")[: settings.n_best]
       ends = ends[(ends >= offset) & (ends < offset + length)]
       for s in starts:
         for e in ends[(ends >= s) & (ends - s < settings.max_answer_len)]:
-          score = float(row_start[s] + row_end[e])
-          candidates.append((score, start + s - offset, start + e - offset))
-    candidates.sort(key=lambda c: -c[0])
-    texts = (
-        (example.context[spans[a, 0] : spans[b, 1]].strip(), score) for score, a, b in candidates
-    )
-    best_text, best_score = next(((text, score) for text, score in texts if text), ("", 0.0))
-    predictions[example.qas_id] = best_text
+          first, last = start + s - offset, start + e - offset  # context tokens
+          if text := example.context[spans[first, 0] : spans[last, 1]].strip():
+            candidates.append((float(row_start[s] + row_end[e]), text))
+    # Of equal scores max keeps the first, as the official stable sort does.
+    best_score, predictions[example.qas_id] = max(candidates, key=lambda c: c[0], default=(0.0, ""))
     if settings.version == "2.0":
       null_odds[example.qas_id] = score_null - (0.0 if settings.answerable else best_score)
   return predictions, null_odds
@@ -374,8 +344,7 @@ def exact_match(gold: str, prediction: str) -> int:
 
 
 def f1_score(gold: str, prediction: str, version="2.0") -> float:
-  """Token F1 of the normalized texts; 2.0 (not 1.1's script) scores an empty side 1 if both are
-  empty, else 0."""
+  """Token F1 of the normalized texts; 2.0 (not 1.1) scores an empty side 1 if both are, else 0."""
   gold_tokens, pred_tokens = normalize_answer(gold).split(), normalize_answer(prediction).split()
   if version == "2.0" and (not gold_tokens or not pred_tokens):
     return float(gold_tokens == pred_tokens)
@@ -383,34 +352,15 @@ def f1_score(gold: str, prediction: str, version="2.0") -> float:
   return 2 * shared / (len(gold_tokens) + len(pred_tokens)) if shared else 0.0  # 2PR / (P + R)
 
 
-def _best_threshold(predictions, scores, null_odds, has_answer) -> tuple[float, float]:
-  """The official search, answering in increasing null_odds: (best score %, its null_odds cut)."""
-  current = best = sum(1 for qid in scores if not has_answer[qid])
-  best_threshold = 0.0
-  for qid in sorted(null_odds, key=lambda k: null_odds[k]):
-    if qid not in scores:
-      continue
-    if has_answer[qid]:
-      current += scores[qid]
-    elif predictions.get(qid):
-      current -= 1
-    if current > best:
-      best, best_threshold = current, null_odds[qid]
-  return 100.0 * best / len(scores), float(best_threshold)
-
-
 def squad_metrics(
     examples: Sequence[SquadExample],
     predictions: dict[str, str],
+    version: str,
     null_odds: dict | None = None,
     null_threshold: float = -2.75,
-    version=None,
 ) -> dict[str, float]:
-  """EM and F1 in percent, the best over each question's gold answers, as the official scripts (v2
-  with --na-prob-thresh: HasAns_*, NoAns_* and, given null_odds, best_* and their cuts); version
-  None: 2.0 where a question is impossible or null_odds are given."""
-  if version is None:
-    version = "2.0" if null_odds is not None or any(e.is_impossible for e in examples) else "1.1"
+  """EM and F1 in percent over each question's best gold answer, as the official script of `version`
+  (2.0's with --na-prob-thresh: also HasAns_*, NoAns_*, and best_* given null_odds)."""
   if missing := [e.qas_id for e in examples if e.qas_id not in predictions]:
     line = "%d questions have no prediction (scored 0), e.g. %s"
     logging.warning(line, len(missing), missing[:3])
@@ -425,19 +375,12 @@ def squad_metrics(
     f1[qid] = max((f1_score(g, prediction, version) for g in golds), default=0.0)
   scores = {"exact": exact, "f1": f1}
   if version == "2.0":  # null odds past the threshold answer "": right where there is no answer
-    scores = {
-        name: {
-            q: float(not has_answer[q]) if odds.get(q, -np.inf) > null_threshold else s
-            for q, s in by_question.items()
-        }
-        for name, by_question in scores.items()
-    }
+    blank = {q: float(not has_answer[q]) for q in exact if odds.get(q, -np.inf) > null_threshold}
+    scores = {name: {**by_question, **blank} for name, by_question in scores.items()}
 
   def summary(qids, prefix=""):
-    result = {
-        prefix + name: 100.0 * sum(s[q] for q in qids) / len(qids) for name, s in scores.items()
-    }
-    return dict(result, **{f"{prefix}total": len(qids)})
+    means = {prefix + name: 100.0 * np.mean([s[q] for q in qids]) for name, s in scores.items()}
+    return {**means, prefix + "total": len(qids)}
 
   result = summary(list(exact))
   if version == "1.1":
@@ -445,10 +388,18 @@ def squad_metrics(
   for prefix, answerable in (("HasAns_", True), ("NoAns_", False)):
     if qids := [q for q in exact if has_answer[q] == answerable]:
       result.update(summary(qids, prefix))
-  if null_odds is not None:
-    for name, by_question in (("exact", exact), ("f1", f1)):
-      best = _best_threshold(predictions, by_question, odds, has_answer)
-      result[f"best_{name}"], result[f"best_{name}_thresh"] = best
+  # The official search of the best cut: answer in increasing null odds, keep the best total.
+  for name, by_question in (("exact", exact), ("f1", f1)) if null_odds is not None else ():
+    current = best = sum(1 for qid in exact if not has_answer[qid])
+    result[f"best_{name}_thresh"] = 0.0
+    for qid in sorted(null_odds, key=null_odds.get):
+      if has_answer[qid]:
+        current += by_question[qid]
+      elif predictions.get(qid):
+        current -= 1
+      if current > best:
+        best, result[f"best_{name}_thresh"] = current, float(null_odds[qid])
+    result[f"best_{name}"] = 100.0 * best / len(exact)
   return result
 
 
@@ -486,8 +437,7 @@ def load_squad(config, version: str) -> tuple[list[SquadExample], list[SquadExam
 
 
 def make_adapter(config, backbone) -> tasks.TaskAdapter:
-  """The trainer's TaskAdapter: dev EM/F1 as fractions ("score" = F1), dev predictions as its test
-  files."""
+  """The trainer's TaskAdapter: dev EM/F1 as fractions ("score" = F1), dev predictions as tests."""
   settings = squad_settings(config)
   version = settings.version
   train_examples, dev_examples = load_squad(config, version)
@@ -499,7 +449,7 @@ def make_adapter(config, backbone) -> tasks.TaskAdapter:
 
   def evaluate(predict):
     predictions, null_odds = decode(predict)
-    scores = squad_metrics(dev_examples, predictions, null_odds, settings.null_threshold, version)
+    scores = squad_metrics(dev_examples, predictions, version, null_odds, settings.null_threshold)
     # Percentages become fractions; the null-odds cuts (*_thresh) stay as they are; counts stay out.
     result = {
         key: value / (1.0 if key.endswith("_thresh") else 100.0)

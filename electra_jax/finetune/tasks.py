@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import json
@@ -31,19 +32,16 @@ PAD_MULTIPLE = 8
 
 @dataclasses.dataclass
 class TaskAdapter:
-  """What the trainer needs from a task. Features: numpy arrays with a leading example axis,
-  holding at least MODEL_INPUTS."""
+  """What the trainer needs from a task. Features: numpy [examples, ...], MODEL_INPUTS included."""
 
   name: str
   model: Any  # a flax.linen.Module
   train_features: dict[str, np.ndarray]
   loss_fn: Callable  # (outputs, batch) -> per-example losses [batch]
-  # predict (features -> numpy outputs) -> {eval name: {metric: value}}, each with a "score".
-  evaluate: Callable
+  evaluate: Callable  # predict (features -> outputs) -> {eval name: {metric: value, "score": ..}}
   write_test: Callable  # (predict, directory) -> paths written
   head: dict  # for exports: its "kind" and "labels", "target_range" or "answerable"
-  # (fraction, seed, folds) -> per held-out share of train (held_out_rows) this adapter on the rest,
-  # scoring the share as "held_out"; None: cannot be split.
+  # (fraction, seed, folds) -> per held_out_rows share, this adapter fit on the rest, scoring it.
   split: Callable | None = None
 
 
@@ -73,9 +71,8 @@ class TaskData:
 
 @dataclasses.dataclass(frozen=True)
 class GlueTask:
-  """One GLUE task in GLUE's TSVs and in TFDS: label_list as GLUE writes them (None: regression),
-  TFDS's names and class order where they differ, {eval or submission name: file stem} where there
-  are several, symmetric: trained on both sentence orders, CoLA's (text, label) columns."""
+  """A GLUE task: labels as GLUE writes them (None: regression), TFDS's names and class order where
+  they differ, {eval or submission name: file stem}, symmetric: trained on both sentence orders."""
 
   directory: str
   label_list: tuple[str, ...] | None
@@ -86,7 +83,7 @@ class GlueTask:
   dev_files: dict[str, str] | None = None
   test_files: dict[str, str] | None = None
   symmetric: bool = False
-  headerless_columns: tuple[int, int] | None = None
+  header: tuple[str, ...] | None = None  # of labelled files without one (CoLA's train and dev)
   target_range: tuple[float, float] | None = None
 
 
@@ -94,7 +91,9 @@ _BINARY = ("0", "1")  # WNLI's too: GLUE writes its labels 0/1 (1 = entailment),
 _ENTAILMENT = ("entailment", "not_entailment")
 _PAIR = ("sentence1", "sentence2")
 GLUE_TASKS = {
-    "cola": GlueTask("CoLA", _BINARY, ("sentence", None), headerless_columns=(3, 1)),
+    "cola": GlueTask(
+        "CoLA", _BINARY, ("sentence", None), header=("source", "label", "mark", "sentence")
+    ),
     "sst2": GlueTask("SST-2", _BINARY, ("sentence", None)),
     "mrpc": GlueTask("MRPC", _BINARY, ("#1 String", "#2 String"), "Quality", _PAIR, symmetric=True),
     "stsb": GlueTask("STS-B", None, _PAIR, "score", symmetric=True, target_range=(0.0, 5.0)),
@@ -117,32 +116,24 @@ TASK_NAMES = tuple(GLUE_TASKS) + ("custom",)
 
 
 def require_file(path: str, fix: str) -> None:
-  """Refuses, before it is opened, a `path` that is not a regular file (sources.not_a_regular_file)."""
+  """Refuses, before it is opened, a `path` that is not a regular file."""
   if problem := sources.not_a_regular_file(path):
     raise ConfigError(f"{path} {problem}; {fix}.")
 
 
 def _regression_label(raw, where: str) -> float:
-  try:
-    label = math.nan if isinstance(raw, bool) else float(raw)  # JSON's true is no target
-  except (TypeError, ValueError):
-    label = math.nan
-  if not math.isfinite(label):
-    raise ConfigError(f"{where}: regression label {raw!r} is not a finite number.")
-  return label
+  with contextlib.suppress(TypeError, ValueError):
+    if not isinstance(raw, bool) and math.isfinite(label := float(raw)):  # JSON's true is no target
+      return label
+  raise ConfigError(f"{where}: regression label {raw!r} is not a finite number.")
 
 
 def _glue_tsv(task: GlueTask, path: str, labelled: bool) -> list[Example]:
-  """The examples of a GLUE TSV by its header's column names (CoLA's train and dev: by position)."""
+  """The examples of a GLUE TSV by its header's column names."""
   with open(path, encoding="utf-8-sig", newline="") as f:
     rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
-  if labelled and task.headerless_columns is not None:
-    text_at, label_at = task.headerless_columns
-    return [
-        Example(row[text_at], None, row[label_at], i)
-        for i, row in enumerate(rows)
-        if len(row) > max(text_at, label_at)
-    ]
+  if labelled and task.header:
+    rows.insert(0, list(task.header))
   if not rows:
     raise ConfigError(f"{path} is empty; GLUE files start with a header line.")
   header, (text_a, text_b) = rows[0], task.text_columns
@@ -167,32 +158,28 @@ def _glue_tsv(task: GlueTask, path: str, labelled: bool) -> list[Example]:
   return examples
 
 
-def decode_text(value) -> str:
-  return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-
-
 def open_tfds_split(name: str, split: str, data_dir: str | None, **kwargs):
-  """`tfds.data_source` over a prepared split, or a ConfigError saying how to prepare it."""
+  """The records of a prepared TFDS split, or a ConfigError saying how to prepare it."""
   tfds = tfds_source.import_tfds()  # a heavy import, only when this source is used
   try:
-    return tfds.data_source(name, split=split, data_dir=data_dir or None, download=False, **kwargs)
+    source = tfds.data_source(
+        name, split=split, data_dir=data_dir or None, download=False, **kwargs
+    )
   except Exception as error:  # tfds raises several types for "not prepared here" / "no such split"
     raise ConfigError(
         f"Cannot open TFDS {name!r} split {split!r} in {data_dir or 'the default data dir'} "
         f"({type(error).__name__}: {error}); run `tfds build --file_format=array_record {name}`, "
         "set config.tfds_data_dir, or use config.source=dir."
     ) from error
+  return [source[i] for i in range(len(source))]
 
 
 def load_glue(name: str, config) -> TaskData:
-  """GLUE task `name` from config.source: "dir", GLUE's download layout (<data_dir>/<Task>/{train,
-  dev,test}.tsv, MNLI's dev_matched ..., test optional), or "tfds", a prepared glue/<name>
-  (array_record), its labels turned into GLUE's."""
-  task, data_dir = GLUE_TASKS[name], config.data_dir
-  if config.source == "dir":
-    task_dir = os.path.join(data_dir, task.directory)
-    if not os.path.isdir(task_dir):  # the task's own folder works as well as GLUE's root
-      task_dir = data_dir
+  """GLUE task `name` from config.source: "dir", GLUE's layout (<data_dir>/<Task>/{train,dev,test}
+  .tsv, test optional), or "tfds", a prepared glue/<name>, its labels turned into GLUE's."""
+  task, task_dir = GLUE_TASKS[name], os.path.join(config.data_dir, GLUE_TASKS[name].directory)
+  if not os.path.isdir(task_dir):  # the task's own folder works as well as GLUE's root
+    task_dir = config.data_dir
 
   def read(stem: str, labelled: bool) -> list[Example] | None:
     if config.source == "dir":
@@ -202,21 +189,17 @@ def load_glue(name: str, config) -> TaskData:
       require_file(path, f"give GLUE's {task.directory}/{stem}.tsv in config.data_dir")
       return _glue_tsv(task, path, labelled)
     split = stem.replace("dev", "validation")
-    source = open_tfds_split(f"glue/{name}", split, config.tfds_data_dir)
     text_a, text_b = task.tfds_text or task.text_columns
     labels = task.tfds_labels or task.label_list
     examples = []
-    for record in (source[i] for i in range(len(source))):
+    for record in open_tfds_split(f"glue/{name}", split, config.tfds_data_dir):
       label = record["label"] if labelled else None
       label = label if label is None else float(label) if labels is None else labels[int(label)]
-      text = decode_text(record[text_b]) if text_b else None
-      examples.append(Example(decode_text(record[text_a]), text, label, int(record["idx"])))
+      text = record[text_b].decode() if text_b else None  # (TFDS's texts are bytes)
+      examples.append(Example(record[text_a].decode(), text, label, int(record["idx"])))
     return sorted(examples, key=lambda example: example.index)  # TFDS shuffles; idx is GLUE's row
 
-  tests = {
-      submission: read(stem, False)
-      for submission, stem in (task.test_files or {task.directory: "test"}).items()
-  }
+  test_stems = task.test_files or {task.directory: "test"}
   return TaskData(
       name,
       "regression" if task.label_list is None else "classification",
@@ -224,7 +207,7 @@ def load_glue(name: str, config) -> TaskData:
       metrics_lib.GLUE_METRICS[name],
       read("train", True),
       {dev_name: read(stem, True) for dev_name, stem in (task.dev_files or {name: "dev"}).items()},
-      {submission: examples for submission, examples in tests.items() if examples is not None},
+      {key: test for key, stem in test_stems.items() if (test := read(stem, False)) is not None},
       task.target_range,
       os.path.join(task_dir, "train.tsv") if config.source == "dir" else f"TFDS glue/{name}",
   )
@@ -240,26 +223,21 @@ _INSIDE_TEXT = {
 
 def _custom_records(path: str, file_format: str) -> list[dict]:
   if file_format == "jsonl":
-    records = []
     with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is not text)
-      for line_number, line in enumerate(f, 1):
-        if not line.strip():
-          continue
-        try:
-          records.append(
-              json.loads(line, object_pairs_hook=sources.unique_object(f"{path}:{line_number}"))
-          )
-        except json.JSONDecodeError as error:
-          raise ConfigError(f"{path}:{line_number} is not JSON ({error}).") from None
-        if not isinstance(records[-1], dict):
-          raise ConfigError(f"{path}:{line_number} is not a JSON object.")
+      lines = [(f"{path}:{number}", line) for number, line in enumerate(f, 1) if line.strip()]
+    records = []
+    for where, line in lines:
+      try:
+        records.append(json.loads(line, object_pairs_hook=sources.unique_object(where)))
+      except json.JSONDecodeError as error:
+        raise ConfigError(f"{where} is not JSON ({error}).") from None
+      if not isinstance(records[-1], dict):
+        raise ConfigError(f"{where} is not a JSON object.")
     return records
   with open(path, encoding="utf-8-sig", newline="") as f:
     # TSV has no quoting: a '"' opening a field is text (as in GLUE's), not a multi-row field.
-    tsv = file_format == "tsv"
-    reader = csv.DictReader(
-        f, delimiter="\t" if tsv else ",", quoting=csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL
-    )
+    dialect = dict(delimiter="\t", quoting=csv.QUOTE_NONE) if file_format == "tsv" else {}
+    reader = csv.DictReader(f, **dialect)
     sources.refuse_repeated(path, reader.fieldnames or [])
     records = list(reader)
   for row_number, record in enumerate(records, 1):
@@ -283,13 +261,12 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
   columns = [custom.text_a_column, custom.text_b_column, labelled and custom.label_column]
   columns += [custom.group_column] if grouped else []
   examples = []
-  for row_number, record in enumerate(_custom_records(path, file_format), 1):
-    where = f"{path}: row {row_number}"
+  for index, record in enumerate(_custom_records(path, file_format)):
+    where = f"{path}: row {index + 1}"
     for column in filter(None, columns):
       if column not in record:
         raise ConfigError(
-            f"{where} has no column {column!r} (it has {sorted(record)}); set "
-            "config.custom.*_column."
+            f"{where} has no column {column!r}, only {sorted(record)}; set config.custom.*_column."
         )
       if not isinstance(record[column], (str, int, float)):  # JSON's null, objects and lists
         raise ConfigError(
@@ -306,9 +283,7 @@ def _custom_split(custom, path: str, split: str, labelled: bool) -> list[Example
         )
     text_b = str(record[custom.text_b_column]) if custom.text_b_column else None
     group = str(record[custom.group_column]) if grouped else None
-    examples.append(
-        Example(str(record[custom.text_a_column]), text_b, label, row_number - 1, group)
-    )
+    examples.append(Example(str(record[custom.text_a_column]), text_b, label, index, group))
   return examples
 
 
@@ -383,21 +358,18 @@ def load_task(config) -> TaskData:
     )
   if name != "custom" and GLUE_TASKS[name].symmetric and config.double_unordered:
     # Both sentence orders, as the official code trains MRPC and STS-B.
-    swapped = [dataclasses.replace(e, text_a=e.text_b, text_b=e.text_a) for e in data.train]
-    data.train = data.train + swapped
+    data.train += [dataclasses.replace(e, text_a=e.text_b, text_b=e.text_a) for e in data.train]
   return data
 
 
 def truncate_pair(tokens_a: list[int], tokens_b: list[int], max_tokens: int):
-  """What BERT's loop (drop the longer segment's last token, b's on ties, until both fit) ends
-  with, in one step."""
+  """What BERT's loop (drop the longer segment's last token, b's on ties, until both fit) gives."""
   len_a = min(len(tokens_a), max(max_tokens - len(tokens_b), (max_tokens + 1) // 2))
   return tokens_a[:len_a], tokens_b[: max_tokens - len_a]
 
 
 def pack_pair(tokenizer, tokens_a: list[int], tokens_b: list[int] | None, width: int):
-  """[CLS] a [SEP] (b [SEP]) as int32 [width] input_ids, token_type_ids (1 from b on) and
-  attention_mask."""
+  """[CLS] a [SEP] (b [SEP]): int32 [width] input_ids, token_type_ids (1 from b), attention_mask."""
   ids = [tokenizer.cls_id, *tokens_a, tokenizer.sep_id]
   ids += [] if tokens_b is None else [*tokens_b, tokenizer.sep_id]
   positions = np.arange(width)
@@ -425,26 +397,20 @@ def encode_examples(
   inputs = np.array(rows, np.int32).reshape(-1, 3, max_seq_len).transpose(1, 0, 2)
   longest = int(inputs[2].sum(1).max(initial=1))
   width = min(max_seq_len, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
-  if data.kind == "classification":
-    label_to_id = {label: i for i, label in enumerate(data.label_list)}
-    labels = np.array([0 if e.label is None else label_to_id[e.label] for e in examples], np.int32)
-  else:
-    labels = np.array([e.label if e.label is not None else 0.0 for e in examples], np.float32)
+  label_to_id = {label: i for i, label in enumerate(data.label_list or ())}  # (regression: none)
+  values = [0 if e.label is None else label_to_id.get(e.label, e.label) for e in examples]
+  labels = np.array(values, np.int32 if data.kind == "classification" else np.float32)
   index = np.array([e.index for e in examples], np.int64)
   return dict(zip(MODEL_INPUTS, inputs[:, :, :width]), labels=labels, index=index)
 
 
 def held_out_rows(groups: list, fraction: float, seed: int, folds: int = 1):
-  """[(held-out rows, the rest)]: folds=1, one random share of about `fraction` of the rows (at
-  least one); folds=K, K disjoint shares of about 1/K. With groups (none None) each share takes
-  whole groups."""
+  """[(held-out rows, the rest)]: folds=1, one random share of about `fraction` of the rows (one at
+  least); folds=K, K disjoint shares of about 1/K; with groups (none None), whole groups each."""
   rng = np.random.default_rng([seed, 7])
   grouped = all(group is not None for group in groups)
-  if grouped:
-    _, group_of_row = np.unique(np.array(groups, dtype=str), return_inverse=True)
-    sizes = np.bincount(group_of_row)
-  else:
-    sizes = np.ones(len(groups), int)
+  keys = np.array(groups, dtype=str) if grouped else np.arange(len(groups))  # each row's unit
+  _, group_of_row, sizes = np.unique(keys, return_inverse=True, return_counts=True)
   order = rng.permutation(len(sizes))  # the units (groups, or rows) in random order
   ends = np.cumsum(sizes[order])  # rows in the first 1, 2, ... units
   if folds == 1:  # units until `fraction` of the rows are held out, the one reaching it included
@@ -453,15 +419,11 @@ def held_out_rows(groups: list, fraction: float, seed: int, folds: int = 1):
   else:  # each unit to the share its rows' midpoint falls in
     share = np.minimum(((ends - sizes[order] / 2) * folds / len(groups)).astype(int), folds - 1)
   units = "groups of config.custom.group_column" if grouped else "rows"
-  if folds == 1 and (share == 0).all():
+  if len(np.unique(share)) < max(folds, 2):  # a held-out share, or (folds=1) the rest, is empty
+    setting = f"folds={folds}" if folds > 1 else f"fraction={fraction}"
     raise ConfigError(
-        f"config.select.fraction={fraction} holds out all {len(order)} {units}; lower it, or give "
-        "the training set more."
-    )
-  if len(np.unique(share)) < folds:
-    raise ConfigError(
-        f"config.select.folds={folds} leaves a held-out share empty: the training set has "
-        f"{len(order)} {units}; lower it, or give the training set more."
+        f"config.select.{setting} leaves a share of the training set's {len(order)} {units} empty; "
+        "lower it, or give the training set more."
     )
   held_units = [order[share == k] for k in range(folds)]
   if not grouped:  # rows in the order drawn
@@ -481,8 +443,7 @@ def make_adapter(config, backbone, data: TaskData | None = None) -> TaskAdapter:
   test_features = {name: encode(examples) for name, examples in data.test.items()}
   logging.info("Tokenized %s in %.1f s.", data.name, time.time() - start)
   regression = data.kind == "regression"
-  # Regression learns (label - lo) / hi, as the official code.
-  lo, hi = data.target_range or (0.0, 1.0)
+  lo, hi = data.target_range or (0.0, 1.0)  # regression learns (label - lo) / hi, as official
 
   def loss_fn(outputs, batch):
     if regression:
