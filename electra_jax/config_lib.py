@@ -242,10 +242,6 @@ def format_duration(seconds: float) -> str:
   return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
-def to_json(config: ml_collections.ConfigDict) -> str:
-  return json.dumps(config.to_dict(), indent=2, sort_keys=True)
-
-
 # config.json's record of the electra-jax version that wrote it (not a config key: readers drop it).
 VERSION_KEY = "electra_jax_version"
 
@@ -259,7 +255,7 @@ def config_file_text(config: ml_collections.ConfigDict) -> str:
 
 def as_saved(config: ml_collections.ConfigDict) -> dict:
   """The config as its config.json reads back (tuples become lists), to compare with one."""
-  return json.loads(to_json(config))
+  return json.loads(json.dumps(config.to_dict(), sort_keys=True))
 
 
 def save_config(workdir: str, config, before: dict | None, start_step: int | None) -> None:
@@ -279,11 +275,8 @@ def save_config(workdir: str, config, before: dict | None, start_step: int | Non
     if not workdir_files.exists(kept):
       workdir_files.write_text(kept, workdir_files.read_text(file))
     logging.warning(
-        "Resuming at step %d with settings that differ from the workdir's config.json (kept as "
-        "%s): %s",
-        start_step,
-        kept.name,
-        "; ".join(changes),
+        f"Resuming at step {start_step} with settings that differ from the workdir's config.json "
+        f"(kept as {kept.name}): {'; '.join(changes)}"
     )
   workdir_files.write_text(file, text)
 

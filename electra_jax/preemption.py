@@ -48,9 +48,8 @@ class Preemption:
     self.looping = True
     if jax.process_count() > 1 and not self._collective:  # joined by the runtime alone
       logging.warning(
-          "%d processes without jax.distributed: a SIGTERM stops this run without a checkpoint; "
-          "start it through electra_jax.main, which joins the job.",
-          jax.process_count(),
+          f"{jax.process_count()} processes without jax.distributed: a SIGTERM stops this run "
+          "without a checkpoint; start it through electra_jax.main, which joins the job."
       )
     self._install(signal.SIGINT)  # a first Ctrl-C saves at the end of the step; a second stops
 
@@ -80,7 +79,6 @@ class Preemption:
       signal.signal(signum, previous)
     if self.unwound:
       logging.warning(
-          "%s while the run was starting: it stopped before its first step, saving nothing new. "
-          "Run the same command to go on.",
-          self.signal_name,
+          f"{self.signal_name} while the run was starting: it stopped before its first step, "
+          "saving nothing new. Run the same command to go on."
       )

@@ -39,7 +39,6 @@ class Run:
   """Everything a training run needs, resolved: nothing in it changes while the run trains."""
 
   config: ml_collections.FrozenConfigDict  # the config it trains, as config.json records it
-  workdir: str | None
   mesh: jax.sharding.Mesh
   corpus: data.PretrainingData  # the train split
   setup: TrainingSetup
@@ -116,11 +115,10 @@ def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
       batch_size, _ = memory.largest_batch(compile_step, limit, quantum)
       logging.info("train.batch_size=-1: using %d, the largest batch that fits.", batch_size)
       resolved.update_from_flattened_dict({"train.batch_size": batch_size})
-    resumed = start is not None and saved is not None
-    if t.time_budget and resumed and saved["train"]["time_budget"] == t.time_budget:
+    if t.time_budget and start and saved and saved["train"]["time_budget"] == t.time_budget:
       steps = int(saved["train"]["steps"])  # a resume under the same budget keeps its schedule
       logging.info(
-          "train.time_budget=%s: train.steps=%d, as config.json records.", t.time_budget, steps
+          f"train.time_budget={t.time_budget}: train.steps={steps}, as config.json records."
       )
     elif t.time_budget:
       timing = train_state.measure_step_time(resolved, setup, mesh, corpus)
@@ -143,54 +141,38 @@ def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
   resolved.update_from_flattened_dict(fixed)
   if (note := optimizer.warmup_note(resolved)) is not None:
     logging.warning("%s", note)
-  return Run(
-      ml_collections.FrozenConfigDict(resolved),
-      workdir,
-      mesh,
-      corpus,
-      setup,
-      optimizer.make_schedule(resolved),
-      start,
-      saved,
-  )
+  schedule = optimizer.make_schedule(resolved)
+  return Run(ml_collections.FrozenConfigDict(resolved), mesh, corpus, setup, schedule, start, saved)
 
 
-def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpus=None, tries=3):
+def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpus=None):
   """(step, state): the state saved at `step` (default: the newest intact one) in `workdir`, sharded
   for `mesh`, once the checkpoint is known to hold this setup's model (and given `corpus`, its data).
   The newest is read again when a live run rotates it away meanwhile; one that keeps doing so is
   refused as live, its checkpoints healthy."""
-  attempts = tries if step is None else 1
-  for attempt in range(attempts):
+  for tries_left in reversed(range(3 if step is None else 1)):
+    checkpointer = checkpointing.Checkpointer(workdir, keep=1)  # reading only: keep acts on saves
     try:
-      return _restore(workdir, setup, mesh, step, corpus)
+      if (latest := checkpointer.latest_step()) is None:
+        raise ConfigError(f"{workdir} holds no checkpoint yet; train first or fix --workdir.")
+      if step is not None and step not in checkpointer.all_steps():
+        raise ConfigError(
+            f"{workdir} holds no checkpoint of step {step}; its checkpoints are of steps "
+            f"{checkpointer.all_steps()}. Pick one of those, or leave --step out for the latest."
+        )
+      check = checkpointing.fits(checkpointer, setup, workdir, corpus)
+      with partitioning.activate(mesh):
+        if step is None:
+          return checkpointer.restore_newest_intact(setup.abstract_state, latest, check)[:2]
+        check(step, checkpointer.read_meta(step))
+        return step, checkpointer.restore(step, setup.abstract_state)
     except CheckpointRotated as error:
-      if attempt + 1 == attempts:
+      if not tries_left:
         raise WorkdirInUse(
             f"{workdir} is written by a live run: {error} Try again (with a larger "
             "checkpoint.every_steps it rotates less often), or once the run stops; its "
             "checkpoints are healthy."
         ) from None
       logging.info("%s Reading the newest again.", error)
-
-
-def _restore(workdir: str, setup, mesh, step: int | None, corpus):
-  checkpointer = checkpointing.Checkpointer(workdir, keep=1)  # reading only: keep acts on saves
-  try:
-    latest = step is None
-    step = checkpointer.latest_step() if latest else step
-    if step is None:
-      raise ConfigError(f"{workdir} holds no checkpoint yet; train first or fix --workdir.")
-    if step not in checkpointer.all_steps():
-      raise ConfigError(
-          f"{workdir} holds no checkpoint of step {step}; its checkpoints are of steps "
-          f"{checkpointer.all_steps()}. Pick one of those, or leave --step out for the latest."
-      )
-    check = checkpointing.fits(checkpointer, setup, workdir, corpus)
-    with partitioning.activate(mesh):
-      if latest:
-        return checkpointer.restore_newest_intact(setup.abstract_state, step, check)[:2]
-      check(step, checkpointer.read_meta(step))
-      return step, checkpointer.restore(step, setup.abstract_state)
-  finally:
-    checkpointer.close()
+    finally:
+      checkpointer.close()

@@ -123,14 +123,9 @@ class StateInit:
     ids = jnp.zeros((1, self.seq_len), jnp.int32)
     positions = jnp.zeros((1, self.objective.max_predictions), jnp.int32)
     params = self.model.init(rng, ids, ids, jnp.ones_like(ids), positions)["params"]
+    step, opt_state = jnp.zeros((), jnp.int32), self.tx.init(params)
     return TrainState(
-        step=jnp.zeros((), jnp.int32),
-        params=params,
-        opt_state=self.tx.init(params),
-        model=self.model,
-        tx=self.tx,
-        objective=self.objective,
-        grad_accum_steps=self.grad_accum_steps,
+        step, params, opt_state, self.model, self.tx, self.objective, self.grad_accum_steps
     )
 
 
@@ -176,13 +171,11 @@ def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
   )
   boxed_shapes = jax.eval_shape(init_fn, jax.random.key(0))
   state_shardings = partitioning.shardings_for(boxed_shapes, mesh)
-  unsharded = partitioning.unsharded_dimensions(boxed_shapes.params, mesh)
-  if unsharded:
+  if unsharded := partitioning.unsharded_dimensions(boxed_shapes.params, mesh):
     logging.warning(
-        "Replicated on every device (their optimizer moments too), as a mesh axis does not divide"
-        " them: %s. Make those sizes multiples of the mesh axes (e.g. model.vocab_size), or use "
-        "smaller mesh axes.",
-        "; ".join(unsharded),
+        f"Replicated on every device (their optimizer moments too), as a mesh axis does not divide "
+        f"them: {'; '.join(unsharded)}. Make those sizes multiples of the mesh axes (e.g. "
+        "model.vocab_size), or use smaller mesh axes."
     )
   abstract_state = jax.tree.map(
       lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
