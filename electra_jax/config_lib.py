@@ -264,7 +264,6 @@ def save_config(workdir: str, config, before: dict | None, start_step: int | Non
   config.step<N>.json."""
   from electra_jax import workdir_files  # noqa: PLC0415 (keeps recipes' imports light)
 
-  text = config_file_text(config)
   changes = before is not None and start_step is not None and changed_keys(before, as_saved(config))
   file = workdir_files.path(workdir, "config.json")
   workdir_files.makedirs(file.parent)
@@ -278,7 +277,7 @@ def save_config(workdir: str, config, before: dict | None, start_step: int | Non
         f"Resuming at step {start_step} with settings that differ from the workdir's config.json "
         f"(kept as {kept.name}): {'; '.join(changes)}"
     )
-  workdir_files.write_text(file, text)
+  workdir_files.write_text(file, config_file_text(config))
 
 
 _WITHIN = {  # a bound as the messages state it: its test

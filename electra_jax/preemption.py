@@ -23,9 +23,8 @@ def note_sigterm(signum=None, frame=None) -> None:
 
 class Preemption:
   """SIGTERM or SIGHUP for a whole run: while it starts it unwinds at once (SystemExit(0)); once the
-  loop runs, it or a first Ctrl-C ends the run after a step, with a checkpoint. Under
-  jax.distributed JAX's preemption service (no Python handler) picks a step every process reaches.
-  """
+  loop runs, it or a first Ctrl-C ends the run after a step, with a checkpoint. Under jax.distributed
+  JAX's preemption service (no Python handler) picks a step every process reaches."""
 
   def __init__(self):
     self.requested = self.unwound = self.looping = False

@@ -1,6 +1,6 @@
-"""A run resolved before anything trains (`run`): every group checked, the mesh, data, setup and
-checkpoint to resume from, and what a run decides at its start (a searched batch size, a time
-budget's steps, an objective's fixed keys). It writes nothing; after it nothing changes the config.
+"""A run resolved before anything trains (`run`): every group checked, the mesh, data, setup, the
+checkpoint to resume from and what a run decides at its start (a searched batch size, a time
+budget's steps, an objective's fixed keys). It writes nothing; nothing changes the config after it.
 """
 
 import dataclasses
@@ -49,8 +49,7 @@ class Run:
 
 def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
   """`config` resolved for a run in `workdir` (None: no checkpoint is looked for). Every refusal
-  comes from here, before anything is compiled for the run or written; a time budget counts from
-  here."""
+  comes from here, before anything is compiled for the run or written; a time budget counts here."""
   started = _budget_clock()
   if workdir is not None:
     workdir_files.check_usable(workdir)
@@ -146,10 +145,9 @@ def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
 
 
 def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpus=None):
-  """(step, state): the state saved at `step` (default: the newest intact one) in `workdir`, sharded
-  for `mesh`, once the checkpoint is known to hold this setup's model (and given `corpus`, its data).
-  The newest is read again when a live run rotates it away meanwhile; one that keeps doing so is
-  refused as live, its checkpoints healthy."""
+  """(step, state) saved at `step` (default: the newest intact one) in `workdir`, sharded for `mesh`,
+  once it is known to hold this setup's model (and given `corpus`, its data). The newest is read
+  again when a live run rotates it away meanwhile; one that keeps doing so is refused as live."""
   for tries_left in reversed(range(3 if step is None else 1)):
     checkpointer = checkpointing.Checkpointer(workdir, keep=1)  # reading only: keep acts on saves
     try:

@@ -4,7 +4,6 @@ its logs, held-out evaluations, checkpoints, preemption and non-finite checks.""
 
 import collections
 import contextlib
-import functools
 import math
 import time
 import warnings
@@ -66,16 +65,14 @@ def train_and_evaluate(
     checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
     stack.callback(checkpointer.close)
     stack.callback(checkpointer.wait)
-    if start is not None and start.newer_damaged:
-      checkpointer.set_aside_after(step)
+    if start is not None:
+      logging.info("Resuming from the checkpoint at step %d in %s.", step, checkpointer.directory)
+      if start.newer_damaged:
+        checkpointer.set_aside_after(step)
 
     # --- State and compiled step
     with partitioning.activate(mesh):
-      if start is None:
-        state = train_state.fresh_state(setup, t.seed)
-      else:
-        logging.info("Resuming from the checkpoint at step %d in %s.", step, checkpointer.directory)
-        state = start.state
+      state = start.state if start is not None else train_state.fresh_state(setup, t.seed)
       compile_start, steps_per_call = time.perf_counter(), t.steps_per_call
       compiled = {
           n: train_state.compile_train_step(setup, config, mesh, n if n > 1 else None)
@@ -86,28 +83,18 @@ def train_and_evaluate(
     # --- Process 0 writes the tokenizer (fine-tuning and export need no corpus then) and opens
     # the logs, cut back to the checkpoint (a bucket's are not rewritten once the lease is lost);
     # config.json follows the first step. The workdir may be a bucket.
-    is_chief, metrics_log, eval_log, save_config = jax.process_index() == 0, None, None, None
+    is_chief, metrics_log, eval_log = jax.process_index() == 0, None, None
     if is_chief:
       data.keep_tokenizer(corpus.tokenizer, workdir)
       logs = tensorboard_log.open_logs(workdir, t.metric_writers, config_lib.as_saved(config))
-      for log in logs:
-        stack.callback(log.close)
+      metrics_log, eval_log = logs
       for log in logs:  # a run killed after its checkpoint logged steps this one logs again
+        stack.callback(log.close)
         log.holds = lease.holds
         log.truncate_after(step)
-      metrics_log, eval_log = logs
-      save_config = functools.partial(
-          config_lib.save_config, workdir, config, run.saved_config, start and step
-      )
 
-    # --- The loop: several steps a call where they fit before the next log, evaluation or
-    # checkpoint
-    total_steps, seed, seq_len, global_batch = (
-        t.steps,
-        t.seed,
-        config.data.max_seq_len,
-        t.batch_size,
-    )
+    # --- The loop: several steps a call where they fit before the next log, evaluation or save
+    seq_len, global_batch = config.data.max_seq_len, t.batch_size
     # The data stream goes on where the checkpoint's run stopped reading (its batch size may differ).
     stream_offset = start.stream_position - step * global_batch if step else 0
     if stream_offset:
@@ -124,7 +111,7 @@ def train_and_evaluate(
     logging.info(
         f"Training {config.objective.name}: parameters {counts} ({sum(parts.values()) / 1e6:.2f}M in all); "
         f"{flops_per_token / 1e6:.1f} model MFLOPs per token; {global_batch * seq_len:,} tokens per step "
-        f"(batch {global_batch} x {seq_len}) for {total_steps:,} steps; {t.dtype}, attention "
+        f"(batch {global_batch} x {seq_len}) for {t.steps:,} steps; {t.dtype}, attention "
         f"{config.model.attention_impl}; data {config.data.source}: {corpus.num_examples:,} train examples, "
         f"vocabulary {corpus.tokenizer.vocab_size:,}."
     )
@@ -137,34 +124,34 @@ def train_and_evaluate(
 
     def fetch(step_index):
       processes = jax.process_index(), jax.process_count()
-      return data.get_batch(corpus, step_index, global_batch, seed, *processes, stream_offset)
+      return data.get_batch(corpus, step_index, global_batch, t.seed, *processes, stream_offset)
 
     signals.start_loop()
     # Batches are read and gathered on a background thread, a step or two ahead.
-    batches = stack.enter_context(data.prefetch(fetch, step, stop_step=total_steps))
-    while step < total_steps:
-      to_boundary = min([*(p - step % p for p in periods), total_steps - step])
+    batches = stack.enter_context(data.prefetch(fetch, step, stop_step=t.steps))
+    while step < t.steps:
+      to_boundary = min([*(p - step % p for p in periods), t.steps - step])
       num_steps = steps_per_call if to_boundary >= steps_per_call else 1
       if num_steps > 1:
         local = [next(batches) for _ in range(num_steps)]
         stacked = {name: np.stack([b[name] for b in local]) for name in keys}
         batch = partitioning.global_batch_from_local(stacked, mesh, stacked=True)
-        rngs = train_state.step_rngs(seed, step, num_steps)
+        rngs = train_state.step_rngs(t.seed, step, num_steps)
       else:
         batch = partitioning.global_batch_from_local(next(batches), mesh, keys=keys)
-        rngs = train_state.step_rng(seed, step)
+        rngs = train_state.step_rng(t.seed, step)
       state, metrics = compiled[num_steps](state, batch, rngs, run.schedule)
-      if call == 0 and save_config:  # config.json records a batch that ran, not one over memory
+      if call == 0 and is_chief:  # config.json records a batch that ran, not one over memory
         jax.block_until_ready(metrics)
-        save_config()
+        config_lib.save_config(workdir, config, run.saved_config, start and start.step)
       step += num_steps
       window_steps += num_steps
       window.append(metrics)
       stopping = signals.stop_after(call)
       call += 1
-      at_log = step % t.log_every == 0 or step == total_steps or stopping
-      at_save = step % config.checkpoint.every_steps == 0 or step == total_steps or stopping
-      at_eval = evaluator and (step % config.eval.every_steps == 0 or step == total_steps)
+      at_log = step % t.log_every == 0 or step == t.steps or stopping
+      at_save = step % config.checkpoint.every_steps == 0 or step == t.steps or stopping
+      at_eval = evaluator and (step % config.eval.every_steps == 0 or step == t.steps)
       if not (at_log or at_save or at_eval):
         continue
 
@@ -176,7 +163,7 @@ def train_and_evaluate(
         logged.update(step=step, steps_per_sec=rate, tokens_per_sec=rate * global_batch * seq_len)
         if peak is not None:
           logged["mfu"] = logged["tokens_per_sec"] * flops_per_token / (peak * jax.device_count())
-        eta = config_lib.format_duration((total_steps - step) / rate)
+        eta = config_lib.format_duration((t.steps - step) / rate)
         last_logged, window, window_steps, window_start = logged, [], 0, time.perf_counter()
       if at_eval:
         eval_start = time.perf_counter()
@@ -191,7 +178,7 @@ def train_and_evaluate(
         logging.info(
             "step %(step)d/%(steps)d | loss %(loss).4f | mlm_acc %(masked_lm_accuracy).3f | "
             "disc_auc %(disc_auc).3f | %(tokens)s tokens/s | ETA %(eta)s",
-            dict(logged, steps=total_steps, tokens=f"{logged['tokens_per_sec']:,.0f}", eta=eta),
+            dict(logged, steps=t.steps, tokens=f"{logged['tokens_per_sec']:,.0f}", eta=eta),
         )
       if is_chief and at_eval:
         eval_log.append(dict(held_out, step=step))
@@ -213,7 +200,7 @@ def train_and_evaluate(
             "command to resume."
         )
         break
-    if step >= total_steps and is_chief:
+    if step >= t.steps and is_chief:
       logging.info("Done: step %d, checkpoints in %s.", step, checkpointer.directory)
     return last_logged
 

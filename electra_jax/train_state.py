@@ -164,11 +164,8 @@ class TrainingSetup:
 
 def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
   """Model, objective, optimizer and shardings: independent of the batch size and the run's length."""
-  init_fn = make_init_fn(
-      config,
-      build_model(config, objectives.towers(config)),
-      objectives.objective_from_config(config, special_ids),
-  )
+  model = build_model(config, objectives.towers(config))
+  init_fn = make_init_fn(config, model, objectives.objective_from_config(config, special_ids))
   boxed_shapes = jax.eval_shape(init_fn, jax.random.key(0))
   state_shardings = partitioning.shardings_for(boxed_shapes, mesh)
   if unsharded := partitioning.unsharded_dimensions(boxed_shapes.params, mesh):
@@ -183,9 +180,7 @@ def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
       state_shardings,
   )
   shapes = param_shapes(boxed_shapes.params)
-  return TrainingSetup(
-      init_fn.model, init_fn.objective, init_fn, state_shardings, abstract_state, shapes
-  )
+  return TrainingSetup(model, init_fn.objective, init_fn, state_shardings, abstract_state, shapes)
 
 
 def batch_keys(config) -> tuple[str, ...]:
