@@ -189,13 +189,9 @@ def with_defaults(saved: dict) -> ml_collections.ConfigDict:
 
 
 def _same_kind(default, value) -> bool:
-  if isinstance(default, bool) or isinstance(value, bool):
-    return isinstance(default, bool) and isinstance(value, bool)
-  if isinstance(default, float):
-    return isinstance(value, (int, float))
-  if isinstance(default, (list, tuple)):
-    return isinstance(value, (list, tuple))
-  return type(value) is type(default)
+  """The default's type (a bool is no number), a list for a tuple (JSON's), an int for a float."""
+  kind = lambda x: list if isinstance(x, tuple) else type(x)  # noqa: E731
+  return kind(value) is kind(default) or (kind(default), kind(value)) == (float, int)
 
 
 def saved_config(workdir: str) -> dict | None:
@@ -259,9 +255,8 @@ def as_saved(config: ml_collections.ConfigDict) -> dict:
 
 
 def save_config(workdir: str, config, before: dict | None, start_step: int | None) -> None:
-  """Writes <workdir>/config.json (the folder made). A resume (from `start_step`) with settings
-  other than `before` (the config.json it found) says which, and first keeps that file as
-  config.step<N>.json."""
+  """Writes <workdir>/config.json. A resume (from `start_step`) with settings other than `before`
+  (the config.json it found) says which, and first keeps that file as config.step<N>.json."""
   from electra_jax import workdir_files  # noqa: PLC0415 (keeps recipes' imports light)
 
   changes = before is not None and start_step is not None and changed_keys(before, as_saved(config))

@@ -116,21 +116,21 @@ def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
       resolved.update_from_flattened_dict({"train.batch_size": batch_size})
     if t.time_budget and start and saved and saved["train"]["time_budget"] == t.time_budget:
       steps = int(saved["train"]["steps"])  # a resume under the same budget keeps its schedule
-      logging.info(
-          f"train.time_budget={t.time_budget}: train.steps={steps}, as config.json records."
-      )
+      logging.info(f"train.time_budget={t.time_budget}: train.steps={steps} as config.json has it.")
     elif t.time_budget:
-      timing = train_state.measure_step_time(resolved, setup, mesh, corpus)
+      step_time, compile_time, eval_time = train_state.measure_step_time(
+          resolved, setup, mesh, corpus
+      )
       # The run compiles the same step again (jax's cache answers): compiling is not counted. The
       # steps, their evaluations and a last one fit in (1 - _BUDGET_MARGIN) of the budget left.
       left = (budget - (_budget_clock() - started)) * (1.0 - _BUDGET_MARGIN)
       every = config.eval.every_steps
-      per_step = timing.step + (timing.evaluation / every if every else 0.0)
-      new_steps = math.floor((left - (timing.evaluation if every else 0.0)) / per_step)
+      per_step = step_time + (eval_time / every if every else 0.0)
+      new_steps = math.floor((left - (eval_time if every else 0.0)) / per_step)
       steps = (start.step if start else 0) + max(new_steps, 1)  # at least one new step
       logging.info(
-          f"train.time_budget={t.time_budget}: measured {timing.step:.4g} s/step (compiling "
-          f"{timing.compile:.1f} s, evaluation {timing.evaluation:.1f} s), training {steps} steps."
+          f"train.time_budget={t.time_budget}: measured {step_time:.4g} s/step (compiling "
+          f"{compile_time:.1f} s, evaluation {eval_time:.1f} s), training {steps} steps."
       )
     if t.time_budget:
       resolved.update_from_flattened_dict({"train.steps": distributed.from_process_0(steps)})

@@ -118,7 +118,7 @@ def train_and_evaluate(
     peak = flops.peak_flops(jax.devices()[0])
     meta = {"param_shapes": setup.param_shapes, "data_fingerprint": corpus.fingerprint}
     window, window_steps, last_logged, call = [], 0, {}, 0
-    keys, periods = train_state.batch_keys(config), _periods(config, steps_per_call)
+    keys, periods = data.batch_keys(config.data.pack_rows), _periods(config, steps_per_call)
     remote = workdir_files.is_remote(workdir)
     window_start = time.perf_counter()
 
@@ -220,9 +220,9 @@ def evaluate_checkpoint(
 
 
 def _stop_if_not_finite(window: list, params, step: int, checkpointer, dtype: str) -> None:
-  """Stops the run when a loss of the log window (ending at `step`) or, given `params` (before a
-  save: a step's loss predates its update), a parameter is not finite; says whether the latest
-  checkpoint already produced it."""
+  """Stops the run when a loss of the window ending at `step` or, given `params` (before a save: a
+  loss predates its step's update), a parameter is not finite; says if the last checkpoint did it.
+  """
   first_bad = _first_non_finite_step(window, step)
   if first_bad is None and (params is None or bool(_params_finite(params))):
     return

@@ -5,7 +5,7 @@ batch size and the run's length) and the step compiled for a global batch."""
 import dataclasses
 import functools
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax
 import flax.linen as nn
@@ -183,11 +183,6 @@ def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
   return TrainingSetup(model, init_fn.objective, init_fn, state_shardings, abstract_state, shapes)
 
 
-def batch_keys(config) -> tuple[str, ...]:
-  """The arrays of a training batch that go to the devices (`data.batch_keys`)."""
-  return data.batch_keys(bool(config.data.pack_rows))
-
-
 def compile_train_step(
     setup: TrainingSetup, config, mesh, num_steps: int | None = None, batch_size: int | None = None
 ):
@@ -201,7 +196,7 @@ def compile_train_step(
   shape = (*leading, batch_size or config.train.batch_size, config.data.max_seq_len)
   abstract_batch = {
       name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)
-      for name in batch_keys(config)
+      for name in data.batch_keys(config.data.pack_rows)
   }
   abstract_rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=replicated)
   abstract_schedule = jax.tree.map(
@@ -219,22 +214,14 @@ def compile_train_step(
     return lowered.compile()
 
 
-class StepTiming(NamedTuple):
-  """What measure_step_time found, in seconds."""
-
-  step: float  # one compiled training step
-  compile: float  # compiling the step and the held-out evaluation
-  evaluation: float  # one held-out evaluation (0 without eval.every_steps)
-
-
 _TIMED_STEPS = 3  # after one warm-up step
 
 
-def measure_step_time(config, setup: TrainingSetup, mesh, corpus) -> StepTiming:
-  """Times the train step on a throwaway state and batch 0 (after a warm-up step) and one held-out
-  evaluation (after a first that compiles), inside partitioning.activate(mesh); nothing of the run
-  is advanced."""
-  seed, keys = config.train.seed, batch_keys(config)
+def measure_step_time(config, setup: TrainingSetup, mesh, corpus) -> tuple[float, float, float]:
+  """Seconds of (one train step, compiling it and the evaluation, one held-out evaluation or 0), on
+  a throwaway state and batch 0, after a warm-up step and a first evaluation; inside
+  partitioning.activate(mesh)."""
+  seed, keys = config.train.seed, data.batch_keys(config.data.pack_rows)
   state, clock = fresh_state(setup, seed), time.perf_counter()
   step_fn = compile_train_step(setup, config, mesh)
   compile_seconds = time.perf_counter() - clock
@@ -257,7 +244,7 @@ def measure_step_time(config, setup: TrainingSetup, mesh, corpus) -> StepTiming:
       jax.block_until_ready(evaluator(state))
       evaluated.append(time.perf_counter() - clock)
     compile_seconds += max(evaluated[0] - evaluated[1], 0.0)
-  return StepTiming(seconds[1] / _TIMED_STEPS, compile_seconds, evaluated[-1] if evaluated else 0.0)
+  return seconds[1] / _TIMED_STEPS, compile_seconds, evaluated[-1] if evaluated else 0.0
 
 
 def special_ids(tokenizer) -> dict[str, int]:
