@@ -76,8 +76,7 @@ def unknown_key(config, dotted: str) -> tuple[str, str] | None:
 
 
 def flags_parser(program: str):
-  """For `app.run(main, flags_parser=...)`: absl's parsing, a mistake in the config flags ending in
-  one line."""
+  """For `app.run(main, flags_parser=...)`: absl's parsing, a config flag's mistake in one line."""
 
   def parse(argv: list[str]) -> list[str]:
     parser = flags.FLAGS["config"].parser  # define_config_flag's
@@ -127,8 +126,7 @@ _BASE_RECIPE = os.path.join(RECIPES_DIR, "base.py")
 
 
 def load_recipe(value: str, flag: str = "--config") -> ml_collections.ConfigDict:
-  """The config of a recipe given by its file or its name (`demo`, `finetune/glue`, any `:ARG`);
-  errors name it as `flag`."""
+  """A recipe's config by its file or name (`demo`, `finetune/glue`, `:ARG`); errors name `flag`."""
   recipe, colon, arg = resolve_recipe(value).partition(":")
   if recipe.endswith(".json"):
     raise ConfigError(
@@ -163,9 +161,8 @@ def resolve_recipe(value: str) -> str:
 
 
 def with_defaults(saved: dict) -> ml_collections.ConfigDict:
-  """A saved config (config.json's, sweep.json's base) less the version that wrote it, completed
-  with configs/base.py's defaults; a key they lack, or a value of another type than its default's
-  (a bool for a number, 7.9 for an integer), raises ValueError naming it, as an override would."""
+  """A saved config (config.json's, sweep.json's base) less its version, completed with base.py's
+  defaults; ValueError names a key they lack or a value of another type (7.9 for an int, a bool)."""
 
   def merged_over(defaults: dict, saved: dict, prefix: str = "") -> dict:
     merged = dict(defaults)

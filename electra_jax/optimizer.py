@@ -38,8 +38,7 @@ def scale_by_adam_without_bias_correction(b1: float, b2: float, eps: float):
 @flax.struct.dataclass
 class Schedule:
   """The official rate peak * min(1, step / warmup) * max(0, 1 - step / total), the temperature's
-  decay steps and two_stage's switch, as float32 arrays: an argument of the compiled step, so runs
-  that differ only there (a resume, a time budget, a sweep over rates) share one program."""
+  decay steps and two_stage's switch, as float32 arrays the compiled step takes as an argument."""
 
   peak: jax.Array
   warmup: jax.Array  # at least 1

@@ -1,6 +1,5 @@
-"""Stopping a run cleanly: SIGTERM (a preempted VM), SIGHUP (a closed terminal) and a first Ctrl-C end
-the training loop after a step, with a checkpoint; `sigterm_received` lets loops around several runs
-(the sweep) stop too."""
+"""Stopping a run cleanly: SIGTERM (a preempted VM), SIGHUP (a closed terminal) or a first Ctrl-C
+ends the loop after a step, with a checkpoint; `sigterm_received` lets the sweep's loop stop too."""
 
 import contextlib
 import signal
@@ -23,8 +22,8 @@ def note_sigterm(signum=None, frame=None) -> None:
 
 class Preemption:
   """SIGTERM or SIGHUP for a whole run: while it starts it unwinds at once (SystemExit(0)); once the
-  loop runs, it or a first Ctrl-C ends the run after a step, with a checkpoint. Under jax.distributed
-  JAX's preemption service (no Python handler) picks a step every process reaches."""
+  loop runs, it or a first Ctrl-C ends the run after a step, with a checkpoint. Under
+  jax.distributed, JAX's preemption service (no Python handler) picks a step all processes reach."""
 
   def __init__(self):
     self.requested = self.unwound = self.looping = False

@@ -53,8 +53,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
   started = _budget_clock()
   if workdir is not None:
     workdir_files.check_usable(workdir)
-  # --- Checks: the time budget, the workdir's config.json (what a checkpoint of another model is
-  # refused with), every group, then the mesh
+  # --- Checks: the time budget, config.json (it names a checkpoint's other model), groups, mesh
   budget = config_lib.parse_duration(config.train.time_budget) if config.train.time_budget else 0
   saved = config_lib.saved_config(workdir) if workdir is not None else None
   changes = saved and config_lib.changed_keys(
@@ -96,11 +95,10 @@ def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
   if t.batch_size != -1 and needs > limit:
     cpu = " (on CPU, the host's available memory over its devices)" if platform == "cpu" else ""
     raise ConfigError(
-        f"train.batch_size={t.batch_size} needs at least {needs / 2**30:.2f} GiB a device (the "
-        f"train state and each layer's input kept for the backward pass), more than "
-        f"train.memory_fraction={t.memory_fraction:g} of the {device_bytes / 2**30:.2f} GiB a "
-        f"device has{cpu}: lower train.batch_size, raise train.grad_accum_steps, or set "
-        "train.batch_size=-1 for the largest batch that fits."
+        f"train.batch_size={t.batch_size} needs at least {needs / 2**30:.2f} GiB a device (state "
+        f"and the inputs the backward pass keeps), more than train.memory_fraction="
+        f"{t.memory_fraction:g} of the {device_bytes / 2**30:.2f} GiB a device has{cpu}: lower it, "
+        "raise train.grad_accum_steps, or set it to -1 for the largest batch that fits."
     )
 
   # --- What the run decides at its start: the checkpoint, the batch, the steps

@@ -1,6 +1,5 @@
-"""Pre-training, top to bottom: `train_and_evaluate` resolves the run (resolve.py: checks, mesh,
-data, setup, the checkpoint to go on from), takes the workdir, compiles the step, then loops with
-its logs, held-out evaluations, checkpoints, preemption and non-finite checks."""
+"""Pre-training, top to bottom: `train_and_evaluate` resolves the run (resolve.py), takes the
+workdir, compiles the step, then loops: logs, evaluations, saves, preemption and NaN checks."""
 
 import collections
 import contextlib
@@ -44,9 +43,7 @@ def train_and_evaluate(
     config, mesh, setup, corpus, start = run.config, run.mesh, run.setup, run.corpus, run.start
     t, step = config.train, start.step if start is not None else 0
     if step >= t.steps:
-      logging.info(
-          "Nothing to do: the checkpoint at step %d reached train.steps=%d.", step, t.steps
-      )
+      logging.info(f"Nothing to do: the checkpoint at step {step} reached train.steps={t.steps}.")
       return {}
     evaluator = None  # built (its batch checked, its data read) before anything is written
     if config.eval.every_steps:
@@ -95,12 +92,12 @@ def train_and_evaluate(
 
     # --- The loop: several steps a call where they fit before the next log, evaluation or save
     seq_len, global_batch = config.data.max_seq_len, t.batch_size
-    # The data stream goes on where the checkpoint's run stopped reading (its batch size may differ).
+    # The data stream goes on where the checkpoint's run stopped reading (its batch size may vary).
     stream_offset = start.stream_position - step * global_batch if step else 0
     if stream_offset:
       logging.info(
-          f"The checkpoint at step {step} read {start.stream_position} rows of the data stream (the "
-          f"batch size changed along the way); batches of {global_batch} go on from there."
+          f"The checkpoint at step {step} read {start.stream_position} rows of the data stream "
+          f"(the batch size changed along the way); batches of {global_batch} go on from there."
       )
     what_is_held_out = "rows" if config.data.pack_rows else "examples"
     flops_per_token = flops.objective_flops_per_token(setup.model, setup.objective, seq_len)
@@ -109,17 +106,16 @@ def train_and_evaluate(
       parts[path.split("/", 1)[0]] += math.prod(shape)
     counts = ", ".join(f"{name} {count / 1e6:.2f}M" for name, count in sorted(parts.items()))
     logging.info(
-        f"Training {config.objective.name}: parameters {counts} ({sum(parts.values()) / 1e6:.2f}M in all); "
-        f"{flops_per_token / 1e6:.1f} model MFLOPs per token; {global_batch * seq_len:,} tokens per step "
-        f"(batch {global_batch} x {seq_len}) for {t.steps:,} steps; {t.dtype}, attention "
-        f"{config.model.attention_impl}; data {config.data.source}: {corpus.num_examples:,} train examples, "
-        f"vocabulary {corpus.tokenizer.vocab_size:,}."
+        f"Training {config.objective.name}: parameters {counts} ({sum(parts.values()) / 1e6:.2f}M "
+        f"in all); {flops_per_token / 1e6:.1f} model MFLOPs per token; {global_batch * seq_len:,} "
+        f"tokens per step (batch {global_batch} x {seq_len}) for {t.steps:,} steps; {t.dtype}, "
+        f"attention {config.model.attention_impl}; data {config.data.source}: "
+        f"{corpus.num_examples:,} train examples, vocabulary {corpus.tokenizer.vocab_size:,}."
     )
     peak = flops.peak_flops(jax.devices()[0])
     meta = {"param_shapes": setup.param_shapes, "data_fingerprint": corpus.fingerprint}
     window, window_steps, last_logged, call = [], 0, {}, 0
     keys, periods = data.batch_keys(config.data.pack_rows), _periods(config, steps_per_call)
-    remote = workdir_files.is_remote(workdir)
     window_start = time.perf_counter()
 
     def fetch(step_index):
@@ -172,7 +168,7 @@ def train_and_evaluate(
       if at_log or at_save:
         # The lease file (a bucket's read at most every 10 s between saves): a run that took the
         # workdir over owns its logs and checkpoints from its checkpoint on.
-        workdir_lease.hold(lease, 10.0 if remote and not at_save else 0.0)
+        workdir_lease.hold(lease, 10.0 if workdir_files.is_remote(workdir) and not at_save else 0.0)
       if is_chief and at_log:
         metrics_log.append(logged)
         logging.info(
@@ -275,8 +271,7 @@ def _mean_metrics(window: list[dict]) -> dict[str, float]:
 
 
 def _periods(config, steps_per_call: int) -> tuple[int, ...]:
-  """The steps between logs, checkpoints and evaluations; says so when train.steps_per_call leaves
-  steps before one of them to run one call each."""
+  """Steps between logs, saves and evaluations; warns if train.steps_per_call leaves lone steps."""
   periods = {
       "train.log_every": config.train.log_every,
       "checkpoint.every_steps": config.checkpoint.every_steps,

@@ -1,6 +1,5 @@
-"""The train state and its update: `train_step(state, batch, rng, schedule)` as a pure function, the
-state's sharded setup (`build_setup`: model, objective, optimizer and shardings, independent of the
-batch size and the run's length) and the step compiled for a global batch."""
+"""The train state and its update: `train_step(state, batch, rng, schedule)`, a pure function; the
+state's sharded setup (`build_setup`, whatever the batch size and length) and the compiled step."""
 
 import dataclasses
 import functools
