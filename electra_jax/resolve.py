@@ -98,7 +98,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
         f"train.batch_size={t.batch_size} needs at least {needs / 2**30:.2f} GiB a device (state "
         f"and the inputs the backward pass keeps), more than train.memory_fraction="
         f"{t.memory_fraction:g} of the {device_bytes / 2**30:.2f} GiB a device has{cpu}: lower it, "
-        "raise train.grad_accum_steps, or set it to -1 for the largest batch that fits."
+        "raise train.grad_accum_steps, or set train.batch_size=-1 for the largest batch that fits."
     )
 
   # --- What the run decides at its start: the checkpoint, the batch, the steps
