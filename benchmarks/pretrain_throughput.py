@@ -71,7 +71,7 @@ def main(argv):
       steps_fn = train_state.compile_train_step(setup, config, mesh, per_call)
     compile_seconds = time.perf_counter() - compile_start
 
-  keys = train_state.batch_keys(config)
+  keys = data.batch_keys(config.data.pack_rows)
   batches = [
       partitioning.global_batch_from_local(
           data.get_batch(corpus, i, batch_size, 0), mesh, keys=keys

@@ -56,7 +56,7 @@ def main(argv):
     batch = partitioning.global_batch_from_local(
         data.get_batch(corpus, 0, config.train.batch_size, 0),
         mesh,
-        keys=train_state.batch_keys(config),
+        keys=data.batch_keys(config.data.pack_rows),
     )
     step_fn = train_state.compile_train_step(setup, config, mesh)
     rng = jax.random.key(1)

@@ -76,8 +76,7 @@ def unknown_key(config, dotted: str) -> tuple[str, str] | None:
 
 
 def flags_parser(program: str):
-  """For `app.run(main, flags_parser=...)`: absl's parsing, a mistake in the config flags ending in
-  one line."""
+  """For `app.run(main, flags_parser=...)`: absl's parsing, a config flag's mistake in one line."""
 
   def parse(argv: list[str]) -> list[str]:
     parser = flags.FLAGS["config"].parser  # define_config_flag's
@@ -127,8 +126,7 @@ _BASE_RECIPE = os.path.join(RECIPES_DIR, "base.py")
 
 
 def load_recipe(value: str, flag: str = "--config") -> ml_collections.ConfigDict:
-  """The config of a recipe given by its file or its name (`demo`, `finetune/glue`, any `:ARG`);
-  errors name it as `flag`."""
+  """A recipe's config by its file or name (`demo`, `finetune/glue`, `:ARG`); errors name `flag`."""
   recipe, colon, arg = resolve_recipe(value).partition(":")
   if recipe.endswith(".json"):
     raise ConfigError(
@@ -163,9 +161,8 @@ def resolve_recipe(value: str) -> str:
 
 
 def with_defaults(saved: dict) -> ml_collections.ConfigDict:
-  """A saved config (config.json's, sweep.json's base) less the version that wrote it, completed
-  with configs/base.py's defaults; a key they lack, or a value of another type than its default's
-  (a bool for a number, 7.9 for an integer), raises ValueError naming it, as an override would."""
+  """A saved config (config.json's, sweep.json's base) less its version, completed with base.py's
+  defaults; ValueError names a key they lack or a value of another type (7.9 for an int, a bool)."""
 
   def merged_over(defaults: dict, saved: dict, prefix: str = "") -> dict:
     merged = dict(defaults)
@@ -189,13 +186,9 @@ def with_defaults(saved: dict) -> ml_collections.ConfigDict:
 
 
 def _same_kind(default, value) -> bool:
-  if isinstance(default, bool) or isinstance(value, bool):
-    return isinstance(default, bool) and isinstance(value, bool)
-  if isinstance(default, float):
-    return isinstance(value, (int, float))
-  if isinstance(default, (list, tuple)):
-    return isinstance(value, (list, tuple))
-  return type(value) is type(default)
+  """The default's type (a bool is no number), a list for a tuple (JSON's), an int for a float."""
+  kind = lambda x: list if isinstance(x, tuple) else type(x)  # noqa: E731
+  return kind(value) is kind(default) or (kind(default), kind(value)) == (float, int)
 
 
 def saved_config(workdir: str) -> dict | None:
@@ -242,10 +235,6 @@ def format_duration(seconds: float) -> str:
   return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
-def to_json(config: ml_collections.ConfigDict) -> str:
-  return json.dumps(config.to_dict(), indent=2, sort_keys=True)
-
-
 # config.json's record of the electra-jax version that wrote it (not a config key: readers drop it).
 VERSION_KEY = "electra_jax_version"
 
@@ -259,16 +248,14 @@ def config_file_text(config: ml_collections.ConfigDict) -> str:
 
 def as_saved(config: ml_collections.ConfigDict) -> dict:
   """The config as its config.json reads back (tuples become lists), to compare with one."""
-  return json.loads(to_json(config))
+  return json.loads(json.dumps(config.to_dict(), sort_keys=True))
 
 
 def save_config(workdir: str, config, before: dict | None, start_step: int | None) -> None:
-  """Writes <workdir>/config.json (the folder made). A resume (from `start_step`) with settings
-  other than `before` (the config.json it found) says which, and first keeps that file as
-  config.step<N>.json."""
+  """Writes <workdir>/config.json. A resume (from `start_step`) with settings other than `before`
+  (the config.json it found) says which, and first keeps that file as config.step<N>.json."""
   from electra_jax import workdir_files  # noqa: PLC0415 (keeps recipes' imports light)
 
-  text = config_file_text(config)
   changes = before is not None and start_step is not None and changed_keys(before, as_saved(config))
   file = workdir_files.path(workdir, "config.json")
   workdir_files.makedirs(file.parent)
@@ -279,13 +266,10 @@ def save_config(workdir: str, config, before: dict | None, start_step: int | Non
     if not workdir_files.exists(kept):
       workdir_files.write_text(kept, workdir_files.read_text(file))
     logging.warning(
-        "Resuming at step %d with settings that differ from the workdir's config.json (kept as "
-        "%s): %s",
-        start_step,
-        kept.name,
-        "; ".join(changes),
+        f"Resuming at step {start_step} with settings that differ from the workdir's config.json "
+        f"(kept as {kept.name}): {'; '.join(changes)}"
     )
-  workdir_files.write_text(file, text)
+  workdir_files.write_text(file, config_file_text(config))
 
 
 _WITHIN = {  # a bound as the messages state it: its test

@@ -24,9 +24,7 @@ def scale_by_adam_without_bias_correction(b1: float, b2: float, eps: float):
   """Adam's direction m / (sqrt(v) + eps) without bias correction, as ELECTRA's AdamWeightDecayOptimizer."""
 
   def init(params):
-    return OfficialAdamState(
-        jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, params)
-    )
+    return OfficialAdamState(*(jax.tree.map(jnp.zeros_like, params) for _ in range(2)))
 
   def update(updates, state, params=None):
     mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, updates)
@@ -40,8 +38,7 @@ def scale_by_adam_without_bias_correction(b1: float, b2: float, eps: float):
 @flax.struct.dataclass
 class Schedule:
   """The official rate peak * min(1, step / warmup) * max(0, 1 - step / total), the temperature's
-  decay steps and two_stage's switch, as float32 arrays: an argument of the compiled step, so runs
-  that differ only there (a resume, a time budget, a sweep over rates) share one program."""
+  decay steps and two_stage's switch, as float32 arrays the compiled step takes as an argument."""
 
   peak: jax.Array
   warmup: jax.Array  # at least 1
@@ -57,13 +54,9 @@ class Schedule:
 
 
 def learning_rate_schedule(
-    base_lr: float,
-    warmup_steps: int,
-    total_steps: int,
-    temperature_decay_steps: int = 0,
-    switch: int = 0,
+    peak: float, warmup_steps: int, total_steps: int, temperature_decay_steps=0, switch=0
 ) -> Schedule:
-  values = (base_lr, max(warmup_steps, 1), total_steps, temperature_decay_steps, switch)
+  values = (peak, max(warmup_steps, 1), total_steps, temperature_decay_steps, switch)
   return Schedule(*(jnp.float32(value) for value in values))
 
 

@@ -1,6 +1,5 @@
-"""Stopping a run cleanly: SIGTERM (a preempted VM), SIGHUP (a closed terminal) and a first Ctrl-C end
-the training loop after a step, with a checkpoint; `sigterm_received` lets loops around several runs
-(the sweep) stop too."""
+"""Stopping a run cleanly: SIGTERM (a preempted VM), SIGHUP (a closed terminal) or a first Ctrl-C
+ends the loop after a step, with a checkpoint; `sigterm_received` lets the sweep's loop stop too."""
 
 import contextlib
 import signal
@@ -24,8 +23,7 @@ def note_sigterm(signum=None, frame=None) -> None:
 class Preemption:
   """SIGTERM or SIGHUP for a whole run: while it starts it unwinds at once (SystemExit(0)); once the
   loop runs, it or a first Ctrl-C ends the run after a step, with a checkpoint. Under
-  jax.distributed JAX's preemption service (no Python handler) picks a step every process reaches.
-  """
+  jax.distributed, JAX's preemption service (no Python handler) picks a step all processes reach."""
 
   def __init__(self):
     self.requested = self.unwound = self.looping = False
@@ -48,9 +46,8 @@ class Preemption:
     self.looping = True
     if jax.process_count() > 1 and not self._collective:  # joined by the runtime alone
       logging.warning(
-          "%d processes without jax.distributed: a SIGTERM stops this run without a checkpoint; "
-          "start it through electra_jax.main, which joins the job.",
-          jax.process_count(),
+          f"{jax.process_count()} processes without jax.distributed: a SIGTERM stops this run "
+          "without a checkpoint; start it through electra_jax.main, which joins the job."
       )
     self._install(signal.SIGINT)  # a first Ctrl-C saves at the end of the step; a second stops
 
@@ -80,7 +77,6 @@ class Preemption:
       signal.signal(signum, previous)
     if self.unwound:
       logging.warning(
-          "%s while the run was starting: it stopped before its first step, saving nothing new. "
-          "Run the same command to go on.",
-          self.signal_name,
+          f"{self.signal_name} while the run was starting: it stopped before its first step, "
+          "saving nothing new. Run the same command to go on."
       )

@@ -1,6 +1,6 @@
-"""A run resolved before anything trains (`run`): every group checked, the mesh, data, setup and
-checkpoint to resume from, and what a run decides at its start (a searched batch size, a time
-budget's steps, an objective's fixed keys). It writes nothing; after it nothing changes the config.
+"""A run resolved before anything trains (`run`): every group checked, the mesh, data, setup, the
+checkpoint to resume from and what a run decides at its start (a searched batch size, a time
+budget's steps, an objective's fixed keys). It writes nothing; nothing changes the config after it.
 """
 
 import dataclasses
@@ -39,7 +39,6 @@ class Run:
   """Everything a training run needs, resolved: nothing in it changes while the run trains."""
 
   config: ml_collections.FrozenConfigDict  # the config it trains, as config.json records it
-  workdir: str | None
   mesh: jax.sharding.Mesh
   corpus: data.PretrainingData  # the train split
   setup: TrainingSetup
@@ -50,13 +49,11 @@ class Run:
 
 def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
   """`config` resolved for a run in `workdir` (None: no checkpoint is looked for). Every refusal
-  comes from here, before anything is compiled for the run or written; a time budget counts from
-  here."""
+  comes from here, before anything is compiled for the run or written; a time budget counts here."""
   started = _budget_clock()
   if workdir is not None:
     workdir_files.check_usable(workdir)
-  # --- Checks: the time budget, the workdir's config.json (what a checkpoint of another model is
-  # refused with), every group, then the mesh
+  # --- Checks: the time budget, config.json (it names a checkpoint's other model), groups, mesh
   budget = config_lib.parse_duration(config.train.time_budget) if config.train.time_budget else 0
   saved = config_lib.saved_config(workdir) if workdir is not None else None
   changes = saved and config_lib.changed_keys(
@@ -98,11 +95,10 @@ def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
   if t.batch_size != -1 and needs > limit:
     cpu = " (on CPU, the host's available memory over its devices)" if platform == "cpu" else ""
     raise ConfigError(
-        f"train.batch_size={t.batch_size} needs at least {needs / 2**30:.2f} GiB a device (the "
-        f"train state and each layer's input kept for the backward pass), more than "
-        f"train.memory_fraction={t.memory_fraction:g} of the {device_bytes / 2**30:.2f} GiB a "
-        f"device has{cpu}: lower train.batch_size, raise train.grad_accum_steps, or set "
-        "train.batch_size=-1 for the largest batch that fits."
+        f"train.batch_size={t.batch_size} needs at least {needs / 2**30:.2f} GiB a device (state "
+        f"and the inputs the backward pass keeps), more than train.memory_fraction="
+        f"{t.memory_fraction:g} of the {device_bytes / 2**30:.2f} GiB a device has{cpu}: lower it, "
+        "raise train.grad_accum_steps, or set train.batch_size=-1 for the largest batch that fits."
     )
 
   # --- What the run decides at its start: the checkpoint, the batch, the steps
@@ -116,24 +112,23 @@ def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
       batch_size, _ = memory.largest_batch(compile_step, limit, quantum)
       logging.info("train.batch_size=-1: using %d, the largest batch that fits.", batch_size)
       resolved.update_from_flattened_dict({"train.batch_size": batch_size})
-    resumed = start is not None and saved is not None
-    if t.time_budget and resumed and saved["train"]["time_budget"] == t.time_budget:
+    if t.time_budget and start and saved and saved["train"]["time_budget"] == t.time_budget:
       steps = int(saved["train"]["steps"])  # a resume under the same budget keeps its schedule
-      logging.info(
-          "train.time_budget=%s: train.steps=%d, as config.json records.", t.time_budget, steps
-      )
+      logging.info(f"train.time_budget={t.time_budget}: train.steps={steps} as config.json has it.")
     elif t.time_budget:
-      timing = train_state.measure_step_time(resolved, setup, mesh, corpus)
+      step_time, compile_time, eval_time = train_state.measure_step_time(
+          resolved, setup, mesh, corpus
+      )
       # The run compiles the same step again (jax's cache answers): compiling is not counted. The
       # steps, their evaluations and a last one fit in (1 - _BUDGET_MARGIN) of the budget left.
       left = (budget - (_budget_clock() - started)) * (1.0 - _BUDGET_MARGIN)
       every = config.eval.every_steps
-      per_step = timing.step + (timing.evaluation / every if every else 0.0)
-      new_steps = math.floor((left - (timing.evaluation if every else 0.0)) / per_step)
+      per_step = step_time + (eval_time / every if every else 0.0)
+      new_steps = math.floor((left - (eval_time if every else 0.0)) / per_step)
       steps = (start.step if start else 0) + max(new_steps, 1)  # at least one new step
       logging.info(
-          f"train.time_budget={t.time_budget}: measured {timing.step:.4g} s/step (compiling "
-          f"{timing.compile:.1f} s, evaluation {timing.evaluation:.1f} s), training {steps} steps."
+          f"train.time_budget={t.time_budget}: measured {step_time:.4g} s/step (compiling "
+          f"{compile_time:.1f} s, evaluation {eval_time:.1f} s), training {steps} steps."
       )
     if t.time_budget:
       resolved.update_from_flattened_dict({"train.steps": distributed.from_process_0(steps)})
@@ -143,54 +138,37 @@ def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
   resolved.update_from_flattened_dict(fixed)
   if (note := optimizer.warmup_note(resolved)) is not None:
     logging.warning("%s", note)
-  return Run(
-      ml_collections.FrozenConfigDict(resolved),
-      workdir,
-      mesh,
-      corpus,
-      setup,
-      optimizer.make_schedule(resolved),
-      start,
-      saved,
-  )
+  schedule = optimizer.make_schedule(resolved)
+  return Run(ml_collections.FrozenConfigDict(resolved), mesh, corpus, setup, schedule, start, saved)
 
 
-def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpus=None, tries=3):
-  """(step, state): the state saved at `step` (default: the newest intact one) in `workdir`, sharded
-  for `mesh`, once the checkpoint is known to hold this setup's model (and given `corpus`, its data).
-  The newest is read again when a live run rotates it away meanwhile; one that keeps doing so is
-  refused as live, its checkpoints healthy."""
-  attempts = tries if step is None else 1
-  for attempt in range(attempts):
+def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpus=None):
+  """(step, state) saved at `step` (default: the newest intact one) in `workdir`, sharded for `mesh`,
+  once it is known to hold this setup's model (and given `corpus`, its data). The newest is read
+  again when a live run rotates it away meanwhile; one that keeps doing so is refused as live."""
+  for tries_left in reversed(range(3 if step is None else 1)):
+    checkpointer = checkpointing.Checkpointer(workdir, keep=1)  # reading only: keep acts on saves
     try:
-      return _restore(workdir, setup, mesh, step, corpus)
+      if (latest := checkpointer.latest_step()) is None:
+        raise ConfigError(f"{workdir} holds no checkpoint yet; train first or fix --workdir.")
+      if step is not None and step not in checkpointer.all_steps():
+        raise ConfigError(
+            f"{workdir} holds no checkpoint of step {step}; its checkpoints are of steps "
+            f"{checkpointer.all_steps()}. Pick one of those, or leave --step out for the latest."
+        )
+      check = checkpointing.fits(checkpointer, setup, workdir, corpus)
+      with partitioning.activate(mesh):
+        if step is None:
+          return checkpointer.restore_newest_intact(setup.abstract_state, latest, check)[:2]
+        check(step, checkpointer.read_meta(step))
+        return step, checkpointer.restore(step, setup.abstract_state)
     except CheckpointRotated as error:
-      if attempt + 1 == attempts:
+      if not tries_left:
         raise WorkdirInUse(
             f"{workdir} is written by a live run: {error} Try again (with a larger "
             "checkpoint.every_steps it rotates less often), or once the run stops; its "
             "checkpoints are healthy."
         ) from None
       logging.info("%s Reading the newest again.", error)
-
-
-def _restore(workdir: str, setup, mesh, step: int | None, corpus):
-  checkpointer = checkpointing.Checkpointer(workdir, keep=1)  # reading only: keep acts on saves
-  try:
-    latest = step is None
-    step = checkpointer.latest_step() if latest else step
-    if step is None:
-      raise ConfigError(f"{workdir} holds no checkpoint yet; train first or fix --workdir.")
-    if step not in checkpointer.all_steps():
-      raise ConfigError(
-          f"{workdir} holds no checkpoint of step {step}; its checkpoints are of steps "
-          f"{checkpointer.all_steps()}. Pick one of those, or leave --step out for the latest."
-      )
-    check = checkpointing.fits(checkpointer, setup, workdir, corpus)
-    with partitioning.activate(mesh):
-      if latest:
-        return checkpointer.restore_newest_intact(setup.abstract_state, step, check)[:2]
-      check(step, checkpointer.read_meta(step))
-      return step, checkpointer.restore(step, setup.abstract_state)
-  finally:
-    checkpointer.close()
+    finally:
+      checkpointer.close()

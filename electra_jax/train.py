@@ -1,9 +1,8 @@
-"""Pre-training, top to bottom: `train_and_evaluate` resolves the run (resolve.py: checks, mesh,
-data, setup, the checkpoint to go on from), takes the workdir, compiles the step, then loops with
-its logs, held-out evaluations, checkpoints, preemption and non-finite checks."""
+"""Pre-training, top to bottom: `train_and_evaluate` resolves the run (resolve.py), takes the
+workdir, compiles the step, then loops: logs, evaluations, saves, preemption and NaN checks."""
 
 import collections
-import functools
+import contextlib
 import math
 import time
 import warnings
@@ -30,7 +29,6 @@ from electra_jax import (
     workdir_files,
     workdir_lease,
 )
-from electra_jax.train_state import TrainingSetup
 
 
 def train_and_evaluate(
@@ -38,163 +36,130 @@ def train_and_evaluate(
 ) -> dict[str, float]:
   """Pre-trains per `config`, going on from the newest intact checkpoint in `workdir`; returns the
   last logged metrics. A workdir another live run holds is refused, unless `take_over_workdir`."""
-  with preemption.Preemption() as signals:
+  with contextlib.ExitStack() as stack:  # closes what the run opened, whatever ends it
+    signals = stack.enter_context(preemption.Preemption())
     # --- Resolve: every check, the mesh, the data, the setup and the checkpoint; nothing written
     run = resolve.run(config, workdir)
     config, mesh, setup, corpus, start = run.config, run.mesh, run.setup, run.corpus, run.start
-    step = start.step if start is not None else 0
-    if step >= config.train.steps:
-      logging.info(
-          "Nothing to do: the checkpoint at step %d reached train.steps=%d.",
-          step,
-          config.train.steps,
-      )
+    t, step = config.train, start.step if start is not None else 0
+    if step >= t.steps:
+      logging.info(f"Nothing to do: the checkpoint at step {step} reached train.steps={t.steps}.")
       return {}
     evaluator = None  # built (its batch checked, its data read) before anything is written
     if config.eval.every_steps:
       evaluator = evaluation.HeldOutEvaluator(config, setup, mesh, run.schedule)
 
-    # --- The workdir: its lease, its checkpoints, its files; out of memory named in one line
-    t = config.train
-    micro = (
-        f" (micro-batches of {t.batch_size // t.grad_accum_steps})"
-        if t.grad_accum_steps > 1
-        else ""
-    )
+    # --- The workdir: its lease, its checkpoints (saves in flight complete at the end, whatever
+    # ends the run), its files; out of memory named in one line
+    lease = stack.enter_context(workdir_lease.held(workdir, take_over_workdir))
+    micro = f" (micro-batches of {t.batch_size // t.grad_accum_steps})"
     out_of_memory = memory.out_of_memory_named(
-        f"with train.batch_size={t.batch_size}{micro}",
+        f"with train.batch_size={t.batch_size}{micro if t.grad_accum_steps > 1 else ''}",
         "lower it, raise train.grad_accum_steps, set model.remat=full, or set train.batch_size=-1 "
         "for the largest batch that fits; the checkpoints saved are kept",
     )
-    with workdir_lease.held(workdir, take_over_workdir) as lease, out_of_memory:
-      checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
-      is_chief, logs, save_config = jax.process_index() == 0, None, None
-      try:
-        if start is not None and start.newer_damaged:
-          checkpointer.set_aside_after(step)
+    stack.enter_context(out_of_memory)
+    checkpointer = checkpointing.Checkpointer(workdir, keep=config.checkpoint.keep)
+    stack.callback(checkpointer.close)
+    stack.callback(checkpointer.wait)
+    if start is not None:
+      logging.info("Resuming from the checkpoint at step %d in %s.", step, checkpointer.directory)
+      if start.newer_damaged:
+        checkpointer.set_aside_after(step)
 
-        # --- State and compiled step
-        with partitioning.activate(mesh):
-          if start is None:
-            state = train_state.fresh_state(setup, config.train.seed)
-          else:
-            logging.info(
-                "Resuming from the checkpoint at step %d in %s.", step, checkpointer.directory
-            )
-            state = start.state
-          compile_start, steps_per_call = time.perf_counter(), config.train.steps_per_call
-          compiled = {
-              n: train_state.compile_train_step(setup, config, mesh, n if n > 1 else None)
-              for n in {1, steps_per_call}
-          }
-          logging.info("Compiled the train step in %.1f s.", time.perf_counter() - compile_start)
+    # --- State and compiled step
+    with partitioning.activate(mesh):
+      state = start.state if start is not None else train_state.fresh_state(setup, t.seed)
+      compile_start, steps_per_call = time.perf_counter(), t.steps_per_call
+      compiled = {
+          n: train_state.compile_train_step(setup, config, mesh, n if n > 1 else None)
+          for n in {1, steps_per_call}
+      }
+      logging.info("Compiled the train step in %.1f s.", time.perf_counter() - compile_start)
 
-        # --- Process 0 writes the tokenizer (fine-tuning and export need no corpus then) and
-        # opens the logs, cut back to the checkpoint (a bucket's are not rewritten once the lease
-        # is lost); config.json follows the first step. The workdir may be a bucket.
-        if is_chief:
-          data.keep_tokenizer(corpus.tokenizer, workdir)
-          logs = tensorboard_log.open_logs(
-              workdir, config.train.metric_writers, config_lib.as_saved(config)
-          )
-          for log in logs:  # a run killed after its checkpoint logged steps this one logs again
-            log.holds = lease.holds
-            log.truncate_after(step)
-          save_config = functools.partial(
-              config_lib.save_config, workdir, config, run.saved_config, start and step
-          )
+    # --- Process 0 writes the tokenizer (fine-tuning and export need no corpus then) and opens
+    # the logs, cut back to the checkpoint (a bucket's are not rewritten once the lease is lost);
+    # config.json follows the first step. The workdir may be a bucket.
+    is_chief, metrics_log, eval_log = jax.process_index() == 0, None, None
+    if is_chief:
+      data.keep_tokenizer(corpus.tokenizer, workdir)
+      logs = tensorboard_log.open_logs(workdir, t.metric_writers, config_lib.as_saved(config))
+      metrics_log, eval_log = logs
+      for log in logs:  # a run killed after its checkpoint logged steps this one logs again
+        stack.callback(log.close)
+        log.holds = lease.holds
+        log.truncate_after(step)
 
-        # --- The loop
-        _warn_single_steps(config, steps_per_call)
-        return _loop(
-            run, state, compiled, evaluator, checkpointer, lease, logs, signals, save_config
-        )
-      finally:  # whatever ends the run (done, a signal, NaN, an error), saves in flight complete
-        checkpointer.wait()
-        checkpointer.close()
-        for log in logs or ():
-          log.close()
-
-
-def _loop(
-    run: resolve.Run,
-    state,
-    compiled: dict,
-    evaluator,
-    checkpointer,
-    lease,
-    logs,
-    signals,
-    save_config,
-):
-  """From `state` at the run's first step to train.steps: several steps a call where they fit before
-  the next log, evaluation or checkpoint; the last logged metrics."""
-  config, mesh, setup, schedule = run.config, run.mesh, run.setup, run.schedule
-  is_chief = jax.process_index() == 0
-  metrics_log, eval_log = logs if is_chief else (None, None)
-  total_steps, seed, dtype = config.train.steps, config.train.seed, config.train.dtype
-  seq_len, global_batch = config.data.max_seq_len, config.train.batch_size
-  start = run.start
-  step = start.step if start is not None else 0
-  # The data stream goes on where the checkpoint's run stopped reading (its batch size may differ).
-  stream_offset = start.stream_position - step * global_batch if step else 0
-  if stream_offset:
+    # --- The loop: several steps a call where they fit before the next log, evaluation or save
+    seq_len, global_batch = config.data.max_seq_len, t.batch_size
+    # The data stream goes on where the checkpoint's run stopped reading (its batch size may vary).
+    stream_offset = start.stream_position - step * global_batch if step else 0
+    if stream_offset:
+      logging.info(
+          f"The checkpoint at step {step} read {start.stream_position} rows of the data stream "
+          f"(the batch size changed along the way); batches of {global_batch} go on from there."
+      )
+    what_is_held_out = "rows" if config.data.pack_rows else "examples"
+    flops_per_token = flops.objective_flops_per_token(setup.model, setup.objective, seq_len)
+    parts = collections.Counter()  # the line a run starts with: what it trains, how big, on what
+    for path, shape in setup.param_shapes.items():
+      parts[path.split("/", 1)[0]] += math.prod(shape)
+    counts = ", ".join(f"{name} {count / 1e6:.2f}M" for name, count in sorted(parts.items()))
     logging.info(
-        f"The checkpoint at step {step} read {start.stream_position} rows of the data stream (the "
-        f"batch size changed along the way); batches of {global_batch} go on from there."
+        f"Training {config.objective.name}: parameters {counts} ({sum(parts.values()) / 1e6:.2f}M "
+        f"in all); {flops_per_token / 1e6:.1f} model MFLOPs per token; {global_batch * seq_len:,} "
+        f"tokens per step (batch {global_batch} x {seq_len}) for {t.steps:,} steps; {t.dtype}, "
+        f"attention {config.model.attention_impl}; data {config.data.source}: "
+        f"{corpus.num_examples:,} train examples, vocabulary {corpus.tokenizer.vocab_size:,}."
     )
-  what_is_held_out = "rows" if config.data.pack_rows else "examples"
-  flops_per_token = flops.objective_flops_per_token(setup.model, setup.objective, seq_len)
-  logging.info("%s", _summary(config, setup, run.corpus, flops_per_token))
-  peak = flops.peak_flops(jax.devices()[0])
-  meta = {"param_shapes": setup.param_shapes, "data_fingerprint": run.corpus.fingerprint}
-  window, window_steps, last_logged, call = [], 0, {}, 0
-  keys, periods = train_state.batch_keys(config), tuple(_periods(config).values())
-  steps_per_call, remote = max(compiled), workdir_files.is_remote(run.workdir)
-  window_start = time.perf_counter()
+    peak = flops.peak_flops(jax.devices()[0])
+    meta = {"param_shapes": setup.param_shapes, "data_fingerprint": corpus.fingerprint}
+    window, window_steps, last_logged, call = [], 0, {}, 0
+    keys, periods = data.batch_keys(config.data.pack_rows), _periods(config, steps_per_call)
+    window_start = time.perf_counter()
 
-  def fetch(step_index):
-    processes = jax.process_index(), jax.process_count()
-    return data.get_batch(run.corpus, step_index, global_batch, seed, *processes, stream_offset)
+    def fetch(step_index):
+      processes = jax.process_index(), jax.process_count()
+      return data.get_batch(corpus, step_index, global_batch, t.seed, *processes, stream_offset)
 
-  signals.start_loop()
-  # Batches are read and gathered on a background thread, a step or two ahead.
-  with data.prefetch(fetch, step, stop_step=total_steps) as batches:
-    while step < total_steps:
-      to_boundary = min([*(p - step % p for p in periods), total_steps - step])
+    signals.start_loop()
+    # Batches are read and gathered on a background thread, a step or two ahead.
+    batches = stack.enter_context(data.prefetch(fetch, step, stop_step=t.steps))
+    while step < t.steps:
+      to_boundary = min([*(p - step % p for p in periods), t.steps - step])
       num_steps = steps_per_call if to_boundary >= steps_per_call else 1
       if num_steps > 1:
         local = [next(batches) for _ in range(num_steps)]
         stacked = {name: np.stack([b[name] for b in local]) for name in keys}
         batch = partitioning.global_batch_from_local(stacked, mesh, stacked=True)
-        rngs = train_state.step_rngs(seed, step, num_steps)
+        rngs = train_state.step_rngs(t.seed, step, num_steps)
       else:
         batch = partitioning.global_batch_from_local(next(batches), mesh, keys=keys)
-        rngs = train_state.step_rng(seed, step)
-      state, metrics = compiled[num_steps](state, batch, rngs, schedule)
-      if call == 0 and save_config:  # config.json records a batch that ran, not one over memory
+        rngs = train_state.step_rng(t.seed, step)
+      state, metrics = compiled[num_steps](state, batch, rngs, run.schedule)
+      if call == 0 and is_chief:  # config.json records a batch that ran, not one over memory
         jax.block_until_ready(metrics)
-        save_config()
+        config_lib.save_config(workdir, config, run.saved_config, start and start.step)
       step += num_steps
       window_steps += num_steps
       window.append(metrics)
       stopping = signals.stop_after(call)
       call += 1
-      at_log = step % config.train.log_every == 0 or step == total_steps or stopping
-      at_save = step % config.checkpoint.every_steps == 0 or step == total_steps or stopping
-      at_eval = evaluator and (step % config.eval.every_steps == 0 or step == total_steps)
+      at_log = step % t.log_every == 0 or step == t.steps or stopping
+      at_save = step % config.checkpoint.every_steps == 0 or step == t.steps or stopping
+      at_eval = evaluator and (step % config.eval.every_steps == 0 or step == t.steps)
       if not (at_log or at_save or at_eval):
         continue
 
       if at_log or at_save:  # never log or save after a step that was not finite
-        _stop_if_not_finite(window, state.params if at_save else None, step, checkpointer, dtype)
+        _stop_if_not_finite(window, state.params if at_save else None, step, checkpointer, t.dtype)
       if at_log:
         logged = _mean_metrics(window)
         rate = window_steps / (time.perf_counter() - window_start)  # steps a second
         logged.update(step=step, steps_per_sec=rate, tokens_per_sec=rate * global_batch * seq_len)
         if peak is not None:
           logged["mfu"] = logged["tokens_per_sec"] * flops_per_token / (peak * jax.device_count())
-        eta = config_lib.format_duration((total_steps - step) / rate)
+        eta = config_lib.format_duration((t.steps - step) / rate)
         last_logged, window, window_steps, window_start = logged, [], 0, time.perf_counter()
       if at_eval:
         eval_start = time.perf_counter()
@@ -203,13 +168,13 @@ def _loop(
       if at_log or at_save:
         # The lease file (a bucket's read at most every 10 s between saves): a run that took the
         # workdir over owns its logs and checkpoints from its checkpoint on.
-        workdir_lease.hold(lease, 10.0 if remote and not at_save else 0.0)
+        workdir_lease.hold(lease, 10.0 if workdir_files.is_remote(workdir) and not at_save else 0.0)
       if is_chief and at_log:
         metrics_log.append(logged)
         logging.info(
             "step %(step)d/%(steps)d | loss %(loss).4f | mlm_acc %(masked_lm_accuracy).3f | "
             "disc_auc %(disc_auc).3f | %(tokens)s tokens/s | ETA %(eta)s",
-            dict(logged, steps=total_steps, tokens=f"{logged['tokens_per_sec']:,.0f}", eta=eta),
+            dict(logged, steps=t.steps, tokens=f"{logged['tokens_per_sec']:,.0f}", eta=eta),
         )
       if is_chief and at_eval:
         eval_log.append(dict(held_out, step=step))
@@ -231,9 +196,9 @@ def _loop(
             "command to resume."
         )
         break
-  if step >= total_steps and is_chief:
-    logging.info("Done: step %d, checkpoints in %s.", step, checkpointer.directory)
-  return last_logged
+    if step >= t.steps and is_chief:
+      logging.info("Done: step %d, checkpoints in %s.", step, checkpointer.directory)
+    return last_logged
 
 
 def evaluate_checkpoint(
@@ -251,17 +216,15 @@ def evaluate_checkpoint(
 
 
 def _stop_if_not_finite(window: list, params, step: int, checkpointer, dtype: str) -> None:
-  """Stops the run when a loss of the log window (ending at `step`) or, given `params` (before a
-  save: a step's loss predates its update), a parameter is not finite; says whether the latest
-  checkpoint already produced it."""
+  """Stops the run when a loss of the window ending at `step` or, given `params` (before a save: a
+  loss predates its step's update), a parameter is not finite; says if the last checkpoint did it.
+  """
   first_bad = _first_non_finite_step(window, step)
   if first_bad is None and (params is None or bool(_params_finite(params))):
     return
   checkpointer.wait()  # the last good checkpoint may still be being written
   latest = checkpointer.latest_step()
-  what = "parameters became nan"
-  if first_bad is not None:
-    what = f"loss became {_mean_metrics(window)['loss']}"
+  what = f"loss became {_mean_metrics(window)['loss']}" if first_bad else "parameters became nan"
   saved = "No checkpoint was saved yet: the next start begins from scratch."
   if latest is not None:
     saved = f"The last checkpoint is step {latest}."
@@ -307,41 +270,17 @@ def _mean_metrics(window: list[dict]) -> dict[str, float]:
   return means
 
 
-def _periods(config) -> dict[str, int]:
-  """The steps between logs, checkpoints and evaluations."""
+def _periods(config, steps_per_call: int) -> tuple[int, ...]:
+  """Steps between logs, saves and evaluations; warns if train.steps_per_call leaves lone steps."""
   periods = {
       "train.log_every": config.train.log_every,
       "checkpoint.every_steps": config.checkpoint.every_steps,
+      "eval.every_steps": config.eval.every_steps,  # 0: no evaluation, no boundary
   }
-  if config.eval.every_steps:
-    periods["eval.every_steps"] = config.eval.every_steps
-  return periods
-
-
-def _warn_single_steps(config, steps_per_call: int) -> None:
-  """Says so when train.steps_per_call leaves steps before a boundary to run one call each."""
-  uneven = {name: p for name, p in _periods(config).items() if p % steps_per_call}
-  if steps_per_call > 1 and uneven:
+  if uneven := [f"{name}={p}" for name, p in periods.items() if p % steps_per_call]:
     logging.warning(
-        "train.steps_per_call=%d does not divide %s: the steps before each such boundary that do not fill a "
-        "call run one call each (slower). Make them multiples of %d.",
-        steps_per_call,
-        ", ".join(f"{name}={p}" for name, p in uneven.items()),
-        steps_per_call,
+        f"train.steps_per_call={steps_per_call} does not divide {', '.join(uneven)}: the steps "
+        "before each such boundary that do not fill a call run one call each (slower). Make them "
+        f"multiples of {steps_per_call}."
     )
-
-
-def _summary(config, setup: TrainingSetup, corpus, flops_per_token: float) -> str:
-  """The line a run starts with: what it trains, how big, on what."""
-  parts = collections.Counter()
-  for path, shape in setup.param_shapes.items():
-    parts[path.split("/", 1)[0]] += math.prod(shape)
-  counts = ", ".join(f"{name} {count / 1e6:.2f}M" for name, count in sorted(parts.items()))
-  seq_len, global_batch = config.data.max_seq_len, config.train.batch_size
-  return (
-      f"Training {config.objective.name}: parameters {counts} ({sum(parts.values()) / 1e6:.2f}M in all); "
-      f"{flops_per_token / 1e6:.1f} model MFLOPs per token; {global_batch * seq_len:,} tokens per step "
-      f"(batch {global_batch} x {seq_len}) for {config.train.steps:,} steps; {config.train.dtype}, attention "
-      f"{config.model.attention_impl}; data {config.data.source}: {corpus.num_examples:,} train examples, "
-      f"vocabulary {corpus.tokenizer.vocab_size:,}."
-  )
+  return tuple(p for p in periods.values() if p)

@@ -1,11 +1,10 @@
-"""The train state and its update: `train_step(state, batch, rng, schedule)` as a pure function, the
-state's sharded setup (`build_setup`: model, objective, optimizer and shardings, independent of the
-batch size and the run's length) and the step compiled for a global batch."""
+"""The train state and its update: `train_step(state, batch, rng, schedule)`, a pure function; the
+state's sharded setup (`build_setup`, whatever the batch size and length) and the compiled step."""
 
 import dataclasses
 import functools
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax
 import flax.linen as nn
@@ -123,14 +122,9 @@ class StateInit:
     ids = jnp.zeros((1, self.seq_len), jnp.int32)
     positions = jnp.zeros((1, self.objective.max_predictions), jnp.int32)
     params = self.model.init(rng, ids, ids, jnp.ones_like(ids), positions)["params"]
+    step, opt_state = jnp.zeros((), jnp.int32), self.tx.init(params)
     return TrainState(
-        step=jnp.zeros((), jnp.int32),
-        params=params,
-        opt_state=self.tx.init(params),
-        model=self.model,
-        tx=self.tx,
-        objective=self.objective,
-        grad_accum_steps=self.grad_accum_steps,
+        step, params, opt_state, self.model, self.tx, self.objective, self.grad_accum_steps
     )
 
 
@@ -169,20 +163,15 @@ class TrainingSetup:
 
 def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
   """Model, objective, optimizer and shardings: independent of the batch size and the run's length."""
-  init_fn = make_init_fn(
-      config,
-      build_model(config, objectives.towers(config)),
-      objectives.objective_from_config(config, special_ids),
-  )
+  model = build_model(config, objectives.towers(config))
+  init_fn = make_init_fn(config, model, objectives.objective_from_config(config, special_ids))
   boxed_shapes = jax.eval_shape(init_fn, jax.random.key(0))
   state_shardings = partitioning.shardings_for(boxed_shapes, mesh)
-  unsharded = partitioning.unsharded_dimensions(boxed_shapes.params, mesh)
-  if unsharded:
+  if unsharded := partitioning.unsharded_dimensions(boxed_shapes.params, mesh):
     logging.warning(
-        "Replicated on every device (their optimizer moments too), as a mesh axis does not divide"
-        " them: %s. Make those sizes multiples of the mesh axes (e.g. model.vocab_size), or use "
-        "smaller mesh axes.",
-        "; ".join(unsharded),
+        f"Replicated on every device (their optimizer moments too), as a mesh axis does not divide "
+        f"them: {'; '.join(unsharded)}. Make those sizes multiples of the mesh axes (e.g. "
+        "model.vocab_size), or use smaller mesh axes."
     )
   abstract_state = jax.tree.map(
       lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -190,14 +179,7 @@ def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
       state_shardings,
   )
   shapes = param_shapes(boxed_shapes.params)
-  return TrainingSetup(
-      init_fn.model, init_fn.objective, init_fn, state_shardings, abstract_state, shapes
-  )
-
-
-def batch_keys(config) -> tuple[str, ...]:
-  """The arrays of a training batch that go to the devices (`data.batch_keys`)."""
-  return data.batch_keys(bool(config.data.pack_rows))
+  return TrainingSetup(model, init_fn.objective, init_fn, state_shardings, abstract_state, shapes)
 
 
 def compile_train_step(
@@ -213,7 +195,7 @@ def compile_train_step(
   shape = (*leading, batch_size or config.train.batch_size, config.data.max_seq_len)
   abstract_batch = {
       name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)
-      for name in batch_keys(config)
+      for name in data.batch_keys(config.data.pack_rows)
   }
   abstract_rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=replicated)
   abstract_schedule = jax.tree.map(
@@ -231,22 +213,14 @@ def compile_train_step(
     return lowered.compile()
 
 
-class StepTiming(NamedTuple):
-  """What measure_step_time found, in seconds."""
-
-  step: float  # one compiled training step
-  compile: float  # compiling the step and the held-out evaluation
-  evaluation: float  # one held-out evaluation (0 without eval.every_steps)
-
-
 _TIMED_STEPS = 3  # after one warm-up step
 
 
-def measure_step_time(config, setup: TrainingSetup, mesh, corpus) -> StepTiming:
-  """Times the train step on a throwaway state and batch 0 (after a warm-up step) and one held-out
-  evaluation (after a first that compiles), inside partitioning.activate(mesh); nothing of the run
-  is advanced."""
-  seed, keys = config.train.seed, batch_keys(config)
+def measure_step_time(config, setup: TrainingSetup, mesh, corpus) -> tuple[float, float, float]:
+  """Seconds of (one train step, compiling it and the evaluation, one held-out evaluation or 0), on
+  a throwaway state and batch 0, after a warm-up step and a first evaluation; inside
+  partitioning.activate(mesh)."""
+  seed, keys = config.train.seed, data.batch_keys(config.data.pack_rows)
   state, clock = fresh_state(setup, seed), time.perf_counter()
   step_fn = compile_train_step(setup, config, mesh)
   compile_seconds = time.perf_counter() - clock
@@ -269,7 +243,7 @@ def measure_step_time(config, setup: TrainingSetup, mesh, corpus) -> StepTiming:
       jax.block_until_ready(evaluator(state))
       evaluated.append(time.perf_counter() - clock)
     compile_seconds += max(evaluated[0] - evaluated[1], 0.0)
-  return StepTiming(seconds[1] / _TIMED_STEPS, compile_seconds, evaluated[-1] if evaluated else 0.0)
+  return seconds[1] / _TIMED_STEPS, compile_seconds, evaluated[-1] if evaluated else 0.0
 
 
 def special_ids(tokenizer) -> dict[str, int]:

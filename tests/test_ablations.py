@@ -503,7 +503,7 @@ def test_mlm_family_trains_and_exports_the_discriminator(tmp_path, name):
 def test_a_generator_without_a_standalone_form_is_refused_before_the_restore(tmp_path, name, why):
   config = tiny_config(**{"objective.name": name, "model.generator_fraction": 1.0})
   (tmp_path / "checkpoints").mkdir()  # no checkpoint in it: the refusal must come first
-  (tmp_path / "config.json").write_text(config_lib.to_json(config))
+  (tmp_path / "config.json").write_text(config_lib.config_file_text(config))
   with pytest.raises(
       ConfigError, match=f"--export_generator: .*{why}.*objective.name='{name}'.* Nothing was"
   ):

@@ -162,7 +162,9 @@ def test_overrides_apply_to_a_workdirs_own_config(tmp_path):
   # configs/workdir.py:DIR reads DIR/config.json, so a run can go on with overrides.
   workdir = tmp_path / "run"
   workdir.mkdir()
-  (workdir / "config.json").write_text(train.config_lib.to_json(tiny_config(**{"train.steps": 4})))
+  (workdir / "config.json").write_text(
+      train.config_lib.config_file_text(tiny_config(**{"train.steps": 4}))
+  )
   recipe = os.path.join(REPO, "configs", "workdir.py")
   result = run_cli(
       [

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from electra_jax import config_lib, models, objectives, optimizer, partitioning, train_state
+from electra_jax import config_lib, data, models, objectives, optimizer, partitioning, train_state
 
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
 
@@ -566,7 +566,9 @@ def _traced_step(**overrides):
   )
   state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), setup.abstract_state)
   shape = (config.train.batch_size, config.data.max_seq_len)
-  batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in train_state.batch_keys(config)}
+  batch = {
+      k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in data.batch_keys(config.data.pack_rows)
+  }
   with partitioning.activate(mesh):
     jaxpr = jax.make_jaxpr(train_state.train_step)(
         state, batch, jax.eval_shape(lambda: jax.random.key(0)), optimizer.make_schedule(config)

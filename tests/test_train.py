@@ -203,9 +203,9 @@ def test_steps_per_call_that_leaves_single_steps_is_named(caplog):
       **{"train.log_every": 100, "checkpoint.every_steps": 1000, "eval.every_steps": 0}
   )
   with caplog.at_level("WARNING"):
-    train._warn_single_steps(config, 50)  # divides both: no warning
+    train._periods(config, 50)  # divides both: no warning
     assert not caplog.records
-    train._warn_single_steps(config, 64)
+    train._periods(config, 64)
   assert (
       "train.steps_per_call=64 does not divide train.log_every=100, checkpoint.every_steps=1000"
       in caplog.text
