@@ -3,6 +3,7 @@ workdir, compiles the step, then loops: logs, evaluations, saves, preemption and
 
 import collections
 import contextlib
+import functools
 import math
 import time
 import warnings
@@ -117,6 +118,9 @@ def train_and_evaluate(
     window, window_steps, last_logged, call = [], 0, {}, 0
     keys, periods = data.batch_keys(config.data.pack_rows), _periods(config, steps_per_call)
     window_start = time.perf_counter()
+    save_config = functools.partial(
+        config_lib.save_config, workdir, config, run.saved_config, start and start.step
+    )
 
     def fetch(step_index):
       processes = jax.process_index(), jax.process_count()
@@ -139,7 +143,7 @@ def train_and_evaluate(
       state, metrics = compiled[num_steps](state, batch, rngs, run.schedule)
       if call == 0 and is_chief:  # config.json records a batch that ran, not one over memory
         jax.block_until_ready(metrics)
-        config_lib.save_config(workdir, config, run.saved_config, start and start.step)
+        save_config()
       step += num_steps
       window_steps += num_steps
       window.append(metrics)

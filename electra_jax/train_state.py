@@ -163,8 +163,11 @@ class TrainingSetup:
 
 def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
   """Model, objective, optimizer and shardings: independent of the batch size and the run's length."""
-  model = build_model(config, objectives.towers(config))
-  init_fn = make_init_fn(config, model, objectives.objective_from_config(config, special_ids))
+  init_fn = make_init_fn(
+      config,
+      build_model(config, objectives.towers(config)),
+      objectives.objective_from_config(config, special_ids),
+  )
   boxed_shapes = jax.eval_shape(init_fn, jax.random.key(0))
   state_shardings = partitioning.shardings_for(boxed_shapes, mesh)
   if unsharded := partitioning.unsharded_dimensions(boxed_shapes.params, mesh):
@@ -179,7 +182,9 @@ def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
       state_shardings,
   )
   shapes = param_shapes(boxed_shapes.params)
-  return TrainingSetup(model, init_fn.objective, init_fn, state_shardings, abstract_state, shapes)
+  return TrainingSetup(
+      init_fn.model, init_fn.objective, init_fn, state_shardings, abstract_state, shapes
+  )
 
 
 def compile_train_step(
