@@ -257,28 +257,27 @@ class Start:
   newer_damaged: bool  # newer steps did not restore: they are set aside before the run saves
 
 
-def newest_start(workdir: str, setup, corpus, keep: int, changes=None) -> Start | None:
+def newest_start(workdir: str, setup, corpus, changes=None) -> Start | None:
   """The newest intact checkpoint in `workdir` that holds this setup's model and this data, or None
-  (`keep`: checkpoint.keep; `changes`: as `fits` takes them)."""
+  (`changes`: as `fits` takes them)."""
   found = workdir_files.exists(checkpoints_directory(workdir))  # else none is made here
-  checkpointer = Checkpointer(workdir, keep=keep) if found else None
-  latest = checkpointer.latest_step() if found else None
-  # One answer for every process, even if a save ends meanwhile.
-  latest = distributed.from_process_0(-1 if latest is None else latest)
-  if latest >= 0 and not found:
-    raise ConfigError(
-        f"--workdir={workdir} is not one directory every process sees: process 0 finds step "
-        f"{latest} there, process {jax.process_index()} none. Use a bucket or a shared mount."
-    )
-  if latest < 0:
-    if found:
-      checkpointer.close()
-    return None
+  checkpointer = Checkpointer(workdir, keep=1) if found else None  # reading: keep acts on saves
   try:
+    mine = checkpointer.latest_step() if found else None
+    # One answer for every process, even if a save ends meanwhile.
+    latest = distributed.from_process_0(-1 if mine is None else mine)
+    if latest >= 0 and not found:
+      raise ConfigError(
+          f"--workdir={workdir} is not one directory every process sees: process 0 finds step "
+          f"{latest} there, process {jax.process_index()} none. Use a bucket or a shared mount."
+      )
+    if latest < 0:
+      return None
     check = fits(checkpointer, setup, workdir, corpus, changes)
     step, state, meta = checkpointer.restore_newest_intact(setup.abstract_state, latest, check)
   finally:
-    checkpointer.close()
+    if found:
+      checkpointer.close()
   position = int(meta["stream_position"]) if step else 0  # an imported pair's step 0 has none
   return Start(step, state, position, newer_damaged=step != latest)
 
@@ -291,15 +290,12 @@ def fits(checkpointer, setup, workdir: str, corpus=None, changes=None):
   def check(step: int, meta: dict) -> None:
     theirs, ours = meta["param_shapes"], setup.param_shapes
     if differ := [n for n in sorted(set(theirs) | set(ours)) if theirs.get(n) != ours.get(n)]:
+      name, changed = differ[0], "; ".join(changes or ["none"])
       raise ConfigError(
-          f"The workdir {workdir} holds a checkpoint of a different model: parameter {differ[0]!r} "
-          f"is {theirs.get(differ[0], 'absent')} there, {ours.get(differ[0], 'absent')} here"
-          + (
-              f"; settings that differ from its config.json: {'; '.join(changes)}."
-              if changes
-              else "."
-          )
-          + f" Use a new --workdir, or the config in {config_json}. Nothing was overwritten."
+          f"The workdir {workdir} holds a checkpoint of a different model: parameter {name!r} is "
+          f"{theirs.get(name, 'absent')} there, {ours.get(name, 'absent')} here; settings that "
+          f"differ from its config.json: {changed}. Use a new --workdir, or the config in "
+          f"{config_json}. Nothing was overwritten."
       )
     # From the tree metadata alone: orbax's restore would fail with a traceback.
     folder = epath.Path(checkpointer.directory) / str(step) / "state"
@@ -311,10 +307,8 @@ def fits(checkpointer, setup, workdir: str, corpus=None, changes=None):
     if missing or extra:
       what, fix = "a train", ""
       if all(p.startswith("opt_state") for p in missing + extra):
-        what, fix = (
-            "an optimizer",
-            "resume with its optimizer.bias_correction (True: Adam counts steps) or ",
-        )
+        what = "an optimizer"
+        fix = "resume with its optimizer.bias_correction (True: Adam counts steps) or "
       raise ConfigError(
           f"The checkpoint at step {step} in {workdir} holds {what} state of another structure "
           f"(missing: {missing[:3] or 'none'}; only there: {extra[:3] or 'none'}): {fix}use a new "
