@@ -5,12 +5,14 @@ arrays that differ (DamagedCheckpoint)."""
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import glob
 import logging as std_logging
 import os
 import shutil
 import sys
 import time
+import traceback
 from typing import Any
 
 import jax
@@ -40,9 +42,7 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
   return jnp.sum(bits * (index * jnp.uint32(2654435761) + jnp.uint32(1)), dtype=jnp.uint32)
 
 
-@jax.jit
-def _checksums(leaves):
-  return [_leaf_checksum(leaf) for leaf in leaves]
+_checksums = jax.jit(functools.partial(jax.tree.map, _leaf_checksum))  # one call for all arrays
 
 
 def checksums(tree: Any) -> dict[str, int]:
@@ -53,10 +53,6 @@ def checksums(tree: Any) -> dict[str, int]:
   # The same names for a train state and the plain dicts orbax returns.
   name = lambda path: jax.tree_util.keystr(path, simple=True, separator="/")  # noqa: E731
   return {name(path): int(value) for (path, _), value in zip(flat, values)}
-
-
-# What orbax writes last into a step it saves to a bucket (which has no atomic rename).
-COMMIT_MARKER = ocp.path.atomicity_types.COMMIT_SUCCESS_FILE
 
 
 def checkpoints_directory(workdir: str) -> str:
@@ -72,7 +68,7 @@ def _move_in_bucket(source: epath.Path, target: epath.Path) -> None:
     inside = os.fspath(folder).removeprefix("gs://").removeprefix(top).strip("/")
     for name in files:
       (source / inside / name).copy(target / inside / name)
-  (source / COMMIT_MARKER).unlink()
+  (source / ocp.path.atomicity_types.COMMIT_SUCCESS_FILE).unlink()  # what orbax writes last
   source.rmtree()
 
 
@@ -82,15 +78,6 @@ def _without_traceback(record) -> bool:
   if "orbax" in record.pathname:
     record.exc_info = record.exc_text = None
   return True
-
-
-def _reaches_a_closed_loop(unraisable) -> bool:
-  """Whether `unraisable` is a callback sent to an asyncio loop already closed, as tensorstore's
-  writes still in flight are when orbax's failed save has closed its loop."""
-  tb = unraisable.exc_traceback
-  while tb is not None and tb.tb_next is not None:
-    tb = tb.tb_next
-  return tb is not None and tb.tb_frame.f_code is asyncio.BaseEventLoop._check_closed.__code__
 
 
 class Checkpointer:
@@ -108,7 +95,9 @@ class Checkpointer:
   # tracebacks as they find orbax's event loop closed (sys.unraisablehook), or as asyncio collects
   # their failed tasks (its logger): those tracebacks are dropped while the folder is short of space.
   def _unraisable(self, unraisable) -> None:
-    if not (_reaches_a_closed_loop(unraisable) and self._short_of_space()):
+    # The innermost frame: a callback sent to a closed loop.
+    last = [frame.f_code for frame, _ in traceback.walk_tb(unraisable.exc_traceback)][-1:]
+    if not (last == [asyncio.BaseEventLoop._check_closed.__code__] and self._short_of_space()):
       self._unraisablehook(unraisable)
 
   def _asyncio_record(self, record) -> bool:
