@@ -235,10 +235,9 @@ class Checkpointer:
       std_logging.getLogger("asyncio").removeFilter(self._asyncio_record)
 
 
-# --- The checkpoint a run goes on from, checked against its setup and data
 @dataclasses.dataclass(frozen=True)
 class Start:
-  """The checkpoint a run goes on from."""
+  """The checkpoint a run goes on from, checked against its setup and data."""
 
   step: int
   state: Any  # its arrays, sharded for the run's mesh

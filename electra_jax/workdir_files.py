@@ -85,19 +85,9 @@ def read_json(file, parse=lambda value: value, data=None, fix: str | None = None
     ) from None
 
 
-def _sweep_run(record: dict) -> tuple[str, list[tuple[str, str]]]:
-  """(name, overrides) of a run in sweep.json; the name is a folder inside the sweep folder."""
-  name, overrides = record["name"], [tuple(o) for o in record["overrides"]]
-  if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or os.sep in name:
-    raise ValueError(f"runs: {name!r} is not the name of a folder inside the sweep folder")
-  if not all(len(o) == 2 and all(isinstance(v, str) for v in o) for o in overrides):
-    raise ValueError(f"runs: {name}'s overrides are not [key, value] pairs of strings")
-  return name, overrides
-
-
 def read_sweep(folder, check_base=None) -> dict | None:
-  """A sweep folder's sweep.json, its runs as (name, overrides) pairs, its base config passed to
-  `check_base` (which raises ValueError on a bad one); None for another folder."""
+  """A sweep folder's sweep.json, its runs as (name of a folder inside it, overrides) pairs, its base
+  config passed to `check_base` (which raises ValueError on a bad one); None for another folder."""
   file = path(folder, SWEEP_FILE)
   if not exists(file):
     return None
@@ -107,7 +97,13 @@ def read_sweep(folder, check_base=None) -> dict | None:
       raise ValueError(f"base_config is a {type(base).__name__}, not an object")
     if check_base is not None:
       check_base(base)
-    return dict(record, runs=[_sweep_run(run) for run in record["runs"]])
+    runs = [(run["name"], [tuple(o) for o in run["overrides"]]) for run in record["runs"]]
+    for name, overrides in runs:
+      if not isinstance(name, str) or name in ("", ".", "..") or "/" in name:
+        raise ValueError(f"runs: {name!r} is not the name of a folder inside the sweep folder")
+      if not all(len(o) == 2 and all(isinstance(v, str) for v in o) for o in overrides):
+        raise ValueError(f"runs: {name}'s overrides are not [key, value] pairs of strings")
+    return dict(record, runs=runs)
 
   return read_json(file, parse)
 
