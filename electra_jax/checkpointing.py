@@ -5,12 +5,14 @@ arrays that differ (DamagedCheckpoint)."""
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import glob
 import logging as std_logging
 import os
 import shutil
 import sys
 import time
+import traceback
 from typing import Any
 
 import jax
@@ -40,9 +42,7 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
   return jnp.sum(bits * (index * jnp.uint32(2654435761) + jnp.uint32(1)), dtype=jnp.uint32)
 
 
-@jax.jit
-def _checksums(leaves):
-  return [_leaf_checksum(leaf) for leaf in leaves]
+_checksums = jax.jit(functools.partial(jax.tree.map, _leaf_checksum))  # one call for all arrays
 
 
 def checksums(tree: Any) -> dict[str, int]:
@@ -53,10 +53,6 @@ def checksums(tree: Any) -> dict[str, int]:
   # The same names for a train state and the plain dicts orbax returns.
   name = lambda path: jax.tree_util.keystr(path, simple=True, separator="/")  # noqa: E731
   return {name(path): int(value) for (path, _), value in zip(flat, values)}
-
-
-# What orbax writes last into a step it saves to a bucket (which has no atomic rename).
-COMMIT_MARKER = ocp.path.atomicity_types.COMMIT_SUCCESS_FILE
 
 
 def checkpoints_directory(workdir: str) -> str:
@@ -72,7 +68,7 @@ def _move_in_bucket(source: epath.Path, target: epath.Path) -> None:
     inside = os.fspath(folder).removeprefix("gs://").removeprefix(top).strip("/")
     for name in files:
       (source / inside / name).copy(target / inside / name)
-  (source / COMMIT_MARKER).unlink()
+  (source / ocp.path.atomicity_types.COMMIT_SUCCESS_FILE).unlink()  # what orbax writes last
   source.rmtree()
 
 
@@ -82,15 +78,6 @@ def _without_traceback(record) -> bool:
   if "orbax" in record.pathname:
     record.exc_info = record.exc_text = None
   return True
-
-
-def _reaches_a_closed_loop(unraisable) -> bool:
-  """Whether `unraisable` is a callback sent to an asyncio loop already closed, as tensorstore's
-  writes still in flight are when orbax's failed save has closed its loop."""
-  tb = unraisable.exc_traceback
-  while tb is not None and tb.tb_next is not None:
-    tb = tb.tb_next
-  return tb is not None and tb.tb_frame.f_code is asyncio.BaseEventLoop._check_closed.__code__
 
 
 class Checkpointer:
@@ -108,7 +95,9 @@ class Checkpointer:
   # tracebacks as they find orbax's event loop closed (sys.unraisablehook), or as asyncio collects
   # their failed tasks (its logger): those tracebacks are dropped while the folder is short of space.
   def _unraisable(self, unraisable) -> None:
-    if not (_reaches_a_closed_loop(unraisable) and self._short_of_space()):
+    # The innermost frame: a callback sent to a closed loop.
+    last = [frame.f_code for frame, _ in traceback.walk_tb(unraisable.exc_traceback)][-1:]
+    if not (last == [asyncio.BaseEventLoop._check_closed.__code__] and self._short_of_space()):
       self._unraisablehook(unraisable)
 
   def _asyncio_record(self, record) -> bool:
@@ -246,10 +235,9 @@ class Checkpointer:
       std_logging.getLogger("asyncio").removeFilter(self._asyncio_record)
 
 
-# --- The checkpoint a run goes on from, checked against its setup and data
 @dataclasses.dataclass(frozen=True)
 class Start:
-  """The checkpoint a run goes on from."""
+  """The checkpoint a run goes on from, checked against its setup and data."""
 
   step: int
   state: Any  # its arrays, sharded for the run's mesh
@@ -257,28 +245,27 @@ class Start:
   newer_damaged: bool  # newer steps did not restore: they are set aside before the run saves
 
 
-def newest_start(workdir: str, setup, corpus, keep: int, changes=None) -> Start | None:
+def newest_start(workdir: str, setup, corpus, changes=None) -> Start | None:
   """The newest intact checkpoint in `workdir` that holds this setup's model and this data, or None
-  (`keep`: checkpoint.keep; `changes`: as `fits` takes them)."""
+  (`changes`: as `fits` takes them)."""
   found = workdir_files.exists(checkpoints_directory(workdir))  # else none is made here
-  checkpointer = Checkpointer(workdir, keep=keep) if found else None
-  latest = checkpointer.latest_step() if found else None
-  # One answer for every process, even if a save ends meanwhile.
-  latest = distributed.from_process_0(-1 if latest is None else latest)
-  if latest >= 0 and not found:
-    raise ConfigError(
-        f"--workdir={workdir} is not one directory every process sees: process 0 finds step "
-        f"{latest} there, process {jax.process_index()} none. Use a bucket or a shared mount."
-    )
-  if latest < 0:
-    if found:
-      checkpointer.close()
-    return None
+  checkpointer = Checkpointer(workdir, keep=1) if found else None  # reading: keep acts on saves
   try:
+    mine = checkpointer.latest_step() if found else None
+    # One answer for every process, even if a save ends meanwhile.
+    latest = distributed.from_process_0(-1 if mine is None else mine)
+    if latest >= 0 and not found:
+      raise ConfigError(
+          f"--workdir={workdir} is not one directory every process sees: process 0 finds step "
+          f"{latest} there, process {jax.process_index()} none. Use a bucket or a shared mount."
+      )
+    if latest < 0:
+      return None
     check = fits(checkpointer, setup, workdir, corpus, changes)
     step, state, meta = checkpointer.restore_newest_intact(setup.abstract_state, latest, check)
   finally:
-    checkpointer.close()
+    if found:
+      checkpointer.close()
   position = int(meta["stream_position"]) if step else 0  # an imported pair's step 0 has none
   return Start(step, state, position, newer_damaged=step != latest)
 
@@ -291,15 +278,12 @@ def fits(checkpointer, setup, workdir: str, corpus=None, changes=None):
   def check(step: int, meta: dict) -> None:
     theirs, ours = meta["param_shapes"], setup.param_shapes
     if differ := [n for n in sorted(set(theirs) | set(ours)) if theirs.get(n) != ours.get(n)]:
+      name, changed = differ[0], "; ".join(changes or ["none"])
       raise ConfigError(
-          f"The workdir {workdir} holds a checkpoint of a different model: parameter {differ[0]!r} "
-          f"is {theirs.get(differ[0], 'absent')} there, {ours.get(differ[0], 'absent')} here"
-          + (
-              f"; settings that differ from its config.json: {'; '.join(changes)}."
-              if changes
-              else "."
-          )
-          + f" Use a new --workdir, or the config in {config_json}. Nothing was overwritten."
+          f"The workdir {workdir} holds a checkpoint of a different model: parameter {name!r} is "
+          f"{theirs.get(name, 'absent')} there, {ours.get(name, 'absent')} here; settings that "
+          f"differ from its config.json: {changed}. Use a new --workdir, or the config in "
+          f"{config_json}. Nothing was overwritten."
       )
     # From the tree metadata alone: orbax's restore would fail with a traceback.
     folder = epath.Path(checkpointer.directory) / str(step) / "state"
@@ -311,10 +295,8 @@ def fits(checkpointer, setup, workdir: str, corpus=None, changes=None):
     if missing or extra:
       what, fix = "a train", ""
       if all(p.startswith("opt_state") for p in missing + extra):
-        what, fix = (
-            "an optimizer",
-            "resume with its optimizer.bias_correction (True: Adam counts steps) or ",
-        )
+        what = "an optimizer"
+        fix = "resume with its optimizer.bias_correction (True: Adam counts steps) or "
       raise ConfigError(
           f"The checkpoint at step {step} in {workdir} holds {what} state of another structure "
           f"(missing: {missing[:3] or 'none'}; only there: {extra[:3] or 'none'}): {fix}use a new "

@@ -85,19 +85,9 @@ def read_json(file, parse=lambda value: value, data=None, fix: str | None = None
     ) from None
 
 
-def _sweep_run(record: dict) -> tuple[str, list[tuple[str, str]]]:
-  """(name, overrides) of a run in sweep.json; the name is a folder inside the sweep folder."""
-  name, overrides = record["name"], [tuple(o) for o in record["overrides"]]
-  if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or os.sep in name:
-    raise ValueError(f"runs: {name!r} is not the name of a folder inside the sweep folder")
-  if not all(len(o) == 2 and all(isinstance(v, str) for v in o) for o in overrides):
-    raise ValueError(f"runs: {name}'s overrides are not [key, value] pairs of strings")
-  return name, overrides
-
-
 def read_sweep(folder, check_base=None) -> dict | None:
-  """A sweep folder's sweep.json, its runs as (name, overrides) pairs, its base config passed to
-  `check_base` (which raises ValueError on a bad one); None for another folder."""
+  """A sweep folder's sweep.json, its runs as (name of a folder inside it, overrides) pairs, its base
+  config passed to `check_base` (which raises ValueError on a bad one); None for another folder."""
   file = path(folder, SWEEP_FILE)
   if not exists(file):
     return None
@@ -107,7 +97,13 @@ def read_sweep(folder, check_base=None) -> dict | None:
       raise ValueError(f"base_config is a {type(base).__name__}, not an object")
     if check_base is not None:
       check_base(base)
-    return dict(record, runs=[_sweep_run(run) for run in record["runs"]])
+    runs = [(run["name"], [tuple(o) for o in run["overrides"]]) for run in record["runs"]]
+    for name, overrides in runs:
+      if not isinstance(name, str) or name in ("", ".", "..") or "/" in name:
+        raise ValueError(f"runs: {name!r} is not the name of a folder inside the sweep folder")
+      if not all(len(o) == 2 and all(isinstance(v, str) for v in o) for o in overrides):
+        raise ValueError(f"runs: {name}'s overrides are not [key, value] pairs of strings")
+    return dict(record, runs=runs)
 
   return read_json(file, parse)
 
@@ -190,16 +186,14 @@ def write_bytes(file, data: bytes) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(file))
     try:
-      try:
-        view = memoryview(data)
-        while view:
-          view = view[os.write(fd, view) :]
-        os.fsync(fd)
-      finally:
-        os.close(fd)
-      os.chmod(tmp, FILE_MODE)
+      view = memoryview(data)
+      while view:
+        view = view[os.write(fd, view) :]
+      os.fchmod(fd, FILE_MODE)
+      os.fsync(fd)
       os.replace(tmp, file)
     finally:
+      os.close(fd)
       with contextlib.suppress(FileNotFoundError):
         os.remove(tmp)
 
@@ -276,20 +270,16 @@ class JsonlLog:
 def read_versioned(file) -> tuple[bytes | None, object]:
   """(content, version) of `file`, (None, None) when there is none. The version is a bucket
   object's generation, a local file's content."""
-  if is_remote(file):
-    with _answers(file, f"reading {file}", missing_bucket=False):
-      blob = _blob(file)
-      try:
-        data = blob.download_as_bytes()
-      except _google()[1].NotFound:
-        return None, None
-    return data, blob.generation
-  try:
-    with open(file, "rb") as f:
-      data = f.read()
-  except FileNotFoundError:
+  if not is_remote(file):
+    with contextlib.suppress(FileNotFoundError):
+      data = _epath(file).read_bytes()
+      return data, data
     return None, None
-  return data, data
+  # No object, or no bucket: the lease's first write_if says which.
+  with _answers(file, f"reading {file}"), contextlib.suppress(_google()[1].NotFound):
+    blob = _blob(file)
+    return blob.download_as_bytes(), blob.generation
+  return None, None
 
 
 def write_if(file, data: bytes, version) -> bool:
@@ -331,21 +321,15 @@ def _client(endpoint: str | None):
   return _google()[0].Client(project=None)  # no project: an existing bucket's objects need none
 
 
-def _bucket(url):
-  """(the bucket of gs:// `url`, the object name in it)."""
-  bucket, _, name = os.fspath(url).removeprefix("gs://").partition("/")
-  return _client(os.environ.get("STORAGE_EMULATOR_HOST")).bucket(bucket), name.strip("/")
-
-
 def _blob(url):
-  bucket, name = _bucket(url)
-  return bucket.blob(name)
+  """The object at gs:// `url` (`.bucket` is its bucket)."""
+  bucket, _, name = os.fspath(url).removeprefix("gs://").partition("/")
+  return _client(os.environ.get("STORAGE_EMULATOR_HOST")).bucket(bucket).blob(name.strip("/"))
 
 
 @contextlib.contextmanager
-def _answers(url, what: str, missing_bucket: bool = True):
-  """Turns the API's refusals of `what` on `url` into a ConfigError naming the bucket and the fix.
-  `missing_bucket`: whether a NotFound can only mean the bucket (not so for reading an object)."""
+def _answers(url, what: str):
+  """Turns the API's refusals of `what` on `url` into a ConfigError naming the bucket and the fix."""
   _, exceptions, auth_exceptions = _google()
   bucket = "gs://" + os.fspath(url).removeprefix("gs://").split("/")[0]
   try:
@@ -355,9 +339,7 @@ def _answers(url, what: str, missing_bucket: bool = True):
         f"{what}: {bucket} refuses this account ({error.code} {type(error).__name__}). Give it "
         f"roles/storage.objectUser on {bucket} (read, write, delete), or use another bucket."
     ) from None
-  except exceptions.NotFound:
-    if not missing_bucket:
-      raise
+  except exceptions.NotFound:  # what an object's absence raises is caught by our callers
     raise ConfigError(
         f"{what}: the bucket {bucket} does not exist. Create it in the region of the machines "
         f"that train (gcloud storage buckets create {bucket} --location=REGION), or fix the path."
@@ -376,10 +358,11 @@ def check_bucket(url, flag: str, write: bool = False) -> None:
     raise ConfigError(f"{flag}={url}: a remote path must be a gs:// path.")
   _google(f"{flag}={url}")
   with _answers(url, f"{flag}={url}"):
-    bucket, prefix = _bucket(url)
-    list(bucket.list_blobs(prefix=prefix, max_results=1))
+    prefix = _blob(url)
+    list(prefix.bucket.list_blobs(prefix=prefix.name, max_results=1))
     if write:
-      probe = bucket.blob(f"{prefix}/.electra-jax-write-check-{uuid.uuid4().hex[:12]}".lstrip("/"))
+      name = f"{prefix.name}/.electra-jax-write-check-{uuid.uuid4().hex[:12]}".lstrip("/")
+      probe = prefix.bucket.blob(name)
       probe.upload_from_string(b"", if_generation_match=0)
       probe.delete()
 

@@ -151,12 +151,10 @@ def _mismatch(expected: dict[str, tuple[int, ...]], given: dict[str, Any]) -> st
   '' when equal."""
   want = {f"{name} {tuple(shape)}" for name, shape in expected.items()}
   have = {f"{name} {tuple(np.shape(array))}" for name, array in given.items()}
-  missing, unexpected = sorted(want - have), sorted(have - want)
-  if not missing and not unexpected:
-    return ""
   return "; ".join(
-      f"{what}: {names[:8] or 'none'}{' ...' if len(names) > 8 else ''}"
-      for what, names in (("missing", missing), ("unexpected", unexpected))
+      f"{what}: {names[:8]}{' ...' if len(names) > 8 else ''}"
+      for what, names in (("missing", sorted(want - have)), ("unexpected", sorted(have - want)))
+      if names
   )
 
 

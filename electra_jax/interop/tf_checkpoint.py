@@ -24,16 +24,11 @@ _OPTIMIZER_SLOT = re.compile(r"(/adam_[mv]|/Adam(_1)?|/Momentum|^global_step)$")
 
 # Protocol buffers and LevelDB tables: just what a tensor bundle index uses.
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-  result, shift = 0, 0
-  while True:
-    if pos >= len(buf):
-      raise ValueError("truncated varint")
-    byte = buf[pos]
-    pos += 1
-    result |= (byte & 0x7F) << shift
-    if not byte & 0x80:
-      return result, pos
-    shift += 7
+  result = shift = 0
+  while buf[pos] & 0x80:  # an IndexError past the end: a truncated varint
+    result |= (buf[pos] & 0x7F) << shift
+    pos, shift = pos + 1, shift + 7
+  return result | buf[pos] << shift, pos + 1
 
 
 def _proto_fields(buf: bytes):
@@ -118,19 +113,12 @@ class TFCheckpoint:
   array."""
 
   def __init__(self, prefix: str):
-    self.prefix = prefix
-    index_path = prefix + ".index"
-    self.num_shards = 1
-    self.entries: dict[str, TensorEntry] = {}
+    self.prefix, index_path = prefix, prefix + ".index"
     try:
-      for key, value in _table_items(pathlib.Path(index_path).read_bytes()):
-        if key == b"":  # BundleHeaderProto: 1 num_shards, 2 endianness (0: little)
-          header = dict(_proto_fields(value))
-          self.num_shards = header.get(1, 1)
-          if header.get(2, 0) != 0:
-            raise ConfigError(f"{index_path}: a big-endian checkpoint; only little-endian is read.")
-        else:
-          self.entries[key.decode("utf-8")] = _tensor_entry(value)
+      items = dict(_table_items(pathlib.Path(index_path).read_bytes()))
+      # The empty key's BundleHeaderProto: 1 num_shards, 2 endianness (0: little).
+      header = dict(_proto_fields(items.pop(b"", b"")))
+      self.entries = {key.decode("utf-8"): _tensor_entry(value) for key, value in items.items()}
     except ConfigError:
       raise
     except (OSError, ValueError, IndexError, struct.error) as error:  # UnicodeDecodeError too
@@ -138,6 +126,9 @@ class TFCheckpoint:
           f"{index_path} is not a readable TensorFlow checkpoint index ({error}): damaged, or "
           "another kind of file; copy the checkpoint again."
       ) from None
+    if header.get(2, 0) != 0:
+      raise ConfigError(f"{index_path}: a big-endian checkpoint; only little-endian is read.")
+    self.num_shards = header.get(1, 1)
 
   def read(self, name: str) -> np.ndarray:
     entry = self.entries[name]
