@@ -118,15 +118,15 @@ class Checkpointer:
     meta = dict(meta, checksums=checksums(state))
     args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
     self._size = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
-    self._saving(lambda: self._manager.save(step, args=args, force=True))
+    self._saving(self._manager.save, step, args=args, force=True)
 
-  def _saving(self, call) -> None:
-    """call() (a save, or the wait for one in flight); a save that found too little space is
+  def _saving(self, call, *args, **kwargs) -> None:
+    """call(*args, **kwargs) (a save, or the wait for one in flight); a save that found too little space is
     OutOfSpace naming the folder, its unfinished step removed, the earlier ones kept."""
     if self._failed:
       return
     try:
-      call()
+      call(*args, **kwargs)
     except Exception:
       if not (code := self._short_of_space()):
         raise
