@@ -145,7 +145,7 @@ class Towers(NamedTuple):
 class ElectraPretrainer(EmbeddingSizes):
   """Both towers over ONE embeddings module: {embeddings, generator, discriminator}, plus under
   tie="none" `generator_embeddings`, under "gdes" (DeBERTa-v3) a `discriminator_word_delta` added to
-  stop_gradient(word table), under "all" one `shared_encoder`. Packed rows: `attention_mask` holds
+  stop_gradient(word table), under "all" one `shared_encoder`. Packed rows: `mask` holds
   segment ids (a 0/1 mask is one segment per row)."""
 
   generator_config: EncoderConfig
@@ -190,33 +190,27 @@ class ElectraPretrainer(EmbeddingSizes):
     embedded = embeddings(ids, token_type_ids, deterministic, word_table, position_ids)
     return tower(embedded, mask, deterministic, word_table, positions)
 
-  def generator_logits(
-      self, ids, token_type_ids, attention_mask, positions=None, deterministic=True
-  ):
+  def generator_logits(self, ids, token_type_ids, mask, positions=None, deterministic=True):
     """Vocabulary logits at `positions` [batch, n_pred] -> [batch, n_pred, vocab], float32 (at every
     position, [batch, seq, vocab], when None: the cloze generator's)."""
     embeddings = self.generator_embeddings if self.tie == "none" else self.embeddings
-    inputs = (ids, token_type_ids, attention_mask, positions, deterministic)
+    inputs = (ids, token_type_ids, mask, positions, deterministic)
     return self._run(self.generator, embeddings, embeddings.word_table(), *inputs)
 
-  def discriminator_logits(
-      self, ids, token_type_ids, attention_mask, positions=None, deterministic=True
-  ):
+  def discriminator_logits(self, ids, token_type_ids, mask, positions=None, deterministic=True):
     """One "replaced" logit per token, [batch, seq] -> [batch, seq] float32; with the MLM head a
     pair, its logits at `positions` second (at every position when None). The discriminator reads
     the shared word table, or for GDES stop_gradient(shared) + delta."""
     word_table = self.embeddings.word_table()
     if self.tie == "gdes":
       word_table = jax.lax.stop_gradient(word_table) + self.discriminator_word_delta
-    inputs = (ids, token_type_ids, attention_mask, positions, deterministic)
+    inputs = (ids, token_type_ids, mask, positions, deterministic)
     return self._run(self.discriminator, self.embeddings, word_table, *inputs)
 
-  def __call__(
-      self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic=True
-  ):
+  def __call__(self, ids, token_type_ids, mask, masked_positions, deterministic=True):
     """Both towers on one input (creates every parameter at init): (generator logits or None,
     discriminator logits, or a pair with an MLM head)."""
-    inputs = (input_ids, token_type_ids, attention_mask)
+    inputs = (ids, token_type_ids, mask)
     generator = None
     if self.towers.has_generator:
       positions = None if self.towers.cloze else masked_positions
@@ -247,13 +241,14 @@ def build_model(config, towers: Towers) -> ElectraPretrainer:
       "tie": TIE_MODES,
       "norm": encoder.NORMS,
       "ffn": encoder.FFNS,
-      "use_bias": (True, False),
       "remat": encoder.REMAT_POLICIES,
       "attention_impl": encoder.ATTENTION_IMPLEMENTATIONS,
   }
-  for key, allowed in choices.items():
-    # `in` alone would take 1 and 0 for True and False.
-    if not any(m[key] == value and type(m[key]) is type(value) for value in allowed):
+  for (
+      key,
+      allowed,
+  ) in choices.items():  # (types: ConfigDict and config_lib.with_defaults check them)
+    if m[key] not in allowed:
       raise ConfigError(f"model.{key}={m[key]!r} is not one of {list(allowed)}.")
   if m.tie == "all" and m.generator_fraction != 1.0:
     raise ConfigError(
@@ -261,12 +256,12 @@ def build_model(config, towers: Towers) -> ElectraPretrainer:
         f"model.generator_fraction={m.generator_fraction}: set it to 1.0."
     )
   width = m.attention_conv
-  if not (type(width) is int and (width == 0 or width > 0 and width % 2)):
+  if width < 0 or width % 2 == 0 and width > 0:
     raise ConfigError(
         f"model.attention_conv={width!r} must be 0 (no convolution) or an odd kernel width, e.g. 3."
     )
   sizes = {field.name: m[field.name] for field in dataclasses.fields(EncoderConfig)}
-  discriminator = EncoderConfig(**{**sizes, "scan_layers": bool(m.scan_layers)})
+  discriminator = EncoderConfig(**sizes)
   generator = generator_encoder_config(discriminator, m.generator_fraction)
   # What the attention kernel cannot take, refused before compiling.
   impl, seq_len, dtype = m.attention_impl, config.data.max_seq_len, config.train.dtype
@@ -307,7 +302,7 @@ def build_model(config, towers: Towers) -> ElectraPretrainer:
       discriminator_config=discriminator,
       dtype=jnp.dtype(config.train.dtype),
       towers=towers,
-      packed=bool(config.data.pack_rows),
+      packed=config.data.pack_rows,
   )
 
 

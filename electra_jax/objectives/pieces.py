@@ -411,8 +411,8 @@ def rtd_metrics(metrics, stats, objective, per_token):
 @dataclasses.dataclass(frozen=True)
 class Objective:
   """A registry entry: `forward(Pass) -> (loss, per_token)`, `metrics(metrics, stats, objective,
-  per_token)` setting "loss" and its own keys, the towers it needs built, and its config check. An
-  objective with hooks into the step or the run's start overrides them (two_stage.py)."""
+  per_token)` setting "loss" and its own keys, the towers it needs built, its config check, and the
+  hooks of an objective that changes the step or the run's start (two_stage.py)."""
 
   forward: Callable
   metrics: Callable = rtd_metrics
@@ -422,19 +422,13 @@ class Objective:
   # (keep_original_prob, random_token_prob) in place of (objective.keep_original_prob, 0).
   masking: tuple[float, float] | None = None
   check: Callable = lambda config: None  # raises ConfigError
-
-  def before_step(self, objective, params, step, schedule):
-    """The parameters the step at `step` trains from."""
-    return params
-
-  def updates(self, objective, updates, step, schedule):
-    """The updates the step at `step` applies."""
-    return updates
-
-  def fixed_at_start(self, config, saved: dict | None, start_step: int | None) -> dict:
-    """{dotted key: value} a run fixes at its start from its config, the workdir's saved config.json
-    and the checkpoint's step; refuses a resume that would move them."""
-    return {}
+  # (params, step, schedule) -> the parameters the step at `step` trains from.
+  before_step: Callable = lambda params, step, schedule: params
+  # (updates, step, schedule) -> the updates the step at `step` applies.
+  updates: Callable = lambda updates, step, schedule: updates
+  # (config, saved config.json or None, checkpoint step or None) -> {dotted key: value} the run
+  # fixes at its start; refuses a resume that would move them.
+  fixed_at_start: Callable = lambda config, saved, start_step: {}
 
 
 # --- Metrics
