@@ -13,8 +13,6 @@ from electra_jax import encoder, splash_attention
 from electra_jax.encoder import Dtype, EmbeddingSizes, Encoder, EncoderConfig, EncoderFields
 from electra_jax.errors import ConfigError
 
-TIE_MODES = ("embeddings", "none", "gdes", "all")  # see ElectraPretrainer
-
 
 def segment_positions(segment_ids):
   """[batch, seq] segment ids (1, 2, ... per packed example, 0 on padding) -> positions restarting
@@ -152,7 +150,7 @@ class ElectraPretrainer(EmbeddingSizes):
   discriminator_config: EncoderConfig
   dtype: Dtype = jnp.float32
   attention_impl: str = "xla"
-  tie: str = "embeddings"  # see TIE_MODES
+  tie: str = "embeddings"  # or "none", "gdes", "all" (above)
   towers: Towers = Towers()
   packed: bool = False
 
@@ -238,7 +236,7 @@ def build_model(config, towers: Towers) -> ElectraPretrainer:
   """The pre-training model a full electra-jax config (configs/base.py) describes, with `towers`."""
   m = config.model
   choices = {
-      "tie": TIE_MODES,
+      "tie": ("embeddings", "none", "gdes", "all"),  # see ElectraPretrainer
       "norm": encoder.NORMS,
       "ffn": encoder.FFNS,
       "remat": encoder.REMAT_POLICIES,
