@@ -369,10 +369,9 @@ def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
         f"The parameter tree's top level is {sorted(params)}, not an ElectraPretrainer's: pass "
         "state.params, not {'params': ...}."
     )
-  tower_config = getattr(pretrainer, f"{tower}_config")
-  if tower_config.scan_layers:  # standalone towers use the unscanned layout
-    tower_config = dataclasses.replace(tower_config, scan_layers=False)
-    params = encoder.unscan_layers(params)
+  # Standalone towers use the unscanned layout.
+  tower_config = dataclasses.replace(getattr(pretrainer, f"{tower}_config"), scan_layers=False)
+  params = encoder.unscan_layers(params)
   embeddings, tower_params = params["embeddings"], params[tower]
   embedding_size = pretrainer.embedding_size
   if pretrainer.tie == "all":

@@ -151,6 +151,15 @@ def sample_tokens(keys, logits, temperature: float, disallowed_ids=None):
   return jax.lax.stop_gradient(_max_and_argmax(logits + gumbel)[1])
 
 
+def corrupt(input_ids, masked: MaskedInputs, sampled_ids):
+  """(corrupted_ids, is_replaced): the ORIGINAL input with the samples at the used masked
+  positions; a sample equal to the original token is labelled original."""
+  new_tokens = jnp.where(masked.weights > 0, sampled_ids, masked.target_ids)
+  rows = jnp.arange(input_ids.shape[0])[:, None]
+  corrupted_ids = input_ids.at[rows, masked.positions].set(new_tokens)
+  return corrupted_ids, corrupted_ids != input_ids
+
+
 class Normalizers(NamedTuple):
   """The losses' denominators over the WHOLE batch: micro-batches add up to the full-batch loss."""
 
@@ -317,11 +326,7 @@ def sample(p: Pass, gen_logits) -> Sampled:
   )
   disallowed = masked.target_ids if objective.disallow_correct else None
   sampled_ids = sample_tokens(p.sample_keys, gen_logits, p.temperature, disallowed)
-  # The original input with the samples at the used slots; a sample of the original is no replacement.
-  new_tokens = jnp.where(masked.weights > 0, sampled_ids, masked.target_ids)
-  rows = jnp.arange(sampled_ids.shape[0])[:, None]
-  corrupted_ids = p.batch["input_ids"].at[rows, masked.positions].set(new_tokens)
-  is_replaced = corrupted_ids != p.batch["input_ids"]
+  corrupted_ids, is_replaced = corrupt(p.batch["input_ids"], masked, sampled_ids)
   # The generator's probability (T=1) of each token it put in, for `summarize`'s AUCs by difficulty.
   sampled_logit = jnp.take_along_axis(
       jax.lax.stop_gradient(gen_logits).astype(jnp.float32), sampled_ids[..., None], axis=-1
