@@ -242,10 +242,7 @@ def build_model(config, towers: Towers) -> ElectraPretrainer:
       "remat": encoder.REMAT_POLICIES,
       "attention_impl": encoder.ATTENTION_IMPLEMENTATIONS,
   }
-  for (
-      key,
-      allowed,
-  ) in choices.items():  # (types: ConfigDict and config_lib.with_defaults check them)
+  for key, allowed in choices.items():  # (ConfigDict and config_lib.with_defaults check types)
     if m[key] not in allowed:
       raise ConfigError(f"model.{key}={m[key]!r} is not one of {list(allowed)}.")
   if m.tie == "all" and m.generator_fraction != 1.0:
@@ -369,9 +366,10 @@ def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
         f"The parameter tree's top level is {sorted(params)}, not an ElectraPretrainer's: pass "
         "state.params, not {'params': ...}."
     )
-  # Standalone towers use the unscanned layout.
-  tower_config = dataclasses.replace(getattr(pretrainer, f"{tower}_config"), scan_layers=False)
-  params = encoder.unscan_layers(params)
+  tower_config = getattr(pretrainer, f"{tower}_config")
+  if tower_config.scan_layers:  # standalone towers use the unscanned layout
+    tower_config = dataclasses.replace(tower_config, scan_layers=False)
+    params = encoder.unscan_layers(params)
   embeddings, tower_params = params["embeddings"], params[tower]
   embedding_size = pretrainer.embedding_size
   if pretrainer.tie == "all":
