@@ -5,6 +5,7 @@ Parameters carry logical axis names (partitioning.py)."""
 import dataclasses
 import functools
 import math
+import re
 from typing import Any
 
 import flax.linen as nn
@@ -354,12 +355,8 @@ def scan_layers(tree):
   """The inverse of unscan_layers, for trees imported from unscanned models."""
   if not isinstance(tree, dict):
     return tree
-  layer_keys = sorted(
-      (k for k in tree if k.startswith("layer_") and k[6:].isdigit()), key=lambda k: int(k[6:])
-  )
-  out = {k: scan_layers(v) for k, v in tree.items() if k not in layer_keys}
-  if layer_keys:
-    out["layers"] = {
-        "layer": jax.tree.map(lambda *xs: jnp.stack(xs), *(tree[k] for k in layer_keys))
-    }
+  layers = [tree[f"layer_{i}"] for i in range(len(tree)) if f"layer_{i}" in tree]
+  out = {k: scan_layers(v) for k, v in tree.items() if not re.fullmatch(r"layer_\d+", k)}
+  if layers:
+    out["layers"] = {"layer": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
   return out

@@ -99,9 +99,8 @@ class Generator(_Tower):
       keys = attention_mask.astype(bool)[:, None, :]  # [batch, 1, seq]
       left_to_right = jnp.tril(jnp.ones((keys.shape[-1],) * 2, bool))[None]
       ltr = self._encode(embedded, keys & left_to_right, deterministic, "encoder_ltr")
-      rtl = self._encode(
-          embedded, keys & jnp.swapaxes(left_to_right, 1, 2), deterministic, "encoder_rtl"
-      )
+      right_to_left = jnp.swapaxes(left_to_right, 1, 2)
+      rtl = self._encode(embedded, keys & right_to_left, deterministic, "encoder_rtl")
       # Shift: t takes ltr[t - 1] and rtl[t + 1] (wrapping at the ends, as the official roll).
       hidden = jnp.concatenate([jnp.roll(ltr, 1, axis=1), jnp.roll(rtl, -1, axis=1)], axis=-1)
     else:
