@@ -142,8 +142,7 @@ class Towers(NamedTuple):
 class ElectraPretrainer(EmbeddingSizes):
   """Both towers over ONE embeddings module: {embeddings, generator, discriminator}, plus under
   tie="none" `generator_embeddings`, under "gdes" (DeBERTa-v3) a `discriminator_word_delta` added to
-  stop_gradient(word table), under "all" one `shared_encoder`. Packed rows: `mask` holds
-  segment ids (a 0/1 mask is one segment per row)."""
+  stop_gradient(word table), under "all" one `shared_encoder`. Packed rows' `mask`: segment ids."""
 
   generator_config: EncoderConfig
   discriminator_config: EncoderConfig

@@ -234,8 +234,7 @@ _weighted_nll_sum.defvjp(_weighted_nll_sum_fwd, _weighted_nll_sum_bwd)
 
 def mlm_sums(logits, target_ids, weights):
   """(summed cross-entropy, summed correct argmax, each row's logsumexp without gradient) against
-  the targets: the accuracy's argmax also finds the logsumexp's shift, so the logits are read few
-  times."""
+  the targets; the accuracy's argmax also gives the logsumexp's shift (fewer reads of logits)."""
   top, predicted = _max_and_argmax(jax.lax.stop_gradient(logits))
   nll_sum, log_normalizer = _weighted_nll_sum(logits, top, target_ids, weights)
   correct = ((predicted == target_ids) * weights).sum()
