@@ -112,9 +112,8 @@ class Generator(_Tower):
 
 
 class Discriminator(_Tower):
-  """Replaced-token detector: encoder, then dense(H->H) + GELU + dense(H->1) per token. With
-  `mlm_head` also the logits of its MLM head (vocab_head, prefix mlm_) at `mlm_positions` (all
-  when None)."""
+  """Replaced-token detector: encoder, then dense(H->H) + GELU + dense(H->1) per token; with
+  `mlm_head` also its MLM head's logits (vocab_head, prefix mlm_) at `mlm_positions` (None: all)."""
 
   mlm_head: bool = False
 
@@ -353,8 +352,7 @@ def no_standalone_generator(pretrainer: ElectraPretrainer) -> str | None:
 
 def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
   """(model, {embeddings, <tower>}) of one tower of an ElectraPretrainer tree: the same arrays, but
-  under tie="gdes" the discriminator's word table is shared + delta; under "none" the generator's
-  embeddings are its own."""
+  the gdes discriminator's word table is shared + delta, the tie="none" generator's its own."""
   if tower not in TOWER_MODELS:
     raise ConfigError(f"tower={tower!r} is not one of {sorted(TOWER_MODELS)}.")
   if why_not := no_standalone_generator(pretrainer) if tower == "generator" else None:

@@ -432,9 +432,8 @@ class Objective:
 
 # --- Metrics
 def binary_aucs(scores, labels, weights, positive_subsets) -> list:
-  """Exact ROC AUC (Mann-Whitney U, ties counted half) of each subset of the positives (a mask like
-  `labels`) against all negatives, over entries with weight > 0; NaN without a positive or a
-  negative in them, or with a NaN score."""
+  """Exact ROC AUC (Mann-Whitney U, ties half) of each subset of the positives (masks like `labels`)
+  against all negatives, over entries of weight > 0; NaN if either is absent or a score is NaN."""
   scores, labels = scores.reshape(-1), labels.reshape(-1).astype(bool)
   valid = weights.reshape(-1) > 0
   is_neg = valid & ~labels
@@ -465,9 +464,8 @@ DISC_METRICS = ("disc_loss", "disc_auc", "disc_accuracy", "disc_precision", "dis
 
 
 def official_metrics(stats, per_token_arrays) -> dict[str, jax.Array]:
-  """The official metrics from summed stats and the detector's per-token arrays, disc_auc_<bin> (a
-  bin's replaced tokens against every original) and replaced_share_<bin> by REPLACED_BINS; each
-  objective adds the loss and its own keys."""
+  """The official metrics from summed stats and the detector's per-token arrays, and by
+  REPLACED_BINS disc_auc_<bin> (its replaced tokens against all originals), replaced_share_<bin>."""
   num_predictions = jnp.maximum(stats["num_predictions"], 1.0)
   logits, weights = per_token_arrays["disc_logits"], per_token_arrays["token_weights"]
   is_replaced = per_token_arrays["is_replaced"].astype(bool)
