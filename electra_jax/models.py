@@ -193,9 +193,8 @@ class ElectraPretrainer(EmbeddingSizes):
     return self._run(self.generator, embeddings, embeddings.word_table(), *inputs)
 
   def discriminator_logits(self, ids, token_type_ids, mask, positions=None, deterministic=True):
-    """One "replaced" logit per token, [batch, seq] -> [batch, seq] float32; with the MLM head a
-    pair, its logits at `positions` second (at every position when None). The discriminator reads
-    the shared word table, or for GDES stop_gradient(shared) + delta."""
+    """[batch, seq] float32 "replaced" logits; with the MLM head the pair (them, its logits at
+    `positions`, all when None). Over the shared word table (GDES: stop_gradient(it) + delta)."""
     word_table = self.embeddings.word_table()
     if self.tie == "gdes":
       word_table = jax.lax.stop_gradient(word_table) + self.discriminator_word_delta
