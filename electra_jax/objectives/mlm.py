@@ -12,9 +12,8 @@ from electra_jax.objectives.pieces import Objective, Pass
 
 def _no_detector(p: Pass, is_replaced, replaced_prob):
   """The per-token arrays of a tower that detects nothing: zero logits beside what was replaced."""
-  return pieces.token_arrays(
-      jnp.zeros_like(p.token_weights), is_replaced, p.token_weights, replaced_prob
-  )
+  zeros = jnp.zeros_like(p.token_weights)
+  return pieces.token_arrays(zeros, is_replaced, p.token_weights, replaced_prob)
 
 
 def _nan(metrics, names) -> None:
@@ -59,9 +58,8 @@ def _all_tokens_mlm(p: Pass):
   # The most probable other token: the best MLM alternative, or the (replaced) input token,
   # which also gets the copy probability.
   is_original = jnp.arange(main_logits.shape[-1]) == input_ids[..., None]
-  best_other = jnp.exp(
-      log_no_copy + jnp.max(jnp.where(is_original, -jnp.inf, log_softmax), axis=-1)
-  )
+  best_alternative = jnp.max(jnp.where(is_original, -jnp.inf, log_softmax), axis=-1)
+  best_other = jnp.exp(log_no_copy + best_alternative)
   log_mlm_input = jnp.take_along_axis(log_softmax, s.corrupted_ids[..., None], axis=-1)[..., 0]
   p_input = jnp.exp(log_copy) + jnp.exp(log_no_copy + log_mlm_input)
   best_other = jnp.maximum(best_other, jnp.where(copied, 0.0, p_input))

@@ -222,9 +222,8 @@ def _weighted_nll_sum_bwd(residuals, grads):
       cpu=lambda _, shifted_exp, total, __: shifted_exp / total[..., None],
       default=lambda logits, _, __, lse: jnp.exp(logits - lse[..., None]),
   )
-  is_target = (
-      jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == target_ids[..., None]
-  )
+  vocab_index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  is_target = vocab_index == target_ids[..., None]
   d_logits = (grads[0] * weights)[..., None] * (softmax - is_target.astype(jnp.float32))
   return d_logits, None, None, None
 
@@ -327,14 +326,12 @@ def sample(p: Pass, gen_logits) -> Sampled:
   sampled_ids = sample_tokens(p.sample_keys, gen_logits, p.temperature, disallowed)
   corrupted_ids, is_replaced = corrupt(p.batch["input_ids"], masked, sampled_ids)
   # The generator's probability (T=1) of each token it put in, for `summarize`'s AUCs by difficulty.
-  sampled_logit = jnp.take_along_axis(
-      jax.lax.stop_gradient(gen_logits).astype(jnp.float32), sampled_ids[..., None], axis=-1
-  )[..., 0]
+  frozen_logits = jax.lax.stop_gradient(gen_logits).astype(jnp.float32)
+  sampled_logit = jnp.take_along_axis(frozen_logits, sampled_ids[..., None], axis=-1)[..., 0]
   sampled_prob = jnp.where(masked.weights > 0, jnp.exp(sampled_logit - log_normalizer), 0.0)
+  sampled_correct = ((sampled_ids == masked.target_ids) * masked.weights).sum()
   p.stats.update(
-      mlm_loss_sum=mlm_loss_sum,
-      mlm_correct=mlm_correct,
-      sampled_correct=((sampled_ids == masked.target_ids) * masked.weights).sum(),
+      mlm_loss_sum=mlm_loss_sum, mlm_correct=mlm_correct, sampled_correct=sampled_correct
   )
   gen_loss = objective.gen_weight * mlm_loss_sum / p.normalizers.num_predictions
   replaced_prob = at_slots(is_replaced.shape, masked, sampled_prob)
