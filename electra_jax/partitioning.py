@@ -55,9 +55,8 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
   devices = list(jax.devices() if devices is None else devices)
   shape = resolve_mesh_shape(mesh_config, len(devices))
   # Auto axis types: Linen's logical constraints are hints, which explicit-axis meshes reject.
-  return jax.make_mesh(
-      shape, MESH_AXES, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * len(shape)
-  )
+  auto = (jax.sharding.AxisType.Auto,) * len(shape)
+  return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=auto)
 
 
 @contextlib.contextmanager

@@ -54,9 +54,8 @@ def uniform(key, shape, minval: float = 0.0, maxval: float = 1.0) -> jax.Array:
     return jax.random.uniform(key, shape, jnp.float32, minval, maxval)
   # 23 random mantissa bits under the exponent of 1.0 give [1, 2); shift down to [0, 1).
   one = np.array(1.0, np.float32).view(np.uint32)
-  floats = lax.bitcast_convert_type(
-      (random_bits(key, shape) >> np.uint32(9)) | one, jnp.float32
-  ) - np.float32(1.0)
+  mantissa_bits = (random_bits(key, shape) >> np.uint32(9)) | one
+  floats = lax.bitcast_convert_type(mantissa_bits, jnp.float32) - np.float32(1.0)
   lo, hi = np.float32(minval), np.float32(maxval)
   return lax.max(lo, floats * (hi - lo) + lo)
 
