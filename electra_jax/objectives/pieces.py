@@ -215,10 +215,7 @@ def _weighted_nll_sum_bwd(residuals, grads):
   # The CPU reads the forward's exponentials back (an exp costs more there than the memory);
   # elsewhere they are recomputed, so they are never written out.
   softmax = jax.lax.platform_dependent(
-      logits,
-      shifted_exp,
-      total,
-      lse,
+      *residuals[:4],  # logits, shifted_exp, total, lse
       cpu=lambda _, shifted_exp, total, __: shifted_exp / total[..., None],
       default=lambda logits, _, __, lse: jnp.exp(logits - lse[..., None]),
   )

@@ -83,12 +83,5 @@ def _fix_switch(config, saved: dict | None, start_step: int | None) -> dict:
   )
 
 
-ENTRIES = {
-    "two_stage": Objective(
-        _two_stage,
-        check=_check_two_stage,
-        before_step=_copy_at_switch,
-        updates=_hold_other_tower,
-        fixed_at_start=_fix_switch,
-    )
-}
+_HOOKS = dict(before_step=_copy_at_switch, updates=_hold_other_tower, fixed_at_start=_fix_switch)
+ENTRIES = {"two_stage": Objective(_two_stage, check=_check_two_stage, **_HOOKS)}
