@@ -76,15 +76,10 @@ def _tower_mlm_metrics(metrics, stats, objective, per_token):
   metrics["loss"] = objective.gen_weight * metrics["masked_lm_loss"] + metrics["main_mlm_loss"]
 
 
+# BERT: no generator, and of the chosen positions 80% [MASK], 10% a random token, 10% kept.
+_BERT = dict(towers=Towers(has_generator=False, mlm_head=True), samples=False, masking=(0.1, 0.1))
 ENTRIES = {
-    # No generator, and of the chosen positions 80% [MASK], 10% a random token, 10% kept.
-    "mlm": Objective(
-        _mlm,
-        _mlm_metrics,
-        towers=Towers(has_generator=False, mlm_head=True),
-        samples=False,
-        masking=(0.1, 0.1),
-    ),
+    "mlm": Objective(_mlm, _mlm_metrics, **_BERT),
     "replace_mlm": Objective(_replace_mlm, _tower_mlm_metrics, towers=Towers(mlm_head=True)),
     "all_tokens_mlm": Objective(_all_tokens_mlm, _tower_mlm_metrics, towers=Towers(mlm_head=True)),
 }
