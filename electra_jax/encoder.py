@@ -5,6 +5,7 @@ Parameters carry logical axis names (partitioning.py)."""
 import dataclasses
 import functools
 import math
+import re
 from typing import Any
 
 import flax.linen as nn
@@ -86,13 +87,10 @@ class EncoderConfig:
   attention_dropout_rate: float = 0.1
   layer_norm_eps: float = 1e-12
   remat: str = "none"  # see REMAT_POLICIES
-  # One scanned layer (params stacked on a leading axis, encoder/layers/layer), not layer_0 ...;
-  # standalone towers, export and fine-tuning see the unscanned layout.
-  scan_layers: bool = False
+  scan_layers: bool = False  # params stacked as encoder/layers/layer (see unscan_layers)
   norm: str = "post"  # see NORMS
   ffn: str = "gelu"  # see FFNS
-  # False: no bias in the encoder's dense layers (heads and LayerNorms keep theirs).
-  use_bias: bool = True
+  use_bias: bool = True  # in the encoder's dense layers (heads and LayerNorms keep theirs)
   attention_conv: int = 0  # see SelfAttention
 
   @property
@@ -206,10 +204,8 @@ class SelfAttention(_Block):
     elif self.attention_impl == "cudnn" and mask.ndim == 2:
       # Right-padded rows' lengths; an all-padding row gets 1 (cuDNN before 9.25 gives NaN for 0).
       lengths = jnp.maximum(mask.sum(-1, dtype=jnp.int32), 1)
-      kernel = dict(
-          query_seq_lengths=lengths, key_value_seq_lengths=lengths, implementation="cudnn"
-      )
-      context = jax.nn.dot_product_attention(query, key, value, **kernel)
+      seq_lens = dict(query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+      context = jax.nn.dot_product_attention(query, key, value, **seq_lens, implementation="cudnn")
     else:  # splash cannot take a [batch, q, k] mask (packed rows, the cloze towers' causal ones)
       impl = "xla" if self.attention_impl == "splash" else self.attention_impl
       context = jax.nn.dot_product_attention(
@@ -359,12 +355,8 @@ def scan_layers(tree):
   """The inverse of unscan_layers, for trees imported from unscanned models."""
   if not isinstance(tree, dict):
     return tree
-  layer_keys = sorted(
-      (k for k in tree if k.startswith("layer_") and k[6:].isdigit()), key=lambda k: int(k[6:])
-  )
-  out = {k: scan_layers(v) for k, v in tree.items() if k not in layer_keys}
-  if layer_keys:
-    out["layers"] = {
-        "layer": jax.tree.map(lambda *xs: jnp.stack(xs), *(tree[k] for k in layer_keys))
-    }
+  layers = [tree[f"layer_{i}"] for i in range(len(tree)) if f"layer_{i}" in tree]
+  out = {k: scan_layers(v) for k, v in tree.items() if not re.fullmatch(r"layer_\d+", k)}
+  if layers:
+    out["layers"] = {"layer": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
   return out

@@ -48,16 +48,14 @@ def train_flops_per_token(
   slots (the discriminator's at every position with `all_positions_mlm`)."""
   gen, disc = model.generator_config, model.discriminator_config
   gen_emb, emb = model.generator_embedding_size, model.embedding_size
-  gen_head = (gen.hidden_size * gen_emb + gen_emb * model.vocab_size) * max_predictions / seq_len
-  gen_params = _encoder_matmul_params(gen, gen_emb) + gen_head
-  if model.towers.cloze:  # Electric: two towers, the head (from 2 H_g) at every position
-    head = 2 * gen.hidden_size * gen_emb + gen_emb * model.vocab_size
-    gen_params = 2 * _encoder_matmul_params(gen, gen_emb) + head
+  # Electric's cloze generator runs two encoders, and its head (from 2 H_g) at every position.
+  towers, gen_positions = (2, seq_len) if model.towers.cloze else (1, max_predictions)
+  gen_head = towers * gen.hidden_size * gen_emb + gen_emb * model.vocab_size
+  gen_params = towers * _encoder_matmul_params(gen, gen_emb) + gen_head * gen_positions / seq_len
   disc_params = _encoder_matmul_params(disc, emb) + disc.hidden_size**2 + disc.hidden_size
   if model.towers.mlm_head:  # MLM-family ablations: the tower's own vocabulary head
     positions = seq_len if all_positions_mlm else max_predictions
     disc_params += (disc.hidden_size * emb + emb * model.vocab_size) * positions / seq_len
-  towers = 2 if model.towers.cloze else 1
   generator = 6 * gen_params + towers * _attention_flops(gen, seq_len)
   generator = generator if model.towers.has_generator else 0
   return generator + 6 * disc_params + _attention_flops(disc, seq_len)

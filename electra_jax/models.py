@@ -13,8 +13,6 @@ from electra_jax import encoder, splash_attention
 from electra_jax.encoder import Dtype, EmbeddingSizes, Encoder, EncoderConfig, EncoderFields
 from electra_jax.errors import ConfigError
 
-TIE_MODES = ("embeddings", "none", "gdes", "all")  # see ElectraPretrainer
-
 
 def segment_positions(segment_ids):
   """[batch, seq] segment ids (1, 2, ... per packed example, 0 on padding) -> positions restarting
@@ -101,9 +99,8 @@ class Generator(_Tower):
       keys = attention_mask.astype(bool)[:, None, :]  # [batch, 1, seq]
       left_to_right = jnp.tril(jnp.ones((keys.shape[-1],) * 2, bool))[None]
       ltr = self._encode(embedded, keys & left_to_right, deterministic, "encoder_ltr")
-      rtl = self._encode(
-          embedded, keys & jnp.swapaxes(left_to_right, 1, 2), deterministic, "encoder_rtl"
-      )
+      right_to_left = jnp.swapaxes(left_to_right, 1, 2)
+      rtl = self._encode(embedded, keys & right_to_left, deterministic, "encoder_rtl")
       # Shift: t takes ltr[t - 1] and rtl[t + 1] (wrapping at the ends, as the official roll).
       hidden = jnp.concatenate([jnp.roll(ltr, 1, axis=1), jnp.roll(rtl, -1, axis=1)], axis=-1)
     else:
@@ -115,9 +112,8 @@ class Generator(_Tower):
 
 
 class Discriminator(_Tower):
-  """Replaced-token detector: encoder, then dense(H->H) + GELU + dense(H->1) per token. With
-  `mlm_head` also the logits of its MLM head (vocab_head, prefix mlm_) at `mlm_positions` (all
-  when None)."""
+  """Replaced-token detector: encoder, then dense(H->H) + GELU + dense(H->1) per token; with
+  `mlm_head` also its MLM head's logits (vocab_head, prefix mlm_) at `mlm_positions` (None: all)."""
 
   mlm_head: bool = False
 
@@ -145,14 +141,13 @@ class Towers(NamedTuple):
 class ElectraPretrainer(EmbeddingSizes):
   """Both towers over ONE embeddings module: {embeddings, generator, discriminator}, plus under
   tie="none" `generator_embeddings`, under "gdes" (DeBERTa-v3) a `discriminator_word_delta` added to
-  stop_gradient(word table), under "all" one `shared_encoder`. Packed rows: `attention_mask` holds
-  segment ids (a 0/1 mask is one segment per row)."""
+  stop_gradient(word table), under "all" one `shared_encoder`. Packed rows' `mask`: segment ids."""
 
   generator_config: EncoderConfig
   discriminator_config: EncoderConfig
   dtype: Dtype = jnp.float32
   attention_impl: str = "xla"
-  tie: str = "embeddings"  # see TIE_MODES
+  tie: str = "embeddings"  # or "none", "gdes", "all" (above)
   towers: Towers = Towers()
   packed: bool = False
 
@@ -190,33 +185,26 @@ class ElectraPretrainer(EmbeddingSizes):
     embedded = embeddings(ids, token_type_ids, deterministic, word_table, position_ids)
     return tower(embedded, mask, deterministic, word_table, positions)
 
-  def generator_logits(
-      self, ids, token_type_ids, attention_mask, positions=None, deterministic=True
-  ):
+  def generator_logits(self, ids, token_type_ids, mask, positions=None, deterministic=True):
     """Vocabulary logits at `positions` [batch, n_pred] -> [batch, n_pred, vocab], float32 (at every
     position, [batch, seq, vocab], when None: the cloze generator's)."""
     embeddings = self.generator_embeddings if self.tie == "none" else self.embeddings
-    inputs = (ids, token_type_ids, attention_mask, positions, deterministic)
+    inputs = (ids, token_type_ids, mask, positions, deterministic)
     return self._run(self.generator, embeddings, embeddings.word_table(), *inputs)
 
-  def discriminator_logits(
-      self, ids, token_type_ids, attention_mask, positions=None, deterministic=True
-  ):
-    """One "replaced" logit per token, [batch, seq] -> [batch, seq] float32; with the MLM head a
-    pair, its logits at `positions` second (at every position when None). The discriminator reads
-    the shared word table, or for GDES stop_gradient(shared) + delta."""
+  def discriminator_logits(self, ids, token_type_ids, mask, positions=None, deterministic=True):
+    """[batch, seq] float32 "replaced" logits; with the MLM head the pair (them, its logits at
+    `positions`, all when None). Over the shared word table (GDES: stop_gradient(it) + delta)."""
     word_table = self.embeddings.word_table()
     if self.tie == "gdes":
       word_table = jax.lax.stop_gradient(word_table) + self.discriminator_word_delta
-    inputs = (ids, token_type_ids, attention_mask, positions, deterministic)
+    inputs = (ids, token_type_ids, mask, positions, deterministic)
     return self._run(self.discriminator, self.embeddings, word_table, *inputs)
 
-  def __call__(
-      self, input_ids, token_type_ids, attention_mask, masked_positions, deterministic=True
-  ):
+  def __call__(self, ids, token_type_ids, mask, masked_positions, deterministic=True):
     """Both towers on one input (creates every parameter at init): (generator logits or None,
     discriminator logits, or a pair with an MLM head)."""
-    inputs = (input_ids, token_type_ids, attention_mask)
+    inputs = (ids, token_type_ids, mask)
     generator = None
     if self.towers.has_generator:
       positions = None if self.towers.cloze else masked_positions
@@ -244,16 +232,14 @@ def build_model(config, towers: Towers) -> ElectraPretrainer:
   """The pre-training model a full electra-jax config (configs/base.py) describes, with `towers`."""
   m = config.model
   choices = {
-      "tie": TIE_MODES,
+      "tie": ("embeddings", "none", "gdes", "all"),  # see ElectraPretrainer
       "norm": encoder.NORMS,
       "ffn": encoder.FFNS,
-      "use_bias": (True, False),
       "remat": encoder.REMAT_POLICIES,
       "attention_impl": encoder.ATTENTION_IMPLEMENTATIONS,
   }
-  for key, allowed in choices.items():
-    # `in` alone would take 1 and 0 for True and False.
-    if not any(m[key] == value and type(m[key]) is type(value) for value in allowed):
+  for key, allowed in choices.items():  # (ConfigDict and config_lib.with_defaults check types)
+    if m[key] not in allowed:
       raise ConfigError(f"model.{key}={m[key]!r} is not one of {list(allowed)}.")
   if m.tie == "all" and m.generator_fraction != 1.0:
     raise ConfigError(
@@ -261,12 +247,12 @@ def build_model(config, towers: Towers) -> ElectraPretrainer:
         f"model.generator_fraction={m.generator_fraction}: set it to 1.0."
     )
   width = m.attention_conv
-  if not (type(width) is int and (width == 0 or width > 0 and width % 2)):
+  if width < 0 or width % 2 == 0 and width > 0:
     raise ConfigError(
         f"model.attention_conv={width!r} must be 0 (no convolution) or an odd kernel width, e.g. 3."
     )
   sizes = {field.name: m[field.name] for field in dataclasses.fields(EncoderConfig)}
-  discriminator = EncoderConfig(**{**sizes, "scan_layers": bool(m.scan_layers)})
+  discriminator = EncoderConfig(**sizes)
   generator = generator_encoder_config(discriminator, m.generator_fraction)
   # What the attention kernel cannot take, refused before compiling.
   impl, seq_len, dtype = m.attention_impl, config.data.max_seq_len, config.train.dtype
@@ -307,7 +293,7 @@ def build_model(config, towers: Towers) -> ElectraPretrainer:
       discriminator_config=discriminator,
       dtype=jnp.dtype(config.train.dtype),
       towers=towers,
-      packed=bool(config.data.pack_rows),
+      packed=config.data.pack_rows,
   )
 
 
@@ -365,8 +351,7 @@ def no_standalone_generator(pretrainer: ElectraPretrainer) -> str | None:
 
 def tower_from_pretrainer(pretrainer: ElectraPretrainer, params, tower: str):
   """(model, {embeddings, <tower>}) of one tower of an ElectraPretrainer tree: the same arrays, but
-  under tie="gdes" the discriminator's word table is shared + delta; under "none" the generator's
-  embeddings are its own."""
+  the gdes discriminator's word table is shared + delta, the tie="none" generator's its own."""
   if tower not in TOWER_MODELS:
     raise ConfigError(f"tower={tower!r} is not one of {sorted(TOWER_MODELS)}.")
   if why_not := no_standalone_generator(pretrainer) if tower == "generator" else None:

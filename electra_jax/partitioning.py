@@ -36,23 +36,17 @@ def resolve_mesh_shape(mesh_config, device_count: int) -> tuple[int, int, int]:
   """Sizes for (data, fsdp, tensor); one -1 takes whatever the others leave."""
   sizes = [int(mesh_config[name]) for name in MESH_AXES]
   shown = ", ".join(f"mesh.{n}={s}" for n, s in zip(MESH_AXES, sizes))
-  fill = [i for i, s in enumerate(sizes) if s == -1]
-  if len(fill) > 1 or any(s == 0 or s < -1 for s in sizes):
+  if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
     raise ConfigError(
         f"Mesh sizes {shown}: each must be a positive integer, and at most one may be -1 (the rest)."
     )
   known = math.prod(s for s in sizes if s != -1)
-  if fill:
-    if device_count % known:
-      raise ConfigError(
-          f"Mesh sizes {shown} cannot fill {device_count} devices ({device_count} is not "
-          f"divisible by {known}): choose sizes whose product divides it."
-      )
-    sizes[fill[0]] = device_count // known
-  if math.prod(sizes) != device_count:
+  if -1 in sizes and device_count % known == 0:
+    sizes[sizes.index(-1)] = device_count // known
+  if math.prod(sizes) != device_count:  # (negative while a -1 is left)
     raise ConfigError(
-        f"Mesh sizes {shown} multiply to {math.prod(sizes)}, but there are {device_count} devices: "
-        f"make their product {device_count}, or set one of them to -1."
+        f"Mesh sizes {shown} multiply to {known}, but there are {device_count} devices: make the "
+        f"product {device_count}, or a divisor of it with one size -1."
     )
   return tuple(sizes)
 
@@ -61,9 +55,8 @@ def make_mesh(mesh_config, devices: Sequence[jax.Device] | None = None) -> Mesh:
   devices = list(jax.devices() if devices is None else devices)
   shape = resolve_mesh_shape(mesh_config, len(devices))
   # Auto axis types: Linen's logical constraints are hints, which explicit-axis meshes reject.
-  return jax.make_mesh(
-      shape, MESH_AXES, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * len(shape)
-  )
+  auto = (jax.sharding.AxisType.Auto,) * len(shape)
+  return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=auto)
 
 
 @contextlib.contextmanager

@@ -29,10 +29,7 @@ def threefry2x32(k1, k2, x1, x2):
 
 def _is_fast_path(key) -> bool:
   """True when jax.random would draw with partitionable threefry2x32, whose bits we reproduce."""
-  try:
-    name = str(jax.random.key_impl(key))
-  except TypeError:  # a raw uint32 key array: jax.random treats it as the default implementation
-    name = jax.config.jax_default_prng_impl
+  name = str(jax.random.key_impl(key))  # our keys are typed (jax.random.key)
   return "threefry2x32" in name and bool(jax.config.jax_threefry_partitionable)
 
 
@@ -41,7 +38,7 @@ def random_bits(key, shape) -> jax.Array:
   shape = tuple(shape)
   if not _is_fast_path(key) or math.prod(shape) >= 2**32:
     return jax.random.bits(key, shape, jnp.uint32)
-  data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+  data = jax.random.key_data(key)
   # jax.random's per-element counter: the row-major index (its high word is 0 below 2**32 elements).
   counters, stride = jnp.zeros(shape, jnp.uint32), 1
   for dim in reversed(range(len(shape))):
@@ -57,9 +54,8 @@ def uniform(key, shape, minval: float = 0.0, maxval: float = 1.0) -> jax.Array:
     return jax.random.uniform(key, shape, jnp.float32, minval, maxval)
   # 23 random mantissa bits under the exponent of 1.0 give [1, 2); shift down to [0, 1).
   one = np.array(1.0, np.float32).view(np.uint32)
-  floats = lax.bitcast_convert_type(
-      (random_bits(key, shape) >> np.uint32(9)) | one, jnp.float32
-  ) - np.float32(1.0)
+  mantissa_bits = (random_bits(key, shape) >> np.uint32(9)) | one
+  floats = lax.bitcast_convert_type(mantissa_bits, jnp.float32) - np.float32(1.0)
   lo, hi = np.float32(minval), np.float32(maxval)
   return lax.max(lo, floats * (hi - lo) + lo)
 

@@ -68,11 +68,11 @@ def splash_attention(query, key, value, segment_ids):
         default=functools.partial(_local_attention, interpret=True),
     )
 
-  batch_axes = tuple(a for a in partitioning.BATCH_AXES if a in mesh.axis_names)
+  batch_axes = partitioning.BATCH_AXES  # of every mesh partitioning.make_mesh makes
   # A mesh's batch shards may not divide a shape-only trace's one dummy row (parameter init).
-  if mesh.empty or mesh.size == 1 or query.shape[0] % math.prod(mesh.shape[a] for a in batch_axes):
+  if mesh.empty or mesh.size == 1 or query.shape[0] % partitioning.batch_shards(mesh):
     return attend(query, key, value, segment_ids)
-  tensor = mesh.shape.get("tensor", 1)
+  tensor = mesh.shape["tensor"]
   heads_axis = "tensor" if tensor > 1 and query.shape[2] % tensor == 0 else None
   qkv_spec = PartitionSpec(batch_axes, None, heads_axis, None)
   return jax.shard_map(

@@ -36,7 +36,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array, s
   micro-batch losses share whole-batch denominators and their gradients sum to the full one."""
   objective = state.objective
   registered = objectives.REGISTRY[objective.name]
-  params = registered.before_step(objective, state.params, state.step, schedule)
+  params = registered.before_step(state.params, state.step, schedule)
   mask_rng, sample_rng, dropout_rng = jax.random.split(rng, 3)
   ids, attention = batch["input_ids"], batch["attention_mask"]
   masked = objectives.mask_tokens(mask_rng, ids, attention, objective)
@@ -79,7 +79,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], rng: jax.Array, s
     (grads, stats), per_token = jax.lax.scan(accumulate, zeros, (micro_inputs, micro_dropout_rngs))
 
   updates, opt_state = state.tx.update(grads, state.opt_state, params, schedule=schedule)
-  params = optax.apply_updates(params, registered.updates(objective, updates, state.step, schedule))
+  params = optax.apply_updates(params, registered.updates(updates, state.step, schedule))
   metrics = objectives.summarize(stats, per_token, objective)
   metrics["grad_norm"] = jnp.sqrt(sum(jnp.vdot(g, g) for g in jax.tree.leaves(grads)))
   metrics["learning_rate"] = schedule(state.step)

@@ -72,7 +72,7 @@ def test_an_unknown_topology_is_refused_with_the_known_ones():
     [
         # 4 x 8 = 32 devices: v4-32's name counts TensorCores, its chips are 16.
         ("v4-32", {"mesh.data": 4, "mesh.fsdp": 8}, "multiply to 32, but there are 16 devices"),
-        ("v5e-16", {"mesh.fsdp": 32}, "16 is not divisible by 32"),
+        ("v5e-16", {"mesh.fsdp": 32}, "multiply to 32, but there are 16 devices: make the"),
     ],
 )
 def test_a_mesh_that_does_not_match_the_slice_is_refused_before_compiling(topology, mesh, named):

@@ -605,16 +605,15 @@ def test_a_registered_objective_trains_through_the_step_with_its_hooks(monkeypat
   """The step reads the registry, not objective names: a new entry whose update hook freezes
   the generator trains its discriminator alone, and its config check runs in validate."""
 
-  class FrozenGenerator(objectives.Objective):
-
-    def updates(self, objective, updates, step, schedule):
-      return {**updates, "generator": jax.tree.map(jnp.zeros_like, updates["generator"])}
+  def freeze_generator(updates, step, schedule):
+    return {**updates, "generator": jax.tree.map(jnp.zeros_like, updates["generator"])}
 
   def refuse_temperature(config):
     if config.objective.temperature != 1.0:
       raise config_lib.ConfigError("frozen_generator samples at temperature 1.0")
 
-  entry = FrozenGenerator(objectives.REGISTRY["electra"].forward, check=refuse_temperature)
+  electra = objectives.REGISTRY["electra"].forward
+  entry = objectives.Objective(electra, check=refuse_temperature, updates=freeze_generator)
   monkeypatch.setitem(objectives.REGISTRY, "frozen_generator", entry)
   config_lib.validate(tiny_config(**{"objective.name": "frozen_generator"}))
   with pytest.raises(config_lib.ConfigError, match="samples at temperature 1.0"):

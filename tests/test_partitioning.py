@@ -20,7 +20,9 @@ def test_mesh_sizes_fill_and_validate():
   assert partitioning.resolve_mesh_shape(_mesh(2, -1, 2), 8) == (2, 2, 2)
   with pytest.raises(ValueError, match="multiply to 4, but there are 8 devices"):
     partitioning.resolve_mesh_shape(_mesh(2, 2, 1), 8)
-  with pytest.raises(ValueError, match="not divisible by 3"):
+  with pytest.raises(
+      ValueError, match="multiply to 3, but there are 8 devices: make the product 8, or a"
+  ):
     partitioning.resolve_mesh_shape(_mesh(3, -1, 1), 8)
   with pytest.raises(ValueError, match="at most one may be -1"):
     partitioning.resolve_mesh_shape(_mesh(-1, -1, 1), 8)

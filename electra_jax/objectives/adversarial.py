@@ -12,10 +12,8 @@ def _adversarial(p: Pass):
   L_MLM. A slot's baseline, the mean reward of its example's other slots (0 without), depends on
   neither its own sample (the estimate stays unbiased) nor the batch's split."""
   s, disc_logits, disc_loss, _, per_token = detect(p)
-  bce_at_slots = jnp.take_along_axis(
-      bce(disc_logits, s.is_replaced.astype(jnp.float32)), p.masked.positions, axis=1
-  )
-  reward = jax.lax.stop_gradient(bce_at_slots)
+  per_token_bce = bce(disc_logits, s.is_replaced.astype(jnp.float32))
+  reward = jax.lax.stop_gradient(jnp.take_along_axis(per_token_bce, p.masked.positions, axis=1))
   weights = p.masked.weights
   slots = weights.sum(-1, keepdims=True)
   others = (reward * weights).sum(-1, keepdims=True) - reward * weights

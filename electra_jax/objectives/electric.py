@@ -24,9 +24,8 @@ def _electric(p: Pass):
   gen_loss = objective.gen_weight * cloze_loss_sum / p.normalizers.num_candidates
   is_replaced = pieces.at_slots(input_ids.shape, p.masked, p.masked.weights) > 0
   disc_logits, _ = pieces.discriminator_logits(p, s.corrupted_ids)
-  log_q = jnp.take_along_axis(
-      jax.nn.log_softmax(cloze_logits, axis=-1), s.corrupted_ids[..., None], axis=-1
-  )[..., 0]
+  log_softmax = jax.nn.log_softmax(cloze_logits, axis=-1)
+  log_q = jnp.take_along_axis(log_softmax, s.corrupted_ids[..., None], axis=-1)[..., 0]
   prior = jnp.log(objective.mask_prob / (1.0 - objective.mask_prob))
   disc_logits = disc_logits + jax.lax.stop_gradient(log_q) + prior
   disc_loss, per_token = pieces.detection_loss(p, disc_logits, is_replaced, s.replaced_prob)

@@ -12,9 +12,8 @@ from electra_jax.objectives.pieces import Objective, Pass
 
 def _no_detector(p: Pass, is_replaced, replaced_prob):
   """The per-token arrays of a tower that detects nothing: zero logits beside what was replaced."""
-  return pieces.token_arrays(
-      jnp.zeros_like(p.token_weights), is_replaced, p.token_weights, replaced_prob
-  )
+  zeros = jnp.zeros_like(p.token_weights)
+  return pieces.token_arrays(zeros, is_replaced, p.token_weights, replaced_prob)
 
 
 def _nan(metrics, names) -> None:
@@ -59,9 +58,8 @@ def _all_tokens_mlm(p: Pass):
   # The most probable other token: the best MLM alternative, or the (replaced) input token,
   # which also gets the copy probability.
   is_original = jnp.arange(main_logits.shape[-1]) == input_ids[..., None]
-  best_other = jnp.exp(
-      log_no_copy + jnp.max(jnp.where(is_original, -jnp.inf, log_softmax), axis=-1)
-  )
+  best_alternative = jnp.max(jnp.where(is_original, -jnp.inf, log_softmax), axis=-1)
+  best_other = jnp.exp(log_no_copy + best_alternative)
   log_mlm_input = jnp.take_along_axis(log_softmax, s.corrupted_ids[..., None], axis=-1)[..., 0]
   p_input = jnp.exp(log_copy) + jnp.exp(log_no_copy + log_mlm_input)
   best_other = jnp.maximum(best_other, jnp.where(copied, 0.0, p_input))
@@ -78,15 +76,10 @@ def _tower_mlm_metrics(metrics, stats, objective, per_token):
   metrics["loss"] = objective.gen_weight * metrics["masked_lm_loss"] + metrics["main_mlm_loss"]
 
 
+# BERT: no generator, and of the chosen positions 80% [MASK], 10% a random token, 10% kept.
+_BERT = dict(towers=Towers(has_generator=False, mlm_head=True), samples=False, masking=(0.1, 0.1))
 ENTRIES = {
-    # No generator, and of the chosen positions 80% [MASK], 10% a random token, 10% kept.
-    "mlm": Objective(
-        _mlm,
-        _mlm_metrics,
-        towers=Towers(has_generator=False, mlm_head=True),
-        samples=False,
-        masking=(0.1, 0.1),
-    ),
+    "mlm": Objective(_mlm, _mlm_metrics, **_BERT),
     "replace_mlm": Objective(_replace_mlm, _tower_mlm_metrics, towers=Towers(mlm_head=True)),
     "all_tokens_mlm": Objective(_all_tokens_mlm, _tower_mlm_metrics, towers=Towers(mlm_head=True)),
 }

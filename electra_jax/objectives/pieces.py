@@ -215,16 +215,12 @@ def _weighted_nll_sum_bwd(residuals, grads):
   # The CPU reads the forward's exponentials back (an exp costs more there than the memory);
   # elsewhere they are recomputed, so they are never written out.
   softmax = jax.lax.platform_dependent(
-      logits,
-      shifted_exp,
-      total,
-      lse,
+      *residuals[:4],  # logits, shifted_exp, total, lse
       cpu=lambda _, shifted_exp, total, __: shifted_exp / total[..., None],
       default=lambda logits, _, __, lse: jnp.exp(logits - lse[..., None]),
   )
-  is_target = (
-      jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) == target_ids[..., None]
-  )
+  vocab_index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  is_target = vocab_index == target_ids[..., None]
   d_logits = (grads[0] * weights)[..., None] * (softmax - is_target.astype(jnp.float32))
   return d_logits, None, None, None
 
@@ -234,8 +230,7 @@ _weighted_nll_sum.defvjp(_weighted_nll_sum_fwd, _weighted_nll_sum_bwd)
 
 def mlm_sums(logits, target_ids, weights):
   """(summed cross-entropy, summed correct argmax, each row's logsumexp without gradient) against
-  the targets: the accuracy's argmax also finds the logsumexp's shift, so the logits are read few
-  times."""
+  the targets; the accuracy's argmax also gives the logsumexp's shift (fewer reads of logits)."""
   top, predicted = _max_and_argmax(jax.lax.stop_gradient(logits))
   nll_sum, log_normalizer = _weighted_nll_sum(logits, top, target_ids, weights)
   correct = ((predicted == target_ids) * weights).sum()
@@ -328,14 +323,12 @@ def sample(p: Pass, gen_logits) -> Sampled:
   sampled_ids = sample_tokens(p.sample_keys, gen_logits, p.temperature, disallowed)
   corrupted_ids, is_replaced = corrupt(p.batch["input_ids"], masked, sampled_ids)
   # The generator's probability (T=1) of each token it put in, for `summarize`'s AUCs by difficulty.
-  sampled_logit = jnp.take_along_axis(
-      jax.lax.stop_gradient(gen_logits).astype(jnp.float32), sampled_ids[..., None], axis=-1
-  )[..., 0]
+  frozen_logits = jax.lax.stop_gradient(gen_logits).astype(jnp.float32)
+  sampled_logit = jnp.take_along_axis(frozen_logits, sampled_ids[..., None], axis=-1)[..., 0]
   sampled_prob = jnp.where(masked.weights > 0, jnp.exp(sampled_logit - log_normalizer), 0.0)
+  sampled_correct = ((sampled_ids == masked.target_ids) * masked.weights).sum()
   p.stats.update(
-      mlm_loss_sum=mlm_loss_sum,
-      mlm_correct=mlm_correct,
-      sampled_correct=((sampled_ids == masked.target_ids) * masked.weights).sum(),
+      mlm_loss_sum=mlm_loss_sum, mlm_correct=mlm_correct, sampled_correct=sampled_correct
   )
   gen_loss = objective.gen_weight * mlm_loss_sum / p.normalizers.num_predictions
   replaced_prob = at_slots(is_replaced.shape, masked, sampled_prob)
@@ -411,8 +404,8 @@ def rtd_metrics(metrics, stats, objective, per_token):
 @dataclasses.dataclass(frozen=True)
 class Objective:
   """A registry entry: `forward(Pass) -> (loss, per_token)`, `metrics(metrics, stats, objective,
-  per_token)` setting "loss" and its own keys, the towers it needs built, and its config check. An
-  objective with hooks into the step or the run's start overrides them (two_stage.py)."""
+  per_token)` setting "loss" and its own keys, the towers it needs built, its config check, and the
+  hooks of an objective that changes the step or the run's start (two_stage.py)."""
 
   forward: Callable
   metrics: Callable = rtd_metrics
@@ -422,26 +415,19 @@ class Objective:
   # (keep_original_prob, random_token_prob) in place of (objective.keep_original_prob, 0).
   masking: tuple[float, float] | None = None
   check: Callable = lambda config: None  # raises ConfigError
-
-  def before_step(self, objective, params, step, schedule):
-    """The parameters the step at `step` trains from."""
-    return params
-
-  def updates(self, objective, updates, step, schedule):
-    """The updates the step at `step` applies."""
-    return updates
-
-  def fixed_at_start(self, config, saved: dict | None, start_step: int | None) -> dict:
-    """{dotted key: value} a run fixes at its start from its config, the workdir's saved config.json
-    and the checkpoint's step; refuses a resume that would move them."""
-    return {}
+  # (params, step, schedule) -> the parameters the step at `step` trains from.
+  before_step: Callable = lambda params, step, schedule: params
+  # (updates, step, schedule) -> the updates the step at `step` applies.
+  updates: Callable = lambda updates, step, schedule: updates
+  # (config, saved config.json or None, checkpoint step or None) -> {dotted key: value} the run
+  # fixes at its start; refuses a resume that would move them.
+  fixed_at_start: Callable = lambda config, saved, start_step: {}
 
 
 # --- Metrics
 def binary_aucs(scores, labels, weights, positive_subsets) -> list:
-  """Exact ROC AUC (Mann-Whitney U, ties counted half) of each subset of the positives (a mask like
-  `labels`) against all negatives, over entries with weight > 0; NaN without a positive or a
-  negative in them, or with a NaN score."""
+  """Exact ROC AUC (Mann-Whitney U, ties half) of each subset of the positives (masks like `labels`)
+  against all negatives, over entries of weight > 0; NaN if either is absent or a score is NaN."""
   scores, labels = scores.reshape(-1), labels.reshape(-1).astype(bool)
   valid = weights.reshape(-1) > 0
   is_neg = valid & ~labels
@@ -472,9 +458,8 @@ DISC_METRICS = ("disc_loss", "disc_auc", "disc_accuracy", "disc_precision", "dis
 
 
 def official_metrics(stats, per_token_arrays) -> dict[str, jax.Array]:
-  """The official metrics from summed stats and the detector's per-token arrays, disc_auc_<bin> (a
-  bin's replaced tokens against every original) and replaced_share_<bin> by REPLACED_BINS; each
-  objective adds the loss and its own keys."""
+  """The official metrics from summed stats and the detector's per-token arrays, and by
+  REPLACED_BINS disc_auc_<bin> (its replaced tokens against all originals), replaced_share_<bin>."""
   num_predictions = jnp.maximum(stats["num_predictions"], 1.0)
   logits, weights = per_token_arrays["disc_logits"], per_token_arrays["token_weights"]
   is_replaced = per_token_arrays["is_replaced"].astype(bool)

@@ -32,57 +32,56 @@ def _check_two_stage(config):
     )
 
 
-class TwoStage(Objective):
-  """The entry with its hooks."""
+def _copy_at_switch(params, step, schedule):
+  """At the switch the discriminator's encoder becomes the generator's copy (not its head)."""
+  now = step == schedule.switch
+  gen, disc = params["generator"]["encoder"], params["discriminator"]["encoder"]
+  encoder = jax.tree.map(lambda g, d: jnp.where(now, g, d), gen, disc)
+  return {**params, "discriminator": {**params["discriminator"], "encoder": encoder}}
 
-  def before_step(self, objective, params, step, schedule):
-    """At the switch the discriminator's encoder becomes the generator's copy (not its head)."""
-    now = step == schedule.switch
-    gen, disc = params["generator"]["encoder"], params["discriminator"]["encoder"]
-    encoder = jax.tree.map(lambda g, d: jnp.where(now, g, d), gen, disc)
-    return {**params, "discriminator": {**params["discriminator"], "encoder": encoder}}
 
-  def updates(self, objective, updates, step, schedule):
-    """Only the tower of the current stage moves (weight decay included)."""
-    second = step >= schedule.switch
-    moving = {"generator": ~second, "discriminator": second}
-    held = {
-        k: jax.tree.map(lambda u, m=m: jnp.where(m, u, 0.0), updates[k]) for k, m in moving.items()
-    }
-    return {**updates, **held}
+def _hold_other_tower(updates, step, schedule):
+  """Only the tower of the current stage moves (weight decay included)."""
+  second = step >= schedule.switch
+  first = ~second
+  generator = jax.tree.map(lambda u: jnp.where(first, u, 0.0), updates["generator"])
+  discriminator = jax.tree.map(lambda u: jnp.where(second, u, 0.0), updates["discriminator"])
+  return {**updates, "generator": generator, "discriminator": discriminator}
 
-  def fixed_at_start(self, config, saved: dict | None, start_step: int | None) -> dict:
-    """The switch, fixed at a run's first start into config.json: at 0 it is half of train.steps,
-    which a resume with more steps would move. A switch moved past the checkpoint is refused."""
-    recorded = None
-    if saved is not None and saved["objective"]["name"] == "two_stage":
-      recorded = saved["objective"]["two_stage_switch"]
-    switch, steps = config.objective.two_stage_switch, config.train.steps
-    if not switch:
-      switch = recorded or steps // 2
-      logging.info(
-          "objective.two_stage_switch: the discriminator's stage starts at step %d%s.",
-          switch,
-          " (as this workdir recorded)" if recorded else "",
-      )
-    if not 0 < switch < steps:
-      raise ConfigError(
-          f"objective.two_stage_switch={switch} leaves a stage no step of train.steps={steps}: "
-          f"give a step from 1 to {steps - 1} (0: half the run), or train longer."
-      )
-    fixed = {"objective.two_stage_switch": switch}
-    if start_step is None or recorded in (None, switch) or start_step <= min(switch, recorded):
-      return fixed
-    harm = (
-        "copy the generator's encoder over the trained discriminator again"
-        if switch > recorded
-        else "start the discriminator's stage without the generator's encoder"
+
+def _fix_switch(config, saved: dict | None, start_step: int | None) -> dict:
+  """The switch, fixed at a run's first start into config.json: at 0 it is half of train.steps,
+  which a resume with more steps would move. A switch moved past the checkpoint is refused."""
+  recorded = None
+  if saved is not None and saved["objective"]["name"] == "two_stage":
+    recorded = saved["objective"]["two_stage_switch"]
+  switch, steps = config.objective.two_stage_switch, config.train.steps
+  if not switch:
+    switch = recorded or steps // 2
+    logging.info(
+        "objective.two_stage_switch: the discriminator's stage starts at step %d%s.",
+        switch,
+        " (as this workdir recorded)" if recorded else "",
     )
+  if not 0 < switch < steps:
     raise ConfigError(
-        f"objective.two_stage_switch={switch}, but this workdir's run switches at step {recorded} "
-        f"and its checkpoint is at step {start_step}: moving the switch now would {harm}. Leave it "
-        f"at {recorded} (or 0), or use a new --workdir."
+        f"objective.two_stage_switch={switch} leaves a stage no step of train.steps={steps}: "
+        f"give a step from 1 to {steps - 1} (0: half the run), or train longer."
     )
+  fixed = {"objective.two_stage_switch": switch}
+  if start_step is None or recorded in (None, switch) or start_step <= min(switch, recorded):
+    return fixed
+  harm = (
+      "copy the generator's encoder over the trained discriminator again"
+      if switch > recorded
+      else "start the discriminator's stage without the generator's encoder"
+  )
+  raise ConfigError(
+      f"objective.two_stage_switch={switch}, but this workdir's run switches at step {recorded} "
+      f"and its checkpoint is at step {start_step}: moving the switch now would {harm}. Leave it "
+      f"at {recorded} (or 0), or use a new --workdir."
+  )
 
 
-ENTRIES = {"two_stage": TwoStage(_two_stage, check=_check_two_stage)}
+_HOOKS = dict(before_step=_copy_at_switch, updates=_hold_other_tower, fixed_at_start=_fix_switch)
+ENTRIES = {"two_stage": Objective(_two_stage, check=_check_two_stage, **_HOOKS)}
