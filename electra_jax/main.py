@@ -352,9 +352,8 @@ def main(argv):
 
 def run():
   """The console script: the CPU settings that must precede JAX's start, then absl."""
-  if xla_flags.apply_cpu_defaults():
-    jax.config.update("jax_platforms", "cpu")  # jax read $JAX_PLATFORMS when imported, before it
-  xla_flags.restart_with_huge_pages()  # at most once: the process it starts has them set
+  xla_flags.apply_cpu_defaults()  # restarts at most once: the process it starts has them set
+  jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS"))  # read at import, before
   sys.modules["__main__"].__doc__ = USAGE  # what absl's --help prints first
   for name in ("mode", "config", "workdir", "out", "step", "take_over_workdir", "version"):
     FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])  # what --help shows
