@@ -239,20 +239,17 @@ _RECIPES = {  # the kinds of --config a mode reads: (what it is, what to do with
     ),
     "finetuning": ("a fine-tuning recipe (configs/finetune/)", "add --mode=finetune"),
 }
-USAGE = "\n".join(
-    [
-        "electra-jax: ELECTRA pre-training and fine-tuning in JAX.",
-        "",
-        "  electra-jax [--mode=MODE] --config=RECIPE --workdir=DIR [--config.group.key=value ...]",
-        "  electra-jax --config=configs/demo.py --workdir=workdirs/demo    # the demo, on a CPU",
-        "",
-        "Modes:",
-        *(f"  {name:<16}{' '.join(mode.run.__doc__.split())}" for name, mode in MODES.items()),
-        "",
-        "Recipes: configs/*.py (configs/base.py lists every key); docs/ has the manual.",
-        "--helpfull lists every flag, those of the libraries too.",
-    ]
-)
+_MODE_LINES = "\n".join(f"  {name:<16}{mode.run.__doc__}" for name, mode in MODES.items())
+USAGE = f"""electra-jax: ELECTRA pre-training and fine-tuning in JAX.
+
+  electra-jax [--mode=MODE] --config=RECIPE --workdir=DIR [--config.group.key=value ...]
+  electra-jax --config=configs/demo.py --workdir=workdirs/demo    # the demo, on a CPU
+
+Modes:
+{_MODE_LINES}
+
+Recipes: configs/*.py (configs/base.py lists every key); docs/ has the manual.
+--helpfull lists every flag, those of the libraries too."""
 flags.DEFINE_enum("mode", "train", list(MODES), "What to do; one of the modes above.")
 
 

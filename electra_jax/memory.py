@@ -20,9 +20,8 @@ RESOURCE_EXHAUSTED = 8
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-  """Whether `error` is XLA saying a device's memory (or the host's, on CPU) ran out, by the status
-  code jaxlib's error carries (jaxlib 0.6, Python 3.10's, has no `error_code`: it prints it first).
-  """
+  """Whether `error` is XLA's out of memory (a device's, or the host's on CPU), by its status code
+  (jaxlib 0.6, Python 3.10's, has no `error_code`: the message starts with it)."""
   if not isinstance(error, jax.errors.JaxRuntimeError):
     return False
   if hasattr(error, "error_code"):
@@ -32,8 +31,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 @contextlib.contextmanager
 def out_of_memory_named(what: str, fix: str):
-  """XLA's out of memory inside the block as a ConfigError, one line: `what` ran out (e.g. "with
-  train.batch_size=64") and what to do (`fix`)."""
+  """XLA's out of memory in the block as a one-line ConfigError: `what` ran out, do `fix`."""
   try:
     yield
   except jax.errors.JaxRuntimeError as error:

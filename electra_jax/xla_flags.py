@@ -39,16 +39,14 @@ def malloc_tunables(environ=os.environ) -> str | None:
 
 
 def accelerator_visible(environ=os.environ) -> bool:
-  """Whether this process will compute on a GPU or TPU ($JAX_PLATFORMS, else the machine's
-  devices), without importing JAX."""
+  """Whether this process will compute on a GPU or TPU ($JAX_PLATFORMS, else the devices here)."""
   if platforms := environ.get("JAX_PLATFORMS", "").strip():
     return platforms.split(",")[0].strip().lower() != "cpu"
   return any(map(os.path.exists, ("/dev/nvidiactl", "/dev/kfd"))) or tpu_chips_present()
 
 
 def tpu_chips_present() -> bool:
-  """Whether TPU chips sit on this machine's PCI bus, by JAX's own check loaded from its file
-  (importing jax would slow every CLI start)."""
+  """Whether TPU chips sit on the PCI bus, by JAX's check run from its file (not importing jax)."""
   try:
     jax_dir = os.path.dirname(importlib.util.find_spec("jax").origin)
     found = runpy.run_path(os.path.join(jax_dir, "_src", "hardware_utils.py"))
