@@ -26,7 +26,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from electra_jax import xla_flags  # noqa: E402
 
 xla_flags.apply_cpu_defaults()  # the CLI's start-up settings, before JAX starts
-xla_flags.restart_with_huge_pages()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -13,10 +13,9 @@ def load_config(recipe: str, overrides: Mapping[str, object] | None = None):
   """A recipe by name or path (as --config takes it) with `{"group.key": value}` overrides, each
   checked as `--config.group.key=value` is; a list is the comma-separated value the flag takes."""
 
-  def as_typed(value) -> str:  # what the flag would say
-    if isinstance(value, (list, tuple)):  # data.files=a.txt,b.txt
-      return ",".join(map(as_typed, value))
-    return str(value).lower() if isinstance(value, bool) else str(value)
+  def as_typed(value) -> str:  # what the flag would say (a list: data.files=a.txt,b.txt)
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return ",".join(str(v).lower() if isinstance(v, bool) else str(v) for v in values)
 
   pairs = [(key, as_typed(value)) for key, value in (overrides or {}).items()]
   return sweep.apply_overrides(config_lib.load_recipe(recipe, "recipe"), pairs, "Override")

@@ -43,8 +43,7 @@ class HeldOutEvaluator:
           f"(mesh.data * mesh.fsdp) and {processes} processes; choose a multiple."
       )
     num_rows = min(held_out.num_rows, config.eval.num_batches * batch_size)
-    num_batches = -(-num_rows // batch_size)
-    rows = batch_size // processes
+    num_batches, rows = -(-num_rows // batch_size), batch_size // processes
     local = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
     padded = {"example_index": np.arange(num_batches * batch_size, dtype=np.int32)}
     # The first rows in storage order (packed rows with data.pack_rows): the same every time.
@@ -57,18 +56,16 @@ class HeldOutEvaluator:
         for i in range(num_batches)
     ]
     self.num_examples = num_rows
-    self._seed = config.eval.seed
     self._keys = data.batch_keys(bool(config.data.pack_rows)) + ("example_index",)
-    self._mesh, self._schedule, self._batch_size = mesh, schedule, batch_size
+    self._mesh, self._schedule, self._seed = mesh, schedule, config.eval.seed
+    self._what = f"with a held-out batch of {batch_size} (eval.batch_size)"  # what ran out
     replicated = partitioning.replicated(mesh)
     shardings = (setup.state_shardings, partitioning.batch_sharding(mesh), replicated, replicated)
     self._step = jax.jit(eval_step, in_shardings=shardings, out_shardings=replicated)
 
   def __call__(self, state) -> dict[str, float]:
-    outputs = []
-    held_out = f"with a held-out batch of {self._batch_size} (eval.batch_size)"
-    out_of_memory = memory.out_of_memory_named(held_out, "set a smaller eval.batch_size")
-    with partitioning.activate(self._mesh), out_of_memory:
+    outputs, fix = [], "set a smaller eval.batch_size"
+    with partitioning.activate(self._mesh), memory.out_of_memory_named(self._what, fix):
       for local_batch in self._batches:
         batch = partitioning.global_batch_from_local(local_batch, self._mesh, keys=self._keys)
         outputs.append(self._step(state, batch, jax.random.key(self._seed), self._schedule))

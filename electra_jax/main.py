@@ -239,20 +239,17 @@ _RECIPES = {  # the kinds of --config a mode reads: (what it is, what to do with
     ),
     "finetuning": ("a fine-tuning recipe (configs/finetune/)", "add --mode=finetune"),
 }
-USAGE = "\n".join(
-    [
-        "electra-jax: ELECTRA pre-training and fine-tuning in JAX.",
-        "",
-        "  electra-jax [--mode=MODE] --config=RECIPE --workdir=DIR [--config.group.key=value ...]",
-        "  electra-jax --config=configs/demo.py --workdir=workdirs/demo    # the demo, on a CPU",
-        "",
-        "Modes:",
-        *(f"  {name:<16}{' '.join(mode.run.__doc__.split())}" for name, mode in MODES.items()),
-        "",
-        "Recipes: configs/*.py (configs/base.py lists every key); docs/ has the manual.",
-        "--helpfull lists every flag, those of the libraries too.",
-    ]
-)
+_MODE_LINES = "\n".join(f"  {name:<16}{mode.run.__doc__}" for name, mode in MODES.items())
+USAGE = f"""electra-jax: ELECTRA pre-training and fine-tuning in JAX.
+
+  electra-jax [--mode=MODE] --config=RECIPE --workdir=DIR [--config.group.key=value ...]
+  electra-jax --config=configs/demo.py --workdir=workdirs/demo    # the demo, on a CPU
+
+Modes:
+{_MODE_LINES}
+
+Recipes: configs/*.py (configs/base.py lists every key); docs/ has the manual.
+--helpfull lists every flag, those of the libraries too."""
 flags.DEFINE_enum("mode", "train", list(MODES), "What to do; one of the modes above.")
 
 
@@ -352,9 +349,8 @@ def main(argv):
 
 def run():
   """The console script: the CPU settings that must precede JAX's start, then absl."""
-  if xla_flags.apply_cpu_defaults():
-    jax.config.update("jax_platforms", "cpu")  # jax read $JAX_PLATFORMS when imported, before it
-  xla_flags.restart_with_huge_pages()  # at most once: the process it starts has them set
+  xla_flags.apply_cpu_defaults()  # restarts at most once: the process it starts has them set
+  jax.config.update("jax_platforms", os.environ.get("JAX_PLATFORMS"))  # read at import, before
   sys.modules["__main__"].__doc__ = USAGE  # what absl's --help prints first
   for name in ("mode", "config", "workdir", "out", "step", "take_over_workdir", "version"):
     FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])  # what --help shows

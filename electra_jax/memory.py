@@ -20,9 +20,8 @@ RESOURCE_EXHAUSTED = 8
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-  """Whether `error` is XLA saying a device's memory (or the host's, on CPU) ran out, by the status
-  code jaxlib's error carries (jaxlib 0.6, Python 3.10's, has no `error_code`: it prints it first).
-  """
+  """Whether `error` is XLA's out of memory (a device's, or the host's on CPU), by its status code
+  (jaxlib 0.6, Python 3.10's, has no `error_code`: the message starts with it)."""
   if not isinstance(error, jax.errors.JaxRuntimeError):
     return False
   if hasattr(error, "error_code"):
@@ -32,8 +31,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 @contextlib.contextmanager
 def out_of_memory_named(what: str, fix: str):
-  """XLA's out of memory inside the block as a ConfigError, one line: `what` ran out (e.g. "with
-  train.batch_size=64") and what to do (`fix`)."""
+  """XLA's out of memory in the block as a one-line ConfigError: `what` ran out, do `fix`."""
   try:
     yield
   except jax.errors.JaxRuntimeError as error:
@@ -118,12 +116,11 @@ def step_memory(compile_step, batch_size: int) -> StepMemory:
   return StepMemory(batch_size, size, flops, parts)
 
 
-def linear_fit(small: StepMemory, large: StepMemory) -> tuple[float, float]:
-  """(fixed, per_example >= 1) of bytes = fixed + per_example * batch through two measurements."""
-  per_example = max(
-      1.0, (large.bytes_per_device - small.bytes_per_device) / (large.batch_size - small.batch_size)
-  )
-  return small.bytes_per_device - per_example * small.batch_size, per_example
+def linear_fit(small: StepMemory, large: StepMemory, of: str = "bytes_per_device"):
+  """(fixed, per_example >= 1) of `of` = fixed + per_example * batch through two measurements."""
+  low, high = getattr(small, of), getattr(large, of)
+  per_example = max(1.0, (high - low) / (large.batch_size - small.batch_size))
+  return low - per_example * small.batch_size, per_example
 
 
 def fit_of(measured: list[StepMemory]) -> tuple[float, float] | None:
@@ -147,9 +144,8 @@ def largest_batch(compile_step, limit_bytes: int, quantum: int) -> tuple[int, li
       return False
     if len(measured) > 2 and None not in (measured[0].flops, measured[1].flops, m.flops):
       # How far m's FLOPs exceed the line through the first two compiles', as a fraction of it.
-      first, second = measured[:2]
-      per_example = (second.flops - first.flops) / (second.batch_size - first.batch_size)
-      predicted = first.flops + per_example * (m.batch_size - first.batch_size)
+      fixed, per_example = linear_fit(*measured[:2], of="flops")
+      predicted = fixed + per_example * m.batch_size
       if predicted > 0 and (more := m.flops / predicted - 1) > RECOMPUTE_TOLERANCE:
         logging.info(
             f"Batch {batch}: XLA recomputes {more:.0%} more of the step than the first two "

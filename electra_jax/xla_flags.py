@@ -39,16 +39,14 @@ def malloc_tunables(environ=os.environ) -> str | None:
 
 
 def accelerator_visible(environ=os.environ) -> bool:
-  """Whether this process will compute on a GPU or TPU ($JAX_PLATFORMS, else the machine's
-  devices), without importing JAX."""
+  """Whether this process will compute on a GPU or TPU ($JAX_PLATFORMS, else the devices here)."""
   if platforms := environ.get("JAX_PLATFORMS", "").strip():
     return platforms.split(",")[0].strip().lower() != "cpu"
   return any(map(os.path.exists, ("/dev/nvidiactl", "/dev/kfd"))) or tpu_chips_present()
 
 
 def tpu_chips_present() -> bool:
-  """Whether TPU chips sit on this machine's PCI bus, by JAX's own check loaded from its file
-  (importing jax would slow every CLI start)."""
+  """Whether TPU chips sit on the PCI bus, by JAX's check run from its file (not importing jax)."""
   try:
     jax_dir = os.path.dirname(importlib.util.find_spec("jax").origin)
     found = runpy.run_path(os.path.join(jax_dir, "_src", "hardware_utils.py"))
@@ -57,29 +55,22 @@ def tpu_chips_present() -> bool:
     return False
 
 
-def apply_cpu_defaults(environ=os.environ) -> bool:
-  """Adds our flags to $XLA_FLAGS and on Linux with no accelerator sets JAX_PLATFORMS=cpu (no plugin
-  starts); whether it set it. The user's values stay; ELECTRA_JAX_XLA_DEFAULTS=0 sets nothing."""
+def apply_cpu_defaults(restart: bool = True, environ=os.environ) -> None:
+  """Adds our flags to $XLA_FLAGS; on Linux with no accelerator, sets JAX_PLATFORMS=cpu and, if
+  `restart`, starts this process again (same id and arguments) with malloc_tunables(), which glibc
+  reads only at start. The user's values stay; ELECTRA_JAX_XLA_DEFAULTS=0 sets nothing."""
   if environ.get("ELECTRA_JAX_XLA_DEFAULTS", "1") == "0":
-    return False
+    return
   jaxlib = importlib.metadata.version("jaxlib")  # without importing it
   environ["XLA_FLAGS"] = cpu_defaults(jaxlib, environ.get("XLA_FLAGS", ""))
-  if "JAX_PLATFORMS" in environ or platform.system() != "Linux" or accelerator_visible(environ):
-    return False
-  environ["JAX_PLATFORMS"] = "cpu"
-  return True
-
-
-def restart_with_huge_pages() -> None:
-  """Starts this process again (same id, arguments, environment) with malloc_tunables() when they
-  apply and are unset (glibc reads them at start); ELECTRA_JAX_XLA_DEFAULTS=0: never."""
-  tunables = os.environ.get("ELECTRA_JAX_XLA_DEFAULTS", "1") != "0" and malloc_tunables()
-  if not tunables or not sys.executable:
+  if platform.system() != "Linux" or accelerator_visible(environ):
     return
-  os.environ["GLIBC_TUNABLES"] = tunables  # also what stops a second restart
-  sys.stdout.flush()
-  sys.stderr.flush()
-  try:
-    os.execv(sys.executable, sys.orig_argv)
-  except OSError:  # could not start again: carry on as we are, without the tunables
-    del os.environ["GLIBC_TUNABLES"]
+  environ.setdefault("JAX_PLATFORMS", "cpu")
+  if restart and (tunables := malloc_tunables(environ)) and sys.executable:
+    environ["GLIBC_TUNABLES"] = tunables  # also what stops a second restart
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+      os.execv(sys.executable, sys.orig_argv)
+    except OSError:  # could not start again: carry on as we are, without the tunables
+      del environ["GLIBC_TUNABLES"]

@@ -27,7 +27,7 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 # And the flags the CLI adds, so that a run in this process (`cli`) computes what a CLI subprocess does.
 from electra_jax import xla_flags  # noqa: E402
 
-xla_flags.apply_cpu_defaults()
+xla_flags.apply_cpu_defaults(restart=False)
 
 
 def with_devices(count: int) -> dict:

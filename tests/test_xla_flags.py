@@ -98,7 +98,6 @@ _FAULTS = """
 import os, resource
 from electra_jax import xla_flags
 xla_flags.apply_cpu_defaults()
-xla_flags.restart_with_huge_pages()
 import jax, jax.numpy as jnp
 # cos(x) is a 128 MiB temporary of the compiled call (XLA:CPU does not fuse it into the dot).
 step = jax.jit(lambda x, w: jnp.cos(x) @ w)
