@@ -9,7 +9,9 @@ import contextlib
 import dataclasses
 import fcntl
 import functools
+import hashlib
 import itertools
+import json
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -68,7 +70,8 @@ def _corpus_cache_dir(config) -> str:
     key_fields.update({key: config[key] for key in ("spm_vocab_size", "spm_model_type")})
   else:  # a given model or vocab.txt
     key_fields.update({config["tokenizer"]: configured_tokenizer(config).fingerprint})
-  return os.path.join(config["cache_dir"], config["source"], prepare.config_key(key_fields))
+  key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
+  return os.path.join(config["cache_dir"], config["source"], key)
 
 
 def _loadable(data_config, split: str | None = None) -> dict:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import itertools
-import json
 import multiprocessing
 import os
 import signal
@@ -93,24 +92,21 @@ def iter_source_documents(config, stats: sources.SourceStats):
 
 def no_documents_error(config, stats: sources.SourceStats) -> ConfigError:
   source, text_field = config["source"], config["text_field"]
-  if source in sources.FILE_SOURCES:
-    why = f" ({stats.summary()})" if stats.problems else ""
-    wanted = (
-        f"files whose JSON lines hold a string field {text_field!r} (data.text_field)."
-        if source == "jsonl"
-        else "files with one sentence or paragraph per line."
-    )
+  if source in RECORD_SOURCES:
+    field = "tfds_text_field" if source == "tfds" else "text_field"
     return ConfigError(
-        f"data.source={source!r}: no usable text in data.files {config['files']}{why}. Point "
-        f"data.files at non-empty UTF-8 {wanted}"
+        f"{_record_corpus(config).name} gave no usable text in field {config[field]!r} "
+        f"({stats.counts()}); check data.{field}."
     )
-  what, field = (
-      (f"TFDS dataset {config['tfds_name']!r} split {config['tfds_split']!r}", "tfds_text_field")
-      if source == "tfds"
-      else (f"The dataset {config['hf_path']!r} split {config['hf_split']!r}", "text_field")
+  why = f" ({stats.summary()})" if stats.problems else ""
+  wanted = (
+      f"files whose JSON lines hold a string field {text_field!r} (data.text_field)."
+      if source == "jsonl"
+      else "files with one sentence or paragraph per line."
   )
   return ConfigError(
-      f"{what} gave no usable text in field {config[field]!r} ({stats.counts()}); check data.{field}."
+      f"data.source={source!r}: no usable text in data.files {config['files']}{why}. Point "
+      f"data.files at non-empty UTF-8 {wanted}"
   )
 
 
@@ -237,8 +233,9 @@ def pack_shard(task: dict, tokenizer=None) -> dict:
     return {"index": index, "error": f"{type(e).__name__}: {e}"}
 
 
-def _settings(config, source_key: dict, tokenizer) -> dict:
-  """What the shards depend on; a directory is only resumed by a run with equal settings."""
+def _settings(config, out_dir: str, existing: dict | None, source_key: dict, tokenizer, hint=""):
+  """What the shards depend on (a tokenizer's keys once it is known), refused unless out_dir is new
+  or its manifest `existing` agrees: a directory is only resumed by a run with equal settings."""
   keys = ("source", "tokenizer", "max_seq_len", "eval_fraction", "max_documents", "shard_documents")
   settings = {key: config[key] for key in keys}
   settings.update(packing_format=PACKING_FORMAT_VERSION, source_key=source_key)
@@ -250,27 +247,16 @@ def _settings(config, source_key: dict, tokenizer) -> dict:
         "vocab_size": config["spm_vocab_size"],
         "model_type": config["spm_model_type"],
     }
-  return settings
-
-
-def config_key(settings: dict) -> str:
-  """A short hash of `settings` (a prepared directory's, or the cache's key)."""
-  return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _refuse_another_config(out_dir: str, existing: dict | None, settings: dict, hint="") -> None:
-  """Raises unless out_dir is new or its manifest `existing` agrees with each key of `settings`
-  (those a tokenizer gives are absent until it is known)."""
   old = existing["settings"] if existing is not None else settings
-  differences = {
-      key: (old.get(key), value) for key, value in settings.items() if old.get(key) != value
-  }
-  if differences:
+  if differences := {
+      key: (old.get(key), new) for key, new in settings.items() if old.get(key) != new
+  }:
     raise ConfigError(
         f"data.prepared_dir={out_dir!r} holds shards of another config (was -> now: {differences})"
         f"{hint}. Nothing was changed; choose another data.prepared_dir, or delete that directory "
         "to prepare it again."
     )
+  return settings
 
 
 def prepare_data(data_config, num_workers: int | None = None) -> dict:
@@ -287,7 +273,7 @@ def _accepted_tokenizer(config, out_dir: str, existing: dict | None, source_key:
   # manifest may have left another: it is trained again).
   tokenizer = configured_tokenizer(config, out_dir if existing is not None else "")
   kept = os.path.join(out_dir, TOKENIZER_FILES[config["tokenizer"]])
-  _refuse_another_config(out_dir, existing, _settings(config, source_key, tokenizer))
+  settings = _settings(config, out_dir, existing, source_key, tokenizer)
   if tokenizer is None:
     with tempfile.TemporaryDirectory(prefix="electra_jax_spm-") as scratch:
       # Trained outside the directory, moved in only once it is accepted: a refused or killed run
@@ -299,12 +285,12 @@ def _accepted_tokenizer(config, out_dir: str, existing: dict | None, source_key:
           f" ({kept}, which the shards were made with, is missing, and training it again gave "
           "another model; put that file back to resume)"
       )
-      _refuse_another_config(out_dir, existing, _settings(config, source_key, tokenizer), hint)
+      settings = _settings(config, out_dir, existing, source_key, tokenizer, hint)
       keep_tokenizer(tokenizer, out_dir)
     tokenizer = open_tokenizer(kept, config)
   elif existing is None or not workdir_files.exists(kept):
     keep_tokenizer(tokenizer, out_dir)
-  return tokenizer, _settings(config, source_key, tokenizer)
+  return tokenizer, settings
 
 
 def _drop_unlisted(out_dir: str, manifest: dict | None) -> int:
@@ -321,91 +307,88 @@ def _drop_unlisted(out_dir: str, manifest: dict | None) -> int:
 def prepare_config(config: dict, num_workers: int | None = None) -> dict:
   """prepare_data of a read config. A full disk or size limit (OutOfSpace, from any write) ends in
   one line, the shards on disk those the manifest lists."""
-  try:
-    return _prepare(config, num_workers)
-  except OutOfSpace as error:
-    out_dir = config["prepared_dir"]
-    kept = _drop_unlisted(out_dir, shards.read_manifest(out_dir))
-    raise OutOfSpace(
-        f"prepare_data: {str(error).rstrip('.')}; {out_dir} keeps the {kept} finished shards its "
-        f"{shards.MANIFEST} lists.",
-        error.errno,
-    ) from None
-
-
-def _prepare(config: dict, num_workers: int | None) -> dict:
   _require_documents(config, "prepare_data")
   out_dir = config["prepared_dir"]
   if not out_dir:
     raise ConfigError(
         "prepare_data needs data.prepared_dir, where the shards go: --config.data.prepared_dir=DIR."
     )
-  workdir_files.check_usable(out_dir, "data.prepared_dir")  # before any work
-  existing, files = shards.read_manifest(out_dir), workdir_files.list_files(out_dir)
-  # A run killed before its first manifest leaves at most its tokenizer and temporary files.
-  ours = set(TOKENIZER_FILES.values())
-  if existing is None and any(not n.startswith(".tmp-") and n not in ours for n in files):
-    raise ConfigError(
-        f"data.prepared_dir={out_dir!r} holds files but no manifest.json: it is not a directory "
-        "prepare_data wrote. Give an empty or new directory."
+  try:
+    workdir_files.check_usable(out_dir, "data.prepared_dir")  # before any work
+    existing, files = shards.read_manifest(out_dir), workdir_files.list_files(out_dir)
+    # A run killed before its first manifest leaves at most its tokenizer and temporary files.
+    ours = set(TOKENIZER_FILES.values())
+    if existing is None and any(not n.startswith(".tmp-") and n not in ours for n in files):
+      raise ConfigError(
+          f"data.prepared_dir={out_dir!r} holds files but no manifest.json: it is not a directory "
+          "prepare_data wrote. Give an empty or new directory."
+      )
+    num_workers = _default_workers() if num_workers is None else num_workers
+    if num_workers < 0:
+      raise ConfigError(f"num_workers must be >= 0 (0 = in this process), got {num_workers}.")
+    source_key, description = describe_source(config)
+    tokenizer, settings = _accepted_tokenizer(config, out_dir, existing, source_key)
+    _drop_unlisted(out_dir, existing)  # accepted: the directory is ours
+    listed = existing["shards"] if existing is not None else []
+    done = {e["index"]: e for e in listed if shards.shard_is_intact(out_dir, e, files)}
+    for index in sorted({e["index"] for e in listed} - set(done)):
+      logging.warning("shard %d in %s is missing or damaged; packing it again", index, out_dir)
+    if existing is not None and existing["complete"] and len(done) == len(listed):
+      logging.info("%s is already prepared (%d shards verified); nothing to do", out_dir, len(done))
+      return existing
+
+    # The tokenizer is recorded by the name of its copy in out_dir: the directory can move.
+    kind = config["tokenizer"]
+    spec = {"kind": kind, "fingerprint": tokenizer.fingerprint}
+    spec["vocab_file" if kind == "wordpiece" else "model_file"] = TOKENIZER_FILES[kind]
+    manifest = {
+        "format_version": PREPARED_FORMAT_VERSION,
+        "settings": settings,
+        "source": description,
+        "tokenizer": spec,
+        "max_seq_len": config["max_seq_len"],
+        "dtype": settings["dtype"],
+        "complete": False,
+    }
+
+    def save_manifest() -> None:
+      manifest["shards"] = sorted(done.values(), key=lambda e: e["index"])
+      workdir_files.write_json(os.path.join(out_dir, shards.MANIFEST), manifest)
+
+    save_manifest()
+    start = time.time()
+    stats, documents_fingerprint = _pack_missing(
+        config, tokenizer, num_workers, done, save_manifest
     )
-  num_workers = _default_workers() if num_workers is None else num_workers
-  if num_workers < 0:
-    raise ConfigError(f"num_workers must be >= 0 (0 = in this process), got {num_workers}.")
-  source_key, description = describe_source(config)
-  tokenizer, settings = _accepted_tokenizer(config, out_dir, existing, source_key)
-  _drop_unlisted(out_dir, existing)  # accepted: the directory is ours
-  listed = existing["shards"] if existing is not None else []
-  done = {e["index"]: e for e in listed if shards.shard_is_intact(out_dir, e, files)}
-  for index in sorted({e["index"] for e in listed} - set(done)):
-    logging.warning("shard %d in %s is missing or damaged; packing it again", index, out_dir)
-  if existing is not None and existing["complete"] and len(done) == len(listed):
-    logging.info("%s is already prepared (%d shards verified); nothing to do", out_dir, len(done))
-    return existing
-
-  # The tokenizer is recorded by the name of its copy in out_dir: the directory can move.
-  kind = config["tokenizer"]
-  spec = {"kind": kind, "fingerprint": tokenizer.fingerprint}
-  spec["vocab_file" if kind == "wordpiece" else "model_file"] = TOKENIZER_FILES[kind]
-  manifest = {
-      "format_version": PREPARED_FORMAT_VERSION,
-      "settings": settings,
-      "source": description,
-      "tokenizer": spec,
-      "max_seq_len": config["max_seq_len"],
-      "dtype": settings["dtype"],
-      "complete": False,
-  }
-
-  def save_manifest() -> None:
-    manifest["shards"] = sorted(done.values(), key=lambda e: e["index"])
-    workdir_files.write_json(os.path.join(out_dir, shards.MANIFEST), manifest)
-
-  save_manifest()
-  start = time.time()
-  stats, documents_fingerprint = _pack_missing(config, tokenizer, num_workers, done, save_manifest)
-  stats.num_documents = sum(entry["num_documents"] for entry in done.values())
-  if config["source"] != "builtin":
-    sources.log_stats(config["source"], stats)
-  if not done:
-    raise no_documents_error(config, stats)
-  entries = manifest["shards"]
-  totals = {
-      "documents": stats.num_documents,
-      "skipped_documents": sum(e["skipped_documents"] for e in entries),
-  }
-  for split in SPLITS:
-    for total, key in (("documents", "documents"), ("examples", "rows"), ("tokens", "tokens")):
-      totals[f"{split}_{total}"] = sum(e["splits"][split][key] for e in entries)
-  if skipped := totals["skipped_documents"]:
-    first = next(e["first_skip"] for e in entries if e.get("first_skip"))
-    logging.warning("skipped %d documents the tokenizer failed on; the first: %s", skipped, first)
-  manifest.update(complete=True, totals=totals, source_stats=stats.counts())
-  manifest["documents_fingerprint"] = documents_fingerprint
-  save_manifest()
-  duration = config_lib.format_duration(time.time() - start)
-  logging.info("prepared %d shards in %s, in %s: %s", len(entries), out_dir, duration, totals)
-  return manifest
+    stats.num_documents = sum(entry["num_documents"] for entry in done.values())
+    if config["source"] != "builtin":
+      sources.log_stats(config["source"], stats)
+    if not done:
+      raise no_documents_error(config, stats)
+    entries = manifest["shards"]
+    totals = {
+        "documents": stats.num_documents,
+        "skipped_documents": sum(e["skipped_documents"] for e in entries),
+    }
+    for split in SPLITS:
+      for total, key in (("documents", "documents"), ("examples", "rows"), ("tokens", "tokens")):
+        totals[f"{split}_{total}"] = sum(e["splits"][split][key] for e in entries)
+    if skipped := totals["skipped_documents"]:
+      first = next(e["first_skip"] for e in entries if e.get("first_skip"))
+      logging.warning("skipped %d documents the tokenizer failed on; the first: %s", skipped, first)
+    manifest.update(complete=True, totals=totals, source_stats=stats.counts())
+    manifest["documents_fingerprint"] = documents_fingerprint
+    save_manifest()
+    duration = config_lib.format_duration(time.time() - start)
+    logging.info("prepared %d shards in %s, in %s: %s", len(entries), out_dir, duration, totals)
+    return manifest
+  except OutOfSpace as error:
+    kept = _drop_unlisted(out_dir, shards.read_manifest(out_dir))
+    raise OutOfSpace(
+        f"prepare_data: {str(error).rstrip('.')}; {out_dir} keeps the {kept} finished shards its "
+        f"{shards.MANIFEST} lists.",
+        error.errno,
+    ) from None
 
 
 def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest):
