@@ -273,18 +273,15 @@ def split_outputs(outputs):
   return outputs[..., 0], outputs[..., 1], outputs[:, 0, 2]
 
 
-def span_losses(outputs, batch: dict, answerable_weight: float | None = None):
-  """Per row [B] of SquadModel's outputs: (CE(start) + CE(end)) / 2, plus, given answerable_weight,
-  that times the sigmoid cross-entropy of the answerability logit against 1 - is_impossible."""
+def span_losses(outputs, batch: dict, answerable_weight: float = 0.0):
+  """Per row [B] of SquadModel's outputs: (CE(start) + CE(end)) / 2 + answerable_weight times the
+  sigmoid cross-entropy of the answerability logit against 1 - is_impossible."""
   start, end, answerable = split_outputs(outputs)
   cross_entropy = optax.softmax_cross_entropy_with_integer_labels
-  per_row = 0.5 * (
-      cross_entropy(start, batch["start_positions"]) + cross_entropy(end, batch["end_positions"])
-  )
-  if answerable_weight is None:
-    return per_row
   has_answer = 1.0 - jnp.asarray(batch["is_impossible"], jnp.float32)
-  return per_row + answerable_weight * optax.sigmoid_binary_cross_entropy(answerable, has_answer)
+  return 0.5 * (
+      cross_entropy(start, batch["start_positions"]) + cross_entropy(end, batch["end_positions"])
+  ) + answerable_weight * optax.sigmoid_binary_cross_entropy(answerable, has_answer)
 
 
 def apply_null_threshold(predictions: dict, null_odds: dict, null_threshold: float) -> dict:
@@ -444,7 +441,7 @@ def make_adapter(config, backbone) -> tasks.TaskAdapter:
   sizes = (backbone.tokenizer, config.max_seq_len, settings.doc_stride, settings.max_query_len)
   train_features, _ = make_features(train_examples, *sizes, is_training=True)
   dev_features, dev_metadata = make_features(dev_examples, *sizes, is_training=False)
-  weight = settings.answerable_weight if settings.answerable else None
+  weight = settings.answerable_weight if settings.answerable else 0.0
   decode = lambda predict: postprocess(dev_examples, dev_metadata, predict(dev_features), settings)
 
   def evaluate(predict):
