@@ -148,13 +148,6 @@ def _context_tokenizer(tokenizer):
   return tokenize
 
 
-def _windows(num_tokens: int, max_tokens: int, doc_stride: int) -> list[tuple[int, int]]:
-  """(start, length) of each window over the context tokens, min(max_tokens, doc_stride) apart."""
-  step = min(max_tokens, doc_stride)
-  starts = range(0, max(num_tokens - max_tokens, 0) + step, step)  # the last reaches the end
-  return [(start, min(num_tokens - start, max_tokens)) for start in starts]
-
-
 def max_context_owner(windows: Sequence[tuple[int, int]], num_tokens: int) -> np.ndarray:
   """For each context token, the window giving it the most context: the largest min(left, right) +
   0.01 * length, the first on ties (the official rule); an answer may only start in its owner."""
@@ -202,8 +195,12 @@ def make_features(
         continue
     query_ids = list(tokenizer.encode(example.question))[:max_query_len]
     offset = len(query_ids) + 2
-    windows = _windows(len(context_ids), max_seq_len - len(query_ids) - 3, doc_stride)
-    owner = max_context_owner(windows, len(context_ids))
+    # (start, length) of each window, min(max_tokens, doc_stride) apart, the last reaching the end.
+    max_tokens, num_tokens = max_seq_len - len(query_ids) - 3, len(context_ids)
+    step = min(max_tokens, doc_stride)
+    starts = range(0, max(num_tokens - max_tokens, 0) + step, step)
+    windows = [(start, min(num_tokens - start, max_tokens)) for start in starts]
+    owner = max_context_owner(windows, num_tokens)
     for window, (start, length) in enumerate(windows):
       inside = answer is not None and start <= answer[0] and answer[1] < start + length
       window_ids = context_ids[start : start + length]
