@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import re
@@ -120,21 +121,18 @@ def _context_tokenizer(tokenizer):
   @functools.cache
   def word_tokens(word: str):
     ids = list(tokenizer.encode(word))
-    owner = [i for i, char in enumerate(word) for _ in _fold(char)]  # folded char -> word char
+    # Folded char -> word char, and past the end: where a zero-width piece (a lone "▁") sits.
+    owner = [i for i, char in enumerate(word) for _ in _fold(char)] + [len(word)]
     # Each piece's text without wordpiece's "##" and sentencepiece's word-boundary "▁".
     pieces = [tokenizer.id_to_piece(t).removeprefix(hashes).replace("\u2581", "") for t in ids]
     folded = [_fold(piece) for piece in pieces]
     if tokenizer.unk_id in ids or "".join(folded) != "".join(_fold(char) for char in word):
       return ids, [(0, len(word))] * len(ids)
-    spans, position = [], 0
-    for piece in folded:
-      if not piece:  # e.g. a lone "▁": zero width, just before the next character
-        at = owner[position] if position < len(owner) else len(word)
-        spans.append((at, at))
-      else:
-        spans.append((owner[position], owner[position + len(piece) - 1] + 1))
-        position += len(piece)
-    return ids, spans
+    ends = itertools.accumulate(map(len, folded))  # of each piece in the folded word
+    return ids, [
+        (owner[end - len(piece)], owner[end - 1] + 1 if piece else owner[end])
+        for piece, end in zip(folded, ends)
+    ]
 
   @functools.cache
   def tokenize(context: str):
