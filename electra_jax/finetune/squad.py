@@ -381,17 +381,13 @@ def squad_metrics(
     if qids := [q for q in exact if has_answer[q] == answerable]:
       result.update(summary(qids, prefix))
   # The official search of the best cut: answer in increasing null odds, keep the best total.
+  order = sorted(odds, key=odds.get)
   for name, by_question in (("exact", exact), ("f1", f1)) if null_odds is not None else ():
-    current = best = sum(1 for qid in exact if not has_answer[qid])
-    result[f"best_{name}_thresh"] = 0.0
-    for qid in sorted(null_odds, key=null_odds.get):
-      if has_answer[qid]:
-        current += by_question[qid]
-      elif predictions.get(qid):
-        current -= 1
-      if current > best:
-        best, result[f"best_{name}_thresh"] = current, float(null_odds[qid])
-    result[f"best_{name}"] = 100.0 * best / len(exact)
+    gains = [by_question[q] if has_answer[q] else -1.0 if predictions.get(q) else 0 for q in order]
+    totals = np.cumsum([len(exact) - sum(has_answer.values()), *gains])  # all said "no answer"
+    best = int(np.argmax(totals))  # the first of equal totals, as the official strict ">"
+    result[f"best_{name}"] = 100.0 * totals[best] / len(exact)
+    result[f"best_{name}_thresh"] = float(odds[order[best - 1]]) if best else 0.0
   return result
 
 
