@@ -34,9 +34,10 @@ def test_perfect_and_inverted():
   assert metrics.spearman([1, 2, 3, 4], [10, 20, 30, 1000]) == pytest.approx(1.0)
 
 
-def test_average_ranks_with_ties():
-  np.testing.assert_allclose(
-      metrics.average_ranks([10, 20, 10, 30, 20, 20]), [1.5, 4, 1.5, 6, 4, 4]
+def test_spearman_ties_share_their_mean_rank():
+  ranks = [1.5, 4, 1.5, 6, 4, 4]  # of [10, 20, 10, 30, 20, 20]
+  assert metrics.spearman([10, 20, 10, 30, 20, 20], range(6)) == pytest.approx(
+      np.corrcoef(ranks, range(6))[0, 1]
   )
 
 

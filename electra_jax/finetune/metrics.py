@@ -38,17 +38,11 @@ def pearson(targets: Sequence[float], predictions: Sequence[float]) -> float:
   return float(np.dot(centered_t, centered_p) / norm) if norm > 0 else 0.0
 
 
-def average_ranks(values: Sequence[float]) -> np.ndarray:
-  """Ranks 1..n; tied values share the mean of the ranks they span (scipy's 'average')."""
-  values = np.asarray(values, np.float64)
-  _, inverse, counts = np.unique(values, return_inverse=True, return_counts=True, equal_nan=False)
-  ends = np.cumsum(counts)  # of each run of equal values, exclusive
-  return ((2 * ends - counts + 1) / 2.0)[inverse]
-
-
 def spearman(targets: Sequence[float], predictions: Sequence[float]) -> float:
-  """Spearman's rho: Pearson's r of the average ranks."""
-  return pearson(average_ranks(targets), average_ranks(predictions))
+  """Spearman's rho: Pearson's r of the ranks, tied values sharing their mean rank."""
+  from scipy import stats  # noqa: PLC0415 (a jax dependency, 2 s to import: only when used)
+
+  return pearson(stats.rankdata(targets), stats.rankdata(predictions))
 
 
 METRIC_FNS = {

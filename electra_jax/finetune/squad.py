@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import re
@@ -120,21 +121,18 @@ def _context_tokenizer(tokenizer):
   @functools.cache
   def word_tokens(word: str):
     ids = list(tokenizer.encode(word))
-    owner = [i for i, char in enumerate(word) for _ in _fold(char)]  # folded char -> word char
+    # Folded char -> word char, and past the end: where a zero-width piece (a lone "▁") sits.
+    owner = [i for i, char in enumerate(word) for _ in _fold(char)] + [len(word)]
     # Each piece's text without wordpiece's "##" and sentencepiece's word-boundary "▁".
     pieces = [tokenizer.id_to_piece(t).removeprefix(hashes).replace("\u2581", "") for t in ids]
     folded = [_fold(piece) for piece in pieces]
     if tokenizer.unk_id in ids or "".join(folded) != "".join(_fold(char) for char in word):
       return ids, [(0, len(word))] * len(ids)
-    spans, position = [], 0
-    for piece in folded:
-      if not piece:  # e.g. a lone "▁": zero width, just before the next character
-        at = owner[position] if position < len(owner) else len(word)
-        spans.append((at, at))
-      else:
-        spans.append((owner[position], owner[position + len(piece) - 1] + 1))
-        position += len(piece)
-    return ids, spans
+    ends = itertools.accumulate(map(len, folded))  # of each piece in the folded word
+    return ids, [
+        (owner[end - len(piece)], owner[end - 1] + 1 if piece else owner[end])
+        for piece, end in zip(folded, ends)
+    ]
 
   @functools.cache
   def tokenize(context: str):
@@ -146,13 +144,6 @@ def _context_tokenizer(tokenizer):
     return ids, np.asarray(spans, dtype=np.int32).reshape(-1, 2)
 
   return tokenize
-
-
-def _windows(num_tokens: int, max_tokens: int, doc_stride: int) -> list[tuple[int, int]]:
-  """(start, length) of each window over the context tokens, min(max_tokens, doc_stride) apart."""
-  step = min(max_tokens, doc_stride)
-  starts = range(0, max(num_tokens - max_tokens, 0) + step, step)  # the last reaches the end
-  return [(start, min(num_tokens - start, max_tokens)) for start in starts]
 
 
 def max_context_owner(windows: Sequence[tuple[int, int]], num_tokens: int) -> np.ndarray:
@@ -202,8 +193,12 @@ def make_features(
         continue
     query_ids = list(tokenizer.encode(example.question))[:max_query_len]
     offset = len(query_ids) + 2
-    windows = _windows(len(context_ids), max_seq_len - len(query_ids) - 3, doc_stride)
-    owner = max_context_owner(windows, len(context_ids))
+    # (start, length) of each window, min(max_tokens, doc_stride) apart, the last reaching the end.
+    max_tokens, num_tokens = max_seq_len - len(query_ids) - 3, len(context_ids)
+    step = min(max_tokens, doc_stride)
+    starts = range(0, max(num_tokens - max_tokens, 0) + step, step)
+    windows = [(start, min(num_tokens - start, max_tokens)) for start in starts]
+    owner = max_context_owner(windows, num_tokens)
     for window, (start, length) in enumerate(windows):
       inside = answer is not None and start <= answer[0] and answer[1] < start + length
       window_ids = context_ids[start : start + length]
@@ -273,18 +268,15 @@ def split_outputs(outputs):
   return outputs[..., 0], outputs[..., 1], outputs[:, 0, 2]
 
 
-def span_losses(outputs, batch: dict, answerable_weight: float | None = None):
-  """Per row [B] of SquadModel's outputs: (CE(start) + CE(end)) / 2, plus, given answerable_weight,
-  that times the sigmoid cross-entropy of the answerability logit against 1 - is_impossible."""
+def span_losses(outputs, batch: dict, answerable_weight: float = 0.0):
+  """Per row [B] of SquadModel's outputs: (CE(start) + CE(end)) / 2 + answerable_weight times the
+  sigmoid cross-entropy of the answerability logit against 1 - is_impossible."""
   start, end, answerable = split_outputs(outputs)
   cross_entropy = optax.softmax_cross_entropy_with_integer_labels
-  per_row = 0.5 * (
-      cross_entropy(start, batch["start_positions"]) + cross_entropy(end, batch["end_positions"])
-  )
-  if answerable_weight is None:
-    return per_row
   has_answer = 1.0 - jnp.asarray(batch["is_impossible"], jnp.float32)
-  return per_row + answerable_weight * optax.sigmoid_binary_cross_entropy(answerable, has_answer)
+  return 0.5 * (
+      cross_entropy(start, batch["start_positions"]) + cross_entropy(end, batch["end_positions"])
+  ) + answerable_weight * optax.sigmoid_binary_cross_entropy(answerable, has_answer)
 
 
 def apply_null_threshold(predictions: dict, null_odds: dict, null_threshold: float) -> dict:
@@ -389,17 +381,13 @@ def squad_metrics(
     if qids := [q for q in exact if has_answer[q] == answerable]:
       result.update(summary(qids, prefix))
   # The official search of the best cut: answer in increasing null odds, keep the best total.
+  order = sorted(odds, key=odds.get)
   for name, by_question in (("exact", exact), ("f1", f1)) if null_odds is not None else ():
-    current = best = sum(1 for qid in exact if not has_answer[qid])
-    result[f"best_{name}_thresh"] = 0.0
-    for qid in sorted(null_odds, key=null_odds.get):
-      if has_answer[qid]:
-        current += by_question[qid]
-      elif predictions.get(qid):
-        current -= 1
-      if current > best:
-        best, result[f"best_{name}_thresh"] = current, float(null_odds[qid])
-    result[f"best_{name}"] = 100.0 * best / len(exact)
+    gains = [by_question[q] if has_answer[q] else -1.0 if predictions.get(q) else 0 for q in order]
+    totals = np.cumsum([len(exact) - sum(has_answer.values()), *gains])  # all said "no answer"
+    best = int(np.argmax(totals))  # the first of equal totals, as the official strict ">"
+    result[f"best_{name}"] = 100.0 * totals[best] / len(exact)
+    result[f"best_{name}_thresh"] = float(odds[order[best - 1]]) if best else 0.0
   return result
 
 
@@ -444,7 +432,7 @@ def make_adapter(config, backbone) -> tasks.TaskAdapter:
   sizes = (backbone.tokenizer, config.max_seq_len, settings.doc_stride, settings.max_query_len)
   train_features, _ = make_features(train_examples, *sizes, is_training=True)
   dev_features, dev_metadata = make_features(dev_examples, *sizes, is_training=False)
-  weight = settings.answerable_weight if settings.answerable else None
+  weight = settings.answerable_weight if settings.answerable else 0.0
   decode = lambda predict: postprocess(dev_examples, dev_metadata, predict(dev_features), settings)
 
   def evaluate(predict):

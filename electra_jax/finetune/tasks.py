@@ -214,11 +214,6 @@ def load_glue(name: str, config) -> TaskData:
 
 
 CUSTOM_FORMATS = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}
-# What a row with more fields than its header most likely holds, and the fix.
-_INSIDE_TEXT = {
-    "tsv": "a tab inside a text? Remove it, or use CSV or JSONL",
-    "csv": "a comma inside a text? Quote that field",
-}
 
 
 def _custom_records(path: str, file_format: str) -> list[dict]:
@@ -244,7 +239,9 @@ def _custom_records(path: str, file_format: str) -> list[dict]:
     # DictReader keeps fields past the header's under None, and gives missing ones None.
     extra, missing = len(record.get(None, [])), list(record.values()).count(None)
     if extra or missing:
-      hint = _INSIDE_TEXT[file_format] if extra else "give each column a value"
+      hint = "a comma inside a text? Quote that field" if extra else "give each column a value"
+      if extra and file_format == "tsv":
+        hint = "a tab inside a text? Remove it, or use CSV or JSONL"
       raise ConfigError(
           f"{path}: row {row_number} has {len(reader.fieldnames) + extra - missing} fields, its "
           f"header {len(reader.fieldnames)}: {hint}."
@@ -455,9 +452,8 @@ def make_adapter(config, backbone, data: TaskData | None = None) -> TaskAdapter:
     return outputs[:, 0] * hi + lo if regression else outputs.argmax(-1)
 
   def score(predict, features):
-    return metrics_lib.compute_metrics(
-        data.metric_names, features["labels"], predictions(predict, features)
-    )
+    values = predictions(predict, features)
+    return metrics_lib.compute_metrics(data.metric_names, features["labels"], values)
 
   def write_test(predict, directory):
     paths = []
