@@ -282,12 +282,10 @@ def _run_seed(config, adapter, backbone, steps, seed, task_dir, rate=None, seeds
       seed=seed,
       epochs=epochs,
       steps=step,
-      keep_epoch=config.keep_epoch,
       kept_epoch=kept["epoch"],
       kept_step=kept["step"],
       dev=kept["dev"],
       history=history,
-      checkpoint=os.path.join(checkpointer.directory, str(kept["step"])),
       test_predictions=written,
       config=config_lib.as_saved(config),
   )
