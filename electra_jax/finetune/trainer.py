@@ -37,7 +37,7 @@ def validate(config) -> None:
   """Refuses a fine-tuning config whose values cannot run, before anything is read or compiled."""
   config_lib.check_finite(config, "config.")
   counts = dict(batch_size=1, num_seeds=1, log_every=1, max_seq_len=3, epochs=0, eval_batch_size=0)
-  counts.update(min_steps=0, reinit_layers=0)
+  counts.update({"min_steps": 0, "reinit_layers": 0, "select.folds": 1})  # dotted: the group's
   for key, least in counts.items():
     if type(config[key]) is not int or config[key] < least:  # not a bool either: True is no count
       raise ConfigError(f"config.{key}={config[key]!r} must be an int >= {least}.")
@@ -77,8 +77,6 @@ def select_rates(config) -> list[float]:
     )
   if rates and not 0.0 < select.fraction < 1.0:
     raise ConfigError(f"config.select.fraction={select.fraction} must be in (0, 1).")
-  if rates and (type(select.folds) is not int or select.folds < 1):
-    raise ConfigError(f"config.select.folds={select.folds!r} must be an int >= 1.")
   return rates
 
 
