@@ -164,12 +164,15 @@ def run_dir(sweep_dir: str, run: Run) -> str:
 
 
 def load_finetune_config(recipe: str, overrides: Sequence[str]) -> ml_collections.ConfigDict:
-  """--sweep_finetune's recipe with --sweep_finetune_override's key=value overrides."""
+  """--sweep_finetune's recipe with --sweep_finetune_override's key=value overrides, checked."""
+  from electra_jax.finetune import trainer as finetune  # noqa: PLC0415
+
   pairs = [_split_override(o, f"--sweep_finetune_override={o}") for o in overrides]
   config = config_lib.load_recipe(recipe, "--sweep_finetune")
   if "init_from" not in config:  # what every fine-tuning recipe has
     raise ConfigError(f"--sweep_finetune={recipe} is no fine-tuning recipe (configs/finetune/).")
-  return apply_overrides(config, pairs)
+  finetune.validate(config := apply_overrides(config, pairs))
+  return config
 
 
 def _latest_checkpoint(workdir: str) -> int | None:
@@ -200,8 +203,8 @@ def run_sweep(
     plot: bool = True,
     take_over_workdir: bool = False,
 ) -> dict:
-  """Trains every unfinished run (all checked before anything is written), fine-tunes each if
-  asked, writes the tables and curves; {"runs", "failed", "rows", "preempted"}."""
+  """Trains every unfinished run (all checked before anything is written), fine-tunes each with
+  load_finetune_config's config if given, writes the tables and curves."""
   override_lists = expand(grid, sweep_file)
   workdir_files.check_usable(sweep_dir)
   record = read_record(sweep_dir)
@@ -219,11 +222,6 @@ def run_sweep(
       config_lib.validate(config)
     except ConfigError as error:
       raise ConfigError(f"Sweep run {_label(run.overrides)}: {error}") from None
-  if finetune_config is not None:
-    from electra_jax.finetune import trainer as finetune  # noqa: PLC0415
-
-    finetune.validate(finetune_config)
-
   # Two sweeps on one folder would each rewrite sweep.json and fail the runs the other trains.
   lease = workdir_lease.acquire(sweep_dir, take_over_workdir, "The sweep folder")
   previous_handlers = {}
