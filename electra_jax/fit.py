@@ -139,6 +139,14 @@ def lookup(name: str) -> Target:
   )
 
 
+def check_mesh(mesh_config, target: Target) -> tuple[int, int, int]:
+  """The mesh's (data, fsdp, tensor) on `target`'s chips, by the same check training makes."""
+  try:
+    return partitioning.resolve_mesh_shape(mesh_config, target.chips)
+  except ConfigError as e:
+    raise ConfigError(f"The mesh does not fit --topology={target}. {e}") from None
+
+
 def devices(target: Target) -> list:
   """Compile-only devices for every chip of `target`, over its hosts; ConfigError, before anything
   compiles, naming the extra to install when the plugin is missing."""
@@ -205,10 +213,7 @@ def check(config, target: Target, max_batch: bool = False) -> Fit:
   """Compiles `config`'s train step for `target` (with `max_batch` or train.batch_size=-1, also
   searches the largest batch that fits); every refusal comes before a compile."""
   config_lib.validate(config)
-  try:  # the same check training makes
-    partitioning.resolve_mesh_shape(config.mesh, target.chips)
-  except ConfigError as e:
-    raise ConfigError(f"The mesh does not fit --topology={target}. {e}") from None
+  check_mesh(config.mesh, target)
   mesh = partitioning.make_mesh(config.mesh, devices=devices(target))
   partitioning.check_shards(mesh, config.train, target.hosts)
   # The tokenizer's special ids shape the masking, not the program; the vocabulary is the recipe's.
