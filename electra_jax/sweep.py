@@ -141,8 +141,7 @@ def name_runs(
           (leaf if leaves.count(leaf) == 1 else k) + "=" + v
           for leaf, (k, v) in zip(leaves, overrides)
       ]
-      stem = re.sub(r"[^A-Za-z0-9._=,+-]+", "-", ",".join(parts)).strip("-.") or "run"
-      stem = stem if overrides else "recipe"
+      stem = re.sub(r"[^A-Za-z0-9._=,+-]+", "-", ",".join(parts) or "recipe").strip("-.")
       if len(stem) > 100:
         digest = hashlib.sha1(json.dumps(overrides).encode()).hexdigest()[:8]
         stem = stem[:90].rstrip("-.,=") + "-" + digest
@@ -157,10 +156,6 @@ def read_record(sweep_dir: str) -> dict | None:
   """SWEEP_DIR/sweep.json with its runs as Runs; None for a folder that is no sweep's."""
   record = workdir_files.read_sweep(sweep_dir, config_lib.with_defaults)
   return record and dict(record, runs=[Run(*run) for run in record["runs"]])
-
-
-def run_dir(sweep_dir: str, run: Run) -> str:
-  return os.fspath(workdir_files.path(sweep_dir, run.name))
 
 
 def load_finetune_config(recipe: str, overrides: Sequence[str]) -> ml_collections.ConfigDict:
@@ -259,7 +254,7 @@ def run_sweep(
 def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
   """Trains, resumes or skips each run, then fine-tunes it if asked; (failed names, preempted)."""
   failed, durations = [], []
-  latest_steps = [_latest_checkpoint(run_dir(sweep_dir, r)) for r in runs]
+  latest_steps = [_latest_checkpoint(os.path.join(sweep_dir, r.name)) for r in runs]
   to_train = [(latest or 0) < c.train.steps for latest, c in zip(latest_steps, configs)]
   for index, (run, config, latest) in enumerate(zip(runs, configs, latest_steps)):
     where = f"run {index + 1}/{len(runs)} {run.name}"
@@ -267,7 +262,7 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
       logging.warning("SIGTERM/SIGHUP: the sweep stops before %s; the same command goes on.", where)
       return failed, True
     workdir_lease.hold(lease)  # every process stops if another sweep took the folder
-    workdir, started = run_dir(sweep_dir, run), time.perf_counter()
+    workdir, started = os.path.join(sweep_dir, run.name), time.perf_counter()
     eta = "ETA after the first trained run"
     if durations:
       left = sum(to_train[index:]) * sum(durations) / len(durations)
@@ -323,7 +318,7 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
   override_keys = list(dict.fromkeys(k for r in record["runs"] for k, _ in r.overrides))
   rows, logged = [], {"train": set(), "eval": set()}
   for run in record["runs"]:
-    workdir = run_dir(sweep_dir, run)
+    workdir = os.path.join(sweep_dir, run.name)
     row = {"run": run.name, "overrides": _label(run.overrides)}
     row.update((k, dict(run.overrides).get(k, "")) for k in override_keys)
     last = {
