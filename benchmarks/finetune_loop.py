@@ -79,8 +79,7 @@ def main(argv):
     backbone = model_lib.load_backbone(config)
     adapter = tasks.make_adapter(config, backbone)
     num_train = len(adapter.train_features["input_ids"])
-    epochs = trainer.resolve_epochs(config, num_train)
-    total = -(-num_train // config.batch_size) * epochs
+    epochs, total = trainer.resolve_epochs(config, num_train)
     steps = trainer._compiled_steps(config, adapter, backbone)
     train_step, _ = steps
     args = optim.schedule_args(config, total)

@@ -160,8 +160,8 @@ def resolve_recipe(value: str) -> str:
   return candidate + colon + rest if name and os.path.isfile(candidate) else value
 
 
-def with_defaults(saved: dict) -> ml_collections.ConfigDict:
-  """A saved config (config.json's, sweep.json's base) less its version, completed with base.py's
+def with_defaults(saved: dict, recipe: str = _BASE_RECIPE) -> ml_collections.ConfigDict:
+  """A saved config (config.json's, sweep.json's base) less its version, completed with `recipe`'s
   defaults; ValueError names a key they lack or a value of another type (7.9 for an int, a bool)."""
 
   def merged_over(defaults: dict, saved: dict, prefix: str = "") -> dict:
@@ -169,7 +169,8 @@ def with_defaults(saved: dict) -> ml_collections.ConfigDict:
     for key, value in saved.items():
       name, default = prefix + key, defaults.get(key)
       if key not in defaults:
-        raise ValueError(f"{name} is no key of this electra-jax's config (see configs/base.py)")
+        where = os.path.relpath(recipe, os.path.dirname(RECIPES_DIR))
+        raise ValueError(f"{name} is no key of this electra-jax's config (see {where})")
       if isinstance(default, dict) and isinstance(value, dict):
         merged[key] = merged_over(default, value, name + ".")
       elif default is None or _same_kind(default, value):
@@ -182,7 +183,7 @@ def with_defaults(saved: dict) -> ml_collections.ConfigDict:
     return merged
 
   saved = {key: value for key, value in saved.items() if key != VERSION_KEY}
-  return ml_collections.ConfigDict(merged_over(_load(_BASE_RECIPE).get_config().to_dict(), saved))
+  return ml_collections.ConfigDict(merged_over(_load(recipe).get_config().to_dict(), saved))
 
 
 def _same_kind(default, value) -> bool:

@@ -141,8 +141,7 @@ def name_runs(
           (leaf if leaves.count(leaf) == 1 else k) + "=" + v
           for leaf, (k, v) in zip(leaves, overrides)
       ]
-      stem = re.sub(r"[^A-Za-z0-9._=,+-]+", "-", ",".join(parts)).strip("-.") or "run"
-      stem = stem if overrides else "recipe"
+      stem = re.sub(r"[^A-Za-z0-9._=,+-]+", "-", ",".join(parts) or "recipe").strip("-.")
       if len(stem) > 100:
         digest = hashlib.sha1(json.dumps(overrides).encode()).hexdigest()[:8]
         stem = stem[:90].rstrip("-.,=") + "-" + digest
@@ -159,17 +158,16 @@ def read_record(sweep_dir: str) -> dict | None:
   return record and dict(record, runs=[Run(*run) for run in record["runs"]])
 
 
-def run_dir(sweep_dir: str, run: Run) -> str:
-  return os.fspath(workdir_files.path(sweep_dir, run.name))
-
-
 def load_finetune_config(recipe: str, overrides: Sequence[str]) -> ml_collections.ConfigDict:
-  """--sweep_finetune's recipe with --sweep_finetune_override's key=value overrides."""
+  """--sweep_finetune's recipe with --sweep_finetune_override's key=value overrides, checked."""
+  from electra_jax.finetune import trainer as finetune  # noqa: PLC0415
+
   pairs = [_split_override(o, f"--sweep_finetune_override={o}") for o in overrides]
   config = config_lib.load_recipe(recipe, "--sweep_finetune")
   if "init_from" not in config:  # what every fine-tuning recipe has
     raise ConfigError(f"--sweep_finetune={recipe} is no fine-tuning recipe (configs/finetune/).")
-  return apply_overrides(config, pairs)
+  finetune.validate(config := apply_overrides(config, pairs))
+  return config
 
 
 def _latest_checkpoint(workdir: str) -> int | None:
@@ -200,8 +198,8 @@ def run_sweep(
     plot: bool = True,
     take_over_workdir: bool = False,
 ) -> dict:
-  """Trains every unfinished run (all checked before anything is written), fine-tunes each if
-  asked, writes the tables and curves; {"runs", "failed", "rows", "preempted"}."""
+  """Trains every unfinished run (all checked before anything is written), fine-tunes each with
+  load_finetune_config's config if given, writes the tables and curves."""
   override_lists = expand(grid, sweep_file)
   workdir_files.check_usable(sweep_dir)
   record = read_record(sweep_dir)
@@ -219,11 +217,6 @@ def run_sweep(
       config_lib.validate(config)
     except ConfigError as error:
       raise ConfigError(f"Sweep run {_label(run.overrides)}: {error}") from None
-  if finetune_config is not None:
-    from electra_jax.finetune import trainer as finetune  # noqa: PLC0415
-
-    finetune.validate(finetune_config)
-
   # Two sweeps on one folder would each rewrite sweep.json and fail the runs the other trains.
   lease = workdir_lease.acquire(sweep_dir, take_over_workdir, "The sweep folder")
   previous_handlers = {}
@@ -261,7 +254,7 @@ def run_sweep(
 def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
   """Trains, resumes or skips each run, then fine-tunes it if asked; (failed names, preempted)."""
   failed, durations = [], []
-  latest_steps = [_latest_checkpoint(run_dir(sweep_dir, r)) for r in runs]
+  latest_steps = [_latest_checkpoint(os.path.join(sweep_dir, r.name)) for r in runs]
   to_train = [(latest or 0) < c.train.steps for latest, c in zip(latest_steps, configs)]
   for index, (run, config, latest) in enumerate(zip(runs, configs, latest_steps)):
     where = f"run {index + 1}/{len(runs)} {run.name}"
@@ -269,7 +262,7 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
       logging.warning("SIGTERM/SIGHUP: the sweep stops before %s; the same command goes on.", where)
       return failed, True
     workdir_lease.hold(lease)  # every process stops if another sweep took the folder
-    workdir, started = run_dir(sweep_dir, run), time.perf_counter()
+    workdir, started = os.path.join(sweep_dir, run.name), time.perf_counter()
     eta = "ETA after the first trained run"
     if durations:
       left = sum(to_train[index:]) * sum(durations) / len(durations)
@@ -325,7 +318,7 @@ def collect_rows(sweep_dir: str) -> tuple[list[str], list[dict]]:
   override_keys = list(dict.fromkeys(k for r in record["runs"] for k, _ in r.overrides))
   rows, logged = [], {"train": set(), "eval": set()}
   for run in record["runs"]:
-    workdir = run_dir(sweep_dir, run)
+    workdir = os.path.join(sweep_dir, run.name)
     row = {"run": run.name, "overrides": _label(run.overrides)}
     row.update((k, dict(run.overrides).get(k, "")) for k in override_keys)
     last = {

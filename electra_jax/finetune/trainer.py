@@ -27,6 +27,7 @@ from electra_jax.finetune import optim, squad, tasks
 OFFICIAL_EPOCHS = {"rte": 10, "stsb": 10, "squad": 2}
 # Keys a finished seed's results do not depend on: a re-run that differs only in them keeps it.
 _NOT_SEED_KEYS = ("seed", "num_seeds", "log_every")
+_BASE_RECIPE = os.path.join(config_lib.RECIPES_DIR, "finetune", "base.py")  # every key, defaults
 
 
 def _is_squad(config) -> bool:
@@ -37,7 +38,7 @@ def validate(config) -> None:
   """Refuses a fine-tuning config whose values cannot run, before anything is read or compiled."""
   config_lib.check_finite(config, "config.")
   counts = dict(batch_size=1, num_seeds=1, log_every=1, max_seq_len=3, epochs=0, eval_batch_size=0)
-  counts.update(min_steps=0, reinit_layers=0)
+  counts.update({"min_steps": 0, "reinit_layers": 0, "select.folds": 1})  # dotted: the group's
   for key, least in counts.items():
     if type(config[key]) is not int or config[key] < least:  # not a bool either: True is no count
       raise ConfigError(f"config.{key}={config[key]!r} must be an int >= {least}.")
@@ -77,13 +78,12 @@ def select_rates(config) -> list[float]:
     )
   if rates and not 0.0 < select.fraction < 1.0:
     raise ConfigError(f"config.select.fraction={select.fraction} must be in (0, 1).")
-  if rates and (type(select.folds) is not int or select.folds < 1):
-    raise ConfigError(f"config.select.folds={select.folds!r} must be an int >= 1.")
   return rates
 
 
-def resolve_epochs(config, num_train: int) -> int:
-  """config.epochs (0: the task's official count), raised to reach config.min_steps steps."""
+def resolve_epochs(config, num_train: int) -> tuple[int, int]:
+  """(epochs, steps): config.epochs (0: the task's official count), raised to reach
+  config.min_steps steps, of batch_size rows each."""
   task = str(config.task).lower().replace("-", "").replace("_", "")
   epochs = config.epochs or OFFICIAL_EPOCHS.get("squad" if _is_squad(config) else task, 3)
   steps_per_epoch = math.ceil(num_train / config.batch_size)
@@ -91,25 +91,13 @@ def resolve_epochs(config, num_train: int) -> int:
     raised = math.ceil(config.min_steps / steps_per_epoch)
     line = "%d epochs give %d steps, fewer than min_steps=%d: training %d epochs."
     logging.info(line, epochs, epochs * steps_per_epoch, config.min_steps, raised)
-    return raised
-  return epochs
-
-
-def _override(config: ml_collections.ConfigDict, saved: dict, prefix: str = "") -> None:
-  """`saved`'s values into `config`; a key it lacks or a value of another type raises by name."""
-  for key, value in saved.items():
-    if key not in config:
-      raise ValueError(f"{prefix}{key} is no key of a fine-tuning config")
-    if isinstance(config[key], ml_collections.ConfigDict):
-      _override(config[key], value, f"{prefix}{key}.")
-    else:
-      config[key] = value  # ConfigDict refuses a value of another type
+    epochs = raised
+  return epochs, epochs * steps_per_epoch
 
 
 def _saved_config(saved: dict) -> ml_collections.ConfigDict:
   """A config our files hold, completed by configs/finetune/base.py and checked as a run's."""
-  config = config_lib.load_recipe(os.path.join(config_lib.RECIPES_DIR, "finetune", "base.py"))
-  _override(config, saved)
+  config = config_lib.with_defaults(saved, _BASE_RECIPE)
   try:
     validate(config)
   except ConfigError as error:
@@ -207,10 +195,6 @@ def _predictor(predict_step, params, batch_size: int):
   )[: len(features["input_ids"])]
 
 
-class _Stopped(Exception):
-  """A signal came: the seed in progress is dropped (it starts over when the run goes on)."""
-
-
 def _run_seed(config, adapter, backbone, steps, seed, task_dir, rate=None, seeds_after=0):
   """Trains `seed` at `rate` (None: optimizer.learning_rate) with _compiled_steps's `steps` and the
   run's signals; returns seed_<seed>/metrics.json. The ETA counts `seeds_after` more seeds."""
@@ -218,8 +202,7 @@ def _run_seed(config, adapter, backbone, steps, seed, task_dir, rate=None, seeds
   seed_dir = os.path.join(task_dir, f"seed_{seed}")
   eval_batch_size = config.eval_batch_size or config.batch_size
   num_train = len(adapter.train_features["input_ids"])
-  epochs = resolve_epochs(config, num_train)
-  total_steps = math.ceil(num_train / config.batch_size) * epochs
+  epochs, total_steps = resolve_epochs(config, num_train)
   args = optim.schedule_args(config, total_steps, rate)
   seed_key = jax.random.key(seed)  # draws the head and, folded with each step, its dropout
   params = model_lib.init_params(
@@ -242,8 +225,11 @@ def _run_seed(config, adapter, backbone, steps, seed, task_dir, rate=None, seeds
       order = np.random.default_rng([seed, epoch]).permutation(num_train)
       losses = []
       for batch in batches(adapter.train_features, config.batch_size, order):
-        if signals.requested:
-          raise _Stopped()
+        if signals.requested:  # the seed in progress starts over when the run goes on
+          raise SystemExit(
+              f"Fine-tuning stopped by {signals.signal_name}: the seeds finished are kept in "
+              f"{task_dir}, the lease is released; run the same command to train the others."
+          )
         params, opt_state, loss = train_step(params, opt_state, batch, seed_key, step, args)
         losses.append(loss)
         step += 1
@@ -282,12 +268,10 @@ def _run_seed(config, adapter, backbone, steps, seed, task_dir, rate=None, seeds
       seed=seed,
       epochs=epochs,
       steps=step,
-      keep_epoch=config.keep_epoch,
       kept_epoch=kept["epoch"],
       kept_step=kept["step"],
       dev=kept["dev"],
       history=history,
-      checkpoint=os.path.join(checkpointer.directory, str(kept["step"])),
       test_predictions=written,
       config=config_lib.as_saved(config),
   )
@@ -357,7 +341,7 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   backbone = model_lib.load_backbone(config)
   adapter = (squad if _is_squad(config) else tasks).make_adapter(config, backbone)
   num_train = len(adapter.train_features["input_ids"])
-  epochs = resolve_epochs(config, num_train)
+  epochs, steps_per_seed = resolve_epochs(config, num_train)
   task_dir = os.path.join(workdir, adapter.name)
   seeds = [config.seed + i for i in range(config.num_seeds)]
   finished = _finished_seeds(config, task_dir, seeds)
@@ -371,7 +355,6 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
     try:
       steps = (*_compiled_steps(config, adapter, backbone), signals)
       selection = _select_learning_rate(config, adapter, backbone, steps, task_dir)
-      steps_per_seed = math.ceil(num_train / config.batch_size) * epochs
       line = "Fine-tuning %s from %s, seeds %s: %d examples, %d epochs, %d steps each."
       logging.info(line, adapter.name, backbone.source, seeds, num_train, epochs, steps_per_seed)
       if finished:
@@ -400,10 +383,5 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
       logging.info("Results over %d seed(s) in %s; the table:", len(seeds), path)
       print(format_table(results["summary"]))
       return results
-    except _Stopped:
-      raise SystemExit(
-          f"Fine-tuning stopped by {signals.signal_name}: the finished seeds {sorted(finished)} are "
-          f"kept in {task_dir}, the lease is released; run the same command to train the others."
-      ) from None
     finally:
       lease.release()

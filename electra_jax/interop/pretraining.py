@@ -88,15 +88,12 @@ def _vocabulary_beside(directories, name: str) -> str | None:
   return paths[0] if paths else None
 
 
-def pair_from_tf(path: str, vocab_file: str | None = None, num_heads: int | None = None):
-  """Reads an official TF1 pre-training checkpoint (see tf_checkpoint.py); `vocab_file` defaults to
-  the vocab.txt beside it, as the released archives ship it."""
+def pair_from_tf(path: str, num_heads: int | None = None):
+  """Reads an official TF1 pre-training checkpoint (see tf_checkpoint.py) and the vocab.txt beside
+  it, as the released archives ship it."""
   prefix = tf_checkpoint.resolve_prefix(path)
   towers = tf_checkpoint.read_towers(prefix, num_heads)
-  if vocab_file is None:
-    vocab_file = _vocabulary_beside([os.path.dirname(prefix)], "vocab.txt")
-  elif not os.path.isfile(vocab_file):
-    raise ConfigError(f"--vocab_file={vocab_file} does not exist; give the checkpoint's vocab.txt.")
+  vocab_file = _vocabulary_beside([os.path.dirname(prefix)], "vocab.txt")
   vocabulary = {"tokenizer": "wordpiece", "vocab_file": vocab_file} if vocab_file else {}
   source = f"TensorFlow checkpoint {prefix}"
   return ImportedPair(*towers["discriminator"], *towers["generator"], vocabulary, source)
