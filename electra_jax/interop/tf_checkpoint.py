@@ -213,9 +213,8 @@ def read_towers(prefix: str, num_heads: int | None = None):
   for kind, scope in (("discriminator", "electra"), ("generator", "generator")):
     layers = {m[1] for n in ckpt.entries if (m := re.match(rf"{scope}/encoder/layer_(\d+)/", n))}
     projected = f"{scope}/embeddings_project/kernel" in ckpt.entries
-    towers[kind] = {
-        official_name(w.hf_name, kind): w for w in hf.weight_names(kind, len(layers), projected)
-    }
+    names = hf.weight_names(kind, len(layers), projected)
+    towers[kind] = {official_name(n, kind): (n, path) for n, path in names.items()}
   expected = {name for names in towers.values() for name in names}
   held = {name for name in ckpt.entries if not _OPTIMIZER_SLOT.search(name)}
   if expected != held:
@@ -225,10 +224,7 @@ def read_towers(prefix: str, num_heads: int | None = None):
         f" and holds {sorted(held - expected)[:8]} besides; electra-jax cannot represent it."
     )
   for kind, names in towers.items():
-    # Back to transformers' [out, in] kernels.
-    weights = {
-        w.hf_name: ckpt.read(n).T if w.transposed else ckpt.read(n) for n, w in names.items()
-    }
+    weights = {n: hf.flip(path, ckpt.read(name)) for name, (n, path) in names.items()}
     sizes = hf.sizes_held(weights)
     if kind == "generator":
       num_heads = max(1, sizes["hidden_size"] // towers["discriminator"][0].config.head_dim)
