@@ -170,9 +170,9 @@ def model_from_hf_config(hf_config: dict[str, Any], source: str):
         f"{source}: architectures={architectures!r} must be one of {[n for n, _ in KINDS.values()]}"
         "; of a fine-tuned model, save_pretrained its `.electra` submodule (the encoder)."
     )
-  value = {key: hf_config.get(key, default) for key, (default, _, _) in CONFIG_KEYS.items()}
+  value = {}
   for key, (default, _, _) in CONFIG_KEYS.items():
-    number = value[key]
+    number = value[key] = hf_config.get(key, default)
     if type(default) is int and (type(number) is not int or number < 1):
       raise ConfigError(f"{source}: {key}={number!r} must be a positive whole number.")
     if type(default) is float and not (type(number) in (int, float) and 0 <= number < 1):
