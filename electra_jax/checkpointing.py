@@ -249,8 +249,8 @@ def newest_start(workdir: str, setup, corpus, changes=None) -> Start | None:
   """The newest intact checkpoint in `workdir` that holds this setup's model and this data, or None
   (`changes`: as `fits` takes them)."""
   found = workdir_files.exists(checkpoints_directory(workdir))  # else none is made here
-  checkpointer = Checkpointer(workdir, keep=1) if found else None  # reading: keep acts on saves
-  try:
+  reading = contextlib.closing(Checkpointer(workdir, 1)) if found else contextlib.nullcontext()
+  with reading as checkpointer:  # keep acts on saves alone
     mine = checkpointer.latest_step() if found else None
     # One answer for every process, even if a save ends meanwhile.
     latest = distributed.from_process_0(-1 if mine is None else mine)
@@ -263,9 +263,6 @@ def newest_start(workdir: str, setup, corpus, changes=None) -> Start | None:
       return None
     check = fits(checkpointer, setup, workdir, corpus, changes)
     step, state, meta = checkpointer.restore_newest_intact(setup.abstract_state, latest, check)
-  finally:
-    if found:
-      checkpointer.close()
   position = int(meta["stream_position"]) if step else 0  # an imported pair's step 0 has none
   return Start(step, state, position, newer_damaged=step != latest)
 

@@ -334,21 +334,17 @@ def _answers(url, what: str):
   bucket = "gs://" + os.fspath(url).removeprefix("gs://").split("/")[0]
   try:
     yield
+    return
   except (exceptions.Forbidden, exceptions.Unauthorized) as error:
-    raise ConfigError(
-        f"{what}: {bucket} refuses this account ({error.code} {type(error).__name__}). Give it "
-        f"roles/storage.objectUser on {bucket} (read, write, delete), or use another bucket."
-    ) from None
+    why = f"{bucket} refuses this account ({error.code} {type(error).__name__})"
+    fix = f"Give it roles/storage.objectUser on {bucket} (read, write, delete), or use another one"
   except exceptions.NotFound:  # what an object's absence raises is caught by our callers
-    raise ConfigError(
-        f"{what}: the bucket {bucket} does not exist. Create it in the region of the machines "
-        f"that train (gcloud storage buckets create {bucket} --location=REGION), or fix the path."
-    ) from None
+    why = f"the bucket {bucket} does not exist"
+    fix = f"Create it (gcloud storage buckets create {bucket} --location=REGION), or fix the path"
   except (auth_exceptions.DefaultCredentialsError, auth_exceptions.RefreshError) as error:
-    raise ConfigError(
-        f"{what}: no usable Google Cloud credentials to reach {bucket} ({type(error).__name__}). "
-        "Run `gcloud auth application-default login`, or use a VM whose service account may."
-    ) from None
+    why = f"no usable Google Cloud credentials to reach {bucket} ({type(error).__name__})"
+    fix = "Run `gcloud auth application-default login`, or use a VM whose service account may"
+  raise ConfigError(f"{what}: {why}. {fix}.") from None
 
 
 def check_bucket(url, flag: str, write: bool = False) -> None:

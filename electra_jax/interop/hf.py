@@ -5,7 +5,7 @@ import json
 import os
 import pathlib
 import re
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax
 import flax.linen as nn
@@ -74,25 +74,16 @@ def check_hf_form(tower: EncoderConfig) -> None:
     raise ConfigError("\n".join(lines))
 
 
-class WeightName(NamedTuple):
-  hf_name: str  # transformers' name, without "electra."
-  path: tuple[str, ...]  # ours
-  transposed: bool  # a kernel: [in, out] here, [out, in] there
-
-
-def weight_names(kind: str, num_layers: int, projected: bool) -> list[WeightName]:
-  """Every tensor of a standalone `kind` tower, in transformers' order; `projected`:
-  embedding_size != hidden_size."""
-  names = []
+def weight_names(kind: str, num_layers: int, projected: bool) -> dict[str, tuple[str, ...]]:
+  """transformers' name (without "electra.") -> our path of every tensor of a standalone `kind`
+  tower, in transformers' order; `projected`: embedding_size != hidden_size."""
+  names = {}
 
   def dense(hf_name, path, weight="kernel"):  # weight="scale": a LayerNorm
-    names.append(WeightName(f"{hf_name}.weight", (*path, weight), weight == "kernel"))
-    names.append(WeightName(f"{hf_name}.bias", (*path, "bias"), False))
+    names.update({f"{hf_name}.weight": (*path, weight), f"{hf_name}.bias": (*path, "bias")})
 
   for table in ("word_embeddings", "position_embeddings", "token_type_embeddings"):
-    names.append(
-        WeightName(f"embeddings.{table}.weight", ("embeddings", table, "embedding"), False)
-    )
+    names[f"embeddings.{table}.weight"] = ("embeddings", table, "embedding")
   dense("embeddings.LayerNorm", ("embeddings", "layer_norm"), "scale")
   encoder = ("encoder",) if kind == "encoder" else (kind, "encoder")
   if projected:
@@ -113,8 +104,13 @@ def weight_names(kind: str, num_layers: int, projected: bool) -> list[WeightName
     dense("generator_predictions.dense", ("generator", "head_dense"))
     dense("generator_predictions.LayerNorm", ("generator", "head_layer_norm"), "scale")
     # The decoder's weight is the word table (tied); only its bias is the generator's own.
-    names.append(WeightName("generator_lm_head.bias", ("generator", "output_bias"), False))
+    names["generator_lm_head.bias"] = ("generator", "output_bias")
   return names
+
+
+def flip(path: tuple[str, ...], array):
+  """A kernel is [in, out] here, [out, in] in transformers: transposed; any other array as is."""
+  return array.T if path[-1] == "kernel" else array
 
 
 def kind_of(model) -> str:
@@ -174,9 +170,9 @@ def model_from_hf_config(hf_config: dict[str, Any], source: str):
         f"{source}: architectures={architectures!r} must be one of {[n for n, _ in KINDS.values()]}"
         "; of a fine-tuned model, save_pretrained its `.electra` submodule (the encoder)."
     )
-  value = {key: hf_config.get(key, default) for key, (default, _, _) in CONFIG_KEYS.items()}
+  value = {}
   for key, (default, _, _) in CONFIG_KEYS.items():
-    number = value[key]
+    number = value[key] = hf_config.get(key, default)
     if type(default) is int and (type(number) is not int or number < 1):
       raise ConfigError(f"{source}: {key}={number!r} must be a positive whole number.")
     if type(default) is float and not (type(number) in (int, float) and 0 <= number < 1):
@@ -215,16 +211,16 @@ def params_from_hf_weights(model, kind: str, weights: dict, source: str, decoder
   decoder = by_name.pop("generator_lm_head.weight", None) if kind == "generator" else None
 
   names, shapes = _layout(kind, model)
-  expected = {w.hf_name: shapes[w.path][:: -1 if w.transposed else 1] for w in names}
+  expected = {n: shapes[p][:: -1 if p[-1] == "kernel" else 1] for n, p in names.items()}
   if mismatch := _mismatch(expected, by_name):
     raise ConfigError(
         f"{source}: the weights do not match an {KINDS[kind][0]} with this config.json "
         f'({mismatch}). Check that "architectures" and num_hidden_layers describe these weights.'
     )
-  flat = {}
-  for w in names:
-    array = finite_tensor(w.hf_name, by_name[w.hf_name], source)
-    flat[w.path] = np.ascontiguousarray(array.T if w.transposed else array, np.float32)
+  flat = {
+      p: np.ascontiguousarray(flip(p, finite_tensor(n, by_name[n], source)), np.float32)
+      for n, p in names.items()
+  }
   if kind == "generator" and (decoder is not None or not decoder_tied):
     word_table = flat[("embeddings", "word_embeddings", "embedding")]
     if decoder is None or not np.array_equal(decoder.astype(np.float32), word_table):
@@ -247,13 +243,9 @@ def hf_weights_from_params(model, kind: str, params) -> dict[str, np.ndarray]:
         f"The parameters do not match the {type(model).__name__} ({mismatch}); pass its "
         "variables['params'], or a pre-training state's with the ElectraPretrainer and kind=."
     )
-  tensors = {}
-  for w in names:
-    array = np.asarray(flat[w.path], dtype=np.float32)
-    heads = ("discriminator_predictions.", "generator_predictions.", "generator_lm_head.")
-    prefix = "" if kind == "encoder" or w.hf_name.startswith(heads) else "electra."
-    tensors[prefix + w.hf_name] = np.ascontiguousarray(array.T if w.transposed else array)
-  return tensors
+  heads = ("discriminator_predictions.", "generator_predictions.", "generator_lm_head.")
+  full = {n: n if kind == "encoder" or n.startswith(heads) else f"electra.{n}" for n in names}
+  return {full[n]: np.ascontiguousarray(flip(p, flat[p]), np.float32) for n, p in names.items()}
 
 
 def _regular_file(path: str) -> bool:

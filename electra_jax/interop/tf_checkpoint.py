@@ -92,20 +92,16 @@ def _table_items(data: bytes):
     yield from _block_entries(_read_block(data, handle))
 
 
-TensorEntry = collections.namedtuple("TensorEntry", "dtype shape shard offset size crc32c")
+TensorEntry = collections.namedtuple("TensorEntry", "dtype shape shard offset size crc32c slices")
 
 
 def _tensor_entry(value: bytes) -> TensorEntry:
   # BundleEntryProto: 1 dtype, 2 shape, 3 shard, 4 offset, 5 size, 6 masked crc32c, 7 slices.
   fields = dict(_proto_fields(value))
-  if 7 in fields:
-    raise ConfigError(
-        "The checkpoint stores a partitioned (sliced) variable, which this reader does not read."
-    )
   # TensorShapeProto: repeated Dim (field 2) of {size: 1}.
   dims = [dim for f, dim in _proto_fields(fields.get(2, b"")) if f == 2]
   shape = tuple(next((size for f, size in _proto_fields(dim) if f == 1), 0) for dim in dims)
-  return TensorEntry(fields.get(1, 0), shape, *(fields.get(f, 0) for f in (3, 4, 5, 6)))
+  return TensorEntry(fields.get(1, 0), shape, *(fields.get(f, 0) for f in (3, 4, 5, 6, 7)))
 
 
 class TFCheckpoint:
@@ -119,8 +115,6 @@ class TFCheckpoint:
       # The empty key's BundleHeaderProto: 1 num_shards, 2 endianness (0: little).
       header = dict(_proto_fields(items.pop(b"", b"")))
       self.entries = {key.decode("utf-8"): _tensor_entry(value) for key, value in items.items()}
-    except ConfigError:
-      raise
     except (OSError, ValueError, IndexError, struct.error) as error:  # UnicodeDecodeError too
       raise ConfigError(
           f"{index_path} is not a readable TensorFlow checkpoint index ({error}): damaged, or "
@@ -132,6 +126,8 @@ class TFCheckpoint:
 
   def read(self, name: str) -> np.ndarray:
     entry = self.entries[name]
+    if entry.slices:
+      raise ConfigError(f"{self.prefix}: {name} is a partitioned (sliced) variable: not read here.")
     if entry.dtype not in _DTYPES:
       raise ConfigError(
           f"{self.prefix}: {name} has TensorFlow dtype {entry.dtype}: not a numeric tensor."
@@ -213,9 +209,8 @@ def read_towers(prefix: str, num_heads: int | None = None):
   for kind, scope in (("discriminator", "electra"), ("generator", "generator")):
     layers = {m[1] for n in ckpt.entries if (m := re.match(rf"{scope}/encoder/layer_(\d+)/", n))}
     projected = f"{scope}/embeddings_project/kernel" in ckpt.entries
-    towers[kind] = {
-        official_name(w.hf_name, kind): w for w in hf.weight_names(kind, len(layers), projected)
-    }
+    names = hf.weight_names(kind, len(layers), projected)
+    towers[kind] = {official_name(n, kind): (n, path) for n, path in names.items()}
   expected = {name for names in towers.values() for name in names}
   held = {name for name in ckpt.entries if not _OPTIMIZER_SLOT.search(name)}
   if expected != held:
@@ -225,10 +220,7 @@ def read_towers(prefix: str, num_heads: int | None = None):
         f" and holds {sorted(held - expected)[:8]} besides; electra-jax cannot represent it."
     )
   for kind, names in towers.items():
-    # Back to transformers' [out, in] kernels.
-    weights = {
-        w.hf_name: ckpt.read(n).T if w.transposed else ckpt.read(n) for n, w in names.items()
-    }
+    weights = {n: hf.flip(path, ckpt.read(name)) for name, (n, path) in names.items()}
     sizes = hf.sizes_held(weights)
     if kind == "generator":
       num_heads = max(1, sizes["hidden_size"] // towers["discriminator"][0].config.head_dim)
