@@ -292,9 +292,8 @@ class Encoder(EncoderFields):
   """The E->H projection (when sizes differ), the layers and, for norm="pre", `final_layer_norm`."""
 
   @nn.compact
-  def __call__(self, embedded, attention_mask, deterministic: bool):
-    cfg = self.config
-    hidden = embedded
+  def __call__(self, hidden, attention_mask, deterministic: bool):
+    cfg = self.config  # hidden: the embedded input [batch, seq, E] until the projection
     if self.embedding_size != cfg.hidden_size:
       name = "embeddings_project"
       hidden = dense(cfg.hidden_size, "embed", "mlp", self.dtype, name, cfg.use_bias)(hidden)
@@ -321,7 +320,7 @@ class Encoder(EncoderFields):
         hidden = block(hidden, attention_mask, deterministic)
     if cfg.norm == "pre":
       hidden = layer_norm(cfg.layer_norm_eps, "final_layer_norm")(hidden).astype(self.dtype)
-    return hidden  # [batch, seq, hidden]
+    return hidden
 
 
 class _ScanBody(_Block):
