@@ -115,15 +115,13 @@ class Embeddings(EmbeddingSizes):
   dtype: Dtype = jnp.float32
 
   def setup(self):
-    def embed(num, axis, name):  # looked up in float32 whatever the compute dtype (see __call__)
+    def embed(num, axis):  # float32 whatever the compute dtype (see __call__); named by attribute
       init = _param(bert_init, (axis, "embed"))
-      return nn.Embed(num, self.embedding_size, jnp.float32, jnp.float32, init, name=name)
+      return nn.Embed(num, self.embedding_size, jnp.float32, jnp.float32, init)
 
-    self.word_embeddings = embed(self.vocab_size, "vocab", "word_embeddings")
-    self.position_embeddings = embed(
-        self.max_position_embeddings, "position", "position_embeddings"
-    )
-    self.token_type_embeddings = embed(self.type_vocab_size, "token_type", "token_type_embeddings")
+    self.word_embeddings = embed(self.vocab_size, "vocab")
+    self.position_embeddings = embed(self.max_position_embeddings, "position")
+    self.token_type_embeddings = embed(self.type_vocab_size, "token_type")
     self.layer_norm = layer_norm(self.layer_norm_eps, "layer_norm")
     self.dropout = random_ops.Dropout(self.dropout_rate)
 
