@@ -167,8 +167,8 @@ class _Block(nn.Module):
 
 class SelfAttention(_Block):
   """[batch, seq, H] -> [batch, seq, H]; `attention_mask` [batch, seq] (real keys, or splash's
-  segment ids) or [batch, seq, seq]. attention_conv: a depthwise convolution along the sequence
-  after each projection (Primer's multi-dconv-head attention)."""
+  segment ids) or [batch, seq, seq]. attention_conv: Primer's per-projection sequence convolution.
+  """
 
   @nn.compact
   def __call__(self, hidden, attention_mask, deterministic: bool):

@@ -389,9 +389,8 @@ def rtd_metrics(metrics, stats, objective, per_token):
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-  """A registry entry: `forward(Pass) -> (loss, per_token)`, `metrics(metrics, stats, objective,
-  per_token)` setting "loss" and its own keys, the towers it needs built, its config check, and the
-  hooks of an objective that changes the step or the run's start (two_stage.py)."""
+  """A registry entry: `forward(Pass) -> (loss, per_token)`, `metrics` setting "loss" and its own
+  keys, the towers it needs, its config check, and hooks on the step or start (two_stage.py)."""
 
   forward: Callable
   metrics: Callable = rtd_metrics
