@@ -167,8 +167,7 @@ class _Block(nn.Module):
 
 class SelfAttention(_Block):
   """[batch, seq, H] -> [batch, seq, H]; `attention_mask` [batch, seq] (real keys, or splash's
-  segment ids) or [batch, seq, seq]. attention_conv: Primer's per-projection sequence convolution.
-  """
+  segment ids) or [batch, seq, seq]. attention_conv: Primer's convolution per projection."""
 
   @nn.compact
   def __call__(self, hidden, attention_mask, deterministic: bool):
