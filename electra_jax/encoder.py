@@ -115,15 +115,13 @@ class Embeddings(EmbeddingSizes):
   dtype: Dtype = jnp.float32
 
   def setup(self):
-    def embed(num, axis, name):  # looked up in float32 whatever the compute dtype (see __call__)
+    def embed(num, axis):  # float32 whatever the compute dtype (see __call__); named by attribute
       init = _param(bert_init, (axis, "embed"))
-      return nn.Embed(num, self.embedding_size, jnp.float32, jnp.float32, init, name=name)
+      return nn.Embed(num, self.embedding_size, jnp.float32, jnp.float32, init)
 
-    self.word_embeddings = embed(self.vocab_size, "vocab", "word_embeddings")
-    self.position_embeddings = embed(
-        self.max_position_embeddings, "position", "position_embeddings"
-    )
-    self.token_type_embeddings = embed(self.type_vocab_size, "token_type", "token_type_embeddings")
+    self.word_embeddings = embed(self.vocab_size, "vocab")
+    self.position_embeddings = embed(self.max_position_embeddings, "position")
+    self.token_type_embeddings = embed(self.type_vocab_size, "token_type")
     self.layer_norm = layer_norm(self.layer_norm_eps, "layer_norm")
     self.dropout = random_ops.Dropout(self.dropout_rate)
 
@@ -169,8 +167,7 @@ class _Block(nn.Module):
 
 class SelfAttention(_Block):
   """[batch, seq, H] -> [batch, seq, H]; `attention_mask` [batch, seq] (real keys, or splash's
-  segment ids) or [batch, seq, seq]. attention_conv: a depthwise convolution along the sequence
-  after each projection (Primer's multi-dconv-head attention)."""
+  segment ids) or [batch, seq, seq]. attention_conv: Primer's convolution per projection."""
 
   @nn.compact
   def __call__(self, hidden, attention_mask, deterministic: bool):
@@ -292,9 +289,8 @@ class Encoder(EncoderFields):
   """The E->H projection (when sizes differ), the layers and, for norm="pre", `final_layer_norm`."""
 
   @nn.compact
-  def __call__(self, embedded, attention_mask, deterministic: bool):
-    cfg = self.config
-    hidden = embedded
+  def __call__(self, hidden, attention_mask, deterministic: bool):
+    cfg = self.config  # hidden: the embedded input [batch, seq, E] until the projection
     if self.embedding_size != cfg.hidden_size:
       name = "embeddings_project"
       hidden = dense(cfg.hidden_size, "embed", "mlp", self.dtype, name, cfg.use_bias)(hidden)
@@ -321,7 +317,7 @@ class Encoder(EncoderFields):
         hidden = block(hidden, attention_mask, deterministic)
     if cfg.norm == "pre":
       hidden = layer_norm(cfg.layer_norm_eps, "final_layer_norm")(hidden).astype(self.dtype)
-    return hidden  # [batch, seq, hidden]
+    return hidden
 
 
 class _ScanBody(_Block):

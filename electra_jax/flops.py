@@ -41,11 +41,9 @@ def _attention_flops(cfg: EncoderConfig, seq_len: int) -> int:
   return 12 * cfg.num_layers * seq_len * cfg.hidden_size
 
 
-def train_flops_per_token(
-    model: ElectraPretrainer, seq_len, max_predictions, all_positions_mlm=False
-) -> float:
-  """Training FLOPs per input token of the model's towers, the MLM heads on the max_predictions
-  slots (the discriminator's at every position with `all_positions_mlm`)."""
+def train_flops_per_token(model, seq_len, max_predictions, all_positions_mlm=False) -> float:
+  """Training FLOPs per input token of an ElectraPretrainer's towers, the MLM heads on the
+  max_predictions slots (the discriminator's at every position with `all_positions_mlm`)."""
   gen, disc = model.generator_config, model.discriminator_config
   gen_emb, emb = model.generator_embedding_size, model.embedding_size
   # Electric's cloze generator runs two encoders, and its head (from 2 H_g) at every position.

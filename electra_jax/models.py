@@ -88,8 +88,7 @@ class _Tower(EncoderFields):
 
 class Generator(_Tower):
   """Masked LM: encoder, then vocab_head at `masked_positions` (all when None). cloze=True:
-  Electric's two-tower cloze model, a left-to-right and a right-to-left encoder over the UNMASKED
-  input whose position t reads the first at t - 1 and the second at t + 1: all but its own token."""
+  Electric's cloze model, left-to-right and right-to-left encoders over the UNMASKED input."""
 
   cloze: bool = False
 
@@ -173,11 +172,10 @@ class ElectraPretrainer(EmbeddingSizes):
       self.generator = Generator(gen, *gen_fields, towers.cloze)
     self.discriminator = Discriminator(disc, self.embedding_size, *fields, shared, towers.mlm_head)
 
-  def _run(
-      self, tower, embeddings, word_table, ids, token_type_ids, mask, positions, deterministic
-  ):
-    """`tower` over the inputs embedded with `word_table`: packed rows' segment ids give positions
+  def _run(self, tower, embeddings, word_table, inputs):
+    """`tower` over `inputs` embedded with `word_table`: packed rows' segment ids give positions
     that restart at each segment and a query x key mask (the splash kernel reads segment ids)."""
+    ids, token_type_ids, mask, positions, deterministic = inputs
     position_ids = None
     if self.packed:
       position_ids = segment_positions(mask)
@@ -190,7 +188,7 @@ class ElectraPretrainer(EmbeddingSizes):
     position, [batch, seq, vocab], when None: the cloze generator's)."""
     embeddings = self.generator_embeddings if self.tie == "none" else self.embeddings
     inputs = (ids, token_type_ids, mask, positions, deterministic)
-    return self._run(self.generator, embeddings, embeddings.word_table(), *inputs)
+    return self._run(self.generator, embeddings, embeddings.word_table(), inputs)
 
   def discriminator_logits(self, ids, token_type_ids, mask, positions=None, deterministic=True):
     """[batch, seq] float32 "replaced" logits; with the MLM head the pair (them, its logits at
@@ -199,7 +197,7 @@ class ElectraPretrainer(EmbeddingSizes):
     if self.tie == "gdes":
       word_table = jax.lax.stop_gradient(word_table) + self.discriminator_word_delta
     inputs = (ids, token_type_ids, mask, positions, deterministic)
-    return self._run(self.discriminator, self.embeddings, word_table, *inputs)
+    return self._run(self.discriminator, self.embeddings, word_table, inputs)
 
   def __call__(self, ids, token_type_ids, mask, masked_positions, deterministic=True):
     """Both towers on one input (creates every parameter at init): (generator logits or None,
@@ -298,7 +296,7 @@ def build_model(config, towers: Towers) -> ElectraPretrainer:
 
 
 class OneTower(EmbeddingSizes):
-  """A subclass's `_tower` over its own embeddings: the pre-trainer's subtree, name for name
+  """A subclass's `_tower` class over its own embeddings: the pre-trainer's subtree, name for name
   (`config` is the tower's own)."""
 
   config: EncoderConfig
@@ -312,29 +310,28 @@ class OneTower(EmbeddingSizes):
     token_type_ids = jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids
     embeddings = encoder.embeddings_for(self, self.embedding_size, self.config, name="embeddings")
     embedded = embeddings(input_ids, token_type_ids, deterministic)
-    tower_class = {"discriminator": Discriminator, "generator": Generator, "encoder": Encoder}
     fields = (self.config, self.embedding_size, self.dtype, self.attention_impl)
-    tower = tower_class[self._tower](*fields, name=self._tower)
-    word_table = (embeddings.word_table(),) if self._tower == "generator" else ()
+    tower = self._tower(*fields, name=self._tower.__name__.lower())
+    word_table = (embeddings.word_table(),) if self._tower is Generator else ()
     return tower(embedded, attention_mask, deterministic, *word_table)
 
 
 class ElectraDiscriminatorModel(OneTower):
   """Parameters {embeddings, discriminator}: [batch, seq] -> float32 "replaced" logits."""
 
-  _tower = "discriminator"
+  _tower = Discriminator
 
 
 class ElectraGeneratorModel(OneTower):
   """Parameters {embeddings, generator}: [batch, seq] -> float32 logits [batch, seq, vocab]."""
 
-  _tower = "generator"
+  _tower = Generator
 
 
 class ElectraEncoderModel(OneTower):
   """No head; {embeddings, encoder} (either tower's): [batch, seq] -> [batch, seq, hidden]."""
 
-  _tower = "encoder"
+  _tower = Encoder
 
 
 TOWER_MODELS = {"discriminator": ElectraDiscriminatorModel, "generator": ElectraGeneratorModel}

@@ -99,18 +99,14 @@ def unsharded_dimensions(boxed_tree, mesh, min_elements: int = 2**20) -> list[st
   """One line per array of at least `min_elements` replicated as its rules' mesh axes do not divide a
   dimension (a 30522-word table over tensor=4: every device holds it and its optimizer moments)."""
   mesh_specs = nn.logical_to_mesh(nn.get_partition_spec(boxed_tree), LOGICAL_AXIS_RULES)
-  found = []
-  for (path, spec), leaf in zip(
-      jax.tree_util.tree_leaves_with_path(mesh_specs, is_leaf=_is_spec),
-      jax.tree.leaves(nn.meta.unbox(boxed_tree)),
-  ):
-    if math.prod(leaf.shape) >= min_elements:
-      found += [
-          f"{jax.tree_util.keystr(path, simple=True, separator='/')} {list(leaf.shape)}: dimension {dim} "
-          f"({leaf.shape[dim]}) is not divisible by {'*'.join(names)}={size}"
-          for dim, names, size in _undivided(spec, leaf.shape, mesh)
-      ]
-  return found
+  specs = jax.tree_util.tree_leaves_with_path(mesh_specs, is_leaf=_is_spec)
+  return [
+      f"{jax.tree_util.keystr(path, simple=True, separator='/')} {list(leaf.shape)}: dimension {dim} "
+      f"({leaf.shape[dim]}) is not divisible by {'*'.join(names)}={size}"
+      for (path, spec), leaf in zip(specs, jax.tree.leaves(nn.meta.unbox(boxed_tree)))
+      if math.prod(leaf.shape) >= min_elements
+      for dim, names, size in _undivided(spec, leaf.shape, mesh)
+  ]
 
 
 def batch_sharding(mesh: Mesh, stacked: bool = False) -> NamedSharding:

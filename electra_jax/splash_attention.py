@@ -33,15 +33,13 @@ def _local_attention(query, key, value, segment_ids, *, interpret: bool):
   # The kernel applies no 1/sqrt(d) of its own; it takes [heads, seq, head_dim] per example.
   q = jnp.swapaxes(query * jnp.asarray(1.0 / math.sqrt(head_dim), query.dtype), 1, 2)
   k, v = jnp.swapaxes(key, 1, 2), jnp.swapaxes(value, 1, 2)
-  ids = segment_ids.astype(jnp.int32)
-  per_example = jax.vmap(
-      lambda a, b, c, ids: kernel(a, b, c, segment_ids=kernel_lib.SegmentIds(q=ids, kv=ids))
-  )
   # jax < 0.7 (Python 3.10's newest) takes head_dim only in whole 128-lane tiles: zero columns
   # change no score, and the extra output columns are dropped.
   widths = [(0, 0)] * 3 + [(0, -head_dim % 128 if jax.__version_info__ < (0, 7) else 0)]
-  out = per_example(*(jnp.pad(x, widths) for x in (q, k, v)), ids)[..., :head_dim]
-  return jnp.swapaxes(out, 1, 2)
+  ids = segment_ids.astype(jnp.int32)
+  segments = kernel_lib.SegmentIds(q=ids, kv=ids)
+  out = jax.vmap(kernel)(*(jnp.pad(x, widths) for x in (q, k, v)), segment_ids=segments)
+  return jnp.swapaxes(out[..., :head_dim], 1, 2)
 
 
 def splash_attention(query, key, value, segment_ids):

@@ -26,9 +26,8 @@ REGISTRY: dict[str, Objective] = {name: e for f in _FILES for name, e in f.ENTRI
 
 
 def electra_forward(*pass_fields, **named_pass_fields):
-  """The registered objective's forward on one (micro-)batch, given the fields of a `pieces.Pass`:
-  (loss, (stats, per_token)), the loss's sums divided by the normalizers, stats the additive counts
-  and per_token the arrays `summarize` reads."""
+  """The registered objective's forward on one (micro-)batch, given a `pieces.Pass`'s fields:
+  (loss, (stats, per_token)): stats the additive counts, per_token the arrays `summarize` reads."""
   p = Pass(*pass_fields, **named_pass_fields)
   loss, per_token = REGISTRY[p.objective.name].forward(p)
   return loss, (p.stats, per_token)
@@ -80,9 +79,8 @@ def check_config(config) -> None:
 
 
 def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjective:
-  """`special_ids` maps pad/cls/sep/mask (and vocab_size) to the tokenizer's. Nothing here depends
-  on train.steps, nor on a setting the objective does not read (an initial temperature that never
-  falls stays at its default), so the step does not either."""
+  """`special_ids` maps pad/cls/sep/mask (and vocab_size) to the tokenizer's. Nothing here (so nor
+  the step) depends on train.steps or on a setting the objective does not read."""
   o, entry = config.objective, REGISTRY[config.objective.name]
   keep_original_prob, random_token_prob = entry.masking or (o.keep_original_prob, 0.0)
   same = "name mask_prob gen_weight disc_weight temperature disallow_correct adversarial_mlm_weight"

@@ -46,8 +46,5 @@ def _check_electric(config):
     )
 
 
-ENTRIES = {
-    "electric": Objective(
-        _electric, _electric_metrics, towers=Towers(cloze=True), check=_check_electric
-    )
-}
+_CLOZE = dict(towers=Towers(cloze=True), check=_check_electric)
+ENTRIES = {"electric": Objective(_electric, _electric_metrics, **_CLOZE)}

@@ -16,15 +16,8 @@ from electra_jax.models import Towers
 
 # The additive counts of a forward: each starts at zero, so every objective reports them all (the
 # detector's counts come from the per-token arrays, see official_metrics).
-STAT_KEYS = (
-    "mlm_loss_sum",
-    "mlm_correct",
-    "sampled_correct",
-    "num_predictions",
-    "main_loss_sum",
-    "main_correct",
-    "main_count",
-)
+_STATS = "mlm_loss_sum mlm_correct sampled_correct num_predictions main_loss_sum main_correct"
+STAT_KEYS = (*_STATS.split(), "main_count")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,18 +308,16 @@ def generator_logits(p: Pass):
 
 def sample(p: Pass, gen_logits) -> Sampled:
   """L_MLM of `gen_logits`, samples, the corrupted input; the generator's counts go to p.stats."""
-  masked, objective = p.masked, p.objective
-  mlm_loss_sum, mlm_correct, log_normalizer = mlm_sums(
-      gen_logits, masked.target_ids, masked.weights
-  )
-  disallowed = masked.target_ids if objective.disallow_correct else None
+  masked, objective, targets, weights = p.masked, p.objective, p.masked.target_ids, p.masked.weights
+  mlm_loss_sum, mlm_correct, log_normalizer = mlm_sums(gen_logits, targets, weights)
+  disallowed = targets if objective.disallow_correct else None
   sampled_ids = sample_tokens(p.sample_keys, gen_logits, p.temperature, disallowed)
   corrupted_ids, is_replaced = corrupt(p.batch["input_ids"], masked, sampled_ids)
   # The generator's probability (T=1) of each token it put in, for `summarize`'s AUCs by difficulty.
   frozen_logits = jax.lax.stop_gradient(gen_logits).astype(jnp.float32)
   sampled_logit = jnp.take_along_axis(frozen_logits, sampled_ids[..., None], axis=-1)[..., 0]
-  sampled_prob = jnp.where(masked.weights > 0, jnp.exp(sampled_logit - log_normalizer), 0.0)
-  sampled_correct = ((sampled_ids == masked.target_ids) * masked.weights).sum()
+  sampled_prob = jnp.where(weights > 0, jnp.exp(sampled_logit - log_normalizer), 0.0)
+  sampled_correct = ((sampled_ids == targets) * weights).sum()
   p.stats.update(
       mlm_loss_sum=mlm_loss_sum, mlm_correct=mlm_correct, sampled_correct=sampled_correct
   )
@@ -357,14 +348,9 @@ def discriminator_logits(p: Pass, corrupted_ids):
   return p.discriminator(corrupted_ids), None
 
 
-def token_arrays(disc_logits, is_replaced, token_weights, replaced_prob) -> dict:
-  """The per-token arrays `summarize` reads, [batch, seq] each."""
-  return {
-      "disc_logits": disc_logits,
-      "is_replaced": is_replaced,
-      "token_weights": token_weights,
-      "replaced_prob": replaced_prob,
-  }
+def token_arrays(*arrays) -> dict:
+  """The per-token arrays `summarize` reads, [batch, seq] each, by name."""
+  return dict(zip(("disc_logits", "is_replaced", "token_weights", "replaced_prob"), arrays))
 
 
 def detection_loss(p: Pass, disc_logits, is_replaced, replaced_prob, only_masked: bool = False):
@@ -403,9 +389,8 @@ def rtd_metrics(metrics, stats, objective, per_token):
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-  """A registry entry: `forward(Pass) -> (loss, per_token)`, `metrics(metrics, stats, objective,
-  per_token)` setting "loss" and its own keys, the towers it needs built, its config check, and the
-  hooks of an objective that changes the step or the run's start (two_stage.py)."""
+  """A registry entry: `forward(Pass) -> (loss, per_token)`, `metrics` setting "loss" and its own
+  keys, the towers it needs, its config check, and hooks on the step or start (two_stage.py)."""
 
   forward: Callable
   metrics: Callable = rtd_metrics

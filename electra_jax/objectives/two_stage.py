@@ -25,10 +25,9 @@ def _check_two_stage(config):
     )
   if m.generator_fraction != 1.0 or m.tie in ("all", "none"):
     raise ConfigError(
-        "objective.name='two_stage' starts the discriminator from the generator's encoder, so the "
-        "towers must be the same size, separate and over shared embeddings: set "
+        "objective.name='two_stage' copies the generator's encoder into the discriminator: set "
         f"model.generator_fraction=1.0 (is {m.generator_fraction}) and model.tie='embeddings' or "
-        f"'gdes' (is {m.tie!r})."
+        f"'gdes' (is {m.tie!r}), for separate towers of one size over shared embeddings."
     )
 
 
