@@ -16,8 +16,15 @@ from electra_jax.models import Towers
 
 # The additive counts of a forward: each starts at zero, so every objective reports them all (the
 # detector's counts come from the per-token arrays, see official_metrics).
-_STATS = "mlm_loss_sum mlm_correct sampled_correct num_predictions main_loss_sum main_correct"
-STAT_KEYS = (*_STATS.split(), "main_count")
+STAT_KEYS = (
+    "mlm_loss_sum",
+    "mlm_correct",
+    "sampled_correct",
+    "num_predictions",
+    "main_loss_sum",
+    "main_correct",
+    "main_count",
+)
 
 
 @dataclasses.dataclass(frozen=True)
