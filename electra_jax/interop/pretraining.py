@@ -117,9 +117,8 @@ def _shared_embeddings(pair: ImportedPair, embeddings_from: str | None) -> dict:
         f"The towers' embeddings differ ({differences}), but they share ONE embedding tree: pass "
         f"--hf_embeddings_from=discriminator or generator (given: {embeddings_from!r})."
     )
-  logging.warning(
-      "The towers' embeddings differ (%s); both keep the %s's.", differences, embeddings_from
-  )
+  line = "The towers' embeddings differ (%s); both keep the %s's."
+  logging.warning(line, differences, embeddings_from)
   return getattr(pair, f"{embeddings_from}_params")["embeddings"]
 
 
