@@ -266,7 +266,7 @@ def test_random_init_model_learns_synthetic_task(tmp_path):
   inputs = transformers.AutoTokenizer.from_pretrained(hf_dir)(
       texts, padding=True, return_tensors="np"
   )
-  model = export.load_task_model(str(workdir), "custom").model
+  _, _, model, _ = export.load_task_model(str(workdir), "custom")
   params = export.restore_seed(str(workdir), "custom", 0, model)
   ours = np.asarray(
       model.apply(

@@ -704,7 +704,7 @@ def test_adapter_through_the_trainer_writes_predictions_that_score_as_reported(t
   work = str(tmp_path / "work")
   hf_dir = export.export_hf(work, str(tmp_path / "hf"))["squad2.0/seed_0"]
   hf_model = transformers.AutoModelForQuestionAnswering.from_pretrained(hf_dir).eval()
-  model = export.load_task_model(work, "squad2.0").model
+  _, _, model, _ = export.load_task_model(work, "squad2.0")
   params = export.restore_seed(work, "squad2.0", 0, model)
   ids = rng.integers(5, tokenizer.vocab_size, (3, 64)).astype(np.int32)
   types = (np.arange(64) >= 12).astype(np.int32)[None].repeat(3, 0)

@@ -4,7 +4,6 @@ ElectraForQuestionAnswering directory, with its tokenizer."""
 import contextlib
 import os
 import pathlib
-from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -64,15 +63,9 @@ def _classification_head(params, head: dict, encoder: EncoderConfig):
   }
 
 
-class TaskModel(NamedTuple):
-  head: dict
-  backbone: model_lib.Backbone  # without weights
-  model: nn.Module
-  seeds: list[int]  # the finished seeds
-
-
-def load_task_model(workdir: str, task: str) -> TaskModel:
-  """A fine-tuned task from its results.json; refused, before any read, where HF has no class."""
+def load_task_model(workdir: str, task: str):
+  """(head, backbone without weights, task model, finished seeds) of a fine-tuned task from its
+  results.json; refused, before any weight is read, where Hugging Face has no class for it."""
   results = trainer.read_results(os.path.join(workdir, task))
   head, config = results["head"], results["config"]
   if head["kind"] != "span" and config.head.pooling != "cls":
@@ -87,7 +80,7 @@ def load_task_model(workdir: str, task: str) -> TaskModel:
     model = backbone.task_model(squad.SquadModel, config, answerable=head["answerable"])
   else:
     model = backbone.classifier(1 if head["kind"] == "regression" else len(head["labels"]), config)
-  return TaskModel(head, backbone, model, results["seeds"])
+  return head, backbone, model, results["seeds"]
 
 
 def restore_seed(workdir: str, task: str, seed: int, model):

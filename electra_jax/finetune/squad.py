@@ -149,15 +149,11 @@ def _context_tokenizer(tokenizer):
 def max_context_owner(windows: Sequence[tuple[int, int]], num_tokens: int) -> np.ndarray:
   """For each context token, the window giving it the most context: the largest min(left, right) +
   0.01 * length, the first on ties (the official rule); an answer may only start in its owner."""
-  best_score = np.full(num_tokens, -np.inf)
-  owner = np.full(num_tokens, -1, dtype=np.int32)
-  for index, (start, length) in enumerate(windows):
-    positions = np.arange(start, start + length)
-    score = np.minimum(positions - start, start + length - 1 - positions) + 0.01 * length
-    better = score > best_score[positions]
-    best_score[positions[better]] = score[better]
-    owner[positions[better]] = index
-  return owner
+  starts, lengths = np.asarray(windows).reshape(-1, 2).T[..., None]  # [windows, 1] each
+  left = np.arange(num_tokens) - starts  # each token's context left and right in each window
+  right = lengths - 1 - left
+  score = np.minimum(left, right) + 0.01 * lengths
+  return np.where((left >= 0) & (right >= 0), score, -np.inf).argmax(0).astype(np.int32)
 
 
 @dataclasses.dataclass

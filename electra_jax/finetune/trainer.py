@@ -348,40 +348,35 @@ def run_finetune(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if results := read_results(task_dir):
     _refuse_another_config(os.path.join(task_dir, "results.json"), results["config"], config)
   # One run per task folder: each seed starts by deleting its checkpoints, under another run's feet.
-  lease = workdir_lease.WorkdirLease(task_dir)
-  with preemption.Preemption() as signals:
+  with preemption.Preemption() as signals, workdir_lease.held(task_dir, take_over=False):
     signals.start_loop()  # SIGTERM, SIGHUP or a first Ctrl-C: noted, and the next step stops
-    lease.acquire()
-    try:
-      steps = (*_compiled_steps(config, adapter, backbone), signals)
-      selection = _select_learning_rate(config, adapter, backbone, steps, task_dir)
-      line = "Fine-tuning %s from %s, seeds %s: %d examples, %d epochs, %d steps each."
-      logging.info(line, adapter.name, backbone.source, seeds, num_train, epochs, steps_per_seed)
-      if finished:
-        logging.info("Seeds %s finished earlier with this config: kept.", sorted(finished))
-      pending = [seed for seed in seeds if seed not in finished]
-      rate = selection and selection["learning_rate"]
-      for i, seed in enumerate(pending):
-        args = (steps, seed, task_dir, rate, len(pending) - 1 - i)
-        finished[seed] = _run_seed(config, adapter, backbone, *args)
-      per_seed = [finished[seed] for seed in seeds]
-      kept = ("kept_epoch", "dev", "test_predictions")  # of each seed, in results.json
-      results = dict(
-          task=adapter.name,
-          init=backbone.source,
-          epochs=epochs,  # after min_steps, what each seed trained (config.epochs: what was asked)
-          steps_per_seed=steps_per_seed,
-          head=adapter.head,
-          selection=selection,
-          electra_jax_version=electra_jax.__version__,
-          config=config_lib.as_saved(config),
-          seeds={str(run["seed"]): {k: run[k] for k in kept} for run in per_seed},
-          summary=summarize(per_seed),
-      )
-      path = os.path.join(task_dir, "results.json")
-      workdir_files.write_json(path, results)
-      logging.info("Results over %d seed(s) in %s; the table:", len(seeds), path)
-      print(format_table(results["summary"]))
-      return results
-    finally:
-      lease.release()
+    steps = (*_compiled_steps(config, adapter, backbone), signals)
+    selection = _select_learning_rate(config, adapter, backbone, steps, task_dir)
+    line = "Fine-tuning %s from %s, seeds %s: %d examples, %d epochs, %d steps each."
+    logging.info(line, adapter.name, backbone.source, seeds, num_train, epochs, steps_per_seed)
+    if finished:
+      logging.info("Seeds %s finished earlier with this config: kept.", sorted(finished))
+    pending = [seed for seed in seeds if seed not in finished]
+    rate = selection and selection["learning_rate"]
+    for i, seed in enumerate(pending):
+      args = (steps, seed, task_dir, rate, len(pending) - 1 - i)
+      finished[seed] = _run_seed(config, adapter, backbone, *args)
+    per_seed = [finished[seed] for seed in seeds]
+    kept = ("kept_epoch", "dev", "test_predictions")  # of each seed, in results.json
+    results = dict(
+        task=adapter.name,
+        init=backbone.source,
+        epochs=epochs,  # after min_steps, what each seed trained (config.epochs: what was asked)
+        steps_per_seed=steps_per_seed,
+        head=adapter.head,
+        selection=selection,
+        electra_jax_version=electra_jax.__version__,
+        config=config_lib.as_saved(config),
+        seeds={str(run["seed"]): {k: run[k] for k in kept} for run in per_seed},
+        summary=summarize(per_seed),
+    )
+    path = os.path.join(task_dir, "results.json")
+    workdir_files.write_json(path, results)
+    logging.info("Results over %d seed(s) in %s; the table:", len(seeds), path)
+    print(format_table(results["summary"]))
+    return results

@@ -143,8 +143,7 @@ def sizes_held(weights: dict[str, np.ndarray]) -> dict[str, int]:
 
 
 def _mismatch(expected: dict[str, tuple[int, ...]], given: dict[str, Any]) -> str:
-  """'missing: [...]; unexpected: [...]' between names with their shapes (`given` holds arrays),
-  '' when equal."""
+  """'missing: [...]; unexpected: [...]' of names with shapes (`given` holds arrays); '' if equal."""
   want = {f"{name} {tuple(shape)}" for name, shape in expected.items()}
   have = {f"{name} {tuple(np.shape(array))}" for name, array in given.items()}
   return "; ".join(
@@ -159,10 +158,7 @@ def model_from_hf_config(hf_config: dict[str, Any], source: str):
   whatever the model could not compute exactly."""
   for key, (supported, why) in SUPPORTED_CONFIG_VALUES.items():
     if hf_config.get(key, supported) != supported:
-      raise ConfigError(
-          f"{source}: {key}={hf_config[key]!r} cannot be converted exactly, only {key}="
-          f"{supported!r}: {why}."
-      )
+      raise ConfigError(f"{source}: {key}={hf_config[key]!r}, not {supported!r}: {why}.")
   architectures = hf_config.get("architectures")
   kind = next((kind for kind, (name, _) in KINDS.items() if architectures == [name]), None)
   if kind is None:
@@ -236,9 +232,8 @@ def hf_weights_from_params(model, kind: str, params) -> dict[str, np.ndarray]:
   """transformers' tensors (float32, contiguous, full names) from our parameter tree."""
   flat = flax.traverse_util.flatten_dict(jax.device_get(nn.meta.unbox(params)))
   names, shapes = _layout(kind, model)
-  if mismatch := _mismatch(
-      {"/".join(p): s for p, s in shapes.items()}, {"/".join(p): a for p, a in flat.items()}
-  ):
+  joined = lambda tree: {"/".join(path): value for path, value in tree.items()}
+  if mismatch := _mismatch(joined(shapes), joined(flat)):
     raise ConfigError(
         f"The parameters do not match the {type(model).__name__} ({mismatch}); pass its "
         "variables['params'], or a pre-training state's with the ElectraPretrainer and kind=."

@@ -117,9 +117,8 @@ def _shared_embeddings(pair: ImportedPair, embeddings_from: str | None) -> dict:
         f"The towers' embeddings differ ({differences}), but they share ONE embedding tree: pass "
         f"--hf_embeddings_from=discriminator or generator (given: {embeddings_from!r})."
     )
-  logging.warning(
-      "The towers' embeddings differ (%s); both keep the %s's.", differences, embeddings_from
-  )
+  line = "The towers' embeddings differ (%s); both keep the %s's."
+  logging.warning(line, differences, embeddings_from)
   return getattr(pair, f"{embeddings_from}_params")["embeddings"]
 
 
@@ -134,12 +133,11 @@ def _model_config(pair: ImportedPair) -> dict:
       )
   fraction = gen.config.hidden_size / disc.config.hidden_size
   derived = models.generator_encoder_config(disc.config, fraction)  # refuses no whole heads
-  mismatched = ", ".join(
+  if mismatched := ", ".join(
       f"{field}={value} (derived: {getattr(derived, field)})"
       for field, value in dataclasses.asdict(gen.config).items()
       if value != getattr(derived, field)
-  )
-  if mismatched:
+  ):
     raise ConfigError(
         f"The generator's sizes are not those the official code derives from the discriminator "
         f"and generator_fraction={fraction:.6g}: {mismatched}. This pair cannot be represented."

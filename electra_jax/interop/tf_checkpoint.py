@@ -129,9 +129,7 @@ class TFCheckpoint:
     if entry.slices:
       raise ConfigError(f"{self.prefix}: {name} is a partitioned (sliced) variable: not read here.")
     if entry.dtype not in _DTYPES:
-      raise ConfigError(
-          f"{self.prefix}: {name} has TensorFlow dtype {entry.dtype}: not a numeric tensor."
-      )
+      raise ConfigError(f"{self.prefix}: {name}'s TensorFlow dtype {entry.dtype} is not numeric.")
     dtype = np.dtype(_DTYPES[entry.dtype])
     if int(np.prod(entry.shape, dtype=np.int64)) * dtype.itemsize != entry.size:
       raise ConfigError(
