@@ -9,7 +9,6 @@ import itertools
 import os
 import threading
 
-import google_crc32c
 import numpy as np
 from absl import logging
 from etils import epath
@@ -104,12 +103,8 @@ def _problem(directory: str, entry: dict, prefix: str, files: dict, hashed: bool
     return f"links to {real}, outside {directory}"
   if size != wanted:
     return "is missing" if size is None else f"has {size} bytes, the manifest says {wanted}"
-  if local and hashed:
-    with open(path, "rb") as f:
-      checksum = google_crc32c.Checksum()
-      for block in iter(lambda: f.read(1 << 22), b""):
-        checksum.update(block)
-    crc32c = checksum.hexdigest().decode()
+  if local and hashed:  # (a shard was written from memory whole: it is read back so)
+    crc32c = workdir_files.crc32c(epath.Path(path).read_bytes())
   if crc32c not in (None, entry[f"{prefix}crc32c"]):
     return f"is not the file prepare_data wrote (its crc32c, {crc32c}, differs from {MANIFEST}'s)"
   return None
@@ -263,8 +258,7 @@ class ShardedRows:
     return out.reshape(rows.shape + (self.shape[1],))[..., columns]
 
   def __array__(self, dtype=None, copy=None):
-    array = self[:]
-    return array if dtype is None else array.astype(dtype)
+    return self[:].astype(np.int32 if dtype is None else dtype, copy=False)
 
 
 def verify_in_background(directory: str, entries: list[dict], files: dict, vocab_size: int, split):
