@@ -151,10 +151,9 @@ def test_a_tokenizer_in_a_bucket_is_read_from_a_local_copy_named_by_its_content(
 def test_a_process_fetches_only_its_rows_in_one_concurrent_read(prepared, monkeypatch):
   _, remote = prepared
   data = load_pretraining_data(_data_config(remote))
-  read_ranges, reads = shards._read_ranges, []
-  monkeypatch.setattr(
-      shards, "_read_ranges", lambda *args: reads.append(args) or read_ranges(*args)
-  )
+  fs, _ = workdir_files.filesystem(remote)  # (fsspec's cached instance: the one the reads use)
+  read_ranges, reads = fs.cat_ranges, []
+  monkeypatch.setattr(fs, "cat_ranges", lambda *a, **kw: reads.append(a) or read_ranges(*a, **kw))
   batch = get_batch(data, 5, 16, seed=0, process_index=1, process_count=2)
   assert len(reads) == 1, "both channels, every shard touched: one request batch"
   paths, starts, ends = reads[0]

@@ -109,8 +109,3 @@ def builtin_documents(max_documents: int | None = None) -> list[list[str]]:
   if max_documents is None:
     return [list(document) for document in _all_documents()]
   return list(itertools.islice(_iter_documents(), max_documents))
-
-
-def document_bytes(document) -> bytes:
-  """A document's text as fingerprints hash it, its boundary marked (packing depends on it)."""
-  return ("".join(sentence + "\n" for sentence in document) + "\x00\n").encode("utf-8")

@@ -4,6 +4,7 @@ tokenize-and-pack workers. Shards depend on the config alone; a re-run packs wha
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import itertools
 import multiprocessing
@@ -185,11 +186,9 @@ def _init_worker(tokenizer, parent: int) -> None:
 def _tokenize_documents(tokenizer, documents, skipped: dict):
   """Token ids of every sentence of `documents`; a document the tokenizer fails on becomes empty, counted."""
   sentences = [sentence for document in documents for sentence in document]
-  try:
+  with contextlib.suppress(Exception):  # a failure: the culprits are found one document at a time
     token_ids = iter(tokenizer.encode_batch(sentences, num_threads=1))
     return [[next(token_ids) for _ in document] for document in documents]
-  except Exception:  # noqa: BLE001 -- find the culprits one document at a time
-    pass
   tokenized = []
   for document in documents:
     try:
@@ -470,7 +469,8 @@ def _pack_missing(config, tokenizer, num_workers: int, done: dict, save_manifest
         break
       for document_index, document in enumerate(documents, first):
         split = "eval" if is_eval_document(document_index, config["eval_fraction"]) else "train"
-        hashers[split].update(corpus.document_bytes(document))
+        # Each document's boundary is marked: packing depends on it.
+        hashers[split].update(("".join(s + "\n" for s in document) + "\x00\n").encode("utf-8"))
       if index in done:
         skipped_bytes += stats.bytes_read - before
         continue

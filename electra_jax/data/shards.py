@@ -9,7 +9,6 @@ import itertools
 import os
 import threading
 
-import google_crc32c
 import numpy as np
 from absl import logging
 from etils import epath
@@ -104,12 +103,8 @@ def _problem(directory: str, entry: dict, prefix: str, files: dict, hashed: bool
     return f"links to {real}, outside {directory}"
   if size != wanted:
     return "is missing" if size is None else f"has {size} bytes, the manifest says {wanted}"
-  if local and hashed:
-    with open(path, "rb") as f:
-      checksum = google_crc32c.Checksum()
-      for block in iter(lambda: f.read(1 << 22), b""):
-        checksum.update(block)
-    crc32c = checksum.hexdigest().decode()
+  if local and hashed:  # (a shard was written from memory whole: it is read back so)
+    crc32c = workdir_files.crc32c(epath.Path(path).read_bytes())
   if crc32c not in (None, entry[f"{prefix}crc32c"]):
     return f"is not the file prepare_data wrote (its crc32c, {crc32c}, differs from {MANIFEST}'s)"
   return None
@@ -137,8 +132,7 @@ def load_split(directory: str, manifest: dict, split: str, with_lengths: bool, v
   `with_lengths`, the examples' int32 lengths, else None; verify_in_background's future)."""
   max_seq_len, dtype = manifest["max_seq_len"], np.dtype(manifest["dtype"])
   files = workdir_files.list_files(directory)
-  entries = [entry["splits"][split] for entry in manifest["shards"]]
-  entries = [entry for entry in entries if entry["rows"]]
+  entries = [e["splits"][split] for e in manifest["shards"] if e["splits"][split]["rows"]]
   for entry in entries:
     for prefix in ("", "lengths_") if with_lengths else ("",):
       if (problem := _problem(directory, entry, prefix, files)) is not None:
@@ -167,21 +161,6 @@ def load_split(directory: str, manifest: dict, split: str, with_lengths: bool, v
     lengths.append(found.astype(np.int32))
   lengths = np.concatenate(lengths) if lengths else None
   return rows, entries, lengths, verify_in_background(directory, entries, files, vocab_size, split)
-
-
-def _read_ranges(paths: list[str], starts: list[int], ends: list[int]) -> list[bytes]:
-  """Bytes [start, end) of each bucket object, fetched concurrently (gcsfs's cat_ranges)."""
-  if not paths:
-    return []
-  fs, _ = workdir_files.filesystem(paths[0])
-  try:
-    return fs.cat_ranges(
-        [fs._strip_protocol(path) for path in paths], starts, ends, on_error="raise"
-    )
-  except FileNotFoundError as e:  # other errors (the network, permissions) pass as they are
-    raise ConfigError(
-        f"A shard of {paths[0].rsplit('/', 1)[0]} is gone from the bucket ({e}); {REDO}."
-    ) from e
 
 
 class BucketShards:
@@ -215,7 +194,12 @@ class BucketShards:
         ends.append(header + (int(run[-1]) + 1) * self._row_bytes)
       sizes.append(unique.size)
       inverses.append(where)
-    blobs, shape = _read_ranges(paths, starts, ends), (-1, 2, self._max_seq_len)
+    fs, shape = workdir_files.filesystem(self.paths[0])[0], (-1, 2, self._max_seq_len)
+    try:  # the ranges fetched concurrently
+      blobs = fs.cat_ranges([fs._strip_protocol(p) for p in paths], starts, ends, on_error="raise")
+    except FileNotFoundError as e:  # other errors (the network, permissions) pass as they are
+      gone = os.path.dirname(self.paths[0])
+      raise ConfigError(f"A shard of {gone} is gone from the bucket ({e}); {REDO}.") from e
     for path, blob, start, end in zip(paths, blobs, starts, ends):  # (every run has a row)
       if len(blob) != end - start:
         raise ConfigError(f"Shard {path} ends before its manifest's rows; {REDO}.")
@@ -263,21 +247,19 @@ class ShardedRows:
     return out.reshape(rows.shape + (self.shape[1],))[..., columns]
 
   def __array__(self, dtype=None, copy=None):
-    array = self[:]
-    return array if dtype is None else array.astype(dtype)
+    return self[:].astype(np.int32 if dtype is None else dtype, copy=False)
 
 
 def verify_in_background(directory: str, entries: list[dict], files: dict, vocab_size: int, split):
   """A future of the first failure (ConfigError) or None of _problem(hashed) and, on disk, the ids'
   range, for a split's shards, on a daemon thread so a run starts at once."""
-  remote = workdir_files.is_remote(directory)
 
   def first_failure() -> ConfigError | None:
     for entry in entries:
       path = os.path.join(directory, entry["file"])
       try:
         problem = _problem(directory, entry, "", files, hashed=True)
-        if problem is None and not remote:
+        if problem is None and not workdir_files.is_remote(directory):
           if (largest := int(np.max(_load(path, "r")[:, 0]))) >= vocab_size:
             problem = f"holds token id {largest}, outside the tokenizer's {vocab_size} ids"
       except OSError as error:

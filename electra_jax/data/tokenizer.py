@@ -136,11 +136,8 @@ class SentencePieceTokenizer:
   def id_to_piece(self, i: int) -> str:
     return self._processor.id_to_piece(int(i))
 
-  def __repr__(self) -> str:
-    return (
-        f"SentencePieceTokenizer({self.model_path!r}, vocab_size={self.vocab_size}, "
-        f"fingerprint={self.fingerprint!r})"
-    )
+  def __repr__(self) -> str:  # (the fingerprint tells models apart; the size follows from it)
+    return f"SentencePieceTokenizer({self.model_path!r}, fingerprint={self.fingerprint!r})"
 
 
 class WordPieceTokenizer:
