@@ -119,11 +119,9 @@ def apply_overrides(
 
 def identity(base: ml_collections.ConfigDict, overrides: Sequence[Override]) -> str:
   """What makes runs the same: the values the overrides give over `base`, in key order (`b=.5
-  a=1e-3` is `a=0.001 b=0.5`); as written for a key `base` lacks (an older record's)."""
-  values = overrides
-  with contextlib.suppress(ConfigError):
-    config = apply_overrides(base, overrides)
-    values = [(key, repr(config_path.get_value(key, config))) for key, _ in overrides]
+  a=1e-3` is `a=0.001 b=0.5`); a bad key or value is apply_overrides' ConfigError."""
+  config = apply_overrides(base, overrides)
+  values = [(key, repr(config_path.get_value(key, config))) for key, _ in overrides]
   return json.dumps(sorted(values))
 
 
