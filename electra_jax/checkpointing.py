@@ -217,9 +217,7 @@ class Checkpointer:
         _move_in_bucket(source, target)
       else:
         source.rename(target)
-      logging.warning(
-          "Moved the damaged checkpoint at step %d to %s; training on from before.", s, target
-      )
+      logging.warning("Moved the damaged checkpoint at step %d to %s.", s, target)
     multihost_utils.sync_global_devices("electra_jax: damaged checkpoints set aside")
     if later:
       self._manager.reload()

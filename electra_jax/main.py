@@ -85,16 +85,13 @@ def end_summary(config, metrics: dict, workdir: str, seconds: float) -> str:
   ]
   tokens = step * config.train.batch_size * config.data.max_seq_len
   names = ("checkpoints", "metrics.jsonl", "eval_metrics.jsonl", "config.json")
-  written = [name for name in names if workdir_files.exists(workdir_files.path(workdir, name))]
-  return "\n".join(
-      [
-          f"{'Done' if step >= config.train.steps else 'Stopped'}: step {step} of "
-          f"{config.train.steps}, {tokens:,} tokens in all (padding included); this command ran "
-          f"{config_lib.format_duration(seconds)}.",
-          *table,
-          "Files: " + ", ".join(f"{workdir}/{name}" for name in written),
-      ]
+  written = [f"{workdir}/{name}" for name in names if workdir_files.exists(f"{workdir}/{name}")]
+  head = (
+      f"{'Done' if step >= config.train.steps else 'Stopped'}: step {step} of {config.train.steps}"
+      f", {tokens:,} tokens in all (padding included); this command ran "
+      f"{config_lib.format_duration(seconds)}."
   )
+  return "\n".join([head, *table, "Files: " + ", ".join(written)])
 
 
 # --- The modes: each takes (config, workdir), reads its own flags and prints what it made; its

@@ -42,10 +42,10 @@ def plot_curves(
   runs = expand_workdirs(workdirs)
   logs = []  # (label, {"train": records, "eval": records}) of the workdirs that logged
   for label, workdir in runs:
-    split_logs = {}
-    for split, file in (("train", "metrics.jsonl"), ("eval", "eval_metrics.jsonl")):
-      records = workdir_files.read_jsonl(workdir_files.path(workdir, file))
-      split_logs[split] = [record for record in records if "step" in record]
+    split_logs = {
+        split: [r for r in workdir_files.read_jsonl(os.path.join(workdir, file)) if "step" in r]
+        for split, file in (("train", "metrics.jsonl"), ("eval", "eval_metrics.jsonl"))
+    }
     if any(split_logs.values()):
       logs.append((label, split_logs))
   if not logs:

@@ -28,7 +28,6 @@ from electra_jax import checkpointing, config_lib, flops, models, objectives, pl
 from electra_jax.data import sources
 from electra_jax.errors import ConfigError
 
-SWEEP_FILE = workdir_files.SWEEP_FILE
 ERROR_FILE = "sweep_error.txt"
 Override = tuple[str, str]  # (config key, the value as the user wrote it)
 
@@ -119,11 +118,9 @@ def apply_overrides(
 
 def identity(base: ml_collections.ConfigDict, overrides: Sequence[Override]) -> str:
   """What makes runs the same: the values the overrides give over `base`, in key order (`b=.5
-  a=1e-3` is `a=0.001 b=0.5`); as written for a key `base` lacks (an older record's)."""
-  values = overrides
-  with contextlib.suppress(ConfigError):
-    config = apply_overrides(base, overrides)
-    values = [(key, repr(config_path.get_value(key, config))) for key, _ in overrides]
+  a=1e-3` is `a=0.001 b=0.5`); a bad key or value is apply_overrides' ConfigError."""
+  config = apply_overrides(base, overrides)
+  values = [(key, repr(config_path.get_value(key, config))) for key, _ in overrides]
   return json.dumps(sorted(values))
 
 
@@ -206,7 +203,7 @@ def run_sweep(
   existing, saved = record["runs"] if record else [], config_lib.as_saved(base_config)
   if record and (changes := config_lib.changed_keys(record["base_config"], saved)):
     raise ConfigError(
-        f"{sweep_dir}/{SWEEP_FILE} was written for another base config ({'; '.join(changes)}): "
+        f"{sweep_dir}/sweep.json was written for another base config ({'; '.join(changes)}): "
         "one table must not mix recipes. Use the same --config and flags, or a new --workdir."
     )
   # A run listed twice (or recorded already) is one run.
@@ -223,7 +220,7 @@ def run_sweep(
   try:
     all_runs = list(existing) + [r for r in runs if r not in existing]
     record = dict(base_config=saved, runs=[r._asdict() for r in all_runs])
-    workdir_files.write_json(workdir_files.path(sweep_dir, SWEEP_FILE), record)
+    workdir_files.write_json(workdir_files.path(sweep_dir, workdir_files.SWEEP_FILE), record)
     logging.info("Sweep of %d runs in %s (%d recorded).", len(runs), sweep_dir, len(all_runs))
     # A SIGTERM (or SIGHUP) stops the sweep: a run saves and returns (its own handler); between
     # runs it is noted here. One an earlier run in this process (a notebook) took is not this one's.

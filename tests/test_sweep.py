@@ -371,13 +371,18 @@ def test_grid_expansion_and_run_names(tmp_path):
       ("model.generator_fraction", "0.5"),
   ]
   named = sweep.name_runs(
-      [[("a.name", "x/y z")], [("a.size", "1"), ("b.size", "2")], [("a.name", "x y/z")]],
+      [
+          [("objective.name", "x/y z")],
+          [("eval.seed", "1"), ("train.seed", "2")],
+          [("objective.name", "x y/z")],
+      ],
       [],
       base_config(),
   )
-  assert [r.name for r in named] == ["name=x-y-z", "a.size=1,b.size=2", "name=x-y-z-2"]
+  assert [r.name for r in named] == ["name=x-y-z", "eval.seed=1,train.seed=2", "name=x-y-z-2"]
   # A recorded run keeps its name; a new one avoids the recorded names.
-  again = sweep.name_runs([[("a.name", "x y/z")], [("a.name", "x?y?z")]], named, base_config())
+  again = [[("objective.name", "x y/z")], [("objective.name", "x?y?z")]]
+  again = sweep.name_runs(again, named, base_config())
   assert [r.name for r in again] == ["name=x-y-z-2", "name=x-y-z-3"]
   config = sweep.apply_overrides(
       base_config(),

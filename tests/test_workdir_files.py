@@ -99,7 +99,7 @@ def test_our_json_files_damaged_are_refused_naming_the_file(tmp_path):
   assert (
       config_lib.saved_config(str(tmp_path))["train"]["steps"] == 7
   )  # completed with the defaults
-  record = tmp_path / sweep.SWEEP_FILE
+  record = tmp_path / workdir_files.SWEEP_FILE
   for text in ("{", '{"runs": [{"name": "a"}]}', '{"runs": 5}'):
     record.write_text(text)
     with pytest.raises(errors.ConfigError, match=f"{record} is not as electra-jax writes it"):
