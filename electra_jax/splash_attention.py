@@ -57,15 +57,12 @@ def splash_attention(query, key, value, segment_ids):
           1,
           platform,
       )
-
-  def attend(*args):
-    # The kernel for the platform the program is compiled for, which need not be this process's.
-    return jax.lax.platform_dependent(
-        *args,
-        tpu=functools.partial(_local_attention, interpret=False),
-        default=functools.partial(_local_attention, interpret=True),
-    )
-
+  # The kernel for the platform the program is compiled for, which need not be this process's.
+  attend = functools.partial(
+      jax.lax.platform_dependent,
+      tpu=functools.partial(_local_attention, interpret=False),
+      default=functools.partial(_local_attention, interpret=True),
+  )
   batch_axes = partitioning.BATCH_AXES  # of every mesh partitioning.make_mesh makes
   # A mesh's batch shards may not divide a shape-only trace's one dummy row (parameter init).
   if mesh.empty or mesh.size == 1 or query.shape[0] % partitioning.batch_shards(mesh):

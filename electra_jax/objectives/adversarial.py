@@ -22,7 +22,7 @@ def _adversarial(p: Pass):
   sample_log_prob = jnp.take_along_axis(log_policy, s.sampled_ids[..., None], axis=-1)[..., 0]
   num_predictions = p.normalizers.num_predictions
   reinforce = -((reward - baseline) * sample_log_prob * weights).sum() / num_predictions
-  mlm = p.objective.adversarial_mlm_weight * s.mlm_loss_sum / num_predictions
+  mlm = p.objective.adversarial_mlm_weight * p.stats["mlm_loss_sum"] / num_predictions
   p.stats.update(main_loss_sum=(reward * weights).sum(), main_count=weights.sum())
   return reinforce + mlm + disc_loss, per_token
 

@@ -56,14 +56,10 @@ class ElectraObjective:
     return (self.pad_id, self.cls_id, self.sep_id, self.mask_id)
 
 
-def temperature_falls(o) -> bool:
-  return o.temperature_decay_fraction > 0 and o.initial_temperature != o.temperature
-
-
 def temperature_decay_steps(config) -> int:
   """The steps over which the sampling temperature falls to its final value (0: no schedule)."""
   o = config.objective
-  if not temperature_falls(o):
+  if o.temperature_decay_fraction <= 0 or o.initial_temperature == o.temperature:
     return 0
   return max(1, round(o.temperature_decay_fraction * config.train.steps))
 
@@ -289,14 +285,13 @@ class Pass:
 
 class Sampled(NamedTuple):
   """The generator's step: logits at the masked slots, samples, the corrupted input, what was
-  replaced and the generator's probability (T=1) of it, its L_MLM sum and weighted loss."""
+  replaced and the generator's probability (T=1) of it, its weighted L_MLM (the sum: p.stats)."""
 
   gen_logits: jax.Array
   sampled_ids: jax.Array
   corrupted_ids: jax.Array
   is_replaced: jax.Array
   replaced_prob: jax.Array
-  mlm_loss_sum: jax.Array
   gen_loss: jax.Array  # gen_weight * L_MLM
 
 
@@ -324,15 +319,11 @@ def sample(p: Pass, gen_logits) -> Sampled:
   frozen_logits = jax.lax.stop_gradient(gen_logits).astype(jnp.float32)
   sampled_logit = jnp.take_along_axis(frozen_logits, sampled_ids[..., None], axis=-1)[..., 0]
   sampled_prob = jnp.where(weights > 0, jnp.exp(sampled_logit - log_normalizer), 0.0)
-  sampled_correct = ((sampled_ids == targets) * weights).sum()
-  p.stats.update(
-      mlm_loss_sum=mlm_loss_sum, mlm_correct=mlm_correct, sampled_correct=sampled_correct
-  )
+  p.stats["sampled_correct"] = ((sampled_ids == targets) * weights).sum()
+  p.stats.update(mlm_loss_sum=mlm_loss_sum, mlm_correct=mlm_correct)
   gen_loss = objective.gen_weight * mlm_loss_sum / p.normalizers.num_predictions
   replaced_prob = at_slots(is_replaced.shape, masked, sampled_prob)
-  return Sampled(
-      gen_logits, sampled_ids, corrupted_ids, is_replaced, replaced_prob, mlm_loss_sum, gen_loss
-  )
+  return Sampled(gen_logits, sampled_ids, corrupted_ids, is_replaced, replaced_prob, gen_loss)
 
 
 def tower_mlm(p: Pass, input_ids, stat: str = "main"):
@@ -440,13 +431,12 @@ def binary_aucs(scores, labels, weights, positive_subsets) -> list:
 
 # The replaced tokens by the generator's probability (at temperature 1) of the token it put
 # in, [low, high): where the discriminator's detection of hard replacements shows.
-REPLACED_BINS = (("unlikely", 0.0, 0.01), ("plausible", 0.01, 0.1), ("likely", 0.1, math.inf))
+REPLACED_BINS = {"unlikely": (0.0, 0.01), "plausible": (0.01, 0.1), "likely": (0.1, math.inf)}
 BINNED_METRICS = tuple(
-    f"{prefix}_{name}" for prefix in ("disc_auc", "replaced_share") for name, _, _ in REPLACED_BINS
+    f"{kind}_{name}" for kind in ("disc_auc", "replaced_share") for name in REPLACED_BINS
 )
-DISC_METRICS = ("disc_loss", "disc_auc", "disc_accuracy", "disc_precision", "disc_recall") + tuple(
-    f"disc_auc_{name}" for name, _, _ in REPLACED_BINS
-)
+DISC_METRICS = ("disc_loss", "disc_auc", "disc_accuracy", "disc_precision", "disc_recall")
+DISC_METRICS += tuple(f"disc_auc_{name}" for name in REPLACED_BINS)
 
 
 def official_metrics(stats, per_token_arrays) -> dict[str, jax.Array]:
@@ -456,7 +446,7 @@ def official_metrics(stats, per_token_arrays) -> dict[str, jax.Array]:
   logits, weights = per_token_arrays["disc_logits"], per_token_arrays["token_weights"]
   is_replaced = per_token_arrays["is_replaced"].astype(bool)
   prob, predicted = per_token_arrays["replaced_prob"], logits > 0
-  in_bins = [(prob >= low) & (prob < high) for _, low, high in REPLACED_BINS]
+  in_bins = [(prob >= low) & (prob < high) for low, high in REPLACED_BINS.values()]
   aucs = binary_aucs(logits, is_replaced, weights, [is_replaced] + in_bins)
   count = lambda where: (where * weights).sum()  # noqa: E731
   num_tokens, replaced = jnp.maximum(weights.sum(), 1.0), count(is_replaced)
@@ -472,7 +462,7 @@ def official_metrics(stats, per_token_arrays) -> dict[str, jax.Array]:
       "disc_recall": true_pos / jnp.maximum(replaced, 1.0),
       "replaced_fraction": replaced / num_tokens,
   }
-  for (name, _, _), auc, in_bin in zip(REPLACED_BINS, aucs[1:], in_bins):
+  for name, auc, in_bin in zip(REPLACED_BINS, aucs[1:], in_bins):
     metrics[f"disc_auc_{name}"] = auc
     metrics[f"replaced_share_{name}"] = count(is_replaced & in_bin) / replaced
   return metrics

@@ -57,11 +57,8 @@ def _fix_switch(config, saved: dict | None, start_step: int | None) -> dict:
   switch, steps = config.objective.two_stage_switch, config.train.steps
   if not switch:
     switch = recorded or steps // 2
-    logging.info(
-        "objective.two_stage_switch: the discriminator's stage starts at step %d%s.",
-        switch,
-        " (as this workdir recorded)" if recorded else "",
-    )
+    how = "as this workdir recorded" if recorded else "half of train.steps"
+    logging.info("objective.two_stage_switch=%d: the discriminator's first step (%s).", switch, how)
   if not 0 < switch < steps:
     raise ConfigError(
         f"objective.two_stage_switch={switch} leaves a stage no step of train.steps={steps}: "
