@@ -165,9 +165,8 @@ def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpu
     except CheckpointRotated as error:
       if not tries_left:
         raise WorkdirInUse(
-            f"{workdir} is written by a live run: {error} Try again (with a larger "
-            "checkpoint.every_steps it rotates less often), or once the run stops; its "
-            "checkpoints are healthy."
+            f"{workdir} is written by a live run: {error} Try again once it stops, or with a "
+            "larger checkpoint.every_steps (it rotates less); its checkpoints are healthy."
         ) from None
       logging.info("%s Reading the newest again.", error)
     finally:
