@@ -1,7 +1,6 @@
-"""A run resolved before anything trains (`run`): every group checked, the mesh, data, setup, the
-checkpoint to resume from and what a run decides at its start (a searched batch size, a time
-budget's steps, an objective's fixed keys). It writes nothing; nothing changes the config after it.
-"""
+"""A run resolved before anything trains (`run`), writing nothing: every group checked, the mesh,
+data, setup, the checkpoint to resume from and what a run decides at its start (a searched batch
+size, a time budget's steps, an objective's fixed keys); nothing changes the config after it."""
 
 import dataclasses
 import functools

@@ -220,8 +220,7 @@ _TIMED_STEPS = 3  # after one warm-up step
 
 def measure_step_time(config, setup: TrainingSetup, mesh, corpus) -> tuple[float, float, float]:
   """Seconds of (one train step, compiling it and the evaluation, one held-out evaluation or 0), on
-  a throwaway state and batch 0, after a warm-up step and a first evaluation; inside
-  partitioning.activate(mesh)."""
+  a throwaway state and batch 0 after a warm-up step and a first evaluation; in activate(mesh)."""
   seed, keys = config.train.seed, data.batch_keys(config.data.pack_rows)
   state, clock = fresh_state(setup, seed), time.perf_counter()
   step_fn = compile_train_step(setup, config, mesh)
