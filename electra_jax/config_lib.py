@@ -47,7 +47,6 @@ class RecipeParser(ConfigFileFlagParser):
   It keeps the recipe's config before any override (`loaded`) and the ConfigError its file raised
   (`refused`): flags_parser reports a mistake from these, not from another library's message."""
 
-  listing = "configs/base.py"  # the file that lists every key of the loaded recipe
   loaded = refused = None
 
   def parse(self, path):
@@ -59,7 +58,6 @@ class RecipeParser(ConfigFileFlagParser):
     if self._lock_config:
       config.lock()
     self.loaded = config.copy_and_resolve_references()  # overrides go into `config` after this
-    self.listing = "configs/finetune/base.py" if "init_from" in config else "configs/base.py"
     return config
 
 
@@ -97,9 +95,10 @@ def flags_parser(program: str):
         flag = arg.split("=")[0]
         if flag.startswith("--config.") and (found := unknown_key(parser.loaded, flag[9:])):
           key, hint = found
+          listing = f"configs/{'finetune/' if 'init_from' in parser.loaded else ''}base.py"
           sys.exit(
               f"{program}: error: {flag}: the config has no key {key!r}. {hint + ' ' if hint else ''}"
-              f"{parser.listing} lists every key with its default."
+              f"{listing} lists every key with its default."
           )
       raise
 

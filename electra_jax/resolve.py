@@ -1,7 +1,6 @@
-"""A run resolved before anything trains (`run`): every group checked, the mesh, data, setup, the
-checkpoint to resume from and what a run decides at its start (a searched batch size, a time
-budget's steps, an objective's fixed keys). It writes nothing; nothing changes the config after it.
-"""
+"""A run resolved before anything trains (`run`), writing nothing: every group checked, the mesh,
+data, setup, the checkpoint to resume from and what a run decides at its start (a searched batch
+size, a time budget's steps, an objective's fixed keys); nothing changes the config after it."""
 
 import dataclasses
 import functools
@@ -104,9 +103,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
   # --- What the run decides at its start: the checkpoint, the batch, the steps
   resolved = config.copy_and_resolve_references()
   with partitioning.activate(mesh):
-    start = None
-    if workdir is not None:
-      start = checkpointing.newest_start(workdir, setup, corpus, changes)
+    start = workdir and checkpointing.newest_start(workdir, setup, corpus, changes)
     if t.batch_size == -1:  # the largest that fits in train.memory_fraction of a device
       compile_step = functools.partial(train_state.compile_train_step, setup, config, mesh)
       batch_size, _ = memory.largest_batch(compile_step, limit, quantum)
@@ -165,9 +162,8 @@ def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpu
     except CheckpointRotated as error:
       if not tries_left:
         raise WorkdirInUse(
-            f"{workdir} is written by a live run: {error} Try again (with a larger "
-            "checkpoint.every_steps it rotates less often), or once the run stops; its "
-            "checkpoints are healthy."
+            f"{workdir} is written by a live run: {error} Try again once it stops, or with a "
+            "larger checkpoint.every_steps (it rotates less); its checkpoints are healthy."
         ) from None
       logging.info("%s Reading the newest again.", error)
     finally:

@@ -220,9 +220,8 @@ def evaluate_checkpoint(
 
 
 def _stop_if_not_finite(window: list, params, step: int, checkpointer, dtype: str) -> None:
-  """Stops the run when a loss of the window ending at `step` or, given `params` (before a save: a
-  loss predates its step's update), a parameter is not finite; says if the last checkpoint did it.
-  """
+  """Stops the run when a loss of the window ending at `step` or, given `params` (a loss predates
+  its step's update), a parameter is not finite; says if the last checkpoint did it."""
   first_bad = _first_non_finite_step(window, step)
   if first_bad is None and (params is None or bool(_params_finite(params))):
     return
@@ -283,8 +282,7 @@ def _periods(config, steps_per_call: int) -> tuple[int, ...]:
   }
   if uneven := [f"{name}={p}" for name, p in periods.items() if p % steps_per_call]:
     logging.warning(
-        f"train.steps_per_call={steps_per_call} does not divide {', '.join(uneven)}: the steps "
-        "before each such boundary that do not fill a call run one call each (slower). Make them "
-        f"multiples of {steps_per_call}."
+        f"train.steps_per_call={steps_per_call} does not divide {', '.join(uneven)}: steps short "
+        f"of a call before them run one call each (slower); use multiples of {steps_per_call}."
     )
   return tuple(p for p in periods.values() if p)

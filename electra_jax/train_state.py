@@ -172,9 +172,8 @@ def build_setup(config, mesh, special_ids: dict[str, int]) -> TrainingSetup:
   state_shardings = partitioning.shardings_for(boxed_shapes, mesh)
   if unsharded := partitioning.unsharded_dimensions(boxed_shapes.params, mesh):
     logging.warning(
-        f"Replicated on every device (their optimizer moments too), as a mesh axis does not divide "
-        f"them: {'; '.join(unsharded)}. Make those sizes multiples of the mesh axes (e.g. "
-        "model.vocab_size), or use smaller mesh axes."
+        f"Replicated on every device, as no mesh axis divides them: {'; '.join(unsharded)}. Make "
+        "those sizes (e.g. model.vocab_size) multiples of the mesh axes, or use smaller axes."
     )
   abstract_state = jax.tree.map(
       lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -203,10 +202,8 @@ def compile_train_step(
       for name in data.batch_keys(config.data.pack_rows)
   }
   abstract_rng = jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=replicated)
-  abstract_schedule = jax.tree.map(
-      lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated),
-      jax.eval_shape(lambda: optimizer.learning_rate_schedule(1.0, 1, 1)),
-  )
+  scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)  # each Schedule field
+  abstract_schedule = Schedule(*[scalar] * len(dataclasses.fields(Schedule)))
   jitted = jax.jit(
       train_steps if leading else train_step,
       in_shardings=(setup.state_shardings, batch_sharding, replicated, replicated),
@@ -223,8 +220,7 @@ _TIMED_STEPS = 3  # after one warm-up step
 
 def measure_step_time(config, setup: TrainingSetup, mesh, corpus) -> tuple[float, float, float]:
   """Seconds of (one train step, compiling it and the evaluation, one held-out evaluation or 0), on
-  a throwaway state and batch 0, after a warm-up step and a first evaluation; inside
-  partitioning.activate(mesh)."""
+  a throwaway state and batch 0 after a warm-up step and a first evaluation; in activate(mesh)."""
   seed, keys = config.train.seed, data.batch_keys(config.data.pack_rows)
   state, clock = fresh_state(setup, seed), time.perf_counter()
   step_fn = compile_train_step(setup, config, mesh)

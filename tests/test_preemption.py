@@ -11,6 +11,8 @@ import pytest
 from conftest import REPO, cli, cli_args
 from run_helpers import REQUIRED_METRICS, _metrics  # noqa: F401
 
+from electra_jax import preemption
+
 
 def _signal_after_logged(workdir, overrides: dict, lines: int, signum):
   """(process, stdout, stderr) of a CLI run sent `signum` once metrics.jsonl has `lines` lines."""
@@ -91,3 +93,12 @@ def test_sighup_saves_and_releases_the_lease_like_sigterm(tmp_path):
   saved, _, stderr = _stopped_after_step_3_of_400(workdir, signal.SIGHUP)
   assert f"SIGHUP received: saved a checkpoint at step {saved[0]}" in stderr
   assert json.loads((workdir / "lease.json").read_text())["released"] is True
+
+
+def test_a_sigterm_while_the_run_starts_unwinds_at_once_and_says_so(caplog):
+  before = signal.getsignal(signal.SIGTERM)
+  with pytest.raises(SystemExit) as stopped, preemption.Preemption():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)  # the handler raises at the next bytecode, long before this ends
+  assert stopped.value.code == 0 and signal.getsignal(signal.SIGTERM) is before
+  assert "SIGTERM while the run was starting: it stops before its first step" in caplog.text
