@@ -19,6 +19,7 @@ from electra_jax.objectives.pieces import (  # noqa: F401
     sample_tokens,
     sampling_temperature,
     temperature_decay_steps,
+    temperature_falls,
 )
 
 _FILES = (electra, mlm, two_stage, adversarial, electric)
@@ -91,5 +92,5 @@ def objective_from_config(config, special_ids: dict[str, int]) -> ElectraObjecti
       keep_original_prob=keep_original_prob,
       random_token_prob=random_token_prob,
       vocab_size=special_ids.get("vocab_size", config.model.vocab_size),
-      initial_temperature=o.initial_temperature if temperature_decay_steps(config) else None,
+      initial_temperature=o.initial_temperature if temperature_falls(o) else None,
   )

@@ -56,10 +56,14 @@ class ElectraObjective:
     return (self.pad_id, self.cls_id, self.sep_id, self.mask_id)
 
 
+def temperature_falls(o) -> bool:
+  return o.temperature_decay_fraction > 0 and o.initial_temperature != o.temperature
+
+
 def temperature_decay_steps(config) -> int:
   """The steps over which the sampling temperature falls to its final value (0: no schedule)."""
   o = config.objective
-  if o.temperature_decay_fraction <= 0 or o.initial_temperature == o.temperature:
+  if not temperature_falls(o):
     return 0
   return max(1, round(o.temperature_decay_fraction * config.train.steps))
 
