@@ -204,7 +204,7 @@ def trained_workdir(tmp_path_factory):
 
 
 def _assert_stopped_by_ctrl_c(child):
-  assert child.returncode == 130, child.stderr[-3000:]
+  assert child.returncode == 130, (child.stdout[-2000:], child.stderr[-3000:])
   assert "Traceback" not in child.stderr and "Held-out" not in child.stdout, child.stderr[-3000:]
   assert child.stderr.strip().splitlines()[-1].startswith("electra-jax: stopped by Ctrl-C")
 
