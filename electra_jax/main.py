@@ -338,9 +338,6 @@ def main(argv):
       with workdir_files.out_of_space_named(), memory.out_of_memory_named(where, fix):
         mode.run(FLAGS.config, FLAGS.workdir)
   except (ConfigError, FloatingPointError) as error:  # a mistake, or a diverged run
-    # The line is the last word: work the error cut short (orbax's reads of a damaged step) is
-    # reported as "Exception ignored" tracebacks when it is collected, after this line.
-    sys.unraisablehook = lambda dropped: None
     sys.exit(f"electra-jax: error: {error}")
 
 
@@ -351,7 +348,14 @@ def run():
   sys.modules["__main__"].__doc__ = USAGE  # what absl's --help prints first
   for name in ("mode", "config", "workdir", "out", "step", "take_over_workdir", "version"):
     FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])  # what --help shows
-  app.run(main, flags_parser=config_lib.flags_parser("electra-jax"))
+  try:
+    app.run(main, flags_parser=config_lib.flags_parser("electra-jax"))
+  except SystemExit as stop:  # a message is the last word: what the work it cut short prints as
+    if isinstance(stop.code, str):  # its threads end (orbax's reads of a damaged step) is not news
+      print(stop.code, file=sys.stderr, flush=True)
+      os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+      raise SystemExit(1) from None
+    raise
 
 
 if __name__ == "__main__":

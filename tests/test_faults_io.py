@@ -138,6 +138,31 @@ def test_cli_under_a_file_size_limit_ends_in_one_line(tmp_path):
 
 
 @pytest.mark.fault
+def test_an_error_line_stays_the_last_word_whatever_a_thread_prints_after_it():
+  # The reads a damaged step's error cut short (orbax's threads) printed "RuntimeError: Event loop
+  # is closed" tracebacks after the line, now and then.
+  child = _limited_child(
+      """
+      import sys, threading, time
+      from electra_jax import main
+      def raise_later():
+        time.sleep(1)
+        raise RuntimeError("Event loop is closed")
+      check = main._check_flags
+      def check_with_a_thread_running(*args):
+        threading.Thread(target=raise_later).start()
+        check(*args)
+      main._check_flags = check_with_a_thread_running
+      sys.argv = ["electra-jax", "--mode=eval"]
+      main.run()
+      """,
+      limit_bytes=resource.RLIM_INFINITY,
+  )
+  assert child.returncode == 1 and "Traceback" not in child.stderr, child.stderr[-3000:]
+  assert child.stderr.strip().splitlines()[-1] == "electra-jax: error: --mode=eval needs --workdir."
+
+
+@pytest.mark.fault
 @pytest.mark.slow
 def test_a_checkpoint_save_past_the_file_size_limit_ends_in_one_line_and_resumes(tmp_path):
   # A model whose checkpoint passes the limit, and its tokenizer (250 kB) does not. The word
