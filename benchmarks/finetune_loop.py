@@ -82,7 +82,7 @@ def main(argv):
     epochs, total = trainer.resolve_epochs(config, num_train)
     steps = trainer._compiled_steps(config, adapter, backbone)
     train_step, _ = steps
-    args = optim.schedule_args(config, total)
+    schedule = optim.schedule(config, total)
     feed = list(trainer.batches(adapter.train_features, config.batch_size))
     key = jax.random.key(0)
 
@@ -96,7 +96,7 @@ def main(argv):
       del round_
       for step in range(total):
         params, opt_state, loss = train_step(
-            params, opt_state, feed[step % len(feed)], key, step, args
+            params, opt_state, feed[step % len(feed)], key, step, schedule
         )
       return loss
 
@@ -105,7 +105,7 @@ def main(argv):
       seconds = []
       for round_ in range(-1, _ROUNDS.value):  # round -1 compiles
         params = model_lib.init_params(backbone, adapter.model, key, config.max_seq_len)
-        tx, _ = optim.make_optimizer(config, params, backbone.model.config.num_layers, args)
+        tx = optim.make_optimizer(config, params, backbone.model.config.num_layers)
         state = jax.block_until_ready((params, tx.init(params)))
         start = time.perf_counter()
         jax.block_until_ready(work(round_, *state))

@@ -41,7 +41,7 @@ class Schedule:
   decay steps and two_stage's switch, as float32 arrays the compiled step takes as an argument."""
 
   peak: jax.Array
-  warmup: jax.Array  # at least 1
+  warmup: jax.Array  # 0: none (the official `if warmup_steps`)
   total: jax.Array
   temperature_decay: jax.Array  # 0: no temperature schedule
   switch: jax.Array  # objective.two_stage_switch: the first step of two_stage's second stage
@@ -50,13 +50,14 @@ class Schedule:
     step = jnp.asarray(step, jnp.float32)
     # Divided by the counts: 427 * float32(1 / 427) is below 1, leaving a rate at the last step.
     decay = jnp.maximum(0.0, self.total - step) / self.total
-    return self.peak * jnp.minimum(1.0, step / self.warmup) * decay
+    warmup = jnp.where(self.warmup > 0, step / jnp.maximum(self.warmup, 1.0), 1.0)
+    return self.peak * jnp.minimum(1.0, warmup) * decay
 
 
 def learning_rate_schedule(
     peak: float, warmup_steps: int, total_steps: int, temperature_decay_steps=0, switch=0
 ) -> Schedule:
-  values = (peak, max(warmup_steps, 1), total_steps, temperature_decay_steps, switch)
+  values = (peak, warmup_steps, total_steps, temperature_decay_steps, switch)
   return Schedule(*(jnp.float32(value) for value in values))
 
 

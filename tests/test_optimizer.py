@@ -33,6 +33,8 @@ def test_learning_rate_schedule_is_the_official_one():
     assert float(schedule(total // 10)) == np.float32(1e-3) * (
         (np.float32(total) - total // 10) / np.float32(total)
     )
+  # No warmup (0 steps, as fine-tuning's warmup_fraction gives a short run): the peak at once.
+  assert float(optimizer.learning_rate_schedule(1e-3, 0, 100)(0)) == np.float32(1e-3)
 
 
 def test_warmup_fraction_takes_its_share_of_the_steps():

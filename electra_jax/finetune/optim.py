@@ -1,16 +1,14 @@
-"""The fine-tuning optimizer: clipping, AdamW (no decay on LayerNorm or biases), linear warmup and
-decay, and layer-wise learning rates (smaller steps nearer the input)."""
+"""The fine-tuning optimizer: pre-training's (clipping, AdamW with no decay on LayerNorm or biases,
+the official warmup and decay) with layer-wise learning rates (smaller steps nearer the input)."""
 
 import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from electra_jax import config_lib
+from electra_jax import config_lib, optimizer
 from electra_jax.errors import ConfigError
-from electra_jax.optimizer import _decays, scale_by_adam_without_bias_correction
 
 LAYERWISE_RULES = ("correct", "official")
 
@@ -44,39 +42,20 @@ def layerwise_lr_scales(params, num_layers: int, decay: float, rule: str = "corr
   return jax.tree_util.tree_map_with_path(scale, params)
 
 
-def linear_warmup_decay(base_lr, warmup_steps, total_steps):
-  """base_lr * min(1, step / warmup) * max(0, 1 - step / total) (warmup 0: none); args traceable."""
-
-  def schedule(step):
-    step = jnp.asarray(step, jnp.float32)
-    warmup = jnp.where(warmup_steps > 0, jnp.minimum(1.0, step / jnp.maximum(warmup_steps, 1)), 1.0)
-    return base_lr * warmup * jnp.maximum(0.0, 1.0 - step / jnp.maximum(total_steps, 1))
-
-  return schedule
-
-
-def schedule_args(config, total_steps: int, learning_rate: float | None = None) -> np.ndarray:
-  """float32 [peak (None: optimizer.learning_rate), warmup steps, total steps]: the step's input."""
+def schedule(config, total_steps: int, learning_rate: float | None = None) -> optimizer.Schedule:
+  """The official warmup to `learning_rate` (None: the config's), then linear decay to `total_steps`."""
   o = config.optimizer
   peak = o.learning_rate if learning_rate is None else learning_rate
-  return np.array([peak, round(o.warmup_fraction * total_steps), total_steps], np.float32)
+  return optimizer.learning_rate_schedule(peak, round(o.warmup_fraction * total_steps), total_steps)
 
 
-def make_optimizer(config, params, num_layers: int, args):
-  """(tx, schedule): clip, Adam, decoupled weight decay, layer-wise scales, `args`' schedule."""
+def make_optimizer(config, params, num_layers: int):
+  """Pre-training's optimizer, then the layer-wise scales; its update takes a `schedule=`."""
   o = config.optimizer
-  schedule = linear_warmup_decay(args[0], args[1], args[2])
-  adam = optax.scale_by_adam if o.bias_correction else scale_by_adam_without_bias_correction
   scales = layerwise_lr_scales(params, num_layers, o.layerwise_lr_decay, o.layerwise_lr_decay_rule)
-  tx = optax.chain(
-      optax.clip_by_global_norm(o.clip_norm),
-      adam(o.b1, o.b2, o.eps),
-      optax.add_decayed_weights(
-          o.weight_decay, mask=lambda p: jax.tree_util.tree_map_with_path(_decays, p)
-      ),
+  return optax.chain(
+      optimizer.make_optimizer(o),
       optax.stateless(
           lambda updates, _: jax.tree.map(lambda u, s: u * jnp.asarray(s, u.dtype), updates, scales)
       ),
-      optax.scale_by_learning_rate(schedule),
   )
-  return tx, schedule

@@ -172,16 +172,16 @@ def _compiled_steps(config, adapter, backbone):
     rngs = None if deterministic else {"dropout": rng}
     return adapter.model.apply({"params": params}, *inputs, deterministic=deterministic, rngs=rngs)
 
-  def train_step(params, opt_state, batch, seed_key, step, args):
+  def train_step(params, opt_state, batch, seed_key, step, schedule):
     rng = jax.random.fold_in(seed_key, step)  # here, not eagerly: one host dispatch per step
-    tx, _ = optim.make_optimizer(config, params, backbone.model.config.num_layers, args)
+    tx = optim.make_optimizer(config, params, backbone.model.config.num_layers)
 
     def loss(p):
       per_example = adapter.loss_fn(apply(p, batch, False, rng), batch)
       return jnp.sum(per_example * batch["weights"]) / jnp.maximum(jnp.sum(batch["weights"]), 1.0)
 
     value, grads = jax.value_and_grad(loss)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    updates, opt_state = tx.update(grads, opt_state, params, schedule=schedule)
     return optax.apply_updates(params, updates), opt_state, value
 
   predict_step = jax.jit(lambda params, batch: apply(params, batch, True))
@@ -203,12 +203,12 @@ def _run_seed(config, adapter, backbone, steps, seed, task_dir, rate=None, seeds
   eval_batch_size = config.eval_batch_size or config.batch_size
   num_train = len(adapter.train_features["input_ids"])
   epochs, total_steps = resolve_epochs(config, num_train)
-  args = optim.schedule_args(config, total_steps, rate)
+  schedule = optim.schedule(config, total_steps, rate)
   seed_key = jax.random.key(seed)  # draws the head and, folded with each step, its dropout
   params = model_lib.init_params(
       backbone, adapter.model, seed_key, config.max_seq_len, config.reinit_layers
   )
-  tx, schedule = optim.make_optimizer(config, params, backbone.model.config.num_layers, args)
+  tx = optim.make_optimizer(config, params, backbone.model.config.num_layers)
   opt_state = tx.init(params)
   # A seed whose earlier run was cut short starts over: its checkpoints and events may be later.
   for stale in ("checkpoints", tensorboard_log.SUBDIR):
@@ -230,7 +230,7 @@ def _run_seed(config, adapter, backbone, steps, seed, task_dir, rate=None, seeds
               f"Fine-tuning stopped by {signals.signal_name}: the seeds finished are kept in "
               f"{task_dir}, the lease is released; run the same command to train the others."
           )
-        params, opt_state, loss = train_step(params, opt_state, batch, seed_key, step, args)
+        params, opt_state, loss = train_step(params, opt_state, batch, seed_key, step, schedule)
         losses.append(loss)
         step += 1
         if step == 1:
