@@ -107,8 +107,11 @@ class Checkpointer:
     local = not workdir_files.is_remote(self.directory)
     return local and workdir_files.short_of_space(self.directory, self._size) or None
 
-  def latest_step(self) -> int | None:
-    return self._manager.latest_step()
+  def latest_step(self, fix: str = "") -> int | None:
+    """The newest step saved; None when there is none, or, given the `fix`, a ConfigError."""
+    if (step := self._manager.latest_step()) is None and fix:
+      raise ConfigError(f"{self.directory} holds no checkpoint yet; {fix}.")
+    return step
 
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())

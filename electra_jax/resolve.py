@@ -146,8 +146,7 @@ def restore_checkpoint(workdir: str, setup, mesh, step: int | None = None, corpu
   for tries_left in reversed(range(3 if step is None else 1)):
     checkpointer = checkpointing.Checkpointer(workdir, keep=1)  # reading only: keep acts on saves
     try:
-      if (latest := checkpointer.latest_step()) is None:
-        raise ConfigError(f"{workdir} holds no checkpoint yet; train first or fix --workdir.")
+      latest = checkpointer.latest_step(fix="train first, or fix --workdir")
       if step is not None and step not in checkpointer.all_steps():
         raise ConfigError(
             f"{workdir} holds no checkpoint of step {step}; its checkpoints are of steps "

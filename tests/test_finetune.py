@@ -376,6 +376,18 @@ def pretrained_workdir(tmp_path_factory):
   return workdir, config
 
 
+@pytest.mark.fault
+def test_init_from_a_workdir_without_checkpoints_is_refused_by_name(tmp_path, pretrained_workdir):
+  workdir = tmp_path / "pretrain"
+  shutil.copytree(pretrained_workdir[0], workdir)
+  shutil.rmtree(workdir / "checkpoints" / "2")
+  config = synthetic_config(tmp_path, n_train=16, n_dev=8, init_from=str(workdir), tokenizer="")
+  with pytest.raises(
+      ConfigError, match=f"^{workdir}/checkpoints holds no checkpoint yet; pre-train"
+  ):
+    model_lib.load_backbone(config)
+
+
 def test_init_from_pretraining_workdir(tmp_path, pretrained_workdir):
   workdir, pretrain_config = pretrained_workdir
   config = synthetic_config(

@@ -91,9 +91,7 @@ def restore_seed(workdir: str, task: str, seed: int, model):
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), shapes)
   seed_dir = os.path.join(workdir, task, f"seed_{seed}")
   with contextlib.closing(checkpointing.Checkpointer(seed_dir, keep=1)) as checkpointer:
-    step = checkpointer.latest_step()
-    if step is None:
-      raise ConfigError(f"{checkpointer.directory} has no checkpoint; fine-tune seed {seed} again.")
+    step = checkpointer.latest_step(fix=f"fine-tune seed {seed} again")
     return jax.device_get(checkpointer.restore(step, abstract)["params"])
 
 

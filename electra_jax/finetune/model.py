@@ -120,9 +120,7 @@ def _tokenizer_from_file(path: str, lowercase: bool | None, strip_accents: bool 
 def _from_workdir(config, workdir: str) -> Backbone:
   pretrain_config = config_lib.load_workdir_config(workdir)
   with contextlib.closing(checkpointing.Checkpointer(workdir, keep=1)) as checkpointer:
-    step = checkpointer.latest_step()
-    if step is None:
-      raise ConfigError(f"config.init_from={workdir!r} holds no checkpoint yet; pre-train first.")
+    step = checkpointer.latest_step(fix="pre-train first, or fix config.init_from")
     meta = checkpointer.read_meta(step)
   if config.tokenizer:
     tokenizer = _tokenizer_from_file(config.tokenizer, config.lowercase)
