@@ -284,32 +284,38 @@ def _ctrl_c(signum, frame):
     sys.stderr.flush()
     _terminal.append(os.dup(2))
     os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    threading.Thread(target=_until_unwinding, daemon=True).start()
   raise KeyboardInterrupt
+
+
+def _until_unwinding():
+  # A KeyboardInterrupt can be lost: Python drops one raised in a gc callback (JAX runs one at
+  # each collection) or a finalizer, and a library's bare `except` takes one. It is raised again
+  # every 0.2 s until the main thread is seen unwinding with one.
+  main = threading.main_thread().ident
+  while True:
+    time.sleep(0.2)
+    exc = sys._current_exceptions().get(main)  # (type, value, traceback) before Python 3.12
+    if not isinstance(exc[1] if isinstance(exc, tuple) else exc, KeyboardInterrupt):
+      _thread.interrupt_main()
 
 
 @contextlib.contextmanager
 def _ctrl_c_stops():
   """A Ctrl-C stops the command in one line, exit code 130; training's loop takes it itself."""
   try:
-    previous = signal.signal(signal.SIGINT, _ctrl_c), sys.unraisablehook
+    previous = signal.signal(signal.SIGINT, _ctrl_c)
   except ValueError:  # not the main thread (a notebook runner's): Python's own handling
     yield
     return
-  # Python drops an exception raised in a gc callback (JAX runs one at every collection) or a
-  # finalizer: a Ctrl-C dropped there is raised again, from outside it.
-  again = lambda: threading.Timer(0.1, _thread.interrupt_main).start()  # noqa: E731
-  sys.unraisablehook = lambda dropped: (
-      again() if dropped.exc_type is KeyboardInterrupt else previous[1](dropped)
-  )
   try:
     yield
   except KeyboardInterrupt:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # one is enough
     _stopped()  # every `finally` ran
   finally:
-    sys.unraisablehook = previous[1]
     if signal.getsignal(signal.SIGINT) is _ctrl_c:  # not stopping: the caller's handler again
-      signal.signal(signal.SIGINT, previous[0])
+      signal.signal(signal.SIGINT, previous)
 
 
 def main(argv):

@@ -261,6 +261,30 @@ def test_eval_stops_at_a_ctrl_c_that_lands_in_a_gc_callback(trained_workdir):
 
 
 @pytest.mark.fault
+def test_eval_stops_at_a_ctrl_c_that_a_bare_except_takes(trained_workdir):
+  # A library's `except BaseException` (or bare `except:`) takes the KeyboardInterrupt: the run
+  # went on and ended with exit code 0.
+  child = _limited_child(
+      f"""
+      import signal, sys
+      from electra_jax import main, train
+      evaluate = train.evaluate_checkpoint
+      def swallow_then_evaluate(*args):
+        try:
+          signal.raise_signal(signal.SIGINT)
+        except BaseException:
+          pass
+        return evaluate(*args)
+      train.evaluate_checkpoint = swallow_then_evaluate
+      sys.argv = ["electra-jax", "--mode=eval", "--workdir={trained_workdir}"]
+      main.run()
+      """,
+      limit_bytes=resource.RLIM_INFINITY,
+  )
+  _assert_stopped_by_ctrl_c(child)
+
+
+@pytest.mark.fault
 def test_eval_stops_at_the_first_ctrl_c(trained_workdir):
   args = [sys.executable, "-m", "electra_jax.main", "--mode=eval", f"--workdir={trained_workdir}"]
   env = dict(os.environ, PYTHONPATH=REPO)
