@@ -215,9 +215,10 @@ def run_sweep(
     except ConfigError as error:
       raise ConfigError(f"Sweep run {_label(run.overrides)}: {error}") from None
   # Two sweeps on one folder would each rewrite sweep.json and fail the runs the other trains.
-  lease = workdir_lease.acquire(sweep_dir, take_over_workdir, "The sweep folder")
-  previous_handlers = {}
-  try:
+  with contextlib.ExitStack() as stack:
+    lease = stack.enter_context(
+        workdir_lease.held(sweep_dir, take_over_workdir, "The sweep folder")
+    )
     all_runs = list(existing) + [r for r in runs if r not in existing]
     record = dict(base_config=saved, runs=[r._asdict() for r in all_runs])
     workdir_files.write_json(workdir_files.path(sweep_dir, workdir_files.SWEEP_FILE), record)
@@ -227,7 +228,7 @@ def run_sweep(
     preemption.clear_sigterm()
     for signum in (signal.SIGTERM, signal.SIGHUP):
       with contextlib.suppress(ValueError):  # not the main thread: no handler
-        previous_handlers[signum] = signal.signal(signum, preemption.note_sigterm)
+        stack.callback(signal.signal, signum, signal.signal(signum, preemption.note_sigterm))
     failed, preempted = _train_runs(
         runs, configs, sweep_dir, finetune_config, lease, take_over_workdir
     )
@@ -241,11 +242,6 @@ def run_sweep(
     if failed:
       logging.error("Sweep finished with %d failed run(s): %s", len(failed), ", ".join(failed))
     return dict(runs=[r.name for r in runs], failed=failed, rows=rows, preempted=preempted)
-  finally:
-    for signum, handler in previous_handlers.items():
-      signal.signal(signum, handler)
-    if lease is not None:
-      lease.release()
 
 
 def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):

@@ -204,18 +204,12 @@ def hold(lease: WorkdirLease | None, max_age_seconds: float = 0.0) -> None:
   _refused_everywhere(lease and (lambda: lease.check(max_age_seconds)))
 
 
-def acquire(directory: str, take_over: bool, name: str = "The workdir") -> WorkdirLease | None:
-  """Process 0 takes `directory`'s lease (returned; None on the others), or all raise."""
-  lease = WorkdirLease(directory, name=name) if jax.process_index() == 0 else None
-  _refused_everywhere(lease and (lambda: lease.acquire(take_over=take_over)))
-  return lease
-
-
 @contextlib.contextmanager
-def held(workdir, take_over: bool):
-  """The workdir's lease for a run of every process (process 0 holds it; the others get None),
-  once every process sees it (checkpoints are saved by all together); released at the end."""
-  lease = acquire(workdir, take_over)
+def held(workdir, take_over: bool, name: str = "The workdir"):
+  """`workdir`'s lease (`name` in refusals) for every process of a run (process 0 holds it, the
+  others get None), once all see it (they save checkpoints together); released at the end."""
+  lease = WorkdirLease(workdir, name=name) if jax.process_index() == 0 else None
+  _refused_everywhere(lease and (lambda: lease.acquire(take_over=take_over)))
   try:
     if jax.process_count() > 1:
       seen = zlib.crc32((read_lease(workdir) or {}).get("run_id", "").encode())
