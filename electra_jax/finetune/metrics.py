@@ -19,15 +19,10 @@ def f1(labels: Sequence[int], predictions: Sequence[int], positive: int = 1) -> 
 
 
 def matthews_corrcoef(labels: Sequence[int], predictions: Sequence[int]) -> float:
-  """Matthews correlation (Gorodkin 2004's multi-class form); 0 when a side has one class only."""
-  labels, predictions = np.asarray(labels), np.asarray(predictions)
+  """Gorodkin's multi-class MCC: Pearson's r of column-centered one-hot matrices (one class: 0)."""
   classes = np.union1d(labels, predictions)
-  true_counts = np.sum(labels[:, None] == classes, axis=0, dtype=np.float64)
-  pred_counts = np.sum(predictions[:, None] == classes, axis=0, dtype=np.float64)
-  total = float(labels.size)
-  covariance = float(np.sum(labels == predictions)) * total - true_counts @ pred_counts
-  norm = np.sqrt((total**2 - true_counts @ true_counts) * (total**2 - pred_counts @ pred_counts))
-  return float(covariance / norm) if norm > 0 else 0.0
+  one_hot = [np.asarray(side)[:, None] == classes for side in (labels, predictions)]
+  return pearson(*[(matrix - matrix.mean(0)).ravel() for matrix in one_hot])
 
 
 def pearson(targets: Sequence[float], predictions: Sequence[float]) -> float:

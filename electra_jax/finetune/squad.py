@@ -98,8 +98,7 @@ def read_squad_json(path: str, version: str) -> list[SquadExample]:
 def read_squad_tfds(version: str, split: str, data_dir: str | None = None) -> list[SquadExample]:
   """Questions of a prepared TFDS squad/v<version> (array_record), split "train" or "validation"."""
   name, rows = f"squad/v{version}", []
-  array_record = {"file_format": "array_record"}
-  for record in tasks.open_tfds_split(name, split, data_dir, builder_kwargs=array_record):
+  for record in tasks.open_tfds_split(name, split, data_dir):
     answers = record["answers"]
     pairs = [(t.decode(), int(s)) for t, s in zip(answers["text"], answers["answer_start"])]
     fields = [record[key].decode() for key in ("id", "question", "context")]  # (TFDS's bytes)

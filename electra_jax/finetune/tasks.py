@@ -158,13 +158,11 @@ def _glue_tsv(task: GlueTask, path: str, labelled: bool) -> list[Example]:
   return examples
 
 
-def open_tfds_split(name: str, split: str, data_dir: str | None, **kwargs):
+def open_tfds_split(name: str, split: str, data_dir: str | None):
   """The records of a prepared TFDS split, or a ConfigError saying how to prepare it."""
   tfds = tfds_source.import_tfds()  # a heavy import, only when this source is used
   try:
-    source = tfds.data_source(
-        name, split=split, data_dir=data_dir or None, download=False, **kwargs
-    )
+    source = tfds.data_source(name, split=split, data_dir=data_dir or None, download=False)
   except Exception as error:  # tfds raises several types for "not prepared here" / "no such split"
     raise ConfigError(
         f"Cannot open TFDS {name!r} split {split!r} in {data_dir or 'the default data dir'} "
