@@ -159,7 +159,7 @@ def test_a_jsonl_record_naming_a_key_twice_is_refused_with_its_place(tmp_path, l
   corpus = tmp_path / "corpus.jsonl"
   corpus.write_text('{"text": "First one."}\n' + line + "\n")
   with pytest.raises(ConfigError, match=rf"{corpus}:2: column 'text' appears more than once"):
-    list(sources.iter_documents("jsonl", [str(corpus)], "text"))
+    list(sources.iter_documents("jsonl", [str(corpus)], "text", sources.SourceStats()))
   config = _corpus_config(tmp_path, str(corpus))
   config.source = "jsonl"
   with pytest.raises(ConfigError, match=rf"{corpus}:2: column 'text'"):

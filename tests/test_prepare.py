@@ -926,7 +926,7 @@ def test_block_reader_splits_lines_like_decoding_the_whole_file(tmp_path, monkey
   expected.append(document)
   monkeypatch.setattr(sources, "_BLOCK_BYTES", block_bytes)
   stats = sources.SourceStats()
-  assert list(sources.iter_documents("text", [str(path)], stats=stats)) == expected
+  assert list(sources.iter_documents("text", [str(path)], "text", stats)) == expected
   assert (
       stats.problems["replaced_lines"] == 2
       and stats.first_problems["replaced_lines"] == f"{path}:9"

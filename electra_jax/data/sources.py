@@ -252,12 +252,9 @@ class RecordCorpus:
           yield document
 
 
-def iter_documents(
-    source: str, paths: list[str], text_field: str = "text", stats: SourceStats | None = None
-):
+def iter_documents(source: str, paths: list[str], text_field: str, stats: SourceStats):
   """The documents (lists of sentences) of `paths`, streamed, as docs/data.md describes; what
   cannot be read as text is skipped and counted in `stats`."""
-  stats = stats if stats is not None else SourceStats()
   stats.files = list(paths)
   stats.total_bytes = sum(_info(path)["size"] for path in paths)
   for path in paths:
