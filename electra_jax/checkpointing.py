@@ -276,12 +276,12 @@ def fits(checkpointer, setup, workdir: str, corpus=None, changes=None):
   def check(step: int, meta: dict) -> None:
     theirs, ours = meta["param_shapes"], setup.param_shapes
     if differ := [n for n in sorted(set(theirs) | set(ours)) if theirs.get(n) != ours.get(n)]:
-      name, changed = differ[0], "; ".join(changes or ["none"])
+      name, changed = differ[0], "; ".join(changes or [])
+      changed = changed and f"; settings that differ from its config.json: {changed}"
       raise ConfigError(
           f"The workdir {workdir} holds a checkpoint of a different model: parameter {name!r} is "
-          f"{theirs.get(name, 'absent')} there, {ours.get(name, 'absent')} here; settings that "
-          f"differ from its config.json: {changed}. Use a new --workdir, or the config in "
-          f"{config_json}. Nothing was overwritten."
+          f"{theirs.get(name, 'absent')} there, {ours.get(name, 'absent')} here{changed}. Use a "
+          f"new --workdir, or the config in {config_json}. Nothing was overwritten."
       )
     # From the tree metadata alone: orbax's restore would fail with a traceback.
     folder = epath.Path(checkpointer.directory) / str(step) / "state"

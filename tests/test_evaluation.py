@@ -96,6 +96,10 @@ def test_training_writes_held_out_metrics(tmp_path):
     train.evaluate_checkpoint(
         tiny_config(**{"eval.every_steps": 2, "data.eval_fraction": 0.1}), str(workdir), step=5
     )
+  # Another model's recipe is refused naming a parameter; nothing compared it with config.json.
+  wider = {"eval.every_steps": 2, "data.eval_fraction": 0.1, "model.intermediate_size": 96}
+  with pytest.raises(ValueError, match=r"a different model: parameter .* here\. Use a new"):
+    train.evaluate_checkpoint(tiny_config(**wider), str(workdir))
 
 
 @pytest.mark.fault
