@@ -291,12 +291,16 @@ def _ctrl_c(signum, frame):
 def _until_unwinding():
   # A KeyboardInterrupt can be lost: Python drops one raised in a gc callback (JAX runs one at
   # each collection) or a finalizer, and a library's bare `except` takes one. It is raised again
-  # every 0.2 s until the main thread is seen unwinding with one.
+  # every 0.2 s until the main thread is seen unwinding with one (a cleanup it runs meanwhile may
+  # handle exceptions of its own: theirs have the KeyboardInterrupt in their context).
   main = threading.main_thread().ident
   while True:
     time.sleep(0.2)
     exc = sys._current_exceptions().get(main)  # (type, value, traceback) before Python 3.12
-    if not isinstance(exc[1] if isinstance(exc, tuple) else exc, KeyboardInterrupt):
+    exc = exc[1] if isinstance(exc, tuple) else exc
+    while exc is not None and not isinstance(exc, KeyboardInterrupt):
+      exc = exc.__context__
+    if exc is None:
       _thread.interrupt_main()
 
 

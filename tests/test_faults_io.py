@@ -285,6 +285,38 @@ def test_eval_stops_at_a_ctrl_c_that_a_bare_except_takes(trained_workdir):
 
 
 @pytest.mark.fault
+def test_a_ctrl_c_lets_a_cleanup_that_handles_its_own_errors_finish(trained_workdir, tmp_path):
+  # Raising the Ctrl-C again is for one that was lost: a `finally` that retries (its own
+  # exception handled, the Ctrl-C in its context) was cut short.
+  done = tmp_path / "cleanup_done"
+  child = _limited_child(
+      f"""
+      import signal, sys, time
+      from electra_jax import main, train
+      def retrying_cleanup():
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+          try:
+            raise TimeoutError
+          except TimeoutError:
+            time.sleep(0.01)
+        open({str(done)!r}, "w").close()
+      def ctrl_c_then_clean_up(*args):
+        try:
+          signal.raise_signal(signal.SIGINT)
+        finally:
+          retrying_cleanup()
+      train.evaluate_checkpoint = ctrl_c_then_clean_up
+      sys.argv = ["electra-jax", "--mode=eval", "--workdir={trained_workdir}"]
+      main.run()
+      """,
+      limit_bytes=resource.RLIM_INFINITY,
+  )
+  _assert_stopped_by_ctrl_c(child)
+  assert done.exists()
+
+
+@pytest.mark.fault
 def test_eval_stops_at_the_first_ctrl_c(trained_workdir):
   args = [sys.executable, "-m", "electra_jax.main", "--mode=eval", f"--workdir={trained_workdir}"]
   env = dict(os.environ, PYTHONPATH=REPO)
