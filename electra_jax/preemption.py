@@ -26,7 +26,7 @@ class Preemption:
   jax.distributed, JAX's preemption service (no Python handler) picks a step all processes reach."""
 
   def __init__(self):
-    self.requested = self.looping = False
+    self.requested = self.looping = self.unwound = False
     self.signal_name = "SIGTERM"
     self._previous = {}
     self._collective = jax.distributed.is_initialized()
@@ -53,11 +53,8 @@ class Preemption:
 
   def _handle(self, signum, frame):
     self.signal_name = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
-    if not self.looping:
-      logging.warning(
-          f"{self.signal_name} while the run was starting: it stops before its first step, "
-          "saving nothing new. Run the same command to go on."
-      )
+    if not self.looping:  # said once unwound: logging in a handler may reenter a stderr write
+      self.unwound = True
       raise SystemExit(0)
     self.requested = True
     _SIGTERM.set()
@@ -78,3 +75,8 @@ class Preemption:
   def __exit__(self, *exc):
     for signum, previous in self._previous.items():
       signal.signal(signum, previous)
+    if self.unwound:
+      logging.warning(
+          f"{self.signal_name} while the run was starting: it stops before its first step, "
+          "saving nothing new. Run the same command to go on."
+      )
