@@ -55,7 +55,11 @@ flags.DEFINE_bool("max_batch", False, "compile: also search the largest batch th
 flags.DEFINE_string("coordinator_address", None, "Multi-process: host:port of process 0.")
 flags.DEFINE_integer("num_processes", None, "Multi-process: how many (or ELECTRA_JAX_*).")
 flags.DEFINE_integer("process_id", None, "Multi-process: this one's id (or ELECTRA_JAX_*).")
-flags.DEFINE_string("out", None, "export_hf: the output folder; train_tokenizer, plot: the file.")
+flags.DEFINE_string(
+    "out",
+    None,
+    "export_hf, train_tokenizer, plot: the output (a folder for export_hf, else a file).",
+)
 flags.DEFINE_bool("export_generator", False, "export_hf: write the generator too, in <out>.")
 flags.DEFINE_string("hf_discriminator", None, "import_hf: an ElectraForPreTraining directory.")
 flags.DEFINE_string("hf_generator", None, "import_hf: an ElectraForMaskedLM directory.")
