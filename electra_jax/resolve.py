@@ -103,7 +103,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> Run:
   # --- What the run decides at its start: the checkpoint, the batch, the steps
   resolved = config.copy_and_resolve_references()
   with partitioning.activate(mesh):
-    start = workdir and checkpointing.newest_start(workdir, setup, corpus, changes)
+    start = None if workdir is None else checkpointing.newest_start(workdir, setup, corpus, changes)
     if t.batch_size == -1:  # the largest that fits in train.memory_fraction of a device
       compile_step = functools.partial(train_state.compile_train_step, setup, config, mesh)
       batch_size, _ = memory.largest_batch(compile_step, limit, quantum)
