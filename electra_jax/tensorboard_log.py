@@ -20,7 +20,9 @@ SUBDIR = "tensorboard"
 def _tensorboardx():
   """The tensorboardX modules we write with. It would import torch, if installed (seconds and
   hundreds of MB): hidden meanwhile."""
-  hide_torch = sys.modules.setdefault("torch", None) is None  # unless torch is imported already
+  hide_torch = "torch" not in sys.modules and "tensorboardX" not in sys.modules  # not yet seen
+  if hide_torch:
+    sys.modules["torch"] = None
   try:
     from tensorboardX import event_file_writer, summary  # noqa: PLC0415 (torch hidden first)
     from tensorboardX.proto import event_pb2  # noqa: PLC0415

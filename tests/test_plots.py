@@ -151,6 +151,13 @@ def test_event_files_leave_torch_unloaded_and_importable(tmp_path):
   assert read_scalars(str(tmp_path / "tensorboard" / "train"))["loss"] == {1: 2.0}
 
 
+def test_event_files_leave_torch_blocked_where_the_caller_blocked_it(tmp_path, monkeypatch):
+  # The hiding took the caller's own `sys.modules["torch"] = None` away with its own.
+  monkeypatch.setitem(sys.modules, "torch", None)
+  tensorboard_log.ScalarWriter(str(tmp_path))
+  assert "torch" in sys.modules and sys.modules["torch"] is None
+
+
 def test_bucket_workdir_writes_no_events(monkeypatch):
   # No bucket is touched: only the decision is checked.
   opened = []
