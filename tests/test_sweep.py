@@ -298,6 +298,7 @@ def test_a_bad_sweep_file_line_is_refused_naming_the_line(tmp_path):
     "kind, named",
     [
         ("missing", "does not exist"),
+        ("under a file", "does not exist"),  # NotADirectoryError, a traceback
         ("directory", "is a directory"),
         ("fifo", "is a FIFO, not a regular file"),  # it hung, waiting for a writer
         ("binary", "is not UTF-8 text"),
@@ -305,6 +306,9 @@ def test_a_bad_sweep_file_line_is_refused_naming_the_line(tmp_path):
 )
 def test_a_sweep_file_that_is_no_text_file_is_refused_by_name(tmp_path, kind, named):
   runs_file = tmp_path / "runs.txt"
+  if kind == "under a file":
+    runs_file.write_text("objective.name=mlm\n")
+    runs_file = runs_file / "runs.txt"
   if kind == "directory":
     runs_file.mkdir()
   elif kind == "fifo":

@@ -89,8 +89,10 @@ def not_a_regular_file(path: str) -> str | None:
   without end, a FIFO waits for a writer); None for a regular file or a link to one."""
   try:
     mode = os.stat(path).st_mode
-  except FileNotFoundError:
+  except (FileNotFoundError, NotADirectoryError):
     return "does not exist"
+  except OSError as error:  # a folder on its way that we may not read
+    return f"cannot be read ({error.strerror})"
   if stat.S_ISREG(mode):
     return None
   if stat.S_ISDIR(mode):
