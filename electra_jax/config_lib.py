@@ -359,6 +359,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
   from electra_jax import models, objectives, tensorboard_log  # noqa: PLC0415 (recipes need no jax)
   from electra_jax.data.config import check_config as check_data_config  # noqa: PLC0415
 
+  try:  # every key of configs/base.py and of its type: a Python caller may set None or True anywhere
+    with_defaults(config.to_dict())
+  except ValueError as error:
+    raise ConfigError(f"{error}.") from None
   m, t, d = config.model, config.train, config.data
   sizes = (*_SIZES, "max_position_embeddings")
   check_encoder_sizes(m, sizes, "model.", "configs/base.py gives its typical value")

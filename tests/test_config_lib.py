@@ -92,6 +92,17 @@ def test_an_edited_config_json_is_refused_naming_the_file_and_key(
 
 
 @pytest.mark.fault
+@pytest.mark.parametrize("key, value", [("use_bias", None), ("attention_conv", True)])
+def test_a_value_of_another_type_set_in_python_is_refused_at_the_door(key, value):
+  # ConfigDict takes None for any key and True for an int: the model was built with no biases,
+  # or a width-1 convolution.
+  config = tiny_config()
+  config.model[key] = value
+  with pytest.raises(ConfigError, match=f"model.{key}={value} is of type"):
+    train.config_lib.validate(config)
+
+
+@pytest.mark.fault
 def test_an_edited_config_json_ends_the_cli_in_one_line_and_a_number_may_be_an_int(tmp_path):
   saved = train.config_lib.as_saved(tiny_config())
   saved["optimizer"]["learning_rate"] = 1  # an integer where a float is taken: a number still
