@@ -413,6 +413,15 @@ def test_answer_positions_by_hand(tokenizer):
   assert list(features["start_positions"]) == [0, 7, 4, 0, 0, 0, 0, 0]
 
 
+@pytest.mark.fault
+def test_questions_that_give_no_row_are_refused_in_one_line(tokenizer):
+  # Every answer covering no token (a blank): np.stack failed with a traceback.
+  context = "many visitors climb the stairs"
+  blank = squad.SquadExample("x", "Who?", context, [(" ", context.index(" "))])
+  with pytest.raises(ConfigError, match="None of the 1 SQuAD questions gave a row"):
+    squad.make_features([blank], tokenizer, 12, 3, 8, is_training=True)
+
+
 def _oracle_logits(features):
   start_logits = np.zeros(features["input_ids"].shape, np.float32)
   end_logits = np.zeros_like(start_logits)

@@ -207,6 +207,8 @@ def make_features(
       logging.info("SQuAD features: %d of %d questions.", index + 1, len(examples))
   if skipped:
     logging.warning("Left out %d training questions whose answer covers no token.", skipped)
+  if not rows:  # np.stack would fail with a traceback
+    raise ConfigError(f"None of the {len(examples)} SQuAD questions gave a row; check the file.")
   logging.info("%d SQuAD questions -> %d rows of features.", len(examples), len(rows))
   features = {key: np.asarray(column, np.int32) for key, column in zip(FEATURE_KEYS, zip(*rows))}
   columns = (np.asarray(column, np.int32) for column in zip(*meta))
