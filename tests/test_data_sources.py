@@ -638,3 +638,13 @@ def test_a_corpus_in_a_bucket_reads_as_the_same_files_on_disk(tmp_path, bucket):
   before = sources.files_fingerprint(remote)
   workdir_files.write_bytes(remote[1], b"In a folder?\n")
   assert sources.files_fingerprint(remote) != before
+
+
+@pytest.mark.fault
+def test_a_file_this_process_may_not_read_is_named_before_it_is_opened(tmp_path, monkeypatch):
+  # open() raised PermissionError: a traceback from every reader of data, task and sweep files.
+  # (The suite may run as root, who reads anything: the permission is what os.access says.)
+  path = tmp_path / "corpus.txt"
+  path.write_text("text\n")
+  monkeypatch.setattr(os, "access", lambda name, mode: mode != os.R_OK)
+  assert sources.not_a_regular_file(str(path)) == "cannot be read (permission denied)"

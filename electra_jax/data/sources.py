@@ -94,7 +94,7 @@ def not_a_regular_file(path: str) -> str | None:
   except OSError as error:  # a folder on its way that we may not read
     return f"cannot be read ({error.strerror})"
   if stat.S_ISREG(mode):
-    return None
+    return None if os.access(path, os.R_OK) else "cannot be read (permission denied)"
   if stat.S_ISDIR(mode):
     return "is a directory"
   kind = "FIFO" if stat.S_ISFIFO(mode) else "socket" if stat.S_ISSOCK(mode) else "device"
