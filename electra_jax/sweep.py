@@ -255,7 +255,7 @@ def _train_runs(runs, configs, sweep_dir, finetune_config, lease, take_over):
       logging.warning("SIGTERM/SIGHUP: the sweep stops before %s; the same command goes on.", where)
       return failed, True
     workdir_lease.hold(lease)  # every process stops if another sweep took the folder
-    workdir, started = os.path.join(sweep_dir, run.name), time.perf_counter()
+    workdir, started = os.fspath(workdir_files.path(sweep_dir, run.name)), time.perf_counter()
     eta = "ETA after the first trained run"
     if durations:
       left = sum(to_train[index:]) * sum(durations) / len(durations)
